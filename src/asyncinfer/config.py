@@ -1,0 +1,130 @@
+"""Engine options: one frozen dataclass, validated on construction.
+
+Every keyword of ``AsyncEngine.from_pretrained`` lands here; an unknown keyword
+or an out-of-range value raises :class:`InvalidParameterError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncinfer.errors import InvalidParameterError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device", device, "'cpu' (no CUDA device is available here)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None``/"auto": float32 on CPUs (bf16 matmuls crawl without AVX-512/AMX), bf16 on CUDA."""
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise InvalidParameterError("dtype", dtype, "'auto', 'float32', 'float16', 'bfloat16' or the torch dtype")
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, value, allowed)
+    if value < low or (high is not None and value > high):
+        raise InvalidParameterError(name, value, allowed)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options (all keyword arguments of ``AsyncEngine.from_pretrained``).
+
+    - ``dtype``: weights, activations and KV cache dtype; "auto" = float32 on CPU, bf16 on CUDA.
+    - ``device``: "cpu", "cuda", "cuda:N" or "auto".
+    - ``block_size``: tokens per KV block (1..256).
+    - ``kv_cache_memory``: KV budget in bytes; overrides ``kv_cache_fraction``.
+    - ``kv_cache_fraction``: KV budget as a fraction of free memory after the weights
+      (available RAM on CPU, free device memory on CUDA), in (0, 0.95].
+    - ``max_num_seqs``: requests in one step (1..4096).
+    - ``max_num_batched_tokens``: tokens in one step (>= 1; chunked prefill splits longer prompts).
+    - ``max_model_len``: prompt + output tokens per request; default: the model's context length.
+    - ``enable_chunked_prefill``: split long prompts over steps (default on).
+    - ``scheduler``: "fifo" (default), a Scheduler subclass or "module:Class".
+    - ``seed``: seed of the engine-wide generator used by unseeded sampling requests.
+    - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
+    - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
+    """
+
+    dtype: Any = "auto"
+    device: Any = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.25
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduler: Any = "fifo"
+    seed: int = 0
+    num_threads: int | None = None
+    activation_reserve: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        _check_int("block_size", self.block_size, 1, 256)
+        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        frac = self.kv_cache_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95:
+            raise InvalidParameterError("kv_cache_fraction", frac, "a number in (0, 0.95]")
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_int("num_threads", self.num_threads, 1, optional=True)
+        _check_int("activation_reserve", self.activation_reserve, 0)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise InvalidParameterError("enable_chunked_prefill", self.enable_chunked_prefill, "True or False")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
+        """Build from ``from_pretrained`` keywords, rejecting unknown ones by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in options:
+            if key not in known:
+                raise InvalidParameterError(key, options[key], f"a known option: {sorted(known)}")
+        return cls(**options)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()

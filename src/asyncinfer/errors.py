@@ -1,0 +1,50 @@
+"""Every exception asyncinfer raises on purpose.
+
+The tree::
+
+    AsyncInferError
+    ├── InvalidParameterError (also ValueError)   bad user input; names the parameter and the range
+    ├── ModelLoadError                            a model path, file or its weights could not be used
+    ├── ConfigurationError (also ValueError)      options that cannot work together (e.g. KV too small)
+    ├── EngineClosedError                         you closed it (or never started it)
+    └── EngineDeadError                           it broke: the step loop died; the cause is chained
+
+"You closed it" and "it broke" are kept apart on purpose: the first is a usage
+error, the second a bug or a resource failure worth paging someone for.
+"""
+
+from __future__ import annotations
+
+
+class AsyncInferError(Exception):
+    """Base class of every asyncinfer error."""
+
+
+class InvalidParameterError(AsyncInferError, ValueError):
+    """A user-supplied value is out of its allowed range.
+
+    ``parameter`` is the name the user passed, ``allowed`` a human-readable range.
+    """
+
+    def __init__(self, parameter: str, value: object, allowed: str) -> None:
+        self.parameter = parameter
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{parameter}={value!r} is invalid: allowed {allowed}")
+
+
+class ModelLoadError(AsyncInferError):
+    """The model could not be found, parsed or mapped onto the runner."""
+
+
+class ConfigurationError(AsyncInferError, ValueError):
+    """Engine options that are each valid but cannot work together."""
+
+
+class EngineClosedError(AsyncInferError):
+    """The engine is not running: it was closed, or used before ``async with``/``start()``."""
+
+
+class EngineDeadError(AsyncInferError):
+    """The engine's step loop failed; the original exception is the ``__cause__``."""
+
