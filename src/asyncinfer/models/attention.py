@@ -1,0 +1,256 @@
+"""Paged attention over a flattened, unpadded batch of sequences, in plain torch.
+
+One engine step runs a single forward over ``T`` new tokens that belong to
+``S`` sequences: first ``num_decodes`` sequences with exactly one new token
+each, then sequences with a prefill chunk (one or more tokens, possibly on top
+of a prefix already in the cache). Tokens are concatenated, never padded.
+
+KV cache layout (per layer, one tensor for K and one for V)::
+
+    [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's *slot* is ``block_id * block_size + offset``; viewing a cache as
+``[num_blocks * block_size, num_kv_heads, head_dim]`` makes the slot a plain
+row index, which is how new keys/values are written (one ``index_copy_``).
+Block 0 is an ordinary block; padding entries in block tables point at it and
+are masked out.
+
+Allocate caches with ``torch.zeros``, never ``torch.empty``: decodes read whole
+blocks and masked slots still enter SDPA with weight 0, and 0 * NaN is NaN.
+Stale (finite) data from freed blocks is harmless.
+
+``AttentionMetadata.build`` creates every tensor once per step; all layers
+share it, so the per-layer work is only the attention itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncinfer.errors import InvalidParameterError
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one layer's K (or V) cache tensor; the allocator makes two per layer."""
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each one attends to.
+
+    Sequence order is decodes first (``query_len == 1``), then prefill chunks.
+    Build it with :meth:`build`; the fields after ``num_decodes`` are derived.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_lens: list[int]  # new tokens per sequence
+    context_lens: list[int]  # tokens in cache per sequence after this step's write
+    query_start_loc: list[int]  # [num_seqs + 1] offsets of each sequence's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
+    block_size: int
+    num_decodes: int
+    # Batched decode path (empty tensors when num_decodes == 0).
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
+    decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int64
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool
+    # Prefill path, one entry per prefill sequence (index s - num_decodes):
+    # None when the chunk is the whole context (plain causal attention on the new
+    # k/v), else the cache slots of the whole context and the offset-causal mask.
+    prefill_context_slots: list[torch.Tensor | None]  # each [context_len] int64
+    prefill_masks: list[torch.Tensor | None]  # each [query_len, context_len] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Validate the step's Python lists and create every tensor attention needs.
+
+        ``context_lens[i]`` counts sequence i's tokens in the cache *after* this
+        step's tokens are written (cached prefix + ``query_lens[i]``).
+        ``block_tables[i]`` lists sequence i's block ids in order; it may be
+        longer than needed. Decode sequences (query_len 1) must come first.
+        """
+        _validate(query_lens, context_lens, block_tables, slot_mapping, block_size)
+        device = torch.device(device)
+        num_seqs = len(query_lens)
+        num_decodes = 0
+        while num_decodes < num_seqs and query_lens[num_decodes] == 1:
+            num_decodes += 1
+
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+
+        width = max((len(bt) for bt in block_tables), default=0)
+        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
+        block_tables_t = torch.tensor(padded, dtype=torch.long, device=device).view(num_seqs, width)  # [num_seqs, width]
+
+        decode_lens = context_lens[:num_decodes]
+        decode_blocks = -(-max(decode_lens, default=0) // block_size)  # ceil division
+        decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)  # [num_decodes]
+        decode_block_tables = block_tables_t[:num_decodes, :decode_blocks].contiguous()  # [num_decodes, decode_blocks]
+        span = decode_blocks * block_size
+        positions = torch.arange(span, device=device)  # [L]
+        decode_mask = (positions[None, :] < decode_context_lens[:, None]).view(num_decodes, 1, 1, span)  # [num_decodes, 1, 1, L]
+
+        prefill_slots: list[torch.Tensor | None] = []
+        prefill_masks: list[torch.Tensor | None] = []
+        for i in range(num_decodes, num_seqs):
+            qlen, ctx = query_lens[i], context_lens[i]
+            if ctx == qlen:
+                prefill_slots.append(None)
+                prefill_masks.append(None)
+                continue
+            pos = torch.arange(ctx, device=device)  # [ctx]
+            slots = block_tables_t[i, pos // block_size] * block_size + pos % block_size  # [ctx]
+            # Query j sits at absolute position ctx - qlen + j and sees keys up to it.
+            q_pos = torch.arange(ctx - qlen, ctx, device=device)  # [qlen]
+            mask = pos[None, :] <= q_pos[:, None]  # [qlen, ctx]
+            prefill_slots.append(slots)
+            prefill_masks.append(mask)
+
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),  # [num_tokens]
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            query_start_loc=query_start_loc,
+            block_tables=block_tables_t,
+            block_size=block_size,
+            num_decodes=num_decodes,
+            decode_context_lens=decode_context_lens,
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefill_context_slots=prefill_slots,
+            prefill_masks=prefill_masks,
+        )
+
+
+def _validate(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+) -> None:
+    """Cheap consistency checks; a violation here is a bug in the caller."""
+    if block_size <= 0:
+        raise InvalidParameterError("block_size", block_size, "a positive int")
+    if not (len(query_lens) == len(context_lens) == len(block_tables)):
+        raise InvalidParameterError(
+            "query_lens/context_lens/block_tables",
+            (len(query_lens), len(context_lens), len(block_tables)),
+            "lists of equal length (one entry per sequence)",
+        )
+    if len(slot_mapping) != sum(query_lens):
+        raise InvalidParameterError("slot_mapping", len(slot_mapping), f"length sum(query_lens)={sum(query_lens)}")
+    seen_prefill = False
+    for i, (qlen, ctx, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
+        if qlen < 1 or ctx < qlen:
+            raise InvalidParameterError(f"query_lens[{i}]/context_lens[{i}]", (qlen, ctx), "1 <= query_len <= context_len")
+        if qlen > 1:
+            seen_prefill = True
+        elif seen_prefill:
+            raise InvalidParameterError("query_lens", query_lens, "decodes (query_len 1) before prefills")
+        if len(bt) * block_size < ctx:
+            raise InvalidParameterError(f"block_tables[{i}]", len(bt), f">= {-(-ctx // block_size)} blocks for {ctx} tokens")
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys/values ([T, KVH, D]) in their cache slots, in place."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [slots, KVH, D]
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, KVH, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write k/v into the cache, then attend every query over its sequence's context.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; caches: ``kv_cache_shape(...)``.
+    Returns [T, H, D]. Decodes are one batched SDPA call; each prefill chunk is
+    one causal SDPA call (offset by its cached prefix).
+    """
+    if meta.num_tokens == 0:
+        return torch.empty_like(q)  # [0, H, D]
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    if nd == meta.num_seqs:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+
+    out = torch.empty_like(q)  # [T, H, D]
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for i in range(nd, meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i - nd, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One SDPA call for all single-token sequences; q: [S, H, D] -> [S, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    # Each decode has one query token, so the G query heads sharing a KV head can
+    # ride in SDPA's query-length axis: GQA without repeating K/V, and the
+    # key-padding mask is the same for all of them.
+    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [S, KVH, G, D]
+    keys = k_cache[meta.decode_block_tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+    values = v_cache[meta.decode_block_tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=scale)  # [S, KVH, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)  # [S, H, D]
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    prefill_index: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one prefill chunk; q: [Lq, H, D], k/v: [Lq, KVH, D] -> [Lq, H, D]."""
+    slots = meta.prefill_context_slots[prefill_index]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+    if slots is None:
+        # The chunk is the whole context: the new k/v are all there is.
+        kh = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, Lq, D]
+        vh = v.transpose(0, 1).unsqueeze(0)  # [1, KVH, Lq, D]
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)  # [1, H, Lq, D]
+    else:
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        kh = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vh = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        mask = meta.prefill_masks[prefill_index]  # [Lq, ctx]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, Lq, D]
+    return out[0].transpose(0, 1)  # [Lq, H, D]

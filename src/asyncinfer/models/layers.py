@@ -1,0 +1,128 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, fused MLP.
+
+Numerics follow the Hugging Face implementations (RMSNorm in float32, rope in
+the "rotate_half" convention) so that logits match transformers to ~1e-5 in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncinfer.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 like the reference."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()  # [T, hidden]
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
+        return self.weight * x32.to(dtype)  # [T, hidden]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32, CPU) with the config's rope scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [D/2]
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])  # positions effectively divided by factor
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # [D/2]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unknown rope type {rope_type!r}")  # ModelConfig validation prevents this
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 rope: slow (long-wavelength) frequencies divided by ``factor``,
+    fast ones kept, and a smooth blend in between."""
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)  # [D/2]
+    smooth = (old_ctx / wavelen - low) / (high - low)  # [D/2]
+    blended = (1 - smooth) * scaled / factor + smooth * scaled  # [D/2]
+    is_medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)  # [D/2]
+    return torch.where(is_medium, blended, scaled)  # [D/2]
+
+
+class RotaryEmbedding(nn.Module):
+    """Cos/sin table for every position up to ``max_position_embeddings``.
+
+    The table is a non-persistent buffer: it is not in checkpoints, and the
+    loader rebuilds it on the target device with :meth:`materialize`.
+    ``cos_sin(positions)`` is looked up once per forward and shared by all
+    layers; positions are arbitrary per token (flattened batches).
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.materialize(device)
+
+    def materialize(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the tables on ``device`` in float32 (also replaces meta tensors)."""
+        # Default: the current default device, so that building the model under
+        # ``with torch.device("meta")`` allocates nothing.
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type == "meta":
+            shape = (self.config.max_position_embeddings, self.config.head_dim // 2)
+            self.cos_cache = torch.empty(shape, device=device)
+            self.sin_cache = torch.empty(shape, device=device)
+            return
+        inv_freq = rope_inv_freq(self.config).to(device)  # [D/2]
+        pos = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.int64).float()  # [P]
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        # Only half the dimensions are stored: rotate_half's cos/sin repeat them.
+        self.cos_cache = freqs.cos()  # [P, D/2]
+        self.sin_cache = freqs.sin()  # [P, D/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cos and sin for each token, shaped to broadcast over heads: [T, 1, D/2] each."""
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] with the rotate_half convention; returns a new tensor.
+
+    Equivalent to ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, heads, D]
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: [gate; up]
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]

@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch.
+
+Parameter names (what ``loader.py`` maps checkpoints onto)::
+
+    embed_tokens.weight                         [vocab, hidden]
+    layers.{i}.input_norm.weight                [hidden]
+    layers.{i}.attn.qkv_proj.weight             [q_size + 2 * kv_size, hidden]  rows: [q; k; v]
+    layers.{i}.attn.qkv_proj.bias               [q_size + 2 * kv_size]          (qwen2 only)
+    layers.{i}.attn.o_proj.weight               [hidden, q_size]
+    layers.{i}.post_attn_norm.weight            [hidden]
+    layers.{i}.mlp.gate_up_proj.weight          [2 * intermediate, hidden]      rows: [gate; up]
+    layers.{i}.mlp.down_proj.weight             [hidden, intermediate]
+    norm.weight                                 [hidden]
+    lm_head.weight                              [vocab, hidden]                 (untied only)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncinfer.models.attention import AttentionMetadata, paged_attention
+from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention with one fused q/k/v projection and paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # q and k are adjacent in qkv, so one rope call rotates both.
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + KVH, D]
+        qk = apply_rope(qk, cos, sin)  # [T, H + KVH, D]
+        q = qk[:, : self.num_heads]  # [T, H, D]
+        k = qk[:, self.num_heads :]  # [T, KVH, D]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = LlamaAttention(config)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)  # [T, hidden]
+        return x + self.mlp(self.post_attn_norm(x))  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder for Llama, Mistral and Qwen2 configs (Qwen2 adds q/k/v bias).
+
+    ``forward`` returns final-normed hidden states for every token;
+    ``compute_logits`` projects only the rows the caller samples from.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the flattened batch: input_ids/positions [T] -> hidden states [T, hidden].
+
+        Writes this step's K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` per layer).
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
+        return self.norm(h)  # [T, hidden]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection [vocab, hidden] (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head_weight).float()  # [N, vocab]

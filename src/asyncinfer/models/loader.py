@@ -1,0 +1,401 @@
+"""Load a Llama-family model from a Hugging Face directory or a GGUF file.
+
+The model is built on the meta device (no memory, no random init), each
+parameter is allocated once on the target device, and checkpoint tensors are
+copied into it one at a time (safetensors are memory-mapped, GGUF tensors are
+dequantised one by one), so the checkpoint is never held twice in RAM.
+
+``WEIGHT_MAP`` is the single table from checkpoint names (HF and GGUF spelling)
+to parameter names; q/k/v and gate/up land in row slices of the fused params.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.config import ModelConfig, normalise_token_ids
+from asyncinfer.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class LoadedModel:
+    """What ``load_model`` returns. ``tokenizer`` is None for a directory without tokenizer files."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase | None
+    source: str  # "safetensors:<dir>" or "gguf:<file>"
+
+
+# (HF checkpoint name, GGUF tensor name, parameter name, fused shard or None).
+# "{i}" is the layer index. A shard names the row block of the fused parameter.
+WEIGHT_MAP: tuple[tuple[str, str, str, str | None], ...] = (
+    ("model.embed_tokens.weight", "token_embd.weight", "embed_tokens.weight", None),
+    ("model.norm.weight", "output_norm.weight", "norm.weight", None),
+    ("lm_head.weight", "output.weight", "lm_head.weight", None),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight", None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", "layers.{i}.attn.qkv_proj.weight", "q"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", "layers.{i}.attn.qkv_proj.weight", "k"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", "layers.{i}.attn.qkv_proj.weight", "v"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", "layers.{i}.attn.qkv_proj.bias", "q"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", "layers.{i}.attn.qkv_proj.bias", "k"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", "layers.{i}.attn.qkv_proj.bias", "v"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", "layers.{i}.attn.o_proj.weight", None),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_attn_norm.weight", None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", "layers.{i}.mlp.gate_up_proj.weight", "gate"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", "layers.{i}.mlp.gate_up_proj.weight", "up"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", "layers.{i}.mlp.down_proj.weight", None),
+)
+
+# Checkpoint tensors that are derivable or redundant and safe to skip.
+_IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|rope_freqs\.weight)$")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: a parameter and the row range inside it."""
+
+    param: str
+    rows: slice | None  # None: the whole parameter
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+    """Load weights, config and tokenizer from an HF safetensors directory or a ``.gguf`` file.
+
+    A directory without ``config.json`` holding exactly one ``.gguf`` file is
+    treated as that file. Raises ``ModelLoadError`` for a missing path, an
+    unsupported architecture, or checkpoint tensors that are missing,
+    unexpected or of the wrong shape.
+    """
+    path = Path(path).expanduser()
+    device = torch.device(device)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(
+                f"{path} is not a model directory: no config.json and "
+                f"{'no' if not ggufs else 'several'} .gguf files"
+            )
+        path = ggufs[0]
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is not a model: expected a directory or a .gguf file")
+        return _load_gguf(path, dtype, device)
+    return _load_hf_dir(path, dtype, device)
+
+
+# ---- the weight table -------------------------------------------------------
+
+
+def build_targets(config: ModelConfig, fmt: str) -> dict[str, _Target]:
+    """Expand ``WEIGHT_MAP`` for this config: checkpoint name -> target, for ``fmt`` "hf" or "gguf"."""
+    column = 0 if fmt == "hf" else 1
+    shards = {
+        "q": slice(0, config.q_size),
+        "k": slice(config.q_size, config.q_size + config.kv_size),
+        "v": slice(config.q_size + config.kv_size, config.q_size + 2 * config.kv_size),
+        "gate": slice(0, config.intermediate_size),
+        "up": slice(config.intermediate_size, 2 * config.intermediate_size),
+    }
+    targets: dict[str, _Target] = {}
+    for row in WEIGHT_MAP:
+        ckpt, param, shard = row[column], row[2], row[3]
+        if param == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if param.endswith("qkv_proj.bias") and not config.attention_bias:
+            continue
+        # Non-layer names have no "{i}"; format() leaves them unchanged.
+        for i in range(config.num_layers) if "{i}" in param else (0,):
+            targets[ckpt.format(i=i)] = _Target(param.format(i=i), shards[shard] if shard else None)
+    return targets
+
+
+def _is_ignorable(name: str, config: ModelConfig) -> bool:
+    # Tied checkpoints sometimes still store the (identical) output matrix.
+    if config.tie_word_embeddings and name in ("lm_head.weight", "output.weight"):
+        return True
+    return bool(_IGNORED.match(name))
+
+
+def _materialise(
+    config: ModelConfig,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    fmt: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Build the model on meta, then fill its parameters from (name, tensor) pairs.
+
+    ``tensors`` yields CPU tensors; each is shape-checked against its target
+    and copied (with dtype/device conversion) into place.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    params = {name: p for name, p in model.named_parameters()}
+    state = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
+    targets = build_targets(config, fmt)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in tensors:
+            target = targets.get(name)
+            if target is None:
+                if not _is_ignorable(name, config):
+                    unexpected.append(name)
+                continue
+            dest = state[target.param] if target.rows is None else state[target.param][target.rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+                    f"(for parameter {target.param!r})"
+                )
+            dest.copy_(tensor)
+            seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {_preview(missing)}")
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {_preview(unexpected)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.rotary.materialize(device)  # non-persistent buffer: computed, not loaded
+    return model.eval()
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ---- Hugging Face directories ---------------------------------------------
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is not a model directory: no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    config = ModelConfig.from_hf_config(hf_config)
+    config = _merge_generation_eos(config, path)
+    files = _safetensors_files(path)
+    model = _materialise(config, _iter_safetensors(files), "hf", dtype, device)
+    return LoadedModel(model, config, _hf_tokenizer(path), f"safetensors:{path.resolve()}")
+
+
+def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Add eos ids from generation_config.json (e.g. Llama 3's <|eot_id|>) to the config's."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.exists():
+        return config
+    try:
+        extra = normalise_token_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read {gen_file}: {exc}") from exc
+    merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
+    return replace(config, eos_token_ids=merged)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # corrupt header, truncated file, ...
+            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+
+
+def _hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    if not any((path / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+# ---- GGUF files -------------------------------------------------------------
+
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    config = gguf_model_config(reader)
+    model = _materialise(config, _iter_gguf(reader, config), "gguf", dtype, device)
+    # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
+    tokenizer = _gguf_tokenizer(path) if "tokenizer.ggml.model" in reader.fields else None
+    return LoadedModel(model, config, tokenizer, f"gguf:{path.resolve()}")
+
+
+def _field(reader: Any, key: str, default: Any = ...) -> Any:
+    """A GGUF metadata value; ``default`` if absent (error when no default)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ModelLoadError(f"GGUF metadata has no {key!r}")
+        return default
+    return field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    """Build a ``ModelConfig`` from a ``GGUFReader``'s metadata (and its tensor list)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
+    vocab = _field(reader, f"{arch}.vocab_size", None)
+    if vocab is None:
+        vocab = int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else len(
+            _field(reader, "tokenizer.ggml.tokens")
+        )
+    eos = normalise_token_ids(_field(reader, "tokenizer.ggml.eos_token_id", None))
+    eot = normalise_token_ids(_field(reader, "tokenizer.ggml.eot_token_id", None))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
+        eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    has_factors = "rope_freqs.weight" in tensors
+    if kind not in ("none", "linear") or (kind == "linear" and has_factors):
+        raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    if has_factors:
+        # llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors.
+        import gguf
+
+        t = tensors["rope_freqs.weight"]
+        factors = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+    return None
+
+
+def _iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantise GGUF tensors one at a time to float32 CPU tensors in HF layout."""
+    from gguf import quants
+
+    for t in reader.tensors:
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"GGUF tensor {t.name!r}: {t.tensor_type.name} is not supported: {exc}") from exc
+        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if config.architecture == "llama":
+            if t.name.endswith("attn_q.weight"):
+                array = _unpermute_rope_rows(array, config.num_heads)
+            elif t.name.endswith("attn_k.weight"):
+                array = _unpermute_rope_rows(array, config.num_kv_heads)
+        yield t.name, _as_tensor(array)
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """Wrap without copying; F32 tensors are read-only memmap views, which we only read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(array)
+
+
+def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation so rope's rotate_half convention holds.
+
+    llama.cpp's converter interleaves each head's two rope halves (rows
+    ``[a0..a_{n-1}, b0..b_{n-1}]`` become ``[a0, b0, a1, b1, ...]``) for its
+    GPT-J-style rope; this puts the halves back one after the other.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:])  # [heads, D/2, 2, cols]
+        .swapaxes(1, 2)  # [heads, 2, D/2, cols]
+        .reshape(weight.shape)  # [rows, cols]
+    )
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {exc}") from exc

@@ -1,0 +1,93 @@
+"""ModelConfig: normalisation of transformers configs, validation, derived values."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, MistralConfig
+
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.models import LlamaForCausalLM, ModelConfig
+
+
+def test_llama_fields(make_tiny_hf):
+    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama").config)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("llama", 2, 4, 2, 16)
+    assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
+    assert not cfg.attention_bias and not cfg.tie_word_embeddings
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
+
+
+def test_qwen2_has_qkv_bias(make_tiny_hf):
+    cfg = ModelConfig.from_hf_config(make_tiny_hf("qwen2").config)
+    assert cfg.architecture == "qwen2" and cfg.attention_bias and cfg.tie_word_embeddings
+
+
+def test_llama3_rope_from_rope_parameters(make_tiny_hf):
+    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama3_rope").config)
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+
+
+def test_transformers4_style_attributes():
+    old = SimpleNamespace(
+        model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=None, rms_norm_eps=1e-6, max_position_embeddings=64,
+        rope_theta=1234.0, rope_scaling={"type": "linear", "factor": 4.0}, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=[3, 4, 3],
+    )
+    cfg = ModelConfig.from_hf_config(old)
+    assert cfg.rope_theta == 1234.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert cfg.num_kv_heads == 4 and cfg.head_dim == 8
+    assert cfg.bos_token_id is None and cfg.eos_token_ids == (3, 4)
+
+
+def test_mistral_context_capped_at_sliding_window():
+    hf = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, sliding_window=1024)
+    assert ModelConfig.from_hf_config(hf).max_position_embeddings == 1024
+
+
+@pytest.mark.parametrize(
+    "hf_config, message",
+    [
+        (GPT2Config(), "unsupported model_type 'gpt2'"),
+        (LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope type 'yarn'"),
+        (LlamaConfig(hidden_act="gelu"), "hidden_act"),
+        (LlamaConfig(attention_bias=True), "attention_bias"),
+        (LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
+        (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "unsupported rope type 'dynamic'"),
+    ],
+)
+def test_unsupported_configs_raise(hf_config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf_config(hf_config)
+
+
+def test_validation(make_tiny_hf):
+    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama").config)
+    with pytest.raises(ModelLoadError, match="multiple of num_kv_heads"):
+        dataclasses.replace(cfg, num_kv_heads=3)
+    with pytest.raises(ModelLoadError, match="outside vocab"):
+        dataclasses.replace(cfg, eos_token_ids=(999,))
+    with pytest.raises(ModelLoadError, match="needs low_freq_factor"):
+        dataclasses.replace(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_derived_sizes(make_tiny_hf, kind):
+    hf = make_tiny_hf(kind)
+    cfg = ModelConfig.from_hf_config(hf.config)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    with torch.device("meta"):
+        assert cfg.num_params == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    assert cfg.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 16 * 2
