@@ -1,0 +1,207 @@
+"""Incremental (streaming) detokenization with stop strings.
+
+Decoding token by token is wrong for byte-level BPE: one emoji or CJK character
+is often split over several tokens, and decoding a token alone yields U+FFFD.
+SentencePiece tokenizers additionally drop the leading space of the first
+decoded token. :class:`IncrementalDetokenizer` therefore keeps two offsets into
+the output ids (the *prefix/read offset* technique):
+
+* ``prefix_offset .. read_offset``: tokens already turned into text, kept as
+  left context so the next token decodes as it would inside the full sequence;
+* ``read_offset .. end``: tokens not yet turned into text.
+
+Each step decodes ``ids[prefix_offset:]`` and ``ids[prefix_offset:read_offset]``
+and emits the difference, but only once it does not end in U+FFFD (an
+incomplete UTF-8 sequence); otherwise the tokens wait for the next one.
+
+**Invariant.** Without a stop string hit, the concatenation of everything
+``add`` returned plus ``flush()`` equals
+``tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)``
+(with ``clean_up_tokenization_spaces=False`` for the rare tokenizers that enable
+it by default: that clean-up cannot be applied incrementally). The text is
+decoded from the *output ids alone*, so a leading space is kept or dropped
+exactly as ``decode(output_ids)`` does; the prompt is not used as left context.
+
+**Stop strings.** Text that could still be the beginning of a stop string (a
+suffix of at most ``max(len(stop)) - 1`` characters that is a prefix of one of
+them) is held back, so a partial stop string is never shown. Each step searches
+only the newly decoded text plus an overlap of ``max(len(stop)) - 1`` characters.
+When a stop string appears (possibly spanning tokens) the text is cut before it
+(after it with ``include_stop_str_in_output``), ``add`` returns ``stop=True``
+and :attr:`stop_reason` holds the matched string. With several stop strings the
+one that *completes* first wins (ties: the one starting first), which makes the
+result independent of how the text is split into tokens. As in vLLM, stop
+strings are only looked for once ``params.min_tokens`` tokens have been added.
+With ``include_stop_str_in_output`` nothing is held back (the text up to and
+including a stop string is shown anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncinfer.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer"]
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Streams one request's output text; feed it every output token in order.
+
+    ``tokenizer`` is a Hugging Face tokenizer (anything with
+    ``decode(ids, skip_special_tokens=...)``). ``prompt_token_ids`` is accepted for
+    the engine's convenience but not used (see the module docstring).
+
+    Feed the EOS / stop token only if its text is wanted: with
+    ``skip_special_tokens=False`` a special token's text is part of the output.
+    After a stop hit or :meth:`flush`, further :meth:`add` calls are ignored and
+    return ``("", stopped)``.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_token_ids: list[int] = []
+        #: the stop string that ended generation, or None.
+        self.stop_reason: str | None = None
+
+        self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": params.skip_special_tokens}
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode_kwargs["clean_up_tokenization_spaces"] = False
+
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
+        # The text is kept in pieces so that a long output costs O(1) per token:
+        self._done: list[str] = []  # text already handed out
+        self._pending = ""  # decoded text not handed out yet (held back)
+        self._recent = ""  # the last max_stop - 1 characters of the text: the search overlap
+        self._finished = False
+
+        self._stops = params.stop_strings
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._hold = 0 if params.include_stop_str_in_output else max(self._max_stop - 1, 0)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def text(self) -> str:
+        """Output text so far: what was emitted plus what is held back.
+
+        Excludes the stop string after a hit (unless ``include_stop_str_in_output``)
+        and tokens still waiting to complete a character (until :meth:`flush`).
+        """
+        if len(self._done) > 1:
+            self._done = ["".join(self._done)]
+        return (self._done[0] if self._done else "") + self._pending
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was hit."""
+        return self.stop_reason is not None
+
+    @property
+    def finished(self) -> bool:
+        """True after a stop hit or :meth:`flush`."""
+        return self._finished
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Add one output token; return ``(newly printable text, stop_string_hit)``."""
+        if self._finished:
+            return "", self.stopped
+        self.output_token_ids.append(token_id)
+        chunk = self._decode_new()
+        if chunk and self._append(chunk):
+            return self._release(len(self._pending)), True
+        return self._release(self._safe_end()), False
+
+    def flush(self) -> str:
+        """Finish: return all text still held back (never part of a hit stop string).
+
+        Tokens still waiting for the rest of a UTF-8 sequence are decoded as they
+        are (so the total equals ``decode(output_ids)``, U+FFFD included).
+        """
+        if self._finished:
+            return ""
+        self._finished = True
+        if self._read_offset < len(self.output_token_ids):
+            new_text = self._decode(self.output_token_ids[self._prefix_offset :])
+            if len(new_text) > len(self._prefix_text):
+                chunk = new_text[len(self._prefix_text) :]
+                self._prefix_offset = self._read_offset = len(self.output_token_ids)
+                self._prefix_text = ""
+                self._append(chunk)
+        return self._release(len(self._pending))
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_kwargs)
+
+    def _decode_new(self) -> str:
+        """Advance the offsets if the pending tokens decode to stable text; return it."""
+        ids = self.output_token_ids
+        prefix_text = self._prefix_text
+        new_text = self._decode(ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""  # nothing new yet, or an incomplete multi-byte character
+        chunk = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        return chunk
+
+    def _append(self, chunk: str) -> bool:
+        """Append ``chunk`` to the text; on a stop string, cut there and return True.
+
+        Only occurrences that end inside ``chunk`` are looked for: the search runs
+        over ``recent + chunk``, where ``recent`` is the previous text's last
+        ``max_stop - 1`` characters. The held-back ``pending`` text is always a
+        suffix of ``recent`` (it is at most ``max_stop - 1`` characters long).
+        """
+        if not self._stops:
+            self._pending += chunk
+            return False
+        recent = self._recent
+        window = recent + chunk
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            best: tuple[int, int, str] | None = None
+            for s in self._stops:
+                i = window.find(s, max(0, len(recent) - len(s) + 1))
+                if i < 0:
+                    continue
+                end = i + len(s)
+                if best is None or end < best[1] or (end == best[1] and i < best[0]):
+                    best = (i, end, s)
+            if best is not None:
+                i, end, s = best
+                cut = end if self.params.include_stop_str_in_output else i
+                start = len(recent) - len(self._pending)
+                self._pending = window[start : max(cut, start)]
+                self.stop_reason = s
+                self._finished = True
+                return True
+        self._pending += chunk
+        keep = self._max_stop - 1
+        self._recent = window[-keep:] if keep else ""
+        return False
+
+    def _safe_end(self) -> int:
+        """How much of the pending text can be shown: up to any suffix that may start a stop string."""
+        pending = self._pending
+        n = len(pending)
+        for i in range(max(0, n - self._hold), n):
+            tail = pending[i:]
+            if any(s.startswith(tail) for s in self._stops):
+                return i
+        return n
+
+    def _release(self, end: int) -> str:
+        out = self._pending[:end]
+        if out:
+            self._pending = self._pending[end:]
+            self._done.append(out)
+        return out

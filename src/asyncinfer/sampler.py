@@ -1,0 +1,345 @@
+"""Turn one step's logits into next tokens, one row per live request.
+
+Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
+
+    logits ─► penalties (repetition, frequency, presence) ─► min_tokens mask
+           ├─► [logprobs are taken here: log_softmax of these "processed" logits]
+           ├─► greedy rows: argmax (one batched call)
+           └─► sampling rows: / temperature ─► top_k ─► top_p ─► min_p ─► draw
+
+* **Fast path.** When every row is greedy with no penalties, no logprobs and no
+  ``min_tokens``, the whole call is ``logits.argmax(-1).tolist()``: no copy of the
+  logits, one device sync, no per-row tensor work.
+* **Penalties** follow transformers / vLLM exactly: the repetition penalty (over
+  prompt and output tokens) divides positive logits and multiplies negative ones
+  (``RepetitionPenaltyLogitsProcessor``); then OpenAI's
+  ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over
+  output tokens only. They apply to greedy rows too, and are computed sparsely
+  (gather/scatter over the (row, token) pairs that occur, not rows x vocab).
+* **min_tokens.** While a request has fewer than ``min_tokens`` output tokens,
+  the sampler's ``eos_token_ids`` and the request's ``stop_token_ids`` get ``-inf``.
+* **ignore_eos** is *not* handled here: EOS stays sampleable, the engine core
+  simply does not finish the request on it.
+* **Drawing** uses the exponential-race (Gumbel-max) trick:
+  ``argmax(logits - log(q))`` with ``q ~ Exp(1)`` of shape ``[vocab]``, which picks
+  token ``i`` with probability ``softmax(logits)[i]``. A seeded request draws its
+  ``q`` from its *own* generator (created lazily from ``params.seed`` on the
+  sampler's device), exactly one ``[vocab]`` draw per sampled step, so its tokens
+  depend only on its own history, not on the batch it lands in or its row.
+  Unseeded rows share one sampler-wide generator. Temperatures below 1e-6 are
+  raised to 1e-6 so the scaled logits stay finite.
+* **Filtering** matches transformers' ``TopKLogitsWarper``, ``TopPLogitsWarper``
+  and ``MinPLogitsWarper`` applied in that order (top_p on the distribution
+  renormalised after top_k; min_p relative to the most likely survivor).
+* **Logprobs** (when ``params.logprobs`` is not ``None``) are ``log_softmax`` of the
+  logits *after* penalties and the min_tokens mask but *before* temperature and
+  top-k/top-p/min-p filtering, i.e. the model's distribution as adjusted by the
+  request's logit processors, independent of how it is sampled. The sampled
+  token's logprob is always returned, plus the ``logprobs`` most likely tokens.
+
+The sampler never modifies the ``logits`` tensor it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncinfer.sampling_params import SamplingParams
+
+__all__ = ["SamplerOutput", "Sampler", "SamplingState", "TokenLogprobs"]
+
+_NEG_INF = float("-inf")
+# Temperatures below this are raised to it, so logits / temperature stays finite
+# in float32 (such a row is argmax in all but exact ties).
+_MIN_TEMPERATURE = 1e-6
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """Per-request sampling state; one per live request, owned by the engine core.
+
+    ``output_token_ids`` is appended to by the engine after each step.
+    ``generator`` is created lazily by the sampler from ``params.seed`` (on the
+    sampler's device) the first time a seeded request is sampled; leave it ``None``.
+    ``plain_greedy`` (used by the fast path) is derived from ``params`` once, at
+    construction: build a new state rather than replacing ``params``.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # True when the row needs nothing but argmax (decided once, from the params).
+    plain_greedy: bool = field(init=False, repr=False, default=False)
+    # Unique prompt token ids on the sampler's device (repetition penalty only).
+    _prompt_ids: torch.Tensor | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top-n alternatives (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result: ``token_ids[i]`` and ``logprobs[i]`` belong to ``states[i]``."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Batched sampler. See the module docstring for the exact semantics.
+
+    ``vocab_size`` is the number of real tokens: logits columns beyond it (padded
+    embeddings) are never chosen. ``eos_token_ids`` are masked while a request is
+    below its ``min_tokens``. ``seed`` seeds the generator shared by unseeded
+    sampling rows (``None``: seeded from the OS).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        seed: int | None = None,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        # Shared generator for unseeded sampling rows; ``seed=None`` seeds it randomly.
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    # ------------------------------------------------------------------ public
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        n = len(states)
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(f"logits must be [len(states)={n}, vocab], got {tuple(logits.shape)}")
+        if n == 0:
+            return SamplerOutput([], [])
+        vocab = logits.shape[1]
+        if vocab > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        elif vocab < self.vocab_size:
+            raise ValueError(f"logits have {vocab} columns, fewer than vocab_size={self.vocab_size}")
+
+        if all(s.plain_greedy for s in states):
+            # Hot path: no copy, no per-row tensor work, one sync.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)
+        return self._sample_general(logits, states)
+
+    # ------------------------------------------------------------------ general path
+
+    def _sample_general(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        n = len(states)
+        dev = logits.device
+        x = logits.to(dtype=torch.float32, copy=True)
+
+        pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if pen_rows:
+            self._apply_penalties(x, pen_rows, states)
+        self._apply_min_tokens(x, states)
+
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        logp = None
+        if lp_rows:
+            logp = torch.log_softmax(x[self._index(lp_rows, dev)] if len(lp_rows) < n else x, dim=-1)
+
+        greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
+        if len(greedy_rows) == n:
+            tokens = x.argmax(dim=-1)
+        elif not greedy_rows:
+            tokens = self._sample_rows(x, list(states))
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=dev)
+            gi = self._index(greedy_rows, dev)
+            tokens[gi] = x[gi].argmax(dim=-1)
+            sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+            si = self._index(sample_rows, dev)
+            tokens[si] = self._sample_rows(x[si], [states[i] for i in sample_rows])
+
+        if logp is None:
+            return SamplerOutput(tokens.tolist(), [None] * n)
+        return self._with_logprobs(tokens, logp, lp_rows, states)
+
+    @staticmethod
+    def _index(rows: list[int], dev: torch.device) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=dev)
+
+    def _apply_penalties(self, x: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        """Repetition, then frequency/presence penalties, in place on ``x``.
+
+        Sparse: only the (row, token) pairs that occur are gathered, changed and
+        written back, so the cost grows with the number of tokens, not rows * vocab.
+        A pair is encoded as one key ``row * vocab + token``.
+        """
+        dev = x.device
+        vocab = x.shape[1]
+        flat: list[int] = []
+        row_of: list[int] = []
+        for i in rows:
+            out = states[i].output_token_ids
+            flat.extend(out)
+            row_of.extend([i] * len(out))
+        out_keys = torch.tensor(row_of, dtype=torch.long, device=dev) * vocab + torch.tensor(
+            flat, dtype=torch.long, device=dev
+        )
+
+        rep_rows = [i for i in rows if states[i].params.repetition_penalty != 1.0]
+        if rep_rows:
+            # Over prompt + output; rows without a repetition penalty divide by 1.0 (exact no-op).
+            parts = [out_keys] + [i * vocab + self._prompt_ids(states[i], dev, vocab) for i in rep_rows]
+            keys = torch.unique(torch.cat(parts))
+            r, t = keys // vocab, keys % vocab
+            penalty = self._per_row([s.params.repetition_penalty for s in states], dev)[r]
+            vals = x[r, t]
+            x[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+        if flat and any(states[i].params.frequency_penalty or states[i].params.presence_penalty for i in rows):
+            keys, counts = torch.unique(out_keys, return_counts=True)
+            r, t = keys // vocab, keys % vocab
+            freq = self._per_row([s.params.frequency_penalty for s in states], dev)[r]
+            pres = self._per_row([s.params.presence_penalty for s in states], dev)[r]
+            x[r, t] -= freq * counts.to(torch.float32) + pres
+
+    @staticmethod
+    def _per_row(values: list[float], dev: torch.device) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=dev)
+
+    @staticmethod
+    def _prompt_ids(state: SamplingState, dev: torch.device, vocab: int) -> torch.Tensor:
+        cached = state._prompt_ids
+        if cached is None or cached.device != dev:
+            t = torch.tensor(state.prompt_token_ids, dtype=torch.long, device=dev)
+            if t.numel():
+                t = torch.unique(t)
+                t = t[(t >= 0) & (t < vocab)]
+            cached = state._prompt_ids = t
+        return cached
+
+    def _apply_min_tokens(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+        vocab = x.shape[1]
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, s in enumerate(states):
+            p = s.params
+            if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
+                blocked = set(self.eos_token_ids)
+                if p.stop_token_ids:
+                    blocked.update(p.stop_token_ids)
+                for t in blocked:
+                    if t < vocab:
+                        rows.append(i)
+                        cols.append(t)
+        if rows:
+            x[self._index(rows, x.device), self._index(cols, x.device)] = _NEG_INF
+
+    def _sample_rows(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Sample one token per row of ``x`` (a fresh tensor, modified in place)."""
+        dev = x.device
+        params = [s.params for s in states]
+        temps = [max(float(p.temperature), _MIN_TEMPERATURE) for p in params]
+        x.div_(torch.tensor(temps, dtype=torch.float32, device=dev)[:, None])
+        x = self._filter(x, params)
+
+        noise = torch.empty_like(x)
+        unseeded: list[int] = []
+        for j, s in enumerate(states):
+            if s.params.seed is None:
+                unseeded.append(j)
+                continue
+            gen = s.generator
+            if gen is None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(s.params.seed)
+                s.generator = gen
+            noise[j].exponential_(generator=gen)
+        if len(unseeded) == len(states):
+            noise.exponential_(generator=self._generator)
+        elif unseeded:
+            ui = self._index(unseeded, dev)
+            noise[ui] = torch.empty(len(unseeded), x.shape[1], device=dev).exponential_(generator=self._generator)
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        # argmax(p / q) == argmax(logits - log q): the exponential race / Gumbel-max trick.
+        return (x - noise.log_()).argmax(dim=-1)
+
+    @staticmethod
+    def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """top_k, then top_p (on the renormalised survivors), then min_p; removed logits -> -inf."""
+        rows, vocab = x.shape
+        dev = x.device
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        need_k = any(k < vocab for k in ks)
+        need_p = any(p.top_p < 1.0 for p in params)
+        need_m = any(p.min_p > 0.0 for p in params)
+        if not (need_k or need_p or need_m):
+            return x
+        if not (need_k or need_p):
+            return Sampler._min_p(x, params)
+
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if need_k:
+            k_t = torch.tensor(ks, dtype=torch.long, device=dev)
+            ranks = torch.arange(vocab, device=dev)
+            sorted_x.masked_fill_(ranks[None, :] >= k_t[:, None], _NEG_INF)
+        if need_p:
+            # Keep a token while the mass strictly before it is < top_p; rows with
+            # top_p == 1 use +inf so float rounding of the cumsum can't drop the tail.
+            p_t = torch.tensor(
+                [float(p.top_p) if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32, device=dev
+            )
+            probs = sorted_x.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            remove = before >= p_t[:, None]
+            remove[:, 0] = False
+            sorted_x.masked_fill_(remove, _NEG_INF)
+        if need_m:
+            sorted_x = Sampler._min_p(sorted_x, params)
+        return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+    @staticmethod
+    def _min_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        m_t = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=x.device)
+        probs = x.softmax(dim=-1)
+        top = probs.amax(dim=-1, keepdim=True)
+        return x.masked_fill_(probs < m_t[:, None] * top, _NEG_INF)
+
+    @staticmethod
+    def _with_logprobs(
+        tokens: torch.Tensor, logp: torch.Tensor, lp_rows: list[int], states: Sequence[SamplingState]
+    ) -> SamplerOutput:
+        n = len(states)
+        dev = tokens.device
+        lp_tokens = tokens if len(lp_rows) == n else tokens[Sampler._index(lp_rows, dev)]
+        chosen = logp.gather(1, lp_tokens[:, None]).squeeze(1)
+        top_n = min(max(states[i].params.logprobs or 0 for i in lp_rows), logp.shape[1])
+        token_list = tokens.tolist()
+        chosen_list = chosen.tolist()
+        if top_n > 0:
+            vals, idx = torch.topk(logp, top_n, dim=-1)
+            vals_list, idx_list = vals.tolist(), idx.tolist()
+        out: list[TokenLogprobs | None] = [None] * n
+        for j, i in enumerate(lp_rows):
+            want = states[i].params.logprobs or 0
+            top = list(zip(idx_list[j][:want], vals_list[j][:want])) if top_n > 0 and want else []
+            out[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen_list[j], top=top)
+        return SamplerOutput(token_list, out)

@@ -1,0 +1,198 @@
+"""Per-request sampling parameters.
+
+:class:`SamplingParams` is an immutable ``msgspec.Struct``; every field is
+checked when the object is built (also by ``msgspec.convert`` and
+:meth:`SamplingParams.with_updates`), so a bad value raises
+:class:`~asyncinfer.errors.InvalidParameterError` before a request is queued.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from asyncinfer.errors import InvalidParameterError
+
+__all__ = ["SamplingParams"]
+
+_MAX_SEED = 2**63 - 1
+_MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; True as "max_tokens" is almost surely a bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        try:
+            float(value)
+        except OverflowError:
+            return False
+        return True
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _check_int(name: str, value: object, lo: int | None, hi: int | None, allowed: str) -> None:
+    if not _is_int(value):
+        raise InvalidParameterError(name, value, allowed)
+    assert isinstance(value, int)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise InvalidParameterError(name, value, allowed)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidParameterError(name, value, "a bool (True or False)")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens for one request, and when to stop.
+
+    All fields are keyword-only and validated at construction.
+
+    Attributes:
+        max_tokens: most tokens to generate (the stop token counts). int >= 1. Default 128.
+        temperature: softmax temperature. float >= 0 and finite. ``0`` means greedy
+            (argmax); the default is greedy, so nothing is random unless asked for.
+        top_k: keep only the k most likely tokens before sampling. ``0`` or ``-1``
+            disables it, else an int >= 1 (values above the vocabulary size keep everything).
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose
+            probability mass reaches ``top_p``. float in (0, 1]; ``1`` disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times that of the
+            most likely token. float in [0, 1]; ``0`` disables it.
+        repetition_penalty: transformers/CTRL-style penalty over every token in the
+            prompt and the output: positive logits are divided by it, negative ones
+            multiplied. float > 0; ``1`` disables it, > 1 discourages repeats.
+        presence_penalty: OpenAI-style, subtracted once from the logit of every token
+            already in the output. float in [-2, 2].
+        frequency_penalty: OpenAI-style, subtracted from a token's logit once per time
+            it already occurs in the output. float in [-2, 2].
+        seed: seed of this request's own random generator; a seeded request samples
+            the same tokens whatever else is batched with it. int in [0, 2**63 - 1],
+            or ``None`` for the engine-wide generator.
+        stop: string(s) that end generation when they appear in the output text. A
+            string or a list of non-empty strings, or ``None``. See :attr:`stop_strings`.
+        stop_token_ids: token ids (>= 0) that end generation, besides EOS. List or ``None``.
+        ignore_eos: keep generating past EOS (the engine does not stop on it; the
+            sampler does not mask it either). bool.
+        logprobs: return the sampled token's log-probability and the ``logprobs`` most
+            likely alternatives. int in [0, 20] (``0``: only the sampled token), or
+            ``None`` for no log-probabilities.
+        include_stop_str_in_output: keep the matched stop string at the end of the
+            output text (it is cut off by default). bool.
+        skip_special_tokens: leave special tokens (e.g. ``<|im_end|>``) out of the
+            output text. bool, default True.
+        min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens
+            have been generated. int in [0, max_tokens].
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
+
+        t = self.temperature
+        if not _is_real(t) or t < 0:
+            raise InvalidParameterError("temperature", t, "a finite float >= 0 (0 = greedy)")
+
+        k = self.top_k
+        if not _is_int(k) or (k < 1 and k not in (0, -1)):
+            raise InvalidParameterError("top_k", k, "0 or -1 (disabled), or an int >= 1")
+
+        p = self.top_p
+        if not _is_real(p) or not (0.0 < p <= 1.0):
+            raise InvalidParameterError("top_p", p, "a float in (0, 1]")
+
+        m = self.min_p
+        if not _is_real(m) or not (0.0 <= m <= 1.0):
+            raise InvalidParameterError("min_p", m, "a float in [0, 1]")
+
+        r = self.repetition_penalty
+        if not _is_real(r) or r <= 0:
+            raise InvalidParameterError("repetition_penalty", r, "a finite float > 0 (1 = off)")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (-2.0 <= v <= 2.0):
+                raise InvalidParameterError(name, v, "a float in [-2, 2]")
+
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _MAX_SEED, "None or an int in [0, 2**63 - 1]")
+
+        stop = self.stop
+        if stop is not None:
+            items = [stop] if isinstance(stop, str) else stop
+            if not isinstance(items, (list, tuple)):
+                raise InvalidParameterError("stop", stop, "None, a non-empty string or a list of them")
+            for s in items:
+                if not isinstance(s, str) or not s:
+                    raise InvalidParameterError("stop", stop, "None, a non-empty string or a list of them")
+
+        ids = self.stop_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+                raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS, f"None or an int in [0, {_MAX_LOGPROBS}]")
+
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax (``temperature == 0``)."""
+        return self.temperature == 0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` normalised to a tuple (empty when there is none), duplicates removed."""
+        stop = self.stop
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            return (stop,)
+        return tuple(dict.fromkeys(stop))
+
+    @property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a frozenset (empty when there is none)."""
+        return frozenset(self.stop_token_ids or ())
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition/presence/frequency penalties is active."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def with_updates(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied; the result is validated again."""
+        fields = self.__struct_fields__
+        for name, value in changes.items():
+            if name not in fields:
+                raise InvalidParameterError(name, value, f"a SamplingParams field: {', '.join(fields)}")
+        return msgspec.structs.replace(self, **changes)
