@@ -1,0 +1,41 @@
+"""asyncinfer: an asyncio LLM inference engine you embed in-process.
+
+    from asyncinfer import AsyncEngine, SamplingParams
+
+    engine = AsyncEngine.from_pretrained()          # None -> SmolLM2-135M-Instruct
+    async with engine:
+        out = await engine.generate("Hello", SamplingParams(max_tokens=32))
+"""
+
+from asyncinfer.config import EngineConfig
+from asyncinfer.engine import AsyncEngine, EngineState
+from asyncinfer.errors import (
+    AsyncInferError,
+    ConfigurationError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidParameterError,
+    ModelLoadError,
+)
+from asyncinfer.outputs import Logprob, RequestMetrics, RequestOutput, StreamDelta
+from asyncinfer.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncEngine",
+    "AsyncInferError",
+    "ConfigurationError",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineState",
+    "InvalidParameterError",
+    "Logprob",
+    "ModelLoadError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "__version__",
+]

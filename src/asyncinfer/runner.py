@@ -1,0 +1,103 @@
+"""ModelRunner: turns a step's plain-data schedule into tensors and runs the model.
+
+Input: ``[(request, num_new_tokens)]`` plus each request's block table. Output:
+logits for the requests that caught up with all their known tokens this step
+(a decode, or the last chunk of a prefill) — the only rows worth sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncinfer.cache.kv_tensors import allocate_kv_caches
+from asyncinfer.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from asyncinfer.request import Request
+
+
+@dataclass
+class StepInputs:
+    """The flattened, unpadded token batch of one step (Python lists; tensors are built once)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]  # flat index of the last token of every sampled request
+    sampled: list[Request]  # requests whose row is in the logits, in row order
+    order: list[Request]  # requests in batch order (decodes first)
+
+
+class ModelRunner:
+    """Owns the model weights and the preallocated paged KV tensors."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches = allocate_kv_caches(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def prepare(self, batch: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]]) -> StepInputs:
+        """Flatten the step's tokens; decodes first (one batched attention call covers them)."""
+        order = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes, then prefills
+        bs = self.block_size
+        inputs = StepInputs([], [], [], [], [], [], [], [], [])
+        for request, n in order:
+            start = request.num_computed_tokens
+            end = start + n
+            table = block_tables[request.request_id]
+            all_ids = request.all_token_ids if n > 1 else None
+            inputs.input_ids.extend(all_ids[start:end] if all_ids is not None else [request.token_at(start)])
+            inputs.positions.extend(range(start, end))
+            inputs.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.query_lens.append(n)
+            inputs.context_lens.append(end)
+            inputs.block_tables.append(table)
+            inputs.order.append(request)
+            if end == request.num_tokens:
+                inputs.logits_indices.append(len(inputs.input_ids) - 1)
+                inputs.sampled.append(request)
+        return inputs
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one forward pass; returns float32 logits ``[len(inputs.sampled), vocab]``."""
+        device = self.device
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)  # [num_tokens]
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)  # [num_tokens]
+        meta = AttentionMetadata.build(
+            query_lens=inputs.query_lens,
+            context_lens=inputs.context_lens,
+            block_tables=inputs.block_tables,
+            slot_mapping=inputs.slot_mapping,
+            block_size=self.block_size,
+            device=device,
+        )
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not inputs.logits_indices:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        index = torch.tensor(inputs.logits_indices, dtype=torch.long, device=device)
+        return self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_sampled, vocab]
