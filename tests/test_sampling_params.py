@@ -84,6 +84,11 @@ def test_keyword_only():
         ("logprobs", 1.0),
         ("min_tokens", -1),
         ("min_tokens", 129),  # > default max_tokens
+        ("n", 0),
+        ("n", 65),
+        ("n", 2.0),
+        ("n", True),
+        ("n", None),
     ],
 )
 def test_rejects_bad_values(name, value):
@@ -120,10 +125,23 @@ def test_rejects_bad_values(name, value):
         {"logprobs": 20},
         {"min_tokens": 10, "max_tokens": 10},
         {"ignore_eos": True, "include_stop_str_in_output": True, "skip_special_tokens": False},
+        {"n": 1},
+        {"n": 64},
     ],
 )
 def test_accepts_good_values(kw):
     SamplingParams(**kw)
+
+
+def test_for_sample_gives_one_sample_with_its_own_seed():
+    p = SamplingParams(n=3, seed=10, temperature=0.7)
+    assert [q.seed for q in (p.for_sample(i) for i in range(3))] == [10, 11, 12]
+    assert all(p.for_sample(i).n == 1 and p.for_sample(i).temperature == 0.7 for i in range(3))
+    assert SamplingParams(n=2, seed=2**63 - 1).for_sample(1).seed == 0  # wraps within the seed range
+    assert SamplingParams(n=2).for_sample(1).seed is None
+    single = SamplingParams(seed=4)
+    assert single.for_sample(0) is single
+    assert SamplingParams().n == 1
 
 
 def test_min_tokens_relative_to_max_tokens():

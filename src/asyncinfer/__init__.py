@@ -17,7 +17,7 @@ from asyncinfer.errors import (
     InvalidParameterError,
     ModelLoadError,
 )
-from asyncinfer.outputs import Logprob, RequestMetrics, RequestOutput, StreamDelta
+from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncEngine",
     "AsyncInferError",
+    "CompletionOutput",
     "ConfigurationError",
     "EngineClosedError",
     "EngineConfig",

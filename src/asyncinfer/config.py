@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models.quant import check_quantization
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -78,10 +79,19 @@ class EngineConfig:
     - ``max_num_batched_tokens``: tokens in one step (>= 1; chunked prefill splits longer prompts).
     - ``max_model_len``: prompt + output tokens per request; default: the model's context length.
     - ``enable_chunked_prefill``: split long prompts over steps (default on).
-    - ``scheduler``: "fifo" (default), a Scheduler subclass or "module:Class".
+    - ``scheduler``: "fifo" (default), "length-bucket", "aging-priority", "pd-split", another
+      registered or entry-point name, a Scheduler subclass or "module:Class".
+    - ``scheduler_options``: keyword arguments for the scheduler's constructor (a dict, or None).
     - ``seed``: seed of the engine-wide generator used by unseeded sampling requests.
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
+    - ``quantization``: None, or "int8" (CPU, float32 only): int8 weights with dynamically
+      quantized activations for every linear layer and the LM head; faster, not bit-exact.
+    - ``quantization_skip``: substrings of layer names kept in float32 when quantizing
+      (default ("down_proj",), the most sensitive layer; see benchmarks/int8_sensitivity.py).
+    - ``enable_prefix_caching``: reuse the KV blocks of prompt prefixes seen before (default on).
+    - ``kv_watermark``: fraction of the KV blocks kept free from new admissions so that
+      running requests can keep decoding, in [0, 0.5] (default 0.01).
     """
 
     dtype: Any = "auto"
@@ -94,9 +104,14 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     scheduler: Any = "fifo"
+    scheduler_options: dict[str, Any] | None = None
     seed: int = 0
     num_threads: int | None = None
     activation_reserve: int = 256 * 1024 * 1024
+    quantization: str | None = None
+    quantization_skip: tuple[str, ...] = ("down_proj",)
+    enable_prefix_caching: bool = True
+    kv_watermark: float = 0.01
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -113,8 +128,21 @@ class EngineConfig:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_int("num_threads", self.num_threads, 1, optional=True)
         _check_int("activation_reserve", self.activation_reserve, 0)
+        check_quantization(self.quantization, device, self.dtype)
+        skip = self.quantization_skip
+        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+            raise InvalidParameterError("quantization_skip", skip, "a tuple of layer-name substrings")
+        object.__setattr__(self, "quantization_skip", tuple(skip))
+        opts = self.scheduler_options
+        if opts is not None and not (isinstance(opts, dict) and all(isinstance(k, str) for k in opts)):
+            raise InvalidParameterError("scheduler_options", opts, "a dict of keyword arguments, or None")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise InvalidParameterError("enable_chunked_prefill", self.enable_chunked_prefill, "True or False")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidParameterError("enable_prefix_caching", self.enable_prefix_caching, "True or False")
+        wm = self.kv_watermark
+        if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0.0 <= wm <= 0.5:
+            raise InvalidParameterError("kv_watermark", wm, "a number in [0, 0.5]")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

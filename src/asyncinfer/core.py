@@ -3,6 +3,14 @@
 No asyncio here. The core owns the scheduler (and through it the block
 manager), the model runner and the sampler. ``AsyncEngine`` drives it from a
 dedicated thread so that model work never runs on the application's event loop.
+
+Parallel samples (``SamplingParams.n > 1``): the request added is sample 0. In
+the step where it computes its prompt and samples its first token, the core
+forks samples ``1 .. n-1`` from it: each gets a block table sharing sample 0's
+blocks (copy-on-write), its own sampling state (seed ``seed + i``), and its
+first token drawn from the same logits row. From then on each sample is an
+ordinary request to the scheduler (id ``"<id>#<i>"``); outputs carry the user's
+id and the sample's ``index``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,17 @@ class CoreOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    index: int = 0
+
+
+@dataclass
+class _Group:
+    """The samples of one ``n > 1`` request that have not finished yet."""
+
+    n: int
+    members: dict[int, Request]
+    finished: set[int] = field(default_factory=set)
+    forked: bool = False
 
 
 @dataclass
@@ -67,6 +86,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.stats = StepStats()
+        self._groups: dict[str, _Group] = {}
 
     @property
     def kv(self) -> KVCacheManager:
@@ -74,6 +94,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, request: Request) -> None:
+        self._prepare(request)
+        if request.params.n > 1:
+            self._groups[request.request_id] = _Group(request.params.n, {0: request})
+        self.scheduler.add_request(request)
+
+    def _prepare(self, request: Request) -> None:
         request.sampling_state = SamplingState(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
@@ -82,22 +108,54 @@ class EngineCore:
         )
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-        self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> CoreOutput | None:
-        """Abort at a step boundary; returns the request's final output, or ``None`` if unknown."""
-        request = self.scheduler.abort_request(request_id)
-        if request is None:
-            return None
-        request.finish_time = time.time()
+    def abort_request(self, request_id: str) -> list[CoreOutput]:
+        """Abort a request (all its samples) at a step boundary; returns their final outputs.
+
+        Empty when the id is unknown or already finished.
+        """
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            request = self.scheduler.abort_request(request_id)
+            return [] if request is None else [self._aborted(request, request.group_id, request.index)]
+        outputs: list[CoreOutput] = []
+        leader = group.members.get(0)
+        for index in range(group.n):
+            if index in group.finished:
+                continue
+            member = group.members.get(index)
+            if member is not None:
+                self.scheduler.abort_request(member.request_id)
+            # A sample never forked (the prompt was not computed yet) ends too.
+            outputs.append(self._aborted(member or leader, request_id, index))
+        return outputs
+
+    def abort_all(self) -> list[CoreOutput]:
+        """Abort every unfinished request."""
+        group_ids = dict.fromkeys(r.group_id for r in self.scheduler.requests.values())
+        outputs: list[CoreOutput] = []
+        for group_id in group_ids:
+            outputs.extend(self.abort_request(group_id))
+        return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (call between steps); returns the entries dropped."""
+        return self.kv.reset_prefix_cache()
+
+    @staticmethod
+    def _aborted(request: Request | None, request_id: str, index: int) -> CoreOutput:
+        now = time.time()
+        if request is not None:
+            request.finish_time = now
         return CoreOutput(
             request_id=request_id,
             token_ids=[],
             text="",
             finish_reason="abort",
-            first_token_time=request.first_token_time,
-            finish_time=request.finish_time,
-            num_preemptions=request.num_preemptions,
+            first_token_time=None if request is None else request.first_token_time,
+            finish_time=now,
+            num_preemptions=0 if request is None else request.num_preemptions,
+            index=index,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -108,6 +166,9 @@ class EngineCore:
         """One engine iteration: schedule, run the model, sample, update the requests."""
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        copies = self.kv.commit_step()
+        if copies:  # copy-on-write: shared blocks this step writes into
+            self.runner.copy_blocks(copies)
         if plan.is_empty:
             return []
         requests = self.scheduler.requests
@@ -119,8 +180,39 @@ class EngineCore:
             request.num_computed_tokens += n
         if not inputs.sampled:
             return []
-        sampled = self.sampler(logits, [r.sampling_state for r in inputs.sampled])
-        return self._update(inputs.sampled, sampled.token_ids, sampled.logprobs)
+        to_sample, rows = self._fork_samples(inputs.sampled)
+        if len(to_sample) > len(inputs.sampled):
+            logits = logits[rows]  # forked samples draw from their parent's row
+        sampled = self.sampler(logits, [r.sampling_state for r in to_sample])
+        return self._update(to_sample, sampled.token_ids, sampled.logprobs)
+
+    def _fork_samples(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
+        """Add samples ``1 .. n-1`` of every ``n > 1`` request that just computed its prompt."""
+        requests = list(sampled)
+        rows = list(range(len(sampled)))
+        for row, request in enumerate(sampled):
+            group = self._groups.get(request.request_id) if request.index == 0 else None
+            if group is None or group.forked:
+                continue
+            group.forked = True
+            for index in range(1, group.n):
+                child = Request(
+                    request_id=f"{request.request_id}#{index}",
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=request.params.for_sample(index),
+                    arrival_time=request.arrival_time,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    index=index,
+                    parent_id=request.request_id,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+                self._prepare(child)
+                self.kv.fork(request.request_id, child, request.num_computed_tokens)
+                group.members[index] = child
+                requests.append(child)
+                rows.append(row)
+        return requests, rows
 
     def _count(self, batch: list[tuple[Request, int]]) -> None:
         self.stats.steps += 1
@@ -144,8 +236,20 @@ class EngineCore:
             outputs.append(self._append_token(request, token_id, lp, now))
             if request.status.finished:
                 finished.append(request)
+                self._group_member_done(request)
+            elif request.request_id not in self.scheduler.requests:
+                self.scheduler.add_request(request)  # a sample forked this step
         self.scheduler.finish_requests(finished)
         return outputs
+
+    def _group_member_done(self, request: Request) -> None:
+        group = self._groups.get(request.group_id)
+        if group is None:
+            return
+        group.finished.add(request.index)
+        group.members.pop(request.index, None)
+        if len(group.finished) == group.n:
+            del self._groups[request.group_id]
 
     def _append_token(self, request: Request, token_id: int, lp: TokenLogprobs | None, now: float) -> CoreOutput:
         request.output_token_ids.append(token_id)
@@ -156,12 +260,13 @@ class EngineCore:
             text, stop_hit = request.detokenizer.add(token_id)
         self._check_stop(request, token_id, stop_hit)
         out = CoreOutput(
-            request_id=request.request_id,
+            request_id=request.group_id,
             token_ids=[token_id],
             text=text,
             logprobs=None if lp is None else [Logprob(lp.token_id, lp.logprob, list(lp.top))],
             first_token_time=request.first_token_time,
             num_preemptions=request.num_preemptions,
+            index=request.index,
         )
         if request.status.finished:
             if request.detokenizer is not None:

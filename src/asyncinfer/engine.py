@@ -28,10 +28,11 @@ from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import CoreOutput, EngineCore, default_eos_ids
 from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
-from asyncinfer.memory import MemoryPlan, available_memory, plan_kv_cache
+from asyncinfer.memory import MemoryPlan, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, load_model
-from asyncinfer.outputs import Logprob, RequestMetrics, RequestOutput, StreamDelta
+from asyncinfer.models.quant import quantized_weight_bytes
+from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -53,13 +54,16 @@ class EngineState(enum.Enum):
 
 
 class _Stream:
-    """One request's output queue on the event loop side."""
+    """One request's output queue on the event loop side (all ``n`` samples share it)."""
 
-    __slots__ = ("queue", "finished")
+    __slots__ = ("queue", "finished", "n", "num_done", "ids")
 
-    def __init__(self) -> None:
+    def __init__(self, n: int, ids: tuple[str, ...]) -> None:
         self.queue: asyncio.Queue[CoreOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.n = n
+        self.num_done = 0  # samples whose last output was delivered to the queue
+        self.ids = ids  # the core's request ids of the samples
 
 
 class AsyncEngine:
@@ -78,6 +82,7 @@ class AsyncEngine:
         self._core = core
         self._state = EngineState.CREATED
         self._streams: dict[str, _Stream] = {}
+        self._ids_in_flight: set[str] = set()  # every sample's core id, for collision checks
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,11 +110,7 @@ class AsyncEngine:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(resolve_model(model), config.dtype, config.device)
         mc = loaded.config
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise InvalidParameterError(
-                "max_model_len", max_model_len, f"at most the model's context length {mc.max_position_embeddings}"
-            )
+        max_model_len = resolve_max_model_len(config, mc)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise InvalidParameterError(
                 "max_num_batched_tokens",
@@ -117,19 +118,9 @@ class AsyncEngine:
                 f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
             )
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        plan = plan_kv_cache(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype_bytes=config.dtype_bytes,
-            block_size=config.block_size,
-            max_model_len=max_model_len,
-            weight_bytes=weight_bytes,
-            kv_cache_memory=config.kv_cache_memory,
-            kv_cache_fraction=config.kv_cache_fraction,
-            activation_reserve=config.activation_reserve,
-            free_bytes=available_memory(config.device),
-        )
+        if config.quantization == "int8":
+            weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
+        plan = plan_for_engine(config, mc, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
         logger.info("memory plan: %s", plan.describe())
         runner = ModelRunner(
             loaded.model,
@@ -139,7 +130,12 @@ class AsyncEngine:
             device=config.device,
             dtype=config.dtype,
         )
-        kv = KVCacheManager(plan.num_blocks, config.block_size)
+        kv = KVCacheManager(
+            plan.num_blocks,
+            config.block_size,
+            watermark=config.kv_watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -149,13 +145,31 @@ class AsyncEngine:
         eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
         core = EngineCore(
             runner=runner,
-            scheduler=create_scheduler(config.scheduler, scheduler_config, kv),
+            scheduler=create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options),
             sampler=Sampler(mc.vocab_size, config.device, eos_token_ids=eos, seed=config.seed),
             tokenizer=loaded.tokenizer,
             eos_token_ids=eos,
             max_model_len=max_model_len,
         )
         return cls(loaded=loaded, config=config, plan=plan, core=core)
+
+    @classmethod
+    def plan_memory(
+        cls, model: str | os.PathLike[str] | None = None, *, available_bytes: int | None = None, **options: Any
+    ) -> MemoryPlan:
+        """The memory plan :meth:`from_pretrained` would make, computed before loading any weight.
+
+        Reads only the model's config (config.json or the GGUF header) and
+        estimates the weights from its shapes in the chosen dtype. Takes the
+        same options as :meth:`from_pretrained`; ``available_bytes`` overrides
+        the memory measured as free now (before loading).
+
+        Raises:
+            InvalidParameterError: an unknown option or an out-of-range value.
+            ModelLoadError: the model's config cannot be read.
+            ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
+        """
+        return plan_memory(model, available_bytes=available_bytes, **options)
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -205,8 +219,13 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
+
+        With ``params.n > 1`` the result's ``outputs`` holds every sample (its
+        flat fields are sample 0's). ``cache_salt``: requests share cached prompt
+        prefixes only with requests of the same salt (e.g. one per tenant).
 
         Cancelling the awaiting task aborts the request (its KV blocks return at
         the next step boundary). A request aborted with :meth:`abort` returns
@@ -217,32 +236,51 @@ class AsyncEngine:
             EngineClosedError: the engine is not running.
             EngineDeadError: the step loop failed.
         """
-        request = self._make_request(prompt, params, request_id, priority)
-        token_ids: list[int] = []
-        pieces: list[str] = []
-        logprobs: list[Logprob] | None = [] if request.params.logprobs is not None else None
-        last: CoreOutput | None = None
+        request = self._make_request(prompt, params, request_id, priority, cache_salt)
+        n = request.params.n
+        want_logprobs = request.params.logprobs is not None
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[Logprob]] = [[] for _ in range(n)]
+        last: list[CoreOutput | None] = [None] * n
         async for out in self._submit(request):
-            token_ids.extend(out.token_ids)
-            pieces.append(out.text)
-            if logprobs is not None and out.logprobs:
-                logprobs.extend(out.logprobs)
-            last = out
-        assert last is not None and last.finish_reason is not None
+            i = out.index
+            token_ids[i].extend(out.token_ids)
+            pieces[i].append(out.text)
+            if out.logprobs:
+                logprobs[i].extend(out.logprobs)
+            last[i] = out
+        finals = [out for out in last if out is not None]
+        assert len(finals) == n and all(out.finish_reason is not None for out in finals)
+        completions = [
+            CompletionOutput(
+                index=i,
+                token_ids=token_ids[i],
+                text="".join(pieces[i]),
+                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                logprobs=logprobs[i] if want_logprobs else None,
+                stop_reason=out.stop_reason,
+            )
+            for i, out in enumerate(finals)
+        ]
+        first_times = [out.first_token_time for out in finals if out.first_token_time is not None]
+        finish_times = [out.finish_time for out in finals if out.finish_time is not None]
+        head = completions[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=token_ids,
-            text="".join(pieces),
-            finish_reason=last.finish_reason,  # type: ignore[arg-type]
+            token_ids=head.token_ids,
+            text=head.text,
+            finish_reason=head.finish_reason,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
-                first_token_time=last.first_token_time,
-                finish_time=last.finish_time,
-                num_preemptions=last.num_preemptions,
+                first_token_time=min(first_times, default=None),
+                finish_time=max(finish_times, default=None),
+                num_preemptions=sum(out.num_preemptions for out in finals),
             ),
-            logprobs=logprobs,
-            stop_reason=last.stop_reason,
+            logprobs=head.logprobs,
+            stop_reason=head.stop_reason,
+            outputs=completions,
         )
 
     async def stream(
@@ -252,13 +290,17 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield :class:`StreamDelta` pieces as tokens are generated; the last has ``finish_reason``.
 
+        With ``params.n > 1`` the samples' deltas interleave, told apart by
+        ``delta.index``; each sample's last delta has ``finish_reason`` and the
+        stream ends after all ``n`` have finished.
         Breaking out of the loop or cancelling the consuming task aborts the request.
         Raises the same errors as :meth:`generate`, before the first delta.
         """
-        request = self._make_request(prompt, params, request_id, priority)
+        request = self._make_request(prompt, params, request_id, priority, cache_salt)
         async for out in self._submit(request):
             yield StreamDelta(
                 request_id=out.request_id,
@@ -266,6 +308,7 @@ class AsyncEngine:
                 token_ids=out.token_ids,
                 finish_reason=out.finish_reason,  # type: ignore[arg-type]
                 logprobs=out.logprobs,
+                index=out.index,
             )
 
     def abort(self, request_id: str) -> None:
@@ -274,8 +317,24 @@ class AsyncEngine:
             self._post("abort", request_id)
 
     def kv_stats(self) -> KVCacheStats:
-        """A snapshot of the KV cache figures (blocks used/free, usage, waste, preemptions)."""
+        """A snapshot of the KV cache figures: blocks used/free/cached-free, usage, waste,
+        prefix-cache queries and hits (tokens), copy-on-write copies, evictions, preemptions.
+
+        Read while the engine runs it is a snapshot taken between two steps at best
+        (the numbers are plain ints; a torn read is off by one step, never corrupt).
+        """
         return self._core.kv.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, at the next step boundary.
+
+        Requests submitted after this call never reuse blocks cached before it;
+        requests in flight keep the blocks they hold but add nothing to the new cache.
+        """
+        if self._state in (EngineState.RUNNING, EngineState.CLOSING):
+            self._post("reset_prefix_cache", None)
+        else:  # no step loop is running: nothing can race with it
+            self._core.reset_prefix_cache()
 
     @property
     def kv_manager(self) -> KVCacheManager:
@@ -300,7 +359,12 @@ class AsyncEngine:
             )
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> Request:
         self._check_running()
         if params is None:
@@ -313,7 +377,9 @@ class AsyncEngine:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError("request_id", request_id, "a non-empty string")
-        elif request_id in self._streams:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
+        if any(rid in self._ids_in_flight for rid in _sample_ids(request_id, params.n)):
             raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
         prompt_ids = self._tokenize(prompt)
         if len(prompt_ids) >= self.max_model_len:
@@ -326,6 +392,7 @@ class AsyncEngine:
             params=params,
             arrival_time=time.time(),
             priority=priority,
+            cache_salt=cache_salt,
         )
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -369,23 +436,31 @@ class AsyncEngine:
 
     async def _submit(self, request: Request) -> AsyncIterator[CoreOutput]:
         """Hand a request to the core and yield its outputs; abort it if the consumer goes away."""
-        stream = _Stream()
+        stream = _Stream(request.params.n, _sample_ids(request.request_id, request.params.n))
         self._streams[request.request_id] = stream
+        self._ids_in_flight.update(stream.ids)
         self._post("add", request)
+        done = 0
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason is not None:
-                    stream.finished = True
+                    done += 1
+                    stream.finished = done == stream.n
                 yield item
                 if stream.finished:
                     return
         finally:
             if not stream.finished:
-                self._streams.pop(request.request_id, None)
+                self._forget(request.request_id)
                 self.abort(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._ids_in_flight.difference_update(stream.ids)
 
     # ------------------------------------------------------------ core thread
     def _post(self, kind: str, payload: Any) -> None:
@@ -425,16 +500,13 @@ class AsyncEngine:
             if kind == "add":
                 self._core.add_request(payload)
             elif kind == "abort":
-                out = self._core.abort_request(payload)
-                if out is not None:
-                    outputs.append(out)
+                outputs.extend(self._core.abort_request(payload))
+            elif kind == "reset_prefix_cache":
+                self._core.reset_prefix_cache()
             elif kind == "stop":
                 stop = True
                 if payload:  # abort everything in flight
-                    for request_id in list(self._core.scheduler.requests):
-                        out = self._core.abort_request(request_id)
-                        if out is not None:
-                            outputs.append(out)
+                    outputs.extend(self._core.abort_all())
 
     def _deliver(self, outputs: list[CoreOutput]) -> None:
         assert self._loop is not None
@@ -449,7 +521,9 @@ class AsyncEngine:
             if stream is None:
                 continue
             if out.finish_reason is not None:
-                del self._streams[out.request_id]
+                stream.num_done += 1
+                if stream.num_done == stream.n:
+                    self._forget(out.request_id)
             stream.queue.put_nowait(out)
 
     def _deliver_failure(self, exc: BaseException) -> None:
@@ -457,6 +531,7 @@ class AsyncEngine:
             self._state = EngineState.DEAD
             self._dead_cause = exc
             streams, self._streams = self._streams, {}
+            self._ids_in_flight.clear()
             for stream in streams.values():
                 err = EngineDeadError("the engine's step loop failed")
                 err.__cause__ = exc
@@ -467,3 +542,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fail)
         except RuntimeError:
             pass
+
+
+def _sample_ids(request_id: str, n: int) -> tuple[str, ...]:
+    """The core's ids of a request's samples: the request's own, then ``"<id>#<i>"`` (see ``core``)."""
+    return (request_id, *(f"{request_id}#{i}" for i in range(1, n)))

@@ -4,15 +4,26 @@ Per block: ``2 x layers x kv_heads x head_dim x block_size x dtype_bytes`` (K an
 The budget is an explicit byte count, or a fraction of the memory that is free
 after the weights (available RAM on CPU, free device memory on CUDA) minus an
 activation reserve.
+
+:func:`plan_kv_cache` is the arithmetic; :func:`plan_memory` runs it *before*
+anything is loaded, from the model's config alone (weights estimated from the
+shapes), which is what ``AsyncEngine.plan_memory`` exposes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncinfer.errors import ConfigurationError
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError
+
+if TYPE_CHECKING:
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.models.config import ModelConfig
 
 GiB = 1024**3
 MiB = 1024**2
@@ -115,3 +126,105 @@ def plan_kv_cache(
         activation_reserve=activation_reserve,
         max_model_len=max_model_len,
     )
+
+
+# --------------------------------------------------------------------------- before loading
+
+
+def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The model's :class:`ModelConfig` from its metadata only (config.json or GGUF header)."""
+    from asyncinfer.models.config import ModelConfig
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        from asyncinfer.models.loader import gguf_model_config
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+        return gguf_model_config(reader)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory with config.json")
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    return ModelConfig.from_hf_config(hf_config)
+
+
+def estimate_weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the weights once loaded: every parameter in the engine's dtype.
+
+    Quantised GGUF weights are dequantised at load, so the file size is no guide.
+    """
+    return model_config.num_params * dtype_bytes
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``max_model_len``, defaulting to the model's context length (checked against it)."""
+    limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise InvalidParameterError("max_model_len", max_model_len, f"at most the model's context length {limit}")
+    return max_model_len
+
+
+def plan_for_engine(
+    config: EngineConfig, model_config: ModelConfig, *, weight_bytes: int, free_bytes: int
+) -> MemoryPlan:
+    """:func:`plan_kv_cache` with the engine options; ``free_bytes`` is what is free after the weights."""
+    return plan_kv_cache(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype_bytes=config.dtype_bytes,
+        block_size=config.block_size,
+        max_model_len=resolve_max_model_len(config, model_config),
+        weight_bytes=weight_bytes,
+        kv_cache_memory=config.kv_cache_memory,
+        kv_cache_fraction=config.kv_cache_fraction,
+        activation_reserve=config.activation_reserve,
+        free_bytes=free_bytes,
+    )
+
+
+def plan_memory(
+    model: str | os.PathLike[str] | ModelConfig | None = None,
+    *,
+    available_bytes: int | None = None,
+    **options: Any,
+) -> MemoryPlan:
+    """Plan the KV cache without loading weights: what ``from_pretrained`` would allocate.
+
+    ``model``: a model directory, a ``.gguf`` file, a :class:`ModelConfig`, or
+    ``None`` for the default model. ``options``: the engine options
+    (``dtype``, ``device``, ``block_size``, ``kv_cache_memory``, ``kv_cache_fraction``,
+    ``activation_reserve``, ``max_model_len``, ...). ``available_bytes``: memory
+    free *before* loading (default: measured now on the device); the weights,
+    estimated from the config, are subtracted from it.
+
+    Raises:
+        InvalidParameterError: an unknown option or an out-of-range value.
+        ModelLoadError: the model's config cannot be read.
+        ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
+    """
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.models.config import ModelConfig
+
+    config = EngineConfig.from_options(options)
+    if isinstance(model, ModelConfig):
+        model_config = model
+    else:
+        from asyncinfer.model_source import resolve_model
+
+        model_config = read_model_config(resolve_model(model))
+    weight_bytes = estimate_weight_bytes(model_config, config.dtype_bytes)
+    if available_bytes is None:
+        available_bytes = available_memory(config.device)
+    free_bytes = max(0, available_bytes - weight_bytes)
+    return plan_for_engine(config, model_config, weight_bytes=weight_bytes, free_bytes=free_bytes)

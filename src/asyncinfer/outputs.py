@@ -30,6 +30,9 @@ class StreamDelta(msgspec.Struct):
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[Logprob] | None = None
+    #: Which of the ``n`` samples this piece belongs to (always 0 when ``n == 1``);
+    #: each sample's last delta has ``finish_reason`` set.
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -54,8 +57,30 @@ class RequestMetrics(msgspec.Struct):
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
+class CompletionOutput(msgspec.Struct):
+    """One of the ``n`` samples of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[Logprob] | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
 class RequestOutput(msgspec.Struct):
-    """The finished result of ``engine.generate()``."""
+    """The finished result of ``engine.generate()``.
+
+    ``outputs`` holds all ``n`` samples, in index order (one for ``n == 1``).
+    ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` and ``stop_reason``
+    are those of ``outputs[0]``, so code written for one sample reads the same.
+    ``metrics`` covers the whole request: the first token of any sample, the
+    finish of the last one, and the preemptions of all.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -65,6 +90,7 @@ class RequestOutput(msgspec.Struct):
     metrics: RequestMetrics
     logprobs: list[Logprob] | None = None
     stop_reason: int | str | None = None
+    outputs: list[CompletionOutput] = []
 
     @property
     def num_output_tokens(self) -> int:

@@ -40,6 +40,12 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    # Requests with the same salt may share cached prefix blocks; other salts never do.
+    cache_salt: str | None = None
+    # Sample ``index`` of ``params.n``; the samples after the first are forked
+    # from it (``parent_id``) when it has computed the prompt.
+    index: int = 0
+    parent_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -50,6 +56,11 @@ class Request:
     # Owned by the core: sampling state (seeded generator) and detokenizer.
     sampling_state: Any = None
     detokenizer: Any = None
+
+    @property
+    def group_id(self) -> str:
+        """The id the user gave: shared by all ``n`` samples of one request."""
+        return self.parent_id if self.parent_id is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncinfer.cache.kv_tensors import allocate_kv_caches
+from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from asyncinfer.request import Request
 
@@ -59,6 +59,10 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write, before the forward)."""
+        copy_blocks(self.kv_caches, pairs)
 
     def prepare(self, batch: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]]) -> StepInputs:
         """Flatten the step's tokens; decodes first (one batched attention call covers them)."""

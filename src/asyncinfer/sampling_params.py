@@ -19,6 +19,7 @@ __all__ = ["SamplingParams"]
 
 _MAX_SEED = 2**63 - 1
 _MAX_LOGPROBS = 20
+_MAX_N = 64
 
 
 def _is_int(value: object) -> bool:
@@ -90,6 +91,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             output text. bool, default True.
         min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens
             have been generated. int in [0, max_tokens].
+        n: parallel samples of the same prompt, int in [1, 64]. The prompt is
+            computed once and its KV blocks are shared (copied on the first divergent
+            write). With a ``seed``, sample ``i`` uses ``seed + i`` (mod 2**63), so it
+            equals a lone request with that seed.
     """
 
     max_tokens: int = 128
@@ -108,6 +113,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
@@ -162,6 +168,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
 
+        _check_int("n", self.n, 1, _MAX_N, f"an int in [1, {_MAX_N}]")
+
     # ------------------------------------------------------------------ helpers
 
     @property
@@ -188,6 +196,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def has_penalties(self) -> bool:
         """True when any of the repetition/presence/frequency penalties is active."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of ``n``: one sample, with seed ``seed + index``."""
+        seed = None if self.seed is None else (self.seed + index) % (_MAX_SEED + 1)
+        if self.n == 1 and seed == self.seed:
+            return self
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
     def with_updates(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied; the result is validated again."""

@@ -25,3 +25,19 @@ def allocate_kv_caches(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's K and V (copy-on-write).
+
+    All sources are read before any destination is written, so the pairs see
+    the blocks as they were before the call; no ``dst`` may repeat.
+    """
+    if not pairs:
+        return
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)  # [num_pairs]
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)  # [num_pairs]
+    for k_cache, v_cache in kv_caches:
+        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))  # [num_pairs, block_size, kv_heads, head_dim]
+        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))  # [num_pairs, block_size, kv_heads, head_dim]

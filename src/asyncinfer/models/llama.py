@@ -89,6 +89,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A replacement output projection (e.g. int8, see quant.py); None: use lm_head_weight.
+        self.output_proj: nn.Module | None = None
 
     def forward(
         self,
@@ -116,4 +118,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
+        if self.output_proj is not None:
+            return self.output_proj(hidden).float()  # [N, vocab]
         return F.linear(hidden, self.lm_head_weight).float()  # [N, vocab]

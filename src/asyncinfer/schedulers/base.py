@@ -1,12 +1,23 @@
-"""The scheduler contract.
+"""The scheduler contract (plugin API version :data:`SCHEDULER_API_VERSION`).
 
 A scheduler decides, once per engine step, which requests run and how many of
 their tokens are computed. It is plain Python: it never imports torch or a
 model, and talks to memory only through the :class:`KVCacheManager` verbs
-``can_allocate``, ``allocate_slots``, ``preempt``/``free`` and ``num_free_blocks``.
+``can_allocate``, ``allocate_slots`` (or ``allocate``/``append_slots``),
+``lookup_prefix``, ``preempt``/``free`` and the read-only queries
+``num_free_blocks``, ``num_blocks_needed`` and ``block_table``.
+
+Construction: ``cls(config, kv, **options)``; ``options`` are the engine's
+``scheduler_options`` (unknown keywords are rejected by the registry, bad
+values should raise :class:`~asyncinfer.errors.InvalidParameterError`).
 
 What it receives:
-- :meth:`Scheduler.add_request` — a new request (status ``WAITING``);
+- :meth:`Scheduler.add_request` — a new request (status ``WAITING``), with its
+  ``priority`` (lower = more urgent; policies that ignore it set
+  ``uses_priority = False``) and ``arrival_time`` on the :attr:`Scheduler.clock`;
+- each step's outputs, applied by the core to the :class:`Request` objects it
+  scheduled before the next ``schedule`` call: ``num_computed_tokens`` grows by
+  the scheduled count, and a request that caught up gets one sampled token;
 - :meth:`Scheduler.finish_requests` — requests the core finished after a step
   (stop, length or abort); the scheduler drops them and frees their blocks;
 - :meth:`Scheduler.abort_request` — a request cancelled by the user, at a step boundary.
@@ -17,14 +28,32 @@ preempted this step. A request scheduled for ``k`` tokens has slots for
 ``num_computed_tokens + k`` tokens in its block table when ``schedule`` returns.
 
 Invariants every scheduler keeps:
-- the sum of scheduled tokens is at most ``max_num_batched_tokens`` and at most
-  ``max_num_seqs`` requests are scheduled;
+- budget: the sum of scheduled tokens is at most ``max_num_batched_tokens`` and at
+  most ``max_num_seqs`` requests are scheduled (and running);
 - a request is scheduled at most once per step, for at least one token, and
   never past its known tokens (``num_new_tokens <= num_uncomputed_tokens``);
 - progress: if any request is runnable and the cache is not full of *other*
   requests' blocks, something is scheduled (preempting if it must);
+- no starvation: every request is scheduled within a bounded time unless the
+  policy says otherwise by setting ``starvation_free = False``;
 - no request is lost: every added request ends in ``finish_requests`` or
-  ``abort_request``; preempted requests go back to waiting and are recomputed.
+  ``abort_request``; preempted requests go back to waiting and are recomputed
+  (``preempt`` frees their blocks and sets ``num_computed_tokens = 0``).
+
+Memory (prefix cache, copy-on-write): start waiting requests through
+:meth:`Scheduler.admit` or :meth:`Scheduler.allocate_new`, which look the
+request up in the prefix cache (``kv.lookup_prefix``) and allocate with the
+hit (``kv.allocate(..., prefix=hit)``), so a cached prompt prefix is not
+computed again (``num_computed_tokens`` starts past it). Grow running requests
+with ``kv.allocate_slots`` / ``kv.append_slots``; a write into a block shared
+with another request copies it first, transparently. One rule follows from
+blocks being shared within a step: never preempt or free a request after
+scheduling it in the same ``schedule`` call (``kv.free`` raises
+``RuntimeError`` if requests admitted after it already share its new blocks).
+
+Time: policies that look at waiting time read :attr:`Scheduler.clock` (wall time
+in the engine; the policy lab replaces it with simulated time), never
+``time.time()`` directly.
 
 Raises: ``schedule`` raises nothing for lack of memory — a failed allocation
 changes nothing and the request simply waits.
@@ -33,12 +62,17 @@ changes nothing and the request simply waits.
 from __future__ import annotations
 
 import abc
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
+
+#: Version of this contract. A plugin may set ``api_version`` on its class; the
+#: registry refuses one written for a newer contract than this engine speaks.
+SCHEDULER_API_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -78,6 +112,12 @@ class Scheduler(abc.ABC):
 
     #: Whether the policy looks at ``Request.priority`` (schedulers that ignore it say so).
     uses_priority: bool = False
+    #: Whether every request is scheduled within a bounded time (see the contract).
+    starvation_free: bool = True
+    #: The contract version the class was written for.
+    api_version: int = SCHEDULER_API_VERSION
+    #: Seconds on the clock that ``Request.arrival_time`` uses; the lab swaps in simulated time.
+    clock: Callable[[], float] = staticmethod(time.time)
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -142,6 +182,104 @@ class Scheduler(abc.ABC):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def allocate_or_preempt(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        out: SchedulerOutput,
+        pick_victim: Callable[[], Request] | None = None,
+    ) -> bool:
+        """Schedule a running request for ``num_new_tokens``, preempting others until its slots fit.
+
+        ``pick_victim`` names the running request to give up next (default: the
+        last of ``self.running``); it must not return one already in ``out``
+        other than ``request`` itself. Returns ``False`` when ``request`` itself
+        was preempted (then it is not scheduled).
+        """
+        total = request.num_computed_tokens + num_new_tokens
+        while not self.kv.allocate_slots(request.request_id, total):
+            victim = pick_victim() if pick_victim is not None else self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        out.num_scheduled_tokens[request.request_id] = num_new_tokens
+        return True
+
+    def schedule_running(self, out: SchedulerOutput, budget: int, skip: Container[str] = ()) -> int:
+        """Schedule ``self.running`` in list order (but ``skip``), preempting from its end.
+
+        Each request gets all it lacks or a chunk of what is left of ``budget``;
+        reorder ``self.running`` first to set the policy's order (the last one is
+        the first preempted). Returns the budget left.
+        """
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.request_id in skip or request.request_id in out.preempted:
+                continue
+            n = self.tokens_to_schedule(request, budget)
+            if n and self.allocate_or_preempt(request, n, out):
+                budget -= n
+        return budget
+
+    def admit_waiting(self, order: Iterable[Request], budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting requests in ``order`` while budget, ``max_num_seqs`` and blocks allow.
+
+        Stops at the first that does not fit: a request behind it would take the
+        memory it waits for. Returns the budget left.
+        """
+        for request in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            n = self.admit(request, budget, out)
+            if n == 0:
+                break
+            budget -= n
+        return budget
+
+    def admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Start a waiting request with up to ``budget`` tokens if its slots fit.
+
+        Only a request whose every known token would fit in the free blocks now
+        starts, even if this step computes a chunk of it: a long prompt started
+        without room to finish would need blocks halfway, be preempted, start
+        again, and so on. Keeps the watermark back while others run; moves the
+        request from waiting to running and records it in ``out``. Returns the
+        tokens scheduled, or 0 with nothing changed. The caller checks ``max_num_seqs``.
+        """
+        reserve = bool(self.running)
+        if not self.kv.can_allocate(request, request.num_tokens, new_request=reserve):
+            return 0
+        n = self.allocate_new(request, budget, reserve=reserve)
+        if n == 0:
+            return 0
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.num_scheduled_tokens[request.request_id] = n
+        return n
+
+    def allocate_new(self, request: Request, budget: int, *, reserve: bool) -> int:
+        """Slots for a waiting request's next tokens, reusing its longest cached prefix.
+
+        Looks the request up in the prefix cache (if it holds no blocks yet),
+        then allocates for up to ``budget`` of the tokens the cache does not
+        cover (all of them, or a chunk with chunked prefill). On success
+        ``request.num_computed_tokens`` already counts the cached tokens and the
+        tokens to schedule are returned; 0 means it cannot start now and nothing
+        changed. ``reserve`` keeps the watermark free (pass ``bool(self.running)``).
+        Does not move the request between queues (:meth:`admit` does).
+        """
+        hit = self.kv.lookup_prefix(request)
+        start = hit.num_tokens if hit else request.num_computed_tokens
+        want = request.num_tokens - start
+        n = want if want <= budget else (budget if self.config.enable_chunked_prefill else 0)
+        if n <= 0 or not self.kv.allocate(request, n, prefix=hit or None, new_request=reserve):
+            return 0
+        request.num_computed_tokens = start
+        return n
 
     def tokens_to_schedule(self, request: Request, budget: int) -> int:
         """Tokens a request would run with ``budget`` left: all it lacks, or a chunk of it."""

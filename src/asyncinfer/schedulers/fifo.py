@@ -47,13 +47,11 @@ class FIFOScheduler(Scheduler):
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = self.tokens_to_schedule(request, budget)
-            if n == 0:
-                break
             # The watermark keeps room for running decodes; with nothing running
             # there is nothing to protect, so the head request may use it all.
-            reserve = bool(self.running)
-            if not self.kv.allocate_slots(request.request_id, n, new_request=reserve):
+            # A cached prompt prefix is taken instead of computed (allocate_new).
+            n = self.allocate_new(request, budget, reserve=bool(self.running))
+            if n == 0:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

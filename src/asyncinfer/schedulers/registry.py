@@ -1,22 +1,32 @@
 """Scheduler lookup: a built-in name, a class, a ``"pkg.module:Class"`` path, or an
 entry point in the ``asyncinfer.schedulers`` group installed by another package.
+
+A third-party package adds a name with, in its ``pyproject.toml``::
+
+    [project.entry-points."asyncinfer.schedulers"]
+    fair-share = "my_package.scheduling:FairShareScheduler"
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
+from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
+from asyncinfer.schedulers.base import SCHEDULER_API_VERSION, Scheduler, SchedulerConfig
 
 ENTRY_POINT_GROUP = "asyncinfer.schedulers"
 
 # Lazily imported factories: the name costs nothing until it is used.
 _BUILTIN: dict[str, str] = {
     "fifo": "asyncinfer.schedulers.fifo:FIFOScheduler",
+    "length-bucket": "asyncinfer.schedulers.length_bucket:LengthBucketScheduler",
+    "aging-priority": "asyncinfer.schedulers.aging_priority:AgingPriorityScheduler",
+    "pd-split": "asyncinfer.schedulers.pd_split:PDSplitScheduler",
 }
 _REGISTERED: dict[str, type[Scheduler]] = {}
 
@@ -31,7 +41,13 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
     return wrap
 
 
+def builtin_schedulers() -> list[str]:
+    """The names that ship with asyncinfer, default first."""
+    return list(_BUILTIN)
+
+
 def available_schedulers() -> list[str]:
+    """Every name ``scheduler=`` accepts here: built-in, registered, and installed entry points."""
     names = set(_BUILTIN) | set(_REGISTERED)
     names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return sorted(names)
@@ -43,7 +59,12 @@ def _import_path(path: str) -> object:
 
 
 def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
-    """Turn a ``scheduler=`` option into a :class:`Scheduler` subclass."""
+    """Turn a ``scheduler=`` option into a :class:`Scheduler` subclass.
+
+    Raises:
+        InvalidParameterError: unknown name, unimportable path, not a Scheduler
+            subclass, or a plugin written for a newer contract than this engine's.
+    """
     if isinstance(spec, type):
         cls: object = spec
     elif isinstance(spec, str) and spec in _REGISTERED:
@@ -64,8 +85,28 @@ def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
         raise InvalidParameterError("scheduler", spec, "a name, a Scheduler subclass or 'module:Class'")
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         raise InvalidParameterError("scheduler", spec, "a subclass of asyncinfer.schedulers.Scheduler")
+    if cls.api_version > SCHEDULER_API_VERSION:
+        raise InvalidParameterError(
+            "scheduler", spec, f"a plugin for scheduler API <= {SCHEDULER_API_VERSION} (it needs {cls.api_version})"
+        )
     return cls
 
 
-def create_scheduler(spec: str | type[Scheduler], config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
-    return resolve_scheduler(spec)(config, kv)
+def create_scheduler(
+    spec: str | type[Scheduler],
+    config: SchedulerConfig,
+    kv: KVCacheManager,
+    options: Mapping[str, Any] | None = None,
+) -> Scheduler:
+    """Build the scheduler ``spec`` names with its ``options`` (the engine's ``scheduler_options``).
+
+    Raises:
+        InvalidParameterError: as :func:`resolve_scheduler`, or an option the class does not take.
+    """
+    cls = resolve_scheduler(spec)
+    options = dict(options or {})
+    try:
+        inspect.signature(cls).bind(config, kv, **options)
+    except TypeError as exc:
+        raise InvalidParameterError("scheduler_options", options, f"keywords {cls.__name__} accepts ({exc})") from exc
+    return cls(config, kv, **options)

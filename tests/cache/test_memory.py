@@ -1,0 +1,85 @@
+"""The KV budget: the per-block formula, the plan, the refusal with numbers, planning before loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncinfer import ConfigurationError, InvalidParameterError
+from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
+from asyncinfer.memory import MiB, estimate_weight_bytes, kv_block_bytes, plan_kv_cache, plan_memory
+from asyncinfer.models import ModelConfig
+
+# SmolLM2-135M-Instruct's shapes (the default model).
+SMOLLM2 = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
+    max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
+    eos_token_ids=(2,),
+)
+
+
+def test_block_bytes_formula_for_smollm2() -> None:
+    # 2 (K and V) x 30 layers x 3 kv heads x 64 dims x 16 tokens x 4 bytes (fp32)
+    assert kv_block_bytes(30, 3, 64, 16, 4) == 2 * 30 * 3 * 64 * 16 * 4 == 737_280
+    assert kv_block_bytes(30, 3, 64, 16, 2) == 368_640  # bf16 halves it
+    assert SMOLLM2.num_params == 134_515_008
+    assert estimate_weight_bytes(SMOLLM2, 4) == 538_060_032
+
+
+def plan(**kw):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, block_size=4, max_model_len=64,
+                weight_bytes=1000, kv_cache_memory=None, kv_cache_fraction=0.5, activation_reserve=0,
+                free_bytes=10 * MiB)
+    return plan_kv_cache(**{**args, **kw})
+
+
+def test_budget_from_bytes_or_fraction() -> None:
+    block = 2 * 2 * 2 * 16 * 4 * 4  # 1 KiB
+    assert plan(kv_cache_memory=100 * block + 5).num_blocks == 100
+    by_fraction = plan(free_bytes=1000 * block, activation_reserve=200 * block, kv_cache_fraction=0.5)
+    assert by_fraction.num_blocks == 400  # half of what is left after the reserve
+    assert by_fraction.kv_bytes == 400 * block and by_fraction.kv_token_capacity == 1600
+
+
+def test_refuses_a_cache_that_cannot_hold_one_max_length_request_with_numbers() -> None:
+    block = 2 * 2 * 2 * 16 * 4 * 4
+    with pytest.raises(ConfigurationError) as info:
+        plan(kv_cache_memory=15 * block, max_model_len=64)  # 64 tokens need 16 blocks of 4
+    message = str(info.value)
+    assert "15 blocks" in message and "max_model_len=64" in message and "needs 16 blocks" in message
+    assert plan(kv_cache_memory=16 * block, max_model_len=64).num_blocks == 16
+    with pytest.raises(ConfigurationError, match="exceeds"):
+        plan(kv_cache_memory=20 * MiB)
+
+
+def test_plan_memory_before_loading_from_a_model_config() -> None:
+    gib = 1024**3
+    p = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="float32", device="cpu", max_model_len=2048,
+                    kv_cache_fraction=0.5, activation_reserve=256 * MiB)
+    weights = 538_060_032
+    assert p.weight_bytes == weights and p.block_bytes == 737_280 and p.max_model_len == 2048
+    assert p.num_blocks == int((4 * gib - weights - 256 * MiB) * 0.5) // 737_280
+    half = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="bfloat16", device="cpu", kv_cache_memory=256 * MiB)
+    assert half.weight_bytes == weights // 2 and half.num_blocks == 256 * MiB // 368_640 == 728
+    assert half.max_model_len == 8192  # the model's context length by default
+    with pytest.raises(ConfigurationError, match="max_model_len=8192"):
+        plan_memory(SMOLLM2, available_bytes=4 * gib, device="cpu", kv_cache_memory=64 * MiB, dtype="float32")
+    with pytest.raises(InvalidParameterError, match="max_model_len"):
+        plan_memory(SMOLLM2, device="cpu", max_model_len=10_000)
+    with pytest.raises(InvalidParameterError, match="no_such_option"):
+        plan_memory(SMOLLM2, device="cpu", no_such_option=1)
+
+
+def test_copy_blocks_copies_every_layer_from_the_old_contents() -> None:
+    caches = allocate_kv_caches(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3,
+                                dtype=torch.float32, device=torch.device("cpu"))
+    for layer, (k, v) in enumerate(caches):
+        for b in range(4):
+            k[b] = 10 * layer + b
+            v[b] = -(10 * layer + b)
+    copy_blocks(caches, [(1, 2), (2, 3)])  # 3 gets 2's contents from before the call
+    for layer, (k, v) in enumerate(caches):
+        assert [k[b, 0, 0, 0].item() for b in range(4)] == [10 * layer + x for x in (0, 1, 1, 2)]
+        assert [v[b, 1, 0, 2].item() for b in range(4)] == [-(10 * layer + x) for x in (0, 1, 1, 2)]
+    copy_blocks(caches, [])  # nothing to do
