@@ -3,6 +3,7 @@
     asyncinfer chat "What is the capital of France?"   # one-shot, streamed
     asyncinfer chat                                     # interactive; /reset clears history, /quit leaves
     asyncinfer info                                     # model, memory plan and options
+    asyncinfer lab --synthetic 200                      # compare schedulers on a simulated trace
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Any
 
 from asyncinfer.engine import AsyncEngine
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
 
@@ -101,6 +102,124 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text) -> per-scheduler options."""
+    import json
+
+    options: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, raw = item.partition("=")
+        name, dot, key = target.rpartition(".")
+        if not (sep and dot and name and key):
+            raise InvalidParameterError("--option", item, "NAME.KEY=VALUE, e.g. pd-split.prefill_budget=64")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        options.setdefault(name, {})[key] = value
+    return options
+
+
+def _lab(args: argparse.Namespace) -> int:
+    from asyncinfer import lab
+    from asyncinfer.schedulers import SchedulerConfig
+
+    if args.calibrate:
+        from asyncinfer.lab.calibrate import calibrate
+
+        command = f"asyncinfer lab --calibrate {args.calibrate}" + (f" --model {args.model}" if args.model else "")
+        command += f" --threads {args.threads}" if args.threads else ""
+        model = calibrate(args.model, command=command, num_threads=args.threads)
+        model.save(args.calibrate)
+        print(f"cost model written to {args.calibrate}: {model.coefficients}")
+        print(f"fit over {model.meta['fit_samples']} shapes: mean relative error "
+              f"{model.meta['fit_mean_rel_error']:.1%}, max {model.meta['fit_max_rel_error']:.1%}")
+        return 0
+    if args.trace:
+        trace = lab.load_trace(args.trace)
+        source = args.trace
+    else:
+        trace = lab.synthetic_trace(args.synthetic, rate=args.rate, seed=args.seed,
+                                    long_fraction=args.long_fraction, priorities=args.priorities)
+        source = f"synthetic: {args.synthetic} requests, {args.rate}/s, seed {args.seed}"
+    if args.save_trace:
+        lab.save_trace(trace, args.save_trace)
+    names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    options = _parse_options(args.option)
+    cost = lab.load_cost_model(args.cost_model)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=args.max_model_len)
+    slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
+    results, summaries = {}, []
+    for name in names:
+        result = lab.simulate(trace, name, cost_model=cost, config=config, num_blocks=args.num_blocks,
+                              block_size=args.block_size, options=options.get(name),
+                              enable_prefix_caching=not args.no_prefix_caching)
+        results[name] = result.records
+        summaries.append(lab.summarize(name, result.records, slo))
+    print(f"trace: {source} ({len(trace)} requests, {sum(t.prompt_len for t in trace)} prompt and "
+          f"{sum(t.output_len for t in trace)} output tokens)")
+    print(f"cost model: {args.cost_model or 'shipped'} ({cost.meta.get('model', '?')}, "
+          f"{cost.meta.get('cpu', '?')}); {args.num_blocks} blocks x {args.block_size}, "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
+    print(f"SLO: TTFT <= {slo.ttft}s and TPOT <= {slo.tpot}s; times in simulated seconds\n")
+    print(lab.format_table(summaries))
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"trace": source, "summaries": [s.to_dict() for s in summaries]}, fh, indent=2)
+    if args.plot:
+        if lab.save_plot(results, summaries, args.plot, title=source):
+            print(f"\nplot saved to {args.plot}")
+        else:
+            print("\nno plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _add_lab_args(p: argparse.ArgumentParser) -> None:
+    from asyncinfer.schedulers import builtin_schedulers
+
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
+    src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N", help="generate N requests (default 200)")
+    p.add_argument("--rate", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed")
+    p.add_argument("--long-fraction", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
+    p.add_argument("--priorities", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
+    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
+    p.add_argument("--schedulers", default=",".join(builtin_schedulers()), help="comma-separated names")
+    p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
+    p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
+    p.add_argument("--num-blocks", type=_positive_int, default=4096)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
+    # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument("--max-model-len", type=_positive_int, default=4096)
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO in seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO in seconds")
+    p.add_argument("--plot", default="scheduler_lab.png", help="PNG path ('' for none)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
+    p.add_argument("--calibrate", default=None, metavar="OUT",
+                   help="time the real runner of --model, write a cost model JSON to OUT, and exit")
+    p.add_argument("--model", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while calibrating")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     info = sub.add_parser("info", help="load a model and print its memory plan")
     _add_engine_args(info)
+    lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)")
+    _add_lab_args(lab)
     return parser
 
 
@@ -124,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return asyncio.run(_chat(args))
+        if args.command == "lab":
+            return _lab(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)

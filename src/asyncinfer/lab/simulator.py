@@ -1,0 +1,254 @@
+"""Replay a trace through a real scheduler and a real KV cache manager, with modelled step times.
+
+No model runs. Each step is what the engine core does — ``schedule``, then
+apply the plan: ``num_computed_tokens`` grows, a request that caught up gets a
+token, finished requests go back through ``finish_requests`` — except that the
+step's duration comes from a :class:`StepCostModel` and the clock is simulated.
+The scheduler reads that clock (:attr:`Scheduler.clock`), so aging and waiting
+times are simulated too. Same trace, same policy, same numbers: it is deterministic.
+
+With ``check=True`` every step is checked against the scheduler contract
+(budget, ``max_num_seqs``, token counts, block coverage, no lost request,
+progress), and a breach raises :class:`ContractViolation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
+from asyncinfer.errors import ConfigurationError, InvalidParameterError
+from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
+from asyncinfer.lab.trace import TraceRequest
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.registry import create_scheduler
+
+
+class ContractViolation(AssertionError):
+    """A scheduler broke the contract of :mod:`asyncinfer.schedulers.base` during a replay."""
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one trace request (times in simulated seconds)."""
+
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    priority: int
+    first_scheduled: float | None = None
+    finish: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float:
+        assert self.token_times
+        return self.token_times[0] - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        assert self.finish is not None
+        return self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (``None`` for a single token)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def wait(self) -> float:
+        """Seconds from arrival until the request first ran."""
+        assert self.first_scheduled is not None
+        return self.first_scheduled - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step. ``decode_keys`` is the padded decode attention work, ``decode_context``
+    the part of it that is real context (the rest is padding to the longest decode)."""
+
+    start: float
+    duration: float
+    num_seqs: int
+    decodes: int
+    prefill_tokens: int
+    preempted: int
+    decode_keys: int
+    decode_context: int
+
+
+@dataclass
+class SimResult:
+    scheduler: str
+    records: list[RequestRecord]
+    steps: list[StepRecord]
+
+    @property
+    def makespan(self) -> float:
+        start = min(r.arrival for r in self.records)
+        return max(r.finish for r in self.records if r.finish is not None) - start
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    scheduler: str | type[Scheduler] = "fifo",
+    *,
+    cost_model: StepCostModel | None = None,
+    config: SchedulerConfig | None = None,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    watermark: float = 0.01,
+    enable_prefix_caching: bool = True,
+    options: Mapping[str, Any] | None = None,
+    check: bool = True,
+    max_steps: int = 5_000_000,
+) -> SimResult:
+    """Replay ``trace`` through ``scheduler`` and return every request's timeline.
+
+    The KV cache is set up as the engine's is by default (``watermark``, prefix
+    caching on); every request's prompt is distinct, so prefix hits come only
+    from a preempted request finding its own blocks still cached.
+
+    Raises:
+        InvalidParameterError: a request longer than ``max_model_len``, or bad scheduler options.
+        ConfigurationError: the cache cannot hold one ``max_model_len`` request.
+        ContractViolation: ``check`` found a broken invariant, or the replay made no progress.
+    """
+    config = config or SchedulerConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=1024)
+    cost_model = cost_model or load_cost_model()
+    if blocks_for(config.max_model_len, block_size) > num_blocks:
+        raise ConfigurationError(f"{num_blocks} blocks of {block_size} cannot hold one "
+                                 f"max_model_len={config.max_model_len} request")
+    for t in trace:
+        if t.prompt_len >= config.max_model_len:
+            raise InvalidParameterError("trace", t.id, f"prompts shorter than max_model_len={config.max_model_len}")
+    kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching)
+    sched = create_scheduler(scheduler, config, kv, options)
+    sim = _Replay(sched, config, cost_model, check)
+    sched.clock = lambda: sim.now  # type: ignore[method-assign]
+    pending = sorted(trace, key=lambda t: t.arrival)
+    records = {t.id: RequestRecord(t.id, t.arrival, t.prompt_len, t.output_len, t.priority) for t in pending}
+    if len(records) != len(pending):
+        raise InvalidParameterError("trace", "ids", "unique request ids")
+    sim.records = records
+    i = 0
+    while i < len(pending) or sched.has_unfinished_requests():
+        if len(sim.steps) >= max_steps:
+            raise ContractViolation(f"no end after {max_steps} steps")
+        while i < len(pending) and pending[i].arrival <= sim.now:
+            sched.add_request(_make_request(pending[i], i))
+            i += 1
+        if not sched.has_unfinished_requests():
+            sim.now = pending[i].arrival
+            continue
+        sim.step()
+    if check and kv.num_free_blocks != kv.num_blocks:
+        raise ContractViolation(f"{kv.num_blocks - kv.num_free_blocks} blocks not returned at the end")
+    name = scheduler if isinstance(scheduler, str) else scheduler.__name__
+    return SimResult(name, list(records.values()), sim.steps)
+
+
+def _make_request(t: TraceRequest, index: int) -> Request:
+    # Token values only matter to the prefix cache's hashes: distinct per request.
+    first = (index + 1) << 20
+    return Request(
+        request_id=t.id,
+        prompt_token_ids=list(range(first, first + t.prompt_len)),
+        params=SamplingParams(max_tokens=t.output_len, ignore_eos=True),
+        arrival_time=t.arrival,
+        priority=t.priority,
+    )
+
+
+class _Replay:
+    """The simulated core: one ``step`` = schedule, check, advance the clock, apply."""
+
+    def __init__(self, sched: Scheduler, config: SchedulerConfig, cost: StepCostModel, check: bool) -> None:
+        self.sched = sched
+        self.config = config
+        self.cost = cost
+        self.check = check
+        self.now = 0.0
+        self.steps: list[StepRecord] = []
+        self.records: dict[str, RequestRecord] = {}
+
+    def step(self) -> None:
+        sched = self.sched
+        plan = sched.schedule()
+        sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
+        if self.check or plan.is_empty:
+            check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")
+        batch = [(sched.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        shape = StepShape.from_batch(((r.num_computed_tokens, n, r.num_tokens) for r, n in batch), sched.kv.block_size)
+        start = self.now
+        self.now += self.cost.cost(shape)
+        for rid in plan.preempted:
+            self.records[rid].preemptions += 1
+        finished = []
+        for request, n in batch:
+            record = self.records[request.request_id]
+            if record.first_scheduled is None:
+                record.first_scheduled = start
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens:
+                request.output_token_ids.append(0)
+                record.token_times.append(self.now)
+                if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.config.max_model_len:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    record.finish = self.now
+                    finished.append(request)
+        sched.finish_requests(finished)
+        decodes = [r.num_computed_tokens for r, n in batch if n == 1]
+        self.steps.append(StepRecord(start, self.now - start, len(batch), len(decodes), shape.tokens - len(decodes),
+                                     len(plan.preempted), shape.decode_keys, sum(decodes)))
+
+
+def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> None:
+    """Check one ``schedule()`` result against the contract; raise :class:`ContractViolation` if broken.
+
+    Call it right after ``schedule`` and before the step is applied.
+    """
+    cfg = sched.config
+    where = where or type(sched).__name__
+    scheduled = plan.num_scheduled_tokens
+    if plan.total_tokens > cfg.max_num_batched_tokens:
+        raise ContractViolation(f"{where}: {plan.total_tokens} tokens > max_num_batched_tokens")
+    if len(scheduled) > cfg.max_num_seqs or sched.num_running > cfg.max_num_seqs:
+        raise ContractViolation(f"{where}: more than max_num_seqs={cfg.max_num_seqs} requests")
+    running = {r.request_id for r in sched.running}
+    waiting = {r.request_id for r in sched.waiting}
+    if running & waiting or running | waiting != set(sched.requests) or len(sched.waiting) != len(waiting):
+        raise ContractViolation(f"{where}: running/waiting do not partition the live requests")
+    if set(plan.preempted) & set(scheduled) or not set(plan.preempted) <= waiting:
+        raise ContractViolation(f"{where}: a preempted request is scheduled or not back in waiting")
+    bs = sched.kv.block_size
+    for rid, n in scheduled.items():
+        request = sched.requests.get(rid)
+        if request is None or rid not in running:
+            raise ContractViolation(f"{where}: {rid} is scheduled but not running")
+        if not 1 <= n <= request.num_uncomputed_tokens:
+            raise ContractViolation(f"{where}: {rid} scheduled for {n} of {request.num_uncomputed_tokens} tokens")
+        if len(sched.kv.block_table(rid)) * bs < request.num_computed_tokens + n:
+            raise ContractViolation(f"{where}: {rid} has no slots for its tokens")
+    if plan.is_empty and sched.has_unfinished_requests():
+        raise ContractViolation(
+            f"{where}: scheduled nothing with {sched.num_running} running and {sched.num_waiting} waiting requests"
+        )

@@ -1,0 +1,127 @@
+"""Request traces: what arrives when, how long its prompt is and how many tokens it generates.
+
+The file format is JSON Lines, one request per line::
+
+    {"arrival": 0.25, "prompt_len": 412, "output_len": 64, "priority": 0, "id": "r7"}
+
+``arrival`` is seconds from the start of the trace; ``priority`` (default 0, lower
+is more urgent) and ``id`` (default: the line number) are optional.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from asyncinfer.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace; ``output_len`` tokens are generated (no early stop)."""
+
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.arrival, (int, float)) and math.isfinite(self.arrival) and self.arrival >= 0):
+            raise InvalidParameterError("arrival", self.arrival, "seconds >= 0")
+        for name in ("prompt_len", "output_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name, value, "an integer >= 1")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidParameterError("priority", self.priority, "an integer")
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSONL trace, sorted by arrival (ties keep file order).
+
+    Raises:
+        InvalidParameterError: a line that is not a valid request (the message names the line).
+    """
+    requests = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                requests.append(
+                    TraceRequest(
+                        id=str(row.get("id", f"r{lineno}")),
+                        arrival=row["arrival"],
+                        prompt_len=row["prompt_len"],
+                        output_len=row["output_len"],
+                        priority=row.get("priority", 0),
+                    )
+                )
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise InvalidParameterError("trace", f"{path}:{lineno}", f"a JSON object with arrival, prompt_len, "
+                                            f"output_len[, priority, id] ({exc!r})") from exc
+    if len({r.id for r in requests}) != len(requests):
+        raise InvalidParameterError("trace", str(path), "unique request ids")
+    return sorted(requests, key=lambda r: r.arrival)
+
+
+def save_trace(trace: Iterable[TraceRequest], path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for request in trace:
+            fh.write(json.dumps(asdict(request)) + "\n")
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def synthetic_trace(
+    num_requests: int,
+    *,
+    rate: float = 2.0,
+    seed: int = 0,
+    short_prompt: tuple[int, int] = (16, 256),
+    long_prompt: tuple[int, int] = (512, 2048),
+    long_fraction: float = 0.2,
+    output: tuple[int, int] = (8, 256),
+    priorities: Sequence[int] = (0, 2, 4),
+) -> list[TraceRequest]:
+    """A mixed-length trace: Poisson arrivals at ``rate`` requests/s.
+
+    Prompts are log-uniform in ``short_prompt``, or in ``long_prompt`` with
+    probability ``long_fraction``; output lengths log-uniform in ``output``;
+    priorities drawn uniformly from ``priorities``. Same seed, same trace.
+    """
+    if num_requests < 1:
+        raise InvalidParameterError("num_requests", num_requests, "an integer >= 1")
+    if not rate > 0:
+        raise InvalidParameterError("rate", rate, "requests per second > 0")
+    if not 0.0 <= long_fraction <= 1.0:
+        raise InvalidParameterError("long_fraction", long_fraction, "a fraction in [0, 1]")
+    for name, (lo, hi) in (("short_prompt", short_prompt), ("long_prompt", long_prompt), ("output", output)):
+        if not 1 <= lo <= hi:
+            raise InvalidParameterError(name, (lo, hi), "a range (lo, hi) with 1 <= lo <= hi")
+    if not priorities:
+        raise InvalidParameterError("priorities", priorities, "at least one priority level")
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for i in range(num_requests):
+        span = long_prompt if rng.random() < long_fraction else short_prompt
+        out.append(
+            TraceRequest(
+                id=f"r{i}",
+                arrival=round(t, 6),
+                prompt_len=_log_uniform(rng, *span),
+                output_len=_log_uniform(rng, *output),
+                priority=rng.choice(list(priorities)),
+            )
+        )
+        t += rng.expovariate(rate)
+    return out

@@ -1,0 +1,129 @@
+"""Priority with aging: urgent first, but every request's priority improves as it waits."""
+
+from __future__ import annotations
+
+import math
+
+from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise InvalidParameterError(name, value, "a finite number > 0" + (" or None" if allow_none else ""))
+
+
+class AgingPriorityScheduler(Scheduler):
+    """Lower ``priority`` = more urgent; waiting earns one level per ``aging_interval`` seconds.
+
+    A request's effective priority is ``priority - (now - arrival_time) / aging_interval``.
+    Every request ages at the same rate, so the order between two requests never
+    changes over time: it is the order of ``arrival_time + priority * aging_interval``.
+    Hence the bound: a request of priority ``p`` is overtaken only by requests of
+    priority ``q`` that arrived less than ``(p - q) * aging_interval`` seconds after
+    it, so under any stream of more urgent requests its wait is at most that
+    window plus the time to serve what arrived in it.
+
+    Each step visits running and waiting requests together in that order, so the
+    step's token budget goes to the most urgent first — except one token per
+    running decode, which prompt work never takes. A waiting request that
+    does not fit (``max_num_seqs`` or blocks) preempts the least urgent running
+    request that has not run this step, if it outranks it by at least
+    ``preempt_margin`` levels; otherwise it waits and nothing less urgent is
+    admitted past it. When a running request needs a block, the least urgent
+    running request is the one preempted.
+
+    Options:
+        aging_interval: seconds of waiting worth one priority level (default 10.0);
+            ``None`` is strict priority, which may starve (``starvation_free`` is then False).
+        preempt: whether urgent waiting requests may preempt running ones (default True).
+        preempt_margin: levels by which a request must outrank a running one to preempt it (default 1.0).
+    """
+
+    uses_priority = True
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        aging_interval: float | None = 10.0,
+        preempt: bool = True,
+        preempt_margin: float = 1.0,
+    ) -> None:
+        super().__init__(config, kv)
+        _check_seconds("aging_interval", aging_interval, allow_none=True)
+        if not isinstance(preempt, bool):
+            raise InvalidParameterError("preempt", preempt, "True or False")
+        if isinstance(preempt_margin, bool) or not isinstance(preempt_margin, (int, float)) or preempt_margin < 0:
+            raise InvalidParameterError("preempt_margin", preempt_margin, "a number >= 0")
+        self.aging_interval = None if aging_interval is None else float(aging_interval)
+        self.preempt_urgent = preempt
+        self.preempt_margin = float(preempt_margin)
+        self.starvation_free = aging_interval is not None
+
+    def effective_priority(self, request: Request, now: float) -> float:
+        if self.aging_interval is None:
+            return float(request.priority)
+        return request.priority - (now - request.arrival_time) / self.aging_interval
+
+    def rank(self, request: Request, now: float) -> tuple[float, float]:
+        """Sort key: most urgent first, ties in arrival order."""
+        return (self.effective_priority(request, now), request.arrival_time)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        now = self.clock()
+        budget = self.config.max_num_batched_tokens
+        # One token per running decode is kept back from prompt work, however urgent:
+        # a decode is cheap, and skipping it stalls a stream for a whole step.
+        decodes = {r.request_id for r in self.running if r.num_uncomputed_tokens == 1}
+        admitting = True
+        for request in sorted([*self.running, *self.waiting], key=lambda r: self.rank(r, now)):
+            if budget <= 0:
+                break
+            rid = request.request_id
+            if rid in out.preempted:
+                continue
+            room = budget if rid in decodes else budget - len(decodes)
+            decodes.discard(rid)
+            if request.status is RequestStatus.RUNNING:
+                n = self.tokens_to_schedule(request, room) if room > 0 else 0
+                preempted_before = len(out.preempted)
+                if n and self.allocate_or_preempt(request, n, out, lambda: self._least_urgent_idle(out, now)):
+                    budget -= n
+                if len(out.preempted) > preempted_before:
+                    decodes.difference_update(out.preempted)
+                    admitting = False  # memory pressure: admitting now would thrash
+            elif admitting and room > 0:
+                n = self._admit_or_preempt(request, room, out, now)
+                decodes.difference_update(out.preempted)
+                budget -= n
+                # The most urgent waiting request that does not fit is not overtaken.
+                admitting = n > 0
+        return out
+
+    def _least_urgent_idle(self, out: SchedulerOutput, now: float) -> Request | None:
+        """The least urgent running request not scheduled yet this step."""
+        idle = (r for r in self.running if r.request_id not in out.num_scheduled_tokens)
+        return max(idle, key=lambda r: self.rank(r, now), default=None)
+
+    def _admit_or_preempt(self, request: Request, budget: int, out: SchedulerOutput, now: float) -> int:
+        while True:
+            if len(self.running) < self.config.max_num_seqs:
+                n = self.admit(request, budget, out)
+                if n or self.tokens_to_schedule(request, budget) == 0:
+                    return n
+            victim = self._least_urgent_idle(out, now) if self.preempt_urgent else None
+            if victim is None or not self._outranks(request, victim, now):
+                return 0
+            self.preempt(victim)
+            out.preempted.append(victim.request_id)
+
+    def _outranks(self, request: Request, victim: Request, now: float) -> bool:
+        mine, theirs = self.rank(request, now), self.rank(victim, now)
+        return mine < theirs and theirs[0] - mine[0] >= self.preempt_margin

@@ -1,0 +1,152 @@
+"""One conformance suite for every scheduler: the contract holds, nothing is lost, outputs match FIFO.
+
+Parametrized over every built-in name plus the example plugin. Two drivers:
+a pure-Python one (random arrivals, aborts, tight memory; every step checked
+with :func:`asyncinfer.lab.check_schedule`), and the real engine on a tiny
+random model (greedy tokens must equal FIFO's, token for token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.cache import KVCacheManager
+from asyncinfer.lab import check_schedule
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.schedulers import SchedulerConfig, builtin_schedulers, create_scheduler
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
+
+
+def _example_class():
+    spec = importlib.util.spec_from_file_location("custom_scheduler_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FairShareScheduler
+
+
+SPECS = [*builtin_schedulers(), "example:fair-share"]
+
+
+def resolve(spec: str):
+    return _example_class() if spec == "example:fair-share" else spec
+
+
+# Options that make each policy's special paths fire within a short run.
+OPTIONS = {"length-bucket": {"max_wait": 0.5, "bucket_edges": [8, 16, 32]}, "pd-split": {"prefill_budget": 5}}
+
+LIMITS = [
+    # (num_blocks, block_size, max_num_seqs, max_num_batched_tokens): roomy, tight memory, tiny budget
+    (256, 4, 8, 64),
+    (26, 4, 6, 48),
+    (40, 2, 3, 7),
+]
+
+
+def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, int]:
+    """Random arrivals and aborts through ``schedule``; returns the preemption and abort counts."""
+    num_blocks, block_size, max_seqs, budget = limits
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, watermark=0.05)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=48)
+    sched = create_scheduler(resolve(spec), config, kv, OPTIONS.get(spec))
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    arrivals = sorted((rng.randrange(60), i) for i in range(30))
+    ended: dict[str, str] = {}
+    counts = {"preempted": 0, "aborted": 0}
+    step = 0
+    while arrivals or sched.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, i = arrivals.pop(0)
+            prompt = [1] * rng.randrange(1, 30)
+            params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True)
+            tenant = rng.choice("ab")
+            sched.add_request(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0],
+                                      priority=rng.randrange(4)))
+        if sched.requests and rng.random() < 0.04:
+            victim = rng.choice(sorted(sched.requests))
+            assert sched.abort_request(victim).status is RequestStatus.FINISHED_ABORTED
+            ended[victim] = "abort"
+            counts["aborted"] += 1
+        step += 1
+        now[0] += 0.05
+        if not sched.has_unfinished_requests():
+            continue
+        plan = sched.schedule()
+        check_schedule(sched, plan, f"{spec} seed {seed} step {step}")
+        counts["preempted"] += len(plan.preempted)
+        finished = []
+        for rid, n in plan.num_scheduled_tokens.items():
+            request = sched.requests[rid]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens:
+                request.output_token_ids.append(5)
+                if request.num_output_tokens >= request.params.max_tokens:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    finished.append(request)
+                    ended[rid] = "length"
+        sched.finish_requests(finished)
+        assert step < 20_000, "no end in sight"
+    assert len(ended) == 30, "a request was lost"
+    assert kv.num_free_blocks == num_blocks and not sched.requests
+    return counts
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_contract_holds_under_random_load(spec: str) -> None:
+    totals = {"preempted": 0, "aborted": 0}
+    for seed in range(4):
+        for limits in LIMITS:
+            for key, value in drive(spec, seed, limits).items():
+                totals[key] += value
+    assert totals["preempted"] > 0 and totals["aborted"] > 0  # the hard paths really ran
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_flags_are_declared(spec: str) -> None:
+    cls = type(create_scheduler(resolve(spec), SchedulerConfig(), KVCacheManager(8, 4), OPTIONS.get(spec)))
+    assert isinstance(cls.uses_priority, bool) and isinstance(cls.starvation_free, bool)
+    assert cls.uses_priority == (spec == "aging-priority")
+
+
+# ---------------------------------------------------------------- real engine: token identity with FIFO
+
+# 40 blocks of 4 tokens for 8 requests growing to ~45 tokens: preemption is certain.
+ENGINE = dict(kv_cache_memory=40 * 1024, max_model_len=64, dtype="float32", device="cpu", block_size=4,
+              max_num_batched_tokens=24, max_num_seqs=5)
+
+
+async def run_engine(path: Path, spec: str) -> tuple[list[list[int]], int]:
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 22))] for _ in range(8)]
+    engine = AsyncEngine.from_pretrained(path, **ENGINE, scheduler=resolve(spec), scheduler_options=OPTIONS.get(spec))
+    async with engine:
+
+        async def one(i: int):
+            await asyncio.sleep(0.004 * i)
+            params = SamplingParams(max_tokens=24, ignore_eos=True)
+            return await engine.generate(prompts[i], params, request_id=f"t{i % 2}/{i}", priority=(7 * i) % 4)
+
+        outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    assert engine.kv_stats().used_blocks == 0
+    return [o.token_ids for o in outs], engine.core.stats.preemptions
+
+
+@pytest.fixture(scope="module")
+def fifo_tokens(tiny_llama: Path) -> list[list[int]]:
+    tokens, preemptions = asyncio.run(run_engine(tiny_llama, "fifo"))
+    assert preemptions > 0
+    return tokens
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s != "fifo"])
+async def test_greedy_tokens_identical_to_fifo(spec: str, tiny_llama: Path, fifo_tokens) -> None:
+    tokens, _ = await run_engine(tiny_llama, spec)
+    assert tokens == fifo_tokens
