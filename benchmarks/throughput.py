@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-asyncinfer", action="store_true")
     p.add_argument("--skip-single-decode", action="store_true", help="skip the single-request decode comparison")
     p.add_argument("--skip-roofline", action="store_true")
+    p.add_argument("--int8", action="store_true",
+                   help="also run asyncinfer with quantization='int8' (CPU; faster, not bit-exact)")
+    p.add_argument("--device", default="cpu", help="asyncinfer's device (transformers baselines stay on the CPU)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of asyncinfer decode steps")
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument("--json", type=Path, help="write all results to this JSON file")
@@ -279,7 +282,9 @@ def hf_single_decode_rate(model: Any, prompt: list[int], new_tokens: int, repeat
 
 # =========================================================================== asyncinfer
 
-def build_engine(model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any) -> Any:
+def build_engine(
+    model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any, quantization: str | None = None
+) -> Any:
     """An AsyncEngine whose KV cache holds ``max_num_seqs`` requests of the workload's longest length."""
     from asyncinfer import AsyncEngine
 
@@ -292,8 +297,9 @@ def build_engine(model_path: Path, workload: Workload, args: argparse.Namespace,
     return AsyncEngine.from_pretrained(
         str(model_path),
         dtype=args.dtype,
-        device="cpu",
+        device=args.device,
         block_size=block,
+        quantization=quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -363,7 +369,7 @@ async def _asyncinfer_session(engine: Any, workload: Workload, args: argparse.Na
 
 
 def run_asyncinfer(
-    engine: Any, workload: Workload, args: argparse.Namespace
+    engine: Any, workload: Workload, args: argparse.Namespace, name: str = "asyncinfer"
 ) -> tuple[SystemResult, dict, dict | None]:
     """All requests through ``engine.generate`` at t=0; returns the result, outputs and single-decode figures."""
     session = asyncio.run(_asyncinfer_session(engine, workload, args))
@@ -382,7 +388,7 @@ def run_asyncinfer(
         "ttft_s": latency_summary(ttft),
         "e2e_s": latency_summary(e2e),
     }
-    result = SystemResult("asyncinfer", workload.num_requests, workload.total_output_tokens, session["wall_s"], notes)
+    result = SystemResult(name, workload.num_requests, workload.total_output_tokens, session["wall_s"], notes)
     outputs = {i: list(o.token_ids) for i, o in enumerate(outs)}
     return result, outputs, session.get("single_decode")
 
@@ -400,7 +406,7 @@ def check_same_weights(engine: Any, hf_model: Any) -> dict[str, float] | str:
             "layer0.down": (ours["layers.0.mlp.down_proj.weight"], theirs["model.layers.0.mlp.down_proj.weight"]),
         }
         with torch.no_grad():
-            return {k: float((a.float() - b.float()).abs().max()) for k, (a, b) in pairs.items()}
+            return {k: float((a.float().cpu() - b.float().cpu()).abs().max()) for k, (a, b) in pairs.items()}
     except (KeyError, AttributeError, RuntimeError) as exc:  # parameter names moved: not fatal
         return f"not checked ({type(exc).__name__}: {exc})"
 
@@ -660,6 +666,16 @@ def main(argv: list[str] | None = None) -> int:
             if ours_decode:
                 single["asyncinfer"] = ours_decode
 
+    if args.int8 and engine is not None:
+        say("loading asyncinfer with quantization='int8'")
+        int8_engine = build_engine(model_path, workload, args, hf_model.config, quantization="int8")
+        say("running asyncinfer int8")
+        results["asyncinfer_int8"], outputs["asyncinfer_int8"], int8_decode = run_asyncinfer(
+            int8_engine, workload, args, name="asyncinfer int8 (not bit-exact)")
+        if int8_decode:
+            single["asyncinfer_int8"] = int8_decode
+        del int8_engine
+
     if not args.skip_hf_cb:
         say(f"running transformers continuous batching ({args.hf_cb_api})")
         run_cb = run_hf_cb_manager if args.hf_cb_api == "manager" else run_hf_cb_generate_batch
@@ -693,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         f"asyncinfer / HF static batch {args.static_batch_size}": ratio(ours, results["hf_static"]),
         "asyncinfer / HF single": ratio(ours, results["hf_single"]),
     }
+    if results.get("asyncinfer_int8") is not None:
+        ratios["asyncinfer int8 / HF continuous batching"] = ratio(results["asyncinfer_int8"], results["hf_cb"])
+        ratios["asyncinfer int8 / asyncinfer fp32"] = ratio(results["asyncinfer_int8"], ours)
+    if "asyncinfer_int8" in single and "transformers" in single:
+        ratios["single-request decode asyncinfer int8 / HF"] = (
+            single["asyncinfer_int8"]["decode_tokens_per_s"] / single["transformers"]["decode_tokens_per_s"])
     if "asyncinfer" in single and "transformers" in single:
         ratios["single-request decode asyncinfer / HF"] = (
             single["asyncinfer"]["decode_tokens_per_s"] / single["transformers"]["decode_tokens_per_s"])
@@ -731,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         "token_agreement": agreement,
         "roofline": rf,
         "roofline_fraction": (ours.tokens_per_s / rf["roofline_tokens_per_s"]) if (ours and rf) else None,
+        "roofline_fraction_int8": (results["asyncinfer_int8"].tokens_per_s / rf["roofline_tokens_per_s"])
+        if (results.get("asyncinfer_int8") and rf) else None,
         "profiles": profiles,
     })
     if args.json:

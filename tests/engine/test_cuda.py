@@ -1,0 +1,37 @@
+"""The engine on CUDA (run by scripts/gpu_check.sh on a machine with a GPU; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncinfer import AsyncEngine, SamplingParams
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+async def test_cuda_fp32_tokens_equal_cpu(tiny_models) -> None:
+    path, _ = tiny_models["llama"]
+    prompts = [[5 + i, 9, 17 + 2 * i, 33] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = AsyncEngine.from_pretrained(path, device=device, dtype="float32",
+                                             kv_cache_memory=8 * 2**20, max_model_len=256)
+        async with engine:
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        results[device] = [o.token_ids for o in outs]
+        assert engine.kv_stats().used_blocks == 0
+    assert results["cuda"] == results["cpu"]
+
+
+async def test_cuda_default_dtype_is_half_precision_and_serves(tiny_models) -> None:
+    path, _ = tiny_models["qwen2"]
+    engine = AsyncEngine.from_pretrained(path, device="cuda", kv_cache_fraction=0.01, max_model_len=256)
+    assert engine.config.dtype in (torch.bfloat16, torch.float16)
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate([3, 4, 5 + i], SamplingParams(max_tokens=8, ignore_eos=True))
+                                      for i in range(8)))
+    assert all(len(o.token_ids) == 8 for o in outs)
