@@ -1,4 +1,4 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite: tiny random checkpoints and the real default model."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +36,63 @@ def real_hf_reference(real_gguf: Path):
     tok = AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
     model = AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name, dtype=torch.float32)
     return model.eval(), tok
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _build(kind: str, seed: int):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = LlamaConfig(**TINY, tie_word_embeddings=False)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**TINY, tie_word_embeddings=True)
+    else:
+        raise ValueError(kind)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    # Wider weights than HF's init so that logits are well separated (greedy is then stable).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """``{"llama": (dir, hf_model), "qwen2": (dir, hf_model)}`` saved as safetensors."""
+    out = {}
+    for kind, seed in (("llama", 0), ("qwen2", 1)):
+        model = _build(kind, seed)
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        model.save_pretrained(path, safe_serialization=True)
+        out[kind] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """Reference greedy continuation by transformers' ``generate()``, one prompt at a time."""
+
+    def run(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    return run
