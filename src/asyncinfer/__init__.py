@@ -16,7 +16,9 @@ from asyncinfer.errors import (
     EngineDeadError,
     InvalidParameterError,
     ModelLoadError,
+    SwapError,
 )
+from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.sampling_params import SamplingParams
 
@@ -34,9 +36,11 @@ __all__ = [
     "InvalidParameterError",
     "Logprob",
     "ModelLoadError",
+    "ModelVersionInfo",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",
+    "SwapError",
     "__version__",
 ]

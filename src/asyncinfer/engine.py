@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import itertools
 import logging
 import os
@@ -26,11 +27,26 @@ import torch
 
 from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
 from asyncinfer.config import EngineConfig
-from asyncinfer.core import CoreOutput, EngineCore, default_eos_ids
-from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
-from asyncinfer.memory import MemoryPlan, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
+from asyncinfer.core import CoreOutput, EngineCore, StepStats, default_eos_ids
+from asyncinfer.errors import (
+    ConfigurationError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidParameterError,
+    ModelLoadError,
+    SwapError,
+)
+from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
+from asyncinfer.memory import (
+    MiB,
+    MemoryPlan,
+    available_memory,
+    plan_for_engine,
+    plan_memory,
+    resolve_max_model_len,
+)
 from asyncinfer.model_source import resolve_model
-from asyncinfer.models import LoadedModel, load_model
+from asyncinfer.models import LoadedModel, ModelConfig, load_model
 from asyncinfer.models.quant import quantized_weight_bytes
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.request import Request
@@ -56,14 +72,15 @@ class EngineState(enum.Enum):
 class _Stream:
     """One request's output queue on the event loop side (all ``n`` samples share it)."""
 
-    __slots__ = ("queue", "finished", "n", "num_done", "ids")
+    __slots__ = ("queue", "finished", "n", "num_done", "ids", "version_id")
 
-    def __init__(self, n: int, ids: tuple[str, ...]) -> None:
+    def __init__(self, n: int, ids: tuple[str, ...], version_id: int) -> None:
         self.queue: asyncio.Queue[CoreOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.n = n
         self.num_done = 0  # samples whose last output was delivered to the queue
         self.ids = ids  # the core's request ids of the samples
+        self.version_id = version_id  # the model version the request is bound to
 
 
 class AsyncEngine:
@@ -73,13 +90,21 @@ class AsyncEngine:
     :meth:`start`); use :meth:`generate` and :meth:`stream` from any task.
     """
 
-    def __init__(self, *, loaded: LoadedModel, config: EngineConfig, plan: MemoryPlan, core: EngineCore) -> None:
+    def __init__(
+        self,
+        *,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        plan: MemoryPlan,
+        core: EngineCore,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_source = loaded.source
-        self.memory_plan = plan
-        self._core = core
+        self._holder = ModelHolder(_make_version(0, loaded, config, dict(options or {}), plan, core))
+        self._swap_lock = asyncio.Lock()  # one swap at a time
+        self._waiters: set[asyncio.Future[None]] = set()  # swaps waiting on the engine thread
+        self._admission = asyncio.Event()  # cleared while a drain-mode swap has no version serving
+        self._admission.set()
         self._state = EngineState.CREATED
         self._streams: dict[str, _Stream] = {}
         self._ids_in_flight: set[str] = set()  # every sample's core id, for collision checks
@@ -109,49 +134,8 @@ class AsyncEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(resolve_model(model), config.dtype, config.device)
-        mc = loaded.config
-        max_model_len = resolve_max_model_len(config, mc)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise InvalidParameterError(
-                "max_num_batched_tokens",
-                config.max_num_batched_tokens,
-                f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
-            )
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        if config.quantization == "int8":
-            weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
-        plan = plan_for_engine(config, mc, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
-        logger.info("memory plan: %s", plan.describe())
-        runner = ModelRunner(
-            loaded.model,
-            mc,
-            num_blocks=plan.num_blocks,
-            block_size=config.block_size,
-            device=config.device,
-            dtype=config.dtype,
-        )
-        kv = KVCacheManager(
-            plan.num_blocks,
-            config.block_size,
-            watermark=config.kv_watermark,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
-        eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
-        core = EngineCore(
-            runner=runner,
-            scheduler=create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options),
-            sampler=Sampler(mc.vocab_size, config.device, eos_token_ids=eos, seed=config.seed),
-            tokenizer=loaded.tokenizer,
-            eos_token_ids=eos,
-            max_model_len=max_model_len,
-        )
-        return cls(loaded=loaded, config=config, plan=plan, core=core)
+        plan, core = _build_core(loaded, config)
+        return cls(loaded=loaded, config=config, plan=plan, core=core, options=options)
 
     @classmethod
     def plan_memory(
@@ -178,7 +162,39 @@ class AsyncEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self._core.max_model_len
+        return self._version.max_model_len
+
+    @property
+    def _version(self) -> ModelVersion:
+        """The version new requests are bound to."""
+        version = self._holder.current
+        if version is None:
+            raise EngineClosedError("no model version is serving (a drain-mode swap is loading the next one)")
+        return version
+
+    @property
+    def _core(self) -> EngineCore:
+        core = self._version.core
+        assert core is not None
+        return core
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The current version's model config."""
+        return self._version.model_config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The current version's tokenizer (None for a model without tokenizer files)."""
+        return self._version.tokenizer
+
+    @property
+    def model_source(self) -> str:
+        return self._version.source
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self._version.plan
 
     async def start(self) -> None:
         """Start the step-loop thread, bound to the running event loop."""
@@ -196,6 +212,7 @@ class AsyncEngine:
             return
         if self._state is EngineState.RUNNING:
             self._state = EngineState.CLOSING
+            self._admission.set()  # requests waiting on a drain-mode swap now see the engine closing
             self._post("stop", abort)
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
@@ -236,6 +253,7 @@ class AsyncEngine:
             EngineClosedError: the engine is not running.
             EngineDeadError: the step loop failed.
         """
+        await self._wait_for_admission()
         request = self._make_request(prompt, params, request_id, priority, cache_salt)
         n = request.params.n
         want_logprobs = request.params.logprobs is not None
@@ -300,6 +318,7 @@ class AsyncEngine:
         Breaking out of the loop or cancelling the consuming task aborts the request.
         Raises the same errors as :meth:`generate`, before the first delta.
         """
+        await self._wait_for_admission()
         request = self._make_request(prompt, params, request_id, priority, cache_salt)
         async for out in self._submit(request):
             yield StreamDelta(
@@ -336,13 +355,149 @@ class AsyncEngine:
         else:  # no step loop is running: nothing can race with it
             self._core.reset_prefix_cache()
 
+    # ------------------------------------------------------------- model swaps
+    async def swap_model(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        mode: str = "overlap",
+        abort: bool = False,
+        available_bytes: int | None = None,
+        **options: Any,
+    ) -> ModelVersionInfo:
+        """Replace the served model; returns once the new version takes requests.
+
+        ``model`` is what :meth:`from_pretrained` takes; ``options`` override the
+        current version's engine options (the others carry over). The new
+        version is loaded and warmed up in a worker thread while the current one
+        keeps serving, then switched in at a step boundary. Requests keep the
+        version they were admitted on; the old version is dropped (weights, KV
+        tensors, prefix cache) once its last request ends.
+
+        ``mode="overlap"`` (default) needs the new version's weights, KV cache
+        and activation reserve to fit beside the old one in the memory available
+        now (``available_bytes`` overrides the measurement). ``mode="drain"``
+        pauses admission (new requests wait, they do not fail), lets the old
+        version finish its requests (or aborts them with ``abort=True``), drops
+        it, then loads the new one. A swap waits for a swap in progress.
+
+        Raises:
+            InvalidParameterError: a bad ``mode`` or option; nothing was loaded.
+            ConfigurationError: overlap mode and the new version does not fit
+                beside the old one (the message has the numbers).
+            SwapError: the new version could not be loaded, checked or warmed
+                up; the old version keeps serving (in drain mode it is loaded
+                again from its source).
+            EngineClosedError / EngineDeadError: the engine is not running.
+        """
+        if mode not in ("overlap", "drain"):
+            raise InvalidParameterError("mode", mode, "'overlap' or 'drain'")
+        if not isinstance(abort, bool) or (abort and mode != "drain"):
+            raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
+        async with self._swap_lock:
+            self._check_swappable()
+            old = self._version
+            merged = {**old.options, **options}
+            config = EngineConfig.from_options(merged)
+            shortfall = await anyio.to_thread.run_sync(_check_fit, model, merged, available_bytes)
+            if shortfall is not None and mode == "overlap":
+                raise ConfigurationError(shortfall)
+            if mode == "overlap":
+                new = await anyio.to_thread.run_sync(_load_version, model, config, merged, self._holder.next_id())
+                await self._switch(new)
+                return self._info(new)
+            self._admission.clear()
+            try:
+                await self._retire(old, abort)
+                try:
+                    new = await anyio.to_thread.run_sync(
+                        _load_version, model, config, merged, self._holder.next_id()
+                    )
+                except BaseException:
+                    # The old version is gone already: bring it back so the engine keeps serving.
+                    back = await anyio.to_thread.run_sync(
+                        _load_version, old.path, old.config, old.options, self._holder.next_id()
+                    )
+                    await self._switch(back)
+                    raise
+                await self._switch(new)
+                return self._info(new)
+            finally:
+                self._admission.set()
+
+    def model_info(self) -> list[ModelVersionInfo]:
+        """The live model versions, oldest first: id, source, state, requests in flight, memory plan.
+
+        One entry normally; during an overlap swap the old version stays listed
+        as ``"draining"`` until its last request has ended.
+        """
+        return [self._info(v) for v in list(self._holder.live) if v.state is not VersionState.RETIRED]
+
+    def _info(self, version: ModelVersion) -> ModelVersionInfo:
+        in_flight = sum(1 for s in self._streams.values() if s.version_id == version.version_id)
+        return ModelVersionInfo(version.version_id, version.source, version.state.value, in_flight, version.plan)
+
+    async def _wait_for_admission(self) -> None:
+        """Wait while a drain-mode swap has no version serving (requests wait, they do not fail)."""
+        while not self._admission.is_set():
+            await self._admission.wait()
+
+    def _check_swappable(self) -> None:
+        if self._state is not EngineState.CREATED:
+            self._check_running()
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        """Wake swaps waiting on an engine thread that is gone."""
+        for waiter in list(self._waiters):
+            if not waiter.done():
+                waiter.set_exception(exc)
+
+    async def _switch(self, version: ModelVersion) -> None:
+        """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""
+        self._check_swappable()
+        if self._state is EngineState.CREATED:  # no step loop yet: nothing can race with us
+            self._holder.switch(version)
+            self._holder.current = version
+            self._holder.retire_idle()
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(done)
+        # Requests posted from now on land in the inbox after the switch command.
+        self._holder.current = version
+        self._post("switch", (version, lambda: done.done() or done.set_result(None)))
+        try:
+            await done
+        finally:
+            self._waiters.discard(done)
+
+    async def _retire(self, version: ModelVersion, abort: bool) -> None:
+        """Stop binding requests to ``version``, wait until its last one ends, drop it."""
+        self._check_swappable()
+        self._holder.current = None
+        if self._state is EngineState.CREATED:
+            self._holder.drain(version, abort=False)
+            self._holder.retire_idle()
+        else:
+            loop = asyncio.get_running_loop()
+            retired: asyncio.Future[None] = loop.create_future()
+            self._waiters.add(retired)
+            version.on_retired.append(lambda _v: self._call_on_loop(lambda: retired.done() or retired.set_result(None)))
+            self._post("drain", (version, abort))
+            try:
+                await retired
+            finally:
+                self._waiters.discard(retired)
+        await anyio.to_thread.run_sync(gc.collect)  # free its tensors before the next load
+
     @property
     def kv_manager(self) -> KVCacheManager:
         return self._core.kv
 
     @property
     def core(self) -> EngineCore:
-        """The synchronous core (for tests and benchmarks; do not step it while the engine runs)."""
+        """The current model version's synchronous core (for tests and benchmarks; do not step
+        it while the engine runs)."""
         return self._core
 
     @property
@@ -436,10 +591,13 @@ class AsyncEngine:
 
     async def _submit(self, request: Request) -> AsyncIterator[CoreOutput]:
         """Hand a request to the core and yield its outputs; abort it if the consumer goes away."""
-        stream = _Stream(request.params.n, _sample_ids(request.request_id, request.params.n))
+        # Bound to the version current now: no await separates this from
+        # _make_request, which tokenized and validated with that version.
+        version = self._version
+        stream = _Stream(request.params.n, _sample_ids(request.request_id, request.params.n), version.version_id)
         self._streams[request.request_id] = stream
         self._ids_in_flight.update(stream.ids)
-        self._post("add", request)
+        self._post("add", (version, request))
         done = 0
         try:
             while True:
@@ -468,7 +626,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _run_core(self) -> None:
-        core = self._core
+        holder = self._holder
         stopping = False
         try:
             while True:
@@ -477,12 +635,14 @@ class AsyncEngine:
                 stopping = stopping or stop
                 if outputs:
                     self._deliver(outputs)
-                if not core.has_unfinished_requests():
+                holder.retire_idle()
+                if not holder.has_unfinished_requests():
                     if stopping:
+                        self._call_on_loop(self._fail_waiters, EngineClosedError("the engine was closed"))
                         return
                     self._wake.wait()
                     continue
-                outputs = core.step()
+                outputs = holder.step()
                 if outputs:
                     self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
@@ -498,15 +658,30 @@ class AsyncEngine:
             except queue.Empty:
                 return outputs, stop
             if kind == "add":
-                self._core.add_request(payload)
+                version, request = payload
+                version.core.add_request(request)
             elif kind == "abort":
-                outputs.extend(self._core.abort_request(payload))
+                outputs.extend(self._holder.abort(payload))
             elif kind == "reset_prefix_cache":
-                self._core.reset_prefix_cache()
+                self._holder.reset_prefix_cache()
+            elif kind == "switch":
+                version, done = payload
+                self._holder.switch(version)
+                self._call_on_loop(done)
+            elif kind == "drain":
+                version, abort = payload
+                outputs.extend(self._holder.drain(version, abort=abort))
             elif kind == "stop":
                 stop = True
                 if payload:  # abort everything in flight
-                    outputs.extend(self._core.abort_all())
+                    outputs.extend(self._holder.abort_all())
+
+    def _call_on_loop(self, callback: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
     def _deliver(self, outputs: list[CoreOutput]) -> None:
         assert self._loop is not None
@@ -532,6 +707,7 @@ class AsyncEngine:
             self._dead_cause = exc
             streams, self._streams = self._streams, {}
             self._ids_in_flight.clear()
+            self._fail_waiters(EngineDeadError("the engine's step loop failed"))
             for stream in streams.values():
                 err = EngineDeadError("the engine's step loop failed")
                 err.__cause__ = exc
@@ -547,3 +723,133 @@ class AsyncEngine:
 def _sample_ids(request_id: str, n: int) -> tuple[str, ...]:
     """The core's ids of a request's samples: the request's own, then ``"<id>#<i>"`` (see ``core``)."""
     return (request_id, *(f"{request_id}#{i}" for i in range(1, n)))
+
+
+def _build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, EngineCore]:
+    """Plan memory for a loaded model and wire its runner, KV cache, scheduler and sampler."""
+    mc = loaded.config
+    max_model_len = resolve_max_model_len(config, mc)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise InvalidParameterError(
+            "max_num_batched_tokens",
+            config.max_num_batched_tokens,
+            f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
+        )
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    if config.quantization == "int8":
+        weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
+    plan = plan_for_engine(config, mc, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
+    logger.info("memory plan: %s", plan.describe())
+    runner = ModelRunner(
+        loaded.model,
+        mc,
+        num_blocks=plan.num_blocks,
+        block_size=config.block_size,
+        device=config.device,
+        dtype=config.dtype,
+    )
+    kv = KVCacheManager(
+        plan.num_blocks,
+        config.block_size,
+        watermark=config.kv_watermark,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+    )
+    eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
+    core = EngineCore(
+        runner=runner,
+        scheduler=create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options),
+        sampler=Sampler(mc.vocab_size, config.device, eos_token_ids=eos, seed=config.seed),
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=eos,
+        max_model_len=max_model_len,
+    )
+    return plan, core
+
+
+def _make_version(
+    version_id: int,
+    loaded: LoadedModel,
+    config: EngineConfig,
+    options: dict[str, Any],
+    plan: MemoryPlan,
+    core: EngineCore,
+) -> ModelVersion:
+    return ModelVersion(
+        version_id=version_id,
+        source=loaded.source,
+        path=loaded.source.split(":", 1)[1],
+        config=config,
+        options=options,
+        model_config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        plan=plan,
+        core=core,
+    )
+
+
+def _check_fit(model: str | os.PathLike[str] | None, options: dict[str, Any], available: int | None) -> str | None:
+    """Why the new version cannot be placed beside the serving one, or None when it fits.
+
+    Reads only the new model's config, so a missing or unreadable model fails
+    here, before anything is drained or loaded.
+    """
+    config = EngineConfig.from_options(options)
+    try:
+        path = resolve_model(model)
+        avail = available_memory(config.device) if available is None else available
+        plan = plan_memory(path, available_bytes=avail, **options)
+    except ConfigurationError as exc:
+        return f"the new model version does not fit beside the serving one: {exc}"
+    except ModelLoadError as exc:
+        raise SwapError(f"cannot swap to {model!r}: {exc}; the serving version is untouched") from exc
+    need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
+    if need > avail:
+        return (
+            f"the new model version does not fit beside the serving one: weights {plan.weight_bytes / MiB:.1f} MiB"
+            f" + KV cache {plan.kv_bytes / MiB:.1f} MiB + activation reserve {plan.activation_reserve / MiB:.1f} MiB"
+            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now. Swap with mode='drain', or"
+            " lower kv_cache_memory / kv_cache_fraction / max_model_len."
+        )
+    return None
+
+
+def _load_version(
+    model: str | os.PathLike[str] | None, config: EngineConfig, options: dict[str, Any], version_id: int
+) -> ModelVersion:
+    """Load, check and warm up a model version (in a worker thread; nothing shared is touched)."""
+    try:
+        loaded = load_model(resolve_model(model), config.dtype, config.device)
+        _check_tokenizer(loaded)
+        plan, core = _build_core(loaded, config)
+        _warm_up(core)
+    except (InvalidParameterError, ConfigurationError):
+        raise
+    except Exception as exc:
+        raise SwapError(f"loading {model!r} as a new model version failed: {exc}") from exc
+    return _make_version(version_id, loaded, config, options, plan, core)
+
+
+def _check_tokenizer(loaded: LoadedModel) -> None:
+    """Reject a tokenizer that produces ids the model has no embedding for."""
+    tokenizer = loaded.tokenizer
+    if tokenizer is not None and len(tokenizer) > loaded.config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {loaded.config.vocab_size}"
+        )
+
+
+def _warm_up(core: EngineCore) -> None:
+    """Run one tiny greedy request through a fresh core, then clear what it left behind."""
+    request = Request("warm-up", [0], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=time.time())
+    core.add_request(request)
+    while core.has_unfinished_requests():
+        core.step()
+    core.reset_prefix_cache()
+    core.stats = StepStats()
+    core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0

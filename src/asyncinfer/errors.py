@@ -5,6 +5,8 @@ The tree::
     AsyncInferError
     ├── InvalidParameterError (also ValueError)   bad user input; names the parameter and the range
     ├── ModelLoadError                            a model path, file or its weights could not be used
+    │   └── SwapError                             swap_model could not load, check or warm up the new
+    │                                             version; the old version keeps serving
     ├── ConfigurationError (also ValueError)      options that cannot work together (e.g. KV too small)
     ├── EngineClosedError                         you closed it (or never started it)
     └── EngineDeadError                           it broke: the step loop died; the cause is chained
@@ -35,6 +37,14 @@ class InvalidParameterError(AsyncInferError, ValueError):
 
 class ModelLoadError(AsyncInferError):
     """The model could not be found, parsed or mapped onto the runner."""
+
+
+class SwapError(ModelLoadError):
+    """``swap_model`` could not load, check or warm up the new model version.
+
+    The engine keeps serving the version it served before; the original
+    exception is the ``__cause__``.
+    """
 
 
 class ConfigurationError(AsyncInferError, ValueError):

@@ -1,0 +1,60 @@
+"""Hot swap: replace the served model while requests keep streaming, without a restart.
+
+    python examples/hot_swap.py                  # swap the default model to a fresh copy of itself
+    python examples/hot_swap.py /path/to/model   # swap to another model (HF directory or .gguf)
+
+A client keeps asking questions throughout. The new version loads in a worker
+thread while the old one keeps answering; requests admitted before the switch
+finish on the old version, later ones run on the new one, and the old version
+is dropped once its last request ends. No request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from asyncinfer import AsyncEngine, SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 7 times 6?"]
+OPTIONS = dict(max_model_len=1024, kv_cache_memory=64 * 2**20)
+
+
+async def client(engine: AsyncEngine, stop: asyncio.Event, log: list[str]) -> None:
+    i = 0
+    while not stop.is_set():
+        q = QUESTIONS[i % len(QUESTIONS)]
+        out = await engine.generate([{"role": "user", "content": q}], SamplingParams(max_tokens=24))
+        log.append(f"{time.strftime('%H:%M:%S')} {out.finish_reason:6} {q} -> {out.text.strip()[:50]!r}")
+        i += 1
+
+
+def show(engine: AsyncEngine, when: str) -> None:
+    versions = ", ".join(f"v{v.version_id} {v.state} ({v.requests_in_flight} in flight)" for v in engine.model_info())
+    print(f"[{when}] live versions: {versions}")
+
+
+async def main(target: str | None) -> None:
+    engine = AsyncEngine.from_pretrained(**OPTIONS)
+    async with engine:
+        stop = asyncio.Event()
+        log: list[str] = []
+        clients = [asyncio.create_task(client(engine, stop, log)) for _ in range(3)]
+        await asyncio.sleep(2)
+        show(engine, "before")
+        start, served = time.perf_counter(), len(log)
+        info = await engine.swap_model(target)  # the clients keep being served meanwhile
+        print(f"swapped to v{info.version_id} ({info.source}) in {time.perf_counter() - start:.1f} s;"
+              f" {len(log) - served} requests finished while it loaded")
+        show(engine, "just after")
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*clients)
+        show(engine, "after")
+    print(f"{len(log)} requests served, none failed:")
+    print("\n".join(log[-6:]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None))

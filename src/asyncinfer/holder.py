@@ -1,0 +1,149 @@
+"""The model holder: the versions of the served model, and which one new requests go to.
+
+A *version* is one loaded model with everything that depends on it: its
+:class:`EngineCore` (runner with the weights and its own KV tensors, block
+manager with its own prefix cache, scheduler, sampler), its tokenizer and its
+memory plan. Versions never share KV blocks, so a prefix cached by one is
+never read by another.
+
+Two views, each owned by one side:
+
+- ``current`` (event loop): the version a request is bound to at admission.
+  ``AsyncEngine.swap_model`` moves it when it posts the switch command, so
+  every request posted before the switch is bound to the old version and
+  every request after it to the new one (the inbox is FIFO).
+- ``live`` (engine thread): the versions with a core that is stepped. The
+  switch command appends the new version and marks the others draining; a
+  draining version is dropped (its weights and KV tensors with it) at the
+  first step boundary where it holds no request.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncinfer.config import EngineConfig
+from asyncinfer.core import CoreOutput, EngineCore
+from asyncinfer.memory import MemoryPlan
+from asyncinfer.models import ModelConfig
+
+
+class VersionState(enum.Enum):
+    CURRENT = "current"  # new requests are bound to it
+    DRAINING = "draining"  # finishes the requests it holds, then is dropped
+    RETIRED = "retired"  # dropped: its core is gone
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    """One live version, as ``AsyncEngine.model_info()`` reports it."""
+
+    version_id: int
+    source: str
+    state: str
+    requests_in_flight: int
+    memory_plan: MemoryPlan
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One loaded model and the engine core that serves it."""
+
+    version_id: int
+    source: str  # "safetensors:<dir>" or "gguf:<file>"
+    path: str  # what it was loaded from (a drain-mode swap that fails loads it again)
+    config: EngineConfig
+    options: dict[str, Any]
+    model_config: ModelConfig
+    tokenizer: Any
+    plan: MemoryPlan
+    core: EngineCore | None
+    state: VersionState = VersionState.CURRENT
+    # Called on the engine thread once the version is dropped.
+    on_retired: list[Callable[[ModelVersion], None]] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.core is not None, "a retired version has no core"
+        return self.core.max_model_len
+
+
+class ModelHolder:
+    """The versions of one engine's model (see the module docstring for who touches what)."""
+
+    def __init__(self, first: ModelVersion) -> None:
+        self._ids = itertools.count(first.version_id + 1)
+        self.current: ModelVersion | None = first
+        self.live: list[ModelVersion] = [first]
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # ------------------------------------------------------------ engine thread
+    def switch(self, version: ModelVersion) -> None:
+        """Make ``version`` the one that takes new requests; the others drain."""
+        for other in self.live:
+            other.state = VersionState.DRAINING
+        version.state = VersionState.CURRENT
+        self.live = [*self.live, version]
+
+    def drain(self, version: ModelVersion, *, abort: bool) -> list[CoreOutput]:
+        """Mark ``version`` draining (no successor yet); with ``abort``, end its requests now."""
+        version.state = VersionState.DRAINING
+        if abort and version.core is not None:
+            return version.core.abort_all()
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return any(v.core is not None and v.core.has_unfinished_requests() for v in self.live)
+
+    def step(self) -> list[CoreOutput]:
+        """One step of every live core that has work (overlapping versions share the iteration)."""
+        outputs: list[CoreOutput] = []
+        for version in self.live:
+            core = version.core
+            if core is not None and core.has_unfinished_requests():
+                outputs.extend(core.step())
+        return outputs
+
+    def abort(self, request_id: str) -> list[CoreOutput]:
+        """Abort a request on whichever version holds it (ids are unique across versions)."""
+        outputs: list[CoreOutput] = []
+        for version in self.live:
+            if version.core is not None:
+                outputs.extend(version.core.abort_request(request_id))
+        return outputs
+
+    def abort_all(self) -> list[CoreOutput]:
+        outputs: list[CoreOutput] = []
+        for version in self.live:
+            if version.core is not None:
+                outputs.extend(version.core.abort_all())
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        for version in self.live:
+            if version.core is not None:
+                version.core.reset_prefix_cache()
+
+    def retire_idle(self) -> None:
+        """Drop every draining version that holds no request (at a step boundary)."""
+        idle = [
+            v for v in self.live
+            if v.state is VersionState.DRAINING and (v.core is None or not v.core.has_unfinished_requests())
+        ]
+        if not idle:
+            return
+        self.live = [v for v in self.live if v not in idle]
+        for version in idle:
+            version.state = VersionState.RETIRED
+            # Dropping the core drops the runner, the weights and the KV tensors
+            # (nothing else holds them), and the block manager with its prefix cache.
+            version.core = None
+            callbacks, version.on_retired = version.on_retired, []
+            for callback in callbacks:
+                callback(version)

@@ -1,0 +1,253 @@
+"""Model swaps on tiny random models: under load, per-version prefix caches, failures, drain mode."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import shutil
+import threading
+import time
+import weakref
+
+import pytest
+
+import asyncinfer.engine as engine_module
+from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SamplingParams, SwapError
+
+BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
+NUM_PROMPTS = 12
+MAX_TOKENS = 24
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+PROMPTS = prompts(NUM_PROMPTS, seed=21)
+
+
+def greedy(n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> dict[str, list[list[int]]]:
+    """Each prompt's greedy tokens on each model, each from an engine serving that model alone."""
+
+    async def run(kind: str) -> list[list[int]]:
+        async with AsyncEngine.from_pretrained(tiny_models[kind][0], **BASE) as engine:
+            outs = await asyncio.gather(*(engine.generate(p, greedy()) for p in PROMPTS))
+        return [o.token_ids for o in outs]
+
+    result = {kind: asyncio.run(run(kind)) for kind in ("llama", "qwen2")}
+    # The two models must disagree on every prompt, or a mix-up would go unseen.
+    assert all(a != b for a, b in zip(result["llama"], result["qwen2"]))
+    return result
+
+
+async def wait_for_one_version(engine: AsyncEngine) -> None:
+    for _ in range(500):
+        if len(engine.model_info()) == 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"old versions still live: {engine.model_info()}")
+
+
+async def test_swaps_under_load_serve_every_request_on_its_own_version(tiny_models, expected) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    kind = "llama"
+    swapping_to: str | None = None
+    results: list[tuple[int, set[str], list[int], str]] = []
+    pinned: list[str] = []  # the version of each finished request submitted outside a swap
+    old_refs: list[weakref.ref] = []
+    overlapped = 0
+
+    async def client(i: int) -> None:
+        j = i
+        while not done:  # a steady stream of requests, across every swap
+            j = (j + 1) % NUM_PROMPTS
+            # Until swap_model returns, a request may be bound to either version.
+            allowed = {kind} if swapping_to is None else {kind, swapping_to}
+            out = await engine.generate(PROMPTS[j], greedy())
+            results.append((j, allowed, out.token_ids, out.finish_reason))
+            if len(allowed) == 1:
+                pinned.extend(allowed)
+            await asyncio.sleep(0.002 * (i % 3))
+
+    async def served_on(version: str, n: int = 6) -> None:
+        """Wait until ``n`` more requests submitted after the last swap have finished."""
+        start = len(pinned)
+        while len(pinned) - start < n or pinned[-1] != version:
+            await asyncio.sleep(0.005)
+
+    done = False
+    async with engine:
+        clients = [asyncio.create_task(client(i)) for i in range(6)]
+        for target in ("qwen2", "llama", "qwen2", "llama"):
+            await served_on(kind)
+            old_refs.append(weakref.ref(engine.core))
+            old_refs.append(weakref.ref(engine.core.runner.model))
+            old_refs.append(weakref.ref(engine.core.runner.kv_caches[0][0]))
+            swapping_to = target
+            info = await engine.swap_model(tiny_models[target][0])
+            kind, swapping_to = target, None
+            assert info.state == "current" and engine.model_info()[-1].version_id == info.version_id
+            live = engine.model_info()
+            if len(live) > 1 and live[0].requests_in_flight > 0:
+                overlapped += 1
+                assert live[0].state == "draining"
+        await served_on(kind)
+        done = True
+        await asyncio.gather(*clients)
+        await wait_for_one_version(engine)
+        (last,) = engine.model_info()
+        assert last.version_id == 4 and last.state == "current" and last.requests_in_flight == 0
+    assert overlapped >= 1, "no swap overlapped requests in flight"
+    assert len(pinned) >= 5 * 6
+    assert {k for _, allowed, _, _ in results for k in allowed} == {"llama", "qwen2"}
+    for j, allowed, tokens, finish in results:
+        assert finish == "length"
+        assert any(tokens == expected[k][j] for k in allowed), (j, allowed)
+    gc.collect()
+    assert all(ref() is None for ref in old_refs), "an old version's core, weights or KV tensors are still alive"
+
+
+async def test_prefix_cache_is_per_version(tiny_models, expected) -> None:
+    path = tiny_models["llama"][0]
+    prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be cached
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        first = await engine.generate(prompt, greedy(4))
+        await engine.generate(prompt, greedy(4))
+        old_core = engine.core
+        assert old_core.stats.prefill_tokens == 40 + (40 - 32)  # the second run hit two blocks
+        await engine.swap_model(path)  # the same weights: a shared cache would be valid, and must not be used
+        again = await engine.generate(prompt, greedy(4))
+        assert engine.core is not old_core
+        assert engine.core.stats.prefill_tokens == 40  # computed again on the new version
+        assert engine.kv_stats().prefix_hits == 0
+    assert again.token_ids == first.token_ids
+
+
+async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected, tmp_path, monkeypatch) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    bad = tmp_path / "bad-weights"
+    shutil.copytree(tiny_models["qwen2"][0], bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    async with engine:
+        (before,) = engine.model_info()
+        with pytest.raises(SwapError, match="does not exist"):
+            await engine.swap_model(tmp_path / "missing")
+        with pytest.raises(SwapError):
+            await engine.swap_model(bad)
+
+        def broken_warm_up(core) -> None:
+            raise RuntimeError("warm-up exploded")
+
+        monkeypatch.setattr(engine_module, "_warm_up", broken_warm_up)
+        with pytest.raises(SwapError, match="warm-up exploded") as err:
+            await engine.swap_model(tiny_models["qwen2"][0])
+        assert isinstance(err.value.__cause__, RuntimeError)
+        with pytest.raises(InvalidParameterError, match="mode"):
+            await engine.swap_model(tiny_models["qwen2"][0], mode="sideways")
+        with pytest.raises(InvalidParameterError, match="no_such_option"):
+            await engine.swap_model(tiny_models["qwen2"][0], no_such_option=1)
+        assert engine.model_info() == [before]
+        out = await engine.generate(PROMPTS[0], greedy())
+    assert out.token_ids == expected["llama"][0]
+
+
+async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monkeypatch) -> None:
+    real_warm_up = engine_module._warm_up
+    active = 0
+    most = 0
+    lock = threading.Lock()
+
+    def slow_warm_up(core) -> None:
+        nonlocal active, most
+        with lock:
+            active += 1
+            most = max(most, active)
+        time.sleep(0.2)
+        real_warm_up(core)
+        with lock:
+            active -= 1
+
+    monkeypatch.setattr(engine_module, "_warm_up", slow_warm_up)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    async with engine:
+        a = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0]))
+        b = asyncio.create_task(engine.swap_model(tiny_models["llama"][0]))
+        serving = await engine.generate(PROMPTS[1], greedy())  # served while both load
+        first, second = await asyncio.gather(a, b)
+        await wait_for_one_version(engine)
+        out = await engine.generate(PROMPTS[2], greedy())
+    assert most == 1, "two swaps loaded at once"
+    assert (first.version_id, second.version_id) == (1, 2)
+    assert serving.token_ids == expected["llama"][1]
+    assert out.token_ids == expected["llama"][2]
+
+
+async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expected) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    tight = 100 * 1024 * 1024  # less than the 256 MiB activation reserve alone
+    async with engine:
+        with pytest.raises(ConfigurationError, match=r"activation reserve 256\.0 MiB .* 100\.0 MiB are available"):
+            await engine.swap_model(tiny_models["qwen2"][0], available_bytes=tight)
+        assert len(engine.model_info()) == 1
+
+        # Drain: the old version finishes its requests; requests arriving meanwhile wait for the new one.
+        old = [asyncio.create_task(engine.generate(p, greedy())) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.05)
+        swap = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0], mode="drain", available_bytes=tight))
+        for _ in range(5000):  # admission is paused once the old version drains
+            if [v.state for v in engine.model_info()] != ["current"]:
+                break
+            await asyncio.sleep(0.001)
+        new = [asyncio.create_task(engine.generate(p, greedy())) for p in PROMPTS[4:8]]
+        info = await swap
+        assert [o.token_ids for o in await asyncio.gather(*old)] == expected["llama"][:4]
+        assert [o.token_ids for o in await asyncio.gather(*new)] == expected["qwen2"][4:8]
+        assert [v.version_id for v in engine.model_info()] == [info.version_id]
+
+        # Drain with abort: the old version's requests end at once with "abort".
+        old_core = weakref.ref(engine.core)
+        old = [asyncio.create_task(engine.generate(p, greedy(200))) for p in PROMPTS[:3]]
+        await asyncio.sleep(0.05)
+        await engine.swap_model(tiny_models["llama"][0], mode="drain", abort=True)
+        outs = await asyncio.gather(*old)
+        assert all(o.finish_reason == "abort" and len(o.token_ids) < 200 for o in outs)
+        assert (await engine.generate(PROMPTS[9], greedy())).token_ids == expected["llama"][9]
+    gc.collect()
+    assert old_core() is None
+
+
+async def test_failed_drain_mode_swap_reloads_the_old_version(tiny_models, expected, tmp_path) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **BASE)
+    bad = tmp_path / "bad-weights"
+    shutil.copytree(tiny_models["llama"][0], bad)
+    (bad / "model.safetensors").write_bytes(b"garbage")
+    async with engine:
+        with pytest.raises(SwapError):
+            await engine.swap_model(bad, mode="drain")
+        (info,) = engine.model_info()
+        assert info.state == "current" and "tiny-qwen2" in info.source
+        out = await engine.generate(PROMPTS[3], greedy())
+    assert out.token_ids == expected["qwen2"][3]
+
+
+async def test_swap_before_start_and_after_close(tiny_models, expected) -> None:
+    from asyncinfer import EngineClosedError
+
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    old_model = weakref.ref(engine.core.runner.model)
+    info = await engine.swap_model(tiny_models["qwen2"][0])
+    gc.collect()
+    assert old_model() is None and [v.version_id for v in engine.model_info()] == [info.version_id]
+    async with engine:
+        out = await engine.generate(PROMPTS[5], greedy())
+    assert out.token_ids == expected["qwen2"][5]
+    with pytest.raises(EngineClosedError):
+        await engine.swap_model(tiny_models["llama"][0])
