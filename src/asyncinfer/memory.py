@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError
+from asyncinfer.errors import ConfigurationError, InvalidParameterError
 
 if TYPE_CHECKING:
     from asyncinfer.config import EngineConfig
@@ -133,28 +132,9 @@ def plan_kv_cache(
 
 def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
     """The model's :class:`ModelConfig` from its metadata only (config.json or GGUF header)."""
-    from asyncinfer.models.config import ModelConfig
+    from asyncinfer.models.loader import read_model_config as read
 
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        import gguf
-
-        from asyncinfer.models.loader import gguf_model_config
-
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-        return gguf_model_config(reader)
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory with config.json")
-    from transformers import AutoConfig
-
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for a bad config
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    return ModelConfig.from_hf_config(hf_config)
+    return read(path)
 
 
 def estimate_weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> int:

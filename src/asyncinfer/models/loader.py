@@ -81,8 +81,27 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     unsupported architecture, or checkpoint tensors that are missing,
     unexpected or of the wrong shape.
     """
-    path = Path(path).expanduser()
+    path = _model_location(path)
     device = torch.device(device)
+    if path.is_file():
+        return _load_gguf(path, dtype, device)
+    return _load_hf_dir(path, dtype, device)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model's :class:`ModelConfig` from its metadata alone (config.json or the GGUF header).
+
+    Resolves ``path`` exactly as :func:`load_model` does, and reads no weights.
+    """
+    path = _model_location(path)
+    if path.is_file():
+        return gguf_model_config(_gguf_reader(path))
+    return _hf_model_config(path)
+
+
+def _model_location(path: str | Path) -> Path:
+    """The ``.gguf`` file or HF directory that ``path`` names; ``ModelLoadError`` if it is neither."""
+    path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():
@@ -93,11 +112,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
                 f"{'no' if not ggufs else 'several'} .gguf files"
             )
         path = ggufs[0]
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path} is not a model: expected a directory or a .gguf file")
-        return _load_gguf(path, dtype, device)
-    return _load_hf_dir(path, dtype, device)
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is not a model: expected a directory or a .gguf file")
+    return path
 
 
 # ---- the weight table -------------------------------------------------------
@@ -186,17 +203,18 @@ def _preview(names: list[str], limit: int = 8) -> str:
 # ---- Hugging Face directories ---------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _hf_model_config(path: Path) -> ModelConfig:
     from transformers import AutoConfig
 
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} is not a model directory: no config.json")
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    config = ModelConfig.from_hf_config(hf_config)
-    config = _merge_generation_eos(config, path)
+    return ModelConfig.from_hf_config(hf_config)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config = _merge_generation_eos(_hf_model_config(path), path)
     files = _safetensors_files(path)
     model = _materialise(config, _iter_safetensors(files), "hf", dtype, device)
     return LoadedModel(model, config, _hf_tokenizer(path), f"safetensors:{path.resolve()}")
@@ -263,13 +281,17 @@ def _hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
 _GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _gguf_reader(path: Path) -> Any:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    reader = _gguf_reader(path)
     config = gguf_model_config(reader)
     model = _materialise(config, _iter_gguf(reader, config), "gguf", dtype, device)
     # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
