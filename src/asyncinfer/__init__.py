@@ -8,6 +8,7 @@
 """
 
 from asyncinfer.config import EngineConfig
+from asyncinfer.embedding import EmbeddingConfig, EmbeddingPlan, EmbeddingStats
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import (
     AsyncInferError,
@@ -16,6 +17,7 @@ from asyncinfer.errors import (
     EngineDeadError,
     InvalidParameterError,
     ModelLoadError,
+    RequestAbortedError,
     SwapError,
 )
 from asyncinfer.holder import ModelVersionInfo
@@ -30,6 +32,9 @@ __all__ = [
     "CompletionOutput",
     "ConfigurationError",
     "EngineClosedError",
+    "EmbeddingConfig",
+    "EmbeddingPlan",
+    "EmbeddingStats",
     "EngineConfig",
     "EngineDeadError",
     "EngineState",
@@ -37,6 +42,7 @@ __all__ = [
     "Logprob",
     "ModelLoadError",
     "ModelVersionInfo",
+    "RequestAbortedError",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

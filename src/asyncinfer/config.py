@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models.quant import check_quantization
+
+_T = TypeVar("_T")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -147,12 +149,18 @@ class EngineConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
         """Build from ``from_pretrained`` keywords, rejecting unknown ones by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in options:
-            if key not in known:
-                raise InvalidParameterError(key, options[key], f"a known option: {sorted(known)}")
-        return cls(**options)
+        return from_options(cls, options, "a known option")
 
     @property
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
+    """Build the options dataclass ``cls`` from keywords; an unknown one raises
+    :class:`InvalidParameterError` naming it and listing ``allowed`` ones."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for key in options:
+        if key not in known:
+            raise InvalidParameterError(key, options[key], f"{allowed}: {sorted(known)}")
+    return cls(**options)

@@ -20,7 +20,8 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -28,12 +29,22 @@ import torch
 from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import CoreOutput, EngineCore, StepStats, default_eos_ids
+from asyncinfer.embedding import (
+    EmbedCall,
+    EmbeddingBatcher,
+    EmbeddingConfig,
+    EmbeddingPlan,
+    EmbeddingStats,
+    apply_max_seq_len,
+    plan_embedding,
+)
 from asyncinfer.errors import (
     ConfigurationError,
     EngineClosedError,
     EngineDeadError,
     InvalidParameterError,
     ModelLoadError,
+    RequestAbortedError,
     SwapError,
 )
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
@@ -47,6 +58,7 @@ from asyncinfer.memory import (
 )
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, load_model
+from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.quant import quantized_weight_bytes
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.request import Request
@@ -83,28 +95,54 @@ class _Stream:
         self.version_id = version_id  # the model version the request is bound to
 
 
+@dataclass(eq=False)
+class _EmbeddingModel:
+    """An embedding model as the event loop sees it: its batcher and the calls in flight."""
+
+    name: str
+    version_id: int
+    source: str
+    batcher: EmbeddingBatcher
+    calls: dict[EmbedCall, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+    drained: asyncio.Future[None] | None = None  # set by remove_model, resolved when calls is empty
+
+
 class AsyncEngine:
     """An in-process LLM engine: ``async with AsyncEngine.from_pretrained() as engine``.
 
     Build it with :meth:`from_pretrained`; start it with ``async with`` (or
     :meth:`start`); use :meth:`generate` and :meth:`stream` from any task.
+    One engine can hold several named models (:meth:`add_model`), generators
+    and embedding models (:meth:`embed`); ``model=`` picks one, the first
+    loaded of each kind is the default.
     """
 
     def __init__(
         self,
         *,
-        loaded: LoadedModel,
         config: EngineConfig,
-        plan: MemoryPlan,
-        core: EngineCore,
-        options: dict[str, Any] | None = None,
+        name: str = "default",
+        version: ModelVersion | None = None,
+        embedder: EmbeddingBatcher | None = None,
     ) -> None:
         self.config = config
-        self._holder = ModelHolder(_make_version(0, loaded, config, dict(options or {}), plan, core))
-        self._swap_lock = asyncio.Lock()  # one swap at a time
+        self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
+        # Loop side: the named models, in load order (the first of each kind is the default).
+        self._generators: dict[str, ModelHolder] = {}
+        self._embedders: dict[str, _EmbeddingModel] = {}
+        self._removing: dict[str, ModelHolder | _EmbeddingModel] = {}  # removed, still finishing requests
+        # Per generator: cleared while a drain-mode swap has no version serving.
+        self._admission: dict[ModelHolder, asyncio.Event] = {}
+        if version is not None:
+            self._register_generator(name, ModelHolder(version))
+        if embedder is not None:
+            self._embedders[name] = _EmbeddingModel(name, next(self._version_ids), embedder.encoder.source, embedder)
+        # Engine-thread side: the holders it steps and the batchers with queued texts.
+        self._thread_holders: list[ModelHolder] = []
+        self._thread_batchers: list[EmbeddingBatcher] = []
+        self._embed_calls: dict[EmbedCall, tuple[_EmbeddingModel, asyncio.Future[torch.Tensor]]] = {}
+        self._swap_lock = asyncio.Lock()  # one swap / add / remove at a time
         self._waiters: set[asyncio.Future[None]] = set()  # swaps waiting on the engine thread
-        self._admission = asyncio.Event()  # cleared while a drain-mode swap has no version serving
-        self._admission.set()
         self._state = EngineState.CREATED
         self._streams: dict[str, _Stream] = {}
         self._ids_in_flight: set[str] = set()  # every sample's core id, for collision checks
@@ -117,42 +155,65 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- building
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> AsyncEngine:
+    def from_pretrained(
+        cls, model: str | os.PathLike[str] | None = None, *, name: str = "default", **options: Any
+    ) -> AsyncEngine:
         """Load a model and plan memory; the engine starts on ``async with`` / :meth:`start`.
 
         ``model``: a Hugging Face model directory (config.json + safetensors), a
-        ``.gguf`` file, or ``None`` for the default model (SmolLM2-135M-Instruct).
-        ``options``: the fields of :class:`~asyncinfer.config.EngineConfig`; an
-        unknown one raises :class:`InvalidParameterError`.
+        ``.gguf`` file, a known name ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"),
+        or ``None`` for the default model (SmolLM2-135M-Instruct). A BERT-family
+        sentence encoder makes an embedding-only engine (:meth:`embed`).
+        ``name``: the model's name for ``model=`` (more models: :meth:`add_model`).
+        ``options``: the fields of :class:`~asyncinfer.config.EngineConfig`
+        (:class:`~asyncinfer.embedding.EmbeddingConfig` for an embedding model);
+        an unknown one raises :class:`InvalidParameterError`.
 
         Raises:
             InvalidParameterError: an unknown option or an out-of-range value.
             ModelLoadError: the model cannot be found or loaded.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
         """
+        _check_name(name)
+        path = resolve_model(model)
+        if is_encoder_dir(path):
+            econfig = EmbeddingConfig.from_options(options)
+            if econfig.num_threads is not None:
+                torch.set_num_threads(econfig.num_threads)
+            batcher = _load_embedder(path, econfig, ModelLoadError, f"loading {str(path)!r}")
+            config = EngineConfig(dtype=econfig.dtype, device=econfig.device, num_threads=econfig.num_threads)
+            return cls(config=config, name=name, embedder=batcher)
         config = EngineConfig.from_options(options)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(resolve_model(model), config.dtype, config.device)
+        loaded = load_model(path, config.dtype, config.device)
         plan, core = _build_core(loaded, config)
-        return cls(loaded=loaded, config=config, plan=plan, core=core, options=options)
+        return cls(config=config, name=name, version=_make_version(0, loaded, config, dict(options), plan, core))
 
     @classmethod
     def plan_memory(
         cls, model: str | os.PathLike[str] | None = None, *, available_bytes: int | None = None, **options: Any
-    ) -> MemoryPlan:
+    ) -> MemoryPlan | EmbeddingPlan:
         """The memory plan :meth:`from_pretrained` would make, computed before loading any weight.
 
         Reads only the model's config (config.json or the GGUF header) and
         estimates the weights from its shapes in the chosen dtype. Takes the
         same options as :meth:`from_pretrained`; ``available_bytes`` overrides
-        the memory measured as free now (before loading).
+        the memory measured as free now (before loading). For an embedding
+        model it is an :class:`EmbeddingPlan` (weights + the activations of its
+        largest batch), and ``ConfigurationError`` if that exceeds the memory.
 
         Raises:
             InvalidParameterError: an unknown option or an out-of-range value.
             ModelLoadError: the model's config cannot be read.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
         """
+        if model is not None and is_encoder_dir(resolve_model(model)):
+            config = EmbeddingConfig.from_options(options)
+            shortfall = _check_embedder_fit(resolve_model(model), config, available_bytes)
+            if shortfall is not None:
+                raise ConfigurationError(shortfall)
+            return plan_embedding(read_encoder_config(resolve_model(model)), config)
         return plan_memory(model, available_bytes=available_bytes, **options)
 
     # --------------------------------------------------------------- lifecycle
@@ -165,12 +226,29 @@ class AsyncEngine:
         return self._version.max_model_len
 
     @property
+    def _holder(self) -> ModelHolder:
+        """The default generator: the first loaded that is still loaded."""
+        return self._generator(None)
+
+    def _generator(self, model: str | None) -> ModelHolder:
+        """The generator named ``model`` (None: the default one)."""
+        return _pick(self._generators, model, "generator", self._embedders, "an embedding model: use embed()")
+
+    def _embedder(self, model: str | None) -> _EmbeddingModel:
+        """The embedding model named ``model`` (None: the default one)."""
+        return _pick(self._embedders, model, "embedding model", self._generators,
+                     "a generator: use generate() or stream()")
+
+    def _register_generator(self, name: str, holder: ModelHolder) -> None:
+        self._generators[name] = holder
+        admission = asyncio.Event()
+        admission.set()
+        self._admission[holder] = admission
+
+    @property
     def _version(self) -> ModelVersion:
-        """The version new requests are bound to."""
-        version = self._holder.current
-        if version is None:
-            raise EngineClosedError("no model version is serving (a drain-mode swap is loading the next one)")
-        return version
+        """The version new requests to the default generator are bound to."""
+        return _current(self._holder)
 
     @property
     def _core(self) -> EngineCore:
@@ -201,6 +279,7 @@ class AsyncEngine:
         if self._state is not EngineState.CREATED:
             raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value})")
         self._loop = asyncio.get_running_loop()
+        self._thread_holders = list(self._generators.values())
         self._thread = threading.Thread(target=self._run_core, name="asyncinfer-core", daemon=True)
         self._state = EngineState.RUNNING
         self._thread.start()
@@ -212,7 +291,8 @@ class AsyncEngine:
             return
         if self._state is EngineState.RUNNING:
             self._state = EngineState.CLOSING
-            self._admission.set()  # requests waiting on a drain-mode swap now see the engine closing
+            for admission in self._admission.values():
+                admission.set()  # requests waiting on a drain-mode swap now see the engine closing
             self._post("stop", abort)
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
@@ -237,6 +317,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        model: str | None = None,
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
 
@@ -246,22 +327,23 @@ class AsyncEngine:
 
         Cancelling the awaiting task aborts the request (its KV blocks return at
         the next step boundary). A request aborted with :meth:`abort` returns
-        with ``finish_reason == "abort"``.
+        with ``finish_reason == "abort"``. ``model``: the name of the generator
+        to use (default: the first loaded).
 
         Raises:
             InvalidParameterError: bad prompt or parameters (nothing was queued).
             EngineClosedError: the engine is not running.
             EngineDeadError: the step loop failed.
         """
-        await self._wait_for_admission()
-        request = self._make_request(prompt, params, request_id, priority, cache_salt)
+        version = await self._admit(model)
+        request = self._make_request(prompt, params, request_id, priority, cache_salt, version)
         n = request.params.n
         want_logprobs = request.params.logprobs is not None
         token_ids: list[list[int]] = [[] for _ in range(n)]
         pieces: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[Logprob]] = [[] for _ in range(n)]
         last: list[CoreOutput | None] = [None] * n
-        async for out in self._submit(request):
+        async for out in self._submit(request, version):
             i = out.index
             token_ids[i].extend(out.token_ids)
             pieces[i].append(out.text)
@@ -309,6 +391,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield :class:`StreamDelta` pieces as tokens are generated; the last has ``finish_reason``.
 
@@ -318,9 +401,9 @@ class AsyncEngine:
         Breaking out of the loop or cancelling the consuming task aborts the request.
         Raises the same errors as :meth:`generate`, before the first delta.
         """
-        await self._wait_for_admission()
-        request = self._make_request(prompt, params, request_id, priority, cache_salt)
-        async for out in self._submit(request):
+        version = await self._admit(model)
+        request = self._make_request(prompt, params, request_id, priority, cache_salt, version)
+        async for out in self._submit(request, version):
             yield StreamDelta(
                 request_id=out.request_id,
                 text=out.text,
@@ -335,38 +418,46 @@ class AsyncEngine:
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post("abort", request_id)
 
-    def kv_stats(self) -> KVCacheStats:
+    def kv_stats(self, model: str | None = None) -> KVCacheStats:
         """A snapshot of the KV cache figures: blocks used/free/cached-free, usage, waste,
         prefix-cache queries and hits (tokens), copy-on-write copies, evictions, preemptions.
 
         Read while the engine runs it is a snapshot taken between two steps at best
         (the numbers are plain ints; a torn read is off by one step, never corrupt).
+        ``model``: which generator (default: the first loaded).
         """
-        return self._core.kv.stats()
+        core = _current(self._generator(model)).core
+        assert core is not None
+        return core.kv.stats()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix, at the next step boundary.
 
         Requests submitted after this call never reuse blocks cached before it;
         requests in flight keep the blocks they hold but add nothing to the new cache.
+        Every generator's cache is reset.
         """
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post("reset_prefix_cache", None)
         else:  # no step loop is running: nothing can race with it
-            self._core.reset_prefix_cache()
+            for holder in self._generators.values():
+                holder.reset_prefix_cache()
 
     # ------------------------------------------------------------- model swaps
     async def swap_model(
         self,
         model: str | os.PathLike[str] | None = None,
         *,
+        name: str | None = None,
         mode: str = "overlap",
         abort: bool = False,
         available_bytes: int | None = None,
         **options: Any,
     ) -> ModelVersionInfo:
-        """Replace the served model; returns once the new version takes requests.
+        """Replace a served generator; returns once the new version takes requests.
 
+        ``name``: which generator (default: the first loaded); the new version
+        keeps the name.
         ``model`` is what :meth:`from_pretrained` takes; ``options`` override the
         current version's engine options (the others carry over). The new
         version is loaded and warmed up in a worker thread while the current one
@@ -382,7 +473,7 @@ class AsyncEngine:
         it, then loads the new one. A swap waits for a swap in progress.
 
         Raises:
-            InvalidParameterError: a bad ``mode`` or option; nothing was loaded.
+            InvalidParameterError: a bad ``mode``, ``name`` or option; nothing was loaded.
             ConfigurationError: overlap mode and the new version does not fit
                 beside the old one (the message has the numbers).
             SwapError: the new version could not be loaded, checked or warmed
@@ -396,51 +487,260 @@ class AsyncEngine:
             raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
         async with self._swap_lock:
             self._check_swappable()
-            old = self._version
+            holder = self._generator(name)
+            label = next(n for n, h in self._generators.items() if h is holder)
+            old = _current(holder)
             merged = {**old.options, **options}
             config = EngineConfig.from_options(merged)
-            shortfall = await anyio.to_thread.run_sync(_check_fit, model, merged, available_bytes)
+            shortfall = await anyio.to_thread.run_sync(_check_fit, model, merged, available_bytes, "the serving one")
             if shortfall is not None and mode == "overlap":
-                raise ConfigurationError(shortfall)
+                raise ConfigurationError(shortfall.rstrip(".") + ". Swap with mode='drain', or lower"
+                                         " kv_cache_memory / kv_cache_fraction / max_model_len.")
             if mode == "overlap":
-                new = await anyio.to_thread.run_sync(_load_version, model, config, merged, self._holder.next_id())
-                await self._switch(new)
-                return self._info(new)
-            self._admission.clear()
+                new = await anyio.to_thread.run_sync(_load_version, model, config, merged, next(self._version_ids))
+                await self._switch(new, holder)
+                return self._info(new, label)
+            admission = self._admission[holder]
+            admission.clear()
             try:
-                await self._retire(old, abort)
+                await self._retire(old, abort, holder)
                 try:
                     new = await anyio.to_thread.run_sync(
-                        _load_version, model, config, merged, self._holder.next_id()
+                        _load_version, model, config, merged, next(self._version_ids)
                     )
                 except BaseException:
                     # The old version is gone already: bring it back so the engine keeps serving.
                     back = await anyio.to_thread.run_sync(
-                        _load_version, old.path, old.config, old.options, self._holder.next_id()
+                        _load_version, old.path, old.config, old.options, next(self._version_ids)
                     )
-                    await self._switch(back)
+                    await self._switch(back, holder)
                     raise
-                await self._switch(new)
-                return self._info(new)
+                await self._switch(new, holder)
+                return self._info(new, label)
             finally:
-                self._admission.set()
+                admission.set()
+
+    # ---------------------------------------------------------- several models
+    async def add_model(
+        self,
+        name: str,
+        model: str | os.PathLike[str] | None,
+        *,
+        available_bytes: int | None = None,
+        **options: Any,
+    ) -> ModelVersionInfo:
+        """Load another model into this engine under ``name``; returns once it serves.
+
+        ``model`` is what :meth:`from_pretrained` takes. A BERT-family sentence
+        encoder (e.g. "all-MiniLM-L6-v2") becomes an embedding model for
+        :meth:`embed`, with :class:`~asyncinfer.embedding.EmbeddingConfig`
+        options; anything else a generator with its own engine options, KV cache
+        and prefix cache (``kv_cache_memory`` / ``kv_cache_fraction`` set its
+        share; the fraction is of the memory free when it is added). ``device``
+        defaults to the engine's. The model is loaded and warmed up in a worker
+        thread while the others keep serving.
+
+        Before loading, its memory (weights + KV cache + activation reserve for a
+        generator; weights + the activations of its largest batch for an
+        embedding model) is checked against the memory available now
+        (``available_bytes`` overrides the measurement).
+
+        Raises:
+            InvalidParameterError: a bad or taken ``name``, or a bad option.
+            ConfigurationError: the model does not fit beside the loaded ones (with the numbers).
+            ModelLoadError: the model cannot be found, loaded or warmed up; nothing changed.
+            EngineClosedError / EngineDeadError: the engine is not running.
+        """
+        _check_name(name)
+        if available_bytes is not None and (isinstance(available_bytes, bool) or not isinstance(available_bytes, int)
+                                            or available_bytes < 0):
+            raise InvalidParameterError("available_bytes", available_bytes, "a byte count >= 0, or None")
+        async with self._swap_lock:
+            self._check_swappable()
+            if name in self._generators or name in self._embedders or name in self._removing:
+                taken = sorted({*self._generators, *self._embedders, *self._removing})
+                raise InvalidParameterError("name", name, f"a name not in use (in use: {taken})")
+            path = await anyio.to_thread.run_sync(resolve_model, model)
+            options = {"device": self.config.device, **options}
+            label = f"loading {str(model)!r} as model {name!r}"
+            if await anyio.to_thread.run_sync(is_encoder_dir, path):
+                econfig = EmbeddingConfig.from_options(options)
+                shortfall = await anyio.to_thread.run_sync(_check_embedder_fit, path, econfig, available_bytes)
+                if shortfall is not None:
+                    raise ConfigurationError(shortfall + " Lower max_batch_size / max_seq_len.")
+                batcher = await anyio.to_thread.run_sync(_load_embedder, path, econfig, ModelLoadError, label)
+                entry = _EmbeddingModel(name, next(self._version_ids), batcher.encoder.source, batcher)
+                self._embedders[name] = entry
+                return self._embedder_info(entry)
+            config = EngineConfig.from_options(options)
+            shortfall = await anyio.to_thread.run_sync(
+                _check_fit, path, options, available_bytes, "the loaded models", ModelLoadError
+            )
+            if shortfall is not None:
+                raise ConfigurationError(
+                    shortfall.rstrip(".") + ". Lower kv_cache_memory / kv_cache_fraction / max_model_len."
+                )
+            version = await anyio.to_thread.run_sync(
+                _load_version, path, config, options, next(self._version_ids), ModelLoadError, label
+            )
+            holder = ModelHolder(version)
+            self._check_swappable()
+            self._register_generator(name, holder)
+            if self._state is EngineState.RUNNING:
+                self._post("add_holder", holder)
+            return self._info(version, name)
+
+    async def remove_model(self, name: str, *, abort: bool = False) -> None:
+        """Unload the model ``name``; returns once its weights and caches are freed.
+
+        New requests naming it fail with :class:`InvalidParameterError` at once;
+        the requests it holds finish first (generation requests end with
+        ``finish_reason="abort"``, and waiting ``embed()`` calls raise
+        :class:`RequestAbortedError`, with ``abort=True``). If it was the default
+        model of its kind, the next one loaded becomes the default.
+
+        Raises:
+            InvalidParameterError: no model is loaded under ``name``.
+            EngineClosedError / EngineDeadError: the engine is not running.
+        """
+        if not isinstance(abort, bool):
+            raise InvalidParameterError("abort", abort, "True or False")
+        async with self._swap_lock:
+            self._check_swappable()
+            if name in self._generators:
+                holder = self._generators.pop(name)
+                self._admission.pop(holder).set()  # requests waiting for it now see it is gone
+                self._removing[name] = holder
+                try:
+                    version = holder.current
+                    if version is not None:
+                        await self._retire(version, abort, holder)
+                    if self._state is EngineState.RUNNING:
+                        self._post("remove_holder", holder)
+                finally:
+                    del self._removing[name]
+            elif name in self._embedders:
+                entry = self._embedders.pop(name)
+                self._removing[name] = entry
+                try:
+                    if entry.calls:
+                        if abort:
+                            self._post("abort_embeds", entry.batcher)
+                        entry.drained = asyncio.get_running_loop().create_future()
+                        self._waiters.add(entry.drained)
+                        try:
+                            await entry.drained
+                        finally:
+                            self._waiters.discard(entry.drained)
+                finally:
+                    del self._removing[name]
+                await anyio.to_thread.run_sync(gc.collect)
+            else:
+                loaded = sorted({*self._generators, *self._embedders})
+                raise InvalidParameterError("name", name, f"a loaded model: {loaded}")
+
+    async def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> torch.Tensor:
+        """Sentence embeddings of ``texts``: a float32 CPU tensor ``[len(texts), dim]``.
+
+        Rows are unit-length when the model normalises (sentence-transformers'
+        Normalize module; all-MiniLM-L6-v2 does). A single string gives one row.
+        Texts longer than the model's ``max_seq_len`` tokens are truncated, as
+        sentence-transformers does. Texts from concurrent calls are batched
+        together (see :class:`~asyncinfer.embedding.EmbeddingConfig`:
+        ``max_batch_size``, ``max_wait_ms``). ``model``: the name of the
+        embedding model (default: the first loaded). Cancelling the awaiting task
+        drops the call's texts that are still queued.
+
+        Raises:
+            InvalidParameterError: bad ``texts`` or ``model`` (nothing was queued).
+            RequestAbortedError: the call was aborted (remove_model or aclose with abort=True).
+            EngineClosedError / EngineDeadError: the engine is not running.
+        """
+        self._check_running()
+        entry = self._embedder(model)
+        batch = _check_texts(texts)
+        ids = entry.batcher.encoder.tokenize(batch)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[torch.Tensor] = loop.create_future()
+
+        def on_done(call: EmbedCall) -> None:  # engine thread
+            vectors = call.stacked()
+            self._call_on_loop(self._resolve_embed, call, vectors)
+
+        call = EmbedCall(ids, time.monotonic(), on_done)
+        entry.calls[call] = future
+        self._embed_calls[call] = (entry, future)
+        self._post("embed", (entry.batcher, call))
+        try:
+            return await future
+        finally:
+            # A caller that went away (its task cancelled, which cancels the future
+            # too): the engine thread skips the call's texts still queued.
+            call.cancelled = future.cancelled() or not future.done()
+            self._forget_embed(call)
+
+    def embedding_stats(self, model: str | None = None) -> EmbeddingStats:
+        """What an embedding model's batcher did: calls, texts, batches and their sizes, tokens."""
+        return self._embedder(model).batcher.stats()
+
+    def _resolve_embed(self, call: EmbedCall, result: torch.Tensor | BaseException) -> None:
+        item = self._embed_calls.get(call)
+        if item is None or item[1].done():
+            return
+        if isinstance(result, BaseException):
+            item[1].set_exception(result)
+        else:
+            item[1].set_result(result)
+
+    def _forget_embed(self, call: EmbedCall) -> None:
+        item = self._embed_calls.pop(call, None)
+        if item is None:
+            return
+        entry = item[0]
+        entry.calls.pop(call, None)
+        if not entry.calls and entry.drained is not None and not entry.drained.done():
+            entry.drained.set_result(None)
 
     def model_info(self) -> list[ModelVersionInfo]:
-        """The live model versions, oldest first: id, source, state, requests in flight, memory plan.
+        """The live models and versions: name, kind, id, source, state, requests in flight, memory plan.
 
-        One entry normally; during an overlap swap the old version stays listed
-        as ``"draining"`` until its last request has ended.
+        Generators first, in load order (each with its live versions, oldest
+        first), then embedding models. During an overlap swap the old version
+        stays listed as ``"draining"`` until its last request has ended; a model
+        being removed is listed as ``"draining"`` until it is gone.
         """
-        return [self._info(v) for v in list(self._holder.live) if v.state is not VersionState.RETIRED]
+        infos: list[ModelVersionInfo] = []
+        for name, holder in [*self._generators.items(), *self._removing.items()]:
+            if isinstance(holder, ModelHolder):
+                infos.extend(
+                    self._info(v, name) for v in list(holder.live) if v.state is not VersionState.RETIRED
+                )
+        for name, entry in [*self._embedders.items(), *self._removing.items()]:
+            if isinstance(entry, _EmbeddingModel):
+                infos.append(self._embedder_info(entry))
+        return infos
 
-    def _info(self, version: ModelVersion) -> ModelVersionInfo:
+    def _info(self, version: ModelVersion, name: str = "default") -> ModelVersionInfo:
         in_flight = sum(1 for s in self._streams.values() if s.version_id == version.version_id)
-        return ModelVersionInfo(version.version_id, version.source, version.state.value, in_flight, version.plan)
+        return ModelVersionInfo(
+            version.version_id, version.source, version.state.value, in_flight, version.plan, name, "generate"
+        )
 
-    async def _wait_for_admission(self) -> None:
-        """Wait while a drain-mode swap has no version serving (requests wait, they do not fail)."""
-        while not self._admission.is_set():
-            await self._admission.wait()
+    def _embedder_info(self, entry: _EmbeddingModel) -> ModelVersionInfo:
+        state = "draining" if entry.name in self._removing else "current"
+        return ModelVersionInfo(
+            entry.version_id, entry.source, state, len(entry.calls), entry.batcher.plan, entry.name, "embed"
+        )
+
+    async def _admit(self, model: str | None) -> ModelVersion:
+        """The version a new request to generator ``model`` is bound to; waits while a
+        drain-mode swap has no version of it serving (requests wait, they do not fail)."""
+        while True:
+            self._check_running()
+            holder = self._generator(model)
+            if holder.current is not None:
+                return holder.current
+            await self._admission[holder].wait()
 
     def _check_swappable(self) -> None:
         if self._state is not EngineState.CREATED:
@@ -452,38 +752,38 @@ class AsyncEngine:
             if not waiter.done():
                 waiter.set_exception(exc)
 
-    async def _switch(self, version: ModelVersion) -> None:
+    async def _switch(self, version: ModelVersion, holder: ModelHolder) -> None:
         """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""
         self._check_swappable()
         if self._state is EngineState.CREATED:  # no step loop yet: nothing can race with us
-            self._holder.switch(version)
-            self._holder.current = version
-            self._holder.retire_idle()
+            holder.switch(version)
+            holder.current = version
+            holder.retire_idle()
             return
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._waiters.add(done)
         # Requests posted from now on land in the inbox after the switch command.
-        self._holder.current = version
-        self._post("switch", (version, lambda: done.done() or done.set_result(None)))
+        holder.current = version
+        self._post("switch", (holder, version, lambda: done.done() or done.set_result(None)))
         try:
             await done
         finally:
             self._waiters.discard(done)
 
-    async def _retire(self, version: ModelVersion, abort: bool) -> None:
+    async def _retire(self, version: ModelVersion, abort: bool, holder: ModelHolder) -> None:
         """Stop binding requests to ``version``, wait until its last one ends, drop it."""
         self._check_swappable()
-        self._holder.current = None
+        holder.current = None
         if self._state is EngineState.CREATED:
-            self._holder.drain(version, abort=False)
-            self._holder.retire_idle()
+            holder.drain(version, abort=False)
+            holder.retire_idle()
         else:
             loop = asyncio.get_running_loop()
             retired: asyncio.Future[None] = loop.create_future()
             self._waiters.add(retired)
             version.on_retired.append(lambda _v: self._call_on_loop(lambda: retired.done() or retired.set_result(None)))
-            self._post("drain", (version, abort))
+            self._post("drain", (holder, version, abort))
             try:
                 await retired
             finally:
@@ -519,7 +819,8 @@ class AsyncEngine:
         params: SamplingParams | None,
         request_id: str | None,
         priority: int,
-        cache_salt: str | None = None,
+        cache_salt: str | None,
+        version: ModelVersion,
     ) -> Request:
         self._check_running()
         if params is None:
@@ -536,10 +837,11 @@ class AsyncEngine:
             raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
         if any(rid in self._ids_in_flight for rid in _sample_ids(request_id, params.n)):
             raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
-        prompt_ids = self._tokenize(prompt)
-        if len(prompt_ids) >= self.max_model_len:
+        prompt_ids = self._tokenize(prompt, version)
+        max_model_len = version.max_model_len
+        if len(prompt_ids) >= max_model_len:
             raise InvalidParameterError(
-                "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {self.max_model_len - 1} tokens"
+                "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
             )
         return Request(
             request_id=request_id,
@@ -550,18 +852,18 @@ class AsyncEngine:
             cache_salt=cache_salt,
         )
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, version: ModelVersion) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParameterError("prompt", prompt, "a non-empty string")
-            ids = list(self._need_tokenizer("a text prompt").encode(prompt))
+            ids = list(_need_tokenizer(version, "a text prompt").encode(prompt))
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.apply_chat_template(prompt)  # type: ignore[arg-type]
+            ids = _chat_ids(version, prompt)  # type: ignore[arg-type]
         elif isinstance(prompt, Sequence) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
             ids = list(prompt)  # type: ignore[arg-type]
-            vocab = self.model_config.vocab_size
+            vocab = version.model_config.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
@@ -573,27 +875,14 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
         return ids
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Render chat messages with the model's template (generation prompt added) into token ids."""
-        tokenizer = self._need_tokenizer("chat messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, model: str | None = None) -> list[int]:
+        """Render chat messages with a generator's template (generation prompt added) into token ids."""
+        return _chat_ids(_current(self._generator(model)), messages)
 
-    def _need_tokenizer(self, what: str) -> Any:
-        if self.tokenizer is None:
-            raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
-        return self.tokenizer
-
-    async def _submit(self, request: Request) -> AsyncIterator[CoreOutput]:
-        """Hand a request to the core and yield its outputs; abort it if the consumer goes away."""
-        # Bound to the version current now: no await separates this from
-        # _make_request, which tokenized and validated with that version.
-        version = self._version
+    async def _submit(self, request: Request, version: ModelVersion) -> AsyncIterator[CoreOutput]:
+        """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
+        # No await separates this from _admit and _make_request, which bound the
+        # request to ``version`` and tokenized and validated with it.
         stream = _Stream(request.params.n, _sample_ids(request.request_id, request.params.n), version.version_id)
         self._streams[request.request_id] = stream
         self._ids_in_flight.update(stream.ids)
@@ -626,7 +915,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _run_core(self) -> None:
-        holder = self._holder
+        holders = self._thread_holders
         stopping = False
         try:
             while True:
@@ -635,19 +924,50 @@ class AsyncEngine:
                 stopping = stopping or stop
                 if outputs:
                     self._deliver(outputs)
-                holder.retire_idle()
-                if not holder.has_unfinished_requests():
+                for holder in holders:
+                    holder.retire_idle()
+                # At most one embedding batch per model between two generation steps.
+                embed_wait = self._run_embedding_batches(flush=stopping)
+                if not any(h.has_unfinished_requests() for h in holders):
+                    if embed_wait is not None:  # texts wait for more to batch with
+                        if embed_wait > 0:
+                            self._wake.wait(embed_wait)
+                        continue
                     if stopping:
                         self._call_on_loop(self._fail_waiters, EngineClosedError("the engine was closed"))
                         return
                     self._wake.wait()
                     continue
-                outputs = holder.step()
+                outputs = []
+                for holder in holders:
+                    outputs.extend(holder.step())
                 if outputs:
                     self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("asyncinfer step loop failed")
             self._deliver_failure(exc)
+
+    def _run_embedding_batches(self, *, flush: bool) -> float | None:
+        """Run each embedding model's batch that is due (all that wait, when ``flush``);
+        seconds until the next one is due, or None when no text waits."""
+        soonest: float | None = None
+        for batcher in list(self._thread_batchers):
+            wait = batcher.wait_time()
+            if wait is not None and (wait == 0 or flush):
+                for call in batcher.run_batch():
+                    call.on_done(call)
+                wait = batcher.wait_time()
+                if flush and wait is not None:
+                    wait = 0.0
+            if wait is None:
+                self._thread_batchers.remove(batcher)
+            elif soonest is None or wait < soonest:
+                soonest = wait
+        return soonest
+
+    def _abort_embeds(self, batcher: EmbeddingBatcher, why: str) -> None:
+        for call in batcher.take_all():
+            self._call_on_loop(self._resolve_embed, call, RequestAbortedError(why))
 
     def _drain_inbox(self) -> tuple[list[CoreOutput], bool]:
         outputs: list[CoreOutput] = []
@@ -657,24 +977,41 @@ class AsyncEngine:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return outputs, stop
+            holders = self._thread_holders
             if kind == "add":
                 version, request = payload
                 version.core.add_request(request)
+            elif kind == "embed":
+                batcher, call = payload
+                if batcher not in self._thread_batchers:
+                    self._thread_batchers.append(batcher)
+                batcher.add(call)
             elif kind == "abort":
-                outputs.extend(self._holder.abort(payload))
+                for holder in holders:
+                    outputs.extend(holder.abort(payload))
+            elif kind == "abort_embeds":
+                self._abort_embeds(payload, "the embedding model was removed with abort=True")
             elif kind == "reset_prefix_cache":
-                self._holder.reset_prefix_cache()
+                for holder in holders:
+                    holder.reset_prefix_cache()
             elif kind == "switch":
-                version, done = payload
-                self._holder.switch(version)
+                holder, version, done = payload
+                holder.switch(version)
                 self._call_on_loop(done)
             elif kind == "drain":
-                version, abort = payload
-                outputs.extend(self._holder.drain(version, abort=abort))
+                holder, version, abort = payload
+                outputs.extend(holder.drain(version, abort=abort))
+            elif kind == "add_holder":
+                holders.append(payload)
+            elif kind == "remove_holder":
+                holders.remove(payload)
             elif kind == "stop":
                 stop = True
                 if payload:  # abort everything in flight
-                    outputs.extend(self._holder.abort_all())
+                    for holder in holders:
+                        outputs.extend(holder.abort_all())
+                    for batcher in self._thread_batchers:
+                        self._abort_embeds(batcher, "the engine was closed with abort=True")
 
     def _call_on_loop(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -708,6 +1045,11 @@ class AsyncEngine:
             streams, self._streams = self._streams, {}
             self._ids_in_flight.clear()
             self._fail_waiters(EngineDeadError("the engine's step loop failed"))
+            for _entry, future in list(self._embed_calls.values()):
+                if not future.done():
+                    err = EngineDeadError("the engine's step loop failed")
+                    err.__cause__ = exc
+                    future.set_exception(err)
             for stream in streams.values():
                 err = EngineDeadError("the engine's step loop failed")
                 err.__cause__ = exc
@@ -718,6 +1060,68 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fail)
         except RuntimeError:
             pass
+
+
+_M = TypeVar("_M")
+
+
+def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str) -> _M:
+    """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise."""
+    if name is None:
+        if not models:
+            raise InvalidParameterError("model", None, f"a {kind}'s name, but this engine holds none (add_model)")
+        return next(iter(models.values()))
+    found = models.get(name) if isinstance(name, str) else None
+    if found is None:
+        extra = f" ({hint})" if isinstance(name, str) and name in others else ""
+        raise InvalidParameterError("model", name, f"a loaded {kind}: {sorted(models)}{extra}")
+    return found
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise InvalidParameterError("name", name, "a non-empty string of at most 200 characters")
+
+
+def _current(holder: ModelHolder) -> ModelVersion:
+    """The version new requests to ``holder`` are bound to."""
+    version = holder.current
+    if version is None:
+        raise EngineClosedError("no model version is serving (a drain-mode swap is loading the next one)")
+    return version
+
+
+def _need_tokenizer(version: ModelVersion, what: str) -> Any:
+    if version.tokenizer is None:
+        raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
+    return version.tokenizer
+
+
+def _chat_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Render chat messages with the version's template (generation prompt added) into token ids."""
+    tokenizer = _need_tokenizer(version, "chat messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+MAX_EMBED_TEXTS = 65536
+
+
+def _check_texts(texts: Any) -> list[str]:
+    """``embed()``'s input as a list of strings (a single string is one text)."""
+    if isinstance(texts, str):
+        return [texts]
+    if not isinstance(texts, Sequence) or not texts or len(texts) > MAX_EMBED_TEXTS:
+        raise InvalidParameterError("texts", texts, f"a string or a list of 1 to {MAX_EMBED_TEXTS} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidParameterError(f"texts[{i}]", text, "a string")
+    return list(texts)
 
 
 def _sample_ids(request_id: str, n: int) -> tuple[str, ...]:
@@ -793,8 +1197,14 @@ def _make_version(
     )
 
 
-def _check_fit(model: str | os.PathLike[str] | None, options: dict[str, Any], available: int | None) -> str | None:
-    """Why the new version cannot be placed beside the serving one, or None when it fits.
+def _check_fit(
+    model: str | os.PathLike[str] | None,
+    options: dict[str, Any],
+    available: int | None,
+    beside: str,
+    error: type[ModelLoadError] = SwapError,
+) -> str | None:
+    """Why the new generator cannot be placed beside ``beside``, or None when it fits.
 
     Reads only the new model's config, so a missing or unreadable model fails
     here, before anything is drained or loaded.
@@ -805,22 +1215,53 @@ def _check_fit(model: str | os.PathLike[str] | None, options: dict[str, Any], av
         avail = available_memory(config.device) if available is None else available
         plan = plan_memory(path, available_bytes=avail, **options)
     except ConfigurationError as exc:
-        return f"the new model version does not fit beside the serving one: {exc}"
+        return f"the new model does not fit beside {beside}: {exc}"
     except ModelLoadError as exc:
-        raise SwapError(f"cannot swap to {model!r}: {exc}; the serving version is untouched") from exc
+        raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc
     need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
     if need > avail:
         return (
-            f"the new model version does not fit beside the serving one: weights {plan.weight_bytes / MiB:.1f} MiB"
+            f"the new model does not fit beside {beside}: weights {plan.weight_bytes / MiB:.1f} MiB"
             f" + KV cache {plan.kv_bytes / MiB:.1f} MiB + activation reserve {plan.activation_reserve / MiB:.1f} MiB"
-            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now. Swap with mode='drain', or"
-            " lower kv_cache_memory / kv_cache_fraction / max_model_len."
+            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
         )
     return None
 
 
+def _check_embedder_fit(path: os.PathLike[str], config: EmbeddingConfig, available: int | None) -> str | None:
+    """Why the embedding model cannot be placed beside the loaded models, or None when it fits."""
+    plan = plan_embedding(read_encoder_config(path), config)
+    avail = available_memory(config.device) if available is None else available
+    if plan.total_bytes > avail:
+        return (
+            f"the embedding model does not fit beside the loaded models: {plan.describe()}"
+            f" = {plan.total_bytes / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
+        )
+    return None
+
+
+def _load_embedder(
+    path: os.PathLike[str], config: EmbeddingConfig, error: type[ModelLoadError], what: str
+) -> EmbeddingBatcher:
+    """Load, check and warm up an embedding model (in a worker thread; nothing shared is touched)."""
+    try:
+        encoder = load_encoder(path, config.dtype, config.device)
+        encoder.config = apply_max_seq_len(encoder.config, config)
+        encoder.encode(["warm-up"])
+    except InvalidParameterError:
+        raise
+    except Exception as exc:
+        raise error(f"{what} failed: {exc}") from exc
+    return EmbeddingBatcher(encoder, config)
+
+
 def _load_version(
-    model: str | os.PathLike[str] | None, config: EngineConfig, options: dict[str, Any], version_id: int
+    model: str | os.PathLike[str] | None,
+    config: EngineConfig,
+    options: dict[str, Any],
+    version_id: int,
+    error: type[ModelLoadError] = SwapError,
+    what: str | None = None,
 ) -> ModelVersion:
     """Load, check and warm up a model version (in a worker thread; nothing shared is touched)."""
     try:
@@ -831,7 +1272,8 @@ def _load_version(
     except (InvalidParameterError, ConfigurationError):
         raise
     except Exception as exc:
-        raise SwapError(f"loading {model!r} as a new model version failed: {exc}") from exc
+        what = what or f"loading {model!r} as a new model version"
+        raise error(f"{what} failed: {exc}") from exc
     return _make_version(version_id, loaded, config, options, plan, core)
 
 

@@ -9,6 +9,8 @@ The tree::
     │                                             version; the old version keeps serving
     ├── ConfigurationError (also ValueError)      options that cannot work together (e.g. KV too small)
     ├── EngineClosedError                         you closed it (or never started it)
+    ├── RequestAbortedError                       an embed() call was aborted before its vectors were
+    │                                             computed (remove_model or aclose with abort=True)
     └── EngineDeadError                           it broke: the step loop died; the cause is chained
 
 "You closed it" and "it broke" are kept apart on purpose: the first is a usage
@@ -53,6 +55,12 @@ class ConfigurationError(AsyncInferError, ValueError):
 
 class EngineClosedError(AsyncInferError):
     """The engine is not running: it was closed, or used before ``async with``/``start()``."""
+
+
+class RequestAbortedError(AsyncInferError):
+    """A request was aborted before it had a result (generation requests end with
+    ``finish_reason="abort"`` instead; an ``embed()`` call, which has no partial
+    result, raises this)."""
 
 
 class EngineDeadError(AsyncInferError):

@@ -21,13 +21,13 @@ Two views, each owned by one side:
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import CoreOutput, EngineCore
+from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 
@@ -40,13 +40,20 @@ class VersionState(enum.Enum):
 
 @dataclass(frozen=True)
 class ModelVersionInfo:
-    """One live version, as ``AsyncEngine.model_info()`` reports it."""
+    """One live version of a named model, as ``AsyncEngine.model_info()`` reports it.
+
+    ``kind`` is "generate" (``memory_plan`` is a :class:`MemoryPlan`) or "embed"
+    (an :class:`EmbeddingPlan`); ``requests_in_flight`` counts requests, or
+    ``embed()`` calls, bound to it.
+    """
 
     version_id: int
     source: str
     state: str
     requests_in_flight: int
-    memory_plan: MemoryPlan
+    memory_plan: MemoryPlan | EmbeddingPlan
+    name: str = "default"
+    kind: str = "generate"
 
 
 @dataclass(eq=False)
@@ -76,12 +83,8 @@ class ModelHolder:
     """The versions of one engine's model (see the module docstring for who touches what)."""
 
     def __init__(self, first: ModelVersion) -> None:
-        self._ids = itertools.count(first.version_id + 1)
         self.current: ModelVersion | None = first
         self.live: list[ModelVersion] = [first]
-
-    def next_id(self) -> int:
-        return next(self._ids)
 
     # ------------------------------------------------------------ engine thread
     def switch(self, version: ModelVersion) -> None:

@@ -1,0 +1,237 @@
+"""Embedding models in the engine: options, memory plan, and the dynamic batcher.
+
+``AsyncEngine.embed`` tokenizes on the event loop and posts one :class:`EmbedCall`
+per call to the engine thread, where the model's :class:`EmbeddingBatcher`
+queues its texts. A batch runs when ``max_batch_size`` texts are waiting, or
+when the oldest has waited ``max_wait_ms`` (the article's dynamic batching:
+trade a few milliseconds of latency for a batch that costs little more than
+one text). ``max_batch_size=1`` turns batching off.
+
+Batches run on the engine thread between generation steps, so an embedding
+model and a generator share the device without competing for its cores; while
+a generator is busy, a ready batch waits at most for the step in progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncinfer.config import from_options, resolve_device, resolve_dtype
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.memory import MiB
+from asyncinfer.models.encoder import EncoderConfig, LoadedEncoder
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """Options of an embedding model (keywords of ``add_model`` / ``from_pretrained`` for one).
+
+    - ``dtype``, ``device``: as for generators ("auto" = float32 on CPU, bf16 on CUDA).
+    - ``max_batch_size``: texts per forward pass, 1..1024 (1 = no batching; default 32).
+    - ``max_wait_ms``: how long the oldest waiting text may wait for more, in [0, 1000]
+      (default 5; 0 = run whatever is queued at once).
+    - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
+      truncated as sentence-transformers does (default: the model's, 256 for MiniLM).
+    - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
+    """
+
+    dtype: Any = "auto"
+    device: Any = "auto"
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    max_seq_len: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        _check_int("max_batch_size", self.max_batch_size, 1, 1024)
+        wait = self.max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
+            raise InvalidParameterError("max_wait_ms", wait, "a number of milliseconds in [0, 1000]")
+        if self.max_seq_len is not None:
+            _check_int("max_seq_len", self.max_seq_len, 2, 8192)
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, 1, 4096)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EmbeddingConfig:
+        """Build from ``add_model`` keywords, rejecting unknown ones by name."""
+        return from_options(cls, options, "an embedding-model option")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParameterError(name, value, f"an integer in [{low}, {high}]")
+
+
+def apply_max_seq_len(encoder_config: EncoderConfig, config: EmbeddingConfig) -> EncoderConfig:
+    """The encoder config with the user's ``max_seq_len`` (checked against the model's positions)."""
+    if config.max_seq_len is None:
+        return encoder_config
+    limit = encoder_config.max_position_embeddings
+    if config.max_seq_len > limit:
+        raise InvalidParameterError("max_seq_len", config.max_seq_len, f"an integer in [2, {limit}] for this model")
+    return dataclasses.replace(encoder_config, max_seq_len=config.max_seq_len)
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """Memory of an embedding model: its weights plus the activations of its largest batch."""
+
+    weight_bytes: int
+    activation_bytes: int
+    max_batch_size: int
+    max_seq_len: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        return (
+            f"weights {self.weight_bytes / MiB:.1f} MiB, activations {self.activation_bytes / MiB:.1f} MiB "
+            f"(batch {self.max_batch_size} x {self.max_seq_len} tokens)"
+        )
+
+
+def plan_embedding(encoder_config: EncoderConfig, config: EmbeddingConfig) -> EmbeddingPlan:
+    """The memory an embedding model needs, from its config alone (before loading)."""
+    cfg = apply_max_seq_len(encoder_config, config)
+    nbytes = config.dtype_bytes
+    return EmbeddingPlan(
+        weight_bytes=cfg.num_params * nbytes,
+        activation_bytes=cfg.activation_bytes(config.max_batch_size, cfg.max_seq_len, nbytes),
+        max_batch_size=config.max_batch_size,
+        max_seq_len=cfg.max_seq_len,
+    )
+
+
+@dataclass(eq=False)
+class EmbedCall:
+    """One ``embed()`` call: its texts' token ids, filled in by the engine thread."""
+
+    ids: list[list[int]]
+    arrival: float  # time.monotonic() when it was submitted
+    on_done: Callable[[EmbedCall], None]  # called on the engine thread once every text has its vector
+    results: list[torch.Tensor | None] = field(default_factory=list)
+    remaining: int = 0
+    cancelled: bool = False  # set by the event loop when the caller went away; its texts are skipped
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.ids)
+        self.remaining = len(self.ids)
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([r for r in self.results if r is not None])
+
+
+@dataclass(frozen=True)
+class EmbeddingStats:
+    """What an embedding model's batcher did: calls, texts, batches and their sizes."""
+
+    num_calls: int
+    num_texts: int
+    num_batches: int
+    batch_sizes: dict[int, int]  # batch size -> how many batches had it
+    num_tokens: int  # real tokens embedded
+    num_padded_tokens: int  # tokens computed, padding included
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.num_texts / self.num_batches if self.num_batches else 0.0
+
+
+class EmbeddingBatcher:
+    """The queue and the forward passes of one embedding model (engine thread only).
+
+    ``add`` queues a call's texts; ``wait_time`` says how long until a batch is
+    due; ``run_batch`` embeds up to ``max_batch_size`` texts, oldest first, and
+    returns the calls it completed.
+    """
+
+    def __init__(
+        self, encoder: LoadedEncoder, config: EmbeddingConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.encoder = encoder
+        self.config = config
+        self.plan = plan_embedding(encoder.config, config)
+        self._clock = clock
+        self._pending: deque[tuple[EmbedCall, int]] = deque()
+        self._calls = 0
+        self._texts = 0
+        self._batches = 0
+        self._sizes: Counter[int] = Counter()
+        self._tokens = 0
+        self._padded = 0
+
+    def add(self, call: EmbedCall) -> None:
+        self._calls += 1
+        self._pending.extend((call, i) for i in range(len(call.ids)))
+
+    def _drop_cancelled(self) -> None:
+        while self._pending and self._pending[0][0].cancelled:
+            self._pending.popleft()
+
+    def wait_time(self, now: float | None = None) -> float | None:
+        """Seconds until a batch is due: None when nothing waits, 0 when one is due now."""
+        self._drop_cancelled()
+        if not self._pending:
+            return None
+        if len(self._pending) >= self.config.max_batch_size:
+            return 0.0
+        now = self._clock() if now is None else now
+        waited = now - self._pending[0][0].arrival
+        return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
+
+    def run_batch(self) -> list[EmbedCall]:
+        """Embed up to ``max_batch_size`` queued texts; the calls this completed."""
+        batch: list[tuple[EmbedCall, int]] = []
+        while self._pending and len(batch) < self.config.max_batch_size:
+            call, i = self._pending.popleft()
+            if not call.cancelled:
+                batch.append((call, i))
+        if not batch:
+            return []
+        ids = [call.ids[i] for call, i in batch]
+        vectors = self.encoder.encode_ids(ids)
+        self._batches += 1
+        self._texts += len(batch)
+        self._sizes[len(batch)] += 1
+        self._tokens += sum(len(x) for x in ids)
+        self._padded += len(ids) * max(len(x) for x in ids)
+        done: list[EmbedCall] = []
+        for row, (call, i) in enumerate(batch):
+            call.results[i] = vectors[row]
+            call.remaining -= 1
+            if call.remaining == 0:
+                done.append(call)
+        return done
+
+    def take_all(self) -> list[EmbedCall]:
+        """Empty the queue; the distinct calls that were waiting (to fail them)."""
+        calls = list(dict.fromkeys(call for call, _ in self._pending if not call.cancelled))
+        self._pending.clear()
+        return calls
+
+    def stats(self) -> EmbeddingStats:
+        return EmbeddingStats(
+            num_calls=self._calls,
+            num_texts=self._texts,
+            num_batches=self._batches,
+            batch_sizes=dict(sorted(self._sizes.items())),
+            num_tokens=self._tokens,
+            num_padded_tokens=self._padded,
+        )

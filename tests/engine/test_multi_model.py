@@ -1,0 +1,297 @@
+"""Several named models in one engine: generators with their own KV caches, embedding models
+with dynamic batching, add_model / remove_model, and the errors around them."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncinfer import (
+    AsyncEngine,
+    ConfigurationError,
+    EngineClosedError,
+    InvalidParameterError,
+    ModelLoadError,
+    RequestAbortedError,
+    SamplingParams,
+)
+from asyncinfer.models.encoder import load_encoder
+
+GEN = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
+MAX_TOKENS = 16
+TEXTS = [
+    "The cat sat on the mat.",
+    "A man is playing a guitar.",
+    "Interest rates went up again this quarter.",
+    "How do I reset my password?",
+    "Paris is the capital of France.",
+    "The quick brown fox jumps over the lazy dog.",
+    "short",
+    "A much longer sentence that goes on and on about nothing in particular, just to have a long one.",
+]
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+PROMPTS = prompts(6, seed=5)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, hf_greedy) -> dict[str, list[list[int]]]:
+    """transformers' greedy tokens for every prompt on each tiny model."""
+    out = {kind: [hf_greedy(tiny_models[kind][1], p, MAX_TOKENS) for p in PROMPTS] for kind in ("llama", "qwen2")}
+    assert all(a != b for a, b in zip(out["llama"], out["qwen2"]))  # a mix-up would show
+    return out
+
+
+@pytest.fixture(scope="module")
+def solo_vectors(minilm_dir) -> torch.Tensor:
+    """Each text embedded alone by the encoder, outside any engine."""
+    enc = load_encoder(minilm_dir, torch.float32, "cpu")
+    return torch.cat([enc.encode([t]) for t in TEXTS])
+
+
+def assert_same_vectors(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert F.cosine_similarity(got, want, dim=-1).min().item() >= 1 - 1e-5
+
+
+async def test_generators_and_an_embedder_serve_side_by_side(tiny_models, minilm_dir, reference, solo_vectors):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="chat", **GEN)
+    async with engine:
+        qwen = await engine.add_model("qwen", tiny_models["qwen2"][0], **{**GEN, "kv_cache_memory": 2 * 1024 * 1024})
+        emb = await engine.add_model("minilm", "all-MiniLM-L6-v2", max_batch_size=4, max_wait_ms=2)
+        assert (qwen.name, qwen.kind, emb.name, emb.kind) == ("qwen", "generate", "minilm", "embed")
+        # Each generator has its own share: the KV cache it was given.
+        info = {i.name: i for i in engine.model_info()}
+        assert list(info) == ["chat", "qwen", "minilm"]
+        assert info["chat"].memory_plan.kv_budget_bytes == 4 * 1024 * 1024
+        assert info["qwen"].memory_plan.kv_budget_bytes == 2 * 1024 * 1024
+        assert info["minilm"].memory_plan.max_batch_size == 4
+
+        default, named_chat, named_qwen, vectors, one = await asyncio.gather(
+            asyncio.gather(*(engine.generate(p, greedy()) for p in PROMPTS)),
+            asyncio.gather(*(engine.generate(p, greedy(), model="chat") for p in PROMPTS)),
+            asyncio.gather(*(engine.generate(p, greedy(), model="qwen") for p in PROMPTS)),
+            asyncio.gather(*(engine.embed(t, model="minilm") for t in TEXTS)),
+            engine.embed(TEXTS),  # default embedder, all texts in one call
+        )
+        assert [o.token_ids for o in default] == reference["llama"]  # the first loaded is the default
+        assert [o.token_ids for o in named_chat] == reference["llama"]
+        assert [o.token_ids for o in named_qwen] == reference["qwen2"]
+        assert_same_vectors(torch.cat(vectors), solo_vectors)
+        assert_same_vectors(one, solo_vectors)
+        streamed = [d async for d in engine.stream(PROMPTS[0], greedy(), model="qwen")]
+        assert [t for d in streamed for t in d.token_ids] == reference["qwen2"][0]
+        assert engine.kv_stats("qwen").used_blocks == 0
+        stats = engine.embedding_stats()
+        assert stats.num_texts == 2 * len(TEXTS) and max(stats.batch_sizes) <= 4
+
+
+async def test_remove_model_finishes_its_requests_then_frees_it(tiny_models, reference):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **GEN)
+    async with engine:
+        await engine.add_model("b", tiny_models["qwen2"][0], **GEN)
+        core_ref = weakref.ref(engine._generators["a"].current.core)
+        in_flight = [asyncio.create_task(engine.generate(p, greedy(), model="a")) for p in PROMPTS]
+        await asyncio.sleep(0)  # submitted before the removal
+        await asyncio.sleep(0.05)
+        await engine.remove_model("a")
+        assert [t.result().token_ids for t in in_flight] == reference["llama"]  # finished, on "a"
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.generate(PROMPTS[0], greedy(), model="a")
+        assert err.value.parameter == "model"
+        # "b" is the default generator now.
+        out = await engine.generate(PROMPTS[1], greedy())
+        assert out.token_ids == reference["qwen2"][1]
+        assert [(i.name, i.state) for i in engine.model_info()] == [("b", "current")]
+        gc.collect()
+        assert core_ref() is None  # weights, KV tensors and prefix cache are gone
+
+
+async def test_remove_model_with_abort_ends_its_requests(tiny_models):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    async with engine:
+        await engine.add_model("b", tiny_models["qwen2"][0], **GEN)
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(p, long, model="b")) for p in PROMPTS]
+        await asyncio.sleep(0.2)
+        await engine.remove_model("b", abort=True)
+        outs = [await t for t in tasks]
+        assert all(o.finish_reason == "abort" for o in outs)
+        assert all(len(o.token_ids) < 200 for o in outs)
+        assert [i.name for i in engine.model_info()] == ["default"]
+
+
+async def test_swap_model_by_name_leaves_the_other_models_alone(tiny_models, reference):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **GEN)
+    async with engine:
+        await engine.add_model("b", tiny_models["llama"][0], **GEN)
+        info = await engine.swap_model(tiny_models["qwen2"][0], name="b")
+        assert info.name == "b"
+        a, b = await asyncio.gather(engine.generate(PROMPTS[2], greedy(), model="a"),
+                                    engine.generate(PROMPTS[2], greedy(), model="b"))
+        assert a.token_ids == reference["llama"][2]
+        assert b.token_ids == reference["qwen2"][2]
+
+
+async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm_dir, tmp_path):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    async with engine:
+        before = engine.model_info()
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.add_model("default", tiny_models["qwen2"][0], **GEN)
+        assert err.value.parameter == "name"
+        with pytest.raises(InvalidParameterError):
+            await engine.add_model("", tiny_models["qwen2"][0], **GEN)
+        with pytest.raises(ConfigurationError, match="does not fit beside the loaded models"):
+            await engine.add_model("big", tiny_models["qwen2"][0], available_bytes=1024 * 1024, **GEN)
+        with pytest.raises(ConfigurationError, match="embedding model does not fit"):
+            await engine.add_model("emb", minilm_dir, available_bytes=1024 * 1024)
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.add_model("emb", minilm_dir, kv_cache_memory=1024)  # a generator option
+        assert err.value.parameter == "kv_cache_memory"
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.add_model("emb", minilm_dir, max_batch_size=0)
+        assert err.value.parameter == "max_batch_size"
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.add_model("emb", minilm_dir, max_seq_len=4096)
+        assert err.value.parameter == "max_seq_len"
+        with pytest.raises(ModelLoadError):
+            await engine.add_model("gone", tmp_path / "no-such-model")
+        with pytest.raises(InvalidParameterError):
+            await engine.remove_model("never-added")
+        assert engine.model_info() == before
+        out = await engine.generate(PROMPTS[0], greedy())
+        assert out.finish_reason == "length"
+
+
+async def test_embed_argument_errors(tiny_models, minilm_dir):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    async with engine:
+        with pytest.raises(InvalidParameterError, match="holds none"):
+            await engine.embed("hello")
+        await engine.add_model("emb", minilm_dir)
+        for bad, parameter in (([], "texts"), ([1], "texts[0]"), (None, "texts"), (["a", b"b"], "texts[1]")):
+            with pytest.raises(InvalidParameterError) as err:
+                await engine.embed(bad)
+            assert err.value.parameter == parameter
+        with pytest.raises(InvalidParameterError, match="use generate"):
+            await engine.embed("hello", model="default")
+        with pytest.raises(InvalidParameterError, match="use embed"):
+            await engine.generate("hello", model="emb")
+        assert engine.embedding_stats().num_calls == 0
+        assert (await engine.embed("hello")).shape == (1, 384)
+
+
+async def test_dynamic_batching_groups_concurrent_calls(minilm_dir, solo_vectors):
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_batch_size=8, max_wait_ms=500)
+    async with engine:
+        start = time.perf_counter()
+        vectors = await asyncio.gather(*(engine.embed(t) for t in TEXTS))  # 8 texts: a full batch
+        full = time.perf_counter() - start
+        stats = engine.embedding_stats()
+        assert (stats.num_calls, stats.num_batches, stats.batch_sizes) == (8, 1, {8: 1})
+        assert full < 0.5  # a full batch does not wait for max_wait_ms
+        assert_same_vectors(torch.cat(vectors), solo_vectors)
+        # A lone text waits max_wait_ms for company, then runs alone.
+        start = time.perf_counter()
+        await engine.embed("alone")
+        assert time.perf_counter() - start >= 0.45
+        assert engine.embedding_stats().batch_sizes == {1: 1, 8: 1}
+
+
+async def test_batching_off_runs_every_text_alone(minilm_dir, solo_vectors):
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_batch_size=1)
+    async with engine:
+        vectors = await asyncio.gather(*(engine.embed(t) for t in TEXTS))
+        stats = engine.embedding_stats()
+        assert (stats.num_batches, stats.batch_sizes) == (8, {1: 8})
+        assert_same_vectors(torch.cat(vectors), solo_vectors)
+        with pytest.raises(InvalidParameterError):
+            await engine.generate("hi")  # an embedding-only engine has no generator
+
+
+async def test_cancelled_embed_is_dropped_and_nothing_leaks(minilm_dir):
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_batch_size=32, max_wait_ms=300)
+    async with engine:
+        task = asyncio.create_task(engine.embed(["a", "b", "c"]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)
+        assert engine.embedding_stats().num_batches == 0  # its texts were never computed
+        assert engine._embed_calls == {} and engine.model_info()[0].requests_in_flight == 0
+        assert (await engine.embed(["d"])).shape == (1, 384)
+
+
+async def test_close_flushes_or_aborts_waiting_embeds(minilm_dir):
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_wait_ms=1000)
+    await engine.start()
+    task = asyncio.create_task(engine.embed("flushed at close"))
+    await asyncio.sleep(0.05)
+    start = time.perf_counter()
+    await engine.aclose()
+    assert (await task).shape == (1, 384)
+    assert time.perf_counter() - start < 0.9  # closing ran the batch without waiting it out
+    with pytest.raises(EngineClosedError):
+        await engine.embed("after close")
+
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_wait_ms=1000)
+    await engine.start()
+    task = asyncio.create_task(engine.embed("aborted"))
+    await asyncio.sleep(0.05)
+    await engine.aclose(abort=True)
+    with pytest.raises(RequestAbortedError):
+        await task
+
+
+async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    async with engine:
+        await engine.add_model("emb", minilm_dir, max_wait_ms=300)
+        model_ref = weakref.ref(engine._embedders["emb"].batcher.encoder.model)
+        task = asyncio.create_task(engine.embed("finishes first"))
+        await asyncio.sleep(0.05)
+        await engine.remove_model("emb")
+        assert (await task).shape == (1, 384)
+        gc.collect()
+        assert model_ref() is None
+        with pytest.raises(InvalidParameterError):
+            await engine.embed("gone", model="emb")
+
+        await engine.add_model("emb", minilm_dir, max_wait_ms=1000)
+        task = asyncio.create_task(engine.embed("aborted"))
+        await asyncio.sleep(0.05)
+        await engine.remove_model("emb", abort=True)
+        with pytest.raises(RequestAbortedError):
+            await task
+        assert [i.name for i in engine.model_info()] == ["default"]
+
+
+def test_plan_memory_of_an_embedding_model_before_loading(minilm_dir):
+    plan = AsyncEngine.plan_memory(minilm_dir, max_batch_size=8, max_seq_len=128, dtype="float32", device="cpu")
+    encoder = load_encoder(minilm_dir, torch.float32, "cpu")
+    assert plan.weight_bytes == encoder.weight_bytes  # estimated from config.json alone
+    assert (plan.max_batch_size, plan.max_seq_len) == (8, 128)
+    assert plan.activation_bytes == encoder.config.activation_bytes(8, 128, 4)
+    with pytest.raises(ConfigurationError, match="does not fit"):
+        AsyncEngine.plan_memory(minilm_dir, available_bytes=10 * 1024 * 1024)
+    with pytest.raises(InvalidParameterError) as err:
+        AsyncEngine.plan_memory(minilm_dir, block_size=16)
+    assert err.value.parameter == "block_size"
