@@ -1,0 +1,161 @@
+"""Dynamic batching of embeddings: throughput and latency with batching on and off.
+
+One engine holds all-MiniLM-L6-v2 several times under different names, one per
+batching setting (``add_model``), so every setting runs in the same process on
+the same weights. At each concurrency level, ``C`` closed-loop clients each send
+one sentence per ``embed()`` call, back to back, until ``--requests`` calls have
+finished; the settings take turns at each level, so machine noise hits them alike.
+
+    python benchmarks/embeddings.py                      # the table in benchmarks/README.md
+    python benchmarks/embeddings.py --concurrency 1 8 32 --requests 256 --json out.json
+
+Reported per setting and level: calls per second, latency p50 / p99 (ms), mean
+batch size; and the on/off ratios (the article's section 3.2 reports 6x the
+throughput for +25% latency at batch 8). First, the cost of one forward pass at
+batch sizes 1..32 (the encoder alone, median of 7), which bounds what batching
+can buy on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import QUESTIONS, machine_info, percentile  # noqa: E402
+
+from asyncinfer import AsyncEngine  # noqa: E402
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "off": dict(max_batch_size=1),  # every call alone: no batching
+    "on": dict(max_batch_size=32, max_wait_ms=5.0),  # the default: wait up to 5 ms for up to 32 texts
+    "on-nowait": dict(max_batch_size=32, max_wait_ms=0.0),  # take whatever is queued, never wait
+}
+
+
+async def run_level(engine: AsyncEngine, name: str, concurrency: int, requests: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    texts = [rng.choice(QUESTIONS) for _ in range(requests)]
+    latencies: list[float] = []
+    next_index = 0
+    before = engine.embedding_stats(name)
+
+    async def client() -> None:
+        nonlocal next_index
+        while next_index < requests:
+            text = texts[next_index]
+            next_index += 1
+            start = time.perf_counter()
+            await engine.embed(text, model=name)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    after = engine.embedding_stats(name)
+    batches = after.num_batches - before.num_batches
+    return {
+        "setting": name,
+        "concurrency": concurrency,
+        "calls": len(latencies),
+        "calls_per_s": len(latencies) / wall,
+        "p50_ms": 1000 * percentile(latencies, 50),
+        "p99_ms": 1000 * percentile(latencies, 99),
+        "mean_batch": (after.num_texts - before.num_texts) / batches if batches else 0.0,
+    }
+
+
+def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[str, Any]]:
+    """Median wall time of one forward pass per batch size, on the workload's texts."""
+    encoder = engine._embedder(name).batcher.encoder
+    rng = random.Random(0)
+    rows = []
+    for size in sizes:
+        ids = encoder.tokenize([rng.choice(QUESTIONS) for _ in range(size)])
+        encoder.encode_ids(ids)
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            encoder.encode_ids(ids)
+            times.append(time.perf_counter() - start)
+        ms = 1000 * statistics.median(times)
+        rows.append({"batch": size, "tokens": sum(map(len, ids)), "ms": ms, "texts_per_s": 1000 * size / ms})
+        print(f"  batch {size:<3} {rows[-1]['tokens']:5d} tokens  {ms:7.1f} ms  {rows[-1]['texts_per_s']:7.1f} texts/s",
+              flush=True)
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    first, *rest = args.settings
+    engine = AsyncEngine.from_pretrained(args.model, name=first, num_threads=args.threads, **SETTINGS[first])
+    rows: list[dict[str, Any]] = []
+    print("one forward pass (before the engine starts):")
+    costs = batch_cost(engine, first, [1, 2, 4, 8, 16, 32])
+    print("closed-loop clients:")
+    async with engine:
+        for name in rest:
+            await engine.add_model(name, args.model, **SETTINGS[name])
+        for name in args.settings:  # warm-up: first calls pay for allocator growth
+            await asyncio.gather(*(engine.embed("warm-up text", model=name) for _ in range(64)))
+        for concurrency in args.concurrency:
+            requests = max(args.requests, 8 * concurrency)
+            for name in args.settings:
+                row = await run_level(engine, name, concurrency, requests, seed=concurrency)
+                rows.append(row)
+                print(
+                    f"  C={concurrency:<3} {name:<10} {row['calls_per_s']:8.1f} calls/s  "
+                    f"p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  mean batch {row['mean_batch']:5.1f}",
+                    flush=True,
+                )
+    return costs, rows
+
+
+def table(rows: list[dict[str, Any]], settings: list[str]) -> str:
+    by = {(r["concurrency"], r["setting"]): r for r in rows}
+    lines = [
+        "| clients | setting | calls/s | p50 ms | p99 ms | mean batch | calls/s vs off | p99 vs off |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        off = by.get((concurrency, "off"))
+        for name in settings:
+            r = by[(concurrency, name)]
+            ratio = f"{r['calls_per_s'] / off['calls_per_s']:.2f}x" if off else "-"
+            p99 = f"{r['p99_ms'] / off['p99_ms']:.2f}x" if off else "-"
+            lines.append(
+                f"| {concurrency} | {name} | {r['calls_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
+                f"| {r['mean_batch']:.1f} | {ratio} | {p99} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (name or directory)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=256, help="calls per level and setting (at least 8 x C)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
+    args = parser.parse_args()
+    print(f"embedding benchmark: {args.model}, settings {args.settings}, clients {args.concurrency}")
+    costs, rows = asyncio.run(main_async(args))
+    print()
+    print(table(rows, args.settings))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine_info(), "settings": SETTINGS, "batch_cost": costs, "rows": rows}
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"\nwritten to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
