@@ -95,14 +95,15 @@ def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[st
 
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     first, *rest = args.settings
-    engine = AsyncEngine.from_pretrained(args.model, name=first, num_threads=args.threads, **SETTINGS[first])
+    device = dict(device=args.device, dtype=args.dtype)
+    engine = AsyncEngine.from_pretrained(args.model, name=first, num_threads=args.threads, **device, **SETTINGS[first])
     rows: list[dict[str, Any]] = []
     print("one forward pass (before the engine starts):")
     costs = batch_cost(engine, first, [1, 2, 4, 8, 16, 32])
     print("closed-loop clients:")
     async with engine:
         for name in rest:
-            await engine.add_model(name, args.model, **SETTINGS[name])
+            await engine.add_model(name, args.model, **device, **SETTINGS[name])
         for name in args.settings:  # warm-up: first calls pay for allocator growth
             await asyncio.gather(*(engine.embed("warm-up text", model=name) for _ in range(64)))
         for concurrency in args.concurrency:
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256, help="calls per level and setting (at least 8 x C)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on CUDA), float32, ...")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
     args = parser.parse_args()
     print(f"embedding benchmark: {args.model}, settings {args.settings}, clients {args.concurrency}")

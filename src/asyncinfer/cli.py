@@ -3,6 +3,7 @@
     asyncinfer chat "What is the capital of France?"   # one-shot, streamed
     asyncinfer chat                                     # interactive; /reset clears history, /quit leaves
     asyncinfer info                                     # model, memory plan and options
+    asyncinfer embed "first text" "second text"         # sentence embeddings (all-MiniLM-L6-v2)
     asyncinfer lab --synthetic 200                      # compare schedulers on a simulated trace
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from typing import Any
@@ -220,6 +222,25 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads while calibrating")
 
 
+async def _embed(args: argparse.Namespace) -> int:
+    options = {"device": args.device, "dtype": args.dtype}
+    async with AsyncEngine.from_pretrained(args.model, name="embed", **options) as engine:
+        vectors = await engine.embed(args.texts)
+        (info,) = engine.model_info()
+    if args.json:
+        print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))
+        return 0
+    print(f"model: {info.source} ({vectors.shape[1]} dimensions)")
+    width = max(len(t) for t in args.texts[:20])
+    print("cosine similarity:")
+    similarity = vectors @ vectors.T if vectors.shape[0] > 1 else None
+    for i, text in enumerate(args.texts):
+        head = " ".join(f"{v:+.3f}" for v in vectors[i, :4].tolist())
+        row = "" if similarity is None else "  " + " ".join(f"{x:5.2f}" for x in similarity[i].tolist())
+        print(f"  {text[:60]:<{min(width, 60)}}  [{head} ...]{row}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     info = sub.add_parser("info", help="load a model and print its memory plan")
     _add_engine_args(info)
+    embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities")
+    embed.add_argument("texts", nargs="+", help="texts to embed")
+    embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
+    embed.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    embed.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)")
     _add_lab_args(lab)
     return parser
@@ -247,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_chat(args))
         if args.command == "lab":
             return _lab(args)
+        if args.command == "embed":
+            return asyncio.run(_embed(args))
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)

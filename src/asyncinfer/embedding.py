@@ -129,6 +129,7 @@ class EmbedCall:
     results: list[torch.Tensor | None] = field(default_factory=list)
     remaining: int = 0
     cancelled: bool = False  # set by the event loop when the caller went away; its texts are skipped
+    error: Exception | None = None  # the encoder failed on a batch holding one of its texts
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.ids)
@@ -176,10 +177,12 @@ class EmbeddingBatcher:
         self._sizes: Counter[int] = Counter()
         self._tokens = 0
         self._padded = 0
+        self._snapshot = self._stats()  # what other threads read: replaced whole, never mutated
 
     def add(self, call: EmbedCall) -> None:
         self._calls += 1
         self._pending.extend((call, i) for i in range(len(call.ids)))
+        self._snapshot = self._stats()
 
     def _drop_cancelled(self) -> None:
         while self._pending and self._pending[0][0].cancelled:
@@ -197,7 +200,10 @@ class EmbeddingBatcher:
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
     def run_batch(self) -> list[EmbedCall]:
-        """Embed up to ``max_batch_size`` queued texts; the calls this completed."""
+        """Embed up to ``max_batch_size`` queued texts; the calls this completed.
+
+        If the encoder raises, every call with a text in the batch completes
+        with ``error`` set (and its other queued texts are dropped)."""
         batch: list[tuple[EmbedCall, int]] = []
         while self._pending and len(batch) < self.config.max_batch_size:
             call, i = self._pending.popleft()
@@ -206,12 +212,20 @@ class EmbeddingBatcher:
         if not batch:
             return []
         ids = [call.ids[i] for call, i in batch]
-        vectors = self.encoder.encode_ids(ids)
+        try:
+            vectors = self.encoder.encode_ids(ids)
+        except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the engine keeps serving
+            failed = list(dict.fromkeys(call for call, _ in batch))
+            for call in failed:
+                call.error = exc
+                call.cancelled = True  # its texts still queued are skipped
+            return failed
         self._batches += 1
         self._texts += len(batch)
         self._sizes[len(batch)] += 1
         self._tokens += sum(len(x) for x in ids)
         self._padded += len(ids) * max(len(x) for x in ids)
+        self._snapshot = self._stats()
         done: list[EmbedCall] = []
         for row, (call, i) in enumerate(batch):
             call.results[i] = vectors[row]
@@ -227,6 +241,10 @@ class EmbeddingBatcher:
         return calls
 
     def stats(self) -> EmbeddingStats:
+        """The figures as of the last call queued or batch run (safe to read from any thread)."""
+        return self._snapshot
+
+    def _stats(self) -> EmbeddingStats:
         return EmbeddingStats(
             num_calls=self._calls,
             num_texts=self._texts,

@@ -653,7 +653,8 @@ class AsyncEngine:
 
         Raises:
             InvalidParameterError: bad ``texts`` or ``model`` (nothing was queued).
-            RequestAbortedError: the call was aborted (remove_model or aclose with abort=True).
+            RequestAbortedError: the call was aborted (remove_model or aclose with abort=True),
+                or the encoder raised on its batch (the cause is chained; the engine keeps serving).
             EngineClosedError / EngineDeadError: the engine is not running.
         """
         self._check_running()
@@ -664,8 +665,12 @@ class AsyncEngine:
         future: asyncio.Future[torch.Tensor] = loop.create_future()
 
         def on_done(call: EmbedCall) -> None:  # engine thread
-            vectors = call.stacked()
-            self._call_on_loop(self._resolve_embed, call, vectors)
+            if call.error is not None:
+                err = RequestAbortedError(f"the embedding batch failed: {call.error!r}")
+                err.__cause__ = call.error
+                self._call_on_loop(self._resolve_embed, call, err)
+            else:
+                self._call_on_loop(self._resolve_embed, call, call.stacked())
 
         call = EmbedCall(ids, time.monotonic(), on_done)
         entry.calls[call] = future

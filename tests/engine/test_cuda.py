@@ -35,3 +35,16 @@ async def test_cuda_default_dtype_is_half_precision_and_serves(tiny_models) -> N
         outs = await asyncio.gather(*(engine.generate([3, 4, 5 + i], SamplingParams(max_tokens=8, ignore_eos=True))
                                       for i in range(8)))
     assert all(len(o.token_ids) == 8 for o in outs)
+
+
+async def test_cuda_embeddings_equal_cpu(minilm_dir) -> None:
+    texts = ["The cat sat on the mat.", "A much longer sentence about the weather in the mountains today.", "x"]
+    vectors = {}
+    for device in ("cpu", "cuda"):
+        async with AsyncEngine.from_pretrained(minilm_dir, device=device, dtype="float32") as engine:
+            vectors[device] = torch.cat(await asyncio.gather(*(engine.embed(t) for t in texts)))
+    cosine = torch.nn.functional.cosine_similarity(vectors["cuda"], vectors["cpu"], dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5
+    async with AsyncEngine.from_pretrained(minilm_dir, device="cuda") as engine:  # bf16/fp16 by default
+        half = await engine.embed(texts)
+    assert torch.nn.functional.cosine_similarity(half, vectors["cpu"], dim=-1).min().item() >= 0.99

@@ -295,3 +295,37 @@ def test_plan_memory_of_an_embedding_model_before_loading(minilm_dir):
     with pytest.raises(InvalidParameterError) as err:
         AsyncEngine.plan_memory(minilm_dir, block_size=16)
     assert err.value.parameter == "block_size"
+
+
+def test_cli_embed_prints_the_engines_vectors(minilm_dir, solo_vectors, capsys):
+    import json
+
+    from asyncinfer import cli
+
+    assert cli.main(["embed", *TEXTS[:3], "--model", str(minilm_dir), "--device", "cpu", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["texts"] == TEXTS[:3]
+    assert_same_vectors(torch.tensor(printed["embeddings"]), solo_vectors[:3])
+    assert cli.main(["embed", "a", "b", "--model", str(minilm_dir), "--device", "cpu"]) == 0
+    assert "cosine similarity" in capsys.readouterr().out
+
+
+async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_serving(tiny_models, minilm_dir,
+                                                                                         reference):
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    async with engine:
+        await engine.add_model("emb", minilm_dir, max_batch_size=1)
+        encoder = engine._embedders["emb"].batcher.encoder
+        real = encoder.encode_ids
+
+        def fail_once(batch):
+            encoder.encode_ids = real
+            raise RuntimeError("simulated device failure")
+
+        encoder.encode_ids = fail_once
+        with pytest.raises(RequestAbortedError) as err:
+            await engine.embed("first")
+        assert isinstance(err.value.__cause__, RuntimeError)
+        assert (await engine.embed("second")).shape == (1, 384)
+        out = await engine.generate(PROMPTS[0], greedy())
+        assert out.token_ids == reference["llama"][0]

@@ -1,0 +1,135 @@
+"""The dynamic batcher alone, on a fake clock and a fake encoder: when batches are due, what
+goes in them, and that cancelled texts are never computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncinfer import InvalidParameterError
+from asyncinfer.embedding import EmbedCall, EmbeddingBatcher, EmbeddingConfig
+from asyncinfer.models.encoder import EncoderConfig
+
+CFG = EncoderConfig(architecture="bert", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1,
+                    num_heads=2, max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12,
+                    hidden_act="gelu", max_seq_len=64)
+
+
+class FakeEncoder:
+    """Each text's vector is [first token id, length, 0, ...]; records every batch it ran."""
+
+    config = CFG
+    source = "fake"
+
+    def __init__(self) -> None:
+        self.batches: list[list[list[int]]] = []
+
+    def encode_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        self.batches.append(batch)
+        out = torch.zeros(len(batch), CFG.hidden_size)
+        for row, ids in enumerate(batch):
+            out[row, 0], out[row, 1] = ids[0], len(ids)
+        return out
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(max_batch_size: int = 4, max_wait_ms: float = 5.0) -> tuple[EmbeddingBatcher, FakeEncoder, Clock]:
+    encoder, clock = FakeEncoder(), Clock()
+    config = EmbeddingConfig(device="cpu", max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+    return EmbeddingBatcher(encoder, config, clock), encoder, clock  # type: ignore[arg-type]
+
+
+def call(first_ids: list[int], arrival: float, done: list[EmbedCall]) -> EmbedCall:
+    return EmbedCall([[t] * (t % 5 + 1) for t in first_ids], arrival, done.append)
+
+
+def test_a_batch_is_due_when_full_or_when_the_oldest_text_waited_long_enough() -> None:
+    batcher, encoder, clock = make(max_batch_size=4, max_wait_ms=5)
+    done: list[EmbedCall] = []
+    assert batcher.wait_time() is None
+    batcher.add(call([10], arrival=0.0, done=done))
+    clock.now = 0.002
+    assert batcher.wait_time() == pytest.approx(0.003)
+    clock.now = 0.0051
+    assert batcher.wait_time() == 0.0
+    clock.now = 0.0
+    batcher.add(call([11, 12, 13], arrival=0.0, done=done))
+    assert batcher.wait_time() == 0.0  # 4 texts: a full batch does not wait
+    finished = batcher.run_batch()
+    assert len(finished) == 2 and encoder.batches == [[[10], [11, 11], [12, 12, 12], [13, 13, 13, 13]]]
+    assert batcher.wait_time() is None
+
+
+def test_texts_run_oldest_first_and_a_call_completes_with_its_last_text() -> None:
+    batcher, encoder, clock = make(max_batch_size=3, max_wait_ms=0)
+    done: list[EmbedCall] = []
+    a = call([1, 2, 3, 4, 5], arrival=0.0, done=done)  # spans two batches
+    b = call([6], arrival=0.001, done=done)
+    batcher.add(a)
+    batcher.add(b)
+    assert batcher.run_batch() == []  # a's first 3 texts: a is not complete yet
+    assert batcher.run_batch() == [a, b]
+    assert [len(x) for x in encoder.batches] == [3, 3]
+    vectors = a.stacked()
+    assert vectors[:, 0].tolist() == [1, 2, 3, 4, 5] and vectors[:, 1].tolist() == [2, 3, 4, 5, 1]
+    stats = batcher.stats()
+    assert (stats.num_calls, stats.num_texts, stats.num_batches, stats.batch_sizes) == (2, 6, 2, {3: 2})
+    assert stats.num_tokens == 2 + 3 + 4 + 5 + 1 + 2
+    assert stats.num_padded_tokens == 3 * 4 + 3 * 5
+    assert stats.mean_batch_size == 3.0
+
+
+def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> None:
+    batcher, encoder, clock = make(max_batch_size=8, max_wait_ms=1000)
+    done: list[EmbedCall] = []
+    a, b, c = call([1, 2], 0.0, done), call([3], 0.0, done), call([4, 5], 0.0, done)
+    for x in (a, b, c):
+        batcher.add(x)
+    a.cancelled = True
+    clock.now = 10.0
+    assert batcher.run_batch() == [b, c]
+    assert encoder.batches == [[[3] * 4, [4] * 5, [5]]]  # a's texts never computed
+    d, e = call([6], 0.0, done), call([7], 0.0, done)
+    batcher.add(d)
+    batcher.add(e)
+    e.cancelled = True
+    assert batcher.take_all() == [d]
+    assert batcher.wait_time() is None and len(encoder.batches) == 1
+
+
+def test_options_are_checked_by_name() -> None:
+    for bad in (dict(max_batch_size=0), dict(max_batch_size=True), dict(max_wait_ms=-1), dict(max_wait_ms=2000),
+                dict(max_seq_len=1), dict(num_threads=0)):
+        with pytest.raises(InvalidParameterError) as err:
+            EmbeddingConfig(device="cpu", **bad)
+        assert err.value.parameter == next(iter(bad))
+    with pytest.raises(InvalidParameterError) as err:
+        EmbeddingConfig.from_options({"kv_cache_memory": 1})
+    assert err.value.parameter == "kv_cache_memory"
+
+
+def test_an_encoder_failure_fails_the_batchs_calls_only() -> None:
+    batcher, encoder, clock = make(max_batch_size=2, max_wait_ms=0)
+    done: list[EmbedCall] = []
+    a, b, c = call([1, 2, 3], 0.0, done), call([4], 0.0, done), call([5], 0.0, done)
+    for x in (a, b, c):
+        batcher.add(x)
+    boom = RuntimeError("out of memory")
+    real = encoder.encode_ids
+
+    def fail_once(batch):
+        encoder.encode_ids = real
+        raise boom
+
+    encoder.encode_ids = fail_once
+    assert batcher.run_batch() == [a]  # a's first two texts: a fails, its third text is dropped
+    assert a.error is boom and a.cancelled
+    assert batcher.run_batch() == [b, c] and b.error is None and c.error is None
+    assert batcher.wait_time() is None
