@@ -8,6 +8,12 @@ finished; the settings take turns at each level, so machine noise hits them alik
 
     python benchmarks/embeddings.py                      # the table in benchmarks/README.md
     python benchmarks/embeddings.py --concurrency 1 8 32 --requests 256 --json out.json
+    python benchmarks/embeddings.py --with-generator 8      # the same, while SmolLM2 serves 8 chat streams
+
+``--with-generator N`` adds the default generator to the same engine and keeps N
+clients streaming 64-token answers from it during the measurements: embedding
+batches then run between generation steps, and the rows also report the
+generator's tokens per second.
 
 Reported per setting and level: calls per second, latency p50 / p99 (ms), mean
 batch size; and the on/off ratios (the article's section 3.2 reports 6x the
@@ -41,12 +47,39 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-async def run_level(engine: AsyncEngine, name: str, concurrency: int, requests: int, seed: int) -> dict[str, Any]:
+class Background:
+    """N clients streaming chat answers from the generator "gen" until stopped; counts tokens."""
+
+    def __init__(self, engine: AsyncEngine, clients: int) -> None:
+        self.engine = engine
+        self.tokens = 0
+        self.stopping = False
+        self.tasks = [asyncio.create_task(self.client(i)) for i in range(clients)]
+
+    async def client(self, i: int) -> None:
+        from asyncinfer import SamplingParams
+
+        rng = random.Random(i)
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        while not self.stopping:
+            messages = [{"role": "user", "content": rng.choice(QUESTIONS)}]
+            async for delta in self.engine.stream(messages, params, model="gen"):
+                self.tokens += len(delta.token_ids)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await asyncio.gather(*self.tasks)
+
+
+async def run_level(
+    engine: AsyncEngine, name: str, concurrency: int, requests: int, seed: int, background: Background | None = None
+) -> dict[str, Any]:
     rng = random.Random(seed)
     texts = [rng.choice(QUESTIONS) for _ in range(requests)]
     latencies: list[float] = []
     next_index = 0
     before = engine.embedding_stats(name)
+    gen_before = background.tokens if background else 0
 
     async def client() -> None:
         nonlocal next_index
@@ -70,6 +103,7 @@ async def run_level(engine: AsyncEngine, name: str, concurrency: int, requests: 
         "p50_ms": 1000 * percentile(latencies, 50),
         "p99_ms": 1000 * percentile(latencies, 99),
         "mean_batch": (after.num_texts - before.num_texts) / batches if batches else 0.0,
+        "gen_tok_s": (background.tokens - gen_before) / wall if background else None,
     }
 
 
@@ -104,26 +138,36 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], li
     async with engine:
         for name in rest:
             await engine.add_model(name, args.model, **device, **SETTINGS[name])
+        background = None
+        if args.with_generator:
+            await engine.add_model("gen", None, max_model_len=1024, kv_cache_memory=256 * 2**20)
+            background = Background(engine, args.with_generator)
+            await asyncio.sleep(5)  # let the streams get past their prefills
         for name in args.settings:  # warm-up: first calls pay for allocator growth
             await asyncio.gather(*(engine.embed("warm-up text", model=name) for _ in range(64)))
         for concurrency in args.concurrency:
             requests = max(args.requests, 8 * concurrency)
             for name in args.settings:
-                row = await run_level(engine, name, concurrency, requests, seed=concurrency)
+                row = await run_level(engine, name, concurrency, requests, seed=concurrency, background=background)
                 rows.append(row)
+                gen = f"  generator {row['gen_tok_s']:6.1f} tok/s" if background else ""
                 print(
                     f"  C={concurrency:<3} {name:<10} {row['calls_per_s']:8.1f} calls/s  "
-                    f"p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  mean batch {row['mean_batch']:5.1f}",
+                    f"p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  mean batch {row['mean_batch']:5.1f}{gen}",
                     flush=True,
                 )
+        if background:
+            await background.stop()
     return costs, rows
 
 
 def table(rows: list[dict[str, Any]], settings: list[str]) -> str:
     by = {(r["concurrency"], r["setting"]): r for r in rows}
+    gen = rows[0]["gen_tok_s"] is not None
     lines = [
-        "| clients | setting | calls/s | p50 ms | p99 ms | mean batch | calls/s vs off | p99 vs off |",
-        "|---|---|---|---|---|---|---|---|",
+        "| clients | setting | calls/s | p50 ms | p99 ms | mean batch | calls/s vs off | p99 vs off |"
+        + (" generator tok/s |" if gen else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if gen else ""),
     ]
     for concurrency in sorted({r["concurrency"] for r in rows}):
         off = by.get((concurrency, "off"))
@@ -133,7 +177,7 @@ def table(rows: list[dict[str, Any]], settings: list[str]) -> str:
             p99 = f"{r['p99_ms'] / off['p99_ms']:.2f}x" if off else "-"
             lines.append(
                 f"| {concurrency} | {name} | {r['calls_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
-                f"| {r['mean_batch']:.1f} | {ratio} | {p99} |"
+                f"| {r['mean_batch']:.1f} | {ratio} | {p99} |" + (f" {r['gen_tok_s']:.1f} |" if gen else "")
             )
     return "\n".join(lines)
 
@@ -147,6 +191,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on CUDA), float32, ...")
+    parser.add_argument("--with-generator", type=int, default=0, metavar="N",
+                        help="keep N chat streams of the default generator running in the same engine")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
     args = parser.parse_args()
     print(f"embedding benchmark: {args.model}, settings {args.settings}, clients {args.concurrency}")

@@ -329,3 +329,14 @@ async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_se
         assert (await engine.embed("second")).shape == (1, 384)
         out = await engine.generate(PROMPTS[0], greedy())
         assert out.token_ids == reference["llama"][0]
+
+
+async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_dir, reference):
+    engine = AsyncEngine.from_pretrained(minilm_dir, name="emb")
+    async with engine:
+        with pytest.raises(InvalidParameterError, match="holds none"):
+            await engine.generate(PROMPTS[0], greedy())
+        await engine.add_model("gen", tiny_models["qwen2"][0], **GEN)
+        out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy()), engine.embed("text"))
+        assert out.token_ids == reference["qwen2"][3] and vec.shape == (1, 384)
+        assert [(i.name, i.kind) for i in engine.model_info()] == [("gen", "generate"), ("emb", "embed")]
