@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     raise InvalidParameterError("dtype", dtype, "'auto', 'float32', 'float16', 'bfloat16' or the torch dtype")
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
+def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
@@ -119,17 +119,17 @@ class EngineConfig:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
-        _check_int("block_size", self.block_size, 1, 256)
-        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        check_int("block_size", self.block_size, 1, 256)
+        check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         frac = self.kv_cache_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95:
             raise InvalidParameterError("kv_cache_fraction", frac, "a number in (0, 0.95]")
-        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("max_model_len", self.max_model_len, 2, optional=True)
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_int("num_threads", self.num_threads, 1, optional=True)
-        _check_int("activation_reserve", self.activation_reserve, 0)
+        check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_model_len", self.max_model_len, 2, optional=True)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("num_threads", self.num_threads, 1, optional=True)
+        check_int("activation_reserve", self.activation_reserve, 0)
         check_quantization(self.quantization, device, self.dtype)
         skip = self.quantization_skip
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.config import from_options, resolve_device, resolve_dtype
+from asyncinfer.config import check_int, from_options, resolve_device, resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import MiB
 from asyncinfer.models.encoder import EncoderConfig, LoadedEncoder
@@ -53,14 +53,12 @@ class EmbeddingConfig:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
-        _check_int("max_batch_size", self.max_batch_size, 1, 1024)
+        check_int("max_batch_size", self.max_batch_size, 1, 1024)
         wait = self.max_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
             raise InvalidParameterError("max_wait_ms", wait, "a number of milliseconds in [0, 1000]")
-        if self.max_seq_len is not None:
-            _check_int("max_seq_len", self.max_seq_len, 2, 8192)
-        if self.num_threads is not None:
-            _check_int("num_threads", self.num_threads, 1, 4096)
+        check_int("max_seq_len", self.max_seq_len, 2, 8192, optional=True)
+        check_int("num_threads", self.num_threads, 1, 4096, optional=True)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EmbeddingConfig:
@@ -70,11 +68,6 @@ class EmbeddingConfig:
     @property
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidParameterError(name, value, f"an integer in [{low}, {high}]")
 
 
 def apply_max_seq_len(encoder_config: EncoderConfig, config: EmbeddingConfig) -> EncoderConfig:

@@ -208,13 +208,17 @@ class AsyncEngine:
             ModelLoadError: the model's config cannot be read.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
         """
-        if model is not None and is_encoder_dir(resolve_model(model)):
+        if isinstance(model, ModelConfig):  # a generator's config, given directly
+            return plan_memory(model, available_bytes=available_bytes, **options)
+        path = resolve_model(model)
+        if is_encoder_dir(path):
             config = EmbeddingConfig.from_options(options)
-            shortfall = _check_embedder_fit(resolve_model(model), config, available_bytes)
+            plan = plan_embedding(read_encoder_config(path), config)
+            shortfall = _embedder_shortfall(plan, config, available_bytes)
             if shortfall is not None:
                 raise ConfigurationError(shortfall)
-            return plan_embedding(read_encoder_config(resolve_model(model)), config)
-        return plan_memory(model, available_bytes=available_bytes, **options)
+            return plan
+        return plan_memory(path, available_bytes=available_bytes, **options)
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -1234,8 +1238,12 @@ def _check_fit(
 
 
 def _check_embedder_fit(path: os.PathLike[str], config: EmbeddingConfig, available: int | None) -> str | None:
-    """Why the embedding model cannot be placed beside the loaded models, or None when it fits."""
-    plan = plan_embedding(read_encoder_config(path), config)
+    """Why the embedding model cannot be placed beside the loaded models, or None when it fits
+    (reads only its config)."""
+    return _embedder_shortfall(plan_embedding(read_encoder_config(path), config), config, available)
+
+
+def _embedder_shortfall(plan: EmbeddingPlan, config: EmbeddingConfig, available: int | None) -> str | None:
     avail = available_memory(config.device) if available is None else available
     if plan.total_bytes > avail:
         return (
