@@ -47,7 +47,7 @@ def make(max_batch_size: int = 4, max_wait_ms: float = 5.0) -> tuple[EmbeddingBa
 
 
 def call(first_ids: list[int], arrival: float, done: list[EmbedCall]) -> EmbedCall:
-    return EmbedCall([[t] * (t % 5 + 1) for t in first_ids], arrival, done.append)
+    return EmbedCall([[t] * (t % 5 + 1) for t in first_ids], arrival)
 
 
 def test_a_batch_is_due_when_full_or_when_the_oldest_text_waited_long_enough() -> None:

@@ -22,27 +22,11 @@ from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.detokenizer import IncrementalDetokenizer
-from asyncinfer.outputs import Logprob
+from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
-
-
-@dataclass
-class CoreOutput:
-    """What one step produced for one request (new tokens/text, and the finish if it ended)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[Logprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    index: int = 0
 
 
 @dataclass

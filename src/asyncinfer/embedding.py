@@ -118,7 +118,6 @@ class EmbedCall:
 
     ids: list[list[int]]
     arrival: float  # time.monotonic() when it was submitted
-    on_done: Callable[[EmbedCall], None]  # called on the engine thread once every text has its vector
     results: list[torch.Tensor | None] = field(default_factory=list)
     remaining: int = 0
     cancelled: bool = False  # set by the event loop when the caller went away; its texts are skipped

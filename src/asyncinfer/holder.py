@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncinfer.config import EngineConfig
-from asyncinfer.core import CoreOutput, EngineCore
+from asyncinfer.core import EngineCore
 from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
+from asyncinfer.outputs import CoreOutput
 
 
 class VersionState(enum.Enum):

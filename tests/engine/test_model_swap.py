@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-import asyncinfer.engine as engine_module
+import asyncinfer.loading as loading
 from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SamplingParams, SwapError
 
 BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
@@ -146,7 +146,7 @@ async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected,
         def broken_warm_up(core) -> None:
             raise RuntimeError("warm-up exploded")
 
-        monkeypatch.setattr(engine_module, "_warm_up", broken_warm_up)
+        monkeypatch.setattr(loading, "warm_up", broken_warm_up)
         with pytest.raises(SwapError, match="warm-up exploded") as err:
             await engine.swap_model(tiny_models["qwen2"][0])
         assert isinstance(err.value.__cause__, RuntimeError)
@@ -160,7 +160,7 @@ async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected,
 
 
 async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monkeypatch) -> None:
-    real_warm_up = engine_module._warm_up
+    real_warm_up = loading.warm_up
     active = 0
     most = 0
     lock = threading.Lock()
@@ -175,7 +175,7 @@ async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monk
         with lock:
             active -= 1
 
-    monkeypatch.setattr(engine_module, "_warm_up", slow_warm_up)
+    monkeypatch.setattr(loading, "warm_up", slow_warm_up)
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
     async with engine:
         a = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0]))

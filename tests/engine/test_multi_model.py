@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import asyncinfer.loading
 from asyncinfer import (
     AsyncEngine,
     ConfigurationError,
@@ -106,7 +107,7 @@ async def test_remove_model_finishes_its_requests_then_frees_it(tiny_models, ref
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **GEN)
     async with engine:
         await engine.add_model("b", tiny_models["qwen2"][0], **GEN)
-        core_ref = weakref.ref(engine._generators["a"].current.core)
+        core_ref = weakref.ref(engine.core)  # "a" is the default generator
         in_flight = [asyncio.create_task(engine.generate(p, greedy(), model="a")) for p in PROMPTS]
         await asyncio.sleep(0)  # submitted before the removal
         await asyncio.sleep(0.05)
@@ -236,7 +237,7 @@ async def test_cancelled_embed_is_dropped_and_nothing_leaks(minilm_dir):
             await task
         await asyncio.sleep(0.4)
         assert engine.embedding_stats().num_batches == 0  # its texts were never computed
-        assert engine._embed_calls == {} and engine.model_info()[0].requests_in_flight == 0
+        assert engine.model_info()[0].requests_in_flight == 0
         assert (await engine.embed(["d"])).shape == (1, 384)
 
 
@@ -261,11 +262,25 @@ async def test_close_flushes_or_aborts_waiting_embeds(minilm_dir):
         await task
 
 
-async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir):
+def capture_encoders(monkeypatch) -> list:
+    """Every encoder the engine loads from now on (a handle for the test, nothing else changes)."""
+    loaded = []
+
+    def load_and_keep(*args, **kwargs):
+        encoder = load_encoder(*args, **kwargs)
+        loaded.append(encoder)
+        return encoder
+
+    monkeypatch.setattr(asyncinfer.loading, "load_encoder", load_and_keep)
+    return loaded
+
+
+async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir, monkeypatch):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    encoders = capture_encoders(monkeypatch)
     async with engine:
         await engine.add_model("emb", minilm_dir, max_wait_ms=300)
-        model_ref = weakref.ref(engine._embedders["emb"].batcher.encoder.model)
+        model_ref = weakref.ref(encoders.pop().model)
         task = asyncio.create_task(engine.embed("finishes first"))
         await asyncio.sleep(0.05)
         await engine.remove_model("emb")
@@ -311,11 +326,12 @@ def test_cli_embed_prints_the_engines_vectors(minilm_dir, solo_vectors, capsys):
 
 
 async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_serving(tiny_models, minilm_dir,
-                                                                                         reference):
+                                                                                         reference, monkeypatch):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    encoders = capture_encoders(monkeypatch)
     async with engine:
         await engine.add_model("emb", minilm_dir, max_batch_size=1)
-        encoder = engine._embedders["emb"].batcher.encoder
+        encoder = encoders.pop()
         real = encoder.encode_ids
 
         def fail_once(batch):

@@ -1,0 +1,203 @@
+"""The event loop's view of an engine's named models.
+
+Generators are :class:`ModelHolder` objects (their versions, and the one new
+requests are bound to); embedding models are :class:`EmbeddingModel` entries
+(their batcher and the ``embed()`` calls in flight). The first loaded model of
+each kind is the default. A model being removed stays in ``removing`` (listed
+as "draining") until it is gone. Only the event loop touches this; the engine
+thread has its own list of holders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from asyncinfer.core import EngineCore
+from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
+from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
+from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
+
+_M = TypeVar("_M")
+
+
+@dataclass(eq=False)
+class EmbeddingModel:
+    """An embedding model as the event loop sees it: its batcher and the calls in flight."""
+
+    name: str
+    version_id: int
+    batcher: EmbeddingBatcher
+    calls: dict[EmbedCall, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+    drained: asyncio.Future[None] | None = None  # set by remove_model, resolved when calls is empty
+
+    def forget(self, call: EmbedCall) -> None:
+        """Drop a finished (or abandoned) call; resolve ``drained`` once none is left."""
+        self.calls.pop(call, None)
+        if not self.calls and self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    def info(self, draining: bool) -> ModelVersionInfo:
+        state = "draining" if draining else "current"
+        return ModelVersionInfo(
+            self.version_id, self.batcher.encoder.source, state, len(self.calls), self.batcher.plan, self.name, "embed"
+        )
+
+
+class EmbedCalls:
+    """The ``embed()`` calls in flight, each with the future its caller awaits."""
+
+    def __init__(self) -> None:
+        self._calls: dict[EmbedCall, tuple[EmbeddingModel, asyncio.Future[torch.Tensor]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def open(self, entry: EmbeddingModel, call: EmbedCall) -> asyncio.Future[torch.Tensor]:
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        entry.calls[call] = future
+        self._calls[call] = (entry, future)
+        return future
+
+    def close(self, call: EmbedCall) -> None:
+        item = self._calls.pop(call, None)
+        if item is not None:
+            item[0].forget(call)
+
+    def resolve(self, call: EmbedCall, result: torch.Tensor | BaseException) -> None:
+        """The engine thread's answer for ``call``: its vectors, or why it failed."""
+        item = self._calls.get(call)
+        if item is None or item[1].done():
+            return
+        if isinstance(result, RequestAbortedError):
+            item[1].set_exception(result)
+        elif isinstance(result, BaseException):
+            err = RequestAbortedError(f"the embedding batch failed: {result!r}")
+            err.__cause__ = result
+            item[1].set_exception(err)
+        else:
+            item[1].set_result(result)
+
+    def fail_all(self, make_error: type[BaseException], message: str, cause: BaseException) -> None:
+        for _entry, future in list(self._calls.values()):
+            if not future.done():
+                err = make_error(message)
+                err.__cause__ = cause
+                future.set_exception(err)
+
+
+class ModelCatalog:
+    """Named generators and embedding models, in load order."""
+
+    def __init__(self) -> None:
+        self.generators: dict[str, ModelHolder] = {}
+        self.embedders: dict[str, EmbeddingModel] = {}
+        self.removing: dict[str, ModelHolder | EmbeddingModel] = {}
+        # Per generator: cleared while a drain-mode swap has no version serving.
+        self.admission: dict[ModelHolder, asyncio.Event] = {}
+
+    def add_generator(self, name: str, holder: ModelHolder) -> None:
+        self.generators[name] = holder
+        admission = asyncio.Event()
+        admission.set()
+        self.admission[holder] = admission
+
+    def add_embedder(self, entry: EmbeddingModel) -> None:
+        self.embedders[entry.name] = entry
+
+    def generator(self, name: str | None) -> ModelHolder:
+        """The generator named ``name`` (None: the default one)."""
+        return _pick(self.generators, name, "generator", self.embedders, "an embedding model: use embed()")
+
+    def embedder(self, name: str | None) -> EmbeddingModel:
+        """The embedding model named ``name`` (None: the default one)."""
+        return _pick(self.embedders, name, "embedding model", self.generators, "a generator: use generate() or stream()")
+
+    async def admit(self, name: str | None, check_running: Any) -> ModelVersion:
+        """The version a new request to generator ``name`` is bound to; waits while a
+        drain-mode swap has no version of it serving (requests wait, they do not fail)."""
+        while True:
+            check_running()
+            holder = self.generator(name)
+            if holder.current is not None:
+                return holder.current
+            await self.admission[holder].wait()
+
+    def core(self, name: str | None) -> EngineCore:
+        """The core of generator ``name``'s current version."""
+        core = current(self.generator(name)).core
+        assert core is not None
+        return core
+
+    def reset_prefix_caches(self) -> None:
+        """Forget every generator's cached prefixes (only while no engine thread runs)."""
+        for holder in self.generators.values():
+            holder.reset_prefix_cache()
+
+    def name_of(self, holder: ModelHolder) -> str:
+        return next(n for n, h in self.generators.items() if h is holder)
+
+    def check_free(self, name: str) -> None:
+        check_name(name)
+        taken = {*self.generators, *self.embedders, *self.removing}
+        if name in taken:
+            raise InvalidParameterError("name", name, f"a name not in use (in use: {sorted(taken)})")
+
+    def loaded_names(self) -> list[str]:
+        return sorted({*self.generators, *self.embedders})
+
+    def open_all_admissions(self) -> None:
+        for admission in self.admission.values():
+            admission.set()
+
+    def infos(self, in_flight: Any) -> list[ModelVersionInfo]:
+        """Every live model: generators (each live version, oldest first), then embedding models.
+
+        ``in_flight(version_id)`` counts the requests bound to a generator's version.
+        """
+        infos: list[ModelVersionInfo] = []
+        for name, holder in [*self.generators.items(), *self.removing.items()]:
+            if isinstance(holder, ModelHolder):
+                infos.extend(
+                    version_info(v, name, in_flight(v.version_id))
+                    for v in list(holder.live) if v.state is not VersionState.RETIRED
+                )
+        for name, entry in [*self.embedders.items(), *self.removing.items()]:
+            if isinstance(entry, EmbeddingModel):
+                infos.append(entry.info(name in self.removing))
+        return infos
+
+
+def version_info(version: ModelVersion, name: str, in_flight: int) -> ModelVersionInfo:
+    return ModelVersionInfo(
+        version.version_id, version.source, version.state.value, in_flight, version.plan, name, "generate"
+    )
+
+
+def current(holder: ModelHolder) -> ModelVersion:
+    """The version new requests to ``holder`` are bound to."""
+    version = holder.current
+    if version is None:
+        raise EngineClosedError("no model version is serving (a drain-mode swap is loading the next one)")
+    return version
+
+
+def check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise InvalidParameterError("name", name, "a non-empty string of at most 200 characters")
+
+
+def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str) -> _M:
+    """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise."""
+    if name is None:
+        if not models:
+            raise InvalidParameterError("model", None, f"a {kind}'s name, but this engine holds none (add_model)")
+        return next(iter(models.values()))
+    found = models.get(name) if isinstance(name, str) else None
+    if found is None:
+        extra = f" ({hint})" if isinstance(name, str) and name in others else ""
+        raise InvalidParameterError("model", name, f"a loaded {kind}: {sorted(models)}{extra}")
+    return found

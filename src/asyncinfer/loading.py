@@ -1,0 +1,277 @@
+"""Loading: the one path from a model name to something the engine serves.
+
+``from_pretrained``, ``swap_model`` and ``add_model`` all call :func:`load`:
+
+    resolve the model -> options validated -> weights (+ tokenizer, checked) ->
+    weight format (int8) -> memory plan -> KV tensors, scheduler, sampler -> core -> warm-up
+
+A generator becomes a :class:`ModelVersion` (its own core, KV cache and prefix
+cache); a BERT-family sentence encoder becomes an :class:`EmbeddingBatcher`.
+Everything here runs in a worker thread (or before the engine starts) and
+touches nothing the engine thread uses.
+
+The fit checks (:func:`generator_shortfall`, :func:`embedder_shortfall`) and
+:func:`plan_model_memory` read only the model's config, so they answer before
+anything is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.config import EngineConfig
+from asyncinfer.core import EngineCore, StepStats, default_eos_ids
+from asyncinfer.embedding import (
+    EmbeddingBatcher,
+    EmbeddingConfig,
+    EmbeddingPlan,
+    apply_max_seq_len,
+    plan_embedding,
+)
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
+from asyncinfer.holder import ModelVersion
+from asyncinfer.memory import MiB, MemoryPlan, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
+from asyncinfer.model_source import resolve_model
+from asyncinfer.models import LoadedModel, ModelConfig, load_model
+from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
+from asyncinfer.models.quant import quantized_weight_bytes
+from asyncinfer.request import Request
+from asyncinfer.runner import ModelRunner
+from asyncinfer.sampler import Sampler
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.schedulers.base import SchedulerConfig
+from asyncinfer.schedulers.registry import create_scheduler
+
+logger = logging.getLogger("asyncinfer")
+
+ModelRef = str | os.PathLike[str] | None
+
+
+def load(
+    model: ModelRef,
+    options: dict[str, Any],
+    *,
+    version_id: int,
+    kind: str | None = None,
+    error: type[ModelLoadError] = ModelLoadError,
+    what: str | None = None,
+) -> ModelVersion | EmbeddingBatcher:
+    """Load, check and warm up ``model`` with engine ``options``.
+
+    ``kind``: "generate" or "embed" to insist on one kind (None: whatever the
+    model is). ``error``: the class a failed load is raised as (the cause is
+    chained); ``what`` names the operation in its message.
+
+    Raises:
+        InvalidParameterError: a bad option, or a model of the wrong ``kind``.
+        ConfigurationError: the options cannot work together (e.g. the KV cache is too small).
+        ModelLoadError (``error``): the model cannot be found, loaded, checked or warmed up.
+    """
+    what = what or f"loading {str(model)!r}"
+    try:
+        path = resolve_model(model)
+    except ModelLoadError as exc:
+        raise error(f"{what} failed: {exc}") from exc
+    if is_encoder_dir(path):
+        if kind == "generate":
+            raise InvalidParameterError("model", str(model), "a generator (this is a sentence encoder)")
+        config = EmbeddingConfig.from_options(options)
+        _set_threads(config.num_threads)
+        return load_embedder(path, config, error=error, what=what)
+    if kind == "embed":
+        raise InvalidParameterError("model", str(model), "a sentence encoder (this is a generator)")
+    config = EngineConfig.from_options(options)
+    _set_threads(config.num_threads)
+    return load_generator(path, config, options, version_id=version_id, error=error, what=what)
+
+
+def _set_threads(num_threads: int | None) -> None:
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+
+
+def load_generator(
+    path: Path,
+    config: EngineConfig,
+    options: dict[str, Any],
+    *,
+    version_id: int,
+    error: type[ModelLoadError] = ModelLoadError,
+    what: str = "loading a model",
+) -> ModelVersion:
+    """Load a generator's weights and build its core; a warmed-up :class:`ModelVersion`."""
+    try:
+        loaded = load_model(path, config.dtype, config.device)
+        check_tokenizer(loaded)
+        plan, core = build_core(loaded, config)
+        warm_up(core)
+    except (InvalidParameterError, ConfigurationError):
+        raise
+    except Exception as exc:
+        raise error(f"{what} failed: {exc}") from exc
+    return ModelVersion(
+        version_id=version_id,
+        source=loaded.source,
+        path=str(path),
+        config=config,
+        options=dict(options),
+        model_config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        plan=plan,
+        core=core,
+    )
+
+
+def load_embedder(
+    path: Path, config: EmbeddingConfig, *, error: type[ModelLoadError] = ModelLoadError, what: str = "loading"
+) -> EmbeddingBatcher:
+    """Load, check and warm up an embedding model."""
+    try:
+        encoder = load_encoder(path, config.dtype, config.device)
+        encoder.config = apply_max_seq_len(encoder.config, config)
+        encoder.encode(["warm-up"])
+    except InvalidParameterError:
+        raise
+    except Exception as exc:
+        raise error(f"{what} failed: {exc}") from exc
+    return EmbeddingBatcher(encoder, config)
+
+
+def check_tokenizer(loaded: LoadedModel) -> None:
+    """Reject a tokenizer that produces ids the model has no embedding for."""
+    tokenizer = loaded.tokenizer
+    if tokenizer is not None and len(tokenizer) > loaded.config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {loaded.config.vocab_size}"
+        )
+
+
+def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, EngineCore]:
+    """Apply the weight format, plan memory, and wire the runner, KV cache, scheduler and sampler."""
+    mc = loaded.config
+    max_model_len = resolve_max_model_len(config, mc)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise InvalidParameterError(
+            "max_num_batched_tokens",
+            config.max_num_batched_tokens,
+            f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
+        )
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    if config.quantization == "int8":
+        weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
+    plan = plan_for_engine(config, mc, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
+    logger.info("memory plan: %s", plan.describe())
+    runner = ModelRunner(
+        loaded.model, mc, num_blocks=plan.num_blocks, block_size=config.block_size, device=config.device,
+        dtype=config.dtype,
+    )
+    kv = KVCacheManager(
+        plan.num_blocks, config.block_size, watermark=config.kv_watermark,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+    )
+    eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
+    core = EngineCore(
+        runner=runner,
+        scheduler=create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options),
+        sampler=Sampler(mc.vocab_size, config.device, eos_token_ids=eos, seed=config.seed),
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=eos,
+        max_model_len=max_model_len,
+    )
+    return plan, core
+
+
+def warm_up(core: EngineCore) -> None:
+    """Run one tiny greedy request through a fresh core, then clear what it left behind."""
+    request = Request("warm-up", [0], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=time.time())
+    core.add_request(request)
+    while core.has_unfinished_requests():
+        core.step()
+    core.reset_prefix_cache()
+    core.stats = StepStats()
+    core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0
+
+
+# ------------------------------------------------------------- before loading
+def plan_model_memory(
+    model: ModelRef | ModelConfig, *, available_bytes: int | None = None, **options: Any
+) -> MemoryPlan | EmbeddingPlan:
+    """The memory plan :func:`load` would make, from the model's config alone (no weights read).
+
+    Raises:
+        InvalidParameterError: an unknown option or an out-of-range value.
+        ModelLoadError: the model's config cannot be read.
+        ConfigurationError: the KV cache cannot hold one ``max_model_len`` request, or an
+            embedding model does not fit in the memory.
+    """
+    if isinstance(model, ModelConfig):  # a generator's config, given directly
+        return plan_memory(model, available_bytes=available_bytes, **options)
+    path = resolve_model(model)
+    if is_encoder_dir(path):
+        config = EmbeddingConfig.from_options(options)
+        plan = plan_embedding(read_encoder_config(path), config)
+        shortfall = embedder_shortfall(plan, config, available_bytes)
+        if shortfall is not None:
+            raise ConfigurationError(shortfall)
+        return plan
+    return plan_memory(path, available_bytes=available_bytes, **options)
+
+
+def generator_shortfall(
+    model: ModelRef,
+    options: dict[str, Any],
+    available: int | None,
+    beside: str,
+    error: type[ModelLoadError] = SwapError,
+) -> str | None:
+    """Why the generator cannot be placed beside ``beside``, or None when it fits.
+
+    Reads only the model's config, so a missing or unreadable model fails
+    here (as ``error``), before anything is drained or loaded.
+    """
+    config = EngineConfig.from_options(options)
+    try:
+        path = resolve_model(model)
+        avail = available_memory(config.device) if available is None else available
+        plan = plan_memory(path, available_bytes=avail, **options)
+    except ConfigurationError as exc:
+        return f"the new model does not fit beside {beside}: {exc}"
+    except ModelLoadError as exc:
+        raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc
+    need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
+    if need > avail:
+        return (
+            f"the new model does not fit beside {beside}: weights {plan.weight_bytes / MiB:.1f} MiB"
+            f" + KV cache {plan.kv_bytes / MiB:.1f} MiB + activation reserve {plan.activation_reserve / MiB:.1f} MiB"
+            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
+        )
+    return None
+
+
+def embedder_shortfall(plan: EmbeddingPlan, config: EmbeddingConfig, available: int | None) -> str | None:
+    """Why the embedding model cannot be placed beside the loaded models, or None when it fits."""
+    avail = available_memory(config.device) if available is None else available
+    if plan.total_bytes > avail:
+        return (
+            f"the embedding model does not fit beside the loaded models: {plan.describe()}"
+            f" = {plan.total_bytes / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
+        )
+    return None
+
+
+def embedder_shortfall_at(path: Path, config: EmbeddingConfig, available: int | None) -> str | None:
+    """:func:`embedder_shortfall` for the encoder at ``path`` (reads only its config)."""
+    return embedder_shortfall(plan_embedding(read_encoder_config(path), config), config, available)

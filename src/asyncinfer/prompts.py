@@ -1,0 +1,112 @@
+"""From what a caller passes to a validated :class:`Request`: prompts, ids, texts.
+
+Runs on the event loop before anything is queued, so every error here is an
+:class:`InvalidParameterError` raised at the call, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.holder import ModelVersion
+from asyncinfer.request import Request
+from asyncinfer.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+
+MAX_EMBED_TEXTS = 65536
+
+
+def make_request(
+    prompt: Prompt,
+    params: SamplingParams | None,
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+    version: ModelVersion,
+) -> Request:
+    """A :class:`Request` for ``version``: parameters checked, prompt tokenized and length-checked."""
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise InvalidParameterError("params", params, "a SamplingParams instance or None")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidParameterError("priority", priority, "an integer")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
+    prompt_ids = prompt_token_ids(prompt, version)
+    max_model_len = version.max_model_len
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidParameterError(
+            "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
+        )
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        params=params,
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+    )
+
+
+def check_request_id(request_id: Any) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidParameterError("request_id", request_id, "a non-empty string")
+    return request_id
+
+
+def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
+    """A text, chat messages or token ids as the token ids the model reads."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidParameterError("prompt", prompt, "a non-empty string")
+        ids = list(_need_tokenizer(version, "a text prompt").encode(prompt))
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = chat_token_ids(version, prompt)  # type: ignore[arg-type]
+    elif isinstance(prompt, Sequence) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)  # type: ignore[arg-type]
+        vocab = version.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
+    else:
+        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids")
+    if not ids:
+        raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
+    return ids
+
+
+def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Render chat messages with the version's template (generation prompt added) into token ids."""
+    tokenizer = _need_tokenizer(version, "chat messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _need_tokenizer(version: ModelVersion, what: str) -> Any:
+    if version.tokenizer is None:
+        raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
+    return version.tokenizer
+
+
+def check_texts(texts: Any) -> list[str]:
+    """``embed()``'s input as a list of strings (a single string is one text)."""
+    if isinstance(texts, str):
+        return [texts]
+    if not isinstance(texts, Sequence) or not texts or len(texts) > MAX_EMBED_TEXTS:
+        raise InvalidParameterError("texts", texts, f"a string or a list of 1 to {MAX_EMBED_TEXTS} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidParameterError(f"texts[{i}]", text, "a string")
+    return list(texts)

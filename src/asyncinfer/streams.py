@@ -1,0 +1,82 @@
+"""The event loop's table of requests in flight: one output queue per request.
+
+The engine thread's outputs arrive in :meth:`StreamTable.dispatch` (on the
+loop); each goes to its request's queue, and a request leaves the table when
+its last sample has finished. Ids are checked against every sample id in
+flight, so two live requests never share one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncinfer.outputs import CoreOutput
+
+
+def sample_ids(request_id: str, n: int) -> tuple[str, ...]:
+    """The core's ids of a request's samples: the request's own, then ``"<id>#<i>"`` (see ``core``)."""
+    return (request_id, *(f"{request_id}#{i}" for i in range(1, n)))
+
+
+class RequestStream:
+    """One request's output queue on the event loop side (all ``n`` samples share it)."""
+
+    __slots__ = ("queue", "n", "num_done", "ids", "version_id")
+
+    def __init__(self, n: int, ids: tuple[str, ...], version_id: int) -> None:
+        self.queue: asyncio.Queue[CoreOutput | BaseException] = asyncio.Queue()
+        self.n = n
+        self.num_done = 0  # samples whose last output was delivered to the queue
+        self.ids = ids  # the core's request ids of the samples
+        self.version_id = version_id  # the model version the request is bound to
+
+
+class StreamTable:
+    """Requests in flight, by the user's request id."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+        self._ids: set[str] = set()  # every sample's core id, for collision checks
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def is_free(self, request_id: str, n: int) -> bool:
+        """Whether no sample id of a request ``request_id`` with ``n`` samples is in flight."""
+        return not any(rid in self._ids for rid in sample_ids(request_id, n))
+
+    def open(self, request_id: str, n: int, version_id: int) -> RequestStream:
+        stream = RequestStream(n, sample_ids(request_id, n), version_id)
+        self._streams[request_id] = stream
+        self._ids.update(stream.ids)
+        return stream
+
+    def forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._ids.difference_update(stream.ids)
+
+    def in_flight(self, version_id: int) -> int:
+        """Requests bound to one model version."""
+        return sum(1 for s in self._streams.values() if s.version_id == version_id)
+
+    def dispatch(self, outputs: list[CoreOutput]) -> None:
+        """Hand each output to its request's queue; a request ends with its last sample's finish."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finish_reason is not None:
+                stream.num_done += 1
+                if stream.num_done == stream.n:
+                    self.forget(out.request_id)
+            stream.queue.put_nowait(out)
+
+    def fail_all(self, make_error: type[BaseException], message: str, cause: BaseException) -> None:
+        """End every request with ``make_error(message)`` (the cause chained) and empty the table."""
+        streams, self._streams = self._streams, {}
+        self._ids.clear()
+        for stream in streams.values():
+            err = make_error(message)
+            err.__cause__ = cause
+            stream.queue.put_nowait(err)

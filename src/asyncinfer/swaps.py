@@ -1,0 +1,223 @@
+"""Model changes on a live engine: swap a generator, add or remove a named model.
+
+Loop side. Loading runs in worker threads (``loading.py``); the engine thread
+learns of a change through typed commands, at a step boundary. One change at a
+time (a lock), and every change either completes or leaves the serving models
+as they were (a drain-mode swap whose new version fails loads the old one again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from asyncinfer.catalog import EmbeddingModel, ModelCatalog, current, version_info
+from asyncinfer.config import EngineConfig
+from asyncinfer.embedding import EmbeddingConfig
+from asyncinfer.engine_thread import AbortEmbeds, AddHolder, DrainVersion, RemoveHolder, SwitchVersion, ThreadLink
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
+from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
+from asyncinfer.loading import (
+    ModelRef,
+    embedder_shortfall_at,
+    generator_shortfall,
+    load,
+    load_embedder,
+    load_generator,
+)
+from asyncinfer.model_source import resolve_model
+from asyncinfer.models.encoder import is_encoder_dir
+
+
+class ModelChanges:
+    """``swap_model``, ``add_model`` and ``remove_model`` of one engine (see ``AsyncEngine``'s docstrings)."""
+
+    def __init__(
+        self,
+        models: ModelCatalog,
+        link: ThreadLink,
+        version_ids: Iterator[int],
+        check_usable: Callable[[], None],
+        device: torch.device,
+    ) -> None:
+        self.models = models
+        self.link = link
+        self.version_ids = version_ids
+        self.check_usable = check_usable  # raises unless the engine is created or running
+        self.device = device
+        self.lock = asyncio.Lock()
+
+    # -------------------------------------------------------------------- swap
+    async def swap(
+        self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
+    ) -> ModelVersionInfo:
+        if mode not in ("overlap", "drain"):
+            raise InvalidParameterError("mode", mode, "'overlap' or 'drain'")
+        if not isinstance(abort, bool) or (abort and mode != "drain"):
+            raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
+        async with self.lock:
+            self.check_usable()
+            holder = self.models.generator(name)
+            label = self.models.name_of(holder)
+            merged = {**current(holder).options, **options}
+            EngineConfig.from_options(merged)  # bad options fail before anything is read
+            shortfall = await anyio.to_thread.run_sync(generator_shortfall, model, merged, available, "the serving one")
+            if mode == "overlap":
+                if shortfall is not None:
+                    raise ConfigurationError(shortfall.rstrip(".") + ". Swap with mode='drain', or lower"
+                                             " kv_cache_memory / kv_cache_fraction / max_model_len.")
+                new = await self._load_version(model, merged)
+            else:
+                new = await self._reload_drained(holder, model, merged, abort)
+            await self.switch(new, holder)
+            return version_info(new, label, 0)
+
+    async def _load_version(self, model: ModelRef, options: dict[str, Any]) -> ModelVersion:
+        """Load a generator version in a worker thread (a failure is a :class:`SwapError`)."""
+        version_id = next(self.version_ids)
+
+        def run() -> ModelVersion:
+            loaded = load(model, options, version_id=version_id, kind="generate", error=SwapError,
+                          what=f"loading {model!r} as a new model version")
+            assert isinstance(loaded, ModelVersion)
+            return loaded
+
+        return await anyio.to_thread.run_sync(run)
+
+    async def _reload_drained(
+        self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool
+    ) -> ModelVersion:
+        """Drain mode: pause admission, retire the serving version, then load the new one."""
+        old = current(holder)
+        admission = self.models.admission[holder]
+        admission.clear()
+        try:
+            await self.retire(old, abort, holder)
+            try:
+                return await self._load_version(model, options)
+            except BaseException:
+                # The old version is gone already: bring it back so the engine keeps serving.
+                back = await self._load_version(old.path, old.options)
+                await self.switch(back, holder)
+                raise
+        finally:
+            admission.set()
+
+    async def switch(self, version: ModelVersion, holder: ModelHolder) -> None:
+        """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""
+        self.check_usable()
+        if not self.link.started:  # no step loop yet: nothing can race with us
+            holder.switch(version)
+            holder.current = version
+            holder.retire_idle()
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Requests posted from now on land in the inbox after the switch command.
+        holder.current = version
+        await self.link.wait_for(done, SwitchVersion(holder, version, self.link.resolver(done)))
+
+    async def retire(self, version: ModelVersion, abort: bool, holder: ModelHolder) -> None:
+        """Stop binding requests to ``version``, wait until its last one ends, drop it."""
+        self.check_usable()
+        holder.current = None
+        if not self.link.started:
+            holder.drain(version, abort=False)
+            holder.retire_idle()
+        else:
+            retired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            version.on_retired.append(self.link.resolver(retired))
+            await self.link.wait_for(retired, DrainVersion(holder, version, abort))
+        await anyio.to_thread.run_sync(gc.collect)  # free its tensors before the next load
+
+    # --------------------------------------------------------------------- add
+    async def add(self, name: str, model: ModelRef, available: int | None, options: dict[str, Any]) -> ModelVersionInfo:
+        if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
+            raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
+        async with self.lock:
+            self.check_usable()
+            self.models.check_free(name)
+            path = await anyio.to_thread.run_sync(resolve_model, model)
+            options = {"device": self.device, **options}
+            label = f"loading {str(model)!r} as model {name!r}"
+            if await anyio.to_thread.run_sync(is_encoder_dir, path):
+                return await self._add_embedder(name, path, options, available, label)
+            return await self._add_generator(name, path, options, available, label)
+
+    async def _add_embedder(
+        self, name: str, path: Path, options: dict[str, Any], available: int | None, label: str
+    ) -> ModelVersionInfo:
+        config = EmbeddingConfig.from_options(options)
+        shortfall = await anyio.to_thread.run_sync(embedder_shortfall_at, path, config, available)
+        if shortfall is not None:
+            raise ConfigurationError(shortfall + " Lower max_batch_size / max_seq_len.")
+        batcher = await anyio.to_thread.run_sync(lambda: load_embedder(path, config, error=ModelLoadError, what=label))
+        self.check_usable()
+        entry = EmbeddingModel(name, next(self.version_ids), batcher)
+        self.models.add_embedder(entry)
+        return entry.info(draining=False)
+
+    async def _add_generator(
+        self, name: str, path: Path, options: dict[str, Any], available: int | None, label: str
+    ) -> ModelVersionInfo:
+        config = EngineConfig.from_options(options)
+        shortfall = await anyio.to_thread.run_sync(
+            generator_shortfall, path, options, available, "the loaded models", ModelLoadError
+        )
+        if shortfall is not None:
+            raise ConfigurationError(shortfall.rstrip(".") + ". Lower kv_cache_memory / kv_cache_fraction / max_model_len.")
+        version_id = next(self.version_ids)
+        version = await anyio.to_thread.run_sync(
+            lambda: load_generator(path, config, options, version_id=version_id, error=ModelLoadError, what=label)
+        )
+        holder = ModelHolder(version)
+        self.check_usable()
+        self.models.add_generator(name, holder)
+        if self.link.started:
+            self.link.post(AddHolder(holder))
+        return version_info(version, name, 0)
+
+    # ------------------------------------------------------------------ remove
+    async def remove(self, name: str, abort: bool) -> None:
+        if not isinstance(abort, bool):
+            raise InvalidParameterError("abort", abort, "True or False")
+        async with self.lock:
+            self.check_usable()
+            if name in self.models.generators:
+                await self._remove_generator(name, abort)
+            elif name in self.models.embedders:
+                await self._remove_embedder(name, abort)
+            else:
+                raise InvalidParameterError("name", name, f"a loaded model: {self.models.loaded_names()}")
+            await anyio.to_thread.run_sync(gc.collect)
+
+    async def _remove_generator(self, name: str, abort: bool) -> None:
+        models = self.models
+        holder = models.generators.pop(name)
+        models.admission.pop(holder).set()  # requests waiting for it now see it is gone
+        models.removing[name] = holder
+        try:
+            if holder.current is not None:
+                await self.retire(holder.current, abort, holder)
+            if self.link.started:
+                self.link.post(RemoveHolder(holder))
+        finally:
+            del models.removing[name]
+
+    async def _remove_embedder(self, name: str, abort: bool) -> None:
+        models = self.models
+        entry = models.embedders.pop(name)
+        models.removing[name] = entry
+        try:
+            if entry.calls:
+                if abort:
+                    self.link.post(AbortEmbeds(entry.batcher, "the embedding model was removed with abort=True"))
+                entry.drained = asyncio.get_running_loop().create_future()
+                await self.link.wait_for(entry.drained)
+        finally:
+            del models.removing[name]
