@@ -98,7 +98,7 @@ async def run_real(model: str | None, policy: str, trace: list[TraceRequest], en
     async with engine:
         await engine.generate([100, 101, 102], SamplingParams(max_tokens=2))  # warm-up, outside the clock
         records = await replay(engine, trace)
-    return records, engine.memory_plan.num_blocks, engine.core.stats.preemptions
+    return records, engine.memory_plan.num_blocks, engine.step_stats().preemptions
 
 
 def kendall_tau(a: list[str], b: list[str]) -> float:

@@ -311,7 +311,7 @@ def build_engine(
 
 def _stats_snapshot(engine: Any) -> dict[str, Any]:
     """The engine core's cumulative counters now (differences give one run's figures)."""
-    stats = engine.core.stats
+    stats = engine.step_stats()
     return {
         "steps": stats.steps,
         "prefill_tokens": stats.prefill_tokens,
@@ -353,14 +353,14 @@ async def _asyncinfer_session(engine: Any, workload: Workload, args: argparse.Na
     async with engine:
         await _asyncinfer_generate_all(engine, workload.prompt_ids[:2], (4, 4))  # warm-up
         before = _stats_snapshot(engine)
-        batch_sizes_from = len(engine.core.stats.batch_sizes)
+        batch_sizes_from = len(engine.step_stats().batch_sizes)
         start = time.perf_counter()
         outs = await _asyncinfer_generate_all(engine, workload.prompt_ids, workload.max_new_tokens)
         session["wall_s"] = time.perf_counter() - start
         after = _stats_snapshot(engine)
         session["outputs"] = outs
         session["stats"] = {k: after[k] - before[k] for k in before}
-        sizes = engine.core.stats.batch_sizes[batch_sizes_from:]
+        sizes = engine.step_stats().batch_sizes[batch_sizes_from:]
         session["stats"]["mean_batch_size"] = statistics.fmean(sizes) if sizes else 0.0
         if not args.skip_single_decode:
             session["single_decode"] = await _asyncinfer_single_decode(

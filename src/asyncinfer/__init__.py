@@ -7,7 +7,9 @@
         out = await engine.generate("Hello", SamplingParams(max_tokens=32))
 """
 
+from asyncinfer.cache.kv_manager import KVCacheStats
 from asyncinfer.config import EngineConfig
+from asyncinfer.core import StepStats
 from asyncinfer.embedding import EmbeddingConfig, EmbeddingPlan, EmbeddingStats
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import (
@@ -21,6 +23,7 @@ from asyncinfer.errors import (
     SwapError,
 )
 from asyncinfer.holder import ModelVersionInfo
+from asyncinfer.memory import MemoryPlan
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.sampling_params import SamplingParams
 
@@ -39,13 +42,16 @@ __all__ = [
     "EngineDeadError",
     "EngineState",
     "InvalidParameterError",
+    "KVCacheStats",
     "Logprob",
+    "MemoryPlan",
     "ModelLoadError",
     "ModelVersionInfo",
     "RequestAbortedError",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StepStats",
     "StreamDelta",
     "SwapError",
     "__version__",

@@ -19,7 +19,7 @@ import torch
 
 from asyncinfer.catalog import EmbeddingModel, ModelCatalog, current, version_info
 from asyncinfer.config import EngineConfig
-from asyncinfer.embedding import EmbeddingConfig
+from asyncinfer.embedding import EmbeddingBatcher, EmbeddingConfig
 from asyncinfer.engine_thread import AbortEmbeds, AddHolder, DrainVersion, RemoveHolder, SwitchVersion, ThreadLink
 from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
@@ -28,8 +28,6 @@ from asyncinfer.loading import (
     embedder_shortfall_at,
     generator_shortfall,
     load,
-    load_embedder,
-    load_generator,
 )
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
@@ -80,15 +78,18 @@ class ModelChanges:
 
     async def _load_version(self, model: ModelRef, options: dict[str, Any]) -> ModelVersion:
         """Load a generator version in a worker thread (a failure is a :class:`SwapError`)."""
+        loaded = await self._load(model, options, "generate", SwapError, f"loading {model!r} as a new model version")
+        assert isinstance(loaded, ModelVersion)
+        return loaded
+
+    async def _load(
+        self, model: ModelRef, options: dict[str, Any], kind: str, error: type[ModelLoadError], what: str
+    ) -> ModelVersion | EmbeddingBatcher:
+        """:func:`~asyncinfer.loading.load` in a worker thread, with the next version id."""
         version_id = next(self.version_ids)
-
-        def run() -> ModelVersion:
-            loaded = load(model, options, version_id=version_id, kind="generate", error=SwapError,
-                          what=f"loading {model!r} as a new model version")
-            assert isinstance(loaded, ModelVersion)
-            return loaded
-
-        return await anyio.to_thread.run_sync(run)
+        return await anyio.to_thread.run_sync(
+            lambda: load(model, options, version_id=version_id, kind=kind, error=error, what=what)
+        )
 
     async def _reload_drained(
         self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool
@@ -156,7 +157,8 @@ class ModelChanges:
         shortfall = await anyio.to_thread.run_sync(embedder_shortfall_at, path, config, available)
         if shortfall is not None:
             raise ConfigurationError(shortfall + " Lower max_batch_size / max_seq_len.")
-        batcher = await anyio.to_thread.run_sync(lambda: load_embedder(path, config, error=ModelLoadError, what=label))
+        batcher = await self._load(path, options, "embed", ModelLoadError, label)
+        assert isinstance(batcher, EmbeddingBatcher)
         self.check_usable()
         entry = EmbeddingModel(name, next(self.version_ids), batcher)
         self.models.add_embedder(entry)
@@ -165,16 +167,13 @@ class ModelChanges:
     async def _add_generator(
         self, name: str, path: Path, options: dict[str, Any], available: int | None, label: str
     ) -> ModelVersionInfo:
-        config = EngineConfig.from_options(options)
         shortfall = await anyio.to_thread.run_sync(
             generator_shortfall, path, options, available, "the loaded models", ModelLoadError
         )
         if shortfall is not None:
             raise ConfigurationError(shortfall.rstrip(".") + ". Lower kv_cache_memory / kv_cache_fraction / max_model_len.")
-        version_id = next(self.version_ids)
-        version = await anyio.to_thread.run_sync(
-            lambda: load_generator(path, config, options, version_id=version_id, error=ModelLoadError, what=label)
-        )
+        version = await self._load(path, options, "generate", ModelLoadError, label)
+        assert isinstance(version, ModelVersion)
         holder = ModelHolder(version)
         self.check_usable()
         self.models.add_generator(name, holder)

@@ -43,7 +43,7 @@ async def test_greedy_tokens_equal_transformers_with_staggered_arrivals(kind, ti
             return await engine.generate(ps[i], greedy(lengths[i]))
 
         outs = await asyncio.gather(*(one(i) for i in range(len(ps))))
-        assert max(engine.core.stats.batch_sizes) > 1  # they really shared steps
+        assert max(engine.step_stats().batch_sizes) > 1  # they really shared steps
     for p, n, out in zip(ps, lengths, outs):
         assert out.token_ids == hf_greedy(hf, p, n)
         assert out.finish_reason == "length" and out.prompt_token_ids == p
@@ -86,8 +86,8 @@ async def test_preemption_recomputes_to_the_same_tokens(tiny_models, hf_greedy) 
     ps = [p[:14] for p in ps]
     async with engine:
         outs = await asyncio.gather(*(engine.generate(p, greedy(30)) for p in ps))
-    assert engine.core.stats.preemptions > 0
-    assert sum(o.metrics.num_preemptions for o in outs) == engine.core.stats.preemptions
+    assert engine.step_stats().preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == engine.step_stats().preemptions
     for p, out in zip(ps, outs):
         assert out.token_ids == hf_greedy(hf, p, 30)
     assert engine.kv_stats().used_blocks == 0
@@ -236,7 +236,7 @@ async def test_event_loop_stays_responsive_under_full_load(tmp_path) -> None:
         wall = time.perf_counter() - t0
         done.set()
         await tick
-    steps = engine.core.stats.steps
+    steps = engine.step_stats().steps
     lags.sort()
     p99 = lags[int(0.99 * (len(lags) - 1))]
     # Mean step time is wall/steps; were the model on the loop, lag would reach a whole prefill step.

@@ -64,7 +64,7 @@ async def test_n_greedy_samples_equal_each_other_and_a_single_sample(tiny_models
     assert stats.cow_copies >= 3  # the shared partial block was copied, not written over
     assert stats.used_blocks == 0
     # The prompt was computed once for the four samples (the single run's prompt is cached too).
-    assert engine.core.stats.prefill_tokens == len(prompt) + (len(prompt) - 32)
+    assert engine.step_stats().prefill_tokens == len(prompt) + (len(prompt) - 32)
 
 
 async def test_seeded_samples_match_independent_seeded_runs(tiny_models) -> None:
@@ -104,12 +104,10 @@ async def test_salts_and_reset_prefix_cache(tiny_models) -> None:
     path, _ = tiny_models["llama"]
     prompt = SYSTEM[:70]
     engine = AsyncEngine.from_pretrained(path, **BASE)
-    stats = engine.core.stats
-
     async def prefill_of(**kw) -> int:
-        before = stats.prefill_tokens
+        before = engine.step_stats().prefill_tokens
         await engine.generate(prompt, greedy(2), **kw)
-        return stats.prefill_tokens - before
+        return engine.step_stats().prefill_tokens - before
 
     async with engine:
         assert await prefill_of() == 70

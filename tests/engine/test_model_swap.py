@@ -126,7 +126,7 @@ async def test_prefix_cache_is_per_version(tiny_models, expected) -> None:
         await engine.swap_model(path)  # the same weights: a shared cache would be valid, and must not be used
         again = await engine.generate(prompt, greedy(4))
         assert engine.core is not old_core
-        assert engine.core.stats.prefill_tokens == 40  # computed again on the new version
+        assert engine.step_stats().prefill_tokens == 40  # computed again on the new version
         assert engine.kv_stats().prefix_hits == 0
     assert again.token_ids == first.token_ids
 

@@ -38,7 +38,7 @@ async def test_eight_prompts_batched_equal_transformers_greedy(engine_factory, r
     async with engine:
         outs = await asyncio.gather(*(engine.generate(c, SamplingParams(max_tokens=48, ignore_eos=True))
                                       for c in chats))
-    assert max(engine.core.stats.batch_sizes) == len(QUESTIONS)
+    assert max(engine.step_stats().batch_sizes) == len(QUESTIONS)
     for chat, out in zip(chats, outs):
         ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         prompt = tok.encode(ids, add_special_tokens=False)
