@@ -21,6 +21,7 @@ from asyncinfer.errors import (
     ModelLoadError,
     RequestAbortedError,
     SwapError,
+    WrongEventLoopError,
 )
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.memory import MemoryPlan
@@ -54,5 +55,6 @@ __all__ = [
     "StepStats",
     "StreamDelta",
     "SwapError",
+    "WrongEventLoopError",
     "__version__",
 ]

@@ -11,15 +11,20 @@ thread has its own list of holders.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import torch
 
 from asyncinfer.core import EngineCore
 from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
+from asyncinfer.engine_thread import QueueEmbed
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
+from asyncinfer.prompts import OFF_LOOP_CHARS, check_prompt_chars, prompt_chars, prompt_token_ids
 
 _M = TypeVar("_M")
 
@@ -61,6 +66,30 @@ class EmbedCalls:
         entry.calls[call] = future
         self._calls[call] = (entry, future)
         return future
+
+    async def submit(
+        self, entry: EmbeddingModel, texts: list[str], post: Callable[[Any], None], still_ok: Callable[[], None]
+    ) -> torch.Tensor:
+        """Tokenize ``texts`` (off the loop when long), queue them on ``entry`` and await the vectors.
+
+        ``still_ok`` raises if the engine or the model went away while tokenizing off the loop.
+        """
+        tokenize = entry.batcher.encoder.tokenize
+        if sum(map(len, texts)) > OFF_LOOP_CHARS:
+            ids = await anyio.to_thread.run_sync(tokenize, texts)
+            still_ok()
+        else:
+            ids = tokenize(texts)
+        call = EmbedCall(ids, time.monotonic())
+        future = self.open(entry, call)
+        post(QueueEmbed(entry.batcher, call))
+        try:
+            return await future
+        finally:
+            # A caller that went away (its task cancelled, which cancels the future
+            # too): the engine thread skips the call's texts still queued.
+            call.cancelled = future.cancelled() or not future.done()
+            self.close(call)
 
     def close(self, call: EmbedCall) -> None:
         item = self._calls.pop(call, None)
@@ -125,6 +154,21 @@ class ModelCatalog:
             if holder.current is not None:
                 return holder.current
             await self.admission[holder].wait()
+
+    async def bind_prompt(self, name: str | None, prompt: Any, check_running: Any) -> tuple[ModelVersion, list[int]]:
+        """The version a new request is bound to, and its prompt's token ids for that version.
+
+        Long texts are tokenized off the loop; if a swap moved the generator to
+        another version meanwhile, the prompt is tokenized again for that one.
+        """
+        while True:
+            version = await self.admit(name, check_running)
+            check_prompt_chars(prompt, version)
+            if prompt_chars(prompt) <= OFF_LOOP_CHARS:
+                return version, prompt_token_ids(prompt, version)
+            ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
+            if self.generator(name).current is version:
+                return version, ids
 
     def core(self, name: str | None) -> EngineCore:
         """The core of generator ``name``'s current version."""

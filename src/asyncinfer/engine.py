@@ -15,9 +15,8 @@ import asyncio
 import dataclasses
 import enum
 import itertools
-import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -27,9 +26,9 @@ from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
 from asyncinfer.catalog import EmbedCalls, EmbeddingModel, ModelCatalog, check_name, current
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore, StepStats
-from asyncinfer.embedding import EmbedCall, EmbeddingBatcher, EmbeddingPlan, EmbeddingStats
+from asyncinfer.embedding import EmbeddingBatcher, EmbeddingPlan, EmbeddingStats
 from asyncinfer.engine_thread import (
-    AbortRequest, AddRequest, Command, EngineThread, LoopCallbacks, QueueEmbed, ResetPrefixCache, Stop, ThreadLink,
+    AbortRequest, AddRequest, Command, EngineThread, LoopCallbacks, ResetPrefixCache, Stop, ThreadLink,
 )
 from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
@@ -37,10 +36,10 @@ from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
-from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts, make_request
+from asyncinfer.prompts import Prompt, chat_token_ids, check_request_args, check_request_id, check_texts, make_request
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.streams import StreamTable
+from asyncinfer.streams import RequestStream, StreamTable
 from asyncinfer.swaps import ModelChanges
 
 __all__ = ["AsyncEngine", "EngineState", "Prompt"]
@@ -120,13 +119,10 @@ class AsyncEngine:
     ) -> MemoryPlan | EmbeddingPlan:
         """The memory plan :meth:`from_pretrained` would make, computed before loading any weight.
 
-        Reads only the model's config (config.json or the GGUF header) and
-        estimates the weights from its shapes in the chosen dtype and weight
-        format. Takes the same options as :meth:`from_pretrained`;
-        ``available_bytes`` overrides the memory measured as free now (before
-        loading). For an embedding model it is an :class:`EmbeddingPlan`
-        (weights + the activations of its largest batch), and
-        ``ConfigurationError`` if that exceeds the memory.
+        Reads only the model's config (config.json or the GGUF header); the
+        weights are computed from its shapes, dtype and weight format. Same options as
+        :meth:`from_pretrained`; ``available_bytes`` overrides the memory free now. An
+        embedding model gives an :class:`EmbeddingPlan` (weights + largest batch's activations).
 
         Raises:
             InvalidParameterError: an unknown option or an out-of-range value.
@@ -141,8 +137,7 @@ class AsyncEngine:
         return self._state
 
     @property
-    def _version(self) -> ModelVersion:
-        """The version new requests to the default generator are bound to."""
+    def _version(self) -> ModelVersion:  # the default generator's current version
         return current(self._models.generator(None))
 
     @property
@@ -160,13 +155,11 @@ class AsyncEngine:
         return self._version.tokenizer
 
     @property
-    def model_source(self) -> str:
-        """Where the default generator was loaded from ("gguf:<file>" or "safetensors:<dir>")."""
+    def model_source(self) -> str:  # "gguf:<file>" or "safetensors:<dir>"
         return self._version.source
 
     @property
     def memory_plan(self) -> MemoryPlan:
-        """The default generator's memory plan."""
         return self._version.plan
 
     @property
@@ -179,6 +172,11 @@ class AsyncEngine:
     @property
     def kv_manager(self) -> KVCacheManager:
         return self.core.kv
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine was started on (None before :meth:`start`); call it from there."""
+        return None if self._link.thread is None else self._link.thread.loop
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -213,9 +211,7 @@ class AsyncEngine:
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # Leaving the block because of an error or a cancellation aborts what is
-        # in flight instead of waiting for it.
-        await self.aclose(abort=exc_type is not None)
+        await self.aclose(abort=exc_type is not None)  # leaving on an error aborts what is in flight
 
     # ------------------------------------------------------------- generation
     async def generate(
@@ -273,7 +269,12 @@ class AsyncEngine:
             yield stream_delta(out)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request by id at the next step boundary (unknown or finished ids are ignored)."""
+        """Abort a request by id at the next step boundary (unknown or finished ids are ignored).
+
+        Raises:
+            InvalidParameterError: ``request_id`` is not a non-empty string.
+        """
+        check_request_id(request_id)
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post(AbortRequest(request_id))
 
@@ -284,13 +285,13 @@ class AsyncEngine:
     async def _new_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                            priority: int, cache_salt: str | None, model: str | None) -> tuple[Request, ModelVersion]:
         """A validated request and the version it is bound to (no await after the binding)."""
-        version = await self._models.admit(model, self._check_running)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        request = make_request(prompt, params, check_request_id(request_id), priority, cache_salt, version)
-        if not self._streams.is_free(request.request_id, request.params.n):
+        params = check_request_args(params, priority, cache_salt)
+        request_id = check_request_id(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None
+                                      else request_id)
+        version, ids = await self._models.bind_prompt(model, prompt, self._check_running)
+        if not self._streams.is_free(request_id, params.n):
             raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
-        return request, version
+        return make_request(ids, params, request_id, priority, cache_salt, version.max_model_len), version
 
     async def _submit(self, request: Request, version: ModelVersion) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
@@ -309,8 +310,15 @@ class AsyncEngine:
                 yield item
         finally:
             if done < stream.n:
-                self._streams.forget(request.request_id)
-                self.abort(request.request_id)
+                self._release_when_gone(request.request_id, stream)
+
+    def _release_when_gone(self, request_id: str, stream: RequestStream) -> None:
+        """Abort a request whose consumer went away; its id is free once the thread confirms."""
+        if self._state in (EngineState.RUNNING, EngineState.CLOSING):
+            self._streams.abandon(stream)
+            self._post(AbortRequest(request_id, confirm=lambda: self._streams.release(request_id, stream)))
+        else:  # no thread will answer (closed or dead): nothing can arrive for it any more
+            self._streams.release(request_id, stream)
 
     # -------------------------------------------------------------- embeddings
     async def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> torch.Tensor:
@@ -333,16 +341,15 @@ class AsyncEngine:
         """
         self._check_running()
         entry = self._models.embedder(model)
-        call = EmbedCall(entry.batcher.encoder.tokenize(check_texts(texts)), time.monotonic())
-        future = self._embed_calls.open(entry, call)
-        self._post(QueueEmbed(entry.batcher, call))
-        try:
-            return await future
-        finally:
-            # A caller that went away (its task cancelled, which cancels the future
-            # too): the engine thread skips the call's texts still queued.
-            call.cancelled = future.cancelled() or not future.done()
-            self._embed_calls.close(call)
+        return await self._embed_calls.submit(entry, check_texts(texts), self._post, self._embedder_still(entry))
+
+    def _embedder_still(self, entry: EmbeddingModel) -> Callable[[], None]:
+        """A check that the engine runs and ``entry`` is still loaded (after an await)."""
+        def check() -> None:
+            self._check_running()
+            if self._models.embedders.get(entry.name) is not entry:
+                raise InvalidParameterError("model", entry.name, "a loaded embedding model (it was removed meanwhile)")
+        return check
 
     def embedding_stats(self, model: str | None = None) -> EmbeddingStats:
         """What an embedding model's batcher did: calls, texts, batches and their sizes, tokens."""
@@ -353,8 +360,7 @@ class AsyncEngine:
         """A snapshot of the KV cache figures: blocks used/free/cached-free, usage, waste,
         prefix-cache queries and hits (tokens), copy-on-write copies, evictions, preemptions.
 
-        Read while the engine runs it is a snapshot taken between two steps at best
-        (the numbers are plain ints; a torn read is off by one step, never corrupt).
+        Read while the engine runs, it may be off by one step (plain ints, never corrupt).
         ``model``: which generator (default: the first loaded).
         """
         return self._models.core(model).kv.stats()
@@ -467,7 +473,6 @@ class AsyncEngine:
     # ------------------------------------------------------ the engine thread
     def _post(self, command: Command) -> None:
         self._link.post(command)
-
     def _on_stopped(self) -> None:
         self._link.fail_waiters(EngineClosedError("the engine was closed"))
 
@@ -480,6 +485,7 @@ class AsyncEngine:
         self._embed_calls.fail_all(EngineDeadError, message, exc)
 
     def _check_running(self) -> None:
+        self._link.check_loop()
         if self._state is EngineState.DEAD:
             raise EngineDeadError("the engine's step loop failed") from self._dead_cause
         if self._state is not EngineState.RUNNING:
@@ -491,3 +497,4 @@ class AsyncEngine:
         """Model changes work before start (nothing races) and while running."""
         if self._state is not EngineState.CREATED:
             self._check_running()
+

@@ -24,7 +24,7 @@ from typing import Any, Union
 import torch
 
 from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
-from asyncinfer.errors import RequestAbortedError
+from asyncinfer.errors import RequestAbortedError, WrongEventLoopError
 from asyncinfer.holder import ModelHolder, ModelVersion
 from asyncinfer.outputs import CoreOutput
 from asyncinfer.request import Request
@@ -43,9 +43,14 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Abort a request (all its samples) by the user's id, on whichever version holds it."""
+    """Abort a request (all its samples) by the user's id, on whichever version holds it.
+
+    ``confirm`` (if given) is called on the loop after the abort's outputs were
+    handed over: from then on no output of that request can reach the loop.
+    """
 
     request_id: str
+    confirm: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ class EngineThread:
         Returns False once the thread should end.
         """
         self._wake.clear()
-        self._emit(self._drain_inbox())
+        self._drain_inbox()
         for holder in self._holders:
             holder.retire_idle()
         # At most one embedding batch per model between two generation steps.
@@ -197,14 +202,16 @@ class EngineThread:
         if outputs:
             self.to_loop(self.callbacks.outputs, outputs)
 
-    def _drain_inbox(self) -> list[CoreOutput]:
-        outputs: list[CoreOutput] = []
+    def _drain_inbox(self) -> None:
+        """Carry out every queued command, handing each one's outputs over before the next."""
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return outputs
-            outputs.extend(self._handle(command))
+                return
+            self._emit(self._handle(command))
+            if isinstance(command, AbortRequest) and command.confirm is not None:
+                self.to_loop(command.confirm)
 
     def _handle(self, command: Command) -> list[CoreOutput]:
         """Carry out one command; the outputs it produced (aborted requests' finals)."""
@@ -212,7 +219,7 @@ class EngineThread:
             case AddRequest(version, request):
                 assert version.core is not None, "a request was bound to a retired version"
                 version.core.add_request(request)
-            case AbortRequest(request_id):
+            case AbortRequest(request_id, _):
                 return [out for holder in self._holders for out in holder.abort(request_id)]
             case QueueEmbed(batcher, call):
                 if batcher not in self._batchers:
@@ -284,6 +291,20 @@ class ThreadLink:
     @property
     def started(self) -> bool:
         return self.thread is not None
+
+    def check_loop(self) -> None:
+        """Raise :class:`WrongEventLoopError` unless called on the loop the thread delivers to."""
+        if self.thread is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self.thread.loop:
+            raise WrongEventLoopError(
+                "this engine is bound to the event loop it was started on; from another thread, use "
+                "asyncio.run_coroutine_threadsafe(engine.generate(...), engine.loop)"
+            )
 
     def post(self, command: Command) -> None:
         assert self.thread is not None, "the engine thread is not started"

@@ -9,6 +9,8 @@ The tree::
     │                                             version; the old version keeps serving
     ├── ConfigurationError (also ValueError)      options that cannot work together (e.g. KV too small)
     ├── EngineClosedError                         you closed it (or never started it)
+    │   └── WrongEventLoopError (also RuntimeError) called from another event loop than the
+    │                                             one the engine started on
     ├── RequestAbortedError                       an embed() call was aborted before its vectors were
     │                                             computed (remove_model or aclose with abort=True)
     └── EngineDeadError                           it broke: the step loop died; the cause is chained
@@ -55,6 +57,14 @@ class ConfigurationError(AsyncInferError, ValueError):
 
 class EngineClosedError(AsyncInferError):
     """The engine is not running: it was closed, or used before ``async with``/``start()``."""
+
+
+class WrongEventLoopError(EngineClosedError, RuntimeError):
+    """The engine was called from an event loop other than the one it was started on.
+
+    An engine belongs to one loop (its results are delivered there). From another
+    thread, submit to that loop: ``asyncio.run_coroutine_threadsafe(engine.generate(...), engine.loop)``.
+    """
 
 
 class RequestAbortedError(AsyncInferError):

@@ -74,10 +74,20 @@ class ModelVersion:
     # Called on the engine thread once the version is dropped.
     on_retired: list[Callable[[ModelVersion], None]] = field(default_factory=list)
 
+    _max_token_chars: int | None = field(default=None, repr=False)
+
     @property
     def max_model_len(self) -> int:
         assert self.core is not None, "a retired version has no core"
         return self.core.max_model_len
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for (an upper bound; computed once)."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_chars = max((len(piece) for piece in vocab), default=1)
+        return self._max_token_chars
 
 
 class ModelHolder:

@@ -1,7 +1,10 @@
 """From what a caller passes to a validated :class:`Request`: prompts, ids, texts.
 
-Runs on the event loop before anything is queued, so every error here is an
+Runs before anything is queued, so every error here is an
 :class:`InvalidParameterError` raised at the call, and nothing is left behind.
+Texts over :data:`OFF_LOOP_CHARS` characters are tokenized in a worker thread
+(the engine does that), after :func:`check_prompt_chars` refused, without
+tokenizing, any text too long to ever fit.
 """
 
 from __future__ import annotations
@@ -18,17 +21,11 @@ from asyncinfer.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
+OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread, not on the caller's loop
 
 
-def make_request(
-    prompt: Prompt,
-    params: SamplingParams | None,
-    request_id: str,
-    priority: int,
-    cache_salt: str | None,
-    version: ModelVersion,
-) -> Request:
-    """A :class:`Request` for ``version``: parameters checked, prompt tokenized and length-checked."""
+def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
+    """The request's parameters, checked (``None`` params: the defaults)."""
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -37,8 +34,18 @@ def make_request(
         raise InvalidParameterError("priority", priority, "an integer")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
-    prompt_ids = prompt_token_ids(prompt, version)
-    max_model_len = version.max_model_len
+    return params
+
+
+def make_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+    max_model_len: int,
+) -> Request:
+    """A :class:`Request` from checked arguments and the prompt's token ids (length-checked here)."""
     if len(prompt_ids) >= max_model_len:
         raise InvalidParameterError(
             "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
@@ -53,6 +60,30 @@ def make_request(
     )
 
 
+def prompt_chars(prompt: Any) -> int:
+    """Characters of text a prompt holds (0 for token ids): what tokenizing it costs."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
+
+
+def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
+    """Refuse, without tokenizing, a text too long to fit ``max_model_len`` tokens whatever its tokens.
+
+    No token of the vocabulary decodes to more than ``version.max_token_chars``
+    characters, so a longer text needs more tokens than the model takes.
+    """
+    chars = prompt_chars(prompt)
+    limit = version.max_model_len * version.max_token_chars
+    if chars > limit:
+        raise InvalidParameterError(
+            "prompt", f"<{chars} characters>",
+            f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
+        )
+
+
 def check_request_id(request_id: Any) -> str:
     if not isinstance(request_id, str) or not request_id:
         raise InvalidParameterError("request_id", request_id, "a non-empty string")
@@ -60,7 +91,12 @@ def check_request_id(request_id: Any) -> str:
 
 
 def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
-    """A text, chat messages or token ids as the token ids the model reads."""
+    """A text, chat messages or token ids as the token ids the model reads.
+
+    Bytes, bytearrays and ranges are refused: a prompt is text, messages or a list of ints.
+    """
+    if isinstance(prompt, (bytes, bytearray, range)):
+        raise InvalidParameterError("prompt", prompt, "a str, a list of chat messages or a list of token ids")
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidParameterError("prompt", prompt, "a non-empty string")

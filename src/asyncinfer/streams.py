@@ -3,7 +3,10 @@
 The engine thread's outputs arrive in :meth:`StreamTable.dispatch` (on the
 loop); each goes to its request's queue, and a request leaves the table when
 its last sample has finished. Ids are checked against every sample id in
-flight, so two live requests never share one.
+flight, so two live requests never share one. A request whose consumer went
+away keeps its ids until the engine thread has confirmed it gone: an id reused
+at once waits for nothing, it is refused, and no output of the old request can
+reach a new one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def sample_ids(request_id: str, n: int) -> tuple[str, ...]:
 class RequestStream:
     """One request's output queue on the event loop side (all ``n`` samples share it)."""
 
-    __slots__ = ("queue", "n", "num_done", "ids", "version_id")
+    __slots__ = ("queue", "n", "num_done", "ids", "version_id", "abandoned")
 
     def __init__(self, n: int, ids: tuple[str, ...], version_id: int) -> None:
         self.queue: asyncio.Queue[CoreOutput | BaseException] = asyncio.Queue()
@@ -29,6 +32,7 @@ class RequestStream:
         self.num_done = 0  # samples whose last output was delivered to the queue
         self.ids = ids  # the core's request ids of the samples
         self.version_id = version_id  # the model version the request is bound to
+        self.abandoned = False  # its consumer went away; its ids stay reserved until the abort is confirmed
 
 
 class StreamTable:
@@ -51,6 +55,16 @@ class StreamTable:
         self._ids.update(stream.ids)
         return stream
 
+    def abandon(self, stream: RequestStream) -> None:
+        """The consumer went away: drop the request's outputs from now on, but keep its ids
+        reserved until :meth:`release` (once the engine thread confirmed the abort)."""
+        stream.abandoned = True
+
+    def release(self, request_id: str, stream: RequestStream) -> None:
+        """Forget ``stream`` if it is still the one in flight under ``request_id``."""
+        if self._streams.get(request_id) is stream:
+            self.forget(request_id)
+
     def forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -64,7 +78,7 @@ class StreamTable:
         """Hand each output to its request's queue; a request ends with its last sample's finish."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
+            if stream is None or stream.abandoned:
                 continue
             if out.finish_reason is not None:
                 stream.num_done += 1

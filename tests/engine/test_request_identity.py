@@ -1,0 +1,115 @@
+"""Request identity, argument checks and event-loop safety at the engine's public API.
+
+Each test reproduces a fault seen on an earlier version of the engine: an id
+reused right after its task was cancelled mixed two requests; a malformed id
+given to abort() killed the engine; a call from another event loop hung; a
+huge text prompt stalled the caller's loop while it was tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from asyncinfer import (
+    AsyncEngine,
+    InvalidParameterError,
+    SamplingParams,
+    WrongEventLoopError,
+)
+
+BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
+PROMPT = [5, 17, 99, 3, 250, 42, 8]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+async def test_an_id_reused_after_a_cancel_never_mixes_two_requests(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, PROMPT, 12)
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        for attempt in range(5):
+            first = asyncio.create_task(engine.generate([7, 7, 7, 7], greedy(200), request_id="x"))
+            await asyncio.sleep(0.02 * (attempt % 3))  # cancel before, during and after its prefill
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            # Until the engine thread confirmed the old "x" gone, the id is taken.
+            reused = None
+            for _ in range(500):
+                try:
+                    reused = await engine.generate(PROMPT, greedy(12), request_id="x")
+                    break
+                except InvalidParameterError as err:
+                    assert err.parameter == "request_id"
+                    await asyncio.sleep(0.001)
+            assert reused is not None
+            assert reused.token_ids == expected and reused.finish_reason == "length"
+    assert engine.kv_stats().used_blocks == 0
+
+
+async def test_abort_with_a_malformed_id_is_refused_and_the_engine_keeps_serving(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        running = asyncio.create_task(engine.generate(PROMPT, greedy(20)))
+        await asyncio.sleep(0.01)
+        for bad in (["a", "list"], {"a": 1}, None, 3, ""):
+            with pytest.raises(InvalidParameterError) as err:
+                engine.abort(bad)  # type: ignore[arg-type]
+            assert err.value.parameter == "request_id"
+        assert (await running).token_ids == hf_greedy(hf, PROMPT, 20)
+
+
+@pytest.mark.parametrize("prompt", [b"\x05\x06", bytearray(b"\x05\x06"), range(5, 9)])
+async def test_bytes_and_ranges_are_not_taken_as_token_ids(tiny_models, prompt) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    async with engine:
+        with pytest.raises(InvalidParameterError, match="prompt"):
+            await engine.generate(prompt, greedy(2))  # type: ignore[arg-type]
+
+
+async def test_a_call_from_another_event_loop_fails_at_once(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        outcome: list[BaseException | None] = []
+
+        def other_thread() -> None:
+            try:
+                asyncio.run(engine.generate(PROMPT, greedy(4)))
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                outcome.append(exc)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        assert isinstance(outcome[0], WrongEventLoopError)
+        # The supported way from another thread: submit to the engine's own loop.
+        loop = engine.loop
+        assert loop is asyncio.get_running_loop()
+        results: list = []
+        thread = threading.Thread(target=lambda: results.append(
+            asyncio.run_coroutine_threadsafe(engine.generate(PROMPT, greedy(4)), loop).result(30)))
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        assert results[0].token_ids == hf_greedy(hf, PROMPT, 4)
+
+
+def test_a_second_asyncio_run_gets_a_clear_error_not_a_hang(tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    asyncio.run(engine.start())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WrongEventLoopError):
+            asyncio.run(engine.generate(PROMPT, greedy(4)))
+        assert time.monotonic() - t0 < 5
+    finally:
+        asyncio.run(engine.aclose())
