@@ -256,7 +256,10 @@ def test_unseeded_sampler_seed_is_reproducible():
     logits = torch.randn(64, 10, generator=torch.Generator().manual_seed(5))
     a = Sampler(10, CPU, seed=9)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
     b = Sampler(10, CPU, seed=9)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
+    c = Sampler(10, CPU, seed=10)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
     assert a == b
+    assert a != c  # the seed matters...
+    assert a != logits.argmax(-1).tolist()  # ...because these rows really were sampled
 
 
 # --------------------------------------------------------------------------- min_tokens / eos
