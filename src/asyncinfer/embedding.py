@@ -3,9 +3,9 @@
 ``AsyncEngine.embed`` tokenizes on the event loop and posts one :class:`EmbedCall`
 per call to the engine thread, where the model's :class:`EmbeddingBatcher`
 queues its texts. A batch runs when ``max_batch_size`` texts are waiting, or
-when the oldest has waited ``max_wait_ms`` (the article's dynamic batching:
-trade a few milliseconds of latency for a batch that costs little more than
-one text). ``max_batch_size=1`` turns batching off.
+when the oldest has waited ``max_wait_ms`` (dynamic batching: trade a few
+milliseconds of latency for a batch that costs little more than one text).
+``max_batch_size=1`` turns batching off.
 
 Batches run on the engine thread between generation steps, so an embedding
 model and a generator share the device without competing for its cores; while
