@@ -145,7 +145,6 @@ def test_stop_strings_normalised():
     assert SamplingParams(stop="ab").stop_strings == ("ab",)
     assert SamplingParams(stop=["ab", "c", "ab"]).stop_strings == ("ab", "c")
     assert SamplingParams(stop=[]).stop_strings == ()
-    assert SamplingParams(stop_token_ids=[3, 3, 4]).stop_token_id_set == frozenset({3, 4})
 
 
 def test_greedy_and_penalty_flags():

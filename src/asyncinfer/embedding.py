@@ -181,15 +181,14 @@ class EmbeddingBatcher:
         while self._pending and self._pending[0][0].cancelled:
             self._pending.popleft()
 
-    def wait_time(self, now: float | None = None) -> float | None:
+    def wait_time(self) -> float | None:
         """Seconds until a batch is due: None when nothing waits, 0 when one is due now."""
         self._drop_cancelled()
         if not self._pending:
             return None
         if len(self._pending) >= self.config.max_batch_size:
             return 0.0
-        now = self._clock() if now is None else now
-        waited = now - self._pending[0][0].arrival
+        waited = self._clock() - self._pending[0][0].arrival
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
     def run_batch(self) -> list[EmbedCall]:
