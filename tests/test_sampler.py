@@ -66,8 +66,10 @@ def test_padded_vocab_columns_never_chosen_and_empty_batch():
     out = sampler(logits, [state(temperature=1.0, seed=1), state(temperature=1.0)])
     assert all(t < 10 for t in out.token_ids)
     assert sampler(torch.zeros(0, 10), []) == SamplerOutput([], [])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"logits must be \[len\(states\)=1, vocab\], got \(3, 10\)"):
         sampler(torch.zeros(3, 10), [state()])
+    with pytest.raises(ValueError, match="fewer than vocab_size=10"):
+        sampler(torch.zeros(1, 9), [state()])
 
 
 # --------------------------------------------------------------------------- penalties
