@@ -16,10 +16,9 @@ batches then run between generation steps, and the rows also report the
 generator's tokens per second.
 
 Reported per setting and level: calls per second, latency p50 / p99 (ms), mean
-batch size; and the on/off ratios (the article's section 3.2 reports 6x the
-throughput for +25% latency at batch 8). First, the cost of one forward pass at
-batch sizes 1..32 (the encoder alone, median of 7), which bounds what batching
-can buy on this machine.
+batch size; and the on/off ratios (throughput gained, latency paid). First, the
+cost of one forward pass at batch sizes 1..32 (the encoder alone, median of 7),
+which bounds what batching can buy on this machine.
 """
 
 from __future__ import annotations

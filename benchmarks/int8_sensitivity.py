@@ -1,4 +1,4 @@
-"""Per-layer-type sensitivity of int8 weights on the real model (the article's section 2.3).
+"""Per-layer-type sensitivity of int8 weights on the real model: which layers tolerate int8.
 
 For each choice of layers kept in float32, quantize the rest to int8 and compare with the
 float32 model on the same teacher-forced text: top-1 agreement of the next-token prediction

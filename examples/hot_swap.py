@@ -1,4 +1,4 @@
-"""Hot swap: replace the served model while requests keep streaming, without a restart.
+"""Hot swap: replace a generator model while requests keep streaming, without a restart.
 
     python examples/hot_swap.py                  # swap the default model to a fresh copy of itself
     python examples/hot_swap.py /path/to/model   # swap to another model (HF directory or .gguf)

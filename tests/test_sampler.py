@@ -66,8 +66,10 @@ def test_padded_vocab_columns_never_chosen_and_empty_batch():
     out = sampler(logits, [state(temperature=1.0, seed=1), state(temperature=1.0)])
     assert all(t < 10 for t in out.token_ids)
     assert sampler(torch.zeros(0, 10), []) == SamplerOutput([], [])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"logits must be \[len\(states\)=1, vocab\], got \(3, 10\)"):
         sampler(torch.zeros(3, 10), [state()])
+    with pytest.raises(ValueError, match="fewer than vocab_size=10"):
+        sampler(torch.zeros(1, 9), [state()])
 
 
 # --------------------------------------------------------------------------- penalties
@@ -256,7 +258,10 @@ def test_unseeded_sampler_seed_is_reproducible():
     logits = torch.randn(64, 10, generator=torch.Generator().manual_seed(5))
     a = Sampler(10, CPU, seed=9)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
     b = Sampler(10, CPU, seed=9)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
+    c = Sampler(10, CPU, seed=10)(logits, [state(temperature=1.0) for _ in range(64)]).token_ids
     assert a == b
+    assert a != c  # the seed matters...
+    assert a != logits.argmax(-1).tolist()  # ...because these rows really were sampled
 
 
 # --------------------------------------------------------------------------- min_tokens / eos

@@ -106,8 +106,6 @@ def _info(args: argparse.Namespace) -> int:
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
     """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text) -> per-scheduler options."""
-    import json
-
     options: dict[str, dict[str, Any]] = {}
     for item in items:
         target, sep, raw = item.partition("=")
@@ -167,8 +165,6 @@ def _lab(args: argparse.Namespace) -> int:
     print(f"SLO: TTFT <= {slo.ttft}s and TPOT <= {slo.tpot}s; times in simulated seconds\n")
     print(lab.format_table(summaries))
     if args.json:
-        import json
-
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"trace": source, "summaries": [s.to_dict() for s in summaries]}, fh, indent=2)
     if args.plot:

@@ -62,7 +62,6 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
         #: the stop string that ended generation, or None.

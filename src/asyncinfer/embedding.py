@@ -3,9 +3,9 @@
 ``AsyncEngine.embed`` tokenizes on the event loop and posts one :class:`EmbedCall`
 per call to the engine thread, where the model's :class:`EmbeddingBatcher`
 queues its texts. A batch runs when ``max_batch_size`` texts are waiting, or
-when the oldest has waited ``max_wait_ms`` (the article's dynamic batching:
-trade a few milliseconds of latency for a batch that costs little more than
-one text). ``max_batch_size=1`` turns batching off.
+when the oldest has waited ``max_wait_ms`` (dynamic batching: trade a few
+milliseconds of latency for a batch that costs little more than one text).
+``max_batch_size=1`` turns batching off.
 
 Batches run on the engine thread between generation steps, so an embedding
 model and a generator share the device without competing for its cores; while
@@ -180,15 +180,14 @@ class EmbeddingBatcher:
         while self._pending and self._pending[0][0].cancelled:
             self._pending.popleft()
 
-    def wait_time(self, now: float | None = None) -> float | None:
+    def wait_time(self) -> float | None:
         """Seconds until a batch is due: None when nothing waits, 0 when one is due now."""
         self._drop_cancelled()
         if not self._pending:
             return None
         if len(self._pending) >= self.config.max_batch_size:
             return 0.0
-        now = self._clock() if now is None else now
-        waited = now - self._pending[0][0].arrival
+        waited = self._clock() - self._pending[0][0].arrival
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
     def run_batch(self) -> list[EmbedCall]:

@@ -1,4 +1,4 @@
-"""The model holder: the versions of the served model, and which one new requests go to.
+"""The model holder: the versions of one named generator, and which one new requests go to.
 
 A *version* is one loaded model with everything that depends on it: its
 :class:`EngineCore` (runner with the weights and its own KV tensors, block

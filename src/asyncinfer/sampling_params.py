@@ -188,11 +188,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(dict.fromkeys(stop))
 
     @property
-    def stop_token_id_set(self) -> frozenset[int]:
-        """``stop_token_ids`` as a frozenset (empty when there is none)."""
-        return frozenset(self.stop_token_ids or ())
-
-    @property
     def has_penalties(self) -> bool:
         """True when any of the repetition/presence/frequency penalties is active."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -19,12 +19,23 @@ SMOLLM2 = ModelConfig(
 )
 
 
-def test_block_bytes_formula_for_smollm2() -> None:
-    # 2 (K and V) x 30 layers x 3 kv heads x 64 dims x 16 tokens x 4 bytes (fp32)
-    assert kv_block_bytes(30, 3, 64, 16, 4) == 2 * 30 * 3 * 64 * 16 * 4 == 737_280
-    assert kv_block_bytes(30, 3, 64, 16, 2) == 368_640  # bf16 halves it
-    assert SMOLLM2.num_params == 134_515_008
-    assert estimate_weight_bytes(SMOLLM2, 4) == 538_060_032
+def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() -> None:
+    # The formula against the bytes the engine's own KV tensors take for one block.
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = allocate_kv_caches(num_layers=30, num_blocks=1, block_size=16, num_kv_heads=3, head_dim=64,
+                                    dtype=dtype, device=torch.device("cpu"))
+        allocated = sum(t.numel() * t.element_size() for kv in caches for t in kv)
+        assert kv_block_bytes(30, 3, 64, 16, dtype.itemsize) == allocated
+    assert allocated == 368_640  # bf16
+    # The parameter count against transformers' own Llama of the same shapes (on the meta device).
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert SMOLLM2.num_params == reference == 134_515_008
+    assert estimate_weight_bytes(SMOLLM2, 4) == 4 * reference
 
 
 def plan(**kw):
@@ -35,7 +46,7 @@ def plan(**kw):
 
 
 def test_budget_from_bytes_or_fraction() -> None:
-    block = 2 * 2 * 2 * 16 * 4 * 4  # 1 KiB
+    block = 2048  # 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 4 tokens x 4 bytes
     assert plan(kv_cache_memory=100 * block + 5).num_blocks == 100
     by_fraction = plan(free_bytes=1000 * block, activation_reserve=200 * block, kv_cache_fraction=0.5)
     assert by_fraction.num_blocks == 400  # half of what is left after the reserve
@@ -43,7 +54,7 @@ def test_budget_from_bytes_or_fraction() -> None:
 
 
 def test_refuses_a_cache_that_cannot_hold_one_max_length_request_with_numbers() -> None:
-    block = 2 * 2 * 2 * 16 * 4 * 4
+    block = 2048
     with pytest.raises(ConfigurationError) as info:
         plan(kv_cache_memory=15 * block, max_model_len=64)  # 64 tokens need 16 blocks of 4
     message = str(info.value)

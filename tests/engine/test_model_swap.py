@@ -114,7 +114,7 @@ async def test_swaps_under_load_serve_every_request_on_its_own_version(tiny_mode
     assert all(ref() is None for ref in old_refs), "an old version's core, weights or KV tensors are still alive"
 
 
-async def test_prefix_cache_is_per_version(tiny_models, expected) -> None:
+async def test_prefix_cache_is_per_version(tiny_models) -> None:
     path = tiny_models["llama"][0]
     prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be cached
     engine = AsyncEngine.from_pretrained(path, **BASE)

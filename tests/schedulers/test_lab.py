@@ -79,8 +79,14 @@ def test_calibration_times_the_real_runner(tiny_llama: Path) -> None:
     cases = default_cases(max_context=256)
     timed = time_cases(engine.core.runner, engine.core.sampler, cases, repeats=1)
     assert len(timed) == len(cases) == 21 and all(t > 0 for _, t in timed)
-    model = fit_cost_model([s for s, _ in timed], [t for _, t in timed])
-    assert model.cost(StepShape(1, 1, 0, 16, 0)) > 0
+    # Each timing is labelled with the shape of the step that ran (blocks of 16, max_model_len 256):
+    shapes = [s for s, _ in timed]
+    assert shapes[0] == StepShape(tokens=1, sampled=1, prefill_seqs=0, decode_keys=128, prefill_keys=0)  # 1 decode
+    assert shapes[9] == StepShape(64, 64, 0, 64 * 256, 0)  # 64 decodes at context 256
+    assert shapes[14] == StepShape(512, 1, 1, 0, 512 * 512)  # a whole 512-token prompt
+    assert shapes[15] == StepShape(256, 0, 1, 0, 256 * 256)  # a first chunk: nothing sampled
+    assert shapes[16] == StepShape(128, 1, 1, 0, 128 * 256)  # a last chunk after 128 cached tokens
+    assert shapes[-2] == StepShape(16 + 128, 17, 1, 16 * 512, 128 * 128)  # decodes beside a prompt
 
 
 def test_simulation_is_deterministic_and_complete() -> None:
