@@ -155,14 +155,31 @@ class ModelCatalog:
                 return holder.current
             await self.admission[holder].wait()
 
-    async def bind_prompt(self, name: str | None, prompt: Any, check_running: Any) -> tuple[ModelVersion, list[int]]:
+    def tokenize_now(self, name: str | None, prompt: Any) -> tuple[ModelVersion, list[int]] | None:
+        """The serving version and the prompt's ids for it, when that takes no await: None
+        while a drain-mode swap has no version serving, or for a text tokenized off the loop
+        (only its length bound is checked then). Raises for an unknown model or a bad prompt."""
+        version = self.generator(name).current
+        if version is None:
+            return None
+        check_prompt_chars(prompt, version)
+        if prompt_chars(prompt) > OFF_LOOP_CHARS:
+            return None
+        return version, prompt_token_ids(prompt, version)
+
+    async def bind_prompt(
+        self, name: str | None, prompt: Any, check_running: Any, early: tuple[ModelVersion, list[int]] | None = None
+    ) -> tuple[ModelVersion, list[int]]:
         """The version a new request is bound to, and its prompt's token ids for that version.
 
+        ``early``: ids computed at the call, reused if their version still serves.
         Long texts are tokenized off the loop; if a swap moved the generator to
         another version meanwhile, the prompt is tokenized again for that one.
         """
         while True:
             version = await self.admit(name, check_running)
+            if early is not None and early[0] is version:
+                return early
             check_prompt_chars(prompt, version)
             if prompt_chars(prompt) <= OFF_LOOP_CHARS:
                 return version, prompt_token_ids(prompt, version)

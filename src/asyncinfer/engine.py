@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import enum
 import itertools
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -36,7 +35,8 @@ from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
-from asyncinfer.prompts import Prompt, chat_token_ids, check_request_args, check_request_id, check_texts, make_request
+from asyncinfer.intake import RequestArgs, RequestIntake
+from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import RequestStream, StreamTable
@@ -84,7 +84,7 @@ class AsyncEngine:
         self._embed_calls = EmbedCalls()
         self._link = ThreadLink()
         self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device)
-        self._ids = itertools.count()
+        self._intake = RequestIntake(self._models, self._streams)
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -240,13 +240,14 @@ class AsyncEngine:
             EngineClosedError: the engine is not running.
             EngineDeadError: the step loop failed.
         """
-        request, version = await self._new_request(prompt, params, request_id, priority, cache_salt, model)
+        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
+        request, version = await self._intake.bind(prompt, args, model, self._check_running)
         result = OutputAssembler.for_request(request)
         async for out in self._submit(request, version):
             result.add(out)
         return result.result()
 
-    async def stream(
+    def stream(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
@@ -262,9 +263,14 @@ class AsyncEngine:
         ``delta.index``; each sample's last delta has ``finish_reason`` and the
         stream ends after all ``n`` have finished.
         Breaking out of the loop or cancelling the consuming task aborts the request.
-        Raises the same errors as :meth:`generate`, before the first delta.
+        Raises the same errors as :meth:`generate` at the call itself, before any delta
+        (texts over 4096 characters, tokenized off the loop, are length-checked at the first).
         """
-        request, version = await self._new_request(prompt, params, request_id, priority, cache_salt, model)
+        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
+        return self._stream(prompt, args, model)
+
+    async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
+        request, version = await self._intake.bind(prompt, args, model, self._check_running)
         async for out in self._submit(request, version):
             yield stream_delta(out)
 
@@ -281,17 +287,6 @@ class AsyncEngine:
     def apply_chat_template(self, messages: Sequence[dict[str, str]], *, model: str | None = None) -> list[int]:
         """Render chat messages with a generator's template (generation prompt added) into token ids."""
         return chat_token_ids(current(self._models.generator(model)), messages)
-
-    async def _new_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                           priority: int, cache_salt: str | None, model: str | None) -> tuple[Request, ModelVersion]:
-        """A validated request and the version it is bound to (no await after the binding)."""
-        params = check_request_args(params, priority, cache_salt)
-        request_id = check_request_id(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None
-                                      else request_id)
-        version, ids = await self._models.bind_prompt(model, prompt, self._check_running)
-        if not self._streams.is_free(request_id, params.n):
-            raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
-        return make_request(ids, params, request_id, priority, cache_salt, version.max_model_len), version
 
     async def _submit(self, request: Request, version: ModelVersion) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""

@@ -46,10 +46,7 @@ def make_request(
     max_model_len: int,
 ) -> Request:
     """A :class:`Request` from checked arguments and the prompt's token ids (length-checked here)."""
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidParameterError(
-            "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
-        )
+    check_prompt_len(prompt_ids, max_model_len)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -58,6 +55,13 @@ def make_request(
         priority=priority,
         cache_salt=cache_salt,
     )
+
+
+def check_prompt_len(prompt_ids: list[int], max_model_len: int) -> None:
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidParameterError(
+            "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
+        )
 
 
 def prompt_chars(prompt: Any) -> int:

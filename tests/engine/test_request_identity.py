@@ -113,3 +113,22 @@ def test_a_second_asyncio_run_gets_a_clear_error_not_a_hang(tiny_models) -> None
         assert time.monotonic() - t0 < 5
     finally:
         asyncio.run(engine.aclose())
+
+
+async def test_stream_raises_at_the_call_before_any_delta(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        with pytest.raises(InvalidParameterError, match="prompt"):
+            engine.stream([5, 99999], greedy(2))  # never iterated: the call itself raises
+        with pytest.raises(InvalidParameterError, match="model"):
+            engine.stream(PROMPT, greedy(2), model="no-such-model")
+        with pytest.raises(InvalidParameterError, match="max_model_len"):
+            engine.stream([5] * 256, greedy(2))
+        with pytest.raises(InvalidParameterError, match="params"):
+            engine.stream(PROMPT, {"max_tokens": 2})  # type: ignore[arg-type]
+        with pytest.raises(InvalidParameterError, match="request_id"):
+            engine.stream(PROMPT, greedy(2), request_id="")
+        tokens = [t async for d in engine.stream(PROMPT, greedy(6)) for t in d.token_ids]
+        assert tokens == hf_greedy(hf, PROMPT, 6)
+        assert engine.num_unfinished_requests == 0

@@ -1,0 +1,80 @@
+"""From a call's arguments to a validated :class:`Request` bound to a model version.
+
+Two halves, so that ``engine.stream()`` raises at the call: :meth:`RequestIntake.check`
+does every check that needs no await (arguments, id, model name, and the prompt's
+token ids when the generator serves and the text is short), and
+:meth:`RequestIntake.bind` awaits admission (a drain-mode swap may hold it), binds
+the request to the version that serves, and reuses the ids computed at the call
+when that version still serves. Nothing awaits between ``bind`` returning and the
+request being posted to the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asyncinfer.catalog import ModelCatalog
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.holder import ModelVersion
+from asyncinfer.prompts import Prompt, check_prompt_len, check_request_args, check_request_id, make_request
+from asyncinfer.request import Request
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.streams import StreamTable
+
+
+@dataclass(frozen=True)
+class RequestArgs:
+    """A request's checked arguments, and its prompt's ids if they were computed at the call."""
+
+    params: SamplingParams
+    request_id: str
+    priority: int
+    cache_salt: str | None
+    early: tuple[ModelVersion, list[int]] | None
+
+
+class RequestIntake:
+    """Checks and binds new requests for one engine (loop side)."""
+
+    def __init__(self, models: ModelCatalog, streams: StreamTable) -> None:
+        self.models = models
+        self.streams = streams
+        self._ids = itertools.count()
+
+    def check(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        model: str | None,
+        check_running: Callable[[], None],
+    ) -> RequestArgs:
+        """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error)."""
+        check_running()
+        params = check_request_args(params, priority, cache_salt)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        request_id = check_request_id(request_id)
+        early = self.models.tokenize_now(model, prompt)
+        if early is not None:
+            check_prompt_len(early[1], early[0].max_model_len)
+        self._check_id_free(request_id, params.n)
+        return RequestArgs(params, request_id, priority, cache_salt, early)
+
+    async def bind(
+        self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None]
+    ) -> tuple[Request, ModelVersion]:
+        """The request and the version it is bound to; post it before the next await."""
+        version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+        self._check_id_free(args.request_id, args.params.n)
+        request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt, version.max_model_len)
+        return request, version
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        if not self.streams.is_free(request_id, n):
+            raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
