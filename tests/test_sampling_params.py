@@ -37,6 +37,7 @@ def test_defaults_are_greedy_and_valid():
         ("temperature", "1"),
         ("temperature", True),
         ("temperature", 10**400),
+        ("temperature", 1e39),  # finite in float64, overflows float32 sampling
         ("top_k", -2),
         ("top_k", 1.5),
         ("top_k", False),
@@ -48,6 +49,8 @@ def test_defaults_are_greedy_and_valid():
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("repetition_penalty", math.inf),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
         ("presence_penalty", 2.5),
         ("presence_penalty", -2.01),
         ("frequency_penalty", 3),

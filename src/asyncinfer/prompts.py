@@ -21,6 +21,7 @@ from asyncinfer.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # lower is more urgent; policies do float math on it
 OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread, not on the caller's loop
 
 
@@ -30,8 +31,8 @@ def check_request_args(params: SamplingParams | None, priority: Any, cache_salt:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         raise InvalidParameterError("params", params, "a SamplingParams instance or None")
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidParameterError("priority", priority, "an integer")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
     return params

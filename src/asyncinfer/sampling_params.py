@@ -18,6 +18,10 @@ from asyncinfer.errors import InvalidParameterError
 __all__ = ["SamplingParams"]
 
 _MAX_SEED = 2**63 - 1
+# Sampling runs in float32: logits are divided by the temperature and scaled by the
+# repetition penalty, so values whose effect would overflow or vanish there are refused.
+_MAX_TEMPERATURE = 1e4
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-2, 1e2
 _MAX_LOGPROBS = 20
 _MAX_N = 64
 
@@ -59,8 +63,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         max_tokens: most tokens to generate (the stop token counts). int >= 1. Default 128.
-        temperature: softmax temperature. float >= 0 and finite. ``0`` means greedy
-            (argmax); the default is greedy, so nothing is random unless asked for.
+        temperature: softmax temperature, a float in [0, 1e4] (sampling runs in float32).
+            ``0`` means greedy (argmax); the default is greedy, so nothing is random unless
+            asked for.
         top_k: keep only the k most likely tokens before sampling. ``0`` or ``-1``
             disables it, else an int >= 1 (values above the vocabulary size keep everything).
         top_p: nucleus sampling: keep the smallest set of most likely tokens whose
@@ -69,7 +74,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             most likely token. float in [0, 1]; ``0`` disables it.
         repetition_penalty: transformers/CTRL-style penalty over every token in the
             prompt and the output: positive logits are divided by it, negative ones
-            multiplied. float > 0; ``1`` disables it, > 1 discourages repeats.
+            multiplied. float in [0.01, 100]; ``1`` disables it, > 1 discourages repeats.
         presence_penalty: OpenAI-style, subtracted once from the logit of every token
             already in the output. float in [-2, 2].
         frequency_penalty: OpenAI-style, subtracted from a token's logit once per time
@@ -119,8 +124,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
 
         t = self.temperature
-        if not _is_real(t) or t < 0:
-            raise InvalidParameterError("temperature", t, "a finite float >= 0 (0 = greedy)")
+        if not _is_real(t) or not 0 <= t <= _MAX_TEMPERATURE:
+            raise InvalidParameterError("temperature", t, f"a float in [0, {_MAX_TEMPERATURE:g}] (0 = greedy)")
 
         k = self.top_k
         if not _is_int(k) or (k < 1 and k not in (0, -1)):
@@ -135,8 +140,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidParameterError("min_p", m, "a float in [0, 1]")
 
         r = self.repetition_penalty
-        if not _is_real(r) or r <= 0:
-            raise InvalidParameterError("repetition_penalty", r, "a finite float > 0 (1 = off)")
+        if not _is_real(r) or not (_MIN_REPETITION_PENALTY <= r <= _MAX_REPETITION_PENALTY):
+            raise InvalidParameterError(
+                "repetition_penalty", r,
+                f"a float in [{_MIN_REPETITION_PENALTY:g}, {_MAX_REPETITION_PENALTY:g}] (1 = off)",
+            )
 
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

@@ -132,3 +132,16 @@ async def test_stream_raises_at_the_call_before_any_delta(tiny_models, hf_greedy
         tokens = [t async for d in engine.stream(PROMPT, greedy(6)) for t in d.token_ids]
         assert tokens == hf_greedy(hf, PROMPT, 6)
         assert engine.num_unfinished_requests == 0
+
+
+async def test_an_out_of_range_priority_is_refused_and_the_extremes_are_served(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler="aging-priority")
+    async with engine:
+        for bad in (10**400, 2**31, -(2**31) - 1, 1.5):
+            with pytest.raises(InvalidParameterError) as err:
+                await engine.generate(PROMPT, greedy(2), priority=bad)  # type: ignore[arg-type]
+            assert err.value.parameter == "priority"
+        outs = await asyncio.gather(*(engine.generate(PROMPT, greedy(5), priority=p)
+                                      for p in (2**31 - 1, -(2**31), 0)))
+        assert all(o.token_ids == hf_greedy(hf, PROMPT, 5) for o in outs)
