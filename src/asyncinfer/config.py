@@ -92,6 +92,10 @@ class EngineConfig:
     - ``quantization_skip``: substrings of layer names kept in float32 when quantizing
       (default ("down_proj",), the most sensitive layer; see benchmarks/int8_sensitivity.py).
     - ``enable_prefix_caching``: reuse the KV blocks of prompt prefixes seen before (default on).
+    - ``max_waiting_requests``: admission control: how many requests may wait beyond the
+      ``max_num_seqs`` a generator runs at once; past that, new requests fail at once with
+      :class:`~asyncinfer.errors.EngineOverloadedError` (an HTTP layer's 503 + Retry-After).
+      None (default): no bound.
     - ``kv_watermark``: fraction of the KV blocks kept free from new admissions so that
       running requests can keep decoding, in [0, 0.5] (default 0.01).
     """
@@ -114,6 +118,7 @@ class EngineConfig:
     quantization_skip: tuple[str, ...] = ("down_proj",)
     enable_prefix_caching: bool = True
     kv_watermark: float = 0.01
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -130,6 +135,7 @@ class EngineConfig:
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_int("activation_reserve", self.activation_reserve, 0)
+        check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)
         check_quantization(self.quantization, device, self.dtype)
         skip = self.quantization_skip
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):

@@ -241,9 +241,9 @@ class AsyncEngine:
             EngineDeadError: the step loop failed.
         """
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
-        request, version = await self._intake.bind(prompt, args, model, self._check_running)
+        request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
         result = OutputAssembler.for_request(request)
-        async for out in self._submit(request, version):
+        async for out in self._submit(request, version, holder):
             result.add(out)
         return result.result()
 
@@ -270,8 +270,8 @@ class AsyncEngine:
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
-        request, version = await self._intake.bind(prompt, args, model, self._check_running)
-        async for out in self._submit(request, version):
+        request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
+        async for out in self._submit(request, version, holder):
             yield stream_delta(out)
 
     def abort(self, request_id: str) -> None:
@@ -288,16 +288,16 @@ class AsyncEngine:
         """Render chat messages with a generator's template (generation prompt added) into token ids."""
         return chat_token_ids(current(self._models.generator(model)), messages)
 
-    async def _submit(self, request: Request, version: ModelVersion) -> AsyncIterator[CoreOutput]:
+    async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
         # No await separates this from _new_request, which bound the request to
         # ``version`` and tokenized and validated it with it.
-        stream = self._streams.open(request.request_id, request.params.n, version.version_id)
+        stream = self._streams.open(request.request_id, request.params.n, version.version_id, holder)
         self._post(AddRequest(version, request))
         done = 0
         try:
             while done < stream.n:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason is not None:

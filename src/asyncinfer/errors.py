@@ -11,6 +11,7 @@ The tree::
     ├── EngineClosedError                         you closed it (or never started it)
     │   └── WrongEventLoopError (also RuntimeError) called from another event loop than the
     │                                             one the engine started on
+    ├── EngineOverloadedError                     too many requests wait (max_waiting_requests); retry later
     ├── RequestAbortedError                       an embed() call was aborted before its vectors were
     │                                             computed (remove_model or aclose with abort=True)
     └── EngineDeadError                           it broke: the step loop died; the cause is chained
@@ -65,6 +66,17 @@ class WrongEventLoopError(EngineClosedError, RuntimeError):
     An engine belongs to one loop (its results are delivered there). From another
     thread, submit to that loop: ``asyncio.run_coroutine_threadsafe(engine.generate(...), engine.loop)``.
     """
+
+
+class EngineOverloadedError(AsyncInferError):
+    """More requests wait than ``max_waiting_requests`` allows; nothing was queued.
+
+    ``retry_after`` is a hint in seconds (an HTTP layer sends it as ``Retry-After``).
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
 
 
 class RequestAbortedError(AsyncInferError):

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncinfer.catalog import ModelCatalog
-from asyncinfer.errors import InvalidParameterError
-from asyncinfer.holder import ModelVersion
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
+from asyncinfer.holder import ModelHolder, ModelVersion
 from asyncinfer.prompts import Prompt, check_prompt_len, check_request_args, check_request_id, make_request
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
@@ -60,6 +60,7 @@ class RequestIntake:
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)
+        self._check_load(model)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len)
@@ -68,12 +69,27 @@ class RequestIntake:
 
     async def bind(
         self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None]
-    ) -> tuple[Request, ModelVersion]:
-        """The request and the version it is bound to; post it before the next await."""
+    ) -> tuple[Request, ModelVersion, ModelHolder]:
+        """The request, the version it is bound to and its generator; post it before the next await."""
         version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
         self._check_id_free(args.request_id, args.params.n)
+        self._check_load(model)
         request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt, version.max_model_len)
-        return request, version
+        return request, version, self.models.generator(model)
+
+    def _check_load(self, model: str | None) -> None:
+        """Admission control: refuse at once past ``max_num_seqs + max_waiting_requests`` in flight."""
+        holder = self.models.generator(model)
+        version = holder.current
+        if version is None or version.config.max_waiting_requests is None:
+            return
+        limit = version.config.max_num_seqs + version.config.max_waiting_requests
+        if self.streams.count(holder) >= limit:
+            raise EngineOverloadedError(
+                f"model {self.models.name_of(holder)!r} has {limit} requests in flight "
+                f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="
+                f"{version.config.max_waiting_requests}); retry later"
+            )
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         if not self.streams.is_free(request_id, n):

@@ -12,6 +12,7 @@ reach a new one.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from asyncinfer.outputs import CoreOutput
 
@@ -22,17 +23,53 @@ def sample_ids(request_id: str, n: int) -> tuple[str, ...]:
 
 
 class RequestStream:
-    """One request's output queue on the event loop side (all ``n`` samples share it)."""
+    """One request's outputs on the event loop side, waiting for its consumer (all ``n`` samples).
 
-    __slots__ = ("queue", "n", "num_done", "ids", "version_id", "abandoned")
+    Backpressure: a consumer that reads slower than tokens arrive does not grow a
+    queue. A new output of a sample whose previous output is still undelivered is
+    merged into it (token ids, text and logprobs appended), so at most one pending
+    piece per sample (plus errors) waits, whatever the consumer's pace.
+    """
 
-    def __init__(self, n: int, ids: tuple[str, ...], version_id: int) -> None:
-        self.queue: asyncio.Queue[CoreOutput | BaseException] = asyncio.Queue()
+    __slots__ = ("pending", "wake", "n", "num_done", "ids", "version_id", "owner", "abandoned")
+
+    def __init__(self, n: int, ids: tuple[str, ...], version_id: int, owner: object) -> None:
+        self.pending: deque[CoreOutput | BaseException] = deque()
+        self.wake = asyncio.Event()
         self.n = n
         self.num_done = 0  # samples whose last output was delivered to the queue
         self.ids = ids  # the core's request ids of the samples
         self.version_id = version_id  # the model version the request is bound to
+        self.owner = owner  # the named model (its holder) it was sent to
         self.abandoned = False  # its consumer went away; its ids stay reserved until the abort is confirmed
+
+    def put(self, item: CoreOutput | BaseException) -> None:
+        if isinstance(item, CoreOutput):
+            for queued in reversed(self.pending):
+                if isinstance(queued, CoreOutput) and queued.index == item.index:
+                    if queued.finish_reason is None:
+                        _merge(queued, item)
+                        return
+                    break
+        self.pending.append(item)
+        self.wake.set()
+
+    async def get(self) -> CoreOutput | BaseException:
+        while not self.pending:
+            self.wake.clear()
+            await self.wake.wait()
+        return self.pending.popleft()
+
+
+def _merge(into: CoreOutput, out: CoreOutput) -> None:
+    """Append ``out`` (a later output of the same sample) to the undelivered ``into``."""
+    into.token_ids.extend(out.token_ids)
+    into.text += out.text
+    if out.logprobs:
+        into.logprobs = (into.logprobs or []) + out.logprobs
+    into.first_token_time = into.first_token_time or out.first_token_time
+    into.finish_reason, into.stop_reason, into.finish_time = out.finish_reason, out.stop_reason, out.finish_time
+    into.num_preemptions = out.num_preemptions
 
 
 class StreamTable:
@@ -49,8 +86,8 @@ class StreamTable:
         """Whether no sample id of a request ``request_id`` with ``n`` samples is in flight."""
         return not any(rid in self._ids for rid in sample_ids(request_id, n))
 
-    def open(self, request_id: str, n: int, version_id: int) -> RequestStream:
-        stream = RequestStream(n, sample_ids(request_id, n), version_id)
+    def open(self, request_id: str, n: int, version_id: int, owner: object) -> RequestStream:
+        stream = RequestStream(n, sample_ids(request_id, n), version_id, owner)
         self._streams[request_id] = stream
         self._ids.update(stream.ids)
         return stream
@@ -70,6 +107,10 @@ class StreamTable:
         if stream is not None:
             self._ids.difference_update(stream.ids)
 
+    def count(self, owner: object) -> int:
+        """Requests in flight sent to one named model (all its versions)."""
+        return sum(1 for s in self._streams.values() if s.owner is owner)
+
     def in_flight(self, version_id: int) -> int:
         """Requests bound to one model version."""
         return sum(1 for s in self._streams.values() if s.version_id == version_id)
@@ -84,7 +125,7 @@ class StreamTable:
                 stream.num_done += 1
                 if stream.num_done == stream.n:
                     self.forget(out.request_id)
-            stream.queue.put_nowait(out)
+            stream.put(out)
 
     def fail_all(self, make_error: type[BaseException], message: str, cause: BaseException) -> None:
         """End every request with ``make_error(message)`` (the cause chained) and empty the table."""
@@ -93,4 +134,4 @@ class StreamTable:
         for stream in streams.values():
             err = make_error(message)
             err.__cause__ = cause
-            stream.queue.put_nowait(err)
+            stream.put(err)

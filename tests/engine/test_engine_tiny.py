@@ -142,7 +142,9 @@ async def test_stream_deltas_add_up_to_generate(tiny_models) -> None:
         full = await engine.generate(p, greedy(20))
         deltas = [d async for d in engine.stream(p, greedy(20))]
     assert [t for d in deltas for t in d.token_ids] == full.token_ids
-    assert [d.finish_reason for d in deltas] == [None] * 19 + ["length"]
+    # One delta per step, unless the consumer lagged (pieces not yet read are merged).
+    assert 1 <= len(deltas) <= 20 and all(d.token_ids for d in deltas)
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
 
 
 async def test_seeded_sampling_is_independent_of_the_batch(tiny_models) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from asyncinfer import (
     AsyncEngine,
+    EngineOverloadedError,
     InvalidParameterError,
     SamplingParams,
     WrongEventLoopError,
@@ -145,3 +146,34 @@ async def test_an_out_of_range_priority_is_refused_and_the_extremes_are_served(t
         outs = await asyncio.gather(*(engine.generate(PROMPT, greedy(5), priority=p)
                                       for p in (2**31 - 1, -(2**31), 0)))
         assert all(o.token_ids == hf_greedy(hf, PROMPT, 5) for o in outs)
+
+
+async def test_admission_control_fails_fast_past_max_waiting_requests(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE, max_num_seqs=2, max_waiting_requests=1)
+    async with engine:
+        held = [asyncio.create_task(engine.generate(PROMPT, greedy(40))) for _ in range(3)]
+        await asyncio.sleep(0)  # the three are in flight: two run, one waits
+        with pytest.raises(EngineOverloadedError) as err:
+            await engine.generate(PROMPT, greedy(2))
+        assert err.value.retry_after > 0 and "max_waiting_requests=1" in str(err.value)
+        with pytest.raises(EngineOverloadedError):
+            engine.stream(PROMPT, greedy(2))  # at the call, before any delta
+        outs = await asyncio.gather(*held)
+        assert all(o.token_ids == hf_greedy(hf, PROMPT, 40) for o in outs)
+        assert (await engine.generate(PROMPT, greedy(3))).token_ids == hf_greedy(hf, PROMPT, 3)
+
+
+async def test_a_consumer_that_stops_reading_holds_one_pending_piece(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        deltas = engine.stream(PROMPT, greedy(30))
+        first = await deltas.__anext__()
+        for _ in range(500):  # the consumer sleeps while the request runs to its end
+            if engine.step_stats().decode_tokens >= 29:
+                break
+            await asyncio.sleep(0.01)
+        rest = [d async for d in deltas]
+        assert len(rest) == 1 and rest[0].finish_reason == "length"  # 29 tokens waited as one piece
+        assert first.token_ids + rest[0].token_ids == hf_greedy(hf, PROMPT, 30)
