@@ -27,15 +27,22 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore, StepStats
 from asyncinfer.embedding import EmbeddingBatcher, EmbeddingPlan, EmbeddingStats
 from asyncinfer.engine_thread import (
-    AbortRequest, AddRequest, Command, EngineThread, LoopCallbacks, ResetPrefixCache, Stop, ThreadLink,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineThread,
+    LoopCallbacks,
+    ResetPrefixCache,
+    Stop,
+    ThreadLink,
 )
 from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
+from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
-from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
@@ -63,14 +70,8 @@ class AsyncEngine:
     loaded of each kind is the default.
     """
 
-    def __init__(
-        self,
-        *,
-        config: EngineConfig,
-        name: str = "default",
-        version: ModelVersion | None = None,
-        embedder: EmbeddingBatcher | None = None,
-    ) -> None:
+    def __init__(self, *, config: EngineConfig, name: str = "default", version: ModelVersion | None = None,
+                 embedder: EmbeddingBatcher | None = None) -> None:
         self.config = config
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
         self._models = ModelCatalog()
@@ -290,8 +291,8 @@ class AsyncEngine:
 
     async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
-        # No await separates this from _new_request, which bound the request to
-        # ``version`` and tokenized and validated it with it.
+        # No await separates this from RequestIntake.bind, which bound the request
+        # to ``version`` and tokenized and validated it with it.
         stream = self._streams.open(request.request_id, request.params.n, version.version_id, holder)
         self._post(AddRequest(version, request))
         done = 0
@@ -466,7 +467,7 @@ class AsyncEngine:
         await self._changes.remove(name, abort)
 
     # ------------------------------------------------------ the engine thread
-    def _post(self, command: Command) -> None:
+    def _post(self, command: Command) -> None:  # to the engine thread
         self._link.post(command)
     def _on_stopped(self) -> None:
         self._link.fail_waiters(EngineClosedError("the engine was closed"))

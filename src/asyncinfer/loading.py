@@ -37,7 +37,7 @@ from asyncinfer.embedding import (
 )
 from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
 from asyncinfer.holder import ModelVersion
-from asyncinfer.memory import MiB, MemoryPlan, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
+from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, load_model
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
