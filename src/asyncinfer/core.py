@@ -202,10 +202,7 @@ class EngineCore:
         self.stats.steps += 1
         self.stats.batch_sizes.append(len(batch))
         for request, n in batch:
-            # A decode extends generated text by one token; anything else (prompt
-            # chunks, recomputation after preemption) is prefill work.
-            is_decode = n == 1 and request.num_output_tokens > 0 and request.num_uncomputed_tokens == 1
-            if is_decode:
+            if request.is_decode:
                 self.stats.decode_tokens += n
             else:
                 self.stats.prefill_tokens += n
