@@ -20,6 +20,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import check_schedule
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers import SchedulerConfig, builtin_schedulers, create_scheduler
+from asyncinfer.step import apply_step
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -59,6 +60,7 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
     now = [0.0]
     sched.clock = lambda: now[0]
     arrivals = sorted((rng.randrange(60), i) for i in range(30))
+    added: list[Request] = []
     ended: dict[str, str] = {}
     counts = {"preempted": 0, "aborted": 0}
     step = 0
@@ -68,8 +70,8 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
             prompt = [1] * rng.randrange(1, 30)
             params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True)
             tenant = rng.choice("ab")
-            sched.add_request(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0],
-                                      priority=rng.randrange(4)))
+            added.append(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0], priority=rng.randrange(4)))
+            sched.add_request(added[-1])
         if sched.requests and rng.random() < 0.04:
             victim = rng.choice(sorted(sched.requests))
             assert sched.abort_request(victim).status is RequestStatus.FINISHED_ABORTED
@@ -82,20 +84,15 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
         plan = sched.schedule()
         check_schedule(sched, plan, f"{spec} seed {seed} step {step}")
         counts["preempted"] += len(plan.preempted)
-        finished = []
-        for rid, n in plan.num_scheduled_tokens.items():
-            request = sched.requests[rid]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
-                request.output_token_ids.append(5)
-                if request.num_output_tokens >= request.params.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    finished.append(request)
-                    ended[rid] = "length"
-        sched.finish_requests(finished)
+        for request in apply_step(sched, plan, 5).finished:
+            assert request.status is RequestStatus.FINISHED_LENGTH
+            assert request.num_output_tokens == request.params.max_tokens
+            ended[request.request_id] = "length"
         assert step < 20_000, "no end in sight"
     assert len(ended) == 30, "a request was lost"
     assert kv.num_free_blocks == num_blocks and not sched.requests
+    # Every preemption the plans listed is counted once by the cache and once on its request.
+    assert kv.num_preemptions == counts["preempted"] == sum(r.num_preemptions for r in added)
     return counts
 
 
