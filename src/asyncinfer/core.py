@@ -47,7 +47,11 @@ class _Group:
 
 @dataclass
 class StepStats:
-    """Counters of the core since start (plain numbers for metrics and tests)."""
+    """Counters of the core since start (plain numbers for metrics and tests).
+
+    ``preemptions`` is the block manager's count (:attr:`KVCacheManager.num_preemptions`,
+    the engine's one preemption counter), copied here after every ``schedule``.
+    """
 
     steps: int = 0
     prefill_tokens: int = 0
@@ -158,7 +162,7 @@ class EngineCore:
         copies = self.kv.commit_step()
         if copies:  # copy-on-write: shared blocks this step writes into
             self.runner.copy_blocks(copies)
-        self.stats.preemptions += len(plan.preempted)
+        self.stats.preemptions = self.kv.num_preemptions
         if plan.is_empty:
             return []
         batch = scheduled(self.scheduler, plan)

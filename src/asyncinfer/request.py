@@ -50,6 +50,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # This request's preemptions (Scheduler.preempt); the engine's total is KVCacheManager.num_preemptions.
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -132,8 +132,11 @@ async def run_engine(path: Path, spec: str) -> tuple[list[list[int]], int]:
             return await engine.generate(prompts[i], params, request_id=f"t{i % 2}/{i}", priority=(7 * i) % 4)
 
         outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    assert engine.kv_stats().used_blocks == 0
-    return [o.token_ids for o in outs], engine.core.stats.preemptions
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0
+    # One count of preemptions, read the same from the cache, the core and the requests.
+    assert stats.preemptions == engine.core.stats.preemptions == sum(o.metrics.num_preemptions for o in outs)
+    return [o.token_ids for o in outs], stats.preemptions
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +150,19 @@ def fifo_tokens(tiny_llama: Path) -> list[list[int]]:
 async def test_greedy_tokens_identical_to_fifo(spec: str, tiny_llama: Path, fifo_tokens) -> None:
     tokens, _ = await run_engine(tiny_llama, spec)
     assert tokens == fifo_tokens
+
+
+async def test_preemptions_are_counted_once_with_parallel_samples(tiny_llama: Path) -> None:
+    """n > 1: each sample is a request to the scheduler; the user's metrics add its samples' counts."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(6, 18))] for _ in range(6)]
+    engine = AsyncEngine.from_pretrained(tiny_llama, **ENGINE)
+    async with engine:
+        outs = await asyncio.gather(*(
+            engine.generate(p, SamplingParams(max_tokens=20, ignore_eos=True, n=1 + i % 3, seed=i))
+            for i, p in enumerate(prompts)))
+    preemptions = engine.kv_stats().preemptions
+    assert preemptions > 0
+    assert engine.core.stats.preemptions == preemptions
+    assert sum(o.metrics.num_preemptions for o in outs) == preemptions
+    assert [len(o.outputs) for o in outs] == [1, 2, 3, 1, 2, 3]

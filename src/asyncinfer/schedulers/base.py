@@ -176,7 +176,11 @@ class Scheduler(abc.ABC):
         return len(self.running)
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's blocks and put it at the head of the waiting queue."""
+        """Free a running request's blocks and put it at the head of the waiting queue.
+
+        Counted twice, once per level: on the request (``num_preemptions``) and in
+        ``kv.preempt`` (the engine's total, ``KVCacheManager.num_preemptions``).
+        """
         self.running.remove(request)
         self.kv.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED
