@@ -121,4 +121,4 @@ async def test_priority_passes_through_generate_and_stream(tiny_llama: Path) -> 
         outs = await asyncio.gather(*urgent)
     assert rest[-1].finish_reason == "length" and 1 + sum(len(d.token_ids) for d in rest) == 100
     assert all(o.metrics.finish_time < low_done for o in outs)
-    assert engine.core.stats.preemptions >= 1 and all(o.metrics.num_preemptions == 0 for o in outs)
+    assert engine.step_stats().preemptions >= 1 and all(o.metrics.num_preemptions == 0 for o in outs)

@@ -135,7 +135,7 @@ async def run_engine(path: Path, spec: str) -> tuple[list[list[int]], int]:
     stats = engine.kv_stats()
     assert stats.used_blocks == 0
     # One count of preemptions, read the same from the cache, the core and the requests.
-    assert stats.preemptions == engine.core.stats.preemptions == sum(o.metrics.num_preemptions for o in outs)
+    assert stats.preemptions == engine.step_stats().preemptions == sum(o.metrics.num_preemptions for o in outs)
     return [o.token_ids for o in outs], stats.preemptions
 
 
@@ -163,6 +163,6 @@ async def test_preemptions_are_counted_once_with_parallel_samples(tiny_llama: Pa
             for i, p in enumerate(prompts)))
     preemptions = engine.kv_stats().preemptions
     assert preemptions > 0
-    assert engine.core.stats.preemptions == preemptions
+    assert engine.step_stats().preemptions == preemptions
     assert sum(o.metrics.num_preemptions for o in outs) == preemptions
     assert [len(o.outputs) for o in outs] == [1, 2, 3, 1, 2, 3]
