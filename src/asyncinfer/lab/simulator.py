@@ -147,7 +147,7 @@ def simulate(
             raise InvalidParameterError("trace", t.id, f"prompts shorter than max_model_len={config.max_model_len}")
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching)
     sched = create_scheduler(scheduler, config, kv, options)
-    sim = _Replay(sched, config, cost_model, check)
+    sim = _Replay(sched, cost_model, check)
     sched.clock = lambda: sim.now  # type: ignore[method-assign]
     pending = sorted(trace, key=lambda t: t.arrival)
     records = {t.id: RequestRecord(t.id, t.arrival, t.prompt_len, t.output_len, t.priority) for t in pending}
@@ -186,9 +186,8 @@ def _make_request(t: TraceRequest, index: int) -> Request:
 class _Replay:
     """The simulated core: one ``step`` = schedule, check, advance the clock, apply."""
 
-    def __init__(self, sched: Scheduler, config: SchedulerConfig, cost: StepCostModel, check: bool) -> None:
+    def __init__(self, sched: Scheduler, cost: StepCostModel, check: bool) -> None:
         self.sched = sched
-        self.config = config
         self.cost = cost
         self.check = check
         self.now = 0.0
