@@ -4,6 +4,11 @@ No asyncio here. The core owns the scheduler (and through it the block
 manager), the model runner and the sampler. ``AsyncEngine`` drives it from a
 dedicated thread so that model work never runs on the application's event loop.
 
+The update is :func:`asyncinfer.step.apply_step`, the one the policy lab and
+the scheduler tests call too; the core gives it the sampler's tokens and its
+stop checks (stop strings, stop token ids, EOS, ``min_tokens``), and turns
+what it did into :class:`CoreOutput`s.
+
 Parallel samples (``SamplingParams.n > 1``): the request added is sample 0. In
 the step where it computes its prompt and samples its first token, the core
 forks samples ``1 .. n-1`` from it: each gets a block table sharing sample 0's
@@ -27,6 +32,7 @@ from asyncinfer.request import Request, RequestStatus
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
+from asyncinfer.step import StepResult, apply_step, scheduled
 
 
 @dataclass
@@ -41,7 +47,11 @@ class _Group:
 
 @dataclass
 class StepStats:
-    """Counters of the core since start (plain numbers for metrics and tests)."""
+    """Counters of the core since start (plain numbers for metrics and tests).
+
+    ``preemptions`` is the block manager's count (:attr:`KVCacheManager.num_preemptions`,
+    the engine's one preemption counter), copied here after every ``schedule``.
+    """
 
     steps: int = 0
     prefill_tokens: int = 0
@@ -149,26 +159,19 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One engine iteration: schedule, run the model, sample, update the requests."""
         plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
         copies = self.kv.commit_step()
         if copies:  # copy-on-write: shared blocks this step writes into
             self.runner.copy_blocks(copies)
+        self.stats.preemptions = self.kv.num_preemptions
         if plan.is_empty:
             return []
-        requests = self.scheduler.requests
-        batch = [(requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
-        inputs = self.runner.prepare(batch, {rid: self.kv.block_table(rid) for rid in plan.num_scheduled_tokens})
+        batch = scheduled(self.scheduler, plan)
+        inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         logits = self.runner.execute(inputs)
-        self._count(batch)
-        for request, n in batch:
-            request.num_computed_tokens += n
-        if not inputs.sampled:
-            return []
-        to_sample, rows = self._fork_samples(inputs.sampled)
-        if len(to_sample) > len(inputs.sampled):
-            logits = logits[rows]  # forked samples draw from their parent's row
-        sampled = self.sampler(logits, [r.sampling_state for r in to_sample])
-        return self._update(to_sample, sampled.token_ids, sampled.logprobs)
+        tokens = _StepTokens(self, inputs.sampled, logits)
+        result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
+        self._count(result)
+        return self._outputs(result, tokens)
 
     def _fork_samples(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
         """Add samples ``1 .. n-1`` of every ``n > 1`` request that just computed its prompt."""
@@ -198,32 +201,21 @@ class EngineCore:
                 rows.append(row)
         return requests, rows
 
-    def _count(self, batch: list[tuple[Request, int]]) -> None:
+    def _count(self, result: StepResult) -> None:
         self.stats.steps += 1
-        self.stats.batch_sizes.append(len(batch))
-        for request, n in batch:
-            # A decode extends generated text by one token; anything else (prompt
-            # chunks, recomputation after preemption) is prefill work.
-            is_decode = n == 1 and request.num_output_tokens > 0 and request.num_uncomputed_tokens == 1
-            if is_decode:
-                self.stats.decode_tokens += n
-            else:
-                self.stats.prefill_tokens += n
+        self.stats.batch_sizes.append(result.num_scheduled)
+        self.stats.decode_tokens += result.decode_tokens
+        self.stats.prefill_tokens += result.prefill_tokens
 
-    def _update(
-        self, requests: list[Request], token_ids: list[int], logprobs: list[TokenLogprobs | None]
-    ) -> list[CoreOutput]:
+    def _outputs(self, result: StepResult, tokens: _StepTokens) -> list[CoreOutput]:
         now = time.time()
         outputs: list[CoreOutput] = []
-        finished: list[Request] = []
-        for request, token_id, lp in zip(requests, token_ids, logprobs):
-            outputs.append(self._append_token(request, token_id, lp, now))
+        for request, token_id in result.sampled:
+            outputs.append(self._output(request, token_id, tokens, now))
             if request.status.finished:
-                finished.append(request)
                 self._group_member_done(request)
             elif request.request_id not in self.scheduler.requests:
                 self.scheduler.add_request(request)  # a sample forked this step
-        self.scheduler.finish_requests(finished)
         return outputs
 
     def _group_member_done(self, request: Request) -> None:
@@ -235,18 +227,15 @@ class EngineCore:
         if len(group.finished) == group.n:
             del self._groups[request.group_id]
 
-    def _append_token(self, request: Request, token_id: int, lp: TokenLogprobs | None, now: float) -> CoreOutput:
-        request.output_token_ids.append(token_id)
+    @staticmethod
+    def _output(request: Request, token_id: int, tokens: _StepTokens, now: float) -> CoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
-        text, stop_hit = ("", False)
-        if request.detokenizer is not None:
-            text, stop_hit = request.detokenizer.add(token_id)
-        self._check_stop(request, token_id, stop_hit)
+        lp = tokens.logprobs[request]
         out = CoreOutput(
             request_id=request.group_id,
             token_ids=[token_id],
-            text=text,
+            text=tokens.texts[request],
             logprobs=None if lp is None else [Logprob(lp.token_id, lp.logprob, list(lp.top))],
             first_token_time=request.first_token_time,
             num_preemptions=request.num_preemptions,
@@ -262,21 +251,50 @@ class EngineCore:
         return out
 
     def _check_stop(self, request: Request, token_id: int, stop_hit: bool) -> None:
+        """Finish ``request`` if ``token_id`` (just appended) stops it: a stop string (``stop_hit``),
+        a stop token id or EOS, once it has ``min_tokens``. Length is :func:`apply_step`'s rule."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if stop_hit:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = request.detokenizer.stop_reason if request.detokenizer else None
-                return
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return
+        if stop_hit:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = request.detokenizer.stop_reason if request.detokenizer else None
+        elif params.stop_token_ids and token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+
+
+@dataclass
+class _StepTokens:
+    """One step's token source for :func:`apply_step`: the sampler (with ``n > 1`` forks) and the stop checks.
+
+    Keeps what the outputs need besides each token: its logprobs and its new text.
+    """
+
+    core: EngineCore
+    rows: list[Request]  # the requests whose logits the runner returned, in row order
+    logits: Any  # [len(rows), vocab] float32
+    logprobs: dict[Request, TokenLogprobs | None] = field(default_factory=dict)
+    texts: dict[Request, str] = field(default_factory=dict)
+
+    def sample(self, caught_up: list[Request]) -> list[tuple[Request, int]]:
+        # The runner returned a row for exactly the requests that catch up (decodes first).
+        assert len(caught_up) == len(self.rows)
+        requests, rows = self.core._fork_samples(self.rows)
+        # Forked samples draw from their parent's row.
+        logits = self.logits if len(requests) == len(self.rows) else self.logits[rows]
+        drawn = self.core.sampler(logits, [r.sampling_state for r in requests])
+        self.logprobs = dict(zip(requests, drawn.logprobs))
+        return list(zip(requests, drawn.token_ids))
+
+    def check_stop(self, request: Request, token_id: int) -> None:
+        text, stop_hit = ("", False)
+        if request.detokenizer is not None:
+            text, stop_hit = request.detokenizer.add(token_id)
+        self.texts[request] = text
+        self.core._check_stop(request, token_id, stop_hit)
 
 
 def default_eos_ids(config_eos: Sequence[int], tokenizer: Any) -> tuple[int, ...]:

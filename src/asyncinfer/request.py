@@ -1,8 +1,9 @@
 """The engine-side request: plain data shared by the core and the schedulers.
 
 One counter rules prefill, chunked prefill and decode alike: ``num_computed_tokens``
-catches up with ``num_tokens`` (prompt + generated). A request is "prefilling"
-while the gap is more than one token; there is no separate phase state.
+catches up with ``num_tokens`` (prompt + generated); there is no separate phase
+state. Whether a request's next computation is a decode is :attr:`Request.is_decode`,
+the one definition that the core's counters, the lab and the schedulers share.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # This request's preemptions (Scheduler.preempt); the engine's total is KVCacheManager.num_preemptions.
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -81,6 +83,24 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the next computation is a decode: the one uncomputed token is the last one sampled.
+
+        True when it has generated a token and only its last token is left to
+        compute, so one step computes that token and samples the next. Anything
+        else is prefill work: a prompt or a chunk of one (a one-token chunk
+        too, and the last prompt token left after a prefix-cache hit), and the
+        recomputation after a preemption until only the last token is left.
+        Ask it before the step is applied: schedulers ask it of running
+        requests, counters of scheduled ones (a decode is scheduled for its one
+        token, since ``num_new_tokens <= num_uncomputed_tokens``).
+
+        The batch layout is another question: the runner puts every one-token
+        query first for the batched decode attention, one-token prompt chunks included.
+        """
+        return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
 
     @property
     def finish_reason(self) -> str | None:

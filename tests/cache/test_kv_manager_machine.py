@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from asyncinfer.cache import NO_HIT, KVCacheManager, blocks_for
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.step import advance
 
 BS = 4
 NUM_BLOCKS = 16
@@ -74,7 +75,7 @@ class ManagerMachine(RuleBasedStateMachine):
             table = self.kv.block_table(request.request_id)
             for p in range(request.num_computed_tokens, request.num_computed_tokens + n):
                 self.phys[table[p // BS]][p % BS] = self._identity(request, p)
-            request.num_computed_tokens += n
+        advance(scheduled)
 
     def _admit(self, request: Request, fraction: float) -> int:
         """Prefix lookup + allocation as a scheduler admits a waiting request; 0 if it does not fit."""

@@ -7,6 +7,7 @@ import pytest
 from asyncinfer.cache import NO_HIT, KVCacheManager
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.step import advance
 
 
 def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -23,7 +24,7 @@ def run(kv: KVCacheManager, request: Request, n: int, prefix=None) -> None:
     if prefix:
         request.num_computed_tokens = prefix.num_tokens
     kv.commit_step()
-    request.num_computed_tokens += n
+    advance([(request, n)])
 
 
 def test_second_request_reuses_the_full_blocks_of_the_first() -> None:

@@ -13,6 +13,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import StepCostModel, TraceRequest, simulate
 from asyncinfer.request import Request
 from asyncinfer.schedulers import AgingPriorityScheduler, SchedulerConfig
+from asyncinfer.step import apply_step
 
 # Every step costs 0.1 s; with one request at a time, a 4-token prompt and 5 output
 # tokens take 5 steps (the prefill yields the first token): 0.5 s of service each.
@@ -61,11 +62,7 @@ def make(rid: str, priority: int, t: float, n_prompt: int = 4) -> Request:
 
 def step(sched: AgingPriorityScheduler) -> dict[str, int]:
     out = sched.schedule()
-    for rid, n in out.num_scheduled_tokens.items():
-        request = sched.requests[rid]
-        request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(3)
+    apply_step(sched, out, 3)
     return out.num_scheduled_tokens
 
 
@@ -124,4 +121,4 @@ async def test_priority_passes_through_generate_and_stream(tiny_llama: Path) -> 
         outs = await asyncio.gather(*urgent)
     assert rest[-1].finish_reason == "length" and 1 + sum(len(d.token_ids) for d in rest) == 100
     assert all(o.metrics.finish_time < low_done for o in outs)
-    assert engine.core.stats.preemptions >= 1 and all(o.metrics.num_preemptions == 0 for o in outs)
+    assert engine.step_stats().preemptions >= 1 and all(o.metrics.num_preemptions == 0 for o in outs)

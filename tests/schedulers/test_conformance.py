@@ -20,6 +20,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import check_schedule
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers import SchedulerConfig, builtin_schedulers, create_scheduler
+from asyncinfer.step import apply_step
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -59,6 +60,7 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
     now = [0.0]
     sched.clock = lambda: now[0]
     arrivals = sorted((rng.randrange(60), i) for i in range(30))
+    added: list[Request] = []
     ended: dict[str, str] = {}
     counts = {"preempted": 0, "aborted": 0}
     step = 0
@@ -68,8 +70,8 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
             prompt = [1] * rng.randrange(1, 30)
             params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True)
             tenant = rng.choice("ab")
-            sched.add_request(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0],
-                                      priority=rng.randrange(4)))
+            added.append(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0], priority=rng.randrange(4)))
+            sched.add_request(added[-1])
         if sched.requests and rng.random() < 0.04:
             victim = rng.choice(sorted(sched.requests))
             assert sched.abort_request(victim).status is RequestStatus.FINISHED_ABORTED
@@ -82,20 +84,15 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
         plan = sched.schedule()
         check_schedule(sched, plan, f"{spec} seed {seed} step {step}")
         counts["preempted"] += len(plan.preempted)
-        finished = []
-        for rid, n in plan.num_scheduled_tokens.items():
-            request = sched.requests[rid]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
-                request.output_token_ids.append(5)
-                if request.num_output_tokens >= request.params.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    finished.append(request)
-                    ended[rid] = "length"
-        sched.finish_requests(finished)
+        for request in apply_step(sched, plan, 5).finished:
+            assert request.status is RequestStatus.FINISHED_LENGTH
+            assert request.num_output_tokens == request.params.max_tokens
+            ended[request.request_id] = "length"
         assert step < 20_000, "no end in sight"
     assert len(ended) == 30, "a request was lost"
     assert kv.num_free_blocks == num_blocks and not sched.requests
+    # Every preemption the plans listed is counted once by the cache and once on its request.
+    assert kv.num_preemptions == counts["preempted"] == sum(r.num_preemptions for r in added)
     return counts
 
 
@@ -135,8 +132,11 @@ async def run_engine(path: Path, spec: str) -> tuple[list[list[int]], int]:
             return await engine.generate(prompts[i], params, request_id=f"t{i % 2}/{i}", priority=(7 * i) % 4)
 
         outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    assert engine.kv_stats().used_blocks == 0
-    return [o.token_ids for o in outs], engine.core.stats.preemptions
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0
+    # One count of preemptions, read the same from the cache, the core and the requests.
+    assert stats.preemptions == engine.step_stats().preemptions == sum(o.metrics.num_preemptions for o in outs)
+    return [o.token_ids for o in outs], stats.preemptions
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,19 @@ def fifo_tokens(tiny_llama: Path) -> list[list[int]]:
 async def test_greedy_tokens_identical_to_fifo(spec: str, tiny_llama: Path, fifo_tokens) -> None:
     tokens, _ = await run_engine(tiny_llama, spec)
     assert tokens == fifo_tokens
+
+
+async def test_preemptions_are_counted_once_with_parallel_samples(tiny_llama: Path) -> None:
+    """n > 1: each sample is a request to the scheduler; the user's metrics add its samples' counts."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(6, 18))] for _ in range(6)]
+    engine = AsyncEngine.from_pretrained(tiny_llama, **ENGINE)
+    async with engine:
+        outs = await asyncio.gather(*(
+            engine.generate(p, SamplingParams(max_tokens=20, ignore_eos=True, n=1 + i % 3, seed=i))
+            for i, p in enumerate(prompts)))
+    preemptions = engine.kv_stats().preemptions
+    assert preemptions > 0
+    assert engine.step_stats().preemptions == preemptions
+    assert sum(o.metrics.num_preemptions for o in outs) == preemptions
+    assert [len(o.outputs) for o in outs] == [1, 2, 3, 1, 2, 3]

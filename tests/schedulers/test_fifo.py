@@ -6,6 +6,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, SchedulerConfig
+from asyncinfer.step import apply_step
 
 
 def make(rid: str, n_prompt: int, t: float = 0.0) -> Request:
@@ -13,13 +14,9 @@ def make(rid: str, n_prompt: int, t: float = 0.0) -> Request:
 
 
 def run_step(sched: FIFOScheduler) -> dict[str, int]:
-    """Apply a schedule as the core would: compute the tokens, and sample one when caught up."""
+    """Schedule, and apply the step as the core does (every sampled token is 7)."""
     out = sched.schedule()
-    for rid, n in out.num_scheduled_tokens.items():
-        req = sched.requests[rid]
-        req.num_computed_tokens += n
-        if req.num_computed_tokens == req.num_tokens:
-            req.output_token_ids.append(7)
+    apply_step(sched, out, 7)
     return out.num_scheduled_tokens
 
 

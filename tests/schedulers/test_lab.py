@@ -97,6 +97,7 @@ def test_simulation_is_deterministic_and_complete() -> None:
     assert [r.token_times for r in a.records] == [r.token_times for r in b.records]
     assert all(len(r.token_times) == r.output_len and r.finish == r.token_times[-1] for r in a.records)
     assert sum(s.preempted for s in a.steps) > 0  # 600 blocks: memory pressure happened
+    assert sum(r.preemptions for r in a.records) == sum(s.preempted for s in a.steps)  # the requests' own counts
     s = summarize("aging-priority", a.records)
     assert s.requests == 60 and s.output_tokens == sum(t.output_len for t in trace)
     assert s.ttft_p50 <= s.ttft_p99 and s.e2e_p50 <= s.e2e_p99 and s.wait_max <= max(r.ttft for r in a.records)

@@ -12,6 +12,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import StepCostModel, TraceRequest, simulate, summarize
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers import LengthBucketScheduler, SchedulerConfig
+from asyncinfer.step import apply_step
 
 
 def mixed_burst() -> list[TraceRequest]:
@@ -67,6 +68,10 @@ def test_a_long_request_waits_at_most_max_wait_under_a_stream_of_short_ones(max_
     assert long_wait(max_wait=1e6) > 60.0
 
 
+def stop_at_once(request: Request, token_id: int) -> None:
+    request.status = RequestStatus.FINISHED_STOPPED
+
+
 def test_admission_order_buckets_then_arrival() -> None:
     sched = LengthBucketScheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512), KVCacheManager(256, 4),
                                   bucket_edges=[16, 64, 256], max_wait=10.0)
@@ -79,13 +84,11 @@ def test_admission_order_buckets_then_arrival() -> None:
     order = []
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        (rid, n), = out.num_scheduled_tokens.items()
-        request = sched.requests[rid]
-        request.num_computed_tokens += n
-        if rid not in order:
-            order.append(rid)
-        request.status = RequestStatus.FINISHED_LENGTH
-        sched.finish_requests([request])
+        (rid,) = out.num_scheduled_tokens
+        order.append(rid)
+        # Each prompt fits in one step; its first token stops it.
+        finished = apply_step(sched, out, 0, check_stop=stop_at_once).finished
+        assert [r.request_id for r in finished] == [rid]
         now[0] += 5.0  # by the third pick, "long" (arrived at 0) has waited 10 s
     assert order == ["short", "short2", "long", "mid"]
 

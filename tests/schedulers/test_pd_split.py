@@ -70,7 +70,8 @@ def test_real_engine_caps_prompt_work_beside_decodes(tiny_llama: Path, name: str
 
     def recording():
         plan = schedule()
-        plans.append(dict(plan.num_scheduled_tokens))
+        requests = core.scheduler.requests
+        plans.append({rid: (n, requests[rid].is_decode) for rid, n in plan.num_scheduled_tokens.items()})
         return plan
 
     core.scheduler.schedule = recording
@@ -82,8 +83,8 @@ def test_real_engine_caps_prompt_work_beside_decodes(tiny_llama: Path, name: str
     core.add_request(Request("long", [(11 * j) % 300 + 3 for j in range(150)], greedy, arrival_time=0.0))
     while core.has_unfinished_requests():
         core.step()
-    mixed = [p for p in plans[3:] if any(n == 1 for n in p.values())]
-    prompt_work = [sum(n for n in p.values() if n > 1) for p in mixed]
+    mixed = [p for p in plans[3:] if any(decode for _, decode in p.values())]
+    prompt_work = [sum(n for n, decode in p.values() if not decode) for p in mixed]
     assert max(prompt_work) <= 8 if capped else max(prompt_work) > 8
     assert all(all(f"d{i}" in p for i in range(4)) for p in mixed[:5])  # every decoder ran every step
     assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -133,6 +133,8 @@ class KVCacheManager:
         self._epoch = 0  # bumped by reset_prefix_cache: older tables stop registering
         self._pending: dict[int, str] = {}  # registered this step, not computed yet -> owner
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for commit_step
+        # The engine's one preemption counter: grows in preempt() only. KVCacheStats.preemptions
+        # and the core's StepStats.preemptions are read from it; each Request counts its own.
         self.num_preemptions = 0
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -334,7 +336,7 @@ class KVCacheManager:
         self.pool.free(reversed(table.blocks))
 
     def preempt(self, request_id: str) -> None:
-        """Free a running request's blocks so it can be recomputed later."""
+        """Free a running request's blocks so it can be recomputed later; counts one preemption."""
         self.free(request_id)
         self.num_preemptions += 1
 

@@ -1,8 +1,9 @@
 """Replay a trace through a real scheduler and a real KV cache manager, with modelled step times.
 
 No model runs. Each step is what the engine core does — ``schedule``, then
-apply the plan: ``num_computed_tokens`` grows, a request that caught up gets a
-token, finished requests go back through ``finish_requests`` — except that the
+apply the plan with the core's own :func:`asyncinfer.step.apply_step`:
+``num_computed_tokens`` grows, a request that caught up gets a token (always 0
+here), finished requests go back through ``finish_requests`` — except that the
 step's duration comes from a :class:`StepCostModel` and the clock is simulated.
 The scheduler reads that clock (:attr:`Scheduler.clock`), so aging and waiting
 times are simulated too. Same trace, same policy, same numbers: it is deterministic.
@@ -22,10 +23,11 @@ from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
 from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
-from asyncinfer.request import Request, RequestStatus
+from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.step import apply_step, scheduled
 
 
 class ContractViolation(AssertionError):
@@ -44,7 +46,7 @@ class RequestRecord:
     first_scheduled: float | None = None
     finish: float | None = None
     token_times: list[float] = field(default_factory=list)
-    preemptions: int = 0
+    preemptions: int = 0  # the request's own count (Request.num_preemptions), set when it finishes
 
     @property
     def first_token(self) -> float | None:
@@ -82,8 +84,11 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One simulated step. ``decode_keys`` is the padded decode attention work, ``decode_context``
-    the part of it that is real context (the rest is padding to the longest decode)."""
+    """One simulated step. ``decodes`` counts the scheduled requests that decode
+    (:attr:`Request.is_decode`), ``prefill_tokens`` every other scheduled token.
+    ``decode_keys`` is the padded work of the batched decode attention (every
+    one-token query, see :class:`StepShape`), ``decode_context`` the part of it that
+    is real context (the rest is padding to the longest one)."""
 
     start: float
     duration: float
@@ -142,7 +147,7 @@ def simulate(
             raise InvalidParameterError("trace", t.id, f"prompts shorter than max_model_len={config.max_model_len}")
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching)
     sched = create_scheduler(scheduler, config, kv, options)
-    sim = _Replay(sched, config, cost_model, check)
+    sim = _Replay(sched, cost_model, check)
     sched.clock = lambda: sim.now  # type: ignore[method-assign]
     pending = sorted(trace, key=lambda t: t.arrival)
     records = {t.id: RequestRecord(t.id, t.arrival, t.prompt_len, t.output_len, t.priority) for t in pending}
@@ -181,9 +186,8 @@ def _make_request(t: TraceRequest, index: int) -> Request:
 class _Replay:
     """The simulated core: one ``step`` = schedule, check, advance the clock, apply."""
 
-    def __init__(self, sched: Scheduler, config: SchedulerConfig, cost: StepCostModel, check: bool) -> None:
+    def __init__(self, sched: Scheduler, cost: StepCostModel, check: bool) -> None:
         self.sched = sched
-        self.config = config
         self.cost = cost
         self.check = check
         self.now = 0.0
@@ -196,29 +200,25 @@ class _Replay:
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
         if self.check or plan.is_empty:
             check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")
-        batch = [(sched.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        batch = scheduled(sched, plan)
         shape = StepShape.from_batch(((r.num_computed_tokens, n, r.num_tokens) for r, n in batch), sched.kv.block_size)
+        # The real context of the batched decode attention (one-token queries), beside shape.decode_keys.
+        decode_context = sum(r.num_computed_tokens + 1 for r, n in batch if n == 1)
         start = self.now
         self.now += self.cost.cost(shape)
-        for rid in plan.preempted:
-            self.records[rid].preemptions += 1
-        finished = []
-        for request, n in batch:
+        for request, _ in batch:
             record = self.records[request.request_id]
             if record.first_scheduled is None:
                 record.first_scheduled = start
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
-                request.output_token_ids.append(0)
-                record.token_times.append(self.now)
-                if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.config.max_model_len:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    record.finish = self.now
-                    finished.append(request)
-        sched.finish_requests(finished)
-        decodes = [r.num_computed_tokens for r, n in batch if n == 1]
-        self.steps.append(StepRecord(start, self.now - start, len(batch), len(decodes), shape.tokens - len(decodes),
-                                     len(plan.preempted), shape.decode_keys, sum(decodes)))
+        result = apply_step(sched, plan, 0)
+        for request, _ in result.sampled:
+            self.records[request.request_id].token_times.append(self.now)
+        for request in result.finished:
+            record = self.records[request.request_id]
+            record.finish = self.now
+            record.preemptions = request.num_preemptions
+        self.steps.append(StepRecord(start, self.now - start, len(batch), result.decode_tokens, result.prefill_tokens,
+                                     len(plan.preempted), shape.decode_keys, decode_context))
 
 
 def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> None:

@@ -81,7 +81,7 @@ class AgingPriorityScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         # One token per running decode is kept back from prompt work, however urgent:
         # a decode is cheap, and skipping it stalls a stream for a whole step.
-        decodes = {r.request_id for r in self.running if r.num_uncomputed_tokens == 1}
+        decodes = {r.request_id for r in self.running if r.is_decode}
         admitting = True
         for request in sorted([*self.running, *self.waiting], key=lambda r: self.rank(r, now)):
             if budget <= 0:

@@ -17,7 +17,8 @@ What it receives:
   ``uses_priority = False``) and ``arrival_time`` on the :attr:`Scheduler.clock`;
 - each step's outputs, applied by the core to the :class:`Request` objects it
   scheduled before the next ``schedule`` call: ``num_computed_tokens`` grows by
-  the scheduled count, and a request that caught up gets one sampled token;
+  the scheduled count, and a request that caught up gets one sampled token
+  (:func:`asyncinfer.step.apply_step` does it; a test drives a scheduler with it too);
 - :meth:`Scheduler.finish_requests` — requests the core finished after a step
   (stop, length or abort); the scheduler drops them and frees their blocks;
 - :meth:`Scheduler.abort_request` — a request cancelled by the user, at a step boundary.
@@ -175,7 +176,11 @@ class Scheduler(abc.ABC):
         return len(self.running)
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's blocks and put it at the head of the waiting queue."""
+        """Free a running request's blocks and put it at the head of the waiting queue.
+
+        Counted twice, once per level: on the request (``num_preemptions``) and in
+        ``kv.preempt`` (the engine's total, ``KVCacheManager.num_preemptions``).
+        """
         self.running.remove(request)
         self.kv.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED

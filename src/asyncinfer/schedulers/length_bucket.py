@@ -103,7 +103,7 @@ class LengthBucketScheduler(Scheduler):
         """
         if self.split_padding is None:
             return set()
-        decodes = sorted((r for r in self.running if r.num_uncomputed_tokens == 1), key=lambda r: r.num_tokens)
+        decodes = sorted((r for r in self.running if r.is_decode), key=lambda r: r.num_tokens)
         bs = self.kv.block_size
         padded = [-(-r.num_tokens // bs) * bs for r in decodes]
         saved, k = max(((i * (padded[-1] - padded[i - 1]), i) for i in range(1, len(decodes))), default=(0, 0))

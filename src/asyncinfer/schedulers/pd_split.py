@@ -42,9 +42,9 @@ class PDSplitScheduler(Scheduler):
         self.prefill_budget = prefill_budget
 
     def schedule(self) -> SchedulerOutput:
-        # Stable sort: decodes (one token left to compute) first, each group in admission order.
-        self.running.sort(key=lambda r: r.num_uncomputed_tokens > 1)
-        decodes = sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
+        # Stable sort: decodes first, each group in admission order.
+        self.running.sort(key=lambda r: not r.is_decode)
+        decodes = sum(1 for r in self.running if r.is_decode)
         budget = self.config.max_num_batched_tokens
         if decodes:
             budget = min(budget, decodes + self.prefill_budget)

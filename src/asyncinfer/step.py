@@ -1,0 +1,115 @@
+"""Applying one step's results: the part that the engine core, the policy lab and the tests share.
+
+After ``schedule()``, ``kv.commit_step()`` and the forward pass, every driver
+of a scheduler does the same: advance each scheduled request's
+``num_computed_tokens`` by its count, give the requests that caught up with all
+their known tokens a token, finish those that reached their length, and hand
+the finished ones to ``scheduler.finish_requests``. :func:`apply_step` is that,
+once. What differs is where the tokens come from (the sampler in the core, a
+constant in the lab and the tests) and which stops there are besides length
+(the core's stop strings, stop token ids, EOS and ``min_tokens``): the caller
+passes those in.
+
+Why a module of its own, at the top of the package: the core imports the runner
+(torch), so the lab cannot import the core; ``schedulers/`` holds policies, and
+applying a step is what the caller of a policy does, not the policy. This
+module imports only :mod:`asyncinfer.request` (and the scheduler types for
+annotations), so the core, the lab and the tests import it without cycles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from asyncinfer.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
+
+#: ``sample(caught_up) -> [(request, token_id), ...]``: see :func:`apply_step`.
+TokenSource = Callable[[list[Request]], Iterable[tuple[Request, int]]]
+#: ``check_stop(request, token_id)``: may finish the request that just got ``token_id``.
+StopCheck = Callable[[Request, int], object]
+
+
+@dataclass
+class StepResult:
+    """What :func:`apply_step` did, for counters and records."""
+
+    num_scheduled: int = 0
+    decode_tokens: int = 0  # tokens of scheduled requests that were decodes (Request.is_decode)
+    prefill_tokens: int = 0  # every other scheduled token: prompts, chunks, recomputation
+    sampled: list[tuple[Request, int]] = field(default_factory=list)  # each request that got a token, with it
+    finished: list[Request] = field(default_factory=list)  # handed to scheduler.finish_requests
+
+
+def scheduled(scheduler: Scheduler, plan: SchedulerOutput) -> list[tuple[Request, int]]:
+    """``plan`` as ``[(request, num_new_tokens)]``, in execution order."""
+    return [(scheduler.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+
+
+def advance(batch: Iterable[tuple[Request, int]]) -> list[Request]:
+    """Count each request's scheduled tokens as computed; returns those that caught up with all their tokens."""
+    caught_up = []
+    for request, n in batch:
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens:
+            caught_up.append(request)
+    return caught_up
+
+
+def apply_step(
+    scheduler: Scheduler,
+    plan: SchedulerOutput,
+    sample: TokenSource | int,
+    check_stop: StopCheck | None = None,
+) -> StepResult:
+    """Apply the executed step ``plan`` to its requests and to ``scheduler``.
+
+    Call it after ``scheduler.schedule()`` returned ``plan``, after
+    ``kv.commit_step()`` and after the forward pass. In order:
+
+    1. count the step's decode and prefill tokens (:attr:`Request.is_decode`, asked before 2);
+    2. advance every scheduled request's ``num_computed_tokens`` by its count;
+    3. give a token to each request that caught up with all its known tokens:
+       ``sample(caught_up)`` returns ``(request, token_id)`` pairs, one for
+       each of them in any order, plus any request the caller adds (the core's
+       forked ``n > 1`` samples); an int gives every caught-up request that
+       token. ``sample`` is not called when none caught up;
+    4. append each token to its request; then ``check_stop(request, token_id)``,
+       if given, may finish the request (set a finished status); if it did
+       not, the request finishes with ``FINISHED_LENGTH`` once it has
+       ``params.max_tokens`` output tokens or ``scheduler.config.max_model_len`` tokens;
+    5. hand the finished requests to ``scheduler.finish_requests`` (also when none finished).
+    """
+    batch = scheduled(scheduler, plan)
+    result = StepResult(num_scheduled=len(batch))
+    for request, n in batch:
+        if request.is_decode:
+            result.decode_tokens += n
+        else:
+            result.prefill_tokens += n
+    caught_up = advance(batch)
+    if caught_up:
+        result.sampled = list(_tokens(sample, caught_up))
+    max_model_len = scheduler.config.max_model_len
+    for request, token_id in result.sampled:
+        request.output_token_ids.append(token_id)
+        if check_stop is not None:
+            check_stop(request, token_id)
+        if not request.status.finished and (
+            request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+        if request.status.finished:
+            result.finished.append(request)
+    scheduler.finish_requests(result.finished)
+    return result
+
+
+def _tokens(sample: TokenSource | int, caught_up: list[Request]) -> Iterable[tuple[Request, int]]:
+    if isinstance(sample, int):
+        return [(request, sample) for request in caught_up]
+    return sample(caught_up)
