@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore, StepStats, default_eos_ids
 from asyncinfer.embedding import (
@@ -166,14 +167,12 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     if config.quantization == "int8":
         weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
-    plan = plan_for_engine(config, mc, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
+    spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
+    plan = plan_for_engine(config, mc, spec, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
-    runner = ModelRunner(
-        loaded.model, mc, num_blocks=plan.num_blocks, block_size=config.block_size, device=config.device,
-        dtype=config.dtype,
-    )
+    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks)
     kv = KVCacheManager(
-        plan.num_blocks, config.block_size, watermark=config.kv_watermark,
+        plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
         enable_prefix_caching=config.enable_prefix_caching,
     )
     scheduler_config = SchedulerConfig(

@@ -1,13 +1,18 @@
 """Memory planning: how many KV blocks fit, computed rather than guessed.
 
-Per block: ``2 x layers x kv_heads x head_dim x block_size x dtype_bytes`` (K and V).
-The budget is an explicit byte count, or a fraction of the memory that is free
+The bytes of one block come from the model version's :class:`KVCacheSpec`
+(``spec.block_bytes``; the layout is defined there and nowhere else). The
+budget is an explicit byte count, or a fraction of the memory that is free
 after the weights (available RAM on CPU, free device memory on CUDA) minus an
 activation reserve.
 
-:func:`plan_kv_cache` is the arithmetic; :func:`plan_memory` runs it *before*
-anything is loaded, from the model's config alone (weights estimated from the
-shapes), which is what ``AsyncEngine.plan_memory`` exposes.
+:func:`plan_kv_cache` is the arithmetic over a spec; :func:`plan_for_engine`
+feeds it the engine options. The spec is passed *alongside* the plan, not
+stored in it: the caller that builds the spec (the engine's start-up path)
+hands the same object to the planner, the KV tensors, the block manager and
+the runner. :func:`plan_memory` runs the planner *before* anything is loaded,
+from the model's config alone (weights estimated from the shapes), which is
+what ``AsyncEngine.plan_memory`` exposes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
 
 if TYPE_CHECKING:
@@ -43,11 +49,6 @@ def available_memory(device: torch.device) -> int:
     import os
 
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
-    """Bytes of one block across all layers (the article's formula with seq_len = block_size)."""
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,8 @@ class MemoryPlan:
 
 
 def plan_kv_cache(
+    spec: KVCacheSpec,
     *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype_bytes: int,
-    block_size: int,
     max_model_len: int,
     weight_bytes: int,
     kv_cache_memory: int | None,
@@ -93,11 +90,16 @@ def plan_kv_cache(
     activation_reserve: int,
     free_bytes: int,
 ) -> MemoryPlan:
-    """Size the KV cache; refuse, with numbers, a plan where one max-length request cannot fit.
+    """Size the KV cache of ``spec``; refuse, with numbers, a plan where one max-length request cannot fit.
 
     ``free_bytes`` is the memory free *after* the weights were placed.
+
+    Raises:
+        ConfigurationError: ``kv_cache_memory`` exceeds ``free_bytes``, or the budget
+            holds fewer blocks than one ``max_model_len`` request needs.
     """
-    block_bytes = kv_block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype_bytes)
+    block_bytes = spec.block_bytes
+    block_size = spec.block_size
     if kv_cache_memory is not None:
         budget = kv_cache_memory
         if budget > free_bytes:
@@ -155,15 +157,16 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 
 def plan_for_engine(
-    config: EngineConfig, model_config: ModelConfig, *, weight_bytes: int, free_bytes: int
+    config: EngineConfig, model_config: ModelConfig, spec: KVCacheSpec, *, weight_bytes: int, free_bytes: int
 ) -> MemoryPlan:
-    """:func:`plan_kv_cache` with the engine options; ``free_bytes`` is what is free after the weights."""
+    """:func:`plan_kv_cache` of ``spec`` with the engine options; ``free_bytes`` is what is free after the weights.
+
+    Raises:
+        InvalidParameterError: ``max_model_len`` beyond the model's context length.
+        ConfigurationError: as :func:`plan_kv_cache`.
+    """
     return plan_kv_cache(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        dtype_bytes=config.dtype_bytes,
-        block_size=config.block_size,
+        spec,
         max_model_len=resolve_max_model_len(config, model_config),
         weight_bytes=weight_bytes,
         kv_cache_memory=config.kv_cache_memory,
@@ -207,4 +210,6 @@ def plan_memory(
     if available_bytes is None:
         available_bytes = available_memory(config.device)
     free_bytes = max(0, available_bytes - weight_bytes)
-    return plan_for_engine(config, model_config, weight_bytes=weight_bytes, free_bytes=free_bytes)
+    spec = KVCacheSpec.from_model_config(model_config, block_size=config.block_size, dtype=config.dtype,
+                                         device=config.device)
+    return plan_for_engine(config, model_config, spec, weight_bytes=weight_bytes, free_bytes=free_bytes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
+from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from asyncinfer.request import Request
 
@@ -33,32 +34,21 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model weights and the preallocated paged KV tensors."""
+    """Owns the model weights and the preallocated paged KV tensors (laid out by ``spec``)."""
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        config: ModelConfig,
-        *,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, spec: KVCacheSpec, *, num_blocks: int) -> None:
         self.model = model
         self.config = config
-        self.block_size = block_size
-        self.device = device
-        self.dtype = dtype
-        self.kv_caches = allocate_kv_caches(
-            num_layers=config.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        self.spec = spec
+        self.kv_caches = allocate_kv_caches(spec, num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write, before the forward)."""

@@ -7,7 +7,8 @@ import torch
 
 from asyncinfer import ConfigurationError, InvalidParameterError
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
-from asyncinfer.memory import MiB, estimate_weight_bytes, kv_block_bytes, plan_kv_cache, plan_memory
+from asyncinfer.cache.spec import KVCacheSpec
+from asyncinfer.memory import MiB, estimate_weight_bytes, plan_kv_cache, plan_memory
 from asyncinfer.models import ModelConfig
 
 # SmolLM2-135M-Instruct's shapes (the default model).
@@ -20,13 +21,11 @@ SMOLLM2 = ModelConfig(
 
 
 def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() -> None:
-    # The formula against the bytes the engine's own KV tensors take for one block.
-    for dtype in (torch.float32, torch.bfloat16):
-        caches = allocate_kv_caches(num_layers=30, num_blocks=1, block_size=16, num_kv_heads=3, head_dim=64,
-                                    dtype=dtype, device=torch.device("cpu"))
-        allocated = sum(t.numel() * t.element_size() for kv in caches for t in kv)
-        assert kv_block_bytes(30, 3, 64, 16, dtype.itemsize) == allocated
-    assert allocated == 368_640  # bf16
+    # The spec's figure against the bytes the engine's own KV tensors take for one block.
+    for dtype, expected in ((torch.float32, 737_280), (torch.bfloat16, 368_640)):
+        spec = KVCacheSpec.from_model_config(SMOLLM2, block_size=16, dtype=dtype, device=torch.device("cpu"))
+        allocated = sum(t.numel() * t.element_size() for kv in allocate_kv_caches(spec, num_blocks=1) for t in kv)
+        assert spec.block_bytes == allocated == expected
     # The parameter count against transformers' own Llama of the same shapes (on the meta device).
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -38,15 +37,20 @@ def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() ->
     assert estimate_weight_bytes(SMOLLM2, 4) == 4 * reference
 
 
+# 2 layers x 2 kv heads x 16 dims, float32, blocks of 4 tokens: 2 KiB per block (K and V).
+SMALL = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
+                    device=torch.device("cpu"))
+
+
 def plan(**kw):
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, block_size=4, max_model_len=64,
-                weight_bytes=1000, kv_cache_memory=None, kv_cache_fraction=0.5, activation_reserve=0,
-                free_bytes=10 * MiB)
-    return plan_kv_cache(**{**args, **kw})
+    args = dict(max_model_len=64, weight_bytes=1000, kv_cache_memory=None, kv_cache_fraction=0.5,
+                activation_reserve=0, free_bytes=10 * MiB)
+    return plan_kv_cache(SMALL, **{**args, **kw})
 
 
 def test_budget_from_bytes_or_fraction() -> None:
     block = 2048  # 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 4 tokens x 4 bytes
+    assert SMALL.block_bytes == block
     assert plan(kv_cache_memory=100 * block + 5).num_blocks == 100
     by_fraction = plan(free_bytes=1000 * block, activation_reserve=200 * block, kv_cache_fraction=0.5)
     assert by_fraction.num_blocks == 400  # half of what is left after the reserve
@@ -83,8 +87,10 @@ def test_plan_memory_before_loading_from_a_model_config() -> None:
 
 
 def test_copy_blocks_copies_every_layer_from_the_old_contents() -> None:
-    caches = allocate_kv_caches(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3,
-                                dtype=torch.float32, device=torch.device("cpu"))
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=3, block_size=2, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    caches = allocate_kv_caches(spec, num_blocks=4)
+    assert len(caches) == 2 and all(t.shape == (4, 2, 1, 3) and not t.any() for kv in caches for t in kv)
     for layer, (k, v) in enumerate(caches):
         for b in range(4):
             k[b] = 10 * layer + b

@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from asyncinfer.cache.spec import KVCacheSpec
 
-def allocate_kv_caches(
-    *,
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Preallocate K and V for every layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Preallocate K and V for every layer, ``spec.layer_shape(num_blocks)`` each.
 
     Zero-filled rather than empty: attention masks padded slots, and a masked
     probability of 0 times a garbage NaN would still be NaN.
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = spec.layer_shape(num_blocks)  # [num_blocks, block_size, num_kv_heads, head_dim]
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
+        (
+            torch.zeros(shape, dtype=spec.dtype, device=spec.device),  # [num_blocks, block_size, kv_heads, head_dim]
+            torch.zeros(shape, dtype=spec.dtype, device=spec.device),  # [num_blocks, block_size, kv_heads, head_dim]
+        )
+        for _ in range(spec.num_layers)
     ]
 
 
