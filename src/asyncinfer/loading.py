@@ -40,7 +40,7 @@ from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLo
 from asyncinfer.holder import ModelVersion
 from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
 from asyncinfer.model_source import resolve_model
-from asyncinfer.models import LoadedModel, ModelConfig, load_model
+from asyncinfer.models import LoadedModel, ModelConfig, load_model, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.quant import quantized_weight_bytes
 from asyncinfer.request import Request
@@ -170,7 +170,8 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
-    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks)
+    backend = select_attention_backend(config.device)
+    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
         enable_prefix_caching=config.enable_prefix_caching,

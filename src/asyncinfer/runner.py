@@ -14,7 +14,7 @@ import torch
 
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from asyncinfer.models import AttentionBackend, LlamaForCausalLM, ModelConfig
 from asyncinfer.request import Request
 
 
@@ -34,12 +34,25 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model weights and the preallocated paged KV tensors (laid out by ``spec``)."""
+    """Owns the model weights and the preallocated paged KV tensors (laid out by ``spec``).
 
-    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, spec: KVCacheSpec, *, num_blocks: int) -> None:
+    ``backend`` builds each step's attention metadata; the model's attention layers
+    run through it (the metadata carries it).
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        spec: KVCacheSpec,
+        *,
+        num_blocks: int,
+        backend: AttentionBackend,
+    ) -> None:
         self.model = model
         self.config = config
         self.spec = spec
+        self.backend = backend
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
 
     @property
@@ -82,7 +95,7 @@ class ModelRunner:
         device = self.device
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)  # [num_tokens]
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)  # [num_tokens]
-        meta = AttentionMetadata.build(
+        meta = self.backend.build_metadata(
             query_lens=inputs.query_lens,
             context_lens=inputs.context_lens,
             block_tables=inputs.block_tables,

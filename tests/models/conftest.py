@@ -5,7 +5,7 @@ They live here (exposed as fixtures) because the project runs pytest with
 
 ``PagedRunner`` plays the engine's part in the smallest way possible: it hands
 out shuffled block ids, keeps each sequence's block table and length, builds
-``AttentionMetadata`` and runs one forward per step.
+the step's metadata through an attention backend and runs one forward per step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from asyncinfer.models import AttentionMetadata, LlamaForCausalLM, kv_cache_shape, load_model
+from asyncinfer.cache.spec import KVCacheSpec
+from asyncinfer.models import AttentionBackend, LlamaForCausalLM, load_model, select_attention_backend
 
 TINY = dict(
     vocab_size=256,
@@ -78,16 +79,24 @@ class PagedRunner:
     """Drive ``LlamaForCausalLM`` step by step over a shuffled paged cache."""
 
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0, device: str = "cpu"
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        seed: int = 0,
+        device: str = "cpu",
+        backend: AttentionBackend | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.backend = backend or select_attention_backend(self.device)
         dtype = model.embed_tokens.weight.dtype
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block ids
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        spec = KVCacheSpec.from_model_config(cfg, block_size=block_size, dtype=dtype, device=self.device)
+        shape = spec.layer_shape(num_blocks)
         gen = torch.Generator().manual_seed(seed)
         # Stale (finite) data in unused slots must be masked out, so don't start from zeros.
         self.kv_caches = [
@@ -118,7 +127,8 @@ class PagedRunner:
             query_lens.append(len(tokens))
             context_lens.append(self.lens[seq])
             tables.append(list(table))
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, self.block_size, self.device)
+        meta = self.backend.build_metadata(query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+                                           slot_mapping=slots, block_size=self.block_size, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         with torch.inference_mode():

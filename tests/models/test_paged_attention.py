@@ -1,4 +1,4 @@
-"""paged_attention against a naive per-token softmax reference, and metadata validation."""
+"""The SDPA backend's paged attention against a naive per-token softmax reference, and metadata validation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.models import AttentionMetadata, kv_cache_shape, paged_attention
+from asyncinfer.models import AttentionMetadata
+from asyncinfer.models.attention.sdpa import SdpaBackend, SdpaMetadata
 
 H, KVH, D = 6, 2, 8
 BLOCK = 3
@@ -33,8 +34,8 @@ def test_mixed_batch_matches_naive_reference():
     num_blocks = 30
     free = list(range(num_blocks))
     rng.shuffle(free)
-    k_cache = torch.randn(kv_cache_shape(num_blocks, BLOCK, KVH, D))  # stale data everywhere
-    v_cache = torch.randn(kv_cache_shape(num_blocks, BLOCK, KVH, D))
+    k_cache = torch.randn(num_blocks, BLOCK, KVH, D)  # stale data everywhere
+    v_cache = torch.randn(num_blocks, BLOCK, KVH, D)
     # (cached prefix, new tokens): two decodes, then a fresh prefill and a prefix chunk.
     plan = [(7, 1), (2, 1), (0, 5), (4, 6)]
     full_k = [torch.randn(p + n, KVH, D) for p, n in plan]
@@ -53,12 +54,12 @@ def test_mixed_batch_matches_naive_reference():
     meta = AttentionMetadata.build(
         [n for _, n in plan], [p + n for p, n in plan], tables, slots_new, BLOCK, "cpu"
     )
-    assert meta.num_decodes == 2
+    assert isinstance(meta, SdpaMetadata) and isinstance(meta.backend, SdpaBackend) and meta.num_decodes == 2
     q = torch.randn(meta.num_tokens, H, D)
     k = torch.cat([ks[p:] for (p, _), ks in zip(plan, full_k)])
     v = torch.cat([vs[p:] for (p, _), vs in zip(plan, full_v)])
 
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D))
+    out = meta.backend.forward(q, k, v, (k_cache, v_cache), meta, scale=1 / math.sqrt(D))
 
     assert out.shape == (meta.num_tokens, H, D)
     row = 0
@@ -74,17 +75,18 @@ def test_mixed_batch_matches_naive_reference():
 def test_decode_only_batch_masks_padding_blocks():
     """Rows of different lengths share one padded block table; padding points at block 0."""
     torch.manual_seed(1)
-    k_cache = torch.randn(kv_cache_shape(8, BLOCK, KVH, D)) * 100  # large stale values must be masked
-    v_cache = torch.randn(kv_cache_shape(8, BLOCK, KVH, D)) * 100
+    k_cache = torch.randn(8, BLOCK, KVH, D) * 100  # large stale values must be masked
+    v_cache = torch.randn(8, BLOCK, KVH, D) * 100
     tables = [[5, 0, 3], [2]]
     ctx = [8, 2]
     slots = [3 * BLOCK + 1, 2 * BLOCK + 1]  # each sequence's last position
-    meta = AttentionMetadata.build([1, 1], ctx, tables, slots, BLOCK, "cpu")
+    meta = SdpaBackend().build_metadata(query_lens=[1, 1], context_lens=ctx, block_tables=tables,
+                                        slot_mapping=slots, block_size=BLOCK, device="cpu")
     assert meta.decode_block_tables.tolist() == [[5, 0, 3], [2, 0, 0]]
     q = torch.randn(2, H, D)
     k = torch.randn(2, KVH, D)
     v = torch.randn(2, KVH, D)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D))
+    out = SdpaBackend().forward(q, k, v, (k_cache, v_cache), meta, scale=1 / math.sqrt(D))
     for i, table in enumerate(tables):
         flat_k = k_cache[table].view(-1, KVH, D)[: ctx[i]]
         flat_v = v_cache[table].view(-1, KVH, D)[: ctx[i]]

@@ -1,16 +1,16 @@
-"""The from-scratch model runner layer: config, paged attention, Llama-family model, loader."""
+"""The from-scratch model runner layer: config, attention backends, Llama-family model, loader."""
 
-from asyncinfer.models.attention import AttentionMetadata, kv_cache_shape, paged_attention
+from asyncinfer.models.attention import AttentionBackend, AttentionMetadata, select_attention_backend
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.llama import LlamaForCausalLM
 from asyncinfer.models.loader import LoadedModel, load_model
 
 __all__ = [
+    "AttentionBackend",
     "AttentionMetadata",
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelConfig",
-    "kv_cache_shape",
     "load_model",
-    "paged_attention",
+    "select_attention_backend",
 ]

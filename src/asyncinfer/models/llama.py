@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncinfer.models.attention import AttentionMetadata, paged_attention
+from asyncinfer.models.attention import AttentionMetadata
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 
@@ -28,7 +28,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention with one fused q/k/v projection and paged KV cache."""
+    """GQA self-attention with one fused q/k/v projection and paged KV cache.
+
+    The attention itself is the step's backend's (``meta.backend``, see
+    :mod:`asyncinfer.models.attention`): this layer only projects and rotates.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -53,7 +57,7 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, KVH, D]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 

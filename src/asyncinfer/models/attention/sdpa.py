@@ -1,4 +1,6 @@
-"""Paged attention over a flattened, unpadded batch of sequences, in plain torch.
+"""The first attention backend, "sdpa": paged attention in plain torch over
+``F.scaled_dot_product_attention`` (see :mod:`asyncinfer.models.attention.base`
+for the contract).
 
 One engine step runs a single forward over ``T`` new tokens that belong to
 ``S`` sequences: first ``num_decodes`` sequences with exactly one new token
@@ -19,33 +21,88 @@ Allocate caches with ``torch.zeros``, never ``torch.empty``: decodes read whole
 blocks and masked slots still enter SDPA with weight 0, and 0 * NaN is NaN.
 Stale (finite) data from freed blocks is harmless.
 
-``AttentionMetadata.build`` creates every tensor once per step; all layers
-share it, so the per-layer work is only the attention itself.
+``SdpaBackend.build_metadata`` creates every tensor once per step; all layers
+share it, so the per-layer work is only the attention itself. The decodes are
+one batched call padded to the longest decode context (rounded up to whole
+blocks): ``SdpaBackend.decode_padding`` says how many keys that costs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models.attention.base import AttentionBackend, AttentionMetadata
+from asyncinfer.models.attention.padding import pad_to_longest_block
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) cache tensor; the allocator makes two per layer."""
-    return (num_blocks, block_size, num_kv_heads, head_dim)
+class SdpaBackend(AttentionBackend):
+    """Paged attention through torch's SDPA: one batched call for the decodes, one causal call per prefill chunk."""
+
+    name = "sdpa"
+    device_types = ("cpu", "cuda")
+
+    def build_metadata(
+        self,
+        *,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> SdpaMetadata:
+        """See :meth:`AttentionBackend.build_metadata`.
+
+        Raises:
+            InvalidParameterError: inconsistent lists (see the contract).
+        """
+        return SdpaMetadata.from_lists(self, query_lens, context_lens, block_tables, slot_mapping, block_size, device)
+
+    def forward(  # type: ignore[override]  # takes the metadata this backend builds
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: SdpaMetadata, scale: float
+    ) -> torch.Tensor:
+        """Write k/v into the cache, then attend every query over its sequence's context.
+
+        q: [T, H, D]; k, v: [T, KVH, D]; each cache: ``KVCacheSpec.layer_shape(num_blocks)``.
+        Returns [T, H, D]. Decodes are one batched SDPA call; each prefill chunk is
+        one causal SDPA call (offset by its cached prefix).
+        """
+        if meta.num_tokens == 0:
+            return torch.empty_like(q)  # [0, H, D]
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return _decode_attention(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)  # [T, H, D]
+        if nd:
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        for i in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = _prefill_attention(
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i - nd, scale
+            )
+        return out
+
+    decode_padding = staticmethod(pad_to_longest_block)
 
 
 @dataclass
-class AttentionMetadata:
+class SdpaMetadata(AttentionMetadata):
     """Where this step's tokens go in the paged cache and what each one attends to.
 
     Sequence order is decodes first (``query_len == 1``), then prefill chunks.
-    Build it with :meth:`build`; the fields after ``num_decodes`` are derived.
+    Build it with :meth:`SdpaBackend.build_metadata`; the fields after ``num_decodes`` are derived.
     """
 
+    backend: SdpaBackend
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     query_lens: list[int]  # new tokens per sequence
     context_lens: list[int]  # tokens in cache per sequence after this step's write
@@ -72,21 +129,25 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
     @classmethod
-    def build(
+    def from_lists(
         cls,
-        query_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
+        backend: SdpaBackend,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
         block_size: int,
         device: torch.device | str,
-    ) -> AttentionMetadata:
+    ) -> SdpaMetadata:
         """Validate the step's Python lists and create every tensor attention needs.
 
         ``context_lens[i]`` counts sequence i's tokens in the cache *after* this
         step's tokens are written (cached prefix + ``query_lens[i]``).
         ``block_tables[i]`` lists sequence i's block ids in order; it may be
         longer than needed. Decode sequences (query_len 1) must come first.
+
+        Raises:
+            InvalidParameterError: inconsistent lists (see :func:`_validate`).
         """
         _validate(query_lens, context_lens, block_tables, slot_mapping, block_size)
         device = torch.device(device)
@@ -100,7 +161,7 @@ class AttentionMetadata:
             query_start_loc.append(query_start_loc[-1] + n)
 
         width = max((len(bt) for bt in block_tables), default=0)
-        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
+        padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
         block_tables_t = torch.tensor(padded, dtype=torch.long, device=device).view(num_seqs, width)  # [num_seqs, width]
 
         decode_lens = context_lens[:num_decodes]
@@ -128,6 +189,7 @@ class AttentionMetadata:
             prefill_masks.append(mask)
 
         return cls(
+            backend=backend,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),  # [num_tokens]
             query_lens=list(query_lens),
             context_lens=list(context_lens),
@@ -144,13 +206,17 @@ class AttentionMetadata:
 
 
 def _validate(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    slot_mapping: list[int],
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    slot_mapping: Sequence[int],
     block_size: int,
 ) -> None:
-    """Cheap consistency checks; a violation here is a bug in the caller."""
+    """Cheap consistency checks; a violation here is a bug in the caller.
+
+    Raises:
+        InvalidParameterError: naming the first inconsistent list.
+    """
     if block_size <= 0:
         raise InvalidParameterError("block_size", block_size, "a positive int")
     if not (len(query_lens) == len(context_lens) == len(block_tables)):
@@ -182,39 +248,8 @@ def write_kv(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, KVH, D]
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write k/v into the cache, then attend every query over its sequence's context.
-
-    q: [T, H, D]; k, v: [T, KVH, D]; caches: ``kv_cache_shape(...)``.
-    Returns [T, H, D]. Decodes are one batched SDPA call; each prefill chunk is
-    one causal SDPA call (offset by its cached prefix).
-    """
-    if meta.num_tokens == 0:
-        return torch.empty_like(q)  # [0, H, D]
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    nd = meta.num_decodes
-    if nd == meta.num_seqs:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
-
-    out = torch.empty_like(q)  # [T, H, D]
-    if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
-    for i in range(nd, meta.num_seqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i - nd, scale)
-    return out
-
-
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata, scale: float
 ) -> torch.Tensor:
     """One SDPA call for all single-token sequences; q: [S, H, D] -> [S, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
@@ -235,7 +270,7 @@ def _prefill_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: SdpaMetadata,
     prefill_index: int,
     scale: float,
 ) -> torch.Tensor:

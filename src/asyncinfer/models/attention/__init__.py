@@ -1,0 +1,23 @@
+"""Attention backends: one contract (:class:`AttentionBackend`), chosen per device.
+
+``select_attention_backend(device, name=None)`` returns the backend a device
+runs (today "sdpa" everywhere, :mod:`asyncinfer.models.attention.sdpa`);
+``register_attention_backend`` adds one. See :mod:`asyncinfer.models.attention.base`
+for the contract.
+"""
+
+from asyncinfer.models.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    available_attention_backends,
+    register_attention_backend,
+    select_attention_backend,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "available_attention_backends",
+    "register_attention_backend",
+    "select_attention_backend",
+]

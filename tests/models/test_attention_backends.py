@@ -1,0 +1,114 @@
+"""The attention-backend seam: selection per device, registration, the model running through it, padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models import AttentionBackend, select_attention_backend
+from asyncinfer.models.attention import available_attention_backends, base, register_attention_backend
+from asyncinfer.models.attention.sdpa import SdpaBackend
+
+
+@pytest.fixture
+def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made by a test stay in that test."""
+    monkeypatch.setattr(base, "_REGISTERED", {})
+    monkeypatch.setattr(base, "_DEVICE_DEFAULTS", {})
+
+
+class CountingBackend(SdpaBackend):
+    """SDPA, counting the layers it ran."""
+
+    name = "counting"
+    calls = 0
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        type(self).calls += 1
+        return super().forward(q, k, v, kv_cache, meta, scale)
+
+
+class CudaOnlyBackend(SdpaBackend):
+    name = "cuda-only"
+    device_types = ("cuda",)
+
+
+def test_sdpa_is_the_default_on_every_device_type() -> None:
+    assert type(select_attention_backend(torch.device("cpu"))) is SdpaBackend
+    assert type(select_attention_backend("cuda:1")) is SdpaBackend  # selecting touches no device
+    assert type(select_attention_backend("cpu", "sdpa")) is SdpaBackend
+    assert "sdpa" in available_attention_backends()
+
+
+def test_a_class_or_a_path_selects_too() -> None:
+    assert type(select_attention_backend("cpu", CountingBackend)) is CountingBackend
+    path = "asyncinfer.models.attention.sdpa:SdpaBackend"
+    assert type(select_attention_backend("cpu", path)) is SdpaBackend
+
+
+@pytest.mark.parametrize("name", ["flash", "no.such.module:Backend", "asyncinfer.models.attention.sdpa:Nope",
+                                  "asyncinfer.models.attention.sdpa:SdpaMetadata", int])
+def test_bad_names_are_refused_by_parameter(name) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        select_attention_backend("cpu", name)
+    assert info.value.parameter == "attention_backend"
+
+
+def test_a_backend_is_refused_on_a_device_it_does_not_run_on() -> None:
+    with pytest.raises(InvalidParameterError, match="runs on 'cpu'"):
+        select_attention_backend("cpu", CudaOnlyBackend)
+    with pytest.raises(InvalidParameterError, match="default_for"):
+        register_attention_backend(CudaOnlyBackend, default_for=("cpu",))
+
+
+def test_registered_backend_by_name_and_as_a_device_default(clean_registry) -> None:
+    register_attention_backend(CountingBackend)
+    assert "counting" in available_attention_backends()
+    assert type(select_attention_backend("cpu", "counting")) is CountingBackend
+    assert type(select_attention_backend("cpu")) is SdpaBackend  # not the default until it says so
+    register_attention_backend(CountingBackend, default_for=("cpu",))
+    assert type(select_attention_backend("cpu")) is CountingBackend
+    assert type(select_attention_backend("cuda")) is SdpaBackend
+    with pytest.raises(InvalidParameterError):
+        register_attention_backend(object)  # type: ignore[arg-type]
+
+
+def test_the_model_attends_only_through_its_backend(tiny_pair, paged_runner) -> None:
+    """Every layer of every step goes through the backend the metadata carries, and the result is the same."""
+    _, ours = tiny_pair("llama")
+    prompt = list(range(3, 20))
+    CountingBackend.calls = 0
+    counted = paged_runner(ours.model, backend=CountingBackend())
+    plain = paged_runner(ours.model)
+    for step in ([(0, prompt)], [(0, [7])], [(0, [9])]):
+        (a,), (b,) = counted.step(step), plain.step(step)
+        assert torch.equal(a, b)
+    assert CountingBackend.calls == 3 * ours.config.num_layers
+
+
+@pytest.mark.parametrize(
+    "contexts, block_size, padding",
+    [
+        ([], 16, 0),
+        ([1], 16, 15),  # one decode still reads a whole block
+        ([16, 16], 16, 0),
+        ([5, 17, 30], 16, 27 + 15 + 2),  # all padded to 32 keys
+        ([5, 17, 33], 16, 43 + 31 + 15),  # all padded to 48 keys
+        ([5, 17, 30], 1, 25 + 13),  # blocks of one token: only the longest decode counts
+    ],
+)
+def test_sdpa_decode_padding(contexts: list[int], block_size: int, padding: int) -> None:
+    assert SdpaBackend.decode_padding(contexts, block_size) == padding
+    backend = SdpaBackend()
+    assert backend.decode_padding(contexts, block_size) == padding
+    # ...which is what the batched decode call really computes: every row spans the mask's width.
+    tables = [list(range(-(-c // block_size))) for c in contexts]
+    meta = backend.build_metadata(query_lens=[1] * len(contexts), context_lens=contexts, block_tables=tables,
+                                  slot_mapping=[c - 1 for c in contexts], block_size=block_size, device="cpu")
+    assert meta.decode_mask.numel() - sum(contexts) == padding
+
+
+def test_the_contract_is_abstract() -> None:
+    with pytest.raises(TypeError):
+        AttentionBackend()  # type: ignore[abstract]
