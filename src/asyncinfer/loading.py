@@ -181,6 +181,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        decode_padding=backend.decode_padding,
     )
     eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
     core = EngineCore(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import pytest
 
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.cache import KVCacheManager
-from asyncinfer.lab import StepCostModel, TraceRequest, simulate, summarize
+from asyncinfer.lab import StepCostModel, StepShape, TraceRequest, simulate, summarize
+from asyncinfer.models.attention.sdpa import SdpaBackend
 from asyncinfer.request import Request, RequestStatus
+from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import LengthBucketScheduler, SchedulerConfig
 from asyncinfer.step import apply_step
 
@@ -47,6 +50,45 @@ def test_beats_fifo_on_padding_throughput_and_latency(cpu_cost) -> None:
     plain = simulate(trace, "length-bucket", cost_model=cpu_cost, config=config, options={"split_padding": None})
     assert padding_waste(plain) > 0.8 * padding_waste(fifo)
     assert summarize("plain", plain.records).e2e_mean < f.e2e_mean
+    # A backend that says it pads nothing never gets its decodes split (the lab still counts SDPA's cost).
+    unpadded = dataclasses.replace(config, decode_padding=lambda contexts, block_size: 0)
+    no_split = simulate(trace, "length-bucket", cost_model=cpu_cost, config=unpadded)
+    assert [s.decodes for s in no_split.steps] == [s.decodes for s in plain.steps]
+
+
+def decode_rounds(decode_padding) -> list[dict[str, int]]:
+    """Three short prompts and a long one, prefilled together; then the first two decode steps."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
+                             decode_padding=decode_padding)
+    sched = LengthBucketScheduler(config, KVCacheManager(256, 16, watermark=0.0))
+    for rid, prompt in (("s0", 20), ("s1", 20), ("s2", 20), ("long", 2000)):
+        sched.add_request(Request(rid, [7] * prompt, SamplingParams(max_tokens=10), arrival_time=0.0))
+    rounds = []
+    for _ in range(3):
+        out = sched.schedule()
+        rounds.append(out.num_scheduled_tokens)
+        for rid, n in out.num_scheduled_tokens.items():
+            request = sched.requests[rid]
+            request.num_computed_tokens += n
+            request.output_token_ids.append(0)
+    return rounds[1:]
+
+
+def test_decodes_split_by_the_padding_the_backend_reports() -> None:
+    # SDPA pads the contexts 21, 21, 21 and 2001 to 2016 keys each: 6000 padded keys, and
+    # resting the long one saves 5952 > split_padding (4096); the two groups take turns.
+    assert SdpaBackend.decode_padding([21, 21, 21, 2001], 16) == 6000
+    assert decode_rounds(SdpaBackend.decode_padding) == [{"s0": 1, "s1": 1, "s2": 1}, {"long": 1}]
+    every_decode = {"s0": 1, "s1": 1, "s2": 1, "long": 1}
+    assert decode_rounds(None) == [every_decode, every_decode]  # the backend pads nothing
+    assert decode_rounds(lambda contexts, block_size: 0) == [every_decode, every_decode]
+
+
+def test_the_lab_counts_decode_keys_with_the_sdpa_backends_padding() -> None:
+    # Decodes of 5, 20 and 41 tokens (computed + 1 new), and a 6-token prefill chunk.
+    shape = StepShape.from_batch([(4, 1, 5), (19, 1, 20), (40, 1, 41), (0, 6, 9)], block_size=16)
+    assert shape.decode_keys == 3 * 48  # every decode padded to 48 keys
+    assert shape.decode_keys == 5 + 20 + 41 + SdpaBackend.decode_padding([5, 20, 41], 16)
 
 
 ONE_AT_A_TIME = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512)
@@ -100,6 +142,7 @@ def test_real_engine_serves_short_requests_first(tiny_llama: Path) -> None:
         engine = AsyncEngine.from_pretrained(tiny_llama, kv_cache_memory=1 << 20, max_model_len=256, device="cpu",
                                              dtype="float32", max_num_seqs=2, scheduler=name)
         core = engine.core
+        assert core.scheduler.config.decode_padding([5, 20], 16) == 27 + 12  # the engine's backend: SDPA
         now = time.time()  # the engine's clock: max_wait (30 s) never expires in this test
         reqs = [Request(f"long{i}", [(7 * i + j) % 300 + 3 for j in range(120)],
                         SamplingParams(max_tokens=40, ignore_eos=True), arrival_time=now) for i in range(4)]

@@ -1,14 +1,15 @@
 """The step-cost model: seconds per engine step from the step's shape, linear in a few features.
 
 The features follow what the runner does with a step (see ``asyncinfer.runner`` and
-``asyncinfer.models.attention``):
+``asyncinfer.models.attention.sdpa``, the attention backend the cost model was timed on):
 
 - ``const``: fixed cost of a step (Python, tensor set-up, kernel launches);
 - ``tokens``: tokens in the flattened batch (every linear layer);
 - ``sampled``: rows that reach the LM head and the sampler (decodes and last prompt chunks);
 - ``prefill_seqs``: prefill chunks (one attention call per chunk per layer);
-- ``decode_keys``: decodes x the longest decode context, rounded up to whole blocks
-  (decodes are one batched attention call padded to the longest one);
+- ``decode_keys``: keys the batched decode attention computes: the decodes' contexts
+  plus the SDPA backend's ``decode_padding`` (every decode padded to the longest one,
+  rounded up to whole blocks: decodes x that length);
 - ``prefill_keys``: sum over prefill chunks of query tokens x context tokens.
 
 Fit it with :func:`fit_cost_model` on timings of the real runner
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models.attention.padding import pad_to_longest_block as sdpa_decode_padding  # plain Python, no torch
 
 FEATURES: tuple[str, ...] = ("const", "tokens", "sampled", "prefill_seqs", "decode_keys", "prefill_keys")
 DEFAULT_COST_MODEL = "smollm2-135m-cpu.json"
@@ -33,7 +35,11 @@ DEFAULT_COST_MODEL = "smollm2-135m-cpu.json"
 
 @dataclass(frozen=True)
 class StepShape:
-    """The cost-relevant figures of one step (see the module docstring)."""
+    """The cost-relevant figures of one step (see the module docstring).
+
+    ``decode_padding`` is the padding ``decode_keys`` counts: the SDPA backend's own
+    (plain-Python) function, as the shipped cost model was timed on that backend.
+    """
 
     tokens: int
     sampled: int
@@ -41,22 +47,24 @@ class StepShape:
     decode_keys: int
     prefill_keys: int
 
+    decode_padding = staticmethod(sdpa_decode_padding)
+
     @classmethod
     def from_batch(cls, batch: Iterable[tuple[int, int, int]], block_size: int) -> StepShape:
         """``batch``: ``(num_computed_tokens, num_new_tokens, num_tokens)`` of each scheduled request."""
-        tokens = sampled = prefill_seqs = prefill_keys = decodes = longest = 0
+        tokens = sampled = prefill_seqs = prefill_keys = 0
+        decodes: list[int] = []  # each decode's context
         for computed, n, known in batch:
             context = computed + n
             tokens += n
             sampled += context == known
             if n == 1:
-                decodes += 1
-                longest = max(longest, context)
+                decodes.append(context)
             else:
                 prefill_seqs += 1
                 prefill_keys += n * context
-        padded = -(-longest // block_size) * block_size
-        return cls(tokens, sampled, prefill_seqs, decodes * padded, prefill_keys)
+        decode_keys = sum(decodes) + cls.decode_padding(decodes, block_size)
+        return cls(tokens, sampled, prefill_seqs, decode_keys, prefill_keys)
 
     def features(self) -> list[float]:
         return [1.0, self.tokens, self.sampled, self.prefill_seqs, self.decode_keys, self.prefill_keys]

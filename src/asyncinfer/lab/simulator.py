@@ -16,7 +16,7 @@ progress), and a breach raises :class:`ContractViolation`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
@@ -130,7 +130,8 @@ def simulate(
 
     The KV cache is set up as the engine's is by default (``watermark``, prefix
     caching on); every request's prompt is distinct, so prefix hits come only
-    from a preempted request finding its own blocks still cached.
+    from a preempted request finding its own blocks still cached. A ``config``
+    without ``decode_padding`` gets the one the cost model counts (SDPA's).
 
     Raises:
         InvalidParameterError: a request longer than ``max_model_len``, or bad scheduler options.
@@ -138,6 +139,8 @@ def simulate(
         ContractViolation: ``check`` found a broken invariant, or the replay made no progress.
     """
     config = config or SchedulerConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=1024)
+    if config.decode_padding is None:  # the policies see the padding the cost model counts
+        config = replace(config, decode_padding=StepShape.decode_padding)
     cost_model = cost_model or load_cost_model()
     if blocks_for(config.max_model_len, block_size) > num_blocks:
         raise ConfigurationError(f"{num_blocks} blocks of {block_size} cannot hold one "

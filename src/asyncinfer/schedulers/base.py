@@ -65,7 +65,7 @@ from __future__ import annotations
 import abc
 import time
 from collections import deque
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from asyncinfer.cache.kv_manager import KVCacheManager
@@ -78,12 +78,19 @@ SCHEDULER_API_VERSION = 1
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits a scheduler must respect each step."""
+    """Limits a scheduler must respect each step, and what the attention backend's padding costs.
+
+    ``decode_padding(context_lens, block_size)``: keys the attention backend computes
+    beyond the real contexts when these decodes run in one step (plain Python; the
+    engine passes its backend's ``decode_padding``). ``None``: the backend pads
+    nothing, so no policy needs to split decodes to save padding.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    decode_padding: Callable[[Sequence[int], int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
@@ -22,11 +22,13 @@ class LengthBucketScheduler(Scheduler):
     requests are admitted shortest bucket first, in arrival order within one.
     Short requests then no longer queue behind long ones (head-of-line blocking).
 
-    Decoding: the runner pads every decode of a step to the longest decode
-    context, so one long context makes every short decode beside it pay for the
-    long one's attention. When splitting the step's decodes (sorted by context)
-    would save more than ``split_padding`` padded keys, the short group and the
-    long group decode on alternate steps. Prompt chunks run every step.
+    Decoding: an attention backend that pads every decode of a step to the
+    longest decode context (SDPA does) makes every short decode beside a long
+    one pay for the long one's attention. The backend says what a batch costs
+    (``config.decode_padding``); when splitting the step's decodes (sorted by
+    context) would save more than ``split_padding`` padded keys, the short group
+    and the long group decode on alternate steps. A backend that pads nothing
+    (``decode_padding`` None) never splits. Prompt chunks run every step.
 
     Starvation bound: a request that has waited ``max_wait`` seconds, and any
     preempted request, leaves the buckets and goes ahead of every unaged request,
@@ -97,22 +99,33 @@ class LengthBucketScheduler(Scheduler):
     def _resting_decodes(self) -> set[str]:
         """Decodes that sit this step out so that short and long contexts take turns.
 
-        The runner pads every decode of a step to the longest decode context. Split
-        the decodes, sorted by context, where that saves the most padding; if the
-        saving exceeds ``split_padding`` keys, the two groups run on alternate steps.
+        Split the decodes, sorted by context, where that saves the most padding
+        (as the backend counts it); if the saving exceeds ``split_padding`` keys,
+        the two groups run on alternate steps.
         """
-        if self.split_padding is None:
+        pad = self.config.decode_padding
+        if self.split_padding is None or pad is None:
             return set()
         decodes = sorted((r for r in self.running if r.is_decode), key=lambda r: r.num_tokens)
-        bs = self.kv.block_size
-        padded = [-(-r.num_tokens // bs) * bs for r in decodes]
-        saved, k = max(((i * (padded[-1] - padded[i - 1]), i) for i in range(1, len(decodes))), default=(0, 0))
+        saved, k = self._best_split([r.num_tokens for r in decodes], pad, self.split_padding)
         if saved <= self.split_padding:
             self._short_turn = True
             return set()
         group = decodes[k:] if self._short_turn else decodes[:k]
         self._short_turn = not self._short_turn
         return {r.request_id for r in group}
+
+    def _best_split(
+        self, contexts: list[int], pad: Callable[[Sequence[int], int], int], threshold: int
+    ) -> tuple[int, int]:
+        """``(keys saved, k)`` of the split of sorted ``contexts`` into ``[:k]`` and ``[k:]`` that saves
+        the most padding; ``(0, 0)`` when even all of the padding is at most ``threshold``."""
+        bs = self.kv.block_size
+        whole = pad(contexts, bs)
+        if whole <= threshold:  # no split can save more than all the padding there is
+            return 0, 0
+        splits = ((whole - pad(contexts[:i], bs) - pad(contexts[i:], bs), i) for i in range(1, len(contexts)))
+        return max(splits, default=(0, 0))
 
     def _order(self, request: Request, now: float) -> tuple[int, int, float]:
         if request.status is RequestStatus.PREEMPTED or now - request.arrival_time >= self.max_wait:
