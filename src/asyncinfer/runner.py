@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.models import AttentionBackend, LlamaForCausalLM, ModelConfig
+from asyncinfer.models import AttentionBackend, ModelConfig
 from asyncinfer.request import Request
 
 
@@ -42,7 +43,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: nn.Module,
         config: ModelConfig,
         spec: KVCacheSpec,
         *,

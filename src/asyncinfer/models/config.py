@@ -1,9 +1,11 @@
-"""A normalised configuration for the Llama-family decoders the runner supports.
+"""A normalised configuration for the decoders the runner supports.
 
 ``ModelConfig`` is the only description of a model the rest of asyncinfer sees.
 It is built either from a transformers ``PretrainedConfig`` (``from_hf_config``)
 or from GGUF metadata (see ``loader.py``), so that the model code never has to
 know which checkpoint format, or which transformers version, it came from.
+Which architectures exist, and their quirks, is the registry's business
+(:mod:`asyncinfer.models.registry`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncinfer.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+from asyncinfer.models.registry import ModelFamily, find_model_family, model_family, supported_architectures
 
 # Rope types the rotary embedding implements; "default" means no scaling.
 # "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor).
@@ -22,9 +23,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral).
+    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral).
 
-    ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
+    ``architecture`` is the family's registered name. ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
     ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"freq_factors"``) and
     that type's parameters, using the Hugging Face key names.
     ``attention_bias`` means bias on the q/k/v projections only (Qwen2).
@@ -48,11 +49,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        model_family(self.architecture)  # raises ModelLoadError for an unregistered one
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_layers",
             "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
@@ -120,22 +117,15 @@ class ModelConfig:
         ``rope_theta``/``rope_scaling`` attributes. Raises ``ModelLoadError``
         for architectures or features the runner does not implement.
         """
-        arch = getattr(cfg, "model_type", None)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = _hf_family(cfg)
+        arch = family.name
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
-        if arch == "qwen2":
-            # Qwen2 always has q/k/v bias and no o_proj bias.
-            attention_bias = True
-        else:
-            # HF Llama/Mistral's attention_bias also adds an o_proj bias, which we don't implement.
-            if getattr(cfg, "attention_bias", False):
-                raise ModelLoadError(f"{arch} with attention_bias=True is not supported")
-            attention_bias = False
+        # HF Llama/Mistral's attention_bias also adds an o_proj bias, which we don't implement;
+        # a qkv_bias family (Qwen2) always has q/k/v bias and no o_proj bias.
+        if not family.qkv_bias and getattr(cfg, "attention_bias", False):
+            raise ModelLoadError(f"{arch} with attention_bias=True is not supported")
         if getattr(cfg, "mlp_bias", False):
             raise ModelLoadError("mlp_bias=True is not supported")
 
@@ -156,9 +146,9 @@ class ModelConfig:
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_max_positions(cfg, arch),
+            max_position_embeddings=_max_positions(cfg, family),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
+            attention_bias=family.qkv_bias,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_ids=normalise_token_ids(getattr(cfg, "eos_token_id", None)),
         )
@@ -201,7 +191,18 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **scaling}
 
 
-def _max_positions(cfg: Any, arch: str) -> int:
+def _hf_family(cfg: Any) -> ModelFamily:
+    """The registered family of a transformers config: by a class name in ``architectures``
+    (a family may reuse another's config class), else by ``model_type``."""
+    model_type = getattr(cfg, "model_type", None)
+    for name in (*(getattr(cfg, "architectures", None) or ()), model_type):
+        family = find_model_family(name)
+        if family is not None:
+            return family
+    raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_architectures())}")
+
+
+def _max_positions(cfg: Any, family: ModelFamily) -> int:
     """Positions the runner may use; capped at the sliding window where one applies.
 
     Sliding-window attention is not implemented, so capping the usable context
@@ -210,7 +211,7 @@ def _max_positions(cfg: Any, arch: str) -> int:
     """
     max_pos = int(cfg.max_position_embeddings)
     window = getattr(cfg, "sliding_window", None)
-    uses_window = arch == "mistral" or (arch == "qwen2" and getattr(cfg, "use_sliding_window", False))
+    uses_window = family.sliding_window or bool(getattr(cfg, "use_sliding_window", False))
     if uses_window and isinstance(window, int) and 0 < window < max_pos:
         return window
     return max_pos

@@ -1,6 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch, and its registry entries.
 
-Parameter names (what ``loader.py`` maps checkpoints onto)::
+This module is the whole family: the model class, ``LLAMA_WEIGHT_MAP`` (the one
+table from checkpoint names, HF and GGUF spelling, to parameter names), and the
+three architectures it runs, registered with :mod:`asyncinfer.models.registry`.
+
+Parameter names (what the weight map fills)::
 
     embed_tokens.weight                         [vocab, hidden]
     layers.{i}.input_norm.weight                [hidden]
@@ -23,6 +27,7 @@ from torch import nn
 from asyncinfer.models.attention import AttentionMetadata
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from asyncinfer.models.registry import ModelFamily, WeightMap, register_model_family
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -115,6 +120,10 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
 
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the rope tables (a non-persistent buffer, never in checkpoints) on ``device``."""
+        self.rotary.materialize(device)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [vocab, hidden] (the embedding matrix when tied)."""
@@ -125,3 +134,32 @@ class LlamaForCausalLM(nn.Module):
         if self.output_proj is not None:
             return self.output_proj(hidden).float()  # [N, vocab]
         return F.linear(hidden, self.lm_head_weight).float()  # [N, vocab]
+
+
+# (HF checkpoint name, GGUF tensor name, parameter name, fused shard or None).
+# "{i}" is the layer index. A shard names the row block of the fused parameter.
+LLAMA_WEIGHT_MAP: WeightMap = (
+    ("model.embed_tokens.weight", "token_embd.weight", "embed_tokens.weight", None),
+    ("model.norm.weight", "output_norm.weight", "norm.weight", None),
+    ("lm_head.weight", "output.weight", "lm_head.weight", None),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight", None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", "layers.{i}.attn.qkv_proj.weight", "q"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", "layers.{i}.attn.qkv_proj.weight", "k"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", "layers.{i}.attn.qkv_proj.weight", "v"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", "layers.{i}.attn.qkv_proj.bias", "q"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", "layers.{i}.attn.qkv_proj.bias", "k"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", "layers.{i}.attn.qkv_proj.bias", "v"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", "layers.{i}.attn.o_proj.weight", None),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_attn_norm.weight", None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", "layers.{i}.mlp.gate_up_proj.weight", "gate"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", "layers.{i}.mlp.gate_up_proj.weight", "up"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", "layers.{i}.mlp.down_proj.weight", None),
+)
+
+# llama.cpp writes Mistral checkpoints as "llama" GGUFs, so "mistral" loads from HF directories only.
+register_model_family(ModelFamily("llama", LlamaForCausalLM, LLAMA_WEIGHT_MAP, ("LlamaForCausalLM",),
+                                  gguf=True, gguf_permuted_qk=True))
+register_model_family(ModelFamily("qwen2", LlamaForCausalLM, LLAMA_WEIGHT_MAP, ("Qwen2ForCausalLM",),
+                                  gguf=True, qkv_bias=True))
+register_model_family(ModelFamily("mistral", LlamaForCausalLM, LLAMA_WEIGHT_MAP, ("MistralForCausalLM",),
+                                  sliding_window=True))

@@ -1,12 +1,13 @@
-"""Load a Llama-family model from a Hugging Face directory or a GGUF file.
+"""Load a model of a registered family from a Hugging Face directory or a GGUF file.
 
 The model is built on the meta device (no memory, no random init), each
 parameter is allocated once on the target device, and checkpoint tensors are
 copied into it one at a time (safetensors are memory-mapped, GGUF tensors are
 dequantised one by one), so the checkpoint is never held twice in RAM.
 
-``WEIGHT_MAP`` is the single table from checkpoint names (HF and GGUF spelling)
-to parameter names; q/k/v and gate/up land in row slices of the fused params.
+The family's weight map (see :mod:`asyncinfer.models.registry`) is the single
+table from checkpoint names (HF and GGUF spelling) to parameter names; q/k/v
+and gate/up land in row slices of the fused params.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.config import ModelConfig, normalise_token_ids
-from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.registry import model_family
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,31 +35,11 @@ if TYPE_CHECKING:
 class LoadedModel:
     """What ``load_model`` returns. ``tokenizer`` is None for a directory without tokenizer files."""
 
-    model: LlamaForCausalLM
+    model: nn.Module  # the family's model class (LlamaForCausalLM for the built-in families)
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None
     source: str  # "safetensors:<dir>" or "gguf:<file>"
 
-
-# (HF checkpoint name, GGUF tensor name, parameter name, fused shard or None).
-# "{i}" is the layer index. A shard names the row block of the fused parameter.
-WEIGHT_MAP: tuple[tuple[str, str, str, str | None], ...] = (
-    ("model.embed_tokens.weight", "token_embd.weight", "embed_tokens.weight", None),
-    ("model.norm.weight", "output_norm.weight", "norm.weight", None),
-    ("lm_head.weight", "output.weight", "lm_head.weight", None),
-    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight", None),
-    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", "layers.{i}.attn.qkv_proj.weight", "q"),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", "layers.{i}.attn.qkv_proj.weight", "k"),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", "layers.{i}.attn.qkv_proj.weight", "v"),
-    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", "layers.{i}.attn.qkv_proj.bias", "q"),
-    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", "layers.{i}.attn.qkv_proj.bias", "k"),
-    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", "layers.{i}.attn.qkv_proj.bias", "v"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", "layers.{i}.attn.o_proj.weight", None),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_attn_norm.weight", None),
-    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", "layers.{i}.mlp.gate_up_proj.weight", "gate"),
-    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", "layers.{i}.mlp.gate_up_proj.weight", "up"),
-    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", "layers.{i}.mlp.down_proj.weight", None),
-)
 
 # Checkpoint tensors that are derivable or redundant and safe to skip.
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|rope_freqs\.weight)$")
@@ -121,7 +103,7 @@ def _model_location(path: str | Path) -> Path:
 
 
 def build_targets(config: ModelConfig, fmt: str) -> dict[str, _Target]:
-    """Expand ``WEIGHT_MAP`` for this config: checkpoint name -> target, for ``fmt`` "hf" or "gguf"."""
+    """Expand the family's weight map for this config: checkpoint name -> target, for ``fmt`` "hf" or "gguf"."""
     column = 0 if fmt == "hf" else 1
     shards = {
         "q": slice(0, config.q_size),
@@ -131,7 +113,7 @@ def build_targets(config: ModelConfig, fmt: str) -> dict[str, _Target]:
         "up": slice(config.intermediate_size, 2 * config.intermediate_size),
     }
     targets: dict[str, _Target] = {}
-    for row in WEIGHT_MAP:
+    for row in model_family(config.architecture).weight_map:
         ckpt, param, shard = row[column], row[2], row[3]
         if param == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -156,14 +138,14 @@ def _materialise(
     fmt: str,
     dtype: torch.dtype,
     device: torch.device,
-) -> LlamaForCausalLM:
-    """Build the model on meta, then fill its parameters from (name, tensor) pairs.
+) -> nn.Module:
+    """Build the family's model on meta, then fill its parameters from (name, tensor) pairs.
 
     ``tensors`` yields CPU tensors; each is shape-checked against its target
     and copied (with dtype/device conversion) into place.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_family(config.architecture).model_class(config)
     params = {name: p for name, p in model.named_parameters()}
     state = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
     targets = build_targets(config, fmt)
@@ -191,7 +173,7 @@ def _materialise(
         raise ModelLoadError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {_preview(unexpected)}")
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
-    model.rotary.materialize(device)  # non-persistent buffer: computed, not loaded
+    model.init_buffers(device)  # non-persistent buffers: computed, not loaded
     return model.eval()
 
 
@@ -278,8 +260,6 @@ def _hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
 
 # ---- GGUF files -------------------------------------------------------------
 
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
-
 
 def _gguf_reader(path: Path) -> Any:
     import gguf
@@ -312,10 +292,7 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
 def gguf_model_config(reader: Any) -> ModelConfig:
     """Build a ``ModelConfig`` from a ``GGUFReader``'s metadata (and its tensor list)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
-        )
+    family = model_family(arch, what="GGUF architecture", gguf=True)
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -344,7 +321,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias=arch == "qwen2",
+        attention_bias=family.qkv_bias,
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
     )
@@ -376,6 +353,7 @@ def _iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Te
     """Dequantise GGUF tensors one at a time to float32 CPU tensors in HF layout."""
     from gguf import quants
 
+    permuted = model_family(config.architecture).gguf_permuted_qk
     for t in reader.tensors:
         try:
             array = quants.dequantize(t.data, t.tensor_type)
@@ -383,7 +361,7 @@ def _iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Te
             raise ModelLoadError(f"GGUF tensor {t.name!r}: {t.tensor_type.name} is not supported: {exc}") from exc
         # GGUF lists dimensions fastest-first; torch wants them slowest-first.
         array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if config.architecture == "llama":
+        if permuted:
             if t.name.endswith("attn_q.weight"):
                 array = _unpermute_rope_rows(array, config.num_heads)
             elif t.name.endswith("attn_k.weight"):

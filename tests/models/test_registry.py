@@ -1,0 +1,101 @@
+"""The model-family registry: the one list of architectures, and a new family added in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncinfer.errors import InvalidParameterError, ModelLoadError
+from asyncinfer.models import LlamaForCausalLM, ModelConfig, load_model, model_family, register_model_family
+from asyncinfer.models import registry
+from asyncinfer.models.llama import LLAMA_WEIGHT_MAP
+from asyncinfer.models.registry import ModelFamily, supported_architectures
+
+
+@pytest.fixture
+def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Families registered by a test stay in that test."""
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    monkeypatch.setattr(registry, "_NAMES", dict(registry._NAMES))
+
+
+def test_the_built_in_families() -> None:
+    assert supported_architectures() == ("llama", "qwen2", "mistral")
+    assert supported_architectures(gguf=True) == ("llama", "qwen2")
+    for name, hf_name in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                          ("mistral", "MistralForCausalLM")):
+        family = model_family(name)
+        assert model_family(hf_name) is family and family.name == name
+        assert family.model_class is LlamaForCausalLM and family.weight_map is LLAMA_WEIGHT_MAP
+    assert model_family("qwen2").qkv_bias and not model_family("llama").qkv_bias
+    assert model_family("mistral").sliding_window and model_family("llama").gguf_permuted_qk
+
+
+def test_unknown_names_are_refused_with_the_list() -> None:
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2'; supported: llama, qwen2, mistral$"):
+        model_family("gpt2")
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'mistral'; supported: llama, qwen2$"):
+        model_family("mistral", what="GGUF architecture", gguf=True)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'phi3'"):
+        dataclasses.replace(ModelConfig.from_hf_config(SimpleNamespace(**HF_FIELDS)), architecture="phi3")
+
+
+HF_FIELDS = dict(model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64)
+
+
+def test_a_hf_config_names_its_family_by_class_first() -> None:
+    by_class = SimpleNamespace(**{**HF_FIELDS, "model_type": "my-finetune", "architectures": ["Qwen2ForCausalLM"]})
+    cfg = ModelConfig.from_hf_config(by_class)
+    assert cfg.architecture == "qwen2" and cfg.attention_bias  # the family's quirk applies
+    assert ModelConfig.from_hf_config(SimpleNamespace(**HF_FIELDS)).architecture == "llama"
+
+
+def test_a_name_cannot_be_taken_twice(clean_registry) -> None:
+    clash = ModelFamily("llama-copy", LlamaForCausalLM, LLAMA_WEIGHT_MAP, ("LlamaForCausalLM",))
+    with pytest.raises(InvalidParameterError, match="LlamaForCausalLM"):
+        register_model_family(clash)
+    assert model_family("LlamaForCausalLM").name == "llama"
+
+
+class RenamedLlama(LlamaForCausalLM):
+    """A new family: Llama's network, but checkpoints that say "decoder." where Llama's say "model."."""
+
+
+RENAMED_MAP = tuple((hf.replace("model.", "decoder.", 1), gg, param, shard) for hf, gg, param, shard in LLAMA_WEIGHT_MAP)
+
+
+def test_a_new_family_is_one_registration(clean_registry, tmp_path, make_tiny_hf, paged_runner, reference_logits):
+    """Register a family (class + weight map) and a checkpoint naming it loads with its map and class."""
+    register_model_family(ModelFamily("renamed-llama", RenamedLlama, RENAMED_MAP, ("RenamedLlamaForCausalLM",)))
+    hf = make_tiny_hf("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    file = tmp_path / "model.safetensors"
+    save_file({k.replace("model.", "decoder.", 1): v for k, v in load_file(file).items()}, file,
+              metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["RenamedLlamaForCausalLM"]}))
+
+    loaded = load_model(tmp_path, torch.float32, "cpu")
+    assert type(loaded.model) is RenamedLlama and loaded.config.architecture == "renamed-llama"
+    tokens = list(range(5, 30))
+    (ours,) = paged_runner(loaded.model).step([(0, tokens)])
+    torch.testing.assert_close(ours, reference_logits(hf, tokens), atol=1e-4, rtol=0)
+    assert "renamed-llama" not in supported_architectures(gguf=True)  # no GGUF unless it says so
+
+
+def test_a_gguf_of_an_unregistered_architecture_is_refused(tmp_path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'phi3'; supported: llama, qwen2$"):
+        load_model(path, torch.float32, "cpu")
