@@ -13,7 +13,6 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import StepCostModel, StepShape, TraceRequest, simulate, summarize
 from asyncinfer.models.attention.sdpa import SdpaBackend
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import LengthBucketScheduler, SchedulerConfig
 from asyncinfer.step import apply_step
 

@@ -20,13 +20,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -110,22 +111,22 @@ def is_encoder_dir(path: str | Path) -> bool:
 def read_encoder_config(path: str | Path) -> EncoderConfig:
     """The encoder's config from config.json and the sentence-transformers files beside it."""
     path = Path(path)
-    raw = _read_json(path / "config.json")
+    raw = read_json(path / "config.json")
     pooling, normalize = "mean", True
     pooling_file = _pooling_config_file(path)
     if pooling_file is not None:
-        pool = _read_json(pooling_file)
+        pool = read_json(pooling_file)
         modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
         if len(modes) != 1:
             raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
         pooling = modes[0]
-        modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+        modules = read_json(path / "modules.json") if (path / "modules.json").exists() else []
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     max_pos = int(raw.get("max_position_embeddings", 512))
     max_seq_len = max_pos
     st_file = path / "sentence_bert_config.json"
     if st_file.exists():
-        max_seq_len = int(_read_json(st_file).get("max_seq_length") or max_pos)
+        max_seq_len = int(read_json(st_file).get("max_seq_length") or max_pos)
     try:
         return EncoderConfig(
             architecture=str(raw.get("model_type")),
@@ -152,18 +153,11 @@ _POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_to
 def _pooling_config_file(path: Path) -> Path | None:
     modules_file = path / "modules.json"
     if modules_file.exists():
-        for module in _read_json(modules_file):
+        for module in read_json(modules_file):
             if str(module.get("type", "")).endswith("Pooling"):
                 return path / module.get("path", "") / "config.json"
     default = path / "1_Pooling" / "config.json"
     return default if default.exists() else None
-
-
-def _read_json(file: Path) -> Any:
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- the network
@@ -330,14 +324,12 @@ class LoadedEncoder:
 
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedEncoder:
     """Load a sentence encoder from a sentence-transformers / Hugging Face BERT directory."""
-    from asyncinfer.models.loader import _hf_tokenizer, _iter_safetensors, _safetensors_files
-
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"an encoder model must be a directory with config.json and *.safetensors: {path}")
     device = torch.device(device)
     cfg = read_encoder_config(path)
-    tokenizer = _hf_tokenizer(path)
+    tokenizer = load_hf_tokenizer(path)
     if tokenizer is None:
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
     if len(tokenizer) > cfg.vocab_size:
@@ -346,7 +338,7 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         model = SentenceEncoder(cfg)
     params = dict(model.named_parameters())
     filled: dict[str, torch.Tensor] = {}
-    for ckpt_name, tensor in _iter_safetensors(_safetensors_files(path)):
+    for ckpt_name, tensor in iter_safetensors(safetensors_files(path)):
         name = parameter_name(ckpt_name)
         if name is None:
             continue

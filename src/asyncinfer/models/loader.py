@@ -12,7 +12,6 @@ and gate/up land in row slices of the fused params.
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
 from asyncinfer.models.config import ModelConfig, normalise_token_ids
 from asyncinfer.models.registry import model_family
 
@@ -43,8 +43,6 @@ class LoadedModel:
 
 # Checkpoint tensors that are derivable or redundant and safe to skip.
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|rope_freqs\.weight)$")
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -197,9 +195,8 @@ def _hf_model_config(path: Path) -> ModelConfig:
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     config = _merge_generation_eos(_hf_model_config(path), path)
-    files = _safetensors_files(path)
-    model = _materialise(config, _iter_safetensors(files), "hf", dtype, device)
-    return LoadedModel(model, config, _hf_tokenizer(path), f"safetensors:{path.resolve()}")
+    model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device)
+    return LoadedModel(model, config, load_hf_tokenizer(path), f"safetensors:{path.resolve()}")
 
 
 def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
@@ -207,55 +204,13 @@ def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     gen_file = path / "generation_config.json"
     if not gen_file.exists():
         return config
+    generation = read_json(gen_file)
     try:
-        extra = normalise_token_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
-    except (ValueError, TypeError) as exc:
+        extra = normalise_token_ids(generation.get("eos_token_id"))
+    except (AttributeError, ValueError, TypeError) as exc:  # not an object, or ids that are not ints
         raise ModelLoadError(f"cannot read {gen_file}: {exc}") from exc
     merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
     return replace(config, eos_token_ids=merged)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
-        files = [path / f for f in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path}")
-    for f in files:
-        if not f.exists():
-            raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
-    return files
-
-
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # corrupt header, truncated file, ...
-            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
-
-
-def _hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    if not any((path / name).exists() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
 
 
 # ---- GGUF files -------------------------------------------------------------

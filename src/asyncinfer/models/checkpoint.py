@@ -1,0 +1,91 @@
+"""Reading Hugging Face checkpoint directories: JSON files, safetensors shards, the tokenizer.
+
+Shared by the decoder loader (:mod:`asyncinfer.models.loader`) and the sentence
+encoder (:mod:`asyncinfer.models.encoder`). Every failure is a
+:class:`~asyncinfer.errors.ModelLoadError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncinfer.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def read_json(file: Path) -> Any:
+    """The parsed contents of a JSON file.
+
+    Raises:
+        ModelLoadError: the file cannot be read or is not JSON.
+    """
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The ``*.safetensors`` shards of the directory ``path``, as its index lists them (if it has one).
+
+    Raises:
+        ModelLoadError: an unreadable index, no shard at all, or a listed shard that is missing.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"cannot read {index}: no 'weight_map' object")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, CPU tensor)`` for every tensor of the shards, one at a time (memory-mapped).
+
+    Raises:
+        ModelLoadError: a corrupt or truncated shard.
+    """
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # corrupt header, truncated file, ...
+            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+
+
+def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files.
+
+    Raises:
+        ModelLoadError: tokenizer files that transformers cannot load.
+    """
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc

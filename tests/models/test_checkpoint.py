@@ -1,0 +1,44 @@
+"""Checkpoint-directory helpers shared by the decoder loader and the sentence encoder: each failure names its file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+
+
+def test_shards_in_index_order_and_their_tensors(tmp_path) -> None:
+    save_file({"b": torch.ones(2)}, tmp_path / "part-2.safetensors")
+    save_file({"a": torch.zeros(3)}, tmp_path / "part-1.safetensors")
+    weight_map = {"b": "part-2.safetensors", "a": "part-1.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    files = safetensors_files(tmp_path)
+    assert [f.name for f in files] == ["part-1.safetensors", "part-2.safetensors"]
+    assert [(name, t.tolist()) for name, t in iter_safetensors(files)] == [("a", [0.0] * 3), ("b", [1.0] * 2)]
+    assert load_hf_tokenizer(tmp_path) is None  # no tokenizer files
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [("{not json", "cannot read .*index.json"), ("[]", "no 'weight_map'"),
+     ('{"weight_map": {"a": "gone.safetensors"}}', "gone.safetensors listed in the index does not exist")],
+)
+def test_bad_index_files(tmp_path, index: str, message: str) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelLoadError, match=message):
+        safetensors_files(tmp_path)
+
+
+def test_missing_and_corrupt_files(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
+        safetensors_files(tmp_path)
+    with pytest.raises(ModelLoadError, match="cannot read .*missing.json"):
+        read_json(tmp_path / "missing.json")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ModelLoadError, match="cannot read weights from .*bad.safetensors"):
+        list(iter_safetensors([tmp_path / "bad.safetensors"]))
