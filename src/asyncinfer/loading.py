@@ -42,7 +42,7 @@ from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, load_model, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
-from asyncinfer.models.quant import quantized_weight_bytes
+from asyncinfer.models.quant import quantize_int8, weight_bytes
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -164,11 +164,11 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
             config.max_num_batched_tokens,
             f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
         )
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     if config.quantization == "int8":
-        weight_bytes = quantized_weight_bytes(loaded.model, config.quantization_skip)
+        quantize_int8(loaded.model, config.quantization_skip)
+    weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
-    plan = plan_for_engine(config, mc, spec, weight_bytes=weight_bytes, free_bytes=available_memory(config.device))
+    plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
     backend = select_attention_backend(config.device)
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)

@@ -25,6 +25,7 @@ import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
+from asyncinfer.models.quant import weight_bytes
 
 if TYPE_CHECKING:
     from asyncinfer.config import EngineConfig
@@ -139,14 +140,6 @@ def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
     return read(path)
 
 
-def estimate_weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of the weights once loaded: every parameter in the engine's dtype.
-
-    Quantised GGUF weights are dequantised at load, so the file size is no guide.
-    """
-    return model_config.num_params * dtype_bytes
-
-
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     """``max_model_len``, defaulting to the model's context length (checked against it)."""
     limit = model_config.max_position_embeddings
@@ -187,9 +180,9 @@ def plan_memory(
     ``model``: a model directory, a ``.gguf`` file, a :class:`ModelConfig`, or
     ``None`` for the default model. ``options``: the engine options
     (``dtype``, ``device``, ``block_size``, ``kv_cache_memory``, ``kv_cache_fraction``,
-    ``activation_reserve``, ``max_model_len``, ...). ``available_bytes``: memory
-    free *before* loading (default: measured now on the device); the weights,
-    estimated from the config, are subtracted from it.
+    ``activation_reserve``, ``max_model_len``, ``quantization``, ...). ``available_bytes``:
+    memory free *before* loading (default: measured now on the device); the weights,
+    counted from the config as they will be loaded (int8 included), are subtracted from it.
 
     Raises:
         InvalidParameterError: an unknown option or an out-of-range value.
@@ -206,10 +199,11 @@ def plan_memory(
         from asyncinfer.model_source import resolve_model
 
         model_config = read_model_config(resolve_model(model))
-    weight_bytes = estimate_weight_bytes(model_config, config.dtype_bytes)
+    # GGUF weights are dequantised at load, so the file size is no guide: count from the shapes.
+    weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip)
     if available_bytes is None:
         available_bytes = available_memory(config.device)
-    free_bytes = max(0, available_bytes - weight_bytes)
+    free_bytes = max(0, available_bytes - weights)
     spec = KVCacheSpec.from_model_config(model_config, block_size=config.block_size, dtype=config.dtype,
                                          device=config.device)
-    return plan_for_engine(config, model_config, spec, weight_bytes=weight_bytes, free_bytes=free_bytes)
+    return plan_for_engine(config, model_config, spec, weight_bytes=weights, free_bytes=free_bytes)

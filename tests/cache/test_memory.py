@@ -8,8 +8,9 @@ import torch
 from asyncinfer import ConfigurationError, InvalidParameterError
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.memory import MiB, estimate_weight_bytes, plan_kv_cache, plan_memory
+from asyncinfer.memory import MiB, plan_kv_cache, plan_memory
 from asyncinfer.models import ModelConfig
+from asyncinfer.models.quant import weight_bytes
 
 # SmolLM2-135M-Instruct's shapes (the default model).
 SMOLLM2 = ModelConfig(
@@ -33,8 +34,8 @@ def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() ->
                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     with torch.device("meta"):
         reference = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
-    assert SMOLLM2.num_params == reference == 134_515_008
-    assert estimate_weight_bytes(SMOLLM2, 4) == 4 * reference
+    assert weight_bytes(SMOLLM2, 1) == reference == 134_515_008  # one byte a parameter: the parameter count
+    assert weight_bytes(SMOLLM2, 4) == 4 * reference
 
 
 # 2 layers x 2 kv heads x 16 dims, float32, blocks of 4 tokens: 2 KiB per block (K and V).
@@ -78,6 +79,10 @@ def test_plan_memory_before_loading_from_a_model_config() -> None:
     half = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="bfloat16", device="cpu", kv_cache_memory=256 * MiB)
     assert half.weight_bytes == weights // 2 and half.num_blocks == 256 * MiB // 368_640 == 728
     assert half.max_model_len == 8192  # the model's context length by default
+    int8 = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="float32", device="cpu", max_model_len=2048,
+                       kv_cache_fraction=0.5, activation_reserve=256 * MiB, quantization="int8")
+    assert int8.weight_bytes == 328_242_432  # int8 linears and head, float32 down_proj (the default skip)
+    assert int8.num_blocks == int((4 * gib - 328_242_432 - 256 * MiB) * 0.5) // 737_280 > p.num_blocks
     with pytest.raises(ConfigurationError, match="max_model_len=8192"):
         plan_memory(SMOLLM2, available_bytes=4 * gib, device="cpu", kv_cache_memory=64 * MiB, dtype="float32")
     with pytest.raises(InvalidParameterError, match="max_model_len"):

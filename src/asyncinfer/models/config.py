@@ -94,19 +94,6 @@ class ModelConfig:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
-    @property
-    def num_params(self) -> int:
-        """Parameter count computed from the shapes (tied embeddings counted once)."""
-        h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h  # + two RMSNorm weights
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + head
-
     # ---- construction ---------------------------------------------------
 
     @classmethod
