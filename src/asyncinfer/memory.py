@@ -11,8 +11,9 @@ feeds it the engine options. The spec is passed *alongside* the plan, not
 stored in it: the caller that builds the spec (the engine's start-up path)
 hands the same object to the planner, the KV tensors, the block manager and
 the runner. :func:`plan_memory` runs the planner *before* anything is loaded,
-from the model's config alone (weights estimated from the shapes), which is
-what ``AsyncEngine.plan_memory`` exposes.
+from the model's config alone (the weights counted from the shapes by
+``models.quant.weight_bytes``, int8 included, as start-up counts them), which
+is what ``AsyncEngine.plan_memory`` exposes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 class ModelConfig:
     """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral).
 
-    ``architecture`` is the family's registered name. ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
+    ``architecture`` is the family's registered name (``models.registry``).
+    ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
     ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"freq_factors"``) and
     that type's parameters, using the Hugging Face key names.
     ``attention_bias`` means bias on the q/k/v projections only (Qwen2).

@@ -7,7 +7,7 @@ One engine step runs a single forward over ``T`` new tokens that belong to
 each, then sequences with a prefill chunk (one or more tokens, possibly on top
 of a prefix already in the cache). Tokens are concatenated, never padded.
 
-KV cache layout (per layer, one tensor for K and one for V)::
+KV cache layout (``KVCacheSpec.layer_shape``; per layer, one tensor for K and one for V)::
 
     [num_blocks, block_size, num_kv_heads, head_dim]
 
