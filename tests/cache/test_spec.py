@@ -52,6 +52,6 @@ def test_frozen() -> None:
      ("dtype", torch.int8), ("dtype", "float32"), ("device", "cpu")],
 )
 def test_bad_fields_name_the_parameter(field: str, value: object) -> None:
-    good = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32, device=CPU)
+    good = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": 4, "dtype": torch.float32, "device": CPU}
     with pytest.raises(InvalidParameterError, match=field):
         KVCacheSpec(**{**good, field: value})

@@ -6,7 +6,6 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 
 from asyncinfer.errors import ModelLoadError

@@ -12,8 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncinfer.errors import InvalidParameterError, ModelLoadError
-from asyncinfer.models import LlamaForCausalLM, ModelConfig, load_model, model_family, register_model_family
-from asyncinfer.models import registry
+from asyncinfer.models import (
+    LlamaForCausalLM,
+    ModelConfig,
+    load_model,
+    model_family,
+    register_model_family,
+    registry,
+)
 from asyncinfer.models.llama import LLAMA_WEIGHT_MAP
 from asyncinfer.models.registry import ModelFamily, supported_architectures
 
@@ -46,8 +52,9 @@ def test_unknown_names_are_refused_with_the_list() -> None:
         dataclasses.replace(ModelConfig.from_hf_config(SimpleNamespace(**HF_FIELDS)), architecture="phi3")
 
 
-HF_FIELDS = dict(model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64)
+HF_FIELDS = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 64}
 
 
 def test_a_hf_config_names_its_family_by_class_first() -> None:
