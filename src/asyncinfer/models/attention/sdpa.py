@@ -58,12 +58,39 @@ class SdpaBackend(AttentionBackend):
         block_size: int,
         device: torch.device | str,
     ) -> SdpaMetadata:
-        """See :meth:`AttentionBackend.build_metadata`.
+        """Validate the step's Python lists and create every tensor attention needs (see the contract).
 
         Raises:
-            InvalidParameterError: inconsistent lists (see the contract).
+            InvalidParameterError: inconsistent lists (see :func:`_validate`).
         """
-        return SdpaMetadata.from_lists(self, query_lens, context_lens, block_tables, slot_mapping, block_size, device)
+        _validate(query_lens, context_lens, block_tables, slot_mapping, block_size)
+        device = torch.device(device)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        tables = _padded_tables(block_tables, device)  # [num_seqs, width]
+        decode_context_lens, decode_block_tables, decode_mask = _decode_inputs(
+            context_lens[:num_decodes], tables, block_size, device
+        )
+        prefill_slots, prefill_masks = _prefill_inputs(query_lens, context_lens, tables, num_decodes, block_size, device)
+        return SdpaMetadata(
+            backend=self,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),  # [num_tokens]
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            query_start_loc=query_start_loc,
+            block_tables=tables,
+            block_size=block_size,
+            num_decodes=num_decodes,
+            decode_context_lens=decode_context_lens,
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefill_context_slots=prefill_slots,
+            prefill_masks=prefill_masks,
+        )
 
     def forward(  # type: ignore[override]  # takes the metadata this backend builds
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: SdpaMetadata, scale: float
@@ -128,81 +155,52 @@ class SdpaMetadata(AttentionMetadata):
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
 
-    @classmethod
-    def from_lists(
-        cls,
-        backend: SdpaBackend,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        slot_mapping: Sequence[int],
-        block_size: int,
-        device: torch.device | str,
-    ) -> SdpaMetadata:
-        """Validate the step's Python lists and create every tensor attention needs.
 
-        ``context_lens[i]`` counts sequence i's tokens in the cache *after* this
-        step's tokens are written (cached prefix + ``query_lens[i]``).
-        ``block_tables[i]`` lists sequence i's block ids in order; it may be
-        longer than needed. Decode sequences (query_len 1) must come first.
+def _padded_tables(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The block tables as one tensor, right-padded with block 0 (masked wherever it is read)."""
+    width = max((len(bt) for bt in block_tables), default=0)
+    padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(block_tables), width)  # [num_seqs, width]
 
-        Raises:
-            InvalidParameterError: inconsistent lists (see :func:`_validate`).
-        """
-        _validate(query_lens, context_lens, block_tables, slot_mapping, block_size)
-        device = torch.device(device)
-        num_seqs = len(query_lens)
-        num_decodes = 0
-        while num_decodes < num_seqs and query_lens[num_decodes] == 1:
-            num_decodes += 1
 
-        query_start_loc = [0]
-        for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
+def _decode_inputs(
+    decode_lens: Sequence[int], block_tables: torch.Tensor, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context lengths, block tables and key-padding mask of the batched decode call.
 
-        width = max((len(bt) for bt in block_tables), default=0)
-        padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
-        block_tables_t = torch.tensor(padded, dtype=torch.long, device=device).view(num_seqs, width)  # [num_seqs, width]
+    Every decode reads as many whole blocks as the longest one (the padding that
+    :func:`pad_to_longest_block` counts); the mask keeps each to its own context.
+    """
+    num_decodes = len(decode_lens)
+    decode_blocks = -(-max(decode_lens, default=0) // block_size)  # ceil division
+    context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)  # [num_decodes]
+    tables = block_tables[:num_decodes, :decode_blocks].contiguous()  # [num_decodes, decode_blocks]
+    span = decode_blocks * block_size
+    positions = torch.arange(span, device=device)  # [L]
+    mask = (positions[None, :] < context_lens[:, None]).view(num_decodes, 1, 1, span)  # [num_decodes, 1, 1, L]
+    return context_lens, tables, mask
 
-        decode_lens = context_lens[:num_decodes]
-        decode_blocks = -(-max(decode_lens, default=0) // block_size)  # ceil division
-        decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)  # [num_decodes]
-        decode_block_tables = block_tables_t[:num_decodes, :decode_blocks].contiguous()  # [num_decodes, decode_blocks]
-        span = decode_blocks * block_size
-        positions = torch.arange(span, device=device)  # [L]
-        decode_mask = (positions[None, :] < decode_context_lens[:, None]).view(num_decodes, 1, 1, span)  # [num_decodes, 1, 1, L]
 
-        prefill_slots: list[torch.Tensor | None] = []
-        prefill_masks: list[torch.Tensor | None] = []
-        for i in range(num_decodes, num_seqs):
-            qlen, ctx = query_lens[i], context_lens[i]
-            if ctx == qlen:
-                prefill_slots.append(None)
-                prefill_masks.append(None)
-                continue
-            pos = torch.arange(ctx, device=device)  # [ctx]
-            slots = block_tables_t[i, pos // block_size] * block_size + pos % block_size  # [ctx]
-            # Query j sits at absolute position ctx - qlen + j and sees keys up to it.
-            q_pos = torch.arange(ctx - qlen, ctx, device=device)  # [qlen]
-            mask = pos[None, :] <= q_pos[:, None]  # [qlen, ctx]
-            prefill_slots.append(slots)
-            prefill_masks.append(mask)
-
-        return cls(
-            backend=backend,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),  # [num_tokens]
-            query_lens=list(query_lens),
-            context_lens=list(context_lens),
-            query_start_loc=query_start_loc,
-            block_tables=block_tables_t,
-            block_size=block_size,
-            num_decodes=num_decodes,
-            decode_context_lens=decode_context_lens,
-            decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask,
-            prefill_context_slots=prefill_slots,
-            prefill_masks=prefill_masks,
-        )
+def _prefill_inputs(
+    query_lens: Sequence[int], context_lens: Sequence[int], block_tables: torch.Tensor, first: int, block_size: int,
+    device: torch.device,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per prefill chunk (sequences ``first..``): its context's cache slots and its offset-causal mask,
+    or ``(None, None)`` when the chunk is the whole context (plain causal attention on the new k/v)."""
+    slots: list[torch.Tensor | None] = []
+    masks: list[torch.Tensor | None] = []
+    for i in range(first, len(query_lens)):
+        qlen, ctx = query_lens[i], context_lens[i]
+        if ctx == qlen:
+            slots.append(None)
+            masks.append(None)
+            continue
+        pos = torch.arange(ctx, device=device)  # [ctx]
+        slots.append(block_tables[i, pos // block_size] * block_size + pos % block_size)  # [ctx]
+        # Query j sits at absolute position ctx - qlen + j and sees keys up to it.
+        q_pos = torch.arange(ctx - qlen, ctx, device=device)  # [qlen]
+        masks.append(pos[None, :] <= q_pos[:, None])  # [qlen, ctx]
+    return slots, masks
 
 
 def _validate(
