@@ -65,11 +65,9 @@ def decode_rounds(decode_padding) -> list[dict[str, int]]:
     rounds = []
     for _ in range(3):
         out = sched.schedule()
+        sched.kv.commit_step()
         rounds.append(out.num_scheduled_tokens)
-        for rid, n in out.num_scheduled_tokens.items():
-            request = sched.requests[rid]
-            request.num_computed_tokens += n
-            request.output_token_ids.append(0)
+        apply_step(sched, out, 0)
     return rounds[1:]
 
 
