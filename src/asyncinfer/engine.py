@@ -53,6 +53,8 @@ __all__ = ["AsyncEngine", "EngineState", "Prompt"]
 
 
 class EngineState(enum.Enum):
+    """The engine's lifecycle (``engine.state``); ``DEAD`` means the step loop broke."""
+
     CREATED = "created"
     RUNNING = "running"
     CLOSING = "closing"

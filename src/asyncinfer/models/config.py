@@ -90,11 +90,6 @@ class ModelConfig:
         """Width of each of the key and value projection outputs."""
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads sharing one KV head (the GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     # ---- construction ---------------------------------------------------
 
     @classmethod

@@ -1,9 +1,9 @@
-"""Weight-only int8 linear layers for CPUs (the article's section 2.3: move fewer bytes).
+"""Weight-only int8 linear layers for CPUs: decode is bound by the bytes of weights read, so move fewer.
 
 Weights are quantized once, symmetric per output channel; activations are
 quantized per call (dynamic quantization) by PyTorch's x86/fbgemm kernels. On a
 2-core AVX2 machine this runs SmolLM2's projections 3-5x faster than fp32 at
-decode batch sizes (``benchmarks/throughput.py --quantization int8`` measures it).
+decode batch sizes (``benchmarks/throughput.py --int8`` measures it).
 
 Not every layer tolerates int8 equally: ``skip`` keeps named layers in the
 engine dtype. ``benchmarks/int8_sensitivity.py`` measures each choice; on SmolLM2-135M
