@@ -79,6 +79,8 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         retry = getattr(exc, "retry_after", None) or 1
         return APIError(503, f"The server is overloaded: {exc}", type="server_error", code="overloaded",
                         headers={"retry-after": str(max(1, round(retry)))})
+    if _is_template_error(exc):  # e.g. a template's raise_exception("roles must alternate")
+        return APIError(400, f"The model's chat template refused these messages: {exc}", param=rename("prompt"))
     if isinstance(exc, InvalidParameterError):
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
@@ -94,3 +96,11 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
     log.error("request %s failed", request_id, exc_info=exc)
     return APIError(500, f"The server had an error while processing your request (request id {request_id}).",
                     type="server_error", code="internal_error")
+
+
+def _is_template_error(exc: BaseException) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no jinja2, no chat templates
+        return False
+    return isinstance(exc, TemplateError)

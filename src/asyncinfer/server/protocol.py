@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server.errors import APIError
 
@@ -102,11 +103,17 @@ class _Common:
     include_usage: bool
     priority: int | None
     sampling: dict[str, Any]  # SamplingParams keywords, max_tokens possibly missing
+    max_tokens_field: str  # the body field that set max_tokens ("max_completion_tokens" in chat)
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
         """The request's parameters; without a token limit it may run to the model's context length."""
         kw = self.sampling if "max_tokens" in self.sampling else {**self.sampling, "max_tokens": max_model_len}
-        return SamplingParams(**kw)
+        try:
+            return SamplingParams(**kw)
+        except InvalidParameterError as exc:
+            if exc.parameter == "max_tokens":
+                raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
+            raise
 
     @property
     def n(self) -> int:
@@ -127,7 +134,7 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
         include_usage = options.get("include_usage") is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
     return dict(model=model, user=user, stream=stream, include_usage=include_usage, priority=priority,
-                sampling=sampling)
+                sampling=sampling, max_tokens_field="max_tokens")
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,7 @@ def parse_chat(body: Any) -> ChatRequest:
     common = _common(fields)
     if "max_completion_tokens" in fields:
         common["sampling"]["max_tokens"] = fields["max_completion_tokens"]
+        common["max_tokens_field"] = "max_completion_tokens"
     want = _typed(fields, "logprobs", bool, "a boolean")
     top = fields.get("top_logprobs")
     if top is not None and not want:
@@ -226,13 +234,13 @@ def completion_prompts(value: Any) -> list[str | list[int]]:
     """A prompt, a list of prompts, token ids, or a list of token-id lists, as a list of prompts."""
     if isinstance(value, str):
         return [value]
+    if _is_ids(value):
+        return [list(value)]
     if isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS:
         if all(isinstance(p, str) for p in value):
             return list(value)
         if all(_is_ids(p) for p in value):
             return [list(p) for p in value]
-        if _is_ids(value):
-            return [list(value)]
     raise _bad("prompt", f"`prompt` must be a string, a list of 1 to {MAX_PROMPTS} strings, a list of token ids, "
                          "or a list of token-id lists.")
 

@@ -243,6 +243,13 @@ class _OpenAI:
             priority = self.settings.user_priorities.get(body.user or "", 0)
         return {"priority": priority, "cache_salt": call.cache_salt, "model": model}
 
+    @staticmethod
+    def _request_ids(body: ChatRequest | CompletionRequest, call: _Call, count: int) -> list[str]:
+        """The engine's request ids: ``user/<call id>`` with a ``user``, the tenant convention
+        per-tenant schedulers read (examples/custom_scheduler.py); one per prompt."""
+        base = f"{body.user.replace('/', '%2F')}/{call.id}" if body.user else call.id
+        return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+
     def _reply(self, chat: bool, call: _Call, body: ChatRequest | CompletionRequest, model: str,
                want_logprobs: bool) -> Reply:
         engine = self.engine()
@@ -255,16 +262,17 @@ class _OpenAI:
         params = body.sampling_params(info.memory_plan.max_model_len)
         reply = self._reply(True, call, body, model, params.logprobs is not None)
         args = self._engine_args(body, call, model)
+        (request_id,) = self._request_ids(body, call, 1)
         if not body.stream:
             out = await unless_disconnected(
-                call.request, engine.generate(body.messages, params, request_id=call.id, **args))
+                call.request, engine.generate(body.messages, params, request_id=request_id, **args))
             choices = [reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
             return _json(reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
         prompt: Any = body.messages
         if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
             prompt = await _off_loop_if_long(sum(len(m["content"]) for m in body.messages),
                                              lambda: engine.apply_chat_template(body.messages, model=model))
-        stream = engine.stream(prompt, params, request_id=call.id, **args)
+        stream = engine.stream(prompt, params, request_id=request_id, **args)
         return await self._stream(call, reply, [stream], params.n, len(prompt) if body.include_usage else 0)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
@@ -273,7 +281,7 @@ class _OpenAI:
         params = body.sampling_params(info.memory_plan.max_model_len)
         reply = self._reply(False, call, body, model, params.logprobs is not None)
         args = self._engine_args(body, call, model)
-        ids = [call.id] if len(body.prompts) == 1 else [f"{call.id}-{i}" for i in range(len(body.prompts))]
+        ids = self._request_ids(body, call, len(body.prompts))
         if not body.stream:
             outs = await unless_disconnected(call.request, gather_all(
                 [engine.generate(p, params, request_id=rid, **args) for p, rid in zip(body.prompts, ids)]))
