@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.schedulers import FIFOScheduler
 from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, create_app
 
 from .conftest import TINY_OPTIONS, LiveServer
@@ -109,3 +110,26 @@ def test_keys_from_the_environment_and_settings_checks() -> None:
         ServerSettings(api_keys="one-key")
     with pytest.raises(InvalidParameterError, match="max_body_bytes"):
         ServerSettings(max_body_bytes=10)
+
+
+class RecordingScheduler(FIFOScheduler):
+    """FIFO that remembers the id and priority of every request it is given."""
+
+    seen: list[tuple[str, int]] = []
+
+    def add_request(self, request):
+        RecordingScheduler.seen.append((request.request_id, request.priority))
+        super().add_request(request)
+
+
+def test_user_and_priority_reach_the_scheduler(tiny_models) -> None:
+    settings = ServerSettings(user_priorities={"vip": -5})
+    options = {**TINY_OPTIONS, "scheduler": RecordingScheduler}
+    RecordingScheduler.seen.clear()
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", options), settings)) as live:
+        for extra in ({"user": "vip"}, {"user": "bob"}, {"user": "vip", "priority": 3}, {"user": "a/b"}, {}):
+            assert httpx.post(live.url + "/v1/completions", json={**TEXT, **extra}).status_code == 200
+    seen = [(rid.split("/cmpl-")[0] if "/cmpl-" in rid else None, prio) for rid, prio in RecordingScheduler.seen
+            if rid != "warm-up"]
+    # The user is the request id's tenant prefix (the convention of examples/custom_scheduler.py).
+    assert seen == [("vip", -5), ("bob", 0), ("vip", 3), ("a%2Fb", 0), (None, 0)]

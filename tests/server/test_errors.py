@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -70,6 +72,7 @@ CASES = [
     ("text", {"suffix": "!"}, 400, "suffix", UNSUPPORTED),
     ("text", {"best_of": 3}, 400, "best_of", UNSUPPORTED),
     ("text", {"messages": MESSAGES}, 400, "messages", None),
+    ("text", {"prompt": ["a"] * 5, "n": 64}, 400, "n", None),  # 320 completions in one call
     ("embed", {"input": [1, 2, 3]}, 400, "input", UNSUPPORTED),
     ("embed", {"input": []}, 400, "input", None),
     ("embed", {"input": None}, 400, "input", None),
@@ -166,6 +169,17 @@ def test_a_dead_engine_is_a_500_and_health_says_so(tiny_chat_model) -> None:
     engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", scheduler=ExplodingScheduler, **TINY_OPTIONS)
     with LiveServer(create_app(engine)) as live, httpx.Client(base_url=live.url) as http:
         assert http.post("/v1/completions", json={**TEXT, "prompt": [5, 6]}).status_code == 200
+        # A stream already answered 200 when the engine dies: the error comes as an event, the stream ends.
+        long = {**TEXT, "prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=long) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            killer = httpx.post(live.url + "/v1/completions", json={**TEXT, "prompt": [317, 6]})
+            events = [line for line in lines if line]
+        assert killer.status_code == 500
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert (error["type"], error["code"]) == ("server_error", "internal_error") and "[DONE]" not in events[-1]
         r = http.post("/v1/completions", json={**TEXT, "prompt": [317, 6]})
         error = check_error(r, 500, None, "internal_error")
         assert r.headers["x-request-id"] in error["message"] and "scheduler bug" not in error["message"]

@@ -36,6 +36,7 @@ def test_metrics_are_the_engines_figures(server) -> None:
     assert got[("asyncinfer_embedding_texts_total", minilm)] == emb.num_texts >= 2
     assert got[("asyncinfer_requests_in_flight", ())] == 0
     assert ("asyncinfer_kv_blocks", minilm) not in got  # an embedding model has no KV cache
+    assert got[("process_resident_memory_bytes", ())] > 100 * 2**20
     answers = {labels: v for (name, labels), v in got.items() if name == "asyncinfer_http_responses_total"}
     assert answers[(("route", "/v1/completions"), ("status", "404"))] >= 1
     assert answers[(("route", "/v1/embeddings"), ("status", "200"))] >= 1

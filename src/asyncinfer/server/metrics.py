@@ -3,7 +3,7 @@
 Until the engine grows its own metrics, these are what it reports already: the
 KV cache (``kv_stats``), the step counters (``step_stats``), the embedding
 batchers (``embedding_stats``), the requests in flight, plus the HTTP layer's
-own count of answers by route and status. Each router has its own registry
+own count of answers by route and status, and the process's memory and CPU time. Each router has its own registry
 (nothing process-global), so two apps in one process never mix their figures.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from asyncinfer.engine import AsyncEngine
@@ -85,6 +85,7 @@ class EngineCollector:
 def metrics_registry(engine: Callable[[], AsyncEngine], answers: Counter[tuple[str, int]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, answers))
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, cpu seconds (Linux)
     return registry
 
 

@@ -26,6 +26,7 @@ from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server.errors import APIError
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
+MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
 
 # SamplingParams fields a body may set under the same name.
@@ -227,7 +228,11 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise _bad("best_of", "`best_of` is not supported by this server (only equal to `n`).", "unsupported_parameter")
     if "prompt" not in fields:
         raise _bad("prompt", "Missing required parameter: 'prompt'.")
-    return CompletionRequest(**common, prompts=completion_prompts(fields["prompt"]))
+    request = CompletionRequest(**common, prompts=completion_prompts(fields["prompt"]))
+    if len(request.prompts) * request.n > MAX_SAMPLES:
+        raise _bad("n", f"At most {MAX_SAMPLES} completions per request (prompts x n), got "
+                        f"{len(request.prompts)} x {request.n}.")
+    return request
 
 
 def completion_prompts(value: Any) -> list[str | list[int]]:
