@@ -29,6 +29,7 @@ from asyncinfer.errors import EngineClosedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS
+from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.errors import APIError, from_exception, not_found, unauthorized
 from asyncinfer.server.metrics import exposition, metrics_registry
@@ -81,6 +82,16 @@ class _Call:
     id: str
     request: Request
     cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class _Generation:
+    engine: AsyncEngine
+    model: str
+    params: SamplingParams
+    reply: Reply
+    args: dict[str, Any]  # generate()/stream() keywords: priority, cache_salt, model
+    ids: list[str]  # the engine's request ids, one per prompt
 
 
 class _OpenAI:
@@ -237,66 +248,56 @@ class _OpenAI:
         return card
 
     # -------------------------------------------------------------- generation
-    def _engine_args(self, body: ChatRequest | CompletionRequest, call: _Call, model: str) -> dict[str, Any]:
+    def _generation(self, body: ChatRequest | CompletionRequest, call: _Call, chat: bool, count: int) -> _Generation:
+        """What a generation call needs: its model, parameters, reply builder, engine arguments and ids."""
+        engine = self.engine()
+        model, info = self._pick(body.model, "generate")
+        params = body.sampling_params(info.memory_plan.max_model_len)
+        want_logprobs = params.logprobs is not None
+        tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
+        reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage)
         priority = body.priority
         if priority is None:
             priority = self.settings.user_priorities.get(body.user or "", 0)
-        return {"priority": priority, "cache_salt": call.cache_salt, "model": model}
-
-    @staticmethod
-    def _request_ids(body: ChatRequest | CompletionRequest, call: _Call, count: int) -> list[str]:
-        """The engine's request ids: ``user/<call id>`` with a ``user``, the tenant convention
-        per-tenant schedulers read (examples/custom_scheduler.py); one per prompt."""
+        # With a ``user``, request ids are ``user/<call id>``: the tenant convention that per-tenant
+        # schedulers read (examples/custom_scheduler.py). One id per prompt.
         base = f"{body.user.replace('/', '%2F')}/{call.id}" if body.user else call.id
-        return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
-
-    def _reply(self, chat: bool, call: _Call, body: ChatRequest | CompletionRequest, model: str,
-               want_logprobs: bool) -> Reply:
-        engine = self.engine()
-        tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
-        return Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage)
+        ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+        return _Generation(engine, model, params, reply,
+                           {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
-        engine = self.engine()
-        model, info = self._pick(body.model, "generate")
-        params = body.sampling_params(info.memory_plan.max_model_len)
-        reply = self._reply(True, call, body, model, params.logprobs is not None)
-        args = self._engine_args(body, call, model)
-        (request_id,) = self._request_ids(body, call, 1)
+        g = self._generation(body, call, True, 1)
         if not body.stream:
             out = await unless_disconnected(
-                call.request, engine.generate(body.messages, params, request_id=request_id, **args))
-            choices = [reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
-            return _json(reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
+                call.request, g.engine.generate(body.messages, g.params, request_id=g.ids[0], **g.args))
+            choices = [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
+            return _json(g.reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
         prompt: Any = body.messages
         if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
             prompt = await _off_loop_if_long(sum(len(m["content"]) for m in body.messages),
-                                             lambda: engine.apply_chat_template(body.messages, model=model))
-        stream = engine.stream(prompt, params, request_id=request_id, **args)
-        return await self._stream(call, reply, [stream], params.n, len(prompt) if body.include_usage else 0)
+                                             lambda: g.engine.apply_chat_template(body.messages, model=g.model))
+        stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
+        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
-        engine = self.engine()
-        model, info = self._pick(body.model, "generate")
-        params = body.sampling_params(info.memory_plan.max_model_len)
-        reply = self._reply(False, call, body, model, params.logprobs is not None)
-        args = self._engine_args(body, call, model)
-        ids = self._request_ids(body, call, len(body.prompts))
+        g = self._generation(body, call, False, len(body.prompts))
+        n = g.params.n
         if not body.stream:
             outs = await unless_disconnected(call.request, gather_all(
-                [engine.generate(p, params, request_id=rid, **args) for p, rid in zip(body.prompts, ids)]))
-            choices = [reply.choice(i * params.n + c.index, c.text, c.logprobs, c.finish_reason)
+                [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
+            choices = [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
                        for i, out in enumerate(outs) for c in out.outputs]
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
-            return _json(reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
+            return _json(g.reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
         if body.include_usage:  # count the prompts here, and hand the engine the very ids counted
-            tokenizer = _engine.generator_tokenizer(engine, model)
+            tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             prompts = [p if isinstance(p, list) or tokenizer is None else
                        await _off_loop_if_long(len(p), lambda p=p: list(tokenizer.encode(p))) for p in prompts]
-        streams = [engine.stream(p, params, request_id=rid, **args) for p, rid in zip(prompts, ids)]
+        streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
         prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
-        return await self._stream(call, reply, streams, params.n, prompt_tokens)
+        return await self._stream(call, g.reply, streams, n, prompt_tokens)
 
     async def _stream(self, call: _Call, reply: Reply, streams: Sequence[AsyncIterator[StreamDelta]], n: int,
                       prompt_tokens: int) -> Response:
