@@ -24,8 +24,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from asyncinfer.server import ModelSpec
 from asyncinfer.serve_ray import openai_app
+from asyncinfer.server import ModelSpec
 
 
 def deploy(args: argparse.Namespace) -> str:

@@ -27,7 +27,8 @@ def free_port() -> int:
 
 def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir) -> None:
     port = free_port()
-    env = {**os.environ, "ASYNCINFER_API_KEY": "from-env", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "ASYNCINFER_API_KEY": "from-env", "PYTHONPATH": path}
     command = [sys.executable, "-m", "asyncinfer.cli", "serve", str(tiny_chat_model), "--served-model-name", "tiny",
                "--embedding-model", str(minilm_dir), "--host", "127.0.0.1", "--port", str(port),
                "--api-key", "from-flag", "--max-model-len", "512", "--kv-cache-memory", str(4 * 1024 * 1024),

@@ -31,7 +31,8 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, route) -> Non
     server.wait_idle()
     before = decoded(server)
     body = {"model": "tiny", "max_tokens": LONG, "stream": True, "ignore_eos": True}
-    body |= {"prompt": "The quick brown fox"} if "chat" not in route else {"messages": [{"role": "user", "content": "Hi"}]}
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    body |= chat if "chat" in route else {"prompt": "The quick brown fox"}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", route, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()

@@ -27,7 +27,8 @@ def test_metrics_are_the_engines_figures(server) -> None:
     assert http.post("/v1/embeddings", json={"model": "minilm", "input": ["a", "b"]}).status_code == 200
     assert http.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
     got = scrape(server.url)
-    kv, steps, emb = server.engine.kv_stats("ids"), server.engine.step_stats("ids"), server.engine.embedding_stats("minilm")
+    engine = server.engine
+    kv, steps, emb = engine.kv_stats("ids"), engine.step_stats("ids"), engine.embedding_stats("minilm")
     ids, minilm = (("model", "ids"),), (("model", "minilm"),)
     assert got[("asyncinfer_kv_blocks", ids)] == kv.num_blocks
     assert got[("asyncinfer_kv_blocks_used", ids)] == 0

@@ -14,7 +14,8 @@ import torch
 
 from asyncinfer import SamplingParams
 
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is the capital of France?"}]
 GREEDY = dict(max_tokens=12)
 
 

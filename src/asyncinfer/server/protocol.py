@@ -251,7 +251,8 @@ def completion_prompts(value: Any) -> list[str | list[int]]:
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     texts = [value] if isinstance(value, str) else value
     if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
         raise _bad("input", "Token-id input is not supported by this server: send the text.", "unsupported_parameter")
-    if not (isinstance(texts, list) and 0 < len(texts) <= MAX_EMBED_INPUTS and all(isinstance(t, str) for t in texts)):
+    if not (isinstance(texts, list) and 0 < len(texts) <= MAX_EMBED_INPUTS
+            and all(isinstance(t, str) for t in texts)):
         raise _bad("input", f"`input` must be a string or a list of 1 to {MAX_EMBED_INPUTS} strings.")
     return EmbeddingRequest(model, list(texts), fmt == "base64", dimensions)
