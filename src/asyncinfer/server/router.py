@@ -171,7 +171,8 @@ class _OpenAI:
         if scheme.lower() != "bearer" or not token:
             raise unauthorized(got_key=False)
         given = token.encode()
-        if not any(hmac.compare_digest(given, key.encode()) for key in keys):  # every key, in constant time
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]  # each compared, in constant time
+        if not any(matches):
             raise unauthorized(got_key=True)
         return token
 
