@@ -5,6 +5,7 @@
     asyncinfer info                                     # model, memory plan and options
     asyncinfer embed "first text" "second text"         # sentence embeddings (all-MiniLM-L6-v2)
     asyncinfer lab --synthetic 200                      # compare schedulers on a simulated trace
+    asyncinfer serve MODEL --port 8000                  # an OpenAI-compatible HTTP server (asyncinfer[server])
 """
 
 from __future__ import annotations
@@ -237,6 +238,45 @@ async def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, create_app, run_server
+    except ImportError as exc:
+        print(f"asyncinfer: error: {exc.name} is missing: pip install 'asyncinfer[server]'", file=sys.stderr)
+        return 2
+    model = args.model_arg or args.model
+    options = _engine_options(args)
+    if args.scheduler is not None:
+        options["scheduler"] = args.scheduler
+    specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
+    if args.embedding_model:
+        specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
+                               {"device": args.device}))
+    for spec in specs:  # a bad path or option fails here, in a line, not in the server's start-up log
+        AsyncEngine.plan_memory(spec.model, **spec.options)
+    settings = ServerSettings(api_keys=(*api_keys_from_env(), *args.api_key), max_body_bytes=args.max_body_bytes,
+                              cache_isolation=args.cache_isolation, tenant_header=args.tenant_header)
+    run_server(create_app(specs, settings), args.host, args.port, args.log_level)
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    _add_engine_args(p)
+    p.add_argument("--served-model-name", default=None, help="its name in requests (default: file or dir name)")
+    p.add_argument("--embedding-model", default=None, help="also serve this sentence encoder on /v1/embeddings")
+    p.add_argument("--scheduler", default=None, help="fifo | length-bucket | aging-priority | pd-split | ...")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--cache-isolation", default="off", choices=("off", "api-key", "header"),
+                   help="share cached prompt prefixes only within one API key or one tenant header value")
+    p.add_argument("--tenant-header", default="x-tenant-id", help="the header --cache-isolation header reads")
+    p.add_argument("--log-level", default="info")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)")
     _add_lab_args(lab)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (asyncinfer[server])")
+    _add_serve_args(serve)
     return parser
 
 
@@ -272,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return _lab(args)
         if args.command == "embed":
             return asyncio.run(_embed(args))
+        if args.command == "serve":
+            return _serve(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)

@@ -1,0 +1,42 @@
+"""Your own FastAPI app with the OpenAI routes in it: one engine in the lifespan, one route of yours.
+
+    python examples/openai_server.py --model PATH --host 127.0.0.1 --port 8000
+    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+import argparse
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.server import openai_router
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+parser.add_argument("--host", default="127.0.0.1")
+parser.add_argument("--port", type=int, default=8000)
+args = parser.parse_args()
+
+engine = AsyncEngine.from_pretrained(args.model)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    async with engine:  # started on uvicorn's loop; in-flight requests finish at shutdown
+        yield
+
+
+app = FastAPI(lifespan=lifespan)
+app.include_router(openai_router(engine))  # /v1/chat/completions, /v1/completions, /v1/models, /health, ...
+
+
+@app.get("/haiku")
+async def haiku(topic: str = "autumn") -> dict:
+    out = await engine.generate([{"role": "user", "content": f"A haiku about {topic}."}], SamplingParams(max_tokens=48))
+    return {"haiku": out.text}
+
+
+if __name__ == "__main__":
+    uvicorn.run(app, host=args.host, port=args.port)

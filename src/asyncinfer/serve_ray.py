@@ -1,0 +1,128 @@
+"""Scale-out on Ray Serve (``pip install 'asyncinfer[ray]'``): replicas, each one engine behind the OpenAI router.
+
+One machine is one engine; beyond it, replicas. Each replica is a Ray actor
+that loads its own :class:`~asyncinfer.AsyncEngine` (one copy of each model) and
+serves :func:`~asyncinfer.server.create_app` as its ingress. Ray Serve's proxy
+routes requests to the replicas and, with ``autoscaling_config``, adds and
+removes replicas with the load. Every response names its replica in the
+``X-Asyncinfer-Instance`` header.
+
+    from ray import serve
+    from asyncinfer.serve_ray import openai_app
+    from asyncinfer.server import ModelSpec
+
+    serve.run(openai_app(ModelSpec("/models/llama", "llama"), num_replicas=4), route_prefix="/")
+
+A model swap is a ``user_config`` change, ``{"model": PATH, "options": {...}}``:
+redeploying with a new one makes Ray call each replica's ``reconfigure``, a
+bounded number of replicas at a time (``rolling_update_percentage``: one at a
+time below ten replicas), and each replica swaps with
+:meth:`~asyncinfer.AsyncEngine.swap_model`, serving the old version until the
+new one is loaded. See docs/scale_out.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+
+from asyncinfer.server import ModelSpec, ServerSettings, create_app
+from asyncinfer.server.settings import model_specs
+
+__all__ = ["OpenAIReplica", "build", "openai_app"]
+
+log = logging.getLogger("ray.serve")  # Ray Serve writes this logger to the replica's log
+
+
+@serve.ingress()
+class OpenAIReplica:
+    """One replica: one engine with ``models`` loaded, serving the OpenAI routes."""
+
+    async def __init__(self, models: ModelSpec | Sequence[ModelSpec], settings: ServerSettings | None = None) -> None:
+        # Ray's wrapper class owns ``app`` and friends: these names stay clear of it.
+        self._specs = model_specs(models)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self._server = create_app(self._specs, dataclasses.replace(settings or ServerSettings(), instance_id=replica))
+        self._loaded = self._specs[0].model
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._server
+
+    async def reconfigure(self, config: Mapping[str, Any]) -> None:
+        """Swap the first model to ``config["model"]`` (with ``config["options"]``) unless it is loaded already."""
+        model = config.get("model")
+        if model is None or model == self._loaded:
+            return
+        await self._server.state.engine.swap_model(model, name=self._specs[0].name, **dict(config.get("options") or {}))
+        log.info("swapped %s from %s to %s", self._specs[0].name, self._loaded, model)
+        self._loaded = model
+
+
+def openai_app(
+    models: ModelSpec | Sequence[ModelSpec],
+    settings: ServerSettings | None = None,
+    *,
+    name: str = "asyncinfer",
+    num_replicas: int | str | None = 1,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    max_ongoing_requests: int = 64,
+    user_config: Mapping[str, Any] | None = None,
+) -> Application:
+    """A Ray Serve application of OpenAI-compatible replicas, for ``serve.run(...)``.
+
+    ``models`` and ``settings`` are what :func:`~asyncinfer.server.create_app` takes
+    (every replica loads them). ``num_replicas`` is a fixed count, or ``"auto"``
+    / ``None`` with ``autoscaling_config`` (Ray Serve's: ``min_replicas``,
+    ``max_replicas``, ``target_ongoing_requests``, ...). ``ray_actor_options``
+    sizes each replica (``num_cpus``, ``num_gpus``, ``memory``).
+    ``max_ongoing_requests`` caps the requests Ray hands one replica at once; the
+    engine batches them. ``user_config``: ``{"model": ..., "options": {...}}``
+    swaps the first model on every replica, rolling (see the module docstring).
+    """
+    options: dict[str, Any] = {"name": name, "max_ongoing_requests": max_ongoing_requests}
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = dict(autoscaling_config)
+    if num_replicas is not None and autoscaling_config is None:
+        options["num_replicas"] = num_replicas
+    if ray_actor_options is not None:
+        options["ray_actor_options"] = dict(ray_actor_options)
+    specs = model_specs(models)
+    if user_config is not None:
+        options["user_config"] = dict(user_config)
+        if user_config.get("model") is not None:  # new replicas load it at once; reconfigure has nothing to do
+            first = specs[0]
+            options_now = {**first.options, **dict(user_config.get("options") or {})}
+            specs = (ModelSpec(user_config["model"], first.name, options_now), *specs[1:])
+    return serve.deployment(OpenAIReplica, **options).bind(specs, settings)
+
+
+def build(args: Mapping[str, Any]) -> Application:
+    """The application builder for Ray Serve's config files and ``serve run``:
+
+        serve run asyncinfer.serve_ray:build model=/models/llama name=llama num_replicas=2
+
+    ``args``: ``model``, ``name`` (default: the model's file name), ``options`` (engine
+    options), ``embedding_model``, ``num_replicas``, ``autoscaling_config``,
+    ``ray_actor_options``, ``max_ongoing_requests``, ``api_keys``, ``cache_isolation``.
+    Deployed from a config file, a later change of the deployment's ``user_config``
+    alone (``{"model": ...}``) reconfigures the running replicas in place, rolling:
+    each swaps its model hot (:meth:`~asyncinfer.AsyncEngine.swap_model`).
+    """
+    model = args.get("model")
+    specs = [ModelSpec(model, args.get("name") or ModelSpec.served_name(model), dict(args.get("options") or {}))]
+    if args.get("embedding_model"):
+        specs.append(ModelSpec(args["embedding_model"], ModelSpec.served_name(args["embedding_model"])))
+    settings = ServerSettings(api_keys=tuple(args.get("api_keys") or ()),
+                              cache_isolation=args.get("cache_isolation", "off"))
+    kwargs = {key: args[key] for key in ("num_replicas", "autoscaling_config", "ray_actor_options",
+                                          "max_ongoing_requests") if key in args}
+    if isinstance(kwargs.get("num_replicas"), str) and kwargs["num_replicas"].isdigit():
+        kwargs["num_replicas"] = int(kwargs["num_replicas"])
+    return openai_app(specs, settings, **kwargs)

@@ -1,0 +1,285 @@
+"""Request bodies of the OpenAI API, checked and mapped onto the engine's arguments.
+
+A body is a JSON object. Its fields fall in four groups, per endpoint:
+
+- mapped: turned into :class:`SamplingParams` or the engine call's arguments;
+- asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+  ``priority``), sent by OpenAI clients through ``extra_body``;
+- ignored: OpenAI fields that change nothing here (``store``, ``metadata``, ...);
+- neutral only: OpenAI features this server lacks (tools, JSON mode, ``logit_bias``,
+  ``echo``, ...). Their "off" value is accepted; anything else is a 400 naming the
+  field, so a client never silently gets something other than what it asked for.
+
+Any other field is a 400 ("Unrecognized request argument supplied"), as OpenAI
+answers. Value ranges are :class:`SamplingParams`'s own checks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.server.errors import APIError
+
+MAX_PROMPTS = 256  # prompts in one /v1/completions body
+MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
+MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
+
+# SamplingParams fields a body may set under the same name.
+_SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+             "top_k", "min_p", "repetition_penalty", "ignore_eos")
+_COMMON = ("model", "user", "stream", "stream_options", "priority", *_SAMPLING)
+
+_CHAT = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs")
+_CHAT_IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                 "prompt_cache_retention", "safety_identifier", "reasoning_effort", "verbosity")
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
+
+_COMPLETION = (*_COMMON, "prompt", "logprobs", "best_of")
+_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+_EMBEDDING = ("model", "input", "encoding_format", "dimensions", "user")
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _bad(param: str, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
+            neutral: Mapping[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+    """The body's mapped fields (``None`` values dropped); refuses unknown and non-neutral ones."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    neutral = neutral or {}
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in neutral:
+            if not any(value == ok and type(value) is type(ok) for ok in neutral[key]):
+                accepted = " or ".join(json.dumps(ok) for ok in neutral[key])
+                raise _bad(key, f"`{key}` is not supported by this server (accepted: {accepted}).",
+                           "unsupported_parameter")
+        elif key in allowed:
+            if value is not None:
+                out[key] = value
+        elif key not in ignored:
+            raise _bad(key, f"Unrecognized request argument supplied: {key}")
+    return out
+
+
+def _typed(fields: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = fields.get(key)
+    if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is int)):
+        raise _bad(key, f"`{key}` must be {what}, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class _Common:
+    """What every generation endpoint shares."""
+
+    model: str | None
+    user: str | None
+    stream: bool
+    include_usage: bool
+    priority: int | None
+    sampling: dict[str, Any]  # SamplingParams keywords, max_tokens possibly missing
+    max_tokens_field: str  # the body field that set max_tokens ("max_completion_tokens" in chat)
+
+    def sampling_params(self, max_model_len: int) -> SamplingParams:
+        """The request's parameters; without a token limit it may run to the model's context length."""
+        kw = self.sampling if "max_tokens" in self.sampling else {**self.sampling, "max_tokens": max_model_len}
+        try:
+            return SamplingParams(**kw)
+        except InvalidParameterError as exc:
+            if exc.parameter == "max_tokens":
+                raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
+            raise
+
+    @property
+    def n(self) -> int:
+        n = self.sampling.get("n", 1)
+        return n if isinstance(n, int) else 1
+
+
+def _common(fields: dict[str, Any]) -> dict[str, Any]:
+    model = _typed(fields, "model", str, "a string")
+    user = _typed(fields, "user", str, "a string")
+    stream = bool(_typed(fields, "stream", bool, "a boolean"))
+    priority = _typed(fields, "priority", int, "an integer")
+    options = _typed(fields, "stream_options", dict, "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
+        include_usage = options.get("include_usage") is True
+    sampling = {k: fields[k] for k in _SAMPLING if k in fields}
+    return dict(model=model, user=user, stream=stream, include_usage=include_usage, priority=priority,
+                sampling=sampling, max_tokens_field="max_tokens")
+
+
+@dataclass(frozen=True)
+class ChatRequest(_Common):
+    """A checked ``/v1/chat/completions`` body."""
+
+    messages: list[dict[str, str]]
+    top_logprobs: int | None  # the engine's ``logprobs`` when the body asked for them
+
+    @staticmethod
+    def rename(parameter: str) -> str:
+        """The body field an engine parameter name stands for."""
+        if parameter == "prompt":
+            return "messages"
+        if parameter.startswith("prompt["):
+            return "messages.[" + parameter.removeprefix("prompt[")
+        return {"logprobs": "top_logprobs"}.get(parameter, parameter)
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    fields = _fields(body, _CHAT, _CHAT_IGNORED, _CHAT_NEUTRAL)
+    common = _common(fields)
+    if "max_completion_tokens" in fields:
+        common["sampling"]["max_tokens"] = fields["max_completion_tokens"]
+        common["max_tokens_field"] = "max_completion_tokens"
+    want = _typed(fields, "logprobs", bool, "a boolean")
+    top = fields.get("top_logprobs")
+    if top is not None and not want:
+        raise _bad("top_logprobs", "`top_logprobs` requires `logprobs` to be true.")
+    if want:
+        common["sampling"]["logprobs"] = 0 if top is None else top
+    if "messages" not in fields:
+        raise _bad("messages", "Missing required parameter: 'messages'.")
+    return ChatRequest(**common, messages=chat_messages(fields["messages"]), top_logprobs=top)
+
+
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """OpenAI messages as the engine's ``{"role", "content"}`` dicts (text parts joined by newlines)."""
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", "`messages` must be a non-empty list of messages.")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages.[{i}]"
+        if not isinstance(message, dict):
+            raise _bad(where, f"`{where}` must be an object with `role` and `content`.")
+        role = message.get("role")
+        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+            raise _bad(where, "Tool and function messages are not supported by this server.", "unsupported_parameter")
+        if role not in _ROLES:
+            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted(_ROLES)}, got {role!r}.")
+        out.append({"role": _ROLES[role], "content": _content(message.get("content"), role, where)})
+    return out
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content", f"`{where}.content` must be a string or a list of content parts.")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {kind!r}.",
+                       "unsupported_parameter")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+@dataclass(frozen=True)
+class CompletionRequest(_Common):
+    """A checked ``/v1/completions`` body; ``prompts`` are texts or token-id lists."""
+
+    prompts: list[str | list[int]]
+
+    @staticmethod
+    def rename(parameter: str) -> str:
+        return "prompt" if parameter.startswith("prompt") else parameter
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    fields = _fields(body, _COMPLETION, (), _COMPLETION_NEUTRAL)
+    common = _common(fields)
+    if "logprobs" in fields:
+        common["sampling"]["logprobs"] = fields["logprobs"]
+    best_of = fields.get("best_of")
+    if best_of is not None and best_of != common["sampling"].get("n", 1):
+        raise _bad("best_of", "`best_of` is not supported by this server (only equal to `n`).", "unsupported_parameter")
+    if "prompt" not in fields:
+        raise _bad("prompt", "Missing required parameter: 'prompt'.")
+    request = CompletionRequest(**common, prompts=completion_prompts(fields["prompt"]))
+    if len(request.prompts) * request.n > MAX_SAMPLES:
+        raise _bad("n", f"At most {MAX_SAMPLES} completions per request (prompts x n), got "
+                        f"{len(request.prompts)} x {request.n}.")
+    return request
+
+
+def completion_prompts(value: Any) -> list[str | list[int]]:
+    """A prompt, a list of prompts, token ids, or a list of token-id lists, as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if _is_ids(value):
+        return [list(value)]
+    if isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_ids(p) for p in value):
+            return [list(p) for p in value]
+    raise _bad("prompt", f"`prompt` must be a string, a list of 1 to {MAX_PROMPTS} strings, a list of token ids, "
+                         "or a list of token-id lists.")
+
+
+def _is_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A checked ``/v1/embeddings`` body."""
+
+    model: str | None
+    texts: list[str]
+    base64: bool
+    dimensions: int | None
+
+
+def parse_embedding(body: Any) -> EmbeddingRequest:
+    fields = _fields(body, _EMBEDDING)
+    model = _typed(fields, "model", str, "a string")
+    _typed(fields, "user", str, "a string")
+    dimensions = _typed(fields, "dimensions", int, "an integer")
+    fmt = fields.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise _bad("encoding_format", f"`encoding_format` must be 'float' or 'base64', got {fmt!r}.")
+    value = fields.get("input")
+    if value is None:
+        raise _bad("input", "Missing required parameter: 'input'.")
+    texts = [value] if isinstance(value, str) else value
+    if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
+        raise _bad("input", "Token-id input is not supported by this server: send the text.", "unsupported_parameter")
+    if not (isinstance(texts, list) and 0 < len(texts) <= MAX_EMBED_INPUTS
+            and all(isinstance(t, str) for t in texts)):
+        raise _bad("input", f"`input` must be a string or a list of 1 to {MAX_EMBED_INPUTS} strings.")
+    return EmbeddingRequest(model, list(texts), fmt == "base64", dimensions)

@@ -1,0 +1,112 @@
+"""Response bodies in OpenAI's formats: whole completions, stream chunks, logprobs, usage."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from asyncinfer.outputs import Logprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: Any) -> bytes:
+    """One Server-Sent Event carrying ``data`` as JSON."""
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Reply:
+    """Builds one request's response bodies; ``chat`` picks chat.completion over text_completion."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    tokenizer: Any
+    want_logprobs: bool
+    include_usage: bool = False
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters streamed so far
+
+    # ----------------------------------------------------------- whole results
+    def choice(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": index}
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        body["logprobs"] = self._logprobs(index, logprobs, text_start=0) if self.want_logprobs else None
+        body["finish_reason"] = finish_reason
+        return body
+
+    def completion(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+
+    # ------------------------------------------------------------------ stream
+    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def role_chunk(self, n: int) -> bytes:
+        """Chat streams open with the assistant role, one choice per sample."""
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(n)])
+
+    def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None) -> bytes:
+        start = self._offsets.get(index, 0)
+        self._offsets[index] = start + len(text)
+        body: dict[str, Any] = {"index": index}
+        if self.chat:
+            body["delta"] = {"content": text} if text or finish_reason is None else {}
+        else:
+            body["text"] = text
+        body["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
+        body["finish_reason"] = finish_reason
+        return self.chunk([body])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens)})
+
+    # ---------------------------------------------------------------- logprobs
+    def _logprobs(self, index: int, logprobs: Sequence[Logprob] | None, text_start: int) -> dict[str, Any]:
+        logprobs = logprobs or []
+        if self.chat:
+            return {"content": [
+                {**self._token(lp.token_id, lp.logprob),
+                 "top_logprobs": [self._token(tid, value) for tid, value in lp.top]}
+                for lp in logprobs
+            ]}
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets, at = [], text_start
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(tid): value for tid, value in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (``token_id:<id>`` for a model without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,364 @@
+"""``openai_router(engine)``: the OpenAI-compatible routes, as a FastAPI router any app includes.
+
+Everything a route answers is built here, errors included: a router cannot
+install exception handlers in the app that includes it, so each route checks the
+key, reads the body (bounded), parses it and calls the engine inside one
+``try`` that turns any failure into an OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from fastapi import APIRouter
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from asyncinfer.engine import AsyncEngine, EngineState
+from asyncinfer.errors import EngineClosedError
+from asyncinfer.holder import ModelVersionInfo
+from asyncinfer.outputs import StreamDelta
+from asyncinfer.prompts import OFF_LOOP_CHARS
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.server import _engine
+from asyncinfer.server.errors import APIError, from_exception, not_found, unauthorized
+from asyncinfer.server.metrics import exposition, metrics_registry
+from asyncinfer.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
+from asyncinfer.server.responses import SSE_DONE, Reply, sse
+from asyncinfer.server.settings import ServerSettings
+from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
+
+__all__ = ["openai_router"]
+
+_B = TypeVar("_B")
+EngineRef = AsyncEngine | Callable[[], AsyncEngine]
+CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
+
+
+def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> APIRouter:
+    """The OpenAI-compatible routes over ``engine``, for ``app.include_router(...)``.
+
+    ``engine``: a started (or to-be-started) :class:`AsyncEngine`, or a callable
+    returning it at request time (for an engine created later, e.g. in a lifespan).
+    The app owns the engine's lifecycle: start it in the app's lifespan, on the
+    loop that serves the requests. Routes: ``POST /v1/chat/completions``,
+    ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
+    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``.
+    """
+    api = _OpenAI(engine if callable(engine) and not isinstance(engine, AsyncEngine) else (lambda: engine),
+                  settings or ServerSettings())
+    router = APIRouter()
+    router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    router.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    router.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
+    router.add_api_route("/v1/models", api.models, methods=["GET"])
+    router.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
+    router.add_api_route("/health", api.health, methods=["GET"])
+    router.add_api_route("/metrics", api.metrics, methods=["GET"])
+    return router
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP call: its id (also the engine's request id), the raw request, who made it."""
+
+    id: str
+    request: Request
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class _Generation:
+    engine: AsyncEngine
+    model: str
+    params: SamplingParams
+    reply: Reply
+    args: dict[str, Any]  # generate()/stream() keywords: priority, cache_salt, model
+    ids: list[str]  # the engine's request ids, one per prompt
+
+
+class _OpenAI:
+    def __init__(self, engine: Callable[[], AsyncEngine], settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.created = int(time.time())
+        self.answers: Counter[tuple[str, int]] = Counter()
+        self.registry = metrics_registry(engine, self.answers)
+
+    # ------------------------------------------------------------------ routes
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._call(request, "chatcmpl", parse_chat, self._chat, ChatRequest.rename)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._call(request, "cmpl", parse_completion, self._complete, CompletionRequest.rename)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._call(request, "embd", parse_embedding, self._embed)
+
+    async def models(self, request: Request) -> Response:
+        return await self._call(request, "models", None, lambda _body, _call: self._models())
+
+    async def model(self, request: Request, model: str) -> Response:
+        return await self._call(request, "models", None, lambda _body, _call: self._models(model))
+
+    async def metrics(self, request: Request) -> Response:
+        async def scrape(_body: None, _call: _Call) -> Response:
+            return Response(exposition(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return await self._call(request, "metrics", None, scrape)
+
+    async def health(self, request: Request) -> Response:
+        """Open to all: 200 while the engine serves, 503 (with its state) otherwise."""
+        try:
+            state = self.engine().state.value
+        except EngineClosedError:  # no engine yet (starting) or any more (stopping)
+            state = "starting"
+        ok = state == EngineState.RUNNING.value
+        return self._answer(request, _json({"status": "ok" if ok else state}, 200 if ok else 503))
+
+    # ------------------------------------------------------------- the wrapper
+    async def _call(
+        self,
+        request: Request,
+        prefix: str,
+        parse: Callable[[Any], _B] | None,
+        run: Callable[[_B, _Call], Awaitable[Response]],
+        rename: Callable[[str], str] = lambda p: p,
+    ) -> Response:
+        call_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            key = self._authorize(request)
+            call = _Call(call_id, request, self._cache_salt(request, key))
+            body = parse(await self._json(request)) if parse is not None else None
+            response = await run(body, call)  # type: ignore[arg-type]
+        except ClientGone:
+            response = Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            response = from_exception(exc, call_id, rename).response(call_id)
+        response.headers.setdefault("x-request-id", call_id)
+        return self._answer(request, response)
+
+    def _answer(self, request: Request, response: Response) -> Response:
+        route = request.scope.get("route")
+        self.answers[(getattr(route, "path", request.url.path), response.status_code)] += 1
+        if self.settings.instance_id is not None:
+            response.headers["x-asyncinfer-instance"] = self.settings.instance_id
+        return response
+
+    def _authorize(self, request: Request) -> str | None:
+        """The caller's API key (None when the server asks for none); 401 when it is wrong or missing."""
+        keys = self.settings.api_keys
+        if not keys:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized(got_key=False)
+        given = token.encode()
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]  # each compared, in constant time
+        if not any(matches):
+            raise unauthorized(got_key=True)
+        return token
+
+    def _cache_salt(self, request: Request, key: str | None) -> str | None:
+        mode = self.settings.cache_isolation
+        if mode == "api-key" and key is not None:
+            return "key:" + hashlib.sha256(key.encode()).hexdigest()
+        if mode == "header":
+            tenant = request.headers.get(self.settings.tenant_header)
+            return None if not tenant else "tenant:" + tenant
+        return None
+
+    async def _json(self, request: Request) -> Any:
+        """The body as JSON, refused with a 413 once it grows past ``max_body_bytes``."""
+        limit = self.settings.max_body_bytes
+        too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                             code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone from None
+        try:
+            return msgspec.json.decode(b"".join(chunks))
+        except msgspec.DecodeError as exc:
+            raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+
+    # ------------------------------------------------------------------ models
+    def _served(self) -> dict[str, ModelVersionInfo]:
+        """Each served name's info (its current version's while a swap drains the old one)."""
+        named: dict[str, ModelVersionInfo] = {}
+        for info in self.engine().model_info():
+            if info.name not in named or info.state == "current":
+                named[info.name] = info
+        return named
+
+    def _pick(self, requested: str | None, kind: str) -> tuple[str, ModelVersionInfo]:
+        """The model a body names (or the first of ``kind``); 404 when there is none by that name."""
+        served = self._served()
+        if requested is None:
+            found = next((info for info in served.values() if info.kind == kind), None)
+            if found is None:
+                raise APIError(404, f"This server has no {'embedding' if kind == 'embed' else 'generation'} model.",
+                               param="model", code="model_not_found")
+            return found.name, found
+        info = served.get(requested)
+        if info is None:
+            raise not_found(requested)
+        if info.kind != kind:
+            use = "/v1/embeddings" if info.kind == "embed" else "/v1/chat/completions or /v1/completions"
+            raise APIError(400, f"The model `{requested}` does not support this endpoint: use {use}.", param="model")
+        return requested, info
+
+    async def _models(self, model: str | None = None) -> Response:
+        cards = {name: self._card(info) for name, info in self._served().items()}
+        if model is None:
+            return _json({"object": "list", "data": list(cards.values())})
+        if model not in cards:
+            raise not_found(model)
+        return _json(cards[model])
+
+    def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
+        card = {"id": info.name, "object": "model", "created": self.created, "owned_by": "asyncinfer",
+                "kind": info.kind}
+        if info.kind == "generate":
+            card["max_model_len"] = info.memory_plan.max_model_len
+        return card
+
+    # -------------------------------------------------------------- generation
+    def _generation(self, body: ChatRequest | CompletionRequest, call: _Call, chat: bool, count: int) -> _Generation:
+        """What a generation call needs: its model, parameters, reply builder, engine arguments and ids."""
+        engine = self.engine()
+        model, info = self._pick(body.model, "generate")
+        params = body.sampling_params(info.memory_plan.max_model_len)
+        want_logprobs = params.logprobs is not None
+        tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
+        reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage)
+        priority = body.priority
+        if priority is None:
+            priority = self.settings.user_priorities.get(body.user or "", 0)
+        # With a ``user``, request ids are ``user/<call id>``: the tenant convention that per-tenant
+        # schedulers read (examples/custom_scheduler.py). One id per prompt.
+        base = f"{body.user.replace('/', '%2F')}/{call.id}" if body.user else call.id
+        ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+        return _Generation(engine, model, params, reply,
+                           {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
+
+    async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+        g = self._generation(body, call, True, 1)
+        if not body.stream:
+            out = await unless_disconnected(
+                call.request, g.engine.generate(body.messages, g.params, request_id=g.ids[0], **g.args))
+            choices = [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
+            return _json(g.reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
+        prompt: Any = body.messages
+        if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
+            prompt = await _off_loop_if_long(sum(len(m["content"]) for m in body.messages),
+                                             lambda: g.engine.apply_chat_template(body.messages, model=g.model))
+        stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
+        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0)
+
+    async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
+        g = self._generation(body, call, False, len(body.prompts))
+        n = g.params.n
+        if not body.stream:
+            outs = await unless_disconnected(call.request, gather_all(
+                [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
+            choices = [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
+                       for i, out in enumerate(outs) for c in out.outputs]
+            prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+            return _json(g.reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
+        prompts = body.prompts
+        if body.include_usage:  # count the prompts here, and hand the engine the very ids counted
+            tokenizer = _engine.generator_tokenizer(g.engine, g.model)
+            prompts = [p if isinstance(p, list) or tokenizer is None else
+                       await _off_loop_if_long(len(p), lambda p=p: list(tokenizer.encode(p))) for p in prompts]
+        streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
+        prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
+        return await self._stream(call, g.reply, streams, n, prompt_tokens)
+
+    async def _stream(self, call: _Call, reply: Reply, streams: Sequence[AsyncIterator[StreamDelta]], n: int,
+                      prompt_tokens: int) -> Response:
+        """Prime the streams (errors are still 4xx/5xx here), then answer 200 with their SSE events."""
+        merged = MergedStreams(streams)
+        try:
+            await unless_disconnected(call.request, merged.prime())
+        except BaseException:
+            merged.close()
+            raise
+        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens), merged.close,
+                           {"x-request-id": call.id})
+
+    async def _events(self, merged: MergedStreams, reply: Reply, call: _Call, n: int, num_prompts: int,
+                      prompt_tokens: int) -> AsyncIterator[bytes]:
+        completion_tokens = 0
+        try:
+            if reply.chat:
+                yield reply.role_chunk(n * num_prompts)
+            async for prompt_index, delta in merged:
+                completion_tokens += len(delta.token_ids)
+                if delta.text or delta.finish_reason is not None or (reply.want_logprobs and delta.logprobs):
+                    yield reply.delta_chunk(prompt_index * n + delta.index, delta.text, delta.logprobs,
+                                            delta.finish_reason)
+            if reply.include_usage:
+                yield reply.usage_chunk(prompt_tokens, completion_tokens)
+            yield SSE_DONE
+        except Exception as exc:  # the 200 is gone: the error travels as an event, as OpenAI sends it
+            yield sse(from_exception(exc, call.id).body())
+
+    # -------------------------------------------------------------- embeddings
+    async def _embed(self, body: EmbeddingRequest, call: _Call) -> Response:
+        engine = self.engine()
+        model, _info = self._pick(body.model, "embed")
+        dimension = _engine.embedding_dimension(engine, model)
+        if body.dimensions is not None and body.dimensions != dimension:
+            raise APIError(400, f"`dimensions` must be {dimension} for `{model}` (it cannot shorten its vectors).",
+                           param="dimensions")
+        vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
+        counts = await _off_loop_if_long(sum(map(len, body.texts)),
+                                         lambda: _engine.embedding_token_counts(engine, model, body.texts))
+        rows = vectors.numpy()
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
+                for i, row in enumerate(rows)]
+        tokens = sum(counts)
+        return _json({"object": "list", "data": data, "model": model,
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def _tokens(outputs: Sequence[Any]) -> int:
+    return sum(len(c.token_ids) for c in outputs)
+
+
+async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
+    """``work()`` on the loop for short inputs, in a worker thread for long ones (as the engine tokenizes)."""
+    if chars <= OFF_LOOP_CHARS:
+        return work()
+    return await anyio.to_thread.run_sync(work)

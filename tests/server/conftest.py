@@ -1,0 +1,121 @@
+"""Servers for the HTTP tests: real uvicorn on a loopback port, in a thread with its own event loop.
+
+The tiny Llama of the suite gets a tokenizer here (a byte-level BPE trained in
+memory, ids below its 320-token vocabulary, ``</s>`` = its EOS id 2) and a chat
+template, so text and chat requests work without the real model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import openai
+import pytest
+import uvicorn
+
+from asyncinfer import AsyncEngine
+from asyncinfer.server import ModelSpec, create_app
+
+T = TypeVar("T")
+
+# The tiny model's options in these tests: 512 KV blocks of 16 tokens, 512-token requests.
+TINY_OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=512, dtype="float32", device="cpu")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = ["Hello world! The quick brown fox jumps over the lazy dog.", "user assistant system",
+           "What is the capital of France? Paris is.", "1, 2, 3, 4, 5, 6"] * 10
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_models, tmp_path_factory) -> Path:
+    """The suite's tiny Llama saved with a small BPE tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    src, _ = tiny_models["llama"]
+    path = tmp_path_factory.mktemp("tiny-chat")
+    for item in src.iterdir():
+        shutil.copy(item, path / item.name)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    assert fast.eos_token_id == 2 and len(fast) <= 320
+    fast.save_pretrained(path)
+    return path
+
+
+class LiveServer:
+    """An app served by uvicorn on 127.0.0.1 (a free port), in a thread running its own loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.app.state.engine
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the server's loop (where its engine lives) and wait for it."""
+        loop = self.engine.loop
+        assert loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine holds no request and no KV block (a disconnect's abort has landed)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.num_unfinished_requests or self.engine.kv_stats().used_blocks:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still busy: {self.engine.num_unfinished_requests} requests, "
+                                     f"{self.engine.kv_stats()}")
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model, minilm_dir, tiny_models) -> Iterator[LiveServer]:
+    """create_app over the tiny chat model ("tiny"), all-MiniLM-L6-v2 ("minilm") and a tiny
+    Qwen2 without a tokenizer ("ids": token-id prompts, ``token_id:<n>`` logprob tokens)."""
+    app = create_app([
+        ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS),
+        ModelSpec(str(minilm_dir), "minilm"),
+        ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS),
+    ])
+    with LiveServer(app) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def client(server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c

@@ -1,0 +1,71 @@
+"""``asyncinfer serve`` as a user runs it: a process on a loopback port, driven by the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from asyncinfer import cli
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir) -> None:
+    port = free_port()
+    path = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "ASYNCINFER_API_KEY": "from-env", "PYTHONPATH": path}
+    command = [sys.executable, "-m", "asyncinfer.cli", "serve", str(tiny_chat_model), "--served-model-name", "tiny",
+               "--embedding-model", str(minilm_dir), "--host", "127.0.0.1", "--port", str(port),
+               "--api-key", "from-flag", "--max-model-len", "512", "--kv-cache-memory", str(4 * 1024 * 1024),
+               "--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "asyncinfer serve did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        for key in ("from-env", "from-flag"):
+            with openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0) as client:
+                assert {m.id for m in client.models.list().data} == {"tiny", minilm_dir.name}
+                out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=5, extra_body={"ignore_eos": True})
+                assert out.usage.completion_tokens == 5
+                assert len(client.embeddings.create(model=minilm_dir.name, input="hi").data[0].embedding) == 384
+        with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, output
+
+
+def test_serve_refuses_a_bad_model_in_one_line(capsys) -> None:
+    assert cli.main(["serve", "/no/such/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,224 @@
+"""Errors over HTTP: exact statuses and OpenAI error bodies, and the server keeps serving after each."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from jinja2 import TemplateError
+
+import asyncinfer.server.errors as server_errors
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.schedulers import FIFOScheduler
+from asyncinfer.server import create_app
+from asyncinfer.server.errors import from_exception
+from asyncinfer.server.protocol import ChatRequest
+
+from .conftest import TINY_OPTIONS, LiveServer
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+TEXT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4}
+EMBED = {"model": "minilm", "input": "a text"}
+UNSUPPORTED = "unsupported_parameter"
+
+# (route, changes to the valid body, status, param, code)
+CASES = [
+    ("chat", {"temperature": -1}, 400, "temperature", None),
+    ("chat", {"top_p": 0}, 400, "top_p", None),
+    ("chat", {"n": 0}, 400, "n", None),
+    ("chat", {"max_tokens": 0}, 400, "max_tokens", None),
+    ("chat", {"max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    ("chat", {"logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", None),
+    ("chat", {"top_logprobs": 2}, 400, "top_logprobs", None),
+    ("chat", {"stop": [""]}, 400, "stop", None),
+    ("chat", {"seed": -1}, 400, "seed", None),
+    ("chat", {"presence_penalty": 3}, 400, "presence_penalty", None),
+    ("chat", {"frequency_penalty": -2.5}, 400, "frequency_penalty", None),
+    ("chat", {"top_k": -5}, 400, "top_k", None),
+    ("chat", {"min_p": 2}, 400, "min_p", None),
+    ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ("chat", {"ignore_eos": "yes"}, 400, "ignore_eos", None),
+    ("chat", {"priority": "high"}, 400, "priority", None),
+    ("chat", {"user": 5}, 400, "user", None),
+    ("chat", {"stream": "yes"}, 400, "stream", None),
+    ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ("chat", {"messages": []}, 400, "messages", None),
+    ("chat", {"messages": None}, 400, "messages", None),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.[0].role", None),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.[0].content", None),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.[0].content.[0]", UNSUPPORTED),
+    ("chat", {"messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.[0]", UNSUPPORTED),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", UNSUPPORTED),
+    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format", UNSUPPORTED),
+    ("chat", {"logit_bias": {"5": 10}}, 400, "logit_bias", UNSUPPORTED),
+    ("chat", {"foo": 1}, 400, "foo", None),
+    ("chat", {"messages": [{"role": "user", "content": "hello " * 600}]}, 400, "messages", "context_length_exceeded"),
+    ("chat", {"model": "ids"}, 400, "messages", None),  # no tokenizer, so no chat template
+    ("chat", {"model": "nope"}, 404, "model", "model_not_found"),
+    ("chat", {"model": "minilm"}, 400, "model", None),
+    ("text", {"prompt": []}, 400, "prompt", None),
+    ("text", {"prompt": [1, "a"]}, 400, "prompt", None),
+    ("text", {"prompt": ""}, 400, "prompt", None),
+    ("text", {"model": "ids", "prompt": [999999]}, 400, "prompt", None),
+    ("text", {"prompt": [5] * 600}, 400, "prompt", "context_length_exceeded"),
+    ("text", {"prompt": [5] * 600, "stream": True}, 400, "prompt", "context_length_exceeded"),  # before the 200
+    ("text", {"prompt": "x" * 20000, "stream": True}, 400, "prompt", "context_length_exceeded"),
+    ("text", {"logprobs": 30}, 400, "logprobs", None),
+    ("text", {"echo": True}, 400, "echo", UNSUPPORTED),
+    ("text", {"suffix": "!"}, 400, "suffix", UNSUPPORTED),
+    ("text", {"best_of": 3}, 400, "best_of", UNSUPPORTED),
+    ("text", {"messages": MESSAGES}, 400, "messages", None),
+    ("text", {"prompt": ["a"] * 5, "n": 64}, 400, "n", None),  # 320 completions in one call
+    ("embed", {"input": [1, 2, 3]}, 400, "input", UNSUPPORTED),
+    ("embed", {"input": []}, 400, "input", None),
+    ("embed", {"input": None}, 400, "input", None),
+    ("embed", {"encoding_format": "hex"}, 400, "encoding_format", None),
+    ("embed", {"model": "tiny"}, 400, "model", None),
+    ("embed", {"model": "nope"}, 404, "model", "model_not_found"),
+]
+ROUTES = {"chat": ("/v1/chat/completions", CHAT), "text": ("/v1/completions", TEXT), "embed": ("/v1/embeddings", EMBED)}
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def check_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert "Traceback" not in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("route", "changes", "status", "param", "code"), CASES,
+                         ids=[f"{r}-{'-'.join(c)}" for r, c, *_ in CASES])
+def test_bad_request_gets_an_openai_error_then_the_server_serves_on(http, route, changes, status, param, code):
+    path, valid = ROUTES[route]
+    error = check_error(http.post(path, json={**valid, **changes}), status, param, code)
+    if param == "foo":
+        assert error["message"] == "Unrecognized request argument supplied: foo"
+    assert http.post(path, json=valid).status_code == 200
+
+
+def test_the_openai_client_raises_its_own_errors(client) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)
+    assert err.value.status_code == 400 and err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, top_p=5)
+    assert err.value.body["param"] == "top_p"  # a 400 before the stream, not a broken 200
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_neutral_and_ignored_openai_fields_are_accepted(http) -> None:
+    body = {**CHAT, "store": False, "metadata": {"a": "b"}, "tools": [], "tool_choice": "none", "logit_bias": {},
+            "response_format": {"type": "text"}, "parallel_tool_calls": True, "service_tier": "auto",
+            "user": "someone", "stream_options": None}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert http.post("/v1/completions", json={**TEXT, "echo": False, "suffix": None, "best_of": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"null"])
+def test_a_body_that_is_no_json_object(http, content) -> None:
+    r = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    check_error(r, 400, None, None)
+
+
+def test_a_chat_template_refusal_is_the_callers_error() -> None:
+    api = from_exception(TemplateError("Conversation roles must alternate"), "id", ChatRequest.rename)
+    assert (api.status, api.param) == (400, "messages") and "must alternate" in api.message
+
+
+def test_an_embedding_fault_is_a_500_with_the_request_id_and_the_next_call_works(server, http) -> None:
+    encoder = server.engine._models.embedder("minilm").batcher.encoder  # the engine's own, to break once
+    real = encoder.encode_ids
+
+    def fail_once(batch):
+        encoder.encode_ids = real
+        raise RuntimeError("simulated device failure")
+
+    encoder.encode_ids = fail_once
+    r = http.post("/v1/embeddings", json=EMBED)
+    error = check_error(r, 500, None, "internal_error")
+    assert r.headers["x-request-id"] in error["message"] and "simulated" not in error["message"]
+    assert http.post("/v1/embeddings", json=EMBED).status_code == 200
+
+
+class ExplodingScheduler(FIFOScheduler):
+    """FIFO, until a prompt starting with token 317 arrives: then the step loop dies."""
+
+    def schedule(self):
+        if any(r.prompt_token_ids[0] == 317 for r in self.waiting):
+            raise RuntimeError("scheduler bug")
+        return super().schedule()
+
+
+def test_a_dead_engine_is_a_500_and_health_says_so(tiny_chat_model) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", scheduler=ExplodingScheduler, **TINY_OPTIONS)
+    with LiveServer(create_app(engine)) as live, httpx.Client(base_url=live.url) as http:
+        assert http.post("/v1/completions", json={**TEXT, "prompt": [5, 6]}).status_code == 200
+        # A stream already answered 200 when the engine dies: the error comes as an event, the stream ends.
+        long = {**TEXT, "prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=long) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            killer = httpx.post(live.url + "/v1/completions", json={**TEXT, "prompt": [317, 6]})
+            events = [line for line in lines if line]
+        assert killer.status_code == 500
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert (error["type"], error["code"]) == ("server_error", "internal_error") and "[DONE]" not in events[-1]
+        r = http.post("/v1/completions", json={**TEXT, "prompt": [317, 6]})
+        error = check_error(r, 500, None, "internal_error")
+        assert r.headers["x-request-id"] in error["message"] and "scheduler bug" not in error["message"]
+        check_error(http.post("/v1/completions", json=TEXT), 500, None, "internal_error")
+        assert http.get("/health").status_code == 503 and http.get("/health").json() == {"status": "dead"}
+        assert http.get("/v1/models").status_code == 200  # the HTTP server itself serves on
+
+
+def test_a_closed_engine_is_a_503_with_retry_after(tiny_chat_model) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", **TINY_OPTIONS)
+    with LiveServer(create_app(engine)) as live, httpx.Client(base_url=live.url) as http:
+        live.call(engine.aclose())
+        r = http.post("/v1/chat/completions", json=CHAT)
+        check_error(r, 503, None, "unavailable")
+        assert r.headers["retry-after"] == "1"
+        assert http.get("/health").status_code == 503 and http.get("/health").json() == {"status": "closed"}
+
+
+def test_an_overloaded_engine_is_a_503_with_retry_after(server, http, monkeypatch) -> None:
+    """The engine has no bounded queue yet: a stub stands in for its future EngineOverloadedError."""
+
+    class EngineOverloadedError(Exception):
+        retry_after = 2.4
+
+    async def overloaded(*args, **kwargs):
+        raise EngineOverloadedError("64 requests waiting")
+
+    monkeypatch.setattr(server_errors, "_OVERLOADED", EngineOverloadedError)
+    monkeypatch.setattr(server.engine, "generate", overloaded)
+    r = http.post("/v1/chat/completions", json=CHAT)
+    check_error(r, 503, None, "overloaded")
+    assert r.headers["retry-after"] == "2"
+    monkeypatch.undo()
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context(server, http) -> None:
+    prompt = list(range(5, 15))
+    r = http.post("/v1/completions", json={"model": "ids", "prompt": prompt, "ignore_eos": True})
+    want = server.call(server.engine.generate(prompt, SamplingParams(max_tokens=512, ignore_eos=True), model="ids"))
+    assert r.json()["usage"]["completion_tokens"] == 512 - len(prompt) == len(want.token_ids)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
