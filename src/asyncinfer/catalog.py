@@ -48,7 +48,8 @@ class EmbeddingModel:
     def info(self, draining: bool) -> ModelVersionInfo:
         state = "draining" if draining else "current"
         return ModelVersionInfo(
-            self.version_id, self.batcher.encoder.source, state, len(self.calls), self.batcher.plan, self.name, "embed"
+            self.version_id, self.batcher.encoder.source, state, len(self.calls), self.batcher.plan, self.name, "embed",
+            embedding_dim=self.batcher.encoder.dimension,
         )
 
 
@@ -186,6 +187,12 @@ class ModelCatalog:
             ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
             if self.generator(name).current is version:
                 return version, ids
+
+    def tokenizer_of(self, name: str | None) -> Any:
+        """The tokenizer of the model ``name``, generator or embedding model (None: the default generator)."""
+        if name is not None and name in self.embedders:
+            return self.embedders[name].batcher.encoder.tokenizer
+        return current(self.generator(name)).tokenizer
 
     def core(self, name: str | None) -> EngineCore:
         """The core of generator ``name``'s current version."""

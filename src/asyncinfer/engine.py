@@ -94,10 +94,9 @@ class AsyncEngine:
     def from_pretrained(cls, model: ModelRef = None, *, name: str = "default", **options: Any) -> AsyncEngine:
         """Load a model and plan memory; the engine starts on ``async with`` / :meth:`start`.
 
-        ``model``: a Hugging Face model directory (config.json + safetensors), a
-        ``.gguf`` file, a known name ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"),
-        or ``None`` for the default model (SmolLM2-135M-Instruct). A BERT-family
-        sentence encoder makes an embedding-only engine (:meth:`embed`).
+        ``model``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, a known
+        name ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"), or ``None`` (SmolLM2-135M-Instruct).
+        A BERT-family sentence encoder makes an embedding-only engine (:meth:`embed`).
         ``name``: the model's name for ``model=`` (more models: :meth:`add_model`).
         ``options``: the fields of :class:`~asyncinfer.config.EngineConfig`
         (:class:`~asyncinfer.embedding.EmbeddingConfig` for an embedding model);
@@ -157,12 +156,16 @@ class AsyncEngine:
         """The default generator's tokenizer (None for a model without tokenizer files)."""
         return self._version.tokenizer
 
+    def get_tokenizer(self, model: str | None = None) -> Any:
+        """The tokenizer of the model named ``model``, generator or embedding model (None: default generator)."""
+        return self._models.tokenizer_of(model)
+
     @property
     def model_source(self) -> str:  # "gguf:<file>" or "safetensors:<dir>"
         return self._version.source
 
     @property
-    def memory_plan(self) -> MemoryPlan:
+    def memory_plan(self) -> MemoryPlan:  # the default generator's
         return self._version.plan
 
     @property
@@ -280,8 +283,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id at the next step boundary (unknown or finished ids are ignored).
 
-        Raises:
-            InvalidParameterError: ``request_id`` is not a non-empty string.
+        Raises ``InvalidParameterError`` if ``request_id`` is not a non-empty string.
         """
         check_request_id(request_id)
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):

@@ -55,6 +55,7 @@ class ModelVersionInfo:
     memory_plan: MemoryPlan | EmbeddingPlan
     name: str = "default"
     kind: str = "generate"
+    embedding_dim: int | None = None  # the vector size of an embedding model
 
 
 @dataclass(eq=False)

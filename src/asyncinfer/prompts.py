@@ -131,7 +131,10 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
             raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. roles out of order
+        raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

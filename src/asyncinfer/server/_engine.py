@@ -1,34 +1,31 @@
-"""What the HTTP layer needs from the engine that :class:`AsyncEngine` does not offer publicly yet.
-
-Each function is the one place that reaches past the public API, and says which
-public call would replace it. Nothing else in ``asyncinfer.server`` does.
-"""
+"""What the HTTP layer reads from the engine about a named model, through the public API only."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncinfer.catalog import current
 from asyncinfer.engine import AsyncEngine
+from asyncinfer.holder import ModelVersionInfo
 
 
 def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
-    """The tokenizer of generator ``model`` (None without tokenizer files).
+    """The tokenizer of generator ``model`` (None without tokenizer files)."""
+    return engine.get_tokenizer(model)
 
-    ``engine.tokenizer`` covers only the default generator; a public
-    ``engine.tokenizer_of(model)`` would replace this.
-    """
-    return current(engine._models.generator(model)).tokenizer
+
+def _embedder_info(engine: AsyncEngine, model: str) -> ModelVersionInfo:
+    return next(i for i in engine.model_info() if i.name == model and i.kind == "embed")
 
 
 def embedding_token_counts(engine: AsyncEngine, model: str, texts: list[str]) -> list[int]:
-    """Tokens each text costs the embedding model (truncated as it truncates), for ``usage``.
-
-    A count returned by ``embed()`` itself would replace this second tokenization.
-    """
-    return [len(ids) for ids in engine._models.embedder(model).batcher.encoder.tokenize(texts)]
+    """Tokens each text costs the embedding model (truncated as it truncates), for ``usage``."""
+    max_len = _embedder_info(engine, model).memory_plan.max_seq_len  # type: ignore[union-attr]
+    encoded = engine.get_tokenizer(model)(texts, truncation=True, max_length=max_len, add_special_tokens=True)
+    return [len(ids) for ids in encoded["input_ids"]]
 
 
 def embedding_dimension(engine: AsyncEngine, model: str) -> int:
-    """The embedding model's vector size (a public field of its ``ModelVersionInfo`` would replace this)."""
-    return int(engine._models.embedder(model).batcher.encoder.dimension)
+    """The embedding model's vector size."""
+    dim = _embedder_info(engine, model).embedding_dim
+    assert dim is not None
+    return dim
