@@ -19,6 +19,11 @@ for ``n > 1`` samples). A request that is about to write into a block somebody
 else also holds gets a fresh copy first; the copies are queued and handed to
 the engine core by :meth:`KVCacheManager.commit_step`, which applies them to
 the physical K/V tensors before the forward pass.
+
+A step that fails (the scheduler, the forward pass or the sampler raised) is
+undone with :meth:`KVCacheManager.discard_step` before its requests are freed:
+the blocks it was to compute leave the prefix cache (their contents were never,
+or only partly, written) and the copies it queued are dropped.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self._epoch = 0  # bumped by reset_prefix_cache: older tables stop registering
         self._pending: dict[int, str] = {}  # registered this step, not computed yet -> owner
+        self._committed: list[int] = []  # the last commit_step's _pending: computed once its step succeeds
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for commit_step
         # The engine's one preemption counter: grows in preempt() only. KVCacheStats.preemptions
         # and the core's StepStats.preemptions are read from it; each Request counts its own.
@@ -360,12 +366,33 @@ class KVCacheManager:
         step (a chain ``a -> b -> c`` is returned as ``a -> b, a -> c``) and no
         ``dst`` repeats, so they can be applied in one batched gather/scatter.
         """
+        self._committed = list(self._pending)
         self._pending.clear()
         copies, self._copies = self._copies, []
         origin: dict[int, int] = {}
         for src, dst in copies:
             origin[dst] = origin.get(src, src)
         return [(src, dst) for dst, src in origin.items()]
+
+    def discard_step(self, *, committed: bool) -> int:
+        """Undo the prefix-cache entries and copies of a step that failed; returns the entries dropped.
+
+        Call it right after the failure, before freeing the step's requests.
+        ``committed``: whether :meth:`commit_step` ran for the failed step (the
+        failure came in the copies, the forward pass, the sampler or the update)
+        or not (``schedule`` itself raised). Either way the blocks the step
+        registered and was to compute leave the prefix cache — nothing may hit
+        contents that were never written — and copy-on-write pairs not handed
+        out yet are dropped (their destination blocks belong to the failed
+        requests). The blocks stay with their tables until those are freed.
+        """
+        blocks = self._committed if committed else list(self._pending)
+        for block_id in blocks:
+            self.pool.unregister(block_id)
+        self._pending.clear()
+        self._committed = []
+        self._copies.clear()
+        return len(blocks)
 
     def stats(self) -> KVCacheStats:
         bs = self.block_size
