@@ -45,7 +45,8 @@ Memory (prefix cache, copy-on-write): start waiting requests through
 :meth:`Scheduler.admit` or :meth:`Scheduler.allocate_new`, which look the
 request up in the prefix cache (``kv.lookup_prefix``) and allocate with the
 hit (``kv.allocate(..., prefix=hit)``), so a cached prompt prefix is not
-computed again (``num_computed_tokens`` starts past it). Grow running requests
+computed again (``num_computed_tokens`` starts past it) and needs no free
+block (``kv.can_allocate(..., prefix=hit)`` counts only what the hit lacks). Grow running requests
 with ``kv.allocate_slots`` / ``kv.append_slots``; a write into a block shared
 with another request copies it first, transparently. One rule follows from
 blocks being shared within a step: never preempt or free a request after
@@ -69,6 +70,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.cache.prefix import PrefixHit
 from asyncinfer.request import Request, RequestStatus
 
 #: Version of this contract. A plugin may set ``api_version`` on its class; the
@@ -257,14 +259,17 @@ class Scheduler(abc.ABC):
         Only a request whose every known token would fit in the free blocks now
         starts, even if this step computes a chunk of it: a long prompt started
         without room to finish would need blocks halfway, be preempted, start
-        again, and so on. Keeps the watermark back while others run; moves the
-        request from waiting to running and records it in ``out``. Returns the
-        tokens scheduled, or 0 with nothing changed. The caller checks ``max_num_seqs``.
+        again, and so on. Tokens found in the prefix cache need no free block
+        (the request shares the cached ones). Keeps the watermark back while
+        others run; moves the request from waiting to running and records it in
+        ``out``. Returns the tokens scheduled, or 0 with nothing changed. The
+        caller checks ``max_num_seqs``.
         """
         reserve = bool(self.running)
-        if not self.kv.can_allocate(request, request.num_tokens, new_request=reserve):
+        hit = self.kv.lookup_prefix(request)
+        if not self.kv.can_allocate(request, request.num_tokens, new_request=reserve, prefix=hit or None):
             return 0
-        n = self.allocate_new(request, budget, reserve=reserve)
+        n = self.allocate_new(request, budget, reserve=reserve, prefix=hit)
         if n == 0:
             return 0
         self.waiting.remove(request)
@@ -273,18 +278,21 @@ class Scheduler(abc.ABC):
         out.num_scheduled_tokens[request.request_id] = n
         return n
 
-    def allocate_new(self, request: Request, budget: int, *, reserve: bool) -> int:
+    def allocate_new(
+        self, request: Request, budget: int, *, reserve: bool, prefix: PrefixHit | None = None
+    ) -> int:
         """Slots for a waiting request's next tokens, reusing its longest cached prefix.
 
-        Looks the request up in the prefix cache (if it holds no blocks yet),
-        then allocates for up to ``budget`` of the tokens the cache does not
+        Looks the request up in the prefix cache (if it holds no blocks yet; pass
+        ``prefix``, a ``kv.lookup_prefix`` made just before, to skip that), then
+        allocates for up to ``budget`` of the tokens the cache does not
         cover (all of them, or a chunk with chunked prefill). On success
         ``request.num_computed_tokens`` already counts the cached tokens and the
         tokens to schedule are returned; 0 means it cannot start now and nothing
         changed. ``reserve`` keeps the watermark free (pass ``bool(self.running)``).
         Does not move the request between queues (:meth:`admit` does).
         """
-        hit = self.kv.lookup_prefix(request)
+        hit = self.kv.lookup_prefix(request) if prefix is None else prefix
         start = hit.num_tokens if hit else request.num_computed_tokens
         want = request.num_tokens - start
         n = want if want <= budget else (budget if self.config.enable_chunked_prefill else 0)
