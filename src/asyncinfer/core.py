@@ -14,8 +14,9 @@ the step where it computes its prompt and samples its first token, the core
 forks samples ``1 .. n-1`` from it: each gets a block table sharing sample 0's
 blocks (copy-on-write), its own sampling state (seed ``seed + i``), and its
 first token drawn from the same logits row. From then on each sample is an
-ordinary request to the scheduler (id ``"<id>#<i>"``); outputs carry the user's
-id and the sample's ``index``.
+ordinary request to the scheduler (id ``"<id>#<i>"``), running at once
+(``Scheduler.add_forked``); outputs carry the user's id and the sample's
+``index``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from asyncinfer.request import Request, RequestStatus
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
-from asyncinfer.step import StepResult, apply_step, scheduled
+from asyncinfer.step import StepResult, apply_step, fork_samples, scheduled
 
 
 @dataclass
@@ -42,7 +43,6 @@ class _Group:
     n: int
     members: dict[int, Request]
     finished: set[int] = field(default_factory=set)
-    forked: bool = False
 
 
 @dataclass
@@ -178,25 +178,9 @@ class EngineCore:
         requests = list(sampled)
         rows = list(range(len(sampled)))
         for row, request in enumerate(sampled):
-            group = self._groups.get(request.request_id) if request.index == 0 else None
-            if group is None or group.forked:
-                continue
-            group.forked = True
-            for index in range(1, group.n):
-                child = Request(
-                    request_id=f"{request.request_id}#{index}",
-                    prompt_token_ids=request.prompt_token_ids,
-                    params=request.params.for_sample(index),
-                    arrival_time=request.arrival_time,
-                    priority=request.priority,
-                    cache_salt=request.cache_salt,
-                    index=index,
-                    parent_id=request.request_id,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
+            for child in fork_samples(self.kv, request):
                 self._prepare(child)
-                self.kv.fork(request.request_id, child, request.num_computed_tokens)
-                group.members[index] = child
+                self._groups[request.request_id].members[child.index] = child
                 requests.append(child)
                 rows.append(row)
         return requests, rows
@@ -214,8 +198,6 @@ class EngineCore:
             outputs.append(self._output(request, token_id, tokens, now))
             if request.status.finished:
                 self._group_member_done(request)
-            elif request.request_id not in self.scheduler.requests:
-                self.scheduler.add_request(request)  # a sample forked this step
         return outputs
 
     def _group_member_done(self, request: Request) -> None:

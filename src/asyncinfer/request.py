@@ -58,6 +58,21 @@ class Request:
     # Owned by the core: sampling state (seeded generator) and detokenizer.
     sampling_state: Any = None
     detokenizer: Any = None
+    # Samples 1 .. n-1 not forked from this one yet: the driver forks them when it has
+    # computed its prompt (asyncinfer.step.fork_samples). ``n - 1`` for a request as added.
+    num_unforked_samples: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_unforked_samples = self.params.n - 1 if self.parent_id is None else 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request takes in the running set: itself and the samples it will fork.
+
+        A scheduler counts it against ``max_num_seqs`` when it admits the request, so the
+        running set stays within the limit when the forked samples join it.
+        """
+        return 1 + self.num_unforked_samples
 
     @property
     def group_id(self) -> str:
@@ -109,3 +124,8 @@ class Request:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The engine's id of sample ``index`` of request ``request_id``: the id itself, then ``"<id>#<i>"``."""
+    return request_id if index == 0 else f"{request_id}#{index}"

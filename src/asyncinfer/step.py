@@ -4,8 +4,9 @@ After ``schedule()``, ``kv.commit_step()`` and the forward pass, every driver
 of a scheduler does the same: advance each scheduled request's
 ``num_computed_tokens`` by its count, give the requests that caught up with all
 their known tokens a token, finish those that reached their length, and hand
-the finished ones to ``scheduler.finish_requests``. :func:`apply_step` is that,
-once. What differs is where the tokens come from (the sampler in the core, a
+the finished ones to ``scheduler.finish_requests``, and the ``n > 1`` samples
+forked in the step to ``scheduler.add_forked``. :func:`apply_step` is that,
+once (and :func:`fork_samples` the forking). What differs is where the tokens come from (the sampler in the core, a
 constant in the lab and the tests) and which stops there are besides length
 (the core's stop strings, stop token ids, EOS and ``min_tokens``): the caller
 passes those in.
@@ -23,9 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from asyncinfer.request import Request, RequestStatus
+from asyncinfer.request import Request, RequestStatus, sample_id
 
 if TYPE_CHECKING:
+    from asyncinfer.cache.kv_manager import KVCacheManager
     from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
 
 #: ``sample(caught_up) -> [(request, token_id), ...]``: see :func:`apply_step`.
@@ -82,7 +84,10 @@ def apply_step(
        if given, may finish the request (set a finished status); if it did
        not, the request finishes with ``FINISHED_LENGTH`` once it has
        ``params.max_tokens`` output tokens or ``scheduler.config.max_model_len`` tokens;
-    5. hand the finished requests to ``scheduler.finish_requests`` (also when none finished).
+    5. hand the finished requests to ``scheduler.finish_requests`` (also when none finished);
+    6. hand every forked sample that got a token and did not finish (a request with a
+       ``parent_id`` that the scheduler does not hold yet) to ``scheduler.add_forked``: it
+       holds blocks, so it joins the running set rather than the back of the queue.
     """
     batch = scheduled(scheduler, plan)
     result = StepResult(num_scheduled=len(batch))
@@ -106,7 +111,41 @@ def apply_step(
         if request.status.finished:
             result.finished.append(request)
     scheduler.finish_requests(result.finished)
+    for request, _ in result.sampled:
+        if request.parent_id is not None and not request.status.finished and request.request_id not in scheduler.requests:
+            scheduler.add_forked(request)
     return result
+
+
+def fork_samples(kv: KVCacheManager, request: Request) -> list[Request]:
+    """Fork the samples ``1 .. n-1`` of ``request`` if it has not yet (else ``[]``).
+
+    Call it when ``request`` has just computed its prompt, before its first token is
+    appended: each sample shares its blocks (copy-on-write, :meth:`KVCacheManager.fork`),
+    has computed as much, and samples its first token from the same logits row. Give
+    them their tokens through :func:`apply_step`'s ``sample``, which hands them to
+    the scheduler.
+    """
+    n = request.params.n
+    if not request.num_unforked_samples:
+        return []
+    request.num_unforked_samples = 0
+    children = []
+    for index in range(1, n):
+        child = Request(
+            request_id=sample_id(request.request_id, index),
+            prompt_token_ids=request.prompt_token_ids,
+            params=request.params.for_sample(index),
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            index=index,
+            parent_id=request.request_id,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        kv.fork(request.request_id, child, request.num_computed_tokens)
+        children.append(child)
+    return children
 
 
 def _tokens(sample: TokenSource | int, caught_up: list[Request]) -> Iterable[tuple[Request, int]]:

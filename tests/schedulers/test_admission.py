@@ -1,5 +1,5 @@
-"""Admission counts what a request really needs (issue 10, item 4): the blocks its
-prefix-cache hit does not cover."""
+"""Admission counts what a request really needs (issue 10, items 1 and 4): the blocks its
+prefix-cache hit does not cover, and a seat of ``max_num_seqs`` for each of its samples."""
 
 from __future__ import annotations
 
@@ -64,3 +64,14 @@ def test_a_cached_free_prefix_costs_the_blocks_it_takes_off_the_free_queue() -> 
     sched.finish_requests([sched.requests["holder"]])
     assert sched.schedule().num_scheduled_tokens == {"again": 5}
     assert again.num_computed_tokens == 16 and kv.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("spec", builtin_schedulers())
+def test_a_request_of_n_samples_takes_n_seats_from_its_admission(spec: str) -> None:
+    kv = KVCacheManager(64, 4, watermark=0.0)
+    sched = create_scheduler(spec, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=32), kv)
+    wide, small, other = make("wide", [1, 2, 3], n=3), make("small", [4, 5]), make("other", [6, 7])
+    for r in (small, wide, other):
+        sched.add_request(r)
+    assert sched.schedule().num_scheduled_tokens == {"small": 2}  # wide needs 3 seats; other waits behind it
+    assert [r.num_seqs for r in (wide, small, other)] == [3, 1, 1] and sched.num_running_seqs == 1

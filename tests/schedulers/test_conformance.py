@@ -2,8 +2,11 @@
 
 Parametrized over every built-in name plus the example plugin. Two drivers:
 a pure-Python one (random arrivals, aborts, tight memory; every step checked
-with :func:`asyncinfer.lab.check_schedule`), and the real engine on a tiny
-random model (greedy tokens must equal FIFO's, token for token).
+with :func:`asyncinfer.lab.check_schedule`; with ``n > 1`` samples forked as the
+core forks them and prefix-cache hits on a shared system prompt), and the real
+engine on a tiny random model (greedy tokens must equal FIFO's, token for token).
+Deliberately broken plugins (forked samples queued, seats miscounted, nothing
+scheduled) must fail the first driver.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import check_schedule
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.schedulers import SchedulerConfig, builtin_schedulers, create_scheduler
-from asyncinfer.step import apply_step
+from asyncinfer.schedulers import FIFOScheduler, SchedulerConfig, SchedulerOutput, builtin_schedulers, create_scheduler
+from asyncinfer.step import apply_step, fork_samples
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -50,28 +53,49 @@ LIMITS = [
 ]
 
 
-def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, int]:
-    """Random arrivals and aborts through ``schedule``; returns the preemption and abort counts."""
+def drive(spec, seed: int, limits: tuple[int, int, int, int], *, samples: bool = False) -> dict[str, int]:
+    """Random arrivals and aborts through ``schedule``; returns the preemption, abort, fork and hit counts.
+
+    ``samples``: requests of up to 3 samples, forked as the core forks them, and prompts
+    that mostly start with one shared system prompt, with prefix caching on.
+    """
     num_blocks, block_size, max_seqs, budget = limits
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, watermark=0.05)
+    kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=48)
     sched = create_scheduler(resolve(spec), config, kv, OPTIONS.get(spec))
     now = [0.0]
     sched.clock = lambda: now[0]
     arrivals = sorted((rng.randrange(60), i) for i in range(30))
-    added: list[Request] = []
+    system = [rng.randrange(3, 300) for _ in range(12)]
+    created: list[Request] = []
     ended: dict[str, str] = {}
-    counts = {"preempted": 0, "aborted": 0}
+    counts = {"preempted": 0, "aborted": 0, "forked": 0}
+
+    def sample(caught_up: list[Request]) -> list[tuple[Request, int]]:
+        pairs = []
+        for request in caught_up:
+            pairs.append((request, 5))
+            for child in fork_samples(kv, request):  # as the core: samples share the prompt's blocks
+                created.append(child)
+                pairs.append((child, 5))
+                counts["forked"] += 1
+        return pairs
+
     step = 0
     while arrivals or sched.has_unfinished_requests():
         while arrivals and arrivals[0][0] <= step:
             _, i = arrivals.pop(0)
-            prompt = [1] * rng.randrange(1, 30)
-            params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True)
+            size = rng.randrange(1, 30)
+            if samples and rng.random() < 0.7:
+                prompt = [*system, *(rng.randrange(3, 300) for _ in range(size))][:size]
+            else:
+                prompt = [1] * size
+            n = rng.choice([1, 1, 2, 3]) if samples else 1
+            params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True, n=n)
             tenant = rng.choice("ab")
-            added.append(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0], priority=rng.randrange(4)))
-            sched.add_request(added[-1])
+            created.append(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0], priority=rng.randrange(4)))
+            sched.add_request(created[-1])
         if sched.requests and rng.random() < 0.04:
             victim = rng.choice(sorted(sched.requests))
             assert sched.abort_request(victim).status is RequestStatus.FINISHED_ABORTED
@@ -82,17 +106,22 @@ def drive(spec: str, seed: int, limits: tuple[int, int, int, int]) -> dict[str, 
         if not sched.has_unfinished_requests():
             continue
         plan = sched.schedule()
+        kv.commit_step()
         check_schedule(sched, plan, f"{spec} seed {seed} step {step}")
         counts["preempted"] += len(plan.preempted)
-        for request in apply_step(sched, plan, 5).finished:
+        for request in apply_step(sched, plan, sample).finished:
             assert request.status is RequestStatus.FINISHED_LENGTH
             assert request.num_output_tokens == request.params.max_tokens
             ended[request.request_id] = "length"
+        # Forked samples joined the running set within max_num_seqs, and no waiting request holds blocks.
+        assert sched.num_running <= max_seqs, f"{spec} seed {seed} step {step}: running past max_num_seqs"
+        assert not [r.request_id for r in sched.waiting if kv.block_table(r.request_id)], "a queued request holds blocks"
         assert step < 20_000, "no end in sight"
-    assert len(ended) == 30, "a request was lost"
+    assert len(ended) == len(created) == 30 + counts["forked"], "a request was lost"
     assert kv.num_free_blocks == num_blocks and not sched.requests
     # Every preemption the plans listed is counted once by the cache and once on its request.
-    assert kv.num_preemptions == counts["preempted"] == sum(r.num_preemptions for r in added)
+    assert kv.num_preemptions == counts["preempted"] == sum(r.num_preemptions for r in created)
+    counts["prefix_hits"] = kv.num_prefix_hits
     return counts
 
 
@@ -102,8 +131,50 @@ def test_contract_holds_under_random_load(spec: str) -> None:
     for seed in range(4):
         for limits in LIMITS:
             for key, value in drive(spec, seed, limits).items():
-                totals[key] += value
+                totals[key] = totals.get(key, 0) + value
     assert totals["preempted"] > 0 and totals["aborted"] > 0  # the hard paths really ran
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_contract_holds_with_parallel_samples_and_prefix_hits(spec: str) -> None:
+    totals = {"preempted": 0, "aborted": 0, "forked": 0, "prefix_hits": 0}
+    for seed in range(4):
+        for limits in LIMITS:
+            for key, value in drive(spec, seed, limits, samples=True).items():
+                totals[key] += value
+    assert all(totals.values()), totals  # every hard path really ran
+
+
+class QueuesForkedSamples(FIFOScheduler):
+    """Broken: forked samples (which hold blocks) queue behind the head, as before issue 10."""
+
+    def add_forked(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.add_request(request)
+
+
+class CountsRequestsNotSeats(FIFOScheduler):
+    """Broken: admits while fewer than max_num_seqs requests run, whatever their samples will add."""
+
+    def has_seats(self, request: Request) -> bool:
+        return self.num_running < self.config.max_num_seqs
+
+
+class Stalls(FIFOScheduler):
+    """Broken: stops scheduling anything once a request of several samples waits."""
+
+    def schedule(self) -> SchedulerOutput:
+        if any(r.params.n > 1 for r in self.waiting):
+            return SchedulerOutput()
+        return super().schedule()
+
+
+@pytest.mark.parametrize("broken", [QueuesForkedSamples, CountsRequestsNotSeats, Stalls])
+def test_a_plugin_with_a_liveness_or_seat_bug_fails_the_suite(broken) -> None:
+    with pytest.raises(AssertionError):
+        for seed in range(4):
+            for limits in LIMITS:
+                drive(broken, seed, limits, samples=True)
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -31,7 +31,7 @@ class AgingPriorityScheduler(Scheduler):
     Each step visits running and waiting requests together in that order, so the
     step's token budget goes to the most urgent first — except one token per
     running decode, which prompt work never takes. A waiting request that
-    does not fit (``max_num_seqs`` or blocks) preempts the least urgent running
+    does not fit (``max_num_seqs`` seats for all its samples, or blocks) preempts the least urgent running
     request that has not run this step, if it outranks it by at least
     ``preempt_margin`` levels; otherwise it waits and nothing less urgent is
     admitted past it. When a running request needs a block, the least urgent
@@ -114,7 +114,7 @@ class AgingPriorityScheduler(Scheduler):
 
     def _admit_or_preempt(self, request: Request, budget: int, out: SchedulerOutput, now: float) -> int:
         while True:
-            if len(self.running) < self.config.max_num_seqs:
+            if self.has_seats(request):
                 n = self.admit(request, budget, out)
                 if n or self.tokens_to_schedule(request, budget) == 0:
                     return n

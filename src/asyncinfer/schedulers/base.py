@@ -19,6 +19,12 @@ What it receives:
   scheduled before the next ``schedule`` call: ``num_computed_tokens`` grows by
   the scheduled count, and a request that caught up gets one sampled token
   (:func:`asyncinfer.step.apply_step` does it; a test drives a scheduler with it too);
+- :meth:`Scheduler.add_forked` — a sample forked from a running ``n > 1`` request
+  in the step just applied (``"<id>#<i>"``, ``parent_id`` set). It already holds
+  blocks (shared with its parent) and its first token, so it joins ``running`` at
+  once: a request that holds blocks must never wait behind the queue's head, which
+  may need those very blocks (the engine would stop). The base class appends it to
+  ``running``; a policy that overrides it must keep it running;
 - :meth:`Scheduler.finish_requests` — requests the core finished after a step
   (stop, length or abort); the scheduler drops them and frees their blocks;
 - :meth:`Scheduler.abort_request` — a request cancelled by the user, at a step boundary.
@@ -30,7 +36,10 @@ preempted this step. A request scheduled for ``k`` tokens has slots for
 
 Invariants every scheduler keeps:
 - budget: the sum of scheduled tokens is at most ``max_num_batched_tokens`` and at
-  most ``max_num_seqs`` requests are scheduled (and running);
+  most ``max_num_seqs`` requests are scheduled (and running). A request of ``n > 1``
+  samples takes ``n`` of those seats from its admission (:attr:`Request.num_seqs`:
+  its samples join ``running`` when they fork), so admit it only when
+  :meth:`Scheduler.has_seats` says so (:meth:`Scheduler.admit` checks it);
 - a request is scheduled at most once per step, for at least one token, and
   never past its known tokens (``num_new_tokens <= num_uncomputed_tokens``);
 - progress: if any request is runnable and the cache is not full of *other*
@@ -141,6 +150,12 @@ class Scheduler(abc.ABC):
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_forked(self, request: Request) -> None:
+        """A sample forked from a running request: it holds blocks, so it runs at once (see the contract)."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
     def finish_requests(self, requests: Iterable[Request]) -> None:
         """Drop finished requests (the core has set their final status) and free their blocks."""
         done = {r.request_id for r in requests}
@@ -183,6 +198,15 @@ class Scheduler(abc.ABC):
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Seats the running requests take: each one, plus the samples they will fork (:attr:`Request.num_seqs`)."""
+        return sum(r.num_seqs for r in self.running)
+
+    def has_seats(self, request: Request) -> bool:
+        """Whether admitting ``request`` (all its samples) keeps the running set within ``max_num_seqs``."""
+        return self.num_running_seqs + request.num_seqs <= self.config.max_num_seqs
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it at the head of the waiting queue.
@@ -242,10 +266,10 @@ class Scheduler(abc.ABC):
         """Admit waiting requests in ``order`` while budget, ``max_num_seqs`` and blocks allow.
 
         Stops at the first that does not fit: a request behind it would take the
-        memory it waits for. Returns the budget left.
+        memory (or the seats) it waits for. Returns the budget left.
         """
         for request in order:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
                 break
             n = self.admit(request, budget, out)
             if n == 0:
@@ -254,17 +278,19 @@ class Scheduler(abc.ABC):
         return budget
 
     def admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        """Start a waiting request with up to ``budget`` tokens if its slots fit.
+        """Start a waiting request with up to ``budget`` tokens if its seats and slots fit.
 
         Only a request whose every known token would fit in the free blocks now
         starts, even if this step computes a chunk of it: a long prompt started
         without room to finish would need blocks halfway, be preempted, start
         again, and so on. Tokens found in the prefix cache need no free block
         (the request shares the cached ones). Keeps the watermark back while
-        others run; moves the request from waiting to running and records it in
-        ``out``. Returns the tokens scheduled, or 0 with nothing changed. The
-        caller checks ``max_num_seqs``.
+        others run, and ``max_num_seqs`` for all its samples (:meth:`has_seats`);
+        moves the request from waiting to running and records it in ``out``.
+        Returns the tokens scheduled, or 0 with nothing changed.
         """
+        if not self.has_seats(request):
+            return 0
         reserve = bool(self.running)
         hit = self.kv.lookup_prefix(request)
         if not self.kv.can_allocate(request, request.num_tokens, new_request=reserve, prefix=hit or None):

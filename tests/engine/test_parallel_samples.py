@@ -1,0 +1,90 @@
+"""``n > 1`` samples in the synchronous core (issue 10, item 1).
+
+Forked samples hold KV blocks from the step that forks them, so they must run at
+once: queued behind a request that needs those very blocks, nothing could run
+again. A request of ``n`` samples takes ``n`` seats of ``max_num_seqs`` from its
+admission.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.request import Request
+
+# The tiny Llama: 2 layers x 2 KV heads x head_dim 16, float32 -> 2048 bytes per 4-token block.
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4
+SMALL = {"kv_cache_memory": 10 * BLOCK_BYTES, "block_size": 4, "max_model_len": 40, "dtype": "float32", "device": "cpu"}
+PROMPT_16 = [(7 * j) % 300 + 3 for j in range(16)]  # exactly 4 full blocks
+PROMPT_28 = [(11 * j) % 300 + 5 for j in range(28)]  # 7 blocks
+
+
+def greedy(n_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=n_tokens, ignore_eos=True, n=n)
+
+
+def run(core, max_steps: int = 200) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return outputs
+        outputs.extend(core.step())
+    raise AssertionError(f"no end after {max_steps} steps: the engine stopped making progress")
+
+
+def tokens_by_sample(outputs, request_id: str, n: int) -> list[list[int]]:
+    got: list[list[int]] = [[] for _ in range(n)]
+    for out in outputs:
+        if out.request_id == request_id:
+            got[out.index].extend(out.token_ids)
+    return got
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "pd-split"])
+def test_forked_samples_run_at_once_instead_of_waiting_behind_the_queue_head(
+    scheduler: str, tiny_models, hf_greedy
+) -> None:
+    """10 blocks. A (n=2, 16-token prompt) runs; B (28 tokens: 7 blocks) waits for memory.
+    A's second sample shares A's 4 prompt blocks. Behind B it would hold them forever
+    while B waits for them (A alone frees only 2): the lock-up of issue 10."""
+    path, hf = tiny_models["llama"]
+    core = AsyncEngine.from_pretrained(path, **SMALL, scheduler=scheduler).core
+    assert core.kv.num_blocks == 10 and core.kv.watermark_blocks == 0
+    a = Request("a", PROMPT_16, greedy(8, n=2), arrival_time=0.0)
+    b = Request("b", PROMPT_28, greedy(4), arrival_time=0.0)
+    core.add_request(a)
+    core.add_request(b)
+    core.step()  # A's prompt: 4 blocks; B does not fit in the 6 left
+    assert core.kv.num_free_blocks == 6 and list(core.scheduler.waiting) == [b]
+    sibling = core.scheduler.requests["a#1"]
+    assert sibling in core.scheduler.running and sibling.num_output_tokens == 1
+    outputs = run(core)
+    expected_a = hf_greedy(hf, PROMPT_16, 8)
+    assert tokens_by_sample(outputs, "a", 2) == [expected_a[1:], expected_a[1:]]  # the first token came in step 1
+    assert a.output_token_ids == sibling.output_token_ids == expected_a
+    assert b.output_token_ids == hf_greedy(hf, PROMPT_28, 4)
+    assert core.kv.num_free_blocks == 10 and core.kv.request_ids() == []
+
+
+def test_n_samples_take_n_seats_and_decode_together(tiny_models, hf_greedy) -> None:
+    """max_num_seqs=2: a request of 2 samples fills both seats from its admission; the
+    sample forked from it decodes beside it, not behind the request queued after it."""
+    path, hf = tiny_models["llama"]
+    core = AsyncEngine.from_pretrained(path, **{**SMALL, "kv_cache_memory": 40 * BLOCK_BYTES}, max_num_seqs=2).core
+    a = Request("a", PROMPT_16, greedy(6, n=2), arrival_time=0.0)
+    d = Request("d", PROMPT_16[:5], greedy(3), arrival_time=0.0)
+    core.add_request(a)
+    core.add_request(d)
+    core.step()
+    assert core.scheduler.running == [a, core.scheduler.requests["a#1"]] and list(core.scheduler.waiting) == [d]
+    core.step()
+    assert core.scheduler.requests["a#1"].num_output_tokens == 2 and d.num_output_tokens == 0
+    running_sizes = []
+    while core.has_unfinished_requests():
+        core.step()
+        running_sizes.append(core.scheduler.num_running)
+    assert max(running_sizes) <= 2
+    assert (a.num_seqs, d.num_seqs) == (1, 1)  # a's second seat went to its forked sample
+    assert a.output_token_ids == hf_greedy(hf, PROMPT_16, 6)
+    assert d.output_token_ids == hf_greedy(hf, PROMPT_16[:5], 3)
