@@ -21,6 +21,7 @@ from asyncinfer.errors import (
     InvalidParameterError,
     ModelLoadError,
     RequestAbortedError,
+    RequestFailedError,
     SwapError,
     WrongEventLoopError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "ModelLoadError",
     "ModelVersionInfo",
     "RequestAbortedError",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

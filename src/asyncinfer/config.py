@@ -98,6 +98,11 @@ class EngineConfig:
       None (default): no bound.
     - ``kv_watermark``: fraction of the KV blocks kept free from new admissions so that
       running requests can keep decoding, in [0, 0.5] (default 0.01).
+    - ``max_consecutive_step_failures``: fault isolation. A step that raises (forward pass,
+      sampler, scheduler) fails only its own requests with
+      :class:`~asyncinfer.errors.RequestFailedError` and the engine serves the next ones;
+      this many failed steps of one model in a row (no step succeeding between them)
+      declare the engine dead, and every waiter gets ``EngineDeadError`` (default 3, >= 1).
     """
 
     dtype: Any = "auto"
@@ -119,6 +124,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_watermark: float = 0.01
     max_waiting_requests: int | None = None
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -136,6 +142,7 @@ class EngineConfig:
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_int("activation_reserve", self.activation_reserve, 0)
         check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)
+        check_int("max_consecutive_step_failures", self.max_consecutive_step_failures, 1)
         check_quantization(self.quantization, device, self.dtype)
         skip = self.quantization_skip
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):

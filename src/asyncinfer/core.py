@@ -16,20 +16,27 @@ blocks (copy-on-write), its own sampling state (seed ``seed + i``), and its
 first token drawn from the same logits row. From then on each sample is an
 ordinary request to the scheduler (id ``"<id>#<i>"``), running at once
 (``Scheduler.add_forked``); outputs carry the user's id and the sample's
-``index``.
+``index``. Only the user's id is abortable: a sample ends with its request.
+
+Faults: a step that raises is undone by :meth:`EngineCore.fail_step`, which
+fails the requests of that step (with ``RequestFailedError``, the cause chained)
+and leaves the others serving; a request the core cannot take
+(:meth:`EngineCore.add_request`) fails alone. Either way the failure is an
+output (``CoreOutput.error``), never an exception out of the core's inputs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.detokenizer import IncrementalDetokenizer
+from asyncinfer.errors import InvalidParameterError, RequestFailedError
 from asyncinfer.outputs import CoreOutput, Logprob
-from asyncinfer.request import Request, RequestStatus
+from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
@@ -51,6 +58,7 @@ class StepStats:
 
     ``preemptions`` is the block manager's count (:attr:`KVCacheManager.num_preemptions`,
     the engine's one preemption counter), copied here after every ``schedule``.
+    ``failed_steps`` counts steps that raised (their requests failed).
     """
 
     steps: int = 0
@@ -58,6 +66,7 @@ class StepStats:
     decode_tokens: int = 0
     preemptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    failed_steps: int = 0
 
 
 class EngineCore:
@@ -81,17 +90,54 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
+        # The running step's requests once it is scheduled (None before): what fail_step fails.
+        self._batch: list[tuple[Request, int]] | None = None
 
     @property
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
 
     # ------------------------------------------------------------------ inputs
-    def add_request(self, request: Request) -> None:
-        self._prepare(request)
-        if request.params.n > 1:
-            self._groups[request.request_id] = _Group(request.params.n, {0: request})
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request) -> list[CoreOutput]:
+        """Queue a new request (sample 0 of its ``n``); returns ``[]``, or its failure.
+
+        A request the core cannot take fails alone, with one error output per sample
+        (:attr:`CoreOutput.error`), never an exception: an id the core holds already
+        (its own or a sample's ``"<id>#<i>"``: :class:`InvalidParameterError`), more
+        samples than ``max_num_seqs`` (they could never run together: the same), or
+        the scheduler raising as it takes it (:class:`RequestFailedError`, cause chained).
+        """
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return self._refused(request, refusal)
+        try:
+            self._prepare(request)
+            if request.params.n > 1:
+                self._groups[request.request_id] = _Group(request.params.n, {0: request})
+            self.scheduler.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - a plugin's fault fails this request only
+            self._groups.pop(request.request_id, None)
+            self._drop(request)
+            return self._refused(request, _failure(request.request_id, "adding it to the scheduler", exc))
+        return []
+
+    def _refusal(self, request: Request) -> InvalidParameterError | None:
+        if any(self._holds(sample_id(request.request_id, i)) for i in range(request.params.n)):
+            return InvalidParameterError(
+                "request_id", request.request_id, "an id whose samples' ids are not in flight in this engine core"
+            )
+        max_seqs = self.scheduler.config.max_num_seqs
+        if request.params.n > max_seqs:
+            return InvalidParameterError("n", request.params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
+        return None
+
+    def _holds(self, rid: str) -> bool:
+        """Whether ``rid`` is the id of a sample in this core, forked or still to fork."""
+        if rid in self.scheduler.requests or rid in self._groups:
+            return True
+        parent, sep, _ = rid.rpartition("#")
+        group = self._groups.get(parent) if sep else None
+        return group is not None and any(sample_id(parent, i) == rid for i in range(1, group.n))
 
     def _prepare(self, request: Request) -> None:
         request.sampling_state = SamplingState(
@@ -106,38 +152,113 @@ class EngineCore:
     def abort_request(self, request_id: str) -> list[CoreOutput]:
         """Abort a request (all its samples) at a step boundary; returns their final outputs.
 
-        Empty when the id is unknown or already finished.
+        Empty when the id is unknown or already finished, and for a sample's internal
+        id (``"<id>#<i>"``): samples end with their request, by the user's id.
         """
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            request = self.scheduler.abort_request(request_id)
-            return [] if request is None else [self._aborted(request, request.group_id, request.index)]
-        outputs: list[CoreOutput] = []
-        leader = group.members.get(0)
-        for index in range(group.n):
-            if index in group.finished:
-                continue
-            member = group.members.get(index)
-            if member is not None:
-                self.scheduler.abort_request(member.request_id)
-            # A sample never forked (the prompt was not computed yet) ends too.
-            outputs.append(self._aborted(member or leader, request_id, index))
-        return outputs
+        if request_id not in self._groups:
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.parent_id is not None:
+                return []
+        return self._end(request_id)
 
     def abort_all(self) -> list[CoreOutput]:
         """Abort every unfinished request."""
+        return self.fail_all(lambda _: None)
+
+    def fail_all(self, error: Callable[[str], BaseException | None]) -> list[CoreOutput]:
+        """End every unfinished request, each with ``error(request_id)`` (``None``: a plain abort)."""
         group_ids = dict.fromkeys(r.group_id for r in self.scheduler.requests.values())
-        outputs: list[CoreOutput] = []
-        for group_id in group_ids:
-            outputs.extend(self.abort_request(group_id))
-        return outputs
+        return [out for group_id in group_ids for out in self._end(group_id, error(group_id))]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (call between steps); returns the entries dropped."""
         return self.kv.reset_prefix_cache()
 
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[CoreOutput]:
+        """One engine iteration: schedule, run the model, sample, update the requests.
+
+        If it raises, hand the exception to :meth:`fail_step` before anything else
+        touches the core (the engine thread does): that undoes the step and fails its requests.
+        """
+        self._batch = None
+        plan = self.scheduler.schedule()
+        copies = self.kv.commit_step()
+        self._batch = batch = scheduled(self.scheduler, plan)  # from here on a fault fails these requests
+        self.stats.preemptions = self.kv.num_preemptions
+        if copies:  # copy-on-write: shared blocks this step writes into
+            self.runner.copy_blocks(copies)
+        if not batch:
+            return []
+        inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
+        logits = self.runner.execute(inputs)
+        tokens = _StepTokens(self, inputs.sampled, logits)
+        result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
+        self._count(result)
+        return self._outputs(result, tokens)
+
+    def fail_step(self, exc: Exception) -> list[CoreOutput]:
+        """Undo the step that raised ``exc`` and fail its requests; returns their final outputs.
+
+        A fault after ``schedule`` returned (the copies, the forward pass, the sampler,
+        the update) fails every user request with a sample in the step's batch, all
+        its samples. A fault in ``schedule`` fails every request the scheduler holds:
+        its queues may be half updated. Each failed sample ends with
+        ``finish_reason="abort"`` and a :class:`RequestFailedError` whose cause is
+        ``exc``; the requests' blocks are freed, and the prefix-cache entries and
+        copy-on-write copies of the step are dropped (:meth:`KVCacheManager.discard_step`).
+        Requests the step did not run carry on.
+        """
+        batch, self._batch = self._batch, None
+        self.stats.failed_steps += 1
+        self.kv.discard_step(committed=batch is not None)
+        if batch is None:
+            where = f"the scheduler ({type(self.scheduler).__name__})"
+            return self.fail_all(lambda request_id: _failure(request_id, where, exc))
+        victims = {request.group_id: request for request, _ in batch}
+        return [
+            out for request_id, request in victims.items()
+            for out in self._end(request_id, _failure(request_id, "the step that ran it", exc), alone=request)
+        ]
+
+    # ----------------------------------------------------------------- helpers
+    def _end(self, request_id: str, error: BaseException | None = None, alone: Request | None = None) -> list[CoreOutput]:
+        """End every unfinished sample of the user's request ``request_id``, each with one final output.
+
+        Drops its samples from the scheduler and frees their blocks. ``alone``: the
+        request itself when it has one sample and the scheduler may no longer hold
+        it (it finished in a step that then failed).
+        """
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            request = self.scheduler.requests.get(request_id, alone)
+            group = _Group(1, {} if request is None else {0: request})
+        outputs: list[CoreOutput] = []
+        for index in range(group.n):
+            if index in group.finished:
+                continue
+            member = group.members.get(index)  # None: a sample never forked (its prompt had not run)
+            if member is not None:
+                self._drop(member)
+            outputs.append(self._aborted(member, request_id, index, error))
+        return outputs
+
+    def _drop(self, request: Request) -> None:
+        """Take a request out of the scheduler and free its blocks, wherever it is."""
+        if self.scheduler.abort_request(request.request_id) is None:
+            self.kv.free(request.request_id)  # a sample forked in a failed step: never handed to the scheduler
+        if not request.status.finished:
+            request.status = RequestStatus.FINISHED_ABORTED
+
     @staticmethod
-    def _aborted(request: Request | None, request_id: str, index: int) -> CoreOutput:
+    def _refused(request: Request, error: BaseException) -> list[CoreOutput]:
+        return [EngineCore._aborted(None, request.request_id, i, error) for i in range(request.params.n)]
+
+    @staticmethod
+    def _aborted(request: Request | None, request_id: str, index: int, error: BaseException | None) -> CoreOutput:
         now = time.time()
         if request is not None:
             request.finish_time = now
@@ -150,28 +271,8 @@ class EngineCore:
             finish_time=now,
             num_preemptions=0 if request is None else request.num_preemptions,
             index=index,
+            error=error,
         )
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    # -------------------------------------------------------------------- step
-    def step(self) -> list[CoreOutput]:
-        """One engine iteration: schedule, run the model, sample, update the requests."""
-        plan = self.scheduler.schedule()
-        copies = self.kv.commit_step()
-        if copies:  # copy-on-write: shared blocks this step writes into
-            self.runner.copy_blocks(copies)
-        self.stats.preemptions = self.kv.num_preemptions
-        if plan.is_empty:
-            return []
-        batch = scheduled(self.scheduler, plan)
-        inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
-        logits = self.runner.execute(inputs)
-        tokens = _StepTokens(self, inputs.sampled, logits)
-        result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
-        self._count(result)
-        return self._outputs(result, tokens)
 
     def _fork_samples(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
         """Add samples ``1 .. n-1`` of every ``n > 1`` request that just computed its prompt."""
@@ -193,9 +294,9 @@ class EngineCore:
 
     def _outputs(self, result: StepResult, tokens: _StepTokens) -> list[CoreOutput]:
         now = time.time()
-        outputs: list[CoreOutput] = []
-        for request, token_id in result.sampled:
-            outputs.append(self._output(request, token_id, tokens, now))
+        outputs = [self._output(request, token_id, tokens, now) for request, token_id in result.sampled]
+        # Only once every output is built: a failure above leaves the groups as fail_step expects them.
+        for request, _ in result.sampled:
             if request.status.finished:
                 self._group_member_done(request)
         return outputs
@@ -277,6 +378,12 @@ class _StepTokens:
             text, stop_hit = request.detokenizer.add(token_id)
         self.texts[request] = text
         self.core._check_stop(request, token_id, stop_hit)
+
+
+def _failure(request_id: str, where: str, cause: Exception) -> RequestFailedError:
+    error = RequestFailedError(f"request {request_id!r} failed: {where} raised {type(cause).__name__}: {cause}")
+    error.__cause__ = cause
+    return error
 
 
 def default_eos_ids(config_eos: Sequence[int], tokenizer: Any) -> tuple[int, ...]:

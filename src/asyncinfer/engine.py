@@ -305,6 +305,9 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # the core failed the request and ended all its samples
+                    done = stream.n
+                    raise item.error
                 if item.finish_reason is not None:
                     done += 1
                 yield item

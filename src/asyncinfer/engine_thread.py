@@ -9,6 +9,12 @@ hands back to the event loop goes through one path, :meth:`EngineThread.to_loop`
 The thread owns the :class:`ModelHolder` objects' ``live`` versions and the
 embedding batchers' queues; the event loop never touches them while it runs.
 No asyncio here beyond handing callbacks to the loop.
+
+Faults: a step that raises fails only its requests, and a command that cannot
+be carried out for one request (``AddRequest``) fails only that request; the
+thread dies (every waiter gets ``EngineDeadError``) on any other exception and
+when one model's steps fail ``max_consecutive_step_failures`` times in a row
+(see :mod:`asyncinfer.holder`).
 """
 
 from __future__ import annotations
@@ -218,7 +224,7 @@ class EngineThread:
         match command:
             case AddRequest(version, request):
                 assert version.core is not None, "a request was bound to a retired version"
-                version.core.add_request(request)
+                return version.core.add_request(request)  # [] or the request's failure
             case AbortRequest(request_id, _):
                 return [out for holder in self._holders for out in holder.abort(request_id)]
             case QueueEmbed(batcher, call):

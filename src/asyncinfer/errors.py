@@ -14,7 +14,12 @@ The tree::
     ├── EngineOverloadedError                     too many requests wait (max_waiting_requests); retry later
     ├── RequestAbortedError                       an embed() call was aborted before its vectors were
     │                                             computed (remove_model or aclose with abort=True)
-    └── EngineDeadError                           it broke: the step loop died; the cause is chained
+    ├── RequestFailedError                        one request broke: a fault in the engine step (or the
+    │                                             command) that ran it; the cause is chained, and the
+    │                                             engine keeps serving the other requests
+    └── EngineDeadError                           it broke: the step loop died (or failed
+                                                  max_consecutive_step_failures steps in a row); the
+                                                  cause is chained
 
 "You closed it" and "it broke" are kept apart on purpose: the first is a usage
 error, the second a bug or a resource failure worth paging someone for.
@@ -83,6 +88,17 @@ class RequestAbortedError(AsyncInferError):
     """A request was aborted before it had a result (generation requests end with
     ``finish_reason="abort"`` instead; an ``embed()`` call, which has no partial
     result, raises this)."""
+
+
+class RequestFailedError(AsyncInferError):
+    """The engine failed this request: an exception in the step that ran it (the forward
+    pass, the sampler, the scheduler) or in taking it in. The exception is the ``__cause__``.
+
+    Only the requests of the failed step fail (every request the scheduler held, when the
+    scheduler itself raised); their blocks are freed and the engine serves the next ones.
+    A fault that repeats on ``max_consecutive_step_failures`` steps in a row is
+    :class:`EngineDeadError` instead.
+    """
 
 
 class EngineDeadError(AsyncInferError):

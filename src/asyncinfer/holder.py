@@ -16,6 +16,12 @@ Two views, each owned by one side:
   switch command appends the new version and marks the others draining; a
   draining version is dropped (its weights and KV tensors with it) at the
   first step boundary where it holds no request.
+
+Stepping a core is also where the engine thread's fault isolation lives
+(:meth:`ModelHolder.step`): a step that raises fails only its own requests
+(``EngineCore.fail_step``) unless ``max_consecutive_step_failures`` steps of that
+version failed in a row, which kills the thread (every waiter then gets
+``EngineDeadError``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore
 from asyncinfer.embedding import EmbeddingPlan
+from asyncinfer.errors import EngineDeadError
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput
@@ -74,6 +81,8 @@ class ModelVersion:
     state: VersionState = VersionState.CURRENT
     # Called on the engine thread once the version is dropped.
     on_retired: list[Callable[[ModelVersion], None]] = field(default_factory=list)
+    # Engine thread: steps of this version that failed in a row.
+    failures_in_a_row: int = 0
 
     _max_token_chars: int | None = field(default=None, repr=False)
 
@@ -117,12 +126,32 @@ class ModelHolder:
         return any(v.core is not None and v.core.has_unfinished_requests() for v in self.live)
 
     def step(self) -> list[CoreOutput]:
-        """One step of every live core that has work (overlapping versions share the iteration)."""
+        """One step of every live core that has work (overlapping versions share the iteration).
+
+        Raises :class:`EngineDeadError` (the cause chained) once a version's steps
+        failed ``max_consecutive_step_failures`` times in a row.
+        """
         outputs: list[CoreOutput] = []
         for version in self.live:
             core = version.core
             if core is not None and core.has_unfinished_requests():
-                outputs.extend(core.step())
+                outputs.extend(self._step(version, core))
+        return outputs
+
+    @staticmethod
+    def _step(version: ModelVersion, core: EngineCore) -> list[CoreOutput]:
+        try:
+            outputs = core.step()
+        except Exception as exc:  # fault isolation: the step's requests fail, not the engine
+            version.failures_in_a_row += 1
+            limit = version.config.max_consecutive_step_failures
+            if version.failures_in_a_row >= limit:
+                raise EngineDeadError(
+                    f"{limit} consecutive steps of model version {version.version_id} failed "
+                    f"(max_consecutive_step_failures={limit}); the last one raised {type(exc).__name__}: {exc}"
+                ) from exc
+            return core.fail_step(exc)
+        version.failures_in_a_row = 0
         return outputs
 
     def abort(self, request_id: str) -> list[CoreOutput]:

@@ -112,6 +112,11 @@ class CoreOutput:
     """What one step produced for one request (new tokens/text, and the finish if it ended).
 
     ``request_id`` is the user's id (shared by all ``n`` samples); ``index`` is the sample.
+    ``error`` is set when the engine failed the request (a
+    :class:`~asyncinfer.errors.RequestFailedError`, or an ``InvalidParameterError`` the
+    core found): the output then ends its sample (``finish_reason="abort"``), the core
+    has dropped the request, and its stream raises the error. The core sends one for
+    every sample that had not finished, all in one batch.
     """
 
     request_id: str
@@ -124,6 +129,7 @@ class CoreOutput:
     finish_time: float | None = None
     num_preemptions: int = 0
     index: int = 0
+    error: BaseException | None = None
 
 
 def stream_delta(out: CoreOutput) -> StreamDelta:

@@ -70,6 +70,7 @@ def _merge(into: CoreOutput, out: CoreOutput) -> None:
     into.first_token_time = into.first_token_time or out.first_token_time
     into.finish_reason, into.stop_reason, into.finish_time = out.finish_reason, out.stop_reason, out.finish_time
     into.num_preemptions = out.num_preemptions
+    into.error = into.error or out.error  # a failure must reach the consumer even when merged
 
 
 class StreamTable:

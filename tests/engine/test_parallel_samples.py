@@ -1,16 +1,17 @@
-"""``n > 1`` samples in the synchronous core (issue 10, item 1).
+"""``n > 1`` samples and request ids in the synchronous core (issue 10, items 1 and 2).
 
 Forked samples hold KV blocks from the step that forks them, so they must run at
 once: queued behind a request that needs those very blocks, nothing could run
 again. A request of ``n`` samples takes ``n`` seats of ``max_num_seqs`` from its
-admission.
+admission. The core refuses an id it already holds, and a sample's internal id
+(``"<id>#<i>"``) is not abortable from outside.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.request import Request
 
 # The tiny Llama: 2 layers x 2 KV heads x head_dim 16, float32 -> 2048 bytes per 4-token block.
@@ -88,3 +89,50 @@ def test_n_samples_take_n_seats_and_decode_together(tiny_models, hf_greedy) -> N
     assert (a.num_seqs, d.num_seqs) == (1, 1)  # a's second seat went to its forked sample
     assert a.output_token_ids == hf_greedy(hf, PROMPT_16, 6)
     assert d.output_token_ids == hf_greedy(hf, PROMPT_16[:5], 3)
+
+
+def test_more_samples_than_max_num_seqs_fail_alone(tiny_models) -> None:
+    core = AsyncEngine.from_pretrained(tiny_models["llama"][0], **SMALL, max_num_seqs=2).core
+    outs = core.add_request(Request("wide", PROMPT_16, greedy(4, n=3), arrival_time=0.0))
+    assert [(o.request_id, o.index, o.finish_reason) for o in outs] == [("wide", i, "abort") for i in range(3)]
+    assert isinstance(outs[0].error, InvalidParameterError) and outs[0].error.parameter == "n"
+    assert not core.has_unfinished_requests()
+
+
+def test_the_core_refuses_an_id_it_holds_and_serves_the_first(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    core = AsyncEngine.from_pretrained(path, **{**SMALL, "kv_cache_memory": 40 * BLOCK_BYTES}).core
+    first = Request("x", PROMPT_16, greedy(5, n=2), arrival_time=0.0)
+    assert core.add_request(first) == []
+    # The same id, and ids of x's samples (before and after they fork), are all taken.
+    for rid, n in (("x", 1), ("x#1", 1), ("w", 1)):
+        if rid == "w":
+            core.step()  # x forks x#1
+            rid = "x#1"
+        outs = core.add_request(Request(rid, PROMPT_16[:3], greedy(2, n=n), arrival_time=0.0))
+        assert len(outs) == 1 and outs[0].finish_reason == "abort" and outs[0].request_id == rid
+        assert isinstance(outs[0].error, InvalidParameterError) and outs[0].error.parameter == "request_id"
+    # A new request whose future sample ids would collide with x's live samples is refused too.
+    outs = core.add_request(Request("x", PROMPT_16[:3], greedy(2), arrival_time=0.0))
+    assert isinstance(outs[0].error, InvalidParameterError)
+    run(core)
+    expected = hf_greedy(hf, PROMPT_16, 5)
+    assert first.output_token_ids == expected
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_an_internal_sample_id_is_not_abortable(tiny_models, hf_greedy) -> None:
+    """Aborting "z#1" used to end that sample alone and leak the request's group forever."""
+    path, hf = tiny_models["llama"]
+    core = AsyncEngine.from_pretrained(path, **{**SMALL, "kv_cache_memory": 40 * BLOCK_BYTES}).core
+    z = Request("z", PROMPT_16, greedy(6, n=3), arrival_time=0.0)
+    core.add_request(z)
+    outputs = core.step()
+    assert sorted(core.scheduler.requests) == ["z", "z#1", "z#2"]
+    assert core.abort_request("z#1") == [] and core.abort_request("z#2") == []
+    outputs += run(core)
+    expected = hf_greedy(hf, PROMPT_16, 6)
+    assert tokens_by_sample(outputs, "z", 3) == [expected] * 3
+    assert sorted((o.index, o.finish_reason) for o in outputs if o.finish_reason) == [(i, "length") for i in range(3)]
+    assert core.abort_request("z") == []  # over: nothing of it is left in the core
+    assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -67,7 +67,12 @@ in the engine; the policy lab replaces it with simulated time), never
 ``time.time()`` directly.
 
 Raises: ``schedule`` raises nothing for lack of memory — a failed allocation
-changes nothing and the request simply waits.
+changes nothing and the request simply waits. If ``schedule`` raises anyway (a
+bug), its queues may be half updated, so the engine fails *every* request the
+scheduler holds with ``RequestFailedError`` (through :meth:`Scheduler.abort_request`,
+which frees their blocks) and serves the next ones; ``max_consecutive_step_failures``
+failures in a row declare the engine dead. An exception from ``add_request`` fails
+only that request.
 """
 
 from __future__ import annotations
