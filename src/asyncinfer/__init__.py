@@ -22,6 +22,7 @@ from asyncinfer.errors import (
     ModelLoadError,
     RequestAbortedError,
     RequestFailedError,
+    RequestStalledError,
     SwapError,
     WrongEventLoopError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
+    "RequestStalledError",
     "SamplingParams",
     "StepStats",
     "StreamDelta",

@@ -7,6 +7,7 @@ or an out-of-range value raises :class:`InvalidParameterError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,6 +104,10 @@ class EngineConfig:
       :class:`~asyncinfer.errors.RequestFailedError` and the engine serves the next ones;
       this many failed steps of one model in a row (no step succeeding between them)
       declare the engine dead, and every waiter gets ``EngineDeadError`` (default 3, >= 1).
+    - ``stall_timeout``: liveness. While every request is stuck (the scheduler schedules
+      nothing) the engine thread backs off instead of spinning; after this many seconds
+      of it the stuck requests fail with :class:`~asyncinfer.errors.RequestStalledError`
+      (default 30.0; a finite number > 0, or None to let them wait forever).
     """
 
     dtype: Any = "auto"
@@ -125,6 +130,7 @@ class EngineConfig:
     kv_watermark: float = 0.01
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int = 3
+    stall_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -143,6 +149,9 @@ class EngineConfig:
         check_int("activation_reserve", self.activation_reserve, 0)
         check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)
         check_int("max_consecutive_step_failures", self.max_consecutive_step_failures, 1)
+        st = self.stall_timeout
+        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
+            raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
         check_quantization(self.quantization, device, self.dtype)
         skip = self.quantization_skip
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):

@@ -58,7 +58,8 @@ class StepStats:
 
     ``preemptions`` is the block manager's count (:attr:`KVCacheManager.num_preemptions`,
     the engine's one preemption counter), copied here after every ``schedule``.
-    ``failed_steps`` counts steps that raised (their requests failed).
+    ``failed_steps`` counts steps that raised (their requests failed), ``idle_steps``
+    steps that scheduled nothing while requests were unfinished.
     """
 
     steps: int = 0
@@ -67,6 +68,7 @@ class StepStats:
     preemptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     failed_steps: int = 0
+    idle_steps: int = 0
 
 
 class EngineCore:
@@ -192,6 +194,7 @@ class EngineCore:
         if copies:  # copy-on-write: shared blocks this step writes into
             self.runner.copy_blocks(copies)
         if not batch:
+            self.stats.idle_steps += 1  # nothing to run: the engine thread backs off and times the stall
             return []
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         logits = self.runner.execute(inputs)

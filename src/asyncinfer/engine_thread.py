@@ -14,7 +14,9 @@ Faults: a step that raises fails only its requests, and a command that cannot
 be carried out for one request (``AddRequest``) fails only that request; the
 thread dies (every waiter gets ``EngineDeadError``) on any other exception and
 when one model's steps fail ``max_consecutive_step_failures`` times in a row
-(see :mod:`asyncinfer.holder`).
+(see :mod:`asyncinfer.holder`). When no core with requests can schedule any,
+the thread waits for a command with a growing timeout (up to
+:data:`MAX_IDLE_WAIT`) instead of spinning.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from asyncinfer.outputs import CoreOutput
 from asyncinfer.request import Request
 
 logger = logging.getLogger("asyncinfer")
+
+#: Seconds the thread waits at most between two tries when every core with requests scheduled nothing.
+MAX_IDLE_WAIT = 0.05
 
 
 # ------------------------------------------------------------------ commands
@@ -147,6 +152,7 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._idle_wait = 0.0  # the back-off while nothing can be scheduled (0: not backing off)
         self._thread = threading.Thread(target=self._run, name="asyncinfer-core", daemon=True)
 
     def start(self) -> None:
@@ -202,6 +208,11 @@ class EngineThread:
         for holder in self._holders:
             outputs.extend(holder.step())
         self._emit(outputs)
+        if any(holder.progressed for holder in self._holders):
+            self._idle_wait = 0.0
+        else:  # requests wait and none could be scheduled: a command (or time) must change something
+            self._idle_wait = min(max(2 * self._idle_wait, 0.001), MAX_IDLE_WAIT)
+            self._wake.wait(self._idle_wait if embed_wait is None else min(self._idle_wait, embed_wait))
         return True
 
     def _emit(self, outputs: list[CoreOutput]) -> None:

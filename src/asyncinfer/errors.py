@@ -15,8 +15,10 @@ The tree::
     ├── RequestAbortedError                       an embed() call was aborted before its vectors were
     │                                             computed (remove_model or aclose with abort=True)
     ├── RequestFailedError                        one request broke: a fault in the engine step (or the
-    │                                             command) that ran it; the cause is chained, and the
-    │                                             engine keeps serving the other requests
+    │   │                                         command) that ran it; the cause is chained, and the
+    │   │                                         engine keeps serving the other requests
+    │   └── RequestStalledError                   the scheduler ran nothing for stall_timeout seconds
+    │                                             while the request waited
     └── EngineDeadError                           it broke: the step loop died (or failed
                                                   max_consecutive_step_failures steps in a row); the
                                                   cause is chained
@@ -99,6 +101,12 @@ class RequestFailedError(AsyncInferError):
     A fault that repeats on ``max_consecutive_step_failures`` steps in a row is
     :class:`EngineDeadError` instead.
     """
+
+
+class RequestStalledError(RequestFailedError):
+    """The scheduler scheduled nothing for ``stall_timeout`` seconds while this request
+    waited (a scheduler that cannot make progress); the message names the scheduler,
+    the requests it held and the free KV blocks."""
 
 
 class EngineDeadError(AsyncInferError):

@@ -17,16 +17,18 @@ Two views, each owned by one side:
   draining version is dropped (its weights and KV tensors with it) at the
   first step boundary where it holds no request.
 
-Stepping a core is also where the engine thread's fault isolation lives
+Stepping a core is also where the engine thread's two safety rules live
 (:meth:`ModelHolder.step`): a step that raises fails only its own requests
 (``EngineCore.fail_step``) unless ``max_consecutive_step_failures`` steps of that
 version failed in a row, which kills the thread (every waiter then gets
-``EngineDeadError``).
+``EngineDeadError``); and a core whose requests stay unscheduled for
+``stall_timeout`` seconds fails them with ``RequestStalledError``.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,7 @@ from typing import Any
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore
 from asyncinfer.embedding import EmbeddingPlan
-from asyncinfer.errors import EngineDeadError
+from asyncinfer.errors import EngineDeadError, RequestStalledError
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput
@@ -81,8 +83,10 @@ class ModelVersion:
     state: VersionState = VersionState.CURRENT
     # Called on the engine thread once the version is dropped.
     on_retired: list[Callable[[ModelVersion], None]] = field(default_factory=list)
-    # Engine thread: steps of this version that failed in a row.
+    # Engine thread: steps of this version that failed in a row, and since when (time.monotonic())
+    # its steps have scheduled nothing (None while they run something).
     failures_in_a_row: int = 0
+    stalled_since: float | None = None
 
     _max_token_chars: int | None = field(default=None, repr=False)
 
@@ -106,6 +110,9 @@ class ModelHolder:
     def __init__(self, first: ModelVersion) -> None:
         self.current: ModelVersion | None = first
         self.live: list[ModelVersion] = [first]
+        # Engine thread: whether the last step() ran (or failed) anything; False when every
+        # core with requests scheduled nothing, and the thread should back off.
+        self.progressed = False
 
     # ------------------------------------------------------------ engine thread
     def switch(self, version: ModelVersion) -> None:
@@ -128,18 +135,19 @@ class ModelHolder:
     def step(self) -> list[CoreOutput]:
         """One step of every live core that has work (overlapping versions share the iteration).
 
-        Raises :class:`EngineDeadError` (the cause chained) once a version's steps
-        failed ``max_consecutive_step_failures`` times in a row.
+        Sets :attr:`progressed`. Raises :class:`EngineDeadError` (the cause chained) once
+        a version's steps failed ``max_consecutive_step_failures`` times in a row.
         """
         outputs: list[CoreOutput] = []
+        self.progressed = False
         for version in self.live:
             core = version.core
             if core is not None and core.has_unfinished_requests():
                 outputs.extend(self._step(version, core))
         return outputs
 
-    @staticmethod
-    def _step(version: ModelVersion, core: EngineCore) -> list[CoreOutput]:
+    def _step(self, version: ModelVersion, core: EngineCore) -> list[CoreOutput]:
+        ran = core.stats.steps
         try:
             outputs = core.step()
         except Exception as exc:  # fault isolation: the step's requests fail, not the engine
@@ -150,9 +158,33 @@ class ModelHolder:
                     f"{limit} consecutive steps of model version {version.version_id} failed "
                     f"(max_consecutive_step_failures={limit}); the last one raised {type(exc).__name__}: {exc}"
                 ) from exc
+            self.progressed = True
             return core.fail_step(exc)
         version.failures_in_a_row = 0
-        return outputs
+        if core.stats.steps > ran:
+            version.stalled_since = None
+            self.progressed = True
+            return outputs
+        return outputs + self._stalled(version, core)
+
+    @staticmethod
+    def _stalled(version: ModelVersion, core: EngineCore) -> list[CoreOutput]:
+        """A step of ``version`` scheduled nothing: fail its requests once that lasted ``stall_timeout``."""
+        now = time.monotonic()
+        if version.stalled_since is None:
+            version.stalled_since = now
+        timeout = version.config.stall_timeout
+        waited = now - version.stalled_since
+        if timeout is None or waited < timeout:
+            return []
+        version.stalled_since = None
+        sched, kv = core.scheduler, core.kv
+        why = (
+            f"the scheduler ({type(sched).__name__}) of model version {version.version_id} scheduled nothing for "
+            f"{waited:.1f} s (stall_timeout={timeout}) with {sched.num_running} running and {sched.num_waiting} "
+            f"waiting requests and {kv.num_free_blocks} of {kv.num_blocks} KV blocks free"
+        )
+        return core.fail_all(lambda request_id: RequestStalledError(f"request {request_id!r} failed: {why}"))
 
     def abort(self, request_id: str) -> list[CoreOutput]:
         """Abort a request on whichever version holds it (ids are unique across versions)."""

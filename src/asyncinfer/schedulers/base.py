@@ -43,7 +43,9 @@ Invariants every scheduler keeps:
 - a request is scheduled at most once per step, for at least one token, and
   never past its known tokens (``num_new_tokens <= num_uncomputed_tokens``);
 - progress: if any request is runnable and the cache is not full of *other*
-  requests' blocks, something is scheduled (preempting if it must);
+  requests' blocks, something is scheduled (preempting if it must). The engine
+  thread backs off while nothing is scheduled and fails the stuck requests with
+  ``RequestStalledError`` after ``stall_timeout`` seconds;
 - no starvation: every request is scheduled within a bounded time unless the
   policy says otherwise by setting ``starvation_free = False``;
 - no request is lost: every added request ends in ``finish_requests`` or
