@@ -158,6 +158,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     """Apply the weight format, plan memory, and wire the runner, KV cache, scheduler and sampler."""
     mc = loaded.config
     max_model_len = resolve_max_model_len(config, mc)
+    check_sliding_window(loaded, max_model_len)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise InvalidParameterError(
             "max_num_batched_tokens",
@@ -193,6 +194,39 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
         max_model_len=max_model_len,
     )
     return plan, core
+
+
+def check_sliding_window(loaded: LoadedModel, max_model_len: int) -> None:
+    """Refuse a context longer than the attention window a GGUF file declares.
+
+    The runner has full attention only; within the window that is the same thing as
+    sliding-window attention, past it the results would differ from the model's. A
+    Hugging Face config's window already caps the model's context length (and so
+    ``max_model_len``); a GGUF file states it as ``<arch>.attention.sliding_window``.
+
+    Raises:
+        ConfigurationError: ``max_model_len`` exceeds the window (the message names both).
+    """
+    window = gguf_sliding_window(loaded.source)
+    if window is not None and max_model_len > window:
+        raise ConfigurationError(
+            f"max_model_len={max_model_len} exceeds the model's sliding attention window of {window} tokens, "
+            f"which this engine does not implement (it attends to the whole context): pass max_model_len={window} "
+            "or less"
+        )
+
+
+def gguf_sliding_window(source: str) -> int | None:
+    """The sliding attention window a ``"gguf:<file>"`` source declares (None: none, or not a GGUF)."""
+    if not source.startswith("gguf:"):
+        return None
+    import gguf
+
+    fields = gguf.GGUFReader(source.removeprefix("gguf:")).fields
+    arch = fields["general.architecture"].contents()
+    field = fields.get(f"{arch}.attention.sliding_window")
+    window = None if field is None else int(field.contents())
+    return window if window else None
 
 
 def warm_up(core: EngineCore) -> None:
