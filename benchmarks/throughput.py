@@ -317,6 +317,7 @@ def _stats_snapshot(engine: Any) -> dict[str, Any]:
         "prefill_tokens": stats.prefill_tokens,
         "decode_tokens": stats.decode_tokens,
         "preemptions": stats.preemptions,
+        "scheduled_requests": stats.scheduled_requests,
     }
 
 
@@ -353,15 +354,15 @@ async def _asyncinfer_session(engine: Any, workload: Workload, args: argparse.Na
     async with engine:
         await _asyncinfer_generate_all(engine, workload.prompt_ids[:2], (4, 4))  # warm-up
         before = _stats_snapshot(engine)
-        batch_sizes_from = len(engine.step_stats().batch_sizes)
         start = time.perf_counter()
         outs = await _asyncinfer_generate_all(engine, workload.prompt_ids, workload.max_new_tokens)
         session["wall_s"] = time.perf_counter() - start
         after = _stats_snapshot(engine)
         session["outputs"] = outs
         session["stats"] = {k: after[k] - before[k] for k in before}
-        sizes = engine.step_stats().batch_sizes[batch_sizes_from:]
-        session["stats"]["mean_batch_size"] = statistics.fmean(sizes) if sizes else 0.0
+        # step_stats().batch_sizes keeps the last 1024 steps only: the mean comes from the totals.
+        run = session["stats"]
+        run["mean_batch_size"] = run["scheduled_requests"] / run["steps"] if run["steps"] else 0.0
         if not args.skip_single_decode:
             session["single_decode"] = await _asyncinfer_single_decode(
                 engine, list(workload.prompt_ids[0]), args.decode_tokens, args.repeats)

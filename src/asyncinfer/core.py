@@ -42,6 +42,9 @@ from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
 from asyncinfer.step import StepResult, apply_step, fork_samples, scheduled
 
+#: How many recent steps :attr:`StepStats.batch_sizes` keeps.
+BATCH_SIZE_HISTORY = 1024
+
 
 @dataclass
 class _Group:
@@ -58,8 +61,11 @@ class StepStats:
 
     ``preemptions`` is the block manager's count (:attr:`KVCacheManager.num_preemptions`,
     the engine's one preemption counter), copied here after every ``schedule``.
-    ``failed_steps`` counts steps that raised (their requests failed), ``idle_steps``
-    steps that scheduled nothing while requests were unfinished.
+    ``batch_sizes`` holds the number of requests of each of the last
+    :data:`BATCH_SIZE_HISTORY` (1024) steps that ran, oldest first: bounded, so that a
+    long-running engine does not grow it; ``scheduled_requests / steps`` is the mean
+    over every step. ``failed_steps`` counts steps that raised (their requests failed),
+    ``idle_steps`` steps that scheduled nothing while requests were unfinished.
     """
 
     steps: int = 0
@@ -67,6 +73,7 @@ class StepStats:
     decode_tokens: int = 0
     preemptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    scheduled_requests: int = 0
     failed_steps: int = 0
     idle_steps: int = 0
 
@@ -154,8 +161,9 @@ class EngineCore:
     def abort_request(self, request_id: str) -> list[CoreOutput]:
         """Abort a request (all its samples) at a step boundary; returns their final outputs.
 
-        Empty when the id is unknown or already finished, and for a sample's internal
-        id (``"<id>#<i>"``): samples end with their request, by the user's id.
+        Each final output carries the text its detokenizer still held back. Empty
+        when the id is unknown or already finished, and for a sample's internal id
+        (``"<id>#<i>"``): samples end with their request, by the user's id.
         """
         if request_id not in self._groups:
             request = self.scheduler.requests.get(request_id)
@@ -263,12 +271,15 @@ class EngineCore:
     @staticmethod
     def _aborted(request: Request | None, request_id: str, index: int, error: BaseException | None) -> CoreOutput:
         now = time.time()
+        text = ""
         if request is not None:
             request.finish_time = now
+            if error is None and request.detokenizer is not None:
+                text = request.detokenizer.flush()  # what it held back (e.g. a possible stop string's start)
         return CoreOutput(
             request_id=request_id,
             token_ids=[],
-            text="",
+            text=text,
             finish_reason="abort",
             first_token_time=None if request is None else request.first_token_time,
             finish_time=now,
@@ -290,10 +301,14 @@ class EngineCore:
         return requests, rows
 
     def _count(self, result: StepResult) -> None:
-        self.stats.steps += 1
-        self.stats.batch_sizes.append(result.num_scheduled)
-        self.stats.decode_tokens += result.decode_tokens
-        self.stats.prefill_tokens += result.prefill_tokens
+        stats = self.stats
+        stats.steps += 1
+        stats.batch_sizes.append(result.num_scheduled)
+        if len(stats.batch_sizes) > BATCH_SIZE_HISTORY:
+            del stats.batch_sizes[0]
+        stats.scheduled_requests += result.num_scheduled
+        stats.decode_tokens += result.decode_tokens
+        stats.prefill_tokens += result.prefill_tokens
 
     def _outputs(self, result: StepResult, tokens: _StepTokens) -> list[CoreOutput]:
         now = time.time()
