@@ -232,19 +232,16 @@ class AsyncEngine:
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
 
-        With ``params.n > 1`` the result's ``outputs`` holds every sample (its
-        flat fields are sample 0's). ``cache_salt``: requests share cached prompt
-        prefixes only with requests of the same salt (e.g. one per tenant).
+        With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
+        ``cache_salt``: requests share cached prefixes only within one salt (e.g. a tenant).
+        Cancelling the awaiting task aborts the request (its blocks return at the next step
+        boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
+        ``model``: the generator's name (default: the first loaded).
 
-        Cancelling the awaiting task aborts the request (its KV blocks return at
-        the next step boundary). A request aborted with :meth:`abort` returns
-        with ``finish_reason == "abort"``. ``model``: the name of the generator
-        to use (default: the first loaded).
-
-        Raises:
-            InvalidParameterError: bad prompt or parameters (nothing was queued).
-            EngineClosedError: the engine is not running.
-            EngineDeadError: the step loop failed.
+        Raises (docs/reliability.md): InvalidParameterError (bad prompt or parameters; nothing
+        was queued), EngineOverloadedError (``max_waiting_requests``), RequestFailedError (a fault
+        in its step; RequestStalledError: nothing ran for ``stall_timeout``), EngineClosedError /
+        WrongEventLoopError (not running, or another loop), EngineDeadError (the step loop broke).
         """
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
         request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
