@@ -196,8 +196,9 @@ class EngineCore:
         """
         self._batch = None
         plan = self.scheduler.schedule()
+        batch = scheduled(self.scheduler, plan)  # a plan naming a request the scheduler lacks fails here
         copies = self.kv.commit_step()
-        self._batch = batch = scheduled(self.scheduler, plan)  # from here on a fault fails these requests
+        self._batch = batch  # from here on a fault fails these requests
         self.stats.preemptions = self.kv.num_preemptions
         if copies:  # copy-on-write: shared blocks this step writes into
             self.runner.copy_blocks(copies)

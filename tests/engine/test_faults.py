@@ -211,3 +211,29 @@ def test_the_failure_options_are_checked(tiny_models) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidParameterError, match="max_consecutive_step_failures"):
             AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, max_consecutive_step_failures=bad)
+
+
+class NamesAStranger(FIFOScheduler):
+    """Broken once: its plan schedules a request it does not hold."""
+
+    strange = False
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        if self.strange:
+            self.strange = False
+            out.num_scheduled_tokens["nobody"] = 1
+        return out
+
+
+async def test_a_plan_naming_an_unknown_request_fails_like_a_scheduler_fault(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=NamesAStranger)
+    engine.core.scheduler.strange = True
+    async with engine:
+        with pytest.raises(RequestFailedError, match="NamesAStranger") as err:
+            await engine.generate(PROMPT, greedy(4))
+        assert isinstance(err.value.__cause__, KeyError)
+        # That plan registered PROMPT's blocks, which nothing computed: no later hit may read them.
+        assert (await engine.generate(PROMPT, greedy(4))).token_ids == hf_greedy(hf, PROMPT, 4)
+    assert engine.kv_stats().used_blocks == 0

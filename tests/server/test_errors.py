@@ -157,7 +157,7 @@ def test_an_embedding_fault_is_a_500_with_the_request_id_and_the_next_call_works
 
 
 class ExplodingScheduler(FIFOScheduler):
-    """FIFO, until a prompt starting with token 317 arrives: then the step loop dies."""
+    """FIFO, until a prompt starting with token 317 arrives: then every step raises."""
 
     def schedule(self):
         if any(r.prompt_token_ids[0] == 317 for r in self.waiting):
@@ -166,7 +166,10 @@ class ExplodingScheduler(FIFOScheduler):
 
 
 def test_a_dead_engine_is_a_500_and_health_says_so(tiny_chat_model) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", scheduler=ExplodingScheduler, **TINY_OPTIONS)
+    # One failed step is enough to kill it (by default a fault fails only its requests, and the
+    # engine dies after max_consecutive_step_failures failed steps in a row).
+    engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", scheduler=ExplodingScheduler,
+                                         max_consecutive_step_failures=1, **TINY_OPTIONS)
     with LiveServer(create_app(engine)) as live, httpx.Client(base_url=live.url) as http:
         assert http.post("/v1/completions", json={**TEXT, "prompt": [5, 6]}).status_code == 200
         # A stream already answered 200 when the engine dies: the error comes as an event, the stream ends.
