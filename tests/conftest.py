@@ -1,4 +1,4 @@
-"""Fixtures shared by the whole suite: tiny random checkpoints and the real default model."""
+"""Fixtures shared by the whole suite: tiny random checkpoints and the real models (shared code: tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from tests import helpers
 
 
 @pytest.fixture(scope="session")
@@ -37,47 +38,16 @@ def real_hf_reference(real_gguf: Path):
     model = AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name, dtype=torch.float32)
     return model.eval(), tok
 
-TINY = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def _build(kind: str, seed: int):
-    torch.manual_seed(seed)
-    if kind == "llama":
-        cfg = LlamaConfig(**TINY, tie_word_embeddings=False)
-    elif kind == "qwen2":
-        cfg = Qwen2Config(**TINY, tie_word_embeddings=True)
-    else:
-        raise ValueError(kind)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    # Wider weights than HF's init so that logits are well separated (greedy is then stable).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
     """``{"llama": (dir, hf_model), "qwen2": (dir, hf_model)}`` saved as safetensors."""
     out = {}
     for kind, seed in (("llama", 0), ("qwen2", 1)):
-        model = _build(kind, seed)
+        # A wider vocabulary and context than tests.helpers.TINY's: the engine tests' prompts use ids up to 319.
+        model = helpers.tiny_hf_model(kind, seed, vocab_size=320, max_position_embeddings=512)
+        model.generation_config.eos_token_id = None  # hf_greedy's references run to their length
+        model.generation_config.pad_token_id = 0
         path = tmp_path_factory.mktemp(f"tiny-{kind}")
         model.save_pretrained(path, safe_serialization=True)
         out[kind] = (path, model)
@@ -86,16 +56,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 
 @pytest.fixture(scope="session")
 def hf_greedy():
-    """Reference greedy continuation by transformers' ``generate()``, one prompt at a time."""
-
-    def run(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False)
-        return out[0, len(prompt):].tolist()
-
-    return run
+    """:func:`tests.helpers.hf_greedy`, for tests that take it as a fixture (new tests import it)."""
+    return helpers.hf_greedy
 
 
 @pytest.fixture(scope="session")

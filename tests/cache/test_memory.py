@@ -9,17 +9,8 @@ from asyncinfer import ConfigurationError, InvalidParameterError
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.memory import MiB, plan_kv_cache, plan_memory
-from asyncinfer.models import ModelConfig
 from asyncinfer.models.quant import weight_bytes
-
-# SmolLM2-135M-Instruct's shapes (the default model).
-SMOLLM2 = ModelConfig(
-    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
-    max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-    eos_token_ids=(2,),
-)
-
+from tests.helpers import SMOLLM2  # SmolLM2-135M-Instruct's shapes (the default model)
 
 def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() -> None:
     # The spec's figure against the bytes the engine's own KV tensors take for one block.

@@ -16,26 +16,17 @@ from asyncinfer import (
     SamplingParams,
 )
 from asyncinfer.request import Request
+from tests.helpers import ENGINE_BASE, greedy, hf_greedy, random_prompts
 
-# Small budgets keep these engines light; each test builds its own engine.
-BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+# Small budgets (ENGINE_BASE) keep these engines light; each test builds its own engine.
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-async def test_greedy_tokens_equal_transformers_with_staggered_arrivals(kind, tiny_models, hf_greedy) -> None:
+async def test_greedy_tokens_equal_transformers_with_staggered_arrivals(kind, tiny_models) -> None:
     path, hf = tiny_models[kind]
-    ps = prompts(6, seed=3)
+    ps = random_prompts(6, seed=3)
     lengths = [5, 17, 9, 24, 12, 30]
-    engine = AsyncEngine.from_pretrained(path, **BASE, max_num_batched_tokens=48)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE, max_num_batched_tokens=48)
     async with engine:
 
         async def one(i: int):
@@ -50,12 +41,12 @@ async def test_greedy_tokens_equal_transformers_with_staggered_arrivals(kind, ti
     assert engine.kv_stats().used_blocks == 0
 
 
-def test_core_mixes_prefill_and_decode_in_one_step(tiny_models, hf_greedy) -> None:
+def test_core_mixes_prefill_and_decode_in_one_step(tiny_models) -> None:
     """Drive the synchronous core by hand: a request arrives while another decodes."""
     path, hf = tiny_models["llama"]
-    engine = AsyncEngine.from_pretrained(path, **BASE, max_num_batched_tokens=16)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE, max_num_batched_tokens=16)
     core = engine.core
-    ps = prompts(3, seed=5)
+    ps = random_prompts(3, seed=5)
     reqs = [Request(f"r{i}", p, greedy(12), arrival_time=0.0) for i, p in enumerate(ps)]
     core.add_request(reqs[0])
     steps = 0
@@ -74,15 +65,15 @@ def test_core_mixes_prefill_and_decode_in_one_step(tiny_models, hf_greedy) -> No
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
-async def test_preemption_recomputes_to_the_same_tokens(tiny_models, hf_greedy) -> None:
+async def test_preemption_recomputes_to_the_same_tokens(tiny_models) -> None:
     path, hf = tiny_models["llama"]
     # 16 blocks of 4 tokens: 8 requests growing to ~50 tokens cannot all stay resident.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4
     engine = AsyncEngine.from_pretrained(
-        path, **{**BASE, "kv_cache_memory": 16 * block_bytes, "max_model_len": 64}, block_size=4
+        path, **{**ENGINE_BASE, "kv_cache_memory": 16 * block_bytes, "max_model_len": 64}, block_size=4
     )
     assert engine.memory_plan.num_blocks == 16
-    ps = prompts(8, seed=7)
+    ps = random_prompts(8, seed=7)
     ps = [p[:14] for p in ps]
     async with engine:
         outs = await asyncio.gather(*(engine.generate(p, greedy(30)) for p in ps))
@@ -95,29 +86,29 @@ async def test_preemption_recomputes_to_the_same_tokens(tiny_models, hf_greedy) 
 
 async def test_cancel_break_and_abort_free_every_block(tiny_models) -> None:
     path, _ = tiny_models["llama"]
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         # 1. Breaking out of a stream aborts its request.
         got = 0
-        async for delta in engine.stream(prompts(1)[0], greedy(200)):
+        async for delta in engine.stream(random_prompts(1)[0], greedy(200)):
             got += len(delta.token_ids)
             if got >= 3:
                 break
         # 2. Cancelling the task awaiting generate() aborts it.
-        task = asyncio.create_task(engine.generate(prompts(1, 1)[0], greedy(200)))
+        task = asyncio.create_task(engine.generate(random_prompts(1, 1)[0], greedy(200)))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # 3. engine.abort(request_id) ends the request with finish_reason "abort".
-        aborted = asyncio.create_task(engine.generate(prompts(1, 2)[0], greedy(200), request_id="victim"))
+        aborted = asyncio.create_task(engine.generate(random_prompts(1, 2)[0], greedy(200), request_id="victim"))
         await asyncio.sleep(0.05)
         engine.abort("victim")
         out = await aborted
         assert out.finish_reason == "abort" and len(out.token_ids) < 200
         # Cancellation at random points of many concurrent requests.
         rng = random.Random(0)
-        tasks = [asyncio.create_task(engine.generate(p, greedy(60))) for p in prompts(12, 9)]
+        tasks = [asyncio.create_task(engine.generate(p, greedy(60))) for p in random_prompts(12, 9)]
         for t in tasks:
             await asyncio.sleep(rng.random() * 0.02)
             if rng.random() < 0.5:
@@ -125,7 +116,7 @@ async def test_cancel_break_and_abort_free_every_block(tiny_models) -> None:
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert any(isinstance(r, asyncio.CancelledError) for r in results)
         # The engine still serves, and every block comes back at the step boundary.
-        assert (await engine.generate(prompts(1, 3)[0], greedy(4))).finish_reason == "length"
+        assert (await engine.generate(random_prompts(1, 3)[0], greedy(4))).finish_reason == "length"
         for _ in range(100):
             if engine.kv_stats().used_blocks == 0 and not engine.core.has_unfinished_requests():
                 break
@@ -136,8 +127,8 @@ async def test_cancel_break_and_abort_free_every_block(tiny_models) -> None:
 
 async def test_stream_deltas_add_up_to_generate(tiny_models) -> None:
     path, _ = tiny_models["qwen2"]
-    engine = AsyncEngine.from_pretrained(path, **BASE)
-    p = prompts(1, 11)[0]
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
+    p = random_prompts(1, 11)[0]
     async with engine:
         full = await engine.generate(p, greedy(20))
         deltas = [d async for d in engine.stream(p, greedy(20))]
@@ -150,24 +141,24 @@ async def test_stream_deltas_add_up_to_generate(tiny_models) -> None:
 async def test_seeded_sampling_is_independent_of_the_batch(tiny_models) -> None:
     path, _ = tiny_models["llama"]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    p = prompts(1, 4)[0]
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    p = random_prompts(1, 4)[0]
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         alone = await engine.generate(p, params)
-        crowd = await asyncio.gather(
-            *(engine.generate(q, SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)) for q in prompts(5))
-        , engine.generate(p, params))
+        others = SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)
+        crowd = await asyncio.gather(*(engine.generate(q, others) for q in random_prompts(5)),
+                                     engine.generate(p, params))
         other_seed = await engine.generate(p, params.with_updates(seed=99))
     assert crowd[-1].token_ids == alone.token_ids
     assert other_seed.token_ids != alone.token_ids
 
 
-async def test_stop_token_ids_and_logprobs(tiny_models, hf_greedy) -> None:
+async def test_stop_token_ids_and_logprobs(tiny_models) -> None:
     path, hf = tiny_models["llama"]
-    p = prompts(1, 6)[0]
+    p = random_prompts(1, 6)[0]
     ref = hf_greedy(hf, p, 10)
     stop_at = ref[4]
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         out = await engine.generate(p, SamplingParams(max_tokens=10, stop_token_ids=[stop_at], logprobs=2))
     first = ref.index(stop_at)
@@ -181,10 +172,10 @@ async def test_stop_token_ids_and_logprobs(tiny_models, hf_greedy) -> None:
 async def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_models) -> None:
     path, _ = tiny_models["llama"]
     with pytest.raises(InvalidParameterError, match="no_such_option"):
-        AsyncEngine.from_pretrained(path, **BASE, no_such_option=1)
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, no_such_option=1)
     with pytest.raises(InvalidParameterError, match="max_num_seqs"):
-        AsyncEngine.from_pretrained(path, **BASE, max_num_seqs=0)
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, max_num_seqs=0)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     with pytest.raises(EngineClosedError):
         await engine.generate([5, 6], greedy(2))
     async with engine:

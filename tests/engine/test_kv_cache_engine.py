@@ -8,13 +8,9 @@ import random
 import pytest
 
 from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SamplingParams
+from tests.helpers import ENGINE_BASE, greedy, hf_greedy
 
-BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
 SYSTEM = [(7 * i) % 300 + 5 for i in range(96)]  # 6 full blocks of 16
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def user_turns(k: int, seed: int = 0) -> list[list[int]]:
@@ -29,12 +25,12 @@ async def run_batch(engine: AsyncEngine, prompts: list[list[int]], params: Sampl
     return [o.token_ids for o in outs]
 
 
-async def test_shared_system_prompt_is_computed_once_with_the_same_tokens(tiny_models, hf_greedy) -> None:
+async def test_shared_system_prompt_is_computed_once_with_the_same_tokens(tiny_models) -> None:
     path, hf = tiny_models["llama"]
     turns = user_turns(6)
     prompts = [SYSTEM + t for t in turns]
-    cached = AsyncEngine.from_pretrained(path, **BASE)
-    plain = AsyncEngine.from_pretrained(path, **BASE, enable_prefix_caching=False)
+    cached = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
+    plain = AsyncEngine.from_pretrained(path, **ENGINE_BASE, enable_prefix_caching=False)
     with_cache = await run_batch(cached, prompts, greedy(8))
     without = await run_batch(plain, prompts, greedy(8))
     assert with_cache == without
@@ -52,7 +48,7 @@ async def test_shared_system_prompt_is_computed_once_with_the_same_tokens(tiny_m
 async def test_n_greedy_samples_equal_each_other_and_a_single_sample(tiny_models) -> None:
     path, _ = tiny_models["qwen2"]
     prompt = SYSTEM[:37]  # 2 full blocks + a shared partial block that each sample must copy
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         single = await engine.generate(prompt, greedy(20))
         out = await engine.generate(prompt, greedy(20, n=4))
@@ -71,7 +67,7 @@ async def test_seeded_samples_match_independent_seeded_runs(tiny_models) -> None
     path, _ = tiny_models["llama"]
     prompt = SYSTEM[:21]
     params = SamplingParams(max_tokens=12, temperature=2.0, seed=1234, ignore_eos=True)
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         group = await engine.generate(prompt, params.with_updates(n=3))
         alone = [await engine.generate(prompt, params.with_updates(seed=1234 + i)) for i in range(3)]
@@ -83,7 +79,7 @@ async def test_stream_deltas_of_n_samples_carry_their_index(tiny_models) -> None
     path, _ = tiny_models["llama"]
     prompt = SYSTEM[:19]
     params = SamplingParams(max_tokens=9, temperature=1.5, seed=5, ignore_eos=True, n=3)
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         full = await engine.generate(prompt, params)
         deltas = [d async for d in engine.stream(prompt, params, request_id="x")]
@@ -103,7 +99,7 @@ async def test_stream_deltas_of_n_samples_carry_their_index(tiny_models) -> None
 async def test_salts_and_reset_prefix_cache(tiny_models) -> None:
     path, _ = tiny_models["llama"]
     prompt = SYSTEM[:70]
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async def prefill_of(**kw) -> int:
         before = engine.step_stats().prefill_tokens
         await engine.generate(prompt, greedy(2), **kw)
@@ -127,7 +123,7 @@ async def test_every_block_comes_back_after_cancellations_at_random_points(tiny_
     # A small cache: preemption, eviction and copy-on-write all happen. 24 blocks hold
     # about three of these requests at their longest, so running ones outgrow it whatever
     # the timing of the cancellations.
-    engine = AsyncEngine.from_pretrained(path, **{**BASE, "kv_cache_memory": 24 * 2 * 2 * 2 * 16 * 16 * 4},
+    engine = AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "kv_cache_memory": 24 * 2 * 2 * 2 * 16 * 16 * 4},
                                          max_num_batched_tokens=64)
     rng = random.Random(3)
     turns = user_turns(16, seed=1)
@@ -160,7 +156,7 @@ def test_aborting_n_samples_before_and_after_the_fork_ends_every_sample(tiny_mod
     from asyncinfer.request import Request
 
     path, _ = tiny_models["llama"]
-    core = AsyncEngine.from_pretrained(path, **BASE).core
+    core = AsyncEngine.from_pretrained(path, **ENGINE_BASE).core
     early = Request("early", SYSTEM[:40], greedy(30, n=3), arrival_time=0.0)
     core.add_request(early)
     outs = core.abort_request("early")
@@ -179,12 +175,12 @@ def test_aborting_n_samples_before_and_after_the_fork_ends_every_sample(tiny_mod
 
 def test_plan_memory_before_loading_matches_the_engine(tiny_models) -> None:
     path, _ = tiny_models["llama"]
-    planned = AsyncEngine.plan_memory(path, **BASE)
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    planned = AsyncEngine.plan_memory(path, **ENGINE_BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     weights = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
     assert planned.weight_bytes == weights
     assert planned == engine.memory_plan
     with pytest.raises(ConfigurationError, match=r"needs 16 blocks"):
-        AsyncEngine.from_pretrained(path, **{**BASE, "kv_cache_memory": 15 * 2 * 2 * 2 * 16 * 16 * 4})
+        AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "kv_cache_memory": 15 * 2 * 2 * 2 * 16 * 16 * 4})
     with pytest.raises(ConfigurationError, match=r"needs 16 blocks"):
-        AsyncEngine.plan_memory(path, **{**BASE, "kv_cache_memory": 15 * 2 * 2 * 2 * 16 * 16 * 4})
+        AsyncEngine.plan_memory(path, **{**ENGINE_BASE, "kv_cache_memory": 15 * 2 * 2 * 2 * 16 * 16 * 4})

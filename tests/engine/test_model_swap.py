@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import random
 import shutil
 import threading
 import time
@@ -13,23 +12,12 @@ import weakref
 import pytest
 
 import asyncinfer.loading as loading
-from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SamplingParams, SwapError
+from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SwapError
+from tests.helpers import ENGINE_BASE, greedy, random_prompts
 
-BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
 NUM_PROMPTS = 12
 MAX_TOKENS = 24
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
-
-
-PROMPTS = prompts(NUM_PROMPTS, seed=21)
-
-
-def greedy(n: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+PROMPTS = random_prompts(NUM_PROMPTS, seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +25,8 @@ def expected(tiny_models) -> dict[str, list[list[int]]]:
     """Each prompt's greedy tokens on each model, each from an engine serving that model alone."""
 
     async def run(kind: str) -> list[list[int]]:
-        async with AsyncEngine.from_pretrained(tiny_models[kind][0], **BASE) as engine:
-            outs = await asyncio.gather(*(engine.generate(p, greedy()) for p in PROMPTS))
+        async with AsyncEngine.from_pretrained(tiny_models[kind][0], **ENGINE_BASE) as engine:
+            outs = await asyncio.gather(*(engine.generate(p, greedy(MAX_TOKENS)) for p in PROMPTS))
         return [o.token_ids for o in outs]
 
     result = {kind: asyncio.run(run(kind)) for kind in ("llama", "qwen2")}
@@ -56,7 +44,7 @@ async def wait_for_one_version(engine: AsyncEngine) -> None:
 
 
 async def test_swaps_under_load_serve_every_request_on_its_own_version(tiny_models, expected) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     kind = "llama"
     swapping_to: str | None = None
     results: list[tuple[int, set[str], list[int], str]] = []
@@ -70,7 +58,7 @@ async def test_swaps_under_load_serve_every_request_on_its_own_version(tiny_mode
             j = (j + 1) % NUM_PROMPTS
             # Until swap_model returns, a request may be bound to either version.
             allowed = {kind} if swapping_to is None else {kind, swapping_to}
-            out = await engine.generate(PROMPTS[j], greedy())
+            out = await engine.generate(PROMPTS[j], greedy(MAX_TOKENS))
             results.append((j, allowed, out.token_ids, out.finish_reason))
             if len(allowed) == 1:
                 pinned.extend(allowed)
@@ -117,7 +105,7 @@ async def test_swaps_under_load_serve_every_request_on_its_own_version(tiny_mode
 async def test_prefix_cache_is_per_version(tiny_models) -> None:
     path = tiny_models["llama"][0]
     prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be cached
-    engine = AsyncEngine.from_pretrained(path, **BASE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         first = await engine.generate(prompt, greedy(4))
         await engine.generate(prompt, greedy(4))
@@ -132,7 +120,7 @@ async def test_prefix_cache_is_per_version(tiny_models) -> None:
 
 
 async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected, tmp_path, monkeypatch) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     bad = tmp_path / "bad-weights"
     shutil.copytree(tiny_models["qwen2"][0], bad)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -155,7 +143,7 @@ async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected,
         with pytest.raises(InvalidParameterError, match="no_such_option"):
             await engine.swap_model(tiny_models["qwen2"][0], no_such_option=1)
         assert engine.model_info() == [before]
-        out = await engine.generate(PROMPTS[0], greedy())
+        out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
     assert out.token_ids == expected["llama"][0]
 
 
@@ -176,14 +164,14 @@ async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monk
             active -= 1
 
     monkeypatch.setattr(loading, "warm_up", slow_warm_up)
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
         a = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0]))
         b = asyncio.create_task(engine.swap_model(tiny_models["llama"][0]))
-        serving = await engine.generate(PROMPTS[1], greedy())  # served while both load
+        serving = await engine.generate(PROMPTS[1], greedy(MAX_TOKENS))  # served while both load
         first, second = await asyncio.gather(a, b)
         await wait_for_one_version(engine)
-        out = await engine.generate(PROMPTS[2], greedy())
+        out = await engine.generate(PROMPTS[2], greedy(MAX_TOKENS))
     assert most == 1, "two swaps loaded at once"
     assert (first.version_id, second.version_id) == (1, 2)
     assert serving.token_ids == expected["llama"][1]
@@ -191,7 +179,7 @@ async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monk
 
 
 async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expected) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     tight = 100 * 1024 * 1024  # less than the 256 MiB activation reserve alone
     async with engine:
         with pytest.raises(ConfigurationError, match=r"activation reserve 256\.0 MiB .* 100\.0 MiB are available"):
@@ -199,14 +187,14 @@ async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expecte
         assert len(engine.model_info()) == 1
 
         # Drain: the old version finishes its requests; requests arriving meanwhile wait for the new one.
-        old = [asyncio.create_task(engine.generate(p, greedy())) for p in PROMPTS[:4]]
+        old = [asyncio.create_task(engine.generate(p, greedy(MAX_TOKENS))) for p in PROMPTS[:4]]
         await asyncio.sleep(0.05)
         swap = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0], mode="drain", available_bytes=tight))
         for _ in range(5000):  # admission is paused once the old version drains
             if [v.state for v in engine.model_info()] != ["current"]:
                 break
             await asyncio.sleep(0.001)
-        new = [asyncio.create_task(engine.generate(p, greedy())) for p in PROMPTS[4:8]]
+        new = [asyncio.create_task(engine.generate(p, greedy(MAX_TOKENS))) for p in PROMPTS[4:8]]
         info = await swap
         assert [o.token_ids for o in await asyncio.gather(*old)] == expected["llama"][:4]
         assert [o.token_ids for o in await asyncio.gather(*new)] == expected["qwen2"][4:8]
@@ -219,13 +207,13 @@ async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expecte
         await engine.swap_model(tiny_models["llama"][0], mode="drain", abort=True)
         outs = await asyncio.gather(*old)
         assert all(o.finish_reason == "abort" and len(o.token_ids) < 200 for o in outs)
-        assert (await engine.generate(PROMPTS[9], greedy())).token_ids == expected["llama"][9]
+        assert (await engine.generate(PROMPTS[9], greedy(MAX_TOKENS))).token_ids == expected["llama"][9]
     gc.collect()
     assert old_core() is None
 
 
 async def test_failed_drain_mode_swap_reloads_the_old_version(tiny_models, expected, tmp_path) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **ENGINE_BASE)
     bad = tmp_path / "bad-weights"
     shutil.copytree(tiny_models["llama"][0], bad)
     (bad / "model.safetensors").write_bytes(b"garbage")
@@ -234,20 +222,20 @@ async def test_failed_drain_mode_swap_reloads_the_old_version(tiny_models, expec
             await engine.swap_model(bad, mode="drain")
         (info,) = engine.model_info()
         assert info.state == "current" and "tiny-qwen2" in info.source
-        out = await engine.generate(PROMPTS[3], greedy())
+        out = await engine.generate(PROMPTS[3], greedy(MAX_TOKENS))
     assert out.token_ids == expected["qwen2"][3]
 
 
 async def test_swap_before_start_and_after_close(tiny_models, expected) -> None:
     from asyncinfer import EngineClosedError
 
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     old_model = weakref.ref(engine.core.runner.model)
     info = await engine.swap_model(tiny_models["qwen2"][0])
     gc.collect()
     assert old_model() is None and [v.version_id for v in engine.model_info()] == [info.version_id]
     async with engine:
-        out = await engine.generate(PROMPTS[5], greedy())
+        out = await engine.generate(PROMPTS[5], greedy(MAX_TOKENS))
     assert out.token_ids == expected["qwen2"][5]
     with pytest.raises(EngineClosedError):
         await engine.swap_model(tiny_models["llama"][0])

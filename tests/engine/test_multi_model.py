@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import random
 import time
 import weakref
 
@@ -24,8 +23,8 @@ from asyncinfer import (
     SamplingParams,
 )
 from asyncinfer.models.encoder import load_encoder
+from tests.helpers import ENGINE_BASE, greedy, hf_greedy, random_prompts
 
-GEN = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
 MAX_TOKENS = 16
 TEXTS = [
     "The cat sat on the mat.",
@@ -39,20 +38,11 @@ TEXTS = [
 ]
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
-
-
-PROMPTS = prompts(6, seed=5)
-
-
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = random_prompts(6, seed=5, max_len=30)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, hf_greedy) -> dict[str, list[list[int]]]:
+def reference(tiny_models) -> dict[str, list[list[int]]]:
     """transformers' greedy tokens for every prompt on each tiny model."""
     out = {kind: [hf_greedy(tiny_models[kind][1], p, MAX_TOKENS) for p in PROMPTS] for kind in ("llama", "qwen2")}
     assert all(a != b for a, b in zip(out["llama"], out["qwen2"]))  # a mix-up would show
@@ -72,9 +62,10 @@ def assert_same_vectors(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 async def test_generators_and_an_embedder_serve_side_by_side(tiny_models, minilm_dir, reference, solo_vectors):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="chat", **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="chat", **ENGINE_BASE)
     async with engine:
-        qwen = await engine.add_model("qwen", tiny_models["qwen2"][0], **{**GEN, "kv_cache_memory": 2 * 1024 * 1024})
+        qwen = await engine.add_model("qwen", tiny_models["qwen2"][0],
+                                      **{**ENGINE_BASE, "kv_cache_memory": 2 * 1024 * 1024})
         emb = await engine.add_model("minilm", "all-MiniLM-L6-v2", max_batch_size=4, max_wait_ms=2)
         assert (qwen.name, qwen.kind, emb.name, emb.kind) == ("qwen", "generate", "minilm", "embed")
         # Each generator has its own share: the KV cache it was given.
@@ -85,9 +76,9 @@ async def test_generators_and_an_embedder_serve_side_by_side(tiny_models, minilm
         assert info["minilm"].memory_plan.max_batch_size == 4
 
         default, named_chat, named_qwen, vectors, one = await asyncio.gather(
-            asyncio.gather(*(engine.generate(p, greedy()) for p in PROMPTS)),
-            asyncio.gather(*(engine.generate(p, greedy(), model="chat") for p in PROMPTS)),
-            asyncio.gather(*(engine.generate(p, greedy(), model="qwen") for p in PROMPTS)),
+            asyncio.gather(*(engine.generate(p, greedy(MAX_TOKENS)) for p in PROMPTS)),
+            asyncio.gather(*(engine.generate(p, greedy(MAX_TOKENS), model="chat") for p in PROMPTS)),
+            asyncio.gather(*(engine.generate(p, greedy(MAX_TOKENS), model="qwen") for p in PROMPTS)),
             asyncio.gather(*(engine.embed(t, model="minilm") for t in TEXTS)),
             engine.embed(TEXTS),  # default embedder, all texts in one call
         )
@@ -96,7 +87,7 @@ async def test_generators_and_an_embedder_serve_side_by_side(tiny_models, minilm
         assert [o.token_ids for o in named_qwen] == reference["qwen2"]
         assert_same_vectors(torch.cat(vectors), solo_vectors)
         assert_same_vectors(one, solo_vectors)
-        streamed = [d async for d in engine.stream(PROMPTS[0], greedy(), model="qwen")]
+        streamed = [d async for d in engine.stream(PROMPTS[0], greedy(MAX_TOKENS), model="qwen")]
         assert [t for d in streamed for t in d.token_ids] == reference["qwen2"][0]
         assert engine.kv_stats("qwen").used_blocks == 0
         stats = engine.embedding_stats()
@@ -104,20 +95,20 @@ async def test_generators_and_an_embedder_serve_side_by_side(tiny_models, minilm
 
 
 async def test_remove_model_finishes_its_requests_then_frees_it(tiny_models, reference):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **ENGINE_BASE)
     async with engine:
-        await engine.add_model("b", tiny_models["qwen2"][0], **GEN)
+        await engine.add_model("b", tiny_models["qwen2"][0], **ENGINE_BASE)
         core_ref = weakref.ref(engine.core)  # "a" is the default generator
-        in_flight = [asyncio.create_task(engine.generate(p, greedy(), model="a")) for p in PROMPTS]
+        in_flight = [asyncio.create_task(engine.generate(p, greedy(MAX_TOKENS), model="a")) for p in PROMPTS]
         await asyncio.sleep(0)  # submitted before the removal
         await asyncio.sleep(0.05)
         await engine.remove_model("a")
         assert [t.result().token_ids for t in in_flight] == reference["llama"]  # finished, on "a"
         with pytest.raises(InvalidParameterError) as err:
-            await engine.generate(PROMPTS[0], greedy(), model="a")
+            await engine.generate(PROMPTS[0], greedy(MAX_TOKENS), model="a")
         assert err.value.parameter == "model"
         # "b" is the default generator now.
-        out = await engine.generate(PROMPTS[1], greedy())
+        out = await engine.generate(PROMPTS[1], greedy(MAX_TOKENS))
         assert out.token_ids == reference["qwen2"][1]
         assert [(i.name, i.state) for i in engine.model_info()] == [("b", "current")]
         gc.collect()
@@ -125,9 +116,9 @@ async def test_remove_model_finishes_its_requests_then_frees_it(tiny_models, ref
 
 
 async def test_remove_model_with_abort_ends_its_requests(tiny_models):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
-        await engine.add_model("b", tiny_models["qwen2"][0], **GEN)
+        await engine.add_model("b", tiny_models["qwen2"][0], **ENGINE_BASE)
         long = SamplingParams(max_tokens=200, ignore_eos=True)
         tasks = [asyncio.create_task(engine.generate(p, long, model="b")) for p in PROMPTS]
         await asyncio.sleep(0.2)
@@ -139,28 +130,28 @@ async def test_remove_model_with_abort_ends_its_requests(tiny_models):
 
 
 async def test_swap_model_by_name_leaves_the_other_models_alone(tiny_models, reference):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="a", **ENGINE_BASE)
     async with engine:
-        await engine.add_model("b", tiny_models["llama"][0], **GEN)
+        await engine.add_model("b", tiny_models["llama"][0], **ENGINE_BASE)
         info = await engine.swap_model(tiny_models["qwen2"][0], name="b")
         assert info.name == "b"
-        a, b = await asyncio.gather(engine.generate(PROMPTS[2], greedy(), model="a"),
-                                    engine.generate(PROMPTS[2], greedy(), model="b"))
+        a, b = await asyncio.gather(engine.generate(PROMPTS[2], greedy(MAX_TOKENS), model="a"),
+                                    engine.generate(PROMPTS[2], greedy(MAX_TOKENS), model="b"))
         assert a.token_ids == reference["llama"][2]
         assert b.token_ids == reference["qwen2"][2]
 
 
 async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm_dir, tmp_path):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
         before = engine.model_info()
         with pytest.raises(InvalidParameterError) as err:
-            await engine.add_model("default", tiny_models["qwen2"][0], **GEN)
+            await engine.add_model("default", tiny_models["qwen2"][0], **ENGINE_BASE)
         assert err.value.parameter == "name"
         with pytest.raises(InvalidParameterError):
-            await engine.add_model("", tiny_models["qwen2"][0], **GEN)
+            await engine.add_model("", tiny_models["qwen2"][0], **ENGINE_BASE)
         with pytest.raises(ConfigurationError, match="does not fit beside the loaded models"):
-            await engine.add_model("big", tiny_models["qwen2"][0], available_bytes=1024 * 1024, **GEN)
+            await engine.add_model("big", tiny_models["qwen2"][0], available_bytes=1024 * 1024, **ENGINE_BASE)
         with pytest.raises(ConfigurationError, match="embedding model does not fit"):
             await engine.add_model("emb", minilm_dir, available_bytes=1024 * 1024)
         with pytest.raises(InvalidParameterError) as err:
@@ -177,12 +168,12 @@ async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm
         with pytest.raises(InvalidParameterError):
             await engine.remove_model("never-added")
         assert engine.model_info() == before
-        out = await engine.generate(PROMPTS[0], greedy())
+        out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
         assert out.finish_reason == "length"
 
 
 async def test_embed_argument_errors(tiny_models, minilm_dir):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
         with pytest.raises(InvalidParameterError, match="holds none"):
             await engine.embed("hello")
@@ -276,7 +267,7 @@ def capture_encoders(monkeypatch) -> list:
 
 
 async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir, monkeypatch):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     encoders = capture_encoders(monkeypatch)
     async with engine:
         await engine.add_model("emb", minilm_dir, max_wait_ms=300)
@@ -327,7 +318,7 @@ def test_cli_embed_prints_the_engines_vectors(minilm_dir, solo_vectors, capsys):
 
 async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_serving(tiny_models, minilm_dir,
                                                                                          reference, monkeypatch):
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **GEN)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     encoders = capture_encoders(monkeypatch)
     async with engine:
         await engine.add_model("emb", minilm_dir, max_batch_size=1)
@@ -343,7 +334,7 @@ async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_se
             await engine.embed("first")
         assert isinstance(err.value.__cause__, RuntimeError)
         assert (await engine.embed("second")).shape == (1, 384)
-        out = await engine.generate(PROMPTS[0], greedy())
+        out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
         assert out.token_ids == reference["llama"][0]
 
 
@@ -351,8 +342,8 @@ async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_
     engine = AsyncEngine.from_pretrained(minilm_dir, name="emb")
     async with engine:
         with pytest.raises(InvalidParameterError, match="holds none"):
-            await engine.generate(PROMPTS[0], greedy())
-        await engine.add_model("gen", tiny_models["qwen2"][0], **GEN)
-        out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy()), engine.embed("text"))
+            await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
+        await engine.add_model("gen", tiny_models["qwen2"][0], **ENGINE_BASE)
+        out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy(MAX_TOKENS)), engine.embed("text"))
         assert out.token_ids == reference["qwen2"][3] and vec.shape == (1, 384)
         assert [(i.name, i.kind) for i in engine.model_info()] == [("gen", "generate"), ("emb", "embed")]

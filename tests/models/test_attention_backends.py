@@ -9,6 +9,7 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models import AttentionBackend, select_attention_backend
 from asyncinfer.models.attention import available_attention_backends, base, register_attention_backend
 from asyncinfer.models.attention.sdpa import SdpaBackend
+from tests.helpers import PagedRunner
 
 
 @pytest.fixture
@@ -74,13 +75,13 @@ def test_registered_backend_by_name_and_as_a_device_default(clean_registry) -> N
         register_attention_backend(object)  # type: ignore[arg-type]
 
 
-def test_the_model_attends_only_through_its_backend(tiny_pair, paged_runner) -> None:
+def test_the_model_attends_only_through_its_backend(tiny_pair) -> None:
     """Every layer of every step goes through the backend the metadata carries, and the result is the same."""
     _, ours = tiny_pair("llama")
     prompt = list(range(3, 20))
     CountingBackend.calls = 0
-    counted = paged_runner(ours.model, backend=CountingBackend())
-    plain = paged_runner(ours.model)
+    counted = PagedRunner(ours.model, backend=CountingBackend())
+    plain = PagedRunner(ours.model)
     for step in ([(0, prompt)], [(0, [7])], [(0, [9])]):
         (a,), (b,) = counted.step(step), plain.step(step)
         assert torch.equal(a, b)

@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from tests.helpers import PagedRunner, hf_logits
+
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "mistral", "llama3_rope", "linear_rope"]
 
@@ -18,19 +20,19 @@ def random_tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_single_prefill_matches_hf(tiny_pair, paged_runner, reference_logits, kind):
+def test_single_prefill_matches_hf(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     tokens = random_tokens(45, seed=1)  # > original_max_position_embeddings of llama3_rope
-    (logits,) = paged_runner(ours.model).step([(0, tokens)])
-    torch.testing.assert_close(logits, reference_logits(hf, tokens), atol=ATOL, rtol=0)
+    (logits,) = PagedRunner(ours.model).step([(0, tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_chunked_prefill_on_cached_prefix(tiny_pair, paged_runner, reference_logits, kind):
+def test_chunked_prefill_on_cached_prefix(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     tokens = random_tokens(30, seed=2)
-    expected = reference_logits(hf, tokens)
-    runner = paged_runner(ours.model, block_size=4, seed=3)
+    expected = hf_logits(hf, tokens)
+    runner = PagedRunner(ours.model, block_size=4, seed=3)
     start = 0
     for size in (7, 5, 9, 1, 8):  # chunks straddle block boundaries; one is a 1-token "decode"
         (logits,) = runner.step([(0, tokens[start : start + size])])
@@ -39,12 +41,12 @@ def test_chunked_prefill_on_cached_prefix(tiny_pair, paged_runner, reference_log
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_mixed_batch_of_decodes_and_prefills(tiny_pair, paged_runner, reference_logits, kind):
+def test_mixed_batch_of_decodes_and_prefills(tiny_pair, kind):
     """Several sequences in one flattened batch, decodes first, shuffled block ids."""
     hf, ours = tiny_pair(kind)
     seqs = {i: random_tokens(n, seed=10 + i) for i, n in enumerate((14, 6, 17, 9))}
-    expected = {i: reference_logits(hf, toks) for i, toks in seqs.items()}
-    runner = paged_runner(ours.model, num_blocks=40, block_size=4, seed=4)
+    expected = {i: hf_logits(hf, toks) for i, toks in seqs.items()}
+    runner = PagedRunner(ours.model, num_blocks=40, block_size=4, seed=4)
     # (seq, start, end) per step; each step lists decodes (1 token) before prefills.
     schedule = [
         [(0, 0, 10), (1, 0, 3), (2, 0, 6)],
@@ -59,7 +61,7 @@ def test_mixed_batch_of_decodes_and_prefills(tiny_pair, paged_runner, reference_
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_decode_matches_generate(tiny_pair, paged_runner, kind):
+def test_greedy_decode_matches_generate(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     prompts = [random_tokens(11, seed=20), random_tokens(4, seed=21), random_tokens(7, seed=22)]
     max_new = 12
@@ -69,7 +71,7 @@ def test_greedy_decode_matches_generate(tiny_pair, paged_runner, kind):
             for p in prompts
         ]
     assert sum(map(len, reference)) > 2 * max_new  # not just early eos
-    runner = paged_runner(ours.model, block_size=4, seed=5)
+    runner = PagedRunner(ours.model, block_size=4, seed=5)
     results = runner.step([(i, p) for i, p in enumerate(prompts)])  # all prompts in one step
     generated = {i: [int(r[-1].argmax())] for i, r in enumerate(results)}
     for _ in range(max_new - 1):  # then all sequences decode together
@@ -84,13 +86,13 @@ def test_greedy_decode_matches_generate(tiny_pair, paged_runner, kind):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_mixed_batch(tiny_pair, paged_runner, reference_logits, dtype):
+def test_cuda_mixed_batch(tiny_pair, dtype):
     hf, ours = tiny_pair("qwen2")
     model = copy.deepcopy(ours.model).to("cuda", dtype)
     seqs = {i: random_tokens(n, seed=30 + i) for i, n in enumerate((9, 5, 12))}
-    runner = paged_runner(model, block_size=4, seed=6, device="cuda")
+    runner = PagedRunner(model, block_size=4, seed=6, device="cuda")
     runner.step([(0, seqs[0][:8]), (1, seqs[1][:4])])
     results = runner.step([(0, seqs[0][8:]), (1, seqs[1][4:]), (2, seqs[2])])
     atol = 1e-3 if dtype == torch.float32 else 0.15  # TF32-free fp32; bf16 only sanity-checked
     for (seq, start), logits in zip(((0, 8), (1, 4), (2, 0)), results):
-        torch.testing.assert_close(logits, reference_logits(hf, seqs[seq])[start:], atol=atol, rtol=0)
+        torch.testing.assert_close(logits, hf_logits(hf, seqs[seq])[start:], atol=atol, rtol=0)

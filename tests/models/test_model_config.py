@@ -11,23 +11,24 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig
 from asyncinfer.models.quant import weight_bytes
+from tests.helpers import tiny_hf_model
 
 
-def test_llama_fields(make_tiny_hf):
-    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama").config)
+def test_llama_fields():
+    cfg = ModelConfig.from_hf_config(tiny_hf_model("llama").config)
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("llama", 2, 4, 2, 16)
     assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
     assert not cfg.attention_bias and not cfg.tie_word_embeddings
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
 
 
-def test_qwen2_has_qkv_bias(make_tiny_hf):
-    cfg = ModelConfig.from_hf_config(make_tiny_hf("qwen2").config)
+def test_qwen2_has_qkv_bias():
+    cfg = ModelConfig.from_hf_config(tiny_hf_model("qwen2").config)
     assert cfg.architecture == "qwen2" and cfg.attention_bias and cfg.tie_word_embeddings
 
 
-def test_llama3_rope_from_rope_parameters(make_tiny_hf):
-    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama3_rope").config)
+def test_llama3_rope_from_rope_parameters():
+    cfg = ModelConfig.from_hf_config(tiny_hf_model("llama3_rope").config)
     assert cfg.rope_theta == 500000.0
     assert cfg.rope_scaling == {
         "rope_type": "llama3",
@@ -72,8 +73,8 @@ def test_unsupported_configs_raise(hf_config, message):
         ModelConfig.from_hf_config(hf_config)
 
 
-def test_validation(make_tiny_hf):
-    cfg = ModelConfig.from_hf_config(make_tiny_hf("llama").config)
+def test_validation():
+    cfg = ModelConfig.from_hf_config(tiny_hf_model("llama").config)
     with pytest.raises(ModelLoadError, match="multiple of num_kv_heads"):
         dataclasses.replace(cfg, num_kv_heads=3)
     with pytest.raises(ModelLoadError, match="outside vocab"):
@@ -83,8 +84,8 @@ def test_validation(make_tiny_hf):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_derived_sizes(make_tiny_hf, kind):
-    hf = make_tiny_hf(kind)
+def test_derived_sizes(kind):
+    hf = tiny_hf_model(kind)
     cfg = ModelConfig.from_hf_config(hf.config)
     assert weight_bytes(cfg, 1) == sum(p.numel() for p in hf.parameters())  # as many parameters as transformers'
     assert weight_bytes(cfg, 2) == 2 * sum(p.numel() for p in hf.parameters())

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import LoadedModel, load_model
 from asyncinfer.models.loader import _unpermute_rope_rows
+from tests.helpers import PagedRunner, hf_logits, tiny_hf_model
 
 ATOL = 1e-4
 
@@ -23,13 +24,13 @@ def _save(hf, path, **kwargs):
     return path
 
 
-def _prefill_logits(loaded: LoadedModel, runner_cls, tokens):
-    (logits,) = runner_cls(loaded.model).step([(0, tokens)])
+def _prefill_logits(loaded: LoadedModel, tokens):
+    (logits,) = PagedRunner(loaded.model).step([(0, tokens)])
     return logits
 
 
-def test_sharded_checkpoint(tmp_path, make_tiny_hf, paged_runner, reference_logits):
-    hf = make_tiny_hf("qwen2")
+def test_sharded_checkpoint(tmp_path):
+    hf = tiny_hf_model("qwen2")
     _save(hf, tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
@@ -37,11 +38,11 @@ def test_sharded_checkpoint(tmp_path, make_tiny_hf, paged_runner, reference_logi
     assert loaded.tokenizer is None  # tiny dirs have no tokenizer files
     assert loaded.source == f"safetensors:{tmp_path.resolve()}"
     tokens = list(range(5, 25))
-    torch.testing.assert_close(_prefill_logits(loaded, paged_runner, tokens), reference_logits(hf, tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(_prefill_logits(loaded, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
-def test_loaded_model_state(tmp_path, make_tiny_hf):
-    _save(make_tiny_hf("llama"), tmp_path)
+def test_loaded_model_state(tmp_path):
+    _save(tiny_hf_model("llama"), tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     loaded = load_model(tmp_path, torch.bfloat16, "cpu")
     assert loaded.config.eos_token_ids == (2, 7)  # merged from generation_config.json
@@ -83,23 +84,23 @@ def _rewrite_checkpoint(path, edit):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_shape_mismatch_names_the_tensor(tmp_path, make_tiny_hf):
-    _save(make_tiny_hf("llama"), tmp_path)
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    _save(tiny_hf_model("llama"), tmp_path)
     name = "model.layers.1.self_attn.k_proj.weight"
     _rewrite_checkpoint(tmp_path, lambda t: t.update({name: torch.zeros(16, 64)}))
     with pytest.raises(ModelLoadError, match=re.escape(f"'{name}' has shape (16, 64), expected (32, 64)")):
         load_model(tmp_path, torch.float32, "cpu")
 
 
-def test_missing_tensor_raises(tmp_path, make_tiny_hf):
-    _save(make_tiny_hf("llama"), tmp_path)
+def test_missing_tensor_raises(tmp_path):
+    _save(tiny_hf_model("llama"), tmp_path)
     _rewrite_checkpoint(tmp_path, lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
     with pytest.raises(ModelLoadError, match=r"missing 1 tensor\(s\): model.layers.0.mlp.up_proj.weight"):
         load_model(tmp_path, torch.float32, "cpu")
 
 
-def test_unexpected_tensor_raises(tmp_path, make_tiny_hf):
-    _save(make_tiny_hf("llama"), tmp_path)
+def test_unexpected_tensor_raises(tmp_path):
+    _save(tiny_hf_model("llama"), tmp_path)
     _rewrite_checkpoint(tmp_path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
     with pytest.raises(ModelLoadError, match="unexpected tensor.*model.layers.0.extra.weight"):
         load_model(tmp_path, torch.float32, "cpu")
@@ -137,9 +138,9 @@ def _gguf_name(hf_name: str) -> str:
     raise KeyError(hf_name)
 
 
-def test_synthetic_gguf_matches_hf(tmp_path, make_tiny_hf, paged_runner, reference_logits):
+def test_synthetic_gguf_matches_hf(tmp_path):
     """Write a tiny llama as GGUF (F32 norms, F16 attention, Q8_0 MLP, permuted q/k) and compare logits."""
-    hf = make_tiny_hf("llama")
+    hf = tiny_hf_model("llama")
     cfg = hf.config
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -179,4 +180,4 @@ def test_synthetic_gguf_matches_hf(tmp_path, make_tiny_hf, paged_runner, referen
     assert loaded.tokenizer is None and loaded.source == f"gguf:{path.resolve()}"
     assert not loaded.config.tie_word_embeddings and loaded.config.vocab_size == cfg.vocab_size
     tokens = list(range(30, 70))
-    torch.testing.assert_close(_prefill_logits(loaded, paged_runner, tokens), reference_logits(hf, tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(_prefill_logits(loaded, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)

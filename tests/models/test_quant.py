@@ -9,6 +9,7 @@ import torch
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.models import load_model
 from asyncinfer.models.quant import Int8DynamicLinear, quantize_int8, weight_bytes
+from tests.helpers import SMOLLM2
 
 
 def test_int8_linear_is_close_to_float() -> None:
@@ -81,19 +82,11 @@ def test_weight_bytes_from_the_config_equal_the_loaded_model(tmp_path, tiny_pair
 
 
 def test_weight_bytes_of_smollm2() -> None:
-    from asyncinfer.models import ModelConfig
-
-    smollm2 = ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
-        max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    assert weight_bytes(smollm2, 4) == 538_060_032  # 134,515,008 parameters in float32
+    assert weight_bytes(SMOLLM2, 4) == 538_060_032  # 134,515,008 parameters in float32
     # Per layer, int8 q/k/v (960 x 576), o (576 x 576) and gate/up (3072 x 576) with a float32 scale per
     # row, float32 down (576 x 1536) and norms: 6,216,192 bytes; x 30, + the float32 embedding
     # (113,246,208, kept for lookups) and final norm (2,304), + the int8 tied head (28,508,160).
-    assert weight_bytes(smollm2, 4, "int8", ("down_proj",)) == 328_242_432
-    assert weight_bytes(smollm2, 4, "int8", ()) == 328_242_432 - 30 * (576 * 1536 * 4 - (576 * 1536 + 4 * 576))
+    assert weight_bytes(SMOLLM2, 4, "int8", ("down_proj",)) == 328_242_432
+    assert weight_bytes(SMOLLM2, 4, "int8", ()) == 328_242_432 - 30 * (576 * 1536 * 4 - (576 * 1536 + 4 * 576))
     with pytest.raises(InvalidParameterError, match="quantization"):
-        weight_bytes(smollm2, 4, "int4")
+        weight_bytes(SMOLLM2, 4, "int4")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncinfer.models import ModelConfig, load_model
+from tests.helpers import PagedRunner
 
 ATOL = 1e-4
 
@@ -34,8 +35,8 @@ def test_config_matches_transformers(ours, reference):
     assert ours.config.tie_word_embeddings and ours.config.num_layers == 30
 
 
-def test_logits_match_transformers(ours, reference, prompt_ids, paged_runner):
-    runner = paged_runner(ours.model, num_blocks=16, block_size=16)
+def test_logits_match_transformers(ours, reference, prompt_ids):
+    runner = PagedRunner(ours.model, num_blocks=16, block_size=16)
     half = len(prompt_ids) // 2
     first, second = runner.step([(0, prompt_ids[:half])]), runner.step([(0, prompt_ids[half:])])
     logits = torch.cat([first[0], second[0]])  # prefill, then a chunk on the cached prefix
@@ -44,8 +45,8 @@ def test_logits_match_transformers(ours, reference, prompt_ids, paged_runner):
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_answer(ours, prompt_ids, paged_runner):
-    runner = paged_runner(ours.model, num_blocks=16, block_size=16)
+def test_greedy_answer(ours, prompt_ids):
+    runner = PagedRunner(ours.model, num_blocks=16, block_size=16)
     (logits,) = runner.step([(0, prompt_ids)])
     tokens = [int(logits[-1].argmax())]
     for _ in range(5):

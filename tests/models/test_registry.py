@@ -22,6 +22,7 @@ from asyncinfer.models import (
 )
 from asyncinfer.models.llama import LLAMA_WEIGHT_MAP
 from asyncinfer.models.registry import ModelFamily, supported_architectures
+from tests.helpers import PagedRunner, hf_logits, tiny_hf_model
 
 
 @pytest.fixture
@@ -78,10 +79,10 @@ class RenamedLlama(LlamaForCausalLM):
 RENAMED_MAP = tuple((hf.replace("model.", "decoder.", 1), gg, param, shard) for hf, gg, param, shard in LLAMA_WEIGHT_MAP)
 
 
-def test_a_new_family_is_one_registration(clean_registry, tmp_path, make_tiny_hf, paged_runner, reference_logits):
+def test_a_new_family_is_one_registration(clean_registry, tmp_path):
     """Register a family (class + weight map) and a checkpoint naming it loads with its map and class."""
     register_model_family(ModelFamily("renamed-llama", RenamedLlama, RENAMED_MAP, ("RenamedLlamaForCausalLM",)))
-    hf = make_tiny_hf("llama")
+    hf = tiny_hf_model("llama")
     hf.save_pretrained(tmp_path, safe_serialization=True)
     file = tmp_path / "model.safetensors"
     save_file({k.replace("model.", "decoder.", 1): v for k, v in load_file(file).items()}, file,
@@ -92,8 +93,8 @@ def test_a_new_family_is_one_registration(clean_registry, tmp_path, make_tiny_hf
     loaded = load_model(tmp_path, torch.float32, "cpu")
     assert type(loaded.model) is RenamedLlama and loaded.config.architecture == "renamed-llama"
     tokens = list(range(5, 30))
-    (ours,) = paged_runner(loaded.model).step([(0, tokens)])
-    torch.testing.assert_close(ours, reference_logits(hf, tokens), atol=1e-4, rtol=0)
+    (ours,) = PagedRunner(loaded.model).step([(0, tokens)])
+    torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=1e-4, rtol=0)
     assert "renamed-llama" not in supported_architectures(gguf=True)  # no GGUF unless it says so
 
 

@@ -13,7 +13,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import StepCostModel, TraceRequest, simulate
 from asyncinfer.request import Request
 from asyncinfer.schedulers import AgingPriorityScheduler, SchedulerConfig
-from asyncinfer.step import apply_step
+from tests.helpers import schedule_and_apply
 
 # Every step costs 0.1 s; with one request at a time, a 4-token prompt and 5 output
 # tokens take 5 steps (the prefill yields the first token): 0.5 s of service each.
@@ -60,12 +60,6 @@ def make(rid: str, priority: int, t: float, n_prompt: int = 4) -> Request:
                    priority=priority)
 
 
-def step(sched: AgingPriorityScheduler) -> dict[str, int]:
-    out = sched.schedule()
-    apply_step(sched, out, 3)
-    return out.num_scheduled_tokens
-
-
 @pytest.mark.parametrize("preempt", [True, False])
 def test_urgent_arrival_preempts_the_least_urgent_running_request(preempt: bool) -> None:
     sched = AgingPriorityScheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), KVCacheManager(64, 4),
@@ -74,7 +68,7 @@ def test_urgent_arrival_preempts_the_least_urgent_running_request(preempt: bool)
     sched.clock = lambda: now[0]
     sched.add_request(make("bg-old", 5, 0.0))
     sched.add_request(make("bg-young", 6, 0.0))
-    assert step(sched) == {"bg-old": 4, "bg-young": 4}
+    assert schedule_and_apply(sched) == {"bg-old": 4, "bg-young": 4}
     now[0] = 0.5
     sched.add_request(make("urgent", 0, 0.5))
     out = sched.schedule()
@@ -90,7 +84,7 @@ def test_within_margin_no_preemption() -> None:
                                    preempt_margin=2.0)
     sched.clock = lambda: 0.0
     sched.add_request(make("running", 3, 0.0))
-    step(sched)
+    schedule_and_apply(sched)
     sched.add_request(make("slightly-urgent", 2, 0.0))
     assert sched.schedule().preempted == []
 
@@ -100,9 +94,9 @@ def test_the_step_budget_goes_to_the_most_urgent_first() -> None:
     sched = AgingPriorityScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), KVCacheManager(64, 4))
     sched.clock = lambda: 0.0
     sched.add_request(make("long-low", 8, 0.0, n_prompt=100))
-    assert step(sched) == {"long-low": 16}
+    assert schedule_and_apply(sched) == {"long-low": 16}
     sched.add_request(make("urgent", 0, 0.0, n_prompt=10))
-    assert step(sched) == {"urgent": 10, "long-low": 6}
+    assert schedule_and_apply(sched) == {"urgent": 10, "long-low": 6}
 
 
 async def test_priority_passes_through_generate_and_stream(tiny_llama: Path) -> None:

@@ -6,18 +6,11 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, SchedulerConfig
-from asyncinfer.step import apply_step
+from tests.helpers import schedule_and_apply
 
 
 def make(rid: str, n_prompt: int, t: float = 0.0) -> Request:
     return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=100), arrival_time=t)
-
-
-def run_step(sched: FIFOScheduler) -> dict[str, int]:
-    """Schedule, and apply the step as the core does (every sampled token is 7)."""
-    out = sched.schedule()
-    apply_step(sched, out, 7)
-    return out.num_scheduled_tokens
 
 
 def test_token_budget_and_chunked_prefill() -> None:
@@ -25,9 +18,9 @@ def test_token_budget_and_chunked_prefill() -> None:
     sched = FIFOScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), kv)
     sched.add_request(make("a", 7))
     sched.add_request(make("b", 9))
-    assert run_step(sched) == {"a": 7, "b": 3}  # b gets a 3-token chunk
-    assert run_step(sched) == {"a": 1, "b": 6}
-    assert run_step(sched) == {"a": 1, "b": 1}
+    assert schedule_and_apply(sched) == {"a": 7, "b": 3}  # b gets a 3-token chunk
+    assert schedule_and_apply(sched) == {"a": 1, "b": 6}
+    assert schedule_and_apply(sched) == {"a": 1, "b": 1}
     assert len(kv.block_table("b")) == 3  # 10 tokens -> 3 blocks of 4
 
 
@@ -36,11 +29,11 @@ def test_max_num_seqs_and_arrival_order() -> None:
     sched = FIFOScheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), kv)
     for i in range(3):
         sched.add_request(make(f"r{i}", 2, t=i))
-    assert list(run_step(sched)) == ["r0", "r1"]
+    assert list(schedule_and_apply(sched)) == ["r0", "r1"]
     req = sched.requests["r0"]
     req.status = RequestStatus.FINISHED_STOPPED
     sched.finish_requests([req])
-    assert list(run_step(sched)) == ["r1", "r2"]
+    assert list(schedule_and_apply(sched)) == ["r1", "r2"]
 
 
 def test_preempts_youngest_when_blocks_run_out() -> None:
@@ -48,7 +41,7 @@ def test_preempts_youngest_when_blocks_run_out() -> None:
     sched = FIFOScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), kv)
     sched.add_request(make("old", 4))
     sched.add_request(make("young", 4))
-    assert run_step(sched) == {"old": 4, "young": 4}  # all 4 blocks used
+    assert schedule_and_apply(sched) == {"old": 4, "young": 4}  # all 4 blocks used
     out = sched.schedule()  # each needs a 3rd block: the youngest goes
     assert out.preempted == ["young"]
     assert out.num_scheduled_tokens == {"old": 1}
@@ -62,7 +55,7 @@ def test_abort_frees_blocks_everywhere() -> None:
     sched = FIFOScheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=100), kv)
     sched.add_request(make("run", 5))
     sched.add_request(make("wait", 5))
-    run_step(sched)
+    schedule_and_apply(sched)
     assert sched.abort_request("wait").status is RequestStatus.FINISHED_ABORTED
     assert sched.abort_request("run") is not None
     assert sched.abort_request("run") is None

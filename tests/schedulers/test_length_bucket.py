@@ -15,6 +15,7 @@ from asyncinfer.models.attention.sdpa import SdpaBackend
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers import LengthBucketScheduler, SchedulerConfig
 from asyncinfer.step import apply_step
+from tests.helpers import CPU_COST
 
 
 def mixed_burst() -> list[TraceRequest]:
@@ -32,11 +33,11 @@ def padding_waste(result) -> float:
     return 1 - sum(s.decode_context for s in result.steps) / keys
 
 
-def test_beats_fifo_on_padding_throughput_and_latency(cpu_cost) -> None:
+def test_beats_fifo_on_padding_throughput_and_latency() -> None:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096)
     trace = mixed_burst()
-    fifo = simulate(trace, "fifo", cost_model=cpu_cost, config=config)
-    bucket = simulate(trace, "length-bucket", cost_model=cpu_cost, config=config)
+    fifo = simulate(trace, "fifo", cost_model=CPU_COST, config=config)
+    bucket = simulate(trace, "length-bucket", cost_model=CPU_COST, config=config)
     f, b = summarize("fifo", fifo.records), summarize("length-bucket", bucket.records)
     # Short and long contexts decode on alternate steps instead of padding to the longest...
     assert padding_waste(bucket) < 0.25 * padding_waste(fifo)
@@ -46,12 +47,12 @@ def test_beats_fifo_on_padding_throughput_and_latency(cpu_cost) -> None:
     assert b.e2e_mean < 0.7 * f.e2e_mean
     assert b.e2e_p99 <= f.e2e_p99
     # Without the alternation only the queueing gain remains.
-    plain = simulate(trace, "length-bucket", cost_model=cpu_cost, config=config, options={"split_padding": None})
+    plain = simulate(trace, "length-bucket", cost_model=CPU_COST, config=config, options={"split_padding": None})
     assert padding_waste(plain) > 0.8 * padding_waste(fifo)
     assert summarize("plain", plain.records).e2e_mean < f.e2e_mean
     # A backend that says it pads nothing never gets its decodes split (the lab still counts SDPA's cost).
     unpadded = dataclasses.replace(config, decode_padding=lambda contexts, block_size: 0)
-    no_split = simulate(trace, "length-bucket", cost_model=cpu_cost, config=unpadded)
+    no_split = simulate(trace, "length-bucket", cost_model=CPU_COST, config=unpadded)
     assert [s.decodes for s in no_split.steps] == [s.decodes for s in plain.steps]
 
 
