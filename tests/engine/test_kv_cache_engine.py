@@ -46,13 +46,14 @@ async def test_shared_system_prompt_is_computed_once_with_the_same_tokens(tiny_m
 
 
 async def test_n_greedy_samples_equal_each_other_and_a_single_sample(tiny_models) -> None:
-    path, _ = tiny_models["qwen2"]
+    path, hf = tiny_models["qwen2"]
     prompt = SYSTEM[:37]  # 2 full blocks + a shared partial block that each sample must copy
     engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     async with engine:
         single = await engine.generate(prompt, greedy(20))
         out = await engine.generate(prompt, greedy(20, n=4))
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert single.token_ids == hf_greedy(hf, prompt, 20)
     assert all(c.token_ids == single.token_ids for c in out.outputs)
     assert out.token_ids == out.outputs[0].token_ids and out.finish_reason == "length"
     assert len(single.outputs) == 1 and single.outputs[0].token_ids == single.token_ids

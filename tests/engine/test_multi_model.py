@@ -141,7 +141,7 @@ async def test_swap_model_by_name_leaves_the_other_models_alone(tiny_models, ref
         assert b.token_ids == reference["qwen2"][2]
 
 
-async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm_dir, tmp_path):
+async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm_dir, reference, tmp_path):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
         before = engine.model_info()
@@ -169,10 +169,10 @@ async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm
             await engine.remove_model("never-added")
         assert engine.model_info() == before
         out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
-        assert out.finish_reason == "length"
+        assert out.token_ids == reference["llama"][0]
 
 
-async def test_embed_argument_errors(tiny_models, minilm_dir):
+async def test_embed_argument_errors(tiny_models, minilm_dir, solo_vectors):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
         with pytest.raises(InvalidParameterError, match="holds none"):
@@ -187,7 +187,7 @@ async def test_embed_argument_errors(tiny_models, minilm_dir):
         with pytest.raises(InvalidParameterError, match="use embed"):
             await engine.generate("hello", model="emb")
         assert engine.embedding_stats().num_calls == 0
-        assert (await engine.embed("hello")).shape == (1, 384)
+        assert_same_vectors(await engine.embed(TEXTS[0]), solo_vectors[:1])
 
 
 async def test_dynamic_batching_groups_concurrent_calls(minilm_dir, solo_vectors):
@@ -218,7 +218,7 @@ async def test_batching_off_runs_every_text_alone(minilm_dir, solo_vectors):
             await engine.generate("hi")  # an embedding-only engine has no generator
 
 
-async def test_cancelled_embed_is_dropped_and_nothing_leaks(minilm_dir):
+async def test_cancelled_embed_is_dropped_and_nothing_leaks(minilm_dir, solo_vectors):
     engine = AsyncEngine.from_pretrained(minilm_dir, max_batch_size=32, max_wait_ms=300)
     async with engine:
         task = asyncio.create_task(engine.embed(["a", "b", "c"]))
@@ -229,17 +229,17 @@ async def test_cancelled_embed_is_dropped_and_nothing_leaks(minilm_dir):
         await asyncio.sleep(0.4)
         assert engine.embedding_stats().num_batches == 0  # its texts were never computed
         assert engine.model_info()[0].requests_in_flight == 0
-        assert (await engine.embed(["d"])).shape == (1, 384)
+        assert_same_vectors(await engine.embed([TEXTS[1]]), solo_vectors[1:2])
 
 
-async def test_close_flushes_or_aborts_waiting_embeds(minilm_dir):
+async def test_close_flushes_or_aborts_waiting_embeds(minilm_dir, solo_vectors):
     engine = AsyncEngine.from_pretrained(minilm_dir, max_wait_ms=1000)
     await engine.start()
-    task = asyncio.create_task(engine.embed("flushed at close"))
+    task = asyncio.create_task(engine.embed(TEXTS[2]))  # flushed at close
     await asyncio.sleep(0.05)
     start = time.perf_counter()
     await engine.aclose()
-    assert (await task).shape == (1, 384)
+    assert_same_vectors(await task, solo_vectors[2:3])
     assert time.perf_counter() - start < 0.9  # closing ran the batch without waiting it out
     with pytest.raises(EngineClosedError):
         await engine.embed("after close")
@@ -266,16 +266,16 @@ def capture_encoders(monkeypatch) -> list:
     return loaded
 
 
-async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir, monkeypatch):
+async def test_remove_embedding_model_drains_or_aborts(tiny_models, minilm_dir, solo_vectors, monkeypatch):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     encoders = capture_encoders(monkeypatch)
     async with engine:
         await engine.add_model("emb", minilm_dir, max_wait_ms=300)
         model_ref = weakref.ref(encoders.pop().model)
-        task = asyncio.create_task(engine.embed("finishes first"))
+        task = asyncio.create_task(engine.embed(TEXTS[3]))  # finishes first
         await asyncio.sleep(0.05)
         await engine.remove_model("emb")
-        assert (await task).shape == (1, 384)
+        assert_same_vectors(await task, solo_vectors[3:4])
         gc.collect()
         assert model_ref() is None
         with pytest.raises(InvalidParameterError):
@@ -317,7 +317,8 @@ def test_cli_embed_prints_the_engines_vectors(minilm_dir, solo_vectors, capsys):
 
 
 async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_serving(tiny_models, minilm_dir,
-                                                                                         reference, monkeypatch):
+                                                                                         reference, solo_vectors,
+                                                                                         monkeypatch):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     encoders = capture_encoders(monkeypatch)
     async with engine:
@@ -333,17 +334,18 @@ async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_se
         with pytest.raises(RequestAbortedError) as err:
             await engine.embed("first")
         assert isinstance(err.value.__cause__, RuntimeError)
-        assert (await engine.embed("second")).shape == (1, 384)
+        assert_same_vectors(await engine.embed(TEXTS[4]), solo_vectors[4:5])
         out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
         assert out.token_ids == reference["llama"][0]
 
 
-async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_dir, reference):
+async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_dir, reference, solo_vectors):
     engine = AsyncEngine.from_pretrained(minilm_dir, name="emb")
     async with engine:
         with pytest.raises(InvalidParameterError, match="holds none"):
             await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
         await engine.add_model("gen", tiny_models["qwen2"][0], **ENGINE_BASE)
-        out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy(MAX_TOKENS)), engine.embed("text"))
-        assert out.token_ids == reference["qwen2"][3] and vec.shape == (1, 384)
+        out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy(MAX_TOKENS)), engine.embed(TEXTS[5]))
+        assert out.token_ids == reference["qwen2"][3]
+        assert_same_vectors(vec, solo_vectors[5:6])
         assert [(i.name, i.kind) for i in engine.model_info()] == [("gen", "generate"), ("emb", "embed")]
