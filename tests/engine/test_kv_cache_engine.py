@@ -93,7 +93,8 @@ async def test_stream_deltas_of_n_samples_carry_their_index(tiny_models) -> None
     for c in full.outputs:
         mine = [d for d in deltas if d.index == c.index]
         assert [t for d in mine for t in d.token_ids] == c.token_ids
-        assert [d.finish_reason for d in mine] == [None] * 8 + ["length"]
+        # One delta a step, unless the engine ran ahead of the reader (then pieces are merged).
+        assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + ["length"]
     assert {d.request_id for d in deltas} == {"x"}
 
 
