@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import LoadedModel, load_model
-from asyncinfer.models.loader import _unpermute_rope_rows
 from tests.helpers import PagedRunner, hf_logits, tiny_hf_model
 
 ATOL = 1e-4
@@ -110,13 +110,10 @@ def test_unexpected_tensor_raises(tmp_path):
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (written from its documented behaviour)."""
+    """What llama.cpp's converter does to q/k rows (written from its documented behaviour; the
+    synthetic test below has transformers' GGUF reader confirm it, and test_real_gguf.py checks
+    our un-permute on the real SmolLM2 file against transformers)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def test_unpermute_inverts_llama_cpp_permute():
-    w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
-    np.testing.assert_array_equal(_unpermute_rope_rows(llama_cpp_permute(w, 4), 4), w)
 
 
 _GGUF_NAMES = [
@@ -145,6 +142,7 @@ def test_synthetic_gguf_matches_hf(tmp_path):
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_vocab_size(cfg.vocab_size)  # transformers' reader needs it without a tokenizer
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -175,6 +173,14 @@ def test_synthetic_gguf_matches_hf(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+    # An independent reader of the file (transformers' GGUF loader, with its own un-permute) gets
+    # the HF weights back: the file is laid out as llama.cpp lays it out, permuted q/k rows included.
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    expected = dict(hf.named_parameters())
+    for name, p in theirs.named_parameters():
+        assert torch.equal(p, expected[name]), name
+    assert len(dict(theirs.named_parameters())) == len(expected)
 
     loaded = load_model(path, torch.float32, "cpu")
     assert loaded.tokenizer is None and loaded.source == f"gguf:{path.resolve()}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -35,6 +37,39 @@ def test_config_matches_transformers(ours, reference):
     assert ours.config.tie_word_embeddings and ours.config.num_layers == 30
 
 
+def test_weights_equal_transformers_own_gguf_loading(ours, reference):
+    """Every tensor, dequantized and un-permuted by our loader, equals transformers' reading of the file.
+
+    transformers undoes llama.cpp's q/k row permutation with its own code, so the q and k rows
+    (9 query heads, 3 KV heads: two different permutations) check our un-permute against a
+    reference we did not write.
+    """
+    q, kv, ffn = 9 * 64, 3 * 64, 1536
+    mine = dict(ours.model.named_parameters())
+    per_layer = {
+        "input_layernorm.weight": ("input_norm.weight", slice(None)),
+        "post_attention_layernorm.weight": ("post_attn_norm.weight", slice(None)),
+        "self_attn.q_proj.weight": ("attn.qkv_proj.weight", slice(0, q)),
+        "self_attn.k_proj.weight": ("attn.qkv_proj.weight", slice(q, q + kv)),
+        "self_attn.v_proj.weight": ("attn.qkv_proj.weight", slice(q + kv, q + 2 * kv)),
+        "self_attn.o_proj.weight": ("attn.o_proj.weight", slice(None)),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", slice(0, ffn)),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", slice(ffn, 2 * ffn)),
+        "mlp.down_proj.weight": ("mlp.down_proj.weight", slice(None)),
+    }
+    compared = 0
+    for name, theirs in reference.named_parameters():  # the tied lm_head is the embedding, listed once
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            ours_name, rows = name.removeprefix("model."), slice(None)
+        else:
+            layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+            ours_name, rows = per_layer[rest]
+            ours_name = f"layers.{layer}.{ours_name}"
+        assert torch.equal(mine[ours_name][rows], theirs), name
+        compared += theirs.numel()
+    assert compared == sum(p.numel() for p in mine.values()) == 134_515_008  # all of ours, nothing twice
+
+
 def test_logits_match_transformers(ours, reference, prompt_ids):
     runner = PagedRunner(ours.model, num_blocks=16, block_size=16)
     half = len(prompt_ids) // 2
@@ -46,10 +81,5 @@ def test_logits_match_transformers(ours, reference, prompt_ids):
 
 
 def test_greedy_answer(ours, prompt_ids):
-    runner = PagedRunner(ours.model, num_blocks=16, block_size=16)
-    (logits,) = runner.step([(0, prompt_ids)])
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(5):
-        (logits,) = runner.step([(0, tokens[-1:])])
-        tokens.append(int(logits[-1].argmax()))
+    tokens = PagedRunner(ours.model, num_blocks=16, block_size=16).greedy(0, prompt_ids, 6)
     assert "Paris" in ours.tokenizer.decode(tokens)
