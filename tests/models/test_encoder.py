@@ -106,27 +106,40 @@ def test_plain_bert_dir_defaults_to_mean_pooling_normalised(tiny_bert) -> None:
 
 
 def test_parameter_count_matches_the_loaded_module(tiny_bert) -> None:
-    enc = load_encoder(tiny_bert[0], torch.float32, "cpu")
-    assert enc.config.num_params == sum(p.numel() for p in enc.model.parameters())
-    assert enc.weight_bytes == enc.config.num_params * 4
+    path, hf = tiny_bert
+    enc = load_encoder(path, torch.float32, "cpu")
+    # transformers' BertModel, less the pooler the sentence encoder does not use.
+    reference = sum(p.numel() for name, p in hf.named_parameters() if not name.startswith("pooler."))
+    assert enc.config.num_params == sum(p.numel() for p in enc.model.parameters()) == reference
+    assert enc.weight_bytes == reference * 4
 
 
-def test_missing_and_unexpected_tensors_are_refused(tiny_bert, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        # encoder.layer.1.output.dense.weight is the encoder's layers.1.down.weight
+        ("missing", r"lacks 1 encoder tensors, e\.g\. \['layers\.1\.down\.weight'\]"),
+        ("unexpected", r"unexpected tensor 'encoder\.layer\.0\.attention\.self\.rotary\.weight'"),
+        ("no place", r"tensor 'encoder\.layer\.2\.output\.dense\.weight' has no place"),  # 2 layers: 0 and 1
+        ("shape", r"tensor 'embeddings\.word_embeddings\.weight' has shape \(3, 32\), the encoder expects \(64, 32\)"),
+    ],
+)
+def test_missing_and_unexpected_tensors_are_refused_by_name(tiny_bert, tmp_path, case: str, message: str) -> None:
     src = tiny_bert[0]
-    tensors = load_file(src / "model.safetensors")
-    for case in ("missing", "unexpected", "shape"):
-        path = tmp_path / case
-        shutil.copytree(src, path)
-        broken = dict(tensors)
-        if case == "missing":
-            del broken["encoder.layer.1.output.dense.weight"]
-        elif case == "unexpected":
-            broken["encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(2)
-        else:
-            broken["embeddings.word_embeddings.weight"] = torch.zeros(3, 32)
-        save_file(broken, path / "model.safetensors")
-        with pytest.raises(ModelLoadError):
-            load_encoder(path, torch.float32, "cpu")
+    broken = load_file(src / "model.safetensors")
+    if case == "missing":
+        del broken["encoder.layer.1.output.dense.weight"]
+    elif case == "unexpected":
+        broken["encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(2)
+    elif case == "no place":
+        broken["encoder.layer.2.output.dense.weight"] = broken["encoder.layer.1.output.dense.weight"].clone()
+    else:
+        broken["embeddings.word_embeddings.weight"] = torch.zeros(3, 32)
+    path = tmp_path / "broken"
+    shutil.copytree(src, path)
+    save_file(broken, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=message):
+        load_encoder(path, torch.float32, "cpu")
 
 
 def test_checkpoint_names_map_onto_the_encoder() -> None:
@@ -134,7 +147,7 @@ def test_checkpoint_names_map_onto_the_encoder() -> None:
     assert parameter_name("encoder.layer.0.output.LayerNorm.bias") == "layers.0.out_norm.bias"
     assert parameter_name("pooler.dense.weight") is None
     assert parameter_name("embeddings.position_ids") is None
-    with pytest.raises(ModelLoadError):
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'decoder.weight'"):
         parameter_name("decoder.weight")
 
 
@@ -143,8 +156,9 @@ def test_checkpoint_names_map_onto_the_encoder() -> None:
 
 @pytest.fixture(scope="module")
 def st_reference(minilm_dir: Path):
-    st = pytest.importorskip("sentence_transformers")
-    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    from sentence_transformers import SentenceTransformer  # a dev dependency: no silent skip
+
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
     return torch.tensor(model.encode(SENTENCES, normalize_embeddings=False, batch_size=4))
 
 
