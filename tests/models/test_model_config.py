@@ -11,7 +11,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig
 from asyncinfer.models.quant import weight_bytes
-from tests.helpers import tiny_hf_model
+from tests.helpers import SMOLLM2, tiny_hf_model
 
 
 def test_llama_fields():
@@ -84,8 +84,19 @@ def test_validation():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_derived_sizes(kind):
+def test_weight_bytes_count_transformers_parameters(kind):
     hf = tiny_hf_model(kind)
     cfg = ModelConfig.from_hf_config(hf.config)
     assert weight_bytes(cfg, 1) == sum(p.numel() for p in hf.parameters())  # as many parameters as transformers'
     assert weight_bytes(cfg, 2) == 2 * sum(p.numel() for p in hf.parameters())
+
+
+def test_derived_sizes_of_smollm2():
+    """SmolLM2-135M's config.json fields; the sizes derived from them, written out by hand."""
+    hf = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = ModelConfig.from_hf_config(hf)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (cfg.q_size, cfg.kv_size) == (576, 192)  # 9 x 64 query rows, 3 x 64 key (and value) rows
+    assert cfg == SMOLLM2  # the config the size tests use (tests.helpers) is this one
