@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.lab import TraceRequest, simulate
 from asyncinfer.request import Request
 from asyncinfer.schedulers import SchedulerConfig, available_schedulers, resolve_scheduler
+from tests.helpers import greedy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -54,8 +56,17 @@ def test_weights_share_tokens(example) -> None:
 
 
 async def test_runs_in_the_engine_by_name(example, tiny_llama: Path) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_llama, kv_cache_memory=1 << 20, max_model_len=64, device="cpu",
-                                         dtype="float32", max_num_seqs=2, scheduler="fair-share")
-    async with engine:
-        out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), request_id="t/1")
-    assert len(out.token_ids) == 4 and isinstance(engine.core.scheduler, example.FairShareScheduler)
+    """Two tenants' requests, two seats: greedy tokens are the same whatever the policy's order."""
+    prompts = {f"{tenant}/{i}": [5 + i, 6, 7 + 3 * i, 8] for tenant in ("a", "b") for i in range(3)}
+
+    async def tokens(scheduler: str) -> dict[str, list[int]]:
+        engine = AsyncEngine.from_pretrained(tiny_llama, kv_cache_memory=1 << 20, max_model_len=64, device="cpu",
+                                             dtype="float32", max_num_seqs=2, scheduler=scheduler)
+        async with engine:
+            outs = await asyncio.gather(*(engine.generate(p, greedy(6), request_id=rid) for rid, p in prompts.items()))
+        assert type(engine.core.scheduler) is resolve_scheduler(scheduler)
+        return {rid: out.token_ids for rid, out in zip(prompts, outs)}
+
+    assert resolve_scheduler("fair-share") is example.FairShareScheduler
+    fair, fifo = await tokens("fair-share"), await tokens("fifo")
+    assert fair == fifo and all(len(t) == 6 for t in fair.values())
