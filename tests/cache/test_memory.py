@@ -12,6 +12,7 @@ from asyncinfer.memory import MiB, plan_kv_cache, plan_memory
 from asyncinfer.models.quant import weight_bytes
 from tests.helpers import SMOLLM2  # SmolLM2-135M-Instruct's shapes (the default model)
 
+
 def test_block_bytes_and_weights_for_smollm2_match_what_is_really_allocated() -> None:
     # The spec's figure against the bytes the engine's own KV tensors take for one block.
     for dtype, expected in ((torch.float32, 737_280), (torch.bfloat16, 368_640)):
@@ -66,14 +67,15 @@ def test_plan_memory_before_loading_from_a_model_config() -> None:
                     kv_cache_fraction=0.5, activation_reserve=256 * MiB)
     weights = 538_060_032
     assert p.weight_bytes == weights and p.block_bytes == 737_280 and p.max_model_len == 2048
-    assert p.num_blocks == int((4 * gib - weights - 256 * MiB) * 0.5) // 737_280
+    # Half of (4 GiB - 538,060,032 bytes of weights - 256 MiB reserve) = 1,744,235,904 bytes: 2365 whole blocks.
+    assert p.num_blocks == 2365
     half = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="bfloat16", device="cpu", kv_cache_memory=256 * MiB)
     assert half.weight_bytes == weights // 2 and half.num_blocks == 256 * MiB // 368_640 == 728
     assert half.max_model_len == 8192  # the model's context length by default
     int8 = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="float32", device="cpu", max_model_len=2048,
                        kv_cache_fraction=0.5, activation_reserve=256 * MiB, quantization="int8")
     assert int8.weight_bytes == 328_242_432  # int8 linears and head, float32 down_proj (the default skip)
-    assert int8.num_blocks == int((4 * gib - 328_242_432 - 256 * MiB) * 0.5) // 737_280 > p.num_blocks
+    assert int8.num_blocks == 2508  # half of (4 GiB - 328,242,432 - 256 MiB) = 1,849,144,704 bytes
     with pytest.raises(ConfigurationError, match="max_model_len=8192"):
         plan_memory(SMOLLM2, available_bytes=4 * gib, device="cpu", kv_cache_memory=64 * MiB, dtype="float32")
     with pytest.raises(InvalidParameterError, match="max_model_len"):
