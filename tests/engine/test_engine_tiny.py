@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from asyncinfer import (
     AsyncEngine,
@@ -16,7 +17,7 @@ from asyncinfer import (
     SamplingParams,
 )
 from asyncinfer.request import Request
-from tests.helpers import ENGINE_BASE, greedy, hf_greedy, random_prompts
+from tests.helpers import ENGINE_BASE, greedy, hf_greedy, hf_logits, random_prompts
 
 # Small budgets (ENGINE_BASE) keep these engines light; each test builds its own engine.
 
@@ -168,6 +169,13 @@ async def test_stop_token_ids_and_logprobs(tiny_models) -> None:
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     assert all(lp.token_id == t and len(lp.top) == 2 for lp, t in zip(out.logprobs, out.token_ids))
     assert all(lp.top[0][0] == t for lp, t in zip(out.logprobs, out.token_ids))  # greedy picks the top-1
+    # The values are transformers' log-softmax at each position, the top two in order.
+    ref_logprobs = torch.log_softmax(hf_logits(hf, p + out.token_ids), dim=-1)[len(p) - 1 : -1]
+    for lp, row in zip(out.logprobs, ref_logprobs):
+        values, ids = row.topk(2)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 async def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_models) -> None:
@@ -204,7 +212,6 @@ async def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_mode
 
 async def test_event_loop_stays_responsive_under_full_load(tmp_path) -> None:
     """Model work runs off the event loop: a 5 ms ticker keeps ticking during heavy steps."""
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
