@@ -155,7 +155,7 @@ class PagedRunner:
         """Run one step; ``work`` is (seq_id, new tokens), decodes first.
 
         Returns each sequence's logits for its new tokens, [query_len, vocab] each; with
-        ``last_only``, for its last token only ([1, vocab]), the one rows the engine's runner
+        ``last_only``, for its last token only ([1, vocab]), the rows the engine's runner
         projects (the int8 head quantizes its input per tensor, so the rows matter there).
         """
         input_ids, positions, slots = [], [], []
