@@ -13,8 +13,8 @@ from asyncinfer import AsyncEngine, EngineOverloadedError, InvalidParameterError
 from asyncinfer.metrics import asgi_app
 from asyncinfer.metrics.exposition import exposition, metric_names
 
-OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu",
-               memory_bandwidth=1e10)
+OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
+           "memory_bandwidth": 1e10}
 
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:

@@ -9,8 +9,8 @@ import pytest
 
 from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
 
-OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu",
-               memory_bandwidth=1e10, block_size=4)
+OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
+           "memory_bandwidth": 1e10, "block_size": 4}
 
 
 async def test_memory_report_tells_held_blocks_from_cached_ones(tiny_models) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncinfer.metrics.engine_metrics import EngineMetrics
+from asyncinfer.metrics.engine_metrics import EngineMetrics, EngineObservability
 from asyncinfer.metrics.memory_report import MemoryReport, ModelMemory
 from asyncinfer.metrics.profile import ProfileResult
 from asyncinfer.metrics.types import HistogramSnapshot, MetricsSnapshot, ModelMetrics
 
 __all__ = [
     "EngineMetrics",
+    "EngineObservability",
     "HistogramSnapshot",
     "MemoryReport",
     "MetricsSnapshot",

@@ -7,7 +7,7 @@ Three feeds, none of which does more than an append on the engine thread:
   tokens, bytes read for the roofline, queue times of requests first scheduled) to a deque.
   The loop drains the deque (a deque's append and popleft are atomic: no lock on the engine thread).
 - **per output** (event loop): the outputs the engine thread hands to the loop pass through
-  :meth:`EngineMetrics.observe_outputs` on their way to the request queues (first token,
+  :meth:`EngineMetrics.outputs` (the stream table's observer) before they reach the request queues (first token,
   tokens, finish reason), with the requests :meth:`track`-ed when they were posted.
 - **per call** (event loop): refused requests (:class:`CountingIntake`), swaps by outcome.
 
@@ -105,11 +105,13 @@ class EngineMetrics:
     @classmethod
     def wire(cls, engine: AsyncEngine, intake: Any, changes: Any) -> tuple[EngineMetrics, CountingIntake]:
         """The metrics of ``engine``, watching its generators now and those ``changes`` (its
-        :class:`~asyncinfer.swaps.ModelChanges`) adds or swaps in; and ``intake`` with its refusals counted."""
+        :class:`~asyncinfer.swaps.ModelChanges`) adds or swaps in, and the outputs of ``intake``'s
+        stream table; and ``intake`` with its refusals counted."""
         generators = [(name, holder.current) for name, holder in changes.models.generators.items()
                       if holder.current is not None]
         metrics = cls(engine, generators)
         changes.observer = metrics
+        intake.streams.observer = metrics
         return metrics, CountingIntake(intake, metrics)
 
     def watch(self, name: str, version: ModelVersion) -> None:
@@ -176,32 +178,22 @@ class EngineMetrics:
             entry = self._versions.get(version_id)
             self._requests.track(request, entry[0] if entry else "")
 
-    def observing_failure(self, failed: Callable[[BaseException], None]) -> Callable[[BaseException], None]:
-        """``failed`` (the loop's handler of the engine thread's death), with the requests in flight counted
-        as errors first."""
-        def counted(exc: BaseException) -> None:
-            if self.enabled:
-                self.engine_failed()
-            failed(exc)
-
-        return counted
-
-    def observing(self, dispatch: Callable[[list[CoreOutput]], None]) -> Callable[[list[CoreOutput]], None]:
-        """``dispatch`` (the loop's handler of the engine thread's outputs), with the outputs counted first."""
-        if not self.enabled:
-            return dispatch
-
-        def observed(outputs: list[CoreOutput]) -> None:
-            try:
-                self.observe_outputs(outputs)
-            except Exception:  # noqa: BLE001 - a metrics bug must never stop the outputs
-                logger.exception("asyncinfer metrics: counting outputs failed")
-            dispatch(outputs)
-
-        return observed
-
     # ---------------------------------------------------------- loop side
-    def observe_outputs(self, outputs: list[CoreOutput]) -> None:
+    def outputs(self, outputs: list[CoreOutput]) -> None:
+        """The stream table's observer: a batch of outputs, before it is dispatched (never raises)."""
+        if not self.enabled:
+            return
+        try:
+            self._count_outputs(outputs)
+        except Exception:  # a metrics bug must never stop the outputs
+            logger.exception("asyncinfer metrics: counting outputs failed")
+
+    def failed(self) -> None:
+        """The stream table's observer: the step loop died, every request in flight ends as an error."""
+        if self.enabled:
+            self.engine_failed()
+
+    def _count_outputs(self, outputs: list[CoreOutput]) -> None:
         finished: list[FinishedRequest] = []
         with self._lock:
             self._drain_steps()
@@ -329,8 +321,8 @@ class EngineMetrics:
         gauges: dict[str, Any] = {}
         current = self._current_kv(engine, name)
         if current is not None:
-            gauges = dict(kv_blocks=current.num_blocks, kv_blocks_used=current.used_blocks,
-                          kv_blocks_cached_free=current.cached_free_blocks, kv_usage=current.usage)
+            gauges = {"kv_blocks": current.num_blocks, "kv_blocks_used": current.used_blocks,
+                      "kv_blocks_cached_free": current.cached_free_blocks, "kv_usage": current.usage}
         peak, last = self.memory_bandwidth, fig.last_bandwidth
         return t.ModelMetrics(
             name=name, kind="generate", requests=dict(fig.requests), prompt_tokens=fig.prompt_tokens,
@@ -361,18 +353,6 @@ class EngineMetrics:
         return t.ModelMetrics(name=name, kind="embed", embedding_calls=stats.num_calls,
                               embedding_texts=stats.num_texts, embedding_batches=stats.num_batches,
                               embedding_tokens=stats.num_tokens, versions_live=1)
-
-    def memory_report(self) -> MemoryReport:
-        """See :meth:`AsyncEngine.memory_report`."""
-        engine = self._engine()
-        assert engine is not None
-        return memory_report(engine, self.live_versions())
-
-    async def profile(self, link: Any, steps: int, path: str | os.PathLike[str],
-                      check_running: Callable[[], None]) -> ProfileResult:
-        """See :meth:`AsyncEngine.profile`."""
-        check_running()
-        return await profile_steps(self, link, steps, path)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -414,3 +394,34 @@ class CountingIntake:
         reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"
         self._metrics.count_rejected(model if isinstance(model, str) else None, reason)
 
+
+
+class EngineObservability:
+    """``AsyncEngine``'s windows on itself (a base class of it; the bodies live here, beside the metrics).
+
+    ``engine.metrics`` (:class:`EngineMetrics`) is set by ``AsyncEngine.__init__``.
+    """
+
+    metrics: EngineMetrics
+    _link: Any
+
+    def _check_running(self) -> None:  # AsyncEngine's
+        raise NotImplementedError
+
+    def memory_report(self) -> MemoryReport:
+        """Where the memory is, to tell a leak from a cache: per live model version its weights, KV
+        pool, blocks held by requests and free blocks still caching prefixes, requests in flight;
+        and the process's memory (torch's CUDA allocator, and RSS). See :class:`MemoryReport`."""
+        return memory_report(self, self.metrics.live_versions())
+
+    async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult:
+        """Run the next ``steps`` engine steps (of any model) under ``torch.profiler``, then write
+        ``path``/trace.json (a Chrome trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt
+        (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
+
+        Raises:
+            InvalidParameterError: ``steps`` < 1, or a profile is already running.
+            EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
+        """
+        self._check_running()
+        return await profile_steps(self.metrics, self._link, steps, path)

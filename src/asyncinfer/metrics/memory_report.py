@@ -53,8 +53,8 @@ class MemoryReport:
         return sum(m.used_blocks for m in self.models if m.requests_in_flight == 0)
 
     def describe(self) -> str:
-        lines = [f"device {self.device}, {self.requests_in_flight} requests in flight, "
-                 f"process RSS {self.process_rss_bytes / MiB:.1f} MiB"]
+        lines = [(f"device {self.device}, {self.requests_in_flight} requests in flight, "
+                  f"process RSS {self.process_rss_bytes / MiB:.1f} MiB")]
         if self.allocated_bytes is not None:
             lines.append(f"torch CUDA allocator: {self.allocated_bytes / MiB:.1f} MiB allocated, "
                          f"{(self.reserved_bytes or 0) / MiB:.1f} MiB reserved")

@@ -28,7 +28,7 @@ REJECT_REASONS = ("invalid", "overloaded")
 class Histogram:
     """Bucket counts, sum and count; written by one thread at a time (the metrics lock's holder)."""
 
-    __slots__ = ("bounds", "counts", "sum", "count")
+    __slots__ = ("bounds", "count", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
