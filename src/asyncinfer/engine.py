@@ -26,14 +26,22 @@ from asyncinfer.catalog import EmbedCalls, EmbeddingModel, ModelCatalog, check_n
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore, StepStats
 from asyncinfer.embedding import EmbeddingBatcher, EmbeddingPlan, EmbeddingStats
-from asyncinfer.engine_thread import AbortRequest, AddRequest, Command, EngineThread, LoopCallbacks
-from asyncinfer.engine_thread import ResetPrefixCache, Stop, ThreadLink
+from asyncinfer.engine_thread import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineThread,
+    LoopCallbacks,
+    ResetPrefixCache,
+    Stop,
+    ThreadLink,
+)
 from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
-from asyncinfer.metrics import EngineMetrics, MemoryReport, ProfileResult
+from asyncinfer.metrics import EngineMetrics, EngineObservability
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
 from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts
@@ -55,7 +63,7 @@ class EngineState(enum.Enum):
     DEAD = "dead"
 
 
-class AsyncEngine:
+class AsyncEngine(EngineObservability):
     """An in-process LLM engine: ``async with AsyncEngine.from_pretrained() as engine``.
 
     Build it with :meth:`from_pretrained`; start it with ``async with`` (or
@@ -185,8 +193,7 @@ class AsyncEngine:
         """Start the engine thread, bound to the running event loop."""
         if self._state is not EngineState.CREATED:
             raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value})")
-        callbacks = LoopCallbacks(self.metrics.observing(self._streams.dispatch), self._embed_calls.resolve,
-                                  self._on_stopped, self.metrics.observing_failure(self._on_failed))
+        callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
         thread = EngineThread(list(self._models.generators.values()), asyncio.get_running_loop(), callbacks)
         self._link.attach(thread)
         self._state = EngineState.RUNNING
@@ -368,13 +375,6 @@ class AsyncEngine:
         """
         stats = self._models.core(model).stats
         return dataclasses.replace(stats, batch_sizes=list(stats.batch_sizes))
-
-    def memory_report(self) -> MemoryReport:  # weights, KV blocks held and cached, requests, process memory
-        return self.metrics.memory_report()
-
-    async def profile(self, steps: int = 10, path: str = "asyncinfer-profile") -> ProfileResult:
-        """``torch.profiler`` over the next ``steps`` steps: ``path``/trace.json and ``path``/top_ops.txt."""
-        return await self.metrics.profile(self._link, steps, path, self._check_running)
 
     def model_info(self) -> list[ModelVersionInfo]:
         """The live models and versions: name, kind, id, source, state, requests in flight, memory plan.
