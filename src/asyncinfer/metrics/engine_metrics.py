@@ -172,6 +172,11 @@ class EngineMetrics:
         """``(model name, version)`` of every generator version not dropped yet."""
         return list(self._versions.values())
 
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests the metrics wait to see end (0 when idle: more is a leak in the bookkeeping)."""
+        return len(self._requests.live)
+
     def track(self, request: Request, version_id: int) -> None:
         """A request was posted to the engine thread, bound to generator version ``version_id``."""
         if self.enabled:
