@@ -15,7 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.metrics.exposition import exposition
+from asyncinfer.metrics.exposition import exposition, metric_names
 
 MONITORING = Path(__file__).resolve().parents[2] / "docs" / "monitoring"
 METRIC = re.compile(r"\b((?:asyncinfer|process)_[a-z_]+)\b")
@@ -35,6 +35,19 @@ def test_alert_rules_pass_promtool() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_alerts_fire_on_synthetic_series() -> None:
+    """alerts_test.yml: the engine-dead, KV, preemption and idle-device alerts fire when they should."""
+    result = subprocess.run([promtool(), "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
+                            timeout=60, cwd=MONITORING)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_lists_every_metric() -> None:
+    readme = (MONITORING / "README.md").read_text()
+    for name in metric_names():
+        assert f"`{name}" in readme, name
 
 
 def expressions() -> list[str]:
