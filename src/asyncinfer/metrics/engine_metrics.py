@@ -119,8 +119,9 @@ class EngineMetrics:
         core = version.core
         if core is None:
             return
-        self._versions[version.version_id] = (name, version)
-        self._model(name)
+        with self._lock:  # the engine thread drops retired versions from the table
+            self._versions[version.version_id] = (name, version)
+            self._model(name)
         kv = core.kv
 
         def retired(_version: ModelVersion) -> None:  # engine thread, once the version is dropped
@@ -164,13 +165,14 @@ class EngineMetrics:
 
     def install_hooks(self) -> None:
         """Hook every live version's core (for a profile when metrics are off)."""
-        for name, version in list(self._versions.values()):
+        for name, version in self.live_versions():
             if version.core is not None and version.core.on_step is None:
                 version.core.on_step = self._step_hook(name, version)
 
     def live_versions(self) -> list[tuple[str, ModelVersion]]:
         """``(model name, version)`` of every generator version not dropped yet."""
-        return list(self._versions.values())
+        with self._lock:
+            return list(self._versions.values())
 
     @property
     def num_tracked_requests(self) -> int:
@@ -180,8 +182,9 @@ class EngineMetrics:
     def track(self, request: Request, version_id: int) -> None:
         """A request was posted to the engine thread, bound to generator version ``version_id``."""
         if self.enabled:
-            entry = self._versions.get(version_id)
-            self._requests.track(request, entry[0] if entry else "")
+            with self._lock:
+                entry = self._versions.get(version_id)
+                self._requests.track(request, entry[0] if entry else "")
 
     # ---------------------------------------------------------- loop side
     def outputs(self, outputs: list[CoreOutput]) -> None:
@@ -253,19 +256,21 @@ class EngineMetrics:
 
     def count_rejected(self, model: str | None, reason: str) -> None:
         if self.enabled:
+            label = self._label(model)
             with self._lock:
-                self._model(self._label(model)).rejected[reason] += 1
+                self._model(label).rejected[reason] += 1
 
     def count_swap(self, model: str | None, outcome: str) -> None:
         """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused or failed."""
         if self.enabled:
+            label = self._label(model)
             with self._lock:
-                self._model(self._label(model)).swaps[outcome] += 1
+                self._model(label).swaps[outcome] += 1
 
     def _label(self, model: str | None) -> str:
         """The model label of a call's ``model`` argument: the default generator's name for None,
         "" for a name the engine does not hold (user input must not make new label values)."""
-        names = [name for name, _ in self._versions.values()]
+        names = [name for name, _ in self.live_versions()]
         if model is None:
             engine = self._engine()
             infos = engine.model_info() if engine is not None else []
