@@ -37,17 +37,9 @@ import torch
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.metrics.exposition import exposition
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def tiny_model(directory: Path) -> Path:
-    """A 2-layer random Llama checkpoint (the test suite's shape), saved as safetensors."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
-    return directory
+from common import tiny_model
 
 
 async def run(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, scrape: bool) -> dict[str, Any]:

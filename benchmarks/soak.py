@@ -39,20 +39,11 @@ from typing import Any
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.metrics.device import process_rss_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import tiny_model
+
 MiB = 1024**2
-
-
-def tiny_model(directory: Path) -> Path:
-    """A 2-layer random Llama checkpoint, saved as safetensors (no tokenizer: prompts are ids)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
-    return directory
 
 
 async def one(engine: AsyncEngine, i: int, rng: random.Random, prefixes: list[list[int]], vocab: int) -> str:
