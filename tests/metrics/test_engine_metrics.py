@@ -9,7 +9,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncinfer import AsyncEngine, EngineOverloadedError, InvalidParameterError, SamplingParams, SwapError
+from asyncinfer import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestFailedError,
+    SamplingParams,
+    SwapError,
+)
 from asyncinfer.metrics import asgi_app
 from asyncinfer.metrics.exposition import exposition, metric_names
 
@@ -101,7 +109,7 @@ async def test_step_figures_equal_the_cores_counters(tiny_models) -> None:
         m = engine.metrics.snapshot().models["default"]
     assert m.step_duration.count == m.step_tokens.count == m.step_sequences.count == steps.steps
     assert m.step_tokens.sum == steps.prefill_tokens + steps.decode_tokens
-    assert m.step_sequences.sum == sum(steps.batch_sizes)
+    assert m.step_sequences.sum == steps.scheduled_requests
     assert m.queue_time.count == 6
     assert m.generation_tokens == sum(6 + i for i in range(6))
     assert m.prompt_tokens == sum(4 + 3 * i for i in range(6))
@@ -119,16 +127,25 @@ async def test_roofline_bytes_of_one_request(tiny_models) -> None:
     assert m.decode_bandwidth == pytest.approx(m.decode_bytes_read / m.decode_seconds)
 
 
-async def test_engine_death_ends_requests_as_errors(tiny_models) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+@pytest.mark.parametrize("failures", [3, 1])  # 3: the fault fails its request; 1: it kills the engine
+async def test_failed_requests_and_engine_death_count_as_errors(tiny_models, failures) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, max_consecutive_step_failures=failures)
     async with engine:
+        healthy = engine.core.runner.execute
+
         def broken(inputs):
             raise RuntimeError("injected fault")
+
         engine.core.runner.execute = broken
-        with pytest.raises(Exception):  # noqa: B017 - EngineDeadError, or RequestFailedError with isolation
+        error = RequestFailedError if failures > 1 else EngineDeadError
+        with pytest.raises(error):
             await engine.generate(ids(5), SamplingParams(max_tokens=3))
+        if failures > 1:
+            engine.core.runner.execute = healthy
+            await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
         m = engine.metrics.snapshot().models["default"]
-    assert m.requests["error"] == 1
+    assert m.requests["error"] == 1 and m.requests["length"] == (1 if failures > 1 else 0)
+    assert engine.metrics.num_tracked_requests == 0
 
 
 async def test_metrics_off_records_nothing_and_engines_do_not_share(tiny_models) -> None:

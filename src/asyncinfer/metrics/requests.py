@@ -84,7 +84,7 @@ class RequestTracker:
             live.first_token = out.first_token_time
         if out.finish_reason is None:
             return live, None
-        live.reasons[out.index] = "error" if getattr(out, "error", None) is not None else out.finish_reason
+        live.reasons[out.index] = "error" if out.error is not None else out.finish_reason
         live.finish = max(live.finish, out.finish_time or 0.0)
         live.done += 1
         if live.done < live.n:
