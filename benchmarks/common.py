@@ -275,3 +275,17 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+def tiny_model(directory: Path) -> Path:
+    """A 2-layer random Llama checkpoint (the test suite's shape, no tokenizer: prompts are ids),
+    saved as safetensors in ``directory``: a model whose steps cost milliseconds, for bookkeeping benchmarks."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory

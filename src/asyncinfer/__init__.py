@@ -28,6 +28,15 @@ from asyncinfer.errors import (
 )
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.memory import MemoryPlan
+from asyncinfer.metrics import (
+    EngineMetrics,
+    HistogramSnapshot,
+    MemoryReport,
+    MetricsSnapshot,
+    ModelMemory,
+    ModelMetrics,
+    ProfileResult,
+)
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncinfer.sampling_params import SamplingParams
 
@@ -43,15 +52,22 @@ __all__ = [
     "EmbeddingPlan",
     "EmbeddingStats",
     "EngineConfig",
+    "EngineMetrics",
     "EngineDeadError",
     "EngineOverloadedError",
     "EngineState",
+    "HistogramSnapshot",
     "InvalidParameterError",
     "KVCacheStats",
     "Logprob",
     "MemoryPlan",
+    "MemoryReport",
+    "MetricsSnapshot",
+    "ModelMemory",
+    "ModelMetrics",
     "ModelLoadError",
     "ModelVersionInfo",
+    "ProfileResult",
     "RequestAbortedError",
     "RequestFailedError",
     "RequestMetrics",

@@ -3,6 +3,7 @@
     asyncinfer chat "What is the capital of France?"   # one-shot, streamed
     asyncinfer chat                                     # interactive; /reset clears history, /quit leaves
     asyncinfer info                                     # model, memory plan and options
+    asyncinfer plan MODEL --batch 8 --seq-len 4096 --device-memory 24GiB   # the budget, no weights loaded
     asyncinfer embed "first text" "second text"         # sentence embeddings (all-MiniLM-L6-v2)
     asyncinfer lab --synthetic 200                      # compare schedulers on a simulated trace
     asyncinfer serve MODEL --port 8000                  # an OpenAI-compatible HTTP server (asyncinfer[server])
@@ -103,6 +104,40 @@ def _info(args: argparse.Namespace) -> int:
     print(f"device: {engine.config.device}, dtype: {engine.config.dtype}")
     print(f"memory plan: {engine.memory_plan.describe()}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from asyncinfer.memory import read_model_config
+    from asyncinfer.model_source import resolve_model
+    from asyncinfer.planner import parse_bytes, plan_deployment
+
+    path = resolve_model(args.model_arg or args.model)
+    plan = plan_deployment(
+        read_model_config(path), model_name=path.name, batch=args.batch, seq_len=args.seq_len, device=args.device,
+        dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        device_memory=None if args.device_memory is None else parse_bytes(args.device_memory),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    )
+    print(plan.table())
+    return 0 if plan.fits else 1
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="the model (same as MODEL)")
+    p.add_argument("--batch", type=int, default=1, help="requests served at once (default 1)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per request, prompt + output (default: the model's context)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", default=None, choices=("int8",), help="int8 weights (cpu, float32)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's block_size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (for activations)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (for the logits)")
 
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -292,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     info = sub.add_parser("info", help="load a model and print its memory plan")
     _add_engine_args(info)
+    plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)")
+    _add_plan_args(plan)
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities")
     embed.add_argument("texts", nargs="+", help="texts to embed")
     embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
@@ -316,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_embed(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "plan":
+            return _plan(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)

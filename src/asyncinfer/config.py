@@ -108,6 +108,11 @@ class EngineConfig:
       nothing) the engine thread backs off instead of spinning; after this many seconds
       of it the stuck requests fail with :class:`~asyncinfer.errors.RequestStalledError`
       (default 30.0; a finite number > 0, or None to let them wait forever).
+    - ``enable_metrics``: record ``engine.metrics`` (default on; off, the engine installs no step hook).
+    - ``memory_bandwidth``: the device's memory bandwidth in bytes per second, the roofline
+      gauge's denominator; None (default): measured once at start-up with a short copy.
+    - ``log_request_text_rate``: the fraction of requests whose prompt and output text the
+      ``asyncinfer.requests`` INFO line includes, for debugging, in [0, 1] (default 0: never).
     """
 
     dtype: Any = "auto"
@@ -131,6 +136,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int = 3
     stall_timeout: float | None = 30.0
+    enable_metrics: bool = True
+    memory_bandwidth: float | None = None
+    log_request_text_rate: float = 0.0
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -164,6 +172,7 @@ class EngineConfig:
             raise InvalidParameterError("enable_chunked_prefill", self.enable_chunked_prefill, "True or False")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError("enable_prefix_caching", self.enable_prefix_caching, "True or False")
+        _check_metrics_options(self)
         wm = self.kv_watermark
         if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0.0 <= wm <= 0.5:
             raise InvalidParameterError("kv_watermark", wm, "a number in [0, 0.5]")
@@ -176,6 +185,17 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _check_metrics_options(config: EngineConfig) -> None:
+    if not isinstance(config.enable_metrics, bool):
+        raise InvalidParameterError("enable_metrics", config.enable_metrics, "True or False")
+    bw = config.memory_bandwidth
+    if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < float("inf")):
+        raise InvalidParameterError("memory_bandwidth", bw, "bytes per second > 0, or None (measured at start-up)")
+    rate = config.log_request_text_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise InvalidParameterError("log_request_text_rate", rate, "a fraction in [0, 1]")
 
 
 def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:

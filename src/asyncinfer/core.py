@@ -101,6 +101,9 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}
         # The running step's requests once it is scheduled (None before): what fail_step fails.
         self._batch: list[tuple[Request, int]] | None = None
+        # Called on this thread after each step that ran: (batch, inputs, result, perf_counter at its start).
+        # asyncinfer.metrics sets it; it must only hand the figures on, never do real work here.
+        self.on_step: Callable[[list[tuple[Request, int]], Any, StepResult, float], None] | None = None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -194,6 +197,7 @@ class EngineCore:
         If it raises, hand the exception to :meth:`fail_step` before anything else
         touches the core (the engine thread does): that undoes the step and fails its requests.
         """
+        started = time.perf_counter()
         self._batch = None
         plan = self.scheduler.schedule()
         batch = scheduled(self.scheduler, plan)  # a plan naming a request the scheduler lacks fails here
@@ -210,7 +214,10 @@ class EngineCore:
         tokens = _StepTokens(self, inputs.sampled, logits)
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
         self._count(result)
-        return self._outputs(result, tokens)
+        outputs = self._outputs(result, tokens)
+        if self.on_step is not None:
+            self.on_step(batch, inputs, result, started)
+        return outputs
 
     def fail_step(self, exc: Exception) -> list[CoreOutput]:
         """Undo the step that raised ``exc`` and fail its requests; returns their final outputs.

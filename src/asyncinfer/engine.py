@@ -41,6 +41,7 @@ from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
+from asyncinfer.metrics import EngineMetrics, EngineObservability
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
 from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts
@@ -62,7 +63,7 @@ class EngineState(enum.Enum):
     DEAD = "dead"
 
 
-class AsyncEngine:
+class AsyncEngine(EngineObservability):
     """An in-process LLM engine: ``async with AsyncEngine.from_pretrained() as engine``.
 
     Build it with :meth:`from_pretrained`; start it with ``async with`` (or
@@ -87,7 +88,7 @@ class AsyncEngine:
         self._embed_calls = EmbedCalls()
         self._link = ThreadLink()
         self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device)
-        self._intake = RequestIntake(self._models, self._streams)
+        self.metrics, self._intake = EngineMetrics.wire(self, RequestIntake(self._models, self._streams), self._changes)
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -489,9 +490,8 @@ class AsyncEngine:
         if self._state is EngineState.DEAD:
             raise EngineDeadError("the engine's step loop failed") from self._dead_cause
         if self._state is not EngineState.RUNNING:
-            raise EngineClosedError(
-                f"the engine is {self._state.value}: use 'async with engine:' or 'await engine.start()'"
-            )
+            raise EngineClosedError(f"the engine is {self._state.value}: use 'async with engine:' or "
+                                    "'await engine.start()'")
 
     def _check_usable(self) -> None:
         """Model changes work before start (nothing races) and while running."""

@@ -54,6 +54,8 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # When a step first ran it (time.time()): the end of its queue time (set by the metrics' step hook).
+    scheduled_time: float | None = None
     stop_reason: int | str | None = None
     # Owned by the core: sampling state (seeded generator) and detokenizer.
     sampling_state: Any = None

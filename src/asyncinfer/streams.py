@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Protocol
 
 from asyncinfer.outputs import CoreOutput
 
@@ -73,12 +74,21 @@ def _merge(into: CoreOutput, out: CoreOutput) -> None:
     into.error = into.error or out.error  # a failure must reach the consumer even when merged
 
 
+class StreamObserver(Protocol):
+    """Sees what the table hands out (``engine.metrics`` counts tokens, finishes and latencies from it)."""
+
+    def outputs(self, outputs: list[CoreOutput]) -> None: ...  # every batch, before it is dispatched
+
+    def failed(self) -> None: ...  # fail_all: every request in flight ends with an error
+
+
 class StreamTable:
     """Requests in flight, by the user's request id."""
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._ids: set[str] = set()  # every sample's core id, for collision checks
+        self.observer: StreamObserver | None = None
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -118,6 +128,8 @@ class StreamTable:
 
     def dispatch(self, outputs: list[CoreOutput]) -> None:
         """Hand each output to its request's queue; a request ends with its last sample's finish."""
+        if self.observer is not None:
+            self.observer.outputs(outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None or stream.abandoned:
@@ -130,6 +142,8 @@ class StreamTable:
 
     def fail_all(self, make_error: type[BaseException], message: str, cause: BaseException) -> None:
         """End every request with ``make_error(message)`` (the cause chained) and empty the table."""
+        if self.observer is not None:
+            self.observer.failed()
         streams, self._streams = self._streams, {}
         self._ids.clear()
         for stream in streams.values():

@@ -12,7 +12,7 @@ import asyncio
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import torch
@@ -33,6 +33,14 @@ from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
 
 
+class ChangeObserver(Protocol):
+    """What :class:`ModelChanges` tells (``asyncinfer.metrics.EngineMetrics`` listens)."""
+
+    def watch(self, name: str, version: ModelVersion) -> None: ...
+
+    def count_swap(self, name: str | None, outcome: str) -> None: ...
+
+
 class ModelChanges:
     """``swap_model``, ``add_model`` and ``remove_model`` of one engine (see ``AsyncEngine``'s docstrings)."""
 
@@ -49,10 +57,32 @@ class ModelChanges:
         self.version_ids = version_ids
         self.check_usable = check_usable  # raises unless the engine is created or running
         self.device = device
+        # Told of every new generator version before it serves, and of each swap's outcome (engine.metrics).
+        self.observer: ChangeObserver | None = None
         self.lock = asyncio.Lock()
 
     # -------------------------------------------------------------------- swap
     async def swap(
+        self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
+    ) -> ModelVersionInfo:
+        """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, or it
+        does not fit) or failed (the new version did not load; the old one serves)."""
+        try:
+            info = await self._swap(model, name, mode, abort, available, options)
+        except (InvalidParameterError, ConfigurationError):
+            self._swapped(name, "refused")
+            raise
+        except Exception:
+            self._swapped(name, "failed")
+            raise
+        self._swapped(info.name, "ok")
+        return info
+
+    def _swapped(self, name: str | None, outcome: str) -> None:
+        if self.observer is not None:
+            self.observer.count_swap(name, outcome)
+
+    async def _swap(
         self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
     ) -> ModelVersionInfo:
         if mode not in ("overlap", "drain"):
@@ -113,6 +143,8 @@ class ModelChanges:
     async def switch(self, version: ModelVersion, holder: ModelHolder) -> None:
         """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""
         self.check_usable()
+        if self.observer is not None:
+            self.observer.watch(self.models.name_of(holder), version)
         if not self.link.started:  # no step loop yet: nothing can race with us
             holder.switch(version)
             holder.current = version
@@ -176,6 +208,8 @@ class ModelChanges:
         assert isinstance(version, ModelVersion)
         holder = ModelHolder(version)
         self.check_usable()
+        if self.observer is not None:
+            self.observer.watch(name, version)
         self.models.add_generator(name, holder)
         if self.link.started:
             self.link.post(AddHolder(holder))

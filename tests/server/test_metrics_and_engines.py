@@ -1,4 +1,4 @@
-"""/metrics reads the engine; two engines (and two apps) share one process without sharing anything."""
+"""/metrics serves the engine's own registry (and the HTTP answers); two engines (and two apps) share one process without sharing anything."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ def test_metrics_are_the_engines_figures(server) -> None:
     assert http.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
     got = scrape(server.url)
     engine = server.engine
-    kv, steps, emb = engine.kv_stats("ids"), engine.step_stats("ids"), engine.embedding_stats("minilm")
+    kv, emb, snap = engine.kv_stats("ids"), engine.embedding_stats("minilm"), engine.metrics.snapshot()
     ids, minilm = (("model", "ids"),), (("model", "minilm"),)
     assert got[("asyncinfer_kv_blocks", ids)] == kv.num_blocks
     assert got[("asyncinfer_kv_blocks_used", ids)] == 0
-    assert got[("asyncinfer_prefix_cache_queried_tokens_total", ids)] == kv.prefix_queries
-    assert got[("asyncinfer_decode_tokens_total", ids)] == steps.decode_tokens > 0
+    assert got[("asyncinfer_prefix_cache_queried_tokens_total", ids)] == snap.models["ids"].prefix_cache_queried_tokens
+    assert got[("asyncinfer_generation_tokens_total", ids)] == snap.models["ids"].generation_tokens >= 3
+    assert got[("asyncinfer_step_duration_seconds_count", ids)] == snap.models["ids"].step_duration.count > 0
     assert got[("asyncinfer_embedding_texts_total", minilm)] == emb.num_texts >= 2
     assert got[("asyncinfer_requests_in_flight", ())] == 0
     assert ("asyncinfer_kv_blocks", minilm) not in got  # an embedding model has no KV cache

@@ -1,0 +1,437 @@
+"""``engine.metrics``: one engine's figures, fed from both sides without slowing the step loop.
+
+Three feeds, none of which does more than an append on the engine thread:
+
+- **per step** (engine thread): each model version's core calls :meth:`EngineMetrics.watch`'s
+  hook after a step that ran; the hook appends one tuple (duration, sequences, tokens, decode
+  tokens, bytes read for the roofline, queue times of requests first scheduled) to a deque.
+  The loop drains the deque (a deque's append and popleft are atomic: no lock on the engine thread).
+- **per output** (event loop): the outputs the engine thread hands to the loop pass through
+  :meth:`EngineMetrics.outputs` (the stream table's observer) before they reach the request queues (first token,
+  tokens, finish reason), with the requests :meth:`track`-ed when they were posted.
+- **per call** (event loop): refused requests (:class:`CountingIntake`), swaps by outcome.
+
+Gauges (KV blocks, running/waiting requests, versions live, device memory) are read when a
+snapshot is taken. :meth:`EngineMetrics.snapshot` gives all of it as plain data; the
+Prometheus registry (:attr:`EngineMetrics.registry`) renders that same snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from asyncinfer.errors import AsyncInferError, EngineOverloadedError, InvalidParameterError
+from asyncinfer.metrics import types as t
+from asyncinfer.metrics.device import Nvml, cuda_memory, measure_memory_bandwidth, process_rss_bytes
+from asyncinfer.metrics.memory_report import MemoryReport, memory_report
+from asyncinfer.metrics.profile import ProfileResult, StepProfiler, profile_steps
+from asyncinfer.metrics.requests import FinishedRequest, RequestTracker, log_finished
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.holder import ModelVersion
+    from asyncinfer.outputs import CoreOutput
+    from asyncinfer.request import Request
+
+logger = logging.getLogger("asyncinfer")
+
+_KV_COUNTERS = ("preemptions", "prefix_queries", "prefix_hits", "cow_copies", "evictions")
+
+
+class _ModelFigures:
+    """The counters and histograms of one named model (written under the metrics lock)."""
+
+    def __init__(self) -> None:
+        self.requests = dict.fromkeys(t.FINISH_REASONS, 0)
+        self.swaps = dict.fromkeys(t.SWAP_OUTCOMES, 0)
+        self.rejected = dict.fromkeys(t.REJECT_REASONS, 0)
+        self.prompt_tokens = self.generation_tokens = self.decode_bytes = 0
+        self.decode_seconds = 0.0
+        self.last_bandwidth: float | None = None
+        self.retired_kv = dict.fromkeys(_KV_COUNTERS, 0)  # the KV counters of versions already dropped
+        self.ttft = t.Histogram(t.LATENCY_BUCKETS)
+        self.tpot = t.Histogram(t.TPOT_BUCKETS)
+        self.e2e = t.Histogram(t.E2E_BUCKETS)
+        self.queue = t.Histogram(t.LATENCY_BUCKETS)
+        self.prompt_len = t.Histogram(t.TOKEN_BUCKETS)
+        self.output_len = t.Histogram(t.TOKEN_BUCKETS)
+        self.step_tokens = t.Histogram(t.TOKEN_BUCKETS)
+        self.step_seqs = t.Histogram(t.SEQ_BUCKETS)
+        self.step_seconds = t.Histogram(t.STEP_SECONDS_BUCKETS)
+
+
+class EngineMetrics:
+    """One engine's metrics (``engine.metrics``); see the module docstring for how it is fed.
+
+    - :meth:`snapshot`: every figure as a :class:`~asyncinfer.metrics.MetricsSnapshot`;
+    - :attr:`registry`: a ``prometheus_client.CollectorRegistry`` of its own (several engines in
+      one process never collide) that renders the snapshot, plus the process collector;
+    - :func:`asyncinfer.metrics.asgi_app` serves it: ``app.mount("/metrics", asgi_app(engine))``.
+
+    With ``enable_metrics=False`` nothing is recorded (the snapshot's gauges are still read).
+    """
+
+    def __init__(self, engine: AsyncEngine, generators: list[tuple[str, ModelVersion]]) -> None:
+        config = engine.config
+        self._engine = weakref.ref(engine)
+        self.enabled: bool = getattr(config, "enable_metrics", True)
+        self.device = config.device
+        self._lock = threading.Lock()
+        self._steps: deque[tuple[Any, ...]] = deque()
+        self._figures: dict[str, _ModelFigures] = {}
+        self._versions: dict[int, tuple[str, ModelVersion]] = {}  # live generator versions by id
+        self._requests = RequestTracker(getattr(config, "log_request_text_rate", 0.0), self._tokenizer_of)
+        self._registry: CollectorRegistry | None = None
+        self._nvml: Nvml | None = None
+        self.profiler: StepProfiler | None = None  # armed by engine.profile(); ticked by the step hook
+        bandwidth = getattr(config, "memory_bandwidth", None)
+        if bandwidth is None and generators and self.enabled:
+            bandwidth = measure_memory_bandwidth(self.device)
+        #: Bytes per second of the device's memory: the roofline's denominator.
+        self.memory_bandwidth: float | None = bandwidth
+        for name, version in generators:
+            self.watch(name, version)
+
+    # ------------------------------------------------------------ wiring
+    @classmethod
+    def wire(cls, engine: AsyncEngine, intake: Any, changes: Any) -> tuple[EngineMetrics, CountingIntake]:
+        """The metrics of ``engine``, watching its generators now and those ``changes`` (its
+        :class:`~asyncinfer.swaps.ModelChanges`) adds or swaps in, and the outputs of ``intake``'s
+        stream table; and ``intake`` with its refusals counted."""
+        generators = [(name, holder.current) for name, holder in changes.models.generators.items()
+                      if holder.current is not None]
+        metrics = cls(engine, generators)
+        changes.observer = metrics
+        intake.streams.observer = metrics
+        return metrics, CountingIntake(intake, metrics)
+
+    def watch(self, name: str, version: ModelVersion) -> None:
+        """Record the steps of ``version`` (a generator version of model ``name``), from its first."""
+        core = version.core
+        if core is None:
+            return
+        with self._lock:  # the engine thread drops retired versions from the table
+            self._versions[version.version_id] = (name, version)
+            self._model(name)
+        kv = core.kv
+
+        def retired(_version: ModelVersion) -> None:  # engine thread, once the version is dropped
+            stats = kv.stats()
+            with self._lock:
+                base = self._model(name).retired_kv
+                for key in _KV_COUNTERS:
+                    base[key] += getattr(stats, key)
+                self._versions.pop(version.version_id, None)
+
+        version.on_retired.append(retired)
+        if self.enabled or self.profiler is not None:
+            core.on_step = self._step_hook(name, version)
+
+    def _step_hook(self, name: str, version: ModelVersion) -> Callable[..., None]:
+        """The core's ``on_step``: one tuple onto the deque, on the engine thread; nothing else."""
+        append = self._steps.append
+        weights = version.plan.weight_bytes
+        per_token = version.core.runner.spec.bytes_per_token if version.core is not None else 0
+        record = self.enabled
+
+        def on_step(batch: list[tuple[Request, int]], inputs: Any, result: Any, started: float) -> None:
+            duration = time.perf_counter() - started
+            queued: tuple[float, ...] = ()
+            if result.prefill_tokens:  # only a prefill can be a request's first step
+                wall = time.time() - duration
+                fresh = [r for r, _ in batch if r.scheduled_time is None]
+                for r in fresh:
+                    r.scheduled_time = wall
+                queued = tuple(wall - r.arrival_time for r in fresh if r.parent_id is None)
+                bytes_read = 0
+            else:  # decode-only: the weights once, and the K/V of every context token attended over
+                bytes_read = weights + sum(inputs.context_lens) * per_token
+            if record:
+                append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read, queued))
+            profiler = self.profiler
+            if profiler is not None and profiler.tick():
+                self.profiler = None
+
+        return on_step
+
+    def install_hooks(self) -> None:
+        """Hook every live version's core (for a profile when metrics are off)."""
+        for name, version in self.live_versions():
+            if version.core is not None and version.core.on_step is None:
+                version.core.on_step = self._step_hook(name, version)
+
+    def live_versions(self) -> list[tuple[str, ModelVersion]]:
+        """``(model name, version)`` of every generator version not dropped yet."""
+        with self._lock:
+            return list(self._versions.values())
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests the metrics wait to see end (0 when idle: more is a leak in the bookkeeping)."""
+        return len(self._requests.live)
+
+    def track(self, request: Request, version_id: int) -> None:
+        """A request was posted to the engine thread, bound to generator version ``version_id``."""
+        if self.enabled:
+            with self._lock:
+                entry = self._versions.get(version_id)
+                self._requests.track(request, entry[0] if entry else "")
+
+    # ---------------------------------------------------------- loop side
+    def outputs(self, outputs: list[CoreOutput]) -> None:
+        """The stream table's observer: a batch of outputs, before it is dispatched (never raises)."""
+        if not self.enabled:
+            return
+        try:
+            self._count_outputs(outputs)
+        except Exception:  # a metrics bug must never stop the outputs
+            logger.exception("asyncinfer metrics: counting outputs failed")
+
+    def failed(self) -> None:
+        """The stream table's observer: the step loop died, every request in flight ends as an error."""
+        if self.enabled:
+            self.engine_failed()
+
+    def _count_outputs(self, outputs: list[CoreOutput]) -> None:
+        finished: list[FinishedRequest] = []
+        with self._lock:
+            self._drain_steps()
+            for out in outputs:
+                seen = self._requests.observe(out)
+                if seen is None:
+                    continue
+                live, done = seen
+                fig = self._model(live.model)
+                fig.generation_tokens += len(out.token_ids)
+                if done is not None:
+                    self._count_finished(fig, done)
+                    finished.append(done)
+        for done in finished:
+            log_finished(done)
+
+    def engine_failed(self) -> None:
+        """The step loop died: every request in flight ended as an error."""
+        with self._lock:
+            ended = self._requests.fail_all(time.time())
+            for done in ended:
+                self._count_finished(self._model(done.model), done)
+        for done in ended:
+            log_finished(done)
+
+    def _count_finished(self, fig: _ModelFigures, done: FinishedRequest) -> None:
+        fig.requests[done.finish_reason] += 1
+        fig.e2e.observe(done.latency)
+        fig.prompt_len.observe(done.prompt_len)
+        fig.output_len.observe(done.output_len)
+        if done.ttft is not None:
+            fig.prompt_tokens += done.prompt_len  # its prompt was computed
+            fig.ttft.observe(done.ttft)
+        if done.tpot is not None:
+            fig.tpot.observe(done.tpot)
+
+    def _drain_steps(self) -> None:
+        """Move the engine thread's step tuples into the histograms (the lock is held)."""
+        steps = self._steps
+        while steps:
+            name, duration, seqs, tokens, bytes_read, queued = steps.popleft()
+            fig = self._model(name)
+            fig.step_seconds.observe(duration)
+            fig.step_seqs.observe(seqs)
+            fig.step_tokens.observe(tokens)
+            for q in queued:
+                fig.queue.observe(q)
+            if bytes_read and duration > 0:
+                fig.decode_bytes += bytes_read
+                fig.decode_seconds += duration
+                fig.last_bandwidth = bytes_read / duration
+
+    def count_rejected(self, model: str | None, reason: str) -> None:
+        if self.enabled:
+            label = self._label(model)
+            with self._lock:
+                self._model(label).rejected[reason] += 1
+
+    def count_swap(self, model: str | None, outcome: str) -> None:
+        """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused or failed."""
+        if self.enabled:
+            label = self._label(model)
+            with self._lock:
+                self._model(label).swaps[outcome] += 1
+
+    def _label(self, model: str | None) -> str:
+        """The model label of a call's ``model`` argument: the default generator's name for None,
+        "" for a name the engine does not hold (user input must not make new label values)."""
+        names = [name for name, _ in self.live_versions()]
+        if model is None:
+            engine = self._engine()
+            infos = engine.model_info() if engine is not None else []
+            return next((i.name for i in infos if i.kind == "generate"), "")
+        return model if model in names or model in self._figures else ""
+
+    def _model(self, name: str) -> _ModelFigures:
+        fig = self._figures.get(name)
+        if fig is None:
+            fig = self._figures[name] = _ModelFigures()
+        return fig
+
+    def _tokenizer_of(self, name: str) -> Any:
+        engine = self._engine()
+        try:
+            return engine.get_tokenizer(name) if engine is not None else None
+        except AsyncInferError:
+            return None
+
+    # ------------------------------------------------------------ reading
+    def snapshot(self) -> t.MetricsSnapshot:
+        """Every figure now: counters and histograms so far, gauges read at this call."""
+        engine = self._engine()
+        with self._lock:
+            self._drain_steps()
+            models = {name: self._model_snapshot(name, fig, engine) for name, fig in self._figures.items()}
+        for info in engine.model_info() if engine is not None else []:
+            if info.kind == "embed":
+                models[info.name] = self._embedder_snapshot(engine, info.name)
+        cuda = cuda_memory(self.device)
+        if cuda is not None and self._nvml is None:
+            self._nvml = Nvml(self.device)
+        return t.MetricsSnapshot(
+            state=engine.state.value if engine is not None else "closed",
+            device=str(self.device),
+            requests_in_flight=engine.num_unfinished_requests if engine is not None else 0,
+            models=models,
+            memory_bandwidth=self.memory_bandwidth,
+            process_rss_bytes=process_rss_bytes(),
+            device_memory_allocated=None if cuda is None else cuda[0],
+            device_memory_reserved=None if cuda is None else cuda[1],
+            device_memory_total=None if cuda is None else cuda[2],
+            device_utilization=None if self._nvml is None else self._nvml.utilization(),
+        )
+
+    def _model_snapshot(self, name: str, fig: _ModelFigures, engine: AsyncEngine | None) -> t.ModelMetrics:
+        live = [v for n, v in self._versions.values() if n == name and v.core is not None]
+        kv_totals = dict(fig.retired_kv)
+        running = waiting = 0
+        for version in live:
+            core = version.core
+            assert core is not None
+            stats = core.kv.stats()
+            for key in _KV_COUNTERS:
+                kv_totals[key] += getattr(stats, key)
+            running += core.scheduler.num_running
+            waiting += core.scheduler.num_waiting
+        gauges: dict[str, Any] = {}
+        current = self._current_kv(engine, name)
+        if current is not None:
+            gauges = {"kv_blocks": current.num_blocks, "kv_blocks_used": current.used_blocks,
+                      "kv_blocks_cached_free": current.cached_free_blocks, "kv_usage": current.usage}
+        peak, last = self.memory_bandwidth, fig.last_bandwidth
+        return t.ModelMetrics(
+            name=name, kind="generate", requests=dict(fig.requests), prompt_tokens=fig.prompt_tokens,
+            generation_tokens=fig.generation_tokens, preemptions=kv_totals["preemptions"],
+            prefix_cache_queried_tokens=kv_totals["prefix_queries"], prefix_cache_hit_tokens=kv_totals["prefix_hits"],
+            kv_cow_copies=kv_totals["cow_copies"], kv_evictions=kv_totals["evictions"], swaps=dict(fig.swaps),
+            rejected=dict(fig.rejected), decode_bytes_read=fig.decode_bytes, decode_seconds=fig.decode_seconds,
+            running=running, waiting=waiting, versions_live=len(live), last_decode_bandwidth=last,
+            last_decode_bandwidth_utilization=None if last is None or not peak else last / peak,
+            ttft=fig.ttft.snapshot(), tpot=fig.tpot.snapshot(), e2e_latency=fig.e2e.snapshot(),
+            queue_time=fig.queue.snapshot(), prompt_len=fig.prompt_len.snapshot(),
+            output_len=fig.output_len.snapshot(), step_tokens=fig.step_tokens.snapshot(),
+            step_sequences=fig.step_seqs.snapshot(), step_duration=fig.step_seconds.snapshot(), **gauges,
+        )
+
+    @staticmethod
+    def _current_kv(engine: AsyncEngine | None, name: str) -> Any:
+        if engine is None:
+            return None
+        try:
+            return engine.kv_stats(name)
+        except AsyncInferError:  # removed, or between versions of a drain-mode swap
+            return None
+
+    @staticmethod
+    def _embedder_snapshot(engine: AsyncEngine, name: str) -> t.ModelMetrics:
+        stats = engine.embedding_stats(name)
+        return t.ModelMetrics(name=name, kind="embed", embedding_calls=stats.num_calls,
+                              embedding_texts=stats.num_texts, embedding_batches=stats.num_batches,
+                              embedding_tokens=stats.num_tokens, versions_live=1)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """This engine's own Prometheus registry (built on first use; needs ``prometheus-client``)."""
+        if self._registry is None:
+            from asyncinfer.metrics.exposition import build_registry
+
+            self._registry = build_registry(self)
+        return self._registry
+
+
+class CountingIntake:
+    """A :class:`~asyncinfer.intake.RequestIntake` whose refusals are counted by reason
+    (``invalid``: :class:`InvalidParameterError`, ``overloaded``: :class:`EngineOverloadedError`)."""
+
+    def __init__(self, intake: Any, metrics: EngineMetrics) -> None:
+        self._intake = intake
+        self._metrics = metrics
+
+    def check(self, prompt: Any, params: Any, request_id: Any, priority: Any, cache_salt: Any, model: Any,
+              check_running: Callable[[], None]) -> Any:
+        try:
+            return self._intake.check(prompt, params, request_id, priority, cache_salt, model, check_running)
+        except (InvalidParameterError, EngineOverloadedError) as exc:
+            self._count(model, exc)
+            raise
+
+    async def bind(self, prompt: Any, args: Any, model: Any, check_running: Callable[[], None]) -> Any:
+        """Bind as the intake does; the request is tracked from here (it is posted before the next await)."""
+        try:
+            request, version, holder = await self._intake.bind(prompt, args, model, check_running)
+        except (InvalidParameterError, EngineOverloadedError) as exc:
+            self._count(model, exc)
+            raise
+        self._metrics.track(request, version.version_id)
+        return request, version, holder
+
+    def _count(self, model: Any, exc: Exception) -> None:
+        reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"
+        self._metrics.count_rejected(model if isinstance(model, str) else None, reason)
+
+
+
+class EngineObservability:
+    """``AsyncEngine``'s windows on itself (a base class of it; the bodies live here, beside the metrics).
+
+    ``engine.metrics`` (:class:`EngineMetrics`) is set by ``AsyncEngine.__init__``.
+    """
+
+    metrics: EngineMetrics
+    _link: Any
+
+    def _check_running(self) -> None:  # AsyncEngine's
+        raise NotImplementedError
+
+    def memory_report(self) -> MemoryReport:
+        """Where the memory is, to tell a leak from a cache: per live model version its weights, KV
+        pool, blocks held by requests and free blocks still caching prefixes, requests in flight;
+        and the process's memory (torch's CUDA allocator, and RSS). See :class:`MemoryReport`."""
+        return memory_report(self, self.metrics.live_versions())
+
+    async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult:
+        """Run the next ``steps`` engine steps (of any model) under ``torch.profiler``, then write
+        ``path``/trace.json (a Chrome trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt
+        (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
+
+        Raises:
+            InvalidParameterError: ``steps`` < 1, or a profile is already running.
+            EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
+        """
+        self._check_running()
+        return await profile_steps(self.metrics, self._link, steps, path)

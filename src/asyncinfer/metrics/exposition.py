@@ -1,0 +1,170 @@
+"""The Prometheus face of ``engine.metrics``: its registry renders one snapshot per scrape.
+
+Names follow Prometheus' conventions: the ``asyncinfer_`` prefix, base units in the
+name (``_seconds``, ``_bytes``, ``_ratio``), ``_total`` on counters (added by the
+client library), and a ``model`` label on every per-model figure. Every family is
+yielded at every scrape, with no sample when it does not apply (a CUDA gauge on a CPU),
+so the names a dashboard may query are always described. :data:`METRICS` is the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from asyncinfer.metrics.types import HistogramSnapshot, MetricsSnapshot, ModelMetrics
+
+if TYPE_CHECKING:
+    from asyncinfer.metrics.engine_metrics import EngineMetrics
+
+Read = Callable[[ModelMetrics], Any]
+
+# (name without the prefix, help, what a model's figure is) -- counters, then gauges, then histograms
+COUNTERS: tuple[tuple[str, str, Read], ...] = (
+    ("prompt_tokens", "Prompt tokens of requests whose prompt was computed", lambda m: m.prompt_tokens),
+    ("generation_tokens", "Tokens generated", lambda m: m.generation_tokens),
+    ("preemptions", "Requests preempted for lack of KV blocks", lambda m: m.preemptions),
+    ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+     lambda m: m.prefix_cache_queried_tokens),
+    ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", lambda m: m.prefix_cache_hit_tokens),
+    ("kv_cow_copies", "KV blocks copied on write", lambda m: m.kv_cow_copies),
+    ("kv_evictions", "Cached prefix blocks evicted", lambda m: m.kv_evictions),
+    ("decode_bytes_read", "Bytes decode-only steps read: weights plus the KV cache attended over",
+     lambda m: m.decode_bytes_read),
+    ("decode_step_seconds", "Seconds spent in decode-only steps", lambda m: m.decode_seconds),
+    ("embedding_calls", "embed() calls", lambda m: m.embedding_calls),
+    ("embedding_texts", "Texts embedded", lambda m: m.embedding_texts),
+    ("embedding_batches", "Embedding forward passes", lambda m: m.embedding_batches),
+    ("embedding_tokens", "Real tokens embedded", lambda m: m.embedding_tokens),
+)
+LABELLED_COUNTERS: tuple[tuple[str, str, str, Read], ...] = (
+    ("requests", "Finished requests by finish reason", "finish_reason", lambda m: m.requests),
+    ("swaps", "Model swaps by outcome (ok, refused, failed)", "outcome", lambda m: m.swaps),
+    ("rejected_requests", "Requests refused at admission by reason (invalid, overloaded)", "reason",
+     lambda m: m.rejected),
+)
+GAUGES: tuple[tuple[str, str, Read], ...] = (
+    ("requests_running", "Requests in the running set", lambda m: m.running),
+    ("requests_waiting", "Requests waiting to be scheduled", lambda m: m.waiting),
+    ("kv_blocks", "KV cache blocks in the pool (current version)", lambda m: m.kv_blocks),
+    ("kv_blocks_used", "KV cache blocks held by requests", lambda m: m.kv_blocks_used),
+    ("kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix", lambda m: m.kv_blocks_cached_free),
+    ("kv_usage_ratio", "Fraction of KV blocks in use", lambda m: m.kv_usage),
+    ("model_versions_live", "Versions of the model loaded (2 during an overlap swap)", lambda m: m.versions_live),
+    ("decode_bandwidth_bytes_per_second", "Bytes per second the latest decode-only step read",
+     lambda m: m.last_decode_bandwidth),
+    ("decode_bandwidth_utilization_ratio", "The latest decode-only step's bandwidth over the device's",
+     lambda m: m.last_decode_bandwidth_utilization),
+)
+HISTOGRAMS: tuple[tuple[str, str, Read], ...] = (
+    ("time_to_first_token_seconds", "Arrival to first token", lambda m: m.ttft),
+    ("time_per_output_token_seconds", "Per request: first token to end over tokens after the first",
+     lambda m: m.tpot),
+    ("e2e_request_latency_seconds", "Arrival to the request's end", lambda m: m.e2e_latency),
+    ("request_queue_time_seconds", "Arrival to first scheduled", lambda m: m.queue_time),
+    ("request_prompt_tokens", "Prompt length of finished requests", lambda m: m.prompt_len),
+    ("request_generation_tokens", "Tokens generated per finished request (all samples)", lambda m: m.output_len),
+    ("step_tokens", "Tokens computed per step", lambda m: m.step_tokens),
+    ("step_sequences", "Requests per step", lambda m: m.step_sequences),
+    ("step_duration_seconds", "Wall time of one engine step", lambda m: m.step_duration),
+)
+ENGINE_GAUGES: tuple[tuple[str, str, str, Callable[[MetricsSnapshot], Any]], ...] = (
+    ("memory_bandwidth_bytes_per_second", "The device's memory bandwidth (measured at start-up or given)",
+     "device", lambda s: s.memory_bandwidth),
+    ("device_memory_allocated_bytes", "CUDA memory allocated by torch", "device", lambda s: s.device_memory_allocated),
+    ("device_memory_reserved_bytes", "CUDA memory reserved by torch's allocator", "device",
+     lambda s: s.device_memory_reserved),
+    ("device_memory_total_bytes", "CUDA device memory", "device", lambda s: s.device_memory_total),
+    ("device_utilization_ratio", "NVML GPU utilisation (nvidia-ml-py)", "device", lambda s: s.device_utilization),
+)
+ENGINE_STATES = ("created", "running", "closing", "closed", "dead")
+
+PREFIX = "asyncinfer_"
+
+
+def metric_names() -> list[str]:
+    """Every family the engine's collector describes (without ``_total``/``_bucket`` suffixes)."""
+    names = [n for n, *_ in (*COUNTERS, *LABELLED_COUNTERS, *GAUGES, *HISTOGRAMS, *ENGINE_GAUGES)]
+    return [PREFIX + n for n in (*names, "engine_state", "requests_in_flight")]
+
+
+class SnapshotCollector:
+    """Takes one snapshot per scrape and renders it."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._metrics.snapshot()
+        generators = [m for m in snap.models.values() if m.kind == "generate"]
+        embedders = [m for m in snap.models.values() if m.kind == "embed"]
+        for name, doc, read in COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])
+            for m in embedders if name.startswith("embedding_") else generators:
+                family.add_metric([m.name], float(read(m)))
+            yield family
+        for name, doc, label, read in LABELLED_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model", label])
+            for m in generators:
+                for key, value in read(m).items():
+                    family.add_metric([m.name, key], float(value))
+            yield family
+        for name, doc, read in GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model"])
+            for m in snap.models.values() if name == "model_versions_live" else generators:
+                value = read(m)
+                if value is not None and (m.versions_live or name == "model_versions_live"):
+                    family.add_metric([m.name], float(value))
+            yield family
+        for name, doc, read in HISTOGRAMS:
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=["model"])
+            for m in generators:
+                hist: HistogramSnapshot | None = read(m)
+                if hist is not None:
+                    buckets = [(_le(b), float(c)) for b, c in hist.cumulative()]
+                    family.add_metric([m.name], buckets, hist.sum)
+            yield family
+        for name, doc, label, read_engine in ENGINE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=[label])
+            value = read_engine(snap)
+            if value is not None:
+                family.add_metric([snap.device], float(value))
+            yield family
+        state = GaugeMetricFamily(PREFIX + "engine_state", "1 for the engine's lifecycle state", labels=["state"])
+        for s in ENGINE_STATES:
+            state.add_metric([s], 1.0 if snap.state == s else 0.0)
+        yield state
+        yield GaugeMetricFamily(PREFIX + "requests_in_flight", "Generation requests in the engine",
+                                value=snap.requests_in_flight)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def build_registry(metrics: EngineMetrics) -> CollectorRegistry:
+    """A registry of its own: the engine's figures and the process's (memory, CPU, open files)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(metrics))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def asgi_app(engine: Any) -> Any:
+    """An ASGI app serving ``engine``'s metrics: ``app.mount("/metrics", asgi_app(engine))``."""
+    from prometheus_client import make_asgi_app
+
+    return make_asgi_app(registry=engine.metrics.registry)
+
+
+def exposition(engine: Any) -> bytes:
+    """``engine``'s metrics in Prometheus' text format."""
+    return generate_latest(engine.metrics.registry)

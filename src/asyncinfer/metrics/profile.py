@@ -1,0 +1,101 @@
+"""``engine.profile(steps=N, path=...)``: the next N engine steps under ``torch.profiler``.
+
+The step hook (:mod:`asyncinfer.metrics.engine_metrics`) ticks the armed
+:class:`StepProfiler` on the engine thread after every step: the first tick starts
+the profiler, the N+1-th stops it, so exactly N whole steps (and the engine
+thread's work between them) are inside. The loop then writes the Chrome trace
+(``trace.json``, for chrome://tracing or Perfetto) and the top-ops table
+(``top_ops.txt``) in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from asyncinfer.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """What :meth:`AsyncEngine.profile` wrote: the Chrome trace, the top-ops table (also as text)."""
+
+    steps: int
+    trace_path: Path
+    table_path: Path
+    table: str
+
+
+class StepProfiler:
+    """Counts steps on the engine thread; hands the stopped profiler to the event loop."""
+
+    def __init__(self, steps: int, device: torch.device, loop: asyncio.AbstractEventLoop,
+                 done: asyncio.Future[Any]) -> None:
+        self.steps = steps
+        self._device = device
+        self._loop = loop
+        self._done = done
+        self._profiler: Any = None
+        self._seen = 0
+        self.cancelled = False  # set by the loop when the caller went away: stop at the next tick
+
+    def tick(self) -> bool:
+        """After a step (engine thread). Returns True once the profile is complete (or cancelled)."""
+        if self.cancelled:
+            if self._profiler is not None:
+                self._profiler.stop()
+            return True
+        if self._profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self._device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+            return False
+        self._seen += 1
+        if self._seen < self.steps:
+            return False
+        self._profiler.stop()
+        profiler = self._profiler
+        try:
+            self._loop.call_soon_threadsafe(lambda: None if self._done.done() else self._done.set_result(profiler))
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+        return True
+
+
+def _write(profiler: Any, steps: int, path: Path, device: torch.device) -> ProfileResult:
+    path.mkdir(parents=True, exist_ok=True)
+    trace = path / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort_by, row_limit=25)
+    table_path = path / "top_ops.txt"
+    table_path.write_text(f"{steps} engine steps, sorted by {sort_by}\n{table}\n", encoding="utf-8")
+    return ProfileResult(steps, trace, table_path, table)
+
+
+async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.PathLike[str]) -> ProfileResult:
+    """Arm a profile of the next ``steps`` steps, wait for them (``link``: the engine's
+    :class:`~asyncinfer.engine_thread.ThreadLink`, which fails the wait if the engine stops), write the files."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidParameterError("steps", steps, "an integer >= 1")
+    if metrics.profiler is not None:
+        raise InvalidParameterError("profile", "another profile", "one profile at a time")
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    metrics.install_hooks()
+    metrics.profiler = armed = StepProfiler(steps, metrics.device, loop, done)
+    try:
+        await link.wait_for(done)
+    finally:
+        if not done.done() or done.cancelled():
+            armed.cancelled = True  # the engine thread stops it at its next step
+    profiler = done.result()
+    return await anyio.to_thread.run_sync(_write, profiler, steps, Path(path), metrics.device)

@@ -1,0 +1,264 @@
+"""``asyncinfer plan``: the memory budget of a deployment, from the model's config alone.
+
+No weight is read. The two figures that must be exact come from the functions the
+engine itself uses: the weights from ``models.quant.weight_bytes`` (int8-aware) and
+the KV cache from the model's :class:`~asyncinfer.cache.spec.KVCacheSpec`
+(``bytes_per_token``, ``block_bytes``: blocks of ``block_size`` tokens, as the engine
+allocates them). Started with the ``kv_cache_memory`` and ``max_model_len`` the plan
+prints, the engine allocates exactly the plan's blocks (``tests/test_planner.py``).
+
+The other rows are estimates, labelled so: the activations of one step (the hidden
+states and MLP of ``max_num_batched_tokens`` tokens, the logits of ``max_num_seqs``
+rows, and one layer's K/V gathered for the batched decode attention) and a fixed
+framework overhead (torch and Python on a CPU, the CUDA context on a GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncinfer.cache.kv_manager import blocks_for
+from asyncinfer.cache.spec import KVCacheSpec
+from asyncinfer.config import resolve_dtype
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.memory import GiB, MiB
+from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.quant import check_quantization, weight_bytes
+
+#: Framework overhead estimates: torch + Python + tokenizer on a CPU (measured RSS of an idle
+#: process that imported asyncinfer, rounded up), CUDA context + cuBLAS workspace on a GPU.
+OVERHEAD_BYTES = {"cpu": 384 * MiB, "cuda": 768 * MiB}
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": MiB, "mib": MiB, "mb": 1000**2,
+          "g": GiB, "gib": GiB, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"24GB"`` (10^9), ``"512MiB"``, ``"1.5T"`` (binary) or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidParameterError("device memory", text, "a size such as 24GiB, 80GB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """The budget of serving ``batch`` requests of ``seq_len`` tokens (prompt + output) in ``device_memory``."""
+
+    model_name: str
+    model_config: ModelConfig
+    device: str  # "cpu" or "cuda"
+    dtype: torch.dtype
+    quantization: str | None
+    batch: int
+    seq_len: int
+    block_size: int
+    spec: KVCacheSpec
+    weight_bytes: int
+    kv_blocks: int
+    activation_bytes: int
+    overhead_bytes: int
+    device_memory: int
+    device_memory_source: str  # "given" or how it was measured
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    suggestions: tuple[str, ...] = field(default=())
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_blocks * self.spec.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.overhead_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.device_memory - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch of ``seq_len``-token requests that fits."""
+        return max_batch(self, self.seq_len)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest ``seq_len`` (up to the model's context) at which ``batch`` requests fit (0: none)."""
+        low, high = 0, self.model_config.max_position_embeddings
+        while low < high:  # the need grows with the length: bisect
+            mid = (low + high + 1) // 2
+            if max_batch(self, mid) >= self.batch:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def engine_options(self) -> dict[str, int]:
+        """Engine options under which the engine allocates exactly this plan's KV blocks."""
+        return {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len, "block_size": self.block_size}
+
+    def table(self) -> str:
+        mc, spec = self.model_config, self.spec
+        tokens = self.kv_blocks * self.block_size
+        quant = self.quantization or "no quantization"
+        rows = [
+            ("weights", self.weight_bytes, f"from the config's shapes in {_dtype(self.dtype)}"
+             + (", int8 linear layers" if self.quantization else "")),
+            ("KV cache", self.kv_bytes,
+             (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head dim x "
+              f"{spec.dtype_bytes} bytes x {tokens} tokens ({self.batch} x {self.seq_len}, in "
+              f"{self.block_size}-token blocks)")),
+            ("activations", self.activation_bytes,
+             (f"estimate: a step of {self.max_num_batched_tokens} tokens, {self.max_num_seqs} rows of logits, "
+              "one layer's K/V gathered for decode")),
+            ("framework overhead", self.overhead_bytes,
+             "estimate: torch and Python" if self.device == "cpu" else "estimate: CUDA context and workspaces"),
+            ("total", self.total_bytes, ""),
+            ("headroom", self.headroom_bytes,
+             f"{_size(self.device_memory)} {self.device} memory ({self.device_memory_source}) - total"),
+        ]
+        lines = [
+            (f"{self.model_name}: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
+             f"{mc.num_heads} heads / {mc.num_kv_heads} kv heads, head dim {mc.head_dim}, context "
+             f"{mc.max_position_embeddings}"),
+            f"{self.device}, {_dtype(self.dtype)}, {quant}: {self.batch} requests x {self.seq_len} tokens",
+            "",
+            f"  {'item':<20}{'size':>12}   how",
+        ]
+        lines += [f"  {name:<20}{_size(value):>12}   {how}".rstrip() for name, value, how in rows]
+        lines += [
+            "",
+            f"largest batch at {self.seq_len} tokens: {self.max_batch}",
+            f"longest length at batch {self.batch}: {self.max_seq_len}"
+            + (" (the model's context)" if self.max_seq_len == mc.max_position_embeddings else ""),
+            "engine options that allocate exactly this KV cache: " + " ".join(f"{k}={v}" for k, v in self.engine_options().items()),
+        ]
+        if not self.fits:
+            lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]
+            lines += [f"  - {s}" for s in self.suggestions]
+        return "\n".join(lines)
+
+
+def max_batch(plan: DeploymentPlan, seq_len: int) -> int:
+    """Requests of ``seq_len`` tokens that fit beside the weights, the fixed activations and the overhead."""
+    if seq_len < 1:
+        return 0
+    fixed = plan.weight_bytes + plan.overhead_bytes + _fixed_activations(plan)
+    per_request = blocks_for(seq_len, plan.block_size) * plan.spec.block_bytes + _gather_bytes(plan.spec, seq_len)
+    return max(0, (plan.device_memory - fixed) // per_request)
+
+
+def _fixed_activations(plan: DeploymentPlan) -> int:
+    """One step's activations that do not grow with the batch's lengths: hidden states, q/k/v and
+    the MLP of ``max_num_batched_tokens`` tokens, and float32 logits (and probabilities) of ``max_num_seqs`` rows."""
+    mc, nbytes = plan.model_config, plan.spec.dtype_bytes
+    per_token = nbytes * (4 * mc.hidden_size + 3 * mc.intermediate_size + (mc.num_heads + 2 * mc.num_kv_heads)
+                          * mc.head_dim)
+    return plan.max_num_batched_tokens * per_token + 2 * 4 * plan.max_num_seqs * mc.vocab_size
+
+
+def _gather_bytes(spec: KVCacheSpec, seq_len: int) -> int:
+    """One request's K and V of one layer, gathered by the batched decode attention."""
+    return spec.bytes_per_token // spec.num_layers * seq_len
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _size(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    return f"{sign}{n / GiB:.2f} GiB" if n >= GiB else f"{sign}{n / MiB:.1f} MiB"
+
+
+def plan_deployment(
+    model_config: ModelConfig,
+    *,
+    model_name: str = "model",
+    batch: int = 1,
+    seq_len: int | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    quantization: str | None = None,
+    quantization_skip: tuple[str, ...] = ("down_proj",),
+    device_memory: int | None = None,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 1024,
+    max_num_seqs: int = 128,
+) -> DeploymentPlan:
+    """The budget table's numbers (see the module docstring); ``device_memory`` None: measured here.
+
+    Raises:
+        InvalidParameterError: a bad count, device, dtype or quantization, ``seq_len`` beyond the
+            model's context, or no ``device_memory`` for a CUDA plan on a machine without CUDA.
+    """
+    if device not in ("cpu", "cuda"):
+        raise InvalidParameterError("device", device, "'cpu' or 'cuda'")
+    target = torch.device(device)
+    resolved = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype in (None, "auto") else (
+        resolve_dtype(dtype, torch.device("cpu")))
+    check_quantization(quantization, target, resolved)
+    context = model_config.max_position_embeddings
+    seq_len = context if seq_len is None else seq_len
+    for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
+            raise InvalidParameterError(name, value, f"an integer >= 1{'' if high is None else f' and <= {high}'}")
+    source = "given"
+    if device_memory is None:
+        device_memory, source = _measure(target)
+    spec = KVCacheSpec.from_model_config(model_config, block_size=block_size, dtype=resolved, device=target)
+    nbytes = spec.dtype_bytes
+    plan = DeploymentPlan(
+        model_name=model_name, model_config=model_config, device=device, dtype=resolved, quantization=quantization,
+        batch=batch, seq_len=seq_len, block_size=block_size, spec=spec,
+        weight_bytes=weight_bytes(model_config, nbytes, quantization, quantization_skip),
+        kv_blocks=batch * blocks_for(seq_len, block_size), activation_bytes=0, overhead_bytes=OVERHEAD_BYTES[device],
+        device_memory=device_memory, device_memory_source=source,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+    )
+    activations = _fixed_activations(plan) + batch * _gather_bytes(spec, seq_len)
+    plan = _replace(plan, activation_bytes=activations)
+    return _replace(plan, suggestions=tuple(_suggestions(plan, quantization_skip)))
+
+
+def _measure(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidParameterError("device_memory", None, "a size (e.g. --device-memory 80GB): no CUDA here")
+        return int(torch.cuda.get_device_properties(0).total_memory), "CUDA device 0's total"
+    from asyncinfer.memory import available_memory
+
+    return available_memory(device), "available RAM now"
+
+
+def _replace(plan: DeploymentPlan, **changes: object) -> DeploymentPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+
+
+def _suggestions(plan: DeploymentPlan, skip: tuple[str, ...]) -> list[str]:
+    if plan.fits:
+        return []
+    out = []
+    if plan.quantization is None and plan.device == "cpu" and plan.dtype == torch.float32:
+        int8 = weight_bytes(plan.model_config, 4, "int8", skip)
+        out.append(f"--quantization int8: weights {_size(plan.weight_bytes)} -> {_size(int8)}")
+    if plan.device == "cuda" and plan.dtype == torch.float32:
+        out.append("--dtype bfloat16: half the weights and the KV cache")
+    if plan.max_seq_len >= 1:
+        out.append(f"max_model_len {plan.max_seq_len} (the longest length at batch {plan.batch})")
+    if plan.max_batch >= 1:
+        out.append(f"batch {plan.max_batch} (the largest at {plan.seq_len} tokens)")
+    if plan.max_batch < 1 and plan.max_seq_len < 1:
+        out.append("a device with more memory, or a smaller model: not one request fits")
+    return out

@@ -1,0 +1,188 @@
+"""engine.metrics after a known workload on a tiny model: exact counts, in the snapshot and in /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncinfer import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestFailedError,
+    SamplingParams,
+    SwapError,
+)
+from asyncinfer.metrics import asgi_app
+from asyncinfer.metrics.exposition import exposition, metric_names
+
+OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
+           "memory_bandwidth": 1e10}
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def ids(n: int, start: int = 5) -> list[int]:
+    return [start + i for i in range(n)]
+
+
+async def test_a_known_workload_counts_exactly(tiny_models) -> None:
+    path = tiny_models["llama"][0]
+    engine = AsyncEngine.from_pretrained(path, **OPTIONS, max_num_seqs=1, max_waiting_requests=0)
+    prompts = [ids(7), ids(12, 40), ids(3, 90)]
+    async with engine:
+        outs = [await engine.generate(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
+        # stop: the third token of the first request as a stop token id
+        stop = await engine.generate(prompts[0], SamplingParams(max_tokens=10, stop_token_ids=[outs[0].token_ids[2]]))
+        assert stop.finish_reason == "stop"
+        # abort: by id, mid-stream (the stream still ends with the abort's final delta); while it is
+        # in flight, a second request is refused (one in flight is the limit)
+        aborted_tokens = 0
+        async for delta in engine.stream(ids(9, 120), SamplingParams(max_tokens=200, ignore_eos=True),
+                                         request_id="to-abort"):
+            aborted_tokens += len(delta.token_ids)
+            if delta.finish_reason is None and aborted_tokens == 1:
+                with pytest.raises(EngineOverloadedError):
+                    await engine.generate(ids(4), SamplingParams(max_tokens=2))
+                engine.abort("to-abort")
+        with pytest.raises(InvalidParameterError):
+            await engine.generate(ids(4), request_id="")
+        # swaps: ok, refused (a bad mode), failed (no such model)
+        await engine.swap_model(path)
+        with pytest.raises(InvalidParameterError):
+            await engine.swap_model(path, mode="sideways")
+        with pytest.raises(SwapError):
+            await engine.swap_model(path / "missing")
+        after = await engine.generate(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.num_unfinished_requests:
+            await asyncio.sleep(0.01)
+        snap = engine.metrics.snapshot()
+        text = exposition(engine).decode()
+        kv = engine.kv_stats()
+
+    m = snap.models["default"]
+    assert m.requests == {"stop": 1, "length": 4, "abort": 1, "error": 0}
+    finished = [*outs, stop, after]
+    assert m.generation_tokens == sum(o.num_output_tokens for o in finished) + aborted_tokens
+    assert m.prompt_tokens == sum(len(o.prompt_token_ids) for o in finished) + 9
+    assert m.swaps == {"ok": 1, "refused": 1, "failed": 1}
+    assert m.rejected == {"invalid": 1, "overloaded": 1}
+    assert m.ttft.count == m.e2e_latency.count == m.prompt_len.count == 6
+    assert m.tpot.count == 5 + (aborted_tokens >= 2)  # the abort lands at a step boundary: 1 or 2 tokens
+    assert m.output_len.sum == m.generation_tokens
+    assert m.running == m.waiting == 0 and m.versions_live == 1
+    assert (m.kv_blocks, m.kv_blocks_used, m.kv_usage) == (kv.num_blocks, 0, 0.0)
+    assert m.prefix_cache_queried_tokens >= kv.prefix_queries  # plus the swapped-out version's
+    assert 0 < m.decode_bytes_read and 0 < m.decode_seconds
+    assert m.last_decode_bandwidth_utilization == pytest.approx(m.last_decode_bandwidth / 1e10)
+
+    got = parse(text)
+    model = ("model", "default")
+    for reason, count in m.requests.items():
+        assert got[("asyncinfer_requests_total", (("finish_reason", reason), model))] == count
+    assert got[("asyncinfer_generation_tokens_total", (model,))] == m.generation_tokens
+    assert got[("asyncinfer_time_to_first_token_seconds_count", (model,))] == 6
+    assert got[("asyncinfer_swaps_total", (model, ("outcome", "failed")))] == 1
+    assert got[("asyncinfer_rejected_requests_total", (model, ("reason", "overloaded")))] == 1
+    assert got[("asyncinfer_engine_state", (("state", "running"),))] == 1
+    assert got[("asyncinfer_memory_bandwidth_bytes_per_second", (("device", "cpu"),))] == 1e10
+    assert got[("process_resident_memory_bytes", ())] > 50 * 2**20
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {n.removesuffix("_total") for n in metric_names()} <= families
+
+
+async def test_step_figures_equal_the_cores_counters(tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    async with engine:
+        await asyncio.gather(*(engine.generate(ids(4 + 3 * i, 10 * i), SamplingParams(max_tokens=6 + i,
+                                                                                     ignore_eos=True))
+                               for i in range(6)))
+        steps = engine.step_stats()
+        m = engine.metrics.snapshot().models["default"]
+    assert m.step_duration.count == m.step_tokens.count == m.step_sequences.count == steps.steps
+    assert m.step_tokens.sum == steps.prefill_tokens + steps.decode_tokens
+    assert m.step_sequences.sum == steps.scheduled_requests
+    assert m.queue_time.count == 6
+    assert m.generation_tokens == sum(6 + i for i in range(6))
+    assert m.prompt_tokens == sum(4 + 3 * i for i in range(6))
+
+
+async def test_roofline_bytes_of_one_request(tiny_models) -> None:
+    """One request, prompt 10, 6 tokens: 5 decode-only steps attending over 11..15 tokens."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    async with engine:
+        await engine.generate(ids(10), SamplingParams(max_tokens=6, ignore_eos=True))
+        m = engine.metrics.snapshot().models["default"]
+        per_token = engine.core.runner.spec.bytes_per_token
+        weights = engine.memory_plan.weight_bytes
+    assert m.decode_bytes_read == 5 * weights + sum(range(11, 16)) * per_token
+    assert m.decode_bandwidth == pytest.approx(m.decode_bytes_read / m.decode_seconds)
+
+
+@pytest.mark.parametrize("failures", [3, 1])  # 3: the fault fails its request; 1: it kills the engine
+async def test_failed_requests_and_engine_death_count_as_errors(tiny_models, failures) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, max_consecutive_step_failures=failures)
+    async with engine:
+        healthy = engine.core.runner.execute
+
+        def broken(inputs):
+            raise RuntimeError("injected fault")
+
+        engine.core.runner.execute = broken
+        error = RequestFailedError if failures > 1 else EngineDeadError
+        with pytest.raises(error):
+            await engine.generate(ids(5), SamplingParams(max_tokens=3))
+        if failures > 1:
+            engine.core.runner.execute = healthy
+            await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+        m = engine.metrics.snapshot().models["default"]
+    assert m.requests["error"] == 1 and m.requests["length"] == (1 if failures > 1 else 0)
+    assert engine.metrics.num_tracked_requests == 0
+
+
+async def test_metrics_off_records_nothing_and_engines_do_not_share(tiny_models) -> None:
+    one = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, enable_metrics=False)
+    two = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **OPTIONS)
+    assert one.core.on_step is None and two.core.on_step is not None
+    async with one, two:
+        await one.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+        await two.generate(ids(5), SamplingParams(max_tokens=4, ignore_eos=True))
+        a, b = one.metrics.snapshot().models["default"], two.metrics.snapshot().models["default"]
+    assert a.generation_tokens == 0 and a.step_duration.count == 0
+    assert b.generation_tokens == 4 and sum(b.requests.values()) == 1
+    assert one.metrics.registry is not two.metrics.registry
+
+
+async def test_asgi_app_serves_the_exposition(tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    async with engine:
+        await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+        transport = httpx.ASGITransport(app=asgi_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.get("/")
+    assert response.status_code == 200
+    got = parse(response.text)
+    assert got[("asyncinfer_requests_total", (("finish_reason", "length"), ("model", "default")))] == 1
+    assert got[("asyncinfer_engine_state", (("state", "running"),))] == 1
+
+
+async def test_one_log_line_per_request_and_text_only_when_sampled(tiny_models, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="asyncinfer.requests")
+    for rate in (0.0, 1.0):
+        engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, log_request_text_rate=rate)
+        async with engine:
+            await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True), request_id=f"r{rate}")
+    lines = [r for r in caplog.records if r.name == "asyncinfer.requests"]
+    assert len(lines) == 2
+    plain, sampled = (r.asyncinfer_request for r in lines)
+    assert plain["id"] == "r0.0" and plain["prompt_tokens"] == 5 and plain["output_tokens"] == 3
+    assert plain["finish_reason"] == "length" and plain["ttft_s"] >= 0 and "prompt_text" not in plain
+    assert "prompt_text" in sampled and "output_text" in sampled

@@ -1,0 +1,53 @@
+"""engine.memory_report() tells held blocks from cached ones; engine.profile() writes a trace and a table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
+
+OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
+           "memory_bandwidth": 1e10, "block_size": 4}
+
+
+async def test_memory_report_tells_held_blocks_from_cached_ones(tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    async with engine:
+        stream = engine.stream(list(range(5, 25)), SamplingParams(max_tokens=100, ignore_eos=True))
+        await anext(stream)
+        busy = engine.memory_report()
+        await stream.aclose()
+        while engine.num_unfinished_requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the abort's blocks return at the next step boundary
+        idle = engine.memory_report()
+    (model,) = busy.models
+    assert (model.name, model.kind, model.requests_in_flight) == ("default", "generate", 1)
+    assert model.used_blocks >= 5 and busy.held_blocks_without_requests == 0
+    assert model.weight_bytes == engine.memory_plan.weight_bytes and model.kv_bytes == engine.memory_plan.kv_bytes
+    (after,) = idle.models
+    assert after.used_blocks == 0 and after.requests_in_flight == 0
+    assert after.cached_free_blocks >= 5  # the prompt's full blocks stay cached: a cache, not a leak
+    assert idle.process_rss_bytes > 0 and idle.allocated_bytes is None
+    assert "KV pool" in idle.describe() and "RSS" in idle.describe()
+
+
+async def test_profile_wraps_the_next_steps(tiny_models, tmp_path) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, enable_metrics=False)
+    with pytest.raises(EngineClosedError):
+        await engine.profile(steps=2, path=str(tmp_path))
+    async with engine:
+        with pytest.raises(InvalidParameterError):
+            await engine.profile(steps=0, path=str(tmp_path))
+        job = asyncio.ensure_future(engine.profile(steps=3, path=str(tmp_path / "prof")))
+        await asyncio.sleep(0)
+        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=12, ignore_eos=True))
+        result = await asyncio.wait_for(job, 60)
+    assert result.steps == 3
+    trace = json.loads(result.trace_path.read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any(name.startswith("aten::") for name in names)
+    assert "aten::" in result.table and result.table_path.read_text().startswith("3 engine steps")

@@ -1,0 +1,64 @@
+"""asyncinfer plan: its KV figure is what the engine allocates, its weights what the engine loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncinfer import AsyncEngine, InvalidParameterError
+from asyncinfer.cli import main
+from asyncinfer.memory import GiB, MiB, read_model_config
+from asyncinfer.models.quant import Int8DynamicLinear
+from asyncinfer.planner import parse_bytes, plan_deployment
+
+
+def loaded_bytes(model: torch.nn.Module) -> int:
+    """The bytes the loaded model holds: float parameters plus the int8 layers' packed weights and scales."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(m.nbytes for m in model.modules() if isinstance(m, Int8DynamicLinear))
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantization) -> None:
+    path = tiny_models["llama"][0]
+    plan = plan_deployment(read_model_config(path), batch=3, seq_len=100, quantization=quantization,
+                           device_memory=1 * GiB, block_size=16)
+    assert plan.kv_blocks == 3 * 7  # ceil(100 / 16) blocks per request
+    engine = AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", quantization=quantization,
+                                         memory_bandwidth=1e10, **plan.engine_options())
+    assert engine.kv_stats().num_blocks == plan.kv_blocks
+    assert engine.memory_plan.kv_bytes == plan.kv_bytes
+    assert engine.memory_plan.weight_bytes == plan.weight_bytes == loaded_bytes(engine.core.runner.model)
+
+
+def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
+    config = read_model_config(tiny_models["llama"][0])
+    plan = plan_deployment(config, batch=4, seq_len=256, device_memory=400 * MiB)
+    assert plan.fits
+    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, device_memory=400 * MiB)
+    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, device_memory=400 * MiB)
+    assert at_limit.fits and not beyond.fits
+    tight = plan_deployment(config, batch=1000, seq_len=512, device_memory=400 * MiB)
+    assert not tight.fits and 0 < tight.max_seq_len < 512
+    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, device_memory=400 * MiB).fits
+    assert any("max_model_len" in s for s in tight.suggestions) and any("int8" in s for s in tight.suggestions)
+
+
+def test_cli_prints_the_table_with_the_formula(tiny_models, capsys) -> None:
+    path = str(tiny_models["llama"][0])
+    assert main(["plan", path, "--batch", "2", "--seq-len", "64", "--device-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x 2 layers x 2 kv heads x 16 head dim x 4 bytes x 128 tokens (2 x 64" in out
+    for row in ("weights", "KV cache", "activations", "framework overhead", "total", "headroom"):
+        assert f"  {row}" in out
+    assert "largest batch at 64 tokens:" in out and "kv_cache_memory=" in out
+    assert main(["plan", path, "--batch", "100000", "--seq-len", "512", "--device-memory", "500MiB"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", path, "--device", "cuda", "--quantization", "int8", "--device-memory", "8GB"]) == 2
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512MiB") == 512 * MiB and parse_bytes("1.5G") == int(1.5 * GiB) and parse_bytes("1000") == 1000
+    with pytest.raises(InvalidParameterError):
+        parse_bytes("lots")
