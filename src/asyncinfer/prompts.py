@@ -21,6 +21,7 @@ from asyncinfer.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
+MAX_REQUEST_ID_CHARS = 512  # ids are kept per request and copied into every output
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # lower is more urgent; policies do float math on it
 OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread, not on the caller's loop
 
@@ -90,8 +91,9 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
 
 
 def check_request_id(request_id: Any) -> str:
-    if not isinstance(request_id, str) or not request_id:
-        raise InvalidParameterError("request_id", request_id, "a non-empty string")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        shown = request_id if not isinstance(request_id, str) or len(request_id) <= 64 else f"<{len(request_id)} chars>"
+        raise InvalidParameterError("request_id", shown, f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters")
     return request_id
 
 

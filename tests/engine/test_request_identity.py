@@ -177,3 +177,12 @@ async def test_a_consumer_that_stops_reading_holds_one_pending_piece(tiny_models
         rest = [d async for d in deltas]
         assert len(rest) == 1 and rest[0].finish_reason == "length"  # 29 tokens waited as one piece
         assert first.token_ids + rest[0].token_ids == hf_greedy(hf, PROMPT, 30)
+
+
+async def test_a_request_id_is_bounded_in_length(tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    async with engine:
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.generate(PROMPT, greedy(2), request_id="x" * 513)
+        assert err.value.parameter == "request_id" and err.value.value == "<513 chars>"
+        assert (await engine.generate(PROMPT, greedy(2), request_id="x" * 512)).finish_reason == "length"
