@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -82,3 +83,34 @@ async def test_stop_string_is_never_shown(engine_factory) -> None:
         shown += d.text
         assert full.text.startswith(shown) and stop not in shown
     assert kept.text == full.text[: first + len(stop)] and kept.stop_reason == stop
+
+
+async def test_huge_text_prompts_never_stall_the_callers_loop(engine_factory) -> None:
+    engine = engine_factory()
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append(time.perf_counter() - t0 - 0.005)
+
+    async with engine:
+        tick = asyncio.create_task(ticker())
+        # 2 MB: more characters than 1024 tokens of this vocabulary can hold, refused untokenized.
+        t0 = time.perf_counter()
+        with pytest.raises(InvalidParameterError, match="characters"):
+            await engine.generate("word " * 400_000, SamplingParams(max_tokens=4))
+        assert time.perf_counter() - t0 < 1.0
+        # Short enough to be worth tokenizing, too long in tokens: tokenized off the loop, then refused.
+        with pytest.raises(InvalidParameterError, match="max_model_len"):
+            await engine.generate("word " * 6_000, SamplingParams(max_tokens=4))
+        with pytest.raises(InvalidParameterError, match="max_model_len"):
+            await engine.generate([{"role": "user", "content": "word " * 6_000}], SamplingParams(max_tokens=4))
+        text = "word " * 900  # 4500 characters (tokenized off the loop), 900 tokens: fits max_model_len 1024
+        out = await engine.generate(text, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert out.prompt_token_ids == engine.tokenizer.encode(text) and len(out.token_ids) == 4
+        stop.set()
+        await tick
+    assert max(lags) < 0.1, f"the caller's loop stalled {max(lags) * 1e3:.0f} ms"
