@@ -134,8 +134,15 @@ def inject_faults(engine: AsyncEngine, rate: float, rng: random.Random) -> dict[
                 raise RuntimeError("injected fault in the sampler")
             return sample(*a, **kw)
 
+    real_sampler = core.sampler
     core.runner.execute = faulty_execute  # type: ignore[method-assign]
-    core.sampler = FaultySampler(core.sampler)  # type: ignore[assignment]
+    core.sampler = FaultySampler(real_sampler)  # type: ignore[assignment]
+
+    def restore() -> None:
+        core.runner.execute = execute  # type: ignore[method-assign]
+        core.sampler = real_sampler
+
+    counts["_restore"] = restore  # type: ignore[assignment]
     return counts
 
 
@@ -282,7 +289,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             faults = inject_faults(engine, args.fault_rate, rng) if args.fault_rate > 0 else {}
             for rate in args.rates:
                 result = await run_rate(engine, args, rate, prompts, refs, rng)
-                result["faults_injected_so_far"] = dict(faults)
+                result["faults_injected_so_far"] = {k: v for k, v in faults.items() if k != "_restore"}
                 results.append(result)
                 c = result["counts"]
                 print(f"rate {rate:g}/s: {c['completed']} completed, {c['cancelled']} cancelled, {c['failed']} failed "
@@ -293,6 +300,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"{result['completed_tokens_per_s']:.1f} tok/s", flush=True)
                 for example in result["examples"]:
                     print("  ", example)
+            if "_restore" in faults:
+                faults["_restore"]()  # the check that it still serves runs without injected faults
             alive = (await engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))).token_ids
     return {"model": "tiny random Llama" if args.tiny else str(args.model or "SmolLM2-135M-Instruct"),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
