@@ -24,6 +24,7 @@ from asyncinfer.errors import (
     SwapError,
     WrongEventLoopError,
 )
+from asyncinfer.history import trim_messages
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
@@ -59,4 +60,5 @@ __all__ = [
     "SwapError",
     "WrongEventLoopError",
     "__version__",
+    "trim_messages",
 ]
