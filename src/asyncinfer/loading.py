@@ -18,6 +18,7 @@ anything is loaded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -77,6 +78,7 @@ def load(
         ConfigurationError: the options cannot work together (e.g. the KV cache is too small).
         ModelLoadError (``error``): the model cannot be found, loaded, checked or warmed up.
     """
+    _warn_if_on_a_loop()
     what = what or f"loading {str(model)!r}"
     try:
         path = resolve_model(model)
@@ -93,6 +95,16 @@ def load(
     config = EngineConfig.from_options(options)
     _set_threads(config.num_threads)
     return load_generator(path, config, options, version_id=version_id, error=error, what=what)
+
+
+def _warn_if_on_a_loop() -> None:
+    """Loading on an event loop's own thread stalls that loop for the whole load (seconds)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    logger.warning("a model is loading on the event loop's thread, which stalls the loop for the whole load: "
+                   "use 'await AsyncEngine.load(...)' (a worker thread) instead of from_pretrained()")
 
 
 def _set_threads(num_threads: int | None) -> None:
