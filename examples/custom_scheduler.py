@@ -63,7 +63,7 @@ class FairShareScheduler(Scheduler):
 async def main() -> None:
     from asyncinfer import AsyncEngine, SamplingParams
 
-    engine = AsyncEngine.from_pretrained(scheduler="fair-share", max_num_seqs=2, max_model_len=1024)
+    engine = await AsyncEngine.load(scheduler="fair-share", max_num_seqs=2, max_model_len=1024)
     params = SamplingParams(max_tokens=24)
     async with engine:
         def chat(text: str) -> list[dict[str, str]]:

@@ -34,7 +34,7 @@ NOTES = [
 
 async def main(questions: list[str]) -> None:
     # Each model gets its own share of memory: here 256 MiB of KV cache for the generator.
-    engine = AsyncEngine.from_pretrained(name="chat", max_model_len=1024, kv_cache_memory=256 * 2**20)
+    engine = await AsyncEngine.load(name="chat", max_model_len=1024, kv_cache_memory=256 * 2**20)
     async with engine:
         await engine.add_model("minilm", "all-MiniLM-L6-v2", max_batch_size=16, max_wait_ms=5)
         for info in engine.model_info():

@@ -36,7 +36,7 @@ def show(engine: AsyncEngine, when: str) -> None:
 
 
 async def main(target: str | None) -> None:
-    engine = AsyncEngine.from_pretrained(**OPTIONS)
+    engine = await AsyncEngine.load(**OPTIONS)
     async with engine:
         stop = asyncio.Event()
         log: list[str] = []

@@ -16,7 +16,7 @@ from asyncinfer import AsyncEngine, SamplingParams
 
 
 async def main(question: str | None) -> None:
-    engine = AsyncEngine.from_pretrained(max_model_len=2048)
+    engine = await AsyncEngine.load(max_model_len=2048)
     async with engine:
         if question:
             # Streaming: print text as it is generated.

@@ -26,6 +26,7 @@ from asyncinfer.errors import (
     SwapError,
     WrongEventLoopError,
 )
+from asyncinfer.history import trim_messages
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.metrics import (
@@ -79,4 +80,5 @@ __all__ = [
     "SwapError",
     "WrongEventLoopError",
     "__version__",
+    "trim_messages",
 ]

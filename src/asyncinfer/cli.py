@@ -1,108 +1,137 @@
-"""The ``asyncinfer`` command.
+"""The ``asyncinfer`` command (also ``python -m asyncinfer``).
 
-    asyncinfer chat "What is the capital of France?"   # one-shot, streamed
-    asyncinfer chat                                     # interactive; /reset clears history, /quit leaves
-    asyncinfer info                                     # model, memory plan and options
+    asyncinfer chat "What is the capital of France?"   # one-shot, streamed; Ctrl-C stops it
+    asyncinfer chat                                     # interactive: /reset, /exit; Ctrl-C stops a reply
+    asyncinfer generate --file prompts.jsonl --output out.jsonl   # a batch job, with a progress bar
+    asyncinfer bench                                    # throughput and latency at a few concurrencies
+    asyncinfer info                                     # the model and its memory plan (no weights read)
     asyncinfer plan MODEL --batch 8 --seq-len 4096 --device-memory 24GiB   # the budget, no weights loaded
     asyncinfer embed "first text" "second text"         # sentence embeddings (all-MiniLM-L6-v2)
     asyncinfer lab --synthetic 200                      # compare schedulers on a simulated trace
     asyncinfer serve MODEL --port 8000                  # an OpenAI-compatible HTTP server (asyncinfer[server])
+
+Every engine and sampling option defaults to the library's own default
+(``EngineConfig``, ``SamplingParams``); ``asyncinfer COMMAND --help`` lists them.
+An error is one line on stderr (exit status 2); ``ASYNCINFER_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import os
 import sys
-import time
 from typing import Any
 
-from asyncinfer.engine import AsyncEngine
 from asyncinfer.errors import AsyncInferError, InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
+# (flag, EngineConfig field, type, help): None means "not given", i.e. the library's default.
+_ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--device", "device", str, "auto | cpu | cuda | cuda:N"),
+    ("--max-model-len", "max_model_len", int, "prompt + output tokens per request (default: the model's context)"),
+    ("--max-num-seqs", "max_num_seqs", int, "requests per step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens per step"),
+    ("--kv-cache-memory", "kv_cache_memory", int, "KV cache budget in bytes"),
+    ("--kv-cache-fraction", "kv_cache_fraction", float,
+     "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
+    ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
+    ("--quantization", "quantization", str, "int8 (CPU, float32): faster, not bit-exact"),
+    ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
+)
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"dtype": args.dtype, "device": args.device}
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory is not None:
-        options["kv_cache_memory"] = args.kv_cache_memory
-    return options
+# (flag, SamplingParams field, type, help)
+_SAMPLING_ARGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--max-tokens", "max_tokens", int, "most tokens to generate"),
+    ("--temperature", "temperature", float, "0 = greedy"),
+    ("--top-p", "top_p", float, "nucleus sampling mass, in (0, 1]"),
+    ("--top-k", "top_k", int, "keep the k most likely tokens (0: off)"),
+    ("--min-p", "min_p", float, "drop tokens below min_p x the top probability"),
+    ("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeats"),
+    ("--presence-penalty", "presence_penalty", float, "in [-2, 2]"),
+    ("--frequency-penalty", "frequency_penalty", float, "in [-2, 2]"),
+    ("--seed", "seed", int, "seed of the request's own generator"),
+)
+
+
+def _defaults(cls: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+    return {name: getattr(cls(), name) for name in cls.__struct_fields__}  # a msgspec Struct
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    from asyncinfer.config import EngineConfig
+
+    defaults = _defaults(EngineConfig)
+    p.add_argument("--model", default=None, help="HF model directory, .gguf file or known name "
+                                                 "(default: SmolLM2-135M-Instruct, fetched once)")
+    for flag, field, kind, text in _ENGINE_ARGS:
+        default = defaults[field]
+        shown = "" if default is None or "default:" in text else f" (default: {default})"
+        p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
+    p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword of the scheduler, VALUE read as JSON (repeatable)")
 
 
-async def _chat(args: argparse.Namespace) -> int:
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
-    engine = AsyncEngine.from_pretrained(args.model, **_engine_options(args))
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    async with engine:
-        if args.prompt:
-            await _answer(engine, history, " ".join(args.prompt), params, args.stats)
-            return 0
-        print("asyncinfer chat — /reset clears the history, /quit (or Ctrl-D) leaves.", file=sys.stderr)
-        while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                print(file=sys.stderr)
-                return 0
-            if line.strip() in ("/quit", "/exit"):
-                return 0
-            if line.strip() == "/reset":
-                del history[1 if args.system else 0 :]
-                continue
-            if line.strip():
-                await _answer(engine, history, line, params, args.stats)
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    defaults = _defaults(SamplingParams)
+    for flag, field, kind, text in _SAMPLING_ARGS:
+        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
+        p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
 
-async def _answer(
-    engine: AsyncEngine, history: list[dict[str, str]], text: str, params: SamplingParams, stats: bool
-) -> None:
-    history.append({"role": "user", "content": text})
-    pieces: list[str] = []
-    start = time.perf_counter()
-    first: float | None = None
-    n = 0
-    async for delta in engine.stream(history, params):
-        if first is None and delta.token_ids:
-            first = time.perf_counter()
-        n += len(delta.token_ids)
-        pieces.append(delta.text)
-        print(delta.text, end="", flush=True)
-        if delta.finish_reason is not None:
-            reason = delta.finish_reason
-    print()
-    history.append({"role": "assistant", "content": "".join(pieces)})
-    if stats and first is not None:
-        total = time.perf_counter() - start
-        decode = (n - 1) / (total - (first - start)) if n > 1 and total > first - start else 0.0
-        print(
-            f"[{n} tokens, finish={reason}, TTFT {1000 * (first - start):.0f} ms, decode {decode:.1f} tok/s]",
-            file=sys.stderr,
-        )
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (the rest keep the library's defaults)."""
+    options = {field: getattr(args, field) for _, field, _, _ in _ENGINE_ARGS if getattr(args, field) is not None}
+    if args.scheduler_option:
+        options["scheduler_options"] = {k: v for k, v in (_key_value(item) for item in args.scheduler_option)}
+    return options
+
+
+def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
+    """SamplingParams from the sampling flags given (the rest keep their defaults)."""
+    fields = [field for _, field, _, _ in _SAMPLING_ARGS] + ["stop", "ignore_eos"]
+    given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    return SamplingParams(**{**given, **overrides})
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not (sep and key):
+        raise InvalidParameterError("--scheduler-option", item, "KEY=VALUE, e.g. prefill_budget=64")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw
 
 
 def _info(args: argparse.Namespace) -> int:
-    engine = AsyncEngine.from_pretrained(args.model, **_engine_options(args))
-    mc = engine.model_config
-    print(f"model: {engine.model_source}")
-    print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
-          f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}")
-    print(f"device: {engine.config.device}, dtype: {engine.config.dtype}")
-    print(f"memory plan: {engine.memory_plan.describe()}")
+    """The model's shapes and the memory plan, from its config alone (no weight is read)."""
+    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.memory import MemoryPlan, format_bytes
+    from asyncinfer.model_source import resolve_model
+
+    model = args.model_arg or args.model
+    path = resolve_model(model)
+    plan = AsyncEngine.plan_memory(path, **_engine_options(args))
+    print(f"model: {path}")
+    if isinstance(plan, MemoryPlan):
+        from asyncinfer.models.loader import read_model_config
+
+        mc = read_model_config(path)
+        print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
+              f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
+        print(f"memory plan: {plan.describe()}")
+        print(f"needs {format_bytes(plan.weight_bytes + plan.kv_bytes + plan.activation_reserve)} in all "
+              "(KV memory on the CPU is committed as it is used); planned from the config, no weight read")
+    else:
+        print(f"embedding model; memory plan: {plan.describe()}")
     return 0
 
 
@@ -180,7 +209,11 @@ def _lab(args: argparse.Namespace) -> int:
         source = f"synthetic: {args.synthetic} requests, {args.rate}/s, seed {args.seed}"
     if args.save_trace:
         lab.save_trace(trace, args.save_trace)
-    names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    names = _lab_schedulers(args)
+    if args.list_schedulers:
+        for name in names:
+            print(name)
+        return 0
     options = _parse_options(args.option)
     cost = lab.load_cost_model(args.cost_model)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -211,6 +244,26 @@ def _lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lab_schedulers(args: argparse.Namespace) -> list[str]:
+    """The policies to compare: --schedulers, else the built-ins, the installed entry points and the
+    names that the --plugin modules registered with @register_scheduler."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    from asyncinfer.schedulers import ENTRY_POINT_GROUP, available_schedulers, builtin_schedulers
+
+    before = set(available_schedulers())
+    for module in args.plugin:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
+    if args.schedulers:
+        return [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    plugins = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | (set(available_schedulers()) - before)
+    return builtin_schedulers() + sorted(plugins - set(builtin_schedulers()))
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -223,17 +276,20 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
-    from asyncinfer.schedulers import builtin_schedulers
-
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
-    src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N", help="generate N requests (default 200)")
+    src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
+                     help="generate N requests (default 200)")
     p.add_argument("--rate", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
     p.add_argument("--seed", type=int, default=0, help="synthetic trace seed")
     p.add_argument("--long-fraction", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
     p.add_argument("--priorities", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
-    p.add_argument("--schedulers", default=",".join(builtin_schedulers()), help="comma-separated names")
+    p.add_argument("--schedulers", default=None,
+                   help="comma-separated names (default: the built-ins, installed plugins and --plugin's names)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, so that its @register_scheduler names exist (repeatable)")
+    p.add_argument("--list-schedulers", action="store_true", help="print the names --schedulers would default to")
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
@@ -246,7 +302,7 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=4096)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO in seconds")
-    p.add_argument("--plot", default="scheduler_lab.png", help="PNG path ('' for none)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file")
     p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
     p.add_argument("--calibrate", default=None, metavar="OUT",
                    help="time the real runner of --model, write a cost model JSON to OUT, and exit")
@@ -255,8 +311,10 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _embed(args: argparse.Namespace) -> int:
+    from asyncinfer.engine import AsyncEngine
+
     options = {"device": args.device, "dtype": args.dtype}
-    async with AsyncEngine.from_pretrained(args.model, name="embed", **options) as engine:
+    async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
         vectors = await engine.embed(args.texts)
         (info,) = engine.model_info()
     if args.json:
@@ -274,6 +332,8 @@ async def _embed(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from asyncinfer.engine import AsyncEngine
+
     try:
         from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, create_app, run_server
     except ImportError as exc:
@@ -281,8 +341,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     model = args.model_arg or args.model
     options = _engine_options(args)
-    if args.scheduler is not None:
-        options["scheduler"] = args.scheduler
     specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
@@ -300,7 +358,6 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="its name in requests (default: file or dir name)")
     p.add_argument("--embedding-model", default=None, help="also serve this sentence encoder on /v1/embeddings")
-    p.add_argument("--scheduler", default=None, help="fifo | length-bucket | aging-priority | pd-split | ...")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[],
@@ -312,20 +369,50 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _version() -> str:
+    import platform
+
+    from asyncinfer import __version__
+
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:  # noqa: BLE001 - a version string is not worth failing over
+        torch_version = "?"
+    return f"asyncinfer {__version__} (torch {torch_version}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from asyncinfer.commands.bench import __doc__ as bench_doc
+    from asyncinfer.commands.bench import add_bench_args
+    from asyncinfer.commands.chat import add_chat_args
+    from asyncinfer.commands.generate import __doc__ as generate_doc
+    from asyncinfer.commands.generate import add_generate_args
+
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)")
-    chat.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session")
-    chat.add_argument("--system", default=None, help="system message")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--stats", action="store_true", help="print token count, TTFT and decode speed")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)",
+                          description="Chat with a model. In a session: /reset clears the history, /exit (or "
+                                      "Ctrl-D) leaves, Ctrl-C stops the reply being written.")
+    add_chat_args(chat)
     _add_engine_args(chat)
-    info = sub.add_parser("info", help="load a model and print its memory plan")
+    _add_sampling_args(chat)
+    generate = sub.add_parser("generate", help="run a batch of prompts (JSONL in, JSONL out), with a progress bar",
+                              description=generate_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    add_generate_args(generate)
+    _add_engine_args(generate)
+    _add_sampling_args(generate)
+    bench = sub.add_parser("bench", help="measure throughput and latency (optionally against transformers)",
+                           description=bench_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    add_bench_args(bench)
+    _add_engine_args(bench)
+    info = sub.add_parser("info", help="print a model's shapes and memory plan (from its config: no weight read)")
+    info.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     _add_engine_args(info)
     plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)")
     _add_plan_args(plan)
@@ -342,25 +429,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "chat":
+        from asyncinfer.commands.chat import run_chat
+
+        return run_chat(args, _engine_options(args), _sampling_params(args))
+    if args.command == "generate":
+        from asyncinfer.commands.generate import run_generate
+
+        return run_generate(args, _engine_options(args), _sampling_params(args))
+    if args.command == "bench":
+        from asyncinfer.commands.bench import run_bench
+
+        return run_bench(args, _engine_options(args))
+    if args.command == "lab":
+        return _lab(args)
+    if args.command == "embed":
+        return asyncio.run(_embed(args))
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "plan":
+        return _plan(args)
+    return _info(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; every failure is one line on stderr and a non-zero status, never a traceback."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "chat":
-            return asyncio.run(_chat(args))
-        if args.command == "lab":
-            return _lab(args)
-        if args.command == "embed":
-            return asyncio.run(_embed(args))
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "plan":
-            return _plan(args)
-        return _info(args)
+        return _run(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that cannot be read or written
+        print(f"asyncinfer: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)
         return 130
+    except Exception as exc:
+        if os.environ.get("ASYNCINFER_DEBUG") == "1":
+            raise
+        print(f"asyncinfer: internal error: {type(exc).__name__}: {exc} (ASYNCINFER_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ class EngineConfig:
     - ``block_size``: tokens per KV block (1..256).
     - ``kv_cache_memory``: KV budget in bytes; overrides ``kv_cache_fraction``.
     - ``kv_cache_fraction``: KV budget as a fraction of free memory after the weights
-      (available RAM on CPU, free device memory on CUDA), in (0, 0.95].
+      (available RAM on CPU, free device memory on CUDA), in (0, 0.95]. None (default):
+      on CPU, room for ``min(max_num_seqs, 4)`` requests of ``max_model_len`` tokens, at
+      most 25 % of the free memory; on CUDA, 25 % of the free memory (see ``memory.py``).
     - ``max_num_seqs``: requests in one step (1..4096).
     - ``max_num_batched_tokens``: tokens in one step (>= 1; chunked prefill splits longer prompts).
     - ``max_model_len``: prompt + output tokens per request; default: the model's context length.
@@ -119,7 +121,7 @@ class EngineConfig:
     device: Any = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.25
+    kv_cache_fraction: float | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
@@ -147,8 +149,9 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, 256)
         check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         frac = self.kv_cache_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95:
-            raise InvalidParameterError("kv_cache_fraction", frac, "a number in (0, 0.95]")
+        bad_frac = isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95
+        if frac is not None and bad_frac:
+            raise InvalidParameterError("kv_cache_fraction", frac, "a number in (0, 0.95], or None (from the workload)")
         check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_model_len", self.max_model_len, 2, optional=True)

@@ -17,10 +17,17 @@ incomplete UTF-8 sequence); otherwise the tokens wait for the next one.
 **Invariant.** Without a stop string hit, the concatenation of everything
 ``add`` returned plus ``flush()`` equals
 ``tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)``
-(with ``clean_up_tokenization_spaces=False`` for the rare tokenizers that enable
-it by default: that clean-up cannot be applied incrementally). The text is
-decoded from the *output ids alone*, so a leading space is kept or dropped
-exactly as ``decode(output_ids)`` does; the prompt is not used as left context.
+less any U+FFFD at its very end (with ``clean_up_tokenization_spaces=False`` for
+the rare tokenizers that enable it by default: that clean-up cannot be applied
+incrementally). The text is decoded from the *output ids alone*, so a leading
+space is kept or dropped exactly as ``decode(output_ids)`` does; the prompt is
+not used as left context.
+
+**A character cut at the end.** When generation ends (``max_tokens``, a stop
+token, EOS, an abort) in the middle of a multi-byte character, its bytes can
+never be completed: :meth:`flush` drops them, so a reply never ends in U+FFFD.
+Their token ids stay in the output's ``token_ids``. (A reply whose last real
+character is U+FFFD itself loses it too: the decoded text cannot tell the two apart.)
 
 **Stop strings.** Text that could still be the beginning of a stop string (a
 suffix of at most ``max(len(stop)) - 1`` characters that is a prefix of one of
@@ -120,14 +127,14 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Finish: return all text still held back (never part of a hit stop string).
 
-        Tokens still waiting for the rest of a UTF-8 sequence are decoded as they
-        are (so the total equals ``decode(output_ids)``, U+FFFD included).
+        Tokens still waiting for the rest of a UTF-8 sequence that will never come
+        are dropped: the text never ends in U+FFFD (see the module docstring).
         """
         if self._finished:
             return ""
         self._finished = True
         if self._read_offset < len(self.output_token_ids):
-            new_text = self._decode(self.output_token_ids[self._prefix_offset :])
+            new_text = self._decode(self.output_token_ids[self._prefix_offset :]).rstrip(_REPLACEMENT)
             if len(new_text) > len(self._prefix_text):
                 chunk = new_text[len(self._prefix_text) :]
                 self._prefix_offset = self._read_offset = len(self.output_token_ids)

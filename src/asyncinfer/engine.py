@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from asyncinfer.memory import MemoryPlan
 from asyncinfer.metrics import EngineMetrics, EngineObservability
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
-from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts
+from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts, prompt_token_ids
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import RequestStream, StreamTable
@@ -106,7 +107,8 @@ class AsyncEngine(EngineObservability):
         Raises:
             InvalidParameterError: an unknown option or an out-of-range value.
             ModelLoadError: the model cannot be found or loaded.
-            ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
+            ConfigurationError: the weights, or one ``max_model_len`` request's KV cache, do not
+                fit (checked from the config, before any weight is read).
         """
         check_name(name)
         loaded = load(model, options, version_id=0)
@@ -115,6 +117,15 @@ class AsyncEngine(EngineObservability):
             return cls(config=EngineConfig(dtype=ec.dtype, device=ec.device, num_threads=ec.num_threads),
                        name=name, embedder=loaded)
         return cls(config=loaded.config, name=name, version=loaded)
+
+    @classmethod
+    async def load(cls, model: ModelRef = None, *, name: str = "default", **options: Any) -> AsyncEngine:
+        """:meth:`from_pretrained` in a worker thread: the event loop keeps running during the load.
+
+        For a FastAPI lifespan or a bot's ``setup_hook`` (heartbeats keep flowing). Same
+        arguments and errors; a cancelled caller waits for the load to end, then drops it.
+        """
+        return await anyio.to_thread.run_sync(functools.partial(cls.from_pretrained, model, name=name, **options))
 
     @classmethod
     def plan_memory(
@@ -291,6 +302,11 @@ class AsyncEngine(EngineObservability):
         """Render chat messages with a generator's template (generation prompt added) into token ids."""
         return chat_token_ids(current(self._models.generator(model)), messages)
 
+    def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:
+        """How many tokens ``prompt`` (a text, chat messages or token ids) takes, exactly as
+        :meth:`generate` would send it (chat template applied). Raises :class:`InvalidParameterError`."""
+        return len(prompt_token_ids(prompt, current(self._models.generator(model))))
+
     async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
         # No await separates this from RequestIntake.bind, which bound the request
@@ -325,14 +341,12 @@ class AsyncEngine(EngineObservability):
     async def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> torch.Tensor:
         """Sentence embeddings of ``texts``: a float32 CPU tensor ``[len(texts), dim]``.
 
-        Rows are unit-length when the model normalises (sentence-transformers'
-        Normalize module; all-MiniLM-L6-v2 does). A single string gives one row.
-        Texts longer than the model's ``max_seq_len`` tokens are truncated, as
-        sentence-transformers does. Texts from concurrent calls are batched
-        together (see :class:`~asyncinfer.embedding.EmbeddingConfig`:
-        ``max_batch_size``, ``max_wait_ms``). ``model``: the name of the
-        embedding model (default: the first loaded). Cancelling the awaiting task
-        drops the call's texts that are still queued.
+        Rows are unit-length when the model normalises (sentence-transformers' Normalize module;
+        all-MiniLM-L6-v2 does). A single string gives one row. Texts over the model's ``max_seq_len``
+        tokens are truncated, as sentence-transformers does. Concurrent calls' texts are batched
+        together (:class:`~asyncinfer.embedding.EmbeddingConfig`: ``max_batch_size``, ``max_wait_ms``).
+        ``model``: the embedding model's name (default: the first loaded). Cancelling the awaiting
+        task drops the call's texts still queued.
 
         Raises:
             InvalidParameterError: bad ``texts`` or ``model`` (nothing was queued).
@@ -358,41 +372,27 @@ class AsyncEngine(EngineObservability):
 
     # ----------------------------------------------------------- introspection
     def kv_stats(self, model: str | None = None) -> KVCacheStats:
-        """A snapshot of the KV cache figures: blocks used/free/cached-free, usage, waste,
-        prefix-cache queries and hits (tokens), copy-on-write copies, evictions, preemptions.
-
-        Read while the engine runs, it may be off by one step (plain ints, never corrupt).
-        ``model``: which generator (default: the first loaded).
-        """
+        """A snapshot of a generator's KV cache figures (see :class:`KVCacheStats`); read while
+        the engine runs, it may be off by one step. ``model``: which (default: the first loaded)."""
         return self._models.core(model).kv.stats()
 
     def step_stats(self, model: str | None = None) -> StepStats:
-        """A copy of a generator's step counters since it started serving: steps, prefill and
-        decode tokens, preemptions, and the number of requests in each step.
-
-        Counts the current version (a swapped-in version starts from zero).
-        ``model``: which generator (default: the first loaded).
-        """
+        """A copy of a generator's step counters (see :class:`StepStats`) since its current
+        version started serving. ``model``: which generator (default: the first loaded)."""
         stats = self._models.core(model).stats
         return dataclasses.replace(stats, batch_sizes=list(stats.batch_sizes))
 
     def model_info(self) -> list[ModelVersionInfo]:
         """The live models and versions: name, kind, id, source, state, requests in flight, memory plan.
 
-        Generators first, in load order (each with its live versions, oldest
-        first), then embedding models. During an overlap swap the old version
-        stays listed as ``"draining"`` until its last request has ended; a model
-        being removed is listed as ``"draining"`` until it is gone.
+        Generators first, in load order (live versions oldest first), then embedding models. An old
+        version, or a model being removed, is ``"draining"`` until its last request has ended.
         """
         return self._models.infos(self._streams.in_flight)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prompt prefix, at the next step boundary.
-
-        Requests submitted after this call never reuse blocks cached before it;
-        requests in flight keep the blocks they hold but add nothing to the new cache.
-        Every generator's cache is reset.
-        """
+        """Forget every generator's cached prompt prefixes, at the next step boundary: requests
+        submitted later never reuse blocks cached before; those in flight keep what they hold."""
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post(ResetPrefixCache())
         else:  # no step loop is running: nothing can race with it

@@ -63,7 +63,7 @@ class RequestIntake:
         self._check_load(model)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
-            check_prompt_len(early[1], early[0].max_model_len)
+            check_prompt_len(early[1], early[0].max_model_len, params)
         self._check_id_free(request_id, params.n)
         return RequestArgs(params, request_id, priority, cache_salt, early)
 

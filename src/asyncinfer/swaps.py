@@ -98,8 +98,7 @@ class ModelChanges:
             shortfall = await anyio.to_thread.run_sync(generator_shortfall, model, merged, available, "the serving one")
             if mode == "overlap":
                 if shortfall is not None:
-                    raise ConfigurationError(shortfall.rstrip(".") + ". Swap with mode='drain', or lower"
-                                             " kv_cache_memory / kv_cache_fraction / max_model_len.")
+                    raise ConfigurationError(f"{shortfall} (or swap with mode='drain', which frees the old one first)")
                 new = await self._load_version(model, merged)
             else:
                 new = await self._reload_drained(holder, model, merged, abort)
@@ -203,7 +202,7 @@ class ModelChanges:
             generator_shortfall, path, options, available, "the loaded models", ModelLoadError
         )
         if shortfall is not None:
-            raise ConfigurationError(shortfall.rstrip(".") + ". Lower kv_cache_memory / kv_cache_fraction / max_model_len.")
+            raise ConfigurationError(shortfall)
         version = await self._load(path, options, "generate", ModelLoadError, label)
         assert isinstance(version, ModelVersion)
         holder = ModelHolder(version)

@@ -202,9 +202,10 @@ async def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_mode
             await engine.generate([5, 6], {"max_tokens": 3})  # type: ignore[arg-type]
         out = await engine.generate([5, 6, 7], greedy(3))
         assert out.token_ids == hf_greedy(hf, [5, 6, 7], 3)
-        # Output stops at max_model_len, with finish_reason "length".
-        long = await engine.generate([5] * 250, greedy(100))
-        assert long.token_ids == hf_greedy(hf, [5] * 250, 6) and long.finish_reason == "length"
+        # Prompt + max_tokens over max_model_len is refused, naming max_tokens and the room left (as vLLM does).
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.generate([5] * 250, greedy(100))
+        assert err.value.parameter == "max_tokens" and "256 - 250 = 6" in err.value.allowed
     assert engine.state is EngineState.CLOSED
     with pytest.raises(EngineClosedError):
         await engine.generate([5, 6], greedy(2))

@@ -222,6 +222,7 @@ def test_an_overloaded_engine_is_a_503_with_retry_after(server, http, monkeypatc
 def test_max_tokens_defaults_to_the_rest_of_the_context(server, http) -> None:
     prompt = list(range(5, 15))
     r = http.post("/v1/completions", json={"model": "ids", "prompt": prompt, "ignore_eos": True})
-    want = server.call(server.engine.generate(prompt, SamplingParams(max_tokens=512, ignore_eos=True), model="ids"))
+    params = SamplingParams(max_tokens=512, ignore_eos=True, truncate_output_to_model_len=True)
+    want = server.call(server.engine.generate(prompt, params, model="ids"))
     assert r.json()["usage"]["completion_tokens"] == 512 - len(prompt) == len(want.token_ids)
     assert r.json()["choices"][0]["finish_reason"] == "length"

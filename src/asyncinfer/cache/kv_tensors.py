@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
@@ -10,17 +13,34 @@ from asyncinfer.cache.spec import KVCacheSpec
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Preallocate K and V for every layer, ``spec.layer_shape(num_blocks)`` each.
 
-    Zero-filled rather than empty: attention masks padded slots, and a masked
-    probability of 0 times a garbage NaN would still be NaN.
+    Zeros rather than garbage: attention masks padded slots, and a masked
+    probability of 0 times a garbage NaN would still be NaN. On the CPU the
+    zeros come from ``calloc`` (:func:`_lazy_zeros`): the pages are mapped zero
+    by the kernel and take physical memory only when a block is first written,
+    so start-up neither spends seconds filling gigabytes nor holds them.
     """
     shape = spec.layer_shape(num_blocks)  # [num_blocks, block_size, num_kv_heads, head_dim]
     return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device),  # [num_blocks, block_size, kv_heads, head_dim]
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device),  # [num_blocks, block_size, kv_heads, head_dim]
-        )
+        (_zeros(shape, spec), _zeros(shape, spec))  # K, V: [num_blocks, block_size, kv_heads, head_dim]
         for _ in range(spec.num_layers)
     ]
+
+
+def _zeros(shape: tuple[int, ...], spec: KVCacheSpec) -> torch.Tensor:
+    if spec.device.type == "cpu":
+        return _lazy_zeros(shape, spec.dtype)
+    return torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose memory is committed page by page as it is written.
+
+    ``numpy.zeros`` allocates with ``calloc``, which hands large requests fresh
+    anonymous pages the kernel guarantees to be zero, without touching them
+    (``torch.zeros`` writes every byte). All-zero bits are 0.0 in every float dtype.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:

@@ -10,7 +10,8 @@ times are simulated too. Same trace, same policy, same numbers: it is determinis
 
 With ``check=True`` every step is checked against the scheduler contract
 (budget, ``max_num_seqs``, token counts, block coverage, no lost request,
-progress), and a breach raises :class:`ContractViolation`.
+progress) by :func:`asyncinfer.schedulers.testing.check_schedule`, and a breach
+raises its :class:`ContractViolation`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,10 @@ from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
 from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.schedulers.testing import ContractViolation, check_schedule
 from asyncinfer.step import apply_step, scheduled
-
-
-class ContractViolation(AssertionError):
-    """A scheduler broke the contract of :mod:`asyncinfer.schedulers.base` during a replay."""
 
 
 @dataclass
@@ -222,36 +220,3 @@ class _Replay:
             record.preemptions = request.num_preemptions
         self.steps.append(StepRecord(start, self.now - start, len(batch), result.decode_tokens, result.prefill_tokens,
                                      len(plan.preempted), shape.decode_keys, decode_context))
-
-
-def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> None:
-    """Check one ``schedule()`` result against the contract; raise :class:`ContractViolation` if broken.
-
-    Call it right after ``schedule`` and before the step is applied.
-    """
-    cfg = sched.config
-    where = where or type(sched).__name__
-    scheduled = plan.num_scheduled_tokens
-    if plan.total_tokens > cfg.max_num_batched_tokens:
-        raise ContractViolation(f"{where}: {plan.total_tokens} tokens > max_num_batched_tokens")
-    if len(scheduled) > cfg.max_num_seqs or sched.num_running > cfg.max_num_seqs:
-        raise ContractViolation(f"{where}: more than max_num_seqs={cfg.max_num_seqs} requests")
-    running = {r.request_id for r in sched.running}
-    waiting = {r.request_id for r in sched.waiting}
-    if running & waiting or running | waiting != set(sched.requests) or len(sched.waiting) != len(waiting):
-        raise ContractViolation(f"{where}: running/waiting do not partition the live requests")
-    if set(plan.preempted) & set(scheduled) or not set(plan.preempted) <= waiting:
-        raise ContractViolation(f"{where}: a preempted request is scheduled or not back in waiting")
-    bs = sched.kv.block_size
-    for rid, n in scheduled.items():
-        request = sched.requests.get(rid)
-        if request is None or rid not in running:
-            raise ContractViolation(f"{where}: {rid} is scheduled but not running")
-        if not 1 <= n <= request.num_uncomputed_tokens:
-            raise ContractViolation(f"{where}: {rid} scheduled for {n} of {request.num_uncomputed_tokens} tokens")
-        if len(sched.kv.block_table(rid)) * bs < request.num_computed_tokens + n:
-            raise ContractViolation(f"{where}: {rid} has no slots for its tokens")
-    if plan.is_empty and sched.has_unfinished_requests():
-        raise ContractViolation(
-            f"{where}: scheduled nothing with {sched.num_running} running and {sched.num_waiting} waiting requests"
-        )

@@ -1,9 +1,17 @@
 """Load a model of a registered family from a Hugging Face directory or a GGUF file.
 
-The model is built on the meta device (no memory, no random init), each
-parameter is allocated once on the target device, and checkpoint tensors are
-copied into it one at a time (safetensors are memory-mapped, GGUF tensors are
-dequantised one by one), so the checkpoint is never held twice in RAM.
+The model is built on the meta device (no memory, no random init:
+:func:`~asyncinfer.models.meta.build_on_meta`), each parameter is allocated
+once on the target device, and checkpoint tensors are copied into it one at a
+time (safetensors are memory-mapped); a dequantised GGUF tensor that fills a
+whole parameter becomes that parameter without a copy. The checkpoint is never
+held twice in RAM.
+
+A checkpoint is opened once (:func:`open_checkpoint`): its config comes from
+that one read of config.json or the GGUF header, so the memory plan is made
+before any weight is read, and the weights are then loaded from the same parse.
+A GGUF file's tokenizer is built by transformers once and cached as
+``tokenizer.json`` (:func:`gguf_tokenizer`); it loads in parallel with the weights.
 
 The family's weight map (see :mod:`asyncinfer.models.registry`) is the single
 table from checkpoint names (HF and GGUF spelling) to parameter names; q/k/v
@@ -12,11 +20,18 @@ and gate/up land in row slices of the fused params.
 
 from __future__ import annotations
 
+import importlib
+import json
+import logging
+import os
 import re
-import warnings
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,7 +40,15 @@ from torch import nn
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
 from asyncinfer.models.config import ModelConfig, normalise_token_ids
+from asyncinfer.models.gguf_file import GGUFFile
+from asyncinfer.models.meta import build_on_meta
 from asyncinfer.models.registry import model_family
+from asyncinfer.progress import TerminalProgress, say
+
+logger = logging.getLogger("asyncinfer")
+
+# (tensors done, tensors in all): called after each checkpoint tensor is in place.
+Progress = Callable[[int, int], None]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,19 +76,55 @@ class _Target:
     rows: slice | None  # None: the whole parameter
 
 
+@dataclass
+class Checkpoint:
+    """A model's files, opened once: the config is read, the weights are not (see :meth:`load`)."""
+
+    path: Path  # the .gguf file or the HF directory
+    config: ModelConfig
+    gguf: GGUFFile | None = None
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.gguf.tensors) if self.gguf is not None else len(build_targets(self.config, "hf"))
+
+    def load(self, dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None) -> LoadedModel:
+        """Read the weights (and the tokenizer) into a :class:`LoadedModel` on ``device``.
+
+        Raises:
+            ModelLoadError: checkpoint tensors that are missing, unexpected or of the wrong shape.
+        """
+        device = torch.device(device)
+        if progress is None:
+            progress = TerminalProgress(f"loading {self.path.name}", "tensors")
+        if self.gguf is not None:
+            return _load_gguf(self.gguf, self.config, dtype, device, progress)
+        return _load_hf_dir(self.path, self.config, dtype, device, progress)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open an HF safetensors directory or a ``.gguf`` file and read its config (no weights).
+
+    A directory without ``config.json`` holding exactly one ``.gguf`` file is
+    treated as that file.
+
+    Raises:
+        ModelLoadError: a missing path, an unreadable config or header, an unsupported architecture.
+    """
+    path = _model_location(path)
+    if path.is_file():
+        gguf = GGUFFile(path)
+        return Checkpoint(path, gguf_model_config(gguf), gguf)
+    return Checkpoint(path, _merge_generation_eos(_hf_model_config(path), path))
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     """Load weights, config and tokenizer from an HF safetensors directory or a ``.gguf`` file.
 
-    A directory without ``config.json`` holding exactly one ``.gguf`` file is
-    treated as that file. Raises ``ModelLoadError`` for a missing path, an
-    unsupported architecture, or checkpoint tensors that are missing,
-    unexpected or of the wrong shape.
+    Raises ``ModelLoadError`` for a missing path, an unsupported architecture, or
+    checkpoint tensors that are missing, unexpected or of the wrong shape.
     """
-    path = _model_location(path)
-    device = torch.device(device)
-    if path.is_file():
-        return _load_gguf(path, dtype, device)
-    return _load_hf_dir(path, dtype, device)
+    return open_checkpoint(path).load(dtype, device)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -73,10 +132,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
     Resolves ``path`` exactly as :func:`load_model` does, and reads no weights.
     """
-    path = _model_location(path)
-    if path.is_file():
-        return gguf_model_config(_gguf_reader(path))
-    return _hf_model_config(path)
+    return open_checkpoint(path).config
 
 
 def _model_location(path: str | Path) -> Path:
@@ -136,16 +192,20 @@ def _materialise(
     fmt: str,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    adopt: bool = False,
+    progress: Progress | None = None,
 ) -> nn.Module:
     """Build the family's model on meta, then fill its parameters from (name, tensor) pairs.
 
-    ``tensors`` yields CPU tensors; each is shape-checked against its target
-    and copied (with dtype/device conversion) into place.
+    ``tensors`` yields CPU tensors; each is shape-checked against its target and
+    copied (with dtype/device conversion) into place. ``adopt``: the tensors are
+    fresh and owned by nobody else, so one that fills a whole parameter in the
+    right dtype and device becomes that parameter without a copy.
     """
-    with torch.device("meta"):
-        model = model_family(config.architecture).model_class(config)
+    model = build_on_meta(config)
     params = {name: p for name, p in model.named_parameters()}
-    state = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
+    state: dict[str, torch.Tensor] = {}
     targets = build_targets(config, fmt)
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -156,14 +216,23 @@ def _materialise(
                 if not _is_ignorable(name, config):
                     unexpected.append(name)
                 continue
-            dest = state[target.param] if target.rows is None else state[target.param][target.rows]
-            if tuple(tensor.shape) != tuple(dest.shape):
+            shape = params[target.param].shape
+            expected = tuple(shape) if target.rows is None else (target.rows.stop - target.rows.start, *shape[1:])
+            if tuple(tensor.shape) != expected:
                 raise ModelLoadError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} "
                     f"(for parameter {target.param!r})"
                 )
-            dest.copy_(tensor)
+            if adopt and target.rows is None and tensor.dtype == dtype and tensor.device == device:
+                state[target.param] = tensor
+            else:
+                if target.param not in state:
+                    state[target.param] = torch.empty(shape, dtype=dtype, device=device)
+                dest = state[target.param]
+                _copy(dest if target.rows is None else dest[target.rows], tensor)
             seen.add(name)
+            if progress is not None:
+                progress(len(seen), len(targets))
     missing = sorted(set(targets) - seen)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {_preview(missing)}")
@@ -173,6 +242,15 @@ def _materialise(
     model.requires_grad_(False)
     model.init_buffers(device)  # non-persistent buffers: computed, not loaded
     return model.eval()
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)``; float32 CPU to CPU through numpy's single thread, which never
+    spin-waits for busy cores as torch's intra-op threads do (seconds on a loaded 2-core machine)."""
+    if dest.device.type == src.device.type == "cpu" and dest.dtype == src.dtype == torch.float32:
+        np.copyto(dest.numpy(), src.numpy())
+    else:
+        dest.copy_(src)
 
 
 def _preview(names: list[str], limit: int = 8) -> str:
@@ -193,9 +271,10 @@ def _hf_model_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(hf_config)
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    config = _merge_generation_eos(_hf_model_config(path), path)
-    model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device)
+def _load_hf_dir(
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None
+) -> LoadedModel:
+    model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress)
     return LoadedModel(model, config, load_hf_tokenizer(path), f"safetensors:{path.resolve()}")
 
 
@@ -216,36 +295,31 @@ def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
 # ---- GGUF files -------------------------------------------------------------
 
 
-def _gguf_reader(path: Path) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-
-
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    reader = _gguf_reader(path)
-    config = gguf_model_config(reader)
-    model = _materialise(config, _iter_gguf(reader, config), "gguf", dtype, device)
+def _load_gguf(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None
+) -> LoadedModel:
     # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
-    tokenizer = _gguf_tokenizer(path) if "tokenizer.ggml.model" in reader.fields else None
-    return LoadedModel(model, config, tokenizer, f"gguf:{path.resolve()}")
+    if "tokenizer.ggml.model" not in gguf.fields:
+        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress)
+        return LoadedModel(model, config, None, f"gguf:{gguf.path.resolve()}")
+    # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
+    with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
+        tokenizer = pool.submit(gguf_tokenizer, gguf.path)
+        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress)
+        return LoadedModel(model, config, tokenizer.result(), f"gguf:{gguf.path.resolve()}")
 
 
-def _field(reader: Any, key: str, default: Any = ...) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
     """A GGUF metadata value; ``default`` if absent (error when no default)."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is ...:
             raise ModelLoadError(f"GGUF metadata has no {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
-def gguf_model_config(reader: Any) -> ModelConfig:
-    """Build a ``ModelConfig`` from a ``GGUFReader``'s metadata (and its tensor list)."""
+def gguf_model_config(reader: GGUFFile) -> ModelConfig:
+    """Build a ``ModelConfig`` from a GGUF file's metadata (and its tensor list)."""
     arch = _field(reader, "general.architecture")
     family = model_family(arch, what="GGUF architecture", gguf=True)
     tensors = {t.name: t for t in reader.tensors}
@@ -257,7 +331,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
     vocab = _field(reader, f"{arch}.vocab_size", None)
     if vocab is None:
-        vocab = int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else len(
+        vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else len(
             _field(reader, "tokenizer.ggml.tokens")
         )
     eos = normalise_token_ids(_field(reader, "tokenizer.ggml.eos_token_id", None))
@@ -286,7 +360,7 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors."""
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     has_factors = "rope_freqs.weight" in tensors
@@ -296,39 +370,20 @@ def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     if has_factors:
         # llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors.
-        import gguf
-
-        t = tensors["rope_freqs.weight"]
-        factors = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
-        return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+        factors = reader.dequantize(tensors["rope_freqs.weight"]).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
     return None
 
 
-def _iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantise GGUF tensors one at a time to float32 CPU tensors in HF layout."""
-    from gguf import quants
-
+def _iter_gguf(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantise GGUF tensors one at a time to new float32 CPU tensors in HF layout."""
     permuted = model_family(config.architecture).gguf_permuted_qk
     for t in reader.tensors:
-        try:
-            array = quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as exc:
-            raise ModelLoadError(f"GGUF tensor {t.name!r}: {t.tensor_type.name} is not supported: {exc}") from exc
-        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if permuted:
-            if t.name.endswith("attn_q.weight"):
-                array = _unpermute_rope_rows(array, config.num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                array = _unpermute_rope_rows(array, config.num_kv_heads)
-        yield t.name, _as_tensor(array)
-
-
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    """Wrap without copying; F32 tensors are read-only memmap views, which we only read."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return torch.from_numpy(array)
+        tensor = reader.dequantize(t)  # [rows, cols], slowest dimension first
+        if permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads
+            tensor = torch.from_numpy(_unpermute_rope_rows(tensor.numpy(), heads))
+        yield t.name, tensor
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -336,21 +391,92 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
     llama.cpp's converter interleaves each head's two rope halves (rows
     ``[a0..a_{n-1}, b0..b_{n-1}]`` become ``[a0, b0, a1, b1, ...]``) for its
-    GPT-J-style rope; this puts the halves back one after the other.
+    GPT-J-style rope; this puts the halves back one after the other (in numpy:
+    one thread, see :func:`_copy`).
     """
     rows = weight.shape[0]
     half = rows // num_heads // 2
     return (
         weight.reshape(num_heads, half, 2, *weight.shape[1:])  # [heads, D/2, 2, cols]
         .swapaxes(1, 2)  # [heads, 2, D/2, cols]
-        .reshape(weight.shape)  # [rows, cols]
+        .reshape(weight.shape)  # [rows, cols], a new contiguous array
     )
 
 
-def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+# ---- the GGUF tokenizer, built once ----------------------------------------
+
+_STAMP = "asyncinfer-tokenizer.json"
+
+
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file: built by transformers from the metadata once, then cached.
+
+    Building it (transformers parses the whole GGUF again and converts the
+    vocabulary) takes ~20 s on a 2-core CPU; the cached ``tokenizer.json`` loads in
+    well under a second. The cache is a directory next to the default model (see
+    :func:`asyncinfer.model_source.tokenizer_cache_dir`), stamped with the file's size
+    and modification time and the transformers version; a stale or unreadable one
+    is rebuilt, and a cache that cannot be written only costs the next load the build again.
+
+    Raises:
+        ModelLoadError: transformers cannot build a tokenizer from the file.
+    """
+    from asyncinfer.model_source import tokenizer_cache_dir
+
+    cache = tokenizer_cache_dir(path)
+    stamp = _tokenizer_stamp(path)
+    cached = _cached_tokenizer(cache, stamp)
+    if cached is not None:
+        return cached
     from transformers import AutoTokenizer
 
+    say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
     try:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {exc}") from exc
+    _save_tokenizer(tokenizer, cache, stamp)
+    return tokenizer
+
+
+def _tokenizer_stamp(path: Path) -> dict[str, Any]:
+    import transformers
+
+    info = path.stat()
+    return {"gguf": str(path.resolve()), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
+            "transformers": transformers.__version__}
+
+
+def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizerBase | None:
+    """The cached tokenizer if its stamp matches, loaded with the class that built it
+    (importing only that class, not ``AutoTokenizer``'s registry, saves ~1 s)."""
+    try:
+        saved = json.loads((cache / _STAMP).read_text())
+        if {k: saved.get(k) for k in stamp} != stamp:
+            return None
+        module, _, name = str(saved["class"]).rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls.from_pretrained(cache)
+    except (OSError, ValueError, KeyError, ImportError, AttributeError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - a damaged cache can fail in any way: rebuild it
+        logger.warning("the cached tokenizer in %s cannot be loaded (%s); rebuilding it", cache, exc)
+        return None
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict[str, Any]) -> None:
+    """Write the cache atomically (a half-written directory is never read); a failure is only logged."""
+    staged: Path | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.parent))
+        tokenizer.save_pretrained(staged)
+        cls = type(tokenizer)
+        (staged / _STAMP).write_text(json.dumps({**stamp, "class": f"{cls.__module__}.{cls.__qualname__}"}))
+        if cache.exists():
+            shutil.rmtree(cache)
+        os.replace(staged, cache)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)

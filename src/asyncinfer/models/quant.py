@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.models.registry import model_family
+from asyncinfer.models.meta import build_on_meta
 
 if TYPE_CHECKING:
     from asyncinfer.models.config import ModelConfig
@@ -117,8 +117,7 @@ def weight_bytes(
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise InvalidParameterError("quantization", quantization, f"None or one of {list(QUANTIZATION_METHODS)}")
-    with torch.device("meta"):
-        model = model_family(model_config.architecture).model_class(model_config)
+    model = build_on_meta(model_config)
     total = _float_bytes(model, dtype_bytes)
     if quantization is None:
         return total

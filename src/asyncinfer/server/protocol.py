@@ -108,7 +108,8 @@ class _Common:
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
         """The request's parameters; without a token limit it may run to the model's context length."""
-        kw = self.sampling if "max_tokens" in self.sampling else {**self.sampling, "max_tokens": max_model_len}
+        kw = self.sampling if "max_tokens" in self.sampling else {
+            **self.sampling, "max_tokens": max_model_len, "truncate_output_to_model_len": True}
         try:
             return SamplingParams(**kw)
         except InvalidParameterError as exc:

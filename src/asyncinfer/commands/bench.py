@@ -1,0 +1,225 @@
+"""``asyncinfer bench``: throughput and latency of the engine at a few concurrencies.
+
+Synthetic prompts (random token ids, seeded) of ``--input-len`` tokens each ask
+for exactly ``--output-len`` tokens (EOS ignored), so every run does the same
+work. At each concurrency ``c`` the ``--num-requests`` requests run with at most
+``c`` in flight; the table gives output tokens/s, requests/s, time to first token
+(TTFT), time per output token after the first (TPOT) and end-to-end latency.
+``--compare-transformers`` runs the same prompts through transformers'
+``generate()`` in static batches of ``c`` (greedy, fp32 on CPU) and counts the
+requests whose greedy tokens are the same. One warm-up request runs first.
+``--profile DIR`` then runs the prompts again at the highest concurrency under
+``engine.profile()`` and prints the top ops (the Chrome trace goes to DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.sampling_params import SamplingParams
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=16, help="requests per concurrency level (default: 16)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default: 32)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels (default: 1,4,16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also run transformers' generate() on the same prompts (loads the model a second time)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and latency into this PNG")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the table, profile --profile-steps engine steps at the highest concurrency with "
+                        "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt")
+    p.add_argument("--profile-steps", type=int, default=20, help="steps to profile with --profile (default: 20)")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One system at one concurrency; seconds, except the rates."""
+
+    system: str
+    concurrency: int
+    requests: int
+    wall: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_p50: float | None
+    e2e_p50: float
+    e2e_p99: float
+    same_tokens: str = ""
+
+
+def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    levels = _levels(args.concurrency)
+    for name in ("num_requests", "input_len", "output_len", "profile_steps"):
+        if getattr(args, name) < 1:
+            raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")
+    rows, model_path, ours = asyncio.run(_bench_engine(args.model_arg or args.model, options, args, levels))
+    if args.compare_transformers:
+        rows += _bench_transformers(model_path, args, levels, ours)
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"settings": {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "seed")},
+                       "rows": [asdict(r) for r in rows]}, fh, indent=2)
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise InvalidParameterError("--concurrency", text, "comma-separated ints >= 1, e.g. 1,4,16")
+    return levels
+
+
+def _prompts(vocab_size: int, args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    low = min(100, vocab_size // 2)  # clear of the special tokens most vocabularies start with
+    return [[rng.randrange(low, vocab_size) for _ in range(args.input_len)] for _ in range(args.num_requests)]
+
+
+async def _bench_engine(
+    model: Any, options: dict[str, Any], args: argparse.Namespace, levels: list[int]
+) -> tuple[list[Row], str, dict[int, list[int]]]:
+    from asyncinfer.engine import AsyncEngine
+
+    engine = await AsyncEngine.load(model, **options)
+    prompts = _prompts(engine.model_config.vocab_size, args)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    rows: list[Row] = []
+    tokens: dict[int, list[int]] = {}
+    async with engine:
+        await engine.generate(prompts[0][:8], SamplingParams(max_tokens=2))  # warm-up
+        for c in levels:
+            limit = asyncio.Semaphore(c)
+            timings: list[tuple[float, float, int]] = []
+
+            async def one(i: int) -> None:
+                async with limit:
+                    start, first, n = time.perf_counter(), None, 0
+                    ids: list[int] = []
+                    async for delta in engine.stream(prompts[i], params):
+                        first = first or time.perf_counter()
+                        ids += delta.token_ids
+                    n = len(ids)
+                    tokens[i] = ids
+                    timings.append((first - start, time.perf_counter() - start, n))
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            rows.append(_row("asyncinfer", c, time.perf_counter() - start, timings))
+        if args.profile:
+            await _profile(engine, prompts[:levels[-1]], params, args)
+    return rows, engine.model_source.split(":", 1)[1], tokens
+
+
+async def _profile(engine: Any, prompts: list[list[int]], params: SamplingParams, args: argparse.Namespace) -> None:
+    """``engine.profile()`` over the next ``--profile-steps`` steps, with the prompts sent again meanwhile
+    (a separate pass, so the profiler's overhead stays out of the table)."""
+    profiling = asyncio.create_task(engine.profile(steps=args.profile_steps, path=args.profile))
+    await asyncio.sleep(0)  # armed before the traffic starts
+    while not profiling.done():
+        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    result = await profiling
+    print(f"profile of {result.steps} steps at concurrency {len(prompts)}: {result.trace_path} (Chrome trace), "
+          f"{result.table_path}")
+    print("\n".join(result.table.splitlines()[:25]))
+
+
+def _row(system: str, c: int, wall: float, timings: list[tuple[float | None, float, int]], same: str = "") -> Row:
+    from asyncinfer.lab.report import percentile
+
+    ttft = [t for t, _, _ in timings if t is not None]
+    e2e = [e for _, e, _ in timings]
+    tpot = [(e - t) / (n - 1) for t, e, n in timings if t is not None and n > 1]
+    out = sum(n for _, _, n in timings)
+    return Row(system, c, len(timings), wall, out / wall, len(timings) / wall,
+               percentile(ttft, 50) if ttft else None, percentile(ttft, 99) if ttft else None,
+               percentile(tpot, 50) if tpot else None, percentile(e2e, 50), percentile(e2e, 99), same)
+
+
+def _bench_transformers(
+    path: str, args: argparse.Namespace, levels: list[int], ours: dict[int, list[int]]
+) -> list[Row]:
+    """Static batches of ``c`` prompts through ``model.generate`` (every request waits for its batch)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    file = Path(path)
+    kwargs = {"gguf_file": file.name} if file.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(file.parent if kwargs else file, dtype=torch.float32, **kwargs).eval()
+    prompts = _prompts(model.config.vocab_size, args)
+    rows = []
+    for c in levels:
+        timings, same = [], 0
+        start = time.perf_counter()
+        for b in range(0, len(prompts), c):
+            batch = torch.tensor(prompts[b:b + c])  # all prompts have the same length: no padding
+            began = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                                     max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                                     pad_token_id=0)
+            ended = time.perf_counter() - began
+            for j, row in enumerate(out[:, args.input_len:].tolist()):
+                timings.append((None, ended, len(row)))
+                same += row == ours.get(b + j)
+        rows.append(_row("transformers", c, time.perf_counter() - start, timings, f"{same}/{len(prompts)}"))
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    head = (f"{'system':<13}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+            f"{'TPOT p50':>10}{'E2E p50':>10}{'E2E p99':>10}  same greedy tokens")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.system:<13}{r.concurrency:>5}{r.requests:>6}{r.output_tokens_per_s:>9.1f}"
+                     f"{r.requests_per_s:>8.2f}{ms(r.ttft_p50):>10}{ms(r.ttft_p99):>10}{ms(r.tpot_p50):>10}"
+                     f"{ms(r.e2e_p50):>10}{ms(r.e2e_p99):>10}  {r.same_tokens}")
+    return "\n".join(lines) + "\n(latencies in ms; transformers' rows: each request waits for its whole batch)"
+
+
+def _plot(rows: list[Row], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise InvalidParameterError("--plot", path, "a run with matplotlib installed (pip install matplotlib)") from exc
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for system in dict.fromkeys(r.system for r in rows):
+        mine = [r for r in rows if r.system == system]
+        xs = [r.concurrency for r in mine]
+        left.plot(xs, [r.output_tokens_per_s for r in mine], marker="o", label=system)
+        right.plot(xs, [1000 * r.e2e_p50 for r in mine], marker="o", label=system)
+    for ax, label in ((left, "output tokens/s"), (right, "end-to-end latency p50 (ms)")):
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,175 @@
+"""``asyncinfer chat``: one-shot or interactive chat, streamed as it is written.
+
+In a session, Ctrl-C stops the reply being written (the request is aborted, the
+session goes on); at the prompt it leaves, as do ``/exit``, ``/quit`` and
+Ctrl-D. ``/reset`` forgets the conversation. The history is trimmed to what
+fits ``max_model_len`` with room for ``max_tokens`` (oldest turns first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.history import trim_messages
+from asyncinfer.sampling_params import SamplingParams
+
+HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply."
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
+
+
+def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    return asyncio.run(_main(args, options, params))
+
+
+class ChatSession:
+    """A conversation with one engine: the history, and one reply at a time written to ``out``."""
+
+    def __init__(self, engine: Any, params: SamplingParams, system: str | None, *, stats: bool = False,
+                 out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+        self.engine = engine
+        self.params = params
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.history: list[dict[str, str]] = list(self.system)
+        self.stats = stats
+        self.out = out
+        self.err = err
+
+    def reset(self) -> None:
+        self.history = list(self.system)
+
+    async def reply(self, text: str) -> str:
+        """Stream the answer to ``text``; cancelling the task stops it (the partial answer is kept)."""
+        budget = self.engine.max_model_len - self.params.max_tokens
+        if budget < 1:
+            raise InvalidParameterError("max_tokens", self.params.max_tokens,
+                                        f"less than max_model_len ({self.engine.max_model_len})")
+        self.history.append({"role": "user", "content": text})
+        try:
+            self.history = trim_messages(self.history, budget, self.engine.count_tokens)
+        except InvalidParameterError:
+            self.history.pop()
+            raise
+        pieces: list[str] = []
+        start, first, tokens, reason = time.perf_counter(), None, 0, "abort"
+        try:
+            async for delta in self.engine.stream(self.history, self.params):
+                first = first or time.perf_counter()
+                tokens += len(delta.token_ids)
+                pieces.append(delta.text)
+                self.out.write(delta.text)
+                self.out.flush()
+                reason = delta.finish_reason or reason
+        except asyncio.CancelledError:
+            self.out.write(" [stopped]")
+            raise
+        finally:
+            self.out.write("\n")
+            self.out.flush()
+            self.history.append({"role": "assistant", "content": "".join(pieces)})
+            if self.stats and first is not None:
+                total = time.perf_counter() - start
+                rate = (tokens - 1) / (total - (first - start)) if tokens > 1 and total > first - start else 0.0
+                print(f"[{tokens} tokens, finish={reason}, TTFT {1000 * (first - start):.0f} ms, "
+                      f"{rate:.1f} tokens/s]", file=self.err)
+        return "".join(pieces)
+
+
+async def _main(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    from asyncinfer.engine import AsyncEngine
+
+    engine = await AsyncEngine.load(args.model, **options)
+    async with engine:
+        session = ChatSession(engine, params, args.system, stats=args.stats)
+        with _Interrupts() as interrupts:
+            if args.prompt:
+                return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130
+            print(f"asyncinfer chat: {HELP}", file=sys.stderr)
+            while True:
+                line = await interrupts.read_line("> ")
+                if line is None or line.strip() in ("/exit", "/quit"):
+                    return 0
+                command = line.strip()
+                if command == "/reset":
+                    session.reset()
+                    print("[history cleared]", file=sys.stderr)
+                elif command in ("/help", "/?"):
+                    print(HELP, file=sys.stderr)
+                elif command:
+                    try:
+                        await interrupts.run(session.reply(line))
+                    except InvalidParameterError as exc:
+                        print(f"asyncinfer: {exc}", file=sys.stderr)
+
+
+class _Interrupts:
+    """Ctrl-C stops the running reply, or, with none running, ends the wait for input.
+
+    ``input()`` runs in a daemon thread (a worker of the default executor would
+    keep the process alive at exit while it waits for a line).
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.current: asyncio.Future[Any] | None = None
+
+    def __enter__(self) -> _Interrupts:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers here (Windows)
+            self.loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            self.loop.remove_signal_handler(signal.SIGINT)
+
+    def _interrupt(self) -> None:
+        if self.current is not None and not self.current.done():
+            self.current.cancel()
+
+    async def run(self, coro: Any) -> bool:
+        """Run ``coro`` until it ends (True) or Ctrl-C cancels it (False)."""
+        self.current = asyncio.ensure_future(coro)
+        try:
+            await self.current
+            return True
+        except asyncio.CancelledError:
+            if not self.current.cancelled():  # we were cancelled ourselves, not the reply
+                raise
+            return False
+        finally:
+            self.current = None
+
+    async def read_line(self, prompt: str) -> str | None:
+        """A line from stdin; None at end of input or on Ctrl-C."""
+        future: asyncio.Future[str | None] = self.loop.create_future()
+
+        def read() -> None:
+            try:
+                line: str | None = input(prompt)
+            except (EOFError, OSError, ValueError):
+                line = None
+            self.loop.call_soon_threadsafe(lambda: future.done() or future.set_result(line))
+
+        threading.Thread(target=read, name="asyncinfer-chat-input", daemon=True).start()
+        self.current = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise
+            print(file=sys.stderr)
+            return None
+        finally:
+            self.current = None

@@ -1,0 +1,191 @@
+"""``asyncinfer generate``: a batch job, JSONL in and JSONL out, with a progress bar.
+
+Input, one request a line (``--file``; ``-`` reads stdin)::
+
+    {"prompt": "Once upon a time"}                                  # a text
+    {"messages": [{"role": "user", "content": "Hi!"}], "id": "q7"}  # a chat (its template applied)
+    {"prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0.7}     # token ids; per-line sampling fields
+
+``--prompt TEXT`` (repeatable) gives the prompts on the command line instead
+(``--chat`` sends texts as a user message). Every line is checked before anything
+runs, so a bad line fails the job at once, naming its line number. All requests are
+submitted together (at most ``--concurrency`` in flight) and the engine batches them.
+
+Output: one line per request, in input order (``--output``, default stdout)::
+
+    {"id": "q7", "text": "...", "finish_reason": "stop", "prompt_tokens": 9, "completion_tokens": 20}
+
+A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
+and the job goes on; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import msgspec
+
+from asyncinfer.commands import CommandError
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.sampling_params import SamplingParams
+
+_REQUEST_KEYS = {"prompt", "messages", "id"}
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above")
+    p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
+    p.add_argument("--chat", action="store_true", help="send text prompts as a user message (chat template)")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default: 64)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway without a terminal)")
+
+
+@dataclass(frozen=True)
+class Job:
+    id: Any
+    prompt: Any
+    params: SamplingParams
+
+
+def run_generate(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    if args.concurrency < 1:
+        raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
+    jobs = list(_jobs(args, params))
+    if not jobs:
+        raise CommandError(f"{args.file}: no requests in it")
+    with _open_output(args.output) as out:
+        return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args))
+
+
+def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
+    if args.prompt:
+        for i, text in enumerate(args.prompt):
+            yield Job(i, [{"role": "user", "content": text}] if args.chat else text, params)
+        return
+    with _open_input(args.file) as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                yield _job(line, number, params, args)
+
+
+def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespace) -> Job:
+    where = f"{args.file} line {number}"
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        raise CommandError(f"{where}: not JSON ({exc})") from None
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+        raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
+    overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
+    unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise CommandError(f"{where}: unknown key(s) {unknown}: the keys are prompt, messages, id and "
+                           "SamplingParams' fields (max_tokens, temperature, stop, ...)")
+    try:
+        line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
+    except InvalidParameterError as exc:
+        raise CommandError(f"{where}: {exc}") from None
+    prompt = item.get("messages") or item["prompt"]
+    if args.chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return Job(item.get("id", number - 1), prompt, line_params)
+
+
+@contextlib.contextmanager
+def _open_input(name: str) -> Iterator[TextIO]:
+    if name == "-":
+        yield sys.stdin
+    else:
+        with open(name, encoding="utf-8") as fh:
+            yield fh
+
+
+@contextlib.contextmanager
+def _open_output(name: str) -> Iterator[TextIO]:
+    if name == "-":
+        yield sys.stdout
+    else:
+        with open(name, "w", encoding="utf-8") as fh:
+            yield fh
+
+
+class _Progress:
+    """Requests done and output tokens/s, on stderr: tqdm's bar on a terminal, nothing otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+    def done(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{self.rate:.1f} tok/s", refresh=False)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO, args: argparse.Namespace) -> int:
+    from asyncinfer.engine import AsyncEngine
+
+    engine = await AsyncEngine.load(model, **options)
+    results: list[dict[str, Any] | None] = [None] * len(jobs)
+    written = failed = 0
+    limit = asyncio.Semaphore(args.concurrency)
+    progress = _Progress(len(jobs), not args.no_progress)
+
+    async def one(i: int, job: Job) -> None:
+        nonlocal written, failed
+        async with limit:
+            try:
+                result = await engine.generate(job.prompt, job.params, request_id=f"generate-{i}")
+                record: dict[str, Any] = {"id": job.id, "text": result.text, "finish_reason": result.finish_reason,
+                                          "prompt_tokens": len(result.prompt_token_ids),
+                                          "completion_tokens": sum(len(o.token_ids) for o in result.outputs)}
+                if len(result.outputs) > 1:
+                    record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in result.outputs]
+                progress.done(record["completion_tokens"])
+            except InvalidParameterError as exc:  # this request only: the job goes on
+                record = {"id": job.id, "error": str(exc)}
+                failed += 1
+                progress.done(0)
+        results[i] = record
+        while written < len(results) and results[written] is not None:  # in input order
+            out.write(json.dumps(results[written], ensure_ascii=False) + "\n")
+            results[written] = None
+            written += 1
+        out.flush()
+
+    try:
+        async with engine:
+            await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - progress.start
+    print(f"{len(jobs) - failed} of {len(jobs)} requests done in {elapsed:.1f} s, {progress.tokens} output tokens "
+          f"({progress.rate:.1f} tokens/s)" + (f"; {failed} refused (see their 'error')" if failed else ""),
+          file=sys.stderr)
+    return 1 if failed else 0

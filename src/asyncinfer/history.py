@@ -1,0 +1,69 @@
+"""Keeping a chat history within a token budget.
+
+A conversation grows until its prompt no longer leaves room for the reply
+(prompt + ``max_tokens`` must fit ``max_model_len``). :func:`trim_messages` drops
+the oldest turns, keeping the system message(s) at the start and the latest
+turn, until the rendered prompt fits::
+
+    budget = engine.max_model_len - params.max_tokens
+    history = trim_messages(history, budget, engine.count_tokens)
+    reply = await engine.generate(history, params)
+
+Whole turns are dropped (a user message and the replies after it), never half of
+one, so the history still alternates user/assistant as strict chat templates require.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from asyncinfer.errors import InvalidParameterError
+
+__all__ = ["trim_messages"]
+
+Message = dict[str, str]
+
+
+def trim_messages(
+    messages: Sequence[Message], budget: int, count_tokens: Callable[[list[Message]], int]
+) -> list[Message]:
+    """The longest suffix of whole turns of ``messages`` (after the leading system messages,
+    which are always kept) whose rendered prompt takes at most ``budget`` tokens.
+
+    ``count_tokens``: how many tokens a message list renders to, usually
+    ``engine.count_tokens`` (the chat template applied, the generation prompt
+    included). It is called O(log turns) times (a binary search), so a long
+    history costs a few renderings, not one per turn. ``messages`` is not changed.
+
+    Raises:
+        InvalidParameterError: ``budget`` is not a positive int, ``messages`` is empty, or
+            even the system messages and the last turn alone take more than ``budget`` tokens
+            (``parameter`` is "messages"; ``allowed`` says how many tokens they take).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InvalidParameterError("budget", budget, "an int >= 1 (tokens)")
+    messages = list(messages)
+    if not messages:
+        raise InvalidParameterError("messages", messages, "at least one message")
+    head = 0
+    while head < len(messages) and messages[head].get("role") == "system":
+        head += 1
+    system, rest = messages[:head], messages[head:]
+    starts = [i for i, m in enumerate(rest) if m.get("role") == "user"] or [0]
+    if starts[0] != 0:
+        starts.insert(0, 0)  # replies before the first user message form a turn of their own
+    # Keeping turns from starts[k] on: fits(k) is monotonic (fewer turns, fewer tokens).
+    lo, hi = 0, len(starts) - 1
+    need = count_tokens(system + rest[starts[hi]:])
+    if need > budget:
+        raise InvalidParameterError(
+            "messages", f"<{len(messages)} messages>",
+            f"a system prompt and last turn within {budget} tokens (they take {need})",
+        )
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count_tokens(system + rest[starts[mid]:]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return system + rest[starts[lo]:]

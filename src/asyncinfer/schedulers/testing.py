@@ -1,0 +1,381 @@
+"""The scheduler conformance suite, shipped: the checks every built-in policy passes, for your class.
+
+In any project, with plain pytest (or no test runner at all)::
+
+    from asyncinfer.schedulers.testing import check_scheduler
+    from mypkg.policies import ShortestFirst
+
+    def test_shortest_first_conforms():
+        report = check_scheduler(ShortestFirst, options={"max_wait": 2.0})
+        assert report.preempted > 0  # optional: the tight-memory paths really ran
+
+A failure raises :class:`ContractViolation` (an ``AssertionError``) whose message
+says which check, which seed and limits, and which step. The parts, usable alone:
+
+- :func:`check_schedule` — one ``schedule()`` result against the contract of
+  :mod:`asyncinfer.schedulers.base`: budget and ``max_num_seqs``, token counts,
+  slots for every scheduled token, running/waiting partitioning the live requests,
+  preempted requests back in waiting, progress. (The policy lab checks every
+  simulated step with it too.)
+- :func:`drive_random_load` — random arrivals (30 requests), random aborts and, at
+  the tight :data:`LIMITS`, memory pressure and preemption, without a model (also
+  with ``n > 1`` samples forked as the engine forks them and prefix-cache hits): every
+  step checked, every request ends (by length or abort), every block comes back,
+  and the preemption counts of the plans, the cache and the requests agree.
+- :func:`check_flags` — ``uses_priority`` and ``starvation_free`` are declared bools.
+- :func:`check_matches_fifo` — the real engine on a tiny random model
+  (:func:`tiny_model`): greedy outputs token-identical to FIFO's under preemption.
+  A scheduler changes the order work is done in, never the tokens.
+
+The checks construct your scheduler through the registry exactly as the engine
+does (a class, a registered or entry-point name, or ``"module:Class"``, with
+``options`` as ``scheduler_options``). Like all of ``schedulers/``, this module
+imports no torch itself; :func:`check_matches_fifo` and :func:`tiny_model` use the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.step import apply_step, fork_samples
+
+__all__ = [
+    "LIMITS",
+    "ConformanceReport",
+    "ContractViolation",
+    "LoadReport",
+    "check_flags",
+    "check_matches_fifo",
+    "check_schedule",
+    "check_scheduler",
+    "drive_random_load",
+    "engine_tokens",
+    "tiny_model",
+]
+
+SchedulerSpec = str | type[Scheduler]
+
+#: (num_blocks, block_size, max_num_seqs, max_num_batched_tokens): roomy, tight memory, tiny budget.
+LIMITS: tuple[tuple[int, int, int, int], ...] = ((256, 4, 8, 64), (26, 4, 6, 48), (40, 2, 3, 7))
+
+
+class ContractViolation(AssertionError):
+    """A scheduler broke the contract of :mod:`asyncinfer.schedulers.base`."""
+
+
+def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> None:
+    """Check one ``schedule()`` result against the contract; raise :class:`ContractViolation` if broken.
+
+    Call it right after ``schedule`` and before the step is applied.
+    """
+    cfg = sched.config
+    where = where or type(sched).__name__
+    scheduled = plan.num_scheduled_tokens
+    if plan.total_tokens > cfg.max_num_batched_tokens:
+        raise ContractViolation(f"{where}: {plan.total_tokens} tokens > max_num_batched_tokens")
+    if len(scheduled) > cfg.max_num_seqs or sched.num_running > cfg.max_num_seqs:
+        raise ContractViolation(f"{where}: more than max_num_seqs={cfg.max_num_seqs} requests")
+    running = {r.request_id for r in sched.running}
+    waiting = {r.request_id for r in sched.waiting}
+    if running & waiting or running | waiting != set(sched.requests) or len(sched.waiting) != len(waiting):
+        raise ContractViolation(f"{where}: running/waiting do not partition the live requests")
+    if set(plan.preempted) & set(scheduled) or not set(plan.preempted) <= waiting:
+        raise ContractViolation(f"{where}: a preempted request is scheduled or not back in waiting")
+    bs = sched.kv.block_size
+    for rid, n in scheduled.items():
+        request = sched.requests.get(rid)
+        if request is None or rid not in running:
+            raise ContractViolation(f"{where}: {rid} is scheduled but not running")
+        if not 1 <= n <= request.num_uncomputed_tokens:
+            raise ContractViolation(f"{where}: {rid} scheduled for {n} of {request.num_uncomputed_tokens} tokens")
+        if len(sched.kv.block_table(rid)) * bs < request.num_computed_tokens + n:
+            raise ContractViolation(f"{where}: {rid} has no slots for its tokens")
+    if plan.is_empty and sched.has_unfinished_requests():
+        raise ContractViolation(
+            f"{where}: scheduled nothing with {sched.num_running} running and {sched.num_waiting} waiting requests"
+        )
+
+
+# --------------------------------------------------------------------------- without a model
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one :func:`drive_random_load` run went through."""
+
+    steps: int
+    preempted: int
+    aborted: int
+    finished: int
+
+
+def drive_random_load(
+    scheduler: SchedulerSpec,
+    seed: int,
+    limits: tuple[int, int, int, int] = LIMITS[1],
+    options: Mapping[str, Any] | None = None,
+    *,
+    num_requests: int = 30,
+    max_model_len: int = 48,
+    max_steps: int = 20_000,
+    samples: bool = False,
+) -> LoadReport:
+    """Random arrivals and aborts through ``schedule``, every step checked; see the module docstring.
+
+    Requests arrive over the first 60 steps with prompts of 1-29 tokens and
+    ``max_tokens`` up to what fits ``max_model_len``; ids are ``"<tenant>/<n>"``
+    (tenants "a" and "b") and priorities 0-3, so per-tenant and priority policies
+    have something to work on. Each step a live request is aborted with
+    probability 0.04. The simulated clock advances 0.05 s a step.
+
+    ``samples=True``: requests of up to 3 samples (``n``), forked as the engine
+    forks them (they join the running set holding the prompt's blocks), and
+    prompts that mostly start with one shared system prompt, with prefix caching
+    on; forked samples must stay within ``max_num_seqs`` and no queued request
+    may hold blocks.
+
+    Raises:
+        ContractViolation: a broken invariant, a lost request, a block not given
+            back, disagreeing preemption counts, or no end after ``max_steps`` steps.
+    """
+    num_blocks, block_size, max_seqs, budget = limits
+    where = f"{getattr(scheduler, '__name__', scheduler)} (seed {seed}, limits {limits})"
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    sched = create_scheduler(scheduler, config, kv, options)
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    arrivals = sorted((rng.randrange(60), i) for i in range(num_requests))
+    added: list[Request] = []
+    ended: dict[str, str] = {}
+    system = [rng.randrange(3, 300) for _ in range(12)]
+    preempted = aborted = step = 0
+
+    def sample(caught_up: list[Request]) -> list[tuple[Request, int]]:
+        pairs = []
+        for request in caught_up:
+            pairs.append((request, 5))
+            for child in fork_samples(kv, request):  # as the engine: samples share the prompt's blocks
+                added.append(child)
+                pairs.append((child, 5))
+        return pairs
+
+    while arrivals or sched.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, i = arrivals.pop(0)
+            size = rng.randrange(1, min(30, max_model_len))
+            shared = samples and rng.random() < 0.7
+            prompt = [*system, *(rng.randrange(3, 300) for _ in range(size))][:size] if shared else [1] * size
+            params = SamplingParams(max_tokens=rng.randrange(1, max_model_len - len(prompt) + 1), ignore_eos=True,
+                                    n=rng.choice([1, 1, 2, 3]) if samples else 1)
+            added.append(Request(f"{rng.choice('ab')}/{i}", prompt, params, arrival_time=now[0],
+                                 priority=rng.randrange(4)))
+            sched.add_request(added[-1])
+        if sched.requests and rng.random() < 0.04:
+            victim = rng.choice(sorted(sched.requests))
+            if sched.abort_request(victim).status is not RequestStatus.FINISHED_ABORTED:
+                raise ContractViolation(f"{where}: abort_request({victim!r}) did not mark it aborted")
+            ended[victim] = "abort"
+            aborted += 1
+        step += 1
+        now[0] += 0.05
+        if not sched.has_unfinished_requests():
+            continue
+        plan = sched.schedule()
+        kv.commit_step()
+        check_schedule(sched, plan, f"{where} step {step}")
+        preempted += len(plan.preempted)
+        for request in apply_step(sched, plan, sample).finished:
+            if request.num_output_tokens != request.params.max_tokens:
+                raise ContractViolation(f"{where}: {request.request_id} finished with "
+                                        f"{request.num_output_tokens} of {request.params.max_tokens} tokens")
+            ended[request.request_id] = "length"
+        if sched.num_running > max_seqs:
+            raise ContractViolation(f"{where} step {step}: {sched.num_running} running, past max_num_seqs={max_seqs}")
+        holding = [r.request_id for r in sched.waiting if kv.block_table(r.request_id)]
+        if holding:
+            raise ContractViolation(f"{where} step {step}: queued requests hold blocks: {holding}")
+        if step >= max_steps:
+            raise ContractViolation(f"{where}: no end after {max_steps} steps")
+    lost = sorted({r.request_id for r in added} - set(ended))
+    if lost:
+        raise ContractViolation(f"{where}: requests lost (never finished nor aborted): {lost}")
+    if kv.num_free_blocks != num_blocks or sched.requests:
+        raise ContractViolation(f"{where}: {num_blocks - kv.num_free_blocks} blocks not given back at the end")
+    if not kv.num_preemptions == preempted == sum(r.num_preemptions for r in added):
+        raise ContractViolation(f"{where}: preemptions disagree: plans {preempted}, cache {kv.num_preemptions}, "
+                                f"requests {sum(r.num_preemptions for r in added)}")
+    return LoadReport(step, preempted, aborted, len(ended) - aborted)
+
+
+def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None) -> type[Scheduler]:
+    """The class's ``uses_priority`` and ``starvation_free`` are declared as bools; returns the class."""
+    cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
+    for flag in ("uses_priority", "starvation_free"):
+        if not isinstance(getattr(cls, flag, None), bool):
+            raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
+    return cls
+
+
+# --------------------------------------------------------------------------- with the real engine
+
+#: 40 blocks of 4 tokens for 8 requests growing to ~45 tokens: preemption is certain.
+ENGINE_OPTIONS: dict[str, Any] = {"kv_cache_memory": 40 * 1024, "max_model_len": 64, "dtype": "float32",
+                                  "device": "cpu", "block_size": 4, "max_num_batched_tokens": 24, "max_num_seqs": 5}
+
+# A tiny Llama: 2 layers, 4 heads (2 KV heads) of 16 dims, a 320-token vocabulary.
+_TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+         "bos_token_id": 1, "eos_token_id": 2, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+def tiny_model(directory: str | Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Llama checkpoint into ``directory`` (config.json + safetensors).
+
+    Weights are drawn wide (N(0, 0.1); norms around 1) so that logits are well
+    separated and greedy decoding does not flip on float noise between batch shapes.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncinfer.models.loader import build_targets, read_model_config
+    from asyncinfer.models.meta import build_on_meta
+
+    path = Path(directory)
+    if (path / "model.safetensors").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_TINY))
+    config = read_model_config(path)
+    shapes = dict(build_on_meta(config).named_parameters())
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, target in sorted(build_targets(config, "hf").items()):
+        shape = shapes[target.param].shape
+        if target.rows is not None:
+            shape = (target.rows.stop - target.rows.start, *shape[1:])
+        weight = torch.randn(shape, generator=generator) * 0.1
+        tensors[name] = (1 + weight) if name.endswith("norm.weight") else weight
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def engine_tokens(model: str | Path, scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None,
+                  *, engine_options: Mapping[str, Any] | None = None) -> tuple[list[list[int]], int]:
+    """Greedy outputs of 8 staggered requests (two tenants, priorities 0-3) under ``scheduler``,
+    and the preemptions the engine counted. Runs its own event loop (in a thread if one runs here)."""
+    from asyncinfer.engine import AsyncEngine
+
+    async def run() -> tuple[list[list[int]], int]:
+        rng = random.Random(11)
+        prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 22))] for _ in range(8)]
+        engine = await AsyncEngine.load(model, **{**ENGINE_OPTIONS, **(engine_options or {})},
+                                        scheduler=scheduler, scheduler_options=dict(options or {}))
+        async with engine:
+
+            async def one(i: int) -> list[int]:
+                await asyncio.sleep(0.004 * i)
+                params = SamplingParams(max_tokens=24, ignore_eos=True)
+                out = await engine.generate(prompts[i], params, request_id=f"t{i % 2}/{i}", priority=(7 * i) % 4)
+                return out.token_ids
+
+            tokens = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        stats = engine.kv_stats()
+        if stats.used_blocks != 0 or stats.preemptions != engine.step_stats().preemptions:
+            raise ContractViolation(f"{scheduler}: {stats.used_blocks} blocks still used after the run, or the "
+                                    "cache and the core count preemptions differently")
+        return list(tokens), stats.preemptions
+
+    return _run(run())
+
+
+def check_matches_fifo(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None,
+                       *, model: str | Path | None = None, fifo: list[list[int]] | None = None) -> int:
+    """The real engine's greedy outputs under ``scheduler`` equal FIFO's, token for token; returns
+    its preemption count. ``model``: a checkpoint (default: :func:`tiny_model` in a temporary
+    directory); ``fifo``: FIFO's outputs, if already computed (:func:`engine_tokens`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-conformance-") as tmp:
+        model = model if model is not None else tiny_model(tmp)
+        expected = fifo if fifo is not None else engine_tokens(model, "fifo")[0]
+        tokens, preemptions = engine_tokens(model, scheduler, options)
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            raise ContractViolation(f"{scheduler}: request {i}'s greedy tokens differ from FIFO's: {got} != {want}")
+    return preemptions
+
+
+# --------------------------------------------------------------------------- all of it
+
+
+@dataclass(frozen=True)
+class ConformanceReport:
+    """What :func:`check_scheduler` ran: the load runs' totals and the engine run's preemptions."""
+
+    scheduler: str
+    load_runs: int
+    steps: int
+    preempted: int
+    aborted: int
+    engine_preemptions: int | None
+
+
+def check_scheduler(
+    scheduler: SchedulerSpec,
+    options: Mapping[str, Any] | None = None,
+    *,
+    seeds: Iterable[int] = range(4),
+    limits: Iterable[tuple[int, int, int, int]] = LIMITS,
+    engine: bool = True,
+    model: str | Path | None = None,
+) -> ConformanceReport:
+    """Run the whole suite on ``scheduler``: flags, :func:`drive_random_load` for every seed and
+    limit (with and without parallel samples and prefix hits), and (``engine=True``) :func:`check_matches_fifo` on a tiny model (about 10 s on 2 cores).
+
+    Raises:
+        ContractViolation: the first check that failed, with what, where and when.
+        InvalidParameterError: ``scheduler`` or ``options`` cannot be constructed.
+    """
+    cls = check_flags(scheduler, options)
+    runs = [drive_random_load(scheduler, seed, lim, options, samples=samples)
+            for seed in seeds for lim in limits for samples in (False, True)]
+    engine_preemptions = check_matches_fifo(scheduler, options, model=model) if engine else None
+    return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
+                             sum(r.aborted for r in runs), engine_preemptions)
+
+
+def _run(coro: Any) -> Any:
+    """``asyncio.run(coro)``, in a fresh thread when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="asyncinfer-conformance")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,171 @@
+"""The ``asyncinfer`` command: --help and --version everywhere, library defaults, one-line errors,
+``generate``, ``bench``, ``info`` and ``lab`` (in-process; ``chat`` as a process is test_chat.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncinfer
+from asyncinfer import AsyncEngine, SamplingParams, cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ["chat", "generate", "bench", "info", "plan", "embed", "lab", "serve"]
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_every_command_has_help(command, capsys) -> None:
+    with pytest.raises(SystemExit) as end:
+        cli.main([*command, "--help"])
+    assert end.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: asyncinfer") and "--help" in out
+    if command == []:
+        assert all(c in out for c in COMMANDS)
+
+
+def test_version_and_python_dash_m() -> None:
+    result = subprocess.run([sys.executable, "-m", "asyncinfer", "--version"], capture_output=True, text=True,
+                            check=True, cwd=ROOT)
+    assert result.stdout.startswith(f"asyncinfer {asyncinfer.__version__} (torch ")
+
+
+def test_no_flag_means_the_library_default() -> None:
+    parser = cli.build_parser()
+    for command in (["chat"], ["generate", "--prompt", "x"], ["bench"], ["info"], ["serve"]):
+        assert cli._engine_options(parser.parse_args(command)) == {}, command
+    args = parser.parse_args(["chat"])
+    assert cli._sampling_params(args) == SamplingParams()
+    args = parser.parse_args(["chat", "--max-model-len", "512", "--scheduler", "aging-priority", "--threads", "2",
+                              "--quantization", "int8", "--scheduler-option", "aging_rate=0.5", "--temperature",
+                              "0.7", "--top-k", "5", "--stop", "END", "--stop", "\n\n", "--seed", "3"])
+    assert cli._engine_options(args) == {"max_model_len": 512, "scheduler": "aging-priority", "num_threads": 2,
+                                         "quantization": "int8", "scheduler_options": {"aging_rate": 0.5}}
+    assert cli._sampling_params(args) == SamplingParams(temperature=0.7, top_k=5, stop=["END", "\n\n"], seed=3)
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
+    assert cli.main(["info", str(tmp_path / "missing")]) == 2
+    assert one_line_error(capsys).startswith("asyncinfer: error: model path")
+    assert cli.main(["chat", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in one_line_error(capsys)
+    bad = tmp_path / "bad.jsonl"
+    for line, message in (('{"prompt": "x"}\nnot json\n', "line 2: not JSON"),
+                          ('{"prompt": "x", "max_tokens": 0}\n', "line 1: max_tokens=0 is invalid"),
+                          ('{"prompt": "x", "maxtokens": 3}\n', "line 1: unknown key(s) ['maxtokens']"),
+                          ('{"text": "x"}\n', "line 1: expected an object with 'prompt' or 'messages'")):
+        bad.write_text(line)
+        assert cli.main(["generate", "--file", str(bad)]) == 2
+        assert message in one_line_error(capsys)
+    assert cli.main(["generate", "--file", str(tmp_path / "none.jsonl")]) == 2
+    assert "No such file or directory" in one_line_error(capsys)
+    assert cli.main(["bench", "--concurrency", "0,2"]) == 2
+    assert "--concurrency" in one_line_error(capsys)
+
+    def broken(args):
+        raise RuntimeError("something unexpected")
+
+    monkeypatch.setattr(cli, "_info", broken)
+    assert cli.main(["info"]) == 1
+    assert one_line_error(capsys) == ("asyncinfer: internal error: RuntimeError: something unexpected "
+                                      "(ASYNCINFER_DEBUG=1 shows the traceback)\n")
+    monkeypatch.setenv("ASYNCINFER_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["info"])
+
+
+def test_info_plans_from_the_config(tiny_models, capsys) -> None:
+    path = tiny_models["llama"][0]
+    assert cli.main(["info", str(path), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
+    out = capsys.readouterr().out
+    plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20)
+    assert f"memory plan: {plan.describe()}" in out and "no weight read" in out
+    assert "architecture: llama, 2 layers, hidden 64, heads 4/2 kv, vocab 320, context 512" in out
+
+
+@pytest.mark.real_model
+def test_generate_writes_every_result_in_input_order(real_gguf, tmp_path, capsys) -> None:
+    chat = [{"role": "user", "content": "Say hi."}]
+    lines = [{"prompt": "The capital of France is", "max_tokens": 6}, {"messages": chat, "id": "chat-1"},
+             "Once upon a time", {"prompt": [1, 2, 3], "max_tokens": 5000}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(item) for item in lines) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["generate", str(real_gguf), "--file", str(prompts), "--output", str(out), "--max-tokens", "10",
+                     "--max-model-len", "1024"])
+    assert code == 1  # one request refused, the others done
+    assert "3 of 4 requests done" in capsys.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [0, "chat-1", 2, 3]
+    assert "max_tokens=5000 is invalid" in records[3]["error"]
+
+    async def expected():
+        async with await AsyncEngine.load(real_gguf, max_model_len=1024) as engine:
+            return [await engine.generate(p, SamplingParams(max_tokens=n))
+                    for p, n in (("The capital of France is", 6), (chat, 10), ("Once upon a time", 10))]
+
+    for record, want in zip(records, asyncio.run(expected())):
+        assert record["text"] == want.text and record["finish_reason"] == want.finish_reason
+        assert (record["prompt_tokens"], record["completion_tokens"]) == (len(want.prompt_token_ids),
+                                                                          len(want.token_ids))
+
+
+def test_bench_measures_and_compares_with_transformers(tiny_models, tmp_path, capsys) -> None:
+    figures, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert cli.main(["bench", str(tiny_models["llama"][0]), "--num-requests", "3", "--input-len", "8",
+                     "--output-len", "5", "--concurrency", "1,2", "--compare-transformers", "--json", str(figures),
+                     "--plot", str(png), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50" in out and "transformers" in out
+    rows = json.loads(figures.read_text())["rows"]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [
+        ("asyncinfer", 1), ("asyncinfer", 2), ("transformers", 1), ("transformers", 2)]
+    assert all(r["requests"] == 3 and r["output_tokens_per_s"] > 0 for r in rows)
+    assert [r["same_tokens"] for r in rows[2:]] == ["3/3", "3/3"]  # greedy fp32: the same tokens
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_profile_writes_a_trace_and_the_top_ops(tiny_models, tmp_path, capsys) -> None:
+    where = tmp_path / "prof"
+    assert cli.main(["bench", str(tiny_models["llama"][0]), "--num-requests", "2", "--input-len", "8",
+                     "--output-len", "4", "--concurrency", "2", "--profile", str(where), "--profile-steps", "6",
+                     "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
+    out = capsys.readouterr().out
+    assert f"profile of 6 steps at concurrency 2: {where / 'trace.json'}" in out
+    assert json.loads((where / "trace.json").read_text())["traceEvents"]
+    assert "Self CPU" in (where / "top_ops.txt").read_text() and "Self CPU" in out
+    assert cli.main(["bench", "--profile-steps", "0"]) == 2
+
+
+def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["lab", "--synthetic", "5", "--schedulers", "fifo"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    plugin = tmp_path / "plugins" / "my_policies.py"
+    plugin.parent.mkdir()
+    plugin.write_text((ROOT / "examples" / "custom_scheduler.py").read_text())
+    monkeypatch.syspath_prepend(str(plugin.parent))
+    from importlib import metadata
+
+    fake = metadata.EntryPoint("from-a-package", "asyncinfer.schedulers.fifo:FIFOScheduler", "asyncinfer.schedulers")
+    real = metadata.entry_points
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda **kw: [fake] if kw.get("group") == "asyncinfer.schedulers" else real(**kw))
+    capsys.readouterr()
+    assert cli.main(["lab", "--plugin", "my_policies", "--list-schedulers"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names[:4] == ["fifo", "length-bucket", "aging-priority", "pd-split"]
+    assert {"fair-share", "from-a-package"} <= set(names[4:])
+    assert cli.main(["lab", "--plugin", "no_such_module"]) == 2
+    assert "--plugin='no_such_module'" in one_line_error(capsys)

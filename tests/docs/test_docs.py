@@ -1,0 +1,298 @@
+"""Every code block of README.md and docs/**/*.md runs, so the docs cannot rot.
+
+One test per file (new docs are picked up by the glob); its blocks run in order:
+
+- ``python``: in one namespace per file, in a temporary working directory (with
+  ``examples/``, ``benchmarks/`` and ``src/`` linked in), top-level ``await`` allowed
+  (one event loop per file). Placeholder paths are replaced by real models
+  (:data:`PLACEHOLDERS`); a block that talks to ``http://127.0.0.1:8000`` gets a live
+  ``asyncinfer serve`` of the real model under the block's ``model=`` name and
+  ``api_key=``. Text right after a block that says ``prints `X` `` is checked against
+  what the block printed.
+- ``bash``/``sh``: each command line (continuations joined) runs, except those
+  :data:`NOT_RUN` names: a plain ``asyncinfer ...`` line through ``asyncinfer.cli.main``
+  in this process (the interpreter and torch are already loaded), anything with shell
+  syntax through bash, where ``asyncinfer`` is ``python -m asyncinfer`` from this tree.
+- ``json`` / ``toml`` / ``yaml``: parsed (a JSON block may be JSON Lines).
+- ``text`` or no language: prose, a diagram or printed output; not code.
+- ``<!-- docs-test: not run: REASON -->`` on the line before a fence: not run; the
+  reason is printed (``pytest -s`` or ``-rA`` shows it) and must not be empty.
+
+Blocks that need the real model use it (the ``real_gguf`` fixture) with small
+``max_tokens``; the whole test takes about a minute and a half on 2 cores.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: TOML blocks are not parsed there
+    tomllib = None
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+MARKER = re.compile(r"<!--\s*docs-test:\s*not run:\s*(.*?)\s*-->")
+SERVER_URL = "http://127.0.0.1:8000"
+
+#: Shell commands that cannot run inside a test, and why.
+NOT_RUN: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"^pip install"), "installs packages into the environment running the tests"),
+    (re.compile(r"^python -m pytest"), "is the test suite itself"),
+    (re.compile(r"^asyncinfer serve"), "starts a server that runs until stopped (tests/server/test_cli_serve.py "
+                                       "runs it; this test starts one for the client blocks)"),
+    (re.compile(r"^(\$ )?python benchmarks/"), "a benchmark of minutes (its figures are in benchmarks/results/)"),
+    (re.compile(r"^asyncinfer lab --calibrate"), "times the real runner for minutes"),
+]
+
+
+@dataclass
+class Block:
+    file: Path
+    line: int
+    lang: str
+    code: str
+    not_run: str | None  # the marker's reason
+    after: str  # the prose up to the next block
+
+
+def blocks(path: Path) -> list[Block]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)```(\S*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        start = i
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(fence.group(1)):])
+            i += 1
+        previous = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.search(previous)
+        found.append(Block(path, start + 1, fence.group(2).lower(), "\n".join(body) + "\n",
+                           marker.group(1) if marker else None, ""))
+        i += 1
+        if found[-1].not_run is not None and not found[-1].not_run:
+            pytest.fail(f"{path.name}:{start + 1}: a 'not run' marker needs a reason")
+    for block, nxt in zip(found, [*found[1:], None]):
+        end = nxt.line - 1 if nxt else len(lines)
+        block.after = "\n".join(lines[block.line:end])
+    return found
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A scratch working directory in which the repository's examples/, benchmarks/, src/ are visible."""
+    path = tmp_path_factory.mktemp("docs")
+    for name in ("examples", "benchmarks", "src"):
+        (path / name).symlink_to(ROOT / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def placeholders(tiny_models, real_gguf, tmp_path_factory) -> dict[str, str]:
+    """Paths the docs use as examples, mapped to real models of the same kind."""
+    llama = tmp_path_factory.mktemp("models") / "llama"  # a directory holding one .gguf file loads as that file
+    llama.mkdir()
+    (llama / real_gguf.name).symlink_to(real_gguf)
+    return {"/models/v1": str(tiny_models["llama"][0]), "/models/v2": str(tiny_models["qwen2"][0]),
+            "/models/llama": str(llama), "/path/to/model": str(real_gguf)}
+
+
+class Servers:
+    """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand."""
+
+    def __init__(self, model: Path, env: dict[str, str]) -> None:
+        self.model, self.env = model, env
+        self.running: dict[tuple[str, str], tuple[subprocess.Popen, str]] = {}
+
+    def url(self, name: str, key: str) -> str:
+        if (name, key) not in self.running:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "asyncinfer", "serve", str(self.model), "--served-model-name", name,
+                   "--api-key", key, "--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
+            proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            url = f"http://127.0.0.1:{port}"
+            self.running[(name, key)] = (proc, url)
+            self._wait(proc, url)
+        return self.running[(name, key)][1]
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen, url: str) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"asyncinfer serve ended: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "asyncinfer serve did not come up"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    return
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for proc, _ in self.running.values():
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "ASYNCINFER_PROGRESS": "0", "KEY": "sk-one"}
+
+
+@pytest.fixture(scope="module")
+def servers(real_gguf, env) -> Iterator[Servers]:
+    servers = Servers(real_gguf, env)
+    yield servers
+    servers.close()
+
+
+# --------------------------------------------------------------------------- running blocks
+
+
+def substitute(code: str, placeholders: dict[str, str]) -> str:
+    for old, new in placeholders.items():
+        code = code.replace(old, new)
+    return code
+
+
+def run_python(block: Block, namespace: dict, loop: asyncio.AbstractEventLoop, placeholders: dict[str, str],
+               servers: Servers) -> str:
+    code = substitute(block.code, placeholders)
+    if SERVER_URL in code:
+        name = re.search(r'model="([^"]+)"', code)
+        key = re.search(r'api_key="([^"]+)"', code)
+        url = servers.url(name.group(1) if name else "SmolLM2-135M-Instruct", key.group(1) if key else "unused")
+        code = code.replace(SERVER_URL, url)
+    compiled = compile(code, f"{block.file.name}:{block.line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = eval(compiled, namespace)  # noqa: S307 - the docs' own code
+        if asyncio.iscoroutine(result):
+            loop.run_until_complete(result)
+    return out.getvalue()
+
+
+def shell_commands(code: str) -> Iterator[str]:
+    """The command lines of a shell block: continuations joined, comments and blank lines skipped."""
+    pending = ""
+    for line in code.splitlines():
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        command = (pending + line).strip()
+        pending = ""
+        if command and not command.startswith("#"):
+            yield command
+
+
+def run_cli(argv: list[str], where: str) -> None:
+    """``asyncinfer ARGV`` through the CLI's own ``main`` (its output captured); it must succeed."""
+    from asyncinfer import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:  # --version, --help
+            code = exc.code
+    assert code in (0, None), f"{where}: asyncinfer {shlex.join(argv)} failed ({code}):\n{err.getvalue()[-3000:]}"
+
+
+def run_shell(block: Block, placeholders: dict[str, str], env: dict[str, str], cwd: Path) -> list[str]:
+    notes = []
+    for command in shell_commands(substitute(block.code, placeholders)):
+        reason = next((why for pattern, why in NOT_RUN if pattern.search(command)), None)
+        if reason:
+            notes.append(f"{block.file.name}:{block.line}: not run: {command!r}: {reason}")
+            continue
+        words = shlex.split(command, comments=True)
+        if words[0] == "asyncinfer" and not re.search(r"[|<>;&$`]", shlex.join(words)):
+            run_cli(words[1:], f"{block.file.name}:{block.line}")
+            continue
+        script = f'asyncinfer() {{ {shlex.quote(sys.executable)} -m asyncinfer "$@"; }}\nset -e\n{command}\n'
+        result = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, (f"{block.file.name}:{block.line}: {command!r} failed "
+                                        f"({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    return notes
+
+
+def check_prints(block: Block, printed: str) -> None:
+    """``prints `X` `` in the text after a block: X is what it printed (whitespace aside)."""
+    for claim in re.findall(r"\bprints `([^`]+)`", block.after):
+        said = " ".join(claim.split())
+        assert said in " ".join(printed.split()), f"{block.file.name}:{block.line} printed {printed!r}, not {said!r}"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("doc", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_block_runs(doc, placeholders, servers, env, workdir, monkeypatch) -> None:
+    monkeypatch.chdir(workdir)
+    monkeypatch.syspath_prepend(str(workdir))  # as `python -m` has the working directory on the path
+    monkeypatch.syspath_prepend(str(ROOT / "src"))
+    monkeypatch.setenv("ASYNCINFER_PROGRESS", "0")
+    namespace: dict = {"__name__": "__docs__"}
+    exec("import asyncio\nfrom asyncinfer import *\n", namespace)  # what a page's fragments take as given
+    loop = asyncio.new_event_loop()
+    notes = []
+    try:
+        for block in blocks(doc):
+            if block.not_run is not None:
+                notes.append(f"{doc.name}:{block.line}: not run: {block.not_run}")
+            elif block.lang in ("python", "py"):
+                check_prints(block, run_python(block, namespace, loop, placeholders, servers))
+            elif block.lang in ("bash", "sh", "shell", "console"):
+                notes += run_shell(block, placeholders, env, workdir)
+            elif block.lang == "json":
+                text = block.code.strip()
+                try:
+                    json.loads(text)
+                except ValueError:
+                    for line in text.splitlines():
+                        json.loads(line)
+            elif block.lang == "toml":
+                if tomllib is not None:
+                    tomllib.loads(block.code)
+            elif block.lang in ("yaml", "yml"):
+                import yaml
+
+                yaml.safe_load(block.code)
+            elif block.lang not in ("", "text"):
+                pytest.fail(f"{doc.name}:{block.line}: a ```{block.lang} block: give it a language this test runs "
+                            "(python, bash, json, toml, yaml) or mark it ```text")
+    finally:
+        loop.close()
+    for note in notes:
+        print(note)

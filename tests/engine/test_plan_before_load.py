@@ -1,0 +1,62 @@
+"""Every load path plans memory from the config first and refuses, before reading a weight,
+with one message naming the cause, the numbers and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncinfer import AsyncEngine, ConfigurationError
+from asyncinfer.memory import GiB
+
+
+@pytest.fixture
+def llama_70b(tmp_path):
+    """A directory with Llama-3-70B's config.json and no weights at all: reading one would fail."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading_with_the_cause_and_the_fix(llama_70b) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        AsyncEngine.from_pretrained(llama_70b, device="cpu", dtype="float32")
+    message = str(err.value)
+    assert message.startswith("the model does not fit: its weights need 262.8 GiB (float32) but ")
+    assert "available on cpu; try a smaller model" in message  # int8 (121 GiB) does not fit here either
+    assert "kv_cache" not in message
+    with pytest.raises(ConfigurationError) as err:
+        AsyncEngine.plan_memory(llama_70b, available_bytes=200 * GiB, device="cpu")
+    assert str(err.value) == (
+        "the model does not fit: its weights need 262.8 GiB (float32) but 200.0 GiB are available on cpu; "
+        "try quantization='int8' (121.2 GiB of weights) or a smaller model")
+
+
+async def test_add_model_names_the_weights_as_the_cause(llama_70b, tiny_models) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], kv_cache_memory=1 << 20, max_model_len=64,
+                                         device="cpu")
+    async with engine:
+        with pytest.raises(ConfigurationError) as err:
+            await engine.add_model("big", llama_70b, available_bytes=21 * GiB)
+        message = str(err.value)
+        assert "its weights need 262.8 GiB (float32) but 21.0 GiB are available on cpu" in message
+        assert "kv_cache_memory" not in message and "Lower" not in message
+        with pytest.raises(ConfigurationError, match="weights need 262.8 GiB") as err:
+            await engine.swap_model(llama_70b, available_bytes=21 * GiB)
+        assert "mode='drain'" in str(err.value)
+        assert [m.name for m in engine.model_info()] == ["default"]
+
+
+def test_a_kv_budget_too_small_is_refused_before_the_weights_are_read(tiny_models, monkeypatch) -> None:
+    from asyncinfer.models import loader
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(loader.Checkpoint, "load", never)
+    with pytest.raises(ConfigurationError, match="max_model_len=256 needs 16 blocks"):
+        AsyncEngine.from_pretrained(tiny_models["llama"][0], kv_cache_memory=1024, max_model_len=256, device="cpu")

@@ -1,0 +1,104 @@
+"""A GGUF file's tokenizer is built once, cached as tokenizer.json, and the cached one behaves identically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import model_source
+from asyncinfer.models import loader
+from asyncinfer.models.loader import gguf_tokenizer
+
+TEXTS = [
+    "What is the capital of France?",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "Émoji 🤖🎉 and 中文字符 and ünïcödé",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "",
+]
+
+
+@pytest.mark.real_model
+def test_the_cached_tokenizer_equals_the_one_built_from_the_gguf(real_gguf, real_hf_reference) -> None:
+    built = real_hf_reference[1]  # transformers' own, from the GGUF metadata
+    cached = gguf_tokenizer(real_gguf)  # the user cache's copy (built once by an earlier load)
+    assert type(cached) is type(built)
+    assert cached.get_vocab() == built.get_vocab() and len(cached) == len(built)
+    assert cached.all_special_tokens == built.all_special_tokens
+    assert (cached.eos_token_id, cached.bos_token_id, cached.pad_token_id) == (
+        built.eos_token_id, built.bos_token_id, built.pad_token_id)
+    assert cached.chat_template == built.chat_template
+    for text in TEXTS:
+        ids = built.encode(text)
+        assert cached.encode(text) == ids, text
+        assert cached.encode(text, add_special_tokens=False) == built.encode(text, add_special_tokens=False)
+        for skip in (True, False):
+            assert cached.decode(ids, skip_special_tokens=skip) == built.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[2]}]
+    assert cached.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        built.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_cache_lives_next_to_the_default_model_and_elsewhere_never_beside_a_users_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    default = tmp_path / "cache" / "smollm2-135m-instruct" / "model.gguf"
+    assert model_source.tokenizer_cache_dir(default) == default.with_name("model.tokenizer")
+    user = tmp_path / "models" / "mine.gguf"
+    where = model_source.tokenizer_cache_dir(user)
+    assert where.parent == (tmp_path / "cache" / "tokenizers").resolve() and where.name.startswith("mine-")
+    assert model_source.tokenizer_cache_dir(tmp_path / "other" / "mine.gguf") != where  # keyed by the path
+
+
+class _Built:
+    """Stands for a transformers tokenizer: save_pretrained writes a file, from_pretrained reads it back."""
+
+    def __init__(self, word: str) -> None:
+        self.word = word
+
+    def save_pretrained(self, path: Path) -> None:
+        (Path(path) / "tokenizer.json").write_text(json.dumps({"word": self.word}))
+
+    @classmethod
+    def from_pretrained(cls, path: Path) -> _Built:
+        return cls(json.loads((Path(path) / "tokenizer.json").read_text())["word"])
+
+
+def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = tmp_path / "cache" / "m" / "m.gguf"
+    gguf_path.parent.mkdir(parents=True)
+    gguf_path.write_bytes(b"first")
+    builds: list[Path] = []
+
+    def build(directory, gguf_file):
+        builds.append(Path(directory) / gguf_file)
+        return _Built(f"build {len(builds)}")
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", build)
+    assert gguf_tokenizer(gguf_path).word == "build 1"
+    cache = gguf_path.with_name("m.tokenizer")
+    stamp = json.loads((cache / "asyncinfer-tokenizer.json").read_text())
+    assert stamp["class"].endswith("_Built") and stamp["size"] == 5
+    assert gguf_tokenizer(gguf_path).word == "build 1" and len(builds) == 1  # from the cache
+    gguf_path.write_bytes(b"second, longer")  # another file at the same path
+    os.utime(gguf_path, ns=(1, 1))
+    assert gguf_tokenizer(gguf_path).word == "build 2" and len(builds) == 2
+    assert not [p for p in cache.parent.iterdir() if p.name.startswith(".tokenizer-")]  # no staging left behind
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    gguf_path = tmp_path / "m.gguf"
+    gguf_path.write_bytes(b"x")
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d, gguf_file: _Built("fresh"))
+    assert gguf_tokenizer(gguf_path).word == "fresh"
+    assert "could not cache the tokenizer" in caplog.text
+    assert loader._cached_tokenizer(tmp_path / "nowhere", {}) is None

@@ -1,0 +1,116 @@
+"""asyncinfer.schedulers.testing: the shipped conformance suite passes good schedulers and names the broken
+rule of bad ones, from sync and async tests alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
+from asyncinfer.schedulers.testing import (
+    LIMITS,
+    ContractViolation,
+    check_flags,
+    check_matches_fifo,
+    check_scheduler,
+    drive_random_load,
+    engine_tokens,
+    tiny_model,
+)
+
+
+class OverBudget(FIFOScheduler):
+    """Schedules one token more than the step budget allows."""
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        if out.num_scheduled_tokens:
+            rid = next(iter(out.num_scheduled_tokens))
+            out.num_scheduled_tokens[rid] += self.config.max_num_batched_tokens
+        return out
+
+
+class Idle(FIFOScheduler):
+    """Never schedules anything."""
+
+    def schedule(self) -> SchedulerOutput:
+        return SchedulerOutput()
+
+
+class Undeclared(FIFOScheduler):
+    uses_priority = "sometimes"
+
+
+def test_a_conforming_plugin_passes_everything(tiny_models) -> None:
+    report = check_scheduler(FIFOScheduler, seeds=range(2), model=tiny_models["llama"][0])
+    # Every seed and limit, without and with parallel samples and prefix hits.
+    assert report.scheduler == "FIFOScheduler" and report.load_runs == 2 * len(LIMITS) * 2
+    assert report.preempted > 0 and report.aborted > 0 and report.engine_preemptions > 0
+
+
+@pytest.mark.parametrize("cls, message", [
+    (OverBudget, "tokens > max_num_batched_tokens"),
+    (Idle, "scheduled nothing with 0 running and 1 waiting requests"),
+])
+def test_a_broken_rule_is_named_with_where_and_when(cls, message) -> None:
+    with pytest.raises(ContractViolation, match=message) as err:
+        check_scheduler(cls, engine=False)
+    assert f"{cls.__name__} (seed 0, limits {LIMITS[0]}) step" in str(err.value)
+    assert isinstance(err.value, AssertionError)  # pytest reports it as a failed assertion
+
+
+class QueuesForkedSamples(FIFOScheduler):
+    """Forked samples (which hold the prompt's blocks) queue instead of joining the running set."""
+
+    def add_forked(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.add_request(request)
+
+
+class CountsRequestsNotSeats(FIFOScheduler):
+    """Admits while fewer than max_num_seqs requests run, whatever their samples will add."""
+
+    def has_seats(self, request: Request) -> bool:
+        return self.num_running < self.config.max_num_seqs
+
+
+@pytest.mark.parametrize("cls, message", [
+    (QueuesForkedSamples, "queued requests hold blocks"),
+    (CountsRequestsNotSeats, "past max_num_seqs"),
+])
+def test_sample_bugs_fail_only_with_samples(cls, message) -> None:
+    for seed in range(2):  # without samples, nothing forks: these bugs cannot show
+        for limits in LIMITS:
+            drive_random_load(cls, seed, limits)
+    with pytest.raises(ContractViolation, match=message):
+        check_scheduler(cls, engine=False)
+
+
+def test_flags_must_be_declared() -> None:
+    assert check_flags("aging-priority").uses_priority is True
+    with pytest.raises(ContractViolation, match="Undeclared.uses_priority must be declared True or False"):
+        check_flags(Undeclared)
+
+
+def test_token_differences_are_reported(tiny_models) -> None:
+    model = tiny_models["llama"][0]
+    fifo, preemptions = engine_tokens(model, "fifo")
+    assert preemptions > 0 and len(fifo) == 8
+    assert check_matches_fifo("pd-split", {"prefill_budget": 5}, model=model, fifo=fifo) > 0
+    wrong = [list(t) for t in fifo]
+    wrong[3][-1] += 1
+    with pytest.raises(ContractViolation, match="request 3's greedy tokens differ from FIFO's"):
+        check_matches_fifo("fifo", model=model, fifo=wrong)
+
+
+async def test_usable_from_an_async_test(tiny_models) -> None:
+    assert drive_random_load("length-bucket", 1, LIMITS[1]).preempted >= 0
+    assert check_matches_fifo("aging-priority", model=tiny_models["llama"][0]) >= 0  # its own loop, in a thread
+
+
+def test_the_tiny_model_is_written_once_and_deterministic(tmp_path) -> None:
+    first = tiny_model(tmp_path / "a")
+    assert tiny_model(first) == first  # already there: kept
+    again = tiny_model(tmp_path / "b")
+    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert engine_tokens(first, "fifo")[0] == engine_tokens(again, "fifo")[0]  # (preemptions vary with timing)
