@@ -47,8 +47,8 @@ def test_kv_memory_is_committed_only_when_written() -> None:
     assert rss() - before < 64 * MiB
     k, v = caches[0]
     assert k.shape == (1024, 16, 3, 64) and k.dtype == torch.float32 and not k.any() and not v.any()
-    k[:512] = 1.0  # writing half of one layer's K commits it
-    assert rss() - before > 10 * MiB
+    k[:512] = 1.0  # writing half of one layer's K (6 MiB) commits it
+    assert rss() - before > 0.8 * k[:512].nbytes
     assert torch.equal(k[512:], torch.zeros_like(k[512:]))
     bf16 = allocate_kv_caches(
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.bfloat16,

@@ -38,14 +38,15 @@ class ChatSession:
     """A conversation with one engine: the history, and one reply at a time written to ``out``."""
 
     def __init__(self, engine: Any, params: SamplingParams, system: str | None, *, stats: bool = False,
-                 out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None) -> None:
         self.engine = engine
         self.params = params
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict[str, str]] = list(self.system)
         self.stats = stats
-        self.out = out
-        self.err = err
+        # The streams of the moment (not of import time: a redirected sys.stdout may be closed later).
+        self.out = sys.stdout if out is None else out
+        self.err = sys.stderr if err is None else err
 
     def reset(self) -> None:
         self.history = list(self.system)
