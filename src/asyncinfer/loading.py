@@ -221,12 +221,13 @@ def check_sliding_window(loaded: LoadedModel, max_model_len: int) -> None:
     The runner has full attention only; within the window that is the same thing as
     sliding-window attention, past it the results would differ from the model's. A
     Hugging Face config's window already caps the model's context length (and so
-    ``max_model_len``); a GGUF file states it as ``<arch>.attention.sliding_window``.
+    ``max_model_len``); a GGUF file states it as ``<arch>.attention.sliding_window``,
+    which the loader keeps as ``ModelConfig.sliding_window`` (the header is parsed once).
 
     Raises:
         ConfigurationError: ``max_model_len`` exceeds the window (the message names both).
     """
-    window = gguf_sliding_window(loaded.source)
+    window = loaded.config.sliding_window
     if window is not None and max_model_len > window:
         raise ConfigurationError(
             f"max_model_len={max_model_len} exceeds the model's sliding attention window of {window} tokens, "
@@ -239,13 +240,11 @@ def gguf_sliding_window(source: str) -> int | None:
     """The sliding attention window a ``"gguf:<file>"`` source declares (None: none, or not a GGUF)."""
     if not source.startswith("gguf:"):
         return None
-    import gguf
+    from asyncinfer.models.gguf_file import GGUFFile
 
-    fields = gguf.GGUFReader(source.removeprefix("gguf:")).fields
-    arch = fields["general.architecture"].contents()
-    field = fields.get(f"{arch}.attention.sliding_window")
-    window = None if field is None else int(field.contents())
-    return window if window else None
+    fields = GGUFFile(source.removeprefix("gguf:")).fields
+    window = fields.get(f"{fields['general.architecture']}.attention.sliding_window")
+    return int(window) if window else None
 
 
 def warm_up(core: EngineCore) -> None:

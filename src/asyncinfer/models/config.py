@@ -48,6 +48,9 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # The attention window a GGUF file declares (None: none declared; a Hugging Face
+    # config's window caps max_position_embeddings instead, see _max_positions).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         model_family(self.architecture)  # raises ModelLoadError for an unregistered one

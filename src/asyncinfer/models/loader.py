@@ -353,6 +353,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         attention_bias=family.qkv_bias,
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
+        sliding_window=_optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None,
     )
 
 
