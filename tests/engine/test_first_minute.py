@@ -74,3 +74,17 @@ async def test_a_character_cut_by_max_tokens_is_dropped_not_replaced(real_gguf) 
             assert out.text == tok.decode(out.token_ids).rstrip("\ufffd")
             deltas = [d async for d in engine.stream(ROBOT, SamplingParams(max_tokens=k))]
             assert "".join(d.text for d in deltas) == out.text and deltas[-1].finish_reason == "length"
+
+
+def test_a_load_parses_the_gguf_header_once(real_gguf, monkeypatch) -> None:
+    """One pass over the header (our reader), never gguf's full GGUFReader (seconds for a vocabulary)."""
+    import gguf
+
+    from asyncinfer.models import gguf_file
+
+    parses: list[str] = []
+    real_parse = gguf_file.GGUFFile._parse
+    monkeypatch.setattr(gguf_file.GGUFFile, "_parse", lambda self, buf: parses.append("ours") or real_parse(self, buf))
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append("GGUFReader") or pytest.fail("GGUFReader"))
+    engine = AsyncEngine.from_pretrained(real_gguf, max_model_len=512)
+    assert parses == ["ours"] and engine.max_model_len == 512
