@@ -256,8 +256,11 @@ def _decode_attention(
     # ride in SDPA's query-length axis: GQA without repeating K/V, and the
     # key-padding mask is the same for all of them.
     qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [S, KVH, G, D]
-    keys = k_cache[meta.decode_block_tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
-    values = v_cache[meta.decode_block_tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+    # index_select on the flattened table, not k_cache[table]: the same copy, without advanced
+    # indexing's per-call setup (aten::index cost more than the copy itself at decode sizes).
+    blocks = meta.decode_block_tables.view(-1)  # [S * nb]
+    keys = k_cache.index_select(0, blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+    values = v_cache.index_select(0, blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=scale)  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)  # [S, H, D]
 
@@ -282,8 +285,8 @@ def _prefill_attention(
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)  # [1, H, Lq, D]
     else:
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        kh = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vh = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        kh = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vh = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
         mask = meta.prefill_masks[prefill_index]  # [Lq, ctx]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, Lq, D]
     return out[0].transpose(0, 1)  # [Lq, H, D]
