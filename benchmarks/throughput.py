@@ -5,7 +5,10 @@ One process, one model file, one workload (token ids computed once):
 1. transformers ``generate()``, one request at a time (greedy; a subset, reported per token);
 2. transformers ``generate()`` in static, left-padded batches, in arrival order;
 3. transformers' own continuous batching (``ContinuousBatchingManager``, paged KV cache, sdpa);
-4. asyncinfer (``AsyncEngine.generate`` for every request at once).
+4. asyncinfer (``AsyncEngine.generate`` for every request at once), and with ``--formats``
+   once per extra weight format;
+5. llama.cpp on the same GGUF file (its own kernels for the file's quantization), when
+   llama-cpp-python is installed (``benchmarks/llamacpp_peer.py``).
 
 Plus a single-request decode comparison, a GEMM roofline, and (``--profile``) a
 torch.profiler table of one asyncinfer decode step. See ``benchmarks/README.md``.
@@ -79,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-asyncinfer", action="store_true")
     p.add_argument("--skip-single-decode", action="store_true", help="skip the single-request decode comparison")
     p.add_argument("--skip-roofline", action="store_true")
+    p.add_argument("--skip-llamacpp", action="store_true",
+                   help="skip llama.cpp (run by default when llama-cpp-python is installed and the model is a .gguf)")
+    p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp's parallel sequences (slots)")
+    p.add_argument("--formats", default="",
+                   help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float16,int8)")
     p.add_argument("--int8", action="store_true",
                    help="also run asyncinfer with quantization='int8' (CPU; faster, not bit-exact)")
     p.add_argument("--device", default="cpu", help="asyncinfer's device (transformers baselines stay on the CPU)")
@@ -414,6 +422,11 @@ def check_same_weights(engine: Any, hf_model: Any) -> dict[str, float] | str:
 
 # =========================================================================== profile
 
+# The ops that run the weight projections, whatever the weight format (self CPU time).
+PROJECTION_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise",
+                            "quantized::linear_dynamic", "quantized::linear_dynamic_fp16"})
+
+
 def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) -> dict[str, Any]:
     """torch.profiler table of one ``engine.core.step()`` with ``batch`` requests all decoding.
 
@@ -448,12 +461,47 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
     averages = prof.key_averages()
     table = averages.table(sort_by="self_cpu_time_total", row_limit=rows)
     top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    total = sum(e.self_cpu_time_total for e in averages)
+    projections = sum(e.self_cpu_time_total for e in averages if e.key in PROJECTION_OPS)
+    gather = sum(e.self_cpu_time_total for e in averages if e.key in ("aten::index", "aten::index_select"))
     return {
         "batch": measured_batch,
         "step_s_profiled": step_s,
+        "split": {"projections": projections / total, "kv_gather": gather / total,
+                  "everything_else": 1 - projections / total} if total else {},
         "table": table,
         "top_ops": [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in top],
     }
+
+
+# =========================================================================== llama.cpp
+
+def run_llamacpp_peer(model_path: Path, workload: Workload, args: argparse.Namespace, results: dict,
+                      outputs: dict, single: dict, record: dict) -> None:
+    """llama.cpp on the same GGUF file and thread count, when llama-cpp-python is installed."""
+    from llamacpp_peer import LlamaCppPeer, available
+
+    why_not = available() or (None if model_path.suffix == ".gguf" else f"{model_path} is not a .gguf file")
+    if why_not:
+        say(f"llama.cpp skipped: {why_not}")
+        record["llamacpp_skipped"] = why_not
+        return
+    threads = args.threads or torch.get_num_threads()
+    n_ctx = math.ceil((workload.max_seq_len + 1) / 256) * 256
+    say(f"running llama.cpp ({args.llamacpp_parallel} parallel sequences, {threads} threads)")
+    peer = LlamaCppPeer(model_path, threads, args.llamacpp_parallel, n_ctx)
+    try:
+        peer.run([list(p) for p in workload.prompt_ids[:2]], [4, 4])  # warm-up
+        tokens, wall, steps = peer.run([list(p) for p in workload.prompt_ids], list(workload.max_new_tokens))
+        name = f"llama.cpp ({args.llamacpp_parallel} parallel, file's own quantization)"
+        results["llamacpp"] = SystemResult(name, workload.num_requests, workload.total_output_tokens, wall,
+                                           {"steps": steps, "n_parallel": args.llamacpp_parallel})
+        outputs["llamacpp"] = tokens
+        if not args.skip_single_decode:
+            single["llama.cpp"] = peer.single_decode_rate(list(workload.prompt_ids[0]), args.decode_tokens,
+                                                          args.repeats)
+    finally:
+        peer.close()
 
 
 # =========================================================================== roofline
@@ -667,15 +715,21 @@ def main(argv: list[str] | None = None) -> int:
             if ours_decode:
                 single["asyncinfer"] = ours_decode
 
-    if args.int8 and engine is not None:
-        say("loading asyncinfer with quantization='int8'")
-        int8_engine = build_engine(model_path, workload, args, hf_model.config, quantization="int8")
-        say("running asyncinfer int8")
-        results["asyncinfer_int8"], outputs["asyncinfer_int8"], int8_decode = run_asyncinfer(
-            int8_engine, workload, args, name="asyncinfer int8 (not bit-exact)")
-        if int8_decode:
-            single["asyncinfer_int8"] = int8_decode
-        del int8_engine
+    formats = [f for f in args.formats.split(",") if f]
+    if args.int8 and "int8" not in formats:
+        formats.append("int8")
+    for fmt in formats if engine is not None else []:
+        say(f"loading asyncinfer with quantization={fmt!r}")
+        other = build_engine(model_path, workload, args, hf_model.config, quantization=fmt)
+        say(f"running asyncinfer {fmt}")
+        key = f"asyncinfer_{fmt}"
+        results[key], outputs[key], decode = run_asyncinfer(other, workload, args, name=f"asyncinfer {fmt}")
+        if decode:
+            single[key] = decode
+        del other
+
+    if not args.skip_llamacpp:
+        run_llamacpp_peer(model_path, workload, args, results, outputs, single, record)
 
     if not args.skip_hf_cb:
         say(f"running transformers continuous batching ({args.hf_cb_api})")
@@ -710,15 +764,19 @@ def main(argv: list[str] | None = None) -> int:
         f"asyncinfer / HF static batch {args.static_batch_size}": ratio(ours, results["hf_static"]),
         "asyncinfer / HF single": ratio(ours, results["hf_single"]),
     }
-    if results.get("asyncinfer_int8") is not None:
-        ratios["asyncinfer int8 / HF continuous batching"] = ratio(results["asyncinfer_int8"], results["hf_cb"])
-        ratios["asyncinfer int8 / asyncinfer fp32"] = ratio(results["asyncinfer_int8"], ours)
-    if "asyncinfer_int8" in single and "transformers" in single:
-        ratios["single-request decode asyncinfer int8 / HF"] = (
-            single["asyncinfer_int8"]["decode_tokens_per_s"] / single["transformers"]["decode_tokens_per_s"])
-    if "asyncinfer" in single and "transformers" in single:
-        ratios["single-request decode asyncinfer / HF"] = (
-            single["asyncinfer"]["decode_tokens_per_s"] / single["transformers"]["decode_tokens_per_s"])
+    if results.get("llamacpp") is not None:
+        ratios["asyncinfer / llama.cpp"] = ratio(ours, results["llamacpp"])
+    for fmt in formats:
+        key = f"asyncinfer_{fmt}"
+        if results.get(key) is not None:
+            ratios[f"asyncinfer {fmt} / HF continuous batching"] = ratio(results[key], results["hf_cb"])
+            ratios[f"asyncinfer {fmt} / llama.cpp"] = ratio(results[key], results.get("llamacpp"))
+            ratios[f"asyncinfer {fmt} / asyncinfer default"] = ratio(results[key], ours)
+    for key in [k for k in single if k.startswith("asyncinfer")]:
+        for peer in ("transformers", "llama.cpp"):
+            if peer in single:
+                ratios[f"single-request decode {key.replace('_', ' ')} / {peer}"] = (
+                    single[key]["decode_tokens_per_s"] / single[peer]["decode_tokens_per_s"])
     for name, value in ratios.items():
         print(f"{name:<40} {fmt_ratio(value)}")
     print()
@@ -743,8 +801,11 @@ def main(argv: list[str] | None = None) -> int:
     if rf is not None:
         print_roofline(rf, ours)
     for prof in profiles:
+        split = prof["split"]
         print(f"profile: one asyncinfer decode step at batch {prof['batch']} "
-              f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler), top {args.profile_rows} by self CPU")
+              f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler): projections {split['projections']:.0%}, "
+              f"everything else {split['everything_else']:.0%} (of which the K/V gather {split['kv_gather']:.0%}); "
+              f"top {args.profile_rows} by self CPU")
         print(prof["table"])
 
     record.update({
@@ -754,8 +815,6 @@ def main(argv: list[str] | None = None) -> int:
         "token_agreement": agreement,
         "roofline": rf,
         "roofline_fraction": (ours.tokens_per_s / rf["roofline_tokens_per_s"]) if (ours and rf) else None,
-        "roofline_fraction_int8": (results["asyncinfer_int8"].tokens_per_s / rf["roofline_tokens_per_s"])
-        if (results.get("asyncinfer_int8") and rf) else None,
         "profiles": profiles,
     })
     if args.json:
