@@ -186,3 +186,47 @@ async def test_one_log_line_per_request_and_text_only_when_sampled(tiny_models, 
     assert plain["id"] == "r0.0" and plain["prompt_tokens"] == 5 and plain["output_tokens"] == 3
     assert plain["finish_reason"] == "length" and plain["ttft_s"] >= 0 and "prompt_text" not in plain
     assert "prompt_text" in sampled and "output_text" in sampled
+
+
+def test_cuda_gauges_from_torch_and_nvml(tiny_models, monkeypatch) -> None:
+    """The CUDA gauges' logic, on a CPU: torch's allocator figures and NVML's utilisation (a fake
+    ``pynvml``) reach the snapshot and /metrics; NVML errors read as unknown, never fail a scrape."""
+    import sys
+    import types
+
+    import torch
+
+    from asyncinfer.metrics import device as device_module
+    from asyncinfer.metrics import engine_metrics
+
+    calls: list[int] = []
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: calls.append(-1)
+    fake.nvmlDeviceGetHandleByIndex = lambda index: calls.append(index) or f"handle{index}"
+    rates = {"handle1": 37}
+
+    def utilization(handle: str) -> types.SimpleNamespace:
+        if handle not in rates:
+            raise RuntimeError("GPU is lost")
+        return types.SimpleNamespace(gpu=rates[handle])
+
+    fake.nvmlDeviceGetUtilizationRates = utilization
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml = device_module.Nvml(torch.device("cuda", 1))
+    assert calls == [-1, 1] and nvml.utilization() == 0.37
+    del rates["handle1"]
+    assert nvml.utilization() is None  # a lost device: unknown
+    assert device_module.Nvml(torch.device("cpu")).utilization() is None  # no CUDA, no NVML call
+    assert device_module.cuda_memory(torch.device("cpu")) is None
+
+    rates["handle1"] = 55
+    monkeypatch.setattr(engine_metrics, "cuda_memory", lambda device: (3 << 20, 5 << 20, 80 << 30))
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    engine.metrics._nvml = device_module.Nvml(torch.device("cuda", 1))
+    snap = engine.metrics.snapshot()
+    assert (snap.device_memory_allocated, snap.device_memory_reserved, snap.device_memory_total) == (
+        3 << 20, 5 << 20, 80 << 30)
+    assert snap.device_utilization == 0.55
+    got = parse(exposition(engine).decode())
+    assert got[("asyncinfer_device_memory_reserved_bytes", (("device", "cpu"),))] == 5 << 20
+    assert got[("asyncinfer_device_utilization_ratio", (("device", "cpu"),))] == 0.55
