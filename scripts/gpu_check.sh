@@ -13,9 +13,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" | tee -a "$out/gpu.txt"
 rc=0
 timeout 200 python -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/cuda_tests.log" || rc=1
-timeout 170 python benchmarks/throughput.py --device cuda --dtype float32 --num-requests 64 --max-num-seqs 64 \
-    --skip-hf-single --skip-hf-static --skip-hf-cb --skip-roofline --json "$out/throughput_cuda.json" 2>&1 \
-    | tee "$out/throughput_cuda.log" || rc=1
+for dtype in bfloat16 float32; do  # the CUDA default, then the CPU's format for comparison
+    timeout 85 python benchmarks/throughput.py --device cuda --dtype $dtype --num-requests 64 --max-num-seqs 64 \
+        --skip-hf-single --skip-hf-static --skip-hf-cb --skip-roofline --skip-llamacpp --profile \
+        --json "$out/throughput_cuda_$dtype.json" 2>&1 | tee "$out/throughput_cuda_$dtype.log" || rc=1
+done
 timeout 90 python benchmarks/embeddings.py --device cuda --concurrency 1 16 64 --requests 128 \
     --json "$out/embeddings_cuda.json" 2>&1 | tee "$out/embeddings_cuda.log" || rc=1
 exit $rc
