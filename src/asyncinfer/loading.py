@@ -289,19 +289,22 @@ def generator_shortfall(
     available: int | None,
     beside: str,
     error: type[ModelLoadError] = SwapError,
+    freed: int = 0,
 ) -> str | None:
     """Why the generator cannot be placed beside ``beside``, with the fix, or None when it fits.
 
     Reads only the model's config, so a missing or unreadable model fails
-    here (as ``error``), before anything is drained or loaded.
+    here (as ``error``), before anything is drained or loaded. ``freed``: bytes
+    that will be given back before the load (a drain-mode swap's serving version).
     """
     config = EngineConfig.from_options(options)
     try:
         path = resolve_model(model)
-        avail = available_memory(config.device) if available is None else available
+        avail = (available_memory(config.device) if available is None else available) + freed
         plan = plan_memory(path, available_bytes=avail, **options)
     except ConfigurationError as exc:
-        return f"the new model does not fit beside {beside}: {exc}"
+        reason = str(exc).removeprefix("the model does not fit: ")
+        return f"the new model does not fit beside {beside}: {reason}"
     except ModelLoadError as exc:
         raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc
     need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve

@@ -29,6 +29,7 @@ from asyncinfer.loading import (
     generator_shortfall,
     load,
 )
+from asyncinfer.memory import MemoryPlan
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
 
@@ -95,15 +96,33 @@ class ModelChanges:
             label = self.models.name_of(holder)
             merged = {**current(holder).options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read
-            shortfall = await anyio.to_thread.run_sync(generator_shortfall, model, merged, available, "the serving one")
+            await self._check_fits(model, merged, available, mode, current(holder).plan)
             if mode == "overlap":
-                if shortfall is not None:
-                    raise ConfigurationError(f"{shortfall} (or swap with mode='drain', which frees the old one first)")
                 new = await self._load_version(model, merged)
             else:
                 new = await self._reload_drained(holder, model, merged, abort)
             await self.switch(new, holder)
             return version_info(new, label, 0)
+
+    async def _check_fits(
+        self, model: ModelRef, options: dict[str, Any], available: int | None, mode: str, serving: MemoryPlan
+    ) -> None:
+        """Refuse, before anything is drained or loaded, a swap whose new version cannot fit: beside the
+        serving version (overlap), or in the memory it frees (drain). Suggests drain only where it would fit."""
+        freed = serving.weight_bytes + serving.kv_bytes + serving.activation_reserve
+        shortfall = None
+        if mode == "overlap":
+            shortfall = await anyio.to_thread.run_sync(generator_shortfall, model, options, available,
+                                                       "the serving one")
+            if shortfall is None:
+                return
+        drained = await anyio.to_thread.run_sync(
+            lambda: generator_shortfall(model, options, available, "the other loaded models, even with the serving "
+                                        "version freed", freed=freed))
+        if shortfall is not None and drained is None:
+            raise ConfigurationError(f"{shortfall} (swap with mode='drain', which frees the old one first, fits)")
+        if drained is not None:
+            raise ConfigurationError(drained)
 
     async def _load_version(self, model: ModelRef, options: dict[str, Any]) -> ModelVersion:
         """Load a generator version in a worker thread (a failure is a :class:`SwapError`)."""

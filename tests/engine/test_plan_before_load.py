@@ -47,8 +47,42 @@ async def test_add_model_names_the_weights_as_the_cause(llama_70b, tiny_models) 
         assert "kv_cache_memory" not in message and "Lower" not in message
         with pytest.raises(ConfigurationError, match="weights need 262.8 GiB") as err:
             await engine.swap_model(llama_70b, available_bytes=21 * GiB)
-        assert "mode='drain'" in str(err.value)
+        assert "mode='drain'" not in str(err.value)  # freeing the serving model would not make room either
+        assert "does not fit: the model does not fit" not in str(err.value)
         assert [m.name for m in engine.model_info()] == ["default"]
+
+
+async def test_a_drain_swap_that_can_never_fit_is_refused_before_draining(llama_70b, tiny_models) -> None:
+    import asyncio
+
+    from asyncinfer import SamplingParams
+
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], kv_cache_memory=1 << 20, max_model_len=64,
+                                         device="cpu")
+    async with engine:
+        before = engine.model_info()[0].version_id
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ConfigurationError) as err:
+            await engine.swap_model(llama_70b, mode="drain", abort=True, available_bytes=21 * GiB)
+        assert str(err.value).startswith("the new model does not fit beside the other loaded models, even with the "
+                                         "serving version freed: its weights need 262.8 GiB (float32)")
+        out = await running
+        assert out.finish_reason == "length" and len(out.token_ids) == 40  # never drained nor aborted
+        assert engine.model_info()[0].version_id == before  # the serving version was never reloaded
+
+
+async def test_drain_is_suggested_only_where_it_fits(tiny_models) -> None:
+    MiB = 1 << 20
+    options = {"kv_cache_memory": MiB, "max_model_len": 64, "device": "cpu", "activation_reserve": 64 * MiB}
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **options)
+    async with engine:
+        with pytest.raises(ConfigurationError) as err:  # one copy (~65 MiB) fits in 40 + the freed 65, not in 40
+            await engine.swap_model(tiny_models["qwen2"][0], available_bytes=40 * MiB, **options)
+        assert str(err.value).startswith("the new model does not fit beside the serving one: ")
+        assert str(err.value).endswith("(swap with mode='drain', which frees the old one first, fits)")
+        info = await engine.swap_model(tiny_models["qwen2"][0], mode="drain", available_bytes=40 * MiB, **options)
+        assert info.version_id != 0 and info.source.endswith("tiny-qwen20")
 
 
 def test_a_kv_budget_too_small_is_refused_before_the_weights_are_read(tiny_models, monkeypatch) -> None:
