@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
 
@@ -51,3 +52,46 @@ async def test_profile_wraps_the_next_steps(tiny_models, tmp_path) -> None:
     names = {event.get("name", "") for event in trace["traceEvents"]}
     assert any(name.startswith("aten::") for name in names)
     assert "aten::" in result.table and result.table_path.read_text().startswith("3 engine steps")
+
+
+def profiler_running() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+async def test_a_cancelled_profile_frees_its_slot_at_once(tiny_models, tmp_path) -> None:
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS) as engine:
+        with pytest.raises(asyncio.TimeoutError):  # an idle engine: no step comes
+            await asyncio.wait_for(engine.profile(steps=2, path=tmp_path / "a"), 0.2)
+        # Started, then abandoned mid-way: the torch profiler stops with it.
+        job = asyncio.ensure_future(engine.profile(steps=10_000, path=tmp_path / "b"))
+        await asyncio.sleep(0)
+        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+        assert profiler_running()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert not profiler_running()
+        job = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "c"))  # the slot is free
+        await asyncio.sleep(0)
+        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=6, ignore_eos=True))
+        assert (await asyncio.wait_for(job, 60)).steps == 2
+        # Closing the engine mid-profile ends it too.
+        job = asyncio.ensure_future(engine.profile(steps=10_000, path=tmp_path / "d"))
+        await asyncio.sleep(0)
+        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(EngineClosedError):
+        await job
+    assert not profiler_running()
+
+
+async def test_a_bad_path_is_refused_before_any_step(tiny_models, tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS) as engine:
+        for bad in ("", tmp_path / "file", tmp_path / "file" / "below", 42):
+            with pytest.raises(InvalidParameterError) as err:
+                await asyncio.wait_for(engine.profile(steps=2, path=bad), 5)  # no traffic: refused at once
+            assert err.value.parameter == "path"
+        job = asyncio.ensure_future(engine.profile(steps=1, path=tmp_path / "ok"))  # nothing was left armed
+        await asyncio.sleep(0)
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert (await asyncio.wait_for(job, 60)).trace_path == tmp_path / "ok" / "trace.json"

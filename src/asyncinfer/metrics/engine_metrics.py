@@ -158,7 +158,7 @@ class EngineMetrics:
             if record:
                 append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read, queued))
             profiler = self.profiler
-            if profiler is not None and profiler.tick():
+            if profiler is not None and profiler.tick() and self.profiler is profiler:
                 self.profiler = None
 
         return on_step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ class ProfileResult:
 
 
 class StepProfiler:
-    """Counts steps on the engine thread; hands the stopped profiler to the event loop."""
+    """Counts steps on the engine thread; hands the stopped profiler to the event loop.
+
+    ``tick`` (engine thread) and ``abandon`` (the loop, when the caller went away or
+    the engine stopped) hold one lock, so the torch profiler is started and stopped once.
+    """
 
     def __init__(self, steps: int, device: torch.device, loop: asyncio.AbstractEventLoop,
                  done: asyncio.Future[Any]) -> None:
@@ -43,25 +48,26 @@ class StepProfiler:
         self._done = done
         self._profiler: Any = None
         self._seen = 0
-        self.cancelled = False  # set by the loop when the caller went away: stop at the next tick
+        self._lock = threading.Lock()
+        self.finished = False  # stopped (complete or abandoned): later ticks only unhook it
 
     def tick(self) -> bool:
-        """After a step (engine thread). Returns True once the profile is complete (or cancelled)."""
-        if self.cancelled:
-            if self._profiler is not None:
-                self._profiler.stop()
-            return True
-        if self._profiler is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self._device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities)
-            self._profiler.start()
-            return False
-        self._seen += 1
-        if self._seen < self.steps:
-            return False
-        self._profiler.stop()
+        """After a step (engine thread). Returns True once the profile is complete (or abandoned)."""
+        with self._lock:
+            if self.finished:
+                return True
+            if self._profiler is None:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if self._device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=activities)
+                self._profiler.start()
+                return False
+            self._seen += 1
+            if self._seen < self.steps:
+                return False
+            self._profiler.stop()
+            self.finished = True
         profiler = self._profiler
         try:
             self._loop.call_soon_threadsafe(lambda: None if self._done.done() else self._done.set_result(profiler))
@@ -69,9 +75,15 @@ class StepProfiler:
             pass
         return True
 
+    def abandon(self) -> None:
+        """Stop now (any thread): a torch profiler already started is stopped, its trace dropped."""
+        with self._lock:
+            if not self.finished and self._profiler is not None:
+                self._profiler.stop()
+            self.finished = True
+
 
 def _write(profiler: Any, steps: int, path: Path, device: torch.device) -> ProfileResult:
-    path.mkdir(parents=True, exist_ok=True)
     trace = path / "trace.json"
     profiler.export_chrome_trace(str(trace))
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -88,6 +100,7 @@ async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.Path
         raise InvalidParameterError("steps", steps, "an integer >= 1")
     if metrics.profiler is not None:
         raise InvalidParameterError("profile", "another profile", "one profile at a time")
+    where = await anyio.to_thread.run_sync(_directory, path)  # a bad path fails now, not after the steps
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
     metrics.install_hooks()
@@ -95,7 +108,26 @@ async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.Path
     try:
         await link.wait_for(done)
     finally:
-        if not done.done() or done.cancelled():
-            armed.cancelled = True  # the engine thread stops it at its next step
+        armed.abandon()  # the caller went away or the engine stopped (a complete profile: nothing to do)
+        if metrics.profiler is armed:
+            metrics.profiler = None  # the slot is free at once, not at the next step
     profiler = done.result()
-    return await anyio.to_thread.run_sync(_write, profiler, steps, Path(path), metrics.device)
+    return await anyio.to_thread.run_sync(_write, profiler, steps, where, metrics.device)
+
+
+def _directory(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a directory that exists and can be written (created if missing).
+
+    Raises:
+        InvalidParameterError: an empty path, a file, or one that cannot be created or written.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidParameterError("path", path, "a non-empty directory path")
+    where = Path(path)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidParameterError("path", os.fspath(path), f"a directory that can be created ({exc.strerror})") from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise InvalidParameterError("path", os.fspath(path), "a directory this process can write")
+    return where
