@@ -12,6 +12,7 @@ from asyncinfer.schedulers.testing import (
     ContractViolation,
     check_flags,
     check_matches_fifo,
+    check_no_starvation,
     check_scheduler,
     drive_random_load,
     engine_tokens,
@@ -84,6 +85,45 @@ def test_sample_bugs_fail_only_with_samples(cls, message) -> None:
             drive_random_load(cls, seed, limits)
     with pytest.raises(ContractViolation, match=message):
         check_scheduler(cls, engine=False)
+
+
+class Lifo(FIFOScheduler):
+    """Newest first, yet declares itself starvation-free (the base class's default)."""
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.waiting.rotate(1)
+
+
+class ReturnsNothing(FIFOScheduler):
+    def schedule(self) -> SchedulerOutput:
+        super().schedule()
+        return None  # type: ignore[return-value]
+
+
+class SkipsInit(FIFOScheduler):
+    def __init__(self, config, kv) -> None:  # never calls super().__init__
+        self.config = config
+
+
+def test_starvation_is_caught_unless_declared() -> None:
+    with pytest.raises(ContractViolation, match=r"Lifo declares starvation_free but the first request \(priority 3"):
+        check_scheduler(Lifo, engine=False)
+    Lifo.starvation_free = False
+    try:
+        assert check_no_starvation(Lifo) is None  # declared: nothing to check
+    finally:
+        del Lifo.starvation_free
+    assert check_no_starvation("aging-priority", {"aging_interval": None}) is None  # strict priority may starve
+    assert check_no_starvation("fifo") == 4  # the first request runs at once
+    assert 4 < check_no_starvation("aging-priority") < 2000  # served once aged
+
+
+def test_malformed_schedulers_are_named_not_crashed_on() -> None:
+    with pytest.raises(ContractViolation, match="schedule\\(\\) returned NoneType, not a SchedulerOutput"):
+        check_scheduler(ReturnsNothing, engine=False)
+    with pytest.raises(ContractViolation, match="SkipsInit failed while scheduling: AttributeError: .*super"):
+        check_scheduler(SkipsInit, engine=False)
 
 
 def test_flags_must_be_declared() -> None:

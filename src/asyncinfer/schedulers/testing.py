@@ -23,6 +23,8 @@ says which check, which seed and limits, and which step. The parts, usable alone
   step checked, every request ends (by length or abort), every block comes back,
   and the preemption counts of the plans, the cache and the requests agree.
 - :func:`check_flags` — ``uses_priority`` and ``starvation_free`` are declared bools.
+- :func:`check_no_starvation` — a scheduler declaring ``starvation_free`` serves the oldest
+  request while a stream of new ones outruns its seats.
 - :func:`check_matches_fifo` — the real engine on a tiny random model
   (:func:`tiny_model`): greedy outputs token-identical to FIFO's under preemption.
   A scheduler changes the order work is done in, never the tokens.
@@ -58,6 +60,7 @@ __all__ = [
     "LoadReport",
     "check_flags",
     "check_matches_fifo",
+    "check_no_starvation",
     "check_schedule",
     "check_scheduler",
     "drive_random_load",
@@ -80,8 +83,10 @@ def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> 
 
     Call it right after ``schedule`` and before the step is applied.
     """
-    cfg = sched.config
     where = where or type(sched).__name__
+    if not isinstance(plan, SchedulerOutput):
+        raise ContractViolation(f"{where}: schedule() returned {type(plan).__name__}, not a SchedulerOutput")
+    cfg = sched.config
     scheduled = plan.num_scheduled_tokens
     if plan.total_tokens > cfg.max_num_batched_tokens:
         raise ContractViolation(f"{where}: {plan.total_tokens} tokens > max_num_batched_tokens")
@@ -223,11 +228,61 @@ def drive_random_load(
 
 def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None) -> type[Scheduler]:
     """The class's ``uses_priority`` and ``starvation_free`` are declared as bools; returns the class."""
-    cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
+    try:
+        cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
+    except (AttributeError, TypeError) as exc:  # e.g. a subclass whose __init__ skips super().__init__
+        raise ContractViolation(f"{getattr(scheduler, '__name__', scheduler)} cannot be constructed as the engine "
+                                f"constructs it (scheduler(config, kv, **options)): {type(exc).__name__}: {exc}") from exc
     for flag in ("uses_priority", "starvation_free"):
         if not isinstance(getattr(cls, flag, None), bool):
             raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
     return cls
+
+
+def check_no_starvation(
+    scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None, *, steps: int = 2000
+) -> int | None:
+    """A scheduler that declares ``starvation_free`` serves an old request while new ones keep coming.
+
+    Two seats, and one new short request every step (more than two seats can serve,
+    so the queue only grows) for ``steps`` simulated steps of 0.05 s; the request that
+    arrived first (a longer prompt, twice: with the lowest and with the highest
+    priority) must finish before the arrivals stop. Returns the latest step at which
+    one finished, or None when the scheduler declares ``starvation_free = False``.
+
+    Raises:
+        ContractViolation: the first request was still unfinished when the arrivals stopped.
+    """
+    latest = 0
+    for victim_priority, others in ((3, 0), (0, 3)):
+        kv = KVCacheManager(4096, 4, watermark=0.0)
+        config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+        sched = create_scheduler(scheduler, config, kv, options)
+        if not sched.starvation_free:
+            return None
+        now = [0.0]
+        sched.clock = lambda: now[0]
+        first = Request("first", [1] * 24, SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0,
+                        priority=victim_priority)
+        sched.add_request(first)
+        for i in range(4):  # the seats are contested from the start
+            sched.add_request(Request(f"early/{i}", [2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                                      arrival_time=0.0, priority=others))
+        for step in range(1, steps + 1):
+            sched.add_request(Request(f"new/{step}", [2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                                      arrival_time=now[0], priority=others))
+            now[0] += 0.05
+            apply_step(sched, sched.schedule(), 5)
+            if first.status.finished:
+                latest = max(latest, step)
+                break
+        else:
+            name = getattr(scheduler, "__name__", scheduler)
+            raise ContractViolation(
+                f"{name} declares starvation_free but the first request (priority {victim_priority}, newer ones "
+                f"{others}) was still {first.status.name.lower()} after {steps} steps of new arrivals; age it, "
+                "or declare starvation_free = False")
+    return latest
 
 
 # --------------------------------------------------------------------------- with the real engine
@@ -352,8 +407,14 @@ def check_scheduler(
         InvalidParameterError: ``scheduler`` or ``options`` cannot be constructed.
     """
     cls = check_flags(scheduler, options)
-    runs = [drive_random_load(scheduler, seed, lim, options, samples=samples)
-            for seed in seeds for lim in limits for samples in (False, True)]
+    try:
+        runs = [drive_random_load(scheduler, seed, lim, options, samples=samples)
+                for seed in seeds for lim in limits for samples in (False, True)]
+        check_no_starvation(scheduler, options)
+    except (AttributeError, TypeError) as exc:  # a broken class, not a broken rule: name it all the same
+        raise ContractViolation(f"{cls.__name__} failed while scheduling: {type(exc).__name__}: {exc} (does its "
+                                "__init__ call super().__init__(config, kv)? do its methods keep the base "
+                                "class's signatures?)") from exc
     engine_preemptions = check_matches_fifo(scheduler, options, model=model) if engine else None
     return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
                              sum(r.aborted for r in runs), engine_preemptions)
