@@ -41,7 +41,18 @@ def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
     tight = plan_deployment(config, batch=1000, seq_len=512, device_memory=400 * MiB)
     assert not tight.fits and 0 < tight.max_seq_len < 512
     assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, device_memory=400 * MiB).fits
-    assert any("max_model_len" in s for s in tight.suggestions) and any("int8" in s for s in tight.suggestions)
+    assert any("max_model_len" in s for s in tight.suggestions)
+    (int8,) = [s for s in tight.suggestions if s.startswith("--quantization int8")]
+    assert "not enough alone" in int8  # the KV cache, not the weights, is what overflows here
+
+
+def test_int8_is_said_to_fit_only_when_it_does(real_gguf) -> None:
+    config = read_model_config(real_gguf)
+    fp32 = plan_deployment(config, batch=1, seq_len=256, device_memory=900 * MiB)
+    assert not fp32.fits
+    (int8,) = [s for s in fp32.suggestions if s.startswith("--quantization int8")]
+    assert int8 == "--quantization int8: weights 513.1 MiB -> 313.0 MiB, and the plan fits"
+    assert plan_deployment(config, batch=1, seq_len=256, device_memory=900 * MiB, quantization="int8").fits
 
 
 def test_cli_prints_the_table_with_the_formula(tiny_models, capsys) -> None:

@@ -117,16 +117,24 @@ def _info(args: argparse.Namespace) -> int:
     from asyncinfer.memory import MemoryPlan, format_bytes
     from asyncinfer.model_source import resolve_model
 
+    from asyncinfer.errors import ConfigurationError
+    from asyncinfer.models.encoder import is_encoder_dir
+    from asyncinfer.models.loader import read_model_config
+
     model = args.model_arg or args.model
     path = resolve_model(model)
-    plan = AsyncEngine.plan_memory(path, **_engine_options(args))
     print(f"model: {path}")
-    if isinstance(plan, MemoryPlan):
-        from asyncinfer.models.loader import read_model_config
-
+    if not is_encoder_dir(path):
         mc = read_model_config(path)
         print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
               f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
+    try:
+        plan = AsyncEngine.plan_memory(path, **_engine_options(args))
+    except ConfigurationError as exc:
+        command = f"asyncinfer plan {model}" if model else "asyncinfer plan"
+        print(f"memory plan: {exc} ({command} shows the whole budget)")
+        return 1
+    if isinstance(plan, MemoryPlan):
         print(f"memory plan: {plan.describe()}")
         print(f"needs {format_bytes(plan.weight_bytes + plan.kv_bytes + plan.activation_reserve)} in all "
               "(KV memory on the CPU is committed as it is used); planned from the config, no weight read")

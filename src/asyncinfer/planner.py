@@ -252,7 +252,11 @@ def _suggestions(plan: DeploymentPlan, skip: tuple[str, ...]) -> list[str]:
     out = []
     if plan.quantization is None and plan.device == "cpu" and plan.dtype == torch.float32:
         int8 = weight_bytes(plan.model_config, 4, "int8", skip)
-        out.append(f"--quantization int8: weights {_size(plan.weight_bytes)} -> {_size(int8)}")
+        quantized = _replace(plan, weight_bytes=int8)
+        then = ("and the plan fits" if quantized.fits else
+                f"not enough alone: {_size(-quantized.headroom_bytes)} short; with it, batch {quantized.max_batch} "
+                f"at {plan.seq_len} tokens or max_model_len {quantized.max_seq_len} at batch {plan.batch}")
+        out.append(f"--quantization int8: weights {_size(plan.weight_bytes)} -> {_size(int8)}, {then}")
     if plan.device == "cuda" and plan.dtype == torch.float32:
         out.append("--dtype bfloat16: half the weights and the KV cache")
     if plan.max_seq_len >= 1:

@@ -85,6 +85,19 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
         cli.main(["info"])
 
 
+def test_info_of_a_model_that_does_not_fit_shows_its_shapes_and_why(tmp_path, capsys) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.main(["info", str(tmp_path), "--device", "cpu"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "architecture: llama, 80 layers, hidden 8192, heads 64/8 kv, vocab 128256, context 8192"
+    assert out[2].startswith("memory plan: the model does not fit: its weights need 262.8 GiB (float32) but ")
+    assert out[2].endswith(f"(asyncinfer plan {tmp_path} shows the whole budget)")
+
+
 def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     path = tiny_models["llama"][0]
     assert cli.main(["info", str(path), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
