@@ -97,7 +97,7 @@ class EngineConfig:
       "float16" or "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype
       is refused). Other combinations raise InvalidParameterError naming ``quantization``.
     - ``quantization_skip``: substrings of layer names kept in float32 under a CPU format;
-      None (default): the format's own list (int8: ("down_proj",), from the per-layer
+      None (default): the format's own list (int8: ("down_proj", "lm_head"), from the per-layer
       sensitivity in benchmarks/quality.py; float16: none).
     - ``pack_weights``: pack the float32 projection weights (all of them, or those a format
       skips) into oneDNN's blocked layout at load: the same values, a faster CPU kernel. None

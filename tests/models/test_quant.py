@@ -169,7 +169,7 @@ def test_formats_allowed_per_device() -> None:
     # On CUDA a dtype format is the engine dtype: "auto" takes it, an explicit dtype must match.
     assert format_dtype("float16", cuda, "auto") == "float16" and format_dtype("float16", cpu, "auto") == "auto"
     assert format_dtype("bfloat16", cuda, "float32") == "float32"  # then refused by check_quantization
-    assert default_skip("int8") == ("down_proj",) and default_skip("float16") == default_skip(None) == ()
+    assert default_skip("int8") == ("down_proj", "lm_head") and default_skip("float16") == default_skip(None) == ()
 
 
 def test_engine_options_pack_weights_and_skip_defaults(tiny_models) -> None:
@@ -242,6 +242,8 @@ def test_weight_bytes_of_smollm2() -> None:
     # row, float32 down (576 x 1536) and norms: 6,216,192 bytes; x 30, + the float32 embedding
     # (113,246,208, kept for lookups) and final norm (2,304), + the int8 tied head (28,508,160).
     assert weight_bytes(SMOLLM2, 4, "int8", ("down_proj",)) == 328_242_432
+    # The default skip list also keeps the (tied) head in float32: no int8 copy of the embedding.
+    assert weight_bytes(SMOLLM2, 4, "int8", default_skip("int8")) == 328_242_432 - 28_508_160 == 299_734_272
     assert weight_bytes(SMOLLM2, 4, "int8", ()) == 328_242_432 - 30 * (576 * 1536 * 4 - (576 * 1536 + 4 * 576))
     # float16: per layer 3,538,944 projection weights at 2 bytes + the float32 norms (4,608): 7,082,496;
     # x 30, + the float32 embedding and final norm, + the float16 tied head (56,623,104).
