@@ -8,17 +8,18 @@ import torch
 from asyncinfer import AsyncEngine, InvalidParameterError
 from asyncinfer.cli import main
 from asyncinfer.memory import GiB, MiB, read_model_config
-from asyncinfer.models.quant import Int8DynamicLinear
+from asyncinfer.models.quant import FormatLinear
 from asyncinfer.planner import parse_bytes, plan_deployment
 
 
 def loaded_bytes(model: torch.nn.Module) -> int:
-    """The bytes the loaded model holds: float parameters plus the int8 layers' packed weights and scales."""
+    """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
+    scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(m.nbytes for m in model.modules() if isinstance(m, Int8DynamicLinear))
+    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear))
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "float16"])
 def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantization) -> None:
     path = tiny_models["llama"][0]
     plan = plan_deployment(read_model_config(path), batch=3, seq_len=100, quantization=quantization,
@@ -42,17 +43,18 @@ def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
     assert not tight.fits and 0 < tight.max_seq_len < 512
     assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, device_memory=400 * MiB).fits
     assert any("max_model_len" in s for s in tight.suggestions)
+    assert any(s.startswith("--quantization float16: weights") for s in tight.suggestions)
     (int8,) = [s for s in tight.suggestions if s.startswith("--quantization int8")]
     assert "not enough alone" in int8  # the KV cache, not the weights, is what overflows here
 
 
-def test_int8_is_said_to_fit_only_when_it_does(real_gguf) -> None:
+def test_a_format_is_said_to_fit_only_when_it_does(real_gguf) -> None:
     config = read_model_config(real_gguf)
-    fp32 = plan_deployment(config, batch=1, seq_len=256, device_memory=900 * MiB)
+    fp32 = plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB)
     assert not fp32.fits
     (int8,) = [s for s in fp32.suggestions if s.startswith("--quantization int8")]
-    assert int8 == "--quantization int8: weights 513.1 MiB -> 313.0 MiB, and the plan fits"
-    assert plan_deployment(config, batch=1, seq_len=256, device_memory=900 * MiB, quantization="int8").fits
+    assert int8 == "--quantization int8: weights 513.1 MiB -> 285.8 MiB, and the plan fits"
+    assert plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB, quantization="int8").fits
 
 
 def test_cli_prints_the_table_with_the_formula(tiny_models, capsys) -> None:

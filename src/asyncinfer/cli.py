@@ -39,7 +39,8 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--kv-cache-fraction", "kv_cache_fraction", float,
      "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
     ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
-    ("--quantization", "quantization", str, "int8 (CPU, float32): faster, not bit-exact"),
+    ("--quantization", "quantization", str,
+     "weight format; CPU (float32): float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)"),
     ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
 )
 
@@ -168,7 +169,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=None, choices=("int8",), help="int8 weights (cpu, float32)")
+    p.add_argument("--quantization", default=None, choices=("float16", "bfloat16", "int8"),
+                   help="weight format: float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.models.quant import check_quantization
+from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, resolve_pack
 
 _T = TypeVar("_T")
 
@@ -90,10 +90,19 @@ class EngineConfig:
     - ``seed``: seed of the engine-wide generator used by unseeded sampling requests.
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
-    - ``quantization``: None, or "int8" (CPU, float32 only): int8 weights with dynamically
-      quantized activations for every linear layer and the LM head; faster, not bit-exact.
-    - ``quantization_skip``: substrings of layer names kept in float32 when quantizing
-      (default ("down_proj",), the most sensitive layer; see benchmarks/int8_sensitivity.py).
+    - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
+      None (default): the engine dtype. On CPU, with float32 activations: "float16" (fp16
+      weights, fbgemm's fp16 kernel; half the bytes, near-exact) or "int8" (int8 weights,
+      activations quantized per call to 7 bits; a quarter of the bytes, not exact). On CUDA
+      "float16" or "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype
+      is refused). Other combinations raise InvalidParameterError naming ``quantization``.
+    - ``quantization_skip``: substrings of layer names kept in float32 under a CPU format;
+      None (default): the format's own list (int8: ("down_proj", "lm_head"), from the per-layer
+      sensitivity in benchmarks/quality.py; float16: none).
+    - ``pack_weights``: pack the float32 projection weights (all of them, or those a format
+      skips) into oneDNN's blocked layout at load: the same values, a faster CPU kernel. None
+      (default): wherever possible (CPU, float32, torch built with oneDNN; never on CUDA);
+      False: plain ``F.linear``; True: required (refused where it cannot run).
     - ``enable_prefix_caching``: reuse the KV blocks of prompt prefixes seen before (default on).
     - ``max_waiting_requests``: admission control: how many requests may wait beyond the
       ``max_num_seqs`` a generator runs at once; past that, new requests fail at once with
@@ -132,7 +141,8 @@ class EngineConfig:
     num_threads: int | None = None
     activation_reserve: int = 256 * 1024 * 1024
     quantization: str | None = None
-    quantization_skip: tuple[str, ...] = ("down_proj",)
+    quantization_skip: tuple[str, ...] | None = None
+    pack_weights: bool | None = None
     enable_prefix_caching: bool = True
     kv_watermark: float = 0.01
     max_waiting_requests: int | None = None
@@ -145,7 +155,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
         check_int("block_size", self.block_size, 1, 256)
         check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         frac = self.kv_cache_fraction
@@ -163,11 +173,7 @@ class EngineConfig:
         st = self.stall_timeout
         if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
             raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
-        check_quantization(self.quantization, device, self.dtype)
-        skip = self.quantization_skip
-        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-            raise InvalidParameterError("quantization_skip", skip, "a tuple of layer-name substrings")
-        object.__setattr__(self, "quantization_skip", tuple(skip))
+        _check_weight_format(self)
         opts = self.scheduler_options
         if opts is not None and not (isinstance(opts, dict) and all(isinstance(k, str) for k in opts)):
             raise InvalidParameterError("scheduler_options", opts, "a dict of keyword arguments, or None")
@@ -188,6 +194,16 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _check_weight_format(config: EngineConfig) -> None:
+    """Validate ``quantization`` and resolve ``quantization_skip`` (None: the format's) and ``pack_weights``."""
+    check_quantization(config.quantization, config.device, config.dtype)
+    skip = default_skip(config.quantization) if config.quantization_skip is None else config.quantization_skip
+    if isinstance(skip, str) or not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
+        raise InvalidParameterError("quantization_skip", skip, "a tuple of layer-name substrings, or None")
+    object.__setattr__(config, "quantization_skip", tuple(skip))
+    object.__setattr__(config, "pack_weights", resolve_pack(config.pack_weights, config.device, config.dtype))
 
 
 def _check_metrics_options(config: EngineConfig) -> None:

@@ -45,7 +45,7 @@ from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.loader import open_checkpoint
-from asyncinfer.models.quant import quantize_int8, weight_bytes
+from asyncinfer.models.quant import apply_weight_format, weight_bytes
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -184,9 +184,9 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
             config.max_num_batched_tokens,
             f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
         )
-    if config.quantization == "int8":
-        quantize_int8(loaded.model, config.quantization_skip)
-    weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip)
+    if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
+        apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
+    weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())

@@ -35,7 +35,7 @@ import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
-from asyncinfer.models.quant import weight_bytes
+from asyncinfer.models.quant import default_skip, weight_bytes
 
 if TYPE_CHECKING:
     from asyncinfer.config import EngineConfig
@@ -208,8 +208,8 @@ def plan_for_engine(
 def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: int, available: int) -> None:
     """Refuse, before loading, weights larger than the memory available.
 
-    The message names the cause, the numbers and what would fit instead: int8
-    weights (CPU, float32) when they and the activation reserve would fit, else a
+    The message names the cause, the numbers and what would fit instead: float16 or
+    int8 weights (CPU, float32) when they and the activation reserve would fit, and a
     smaller model. (Weights that fit but leave too little for the KV cache are
     :func:`plan_kv_cache`'s refusal.)
 
@@ -221,9 +221,10 @@ def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: 
     dtype = str(config.dtype).removeprefix("torch.")
     fixes = []
     if config.device.type == "cpu" and config.dtype == torch.float32 and config.quantization is None:
-        int8 = weight_bytes(model_config, config.dtype_bytes, "int8", config.quantization_skip)
-        if int8 + config.activation_reserve <= available:
-            fixes.append(f"quantization='int8' ({format_bytes(int8)} of weights)")
+        for method in ("float16", "int8"):
+            smaller = weight_bytes(model_config, config.dtype_bytes, method, default_skip(method))
+            if smaller + config.activation_reserve <= available:
+                fixes.append(f"quantization='{method}' ({format_bytes(smaller)} of weights)")
     fixes.append("a smaller model")
     raise ConfigurationError(
         f"the model does not fit: its weights need {format_bytes(weights)} ({dtype}) but "
@@ -263,7 +264,8 @@ def plan_memory(
 
         model_config = read_model_config(resolve_model(model))
     # GGUF weights are dequantised at load, so the file size is no guide: count from the shapes.
-    weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip)
+    weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip,
+                           config.device)
     if available_bytes is None:
         available_bytes = available_memory(config.device)
     check_weights_fit(model_config, config, weights, available_bytes)

@@ -26,7 +26,7 @@ from asyncinfer.config import resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
-from asyncinfer.models.quant import check_quantization, weight_bytes
+from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, weight_bytes
 
 #: Framework overhead estimates: torch + Python + tokenizer on a CPU (measured RSS of an idle
 #: process that imported asyncinfer, rounded up), CUDA context + cuBLAS workspace on a GPU.
@@ -111,7 +111,7 @@ class DeploymentPlan:
         quant = self.quantization or "no quantization"
         rows = [
             ("weights", self.weight_bytes, f"from the config's shapes in {_dtype(self.dtype)}"
-             + (", int8 linear layers" if self.quantization else "")),
+             + (f", {self.quantization} projections" if self.quantization and self.device == "cpu" else "")),
             ("KV cache", self.kv_bytes,
              (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head dim x "
               f"{spec.dtype_bytes} bytes x {tokens} tokens ({self.batch} x {self.seq_len}, in "
@@ -189,7 +189,7 @@ def plan_deployment(
     device: str = "cpu",
     dtype: str = "auto",
     quantization: str | None = None,
-    quantization_skip: tuple[str, ...] = ("down_proj",),
+    quantization_skip: tuple[str, ...] | None = None,
     device_memory: int | None = None,
     block_size: int = 16,
     max_num_batched_tokens: int = 1024,
@@ -204,9 +204,11 @@ def plan_deployment(
     if device not in ("cpu", "cuda"):
         raise InvalidParameterError("device", device, "'cpu' or 'cuda'")
     target = torch.device(device)
+    dtype = format_dtype(quantization, target, dtype)
     resolved = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype in (None, "auto") else (
         resolve_dtype(dtype, torch.device("cpu")))
     check_quantization(quantization, target, resolved)
+    skip = default_skip(quantization) if quantization_skip is None else tuple(quantization_skip)
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
     for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256)):
@@ -220,14 +222,14 @@ def plan_deployment(
     plan = DeploymentPlan(
         model_name=model_name, model_config=model_config, device=device, dtype=resolved, quantization=quantization,
         batch=batch, seq_len=seq_len, block_size=block_size, spec=spec,
-        weight_bytes=weight_bytes(model_config, nbytes, quantization, quantization_skip),
+        weight_bytes=weight_bytes(model_config, nbytes, quantization, skip, target),
         kv_blocks=batch * blocks_for(seq_len, block_size), activation_bytes=0, overhead_bytes=OVERHEAD_BYTES[device],
         device_memory=device_memory, device_memory_source=source,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
     )
     activations = _fixed_activations(plan) + batch * _gather_bytes(spec, seq_len)
     plan = _replace(plan, activation_bytes=activations)
-    return _replace(plan, suggestions=tuple(_suggestions(plan, quantization_skip)))
+    return _replace(plan, suggestions=tuple(_suggestions(plan)))
 
 
 def _measure(device: torch.device) -> tuple[int, str]:
@@ -246,17 +248,19 @@ def _replace(plan: DeploymentPlan, **changes: object) -> DeploymentPlan:
     return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
 
 
-def _suggestions(plan: DeploymentPlan, skip: tuple[str, ...]) -> list[str]:
+def _suggestions(plan: DeploymentPlan) -> list[str]:
     if plan.fits:
         return []
     out = []
     if plan.quantization is None and plan.device == "cpu" and plan.dtype == torch.float32:
-        int8 = weight_bytes(plan.model_config, 4, "int8", skip)
-        quantized = _replace(plan, weight_bytes=int8)
-        then = ("and the plan fits" if quantized.fits else
-                f"not enough alone: {_size(-quantized.headroom_bytes)} short; with it, batch {quantized.max_batch} "
-                f"at {plan.seq_len} tokens or max_model_len {quantized.max_seq_len} at batch {plan.batch}")
-        out.append(f"--quantization int8: weights {_size(plan.weight_bytes)} -> {_size(int8)}, {then}")
+        for method in ("float16", "int8"):
+            smaller = weight_bytes(plan.model_config, 4, method, default_skip(method))
+            quantized = _replace(plan, weight_bytes=smaller)
+            then = ("and the plan fits" if quantized.fits else
+                    f"not enough alone: {_size(-quantized.headroom_bytes)} short; with it, batch "
+                    f"{quantized.max_batch} at {plan.seq_len} tokens or max_model_len {quantized.max_seq_len} "
+                    f"at batch {plan.batch}")
+            out.append(f"--quantization {method}: weights {_size(plan.weight_bytes)} -> {_size(smaller)}, {then}")
     if plan.device == "cuda" and plan.dtype == torch.float32:
         out.append("--dtype bfloat16: half the weights and the KV cache")
     if plan.max_seq_len >= 1:

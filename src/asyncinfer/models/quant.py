@@ -1,20 +1,28 @@
-"""Weight-only int8 linear layers for CPUs: decode is bound by the bytes of weights read, so move fewer.
+"""Weight formats: how the projection weights of a decoder are stored and multiplied (``quantization=``).
 
-Weights are quantized once, symmetric per output channel; activations are
-quantized per call (dynamic quantization) by PyTorch's x86/fbgemm kernels. On a
-2-core AVX2 machine this runs SmolLM2's projections 3-5x faster than fp32 at
-decode batch sizes (``benchmarks/throughput.py --int8`` measures it).
+Decode is bound by the bytes of weights read, so a format that moves fewer bytes runs faster.
+The formats (values of the engine option ``quantization``):
 
-Not every layer tolerates int8 equally: ``skip`` keeps named layers in the
-engine dtype. ``benchmarks/int8_sensitivity.py`` measures each choice; on SmolLM2-135M
-the MLP down projection (whose inputs carry the SwiGLU outliers) is by far the most
-sensitive, so the engine keeps it in float32 by default (``quantization_skip``).
-Activations are quantized per tensor, so a small model loses accuracy: this is an
-opt-in speed/accuracy trade, never the default.
+- ``None`` (default): the engine dtype. On a CPU in float32 the projection weights are also
+  packed once at load into oneDNN's blocked layout (``pack_weights``, on by default where
+  oneDNN exists): the same float32 values, a faster kernel, results within float32 rounding.
+- ``"float16"`` (CPU, float32 activations): weights stored in float16, multiplied by fbgemm's
+  fp16 kernel with float32 accumulation. Half the bytes; deterministic on every x86 CPU.
+- ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
+  [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
+  Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with
+  saturation; with weights within +-64 a pair is at most 2 x 255 x 64 = 32640 < 32767, so
+  nothing saturates and the result is the same exact integer arithmetic on every x86 CPU.
+  (The other non-saturating choice, 7-bit activations with ``reduce_range=True``, loses more:
+  ``benchmarks/quality.py`` measured both.) Layers named in ``quantization_skip`` stay float32.
+- On CUDA, ``"float16"`` and ``"bfloat16"`` mean the engine dtype (weights, activations, KV cache).
 
-:func:`weight_bytes` is the one weight-size calculation of the package: from the
-config alone, with or without int8, it counts what :func:`quantize_int8` leaves
-(the memory planner before loading and the start-up path after it both use it).
+``benchmarks/quality.py`` measures what each format costs in quality on the real model,
+``benchmarks/weight_formats.py`` what it gains in speed.
+
+:func:`weight_bytes` is the one weight-size calculation of the package: from the config alone it
+counts what :func:`apply_weight_format` leaves (the memory planner before loading and the
+start-up path after it both use it).
 """
 
 from __future__ import annotations
@@ -32,84 +40,214 @@ from asyncinfer.models.meta import build_on_meta
 if TYPE_CHECKING:
     from asyncinfer.models.config import ModelConfig
 
-QUANTIZATION_METHODS = ("int8",)
+#: Format names per device type (values of ``quantization`` besides None).
+CPU_FORMATS = ("float16", "int8")
+CUDA_FORMATS = ("float16", "bfloat16")
+QUANTIZATION_METHODS = ("float16", "bfloat16", "int8")
+
+#: The default ``quantization_skip`` of each format. int8: chosen by ``benchmarks/quality.py
+#: --sensitivity`` on SmolLM2-135M (benchmarks/results/quality.json): the MLP down projection, whose
+#: inputs carry SwiGLU's outliers, is the most sensitive kind by far, then the LM head. Keeping both
+#: in float32 gave 88.5% teacher-forced top-1 agreement (int8 everywhere: 75.1%, all but down_proj:
+#: 85.0%); no list that still quantizes most weights reaches the issue's 97%.
+DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
+    None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"),
+}
 
 
-def int8_linear_bytes(out_features: int, in_features: int, *, bias: bool) -> int:
-    """Bytes of one :class:`Int8DynamicLinear`: int8 weights, a float32 scale per output
-    channel, and a float32 bias when there is one."""
-    return out_features * in_features + 4 * out_features + (4 * out_features if bias else 0)
+def _allowed(device_type: str) -> str:
+    if device_type == "cuda":
+        return "None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' runs on CPU only)"
+    return "None, 'float16' or 'int8' on CPU, with float32 activations ('bfloat16' is a CUDA format)"
 
 
-class Int8DynamicLinear(nn.Module):
-    """``y = x @ W.T + b`` with W stored as int8 (per-channel scales) in a prepacked kernel format."""
+def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Validate the ``quantization`` option against the device and the (resolved) dtype.
+
+    Raises:
+        InvalidParameterError: naming ``quantization`` and the values allowed on ``device``.
+    """
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise InvalidParameterError("quantization", method, _allowed(device.type))
+    if device.type == "cuda":
+        if method not in CUDA_FORMATS or dtype != getattr(torch, method):
+            raise InvalidParameterError("quantization", method, _allowed("cuda") + f"; it must match dtype={dtype}")
+    elif method not in CPU_FORMATS or dtype != torch.float32:
+        raise InvalidParameterError("quantization", method, _allowed("cpu"))
+
+
+def format_dtype(method: str | None, device: torch.device, dtype: object) -> object:
+    """The dtype option to resolve: on CUDA, a dtype format with ``dtype="auto"`` sets the dtype."""
+    if device.type == "cuda" and method in CUDA_FORMATS and dtype in (None, "auto"):
+        return method
+    return dtype
+
+
+def default_skip(method: str | None) -> tuple[str, ...]:
+    """The format's default ``quantization_skip`` (an unknown name gets none; it is refused elsewhere)."""
+    return DEFAULT_SKIP.get(method, ())
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float32 weights can be packed for oneDNN here: a CPU, float32, torch built with oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def resolve_pack(pack_weights: object, device: torch.device, dtype: torch.dtype) -> bool:
+    """``pack_weights``: None (auto: wherever :func:`can_pack`), True (required) or False (never).
+
+    Raises:
+        InvalidParameterError: not a bool or None, or True where packing cannot run.
+    """
+    if pack_weights is None:
+        return can_pack(device, dtype)
+    if not isinstance(pack_weights, bool):
+        raise InvalidParameterError("pack_weights", pack_weights, "None (auto), True or False")
+    if pack_weights and not can_pack(device, dtype):
+        raise InvalidParameterError(
+            "pack_weights", pack_weights, "None or False here: packing needs a CPU, dtype float32 and oneDNN"
+        )
+    return pack_weights
+
+
+class FormatLinear(nn.Module):
+    """``y = x @ W.T + b`` with W held in a kernel's own format; ``nbytes`` is what that format stores."""
+
+    in_features: int
+    out_features: int
+    nbytes: int
+    kind = ""
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+class PackedLinear(FormatLinear):
+    """float32 weights reordered once into oneDNN's blocked layout; the same values, a faster CPU kernel."""
+
+    kind = "float32 oneDNN-packed"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous())
+        self._bias = _float_bias(bias)
+        self.nbytes = linear_bytes("float32", self.out_features, self.in_features, bias=bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")  # [T, out]
+
+
+class Fp16Linear(FormatLinear):
+    """float16 weights (fbgemm's packed fp16 matrix), float32 activations and accumulation."""
+
+    kind = "float16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), _float_bias(bias))
+        self.nbytes = linear_bytes("float16", self.out_features, self.in_features, bias=bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # [T, out]
+
+
+#: The largest int8 weight magnitude: 2 x 255 x 64 fits int16, so AVX2's pair sums never saturate.
+INT8_WEIGHT_MAX = 64
+
+
+class Int8DynamicLinear(FormatLinear):
+    """int8 weights in [-64, 64] (per-channel scales) in fbgemm's packed format; activations quantized per call."""
+
+    kind = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+        self.out_features, self.in_features = w.shape
+        scale = (w.abs().amax(dim=1) / INT8_WEIGHT_MAX).clamp_min(1e-12)  # [out]
         zero = torch.zeros(w.shape[0], dtype=torch.long)  # [out]
         with warnings.catch_warnings():  # torch flags its quantized-tensor API as deprecated
             warnings.simplefilter("ignore")
-            wq = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)  # [out, in]
-        b = None if bias is None else bias.detach().float()
-        self._packed = torch.ops.quantized.linear_prepack(wq, b)
-        self.in_features = w.shape[1]
-        self.out_features = w.shape[0]
-        self.nbytes = int8_linear_bytes(self.out_features, self.in_features, bias=b is not None)
+            wq = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)  # [out, in], in [-64, 64]
+        self._packed = torch.ops.quantized.linear_prepack(wq, _float_bias(bias))
+        self.nbytes = linear_bytes("int8", self.out_features, self.in_features, bias=bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # reduce_range=False: full 8-bit activations. The 7-bit range is safer against
-        # int16 saturation on CPUs without VNNI, but cost SmolLM2 17 points of top-1
-        # agreement in benchmarks/int8_sensitivity.py, far more than saturation did.
+        # reduce_range=False: 8-bit activations, safe because the weights stay within +-64 (see the module).
         return torch.ops.quantized.linear_dynamic(x, self._packed, False)  # [T, out]
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+_LAYERS: dict[str, type[FormatLinear]] = {"float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear}
 
 
-def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """Validate the ``quantization`` option against the device and dtype."""
-    if method is None:
-        return
-    if method not in QUANTIZATION_METHODS:
-        raise InvalidParameterError("quantization", method, f"None or one of {list(QUANTIZATION_METHODS)}")
-    if device.type != "cpu" or dtype != torch.float32:
-        raise InvalidParameterError(
-            "quantization", method, "None on CUDA or with a non-float32 dtype (int8 runs on CPU with float32)"
-        )
+def linear_bytes(fmt: str, out_features: int, in_features: int, *, bias: bool) -> int:
+    """Bytes one projection takes in ``fmt``: its weights (int8: plus a float32 scale per output
+    channel) and a float32 bias when there is one."""
+    bias_bytes = 4 * out_features if bias else 0
+    if fmt == "int8":
+        return out_features * in_features + 4 * out_features + bias_bytes
+    return {"float32": 4, "float16": 2}[fmt] * out_features * in_features + bias_bytes
 
 
-def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:
-    """Replace every ``nn.Linear`` (and the LM head) of ``model`` with :class:`Int8DynamicLinear`, in place.
+def int8_linear_bytes(out_features: int, in_features: int, *, bias: bool) -> int:
+    """Bytes of one :class:`Int8DynamicLinear`."""
+    return linear_bytes("int8", out_features, in_features, bias=bias)
 
-    ``skip``: substrings of module names to keep unquantized. Returns the bytes the
-    int8 layers take (:func:`weight_bytes` counts the same from the config alone).
+
+def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> int:
+    """Put ``model``'s projections (every ``nn.Linear`` and the LM head) in ``method``'s CPU format, in place.
+
+    ``skip``: substrings of layer names kept in float32. ``pack``: float32 projections left (all of
+    them for ``method=None``, the skipped ones otherwise) are packed for oneDNN, except a head tied
+    to the embedding (the embedding stays for lookups; a packed copy would double it). Returns the
+    bytes the replaced layers take (:func:`weight_bytes` counts the same from the config alone).
     """
     skip = tuple(skip)
     nbytes = 0
-    for parent, name, linear in _int8_linears(model, skip):
-        q = Int8DynamicLinear(linear.weight, linear.bias)
-        setattr(parent, name, q)
-        nbytes += q.nbytes
-    if _int8_head(model, skip):
-        head = Int8DynamicLinear(model.lm_head_weight, None)
+    for parent, name, full, linear in _format_linears(model):
+        fmt = "float32" if method is None or any(s in full for s in skip) else method
+        if fmt == "float32" and not pack:
+            continue
+        layer = _LAYERS[fmt](linear.weight, linear.bias)
+        setattr(parent, name, layer)
+        nbytes += layer.nbytes
+    head_fmt = _head_format(model, method, skip)
+    tied = getattr(model, "lm_head", None) is None
+    if head_fmt is not None and (head_fmt != "float32" or (pack and not tied)):
+        head = _LAYERS[head_fmt](model.lm_head_weight, None)
         model.output_proj = head  # compute_logits uses it; a tied embedding stays float for lookups
         nbytes += head.nbytes
-        if getattr(model, "lm_head", None) is not None:
+        if not tied:
             model.lm_head = None  # the float copy is no longer needed
     return nbytes
 
 
-def weight_bytes(
-    model_config: ModelConfig, dtype_bytes: int, quantization: str | None = None, skip: Iterable[str] = ()
-) -> int:
-    """Bytes the model's weights take once loaded in a ``dtype_bytes`` dtype (and quantized), from its config alone.
+def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:
+    """:func:`apply_weight_format` with ``"int8"`` and no packing of the layers left in float32."""
+    return apply_weight_format(model, "int8", skip)
 
-    The one weight-size calculation: the memory planner (before loading) and the
-    start-up path (after loading) both use it. Nothing is loaded or changed: the
-    family's model is built on the meta device and its layers are counted as
-    :func:`quantize_int8` would leave them (``quantization="int8"``, ``skip`` as there).
+
+def weight_bytes(
+    model_config: ModelConfig,
+    dtype_bytes: int,
+    quantization: str | None = None,
+    skip: Iterable[str] = (),
+    device: torch.device | str = "cpu",
+) -> int:
+    """Bytes the model's weights take once loaded in a ``dtype_bytes`` dtype, in a weight format, from its config alone.
+
+    The one weight-size calculation: the memory planner (before loading) and the start-up path
+    (after loading) both use it. Nothing is loaded: the family's model is built on the meta device
+    and its layers are counted as :func:`apply_weight_format` leaves them on ``device``'s type (on
+    CUDA the formats are dtypes: nothing is replaced). Packing float32 weights changes no size.
 
     Raises:
         InvalidParameterError: ``quantization`` is not None or one of ``QUANTIZATION_METHODS``.
@@ -119,13 +257,15 @@ def weight_bytes(
         raise InvalidParameterError("quantization", quantization, f"None or one of {list(QUANTIZATION_METHODS)}")
     model = build_on_meta(model_config)
     total = _float_bytes(model, dtype_bytes)
-    if quantization is None:
+    if quantization is None or torch.device(device).type == "cuda":
         return total
     skip = tuple(skip)
-    for _, _, linear in _int8_linears(model, skip):
-        total += int8_linear_bytes(*linear.weight.shape, bias=linear.bias is not None) - _float_bytes(linear, dtype_bytes)
-    if _int8_head(model, skip):
-        total += int8_linear_bytes(*model.lm_head_weight.shape, bias=False)
+    for _, _, full, linear in _format_linears(model):
+        if not any(s in full for s in skip):
+            total += linear_bytes(quantization, *linear.weight.shape, bias=linear.bias is not None)
+            total -= _float_bytes(linear, dtype_bytes)
+    if _head_format(model, quantization, skip) == quantization:
+        total += linear_bytes(quantization, *model.lm_head_weight.shape, bias=False)
         if getattr(model, "lm_head", None) is not None:
             total -= _float_bytes(model.lm_head, dtype_bytes)
     return total
@@ -135,17 +275,20 @@ def _float_bytes(module: nn.Module, dtype_bytes: int) -> int:
     return sum(p.numel() for p in module.parameters()) * dtype_bytes
 
 
-def _int8_linears(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """``(parent, attribute, layer)`` of every ``nn.Linear`` int8 replaces; the LM head is :func:`_int8_head`'s."""
+def _format_linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """``(parent, attribute, full name, layer)`` of every ``nn.Linear`` but the LM head (:func:`_head_format`'s)."""
     found = []
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
-            full = f"{name}.{child_name}" if name else child_name
-            if child_name != "lm_head" and isinstance(child, nn.Linear) and not any(s in full for s in skip):
-                found.append((module, child_name, child))
+            if child_name != "lm_head" and isinstance(child, nn.Linear):
+                found.append((module, child_name, f"{name}.{child_name}" if name else child_name, child))
     return found
 
 
-def _int8_head(model: nn.Module, skip: tuple[str, ...]) -> bool:
-    """Whether int8 replaces the output projection (a tied head included)."""
-    return hasattr(model, "lm_head_weight") and not any(s in "lm_head" for s in skip if s)
+def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str | None:
+    """The output projection's format: None when the model has none, else ``method`` or float32 when skipped."""
+    if not hasattr(model, "lm_head_weight"):
+        return None
+    if method is None or any(s in "lm_head" for s in skip if s):
+        return "float32"
+    return method

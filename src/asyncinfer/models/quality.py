@@ -1,0 +1,117 @@
+"""Measuring what a weight format costs in quality: the engine's own model against a float32 copy.
+
+Two measures, used by ``benchmarks/quality.py`` and by the quality gates in the tests:
+
+- teacher-forced top-1 agreement: over a fixed text, the fraction of positions where the
+  format's most likely next token is the float32 model's (both read the same tokens);
+- greedy common prefix: from the same prompts, how many generated tokens stay identical.
+
+Both drive the model directly over a paged KV cache, as the engine's runner does, without
+the engine: a copy of one loaded model can be put in every format (:func:`formatted`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from asyncinfer.models.attention import select_attention_backend
+from asyncinfer.models.quant import apply_weight_format
+
+
+def formatted(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> nn.Module:
+    """A copy of float32 ``model`` with its projections in ``method``'s format (``model`` is left as it is)."""
+    out = copy.deepcopy(model)
+    apply_weight_format(out, method, skip, pack=pack)
+    return out
+
+
+class _Cache:
+    """A paged KV cache for a few sequences, blocks handed out in order, as the runner's metadata wants it."""
+
+    def __init__(self, model: nn.Module, total_tokens: int, block_size: int = 16) -> None:
+        cfg = model.config
+        self.block_size = block_size
+        num_blocks = -(-total_tokens // block_size) + 64
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layers = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        self.next_block = 0
+        self.tables: list[list[int]] = []
+        self.lens: list[int] = []
+        self.backend = select_attention_backend(torch.device("cpu"))
+
+    def run(self, model: nn.Module, work: Sequence[tuple[int, Sequence[int]]], rows: str) -> torch.Tensor:
+        """One forward over ``(sequence, new tokens)`` pairs (a new sequence gets the next index).
+
+        ``rows``: "all" (logits of every new token) or "last" (of each sequence's last one).
+        """
+        ids, positions, slots, query_lens = [], [], [], []
+        for seq, tokens in work:
+            if seq == len(self.tables):
+                self.tables.append([])
+                self.lens.append(0)
+            table, start = self.tables[seq], self.lens[seq]
+            for pos in range(start, start + len(tokens)):
+                if pos // self.block_size == len(table):
+                    table.append(self.next_block)
+                    self.next_block += 1
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                positions.append(pos)
+            ids.extend(tokens)
+            self.lens[seq] = start + len(tokens)
+            query_lens.append(len(tokens))
+        seqs = [seq for seq, _ in work]
+        meta = self.backend.build_metadata(
+            query_lens=query_lens, context_lens=[self.lens[s] for s in seqs], block_tables=[self.tables[s] for s in seqs],
+            slot_mapping=slots, block_size=self.block_size, device="cpu")
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.layers, meta)  # [T, hidden]
+            if rows == "last":
+                hidden = hidden.index_select(0, torch.tensor(query_lens).cumsum(0) - 1)  # [S, hidden]
+            return model.compute_logits(hidden)  # [T or S, vocab]
+
+
+def teacher_forced_argmax(model: nn.Module, ids: Sequence[int], chunk: int = 256) -> torch.Tensor:
+    """The most likely next token at every position of ``ids`` [n], read in prefill chunks of ``chunk`` tokens
+    (the engine's chunked prefill: int8 quantizes each chunk's activations per tensor)."""
+    cache = _Cache(model, len(ids))
+    out = []
+    for start in range(0, len(ids), chunk):
+        out.append(cache.run(model, [(0, ids[start:start + chunk])], "all").argmax(-1))
+    return torch.cat(out)  # [n]
+
+
+def top1_agreement(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Fraction of positions where two :func:`teacher_forced_argmax` results agree."""
+    return float((reference == other).float().mean())
+
+
+def batched_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """``max_tokens`` greedy tokens for each prompt: the prompts prefilled one by one, then decoded together
+    (one decode step for all of them per token, as the engine batches them)."""
+    cache = _Cache(model, sum(len(p) for p in prompts) + len(prompts) * max_tokens)
+    outs = [[int(cache.run(model, [(i, list(p))], "last")[0].argmax())] for i, p in enumerate(prompts)]
+    while len(outs[0]) < max_tokens:
+        logits = cache.run(model, [(i, out[-1:]) for i, out in enumerate(outs)], "last")  # [S, vocab]
+        for out, token in zip(outs, logits.argmax(-1).tolist()):
+            out.append(token)
+    return outs
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def greedy_match(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """``(fraction of prompts identical over every token, mean common-prefix fraction)``."""
+    prefixes = [common_prefix(r, o) / len(r) for r, o in zip(reference, other)]
+    return sum(p == 1.0 for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
