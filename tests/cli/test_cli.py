@@ -85,6 +85,38 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
         cli.main(["info"])
 
 
+MESSAGES_ERROR = "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} dicts (strings)"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [], "max_tokens": 2}', f"line 1: {MESSAGES_ERROR}, not []"),
+    ('{"messages": "hello"}', f"line 1: {MESSAGES_ERROR}, not 'hello'"),
+    ('{"messages": ["hi"]}', f"line 1: {MESSAGES_ERROR}, not ['hi']"),
+    ('{"messages": [{"role": "user"}]}', f"line 1: {MESSAGES_ERROR}, not [{{'role': 'user'}}]"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "line 1: 'messages' must be"),
+    ('{"prompt": "x", "id": NaN}', "line 1: not JSON (NaN is not a JSON number)"),
+    ('{"prompt": "x", "id": -Infinity}', "line 1: not JSON (-Infinity is not a JSON number)"),
+    ('{"prompt": "x", "id": 1e400}', "line 1: not JSON (1e400 is out of a float's range)"),
+    ('{"prompt": "x", "id": 1.5}', "line 1: 'id' must be a string or an integer, not 1.5"),
+    ('{"prompt": "x", "id": true}', "line 1: 'id' must be a string or an integer, not True"),
+    ('{"prompt": "x", "id": null}', "line 1: 'id' must be a string or an integer, not None"),
+    ('{"prompt": "x", "id": ["a"]}', "line 1: 'id' must be a string or an integer, not ['a']"),
+])
+def test_generate_refuses_a_bad_line_before_loading_the_model(line, message, tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
+    assert one_line_error(capsys).startswith(f"asyncinfer: error: {bad} {message}")
+
+
+def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
+    bad = tmp_path / "latin.jsonl"
+    bad.write_bytes(b'{"prompt": "x"}\n\xff\xfe{"prompt": "x"}\n')
+    assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
+    assert one_line_error(capsys) == (f"asyncinfer: error: {bad}: not UTF-8 text (invalid start byte 0xff); "
+                                      "save it as UTF-8\n")
+
+
 def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     path = tiny_models["llama"][0]
     assert cli.main(["info", str(path), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
