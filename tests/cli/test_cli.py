@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +204,37 @@ def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, 
     assert {"fair-share", "from-a-package"} <= set(names[4:])
     assert cli.main(["lab", "--plugin", "no_such_module"]) == 2
     assert "--plugin='no_such_module'" in one_line_error(capsys)
+
+
+def console_script(tmp_path: Path) -> Path:
+    """The ``asyncinfer`` script pip writes for pyproject.toml's entry point (its template)."""
+    import tomllib
+
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["asyncinfer"]
+    module, func = entry.split(":")
+    script = tmp_path / "asyncinfer"
+    script.write_text(f"import re\nimport sys\nfrom {module} import {func}\nif __name__ == '__main__':\n"
+                      f"    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      f"    sys.exit({func}())\n")
+    return script
+
+
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
+    """SIGINT during the imports (torch's: seconds), the parser's construction or the job (it waits
+    for its input's end): status 130, nothing on stdout, at most one line on stderr, no traceback."""
+    start = ["-m", "asyncinfer"] if how == "python -m" else [str(console_script(tmp_path))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    for delay in (0.3, 0.6, 1.0, 1.5, 2.5, 4.0):
+        read, write = os.pipe()  # the job's stdin, held open: it waits
+        try:
+            proc = subprocess.Popen([sys.executable, *start, "generate", "--file", "-"], stdin=read,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            os.close(read)
+            os.close(write)
+        assert (proc.returncode, out) == (130, ""), (delay, err)
+        assert "Traceback" not in err and err.count("\n") <= 1, (delay, err)
