@@ -126,12 +126,20 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """A public name (its module imported on first use), else a submodule: ``asyncinfer.metrics``
+    after a bare ``import asyncinfer`` works as it did when the package imported everything."""
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncinfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next look-up is a plain attribute
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # the next look-up is a plain attribute
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
