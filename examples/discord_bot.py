@@ -10,8 +10,16 @@ The bot answers every message that mentions it (and every message in a DM):
   at most once per ``edit_interval`` seconds (Discord rate-limits edits);
 - each channel has its own history, trimmed to what fits the model
   (``trim_messages``: oldest turns first, the system prompt kept);
-- ``!reset`` forgets the channel's history; ``!stop`` stops your replies being
-  written (the engine aborts them and frees their memory at once);
+- a channel is one conversation, answered in turn: messages that arrive while a
+  reply is being written get their "…" at once and are answered one after the
+  other, in arrival order, each seeing the exchanges before it (the history
+  stays user/assistant pairs in order); different channels are answered at once;
+- ``!reset`` forgets the channel's history: replies under way (or queued) still
+  finish, but nothing of a message sent before the reset enters the new history;
+  ``!stop`` stops your replies being written (the engine aborts them and frees
+  their memory at once; queued ones never start);
+- when the engine refuses or fails a request (overloaded, say), the "…" becomes
+  a short apology and the exchange is left out of the history;
 - fairness: the engine runs the ``aging-priority`` scheduler and a user's request
   gets priority = how many of their requests are already in flight, so someone
   sending ten messages cannot hold everyone else back, and their own requests
@@ -31,11 +39,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import logging
 import os
 import time
 from typing import Any
 
-from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, trim_messages
+from asyncinfer import (
+    AsyncEngine,
+    AsyncInferError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    SamplingParams,
+    trim_messages,
+)
+
+log = logging.getLogger("discord_bot")
 
 DISCORD_LIMIT = 2000  # characters in one Discord message
 SYSTEM_PROMPT = "You are a friendly assistant in a Discord chat. Keep answers short."
@@ -54,6 +72,8 @@ class ChatBot:
         self.history_budget = history_budget or engine.max_model_len - self.params.max_tokens
         self.histories: dict[Any, list[dict[str, str]]] = collections.defaultdict(list)
         self.in_flight: dict[Any, set[asyncio.Task[None]]] = collections.defaultdict(set)
+        self.resets: dict[Any, int] = collections.defaultdict(int)  # !reset count per channel
+        self._last_turn: dict[Any, asyncio.Future[None]] = {}  # per channel: done when its last reply is
         self._ids = 0
 
     async def on_message(self, message: Any, content: str | None = None) -> None:
@@ -64,13 +84,15 @@ class ChatBot:
         text = (message.content if content is None else content).strip()
         if text == "!reset":
             self.histories.pop(message.channel.id, None)
+            self.resets[message.channel.id] += 1
             await message.reply("History cleared.")
         elif text == "!stop":
             for task in list(self.in_flight.get(message.author.id, ())):
                 task.cancel()
         elif text:
-            # Priority at arrival: how many of this user's requests are already in flight.
-            task = asyncio.create_task(self._answer(message, text, self.priority(message.author.id)))
+            # Taken now, in arrival order: the channel's turn and the priority (how many of this
+            # user's requests are already in flight).
+            task = asyncio.create_task(self._answer(message, text, self._take_turn(message)))
             self.in_flight[message.author.id].add(task)
             try:
                 await task
@@ -84,36 +106,97 @@ class ChatBot:
         """Lower is more urgent: each request a user already has in flight pushes the next one back."""
         return len(self.in_flight.get(user_id, ()))
 
-    def prompt_for(self, channel_id: Any) -> list[dict[str, str]]:
-        """The system prompt and the channel's history, trimmed to the token budget."""
-        history = self.histories[channel_id]
-        kept = trim_messages(self.system + history, self.history_budget, self.engine.count_tokens)
-        self.histories[channel_id] = kept[len(self.system):]  # forget what no longer fits
+    def prompt_for(self, channel_id: Any, turn: dict[str, str] | None = None) -> list[dict[str, str]]:
+        """The system prompt, the channel's history and ``turn`` (the new message), trimmed to the
+        token budget (InvalidParameterError if ``turn`` alone does not fit)."""
+        new = [turn] if turn else []
+        kept = trim_messages(self.system + self.histories[channel_id] + new, self.history_budget,
+                             self.engine.count_tokens)
+        self.histories[channel_id] = kept[len(self.system):len(kept) - len(new)]  # forget what no longer fits
         return kept
 
-    async def _answer(self, message: Any, text: str, priority: int) -> None:
+    def _take_turn(self, message: Any) -> _Turn:
         channel = message.channel.id
-        self.histories[channel].append({"role": "user", "content": f"{message.author.display_name}: {text}"})
-        try:
-            prompt = self.prompt_for(channel)
-        except InvalidParameterError:
-            self.histories[channel].pop()
-            await message.reply("That message is too long for me, sorry.")
-            return
-        reply = await message.reply("…")
         self._ids += 1
-        request_id = f"{message.author.id}/{self._ids}"  # the user as the request's tenant
-        edits = _Edits(reply, self.edit_interval)
+        before = self._last_turn.get(channel)
+        mine = asyncio.get_running_loop().create_future()
+        self._last_turn[channel] = mine
+        return _Turn(request_id=f"{message.author.id}/{self._ids}",  # the user as the request's tenant
+                     priority=self.priority(message.author.id), resets=self.resets[channel],
+                     before=None if before is None or before.done() else before, mine=mine)
+
+    async def _answer(self, message: Any, text: str, turn: _Turn) -> None:
         try:
-            async for delta in self.engine.stream(prompt, self.params, request_id=request_id, priority=priority):
-                await edits.add(delta.text)
-        except asyncio.CancelledError:
-            await edits.finish(" [stopped]")
-            raise
+            edits = _Edits(await message.reply("…"), self.edit_interval)
+            try:
+                if turn.before is not None:
+                    await asyncio.shield(turn.before)  # the channel's earlier messages are answered first
+                await self._reply(message, text, turn, edits)
+            except asyncio.CancelledError:
+                await edits.finish(" [stopped]")
+                raise
         finally:
-            if edits.text:
-                self.histories[channel].append({"role": "assistant", "content": edits.text})
+            turn.pass_on()
+
+    async def _reply(self, message: Any, text: str, turn: _Turn, edits: _Edits) -> None:
+        channel = message.channel.id
+        said = {"role": "user", "content": f"{message.author.display_name}: {text}"}
+        try:
+            prompt = self.prompt_for(channel, said)
+        except InvalidParameterError:
+            await edits.replace("That message is too long for me, sorry.")
+            return
+        try:
+            async for delta in self.engine.stream(prompt, self.params, request_id=turn.request_id,
+                                                  priority=turn.priority):
+                await edits.add(delta.text)
+        except asyncio.CancelledError:  # !stop: what was written stays, in the history too
+            self._record(channel, turn, said, edits.text)
+            raise
+        except Exception as exc:  # refused or failed: say so in the reply, keep no trace of it
+            log.warning("request %s failed: %s: %s", turn.request_id, type(exc).__name__, exc,
+                        exc_info=not isinstance(exc, AsyncInferError))  # a bug's traceback, for the log
+            sorry = _apology(exc)
+            await edits.replace(f"{edits.text} [{sorry}]" if edits.text else sorry)
+            return
+        self._record(channel, turn, said, edits.text)
         await edits.finish()
+
+    def _record(self, channel: Any, turn: _Turn, said: dict[str, str], answer: str) -> None:
+        """The exchange enters the history as a pair, unless the channel was reset since it was sent."""
+        if answer and self.resets[channel] == turn.resets:
+            self.histories[channel] += [said, {"role": "assistant", "content": answer}]
+
+
+def _apology(exc: Exception) -> str:
+    if isinstance(exc, EngineOverloadedError):
+        return "I'm busy right now, please try again in a moment."
+    return "Sorry, I could not answer that."
+
+
+class _Turn:
+    """A message's place in its channel: it is answered once ``before`` (the previous message's
+    turn) is done, and ``mine`` is done once it is answered (or stopped) and ``before`` is done.
+    (A plain class: the tests load this file without registering it as a module, which
+    dataclasses need.)"""
+
+    def __init__(self, request_id: str, priority: int, resets: int, before: asyncio.Future[None] | None,
+                 mine: asyncio.Future[None]) -> None:
+        self.request_id = request_id
+        self.priority = priority
+        self.resets = resets  # the channel's !reset count when the message arrived
+        self.before = before
+        self.mine = mine
+
+    def pass_on(self) -> None:
+        if self.before is None or self.before.done():
+            self._done()
+        else:  # stopped while waiting: the next one still waits for the one before
+            self.before.add_done_callback(lambda _: self._done())
+
+    def _done(self) -> None:
+        if not self.mine.done():
+            self.mine.set_result(None)
 
 
 class _Edits:
@@ -133,6 +216,10 @@ class _Edits:
 
     async def finish(self, suffix: str = "") -> None:
         await self._show((self.text or "(no answer)") + suffix)
+
+    async def replace(self, content: str) -> None:
+        """Show ``content`` instead of the reply (a refusal, an apology)."""
+        await self._show(content)
 
     async def _show(self, content: str) -> None:
         content = content if len(content) <= DISCORD_LIMIT else content[:DISCORD_LIMIT - 1] + "…"

@@ -57,3 +57,12 @@ def test_refusals_name_the_parameter() -> None:
         assert err.value.parameter == "budget"
     with pytest.raises(InvalidParameterError, match="at least one message"):
         trim_messages([], 10, words)
+
+
+@pytest.mark.parametrize("bad", ["hello", ["hi"], [{"role": "user", "content": "x"}, "hi"], b"hi", None, 3,
+                                 {"role": "user", "content": "x"}])
+def test_refuses_what_is_not_a_list_of_message_dicts(bad) -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        trim_messages(bad, 10, words)
+    assert (err.value.parameter, err.value.value) == ("messages", bad)
+    assert err.value.allowed == "a list of {'role': ..., 'content': ...} dicts"

@@ -31,3 +31,17 @@ def test_errors_form_one_tree() -> None:
     errors = [getattr(asyncinfer, n) for n in asyncinfer.__all__ if n.endswith("Error")]
     assert all(issubclass(e, asyncinfer.AsyncInferError) for e in errors)
     assert issubclass(asyncinfer.WrongEventLoopError, asyncinfer.EngineClosedError)
+
+
+def test_the_package_root_is_cheap_and_loads_names_and_submodules_on_first_use() -> None:
+    """``import asyncinfer`` imports neither torch nor typing (the command's Ctrl-C guard runs first);
+    names and submodules still resolve from a bare ``import asyncinfer``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, asyncinfer\n"
+            "assert not {'torch', 'typing', 'asyncinfer.engine'} & set(sys.modules), sorted(sys.modules)\n"
+            "assert asyncinfer.AsyncEngine.__module__ == 'asyncinfer.engine' and 'torch' in sys.modules\n"
+            "assert callable(asyncinfer.metrics.asgi_app) and 'trim_messages' in dir(asyncinfer)\n"
+            "assert not hasattr(asyncinfer, 'no_such_name')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=API_DOC.parents[1])

@@ -464,17 +464,25 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; every failure is one line on stderr and a non-zero status, never a traceback."""
-    args = build_parser().parse_args(argv)
+    """Run the command; every failure is one line on stderr and a non-zero status, never a traceback.
+
+    Ctrl-C ends it with status 130, at any moment: while the parser's construction imports torch
+    (seconds) it is held back until the import is done (``_interrupts.deferred_interrupts``), and
+    ``asyncinfer.__main__.main``, the console script's entry point, also covers this module's import.
+    """
+    from asyncinfer._interrupts import deferred_interrupts
+
     try:
-        return _run(args)
+        with deferred_interrupts():
+            parser = build_parser()
+        return _run(parser.parse_args(argv))
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file that cannot be read or written
         print(f"asyncinfer: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the shell's prompt on a fresh line, no traceback
         print(file=sys.stderr)
         return 130
     except Exception as exc:

@@ -36,12 +36,17 @@ def trim_messages(
     history costs a few renderings, not one per turn. ``messages`` is not changed.
 
     Raises:
-        InvalidParameterError: ``budget`` is not a positive int, ``messages`` is empty, or
+        InvalidParameterError: ``budget`` is not a positive int, ``messages`` is not a list of
+            message dicts (a string, say) or is empty, or
             even the system messages and the last turn alone take more than ``budget`` tokens
             (``parameter`` is "messages"; ``allowed`` says how many tokens they take).
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise InvalidParameterError("budget", budget, "an int >= 1 (tokens)")
+    if isinstance(messages, (str, bytes, bytearray, dict)) or not isinstance(messages, Sequence) or not all(
+        isinstance(m, dict) for m in messages
+    ):
+        raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
     messages = list(messages)
     if not messages:
         raise InvalidParameterError("messages", messages, "at least one message")

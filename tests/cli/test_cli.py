@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,38 @@ def test_info_of_a_model_that_does_not_fit_shows_its_shapes_and_why(tmp_path, ca
     assert out[2].endswith(f"(asyncinfer plan {tmp_path} shows the whole budget)")
 
 
+MESSAGES_ERROR = "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} dicts (strings)"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [], "max_tokens": 2}', f"line 1: {MESSAGES_ERROR}, not []"),
+    ('{"messages": "hello"}', f"line 1: {MESSAGES_ERROR}, not 'hello'"),
+    ('{"messages": ["hi"]}', f"line 1: {MESSAGES_ERROR}, not ['hi']"),
+    ('{"messages": [{"role": "user"}]}', f"line 1: {MESSAGES_ERROR}, not [{{'role': 'user'}}]"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "line 1: 'messages' must be"),
+    ('{"prompt": "x", "id": NaN}', "line 1: not JSON (NaN is not a JSON number)"),
+    ('{"prompt": "x", "id": -Infinity}', "line 1: not JSON (-Infinity is not a JSON number)"),
+    ('{"prompt": "x", "id": 1e400}', "line 1: not JSON (1e400 is out of a float's range)"),
+    ('{"prompt": "x", "id": 1.5}', "line 1: 'id' must be a string or an integer, not 1.5"),
+    ('{"prompt": "x", "id": true}', "line 1: 'id' must be a string or an integer, not True"),
+    ('{"prompt": "x", "id": null}', "line 1: 'id' must be a string or an integer, not None"),
+    ('{"prompt": "x", "id": ["a"]}', "line 1: 'id' must be a string or an integer, not ['a']"),
+])
+def test_generate_refuses_a_bad_line_before_loading_the_model(line, message, tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
+    assert one_line_error(capsys).startswith(f"asyncinfer: error: {bad} {message}")
+
+
+def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
+    bad = tmp_path / "latin.jsonl"
+    bad.write_bytes(b'{"prompt": "x"}\n\xff\xfe{"prompt": "x"}\n')
+    assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
+    assert one_line_error(capsys) == (f"asyncinfer: error: {bad}: not UTF-8 text (invalid start byte 0xff); "
+                                      "save it as UTF-8\n")
+
+
 def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     path = tiny_models["llama"][0]
     assert cli.main(["info", str(path), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
@@ -182,3 +217,37 @@ def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, 
     assert {"fair-share", "from-a-package"} <= set(names[4:])
     assert cli.main(["lab", "--plugin", "no_such_module"]) == 2
     assert "--plugin='no_such_module'" in one_line_error(capsys)
+
+
+def console_script(tmp_path: Path) -> Path:
+    """The ``asyncinfer`` script pip writes for pyproject.toml's entry point (its template)."""
+    import tomllib
+
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["asyncinfer"]
+    module, func = entry.split(":")
+    script = tmp_path / "asyncinfer"
+    script.write_text(f"import re\nimport sys\nfrom {module} import {func}\nif __name__ == '__main__':\n"
+                      f"    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      f"    sys.exit({func}())\n")
+    return script
+
+
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
+    """SIGINT during the imports (torch's: seconds), the parser's construction or the job (it waits
+    for its input's end): status 130, nothing on stdout, at most one line on stderr, no traceback."""
+    start = ["-m", "asyncinfer"] if how == "python -m" else [str(console_script(tmp_path))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    for delay in (0.3, 0.6, 1.0, 1.5, 2.5, 4.0):
+        read, write = os.pipe()  # the job's stdin, held open: it waits
+        try:
+            proc = subprocess.Popen([sys.executable, *start, "generate", "--file", "-"], stdin=read,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            os.close(read)
+            os.close(write)
+        assert (proc.returncode, out) == (130, ""), (delay, err)
+        assert "Traceback" not in err and err.count("\n") <= 1, (delay, err)

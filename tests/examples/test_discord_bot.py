@@ -1,6 +1,7 @@
 """examples/discord_bot.py driven by fake Discord messages (no discord.py, no network), on the real model:
 streamed replies edited at a bounded rate, per-channel histories within the token budget, !reset, !stop,
-and per-user priorities."""
+and per-user priorities; on a fake engine (no model): a channel's replies one at a time in arrival order,
+!reset during a reply, and the engine's refusals as short replies."""
 
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer import AsyncEngine, SamplingParams
-
-pytestmark = pytest.mark.real_model
+from asyncinfer import AsyncEngine, EngineOverloadedError, InvalidParameterError, SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "discord_bot.py"
 GREEDY = SamplingParams(max_tokens=24)
@@ -71,6 +70,7 @@ def example():
     return load_example()
 
 
+@pytest.mark.real_model
 async def test_streamed_reply_with_rate_limited_edits_and_channel_memory(example, real_gguf) -> None:
     async with await AsyncEngine.load(real_gguf, max_model_len=1024, scheduler="aging-priority") as engine:
         bot = example.ChatBot(engine, params=GREEDY, edit_interval=0.2)
@@ -101,6 +101,7 @@ async def test_streamed_reply_with_rate_limited_edits_and_channel_memory(example
         assert bot.histories.get(10) is None
 
 
+@pytest.mark.real_model
 async def test_history_is_trimmed_to_the_token_budget(example, real_gguf) -> None:
     async with await AsyncEngine.load(real_gguf, max_model_len=1024) as engine:
         bot = example.ChatBot(engine, params=SamplingParams(max_tokens=4), history_budget=120)
@@ -116,6 +117,7 @@ async def test_history_is_trimmed_to_the_token_budget(example, real_gguf) -> Non
         assert long.replies[0].content == "That message is too long for me, sorry." and bot.histories[6] == []
 
 
+@pytest.mark.real_model
 async def test_stop_aborts_only_the_users_reply_and_priorities_follow_load(example, real_gguf) -> None:
     endless = SamplingParams(max_tokens=900, ignore_eos=True)
     async with await AsyncEngine.load(real_gguf, max_model_len=1024, scheduler="aging-priority") as engine:
@@ -151,3 +153,128 @@ async def test_stop_aborts_only_the_users_reply_and_priorities_follow_load(examp
 def test_the_gateway_part_needs_discord_only_when_run() -> None:
     source = EXAMPLE.read_text()
     assert "import discord\n" not in source.split("def main()")[0]  # the bot logic imports no discord
+
+
+class FakeEngine:
+    """What ChatBot uses of the engine: a reply per request, released piece by piece by the test
+    (``release``) or at once, or an error raised by the stream (``fail``)."""
+
+    max_model_len = 1024
+
+    def __init__(self, *, hold: bool = False) -> None:
+        self.hold = hold
+        self.prompts: dict[str, list[dict[str, str]]] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.fail: dict[str, Exception] = {}
+
+    def count_tokens(self, messages: list[dict[str, str]]) -> int:
+        return sum(len(m["content"].split()) + 2 for m in messages)
+
+    async def stream(self, prompt, params, *, request_id, priority):
+        self.prompts[request_id] = list(prompt)
+        self.gates.setdefault(request_id, asyncio.Event())
+        if request_id in self.fail:
+            raise self.fail[request_id]
+        yield Delta("re:")
+        if self.hold:
+            await self.gates[request_id].wait()
+        yield Delta(" " + prompt[-1]["content"])
+
+    def release(self, request_id: str) -> None:
+        self.gates.setdefault(request_id, asyncio.Event()).set()
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+async def wait_for(condition) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [m for user, reply in pairs for m in ({"role": "user", "content": user},
+                                                  {"role": "assistant", "content": reply})]
+
+
+async def test_a_channel_answers_its_messages_one_at_a_time_in_arrival_order(example) -> None:
+    engine = FakeEngine(hold=True)
+    bot = example.ChatBot(engine, params=GREEDY, edit_interval=0)
+    messages = [Message(f"q{i}", author, Channel(7)) for i, author in enumerate((ANN, BOB, ANN))]
+    tasks = [asyncio.create_task(bot.on_message(m)) for m in messages]
+    await wait_for(lambda: all(m.replies for m in messages) and "1/1" in engine.prompts)
+    assert [m.replies[0].content for m in messages] == ["re: …", "…", "…"]  # all acknowledged at once
+    assert list(engine.prompts) == ["1/1"]  # the others wait for their turn
+    engine.release("1/3")  # a later message finishing first changes nothing: it has not started
+    engine.release("2/2")
+    engine.release("1/1")
+    await asyncio.gather(*tasks)
+    system = [{"role": "system", "content": example.SYSTEM_PROMPT}]
+    expected = turns(("ann: q0", "re: ann: q0"), ("bob: q1", "re: bob: q1"), ("ann: q2", "re: ann: q2"))
+    assert bot.histories[7] == expected
+    assert [m.replies[0].content for m in messages] == [t["content"] for t in expected[1::2]]
+    assert engine.prompts == {"1/1": system + expected[:1], "2/2": system + expected[:3],
+                              "1/3": system + expected[:5]}
+
+
+async def test_reset_during_a_reply_keeps_it_and_the_queued_ones_out_of_the_new_history(example) -> None:
+    engine = FakeEngine(hold=True)
+    bot = example.ChatBot(engine, params=GREEDY, edit_interval=0)
+    before = [Message("old question", ANN, Channel(8)), Message("queued question", BOB, Channel(8))]
+    tasks = [asyncio.create_task(bot.on_message(m)) for m in before]
+    await wait_for(lambda: "1/1" in engine.prompts)
+    reset = Message("!reset", ANN, Channel(8))
+    await bot.on_message(reset)
+    after = Message("new question", ANN, Channel(8))
+    tasks.append(asyncio.create_task(bot.on_message(after)))
+    for request_id in ("1/1", "2/2", "1/3"):
+        engine.release(request_id)
+    await asyncio.gather(*tasks)
+    assert reset.replies[0].content == "History cleared."
+    assert [m.replies[0].content for m in (*before, after)] == ["re: ann: old question", "re: bob: queued question",
+                                                                "re: ann: new question"]  # all answered
+    system = [{"role": "system", "content": example.SYSTEM_PROMPT}]
+    assert engine.prompts["2/2"] == system + [{"role": "user", "content": "bob: queued question"}]
+    assert bot.histories[8] == turns(("ann: new question", "re: ann: new question"))
+
+
+@pytest.mark.parametrize("error, shown", [
+    (EngineOverloadedError("too many requests waiting"), "I'm busy right now, please try again in a moment."),
+    (InvalidParameterError("max_tokens", 5000, "<= 1000"), "Sorry, I could not answer that."),
+    (RuntimeError("the step loop died"), "Sorry, I could not answer that."),
+])
+async def test_an_engine_error_becomes_a_short_reply_and_leaves_no_trace(example, error, shown, caplog) -> None:
+    engine = FakeEngine()
+    bot = example.ChatBot(engine, params=GREEDY, edit_interval=0)
+    engine.fail["1/1"] = error
+    failed = Message("first", ANN, Channel(9))
+    await bot.on_message(failed)  # does not raise
+    assert [r.content for r in failed.replies] == [shown]
+    assert bot.histories[9] == [] and bot.priority(ANN.id) == 0
+    assert any("1/1" in r.getMessage() and str(error) in r.getMessage() for r in caplog.records)
+    ok = Message("second", ANN, Channel(9))
+    await bot.on_message(ok)
+    assert ok.replies[0].content == "re: ann: second"
+    assert bot.histories[9] == turns(("ann: second", "re: ann: second"))
+
+
+async def test_stop_on_a_queued_message_keeps_the_order_of_the_rest(example) -> None:
+    engine = FakeEngine(hold=True)
+    bot = example.ChatBot(engine, params=GREEDY, edit_interval=0)
+    first, queued, last = Message("a", ANN, Channel(4)), Message("b", BOB, Channel(4)), Message("c", ANN, Channel(4))
+    tasks = [asyncio.create_task(bot.on_message(m)) for m in (first, queued, last)]
+    await wait_for(lambda: "1/1" in engine.prompts and queued.replies)
+    await bot.on_message(Message("!stop", BOB, Channel(4)))
+    await tasks[1]
+    assert queued.replies[0].content == "(no answer) [stopped]" and "2/2" not in engine.prompts
+    await asyncio.sleep(0.05)
+    assert list(engine.prompts) == ["1/1"]  # the last message still waits for the first
+    engine.release("1/1")
+    engine.release("1/3")
+    await asyncio.gather(*tasks)
+    assert bot.histories[4] == turns(("ann: a", "re: ann: a"), ("ann: c", "re: ann: c"))

@@ -174,6 +174,36 @@ async def test_asgi_app_serves_the_exposition(tiny_models) -> None:
     assert got[("asyncinfer_engine_state", (("state", "running"),))] == 1
 
 
+async def test_asgi_app_runs_on_its_own_lifespan_and_serves_get_and_head_only(tiny_models) -> None:
+    """Run directly by a server (uvicorn), the app gets a lifespan scope: it completes startup and
+    shutdown; GET serves the exposition, HEAD its headers, any other method is a 405."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+    app = asgi_app(engine)
+    incoming: asyncio.Queue = asyncio.Queue()
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    for event in ("lifespan.startup", "lifespan.shutdown"):
+        incoming.put_nowait({"type": event})
+    await asyncio.wait_for(app({"type": "lifespan", "asgi": {"version": "3.0"}}, incoming.get, send), 5)
+    assert sent == [{"type": "lifespan.startup.complete"}, {"type": "lifespan.shutdown.complete"}]
+    async with engine:
+        await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            get, head = await client.get("/"), await client.head("/")
+            refused = [await client.request(method, "/") for method in ("POST", "PUT", "DELETE")]
+    assert get.status_code == 200 and get.headers["content-type"].startswith("text/plain")
+    assert parse(get.text)[("asyncinfer_engine_state", (("state", "running"),))] == 1
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    for response in refused:
+        assert (response.status_code, response.headers["allow"]) == (405, "GET, HEAD")
+        assert response.text == "405 Method Not Allowed: GET or HEAD only\n"
+
+
 async def test_one_log_line_per_request_and_text_only_when_sampled(tiny_models, caplog) -> None:
     caplog.set_level(logging.INFO, logger="asyncinfer.requests")
     for rate in (0.0, 1.0):

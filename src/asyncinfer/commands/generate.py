@@ -7,9 +7,12 @@ Input, one request a line (``--file``; ``-`` reads stdin)::
     {"prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0.7}     # token ids; per-line sampling fields
 
 ``--prompt TEXT`` (repeatable) gives the prompts on the command line instead
-(``--chat`` sends texts as a user message). Every line is checked before anything
-runs, so a bad line fails the job at once, naming its line number. All requests are
-submitted together (at most ``--concurrency`` in flight) and the engine batches them.
+(``--chat`` sends texts as a user message). The file is UTF-8, each line strict JSON
+(no NaN or Infinity); ``messages`` is a non-empty list of ``{"role": ..., "content": ...}``
+dicts and ``id`` (default: the line's number, from 0) a string or an integer.
+Every line is checked before anything runs, so a bad line fails the job at once (exit
+status 2), naming its line number. All requests are submitted together (at most
+``--concurrency`` in flight) and the engine batches them.
 
 Output: one line per request, in input order (``--output``, default stdout)::
 
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -73,15 +77,19 @@ def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
             yield Job(i, [{"role": "user", "content": text}] if args.chat else text, params)
         return
     with _open_input(args.file) as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                yield _job(line, number, params, args)
+        try:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    yield _job(line, number, params, args)
+        except UnicodeDecodeError as exc:  # a ValueError, not an OSError: name the file here
+            byte = exc.object[exc.start:exc.start + 1].hex()
+            raise CommandError(f"{args.file}: not UTF-8 text ({exc.reason} 0x{byte}); save it as UTF-8") from None
 
 
 def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespace) -> Job:
     where = f"{args.file} line {number}"
     try:
-        item = json.loads(line)
+        item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
         raise CommandError(f"{where}: not JSON ({exc})") from None
     if isinstance(item, str):
@@ -97,10 +105,39 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
         line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
     except InvalidParameterError as exc:
         raise CommandError(f"{where}: {exc}") from None
-    prompt = item.get("messages") or item["prompt"]
+    if "messages" in item and not _is_chat(item["messages"]):
+        raise CommandError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                           f"dicts (strings), not {_shown(item['messages'])}")
+    request_id = item.get("id", number - 1)
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise CommandError(f"{where}: 'id' must be a string or an integer, not {_shown(request_id)}")
+    prompt = item["messages"] if "messages" in item else item["prompt"]
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    return Job(item.get("id", number - 1), prompt, line_params)
+    return Job(request_id, prompt, line_params)
+
+
+def _no_constant(name: str) -> Any:
+    """json's hook for NaN, Infinity and -Infinity: Python's json module reads them, JSON has none."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a finite JSON number that no float holds
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+def _is_chat(messages: Any) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @contextlib.contextmanager

@@ -158,11 +158,58 @@ def build_registry(metrics: EngineMetrics) -> CollectorRegistry:
     return registry
 
 
+_NOT_ALLOWED = b"405 Method Not Allowed: GET or HEAD only\n"
+
+
 def asgi_app(engine: Any) -> Any:
-    """An ASGI app serving ``engine``'s metrics: ``app.mount("/metrics", asgi_app(engine))``."""
+    """An ASGI app serving ``engine``'s metrics: ``app.mount("/metrics", asgi_app(engine))``.
+
+    GET serves the exposition, HEAD its headers alone, any other method is a 405. Run by a
+    server directly (``uvicorn``), it completes the lifespan protocol's startup and shutdown
+    (it owns nothing: the engine's own lifecycle stays the caller's).
+    """
     from prometheus_client import make_asgi_app
 
-    return make_asgi_app(registry=engine.metrics.registry)
+    serve = make_asgi_app(registry=engine.metrics.registry)
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] != "http":
+            raise ValueError(f"asyncinfer.metrics.asgi_app serves HTTP, not a {scope['type']!r} scope")
+        elif scope["method"] == "GET":
+            await serve(scope, receive, send)
+        elif scope["method"] == "HEAD":
+            await serve({**scope, "method": "GET"}, receive, _headers_only(send))
+        else:
+            await send({"type": "http.response.start", "status": 405,
+                        "headers": [(b"allow", b"GET, HEAD"), (b"content-type", b"text/plain; charset=utf-8"),
+                                    (b"content-length", str(len(_NOT_ALLOWED)).encode())]})
+            await send({"type": "http.response.body", "body": _NOT_ALLOWED})
+
+    return app
+
+
+async def _lifespan(receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
+    """The lifespan protocol: nothing to start or stop, each event acknowledged."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _headers_only(send: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """``send`` with every response body emptied (the answer to a HEAD request)."""
+
+    async def send_headers(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_headers
 
 
 def exposition(engine: Any) -> bytes:
