@@ -230,7 +230,10 @@ class _Edits:
 
 
 def main() -> None:  # pragma: no cover - needs a Discord token and the network
-    import discord
+    try:
+        import discord
+    except ImportError:
+        raise SystemExit("examples/discord_bot.py needs discord.py: pip install 'asyncinfer[discord]'") from None
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model path or name (default: SmolLM2-135M-Instruct)")

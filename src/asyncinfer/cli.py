@@ -421,20 +421,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_bench_args(bench)
     _add_engine_args(bench)
-    info = sub.add_parser("info", help="print a model's shapes and memory plan (from its config: no weight read)")
+    info = sub.add_parser("info", help="print a model's shapes and memory plan (from its config: no weight read)",
+                             description="Print a model's shapes and memory plan (from its config: no weight read).")
     info.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     _add_engine_args(info)
-    plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)")
+    plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)",
+                             description="Print the memory budget of a deployment from the config alone (no weights).")
     _add_plan_args(plan)
-    embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities")
+    embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",
+                              description="Embed texts with a sentence encoder and print their cosine similarities.")
     embed.add_argument("texts", nargs="+", help="texts to embed")
     embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
     embed.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     embed.add_argument("--device", default="auto", help="auto | cpu | cuda")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
-    lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)")
+    lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
+                            description="Replay a request trace through schedulers in simulated time (no model).")
     _add_lab_args(lab)
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (asyncinfer[server])")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (asyncinfer[server])",
+                              description="Serve a model over an OpenAI-compatible HTTP API (asyncinfer[server]).")
     _add_serve_args(serve)
     return parser
 
@@ -463,6 +468,15 @@ def _run(args: argparse.Namespace) -> int:
     return _info(args)
 
 
+def _working_directory_importable() -> None:
+    """Modules in the working directory import (a ``--plugin``, a ``--scheduler module:Class``), as under
+    ``python -m asyncinfer``; the console script's path starts with its own directory instead. Appended,
+    so a local file never shadows an installed package."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; every failure is one line on stderr and a non-zero status, never a traceback.
 
@@ -475,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with deferred_interrupts():
             parser = build_parser()
-        return _run(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        _working_directory_importable()
+        return _run(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)
         return 2

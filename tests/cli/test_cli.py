@@ -191,6 +191,8 @@ def test_bench_profile_writes_a_trace_and_the_top_ops(tiny_models, tmp_path, cap
                      "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
     out = capsys.readouterr().out
     assert f"profile of 6 steps at concurrency 2: {where / 'trace.json'}" in out
+    assert out.index("TTFT p50") < out.index("profile of 6 steps")  # after the table, as --help says
+    assert "(latencies in ms)" in out  # no transformers rows, no note about them
     assert json.loads((where / "trace.json").read_text())["traceEvents"]
     assert "Self CPU" in (where / "top_ops.txt").read_text() and "Self CPU" in out
     assert cli.main(["bench", "--profile-steps", "0"]) == 2
@@ -251,3 +253,13 @@ def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
             os.close(write)
         assert (proc.returncode, out) == (130, ""), (delay, err)
         assert "Traceback" not in err and err.count("\n") <= 1, (delay, err)
+
+
+def test_a_plugin_in_the_working_directory_imports_from_the_console_script(tmp_path) -> None:
+    """As under ``python -m``: ``asyncinfer lab --plugin examples.custom_scheduler`` from the repository root."""
+    script = console_script(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script), "lab", "--plugin", "examples.custom_scheduler",
+                             "--list-schedulers"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "fair-share" in result.stdout.split()

@@ -69,6 +69,8 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.compare_transformers:
         rows += _bench_transformers(model_path, args, levels, ours)
     print(format_rows(rows))
+    if args.profile:
+        print(args.profile_report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"settings": {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "seed")},
@@ -126,11 +128,11 @@ async def _bench_engine(
             await asyncio.gather(*(one(i) for i in range(len(prompts))))
             rows.append(_row("asyncinfer", c, time.perf_counter() - start, timings))
         if args.profile:
-            await _profile(engine, prompts[:levels[-1]], params, args)
+            args.profile_report = await _profile(engine, prompts[:levels[-1]], params, args)
     return rows, engine.model_source.split(":", 1)[1], tokens
 
 
-async def _profile(engine: Any, prompts: list[list[int]], params: SamplingParams, args: argparse.Namespace) -> None:
+async def _profile(engine: Any, prompts: list[list[int]], params: SamplingParams, args: argparse.Namespace) -> str:
     """``engine.profile()`` over the next ``--profile-steps`` steps, with the prompts sent again meanwhile
     (a separate pass, so the profiler's overhead stays out of the table)."""
     profiling = asyncio.create_task(engine.profile(steps=args.profile_steps, path=args.profile))
@@ -138,9 +140,8 @@ async def _profile(engine: Any, prompts: list[list[int]], params: SamplingParams
     while not profiling.done():
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
     result = await profiling
-    print(f"profile of {result.steps} steps at concurrency {len(prompts)}: {result.trace_path} (Chrome trace), "
-          f"{result.table_path}")
-    print("\n".join(result.table.splitlines()[:25]))
+    return (f"profile of {result.steps} steps at concurrency {len(prompts)}: {result.trace_path} (Chrome trace), "
+            f"{result.table_path}\n" + "\n".join(result.table.splitlines()[:25]))
 
 
 def _row(system: str, c: int, wall: float, timings: list[tuple[float | None, float, int]], same: str = "") -> Row:
@@ -198,7 +199,9 @@ def format_rows(rows: list[Row]) -> str:
         lines.append(f"{r.system:<13}{r.concurrency:>5}{r.requests:>6}{r.output_tokens_per_s:>9.1f}"
                      f"{r.requests_per_s:>8.2f}{ms(r.ttft_p50):>10}{ms(r.ttft_p99):>10}{ms(r.tpot_p50):>10}"
                      f"{ms(r.e2e_p50):>10}{ms(r.e2e_p99):>10}  {r.same_tokens}")
-    return "\n".join(lines) + "\n(latencies in ms; transformers' rows: each request waits for its whole batch)"
+    note = "; transformers' rows: each request waits for its whole batch" if any(
+        r.system == "transformers" for r in rows) else ""
+    return "\n".join(lines) + f"\n(latencies in ms{note})"
 
 
 def _plot(rows: list[Row], path: str) -> None:
