@@ -127,7 +127,8 @@ def _directory(path: str | os.PathLike[str]) -> Path:
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise InvalidParameterError("path", os.fspath(path), f"a directory that can be created ({exc.strerror})") from None
+        allowed = f"a directory that can be created ({exc.strerror})"
+        raise InvalidParameterError("path", os.fspath(path), allowed) from None
     if not os.access(where, os.W_OK | os.X_OK):
         raise InvalidParameterError("path", os.fspath(path), "a directory this process can write")
     return where

@@ -231,8 +231,9 @@ def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = No
     try:
         cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
     except (AttributeError, TypeError) as exc:  # e.g. a subclass whose __init__ skips super().__init__
-        raise ContractViolation(f"{getattr(scheduler, '__name__', scheduler)} cannot be constructed as the engine "
-                                f"constructs it (scheduler(config, kv, **options)): {type(exc).__name__}: {exc}") from exc
+        name = getattr(scheduler, "__name__", scheduler)
+        raise ContractViolation(f"{name} cannot be constructed as the engine constructs it "
+                                f"(scheduler(config, kv, **options)): {type(exc).__name__}: {exc}") from exc
     for flag in ("uses_priority", "starvation_free"):
         if not isinstance(getattr(cls, flag, None), bool):
             raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
@@ -400,7 +401,8 @@ def check_scheduler(
     model: str | Path | None = None,
 ) -> ConformanceReport:
     """Run the whole suite on ``scheduler``: flags, :func:`drive_random_load` for every seed and
-    limit (with and without parallel samples and prefix hits), and (``engine=True``) :func:`check_matches_fifo` on a tiny model (about 10 s on 2 cores).
+    limit (with and without parallel samples and prefix hits), :func:`check_no_starvation`, and
+    (``engine=True``) :func:`check_matches_fifo` on a tiny model (about 10 s on 2 cores).
 
     Raises:
         ContractViolation: the first check that failed, with what, where and when.
