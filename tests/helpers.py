@@ -11,6 +11,7 @@ conftest files; plain code lives here.
 - Engine tests: :data:`ENGINE_BASE`, :func:`random_prompts`, :func:`greedy`.
 - Scheduler tests: :func:`schedule_and_apply`, :data:`CPU_COST`.
 - :data:`SMOLLM2`: the default model's config, for size arithmetic without loading it.
+- :func:`loaded_bytes`: the bytes a loaded model holds, its weight-format layers included.
 """
 
 from __future__ import annotations
@@ -239,3 +240,12 @@ SMOLLM2 = ModelConfig(
     eos_token_ids=(2,),
 )
 """SmolLM2-135M-Instruct's config (the default model), written out by hand from its config.json."""
+
+
+def loaded_bytes(model: torch.nn.Module) -> int:
+    """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
+    scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back)."""
+    from asyncinfer.models.quant import FormatLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear))

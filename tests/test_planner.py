@@ -8,15 +8,8 @@ import torch
 from asyncinfer import AsyncEngine, InvalidParameterError
 from asyncinfer.cli import main
 from asyncinfer.memory import GiB, MiB, read_model_config
-from asyncinfer.models.quant import FormatLinear
 from asyncinfer.planner import parse_bytes, plan_deployment
-
-
-def loaded_bytes(model: torch.nn.Module) -> int:
-    """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
-    scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear))
+from tests.helpers import loaded_bytes
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "float16"])

@@ -74,8 +74,8 @@ def test_plan_memory_before_loading_from_a_model_config() -> None:
     assert half.max_model_len == 8192  # the model's context length by default
     int8 = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="float32", device="cpu", max_model_len=2048,
                        kv_cache_fraction=0.5, activation_reserve=256 * MiB, quantization="int8")
-    assert int8.weight_bytes == 328_242_432  # int8 linears and head, float32 down_proj (the default skip)
-    assert int8.num_blocks == 2508  # half of (4 GiB - 328,242,432 - 256 MiB) = 1,849,144,704 bytes
+    assert int8.weight_bytes == 299_734_272  # int8 linears; down_proj and the tied head float32 (the default skip)
+    assert int8.num_blocks == 2527  # half of (4 GiB - 299,734,272 - 256 MiB) = 1,863,398,784 bytes
     with pytest.raises(ConfigurationError, match="max_model_len=8192"):
         plan_memory(SMOLLM2, available_bytes=4 * gib, device="cpu", kv_cache_memory=64 * MiB, dtype="float32")
     with pytest.raises(InvalidParameterError, match="max_model_len"):

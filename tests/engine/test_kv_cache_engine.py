@@ -8,7 +8,7 @@ import random
 import pytest
 
 from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SamplingParams
-from tests.helpers import ENGINE_BASE, greedy, hf_greedy
+from tests.helpers import ENGINE_BASE, greedy, hf_greedy, loaded_bytes
 
 SYSTEM = [(7 * i) % 300 + 5 for i in range(96)]  # 6 full blocks of 16
 
@@ -179,8 +179,7 @@ def test_plan_memory_before_loading_matches_the_engine(tiny_models) -> None:
     path, _ = tiny_models["llama"]
     planned = AsyncEngine.plan_memory(path, **ENGINE_BASE)
     engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
-    weights = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
-    assert planned.weight_bytes == weights
+    assert planned.weight_bytes == loaded_bytes(engine.core.runner.model)  # the packed projections included
     assert planned == engine.memory_plan
     with pytest.raises(ConfigurationError, match=r"needs 16 blocks"):
         AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "kv_cache_memory": 15 * 2 * 2 * 2 * 16 * 16 * 4})
