@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from asyncinfer.catalog import ModelCatalog
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
 from asyncinfer.holder import ModelHolder, ModelVersion
-from asyncinfer.prompts import Prompt, check_prompt_len, check_request_args, check_request_id, make_request
+from asyncinfer.prompts import (
+    Prompt,
+    check_prompt_len,
+    check_request_args,
+    check_request_id,
+    check_stop_token_ids,
+    make_request,
+)
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import StreamTable
@@ -61,6 +68,9 @@ class RequestIntake:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)
         self._check_load(model)
+        serving = self.models.generator(model).current
+        if serving is not None:
+            check_stop_token_ids(params, serving.model_config.vocab_size)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len, params)
@@ -72,6 +82,7 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
         version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+        check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
         self._check_id_free(args.request_id, args.params.n)
         self._check_load(model)
         request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt, version.max_model_len)

@@ -106,6 +106,13 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """``stop_token_ids`` are ids of the model's vocabulary (an id past it could never stop anything)."""
+    bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParameterError("stop_token_ids", params.stop_token_ids, f"token ids in [0, {vocab_size - 1}]")
+
+
 def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     """A text, chat messages or token ids as the token ids the model reads.
 

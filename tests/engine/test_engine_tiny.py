@@ -190,6 +190,12 @@ async def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_mode
     async with engine:
         with pytest.raises(InvalidParameterError, match="prompt"):
             await engine.generate([5, 999_999], greedy(2))
+        for bad in ([10**9], [5, 320]):  # the tiny model's vocabulary is 0..319 (SamplingParams refuses < 0)
+            with pytest.raises(InvalidParameterError) as err:
+                await engine.generate([5, 6], SamplingParams(max_tokens=2, stop_token_ids=bad))
+            assert err.value.parameter == "stop_token_ids" and err.value.allowed == "token ids in [0, 319]"
+            with pytest.raises(InvalidParameterError, match="stop_token_ids"):
+                engine.stream([5, 6], SamplingParams(max_tokens=2, stop_token_ids=bad))  # at the call
         with pytest.raises(InvalidParameterError, match="prompt"):
             await engine.generate([], greedy(2))
         with pytest.raises(InvalidParameterError, match="max_model_len"):
