@@ -205,23 +205,16 @@ def latency_summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def token_agreement(reference: dict[int, list[int]], other: dict[int, list[int]]) -> dict[str, Any]:
     """How far ``other``'s greedy outputs agree with ``reference`` on the requests both ran."""
+    from asyncinfer.models.quality import common_prefix
+
     keys = sorted(set(reference) & set(other))
     if not keys:
         return {"compared": 0}
     identical = sum(reference[k] == other[k] for k in keys)
     fractions = [
-        common_prefix_len(reference[k], other[k]) / max(len(reference[k]), len(other[k]), 1) for k in keys
+        common_prefix(reference[k], other[k]) / max(len(reference[k]), len(other[k]), 1) for k in keys
     ]
     return {"compared": len(keys), "identical": identical, "mean_common_prefix": statistics.fmean(fractions)}
 

@@ -9,7 +9,8 @@ conftest files; plain code lives here.
 - References from transformers: :func:`hf_logits`, :func:`hf_greedy`.
 - :class:`PagedRunner`: our model driven step by step over a shuffled paged cache.
 - Engine tests: :data:`ENGINE_BASE`, :func:`random_prompts`, :func:`greedy`.
-- Scheduler tests: :func:`schedule_and_apply`, :data:`CPU_COST`.
+- Scheduler tests: :func:`schedule_and_apply`, :data:`CPU_COST`; broken plugins the conformance
+  suites must catch: :class:`QueuesForkedSamples`, :class:`CountsRequestsNotSeats`.
 - :data:`SMOLLM2`: the default model's config, for size arithmetic without loading it.
 - :func:`loaded_bytes`: the bytes a loaded model holds, its weight-format layers included.
 """
@@ -25,8 +26,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.lab import StepCostModel
 from asyncinfer.models import AttentionBackend, LlamaForCausalLM, ModelConfig, select_attention_backend
+from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers import Scheduler
+from asyncinfer.schedulers import FIFOScheduler, Scheduler
 from asyncinfer.step import apply_step
 
 # ---- tiny random transformers models ---------------------------------------
@@ -249,3 +251,19 @@ def loaded_bytes(model: torch.nn.Module) -> int:
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear))
+
+
+class QueuesForkedSamples(FIFOScheduler):
+    """Broken: forked samples (which hold the prompt's blocks) queue behind the head instead of
+    joining the running set, as before issue 10."""
+
+    def add_forked(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.add_request(request)
+
+
+class CountsRequestsNotSeats(FIFOScheduler):
+    """Broken: admits while fewer than max_num_seqs requests run, whatever their samples will add."""
+
+    def has_seats(self, request: Request) -> bool:
+        return self.num_running < self.config.max_num_seqs

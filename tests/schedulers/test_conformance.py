@@ -1,9 +1,10 @@
 """One conformance suite for every scheduler: the contract holds, nothing is lost, outputs match FIFO.
 
 Parametrized over every built-in name plus the example plugin. Two drivers:
-a pure-Python one (random arrivals, aborts, tight memory; every step checked
-with :func:`asyncinfer.lab.check_schedule`; with ``n > 1`` samples forked as the
-core forks them and prefix-cache hits on a shared system prompt), and the real
+the shipped :func:`asyncinfer.schedulers.testing.drive_random_load` (random arrivals,
+aborts, tight memory; every step checked with ``check_schedule``; with ``n > 1``
+samples forked as the core forks them and prefix-cache hits on a shared system
+prompt), so the built-ins pass exactly the suite plugin authors run, and the real
 engine on a tiny random model (greedy tokens must equal FIFO's, token for token).
 Deliberately broken plugins (forked samples queued, seats miscounted, nothing
 scheduled) must fail the first driver.
@@ -20,10 +21,9 @@ import pytest
 
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.cache import KVCacheManager
-from asyncinfer.lab import check_schedule
-from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers import FIFOScheduler, SchedulerConfig, SchedulerOutput, builtin_schedulers, create_scheduler
-from asyncinfer.step import apply_step, fork_samples
+from asyncinfer.schedulers.testing import LIMITS, drive_random_load
+from tests.helpers import CountsRequestsNotSeats, QueuesForkedSamples
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -45,84 +45,11 @@ def resolve(spec: str):
 # Options that make each policy's special paths fire within a short run.
 OPTIONS = {"length-bucket": {"max_wait": 0.5, "bucket_edges": [8, 16, 32]}, "pd-split": {"prefill_budget": 5}}
 
-LIMITS = [
-    # (num_blocks, block_size, max_num_seqs, max_num_batched_tokens): roomy, tight memory, tiny budget
-    (256, 4, 8, 64),
-    (26, 4, 6, 48),
-    (40, 2, 3, 7),
-]
-
-
 def drive(spec, seed: int, limits: tuple[int, int, int, int], *, samples: bool = False) -> dict[str, int]:
-    """Random arrivals and aborts through ``schedule``; returns the preemption, abort, fork and hit counts.
-
-    ``samples``: requests of up to 3 samples, forked as the core forks them, and prompts
-    that mostly start with one shared system prompt, with prefix caching on.
-    """
-    num_blocks, block_size, max_seqs, budget = limits
-    rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=48)
-    sched = create_scheduler(resolve(spec), config, kv, OPTIONS.get(spec))
-    now = [0.0]
-    sched.clock = lambda: now[0]
-    arrivals = sorted((rng.randrange(60), i) for i in range(30))
-    system = [rng.randrange(3, 300) for _ in range(12)]
-    created: list[Request] = []
-    ended: dict[str, str] = {}
-    counts = {"preempted": 0, "aborted": 0, "forked": 0}
-
-    def sample(caught_up: list[Request]) -> list[tuple[Request, int]]:
-        pairs = []
-        for request in caught_up:
-            pairs.append((request, 5))
-            for child in fork_samples(kv, request):  # as the core: samples share the prompt's blocks
-                created.append(child)
-                pairs.append((child, 5))
-                counts["forked"] += 1
-        return pairs
-
-    step = 0
-    while arrivals or sched.has_unfinished_requests():
-        while arrivals and arrivals[0][0] <= step:
-            _, i = arrivals.pop(0)
-            size = rng.randrange(1, 30)
-            if samples and rng.random() < 0.7:
-                prompt = [*system, *(rng.randrange(3, 300) for _ in range(size))][:size]
-            else:
-                prompt = [1] * size
-            n = rng.choice([1, 1, 2, 3]) if samples else 1
-            params = SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1), ignore_eos=True, n=n)
-            tenant = rng.choice("ab")
-            created.append(Request(f"{tenant}/{i}", prompt, params, arrival_time=now[0], priority=rng.randrange(4)))
-            sched.add_request(created[-1])
-        if sched.requests and rng.random() < 0.04:
-            victim = rng.choice(sorted(sched.requests))
-            assert sched.abort_request(victim).status is RequestStatus.FINISHED_ABORTED
-            ended[victim] = "abort"
-            counts["aborted"] += 1
-        step += 1
-        now[0] += 0.05
-        if not sched.has_unfinished_requests():
-            continue
-        plan = sched.schedule()
-        kv.commit_step()
-        check_schedule(sched, plan, f"{spec} seed {seed} step {step}")
-        counts["preempted"] += len(plan.preempted)
-        for request in apply_step(sched, plan, sample).finished:
-            assert request.status is RequestStatus.FINISHED_LENGTH
-            assert request.num_output_tokens == request.params.max_tokens
-            ended[request.request_id] = "length"
-        # Forked samples joined the running set within max_num_seqs, and no waiting request holds blocks.
-        assert sched.num_running <= max_seqs, f"{spec} seed {seed} step {step}: running past max_num_seqs"
-        assert not [r.request_id for r in sched.waiting if kv.block_table(r.request_id)], "a queued request holds blocks"
-        assert step < 20_000, "no end in sight"
-    assert len(ended) == len(created) == 30 + counts["forked"], "a request was lost"
-    assert kv.num_free_blocks == num_blocks and not sched.requests
-    # Every preemption the plans listed is counted once by the cache and once on its request.
-    assert kv.num_preemptions == counts["preempted"] == sum(r.num_preemptions for r in created)
-    counts["prefix_hits"] = kv.num_prefix_hits
-    return counts
+    """The shipped :func:`~asyncinfer.schedulers.testing.drive_random_load` (random arrivals and aborts,
+    every step checked; ``samples``: forked samples and prefix hits); the counts of its hard paths."""
+    run = drive_random_load(resolve(spec), seed, limits, OPTIONS.get(spec), samples=samples)
+    return {"preempted": run.preempted, "aborted": run.aborted, "forked": run.forked, "prefix_hits": run.prefix_hits}
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -143,21 +70,6 @@ def test_contract_holds_with_parallel_samples_and_prefix_hits(spec: str) -> None
             for key, value in drive(spec, seed, limits, samples=True).items():
                 totals[key] += value
     assert all(totals.values()), totals  # every hard path really ran
-
-
-class QueuesForkedSamples(FIFOScheduler):
-    """Broken: forked samples (which hold blocks) queue behind the head, as before issue 10."""
-
-    def add_forked(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        self.add_request(request)
-
-
-class CountsRequestsNotSeats(FIFOScheduler):
-    """Broken: admits while fewer than max_num_seqs requests run, whatever their samples will add."""
-
-    def has_seats(self, request: Request) -> bool:
-        return self.num_running < self.config.max_num_seqs
 
 
 class Stalls(FIFOScheduler):

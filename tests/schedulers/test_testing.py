@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncinfer.request import Request, RequestStatus
+from asyncinfer.request import Request
 from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
 from asyncinfer.schedulers.testing import (
     LIMITS,
@@ -18,6 +18,7 @@ from asyncinfer.schedulers.testing import (
     engine_tokens,
     tiny_model,
 )
+from tests.helpers import CountsRequestsNotSeats, QueuesForkedSamples
 
 
 class OverBudget(FIFOScheduler):
@@ -58,21 +59,6 @@ def test_a_broken_rule_is_named_with_where_and_when(cls, message) -> None:
         check_scheduler(cls, engine=False)
     assert f"{cls.__name__} (seed 0, limits {LIMITS[0]}) step" in str(err.value)
     assert isinstance(err.value, AssertionError)  # pytest reports it as a failed assertion
-
-
-class QueuesForkedSamples(FIFOScheduler):
-    """Forked samples (which hold the prompt's blocks) queue instead of joining the running set."""
-
-    def add_forked(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        self.add_request(request)
-
-
-class CountsRequestsNotSeats(FIFOScheduler):
-    """Admits while fewer than max_num_seqs requests run, whatever their samples will add."""
-
-    def has_seats(self, request: Request) -> bool:
-        return self.num_running < self.config.max_num_seqs
 
 
 @pytest.mark.parametrize("cls, message", [

@@ -124,6 +124,8 @@ class LoadReport:
     preempted: int
     aborted: int
     finished: int
+    forked: int = 0  # samples forked (``samples=True``)
+    prefix_hits: int = 0  # prompt tokens the prefix cache served (``samples=True``)
 
 
 def drive_random_load(
@@ -167,6 +169,7 @@ def drive_random_load(
     added: list[Request] = []
     ended: dict[str, str] = {}
     system = [rng.randrange(3, 300) for _ in range(12)]
+    forks: list[Request] = []
     preempted = aborted = step = 0
 
     def sample(caught_up: list[Request]) -> list[tuple[Request, int]]:
@@ -175,6 +178,7 @@ def drive_random_load(
             pairs.append((request, 5))
             for child in fork_samples(kv, request):  # as the engine: samples share the prompt's blocks
                 added.append(child)
+                forks.append(child)
                 pairs.append((child, 5))
         return pairs
 
@@ -223,7 +227,7 @@ def drive_random_load(
     if not kv.num_preemptions == preempted == sum(r.num_preemptions for r in added):
         raise ContractViolation(f"{where}: preemptions disagree: plans {preempted}, cache {kv.num_preemptions}, "
                                 f"requests {sum(r.num_preemptions for r in added)}")
-    return LoadReport(step, preempted, aborted, len(ended) - aborted)
+    return LoadReport(step, preempted, aborted, len(ended) - aborted, len(forks), kv.num_prefix_hits)
 
 
 def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None) -> type[Scheduler]:
