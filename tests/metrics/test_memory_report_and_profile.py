@@ -14,6 +14,30 @@ OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "f
            "memory_bandwidth": 1e10, "block_size": 4}
 
 
+async def with_traffic(engine: AsyncEngine, job: asyncio.Future, timeout: float = 60) -> object:
+    """Send requests until ``job`` (a profile) is done and return its result. A profile arms after its
+    path check runs on a worker thread: a fixed amount of traffic sent at once may end before it arms."""
+    async def traffic() -> None:
+        while not job.done():
+            await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+
+    feeder = asyncio.ensure_future(traffic())
+    try:
+        return await asyncio.wait_for(asyncio.shield(job), timeout)
+    finally:
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+
+
+async def until_profiling(engine: AsyncEngine, timeout: float = 60) -> None:
+    """Send requests until the torch profiler runs (the armed profile has seen its first step)."""
+    async def go() -> None:
+        while not profiler_running():
+            await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=2, ignore_eos=True))
+
+    await asyncio.wait_for(go(), timeout)
+
+
 async def test_memory_report_tells_held_blocks_from_cached_ones(tiny_models) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
     async with engine:
@@ -44,9 +68,7 @@ async def test_profile_wraps_the_next_steps(tiny_models, tmp_path) -> None:
         with pytest.raises(InvalidParameterError):
             await engine.profile(steps=0, path=str(tmp_path))
         job = asyncio.ensure_future(engine.profile(steps=3, path=str(tmp_path / "prof")))
-        await asyncio.sleep(0)
-        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=12, ignore_eos=True))
-        result = await asyncio.wait_for(job, 60)
+        result = await with_traffic(engine, job)
     assert result.steps == 3
     trace = json.loads(result.trace_path.read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
@@ -64,21 +86,16 @@ async def test_a_cancelled_profile_frees_its_slot_at_once(tiny_models, tmp_path)
             await asyncio.wait_for(engine.profile(steps=2, path=tmp_path / "a"), 0.2)
         # Started, then abandoned mid-way: the torch profiler stops with it.
         job = asyncio.ensure_future(engine.profile(steps=10_000, path=tmp_path / "b"))
-        await asyncio.sleep(0)
-        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
-        assert profiler_running()
+        await until_profiling(engine)
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
         assert not profiler_running()
         job = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "c"))  # the slot is free
-        await asyncio.sleep(0)
-        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=6, ignore_eos=True))
-        assert (await asyncio.wait_for(job, 60)).steps == 2
+        assert (await with_traffic(engine, job)).steps == 2
         # Closing the engine mid-profile ends it too.
         job = asyncio.ensure_future(engine.profile(steps=10_000, path=tmp_path / "d"))
-        await asyncio.sleep(0)
-        await engine.generate(list(range(5, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+        await until_profiling(engine)
     with pytest.raises(EngineClosedError):
         await job
     assert not profiler_running()
@@ -92,6 +109,4 @@ async def test_a_bad_path_is_refused_before_any_step(tiny_models, tmp_path) -> N
                 await asyncio.wait_for(engine.profile(steps=2, path=bad), 5)  # no traffic: refused at once
             assert err.value.parameter == "path"
         job = asyncio.ensure_future(engine.profile(steps=1, path=tmp_path / "ok"))  # nothing was left armed
-        await asyncio.sleep(0)
-        await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
-        assert (await asyncio.wait_for(job, 60)).trace_path == tmp_path / "ok" / "trace.json"
+        assert (await with_traffic(engine, job)).trace_path == tmp_path / "ok" / "trace.json"
