@@ -19,7 +19,7 @@ def load_soak():
 async def test_a_short_soak_returns_to_its_baseline(tiny_models) -> None:
     soak = load_soak()
     result = await soak(tiny_models["llama"][0], requests=300, concurrency=8, warmup=40, rss_budget_mib=128.0)
-    assert result["ok"], result["checks"]
+    assert result["ok"], (result["checks"], result["rss_growth_mib"], result["baseline"], result["after"])
     assert result["kinds"]["cancelled"] > 10 and result["kinds"]["aborted"] > 10 and result["kinds"]["swaps"] == 1
     after = result["after"]["by_reason"]
     assert after["abort"] > 20 and after["error"] == 0

@@ -21,6 +21,7 @@ from asyncinfer.models.quant import (
     check_quantization,
     default_skip,
     format_dtype,
+    packed_rows,
     quantize_int8,
     weight_bytes,
 )
@@ -128,6 +129,23 @@ def test_float16_and_packed_layers_are_float32_up_to_rounding() -> None:
     torch.testing.assert_close(half(x).double(), torch.nn.functional.linear(
         x.double(), w.half().double(), b.double()), atol=1e-5, rtol=1e-5)
     assert (packed.nbytes, half.nbytes) == (4 * 96 * 64 + 4 * 96, 2 * 96 * 64 + 4 * 96)
+
+
+def test_packed_layers_run_a_few_row_counts_whatever_the_input() -> None:
+    """oneDNN caches a kernel per row count (~0.6 MB each): a PackedLinear pads its input to at most
+    72 row counts up to 2048 rows (at most 12.5% more rows), and the padding never reaches the output."""
+    sizes = {packed_rows(rows) for rows in range(1, 2049)}
+    assert len(sizes) == 72 and all(packed_rows(r) == r for r in range(1, 17))
+    assert all(r <= packed_rows(r) <= r * 1.125 for r in range(1, 5000))
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    packed = PackedLinear(w, b)
+    for rows in (1, 16, 17, 45, 100, 300):
+        x = torch.randn(rows, 24, generator=gen)
+        out = packed(x)
+        assert out.shape == (rows, 40) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), torch.nn.functional.linear(x.double(), w.double(), b.double()),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_each_format_replaces_what_it_should(tiny_pair, tmp_path) -> None:

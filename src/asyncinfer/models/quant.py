@@ -141,7 +141,23 @@ class PackedLinear(FormatLinear):
         self.nbytes = linear_bytes("float32", self.out_features, self.in_features, bias=bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")  # [T, out]
+        # oneDNN builds (and caches, ~0.6 MB each) a kernel per row count: every row count a step can
+        # have would grow the process by hundreds of MB. Inputs are padded to a few row counts.
+        rows = x.shape[0]
+        padded = packed_rows(rows)
+        if padded != rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")  # [T, out]
+        return out if padded == rows else out[:rows]
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a PackedLinear runs ``rows`` as: exact up to 16, then rounded up to one of 8
+    sizes per doubling (at most 12.5% more rows; 72 sizes up to 2048 rows)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 class Fp16Linear(FormatLinear):
