@@ -108,7 +108,7 @@ async def run_level(
 
 def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[str, Any]]:
     """Median wall time of one forward pass per batch size, on the workload's texts."""
-    encoder = engine._embedder(name).batcher.encoder
+    encoder = engine._models.embedder(name).batcher.encoder
     rng = random.Random(0)
     rows = []
     for size in sizes:
