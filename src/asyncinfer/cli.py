@@ -260,7 +260,12 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
     import importlib
     from importlib.metadata import entry_points
 
-    from asyncinfer.schedulers import ENTRY_POINT_GROUP, available_schedulers, builtin_schedulers
+    from asyncinfer.schedulers import (
+        ENTRY_POINT_GROUP,
+        available_schedulers,
+        builtin_schedulers,
+        registered_schedulers,
+    )
 
     before = set(available_schedulers())
     for module in args.plugin:
@@ -270,7 +275,11 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
     if args.schedulers:
         return [n.strip() for n in args.schedulers.split(",") if n.strip()]
-    plugins = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | (set(available_schedulers()) - before)
+    # A plugin's names: new since the import, or (when the module or another one registered the name
+    # earlier in this process) those whose class the plugin module defines.
+    own = {name for name, cls in registered_schedulers().items()
+           if any(cls.__module__ == m or cls.__module__.startswith(m + ".") for m in args.plugin)}
+    plugins = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | (set(available_schedulers()) - before) | own
     return builtin_schedulers() + sorted(plugins - set(builtin_schedulers()))
 
 

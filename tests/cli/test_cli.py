@@ -217,6 +217,9 @@ def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, 
     names = capsys.readouterr().out.split()
     assert names[:4] == ["fifo", "length-bucket", "aging-priority", "pd-split"]
     assert {"fair-share", "from-a-package"} <= set(names[4:])
+    # Again, the module already imported (its names registered before this call): still listed.
+    assert cli.main(["lab", "--plugin", "my_policies", "--list-schedulers"]) == 0
+    assert "fair-share" in capsys.readouterr().out.split()
     assert cli.main(["lab", "--plugin", "no_such_module"]) == 2
     assert "--plugin='no_such_module'" in one_line_error(capsys)
 

@@ -11,6 +11,7 @@ from asyncinfer.schedulers.registry import (
     builtin_schedulers,
     create_scheduler,
     register_scheduler,
+    registered_schedulers,
     resolve_scheduler,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "builtin_schedulers",
     "create_scheduler",
     "register_scheduler",
+    "registered_schedulers",
     "resolve_scheduler",
 ]

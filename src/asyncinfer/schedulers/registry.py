@@ -41,6 +41,11 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
     return wrap
 
 
+def registered_schedulers() -> dict[str, type[Scheduler]]:
+    """The names registered in this process with :func:`register_scheduler`, and their classes."""
+    return dict(_REGISTERED)
+
+
 def builtin_schedulers() -> list[str]:
     """The names that ship with asyncinfer, default first."""
     return list(_BUILTIN)
