@@ -240,8 +240,10 @@ class ModelCatalog:
 
 
 def version_info(version: ModelVersion, name: str, in_flight: int) -> ModelVersionInfo:
+    seconds = None if version.core is None else version.core.runner.compile_seconds
     return ModelVersionInfo(
-        version.version_id, version.source, version.state.value, in_flight, version.plan, name, "generate"
+        version.version_id, version.source, version.state.value, in_flight, version.plan, name, "generate",
+        compile_seconds=seconds,
     )
 
 

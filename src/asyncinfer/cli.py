@@ -76,6 +76,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword of the scheduler, VALUE read as JSON (repeatable)")
+    p.add_argument("--torch-compile", action="store_true", default=None, dest="torch_compile",
+                   help="compile the decoder's element-wise chains with torch.compile at load (docs/formats.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +92,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (the rest keep the library's defaults)."""
     options = {field: getattr(args, field) for _, field, _, _ in _ENGINE_ARGS if getattr(args, field) is not None}
+    if args.torch_compile:
+        options["torch_compile"] = True
     if args.scheduler_option:
         options["scheduler_options"] = {k: v for k, v in (_key_value(item) for item in args.scheduler_option)}
     return options

@@ -103,6 +103,11 @@ class EngineConfig:
       skips) into oneDNN's blocked layout at load: the same values, a faster CPU kernel. None
       (default): wherever possible (CPU, float32, torch built with oneDNN; never on CUDA);
       False: plain ``F.linear``; True: required (refused where it cannot run).
+    - ``torch_compile``: compile the decoder's element-wise chains (RMSNorm, the rotary
+      embedding, SwiGLU's ``silu(gate) * up``) with ``torch.compile`` at load (default off:
+      measured slower for SmolLM2-135M on a 2-core CPU and on an H200; docs/formats.md). Needs
+      a C++ compiler on a CPU and Triton on CUDA, else the load raises ConfigurationError;
+      the compile time is ``ModelVersionInfo.compile_seconds``.
     - ``enable_prefix_caching``: reuse the KV blocks of prompt prefixes seen before (default on).
     - ``max_waiting_requests``: admission control: how many requests may wait beyond the
       ``max_num_seqs`` a generator runs at once; past that, new requests fail at once with
@@ -143,6 +148,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_skip: tuple[str, ...] | None = None
     pack_weights: bool | None = None
+    torch_compile: bool = False
     enable_prefix_caching: bool = True
     kv_watermark: float = 0.01
     max_waiting_requests: int | None = None
@@ -179,6 +185,8 @@ class EngineConfig:
             raise InvalidParameterError("scheduler_options", opts, "a dict of keyword arguments, or None")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise InvalidParameterError("enable_chunked_prefill", self.enable_chunked_prefill, "True or False")
+        if not isinstance(self.torch_compile, bool):
+            raise InvalidParameterError("torch_compile", self.torch_compile, "True or False")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError("enable_prefix_caching", self.enable_prefix_caching, "True or False")
         _check_metrics_options(self)

@@ -65,6 +65,7 @@ class ModelVersionInfo:
     name: str = "default"
     kind: str = "generate"
     embedding_dim: int | None = None  # the vector size of an embedding model
+    compile_seconds: float | None = None  # torch_compile=True: how long the load spent compiling
 
 
 @dataclass(eq=False)

@@ -46,6 +46,7 @@ from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import apply_weight_format, weight_bytes
+from asyncinfer.models.torch_compile import compile_decoder
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -190,8 +191,10 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
+    compile_seconds = compile_decoder(loaded.model, mc, config.device, config.dtype) if config.torch_compile else None
     backend = select_attention_backend(config.device)
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)
+    runner.compile_seconds = compile_seconds
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
         enable_prefix_caching=config.enable_prefix_caching,

@@ -55,6 +55,7 @@ class ModelRunner:
         self.spec = spec
         self.backend = backend
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
+        self.compile_seconds: float | None = None  # set when the model's chains were compiled (torch_compile)
 
     @property
     def block_size(self) -> int:

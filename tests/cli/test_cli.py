@@ -46,9 +46,11 @@ def test_no_flag_means_the_library_default() -> None:
     assert cli._sampling_params(args) == SamplingParams()
     args = parser.parse_args(["chat", "--max-model-len", "512", "--scheduler", "aging-priority", "--threads", "2",
                               "--quantization", "int8", "--scheduler-option", "aging_rate=0.5", "--temperature",
-                              "0.7", "--top-k", "5", "--stop", "END", "--stop", "\n\n", "--seed", "3"])
+                              "0.7", "--top-k", "5", "--stop", "END", "--stop", "\n\n", "--seed", "3",
+                              "--torch-compile"])
     assert cli._engine_options(args) == {"max_model_len": 512, "scheduler": "aging-priority", "num_threads": 2,
-                                         "quantization": "int8", "scheduler_options": {"aging_rate": 0.5}}
+                                         "quantization": "int8", "scheduler_options": {"aging_rate": 0.5},
+                                         "torch_compile": True}
     assert cli._sampling_params(args) == SamplingParams(temperature=0.7, top_k=5, stop=["END", "\n\n"], seed=3)
 
 

@@ -7,6 +7,7 @@ the "rotate_half" convention) so that logits match transformers to ~1e-5 in fp32
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,19 +16,33 @@ from torch import nn
 from asyncinfer.models.config import ModelConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm of x [T, hidden] in float32, scaled by ``weight``, in x's dtype."""
+    dtype = x.dtype
+    x32 = x.float()  # [T, hidden]
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [T, hidden]
+    return weight * x32.to(dtype)  # [T, hidden]
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` for gate_up [T, 2 * I] (rows [gate; up]) -> [T, I]."""
+    gate, up = gate_up.split(intermediate_size, dim=-1)  # [T, I] each
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference."""
+    """Root-mean-square layer norm, computed in float32 like the reference.
+
+    ``norm_fn`` is :func:`rms_norm`, or its ``torch.compile`` d form (``torch_compile=True``)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.norm_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()  # [T, hidden]
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
-        return self.weight * x32.to(dtype)  # [T, hidden]
+        return self.norm_fn(x, self.weight, self.eps)  # [T, hidden]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -122,7 +137,8 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: [gate; up]
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+        self.act_fn: Callable[[torch.Tensor, int], torch.Tensor] = silu_mul  # or its compiled form
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        return self.down_proj(self.act_fn(gate_up, self.intermediate_size))  # [T, hidden]

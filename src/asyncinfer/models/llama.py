@@ -49,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rope_fn = apply_rope  # or its compiled form (torch_compile=True)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -58,7 +59,7 @@ class LlamaAttention(nn.Module):
         # q and k are adjacent in qkv, so one rope call rotates both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + KVH, D]
-        qk = apply_rope(qk, cos, sin)  # [T, H + KVH, D]
+        qk = self.rope_fn(qk, cos, sin)  # [T, H + KVH, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, KVH, D]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
