@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip llama.cpp (run by default when llama-cpp-python is installed and the model is a .gguf)")
     p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp's parallel sequences (slots)")
     p.add_argument("--formats", default="",
-                   help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float16,int8)")
+                   help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float16,int8); "
+                        "'compile' is the default format with torch_compile=True, 'float16+compile' a format compiled")
+    p.add_argument("--compile", action="store_true", help="also run asyncinfer with torch_compile=True (= --formats compile)")
     p.add_argument("--int8", action="store_true",
                    help="also run asyncinfer with quantization='int8' (CPU; faster, not bit-exact)")
     p.add_argument("--device", default="cpu", help="asyncinfer's device (transformers baselines stay on the CPU)")
@@ -293,8 +295,15 @@ def hf_single_decode_rate(model: Any, prompt: list[int], new_tokens: int, repeat
 def build_engine(
     model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any, quantization: str | None = None
 ) -> Any:
-    """An AsyncEngine whose KV cache holds ``max_num_seqs`` requests of the workload's longest length."""
+    """An AsyncEngine whose KV cache holds ``max_num_seqs`` requests of the workload's longest length.
+
+    ``quantization``: a ``quantization=`` value, "compile" (the default format with
+    ``torch_compile=True``) or "<format>+compile"."""
     from asyncinfer import AsyncEngine
+
+    compiled = quantization is not None and (quantization == "compile" or quantization.endswith("+compile"))
+    if compiled:
+        quantization = quantization.removesuffix("compile").removesuffix("+") or None
 
     block = 16
     max_model_len = math.ceil((workload.max_seq_len + 1) / block) * block
@@ -308,6 +317,7 @@ def build_engine(
         device=args.device,
         block_size=block,
         quantization=quantization,
+        torch_compile=compiled,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -716,9 +726,15 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     if args.int8 and "int8" not in formats:
         formats.append("int8")
+    if args.compile and "compile" not in formats:
+        formats.append("compile")
     for fmt in formats if engine is not None else []:
         say(f"loading asyncinfer with quantization={fmt!r}")
         other = build_engine(model_path, workload, args, hf_model.config, quantization=fmt)
+        seconds = other.model_info()[0].compile_seconds
+        if seconds is not None:
+            record.setdefault("compile_seconds", {})[fmt] = seconds
+            say(f"asyncinfer {fmt}: torch.compile took {seconds:.1f} s at load")
         say(f"running asyncinfer {fmt}")
         key = f"asyncinfer_{fmt}"
         results[key], outputs[key], decode = run_asyncinfer(other, workload, args, name=f"asyncinfer {fmt}")
@@ -777,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
                     single[key]["decode_tokens_per_s"] / single[peer]["decode_tokens_per_s"])
     for name, value in ratios.items():
         print(f"{name:<40} {fmt_ratio(value)}")
+    for fmt, seconds in record.get("compile_seconds", {}).items():
+        print(f"asyncinfer {fmt}: torch.compile at load {seconds:.1f} s")
     print()
     if single:
         parts = [f"{k} {v['decode_tokens_per_s']:.1f} tok/s" for k, v in single.items()]
