@@ -53,8 +53,8 @@ PACK = can_pack(torch.device("cpu"), torch.float32)
 
 #: (name, quantization, quantization_skip, pack_weights).
 FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
-    ("float32 packed (the default)", None, (), PACK),
-    ("float16", "float16", (), PACK),
+    ("float32 packed (dtype='float32')", None, (), PACK),
+    ("float16 (the CPU default)", "float16", (), PACK),
     (f"int8, default skip {default_skip('int8')}", "int8", default_skip("int8"), PACK),
     ("int8, no skip", "int8", (), PACK),
 )

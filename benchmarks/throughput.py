@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip llama.cpp (run by default when llama-cpp-python is installed and the model is a .gguf)")
     p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp's parallel sequences (slots)")
     p.add_argument("--formats", default="",
-                   help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float16,int8); "
-                        "'compile' is the default format with torch_compile=True, 'float16+compile' a format compiled")
+                   help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float32,int8); "
+                        "'float32' is quantization=None (float32 weights), 'compile' the default format with "
+                        "torch_compile=True, 'float16+compile' a format compiled")
     p.add_argument("--compile", action="store_true", help="also run asyncinfer with torch_compile=True (= --formats compile)")
     p.add_argument("--int8", action="store_true",
                    help="also run asyncinfer with quantization='int8' (CPU; faster, not bit-exact)")
@@ -293,17 +294,23 @@ def hf_single_decode_rate(model: Any, prompt: list[int], new_tokens: int, repeat
 # =========================================================================== asyncinfer
 
 def build_engine(
-    model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any, quantization: str | None = None
+    model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any, quantization: str = "auto"
 ) -> Any:
     """An AsyncEngine whose KV cache holds ``max_num_seqs`` requests of the workload's longest length.
 
-    ``quantization``: a ``quantization=`` value, "compile" (the default format with
-    ``torch_compile=True``) or "<format>+compile"."""
+    ``quantization``: "auto" (the engine's default format: on a CPU with ``--dtype float32``, the
+    engine is given ``dtype="auto"``, which computes in float32, so that its default applies), a
+    ``quantization=`` value, "float32" (``quantization=None``: float32 weights), "compile" (the
+    default format with ``torch_compile=True``) or "<format>+compile"."""
     from asyncinfer import AsyncEngine
 
-    compiled = quantization is not None and (quantization == "compile" or quantization.endswith("+compile"))
+    compiled = quantization == "compile" or quantization.endswith("+compile")
     if compiled:
-        quantization = quantization.removesuffix("compile").removesuffix("+") or None
+        quantization = quantization.removesuffix("compile").removesuffix("+") or "auto"
+    dtype: str = args.dtype
+    if quantization == "auto" and args.device == "cpu" and args.dtype == "float32":
+        dtype = "auto"  # the same float32 activations; the engine picks its default weight format
+    fmt: str | None = None if quantization == "float32" else quantization
 
     block = 16
     max_model_len = math.ceil((workload.max_seq_len + 1) / block) * block
@@ -313,10 +320,10 @@ def build_engine(
     kv_cache_memory = int(args.max_num_seqs * max_model_len * kv_bytes_per_token * 1.1) + 16 * 2**20
     return AsyncEngine.from_pretrained(
         str(model_path),
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
         block_size=block,
-        quantization=quantization,
+        quantization=fmt,
         torch_compile=compiled,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -713,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             say("loading asyncinfer")
             engine = build_engine(model_path, workload, args, hf_model.config)
+            record["asyncinfer_default_format"] = engine.config.quantization or str(engine.config.dtype)
+            say(f"asyncinfer's default format here: {record['asyncinfer_default_format']}")
         except ImportError as exc:
             say(f"asyncinfer unavailable, skipped: {exc}")
             record["asyncinfer_error"] = repr(exc)

@@ -27,14 +27,14 @@ def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantizatio
 
 def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
     config = read_model_config(tiny_models["llama"][0])
-    plan = plan_deployment(config, batch=4, seq_len=256, device_memory=400 * MiB)
+    plan = plan_deployment(config, batch=4, seq_len=256, dtype="float32", device_memory=400 * MiB)
     assert plan.fits
-    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, device_memory=400 * MiB)
-    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, device_memory=400 * MiB)
+    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, dtype="float32", device_memory=400 * MiB)
+    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, dtype="float32", device_memory=400 * MiB)
     assert at_limit.fits and not beyond.fits
-    tight = plan_deployment(config, batch=1000, seq_len=512, device_memory=400 * MiB)
+    tight = plan_deployment(config, batch=1000, seq_len=512, dtype="float32", device_memory=400 * MiB)
     assert not tight.fits and 0 < tight.max_seq_len < 512
-    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, device_memory=400 * MiB).fits
+    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, dtype="float32", device_memory=400 * MiB).fits
     assert any("max_model_len" in s for s in tight.suggestions)
     assert any(s.startswith("--quantization float16: weights") for s in tight.suggestions)
     (int8,) = [s for s in tight.suggestions if s.startswith("--quantization int8")]
@@ -43,11 +43,16 @@ def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
 
 def test_a_format_is_said_to_fit_only_when_it_does(real_gguf) -> None:
     config = read_model_config(real_gguf)
-    fp32 = plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB)
+    fp32 = plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=850 * MiB)
     assert not fp32.fits
     (int8,) = [s for s in fp32.suggestions if s.startswith("--quantization int8")]
     assert int8 == "--quantization int8: weights 513.1 MiB -> 285.8 MiB, and the plan fits"
-    assert plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB, quantization="int8").fits
+    assert plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=850 * MiB,
+                           quantization="int8").fits
+    # The defaults (dtype and quantization "auto") plan the engine's own CPU default: float16 weights.
+    default = plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB)
+    assert default.quantization == "float16" and default.dtype == torch.float32 and default.fits
+    assert default.suggestions == () and default.weight_bytes < fp32.weight_bytes
 
 
 def test_cli_prints_the_table_with_the_formula(tiny_models, capsys) -> None:

@@ -40,7 +40,8 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
      "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
     ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
     ("--quantization", "quantization", str,
-     "weight format; CPU (float32): float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)"),
+     "weight format (default auto: float16 weights on a CPU unless --dtype is given); CPU (float32): "
+     "float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)"),
     ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
 )
 
@@ -173,8 +174,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=None, choices=("float16", "bfloat16", "int8"),
-                   help="weight format: float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "float16", "bfloat16", "int8"),
+                   help="weight format: auto (the engine's default: float16 weights on cpu with --dtype auto), "
+                        "float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")

@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 import torch
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, resolve_pack
+from asyncinfer.models.quant import (
+    check_quantization,
+    default_skip,
+    format_dtype,
+    resolve_pack,
+    resolve_quantization,
+)
 
 _T = TypeVar("_T")
 
@@ -91,9 +97,13 @@ class EngineConfig:
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
     - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
-      None (default): the engine dtype. On CPU, with float32 activations: "float16" (fp16
-      weights, fbgemm's fp16 kernel; half the bytes, near-exact) or "int8" (int8 weights,
-      activations quantized per call to 7 bits; a quarter of the bytes, not exact). On CUDA
+      "auto" (default): "float16" on a CPU when ``dtype`` is "auto" and fbgemm runs (the
+      fastest format whose greedy output equals float32's), else None; after construction
+      ``config.quantization`` holds the concrete value. None: the engine dtype (pass
+      ``dtype="float32"`` or ``quantization=None`` for float32 weights on a CPU). On CPU, with
+      float32 activations: "float16" (fp16 weights, fbgemm's fp16 kernel; half the bytes,
+      near-exact) or "int8" (int8 weights, activations quantized per call to 8 bits; a quarter
+      of the bytes, not exact). On CUDA
       "float16" or "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype
       is refused). Other combinations raise InvalidParameterError naming ``quantization``.
     - ``quantization_skip``: substrings of layer names kept in float32 under a CPU format;
@@ -145,7 +155,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     activation_reserve: int = 256 * 1024 * 1024
-    quantization: str | None = None
+    quantization: str | None = "auto"
     quantization_skip: tuple[str, ...] | None = None
     pack_weights: bool | None = None
     torch_compile: bool = False
@@ -161,6 +171,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
+        object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))
         object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
         check_int("block_size", self.block_size, 1, 256)
         check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)

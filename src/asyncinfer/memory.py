@@ -219,9 +219,11 @@ def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: 
     if weights <= available:
         return
     dtype = str(config.dtype).removeprefix("torch.")
+    if config.device.type == "cpu" and config.quantization is not None:
+        dtype = f"{config.quantization} weights"
     fixes = []
-    if config.device.type == "cpu" and config.dtype == torch.float32 and config.quantization is None:
-        for method in ("float16", "int8"):
+    if config.device.type == "cpu" and config.dtype == torch.float32:
+        for method in {None: ("float16", "int8"), "float16": ("int8",)}.get(config.quantization, ()):
             smaller = weight_bytes(model_config, config.dtype_bytes, method, default_skip(method))
             if smaller + config.activation_reserve <= available:
                 fixes.append(f"quantization='{method}' ({format_bytes(smaller)} of weights)")

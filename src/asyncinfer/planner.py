@@ -26,7 +26,7 @@ from asyncinfer.config import resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
-from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, weight_bytes
+from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, resolve_quantization, weight_bytes
 
 #: Framework overhead estimates: torch + Python + tokenizer on a CPU (measured RSS of an idle
 #: process that imported asyncinfer, rounded up), CUDA context + cuBLAS workspace on a GPU.
@@ -108,7 +108,7 @@ class DeploymentPlan:
     def table(self) -> str:
         mc, spec = self.model_config, self.spec
         tokens = self.kv_blocks * self.block_size
-        quant = self.quantization or "no quantization"
+        quant = f"{self.quantization} weights" if self.quantization else "no quantization"
         rows = [
             ("weights", self.weight_bytes, f"from the config's shapes in {_dtype(self.dtype)}"
              + (f", {self.quantization} projections" if self.quantization and self.device == "cpu" else "")),
@@ -188,7 +188,7 @@ def plan_deployment(
     seq_len: int | None = None,
     device: str = "cpu",
     dtype: str = "auto",
-    quantization: str | None = None,
+    quantization: str | None = "auto",
     quantization_skip: tuple[str, ...] | None = None,
     device_memory: int | None = None,
     block_size: int = 16,
@@ -204,6 +204,7 @@ def plan_deployment(
     if device not in ("cpu", "cuda"):
         raise InvalidParameterError("device", device, "'cpu' or 'cuda'")
     target = torch.device(device)
+    quantization = resolve_quantization(quantization, target, dtype)  # "auto": the engine's own choice
     dtype = format_dtype(quantization, target, dtype)
     resolved = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype in (None, "auto") else (
         resolve_dtype(dtype, torch.device("cpu")))
@@ -252,8 +253,9 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
     if plan.fits:
         return []
     out = []
-    if plan.quantization is None and plan.device == "cpu" and plan.dtype == torch.float32:
-        for method in ("float16", "int8"):
+    smaller_formats = {None: ("float16", "int8"), "float16": ("int8",)}.get(plan.quantization, ())
+    if plan.device == "cpu" and plan.dtype == torch.float32:
+        for method in smaller_formats:
             smaller = weight_bytes(plan.model_config, 4, method, default_skip(method))
             quantized = _replace(plan, weight_bytes=smaller)
             then = ("and the plan fits" if quantized.fits else

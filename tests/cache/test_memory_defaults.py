@@ -23,7 +23,7 @@ def test_cpu_default_holds_a_few_full_length_requests_not_a_quarter_of_the_ram()
     few = plan_memory(SMOLLM2, available_bytes=64 * GiB, device="cpu", max_num_seqs=2, max_model_len=1024)
     assert few.kv_token_capacity == 2 * 1024  # max_num_seqs below the default count
     # Never more than a quarter of what is free after the weights and the reserve.
-    tight = plan_memory(SMOLLM2, available_bytes=1 * GiB, device="cpu", max_model_len=1024)
+    tight = plan_memory(SMOLLM2, available_bytes=1 * GiB, device="cpu", dtype="float32", max_model_len=1024)
     assert tight.num_blocks == int((1 * GiB - tight.weight_bytes - 256 * MiB) * 0.25) // BLOCK == 90
 
 

@@ -99,7 +99,7 @@ def test_info_of_a_model_that_does_not_fit_shows_its_shapes_and_why(tmp_path, ca
     assert cli.main(["info", str(tmp_path), "--device", "cpu"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "architecture: llama, 80 layers, hidden 8192, heads 64/8 kv, vocab 128256, context 8192"
-    assert out[2].startswith("memory plan: the model does not fit: its weights need 262.8 GiB (float32) but ")
+    assert out[2].startswith("memory plan: the model does not fit: its weights need 133.4 GiB (float16 weights) but ")
     assert out[2].endswith(f"(asyncinfer plan {tmp_path} shows the whole budget)")
 
 

@@ -30,7 +30,7 @@ def test_weights_that_cannot_fit_are_refused_before_loading_with_the_cause_and_t
     assert "available on cpu; try a smaller model" in message  # float16 and int8 (124 GiB) do not fit here either
     assert "kv_cache" not in message
     with pytest.raises(ConfigurationError) as err:
-        AsyncEngine.plan_memory(llama_70b, available_bytes=200 * GiB, device="cpu")
+        AsyncEngine.plan_memory(llama_70b, available_bytes=200 * GiB, device="cpu", dtype="float32")
     assert str(err.value) == (
         "the model does not fit: its weights need 262.8 GiB (float32) but 200.0 GiB are available on cpu; "
         "try quantization='float16' (133.4 GiB of weights) or quantization='int8' (124.1 GiB of weights) "
@@ -44,9 +44,11 @@ async def test_add_model_names_the_weights_as_the_cause(llama_70b, tiny_models) 
         with pytest.raises(ConfigurationError) as err:
             await engine.add_model("big", llama_70b, available_bytes=21 * GiB)
         message = str(err.value)
-        assert "its weights need 262.8 GiB (float32) but 21.0 GiB are available on cpu" in message
+        # The default format on a CPU: float16 weights (int8's 124.1 GiB does not fit either).
+        assert "its weights need 133.4 GiB (float16 weights) but 21.0 GiB are available on cpu; try a smaller model" \
+            in message
         assert "kv_cache_memory" not in message and "Lower" not in message
-        with pytest.raises(ConfigurationError, match="weights need 262.8 GiB") as err:
+        with pytest.raises(ConfigurationError, match="weights need 133.4 GiB") as err:
             await engine.swap_model(llama_70b, available_bytes=21 * GiB)
         assert "mode='drain'" not in str(err.value)  # freeing the serving model would not make room either
         assert "does not fit: the model does not fit" not in str(err.value)
@@ -67,7 +69,7 @@ async def test_a_drain_swap_that_can_never_fit_is_refused_before_draining(llama_
         with pytest.raises(ConfigurationError) as err:
             await engine.swap_model(llama_70b, mode="drain", abort=True, available_bytes=21 * GiB)
         assert str(err.value).startswith("the new model does not fit beside the other loaded models, even with the "
-                                         "serving version freed: its weights need 262.8 GiB (float32)")
+                                         "serving version freed: its weights need 133.4 GiB (float16 weights)")
         out = await running
         assert out.finish_reason == "length" and len(out.token_ids) == 40  # never drained nor aborted
         assert engine.model_info()[0].version_id == before  # the serving version was never reloaded

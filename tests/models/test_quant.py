@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+from asyncinfer.config import EngineConfig
 from asyncinfer.models import load_model
 from asyncinfer.models.quant import (
     FormatLinear,
@@ -21,8 +22,10 @@ from asyncinfer.models.quant import (
     check_quantization,
     default_skip,
     format_dtype,
+    fp16_weights_available,
     packed_rows,
     quantize_int8,
+    resolve_quantization,
     weight_bytes,
 )
 from asyncinfer.planner import plan_deployment
@@ -170,6 +173,35 @@ def test_each_format_replaces_what_it_should(tiny_pair, tmp_path) -> None:
     assert model.output_proj is None  # a tied head stays the embedding: a packed copy would double it
 
 
+def test_the_default_format_is_float16_weights_on_a_cpu_when_the_dtype_is_left_auto() -> None:
+    """quantization="auto" (the default): float16 weights on an x86 CPU when dtype is "auto" (the
+    fastest format whose greedy output equals float32's, benchmarks/quality.py); an explicit dtype,
+    quantization=None and CUDA keep the engine dtype."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fp16_weights_available()  # fbgemm: every x86 CPU this project tests on
+    assert EngineConfig(device="cpu").quantization == "float16"
+    assert EngineConfig(device="cpu").dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32").quantization is None
+    assert EngineConfig(device="cpu", quantization=None).quantization is None
+    assert EngineConfig(device="cpu", quantization="int8").quantization == "int8"
+    assert resolve_quantization("auto", cuda, "auto") is None
+    assert resolve_quantization("auto", cpu, None) == "float16"
+    assert resolve_quantization("auto", cpu, "bfloat16") is None
+
+
+async def test_the_default_engine_serves_float16_weights(tiny_models) -> None:
+    path = tiny_models["llama"][0]
+    opts = {"kv_cache_memory": 2**22, "max_model_len": 128, "device": "cpu"}
+    default = AsyncEngine.from_pretrained(path, **opts)
+    assert isinstance(default.core.runner.model.layers[0].attn.qkv_proj, Fp16Linear)
+    assert default.memory_plan == AsyncEngine.plan_memory(path, **opts, quantization="float16")
+    explicit = AsyncEngine.from_pretrained(path, **opts, quantization="float16")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    async with default, explicit:
+        ours, theirs = await default.generate([5, 6, 7], params), await explicit.generate([5, 6, 7], params)
+    assert ours.token_ids == theirs.token_ids
+
+
 def test_formats_allowed_per_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for method in (None, "float16", "int8"):
@@ -218,7 +250,7 @@ async def test_engine_serves_the_formats_own_tokens(tiny_pair, tmp_path, method)
         AsyncEngine.from_pretrained(tmp_path, **opts, quantization="int4")
     with pytest.raises(InvalidParameterError, match="quantization"):
         AsyncEngine.from_pretrained(tmp_path, **opts, quantization=method, dtype="bfloat16")
-    fp32 = AsyncEngine.from_pretrained(tmp_path, **opts)
+    fp32 = AsyncEngine.from_pretrained(tmp_path, **opts, quantization=None)
     engine = AsyncEngine.from_pretrained(tmp_path, **opts, quantization=method)
     served = engine.core.runner.model
     assert isinstance(served.layers[0].attn.qkv_proj, Int8DynamicLinear if method == "int8" else Fp16Linear)
@@ -227,7 +259,9 @@ async def test_engine_serves_the_formats_own_tokens(tiny_pair, tmp_path, method)
     # The plan counts what the engine's model really holds; planning before loading agrees.
     assert engine.memory_plan.weight_bytes == stored_bytes(served) < fp32.memory_plan.weight_bytes
     assert AsyncEngine.plan_memory(tmp_path, **opts, quantization=method) == engine.memory_plan
-    assert AsyncEngine.plan_memory(tmp_path, **opts) == fp32.memory_plan
+    assert AsyncEngine.plan_memory(tmp_path, **opts, quantization=None) == fp32.memory_plan
+    assert AsyncEngine.plan_memory(tmp_path, **opts) == (engine.memory_plan if method == "float16" else
+                                                         AsyncEngine.plan_memory(tmp_path, **opts, quantization="float16"))
     # The engine's tokens are the format's own model's, run step by step without the engine.
     reference = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(reference, method, engine.config.quantization_skip, pack=engine.config.pack_weights)

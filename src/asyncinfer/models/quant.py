@@ -3,7 +3,11 @@
 Decode is bound by the bytes of weights read, so a format that moves fewer bytes runs faster.
 The formats (values of the engine option ``quantization``):
 
-- ``None`` (default): the engine dtype. On a CPU in float32 the projection weights are also
+- ``"auto"`` (default): ``"float16"`` on a CPU when the dtype is left to the engine
+  (``dtype="auto"``) and fbgemm runs there: the fastest format whose greedy output equals
+  float32's on the fidelity prompts (benchmarks/quality.py, docs/formats.md). Everywhere else
+  (an explicit ``dtype``, CUDA, a CPU without fbgemm) it is ``None``.
+- ``None``: the engine dtype. On a CPU in float32 the projection weights are also
   packed once at load into oneDNN's blocked layout (``pack_weights``, on by default where
   oneDNN exists): the same float32 values, a faster kernel, results within float32 rounding.
 - ``"float16"`` (CPU, float32 activations): weights stored in float16, multiplied by fbgemm's
@@ -57,8 +61,24 @@ DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
 
 def _allowed(device_type: str) -> str:
     if device_type == "cuda":
-        return "None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' runs on CPU only)"
-    return "None, 'float16' or 'int8' on CPU, with float32 activations ('bfloat16' is a CUDA format)"
+        return "'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' runs on CPU only)"
+    return "'auto', None, 'float16' or 'int8' on CPU, with float32 activations ('bfloat16' is a CUDA format)"
+
+
+def fp16_weights_available() -> bool:
+    """Whether fbgemm's float16-weight kernel runs here (x86 CPUs)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def resolve_quantization(method: object, device: torch.device, dtype: object) -> object:
+    """``quantization="auto"`` made concrete for ``device`` and the ``dtype`` option as given (before
+    it is resolved): "float16" on a CPU with ``dtype`` "auto" (or None) where fbgemm runs, else
+    None. Any other value is returned as is (validated by :func:`check_quantization`)."""
+    if method != "auto":
+        return method
+    if device.type == "cpu" and dtype in (None, "auto") and fp16_weights_available():
+        return "float16"
+    return None
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
