@@ -40,8 +40,8 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
      "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
     ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
     ("--quantization", "quantization", str,
-     "weight format (default auto: float16 weights on a CPU unless --dtype is given); CPU (float32): "
-     "float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)"),
+     ("weight format (default auto: float16 weights on a CPU unless --dtype is given); CPU (float32): "
+      "float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)")),
     ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
 )
 
