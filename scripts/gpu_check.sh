@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check, for a machine with an NVIDIA GPU and this repo's dependencies already
 # installed (it installs nothing). Runs the CUDA tests (`-m cuda`: the engine, the float16
-# format, swaps and the embedding model on the GPU against the CPU; the real model against
-# transformers), a short throughput benchmark (eager and torch_compile) and the embedding
+# format, swaps, torch_compile and the embedding model on the GPU against the CPU; the real
+# model against transformers), a short throughput benchmark (eager and torch_compile) and the embedding
 # batching benchmark on the GPU;
 # the timeouts add up to under 8 minutes.
 #
@@ -14,6 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-all}"
+case "$stage" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench] (got '$stage')" >&2; exit 2;; esac
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
 py="${PYTHON:-$(command -v python || command -v python3)}"
@@ -21,6 +22,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" \
     | tee -a "$out/gpu.txt"
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: torch sees no CUDA device here; nothing to check" >&2
+    exit 1
+fi
 rc=0
 if [[ $stage == all || $stage == tests ]]; then
     mapfile -t files < <(grep -rl "pytest.mark.cuda" tests --include='test_*.py' | sort)

@@ -18,8 +18,8 @@ def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantizatio
     plan = plan_deployment(read_model_config(path), batch=3, seq_len=100, quantization=quantization,
                            device_memory=1 * GiB, block_size=16)
     assert plan.kv_blocks == 3 * 7  # ceil(100 / 16) blocks per request
-    engine = AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", quantization=quantization,
-                                         memory_bandwidth=1e10, **plan.engine_options())
+    assert plan.engine_options()["quantization"] == quantization and plan.engine_options()["dtype"] == "float32"
+    engine = AsyncEngine.from_pretrained(path, device="cpu", memory_bandwidth=1e10, **plan.engine_options())
     assert engine.kv_stats().num_blocks == plan.kv_blocks
     assert engine.memory_plan.kv_bytes == plan.kv_bytes
     assert engine.memory_plan.weight_bytes == plan.weight_bytes == loaded_bytes(engine.core.runner.model)

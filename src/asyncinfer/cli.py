@@ -40,8 +40,9 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
      "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
     ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
     ("--quantization", "quantization", str,
-     ("weight format (default auto: float16 weights on a CPU unless --dtype is given); CPU (float32): "
-      "float16 | int8 (not exact); CUDA: float16 | bfloat16 (the dtype)")),
+     ("weight format: auto (default: float16 weights on a CPU with --dtype auto) | none (the dtype: "
+      "float32 weights on a CPU) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and bfloat16 "
+      "are the dtype)")),
     ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
 )
 
@@ -93,6 +94,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (the rest keep the library's defaults)."""
     options = {field: getattr(args, field) for _, field, _, _ in _ENGINE_ARGS if getattr(args, field) is not None}
+    if str(options.get("quantization", "")).lower() == "none":
+        options["quantization"] = None  # --quantization none: the engine dtype (float32 weights on a CPU)
     if args.torch_compile:
         options["torch_compile"] = True
     if args.scheduler_option:
@@ -141,6 +144,11 @@ def _info(args: argparse.Namespace) -> int:
         print(f"memory plan: {exc} ({command} shows the whole budget)")
         return 1
     if isinstance(plan, MemoryPlan):
+        from asyncinfer.config import EngineConfig
+
+        config = EngineConfig.from_options(_engine_options(args))
+        weights = config.quantization or "the dtype"
+        print(f"dtype {str(config.dtype).removeprefix('torch.')} on {config.device}, weight format: {weights}")
         print(f"memory plan: {plan.describe()}")
         print(f"needs {format_bytes(plan.weight_bytes + plan.kv_bytes + plan.activation_reserve)} in all "
               "(KV memory on the CPU is committed as it is used); planned from the config, no weight read")
@@ -157,7 +165,8 @@ def _plan(args: argparse.Namespace) -> int:
     path = resolve_model(args.model_arg or args.model)
     plan = plan_deployment(
         read_model_config(path), model_name=path.name, batch=args.batch, seq_len=args.seq_len, device=args.device,
-        dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
+        block_size=args.block_size,
         device_memory=None if args.device_memory is None else parse_bytes(args.device_memory),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
@@ -174,9 +183,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default="auto", choices=("auto", "float16", "bfloat16", "int8"),
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "float16", "bfloat16", "int8"),
                    help="weight format: auto (the engine's default: float16 weights on cpu with --dtype auto), "
-                        "float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
+                        "none (the dtype), float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")

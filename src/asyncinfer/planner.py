@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -101,9 +102,11 @@ class DeploymentPlan:
                 high = mid - 1
         return low
 
-    def engine_options(self) -> dict[str, int]:
-        """Engine options under which the engine allocates exactly this plan's KV blocks."""
-        return {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len, "block_size": self.block_size}
+    def engine_options(self) -> dict[str, Any]:
+        """Engine options under which the engine loads this plan's weights (its dtype and format) and
+        allocates exactly its KV blocks (pass them with the plan's device)."""
+        return {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len, "block_size": self.block_size,
+                "dtype": _dtype(self.dtype), "quantization": self.quantization}
 
     def table(self) -> str:
         mc, spec = self.model_config, self.spec
@@ -139,7 +142,8 @@ class DeploymentPlan:
             f"largest batch at {self.seq_len} tokens: {self.max_batch}",
             f"longest length at batch {self.batch}: {self.max_seq_len}"
             + (" (the model's context)" if self.max_seq_len == mc.max_position_embeddings else ""),
-            "engine options that allocate exactly this KV cache: " + " ".join(f"{k}={v}" for k, v in self.engine_options().items()),
+            "engine options that load this plan (with device): "
+            + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in self.engine_options().items()),
         ]
         if not self.fits:
             lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]

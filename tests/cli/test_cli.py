@@ -52,6 +52,7 @@ def test_no_flag_means_the_library_default() -> None:
                                          "quantization": "int8", "scheduler_options": {"aging_rate": 0.5},
                                          "torch_compile": True}
     assert cli._sampling_params(args) == SamplingParams(temperature=0.7, top_k=5, stop=["END", "\n\n"], seed=3)
+    assert cli._engine_options(parser.parse_args(["chat", "--quantization", "none"])) == {"quantization": None}
 
 
 def one_line_error(capsys) -> str:
@@ -142,6 +143,9 @@ def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20)
     assert f"memory plan: {plan.describe()}" in out and "no weight read" in out
     assert "architecture: llama, 2 layers, hidden 64, heads 4/2 kv, vocab 320, context 512" in out
+    assert "dtype float32 on cpu, weight format: float16" in out  # the CPU default
+    assert cli.main(["info", str(path), "--dtype", "float32", "--max-model-len", "64"]) == 0
+    assert "weight format: the dtype" in capsys.readouterr().out
 
 
 @pytest.mark.real_model

@@ -217,6 +217,8 @@ def test_formats_allowed_per_device() -> None:
         assert err.value.parameter == "quantization" and err.value.value == method
         assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'int8' on CPU") in str(err.value)
     # On CUDA a dtype format is the engine dtype: "auto" takes it, an explicit dtype must match.
+    with pytest.raises(InvalidParameterError, match="a CPU format needs dtype float32 or 'auto', not bfloat16"):
+        check_quantization("float16", cpu, torch.bfloat16)
     assert format_dtype("float16", cuda, "auto") == "float16" and format_dtype("float16", cpu, "auto") == "auto"
     assert format_dtype("bfloat16", cuda, "float32") == "float32"  # then refused by check_quantization
     assert default_skip("int8") == ("down_proj", "lm_head") and default_skip("float16") == default_skip(None) == ()

@@ -95,8 +95,11 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
     if device.type == "cuda":
         if method not in CUDA_FORMATS or dtype != getattr(torch, method):
             raise InvalidParameterError("quantization", method, _allowed("cuda") + f"; it must match dtype={dtype}")
-    elif method not in CPU_FORMATS or dtype != torch.float32:
+    elif method not in CPU_FORMATS:
         raise InvalidParameterError("quantization", method, _allowed("cpu"))
+    elif dtype != torch.float32:
+        allowed = f"{_allowed('cpu')}; a CPU format needs dtype float32 or 'auto', not {str(dtype).removeprefix('torch.')}"
+        raise InvalidParameterError("quantization", method, allowed)
 
 
 def format_dtype(method: str | None, device: torch.device, dtype: object) -> object:
