@@ -35,7 +35,7 @@ import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
-from asyncinfer.models.quant import default_skip, weight_bytes
+from asyncinfer.models.quant import default_skip, smaller_cpu_formats, weight_bytes
 
 if TYPE_CHECKING:
     from asyncinfer.config import EngineConfig
@@ -223,7 +223,7 @@ def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: 
         dtype = f"{config.quantization} weights"
     fixes = []
     if config.device.type == "cpu" and config.dtype == torch.float32:
-        for method in {None: ("float16", "int8"), "float16": ("int8",)}.get(config.quantization, ()):
+        for method in smaller_cpu_formats(config.quantization):
             smaller = weight_bytes(model_config, config.dtype_bytes, method, default_skip(method))
             if smaller + config.activation_reserve <= available:
                 fixes.append(f"quantization='{method}' ({format_bytes(smaller)} of weights)")

@@ -27,7 +27,14 @@ from asyncinfer.config import resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
-from asyncinfer.models.quant import check_quantization, default_skip, format_dtype, resolve_quantization, weight_bytes
+from asyncinfer.models.quant import (
+    check_quantization,
+    default_skip,
+    format_dtype,
+    resolve_quantization,
+    smaller_cpu_formats,
+    weight_bytes,
+)
 
 #: Framework overhead estimates: torch + Python + tokenizer on a CPU (measured RSS of an idle
 #: process that imported asyncinfer, rounded up), CUDA context + cuBLAS workspace on a GPU.
@@ -257,9 +264,8 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
     if plan.fits:
         return []
     out = []
-    smaller_formats = {None: ("float16", "int8"), "float16": ("int8",)}.get(plan.quantization, ())
     if plan.device == "cpu" and plan.dtype == torch.float32:
-        for method in smaller_formats:
+        for method in smaller_cpu_formats(plan.quantization):
             smaller = weight_bytes(plan.model_config, 4, method, default_skip(method))
             quantized = _replace(plan, weight_bytes=smaller)
             then = ("and the plan fits" if quantized.fits else

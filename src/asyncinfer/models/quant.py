@@ -82,6 +82,12 @@ def resolve_quantization(method: object, device: torch.device, dtype: object) ->
     return None
 
 
+def smaller_cpu_formats(method: str | None) -> tuple[str, ...]:
+    """The CPU formats (float32 activations) that store fewer weight bytes than ``method``, smallest last:
+    what a refusal or a plan suggests when the weights do not fit."""
+    return {None: ("float16", "int8"), "float16": ("int8",)}.get(method, ())
+
+
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
     """Validate the ``quantization`` option against the device and the (resolved) dtype.
 
