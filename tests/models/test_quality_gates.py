@@ -24,20 +24,12 @@ from asyncinfer.models.quality import (
     top1_agreement,
 )
 from asyncinfer.models.quant import default_skip
+from benchmarks.common import QUESTIONS as CHAT_QUESTIONS
 
 pytestmark = pytest.mark.real_model
 
 HELDOUT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "heldout.txt"
-QUESTIONS = (
-    "What is the capital of Australia?",
-    "Explain photosynthesis in simple words.",
-    "Write a short poem about autumn leaves.",
-    "How do I reverse a list in Python?",
-    "What are three tips for sleeping better?",
-    "Why is the sky blue?",
-    "Give me a recipe idea for a quick vegetarian dinner.",
-    "What is the difference between weather and climate?",
-)
+QUESTIONS = CHAT_QUESTIONS[:8]  # the benchmark's first eight chat questions (benchmarks/common.py)
 NEW_TOKENS = 48
 TEXT_TOKENS = 768
 #: int8's gate: the issue asked for 0.97; per-tensor 8-bit activations cannot reach it on SmolLM2-135M
