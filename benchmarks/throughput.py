@@ -13,6 +13,11 @@ One process, one model file, one workload (token ids computed once):
 Plus a single-request decode comparison, a GEMM roofline, and (``--profile``) a
 torch.profiler table of one asyncinfer decode step. See ``benchmarks/README.md``.
 
+Every system's torch (or llama.cpp) work runs on a thread that ends with it
+(``asyncinfer.on_own_thread``): a thread left alive with an OpenMP team slows every
+other thread's parallel ops (``benchmarks/threads.py``), and the main thread hosts
+asyncinfer's event loop, as in an application.
+
     python benchmarks/throughput.py                       # full run (minutes)
     python benchmarks/throughput.py --num-requests 4 --min-new-tokens 4 --max-new-tokens 8 \\
         --max-num-seqs 4 --static-batch-size 2 --hf-single-subset 2 --decode-tokens 8 \\
@@ -37,6 +42,8 @@ from typing import Any
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
+
+from asyncinfer.threads import on_own_thread  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -697,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(args.model)
     dtype = DTYPES[args.dtype]
     say(f"loading the transformers reference from {model_path}")
-    hf_model, tokenizer = load_hf_reference(model_path, dtype)
+    hf_model, tokenizer = on_own_thread(load_hf_reference, model_path, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     workload = build_workload(tokenizer, args.num_requests, args.seed, args.min_new_tokens, args.max_new_tokens)
     info = machine_info()
@@ -709,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     rf = None
     if not args.skip_roofline:
         say("measuring GEMM throughput")
-        rf = roofline(hf_model, workload, args)
+        rf = on_own_thread(roofline, hf_model, workload, args)
 
     results: dict[str, SystemResult | None] = {"hf_single": None, "hf_static": None, "hf_cb": None, "asyncinfer": None}
     outputs: dict[str, dict[int, list[int]]] = {}
@@ -726,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"asyncinfer unavailable, skipped: {exc}")
             record["asyncinfer_error"] = repr(exc)
         if engine is not None:
-            record["weights_max_abs_diff"] = check_same_weights(engine, hf_model)
+            record["weights_max_abs_diff"] = on_own_thread(check_same_weights, engine, hf_model)
             say("running asyncinfer")
             results["asyncinfer"], outputs["asyncinfer"], ours_decode = run_asyncinfer(engine, workload, args)
             if ours_decode:
@@ -752,32 +759,33 @@ def main(argv: list[str] | None = None) -> int:
         del other
 
     if not args.skip_llamacpp:
-        run_llamacpp_peer(model_path, workload, args, results, outputs, single, record)
+        on_own_thread(run_llamacpp_peer, model_path, workload, args, results, outputs, single, record)
 
     if not args.skip_hf_cb:
         say(f"running transformers continuous batching ({args.hf_cb_api})")
         run_cb = run_hf_cb_manager if args.hf_cb_api == "manager" else run_hf_cb_generate_batch
-        results["hf_cb"], outputs["hf_cb"] = run_cb(hf_model, workload, args)
+        results["hf_cb"], outputs["hf_cb"] = on_own_thread(run_cb, hf_model, workload, args)
 
     if not args.skip_hf_static:
         say(f"running transformers static batches of {args.static_batch_size}")
-        results["hf_static"], outputs["hf_static"] = run_hf_static(hf_model, workload, args.static_batch_size, pad_id)
+        results["hf_static"], outputs["hf_static"] = on_own_thread(run_hf_static, hf_model, workload,
+                                                                     args.static_batch_size, pad_id)
 
     if not args.skip_hf_single:
         subset = workload.head(min(args.hf_single_subset, workload.num_requests))
         say(f"running transformers one request at a time ({subset.num_requests} requests)")
-        results["hf_single"], outputs["hf_single"] = run_hf_single(hf_model, subset, pad_id)
+        results["hf_single"], outputs["hf_single"] = on_own_thread(run_hf_single, hf_model, subset, pad_id)
 
     if not args.skip_single_decode:
         say(f"single-request decode, {args.decode_tokens} tokens (transformers)")
-        single["transformers"] = hf_single_decode_rate(hf_model, list(workload.prompt_ids[0]), args.decode_tokens,
-                                             args.repeats, pad_id)
+        single["transformers"] = on_own_thread(hf_single_decode_rate, hf_model, list(workload.prompt_ids[0]),
+                                                args.decode_tokens, args.repeats, pad_id)
 
     profiles = []
     if args.profile and engine is not None:
         for batch in sorted({1, args.max_num_seqs}):
             say(f"profiling one asyncinfer decode step at batch {batch}")
-            profiles.append(profile_decode_step(engine, workload, batch, args.profile_rows))
+            profiles.append(on_own_thread(profile_decode_step, engine, workload, batch, args.profile_rows))
 
     # ------------------------------------------------------------------ report
     print_results(results, workload.num_requests)

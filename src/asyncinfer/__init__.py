@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     )
     from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
     from asyncinfer.sampling_params import SamplingParams
+    from asyncinfer.threads import on_own_thread
 
 # Every public name but the errors: the module it is imported from on first use.
 _LAZY: dict[str, str] = {
@@ -80,6 +81,7 @@ _LAZY: dict[str, str] = {
     "RequestOutput": "asyncinfer.outputs",
     "StreamDelta": "asyncinfer.outputs",
     "SamplingParams": "asyncinfer.sampling_params",
+    "on_own_thread": "asyncinfer.threads",
 }
 
 __version__ = "0.1.0"
@@ -121,6 +123,7 @@ __all__ = [
     "SwapError",
     "WrongEventLoopError",
     "__version__",
+    "on_own_thread",
     "trim_messages",
 ]
 

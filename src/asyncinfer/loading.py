@@ -8,8 +8,8 @@
 
 A generator becomes a :class:`ModelVersion` (its own core, KV cache and prefix
 cache); a BERT-family sentence encoder becomes an :class:`EmbeddingBatcher`.
-Everything here runs in a worker thread (or before the engine starts) and
-touches nothing the engine thread uses.
+Everything here runs on a thread of its own that ends with the load (see
+:mod:`asyncinfer.threads`) and touches nothing the engine thread uses.
 
 The fit checks (:func:`generator_shortfall`, :func:`embedder_shortfall`) and
 :func:`plan_model_memory` read only the model's config, so they answer before
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from asyncinfer.threads import on_own_thread
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.config import EngineConfig
@@ -80,6 +81,20 @@ def load(
         ModelLoadError (``error``): the model cannot be found, loaded, checked or warmed up.
     """
     _warn_if_on_a_loop()
+    # On a thread that ends with the load: the torch work leaves no OpenMP team behind to slow
+    # the engine thread's steps (see asyncinfer.threads).
+    return on_own_thread(_load, model, options, version_id=version_id, kind=kind, error=error, what=what)
+
+
+def _load(
+    model: ModelRef,
+    options: dict[str, Any],
+    *,
+    version_id: int,
+    kind: str | None,
+    error: type[ModelLoadError],
+    what: str | None,
+) -> ModelVersion | EmbeddingBatcher:
     what = what or f"loading {str(model)!r}"
     try:
         path = resolve_model(model)

@@ -1,0 +1,93 @@
+"""Loading leaves no OpenMP team on the caller's thread (asyncinfer.threads, benchmarks/threads.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, on_own_thread
+
+OPTIONS = dict(kv_cache_memory=4 * 2**20, max_model_len=128)
+
+
+def test_on_own_thread_returns_on_a_thread_that_has_ended() -> None:
+    seen: list[threading.Thread] = []
+
+    def work(a: int, *, b: int) -> int:
+        seen.append(threading.current_thread())
+        return a + b
+
+    assert on_own_thread(work, 2, b=3) == 5
+    assert seen[0] is not threading.current_thread() and seen[0].name == "asyncinfer-load"
+    assert not seen[0].is_alive()
+
+
+def test_on_own_thread_raises_the_calls_exception() -> None:
+    def fail() -> None:
+        raise KeyError("the cause")
+
+    with pytest.raises(KeyError, match="the cause"):
+        on_own_thread(fail)
+
+
+def test_the_load_and_the_bandwidth_probe_run_on_threads_that_end(tiny_models, monkeypatch) -> None:
+    import asyncinfer.loading as loading
+    import asyncinfer.metrics.engine_metrics as engine_metrics
+
+    threads: dict[str, threading.Thread] = {}
+    warm_up, probe = loading.warm_up, engine_metrics.measure_memory_bandwidth
+
+    def spy_warm_up(core):
+        threads["load"] = threading.current_thread()
+        return warm_up(core)
+
+    def spy_probe(device):
+        threads["bandwidth"] = threading.current_thread()
+        return probe(device)
+
+    monkeypatch.setattr(loading, "warm_up", spy_warm_up)
+    monkeypatch.setattr(engine_metrics, "measure_memory_bandwidth", spy_probe)
+    AsyncEngine.from_pretrained(str(tiny_models["llama"][0]), **OPTIONS)
+    assert set(threads) == {"load", "bandwidth"}
+    for thread in threads.values():
+        assert thread is not threading.current_thread() and not thread.is_alive()
+
+
+# Counts the process's threads around a load, in a fresh process whose main thread has run no
+# parallel torch op: an OpenMP team left on the main thread is one more (worker) thread.
+COUNT = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    torch.set_num_threads(2)
+    import asyncinfer.loading as loading
+    from asyncinfer import AsyncEngine
+    path, mode = sys.argv[1], sys.argv[2]
+    options = dict(kv_cache_memory=4 * 2**20, max_model_len=128)
+    before = len(os.listdir("/proc/self/task"))
+    if mode == "engine":
+        AsyncEngine.from_pretrained(path, **options)
+    else:  # the load's own body, on this thread: what from_pretrained did before
+        loading._load(path, options, version_id=0, kind=None, error=loading.ModelLoadError, what=None)
+    # The workers of a team whose thread ended leave shortly after it: wait for them (3 s at most).
+    deadline = time.monotonic() + 3
+    while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(len(os.listdir("/proc/self/task")) - before)
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_from_pretrained_leaves_the_callers_thread_without_an_openmp_team(tiny_models) -> None:
+    path = str(tiny_models["llama"][0])
+
+    def added_threads(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", COUNT, path, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert added_threads("engine") == 0
+    assert added_threads("caller") == 1  # the same load on the caller's thread leaves a worker: the count sees it
