@@ -25,3 +25,13 @@ def test_the_embedding_benchmark_runs(minilm_dir, tmp_path) -> None:
     assert [(row["setting"], row["concurrency"], row["calls"]) for row in result["rows"]] == [("on", 1, 32),
                                                                                               ("on", 4, 32)]
     assert len(result["batch_cost"]) == 6 and "one forward pass" in done.stdout
+
+
+def test_the_threads_benchmark_runs(real_gguf, tmp_path) -> None:
+    out = tmp_path / "threads.json"
+    done = run_script("threads.py", "--model", str(real_gguf), "--rounds", "2", "--decode-tokens", "4",
+                      "--batch", "2", "--batch-tokens", "4", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {case: len(f["decode"]) for case, f in result["rounds"].items()} == {"clean": 2, "other_team": 2}
+    assert set(result["clean_over_other_team"]) == {"decode", "batch"} and "medians:" in done.stdout
