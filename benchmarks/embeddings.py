@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import QUESTIONS, machine_info, percentile  # noqa: E402
 
-from asyncinfer import AsyncEngine  # noqa: E402
+from asyncinfer import AsyncEngine, on_own_thread  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": dict(max_batch_size=1),  # every call alone: no batching
@@ -129,10 +129,11 @@ def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[st
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     first, *rest = args.settings
     device = dict(device=args.device, dtype=args.dtype)
-    engine = AsyncEngine.from_pretrained(args.model, name=first, num_threads=args.threads, **device, **SETTINGS[first])
+    engine = await AsyncEngine.load(args.model, name=first, num_threads=args.threads, **device, **SETTINGS[first])
     rows: list[dict[str, Any]] = []
     print("one forward pass (before the engine starts):")
-    costs = batch_cost(engine, first, [1, 2, 4, 8, 16, 32])
+    # On a thread that ends with it: the loop's thread must not keep an OpenMP team (docs/formats.md).
+    costs = on_own_thread(batch_cost, engine, first, [1, 2, 4, 8, 16, 32])
     print("closed-loop clients:")
     async with engine:
         for name in rest:

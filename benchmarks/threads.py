@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model for from_pretrained (default: the engine's default model)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (median reported)")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--batch-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=64, help="new tokens of the one-request decode test")
+    p.add_argument("--batch", type=int, default=16, help="requests sent at once in the batched test")
+    p.add_argument("--batch-tokens", type=int, default=64, help="new tokens of each batched request")
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.threads import on_own_thread
+from asyncinfer.threads import run_on_own_thread
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.config import EngineConfig
@@ -83,7 +83,8 @@ def load(
     _warn_if_on_a_loop()
     # On a thread that ends with the load: the torch work leaves no OpenMP team behind to slow
     # the engine thread's steps (see asyncinfer.threads).
-    return on_own_thread(_load, model, options, version_id=version_id, kind=kind, error=error, what=what)
+    return run_on_own_thread("asyncinfer-load", _load, model, options, version_id=version_id, kind=kind,
+                             error=error, what=what)
 
 
 def _load(

@@ -23,8 +23,26 @@ def test_on_own_thread_returns_on_a_thread_that_has_ended() -> None:
         return a + b
 
     assert on_own_thread(work, 2, b=3) == 5
-    assert seen[0] is not threading.current_thread() and seen[0].name == "asyncinfer-load"
+    assert seen[0] is not threading.current_thread() and seen[0].name == "asyncinfer-own-thread"
     assert not seen[0].is_alive()
+
+
+def test_on_own_thread_passes_every_keyword_and_the_callers_modes_on() -> None:
+    import contextvars
+
+    import torch
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    def state(*, name: str, fn: str) -> tuple[str, str, bool, bool, str]:
+        return name, fn, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), var.get()
+
+    var.set("the caller's")
+    assert on_own_thread(state, name="alice", fn="f") == ("alice", "f", True, False, "the caller's")
+    with torch.no_grad():
+        assert on_own_thread(state, name="a", fn="f")[2:4] == (False, False)
+    with torch.inference_mode():
+        assert on_own_thread(state, name="a", fn="f")[2:4] == (False, True)
 
 
 def test_on_own_thread_raises_the_calls_exception() -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncinfer.errors import AsyncInferError, EngineOverloadedError, InvalidParameterError
 from asyncinfer.metrics import types as t
-from asyncinfer.threads import on_own_thread
+from asyncinfer.threads import run_on_own_thread
 from asyncinfer.metrics.device import Nvml, cuda_memory, measure_memory_bandwidth, process_rss_bytes
 from asyncinfer.metrics.memory_report import MemoryReport, memory_report
 from asyncinfer.metrics.profile import ProfileResult, StepProfiler, profile_steps
@@ -98,7 +98,7 @@ class EngineMetrics:
         if bandwidth is None and generators and self.enabled:
             # On a thread that ends with it: a copy on the caller's thread would leave it an OpenMP
             # team that slows every engine step (see asyncinfer.threads).
-            bandwidth = on_own_thread(measure_memory_bandwidth, self.device, name="asyncinfer-bandwidth")
+            bandwidth = run_on_own_thread("asyncinfer-bandwidth", measure_memory_bandwidth, self.device)
         #: Bytes per second of the device's memory: the roofline's denominator.
         self.memory_bandwidth: float | None = bandwidth
         for name, version in generators:
