@@ -96,3 +96,16 @@ def test_cuda_mixed_batch(tiny_pair, dtype):
     atol = 1e-3 if dtype == torch.float32 else 0.15  # TF32-free fp32; bf16 only sanity-checked
     for (seq, start), logits in zip(((0, 8), (1, 4), (2, 0)), results):
         torch.testing.assert_close(logits, hf_logits(hf, seqs[seq])[start:], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_float32_rms_norm_is_bit_identical_to_the_reference_steps(rows):
+    """``rms_norm`` takes torch's own op in float32: the same bits as transformers' steps."""
+    from asyncinfer.models.layers import rms_norm
+
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 576) * 3, torch.randn(576)
+    reference = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, weight, 1e-5), reference)
+    half = x.to(torch.bfloat16)  # other dtypes: computed in float32, returned in their own
+    assert rms_norm(half, weight.to(torch.bfloat16), 1e-5).dtype == torch.bfloat16

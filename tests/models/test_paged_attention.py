@@ -117,3 +117,36 @@ def test_build_prefill_metadata():
     assert meta.prefill_context_slots[1].tolist() == [0, 1, 2, 21, 22]
     assert meta.prefill_masks[1].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert meta.decode_mask.shape == (1, 1, 1, 6)
+
+
+@pytest.mark.parametrize("num_decodes", [3, 4, 9])
+def test_decode_batches_on_either_side_of_the_matmul_path_match_the_reference(num_decodes):
+    """Below ``MATMUL_DECODES`` decodes the CPU runs SDPA, from it on two batched matmuls: both
+    match the naive reference, with large stale values past each context that must stay masked."""
+    from asyncinfer.models.attention import sdpa
+
+    assert (num_decodes >= sdpa.MATMUL_DECODES) == (num_decodes != 3)
+    torch.manual_seed(num_decodes)
+    rng = random.Random(num_decodes)
+    blocks = list(range(1, 40))
+    rng.shuffle(blocks)
+    k_cache = torch.randn(40, BLOCK, KVH, D) * 100
+    v_cache = torch.randn(40, BLOCK, KVH, D) * 100
+    ctx = [rng.randint(1, 4 * BLOCK) for _ in range(num_decodes)]
+    tables = [[blocks.pop() for _ in range(-(-n // BLOCK))] for n in ctx]
+    for table, n in zip(tables, ctx):  # each context's own positions hold ordinary values
+        for pos in range(n):
+            k_cache[table[pos // BLOCK], pos % BLOCK] = torch.randn(KVH, D)
+            v_cache[table[pos // BLOCK], pos % BLOCK] = torch.randn(KVH, D)
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, ctx)]
+    meta = SdpaBackend().build_metadata(query_lens=[1] * num_decodes, context_lens=ctx, block_tables=tables,
+                                        slot_mapping=slots, block_size=BLOCK, device="cpu")
+    q = torch.randn(num_decodes, H, D)
+    k = torch.randn(num_decodes, KVH, D)
+    v = torch.randn(num_decodes, KVH, D)
+    out = SdpaBackend().forward(q, k, v, (k_cache, v_cache), meta, scale=1 / math.sqrt(D))
+    for i, table in enumerate(tables):
+        flat_k = k_cache[table].view(-1, KVH, D)[: ctx[i]]
+        flat_v = v_cache[table].view(-1, KVH, D)[: ctx[i]]
+        torch.testing.assert_close(out[i], naive_attention(q[i], flat_k, flat_v, ctx[i] - 1), atol=1e-4, rtol=1e-5)
+
