@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info  # noqa: E402
+from common import machine_info
 
 
 class OtherTeam:

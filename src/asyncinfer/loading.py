@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from asyncinfer.threads import run_on_own_thread
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.config import EngineConfig
@@ -54,6 +53,7 @@ from asyncinfer.sampler import Sampler
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import SchedulerConfig
 from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.threads import run_on_own_thread
 
 logger = logging.getLogger("asyncinfer")
 

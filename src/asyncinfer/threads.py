@@ -51,7 +51,7 @@ def run_on_own_thread(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: 
     def run() -> None:
         try:
             result.append(context.run(call))
-        except BaseException as exc:  # handed to the caller, re-raised there
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, re-raised there
             error.append(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)

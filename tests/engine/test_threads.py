@@ -12,7 +12,7 @@ import pytest
 
 from asyncinfer import AsyncEngine, on_own_thread
 
-OPTIONS = dict(kv_cache_memory=4 * 2**20, max_model_len=128)
+OPTIONS = {"kv_cache_memory": 4 * 2**20, "max_model_len": 128}
 
 
 def test_on_own_thread_returns_on_a_thread_that_has_ended() -> None:
@@ -54,8 +54,8 @@ def test_on_own_thread_raises_the_calls_exception() -> None:
 
 
 def test_the_load_and_the_bandwidth_probe_run_on_threads_that_end(tiny_models, monkeypatch) -> None:
-    import asyncinfer.loading as loading
-    import asyncinfer.metrics.engine_metrics as engine_metrics
+    from asyncinfer import loading
+    from asyncinfer.metrics import engine_metrics
 
     threads: dict[str, threading.Thread] = {}
     warm_up, probe = loading.warm_up, engine_metrics.measure_memory_bandwidth
@@ -82,7 +82,7 @@ COUNT = textwrap.dedent("""
     import os, sys, time
     import torch
     torch.set_num_threads(2)
-    import asyncinfer.loading as loading
+    from asyncinfer import loading
     from asyncinfer import AsyncEngine
     path, mode = sys.argv[1], sys.argv[2]
     options = dict(kv_cache_memory=4 * 2**20, max_model_len=128)

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from asyncinfer.errors import AsyncInferError, EngineOverloadedError, InvalidParameterError
 from asyncinfer.metrics import types as t
-from asyncinfer.threads import run_on_own_thread
 from asyncinfer.metrics.device import Nvml, cuda_memory, measure_memory_bandwidth, process_rss_bytes
 from asyncinfer.metrics.memory_report import MemoryReport, memory_report
 from asyncinfer.metrics.profile import ProfileResult, StepProfiler, profile_steps
 from asyncinfer.metrics.requests import FinishedRequest, RequestTracker, log_finished
+from asyncinfer.threads import run_on_own_thread
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

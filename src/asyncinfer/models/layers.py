@@ -18,8 +18,8 @@ from asyncinfer.models.config import ModelConfig
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square norm of x [T, hidden] in float32, scaled by ``weight``, in x's dtype."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # torch's own op: the same float32 steps as below (bit-identical), in one call.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        # torch's own op: on a CPU, the same float32 steps as below (bit-identical), in one call.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # [T, hidden]
     dtype = x.dtype
     x32 = x.float()  # [T, hidden]
