@@ -83,8 +83,10 @@ def load(
     _warn_if_on_a_loop()
     # On a thread that ends with the load: the torch work leaves no OpenMP team behind to slow
     # the engine thread's steps (see asyncinfer.threads).
-    return run_on_own_thread("asyncinfer-load", _load, model, options, version_id=version_id, kind=kind,
-                             error=error, what=what)
+    loaded = run_on_own_thread("asyncinfer-load", _load, model, options, version_id=version_id, kind=kind,
+                               error=error, what=what)
+    _set_threads(loaded.config.num_threads)  # on the caller's thread too (torch's count is per thread there)
+    return loaded
 
 
 def _load(

@@ -28,9 +28,12 @@ def on_own_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
     Blocking: the caller waits for the call (in a coroutine, ``await asyncio.to_thread(on_own_thread,
     fn, ...)`` keeps the event loop running). The call sees the caller's context variables and its
-    torch grad and inference modes (both are per thread in torch). A ``KeyboardInterrupt`` in the
-    caller while it waits leaves the call to finish on its own (a daemon thread: it does not keep
-    the process alive).
+    torch grad and inference modes; other per-thread torch state (the default device, the OpenMP
+    thread count of a thread that set its own) is the new thread's, and ``fn`` cannot install
+    signal handlers (only the main thread can). A ``KeyboardInterrupt`` (Ctrl-C) in the caller while
+    it waits is raised inside the call too, as it would have been had the call run on the caller's
+    thread; the caller waits for the call to unwind, then raises it. The OpenMP workers of the
+    thread's team (libgomp) leave shortly after the thread ends.
     """
     return run_on_own_thread("asyncinfer-own-thread", fn, *args, **kwargs)
 
@@ -48,15 +51,54 @@ def run_on_own_thread(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: 
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn(*args, **kwargs)
 
+    done = threading.Event()
+
     def run() -> None:
         try:
             result.append(context.run(call))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, re-raised there
             error.append(exc)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
+    try:
+        done.wait()  # not thread.join(): a join interrupted by Ctrl-C marks a running thread as ended
+    except KeyboardInterrupt:
+        # Ctrl-C: interrupt the call as well, and wait until it has unwound; a thread still in
+        # torch's code while the interpreter exits can abort the process.
+        if not done.is_set():
+            _raise_in(thread, KeyboardInterrupt)
+        _wait_uninterrupted(done, thread)
+        raise
     thread.join()
     if error:
-        raise error[0]
-    return result[0]
+        exc = error.pop()
+        try:
+            raise exc
+        finally:
+            del exc  # the traceback would hold this frame, and the frame the exception: a cycle
+    return result.pop()
+
+
+def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` in ``thread`` at its next Python instruction (CPython; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    except (ImportError, AttributeError):  # not CPython: the call runs to its end
+        return
+    if thread.ident is not None:
+        set_async_exc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type))
+
+
+def _wait_uninterrupted(done: threading.Event, thread: threading.Thread) -> None:
+    """Wait until the call is done (or its thread gone), absorbing further Ctrl-Cs: the caller
+    re-raises the first one."""
+    while not done.is_set() and thread.is_alive():
+        try:
+            done.wait(0.05)
+        except KeyboardInterrupt:
+            continue
