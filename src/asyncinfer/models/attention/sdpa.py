@@ -41,10 +41,6 @@ from asyncinfer.models.attention.padding import pad_to_longest_block
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-#: From this many decodes in a step, a CPU step computes their attention with batched matmuls
-#: instead of SDPA's CPU kernel (``benchmarks/throughput.py --profile`` shows the attention rows).
-MATMUL_DECODES = 4
-
 
 class SdpaBackend(AttentionBackend):
     """Paged attention through torch's SDPA: one batched call for the decodes, one causal call per prefill chunk."""
@@ -146,7 +142,7 @@ class SdpaMetadata(AttentionMetadata):
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int64
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool
-    decode_bias: torch.Tensor  # the same mask as float32 0 / -inf, added to scores (CPU float32)
+    decode_bias: torch.Tensor  # the same mask as float32 0 / -inf (SDPA's mask on a CPU in float32)
     # Prefill path, one entry per prefill sequence (index s - num_decodes):
     # None when the chunk is the whole context (plain causal attention on the new
     # k/v), else the cache slots of the whole context and the offset-causal mask.
@@ -269,16 +265,9 @@ def _decode_attention(
     blocks = meta.decode_block_tables.view(-1)  # [S * nb]
     keys = k_cache.index_select(0, blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
     values = v_cache.index_select(0, blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
-    if num_seqs >= MATMUL_DECODES and q.device.type == "cpu":
-        # Two batched matmuls and a softmax: faster than SDPA's CPU kernel once several decodes
-        # share the call (its per-(sequence, head) work is tiny); the same math in float32.
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)  # [S, KVH, G, L]
-        scores.add_(meta.decode_bias)
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [S, KVH, G, D]
-    else:
-        # On a CPU in float32 the float mask: SDPA would convert the bool one in every layer.
-        mask = meta.decode_bias if q.device.type == "cpu" and q.dtype == torch.float32 else meta.decode_mask
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)  # [S, KVH, G, D]
+    # On a CPU in float32 the float mask: SDPA would convert the bool one in every layer.
+    mask = meta.decode_bias if q.device.type == "cpu" and q.dtype == torch.float32 else meta.decode_mask
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)  # [S, H, D]
 
 
