@@ -166,8 +166,9 @@ INTERRUPT = textwrap.dedent("""
     from asyncinfer import on_own_thread
     seen = []
     def work():
-        print("started", flush=True)
         try:
+            time.sleep(0.2)  # the caller is waiting by now
+            print("started", flush=True)  # inside the try: a Ctrl-C from here on is seen
             for _ in range(600):
                 time.sleep(0.05)
         except KeyboardInterrupt:
