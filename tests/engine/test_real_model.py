@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -96,6 +97,18 @@ async def test_huge_text_prompts_never_stall_the_callers_loop(engine_factory) ->
             await asyncio.sleep(0.005)
             lags.append(time.perf_counter() - t0 - 0.005)
 
+    # The suite's own objects out of the cyclic collector's way: a full collection of a long test
+    # session's heap can pause the loop by itself, which is not the engine's doing (a full CI run
+    # once saw a 175 ms stall here; this test alone sees 4-13 ms).
+    gc.freeze()
+    try:
+        await _huge_prompts(engine, ticker, stop)
+    finally:
+        gc.unfreeze()
+    assert max(lags) < 0.1, f"the caller's loop stalled {max(lags) * 1e3:.0f} ms"
+
+
+async def _huge_prompts(engine, ticker, stop) -> None:
     async with engine:
         tick = asyncio.create_task(ticker())
         # 2 MB: more characters than 1024 tokens of this vocabulary can hold, refused untokenized.
@@ -113,4 +126,3 @@ async def test_huge_text_prompts_never_stall_the_callers_loop(engine_factory) ->
         assert out.prompt_token_ids == engine.tokenizer.encode(text) and len(out.token_ids) == 4
         stop.set()
         await tick
-    assert max(lags) < 0.1, f"the caller's loop stalled {max(lags) * 1e3:.0f} ms"
