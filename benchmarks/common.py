@@ -282,3 +282,27 @@ def tiny_model(directory: Path) -> Path:
                          tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+async def engine_decode_rate(
+    engine: Any, prompt: list[int], new_tokens: int, repeats: int = 3, *, warm_up: bool = True
+) -> dict[str, float]:
+    """One request's decode tok/s in a running engine, the first token's time taken off:
+    ``(n - 1) / (T(n) - T(1))``, each time the median of ``repeats`` runs (after a warm-up run)."""
+    import time
+
+    from asyncinfer import SamplingParams
+
+    async def timed(n: int) -> float:
+        start = time.perf_counter()
+        out = await engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        elapsed = time.perf_counter() - start
+        if len(out.token_ids) != n:
+            raise RuntimeError(f"asyncinfer made {len(out.token_ids)} tokens, expected {n}")
+        return elapsed
+
+    if warm_up:
+        await timed(4)
+    t1 = statistics.median([await timed(1) for _ in range(repeats)])
+    tn = statistics.median([await timed(new_tokens) for _ in range(repeats)])
+    return {"t_1_s": t1, "t_n_s": tn, "decode_tokens_per_s": (new_tokens - 1) / (tn - t1)}

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info
+from common import engine_decode_rate, machine_info
 
 
 class OtherTeam:
@@ -59,22 +59,6 @@ class OtherTeam:
         self._thread.join()
 
 
-async def decode_rate(engine: Any, prompt: list[int], new_tokens: int) -> float:
-    """``(n - 1) / (T(n) - T(1))`` for one request (each time the median of 3)."""
-    from asyncinfer import SamplingParams
-
-    async def timed(n: int) -> float:
-        start = time.perf_counter()
-        out = await engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-        if len(out.token_ids) != n:
-            raise RuntimeError(f"made {len(out.token_ids)} tokens, expected {n}")
-        return time.perf_counter() - start
-
-    t1 = statistics.median([await timed(1) for _ in range(3)])
-    tn = statistics.median([await timed(new_tokens) for _ in range(3)])
-    return (new_tokens - 1) / (tn - t1)
-
-
 async def batch_rate(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
     """Output tok/s of ``len(prompts)`` requests sent at once."""
     from asyncinfer import SamplingParams
@@ -97,7 +81,8 @@ async def measure(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, 
             for case in ("clean", "other_team") if r % 2 == 0 else ("other_team", "clean"):
                 other = OtherTeam() if case == "other_team" else None
                 try:
-                    figures[case]["decode"].append(await decode_rate(engine, prompt, args.decode_tokens))
+                    rate = await engine_decode_rate(engine, prompt, args.decode_tokens, warm_up=False)
+                    figures[case]["decode"].append(rate["decode_tokens_per_s"])
                     figures[case]["batch"].append(await batch_rate(engine, prompts, args.batch_tokens))
                 finally:
                     if other is not None:

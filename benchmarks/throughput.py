@@ -51,6 +51,7 @@ from common import (  # noqa: E402
     SystemResult,
     Workload,
     build_workload,
+    engine_decode_rate,
     latency_summary,
     load_hf_reference,
     machine_info,
@@ -362,24 +363,6 @@ async def _asyncinfer_generate_all(engine: Any, prompts: Any, lengths: Any) -> l
     ))
 
 
-async def _asyncinfer_single_decode(engine: Any, prompt: list[int], new_tokens: int, repeats: int) -> dict:
-    """Same method as :func:`hf_single_decode_rate`, inside the running engine."""
-    from asyncinfer import SamplingParams
-
-    async def timed(n: int) -> float:
-        start = time.perf_counter()
-        out = await engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-        elapsed = time.perf_counter() - start
-        if len(out.token_ids) != n:
-            raise RuntimeError(f"asyncinfer made {len(out.token_ids)} tokens, expected {n}")
-        return elapsed
-
-    await timed(4)  # warm-up
-    t1 = statistics.median([await timed(1) for _ in range(repeats)])
-    tn = statistics.median([await timed(new_tokens) for _ in range(repeats)])
-    return {"t_1_s": t1, "t_n_s": tn, "decode_tokens_per_s": (new_tokens - 1) / (tn - t1)}
-
-
 async def _asyncinfer_session(engine: Any, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up, the timed workload and (optionally) the single-request decode test, in one engine run."""
     session: dict[str, Any] = {}
@@ -396,7 +379,7 @@ async def _asyncinfer_session(engine: Any, workload: Workload, args: argparse.Na
         run = session["stats"]
         run["mean_batch_size"] = run["scheduled_requests"] / run["steps"] if run["steps"] else 0.0
         if not args.skip_single_decode:
-            session["single_decode"] = await _asyncinfer_single_decode(
+            session["single_decode"] = await engine_decode_rate(
                 engine, list(workload.prompt_ids[0]), args.decode_tokens, args.repeats)
     return session
 

@@ -91,11 +91,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
 
+def _weight_format(value: str) -> str | None:
+    """A ``--quantization`` value as the engine option: "none" is None (the engine dtype: float32
+    weights on a CPU); any other value is passed on (and validated by the engine)."""
+    return None if value.lower() == "none" else value
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (the rest keep the library's defaults)."""
     options = {field: getattr(args, field) for _, field, _, _ in _ENGINE_ARGS if getattr(args, field) is not None}
-    if str(options.get("quantization", "")).lower() == "none":
-        options["quantization"] = None  # --quantization none: the engine dtype (float32 weights on a CPU)
+    if "quantization" in options:
+        options["quantization"] = _weight_format(options["quantization"])
     if args.torch_compile:
         options["torch_compile"] = True
     if args.scheduler_option:
@@ -165,7 +171,7 @@ def _plan(args: argparse.Namespace) -> int:
     path = resolve_model(args.model_arg or args.model)
     plan = plan_deployment(
         read_model_config(path), model_name=path.name, batch=args.batch, seq_len=args.seq_len, device=args.device,
-        dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
+        dtype=args.dtype, quantization=_weight_format(args.quantization),
         block_size=args.block_size,
         device_memory=None if args.device_memory is None else parse_bytes(args.device_memory),
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
