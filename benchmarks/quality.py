@@ -9,6 +9,7 @@ on a copy of the same loaded model:
 (b) greedy decoding of ``--prompts`` chat prompts (chat template applied) for ``--tokens`` new
     tokens, prompts decoded together: the fraction of prompts whose tokens are all identical to
     float32's and the mean common-prefix fraction;
+The block formats (``q8_0``, ``q4_1``) run on asyncinfer's kernels, decode attention included.
 (c) with ``--sensitivity``: int8's per-layer-kind sensitivity, (a) for int8 everywhere except
     one kind of projection, and for int8 on one kind only.
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import QUESTIONS, machine_info
 
+from asyncinfer import kernels
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import load_model
 from asyncinfer.models.quality import (
@@ -45,7 +47,7 @@ from asyncinfer.models.quality import (
     teacher_forced_argmax,
     top1_agreement,
 )
-from asyncinfer.models.quant import can_pack, default_skip, weight_bytes
+from asyncinfer.models.quant import BLOCK_FORMATS, can_pack, default_skip, weight_bytes
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -57,6 +59,8 @@ FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
     ("float16 (the CPU default)", "float16", (), PACK),
     (f"int8, default skip {default_skip('int8')}", "int8", default_skip("int8"), PACK),
     ("int8, no skip", "int8", (), PACK),
+    ("q8_0 (asyncinfer's kernels)", "q8_0", (), PACK),
+    ("q4_1, head q8_0 (asyncinfer's kernels)", "q4_1", (), PACK),
 )
 
 
@@ -117,6 +121,9 @@ def main() -> None:
     print(f"{'format':<46}{'top-1':>8}{'greedy same':>13}{'prefix':>8}{'weights MiB':>13}")
     rows = []
     for name, method, skip, pack in FORMATS:
+        if method in BLOCK_FORMATS and not kernels.available():
+            print(f"{name:<46} not measured: {kernels.unavailable_reason()}")
+            continue
         row = {"format": name, "quantization": method, "quantization_skip": list(skip), "pack_weights": pack,
                "weight_bytes": weight_bytes(loaded.config, 4, method, skip)}
         row |= measure(formatted(base, method, skip, pack=pack), ref, args, greedy=True)

@@ -429,7 +429,8 @@ def check_same_weights(engine: Any, hf_model: Any) -> dict[str, float] | str:
 
 # The ops that run the weight projections, whatever the weight format (self CPU time).
 PROJECTION_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise",
-                            "quantized::linear_dynamic", "quantized::linear_dynamic_fp16"})
+                            "quantized::linear_dynamic", "quantized::linear_dynamic_fp16",
+                            "asyncinfer::gemm_q4_1", "asyncinfer::gemm_q8_0"})
 
 
 def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) -> dict[str, Any]:
@@ -727,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         formats.append("int8")
     if args.compile and "compile" not in formats:
         formats.append("compile")
+    profiled_formats: dict[str, Any] = {}  # --profile: each format's engine, profiled at batch 1 below
     for fmt in formats if engine is not None else []:
         say(f"loading asyncinfer with quantization={fmt!r}")
         other = build_engine(model_path, workload, args, hf_model.config, quantization=fmt)
@@ -739,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         results[key], outputs[key], decode = run_asyncinfer(other, workload, args, name=f"asyncinfer {fmt}")
         if decode:
             single[key] = decode
+        if args.profile:
+            profiled_formats[fmt] = other
         del other
 
     if not args.skip_llamacpp:
@@ -769,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         for batch in sorted({1, args.max_num_seqs}):
             say(f"profiling one asyncinfer decode step at batch {batch}")
             profiles.append(on_own_thread(profile_decode_step, engine, workload, batch, args.profile_rows))
+            profiles[-1]["format"] = record.get("asyncinfer_default_format", "default")
+        for fmt, other in profiled_formats.items():
+            say(f"profiling one asyncinfer {fmt} decode step at batch 1")
+            profiles.append(on_own_thread(profile_decode_step, other, workload, 1, args.profile_rows))
+            profiles[-1]["format"] = fmt
+        profiled_formats.clear()
 
     # ------------------------------------------------------------------ report
     print_results(results, workload.num_requests)
@@ -818,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
         print_roofline(rf, ours)
     for prof in profiles:
         split = prof["split"]
-        print(f"profile: one asyncinfer decode step at batch {prof['batch']} "
+        print(f"profile: one asyncinfer ({prof['format']}) decode step at batch {prof['batch']} "
               f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler): projections {split['projections']:.0%}, "
               f"everything else {split['everything_else']:.0%} (of which the K/V gather {split['kv_gather']:.0%}); "
               f"top {args.profile_rows} by self CPU")

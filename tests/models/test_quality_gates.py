@@ -23,7 +23,7 @@ from asyncinfer.models.quality import (
     teacher_forced_argmax,
     top1_agreement,
 )
-from asyncinfer.models.quant import default_skip
+from asyncinfer.models.quant import BlockLinear, default_skip
 from benchmarks.common import QUESTIONS as CHAT_QUESTIONS
 
 pytestmark = pytest.mark.real_model
@@ -36,6 +36,8 @@ TEXT_TOKENS = 768
 #: with any skip list that still quantizes most weights (benchmarks/results/quality.json: 0.885 with the
 #: default skip list on the whole text; docs/formats.md).
 INT8_GATE = 0.85
+#: q8_0's gate: the issue's 0.97 for an int8 format (0.974 on the whole text, benchmarks/results/quality.json).
+Q8_0_GATE = 0.97
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,24 @@ def test_float16_is_greedy_identical_on_every_prompt(reference) -> None:
     half = formatted(reference["model"], "float16")
     identical, prefix = greedy_match(reference["greedy"], batched_greedy(half, reference["prompts"], NEW_TOKENS))
     assert (identical, prefix) == (1.0, 1.0)
+
+
+def test_q4_1_holds_float32s_own_weights_and_is_greedy_identical_on_every_prompt(reference) -> None:
+    """The file's Q4_1 projections and Q8_0 head, back as blocks: every weight is float32's, and only the
+    kernels' int16 activations and summation order differ (benchmarks/results/quality.json)."""
+    q4 = formatted(reference["model"], "q4_1")
+    layers = [m for m in q4.modules() if isinstance(m, BlockLinear)]
+    assert len(layers) == 30 * 4 + 1 and all(layer.lossless for layer in layers)
+    identical, prefix = greedy_match(reference["greedy"], batched_greedy(q4, reference["prompts"], NEW_TOKENS))
+    assert (identical, prefix) == (1.0, 1.0)
+
+
+def test_q8_0_teacher_forced_top1_agreement(reference) -> None:
+    """The int8 format that meets the issue's 97%: 8-bit weights per block of 32 (rounded again from the
+    file's 4-bit ones), float32 activations rounded per block to 16 bits."""
+    expected = teacher_forced_argmax(reference["model"], reference["text"])
+    q8 = formatted(reference["model"], "q8_0")
+    assert top1_agreement(expected, teacher_forced_argmax(q8, reference["text"])) >= Q8_0_GATE
 
 
 def test_int8_teacher_forced_top1_agreement(reference) -> None:

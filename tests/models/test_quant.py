@@ -14,6 +14,7 @@ from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.config import EngineConfig
 from asyncinfer.models import load_model
 from asyncinfer.models.quant import (
+    BlockLinear,
     FormatLinear,
     Fp16Linear,
     Int8DynamicLinear,
@@ -84,6 +85,10 @@ def stored_bytes(model: torch.nn.Module) -> int:
         elif isinstance(module, Fp16Linear):
             weight, bias = torch.ops.quantized.linear_unpack_fp16(module._packed)
             total += 2 * weight.numel()  # fbgemm keeps float16 values; unpacking widens them to float32
+        elif isinstance(module, BlockLinear):
+            weight, bias = module._blocks, module._bias
+            assert weight.dtype == torch.uint8
+            total += weight.numel()
         elif isinstance(module, PackedLinear):
             weight, bias = module._packed, module._bias
             assert weight.is_mkldnn and weight.dtype == torch.float32
@@ -204,7 +209,7 @@ async def test_the_default_engine_serves_float16_weights(tiny_models) -> None:
 
 def test_formats_allowed_per_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for method in (None, "float16", "int8"):
+    for method in (None, "float16", "int8", "q8_0", "q4_1"):
         check_quantization(method, cpu, torch.float32)
     for method, dtype in ((None, torch.bfloat16), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         check_quantization(method, cuda, dtype)
@@ -215,7 +220,7 @@ def test_formats_allowed_per_device() -> None:
         with pytest.raises(InvalidParameterError) as err:
             check_quantization(method, device, dtype)
         assert err.value.parameter == "quantization" and err.value.value == method
-        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'int8' on CPU") in str(err.value)
+        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'q4_1' on CPU") in str(err.value)
     # On CUDA a dtype format is the engine dtype: "auto" takes it, an explicit dtype must match.
     with pytest.raises(InvalidParameterError, match="a CPU format needs dtype float32 or 'auto', not bfloat16"):
         check_quantization("float16", cpu, torch.bfloat16)
@@ -275,7 +280,8 @@ async def test_engine_serves_the_formats_own_tokens(tiny_pair, tmp_path, method)
 
 
 @pytest.mark.parametrize("quantization, skip", [(None, ()), ("int8", ("down_proj",)), ("int8", ()),
-                                                ("float16", ()), ("float16", ("lm_head", "o_proj"))])
+                                                ("float16", ()), ("float16", ("lm_head", "o_proj")),
+                                                ("q4_1", ()), ("q8_0", ("o_proj",))])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied head, no bias / tied head, q/k/v bias
 @pytest.mark.parametrize("pack", [False, True])
 def test_weight_bytes_from_the_config_equal_the_loaded_model(tmp_path, tiny_pair, kind, quantization, skip,
@@ -304,6 +310,11 @@ def test_weight_bytes_of_smollm2() -> None:
     assert weight_bytes(SMOLLM2, 4, "float16") == 30 * 7_082_496 + 113_246_208 + 2_304 + 56_623_104 == 382_346_496
     # On CUDA the formats are dtypes: nothing is replaced, every parameter takes the dtype's bytes.
     assert weight_bytes(SMOLLM2, 2, "float16", (), "cuda") == weight_bytes(SMOLLM2, 2) == 269_030_016
+    # q4_1: per layer 3,538,944 projection weights in blocks of 32 at 20 bytes (2,211,840) + the norms:
+    # 2,216,448; x 30, + the float32 embedding and final norm, + the Q8_0 tied head (28,311,552 at 34 bytes
+    # per 32: 30,081,024).
+    assert weight_bytes(SMOLLM2, 4, "q4_1") == 30 * 2_216_448 + 113_246_208 + 2_304 + 30_081_024 == 209_822_976
+    assert weight_bytes(SMOLLM2, 4, "q8_0") == 30 * (3_538_944 // 32 * 34 + 4_608) + 113_246_208 + 2_304 + 30_081_024
     with pytest.raises(InvalidParameterError, match="quantization"):
         weight_bytes(SMOLLM2, 4, "int4")
 

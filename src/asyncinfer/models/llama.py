@@ -76,10 +76,17 @@ class LlamaDecoderLayer(nn.Module):
         self.attn = LlamaAttention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        # The whole layer in one kernel call for steps of decodes (asyncinfer.kernels.DecodeLayer): set
+        # for the block weight formats (quant.fuse_decode_layers); None: op by op.
+        self.fused_decode = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        fused = self.fused_decode
+        if fused is not None and getattr(meta.backend, "native_decode", False) and meta.num_decodes == meta.num_seqs:
+            return fused(x, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                         meta.decode_context_lens)  # [T, hidden]
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)  # [T, hidden]
         return x + self.mlp(self.post_attn_norm(x))  # [T, hidden]
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncinfer import kernels
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models.meta import build_on_meta
 
@@ -46,9 +47,14 @@ if TYPE_CHECKING:
     from asyncinfer.models.config import ModelConfig
 
 #: Format names per device type (values of ``quantization`` besides None).
-CPU_FORMATS = ("float16", "int8")
+CPU_FORMATS = ("float16", "int8", "q8_0", "q4_1")
 CUDA_FORMATS = ("float16", "bfloat16")
-QUANTIZATION_METHODS = ("float16", "bfloat16", "int8")
+QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", "q8_0", "q4_1")
+#: The formats in ggml's block layouts, multiplied by asyncinfer's own kernels (asyncinfer.kernels).
+BLOCK_FORMATS = ("q8_0", "q4_1")
+#: The LM head's format under each block format: q4_1 keeps the head in Q8_0, as llama.cpp's
+#: Q4 files do (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding tied to the head).
+BLOCK_HEAD_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0"}
 
 #: The default ``quantization_skip`` of each format. int8: chosen by ``benchmarks/quality.py
 #: --sensitivity`` on SmolLM2-135M (benchmarks/results/quality.json): the MLP down projection, whose
@@ -56,14 +62,16 @@ QUANTIZATION_METHODS = ("float16", "bfloat16", "int8")
 #: in float32 gave 88.5% teacher-forced top-1 agreement (int8 everywhere: 75.1%, all but down_proj:
 #: 85.0%); no list that still quantizes most weights reaches the issue's 97%.
 DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
-    None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"),
+    None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"), "q8_0": (), "q4_1": (),
 }
 
 
 def _allowed(device_type: str) -> str:
     if device_type == "cuda":
-        return "'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' runs on CPU only)"
-    return "'auto', None, 'float16' or 'int8' on CPU, with float32 activations ('bfloat16' is a CUDA format)"
+        return ("'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8', 'q8_0' and 'q4_1' "
+                "run on CPU only)")
+    return ("'auto', None, 'float16', 'int8', 'q8_0' or 'q4_1' on CPU, with float32 activations "
+            "('bfloat16' is a CUDA format)")
 
 
 def fp16_weights_available() -> bool:
@@ -85,7 +93,9 @@ def resolve_quantization(method: object, device: torch.device, dtype: object) ->
 def smaller_cpu_formats(method: str | None) -> tuple[str, ...]:
     """The CPU formats (float32 activations) that store fewer weight bytes than ``method``, smallest last:
     what a refusal or a plan suggests when the weights do not fit."""
-    return {None: ("float16", "int8"), "float16": ("int8",)}.get(method, ())
+    smaller = {None: ("float16", "q8_0", "int8", "q4_1"), "float16": ("q8_0", "int8", "q4_1"),
+               "q8_0": ("int8", "q4_1"), "int8": ("q4_1",)}.get(method, ())
+    return tuple(m for m in smaller if m not in BLOCK_FORMATS or kernels.available())
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -103,6 +113,9 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
             raise InvalidParameterError("quantization", method, _allowed("cuda") + f"; it must match dtype={dtype}")
     elif method not in CPU_FORMATS:
         raise InvalidParameterError("quantization", method, _allowed("cpu"))
+    elif method in BLOCK_FORMATS and not kernels.available():
+        allowed = f"'auto', None, 'float16' or 'int8' here: asyncinfer's {method} kernel cannot run ({kernels.unavailable_reason()})"
+        raise InvalidParameterError("quantization", method, allowed)
     elif dtype != torch.float32:
         allowed = f"{_allowed('cpu')}; a CPU format needs dtype float32 or 'auto', not {str(dtype).removeprefix('torch.')}"
         raise InvalidParameterError("quantization", method, allowed)
@@ -231,13 +244,64 @@ class Int8DynamicLinear(FormatLinear):
         return torch.ops.quantized.linear_dynamic(x, self._packed, False)  # [T, out]
 
 
-_LAYERS: dict[str, type[FormatLinear]] = {"float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear}
+class BlockLinear(FormatLinear):
+    """Weights in one of ggml's block formats (``"q4_1"``, ``"q8_0"``), float32 activations, asyncinfer's
+    AVX2 kernel (:mod:`asyncinfer.kernels`).
+
+    ``lossless``: whether the blocks rebuild exactly the float32 weights they were made from (true
+    for weights a GGUF file held in the same format: the float32 model and this layer then multiply
+    by the same numbers).
+    """
+
+    fmt = ""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self._blocks = kernels.quantize(w, self.fmt)  # [out, in / 32 * block bytes]
+        self._bias = _float_bias(bias)
+        self.lossless = bool(torch.equal(kernels.dequantize(self._blocks, self.fmt), w))
+        self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'})"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, in]
+        if torch.autograd.profiler._is_profiler_enabled:  # named in traces like any torch op
+            with torch.profiler.record_function(f"asyncinfer::gemm_{self.fmt}"):
+                out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias)
+        else:
+            out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias)
+        return out.view(*lead, self.out_features)  # [..., out]
+
+
+class Q4_1Linear(BlockLinear):
+    """ggml's Q4_1: blocks of 32 weights, d * q + m with q in [0, 15] (5 bits per weight)."""
+
+    fmt = "q4_1"
+
+
+class Q8_0Linear(BlockLinear):
+    """ggml's Q8_0: blocks of 32 weights, d * q with q in [-127, 127] (8.5 bits per weight)."""
+
+    fmt = "q8_0"
+
+
+_LAYERS: dict[str, type[FormatLinear]] = {"float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear,
+                                          "q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, *, bias: bool) -> int:
     """Bytes one projection takes in ``fmt``: its weights (int8: plus a float32 scale per output
     channel) and a float32 bias when there is one."""
     bias_bytes = 4 * out_features if bias else 0
+    if fmt in kernels.BLOCK_FORMATS:
+        per_block, block_bytes = kernels.BLOCK_FORMATS[fmt]
+        return out_features * (-(-in_features // per_block)) * block_bytes + bias_bytes
     if fmt == "int8":
         return out_features * in_features + 4 * out_features + bias_bytes
     return {"float32": 4, "float16": 2}[fmt] * out_features * in_features + bias_bytes
@@ -259,7 +323,7 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     skip = tuple(skip)
     jobs: list[tuple[nn.Module | None, str, str, torch.Tensor, torch.Tensor | None]] = []
     for parent, name, full, linear in _format_linears(model):
-        fmt = "float32" if method is None or any(s in full for s in skip) else method
+        fmt = _layer_format(method, full, skip, linear.in_features)
         if fmt != "float32" or pack:
             jobs.append((parent, name, fmt, linear.weight, linear.bias))
     head_fmt = _head_format(model, method, skip)
@@ -271,6 +335,8 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     workers = max(1, min(len(jobs), torch.get_num_threads(), 8))
     with ThreadPoolExecutor(workers, thread_name_prefix="asyncinfer-pack") as pool:
         layers = list(pool.map(lambda job: _LAYERS[job[2]](job[3], job[4]), jobs))
+    if method in BLOCK_FORMATS:
+        use_native_norms(model)
     nbytes = 0
     for (parent, name, _, _, _), layer in zip(jobs, layers):
         if parent is None:
@@ -280,7 +346,43 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
         else:
             setattr(parent, name, layer)
         nbytes += layer.nbytes
+    if method in BLOCK_FORMATS:
+        fuse_decode_layers(model)
     return nbytes
+
+
+def use_native_norms(model: nn.Module) -> None:
+    """Run ``model``'s float32 RMS norms in asyncinfer's kernel (:func:`asyncinfer.kernels.rms_norm`):
+    what the block formats do, whose steps are otherwise short enough for torch's per-op cost to show."""
+    for module in model.modules():
+        if hasattr(module, "norm_fn"):
+            module.norm_fn = kernels.rms_norm
+
+
+def fuse_decode_layers(model: nn.Module) -> int:
+    """Give each decoder layer whose four projections are in block formats its one-call decode kernel
+    (:class:`asyncinfer.kernels.DecodeLayer`, used for steps of decodes only); returns how many got one."""
+    fused = 0
+    for layer in getattr(model, "layers", ()):
+        attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+        projections = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None),
+                       getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        if not hasattr(layer, "fused_decode") or not all(isinstance(p, BlockLinear) for p in projections):
+            continue
+        if any(p._bias is not None for p in projections[1:]):  # the kernel adds a bias to q/k/v only
+            continue
+        qkv, o, gate_up, down = projections
+        layer.fused_decode = kernels.DecodeLayer(
+            norm1=layer.input_norm.weight.detach().float().contiguous(),
+            norm2=layer.post_attn_norm.weight.detach().float().contiguous(),
+            eps=layer.input_norm.eps,
+            qkv=(qkv.fmt, qkv._blocks, qkv._bias), o=(o.fmt, o._blocks, o._bias),
+            gate_up=(gate_up.fmt, gate_up._blocks, gate_up._bias), down=(down.fmt, down._blocks, down._bias),
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate_size=mlp.intermediate_size, scale=attn.scale,
+        )
+        fused += 1
+    return fused
 
 
 def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:
@@ -314,11 +416,12 @@ def weight_bytes(
         return total
     skip = tuple(skip)
     for _, _, full, linear in _format_linears(model):
-        if not any(s in full for s in skip):
+        if _layer_format(quantization, full, skip, linear.in_features) != "float32":
             total += linear_bytes(quantization, *linear.weight.shape, bias=linear.bias is not None)
             total -= _float_bytes(linear, dtype_bytes)
-    if _head_format(model, quantization, skip) == quantization:
-        total += linear_bytes(quantization, *model.lm_head_weight.shape, bias=False)
+    head = _head_format(model, quantization, skip)
+    if head not in (None, "float32"):
+        total += linear_bytes(head, *model.lm_head_weight.shape, bias=False)
         if getattr(model, "lm_head", None) is not None:
             total -= _float_bytes(model.lm_head, dtype_bytes)
     return total
@@ -338,10 +441,21 @@ def _format_linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Line
     return found
 
 
-def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str | None:
-    """The output projection's format: None when the model has none, else ``method`` or float32 when skipped."""
-    if not hasattr(model, "lm_head_weight"):
-        return None
-    if method is None or any(s in "lm_head" for s in skip if s):
+def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_features: int) -> str:
+    """A projection's format: ``method``, or float32 when skipped (or for a block format, when its
+    input size is not a whole number of blocks)."""
+    if method is None or any(s in name for s in skip):
+        return "float32"
+    if method in kernels.BLOCK_FORMATS and in_features % kernels.QK:
         return "float32"
     return method
+
+
+def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str | None:
+    """The output projection's format: None when the model has none, else ``method`` (a block
+    format's head format) or float32 when skipped."""
+    if not hasattr(model, "lm_head_weight"):
+        return None
+    if _layer_format(method, "lm_head", tuple(s for s in skip if s), model.lm_head_weight.shape[1]) == "float32":
+        return "float32"
+    return BLOCK_HEAD_FORMAT.get(method, method)

@@ -48,6 +48,12 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     device_types = ("cpu", "cuda")
 
+    def __init__(self) -> None:
+        #: Decodes through asyncinfer's CPU kernel (:func:`asyncinfer.kernels.decode_attention`), which
+        #: reads K/V blocks in place instead of gathering them: set by the loader for the weight
+        #: formats that run on those kernels (float32 on a CPU).
+        self.native_decode = False
+
     def build_metadata(
         self,
         *,
@@ -107,11 +113,12 @@ class SdpaBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
+        decode = _native_decode_attention if self.native_decode else _decode_attention
         if nd == meta.num_seqs:
-            return _decode_attention(q, k_cache, v_cache, meta, scale)
+            return decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
-            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = _prefill_attention(
@@ -269,6 +276,15 @@ def _decode_attention(
     mask = meta.decode_bias if q.device.type == "cpu" and q.dtype == torch.float32 else meta.decode_mask
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)  # [S, H, D]
+
+
+def _native_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata, scale: float
+) -> torch.Tensor:
+    """:func:`_decode_attention` by asyncinfer's kernel: blocks read in place, no gather; [S, H, D] -> [S, H, D]."""
+    from asyncinfer import kernels
+
+    return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 def _prefill_attention(

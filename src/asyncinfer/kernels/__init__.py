@@ -1,0 +1,308 @@
+"""asyncinfer's own CPU kernels: matrix products with weights in ggml's Q4_1 and Q8_0 block formats.
+
+The kernels (``gguf_gemm.c``, AVX2 + FMA + F16C) are compiled on first use with the system's C
+compiler into the user cache (``<cache>/asyncinfer/kernels/``), once per source and compiler,
+and loaded with ctypes; nothing is compiled at install time. Where they cannot run (not x86-64
+Linux, a CPU without AVX2/FMA/F16C, no C compiler, a failed build), :func:`available` is False
+and :func:`unavailable_reason` says why; the weight formats that need them are then refused with
+that reason (``quantization="q4_1"`` / ``"q8_0"``) and ``"auto"`` never picks them.
+
+:func:`quantize` builds the blocks from float32 weights the way llama.cpp's reference
+quantisers do; on weights that were dequantised from blocks of the same type (a GGUF file's), it
+returns those blocks again, so the kernel multiplies by exactly the float32 model's weights
+(:func:`dequantize` round-trips; the loader checks it per layer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+#: Block formats: (weights per block, bytes per block).
+BLOCK_FORMATS = {"q4_1": (32, 20), "q8_0": (32, 34)}
+QK = 32
+
+_SOURCE = Path(__file__).with_name("gguf_gemm.c")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_VERSION = 6
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    override = os.environ.get("ASYNCINFER_KERNEL_CACHE")
+    if override:
+        return Path(override)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("asyncinfer")) / "kernels"
+
+
+def _cpu_reason() -> str | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"they are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError as exc:
+        return f"cannot read /proc/cpuinfo ({exc})"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"gguf_gemm-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+def _load() -> None:
+    global _lib, _reason, _tried
+    with _lock:
+        if _tried:
+            return
+        _tried = True
+        if os.environ.get("ASYNCINFER_DISABLE_KERNELS"):
+            _reason = "ASYNCINFER_DISABLE_KERNELS is set"
+            return
+        _reason = _cpu_reason()
+        if _reason is not None:
+            return
+        compiler = _compiler()
+        if compiler is None:
+            _reason = "no C compiler (cc, gcc or clang) is on PATH to build them"
+            return
+        try:
+            path = _build(compiler)
+            # torch is imported (and its OpenMP runtime loaded) first: the kernels share that runtime.
+            lib = ctypes.CDLL(str(path))
+            if lib.asyncinfer_kernels_version() != _VERSION:
+                raise RuntimeError("a stale build (version mismatch)")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _reason = f"building them failed: {exc}"
+            return
+        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        for fmt in BLOCK_FORMATS:
+            fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
+            fn.argtypes = args
+            fn.restype = None
+        lib.asyncinfer_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        lib.asyncinfer_rms_norm.restype = None
+        lib.asyncinfer_decode_attention.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+            ctypes.c_void_p, ctypes.c_int]
+        lib.asyncinfer_decode_attention.restype = None
+        P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.asyncinfer_decode_layer.argtypes = [
+            P, I64, I64, P, P, ctypes.c_float, P, INT, P, P, INT, P, INT, P, INT, I64, I64, I64, I64, P, P, P, P, P,
+            P, I64, P, I64, ctypes.c_float, INT]
+        lib.asyncinfer_decode_layer.restype = None
+        lib.asyncinfer_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.asyncinfer_scratch_bytes.restype = ctypes.c_int64
+        _lib = lib
+
+
+def available() -> bool:
+    """Whether the kernels run here (builds them on the first call, ~1 s)."""
+    _load()
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _reason
+
+
+def _need() -> ctypes.CDLL:
+    _load()
+    if _lib is None:
+        raise RuntimeError(f"asyncinfer's kernels cannot run here: {_reason}")
+    return _lib
+
+
+def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (uint8
+    [out_features, K / 32 * bytes per block]); returns float32 [M, out_features].
+
+    Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
+    """
+    lib = _lib if _lib is not None else _need()
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"the {fmt} kernel takes float32 CPU activations, got {x.dtype} on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows:
+        scratch = torch.empty(lib.asyncinfer_scratch_bytes(rows, k), dtype=torch.uint8)
+        fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
+        fn(x.data_ptr(), rows, x.stride(0), k, blocks.data_ptr(), out_features,
+           None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
+           scratch.data_ptr())
+    return y
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 weights [N, K] (K a multiple of 32) -> ``fmt`` blocks, uint8 [N, K / 32 * bytes per block].
+
+    Q4_1: per block, m = min, d = (max - min) / 15, q = round((w - m) / d) in [0, 15];
+    Q8_0: d = max |w| / 127, q = round(w / d). d and m are stored in float16, and q is computed
+    against the stored values.
+    """
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"{fmt} needs an input size that is a multiple of {QK}, got {k}")
+    w = weight.detach().float().reshape(n, k // QK, QK)  # [N, B, 32]
+    if fmt == "q4_1":
+        lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]
+        hi = w.amax(dim=-1, keepdim=True)
+        d16 = ((hi - lo) / 15).half()
+        m16 = lo.half()
+        d, m = d16.float(), m16.float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = ((w - m) * inv).round().clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, B, 16]
+        head = torch.cat((d16, m16), dim=-1).view(torch.uint8)  # [N, B, 4]
+        blocks = torch.cat((head, packed), dim=-1)  # [N, B, 20]
+    elif fmt == "q8_0":
+        amax = w.abs().amax(dim=-1, keepdim=True)
+        d16 = (amax / 127).half()
+        d = d16.float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = (w * inv).round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)  # [N, B, 32]
+        blocks = torch.cat((d16.view(torch.uint8), q), dim=-1)  # [N, B, 34]
+    else:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    return blocks.reshape(n, -1).contiguous()
+
+
+def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fmt`` blocks uint8 [N, B * bytes] -> float32 [N, B * 32], as ggml (and the kernels) rebuild them."""
+    size = BLOCK_FORMATS[fmt][1]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
+    if fmt == "q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        qs = b[..., 4:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [N, B, 32]
+        return torch.addcmul(m, d, q).reshape(n, -1)  # d * q + m, exact in float32
+    q = b[..., 2:].contiguous().view(torch.int8).float()
+    return (d * q).reshape(n, -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of float32 x [T, hidden] (rows contiguous) scaled by ``weight``: the float32 steps of
+    :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding)."""
+    lib = _lib if _lib is not None else _need()
+    if x.stride(-1) != 1 or x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    rows, hidden = x.shape
+    y = torch.empty(rows, hidden, dtype=torch.float32)
+    lib.asyncinfer_rms_norm(x.data_ptr(), rows, x.stride(0), hidden, weight.data_ptr(), eps, y.data_ptr(),
+                             torch.get_num_threads())
+    return y
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context, read from the cache in place.
+
+    q: float32 [S, H, D]; caches: float32 [blocks, block_size, KVH, D] (this step's K/V written);
+    block_tables: int64 [S, >= ceil(context / block_size)]; context_lens: int64 [S]. Returns [S, H, D].
+    """
+    lib = _lib if _lib is not None else _need()
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    q = q.contiguous()
+    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    out = torch.empty_like(q)
+    lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                     tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
+                                     head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+_FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
+
+
+class DecodeLayer:
+    """One Llama-family decoder layer for a step of decodes, in a single kernel call
+    (``asyncinfer_decode_layer``): norms, projections, rope, the K/V write, attention over the paged
+    cache and SwiGLU, each the same computation as the engine's kernels run op by op.
+
+    Built once per layer from its weights (held here, so they outlive nothing); called per step with
+    the residual stream ``h`` [T, hidden] (float32, contiguous, updated in place and returned).
+    """
+
+    def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
+                 gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, scale: float) -> None:
+        # qkv / o / gate_up / down: (format, blocks, bias or None).
+        self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
+                      "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                      "intermediate_size": intermediate_size, "scale": scale}
+        self._hidden = norm1.shape[0]
+        self._head = (norm1.data_ptr(), norm2.data_ptr(), eps,
+                      qkv[1].data_ptr(), _FORMAT_CODES[qkv[0]], None if qkv[2] is None else qkv[2].data_ptr(),
+                      o[1].data_ptr(), _FORMAT_CODES[o[0]], gate_up[1].data_ptr(), _FORMAT_CODES[gate_up[0]],
+                      down[1].data_ptr(), _FORMAT_CODES[down[0]], num_heads, num_kv_heads, head_dim,
+                      intermediate_size)
+        self._scale = scale
+
+    def __deepcopy__(self, memo: dict) -> DecodeLayer:
+        # The raw pointers must follow the copied tensors (the same copies the copied layers hold).
+        import copy
+
+        return DecodeLayer(**copy.deepcopy(self._args, memo))
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        lib = _lib if _lib is not None else _need()
+        if not h.is_contiguous():
+            h = h.contiguous()
+        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        lib.asyncinfer_decode_layer(h.data_ptr(), h.shape[0], self._hidden, *self._head, cos.data_ptr(),
+                                    sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), k_cache.shape[1],
+                                    self._scale, torch.get_num_threads())
+        return h

@@ -1,0 +1,315 @@
+/* asyncinfer's CPU kernels for weights in ggml's block formats, float32 activations.
+ *
+ *   y[m, n] = sum_k x[m, k] * W[n, k]  (+ bias[n])
+ *
+ * W is stored row by row (one row per output feature), each row a run of blocks of 32 weights
+ * along k, exactly as a GGUF file lays them out:
+ *
+ *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; weight j = d * q_j + m, q_j in [0, 15]
+ *         (q_j is the low nibble of byte j for j < 16, the high nibble of byte j - 16 otherwise)
+ *   Q8_0: fp16 d, 32 int8; weight j = d * q_j
+ *
+ * Each weight is rebuilt in float32 with one fused multiply-add (d * q + m is exact in float32:
+ * d has 11 significant bits, q at most 8), so it is bit for bit the weight a float32 model
+ * dequantised from the same blocks holds; the products are summed in float32 in another order
+ * than a BLAS would. Decode reads each weight once per step, so these kernels move 5 (Q4_1) or
+ * 8.5 (Q8_0) bits per weight instead of 32 (float32) or 16 (float16).
+ *
+ * Built for AVX2 + FMA + F16C (x86-64 from 2013 on); the Python side checks the CPU first.
+ * Threads: OpenMP over output rows, sharing the OpenMP runtime torch has loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define MR 4 /* activation rows per pass over a weight row */
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead in the weight stream (a thread's rows are contiguous) */
+#endif
+
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;  /* 20 bytes */
+typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;       /* 34 bytes */
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Activations, as the kernels read them: each row cut into blocks of 32 like the weights, each
+ * block scaled to int16 (x ~= dx * qx, |qx| <= 32767, rounded to nearest) with its exact float32
+ * sum kept for Q4_1's offset term. int16 keeps 16 significant bits per block (float16 weights keep
+ * 11), and int16 x small-int products summed in int32 are exact, so the whole dot product costs
+ * one rounding per block. */
+typedef struct {
+    int16_t *q;   /* [M, K] */
+    float *d;     /* [M, K / 32] */
+    float *sum;   /* [M, K / 32] */
+} acts;
+
+static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int i = 0; i < QK; i += 8) {
+                const __m256 v = _mm256_loadu_ps(xb + i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+                sum = _mm256_add_ps(sum, v);
+            }
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float absmax = _mm_cvtss_f32(mx);
+            const float d = absmax / 32767.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f);
+            int16_t *q = a->q + m * K + b * QK;
+            for (int i = 0; i < QK; i += 16) {
+                const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));
+                const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), inv));
+                /* packs interleaves 128-bit lanes; the permute puts elements back in order */
+                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+                _mm256_storeu_si256((__m256i *)(q + i), packed);
+            }
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = hsum(sum);
+        }
+    }
+}
+
+/* The 32 weights of a Q4_1 / Q8_0 block as two vectors of 16 int16 (elements 0-15, 16-31). */
+static inline void widen_q4_1(const block_q4_1 *b, __m256i w[2]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+}
+
+static inline void widen_q8_0(const block_q8_0 *b, __m256i w[2]) {
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+}
+
+/* One weight row against ROWS (1 to MR) activation rows: out[i] = dot(x[m0 + i], row). ROWS is a
+ * compile-time constant at every call, so the accumulators stay in registers. Two accumulators per
+ * row alternate between blocks, so that consecutive FMAs do not wait on each other; every row is
+ * summed in the same order whatever ROWS is, so a row's result does not depend on the others. */
+#define ROW_KERNEL(NAME, BLOCK, WIDEN, HAS_MIN)                                                   \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const BLOCK *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,       \
+        float *out) {                                                                             \
+        __m256 acc[2 * MR];                                                                       \
+        float offset[MR];                                                                         \
+        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm256_setzero_ps();                            \
+        for (int i = 0; i < MR; i++) offset[i] = 0.0f;                                            \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            __m256i w[2];                                                                         \
+            _mm_prefetch((const char *)(row + b) + PREFETCH, _MM_HINT_T0);                        \
+            WIDEN(row + b, w);                                                                    \
+            const __m256 dw = _mm256_set1_ps(half_to_float(row[b].d));                            \
+            const float mw = HAS_MIN ? MIN_OF(row + b) : 0.0f;                                    \
+            const int slot = (int)(b & 1);                                                        \
+            for (int i = 0; i < ROWS; i++) {                                                      \
+                const int16_t *q = a->q + (m0 + i) * K + b * QK;                                  \
+                const __m256i s = _mm256_add_epi32(                                               \
+                    _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),              \
+                    _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));      \
+                const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + i) * nb + b);                  \
+                acc[2 * i + slot] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw, \
+                                                    acc[2 * i + slot]);                           \
+                if (HAS_MIN) offset[i] += mw * a->sum[(m0 + i) * nb + b];                         \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < ROWS; i++)                                                            \
+            out[i] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1])) + offset[i];                 \
+    }
+
+#define MIN_OF(blk) half_to_float(((const block_q4_1 *)(blk))->m)
+ROW_KERNEL(row_q4_1, block_q4_1, widen_q4_1, 1)
+#undef MIN_OF
+#define MIN_OF(blk) 0.0f
+ROW_KERNEL(row_q8_0, block_q8_0, widen_q8_0, 0)
+#undef MIN_OF
+
+/* x: [M, K] float32, row stride ldx; w: [N, K / 32] blocks; bias: [N] or NULL; y: [M, N], row stride
+ * ldy; scratch: at least asyncinfer_scratch_bytes(M, K) bytes, 32-byte aligned. */
+#define GEMM(NAME, BLOCK, ROW)                                                                    \
+    void NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,        \
+              const float *bias, float *y, int64_t ldy, int threads, void *scratch) {             \
+        const int64_t nb = K / QK;                                                                \
+        const BLOCK *blocks = (const BLOCK *)w;                                                   \
+        acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2),                     \
+                  (float *)((char *)scratch + M * K * 2) + M * nb};                               \
+        quantize_acts(x, M, ldx, K, &a);                                                          \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
+        for (int64_t n = 0; n < N; n++) {                                                         \
+            const BLOCK *row = blocks + n * nb;                                                   \
+            const float b = bias ? bias[n] : 0.0f;                                                \
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {                                              \
+                const int rows = (int)(M - m0 < MR ? M - m0 : MR);                                \
+                float out[MR];                                                                    \
+                switch (rows) {                                                                   \
+                    case 1: ROW(row, nb, &a, m0, K, 1, out); break;                               \
+                    case 2: ROW(row, nb, &a, m0, K, 2, out); break;                               \
+                    case 3: ROW(row, nb, &a, m0, K, 3, out); break;                               \
+                    default: ROW(row, nb, &a, m0, K, 4, out); break;                              \
+                }                                                                                 \
+                for (int i = 0; i < rows; i++) y[(m0 + i) * ldy + n] = out[i] + b;                \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+GEMM(asyncinfer_gemm_q4_1, block_q4_1, row_q4_1)
+GEMM(asyncinfer_gemm_q8_0, block_q8_0, row_q8_0)
+
+int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return M * K * 2 + 2 * M * (K / QK) * 4; }
+
+/* RMS norm of T rows: y[t] = (x[t] * 1 / sqrt(mean(x[t]^2) + eps)) * w, float32 throughout. */
+void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps, float *y,
+                         int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T > 16)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *yr = y + t * H;
+        __m256 ss = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        float sum = hsum(ss);
+        for (; i < H; i++) sum += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(sum / (float)H + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (i = 0; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), rv), _mm256_loadu_ps(w + i)));
+        for (; i < H; i++) yr[i] = (xr[i] * r) * w[i];
+    }
+}
+
+/* Decode attention over a paged cache, read in place: one query token per sequence.
+ *   q: [S, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; tables: [S, ldt] block ids;
+ *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
+ * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
+ * maximum subtracted, as SDPA computes it. D must be a multiple of 8. */
+void asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                                 int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t BS, float scale, float *out, int threads) {
+    const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * KVH > 1)")
+    for (int64_t task = 0; task < S * KVH; task++) {
+        const int64_t s = task / KVH, kvh = task % KVH, L = ctx[s], nblocks = (L + BS - 1) / BS;
+        const int64_t *table = tables + s * ldt;
+        float *p = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));
+        for (int64_t g = 0; g < G; g++) {
+            const float *qv = q + (s * H + kvh * G + g) * D;
+            float *pg = p + g * L;
+            float mx = -INFINITY;
+            for (int64_t b = 0, t = 0; b < nblocks; b++) {
+                const float *kb = k_cache + table[b] * BS * row + kvh * D;
+                for (int64_t j = 0; j < BS && t < L; j++, t++) {
+                    const float *kv = kb + j * row;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < D; i += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
+                    pg[t] = hsum(acc) * scale;
+                    if (pg[t] > mx) mx = pg[t];
+                }
+            }
+            float denom = 0.0f;
+            for (int64_t t = 0; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
+            float *o = out + (s * H + kvh * G + g) * D;
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+            for (int64_t b = 0, t = 0; b < nblocks; b++) {
+                const float *vb = v_cache + table[b] * BS * row + kvh * D;
+                for (int64_t j = 0; j < BS && t < L; j++, t++) {
+                    const __m256 w = _mm256_set1_ps(pg[t]);
+                    const float *vv = vb + j * row;
+                    for (int64_t i = 0; i < D; i += 8)
+                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
+                }
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / denom);
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+        }
+        free(p);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * A whole decoder layer of a Llama-family model for a step of decodes (one new token per sequence),
+ * in one call: what the engine's Python layer does op by op, without torch's per-op cost (which at
+ * batch 1 took about as long as the projections themselves).
+ *
+ *   h += o_proj(attention(rope(qkv_proj(norm1(h)))))      (K/V written to their cache slots first)
+ *   h += down_proj(silu(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
+ *
+ * Weights: one of the formats above per projection (fmt: 0 = Q4_1, 1 = Q8_0). cos/sin: [T, D/2]
+ * rows of the rope table for each token's position (rotate-half convention). */
+typedef void (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const void *, int64_t, const float *, float *,
+                        int64_t, int, void *);
+
+static gemm_fn gemm_of(int fmt) { return fmt == 0 ? asyncinfer_gemm_q4_1 : asyncinfer_gemm_q8_0; }
+
+void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *norm1, const float *norm2, float eps,
+                             const void *w_qkv, int fmt_qkv, const float *b_qkv, const void *w_o, int fmt_o,
+                             const void *w_gate_up, int fmt_gate_up, const void *w_down, int fmt_down, int64_t H,
+                             int64_t KVH, int64_t D, int64_t I, const float *cos, const float *sin, float *k_cache,
+                             float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                             const int64_t *ctx, int64_t BS, float scale, int threads) {
+    const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size, half = D / 2;
+    const int64_t widest = qkv_size > 2 * I ? qkv_size : 2 * I;
+    const int64_t k_in = hidden > I ? (hidden > q_size ? hidden : q_size) : (I > q_size ? I : q_size);
+    float *x = (float *)malloc(sizeof(float) * (size_t)(T * (hidden > q_size ? hidden : q_size)));
+    float *wide = (float *)malloc(sizeof(float) * (size_t)(T * widest));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(T * (q_size > I ? q_size : I)));
+    float *out = (float *)malloc(sizeof(float) * (size_t)(T * hidden));
+    void *scratch = malloc((size_t)asyncinfer_scratch_bytes(T, k_in) + 64);
+
+    /* attention block */
+    asyncinfer_rms_norm(h, T, hidden, hidden, norm1, eps, x, threads);
+    gemm_of(fmt_qkv)(x, T, hidden, hidden, w_qkv, qkv_size, b_qkv, wide, qkv_size, threads, scratch);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = wide + t * qkv_size;
+        const float *c = cos + t * half, *sn = sin + t * half;
+        for (int64_t head = 0; head < H + KVH; head++) { /* q heads, then k heads: adjacent in the row */
+            float *v = row + head * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[i + half];
+                const float a = x1 * c[i], b = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
+                v[i] = a - b;
+                v[i + half] = e + f;
+            }
+        }
+        memcpy(k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+        memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+        memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
+    }
+    asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, scale, attn, threads);
+    gemm_of(fmt_o)(attn, T, q_size, q_size, w_o, hidden, NULL, out, hidden, threads, scratch);
+    for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+
+    /* MLP block */
+    asyncinfer_rms_norm(h, T, hidden, hidden, norm2, eps, x, threads);
+    gemm_of(fmt_gate_up)(x, T, hidden, hidden, w_gate_up, 2 * I, NULL, wide, 2 * I, threads, scratch);
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = wide + t * 2 * I, *u = g + I;
+        float *a = attn + t * I;
+        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+    gemm_of(fmt_down)(attn, T, I, I, w_down, hidden, NULL, out, hidden, threads, scratch);
+    for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+
+    free(x); free(wide); free(attn); free(out); free(scratch);
+}
+
+/* The kernels' version: the Python side refuses a cached build of another. */
+int asyncinfer_kernels_version(void) { return 6; }

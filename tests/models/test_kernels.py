@@ -1,0 +1,203 @@
+"""asyncinfer's own CPU kernels (asyncinfer.kernels): Q4_1 / Q8_0 blocks rebuilt exactly as ggml does,
+products within the int16 activation rounding of float64 ones, RMS norm and paged decode attention
+equal to torch's up to float32 rounding, the engine serving the block formats' own tokens, and a
+clean refusal where the kernels cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, kernels
+from asyncinfer.config import EngineConfig
+from asyncinfer.models import load_model
+from asyncinfer.models.gguf_file import GGUFFile, _dequantize_blocks
+from asyncinfer.models.quant import (
+    BlockLinear,
+    Q4_1Linear,
+    Q8_0Linear,
+    apply_weight_format,
+    check_quantization,
+    smaller_cpu_formats,
+)
+from tests.helpers import PagedRunner, tiny_hf_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    # Every machine this project tests on is x86-64 Linux with AVX2 and a C compiler: the kernels must build.
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+def random_blocks(fmt: str, rows: int, blocks: int, seed: int) -> torch.Tensor:
+    """Blocks as llama.cpp's quantisers write them: float16 scales (and minimums), any quants, with each
+    block's extremes at the ends of the range (Q4_1: its minimum at q = 0 and maximum at 15; Q8_0: its
+    largest magnitude at +-127)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, blocks, 1, generator=gen) * 0.01 + 1e-4).half().view(torch.uint8)  # [rows, B, 2]
+    if fmt == "q4_1":
+        m = (-torch.rand(rows, blocks, 1, generator=gen) * 0.1).half().view(torch.uint8)
+        qs = torch.randint(0, 256, (rows, blocks, 16), generator=gen, dtype=torch.uint8)
+        qs[..., 0] = 0xF0  # element 0: q = 0, element 16: q = 15
+        parts = (d, m, qs)
+    else:
+        qs = torch.randint(-127, 128, (rows, blocks, 32), generator=gen, dtype=torch.int8)
+        qs[..., 5] = 127
+        parts = (d, qs.view(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(rows, -1).contiguous()
+
+
+@pytest.mark.parametrize("fmt, ggml_type", [("q4_1", 3), ("q8_0", 8)])
+def test_blocks_dequantize_as_ggml_and_requantize_to_themselves(fmt, ggml_type) -> None:
+    blocks = random_blocks(fmt, 12, 5, seed=ggml_type)
+    ours = kernels.dequantize(blocks, fmt)  # [12, 160]
+    theirs = _dequantize_blocks(blocks.reshape(-1, kernels.BLOCK_FORMATS[fmt][1]).numpy(), ggml_type)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs)).view(12, 160))
+    # Weights that came from blocks quantize back to the very same bytes: no second rounding.
+    assert torch.equal(kernels.quantize(ours, fmt), blocks)
+
+
+@pytest.mark.real_model
+def test_the_real_gguf_tensors_requantize_to_the_files_bytes(real_gguf) -> None:
+    """SmolLM2's file: Q4_1 projections and a Q8_0 embedding; the float32 model holds their dequantised
+    values, and the block formats turn those back into the file's own blocks, byte for byte."""
+    gguf = GGUFFile(real_gguf)
+    names = {"blk.0.attn_q.weight": "q4_1", "blk.7.ffn_down.weight": "q4_1", "token_embd.weight": "q8_0"}
+    for tensor in (t for t in gguf.tensors if t.name in names):
+        raw = torch.from_numpy(gguf.raw(tensor).copy()).view(tensor.shape[0], -1)
+        assert torch.equal(kernels.quantize(gguf.dequantize(tensor), names[tensor.name]), raw), tensor.name
+
+
+def test_quantizing_float_weights_rounds_each_block_within_half_a_step() -> None:
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    for fmt, levels in (("q4_1", 15), ("q8_0", 254)):
+        back = kernels.dequantize(kernels.quantize(w, fmt), fmt).view(64, 3, 32)
+        span = w.view(64, 3, 32).amax(-1, keepdim=True) - w.view(64, 3, 32).amin(-1, keepdim=True)
+        step = span / levels if fmt == "q4_1" else w.view(64, 3, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((back - w.view(64, 3, 32)).abs() <= step * 0.51 + 1e-6).all(), fmt
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.quantize(torch.zeros(4, 40), "q4_1")
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_gemm_equals_float64_within_int16_activation_rounding(fmt, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    blocks = random_blocks(fmt, 70, 18, seed=rows)  # 70 x 576
+    w = kernels.dequantize(blocks, fmt).double()
+    x = torch.randn(rows, 1000, generator=gen)[:, 100:676]  # a strided view, as a slice of a bigger tensor
+    bias = torch.randn(70, generator=gen)
+    ref = x.double() @ w.T + bias.double()
+    out = kernels.gemm(x, blocks, fmt, 70, bias)
+    assert out.shape == (rows, 70) and out.dtype == torch.float32
+    # Activations are rounded per block of 32 to 16 bits: a few parts in 100,000 of the result.
+    assert ((out.double() - ref).norm() / ref.norm()) < 2e-4
+    assert torch.equal(out[0], kernels.gemm(x[:1], blocks, fmt, 70, bias)[0])  # a row's result ignores the others
+    assert kernels.gemm(x[:0], blocks, fmt, 70).shape == (0, 70)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.gemm(x.double(), blocks, fmt, 70)
+
+
+def test_rms_norm_equals_the_reference_steps_within_rounding() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for rows, hidden in ((1, 576), (7, 64), (40, 100)):  # 100: a tail past the last 8-wide vector
+        x, weight = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+        reference = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+def test_decode_attention_reads_the_paged_cache_in_place_like_sdpa(heads, kv_heads, head_dim) -> None:
+    gen = torch.Generator().manual_seed(heads)
+    num_blocks, block_size = 24, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    context = torch.tensor([1, 16, 17, 40, 64])  # one token, a full block, one past it, ragged
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in range(5)])  # [5, 4]
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, context, 0.3)
+    for s, length in enumerate(context.tolist()):
+        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(length)]
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]  # [1, KVH, L, D]
+        values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(q[s][None, :, None], keys, values, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out[s], ref[0, :, 0], atol=2e-6, rtol=2e-6)
+
+
+def lossless_tiny(kind: str, path) -> None:
+    """A tiny model whose projection weights are exactly Q4_1 values (its head: Q8_0), as a GGUF's are."""
+    hf = tiny_hf_model(kind)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                fmt = "q8_0" if name == "lm_head" else "q4_1"
+                module.weight.copy_(kernels.dequantize(kernels.quantize(module.weight, fmt), fmt))
+        if hf.config.tie_word_embeddings:
+            emb = hf.get_input_embeddings().weight
+            emb.copy_(kernels.dequantize(kernels.quantize(emb, "q8_0"), "q8_0"))
+    hf.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+async def test_the_engine_in_q4_1_serves_float32s_greedy_tokens_on_q4_1_weights(tmp_path, kind) -> None:
+    lossless_tiny(kind, tmp_path)
+    opts = {"kv_cache_memory": 2**22, "max_model_len": 128, "device": "cpu", "block_size": 16}
+    engine = AsyncEngine.from_pretrained(tmp_path, **opts, quantization="q4_1")
+    model = engine.core.runner.model
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert isinstance(model.layers[0].attn.qkv_proj, Q4_1Linear) and isinstance(model.output_proj, Q8_0Linear)
+    assert len(layers) == 2 * 4 + 1 and all(layer.lossless for layer in layers)
+    assert engine.core.runner.backend.native_decode  # decode attention in the kernel too
+    assert AsyncEngine.plan_memory(tmp_path, **opts, quantization="q4_1") == engine.memory_plan
+    reference = load_model(tmp_path, torch.float32, "cpu").model  # plain float32, torch's kernels
+    prompts = [[5, 6, 7, 8], list(range(3, 40))]  # the second spans three blocks before decoding
+    expected = [PagedRunner(reference, block_size=16).greedy(0, p, 24) for p in prompts]
+    async with engine:
+        outs = [await engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> None:
+    """A subprocess without the kernels: q4_1 / q8_0 refused naming the parameter and why, "auto" and the
+    suggestions of smaller formats never name them, everything else serves."""
+    code = (
+        "import torch, sys\n"
+        "from asyncinfer import AsyncEngine, InvalidParameterError, kernels\n"
+        "from asyncinfer.config import EngineConfig\n"
+        "from asyncinfer.models.quant import smaller_cpu_formats\n"
+        "assert not kernels.available() and 'ASYNCINFER_DISABLE_KERNELS' in kernels.unavailable_reason()\n"
+        "for fmt in ('q4_1', 'q8_0'):\n"
+        "    try:\n"
+        "        AsyncEngine.from_pretrained(sys.argv[1], device='cpu', kv_cache_memory=2**22, quantization=fmt)\n"
+        "    except InvalidParameterError as exc:\n"
+        "        assert exc.parameter == 'quantization' and 'cannot run' in str(exc), exc\n"
+        "    else:\n"
+        "        raise SystemExit('not refused')\n"
+        "assert EngineConfig(device='cpu').quantization == 'float16'\n"
+        "assert smaller_cpu_formats(None) == ('float16', 'int8')\n"
+        "AsyncEngine.from_pretrained(sys.argv[1], device='cpu', kv_cache_memory=2**22)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, ASYNCINFER_DISABLE_KERNELS="1")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_models["llama"][0])], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    # Here, where they run: offered, and still never the default.
+    assert smaller_cpu_formats(None) == ("float16", "q8_0", "int8", "q4_1")
+    assert EngineConfig(device="cpu").quantization == "float16"
+    with pytest.raises(InvalidParameterError, match="run on CPU only"):
+        check_quantization("q4_1", torch.device("cuda"), torch.float16)
+
+
+def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(40, 8)
+    model.ok = torch.nn.Linear(64, 8)
+    apply_weight_format(model, "q4_1")
+    assert type(model.proj) is torch.nn.Linear and isinstance(model.ok, Q4_1Linear)
