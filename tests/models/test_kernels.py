@@ -186,7 +186,7 @@ def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> 
     )
     env = dict(os.environ, ASYNCINFER_DISABLE_KERNELS="1")
     proc = subprocess.run([sys.executable, "-c", code, str(tiny_models["llama"][0])], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     # Here, where they run: offered, and still never the default.
     assert smaller_cpu_formats(None) == ("float16", "q8_0", "int8", "q4_1")
