@@ -94,14 +94,16 @@ def test_gemm_equals_float64_within_int16_activation_rounding(fmt, rows) -> None
     x = torch.randn(rows, 1000, generator=gen)[:, 100:676]  # a strided view, as a slice of a bigger tensor
     bias = torch.randn(70, generator=gen)
     ref = x.double() @ w.T + bias.double()
-    out = kernels.gemm(x, blocks, fmt, 70, bias)
+    packed = kernels.pack(blocks, fmt)
+    assert packed.shape == blocks.shape and torch.equal(kernels.unpack(packed, fmt), blocks)
+    out = kernels.gemm(x, packed, fmt, 70, bias)
     assert out.shape == (rows, 70) and out.dtype == torch.float32
     # Activations are rounded per block of 32 to 16 bits: a few parts in 100,000 of the result.
     assert ((out.double() - ref).norm() / ref.norm()) < 2e-4
-    assert torch.equal(out[0], kernels.gemm(x[:1], blocks, fmt, 70, bias)[0])  # a row's result ignores the others
-    assert kernels.gemm(x[:0], blocks, fmt, 70).shape == (0, 70)
+    assert torch.equal(out[0], kernels.gemm(x[:1], packed, fmt, 70, bias)[0])  # a row's result ignores the others
+    assert kernels.gemm(x[:0], packed, fmt, 70).shape == (0, 70)
     with pytest.raises(TypeError, match="float32"):
-        kernels.gemm(x.double(), blocks, fmt, 70)
+        kernels.gemm(x.double(), packed, fmt, 70)
 
 
 def test_rms_norm_equals_the_reference_steps_within_rounding() -> None:

@@ -33,7 +33,7 @@ QK = 32
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 6
+_VERSION = 7
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -159,8 +159,9 @@ def _need() -> ctypes.CDLL:
 
 def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (uint8
-    [out_features, K / 32 * bytes per block]); returns float32 [M, out_features].
+    """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks in the
+    kernels' layout (:func:`pack`; uint8 [out_features, K / 32 * bytes per block]); returns float32
+    [M, out_features].
 
     Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
     """
@@ -212,6 +213,33 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
     return blocks.reshape(n, -1).contiguous()
+
+
+def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size): per row, every block's
+    float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block."""
+    size = BLOCK_FORMATS[fmt][1]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    head = 4 if fmt == "q4_1" else 2
+    parts = [b[..., 0:2].reshape(n, -1)]  # d of every block
+    if fmt == "q4_1":
+        parts.append(b[..., 2:4].reshape(n, -1))  # m of every block
+    parts.append(b[..., head:].reshape(n, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernels' layout back to ggml blocks (the inverse of :func:`pack`)."""
+    size = BLOCK_FORMATS[fmt][1]
+    n = packed.shape[0]
+    nb = packed.shape[1] // size
+    d = packed[:, : 2 * nb].reshape(n, nb, 2)
+    if fmt == "q4_1":
+        parts = [d, packed[:, 2 * nb : 4 * nb].reshape(n, nb, 2), packed[:, 4 * nb :].reshape(n, nb, 16)]
+    else:
+        parts = [d, packed[:, 2 * nb :].reshape(n, nb, 32)]
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
 
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:

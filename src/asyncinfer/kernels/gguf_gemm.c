@@ -2,18 +2,17 @@
  *
  *   y[m, n] = sum_k x[m, k] * W[n, k]  (+ bias[n])
  *
- * W is stored row by row (one row per output feature), each row a run of blocks of 32 weights
- * along k, exactly as a GGUF file lays them out:
+ * W holds one row per output feature, each a run of blocks of 32 weights along k, in ggml's
+ * formats (regrouped per row, see "the kernels' layout" below):
  *
  *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; weight j = d * q_j + m, q_j in [0, 15]
  *         (q_j is the low nibble of byte j for j < 16, the high nibble of byte j - 16 otherwise)
  *   Q8_0: fp16 d, 32 int8; weight j = d * q_j
  *
- * Each weight is rebuilt in float32 with one fused multiply-add (d * q + m is exact in float32:
- * d has 11 significant bits, q at most 8), so it is bit for bit the weight a float32 model
- * dequantised from the same blocks holds; the products are summed in float32 in another order
- * than a BLAS would. Decode reads each weight once per step, so these kernels move 5 (Q4_1) or
- * 8.5 (Q8_0) bits per weight instead of 32 (float32) or 16 (float16).
+ * The weights are the blocks' exact values; activations are rounded per block of 32 to int16 (see
+ * quantize_acts), the integer products summed exactly, and each block's sum scaled in float32.
+ * Decode reads each weight once per step, so these kernels move 5 (Q4_1) or 8.5 (Q8_0) bits per
+ * weight instead of 32 (float32) or 16 (float16).
  *
  * Built for AVX2 + FMA + F16C (x86-64 from 2013 on); the Python side checks the CPU first.
  * Threads: OpenMP over output rows, sharing the OpenMP runtime torch has loaded.
@@ -30,8 +29,6 @@
 #define PREFETCH 1024 /* bytes ahead in the weight stream (a thread's rows are contiguous) */
 #endif
 
-typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;  /* 20 bytes */
-typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;       /* 34 bytes */
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -46,7 +43,8 @@ static inline float hsum(__m256 v) {
  * block scaled to int16 (x ~= dx * qx, |qx| <= 32767, rounded to nearest) with its exact float32
  * sum kept for Q4_1's offset term. int16 keeps 16 significant bits per block (float16 weights keep
  * 11), and int16 x small-int products summed in int32 are exact, so the whole dot product costs
- * one rounding per block. */
+ * one rounding per block. Within a block the 32 values are stored even elements first, then odd
+ * ones: the order in which the weight unpacking below yields them. */
 typedef struct {
     int16_t *q;   /* [M, K] */
     float *d;     /* [M, K / 32] */
@@ -71,13 +69,13 @@ static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, act
             const float absmax = _mm_cvtss_f32(mx);
             const float d = absmax / 32767.0f;
             const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f);
+            int32_t qi[QK];
+            for (int i = 0; i < QK; i += 8)
+                _mm256_storeu_si256((__m256i *)(qi + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv)));
             int16_t *q = a->q + m * K + b * QK;
-            for (int i = 0; i < QK; i += 16) {
-                const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));
-                const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), inv));
-                /* packs interleaves 128-bit lanes; the permute puts elements back in order */
-                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
-                _mm256_storeu_si256((__m256i *)(q + i), packed);
+            for (int j = 0; j < QK / 2; j++) {
+                q[j] = (int16_t)qi[2 * j];
+                q[QK / 2 + j] = (int16_t)qi[2 * j + 1];
             }
             a->d[m * nb + b] = d;
             a->sum[m * nb + b] = hsum(sum);
@@ -85,37 +83,44 @@ static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, act
     }
 }
 
-/* The 32 weights of a Q4_1 / Q8_0 block as two vectors of 16 int16 (elements 0-15, 16-31). */
-static inline void widen_q4_1(const block_q4_1 *b, __m256i w[2]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)b->qs);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+/* Weight rows in the kernels' layout (asyncinfer.kernels.pack: the same bytes as ggml's blocks,
+ * regrouped per row so that scales load eight at a time):
+ *   Q4_1 row: d[nb] (fp16), m[nb] (fp16), then 16 bytes of nibbles per block, as in ggml
+ *   Q8_0 row: d[nb] (fp16), then 32 int8 per block
+ * Unpacking a block into 16-bit lanes (even elements, then odd ones) takes shifts and masks only. */
+static inline void unpack_q4_1(const uint8_t *qs, __m256i w[2]) {
+    /* Each 16-bit word of the 16 bytes holds elements 2k (bits 0-3), 2k + 16 (4-7), 2k + 1 (8-11)
+     * and 2k + 17 (12-15). Both 128-bit lanes get the bytes; each lane shifts by its own amount. */
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i mask = _mm256_set1_epi16(0x000F);
+    w[0] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask);
+    w[1] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), mask);
 }
 
-static inline void widen_q8_0(const block_q8_0 *b, __m256i w[2]) {
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)qs);
+    w[0] = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8); /* even elements, sign-extended */
+    w[1] = _mm256_srai_epi16(x, 8);                       /* odd elements */
 }
 
 /* One weight row against ROWS (1 to MR) activation rows: out[i] = dot(x[m0 + i], row). ROWS is a
  * compile-time constant at every call, so the accumulators stay in registers. Two accumulators per
  * row alternate between blocks, so that consecutive FMAs do not wait on each other; every row is
  * summed in the same order whatever ROWS is, so a row's result does not depend on the others. */
-#define ROW_KERNEL(NAME, BLOCK, WIDEN, HAS_MIN)                                                   \
+#define ROW_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                               \
     static inline __attribute__((always_inline)) void NAME(                                       \
-        const BLOCK *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,       \
+        const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
+        const uint16_t *d16 = (const uint16_t *)row;                                              \
+        const uint16_t *m16 = d16 + nb;                                                           \
+        const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
         __m256 acc[2 * MR];                                                                       \
-        float offset[MR];                                                                         \
         for (int i = 0; i < 2 * MR; i++) acc[i] = _mm256_setzero_ps();                            \
-        for (int i = 0; i < MR; i++) offset[i] = 0.0f;                                            \
         for (int64_t b = 0; b < nb; b++) {                                                        \
+            _mm_prefetch((const char *)(qs + b * QS_BYTES) + PREFETCH, _MM_HINT_T0);              \
             __m256i w[2];                                                                         \
-            _mm_prefetch((const char *)(row + b) + PREFETCH, _MM_HINT_T0);                        \
-            WIDEN(row + b, w);                                                                    \
-            const __m256 dw = _mm256_set1_ps(half_to_float(row[b].d));                            \
-            const float mw = HAS_MIN ? MIN_OF(row + b) : 0.0f;                                    \
+            UNPACK(qs + b * QS_BYTES, w);                                                         \
+            const __m256 dw = _mm256_set1_ps(half_to_float(d16[b]));                                \
             const int slot = (int)(b & 1);                                                        \
             for (int i = 0; i < ROWS; i++) {                                                      \
                 const int16_t *q = a->q + (m0 + i) * K + b * QK;                                  \
@@ -125,50 +130,57 @@ static inline void widen_q8_0(const block_q8_0 *b, __m256i w[2]) {
                 const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + i) * nb + b);                  \
                 acc[2 * i + slot] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw, \
                                                     acc[2 * i + slot]);                           \
-                if (HAS_MIN) offset[i] += mw * a->sum[(m0 + i) * nb + b];                         \
             }                                                                                     \
         }                                                                                         \
-        for (int i = 0; i < ROWS; i++)                                                            \
-            out[i] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1])) + offset[i];                 \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            float offset = 0.0f; /* Q4_1: sum over blocks of m * (the block's sum of x) */        \
+            if (HAS_MIN) {                                                                        \
+                const float *sx = a->sum + (m0 + i) * nb;                                         \
+                __m256 o = _mm256_setzero_ps();                                                   \
+                int64_t b = 0;                                                                    \
+                for (; b + 8 <= nb; b += 8)                                                       \
+                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b))), \
+                                        _mm256_loadu_ps(sx + b), o);                              \
+                offset = hsum(o);                                                                 \
+                for (; b < nb; b++) offset += half_to_float(m16[b]) * sx[b];                      \
+            }                                                                                     \
+            out[i] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1])) + offset;                    \
+        }                                                                                         \
     }
 
-#define MIN_OF(blk) half_to_float(((const block_q4_1 *)(blk))->m)
-ROW_KERNEL(row_q4_1, block_q4_1, widen_q4_1, 1)
-#undef MIN_OF
-#define MIN_OF(blk) 0.0f
-ROW_KERNEL(row_q8_0, block_q8_0, widen_q8_0, 0)
-#undef MIN_OF
+ROW_KERNEL(row_q4_1, unpack_q4_1, 16, 1)
+ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 
-/* x: [M, K] float32, row stride ldx; w: [N, K / 32] blocks; bias: [N] or NULL; y: [M, N], row stride
- * ldy; scratch: at least asyncinfer_scratch_bytes(M, K) bytes, 32-byte aligned. */
-#define GEMM(NAME, BLOCK, ROW)                                                                    \
+/* x: [M, K] float32, row stride ldx; w: [N] rows in the kernels' layout (ROW_BYTES per 32 weights);
+ * bias: [N] or NULL; y: [M, N], row stride ldy; scratch: asyncinfer_scratch_bytes(M, K) bytes. */
+#define GEMM(NAME, ROW, ROW_BYTES)                                                                \
     void NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,        \
               const float *bias, float *y, int64_t ldy, int threads, void *scratch) {             \
         const int64_t nb = K / QK;                                                                \
-        const BLOCK *blocks = (const BLOCK *)w;                                                   \
+        const uint8_t *rows = (const uint8_t *)w;                                                 \
         acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2),                     \
                   (float *)((char *)scratch + M * K * 2) + M * nb};                               \
         quantize_acts(x, M, ldx, K, &a);                                                          \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
         for (int64_t n = 0; n < N; n++) {                                                         \
-            const BLOCK *row = blocks + n * nb;                                                   \
+            const uint8_t *row = rows + n * nb * ROW_BYTES;                                       \
             const float b = bias ? bias[n] : 0.0f;                                                \
             for (int64_t m0 = 0; m0 < M; m0 += MR) {                                              \
-                const int rows = (int)(M - m0 < MR ? M - m0 : MR);                                \
+                const int rows_now = (int)(M - m0 < MR ? M - m0 : MR);                            \
                 float out[MR];                                                                    \
-                switch (rows) {                                                                   \
+                switch (rows_now) {                                                               \
                     case 1: ROW(row, nb, &a, m0, K, 1, out); break;                               \
                     case 2: ROW(row, nb, &a, m0, K, 2, out); break;                               \
                     case 3: ROW(row, nb, &a, m0, K, 3, out); break;                               \
                     default: ROW(row, nb, &a, m0, K, 4, out); break;                              \
                 }                                                                                 \
-                for (int i = 0; i < rows; i++) y[(m0 + i) * ldy + n] = out[i] + b;                \
+                for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + b;            \
             }                                                                                     \
         }                                                                                         \
     }
 
-GEMM(asyncinfer_gemm_q4_1, block_q4_1, row_q4_1)
-GEMM(asyncinfer_gemm_q8_0, block_q8_0, row_q8_0)
+GEMM(asyncinfer_gemm_q4_1, row_q4_1, 20)
+GEMM(asyncinfer_gemm_q8_0, row_q8_0, 34)
 
 int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return M * K * 2 + 2 * M * (K / QK) * 4; }
 
@@ -312,4 +324,4 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 6; }
+int asyncinfer_kernels_version(void) { return 7; }

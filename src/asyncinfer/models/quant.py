@@ -259,9 +259,10 @@ class BlockLinear(FormatLinear):
         super().__init__()
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
-        self._blocks = kernels.quantize(w, self.fmt)  # [out, in / 32 * block bytes]
+        blocks = kernels.quantize(w, self.fmt)  # ggml blocks [out, in / 32 * block bytes]
+        self.lossless = bool(torch.equal(kernels.dequantize(blocks, self.fmt), w))
+        self._blocks = kernels.pack(blocks, self.fmt)  # the same bytes in the kernels' layout
         self._bias = _float_bias(bias)
-        self.lossless = bool(torch.equal(kernels.dequantize(self._blocks, self.fmt), w))
         self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
 
     @property
