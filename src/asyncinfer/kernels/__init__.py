@@ -33,7 +33,7 @@ QK = 32
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 7
+_VERSION = 10
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -39,6 +39,25 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* e^x for 8 floats, within 2 ulp (Cody-Waite range reduction, Cephes' degree-5 polynomial); x is
+ * clamped to [-87.3, 88.3], where the result stays a normal float. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 /* Activations, as the kernels read them: each row cut into blocks of 32 like the weights, each
  * block scaled to int16 (x ~= dx * qx, |qx| <= 32767, rounded to nearest) with its exact float32
  * sum kept for Q4_1's offset term. int16 keeps 16 significant bits per block (float16 weights keep
@@ -107,6 +126,23 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
  * compile-time constant at every call, so the accumulators stay in registers. Two accumulators per
  * row alternate between blocks, so that consecutive FMAs do not wait on each other; every row is
  * summed in the same order whatever ROWS is, so a row's result does not depend on the others. */
+#define ROW_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                      \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        __m256i w[2];                                                                             \
+        UNPACK(qs + (b) * QS_BYTES, w);                                                           \
+        const __m256 dw = _mm256_set1_ps(half_to_float(d16[b]));                                  \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const int16_t *q = a->q + (m0 + i) * K + (b) * QK;                                    \
+            const __m256i s = _mm256_add_epi32(                                                   \
+                _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),                  \
+                _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));          \
+            const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + i) * nb + (b));                    \
+            acc[2 * i + (slot)] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw,   \
+                                                  acc[2 * i + (slot)]);                           \
+        }                                                                                         \
+    } while (0)
+
 #define ROW_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                               \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
@@ -116,22 +152,12 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
         __m256 acc[2 * MR];                                                                       \
         for (int i = 0; i < 2 * MR; i++) acc[i] = _mm256_setzero_ps();                            \
-        for (int64_t b = 0; b < nb; b++) {                                                        \
-            _mm_prefetch((const char *)(qs + b * QS_BYTES) + PREFETCH, _MM_HINT_T0);              \
-            __m256i w[2];                                                                         \
-            UNPACK(qs + b * QS_BYTES, w);                                                         \
-            const __m256 dw = _mm256_set1_ps(half_to_float(d16[b]));                                \
-            const int slot = (int)(b & 1);                                                        \
-            for (int i = 0; i < ROWS; i++) {                                                      \
-                const int16_t *q = a->q + (m0 + i) * K + b * QK;                                  \
-                const __m256i s = _mm256_add_epi32(                                               \
-                    _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),              \
-                    _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));      \
-                const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + i) * nb + b);                  \
-                acc[2 * i + slot] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw, \
-                                                    acc[2 * i + slot]);                           \
-            }                                                                                     \
+        int64_t b = 0; /* blocks alternate between two accumulators; slot indices are constants */ \
+        for (; b + 1 < nb; b += 2) {                                                              \
+            ROW_BLOCK(b, 0, UNPACK, QS_BYTES);                                                                      \
+            ROW_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                                                  \
         }                                                                                         \
+        if (b < nb) ROW_BLOCK(b, 0, UNPACK, QS_BYTES);                                                              \
         for (int i = 0; i < ROWS; i++) {                                                          \
             float offset = 0.0f; /* Q4_1: sum over blocks of m * (the block's sum of x) */        \
             if (HAS_MIN) {                                                                        \
@@ -151,9 +177,67 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
 ROW_KERNEL(row_q4_1, unpack_q4_1, 16, 1)
 ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 
+/* Two weight rows against one activation row (decode at batch 1): the activations and their scale
+ * are loaded once for both. Each row is summed exactly as ROW_KERNEL sums it (same slots, same
+ * order), so results do not depend on which kernel ran. */
+#define ROW2_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                     \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs[1] + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);             \
+        const int16_t *q = a->q + (b) * QK;                                                       \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \
+        const __m256 dx = _mm256_broadcast_ss(a->d + (b));                                        \
+        for (int r = 0; r < 2; r++) {                                                             \
+            __m256i w[2];                                                                         \
+            UNPACK(qs[r] + (b) * QS_BYTES, w);                                                    \
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
+            const __m256 dw = _mm256_set1_ps(half_to_float(d16[r][b]));                           \
+            acc[2 * r + (slot)] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw,   \
+                                                  acc[2 * r + (slot)]);                           \
+        }                                                                                         \
+    } while (0)
+
+#define ROW2_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                              \
+    static inline __attribute__((always_inline)) void NAME(const uint8_t *row0, const uint8_t *row1, \
+                                                           int64_t nb, const acts *a, float *out) { \
+        const uint8_t *rows[2] = {row0, row1};                                                    \
+        const uint16_t *d16[2], *m16[2];                                                          \
+        const uint8_t *qs[2];                                                                     \
+        for (int r = 0; r < 2; r++) {                                                             \
+            d16[r] = (const uint16_t *)rows[r];                                                   \
+            m16[r] = d16[r] + nb;                                                                 \
+            qs[r] = rows[r] + (HAS_MIN ? 4 : 2) * nb;                                             \
+        }                                                                                         \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),           \
+                         _mm256_setzero_ps()};                                                    \
+        int64_t b = 0;                                                                            \
+        for (; b + 1 < nb; b += 2) {                                                              \
+            ROW2_BLOCK(b, 0, UNPACK, QS_BYTES);                                                                     \
+            ROW2_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                                                 \
+        }                                                                                         \
+        if (b < nb) ROW2_BLOCK(b, 0, UNPACK, QS_BYTES);                                                             \
+        for (int r = 0; r < 2; r++) {                                                             \
+            float offset = 0.0f;                                                                  \
+            if (HAS_MIN) {                                                                        \
+                const float *sx = a->sum;                                                         \
+                __m256 o = _mm256_setzero_ps();                                                   \
+                int64_t b = 0;                                                                    \
+                for (; b + 8 <= nb; b += 8)                                                       \
+                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16[r] + b))), \
+                                        _mm256_loadu_ps(sx + b), o);                              \
+                offset = hsum(o);                                                                 \
+                for (; b < nb; b++) offset += half_to_float(m16[r][b]) * sx[b];                   \
+            }                                                                                     \
+            out[r] = hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + offset;                    \
+        }                                                                                         \
+    }
+
+ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
+ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
+
 /* x: [M, K] float32, row stride ldx; w: [N] rows in the kernels' layout (ROW_BYTES per 32 weights);
  * bias: [N] or NULL; y: [M, N], row stride ldy; scratch: asyncinfer_scratch_bytes(M, K) bytes. */
-#define GEMM(NAME, ROW, ROW_BYTES)                                                                \
+#define GEMM(NAME, ROW, ROW2, ROW_BYTES)                                                          \
     void NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,        \
               const float *bias, float *y, int64_t ldy, int threads, void *scratch) {             \
         const int64_t nb = K / QK;                                                                \
@@ -161,6 +245,21 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
         acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2),                     \
                   (float *)((char *)scratch + M * K * 2) + M * nb};                               \
         quantize_acts(x, M, ldx, K, &a);                                                          \
+        if (M == 1) { /* pairs of weight rows; an odd last row through ROW */                     \
+            _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")    \
+            for (int64_t p = 0; p < (N + 1) / 2; p++) {                                           \
+                const int64_t n = 2 * p;                                                          \
+                float out[MR];                                                                    \
+                if (n + 1 < N) {                                                                  \
+                    ROW2(rows + n * nb * ROW_BYTES, rows + (n + 1) * nb * ROW_BYTES, nb, &a, out); \
+                    y[n + 1] = out[1] + (bias ? bias[n + 1] : 0.0f);                              \
+                } else {                                                                          \
+                    ROW(rows + n * nb * ROW_BYTES, nb, &a, 0, K, 1, out);                         \
+                }                                                                                 \
+                y[n] = out[0] + (bias ? bias[n] : 0.0f);                                          \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
         for (int64_t n = 0; n < N; n++) {                                                         \
             const uint8_t *row = rows + n * nb * ROW_BYTES;                                       \
@@ -179,8 +278,8 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
         }                                                                                         \
     }
 
-GEMM(asyncinfer_gemm_q4_1, row_q4_1, 20)
-GEMM(asyncinfer_gemm_q8_0, row_q8_0, 34)
+GEMM(asyncinfer_gemm_q4_1, row_q4_1, row2_q4_1, 20)
+GEMM(asyncinfer_gemm_q8_0, row_q8_0, row2_q8_0, 34)
 
 int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return M * K * 2 + 2 * M * (K / QK) * 4; }
 
@@ -211,48 +310,55 @@ void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, cons
  *   q: [S, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; tables: [S, ldt] block ids;
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
- * maximum subtracted, as SDPA computes it. D must be a multiple of 8. */
+ * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
+ * D must be a multiple of 8. */
 void asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                  int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
                                  int64_t BS, float scale, float *out, int threads) {
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * KVH > 1)")
-    for (int64_t task = 0; task < S * KVH; task++) {
-        const int64_t s = task / KVH, kvh = task % KVH, L = ctx[s], nblocks = (L + BS - 1) / BS;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
+    for (int64_t task = 0; task < S * H; task++) {
+        const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s], nblocks = (L + BS - 1) / BS;
         const int64_t *table = tables + s * ldt;
-        float *p = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));
-        for (int64_t g = 0; g < G; g++) {
-            const float *qv = q + (s * H + kvh * G + g) * D;
-            float *pg = p + g * L;
-            float mx = -INFINITY;
-            for (int64_t b = 0, t = 0; b < nblocks; b++) {
-                const float *kb = k_cache + table[b] * BS * row + kvh * D;
-                for (int64_t j = 0; j < BS && t < L; j++, t++) {
-                    const float *kv = kb + j * row;
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t i = 0; i < D; i += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
-                    pg[t] = hsum(acc) * scale;
-                    if (pg[t] > mx) mx = pg[t];
-                }
+        float *pg = (float *)malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
+        const float *qv = q + (s * H + head) * D;
+        float mx = -INFINITY;
+        for (int64_t b = 0, t = 0; b < nblocks; b++) {
+            const float *kb = k_cache + table[b] * BS * row + kvh * D;
+            for (int64_t j = 0; j < BS && t < L; j++, t++) {
+                const float *kv = kb + j * row;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
+                pg[t] = hsum(acc) * scale;
+                if (pg[t] > mx) mx = pg[t];
             }
-            float denom = 0.0f;
-            for (int64_t t = 0; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
-            float *o = out + (s * H + kvh * G + g) * D;
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-            for (int64_t b = 0, t = 0; b < nblocks; b++) {
-                const float *vb = v_cache + table[b] * BS * row + kvh * D;
-                for (int64_t j = 0; j < BS && t < L; j++, t++) {
-                    const __m256 w = _mm256_set1_ps(pg[t]);
-                    const float *vv = vb + j * row;
-                    for (int64_t i = 0; i < D; i += 8)
-                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
-                }
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / denom);
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
         }
-        free(p);
+        __m256 dsum = _mm256_setzero_ps();
+        const __m256 mxv = _mm256_set1_ps(mx);
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
+            _mm256_storeu_ps(pg + t, e);
+            dsum = _mm256_add_ps(dsum, e);
+        }
+        float denom = hsum(dsum);
+        for (; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
+        float *o = out + (s * H + head) * D;
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+        t = 0;
+        for (int64_t b = 0; b < nblocks; b++) {
+            const float *vb = v_cache + table[b] * BS * row + kvh * D;
+            for (int64_t j = 0; j < BS && t < L; j++, t++) {
+                const __m256 w = _mm256_set1_ps(pg[t]);
+                const float *vv = vb + j * row;
+                for (int64_t i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
+            }
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / denom);
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+        free(pg);
     }
 }
 
@@ -315,7 +421,14 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
     for (int64_t t = 0; t < T; t++) {
         const float *g = wide + t * 2 * I, *u = g + I;
         float *a = attn + t * I;
-        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
     gemm_of(fmt_down)(attn, T, I, I, w_down, hidden, NULL, out, hidden, threads, scratch);
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
@@ -324,4 +437,4 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 7; }
+int asyncinfer_kernels_version(void) { return 10; }
