@@ -84,11 +84,16 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         fused = self.fused_decode
-        if fused is not None and getattr(meta.backend, "native_decode", False) and meta.num_decodes == meta.num_seqs:
+        if fused is not None and _all_native_decodes(meta):
             return fused(x, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
                          meta.decode_context_lens)  # [T, hidden]
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)  # [T, hidden]
         return x + self.mlp(self.post_attn_norm(x))  # [T, hidden]
+
+
+def _all_native_decodes(meta: AttentionMetadata) -> bool:
+    """Whether this step is decodes only, on a backend that runs them in asyncinfer's kernels."""
+    return getattr(meta.backend, "native_decode", False) and meta.num_decodes == meta.num_seqs
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,6 +129,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
+        if self.layers[0].fused_decode is not None and _all_native_decodes(meta):
+            # Every layer in one kernel call each (block formats): no module call per layer either.
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h = layer.fused_decode(h, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+                                       meta.decode_context_lens)  # [T, hidden]
+            return self.norm(h)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]

@@ -79,7 +79,7 @@ class SdpaBackend(AttentionBackend):
             query_start_loc.append(query_start_loc[-1] + n)
         tables = _padded_tables(block_tables, device)  # [num_seqs, width]
         decode_context_lens, decode_block_tables, decode_mask, decode_bias = _decode_inputs(
-            context_lens[:num_decodes], tables, block_size, device
+            context_lens[:num_decodes], tables, block_size, device, masks=not self.native_decode
         )
         prefill_slots, prefill_masks = _prefill_inputs(query_lens, context_lens, tables, num_decodes, block_size, device)
         return SdpaMetadata(
@@ -148,8 +148,8 @@ class SdpaMetadata(AttentionMetadata):
     # Batched decode path (empty tensors when num_decodes == 0).
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int64
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool
-    decode_bias: torch.Tensor  # the same mask as float32 0 / -inf (SDPA's mask on a CPU in float32)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool; None: native decode
+    decode_bias: torch.Tensor | None  # the same mask as float32 0 / -inf (SDPA's mask on a CPU in float32)
     # Prefill path, one entry per prefill sequence (index s - num_decodes):
     # None when the chunk is the whole context (plain causal attention on the new
     # k/v), else the cache slots of the whole context and the offset-causal mask.
@@ -173,10 +173,12 @@ def _padded_tables(block_tables: Sequence[Sequence[int]], device: torch.device) 
 
 
 def _decode_inputs(
-    decode_lens: Sequence[int], block_tables: torch.Tensor, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    decode_lens: Sequence[int], block_tables: torch.Tensor, block_size: int, device: torch.device,
+    masks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Context lengths, block tables and key-padding mask (bool, and as a float 0 / -inf bias) of the
-    batched decode call.
+    batched decode call; no masks (None) with ``masks=False``: the kernel reads each context's own
+    length (:func:`_native_decode_attention`).
 
     Every decode reads as many whole blocks as the longest one (the padding that
     :func:`pad_to_longest_block` counts); the mask keeps each to its own context.
@@ -185,6 +187,8 @@ def _decode_inputs(
     decode_blocks = -(-max(decode_lens, default=0) // block_size)  # ceil division
     context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)  # [num_decodes]
     tables = block_tables[:num_decodes, :decode_blocks].contiguous()  # [num_decodes, decode_blocks]
+    if not masks:
+        return context_lens, tables, None, None
     span = decode_blocks * block_size
     positions = torch.arange(span, device=device)  # [L]
     mask = (positions[None, :] < context_lens[:, None]).view(num_decodes, 1, 1, span)  # [num_decodes, 1, 1, L]
