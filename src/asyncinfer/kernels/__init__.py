@@ -30,10 +30,15 @@ import torch
 #: Block formats: (weights per block, bytes per block).
 BLOCK_FORMATS = {"q4_1": (32, 20), "q8_0": (32, 34)}
 QK = 32
+#: From this many activation rows on, :func:`gemm` rebuilds the weights in float32 and multiplies float32
+#: activations (exact products, summed in float32); below it, activations are rounded per block of 32 to
+#: int16 (the cheaper path for decode at small batches). Either way a row's result does not depend on
+#: the other rows of the call, only on which side of this count the call falls.
+PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 10
+_VERSION = 13
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -131,8 +136,10 @@ def _load() -> None:
         P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.asyncinfer_decode_layer.argtypes = [
             P, I64, I64, P, P, ctypes.c_float, P, INT, P, P, INT, P, INT, P, INT, I64, I64, I64, I64, P, P, P, P, P,
-            P, I64, P, I64, ctypes.c_float, INT]
+            P, I64, P, I64, ctypes.c_float, INT, P]
         lib.asyncinfer_decode_layer.restype = None
+        global PANEL_MIN_ROWS
+        PANEL_MIN_ROWS = lib.asyncinfer_panel_min_rows()
         lib.asyncinfer_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
         lib.asyncinfer_scratch_bytes.restype = ctypes.c_int64
         _lib = lib
@@ -163,6 +170,7 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
     kernels' layout (:func:`pack`; uint8 [out_features, K / 32 * bytes per block]); returns float32
     [M, out_features].
 
+    Activations: rounded per block of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
     Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
     """
     lib = _lib if _lib is not None else _need()
@@ -315,6 +323,13 @@ class DecodeLayer:
                       down[1].data_ptr(), _FORMAT_CODES[down[0]], num_heads, num_kv_heads, head_dim,
                       intermediate_size)
         self._scale = scale
+        #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
+        #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
+        self.timing: torch.Tensor | None = None
+
+    def time_parts(self, on: bool = True) -> None:
+        """Start (zeroed) or stop adding up where this layer's calls spend their time."""
+        self.timing = torch.zeros(3, dtype=torch.float64) if on else None
 
     def __deepcopy__(self, memo: dict) -> DecodeLayer:
         # The raw pointers must follow the copied tensors (the same copies the copied layers hold).
@@ -332,5 +347,6 @@ class DecodeLayer:
         lib.asyncinfer_decode_layer(h.data_ptr(), h.shape[0], self._hidden, *self._head, cos.data_ptr(),
                                     sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), k_cache.shape[1],
-                                    self._scale, torch.get_num_threads())
+                                    self._scale, torch.get_num_threads(),
+                                    None if self.timing is None else self.timing.data_ptr())
         return h

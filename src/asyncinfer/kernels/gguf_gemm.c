@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define QK 32
 #define MR 4 /* activation rows per pass over a weight row */
@@ -235,6 +236,85 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
 ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
 
+/* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds NP weight rows at a time in
+ * float32 (the blocks' exact values, in the even/odd order of the unpacking) and multiplies them by
+ * float32 activations (permuted to match, not rounded) with a 4 x 3 register tile, so the rebuild
+ * is paid once per NP rows and the inner loop is one FMA per 8 products. Each output is one
+ * dot product in 8 float32 lanes, summed the same way whatever the batch. */
+#define NP 3
+#define MP 4
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 5
+#endif
+
+static inline void rebuild_block(const __m256i w[2], __m256 d, __m256 m, float *out) {
+    for (int h = 0; h < 2; h++) {
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[h])));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[h], 1)));
+        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(d, lo, m));
+        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(d, hi, m));
+    }
+}
+
+static void rebuild_row(const uint8_t *row, int64_t nb, int has_min, float *out) {
+    const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
+    const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w[2];
+        if (has_min) unpack_q4_1(qs + 16 * b, w); else unpack_q8_0(qs + 32 * b, w);
+        const __m256 d = _mm256_set1_ps(half_to_float(d16[b]));
+        const __m256 m = has_min ? _mm256_set1_ps(half_to_float(m16[b])) : _mm256_setzero_ps();
+        rebuild_block(w, d, m, out + b * QK);
+    }
+}
+
+/* Activations in the rebuilt weights' order: within each block of 32, even elements then odd. */
+static void permute_acts(const float *x, int64_t M, int64_t ldx, int64_t K, float *xp) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K; b += QK)
+            for (int j = 0; j < QK / 2; j++) {
+                xp[m * K + b + j] = x[m * ldx + b + 2 * j];
+                xp[m * K + b + QK / 2 + j] = x[m * ldx + b + 2 * j + 1];
+            }
+}
+
+static void gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
+                       int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
+                       float *xp) {
+    const int64_t nb = K / QK, groups = (N + NP - 1) / NP;
+    permute_acts(x, M, ldx, K, xp);
+    _Pragma("omp parallel num_threads(threads) if(threads > 1)")
+    {
+        float *panel = (float *)malloc(sizeof(float) * (size_t)(NP * K));
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * NP, nr = N - n0 < NP ? N - n0 : NP;
+            for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
+            for (int64_t r = nr; r < NP; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
+            for (int64_t m0 = 0; m0 < M; m0 += MP) {
+                const int64_t mr = M - m0 < MP ? M - m0 : MP;
+                const float *xr[MP];
+                for (int i = 0; i < MP; i++) xr[i] = xp + (m0 + (i < mr ? i : 0)) * K;
+                __m256 acc[MP][NP];
+                for (int i = 0; i < MP; i++)
+                    for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps();
+                for (int64_t k = 0; k < K; k += 8) {
+                    __m256 wv[NP];
+                    for (int j = 0; j < NP; j++) wv[j] = _mm256_loadu_ps(panel + j * K + k);
+                    for (int i = 0; i < MP; i++) {
+                        const __m256 xv = _mm256_loadu_ps(xr[i] + k);
+                        for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+                    }
+                }
+                for (int64_t i = 0; i < mr; i++)
+                    for (int64_t j = 0; j < nr; j++)
+                        y[(m0 + i) * ldy + n0 + j] = hsum(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
+            }
+        }
+        free(panel);
+    }
+}
+
 /* x: [M, K] float32, row stride ldx; w: [N] rows in the kernels' layout (ROW_BYTES per 32 weights);
  * bias: [N] or NULL; y: [M, N], row stride ldy; scratch: asyncinfer_scratch_bytes(M, K) bytes. */
 #define GEMM(NAME, ROW, ROW2, ROW_BYTES)                                                          \
@@ -242,6 +322,11 @@ ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
               const float *bias, float *y, int64_t ldy, int threads, void *scratch) {             \
         const int64_t nb = K / QK;                                                                \
         const uint8_t *rows = (const uint8_t *)w;                                                 \
+        if (M >= PANEL_MIN_ROWS) {                                                                \
+            gemm_panel(x, M, ldx, K, rows, N, nb * ROW_BYTES, ROW_BYTES == 20, bias, y, ldy,      \
+                       threads, (float *)scratch);                                                \
+            return;                                                                               \
+        }                                                                                         \
         acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2),                     \
                   (float *)((char *)scratch + M * K * 2) + M * nb};                               \
         quantize_acts(x, M, ldx, K, &a);                                                          \
@@ -281,7 +366,9 @@ ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
 GEMM(asyncinfer_gemm_q4_1, row_q4_1, row2_q4_1, 20)
 GEMM(asyncinfer_gemm_q8_0, row_q8_0, row2_q8_0, 34)
 
-int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return M * K * 2 + 2 * M * (K / QK) * 4; }
+int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) {
+    return M >= PANEL_MIN_ROWS ? M * K * 4 : M * K * 2 + 2 * M * (K / QK) * 4;
+}
 
 /* RMS norm of T rows: y[t] = (x[t] * 1 / sqrt(mean(x[t]^2) + eps)) * w, float32 throughout. */
 void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps, float *y,
@@ -371,19 +458,37 @@ void asyncinfer_decode_attention(const float *q, const float *k_cache, const flo
  *   h += down_proj(silu(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
  *
  * Weights: one of the formats above per projection (fmt: 0 = Q4_1, 1 = Q8_0). cos/sin: [T, D/2]
- * rows of the rope table for each token's position (rotate-half convention). */
+ * rows of the rope table for each token's position (rotate-half convention). timing: NULL, or
+ * three doubles that the call adds its seconds to (see TIMED). */
 typedef void (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const void *, int64_t, const float *, float *,
                         int64_t, int, void *);
 
 static gemm_fn gemm_of(int fmt) { return fmt == 0 ? asyncinfer_gemm_q4_1 : asyncinfer_gemm_q8_0; }
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* With a timing array (profiling), seconds are added up per part: [0] projections, [1] attention,
+ * [2] the whole layer. */
+#define TIMED(slot, call)                                                                         \
+    do {                                                                                          \
+        if (timing) mark = now();                                                                 \
+        call;                                                                                     \
+        if (timing) timing[slot] += now() - mark;                                                 \
+    } while (0)
 
 void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *norm1, const float *norm2, float eps,
                              const void *w_qkv, int fmt_qkv, const float *b_qkv, const void *w_o, int fmt_o,
                              const void *w_gate_up, int fmt_gate_up, const void *w_down, int fmt_down, int64_t H,
                              int64_t KVH, int64_t D, int64_t I, const float *cos, const float *sin, float *k_cache,
                              float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt,
-                             const int64_t *ctx, int64_t BS, float scale, int threads) {
+                             const int64_t *ctx, int64_t BS, float scale, int threads, double *timing) {
     const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size, half = D / 2;
+    const double start = timing ? now() : 0.0;
+    double mark = start;
     const int64_t widest = qkv_size > 2 * I ? qkv_size : 2 * I;
     const int64_t k_in = hidden > I ? (hidden > q_size ? hidden : q_size) : (I > q_size ? I : q_size);
     float *x = (float *)malloc(sizeof(float) * (size_t)(T * (hidden > q_size ? hidden : q_size)));
@@ -394,7 +499,7 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 
     /* attention block */
     asyncinfer_rms_norm(h, T, hidden, hidden, norm1, eps, x, threads);
-    gemm_of(fmt_qkv)(x, T, hidden, hidden, w_qkv, qkv_size, b_qkv, wide, qkv_size, threads, scratch);
+    TIMED(0, gemm_of(fmt_qkv)(x, T, hidden, hidden, w_qkv, qkv_size, b_qkv, wide, qkv_size, threads, scratch));
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_size;
         const float *c = cos + t * half, *sn = sin + t * half;
@@ -411,13 +516,13 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
         memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
         memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
     }
-    asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, scale, attn, threads);
-    gemm_of(fmt_o)(attn, T, q_size, q_size, w_o, hidden, NULL, out, hidden, threads, scratch);
+    TIMED(1, asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, scale, attn, threads));
+    TIMED(0, gemm_of(fmt_o)(attn, T, q_size, q_size, w_o, hidden, NULL, out, hidden, threads, scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
 
     /* MLP block */
     asyncinfer_rms_norm(h, T, hidden, hidden, norm2, eps, x, threads);
-    gemm_of(fmt_gate_up)(x, T, hidden, hidden, w_gate_up, 2 * I, NULL, wide, 2 * I, threads, scratch);
+    TIMED(0, gemm_of(fmt_gate_up)(x, T, hidden, hidden, w_gate_up, 2 * I, NULL, wide, 2 * I, threads, scratch));
     for (int64_t t = 0; t < T; t++) {
         const float *g = wide + t * 2 * I, *u = g + I;
         float *a = attn + t * I;
@@ -430,11 +535,14 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
         }
         for (; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
-    gemm_of(fmt_down)(attn, T, I, I, w_down, hidden, NULL, out, hidden, threads, scratch);
+    TIMED(0, gemm_of(fmt_down)(attn, T, I, I, w_down, hidden, NULL, out, hidden, threads, scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
 
     free(x); free(wide); free(attn); free(out); free(scratch);
+    if (timing) timing[2] += now() - start;
 }
 
+int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
+
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 10; }
+int asyncinfer_kernels_version(void) { return 13; }
