@@ -40,6 +40,8 @@ FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
     ("int8, default skip, skipped packed", "int8", default_skip("int8"), True),
     ("int8, default skip, skipped plain", "int8", default_skip("int8"), False),
     ("int8, no skip", "int8", (), True),
+    ("q8_0 (asyncinfer's kernels)", "q8_0", (), True),
+    ("q4_1, head q8_0 (asyncinfer's kernels)", "q4_1", (), True),
 )
 
 

@@ -215,6 +215,20 @@ class EngineConfig:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
+def for_model(config: EngineConfig, options: dict[str, Any], model_config: Any) -> EngineConfig:
+    """``config`` with ``quantization="auto"`` made concrete for the model it will load: its GGUF file's
+    own block format where that applies (:func:`~asyncinfer.models.quant.resolve_quantization`), the
+    config as resolved without the model otherwise. Options that name a format are kept as given."""
+    if options.get("quantization", "auto") != "auto":
+        return config
+    fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"),
+                               getattr(model_config, "native_format", None))
+    if fmt == config.quantization:
+        return config
+    return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),
+                               pack_weights=options.get("pack_weights"), dtype=options.get("dtype", "auto"))
+
+
 def _check_weight_format(config: EngineConfig) -> None:
     """Validate ``quantization`` and resolve ``quantization_skip`` (None: the format's) and ``pack_weights``."""
     check_quantization(config.quantization, config.device, config.dtype)

@@ -29,7 +29,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.config import EngineConfig
+from asyncinfer.config import EngineConfig, for_model
 from asyncinfer.core import EngineCore, StepStats, default_eos_ids
 from asyncinfer.embedding import (
     EmbeddingBatcher,
@@ -45,7 +45,7 @@ from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.loader import open_checkpoint
-from asyncinfer.models.quant import BLOCK_FORMATS, apply_weight_format, weight_bytes
+from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, apply_weight_format, weight_bytes
 from asyncinfer.models.torch_compile import compile_decoder
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
@@ -146,6 +146,7 @@ def load_generator(
     """
     try:
         checkpoint = open_checkpoint(path)
+        config = for_model(config, options, checkpoint.config)  # "auto": the file's own format where it runs
         plan_memory(checkpoint.config, **options)
         loaded = checkpoint.load(config.dtype, config.device)
         check_tokenizer(loaded)
@@ -205,6 +206,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
         )
     if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
         apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
+        _report_block_rounding(loaded.model, config.quantization)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
@@ -236,6 +238,21 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
         max_model_len=max_model_len,
     )
     return plan, core
+
+
+def _report_block_rounding(model: Any, method: str | None) -> None:
+    """Say whether a block format holds the model's own weights (a GGUF file in those blocks) or
+    rounded them (e.g. q4_1 on a float checkpoint: 4-bit weights, measure the quality)."""
+    if method not in BLOCK_FORMATS:
+        return
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    rounded = sum(not layer.lossless for layer in layers)
+    if rounded:
+        logger.warning("quantization=%r rounded the weights of %d of %d projections to its blocks (they were not "
+                       "stored in them): expect some loss of quality; benchmarks/quality.py --model measures it",
+                       method, rounded, len(layers))
+    else:
+        logger.info("quantization=%r: all %d projections hold the checkpoint's own weights", method, len(layers))
 
 
 def check_sliding_window(loaded: LoadedModel, max_model_len: int) -> None:

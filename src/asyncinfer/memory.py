@@ -255,7 +255,7 @@ def plan_memory(
         ConfigurationError: the weights do not fit (:func:`check_weights_fit`), or the KV
             cache cannot hold one ``max_model_len`` request.
     """
-    from asyncinfer.config import EngineConfig
+    from asyncinfer.config import EngineConfig, for_model
     from asyncinfer.models.config import ModelConfig
 
     config = EngineConfig.from_options(options)
@@ -265,6 +265,7 @@ def plan_memory(
         from asyncinfer.model_source import resolve_model
 
         model_config = read_model_config(resolve_model(model))
+    config = for_model(config, options, model_config)  # "auto": the file's own format where it runs
     # GGUF weights are dequantised at load, so the file size is no guide: count from the shapes.
     weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip,
                            config.device)

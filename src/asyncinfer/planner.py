@@ -215,7 +215,8 @@ def plan_deployment(
     if device not in ("cpu", "cuda"):
         raise InvalidParameterError("device", device, "'cpu' or 'cuda'")
     target = torch.device(device)
-    quantization = resolve_quantization(quantization, target, dtype)  # "auto": the engine's own choice
+    quantization = resolve_quantization(quantization, target, dtype,  # "auto": the engine's own choice
+                                        model_config.native_format)
     dtype = format_dtype(quantization, target, dtype)
     resolved = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype in (None, "auto") else (
         resolve_dtype(dtype, torch.device("cpu")))

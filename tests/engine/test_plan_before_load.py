@@ -27,13 +27,14 @@ def test_weights_that_cannot_fit_are_refused_before_loading_with_the_cause_and_t
         AsyncEngine.from_pretrained(llama_70b, device="cpu", dtype="float32")
     message = str(err.value)
     assert message.startswith("the model does not fit: its weights need 262.8 GiB (float32) but ")
-    assert "available on cpu; try a smaller model" in message  # float16 and int8 (124 GiB) do not fit here either
+    assert "available on cpu; try a smaller model" in message  # no format fits here either (q4_1: 44.8 GiB)
     assert "kv_cache" not in message
     with pytest.raises(ConfigurationError) as err:
         AsyncEngine.plan_memory(llama_70b, available_bytes=200 * GiB, device="cpu", dtype="float32")
     assert str(err.value) == (
         "the model does not fit: its weights need 262.8 GiB (float32) but 200.0 GiB are available on cpu; "
         "try quantization='float16' (133.4 GiB of weights) or quantization='int8' (124.1 GiB of weights) "
+        "or quantization='q8_0' (72.7 GiB of weights) or quantization='q4_1' (44.8 GiB of weights) "
         "or a smaller model")
 
 

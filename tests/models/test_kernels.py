@@ -200,7 +200,7 @@ def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> 
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     # Here, where they run: offered, and still never the default.
-    assert smaller_cpu_formats(None) == ("float16", "q8_0", "int8", "q4_1")
+    assert smaller_cpu_formats(None) == ("float16", "int8", "q8_0", "q4_1")
     assert EngineConfig(device="cpu").quantization == "float16"
     with pytest.raises(InvalidParameterError, match="run on CPU only"):
         check_quantization("q4_1", torch.device("cuda"), torch.float16)

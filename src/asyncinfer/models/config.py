@@ -51,6 +51,10 @@ class ModelConfig:
     # The attention window a GGUF file declares (None: none declared; a Hugging Face
     # config's window caps max_position_embeddings instead, see _max_positions).
     sliding_window: int | None = None
+    # The block format a GGUF file holds every projection in ("q4_1": Q4_1 layers and a Q8_0 head, as
+    # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights; None
+    # for any other file or a Hugging Face checkpoint. quantization="auto" picks it where it runs.
+    native_format: str | None = None
 
     def __post_init__(self) -> None:
         model_family(self.architecture)  # raises ModelLoadError for an unregistered one

@@ -354,7 +354,24 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
         sliding_window=_optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None,
+        native_format=_native_format(tensors),
     )
+
+
+# The projections of a decoder layer in GGUF spelling (blk.{i}.<kind>.weight).
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_Q4_1, _Q8_0 = 3, 8  # ggml tensor types
+
+
+def _native_format(tensors: dict[str, Any]) -> str | None:
+    """The block weight format that holds exactly this file's projections and head (see
+    ``ModelConfig.native_format``), or None."""
+    layers = {t.ggml_type for name, t in tensors.items()
+              if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[-2] in _GGUF_PROJECTIONS}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is None or head.ggml_type != _Q8_0:
+        return None
+    return {frozenset({_Q4_1}): "q4_1", frozenset({_Q8_0}): "q8_0"}.get(frozenset(layers))
 
 
 def _optional_int(value: Any) -> int | None:

@@ -3,15 +3,21 @@
 Decode is bound by the bytes of weights read, so a format that moves fewer bytes runs faster.
 The formats (values of the engine option ``quantization``):
 
-- ``"auto"`` (default): ``"float16"`` on a CPU when the dtype is left to the engine
-  (``dtype="auto"``) and fbgemm runs there: the fastest format whose greedy output equals
-  float32's on the fidelity prompts (benchmarks/quality.py, docs/formats.md). Everywhere else
-  (an explicit ``dtype``, CUDA, a CPU without fbgemm) it is ``None``.
+- ``"auto"`` (default), on a CPU when the dtype is left to the engine (``dtype="auto"``): the
+  model's own block format when its GGUF file holds every projection in one (``"q4_1"`` for
+  SmolLM2's, ``ModelConfig.native_format``) and asyncinfer's kernels run here; otherwise
+  ``"float16"`` where fbgemm runs. Both are the fastest format measured whose greedy output equals
+  float32's on the fidelity prompts (benchmarks/quality.py, benchmarks/throughput.py,
+  docs/formats.md). Everywhere else (an explicit ``dtype``, CUDA, a CPU without fbgemm) ``None``.
 - ``None``: the engine dtype. On a CPU in float32 the projection weights are also
   packed once at load into oneDNN's blocked layout (``pack_weights``, on by default where
   oneDNN exists): the same float32 values, a faster kernel, results within float32 rounding.
 - ``"float16"`` (CPU, float32 activations): weights stored in float16, multiplied by fbgemm's
   fp16 kernel with float32 accumulation. Half the bytes; deterministic on every x86 CPU.
+- ``"q4_1"`` / ``"q8_0"`` (CPU, float32 activations): ggml's block formats, multiplied by
+  asyncinfer's own AVX2 kernels (:mod:`asyncinfer.kernels`; refused where they cannot run).
+  ``"q4_1"`` keeps the LM head in Q8_0. On a GGUF file stored in the same blocks they hold exactly
+  the file's weights (``BlockLinear.lossless``); decode steps run each layer in one kernel call.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
   Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with
@@ -79,22 +85,26 @@ def fp16_weights_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def resolve_quantization(method: object, device: torch.device, dtype: object) -> object:
+def resolve_quantization(method: object, device: torch.device, dtype: object, native_format: str | None = None) -> object:
     """``quantization="auto"`` made concrete for ``device`` and the ``dtype`` option as given (before
-    it is resolved): "float16" on a CPU with ``dtype`` "auto" (or None) where fbgemm runs, else
-    None. Any other value is returned as is (validated by :func:`check_quantization`)."""
+    it is resolved). On a CPU with ``dtype`` "auto" (or None): the model's ``native_format`` (its GGUF
+    file's own block format, ``ModelConfig.native_format``) where asyncinfer's kernels run, else
+    "float16" where fbgemm runs; everywhere else None. Any other value is returned as is (validated
+    by :func:`check_quantization`)."""
     if method != "auto":
         return method
-    if device.type == "cpu" and dtype in (None, "auto") and fp16_weights_available():
-        return "float16"
-    return None
+    if device.type != "cpu" or dtype not in (None, "auto"):
+        return None
+    if native_format in BLOCK_FORMATS and kernels.available():
+        return native_format
+    return "float16" if fp16_weights_available() else None
 
 
 def smaller_cpu_formats(method: str | None) -> tuple[str, ...]:
     """The CPU formats (float32 activations) that store fewer weight bytes than ``method``, smallest last:
     what a refusal or a plan suggests when the weights do not fit."""
-    smaller = {None: ("float16", "q8_0", "int8", "q4_1"), "float16": ("q8_0", "int8", "q4_1"),
-               "q8_0": ("int8", "q4_1"), "int8": ("q4_1",)}.get(method, ())
+    smaller = {None: ("float16", "int8", "q8_0", "q4_1"), "float16": ("int8", "q8_0", "q4_1"),
+               "int8": ("q8_0", "q4_1"), "q8_0": ("q4_1",)}.get(method, ())
     return tuple(m for m in smaller if m not in BLOCK_FORMATS or kernels.available())
 
 
