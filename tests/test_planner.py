@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,10 +51,15 @@ def test_a_format_is_said_to_fit_only_when_it_does(real_gguf) -> None:
     assert int8 == "--quantization int8: weights 513.1 MiB -> 285.8 MiB, and the plan fits"
     assert plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=850 * MiB,
                            quantization="int8").fits
-    # The defaults (dtype and quantization "auto") plan the engine's own CPU default: float16 weights.
+    # The defaults (dtype and quantization "auto") plan the engine's own CPU default for this file: its own
+    # Q4_1 blocks (ModelConfig.native_format); a config without one gets float16 weights.
     default = plan_deployment(config, batch=1, seq_len=256, device_memory=850 * MiB)
-    assert default.quantization == "float16" and default.dtype == torch.float32 and default.fits
-    assert default.suggestions == () and default.weight_bytes < fp32.weight_bytes
+    assert config.native_format == "q4_1"
+    assert default.quantization == "q4_1" and default.dtype == torch.float32 and default.fits
+    assert default.suggestions == () and default.weight_bytes == 209_822_976 < fp32.weight_bytes
+    plain = plan_deployment(dataclasses.replace(config, native_format=None), batch=1, seq_len=256,
+                            device_memory=850 * MiB)
+    assert plain.quantization == "float16" and plain.weight_bytes == 382_346_496
 
 
 def test_cli_prints_the_table_with_the_formula(tiny_models, capsys) -> None:

@@ -212,3 +212,43 @@ def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
     model.ok = torch.nn.Linear(64, 8)
     apply_weight_format(model, "q4_1")
     assert type(model.proj) is torch.nn.Linear and isinstance(model.ok, Q4_1Linear)
+
+
+def test_the_one_call_decoder_layer_equals_the_layer_op_by_op(tmp_path) -> None:
+    """Decode steps of a q4_1 model through DecodeLayer (one kernel call a layer) and op by op (SDPA, torch's
+    element-wise ops, the same projections): the same logits within float32 rounding, the same greedy
+    tokens; at batch 2 (int16 activations) and 6 (float32 panels), q/k/v bias included (qwen2)."""
+    import copy
+
+    lossless_tiny("qwen2", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_1")
+    assert all(layer.fused_decode is not None for layer in model.layers)
+    fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)  # the same blocks and stale cache data
+    fused.backend.native_decode = True
+    prompts = [list(range(3 + i, 9 + 3 * i)) for i in range(6)]
+    for batch in (2, 6):
+        seqs = range(10 * batch, 10 * batch + batch)
+        outs = [runner.step(list(zip(seqs, prompts[:batch]))) for runner in (fused, plain)]  # prefill: op by op
+        last = [int(o[-1].argmax()) for o in outs[1]]
+        for _ in range(5):  # decodes: fused layer against op by op
+            work = [(s, [t]) for s, t in zip(seqs, last)]
+            a, b = fused.step(work), plain.step(work)
+            for x, y in zip(a, b):
+                # float32 rounding in attention and SwiGLU can move an activation across an int16 step
+                # (batch 2): a few parts in 10,000 of a logit at most.
+                torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
+            last = [int(x.argmax()) for x in b]
+            assert last == [int(x.argmax()) for x in a]
+    # Profiling: the layer adds up its parts; a deep copy's kernel reads the copy's own weights.
+    layer = model.layers[0].fused_decode
+    layer.time_parts(True)
+    fused.step([(20, [last[0]])])
+    projections, attention, whole = layer.timing.tolist()
+    assert 0 < projections and 0 < attention and projections + attention < whole
+    layer.time_parts(False)
+    assert layer.timing is None
+    copied = copy.deepcopy(model)
+    args = copied.layers[1].fused_decode._args
+    assert args["qkv"][1] is copied.layers[1].attn.qkv_proj._blocks
+    assert args["down"][1] is not model.layers[1].mlp.down_proj._blocks

@@ -72,6 +72,9 @@ def test_q4_1_holds_float32s_own_weights_and_is_greedy_identical_on_every_prompt
     assert len(layers) == 30 * 4 + 1 and all(layer.lossless for layer in layers)
     identical, prefix = greedy_match(reference["greedy"], batched_greedy(q4, reference["prompts"], NEW_TOKENS))
     assert (identical, prefix) == (1.0, 1.0)
+    # One prompt at a time, as a single user's decode runs (int16 activations, asyncinfer.kernels.gemm).
+    for prompt, expected in list(zip(reference["prompts"], reference["greedy"]))[:3]:
+        assert batched_greedy(q4, [prompt], NEW_TOKENS) == [expected]
 
 
 def test_q8_0_teacher_forced_top1_agreement(reference) -> None:
