@@ -8,7 +8,8 @@ on a copy of the same loaded model:
     prefill chunks of ``--chunk`` tokens;
 (b) greedy decoding of ``--prompts`` chat prompts (chat template applied) for ``--tokens`` new
     tokens, prompts decoded together: the fraction of prompts whose tokens are all identical to
-    float32's and the mean common-prefix fraction;
+    float32's and the mean common-prefix fraction; for the block formats also one prompt at a time
+    (their kernels take another path below ``kernels.PANEL_MIN_ROWS`` rows);
 The block formats (``q8_0``, ``q4_1``) run on asyncinfer's kernels, decode attention included.
 (c) with ``--sensitivity``: int8's per-layer-kind sensitivity, (a) for int8 everywhere except
     one kind of projection, and for int8 on one kind only.
@@ -47,7 +48,7 @@ from asyncinfer.models.quality import (
     teacher_forced_argmax,
     top1_agreement,
 )
-from asyncinfer.models.quant import BLOCK_FORMATS, can_pack, default_skip, weight_bytes
+from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, can_pack, default_skip, weight_bytes
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -56,11 +57,11 @@ PACK = can_pack(torch.device("cpu"), torch.float32)
 #: (name, quantization, quantization_skip, pack_weights).
 FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
     ("float32 packed (dtype='float32')", None, (), PACK),
-    ("float16 (the CPU default)", "float16", (), PACK),
+    ("float16 (CPU default without a block format)", "float16", (), PACK),
     (f"int8, default skip {default_skip('int8')}", "int8", default_skip("int8"), PACK),
     ("int8, no skip", "int8", (), PACK),
     ("q8_0 (asyncinfer's kernels)", "q8_0", (), PACK),
-    ("q4_1, head q8_0 (asyncinfer's kernels)", "q4_1", (), PACK),
+    ("q4_1, head q8_0 (this GGUF's default)", "q4_1", (), PACK),
 )
 
 
@@ -82,6 +83,11 @@ def measure(model: torch.nn.Module, ref: dict[str, Any], args: argparse.Namespac
     if greedy:
         identical, prefix = greedy_match(ref["greedy"], batched_greedy(model, ref["prompts"], args.tokens))
         row |= {"greedy_identical": round(identical, 4), "greedy_prefix": round(prefix, 4)}
+        if any(isinstance(m, BlockLinear) for m in model.modules()):
+            # One prompt at a time too: below kernels.PANEL_MIN_ROWS rows the kernels round activations to int16.
+            alone = [batched_greedy(model, [p], args.tokens)[0] for p in ref["prompts"]]
+            identical, prefix = greedy_match(ref["greedy"], alone)
+            row |= {"greedy_identical_alone": round(identical, 4), "greedy_prefix_alone": round(prefix, 4)}
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
@@ -128,8 +134,10 @@ def main() -> None:
                "weight_bytes": weight_bytes(loaded.config, 4, method, skip)}
         row |= measure(formatted(base, method, skip, pack=pack), ref, args, greedy=True)
         rows.append(row)
+        alone = (f"   (one prompt at a time: {row['greedy_identical_alone']:.2%} same, prefix "
+                 f"{row['greedy_prefix_alone']:.2%})" if "greedy_identical_alone" in row else "")
         print(f"{name:<46}{row['top1_agreement']:>8.2%}{row['greedy_identical']:>13.2%}{row['greedy_prefix']:>8.2%}"
-              f"{row['weight_bytes'] / 2**20:>13.1f}", flush=True)
+              f"{row['weight_bytes'] / 2**20:>13.1f}{alone}", flush=True)
     result: dict[str, Any] = {"formats": rows}
     if args.sensitivity:
         print("int8 sensitivity (teacher-forced top-1 agreement with float32):")
