@@ -110,11 +110,18 @@ static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, act
  * Unpacking a block into 16-bit lanes (even elements, then odd ones) takes shifts and masks only. */
 static inline void unpack_q4_1(const uint8_t *qs, __m256i w[2]) {
     /* Each 16-bit word of the 16 bytes holds elements 2k (bits 0-3), 2k + 16 (4-7), 2k + 1 (8-11)
-     * and 2k + 17 (12-15). Both 128-bit lanes get the bytes; each lane shifts by its own amount. */
+     * and 2k + 17 (12-15). Both 128-bit lanes get the bytes and keep their own nibble with a mask:
+     * the upper lane's is not shifted down, so it holds 16 q (exact; Q4_1_UPPER undoes it). */
     const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i mask = _mm256_set1_epi16(0x000F);
-    w[0] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask);
-    w[1] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), mask);
+    const __m256i mask = _mm256_setr_epi16(0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F,
+                                           0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0);
+    w[0] = _mm256_and_si256(x, mask);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(x, 8), mask);
+}
+
+/* What unpack_q4_1's upper lane is multiplied by (exact powers of two). */
+static inline __m256 q4_1_unscale(void) {
+    return _mm256_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 0.0625f, 0.0625f, 0.0625f, 0.0625f);
 }
 
 static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
@@ -138,9 +145,8 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
             const __m256i s = _mm256_add_epi32(                                                   \
                 _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),                  \
                 _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));          \
-            const __m256 dx = _mm256_broadcast_ss(a->d + (m0 + i) * nb + (b));                    \
-            acc[2 * i + (slot)] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw,   \
-                                                  acc[2 * i + (slot)]);                           \
+            const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(a->d + (m0 + i) * nb + (b)), dw); \
+            acc[2 * i + (slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[2 * i + (slot)]); \
         }                                                                                         \
     } while (0)
 
@@ -171,31 +177,42 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
                 offset = hsum(o);                                                                 \
                 for (; b < nb; b++) offset += half_to_float(m16[b]) * sx[b];                      \
             }                                                                                     \
-            out[i] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1])) + offset;                    \
+            __m256 sum = _mm256_add_ps(acc[2 * i], acc[2 * i + 1]);                               \
+            if (HAS_MIN) sum = _mm256_mul_ps(sum, q4_1_unscale());                                \
+            out[i] = hsum(sum) + offset;                                                          \
         }                                                                                         \
     }
 
 ROW_KERNEL(row_q4_1, unpack_q4_1, 16, 1)
 ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 
-/* Two weight rows against one activation row (decode at batch 1): the activations and their scale
- * are loaded once for both. Each row is summed exactly as ROW_KERNEL sums it (same slots, same
+/* Two weight rows against one activation row (decode at batch 1): the activations are loaded once
+ * for both, and the scales d_x * d_w of eight blocks are formed in one vector multiply, each block
+ * taking its lane. Each row is summed exactly as ROW_KERNEL sums it (the same products, slots and
  * order), so results do not depend on which kernel ran. */
-#define ROW2_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                     \
+#define ROW2_BLOCK(b, slot, SCALE0, SCALE1, UNPACK, QS_BYTES)                                     \
     do {                                                                                          \
         _mm_prefetch((const char *)(qs[1] + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);             \
         const int16_t *q = a->q + (b) * QK;                                                       \
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \
-        const __m256 dx = _mm256_broadcast_ss(a->d + (b));                                        \
-        for (int r = 0; r < 2; r++) {                                                             \
-            __m256i w[2];                                                                         \
-            UNPACK(qs[r] + (b) * QS_BYTES, w);                                                    \
-            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
-            const __m256 dw = _mm256_set1_ps(half_to_float(d16[r][b]));                           \
-            acc[2 * r + (slot)] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw,   \
-                                                  acc[2 * r + (slot)]);                           \
-        }                                                                                         \
+        __m256i w[2];                                                                             \
+        UNPACK(qs[0] + (b) * QS_BYTES, w);                                                        \
+        const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
+        acc[(slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), (SCALE0), acc[(slot)]);             \
+        UNPACK(qs[1] + (b) * QS_BYTES, w);                                                        \
+        const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
+        acc[2 + (slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), (SCALE1), acc[2 + (slot)]);     \
+    } while (0)
+
+#define LANE(v, j) _mm256_permutevar8x32_ps((v), _mm256_set1_epi32(j))
+#define ROW2_LANE(j, UNPACK, QS_BYTES) \
+    ROW2_BLOCK(b + (j), (j) & 1, LANE(sc0, j), LANE(sc1, j), UNPACK, QS_BYTES)
+#define ROW2_ONE(bb, slot, UNPACK, QS_BYTES)                                                      \
+    do {                                                                                          \
+        const __m256 dx = _mm256_broadcast_ss(a->d + (bb));                                       \
+        ROW2_BLOCK(bb, slot, _mm256_mul_ps(dx, _mm256_set1_ps(half_to_float(d16[0][bb]))),        \
+                   _mm256_mul_ps(dx, _mm256_set1_ps(half_to_float(d16[1][bb]))), UNPACK, QS_BYTES); \
     } while (0)
 
 #define ROW2_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                              \
@@ -212,24 +229,35 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),           \
                          _mm256_setzero_ps()};                                                    \
         int64_t b = 0;                                                                            \
-        for (; b + 1 < nb; b += 2) {                                                              \
-            ROW2_BLOCK(b, 0, UNPACK, QS_BYTES);                                                                     \
-            ROW2_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                                                 \
+        for (; b + 8 <= nb; b += 8) { /* eight blocks: their scales in one multiply per row */    \
+            const __m256 dxv = _mm256_loadu_ps(a->d + b);                                         \
+            const __m256 sc0 = _mm256_mul_ps(dxv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16[0] + b)))); \
+            const __m256 sc1 = _mm256_mul_ps(dxv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16[1] + b)))); \
+            ROW2_LANE(0, UNPACK, QS_BYTES); ROW2_LANE(1, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(2, UNPACK, QS_BYTES); ROW2_LANE(3, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(4, UNPACK, QS_BYTES); ROW2_LANE(5, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(6, UNPACK, QS_BYTES); ROW2_LANE(7, UNPACK, QS_BYTES);                       \
         }                                                                                         \
-        if (b < nb) ROW2_BLOCK(b, 0, UNPACK, QS_BYTES);                                                             \
+        for (; b + 1 < nb; b += 2) { /* b is even here: slots as in ROW_KERNEL */                 \
+            ROW2_ONE(b, 0, UNPACK, QS_BYTES);                                                     \
+            ROW2_ONE(b + 1, 1, UNPACK, QS_BYTES);                                                 \
+        }                                                                                         \
+        if (b < nb) ROW2_ONE(b, 0, UNPACK, QS_BYTES);                                             \
         for (int r = 0; r < 2; r++) {                                                             \
             float offset = 0.0f;                                                                  \
             if (HAS_MIN) {                                                                        \
                 const float *sx = a->sum;                                                         \
                 __m256 o = _mm256_setzero_ps();                                                   \
-                int64_t b = 0;                                                                    \
-                for (; b + 8 <= nb; b += 8)                                                       \
-                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16[r] + b))), \
-                                        _mm256_loadu_ps(sx + b), o);                              \
+                int64_t bb = 0;                                                                   \
+                for (; bb + 8 <= nb; bb += 8)                                                     \
+                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16[r] + bb))), \
+                                        _mm256_loadu_ps(sx + bb), o);                             \
                 offset = hsum(o);                                                                 \
-                for (; b < nb; b++) offset += half_to_float(m16[r][b]) * sx[b];                   \
+                for (; bb < nb; bb++) offset += half_to_float(m16[r][bb]) * sx[bb];               \
             }                                                                                     \
-            out[r] = hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + offset;                    \
+            __m256 sum = _mm256_add_ps(acc[2 * r], acc[2 * r + 1]);                               \
+            if (HAS_MIN) sum = _mm256_mul_ps(sum, q4_1_unscale());                                \
+            out[r] = hsum(sum) + offset;                                                          \
         }                                                                                         \
     }
 
@@ -247,10 +275,11 @@ ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
 #define PANEL_MIN_ROWS 5
 #endif
 
-static inline void rebuild_block(const __m256i w[2], __m256 d, __m256 m, float *out) {
+static inline void rebuild_block(const __m256i w[2], __m256 d, __m256 m, float upper, float *out) {
     for (int h = 0; h < 2; h++) {
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[h])));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[h], 1)));
+        const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[h], 1))),
+                                        _mm256_set1_ps(upper));
         _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(d, lo, m));
         _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(d, hi, m));
     }
@@ -264,7 +293,7 @@ static void rebuild_row(const uint8_t *row, int64_t nb, int has_min, float *out)
         if (has_min) unpack_q4_1(qs + 16 * b, w); else unpack_q8_0(qs + 32 * b, w);
         const __m256 d = _mm256_set1_ps(half_to_float(d16[b]));
         const __m256 m = has_min ? _mm256_set1_ps(half_to_float(m16[b])) : _mm256_setzero_ps();
-        rebuild_block(w, d, m, out + b * QK);
+        rebuild_block(w, d, m, has_min ? 0.0625f : 1.0f, out + b * QK);
     }
 }
 
@@ -545,4 +574,4 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 13; }
+int asyncinfer_kernels_version(void) { return 15; }
