@@ -132,6 +132,11 @@ class LlamaForCausalLM(nn.Module):
         if self.layers[0].fused_decode is not None and _all_native_decodes(meta):
             # Every layer in one kernel call each (block formats): no module call per layer either.
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                if torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
+                    with torch.profiler.record_function("asyncinfer::decode_layer"):
+                        h = layer.fused_decode(h, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                               meta.decode_block_tables, meta.decode_context_lens)
+                    continue
                 h = layer.fused_decode(h, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
                                        meta.decode_context_lens)  # [T, hidden]
             return self.norm(h)  # [T, hidden]
