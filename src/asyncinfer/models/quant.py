@@ -264,14 +264,19 @@ class BlockLinear(FormatLinear):
     """
 
     fmt = ""
+    _CHUNK_ROWS = 4096
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        w = weight.detach().float()
+        w = weight.detach()
         self.out_features, self.in_features = w.shape
-        blocks = kernels.quantize(w, self.fmt)  # ggml blocks [out, in / 32 * block bytes]
-        self.lossless = bool(torch.equal(kernels.dequantize(blocks, self.fmt), w))
-        self._blocks = kernels.pack(blocks, self.fmt)  # the same bytes in the kernels' layout
+        packed, self.lossless = [], True
+        for rows in w.split(self._CHUNK_ROWS):  # a chunk at a time: the temporaries stay small at load
+            rows = rows.float()
+            blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / 32 * block bytes]
+            self.lossless = self.lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
+            packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
+        self._blocks = packed[0] if len(packed) == 1 else torch.cat(packed)
         self._bias = _float_bias(bias)
         self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
 
