@@ -213,7 +213,8 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     logger.info("memory plan: %s", plan.describe())
     compile_seconds = compile_decoder(loaded.model, mc, config.device, config.dtype) if config.torch_compile else None
     backend = select_attention_backend(config.device)
-    if config.device.type == "cpu" and config.quantization in BLOCK_FORMATS and hasattr(backend, "native_decode"):
+    if (config.device.type == "cpu" and config.quantization in BLOCK_FORMATS and hasattr(backend, "native_decode")
+            and mc.head_dim % 8 == 0):
         backend.native_decode = True  # the block formats run on asyncinfer's kernels: decode attention too
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)
     runner.compile_seconds = compile_seconds

@@ -252,3 +252,40 @@ def test_the_one_call_decoder_layer_equals_the_layer_op_by_op(tmp_path) -> None:
     args = copied.layers[1].fused_decode._args
     assert args["qkv"][1] is copied.layers[1].attn.qkv_proj._blocks
     assert args["down"][1] is not model.layers[1].mlp.down_proj._blocks
+
+
+def test_bad_inputs_are_refused_by_name() -> None:
+    blocks = kernels.pack(random_blocks("q4_1", 8, 2, seed=1), "q4_1")  # 8 x 64
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        kernels.gemm(x, blocks, "q4_1", 9)  # the wrong output count for these weights
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        kernels.gemm(torch.randn(2, 40), blocks, "q4_1", 8)  # not whole blocks
+    with pytest.raises(ValueError, match="unknown block format"):
+        kernels.gemm(x, blocks, "q5_0", 8)
+    with pytest.raises(ValueError, match="bias has 3 values"):
+        kernels.gemm(x, blocks, "q4_1", 8, torch.zeros(3))
+    torch.testing.assert_close(kernels.gemm(x, blocks, "q4_1", 8, torch.ones(8, dtype=torch.float64)),
+                               kernels.gemm(x, blocks, "q4_1", 8) + 1)  # a float64 bias is converted
+    cache = torch.zeros(4, 16, 1, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.decode_attention(torch.zeros(1, 2, 12), cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                 torch.ones(1, dtype=torch.long), 1.0)
+    with pytest.raises(TypeError, match="rms_norm takes float32"):
+        kernels.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+
+
+def test_a_corrupt_cached_build_is_rebuilt(tmp_path) -> None:
+    """The user cache holds one build per source and compiler; a truncated file there is replaced."""
+    code = "from asyncinfer import kernels; print(kernels.available(), kernels.unavailable_reason())"
+    env = dict(os.environ, ASYNCINFER_KERNEL_CACHE=str(tmp_path))
+    env.pop("ASYNCINFER_DISABLE_KERNELS", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert first.stdout.split() == ["True", "None"], first.stderr[-2000:]
+    (build,) = tmp_path.glob("gguf_gemm-*.so")
+    build.write_bytes(b"not a shared library")
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert second.stdout.split() == ["True", "None"], second.stderr[-2000:]
+    assert build.stat().st_size > 10_000

@@ -94,6 +94,23 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _open(path: Path, compiler: str) -> ctypes.CDLL:
+    """Load a build; one that cannot be loaded (a truncated or stale file in the cache) is rebuilt once.
+    torch is imported (and its OpenMP runtime loaded) first: the kernels share that runtime."""
+    for attempt in range(2):
+        try:
+            lib = ctypes.CDLL(str(path))
+            if lib.asyncinfer_kernels_version() != _VERSION:
+                raise RuntimeError("a stale build (version mismatch)")
+            return lib
+        except (OSError, RuntimeError, AttributeError):
+            if attempt:
+                raise
+            path.unlink(missing_ok=True)
+            path = _build(compiler)
+    raise AssertionError("unreachable")
+
+
 def _load() -> None:
     global _lib, _reason, _tried
     with _lock:
@@ -111,12 +128,8 @@ def _load() -> None:
             _reason = "no C compiler (cc, gcc or clang) is on PATH to build them"
             return
         try:
-            path = _build(compiler)
-            # torch is imported (and its OpenMP runtime loaded) first: the kernels share that runtime.
-            lib = ctypes.CDLL(str(path))
-            if lib.asyncinfer_kernels_version() != _VERSION:
-                raise RuntimeError("a stale build (version mismatch)")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            lib = _open(_build(compiler), compiler)
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             _reason = f"building them failed: {exc}"
             return
         args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -174,11 +187,22 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
     Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
     """
     lib = _lib if _lib is not None else _need()
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError(f"the {fmt} kernel takes float32 CPU activations, got {x.dtype} on {x.device}")
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise TypeError(f"the {fmt} kernel takes 2-D float32 CPU activations, got {tuple(x.shape)} {x.dtype} on "
+                        f"{x.device}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
+    expected = (out_features, k // QK * BLOCK_FORMATS[fmt][1])
+    if k % QK or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
+        raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
+                         f"(the input size a multiple of {QK}), got {blocks.dtype} {tuple(blocks.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    if bias is not None and bias.numel() != out_features:
+        raise ValueError(f"bias has {bias.numel()} values for {out_features} outputs")
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows:
         scratch = torch.empty(lib.asyncinfer_scratch_bytes(rows, k), dtype=torch.uint8)
@@ -269,6 +293,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of float32 x [T, hidden] (rows contiguous) scaled by ``weight``: the float32 steps of
     :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding)."""
     lib = _lib if _lib is not None else _need()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
+        raise TypeError(f"rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
+                        f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.contiguous()
     if x.stride(-1) != 1 or x.dim() != 2:
         x = x.reshape(-1, x.shape[-1]).contiguous()
     rows, hidden = x.shape
@@ -288,7 +316,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lib = _lib if _lib is not None else _need()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    q = q.contiguous()
+    if head_dim % 8 or num_heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"decode_attention needs head_dim a multiple of 8, heads a multiple of KV heads and "
+                         f"matching caches: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k_cache, v_cache)):
+        raise TypeError("decode_attention takes float32 q and contiguous float32 caches")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or context_lens.numel() != num_seqs:
+        raise TypeError("decode_attention takes int64 block_tables [S, n] and context_lens [S]")
+    context_lens = context_lens.contiguous()
     tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
     out = torch.empty_like(q)
     lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),

@@ -387,6 +387,8 @@ def fuse_decode_layers(model: nn.Module) -> int:
             continue
         if any(p._bias is not None for p in projections[1:]):  # the kernel adds a bias to q/k/v only
             continue
+        if attn.head_dim % 8:  # the attention kernel's vectors
+            continue
         qkv, o, gate_up, down = projections
         layer.fused_decode = kernels.DecodeLayer(
             norm1=layer.input_norm.weight.detach().float().contiguous(),
