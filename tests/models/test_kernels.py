@@ -172,6 +172,14 @@ async def test_the_engine_in_q4_1_serves_float32s_greedy_tokens_on_q4_1_weights(
     async with engine:
         outs = [await engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
+    # A skipped projection leaves its layer op by op (the others still one call each): the same tokens.
+    partial = AsyncEngine.from_pretrained(tmp_path, **opts, quantization="q4_1",
+                                          quantization_skip=("layers.1.mlp.down_proj",))
+    layers = partial.core.runner.model.layers
+    assert layers[0].fused_decode is not None and layers[1].fused_decode is None
+    async with partial:
+        outs = [await partial.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+    assert [o.token_ids for o in outs] == expected
 
 
 def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> None:

@@ -130,15 +130,19 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
         if self.layers[0].fused_decode is not None and _all_native_decodes(meta):
-            # Every layer in one kernel call each (block formats): no module call per layer either.
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                if torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
+            # Each layer in one kernel call (block formats), without a module call either; a layer left
+            # unfused (a projection skipped by quantization_skip) runs op by op.
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                fused = layer.fused_decode
+                if fused is None:
+                    h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
+                elif torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
                     with torch.profiler.record_function("asyncinfer::decode_layer"):
-                        h = layer.fused_decode(h, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                               meta.decode_block_tables, meta.decode_context_lens)
-                    continue
-                h = layer.fused_decode(h, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-                                       meta.decode_context_lens)  # [T, hidden]
+                        h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                                  meta.decode_context_lens)
+                else:
+                    h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                              meta.decode_context_lens)  # [T, hidden]
             return self.norm(h)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
