@@ -40,9 +40,10 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
      "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
     ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
     ("--quantization", "quantization", str,
-     ("weight format: auto (default: float16 weights on a CPU with --dtype auto) | none (the dtype: "
-      "float32 weights on a CPU) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and bfloat16 "
-      "are the dtype)")),
+     ("weight format: auto (default; on a CPU with --dtype auto: a GGUF's own block format where it has one, "
+      "q4_1 for the default model, else float16 weights) | none (the dtype: float32 weights on a CPU) | q4_1 | "
+      "q8_0 (CPU, asyncinfer's kernels) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and "
+      "bfloat16 are the dtype)")),
     ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
 )
 
@@ -150,9 +151,12 @@ def _info(args: argparse.Namespace) -> int:
         print(f"memory plan: {exc} ({command} shows the whole budget)")
         return 1
     if isinstance(plan, MemoryPlan):
-        from asyncinfer.config import EngineConfig
+        from asyncinfer.config import EngineConfig, for_model
 
-        config = EngineConfig.from_options(_engine_options(args))
+        options = _engine_options(args)
+        config = EngineConfig.from_options(options)
+        if not is_encoder_dir(path):
+            config = for_model(config, options, mc)  # "auto": this file's own block format where it runs
         weights = config.quantization or "the dtype"
         print(f"dtype {str(config.dtype).removeprefix('torch.')} on {config.device}, weight format: {weights}")
         print(f"memory plan: {plan.describe()}")
@@ -189,9 +193,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default="auto", choices=("auto", "none", "float16", "bfloat16", "int8"),
-                   help="weight format: auto (the engine's default: float16 weights on cpu with --dtype auto), "
-                        "none (the dtype), float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
+    p.add_argument("--quantization", default="auto",
+                   choices=("auto", "none", "float16", "bfloat16", "int8", "q8_0", "q4_1"),
+                   help="weight format: auto (the engine's default: on cpu with --dtype auto, a GGUF's own block "
+                        "format where it has one, q4_1 for the default model, else float16 weights), none (the "
+                        "dtype), q4_1, q8_0, float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")

@@ -7,6 +7,7 @@ or an out-of-range value raises :class:`InvalidParameterError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -221,8 +222,16 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Any) 
     config as resolved without the model otherwise. Options that name a format are kept as given."""
     if options.get("quantization", "auto") != "auto":
         return config
-    fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"),
-                               getattr(model_config, "native_format", None))
+    native = getattr(model_config, "native_format", None)
+    fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
+    if native is not None and fmt != native and config.device.type == "cpu" and options.get("dtype", "auto") in (
+            None, "auto"):
+        from asyncinfer import kernels
+
+        logging.getLogger("asyncinfer").warning(
+            "the model's own %s blocks would be the default weight format, but asyncinfer's kernels cannot run "
+            "here (%s): using %s instead, several times slower at batch 1 (docs/formats.md)",
+            native, kernels.unavailable_reason(), fmt)
     if fmt == config.quantization:
         return config
     return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),

@@ -143,9 +143,22 @@ def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20)
     assert f"memory plan: {plan.describe()}" in out and "no weight read" in out
     assert "architecture: llama, 2 layers, hidden 64, heads 4/2 kv, vocab 320, context 512" in out
-    assert "dtype float32 on cpu, weight format: float16" in out  # the CPU default
+    assert "dtype float32 on cpu, weight format: float16" in out  # the CPU default for a safetensors model
     assert cli.main(["info", str(path), "--dtype", "float32", "--max-model-len", "64"]) == 0
     assert "weight format: the dtype" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+def test_info_and_plan_name_the_gguf_s_own_format(real_gguf, capsys) -> None:
+    """The default model's file holds Q4_1 blocks: "auto" is q4_1 there, in what info says and in what plan
+    accepts and counts (the same bytes as the engine's plan)."""
+    assert cli.main(["info", str(real_gguf), "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "weight format: q4_1" in out and "weights 200.1 MiB" in out
+    for fmt, size in (("q4_1", "200.1 MiB"), ("q8_0", "244.4 MiB")):
+        assert cli.main(["plan", str(real_gguf), "--quantization", fmt, "--seq-len", "256",
+                         "--device-memory", "8GiB"]) == 0
+        assert size in capsys.readouterr().out
 
 
 @pytest.mark.real_model

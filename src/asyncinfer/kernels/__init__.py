@@ -177,11 +177,12 @@ def _need() -> ctypes.CDLL:
     return _lib
 
 
-def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
+def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks in the
-    kernels' layout (:func:`pack`; uint8 [out_features, K / 32 * bytes per block]); returns float32
-    [M, out_features].
+    kernels' layout: ``packed = pack(quantize(W, fmt), fmt)`` (uint8 [out_features, K / 32 * bytes per
+    block]; ggml's own block order, as :func:`quantize` returns it, has the same shape but is not this
+    layout); returns float32 [M, out_features].
 
     Activations: rounded per block of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
     Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
@@ -196,9 +197,9 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
         x = x.contiguous()
     rows, k = x.shape
     expected = (out_features, k // QK * BLOCK_FORMATS[fmt][1])
-    if k % QK or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
+    if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
         raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
-                         f"(the input size a multiple of {QK}), got {blocks.dtype} {tuple(blocks.shape)}")
+                         f"(the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     if bias is not None and bias.numel() != out_features:
@@ -207,7 +208,7 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int,
     if rows:
         scratch = torch.empty(lib.asyncinfer_scratch_bytes(rows, k), dtype=torch.uint8)
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
-        fn(x.data_ptr(), rows, x.stride(0), k, blocks.data_ptr(), out_features,
+        fn(x.data_ptr(), rows, x.stride(0), k, packed.data_ptr(), out_features,
            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
            scratch.data_ptr())
     return y
