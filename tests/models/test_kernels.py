@@ -289,19 +289,54 @@ def test_bad_inputs_are_refused_by_name() -> None:
                                  torch.ones(1, dtype=torch.long), 1.0)
     with pytest.raises(TypeError, match="rms_norm takes float32"):
         kernels.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    # A NaN activation makes its row NaN on every path, as a float matmul does (not silently 0).
+    for fmt in ("q4_1", "q8_0"):
+        w = kernels.pack(random_blocks(fmt, 8, 2, seed=2), fmt)
+        for rows in (2, 6):
+            bad = torch.randn(rows, 64)
+            bad[0, 3] = float("nan")
+            out = kernels.gemm(bad, w, fmt, 8)
+            assert out[0].isnan().all() and not out[1:].isnan().any(), (fmt, rows)
 
 
 def test_a_corrupt_cached_build_is_rebuilt(tmp_path) -> None:
-    """The user cache holds one build per source and compiler; a truncated file there is replaced."""
+    """The user cache holds one build per source, compiler and OpenMP runtime, with the digest its build
+    wrote; a truncated file there is rebuilt, never loaded."""
     code = "from asyncinfer import kernels; print(kernels.available(), kernels.unavailable_reason())"
-    env = dict(os.environ, ASYNCINFER_KERNEL_CACHE=str(tmp_path))
-    env.pop("ASYNCINFER_DISABLE_KERNELS", None)
+    env = dict(os.environ, ASYNCINFER_KERNEL_CACHE=str(tmp_path), ASYNCINFER_DISABLE_KERNELS="0")  # "0": not set
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                            check=False)
     assert first.stdout.split() == ["True", "None"], first.stderr[-2000:]
     (build,) = tmp_path.glob("gguf_gemm-*.so")
-    build.write_bytes(b"not a shared library")
+    build.write_bytes(build.read_bytes()[:4096])  # truncated: dlopen would die of SIGBUS on it
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                             check=False)
     assert second.stdout.split() == ["True", "None"], second.stderr[-2000:]
     assert build.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("skip", [(), ("layers.1.",)])
+async def test_concurrent_requests_mix_decodes_and_prefill_chunks(tmp_path, skip) -> None:
+    """Requests arriving while others decode, prompts prefilled in chunks beside two or more decodes (the
+    decodes' q is then a view into the step's q/k/v), with every layer fused or one left op by op: each
+    request gets float32's own greedy tokens."""
+    import asyncio
+
+    lossless_tiny("llama", tmp_path)
+    engine = AsyncEngine.from_pretrained(tmp_path, kv_cache_memory=2**22, max_model_len=128, device="cpu",
+                                         block_size=16, quantization="q4_1", quantization_skip=skip,
+                                         max_num_batched_tokens=24)
+    reference = load_model(tmp_path, torch.float32, "cpu").model
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 9, 40, 17, 60, 3))]
+    expected = [PagedRunner(reference, block_size=16).greedy(0, p, 16) for p in prompts]
+
+    async def one(i: int) -> list[int]:
+        await asyncio.sleep(0.01 * i)  # later ones arrive while the first decode
+        out = await engine.generate(prompts[i], SamplingParams(max_tokens=16, ignore_eos=True))
+        return out.token_ids
+
+    async with engine:
+        got = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        stats = engine.core.stats
+    assert list(got) == expected
+    assert stats.steps > 0

@@ -2,7 +2,9 @@
 
 The kernels (``gguf_gemm.c``, AVX2 + FMA + F16C) are compiled on first use with the system's C
 compiler into the user cache (``<cache>/asyncinfer/kernels/``), once per source and compiler,
-and loaded with ctypes; nothing is compiled at install time. Where they cannot run (not x86-64
+and loaded with ctypes (linked against the OpenMP runtime torch has loaded, so the process keeps
+one thread pool); nothing is compiled at install time. A cached build is checked against the
+digest its build wrote before it is loaded, and rebuilt when it does not match. Where they cannot run (not x86-64
 Linux, a CPU without AVX2/FMA/F16C, no C compiler, a failed build), :func:`available` is False
 and :func:`unavailable_reason` says why; the weight formats that need them are then refused with
 that reason (``quantization="q4_1"`` / ``"q8_0"``) and ``"auto"`` never picks them.
@@ -38,7 +40,7 @@ PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 15
+_VERSION = 16
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -76,22 +78,57 @@ def _compiler() -> str | None:
     return None
 
 
+def _torch_openmp() -> str | None:
+    """The OpenMP runtime torch has loaded (its wheels ship their own libgomp, sometimes renamed): the
+    kernels link against that very file, so that the process keeps one runtime and one thread pool."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.split()[-1].startswith("/")}
+    return sorted(paths)[0] if paths else None
+
+
 def _build(compiler: str) -> Path:
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False).stdout
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gguf_gemm-{key}.so"
-    if target.exists():
+    openmp = _torch_openmp()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode() + str(openmp).encode()).hexdigest()
+    target = _cache_dir() / f"gguf_gemm-{key[:16]}.so"
+    if target.exists() and _digest_ok(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)],
-                              capture_output=True, text=True, timeout=300, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        obj, out = Path(tmp) / "gguf_gemm.o", Path(tmp) / target.name
+        compile_flags = [f for f in _FLAGS if f != "-shared"]
+        steps = [[compiler, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)]]
+        if openmp:  # link to torch's runtime by its path (and soname), not to another copy
+            steps.append([compiler, "-shared", str(obj), openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-o", str(out)])
+        else:
+            steps.append([compiler, "-shared", "-fopenmp", str(obj), "-o", str(out)])
+        for step in steps:
+            proc = subprocess.run(step, capture_output=True, text=True, timeout=300, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        digest = hashlib.sha256(out.read_bytes()).hexdigest()
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
+        sidecar = Path(tmp) / "digest"
+        sidecar.write_text(digest)
+        os.replace(sidecar, _digest_path(target))
     return target
+
+
+def _digest_path(build: Path) -> Path:
+    return build.with_suffix(".sha256")
+
+
+def _digest_ok(build: Path) -> bool:
+    """Whether a cached build is the file its build wrote (a truncated one would crash the process in
+    dlopen, before Python could catch anything)."""
+    try:
+        return hashlib.sha256(build.read_bytes()).hexdigest() == _digest_path(build).read_text().strip()
+    except OSError:
+        return False
 
 
 def _open(path: Path, compiler: str) -> ctypes.CDLL:
@@ -107,6 +144,7 @@ def _open(path: Path, compiler: str) -> ctypes.CDLL:
             if attempt:
                 raise
             path.unlink(missing_ok=True)
+            _digest_path(path).unlink(missing_ok=True)
             path = _build(compiler)
     raise AssertionError("unreachable")
 
@@ -117,7 +155,7 @@ def _load() -> None:
         if _tried:
             return
         _tried = True
-        if os.environ.get("ASYNCINFER_DISABLE_KERNELS"):
+        if os.environ.get("ASYNCINFER_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no"):
             _reason = "ASYNCINFER_DISABLE_KERNELS is set"
             return
         _reason = _cpu_reason()
@@ -320,8 +358,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if head_dim % 8 or num_heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"decode_attention needs head_dim a multiple of 8, heads a multiple of KV heads and "
                          f"matching caches: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k_cache, v_cache)):
+    if not all(t.dtype == torch.float32 for t in (q, k_cache, v_cache)) or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise TypeError("decode_attention takes float32 q and contiguous float32 caches")
+    q = q.contiguous()  # a view of q/k/v in the engine's layers
     if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or context_lens.numel() != num_seqs:
         raise TypeError("decode_attention takes int64 block_tables [S, n] and context_lens [S]")
     context_lens = context_lens.contiguous()

@@ -43,7 +43,8 @@ static inline float hsum(__m256 v) {
 /* e^x for 8 floats, within 2 ulp (Cody-Waite range reduction, Cephes' degree-5 polynomial); x is
  * clamped to [-87.3, 88.3], where the result stays a normal float. */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    /* max/min return their second operand when either is NaN: x second, so a NaN stays NaN */
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -86,9 +87,11 @@ static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, act
             __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
             mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
             mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-            const float absmax = _mm_cvtss_f32(mx);
-            const float d = absmax / 32767.0f;
-            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f);
+            const float absmax = _mm_cvtss_f32(mx), total = hsum(sum);
+            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too (the max
+             * above drops NaNs, and their int16 values would be 0) */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f); /* NaN d: zeros */
             int32_t qi[QK];
             for (int i = 0; i < QK; i += 8)
                 _mm256_storeu_si256((__m256i *)(qi + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv)));
@@ -98,7 +101,7 @@ static void quantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, act
                 q[QK / 2 + j] = (int16_t)qi[2 * j + 1];
             }
             a->d[m * nb + b] = d;
-            a->sum[m * nb + b] = hsum(sum);
+            a->sum[m * nb + b] = total;
         }
     }
 }
@@ -574,4 +577,4 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 15; }
+int asyncinfer_kernels_version(void) { return 16; }
