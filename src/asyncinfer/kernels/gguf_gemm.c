@@ -137,6 +137,20 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
  * compile-time constant at every call, so the accumulators stay in registers. Two accumulators per
  * row alternate between blocks, so that consecutive FMAs do not wait on each other; every row is
  * summed in the same order whatever ROWS is, so a row's result does not depend on the others. */
+/* A row's result from its two accumulators; with Q4_1's minimums (m16, else NULL), the offset term
+ * sum over blocks of m * (the block's sum of x), and the upper lane's 16x undone (unpack_q4_1). */
+static inline float finish_row(__m256 acc0, __m256 acc1, const uint16_t *m16, const float *sx, int64_t nb) {
+    __m256 sum = _mm256_add_ps(acc0, acc1);
+    if (!m16) return hsum(sum);
+    __m256 o = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b))), _mm256_loadu_ps(sx + b), o);
+    float offset = hsum(o);
+    for (; b < nb; b++) offset += half_to_float(m16[b]) * sx[b];
+    return hsum(_mm256_mul_ps(sum, q4_1_unscale())) + offset;
+}
+
 #define ROW_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                      \
     do {                                                                                          \
         _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
@@ -168,22 +182,8 @@ static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
             ROW_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                                                  \
         }                                                                                         \
         if (b < nb) ROW_BLOCK(b, 0, UNPACK, QS_BYTES);                                                              \
-        for (int i = 0; i < ROWS; i++) {                                                          \
-            float offset = 0.0f; /* Q4_1: sum over blocks of m * (the block's sum of x) */        \
-            if (HAS_MIN) {                                                                        \
-                const float *sx = a->sum + (m0 + i) * nb;                                         \
-                __m256 o = _mm256_setzero_ps();                                                   \
-                int64_t b = 0;                                                                    \
-                for (; b + 8 <= nb; b += 8)                                                       \
-                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b))), \
-                                        _mm256_loadu_ps(sx + b), o);                              \
-                offset = hsum(o);                                                                 \
-                for (; b < nb; b++) offset += half_to_float(m16[b]) * sx[b];                      \
-            }                                                                                     \
-            __m256 sum = _mm256_add_ps(acc[2 * i], acc[2 * i + 1]);                               \
-            if (HAS_MIN) sum = _mm256_mul_ps(sum, q4_1_unscale());                                \
-            out[i] = hsum(sum) + offset;                                                          \
-        }                                                                                         \
+        for (int i = 0; i < ROWS; i++)                                                            \
+            out[i] = finish_row(acc[2 * i], acc[2 * i + 1], HAS_MIN ? m16 : NULL, a->sum + (m0 + i) * nb, nb); \
     }
 
 ROW_KERNEL(row_q4_1, unpack_q4_1, 16, 1)
@@ -246,22 +246,8 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
             ROW2_ONE(b + 1, 1, UNPACK, QS_BYTES);                                                 \
         }                                                                                         \
         if (b < nb) ROW2_ONE(b, 0, UNPACK, QS_BYTES);                                             \
-        for (int r = 0; r < 2; r++) {                                                             \
-            float offset = 0.0f;                                                                  \
-            if (HAS_MIN) {                                                                        \
-                const float *sx = a->sum;                                                         \
-                __m256 o = _mm256_setzero_ps();                                                   \
-                int64_t bb = 0;                                                                   \
-                for (; bb + 8 <= nb; bb += 8)                                                     \
-                    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16[r] + bb))), \
-                                        _mm256_loadu_ps(sx + bb), o);                             \
-                offset = hsum(o);                                                                 \
-                for (; bb < nb; bb++) offset += half_to_float(m16[r][bb]) * sx[bb];               \
-            }                                                                                     \
-            __m256 sum = _mm256_add_ps(acc[2 * r], acc[2 * r + 1]);                               \
-            if (HAS_MIN) sum = _mm256_mul_ps(sum, q4_1_unscale());                                \
-            out[r] = hsum(sum) + offset;                                                          \
-        }                                                                                         \
+        for (int r = 0; r < 2; r++)                                                               \
+            out[r] = finish_row(acc[2 * r], acc[2 * r + 1], HAS_MIN ? m16[r] : NULL, a->sum, nb);    \
     }
 
 ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
@@ -577,4 +563,4 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 16; }
+int asyncinfer_kernels_version(void) { return 17; }
