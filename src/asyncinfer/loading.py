@@ -45,7 +45,13 @@ from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.loader import open_checkpoint
-from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, apply_weight_format, weight_bytes
+from asyncinfer.models.quant import (
+    BLOCK_FORMATS,
+    BlockLinear,
+    apply_weight_format,
+    native_decode_applies,
+    weight_bytes,
+)
 from asyncinfer.models.torch_compile import compile_decoder
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
@@ -213,8 +219,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     logger.info("memory plan: %s", plan.describe())
     compile_seconds = compile_decoder(loaded.model, mc, config.device, config.dtype) if config.torch_compile else None
     backend = select_attention_backend(config.device)
-    if (config.device.type == "cpu" and config.quantization in BLOCK_FORMATS and hasattr(backend, "native_decode")
-            and mc.head_dim % 8 == 0):
+    if hasattr(backend, "native_decode") and native_decode_applies(loaded.model):
         backend.native_decode = True  # the block formats run on asyncinfer's kernels: decode attention too
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)
     runner.compile_seconds = compile_seconds

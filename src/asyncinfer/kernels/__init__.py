@@ -86,7 +86,7 @@ def _torch_openmp() -> str | None:
     except OSError:
         return None
     paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.split()[-1].startswith("/")}
-    return sorted(paths)[0] if paths else None
+    return min(paths) if paths else None
 
 
 def _build(compiler: str) -> Path:
@@ -420,6 +420,14 @@ class DecodeLayer:
         if not h.is_contiguous():
             h = h.contiguous()
         tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        if torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
+            with torch.profiler.record_function("asyncinfer::decode_layer"):
+                return self._call(lib, h, cos, sin, k_cache, v_cache, slots, tables, context_lens)
+        return self._call(lib, h, cos, sin, k_cache, v_cache, slots, tables, context_lens)
+
+    def _call(self, lib: ctypes.CDLL, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor
+              ) -> torch.Tensor:
         lib.asyncinfer_decode_layer(h.data_ptr(), h.shape[0], self._hidden, *self._head, cos.data_ptr(),
                                     sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), k_cache.shape[1],

@@ -76,17 +76,14 @@ class LlamaDecoderLayer(nn.Module):
         self.attn = LlamaAttention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        # The whole layer in one kernel call for steps of decodes (asyncinfer.kernels.DecodeLayer): set
-        # for the block weight formats (quant.fuse_decode_layers); None: op by op.
+        # The whole layer in one kernel call for steps of decodes (asyncinfer.kernels.DecodeLayer), which
+        # LlamaForCausalLM.forward calls in place of this module: set for the block weight formats
+        # (quant.fuse_decode_layers); None: op by op.
         self.fused_decode = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        fused = self.fused_decode
-        if fused is not None and _all_native_decodes(meta):
-            return fused(x, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                         meta.decode_context_lens)  # [T, hidden]
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)  # [T, hidden]
         return x + self.mlp(self.post_attn_norm(x))  # [T, hidden]
 
@@ -129,23 +126,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
-        if self.layers[0].fused_decode is not None and _all_native_decodes(meta):
-            # Each layer in one kernel call (block formats), without a module call either; a layer left
-            # unfused (a projection skipped by quantization_skip) runs op by op.
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                fused = layer.fused_decode
-                if fused is None:
-                    h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
-                elif torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
-                    with torch.profiler.record_function("asyncinfer::decode_layer"):
-                        h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens)
-                else:
-                    h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                              meta.decode_context_lens)  # [T, hidden]
-            return self.norm(h)  # [T, hidden]
+        native = _all_native_decodes(meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
+            fused = layer.fused_decode if native else None
+            if fused is None:
+                h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
+            else:  # the whole layer in one kernel call (block formats), without a module call either
+                h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                          meta.decode_context_lens)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
 
     def init_buffers(self, device: torch.device | str) -> None:

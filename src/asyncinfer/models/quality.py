@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from asyncinfer.models.attention import select_attention_backend
-from asyncinfer.models.quant import BlockLinear, apply_weight_format
+from asyncinfer.models.quant import apply_weight_format, native_decode_applies
 
 
 def formatted(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> nn.Module:
@@ -43,7 +43,7 @@ class _Cache:
         self.lens: list[int] = []
         self.backend = select_attention_backend(torch.device("cpu"))
         # A model in a block format decodes as the engine runs it: attention in asyncinfer's kernel too.
-        self.backend.native_decode = cfg.head_dim % 8 == 0 and any(isinstance(m, BlockLinear) for m in model.modules())
+        self.backend.native_decode = native_decode_applies(model)
 
     def run(self, model: nn.Module, work: Sequence[tuple[int, Sequence[int]]], rows: str) -> torch.Tensor:
         """One forward over ``(sequence, new tokens)`` pairs (a new sequence gets the next index).

@@ -57,7 +57,7 @@ CPU_FORMATS = ("float16", "int8", "q8_0", "q4_1")
 CUDA_FORMATS = ("float16", "bfloat16")
 QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", "q8_0", "q4_1")
 #: The formats in ggml's block layouts, multiplied by asyncinfer's own kernels (asyncinfer.kernels).
-BLOCK_FORMATS = ("q8_0", "q4_1")
+BLOCK_FORMATS = tuple(kernels.BLOCK_FORMATS)
 #: The LM head's format under each block format: q4_1 keeps the head in Q8_0, as llama.cpp's
 #: Q4 files do (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding tied to the head).
 BLOCK_HEAD_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0"}
@@ -315,7 +315,7 @@ def linear_bytes(fmt: str, out_features: int, in_features: int, *, bias: bool) -
     """Bytes one projection takes in ``fmt``: its weights (int8: plus a float32 scale per output
     channel) and a float32 bias when there is one."""
     bias_bytes = 4 * out_features if bias else 0
-    if fmt in kernels.BLOCK_FORMATS:
+    if fmt in BLOCK_FORMATS:
         per_block, block_bytes = kernels.BLOCK_FORMATS[fmt]
         return out_features * (-(-in_features // per_block)) * block_bytes + bias_bytes
     if fmt == "int8":
@@ -375,6 +375,14 @@ def use_native_norms(model: nn.Module) -> None:
             module.norm_fn = kernels.rms_norm
 
 
+def native_decode_applies(model: nn.Module) -> bool:
+    """Whether ``model`` decodes on asyncinfer's kernels (attention included; the attention backend's
+    ``native_decode``): its projections are in a block format and its heads fit the attention
+    kernel's 8-wide vectors."""
+    head_dim = getattr(getattr(model, "config", None), "head_dim", 0)
+    return head_dim % 8 == 0 and head_dim > 0 and any(isinstance(m, BlockLinear) for m in model.modules())
+
+
 def fuse_decode_layers(model: nn.Module) -> int:
     """Give each decoder layer whose four projections are in block formats its one-call decode kernel
     (:class:`asyncinfer.kernels.DecodeLayer`, used for steps of decodes only); returns how many got one."""
@@ -387,7 +395,7 @@ def fuse_decode_layers(model: nn.Module) -> int:
             continue
         if any(p._bias is not None for p in projections[1:]):  # the kernel adds a bias to q/k/v only
             continue
-        if attn.head_dim % 8:  # the attention kernel's vectors
+        if not native_decode_applies(model):
             continue
         qkv, o, gate_up, down = projections
         layer.fused_decode = kernels.DecodeLayer(
@@ -464,7 +472,7 @@ def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_featu
     input size is not a whole number of blocks)."""
     if method is None or any(s in name for s in skip):
         return "float32"
-    if method in kernels.BLOCK_FORMATS and in_features % kernels.QK:
+    if method in BLOCK_FORMATS and in_features % kernels.QK:
         return "float32"
     return method
 
