@@ -449,7 +449,7 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
     for i in range(batch):
         prompt = list(workload.prompt_ids[i % workload.num_requests])
         room = engine.max_model_len - len(prompt)
-        params = SamplingParams(max_tokens=max(1, min(64, room)), ignore_eos=True)  # >= 3: still running when profiled
+        params = SamplingParams(max_tokens=max(1, min(64, room)), ignore_eos=True)  # >= 20: still running through the timed steps
         requests.append(Request(request_id=f"profile-b{batch}-{i}", prompt_token_ids=prompt, params=params,
                                 arrival_time=time.time()))
     for r in requests:
@@ -462,7 +462,11 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
         core.step()
         step_s = time.perf_counter() - start
     measured_batch = core.stats.batch_sizes[-1]
+    context = sum(r.num_tokens for r in requests) / len(requests)
     fused = fused_layer_split(core) if measured_batch == batch else None  # still all decoding
+    if fused is not None:
+        fused["mean_context_tokens"] = context
+        fused["all_decoding"] = all(b == batch for b in core.stats.batch_sizes[-fused["steps"]:])
     for r in requests:
         core.abort_request(r.request_id)
     averages = prof.key_averages()
@@ -486,15 +490,19 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
     }
 
 
-def fused_layer_split(core: Any) -> dict[str, Any] | None:
-    """For a model whose layers run as one kernel call each (the block formats): one more decode step,
-    not under torch's profiler, with the kernels adding up their own time (projections, attention, the
-    whole layer) and the LM head timed around its call. None for other models."""
+def fused_layer_split(core: Any, steps: int = 16) -> dict[str, Any] | None:
+    """For a model whose decode steps run on asyncinfer's kernels (the block formats): ``steps`` more
+    decode steps, not under torch's profiler, with the kernels adding up their own time (projections,
+    attention, the layers, the LM head) and the step timed around ``core.step()``; the split is of their
+    sums. The whole step in one call (``model.fused_stack``) times its head itself; layers called one by
+    one have the LM head timed around its call. None for other models."""
     model = core.runner.model
+    stack = getattr(model, "fused_stack", None)
     layers = [layer.fused_decode for layer in getattr(model, "layers", ()) if getattr(layer, "fused_decode", None)]
     head = getattr(model, "output_proj", None)
     if not layers or head is None:
         return None
+    timers = [stack] if stack is not None else layers
     head_s = [0.0]
     plain_forward = head.forward
 
@@ -504,23 +512,28 @@ def fused_layer_split(core: Any) -> dict[str, Any] | None:
         head_s[0] += time.perf_counter() - start
         return out
 
-    for layer in layers:
-        layer.time_parts(True)
+    for timer in timers:
+        timer.time_parts(True)
     head.forward = timed_head
     try:
-        start = time.perf_counter()
-        core.step()
-        step_s = time.perf_counter() - start
-        parts = sum(layer.timing for layer in layers).tolist()
+        step_s = 0.0
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            step_s += time.perf_counter() - start
+        parts = sum(timer.timing[:3] for timer in timers).tolist()
+        if stack is not None:
+            head_s[0] += float(stack.timing[3])
     finally:
         del head.forward
-        for layer in layers:
-            layer.time_parts(False)
+        for timer in timers:
+            timer.time_parts(False)
     projections = parts[0] + head_s[0]
-    return {"step_s": step_s, "layer_projections_s": parts[0], "head_s": head_s[0], "attention_s": parts[1],
-            "layers_s": parts[2], "split": {"projections": projections / step_s,
-                                            "attention": parts[1] / step_s,
-                                            "everything_else": 1 - projections / step_s}}
+    return {"steps": steps, "one_call": stack is not None, "step_s": step_s / steps,
+            "layer_projections_s": parts[0] / steps, "head_s": head_s[0] / steps, "attention_s": parts[1] / steps,
+            "layers_s": parts[2] / steps, "split": {"projections": projections / step_s,
+                                                    "attention": parts[1] / step_s,
+                                                    "everything_else": 1 - projections / step_s}}
 
 
 # =========================================================================== llama.cpp
@@ -878,14 +891,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{split['projections']:.0%}, everything else {split['everything_else']:.0%} (of which the K/V "
                   f"gather {split['kv_gather']:.0%}); top {args.profile_rows} by self CPU")
         else:
+            op = "the whole step one asyncinfer::decode_stack op" if fused.get("one_call") else \
+                "each layer one asyncinfer::decode_layer op"
             print(f"profile: one asyncinfer ({prof['format']}) decode step at batch {prof['batch']} "
-                  f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler, each layer one "
-                  f"asyncinfer::decode_layer op); top {args.profile_rows} by self CPU")
+                  f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler, {op}); top {args.profile_rows} "
+                  f"by self CPU")
             f = fused["split"]
-            print(f"  the same batch, one more step without the profiler ({fused['step_s'] * 1e3:.2f} ms), timed by "
-                  f"the kernels: projections {f['projections']:.0%} (layers {fused['layer_projections_s'] * 1e3:.2f} ms, "
-                  f"LM head {fused['head_s'] * 1e3:.2f} ms), attention {f['attention']:.0%}, "
-                  f"everything else {f['everything_else']:.0%}")
+            print(f"  the same batch, {fused['steps']} more steps without the profiler (mean context "
+                  f"{fused['mean_context_tokens']:.0f} tokens, {fused['step_s'] * 1e3:.2f} ms a step), timed by the "
+                  f"kernels: projections {f['projections']:.1%} (layers {fused['layer_projections_s'] * 1e3:.2f} ms, "
+                  f"LM head {fused['head_s'] * 1e3:.2f} ms), attention {f['attention']:.1%}, "
+                  f"everything else {f['everything_else']:.1%}")
         print(prof["table"])
 
     record.update({

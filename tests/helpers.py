@@ -161,6 +161,18 @@ class PagedRunner:
         ``last_only``, for its last token only ([1, vocab]), the rows the engine's runner
         projects (the int8 head quantizes its input per tensor, so the rows matter there).
         """
+        ids, pos, meta, query_lens = self.inputs(work)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+            if last_only:
+                last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+                return list(self.model.compute_logits(hidden.index_select(0, last)).cpu().split(1))
+            logits = self.model.compute_logits(hidden).cpu()  # all rows: tests compare every position
+        return list(logits.split(query_lens))
+
+    def inputs(self, work: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, Any, list[int]]:
+        """Take the blocks of a step's ``work`` (as :meth:`step` does) and return its model inputs: token
+        ids, positions, attention metadata and each sequence's query length."""
         input_ids, positions, slots = [], [], []
         query_lens, context_lens, tables = [], [], []
         for seq, tokens in work:
@@ -181,13 +193,7 @@ class PagedRunner:
                                            slot_mapping=slots, block_size=self.block_size, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, self.kv_caches, meta)
-            if last_only:
-                last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-                return list(self.model.compute_logits(hidden.index_select(0, last)).cpu().split(1))
-            logits = self.model.compute_logits(hidden).cpu()  # all rows: tests compare every position
-        return list(logits.split(query_lens))
+        return ids, pos, meta, query_lens
 
     def greedy(self, seq: int, prompt: list[int], n: int) -> list[int]:
         """``n`` greedy tokens for ``prompt`` as sequence ``seq``, alone: one prefill step, then one

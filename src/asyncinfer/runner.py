@@ -105,6 +105,11 @@ class ModelRunner:
             block_size=self.block_size,
             device=device,
         )
+        if len(inputs.logits_indices) == len(inputs.input_ids):  # every token sampled (e.g. all decodes)
+            fast = getattr(self.model, "decode_logits", None)  # the whole step in one call, where it applies
+            logits = None if fast is None else fast(input_ids, positions, self.kv_caches, meta)
+            if logits is not None:
+                return logits  # [num_tokens, vocab]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         if not inputs.logits_indices:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)

@@ -169,14 +169,20 @@ async def test_the_engine_in_q4_1_serves_float32s_greedy_tokens_on_q4_1_weights(
     reference = load_model(tmp_path, torch.float32, "cpu").model  # plain float32, torch's kernels
     prompts = [[5, 6, 7, 8], list(range(3, 40))]  # the second spans three blocks before decoding
     expected = [PagedRunner(reference, block_size=16).greedy(0, p, 24) for p in prompts]
+    assert model.fused_stack is not None and model.fused_stack.head is not None  # a decode step is one call
+    one_call = model.decode_logits
+    calls = []
+    model.decode_logits = lambda *a: calls.append(1) or one_call(*a)
     async with engine:
         outs = [await engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
+    assert len(calls) >= 2 * 23  # every decode step of both requests
     # A skipped projection leaves its layer op by op (the others still one call each): the same tokens.
     partial = AsyncEngine.from_pretrained(tmp_path, **opts, quantization="q4_1",
                                           quantization_skip=("layers.1.mlp.down_proj",))
     layers = partial.core.runner.model.layers
     assert layers[0].fused_decode is not None and layers[1].fused_decode is None
+    assert partial.core.runner.model.fused_stack is None
     async with partial:
         outs = [await partial.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
@@ -231,43 +237,72 @@ def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
 
 
 def test_the_one_call_decoder_layer_equals_the_layer_op_by_op(tmp_path) -> None:
-    """Decode steps of a q4_1 model through DecodeLayer (one kernel call a layer) and op by op (SDPA, torch's
-    element-wise ops, the same projections): the same logits within float32 rounding, the same greedy
-    tokens; at batch 2 (int16 activations) and 6 (float32 panels), q/k/v bias included (qwen2)."""
+    """Decode steps of a q4_1 model through DecodeStack (one kernel call a step), through DecodeLayer (one
+    a layer) and op by op (SDPA, torch's element-wise ops, the same projections): the same logits within
+    float32 rounding, the same greedy tokens; at batch 2 (int16 activations) and 6 (float32 panels), q/k/v
+    bias included (qwen2)."""
     import copy
 
     lossless_tiny("qwen2", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
     assert all(layer.fused_decode is not None for layer in model.layers)
-    fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)  # the same blocks and stale cache data
-    fused.backend.native_decode = True
+    stack = model.fused_stack
+    assert isinstance(stack, kernels.DecodeStack) and stack.layers == [layer.fused_decode for layer in model.layers]
     prompts = [list(range(3 + i, 9 + 3 * i)) for i in range(6)]
-    for batch in (2, 6):
-        seqs = range(10 * batch, 10 * batch + batch)
-        outs = [runner.step(list(zip(seqs, prompts[:batch]))) for runner in (fused, plain)]  # prefill: op by op
-        last = [int(o[-1].argmax()) for o in outs[1]]
-        for _ in range(5):  # decodes: fused layer against op by op
-            work = [(s, [t]) for s, t in zip(seqs, last)]
-            a, b = fused.step(work), plain.step(work)
-            for x, y in zip(a, b):
-                # float32 rounding in attention and SwiGLU can move an activation across an int16 step
-                # (batch 2): a few parts in 10,000 of a logit at most.
-                torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
-            last = [int(x.argmax()) for x in b]
-            assert last == [int(x.argmax()) for x in a]
-    # Profiling: the layer adds up its parts; a deep copy's kernel reads the copy's own weights.
-    layer = model.layers[0].fused_decode
-    layer.time_parts(True)
-    fused.step([(20, [last[0]])])
-    projections, attention, whole = layer.timing.tolist()
-    assert 0 < projections and 0 < attention and projections + attention < whole
-    layer.time_parts(False)
-    assert layer.timing is None
+    for mode in ("stack", "layers"):
+        model.fused_stack = stack if mode == "stack" else None
+        fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)  # the same blocks and stale cache data
+        fused.backend.native_decode = True
+        for batch in (2, 6):
+            seqs = range(10 * batch, 10 * batch + batch)
+            outs = [runner.step(list(zip(seqs, prompts[:batch]))) for runner in (fused, plain)]  # prefill: op by op
+            last = [int(o[-1].argmax()) for o in outs[1]]
+            for _ in range(5):  # decodes: fused against op by op
+                work = [(s, [t]) for s, t in zip(seqs, last)]
+                a, b = fused.step(work), plain.step(work)
+                for x, y in zip(a, b):
+                    # float32 rounding in attention and SwiGLU can move an activation across an int16 step
+                    # (batch 2): a few parts in 10,000 of a logit at most.
+                    torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
+                last = [int(x.argmax()) for x in b]
+                assert last == [int(x.argmax()) for x in a], mode
+        # Profiling: the call adds up its parts (the stack's for all layers, a layer's for its own).
+        timed = stack if mode == "stack" else model.layers[0].fused_decode
+        other = model.layers[0].fused_decode if mode == "stack" else stack
+        timed.time_parts(True)
+        fused.step([(20, [last[0]])])
+        projections, attention, whole = timed.timing.tolist()[:3]  # the stack's fourth: its head, unused here
+        assert 0 < projections and 0 < attention and projections + attention < whole
+        assert other.timing is None
+        timed.time_parts(False)
+        assert timed.timing is None
+    # A deep copy's kernels read the copy's own weights.
+    model.fused_stack = stack
     copied = copy.deepcopy(model)
     args = copied.layers[1].fused_decode._args
     assert args["qkv"][1] is copied.layers[1].attn.qkv_proj._blocks
     assert args["down"][1] is not model.layers[1].mlp.down_proj._blocks
+    assert copied.fused_stack.layers == [layer.fused_decode for layer in copied.layers]
+    assert copied.fused_stack._array[1].w_down == copied.layers[1].mlp.down_proj._blocks.data_ptr()
+
+
+def test_the_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_path) -> None:
+    lossless_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_1")
+    runner = PagedRunner(model, seed=1)
+    runner.step([(1, [3, 4, 5])])
+    stack, rotary = model.fused_stack, model.rotary
+    caches = runner.kv_caches
+    tables = torch.zeros(1, 1, dtype=torch.long)
+    one = torch.ones(1, dtype=torch.long)
+    vocab = model.embed_tokens.weight.shape[0]
+    for ids, positions, match in (([vocab], [1], "token id"), ([-1], [1], "token id"),
+                                  ([3], [rotary.cos_cache.shape[0]], "position")):
+        with pytest.raises(IndexError, match=match):
+            stack(torch.tensor(ids), model.embed_tokens.weight, torch.tensor(positions), rotary.cos_cache,
+                  rotary.sin_cache, caches, one, tables, one + 1)
 
 
 def test_bad_inputs_are_refused_by_name() -> None:
@@ -340,3 +375,54 @@ async def test_concurrent_requests_mix_decodes_and_prefill_chunks(tmp_path, skip
         stats = engine.core.stats
     assert list(got) == expected
     assert stats.steps > 0
+
+
+def test_argmax_picks_what_torch_picks() -> None:
+    """The greedy sampler's one-pass argmax: the first index among equal maxima, the first NaN, rows of any
+    stride, lengths that are not a multiple of 8, all -inf."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 1003, generator=g)
+    wide[1, 17] = wide[1, 900] = 50.0  # a tie: the first
+    wide[2, :] = float("-inf")
+    wide[3, 40] = float("nan")  # NaN beats everything, as in torch
+    wide[3, 999] = float("nan")
+    wide[4, 1001] = 60.0  # in the tail after the last 8
+    for x in (wide, wide[:, :1000], wide[:, :7], wide[:, :1], wide[::2]):
+        assert kernels.argmax(x) == x.argmax(dim=-1).tolist()
+    with pytest.raises(TypeError, match="float32"):
+        kernels.argmax(wide.double())
+    with pytest.raises(TypeError, match="contiguous rows"):
+        kernels.argmax(wide.t())
+
+
+def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
+    """With the model's block-format head, one call (decode_logits, the engine's path for steps of decodes)
+    returns exactly what the stack's normed states times the head give."""
+    lossless_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_1")
+    stack = model.fused_stack
+    assert stack.head is not None and stack.head[0] == model.output_proj.fmt
+    runners = [PagedRunner(model, seed=1) for _ in range(2)]
+    for runner in runners:
+        runner.backend.native_decode = True
+        runner.step([(1, [3, 4, 5]), (2, [6, 7])])
+    last = [8, 9]
+    for _ in range(3):
+        work = [(1, [last[0]]), (2, [last[1]])]
+        with torch.inference_mode():
+            ids, pos, meta, _ = runners[0].inputs(work)
+            one = model.decode_logits(ids, pos, runners[0].kv_caches, meta)
+            ids, pos, meta, _ = runners[1].inputs(work)
+            two = model.compute_logits(model(ids, pos, runners[1].kv_caches, meta))
+        assert one.shape == (2, model.config.vocab_size)
+        torch.testing.assert_close(one, two, rtol=0, atol=0)
+        last = kernels.argmax(one)
+    # Prefill chunks do not take it.
+    ids, pos, meta, _ = runners[0].inputs([(3, [1, 2, 3])])
+    assert model.decode_logits(ids, pos, runners[0].kv_caches, meta) is None
+    with pytest.raises(ValueError, match="needs a DecodeStack built with a head"):
+        kernels.DecodeStack(stack.layers, model.norm.weight, model.norm.eps)(
+            torch.tensor([1]), model.embed_tokens.weight, torch.tensor([1]), model.rotary.cos_cache,
+            model.rotary.sin_cache, runners[0].kv_caches, torch.ones(1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), logits=True)

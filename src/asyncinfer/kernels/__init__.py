@@ -40,7 +40,7 @@ PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 17
+_VERSION = 18
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -184,11 +184,14 @@ def _load() -> None:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
             ctypes.c_void_p, ctypes.c_int]
         lib.asyncinfer_decode_attention.restype = None
-        P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.asyncinfer_decode_layer.argtypes = [
-            P, I64, I64, P, P, ctypes.c_float, P, INT, P, P, INT, P, INT, P, INT, I64, I64, I64, I64, P, P, P, P, P,
-            P, I64, P, I64, ctypes.c_float, INT, P]
-        lib.asyncinfer_decode_layer.restype = None
+        P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.asyncinfer_decode_layer.argtypes = [P, P, I64, P, P, P, P, P, P, I64, P, I64, INT, P]
+        lib.asyncinfer_decode_layer.restype = INT
+        lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, I64, P, P, P, I64, P, F32, P, P, INT, I64, P,
+                                                P, P, I64, P, I64, INT, P]
+        lib.asyncinfer_decode_stack.restype = INT
+        lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
+        lib.asyncinfer_argmax.restype = None
         global PANEL_MIN_ROWS
         PANEL_MIN_ROWS = lib.asyncinfer_panel_min_rows()
         lib.asyncinfer_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -234,10 +237,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    expected = (out_features, k // QK * BLOCK_FORMATS[fmt][1])
-    if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
-        raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
-                         f"(the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}")
+    _check_blocks(packed, fmt, out_features, k)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     if bias is not None and bias.numel() != out_features:
@@ -250,6 +250,15 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
            scratch.data_ptr())
     return y
+
+
+def _check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int) -> None:
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    expected = (out_features, k // QK * BLOCK_FORMATS[fmt][1])
+    if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+        raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
+                         f"(the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}")
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -376,6 +385,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 _FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
 
 
+class _Layer(ctypes.Structure):
+    """``layer_t`` in gguf_gemm.c: one layer's weights (raw pointers) and shape."""
+
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("w_qkv", ctypes.c_void_p),
+                ("b_qkv", ctypes.c_void_p), ("w_o", ctypes.c_void_p), ("w_gate_up", ctypes.c_void_p),
+                ("w_down", ctypes.c_void_p), ("fmt_qkv", ctypes.c_int32), ("fmt_o", ctypes.c_int32),
+                ("fmt_gate_up", ctypes.c_int32), ("fmt_down", ctypes.c_int32), ("hidden", ctypes.c_int64),
+                ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _check(code: int, what: str) -> None:
+    if code == -1:
+        raise MemoryError(f"{what}: the kernels could not allocate their working memory")
+    if code:
+        raise RuntimeError(f"{what} failed with code {code}")
+
+
 class DecodeLayer:
     """One Llama-family decoder layer for a step of decodes, in a single kernel call
     (``asyncinfer_decode_layer``): norms, projections, rope, the K/V write, attention over the paged
@@ -393,12 +420,11 @@ class DecodeLayer:
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                       "intermediate_size": intermediate_size, "scale": scale}
         self._hidden = norm1.shape[0]
-        self._head = (norm1.data_ptr(), norm2.data_ptr(), eps,
-                      qkv[1].data_ptr(), _FORMAT_CODES[qkv[0]], None if qkv[2] is None else qkv[2].data_ptr(),
-                      o[1].data_ptr(), _FORMAT_CODES[o[0]], gate_up[1].data_ptr(), _FORMAT_CODES[gate_up[0]],
-                      down[1].data_ptr(), _FORMAT_CODES[down[0]], num_heads, num_kv_heads, head_dim,
-                      intermediate_size)
-        self._scale = scale
+        self._struct = _Layer(
+            norm1.data_ptr(), norm2.data_ptr(), qkv[1].data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
+            o[1].data_ptr(), gate_up[1].data_ptr(), down[1].data_ptr(), _FORMAT_CODES[qkv[0]], _FORMAT_CODES[o[0]],
+            _FORMAT_CODES[gate_up[0]], _FORMAT_CODES[down[0]], self._hidden, num_heads, num_kv_heads, head_dim,
+            intermediate_size, eps, scale)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
@@ -428,9 +454,125 @@ class DecodeLayer:
     def _call(self, lib: ctypes.CDLL, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor
               ) -> torch.Tensor:
-        lib.asyncinfer_decode_layer(h.data_ptr(), h.shape[0], self._hidden, *self._head, cos.data_ptr(),
-                                    sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                    tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), k_cache.shape[1],
-                                    self._scale, torch.get_num_threads(),
-                                    None if self.timing is None else self.timing.data_ptr())
+        _check(lib.asyncinfer_decode_layer(
+            ctypes.byref(self._struct), h.data_ptr(), h.shape[0], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
+            k_cache.shape[1], torch.get_num_threads(), None if self.timing is None else self.timing.data_ptr()),
+            "decode_layer")
         return h
+
+
+class DecodeStack:
+    """Every decoder layer of a model and its final norm, for a step of decodes, in one kernel call
+    (``asyncinfer_decode_stack``): the embedding rows, the rope rows for each position, each layer as
+    :class:`DecodeLayer` runs it, the final RMS norm and, with a ``head``, the logits. One call per
+    step instead of one per layer, and none of torch's per-op cost between them.
+
+    ``layers``: the model's DecodeLayers in order (kept here, with the weights they point to);
+    ``final_norm`` / ``eps``: the model's last norm; ``head``: None, or the output projection as
+    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them).
+    """
+
+    def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
+                 head: tuple[str, torch.Tensor, int] | None = None) -> None:
+        if not layers:
+            raise ValueError("DecodeStack needs at least one layer")
+        if head is not None:
+            fmt, blocks, out_features = head
+            _check_blocks(blocks, fmt, out_features, layers[0]._hidden)
+        self.layers = list(layers)
+        self.head = head
+        self._norm = final_norm.detach().float().contiguous()
+        self._eps = eps
+        self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
+        self._kv: tuple[list, int, ctypes.Array] | None = None  # the caches' pointer array, built once per list
+        #: None, or float64 [4] that each call adds its seconds to: the layers' projections, attention,
+        #: the layers as a whole, and the head (see :meth:`time_parts`).
+        self.timing: torch.Tensor | None = None
+
+    def time_parts(self, on: bool = True) -> None:
+        """Start (zeroed) or stop adding up where the calls spend their time (all layers together)."""
+        self.timing = torch.zeros(4, dtype=torch.float64) if on else None
+
+    def __deepcopy__(self, memo: dict) -> DecodeStack:
+        import copy
+
+        return DecodeStack([copy.deepcopy(layer, memo) for layer in self.layers], copy.deepcopy(self._norm, memo),
+                           self._eps, copy.deepcopy(self.head, memo))
+
+    def _cache_pointers(self, kv_caches: list) -> ctypes.Array:
+        held = self._kv
+        first = kv_caches[0][0].data_ptr()
+        if held is None or held[0] is not kv_caches or held[1] != first:
+            if len(kv_caches) != len(self.layers):
+                raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+            for k, v in kv_caches:
+                if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()):
+                    raise TypeError("DecodeStack takes contiguous float32 K/V caches")
+            pointers = (ctypes.c_void_p * (2 * len(kv_caches)))(*(t.data_ptr() for pair in kv_caches for t in pair))
+            held = self._kv = (kv_caches, first, pointers)
+        return held[2]
+
+    def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
+        """Run a step of decodes: int64 input_ids / positions / slots / context_lens [T]; ``embed`` the
+        embedding table [vocab, hidden]; cos/sin tables float32 [max_positions, head_dim / 2];
+        ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
+        states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
+
+        Raises IndexError for a token id or position outside its table."""
+        lib = _lib if _lib is not None else _need()
+        if logits and self.head is None:
+            raise ValueError("logits=True needs a DecodeStack built with a head")
+        num_tokens = input_ids.shape[0]
+        hidden = self.layers[0]._hidden
+        h = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        ids = input_ids.data_ptr()
+        if embed.dtype != torch.float32 or not embed.is_contiguous():  # embedded here instead
+            h.copy_(torch.nn.functional.embedding(input_ids, embed))
+            ids = None
+        head_blocks, head_fmt, head_n, result = None, 0, 0, None
+        if logits:
+            fmt, blocks, head_n = self.head  # type: ignore[misc]
+            head_blocks, head_fmt = blocks.data_ptr(), _FORMAT_CODES[fmt]
+            result = torch.empty(num_tokens, head_n, dtype=torch.float32)
+        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        args = (self._array, len(self.layers), self._cache_pointers(kv_caches), h.data_ptr(), num_tokens, ids,
+                embed.data_ptr(), embed.shape[0], positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
+                cos_table.shape[0], self._norm.data_ptr(), self._eps, out.data_ptr(), head_blocks, head_fmt, head_n,
+                None if result is None else result.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                context_lens.data_ptr(), kv_caches[0][0].shape[1], torch.get_num_threads(),
+                None if self.timing is None else self.timing.data_ptr())
+        if torch.autograd.profiler._is_profiler_enabled:  # one op per step in a trace
+            with torch.profiler.record_function("asyncinfer::decode_stack"):
+                code = lib.asyncinfer_decode_stack(*args)
+        else:
+            code = lib.asyncinfer_decode_stack(*args)
+        if code == 1:
+            raise IndexError(f"a token id is outside the embedding table [0, {embed.shape[0]})")
+        if code == 2:
+            raise IndexError(f"a position is outside the rope table [0, {cos_table.shape[0]})")
+        _check(code, "decode_stack")
+        return out if result is None else result
+
+
+def loaded() -> bool:
+    """Whether the kernels are already built and loaded in this process (never builds them, unlike
+    :func:`available`): for callers that use them only when something else has (the sampler)."""
+    return _lib is not None
+
+
+def argmax(x: torch.Tensor) -> list[int]:
+    """Each row's index of its largest value of float32 x [rows, n] (rows may be strided; values
+    contiguous), the first among equals and the first NaN if any, as ``torch.argmax`` picks them:
+    one vectorised pass, for greedy sampling."""
+    lib = _lib if _lib is not None else _need()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0 or (
+            x.shape[0] > 1 and x.stride(0) < x.shape[1]) or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise TypeError(f"argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
+                        f"{tuple(x.shape)} on {x.device}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.asyncinfer_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out.tolist()

@@ -416,53 +416,126 @@ void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, cons
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
  * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
- * D must be a multiple of 8. */
+ * D must be a multiple of 8.
+ *
+ * Each key's score is one 8-lane dot product (hsum), four keys in flight at a time so that the
+ * FMA chains overlap; the output is accumulated in registers, 32 dimensions at a time over every
+ * value row (two keys in flight, even and odd, added at the end), so nothing waits on a store. */
+static inline float key_score(const float *qv, const float *kv, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
+    return hsum(acc);
+}
+
+/* Memory, not arithmetic, bounds decode attention (the cache is cold after a step's weights have
+ * streamed through): rows AHEAD keys on are requested while the current ones are summed, so that
+ * many misses are in flight at once. */
+#define AHEAD 16
+static inline void prefetch_keys(const float *cache, const int64_t *table, int64_t t, int64_t BS, int64_t row,
+                                 int64_t D, int rows) {
+    const float *p = cache + table[t / BS] * BS * row + (t % BS) * row;
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(p + r * row + i), _MM_HINT_T0);
+}
+
+static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
+                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+    float mx = -INFINITY;
+    for (int64_t b = 0, t = 0; t < L; b++) {
+        const float *kb = k_cache + table[b] * BS * row;
+        const int64_t n = L - t < BS ? L - t : BS;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) { /* the same per-key sums as key_score, four chains at once */
+            const float *k0 = kb + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+            if (t + j + AHEAD < L) prefetch_keys(k_cache, table, t + j + AHEAD, BS, row, D, 4);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 qi = _mm256_loadu_ps(qv + i);
+                a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+                a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+                a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+            }
+            pg[t + j] = hsum(a0) * scale;
+            pg[t + j + 1] = hsum(a1) * scale;
+            pg[t + j + 2] = hsum(a2) * scale;
+            pg[t + j + 3] = hsum(a3) * scale;
+        }
+        for (; j < n; j++) pg[t + j] = key_score(qv, kb + j * row, D) * scale;
+        for (j = 0; j < n; j++) mx = pg[t + j] > mx ? pg[t + j] : mx;
+        t += n;
+    }
+    __m256 dsum = _mm256_setzero_ps();
+    const __m256 mxv = _mm256_set1_ps(mx);
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
+        _mm256_storeu_ps(pg + t, e);
+        dsum = _mm256_add_ps(dsum, e);
+    }
+    float denom = hsum(dsum);
+    for (; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
+    const __m256 inv = _mm256_set1_ps(1.0f / denom);
+    const int64_t wide = D - D % 32;
+    for (int64_t i0 = 0; i0 < wide; i0 += 32) {
+        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+        t = 0;
+        for (int64_t b = 0; t < L; b++) {
+            const float *vb = v_cache + table[b] * BS * row + i0;
+            const int64_t n = L - t < BS ? L - t : BS;
+            int64_t j = 0;
+            for (; j + 2 <= n; j += 2) {
+                const float *v0 = vb + j * row, *v1 = v0 + row;
+                if (t + j + AHEAD < L) prefetch_keys(v_cache + i0, table, t + j + AHEAD, BS, row, 32, 2);
+                const __m256 w0 = _mm256_broadcast_ss(pg + t + j), w1 = _mm256_broadcast_ss(pg + t + j + 1);
+                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+                o0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1), o0);
+                o1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 8), o1);
+                o2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 16), o2);
+                o3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 24), o3);
+            }
+            if (j < n) { /* an odd block length: its last key on the even chains */
+                const float *v0 = vb + j * row;
+                const __m256 w0 = _mm256_broadcast_ss(pg + t + j);
+                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+            }
+            t += n;
+        }
+        _mm256_storeu_ps(o + i0, _mm256_mul_ps(_mm256_add_ps(e0, o0), inv));
+        _mm256_storeu_ps(o + i0 + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), inv));
+        _mm256_storeu_ps(o + i0 + 16, _mm256_mul_ps(_mm256_add_ps(e2, o2), inv));
+        _mm256_storeu_ps(o + i0 + 24, _mm256_mul_ps(_mm256_add_ps(e3, o3), inv));
+    }
+    for (int64_t i0 = wide; i0 < D; i0 += 8) { /* D not a multiple of 32: the last 8s one chain each */
+        __m256 acc = _mm256_setzero_ps();
+        t = 0;
+        for (int64_t b = 0; t < L; b++) {
+            const float *vb = v_cache + table[b] * BS * row + i0;
+            const int64_t n = L - t < BS ? L - t : BS;
+            for (int64_t j = 0; j < n; j++)
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + j), _mm256_loadu_ps(vb + j * row), acc);
+            t += n;
+        }
+        _mm256_storeu_ps(o + i0, _mm256_mul_ps(acc, inv));
+    }
+}
+
 void asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                  int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
                                  int64_t BS, float scale, float *out, int threads) {
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
     for (int64_t task = 0; task < S * H; task++) {
-        const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s], nblocks = (L + BS - 1) / BS;
-        const int64_t *table = tables + s * ldt;
+        const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s];
         float *pg = (float *)malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
-        const float *qv = q + (s * H + head) * D;
-        float mx = -INFINITY;
-        for (int64_t b = 0, t = 0; b < nblocks; b++) {
-            const float *kb = k_cache + table[b] * BS * row + kvh * D;
-            for (int64_t j = 0; j < BS && t < L; j++, t++) {
-                const float *kv = kb + j * row;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t i = 0; i < D; i += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
-                pg[t] = hsum(acc) * scale;
-                if (pg[t] > mx) mx = pg[t];
-            }
-        }
-        __m256 dsum = _mm256_setzero_ps();
-        const __m256 mxv = _mm256_set1_ps(mx);
-        int64_t t = 0;
-        for (; t + 8 <= L; t += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
-            _mm256_storeu_ps(pg + t, e);
-            dsum = _mm256_add_ps(dsum, e);
-        }
-        float denom = hsum(dsum);
-        for (; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
-        float *o = out + (s * H + head) * D;
-        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-        t = 0;
-        for (int64_t b = 0; b < nblocks; b++) {
-            const float *vb = v_cache + table[b] * BS * row + kvh * D;
-            for (int64_t j = 0; j < BS && t < L; j++, t++) {
-                const __m256 w = _mm256_set1_ps(pg[t]);
-                const float *vv = vb + j * row;
-                for (int64_t i = 0; i < D; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
-            }
-        }
-        const __m256 inv = _mm256_set1_ps(1.0f / denom);
-        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, L, BS, row, D, scale,
+               pg, out + (s * H + head) * D);
         free(pg);
     }
 }
@@ -483,6 +556,49 @@ typedef void (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const void *, 
 
 static gemm_fn gemm_of(int fmt) { return fmt == 0 ? asyncinfer_gemm_q4_1 : asyncinfer_gemm_q8_0; }
 
+/* One layer's weights and shape, built once (the Python side's DecodeLayer holds one). */
+typedef struct {
+    const float *norm1, *norm2;
+    const void *w_qkv;
+    const float *b_qkv; /* [q + 2 kv] or NULL */
+    const void *w_o, *w_gate_up, *w_down;
+    int32_t fmt_qkv, fmt_o, fmt_gate_up, fmt_down;
+    int64_t hidden, H, KVH, D, I;
+    float eps, scale;
+} layer_t;
+
+/* A step's working memory, sized for the widest layer of a call. */
+typedef struct {
+    float *x, *wide, *attn, *out;
+    void *scratch;
+} step_bufs;
+
+static int bufs_alloc(step_bufs *b, const layer_t *layers, int64_t n, int64_t T) {
+    int64_t xw = 0, ww = 0, aw = 0, ow = 0, sb = 0;
+    for (int64_t l = 0; l < n; l++) {
+        const layer_t *L = layers + l;
+        const int64_t q = L->H * L->D, qkv = q + 2 * L->KVH * L->D, k_in = L->hidden > L->I ? L->hidden : L->I;
+        const int64_t cand[4] = {L->hidden > q ? L->hidden : q, qkv > 2 * L->I ? qkv : 2 * L->I, q > L->I ? q : L->I,
+                                 L->hidden};
+        xw = cand[0] > xw ? cand[0] : xw;
+        ww = cand[1] > ww ? cand[1] : ww;
+        aw = cand[2] > aw ? cand[2] : aw;
+        ow = cand[3] > ow ? cand[3] : ow;
+        const int64_t s = asyncinfer_scratch_bytes(T, k_in > q ? k_in : q);
+        sb = s > sb ? s : sb;
+    }
+    b->x = (float *)malloc(sizeof(float) * (size_t)(T * xw));
+    b->wide = (float *)malloc(sizeof(float) * (size_t)(T * ww));
+    b->attn = (float *)malloc(sizeof(float) * (size_t)(T * aw));
+    b->out = (float *)malloc(sizeof(float) * (size_t)(T * ow));
+    b->scratch = malloc((size_t)sb + 64);
+    return b->x && b->wide && b->attn && b->out && b->scratch;
+}
+
+static void bufs_free(step_bufs *b) {
+    free(b->x); free(b->wide); free(b->attn); free(b->out); free(b->scratch);
+}
+
 static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -498,26 +614,19 @@ static double now(void) {
         if (timing) timing[slot] += now() - mark;                                                 \
     } while (0)
 
-void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *norm1, const float *norm2, float eps,
-                             const void *w_qkv, int fmt_qkv, const float *b_qkv, const void *w_o, int fmt_o,
-                             const void *w_gate_up, int fmt_gate_up, const void *w_down, int fmt_down, int64_t H,
-                             int64_t KVH, int64_t D, int64_t I, const float *cos, const float *sin, float *k_cache,
-                             float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt,
-                             const int64_t *ctx, int64_t BS, float scale, int threads, double *timing) {
+static void layer_step(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin, float *k_cache,
+                       float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt, const int64_t *ctx,
+                       int64_t BS, int threads, double *timing, const step_bufs *b) {
+    const int64_t hidden = L->hidden, H = L->H, KVH = L->KVH, D = L->D, I = L->I;
     const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size, half = D / 2;
     const double start = timing ? now() : 0.0;
     double mark = start;
-    const int64_t widest = qkv_size > 2 * I ? qkv_size : 2 * I;
-    const int64_t k_in = hidden > I ? (hidden > q_size ? hidden : q_size) : (I > q_size ? I : q_size);
-    float *x = (float *)malloc(sizeof(float) * (size_t)(T * (hidden > q_size ? hidden : q_size)));
-    float *wide = (float *)malloc(sizeof(float) * (size_t)(T * widest));
-    float *attn = (float *)malloc(sizeof(float) * (size_t)(T * (q_size > I ? q_size : I)));
-    float *out = (float *)malloc(sizeof(float) * (size_t)(T * hidden));
-    void *scratch = malloc((size_t)asyncinfer_scratch_bytes(T, k_in) + 64);
+    float *x = b->x, *wide = b->wide, *attn = b->attn, *out = b->out;
 
     /* attention block */
-    asyncinfer_rms_norm(h, T, hidden, hidden, norm1, eps, x, threads);
-    TIMED(0, gemm_of(fmt_qkv)(x, T, hidden, hidden, w_qkv, qkv_size, b_qkv, wide, qkv_size, threads, scratch));
+    asyncinfer_rms_norm(h, T, hidden, hidden, L->norm1, L->eps, x, threads);
+    TIMED(0, gemm_of(L->fmt_qkv)(x, T, hidden, hidden, L->w_qkv, qkv_size, L->b_qkv, wide, qkv_size, threads,
+                                 b->scratch));
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_size;
         const float *c = cos + t * half, *sn = sin + t * half;
@@ -525,8 +634,8 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
             float *v = row + head * D;
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = v[i], x2 = v[i + half];
-                const float a = x1 * c[i], b = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
-                v[i] = a - b;
+                const float a = x1 * c[i], bb = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
+                v[i] = a - bb;
                 v[i + half] = e + f;
             }
         }
@@ -534,13 +643,15 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
         memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
         memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
     }
-    TIMED(1, asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, scale, attn, threads));
-    TIMED(0, gemm_of(fmt_o)(attn, T, q_size, q_size, w_o, hidden, NULL, out, hidden, threads, scratch));
+    TIMED(1, asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, attn,
+                                         threads));
+    TIMED(0, gemm_of(L->fmt_o)(attn, T, q_size, q_size, L->w_o, hidden, NULL, out, hidden, threads, b->scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
 
     /* MLP block */
-    asyncinfer_rms_norm(h, T, hidden, hidden, norm2, eps, x, threads);
-    TIMED(0, gemm_of(fmt_gate_up)(x, T, hidden, hidden, w_gate_up, 2 * I, NULL, wide, 2 * I, threads, scratch));
+    asyncinfer_rms_norm(h, T, hidden, hidden, L->norm2, L->eps, x, threads);
+    TIMED(0, gemm_of(L->fmt_gate_up)(x, T, hidden, hidden, L->w_gate_up, 2 * I, NULL, wide, 2 * I, threads,
+                                     b->scratch));
     for (int64_t t = 0; t < T; t++) {
         const float *g = wide + t * 2 * I, *u = g + I;
         float *a = attn + t * I;
@@ -553,14 +664,105 @@ void asyncinfer_decode_layer(float *h, int64_t T, int64_t hidden, const float *n
         }
         for (; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
-    TIMED(0, gemm_of(fmt_down)(attn, T, I, I, w_down, hidden, NULL, out, hidden, threads, scratch));
+    TIMED(0, gemm_of(L->fmt_down)(attn, T, I, I, L->w_down, hidden, NULL, out, hidden, threads, b->scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
-
-    free(x); free(wide); free(attn); free(out); free(scratch);
     if (timing) timing[2] += now() - start;
+}
+
+/* One layer (DecodeLayer). Returns 0, or -1 when its working memory cannot be allocated. */
+int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin,
+                            float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                            const int64_t *ctx, int64_t BS, int threads, double *timing) {
+    step_bufs b;
+    const int ok = bufs_alloc(&b, L, 1, T);
+    if (ok) layer_step(L, h, T, cos, sin, k_cache, v_cache, slots, tables, ldt, ctx, BS, threads, timing, &b);
+    bufs_free(&b);
+    return ok ? 0 : -1;
+}
+
+/* Every layer of a model and its final norm for a step of decodes (DecodeStack): h [T, hidden] is
+ * the residual stream (ids: NULL, or the tokens, whose rows of the float32 embedding table
+ * [vocab, hidden] it is first filled with); cos_table / sin_table: [max_pos, D / 2], read at
+ * each token's position; caches: layer l's K and V caches at 2l and 2l + 1; out: [T, hidden], the
+ * final-normed states; logits: NULL, or [T, head_n], out times the head's weights (head_w in format
+ * head_fmt, head_n rows). timing: NULL or four doubles, the layers' three (TIMED) and the head's.
+ * Returns 0; 1 for a token id outside [0, vocab), 2 for a position outside [0, max_pos) (nothing
+ * is computed then); -1 when working memory cannot be allocated. */
+int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
+                            const int64_t *ids, const float *embed, int64_t vocab, const int64_t *positions,
+                            const float *cos_table, const float *sin_table, int64_t max_pos, const float *final_norm,
+                            float final_eps, float *out, const void *head_w, int head_fmt, int64_t head_n,
+                            float *logits, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                            const int64_t *ctx, int64_t BS, int threads, double *timing) {
+    const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        if (ids && (ids[t] < 0 || ids[t] >= vocab)) return 1;
+        if (positions[t] < 0 || positions[t] >= max_pos) return 2;
+    }
+    step_bufs b;
+    float *cs = (float *)malloc(sizeof(float) * (size_t)(2 * T * half));
+    int ok = bufs_alloc(&b, layers, n, T) && cs;
+    if (ok) {
+        if (ids)
+            for (int64_t t = 0; t < T; t++) memcpy(h + t * hidden, embed + ids[t] * hidden, sizeof(float) * (size_t)hidden);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(cs + t * half, cos_table + positions[t] * half, sizeof(float) * (size_t)half);
+            memcpy(cs + (T + t) * half, sin_table + positions[t] * half, sizeof(float) * (size_t)half);
+        }
+        for (int64_t l = 0; l < n; l++)
+            layer_step(layers + l, h, T, cs, cs + T * half, caches[2 * l], caches[2 * l + 1], slots, tables, ldt, ctx,
+                       BS, threads, timing, &b);
+        asyncinfer_rms_norm(h, T, hidden, hidden, final_norm, final_eps, out, threads);
+        if (logits) {
+            double mark = 0.0;
+            TIMED(3, gemm_of(head_fmt)(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads,
+                                       b.scratch));
+        }
+    }
+    bufs_free(&b);
+    free(cs);
+    return ok ? 0 : -1;
+}
+
+/* The index of each row's largest value, the first one among equals, as torch.argmax picks it (a NaN
+ * counts as the largest: the first NaN's index). x: [rows, n], row stride ldx; out: [rows]. */
+void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ldx;
+        int64_t i = 0, best = 0;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        __m256i at = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        int nan = 0;
+        const int64_t wide = n < (int64_t)1 << 31 ? n - n % 8 : 0; /* int32 lane indices */
+        for (; i < wide; i += 8) {
+            const __m256 e = _mm256_loadu_ps(v + i);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(e, e, _CMP_UNORD_Q))) { nan = 1; break; }
+            const __m256 gt = _mm256_cmp_ps(e, mx, _CMP_GT_OQ); /* strictly greater: a lane keeps its first */
+            mx = _mm256_blendv_ps(mx, e, gt);
+            at = _mm256_blendv_epi8(at, idx, _mm256_castps_si256(gt));
+            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        }
+        float m = -INFINITY; /* the maximum of v[0, i) and its first index (0 while all are -inf) */
+        if (!nan && i > 0) {
+            float lm[8];
+            int32_t li[8];
+            _mm256_storeu_ps(lm, mx);
+            _mm256_storeu_si256((__m256i *)li, at);
+            m = lm[0];
+            best = li[0];
+            for (int k = 1; k < 8; k++)
+                if (lm[k] > m || (lm[k] == m && li[k] < best)) { m = lm[k]; best = li[k]; }
+        }
+        if (nan) i = 0; /* start again, one value at a time, to find the first NaN */
+        for (; i < n; i++) {
+            if (v[i] != v[i]) { best = i; break; }
+            if (v[i] > m) { m = v[i]; best = i; }
+        }
+        out[r] = best;
+    }
 }
 
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 17; }
+int asyncinfer_kernels_version(void) { return 18; }

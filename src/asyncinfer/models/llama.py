@@ -110,6 +110,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A replacement output projection (e.g. int8, see quant.py); None: use lm_head_weight.
         self.output_proj: nn.Module | None = None
+        # Every layer and the final norm in one kernel call for steps of decodes (block formats, see
+        # quant.fuse_decode_layers); None: the layers run one by one.
+        self.fused_stack = None
 
     def forward(
         self,
@@ -124,9 +127,13 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        native = _all_native_decodes(meta)
+        if native and self.fused_stack is not None:  # the whole step in one kernel call
+            return self.fused_stack(input_ids, self.embed_tokens.weight, positions, self.rotary.cos_cache,
+                                    self.rotary.sin_cache, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                                    meta.decode_context_lens)  # [T, hidden]
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
-        native = _all_native_decodes(meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             fused = layer.fused_decode if native else None
             if fused is None:
@@ -135,6 +142,17 @@ class LlamaForCausalLM(nn.Module):
                 h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
                           meta.decode_context_lens)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
+
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """``compute_logits(forward(...))`` for a step whose every token is sampled, in one kernel call:
+        float32 logits [T, vocab], or None where that call does not apply (then use those two)."""
+        stack = self.fused_stack
+        if stack is None or stack.head is None or not _all_native_decodes(meta):
+            return None
+        return stack(input_ids, self.embed_tokens.weight, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                     kv_caches, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, logits=True)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Compute the rope tables (a non-persistent buffer, never in checkpoints) on ``device``."""

@@ -47,6 +47,7 @@ from torch import nn
 
 from asyncinfer import kernels
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.meta import build_on_meta
 
 if TYPE_CHECKING:
@@ -385,7 +386,10 @@ def native_decode_applies(model: nn.Module) -> bool:
 
 def fuse_decode_layers(model: nn.Module) -> int:
     """Give each decoder layer whose four projections are in block formats its one-call decode kernel
-    (:class:`asyncinfer.kernels.DecodeLayer`, used for steps of decodes only); returns how many got one."""
+    (:class:`asyncinfer.kernels.DecodeLayer`, used for steps of decodes only); returns how many got one.
+    When every layer got one, the model also gets the whole stack, its final norm and (a block-format
+    output projection) its logits as one call (:class:`asyncinfer.kernels.DecodeStack`,
+    ``model.fused_stack``)."""
     fused = 0
     for layer in getattr(model, "layers", ()):
         attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
@@ -408,6 +412,12 @@ def fuse_decode_layers(model: nn.Module) -> int:
             intermediate_size=mlp.intermediate_size, scale=attn.scale,
         )
         fused += 1
+    layers = list(getattr(model, "layers", ()))
+    norm = getattr(model, "norm", None)
+    if hasattr(model, "fused_stack") and layers and fused == len(layers) and isinstance(norm, RMSNorm):
+        out = getattr(model, "output_proj", None)
+        head = (out.fmt, out._blocks, out.out_features) if isinstance(out, BlockLinear) and out._bias is None else None
+        model.fused_stack = kernels.DecodeStack([layer.fused_decode for layer in layers], norm.weight, norm.eps, head)
     return fused
 
 
