@@ -305,3 +305,31 @@ def test_property_stop_strings(tok, data, include):
         assert reason not in shown
     if hit:
         assert reason is not None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans())
+def test_the_backend_decode_gives_transformers_text(tok, data, skip) -> None:
+    """The detokenizer decodes with the Rust tokenizer behind a fast tokenizer (transformers' decode only
+    wraps it): the same text as transformers' own decode, special tokens included or skipped."""
+    name, tokenizer = tok
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
+    assert det._backend is tokenizer.backend_tokenizer
+    ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=24))
+    assert det._decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it() -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    class Shouting(PreTrainedTokenizerFast):
+        def decode(self, token_ids, **kwargs):  # type: ignore[override]
+            return super().decode(token_ids, **kwargs).upper()
+
+    base = _bytelevel()
+    shouting = Shouting(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>")
+    det = IncrementalDetokenizer(shouting, [], SamplingParams())
+    assert det._backend is None
+    ids = base.encode("def f(x):")
+    assert det._decode(ids) == base.decode(ids).upper()
+    assert IncrementalDetokenizer(object(), [], SamplingParams())._backend is None  # not a transformers tokenizer

@@ -363,3 +363,17 @@ def test_cuda_paths():
     assert out.token_ids[2] != 0 and out.token_ids[3] == logits[3].argmax().item()
     alone, batched = _run_alone_and_in_batch(seed=11, device=dev)
     assert alone == batched
+
+
+def test_the_steps_own_argmax_serves_plain_greedy_rows_only():
+    """A step whose kernel computed each row's argmax hands it over: plain greedy rows take it as it is; a
+    row with any other parameter (here a temperature, or min_tokens masking EOS) samples from the logits."""
+    sampler = Sampler(vocab_size=8, device="cpu", eos_token_ids=(3,), seed=0)
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 5.0  # both rows' argmax: 3, the EOS token
+    hint = [3, 3]
+    assert sampler(logits, [state(temperature=0), state(temperature=0)], hint).token_ids == [3, 3]
+    assert sampler(logits, [state(temperature=0), state(temperature=0)], [6, 7]).token_ids == [6, 7]  # taken as given
+    masked = sampler(logits, [state(temperature=0), state(temperature=0, min_tokens=2)], hint).token_ids
+    assert masked[0] == 3 and masked[1] != 3  # min_tokens masks EOS: the hint is not used
+    assert sampler(logits, [state(temperature=0)] * 2, [3]).token_ids == [3, 3]  # a hint of the wrong size: ignored

@@ -393,8 +393,13 @@ class _StepTokens:
         assert len(caught_up) == len(self.rows)
         requests, rows = self.core._fork_samples(self.rows)
         # Forked samples draw from their parent's row.
-        logits = self.logits if len(requests) == len(self.rows) else self.logits[rows]
-        drawn = self.core.sampler(logits, [r.sampling_state for r in requests])
+        forked = len(requests) != len(self.rows)
+        logits = self.logits[rows] if forked else self.logits
+        sampler, states = self.core.sampler, [r.sampling_state for r in requests]
+        greedy = None if forked else self.core.runner.greedy_tokens  # the argmax the step computed, if it did
+        # (only to the engine's own Sampler: a replacement keeps the two-argument call)
+        drawn = sampler(logits, states, greedy) if greedy is not None and type(sampler) is Sampler else sampler(
+            logits, states)
         self.logprobs = dict(zip(requests, drawn.logprobs))
         return list(zip(requests, drawn.token_ids))
 

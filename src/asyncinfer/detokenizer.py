@@ -45,6 +45,7 @@ including a stop string is shown anyway).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from asyncinfer.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class IncrementalDetokenizer:
         self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": params.skip_special_tokens}
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
+        self._backend = _backend_tokenizer(tokenizer)
 
         self._prefix_offset = 0
         self._read_offset = 0
@@ -145,6 +147,8 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ internals
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return self.tokenizer.decode(ids, **self._decode_kwargs)
 
     def _decode_new(self) -> str:
@@ -211,3 +215,19 @@ class IncrementalDetokenizer:
             self._pending = self._pending[end:]
             self._done.append(out)
         return out
+
+
+def _backend_tokenizer(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a fast Hugging Face tokenizer whose ``decode`` only wraps it
+    (neither ``decode`` nor ``_decode`` overridden; the detokenizer turns the clean-up off), else None.
+    Decoding with it gives the same text without transformers' per-call Python, which a decode step
+    pays once per request per token."""
+    transformers = sys.modules.get("transformers")  # not loaded: the tokenizer is not one of its classes
+    if transformers is None:
+        return None
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast  # noqa: N806 (the library's class)
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerFast.decode or (
+            cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    return getattr(tokenizer, "backend_tokenizer", None)

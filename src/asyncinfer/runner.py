@@ -56,6 +56,9 @@ class ModelRunner:
         self.backend = backend
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
         self.compile_seconds: float | None = None  # set when the model's chains were compiled (torch_compile)
+        #: After :meth:`execute`: each logits row's argmax when the step's kernel computed it (the greedy
+        #: tokens, for the sampler), else None.
+        self.greedy_tokens: list[int] | None = None
 
     @property
     def block_size(self) -> int:
@@ -91,12 +94,19 @@ class ModelRunner:
                 inputs.sampled.append(request)
         return inputs
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run one forward pass; returns float32 logits ``[len(inputs.sampled), vocab]``."""
         device = self.device
-        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)  # [num_tokens]
-        positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)  # [num_tokens]
+        num_tokens = len(inputs.input_ids)
+        self.greedy_tokens = None
+        if getattr(self.backend, "native_decode", False) and len(inputs.logits_indices) == num_tokens == len(
+                inputs.query_lens):  # decodes only, each sampled: the whole step in one kernel call
+            done = self._decode_packed(inputs, num_tokens)
+            if done is not None:
+                logits, self.greedy_tokens = done
+                return logits  # [num_tokens, vocab]
+        input_ids, positions = torch.tensor([inputs.input_ids, inputs.positions], dtype=torch.long,
+                                            device=device).unbind()  # [num_tokens] each: one copy from Python
         meta = self.backend.build_metadata(
             query_lens=inputs.query_lens,
             context_lens=inputs.context_lens,
@@ -105,13 +115,25 @@ class ModelRunner:
             block_size=self.block_size,
             device=device,
         )
-        if len(inputs.logits_indices) == len(inputs.input_ids):  # every token sampled (e.g. all decodes)
-            fast = getattr(self.model, "decode_logits", None)  # the whole step in one call, where it applies
-            logits = None if fast is None else fast(input_ids, positions, self.kv_caches, meta)
-            if logits is not None:
-                return logits  # [num_tokens, vocab]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not inputs.logits_indices:
-            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        index = torch.tensor(inputs.logits_indices, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_sampled, vocab]
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            if not inputs.logits_indices:
+                return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+            index = torch.tensor(inputs.logits_indices, dtype=torch.long, device=device)
+            return self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_sampled, vocab]
+
+    def _decode_packed(self, inputs: StepInputs, num_tokens: int) -> tuple[torch.Tensor, list[int]] | None:
+        """A step of decodes through the model's ``decode_packed`` (asyncinfer's kernels): its integers in
+        one list (ids, positions, slots, context lengths, block tables padded to the widest), none of the
+        per-step tensors and metadata the general path builds (each torch op costs tens of microseconds
+        on a cache that the step's weights have just swept). None where the model has no such path."""
+        fast = getattr(self.model, "decode_packed", None)
+        if fast is None:
+            return None
+        width = max(len(table) for table in inputs.block_tables)
+        packed = inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.context_lens
+        for table in inputs.block_tables:
+            packed += table
+            if len(table) < width:
+                packed += [0] * (width - len(table))
+        return fast(packed, num_tokens, width, self.kv_caches)

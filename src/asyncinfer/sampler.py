@@ -131,7 +131,12 @@ class Sampler:
 
     # ------------------------------------------------------------------ public
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 argmax: Sequence[int] | None = None) -> SamplerOutput:
+        """One token for each row of ``logits`` [len(states), vocab], as each state's parameters say.
+
+        ``argmax``: each row's argmax over all of its columns if the caller has it (the step's kernel
+        computed it): plain greedy rows then take it as it is."""
         n = len(states)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(states)={n}, vocab], got {tuple(logits.shape)}")
@@ -146,6 +151,8 @@ class Sampler:
         if all(s.plain_greedy for s in states):
             # Hot path: no copy, no per-row tensor work, one sync (asyncinfer's one-pass kernel where a
             # block-format model has loaded it: torch's argmax took ~40 us a row of 49,152 here).
+            if argmax is not None and len(argmax) == n and vocab == self.vocab_size:
+                return SamplerOutput(list(argmax), [None] * n)
             if (kernels.loaded() and logits.dtype == torch.float32 and logits.device.type == "cpu"
                     and logits.stride(1) == 1):
                 return SamplerOutput(kernels.argmax(logits), [None] * n)

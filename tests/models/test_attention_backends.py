@@ -113,3 +113,27 @@ def test_sdpa_decode_padding(contexts: list[int], block_size: int, padding: int)
 def test_the_contract_is_abstract() -> None:
     with pytest.raises(TypeError):
         AttentionBackend()  # type: ignore[abstract]
+
+
+def test_native_decode_metadata_holds_what_the_kernel_reads() -> None:
+    """A step of decodes on asyncinfer's kernel gets its slots, context lengths and block tables from one
+    tensor, with no masks; the same values as the general path (its tables padded to the widest table)."""
+    lists = {"query_lens": [1, 1, 1], "context_lens": [5, 17, 1], "block_tables": [[7, 2], [3, 9, 4, 8, 1], [6]],
+             "slot_mapping": [7 * 4 + 0, 8 * 4 + 0, 6 * 4 + 0], "block_size": 4, "device": "cpu"}
+    general = SdpaBackend().build_metadata(**lists)
+    native_backend = SdpaBackend()
+    native_backend.native_decode = True
+    native = native_backend.build_metadata(**lists)
+    assert native.decode_mask is None and native.decode_bias is None and native.num_decodes == 3
+    assert native.slot_mapping.tolist() == general.slot_mapping.tolist()
+    assert native.decode_context_lens.tolist() == [5, 17, 1]
+    assert native.decode_block_tables.tolist() == [[7, 2, 0, 0, 0], [3, 9, 4, 8, 1], [6, 0, 0, 0, 0]]
+    assert native.decode_block_tables.tolist() == general.block_tables.tolist()
+    assert native.query_start_loc == general.query_start_loc and native.prefill_masks == []
+    assert native.num_tokens == 3
+    # A step with a prefill chunk takes the general path even on the kernel.
+    mixed = native_backend.build_metadata(query_lens=[1, 3], context_lens=[5, 3], block_tables=[[7, 2], [1]],
+                                          slot_mapping=[16, 4, 5, 6], block_size=4, device="cpu")
+    assert mixed.num_decodes == 1 and len(mixed.prefill_masks) == 1
+    with pytest.raises(InvalidParameterError, match="slot_mapping"):
+        native_backend.build_metadata(**{**lists, "slot_mapping": [1, 2]})

@@ -170,9 +170,9 @@ async def test_the_engine_in_q4_1_serves_float32s_greedy_tokens_on_q4_1_weights(
     prompts = [[5, 6, 7, 8], list(range(3, 40))]  # the second spans three blocks before decoding
     expected = [PagedRunner(reference, block_size=16).greedy(0, p, 24) for p in prompts]
     assert model.fused_stack is not None and model.fused_stack.head is not None  # a decode step is one call
-    one_call = model.decode_logits
+    one_call = model.decode_packed
     calls = []
-    model.decode_logits = lambda *a: calls.append(1) or one_call(*a)
+    model.decode_packed = lambda *a: calls.append(1) or one_call(*a)
     async with engine:
         outs = [await engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
@@ -396,8 +396,8 @@ def test_argmax_picks_what_torch_picks() -> None:
 
 
 def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
-    """With the model's block-format head, one call (decode_logits, the engine's path for steps of decodes)
-    returns exactly what the stack's normed states times the head give."""
+    """With the model's block-format head, one call (decode_packed, the engine's path for steps of decodes)
+    returns exactly what the stack's normed states times the head give; out-of-range inputs are refused."""
     lossless_tiny("llama", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
@@ -410,17 +410,28 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
     last = [8, 9]
     for _ in range(3):
         work = [(1, [last[0]]), (2, [last[1]])]
+        ids, pos, meta, _ = runners[0].inputs(work)
+        width = meta.decode_block_tables.shape[1]
+        packed = (ids.tolist() + pos.tolist() + meta.slot_mapping.tolist() + meta.decode_context_lens.tolist()
+                  + meta.decode_block_tables.flatten().tolist())
+        one, greedy = model.decode_packed(packed, 2, width, runners[0].kv_caches)
+        assert list(greedy) == one.argmax(dim=-1).tolist()  # the greedy tokens, from the same call
+        ids, pos, meta, _ = runners[1].inputs(work)
         with torch.inference_mode():
-            ids, pos, meta, _ = runners[0].inputs(work)
-            one = model.decode_logits(ids, pos, runners[0].kv_caches, meta)
-            ids, pos, meta, _ = runners[1].inputs(work)
             two = model.compute_logits(model(ids, pos, runners[1].kv_caches, meta))
         assert one.shape == (2, model.config.vocab_size)
         torch.testing.assert_close(one, two, rtol=0, atol=0)
-        last = kernels.argmax(one)
-    # Prefill chunks do not take it.
-    ids, pos, meta, _ = runners[0].inputs([(3, [1, 2, 3])])
-    assert model.decode_logits(ids, pos, runners[0].kv_caches, meta) is None
+        last = list(greedy)
+    caches = runners[0].kv_caches
+    slots = caches[0][0].shape[0] * caches[0][0].shape[1]
+    good = [1, 6, 0, 6, 2, 3]  # a token at position 6 (slot 0) of a 7-token context in blocks 2, 3
+    for bad, match in (([1, 6, slots, 6, 2, 3], "slot or block"), ([1, 6, 0, 7, 2, 64], "slot or block"),
+                       ([1, 6, 0, 9, 2, 3], "context length"), ([1, 6, 0, 0, 2, 3], "context length"),
+                       ([10**6] + good[1:], "token id"), ([1, -1] + good[2:], "position")):
+        with pytest.raises(IndexError, match=match):
+            model.decode_packed(bad, 1, 2, caches)
+    with pytest.raises(ValueError, match="holds 5 ints"):
+        model.decode_packed(good[:5], 1, 2, caches)
     with pytest.raises(ValueError, match="needs a DecodeStack built with a head"):
         kernels.DecodeStack(stack.layers, model.norm.weight, model.norm.eps)(
             torch.tensor([1]), model.embed_tokens.weight, torch.tensor([1]), model.rotary.cos_cache,

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 18
+_VERSION = 19
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -188,7 +189,7 @@ def _load() -> None:
         lib.asyncinfer_decode_layer.argtypes = [P, P, I64, P, P, P, P, P, P, I64, P, I64, INT, P]
         lib.asyncinfer_decode_layer.restype = INT
         lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, I64, P, P, P, I64, P, F32, P, P, INT, I64, P,
-                                                P, P, I64, P, I64, INT, P]
+                                                P, P, P, I64, P, I64, I64, INT, P]
         lib.asyncinfer_decode_stack.restype = INT
         lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
         lib.asyncinfer_argmax.restype = None
@@ -486,6 +487,8 @@ class DecodeStack:
         self._eps = eps
         self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
         self._kv: tuple[list, int, ctypes.Array] | None = None  # the caches' pointer array, built once per list
+        self._tables: tuple | None = None  # the embedding and rope tables: pointers, sizes, whether embedded here
+        self._cache_shape = (0, 0)  # the caches' block size and slots (set with their pointers)
         #: None, or float64 [4] that each call adds its seconds to: the layers' projections, attention,
         #: the layers as a whole, and the head (see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
@@ -506,11 +509,15 @@ class DecodeStack:
         if held is None or held[0] is not kv_caches or held[1] != first:
             if len(kv_caches) != len(self.layers):
                 raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+            shape = kv_caches[0][0].shape
             for k, v in kv_caches:
-                if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()):
-                    raise TypeError("DecodeStack takes contiguous float32 K/V caches")
+                if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                        and k.shape == v.shape == shape):
+                    raise TypeError("DecodeStack takes contiguous float32 K/V caches, all of one shape")
             pointers = (ctypes.c_void_p * (2 * len(kv_caches)))(*(t.data_ptr() for pair in kv_caches for t in pair))
             held = self._kv = (kv_caches, first, pointers)
+            k = kv_caches[0][0]
+            self._cache_shape = (k.shape[1], k.shape[0] * k.shape[1])  # block size, slots
         return held[2]
 
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
@@ -521,29 +528,56 @@ class DecodeStack:
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
-        Raises IndexError for a token id or position outside its table."""
+        Raises IndexError for a token id, position or context outside its table."""
+        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        return self._run(input_ids.shape[0], input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                         context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
+                         kv_caches, logits, lambda: input_ids)
+
+    def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor,
+                      cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """The logits [T, out_features] of a step of decodes given as one list of ints (the T token ids,
+        the T positions, the T cache slots, the T context lengths, then each sequence's block table
+        padded to ``width``: the engine's decode path, one copy from Python and no tensor of its own),
+        and each row's argmax (the greedy tokens, as :func:`argmax` picks them) from the same call."""
+        if self.head is None:
+            raise ValueError("decode_packed needs a DecodeStack built with a head")
+        if len(packed) != num_tokens * (4 + width):
+            raise ValueError(f"packed holds {len(packed)} ints, not {num_tokens} * (4 + {width})")
+        data = (ctypes.c_int64 * (len(packed) + num_tokens))(*packed)  # and room for each row's argmax
+        at = ctypes.addressof(data)
+        logits = self._run(num_tokens, at, at + 8 * num_tokens, at + 16 * num_tokens, at + 24 * num_tokens,
+                           at + 32 * num_tokens, width, embed, cos_table, sin_table, kv_caches, True,
+                           lambda: torch.tensor(packed[:num_tokens], dtype=torch.long), at + 8 * len(packed))
+        return logits, data[len(packed):]
+
+    def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
+             embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, logits: bool,
+             input_ids: Callable[[], torch.Tensor], argmax: int | None = None) -> torch.Tensor:
         lib = _lib if _lib is not None else _need()
         if logits and self.head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
-        num_tokens = input_ids.shape[0]
-        hidden = self.layers[0]._hidden
-        h = torch.empty(num_tokens, hidden, dtype=torch.float32)
-        out = torch.empty(num_tokens, hidden, dtype=torch.float32)
-        ids = input_ids.data_ptr()
-        if embed.dtype != torch.float32 or not embed.is_contiguous():  # embedded here instead
-            h.copy_(torch.nn.functional.embedding(input_ids, embed))
-            ids = None
-        head_blocks, head_fmt, head_n, result = None, 0, 0, None
-        if logits:
+        h = None
+        key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+        tables_in = self._tables
+        if tables_in is None or tables_in[:3] != key:  # checked once per set of tables
+            tables_in = self._tables = (*key, embed.shape[0], cos_table.shape[0],
+                                        embed.dtype == torch.float32 and embed.is_contiguous())
+        if not tables_in[5]:  # embedded here instead
+            h = torch.nn.functional.embedding(input_ids(), embed).float().contiguous()
+            ids = None  # type: ignore[assignment]
+        if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self.head  # type: ignore[misc]
-            head_blocks, head_fmt = blocks.data_ptr(), _FORMAT_CODES[fmt]
-            result = torch.empty(num_tokens, head_n, dtype=torch.float32)
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-        args = (self._array, len(self.layers), self._cache_pointers(kv_caches), h.data_ptr(), num_tokens, ids,
-                embed.data_ptr(), embed.shape[0], positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
-                cos_table.shape[0], self._norm.data_ptr(), self._eps, out.data_ptr(), head_blocks, head_fmt, head_n,
-                None if result is None else result.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                context_lens.data_ptr(), kv_caches[0][0].shape[1], torch.get_num_threads(),
+            out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt], head_n), torch.empty(num_tokens, head_n)
+        else:
+            out, head, result = torch.empty(num_tokens, self.layers[0]._hidden), (None, 0, 0), None
+        args = (self._array, len(self.layers), self._cache_pointers(kv_caches), None if h is None else h.data_ptr(),
+                num_tokens, ids, tables_in[0], tables_in[3], positions, tables_in[1], tables_in[2], tables_in[4],
+                self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,
+                None if result is None else result.data_ptr(), argmax, slots, tables, ldt, context_lens,
+                *self._cache_shape,
+                torch.get_num_threads(),
                 None if self.timing is None else self.timing.data_ptr())
         if torch.autograd.profiler._is_profiler_enabled:  # one op per step in a trace
             with torch.profiler.record_function("asyncinfer::decode_stack"):
@@ -551,9 +585,13 @@ class DecodeStack:
         else:
             code = lib.asyncinfer_decode_stack(*args)
         if code == 1:
-            raise IndexError(f"a token id is outside the embedding table [0, {embed.shape[0]})")
+            raise IndexError(f"a token id is outside the embedding table [0, {tables_in[3]})")
         if code == 2:
-            raise IndexError(f"a position is outside the rope table [0, {cos_table.shape[0]})")
+            raise IndexError(f"a position is outside the rope table [0, {tables_in[4]})")
+        if code == 3:
+            raise IndexError(f"a context length is below 1 or beyond its block table ({ldt} blocks)")
+        if code == 4:
+            raise IndexError(f"a cache slot or block is outside the caches ({self._cache_shape[1]} slots)")
         _check(code, "decode_stack")
         return out if result is None else result
 
@@ -573,6 +611,6 @@ def argmax(x: torch.Tensor) -> list[int]:
             x.shape[0] > 1 and x.stride(0) < x.shape[1]) or (x.shape[1] > 1 and x.stride(1) != 1):
         raise TypeError(f"argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
                         f"{tuple(x.shape)} on {x.device}")
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.asyncinfer_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
-    return out.tolist()
+    out = (ctypes.c_int64 * x.shape[0])()
+    lib.asyncinfer_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out)
+    return list(out)

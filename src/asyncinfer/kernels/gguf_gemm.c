@@ -680,28 +680,43 @@ int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *
     return ok ? 0 : -1;
 }
 
-/* Every layer of a model and its final norm for a step of decodes (DecodeStack): h [T, hidden] is
- * the residual stream (ids: NULL, or the tokens, whose rows of the float32 embedding table
- * [vocab, hidden] it is first filled with); cos_table / sin_table: [max_pos, D / 2], read at
- * each token's position; caches: layer l's K and V caches at 2l and 2l + 1; out: [T, hidden], the
- * final-normed states; logits: NULL, or [T, head_n], out times the head's weights (head_w in format
- * head_fmt, head_n rows). timing: NULL or four doubles, the layers' three (TIMED) and the head's.
- * Returns 0; 1 for a token id outside [0, vocab), 2 for a position outside [0, max_pos) (nothing
- * is computed then); -1 when working memory cannot be allocated. */
+void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
+
+/* Every layer of a model and its final norm for a step of decodes (DecodeStack).
+ *   h: [T, hidden], the residual stream, or NULL (allocated here); ids: NULL (h holds the embedded
+ *     tokens), or the tokens, whose rows of the float32 embedding table [vocab, hidden] fill h first;
+ *   cos_table / sin_table: [max_pos, D / 2], read at each token's position;
+ *   caches: layer l's K and V caches at 2l and 2l + 1;
+ *   out: [T, hidden], the final-normed states, or NULL (allocated here);
+ *   logits: NULL, or [T, head_n]: out times the head's weights (head_w in format head_fmt);
+ *   argmax: NULL, or [T]: each logits row's argmax (asyncinfer_argmax), for greedy sampling;
+ *   timing: NULL or four doubles, the layers' three (TIMED) and the head's.
+ * num_slots: the caches' blocks times BS. Returns 0; 1 for a token id outside [0, vocab), 2 for a
+ * position outside [0, max_pos), 3 for a context length below 1 or longer than its block table, 4
+ * for a slot or block outside the caches (nothing is computed then); -1 when working memory cannot
+ * be allocated. */
 int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
                             const int64_t *ids, const float *embed, int64_t vocab, const int64_t *positions,
                             const float *cos_table, const float *sin_table, int64_t max_pos, const float *final_norm,
                             float final_eps, float *out, const void *head_w, int head_fmt, int64_t head_n,
-                            float *logits, const int64_t *slots, const int64_t *tables, int64_t ldt,
-                            const int64_t *ctx, int64_t BS, int threads, double *timing) {
+                            float *logits, int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                            const int64_t *ctx, int64_t BS, int64_t num_slots, int threads, double *timing) {
     const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
     for (int64_t t = 0; t < T; t++) {
         if (ids && (ids[t] < 0 || ids[t] >= vocab)) return 1;
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
+        if (ctx[t] < 1 || (ctx[t] + BS - 1) / BS > ldt) return 3;
+        if (slots[t] < 0 || slots[t] >= num_slots) return 4;
+        for (int64_t b = 0; b < (ctx[t] + BS - 1) / BS; b++)
+            if (tables[t * ldt + b] < 0 || tables[t * ldt + b] >= num_slots / BS) return 4;
     }
     step_bufs b;
     float *cs = (float *)malloc(sizeof(float) * (size_t)(2 * T * half));
-    int ok = bufs_alloc(&b, layers, n, T) && cs;
+    float *own_h = h ? NULL : (float *)malloc(sizeof(float) * (size_t)(T * hidden));
+    float *own_out = out ? NULL : (float *)malloc(sizeof(float) * (size_t)(T * hidden));
+    h = h ? h : own_h;
+    out = out ? out : own_out;
+    int ok = bufs_alloc(&b, layers, n, T) && cs && h && out;
     if (ok) {
         if (ids)
             for (int64_t t = 0; t < T; t++) memcpy(h + t * hidden, embed + ids[t] * hidden, sizeof(float) * (size_t)hidden);
@@ -717,10 +732,13 @@ int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *cach
             double mark = 0.0;
             TIMED(3, gemm_of(head_fmt)(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads,
                                        b.scratch));
+            if (argmax) asyncinfer_argmax(logits, T, head_n, head_n, argmax);
         }
     }
     bufs_free(&b);
     free(cs);
+    free(own_h);
+    free(own_out);
     return ok ? 0 : -1;
 }
 
@@ -765,4 +783,4 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 18; }
+int asyncinfer_kernels_version(void) { return 19; }

@@ -143,16 +143,18 @@ class LlamaForCausalLM(nn.Module):
                           meta.decode_context_lens)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
 
-    def decode_logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """``compute_logits(forward(...))`` for a step whose every token is sampled, in one kernel call:
-        float32 logits [T, vocab], or None where that call does not apply (then use those two)."""
+    def decode_packed(self, packed: list[int], num_tokens: int, width: int, kv_caches: list[KVCache]
+                      ) -> tuple[torch.Tensor, list[int]] | None:
+        """``compute_logits(forward(...))`` for a step of decodes, each token sampled, in one kernel call
+        (:meth:`asyncinfer.kernels.DecodeStack.decode_packed`): float32 logits [T, vocab] and each row's
+        argmax. The step comes as one list of ints (token ids, positions, cache slots, context lengths,
+        block tables padded to ``width``): no tensor is built for them. None where that call does not
+        apply (no fused stack with a head): then use those two."""
         stack = self.fused_stack
-        if stack is None or stack.head is None or not _all_native_decodes(meta):
+        if stack is None or stack.head is None:
             return None
-        return stack(input_ids, self.embed_tokens.weight, positions, self.rotary.cos_cache, self.rotary.sin_cache,
-                     kv_caches, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, logits=True)
+        return stack.decode_packed(packed, num_tokens, width, self.embed_tokens.weight, self.rotary.cos_cache,
+                                   self.rotary.sin_cache, kv_caches)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Compute the rope tables (a non-persistent buffer, never in checkpoints) on ``device``."""

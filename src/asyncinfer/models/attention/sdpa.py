@@ -74,6 +74,8 @@ class SdpaBackend(AttentionBackend):
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
+        if self.native_decode and num_decodes == len(query_lens) and num_decodes:
+            return self._native_decodes(context_lens, block_tables, slot_mapping, block_size, device)
         query_start_loc = [0]
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
@@ -97,6 +99,37 @@ class SdpaBackend(AttentionBackend):
             decode_bias=decode_bias,
             prefill_context_slots=prefill_slots,
             prefill_masks=prefill_masks,
+        )
+
+    def _native_decodes(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                        slot_mapping: Sequence[int], block_size: int, device: torch.device) -> SdpaMetadata:
+        """A step of decodes only, on asyncinfer's kernel (no masks, no prefill inputs): the slots, the
+        context lengths and the block tables, each a view of one tensor (one copy from Python, not three)."""
+        num_seqs = len(context_lens)
+        width = max(len(bt) for bt in block_tables)
+        flat = list(slot_mapping)
+        flat.extend(context_lens)
+        for bt in block_tables:
+            flat.extend(bt)
+            flat.extend([0] * (width - len(bt)))
+        slots, lens, tables = torch.tensor(flat, dtype=torch.long, device=device).split(
+            [num_seqs, num_seqs, num_seqs * width])
+        tables = tables.view(num_seqs, width)  # [num_seqs, width], padded with block 0
+        return SdpaMetadata(
+            backend=self,
+            slot_mapping=slots,  # [num_tokens]
+            query_lens=[1] * num_seqs,
+            context_lens=list(context_lens),
+            query_start_loc=list(range(num_seqs + 1)),
+            block_tables=tables,
+            block_size=block_size,
+            num_decodes=num_seqs,
+            decode_context_lens=lens,  # [num_seqs]
+            decode_block_tables=tables,  # every decode reads as many blocks as the longest
+            decode_mask=None,
+            decode_bias=None,
+            prefill_context_slots=[],
+            prefill_masks=[],
         )
 
     def forward(  # type: ignore[override]  # takes the metadata this backend builds
