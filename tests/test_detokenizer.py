@@ -312,7 +312,7 @@ def test_property_stop_strings(tok, data, include):
 def test_the_backend_decode_gives_transformers_text(tok, data, skip) -> None:
     """The detokenizer decodes with the Rust tokenizer behind a fast tokenizer (transformers' decode only
     wraps it): the same text as transformers' own decode, special tokens included or skipped."""
-    name, tokenizer = tok
+    _, tokenizer = tok
     det = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
     assert det._backend is tokenizer.backend_tokenizer
     ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=24))

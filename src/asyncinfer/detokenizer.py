@@ -225,7 +225,7 @@ def _backend_tokenizer(tokenizer: Any) -> Any:
     transformers = sys.modules.get("transformers")  # not loaded: the tokenizer is not one of its classes
     if transformers is None:
         return None
-    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast  # noqa: N806 (the library's class)
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
     cls = type(tokenizer)
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerFast.decode or (
             cls._decode is not PreTrainedTokenizerFast._decode):
