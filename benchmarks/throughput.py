@@ -483,8 +483,10 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
         "batch": measured_batch,
         "step_s_profiled": step_s,
         "fused_layers": fused,
-        "split": {"projections": projections / total, "kv_gather": gather / total,
-                  "everything_else": 1 - projections / total} if total else {},
+        # With the one-call step the profiler sees one op and no projection: the kernels' split stands in.
+        "split": fused["split"] if fused is not None else {
+            "projections": projections / total, "kv_gather": gather / total,
+            "everything_else": 1 - projections / total} if total else {},
         "table": table,
         "top_ops": [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in top],
     }

@@ -304,7 +304,7 @@ class AsyncEngine(EngineObservability):
 
     def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:
         """How many tokens ``prompt`` (a text, chat messages or token ids) takes, exactly as
-        :meth:`generate` would send it (chat template applied). Raises :class:`InvalidParameterError`."""
+        :meth:`generate` would send it (chat messages templated). Raises :class:`InvalidParameterError`."""
         return len(prompt_token_ids(prompt, current(self._models.generator(model))))
 
     async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:

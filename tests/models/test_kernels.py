@@ -287,7 +287,7 @@ def test_the_one_call_decoder_layer_equals_the_layer_op_by_op(tmp_path) -> None:
     assert copied.fused_stack._array[1].w_down == copied.layers[1].mlp.down_proj._blocks.data_ptr()
 
 
-def test_the_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_path) -> None:
+def test_the_stack_and_layer_refuse_inputs_outside_their_tables(tmp_path) -> None:
     lossless_tiny("llama", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
@@ -303,6 +303,29 @@ def test_the_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_path) 
         with pytest.raises(IndexError, match=match):
             stack(torch.tensor(ids), model.embed_tokens.weight, torch.tensor(positions), rotary.cos_cache,
                   rotary.sin_cache, caches, one, tables, one + 1)
+    args = (model.embed_tokens.weight, one, rotary.cos_cache, rotary.sin_cache)
+    with pytest.raises(TypeError, match="input_ids must be a CPU int64 tensor"):
+        stack(one.int(), *args[:3], args[3], caches, one, tables, one + 1)
+    with pytest.raises(ValueError, match="got 1 kv caches for 2 layers"):
+        stack(one, *args, caches[:1], one, tables, one + 1)
+    # One layer: the wrong width, rope rows or caches are refused by name; a context, slot or block
+    # outside the caches too (the kernel reads and writes where they point).
+    layer = model.layers[0].fused_decode
+    hidden, half = model.config.hidden_size, model.config.head_dim // 2
+    k, v = caches[0]
+    h, cs = torch.zeros(1, hidden), torch.zeros(1, half)
+    with pytest.raises(ValueError, match=f"h must be float32 \\[T, {hidden}\\]"):
+        layer(torch.zeros(1, hidden + 1), cs, cs, k, v, one, tables, one)
+    with pytest.raises(ValueError, match="cos must be contiguous float32"):
+        layer(h, cs.double(), cs, k, v, one, tables, one)
+    with pytest.raises(ValueError, match="v_cache must be contiguous float32"):
+        layer(h, cs, cs, k, v[:2], one, tables, one)
+    slots = k.shape[0] * k.shape[1]
+    for s_, t_, c_, match in ((one * slots, tables, one, "outside the caches"),
+                              (one, tables + k.shape[0], one, "outside the caches"),
+                              (one, tables, one * (k.shape[1] + 1), "beyond its block table")):
+        with pytest.raises(IndexError, match=match):
+            layer(h, cs, cs, k, v, s_, t_, c_)
 
 
 def test_bad_inputs_are_refused_by_name() -> None:
@@ -310,8 +333,18 @@ def test_bad_inputs_are_refused_by_name() -> None:
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="contiguous uint8"):
         kernels.gemm(x, blocks, "q4_1", 9)  # the wrong output count for these weights
-    with pytest.raises(ValueError, match="contiguous uint8"):
+    with pytest.raises(ValueError, match="x has 40 columns, but the q4_1 weights hold 64 inputs"):
         kernels.gemm(torch.randn(2, 40), blocks, "q4_1", 8)  # not whole blocks
+    with pytest.raises(ValueError, match="x has 96 columns, but the q4_1 weights hold 64 inputs"):
+        kernels.gemm(torch.randn(2, 96), blocks, "q4_1", 8)  # the activations' mistake, named as such
+    with pytest.raises(ValueError, match="pack takes q4_1 blocks as uint8"):
+        kernels.pack(torch.zeros(8, 40, dtype=torch.float32), "q4_1")
+    with pytest.raises(ValueError, match="dequantize takes q8_0 blocks as uint8"):
+        kernels.dequantize(random_blocks("q4_1", 8, 2, seed=1), "q8_0")  # 40 bytes a row: not 34s
+    with pytest.raises(ValueError, match="unknown block format 'q5_0'"):
+        kernels.unpack(blocks, "q5_0")
+    with pytest.raises(ValueError, match=r"quantize takes floating-point weights \[N, K\]"):
+        kernels.quantize(torch.randn(64), "q4_1")
     with pytest.raises(ValueError, match="unknown block format"):
         kernels.gemm(x, blocks, "q5_0", 8)
     with pytest.raises(ValueError, match="bias has 3 values"):
@@ -322,8 +355,20 @@ def test_bad_inputs_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="multiple of 8"):
         kernels.decode_attention(torch.zeros(1, 2, 12), cache, cache, torch.zeros(1, 1, dtype=torch.long),
                                  torch.ones(1, dtype=torch.long), 1.0)
+    # The paged inputs are checked before a kernel reads where they point.
+    q, tables, one = torch.zeros(1, 2, 16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    cache = torch.zeros(4, 16, 1, 16)
+    for bad_tables, lens, match in ((tables, one * 17, "beyond its block table"), (tables, one * 0, "below 1"),
+                                    (tables + 4, one, "outside the caches"), (tables - 1, one, "outside the caches")):
+        with pytest.raises(IndexError, match=match):
+            kernels.decode_attention(q, cache, cache, bad_tables, lens, 1.0)
+    with pytest.raises(TypeError, match="takes int64"):
+        kernels.decode_attention(q, cache, cache, tables, one.int(), 1.0)
     with pytest.raises(TypeError, match="rms_norm takes float32"):
         kernels.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    for shape in ((8,), (2, 3, 8)):  # the input's shape back
+        x = torch.randn(shape)
+        assert kernels.rms_norm(x, torch.ones(8), 1e-5).shape == shape
     # A NaN activation makes its row NaN on every path, as a float matmul does (not silently 0).
     for fmt in ("q4_1", "q8_0"):
         w = kernels.pack(random_blocks(fmt, 8, 2, seed=2), fmt)
@@ -432,6 +477,8 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
             model.decode_packed(bad, 1, 2, caches)
     with pytest.raises(ValueError, match="holds 5 ints"):
         model.decode_packed(good[:5], 1, 2, caches)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.decode_packed([], 0, 2, caches)
     with pytest.raises(ValueError, match="needs a DecodeStack built with a head"):
         kernels.DecodeStack(stack.layers, model.norm.weight, model.norm.eps)(
             torch.tensor([1]), model.embed_tokens.weight, torch.tensor([1]), model.rotary.cos_cache,

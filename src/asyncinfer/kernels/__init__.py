@@ -41,7 +41,7 @@ PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 19
+_VERSION = 20
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -193,6 +193,8 @@ def _load() -> None:
         lib.asyncinfer_decode_stack.restype = INT
         lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
         lib.asyncinfer_argmax.restype = None
+        lib.asyncinfer_check_paged.argtypes = [P, I64, P, P, I64, I64, I64]
+        lib.asyncinfer_check_paged.restype = INT
         global PANEL_MIN_ROWS
         PANEL_MIN_ROWS = lib.asyncinfer_panel_min_rows()
         lib.asyncinfer_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -256,7 +258,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
 def _check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int) -> None:
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
-    expected = (out_features, k // QK * BLOCK_FORMATS[fmt][1])
+    size = BLOCK_FORMATS[fmt][1]
+    if (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] == out_features and packed.shape[1]
+            and packed.shape[1] % size == 0 and packed.shape[1] // size * QK != k):
+        raise ValueError(f"x has {k} columns, but the {fmt} weights hold {packed.shape[1] // size * QK} inputs "
+                         f"per row")
+    expected = (out_features, k // QK * size)
     if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
         raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
                          f"(the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}")
@@ -269,6 +276,10 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     Q8_0: d = max |w| / 127, q = round(w / d). d and m are stored in float16, and q is computed
     against the stored values.
     """
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize takes floating-point weights [N, K], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"{fmt} needs an input size that is a multiple of {QK}, got {k}")
@@ -296,10 +307,21 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return blocks.reshape(n, -1).contiguous()
 
 
+def _block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
+    """Bytes per block of ``fmt``, once ``blocks`` is checked to be uint8 [N, B * bytes]."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    size = BLOCK_FORMATS[fmt][1]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise ValueError(f"{what} takes {fmt} blocks as uint8 [N, a multiple of {size} bytes], got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    return size
+
+
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size): per row, every block's
     float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block."""
-    size = BLOCK_FORMATS[fmt][1]
+    size = _block_bytes(blocks, fmt, "pack")
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, size)  # [N, B, bytes]
     head = 4 if fmt == "q4_1" else 2
@@ -312,7 +334,7 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """The kernels' layout back to ggml blocks (the inverse of :func:`pack`)."""
-    size = BLOCK_FORMATS[fmt][1]
+    size = _block_bytes(packed, fmt, "unpack")
     n = packed.shape[0]
     nb = packed.shape[1] // size
     d = packed[:, : 2 * nb].reshape(n, nb, 2)
@@ -325,7 +347,7 @@ def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """``fmt`` blocks uint8 [N, B * bytes] -> float32 [N, B * 32], as ggml (and the kernels) rebuild them."""
-    size = BLOCK_FORMATS[fmt][1]
+    size = _block_bytes(blocks, fmt, "dequantize")
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, size)  # [N, B, bytes]
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
@@ -339,20 +361,21 @@ def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm of float32 x [T, hidden] (rows contiguous) scaled by ``weight``: the float32 steps of
-    :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding)."""
+    """RMS norm of float32 x [..., hidden] scaled by ``weight``, the same shape back: the float32 steps
+    of :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding)."""
     lib = _lib if _lib is not None else _need()
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
         raise TypeError(f"rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     weight = weight.contiguous()
+    shape = x.shape
     if x.stride(-1) != 1 or x.dim() != 2:
         x = x.reshape(-1, x.shape[-1]).contiguous()
     rows, hidden = x.shape
     y = torch.empty(rows, hidden, dtype=torch.float32)
     lib.asyncinfer_rms_norm(x.data_ptr(), rows, x.stride(0), hidden, weight.data_ptr(), eps, y.data_ptr(),
                              torch.get_num_threads())
-    return y
+    return y if y.shape == shape else y.view(shape)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -361,6 +384,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: float32 [S, H, D]; caches: float32 [blocks, block_size, KVH, D] (this step's K/V written);
     block_tables: int64 [S, >= ceil(context / block_size)]; context_lens: int64 [S]. Returns [S, H, D].
+    Raises IndexError for a context length below 1 or beyond its table, or a block outside the caches.
     """
     lib = _lib if _lib is not None else _need()
     num_seqs, num_heads, head_dim = q.shape
@@ -376,6 +400,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise TypeError("decode_attention takes int64 block_tables [S, n] and context_lens [S]")
     context_lens = context_lens.contiguous()
     tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    _check_paged(lib, tables, context_lens, None, k_cache)
     out = torch.empty_like(q)
     lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                      tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
@@ -397,6 +422,28 @@ class _Layer(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Tensor, slots: torch.Tensor | None,
+                 k_cache: torch.Tensor) -> None:
+    """Raise IndexError unless every context fits its block table and every slot and block it reads is
+    in the caches (the kernels trust them); int64 contiguous inputs, one row / length / slot a sequence."""
+    num_seqs = context_lens.numel()
+    for name, t, n in (("context_lens", context_lens, num_seqs), ("slots", slots, num_seqs),
+                       ("block_tables", tables, None)):
+        if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or (n is not None and t.numel() != n)):
+            raise TypeError(f"{name} must be contiguous int64 with one entry a sequence, got {t.dtype} "
+                            f"{tuple(t.shape)}")
+    if tables.dim() != 2 or tables.shape[0] != num_seqs:
+        raise TypeError(f"block_tables must be int64 [sequences={num_seqs}, blocks], got {tuple(tables.shape)}")
+    code = lib.asyncinfer_check_paged(tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
+                                      None if slots is None else slots.data_ptr(), num_seqs, k_cache.shape[1],
+                                      k_cache.shape[0])
+    if code == 3:
+        raise IndexError(f"a context length is below 1 or beyond its block table ({tables.shape[1]} blocks)")
+    if code == 4:
+        raise IndexError(f"a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
+                         f"{k_cache.shape[1]})")
+
+
 def _check(code: int, what: str) -> None:
     if code == -1:
         raise MemoryError(f"{what}: the kernels could not allocate their working memory")
@@ -411,6 +458,9 @@ class DecodeLayer:
 
     Built once per layer from its weights (held here, so they outlive nothing); called per step with
     the residual stream ``h`` [T, hidden] (float32, contiguous, updated in place and returned).
+    ``qkv``, ``o``, ``gate_up``, ``down``: each ``(format, blocks, bias or None)``, blocks as
+    :func:`gemm` takes them (``pack(quantize(w, format), format)``; ``qkv`` the q, k and v rows one
+    after another, ``gate_up`` the gate rows then the up rows); norms float32 [hidden].
     """
 
     def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
@@ -443,10 +493,31 @@ class DecodeLayer:
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step of this layer: h float32 [T, hidden]; cos/sin float32 [T, (1,) head_dim / 2],
+        the rope rows of each token's position; caches float32 [blocks, block_size, KV heads, head_dim];
+        slots / context_lens int64 [T]; block_tables int64 [T, n]. Returns h, updated in place.
+
+        Raises TypeError / ValueError for tensors of the wrong type or shape, IndexError for a context,
+        slot or block outside the caches."""
         lib = _lib if _lib is not None else _need()
+        num_tokens = h.shape[0] if h.dim() == 2 else -1
+        half = self._args["head_dim"] // 2
+        kv_shape = (self._args["num_kv_heads"], self._args["head_dim"])
+        if h.dtype != torch.float32 or h.dim() != 2 or h.shape[1] != self._hidden:
+            raise ValueError(f"h must be float32 [T, {self._hidden}], got {h.dtype} {tuple(h.shape)}")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != num_tokens * half:
+                raise ValueError(f"{name} must be contiguous float32 [{num_tokens}, {half}], got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 4 or tuple(t.shape[2:]) != kv_shape \
+                    or t.shape != k_cache.shape:
+                raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, {kv_shape[0]}, "
+                                 f"{kv_shape[1]}] like k_cache, got {t.dtype} {tuple(t.shape)}")
         if not h.is_contiguous():
             h = h.contiguous()
         tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        _check_paged(lib, tables, context_lens, slots, k_cache)
         if torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
             with torch.profiler.record_function("asyncinfer::decode_layer"):
                 return self._call(lib, h, cos, sin, k_cache, v_cache, slots, tables, context_lens)
@@ -505,10 +576,10 @@ class DecodeStack:
 
     def _cache_pointers(self, kv_caches: list) -> ctypes.Array:
         held = self._kv
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         first = kv_caches[0][0].data_ptr()
         if held is None or held[0] is not kv_caches or held[1] != first:
-            if len(kv_caches) != len(self.layers):
-                raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
             shape = kv_caches[0][0].shape
             for k, v in kv_caches:
                 if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
@@ -528,7 +599,17 @@ class DecodeStack:
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
-        Raises IndexError for a token id, position or context outside its table."""
+        Raises TypeError for inputs of another dtype or shape, IndexError for a token id, position,
+        context, slot or block outside its table."""
+        num_tokens = input_ids.numel()
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots),
+                        ("context_lens", context_lens), ("block_tables", block_tables)):
+            if t.dtype != torch.int64 or t.device.type != "cpu" or (
+                    name != "block_tables" and (t.dim() != 1 or t.numel() != num_tokens or not t.is_contiguous())):
+                raise TypeError(f"{name} must be a CPU int64 tensor, one entry a token (block_tables: one row), got "
+                                f"{t.dtype} {tuple(t.shape)}")
+        if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
+            raise TypeError(f"block_tables must be int64 [{num_tokens}, blocks], got {tuple(block_tables.shape)}")
         tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
         return self._run(input_ids.shape[0], input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
@@ -558,6 +639,8 @@ class DecodeStack:
         lib = _lib if _lib is not None else _need()
         if logits and self.head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
+        if num_tokens < 1:
+            raise ValueError(f"a step of decodes has at least one token, got {num_tokens}")
         h = None
         key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
         tables_in = self._tables

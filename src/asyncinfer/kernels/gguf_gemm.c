@@ -682,6 +682,21 @@ int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *
 
 void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
 
+/* The paged inputs of S sequences checked against the caches (num_blocks blocks of BS slots): 0; 3 for
+ * a context length below 1 or longer than its block table (ldt blocks); 4 for a slot (slots: NULL or
+ * [S]) or a block id that the context reads outside the caches. The kernels read and write only where
+ * these point, so the Python side checks them first. */
+int asyncinfer_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
+                           int64_t BS, int64_t num_blocks) {
+    for (int64_t s = 0; s < S; s++) {
+        if (ctx[s] < 1 || (ctx[s] + BS - 1) / BS > ldt) return 3;
+        if (slots && (slots[s] < 0 || slots[s] >= num_blocks * BS)) return 4;
+        for (int64_t b = 0; b < (ctx[s] + BS - 1) / BS; b++)
+            if (tables[s * ldt + b] < 0 || tables[s * ldt + b] >= num_blocks) return 4;
+    }
+    return 0;
+}
+
 /* Every layer of a model and its final norm for a step of decodes (DecodeStack).
  *   h: [T, hidden], the residual stream, or NULL (allocated here); ids: NULL (h holds the embedded
  *     tokens), or the tokens, whose rows of the float32 embedding table [vocab, hidden] fill h first;
@@ -705,11 +720,9 @@ int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *cach
     for (int64_t t = 0; t < T; t++) {
         if (ids && (ids[t] < 0 || ids[t] >= vocab)) return 1;
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
-        if (ctx[t] < 1 || (ctx[t] + BS - 1) / BS > ldt) return 3;
-        if (slots[t] < 0 || slots[t] >= num_slots) return 4;
-        for (int64_t b = 0; b < (ctx[t] + BS - 1) / BS; b++)
-            if (tables[t * ldt + b] < 0 || tables[t * ldt + b] >= num_slots / BS) return 4;
     }
+    const int paged = asyncinfer_check_paged(tables, ldt, ctx, slots, T, BS, num_slots / BS);
+    if (paged) return paged;
     step_bufs b;
     float *cs = (float *)malloc(sizeof(float) * (size_t)(2 * T * half));
     float *own_h = h ? NULL : (float *)malloc(sizeof(float) * (size_t)(T * hidden));
@@ -783,4 +796,4 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 19; }
+int asyncinfer_kernels_version(void) { return 20; }
