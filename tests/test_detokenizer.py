@@ -333,3 +333,13 @@ def test_a_tokenizer_with_its_own_decode_keeps_it() -> None:
     ids = base.encode("def f(x):")
     assert det._decode(ids) == base.decode(ids).upper()
     assert IncrementalDetokenizer(object(), [], SamplingParams())._backend is None  # not a transformers tokenizer
+
+
+def test_a_decode_set_on_the_tokenizer_object_is_kept() -> None:
+    tok = _bytelevel()
+    plain = tok.decode
+    tok.decode = lambda ids, **kw: plain(ids, **kw).upper()
+    det = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert det._backend is None
+    ids = tok.encode("hello world")
+    assert det._decode(ids) == plain(ids).upper()

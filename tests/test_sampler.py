@@ -377,3 +377,18 @@ def test_the_steps_own_argmax_serves_plain_greedy_rows_only():
     masked = sampler(logits, [state(temperature=0), state(temperature=0, min_tokens=2)], hint).token_ids
     assert masked[0] == 3 and masked[1] != 3  # min_tokens masks EOS: the hint is not used
     assert sampler(logits, [state(temperature=0)] * 2, [3]).token_ids == [3, 3]  # a hint of the wrong size: ignored
+
+
+def test_greedy_logits_of_any_layout_are_sampled_once_the_kernels_are_loaded():
+    """The one-pass argmax takes rows that follow each other; other layouts (an expanded row, overlapping
+    rows) fall back to torch's argmax, whether or not asyncinfer's kernels are loaded."""
+    from asyncinfer import kernels
+
+    if kernels.available():  # loads them: the sampler's kernel path is then live
+        assert kernels.loaded()
+    row = torch.randn(16)
+    sampler = Sampler(16, "cpu")
+    greedy = [state(temperature=0)] * 3
+    assert sampler(row.expand(3, 16), greedy).token_ids == [int(row.argmax())] * 3
+    overlapping = torch.randn(40).as_strided((3, 16), (8, 1))
+    assert sampler(overlapping, greedy).token_ids == overlapping.argmax(-1).tolist()

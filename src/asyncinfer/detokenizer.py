@@ -228,6 +228,6 @@ def _backend_tokenizer(tokenizer: Any) -> Any:
     PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
     cls = type(tokenizer)
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerFast.decode or (
-            cls._decode is not PreTrainedTokenizerFast._decode):
-        return None
+            cls._decode is not PreTrainedTokenizerFast._decode) or {"decode", "_decode"} & vars(tokenizer).keys():
+        return None  # (a decode of its own, on the class or on this object)
     return getattr(tokenizer, "backend_tokenizer", None)

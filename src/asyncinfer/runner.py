@@ -99,8 +99,8 @@ class ModelRunner:
         device = self.device
         num_tokens = len(inputs.input_ids)
         self.greedy_tokens = None
-        if getattr(self.backend, "native_decode", False) and len(inputs.logits_indices) == num_tokens == len(
-                inputs.query_lens):  # decodes only, each sampled: the whole step in one kernel call
+        decodes_only = num_tokens == len(inputs.query_lens) == len(inputs.logits_indices)  # each one sampled
+        if num_tokens and decodes_only and getattr(self.backend, "native_decode", False):  # one kernel call
             done = self._decode_packed(inputs, num_tokens)
             if done is not None:
                 logits, self.greedy_tokens = done

@@ -484,3 +484,65 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
             torch.tensor([1]), model.embed_tokens.weight, torch.tensor([1]), model.rotary.cos_cache,
             model.rotary.sin_cache, runners[0].kv_caches, torch.ones(1, dtype=torch.long),
             torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), logits=True)
+
+
+def test_the_stack_checks_what_a_direct_caller_passes(tmp_path) -> None:
+    """Direct callers of DecodeStack get typed errors, not reads outside a tensor: caches of another
+    shape, tables of another width or dtype, a timing buffer of another dtype; a list of caches that
+    now holds other tensors is read again; the runner's and the model's empty steps stay empty."""
+    lossless_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_1")
+    runner = PagedRunner(model, seed=1)
+    runner.backend.native_decode = True
+    runner.step([(1, [3, 4, 5])])
+    stack, rotary, embed = model.fused_stack, model.rotary, model.embed_tokens.weight
+    caches = runner.kv_caches
+    one, tables = torch.ones(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+
+    def call(**kw):
+        args = {"input_ids": one, "embed": embed, "positions": one, "cos_table": rotary.cos_cache,
+                "sin_table": rotary.sin_cache, "kv_caches": caches, "slots": one, "block_tables": tables,
+                "context_lens": one + 1, **kw}
+        return stack(**args)
+
+    expected = call()
+    k = caches[0][0]
+    small = [(torch.zeros(k.shape[0], k.shape[1], 1, 8), torch.zeros(k.shape[0], k.shape[1], 1, 8))] * len(caches)
+    with pytest.raises(TypeError, match="contiguous float32 K/V caches"):
+        call(kv_caches=small)
+    with pytest.raises(TypeError, match="embed must be a CPU table"):
+        call(embed=torch.zeros(embed.shape[0], 1))
+    with pytest.raises(TypeError, match="cos_table must be contiguous float32"):
+        call(cos_table=rotary.cos_cache.double())
+    with pytest.raises(TypeError, match="input_ids must be a CPU int64 tensor"):
+        call(input_ids=torch.tensor([1, 9, 1])[::2])
+    stack.timing = torch.zeros(4)
+    with pytest.raises(TypeError, match="timing must be None or contiguous float64"):
+        call()
+    stack.timing = None
+    # Other tensors in the same list: the kernel writes to the new ones (the old pointers are not kept).
+    moved = list(caches)
+    torch.testing.assert_close(call(kv_caches=moved), expected, rtol=0, atol=0)
+    moved[1] = tuple(torch.zeros_like(t) for t in caches[1])
+    old_k = caches[1][0].clone()
+    call(kv_caches=moved)
+    assert moved[1][0].flatten(2)[0, 1].abs().sum() > 0  # block 0, slot 1: this step's K, in the new tensor
+    assert torch.equal(caches[1][0], old_k)  # the tensor it replaced is left alone
+    with pytest.raises(ValueError, match="at least one token and one block"):
+        model.decode_packed([1], 1, -3, caches)
+    # Empty steps: nothing to run, an empty result (as before the one-call path).
+    empty = runner.backend.build_metadata(query_lens=[], context_lens=[], block_tables=[], slot_mapping=[],
+                                          block_size=runner.block_size, device="cpu")
+    none = torch.zeros(0, dtype=torch.long)
+    assert model(none, none, caches, empty).shape == (0, model.config.hidden_size)
+
+
+def test_an_empty_step_stays_empty_on_the_one_call_path(tmp_path) -> None:
+    lossless_tiny("llama", tmp_path)
+    engine = AsyncEngine.from_pretrained(tmp_path, kv_cache_memory=2**22, max_model_len=128, device="cpu",
+                                         block_size=16, quantization="q4_1")
+    runner = engine.core.runner
+    assert runner.model.fused_stack is not None and runner.backend.native_decode
+    logits = runner.execute(runner.prepare([], {}))
+    assert logits.shape == (0, runner.config.vocab_size) and runner.greedy_tokens is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import os
 import platform
 import shutil
@@ -26,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -514,6 +516,9 @@ class DecodeLayer:
                     or t.shape != k_cache.shape:
                 raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, {kv_shape[0]}, "
                                  f"{kv_shape[1]}] like k_cache, got {t.dtype} {tuple(t.shape)}")
+        timing = self.timing
+        if timing is not None and (timing.dtype != torch.float64 or timing.numel() < 3 or not timing.is_contiguous()):
+            raise TypeError("DecodeLayer.timing must be None or contiguous float64 [3] (see time_parts)")
         if not h.is_contiguous():
             h = h.contiguous()
         tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
@@ -575,21 +580,46 @@ class DecodeStack:
                            self._eps, copy.deepcopy(self.head, memo))
 
     def _cache_pointers(self, kv_caches: list) -> ctypes.Array:
+        """The caches' pointers, checked and gathered again whenever the list holds other tensors (compared
+        by identity, which costs no torch call) or layer 0's cache moved."""
         held = self._kv
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         first = kv_caches[0][0].data_ptr()
-        if held is None or held[0] is not kv_caches or held[1] != first:
-            shape = kv_caches[0][0].shape
-            for k, v in kv_caches:
+        if held is None or held[1] != first or not all(map(operator.is_, chain.from_iterable(kv_caches), held[0])):
+            tensors = tuple(chain.from_iterable(kv_caches))
+            shape = tensors[0].shape
+            for layer, (k, v) in zip(self.layers, kv_caches):
+                kv_shape = (layer._args["num_kv_heads"], layer._args["head_dim"])
                 if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
-                        and k.shape == v.shape == shape):
-                    raise TypeError("DecodeStack takes contiguous float32 K/V caches, all of one shape")
-            pointers = (ctypes.c_void_p * (2 * len(kv_caches)))(*(t.data_ptr() for pair in kv_caches for t in pair))
-            held = self._kv = (kv_caches, first, pointers)
-            k = kv_caches[0][0]
-            self._cache_shape = (k.shape[1], k.shape[0] * k.shape[1])  # block size, slots
+                        and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
+                    raise TypeError(f"DecodeStack takes contiguous float32 K/V caches [blocks, block_size, "
+                                    f"{kv_shape[0]}, {kv_shape[1]}], all of one shape; got {k.dtype} "
+                                    f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
+            pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+            held = self._kv = (tensors, first, pointers)
+            self._cache_shape = (shape[1], shape[0] * shape[1])  # block size, slots
         return held[2]
+
+    def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple:
+        """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
+        rows); checked when they change."""
+        key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+        held = self._tables
+        if held is not None and held[:3] == key and held[6] is embed and held[7] is cos_table:
+            return held
+        layer = self.layers[0]
+        half = layer._args["head_dim"] // 2
+        if embed.dim() != 2 or embed.shape[1] != layer._hidden or embed.device.type != "cpu":
+            raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}], got {tuple(embed.shape)}")
+        for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != half or (
+                    t.shape != cos_table.shape):
+                raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
+                                f"{t.dtype} {tuple(t.shape)}")
+        held = self._tables = (*key, embed.shape[0], cos_table.shape[0],
+                               embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table)
+        return held
 
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                  sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor, block_tables: torch.Tensor,
@@ -624,6 +654,8 @@ class DecodeStack:
         and each row's argmax (the greedy tokens, as :func:`argmax` picks them) from the same call."""
         if self.head is None:
             raise ValueError("decode_packed needs a DecodeStack built with a head")
+        if num_tokens < 1 or width < 1:
+            raise ValueError(f"a step of decodes has at least one token and one block, got {num_tokens} and {width}")
         if len(packed) != num_tokens * (4 + width):
             raise ValueError(f"packed holds {len(packed)} ints, not {num_tokens} * (4 + {width})")
         data = (ctypes.c_int64 * (len(packed) + num_tokens))(*packed)  # and room for each row's argmax
@@ -641,12 +673,11 @@ class DecodeStack:
             raise ValueError("logits=True needs a DecodeStack built with a head")
         if num_tokens < 1:
             raise ValueError(f"a step of decodes has at least one token, got {num_tokens}")
+        timing = self.timing
+        if timing is not None and (timing.dtype != torch.float64 or timing.numel() < 4 or not timing.is_contiguous()):
+            raise TypeError("DecodeStack.timing must be None or contiguous float64 [4] (see time_parts)")
         h = None
-        key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
-        tables_in = self._tables
-        if tables_in is None or tables_in[:3] != key:  # checked once per set of tables
-            tables_in = self._tables = (*key, embed.shape[0], cos_table.shape[0],
-                                        embed.dtype == torch.float32 and embed.is_contiguous())
+        tables_in = self._check_tables(embed, cos_table, sin_table)
         if not tables_in[5]:  # embedded here instead
             h = torch.nn.functional.embedding(input_ids(), embed).float().contiguous()
             ids = None  # type: ignore[assignment]
@@ -660,8 +691,7 @@ class DecodeStack:
                 self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,
                 None if result is None else result.data_ptr(), argmax, slots, tables, ldt, context_lens,
                 *self._cache_shape,
-                torch.get_num_threads(),
-                None if self.timing is None else self.timing.data_ptr())
+                torch.get_num_threads(), None if timing is None else timing.data_ptr())
         if torch.autograd.profiler._is_profiler_enabled:  # one op per step in a trace
             with torch.profiler.record_function("asyncinfer::decode_stack"):
                 code = lib.asyncinfer_decode_stack(*args)

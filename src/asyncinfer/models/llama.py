@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         native = _all_native_decodes(meta)
-        if native and self.fused_stack is not None:  # the whole step in one kernel call
+        if native and self.fused_stack is not None and input_ids.numel():  # the whole step in one kernel call
             return self.fused_stack(input_ids, self.embed_tokens.weight, positions, self.rotary.cos_cache,
                                     self.rotary.sin_cache, kv_caches, meta.slot_mapping, meta.decode_block_tables,
                                     meta.decode_context_lens)  # [T, hidden]
