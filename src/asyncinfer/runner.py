@@ -16,6 +16,7 @@ from torch import nn
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.models import AttentionBackend, ModelConfig
+from asyncinfer.models.attention.padding import flat_padded_tables
 from asyncinfer.request import Request
 
 
@@ -130,10 +131,6 @@ class ModelRunner:
         fast = getattr(self.model, "decode_packed", None)
         if fast is None:
             return None
-        width = max(len(table) for table in inputs.block_tables)
-        packed = inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.context_lens
-        for table in inputs.block_tables:
-            packed += table
-            if len(table) < width:
-                packed += [0] * (width - len(table))
+        width, tables = flat_padded_tables(inputs.block_tables)
+        packed = inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.context_lens + tables
         return fast(packed, num_tokens, width, self.kv_caches)

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -234,8 +235,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
     """
     lib = _lib if _lib is not None else _need()
-    if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    _bytes_per_block(fmt)  # an unknown format named before the activations
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise TypeError(f"the {fmt} kernel takes 2-D float32 CPU activations, got {tuple(x.shape)} {x.dtype} on "
                         f"{x.device}")
@@ -257,10 +257,14 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     return y
 
 
-def _check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int) -> None:
+def _bytes_per_block(fmt: str) -> int:
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
-    size = BLOCK_FORMATS[fmt][1]
+    return BLOCK_FORMATS[fmt][1]
+
+
+def _check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int) -> None:
+    size = _bytes_per_block(fmt)
     if (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] == out_features and packed.shape[1]
             and packed.shape[1] % size == 0 and packed.shape[1] // size * QK != k):
         raise ValueError(f"x has {k} columns, but the {fmt} weights hold {packed.shape[1] // size * QK} inputs "
@@ -278,8 +282,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     Q8_0: d = max |w| / 127, q = round(w / d). d and m are stored in float16, and q is computed
     against the stored values.
     """
-    if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    _bytes_per_block(fmt)
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize takes floating-point weights [N, K], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -311,9 +314,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
     """Bytes per block of ``fmt``, once ``blocks`` is checked to be uint8 [N, B * bytes]."""
-    if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
-    size = BLOCK_FORMATS[fmt][1]
+    size = _bytes_per_block(fmt)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise ValueError(f"{what} takes {fmt} blocks as uint8 [N, a multiple of {size} bytes], got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")
@@ -436,14 +437,23 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
                             f"{tuple(t.shape)}")
     if tables.dim() != 2 or tables.shape[0] != num_seqs:
         raise TypeError(f"block_tables must be int64 [sequences={num_seqs}, blocks], got {tuple(tables.shape)}")
-    code = lib.asyncinfer_check_paged(tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
-                                      None if slots is None else slots.data_ptr(), num_seqs, k_cache.shape[1],
-                                      k_cache.shape[0])
+    _raise_paged(lib.asyncinfer_check_paged(tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
+                                            None if slots is None else slots.data_ptr(), num_seqs, k_cache.shape[1],
+                                            k_cache.shape[0]), tables.shape[1], k_cache)
+
+
+def _raise_paged(code: int, table_width: int, k_cache: torch.Tensor) -> None:
+    """The IndexError of ``asyncinfer_check_paged``'s codes (3, 4); nothing for any other."""
     if code == 3:
-        raise IndexError(f"a context length is below 1 or beyond its block table ({tables.shape[1]} blocks)")
+        raise IndexError(f"a context length is below 1 or beyond its block table ({table_width} blocks)")
     if code == 4:
         raise IndexError(f"a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
                          f"{k_cache.shape[1]})")
+
+
+def _check_timing(timing: torch.Tensor | None, parts: int, owner: str) -> None:
+    if timing is not None and (timing.dtype != torch.float64 or timing.numel() < parts or not timing.is_contiguous()):
+        raise TypeError(f"{owner}.timing must be None or contiguous float64 [{parts}] (see time_parts)")
 
 
 def _check(code: int, what: str) -> None:
@@ -516,9 +526,7 @@ class DecodeLayer:
                     or t.shape != k_cache.shape:
                 raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, {kv_shape[0]}, "
                                  f"{kv_shape[1]}] like k_cache, got {t.dtype} {tuple(t.shape)}")
-        timing = self.timing
-        if timing is not None and (timing.dtype != torch.float64 or timing.numel() < 3 or not timing.is_contiguous()):
-            raise TypeError("DecodeLayer.timing must be None or contiguous float64 [3] (see time_parts)")
+        _check_timing(self.timing, 3, "DecodeLayer")
         if not h.is_contiguous():
             h = h.contiguous()
         tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
@@ -537,6 +545,20 @@ class DecodeLayer:
             k_cache.shape[1], torch.get_num_threads(), None if self.timing is None else self.timing.data_ptr()),
             "decode_layer")
         return h
+
+
+class _Tables(NamedTuple):
+    """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, whether the kernel
+    reads the embedding rows itself (float32, contiguous), and the tensors (their identity)."""
+
+    embed: int
+    cos: int
+    sin: int
+    vocab: int
+    positions: int
+    kernel_embeds: bool
+    embed_tensor: torch.Tensor
+    cos_tensor: torch.Tensor
 
 
 class DecodeStack:
@@ -562,9 +584,9 @@ class DecodeStack:
         self._norm = final_norm.detach().float().contiguous()
         self._eps = eps
         self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
-        self._kv: tuple[list, int, ctypes.Array] | None = None  # the caches' pointer array, built once per list
-        self._tables: tuple | None = None  # the embedding and rope tables: pointers, sizes, whether embedded here
-        self._cache_shape = (0, 0)  # the caches' block size and slots (set with their pointers)
+        # The caches as last checked: their tensors (k0, v0, k1, ...), layer 0's K address, their pointers.
+        self._kv: tuple[tuple[torch.Tensor, ...], int, ctypes.Array] | None = None
+        self._tables: _Tables | None = None  # the embedding and rope tables, as last checked
         #: None, or float64 [4] that each call adds its seconds to: the layers' projections, attention,
         #: the layers as a whole, and the head (see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
@@ -598,15 +620,15 @@ class DecodeStack:
                                     f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
             pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
             held = self._kv = (tensors, first, pointers)
-            self._cache_shape = (shape[1], shape[0] * shape[1])  # block size, slots
         return held[2]
 
-    def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple:
+    def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
         """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
         rows); checked when they change."""
         key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
         held = self._tables
-        if held is not None and held[:3] == key and held[6] is embed and held[7] is cos_table:
+        if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
+                held.cos_tensor is cos_table):
             return held
         layer = self.layers[0]
         half = layer._args["head_dim"] // 2
@@ -617,8 +639,8 @@ class DecodeStack:
                     t.shape != cos_table.shape):
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
                                 f"{t.dtype} {tuple(t.shape)}")
-        held = self._tables = (*key, embed.shape[0], cos_table.shape[0],
-                               embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table)
+        held = self._tables = _Tables(*key, embed.shape[0], cos_table.shape[0],
+                                      embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table)
         return held
 
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
@@ -674,11 +696,10 @@ class DecodeStack:
         if num_tokens < 1:
             raise ValueError(f"a step of decodes has at least one token, got {num_tokens}")
         timing = self.timing
-        if timing is not None and (timing.dtype != torch.float64 or timing.numel() < 4 or not timing.is_contiguous()):
-            raise TypeError("DecodeStack.timing must be None or contiguous float64 [4] (see time_parts)")
+        _check_timing(timing, 4, "DecodeStack")
         h = None
         tables_in = self._check_tables(embed, cos_table, sin_table)
-        if not tables_in[5]:  # embedded here instead
+        if not tables_in.kernel_embeds:  # embedded here instead
             h = torch.nn.functional.embedding(input_ids(), embed).float().contiguous()
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
@@ -686,11 +707,14 @@ class DecodeStack:
             out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt], head_n), torch.empty(num_tokens, head_n)
         else:
             out, head, result = torch.empty(num_tokens, self.layers[0]._hidden), (None, 0, 0), None
-        args = (self._array, len(self.layers), self._cache_pointers(kv_caches), None if h is None else h.data_ptr(),
-                num_tokens, ids, tables_in[0], tables_in[3], positions, tables_in[1], tables_in[2], tables_in[4],
+        pointers = self._cache_pointers(kv_caches)
+        cache = self._kv[0][0]  # type: ignore[index]  # layer 0's K [blocks, block size, KV heads, head dim]
+        args = (self._array, len(self.layers), pointers, None if h is None else h.data_ptr(),
+                num_tokens, ids, tables_in.embed, tables_in.vocab, positions, tables_in.cos, tables_in.sin,
+                tables_in.positions,
                 self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,
                 None if result is None else result.data_ptr(), argmax, slots, tables, ldt, context_lens,
-                *self._cache_shape,
+                cache.shape[1], cache.shape[0] * cache.shape[1],  # block size, slots
                 torch.get_num_threads(), None if timing is None else timing.data_ptr())
         if torch.autograd.profiler._is_profiler_enabled:  # one op per step in a trace
             with torch.profiler.record_function("asyncinfer::decode_stack"):
@@ -698,13 +722,10 @@ class DecodeStack:
         else:
             code = lib.asyncinfer_decode_stack(*args)
         if code == 1:
-            raise IndexError(f"a token id is outside the embedding table [0, {tables_in[3]})")
+            raise IndexError(f"a token id is outside the embedding table [0, {tables_in.vocab})")
         if code == 2:
-            raise IndexError(f"a position is outside the rope table [0, {tables_in[4]})")
-        if code == 3:
-            raise IndexError(f"a context length is below 1 or beyond its block table ({ldt} blocks)")
-        if code == 4:
-            raise IndexError(f"a cache slot or block is outside the caches ({self._cache_shape[1]} slots)")
+            raise IndexError(f"a position is outside the rope table [0, {tables_in.positions})")
+        _raise_paged(code, ldt, cache)
         _check(code, "decode_stack")
         return out if result is None else result
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models.attention.base import AttentionBackend, AttentionMetadata
-from asyncinfer.models.attention.padding import pad_to_longest_block
+from asyncinfer.models.attention.padding import flat_padded_tables, pad_to_longest_block
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -106,14 +106,9 @@ class SdpaBackend(AttentionBackend):
         """A step of decodes only, on asyncinfer's kernel (no masks, no prefill inputs): the slots, the
         context lengths and the block tables, each a view of one tensor (one copy from Python, not three)."""
         num_seqs = len(context_lens)
-        width = max(len(bt) for bt in block_tables)
-        flat = list(slot_mapping)
-        flat.extend(context_lens)
-        for bt in block_tables:
-            flat.extend(bt)
-            flat.extend([0] * (width - len(bt)))
-        slots, lens, tables = torch.tensor(flat, dtype=torch.long, device=device).split(
-            [num_seqs, num_seqs, num_seqs * width])
+        width, padded = flat_padded_tables(block_tables)
+        slots, lens, tables = torch.tensor([*slot_mapping, *context_lens, *padded], dtype=torch.long,
+                                           device=device).split([num_seqs, num_seqs, num_seqs * width])
         tables = tables.view(num_seqs, width)  # [num_seqs, width], padded with block 0
         return SdpaMetadata(
             backend=self,
@@ -200,9 +195,8 @@ class SdpaMetadata(AttentionMetadata):
 
 def _padded_tables(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """The block tables as one tensor, right-padded with block 0 (masked wherever it is read)."""
-    width = max((len(bt) for bt in block_tables), default=0)
-    padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(block_tables), width)  # [num_seqs, width]
+    width, flat = flat_padded_tables(block_tables)
+    return torch.tensor(flat, dtype=torch.long, device=device).view(len(block_tables), width)  # [num_seqs, width]
 
 
 def _decode_inputs(
