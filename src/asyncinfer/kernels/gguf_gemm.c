@@ -9,8 +9,9 @@
  *         (q_j is the low nibble of byte j for j < 16, the high nibble of byte j - 16 otherwise)
  *   Q8_0: fp16 d, 32 int8; weight j = d * q_j
  *
- * The weights are the blocks' exact values; activations are rounded per block of 32 to int16 (see
- * quantize_acts), the integer products summed exactly, and each block's sum scaled in float32.
+ * The weights are the blocks' exact values. Below PANEL_MIN_ROWS activation rows, activations are
+ * rounded per block of 32 to int16 (see quantize_acts), the integer products summed exactly, and each
+ * block's sum scaled in float32; from it on, weights are rebuilt in float32 (see gemm_panel).
  * Decode reads each weight once per step, so these kernels move 5 (Q4_1) or 8.5 (Q8_0) bits per
  * weight instead of 32 (float32) or 16 (float16).
  *
@@ -253,81 +254,99 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
 ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
 
-/* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds NP weight rows at a time in
- * float32 (the blocks' exact values, in the even/odd order of the unpacking) and multiplies them by
- * float32 activations (permuted to match, not rounded) with a 4 x 3 register tile, so the rebuild
- * is paid once per NP rows and the inner loop is one FMA per 8 products. Each output is one
- * dot product in 8 float32 lanes, summed the same way whatever the batch. */
-#define NP 3
-#define MP 4
+/* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
+ * float32 (the blocks' exact values) and multiplies them by the float32 activations (transposed, not
+ * rounded) in register tiles of 6 weight rows x 16 tokens (12 rows x 8 for the last 8 or fewer):
+ * one weight broadcast and one FMA per 8 products, no horizontal sums. The rebuild is paid once per
+ * weight row whatever the batch. Each output is one float32 sum over k in order, in its own lane,
+ * so a row's result never depends on the other rows of the call. */
+#define TN 12
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 5
 #endif
 
-static inline void rebuild_block(const __m256i w[2], __m256 d, __m256 m, float upper, float *out) {
-    for (int h = 0; h < 2; h++) {
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[h])));
-        const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[h], 1))),
-                                        _mm256_set1_ps(upper));
-        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(d, lo, m));
-        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(d, hi, m));
-    }
-}
-
+/* One row's weights in float32, in order: Q4_1 d * q + m (one rounding), Q8_0 d * q. */
 static void rebuild_row(const uint8_t *row, int64_t nb, int has_min, float *out) {
     const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
     const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i w[2];
-        if (has_min) unpack_q4_1(qs + 16 * b, w); else unpack_q8_0(qs + 32 * b, w);
-        const __m256 d = _mm256_set1_ps(half_to_float(d16[b]));
-        const __m256 m = has_min ? _mm256_set1_ps(half_to_float(m16[b])) : _mm256_setzero_ps();
-        rebuild_block(w, d, m, has_min ? 0.0625f : 1.0f, out + b * QK);
+    if (has_min) {
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int64_t b = 0; b < nb; b++, out += QK) {
+            const __m256 d = _mm256_set1_ps(half_to_float(d16[b])), m = _mm256_set1_ps(half_to_float(m16[b]));
+            for (int h = 0; h < 2; h++) { /* bytes 8h to 8h + 7: elements 8h on (low nibbles), 16 + 8h on (high) */
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + 8 * h)));
+                _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m));
+                _mm256_storeu_ps(out + 16 + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m));
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++, out += QK) {
+            const __m256 d = _mm256_set1_ps(half_to_float(d16[b]));
+            for (int h = 0; h < 4; h++) {
+                const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * b + 8 * h)));
+                _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+            }
+        }
     }
 }
 
-/* Activations in the rebuilt weights' order: within each block of 32, even elements then odd. */
-static void permute_acts(const float *x, int64_t M, int64_t ldx, int64_t K, float *xp) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < K; b += QK)
-            for (int j = 0; j < QK / 2; j++) {
-                xp[m * K + b + j] = x[m * ldx + b + 2 * j];
-                xp[m * K + b + QK / 2 + j] = x[m * ldx + b + 2 * j + 1];
-            }
+/* x [M, K] transposed to xt [K, Mp] (Mp: M rounded up to 8, the extra columns zero); called inside the
+ * parallel region, each thread filling its share of k (the loop's barrier ends it). */
+static void transpose_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mp, float *xt) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t k = 0; k < K; k++) {
+        float *dst = xt + k * Mp;
+        for (int64_t m = 0; m < M; m++) dst[m] = x[m * ldx + k];
+        for (int64_t m = M; m < Mp; m++) dst[m] = 0.0f;
+    }
 }
+
+/* RW panel rows from row J0 on against W8 x 8 tokens of xt from column m0 on, into y (the rows below
+ * nr and the tokens below M). The accumulators are named by constant indices only, so they stay in
+ * registers: 12 of them, W8 activation vectors and one broadcast weight. */
+#define PANEL_TILE(RW, W8, J0)                                                                     \
+    do {                                                                                          \
+        __m256 acc[RW][W8];                                                                       \
+        for (int j = 0; j < RW; j++)                                                              \
+            for (int v = 0; v < W8; v++) acc[j][v] = _mm256_setzero_ps();                         \
+        const float *xc = xt + m0, *pw = panel + (J0) * K;                                        \
+        for (int64_t k = 0; k < K; k++, xc += Mp) {                                               \
+            __m256 xv[W8];                                                                        \
+            for (int v = 0; v < W8; v++) xv[v] = _mm256_loadu_ps(xc + 8 * v);                     \
+            for (int j = 0; j < RW; j++) {                                                        \
+                const __m256 wv = _mm256_broadcast_ss(pw + j * K + k);                            \
+                for (int v = 0; v < W8; v++) acc[j][v] = _mm256_fmadd_ps(wv, xv[v], acc[j][v]);   \
+            }                                                                                     \
+        }                                                                                         \
+        float o[RW][8 * W8];                                                                      \
+        for (int j = 0; j < RW; j++)                                                              \
+            for (int v = 0; v < W8; v++) _mm256_storeu_ps(o[j] + 8 * v, acc[j][v]);               \
+        for (int64_t j = 0; j < RW && (J0) + j < nr; j++) {                                       \
+            const int64_t n = n0 + (J0) + j;                                                      \
+            const float bn = bias ? bias[n] : 0.0f;                                               \
+            for (int64_t i = 0; i < 8 * W8 && m0 + i < M; i++) y[(m0 + i) * ldy + n] = o[j][i] + bn; \
+        }                                                                                         \
+    } while (0)
 
 static void gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
                        int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
-                       float *xp) {
-    const int64_t nb = K / QK, groups = (N + NP - 1) / NP;
-    permute_acts(x, M, ldx, K, xp);
+                       float *xt) {
+    const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
     _Pragma("omp parallel num_threads(threads) if(threads > 1)")
     {
-        float *panel = (float *)malloc(sizeof(float) * (size_t)(NP * K));
+        transpose_acts(x, M, ldx, K, Mp, xt);
+        float *panel = (float *)malloc(sizeof(float) * (size_t)(TN * K));
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t n0 = g * NP, nr = N - n0 < NP ? N - n0 : NP;
+            const int64_t n0 = g * TN, nr = N - n0 < TN ? N - n0 : TN;
             for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
-            for (int64_t r = nr; r < NP; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
-            for (int64_t m0 = 0; m0 < M; m0 += MP) {
-                const int64_t mr = M - m0 < MP ? M - m0 : MP;
-                const float *xr[MP];
-                for (int i = 0; i < MP; i++) xr[i] = xp + (m0 + (i < mr ? i : 0)) * K;
-                __m256 acc[MP][NP];
-                for (int i = 0; i < MP; i++)
-                    for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps();
-                for (int64_t k = 0; k < K; k += 8) {
-                    __m256 wv[NP];
-                    for (int j = 0; j < NP; j++) wv[j] = _mm256_loadu_ps(panel + j * K + k);
-                    for (int i = 0; i < MP; i++) {
-                        const __m256 xv = _mm256_loadu_ps(xr[i] + k);
-                        for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-                    }
-                }
-                for (int64_t i = 0; i < mr; i++)
-                    for (int64_t j = 0; j < nr; j++)
-                        y[(m0 + i) * ldy + n0 + j] = hsum(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
+            for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
+            int64_t m0 = 0;
+            for (; m0 + 16 <= Mp; m0 += 16) {
+                PANEL_TILE(6, 2, 0);
+                if (nr > 6) PANEL_TILE(6, 2, 6);
             }
+            if (m0 < Mp) PANEL_TILE(12, 1, 0);
         }
         free(panel);
     }
@@ -385,7 +404,7 @@ GEMM(asyncinfer_gemm_q4_1, row_q4_1, row2_q4_1, 20)
 GEMM(asyncinfer_gemm_q8_0, row_q8_0, row2_q8_0, 34)
 
 int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) {
-    return M >= PANEL_MIN_ROWS ? M * K * 4 : M * K * 2 + 2 * M * (K / QK) * 4;
+    return M >= PANEL_MIN_ROWS ? (M + 7) / 8 * 8 * K * 4 : M * K * 2 + 2 * M * (K / QK) * 4;
 }
 
 /* RMS norm of T rows: y[t] = (x[t] * 1 / sqrt(mean(x[t]^2) + eps)) * w, float32 throughout. */
@@ -627,6 +646,7 @@ static void layer_step(const layer_t *L, float *h, int64_t T, const float *cos, 
     asyncinfer_rms_norm(h, T, hidden, hidden, L->norm1, L->eps, x, threads);
     TIMED(0, gemm_of(L->fmt_qkv)(x, T, hidden, hidden, L->w_qkv, qkv_size, L->b_qkv, wide, qkv_size, threads,
                                  b->scratch));
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_size;
         const float *c = cos + t * half, *sn = sin + t * half;
@@ -639,9 +659,12 @@ static void layer_step(const layer_t *L, float *h, int64_t T, const float *cos, 
                 v[i + half] = e + f;
             }
         }
+        memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
+    }
+    for (int64_t t = 0; t < T; t++) { /* in order: a slot given twice keeps the last token's K/V */
+        const float *row = wide + t * qkv_size;
         memcpy(k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
         memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
-        memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
     }
     TIMED(1, asyncinfer_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, attn,
                                          threads));
@@ -652,6 +675,7 @@ static void layer_step(const layer_t *L, float *h, int64_t T, const float *cos, 
     asyncinfer_rms_norm(h, T, hidden, hidden, L->norm2, L->eps, x, threads);
     TIMED(0, gemm_of(L->fmt_gate_up)(x, T, hidden, hidden, L->w_gate_up, 2 * I, NULL, wide, 2 * I, threads,
                                      b->scratch));
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
     for (int64_t t = 0; t < T; t++) {
         const float *g = wide + t * 2 * I, *u = g + I;
         float *a = attn + t * I;
@@ -796,4 +820,4 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 20; }
+int asyncinfer_kernels_version(void) { return 21; }
