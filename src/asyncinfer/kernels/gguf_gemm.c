@@ -255,11 +255,11 @@ ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
 ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
 
 /* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
- * float32 (the blocks' exact values) and multiplies them by the float32 activations (transposed, not
- * rounded) in register tiles of 6 weight rows x 16 tokens (12 rows x 8 for the last 8 or fewer):
- * one weight broadcast and one FMA per 8 products, no horizontal sums. The rebuild is paid once per
- * weight row whatever the batch. Each output is one float32 sum over k in order, in its own lane,
- * so a row's result never depends on the other rows of the call. */
+ * float32 (the blocks' exact values) and multiplies them by the float32 activations (not rounded;
+ * packed per tile, see pack_acts) in register tiles of 6 weight rows x 16 tokens (12 rows x 8 for the
+ * last 8 or fewer): one weight broadcast and one FMA per 8 products, no horizontal sums. The rebuild
+ * is paid once per weight row and pass (see PANEL_PASS_BYTES). Each output is one float32 sum over k
+ * in order, in its own lane, so a row's result never depends on the other rows of the call. */
 #define TN 12
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 5
@@ -290,27 +290,49 @@ static void rebuild_row(const uint8_t *row, int64_t nb, int has_min, float *out)
     }
 }
 
-/* x [M, K] transposed to xt [K, Mp] (Mp: M rounded up to 8, the extra columns zero); called inside the
- * parallel region, each thread filling its share of k (the loop's barrier ends it). */
-static void transpose_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mp, float *xt) {
+/* The activations in the tiles' order: tokens in tiles of 16 (the last 8 or fewer in one of 8), each
+ * tile's [K, W] floats stored contiguously at xt + m0 * K, tokens past M zero. Eight tokens by eight
+ * k at a time, transposed in registers; called inside the parallel region, each thread filling its
+ * share (the loop's barrier ends it). */
+static inline int64_t tile_width(int64_t m0, int64_t Mp) { return Mp - m0 >= 16 ? 16 : 8; }
+
+static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mp, float *xt) {
+    const int64_t kb = K / 8;
     _Pragma("omp for schedule(static)")
-    for (int64_t k = 0; k < K; k++) {
-        float *dst = xt + k * Mp;
-        for (int64_t m = 0; m < M; m++) dst[m] = x[m * ldx + k];
-        for (int64_t m = M; m < Mp; m++) dst[m] = 0.0f;
+    for (int64_t item = 0; item < (Mp / 8) * kb; item++) {
+        const int64_t g8 = item / kb, k = (item % kb) * 8, m8 = g8 * 8;
+        const int64_t m0 = m8 / 16 * 16, W = tile_width(m0, Mp), lane = m8 - m0;
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = m8 + i < M ? _mm256_loadu_ps(x + (m8 + i) * ldx + k) : _mm256_setzero_ps();
+        /* 8 x 8 transpose: r[i][j] -> t[j][i] */
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        float *dst = xt + m0 * K + k * W + lane;
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + j * W, c[j]);
     }
 }
 
-/* RW panel rows from row J0 on against W8 x 8 tokens of xt from column m0 on, into y (the rows below
- * nr and the tokens below M). The accumulators are named by constant indices only, so they stay in
+/* RW panel rows from row J0 on against the tile of W8 x 8 tokens at m0, into y (the rows below nr and
+ * the tokens below M). The accumulators are named by constant indices only, so they stay in
  * registers: 12 of them, W8 activation vectors and one broadcast weight. */
 #define PANEL_TILE(RW, W8, J0)                                                                     \
     do {                                                                                          \
         __m256 acc[RW][W8];                                                                       \
         for (int j = 0; j < RW; j++)                                                              \
             for (int v = 0; v < W8; v++) acc[j][v] = _mm256_setzero_ps();                         \
-        const float *xc = xt + m0, *pw = panel + (J0) * K;                                        \
-        for (int64_t k = 0; k < K; k++, xc += Mp) {                                               \
+        const float *xc = xt + m0 * K, *pw = panel + (J0) * K;                                    \
+        for (int64_t k = 0; k < K; k++, xc += 8 * W8) {                                           \
             __m256 xv[W8];                                                                        \
             for (int v = 0; v < W8; v++) xv[v] = _mm256_loadu_ps(xc + 8 * v);                     \
             for (int j = 0; j < RW; j++) {                                                        \
@@ -328,25 +350,39 @@ static void transpose_acts(const float *x, int64_t M, int64_t ldx, int64_t K, in
         }                                                                                         \
     } while (0)
 
+/* Tokens per pass over the weights: their packed activations (at most this many bytes) stay in a
+ * core's L2 cache while every weight row passes; a bigger batch takes several passes, each
+ * rebuilding the weights again (a small cost next to its FMAs). */
+#ifndef PANEL_PASS_BYTES
+#define PANEL_PASS_BYTES (384 * 1024)
+#endif
+
 static void gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
                        int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
                        float *xt) {
     const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
+    int64_t pass = PANEL_PASS_BYTES / (4 * K) / 16 * 16;
+    pass = pass < 16 ? 16 : pass;
     _Pragma("omp parallel num_threads(threads) if(threads > 1)")
     {
-        transpose_acts(x, M, ldx, K, Mp, xt);
+        pack_acts(x, M, ldx, K, Mp, xt);
         float *panel = (float *)malloc(sizeof(float) * (size_t)(TN * K));
-        _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t n0 = g * TN, nr = N - n0 < TN ? N - n0 : TN;
-            for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
-            for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
-            int64_t m0 = 0;
-            for (; m0 + 16 <= Mp; m0 += 16) {
-                PANEL_TILE(6, 2, 0);
-                if (nr > 6) PANEL_TILE(6, 2, 6);
+        for (int64_t p0 = 0; p0 < Mp; p0 += pass) {
+            const int64_t p1 = Mp - p0 < pass ? Mp : p0 + pass;
+            _Pragma("omp for schedule(static)")
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t n0 = g * TN, nr = N - n0 < TN ? N - n0 : TN;
+                for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
+                for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
+                for (int64_t m0 = p0; m0 < p1; m0 += 16) {
+                    if (tile_width(m0, Mp) == 16) {
+                        PANEL_TILE(6, 2, 0);
+                        if (nr > 6) PANEL_TILE(6, 2, 6);
+                    } else {
+                        PANEL_TILE(12, 1, 0);
+                    }
+                }
             }
-            if (m0 < Mp) PANEL_TILE(12, 1, 0);
         }
         free(panel);
     }
@@ -820,4 +856,4 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 21; }
+int asyncinfer_kernels_version(void) { return 22; }
