@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-llamacpp", action="store_true",
                    help="skip llama.cpp (run by default when llama-cpp-python is installed and the model is a .gguf)")
     p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp's parallel sequences (slots)")
+    p.add_argument("--paired-rounds", type=int, default=0,
+                   help="after the other runs, this many more rounds of asyncinfer's default and llama.cpp on\n"
+                        "the workload, back to back, the order alternating; the median of the rounds' ratios")
     p.add_argument("--formats", default="",
                    help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float32,int8); "
                         "'float32' is quantization=None (float32 weights), 'compile' the default format with "
@@ -568,6 +571,54 @@ def run_llamacpp_peer(model_path: Path, workload: Workload, args: argparse.Names
         peer.close()
 
 
+def run_paired_rounds(model_path: Path, workload: Workload, args: argparse.Namespace, hf_config: Any) -> dict | None:
+    """``--paired-rounds``: asyncinfer's default format and llama.cpp on the workload, back to back, round
+    after round (the order alternating, so that a drift of the machine's speed falls on both); each round
+    a fresh engine (warmed up as in the main run) and llama.cpp's memory cleared. The machine's speed
+    drifts between minutes far more than within one round, so the median of the rounds' own ratios is
+    the comparison to quote. None when llama.cpp cannot run here."""
+    from llamacpp_peer import LlamaCppPeer, available
+
+    why_not = available() or (None if model_path.suffix == ".gguf" else f"{model_path} is not a .gguf file")
+    if why_not:
+        say(f"paired rounds skipped: {why_not}")
+        return None
+    threads = args.threads or torch.get_num_threads()
+    n_ctx = math.ceil((workload.max_seq_len + 1) / 256) * 256
+    quiet = argparse.Namespace(**{**vars(args), "skip_single_decode": True})
+    prompts = [list(p) for p in workload.prompt_ids]
+    lengths = list(workload.max_new_tokens)
+    peer = LlamaCppPeer(model_path, threads, args.llamacpp_parallel, n_ctx)
+    rounds = []
+    try:
+        on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
+        for index in range(args.paired_rounds):
+            order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
+            walls: dict[str, float] = {}
+            for system in order:
+                say(f"paired round {index + 1}/{args.paired_rounds}: {system}")
+                if system == "asyncinfer":
+                    engine = build_engine(model_path, workload, quiet, hf_config)
+                    walls[system] = on_own_thread(run_asyncinfer, engine, workload, quiet)[0].wall_s
+                    del engine
+                else:  # each run on a thread that ends with it, as every other system here
+                    walls[system] = on_own_thread(peer.run, prompts, lengths)[1]
+            tokens = workload.total_output_tokens
+            rounds.append({"order": list(order), "asyncinfer_tokens_per_s": tokens / walls["asyncinfer"],
+                           "llamacpp_tokens_per_s": tokens / walls["llama.cpp"],
+                           "ratio": walls["llama.cpp"] / walls["asyncinfer"]})
+    finally:
+        peer.close()
+    return {
+        "rounds": rounds,
+        "asyncinfer_median_tokens_per_s": statistics.median(r["asyncinfer_tokens_per_s"] for r in rounds),
+        "llamacpp_median_tokens_per_s": statistics.median(r["llamacpp_tokens_per_s"] for r in rounds),
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "min_ratio": min(r["ratio"] for r in rounds),
+        "max_ratio": max(r["ratio"] for r in rounds),
+    }
+
+
 # =========================================================================== roofline
 
 def median_seconds(fn: Any, repeats: int, inner: int = 1) -> float:
@@ -806,6 +857,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_llamacpp:
         on_own_thread(run_llamacpp_peer, model_path, workload, args, results, outputs, single, record)
 
+    paired = None
+    if args.paired_rounds > 0 and engine is not None and not args.skip_llamacpp:
+        paired = run_paired_rounds(model_path, workload, args, hf_model.config)
+
     if not args.skip_hf_cb:
         say(f"running transformers continuous batching ({args.hf_cb_api})")
         run_cb = run_hf_cb_manager if args.hf_cb_api == "manager" else run_hf_cb_generate_batch
@@ -868,6 +923,12 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"{k} {v['decode_tokens_per_s']:.1f} tok/s" for k, v in single.items()]
         print(f"single-request decode ({args.decode_tokens} new tokens, (n-1)/(T(n)-T(1)), median of "
               f"{args.repeats}): " + ", ".join(parts))
+    if paired is not None:
+        per_round = ", ".join(f"{r['ratio']:.2f}x" for r in paired["rounds"])
+        print(f"paired rounds ({len(paired['rounds'])}, asyncinfer default and llama.cpp back to back, the order "
+              f"alternating): asyncinfer {paired['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp "
+              f"{paired['llamacpp_median_tokens_per_s']:.1f} (medians); asyncinfer / llama.cpp per round "
+              f"{per_round}; median {paired['median_ratio']:.2f}x")
     print_latency("asyncinfer", ours)
     print_latency("HF continuous batching", results["hf_cb"])
     if ours is not None:
@@ -914,6 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": rf,
         "roofline_fraction": (ours.tokens_per_s / rf["roofline_tokens_per_s"]) if (ours and rf) else None,
         "profiles": profiles,
+        "paired_rounds": paired,
     })
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
