@@ -115,6 +115,17 @@ def test_gemm_equals_float64_within_its_activation_rounding(fmt, rows) -> None:
         kernels.gemm(x.double(), packed, fmt, 70)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_gemm_of_zero_width_activations_is_the_bias(fmt) -> None:
+    """An empty dot product is 0: both paths (below and from PANEL_MIN_ROWS rows) give the bias."""
+    packed = torch.zeros(4, 0, dtype=torch.uint8)
+    bias = torch.arange(4, dtype=torch.float32)
+    for rows in (1, kernels.PANEL_MIN_ROWS, 17):
+        out = kernels.gemm(torch.zeros(rows, 0), packed, fmt, 4, bias)
+        assert torch.equal(out, bias.expand(rows, 4))
+        assert torch.equal(kernels.gemm(torch.zeros(rows, 0), packed, fmt, 4), torch.zeros(rows, 4))
+
+
 def test_rms_norm_equals_the_reference_steps_within_rounding() -> None:
     gen = torch.Generator().manual_seed(5)
     for rows, hidden in ((1, 576), (7, 64), (40, 100)):  # 100: a tail past the last 8-wide vector

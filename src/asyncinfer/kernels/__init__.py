@@ -44,7 +44,7 @@ PANEL_MIN_ROWS = 5
 
 _SOURCE = Path(__file__).with_name("gguf_gemm.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 22
+_VERSION = 23
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

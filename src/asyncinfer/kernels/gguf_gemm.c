@@ -361,6 +361,11 @@ static void gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const 
                        int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
                        float *xt) {
     const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
+    if (K == 0) { /* empty sums: the bias, as the row kernels give */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias ? bias[n] : 0.0f;
+        return;
+    }
     int64_t pass = PANEL_PASS_BYTES / (4 * K) / 16 * 16;
     pass = pass < 16 ? 16 : pass;
     _Pragma("omp parallel num_threads(threads) if(threads > 1)")
@@ -856,4 +861,4 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* The kernels' version: the Python side refuses a cached build of another. */
-int asyncinfer_kernels_version(void) { return 22; }
+int asyncinfer_kernels_version(void) { return 23; }
