@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip llama.cpp (run by default when llama-cpp-python is installed and the model is a .gguf)")
     p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp's parallel sequences (slots)")
     p.add_argument("--paired-rounds", type=int, default=0,
-                   help="after the other runs, this many more rounds of asyncinfer's default and llama.cpp on\n"
-                        "the workload, back to back, the order alternating; the median of the rounds' ratios")
+                   help="right after llama.cpp's run, this many more rounds of asyncinfer's default and\n"
+                        "llama.cpp on the workload, back to back, the order alternating; the median of the\n"
+                        "rounds' ratios (needs llama.cpp)")
     p.add_argument("--formats", default="",
                    help="extra asyncinfer runs, one per quantization= value, comma-separated (e.g. float32,int8); "
                         "'float32' is quantization=None (float32 weights), 'compile' the default format with "
@@ -858,7 +859,10 @@ def main(argv: list[str] | None = None) -> int:
         on_own_thread(run_llamacpp_peer, model_path, workload, args, results, outputs, single, record)
 
     paired = None
-    if args.paired_rounds > 0 and engine is not None and not args.skip_llamacpp:
+    if args.paired_rounds > 0 and (engine is None or args.skip_llamacpp):
+        say("paired rounds skipped: they need asyncinfer's engine and llama.cpp (--skip-llamacpp was given "
+            "or asyncinfer did not load)")
+    elif args.paired_rounds > 0:
         paired = run_paired_rounds(model_path, workload, args, hf_model.config)
 
     if not args.skip_hf_cb:
