@@ -153,8 +153,7 @@ class Sampler:
             # block-format model has loaded it: torch's argmax took ~40 us a row of 49,152 here).
             if argmax is not None and len(argmax) == n and vocab == self.vocab_size:
                 return SamplerOutput(list(argmax), [None] * n)
-            if (kernels.loaded() and logits.dtype == torch.float32 and logits.device.type == "cpu"
-                    and logits.stride(1) == 1 and (n == 1 or logits.stride(0) >= vocab)):
+            if kernels.loaded() and kernels.argmax_takes(logits):
                 return SamplerOutput(kernels.argmax(logits), [None] * n)
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)
         return self._sample_general(logits, states)

@@ -444,7 +444,9 @@ def test_argmax_picks_what_torch_picks() -> None:
     wide[3, 999] = float("nan")
     wide[4, 1001] = 60.0  # in the tail after the last 8
     for x in (wide, wide[:, :1000], wide[:, :7], wide[:, :1], wide[::2]):
-        assert kernels.argmax(x) == x.argmax(dim=-1).tolist()
+        assert kernels.argmax_takes(x) and kernels.argmax(x) == x.argmax(dim=-1).tolist()
+    for x in (wide.double(), wide.t(), wide[0].expand(3, 1003), wide[:, :0], wide[0]):
+        assert not kernels.argmax_takes(x)
     with pytest.raises(TypeError, match="float32"):
         kernels.argmax(wide.double())
     with pytest.raises(TypeError, match="contiguous rows"):

@@ -736,13 +736,19 @@ def loaded() -> bool:
     return _lib is not None
 
 
+def argmax_takes(x: torch.Tensor) -> bool:
+    """Whether :func:`argmax` takes ``x``: a CPU float32 [rows, n > 0] tensor whose rows follow each
+    other (values contiguous, rows apart by at least n)."""
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] > 0
+            and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and (x.shape[1] == 1 or x.stride(1) == 1))
+
+
 def argmax(x: torch.Tensor) -> list[int]:
     """Each row's index of its largest value of float32 x [rows, n] (rows may be strided; values
     contiguous), the first among equals and the first NaN if any, as ``torch.argmax`` picks them:
     one vectorised pass, for greedy sampling."""
     lib = _lib if _lib is not None else _need()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0 or (
-            x.shape[0] > 1 and x.stride(0) < x.shape[1]) or (x.shape[1] > 1 and x.stride(1) != 1):
+    if not argmax_takes(x):
         raise TypeError(f"argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
                         f"{tuple(x.shape)} on {x.device}")
     out = (ctypes.c_int64 * x.shape[0])()
