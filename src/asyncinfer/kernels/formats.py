@@ -1,0 +1,123 @@
+"""ggml's block formats as the kernels hold them: their sizes, the one layout (:func:`pack` /
+:func:`unpack`), and the codec (:func:`quantize`, :func:`dequantize`). Pure torch; no compiled code.
+
+:func:`quantize` builds the blocks from float32 weights the way llama.cpp's reference
+quantisers do; on weights that were dequantised from blocks of the same type (a GGUF file's), it
+returns those blocks again, so the kernel multiplies by exactly the float32 model's weights
+(:func:`dequantize` round-trips; the loader checks it per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Block formats: (weights per block, bytes per block).
+BLOCK_FORMATS = {"q4_1": (32, 20), "q8_0": (32, 34)}
+QK = 32
+
+
+def bytes_per_block(fmt: str) -> int:
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    return BLOCK_FORMATS[fmt][1]
+
+
+def check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int) -> None:
+    size = bytes_per_block(fmt)
+    if (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] == out_features and packed.shape[1]
+            and packed.shape[1] % size == 0 and packed.shape[1] // size * QK != k):
+        raise ValueError(f"x has {k} columns, but the {fmt} weights hold {packed.shape[1] // size * QK} inputs "
+                         f"per row")
+    expected = (out_features, k // QK * size)
+    if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+        raise ValueError(f"{fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 {expected} "
+                         f"(the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}")
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 weights [N, K] (K a multiple of 32) -> ``fmt`` blocks, uint8 [N, K / 32 * bytes per block].
+
+    Q4_1: per block, m = min, d = (max - min) / 15, q = round((w - m) / d) in [0, 15];
+    Q8_0: d = max |w| / 127, q = round(w / d). d and m are stored in float16, and q is computed
+    against the stored values.
+    """
+    bytes_per_block(fmt)
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize takes floating-point weights [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"{fmt} needs an input size that is a multiple of {QK}, got {k}")
+    w = weight.detach().float().reshape(n, k // QK, QK)  # [N, B, 32]
+    if fmt == "q4_1":
+        lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]
+        hi = w.amax(dim=-1, keepdim=True)
+        d16 = ((hi - lo) / 15).half()
+        m16 = lo.half()
+        d, m = d16.float(), m16.float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = ((w - m) * inv).round().clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, B, 16]
+        head = torch.cat((d16, m16), dim=-1).view(torch.uint8)  # [N, B, 4]
+        blocks = torch.cat((head, packed), dim=-1)  # [N, B, 20]
+    elif fmt == "q8_0":
+        amax = w.abs().amax(dim=-1, keepdim=True)
+        d16 = (amax / 127).half()
+        d = d16.float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = (w * inv).round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)  # [N, B, 32]
+        blocks = torch.cat((d16.view(torch.uint8), q), dim=-1)  # [N, B, 34]
+    else:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    return blocks.reshape(n, -1).contiguous()
+
+
+def block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
+    """Bytes per block of ``fmt``, once ``blocks`` is checked to be uint8 [N, B * bytes]."""
+    size = bytes_per_block(fmt)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise ValueError(f"{what} takes {fmt} blocks as uint8 [N, a multiple of {size} bytes], got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    return size
+
+
+def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size): per row, every block's
+    float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block."""
+    size = block_bytes(blocks, fmt, "pack")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    head = 4 if fmt == "q4_1" else 2
+    parts = [b[..., 0:2].reshape(n, -1)]  # d of every block
+    if fmt == "q4_1":
+        parts.append(b[..., 2:4].reshape(n, -1))  # m of every block
+    parts.append(b[..., head:].reshape(n, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernels' layout back to ggml blocks (the inverse of :func:`pack`)."""
+    size = block_bytes(packed, fmt, "unpack")
+    n = packed.shape[0]
+    nb = packed.shape[1] // size
+    d = packed[:, : 2 * nb].reshape(n, nb, 2)
+    if fmt == "q4_1":
+        parts = [d, packed[:, 2 * nb : 4 * nb].reshape(n, nb, 2), packed[:, 4 * nb :].reshape(n, nb, 16)]
+    else:
+        parts = [d, packed[:, 2 * nb :].reshape(n, nb, 32)]
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
+
+
+def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fmt`` blocks uint8 [N, B * bytes] -> float32 [N, B * 32], as ggml (and the kernels) rebuild them."""
+    size = block_bytes(blocks, fmt, "dequantize")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
+    if fmt == "q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        qs = b[..., 4:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [N, B, 32]
+        return torch.addcmul(m, d, q).reshape(n, -1)  # d * q + m, exact in float32
+    q = b[..., 2:].contiguous().view(torch.int8).float()
+    return (d * q).reshape(n, -1)
+
