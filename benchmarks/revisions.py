@@ -1,0 +1,356 @@
+"""asyncinfer at two git revisions, on the same model, workload and driver, in one run.
+
+The base revision's ``src`` is extracted from git (``git archive``) into a temporary
+directory; the head is the current checkout's ``src`` (its working tree, uncommitted changes
+included) unless ``--head REV`` names a revision, which is extracted the same way. Every
+measurement runs in a fresh process whose ``PYTHONPATH`` is that revision's ``src`` alone,
+executing this file (the current checkout's driver) through the public API only:
+``AsyncEngine.from_pretrained(model, ...)``, ``async with engine``, ``engine.generate``.
+Each process measures, in one engine session:
+
+- the batched throughput of the workload (``common.build_workload``, every request at t=0,
+  greedy, EOS ignored), tok/s of useful output tokens;
+- the single-request decode rate (``common.engine_decode_rate``: ``(n-1)/(T(n)-T(1))``);
+- the greedy token ids of every request.
+
+Rounds alternate the order (base, head, then head, base, ...) so that the machine's drift
+hits both alike; each round gives a head/base ratio for both rates, and the report gives
+their medians and spread, and how many requests' tokens are identical.
+
+    python benchmarks/revisions.py --json benchmarks/results/revisions.json      # edacc11 vs the checkout
+    python benchmarks/revisions.py --num-requests 2 --min-new-tokens 4 --max-new-tokens 8 \\
+        --decode-tokens 8 --repeats 1 --rounds 1                                  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from common import build_workload, engine_decode_rate, hf_load_args, machine_info, resolve_model_path
+
+KV_DTYPE_BYTES = 4  # float32 activations, so a float32 KV cache
+BLOCK_SIZE = 16
+
+
+def say(message: str) -> None:
+    """Progress line on stderr (the report goes to stdout)."""
+    print(f"[revisions] {message}", file=sys.stderr, flush=True)
+
+
+# =========================================================================== one measurement (child process)
+
+def kernel_libraries() -> list[str]:
+    """The compiled kernel libraries mapped into this process (which build of the kernels ran)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps.splitlines() if "gguf_gemm" in line})
+
+
+async def _session(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    from asyncinfer import SamplingParams
+
+    prompts, lengths = spec["prompt_ids"], spec["max_new_tokens"]
+
+    def submit_all(ps: list[list[int]], ns: list[int]) -> Any:
+        return asyncio.gather(*(engine.generate(list(p), SamplingParams(max_tokens=n, ignore_eos=True))
+                                for p, n in zip(ps, ns)))
+
+    async with engine:
+        await submit_all(prompts[:2], [4] * len(prompts[:2]))  # warm-up
+        start = time.perf_counter()
+        outs = await submit_all(prompts, lengths)
+        wall = time.perf_counter() - start
+        decode = await engine_decode_rate(engine, list(prompts[0]), spec["decode_tokens"], spec["repeats"])
+    tokens = [list(o.token_ids) for o in outs]
+    wrong = [i for i, (t, n) in enumerate(zip(tokens, lengths)) if len(t) != n]
+    if wrong:
+        raise RuntimeError(f"wrong number of tokens for requests {wrong[:8]}")
+    return {"wall_s": wall, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / wall,
+            "single_decode": decode, "token_ids": tokens}
+
+
+def child(spec_path: Path, out_path: Path) -> int:
+    """One measurement with whichever asyncinfer is first on the path (checked against the spec)."""
+    spec = json.loads(spec_path.read_text())
+    import torch
+
+    import asyncinfer
+    from asyncinfer import AsyncEngine
+
+    where = Path(asyncinfer.__file__).resolve()
+    expected = Path(spec["src"]).resolve()
+    if expected not in where.parents:
+        raise SystemExit(f"asyncinfer came from {where}, not from {expected}")
+    say(f"{spec['label']}: asyncinfer from {where}")
+    torch.set_num_threads(spec["threads"])
+    start = time.perf_counter()
+    engine = AsyncEngine.from_pretrained(spec["model"], **spec["engine_options"])
+    load_s = time.perf_counter() - start
+    result = asyncio.run(_session(engine, spec))
+    result.update({
+        "asyncinfer_file": str(where),
+        "kernel_libraries": kernel_libraries(),
+        "weight_format": engine.config.quantization or str(engine.config.dtype),
+        "load_s": load_s,
+        "pid": os.getpid(),
+    })
+    out_path.write_text(json.dumps(result))
+    return 0
+
+
+# =========================================================================== the comparison (parent process)
+
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGTERM takes Ctrl-C's way out, so the extracted sources are removed either way."""
+    raise KeyboardInterrupt
+
+
+def git(*args: str, cwd: Path) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def extract_src(repo: Path, commit: str, into: Path) -> Path:
+    """``src`` of ``commit`` written under ``into`` (``git archive``: no worktree, nothing left in git)."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "src"], cwd=repo, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def run_one(label: str, src: Path, spec: dict[str, Any], tmp: Path, index: int) -> dict[str, Any]:
+    """One fresh process measuring ``src``'s asyncinfer with this file's driver."""
+    spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
+    spec_path.write_text(json.dumps({**spec, "label": label, "src": str(src)}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"PYTHONPATH": str(src), "TQDM_DISABLE": "1"})
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), str(out_path)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {label} measurement failed (exit {proc.returncode})")
+    return json.loads(out_path.read_text())
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def token_identity(base: list[list[int]], head: list[list[int]]) -> dict[str, Any]:
+    identical = sum(a == b for a, b in zip(base, head))
+    prefix = [common_prefix(a, b) / max(len(a), len(b), 1) for a, b in zip(base, head)]
+    return {"identical": identical, "compared": len(base), "mean_common_prefix": statistics.fmean(prefix),
+            "differing_requests": [i for i, (a, b) in enumerate(zip(base, head)) if a != b]}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def engine_options(workload: Any, config: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The same options for both revisions: the engine's default format for the model (``dtype="auto"``:
+    float32 activations), a KV cache for ``max_num_seqs`` requests of the longest length (no preemption)."""
+    longest = max(workload.max_seq_len, len(workload.prompt_ids[0]) + args.decode_tokens)
+    max_model_len = math.ceil((longest + 1) / BLOCK_SIZE) * BLOCK_SIZE
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * KV_DTYPE_BYTES
+    return {
+        "dtype": "auto",
+        "device": "cpu",
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": max_model_len,
+        "kv_cache_memory": int(args.max_num_seqs * max_model_len * kv_bytes_per_token * 1.1) + 16 * 2**20,
+        "num_threads": args.threads,
+        "seed": args.seed,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="edacc11", help="the older git revision (default: edacc11)")
+    p.add_argument("--head", default=None,
+                   help="the newer git revision (default: the current checkout's working tree)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each one run of both, the order alternating")
+    p.add_argument("--model", help="a .gguf file or HF model directory (default: asyncinfer's default model)")
+    p.add_argument("--threads", type=int, default=2, help="the engine's num_threads")
+    p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=128, help="new tokens in the single-request decode test")
+    p.add_argument("--repeats", type=int, default=3, help="repeats (median) of the single-request timings")
+    p.add_argument("--json", type=Path, help="write the record here")
+    p.add_argument("--child", nargs=2, type=Path, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(*args.child)
+
+    repo = Path(git("rev-parse", "--show-toplevel", cwd=BENCH_DIR))
+    base_commit = git("rev-parse", "--verify", f"{args.base}^{{commit}}", cwd=repo)
+    if args.head is None:
+        head_commit = git("rev-parse", "HEAD", cwd=repo)
+        head_dirty = bool(git("status", "--porcelain", "--", "src", cwd=repo))
+        head_name = f"working tree (HEAD {head_commit[:12]}{', src modified' if head_dirty else ''})"
+    else:
+        head_commit = git("rev-parse", "--verify", f"{args.head}^{{commit}}", cwd=repo)
+        head_dirty = False
+        head_name = f"{args.head} ({head_commit[:12]})"
+    base_name = f"{args.base} ({base_commit[:12]})"
+
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)  # recorded by machine_info; this process runs no torch work
+    model_path = resolve_model_path(args.model)
+    directory, hf_kwargs = hf_load_args(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, **hf_kwargs)
+    config = AutoConfig.from_pretrained(directory, **hf_kwargs)
+    workload = build_workload(tokenizer, args.num_requests, args.seed, args.min_new_tokens, args.max_new_tokens)
+    spec = {
+        "model": str(model_path),
+        "threads": args.threads,
+        "engine_options": engine_options(workload, config, args),
+        "prompt_ids": [list(p) for p in workload.prompt_ids],
+        "max_new_tokens": list(workload.max_new_tokens),
+        "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats,
+    }
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/revisions.py", *sys.argv[1:]])
+    say(f"base {base_name}, head {head_name}; {workload.num_requests} requests, "
+        f"{workload.total_output_tokens} output tokens, {args.rounds} rounds")
+
+    signal.signal(signal.SIGTERM, _interrupted)
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "head": []}
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-revisions-") as tmp_name:
+        tmp = Path(tmp_name)
+        srcs = {"base": extract_src(repo, base_commit, tmp / "base"),
+                "head": repo / "src" if args.head is None else extract_src(repo, head_commit, tmp / "head")}
+        index = 0
+        for r in range(args.rounds):
+            for label in (("base", "head") if r % 2 == 0 else ("head", "base")):
+                result = run_one(label, srcs[label], spec, tmp, index)
+                index += 1
+                result["round"] = r + 1
+                result["order"] = index
+                runs[label].append(result)
+                say(f"round {r + 1} {label}: {result['tokens_per_s']:.1f} tok/s batched, "
+                    f"{result['single_decode']['decode_tokens_per_s']:.1f} tok/s one request "
+                    f"({result['weight_format']}; asyncinfer {result['asyncinfer_file']})")
+        for label in ("base", "head"):  # where the code ran from: not a path that outlives the run
+            for result in runs[label]:
+                result["asyncinfer_file"] = result["asyncinfer_file"].replace(tmp_name, "<extracted>")
+                result["kernel_libraries"] = [k.replace(tmp_name, "<extracted>") for k in result["kernel_libraries"]]
+
+    rounds = []
+    for r, (b, h) in enumerate(zip(runs["base"], runs["head"])):
+        rounds.append({
+            "round": r + 1,
+            "order": "base, head" if r % 2 == 0 else "head, base",
+            "base_tokens_per_s": b["tokens_per_s"],
+            "head_tokens_per_s": h["tokens_per_s"],
+            "throughput_ratio": h["tokens_per_s"] / b["tokens_per_s"],
+            "base_single_decode_tokens_per_s": b["single_decode"]["decode_tokens_per_s"],
+            "head_single_decode_tokens_per_s": h["single_decode"]["decode_tokens_per_s"],
+            "single_decode_ratio": h["single_decode"]["decode_tokens_per_s"] / b["single_decode"]["decode_tokens_per_s"],
+            "tokens": token_identity(b["token_ids"], h["token_ids"]),
+        })
+    identical = [x["tokens"]["identical"] for x in rounds]
+    stable = {label: all(run["token_ids"] == runs[label][0]["token_ids"] for run in runs[label])
+              for label in ("base", "head")}
+    summary = {
+        "throughput_ratio": spread([x["throughput_ratio"] for x in rounds]),
+        "single_decode_ratio": spread([x["single_decode_ratio"] for x in rounds]),
+        "base_tokens_per_s": spread([x["base_tokens_per_s"] for x in rounds]),
+        "head_tokens_per_s": spread([x["head_tokens_per_s"] for x in rounds]),
+        "base_single_decode_tokens_per_s": spread([x["base_single_decode_tokens_per_s"] for x in rounds]),
+        "head_single_decode_tokens_per_s": spread([x["head_single_decode_tokens_per_s"] for x in rounds]),
+        "tokens_identical_min": min(identical),
+        "tokens_compared": workload.num_requests,
+        "tokens_same_every_round": stable,
+    }
+
+    # ------------------------------------------------------------------ report
+    print(f"asyncinfer head {head_name} vs base {base_name}")
+    print(f"model {model_path}, {args.threads} threads, {workload.num_requests} requests "
+          f"({workload.total_output_tokens} output tokens), single-request decode {args.decode_tokens} tokens, "
+          f"median of {args.repeats}")
+    print(f"{'round':<7}{'order':<12}{'base tok/s':>11}{'head tok/s':>11}{'ratio':>8}"
+          f"{'base 1-req':>12}{'head 1-req':>12}{'ratio':>8}{'tokens':>9}")
+    for x in rounds:
+        t = x["tokens"]
+        print(f"{x['round']:<7}{x['order']:<12}{x['base_tokens_per_s']:>11.1f}{x['head_tokens_per_s']:>11.1f}"
+              f"{x['throughput_ratio']:>7.3f}x{x['base_single_decode_tokens_per_s']:>12.1f}"
+              f"{x['head_single_decode_tokens_per_s']:>12.1f}{x['single_decode_ratio']:>7.3f}x"
+              f"{t['identical']:>5}/{t['compared']}")
+    th, sd = summary["throughput_ratio"], summary["single_decode_ratio"]
+    print(f"head / base, median of {len(rounds)} (min-max): throughput {th['median']:.3f}x "
+          f"({th['min']:.3f}-{th['max']:.3f}), one request {sd['median']:.3f}x ({sd['min']:.3f}-{sd['max']:.3f})")
+    print(f"greedy tokens: {summary['tokens_identical_min']}/{workload.num_requests} requests identical "
+          f"(fewest in a round); each revision the same in every round: base {stable['base']}, head {stable['head']}")
+
+    if args.json:
+        record = {
+            "command": command,
+            "machine": machine_info(),
+            "model": str(model_path),
+            "revisions": {
+                "base": {"rev": args.base, "commit": base_commit, "source": "git archive"},
+                "head": {"rev": args.head or "working tree", "commit": head_commit, "src_modified": head_dirty,
+                         "source": "the checkout" if args.head is None else "git archive"},
+            },
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
+            "workload": workload.summary(),
+            "engine_options": spec["engine_options"],
+            "rounds": rounds,
+            "summary": summary,
+            # each run's figures; the token ids once per revision (its first run), one string a request
+            "runs": {label: [{k: v for k, v in run.items() if k != "token_ids"} for run in runs[label]]
+                     for label in runs},
+            "token_ids": {label: [" ".join(map(str, t)) for t in runs[label][0]["token_ids"]] for label in runs},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+        say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
