@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_memory=args.kv_cache_memory)
     if args.calibrate:
-        from asyncinfer.lab.calibrate import calibrate
+        from asyncinfer.commands.calibrate import calibrate
 
         cost: StepCostModel = calibrate(args.model, num_threads=args.threads, max_model_len=args.max_model_len)
         print(f"calibrated: {cost.coefficients} (mean relative error {cost.meta['fit_mean_rel_error']:.1%})")

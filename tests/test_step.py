@@ -8,7 +8,7 @@ from asyncinfer.cache import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, SchedulerConfig
-from asyncinfer.step import apply_step
+from asyncinfer.step import apply_step, scheduled
 
 
 def make(prompt_len: int, *, computed: int, outputs: int = 0) -> Request:
@@ -109,3 +109,24 @@ def test_no_token_is_drawn_when_nobody_caught_up() -> None:
         assert sched.requests["long"].num_computed_tokens == computed
     with pytest.raises(AssertionError, match="mid-prompt"):
         apply_step(sched, sched.schedule(), never)  # the last 2 prompt tokens: now it samples
+
+
+def test_a_request_is_stamped_when_first_scheduled_on_the_schedulers_clock() -> None:
+    """a: 4-token prompt, b: 5, 6 tokens a step. b is first scheduled with a (a chunk), c waits for a seat."""
+    sched = fifo()
+    now = [10.0]
+    sched.clock = lambda: now[0]  # type: ignore[method-assign]
+    a, b = req("a", 4, 2), req("b", 5, 1)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert a.scheduled_time is None and b.scheduled_time is None
+    plan = sched.schedule()
+    batch = scheduled(sched, plan)
+    assert [(r.request_id, n) for r, n in batch] == [("a", 4), ("b", 2)]
+    assert (a.scheduled_time, b.scheduled_time) == (10.0, 10.0)
+    now[0] = 11.5
+    apply_step(sched, plan, 0)  # calls scheduled() again: the first stamp stays
+    c = req("c", 2, 1)
+    sched.add_request(c)
+    apply_step(sched, sched.schedule(), 0)
+    assert (a.scheduled_time, b.scheduled_time, c.scheduled_time) == (10.0, 10.0, 11.5)

@@ -227,7 +227,7 @@ def _lab(args: argparse.Namespace) -> int:
     from asyncinfer.schedulers import SchedulerConfig
 
     if args.calibrate:
-        from asyncinfer.lab.calibrate import calibrate
+        from asyncinfer.commands.calibrate import calibrate
 
         command = f"asyncinfer lab --calibrate {args.calibrate}" + (f" --model {args.model}" if args.model else "")
         command += f" --threads {args.threads}" if args.threads else ""

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,9 @@ from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
-from asyncinfer.metrics import EngineMetrics, EngineObservability
+from asyncinfer.metrics import EngineMetrics, MemoryReport, ProfileResult
+from asyncinfer.metrics.memory_report import memory_report
+from asyncinfer.metrics.profile import profile_steps
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
 from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts, prompt_token_ids
@@ -64,7 +67,7 @@ class EngineState(enum.Enum):
     DEAD = "dead"
 
 
-class AsyncEngine(EngineObservability):
+class AsyncEngine:
     """An in-process LLM engine: ``async with AsyncEngine.from_pretrained() as engine``.
 
     Build it with :meth:`from_pretrained`; start it with ``async with`` (or
@@ -85,11 +88,15 @@ class AsyncEngine(EngineObservability):
             self._models.add_embedder(EmbeddingModel(name, next(self._version_ids), embedder))
         self._state = EngineState.CREATED
         self._dead_cause: BaseException | None = None
-        self._streams = StreamTable()
+        generators = [(n, h.current) for n, h in self._models.generators.items() if h.current is not None]
+        # engine.metrics observes: the engine hands each part that feeds it its observer.
+        self.metrics = EngineMetrics(self, config, generators)
+        self._streams = StreamTable(observer=self.metrics)
         self._embed_calls = EmbedCalls()
         self._link = ThreadLink()
-        self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device)
-        self.metrics, self._intake = EngineMetrics.wire(self, RequestIntake(self._models, self._streams), self._changes)
+        self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device,
+                                     observer=self.metrics)
+        self._intake = RequestIntake(self._models, self._streams, observer=self.metrics)
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -381,6 +388,24 @@ class AsyncEngine(EngineObservability):
         version started serving. ``model``: which generator (default: the first loaded)."""
         stats = self._models.core(model).stats
         return dataclasses.replace(stats, batch_sizes=list(stats.batch_sizes))
+
+    def memory_report(self) -> MemoryReport:
+        """Where the memory is, to tell a leak from a cache: per live model version its weights, KV
+        pool, blocks held by requests and free blocks still caching prefixes, requests in flight;
+        and the process's memory (torch's CUDA allocator, and RSS). See :class:`MemoryReport`."""
+        return memory_report(self, self.metrics.live_versions())
+
+    async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult:
+        """Run the next ``steps`` engine steps (of any model) under ``torch.profiler``, then write
+        ``path``/trace.json (a Chrome trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt
+        (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
+
+        Raises:
+            InvalidParameterError: ``steps`` < 1, or a profile is already running.
+            EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
+        """
+        self._check_running()
+        return await profile_steps(self.metrics, self._link, steps, path)
 
     def model_info(self) -> list[ModelVersionInfo]:
         """The live models and versions: name, kind, id, source, state, requests in flight, memory plan.

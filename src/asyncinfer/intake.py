@@ -7,6 +7,9 @@ token ids when the generator serves and the text is short), and
 the request to the version that serves, and reuses the ids computed at the call
 when that version still serves. Nothing awaits between ``bind`` returning and the
 request being posted to the engine thread.
+
+An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
+every refusal and of every request bound; it never changes what the intake does.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from asyncinfer.catalog import ModelCatalog
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
@@ -43,12 +47,21 @@ class RequestArgs:
     early: tuple[ModelVersion, list[int]] | None
 
 
+class IntakeObserver(Protocol):
+    """What :class:`RequestIntake` tells (``asyncinfer.metrics.EngineMetrics`` listens)."""
+
+    def count_rejected(self, model: str | None, reason: str) -> None: ...  # "invalid" or "overloaded"
+
+    def track(self, request: Request, version_id: int) -> None: ...  # bound; posted before the next await
+
+
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
 
-    def __init__(self, models: ModelCatalog, streams: StreamTable) -> None:
+    def __init__(self, models: ModelCatalog, streams: StreamTable, observer: IntakeObserver | None = None) -> None:
         self.models = models
         self.streams = streams
+        self._observer = observer
         self._ids = itertools.count()
 
     def check(
@@ -62,6 +75,22 @@ class RequestIntake:
         check_running: Callable[[], None],
     ) -> RequestArgs:
         """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error)."""
+        try:
+            return self._check(prompt, params, request_id, priority, cache_salt, model, check_running)
+        except (InvalidParameterError, EngineOverloadedError) as exc:
+            self._refused(model, exc)
+            raise
+
+    def _check(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        model: str | None,
+        check_running: Callable[[], None],
+    ) -> RequestArgs:
         check_running()
         params = check_request_args(params, priority, cache_salt)
         if request_id is None:
@@ -81,12 +110,24 @@ class RequestIntake:
         self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None]
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
-        version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
-        check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
-        self._check_id_free(args.request_id, args.params.n)
-        self._check_load(model)
-        request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt, version.max_model_len)
+        try:
+            version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+            check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
+            self._check_id_free(args.request_id, args.params.n)
+            self._check_load(model)
+            request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
+                                   version.max_model_len)
+        except (InvalidParameterError, EngineOverloadedError) as exc:
+            self._refused(model, exc)
+            raise
+        if self._observer is not None:
+            self._observer.track(request, version.version_id)
         return request, version, self.models.generator(model)
+
+    def _refused(self, model: str | None, exc: Exception) -> None:
+        if self._observer is not None:
+            reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"
+            self._observer.count_rejected(model if isinstance(model, str) else None, reason)
 
     def _check_load(self, model: str | None) -> None:
         """Admission control: refuse at once past ``max_num_seqs + max_waiting_requests`` in flight."""

@@ -54,7 +54,8 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    # When a step first ran it (time.time()): the end of its queue time (set by the metrics' step hook).
+    # When a step first scheduled it, on the scheduler's clock (time.time() in the engine): the end of its
+    # queue time. Set by asyncinfer.step.scheduled, whatever the metrics setting.
     scheduled_time: float | None = None
     stop_reason: int | str | None = None
     # Owned by the core: sampling state (seeded generator) and detokenizer.

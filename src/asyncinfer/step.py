@@ -48,8 +48,20 @@ class StepResult:
 
 
 def scheduled(scheduler: Scheduler, plan: SchedulerOutput) -> list[tuple[Request, int]]:
-    """``plan`` as ``[(request, num_new_tokens)]``, in execution order."""
-    return [(scheduler.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+    """``plan`` as ``[(request, num_new_tokens)]``, in execution order.
+
+    A request scheduled for the first time gets its ``scheduled_time`` here, on
+    ``scheduler.clock`` (the clock of its ``arrival_time``): the driver calls this
+    right after ``schedule()`` returned, so that is when its wait in the queue ended.
+    """
+    batch = [(scheduler.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+    now: float | None = None
+    for request, _ in batch:
+        if request.scheduled_time is None:
+            if now is None:
+                now = scheduler.clock()
+            request.scheduled_time = now
+    return batch
 
 
 def advance(batch: Iterable[tuple[Request, int]]) -> list[Request]:

@@ -85,10 +85,10 @@ class StreamObserver(Protocol):
 class StreamTable:
     """Requests in flight, by the user's request id."""
 
-    def __init__(self) -> None:
+    def __init__(self, observer: StreamObserver | None = None) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._ids: set[str] = set()  # every sample's core id, for collision checks
-        self.observer: StreamObserver | None = None
+        self.observer = observer
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -52,6 +52,7 @@ class ModelChanges:
         version_ids: Iterator[int],
         check_usable: Callable[[], None],
         device: torch.device,
+        observer: ChangeObserver | None = None,
     ) -> None:
         self.models = models
         self.link = link
@@ -59,7 +60,7 @@ class ModelChanges:
         self.check_usable = check_usable  # raises unless the engine is created or running
         self.device = device
         # Told of every new generator version before it serves, and of each swap's outcome (engine.metrics).
-        self.observer: ChangeObserver | None = None
+        self.observer = observer
         self.lock = asyncio.Lock()
 
     # -------------------------------------------------------------------- swap

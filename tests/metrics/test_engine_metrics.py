@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import pytest
@@ -18,8 +19,10 @@ from asyncinfer import (
     SamplingParams,
     SwapError,
 )
-from asyncinfer.metrics import asgi_app
+from asyncinfer.metrics import EngineObservability, asgi_app
 from asyncinfer.metrics.exposition import exposition, metric_names
+from asyncinfer.request import Request
+from asyncinfer.schedulers import FIFOScheduler
 
 OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
            "memory_bandwidth": 1e10}
@@ -262,3 +265,34 @@ def test_cuda_gauges_from_torch_and_nvml(tiny_models, monkeypatch) -> None:
     got = parse(exposition(engine).decode())
     assert got[("asyncinfer_device_memory_reserved_bytes", (("device", "cpu"),))] == 5 << 20
     assert got[("asyncinfer_device_utilization_ratio", (("device", "cpu"),))] == 0.55
+
+
+class Recording(FIFOScheduler):
+    """FIFO that keeps every request it was handed."""
+
+    def __init__(self, config, kv) -> None:
+        super().__init__(config, kv)
+        self.seen: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.seen.append(request)
+        super().add_request(request)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+async def test_the_engine_stamps_the_first_schedule_and_the_queue_time_is_read_from_it(tiny_models, enabled) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, scheduler=Recording,
+                                         enable_metrics=enabled)
+    async with engine:
+        before = time.time()
+        await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True), request_id="one")
+        after = time.time()
+        (request,) = [r for r in engine.core.scheduler.seen if r.request_id == "one"]  # not the warm-up's
+        m = engine.metrics.snapshot().models["default"]
+    assert AsyncEngine.__mro__ == (AsyncEngine, object) and isinstance(engine, EngineObservability)
+    assert request.scheduled_time is not None
+    assert before <= request.arrival_time <= request.scheduled_time <= after
+    if enabled:
+        assert m.queue_time.count == 1 and m.queue_time.sum == request.scheduled_time - request.arrival_time
+    else:
+        assert m.queue_time.count == 0

@@ -72,7 +72,7 @@ def test_shipped_cost_model_says_where_it_came_from() -> None:
 
 def test_calibration_times_the_real_runner(tiny_llama: Path) -> None:
     from asyncinfer import AsyncEngine
-    from asyncinfer.lab.calibrate import default_cases, time_cases
+    from asyncinfer.commands.calibrate import default_cases, time_cases
 
     engine = AsyncEngine.from_pretrained(tiny_llama, kv_cache_memory=1 << 20, max_model_len=256, device="cpu",
                                          dtype="float32")
@@ -87,6 +87,16 @@ def test_calibration_times_the_real_runner(tiny_llama: Path) -> None:
     assert shapes[15] == StepShape(256, 0, 1, 0, 256 * 256)  # a first chunk: nothing sampled
     assert shapes[16] == StepShape(128, 1, 1, 0, 128 * 256)  # a last chunk after 128 cached tokens
     assert shapes[-2] == StepShape(16 + 128, 17, 1, 16 * 512, 128 * 128)  # decodes beside a prompt
+
+
+def test_the_calibration_lives_above_the_engine() -> None:
+    from asyncinfer.commands import calibrate as above
+    from asyncinfer.lab import calibrate as grid
+
+    assert above.default_cases is grid.default_cases
+    for name in ("calibrate", "time_cases"):
+        with pytest.raises(ImportError, match=rf"from asyncinfer.commands.calibrate import {name}"):
+            getattr(grid, name)  # what `from asyncinfer.lab.calibrate import name` asks
 
 
 def test_simulation_is_deterministic_and_complete() -> None:

@@ -1,22 +1,20 @@
-"""asyncinfer.schedulers.testing: the shipped conformance suite passes good schedulers and names the broken
-rule of bad ones, from sync and async tests alike."""
+"""asyncinfer.schedulers.testing and asyncinfer.conformance: the shipped conformance suite passes good
+schedulers and names the broken rule of bad ones, from sync and async tests alike."""
 
 from __future__ import annotations
 
 import pytest
 
+from asyncinfer.conformance import check_matches_fifo, check_scheduler, engine_tokens, tiny_model
 from asyncinfer.request import Request
-from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
+from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput, testing
 from asyncinfer.schedulers.testing import (
     LIMITS,
     ContractViolation,
     check_flags,
-    check_matches_fifo,
     check_no_starvation,
-    check_scheduler,
+    check_rules,
     drive_random_load,
-    engine_tokens,
-    tiny_model,
 )
 from tests.helpers import CountsRequestsNotSeats, QueuesForkedSamples
 
@@ -140,3 +138,14 @@ def test_the_tiny_model_is_written_once_and_deterministic(tmp_path) -> None:
     again = tiny_model(tmp_path / "b")
     assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     assert engine_tokens(first, "fifo")[0] == engine_tokens(again, "fifo")[0]  # (preemptions vary with timing)
+
+
+def test_the_rules_run_without_the_engine_and_the_engine_check_lives_above_it() -> None:
+    rules = check_rules(FIFOScheduler, seeds=range(1))
+    assert (rules.scheduler, rules.load_runs, rules.engine_preemptions) == ("FIFOScheduler", 2 * len(LIMITS), None)
+    assert check_scheduler(FIFOScheduler, seeds=range(1), engine=False) == rules
+    for name in ("check_scheduler", "check_matches_fifo", "engine_tokens", "tiny_model"):
+        with pytest.raises(ImportError, match=rf"moved to asyncinfer.conformance.*from asyncinfer.conformance import {name}"):
+            getattr(testing, name)  # what `from asyncinfer.schedulers.testing import name` asks
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        testing.nothing  # noqa: B018

@@ -7,7 +7,8 @@
         print(summarize(name, simulate(trace, name).records))
 
 The command line is ``asyncinfer lab`` (``--help`` lists its options). Only
-:mod:`asyncinfer.lab.calibrate` loads a model, and only when called.
+the calibration (``asyncinfer lab --calibrate``) runs the model, and it is
+:mod:`asyncinfer.commands.calibrate`, above the engine: the lab never imports the engine.
 """
 
 from asyncinfer.lab.cost import FEATURES, StepCostModel, StepShape, fit_cost_model, load_cost_model

@@ -13,7 +13,7 @@ The features follow what the runner does with a step (see ``asyncinfer.runner`` 
 - ``prefill_keys``: sum over prefill chunks of query tokens x context tokens.
 
 Fit it with :func:`fit_cost_model` on timings of the real runner
-(:mod:`asyncinfer.lab.calibrate`); the fitted model of the default model on the
+(:mod:`asyncinfer.commands.calibrate`); the fitted model of the default model on the
 machine the project was developed on ships as ``cost_models/smollm2-135m-cpu.json``.
 """
 

@@ -3,13 +3,19 @@
 Three feeds, none of which does more than an append on the engine thread:
 
 - **per step** (engine thread): each model version's core calls :meth:`EngineMetrics.watch`'s
-  hook after a step that ran; the hook appends one tuple (duration, sequences, tokens, decode
-  tokens, bytes read for the roofline, queue times of requests first scheduled) to a deque.
-  The loop drains the deque (a deque's append and popleft are atomic: no lock on the engine thread).
+  hook (``EngineCore.on_step``) after a step that ran; the hook appends one tuple (duration,
+  sequences, tokens, bytes read for the roofline) to a deque. The loop drains the deque (a
+  deque's append and popleft are atomic: no lock on the engine thread).
 - **per output** (event loop): the outputs the engine thread hands to the loop pass through
   :meth:`EngineMetrics.outputs` (the stream table's observer) before they reach the request queues (first token,
-  tokens, finish reason), with the requests :meth:`track`-ed when they were posted.
-- **per call** (event loop): refused requests (:class:`CountingIntake`), swaps by outcome.
+  tokens, finish reason), with the requests :meth:`track`-ed when they were posted (the intake's
+  observer). A request's queue time is its ``scheduled_time`` (which the engine sets when a step
+  first schedules it) minus its ``arrival_time``, read at its first output.
+- **per call** (event loop): refused requests (the intake's observer), swaps by outcome (the
+  model changes' observer).
+
+The engine hands its parts their observer when it builds them; nothing here wraps or
+replaces a part of the engine.
 
 Gauges (KV blocks, running/waiting requests, versions live, device memory) are read when a
 snapshot is taken. :meth:`EngineMetrics.snapshot` gives all of it as plain data; the
@@ -25,27 +31,47 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from asyncinfer.errors import AsyncInferError, EngineOverloadedError, InvalidParameterError
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.metrics import types as t
 from asyncinfer.metrics.device import Nvml, cuda_memory, measure_memory_bandwidth, process_rss_bytes
-from asyncinfer.metrics.memory_report import MemoryReport, memory_report
-from asyncinfer.metrics.profile import ProfileResult, StepProfiler, profile_steps
+from asyncinfer.metrics.memory_report import MemoryReport
+from asyncinfer.metrics.profile import ProfileResult, StepProfiler
 from asyncinfer.metrics.requests import FinishedRequest, RequestTracker, log_finished
 from asyncinfer.threads import run_on_own_thread
 
 if TYPE_CHECKING:
+    import torch
     from prometheus_client import CollectorRegistry
 
-    from asyncinfer.engine import AsyncEngine
-    from asyncinfer.holder import ModelVersion
+    from asyncinfer.cache.kv_manager import KVCacheStats
+    from asyncinfer.embedding import EmbeddingStats
+    from asyncinfer.holder import ModelVersion, ModelVersionInfo
     from asyncinfer.outputs import CoreOutput
     from asyncinfer.request import Request
 
 logger = logging.getLogger("asyncinfer")
 
 _KV_COUNTERS = ("preemptions", "prefix_queries", "prefix_hits", "cow_copies", "evictions")
+
+
+class EngineView(Protocol):
+    """What the metrics read of their engine (``AsyncEngine``'s public calls), when a snapshot is taken."""
+
+    @property
+    def state(self) -> Any: ...  # an EngineState: its ``.value`` is the snapshot's state
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    def model_info(self) -> list[ModelVersionInfo]: ...
+
+    def kv_stats(self, model: str | None = None) -> KVCacheStats: ...
+
+    def embedding_stats(self, model: str | None = None) -> EmbeddingStats: ...
+
+    def get_tokenizer(self, model: str | None = None) -> Any: ...
 
 
 class _ModelFigures:
@@ -81,11 +107,13 @@ class EngineMetrics:
     With ``enable_metrics=False`` nothing is recorded (the snapshot's gauges are still read).
     """
 
-    def __init__(self, engine: AsyncEngine, generators: list[tuple[str, ModelVersion]]) -> None:
-        config = engine.config
+    def __init__(self, engine: EngineView, config: Any, generators: list[tuple[str, ModelVersion]]) -> None:
+        """``engine``: what a snapshot reads (held weakly); ``config``: its ``EngineConfig``
+        (``enable_metrics``, ``device``, ``memory_bandwidth``, ``log_request_text_rate``);
+        ``generators``: the generator versions it serves now, as ``(model name, version)``."""
         self._engine = weakref.ref(engine)
         self.enabled: bool = getattr(config, "enable_metrics", True)
-        self.device = config.device
+        self.device: torch.device = config.device
         self._lock = threading.Lock()
         self._steps: deque[tuple[Any, ...]] = deque()
         self._figures: dict[str, _ModelFigures] = {}
@@ -105,18 +133,6 @@ class EngineMetrics:
             self.watch(name, version)
 
     # ------------------------------------------------------------ wiring
-    @classmethod
-    def wire(cls, engine: AsyncEngine, intake: Any, changes: Any) -> tuple[EngineMetrics, CountingIntake]:
-        """The metrics of ``engine``, watching its generators now and those ``changes`` (its
-        :class:`~asyncinfer.swaps.ModelChanges`) adds or swaps in, and the outputs of ``intake``'s
-        stream table; and ``intake`` with its refusals counted."""
-        generators = [(name, holder.current) for name, holder in changes.models.generators.items()
-                      if holder.current is not None]
-        metrics = cls(engine, generators)
-        changes.observer = metrics
-        intake.streams.observer = metrics
-        return metrics, CountingIntake(intake, metrics)
-
     def watch(self, name: str, version: ModelVersion) -> None:
         """Record the steps of ``version`` (a generator version of model ``name``), from its first."""
         core = version.core
@@ -148,18 +164,10 @@ class EngineMetrics:
 
         def on_step(batch: list[tuple[Request, int]], inputs: Any, result: Any, started: float) -> None:
             duration = time.perf_counter() - started
-            queued: tuple[float, ...] = ()
-            if result.prefill_tokens:  # only a prefill can be a request's first step
-                wall = time.time() - duration
-                fresh = [r for r, _ in batch if r.scheduled_time is None]
-                for r in fresh:
-                    r.scheduled_time = wall
-                queued = tuple(wall - r.arrival_time for r in fresh if r.parent_id is None)
-                bytes_read = 0
-            else:  # decode-only: the weights once, and the K/V of every context token attended over
-                bytes_read = weights + sum(inputs.context_lens) * per_token
             if record:
-                append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read, queued))
+                # A decode-only step reads the weights once, and the K/V of every context token attended over.
+                bytes_read = 0 if result.prefill_tokens else weights + sum(inputs.context_lens) * per_token
+                append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read))
             profiler = self.profiler
             if profiler is not None and profiler.tick() and self.profiler is profiler:
                 self.profiler = None
@@ -215,6 +223,9 @@ class EngineMetrics:
                 live, done = seen
                 fig = self._model(live.model)
                 fig.generation_tokens += len(out.token_ids)
+                queued = self._requests.take_queue_time(live)
+                if queued is not None:
+                    fig.queue.observe(queued)
                 if done is not None:
                     self._count_finished(fig, done)
                     finished.append(done)
@@ -245,13 +256,11 @@ class EngineMetrics:
         """Move the engine thread's step tuples into the histograms (the lock is held)."""
         steps = self._steps
         while steps:
-            name, duration, seqs, tokens, bytes_read, queued = steps.popleft()
+            name, duration, seqs, tokens, bytes_read = steps.popleft()
             fig = self._model(name)
             fig.step_seconds.observe(duration)
             fig.step_seqs.observe(seqs)
             fig.step_tokens.observe(tokens)
-            for q in queued:
-                fig.queue.observe(q)
             if bytes_read and duration > 0:
                 fig.decode_bytes += bytes_read
                 fig.decode_seconds += duration
@@ -319,7 +328,7 @@ class EngineMetrics:
             device_utilization=None if self._nvml is None else self._nvml.utilization(),
         )
 
-    def _model_snapshot(self, name: str, fig: _ModelFigures, engine: AsyncEngine | None) -> t.ModelMetrics:
+    def _model_snapshot(self, name: str, fig: _ModelFigures, engine: EngineView | None) -> t.ModelMetrics:
         live = [v for n, v in self._versions.values() if n == name and v.core is not None]
         kv_totals = dict(fig.retired_kv)
         running = waiting = 0
@@ -352,7 +361,7 @@ class EngineMetrics:
         )
 
     @staticmethod
-    def _current_kv(engine: AsyncEngine | None, name: str) -> Any:
+    def _current_kv(engine: EngineView | None, name: str) -> Any:
         if engine is None:
             return None
         try:
@@ -361,7 +370,7 @@ class EngineMetrics:
             return None
 
     @staticmethod
-    def _embedder_snapshot(engine: AsyncEngine, name: str) -> t.ModelMetrics:
+    def _embedder_snapshot(engine: EngineView, name: str) -> t.ModelMetrics:
         stats = engine.embedding_stats(name)
         return t.ModelMetrics(name=name, kind="embed", embedding_calls=stats.num_calls,
                               embedding_texts=stats.num_texts, embedding_batches=stats.num_batches,
@@ -377,64 +386,18 @@ class EngineMetrics:
         return self._registry
 
 
-class CountingIntake:
-    """A :class:`~asyncinfer.intake.RequestIntake` whose refusals are counted by reason
-    (``invalid``: :class:`InvalidParameterError`, ``overloaded``: :class:`EngineOverloadedError`)."""
+@runtime_checkable
+class EngineObservability(Protocol):
+    """An engine's windows on itself, as ``AsyncEngine`` has them: :attr:`metrics`,
+    ``memory_report()`` and ``await profile(steps, path)``.
 
-    def __init__(self, intake: Any, metrics: EngineMetrics) -> None:
-        self._intake = intake
-        self._metrics = metrics
-
-    def check(self, prompt: Any, params: Any, request_id: Any, priority: Any, cache_salt: Any, model: Any,
-              check_running: Callable[[], None]) -> Any:
-        try:
-            return self._intake.check(prompt, params, request_id, priority, cache_salt, model, check_running)
-        except (InvalidParameterError, EngineOverloadedError) as exc:
-            self._count(model, exc)
-            raise
-
-    async def bind(self, prompt: Any, args: Any, model: Any, check_running: Callable[[], None]) -> Any:
-        """Bind as the intake does; the request is tracked from here (it is posted before the next await)."""
-        try:
-            request, version, holder = await self._intake.bind(prompt, args, model, check_running)
-        except (InvalidParameterError, EngineOverloadedError) as exc:
-            self._count(model, exc)
-            raise
-        self._metrics.track(request, version.version_id)
-        return request, version, holder
-
-    def _count(self, model: Any, exc: Exception) -> None:
-        reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"
-        self._metrics.count_rejected(model if isinstance(model, str) else None, reason)
-
-
-
-class EngineObservability:
-    """``AsyncEngine``'s windows on itself (a base class of it; the bodies live here, beside the metrics).
-
-    ``engine.metrics`` (:class:`EngineMetrics`) is set by ``AsyncEngine.__init__``.
+    A protocol: ``isinstance(engine, EngineObservability)`` holds for an ``AsyncEngine``.
+    The engine's methods delegate to :func:`asyncinfer.metrics.memory_report.memory_report`
+    and :func:`asyncinfer.metrics.profile.profile_steps`.
     """
 
     metrics: EngineMetrics
-    _link: Any
 
-    def _check_running(self) -> None:  # AsyncEngine's
-        raise NotImplementedError
+    def memory_report(self) -> MemoryReport: ...
 
-    def memory_report(self) -> MemoryReport:
-        """Where the memory is, to tell a leak from a cache: per live model version its weights, KV
-        pool, blocks held by requests and free blocks still caching prefixes, requests in flight;
-        and the process's memory (torch's CUDA allocator, and RSS). See :class:`MemoryReport`."""
-        return memory_report(self, self.metrics.live_versions())
-
-    async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult:
-        """Run the next ``steps`` engine steps (of any model) under ``torch.profiler``, then write
-        ``path``/trace.json (a Chrome trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt
-        (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
-
-        Raises:
-            InvalidParameterError: ``steps`` < 1, or a profile is already running.
-            EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
-        """
-        self._check_running()
-        return await profile_steps(self.metrics, self._link, steps, path)
+    async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult: ...

@@ -31,6 +31,8 @@ class LiveRequest:
     prompt_len: int
     arrival: float
     prompt_ids: list[int] | None  # kept only when its text may be logged (sampled)
+    request: Request  # the engine's request (sample 0): its ``scheduled_time`` ends the queue time
+    queue_taken: bool = False  # its queue time was handed out (take_queue_time)
     first_token: float | None = None
     tokens: list[int] = field(default_factory=list)  # generated tokens per sample
     texts: list[str] | None = None  # per sample, only when its text may be logged
@@ -68,7 +70,7 @@ class RequestTracker:
         with_text = self.text_rate > 0 and self._rng.random() < self.text_rate
         self.live[request.request_id] = LiveRequest(
             model, request.request_id, n, len(request.prompt_token_ids), request.arrival_time,
-            request.prompt_token_ids if with_text else None, tokens=[0] * n,
+            request.prompt_token_ids if with_text else None, request, tokens=[0] * n,
             texts=[""] * n if with_text else None, reasons=[None] * n,
         )
 
@@ -91,6 +93,17 @@ class RequestTracker:
             return live, None
         del self.live[out.request_id]
         return live, self.summary(live)
+
+    @staticmethod
+    def take_queue_time(live: LiveRequest) -> float | None:
+        """Seconds from arrival until a step first scheduled the request, once: None before
+        it was scheduled and after it was taken. (The engine sets ``scheduled_time`` on the
+        engine thread before any output of the request is handed to the loop.)"""
+        scheduled = live.request.scheduled_time
+        if live.queue_taken or scheduled is None:
+            return None
+        live.queue_taken = True
+        return max(0.0, scheduled - live.arrival)
 
     def fail_all(self, now: float) -> list[FinishedRequest]:
         """End every tracked request as an error (the engine died)."""
