@@ -3,11 +3,13 @@
 The timing itself (``time_cases``) and the calibration (``calibrate``: build an engine,
 time its runner on these shapes, fit :class:`~asyncinfer.lab.cost.StepCostModel`) run
 the model, so they are in :mod:`asyncinfer.commands.calibrate`, above the engine: the
-lab never imports the engine (importing them from here raises an ``ImportError`` that says so).
+lab never imports the engine (importing them from here still works, with a ``DeprecationWarning`` naming the new place).
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import Any
 
 #: A step to time: ``(num_computed_tokens, num_new_tokens, num_tokens)`` per request.
@@ -42,7 +44,11 @@ _MOVED = ("calibrate", "time_cases")
 
 
 def __getattr__(name: str) -> Any:
+    """The old names stay importable from here, resolved on first access (so importing the lab never imports the
+    engine), with a DeprecationWarning naming the new place."""
     if name in _MOVED:
-        raise ImportError(f"asyncinfer.lab.calibrate.{name} moved to asyncinfer.commands.calibrate (the lab never "
-                          f"imports the engine): use 'from asyncinfer.commands.calibrate import {name}'")
+        warnings.warn(f"asyncinfer.lab.calibrate.{name} moved to asyncinfer.commands.calibrate (the lab never "
+                      f"imports the engine): use 'from asyncinfer.commands.calibrate import {name}'",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("asyncinfer.commands.calibrate"), name)
     raise AttributeError(f"module 'asyncinfer.lab.calibrate' has no attribute {name!r}")

@@ -31,7 +31,7 @@ says which check, which seed and limits, and which step. The parts here, usable 
 
 ``check_scheduler``, ``check_matches_fifo``, ``engine_tokens`` and ``tiny_model`` run the
 engine or build a model: they are in :mod:`asyncinfer.conformance` (importing them from here
-raises an ``ImportError`` that says so).
+still works, with a ``DeprecationWarning`` that says where they are now).
 
 The checks construct your scheduler through the registry exactly as the engine
 does (a class, a registered or entry-point name, or ``"module:Class"``, with
@@ -41,7 +41,9 @@ imports neither torch nor the engine.
 
 from __future__ import annotations
 
+import importlib
 import random
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -336,7 +338,11 @@ _MOVED = ("check_scheduler", "check_matches_fifo", "engine_tokens", "tiny_model"
 
 
 def __getattr__(name: str) -> Any:
+    """The old names stay importable from here, resolved on first access (so importing this module never
+    imports the engine), with a DeprecationWarning naming the new place."""
     if name in _MOVED:
-        raise ImportError(f"asyncinfer.schedulers.testing.{name} moved to asyncinfer.conformance (schedulers/ never "
-                          f"imports the engine): use 'from asyncinfer.conformance import {name}'")
+        warnings.warn(f"asyncinfer.schedulers.testing.{name} moved to asyncinfer.conformance (schedulers/ never "
+                      f"imports the engine): use 'from asyncinfer.conformance import {name}'", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module("asyncinfer.conformance"), name)
     raise AttributeError(f"module 'asyncinfer.schedulers.testing' has no attribute {name!r}")
