@@ -162,22 +162,19 @@ def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out = Path(tmp) / target.name
-        objects = []
-        for src in sources:
-            obj = Path(tmp) / (src.stem + ".o")
-            _run([compiler, *_flags(isa, True), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
-            objects.append(str(obj))
-        if openmp:  # link to torch's runtime by its path (and soname), not to another copy
-            _run([compiler, "-shared", *objects, openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm", "-o", str(out)],
-                 compiler)
-        else:
-            _run([compiler, "-shared", "-fopenmp", *objects, "-lm", "-o", str(out)], compiler)
+        try:
+            _compile_and_link(compiler, isa, sources, Path(tmp), out, openmp, with_openmp=True)
+        except RuntimeError:  # a compiler without OpenMP (Apple's clang): the kernels run on one thread
+            _compile_and_link(compiler, isa, sources, Path(tmp), out, None, with_openmp=False)
         os.chmod(out, 0o700)
         digest = hashlib.sha256(out.read_bytes()).hexdigest()
         fresh_path = None
         if fresh:  # this process loads the new build under a name it has never opened
             fresh_path = directory / f"kernels-{isa}-{key[:16]}-{time.time_ns()}.so"
-            os.link(out, fresh_path)
+            try:
+                os.link(out, fresh_path)
+            except OSError:  # a file system without hard links
+                shutil.copy2(out, fresh_path)
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
         sidecar = Path(tmp) / "digest"
         sidecar.write_text(digest)
@@ -186,6 +183,21 @@ def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
         _digest_path(fresh_path).write_text(digest)
         return fresh_path
     return target
+
+
+def _compile_and_link(compiler: str, isa: str, sources: list[Path], tmp: Path, out: Path, openmp: str | None,
+                      with_openmp: bool) -> None:
+    objects = []
+    for src in sources:
+        obj = tmp / (src.stem + ".o")
+        _run([compiler, *_flags(isa, with_openmp), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
+        objects.append(str(obj))
+    if openmp:  # link to torch's runtime by its path (and soname), not to another copy
+        _run([compiler, "-shared", *objects, openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm", "-o", str(out)],
+             compiler)
+    else:
+        _run([compiler, "-shared", *(["-fopenmp"] if with_openmp else []), *objects, "-lm", "-o", str(out)],
+             compiler)
 
 
 def _run(cmd: list[str], compiler: str) -> None:
@@ -318,6 +330,9 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.asyncinfer_scratch_bytes.argtypes = [I64, I64]
     lib.asyncinfer_scratch_bytes.restype = I64
     lib.asyncinfer_scratch_bytes.errcheck = _scratch_size
+    for name in ("asyncinfer_cpu_isas", "asyncinfer_kernels_isa", "asyncinfer_kernels_version",
+                 "asyncinfer_panel_min_rows"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], INT
 
 
 def _cpu_isas() -> tuple[str, ...]:
@@ -326,7 +341,6 @@ def _cpu_isas() -> tuple[str, ...]:
     if built == ("scalar",):
         return built
     lib, _ = _open_variant("scalar")
-    lib.asyncinfer_cpu_isas.restype = ctypes.c_int
     mask = lib.asyncinfer_cpu_isas()
     return tuple(isa for i, isa in enumerate(ISAS) if mask >> i & 1 and isa in built)
 

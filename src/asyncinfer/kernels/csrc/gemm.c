@@ -148,6 +148,8 @@ static int gemm_ref(const float *x, int64_t M, int64_t ldx, int64_t K, const uin
  * AVX2 (+ FMA, F16C): the small-M row kernels (not in the AVX-512 build, which has its own) and the
  * float32 panel (shared with the AVX-512 build, whose 16-token tiles are 512 bits wide). */
 #ifndef AI_AVX512
+/* quantize_acts_ref's rounding, eight lanes at a time (the same int16 values: both round to nearest even;
+ * the block's sum is added in another order), each block stored even elements first, then odd ones. */
 static void quantize_acts_avx2(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
     const int64_t nb = K / QK;
     for (int64_t m = 0; m < M; m++) {
