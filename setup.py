@@ -37,6 +37,16 @@ class BuildKernels(build_ext):
                                       *(["-fopenmp"] if openmp else [])]
         super().build_extensions()
 
+    def run(self) -> None:
+        super().run()
+        # What the libraries were built from, beside them (_build.py loads them only while it matches).
+        targets = {Path(self.build_lib, "asyncinfer", "kernels")}
+        if self.inplace:
+            targets.add(Path(self.get_finalized_command("build_py").get_package_dir("asyncinfer.kernels")))
+        for target in targets:
+            if target.is_dir():
+                (target / variants["SOURCES_STAMP"]).write_text(variants["sources_digest"](HERE / KERNELS / "csrc"))
+
     def get_ext_filename(self, fullname: str) -> str:
         package, _, name = fullname.rpartition(".")
         return os.path.join(*package.split("."), variants["library_name"](name.rsplit("_", 1)[-1]))

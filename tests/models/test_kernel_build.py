@@ -143,3 +143,20 @@ def test_allocation_failures_and_overflowing_sizes_raise_memory_error() -> None:
                   1e-5, 1.0)
     assert lib.asyncinfer_decode_layer(ctypes.byref(huge), None, 1, None, None, None, None, None, None, 1, None, 16,
                                        1, None) == -1
+
+
+def test_installed_libraries_built_from_other_sources_are_not_loaded(tmp_path, monkeypatch) -> None:
+    """An editable install whose C was edited after pip install -e: the stamp setup.py wrote no longer
+    matches the sources, so the run-time build runs instead of the stale libraries."""
+    from asyncinfer.kernels._variants import SOURCES_STAMP, sources_digest
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(Path(_build.__file__).parent / "csrc", csrc)
+    monkeypatch.setattr(_build, "_HERE", tmp_path)
+    monkeypatch.setattr(_build, "_CSRC", csrc)
+    assert _build._installed_stale()  # no stamp: nothing says what they were built from
+    (tmp_path / SOURCES_STAMP).write_text(sources_digest(csrc))
+    assert not _build._installed_stale()
+    gemm = csrc / "gemm.c"
+    gemm.write_text(gemm.read_text() + "\n/* edited */\n")
+    assert _build._installed_stale()

@@ -29,7 +29,16 @@ import threading
 import time
 from pathlib import Path
 
-from asyncinfer.kernels._variants import BASE_FLAGS, ISA_ENV, ISA_FLAGS, ISAS, isas_for, library_name
+from asyncinfer.kernels._variants import (
+    BASE_FLAGS,
+    ISA_ENV,
+    ISA_FLAGS,
+    ISAS,
+    SOURCES_STAMP,
+    isas_for,
+    library_name,
+    sources_digest,
+)
 from asyncinfer.kernels.formats import BLOCK_FORMATS
 
 _HERE = Path(__file__).parent
@@ -257,6 +266,15 @@ def _runtime_build_forced() -> bool:
     return os.environ.get("ASYNCINFER_KERNEL_RUNTIME_BUILD", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _installed_stale() -> bool:
+    """Whether the installed libraries were built from other sources than the package holds (an editable
+    install whose C was edited since ``pip install -e .``): then the run-time build runs instead."""
+    try:
+        return (_HERE / SOURCES_STAMP).read_text().strip() != sources_digest(_CSRC)
+    except OSError:
+        return True
+
+
 def _open_variant(isa: str) -> tuple[ctypes.CDLL, dict]:
     """The library of one variant, configured, and where it came from: the installed one if it loads, else
     the run-time build. Raises RuntimeError (or _UnsafeCache) saying why neither could be loaded."""
@@ -264,7 +282,10 @@ def _open_variant(isa: str) -> tuple[ctypes.CDLL, dict]:
         return _variants[isa]
     installed = _HERE / library_name(isa)
     info: dict = {"isa": isa}
-    if installed.exists() and not _runtime_build_forced():
+    stale = installed.exists() and _installed_stale()
+    if stale:
+        info["installed_error"] = f"{installed}: built from other sources than {_CSRC} holds now"
+    if installed.exists() and not stale and not _runtime_build_forced():
         try:
             lib = _checked(ctypes.CDLL(str(installed)), isa)
             info.update(source="installed", path=str(installed))

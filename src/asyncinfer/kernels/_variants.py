@@ -7,7 +7,9 @@ compiler's flags select the code (``csrc/internal.h``). Imports nothing beyond t
 
 from __future__ import annotations
 
+import hashlib
 import platform
+from pathlib import Path
 
 #: Every variant, slowest first: the scalar reference (plain C, every machine), AVX2 + FMA + F16C, and
 #: AVX-512 F/BW/VL on top of those.
@@ -35,3 +37,16 @@ def isas_for(machine: str | None = None) -> tuple[str, ...]:
 def library_name(isa: str) -> str:
     """The installed library's file name, next to this module."""
     return f"_kernels_{isa}.so"
+
+
+#: The file ``setup.py`` writes beside the libraries it builds: :func:`sources_digest` of what it built.
+SOURCES_STAMP = "_kernels.sources"
+
+
+def sources_digest(csrc: Path) -> str:
+    """A digest of the C sources and headers in ``csrc``: an installed library built from other sources (an
+    editable install whose C has been edited since) is not loaded."""
+    digest = hashlib.sha256()
+    for path in sorted([*csrc.glob("*.c"), *csrc.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
