@@ -391,19 +391,23 @@ def test_bad_inputs_are_refused_by_name() -> None:
 
 
 def test_a_corrupt_cached_build_is_rebuilt(tmp_path) -> None:
-    """The user cache holds one build per source, compiler and OpenMP runtime, with the digest its build
-    wrote; a truncated file there is rebuilt, never loaded."""
-    code = "from asyncinfer import kernels; print(kernels.available(), kernels.unavailable_reason())"
-    env = dict(os.environ, ASYNCINFER_KERNEL_CACHE=str(tmp_path), ASYNCINFER_DISABLE_KERNELS="0")  # "0": not set
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    """The run-time build's cache holds one build per variant, source, compiler and OpenMP runtime, with the
+    digest its build wrote; a truncated file there is rebuilt, never loaded."""
+    code = ("from asyncinfer import kernels; print(kernels.available(), kernels.unavailable_reason(), "
+            "kernels.build_info()['source'])")
+    env = dict(os.environ, ASYNCINFER_KERNEL_CACHE=str(tmp_path / "cache"), ASYNCINFER_DISABLE_KERNELS="0",
+               ASYNCINFER_KERNEL_RUNTIME_BUILD="1")  # "0": not set; the run-time build even beside installed ones
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                            check=False)
-    assert first.stdout.split() == ["True", "None"], first.stderr[-2000:]
-    (build,) = tmp_path.glob("gguf_gemm-*.so")
-    build.write_bytes(build.read_bytes()[:4096])  # truncated: dlopen would die of SIGBUS on it
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    assert first.stdout.split() == ["True", "None", "cache"], first.stderr[-2000:]
+    builds = sorted((tmp_path / "cache").glob("kernels-*.so"))
+    assert builds, "no run-time build in the cache"
+    for build in builds:
+        build.write_bytes(build.read_bytes()[:4096])  # truncated: dlopen would die of SIGBUS on it
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                             check=False)
-    assert second.stdout.split() == ["True", "None"], second.stderr[-2000:]
-    assert build.stat().st_size > 10_000
+    assert second.stdout.split() == ["True", "None", "cache"], second.stderr[-2000:]
+    assert all(build.stat().st_size > 10_000 for build in builds)
 
 
 @pytest.mark.parametrize("skip", [(), ("layers.1.",)])

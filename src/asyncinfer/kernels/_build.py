@@ -1,30 +1,69 @@
-"""Building, loading and finding asyncinfer's compiled kernels: the one place that knows where the library
-comes from and whether it can run here (:func:`available`, :func:`unavailable_reason`, :func:`lib`)."""
+"""Finding, building and loading asyncinfer's compiled kernels: the one place that knows where the library
+comes from, which ISA variant runs and whether the kernels can run here (:func:`available`,
+:func:`unavailable_reason`, :func:`lib`, :func:`isa`, :func:`supported_isas`, :func:`build_info`).
+
+Where a library comes from, in order:
+
+1. **Installed**: ``pip install`` builds one shared library per variant next to this module
+   (``_kernels_<isa>.so``, ``setup.py``), compiled with ``-fopenmp`` but not linked to any OpenMP runtime:
+   its OpenMP symbols resolve against the runtime torch has loaded (torch loads it for the whole process),
+   so the process keeps one runtime and one thread pool. Nothing is compiled at run time.
+2. **The run-time build** (a developer's checkout on ``PYTHONPATH``, or an install without a compiler): the
+   sources are compiled with the system's C compiler into a private user cache, linked to torch's OpenMP
+   runtime by that file's path.
+
+The variant: the best this CPU runs (``asyncinfer_cpu_isas`` of the scalar library, which every machine
+has), or the one ``ASYNCINFER_KERNEL_ISA`` names.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from asyncinfer.kernels._variants import (
+    BASE_FLAGS,
+    ISA_ENV,
+    ISA_FLAGS,
+    ISAS,
+    SOURCES_STAMP,
+    isas_for,
+    library_name,
+    sources_digest,
+)
 from asyncinfer.kernels.formats import BLOCK_FORMATS
 
-_SOURCE = Path(__file__).with_name("gguf_gemm.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_VERSION = 23
-#: From this many activation rows on, the GEMM takes its float32 panel path (the C source's PANEL_MIN_ROWS).
+_HERE = Path(__file__).parent
+_CSRC = _HERE / "csrc"
+#: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
+#: library of another version is refused (:func:`_checked`, the one comparison).
+_VERSION = 24
+#: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
+#: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
 PANEL_MIN_ROWS = 5
+
+
+class KernelISAError(ValueError):
+    """``ASYNCINFER_KERNEL_ISA`` names no variant, or one this CPU cannot run."""
+
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
+_error: KernelISAError | None = None
 _tried = False
+_info: dict | None = None
+_supported: tuple[str, ...] | None = None
+_variants: dict[str, tuple[ctypes.CDLL, dict]] = {}
+
 
 def _cache_dir() -> Path:
     override = os.environ.get("ASYNCINFER_KERNEL_CACHE")
@@ -36,16 +75,8 @@ def _cache_dir() -> Path:
 
 
 def _cpu_reason() -> str | None:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"they are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError as exc:
-        return f"cannot read /proc/cpuinfo ({exc})"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    """Why no variant could run on this CPU: never (the scalar reference runs everywhere); kept as the one
+    place a future restriction would go."""
     return None
 
 
@@ -56,44 +87,132 @@ def _compiler() -> str | None:
     return None
 
 
-def _torch_openmp() -> str | None:
-    """The OpenMP runtime torch has loaded (its wheels ship their own libgomp, sometimes renamed): the
-    kernels link against that very file, so that the process keeps one runtime and one thread pool."""
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtimes mapped into this process (files whose name holds libgomp, libomp or libiomp),
+    one path each: the kernels add none of their own."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
-    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.split()[-1].startswith("/")}
+        return []
+    paths = {line.split()[-1] for line in maps.splitlines()
+             if line.split()[-1].startswith("/") and any(n in line.split()[-1].rsplit("/", 1)[-1]
+                                                          for n in ("libgomp", "libomp", "libiomp"))}
+    return sorted(paths)
+
+
+def _torch_openmp() -> str | None:
+    """The OpenMP runtime torch has loaded (its wheels ship their own libgomp, sometimes renamed): a
+    run-time build links against that very file, so that the process keeps one runtime and one thread pool."""
+    paths = [p for p in openmp_runtimes() if "libgomp" in p]
     return min(paths) if paths else None
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+# ---------------------------------------------------------------------------------------------------
+# The private cache of run-time builds.
+
+def _private_problem(path: Path, what: str) -> str | None:
+    """Why ``path`` is not safe to load code from: not owned by this user, or writable by group/others."""
+    try:
+        st = path.lstat()
+    except OSError as exc:
+        return f"cannot inspect the kernel {what} {path} ({exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"the kernel {what} {path} is a symbolic link; asyncinfer loads no code through it"
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if st.st_uid != uid:
+        return (f"the kernel {what} {path} is owned by uid {st.st_uid}, not by this user (uid {uid}); "
+                f"asyncinfer loads no code from it (set ASYNCINFER_KERNEL_CACHE to a private directory)")
+    if st.st_mode & 0o022:
+        return (f"the kernel {what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"asyncinfer loads no code from it (set ASYNCINFER_KERNEL_CACHE to a private directory)")
+    return None
+
+
+class _UnsafeCache(RuntimeError):
+    pass
+
+
+def _private_dir() -> Path:
+    """The cache directory, created private (0700); refused (_UnsafeCache) when another user owns it or
+    group/others can write to it."""
+    directory = _cache_dir()
+    if not directory.exists():
+        directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    problem = _private_problem(directory, "cache directory")
+    if problem:
+        raise _UnsafeCache(problem)
+    return directory
+
+
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.c"))
+
+
+def _flags(isa: str, openmp: bool) -> list[str]:
+    return [*BASE_FLAGS, *ISA_FLAGS[isa], *(["-fopenmp"] if openmp else [])]
+
+
+def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
+    """The run-time build of ``isa`` in the private cache (reused when its digest matches). ``fresh``: build
+    again and return it under a new file name (dlopen of a path already loaded returns the loaded library)."""
+    sources = _sources()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False).stdout
     openmp = _torch_openmp()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode() + str(openmp).encode()).hexdigest()
-    target = _cache_dir() / f"gguf_gemm-{key[:16]}.so"
-    if target.exists() and _digest_ok(target):
+    text = b"".join(p.name.encode() + p.read_bytes() for p in sorted([*sources, *_CSRC.glob("*.h")]))
+    key = hashlib.sha256(text + " ".join(_flags(isa, True)).encode() + version.encode()
+                         + str(openmp).encode()).hexdigest()
+    directory = _private_dir()
+    target = directory / f"kernels-{isa}-{key[:16]}.so"
+    if not fresh and target.exists() and _digest_ok(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, out = Path(tmp) / "gguf_gemm.o", Path(tmp) / target.name
-        compile_flags = [f for f in _FLAGS if f != "-shared"]
-        steps = [[compiler, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)]]
-        if openmp:  # link to torch's runtime by its path (and soname), not to another copy
-            steps.append([compiler, "-shared", str(obj), openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-o", str(out)])
-        else:
-            steps.append([compiler, "-shared", "-fopenmp", str(obj), "-o", str(out)])
-        for step in steps:
-            proc = subprocess.run(step, capture_output=True, text=True, timeout=300, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            _compile_and_link(compiler, isa, sources, Path(tmp), out, openmp, with_openmp=True)
+        except RuntimeError:  # a compiler without OpenMP (Apple's clang): the kernels run on one thread
+            _compile_and_link(compiler, isa, sources, Path(tmp), out, None, with_openmp=False)
+        os.chmod(out, 0o700)
         digest = hashlib.sha256(out.read_bytes()).hexdigest()
+        fresh_path = None
+        if fresh:  # this process loads the new build under a name it has never opened
+            fresh_path = directory / f"kernels-{isa}-{key[:16]}-{time.time_ns()}.so"
+            try:
+                os.link(out, fresh_path)
+            except OSError:  # a file system without hard links
+                shutil.copy2(out, fresh_path)
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
         sidecar = Path(tmp) / "digest"
         sidecar.write_text(digest)
         os.replace(sidecar, _digest_path(target))
+    if fresh_path is not None:
+        _digest_path(fresh_path).write_text(digest)
+        return fresh_path
     return target
+
+
+def _compile_and_link(compiler: str, isa: str, sources: list[Path], tmp: Path, out: Path, openmp: str | None,
+                      with_openmp: bool) -> None:
+    objects = []
+    for src in sources:
+        obj = tmp / (src.stem + ".o")
+        _run([compiler, *_flags(isa, with_openmp), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
+        objects.append(str(obj))
+    if openmp:  # link to torch's runtime by its path (and soname), not to another copy
+        _run([compiler, "-shared", *objects, openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm", "-o", str(out)],
+             compiler)
+    else:
+        _run([compiler, "-shared", *(["-fopenmp"] if with_openmp else []), *objects, "-lm", "-o", str(out)],
+             compiler)
+
+
+def _run(cmd: list[str], compiler: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
 
 
 def _digest_path(build: Path) -> Path:
@@ -109,26 +228,156 @@ def _digest_ok(build: Path) -> bool:
         return False
 
 
-def _open(path: Path, compiler: str) -> ctypes.CDLL:
-    """Load a build; one that cannot be loaded (a truncated or stale file in the cache) is rebuilt once.
-    torch is imported (and its OpenMP runtime loaded) first: the kernels share that runtime."""
+# ---------------------------------------------------------------------------------------------------
+# Loading.
+
+def _checked(lib: ctypes.CDLL, isa: str) -> ctypes.CDLL:
+    """``lib`` once it says it is this Python side's ABI version and the variant asked for; RuntimeError
+    otherwise."""
+    version = lib.asyncinfer_kernels_version()
+    if version != _VERSION:
+        raise RuntimeError(f"a library of ABI version {version}, not {_VERSION}")
+    built = lib.asyncinfer_kernels_isa()
+    if built >= len(ISAS) or ISAS[built] != isa:
+        raise RuntimeError(f"a library built as variant {built}, not {isa}")
+    return lib
+
+
+def _open_cached(compiler: str, isa: str) -> tuple[ctypes.CDLL, Path]:
+    """Load the run-time build; one that cannot be loaded (a stale file in the cache) is rebuilt once, under a
+    new file name. torch is imported (and its OpenMP runtime loaded) first: the kernels share that runtime."""
+    path = _build(compiler, isa)
     for attempt in range(2):
+        problem = _private_problem(path, "library")
+        if problem:
+            raise _UnsafeCache(problem)
         try:
-            lib = ctypes.CDLL(str(path))
-            if lib.asyncinfer_kernels_version() != _VERSION:
-                raise RuntimeError("a stale build (version mismatch)")
-            return lib
+            return _checked(ctypes.CDLL(str(path)), isa), path
         except (OSError, RuntimeError, AttributeError):
             if attempt:
                 raise
-            path.unlink(missing_ok=True)
-            _digest_path(path).unlink(missing_ok=True)
-            path = _build(compiler)
+            path = _build(compiler, isa, fresh=True)
     raise AssertionError("unreachable")
 
 
+def _runtime_build_forced() -> bool:
+    """``ASYNCINFER_KERNEL_RUNTIME_BUILD=1``: the run-time build even where ``pip install`` built the libraries
+    (a developer editing the C sources of an editable install)."""
+    return os.environ.get("ASYNCINFER_KERNEL_RUNTIME_BUILD", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _installed_stale() -> bool:
+    """Whether the installed libraries were built from other sources than the package holds (an editable
+    install whose C was edited since ``pip install -e .``): then the run-time build runs instead."""
+    try:
+        return (_HERE / SOURCES_STAMP).read_text().strip() != sources_digest(_CSRC)
+    except OSError:
+        return True
+
+
+def _open_variant(isa: str) -> tuple[ctypes.CDLL, dict]:
+    """The library of one variant, configured, and where it came from: the installed one if it loads, else
+    the run-time build. Raises RuntimeError (or _UnsafeCache) saying why neither could be loaded."""
+    if isa in _variants:
+        return _variants[isa]
+    installed = _HERE / library_name(isa)
+    info: dict = {"isa": isa}
+    stale = installed.exists() and _installed_stale()
+    if stale:
+        info["installed_error"] = f"{installed}: built from other sources than {_CSRC} holds now"
+    if installed.exists() and not stale and not _runtime_build_forced():
+        try:
+            lib = _checked(ctypes.CDLL(str(installed)), isa)
+            info.update(source="installed", path=str(installed))
+        except (OSError, RuntimeError, AttributeError) as exc:
+            info["installed_error"] = f"{installed}: {exc}"
+            lib = None
+    else:
+        lib = None
+    if lib is None:
+        compiler = _compiler()
+        if compiler is None:
+            why = info.get("installed_error", f"no library was installed ({installed.name})")
+            raise RuntimeError(f"{why}, and no C compiler (cc, gcc or clang) is on PATH to build them")
+        try:
+            lib, path = _open_cached(compiler, isa)
+        except _UnsafeCache:
+            raise
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            raise RuntimeError(f"building them failed: {exc}") from exc
+        info.update(source="cache", path=str(path))
+    _configure(lib)
+    if lib.asyncinfer_panel_min_rows() != PANEL_MIN_ROWS:
+        raise RuntimeError("the built library disagrees with PANEL_MIN_ROWS")
+    info["openmp"] = openmp_runtimes()
+    _variants[isa] = (lib, info)
+    return lib, info
+
+
+def _raise_memory(result: int, func, args):  # ctypes errcheck
+    if result == -1:
+        raise MemoryError(f"{func.__name__}: the kernels could not allocate their working memory")
+    return result
+
+
+def _scratch_size(result: int, func, args):  # ctypes errcheck
+    if result < 0:
+        raise MemoryError(f"asyncinfer_scratch_bytes: a GEMM of {args[0]} rows by {args[1]} would need more "
+                          f"working memory than a size can hold")
+    return result
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for fmt in BLOCK_FORMATS:
+        fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
+        fn.argtypes = [P, I64, I64, I64, P, I64, P, P, I64, INT, P]
+        fn.restype = INT
+        fn.errcheck = _raise_memory
+    lib.asyncinfer_rms_norm.argtypes = [P, I64, I64, I64, P, F32, P, INT]
+    lib.asyncinfer_rms_norm.restype = None
+    lib.asyncinfer_decode_attention.argtypes = [P, P, P, P, I64, P, I64, I64, I64, I64, I64, F32, P, INT]
+    lib.asyncinfer_decode_attention.restype = INT
+    lib.asyncinfer_decode_attention.errcheck = _raise_memory
+    lib.asyncinfer_decode_layer.argtypes = [P, P, I64, P, P, P, P, P, P, I64, P, I64, INT, P]
+    lib.asyncinfer_decode_layer.restype = INT
+    lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, I64, P, P, P, I64, P, F32, P, P, INT, I64, P,
+                                            P, P, P, I64, P, I64, I64, INT, P]
+    lib.asyncinfer_decode_stack.restype = INT
+    lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
+    lib.asyncinfer_argmax.restype = None
+    lib.asyncinfer_check_paged.argtypes = [P, I64, P, P, I64, I64, I64]
+    lib.asyncinfer_check_paged.restype = INT
+    lib.asyncinfer_scratch_bytes.argtypes = [I64, I64]
+    lib.asyncinfer_scratch_bytes.restype = I64
+    lib.asyncinfer_scratch_bytes.errcheck = _scratch_size
+    for name in ("asyncinfer_cpu_isas", "asyncinfer_kernels_isa", "asyncinfer_kernels_version",
+                 "asyncinfer_panel_min_rows"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], INT
+
+
+def _cpu_isas() -> tuple[str, ...]:
+    """The variants this CPU runs, as the scalar library's cpuid check says (scalar alone off x86)."""
+    built = isas_for()
+    if built == ("scalar",):
+        return built
+    lib, _ = _open_variant("scalar")
+    mask = lib.asyncinfer_cpu_isas()
+    return tuple(isa for i, isa in enumerate(ISAS) if mask >> i & 1 and isa in built)
+
+
+def _requested() -> str | None:
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in ISAS:
+        raise KernelISAError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} names no kernel variant; allowed values: "
+                             f"{', '.join(ISAS)} (or unset: the best this CPU runs)")
+    return value
+
+
 def _load() -> None:
-    global _lib, _reason, _tried
+    global _lib, _reason, _tried, _info, _supported, _error
     with _lock:
         if _tried:
             return
@@ -136,72 +385,56 @@ def _load() -> None:
         if os.environ.get("ASYNCINFER_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no"):
             _reason = "ASYNCINFER_DISABLE_KERNELS is set"
             return
+        try:
+            requested = _requested()
+        except KernelISAError as exc:
+            _error = exc
+            return
         _reason = _cpu_reason()
         if _reason is not None:
             return
-        compiler = _compiler()
-        if compiler is None:
-            _reason = "no C compiler (cc, gcc or clang) is on PATH to build them"
-            return
         try:
-            lib = _open(_build(compiler), compiler)
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-            _reason = f"building them failed: {exc}"
-            return
-        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-        for fmt in BLOCK_FORMATS:
-            fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
-            fn.argtypes = args
-            fn.restype = None
-        lib.asyncinfer_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        lib.asyncinfer_rms_norm.restype = None
-        lib.asyncinfer_decode_attention.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-            ctypes.c_void_p, ctypes.c_int]
-        lib.asyncinfer_decode_attention.restype = None
-        P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.asyncinfer_decode_layer.argtypes = [P, P, I64, P, P, P, P, P, P, I64, P, I64, INT, P]
-        lib.asyncinfer_decode_layer.restype = INT
-        lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, I64, P, P, P, I64, P, F32, P, P, INT, I64, P,
-                                                P, P, P, I64, P, I64, I64, INT, P]
-        lib.asyncinfer_decode_stack.restype = INT
-        lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
-        lib.asyncinfer_argmax.restype = None
-        lib.asyncinfer_check_paged.argtypes = [P, I64, P, P, I64, I64, I64]
-        lib.asyncinfer_check_paged.restype = INT
-        if lib.asyncinfer_panel_min_rows() != PANEL_MIN_ROWS:
-            _reason = "the built library disagrees with PANEL_MIN_ROWS"
-            return
-        lib.asyncinfer_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        lib.asyncinfer_scratch_bytes.restype = ctypes.c_int64
-        _lib = lib
+            _supported = _cpu_isas()
+            if requested is not None and requested not in _supported:
+                _error = KernelISAError(f"{ISA_ENV}={requested!r}: this CPU runs only {', '.join(_supported)} "
+                                        f"(allowed values: {', '.join(ISAS)})")
+                return
+            chosen = requested or _supported[-1]
+            _lib, _info = _open_variant(chosen)
+        except RuntimeError as exc:  # _UnsafeCache included: its message says which file and why
+            _reason, _lib = str(exc), None
+        except (OSError, AttributeError) as exc:
+            _reason, _lib = f"loading them failed: {exc}", None
 
+
+def _loaded_or_raise() -> None:
+    _load()
+    if _error is not None:
+        raise _error
 
 
 def available() -> bool:
-    """Whether the kernels run here (builds them on the first call, ~1 s)."""
-    _load()
+    """Whether the kernels run here (on the first call, loads the installed library, or builds them, ~1 s).
+    Raises :class:`KernelISAError` when ``ASYNCINFER_KERNEL_ISA`` names no variant or one this CPU lacks."""
+    _loaded_or_raise()
     return _lib is not None
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
-    _load()
+    _loaded_or_raise()
     return _reason
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library (built on the first call); RuntimeError naming why where the kernels cannot run."""
+    """The loaded library (loaded or built on the first call); RuntimeError naming why where the kernels
+    cannot run, :class:`KernelISAError` for a bad ``ASYNCINFER_KERNEL_ISA``."""
     if _lib is not None:
         return _lib
-    _load()
+    _loaded_or_raise()
     if _lib is None:
         raise RuntimeError(f"asyncinfer's kernels cannot run here: {_reason}")
     return _lib
-
 
 
 def loaded() -> bool:
@@ -209,3 +442,38 @@ def loaded() -> bool:
     :func:`available`): for callers that use them only when something else has (the sampler)."""
     return _lib is not None
 
+
+def isa() -> str:
+    """The variant the kernels run as here: ``"scalar"``, ``"avx2"`` or ``"avx512"``."""
+    return _info_or_raise()["isa"]
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The variants this CPU runs, slowest first (``"scalar"`` always; the x86 ones where its CPU has them)."""
+    lib()
+    assert _supported is not None
+    return _supported
+
+
+def build_info() -> dict:
+    """Where the loaded library came from: ``isa``, ``source`` (``"installed"``: built by ``pip install``;
+    ``"cache"``: built at run time into the user cache), ``path``, ``openmp`` (the OpenMP runtimes mapped in
+    the process when it loaded), and ``installed_error`` when an installed library was there but not loaded."""
+    return dict(_info_or_raise())
+
+
+def _info_or_raise() -> dict:
+    lib()
+    assert _info is not None
+    return _info
+
+
+def variant(isa_name: str) -> ctypes.CDLL:
+    """The library of one variant, loaded beside the one in use (for comparing variants; the public
+    functions run on :func:`lib`'s). KernelISAError for a variant this CPU does not run."""
+    lib()
+    assert _supported is not None
+    if isa_name not in _supported:
+        raise KernelISAError(f"variant {isa_name!r}: this CPU runs only {', '.join(_supported)}")
+    with _lock:
+        return _open_variant(isa_name)[0]

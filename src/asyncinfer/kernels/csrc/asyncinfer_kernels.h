@@ -1,0 +1,99 @@
+/* asyncinfer's CPU kernels: the ABI the Python side (kernels/_build.py, ops.py, decoder.py) binds with
+ * ctypes. Every exported function, the layer_t struct and the ABI version are declared here and only
+ * here; each ISA variant (scalar, avx2, avx512) is the same sources built with other flags, exporting
+ * exactly these names.
+ *
+ * Error codes (int results): 0 success; -1 working memory could not be allocated or its size would
+ * overflow (the Python side raises MemoryError); 1 to 4 input errors, see each function.
+ */
+#ifndef ASYNCINFER_KERNELS_H
+#define ASYNCINFER_KERNELS_H
+
+#include <stdint.h>
+
+/* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
+ * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
+#define ASYNCINFER_KERNELS_VERSION 24
+
+/* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
+ * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
+#define ASYNCINFER_PANEL_MIN_ROWS 5
+
+/* ISA variant codes (asyncinfer_kernels_isa, asyncinfer_cpu_isas' bits). */
+#define ASYNCINFER_ISA_SCALAR 0
+#define ASYNCINFER_ISA_AVX2 1
+#define ASYNCINFER_ISA_AVX512 2
+
+#define ASYNCINFER_ENOMEM (-1)
+
+#if defined(_WIN32)
+#define ASYNCINFER_API __declspec(dllexport)
+#else
+#define ASYNCINFER_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One decoder layer's weights and shape (DecodeLayer's _Layer mirrors it field for field).
+ * fmt_*: 0 = Q4_1, 1 = Q8_0. */
+typedef struct {
+    const float *norm1, *norm2;
+    const void *w_qkv;
+    const float *b_qkv; /* [q + 2 kv] or NULL */
+    const void *w_o, *w_gate_up, *w_down;
+    int32_t fmt_qkv, fmt_o, fmt_gate_up, fmt_down;
+    int64_t hidden, H, KVH, D, I;
+    float eps, scale;
+} layer_t;
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times W[N, K] held as blocks in the kernels' layout
+ * (+ bias[N] or NULL); scratch: asyncinfer_scratch_bytes(M, K) bytes. Returns 0 or -1. */
+ASYNCINFER_API int asyncinfer_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                                        const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+ASYNCINFER_API int asyncinfer_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                                        const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+/* The scratch bytes a GEMM of M rows by K takes; -1 when that size would overflow. */
+ASYNCINFER_API int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K);
+
+ASYNCINFER_API void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps,
+                                        float *y, int threads);
+
+/* Returns 0 or -1. */
+ASYNCINFER_API int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                               const int64_t *tables, int64_t ldt, const int64_t *ctx, int64_t S,
+                                               int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
+                                               int threads);
+
+ASYNCINFER_API int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin,
+                                           float *k_cache, float *v_cache, const int64_t *slots,
+                                           const int64_t *tables, int64_t ldt, const int64_t *ctx, int64_t BS,
+                                           int threads, double *timing);
+
+ASYNCINFER_API int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
+                                           const int64_t *ids, const float *embed, int64_t vocab,
+                                           const int64_t *positions, const float *cos_table, const float *sin_table,
+                                           int64_t max_pos, const float *final_norm, float final_eps, float *out,
+                                           const void *head_w, int head_fmt, int64_t head_n, float *logits,
+                                           int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                                           const int64_t *ctx, int64_t BS, int64_t num_slots, int threads,
+                                           double *timing);
+
+ASYNCINFER_API void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
+
+ASYNCINFER_API int asyncinfer_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx,
+                                          const int64_t *slots, int64_t S, int64_t BS, int64_t num_blocks);
+
+ASYNCINFER_API int asyncinfer_panel_min_rows(void);
+ASYNCINFER_API int asyncinfer_kernels_version(void);
+/* The variant this library was built as (ASYNCINFER_ISA_*). */
+ASYNCINFER_API int asyncinfer_kernels_isa(void);
+/* The variants this CPU (and OS) can run: bit ASYNCINFER_ISA_* set for each; scalar always. */
+ASYNCINFER_API int asyncinfer_cpu_isas(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

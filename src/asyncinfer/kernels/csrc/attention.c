@@ -1,0 +1,171 @@
+#include "internal.h"
+
+/* Decode attention over a paged cache, read in place: one query token per sequence.
+ *   q: [S, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; tables: [S, ldt] block ids;
+ *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
+ * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
+ * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
+ * D must be a multiple of 8. The variants differ in the order of float32 sums and in exp (the AVX2
+ * polynomial within 2 ulp of expf, the scalar reference expf itself).
+ *
+ * Each key's score is one 8-lane dot product (hsum), four keys in flight at a time so that the
+ * FMA chains overlap; the output is accumulated in registers, 32 dimensions at a time over every
+ * value row (two keys in flight, even and odd, added at the end), so nothing waits on a store. */
+#ifdef AI_AVX2
+static inline float key_score(const float *qv, const float *kv, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
+    return ai_hsum256(acc);
+}
+
+/* Memory, not arithmetic, bounds decode attention (the cache is cold after a step's weights have
+ * streamed through): rows AHEAD keys on are requested while the current ones are summed, so that
+ * many misses are in flight at once. */
+#define AHEAD 16
+static inline void prefetch_keys(const float *cache, const int64_t *table, int64_t t, int64_t BS, int64_t row,
+                                 int64_t D, int rows) {
+    const float *p = cache + table[t / BS] * BS * row + (t % BS) * row;
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(p + r * row + i), _MM_HINT_T0);
+}
+
+static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
+                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+    float mx = -INFINITY;
+    for (int64_t b = 0, t = 0; t < L; b++) {
+        const float *kb = k_cache + table[b] * BS * row;
+        const int64_t n = L - t < BS ? L - t : BS;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) { /* the same per-key sums as key_score, four chains at once */
+            const float *k0 = kb + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+            if (t + j + AHEAD < L) prefetch_keys(k_cache, table, t + j + AHEAD, BS, row, D, 4);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 qi = _mm256_loadu_ps(qv + i);
+                a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+                a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+                a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+            }
+            pg[t + j] = ai_hsum256(a0) * scale;
+            pg[t + j + 1] = ai_hsum256(a1) * scale;
+            pg[t + j + 2] = ai_hsum256(a2) * scale;
+            pg[t + j + 3] = ai_hsum256(a3) * scale;
+        }
+        for (; j < n; j++) pg[t + j] = key_score(qv, kb + j * row, D) * scale;
+        for (j = 0; j < n; j++) mx = pg[t + j] > mx ? pg[t + j] : mx;
+        t += n;
+    }
+    __m256 dsum = _mm256_setzero_ps();
+    const __m256 mxv = _mm256_set1_ps(mx);
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) {
+        const __m256 e = ai_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
+        _mm256_storeu_ps(pg + t, e);
+        dsum = _mm256_add_ps(dsum, e);
+    }
+    float denom = ai_hsum256(dsum);
+    for (; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
+    const __m256 inv = _mm256_set1_ps(1.0f / denom);
+    const int64_t wide = D - D % 32;
+    for (int64_t i0 = 0; i0 < wide; i0 += 32) {
+        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+        t = 0;
+        for (int64_t b = 0; t < L; b++) {
+            const float *vb = v_cache + table[b] * BS * row + i0;
+            const int64_t n = L - t < BS ? L - t : BS;
+            int64_t j = 0;
+            for (; j + 2 <= n; j += 2) {
+                const float *v0 = vb + j * row, *v1 = v0 + row;
+                if (t + j + AHEAD < L) prefetch_keys(v_cache + i0, table, t + j + AHEAD, BS, row, 32, 2);
+                const __m256 w0 = _mm256_broadcast_ss(pg + t + j), w1 = _mm256_broadcast_ss(pg + t + j + 1);
+                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+                o0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1), o0);
+                o1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 8), o1);
+                o2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 16), o2);
+                o3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 24), o3);
+            }
+            if (j < n) { /* an odd block length: its last key on the even chains */
+                const float *v0 = vb + j * row;
+                const __m256 w0 = _mm256_broadcast_ss(pg + t + j);
+                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+            }
+            t += n;
+        }
+        _mm256_storeu_ps(o + i0, _mm256_mul_ps(_mm256_add_ps(e0, o0), inv));
+        _mm256_storeu_ps(o + i0 + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), inv));
+        _mm256_storeu_ps(o + i0 + 16, _mm256_mul_ps(_mm256_add_ps(e2, o2), inv));
+        _mm256_storeu_ps(o + i0 + 24, _mm256_mul_ps(_mm256_add_ps(e3, o3), inv));
+    }
+    for (int64_t i0 = wide; i0 < D; i0 += 8) { /* D not a multiple of 32: the last 8s one chain each */
+        __m256 acc = _mm256_setzero_ps();
+        t = 0;
+        for (int64_t b = 0; t < L; b++) {
+            const float *vb = v_cache + table[b] * BS * row + i0;
+            const int64_t n = L - t < BS ? L - t : BS;
+            for (int64_t j = 0; j < n; j++)
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + j), _mm256_loadu_ps(vb + j * row), acc);
+            t += n;
+        }
+        _mm256_storeu_ps(o + i0, _mm256_mul_ps(acc, inv));
+    }
+}
+
+#else
+/* The scalar reference: each key's score in order, softmax with the maximum subtracted, the weighted
+ * sum of values in key order. */
+static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
+                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < L; t++) {
+        const float *kv = k_cache + table[t / BS] * BS * row + (t % BS) * row;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc += qv[i] * kv[i];
+        pg[t] = acc * scale;
+        mx = pg[t] > mx ? pg[t] : mx;
+    }
+    float denom = 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+        pg[t] = expf(pg[t] - mx);
+        denom += pg[t];
+    }
+    const float inv = 1.0f / denom;
+    for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+        const float *vv = v_cache + table[t / BS] * BS * row + (t % BS) * row;
+        for (int64_t i = 0; i < D; i++) o[i] += pg[t] * vv[i];
+    }
+    for (int64_t i = 0; i < D; i++) o[i] *= inv;
+}
+#endif
+
+/* One task per (sequence, query head); each thread's scores in its own slice of one allocation. */
+int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                        int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                        float scale, float *out, int threads) {
+    const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
+    int64_t longest = 1;
+    for (int64_t s = 0; s < S; s++) longest = ctx[s] > longest ? ctx[s] : longest;
+    float *scores = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), longest * (int64_t)sizeof(float));
+    if (!scores) return ASYNCINFER_ENOMEM;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
+    for (int64_t task = 0; task < S * H; task++) {
+        const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s];
+        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, L, BS, row, D, scale,
+               scores + (int64_t)ai_thread_num() * longest, out + (s * H + head) * D);
+    }
+    free(scores);
+    return 0;
+}
+
+int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                                int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                                int64_t BS, float scale, float *out, int threads) {
+    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, out, threads);
+}

@@ -1,0 +1,208 @@
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include "internal.h"
+
+#include <time.h>
+
+/* ------------------------------------------------------------------------------------------------
+ * A whole decoder layer of a Llama-family model for a step of decodes (one new token per sequence),
+ * in one call: what the engine's Python layer does op by op, without torch's per-op cost (which at
+ * batch 1 took about as long as the projections themselves).
+ *
+ *   h += o_proj(attention(rope(qkv_proj(norm1(h)))))      (K/V written to their cache slots first)
+ *   h += down_proj(silu(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
+ *
+ * Weights: one of the formats above per projection (fmt: 0 = Q4_1, 1 = Q8_0). cos/sin: [T, D/2]
+ * rows of the rope table for each token's position (rotate-half convention). timing: NULL, or
+ * three doubles that the call adds its seconds to (see TIMED). */
+static gemm_fn gemm_of(int fmt) { return fmt == 0 ? ai_gemm_q4_1 : ai_gemm_q8_0; }
+
+/* A step's working memory, sized for the widest layer of a call. */
+typedef struct {
+    float *x, *wide, *attn, *out;
+    void *scratch;
+} step_bufs;
+
+/* Sizes checked for overflow: a size that would overflow fails like an allocation (-1). */
+static int bufs_alloc(step_bufs *b, const layer_t *layers, int64_t n, int64_t T) {
+    int64_t xw = 0, ww = 0, aw = 0, ow = 0, sb = 0;
+    memset(b, 0, sizeof(*b));
+    for (int64_t l = 0; l < n; l++) {
+        const layer_t *L = layers + l;
+        int64_t q, kv, qkv, i2;
+        if (!ai_mul(L->H, L->D, &q) || !ai_mul(L->KVH, L->D, &kv) || !ai_mul(kv, 2, &kv) || !ai_add(q, kv, &qkv) ||
+            !ai_mul(L->I, 2, &i2))
+            return 0;
+        const int64_t k_in = L->hidden > L->I ? L->hidden : L->I;
+        const int64_t cand[4] = {L->hidden > q ? L->hidden : q, qkv > i2 ? qkv : i2, q > L->I ? q : L->I, L->hidden};
+        xw = cand[0] > xw ? cand[0] : xw;
+        ww = cand[1] > ww ? cand[1] : ww;
+        aw = cand[2] > aw ? cand[2] : aw;
+        ow = cand[3] > ow ? cand[3] : ow;
+        const int64_t s = ai_scratch_bytes(T, k_in > q ? k_in : q);
+        if (s < 0) return 0;
+        sb = s > sb ? s : sb;
+    }
+    int64_t tx, tw, ta, to;
+    if (!ai_mul(T, xw, &tx) || !ai_mul(T, ww, &tw) || !ai_mul(T, aw, &ta) || !ai_mul(T, ow, &to) ||
+        !ai_add(sb, 64, &sb))
+        return 0;
+    b->x = (float *)ai_alloc(tx, sizeof(float));
+    b->wide = (float *)ai_alloc(tw, sizeof(float));
+    b->attn = (float *)ai_alloc(ta, sizeof(float));
+    b->out = (float *)ai_alloc(to, sizeof(float));
+    b->scratch = ai_alloc(sb, 1);
+    return b->x && b->wide && b->attn && b->out && b->scratch;
+}
+
+static void bufs_free(step_bufs *b) {
+    free(b->x); free(b->wide); free(b->attn); free(b->out); free(b->scratch);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* With a timing array (profiling), seconds are added up per part: [0] projections, [1] attention,
+ * [2] the whole layer. A call that fails (-1) ends the step with its code. */
+#define TIMED(slot, call)                                                                         \
+    do {                                                                                          \
+        if (timing) mark = now();                                                                 \
+        const int rc_ = (call);                                                                   \
+        if (timing) timing[slot] += now() - mark;                                                 \
+        if (rc_) return rc_;                                                                      \
+    } while (0)
+
+static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin, float *k_cache,
+                       float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt, const int64_t *ctx,
+                       int64_t BS, int threads, double *timing, const step_bufs *b) {
+    const int64_t hidden = L->hidden, H = L->H, KVH = L->KVH, D = L->D, I = L->I;
+    const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size, half = D / 2;
+    const double start = timing ? now() : 0.0;
+    double mark = start;
+    float *x = b->x, *wide = b->wide, *attn = b->attn, *out = b->out;
+
+    /* attention block */
+    ai_rms_norm(h, T, hidden, hidden, L->norm1, L->eps, x, threads);
+    TIMED(0, gemm_of(L->fmt_qkv)(x, T, hidden, hidden, L->w_qkv, qkv_size, L->b_qkv, wide, qkv_size, threads,
+                                 b->scratch));
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
+    for (int64_t t = 0; t < T; t++) {
+        float *row = wide + t * qkv_size;
+        const float *c = cos + t * half, *sn = sin + t * half;
+        for (int64_t head = 0; head < H + KVH; head++) { /* q heads, then k heads: adjacent in the row */
+            float *v = row + head * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[i + half];
+                const float a = x1 * c[i], bb = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
+                v[i] = a - bb;
+                v[i + half] = e + f;
+            }
+        }
+        memcpy(x + t * q_size, row, sizeof(float) * (size_t)q_size); /* q, packed for attention */
+    }
+    for (int64_t t = 0; t < T; t++) { /* in order: a slot given twice keeps the last token's K/V */
+        const float *row = wide + t * qkv_size;
+        memcpy(k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+        memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+    }
+    TIMED(1, ai_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, attn, threads));
+    TIMED(0, gemm_of(L->fmt_o)(attn, T, q_size, q_size, L->w_o, hidden, NULL, out, hidden, threads, b->scratch));
+    for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+
+    /* MLP block */
+    ai_rms_norm(h, T, hidden, hidden, L->norm2, L->eps, x, threads);
+    TIMED(0, gemm_of(L->fmt_gate_up)(x, T, hidden, hidden, L->w_gate_up, 2 * I, NULL, wide, 2 * I, threads,
+                                     b->scratch));
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
+    for (int64_t t = 0; t < T; t++) ai_swiglu(wide + t * 2 * I, wide + t * 2 * I + I, attn + t * I, I);
+    TIMED(0, gemm_of(L->fmt_down)(attn, T, I, I, L->w_down, hidden, NULL, out, hidden, threads, b->scratch));
+    for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+    if (timing) timing[2] += now() - start;
+    return 0;
+}
+
+/* One layer (DecodeLayer). Returns 0, or -1 when its working memory cannot be allocated. */
+int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin,
+                            float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                            const int64_t *ctx, int64_t BS, int threads, double *timing) {
+    step_bufs b = {0};
+    int rc = bufs_alloc(&b, L, 1, T) ? 0 : ASYNCINFER_ENOMEM;
+    if (!rc) rc = layer_step(L, h, T, cos, sin, k_cache, v_cache, slots, tables, ldt, ctx, BS, threads, timing, &b);
+    bufs_free(&b);
+    return rc;
+}
+
+/* The body of a step (asyncinfer_decode_stack), its memory allocated; cs: [2, T, D / 2]. */
+static int stack_step(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T, const int64_t *ids,
+                      const float *embed, const int64_t *positions, const float *cos_table, const float *sin_table,
+                      const float *final_norm, float final_eps, float *out, const void *head_w, int head_fmt,
+                      int64_t head_n, float *logits, int64_t *argmax, const int64_t *slots, const int64_t *tables,
+                      int64_t ldt, const int64_t *ctx, int64_t BS, int threads, double *timing, const step_bufs *b,
+                      float *cs) {
+    const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
+    if (ids)
+        for (int64_t t = 0; t < T; t++) memcpy(h + t * hidden, embed + ids[t] * hidden, sizeof(float) * (size_t)hidden);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(cs + t * half, cos_table + positions[t] * half, sizeof(float) * (size_t)half);
+        memcpy(cs + (T + t) * half, sin_table + positions[t] * half, sizeof(float) * (size_t)half);
+    }
+    for (int64_t l = 0; l < n; l++) {
+        const int rc = layer_step(layers + l, h, T, cs, cs + T * half, caches[2 * l], caches[2 * l + 1], slots, tables,
+                                  ldt, ctx, BS, threads, timing, b);
+        if (rc) return rc;
+    }
+    ai_rms_norm(h, T, hidden, hidden, final_norm, final_eps, out, threads);
+    if (logits) {
+        double mark = 0.0;
+        TIMED(3, gemm_of(head_fmt)(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads, b->scratch));
+        if (argmax) ai_argmax(logits, T, head_n, head_n, argmax);
+    }
+    return 0;
+}
+
+/* Every layer of a model and its final norm for a step of decodes (DecodeStack).
+ *   h: [T, hidden], the residual stream, or NULL (allocated here); ids: NULL (h holds the embedded
+ *     tokens), or the tokens, whose rows of the float32 embedding table [vocab, hidden] fill h first;
+ *   cos_table / sin_table: [max_pos, D / 2], read at each token's position;
+ *   caches: layer l's K and V caches at 2l and 2l + 1;
+ *   out: [T, hidden], the final-normed states, or NULL (allocated here);
+ *   logits: NULL, or [T, head_n]: out times the head's weights (head_w in format head_fmt);
+ *   argmax: NULL, or [T]: each logits row's argmax (asyncinfer_argmax), for greedy sampling;
+ *   timing: NULL or four doubles, the layers' three (TIMED) and the head's.
+ * num_slots: the caches' blocks times BS. Returns 0; 1 for a token id outside [0, vocab), 2 for a
+ * position outside [0, max_pos), 3 for a context length below 1 or longer than its block table, 4
+ * for a slot or block outside the caches (nothing is computed then); -1 when working memory cannot
+ * be allocated. */
+int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
+                            const int64_t *ids, const float *embed, int64_t vocab, const int64_t *positions,
+                            const float *cos_table, const float *sin_table, int64_t max_pos, const float *final_norm,
+                            float final_eps, float *out, const void *head_w, int head_fmt, int64_t head_n,
+                            float *logits, int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,
+                            const int64_t *ctx, int64_t BS, int64_t num_slots, int threads, double *timing) {
+    const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        if (ids && (ids[t] < 0 || ids[t] >= vocab)) return 1;
+        if (positions[t] < 0 || positions[t] >= max_pos) return 2;
+    }
+    const int paged = ai_check_paged(tables, ldt, ctx, slots, T, BS, num_slots / BS);
+    if (paged) return paged;
+    step_bufs b = {0};
+    int64_t cs_n, th;
+    int rc = ai_mul(T, 2 * half, &cs_n) && ai_mul(T, hidden, &th) && bufs_alloc(&b, layers, n, T) ? 0 : ASYNCINFER_ENOMEM;
+    float *cs = rc ? NULL : (float *)ai_alloc(cs_n, sizeof(float));
+    float *own_h = h || rc ? NULL : (float *)ai_alloc(th, sizeof(float));
+    float *own_out = out || rc ? NULL : (float *)ai_alloc(th, sizeof(float));
+    h = h ? h : own_h;
+    out = out ? out : own_out;
+    if (!rc && !(cs && h && out)) rc = ASYNCINFER_ENOMEM;
+    if (!rc) rc = stack_step(layers, n, caches, h, T, ids, embed, positions, cos_table, sin_table, final_norm,
+                             final_eps, out, head_w, head_fmt, head_n, logits, argmax, slots, tables, ldt, ctx, BS,
+                             threads, timing, &b, cs);
+    bufs_free(&b);
+    free(cs);
+    free(own_h);
+    free(own_out);
+    return rc;
+}

@@ -1,0 +1,658 @@
+/* Block formats: products of float32 activations with weights in ggml's Q4_1 / Q8_0 blocks.
+ *
+ *   y[m, n] = sum_k x[m, k] * W[n, k]  (+ bias[n])
+ *
+ * W holds one row per output feature, each a run of blocks of 32 weights along k, in ggml's
+ * formats, regrouped per row so that scales load together (asyncinfer.kernels.pack):
+ *
+ *   Q4_1 row: d[nb] (fp16), m[nb] (fp16), then 16 bytes of nibbles per block; weight j = d * q_j + m,
+ *             q_j the low nibble of byte j for j < 16, the high nibble of byte j - 16 otherwise
+ *   Q8_0 row: d[nb] (fp16), then 32 int8 per block; weight j = d * q_j
+ *
+ * The algorithm, the same in every variant:
+ *   - below PANEL_MIN_ROWS activation rows, each block of 32 activations is rounded to int16
+ *     (x ~= dx * qx, |qx| <= 32767, rounded to nearest even, dx = the block's largest |x| / 32767),
+ *     each block's integer dot product is exact, scaled by dx * dw in float32 and summed; Q4_1 adds
+ *     sum over blocks of m * (the block's float32 sum of x);
+ *   - from PANEL_MIN_ROWS rows on, the weights are rebuilt in float32 (the blocks' exact values) and
+ *     each output is one float32 sum over k in order.
+ * The variants differ only in the order of float32 additions (and Q4_1's d * q + m being fused or not),
+ * which the tests bound against the scalar reference (docs/formats.md, "Kernel variants").
+ */
+#include "internal.h"
+
+#define MR 4  /* activation rows per pass over a weight row */
+#define TN 12 /* weight rows per panel */
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead in the weight stream (a thread's rows are contiguous) */
+#endif
+#define ROW_BYTES_Q4_1 20
+#define ROW_BYTES_Q8_0 34
+
+/* Activations rounded per block (see above): q [M, K], d and sum [M, K / 32], in the caller's scratch
+ * (asyncinfer_scratch_bytes). The scalar and AVX-512 variants store each block's 32 values in order;
+ * the AVX2 variant stores even elements first, then odd ones (the order its weight unpacking yields). */
+typedef struct {
+    int16_t *q;
+    float *d;
+    float *sum;
+} acts;
+
+static acts acts_in(void *scratch, int64_t M, int64_t K) {
+    acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2), NULL};
+    a.sum = a.d + M * (K / QK);
+    return a;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The scalar reference (plain C): the rounding of activations (also the AVX-512 variant's) and, in the
+ * scalar build, the whole GEMM. */
+
+__attribute__((unused)) static void quantize_acts_ref(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            float absmax = 0.0f, total = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                const float v = fabsf(xb[i]);
+                absmax = v > absmax ? v : absmax; /* drops NaNs; total keeps them */
+                total += xb[i];
+            }
+            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
+            const float inv = d > 0.0f ? 32767.0f / absmax : 0.0f;
+            int16_t *q = a->q + m * K + b * QK;
+            for (int i = 0; i < QK; i++) q[i] = d > 0.0f ? (int16_t)lrintf(xb[i] * inv) : 0;
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+        }
+    }
+}
+
+#ifndef AI_AVX2
+/* One weight row against activation row m: the exact integer dot product per block, scaled in float32. */
+static float row_ref(const uint8_t *row, int64_t nb, int has_min, const acts *a, int64_t m, int64_t K) {
+    const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
+    const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
+    const int16_t *q = a->q + m * K;
+    const float *dx = a->d + m * nb, *sx = a->sum + m * nb;
+    float acc = 0.0f, offset = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s = 0;
+        if (has_min) {
+            const uint8_t *qb = qs + 16 * b;
+            for (int j = 0; j < 16; j++)
+                s += (int32_t)(qb[j] & 0x0F) * q[b * QK + j] + (int32_t)(qb[j] >> 4) * q[b * QK + 16 + j];
+            offset += ai_half_to_float(m16[b]) * sx[b];
+        } else {
+            const int8_t *qb = (const int8_t *)(qs + 32 * b);
+            for (int j = 0; j < QK; j++) s += (int32_t)qb[j] * q[b * QK + j];
+        }
+        acc += (float)s * (dx[b] * ai_half_to_float(d16[b]));
+    }
+    return acc + offset;
+}
+
+/* One row's weights in float32, in order. */
+static void rebuild_row_ref(const uint8_t *row, int64_t nb, int has_min, float *out) {
+    const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
+    const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
+    for (int64_t b = 0; b < nb; b++, out += QK) {
+        const float d = ai_half_to_float(d16[b]);
+        if (has_min) {
+            const float mn = ai_half_to_float(m16[b]);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(qs[16 * b + j] & 0x0F) + mn;
+                out[16 + j] = d * (float)(qs[16 * b + j] >> 4) + mn;
+            }
+        } else {
+            for (int j = 0; j < QK; j++) out[j] = d * (float)((const int8_t *)qs)[32 * b + j];
+        }
+    }
+}
+
+static int gemm_ref(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
+                    int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
+                    void *scratch) {
+    const int64_t nb = K / QK;
+    if (M < PANEL_MIN_ROWS) {
+        acts a = acts_in(scratch, M, K);
+        quantize_acts_ref(x, M, ldx, K, &a);
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++)
+                y[m * ldy + n] = row_ref(rows + n * row_bytes, nb, has_min, &a, m, K) + (bias ? bias[n] : 0.0f);
+        return 0;
+    }
+    float *wrows = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), (K > 0 ? K : 1) * (int64_t)sizeof(float));
+    if (!wrows) return ASYNCINFER_ENOMEM;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+    for (int64_t n = 0; n < N; n++) {
+        float *w = wrows + (int64_t)ai_thread_num() * K;
+        rebuild_row_ref(rows + n * row_bytes, nb, has_min, w);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * ldx;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += w[k] * xr[k];
+            y[m * ldy + n] = acc + (bias ? bias[n] : 0.0f);
+        }
+    }
+    free(wrows);
+    return 0;
+}
+#endif
+
+#ifdef AI_AVX2
+/* ------------------------------------------------------------------------------------------------
+ * AVX2 (+ FMA, F16C): the small-M row kernels (not in the AVX-512 build, which has its own) and the
+ * float32 panel (shared with the AVX-512 build, whose 16-token tiles are 512 bits wide). */
+#ifndef AI_AVX512
+/* quantize_acts_ref's rounding, eight lanes at a time (the same int16 values: both round to nearest even;
+ * the block's sum is added in another order), each block stored even elements first, then odd ones. */
+static void quantize_acts_avx2(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int i = 0; i < QK; i += 8) {
+                const __m256 v = _mm256_loadu_ps(xb + i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+                sum = _mm256_add_ps(sum, v);
+            }
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float absmax = _mm_cvtss_f32(mx), total = ai_hsum256(sum);
+            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too (the max
+             * above drops NaNs, and their int16 values would be 0) */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f); /* NaN d: zeros */
+            int32_t qi[QK];
+            for (int i = 0; i < QK; i += 8)
+                _mm256_storeu_si256((__m256i *)(qi + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv)));
+            int16_t *q = a->q + m * K + b * QK;
+            for (int j = 0; j < QK / 2; j++) {
+                q[j] = (int16_t)qi[2 * j];
+                q[QK / 2 + j] = (int16_t)qi[2 * j + 1];
+            }
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+        }
+    }
+}
+
+/* Weight rows in the kernels' layout (asyncinfer.kernels.pack: the same bytes as ggml's blocks,
+ * regrouped per row so that scales load eight at a time):
+ *   Q4_1 row: d[nb] (fp16), m[nb] (fp16), then 16 bytes of nibbles per block, as in ggml
+ *   Q8_0 row: d[nb] (fp16), then 32 int8 per block
+ * Unpacking a block into 16-bit lanes (even elements, then odd ones) takes shifts and masks only. */
+static inline void unpack_q4_1(const uint8_t *qs, __m256i w[2]) {
+    /* Each 16-bit word of the 16 bytes holds elements 2k (bits 0-3), 2k + 16 (4-7), 2k + 1 (8-11)
+     * and 2k + 17 (12-15). Both 128-bit lanes get the bytes and keep their own nibble with a mask:
+     * the upper lane's is not shifted down, so it holds 16 q (exact; Q4_1_UPPER undoes it). */
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i mask = _mm256_setr_epi16(0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F,
+                                           0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0);
+    w[0] = _mm256_and_si256(x, mask);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(x, 8), mask);
+}
+
+/* What unpack_q4_1's upper lane is multiplied by (exact powers of two). */
+static inline __m256 q4_1_unscale(void) {
+    return _mm256_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 0.0625f, 0.0625f, 0.0625f, 0.0625f);
+}
+
+static inline void unpack_q8_0(const uint8_t *qs, __m256i w[2]) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)qs);
+    w[0] = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8); /* even elements, sign-extended */
+    w[1] = _mm256_srai_epi16(x, 8);                       /* odd elements */
+}
+
+/* One weight row against ROWS (1 to MR) activation rows: out[i] = dot(x[m0 + i], row). ROWS is a
+ * compile-time constant at every call, so the accumulators stay in registers. Two accumulators per
+ * row alternate between blocks, so that consecutive FMAs do not wait on each other; every row is
+ * summed in the same order whatever ROWS is, so a row's result does not depend on the others. */
+/* A row's result from its two accumulators; with Q4_1's minimums (m16, else NULL), the offset term
+ * sum over blocks of m * (the block's sum of x), and the upper lane's 16x undone (unpack_q4_1). */
+static inline float finish_row(__m256 acc0, __m256 acc1, const uint16_t *m16, const float *sx, int64_t nb) {
+    __m256 sum = _mm256_add_ps(acc0, acc1);
+    if (!m16) return ai_hsum256(sum);
+    __m256 o = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b))), _mm256_loadu_ps(sx + b), o);
+    float offset = ai_hsum256(o);
+    for (; b < nb; b++) offset += ai_half_to_float(m16[b]) * sx[b];
+    return ai_hsum256(_mm256_mul_ps(sum, q4_1_unscale())) + offset;
+}
+
+#define ROW_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                      \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        __m256i w[2];                                                                             \
+        UNPACK(qs + (b) * QS_BYTES, w);                                                           \
+        const __m256 dw = _mm256_set1_ps(ai_half_to_float(d16[b]));                                  \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const int16_t *q = a->q + (m0 + i) * K + (b) * QK;                                    \
+            const __m256i s = _mm256_add_epi32(                                                   \
+                _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),                  \
+                _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));          \
+            const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(a->d + (m0 + i) * nb + (b)), dw); \
+            acc[2 * i + (slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[2 * i + (slot)]); \
+        }                                                                                         \
+    } while (0)
+
+#define ROW_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                               \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
+        float *out) {                                                                             \
+        const uint16_t *d16 = (const uint16_t *)row;                                              \
+        const uint16_t *m16 = d16 + nb;                                                           \
+        const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
+        __m256 acc[2 * MR];                                                                       \
+        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm256_setzero_ps();                            \
+        int64_t b = 0; /* blocks alternate between two accumulators; slot indices are constants */ \
+        for (; b + 1 < nb; b += 2) {                                                              \
+            ROW_BLOCK(b, 0, UNPACK, QS_BYTES);                                                                      \
+            ROW_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                                                  \
+        }                                                                                         \
+        if (b < nb) ROW_BLOCK(b, 0, UNPACK, QS_BYTES);                                                              \
+        for (int i = 0; i < ROWS; i++)                                                            \
+            out[i] = finish_row(acc[2 * i], acc[2 * i + 1], HAS_MIN ? m16 : NULL, a->sum + (m0 + i) * nb, nb); \
+    }
+
+ROW_KERNEL(row_q4_1, unpack_q4_1, 16, 1)
+ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
+
+/* Two weight rows against one activation row (decode at batch 1): the activations are loaded once
+ * for both, and the scales d_x * d_w of eight blocks are formed in one vector multiply, each block
+ * taking its lane. Each row is summed exactly as ROW_KERNEL sums it (the same products, slots and
+ * order), so results do not depend on which kernel ran. */
+#define ROW2_BLOCK(b, slot, SCALE0, SCALE1, UNPACK, QS_BYTES)                                     \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs[1] + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);             \
+        const int16_t *q = a->q + (b) * QK;                                                       \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \
+        __m256i w[2];                                                                             \
+        UNPACK(qs[0] + (b) * QS_BYTES, w);                                                        \
+        const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
+        acc[(slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), (SCALE0), acc[(slot)]);             \
+        UNPACK(qs[1] + (b) * QS_BYTES, w);                                                        \
+        const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1)); \
+        acc[2 + (slot)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), (SCALE1), acc[2 + (slot)]);     \
+    } while (0)
+
+#define LANE(v, j) _mm256_permutevar8x32_ps((v), _mm256_set1_epi32(j))
+#define ROW2_LANE(j, UNPACK, QS_BYTES) \
+    ROW2_BLOCK(b + (j), (j) & 1, LANE(sc0, j), LANE(sc1, j), UNPACK, QS_BYTES)
+#define ROW2_ONE(bb, slot, UNPACK, QS_BYTES)                                                      \
+    do {                                                                                          \
+        const __m256 dx = _mm256_broadcast_ss(a->d + (bb));                                       \
+        ROW2_BLOCK(bb, slot, _mm256_mul_ps(dx, _mm256_set1_ps(ai_half_to_float(d16[0][bb]))),        \
+                   _mm256_mul_ps(dx, _mm256_set1_ps(ai_half_to_float(d16[1][bb]))), UNPACK, QS_BYTES); \
+    } while (0)
+
+#define ROW2_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                              \
+    static inline __attribute__((always_inline)) void NAME(const uint8_t *row0, const uint8_t *row1, \
+                                                           int64_t nb, const acts *a, float *out) { \
+        const uint8_t *rows[2] = {row0, row1};                                                    \
+        const uint16_t *d16[2], *m16[2];                                                          \
+        const uint8_t *qs[2];                                                                     \
+        for (int r = 0; r < 2; r++) {                                                             \
+            d16[r] = (const uint16_t *)rows[r];                                                   \
+            m16[r] = d16[r] + nb;                                                                 \
+            qs[r] = rows[r] + (HAS_MIN ? 4 : 2) * nb;                                             \
+        }                                                                                         \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),           \
+                         _mm256_setzero_ps()};                                                    \
+        int64_t b = 0;                                                                            \
+        for (; b + 8 <= nb; b += 8) { /* eight blocks: their scales in one multiply per row */    \
+            const __m256 dxv = _mm256_loadu_ps(a->d + b);                                         \
+            const __m256 sc0 = _mm256_mul_ps(dxv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16[0] + b)))); \
+            const __m256 sc1 = _mm256_mul_ps(dxv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16[1] + b)))); \
+            ROW2_LANE(0, UNPACK, QS_BYTES); ROW2_LANE(1, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(2, UNPACK, QS_BYTES); ROW2_LANE(3, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(4, UNPACK, QS_BYTES); ROW2_LANE(5, UNPACK, QS_BYTES);                       \
+            ROW2_LANE(6, UNPACK, QS_BYTES); ROW2_LANE(7, UNPACK, QS_BYTES);                       \
+        }                                                                                         \
+        for (; b + 1 < nb; b += 2) { /* b is even here: slots as in ROW_KERNEL */                 \
+            ROW2_ONE(b, 0, UNPACK, QS_BYTES);                                                     \
+            ROW2_ONE(b + 1, 1, UNPACK, QS_BYTES);                                                 \
+        }                                                                                         \
+        if (b < nb) ROW2_ONE(b, 0, UNPACK, QS_BYTES);                                             \
+        for (int r = 0; r < 2; r++)                                                               \
+            out[r] = finish_row(acc[2 * r], acc[2 * r + 1], HAS_MIN ? m16[r] : NULL, a->sum, nb);    \
+    }
+
+ROW2_KERNEL(row2_q4_1, unpack_q4_1, 16, 1)
+ROW2_KERNEL(row2_q8_0, unpack_q8_0, 32, 0)
+
+#endif /* !AI_AVX512 */
+
+#ifdef AI_AVX512
+/* AVX-512 BW: a whole block of 32 int16 products in one register. The activations are in order
+ * (quantize_acts_ref); Q4_1's nibbles widen to 16 bits, the low ones are elements 0-15 and the high ones
+ * 16-31; Q8_0's bytes sign-extend. Two accumulators per row alternate between blocks. */
+static inline __m512i unpack512_q4_1(const uint8_t *qs) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(b, 4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline __m512i unpack512_q8_0(const uint8_t *qs) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
+}
+
+#define ROW512_BLOCK(b, slot, UNPACK, QS_BYTES)                                                   \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        const __m512i w = UNPACK(qs + (b) * QS_BYTES);                                            \
+        const float dw = ai_half_to_float(d16[b]);                                                \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const __m512i s = _mm512_madd_epi16(w, _mm512_loadu_si512(a->q + (m0 + i) * K + (b) * QK)); \
+            acc[2 * i + (slot)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                          \
+                                                  _mm512_set1_ps(a->d[(m0 + i) * nb + (b)] * dw), \
+                                                  acc[2 * i + (slot)]);                           \
+        }                                                                                         \
+    } while (0)
+
+#define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                            \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
+        float *out) {                                                                             \
+        const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
+        const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
+        __m512 acc[2 * MR];                                                                       \
+        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
+        int64_t b = 0;                                                                            \
+        for (; b + 1 < nb; b += 2) {                                                              \
+            ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                                 \
+            ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                             \
+        }                                                                                         \
+        if (b < nb) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                         \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            float offset = 0.0f;                                                                  \
+            if (HAS_MIN)                                                                          \
+                for (int64_t bb = 0; bb < nb; bb++)                                               \
+                    offset += ai_half_to_float(m16[bb]) * a->sum[(m0 + i) * nb + bb];             \
+            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) + offset;    \
+        }                                                                                         \
+    }
+
+ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
+ROW512_KERNEL(row_q8_0, unpack512_q8_0, 32, 0)
+#endif /* AI_AVX512 */
+
+/* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
+ * float32 (the blocks' exact values) and multiplies them by the float32 activations (not rounded;
+ * packed per tile, see pack_acts) in register tiles of 6 weight rows x 16 tokens (12 rows x 8 for the
+ * last 8 or fewer): one weight broadcast and one FMA per 8 products, no horizontal sums. The rebuild
+ * is paid once per weight row and pass (see PANEL_PASS_BYTES). Each output is one float32 sum over k
+ * in order, in its own lane, so a row's result never depends on the other rows of the call. */
+
+/* One row's weights in float32, in order: Q4_1 d * q + m (one rounding), Q8_0 d * q. */
+static void rebuild_row(const uint8_t *row, int64_t nb, int has_min, float *out) {
+    const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
+    const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
+    if (has_min) {
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int64_t b = 0; b < nb; b++, out += QK) {
+            const __m256 d = _mm256_set1_ps(ai_half_to_float(d16[b])), m = _mm256_set1_ps(ai_half_to_float(m16[b]));
+            for (int h = 0; h < 2; h++) { /* bytes 8h to 8h + 7: elements 8h on (low nibbles), 16 + 8h on (high) */
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + 8 * h)));
+                _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m));
+                _mm256_storeu_ps(out + 16 + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m));
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++, out += QK) {
+            const __m256 d = _mm256_set1_ps(ai_half_to_float(d16[b]));
+            for (int h = 0; h < 4; h++) {
+                const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * b + 8 * h)));
+                _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+            }
+        }
+    }
+}
+
+/* The activations in the tiles' order: tokens in tiles of 16 (the last 8 or fewer in one of 8), each
+ * tile's [K, W] floats stored contiguously at xt + m0 * K, tokens past M zero. Eight tokens by eight
+ * k at a time, transposed in registers; called inside the parallel region, each thread filling its
+ * share (the loop's barrier ends it). */
+static inline int64_t tile_width(int64_t m0, int64_t Mp) { return Mp - m0 >= 16 ? 16 : 8; }
+
+static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mp, float *xt) {
+    const int64_t kb = K / 8;
+    _Pragma("omp for schedule(static)")
+    for (int64_t item = 0; item < (Mp / 8) * kb; item++) {
+        const int64_t g8 = item / kb, k = (item % kb) * 8, m8 = g8 * 8;
+        const int64_t m0 = m8 / 16 * 16, W = tile_width(m0, Mp), lane = m8 - m0;
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = m8 + i < M ? _mm256_loadu_ps(x + (m8 + i) * ldx + k) : _mm256_setzero_ps();
+        /* 8 x 8 transpose: r[i][j] -> t[j][i] */
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        float *dst = xt + m0 * K + k * W + lane;
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + j * W, c[j]);
+    }
+}
+
+/* RW panel rows from row J0 on against the tile of W8 x 8 tokens at m0, into y (the rows below nr and
+ * the tokens below M). The accumulators are named by constant indices only, so they stay in
+ * registers: 12 of them, W8 activation vectors and one broadcast weight. */
+#define PANEL_TILE(RW, W8, J0)                                                                     \
+    do {                                                                                          \
+        __m256 acc[RW][W8];                                                                       \
+        for (int j = 0; j < RW; j++)                                                              \
+            for (int v = 0; v < W8; v++) acc[j][v] = _mm256_setzero_ps();                         \
+        const float *xc = xt + m0 * K, *pw = panel + (J0) * K;                                    \
+        for (int64_t k = 0; k < K; k++, xc += 8 * W8) {                                           \
+            __m256 xv[W8];                                                                        \
+            for (int v = 0; v < W8; v++) xv[v] = _mm256_loadu_ps(xc + 8 * v);                     \
+            for (int j = 0; j < RW; j++) {                                                        \
+                const __m256 wv = _mm256_broadcast_ss(pw + j * K + k);                            \
+                for (int v = 0; v < W8; v++) acc[j][v] = _mm256_fmadd_ps(wv, xv[v], acc[j][v]);   \
+            }                                                                                     \
+        }                                                                                         \
+        float o[RW][8 * W8];                                                                      \
+        for (int j = 0; j < RW; j++)                                                              \
+            for (int v = 0; v < W8; v++) _mm256_storeu_ps(o[j] + 8 * v, acc[j][v]);               \
+        for (int64_t j = 0; j < RW && (J0) + j < nr; j++) {                                       \
+            const int64_t n = n0 + (J0) + j;                                                      \
+            const float bn = bias ? bias[n] : 0.0f;                                               \
+            for (int64_t i = 0; i < 8 * W8 && m0 + i < M; i++) y[(m0 + i) * ldy + n] = o[j][i] + bn; \
+        }                                                                                         \
+    } while (0)
+
+#ifdef AI_AVX512
+/* A 16-token tile in one 512-bit register: 12 panel rows at once, one accumulator each. Each output is the
+ * same in-order chain of FMAs over k as PANEL_TILE's, so the result equals the AVX2 variant's bit for bit. */
+#define PANEL_TILE512(J0)                                                                         \
+    do {                                                                                          \
+        __m512 acc[TN];                                                                           \
+        for (int j = 0; j < TN; j++) acc[j] = _mm512_setzero_ps();                                \
+        const float *xc = xt + m0 * K, *pw = panel + (J0) * K;                                    \
+        for (int64_t k = 0; k < K; k++, xc += 16) {                                               \
+            const __m512 xv = _mm512_loadu_ps(xc);                                                \
+            for (int j = 0; j < TN; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(pw[j * K + k]), xv, acc[j]); \
+        }                                                                                         \
+        float o[TN][16];                                                                          \
+        for (int j = 0; j < TN; j++) _mm512_storeu_ps(o[j], acc[j]);                              \
+        for (int64_t j = 0; j < TN && (J0) + j < nr; j++) {                                       \
+            const int64_t n = n0 + (J0) + j;                                                      \
+            const float bn = bias ? bias[n] : 0.0f;                                               \
+            for (int64_t i = 0; i < 16 && m0 + i < M; i++) y[(m0 + i) * ldy + n] = o[j][i] + bn;  \
+        }                                                                                         \
+    } while (0)
+#endif
+
+/* Tokens per pass over the weights: their packed activations (at most this many bytes) stay in a
+ * core's L2 cache while every weight row passes; a bigger batch takes several passes, each
+ * rebuilding the weights again (a small cost next to its FMAs). */
+#ifndef PANEL_PASS_BYTES
+#define PANEL_PASS_BYTES (384 * 1024)
+#endif
+
+static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
+                       int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
+                       float *xt) {
+    const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
+    if (K == 0) { /* empty sums: the bias, as the row kernels give */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias ? bias[n] : 0.0f;
+        return 0;
+    }
+    int64_t pass = PANEL_PASS_BYTES / (4 * K) / 16 * 16;
+    pass = pass < 16 ? 16 : pass;
+    float *panels = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1) * TN, K * (int64_t)sizeof(float));
+    if (!panels) return ASYNCINFER_ENOMEM;
+    _Pragma("omp parallel num_threads(threads) if(threads > 1)")
+    {
+        pack_acts(x, M, ldx, K, Mp, xt);
+        float *panel = panels + (int64_t)ai_thread_num() * TN * K;
+        for (int64_t p0 = 0; p0 < Mp; p0 += pass) {
+            const int64_t p1 = Mp - p0 < pass ? Mp : p0 + pass;
+            _Pragma("omp for schedule(static)")
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t n0 = g * TN, nr = N - n0 < TN ? N - n0 : TN;
+                for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
+                for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
+                for (int64_t m0 = p0; m0 < p1; m0 += 16) {
+                    if (tile_width(m0, Mp) == 16) {
+#ifdef AI_AVX512
+                        PANEL_TILE512(0);
+#else
+                        PANEL_TILE(6, 2, 0);
+                        if (nr > 6) PANEL_TILE(6, 2, 6);
+#endif
+                    } else {
+                        PANEL_TILE(12, 1, 0);
+                    }
+                }
+            }
+        }
+    }
+    free(panels);
+    return 0;
+}
+
+#endif /* AI_AVX2 */
+
+/* ------------------------------------------------------------------------------------------------
+ * The entry points: M < PANEL_MIN_ROWS through the row kernels, from it on through the panel. */
+#ifdef AI_AVX2
+#ifdef AI_AVX512
+#define QUANTIZE_ACTS quantize_acts_ref
+#else
+#define QUANTIZE_ACTS quantize_acts_avx2
+#endif
+
+#define GEMM(NAME, ROW, ROW2, ROW_BYTES)                                                          \
+    int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+             float *y, int64_t ldy, int threads, void *scratch) {                                 \
+        const int64_t nb = K / QK;                                                                \
+        const uint8_t *rows = (const uint8_t *)w;                                                 \
+        if (M >= PANEL_MIN_ROWS)                                                                  \
+            return gemm_panel(x, M, ldx, K, rows, N, nb * ROW_BYTES, ROW_BYTES == ROW_BYTES_Q4_1, bias, y, ldy, \
+                              threads, (float *)scratch);                                         \
+        acts a = acts_in(scratch, M, K);                                                          \
+        QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
+        if (M == 1 && ROW2_PAIRS) { /* pairs of weight rows; an odd last row through ROW */       \
+            _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")    \
+            for (int64_t p = 0; p < (N + 1) / 2; p++) {                                           \
+                const int64_t n = 2 * p;                                                          \
+                float out[MR];                                                                    \
+                if (n + 1 < N) {                                                                  \
+                    ROW2(rows + n * nb * ROW_BYTES, rows + (n + 1) * nb * ROW_BYTES, nb, &a, out); \
+                    y[n + 1] = out[1] + (bias ? bias[n + 1] : 0.0f);                              \
+                } else {                                                                          \
+                    ROW(rows + n * nb * ROW_BYTES, nb, &a, 0, K, 1, out);                         \
+                }                                                                                 \
+                y[n] = out[0] + (bias ? bias[n] : 0.0f);                                          \
+            }                                                                                     \
+            return 0;                                                                             \
+        }                                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
+        for (int64_t n = 0; n < N; n++) {                                                         \
+            const uint8_t *row = rows + n * nb * ROW_BYTES;                                       \
+            const float b = bias ? bias[n] : 0.0f;                                                \
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {                                              \
+                const int rows_now = (int)(M - m0 < MR ? M - m0 : MR);                            \
+                float out[MR];                                                                    \
+                switch (rows_now) {                                                               \
+                    case 1: ROW(row, nb, &a, m0, K, 1, out); break;                               \
+                    case 2: ROW(row, nb, &a, m0, K, 2, out); break;                               \
+                    case 3: ROW(row, nb, &a, m0, K, 3, out); break;                               \
+                    default: ROW(row, nb, &a, m0, K, 4, out); break;                              \
+                }                                                                                 \
+                for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + b;            \
+            }                                                                                     \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+#ifdef AI_AVX512
+#define ROW2_PAIRS 0 /* one row kernel for every M: the 512-bit block already fills a register */
+static inline void row2_none(const uint8_t *r0, const uint8_t *r1, int64_t nb, const acts *a, float *out) {
+    (void)r0; (void)r1; (void)nb; (void)a; (void)out;
+}
+GEMM(ai_gemm_q4_1, row_q4_1, row2_none, ROW_BYTES_Q4_1)
+GEMM(ai_gemm_q8_0, row_q8_0, row2_none, ROW_BYTES_Q8_0)
+#else
+#define ROW2_PAIRS 1
+GEMM(ai_gemm_q4_1, row_q4_1, row2_q4_1, ROW_BYTES_Q4_1)
+GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0)
+#endif
+
+#else /* scalar */
+int ai_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias,
+                 float *y, int64_t ldy, int threads, void *scratch) {
+    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, K / QK * ROW_BYTES_Q4_1, 1, bias, y, ldy, threads, scratch);
+}
+
+int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias,
+                 float *y, int64_t ldy, int threads, void *scratch) {
+    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, K / QK * ROW_BYTES_Q8_0, 0, bias, y, ldy, threads, scratch);
+}
+#endif
+
+/* Bytes: from PANEL_MIN_ROWS rows on the activations packed in tiles (rows rounded up to 8) as float32;
+ * below it int16 values and two floats per block. -1 when a size would overflow. */
+int64_t ai_scratch_bytes(int64_t M, int64_t K) {
+    int64_t a, b, total;
+    if (M < 0 || K < 0) return -1;
+    if (M >= PANEL_MIN_ROWS) {
+        if (!ai_add(M, 7, &a) || !ai_mul(a / 8 * 8, K, &a) || !ai_mul(a, 4, &total)) return -1;
+        return total;
+    }
+    if (!ai_mul(M, K, &a) || !ai_mul(a, 2, &a) || !ai_mul(M, K / QK, &b) || !ai_mul(b, 8, &b) || !ai_add(a, b, &total))
+        return -1;
+    return total;
+}
+
+int asyncinfer_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                         const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    return ai_gemm_q4_1(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
+int asyncinfer_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                         const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    return ai_gemm_q8_0(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
+int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return ai_scratch_bytes(M, K); }

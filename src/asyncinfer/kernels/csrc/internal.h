@@ -1,0 +1,134 @@
+/* What the kernels' sources share and do not export: the variant being built, block constants, float16
+ * conversion, overflow-safe sizes and the internal entry points between files.
+ *
+ * Variants: every source is built once per ISA; the compiler's flags pick the code.
+ *   AI_AVX512: AVX-512 F/BW/VL (+ AVX2, FMA, F16C): 512-bit hot loops of the GEMM, AVX2 elsewhere
+ *   AI_AVX2:   AVX2 + FMA + F16C
+ *   neither:   the scalar reference, plain C, every machine
+ */
+#ifndef ASYNCINFER_INTERNAL_H
+#define ASYNCINFER_INTERNAL_H
+
+#include "asyncinfer_kernels.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ASYNCINFER_FORCE_SCALAR)
+#define AI_AVX2 1
+#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define AI_AVX512 1
+#define AI_ISA ASYNCINFER_ISA_AVX512
+#else
+#define AI_ISA ASYNCINFER_ISA_AVX2
+#endif
+#else
+#define AI_ISA ASYNCINFER_ISA_SCALAR
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int ai_thread_num(void) { return omp_get_thread_num(); }
+#else
+static inline int ai_thread_num(void) { return 0; }
+#endif
+
+#define AI_HIDDEN __attribute__((visibility("hidden")))
+
+#define QK 32
+#define PANEL_MIN_ROWS ASYNCINFER_PANEL_MIN_ROWS
+
+/* IEEE half to float, exactly (every half is a float). */
+static inline float ai_half_to_float(uint16_t h) {
+#ifdef AI_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13); /* inf, NaN */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24, exact in float */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
+/* a * b into *out; 0 if it would overflow or either is negative. */
+static inline int ai_mul(int64_t a, int64_t b, int64_t *out) {
+    return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, out);
+}
+
+static inline int ai_add(int64_t a, int64_t b, int64_t *out) {
+    return a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, out);
+}
+
+/* malloc of n elements of size bytes, NULL when that overflows (or n is negative) or memory is short. */
+static inline void *ai_alloc(int64_t n, int64_t size) {
+    int64_t bytes;
+    if (!ai_mul(n > 0 ? n : 1, size, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX) return NULL;
+    return malloc((size_t)bytes);
+}
+
+typedef int (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const void *, int64_t, const float *, float *,
+                       int64_t, int, void *);
+
+/* Internal entry points (hidden: each variant's library calls its own). */
+AI_HIDDEN int ai_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                           const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+AI_HIDDEN int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                           const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+AI_HIDDEN int64_t ai_scratch_bytes(int64_t M, int64_t K);
+AI_HIDDEN void ai_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps, float *y,
+                           int threads);
+AI_HIDDEN int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                                  int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t BS, float scale, float *out, int threads);
+AI_HIDDEN void ai_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
+AI_HIDDEN int ai_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
+                             int64_t BS, int64_t num_blocks);
+/* silu(g) * u over n values (SwiGLU), the variant's exp. */
+AI_HIDDEN void ai_swiglu(const float *g, const float *u, float *out, int64_t n);
+
+#ifdef AI_AVX2
+static inline float ai_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for 8 floats, within 2 ulp (Cody-Waite range reduction, Cephes' degree-5 polynomial); x is
+ * clamped to [-87.3, 88.3], where the result stays a normal float. */
+static inline __m256 ai_exp256(__m256 x) {
+    /* max/min return their second operand when either is NaN: x second, so a NaN stays NaN */
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#endif

@@ -1,0 +1,185 @@
+"""Every ISA variant of the kernels against the scalar reference, kernel by kernel, on the variants this
+machine runs (each variant's library loaded side by side in this process: ``_build.variant``); and how the
+variant is chosen (``ASYNCINFER_KERNEL_ISA``, in subprocesses).
+
+Tolerances (docs/formats.md, "Kernel variants"): the variants differ only in the order of float32 sums,
+fused or separate multiply-adds and exp's last bits; the int16 rounding of activations below
+PANEL_MIN_ROWS rows is part of the algorithm and the same in every variant. So the GEMM agrees within
+1e-5 of the sum of |x| * |w| of each output, RMS norm and attention within 1e-5 relative, argmax exactly,
+a whole layer or decode step within 1e-3 of the largest |h| (a last-bit difference may flip one int16
+rounding of a later projection's input).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asyncinfer import kernels
+from asyncinfer.kernels import _build
+from asyncinfer.kernels._variants import ISA_ENV, ISAS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+def runs_here(isa: str) -> None:
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU does not run the {isa} variant")
+
+
+class on:
+    """The public functions on one variant's library, for the length of a with block."""
+
+    def __init__(self, isa: str) -> None:
+        self.lib = _build.variant(isa)
+
+    def __enter__(self) -> None:
+        self.saved, _build._lib = _build._lib, self.lib
+
+    def __exit__(self, *exc: object) -> None:
+        _build._lib = self.saved
+
+
+def random_blocks(fmt: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return kernels.pack(kernels.quantize(torch.randn(rows, k, generator=gen) * 0.1, fmt), fmt)
+
+
+def test_the_variants_this_cpu_runs_are_named_and_one_is_chosen() -> None:
+    supported = kernels.supported_isas()
+    assert supported[0] == "scalar" and set(supported) <= set(ISAS)
+    assert kernels.isa() in supported
+    info = kernels.build_info()
+    assert info["isa"] == kernels.isa() and info["source"] in ("installed", "cache") and os.path.exists(info["path"])
+    if not os.environ.get(ISA_ENV):
+        assert kernels.isa() == supported[-1]  # the best this CPU runs
+    for isa in supported:
+        lib = _build.variant(isa)
+        assert ISAS[lib.asyncinfer_kernels_isa()] == isa and lib.asyncinfer_kernels_version() == _build._VERSION
+    for isa in ISAS:
+        if isa not in supported:
+            with pytest.raises(kernels.KernelISAError, match="this CPU runs only"):
+                _build.variant(isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
+    runs_here(isa)
+    n, k = 37, 256
+    w = random_blocks(fmt, n, k, seed=3)
+    dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 8, 17, 40):
+        x = torch.randn(rows, k, generator=gen)
+        x[0, :32] *= 1000  # one block of large values: its int16 scale differs from the others'
+        with on("scalar"):
+            ref = kernels.gemm(x, w, fmt, n, bias)
+        with on(isa):
+            got = kernels.gemm(x, w, fmt, n, bias)
+        bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
+        assert ((got - ref).abs() <= bound).all(), (isa, fmt, rows, (got - ref).abs().max().item())
+        assert torch.allclose(ref, x @ dense.T + bias, rtol=1e-3, atol=1e-2 * x.abs().max().item())
+    nan = torch.randn(6, k, generator=gen)
+    nan[1, 7] = float("nan")
+    with on(isa):
+        out = kernels.gemm(nan, w, fmt, n)
+    assert out[1].isnan().all() and not out[[0, 2, 3, 4, 5]].isnan().any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rms_norm_attention_and_argmax_equal_the_scalar_reference(isa) -> None:
+    runs_here(isa)
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(19, 200, generator=gen), torch.randn(200, generator=gen)
+    q = torch.randn(3, 4, 40, generator=gen)
+    k_cache, v_cache = torch.randn(6, 16, 2, 40, generator=gen), torch.randn(6, 16, 2, 40, generator=gen)
+    tables = torch.tensor([[5, 1, 2], [0, 3, 4], [2, 2, 2]])
+    lens = torch.tensor([37, 1, 48])
+    logits = torch.randn(5, 1003, generator=gen)
+    logits[1, 700] = logits[1, 3] = 50.0  # ties: the first
+    logits[2, 999] = float("nan")
+    out = {}
+    for name in ("scalar", isa):
+        with on(name):
+            out[name] = (kernels.rms_norm(x, weight, 1e-5),
+                         kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.2),
+                         kernels.argmax(logits))
+    for ref, got in zip(out["scalar"][:2], out[isa][:2]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert out[isa][2] == out["scalar"][2] == torch.argmax(logits, dim=1).tolist()
+
+
+def layer_and_inputs(fmt: str, tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
+
+    def proj(rows: int, k: int) -> tuple:
+        return fmt, random_blocks(fmt, rows, k, seed=int(torch.randint(1 << 30, (1,), generator=gen))), None
+
+    layer = kernels.DecodeLayer(
+        norm1=1 + 0.1 * torch.randn(hidden, generator=gen), norm2=1 + 0.1 * torch.randn(hidden, generator=gen),
+        eps=1e-5, qkv=(fmt, proj((heads + 2 * kv_heads) * head_dim, hidden)[1],
+                       torch.randn((heads + 2 * kv_heads) * head_dim, generator=gen)),
+        o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=head_dim ** -0.5)
+    angles = torch.rand(64, head_dim // 2, generator=gen) * 6
+    caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
+               torch.randn(8, 16, kv_heads, head_dim, generator=gen))]
+    tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
+    lens = torch.randint(1, 64, (tokens,), generator=gen)
+    slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+    return layer, angles.cos(), angles.sin(), caches, tables, lens, slots, gen
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> None:
+    runs_here(isa)
+    results = {}
+    for name in ("scalar", isa):
+        layer, cos, sin, caches, tables, lens, slots, gen = layer_and_inputs("q4_1" if tokens != 3 else "q8_0",
+                                                                             tokens, seed=tokens)
+        h = torch.randn(tokens, 64, generator=gen)
+        positions = torch.randint(0, 64, (tokens,), generator=gen)
+        embed = torch.randn(50, 64, generator=gen)
+        ids = torch.randint(0, 50, (tokens,), generator=gen)
+        head = ("q8_0", random_blocks("q8_0", 50, 64, seed=9), 50)
+        with on(name):
+            one = layer(h.clone(), cos[positions].contiguous(), sin[positions].contiguous(), *caches[0], slots,
+                        tables, lens).clone()
+            stack = kernels.DecodeStack([layer], torch.ones(64), 1e-5, head)
+            logits = stack(ids, embed, positions, cos, sin, caches, slots, tables, lens, logits=True)
+        results[name] = (one, logits, caches[0][0].clone())
+    for ref, got in zip(results["scalar"], results[isa]):
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "ASYNCINFER_DISABLE_KERNELS": "0", **env},
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_environment_switch_forces_a_variant_or_names_the_allowed_values() -> None:
+    code = ("from asyncinfer import kernels\n"
+            "try:\n"
+            "    print(kernels.available(), kernels.isa(), kernels.build_info()['isa'])\n"
+            "except kernels.KernelISAError as exc:\n"
+            "    print('error', exc)\n")
+    proc = run(code, **{ISA_ENV: "scalar"})
+    assert proc.stdout.split() == ["True", "scalar", "scalar"], proc.stderr[-2000:]
+    proc = run(code, **{ISA_ENV: "sse9"})
+    assert proc.stdout.startswith("error") and ISA_ENV in proc.stdout and "scalar, avx2, avx512" in proc.stdout, \
+        proc.stdout + proc.stderr[-2000:]
+    missing = [isa for isa in ISAS if isa not in kernels.supported_isas()]
+    if missing:  # a variant this CPU lacks: refused, naming what it runs
+        proc = run(code, **{ISA_ENV: missing[-1]})
+        assert proc.stdout.startswith("error") and "this CPU runs only" in proc.stdout, proc.stdout + proc.stderr
