@@ -113,13 +113,13 @@ def inject_faults(engine: AsyncEngine, rate: float, rng: random.Random) -> dict[
     """Make the default generator's forward pass (and its sampler, at half the rate) raise now and then."""
     counts = {"forward": 0, "sampler": 0}
     core = engine.core
-    execute, sample = core.runner.execute, core.sampler.__call__
+    run, sample = core.runner.run, core.sampler.__call__
 
-    def faulty_execute(inputs: Any) -> Any:
+    def faulty_run(inputs: Any) -> Any:
         if rng.random() < rate:
             counts["forward"] += 1
             raise RuntimeError("injected fault in the forward pass")
-        return execute(inputs)
+        return run(inputs)
 
     class FaultySampler:
         def __init__(self, real: Any) -> None:
@@ -135,11 +135,11 @@ def inject_faults(engine: AsyncEngine, rate: float, rng: random.Random) -> dict[
             return sample(*a, **kw)
 
     real_sampler = core.sampler
-    core.runner.execute = faulty_execute  # type: ignore[method-assign]
+    core.runner.run = faulty_run  # type: ignore[method-assign]
     core.sampler = FaultySampler(real_sampler)  # type: ignore[assignment]
 
     def restore() -> None:
-        core.runner.execute = execute  # type: ignore[method-assign]
+        core.runner.run = run  # type: ignore[method-assign]
         core.sampler = real_sampler
 
     counts["_restore"] = restore  # type: ignore[assignment]

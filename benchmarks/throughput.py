@@ -497,49 +497,33 @@ def profile_decode_step(engine: Any, workload: Workload, batch: int, rows: int) 
 
 
 def fused_layer_split(core: Any, steps: int = 16) -> dict[str, Any] | None:
-    """For a model whose decode steps run on asyncinfer's kernels (the block formats): ``steps`` more
-    decode steps, not under torch's profiler, with the kernels adding up their own time (projections,
-    attention, the layers, the LM head) and the step timed around ``core.step()``; the split is of their
-    sums. The whole step in one call (``model.fused_stack``) times its head itself; layers called one by
-    one have the LM head timed around its call. None for other models."""
-    model = core.runner.model
-    stack = getattr(model, "fused_stack", None)
-    layers = [layer.fused_decode for layer in getattr(model, "layers", ()) if getattr(layer, "fused_decode", None)]
-    head = getattr(model, "output_proj", None)
-    if not layers or head is None:
+    """For a model whose decode steps run on asyncinfer's kernels (the runner's decode backend is a
+    ``KernelDecode``: the block formats): ``steps`` more decode steps, not under torch's profiler, with
+    the kernels adding up their own time (the layers' projections, attention, the layers, the LM head;
+    ``KernelDecode.stack``'s timing) and the step timed around ``core.step()``; the split is of their
+    sums. None for other models."""
+    from asyncinfer.models.decode_backends import KernelDecode
+
+    decode = core.runner.decode
+    if not isinstance(decode, KernelDecode):
         return None
-    timers = [stack] if stack is not None else layers
-    head_s = [0.0]
-    plain_forward = head.forward
-
-    def timed_head(x: Any) -> Any:
-        start = time.perf_counter()
-        out = plain_forward(x)
-        head_s[0] += time.perf_counter() - start
-        return out
-
-    for timer in timers:
-        timer.time_parts(True)
-    head.forward = timed_head
+    stack = decode.stack
+    stack.time_parts(True)
     try:
         step_s = 0.0
         for _ in range(steps):
             start = time.perf_counter()
             core.step()
             step_s += time.perf_counter() - start
-        parts = sum(timer.timing[:3] for timer in timers).tolist()
-        if stack is not None:
-            head_s[0] += float(stack.timing[3])
+        layer_projections, attention, layers, head = stack.timing.tolist()
     finally:
-        del head.forward
-        for timer in timers:
-            timer.time_parts(False)
-    projections = parts[0] + head_s[0]
-    return {"steps": steps, "one_call": stack is not None, "step_s": step_s / steps,
-            "layer_projections_s": parts[0] / steps, "head_s": head_s[0] / steps, "attention_s": parts[1] / steps,
-            "layers_s": parts[2] / steps, "split": {"projections": projections / step_s,
-                                                    "attention": parts[1] / step_s,
-                                                    "everything_else": 1 - projections / step_s}}
+        stack.time_parts(False)
+    projections = layer_projections + head
+    return {"steps": steps, "one_call": True, "step_s": step_s / steps,
+            "layer_projections_s": layer_projections / steps, "head_s": head / steps, "attention_s": attention / steps,
+            "layers_s": layers / steps, "split": {"projections": projections / step_s,
+                                                  "attention": attention / step_s,
+                                                  "everything_else": 1 - projections / step_s}}
 
 
 # =========================================================================== llama.cpp
@@ -958,8 +942,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{split['projections']:.0%}, everything else {split['everything_else']:.0%} (of which the K/V "
                   f"gather {split['kv_gather']:.0%}); top {args.profile_rows} by self CPU")
         else:
-            op = "the whole step one asyncinfer::decode_stack op" if fused.get("one_call") else \
-                "each layer one asyncinfer::decode_layer op"
+            op = "the whole step one asyncinfer::decode_stack op"
             print(f"profile: one asyncinfer ({prof['format']}) decode step at batch {prof['batch']} "
                   f"({prof['step_s_profiled'] * 1e3:.1f} ms under the profiler, {op}); top {args.profile_rows} "
                   f"by self CPU")

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.lab import StepCostModel
 from asyncinfer.models import AttentionBackend, LlamaForCausalLM, ModelConfig, select_attention_backend
+from asyncinfer.models.decode_backends import StepBatch
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, Scheduler
@@ -173,8 +174,19 @@ class PagedRunner:
     def inputs(self, work: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, Any, list[int]]:
         """Take the blocks of a step's ``work`` (as :meth:`step` does) and return its model inputs: token
         ids, positions, attention metadata and each sequence's query length."""
+        batch = self.step_batch(work)
+        meta = self.backend.build_metadata(query_lens=batch.query_lens, context_lens=batch.context_lens,
+                                           block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
+                                           block_size=self.block_size, device=self.device)
+        ids = torch.tensor(batch.input_ids, device=self.device)
+        pos = torch.tensor(batch.positions, device=self.device)
+        return ids, pos, meta, batch.query_lens
+
+    def step_batch(self, work: list[tuple[int, list[int]]], last_only: bool = False) -> StepBatch:
+        """Take the blocks of a step's ``work`` and return it as a decode backend takes it: every token's
+        row sampled, or with ``last_only`` each sequence's last one (as the engine's runner samples)."""
         input_ids, positions, slots = [], [], []
-        query_lens, context_lens, tables = [], [], []
+        query_lens, context_lens, tables, rows = [], [], [], []
         for seq, tokens in work:
             table = self.tables.setdefault(seq, [])
             start = self.lens.get(seq, 0)
@@ -185,15 +197,13 @@ class PagedRunner:
                 slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
                 positions.append(pos)
                 input_ids.append(tok)
+                if not last_only or j == len(tokens) - 1:
+                    rows.append(len(input_ids) - 1)
             self.lens[seq] = start + len(tokens)
             query_lens.append(len(tokens))
             context_lens.append(self.lens[seq])
             tables.append(list(table))
-        meta = self.backend.build_metadata(query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-                                           slot_mapping=slots, block_size=self.block_size, device=self.device)
-        ids = torch.tensor(input_ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
-        return ids, pos, meta, query_lens
+        return StepBatch(input_ids, positions, slots, query_lens, context_lens, tables, rows)
 
     def greedy(self, seq: int, prompt: list[int], n: int) -> list[int]:
         """``n`` greedy tokens for ``prompt`` as sequence ``seq``, alone: one prefill step, then one

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampler import Sampler, SamplerOutput, SamplingState, TokenLogprobs
 from asyncinfer.sampling_params import SamplingParams
 
@@ -365,18 +366,31 @@ def test_cuda_paths():
     assert alone == batched
 
 
-def test_the_steps_own_argmax_serves_plain_greedy_rows_only():
-    """A step whose kernel computed each row's argmax hands it over: plain greedy rows take it as it is; a
-    row with any other parameter (here a temperature, or min_tokens masking EOS) samples from the logits."""
+def test_the_steps_greedy_ids_serve_plain_greedy_rows_only():
+    """A step whose kernel computed each row's argmax hands it over (``greedy_ids``): a batch of plain greedy
+    rows takes it as it is; with a row of any other parameter (a temperature, min_tokens masking EOS, a
+    penalty, logprobs) every row is sampled from the logits; ids of the wrong count are refused by name."""
     sampler = Sampler(vocab_size=8, device="cpu", eos_token_ids=(3,), seed=0)
     logits = torch.zeros(2, 8)
     logits[:, 3] = 5.0  # both rows' argmax: 3, the EOS token
-    hint = [3, 3]
-    assert sampler(logits, [state(temperature=0), state(temperature=0)], hint).token_ids == [3, 3]
-    assert sampler(logits, [state(temperature=0), state(temperature=0)], [6, 7]).token_ids == [6, 7]  # taken as given
-    masked = sampler(logits, [state(temperature=0), state(temperature=0, min_tokens=2)], hint).token_ids
-    assert masked[0] == 3 and masked[1] != 3  # min_tokens masks EOS: the hint is not used
-    assert sampler(logits, [state(temperature=0)] * 2, [3]).token_ids == [3, 3]  # a hint of the wrong size: ignored
+    logits[:, 5] = 4.0
+    greedy = [state(temperature=0), state(temperature=0)]
+    assert sampler(logits, greedy, greedy_ids=[3, 3]).token_ids == [3, 3]
+    assert sampler(logits, greedy, greedy_ids=[6, 7]).token_ids == [6, 7]  # taken as given
+    assert sampler(logits, greedy, greedy_ids=None).token_ids == [3, 3]
+    masked = sampler(logits, [state(temperature=0), state(temperature=0, min_tokens=2)], greedy_ids=[6, 7])
+    assert masked.token_ids == [3, 5]  # min_tokens masks EOS in row 1; neither row takes the given ids
+    penalised = sampler(logits, [state(temperature=0), state(temperature=0, repetition_penalty=2.0)],
+                        greedy_ids=[6, 7])
+    assert penalised.token_ids == [3, 3]
+    logged = sampler(logits, [state(temperature=0), state(temperature=0, logprobs=1)], greedy_ids=[6, 7])
+    assert logged.token_ids == [3, 3] and logged.logprobs[0] is None and logged.logprobs[1].token_id == 3
+    hot = sampler(torch.full((2, 8), -1e4).index_fill_(1, torch.tensor([4]), 0.0),
+                  [state(temperature=0), state(temperature=1.0, seed=1)], greedy_ids=[6, 7])
+    assert hot.token_ids == [4, 4]  # every other token is e^-10000 less likely: the draw is 4, not the id
+    with pytest.raises(InvalidParameterError) as err:
+        sampler(logits, greedy, greedy_ids=[3])
+    assert err.value.parameter == "greedy_ids"
 
 
 def test_greedy_logits_of_any_layout_are_sampled_once_the_kernels_are_loaded():

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.quant import (
     check_quantization,
     default_skip,
@@ -216,13 +217,13 @@ class EngineConfig:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def for_model(config: EngineConfig, options: dict[str, Any], model_config: Any) -> EngineConfig:
+def for_model(config: EngineConfig, options: dict[str, Any], model_config: ModelConfig) -> EngineConfig:
     """``config`` with ``quantization="auto"`` made concrete for the model it will load: its GGUF file's
     own block format where that applies (:func:`~asyncinfer.models.quant.resolve_quantization`), the
     config as resolved without the model otherwise. Options that name a format are kept as given."""
     if options.get("quantization", "auto") != "auto":
         return config
-    native = getattr(model_config, "native_format", None)
+    native = model_config.native_format
     fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
     if native is not None and fmt != native and config.device.type == "cpu" and options.get("dtype", "auto") in (
             None, "auto"):

@@ -37,7 +37,7 @@ from asyncinfer.detokenizer import IncrementalDetokenizer
 from asyncinfer.errors import InvalidParameterError, RequestFailedError
 from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus, sample_id
-from asyncinfer.runner import ModelRunner
+from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
 from asyncinfer.step import StepResult, apply_step, fork_samples, scheduled
@@ -210,8 +210,7 @@ class EngineCore:
             self.stats.idle_steps += 1  # nothing to run: the engine thread backs off and times the stall
             return []
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
-        logits = self.runner.execute(inputs)
-        tokens = _StepTokens(self, inputs.sampled, logits)
+        tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
         self._count(result)
         outputs = self._outputs(result, tokens)
@@ -384,7 +383,7 @@ class _StepTokens:
 
     core: EngineCore
     rows: list[Request]  # the requests whose logits the runner returned, in row order
-    logits: Any  # [len(rows), vocab] float32
+    output: ModelOutput  # logits [len(rows), vocab] float32, and each row's greedy token when computed
     logprobs: dict[Request, TokenLogprobs | None] = field(default_factory=dict)
     texts: dict[Request, str] = field(default_factory=dict)
 
@@ -394,12 +393,10 @@ class _StepTokens:
         requests, rows = self.core._fork_samples(self.rows)
         # Forked samples draw from their parent's row.
         forked = len(requests) != len(self.rows)
-        logits = self.logits[rows] if forked else self.logits
-        sampler, states = self.core.sampler, [r.sampling_state for r in requests]
-        greedy = None if forked else self.core.runner.greedy_tokens  # the argmax the step computed, if it did
-        # (only to the engine's own Sampler: a replacement keeps the two-argument call)
-        drawn = sampler(logits, states, greedy) if greedy is not None and type(sampler) is Sampler else sampler(
-            logits, states)
+        logits = self.output.logits[rows] if forked else self.output.logits
+        states = [r.sampling_state for r in requests]
+        greedy_ids = None if forked else self.output.greedy_ids  # one per row of the runner's logits
+        drawn = self.core.sampler(logits, states, greedy_ids=greedy_ids)
         self.logprobs = dict(zip(requests, drawn.logprobs))
         return list(zip(requests, drawn.token_ids))
 

@@ -42,16 +42,11 @@ from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLo
 from asyncinfer.holder import ModelVersion
 from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
 from asyncinfer.model_source import resolve_model
-from asyncinfer.models import LoadedModel, ModelConfig, select_attention_backend
+from asyncinfer.models import LoadedModel, ModelConfig
+from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker, select_decode_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.loader import open_checkpoint
-from asyncinfer.models.quant import (
-    BLOCK_FORMATS,
-    BlockLinear,
-    apply_weight_format,
-    native_decode_applies,
-    weight_bytes,
-)
+from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, apply_weight_format, weight_bytes
 from asyncinfer.models.torch_compile import compile_decoder
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
@@ -218,10 +213,11 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
     compile_seconds = compile_decoder(loaded.model, mc, config.device, config.dtype) if config.torch_compile else None
-    backend = select_attention_backend(config.device)
-    if hasattr(backend, "native_decode") and native_decode_applies(loaded.model):
-        backend.native_decode = True  # the block formats run on asyncinfer's kernels: decode attention too
-    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, backend=backend)
+    decode = select_decode_backend(loaded.model, mc, config.device)  # the one choice of how the model runs
+    if config.quantization in BLOCK_FORMATS and not isinstance(decode, KernelDecode):
+        logger.info("quantization=%r: decode steps run op by op, not in one kernel call: %s", config.quantization,
+                    kernel_decode_blocker(loaded.model))
+    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, decode=decode)
     runner.compile_seconds = compile_seconds
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
@@ -232,7 +228,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=config.enable_chunked_prefill,
-        decode_padding=backend.decode_padding,
+        decode_padding=decode.attention.decode_padding,
     )
     eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
     core = EngineCore(

@@ -1,8 +1,10 @@
-"""ModelRunner: turns a step's plain-data schedule into tensors and runs the model.
+"""ModelRunner: turns a step's plain-data schedule into the model's inputs and runs it.
 
-Input: ``[(request, num_new_tokens)]`` plus each request's block table. Output:
-logits for the requests that caught up with all their known tokens this step
-(a decode, or the last chunk of a prefill) — the only rows worth sampling.
+Input: ``[(request, num_new_tokens)]`` plus each request's block table. Output: one
+:class:`~asyncinfer.models.decode_backends.ModelOutput`: the logits of the requests that caught up
+with all their known tokens this step (a decode, or the last chunk of a prefill) — the only rows
+worth sampling — and, when the step computed them, each row's greedy token. How the model runs is
+the decode backend's (:mod:`asyncinfer.models.decode_backends`), chosen once at load.
 """
 
 from __future__ import annotations
@@ -15,32 +17,26 @@ from torch import nn
 
 from asyncinfer.cache.kv_tensors import allocate_kv_caches, copy_blocks
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.models import AttentionBackend, ModelConfig
-from asyncinfer.models.attention.padding import flat_padded_tables
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.models import ModelConfig
+from asyncinfer.models.decode_backends import DecodeBackend, ModelOutput, StepBatch
 from asyncinfer.request import Request
+
+__all__ = ["ModelOutput", "ModelRunner", "StepInputs"]
 
 
 @dataclass
-class StepInputs:
-    """The flattened, unpadded token batch of one step (Python lists; tensors are built once)."""
+class StepInputs(StepBatch):
+    """The step's flattened batch (:class:`StepBatch`) and the requests it belongs to."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    logits_indices: list[int]  # flat index of the last token of every sampled request
     sampled: list[Request]  # requests whose row is in the logits, in row order
     order: list[Request]  # requests in batch order (decodes first)
 
 
 class ModelRunner:
-    """Owns the model weights and the preallocated paged KV tensors (laid out by ``spec``).
-
-    ``backend`` builds each step's attention metadata; the model's attention layers
-    run through it (the metadata carries it).
-    """
+    """Owns the model weights, the preallocated paged KV tensors (laid out by ``spec``) and the one
+    decode backend the model runs through (``decode``, chosen at load: its ``attention`` builds each
+    step's metadata)."""
 
     def __init__(
         self,
@@ -49,17 +45,16 @@ class ModelRunner:
         spec: KVCacheSpec,
         *,
         num_blocks: int,
-        backend: AttentionBackend,
+        decode: DecodeBackend,
     ) -> None:
+        if decode.model is not model:
+            raise InvalidParameterError("decode", type(decode).__name__, "a decode backend built for this runner's model")
         self.model = model
         self.config = config
         self.spec = spec
-        self.backend = backend
+        self.decode = decode
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
         self.compile_seconds: float | None = None  # set when the model's chains were compiled (torch_compile)
-        #: After :meth:`execute`: each logits row's argmax when the step's kernel computed it (the greedy
-        #: tokens, for the sampler), else None.
-        self.greedy_tokens: list[int] | None = None
 
     @property
     def block_size(self) -> int:
@@ -95,42 +90,12 @@ class ModelRunner:
                 inputs.sampled.append(request)
         return inputs
 
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run one forward pass; returns float32 logits ``[len(inputs.sampled), vocab]``."""
-        device = self.device
-        num_tokens = len(inputs.input_ids)
-        self.greedy_tokens = None
-        decodes_only = num_tokens == len(inputs.query_lens) == len(inputs.logits_indices)  # each one sampled
-        if num_tokens and decodes_only and getattr(self.backend, "native_decode", False):  # one kernel call
-            done = self._decode_packed(inputs, num_tokens)
-            if done is not None:
-                logits, self.greedy_tokens = done
-                return logits  # [num_tokens, vocab]
-        input_ids, positions = torch.tensor([inputs.input_ids, inputs.positions], dtype=torch.long,
-                                            device=device).unbind()  # [num_tokens] each: one copy from Python
-        meta = self.backend.build_metadata(
-            query_lens=inputs.query_lens,
-            context_lens=inputs.context_lens,
-            block_tables=inputs.block_tables,
-            slot_mapping=inputs.slot_mapping,
-            block_size=self.block_size,
-            device=device,
-        )
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-            if not inputs.logits_indices:
-                return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-            index = torch.tensor(inputs.logits_indices, dtype=torch.long, device=device)
-            return self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_sampled, vocab]
+    def run(self, inputs: StepInputs) -> ModelOutput:
+        """Run one step through the decode backend: float32 logits ``[len(inputs.sampled), vocab]`` and,
+        when the step computed them, each row's greedy token."""
+        return self.decode.forward(inputs, self.kv_caches)
 
-    def _decode_packed(self, inputs: StepInputs, num_tokens: int) -> tuple[torch.Tensor, list[int]] | None:
-        """A step of decodes through the model's ``decode_packed`` (asyncinfer's kernels): its integers in
-        one list (ids, positions, slots, context lengths, block tables padded to the widest), none of the
-        per-step tensors and metadata the general path builds (each torch op costs tens of microseconds
-        on a cache that the step's weights have just swept). None where the model has no such path."""
-        fast = getattr(self.model, "decode_packed", None)
-        if fast is None:
-            return None
-        width, tables = flat_padded_tables(inputs.block_tables)
-        packed = inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.context_lens + tables
-        return fast(packed, num_tokens, width, self.kv_caches)
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The logits of :meth:`run` alone, for callers that time the forward without sampling
+        (``lab/calibrate.py``)."""
+        return self.run(inputs).logits

@@ -8,8 +8,9 @@ Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
            └─► sampling rows: / temperature ─► top_k ─► top_p ─► min_p ─► draw
 
 * **Fast path.** When every row is greedy with no penalties, no logprobs and no
-  ``min_tokens``, the whole call is ``logits.argmax(-1).tolist()``: no copy of the
-  logits, one device sync, no per-row tensor work.
+  ``min_tokens``, the whole call is the step's own ``greedy_ids`` when the caller passes
+  them (the kernels' one-call decode step computes them), else ``logits.argmax(-1).tolist()``:
+  no copy of the logits, one device sync, no per-row tensor work.
 * **Penalties** follow transformers / vLLM exactly: the repetition penalty (over
   prompt and output tokens) divides positive logits and multiplies negative ones
   (``RepetitionPenaltyLogitsProcessor``); then OpenAI's
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncinfer import kernels
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplerOutput", "Sampler", "SamplingState", "TokenLogprobs"]
@@ -131,15 +133,24 @@ class Sampler:
 
     # ------------------------------------------------------------------ public
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 argmax: Sequence[int] | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
+                 greedy_ids: Sequence[int] | None = None) -> SamplerOutput:
         """One token for each row of ``logits`` [len(states), vocab], as each state's parameters say.
 
-        ``argmax``: each row's argmax over all of its columns if the caller has it (the step's kernel
-        computed it): plain greedy rows then take it as it is."""
+        ``greedy_ids``: each row's argmax over all of its columns when the step computed it
+        (:attr:`asyncinfer.runner.ModelOutput.greedy_ids`), else None. A batch of plain greedy rows
+        (:attr:`SamplingState.plain_greedy`) takes them as they are; any other row is sampled from
+        ``logits`` as if they were not given.
+
+        Raises:
+            ValueError: ``logits`` is not [len(states), >= vocab_size].
+            InvalidParameterError: ``greedy_ids`` is given with another length than ``len(states)``.
+        """
         n = len(states)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(states)={n}, vocab], got {tuple(logits.shape)}")
+        if greedy_ids is not None and len(greedy_ids) != n:
+            raise InvalidParameterError("greedy_ids", f"{len(greedy_ids)} ids", f"None or one id a row ({n})")
         if n == 0:
             return SamplerOutput([], [])
         vocab = logits.shape[1]
@@ -151,8 +162,8 @@ class Sampler:
         if all(s.plain_greedy for s in states):
             # Hot path: no copy, no per-row tensor work, one sync (asyncinfer's one-pass kernel where a
             # block-format model has loaded it: torch's argmax took ~40 us a row of 49,152 here).
-            if argmax is not None and len(argmax) == n and vocab == self.vocab_size:
-                return SamplerOutput(list(argmax), [None] * n)
+            if greedy_ids is not None and vocab == self.vocab_size:  # over all columns: only the real ones
+                return SamplerOutput(list(greedy_ids), [None] * n)
             if kernels.loaded() and kernels.argmax_takes(logits):
                 return SamplerOutput(kernels.argmax(logits), [None] * n)
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)

@@ -54,13 +54,13 @@ def fail_on_calls(func, calls: set[int]):
 
 
 class FlakySampler:
-    """Wraps the core's sampler (called as ``sampler(logits, states)``) and fails chosen calls."""
+    """Wraps the core's sampler (called as ``sampler(logits, states, greedy_ids=...)``) and fails chosen calls."""
 
     def __init__(self, sampler, calls: set[int]) -> None:
         self.call = fail_on_calls(sampler, calls)
 
-    def __call__(self, logits, states):
-        return self.call(logits, states)
+    def __call__(self, logits, states, *, greedy_ids=None):
+        return self.call(logits, states, greedy_ids=greedy_ids)
 
 
 def assert_failed_by(err: pytest.ExceptionInfo, cause: type[BaseException] = Injected) -> None:
@@ -72,7 +72,7 @@ async def test_a_forward_pass_fault_fails_its_step_and_poisons_no_cached_prefix(
     path, hf = tiny_models["llama"]
     engine = AsyncEngine.from_pretrained(path, **BASE, max_num_seqs=1)
     core = engine.core
-    core.runner.execute = fail_on_calls(core.runner.execute, {1})
+    core.runner.run = fail_on_calls(core.runner.run, {1})
     async with engine:
         # max_num_seqs=1: the second request waits outside the failing step and is served.
         first = asyncio.create_task(engine.generate(PROMPT, greedy(6), request_id="first"))
@@ -198,7 +198,7 @@ async def test_a_success_between_two_faults_keeps_the_engine_alive(tiny_models, 
     path, hf = tiny_models["llama"]
     engine = AsyncEngine.from_pretrained(path, **BASE, max_consecutive_step_failures=2)
     core = engine.core
-    core.runner.execute = fail_on_calls(core.runner.execute, {1, 3})
+    core.runner.run = fail_on_calls(core.runner.run, {1, 3})
     async with engine:
         for _ in range(2):
             with pytest.raises(RequestFailedError):

@@ -136,17 +136,17 @@ async def test_roofline_bytes_of_one_request(tiny_models) -> None:
 async def test_failed_requests_and_engine_death_count_as_errors(tiny_models, failures) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS, max_consecutive_step_failures=failures)
     async with engine:
-        healthy = engine.core.runner.execute
+        healthy = engine.core.runner.run
 
         def broken(inputs):
             raise RuntimeError("injected fault")
 
-        engine.core.runner.execute = broken
+        engine.core.runner.run = broken
         error = RequestFailedError if failures > 1 else EngineDeadError
         with pytest.raises(error):
             await engine.generate(ids(5), SamplingParams(max_tokens=3))
         if failures > 1:
-            engine.core.runner.execute = healthy
+            engine.core.runner.run = healthy
             await engine.generate(ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
         m = engine.metrics.snapshot().models["default"]
     assert m.requests["error"] == 1 and m.requests["length"] == (1 if failures > 1 else 0)

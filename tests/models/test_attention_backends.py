@@ -8,7 +8,7 @@ import torch
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models import AttentionBackend, select_attention_backend
 from asyncinfer.models.attention import available_attention_backends, base, register_attention_backend
-from asyncinfer.models.attention.sdpa import SdpaBackend
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
 from tests.helpers import PagedRunner
 
 
@@ -115,14 +115,15 @@ def test_the_contract_is_abstract() -> None:
         AttentionBackend()  # type: ignore[abstract]
 
 
-def test_native_decode_metadata_holds_what_the_kernel_reads() -> None:
+def test_kernel_decode_metadata_holds_what_the_kernel_reads() -> None:
     """A step of decodes on asyncinfer's kernel gets its slots, context lengths and block tables from one
     tensor, with no masks; the same values as the general path (its tables padded to the widest table)."""
     lists = {"query_lens": [1, 1, 1], "context_lens": [5, 17, 1], "block_tables": [[7, 2], [3, 9, 4, 8, 1], [6]],
              "slot_mapping": [7 * 4 + 0, 8 * 4 + 0, 6 * 4 + 0], "block_size": 4, "device": "cpu"}
     general = SdpaBackend().build_metadata(**lists)
-    native_backend = SdpaBackend()
-    native_backend.native_decode = True
+    native_backend = KernelDecodeSdpaBackend()
+    assert isinstance(native_backend, SdpaBackend) and native_backend.decodes_in_kernel
+    assert not SdpaBackend().decodes_in_kernel
     native = native_backend.build_metadata(**lists)
     assert native.decode_mask is None and native.decode_bias is None and native.num_decodes == 3
     assert native.slot_mapping.tolist() == general.slot_mapping.tolist()

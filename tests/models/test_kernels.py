@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, kernels
 from asyncinfer.config import EngineConfig
 from asyncinfer.models import load_model
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+from asyncinfer.models.decode_backends import KernelDecode, ModelOutput, TorchDecode
 from asyncinfer.models.gguf_file import GGUFFile, _dequantize_blocks
 from asyncinfer.models.quant import (
     BlockLinear,
@@ -175,25 +177,26 @@ async def test_the_engine_in_q4_1_serves_float32s_greedy_tokens_on_q4_1_weights(
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     assert isinstance(model.layers[0].attn.qkv_proj, Q4_1Linear) and isinstance(model.output_proj, Q8_0Linear)
     assert len(layers) == 2 * 4 + 1 and all(layer.lossless for layer in layers)
-    assert engine.core.runner.backend.native_decode  # decode attention in the kernel too
+    decode = engine.core.runner.decode
+    assert type(decode) is KernelDecode and type(decode.attention) is KernelDecodeSdpaBackend  # attention too
     assert AsyncEngine.plan_memory(tmp_path, **opts, quantization="q4_1") == engine.memory_plan
     reference = load_model(tmp_path, torch.float32, "cpu").model  # plain float32, torch's kernels
     prompts = [[5, 6, 7, 8], list(range(3, 40))]  # the second spans three blocks before decoding
     expected = [PagedRunner(reference, block_size=16).greedy(0, p, 24) for p in prompts]
-    assert model.fused_stack is not None and model.fused_stack.head is not None  # a decode step is one call
-    one_call = model.decode_packed
+    assert decode.stack.head is not None  # a decode step is one call
+    one_call = decode.stack.decode_packed
     calls = []
-    model.decode_packed = lambda *a: calls.append(1) or one_call(*a)
+    decode.stack.decode_packed = lambda *a: calls.append(1) or one_call(*a)
     async with engine:
         outs = [await engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
     assert len(calls) >= 2 * 23  # every decode step of both requests
-    # A skipped projection leaves its layer op by op (the others still one call each): the same tokens.
+    # A skipped projection leaves the model on the torch reference forward (decode attention still in the
+    # kernel): the same tokens.
     partial = AsyncEngine.from_pretrained(tmp_path, **opts, quantization="q4_1",
                                           quantization_skip=("layers.1.mlp.down_proj",))
-    layers = partial.core.runner.model.layers
-    assert layers[0].fused_decode is not None and layers[1].fused_decode is None
-    assert partial.core.runner.model.fused_stack is None
+    decode = partial.core.runner.decode
+    assert type(decode) is TorchDecode and type(decode.attention) is KernelDecodeSdpaBackend
     async with partial:
         outs = [await partial.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
     assert [o.token_ids for o in outs] == expected
@@ -247,55 +250,47 @@ def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
     assert type(model.proj) is torch.nn.Linear and isinstance(model.ok, Q4_1Linear)
 
 
-def test_the_one_call_decoder_layer_equals_the_layer_op_by_op(tmp_path) -> None:
-    """Decode steps of a q4_1 model through DecodeStack (one kernel call a step), through DecodeLayer (one
-    a layer) and op by op (SDPA, torch's element-wise ops, the same projections): the same logits within
-    float32 rounding, the same greedy tokens; at batch 2 (int16 activations) and 6 (float32 panels), q/k/v
-    bias included (qwen2)."""
-    import copy
-
+def test_the_kernel_backend_equals_the_torch_reference_forward(tmp_path) -> None:
+    """Decode steps of a q4_1 model through KernelDecode (one kernel call a step) and through TorchDecode
+    (the model's forward op by op: SDPA, torch's element-wise ops, the same projections): the same logits
+    within float32 rounding, the same greedy tokens (the kernel's, from the same call); at batch 2 (int16
+    activations) and 6 (float32 panels), q/k/v bias included (qwen2). Prefill steps run the reference."""
     lossless_tiny("qwen2", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
-    assert all(layer.fused_decode is not None for layer in model.layers)
-    stack = model.fused_stack
-    assert isinstance(stack, kernels.DecodeStack) and stack.layers == [layer.fused_decode for layer in model.layers]
+    cpu = torch.device("cpu")
+    kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
+    stack = kernel.stack
+    assert isinstance(stack, kernels.DecodeStack) and len(stack.layers) == len(model.layers)
+    assert stack.head is not None and stack.head[1] is model.output_proj.kernel_weights()[1]  # no copy
     prompts = [list(range(3 + i, 9 + 3 * i)) for i in range(6)]
-    for mode in ("stack", "layers"):
-        model.fused_stack = stack if mode == "stack" else None
-        fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)  # the same blocks and stale cache data
-        fused.backend.native_decode = True
-        for batch in (2, 6):
-            seqs = range(10 * batch, 10 * batch + batch)
-            outs = [runner.step(list(zip(seqs, prompts[:batch]))) for runner in (fused, plain)]  # prefill: op by op
-            last = [int(o[-1].argmax()) for o in outs[1]]
-            for _ in range(5):  # decodes: fused against op by op
-                work = [(s, [t]) for s, t in zip(seqs, last)]
-                a, b = fused.step(work), plain.step(work)
-                for x, y in zip(a, b):
-                    # float32 rounding in attention and SwiGLU can move an activation across an int16 step
-                    # (batch 2): a few parts in 10,000 of a logit at most.
-                    torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
-                last = [int(x.argmax()) for x in b]
-                assert last == [int(x.argmax()) for x in a], mode
-        # Profiling: the call adds up its parts (the stack's for all layers, a layer's for its own).
-        timed = stack if mode == "stack" else model.layers[0].fused_decode
-        other = model.layers[0].fused_decode if mode == "stack" else stack
-        timed.time_parts(True)
-        fused.step([(20, [last[0]])])
-        projections, attention, whole = timed.timing.tolist()[:3]  # the stack's fourth: its head, unused here
-        assert 0 < projections and 0 < attention and projections + attention < whole
-        assert other.timing is None
-        timed.time_parts(False)
-        assert timed.timing is None
-    # A deep copy's kernels read the copy's own weights.
-    model.fused_stack = stack
-    copied = copy.deepcopy(model)
-    args = copied.layers[1].fused_decode._args
-    assert args["qkv"][1] is copied.layers[1].attn.qkv_proj._blocks
-    assert args["down"][1] is not model.layers[1].mlp.down_proj._blocks
-    assert copied.fused_stack.layers == [layer.fused_decode for layer in copied.layers]
-    assert copied.fused_stack._array[1].w_down == copied.layers[1].mlp.down_proj._blocks.data_ptr()
+    fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)  # the same blocks and stale cache data
+    for batch in (2, 6):
+        seqs = range(10 * batch, 10 * batch + batch)
+        work = list(zip(seqs, prompts[:batch]))
+        first = kernel.forward(fused.step_batch(work, last_only=True), fused.kv_caches)
+        second = reference.forward(plain.step_batch(work, last_only=True), plain.kv_caches)
+        assert first.greedy_ids is None and second.greedy_ids is None  # a prefill: the reference forward
+        torch.testing.assert_close(first.logits, second.logits, rtol=0, atol=0)
+        last = first.logits.argmax(dim=-1).tolist()
+        for _ in range(5):  # decodes: the kernel against op by op
+            work = [(s, [t]) for s, t in zip(seqs, last)]
+            a, b = kernel.forward(fused.step_batch(work), fused.kv_caches), reference.forward(
+                plain.step_batch(work), plain.kv_caches)
+            assert type(a) is ModelOutput and b.greedy_ids is None
+            # float32 rounding in attention and SwiGLU can move an activation across an int16 step
+            # (batch 2): a few parts in 10,000 of a logit at most.
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-3, rtol=1e-3)
+            assert a.greedy_ids == a.logits.argmax(dim=-1).tolist() == b.logits.argmax(dim=-1).tolist()
+            last = a.greedy_ids
+    # Profiling: the call adds up its parts (projections, attention, the layers, the head), read through
+    # the backend's stack.
+    stack.time_parts(True)
+    kernel.forward(fused.step_batch([(20, [last[0]])]), fused.kv_caches)
+    projections, attention, whole, head = stack.timing.tolist()
+    assert 0 < projections and 0 < attention and projections + attention < whole and 0 < head
+    stack.time_parts(False)
+    assert stack.timing is None
 
 
 def test_the_stack_and_layer_refuse_inputs_outside_their_tables(tmp_path) -> None:
@@ -304,7 +299,7 @@ def test_the_stack_and_layer_refuse_inputs_outside_their_tables(tmp_path) -> Non
     apply_weight_format(model, "q4_1")
     runner = PagedRunner(model, seed=1)
     runner.step([(1, [3, 4, 5])])
-    stack, rotary = model.fused_stack, model.rotary
+    stack, rotary = KernelDecode(model, KernelDecodeSdpaBackend(), torch.device("cpu")).stack, model.rotary
     caches = runner.kv_caches
     tables = torch.zeros(1, 1, dtype=torch.long)
     one = torch.ones(1, dtype=torch.long)
@@ -321,7 +316,7 @@ def test_the_stack_and_layer_refuse_inputs_outside_their_tables(tmp_path) -> Non
         stack(one, *args, caches[:1], one, tables, one + 1)
     # One layer: the wrong width, rope rows or caches are refused by name; a context, slot or block
     # outside the caches too (the kernel reads and writes where they point).
-    layer = model.layers[0].fused_decode
+    layer = stack.layers[0]
     hidden, half = model.config.hidden_size, model.config.head_dim // 2
     k, v = caches[0]
     h, cs = torch.zeros(1, hidden), torch.zeros(1, half)
@@ -463,11 +458,11 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
     lossless_tiny("llama", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
-    stack = model.fused_stack
+    stack = KernelDecode(model, KernelDecodeSdpaBackend(), torch.device("cpu")).stack
     assert stack.head is not None and stack.head[0] == model.output_proj.fmt
-    runners = [PagedRunner(model, seed=1) for _ in range(2)]
+    tables_in = (model.embed_tokens.weight, model.rotary.cos_cache, model.rotary.sin_cache)
+    runners = [PagedRunner(model, seed=1, backend=KernelDecodeSdpaBackend()) for _ in range(2)]
     for runner in runners:
-        runner.backend.native_decode = True
         runner.step([(1, [3, 4, 5]), (2, [6, 7])])
     last = [8, 9]
     for _ in range(3):
@@ -476,11 +471,13 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
         width = meta.decode_block_tables.shape[1]
         packed = (ids.tolist() + pos.tolist() + meta.slot_mapping.tolist() + meta.decode_context_lens.tolist()
                   + meta.decode_block_tables.flatten().tolist())
-        one, greedy = model.decode_packed(packed, 2, width, runners[0].kv_caches)
+        one, greedy = stack.decode_packed(packed, 2, width, *tables_in, runners[0].kv_caches)
         assert list(greedy) == one.argmax(dim=-1).tolist()  # the greedy tokens, from the same call
         ids, pos, meta, _ = runners[1].inputs(work)
-        with torch.inference_mode():
-            two = model.compute_logits(model(ids, pos, runners[1].kv_caches, meta))
+        with torch.inference_mode():  # the stack's normed states, through the model's head
+            two = model.compute_logits(stack(ids, model.embed_tokens.weight, pos, model.rotary.cos_cache,
+                                             model.rotary.sin_cache, runners[1].kv_caches, meta.slot_mapping,
+                                             meta.decode_block_tables, meta.decode_context_lens))
         assert one.shape == (2, model.config.vocab_size)
         torch.testing.assert_close(one, two, rtol=0, atol=0)
         last = list(greedy)
@@ -491,11 +488,11 @@ def test_the_stack_returns_the_logits_of_its_head(tmp_path) -> None:
                        ([1, 6, 0, 9, 2, 3], "context length"), ([1, 6, 0, 0, 2, 3], "context length"),
                        ([10**6] + good[1:], "token id"), ([1, -1] + good[2:], "position")):
         with pytest.raises(IndexError, match=match):
-            model.decode_packed(bad, 1, 2, caches)
+            stack.decode_packed(bad, 1, 2, *tables_in, caches)
     with pytest.raises(ValueError, match="holds 5 ints"):
-        model.decode_packed(good[:5], 1, 2, caches)
+        stack.decode_packed(good[:5], 1, 2, *tables_in, caches)
     with pytest.raises(ValueError, match="at least one token"):
-        model.decode_packed([], 0, 2, caches)
+        stack.decode_packed([], 0, 2, *tables_in, caches)
     with pytest.raises(ValueError, match="needs a DecodeStack built with a head"):
         kernels.DecodeStack(stack.layers, model.norm.weight, model.norm.eps)(
             torch.tensor([1]), model.embed_tokens.weight, torch.tensor([1]), model.rotary.cos_cache,
@@ -510,10 +507,10 @@ def test_the_stack_checks_what_a_direct_caller_passes(tmp_path) -> None:
     lossless_tiny("llama", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
-    runner = PagedRunner(model, seed=1)
-    runner.backend.native_decode = True
+    runner = PagedRunner(model, seed=1, backend=KernelDecodeSdpaBackend())
     runner.step([(1, [3, 4, 5])])
-    stack, rotary, embed = model.fused_stack, model.rotary, model.embed_tokens.weight
+    stack = KernelDecode(model, runner.backend, torch.device("cpu")).stack
+    rotary, embed = model.rotary, model.embed_tokens.weight
     caches = runner.kv_caches
     one, tables = torch.ones(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
 
@@ -547,7 +544,7 @@ def test_the_stack_checks_what_a_direct_caller_passes(tmp_path) -> None:
     assert moved[1][0].flatten(2)[0, 1].abs().sum() > 0  # block 0, slot 1: this step's K, in the new tensor
     assert torch.equal(caches[1][0], old_k)  # the tensor it replaced is left alone
     with pytest.raises(ValueError, match="at least one token and one block"):
-        model.decode_packed([1], 1, -3, caches)
+        stack.decode_packed([1], 1, -3, embed, rotary.cos_cache, rotary.sin_cache, caches)
     # Empty steps: nothing to run, an empty result (as before the one-call path).
     empty = runner.backend.build_metadata(query_lens=[], context_lens=[], block_tables=[], slot_mapping=[],
                                           block_size=runner.block_size, device="cpu")
@@ -560,6 +557,7 @@ def test_an_empty_step_stays_empty_on_the_one_call_path(tmp_path) -> None:
     engine = AsyncEngine.from_pretrained(tmp_path, kv_cache_memory=2**22, max_model_len=128, device="cpu",
                                          block_size=16, quantization="q4_1")
     runner = engine.core.runner
-    assert runner.model.fused_stack is not None and runner.backend.native_decode
-    logits = runner.execute(runner.prepare([], {}))
-    assert logits.shape == (0, runner.config.vocab_size) and runner.greedy_tokens is None
+    assert type(runner.decode) is KernelDecode
+    out = runner.run(runner.prepare([], {}))
+    assert type(out) is ModelOutput and out.logits.shape == (0, runner.config.vocab_size)
+    assert out.greedy_ids is None

@@ -33,7 +33,7 @@ async def test_compiled_decoder_serves_the_eager_tokens_without_compiling_again(
     model = compiled._models.core(None).runner.model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     mlps = [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
-    assert norms and all(m.norm_fn is not rms_norm for m in norms)
+    assert norms and all(m.fn is not rms_norm for m in norms)
     assert mlps and all(m.act_fn is not silu_mul for m in mlps)
     assert all(layer.attn.rope_fn is not apply_rope for layer in model.layers)
     graphs = counters["stats"]["unique_graphs"]

@@ -33,19 +33,35 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 like the reference.
 
-    ``norm_fn`` is :func:`rms_norm`, or its ``torch.compile`` d form (``torch_compile=True``)."""
+    ``fn``, fixed at construction: :func:`rms_norm`, or its ``torch.compile`` d form, which
+    :func:`asyncinfer.models.torch_compile.compile_decoder` builds a norm with (:meth:`sharing`)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fn: NormFn = rms_norm) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.norm_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+        self._fn = fn
+
+    @classmethod
+    def sharing(cls, other: RMSNorm, fn: NormFn) -> RMSNorm:
+        """A norm computed by ``fn`` over ``other``'s own weight parameter (not a copy) and epsilon."""
+        norm = cls(other.weight.shape[0], other.eps, fn)
+        norm.weight = other.weight
+        return norm
+
+    @property
+    def fn(self) -> NormFn:
+        """The function this norm computes with (fixed at construction)."""
+        return self._fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_fn(x, self.weight, self.eps)  # [T, hidden]
+        return self._fn(x, self.weight, self.eps)  # [T, hidden]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

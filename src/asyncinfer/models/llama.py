@@ -76,10 +76,6 @@ class LlamaDecoderLayer(nn.Module):
         self.attn = LlamaAttention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        # The whole layer in one kernel call for steps of decodes (asyncinfer.kernels.DecodeLayer), which
-        # LlamaForCausalLM.forward calls in place of this module: set for the block weight formats
-        # (quant.fuse_decode_layers); None: op by op.
-        self.fused_decode = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -88,16 +84,13 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))  # [T, hidden]
 
 
-def _all_native_decodes(meta: AttentionMetadata) -> bool:
-    """Whether this step is decodes only, on a backend that runs them in asyncinfer's kernels."""
-    return getattr(meta.backend, "native_decode", False) and meta.num_decodes == meta.num_seqs
-
-
 class LlamaForCausalLM(nn.Module):
     """Decoder for Llama, Mistral and Qwen2 configs (Qwen2 adds q/k/v bias).
 
     ``forward`` returns final-normed hidden states for every token;
-    ``compute_logits`` projects only the rows the caller samples from.
+    ``compute_logits`` projects only the rows the caller samples from. This forward is the reference:
+    every step shape and weight format runs it, and the kernels' one-call decode step
+    (:class:`asyncinfer.models.decode_backends.KernelDecode`) is tested against it.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -110,9 +103,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A replacement output projection (e.g. int8, see quant.py); None: use lm_head_weight.
         self.output_proj: nn.Module | None = None
-        # Every layer and the final norm in one kernel call for steps of decodes (block formats, see
-        # quant.fuse_decode_layers); None: the layers run one by one.
-        self.fused_stack = None
 
     def forward(
         self,
@@ -127,34 +117,11 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        native = _all_native_decodes(meta)
-        if native and self.fused_stack is not None and input_ids.numel():  # the whole step in one kernel call
-            return self.fused_stack(input_ids, self.embed_tokens.weight, positions, self.rotary.cos_cache,
-                                    self.rotary.sin_cache, kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                                    meta.decode_context_lens)  # [T, hidden]
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            fused = layer.fused_decode if native else None
-            if fused is None:
-                h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
-            else:  # the whole layer in one kernel call (block formats), without a module call either
-                h = fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                          meta.decode_context_lens)  # [T, hidden]
+            h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
-
-    def decode_packed(self, packed: list[int], num_tokens: int, width: int, kv_caches: list[KVCache]
-                      ) -> tuple[torch.Tensor, list[int]] | None:
-        """``compute_logits(forward(...))`` for a step of decodes, each token sampled, in one kernel call
-        (:meth:`asyncinfer.kernels.DecodeStack.decode_packed`): float32 logits [T, vocab] and each row's
-        argmax. The step comes as one list of ints (token ids, positions, cache slots, context lengths,
-        block tables padded to ``width``): no tensor is built for them. None where that call does not
-        apply (no fused stack with a head): then use those two."""
-        stack = self.fused_stack
-        if stack is None or stack.head is None:
-            return None
-        return stack.decode_packed(packed, num_tokens, width, self.embed_tokens.weight, self.rotary.cos_cache,
-                                   self.rotary.sin_cache, kv_caches)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Compute the rope tables (a non-persistent buffer, never in checkpoints) on ``device``."""

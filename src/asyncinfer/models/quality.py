@@ -13,13 +13,14 @@ the engine: a copy of one loaded model can be put in every format (:func:`format
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
-from asyncinfer.models.attention import select_attention_backend
-from asyncinfer.models.quant import apply_weight_format, native_decode_applies
+from asyncinfer.models.decode_backends import StepBatch, select_decode_backend
+from asyncinfer.models.quant import apply_weight_format
 
 
 def formatted(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> nn.Module:
@@ -41,11 +42,11 @@ class _Cache:
         self.next_block = 0
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
-        self.backend = select_attention_backend(torch.device("cpu"))
-        # A model in a block format decodes as the engine runs it: attention in asyncinfer's kernel too.
-        self.backend.native_decode = native_decode_applies(model)
+        # The model runs as the engine runs it: the decode backend the load would choose for it (a block
+        # format's steps of decodes in one kernel call, its decode attention in the kernel too).
+        self.decode = select_decode_backend(model, cfg, torch.device("cpu"))
 
-    def run(self, model: nn.Module, work: Sequence[tuple[int, Sequence[int]]], rows: str) -> torch.Tensor:
+    def run(self, work: Sequence[tuple[int, Sequence[int]]], rows: str) -> torch.Tensor:
         """One forward over ``(sequence, new tokens)`` pairs (a new sequence gets the next index).
 
         ``rows``: "all" (logits of every new token) or "last" (of each sequence's last one).
@@ -66,14 +67,11 @@ class _Cache:
             self.lens[seq] = start + len(tokens)
             query_lens.append(len(tokens))
         seqs = [seq for seq, _ in work]
-        meta = self.backend.build_metadata(
-            query_lens=query_lens, context_lens=[self.lens[s] for s in seqs], block_tables=[self.tables[s] for s in seqs],
-            slot_mapping=slots, block_size=self.block_size, device="cpu")
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), self.layers, meta)  # [T, hidden]
-            if rows == "last":
-                hidden = hidden.index_select(0, torch.tensor(query_lens).cumsum(0) - 1)  # [S, hidden]
-            return model.compute_logits(hidden)  # [T or S, vocab]
+        ends = list(itertools.accumulate(query_lens))
+        rows_index = list(range(len(ids))) if rows == "all" else [end - 1 for end in ends]
+        step = StepBatch(ids, positions, slots, query_lens, [self.lens[s] for s in seqs],
+                         [self.tables[s] for s in seqs], rows_index)
+        return self.decode.forward(step, self.layers).logits  # [T or S, vocab]
 
 
 def teacher_forced_argmax(model: nn.Module, ids: Sequence[int], chunk: int = 256) -> torch.Tensor:
@@ -82,7 +80,7 @@ def teacher_forced_argmax(model: nn.Module, ids: Sequence[int], chunk: int = 256
     cache = _Cache(model, len(ids))
     out = []
     for start in range(0, len(ids), chunk):
-        out.append(cache.run(model, [(0, ids[start:start + chunk])], "all").argmax(-1))
+        out.append(cache.run([(0, ids[start:start + chunk])], "all").argmax(-1))
     return torch.cat(out)  # [n]
 
 
@@ -95,9 +93,9 @@ def batched_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], max_token
     """``max_tokens`` greedy tokens for each prompt: the prompts prefilled one by one, then decoded together
     (one decode step for all of them per token, as the engine batches them)."""
     cache = _Cache(model, sum(len(p) for p in prompts) + len(prompts) * max_tokens)
-    outs = [[int(cache.run(model, [(i, list(p))], "last")[0].argmax())] for i, p in enumerate(prompts)]
+    outs = [[int(cache.run([(i, list(p))], "last")[0].argmax())] for i, p in enumerate(prompts)]
     while len(outs[0]) < max_tokens:
-        logits = cache.run(model, [(i, out[-1:]) for i, out in enumerate(outs)], "last")  # [S, vocab]
+        logits = cache.run([(i, out[-1:]) for i, out in enumerate(outs)], "last")  # [S, vocab]
         for out, token in zip(outs, logits.argmax(-1).tolist()):
             out.append(token)
     return outs

@@ -17,7 +17,8 @@ The formats (values of the engine option ``quantization``):
 - ``"q4_1"`` / ``"q8_0"`` (CPU, float32 activations): ggml's block formats, multiplied by
   asyncinfer's own AVX2 kernels (:mod:`asyncinfer.kernels`; refused where they cannot run).
   ``"q4_1"`` keeps the LM head in Q8_0. On a GGUF file stored in the same blocks they hold exactly
-  the file's weights (``BlockLinear.lossless``); decode steps run each layer in one kernel call.
+  the file's weights (``BlockLinear.lossless``); a step of decodes runs as one kernel call
+  (:class:`asyncinfer.models.decode_backends.KernelDecode`).
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
   Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with
@@ -47,7 +48,6 @@ from torch import nn
 
 from asyncinfer import kernels
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.meta import build_on_meta
 
 if TYPE_CHECKING:
@@ -285,6 +285,11 @@ class BlockLinear(FormatLinear):
     def kind(self) -> str:  # type: ignore[override]
         return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'})"
 
+    def kernel_weights(self) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+        """``(format, blocks, float32 bias or None)``: this layer's weights as :func:`asyncinfer.kernels.gemm`
+        and :class:`asyncinfer.kernels.DecodeLayer` take them (the tensors themselves, not copies)."""
+        return self.fmt, self._blocks, self._bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, in]
@@ -352,8 +357,6 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     workers = max(1, min(len(jobs), torch.get_num_threads(), 8))
     with ThreadPoolExecutor(workers, thread_name_prefix="asyncinfer-pack") as pool:
         layers = list(pool.map(lambda job: _LAYERS[job[2]](job[3], job[4]), jobs))
-    if method in BLOCK_FORMATS:
-        use_native_norms(model)
     nbytes = 0
     for (parent, name, _, _, _), layer in zip(jobs, layers):
         if parent is None:
@@ -363,62 +366,7 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
         else:
             setattr(parent, name, layer)
         nbytes += layer.nbytes
-    if method in BLOCK_FORMATS:
-        fuse_decode_layers(model)
     return nbytes
-
-
-def use_native_norms(model: nn.Module) -> None:
-    """Run ``model``'s float32 RMS norms in asyncinfer's kernel (:func:`asyncinfer.kernels.rms_norm`):
-    what the block formats do, whose steps are otherwise short enough for torch's per-op cost to show."""
-    for module in model.modules():
-        if hasattr(module, "norm_fn"):
-            module.norm_fn = kernels.rms_norm
-
-
-def native_decode_applies(model: nn.Module) -> bool:
-    """Whether ``model`` decodes on asyncinfer's kernels (attention included; the attention backend's
-    ``native_decode``): its projections are in a block format and its heads fit the attention
-    kernel's 8-wide vectors."""
-    head_dim = getattr(getattr(model, "config", None), "head_dim", 0)
-    return head_dim % 8 == 0 and head_dim > 0 and any(isinstance(m, BlockLinear) for m in model.modules())
-
-
-def fuse_decode_layers(model: nn.Module) -> int:
-    """Give each decoder layer whose four projections are in block formats its one-call decode kernel
-    (:class:`asyncinfer.kernels.DecodeLayer`, used for steps of decodes only); returns how many got one.
-    When every layer got one, the model also gets the whole stack, its final norm and (a block-format
-    output projection) its logits as one call (:class:`asyncinfer.kernels.DecodeStack`,
-    ``model.fused_stack``)."""
-    fused = 0
-    for layer in getattr(model, "layers", ()):
-        attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
-        projections = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None),
-                       getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-        if not hasattr(layer, "fused_decode") or not all(isinstance(p, BlockLinear) for p in projections):
-            continue
-        if any(p._bias is not None for p in projections[1:]):  # the kernel adds a bias to q/k/v only
-            continue
-        if not native_decode_applies(model):
-            continue
-        qkv, o, gate_up, down = projections
-        layer.fused_decode = kernels.DecodeLayer(
-            norm1=layer.input_norm.weight.detach().float().contiguous(),
-            norm2=layer.post_attn_norm.weight.detach().float().contiguous(),
-            eps=layer.input_norm.eps,
-            qkv=(qkv.fmt, qkv._blocks, qkv._bias), o=(o.fmt, o._blocks, o._bias),
-            gate_up=(gate_up.fmt, gate_up._blocks, gate_up._bias), down=(down.fmt, down._blocks, down._bias),
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate_size=mlp.intermediate_size, scale=attn.scale,
-        )
-        fused += 1
-    layers = list(getattr(model, "layers", ()))
-    norm = getattr(model, "norm", None)
-    if hasattr(model, "fused_stack") and layers and fused == len(layers) and isinstance(norm, RMSNorm):
-        out = getattr(model, "output_proj", None)
-        head = (out.fmt, out._blocks, out.out_features) if isinstance(out, BlockLinear) and out._bias is None else None
-        model.fused_stack = kernels.DecodeStack([layer.fused_decode for layer in layers], norm.weight, norm.eps, head)
-    return fused
 
 
 def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:

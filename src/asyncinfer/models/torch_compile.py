@@ -34,8 +34,9 @@ logger = logging.getLogger("asyncinfer")
 
 
 def compile_decoder(model: nn.Module, config: Any, device: torch.device, dtype: torch.dtype) -> float:
-    """Give ``model``'s RMSNorm, rotary and SwiGLU layers compiled functions, compile them now on
-    tensors of the model's shapes, and return the seconds that took.
+    """Give ``model``'s rotary and SwiGLU layers compiled functions and rebuild its RMSNorms on the compiled
+    norm (over the same weights), compile them now on tensors of the model's shapes, and return the seconds
+    that took.
 
     ``config``: the model's :class:`~asyncinfer.models.config.ModelConfig`.
 
@@ -56,10 +57,12 @@ def compile_decoder(model: nn.Module, config: Any, device: torch.device, dtype: 
             f"it needs {what}. Load with torch_compile=False (the default)"
         ) from exc
     seconds = time.perf_counter() - start
+    norms = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, RMSNorm)]
+    for parent, name, child in norms:  # each a norm built on the compiled function, over the same weight
+        setattr(parent, name, RMSNorm.sharing(child, norm))
     for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.norm_fn = norm
-        elif isinstance(module, SwiGLUMLP):
+        if isinstance(module, SwiGLUMLP):
             module.act_fn = act
         elif hasattr(module, "rope_fn"):
             module.rope_fn = rope

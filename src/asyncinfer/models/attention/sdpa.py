@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +48,9 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
     device_types = ("cpu", "cuda")
-
-    def __init__(self) -> None:
-        #: Decodes through asyncinfer's CPU kernel (:func:`asyncinfer.kernels.decode_attention`), which
-        #: reads K/V blocks in place instead of gathering them: set by the loader for the weight
-        #: formats that run on those kernels (float32 on a CPU).
-        self.native_decode = False
+    #: Decodes through asyncinfer's CPU kernel (:func:`asyncinfer.kernels.decode_attention`), which reads
+    #: K/V blocks in place instead of gathering them: fixed by the class (:class:`KernelDecodeSdpaBackend`).
+    decodes_in_kernel: ClassVar[bool] = False
 
     def build_metadata(
         self,
@@ -74,14 +72,14 @@ class SdpaBackend(AttentionBackend):
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        if self.native_decode and num_decodes == len(query_lens) and num_decodes:
-            return self._native_decodes(context_lens, block_tables, slot_mapping, block_size, device)
+        if self.decodes_in_kernel and num_decodes == len(query_lens) and num_decodes:
+            return self._kernel_decodes(context_lens, block_tables, slot_mapping, block_size, device)
         query_start_loc = [0]
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
         tables = _padded_tables(block_tables, device)  # [num_seqs, width]
         decode_context_lens, decode_block_tables, decode_mask, decode_bias = _decode_inputs(
-            context_lens[:num_decodes], tables, block_size, device, masks=not self.native_decode
+            context_lens[:num_decodes], tables, block_size, device, masks=not self.decodes_in_kernel
         )
         prefill_slots, prefill_masks = _prefill_inputs(query_lens, context_lens, tables, num_decodes, block_size, device)
         return SdpaMetadata(
@@ -101,7 +99,7 @@ class SdpaBackend(AttentionBackend):
             prefill_masks=prefill_masks,
         )
 
-    def _native_decodes(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+    def _kernel_decodes(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                         slot_mapping: Sequence[int], block_size: int, device: torch.device) -> SdpaMetadata:
         """A step of decodes only, on asyncinfer's kernel (no masks, no prefill inputs): the slots, the
         context lengths and the block tables, each a view of one tensor (one copy from Python, not three)."""
@@ -141,7 +139,7 @@ class SdpaBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
-        decode = _native_decode_attention if self.native_decode else _decode_attention
+        decode = _kernel_decode_attention if self.decodes_in_kernel else _decode_attention
         if nd == meta.num_seqs:
             return decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)  # [T, H, D]
@@ -155,6 +153,17 @@ class SdpaBackend(AttentionBackend):
         return out
 
     decode_padding = staticmethod(pad_to_longest_block)
+
+
+class KernelDecodeSdpaBackend(SdpaBackend):
+    """:class:`SdpaBackend` whose decodes attend in asyncinfer's CPU kernel
+    (:func:`asyncinfer.kernels.decode_attention`: float32 caches read in place, no gather, no mask);
+    prefill chunks as SDPA runs them. Chosen at load for the block weight formats
+    (:func:`asyncinfer.models.decode_backends.select_decode_backend`)."""
+
+    name = "sdpa-kernel-decode"
+    device_types = ("cpu",)
+    decodes_in_kernel = True
 
 
 @dataclass
@@ -176,7 +185,7 @@ class SdpaMetadata(AttentionMetadata):
     # Batched decode path (empty tensors when num_decodes == 0).
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool; None: native decode
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool; None: decodes in the kernel
     decode_bias: torch.Tensor | None  # the same mask as float32 0 / -inf (SDPA's mask on a CPU in float32)
     # Prefill path, one entry per prefill sequence (index s - num_decodes):
     # None when the chunk is the whole context (plain causal attention on the new
@@ -205,7 +214,7 @@ def _decode_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Context lengths, block tables and key-padding mask (bool, and as a float 0 / -inf bias) of the
     batched decode call; no masks (None) with ``masks=False``: the kernel reads each context's own
-    length (:func:`_native_decode_attention`).
+    length (:func:`_kernel_decode_attention`).
 
     Every decode reads as many whole blocks as the longest one (the padding that
     :func:`pad_to_longest_block` counts); the mask keeps each to its own context.
@@ -309,7 +318,7 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)  # [S, H, D]
 
 
-def _native_decode_attention(
+def _kernel_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata, scale: float
 ) -> torch.Tensor:
     """:func:`_decode_attention` by asyncinfer's kernel: blocks read in place, no gather; [S, H, D] -> [S, H, D]."""

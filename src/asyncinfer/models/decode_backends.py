@@ -1,0 +1,217 @@
+"""Decode backends: how a loaded model runs one step, chosen once at load and held by the runner.
+
+A step is the flattened, unpadded batch the runner prepares (:class:`StepBatch`: plain lists, decodes
+first). A backend turns it into a :class:`ModelOutput`: the float32 logits of the sampled rows and,
+when the step computed them, each row's argmax (the greedy tokens). Two backends, behind one contract:
+
+- :class:`TorchDecode` — the model's own ``forward`` (the reference every backend is tested against)
+  through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
+  every step shape.
+- :class:`KernelDecode` — a Llama-family model whose projections are all in ggml's block formats
+  (``q4_1``, ``q8_0``) on asyncinfer's kernels: it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
+  from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
+  call (the step's integers in one list; logits and argmax from the same call). Any other step (a
+  prefill, a mixed step, an empty one) runs the torch reference.
+
+:func:`select_decode_backend` makes the choice (``loading.build_core`` and ``quality.py`` call it); the
+attention backend goes with it: the block formats decode attention in asyncinfer's kernel
+(:class:`~asyncinfer.models.attention.sdpa.KernelDecodeSdpaBackend`), everything else gets the device's
+default. Nothing is attached to the model: the kernels' objects live in the backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncinfer import kernels
+from asyncinfer.models.attention import AttentionBackend, select_attention_backend
+from asyncinfer.models.attention.padding import flat_padded_tables
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
+from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.layers import RMSNorm
+from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.quant import BlockLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+__all__ = ["DecodeBackend", "KernelDecode", "ModelOutput", "StepBatch", "TorchDecode", "kernel_attention_applies",
+           "kernel_decode_blocker", "select_decode_backend"]
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One step's result: ``logits`` float32 [num_sampled, vocab] (row ``i``: the ``i``-th sampled request)
+    and ``greedy_ids``, each row's argmax over all its columns when the step computed it (the kernels'
+    one-call decode step), else None."""
+
+    logits: torch.Tensor
+    greedy_ids: list[int] | None = None
+
+
+@dataclass
+class StepBatch:
+    """The flattened, unpadded token batch of one step, as Python lists (tensors are built once, if at all)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]  # flat index of the last token of every sampled request
+
+    @property
+    def sampled_decodes_only(self) -> bool:
+        """Whether the step is decodes only (one token a sequence), each of them sampled, and not empty."""
+        n = len(self.input_ids)
+        return 0 < n == len(self.query_lens) == len(self.logits_indices)
+
+
+class DecodeBackend(abc.ABC):
+    """Runs a step of ``model`` over the paged KV caches; ``attention`` builds the step's metadata and
+    attends in every layer. Built once per model version, at load."""
+
+    def __init__(self, model: nn.Module, attention: AttentionBackend, device: torch.device) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+
+    @abc.abstractmethod
+    def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
+        """Run ``step``, writing its K/V into ``kv_caches``; the logits of its sampled rows (``logits_indices``)."""
+
+
+class TorchDecode(DecodeBackend):
+    """The reference: the model's ``forward`` over the whole step, then ``compute_logits`` on the sampled rows."""
+
+    def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
+        device = self.device
+        input_ids, positions = torch.tensor([step.input_ids, step.positions], dtype=torch.long,
+                                            device=device).unbind()  # [num_tokens] each: one copy from Python
+        meta = self.attention.build_metadata(
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
+            block_tables=step.block_tables,
+            slot_mapping=step.slot_mapping,
+            block_size=kv_caches[0][0].shape[1],  # KVCacheSpec.layer_shape: [blocks, block_size, KV heads, D]
+            device=device,
+        )
+        model = self.model
+        with torch.inference_mode():
+            hidden = model(input_ids, positions, kv_caches, meta)  # [num_tokens, hidden]
+            if not step.logits_indices:
+                return ModelOutput(hidden.new_empty((0, model.config.vocab_size), dtype=torch.float32))
+            index = torch.tensor(step.logits_indices, dtype=torch.long, device=device)
+            return ModelOutput(model.compute_logits(hidden.index_select(0, index)).float())  # [num_sampled, vocab]
+
+
+class KernelDecode(DecodeBackend):
+    """A step of decodes in one kernel call (:meth:`asyncinfer.kernels.DecodeStack.decode_packed`); every
+    other step through :class:`TorchDecode`.
+
+    Built from a Llama-family model whose every layer's four projections and the output projection are
+    :class:`~asyncinfer.models.quant.BlockLinear` (:func:`kernel_decode_blocker` says why a model is not):
+    one :class:`asyncinfer.kernels.DecodeLayer` a layer, held with the final norm and the head in
+    :attr:`stack`. The kernels read the model's own weight blocks (no copy).
+
+    Raises:
+        ValueError: ``model`` cannot run on the kernels (the message is :func:`kernel_decode_blocker`'s).
+    """
+
+    def __init__(self, model: nn.Module, attention: AttentionBackend, device: torch.device) -> None:
+        super().__init__(model, attention, device)
+        why_not = kernel_decode_blocker(model)
+        if why_not is not None:
+            raise ValueError(f"KernelDecode cannot run this model: {why_not}")
+        assert isinstance(model, LlamaForCausalLM) and isinstance(model.output_proj, BlockLinear)
+        self._reference = TorchDecode(model, attention, device)
+        layers = [_decode_layer(layer) for layer in model.layers]
+        head = model.output_proj.kernel_weights()
+        self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps,
+                                          (head[0], head[1], model.output_proj.out_features))
+        # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables).
+        self._embed = model.embed_tokens.weight
+        self._cos = model.rotary.cos_cache
+        self._sin = model.rotary.sin_cache
+
+    @property
+    def stack(self) -> kernels.DecodeStack:
+        """The model's layers, final norm and head as the kernels run them; its ``time_parts`` / ``timing``
+        are how a profiler reads where a decode step spends its time (``benchmarks/throughput.py --profile``)."""
+        return self._stack
+
+    def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
+        if not step.sampled_decodes_only:
+            return self._reference.forward(step, kv_caches)
+        # The step's integers in one list (ids, positions, slots, context lengths, block tables padded to
+        # the widest): no per-step tensor or attention metadata (each torch op costs tens of microseconds
+        # on a cache the step's weights have just swept).
+        num_tokens = len(step.input_ids)
+        width, tables = flat_padded_tables(step.block_tables)
+        packed = step.input_ids + step.positions + step.slot_mapping + step.context_lens + tables
+        logits, greedy = self._stack.decode_packed(packed, num_tokens, width, self._embed, self._cos, self._sin,
+                                                   kv_caches)
+        return ModelOutput(logits, greedy)
+
+
+def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
+    """One decoder layer's weights as :class:`asyncinfer.kernels.DecodeLayer` holds them."""
+    attn, mlp = layer.attn, layer.mlp
+    return kernels.DecodeLayer(
+        norm1=layer.input_norm.weight.detach().float().contiguous(),
+        norm2=layer.post_attn_norm.weight.detach().float().contiguous(),
+        eps=layer.input_norm.eps,
+        qkv=attn.qkv_proj.kernel_weights(), o=attn.o_proj.kernel_weights(),
+        gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        intermediate_size=mlp.intermediate_size, scale=attn.scale,
+    )
+
+
+def has_block_weights(model: nn.Module) -> bool:
+    """Whether any of ``model``'s projections is in a block format (so asyncinfer's kernels run here)."""
+    return any(isinstance(module, BlockLinear) for module in model.modules())
+
+
+def kernel_attention_applies(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether ``model``'s decodes attend in asyncinfer's kernel (:class:`KernelDecodeSdpaBackend`): its
+    projections are in a block format and its heads (``config``'s) fit the attention kernel's 8-wide vectors."""
+    return config.head_dim > 0 and config.head_dim % 8 == 0 and has_block_weights(model)
+
+
+def kernel_decode_blocker(model: nn.Module) -> str | None:
+    """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not."""
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model (the kernels run that layer only)"
+    if not kernel_attention_applies(model, model.config):
+        return "its projections are not in a block format, or its head_dim is not a multiple of 8"
+    for i, layer in enumerate(model.layers):
+        projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
+                       "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
+        for name, proj in projections.items():
+            if not isinstance(proj, BlockLinear):
+                return f"layers.{i}.{name} is not in a block format (quantization_skip)"
+            if name != "attn.qkv_proj" and proj.kernel_weights()[2] is not None:
+                return f"layers.{i}.{name} has a bias (the kernel adds one to q/k/v only)"
+    if not isinstance(model.norm, RMSNorm):
+        return "its final norm is not an RMSNorm"
+    head = model.output_proj
+    if not isinstance(head, BlockLinear) or head.kernel_weights()[2] is not None:
+        return "its output projection (lm_head) is not in a block format (quantization_skip)"
+    return None
+
+
+def select_decode_backend(model: nn.Module, config: ModelConfig, device: torch.device | str) -> DecodeBackend:
+    """The one choice of how ``model`` (loaded, its weight format applied; ``config`` its config) runs: :class:`KernelDecode` where
+    :func:`kernel_decode_blocker` finds nothing against it, else :class:`TorchDecode`. The attention backend
+    goes with it: :class:`KernelDecodeSdpaBackend` for the block formats (decode attention read in place),
+    the device's default otherwise."""
+    device = torch.device(device)
+    attention = KernelDecodeSdpaBackend() if kernel_attention_applies(model, config) else select_attention_backend(device)
+    if kernel_decode_blocker(model) is None:
+        return KernelDecode(model, attention, device)
+    return TorchDecode(model, attention, device)
