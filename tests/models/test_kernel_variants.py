@@ -8,13 +8,21 @@ PANEL_MIN_ROWS rows is part of the algorithm and the same in every variant. So t
 1e-5 of the sum of |x| * |w| of each output, RMS norm and attention within 1e-5 relative, argmax exactly,
 a whole layer or decode step within 1e-3 of the largest |h| (a last-bit difference may flip one int16
 rounding of a later projection's input).
+
+The AVX-512 variant's code also runs where the CPU lacks AVX-512 ("avx512-emulated"): the same sources
+built with the AVX2 flags and ``-DASYNCINFER_EMULATE_AVX512``, which makes ``csrc/internal.h`` take the
+AVX-512 branch with its 512-bit intrinsics emulated by SIMDe's headers (``libsimde-dev``), compiled into a
+temporary directory and compared against the scalar reference by the same tests. Skipped where SIMDe's
+headers are missing, except under CI=true, where that fails (``.ci/run`` installs them).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,22 +31,72 @@ from asyncinfer import kernels
 from asyncinfer.kernels import _build
 from asyncinfer.kernels._variants import ISA_ENV, ISAS
 
+#: The AVX-512 variant's code with its 512-bit intrinsics emulated (on AVX2): tested beside the variants.
+EMULATED = "avx512-emulated"
+EMULATE_FLAGS = ("-DASYNCINFER_EMULATE_AVX512",)
+VARIANTS = (*ISAS, EMULATED)
+_emulated: dict[str, object] = {}
+
 
 @pytest.fixture(scope="module", autouse=True)
-def built() -> None:
+def built(tmp_path_factory: pytest.TempPathFactory) -> None:
     assert kernels.available(), kernels.unavailable_reason()
+    _emulated["dir"] = tmp_path_factory.mktemp("avx512-emulated")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def has_simde(compiler: str) -> bool:
+    """Whether the compiler finds SIMDe's AVX-512 header (libsimde-dev)."""
+    proc = subprocess.run([compiler, "-E", "-x", "c", "-", "-o", os.devnull], input="#include <simde/x86/avx512.h>\n",
+                          capture_output=True, text=True, timeout=60, check=False)
+    return proc.returncode == 0
+
+
+def build_emulated_avx512(directory: Path) -> ctypes.CDLL:
+    """The AVX-512 variant's code built with the AVX2 flags and SIMDe's emulation, as the run-time build
+    builds a variant (its helpers, torch's OpenMP runtime), into ``directory``; checked to report itself as
+    the avx512 variant of this ABI version."""
+    compiler = _build._compiler()
+    assert compiler is not None  # the kernels were built (the fixture), so a compiler is there
+    if not has_simde(compiler):
+        message = ("SIMDe's headers (simde/x86/avx512.h, Debian's libsimde-dev) are missing: the AVX-512 "
+                   "variant's code cannot be run through emulation")
+        if in_ci():
+            pytest.fail(message + " (.ci/run installs them)")
+        pytest.skip(message)
+    out = directory / "kernels-avx512-emulated.so"
+    try:
+        _build._compile_and_link(compiler, "avx2", _build._sources(), directory, out, _build._torch_openmp(),
+                                 with_openmp=True, extra=EMULATE_FLAGS)
+    except RuntimeError:  # a compiler without OpenMP: one thread
+        _build._compile_and_link(compiler, "avx2", _build._sources(), directory, out, None, with_openmp=False,
+                                 extra=EMULATE_FLAGS)
+    lib = _build._checked(ctypes.CDLL(str(out)), "avx512")
+    _build._configure(lib)
+    assert lib.asyncinfer_panel_min_rows() == _build.PANEL_MIN_ROWS
+    return lib
 
 
 def runs_here(isa: str) -> None:
+    if isa == EMULATED:
+        if "avx2" not in kernels.supported_isas():  # the emulation runs on AVX2 (and x86 only)
+            pytest.skip("the emulated AVX-512 build needs a CPU that runs the avx2 variant")
+        if "lib" not in _emulated:
+            _emulated["lib"] = build_emulated_avx512(_emulated["dir"])
+        return
     if isa not in kernels.supported_isas():
         pytest.skip(f"this CPU does not run the {isa} variant")
 
 
 class on:
-    """The public functions on one variant's library, for the length of a with block."""
+    """The public functions on one variant's library (or the emulated AVX-512 build, once runs_here built
+    it), for the length of a with block."""
 
     def __init__(self, isa: str) -> None:
-        self.lib = _build.variant(isa)
+        self.lib = _emulated["lib"] if isa == EMULATED else _build.variant(isa)
 
     def __enter__(self) -> None:
         self.saved, _build._lib = _build._lib, self.lib
@@ -69,7 +127,7 @@ def test_the_variants_this_cpu_runs_are_named_and_one_is_chosen() -> None:
                 _build.variant(isa)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     runs_here(isa)
@@ -95,7 +153,7 @@ def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     assert out[1].isnan().all() and not out[[0, 2, 3, 4, 5]].isnan().any()
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_rms_norm_attention_and_argmax_equal_the_scalar_reference(isa) -> None:
     runs_here(isa)
     gen = torch.Generator().manual_seed(7)
@@ -140,7 +198,7 @@ def layer_and_inputs(fmt: str, tokens: int, seed: int):
     return layer, angles.cos(), angles.sin(), caches, tables, lens, slots, gen
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("tokens", [1, 3, 6])
 def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> None:
     runs_here(isa)

@@ -152,8 +152,8 @@ def _sources() -> list[Path]:
     return sorted(_CSRC.glob("*.c"))
 
 
-def _flags(isa: str, openmp: bool) -> list[str]:
-    return [*BASE_FLAGS, *ISA_FLAGS[isa], *(["-fopenmp"] if openmp else [])]
+def _flags(isa: str, openmp: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    return [*BASE_FLAGS, *ISA_FLAGS[isa], *extra, *(["-fopenmp"] if openmp else [])]
 
 
 def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
@@ -195,11 +195,12 @@ def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
 
 
 def _compile_and_link(compiler: str, isa: str, sources: list[Path], tmp: Path, out: Path, openmp: str | None,
-                      with_openmp: bool) -> None:
+                      with_openmp: bool, extra: tuple[str, ...] = ()) -> None:
+    """Compile ``sources`` with ``isa``'s flags (and ``extra``: the tests' emulated AVX-512 build) into ``out``."""
     objects = []
     for src in sources:
         obj = tmp / (src.stem + ".o")
-        _run([compiler, *_flags(isa, with_openmp), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
+        _run([compiler, *_flags(isa, with_openmp, extra), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
         objects.append(str(obj))
     if openmp:  # link to torch's runtime by its path (and soname), not to another copy
         _run([compiler, "-shared", *objects, openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm", "-o", str(out)],

@@ -20,7 +20,43 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ASYNCINFER_FORCE_SCALAR)
 #define AI_AVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(ASYNCINFER_EMULATE_AVX512)
+/* ---- Test builds only (tests/models/test_kernel_variants.py; never set by setup.py or _build.py): the
+ * AVX-512 variant's code built with the AVX2 flags, its 512-bit intrinsics emulated by SIMDe's headers
+ * (libsimde-dev), so that machines without AVX-512 execute and test that code path. */
+#if defined(__AVX512F__)
+#error "ASYNCINFER_EMULATE_AVX512 is for builds without -mavx512f"
+#endif
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#undef I /* SIMDe includes <complex.h>, whose I and complex macros the sources do not use */
+#undef complex
+/* SIMDe 0.7.x: its alias of _mm512_madd_epi16 takes four arguments (the masked form's) */
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+/* SIMDe 0.7.x has no _mm512_cvtepi32_ps nor _mm512_reduce_add_ps: lane by lane (int to float rounds to
+ * nearest even, as the instruction does under the default MXCSR), and the sum in the tree order of GCC's
+ * _mm512_reduce_add_ps (upper 256 + lower 256 bits, then the 128-bit halves, then pairs). */
+static inline __m512 ai_emulated_cvtepi32_ps(__m512i v) {
+    int32_t in[16];
+    float out[16];
+    _mm512_storeu_si512(in, v);
+    for (int i = 0; i < 16; i++) out[i] = (float)in[i];
+    return _mm512_loadu_ps(out);
+}
+static inline float ai_emulated_reduce_add_ps(__m512 v) {
+    float x[16], h[8], q[4];
+    _mm512_storeu_ps(x, v);
+    for (int i = 0; i < 8; i++) h[i] = x[i] + x[8 + i];
+    for (int i = 0; i < 4; i++) q[i] = h[i] + h[4 + i];
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+#define _mm512_cvtepi32_ps(v) ai_emulated_cvtepi32_ps(v)
+#define _mm512_reduce_add_ps(v) ai_emulated_reduce_add_ps(v)
+#define AI_AVX512 1
+#define AI_ISA ASYNCINFER_ISA_AVX512
+/* ---- end of the test-only emulation */
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AI_AVX512 1
 #define AI_ISA ASYNCINFER_ISA_AVX512
 #else
