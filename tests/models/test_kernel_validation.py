@@ -1,0 +1,45 @@
+"""The public kernel entries refuse what they cannot take before the compiled call: each input that once killed
+the process (tests/models/kernel_cases.py: tensors on the meta device, a block size or KV-head count of 0,
+context lengths near 2**63, rows that disagree, layers of different widths, sizes whose products overflow,
+ints beyond int64 in decode_packed's list...) raises its typed error naming the parameter. Every case runs in
+a forked child of one subprocess, so a crash shows as a failed case with its signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models.kernel_cases import CASES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(script: Path, *args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": path, **env}, check=False)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    proc = run_script(ROOT / "tests" / "models" / "kernel_cases.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_harness_reports_a_crash_as_its_signal(outcomes) -> None:
+    assert outcomes["a real crash (the harness's own check)"] == {"signal": "SIGSEGV"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_input_is_refused_by_name(outcomes, case) -> None:
+    _, expected, parameter = CASES[case]
+    outcome = outcomes[case]
+    assert "signal" not in outcome and "exit" not in outcome, f"{case}: the process died: {outcome}"
+    assert outcome.get("raised") == expected.__name__, f"{case}: {outcome}"
+    assert parameter in outcome["message"], f"{case}: {outcome['message']!r} does not name {parameter!r}"
