@@ -43,3 +43,14 @@ def test_the_input_is_refused_by_name(outcomes, case) -> None:
     assert "signal" not in outcome and "exit" not in outcome, f"{case}: the process died: {outcome}"
     assert outcome.get("raised") == expected.__name__, f"{case}: {outcome}"
     assert parameter in outcome["message"], f"{case}: {outcome['message']!r} does not name {parameter!r}"
+
+
+def test_hostile_calls_raise_only_typed_errors_naming_their_parameter(tmp_path) -> None:
+    """tests/models/kernel_fuzz.py: Hypothesis drives every public kernel entry with hostile shapes, dtypes,
+    devices and values in a subprocess (a crash shows as its signal; the log's last line names the call)."""
+    log = tmp_path / "calls.log"
+    proc = run_script(ROOT / "tests" / "models" / "kernel_fuzz.py", KERNEL_FUZZ_LOG=str(log),
+                      KERNEL_FUZZ_EXAMPLES="300", KERNEL_FUZZ_DERANDOMIZE="1")
+    last = log.read_text().splitlines()[-1:] if log.exists() else []
+    assert proc.returncode == 0, (f"exit {proc.returncode} (a negative code is the signal that ended it); "
+                                  f"last call {last}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -9,10 +9,15 @@ table (token ids, positions, context lengths, slots, block ids)."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: The largest byte count (and element count) a kernel is asked to address: every int64 product the C
 #: computes from sizes that pass these checks stays below 2**63.
@@ -34,8 +39,8 @@ def tensor(name: str, t: object, dtype: torch.dtype | None = None, allowed: str 
 
 def size(name: str, value: object, lo: int = 1, hi: int = MAX_BYTES) -> int:
     """``value`` as an int in [lo, hi]: TypeError for a non-int (bool included), ValueError outside the range."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int in [{lo}, {hi}], got a bool")
+    if isinstance(value, (bool, torch.Tensor)):
+        raise TypeError(f"{name} must be an int in [{lo}, {hi}], got {type(value).__name__}")
     try:
         v = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -68,3 +73,35 @@ def empty(shape: tuple[int, ...], what: str, dtype: torch.dtype = torch.float32)
         return torch.empty(shape, dtype=dtype)
     except RuntimeError as exc:
         raise MemoryError(f"{what}: cannot allocate {dtype} {shape}: {exc}") from exc
+
+
+def out_of_memory(exc: RuntimeError, what: str) -> BaseException:
+    """torch's failed CPU allocation (a RuntimeError) as the MemoryError it is, naming ``what``; any other
+    RuntimeError unchanged."""
+    if "allocate" in str(exc) or "overflow" in str(exc):
+        return MemoryError(f"{what}: {exc}")
+    return exc
+
+
+def contiguous(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t.contiguous()``, a failed allocation (an expanded tensor of huge sizes) raised as MemoryError."""
+    try:
+        return t.contiguous()
+    except RuntimeError as exc:
+        raise out_of_memory(exc, what) from exc
+
+
+def allocating(what: str) -> Callable[[F], F]:
+    """Decorate a pure-torch function so that a failed allocation is raised as MemoryError naming ``what``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                raise out_of_memory(exc, what) from exc
+
+        return run  # type: ignore[return-value]
+
+    return wrap

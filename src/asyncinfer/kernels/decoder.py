@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from asyncinfer.kernels._build import lib as _need
-from asyncinfer.kernels._checks import MAX_BYTES, bounded, real, size, tensor
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, real, size, tensor
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     _check,
@@ -150,8 +150,8 @@ class DecodeLayer:
                                  f"({num_tokens}), got {tuple(t.shape)}")
         _check_timing(self.timing, 3, "DecodeLayer")
         if not h.is_contiguous():
-            h = h.contiguous()
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+            h = contiguous(h, "h")
+        tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         _check_paged(lib, tables, context_lens, slots, k_cache)
         if not num_tokens:  # an empty step stays empty
             return h
@@ -198,7 +198,7 @@ class DecodeStack:
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
                  head: tuple[str, torch.Tensor, int] | None = None) -> None:
-        if isinstance(layers, DecodeLayer) or not hasattr(layers, "__iter__"):
+        if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
         if not layers:
@@ -256,10 +256,11 @@ class DecodeStack:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         try:
-            first = kv_caches[0][0].data_ptr()
+            same = held is not None and held[1] == kv_caches[0][0].data_ptr() and all(
+                map(operator.is_, chain.from_iterable(kv_caches), held[0]))
         except (TypeError, IndexError, AttributeError, RuntimeError):
-            first = None  # checked below
-        if held is None or held[1] != first or not all(map(operator.is_, chain.from_iterable(kv_caches), held[0])):
+            same = False  # not pairs of tensors: refused below
+        if not same:
             if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in kv_caches):
                 raise TypeError("kv_caches must hold one (k, v) pair per layer")
             tensors = tuple(chain.from_iterable(kv_caches))
@@ -275,7 +276,7 @@ class DecodeStack:
                                     f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
             check_cache_size("kv_caches[0][0]", tensors[0])
             pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-            held = self._kv = (tensors, first, pointers)
+            held = self._kv = (tensors, tensors[0].data_ptr(), pointers)
         return held[2]
 
     def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
@@ -331,7 +332,7 @@ class DecodeStack:
         if num_tokens < 1:
             raise ValueError(f"input_ids: a step of decodes has at least one token, got {num_tokens}")
         max_context = int(context_lens.max())
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         return self._run(input_ids.shape[0], input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
                          kv_caches, logits, lambda: input_ids, max_context)
@@ -358,7 +359,7 @@ class DecodeStack:
         try:
             n = len(packed)
             data = array("q", packed)  # int64, range-checked
-        except (TypeError, OverflowError) as exc:
+        except (TypeError, OverflowError, RuntimeError) as exc:  # RuntimeError: a tensor without a value
             raise (ValueError if isinstance(exc, OverflowError) else TypeError)(
                 f"packed must be a list of ints within int64: {exc}") from None
         if n != num_tokens * (4 + width):
@@ -384,7 +385,10 @@ class DecodeStack:
         h = None
         tables_in = self._check_tables(embed, cos_table, sin_table)
         if not tables_in.kernel_embeds:  # embedded here instead
-            h = torch.nn.functional.embedding(input_ids(), embed).float().contiguous()
+            ids_in = input_ids()
+            if int(ids_in.min()) < 0 or int(ids_in.max()) >= tables_in.vocab:
+                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
+            h = contiguous(torch.nn.functional.embedding(ids_in, embed).float(), "embed")
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self.head  # type: ignore[misc]
@@ -409,9 +413,9 @@ class DecodeStack:
         else:
             code = lib.asyncinfer_decode_stack(*args)
         if code == 1:
-            raise IndexError(f"a token id is outside the embedding table [0, {tables_in.vocab})")
+            raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
         if code == 2:
-            raise IndexError(f"a position is outside the rope table [0, {tables_in.positions})")
+            raise IndexError(f"positions: a position is outside the rope table [0, {tables_in.positions})")
         _raise_paged(code, ldt, cache)
         _check(code, "decode_stack")
         return out if result is None else result

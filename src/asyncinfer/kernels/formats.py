@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from asyncinfer.kernels._checks import allocating as _allocating
 from asyncinfer.kernels._checks import tensor as _tensor
 
 
@@ -48,18 +49,20 @@ QK = 32
 assert all(layout.weights == QK for layout in LAYOUTS.values())
 
 
-def bytes_per_block(fmt: str) -> int:
+def bytes_per_block(fmt: str, what: str = "fmt") -> int:
+    """Bytes per block of ``fmt``: TypeError for a non-string, ValueError for an unknown name (naming ``what``)."""
     if not isinstance(fmt, str):
-        raise TypeError(f"fmt must be a block format name, one of {list(BLOCK_FORMATS)}, got {type(fmt).__name__}")
+        raise TypeError(f"{what} must be a block format name, one of {list(BLOCK_FORMATS)}, got "
+                        f"{type(fmt).__name__}")
     if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+        raise ValueError(f"{what}: unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
     return BLOCK_FORMATS[fmt][1]
 
 
 def check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int, name: str = "packed") -> None:
     """ValueError (TypeError for another device or dtype) naming ``name`` unless ``packed`` is ``fmt``'s
     blocks of ``out_features`` rows of ``k`` inputs, contiguous uint8 on the CPU."""
-    size = bytes_per_block(fmt)
+    size = bytes_per_block(fmt, "fmt" if name == "packed" else f"{name}'s format")
     _tensor(name, packed, torch.uint8, f"of {fmt} blocks")
     if (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] == out_features and packed.shape[1]
             and packed.shape[1] % size == 0 and packed.shape[1] // size * QK != k):
@@ -72,6 +75,7 @@ def check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int, name
                          f"{'' if packed.is_contiguous() else ' (not contiguous)'}")
 
 
+@_allocating("weight")
 def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """float32 weights [N, K] (K a multiple of 32) -> ``fmt`` blocks, uint8 [N, K / 32 * bytes per block].
 
@@ -87,6 +91,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"weight: {fmt} needs an input size that is a multiple of {QK}, got {k}")
+    if not weight.numel():  # no block to build
+        return torch.empty(n, k // QK * bytes_per_block(fmt), dtype=torch.uint8)
     w = weight.detach().float().reshape(n, k // QK, QK)  # [N, B, 32]
     if fmt == "q4_1":
         lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]
@@ -108,7 +114,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         blocks = torch.cat((d16.view(torch.uint8), q), dim=-1)  # [N, B, 34]
     else:
         raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
-    return blocks.reshape(n, -1).contiguous()
+    return blocks.reshape(n, k // QK * blocks.shape[-1]).contiguous()
 
 
 def block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
@@ -124,20 +130,23 @@ def block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
     return size
 
 
+@_allocating("blocks")
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size): per row, every block's
     float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block."""
     size = block_bytes(blocks, fmt, "pack")
     n = blocks.shape[0]
-    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    nb = blocks.shape[1] // size  # sizes spelled out: N may be 0
+    b = blocks.reshape(n, nb, size)  # [N, B, bytes]
     layout = LAYOUTS[fmt]
-    parts = [b[..., 0:2].reshape(n, -1)]  # d of every block
+    parts = [b[..., 0:2].reshape(n, 2 * nb)]  # d of every block
     if layout.has_min:
-        parts.append(b[..., 2:4].reshape(n, -1))  # m of every block
-    parts.append(b[..., layout.head:].reshape(n, -1))
+        parts.append(b[..., 2:4].reshape(n, 2 * nb))  # m of every block
+    parts.append(b[..., layout.head:].reshape(n, layout.quant_bytes * nb))
     return torch.cat(parts, dim=1).contiguous()
 
 
+@_allocating("blocks")
 def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """The kernels' layout back to ggml blocks (the inverse of :func:`pack`)."""
     size = block_bytes(packed, fmt, "unpack")
@@ -147,21 +156,22 @@ def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     d = packed[:, : 2 * nb].reshape(n, nb, 2)
     parts = [d, packed[:, 2 * nb : 4 * nb].reshape(n, nb, 2)] if layout.has_min else [d]
     parts.append(packed[:, layout.head * nb :].reshape(n, nb, layout.quant_bytes))
-    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
+    return torch.cat(parts, dim=-1).reshape(n, packed.shape[1]).contiguous()
 
 
+@_allocating("blocks")
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """``fmt`` blocks uint8 [N, B * bytes] -> float32 [N, B * 32], as ggml (and the kernels) rebuild them."""
     size = block_bytes(blocks, fmt, "dequantize")
     n = blocks.shape[0]
-    b = blocks.reshape(n, -1, size)  # [N, B, bytes]
+    b = blocks.reshape(n, blocks.shape[1] // size, size)  # [N, B, bytes]
     layout = LAYOUTS[fmt]
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
     if layout.has_min:  # 4-bit quants and a minimum
         m = b[..., 2:4].contiguous().view(torch.float16).float()
         qs = b[..., layout.head:]
         q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [N, B, 32]
-        return torch.addcmul(m, d, q).reshape(n, -1)  # d * q + m, exact in float32
+        return torch.addcmul(m, d, q).reshape(n, b.shape[1] * QK)  # d * q + m, exact in float32
     q = b[..., layout.head:].contiguous().view(torch.int8).float()
-    return (d * q).reshape(n, -1)
+    return (d * q).reshape(n, b.shape[1] * QK)
 

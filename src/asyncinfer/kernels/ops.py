@@ -8,7 +8,7 @@ import ctypes
 import torch
 
 from asyncinfer.kernels._build import lib as _need
-from asyncinfer.kernels._checks import MAX_BYTES, bounded, empty, real, size, tensor
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, empty, real, size, tensor
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
@@ -49,7 +49,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
         if bias.dtype != torch.float32 or not bias.is_contiguous():
             bias = bias.float().contiguous()
     if x.stride(-1) != 1:
-        x = x.contiguous()
+        x = contiguous(x, "x")
     y = empty((rows, out_features), "gemm's output")
     if rows:
         scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "gemm's working memory", torch.uint8)
@@ -81,9 +81,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     eps = real("eps", eps)
     rows = x.numel() // hidden
     bounded("x", rows, hidden, 4)
-    weight = weight.contiguous()
+    weight = contiguous(weight, "weight")
     if x.stride(-1) != 1 or x.dim() != 2:
-        x = x.reshape(-1, hidden).contiguous()
+        x = contiguous(x.reshape(-1, hidden), "x")
     y = empty((rows, hidden), "rms_norm's output")
     lib.asyncinfer_rms_norm(x.data_ptr(), rows, x.stride(0), hidden, weight.data_ptr(), eps, y.data_ptr(),
                              torch.get_num_threads())
@@ -127,9 +127,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise TypeError(f"context_lens: decode_attention takes int64 context_lens [S={num_seqs}], got "
                         f"{tuple(context_lens.shape)}")
     scale = real("scale", scale)
-    q = q.contiguous()  # a view of q/k/v in the engine's layers
-    context_lens = context_lens.contiguous()
-    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    q = contiguous(q, "q")  # a view of q/k/v in the engine's layers
+    context_lens = contiguous(context_lens, "context_lens")
+    tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
     _check_paged(lib, tables, context_lens, None, k_cache)
     out = torch.empty_like(q)
     lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
@@ -186,9 +186,10 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
 def _raise_paged(code: int, table_width: int, k_cache: torch.Tensor) -> None:
     """The IndexError of ``asyncinfer_check_paged``'s codes (3, 4); nothing for any other."""
     if code == 3:
-        raise IndexError(f"a context length is below 1 or beyond its block table ({table_width} blocks)")
+        raise IndexError(f"context_lens: a context length is below 1 or beyond its block table ({table_width} "
+                         f"blocks)")
     if code == 4:
-        raise IndexError(f"a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
+        raise IndexError(f"slots, block_tables: a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
                          f"{k_cache.shape[1]})")
 
 
