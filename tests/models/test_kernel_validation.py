@@ -54,3 +54,17 @@ def test_hostile_calls_raise_only_typed_errors_naming_their_parameter(tmp_path) 
     last = log.read_text().splitlines()[-1:] if log.exists() else []
     assert proc.returncode == 0, (f"exit {proc.returncode} (a negative code is the signal that ended it); "
                                   f"last call {last}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def test_the_block_layout_is_written_once_and_is_ggmls() -> None:
+    """formats.py's layouts are ggml's sizes (gguf.constants), and the GGUF reader's block sizes are formats'."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from asyncinfer.kernels import formats
+    from asyncinfer.models import gguf_file
+
+    for name, layout in formats.READ_LAYOUTS.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]] == (layout.weights, layout.nbytes), name
+        kind = int(GGMLQuantizationType[name.upper()])
+        assert gguf_file._BLOCKS[kind] == (layout.weights, layout.nbytes) and gguf_file._LAYOUTS[kind] is layout
+    assert formats.BLOCK_FORMATS == {"q4_1": (32, 20), "q8_0": (32, 34)}

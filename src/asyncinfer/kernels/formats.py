@@ -45,6 +45,9 @@ class BlockLayout(NamedTuple):
 LAYOUTS = {"q4_1": BlockLayout(32, 4, True), "q8_0": BlockLayout(32, 8, False)}
 #: Block formats: (weights per block, bytes per block).
 BLOCK_FORMATS = {name: (layout.weights, layout.nbytes) for name, layout in LAYOUTS.items()}
+#: Every ggml block format asyncinfer reads (the GGUF reader, models/gguf_file.py): the kernels' own and
+#: Q4_0, which the reader dequantises (its quants are q - 8: 4 bits, no minimum) but no kernel takes.
+READ_LAYOUTS = {**LAYOUTS, "q4_0": BlockLayout(32, 4, False)}
 QK = 32
 assert all(layout.weights == QK for layout in LAYOUTS.values())
 
