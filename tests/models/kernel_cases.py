@@ -235,6 +235,30 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "packed caches on meta": (lambda: _packed(kv_caches=[(torch.zeros(8, BLOCK, 1, 16, device=META),) * 2] * 2),
                               TypeError, "kv_caches[0][0]"),
     "packed timing on meta": (_timed_stack, TypeError, "timing"),
+    "stack step of no tokens": (lambda: _stack_call(input_ids=long(), positions=long(), slots=long(),
+                                                    context_lens=long(), block_tables=long().view(0, 2)),
+                                ValueError, "input_ids"),
+}
+
+#: Empty inputs the kernels take: case -> (the call, a check of what it returns).
+EMPTIES: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
+    "gemm of no rows": (lambda: _gemm(x=torch.zeros(0, 64)), lambda y: y.shape == (0, 8)),
+    "gemm of no outputs": (lambda: _gemm(packed=torch.zeros(0, 40, dtype=torch.uint8), out_features=0),
+                           lambda y: y.shape == (2, 0)),
+    "rms_norm of no rows": (lambda: kernels.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-5),
+                            lambda y: y.shape == (0, 8)),
+    "attention of no sequences": (lambda: _attention(q=torch.zeros(0, 2, 16), block_tables=long().view(0, 1),
+                                                     context_lens=long()), lambda y: y.shape == (0, 2, 16)),
+    "argmax of no rows": (lambda: kernels.argmax(torch.zeros(0, 5)), lambda y: y == []),
+    "quantize of no rows": (lambda: kernels.quantize(torch.zeros(0, 64), "q4_1"), lambda y: y.shape == (0, 40)),
+    "pack of no rows": (lambda: kernels.pack(torch.zeros(0, 34, dtype=torch.uint8), "q8_0"),
+                        lambda y: y.shape == (0, 34)),
+    "dequantize of no rows": (lambda: kernels.dequantize(torch.zeros(0, 40, dtype=torch.uint8), "q4_1"),
+                              lambda y: y.shape == (0, 64)),
+    "layer step of no tokens": (lambda: _layer_call(h=torch.zeros(0, HIDDEN), cos=torch.zeros(0, 8),
+                                                    sin=torch.zeros(0, 8), slots=long(),
+                                                    block_tables=long().view(0, 2), context_lens=long()),
+                                lambda y: y.shape == (0, HIDDEN)),
 }
 
 
@@ -266,10 +290,18 @@ def run_forked(fn: Callable[[], object]) -> dict:
     return json.loads(b"".join(chunks))
 
 
+def _returns(fn: Callable[[], object], ok: Callable[[object], bool]) -> None:
+    """Raise unless ``fn()`` returns what ``ok`` accepts."""
+    out = fn()
+    if not ok(out):
+        raise AssertionError(f"returned {out!r}")
+
+
 def main() -> None:
     assert kernels.available(), kernels.unavailable_reason()
     tiny_stack()  # built once here, before any fork
     results = {name: run_forked(fn) for name, (fn, _, _) in CASES.items()}
+    results.update({name: run_forked(lambda fn=fn, ok=ok: _returns(fn, ok)) for name, (fn, ok) in EMPTIES.items()})
     results["a real crash (the harness's own check)"] = run_forked(lambda: os.kill(os.getpid(), signal.SIGSEGV))
     json.dump(results, sys.stdout)
 
