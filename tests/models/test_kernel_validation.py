@@ -45,10 +45,10 @@ def test_the_input_is_refused_by_name(outcomes, case) -> None:
     assert parameter in outcome["message"], f"{case}: {outcome['message']!r} does not name {parameter!r}"
 
 
-
 @pytest.mark.parametrize("case", list(EMPTIES))
 def test_empty_inputs_give_empty_results(outcomes, case) -> None:
     assert outcomes[case] == {"returned": True}, f"{case}: {outcomes[case]}"
+
 
 def test_hostile_calls_raise_only_typed_errors_naming_their_parameter(tmp_path) -> None:
     """tests/models/kernel_fuzz.py: Hypothesis drives every public kernel entry with hostile shapes, dtypes,
