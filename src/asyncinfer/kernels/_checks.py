@@ -28,7 +28,7 @@ def tensor(name: str, t: object, dtype: torch.dtype | None = None, allowed: str 
     """``t`` itself, once it is a strided CPU tensor (of ``dtype``, if given); else TypeError naming ``name``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a CPU torch.Tensor{allowed and ' ' + allowed}, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.layout != torch.strided:
+    if not t.is_cpu or t.layout != torch.strided:
         raise TypeError(f"{name} must be a strided CPU tensor (the kernels read host memory), got a {t.layout} "
                         f"tensor on {t.device}")
     if dtype is not None and t.dtype != dtype:

@@ -23,6 +23,7 @@ from asyncinfer.kernels.ops import (
     check_cache_size,
     check_context,
     check_width,
+    longest,
 )
 
 _FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
@@ -134,7 +135,8 @@ class DecodeLayer:
         kv_shape = (self._kv_heads, self._head_dim)
         if h.dim() != 2 or h.shape[1] != self._hidden:
             raise ValueError(f"h must be float32 [T, {self._hidden}], got {h.dtype} {tuple(h.shape)}")
-        bounded("h (the step's working memory)", num_tokens, self._widest, 4)
+        if num_tokens * self._widest > _MAX_FLOATS:
+            bounded("h (the step's working memory)", num_tokens, self._widest, 4)
         for name, t in (("cos", cos), ("sin", sin)):
             if not t.is_contiguous() or t.numel() != num_tokens * half:
                 raise ValueError(f"{name} must be contiguous float32 [{num_tokens}, {half}], got {t.dtype} "
@@ -143,14 +145,16 @@ class DecodeLayer:
             if not t.is_contiguous() or t.dim() != 4 or tuple(t.shape[2:]) != kv_shape or t.shape != k_cache.shape:
                 raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, {kv_shape[0]}, "
                                  f"{kv_shape[1]}] like k_cache, got {t.dtype} {tuple(t.shape)}")
-        for name, t in (("slots", slots), ("context_lens", context_lens), ("block_tables", block_tables)):
-            tensor(name, t, torch.int64)
-            if (t.shape[0] if t.dim() else -1) != num_tokens or t.dim() != (2 if name == "block_tables" else 1):
-                raise ValueError(f"{name} must have one {'row' if name == 'block_tables' else 'entry'} per row of h "
-                                 f"({num_tokens}), got {tuple(t.shape)}")
+        if not isinstance(context_lens, torch.Tensor) or context_lens.numel() != num_tokens:
+            tensor("context_lens", context_lens, torch.int64)  # slots and block_tables: as many (_check_paged)
+            raise ValueError(f"context_lens must have one entry per row of h ({num_tokens}), got "
+                             f"{tuple(context_lens.shape)}")
         _check_timing(self.timing, 3, "DecodeLayer")
         if not h.is_contiguous():
             h = contiguous(h, "h")
+        if not (isinstance(block_tables, torch.Tensor) and isinstance(slots, torch.Tensor)):  # None included
+            tensor("slots", slots, torch.int64)
+            tensor("block_tables", block_tables, torch.int64)
         tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         _check_paged(lib, tables, context_lens, slots, k_cache)
         if not num_tokens:  # an empty step stays empty
@@ -322,7 +326,7 @@ class DecodeStack:
         num_tokens = input_ids.numel()
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots),
                         ("context_lens", context_lens), ("block_tables", block_tables)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.device.type != "cpu" or (
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or not t.is_cpu or (
                     name != "block_tables" and (t.dim() != 1 or t.numel() != num_tokens or not t.is_contiguous())):
                 tensor(name, t)
                 raise TypeError(f"{name} must be a CPU int64 tensor, one entry a token (block_tables: one row), got "
@@ -331,7 +335,7 @@ class DecodeStack:
             raise TypeError(f"block_tables must be int64 [{num_tokens}, blocks], got {tuple(block_tables.shape)}")
         if num_tokens < 1:
             raise ValueError(f"input_ids: a step of decodes has at least one token, got {num_tokens}")
-        max_context = int(context_lens.max())
+        max_context = longest(context_lens)
         tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         return self._run(input_ids.shape[0], input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,

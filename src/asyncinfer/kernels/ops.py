@@ -8,9 +8,11 @@ import ctypes
 import torch
 
 from asyncinfer.kernels._build import lib as _need
-from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, empty, real, size, tensor
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, empty, out_of_memory, real, size, tensor
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
+
+_MAX_FLOATS = MAX_BYTES // 4
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
@@ -50,9 +52,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
             bias = bias.float().contiguous()
     if x.stride(-1) != 1:
         x = contiguous(x, "x")
-    y = empty((rows, out_features), "gemm's output")
+    y = empty((rows, out_features), "x, out_features (gemm's output)")
     if rows:
-        scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "gemm's working memory", torch.uint8)
+        scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "x (gemm's working memory)", torch.uint8)
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
         fn(x.data_ptr(), rows, x.stride(0), k, packed.data_ptr(), out_features,
            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
@@ -69,22 +71,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     disagree (x [..., hidden], weight [hidden]) and an ``eps`` that is not a real number; ValueError for a
     hidden size of 0 or more than 2**62 bytes of x."""
     lib = _need()
-    tensor("x", x)
-    tensor("weight", weight)
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 1 or weight.shape != x.shape[-1:]:
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cpu and weight.is_cpu
+            and x.dtype == weight.dtype == torch.float32 and x.layout == weight.layout == torch.strided
+            and x.dim() >= 1 and weight.shape == x.shape[-1:]):  # one test on the hot path; the details below
+        tensor("x", x)
+        tensor("weight", weight)
         raise TypeError(f"x, weight: rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     shape = x.shape
     hidden = shape[-1]
     if hidden < 1:
         raise ValueError(f"x: rms_norm needs a hidden size (x's last dimension) of at least 1, got {tuple(shape)}")
-    eps = real("eps", eps)
+    if type(eps) is not float:
+        eps = real("eps", eps)
     rows = x.numel() // hidden
-    bounded("x", rows, hidden, 4)
-    weight = contiguous(weight, "weight")
+    if rows * hidden > _MAX_FLOATS:
+        bounded("x", rows, hidden, 4)
+    if not weight.is_contiguous():
+        weight = contiguous(weight, "weight")
     if x.stride(-1) != 1 or x.dim() != 2:
         x = contiguous(x.reshape(-1, hidden), "x")
-    y = empty((rows, hidden), "rms_norm's output")
+    try:
+        y = torch.empty(rows, hidden, dtype=torch.float32)
+    except RuntimeError as exc:
+        raise out_of_memory(exc, "x (rms_norm's output)") from exc
     lib.asyncinfer_rms_norm(x.data_ptr(), rows, x.stride(0), hidden, weight.data_ptr(), eps, y.data_ptr(),
                              torch.get_num_threads())
     return y if y.shape == shape else y.view(shape)
@@ -152,6 +162,12 @@ def check_width(width: int, block_size: int) -> None:
         raise ValueError(f"block_tables: a width of {width} blocks of {block_size} slots is beyond 2**62 positions")
 
 
+def longest(context_lens: torch.Tensor) -> int:
+    """The largest of CPU int64 ``context_lens`` (not empty): through a list for the few of a decode step,
+    which costs a fifth of a torch reduction."""
+    return max(context_lens.tolist()) if context_lens.numel() <= 256 else int(context_lens.max())
+
+
 def check_context(max_context: int, width: int, block_size: int) -> None:
     """IndexError unless the longest context fits a table ``width`` blocks wide (checked before the kernels'
     own check, whose int64 rounding-up would wrap for a length near 2**63)."""
@@ -167,7 +183,7 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
     num_seqs = context_lens.numel()
     for name, t, n in (("context_lens", context_lens, num_seqs), ("slots", slots, num_seqs),
                        ("block_tables", tables, None)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.int64
+        if t is not None and (not isinstance(t, torch.Tensor) or not t.is_cpu or t.dtype != torch.int64
                               or not t.is_contiguous() or (n is not None and t.numel() != n)):
             tensor(name, t, torch.int64)
             raise TypeError(f"{name} must be contiguous int64 with one entry a sequence, got {t.dtype} "
@@ -177,7 +193,7 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
     check_cache_size("k_cache", k_cache)
     check_width(tables.shape[1], k_cache.shape[1])
     if num_seqs:
-        check_context(int(context_lens.max()), tables.shape[1], k_cache.shape[1])
+        check_context(longest(context_lens), tables.shape[1], k_cache.shape[1])
     _raise_paged(lib.asyncinfer_check_paged(tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
                                             None if slots is None else slots.data_ptr(), num_seqs, k_cache.shape[1],
                                             k_cache.shape[0]), tables.shape[1], k_cache)
@@ -194,7 +210,7 @@ def _raise_paged(code: int, table_width: int, k_cache: torch.Tensor) -> None:
 
 
 def _check_timing(timing: torch.Tensor | None, parts: int, owner: str) -> None:
-    if timing is not None and (not isinstance(timing, torch.Tensor) or timing.device.type != "cpu"
+    if timing is not None and (not isinstance(timing, torch.Tensor) or not timing.is_cpu
                                or timing.dtype != torch.float64 or timing.numel() < parts or not timing.is_contiguous()):
         raise TypeError(f"{owner}.timing must be None or contiguous float64 [{parts}] (see time_parts)")
 
@@ -209,7 +225,7 @@ def _check(code: int, what: str) -> None:
 def argmax_takes(x: torch.Tensor) -> bool:
     """Whether :func:`argmax` takes ``x``: a CPU float32 [rows, n > 0] tensor whose rows follow each
     other (values contiguous, rows apart by at least n)."""
-    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu
             and x.layout == torch.strided and x.shape[1] > 0 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and (x.shape[1] == 1 or x.stride(1) == 1))
 
 
