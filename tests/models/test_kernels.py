@@ -322,7 +322,7 @@ def test_the_stack_and_layer_refuse_inputs_outside_their_tables(tmp_path) -> Non
     h, cs = torch.zeros(1, hidden), torch.zeros(1, half)
     with pytest.raises(ValueError, match=f"h must be float32 \\[T, {hidden}\\]"):
         layer(torch.zeros(1, hidden + 1), cs, cs, k, v, one, tables, one)
-    with pytest.raises(ValueError, match="cos must be contiguous float32"):
+    with pytest.raises(TypeError, match="cos must be a torch.float32 tensor"):
         layer(h, cs.double(), cs, k, v, one, tables, one)
     with pytest.raises(ValueError, match="v_cache must be contiguous float32"):
         layer(h, cs, cs, k, v[:2], one, tables, one)
@@ -343,13 +343,13 @@ def test_bad_inputs_are_refused_by_name() -> None:
         kernels.gemm(torch.randn(2, 40), blocks, "q4_1", 8)  # not whole blocks
     with pytest.raises(ValueError, match="x has 96 columns, but the q4_1 weights hold 64 inputs"):
         kernels.gemm(torch.randn(2, 96), blocks, "q4_1", 8)  # the activations' mistake, named as such
-    with pytest.raises(ValueError, match="pack takes q4_1 blocks as uint8"):
+    with pytest.raises(TypeError, match="pack takes q4_1 blocks as uint8"):
         kernels.pack(torch.zeros(8, 40, dtype=torch.float32), "q4_1")
     with pytest.raises(ValueError, match="dequantize takes q8_0 blocks as uint8"):
         kernels.dequantize(random_blocks("q4_1", 8, 2, seed=1), "q8_0")  # 40 bytes a row: not 34s
     with pytest.raises(ValueError, match="unknown block format 'q5_0'"):
         kernels.unpack(blocks, "q5_0")
-    with pytest.raises(ValueError, match=r"quantize takes floating-point weights \[N, K\]"):
+    with pytest.raises(TypeError, match=r"weight: quantize takes floating-point weights \[N, K\]"):
         kernels.quantize(torch.randn(64), "q4_1")
     with pytest.raises(ValueError, match="unknown block format"):
         kernels.gemm(x, blocks, "q5_0", 8)
@@ -368,7 +368,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
                                     (tables + 4, one, "outside the caches"), (tables - 1, one, "outside the caches")):
         with pytest.raises(IndexError, match=match):
             kernels.decode_attention(q, cache, cache, bad_tables, lens, 1.0)
-    with pytest.raises(TypeError, match="takes int64"):
+    with pytest.raises(TypeError, match="context_lens must be a torch.int64 tensor"):
         kernels.decode_attention(q, cache, cache, tables, one.int(), 1.0)
     with pytest.raises(TypeError, match="rms_norm takes float32"):
         kernels.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

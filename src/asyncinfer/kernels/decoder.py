@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+from array import array
 from collections.abc import Callable
 from itertools import chain
 from typing import NamedTuple
@@ -12,10 +13,21 @@ from typing import NamedTuple
 import torch
 
 from asyncinfer.kernels._build import lib as _need
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, real, size, tensor
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
-from asyncinfer.kernels.ops import _check, _check_paged, _check_timing, _raise_paged
+from asyncinfer.kernels.ops import (
+    _check,
+    _check_paged,
+    _check_timing,
+    _raise_paged,
+    check_cache_size,
+    check_context,
+    check_width,
+    longest,
+)
 
 _FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
+_MAX_FLOATS = MAX_BYTES // 4
 
 
 class _Layer(ctypes.Structure):
@@ -39,7 +51,13 @@ class DecodeLayer:
     the residual stream ``h`` [T, hidden] (float32, contiguous, updated in place and returned).
     ``qkv``, ``o``, ``gate_up``, ``down``: each ``(format, blocks, bias or None)``, blocks as
     :func:`gemm` takes them (``pack(quantize(w, format), format)``; ``qkv`` the q, k and v rows one
-    after another, ``gate_up`` the gate rows then the up rows); norms float32 [hidden].
+    after another, ``gate_up`` the gate rows then the up rows); norms float32 [hidden]; only ``qkv`` may
+    have a bias (float32 [rows]).
+
+    Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
+    another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
+    outside its range (heads, KV heads, intermediate size and hidden size >= 1, head_dim a positive
+    multiple of 8, heads a multiple of the KV heads) and for weights that disagree with these sizes.
     """
 
     def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
@@ -49,12 +67,40 @@ class DecodeLayer:
         self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                       "intermediate_size": intermediate_size, "scale": scale}
-        self._hidden = norm1.shape[0]
+        heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
+        head_dim = size("head_dim", head_dim, 8, 2**31)
+        if head_dim % 8:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (the attention kernel's vectors)")
+        inter = size("intermediate_size", intermediate_size)
+        eps, scale = real("eps", eps), real("scale", scale)
+        for name, t in (("norm1", norm1), ("norm2", norm2)):
+            tensor(name, t, torch.float32, "[hidden]")
+            if t.dim() != 1 or not t.is_contiguous() or t.shape != norm1.shape:
+                raise TypeError(f"{name} must be contiguous float32 [hidden] like norm1, got {tuple(t.shape)}")
+        hidden = size("hidden (norm1's size)", norm1.shape[0])
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        self._head_dim, self._kv_heads = head_dim, kv_heads
+        for name, spec, n, k in (("qkv", qkv, q_size + 2 * kv_size, hidden), ("o", o, hidden, q_size),
+                                 ("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
+            if not isinstance(spec, tuple) or len(spec) != 3:
+                raise TypeError(f"{name} must be a tuple (format, blocks, bias or None), got {type(spec).__name__}")
+            _check_blocks(spec[1], spec[0], n, k, name)
+            bias = spec[2]
+            if bias is not None and name != "qkv":
+                raise ValueError(f"{name} must have no bias (the kernel adds one to q/k/v only)")
+            if bias is not None:
+                tensor("qkv bias", bias, torch.float32)
+                if not bias.is_contiguous() or bias.numel() != n:
+                    raise ValueError(f"qkv bias must be contiguous float32 [{n}], got {tuple(bias.shape)}")
+        #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
+        self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
+        self._hidden = hidden
         self._struct = _Layer(
             norm1.data_ptr(), norm2.data_ptr(), qkv[1].data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
             o[1].data_ptr(), gate_up[1].data_ptr(), down[1].data_ptr(), _FORMAT_CODES[qkv[0]], _FORMAT_CODES[o[0]],
-            _FORMAT_CODES[gate_up[0]], _FORMAT_CODES[down[0]], self._hidden, num_heads, num_kv_heads, head_dim,
-            intermediate_size, eps, scale)
+            _FORMAT_CODES[gate_up[0]], _FORMAT_CODES[down[0]], hidden, heads, kv_heads, head_dim, inter, eps, scale)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
@@ -76,28 +122,43 @@ class DecodeLayer:
         the rope rows of each token's position; caches float32 [blocks, block_size, KV heads, head_dim];
         slots / context_lens int64 [T]; block_tables int64 [T, n]. Returns h, updated in place.
 
-        Raises TypeError / ValueError for tensors of the wrong type or shape, IndexError for a context,
-        slot or block outside the caches."""
+        Raises TypeError naming the parameter for tensors not on the CPU or of another dtype (h, cos, sin,
+        caches float32; slots, block_tables, context_lens int64); ValueError for shapes that disagree with
+        the layer (h's width, the rope rows, the caches' KV heads and head_dim) or each other (one slot, context
+        length and table row per row of h), caches of no block or slot; IndexError for a
+        context, slot or block outside the caches."""
         lib = _need()
+        for name, t in (("h", h), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+            tensor(name, t, torch.float32)
         num_tokens = h.shape[0] if h.dim() == 2 else -1
-        half = self._args["head_dim"] // 2
-        kv_shape = (self._args["num_kv_heads"], self._args["head_dim"])
-        if h.dtype != torch.float32 or h.dim() != 2 or h.shape[1] != self._hidden:
+        half = self._head_dim // 2
+        kv_shape = (self._kv_heads, self._head_dim)
+        if h.dim() != 2 or h.shape[1] != self._hidden:
             raise ValueError(f"h must be float32 [T, {self._hidden}], got {h.dtype} {tuple(h.shape)}")
+        if num_tokens * self._widest > _MAX_FLOATS:
+            bounded("h (the step's working memory)", num_tokens, self._widest, 4)
         for name, t in (("cos", cos), ("sin", sin)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != num_tokens * half:
+            if not t.is_contiguous() or t.numel() != num_tokens * half:
                 raise ValueError(f"{name} must be contiguous float32 [{num_tokens}, {half}], got {t.dtype} "
                                  f"{tuple(t.shape)}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 4 or tuple(t.shape[2:]) != kv_shape \
-                    or t.shape != k_cache.shape:
+            if not t.is_contiguous() or t.dim() != 4 or tuple(t.shape[2:]) != kv_shape or t.shape != k_cache.shape:
                 raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, {kv_shape[0]}, "
                                  f"{kv_shape[1]}] like k_cache, got {t.dtype} {tuple(t.shape)}")
+        if not isinstance(context_lens, torch.Tensor) or context_lens.numel() != num_tokens:
+            tensor("context_lens", context_lens, torch.int64)  # slots and block_tables: as many (_check_paged)
+            raise ValueError(f"context_lens must have one entry per row of h ({num_tokens}), got "
+                             f"{tuple(context_lens.shape)}")
         _check_timing(self.timing, 3, "DecodeLayer")
         if not h.is_contiguous():
-            h = h.contiguous()
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+            h = contiguous(h, "h")
+        if not (isinstance(block_tables, torch.Tensor) and isinstance(slots, torch.Tensor)):  # None included
+            tensor("slots", slots, torch.int64)
+            tensor("block_tables", block_tables, torch.int64)
+        tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         _check_paged(lib, tables, context_lens, slots, k_cache)
+        if not num_tokens:  # an empty step stays empty
+            return h
         if torch.autograd.profiler._is_profiler_enabled:  # one op per layer in a trace
             with torch.profiler.record_function("asyncinfer::decode_layer"):
                 return self._call(lib, h, cos, sin, k_cache, v_cache, slots, tables, context_lens)
@@ -141,13 +202,35 @@ class DecodeStack:
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
                  head: tuple[str, torch.Tensor, int] | None = None) -> None:
+        if not isinstance(layers, (list, tuple)):
+            raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
+        layers = list(layers)
         if not layers:
-            raise ValueError("DecodeStack needs at least one layer")
+            raise ValueError("layers: DecodeStack needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, DecodeLayer):
+                raise TypeError(f"layers[{i}] must be a DecodeLayer, got {type(layer).__name__}")
+            shape = (layer._hidden, layer._head_dim, layer._kv_heads)
+            first = (layers[0]._hidden, layers[0]._head_dim, layers[0]._kv_heads)
+            if shape != first:
+                raise ValueError(f"layers[{i}] has (hidden, head_dim, KV heads) {shape}, layers[0] {first}: the layers "
+                                 f"of a stack share them (one residual stream, one cache shape)")
+        hidden = layers[0]._hidden
+        tensor("final_norm", final_norm)
+        if final_norm.dim() != 1 or final_norm.shape[0] != hidden or not final_norm.is_floating_point():
+            raise TypeError(f"final_norm must be floating-point [hidden={hidden}], got {final_norm.dtype} "
+                            f"{tuple(final_norm.shape)}")
+        eps = real("eps", eps)
         if head is not None:
+            if not isinstance(head, tuple) or len(head) != 3:
+                raise TypeError(f"head must be None or a tuple (format, blocks, out_features), got "
+                                f"{type(head).__name__}")
             fmt, blocks, out_features = head
-            _check_blocks(blocks, fmt, out_features, layers[0]._hidden)
-        self.layers = list(layers)
+            size("head's out_features", out_features)
+            _check_blocks(blocks, fmt, out_features, hidden, "head")
+        self.layers = layers
         self.head = head
+        self._widest = max(layer._widest for layer in layers)
         self._norm = final_norm.detach().float().contiguous()
         self._eps = eps
         self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
@@ -172,36 +255,53 @@ class DecodeStack:
         """The caches' pointers, checked and gathered again whenever the list holds other tensors (compared
         by identity, which costs no torch call) or layer 0's cache moved."""
         held = self._kv
+        if not isinstance(kv_caches, (list, tuple)):
+            raise TypeError(f"kv_caches must be a list of (k, v) pairs, got {type(kv_caches).__name__}")
         if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        first = kv_caches[0][0].data_ptr()
-        if held is None or held[1] != first or not all(map(operator.is_, chain.from_iterable(kv_caches), held[0])):
+            raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        try:
+            same = held is not None and held[1] == kv_caches[0][0].data_ptr() and all(
+                map(operator.is_, chain.from_iterable(kv_caches), held[0]))
+        except (TypeError, IndexError, AttributeError, RuntimeError):
+            same = False  # not pairs of tensors: refused below
+        if not same:
+            if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in kv_caches):
+                raise TypeError("kv_caches must hold one (k, v) pair per layer")
             tensors = tuple(chain.from_iterable(kv_caches))
+            for i, t in enumerate(tensors):
+                tensor(f"kv_caches[{i // 2}][{i % 2}]", t, torch.float32)
             shape = tensors[0].shape
             for layer, (k, v) in zip(self.layers, kv_caches):
-                kv_shape = (layer._args["num_kv_heads"], layer._args["head_dim"])
+                kv_shape = (layer._kv_heads, layer._head_dim)
                 if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
                         and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
                     raise TypeError(f"DecodeStack takes contiguous float32 K/V caches [blocks, block_size, "
                                     f"{kv_shape[0]}, {kv_shape[1]}], all of one shape; got {k.dtype} "
                                     f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
+            check_cache_size("kv_caches[0][0]", tensors[0])
             pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-            held = self._kv = (tensors, first, pointers)
+            held = self._kv = (tensors, tensors[0].data_ptr(), pointers)
         return held[2]
 
     def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
         """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
         rows); checked when they change."""
-        key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
         held = self._tables
+        try:
+            key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+        except (AttributeError, RuntimeError):
+            key = None  # not tensors, or tensors without host memory: refused below
         if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
                 held.cos_tensor is cos_table):
             return held
         layer = self.layers[0]
-        half = layer._args["head_dim"] // 2
-        if embed.dim() != 2 or embed.shape[1] != layer._hidden or embed.device.type != "cpu":
-            raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}], got {tuple(embed.shape)}")
+        half = layer._head_dim // 2
+        tensor("embed", embed)
+        if embed.dim() != 2 or embed.shape[1] != layer._hidden or not embed.is_floating_point():
+            raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}], got {embed.dtype} "
+                            f"{tuple(embed.shape)}")
         for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+            tensor(name, t)
             if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != half or (
                     t.shape != cos_table.shape):
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
@@ -218,21 +318,28 @@ class DecodeStack:
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
-        Raises TypeError for inputs of another dtype or shape, IndexError for a token id, position,
-        context, slot or block outside its table."""
+        Raises TypeError naming the parameter for inputs not on the CPU, of another dtype or shape, or rows
+        that disagree (one id, position, slot, context length and table row a token); ValueError for a
+        step of no tokens, caches of no block or slot, sizes beyond 2**62; IndexError for a token id,
+        position, context, slot or block outside its table."""
+        tensor("input_ids", input_ids)
         num_tokens = input_ids.numel()
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots),
                         ("context_lens", context_lens), ("block_tables", block_tables)):
-            if t.dtype != torch.int64 or t.device.type != "cpu" or (
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or not t.is_cpu or (
                     name != "block_tables" and (t.dim() != 1 or t.numel() != num_tokens or not t.is_contiguous())):
+                tensor(name, t)
                 raise TypeError(f"{name} must be a CPU int64 tensor, one entry a token (block_tables: one row), got "
                                 f"{t.dtype} {tuple(t.shape)}")
         if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
             raise TypeError(f"block_tables must be int64 [{num_tokens}, blocks], got {tuple(block_tables.shape)}")
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+        if num_tokens < 1:
+            raise ValueError(f"input_ids: a step of decodes has at least one token, got {num_tokens}")
+        max_context = longest(context_lens)
+        tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
         return self._run(input_ids.shape[0], input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
-                         kv_caches, logits, lambda: input_ids)
+                         kv_caches, logits, lambda: input_ids, max_context)
 
     def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor,
                       cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list
@@ -240,34 +347,52 @@ class DecodeStack:
         """The logits [T, out_features] of a step of decodes given as one list of ints (the T token ids,
         the T positions, the T cache slots, the T context lengths, then each sequence's block table
         padded to ``width``: the engine's decode path, one copy from Python and no tensor of its own),
-        and each row's argmax (the greedy tokens, as :func:`argmax` picks them) from the same call."""
+        and each row's argmax (the greedy tokens, as :func:`argmax` picks them) from the same call.
+
+        Raises ValueError for a stack without a head, ``num_tokens`` or ``width`` below 1, ``packed`` of
+        another length or holding an int outside int64; TypeError for arguments of another type (``packed``
+        a list of ints, ``num_tokens`` and ``width`` ints) and the tables and caches as :meth:`__call__`
+        does; IndexError for a token id, position, context, slot or block outside its table."""
         if self.head is None:
             raise ValueError("decode_packed needs a DecodeStack built with a head")
+        if type(num_tokens) is not int or type(width) is not int:  # a bool, float, numpy int...: named
+            num_tokens, width = size("num_tokens", num_tokens, -2**63, 2**63), size("width", width, -2**63, 2**63)
         if num_tokens < 1 or width < 1:
-            raise ValueError(f"a step of decodes has at least one token and one block, got {num_tokens} and {width}")
-        if len(packed) != num_tokens * (4 + width):
-            raise ValueError(f"packed holds {len(packed)} ints, not {num_tokens} * (4 + {width})")
-        data = (ctypes.c_int64 * (len(packed) + num_tokens))(*packed)  # and room for each row's argmax
-        at = ctypes.addressof(data)
+            raise ValueError(f"num_tokens, width: a step of decodes has at least one token and one block, got "
+                             f"{num_tokens} and {width}")
+        try:
+            n = len(packed)
+            data = array("q", packed)  # int64, range-checked
+        except (TypeError, OverflowError, RuntimeError) as exc:  # RuntimeError: a tensor without a value
+            raise (ValueError if isinstance(exc, OverflowError) else TypeError)(
+                f"packed must be a list of ints within int64: {exc}") from None
+        if n != num_tokens * (4 + width):
+            raise ValueError(f"packed holds {n} ints, not {num_tokens} * (4 + {width})")
+        data.frombytes(bytes(8 * num_tokens))  # room for each row's argmax
+        at = data.buffer_info()[0]
         logits = self._run(num_tokens, at, at + 8 * num_tokens, at + 16 * num_tokens, at + 24 * num_tokens,
                            at + 32 * num_tokens, width, embed, cos_table, sin_table, kv_caches, True,
-                           lambda: torch.tensor(packed[:num_tokens], dtype=torch.long), at + 8 * len(packed))
-        return logits, data[len(packed):]
+                           lambda: torch.tensor(packed[:num_tokens], dtype=torch.long),
+                           max(packed[3 * num_tokens:4 * num_tokens]), at + 8 * n)
+        return logits, data[n:].tolist()
 
     def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
              embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, logits: bool,
-             input_ids: Callable[[], torch.Tensor], argmax: int | None = None) -> torch.Tensor:
+             input_ids: Callable[[], torch.Tensor], max_context: int, argmax: int | None = None) -> torch.Tensor:
         lib = _need()
         if logits and self.head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
-        if num_tokens < 1:
-            raise ValueError(f"a step of decodes has at least one token, got {num_tokens}")
+        if num_tokens * self._widest > _MAX_FLOATS:
+            bounded("a step's working memory (tokens x the widest layer)", num_tokens, self._widest, 4)
         timing = self.timing
         _check_timing(timing, 4, "DecodeStack")
         h = None
         tables_in = self._check_tables(embed, cos_table, sin_table)
         if not tables_in.kernel_embeds:  # embedded here instead
-            h = torch.nn.functional.embedding(input_ids(), embed).float().contiguous()
+            ids_in = input_ids()
+            if int(ids_in.min()) < 0 or int(ids_in.max()) >= tables_in.vocab:
+                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
+            h = contiguous(torch.nn.functional.embedding(ids_in, embed).float(), "embed")
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self.head  # type: ignore[misc]
@@ -276,6 +401,9 @@ class DecodeStack:
             out, head, result = torch.empty(num_tokens, self.layers[0]._hidden), (None, 0, 0), None
         pointers = self._cache_pointers(kv_caches)
         cache = self._kv[0][0]  # type: ignore[index]  # layer 0's K [blocks, block size, KV heads, head dim]
+        if max_context > ldt * cache.shape[1]:  # before the kernels' own check, whose rounding-up could wrap
+            check_width(ldt, cache.shape[1])
+            check_context(max_context, ldt, cache.shape[1])
         args = (self._array, len(self.layers), pointers, None if h is None else h.data_ptr(),
                 num_tokens, ids, tables_in.embed, tables_in.vocab, positions, tables_in.cos, tables_in.sin,
                 tables_in.positions,
@@ -289,9 +417,9 @@ class DecodeStack:
         else:
             code = lib.asyncinfer_decode_stack(*args)
         if code == 1:
-            raise IndexError(f"a token id is outside the embedding table [0, {tables_in.vocab})")
+            raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
         if code == 2:
-            raise IndexError(f"a position is outside the rope table [0, {tables_in.positions})")
+            raise IndexError(f"positions: a position is outside the rope table [0, {tables_in.positions})")
         _raise_paged(code, ldt, cache)
         _check(code, "decode_stack")
         return out if result is None else result

@@ -8,8 +8,11 @@ import ctypes
 import torch
 
 from asyncinfer.kernels._build import lib as _need
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, empty, out_of_memory, real, size, tensor
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
+
+_MAX_FLOATS = MAX_BYTES // 4
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
@@ -20,24 +23,38 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     layout); returns float32 [M, out_features].
 
     Activations: rounded per block of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
-    Runs on torch's intra-op thread count. Raises RuntimeError where the kernels cannot run.
+    Runs on torch's intra-op thread count.
+
+    Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
+    not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);
+    ValueError for weights that disagree with ``fmt``, ``out_features`` or x's width, an ``out_features``
+    outside [0, 2**62], or sizes whose products pass 2**62 bytes; MemoryError when the output or working
+    memory cannot be allocated.
     """
     lib = _need()
     _bytes_per_block(fmt)  # an unknown format named before the activations
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
-        raise TypeError(f"the {fmt} kernel takes 2-D float32 CPU activations, got {tuple(x.shape)} {x.dtype} on "
-                        f"{x.device}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    tensor("x", x)
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "
+                        f"{x.dtype} on {x.device}")
+    out_features = size("out_features", out_features, 0)
     rows, k = x.shape
     _check_blocks(packed, fmt, out_features, k)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    if bias is not None and bias.numel() != out_features:
-        raise ValueError(f"bias has {bias.numel()} values for {out_features} outputs")
-    y = torch.empty(rows, out_features, dtype=torch.float32)
+    bounded("x [M, K] (working memory)", rows + 8, k, 4)
+    bounded("the output [M, out_features]", rows, out_features, 4)
+    if bias is not None:
+        tensor("bias", bias)
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor [out_features], got {bias.dtype}")
+        if bias.numel() != out_features:
+            raise ValueError(f"bias has {bias.numel()} values for {out_features} outputs")
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.float().contiguous()
+    if x.stride(-1) != 1:
+        x = contiguous(x, "x")
+    y = empty((rows, out_features), "x, out_features (gemm's output)")
     if rows:
-        scratch = torch.empty(lib.asyncinfer_scratch_bytes(rows, k), dtype=torch.uint8)
+        scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "x (gemm's working memory)", torch.uint8)
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
         fn(x.data_ptr(), rows, x.stride(0), k, packed.data_ptr(), out_features,
            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
@@ -48,17 +65,36 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of float32 x [..., hidden] scaled by ``weight``, the same shape back: the float32 steps
-    of :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding)."""
+    of :func:`asyncinfer.models.layers.rms_norm`, summed in another order (equal within float32 rounding).
+
+    Raises TypeError naming the parameter for tensors not on the CPU, of another dtype or of shapes that
+    disagree (x [..., hidden], weight [hidden]) and an ``eps`` that is not a real number; ValueError for a
+    hidden size of 0 or more than 2**62 bytes of x."""
     lib = _need()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
-        raise TypeError(f"rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cpu and weight.is_cpu
+            and x.dtype == weight.dtype == torch.float32 and x.layout == weight.layout == torch.strided
+            and x.dim() >= 1 and weight.shape == x.shape[-1:]):  # one test on the hot path; the details below
+        tensor("x", x)
+        tensor("weight", weight)
+        raise TypeError(f"x, weight: rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    weight = weight.contiguous()
     shape = x.shape
+    hidden = shape[-1]
+    if hidden < 1:
+        raise ValueError(f"x: rms_norm needs a hidden size (x's last dimension) of at least 1, got {tuple(shape)}")
+    if type(eps) is not float:
+        eps = real("eps", eps)
+    rows = x.numel() // hidden
+    if rows * hidden > _MAX_FLOATS:
+        bounded("x", rows, hidden, 4)
+    if not weight.is_contiguous():
+        weight = contiguous(weight, "weight")
     if x.stride(-1) != 1 or x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
-    rows, hidden = x.shape
-    y = torch.empty(rows, hidden, dtype=torch.float32)
+        x = contiguous(x.reshape(-1, hidden), "x")
+    try:
+        y = torch.empty(rows, hidden, dtype=torch.float32)
+    except RuntimeError as exc:
+        raise out_of_memory(exc, "x (rms_norm's output)") from exc
     lib.asyncinfer_rms_norm(x.data_ptr(), rows, x.stride(0), hidden, weight.data_ptr(), eps, y.data_ptr(),
                              torch.get_num_threads())
     return y if y.shape == shape else y.view(shape)
@@ -70,22 +106,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: float32 [S, H, D]; caches: float32 [blocks, block_size, KVH, D] (this step's K/V written);
     block_tables: int64 [S, >= ceil(context / block_size)]; context_lens: int64 [S]. Returns [S, H, D].
-    Raises IndexError for a context length below 1 or beyond its table, or a block outside the caches.
+
+    Raises TypeError naming the parameter for tensors not on the CPU, of another dtype or kind of shape
+    (caches that differ, rows that disagree with q's S); ValueError for a head_dim that is not a positive
+    multiple of 8, a head, KV-head or block-size count of 0, heads not a multiple of the KV heads, or a
+    table width times block size beyond 2**62; IndexError for a context length below 1 or beyond its
+    table, or a block outside the caches.
     """
     lib = _need()
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        tensor(name, t, torch.float32)
+    tensor("block_tables", block_tables, torch.int64)
+    tensor("context_lens", context_lens, torch.int64)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise TypeError(f"q, k_cache, v_cache: decode_attention takes q [S, H, D] and caches [blocks, block_size, "
+                        f"KV heads, D] of one shape, got q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
+                        f"{tuple(v_cache.shape)}")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if head_dim % 8 or num_heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"decode_attention needs head_dim a multiple of 8, heads a multiple of KV heads and "
-                         f"matching caches: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not all(t.dtype == torch.float32 for t in (q, k_cache, v_cache)) or not (
-            k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise TypeError("decode_attention takes float32 q and contiguous float32 caches")
-    q = q.contiguous()  # a view of q/k/v in the engine's layers
-    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or context_lens.numel() != num_seqs:
-        raise TypeError("decode_attention takes int64 block_tables [S, n] and context_lens [S]")
-    context_lens = context_lens.contiguous()
-    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    if head_dim < 8 or head_dim % 8:
+        raise ValueError(f"q: decode_attention needs head_dim a positive multiple of 8, got {head_dim}")
+    size("num_heads (q.shape[1])", num_heads)
+    size("KV heads (k_cache.shape[2])", kv_heads)
+    if num_heads % kv_heads:
+        raise ValueError(f"q: decode_attention needs the heads ({num_heads}) a multiple of the KV heads "
+                         f"({kv_heads})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise TypeError("k_cache, v_cache: decode_attention takes contiguous float32 caches")
+    if context_lens.numel() != num_seqs:
+        raise TypeError(f"context_lens: decode_attention takes int64 context_lens [S={num_seqs}], got "
+                        f"{tuple(context_lens.shape)}")
+    scale = real("scale", scale)
+    q = contiguous(q, "q")  # a view of q/k/v in the engine's layers
+    context_lens = contiguous(context_lens, "context_lens")
+    tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
     _check_paged(lib, tables, context_lens, None, k_cache)
     out = torch.empty_like(q)
     lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
@@ -95,6 +149,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 
+def check_cache_size(name: str, k_cache: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless a [blocks, block_size, ...] cache holds at least one block of at least
+    one slot (the kernels divide by the block size and address blocks x block_size slots)."""
+    if k_cache.shape[0] < 1 or k_cache.shape[1] < 1:
+        raise ValueError(f"{name} must hold at least one block of at least one slot, got {tuple(k_cache.shape)}")
+
+
+def check_width(width: int, block_size: int) -> None:
+    """ValueError unless a table width times the block size (the longest context) stays within 2**62."""
+    if width * block_size > MAX_BYTES:
+        raise ValueError(f"block_tables: a width of {width} blocks of {block_size} slots is beyond 2**62 positions")
+
+
+def longest(context_lens: torch.Tensor) -> int:
+    """The largest of CPU int64 ``context_lens`` (not empty): through a list for the few of a decode step,
+    which costs a fifth of a torch reduction."""
+    return max(context_lens.tolist()) if context_lens.numel() <= 256 else int(context_lens.max())
+
+
+def check_context(max_context: int, width: int, block_size: int) -> None:
+    """IndexError unless the longest context fits a table ``width`` blocks wide (checked before the kernels'
+    own check, whose int64 rounding-up would wrap for a length near 2**63)."""
+    if max_context > width * block_size:
+        raise IndexError(f"context_lens: a context length ({max_context}) is beyond its block table ({width} "
+                         f"blocks of {block_size})")
+
+
 def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Tensor, slots: torch.Tensor | None,
                  k_cache: torch.Tensor) -> None:
     """Raise IndexError unless every context fits its block table and every slot and block it reads is
@@ -102,11 +183,17 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
     num_seqs = context_lens.numel()
     for name, t, n in (("context_lens", context_lens, num_seqs), ("slots", slots, num_seqs),
                        ("block_tables", tables, None)):
-        if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or (n is not None and t.numel() != n)):
+        if t is not None and (not isinstance(t, torch.Tensor) or not t.is_cpu or t.dtype != torch.int64
+                              or not t.is_contiguous() or (n is not None and t.numel() != n)):
+            tensor(name, t, torch.int64)
             raise TypeError(f"{name} must be contiguous int64 with one entry a sequence, got {t.dtype} "
                             f"{tuple(t.shape)}")
     if tables.dim() != 2 or tables.shape[0] != num_seqs:
         raise TypeError(f"block_tables must be int64 [sequences={num_seqs}, blocks], got {tuple(tables.shape)}")
+    check_cache_size("k_cache", k_cache)
+    check_width(tables.shape[1], k_cache.shape[1])
+    if num_seqs:
+        check_context(longest(context_lens), tables.shape[1], k_cache.shape[1])
     _raise_paged(lib.asyncinfer_check_paged(tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
                                             None if slots is None else slots.data_ptr(), num_seqs, k_cache.shape[1],
                                             k_cache.shape[0]), tables.shape[1], k_cache)
@@ -115,14 +202,16 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
 def _raise_paged(code: int, table_width: int, k_cache: torch.Tensor) -> None:
     """The IndexError of ``asyncinfer_check_paged``'s codes (3, 4); nothing for any other."""
     if code == 3:
-        raise IndexError(f"a context length is below 1 or beyond its block table ({table_width} blocks)")
+        raise IndexError(f"context_lens: a context length is below 1 or beyond its block table ({table_width} "
+                         f"blocks)")
     if code == 4:
-        raise IndexError(f"a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
+        raise IndexError(f"slots, block_tables: a cache slot or block is outside the caches ({k_cache.shape[0]} blocks of "
                          f"{k_cache.shape[1]})")
 
 
 def _check_timing(timing: torch.Tensor | None, parts: int, owner: str) -> None:
-    if timing is not None and (timing.dtype != torch.float64 or timing.numel() < parts or not timing.is_contiguous()):
+    if timing is not None and (not isinstance(timing, torch.Tensor) or not timing.is_cpu
+                               or timing.dtype != torch.float64 or timing.numel() < parts or not timing.is_contiguous()):
         raise TypeError(f"{owner}.timing must be None or contiguous float64 [{parts}] (see time_parts)")
 
 
@@ -136,8 +225,8 @@ def _check(code: int, what: str) -> None:
 def argmax_takes(x: torch.Tensor) -> bool:
     """Whether :func:`argmax` takes ``x``: a CPU float32 [rows, n > 0] tensor whose rows follow each
     other (values contiguous, rows apart by at least n)."""
-    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] > 0
-            and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and (x.shape[1] == 1 or x.stride(1) == 1))
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu
+            and x.layout == torch.strided and x.shape[1] > 0 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and (x.shape[1] == 1 or x.stride(1) == 1))
 
 
 def argmax(x: torch.Tensor) -> list[int]:
@@ -146,7 +235,8 @@ def argmax(x: torch.Tensor) -> list[int]:
     one vectorised pass, for greedy sampling."""
     lib = _need()
     if not argmax_takes(x):
-        raise TypeError(f"argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
+        tensor("x", x, torch.float32)
+        raise TypeError(f"x: argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
                         f"{tuple(x.shape)} on {x.device}")
     out = (ctypes.c_int64 * x.shape[0])()
     lib.asyncinfer_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out)

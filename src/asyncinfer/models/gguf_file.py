@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from asyncinfer.errors import ModelLoadError
+from asyncinfer.kernels.formats import READ_LAYOUTS
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -39,9 +40,12 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 
-# ggml tensor types: (elements per block, bytes per block). The rest come from gguf.constants.
+# ggml tensor types: (elements per block, bytes per block). The block formats' layouts are
+# asyncinfer.kernels.formats' (READ_LAYOUTS); the rest come from gguf.constants.
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
-_BLOCKS = {_F32: (1, 4), _F16: (1, 2), _Q4_0: (32, 18), _Q4_1: (32, 20), _Q8_0: (32, 34), _BF16: (1, 2)}
+_LAYOUTS = {_Q4_0: READ_LAYOUTS["q4_0"], _Q4_1: READ_LAYOUTS["q4_1"], _Q8_0: READ_LAYOUTS["q8_0"]}
+_BLOCKS = {_F32: (1, 4), _F16: (1, 2), _BF16: (1, 2),
+           **{kind: (layout.weights, layout.nbytes) for kind, layout in _LAYOUTS.items()}}
 
 
 @dataclass(frozen=True)
@@ -191,18 +195,20 @@ def _dequantize_blocks(blocks: np.ndarray, kind: int) -> np.ndarray:
 
     In place on one output array: the temporaries of the plain expression cost 5x the time.
     """
+    layout = _LAYOUTS[kind]
     d = blocks[:, :2].view(np.float16).astype(np.float32)  # [n, 1] scale
-    if kind == _Q8_0:
-        out = blocks[:, 2:].view(np.int8).astype(np.float32)  # [n, 32]
+    qs = blocks[:, layout.head:]  # [n, 32 / (8 / bits)] quants
+    if layout.bits == 8:
+        out = qs.view(np.int8).astype(np.float32)  # [n, 32]
         out *= d
         return out.reshape(-1)
-    qs = blocks[:, 4:] if kind == _Q4_1 else blocks[:, 2:]  # [n, 16] packed nibbles
-    # Element j is the low nibble of byte j, element j + 16 its high nibble.
-    q = np.empty((blocks.shape[0], 32), dtype=np.uint8)  # [n, 32]
-    np.bitwise_and(qs, 0x0F, out=q[:, :16])
-    np.right_shift(qs, 4, out=q[:, 16:])
+    # 4 bits: element j is the low nibble of byte j, element j + 16 its high nibble.
+    half = layout.quant_bytes
+    q = np.empty((blocks.shape[0], 2 * half), dtype=np.uint8)  # [n, 32]
+    np.bitwise_and(qs, 0x0F, out=q[:, :half])
+    np.right_shift(qs, 4, out=q[:, half:])
     out = q.astype(np.float32)  # [n, 32]
-    if kind == _Q4_0:
+    if not layout.has_min:  # Q4_0: q - 8
         out -= np.float32(8)
         out *= d
     else:

@@ -1,0 +1,107 @@
+"""The argument checks every public kernel entry makes before a compiled call: the kernels read and write raw
+host memory where they are told, so anything they cannot take is refused here with a typed error naming the
+parameter and what it allows.
+
+TypeError: not a tensor, another device (the kernels read host memory: CPU tensors only), another layout or
+dtype, a shape of another kind, non-contiguous where the kernel needs contiguous; ValueError: a size outside its
+range (0 where the kernel divides by it, products beyond :data:`MAX_BYTES`); IndexError: an index outside its
+table (token ids, positions, context lengths, slots, block ids)."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The largest byte count (and element count) a kernel is asked to address: every int64 product the C
+#: computes from sizes that pass these checks stays below 2**63.
+MAX_BYTES = 2**62
+
+
+def tensor(name: str, t: object, dtype: torch.dtype | None = None, allowed: str = "") -> torch.Tensor:
+    """``t`` itself, once it is a strided CPU tensor (of ``dtype``, if given); else TypeError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a CPU torch.Tensor{allowed and ' ' + allowed}, got {type(t).__name__}")
+    if not t.is_cpu or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a strided CPU tensor (the kernels read host memory), got a {t.layout} "
+                        f"tensor on {t.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor{allowed and ' ' + allowed}, got {t.dtype} "
+                        f"{tuple(t.shape)}")
+    return t
+
+
+def size(name: str, value: object, lo: int = 1, hi: int = MAX_BYTES) -> int:
+    """``value`` as an int in [lo, hi]: TypeError for a non-int (bool included), ValueError outside the range."""
+    if isinstance(value, (bool, torch.Tensor)):
+        raise TypeError(f"{name} must be an int in [{lo}, {hi}], got {type(value).__name__}")
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int in [{lo}, {hi}], got {type(value).__name__}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}={v} is outside its range [{lo}, {hi}]")
+    return v
+
+
+def real(name: str, value: object) -> float:
+    """``value`` as a float (eps, scale): TypeError for anything but a real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def bounded(name: str, *factors: int, limit: int = MAX_BYTES) -> None:
+    """ValueError naming ``name`` when the product of ``factors`` exceeds ``limit`` (2**62)."""
+    product = 1
+    for f in factors:
+        product *= f
+    if product > limit:
+        raise ValueError(f"{name}: {' x '.join(map(str, factors))} = {product} is beyond what the kernels address "
+                         f"(at most 2**62)")
+
+
+def empty(shape: tuple[int, ...], what: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch.empty, with a failed allocation raised as MemoryError naming ``what``."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except RuntimeError as exc:
+        raise MemoryError(f"{what}: cannot allocate {dtype} {shape}: {exc}") from exc
+
+
+def out_of_memory(exc: RuntimeError, what: str) -> BaseException:
+    """torch's failed CPU allocation (a RuntimeError) as the MemoryError it is, naming ``what``; any other
+    RuntimeError unchanged."""
+    if "allocate" in str(exc) or "overflow" in str(exc):
+        return MemoryError(f"{what}: {exc}")
+    return exc
+
+
+def contiguous(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t.contiguous()``, a failed allocation (an expanded tensor of huge sizes) raised as MemoryError."""
+    try:
+        return t.contiguous()
+    except RuntimeError as exc:
+        raise out_of_memory(exc, what) from exc
+
+
+def allocating(what: str) -> Callable[[F], F]:
+    """Decorate a pure-torch function so that a failed allocation is raised as MemoryError naming ``what``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                raise out_of_memory(exc, what) from exc
+
+        return run  # type: ignore[return-value]
+
+    return wrap

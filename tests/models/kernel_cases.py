@@ -1,0 +1,310 @@
+"""Inputs that once killed the process inside asyncinfer's kernels (SIGSEGV, SIGFPE, heap corruption), each
+with the typed error its entry now raises and the parameter the message names; and a tiny decoder (layers of
+32 hidden, 2 heads of 16, 1 KV head) to drive DecodeLayer / DecodeStack without a model.
+
+Run as a script, it builds the kernels, runs every case in a forked child (a crash is reported as the signal
+that ended the child, and the cases after it still run) and prints one JSON object: case -> outcome.
+``tests/models/test_kernel_validation.py`` runs it in a subprocess and checks each outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+
+from asyncinfer import kernels
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK, BLOCKS = 32, 2, 1, 16, 64, 40, 4, 8
+NEAR_2_63 = 2**63 - 1
+
+
+def blocks(rows: int, cols: int, fmt: str = "q4_1", seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return kernels.pack(kernels.quantize(torch.randn(rows, cols, generator=gen) * 0.1, fmt), fmt)
+
+
+def layer_args(hidden: int = HIDDEN, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
+               inter: int = INTER, seed: int = 0) -> dict:
+    q = heads * head_dim
+    return {"norm1": torch.ones(hidden), "norm2": torch.ones(hidden), "eps": 1e-5,
+            "qkv": ("q4_1", blocks(q + 2 * kv_heads * head_dim, hidden, seed=seed), None),
+            "o": ("q8_0", blocks(hidden, q, "q8_0", seed + 1), None),
+            "gate_up": ("q4_1", blocks(2 * inter, hidden, seed=seed + 2), None),
+            "down": ("q4_1", blocks(hidden, inter, seed=seed + 3), None),
+            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "intermediate_size": inter,
+            "scale": head_dim**-0.5}
+
+
+def tiny_layer(**over) -> kernels.DecodeLayer:
+    return kernels.DecodeLayer(**{**layer_args(), **over})
+
+
+def tiny_stack(layers: int = 2) -> kernels.DecodeStack:
+    return kernels.DecodeStack([kernels.DecodeLayer(**layer_args(seed=3 * i)) for i in range(layers)],
+                               torch.ones(HIDDEN), 1e-5, ("q8_0", blocks(VOCAB, HIDDEN, "q8_0", 99), VOCAB))
+
+
+def tables(layers: int = 2, block: int = BLOCK, blocks_: int = BLOCKS) -> tuple:
+    """embed [VOCAB, HIDDEN], cos / sin tables [64, HEAD_DIM / 2], one (k, v) cache pair a layer."""
+    gen = torch.Generator().manual_seed(5)
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.arange(HEAD_DIM // 2)[None] * 0.1
+    caches = [(torch.zeros(blocks_, block, KV_HEADS, HEAD_DIM), torch.zeros(blocks_, block, KV_HEADS, HEAD_DIM))
+              for _ in range(layers)]
+    return torch.randn(VOCAB, HIDDEN, generator=gen), angles.cos().contiguous(), angles.sin().contiguous(), caches
+
+
+def long(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+META = torch.device("meta")
+#: A token at position 5 (slot 5) of a 6-token context in blocks 0, 1: the packed list decode_packed takes.
+GOOD_PACKED = [3, 5, 5, 6, 0, 1]
+
+
+def _gemm(**over):
+    w = blocks(8, 64)
+    args = {"x": torch.randn(2, 64), "packed": w, "fmt": "q4_1", "out_features": 8, "bias": None, **over}
+    return kernels.gemm(**args)
+
+
+def _attention(**over):
+    cache = torch.zeros(4, 16, 1, 16)
+    args = {"q": torch.zeros(1, 2, 16), "k_cache": cache, "v_cache": cache, "block_tables": long(0).view(1, 1),
+            "context_lens": long(1), "scale": 1.0, **over}
+    return kernels.decode_attention(**args)
+
+
+def _layer_call(**over):
+    layer = tiny_layer()
+    _, cos, sin, caches = tables(1)
+    k, v = caches[0]
+    args = {"h": torch.zeros(1, HIDDEN), "cos": cos[:1], "sin": sin[:1], "k_cache": k, "v_cache": v,
+            "slots": long(5), "block_tables": long(0, 1).view(1, 2), "context_lens": long(6), **over}
+    return layer(**args)
+
+
+def _stack_call(stack=None, **over):
+    embed, cos, sin, caches = tables()
+    args = {"input_ids": long(3), "embed": embed, "positions": long(5), "cos_table": cos, "sin_table": sin,
+            "kv_caches": caches, "slots": long(5), "block_tables": long(0, 1).view(1, 2), "context_lens": long(6),
+            **over}
+    return (stack or tiny_stack())(**args)
+
+
+def _packed(packed=None, num_tokens=1, width=2, stack=None, **over):
+    embed, cos, sin, caches = tables()
+    args = {"embed": embed, "cos_table": cos, "sin_table": sin, "kv_caches": caches, **over}
+    return (stack or tiny_stack()).decode_packed(GOOD_PACKED if packed is None else packed, num_tokens, width,
+                                                 **args)
+
+
+def _timed_stack():
+    stack = tiny_stack()
+    stack.timing = torch.zeros(4, dtype=torch.float64, device=META)
+    return _packed(stack=stack)
+
+
+def _sparse():
+    return torch.eye(4).to_sparse()
+
+
+#: case -> (the call, the exception type it raises, a parameter name its message holds).
+CASES: dict[str, tuple[Callable[[], object], type, str]] = {
+    # gemm
+    "gemm x on meta": (lambda: _gemm(x=torch.randn(2, 64, device=META)), TypeError, "x"),
+    "gemm weights on meta": (lambda: _gemm(packed=blocks(8, 64).to(META)), TypeError, "packed"),
+    "gemm bias on meta": (lambda: _gemm(bias=torch.zeros(8, device=META)), TypeError, "bias"),
+    "gemm rows whose scratch overflows": (lambda: _gemm(x=torch.zeros(1, 64).expand(2**56, 64)), ValueError, "x"),
+    "gemm int8 weights": (lambda: _gemm(packed=blocks(8, 64).to(torch.int8)), TypeError, "packed"),
+    "gemm negative out_features": (lambda: _gemm(out_features=-1), ValueError, "out_features"),
+    "gemm x not a tensor": (lambda: _gemm(x=[[0.0] * 64]), TypeError, "x"),
+    "gemm fmt not a string": (lambda: _gemm(fmt=None), TypeError, "fmt"),
+    # rms_norm
+    "rms_norm x on meta": (lambda: kernels.rms_norm(torch.zeros(2, 8, device=META), torch.ones(8), 1e-5),
+                           TypeError, "x"),
+    "rms_norm weight on meta": (lambda: kernels.rms_norm(torch.zeros(2, 8), torch.ones(8, device=META), 1e-5),
+                                TypeError, "weight"),
+    "rms_norm hidden 0": (lambda: kernels.rms_norm(torch.zeros(2, 3, 0), torch.ones(0), 1e-5), ValueError, "x"),
+    "rms_norm rows that overflow": (lambda: kernels.rms_norm(torch.zeros(1, 8).expand(2**59, 8), torch.ones(8),
+                                                             1e-5), ValueError, "x"),
+    "rms_norm eps not a number": (lambda: kernels.rms_norm(torch.zeros(2, 8), torch.ones(8), "1e-5"), TypeError,
+                                  "eps"),
+    "rms_norm 0-dim x": (lambda: kernels.rms_norm(torch.tensor(1.0), torch.ones(()), 1e-5), TypeError, "x"),
+    # decode_attention
+    "attention q on meta": (lambda: _attention(q=torch.zeros(1, 2, 16, device=META)), TypeError, "q"),
+    "attention caches on meta": (lambda: _attention(k_cache=torch.zeros(4, 16, 1, 16, device=META)), TypeError,
+                                 "k_cache"),
+    "attention tables on meta": (lambda: _attention(block_tables=long(0).view(1, 1).to(META)), TypeError,
+                                 "block_tables"),
+    "attention block size 0": (lambda: _attention(k_cache=torch.zeros(4, 0, 1, 16), v_cache=torch.zeros(4, 0, 1, 16)),
+                               ValueError, "k_cache"),
+    "attention KV heads 0": (lambda: _attention(k_cache=torch.zeros(4, 16, 0, 16), v_cache=torch.zeros(4, 16, 0, 16)),
+                             ValueError, "KV heads"),
+    "attention fewer heads than KV heads": (
+        lambda: _attention(q=torch.zeros(1, 1, 16), k_cache=torch.zeros(4, 16, 2, 16),
+                           v_cache=torch.zeros(4, 16, 2, 16)), ValueError, "heads"),
+    "attention head_dim 12": (lambda: _attention(q=torch.zeros(1, 2, 12), k_cache=torch.zeros(4, 16, 1, 12),
+                                                 v_cache=torch.zeros(4, 16, 1, 12)), ValueError, "head_dim"),
+    "attention head_dim 0": (lambda: _attention(q=torch.zeros(1, 2, 0), k_cache=torch.zeros(4, 16, 1, 0),
+                                                v_cache=torch.zeros(4, 16, 1, 0)), ValueError, "head_dim"),
+    "attention context near 2**63": (lambda: _attention(context_lens=long(NEAR_2_63)), IndexError, "context_lens"),
+    "attention more context lengths than rows": (lambda: _attention(context_lens=long(1, 1)), TypeError,
+                                                 "context_lens"),
+    "attention more table rows than rows": (lambda: _attention(block_tables=long(0, 0).view(2, 1)), TypeError,
+                                            "block_tables"),
+    "attention non-contiguous cache": (lambda: _attention(k_cache=torch.zeros(4, 16, 2, 16)[:, :, :1]), TypeError,
+                                       "k_cache"),
+    # argmax and the formats
+    "argmax x on meta": (lambda: kernels.argmax(torch.zeros(2, 8, device=META)), TypeError, "x"),
+    "argmax sparse x": (lambda: kernels.argmax(_sparse()), TypeError, "x"),
+    "quantize weight on meta": (lambda: kernels.quantize(torch.zeros(2, 32, device=META), "q4_1"), TypeError,
+                                "weight"),
+    "pack blocks on meta": (lambda: kernels.pack(torch.zeros(2, 20, dtype=torch.uint8, device=META), "q4_1"),
+                            TypeError, "blocks"),
+    "dequantize int64 blocks": (lambda: kernels.dequantize(torch.zeros(2, 34, dtype=torch.int64), "q8_0"),
+                                TypeError, "blocks"),
+    # DecodeLayer construction
+    "layer 0 KV heads": (lambda: tiny_layer(num_kv_heads=0), ValueError, "num_kv_heads"),
+    "layer fewer heads than KV heads": (lambda: tiny_layer(num_heads=1, num_kv_heads=2), ValueError,
+                                        "num_heads"),
+    "layer head_dim 12": (lambda: tiny_layer(head_dim=12), ValueError, "head_dim"),
+    "layer norm1 on meta": (lambda: tiny_layer(norm1=torch.ones(HIDDEN, device=META)), TypeError, "norm1"),
+    "layer norm2 of another size": (lambda: tiny_layer(norm2=torch.ones(HIDDEN + 1)), TypeError, "norm2"),
+    "layer qkv weights for more heads": (lambda: tiny_layer(num_heads=4), ValueError, "qkv"),
+    "layer intermediate_size that disagrees with gate_up": (lambda: tiny_layer(intermediate_size=32), ValueError, "gate_up"),
+    "layer bias on o": (lambda: tiny_layer(o=("q8_0", blocks(HIDDEN, HEADS * HEAD_DIM, "q8_0"), torch.zeros(HIDDEN))),
+                        ValueError, "o"),
+    "layer qkv bias on meta": (lambda: tiny_layer(qkv=("q4_1", blocks(64, HIDDEN), torch.zeros(64, device=META))),
+                               TypeError, "qkv bias"),
+    "layer intermediate_size 0": (lambda: tiny_layer(intermediate_size=0), ValueError, "intermediate_size"),
+    "layer qkv not a tuple": (lambda: tiny_layer(qkv=None), TypeError, "qkv"),
+    # DecodeLayer call
+    "layer h on meta": (lambda: _layer_call(h=torch.zeros(1, HIDDEN, device=META)), TypeError, "h"),
+    "layer slots on meta": (lambda: _layer_call(slots=long(5).to(META)), TypeError, "slots"),
+    "layer context rows disagree with h": (lambda: _layer_call(h=torch.zeros(2, HIDDEN), cos=tables()[1][:2],
+                                                               sin=tables()[2][:2], slots=long(5, 6)),
+                                           ValueError, "context_lens"),
+    "layer context near 2**63": (lambda: _layer_call(context_lens=long(NEAR_2_63)), IndexError, "context_lens"),
+    "layer block size 0": (lambda: _layer_call(k_cache=torch.zeros(8, 0, KV_HEADS, HEAD_DIM),
+                                               v_cache=torch.zeros(8, 0, KV_HEADS, HEAD_DIM)), ValueError, "k_cache"),
+    "layer caches of other KV heads": (lambda: _layer_call(k_cache=torch.zeros(8, BLOCK, 2, HEAD_DIM),
+                                                           v_cache=torch.zeros(8, BLOCK, 2, HEAD_DIM)),
+                                       ValueError, "k_cache"),
+    # DecodeStack construction
+    "stack of layers of different widths": (
+        lambda: kernels.DecodeStack([tiny_layer(), kernels.DecodeLayer(**layer_args(hidden=64))], torch.ones(HIDDEN),
+                                    1e-5), ValueError, "layers[1]"),
+    "stack of layers of different head_dim": (
+        lambda: kernels.DecodeStack([tiny_layer(), kernels.DecodeLayer(**layer_args(heads=1, head_dim=32))],
+                                    torch.ones(HIDDEN), 1e-5), ValueError, "layers[1]"),
+    "stack of layers of different KV heads": (
+        lambda: kernels.DecodeStack([tiny_layer(), kernels.DecodeLayer(**layer_args(kv_heads=2))],
+                                    torch.ones(HIDDEN), 1e-5), ValueError, "layers[1]"),
+    "stack final_norm of another size": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN - 1), 1e-5),
+                                         TypeError, "final_norm"),
+    "stack head on meta": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                       ("q8_0", blocks(VOCAB, HIDDEN, "q8_0").to(META), VOCAB)),
+                           TypeError, "head"),
+    "stack head of 0 outputs": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                            ("q8_0", torch.zeros(0, 34, dtype=torch.uint8), 0)),
+                                ValueError, "out_features"),
+    "stack of something else": (lambda: kernels.DecodeStack([None], torch.ones(HIDDEN), 1e-5), TypeError,
+                                "layers[0]"),
+    "stack of no layers": (lambda: kernels.DecodeStack([], torch.ones(HIDDEN), 1e-5), ValueError, "layers"),
+    # DecodeStack call and decode_packed
+    "stack caches on meta": (lambda: _stack_call(kv_caches=[(torch.zeros(8, BLOCK, 1, 16, device=META),) * 2] * 2),
+                             TypeError, "kv_caches[0][0]"),
+    "stack cos_table on meta": (lambda: _stack_call(cos_table=tables()[1].to(META)), TypeError, "cos_table"),
+    "stack embed on meta": (lambda: _stack_call(embed=tables()[0].to(META)), TypeError, "embed"),
+    "stack block size 0": (lambda: _stack_call(kv_caches=tables(block=0)[3]), ValueError, "kv_caches[0][0]"),
+    "stack context near 2**63": (lambda: _stack_call(context_lens=long(NEAR_2_63)), IndexError, "context_lens"),
+    "stack slots rows disagree": (lambda: _stack_call(slots=long(5, 6)), TypeError, "slots"),
+    "stack positions on meta": (lambda: _stack_call(positions=long(5).to(META)), TypeError, "positions"),
+    "packed context near 2**63": (lambda: _packed([3, 5, 5, NEAR_2_63, 0, 1]), IndexError, "context_lens"),
+    "packed int beyond int64": (lambda: _packed([3, 5, 5, 2**64 + 6, 0, 1]), ValueError, "packed"),
+    "packed int below int64": (lambda: _packed([3, -(2**70), 5, 6, 0, 1]), ValueError, "packed"),
+    "packed float": (lambda: _packed([3, 5, 5, 6.0, 0, 1]), TypeError, "packed"),
+    "packed num_tokens a float": (lambda: _packed(num_tokens=1.0), TypeError, "num_tokens"),
+    "packed width 0": (lambda: _packed([3, 5, 5, 6], width=0), ValueError, "width"),
+    "packed block size 0": (lambda: _packed(kv_caches=tables(block=0)[3]), ValueError, "kv_caches[0][0]"),
+    "packed caches on meta": (lambda: _packed(kv_caches=[(torch.zeros(8, BLOCK, 1, 16, device=META),) * 2] * 2),
+                              TypeError, "kv_caches[0][0]"),
+    "packed timing on meta": (_timed_stack, TypeError, "timing"),
+    "stack step of no tokens": (lambda: _stack_call(input_ids=long(), positions=long(), slots=long(),
+                                                    context_lens=long(), block_tables=long().view(0, 2)),
+                                ValueError, "input_ids"),
+}
+
+#: Empty inputs the kernels take: case -> (the call, a check of what it returns).
+EMPTIES: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
+    "gemm of no rows": (lambda: _gemm(x=torch.zeros(0, 64)), lambda y: y.shape == (0, 8)),
+    "gemm of no outputs": (lambda: _gemm(packed=torch.zeros(0, 40, dtype=torch.uint8), out_features=0),
+                           lambda y: y.shape == (2, 0)),
+    "rms_norm of no rows": (lambda: kernels.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-5),
+                            lambda y: y.shape == (0, 8)),
+    "attention of no sequences": (lambda: _attention(q=torch.zeros(0, 2, 16), block_tables=long().view(0, 1),
+                                                     context_lens=long()), lambda y: y.shape == (0, 2, 16)),
+    "argmax of no rows": (lambda: kernels.argmax(torch.zeros(0, 5)), lambda y: y == []),
+    "quantize of no rows": (lambda: kernels.quantize(torch.zeros(0, 64), "q4_1"), lambda y: y.shape == (0, 40)),
+    "pack of no rows": (lambda: kernels.pack(torch.zeros(0, 34, dtype=torch.uint8), "q8_0"),
+                        lambda y: y.shape == (0, 34)),
+    "dequantize of no rows": (lambda: kernels.dequantize(torch.zeros(0, 40, dtype=torch.uint8), "q4_1"),
+                              lambda y: y.shape == (0, 64)),
+    "layer step of no tokens": (lambda: _layer_call(h=torch.zeros(0, HIDDEN), cos=torch.zeros(0, 8),
+                                                    sin=torch.zeros(0, 8), slots=long(),
+                                                    block_tables=long().view(0, 2), context_lens=long()),
+                                lambda y: y.shape == (0, HIDDEN)),
+}
+
+
+def run_forked(fn: Callable[[], object]) -> dict:
+    """Run ``fn`` in a forked child: {"signal": name} when a signal ended it, {"exit": code} when it exited
+    otherwise, else {"raised": type name, "message": ...} or {"returned": True}."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one thread, no OpenMP team across the fork
+        os.close(read)
+        torch.set_num_threads(1)
+        try:
+            fn()
+            out = {"returned": True}
+        except BaseException as exc:  # noqa: BLE001  (reported to the parent, which judges it)
+            out = {"raised": type(exc).__name__, "message": str(exc)}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return {"signal": signal.Signals(os.WTERMSIG(status)).name}
+    if os.WEXITSTATUS(status) or not chunks:
+        return {"exit": os.WEXITSTATUS(status)}
+    return json.loads(b"".join(chunks))
+
+
+def _returns(fn: Callable[[], object], ok: Callable[[object], bool]) -> None:
+    """Raise unless ``fn()`` returns what ``ok`` accepts."""
+    out = fn()
+    if not ok(out):
+        raise AssertionError(f"returned {out!r}")
+
+
+def main() -> None:
+    assert kernels.available(), kernels.unavailable_reason()
+    tiny_stack()  # built once here, before any fork
+    results = {name: run_forked(fn) for name, (fn, _, _) in CASES.items()}
+    results.update({name: run_forked(lambda fn=fn, ok=ok: _returns(fn, ok)) for name, (fn, ok) in EMPTIES.items()})
+    results["a real crash (the harness's own check)"] = run_forked(lambda: os.kill(os.getpid(), signal.SIGSEGV))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
