@@ -318,6 +318,8 @@ def _open_variant(isa: str) -> tuple[ctypes.CDLL, dict]:
 def _raise_memory(result: int, func, args):  # ctypes errcheck
     if result == -1:
         raise MemoryError(f"{func.__name__}: the kernels could not allocate their working memory")
+    if result == -2:
+        raise ValueError(f"{func.__name__}: a size the kernel divides by is 0 or the sizes disagree")
     return result
 
 

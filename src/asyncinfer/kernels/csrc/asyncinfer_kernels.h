@@ -25,6 +25,8 @@
 #define ASYNCINFER_ISA_AVX512 2
 
 #define ASYNCINFER_ENOMEM (-1)
+/* Sizes a kernel cannot work with (a count of 0 it would divide by); the Python side refuses them first. */
+#define ASYNCINFER_EINVAL (-2)
 
 #if defined(_WIN32)
 #define ASYNCINFER_API __declspec(dllexport)

@@ -149,6 +149,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
 int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                         float scale, float *out, int threads) {
+    if (S < 0 || H < 1 || KVH < 1 || H % KVH || D < 1 || BS < 1) return ASYNCINFER_EINVAL; /* never divide by 0 */
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     int64_t longest = 1;
     for (int64_t s = 0; s < S; s++) longest = ctx[s] > longest ? ctx[s] : longest;

@@ -56,10 +56,12 @@ void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int
  * these point, so the Python side checks them first. */
 int ai_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
                    int64_t BS, int64_t num_blocks) {
+    if (BS < 1 || ldt < 0 || num_blocks < 0 || (num_blocks && num_blocks > INT64_MAX / BS)) return 4;
     for (int64_t s = 0; s < S; s++) {
-        if (ctx[s] < 1 || (ctx[s] + BS - 1) / BS > ldt) return 3;
+        /* (ctx - 1) / BS + 1 blocks, written so that no length near 2**63 overflows */
+        if (ctx[s] < 1 || (ctx[s] - 1) / BS >= ldt) return 3;
         if (slots && (slots[s] < 0 || slots[s] >= num_blocks * BS)) return 4;
-        for (int64_t b = 0; b < (ctx[s] + BS - 1) / BS; b++)
+        for (int64_t b = 0; b <= (ctx[s] - 1) / BS; b++)
             if (tables[s * ldt + b] < 0 || tables[s * ldt + b] >= num_blocks) return 4;
     }
     return 0;
