@@ -3,6 +3,7 @@
 ``from_pretrained``, ``swap_model`` and ``add_model`` all call :func:`load`:
 
     resolve the model -> options validated -> config read, memory planned (refuse early) ->
+    element-wise functions chosen (compiled with torch_compile=True) -> model built with them,
     weights (+ tokenizer, checked) -> weight format (int8) -> memory plan with what is
     free now -> KV tensors, scheduler, sampler -> core -> warm-up
 
@@ -45,9 +46,10 @@ from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig
 from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker, select_decode_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
+from asyncinfer.models.layers import EAGER_OPS
 from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, apply_weight_format, weight_bytes
-from asyncinfer.models.torch_compile import compile_decoder
+from asyncinfer.models.torch_compile import compile_elementwise_ops
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -149,9 +151,12 @@ def load_generator(
         checkpoint = open_checkpoint(path)
         config = for_model(config, options, checkpoint.config)  # "auto": the file's own format where it runs
         plan_memory(checkpoint.config, **options)
-        loaded = checkpoint.load(config.dtype, config.device)
+        ops, compile_seconds = EAGER_OPS, None  # the element-wise functions the model is built with
+        if config.torch_compile:
+            ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)
+        loaded = checkpoint.load(config.dtype, config.device, ops=ops)
         check_tokenizer(loaded)
-        plan, core = build_core(loaded, config)
+        plan, core = build_core(loaded, config, compile_seconds=compile_seconds)
         warm_up(core)
     except (InvalidParameterError, ConfigurationError):
         raise
@@ -194,8 +199,12 @@ def check_tokenizer(loaded: LoadedModel) -> None:
         )
 
 
-def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, EngineCore]:
-    """Apply the weight format, plan memory, and wire the runner, KV cache, scheduler and sampler."""
+def build_core(loaded: LoadedModel, config: EngineConfig, *,
+               compile_seconds: float | None = None) -> tuple[MemoryPlan, EngineCore]:
+    """Apply the weight format, plan memory, and wire the runner, KV cache, scheduler and sampler.
+
+    ``compile_seconds``: the load's ``torch.compile`` time when the model was built with the compiled
+    element-wise functions (``torch_compile=True``), reported by ``model_info()``."""
     mc = loaded.config
     max_model_len = resolve_max_model_len(config, mc)
     check_sliding_window(loaded, max_model_len)
@@ -212,13 +221,12 @@ def build_core(loaded: LoadedModel, config: EngineConfig) -> tuple[MemoryPlan, E
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
-    compile_seconds = compile_decoder(loaded.model, mc, config.device, config.dtype) if config.torch_compile else None
     decode = select_decode_backend(loaded.model, mc, config.device)  # the one choice of how the model runs
     if config.quantization in BLOCK_FORMATS and not isinstance(decode, KernelDecode):
         logger.info("quantization=%r: decode steps run op by op, not in one kernel call: %s", config.quantization,
                     kernel_decode_blocker(loaded.model))
-    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, decode=decode)
-    runner.compile_seconds = compile_seconds
+    runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, decode=decode,
+                         compile_seconds=compile_seconds)
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
         enable_prefix_caching=config.enable_prefix_caching,

@@ -46,6 +46,7 @@ class ModelRunner:
         *,
         num_blocks: int,
         decode: DecodeBackend,
+        compile_seconds: float | None = None,
     ) -> None:
         if decode.model is not model:
             raise InvalidParameterError("decode", type(decode).__name__, "a decode backend built for this runner's model")
@@ -54,7 +55,7 @@ class ModelRunner:
         self.spec = spec
         self.decode = decode
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
-        self.compile_seconds: float | None = None  # set when the model's chains were compiled (torch_compile)
+        self.compile_seconds = compile_seconds  # the load's compile time of the model's chains (torch_compile)
 
     @property
     def block_size(self) -> int:

@@ -18,8 +18,10 @@ from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, kerne
 from asyncinfer.config import EngineConfig
 from asyncinfer.models import load_model
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.decode_backends import KernelDecode, ModelOutput, TorchDecode
 from asyncinfer.models.gguf_file import GGUFFile, _dequantize_blocks
+from asyncinfer.models.llama import LlamaForCausalLM
 from asyncinfer.models.quant import (
     BlockLinear,
     Q4_1Linear,
@@ -243,11 +245,15 @@ def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> 
 
 
 def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
-    model = torch.nn.Module()
-    model.proj = torch.nn.Linear(40, 8)
-    model.ok = torch.nn.Linear(64, 8)
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=40, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=True,
+                         attention_bias=False, bos_token_id=None, eos_token_ids=(0,))
+    model = LlamaForCausalLM(config)
     apply_weight_format(model, "q4_1")
-    assert type(model.proj) is torch.nn.Linear and isinstance(model.ok, Q4_1Linear)
+    mlp = model.layers[0].mlp
+    assert type(mlp.down_proj) is torch.nn.Linear  # 40 inputs: not a whole number of 32-weight blocks
+    assert isinstance(mlp.gate_up_proj, Q4_1Linear) and isinstance(model.output_proj, Q8_0Linear)
 
 
 def test_the_kernel_backend_equals_the_torch_reference_forward(tmp_path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,26 +35,21 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
 
 
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ActFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 like the reference.
 
-    ``fn``, fixed at construction: :func:`rms_norm`, or its ``torch.compile`` d form, which
-    :func:`asyncinfer.models.torch_compile.compile_decoder` builds a norm with (:meth:`sharing`)."""
+    ``fn``, fixed at construction: :func:`rms_norm`, or its ``torch.compile`` d form
+    (the model passes its :class:`ElementwiseOps`' ``rms_norm``)."""
 
     def __init__(self, hidden_size: int, eps: float, fn: NormFn = rms_norm) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self._fn = fn
-
-    @classmethod
-    def sharing(cls, other: RMSNorm, fn: NormFn) -> RMSNorm:
-        """A norm computed by ``fn`` over ``other``'s own weight parameter (not a copy) and epsilon."""
-        norm = cls(other.weight.shape[0], other.eps, fn)
-        norm.weight = other.weight
-        return norm
 
     @property
     def fn(self) -> NormFn:
@@ -147,17 +143,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, heads, D]
 
 
-class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+@dataclass(frozen=True)
+class ElementwiseOps:
+    """The element-wise functions a decoder computes with between its projections, chosen once, at load.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    A model family's class takes one at construction and hands each function to the layers that use
+    it; nothing replaces them afterwards. The defaults are the eager functions of this module;
+    ``torch_compile=True`` builds the record of their compiled forms
+    (:func:`asyncinfer.models.torch_compile.compile_elementwise_ops`) before the model is built.
+    """
+
+    rms_norm: NormFn = rms_norm  # (x [T, hidden], weight [hidden], eps) -> [T, hidden]
+    apply_rope: RopeFn = apply_rope  # (x [T, heads, D], cos [T, 1, D/2], sin [T, 1, D/2]) -> [T, heads, D]
+    silu_mul: ActFn = silu_mul  # (gate_up [T, 2 * I], I) -> [T, I]
+
+
+#: The eager functions: what a model is built with unless ``torch_compile=True``.
+EAGER_OPS = ElementwiseOps()
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
+
+    ``act``, fixed at construction: :func:`silu_mul` or its compiled form (``ElementwiseOps.silu_mul``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: ActFn = silu_mul) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: [gate; up]
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._act = act
 
-        self.act_fn: Callable[[torch.Tensor, int], torch.Tensor] = silu_mul  # or its compiled form
+    @property
+    def act_fn(self) -> ActFn:
+        """The activation this MLP computes with (fixed at construction)."""
+        return self._act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        return self.down_proj(self.act_fn(gate_up, self.intermediate_size))  # [T, hidden]
+        return self.down_proj(self._act(gate_up, self.intermediate_size))  # [T, hidden]

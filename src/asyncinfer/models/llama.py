@@ -26,7 +26,7 @@ from torch import nn
 
 from asyncinfer.models.attention import AttentionMetadata
 from asyncinfer.models.config import ModelConfig
-from asyncinfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps, RMSNorm, RopeFn, RotaryEmbedding, SwiGLUMLP
 from asyncinfer.models.registry import ModelFamily, WeightMap, register_model_family
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -36,10 +36,10 @@ class LlamaAttention(nn.Module):
     """GQA self-attention with one fused q/k/v projection and paged KV cache.
 
     The attention itself is the step's backend's (``meta.backend``, see
-    :mod:`asyncinfer.models.attention`): this layer only projects and rotates.
+    :mod:`asyncinfer.models.attention`): this layer only projects and rotates (with ``ops.apply_rope``).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -49,7 +49,12 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rope_fn = apply_rope  # or its compiled form (torch_compile=True)
+        self._rope = ops.apply_rope
+
+    @property
+    def rope_fn(self) -> RopeFn:
+        """The rotary function this layer computes with (fixed at construction)."""
+        return self._rope
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -59,7 +64,7 @@ class LlamaAttention(nn.Module):
         # q and k are adjacent in qkv, so one rope call rotates both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + KVH, D]
-        qk = self.rope_fn(qk, cos, sin)  # [T, H + KVH, D]
+        qk = self._rope(qk, cos, sin)  # [T, H + KVH, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, KVH, D]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -70,12 +75,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = LlamaAttention(config)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
+        self.attn = LlamaAttention(config, ops)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ops.silu_mul)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -91,17 +96,21 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits`` projects only the rows the caller samples from. This forward is the reference:
     every step shape and weight format runs it, and the kernels' one-call decode step
     (:class:`asyncinfer.models.decode_backends.KernelDecode`) is tested against it.
+
+    ``ops``: the element-wise functions (RMSNorm, rotary, SwiGLU) every layer computes with, fixed here
+    (the eager ones, or their compiled forms with ``torch_compile=True``).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
         self.config = config
+        self._ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # A replacement output projection (e.g. int8, see quant.py); None: use lm_head_weight.
+        # The weight format's output projection (see use_output_proj); None: lm_head_weight in the dtype.
         self.output_proj: nn.Module | None = None
 
     def forward(
@@ -123,6 +132,11 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
 
+    @property
+    def ops(self) -> ElementwiseOps:
+        """The element-wise functions this model was built with."""
+        return self._ops
+
     def init_buffers(self, device: torch.device | str) -> None:
         """Compute the rope tables (a non-persistent buffer, never in checkpoints) on ``device``."""
         self.rotary.materialize(device)
@@ -131,6 +145,14 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [vocab, hidden] (the embedding matrix when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_output_proj(self, proj: nn.Module) -> None:
+        """Compute logits with ``proj`` from now on: the output projection in a weight format, built by
+        :func:`asyncinfer.models.quant.apply_weight_format` from :attr:`lm_head_weight`. An untied float
+        head is dropped (no longer needed); a tied one stays, as the embedding used for lookups."""
+        self.output_proj = proj
+        if not self.config.tie_word_embeddings:
+            self.lm_head = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states [N, hidden] to float32 logits [N, vocab]."""

@@ -41,6 +41,7 @@ from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
 from asyncinfer.models.config import ModelConfig, normalise_token_ids
 from asyncinfer.models.gguf_file import GGUFFile
+from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
 from asyncinfer.models.registry import model_family
 from asyncinfer.progress import TerminalProgress, say
@@ -88,8 +89,12 @@ class Checkpoint:
     def num_tensors(self) -> int:
         return len(self.gguf.tensors) if self.gguf is not None else len(build_targets(self.config, "hf"))
 
-    def load(self, dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None) -> LoadedModel:
+    def load(self, dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None, *,
+             ops: ElementwiseOps = EAGER_OPS) -> LoadedModel:
         """Read the weights (and the tokenizer) into a :class:`LoadedModel` on ``device``.
+
+        ``ops``: the element-wise functions the model is built with (the eager ones by default; the
+        compiled ones with ``torch_compile=True``, see :mod:`asyncinfer.models.torch_compile`).
 
         Raises:
             ModelLoadError: checkpoint tensors that are missing, unexpected or of the wrong shape.
@@ -98,8 +103,8 @@ class Checkpoint:
         if progress is None:
             progress = TerminalProgress(f"loading {self.path.name}", "tensors")
         if self.gguf is not None:
-            return _load_gguf(self.gguf, self.config, dtype, device, progress)
-        return _load_hf_dir(self.path, self.config, dtype, device, progress)
+            return _load_gguf(self.gguf, self.config, dtype, device, progress, ops)
+        return _load_hf_dir(self.path, self.config, dtype, device, progress, ops)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -195,15 +200,17 @@ def _materialise(
     *,
     adopt: bool = False,
     progress: Progress | None = None,
+    ops: ElementwiseOps = EAGER_OPS,
 ) -> nn.Module:
     """Build the family's model on meta, then fill its parameters from (name, tensor) pairs.
 
     ``tensors`` yields CPU tensors; each is shape-checked against its target and
     copied (with dtype/device conversion) into place. ``adopt``: the tensors are
     fresh and owned by nobody else, so one that fills a whole parameter in the
-    right dtype and device becomes that parameter without a copy.
+    right dtype and device becomes that parameter without a copy. ``ops``: what the model computes its
+    element-wise chains with.
     """
-    model = build_on_meta(config)
+    model = build_on_meta(config, ops)
     params = {name: p for name, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     targets = build_targets(config, fmt)
@@ -272,9 +279,11 @@ def _hf_model_config(path: Path) -> ModelConfig:
 
 
 def _load_hf_dir(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
+    ops: ElementwiseOps,
 ) -> LoadedModel:
-    model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress)
+    model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
+                         ops=ops)
     return LoadedModel(model, config, load_hf_tokenizer(path), f"safetensors:{path.resolve()}")
 
 
@@ -296,16 +305,19 @@ def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
 
 
 def _load_gguf(
-    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
+    ops: ElementwiseOps,
 ) -> LoadedModel:
     # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
     if "tokenizer.ggml.model" not in gguf.fields:
-        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress)
+        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress,
+                             ops=ops)
         return LoadedModel(model, config, None, f"gguf:{gguf.path.resolve()}")
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
         tokenizer = pool.submit(gguf_tokenizer, gguf.path)
-        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress)
+        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress,
+                             ops=ops)
         return LoadedModel(model, config, tokenizer.result(), f"gguf:{gguf.path.resolve()}")
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.registry import model_family
 
 
@@ -34,11 +35,12 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_on_meta(config: ModelConfig) -> nn.Module:
-    """The family's model for ``config`` on the meta device (for loading into, or for counting).
+def build_on_meta(config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> nn.Module:
+    """The family's model for ``config`` on the meta device (for loading into, or for counting),
+    built with the element-wise functions ``ops``.
 
     Raises:
         ModelLoadError: the config's architecture is not registered.
     """
     with torch.device("meta"), _SkipInit():
-        return model_family(config.architecture).model_class(config)
+        return model_family(config.architecture).model_class(config, ops)

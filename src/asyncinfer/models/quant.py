@@ -341,6 +341,11 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     them for ``method=None``, the skipped ones otherwise) are packed for oneDNN, except a head tied
     to the embedding (the embedding stays for lookups; a packed copy would double it). Returns the
     bytes the replaced layers take (:func:`weight_bytes` counts the same from the config alone).
+
+    The one place a loaded model's modules are replaced: each ``nn.Linear`` in a format becomes that
+    format's :class:`FormatLinear` on its parent (the same attribute), and the output projection is
+    handed to the model's own ``use_output_proj`` (part of the model family contract, see
+    :mod:`asyncinfer.models.registry`).
     """
     skip = tuple(skip)
     jobs: list[tuple[nn.Module | None, str, str, torch.Tensor, torch.Tensor | None]] = []
@@ -349,8 +354,8 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
         if fmt != "float32" or pack:
             jobs.append((parent, name, fmt, linear.weight, linear.bias))
     head_fmt = _head_format(model, method, skip)
-    tied = getattr(model, "lm_head", None) is None
-    if head_fmt is not None and (head_fmt != "float32" or (pack and not tied)):
+    tied = model.config.tie_word_embeddings
+    if head_fmt != "float32" or (pack and not tied):
         jobs.append((None, "output_proj", head_fmt, model.lm_head_weight, None))
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
     # (fbgemm's float16 packing of SmolLM2-135M: 1.8 s alone, 1.2 s on two cores).
@@ -360,11 +365,9 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     nbytes = 0
     for (parent, name, _, _, _), layer in zip(jobs, layers):
         if parent is None:
-            model.output_proj = layer  # compute_logits uses it; a tied embedding stays float for lookups
-            if not tied:
-                model.lm_head = None  # the float copy is no longer needed
+            model.use_output_proj(layer)  # the family's own method: a tied embedding stays float for lookups
         else:
-            setattr(parent, name, layer)
+            setattr(parent, name, layer)  # the swap: a projection becomes its format's layer, in place
         nbytes += layer.nbytes
     return nbytes
 
@@ -404,10 +407,10 @@ def weight_bytes(
             total += linear_bytes(quantization, *linear.weight.shape, bias=linear.bias is not None)
             total -= _float_bytes(linear, dtype_bytes)
     head = _head_format(model, quantization, skip)
-    if head not in (None, "float32"):
+    if head != "float32":
         total += linear_bytes(head, *model.lm_head_weight.shape, bias=False)
-        if getattr(model, "lm_head", None) is not None:
-            total -= _float_bytes(model.lm_head, dtype_bytes)
+        if not model_config.tie_word_embeddings:  # the float head is dropped; a tied one is the embedding
+            total -= model.lm_head_weight.numel() * dtype_bytes
     return total
 
 
@@ -435,11 +438,9 @@ def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_featu
     return method
 
 
-def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str | None:
-    """The output projection's format: None when the model has none, else ``method`` (a block
-    format's head format) or float32 when skipped."""
-    if not hasattr(model, "lm_head_weight"):
-        return None
+def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str:
+    """The output projection's format (every family has one, ``lm_head_weight``): ``method`` (a block
+    format's head format), or float32 when skipped."""
     if _layer_format(method, "lm_head", tuple(s for s in skip if s), model.lm_head_weight.shape[1]) == "float32":
         return "float32"
     return BLOCK_HEAD_FORMAT.get(method, method)

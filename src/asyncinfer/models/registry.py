@@ -14,15 +14,20 @@ package registers when its module is imported (before the engine loads a model).
 
 The model class contract (what the loader, the runner and ``quant.py`` use):
 
-- ``model_class(config: ModelConfig)`` builds the model; the loader builds it on
-  the meta device and assigns the checkpoint's tensors to its parameters;
+- ``model_class(config: ModelConfig, ops: ElementwiseOps = EAGER_OPS)`` builds the model
+  with the element-wise functions its layers compute with (:class:`asyncinfer.models.layers.ElementwiseOps`:
+  the eager ones, or their compiled forms with ``torch_compile=True``), fixed for its life; the loader
+  builds it on the meta device and assigns the checkpoint's tensors to its parameters. It keeps
+  ``config`` (the :class:`ModelConfig`) as an attribute;
 - ``init_buffers(device)`` computes the buffers that are not in checkpoints
   (rope tables) on the target device;
 - ``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]``,
   where ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer and attention
   runs through ``meta.backend`` (see :mod:`asyncinfer.models.attention`);
 - ``compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]``;
-- optionally ``lm_head_weight`` and ``output_proj`` for int8 (see ``quant.py``).
+- its output projection, for the weight formats (``quant.py``): ``lm_head_weight`` [vocab, hidden]
+  (the embedding when ``config.tie_word_embeddings``), ``use_output_proj(layer)`` (compute logits
+  with the format's layer from now on) and ``output_proj`` (that layer, or None).
 
 The weight map: rows ``(HF checkpoint name, GGUF tensor name, parameter name,
 fused shard or None)``; ``"{i}"`` is the layer index, and a shard (``"q"``,
