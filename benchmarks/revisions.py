@@ -61,7 +61,8 @@ def kernel_libraries() -> list[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    return sorted({line.split()[-1] for line in maps.splitlines() if "gguf_gemm" in line})
+    return sorted({line.split()[-1] for line in maps.splitlines() if "gguf_gemm" in line or "_kernels_" in line
+                   or "/kernels-" in line})
 
 
 async def _session(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -139,12 +140,14 @@ def extract_src(repo: Path, commit: str, into: Path) -> Path:
     return into / "src"
 
 
-def run_one(label: str, src: Path, spec: dict[str, Any], tmp: Path, index: int) -> dict[str, Any]:
-    """One fresh process measuring ``src``'s asyncinfer with this file's driver."""
+def run_one(label: str, src: Path, spec: dict[str, Any], tmp: Path, index: int,
+            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One fresh process measuring ``src``'s asyncinfer with this file's driver (``extra_env`` added to its
+    environment: ``--base-env`` / ``--head-env``)."""
     spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
     spec_path.write_text(json.dumps({**spec, "label": label, "src": str(src)}))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update({"PYTHONPATH": str(src), "TQDM_DISABLE": "1"})
+    env.update({"PYTHONPATH": str(src), "TQDM_DISABLE": "1", **(extra_env or {})})
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), str(out_path)]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False)
     if proc.returncode != 0:
@@ -194,9 +197,15 @@ def engine_options(workload: Any, config: Any, args: argparse.Namespace) -> dict
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="edacc11", help="the older git revision (default: edacc11)")
+    p.add_argument("--base", default="edacc11",
+                   help="the older git revision (default: edacc11); '.' for the current checkout's working tree")
     p.add_argument("--head", default=None,
                    help="the newer git revision (default: the current checkout's working tree)")
+    p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the base's processes (repeatable), e.g. "
+                        "ASYNCINFER_KERNEL_ISA=avx2 with --base . to compare kernel variants of one checkout")
+    p.add_argument("--head-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the head's processes (repeatable)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each one run of both, the order alternating")
     p.add_argument("--model", help="a .gguf file or HF model directory (default: asyncinfer's default model)")
     p.add_argument("--threads", type=int, default=2, help="the engine's num_threads")
@@ -213,6 +222,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    for option in ("base_env", "head_env"):
+        pairs = {}
+        for item in getattr(args, option):
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                p.error(f"--{option.replace('_', '-')} takes NAME=VALUE, got {item!r}")
+            pairs[name] = value
+        setattr(args, option, pairs)
     return args
 
 
@@ -222,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(*args.child)
 
     repo = Path(git("rev-parse", "--show-toplevel", cwd=BENCH_DIR))
-    base_commit = git("rev-parse", "--verify", f"{args.base}^{{commit}}", cwd=repo)
+    base_tree = args.base == "."
+    base_commit = git("rev-parse", "--verify", f"{'HEAD' if base_tree else args.base}^{{commit}}", cwd=repo)
     if args.head is None:
         head_commit = git("rev-parse", "HEAD", cwd=repo)
         head_dirty = bool(git("status", "--porcelain", "--", "src", cwd=repo))
@@ -231,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         head_commit = git("rev-parse", "--verify", f"{args.head}^{{commit}}", cwd=repo)
         head_dirty = False
         head_name = f"{args.head} ({head_commit[:12]})"
-    base_name = f"{args.base} ({base_commit[:12]})"
+    base_name = f"working tree (HEAD {base_commit[:12]})" if base_tree else f"{args.base} ({base_commit[:12]})"
+    if args.base_env:
+        base_name += " with " + " ".join(f"{k}={v}" for k, v in args.base_env.items())
+    if args.head_env:
+        head_name += " with " + " ".join(f"{k}={v}" for k, v in args.head_env.items())
 
     import torch
     import transformers
@@ -261,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="asyncinfer-revisions-") as tmp_name:
         tmp = Path(tmp_name)
-        srcs = {"base": extract_src(repo, base_commit, tmp / "base"),
+        srcs = {"base": repo / "src" if base_tree else extract_src(repo, base_commit, tmp / "base"),
                 "head": repo / "src" if args.head is None else extract_src(repo, head_commit, tmp / "head")}
         index = 0
         for r in range(args.rounds):
             for label in (("base", "head") if r % 2 == 0 else ("head", "base")):
-                result = run_one(label, srcs[label], spec, tmp, index)
+                result = run_one(label, srcs[label], spec, tmp, index,
+                                 args.base_env if label == "base" else args.head_env)
                 index += 1
                 result["round"] = r + 1
                 result["order"] = index
@@ -332,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "model": str(model_path),
             "revisions": {
-                "base": {"rev": args.base, "commit": base_commit, "source": "git archive"},
+                "base": {"rev": args.base, "commit": base_commit,
+                         "source": "the checkout" if base_tree else "git archive", "env": args.base_env},
                 "head": {"rev": args.head or "working tree", "commit": head_commit, "src_modified": head_dirty,
-                         "source": "the checkout" if args.head is None else "git archive"},
+                         "source": "the checkout" if args.head is None else "git archive", "env": args.head_env},
             },
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
             "workload": workload.summary(),
