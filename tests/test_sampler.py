@@ -388,9 +388,10 @@ def test_the_steps_greedy_ids_serve_plain_greedy_rows_only():
     hot = sampler(torch.full((2, 8), -1e4).index_fill_(1, torch.tensor([4]), 0.0),
                   [state(temperature=0), state(temperature=1.0, seed=1)], greedy_ids=[6, 7])
     assert hot.token_ids == [4, 4]  # every other token is e^-10000 less likely: the draw is 4, not the id
-    with pytest.raises(InvalidParameterError) as err:
-        sampler(logits, greedy, greedy_ids=[3])
-    assert err.value.parameter == "greedy_ids"
+    for wrong in ([3], 5, "33"):
+        with pytest.raises(InvalidParameterError) as err:
+            sampler(logits, greedy, greedy_ids=wrong)
+        assert err.value.parameter == "greedy_ids"
 
 
 def test_greedy_logits_of_any_layout_are_sampled_once_the_kernels_are_loaded():

@@ -144,13 +144,15 @@ class Sampler:
 
         Raises:
             ValueError: ``logits`` is not [len(states), >= vocab_size].
-            InvalidParameterError: ``greedy_ids`` is given with another length than ``len(states)``.
+            InvalidParameterError: ``greedy_ids`` is not a list (or tuple) of ``len(states)`` ids. Its values
+                are the runner's own argmax and are taken as they are (the sampler does not re-check them).
         """
         n = len(states)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(states)={n}, vocab], got {tuple(logits.shape)}")
-        if greedy_ids is not None and len(greedy_ids) != n:
-            raise InvalidParameterError("greedy_ids", f"{len(greedy_ids)} ids", f"None or one id a row ({n})")
+        if greedy_ids is not None and (not isinstance(greedy_ids, (list, tuple)) or len(greedy_ids) != n):
+            what = f"{len(greedy_ids)} ids" if isinstance(greedy_ids, (list, tuple)) else type(greedy_ids).__name__
+            raise InvalidParameterError("greedy_ids", what, f"None or a list of one id a row ({n})")
         if n == 0:
             return SamplerOutput([], [])
         vocab = logits.shape[1]

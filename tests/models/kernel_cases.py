@@ -113,6 +113,28 @@ def _sparse():
     return torch.eye(4).to_sparse()
 
 
+def _after_a_good_call(change: Callable[[list, torch.Tensor, torch.Tensor, torch.Tensor], dict]):
+    """A stack that ran one good step, then the same caches and tables changed in place (``change`` returns
+    the arguments that differ in the next call): the stack must check them again, not reuse its pointers."""
+    stack = tiny_stack()
+    embed, cos, sin, caches = tables()
+    args = {"embed": embed, "cos_table": cos, "sin_table": sin, "kv_caches": caches}
+    stack.decode_packed(GOOD_PACKED, 1, 2, **args)
+    return stack.decode_packed(GOOD_PACKED, 1, 2, **{**args, **change(caches, embed, cos, sin)})
+
+
+def _grown_then_called():
+    stack = tiny_stack()
+    embed, cos, sin, caches = tables()
+    big = torch.zeros(64, BLOCK, KV_HEADS, HEAD_DIM)
+    k0 = big[:BLOCKS]
+    caches[0] = (k0, caches[0][1])
+    args = {"embed": embed, "cos_table": cos, "sin_table": sin, "kv_caches": caches}
+    stack.decode_packed(GOOD_PACKED, 1, 2, **args)
+    k0.resize_(64, BLOCK, KV_HEADS, HEAD_DIM)  # same address, 64 blocks: V0 and layer 1 still hold 8
+    return stack.decode_packed([3, 5, 200, 6, 50, 1], 1, 2, **args)
+
+
 #: case -> (the call, the exception type it raises, a parameter name its message holds).
 CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     # gemm
@@ -238,6 +260,17 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "stack step of no tokens": (lambda: _stack_call(input_ids=long(), positions=long(), slots=long(),
                                                     context_lens=long(), block_tables=long().view(0, 2)),
                                 ValueError, "input_ids"),
+    "stack cache storage replaced in place": (
+        lambda: _after_a_good_call(lambda caches, *_: (caches[1][0].set_(torch.zeros(1)), {})[1]), TypeError,
+        "kv_caches"),
+    "stack layer 0 cache grown in place": (_grown_then_called, TypeError, "kv_caches"),
+    "stack sin table cut after a call": (lambda: _after_a_good_call(lambda c, e, cos, sin: {"sin_table": sin[:1]}),
+                                         TypeError, "sin_table"),
+    "stack sin table of another dtype after a call": (
+        lambda: _after_a_good_call(lambda c, e, cos, sin: {"sin_table": sin.view(torch.int32)}), TypeError,
+        "sin_table"),
+    "attention context lengths of two dimensions": (lambda: _attention(context_lens=long(1).view(1, 1)), TypeError,
+                                                    "context_lens"),
 }
 
 #: Empty inputs the kernels take: case -> (the call, a check of what it returns).

@@ -91,6 +91,20 @@ def test_a_cache_writable_by_others_is_refused(cache, tmp_path) -> None:
     assert proc.stdout.startswith("False") and "library" in proc.stdout and "writable" in proc.stdout, proc.stdout
 
 
+def test_a_cache_below_a_directory_others_may_write_is_refused(cache, tmp_path) -> None:
+    """A private cache is still replaceable when a directory above it lets others rename entries: refused
+    without the sticky bit, taken with it (as under /tmp)."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    root = shutil.copytree(cache, parent / "cache")
+    parent.chmod(0o777)
+    proc = run(REPORT, root)
+    assert proc.stdout.startswith("False") and f"{parent}, above the kernel cache" in proc.stdout, proc.stdout
+    parent.chmod(0o777 | stat.S_ISVTX)
+    proc = run(REPORT, root)
+    assert proc.stdout.startswith("True"), proc.stdout + proc.stderr[-2000:]
+
+
 def test_a_cache_owned_by_another_user_is_refused(cache, tmp_path) -> None:
     if os.getuid() != 0:
         pytest.skip("only root can hand a directory to another user")

@@ -128,6 +128,26 @@ def _private_problem(path: Path, what: str) -> str | None:
     return None
 
 
+def _ancestor_problem(directory: Path) -> str | None:
+    """Why a directory above the cache lets another user replace it: one owned by someone other than this
+    user or root, or writable by group/others without the sticky bit (which keeps others from renaming
+    what they do not own)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for parent in Path(os.path.abspath(directory)).parents:
+        try:
+            st = parent.stat()
+        except OSError as exc:
+            return f"cannot inspect {parent}, above the kernel cache ({exc})"
+        if uid is not None and st.st_uid not in (0, uid):
+            return (f"{parent}, above the kernel cache, is owned by uid {st.st_uid}, who could replace the cache; "
+                    f"asyncinfer loads no code from it (set ASYNCINFER_KERNEL_CACHE to a private directory)")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"{parent}, above the kernel cache, is writable by group or others without the sticky bit "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}); asyncinfer loads no code from it (set "
+                    f"ASYNCINFER_KERNEL_CACHE to a private directory)")
+    return None
+
+
 class _UnsafeCache(RuntimeError):
     pass
 
@@ -142,7 +162,7 @@ def _private_dir() -> Path:
             directory.mkdir(mode=0o700)
         except FileExistsError:
             pass
-    problem = _private_problem(directory, "cache directory")
+    problem = _private_problem(directory, "cache directory") or _ancestor_problem(directory)
     if problem:
         raise _UnsafeCache(problem)
     return directory

@@ -175,6 +175,9 @@ class DecodeLayer:
         return h
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 class _Tables(NamedTuple):
     """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, whether the kernel
     reads the embedding rows itself (float32, contiguous), and the tensors (their identity)."""
@@ -187,6 +190,9 @@ class _Tables(NamedTuple):
     kernel_embeds: bool
     embed_tensor: torch.Tensor
     cos_tensor: torch.Tensor
+    sin_tensor: torch.Tensor
+    #: The three tables' shapes and dtypes as checked (an in-place resize or a dtype view is checked again).
+    layout: tuple
 
 
 class DecodeStack:
@@ -235,7 +241,9 @@ class DecodeStack:
         self._eps = eps
         self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
         # The caches as last checked: their tensors (k0, v0, k1, ...), layer 0's K address, their pointers.
-        self._kv: tuple[tuple[torch.Tensor, ...], int, ctypes.Array] | None = None
+        # The caches as last checked: their tensors (k0, v0, k1, ...), every one's data pointer, their pointers
+        # for the C call, and layer 0's K shape (the slots the kernel may address).
+        self._kv: tuple[tuple[torch.Tensor, ...], tuple[int, ...], ctypes.Array, torch.Size] | None = None
         self._tables: _Tables | None = None  # the embedding and rope tables, as last checked
         #: None, or float64 [4] that each call adds its seconds to: the layers' projections, attention,
         #: the layers as a whole, and the head (see :meth:`time_parts`).
@@ -251,37 +259,41 @@ class DecodeStack:
         return DecodeStack([copy.deepcopy(layer, memo) for layer in self.layers], copy.deepcopy(self._norm, memo),
                            self._eps, copy.deepcopy(self.head, memo))
 
-    def _cache_pointers(self, kv_caches: list) -> ctypes.Array:
-        """The caches' pointers, checked and gathered again whenever the list holds other tensors (compared
-        by identity, which costs no torch call) or layer 0's cache moved."""
+    def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, torch.Tensor]:
+        """The caches' pointers and layer 0's K (whose shape bounds the slots and blocks the call may
+        address), checked and gathered again whenever the list holds other tensors (compared by identity), a
+        cache's data moved (``set_``, a reallocating ``resize_``) or layer 0's K changed shape (an in-place
+        ``resize_`` of a view). Returned together, so that a call never pairs its pointers with the shape that
+        another thread's call checked."""
         held = self._kv
         if not isinstance(kv_caches, (list, tuple)):
             raise TypeError(f"kv_caches must be a list of (k, v) pairs, got {type(kv_caches).__name__}")
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         try:
-            same = held is not None and held[1] == kv_caches[0][0].data_ptr() and all(
-                map(operator.is_, chain.from_iterable(kv_caches), held[0]))
+            same = held is not None and all(map(operator.is_, chain.from_iterable(kv_caches), held[0])) and (
+                tuple(map(_data_ptr, held[0])) == held[1]) and held[0][0].shape == held[3]
         except (TypeError, IndexError, AttributeError, RuntimeError):
             same = False  # not pairs of tensors: refused below
-        if not same:
-            if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in kv_caches):
-                raise TypeError("kv_caches must hold one (k, v) pair per layer")
-            tensors = tuple(chain.from_iterable(kv_caches))
-            for i, t in enumerate(tensors):
-                tensor(f"kv_caches[{i // 2}][{i % 2}]", t, torch.float32)
-            shape = tensors[0].shape
-            for layer, (k, v) in zip(self.layers, kv_caches):
-                kv_shape = (layer._kv_heads, layer._head_dim)
-                if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
-                        and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
-                    raise TypeError(f"DecodeStack takes contiguous float32 K/V caches [blocks, block_size, "
-                                    f"{kv_shape[0]}, {kv_shape[1]}], all of one shape; got {k.dtype} "
-                                    f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
-            check_cache_size("kv_caches[0][0]", tensors[0])
-            pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-            held = self._kv = (tensors, tensors[0].data_ptr(), pointers)
-        return held[2]
+        if same:
+            return held[2], held[0][0]  # type: ignore[index]
+        if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in kv_caches):
+            raise TypeError("kv_caches must hold one (k, v) pair per layer")
+        tensors = tuple(chain.from_iterable(kv_caches))
+        for i, t in enumerate(tensors):
+            tensor(f"kv_caches[{i // 2}][{i % 2}]", t, torch.float32)
+        shape = tensors[0].shape
+        for layer, (k, v) in zip(self.layers, kv_caches):
+            kv_shape = (layer._kv_heads, layer._head_dim)
+            if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                    and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
+                raise TypeError(f"kv_caches: DecodeStack takes contiguous float32 K/V caches [blocks, block_size, "
+                                f"{kv_shape[0]}, {kv_shape[1]}], all of one shape; got {k.dtype} "
+                                f"{tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
+        check_cache_size("kv_caches[0][0]", tensors[0])
+        addresses = tuple(map(_data_ptr, tensors))
+        held = self._kv = (tensors, addresses, (ctypes.c_void_p * len(tensors))(*addresses), tensors[0].shape)
+        return held[2], tensors[0]
 
     def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
         """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
@@ -289,10 +301,11 @@ class DecodeStack:
         held = self._tables
         try:
             key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+            layout = (embed.shape, cos_table.shape, sin_table.shape, embed.dtype, cos_table.dtype, sin_table.dtype)
         except (AttributeError, RuntimeError):
-            key = None  # not tensors, or tensors without host memory: refused below
+            key = layout = None  # not tensors, or tensors without host memory: refused below
         if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
-                held.cos_tensor is cos_table):
+                held.cos_tensor is cos_table) and held.sin_tensor is sin_table and held.layout == layout:
             return held
         layer = self.layers[0]
         half = layer._head_dim // 2
@@ -307,7 +320,8 @@ class DecodeStack:
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
                                 f"{t.dtype} {tuple(t.shape)}")
         held = self._tables = _Tables(*key, embed.shape[0], cos_table.shape[0],
-                                      embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table)
+                                      embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table,
+                                      sin_table, layout)
         return held
 
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
@@ -399,8 +413,7 @@ class DecodeStack:
             out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt], head_n), torch.empty(num_tokens, head_n)
         else:
             out, head, result = torch.empty(num_tokens, self.layers[0]._hidden), (None, 0, 0), None
-        pointers = self._cache_pointers(kv_caches)
-        cache = self._kv[0][0]  # type: ignore[index]  # layer 0's K [blocks, block size, KV heads, head dim]
+        pointers, cache = self._cache_pointers(kv_caches)  # cache: layer 0's K [blocks, block size, KV heads, D]
         if max_context > ldt * cache.shape[1]:  # before the kernels' own check, whose rounding-up could wrap
             check_width(ldt, cache.shape[1])
             check_context(max_context, ldt, cache.shape[1])

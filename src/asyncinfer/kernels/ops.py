@@ -165,7 +165,7 @@ def check_width(width: int, block_size: int) -> None:
 def longest(context_lens: torch.Tensor) -> int:
     """The largest of CPU int64 ``context_lens`` (not empty): through a list for the few of a decode step,
     which costs a fifth of a torch reduction."""
-    return max(context_lens.tolist()) if context_lens.numel() <= 256 else int(context_lens.max())
+    return max(context_lens.view(-1).tolist()) if context_lens.numel() <= 256 else int(context_lens.max())
 
 
 def check_context(max_context: int, width: int, block_size: int) -> None:
@@ -184,9 +184,9 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
     for name, t, n in (("context_lens", context_lens, num_seqs), ("slots", slots, num_seqs),
                        ("block_tables", tables, None)):
         if t is not None and (not isinstance(t, torch.Tensor) or not t.is_cpu or t.dtype != torch.int64
-                              or not t.is_contiguous() or (n is not None and t.numel() != n)):
+                              or not t.is_contiguous() or (n is not None and (t.dim() != 1 or t.numel() != n))):
             tensor(name, t, torch.int64)
-            raise TypeError(f"{name} must be contiguous int64 with one entry a sequence, got {t.dtype} "
+            raise TypeError(f"{name} must be contiguous int64 [sequences] with one entry a sequence, got {t.dtype} "
                             f"{tuple(t.shape)}")
     if tables.dim() != 2 or tables.shape[0] != num_seqs:
         raise TypeError(f"block_tables must be int64 [sequences={num_seqs}, blocks], got {tuple(tables.shape)}")
