@@ -227,17 +227,31 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_environment_switch_forces_a_variant_or_names_the_allowed_values() -> None:
+    """ASYNCINFER_KERNEL_ISA forces a variant (case and spaces ignored); a value that names none, or one this CPU
+    lacks, leaves the kernels unavailable with a reason naming the allowed values (no diagnostic raises but
+    isa() / build_info(), RuntimeError), and supported_isas() still answers."""
     code = ("from asyncinfer import kernels\n"
-            "try:\n"
-            "    print(kernels.available(), kernels.isa(), kernels.build_info()['isa'])\n"
-            "except kernels.KernelISAError as exc:\n"
-            "    print('error', exc)\n")
-    proc = run(code, **{ISA_ENV: "scalar"})
-    assert proc.stdout.split() == ["True", "scalar", "scalar"], proc.stderr[-2000:]
-    proc = run(code, **{ISA_ENV: "sse9"})
-    assert proc.stdout.startswith("error") and ISA_ENV in proc.stdout and "scalar, avx2, avx512" in proc.stdout, \
-        proc.stdout + proc.stderr[-2000:]
-    missing = [isa for isa in ISAS if isa not in kernels.supported_isas()]
-    if missing:  # a variant this CPU lacks: refused, naming what it runs
-        proc = run(code, **{ISA_ENV: missing[-1]})
-        assert proc.stdout.startswith("error") and "this CPU runs only" in proc.stdout, proc.stdout + proc.stderr
+            "print(kernels.available(), '|', kernels.unavailable_reason(), '|', *kernels.supported_isas())\n"
+            "for f in (kernels.isa, kernels.build_info):\n"
+            "    try:\n"
+            "        print('|', f())\n"
+            "    except RuntimeError as exc:\n"
+            "        print('| RuntimeError', exc, isinstance(exc.__cause__, kernels.KernelISAError))\n")
+    supported = " ".join(kernels.supported_isas())
+    for value in ("scalar", " SCALAR "):
+        proc = run(code, **{ISA_ENV: value})
+        parts = [p.strip() for p in proc.stdout.split("|")]
+        assert parts[:4] == ["True", "None", supported, "scalar"] and "'isa': 'scalar'" in parts[4], \
+            proc.stdout + proc.stderr[-2000:]
+    hint = "(allowed values: scalar, avx2, avx512, case ignored; unset or empty: the best this CPU runs)"
+    bad = ["sse9"] + [isa for isa in ISAS if isa not in kernels.supported_isas()]  # and a variant this CPU lacks
+    for value in bad:
+        proc = run(code, **{ISA_ENV: value})
+        parts = [p.strip() for p in proc.stdout.split("|")]
+        assert parts[0] == "False" and parts[1].startswith(f"{ISA_ENV}={value!r}") and parts[1].endswith(hint), \
+            proc.stdout + proc.stderr[-2000:]
+        why = "names no kernel variant" if value == "sse9" else f"this CPU runs only {supported.replace(' ', ', ')}"
+        assert why in parts[1], parts[1]
+        assert parts[2] == supported  # what a user needs to pick a value that works
+        for part in parts[3:]:
+            assert part == f"RuntimeError asyncinfer's kernels cannot run here: {parts[1]} True", part

@@ -8,9 +8,12 @@ ISA variant: ``scalar`` (the plain-C reference, every machine), ``avx2`` (AVX2 +
 (``<cache>/asyncinfer/kernels/``, or ``$ASYNCINFER_KERNEL_CACHE``). They are loaded with ctypes and share the
 OpenMP runtime torch has loaded. The variant is the best this CPU runs, or the one ``ASYNCINFER_KERNEL_ISA``
 names (:func:`isa`, :func:`supported_isas`, :func:`build_info`). Where they cannot run (no library and no
-compiler, a failed build, an unsafe cache, ``ASYNCINFER_DISABLE_KERNELS``), :func:`available` is False and
-:func:`unavailable_reason` says why; the weight formats that need them are then refused with that reason
-(``quantization="q4_1"`` / ``"q8_0"``) and ``"auto"`` never picks them.
+compiler, a failed build, an unsafe cache, ``ASYNCINFER_DISABLE_KERNELS``, an ``ASYNCINFER_KERNEL_ISA`` that
+names no variant or one this CPU lacks), :func:`available` is False and :func:`unavailable_reason` says why
+(neither raises); the weight formats that need them are then refused with that reason
+(``quantization="q4_1"`` / ``"q8_0"``) and ``"auto"`` never picks them, while :func:`isa` and
+:func:`build_info` raise RuntimeError with it. :func:`supported_isas` answers whatever
+``ASYNCINFER_KERNEL_ISA`` says (empty where the kernels are disabled or cannot load).
 
 :func:`quantize` builds the blocks from float32 weights the way llama.cpp's reference
 quantisers do; on weights that were dequantised from blocks of the same type (a GGUF file's), it

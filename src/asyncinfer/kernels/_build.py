@@ -389,13 +389,18 @@ def _cpu_isas() -> tuple[str, ...]:
     return tuple(isa for i, isa in enumerate(ISAS) if mask >> i & 1 and isa in built)
 
 
+#: How every refusal of ``ASYNCINFER_KERNEL_ISA`` ends: the values it takes.
+_ISA_HINT = f"(allowed values: {', '.join(ISAS)}, case ignored; unset or empty: the best this CPU runs)"
+
+
 def _requested() -> str | None:
+    """The variant ``ASYNCINFER_KERNEL_ISA`` names (case and surrounding spaces ignored), None when it is unset
+    or empty; KernelISAError when it names none."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return None
     if value not in ISAS:
-        raise KernelISAError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} names no kernel variant; allowed values: "
-                             f"{', '.join(ISAS)} (or unset: the best this CPU runs)")
+        raise KernelISAError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} names no kernel variant {_ISA_HINT}")
     return value
 
 
@@ -408,19 +413,20 @@ def _load() -> None:
         if os.environ.get("ASYNCINFER_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no"):
             _reason = "ASYNCINFER_DISABLE_KERNELS is set"
             return
-        try:
-            requested = _requested()
-        except KernelISAError as exc:
-            _error = exc
-            return
         _reason = _cpu_reason()
         if _reason is not None:
             return
         try:
+            # What this CPU runs, whatever ASYNCINFER_KERNEL_ISA says (the scalar library's cpuid check): a
+            # bad value is then reported with the values that would work here.
             _supported = _cpu_isas()
-            if requested is not None and requested not in _supported:
-                _error = KernelISAError(f"{ISA_ENV}={requested!r}: this CPU runs only {', '.join(_supported)} "
-                                        f"(allowed values: {', '.join(ISAS)})")
+            try:
+                requested = _requested()
+                if requested is not None and requested not in _supported:
+                    raise KernelISAError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: this CPU runs only "
+                                         f"{', '.join(_supported)} {_ISA_HINT}")
+            except KernelISAError as exc:
+                _error, _reason = exc, str(exc)
                 return
             chosen = requested or _supported[-1]
             _lib, _info = _open_variant(chosen)
@@ -430,33 +436,29 @@ def _load() -> None:
             _reason, _lib = f"loading them failed: {exc}", None
 
 
-def _loaded_or_raise() -> None:
-    _load()
-    if _error is not None:
-        raise _error
-
-
 def available() -> bool:
     """Whether the kernels run here (on the first call, loads the installed library, or builds them, ~1 s).
-    Raises :class:`KernelISAError` when ``ASYNCINFER_KERNEL_ISA`` names no variant or one this CPU lacks."""
-    _loaded_or_raise()
+    False where they cannot (:func:`unavailable_reason` says why), a bad ``ASYNCINFER_KERNEL_ISA`` included
+    (one that names no variant, or one this CPU lacks); never raises."""
+    _load()
     return _lib is not None
 
 
 def unavailable_reason() -> str | None:
-    """Why :func:`available` is False (None when it is True)."""
-    _loaded_or_raise()
+    """Why :func:`available` is False (None when it is True); for a bad ``ASYNCINFER_KERNEL_ISA``, the
+    :class:`KernelISAError`'s message, which names the values allowed. Never raises."""
+    _load()
     return _reason
 
 
 def lib() -> ctypes.CDLL:
     """The loaded library (loaded or built on the first call); RuntimeError naming why where the kernels
-    cannot run, :class:`KernelISAError` for a bad ``ASYNCINFER_KERNEL_ISA``."""
+    cannot run (a bad ``ASYNCINFER_KERNEL_ISA`` included: its :class:`KernelISAError` is the cause)."""
     if _lib is not None:
         return _lib
-    _loaded_or_raise()
+    _load()
     if _lib is None:
-        raise RuntimeError(f"asyncinfer's kernels cannot run here: {_reason}")
+        raise RuntimeError(f"asyncinfer's kernels cannot run here: {_reason}") from _error
     return _lib
 
 
@@ -467,21 +469,27 @@ def loaded() -> bool:
 
 
 def isa() -> str:
-    """The variant the kernels run as here: ``"scalar"``, ``"avx2"`` or ``"avx512"``."""
+    """The variant the kernels run as here: ``"scalar"``, ``"avx2"`` or ``"avx512"``. RuntimeError naming
+    :func:`unavailable_reason` where they cannot run."""
     return _info_or_raise()["isa"]
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The variants this CPU runs, slowest first (``"scalar"`` always; the x86 ones where its CPU has them)."""
-    lib()
-    assert _supported is not None
-    return _supported
+    """The variants this CPU runs, slowest first (``"scalar"``, then the x86 ones its CPU has): the values
+    ``ASYNCINFER_KERNEL_ISA`` may take here. Answers whatever that variable says (on x86 it runs the scalar
+    library's cpuid check, loading or building that library regardless of it). Empty where nothing can be
+    told: the kernels are disabled (``ASYNCINFER_DISABLE_KERNELS``) or the scalar library cannot be loaded or
+    built (:func:`unavailable_reason` says why). Never raises."""
+    _load()
+    return _supported or ()
 
 
 def build_info() -> dict:
     """Where the loaded library came from: ``isa``, ``source`` (``"installed"``: built by ``pip install``;
     ``"cache"``: built at run time into the user cache), ``path``, ``openmp`` (the OpenMP runtimes mapped in
-    the process when it loaded), and ``installed_error`` when an installed library was there but not loaded."""
+    the process when it loaded), and ``installed_error`` when an installed library was there but not loaded
+    (why: built from other sources than the package holds now, another ABI version, not loadable). RuntimeError
+    naming :func:`unavailable_reason` where the kernels cannot run."""
     return dict(_info_or_raise())
 
 
