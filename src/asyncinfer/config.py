@@ -217,16 +217,19 @@ class EngineConfig:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def for_model(config: EngineConfig, options: dict[str, Any], model_config: ModelConfig) -> EngineConfig:
+def for_model(config: EngineConfig, options: dict[str, Any], model_config: ModelConfig, *,
+              warn: bool = True) -> EngineConfig:
     """``config`` with ``quantization="auto"`` made concrete for the model it will load: its GGUF file's
     own block format where that applies (:func:`~asyncinfer.models.quant.resolve_quantization`), the
-    config as resolved without the model otherwise. Options that name a format are kept as given."""
+    config as resolved without the model otherwise. Options that name a format are kept as given.
+    ``warn``: log that the file's own format was passed over because the kernels cannot run (False for a
+    second resolution of the same load or plan, which has logged it already)."""
     if options.get("quantization", "auto") != "auto":
         return config
     native = model_config.native_format
     fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
-    if native is not None and fmt != native and config.device.type == "cpu" and options.get("dtype", "auto") in (
-            None, "auto"):
+    if warn and native is not None and fmt != native and config.device.type == "cpu" and options.get(
+            "dtype", "auto") in (None, "auto"):
         from asyncinfer import kernels
 
         logging.getLogger("asyncinfer").warning(

@@ -41,7 +41,15 @@ from asyncinfer.embedding import (
 )
 from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
 from asyncinfer.holder import ModelVersion
-from asyncinfer.memory import MemoryPlan, MiB, available_memory, plan_for_engine, plan_memory, resolve_max_model_len
+from asyncinfer.memory import (
+    MemoryPlan,
+    MiB,
+    available_memory,
+    plan_for_engine,
+    plan_memory,
+    plan_resolved,
+    resolve_max_model_len,
+)
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig
 from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker, select_decode_backend
@@ -150,7 +158,7 @@ def load_generator(
     try:
         checkpoint = open_checkpoint(path)
         config = for_model(config, options, checkpoint.config)  # "auto": the file's own format where it runs
-        plan_memory(checkpoint.config, **options)
+        plan_resolved(checkpoint.config, config)  # refused before any weight is read
         ops, compile_seconds = EAGER_OPS, None  # the element-wise functions the model is built with
         if config.torch_compile:
             ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)

@@ -266,6 +266,13 @@ def plan_memory(
 
         model_config = read_model_config(resolve_model(model))
     config = for_model(config, options, model_config)  # "auto": the file's own format where it runs
+    return plan_resolved(model_config, config, available_bytes)
+
+
+def plan_resolved(model_config: ModelConfig, config: EngineConfig, available_bytes: int | None = None) -> MemoryPlan:
+    """:func:`plan_memory` for a config whose weight format is already resolved for the model
+    (:func:`asyncinfer.config.for_model`): the loader plans with the config it loads with, without resolving
+    (and warning about) ``quantization="auto"`` a second time."""
     # GGUF weights are dequantised at load, so the file size is no guide: count from the shapes.
     weights = weight_bytes(model_config, config.dtype_bytes, config.quantization, config.quantization_skip,
                            config.device)

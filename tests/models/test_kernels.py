@@ -244,6 +244,32 @@ def test_block_formats_are_refused_where_the_kernels_cannot_run(tiny_models) -> 
         check_quantization("q4_1", torch.device("cuda"), torch.float16)
 
 
+def test_the_fallback_from_a_files_own_block_format_is_logged_once_per_load(tiny_models, monkeypatch,
+                                                                            caplog) -> None:
+    """A Q4_1 file where the kernels cannot run (as under ASYNCINFER_DISABLE_KERNELS=1): from_pretrained loads it
+    as float16 and says so once, not once for the format and again for the memory plan."""
+    import dataclasses
+
+    from asyncinfer import loading
+    from asyncinfer.kernels import _build
+
+    real = loading.open_checkpoint
+
+    def q4_1_file(path):  # the tiny model's config as a Q4_1 GGUF file's
+        checkpoint = real(path)
+        return dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, native_format="q4_1"))
+
+    monkeypatch.setattr(loading, "open_checkpoint", q4_1_file)
+    for name, value in (("_tried", True), ("_lib", None), ("_reason", "ASYNCINFER_DISABLE_KERNELS is set")):
+        monkeypatch.setattr(_build, name, value)  # the state ASYNCINFER_DISABLE_KERNELS=1 leaves
+    assert not kernels.available()
+    with caplog.at_level("WARNING", logger="asyncinfer"):
+        engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], device="cpu", kv_cache_memory=2**22)
+    assert engine._version.config.quantization == "float16"
+    said = [r.getMessage() for r in caplog.records if "would be the default weight format" in r.getMessage()]
+    assert len(said) == 1 and "ASYNCINFER_DISABLE_KERNELS is set" in said[0] and "using float16" in said[0], said
+
+
 def test_a_projection_that_is_not_whole_blocks_stays_float32() -> None:
     config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=40, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
