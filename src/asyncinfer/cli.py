@@ -156,15 +156,29 @@ def _info(args: argparse.Namespace) -> int:
         options = _engine_options(args)
         config = EngineConfig.from_options(options)
         if not is_encoder_dir(path):
-            config = for_model(config, options, mc)  # "auto": this file's own block format where it runs
+            # "auto": this file's own block format where it runs (plan_memory above logged any fallback)
+            config = for_model(config, options, mc, warn=False)
         weights = config.quantization or "the dtype"
         print(f"dtype {str(config.dtype).removeprefix('torch.')} on {config.device}, weight format: {weights}")
+        if config.device.type == "cpu":
+            print(f"kernels: {_kernels_line()}")
         print(f"memory plan: {plan.describe()}")
         print(f"needs {format_bytes(plan.weight_bytes + plan.kv_bytes + plan.activation_reserve)} in all "
               "(KV memory on the CPU is committed as it is used); planned from the config, no weight read")
     else:
         print(f"embedding model; memory plan: {plan.describe()}")
     return 0
+
+
+def _kernels_line() -> str:
+    """asyncinfer's CPU kernels here: the variant and where its library came from, or why they cannot run."""
+    from asyncinfer import kernels
+
+    if not kernels.available():
+        return f"unavailable ({kernels.unavailable_reason()})"
+    info = kernels.build_info()
+    source = "installed" if info["source"] == "installed" else f"run-time build, {info['path']}"
+    return f"{info['isa']} ({source})"
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -513,6 +527,21 @@ def _working_directory_importable() -> None:
         sys.path.append(cwd)
 
 
+def _kernel_setting_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or was caused by) a bad ``ASYNCINFER_KERNEL_ISA`` (:class:`kernels.KernelISAError`):
+    a setting of the user's, reported like any other user error."""
+    from asyncinfer.kernels import KernelISAError  # torch is imported by now (the parser's construction)
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KernelISAError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; every failure is one line on stderr and a non-zero status, never a traceback.
 
@@ -538,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     except Exception as exc:
+        if _kernel_setting_error(exc):  # the user's ASYNCINFER_KERNEL_ISA, not an internal error
+            print(f"asyncinfer: error: {exc}", file=sys.stderr)
+            return 2
         if os.environ.get("ASYNCINFER_DEBUG") == "1":
             raise
         print(f"asyncinfer: internal error: {type(exc).__name__}: {exc} (ASYNCINFER_DEBUG=1 shows the traceback)",

@@ -50,7 +50,7 @@ from asyncinfer.memory import (
     plan_resolved,
     resolve_max_model_len,
 )
-from asyncinfer.model_source import resolve_model
+from asyncinfer.model_source import DEFAULT_MODEL_NAME, resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig
 from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker, select_decode_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
@@ -109,11 +109,14 @@ def _load(
     error: type[ModelLoadError],
     what: str | None,
 ) -> ModelVersion | EmbeddingBatcher:
-    what = what or f"loading {str(model)!r}"
+    default = what is None and model is None  # named as the default model: the user never typed a name
+    what = what or (f"loading the default model ({DEFAULT_MODEL_NAME})" if default else f"loading {str(model)!r}")
     try:
         path = resolve_model(model)
     except ModelLoadError as exc:
         raise error(f"{what} failed: {exc}") from exc
+    if default:
+        what = f"loading the default model ({path})"
     if is_encoder_dir(path):
         if kind == "generate":
             raise InvalidParameterError("model", str(model), "a generator (this is a sentence encoder)")

@@ -91,6 +91,63 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
         cli.main(["info"])
 
 
+def test_the_default_model_is_named_when_its_load_fails(tmp_path, capsys, monkeypatch) -> None:
+    """A command without a model loads the default one: a failure names it (and its file), never 'None'."""
+    missing = tmp_path / "gone.gguf"
+    monkeypatch.setenv("ASYNCINFER_MODEL", str(missing))
+    assert cli.main(["chat", "hi", "--max-tokens", "1"]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"asyncinfer: error: loading the default model ({missing}) failed: ") and "None" not in err
+
+
+def cli_process(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "ASYNCINFER_DISABLE_KERNELS": "0", **env}
+    return subprocess.run([sys.executable, "-m", "asyncinfer", *args], env=full, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_a_bad_kernel_isa_is_the_users_error_on_every_command(tiny_models) -> None:
+    """ASYNCINFER_KERNEL_ISA naming no variant (or one this CPU lacks): a block format is refused in one line
+    naming the parameter and the variable (status 2, as for any other user error); info says why the kernels
+    cannot run and plans the fallback weight format."""
+    from asyncinfer import kernels
+
+    path = str(tiny_models["llama"][0])
+    lacking = [isa for isa in ("avx512", "avx2") if isa not in kernels.supported_isas()]
+    for value in ["bogus", *lacking[:1]]:
+        proc = cli_process("info", path, "--quantization", "q8_0", ASYNCINFER_KERNEL_ISA=value)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("asyncinfer: error: quantization='q8_0' is invalid") and \
+            f"ASYNCINFER_KERNEL_ISA={value!r}" in proc.stderr, proc.stderr
+    proc = cli_process("chat", "hi", "--model", path, "--quantization", "q4_1", ASYNCINFER_KERNEL_ISA="bogus")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "quantization='q4_1'" in proc.stderr and "ASYNCINFER_KERNEL_ISA='bogus'" in proc.stderr, proc.stderr
+    proc = cli_process("info", path, ASYNCINFER_KERNEL_ISA="bogus")
+    assert proc.returncode == 0, proc.stderr
+    assert "kernels: unavailable (ASYNCINFER_KERNEL_ISA='bogus' names no kernel variant" in proc.stdout, proc.stdout
+
+
+def test_a_kernel_isa_error_reaching_the_command_is_a_user_error(capsys, monkeypatch) -> None:
+    """kernels.KernelISAError, raised or the cause of another error, is one line and status 2, not an internal
+    error."""
+    from asyncinfer.kernels import KernelISAError
+
+    def bad_variant(args):
+        raise KernelISAError("variant 'avx512': this CPU runs only scalar, avx2")
+
+    def wrapped(args):
+        try:
+            bad_variant(args)
+        except KernelISAError as exc:
+            raise RuntimeError("asyncinfer's kernels cannot run here") from exc
+
+    for broken in (bad_variant, wrapped):
+        monkeypatch.setattr(cli, "_info", broken)
+        assert cli.main(["info"]) == 2
+        err = one_line_error(capsys)
+        assert err.startswith("asyncinfer: error: ") and "internal error" not in err, err
+
+
 def test_info_of_a_model_that_does_not_fit_shows_its_shapes_and_why(tmp_path, capsys) -> None:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
               "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -144,6 +201,14 @@ def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     assert f"memory plan: {plan.describe()}" in out and "no weight read" in out
     assert "architecture: llama, 2 layers, hidden 64, heads 4/2 kv, vocab 320, context 512" in out
     assert "dtype float32 on cpu, weight format: float16" in out  # the CPU default for a safetensors model
+    from asyncinfer import kernels
+
+    if kernels.available():  # the variant and where its library came from
+        info = kernels.build_info()
+        where = "installed" if info["source"] == "installed" else f"run-time build, {info['path']}"
+        assert f"kernels: {kernels.isa()} ({where})" in out, out
+    else:
+        assert f"kernels: unavailable ({kernels.unavailable_reason()})" in out, out
     assert cli.main(["info", str(path), "--dtype", "float32", "--max-model-len", "64"]) == 0
     assert "weight format: the dtype" in capsys.readouterr().out
 
