@@ -247,7 +247,7 @@ class SystemResult:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, core count and library versions, for the JSON record."""
+    """CPU model, core count, library versions and the kernels this process loaded, for the JSON record."""
     import torch
     import transformers
 
@@ -267,7 +267,20 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "kernels": kernels_info(),
     }
+
+
+def kernels_info() -> dict[str, str] | None:
+    """asyncinfer's kernels as this process loaded them (``isa``, ``source``: ``"installed"`` or ``"cache"``),
+    or None where it has not loaded them (its runs used none, or they cannot run here). Never loads or builds
+    them: a process that only drives others (benchmarks/revisions.py) records None."""
+    from asyncinfer import kernels
+
+    if not kernels.loaded():
+        return None
+    info = kernels.build_info()
+    return {"isa": info["isa"], "source": info["source"]}
 
 
 def tiny_model(directory: Path) -> Path:

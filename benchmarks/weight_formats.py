@@ -4,7 +4,8 @@ Builds the default model's decoder (random weights of its real shapes; speed doe
 on the values), puts its projections in each format with the engine's own
 ``apply_weight_format``, and times one pass over all of them (per layer q/k/v, o, gate/up,
 down, then the LM head) at M tokens: tokens/s = M / the median time of ``--repeats`` passes
-after a warm-up. Each layer has its own weights, so nothing stays in cache between layers.
+after a warm-up. Each layer has its own weights, so nothing stays in cache between layers. The
+header and the JSON (``kernel_isa``) name the kernels' variant (``ASYNCINFER_KERNEL_ISA`` picks another).
 
     python benchmarks/weight_formats.py --json benchmarks/results/weight_formats.json
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine_info
 
+from asyncinfer import kernels
 from asyncinfer.memory import read_model_config
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.quant import apply_weight_format, default_skip
@@ -82,7 +84,10 @@ def main() -> None:
     torch.manual_seed(0)
     base = model_family(cfg.architecture).model_class(cfg).eval()
     rows = []
-    print(f"{cfg.num_layers} layers, {args.threads} threads; tokens/s of the projection stack (median of {args.repeats})")
+    kernel_isa = kernels.isa() if kernels.available() else None  # ASYNCINFER_KERNEL_ISA picks another variant
+    kernels_line = kernel_isa or f"unavailable ({kernels.unavailable_reason()})"
+    print(f"{cfg.num_layers} layers, {args.threads} threads, kernels: {kernels_line}; tokens/s of the projection "
+          f"stack (median of {args.repeats})")
     print(f"{'format':<40}" + "".join(f"{'M=' + str(m):>10}" for m in args.tokens))
     for name, method, skip, pack in FORMATS:
         model = copy.deepcopy(base)
@@ -95,7 +100,7 @@ def main() -> None:
     if args.json:
         meta = {"command": "python benchmarks/weight_formats.py " + " ".join(sys.argv[1:]),
                 "date": datetime.date.today().isoformat(), "machine": machine_info(),
-                "load_average_after": os.getloadavg(), "model": cfg.architecture,
+                "load_average_after": os.getloadavg(), "model": cfg.architecture, "kernel_isa": kernel_isa,
                 "what": "tokens/s of the matmuls alone: every projection of the decoder and the LM head, M tokens"}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
