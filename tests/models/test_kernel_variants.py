@@ -255,3 +255,23 @@ def test_the_environment_switch_forces_a_variant_or_names_the_allowed_values() -
         assert parts[2] == supported  # what a user needs to pick a value that works
         for part in parts[3:]:
             assert part == f"RuntimeError asyncinfer's kernels cannot run here: {parts[1]} True", part
+
+
+def test_a_bad_isa_leaves_the_weight_formats_as_where_the_kernels_cannot_run() -> None:
+    """Under an ASYNCINFER_KERNEL_ISA that names no variant: "auto" on a Q4_1 file falls back to float16 with
+    one warning naming the reason; quantization="q4_1" is refused naming the parameter and the reason."""
+    code = ("import logging, types\n"
+            "from asyncinfer import InvalidParameterError\n"
+            "from asyncinfer.config import EngineConfig, for_model\n"
+            "said = []\n"
+            "handler = logging.Handler(); handler.emit = lambda record: said.append(record.getMessage())\n"
+            "logging.getLogger('asyncinfer').addHandler(handler)\n"
+            "gguf = types.SimpleNamespace(native_format='q4_1')  # a Q4_1 file\n"
+            "print(for_model(EngineConfig(device='cpu'), {}, gguf).quantization)\n"
+            "print(sum('cannot run here' in m and \"'sse9' names no kernel variant\" in m for m in said))\n"
+            "try:\n"
+            "    EngineConfig(device='cpu', quantization='q4_1')\n"
+            "except InvalidParameterError as exc:\n"
+            "    print(exc.parameter, \"'sse9' names no kernel variant\" in str(exc))\n")
+    proc = run(code, **{ISA_ENV: "sse9"})
+    assert proc.stdout.split() == ["float16", "1", "quantization", "True"], proc.stdout + proc.stderr[-2000:]
