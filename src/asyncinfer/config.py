@@ -233,9 +233,8 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
         from asyncinfer import kernels
 
         logging.getLogger("asyncinfer").warning(
-            "the model's own %s blocks would be the default weight format, but asyncinfer's kernels cannot run "
-            "here (%s): using %s instead, several times slower at batch 1 (docs/formats.md)",
-            native, kernels.unavailable_reason(), fmt)
+            "the model's own %s blocks would be the default weight format, but not on asyncinfer's kernels "
+            "here (%s): using %s instead (docs/formats.md)", native, kernels.auto_reason(), fmt)
     if fmt == config.quantization:
         return config
     return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),

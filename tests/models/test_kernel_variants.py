@@ -275,3 +275,24 @@ def test_a_bad_isa_leaves_the_weight_formats_as_where_the_kernels_cannot_run() -
             "    print(exc.parameter, \"'sse9' names no kernel variant\" in str(exc))\n")
     proc = run(code, **{ISA_ENV: "sse9"})
     assert proc.stdout.split() == ["float16", "1", "quantization", "True"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_auto_passes_over_the_block_formats_where_only_the_scalar_reference_runs() -> None:
+    """On a CPU with no vectorised variant (aarch64, x86 without AVX2: faked here by the CPU check answering
+    scalar alone), quantization="auto" keeps float16 for a q4_1 file, since the plain-C reference is many
+    times slower than torch's float16 kernels on a batch; q4_1 asked for by name still runs, and so does
+    "auto" when ASYNCINFER_KERNEL_ISA asks for the scalar variant."""
+    code = ("import torch\n"
+            "from asyncinfer import kernels\n"
+            "from asyncinfer.kernels import _build\n"
+            "_build._cpu_isas = lambda: ('scalar',)\n"
+            "from asyncinfer.models.quant import resolve_quantization\n"
+            "cpu = torch.device('cpu')\n"
+            "print(kernels.available(), kernels.isa(), resolve_quantization('auto', cpu, 'auto', 'q4_1'),\n"
+            "      resolve_quantization('q4_1', cpu, 'auto', 'q4_1'), kernels.auto_reason())\n")
+    unforced = run(code, **{ISA_ENV: ""})
+    words = unforced.stdout.split(maxsplit=4)
+    assert words[:4] == ["True", "scalar", "float16", "q4_1"], unforced.stdout + unforced.stderr[-2000:]
+    assert "only the scalar reference" in words[4]
+    forced = run(code, **{ISA_ENV: "scalar"})
+    assert forced.stdout.split() == ["True", "scalar", "q4_1", "q4_1", "None"], forced.stdout + forced.stderr[-2000:]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from asyncinfer.kernels._build import (
     PANEL_MIN_ROWS,
     KernelISAError,
+    auto_reason,
     available,
     build_info,
     isa,
@@ -39,6 +40,7 @@ from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, dequantize, pack, quan
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, gemm, rms_norm
 
 __all__ = [
+    "auto_reason",
     "BLOCK_FORMATS", "PANEL_MIN_ROWS", "QK", "DecodeLayer", "DecodeStack", "KernelISAError", "argmax",
     "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded", "pack",
     "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",

@@ -62,6 +62,8 @@ _error: KernelISAError | None = None
 _tried = False
 _info: dict | None = None
 _supported: tuple[str, ...] | None = None
+#: Whether ASYNCINFER_KERNEL_ISA chose the variant (then quantization="auto" takes the block formats even on scalar).
+_forced = False
 _variants: dict[str, tuple[ctypes.CDLL, dict]] = {}
 
 
@@ -405,7 +407,7 @@ def _requested() -> str | None:
 
 
 def _load() -> None:
-    global _lib, _reason, _tried, _info, _supported, _error
+    global _lib, _reason, _tried, _info, _supported, _error, _forced
     with _lock:
         if _tried:
             return
@@ -429,6 +431,7 @@ def _load() -> None:
                 _error, _reason = exc, str(exc)
                 return
             chosen = requested or _supported[-1]
+            _forced = requested is not None
             _lib, _info = _open_variant(chosen)
         except RuntimeError as exc:  # _UnsafeCache included: its message says which file and why
             _reason, _lib = str(exc), None
@@ -442,6 +445,20 @@ def available() -> bool:
     (one that names no variant, or one this CPU lacks); never raises."""
     _load()
     return _lib is not None
+
+
+def auto_reason() -> str | None:
+    """Why ``quantization="auto"`` passes over a model's own block format here, None where it takes it: the
+    kernels cannot run (:func:`unavailable_reason`), or only the scalar reference runs on this CPU and
+    ``ASYNCINFER_KERNEL_ISA`` did not ask for it (the reference, plain C, decodes a batch many times slower
+    than float16 weights on torch's own kernels: docs/formats.md, "Kernel variants"). Never raises."""
+    _load()
+    if _lib is None:
+        return _reason
+    if _info is not None and _info["isa"] == "scalar" and not _forced:
+        return ("only the scalar reference of the kernels runs on this CPU (no AVX2): q4_1 / q8_0 work when "
+                "asked for, but float16 is faster here")
+    return None
 
 
 def unavailable_reason() -> str | None:

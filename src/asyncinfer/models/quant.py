@@ -89,14 +89,15 @@ def fp16_weights_available() -> bool:
 def resolve_quantization(method: object, device: torch.device, dtype: object, native_format: str | None = None) -> object:
     """``quantization="auto"`` made concrete for ``device`` and the ``dtype`` option as given (before
     it is resolved). On a CPU with ``dtype`` "auto" (or None): the model's ``native_format`` (its GGUF
-    file's own block format, ``ModelConfig.native_format``) where asyncinfer's kernels run, else
-    "float16" where fbgemm runs; everywhere else None. Any other value is returned as is (validated
+    file's own block format, ``ModelConfig.native_format``) where asyncinfer's kernels run (a vectorised
+    variant, or the scalar reference when ``ASYNCINFER_KERNEL_ISA`` asks for it: ``kernels.auto_reason()``),
+    else "float16" where fbgemm runs; everywhere else None. Any other value is returned as is (validated
     by :func:`check_quantization`)."""
     if method != "auto":
         return method
     if device.type != "cpu" or dtype not in (None, "auto"):
         return None
-    if native_format in BLOCK_FORMATS and kernels.available():
+    if native_format in BLOCK_FORMATS and kernels.auto_reason() is None:  # kernels that run, vectorised or asked for
         return native_format
     return "float16" if fp16_weights_available() else None
 
