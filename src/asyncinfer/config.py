@@ -233,8 +233,10 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
         from asyncinfer import kernels
 
         logging.getLogger("asyncinfer").warning(
-            "the model's own %s blocks would be the default weight format, but not on asyncinfer's kernels "
-            "here (%s): using %s instead (docs/formats.md)", native, kernels.auto_reason(), fmt)
+            "the model's own %s blocks would be the default weight format, but asyncinfer's kernels %s here (%s): "
+            "using %s instead (docs/formats.md)", native,
+            "cannot run" if not kernels.available() else "run only as their scalar reference", kernels.auto_reason(),
+            fmt)
     if fmt == config.quantization:
         return config
     return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),
