@@ -153,7 +153,9 @@ def test_decode_attention_reads_the_paged_cache_in_place_like_sdpa(heads, kv_hea
         keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]  # [1, KVH, L, D]
         values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
         ref = F.scaled_dot_product_attention(q[s][None, :, None], keys, values, scale=0.3, enable_gqa=True)
-        torch.testing.assert_close(out[s], ref[0, :, 0], atol=2e-6, rtol=2e-6)
+        # float32 rounding of 128-term dot products in another order: every variant (the scalar reference keeps
+        # its sums unfused and in order, the SIMD ones fuse them), docs/formats.md's 1e-5 for attention
+        torch.testing.assert_close(out[s], ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
 def lossless_tiny(kind: str, path) -> None:
