@@ -155,17 +155,10 @@ def run_one(label: str, src: Path, spec: dict[str, Any], tmp: Path, index: int,
     return json.loads(out_path.read_text())
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def token_identity(base: list[list[int]], head: list[list[int]]) -> dict[str, Any]:
     identical = sum(a == b for a, b in zip(base, head))
+    from asyncinfer.models.quality import common_prefix  # the parent's own checkout (children never call this)
+
     prefix = [common_prefix(a, b) / max(len(a), len(b), 1) for a, b in zip(base, head)]
     return {"identical": identical, "compared": len(base), "mean_common_prefix": statistics.fmean(prefix),
             "differing_requests": [i for i, (a, b) in enumerate(zip(base, head)) if a != b]}
