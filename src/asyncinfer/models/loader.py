@@ -39,7 +39,7 @@ from torch import nn
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
-from asyncinfer.models.config import ModelConfig, normalise_token_ids
+from asyncinfer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, normalise_token_ids
 from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
@@ -348,12 +348,14 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         )
     eos = normalise_token_ids(_field(reader, "tokenizer.ggml.eos_token_id", None))
     eot = normalise_token_ids(_field(reader, "tokenizer.ggml.eot_token_id", None))
+    num_layers = int(_field(reader, f"{arch}.block_count"))
+    window, layer_types = _gguf_window(reader, arch, num_layers)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -364,10 +366,77 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=family.qkv_bias,
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
-        eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
-        sliding_window=_optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None,
+        eos_token_ids=tuple(dict.fromkeys((*eos, *eot, *_gguf_token_ids(reader, family.gguf_eot_tokens)))),
+        sliding_window=window,
         native_format=_native_format(tensors),
+        layer_types=layer_types,
+        attn_logit_softcapping=_optional_float(_field(reader, f"{arch}.attn_logit_softcapping", None)),
+        final_logit_softcapping=_optional_float(_field(reader, f"{arch}.final_logit_softcapping", None)),
+        **_gguf_gemma_fields(reader, arch, family.name, num_layers, hidden, num_heads, head_dim),
     )
+
+
+# llama.cpp's Gemma conventions, for files that do not state them (its loader hard-codes them):
+# the sliding-window pattern (every 2nd layer full for Gemma 2, every 6th for Gemma 3) and the layer
+# count of the 27B models, whose softmax scale is (hidden / heads) ** -0.5 instead of head_dim ** -0.5.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_window(reader: GGUFFile, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` from ``<arch>.attention.sliding_window`` and
+    ``<arch>.attention.sliding_window_pattern`` (a period ``n``: every ``n``-th layer full, the others
+    sliding, or one bool a layer: sliding or not). Gemma files without a pattern get llama.cpp's; other
+    architectures' windows apply to every layer. A window of 0 is none."""
+    window = _optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PATTERN.get(arch))
+    if pattern is None:
+        return window, None
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                                 f"for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern)
+        if period < 1:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern={period} must be >= 1")
+        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding)
+    return (window, types) if window is not None and any(sliding) else (None, types)
+
+
+def _gguf_gemma_fields(reader: GGUFFile, arch: str, family: str, num_layers: int, hidden: int, num_heads: int,
+                       head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma files set: the softmax scale (``<arch>.attention.scale`` where
+    the file has it, else llama.cpp's rule), the sliding layers' rope base (``<arch>.rope.freq_base_swa``,
+    else 10000 as llama.cpp takes for Gemma 3) and the norm offset (0: llama.cpp's converter stored the
+    norm weights with Gemma's 1 added)."""
+    if family not in _GEMMA_SWA_PATTERN:
+        return {}
+    scale = _field(reader, f"{arch}.attention.scale", None)
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif num_layers == _GEMMA_27B_LAYERS[family]:
+        scalar = hidden / num_heads
+    else:
+        scalar = float(head_dim)
+    swa_base = _field(reader, f"{arch}.rope.freq_base_swa", 10000.0 if family == "gemma3" else None)
+    return {"query_pre_attn_scalar": scalar, "sliding_rope_theta": _optional_float(swa_base),
+            "norm_weight_offset": 0.0}
+
+
+def _gguf_token_ids(reader: GGUFFile, texts: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of the tokens spelled ``texts`` in the file's vocabulary (those it has), in that order."""
+    if not texts or "tokenizer.ggml.tokens" not in reader.fields:
+        return ()
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    ids = {text: i for i, text in enumerate(tokens) if text in texts}
+    return tuple(ids[text] for text in texts if text in ids)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 # The projections of a decoder layer in GGUF spelling (blk.{i}.<kind>.weight).
