@@ -66,18 +66,36 @@ async def test_greedy_tokens_past_the_window_equal_transformers(kind, tmp_path) 
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-async def test_a_gemma_gguf_in_blocks_decodes_on_the_torch_path_and_matches(kind, tmp_path) -> None:
+async def test_a_gemma_gguf_in_blocks_decodes_on_the_torch_path_and_matches(kind, tmp_path, monkeypatch) -> None:
     assert kernels.available(), kernels.unavailable_reason()
     hf = reference(kind)
     path = write_gemma_gguf(hf, tmp_path / f"{kind}.gguf", q8=True)  # hf now holds the stored values
-    prompts = random_prompts(2, seed=4, max_len=26, vocab=256)
-    engine, got = await serve(path, prompts, [16, 12], quantization="q8_0")
+    engine = AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "max_num_batched_tokens": 16}, quantization="q8_0")
     decode = engine.core.runner.decode
     assert isinstance(decode, TorchDecode) and decode.attention.name == "sdpa-kernel-decode"
     assert "not a Llama-family model" in kernel_decode_blocker(decode.model)
     assert isinstance(decode.model.layers[0].attn.qkv_proj, BlockLinear)  # the file's own Q8_0 blocks
-    for p, n, tokens in zip(prompts, [16, 12], got):
-        assert tokens == hf_greedy(hf, p, n)
+    prompts = [[5, 9, 14], *random_prompts(2, seed=4, max_len=26, vocab=256)]
+    layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(engine.core.runner.kv_caches)}
+    in_kernel: list[tuple[int, int]] = []  # (layer, longest context) of each decode attention the kernel ran
+    attend = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda q, kc, vc, tables, lens, scale: in_kernel.append((layer_of[kc.data_ptr()],
+                                                                                 int(lens.max())))
+                        or attend(q, kc, vc, tables, lens, scale))
+    async with engine:
+        # Alone, within the window: Gemma 3's decodes attend in the kernel (Gemma 2's are soft-capped).
+        short = await engine.generate(prompts[0], greedy(5))
+        both = await asyncio.gather(*(engine.generate(p, greedy(n)) for p, n in zip(prompts[1:], [16, 12])))
+    assert short.token_ids == hf_greedy(hf, prompts[0], 5)
+    for p, n, out in zip(prompts[1:], [16, 12], both):
+        assert out.token_ids == hf_greedy(hf, p, n)
+    if kind == "gemma3":  # layers 0 and 2 slide, layer 1 attends to everything
+        sliding = [ctx for layer, ctx in in_kernel if layer != 1]
+        assert sliding and max(sliding) <= TINY_WINDOW  # past the window the masked torch path ran
+        assert max(ctx for layer, ctx in in_kernel if layer == 1) > TINY_WINDOW  # a full layer: the kernel at any length
+    else:
+        assert in_kernel == []  # soft-capped scores never enter the kernel
 
 
 def write_llama_gguf(hf: torch.nn.Module, path, window: int):
