@@ -128,13 +128,16 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
 # ---- tiny GGUF files, as llama.cpp writes them -------------------------------
 
 
-def write_gemma_gguf(hf: torch.nn.Module, path: Path, *, q8: bool = False) -> Path:
+def write_gemma_gguf(hf: torch.nn.Module, path: Path, *, q8: bool = False, vocab: list[str] | None = None,
+                     chat_template: str | None = None) -> Path:
     """Write ``hf`` (a tiny Gemma 2 / Gemma 3) as llama.cpp's converter does: architecture ``gemma2`` /
     ``gemma3``, its tensor names, every ``*norm.weight`` with Gemma's 1 added, no output tensor (tied),
     the window in ``<arch>.attention.sliding_window`` and the soft-caps as their keys; with ``q8``, every
     projection and the embedding in Q8_0, and ``hf`` given the stored (rounded) values, so that it stays
     the exact reference. Gemma 3's query scale and pattern are llama.cpp's defaults (head_dim, 6) unless
-    written: this writes the tiny model's as ``attention.scale`` and ``sliding_window_pattern``."""
+    written: this writes the tiny model's as ``attention.scale`` and ``sliding_window_pattern``. ``vocab``:
+    a sentencepiece vocabulary to write as the tokenizer (``<...>`` tokens are control tokens, ``<unk>``
+    the unknown one), with ``chat_template``."""
     cfg = hf.config
     arch = "gemma3" if cfg.model_type == "gemma3_text" else "gemma2"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -164,6 +167,17 @@ def write_gemma_gguf(hf: torch.nn.Module, path: Path, *, q8: bool = False) -> Pa
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     from asyncinfer.models.gemma import GEMMA2_WEIGHT_MAP, GEMMA3_WEIGHT_MAP
 
+    if vocab is not None:
+        writer.add_tokenizer_model("llama")  # what llama.cpp's converter writes for Gemma's sentencepiece model
+        writer.add_token_list(vocab)
+        writer.add_token_scores([-float(i) for i in range(len(vocab))])
+        writer.add_token_types([2 if t == "<unk>" else 3 if t.startswith("<") and t.endswith(">") else 1
+                                for t in vocab])
+        writer.add_unk_token_id(vocab.index("<unk>"))
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
     names = gguf_names(GEMMA3_WEIGHT_MAP if arch == "gemma3" else GEMMA2_WEIGHT_MAP, cfg.num_hidden_layers)
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -6,7 +6,8 @@ tokens equal transformers' ``generate()`` on the torch reference decode and on t
 ``select_decode_backend`` picks for a GGUF in Q8_0 blocks (Gemma: the torch path, which
 ``kernel_decode_blocker`` says why; Mistral as a ``llama`` GGUF: the kernels' one-call decode step
 while every context fits in the window, the reference past it). Gemma's chat turns render through
-``prompts.py`` and ``<end_of_turn>`` ends a reply.
+``prompts.py`` with a Hugging Face tokenizer and with the one transformers builds from a Gemma GGUF,
+and ``<end_of_turn>`` ends a reply.
 """
 
 from __future__ import annotations
@@ -211,3 +212,27 @@ async def test_gemma_chat_turns_render_and_end_of_turn_ends_a_reply(tmp_path) ->
     assert out.prompt_token_ids == [2, 106, 110, 116, 114, 115, 116, 116, 112, 113, 107, 116, 106, 111, 116]
     assert len(out.token_ids) == 4
     assert 107 in engine.core.eos_token_ids and 1 in engine.core.eos_token_ids
+
+
+async def test_a_gemma_gguf_brings_its_tokenizer_and_chat_template(tmp_path, monkeypatch) -> None:
+    """The tokenizer transformers builds from a Gemma GGUF renders and encodes chat turns; ``<end_of_turn>``
+    (found by its spelling in the vocabulary, as llama.cpp finds it) ends replies."""
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))  # the built tokenizer's cache
+    vocab = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581", "\n",
+             *"abdefhilmnorstuy", "us", "er", "user", "mo", "de", "model", "he", "ll", "hell", "hello",
+             "\u2581t", "\u2581the", "\u2581ther", "\u2581there", "be", "\u2581b", "\u2581be", "\u2581brief"]
+    hf = tiny_hf_model("gemma3", 5, bos_token_id=2, eos_token_id=1)  # Gemma's ids
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0  # references run to length
+    path = write_gemma_gguf(hf, tmp_path / "gemma3.gguf", vocab=vocab, chat_template=GEMMA_TEMPLATE)
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
+    assert engine.core.eos_token_ids == frozenset({hf.config.eos_token_id, vocab.index("<end_of_turn>")})
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    async with engine:
+        out = await engine.generate(messages, greedy(3))
+    tokenizer = engine.tokenizer
+    assert tokenizer.chat_template == GEMMA_TEMPLATE
+    text = "<bos><start_of_turn>user\nbe brief\n\nhello there<end_of_turn>\n<start_of_turn>model\n"
+    ids = out.prompt_token_ids
+    assert ids[:2] == [2, 4] and ids.count(4) == 2 and ids.count(5) == 1 and ids.count(2) == 1
+    assert tokenizer.decode(ids) == text and vocab.index("user") in ids  # the file's own pieces
+    assert out.token_ids == hf_greedy(hf, ids, 3)
