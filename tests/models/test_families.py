@@ -323,7 +323,7 @@ async def test_greedy_tokens_equal_transformers(families, kind, source, fmt) -> 
         assert type(runner.decode) is TorchDecode
         assert blocker == ("layers.0 is Qwen3DecoderLayer with Qwen3Attention, not the LlamaDecoderLayer with "
                            "LlamaAttention the kernels' decode layer computes (it adds a per-head RMSNorm of q and "
-                           "k before rope (Qwen3's q_norm and k_norm))")
+                           "k before rope: Qwen3's q_norm and k_norm)")
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

@@ -36,7 +36,7 @@ from asyncinfer.models.registry import ModelFamily, WeightMap, register_model_fa
 class Qwen3Attention(LlamaAttention):
     """:class:`LlamaAttention` with each query and key head RMS-normalised (``q_norm``, ``k_norm``) before rope."""
 
-    kernel_gap: ClassVar[str | None] = "a per-head RMSNorm of q and k before rope (Qwen3's q_norm and k_norm)"
+    kernel_gap: ClassVar[str | None] = "a per-head RMSNorm of q and k before rope: Qwen3's q_norm and k_norm"
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__(config, ops)
