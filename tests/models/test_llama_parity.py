@@ -86,8 +86,9 @@ def test_greedy_decode_matches_generate(tiny_pair, kind):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_mixed_batch(tiny_pair, dtype):
-    hf, ours = tiny_pair("qwen2")
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "phi3"])
+def test_cuda_mixed_batch(tiny_pair, kind, dtype):
+    hf, ours = tiny_pair(kind)
     model = copy.deepcopy(ours.model).to("cuda", dtype)
     seqs = {i: random_tokens(n, seed=30 + i) for i, n in enumerate((9, 5, 12))}
     runner = PagedRunner(model, block_size=4, seed=6, device="cuda")
