@@ -24,7 +24,16 @@ from typing import Any
 
 import gguf
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.lab import StepCostModel
@@ -57,11 +66,13 @@ def tiny_hf_config(kind: str, **overrides: Any):
     replace fields of :data:`TINY` (e.g. ``vocab_size``).
 
     Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen2`` (tied head,
-    q/k/v bias), ``mistral``; with a sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window``
-    (every layer), ``qwen2_window`` (the second layer only), ``gemma2`` (layer 0 sliding, 1 full; a
-    ``query_pre_attn_scalar`` that is not ``head_dim``; attention and final logits soft-capped low enough
-    to bite) and ``gemma3`` (layers sliding, full, sliding; q/k norms; its own rope base on the sliding
-    layers and linear rope scaling on the full one).
+    q/k/v bias), ``mistral``, ``qwen3`` (per-head q/k norm, an explicit head_dim of 32: q/k/v
+    wider than the hidden size), ``phi3`` (fused qkv and gate_up projections in the checkpoint); with a
+    sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window`` (every layer), ``qwen2_window``
+    (the second layer only), ``gemma2`` (layer 0 sliding, 1 full; a ``query_pre_attn_scalar`` that is not
+    ``head_dim``; attention and final logits soft-capped low enough to bite) and ``gemma3`` (layers
+    sliding, full, sliding; q/k norms; its own rope base on the sliding layers and linear rope scaling on
+    the full one).
     """
     fields = {**TINY, **overrides}
     if kind == "llama":
@@ -100,6 +111,11 @@ def tiny_hf_config(kind: str, **overrides: Any):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
         )
+    if kind == "qwen3":
+        return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False)
+    if kind == "phi3":
+        # Phi3Config's default pad id (32000) lies past a tiny vocabulary.
+        return Phi3Config(**{"pad_token_id": 0, **fields}, tie_word_embeddings=False)
     raise ValueError(kind)
 
 

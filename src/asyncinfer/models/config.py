@@ -26,7 +26,8 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral, Gemma 2, Gemma 3).
+    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2,
+    Gemma 3).
 
     ``architecture`` is the family's registered name (``models.registry``).
     ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
@@ -159,8 +160,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelConfig:
-        """Normalise a transformers ``LlamaConfig``/``Qwen2Config``/``MistralConfig``/``Gemma2Config``/
-        ``Gemma3TextConfig``.
+        """Normalise a transformers config of a registered family (``LlamaConfig``, ``Qwen2Config``,
+        ``MistralConfig``, ``Qwen3Config``, ``Phi3Config``, ``Gemma2Config``, ``Gemma3TextConfig``, ...).
 
         Handles both the transformers 5 ``rope_parameters`` dict (per layer type for Gemma 3) and the
         older ``rope_theta``/``rope_scaling``/``rope_local_base_freq`` attributes. Raises ``ModelLoadError``
@@ -295,14 +296,46 @@ def _hf_family(cfg: Any) -> ModelFamily:
     """The registered family of a transformers config: by a class name in ``architectures``
     (a family may reuse another's config class), else by ``model_type``."""
     model_type = getattr(cfg, "model_type", None)
-    if getattr(cfg, "text_config", None) is not None:  # a multimodal wrapper (Gemma3ForConditionalGeneration)
+    _refuse_multimodal(model_type, getattr(cfg, "text_config", None) is not None)
+    return _family_of(model_type, getattr(cfg, "architectures", None))
+
+
+def hf_config_family(raw: Any, source: Any = "config.json") -> ModelFamily:
+    """The registered family a parsed ``config.json`` names (as :meth:`ModelConfig.from_hf_config` picks it:
+    a class name in ``architectures``, else ``model_type``), from the file's own names, before transformers
+    parses it and before any weight is read.
+
+    Raises:
+        ModelLoadError: ``raw`` is not a JSON object (naming ``source``), a multimodal model (a
+            ``text_config`` inside), or no family runs the model: the message names its ``model_type`` and
+            ``architectures`` and lists the supported architectures.
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"cannot read {source}: expected a JSON object, got {type(raw).__name__}")
+    _refuse_multimodal(raw.get("model_type"), raw.get("text_config") is not None)
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list):
+        architectures = None
+    return _family_of(raw.get("model_type"), architectures)
+
+
+def _refuse_multimodal(model_type: Any, has_text_config: bool) -> None:
+    """A multimodal wrapper (e.g. ``Gemma3ForConditionalGeneration``, model_type ``gemma3``) is refused by
+    name: only text decoders run, even where its text part's family is registered."""
+    if has_text_config:
         raise ModelLoadError(f"unsupported model_type {model_type!r}: a multimodal model (only text decoders run; "
                              f"supported: {', '.join(supported_architectures())})")
-    for name in (*(getattr(cfg, "architectures", None) or ()), model_type):
+
+
+def _family_of(model_type: Any, architectures: Any) -> ModelFamily:
+    for name in (*(architectures or ()), model_type):
         family = find_model_family(name)
         if family is not None:
             return family
-    raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_architectures())}")
+    named = f" (architectures: {', '.join(map(str, architectures))})" if architectures else ""
+    raise ModelLoadError(
+        f"unsupported model_type {model_type!r}{named}; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> None:

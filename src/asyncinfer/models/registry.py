@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 WeightMap = tuple[tuple[str, str, str, str | None], ...]
 
 # Modules that define and register the built-in families, imported on first lookup.
-_BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.gemma")
+_BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.qwen3", "asyncinfer.models.phi3",
+                    "asyncinfer.models.gemma")
 _FAMILIES: dict[str, ModelFamily] = {}  # family name -> family
 _NAMES: dict[str, ModelFamily] = {}  # family name or HF class name -> family
 
@@ -63,7 +64,7 @@ class ModelFamily:
     - ``gguf``: it loads from GGUF files;
     - ``qkv_bias``: its q/k/v projections always carry a bias (Qwen2); otherwise a
       config asking for attention bias is refused;
-    - ``sliding_window``: its window always applies (Mistral); otherwise only when
+    - ``sliding_window``: its window always applies (Mistral, Phi-3); otherwise only when
       the config sets ``use_sliding_window`` or names ``sliding_attention`` layers in
       ``layer_types`` (Qwen2, Gemma). Attention then sees the last ``sliding_window``
       keys on those layers (``ModelConfig.layer_window``); the context stays the model's;
