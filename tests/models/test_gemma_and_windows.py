@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 (text) and sliding-window attention, model by model against transformers (issue 23, item 3).
 
 Tiny random models made from the families' config classes (tests/helpers.py: ``gemma2``, ``gemma3``,
-``mistral_window``, ``qwen2_window``, each with a window of ``TINY_WINDOW`` tokens) are saved as
+``mistral_window``, ``qwen2_window``, ``qwen3_window``, each with a window of ``TINY_WINDOW`` tokens) are saved as
 safetensors or written as llama.cpp lays out a GGUF, loaded by asyncinfer, and run over a shuffled paged
 cache in prefill chunks, decodes and mixed steps, on prompts well past the window: every position's
 logits equal transformers' full, uncached forward.
@@ -24,7 +24,7 @@ from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.loader import gguf_model_config
 from tests.helpers import TINY_WINDOW, PagedRunner, hf_logits, tiny_hf_config, tiny_hf_model, write_gemma_gguf
 
-WINDOWED = ["gemma2", "gemma3", "mistral_window", "qwen2_window"]
+WINDOWED = ["gemma2", "gemma3", "mistral_window", "qwen2_window", "qwen3_window"]
 ATOL = 2e-4  # float32 on any CPU: the same sums in another order
 
 
@@ -133,6 +133,13 @@ def test_a_window_no_longer_caps_the_context() -> None:
 def test_what_the_gemma_models_cannot_run_is_refused_by_name(config, message) -> None:
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_hf_config(config)
+
+
+def test_a_multimodal_config_json_is_refused_from_its_names(tmp_path) -> None:
+    """Before transformers parses it and before any weight: its text part's family is no licence."""
+    Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict()).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gemma3': a multimodal model"):
+        load_model(tmp_path, torch.float32, "cpu")
 
 
 # ---- GGUF, as llama.cpp's converter writes Gemma ---------------------------------------------------
