@@ -7,11 +7,10 @@
 import argparse
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.server import openai_router
+from asyncinfer.server import ServerSettings, guard_app, openai_router, run_server
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -28,8 +27,10 @@ async def lifespan(app: FastAPI):
         yield
 
 
-app = FastAPI(lifespan=lifespan)
-app.include_router(openai_router(engine))  # /v1/chat/completions, /v1/completions, /v1/models, /health, ...
+settings = ServerSettings()  # keys, tenants, limits: docs/serving.md
+app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+app.include_router(openai_router(engine, settings))  # /v1/chat/completions, /v1/completions, /v1/models, /health, ...
+guard_app(app, settings)  # OpenAI errors on every route (404, 405, ...), request ids, the body deadline
 
 
 @app.get("/haiku")
@@ -39,4 +40,4 @@ async def haiku(topic: str = "autumn") -> dict:
 
 
 if __name__ == "__main__":
-    uvicorn.run(app, host=args.host, port=args.port)
+    run_server(app, args.host, args.port, settings=settings)  # with the header deadline and the connection cap

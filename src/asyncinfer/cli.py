@@ -395,10 +395,22 @@ def _serve(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
 
     try:
-        from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, create_app, run_server
+        from asyncinfer.server import (
+            ModelSpec,
+            ServerSettings,
+            api_keys_from_env,
+            create_app,
+            metrics_keys_from_env,
+            run_server,
+        )
     except ImportError as exc:
         print(f"asyncinfer: error: {exc.name} is missing: pip install 'asyncinfer[server]'", file=sys.stderr)
         return 2
+    settings = ServerSettings(api_keys=(*api_keys_from_env(), *args.api_key), max_body_bytes=args.max_body_bytes,
+                              cache_isolation=args.cache_isolation, tenant_header=args.tenant_header,
+                              metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
+                              priority_header=args.priority_header, header_timeout=args.header_timeout,
+                              body_timeout=args.body_timeout, max_connections=args.max_connections)
     model = args.model_arg or args.model
     options = _engine_options(args)
     specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
@@ -407,9 +419,7 @@ def _serve(args: argparse.Namespace) -> int:
                                {"device": args.device}))
     for spec in specs:  # a bad path or option fails here, in a line, not in the server's start-up log
         AsyncEngine.plan_memory(spec.model, **spec.options)
-    settings = ServerSettings(api_keys=(*api_keys_from_env(), *args.api_key), max_body_bytes=args.max_body_bytes,
-                              cache_isolation=args.cache_isolation, tenant_header=args.tenant_header)
-    run_server(create_app(specs, settings), args.host, args.port, args.log_level)
+    run_server(create_app(specs, settings), args.host, args.port, args.log_level, settings)
     return 0
 
 
@@ -425,7 +435,22 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--cache-isolation", default="off", choices=("off", "api-key", "header"),
                    help="share cached prompt prefixes only within one API key or one tenant header value")
-    p.add_argument("--tenant-header", default="x-tenant-id", help="the header --cache-isolation header reads")
+    p.add_argument("--tenant-header", default="x-tenant-id",
+                   help="the header --cache-isolation header and --tenant-from header read (default x-tenant-id)")
+    p.add_argument("--metrics-key", action="append", default=[],
+                   help="a key that may read /metrics, not an API key (repeatable; ASYNCINFER_METRICS_KEY adds "
+                        "comma-separated ones); with API keys and none of these, /metrics is off")
+    p.add_argument("--tenant-from", default="api-key", choices=("api-key", "header", "request"),
+                   help="where a request's tenant and priority come from: its API key (default), --tenant-header "
+                        "set by a proxy you trust, or the body's user and priority fields (trusted clients only)")
+    p.add_argument("--priority-header", default=None,
+                   help="a header, set by a proxy you trust, carrying each request's integer priority (default: none)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request has to send its body once its headers are in (default 30)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections at most; one more is answered 503 (default 512)")
     p.add_argument("--log-level", default="info")
 
 

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from asyncinfer import AsyncEngine
-from asyncinfer.server import ModelSpec, create_app
+from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_config
 
 T = TypeVar("T")
 
@@ -58,11 +58,12 @@ def tiny_chat_model(tiny_models, tmp_path_factory) -> Path:
 
 
 class LiveServer:
-    """An app served by uvicorn on 127.0.0.1 (a free port), in a thread running its own loop."""
+    """An app served by uvicorn on 127.0.0.1 (a free port), in a thread running its own loop, as
+    ``run_server`` serves it (under ``settings``' header deadline and connection cap)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, settings: ServerSettings | None = None) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 

@@ -1,4 +1,5 @@
-"""Who gets in: API keys on /v1 and /metrics (not /health), bounded bodies, per-tenant prefix caches."""
+"""Who gets in, and as whom: API keys on /v1, an operator's key on /metrics (never a tenant's), /health open,
+bounded bodies, per-tenant prefix caches, and tenants and priorities from the deployment's policy only."""
 
 from __future__ import annotations
 
@@ -8,18 +9,26 @@ import pytest
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.schedulers import FIFOScheduler
-from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, create_app
+from asyncinfer.server import (
+    ModelSpec,
+    ServerSettings,
+    Tenant,
+    api_keys_from_env,
+    create_app,
+    metrics_keys_from_env,
+)
 
 from .conftest import TINY_OPTIONS, LiveServer
 
 KEYS = ("key-one", "key-two")
+OPS = "ops-key"  # the operator's, for /metrics
 PROMPT = list(range(10, 50))  # 40 tokens: two full 16-token blocks the prefix cache can keep
 TEXT = {"model": "ids", "prompt": PROMPT, "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def locked(tiny_models):
-    settings = ServerSettings(api_keys=KEYS, max_body_bytes=4096, cache_isolation="api-key")
+    settings = ServerSettings(api_keys=KEYS, max_body_bytes=4096, cache_isolation="api-key", metrics_keys=(OPS,))
     with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
         yield live
 
@@ -41,9 +50,39 @@ def test_keys_guard_every_v1_route_and_metrics_but_not_health(locked) -> None:
                 assert r.status_code == 401, (path, key)
                 error = r.json()["error"]
                 assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, None)
+                assert r.headers["x-request-id"]
         assert http.get("/health").json() == {"status": "ok"}
-        assert http.get("/metrics", headers=as_key("key-two")).status_code == 200
         assert http.post("/v1/completions", headers={"authorization": "Basic key-one"}, json=TEXT).status_code == 401
+        assert http.get("/v1/models", headers=as_key(OPS)).status_code == 401  # the operator's key is for /metrics
+
+
+def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
+    """/metrics shows every tenant's figures (their prefix-cache hits among them): a tenant's key gets a 401."""
+    body = {**TEXT, "prompt": list(range(200, 240))}
+    with httpx.Client(base_url=locked.url) as http:
+        for _ in range(2):  # key-two's second request hits its own cached prefix
+            assert http.post("/v1/completions", headers=as_key("key-two"), json=body).status_code == 200
+        for key in KEYS:
+            r = http.get("/metrics", headers=as_key(key))
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert "asyncinfer_prefix_cache_hit_tokens_total" not in r.text
+        r = http.get("/metrics", headers=as_key(OPS))
+        assert r.status_code == 200 and "asyncinfer_prefix_cache_hit_tokens_total" in r.text
+
+
+def test_metrics_are_off_on_a_keyed_server_without_an_operators_key(tiny_models) -> None:
+    settings = ServerSettings(api_keys=KEYS)
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live, \
+            httpx.Client(base_url=live.url) as http:
+        for key in (None, *KEYS):
+            r = http.get("/metrics", headers=as_key(key))
+            assert r.status_code == 403 and r.headers["x-request-id"]
+            assert r.json()["error"]["code"] == "metrics_key_required"
+            assert "metrics_keys" in r.json()["error"]["message"]
+    with pytest.raises(InvalidParameterError, match="metrics_keys"):
+        ServerSettings(api_keys=KEYS, metrics_keys=("key-one",))  # a tenant's key may not double as the operator's
+    with pytest.raises(InvalidParameterError, match="metrics_keys"):
+        ServerSettings(tenants={"sk-t": Tenant("t")}, metrics_keys=("sk-t",))
 
 
 def test_the_openai_client_with_a_right_and_a_wrong_key(locked) -> None:
@@ -104,32 +143,102 @@ def test_header_isolation_and_the_shared_default(tiny_models, server) -> None:
 def test_keys_from_the_environment_and_settings_checks() -> None:
     assert api_keys_from_env({"ASYNCINFER_API_KEY": " a, b ,,"}) == ("a", "b")
     assert api_keys_from_env({}) == ()
+    assert metrics_keys_from_env({"ASYNCINFER_METRICS_KEY": "ops"}) == ("ops",)
+    for blank in ("", "  ", ",", " , ,"):  # set, but to no key: an error, never a server without keys
+        with pytest.raises(InvalidParameterError, match="ASYNCINFER_API_KEY"):
+            api_keys_from_env({"ASYNCINFER_API_KEY": blank})
+        with pytest.raises(InvalidParameterError, match="ASYNCINFER_METRICS_KEY"):
+            metrics_keys_from_env({"ASYNCINFER_METRICS_KEY": blank})
+    for keys in (("",), ("a", ""), (" a",)):
+        with pytest.raises(InvalidParameterError, match="api_keys"):
+            ServerSettings(api_keys=keys)
     with pytest.raises(InvalidParameterError, match="cache_isolation"):
         ServerSettings(cache_isolation="api-key")  # no keys to tell tenants apart
     with pytest.raises(InvalidParameterError, match="api_keys"):
         ServerSettings(api_keys="one-key")
     with pytest.raises(InvalidParameterError, match="max_body_bytes"):
         ServerSettings(max_body_bytes=10)
+    with pytest.raises(InvalidParameterError, match="tenant_from"):
+        ServerSettings(tenant_from="body")
+    with pytest.raises(InvalidParameterError, match="tenants"):
+        ServerSettings(tenants={"sk-a": "acme"})
+    with pytest.raises(InvalidParameterError, match="name"):
+        Tenant("x" * 129)
+    with pytest.raises(InvalidParameterError, match="priority_header"):
+        ServerSettings(priority_header="Authorization")
+    for name, value in (("header_timeout", 0), ("body_timeout", float("inf")), ("max_connections", 0)):
+        with pytest.raises(InvalidParameterError, match=name):
+            ServerSettings(**{name: value})
+
+
+def test_a_blank_key_variable_stops_serve_before_anything_loads(monkeypatch, capsys) -> None:
+    from asyncinfer import cli
+
+    monkeypatch.setenv("ASYNCINFER_API_KEY", " ")
+    assert cli.main(["serve", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "ASYNCINFER_API_KEY" in err and "does not exist" not in err  # refused before the model is looked at
 
 
 class RecordingScheduler(FIFOScheduler):
-    """FIFO that remembers the id and priority of every request it is given."""
+    """FIFO that remembers the tenant (the request id's prefix) and priority of every request it is given."""
 
-    seen: list[tuple[str, int]] = []
+    seen: list[tuple[str | None, int]] = []
 
     def add_request(self, request):
-        RecordingScheduler.seen.append((request.request_id, request.priority))
+        rid = request.request_id
+        RecordingScheduler.seen.append((rid.rsplit("/", 1)[0] if "/" in rid else None, request.priority))
         super().add_request(request)
 
 
-def test_user_and_priority_reach_the_scheduler(tiny_models) -> None:
-    settings = ServerSettings(user_priorities={"vip": -5})
+def recorded(settings: ServerSettings, tiny_models, calls) -> list:
+    """What the scheduler saw for each (headers, body changes) call; a refused call records its 400's param."""
     options = {**TINY_OPTIONS, "scheduler": RecordingScheduler}
-    RecordingScheduler.seen.clear()
-    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", options), settings)) as live:
-        for extra in ({"user": "vip"}, {"user": "bob"}, {"user": "vip", "priority": 3}, {"user": "a/b"}, {}):
-            assert httpx.post(live.url + "/v1/completions", json={**TEXT, **extra}).status_code == 200
-    seen = [(rid.split("/cmpl-")[0] if "/cmpl-" in rid else None, prio) for rid, prio in RecordingScheduler.seen
-            if rid != "warm-up"]
-    # The user is the request id's tenant prefix (the convention of examples/custom_scheduler.py).
-    assert seen == [("vip", -5), ("bob", 0), ("vip", 3), ("a%2Fb", 0), (None, 0)]
+    got = []
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", options), settings)) as live, \
+            httpx.Client(base_url=live.url) as http:
+        for headers, extra in calls:
+            RecordingScheduler.seen.clear()
+            r = http.post("/v1/completions", headers=headers, json={**TEXT, **extra})
+            if r.status_code == 400:
+                got.append(("400", r.json()["error"]["param"]))
+            else:
+                assert r.status_code == 200, r.text
+                (one,) = RecordingScheduler.seen
+                got.append(one)
+    return got
+
+
+def test_by_default_a_caller_chooses_neither_its_tenant_nor_its_priority(tiny_models) -> None:
+    """The key's Tenant decides; the body's ``user`` changes nothing, its ``priority`` is refused, and
+    headers are not read."""
+    tenants = {"sk-acme": Tenant("acme", 2), "sk-vip": Tenant("vip", -5)}
+    settings = ServerSettings(api_keys=("sk-plain",), tenants=tenants)
+    acme, vip, plain = as_key("sk-acme"), as_key("sk-vip"), as_key("sk-plain")
+    calls = [(acme, {}), (vip, {}), (plain, {}), (acme, {"user": "vip"}), (acme, {"priority": -10}),
+             ({**acme, "x-tenant-id": "vip", "x-priority": "-9"}, {}), (plain, {"user": "vip"})]
+    assert recorded(settings, tiny_models, calls) == [
+        ("acme", 2), ("vip", -5), (None, 0), ("acme", 2), ("400", "priority"), ("acme", 2), (None, 0)]
+
+
+def test_a_trusted_header_names_the_tenant_and_the_priority(tiny_models) -> None:
+    settings = ServerSettings(tenant_from="header", tenant_header="X-Team", priority_header="X-Priority",
+                              tenant_priorities={"vip": -5})
+    calls = [({"x-team": "vip"}, {}), ({"x-team": "vip", "x-priority": "7"}, {}), ({"x-team": "bob"}, {}),
+             ({}, {}), ({"x-team": "bob"}, {"user": "vip"}), ({"x-team": "a/b"}, {}),
+             ({"x-team": "vip", "x-priority": "high"}, {}), ({}, {"priority": 1})]
+    got = recorded(settings, tiny_models, calls)
+    assert got[:6] == [("vip", -5), ("vip", 7), ("bob", 0), (None, 0), ("bob", 0), ("a%2Fb", 0)]
+    assert got[6:] == [("400", None), ("400", "priority")]
+
+
+def test_trusted_callers_name_themselves_and_distinct_users_never_share_an_id(tiny_models) -> None:
+    settings = ServerSettings(tenant_from="request", tenant_priorities={"vip": -5})
+    long = "u" * 128
+    calls = [({}, {"user": "vip"}), ({}, {"user": "bob"}), ({}, {"user": "vip", "priority": 3}), ({}, {"user": "a/b"}),
+             ({}, {"user": "a%2Fb"}), ({}, {}), ({}, {"user": long}), ({}, {"user": "%/" * 64}),
+             ({}, {"user": long + "u"})]
+    got = recorded(settings, tiny_models, calls)
+    assert got[:6] == [("vip", -5), ("bob", 0), ("vip", 3), ("a%2Fb", 0), ("a%252Fb", 0), (None, 0)]
+    assert got[6] == (long, 0) and got[7] == ("%25%2F" * 64, 0)  # the longest users fit the engine's id limit
+    assert got[8] == ("400", "user")  # too long: a 400 naming `user`, not the engine's request_id

@@ -226,3 +226,69 @@ def test_max_tokens_defaults_to_the_rest_of_the_context(server, http) -> None:
     want = server.call(server.engine.generate(prompt, params, model="ids"))
     assert r.json()["usage"]["completion_tokens"] == 512 - len(prompt) == len(want.token_ids)
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), [
+    ("GET", "/nope", 404, "unknown_url"),
+    ("POST", "/v1/nope", 404, "unknown_url"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ("POST", "/v1/models", 405, "method_not_allowed"),
+    ("DELETE", "/health", 405, "method_not_allowed"),
+    ("GET", "/docs", 404, "unknown_url"),  # FastAPI's pages are off: they would answer without a key
+    ("GET", "/openapi.json", 404, "unknown_url"),
+    ("GET", "/redoc", 404, "unknown_url"),
+])
+def test_what_no_route_answers_is_an_openai_error_too(http, method, path, status, code) -> None:
+    r = http.request(method, path, json=TEXT)
+    error = check_error(r, status, None, code)
+    assert path in error["message"]
+    if status == 405:
+        assert r.headers["allow"] in error["message"]
+
+
+def test_every_answer_has_a_request_id(http) -> None:
+    answers = (http.get("/health"), http.get("/metrics"), http.get("/v1/models"),
+               http.post("/v1/completions", json=TEXT))
+    for r in answers:
+        assert r.status_code == 200 and r.headers["x-request-id"]
+    ids = {http.get("/health").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3
+
+
+@pytest.mark.parametrize("depth", [33, 1000, 200_000])
+def test_a_deeply_nested_body_is_a_clean_400(http, depth) -> None:
+    nested = b"[" * depth + b"]" * depth
+    for content in (nested, b'{"model": "tiny", "prompt": "hi", "stop": ' + nested + b"}",
+                    b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + nested + b"}"):
+        r = http.post("/v1/completions" if b"prompt" in content else "/v1/chat/completions", content=content,
+                      headers={"content-type": "application/json"})
+        assert "nested deeper" in check_error(r, 400, None, None)["message"]
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+def test_a_long_user_is_accepted_where_it_names_no_one(http) -> None:
+    """By default ``user`` is OpenAI's end-user label and changes nothing: any length is fine."""
+    for user in ("u" * 5000, "a/b", "a%2Fb"):
+        assert http.post("/v1/completions", json={**TEXT, "user": user}).status_code == 200
+
+
+def test_without_temperature_a_request_samples_as_openai_does(server, http) -> None:
+    """OpenAI's default temperature is 1: ``n=2`` without it gives two samples, as the engine's at temperature 1."""
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "n": 2, "seed": 5, "ignore_eos": True}
+    got = [c["text"] for c in http.post("/v1/completions", json=body).json()["choices"]]
+    params = SamplingParams(max_tokens=12, n=2, seed=5, ignore_eos=True, temperature=1.0)
+    want = server.call(server.engine.generate("The quick brown fox", params, model="tiny"))
+    assert got == [o.text for o in want.outputs] and got[0] != got[1]
+    greedy = [c["text"] for c in http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"]]
+    assert greedy[0] == greedy[1]  # asked for explicitly
+
+
+def test_a_max_tokens_past_the_context_speaks_of_http_fields(http) -> None:
+    for route, body, field in (("text", {"max_tokens": 600}, "max_tokens"),
+                               ("chat", {"max_tokens": 600}, "max_tokens"),
+                               ("chat", {"max_completion_tokens": 600}, "max_completion_tokens")):
+        path, valid = ROUTES[route]
+        error = check_error(http.post(path, json={**valid, **body}), 400, field, "context_length_exceeded")
+        assert f"`{field}`" in error["message"] and f"leave `{field}` out" in error["message"]
+        assert "SamplingParams" not in error["message"] and "truncate_output_to_model_len" not in error["message"]

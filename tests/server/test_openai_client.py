@@ -16,7 +16,7 @@ from asyncinfer import SamplingParams
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "What is the capital of France?"}]
-GREEDY = dict(max_tokens=12)
+GREEDY = dict(max_tokens=12, temperature=0)  # over HTTP, a request without `temperature` samples at 1
 
 
 def generate(server, prompt, model="tiny", **params):
@@ -57,7 +57,8 @@ def test_content_parts_and_developer_role_render_as_text(server, client) -> None
 def test_chat_stream_with_usage_equals_engine_generate(server, client) -> None:
     want = generate(server, MESSAGES, max_tokens=20, ignore_eos=True)
     chunks = list(client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=20, stream=True, stream_options={"include_usage": True},
+        model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == want.text
@@ -92,7 +93,7 @@ def test_stop_strings(server, client) -> None:
     full = generate(server, MESSAGES, max_tokens=20, ignore_eos=True).text
     stop = full[5:8]
     want = generate(server, MESSAGES, max_tokens=20, ignore_eos=True, stop=[stop])
-    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, stop=[stop],
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, stop=[stop], temperature=0,
                                          extra_body={"ignore_eos": True})
     assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
     assert stop not in want.text
@@ -100,7 +101,7 @@ def test_stop_strings(server, client) -> None:
 
 def test_chat_logprobs(server, client) -> None:
     want = generate(server, MESSAGES, max_tokens=6, ignore_eos=True, logprobs=3)
-    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True,
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
                                          top_logprobs=3, extra_body={"ignore_eos": True})
     tok = server.engine.tokenizer
     content = got.choices[0].logprobs.content
@@ -128,12 +129,12 @@ def test_completions_several_prompts_and_samples(server, client) -> None:
 def test_token_id_prompts_give_the_exact_tokens(server, client, tiny_models, hf_greedy) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 17)]
-    got = client.completions.create(model="ids", prompt=prompts, max_tokens=8, logprobs=0,
+    got = client.completions.create(model="ids", prompt=prompts, max_tokens=8, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True})
     for prompt, choice in zip(prompts, got.choices):
         ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
         assert ids == hf_greedy(tiny_models["qwen2"][1], prompt, 8)
-    one = client.completions.create(model="ids", prompt=prompts[0], max_tokens=8, logprobs=0,
+    one = client.completions.create(model="ids", prompt=prompts[0], max_tokens=8, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True})
     assert one.choices[0].logprobs.tokens == got.choices[0].logprobs.tokens
     assert one.usage.prompt_tokens == 5
@@ -141,7 +142,8 @@ def test_token_id_prompts_give_the_exact_tokens(server, client, tiny_models, hf_
 
 def test_completion_stream_usage_counts_the_prompt_tokens(server, client) -> None:
     want = generate(server, "The quick brown fox", max_tokens=5, ignore_eos=True)
-    chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, stream=True,
+    chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0,
+                                            stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks[:-1]) == want.text
     assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
@@ -176,12 +178,13 @@ async def test_sixteen_concurrent_async_clients(server) -> None:
     async def one(i: int) -> str:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
             if i % 2:
-                out = await c.chat.completions.create(model="tiny", messages=prompts[i], max_tokens=24,
+                out = await c.chat.completions.create(model="tiny", messages=prompts[i], max_tokens=24, temperature=0,
                                                       extra_body={"ignore_eos": True})
                 return out.choices[0].message.content
             pieces = []
             async for chunk in await c.chat.completions.create(model="tiny", messages=prompts[i], max_tokens=24,
-                                                               stream=True, extra_body={"ignore_eos": True}):
+                                                               temperature=0, stream=True,
+                                                               extra_body={"ignore_eos": True}):
                 pieces.append(chunk.choices[0].delta.content or "")
             return "".join(pieces)
 

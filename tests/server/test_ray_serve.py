@@ -57,7 +57,7 @@ async def ask_all(port: int) -> list[tuple[list[int], str]]:
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
         async def one(prompt: list[int]) -> tuple[list[int], str]:
             raw = await client.completions.with_raw_response.create(
-                model="tiny", prompt=prompt, max_tokens=8, logprobs=0, extra_body={"ignore_eos": True})
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
             tokens = raw.parse().choices[0].logprobs.tokens
             return [int(t.removeprefix("token_id:")) for t in tokens], raw.headers["x-asyncinfer-instance"]
         return list(await asyncio.gather(*(one(p) for p in PROMPTS)))

@@ -2,22 +2,34 @@
 
 One process, one engine, one copy of each model, many concurrent requests: the
 app's lifespan loads (or takes) the engine, starts it on the serving loop, adds
-any further models, and closes it at shutdown.
+any further models, and closes it at shutdown. :func:`guard_app` gives an app
+OpenAI's error shape on every route, an ``X-Request-Id`` on every answer and the
+body deadline; :func:`server_config` (and :func:`run_server`) puts uvicorn's
+connections behind the header deadline and the connection cap.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from asyncinfer.engine import AsyncEngine, EngineState
-from asyncinfer.errors import EngineClosedError
+from asyncinfer.errors import EngineClosedError, InvalidParameterError
+from asyncinfer.server.connections import GuardedHTTP, RequestDeadlines
+from asyncinfer.server.errors import http_error, internal_error, validation_error
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
+
+if TYPE_CHECKING:
+    import uvicorn
+
+_DOC_PAGES = ("docs_url", "redoc_url", "openapi_url")
 
 
 class _EngineSlot:
@@ -44,7 +56,17 @@ def create_app(
     the models to load at start-up: a :class:`ModelSpec` or a list of them (the first
     builds the engine, the others are added with ``add_model``). ``None`` serves the
     default model. ``fastapi_options`` go to ``FastAPI(...)``.
+
+    FastAPI's pages (``/docs``, ``/redoc``, ``/openapi.json``) are off: they would answer
+    without a key. ``docs_url=...`` (and the others) turns one on, on a server without API
+    keys only (``InvalidParameterError`` otherwise). The app is :func:`guard_app`'s.
     """
+    settings = settings or ServerSettings()
+    pages = {name: fastapi_options.pop(name, None) for name in _DOC_PAGES}
+    on = {name: url for name, url in pages.items() if url is not None}
+    if on and settings.accepted_keys:
+        name, url = next(iter(on.items()))
+        raise InvalidParameterError(name, url, "None on a server with API keys (the page would answer without one)")
     slot = _EngineSlot()
     specs = () if isinstance(engine_or_models, AsyncEngine) else model_specs(
         ModelSpec(None, ModelSpec.served_name(None)) if engine_or_models is None else engine_or_models)
@@ -70,13 +92,54 @@ def create_app(
             if owned:
                 await engine.aclose(abort=True)  # uvicorn has already let the requests in flight finish
 
-    app = FastAPI(**{"title": "asyncinfer", "lifespan": lifespan, **fastapi_options})
+    app = FastAPI(**{"title": "asyncinfer", "lifespan": lifespan, **pages, **fastapi_options})
     app.include_router(openai_router(slot, settings))
+    guard_app(app, settings)
     return app
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted."""
+def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
+    """Prepare an app that serves :func:`openai_router` (``create_app`` does it for its own):
+
+    - every error, on every route, in OpenAI's shape: a URL no route serves is a 404
+      ``unknown_url``, a method the route does not take a 405 ``method_not_allowed`` (with
+      ``Allow``), a fault outside the routes a 500 ``internal_error`` with the request id;
+    - an ``X-Request-Id`` on every answer;
+    - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
+      the connection closes.
+
+    Call it before the app serves (it adds a middleware). Returns ``app``.
+    """
+    settings = settings or ServerSettings()
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(RequestDeadlines, settings=settings)
+    return app
+
+
+def server_config(app: Any, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
+                  log_level: str = "info", **uvicorn_options: Any) -> uvicorn.Config:
+    """uvicorn's ``Config`` for ``app``, its connections behind ``settings.header_timeout`` and
+    ``settings.max_connections`` (see :mod:`asyncinfer.server.connections`)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    settings = settings or ServerSettings()
+    http = GuardedHTTP(settings)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,  # type: ignore[arg-type]
+                          **uvicorn_options)
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               settings: ServerSettings | None = None) -> None:
+    """Serve ``app`` with uvicorn until interrupted, under ``settings``' connection limits
+    (pass the settings the app was made with; the defaults otherwise)."""
+    import uvicorn
+
+    server = uvicorn.Server(server_config(app, settings, host, port, log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raised the signal, as uvicorn.run swallows it
+        pass
+    if not server.started:
+        raise SystemExit(3)  # uvicorn.run's exit status when the server could not start

@@ -1,17 +1,22 @@
 """OpenAI-style error bodies, and which engine error becomes which HTTP status.
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}``, the body
-OpenAI's clients parse. Engine faults (anything not raised on purpose for the
-caller) are logged with the request id and answered with a 500 that carries the
-id, never a traceback.
+OpenAI's clients parse, with an ``X-Request-Id``. Engine faults (anything not raised
+on purpose for the caller) are logged with the request id and answered with a 500
+that carries the id, never a traceback. The app-level handlers here give the same
+shape to what no route answers: unknown URLs (404), wrong methods (405), and a fault
+outside the routes (500).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 import asyncinfer.errors as engine_errors
@@ -26,6 +31,11 @@ log = logging.getLogger("asyncinfer.server")
 
 # The engine's hardening work adds this one (a bounded waiting queue); map it when it exists.
 _OVERLOADED: type[BaseException] | None = getattr(engine_errors, "EngineOverloadedError", None)
+
+
+def new_request_id(prefix: str = "req") -> str:
+    """A fresh id for one answer: ``<prefix>-<32 hex digits>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class APIError(Exception):
@@ -85,7 +95,10 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
         code = "context_length_exceeded" if "max_model_len" in exc.allowed else None
-        return APIError(400, str(exc), param=rename(exc.parameter), code=code)
+        field = rename(exc.parameter)
+        if exc.parameter == "max_tokens" and code is not None:
+            return APIError(400, _no_room(field, exc), param=field, code=code)
+        return APIError(400, str(exc), param=field, code=code)
     if isinstance(exc, EngineClosedError) and not isinstance(exc, EngineDeadError):
         # Stopping, or a drain-mode swap with no version serving yet: come back shortly.
         return APIError(503, f"The engine is not serving right now: {exc}", type="server_error",
@@ -98,9 +111,48 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
                     type="server_error", code="internal_error")
 
 
+def _no_room(field: str, exc: InvalidParameterError) -> str:
+    """The engine's "prompt + max_tokens over max_model_len" in the terms of an HTTP body (the engine's
+    own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
+    room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
+    return (f"`{field}` is {exc.value!r}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
+            f"shorten the prompt, or leave `{field}` out to generate up to the model's context length.")
+
+
 def _is_template_error(exc: BaseException) -> bool:
     try:
         from jinja2 import TemplateError
     except ImportError:  # no jinja2, no chat templates
         return False
     return isinstance(exc, TemplateError)
+
+
+# ------------------------------------------------------------- app-level handlers
+def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (no route for the URL, a method the route does not take) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    request_id = new_request_id()
+    status = exc.status_code
+    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
+    if status == 404:
+        error = APIError(404, f"No route {request.method} {request.url.path} on this server.", code="unknown_url")
+    elif status == 405:
+        allowed = headers.get("Allow") or headers.get("allow") or ""
+        error = APIError(405, f"{request.method} is not allowed on {request.url.path}"
+                              + (f": use {allowed}." if allowed else "."), code="method_not_allowed", headers=headers)
+    else:
+        error = APIError(status, str(exc.detail), type="invalid_request_error" if status < 500 else "server_error",
+                         headers=headers)
+    return error.response(request_id)
+
+
+def internal_error(request: Request, exc: Exception) -> Response:
+    """A fault no route turned into an answer: logged with its id, a 500 without a traceback."""
+    request_id = new_request_id()
+    return from_exception(exc, request_id).response(request_id)
+
+
+def validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's check of a route's declared parameters, as a 400 (OpenAI's status for a bad request)."""
+    request_id = new_request_id()
+    return APIError(400, f"The request is invalid: {exc}").response(request_id)

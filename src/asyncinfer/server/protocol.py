@@ -11,7 +11,8 @@ A body is a JSON object. Its fields fall in four groups, per endpoint:
   field, so a client never silently gets something other than what it asked for.
 
 Any other field is a 400 ("Unrecognized request argument supplied"), as OpenAI
-answers. Value ranges are :class:`SamplingParams`'s own checks.
+answers. Value ranges are :class:`SamplingParams`'s own checks. Defaults are OpenAI's where
+they differ from the engine's: without `temperature` a request samples at 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from asyncinfer.server.errors import APIError
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
 MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -107,15 +109,26 @@ class _Common:
     max_tokens_field: str  # the body field that set max_tokens ("max_completion_tokens" in chat)
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
-        """The request's parameters; without a token limit it may run to the model's context length."""
-        kw = self.sampling if "max_tokens" in self.sampling else {
-            **self.sampling, "max_tokens": max_model_len, "truncate_output_to_model_len": True}
+        """The request's parameters. Without `temperature` it samples at OpenAI's default, 1 (the engine's
+        own default is greedy); without a token limit it may run to the model's context length."""
+        kw = {"temperature": DEFAULT_TEMPERATURE, **self.sampling}
+        if "max_tokens" not in kw:
+            kw.update(max_tokens=max_model_len, truncate_output_to_model_len=True)
         try:
             return SamplingParams(**kw)
         except InvalidParameterError as exc:
             if exc.parameter == "max_tokens":
                 raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
             raise
+
+    def field(self, parameter: str) -> str:
+        """The body field an engine parameter name stands for (this body's own token-limit field)."""
+        return self.max_tokens_field if parameter == "max_tokens" else self.rename(parameter)
+
+    @staticmethod
+    def rename(parameter: str) -> str:
+        """The body field an engine parameter name stands for, whatever the body."""
+        return parameter
 
     @property
     def n(self) -> int:

@@ -12,7 +12,6 @@ import base64
 import hashlib
 import hmac
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
-from asyncinfer.server.errors import APIError, from_exception, not_found, unauthorized
+from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found, unauthorized
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
     ChatRequest,
@@ -42,7 +41,7 @@ from asyncinfer.server.protocol import (
     parse_embedding,
 )
 from asyncinfer.server.responses import SSE_DONE, Reply, sse
-from asyncinfer.server.settings import ServerSettings
+from asyncinfer.server.settings import MAX_TENANT_CHARS, ServerSettings, check_tenant_name
 from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
 
 __all__ = ["openai_router"]
@@ -81,6 +80,7 @@ class _Call:
 
     id: str
     request: Request
+    key: str | None  # the API key it was made with (None when the server asks for none)
     cache_salt: str | None
 
 
@@ -121,7 +121,7 @@ class _OpenAI:
     async def metrics(self, request: Request) -> Response:
         async def scrape(_body: None, _call: _Call) -> Response:
             return Response(exposition(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return await self._call(request, "metrics", None, scrape)
+        return await self._call(request, "metrics", None, scrape, authorize=self._authorize_metrics)
 
     async def health(self, request: Request) -> Response:
         """Open to all: 200 while the engine serves, 503 (with its state) otherwise."""
@@ -130,7 +130,9 @@ class _OpenAI:
         except EngineClosedError:  # no engine yet (starting) or any more (stopping)
             state = "starting"
         ok = state == EngineState.RUNNING.value
-        return self._answer(request, _json({"status": "ok" if ok else state}, 200 if ok else 503))
+        response = _json({"status": "ok" if ok else state}, 200 if ok else 503)
+        response.headers["x-request-id"] = new_request_id("health")
+        return self._answer(request, response)
 
     # ------------------------------------------------------------- the wrapper
     async def _call(
@@ -140,12 +142,15 @@ class _OpenAI:
         parse: Callable[[Any], _B] | None,
         run: Callable[[_B, _Call], Awaitable[Response]],
         rename: Callable[[str], str] = lambda p: p,
+        authorize: Callable[[Request], str | None] | None = None,
     ) -> Response:
-        call_id = f"{prefix}-{uuid.uuid4().hex}"
+        call_id = new_request_id(prefix)
         try:
-            key = self._authorize(request)
-            call = _Call(call_id, request, self._cache_salt(request, key))
+            key = (authorize or self._authorize)(request)
+            call = _Call(call_id, request, key, self._cache_salt(request, key))
             body = parse(await self._json(request)) if parse is not None else None
+            if isinstance(body, (ChatRequest, CompletionRequest)):
+                rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
             response = await run(body, call)  # type: ignore[arg-type]
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
@@ -163,18 +168,19 @@ class _OpenAI:
 
     def _authorize(self, request: Request) -> str | None:
         """The caller's API key (None when the server asks for none); 401 when it is wrong or missing."""
-        keys = self.settings.api_keys
-        if not keys:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise unauthorized(got_key=False)
-        given = token.encode()
-        matches = [hmac.compare_digest(given, key.encode()) for key in keys]  # each compared, in constant time
-        if not any(matches):
-            raise unauthorized(got_key=True)
-        return token
+        keys = self.settings.accepted_keys
+        return _bearer(request, keys) if keys else None
+
+    def _authorize_metrics(self, request: Request) -> str | None:
+        """``/metrics`` takes an operator's key (``metrics_keys``), never a tenant's: one tenant's
+        scrape would show the others' figures (their prefix-cache hits, their tokens)."""
+        if self.settings.metrics_keys:
+            _bearer(request, self.settings.metrics_keys)
+        elif self.settings.accepted_keys:
+            raise APIError(403, "/metrics is off on a server with API keys unless an operator's key is named for "
+                                "it (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
+                                "ASYNCINFER_METRICS_KEY).", code="metrics_key_required")
+        return None
 
     def _cache_salt(self, request: Request, key: str | None) -> str | None:
         mode = self.settings.cache_isolation
@@ -184,6 +190,37 @@ class _OpenAI:
             tenant = request.headers.get(self.settings.tenant_header)
             return None if not tenant else "tenant:" + tenant
         return None
+
+    def _identity(self, call: _Call, body: ChatRequest | CompletionRequest) -> tuple[str | None, int]:
+        """The tenant (heading the engine request ids) and the priority of a generation call, by the
+        deployment's policy (``ServerSettings.tenant_from``): from the request itself only when trusted."""
+        settings = self.settings
+        owner = settings.tenants.get(call.key) if settings.tenant_from == "api-key" and call.key else None
+        priority: int | None = None
+        if settings.tenant_from == "request":
+            tenant = None if body.user is None else check_tenant_name(body.user, "user")
+            priority = body.priority
+        elif body.priority is not None:
+            raise APIError(400, "This server sets request priorities by its own policy: `priority` is not "
+                                "accepted in requests.", param="priority", code="unsupported_parameter")
+        elif settings.tenant_from == "api-key":
+            tenant = None if owner is None else owner.name
+        else:
+            tenant = call.request.headers.get(settings.tenant_header) or None
+            if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
+                raise APIError(400, f"The `{settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
+                                    "characters.", code="invalid_tenant")
+        if priority is None and settings.priority_header is not None:
+            raw = call.request.headers.get(settings.priority_header)
+            if raw is not None:
+                try:
+                    priority = int(raw.strip())
+                except ValueError:
+                    raise APIError(400, f"The `{settings.priority_header}` header must be an integer, "
+                                        f"got {raw[:32]!r}.", code="invalid_priority") from None
+        if priority is None:
+            priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
+        return tenant, priority
 
     async def _json(self, request: Request) -> Any:
         """The body as JSON, refused with a 413 once it grows past ``max_body_bytes``."""
@@ -202,10 +239,8 @@ class _OpenAI:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone from None
-        try:
-            return msgspec.json.decode(b"".join(chunks))
-        except msgspec.DecodeError as exc:
-            raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+        raw = b"".join(chunks)
+        return await _off_loop_if_long(len(raw), lambda: decode_json(raw))
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
@@ -257,12 +292,11 @@ class _OpenAI:
         want_logprobs = params.logprobs is not None
         tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
         reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage)
-        priority = body.priority
-        if priority is None:
-            priority = self.settings.user_priorities.get(body.user or "", 0)
-        # With a ``user``, request ids are ``user/<call id>``: the tenant convention that per-tenant
-        # schedulers read (examples/custom_scheduler.py). One id per prompt.
-        base = f"{body.user.replace('/', '%2F')}/{call.id}" if body.user else call.id
+        tenant, priority = self._identity(call, body)
+        # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
+        # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
+        # prefix. One id per prompt.
+        base = f"{_escape_tenant(tenant)}/{call.id}" if tenant is not None else call.id
         ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
         return _Generation(engine, model, params, reply,
                            {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
@@ -362,3 +396,44 @@ async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
     if chars <= OFF_LOOP_CHARS:
         return work()
     return await anyio.to_thread.run_sync(work)
+
+
+MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as JSON; a 400 for one that is not JSON or is nested deeper than ``MAX_JSON_DEPTH``
+    (never a ``RecursionError`` from the decoder, or later from whatever walks the value)."""
+    too_deep = APIError(400, f"The request body is nested deeper than this server reads ({MAX_JSON_DEPTH} levels).")
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise too_deep from None
+    level: list[Any] = [value]
+    for _ in range(MAX_JSON_DEPTH):  # one list of containers per level, so the walk stops at the limit
+        level = [child for node in level if isinstance(node, (list, dict))
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (list, dict))]
+        if not level:
+            return value
+    raise too_deep
+
+
+def _escape_tenant(name: str) -> str:
+    """``name`` with "%" and "/" escaped (``%25``, ``%2F``): one-to-one, and never a "/" inside."""
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
+def _bearer(request: Request, keys: Sequence[str]) -> str:
+    """The request's bearer key if it is one of ``keys`` (each compared in constant time); 401 otherwise."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise unauthorized(got_key=False)
+    given = token.encode()
+    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+    if not any(matches):
+        raise unauthorized(got_key=True)
+    return token

@@ -1,7 +1,8 @@
-"""What the HTTP layer is told: who may call it, how much it reads, which models it loads."""
+"""What the HTTP layer is told: who may call it and as whom, how much it reads, which models it loads."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,32 +12,118 @@ from asyncinfer.errors import InvalidParameterError
 
 #: Environment variable with the accepted API keys, comma-separated (``--api-key`` adds to them).
 API_KEYS_ENV = "ASYNCINFER_API_KEY"
+#: Environment variable with the keys that may read ``/metrics``, comma-separated (``--metrics-key`` adds to them).
+METRICS_KEYS_ENV = "ASYNCINFER_METRICS_KEY"
 
 CACHE_ISOLATION = ("off", "api-key", "header")
+TENANT_FROM = ("api-key", "header", "request")
+MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
+
+
+def _keys_from_env(name: str, environ: Mapping[str, str] | None) -> tuple[str, ...]:
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None:
+        return ()
+    keys = tuple(key.strip() for key in raw.split(",") if key.strip())
+    if not keys:  # set, but to nothing: serving without the keys someone meant to require
+        raise InvalidParameterError(name, raw, "comma-separated non-empty keys (unset it to ask for none)")
+    return keys
 
 
 def api_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The keys in ``ASYNCINFER_API_KEY`` (comma-separated; blanks dropped)."""
-    raw = (os.environ if environ is None else environ).get(API_KEYS_ENV, "")
-    return tuple(key.strip() for key in raw.split(",") if key.strip())
+    """The keys in ``ASYNCINFER_API_KEY`` (comma-separated; blanks between commas dropped).
+
+    Unset: no key. Set but blank (``""``, spaces, commas only): ``InvalidParameterError``,
+    so a server meant to ask for keys never starts without them.
+    """
+    return _keys_from_env(API_KEYS_ENV, environ)
+
+
+def metrics_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The keys in ``ASYNCINFER_METRICS_KEY``, read as :func:`api_keys_from_env` reads its variable."""
+    return _keys_from_env(METRICS_KEYS_ENV, environ)
+
+
+def check_tenant_name(name: Any, parameter: str) -> str:
+    """A tenant name: 1 to :data:`MAX_TENANT_CHARS` characters."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS:
+        shown = name if not isinstance(name, str) or len(name) <= 64 else f"<{len(name)} chars>"
+        raise InvalidParameterError(parameter, shown, f"a string of 1 to {MAX_TENANT_CHARS} characters")
+    return name
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who the requests made with one API key are, to the engine: ``ServerSettings(tenants={key: Tenant(...)})``.
+
+    ``name`` heads the engine request ids of the key's requests (``<name>/<call id>``, the
+    convention per-tenant schedulers read); ``priority`` is their engine priority (lower runs
+    first with ``scheduler="aging-priority"``).
+    """
+
+    name: str
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        check_tenant_name(self.name, "name")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidParameterError("priority", self.priority, "an int")
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise InvalidParameterError(name, value, "a number of seconds > 0")
+    return float(value)
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Options of :func:`~asyncinfer.server.openai_router` and :func:`~asyncinfer.server.create_app`.
+    """Options of :func:`~asyncinfer.server.openai_router`, :func:`~asyncinfer.server.create_app` and
+    :func:`~asyncinfer.server.run_server` (docs/serving.md, "Who may get in" and "Limits").
 
-    - ``api_keys``: accepted bearer keys; empty means no key is asked for. Every ``/v1``
-      route and ``/metrics`` check it (OpenAI's 401 body otherwise); ``/health`` is open.
-    - ``max_body_bytes``: request bodies over this get a 413 before they are parsed.
+    Keys:
+
+    - ``api_keys``: accepted bearer keys; with none (and no ``tenants``) no key is asked for.
+      Every ``/v1`` route checks it (OpenAI's 401 body otherwise); ``/health`` is open.
+    - ``tenants``: more accepted keys, each with the :class:`Tenant` its requests run as.
+    - ``metrics_keys``: the keys that may read ``/metrics`` (an operator's, never a tenant's:
+      none may also be an API key). With them, ``/metrics`` asks for one of them; without
+      them, ``/metrics`` is open on a server without API keys and refused (403) on one with.
+
+    Identity (who a request is to the scheduler, and its priority), from the deployment,
+    never from the caller unless ``tenant_from="request"`` says so:
+
+    - ``tenant_from``: ``"api-key"`` (default): the caller's key's :class:`Tenant` (none for
+      keys without one). ``"header"``: the value of ``tenant_header``, set by a proxy you
+      trust. ``"request"``: the body's OpenAI ``user`` field, and its ``priority`` field
+      wins (trusted callers only). Otherwise a body ``priority`` is refused (400) and ``user``
+      is accepted and changes nothing.
+    - ``tenant_priorities``: the engine priority of each tenant name (``"header"`` and
+      ``"request"``; a key's :class:`Tenant` carries its own).
+    - ``priority_header``: a header, set by a proxy you trust, whose integer value is the
+      request's priority (over the tenant's); ``None`` (default): no header is read.
+
+    Prefix cache:
+
     - ``cache_isolation``: who may share cached prompt prefixes. ``"off"``: everyone (the
       engine's default). ``"api-key"``: only requests made with the same key. ``"header"``:
       only requests with the same ``tenant_header`` value (set it in a proxy you trust;
       requests without it share one pool). Shared prefix caching lets one caller measure,
       by time to first token, whether another sent a prompt; isolation closes that.
-    - ``tenant_header``: the header read by ``cache_isolation="header"``.
-    - ``user_priorities``: the engine priority of requests whose OpenAI ``user`` field is a
-      key here (lower runs first with ``scheduler="aging-priority"``); a request's own
-      ``priority`` field wins.
+    - ``tenant_header``: the header read by ``cache_isolation="header"`` and ``tenant_from="header"``.
+
+    Limits (a slow or greedy client cannot hold the server):
+
+    - ``max_body_bytes``: request bodies over this get a 413 before they are parsed.
+    - ``header_timeout``: seconds a connection has to send a request's headers in full, from
+      its opening or from the end of its previous answer (408 and closed otherwise).
+    - ``body_timeout``: seconds a request has to send its body in full once its headers are in
+      (408 and closed otherwise).
+    - ``max_connections``: open connections at most; one more is answered 503 and closed.
+      ``header_timeout`` and ``max_connections`` act in :func:`~asyncinfer.server.run_server`
+      (``asyncinfer serve``), the others in every app :func:`~asyncinfer.server.create_app`
+      or :func:`~asyncinfer.server.guard_app` prepares.
+
     - ``instance_id``: sent back in the ``X-Asyncinfer-Instance`` header of every response
       (the Ray Serve helper sets it to the replica's id).
     """
@@ -45,29 +132,69 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     cache_isolation: str = "off"
     tenant_header: str = "x-tenant-id"
-    user_priorities: Mapping[str, int] = field(default_factory=dict)
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    tenant_from: str = "api-key"
+    tenant_priorities: Mapping[str, int] = field(default_factory=dict)
+    priority_header: str | None = None
+    metrics_keys: tuple[str, ...] = ()
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 512
     instance_id: str | None = None
 
     def __post_init__(self) -> None:
-        keys = self.api_keys
-        if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
-            raise InvalidParameterError("api_keys", keys, "a sequence of non-empty strings")
-        object.__setattr__(self, "api_keys", tuple(keys))
+        object.__setattr__(self, "api_keys", _key_tuple("api_keys", self.api_keys))
+        object.__setattr__(self, "metrics_keys", _key_tuple("metrics_keys", self.metrics_keys))
+        tenants = self.tenants
+        if not isinstance(tenants, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(t, Tenant) for k, t in tenants.items()
+        ):
+            raise InvalidParameterError("tenants", tenants, "a mapping of non-empty API keys to Tenant(name, priority)")
+        shared = set(self.metrics_keys) & (set(self.api_keys) | set(tenants))
+        if shared:
+            raise InvalidParameterError("metrics_keys", "<a key also in api_keys or tenants>",
+                                        "keys that are not also API keys (a tenant's key must not read /metrics)")
         size = self.max_body_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
             raise InvalidParameterError("max_body_bytes", size, "an int >= 1024")
         if self.cache_isolation not in CACHE_ISOLATION:
             raise InvalidParameterError("cache_isolation", self.cache_isolation, f"one of {CACHE_ISOLATION}")
-        if self.cache_isolation == "api-key" and not self.api_keys:
+        if self.cache_isolation == "api-key" and not self.accepted_keys:
             raise InvalidParameterError("cache_isolation", "api-key", "'off' or 'header' when no api_keys are set")
-        if not isinstance(self.tenant_header, str) or not self.tenant_header:
-            raise InvalidParameterError("tenant_header", self.tenant_header, "a header name")
-        object.__setattr__(self, "tenant_header", self.tenant_header.lower())
-        prios = self.user_priorities
+        if self.tenant_from not in TENANT_FROM:
+            raise InvalidParameterError("tenant_from", self.tenant_from, f"one of {TENANT_FROM}")
+        object.__setattr__(self, "tenant_header", _header("tenant_header", self.tenant_header))
+        if self.priority_header is not None:
+            object.__setattr__(self, "priority_header", _header("priority_header", self.priority_header))
+        prios = self.tenant_priorities
         if not isinstance(prios, Mapping) or not all(
             isinstance(u, str) and isinstance(p, int) and not isinstance(p, bool) for u, p in prios.items()
         ):
-            raise InvalidParameterError("user_priorities", prios, "a mapping of user names to int priorities")
+            raise InvalidParameterError("tenant_priorities", prios, "a mapping of tenant names to int priorities")
+        object.__setattr__(self, "header_timeout", _seconds("header_timeout", self.header_timeout))
+        object.__setattr__(self, "body_timeout", _seconds("body_timeout", self.body_timeout))
+        cap = self.max_connections
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise InvalidParameterError("max_connections", cap, "an int >= 1")
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every key a ``/v1`` route accepts: ``api_keys`` and the keys of ``tenants``."""
+        return (*self.api_keys, *(k for k in self.tenants if k not in self.api_keys))
+
+
+def _header(name: str, header: Any) -> str:
+    if not isinstance(header, str) or not header.strip() or header.strip().lower() == "authorization":
+        raise InvalidParameterError(name, header, "a header name other than authorization")
+    return header.strip().lower()
+
+
+def _key_tuple(name: str, keys: Any) -> tuple[str, ...]:
+    if isinstance(keys, str) or not isinstance(keys, Sequence) or not all(isinstance(k, str) and k for k in keys):
+        raise InvalidParameterError(name, keys, "a sequence of non-empty strings")
+    if any(k != k.strip() for k in keys):
+        raise InvalidParameterError(name, "<a key with spaces around it>", "keys without leading or trailing spaces")
+    return tuple(keys)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""Slow and surplus clients: a header deadline, a body deadline and a cap on open connections.
+
+A client that sends its request a byte at a time holds a connection (a socket, a
+parser, a place in the server) for as long as it likes; a few hundred of them starve
+everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close that:
+
+- ``header_timeout``: :class:`ConnectionGuard`, an asyncio protocol around the ASGI
+  server's own HTTP protocol, closes a connection whose request headers are not all in
+  within the limit of its opening, or of the end of its previous answer (with a 408 when
+  it had begun a request; an idle keep-alive connection is simply closed).
+- ``max_connections``: the guard answers a connection over the cap with a 503 and closes it.
+- ``body_timeout``: :class:`RequestDeadlines`, an ASGI middleware, answers 408 and closes
+  the connection when a request's body is not all in within the limit of its headers
+  (unless the answer has begun: a 401 sent before the body was read, say).
+
+Every answer of the app leaves :class:`RequestDeadlines` with an ``X-Request-Id`` (the
+routes set their own; any other answer gets ``req-<hex>``).
+
+The guard learns that a request's headers are in from the middleware: the ASGI server
+starts the app for a request once its headers are parsed, inside the guard's
+``data_received``, where a context variable names the guarding connection; the app's
+task inherits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncinfer.server.errors import APIError, new_request_id
+from asyncinfer.server.settings import ServerSettings
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_GUARD: ContextVar[ConnectionGuard | None] = ContextVar("asyncinfer_connection_guard", default=None)
+LINGER_SECONDS = 0.5  # after a refusal, unread request bytes are drained this long (a close with them unread resets)
+GRACE_SECONDS = 0.05  # a deadline is checked twice this far apart: bytes that came in meanwhile count
+
+
+def _timeout_error(what: str, seconds: float) -> APIError:
+    return APIError(408, f"The request's {what} did not arrive within this server's limit of {seconds:g} seconds.",
+                    code="request_timeout")
+
+
+def _raw_response(error: APIError, request_id: str) -> bytes:
+    """``error`` as a whole HTTP/1.1 response that closes the connection, written straight to a socket."""
+    body = msgspec.json.encode(error.body())
+    lines = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
+             f"content-length: {len(body)}", f"x-request-id: {request_id}", "connection: close",
+             *(f"{name}: {value}" for name, value in error.headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class ConnectionGuard(asyncio.Protocol):
+    """One connection: the ASGI server's HTTP protocol (``inner``) behind a header deadline and the cap.
+
+    ``connections`` is the server's set of open connections (each inner protocol adds
+    itself), read for the cap.
+    """
+
+    def __init__(self, inner: asyncio.Protocol, connections: set[Any], settings: ServerSettings,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._inner = inner
+        self._connections = connections
+        self._settings = settings
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_flight = 0  # requests whose headers are in and whose app has not returned
+        self._partial = False  # bytes of a request the app has not been started for
+        self._refused = False  # answered here; the inner protocol gets no more bytes
+        self._inner_open = False  # the inner protocol was told of the connection (so it must hear of its end)
+
+    # ------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # an asyncio or a uvloop transport
+        if len(self._connections) >= self._settings.max_connections:
+            self._refuse(APIError(503, f"The server has {self._settings.max_connections} connections open, its "
+                                       "limit: retry shortly.", type="server_error", code="too_many_connections",
+                                  headers={"retry-after": "1"}))
+            return
+        self._inner.connection_made(transport)
+        self._inner_open = True
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # drained while the refusal lingers
+        if self._in_flight == 0:
+            self._partial = True
+        token = _GUARD.set(self)  # the app's task, started in here once the headers are in, inherits it
+        try:
+            self._inner.data_received(data)
+        finally:
+            _GUARD.reset(token)
+
+    def eof_received(self) -> bool | None:
+        if self._refused:
+            return None  # close
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._inner_open:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner_open:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner_open:
+            self._inner.resume_writing()
+
+    # ------------------------------------------------- told by RequestDeadlines
+    def request_started(self) -> None:
+        self._in_flight += 1
+        self._partial = False
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._arm()
+
+    # ---------------------------------------------------------------- inside
+    def _arm(self) -> None:
+        self._disarm()
+        if self._transport is not None and not self._transport.is_closing():
+            self._timer = self._loop.call_later(self._settings.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, final: bool = False) -> None:
+        self._timer = None
+        if self._in_flight or self._transport is None or self._transport.is_closing():
+            return
+        if not final:  # a loop that woke late runs its timers before reading: read what is there first
+            self._timer = self._loop.call_later(GRACE_SECONDS, self._expire, True)
+            return
+        if self._partial:
+            self._refuse(_timeout_error("headers", self._settings.header_timeout))
+        else:  # an idle keep-alive connection: nothing to answer
+            self._transport.close()
+
+    def _refuse(self, error: APIError) -> None:
+        """Answer ``error`` and close; what the client still sends is read and dropped a moment first,
+        so that the close does not reset the connection before the client reads the answer."""
+        transport = self._transport
+        assert transport is not None
+        self._refused = True
+        self._disarm()
+        transport.write(_raw_response(error, new_request_id("conn")))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(LINGER_SECONDS, transport.close)
+        else:
+            transport.close()
+
+
+class GuardedHTTP:
+    """What uvicorn's ``Config(http=...)`` takes: makes a :class:`ConnectionGuard` around ``protocol``
+    (uvicorn's HTTP protocol class; its automatic choice when None) for each connection."""
+
+    def __init__(self, settings: ServerSettings, protocol: type[asyncio.Protocol] | None = None) -> None:
+        if protocol is None:
+            from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+            protocol = AutoHTTPProtocol
+        self._settings = settings
+        self._protocol = protocol
+
+    def __call__(self, *, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> ConnectionGuard:
+        inner = self._protocol(config=config, server_state=server_state, app_state=app_state,  # type: ignore[call-arg]
+                               _loop=_loop)
+        loop = _loop or asyncio.get_running_loop()
+        return ConnectionGuard(inner, server_state.connections, self._settings, loop)
+
+
+@dataclass
+class _Progress:
+    body_done: bool
+    started: bool = False
+
+
+class RequestDeadlines:
+    """ASGI middleware: the body deadline, an ``X-Request-Id`` on every answer, and the guard told
+    when a request is in flight (so that its header deadline waits for the next one)."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app = app
+        self.body_timeout = settings.body_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        guard = _GUARD.get()
+        if guard is not None:
+            guard.request_started()
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            if guard is not None:
+                guard.request_finished()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        progress = _Progress(body_done=not _has_body(scope))
+
+        async def receive_() -> Message:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                progress.body_done = True  # the last piece, or the client is gone
+            return message
+
+        async def send_(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                progress.started = True
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", new_request_id().encode())]}
+            await send(message)
+
+        if progress.body_done:
+            await self.app(scope, receive_, send_)
+            return
+        task = asyncio.ensure_future(self.app(scope, receive_, send_))
+        try:
+            await asyncio.wait((task,), timeout=self.body_timeout)
+            if not task.done() and not progress.body_done and not progress.started:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if not progress.started:
+                    await self._timed_out(send)
+                return
+            await task
+        finally:
+            task.cancel()
+
+    async def _timed_out(self, send: Send) -> None:
+        error = _timeout_error("body", self.body_timeout)
+        body = msgspec.json.encode(error.body())
+        await send({"type": "http.response.start", "status": error.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
