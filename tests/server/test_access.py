@@ -242,3 +242,17 @@ def test_trusted_callers_name_themselves_and_distinct_users_never_share_an_id(ti
     assert got[:6] == [("vip", -5), ("bob", 0), ("vip", 3), ("a%2Fb", 0), ("a%252Fb", 0), (None, 0)]
     assert got[6] == (long, 0) and got[7] == ("%25%2F" * 64, 0)  # the longest users fit the engine's id limit
     assert got[8] == ("400", "user")  # too long: a 400 naming `user`, not the engine's request_id
+
+
+def test_user_priorities_is_the_deprecated_name_of_tenant_priorities() -> None:
+    import warnings
+
+    from asyncinfer.server.settings import ServerSettings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        settings = ServerSettings(user_priorities={"batch": 5}, tenant_priorities={"web": 0})
+    assert [w.category for w in caught] == [DeprecationWarning]
+    assert "tenant_priorities" in str(caught[0].message)
+    assert dict(settings.tenant_priorities) == {"batch": 5, "web": 0}
+    assert settings == ServerSettings(tenant_priorities={"batch": 5, "web": 0})

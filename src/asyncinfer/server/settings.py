@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,8 +142,20 @@ class ServerSettings:
     body_timeout: float = 30.0
     max_connections: int = 512
     instance_id: str | None = None
+    #: Deprecated name of ``tenant_priorities`` (it keyed priorities by the client's own ``user`` field);
+    #: merged into ``tenant_priorities`` with a DeprecationWarning. Tenants now come from ``tenant_from``.
+    user_priorities: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.user_priorities is not None:
+            warnings.warn("ServerSettings(user_priorities=...) is deprecated: use tenant_priorities (keyed by the "
+                          "tenant that tenant_from names; a client's own 'user' field names it only with "
+                          "tenant_from='request')", DeprecationWarning, stacklevel=3)
+            if not isinstance(self.user_priorities, Mapping):
+                raise InvalidParameterError("user_priorities", self.user_priorities,
+                                            "a mapping of tenant names to int priorities")
+            object.__setattr__(self, "tenant_priorities", {**self.user_priorities, **self.tenant_priorities})
+            object.__setattr__(self, "user_priorities", None)
         object.__setattr__(self, "api_keys", _key_tuple("api_keys", self.api_keys))
         object.__setattr__(self, "metrics_keys", _key_tuple("metrics_keys", self.metrics_keys))
         tenants = self.tenants
