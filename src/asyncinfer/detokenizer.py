@@ -66,7 +66,9 @@ class IncrementalDetokenizer:
 
     ``tokenizer`` is a Hugging Face tokenizer (anything with
     ``decode(ids, skip_special_tokens=...)``). ``prompt_token_ids`` is accepted for
-    the engine's convenience but not used (see the module docstring).
+    the engine's convenience but not used (see the module docstring). ``stops``: a
+    :class:`StopMatcher` of ``params``' stop strings to share (the samples of one request
+    do); None builds one.
 
     Feed the EOS / stop token only if its text is wanted: with
     ``skip_special_tokens=False`` a special token's text is part of the output.
