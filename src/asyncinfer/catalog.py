@@ -24,7 +24,7 @@ from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
 from asyncinfer.engine_thread import QueueEmbed
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
-from asyncinfer.prompts import OFF_LOOP_CHARS, check_prompt_chars, prompt_chars, prompt_token_ids
+from asyncinfer.prompts import OFF_LOOP_CHARS, check_prompt_chars, prompt_cost, prompt_token_ids, texts_cost
 
 _M = TypeVar("_M")
 
@@ -76,7 +76,7 @@ class EmbedCalls:
         ``still_ok`` raises if the engine or the model went away while tokenizing off the loop.
         """
         tokenize = entry.batcher.encoder.tokenize
-        if sum(map(len, texts)) > OFF_LOOP_CHARS:
+        if texts_cost(texts) > OFF_LOOP_CHARS:
             ids = await anyio.to_thread.run_sync(tokenize, texts)
             still_ok()
         else:
@@ -159,12 +159,12 @@ class ModelCatalog:
     def tokenize_now(self, name: str | None, prompt: Any) -> tuple[ModelVersion, list[int]] | None:
         """The serving version and the prompt's ids for it, when that takes no await: None
         while a drain-mode swap has no version serving, or for a text tokenized off the loop
-        (only its length bound is checked then). Raises for an unknown model or a bad prompt."""
+        (only its length bounds are checked then). Raises for an unknown model or a bad prompt."""
         version = self.generator(name).current
         if version is None:
             return None
         check_prompt_chars(prompt, version)
-        if prompt_chars(prompt) > OFF_LOOP_CHARS:
+        if prompt_cost(prompt) > OFF_LOOP_CHARS:
             return None
         return version, prompt_token_ids(prompt, version)
 
@@ -182,7 +182,7 @@ class ModelCatalog:
             if early is not None and early[0] is version:
                 return early
             check_prompt_chars(prompt, version)
-            if prompt_chars(prompt) <= OFF_LOOP_CHARS:
+            if prompt_cost(prompt) <= OFF_LOOP_CHARS:
                 return version, prompt_token_ids(prompt, version)
             ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
             if self.generator(name).current is version:

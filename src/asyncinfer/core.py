@@ -18,22 +18,33 @@ ordinary request to the scheduler (id ``"<id>#<i>"``), running at once
 (``Scheduler.add_forked``); outputs carry the user's id and the sample's
 ``index``. Only the user's id is abortable: a sample ends with its request.
 
-Faults: a step that raises is undone by :meth:`EngineCore.fail_step`, which
-fails the requests of that step (with ``RequestFailedError``, the cause chained)
-and leaves the others serving; a request the core cannot take
-(:meth:`EngineCore.add_request`) fails alone. Either way the failure is an
-output (``CoreOutput.error``), never an exception out of the core's inputs.
+Faults, from the narrowest to the widest (docs/reliability.md, "Isolation"):
+
+- *Attributable to one request*: its detokenizer raising (the tokenizer's ``decode``
+  on its tokens), or a scheduler hook raising for it (``add_request``,
+  ``abort_request``, ``finish_requests``, ``add_forked``). That request (all its
+  samples) fails alone with ``RequestFailedError`` (the cause chained), a hook's fault
+  is logged, the engine removes the request from the base class's queues itself and
+  frees its blocks; the step's other requests get their tokens as if nothing happened,
+  and such a fault never counts as a failed step.
+- *A step*: the forward pass, the sampler or ``schedule`` raising. The step is undone
+  by :meth:`EngineCore.fail_step`, which fails the requests of that step (every
+  request the scheduler holds when ``schedule`` raised) and leaves the others serving.
+
+Either way the failure is an output (``CoreOutput.error``), never an exception out
+of the core's inputs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
-from asyncinfer.detokenizer import IncrementalDetokenizer
+from asyncinfer.detokenizer import IncrementalDetokenizer, StopMatcher
 from asyncinfer.errors import InvalidParameterError, RequestFailedError
 from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus, sample_id
@@ -41,6 +52,8 @@ from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
 from asyncinfer.step import StepResult, apply_step, fork_samples, scheduled
+
+logger = logging.getLogger("asyncinfer")
 
 #: How many recent steps :attr:`StepStats.batch_sizes` keeps.
 BATCH_SIZE_HISTORY = 1024
@@ -129,6 +142,7 @@ class EngineCore:
             self.scheduler.add_request(request)
         except Exception as exc:  # noqa: BLE001 - a plugin's fault fails this request only
             self._groups.pop(request.request_id, None)
+            _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in add_request", request, exc)
             self._drop(request)
             return self._refused(request, _failure(request.request_id, "adding it to the scheduler", exc))
         return []
@@ -151,7 +165,9 @@ class EngineCore:
         group = self._groups.get(parent) if sep else None
         return group is not None and any(sample_id(parent, i) == rid for i in range(1, group.n))
 
-    def _prepare(self, request: Request) -> None:
+    def _prepare(self, request: Request, stops: StopMatcher | None = None) -> None:
+        """Give ``request`` its sampling state and detokenizer (``stops``: its stop strings'
+        matcher, when its parent's is shared; else built here from its parameters)."""
         request.sampling_state = SamplingState(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
@@ -159,7 +175,9 @@ class EngineCore:
             generator=None,
         )
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params, stops=stops
+            )
 
     def abort_request(self, request_id: str) -> list[CoreOutput]:
         """Abort a request (all its samples) at a step boundary; returns their final outputs.
@@ -211,7 +229,7 @@ class EngineCore:
             return []
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
-        result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop)
+        result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
         self._count(result)
         outputs = self._outputs(result, tokens)
         if self.on_step is not None:
@@ -265,9 +283,33 @@ class EngineCore:
         return outputs
 
     def _drop(self, request: Request) -> None:
-        """Take a request out of the scheduler and free its blocks, wherever it is."""
-        if self.scheduler.abort_request(request.request_id) is None:
+        """Take a request out of the scheduler and free its blocks, wherever it is.
+
+        A scheduler whose ``abort_request`` raises is logged and survived: the request
+        leaves the base class's queues all the same (:meth:`_evict`).
+        """
+        try:
+            held = self.scheduler.abort_request(request.request_id) is not None
+        except Exception as exc:  # noqa: BLE001 - a plugin's fault for one request: that request only
+            _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in abort_request", request, exc)
+            self._evict(request)
+            held = True
+        if not held:
             self.kv.free(request.request_id)  # a sample forked in a failed step: never handed to the scheduler
+        if not request.status.finished:
+            request.status = RequestStatus.FINISHED_ABORTED
+
+    def _evict(self, request: Request) -> None:
+        """Remove ``request`` from the scheduler's base queues and free its blocks, without its hooks:
+        what the engine does for a request whose own scheduler hook raised."""
+        sched = self.scheduler
+        rid = request.request_id
+        if sched.requests.get(rid) is request:
+            del sched.requests[rid]
+        for queue in (sched.running, sched.waiting):
+            if request in queue:
+                queue.remove(request)
+        self.kv.free(rid)
         if not request.status.finished:
             request.status = RequestStatus.FINISHED_ABORTED
 
@@ -282,7 +324,11 @@ class EngineCore:
         if request is not None:
             request.finish_time = now
             if error is None and request.detokenizer is not None:
-                text = request.detokenizer.flush()  # what it held back (e.g. a possible stop string's start)
+                try:
+                    text = request.detokenizer.flush()  # what it held back (e.g. a possible stop string's start)
+                except Exception as exc:  # noqa: BLE001 - its detokenizer's fault: this request's error
+                    _log_fault("its detokenizer raised", request, exc)
+                    error = _failure(request_id, "its detokenizer", exc)
         return CoreOutput(
             request_id=request_id,
             token_ids=[],
@@ -300,8 +346,9 @@ class EngineCore:
         requests = list(sampled)
         rows = list(range(len(sampled)))
         for row, request in enumerate(sampled):
+            stops = request.detokenizer.stops if request.detokenizer is not None else None
             for child in fork_samples(self.kv, request):
-                self._prepare(child)
+                self._prepare(child, stops)  # the samples share one stop matcher (it holds no state)
                 self._groups[request.request_id].members[child.index] = child
                 requests.append(child)
                 rows.append(row)
@@ -318,12 +365,26 @@ class EngineCore:
         stats.prefill_tokens += result.prefill_tokens
 
     def _outputs(self, result: StepResult, tokens: _StepTokens) -> list[CoreOutput]:
+        """The step's outputs: one per sampled request, and one final error output per sample of
+        every request that failed alone in this step (:meth:`_StepTokens.fail`)."""
         now = time.time()
-        outputs = [self._output(request, token_id, tokens, now) for request, token_id in result.sampled]
+        outputs: list[CoreOutput] = []
+        for request, token_id in result.sampled:
+            if request.group_id in tokens.failed:
+                continue
+            try:
+                outputs.append(self._output(request, token_id, tokens, now))
+            except Exception as exc:  # noqa: BLE001 - its detokenizer's flush: this request only
+                tokens.fail(request, "its detokenizer", exc)
+        failed = tokens.failed
+        if failed:  # a sample's output built before its sibling failed: the request's failure replaces it
+            outputs = [out for out in outputs if out.request_id not in failed]
         # Only once every output is built: a failure above leaves the groups as fail_step expects them.
         for request, _ in result.sampled:
-            if request.status.finished:
+            if request.status.finished and request.group_id not in failed:
                 self._group_member_done(request)
+        for group_id, (request, error) in failed.items():
+            outputs.extend(self._end(group_id, error, alone=request))
         return outputs
 
     def _group_member_done(self, request: Request) -> None:
@@ -367,7 +428,7 @@ class EngineCore:
         if stop_hit:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = request.detokenizer.stop_reason if request.detokenizer else None
-        elif params.stop_token_ids and token_id in params.stop_token_ids:
+        elif params.stop_token_ids and token_id in request.sampling_state.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
         elif not params.ignore_eos and token_id in self.eos_token_ids:
@@ -386,6 +447,8 @@ class _StepTokens:
     output: ModelOutput  # logits [len(rows), vocab] float32, and each row's greedy token when computed
     logprobs: dict[Request, TokenLogprobs | None] = field(default_factory=dict)
     texts: dict[Request, str] = field(default_factory=dict)
+    # The user's requests that failed alone in this step: their id -> (the sample that failed, the error).
+    failed: dict[str, tuple[Request, RequestFailedError]] = field(default_factory=dict)
 
     def sample(self, caught_up: list[Request]) -> list[tuple[Request, int]]:
         # The runner returned a row for exactly the requests that catch up (decodes first).
@@ -403,9 +466,31 @@ class _StepTokens:
     def check_stop(self, request: Request, token_id: int) -> None:
         text, stop_hit = ("", False)
         if request.detokenizer is not None:
-            text, stop_hit = request.detokenizer.add(token_id)
+            try:
+                text, stop_hit = request.detokenizer.add(token_id)
+            except Exception as exc:  # noqa: BLE001 - its tokenizer's fault on its tokens: this request only
+                self.fail(request, "its detokenizer", exc)
+                request.status = RequestStatus.FINISHED_ABORTED  # apply_step hands it to finish_requests
+                return
         self.texts[request] = text
         self.core._check_stop(request, token_id, stop_hit)
+
+    def hook_failed(self, request: Request, hook: str, exc: Exception) -> None:
+        """:func:`apply_step`'s ``isolate``: the scheduler's ``hook`` raised for ``request`` alone."""
+        where = f"the scheduler ({type(self.core.scheduler).__name__}) in {hook}"
+        self.core._evict(request)
+        self.fail(request, where, exc)
+
+    def fail(self, request: Request, where: str, exc: Exception) -> None:
+        """Fail ``request``'s user request (all its samples) alone; the core ends it after the update."""
+        if request.group_id not in self.failed:
+            _log_fault(f"{where} raised", request, exc)
+            self.failed[request.group_id] = (request, _failure(request.group_id, where, exc))
+
+
+def _log_fault(what: str, request: Request, exc: Exception) -> None:
+    logger.error("request %r fails alone: %s: %s: %s (the engine serves on)",
+                 request.group_id, what, type(exc).__name__, exc, exc_info=exc)
 
 
 def _failure(request_id: str, where: str, cause: Exception) -> RequestFailedError:

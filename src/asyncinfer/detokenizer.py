@@ -31,9 +31,13 @@ character is U+FFFD itself loses it too: the decoded text cannot tell the two ap
 
 **Stop strings.** Text that could still be the beginning of a stop string (a
 suffix of at most ``max(len(stop)) - 1`` characters that is a prefix of one of
-them) is held back, so a partial stop string is never shown. Each step searches
-only the newly decoded text plus an overlap of ``max(len(stop)) - 1`` characters.
-When a stop string appears (possibly spanning tokens) the text is cut before it
+them) is held back, so a partial stop string is never shown. The stop strings are
+one :class:`StopMatcher` (an Aho-Corasick automaton, built once per request and
+shared by its ``n`` samples): each new character of text is one transition
+(amortised), and the automaton's state is the longest suffix of the text that
+could start a stop string, so neither the search nor the hold-back looks at the
+stop list again; a token costs the same whether the list holds one string or
+:data:`~asyncinfer.sampling_params.MAX_STOP_STRINGS`. When a stop string appears (possibly spanning tokens) the text is cut before it
 (after it with ``include_stop_str_in_output``), ``add`` returns ``stop=True``
 and :attr:`stop_reason` holds the matched string. With several stop strings the
 one that *completes* first wins (ties: the one starting first), which makes the
@@ -46,11 +50,13 @@ including a stop string is shown anyway).
 from __future__ import annotations
 
 import sys
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from asyncinfer.sampling_params import SamplingParams
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -60,7 +66,9 @@ class IncrementalDetokenizer:
 
     ``tokenizer`` is a Hugging Face tokenizer (anything with
     ``decode(ids, skip_special_tokens=...)``). ``prompt_token_ids`` is accepted for
-    the engine's convenience but not used (see the module docstring).
+    the engine's convenience but not used (see the module docstring). ``stops``: a
+    :class:`StopMatcher` of ``params``' stop strings to share (the samples of one request
+    do); None builds one.
 
     Feed the EOS / stop token only if its text is wanted: with
     ``skip_special_tokens=False`` a special token's text is part of the output.
@@ -68,7 +76,9 @@ class IncrementalDetokenizer:
     return ``("", stopped)``.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, *, stops: StopMatcher | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.params = params
         self.output_token_ids: list[int] = []
@@ -86,12 +96,12 @@ class IncrementalDetokenizer:
         # The text is kept in pieces so that a long output costs O(1) per token:
         self._done: list[str] = []  # text already handed out
         self._pending = ""  # decoded text not handed out yet (held back)
-        self._recent = ""  # the last max_stop - 1 characters of the text: the search overlap
         self._finished = False
 
-        self._stops = params.stop_strings
-        self._max_stop = max((len(s) for s in self._stops), default=0)
-        self._hold = 0 if params.include_stop_str_in_output else max(self._max_stop - 1, 0)
+        #: the request's stop strings as an automaton (``stops``: one built for the same strings, to share it).
+        self.stops = stops if stops is not None else StopMatcher(params.stop_strings)
+        self._state = 0  # the automaton's state after the whole text
+        self._hold = 0 if params.include_stop_str_in_output else max(self.stops.max_len - 1, 0)
 
     # ------------------------------------------------------------------ public
 
@@ -167,47 +177,35 @@ class IncrementalDetokenizer:
     def _append(self, chunk: str) -> bool:
         """Append ``chunk`` to the text; on a stop string, cut there and return True.
 
-        Only occurrences that end inside ``chunk`` are looked for: the search runs
-        over ``recent + chunk``, where ``recent`` is the previous text's last
-        ``max_stop - 1`` characters. The held-back ``pending`` text is always a
-        suffix of ``recent`` (it is at most ``max_stop - 1`` characters long).
+        The automaton reads each character of ``chunk`` once; the first stop string it
+        completes wins (the longest one ending there: the one starting first). Stops are
+        reported only once ``min_tokens`` tokens were added, as before. A stop string
+        never starts in text already handed out: that text was released because no
+        suffix of it could start one.
         """
-        if not self._stops:
+        stops = self.stops
+        if not stops:
             self._pending += chunk
             return False
-        recent = self._recent
-        window = recent + chunk
-        if len(self.output_token_ids) >= self.params.min_tokens:
-            best: tuple[int, int, str] | None = None
-            for s in self._stops:
-                i = window.find(s, max(0, len(recent) - len(s) + 1))
-                if i < 0:
-                    continue
-                end = i + len(s)
-                if best is None or end < best[1] or (end == best[1] and i < best[0]):
-                    best = (i, end, s)
-            if best is not None:
-                i, end, s = best
-                cut = end if self.params.include_stop_str_in_output else i
-                start = len(recent) - len(self._pending)
-                self._pending = window[start : max(cut, start)]
-                self.stop_reason = s
-                self._finished = True
-                return True
-        self._pending += chunk
-        keep = self._max_stop - 1
-        self._recent = window[-keep:] if keep else ""
-        return False
+        report = len(self.output_token_ids) >= self.params.min_tokens
+        state, end, hit = stops.scan(self._state, chunk, report)
+        if hit is None:
+            self._state = state
+            self._pending += chunk
+            return False
+        text = self._pending + chunk[:end]
+        cut = len(text) if self.params.include_stop_str_in_output else len(text) - len(hit)
+        self._pending = text[: max(cut, 0)]
+        self.stop_reason = hit
+        self._finished = True
+        return True
 
     def _safe_end(self) -> int:
-        """How much of the pending text can be shown: up to any suffix that may start a stop string."""
-        pending = self._pending
-        n = len(pending)
-        for i in range(max(0, n - self._hold), n):
-            tail = pending[i:]
-            if any(s.startswith(tail) for s in self._stops):
-                return i
-        return n
+        """How much of the pending text can be shown: up to the longest suffix that may start a stop string."""
+        n = len(self._pending)
+        if not self._hold:
+            return n
+        return n - self.stops.prefix_len(self._state, min(self._hold, n))
 
     def _release(self, end: int) -> str:
         out = self._pending[:end]
@@ -215,6 +213,81 @@ class IncrementalDetokenizer:
             self._pending = self._pending[end:]
             self._done.append(out)
         return out
+
+
+class StopMatcher:
+    """Stop strings as an Aho-Corasick automaton: find them in a growing text at a cost per
+    character that does not depend on how many there are.
+
+    Immutable once built (the state of a scan is the caller's int), so the samples of one
+    request share it. Built in time linear in the strings' total length, which
+    :class:`~asyncinfer.sampling_params.SamplingParams` bounds (``MAX_STOP_CHARS``).
+    State 0 is the empty string; every state is a prefix of some stop string.
+    """
+
+    __slots__ = ("_depth", "_fail", "_goto", "_match", "max_len", "strings")
+
+    def __init__(self, strings: Sequence[str]) -> None:
+        self.strings = tuple(dict.fromkeys(strings))
+        self.max_len = max((len(s) for s in self.strings), default=0)
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        word: list[str | None] = [None]
+        for string in self.strings:
+            node = 0
+            for ch in string:
+                nxt = goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(goto)
+                    goto[node][ch] = nxt
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    word.append(None)
+                node = nxt
+            word[node] = string
+        fail = [0] * len(goto)
+        # match[s]: the longest stop string that is a suffix of state s's string (its own, else its fail's).
+        match = list(word)
+        queue = deque(goto[0].values())
+        while queue:
+            node = queue.popleft()
+            for ch, child in goto[node].items():
+                f = fail[node]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[child] = goto[f].get(ch, 0) if node else 0
+                if match[child] is None:
+                    match[child] = match[fail[child]]
+                queue.append(child)
+        self._goto, self._fail, self._depth, self._match = goto, fail, depth, match
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def scan(self, state: int, text: str, report: bool = True) -> tuple[int, int, str | None]:
+        """Read ``text`` from ``state``: ``(state after it, end, None)``, or, with ``report``, at the first
+        stop string completed, ``(its state, end, the string)`` where ``text[:end]`` ends with it."""
+        goto, fail, match = self._goto, self._fail, self._match
+        for i, ch in enumerate(text):
+            while True:
+                nxt = goto[state].get(ch)
+                if nxt is not None:
+                    state = nxt
+                    break
+                if not state:
+                    break
+                state = fail[state]
+            if report and match[state] is not None:
+                return state, i + 1, match[state]
+        return state, len(text), None
+
+    def prefix_len(self, state: int, limit: int) -> int:
+        """The length of the longest suffix of the text read into ``state``, at most ``limit``
+        characters long, that is the beginning of a stop string."""
+        depth, fail = self._depth, self._fail
+        while depth[state] > limit:
+            state = fail[state]
+        return depth[state]
 
 
 def _backend_tokenizer(tokenizer: Any) -> Any:

@@ -93,13 +93,14 @@ class RequestAbortedError(AsyncInferError):
 
 
 class RequestFailedError(AsyncInferError):
-    """The engine failed this request: an exception in the step that ran it (the forward
-    pass, the sampler, the scheduler) or in taking it in. The exception is the ``__cause__``.
+    """The engine failed this request: its tokenizer could not decode its tokens, a scheduler
+    hook raised for it, or an exception in the step that ran it (the forward pass, the sampler,
+    the scheduler's ``schedule``) or in taking it in. The exception is the ``__cause__``.
 
-    Only the requests of the failed step fail (every request the scheduler held, when the
-    scheduler itself raised); their blocks are freed and the engine serves the next ones.
-    A fault that repeats on ``max_consecutive_step_failures`` steps in a row is
-    :class:`EngineDeadError` instead.
+    A fault of one request fails that request alone; a fault of a step fails the requests of
+    that step (every request the scheduler held, when ``schedule`` raised). Their blocks are
+    freed and the engine serves the next ones. A step fault that repeats on
+    ``max_consecutive_step_failures`` steps in a row is :class:`EngineDeadError` instead.
     """
 
 

@@ -2,9 +2,13 @@
 
 Runs before anything is queued, so every error here is an
 :class:`InvalidParameterError` raised at the call, and nothing is left behind.
-Texts over :data:`OFF_LOOP_CHARS` characters are tokenized in a worker thread
-(the engine does that), after :func:`check_prompt_chars` refused, without
-tokenizing, any text too long to ever fit.
+A prompt whose tokenization costs more than :data:`OFF_LOOP_CHARS` characters of text
+(:func:`prompt_cost`: its characters, plus :data:`ITEM_COST_CHARS` for each chat
+message the template renders) is tokenized in a worker thread (the engine does that),
+after :func:`check_prompt_chars` refused, without tokenizing, any prompt too long to
+ever fit and any chat of more than :data:`MAX_CHAT_MESSAGES` messages. Texts must be
+valid Unicode: a lone surrogate (``"\ud800"``) is refused here, naming the prompt,
+rather than by the tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 MAX_EMBED_TEXTS = 65536
 MAX_REQUEST_ID_CHARS = 512  # ids are kept per request and copied into every output
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # lower is more urgent; policies do float math on it
-OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread, not on the caller's loop
+OFF_LOOP_CHARS = 4096  # prompts costlier than this (prompt_cost) are tokenized in a worker thread, not on the loop
+#: The most messages a chat prompt may hold (refused before any is looked at).
+MAX_CHAT_MESSAGES = 4096
+#: What one chat message (rendered by the template) or one embed() text costs to tokenize besides its
+#: characters, counted in characters of text (prompt_cost, texts_cost).
+ITEM_COST_CHARS = 64
 
 
 def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
@@ -75,21 +84,57 @@ def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: Sampling
         )
 
 
+def is_chat(prompt: Any) -> bool:
+    """Whether ``prompt`` is (meant as) chat messages: a non-empty list whose first item is a dict."""
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray, range))
+            and len(prompt) > 0 and isinstance(prompt[0], dict))
+
+
 def prompt_chars(prompt: Any) -> int:
-    """Characters of text a prompt holds (0 for token ids): what tokenizing it costs."""
+    """Characters of text a prompt holds (its messages' roles and contents; 0 for token ids)."""
     if isinstance(prompt, str):
         return len(prompt)
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if is_chat(prompt):
+        return sum(len(v) for m in prompt if isinstance(m, dict) for v in (m.get("role"), m.get("content"))
+                   if isinstance(v, str))
     return 0
 
 
+def prompt_cost(prompt: Any) -> int:
+    """What tokenizing ``prompt`` costs, in characters of text: its characters, plus
+    :data:`ITEM_COST_CHARS` for each chat message (the template renders every one,
+    empty or not). Over :data:`OFF_LOOP_CHARS`, it is tokenized in a worker thread."""
+    if is_chat(prompt):
+        return prompt_chars(prompt) + ITEM_COST_CHARS * len(prompt)
+    return prompt_chars(prompt)
+
+
+def texts_cost(texts: Sequence[str]) -> int:
+    """What tokenizing ``embed()``'s texts costs, in characters (:func:`prompt_cost`'s measure)."""
+    return sum(map(len, texts)) + ITEM_COST_CHARS * len(texts)
+
+
+def check_chat_size(prompt: Any) -> None:
+    """Refuse a chat of more than :data:`MAX_CHAT_MESSAGES` messages before looking at any of them."""
+    if is_chat(prompt) and len(prompt) > MAX_CHAT_MESSAGES:
+        raise InvalidParameterError("prompt", f"<{len(prompt)} chat messages>", f"at most {MAX_CHAT_MESSAGES} chat messages")
+
+
 def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
-    """Refuse, without tokenizing, a text too long to fit ``max_model_len`` tokens whatever its tokens.
+    """Refuse, without tokenizing, a prompt too long to fit ``max_model_len`` tokens whatever its tokens.
 
     No token of the vocabulary decodes to more than ``version.max_token_chars``
-    characters, so a longer text needs more tokens than the model takes.
+    characters, so a longer text needs more tokens than the model takes; a list of
+    token ids is refused by its length before its ids are checked; a chat of more than
+    :data:`MAX_CHAT_MESSAGES` messages is refused before any is looked at.
     """
+    check_chat_size(prompt)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and not is_chat(prompt):
+        if len(prompt) >= version.max_model_len:
+            raise InvalidParameterError(
+                "prompt", f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens"
+            )
+        return
     chars = prompt_chars(prompt)
     limit = version.max_model_len * version.max_token_chars
     if chars > limit:
@@ -97,6 +142,20 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
             "prompt", f"<{chars} characters>",
             f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
         )
+
+
+def check_unicode(parameter: str, text: str) -> None:
+    """Refuse a text that is not valid Unicode (a lone surrogate such as ``"\ud800"``): no
+    tokenizer can encode it. ``parameter`` names it in the error."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameterError(
+            parameter, f"<a text with the lone surrogate {text[exc.start]!r} at index {exc.start}>",
+            "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)",
+        ) from None
 
 
 def check_request_id(request_id: Any) -> str:
@@ -120,9 +179,11 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     """
     if isinstance(prompt, (bytes, bytearray, range)):
         raise InvalidParameterError("prompt", prompt, "a str, a list of chat messages or a list of token ids")
+    check_chat_size(prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidParameterError("prompt", prompt, "a non-empty string")
+        check_unicode("prompt", prompt)
         ids = list(_need_tokenizer(version, "a text prompt").encode(prompt))
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = chat_token_ids(version, prompt)  # type: ignore[arg-type]
@@ -142,11 +203,21 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
 
 
 def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Render chat messages with the version's template (generation prompt added) into token ids."""
+    """Render chat messages with the version's template (generation prompt added) into token ids.
+
+    Refuses more than :data:`MAX_CHAT_MESSAGES` messages, and texts that are not valid Unicode,
+    before the template runs.
+    """
     tokenizer = _need_tokenizer(version, "chat messages")
+    check_chat_size(messages)
     for i, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict):
             raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+        check_unicode(f"prompt[{i}]", role)
+        check_unicode(f"prompt[{i}]", content)
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
     try:
@@ -165,10 +236,12 @@ def _need_tokenizer(version: ModelVersion, what: str) -> Any:
 def check_texts(texts: Any) -> list[str]:
     """``embed()``'s input as a list of strings (a single string is one text)."""
     if isinstance(texts, str):
+        check_unicode("texts", texts)
         return [texts]
     if not isinstance(texts, Sequence) or not texts or len(texts) > MAX_EMBED_TEXTS:
         raise InvalidParameterError("texts", texts, f"a string or a list of 1 to {MAX_EMBED_TEXTS} strings")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidParameterError(f"texts[{i}]", text, "a string")
+        check_unicode(f"texts[{i}]", text)
     return list(texts)

@@ -77,12 +77,17 @@ class SamplingState:
     generator: torch.Generator | None = None
     # True when the row needs nothing but argmax (decided once, from the params).
     plain_greedy: bool = field(init=False, repr=False, default=False)
+    #: ``params.stop_token_ids`` as a set, built once: a stop check per token that costs the same for any list.
+    stop_token_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
     # Unique prompt token ids on the sampler's device (repetition penalty only).
     _prompt_ids: torch.Tensor | None = field(init=False, repr=False, default=None)
+    # The columns min_tokens masks (EOS and stop token ids below the vocabulary), built once.
+    _blocked: list[int] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         p = self.params
         self.plain_greedy = p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+        self.stop_token_ids = frozenset(p.stop_token_ids or ())
 
 
 @dataclass
@@ -267,13 +272,10 @@ class Sampler:
         for i, s in enumerate(states):
             p = s.params
             if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
-                blocked = set(self.eos_token_ids)
-                if p.stop_token_ids:
-                    blocked.update(p.stop_token_ids)
-                for t in blocked:
-                    if t < vocab:
-                        rows.append(i)
-                        cols.append(t)
+                if s._blocked is None:
+                    s._blocked = sorted(t for t in s.stop_token_ids.union(self.eos_token_ids) if t < vocab)
+                rows.extend([i] * len(s._blocked))
+                cols.extend(s._blocked)
         if rows:
             x[self._index(rows, x.device), self._index(cols, x.device)] = _NEG_INF
 

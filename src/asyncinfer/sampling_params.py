@@ -15,7 +15,7 @@ import msgspec
 
 from asyncinfer.errors import InvalidParameterError
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams"]
 
 _MAX_SEED = 2**63 - 1
 # Sampling runs in float32: logits are divided by the temperature and scaled by the
@@ -24,6 +24,12 @@ _MAX_TEMPERATURE = 1e4
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-2, 1e2
 _MAX_LOGPROBS = 20
 _MAX_N = 64
+#: The most stop strings a request may give, and the most characters they may hold together: what
+#: building its stop automaton costs the engine thread once (the check per token does not depend on them).
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 16384
+#: The most ``stop_token_ids`` a request may give (each is checked against the vocabulary at the call).
+MAX_STOP_TOKEN_IDS = 4096
 
 
 def _is_int(value: object) -> bool:
@@ -49,6 +55,19 @@ def _check_int(name: str, value: object, lo: int | None, hi: int | None, allowed
     assert isinstance(value, int)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise InvalidParameterError(name, value, allowed)
+
+
+_STOP_ALLOWED = (
+    f"None, a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
+    f"of at most {MAX_STOP_CHARS} characters together"
+)
+
+
+def _shown(value: object) -> object:
+    """``value`` as an error message shows it: a long list by its length."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"<a list of {len(value)}>"
+    return value
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -83,8 +102,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             the same tokens whatever else is batched with it. int in [0, 2**63 - 1],
             or ``None`` for the engine-wide generator.
         stop: string(s) that end generation when they appear in the output text. A
-            string or a list of non-empty strings, or ``None``. See :attr:`stop_strings`.
-        stop_token_ids: token ids (>= 0) that end generation, besides EOS. List or ``None``.
+            string or a list of non-empty strings, or ``None``: at most
+            :data:`MAX_STOP_STRINGS` (1024) strings of at most :data:`MAX_STOP_CHARS` (16384)
+            characters together. See :attr:`stop_strings`.
+        stop_token_ids: token ids (>= 0) that end generation, besides EOS. A list of at most
+            :data:`MAX_STOP_TOKEN_IDS` (4096), or ``None``.
         ignore_eos: keep generating past EOS (the engine does not stop on it; the
             sampler does not mask it either). bool.
         logprobs: return the sampled token's log-probability and the ``logprobs`` most
@@ -165,12 +187,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             items = [stop] if isinstance(stop, str) else stop
             if not isinstance(items, (list, tuple)):
                 raise InvalidParameterError("stop", stop, "None, a non-empty string or a list of them")
+            if len(items) > MAX_STOP_STRINGS:  # before looking at them: a long list costs the caller nothing
+                raise InvalidParameterError("stop", f"<{len(items)} strings>", _STOP_ALLOWED)
+            chars = 0
             for s in items:
                 if not isinstance(s, str) or not s:
-                    raise InvalidParameterError("stop", stop, "None, a non-empty string or a list of them")
+                    raise InvalidParameterError("stop", _shown(stop), "None, a non-empty string or a list of them")
+                chars += len(s)
+            if chars > MAX_STOP_CHARS:
+                raise InvalidParameterError("stop", f"<{len(items)} strings, {chars} characters>", _STOP_ALLOWED)
 
         ids = self.stop_token_ids
         if ids is not None:
+            if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:
+                raise InvalidParameterError(
+                    "stop_token_ids", f"<{len(ids)} ids>", f"None or a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
+                )
             if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
                 raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
 

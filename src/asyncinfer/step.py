@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 TokenSource = Callable[[list[Request]], Iterable[tuple[Request, int]]]
 #: ``check_stop(request, token_id)``: may finish the request that just got ``token_id``.
 StopCheck = Callable[[Request, int], object]
+#: ``isolate(request, hook, exc)``: the scheduler's per-request ``hook`` raised ``exc`` for ``request``.
+FaultSink = Callable[[Request, str, Exception], object]
 
 
 @dataclass
@@ -79,6 +81,8 @@ def apply_step(
     plan: SchedulerOutput,
     sample: TokenSource | int,
     check_stop: StopCheck | None = None,
+    *,
+    isolate: FaultSink | None = None,
 ) -> StepResult:
     """Apply the executed step ``plan`` to its requests and to ``scheduler``.
 
@@ -100,6 +104,13 @@ def apply_step(
     6. hand every forked sample that got a token and did not finish (a request with a
        ``parent_id`` that the scheduler does not hold yet) to ``scheduler.add_forked``: it
        holds blocks, so it joins the running set rather than the back of the queue.
+
+    ``isolate``: without it, an exception from the scheduler's ``finish_requests`` or
+    ``add_forked`` propagates. With it (the engine core), a fault of those per-request hooks
+    is attributed to its request: ``add_forked`` is called per request already, and a
+    ``finish_requests`` call that raised is made again one request at a time; each request
+    whose own call raises goes to ``isolate(request, hook, exc)``, and the update carries on
+    for the others.
     """
     batch = scheduled(scheduler, plan)
     result = StepResult(num_scheduled=len(batch))
@@ -122,11 +133,38 @@ def apply_step(
             request.status = RequestStatus.FINISHED_LENGTH
         if request.status.finished:
             result.finished.append(request)
-    scheduler.finish_requests(result.finished)
+    _finish(scheduler, result.finished, isolate)
     for request, _ in result.sampled:
         if request.parent_id is not None and not request.status.finished and request.request_id not in scheduler.requests:
-            scheduler.add_forked(request)
+            if isolate is None:
+                scheduler.add_forked(request)
+                continue
+            try:
+                scheduler.add_forked(request)
+            except Exception as exc:  # noqa: BLE001 - attributed to this sample (see isolate)
+                isolate(request, "add_forked", exc)
     return result
+
+
+def _finish(scheduler: Scheduler, finished: list[Request], isolate: FaultSink | None) -> None:
+    """``scheduler.finish_requests(finished)``; with ``isolate``, a call that raised is made again
+    one request at a time, and each request whose own call raises is handed to ``isolate``."""
+    if isolate is None:
+        scheduler.finish_requests(finished)
+        return
+    try:
+        scheduler.finish_requests(finished)
+    except Exception as exc:  # find the request it was about
+        if not finished:
+            raise  # about no request: a fault of the step
+        if len(finished) == 1:
+            isolate(finished[0], "finish_requests", exc)
+            return
+        for request in finished:
+            try:
+                scheduler.finish_requests([request])
+            except Exception as own:  # noqa: BLE001
+                isolate(request, "finish_requests", own)
 
 
 def fork_samples(kv: KVCacheManager, request: Request) -> list[Request]:

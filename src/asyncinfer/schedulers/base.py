@@ -73,8 +73,11 @@ changes nothing and the request simply waits. If ``schedule`` raises anyway (a
 bug), its queues may be half updated, so the engine fails *every* request the
 scheduler holds with ``RequestFailedError`` (through :meth:`Scheduler.abort_request`,
 which frees their blocks) and serves the next ones; ``max_consecutive_step_failures``
-failures in a row declare the engine dead. An exception from ``add_request`` fails
-only that request.
+failures in a row declare the engine dead. An exception from a per-request hook
+(``add_request``, ``abort_request``, ``finish_requests``, ``add_forked``) is logged and
+fails only that request: the engine takes it out of ``requests``, ``running`` and
+``waiting`` itself and frees its blocks (``finish_requests`` is called again one request
+at a time to find which one it was about); it is not a failed step.
 """
 
 from __future__ import annotations

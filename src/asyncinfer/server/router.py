@@ -27,7 +27,7 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
-from asyncinfer.prompts import OFF_LOOP_CHARS
+from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found, unauthorized
@@ -310,7 +310,7 @@ class _OpenAI:
             return _json(g.reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
         prompt: Any = body.messages
         if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
-            prompt = await _off_loop_if_long(sum(len(m["content"]) for m in body.messages),
+            prompt = await _off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
         return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0)

@@ -1,0 +1,78 @@
+"""Seeded sampling depends on the request only (issue 25).
+
+A seeded request draws from a generator of its own (seeded with ``params.seed``), one draw per
+token, and sample ``i`` of an ``n > 1`` request uses ``seed + i``. So a seeded request samples
+the same tokens alone and inside any batch — beside greedy, unseeded and other seeded requests,
+in mixed prefill/decode steps, with its prompt chunked differently, found in the prefix cache,
+and preempted and recomputed — and ``n = 3`` with ``seed`` gives the tokens of ``seed``,
+``seed + 1`` and ``seed + 2`` asked one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from asyncinfer import AsyncEngine, SamplingParams
+
+BASE = {"max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
+PROMPT = [(13 * j) % 300 + 3 for j in range(37)]
+SEED = 2024
+
+
+def sampled(seed: int | None, n: int = 1, max_tokens: int = 48, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed, n=n, ignore_eos=True, **kw)
+
+
+def other_params(rng: random.Random) -> SamplingParams:
+    """A neighbour's parameters: greedy, unseeded or seeded sampling, filters, penalties, logprobs."""
+    return rng.choice([
+        SamplingParams(max_tokens=rng.randrange(4, 40), ignore_eos=True),
+        SamplingParams(max_tokens=rng.randrange(4, 40), temperature=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=rng.randrange(4, 40), temperature=1.2, top_k=20, seed=rng.randrange(100),
+                       ignore_eos=True, n=2),
+        SamplingParams(max_tokens=rng.randrange(4, 40), temperature=0.7, min_p=0.05, repetition_penalty=1.2,
+                       logprobs=3, ignore_eos=True),
+    ])
+
+
+async def test_a_seeded_request_samples_the_same_tokens_alone_and_in_any_batch(tiny_models) -> None:
+    path, _ = tiny_models["llama"]
+    # Alone: each seed on an idle engine, with an empty prefix cache.
+    alone: dict[int, list[int]] = {}
+    for i in range(3):
+        engine = AsyncEngine.from_pretrained(path, **BASE, kv_cache_memory=4 * 1024 * 1024)
+        async with engine:
+            alone[SEED + i] = (await engine.generate(PROMPT, sampled(SEED + i))).token_ids
+    assert len(set(map(tuple, alone.values()))) == 3  # the seeds matter
+
+    # Under load: 48 KV blocks (requests are preempted and recomputed), 24 tokens a step (the
+    # prompt is prefilled in chunks, beside other prefills and decodes), its prompt's blocks
+    # cached by the time its samples are asked one at a time.
+    rng = random.Random(5)
+    engine = AsyncEngine.from_pretrained(path, **BASE, kv_cache_memory=48 * 2 * 2 * 2 * 4 * 16 * 4,
+                                         max_num_batched_tokens=24, max_num_seqs=8)
+    async with engine:
+        async def neighbours(count: int) -> list[object]:
+            tasks = []
+            for _ in range(count):
+                prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 30))]
+                tasks.append(asyncio.create_task(engine.generate(prompt, other_params(rng))))
+                await asyncio.sleep(rng.random() * 0.004)
+            return await asyncio.gather(*tasks)
+
+        load = asyncio.create_task(neighbours(24))
+        await asyncio.sleep(0.005)
+        group = asyncio.create_task(engine.generate(PROMPT, sampled(SEED, n=3)))
+        singles = [asyncio.create_task(engine.generate(PROMPT, sampled(SEED + i))) for i in range(3)]
+        await load
+        together = await group
+        assert [o.token_ids for o in together.outputs] == [alone[SEED + i] for i in range(3)]
+        assert [(await t).token_ids for t in singles] == [alone[SEED + i] for i in range(3)]
+        # Again with the prompt in the prefix cache, one at a time, beside other traffic.
+        load = asyncio.create_task(neighbours(8))
+        for i in (2, 0, 1):
+            assert (await engine.generate(PROMPT, sampled(SEED + i))).token_ids == alone[SEED + i]
+        await load
+        stats, kv = engine.step_stats(), engine.kv_stats()
+    assert stats.preemptions > 0 and kv.prefix_hits > 0  # the hard cases did happen
