@@ -155,8 +155,9 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "gemm fmt not a string": (lambda: _gemm(fmt=None), TypeError, "fmt"),
     "gemm q4_k inputs not a multiple of 256": (lambda: _gemm(packed=torch.zeros(8, 144, dtype=torch.uint8),
                                                              fmt="q4_k"), ValueError, "x"),
-    "gemm q6_k weights of another width": (lambda: _gemm(x=torch.randn(2, 256), packed=torch.zeros(8, 200, dtype=torch.uint8),
-                                                         fmt="q6_k"), ValueError, "packed"),
+    "gemm q6_k weights of another width": (
+        lambda: _gemm(x=torch.randn(2, 256), packed=torch.zeros(8, 200, dtype=torch.uint8), fmt="q6_k"), ValueError,
+        "packed"),
     "gemm unknown format": (lambda: _gemm(fmt="q3_k"), ValueError, "fmt"),
     # rms_norm
     "rms_norm x on meta": (lambda: kernels.rms_norm(torch.zeros(2, 8, device=META), torch.ones(8), 1e-5),
@@ -226,8 +227,9 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
                                                  TypeError, "qkv"),
     "layer qkv of four parts": (lambda: tiny_layer(qkv=(("q4_0",) * 4, (blocks(16, HIDDEN, "q4_0"),) * 4, None)),
                                 TypeError, "qkv"),
-    "layer qkv part on meta": (lambda: tiny_layer(qkv=(mixed_qkv()[0], (*mixed_qkv()[1][:2], blocks(16, HIDDEN, "q8_0").to(META)),
-                                                       None)), TypeError, "qkv[2]"),
+    "layer qkv part on meta": (
+        lambda: tiny_layer(qkv=(mixed_qkv()[0], (*mixed_qkv()[1][:2], blocks(16, HIDDEN, "q8_0").to(META)), None)),
+        TypeError, "qkv[2]"),
     # DecodeLayer call
     "layer h on meta": (lambda: _layer_call(h=torch.zeros(1, HIDDEN, device=META)), TypeError, "h"),
     "layer slots on meta": (lambda: _layer_call(slots=long(5).to(META)), TypeError, "slots"),

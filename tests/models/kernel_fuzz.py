@@ -119,7 +119,8 @@ def _entries() -> dict:
         "gemm q5_0": (kernels.gemm, {"x": torch.randn(1, 64), "packed": blocks(8, 64, "q5_0"), "fmt": "q5_0",
                                      "out_features": 8}),
         "quantize q5_k": (kernels.quantize, {"weight": torch.randn(4, 256), "fmt": "q5_k"}),
-        "dequantize q6_k": (kernels.dequantize, {"blocks": kernels.quantize(torch.randn(8, 256), "q6_k"), "fmt": "q6_k"}),
+        "dequantize q6_k": (kernels.dequantize, {"blocks": kernels.quantize(torch.randn(8, 256), "q6_k"),
+                                                 "fmt": "q6_k"}),
         "DecodeLayer call": (_LAYER, {
             "h": torch.zeros(1, HIDDEN), "cos": cos[:1], "sin": sin[:1], "k_cache": caches[0][0],
             "v_cache": caches[0][1], "slots": long(5), "block_tables": long(0, 1).view(1, 2),

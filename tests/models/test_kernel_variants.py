@@ -234,11 +234,12 @@ def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> No
         q, kv = heads * head_dim, kv_heads * head_dim
         layer = kernels.DecodeLayer(
             norm1=torch.ones(hidden), norm2=torch.ones(hidden), eps=1e-5,
-            qkv=(("q4_k", "q5_k", "q6_k"), (random_blocks("q4_k", q, hidden, 1), random_blocks("q5_k", kv, hidden, 2),
-                                             random_blocks("q6_k", kv, hidden, 3)), torch.randn(q + 2 * kv, generator=gen)),
+            qkv=(("q4_k", "q5_k", "q6_k"),
+                 (random_blocks("q4_k", q, hidden, 1), random_blocks("q5_k", kv, hidden, 2),
+                  random_blocks("q6_k", kv, hidden, 3)), torch.randn(q + 2 * kv, generator=gen)),
             o=("q4_0", random_blocks("q4_0", hidden, q, 4), None),
-            gate_up=(("q5_0", "q5_1"), (random_blocks("q5_0", inter, hidden, 5), random_blocks("q5_1", inter, hidden, 6)),
-                     None),
+            gate_up=(("q5_0", "q5_1"),
+                     (random_blocks("q5_0", inter, hidden, 5), random_blocks("q5_1", inter, hidden, 6)), None),
             down=("q6_k", random_blocks("q6_k", hidden, inter, 7), None),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=head_dim ** -0.5)
         caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
@@ -251,7 +252,8 @@ def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> No
         embed = torch.randn(50, hidden, generator=gen)
         ids = torch.randint(0, 50, (tokens,), generator=gen)
         with on(name):
-            stack = kernels.DecodeStack([layer], torch.ones(hidden), 1e-5, ("q6_k", random_blocks("q6_k", 50, hidden, 9), 50))
+            head = ("q6_k", random_blocks("q6_k", 50, hidden, 9), 50)
+            stack = kernels.DecodeStack([layer], torch.ones(hidden), 1e-5, head)
             logits = stack(ids, embed, positions, angles.cos(), angles.sin(), caches, slots, tables, lens, logits=True)
         results[name] = (logits, caches[0][0].clone())
     for ref, got in zip(results["scalar"], results[isa]):

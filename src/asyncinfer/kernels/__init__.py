@@ -42,7 +42,7 @@ from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, gemm,
 
 __all__ = [
     "auto_reason",
-    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "DecodeLayer", "DecodeStack", "KernelISAError", "argmax",
-    "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded", "pack",
-    "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
+    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "DecodeLayer", "DecodeStack", "KernelISAError",
+    "argmax", "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded",
+    "pack", "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
 ]
