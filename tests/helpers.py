@@ -21,7 +21,7 @@ import random
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.lab import StepCostModel
@@ -54,7 +54,8 @@ def tiny_hf_config(kind: str, **overrides: Any):
     replace fields of :data:`TINY` (e.g. ``vocab_size``).
 
     Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen2`` (tied head,
-    q/k/v bias), ``mistral``.
+    q/k/v bias), ``mistral``, ``qwen3`` (per-head q/k norm, an explicit head_dim of 32: q/k/v
+    wider than the hidden size), ``phi3`` (fused qkv and gate_up projections in the checkpoint).
     """
     fields = {**TINY, **overrides}
     if kind == "llama":
@@ -77,6 +78,11 @@ def tiny_hf_config(kind: str, **overrides: Any):
         return Qwen2Config(**fields, tie_word_embeddings=True)
     if kind == "mistral":
         return MistralConfig(**fields, sliding_window=None, tie_word_embeddings=False)
+    if kind == "qwen3":
+        return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False)
+    if kind == "phi3":
+        # Phi3Config's default pad id (32000) lies past a tiny vocabulary.
+        return Phi3Config(**{"pad_token_id": 0, **fields}, tie_word_embeddings=False)
     raise ValueError(kind)
 
 

@@ -23,7 +23,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral).
+    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral, Qwen3, Phi-3).
 
     ``architecture`` is the family's registered name (``models.registry``).
     ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
@@ -101,7 +101,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelConfig:
-        """Normalise a transformers ``LlamaConfig``/``Qwen2Config``/``MistralConfig``.
+        """Normalise a transformers config of a registered family (``LlamaConfig``, ``Qwen2Config``,
+        ``MistralConfig``, ``Qwen3Config``, ``Phi3Config``, ...).
 
         Handles both the transformers 5 ``rope_parameters`` dict and the older
         ``rope_theta``/``rope_scaling`` attributes. Raises ``ModelLoadError``
@@ -184,12 +185,35 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
 def _hf_family(cfg: Any) -> ModelFamily:
     """The registered family of a transformers config: by a class name in ``architectures``
     (a family may reuse another's config class), else by ``model_type``."""
-    model_type = getattr(cfg, "model_type", None)
-    for name in (*(getattr(cfg, "architectures", None) or ()), model_type):
+    return _family_of(getattr(cfg, "model_type", None), getattr(cfg, "architectures", None))
+
+
+def hf_config_family(raw: Any, source: Any = "config.json") -> ModelFamily:
+    """The registered family a parsed ``config.json`` names (as :meth:`ModelConfig.from_hf_config` picks it:
+    a class name in ``architectures``, else ``model_type``), from the file's own names, before transformers
+    parses it and before any weight is read.
+
+    Raises:
+        ModelLoadError: ``raw`` is not a JSON object (naming ``source``), or no family runs the model: the
+            message names its ``model_type`` and ``architectures`` and lists the supported architectures.
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"cannot read {source}: expected a JSON object, got {type(raw).__name__}")
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list):
+        architectures = None
+    return _family_of(raw.get("model_type"), architectures)
+
+
+def _family_of(model_type: Any, architectures: Any) -> ModelFamily:
+    for name in (*(architectures or ()), model_type):
         family = find_model_family(name)
         if family is not None:
             return family
-    raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_architectures())}")
+    named = f" (architectures: {', '.join(map(str, architectures))})" if architectures else ""
+    raise ModelLoadError(
+        f"unsupported model_type {model_type!r}{named}; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def _max_positions(cfg: Any, family: ModelFamily) -> int:

@@ -7,9 +7,10 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
 - :class:`TorchDecode` — the model's own ``forward`` (the reference every backend is tested against)
   through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
   every step shape.
-- :class:`KernelDecode` — a Llama-family model whose projections are all in ggml's block formats
-  (any of them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's
-  kernels: it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
+- :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; not
+  Qwen3, whose attention adds a per-head q/k norm) whose projections are all in ggml's block formats (any of
+  them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's kernels:
+  it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
   call (the step's integers in one list; logits and argmax from the same call). Any other step (a
   prefill, a mixed step, an empty one) runs the torch reference.
@@ -34,7 +35,7 @@ from asyncinfer.models.attention.padding import flat_padded_tables
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm
-from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncinfer.models.quant import BlockLinear, MixedBlockLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -191,6 +192,12 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
     if not kernel_attention_applies(model, model.config):
         return "its projections are not in a block format, or its head_dim is not a multiple of 8"
     for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            # A family's own block or attention (Qwen3's): the kernels' decode layer computes Llama's only.
+            gap = f" (it adds {attn.kernel_gap})" if isinstance(attn, LlamaAttention) and attn.kernel_gap else ""
+            return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not the LlamaDecoderLayer "
+                    f"with LlamaAttention the kernels' decode layer computes{gap}")
         projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():

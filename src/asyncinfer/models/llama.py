@@ -20,6 +20,8 @@ Parameter names (what the weight map fills)::
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,10 @@ class LlamaAttention(nn.Module):
     The attention itself is the step's backend's (``meta.backend``, see
     :mod:`asyncinfer.models.attention`): this layer only projects and rotates (with ``ops.apply_rope``).
     """
+
+    #: What a subclass computes beyond this layer's steps (e.g. Qwen3's per-head q/k norm), which the
+    #: kernels' one-call decode step does not (``decode_backends.kernel_decode_blocker`` says so); None here.
+    kernel_gap: ClassVar[str | None] = None
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
@@ -73,12 +79,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)).
+
+    ``attention_class``: the attention layer it builds (a family whose block differs only in its
+    attention, as Qwen3's, subclasses this with its own).
+    """
+
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
-        self.attn = LlamaAttention(config, ops)
+        self.attn = self.attention_class(config, ops)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ops.silu_mul)
 
@@ -99,7 +111,12 @@ class LlamaForCausalLM(nn.Module):
 
     ``ops``: the element-wise functions (RMSNorm, rotary, SwiGLU) every layer computes with, fixed here
     (the eager ones, or their compiled forms with ``torch_compile=True``).
+
+    ``decoder_layer_class``: the block it stacks (a family that differs only inside it subclasses this
+    with its own, as :class:`asyncinfer.models.qwen3.Qwen3ForCausalLM` does).
     """
+
+    decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
@@ -107,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self._ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The weight format's output projection (see use_output_proj); None: lm_head_weight in the dtype.

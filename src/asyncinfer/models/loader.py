@@ -39,7 +39,7 @@ from torch import nn
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
-from asyncinfer.models.config import ModelConfig, normalise_token_ids
+from asyncinfer.models.config import SUPPORTED_ROPE_TYPES, ModelConfig, hf_config_family, normalise_token_ids
 from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
@@ -271,6 +271,9 @@ def _preview(names: list[str], limit: int = 8) -> str:
 def _hf_model_config(path: Path) -> ModelConfig:
     from transformers import AutoConfig
 
+    # An architecture no family runs is refused from config.json's names, before transformers parses it
+    # (which fails on model types it does not know without naming what runs here) and before any weight.
+    hf_config_family(read_json(path / "config.json"), path / "config.json")
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
@@ -371,7 +374,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
 
 
 # The projections of a decoder layer in GGUF spelling (blk.{i}.<kind>.weight).
-_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _Q4_1, _Q8_0 = 3, 8  # ggml tensor types
 
 
@@ -393,6 +396,11 @@ def _optional_int(value: Any) -> int | None:
 def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors."""
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    long_short = sorted(name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensors)
+    if long_short:
+        # Phi-3's "longrope" ("su") scaling: per-frequency factors switched by context length, not implemented.
+        raise ModelLoadError(f"unsupported rope type 'longrope' (GGUF tensors {', '.join(long_short)}); "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     has_factors = "rope_freqs.weight" in tensors
     if kind not in ("none", "linear") or (kind == "linear" and has_factors):
         raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")

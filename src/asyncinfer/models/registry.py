@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 WeightMap = tuple[tuple[str, str, str, str | None], ...]
 
 # Modules that define and register the built-in families, imported on first lookup.
-_BUILTIN_MODULES = ("asyncinfer.models.llama",)
+_BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.qwen3", "asyncinfer.models.phi3")
 _FAMILIES: dict[str, ModelFamily] = {}  # family name -> family
 _NAMES: dict[str, ModelFamily] = {}  # family name or HF class name -> family
 
@@ -63,7 +63,7 @@ class ModelFamily:
     - ``gguf``: it loads from GGUF files;
     - ``qkv_bias``: its q/k/v projections always carry a bias (Qwen2); otherwise a
       config asking for attention bias is refused;
-    - ``sliding_window``: its window always applies (Mistral); otherwise only when
+    - ``sliding_window``: its window always applies (Mistral, Phi-3); otherwise only when
       the config sets ``use_sliding_window``. The usable context is capped at the window;
     - ``gguf_permuted_qk``: llama.cpp's converter permuted its q/k rows (undone at load).
     """
