@@ -44,6 +44,13 @@ FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
     ("int8, no skip", "int8", (), True),
     ("q8_0 (asyncinfer's kernels)", "q8_0", (), True),
     ("q4_1, head q8_0 (asyncinfer's kernels)", "q4_1", (), True),
+    ("q4_0, head q8_0 (asyncinfer's kernels)", "q4_0", (), True),
+    ("q5_0, head q8_0 (asyncinfer's kernels)", "q5_0", (), True),
+    ("q5_1, head q8_0 (asyncinfer's kernels)", "q5_1", (), True),
+    # k-quants: a projection whose input size is not a multiple of 256 takes llama.cpp's fallback.
+    ("q4_k (fallback q5_0), head q6_k/q8_0", "q4_k", (), True),
+    ("q5_k (fallback q5_1), head q6_k/q8_0", "q5_k", (), True),
+    ("q6_k (fallback q8_0), head q6_k/q8_0", "q6_k", (), True),
 )
 
 
@@ -78,6 +85,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--formats", nargs="+", default=None,
+                    help="only the formats whose quantization value is one of these (none: every format; "
+                         "'none' for float32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = read_model_config(resolve_model(args.model))
@@ -90,6 +100,8 @@ def main() -> None:
           f"stack (median of {args.repeats})")
     print(f"{'format':<40}" + "".join(f"{'M=' + str(m):>10}" for m in args.tokens))
     for name, method, skip, pack in FORMATS:
+        if args.formats is not None and str(method).lower() not in args.formats:
+            continue
         model = copy.deepcopy(base)
         apply_weight_format(model, method, skip, pack=pack)
         tps = {m: m / time_pass(model, m, args.repeats) for m in args.tokens}

@@ -39,6 +39,13 @@ def layer_args(hidden: int = HIDDEN, heads: int = HEADS, kv_heads: int = KV_HEAD
             "scale": head_dim**-0.5}
 
 
+def mixed_qkv(seed: int = 0) -> tuple:
+    """The tiny layer's q/k/v in three formats, one a run of rows (as a Q4_K_M file mixes them)."""
+    kv = KV_HEADS * HEAD_DIM
+    return (("q4_0", "q5_1", "q8_0"), (blocks(HEADS * HEAD_DIM, HIDDEN, "q4_0", seed), blocks(kv, HIDDEN, "q5_1", seed),
+                                       blocks(kv, HIDDEN, "q8_0", seed)), None)
+
+
 def tiny_layer(**over) -> kernels.DecodeLayer:
     return kernels.DecodeLayer(**{**layer_args(), **over})
 
@@ -174,6 +181,12 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "gemm negative out_features": (lambda: _gemm(out_features=-1), ValueError, "out_features"),
     "gemm x not a tensor": (lambda: _gemm(x=[[0.0] * 64]), TypeError, "x"),
     "gemm fmt not a string": (lambda: _gemm(fmt=None), TypeError, "fmt"),
+    "gemm q4_k inputs not a multiple of 256": (lambda: _gemm(packed=torch.zeros(8, 144, dtype=torch.uint8),
+                                                             fmt="q4_k"), ValueError, "x"),
+    "gemm q6_k weights of another width": (
+        lambda: _gemm(x=torch.randn(2, 256), packed=torch.zeros(8, 200, dtype=torch.uint8), fmt="q6_k"), ValueError,
+        "packed"),
+    "gemm unknown format": (lambda: _gemm(fmt="q3_k"), ValueError, "fmt"),
     # rms_norm
     "rms_norm x on meta": (lambda: kernels.rms_norm(torch.zeros(2, 8, device=META), torch.ones(8), 1e-5),
                            TypeError, "x"),
@@ -233,6 +246,18 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
                                TypeError, "qkv bias"),
     "layer intermediate_size 0": (lambda: tiny_layer(intermediate_size=0), ValueError, "intermediate_size"),
     "layer qkv not a tuple": (lambda: tiny_layer(qkv=None), TypeError, "qkv"),
+    "layer qkv parts that do not add up": (
+        lambda: tiny_layer(qkv=(("q4_0", "q8_0"), (blocks(HEADS * HEAD_DIM, HIDDEN, "q4_0"), blocks(8, HIDDEN, "q8_0")),
+                                None)), ValueError, "qkv"),
+    "layer qkv part of an unknown format": (
+        lambda: tiny_layer(qkv=(("q4_0", "q9"), mixed_qkv()[1][:2], None)), ValueError, "qkv[1]"),
+    "layer qkv formats without as many blocks": (lambda: tiny_layer(qkv=(("q4_0", "q8_0"), blocks(64, HIDDEN), None)),
+                                                 TypeError, "qkv"),
+    "layer qkv of four parts": (lambda: tiny_layer(qkv=(("q4_0",) * 4, (blocks(16, HIDDEN, "q4_0"),) * 4, None)),
+                                TypeError, "qkv"),
+    "layer qkv part on meta": (
+        lambda: tiny_layer(qkv=(mixed_qkv()[0], (*mixed_qkv()[1][:2], blocks(16, HIDDEN, "q8_0").to(META)), None)),
+        TypeError, "qkv[2]"),
     # DecodeLayer call
     "layer h on meta": (lambda: _layer_call(h=torch.zeros(1, HIDDEN, device=META)), TypeError, "h"),
     "layer slots on meta": (lambda: _layer_call(slots=long(5).to(META)), TypeError, "slots"),
@@ -345,6 +370,9 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
 #: Empty inputs the kernels take: case -> (the call, a check of what it returns).
 EMPTIES: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
     "gemm of no rows": (lambda: _gemm(x=torch.zeros(0, 64)), lambda y: y.shape == (0, 8)),
+    "gemm q4_k of no rows": (lambda: _gemm(x=torch.zeros(0, 256), packed=blocks(8, 256, "q4_k"), fmt="q4_k"),
+                             lambda y: y.shape == (0, 8)),
+    "quantize q6_k of no rows": (lambda: kernels.quantize(torch.zeros(0, 512), "q6_k"), lambda y: y.shape == (0, 420)),
     "gemm of no outputs": (lambda: _gemm(packed=torch.zeros(0, 40, dtype=torch.uint8), out_features=0),
                            lambda y: y.shape == (2, 0)),
     "rms_norm of no rows": (lambda: kernels.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-5),

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncinfer import kernels
-from tests.models.kernel_cases import GOOD_PACKED, HIDDEN, blocks, layer_args, long, tables, tiny_stack
+from tests.models.kernel_cases import GOOD_PACKED, HIDDEN, blocks, layer_args, long, mixed_qkv, tables, tiny_stack
 
 ALLOWED = (TypeError, ValueError, IndexError, MemoryError)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)
@@ -111,6 +111,16 @@ def _entries() -> dict:
         "pack": (kernels.pack, {"blocks": q_blocks, "fmt": "q8_0"}),
         "unpack": (kernels.unpack, {"blocks": kernels.pack(q_blocks, "q8_0"), "fmt": "q8_0"}),
         "DecodeLayer": (kernels.DecodeLayer, layer_args()),
+        "DecodeLayer of mixed formats": (kernels.DecodeLayer, {**layer_args(), "qkv": mixed_qkv()}),
+        "gemm q4_k": (kernels.gemm, {"x": torch.randn(2, 512), "packed": blocks(8, 512, "q4_k"), "fmt": "q4_k",
+                                     "out_features": 8, "bias": torch.zeros(8)}),
+        "gemm q6_k panel": (kernels.gemm, {"x": torch.randn(6, 256), "packed": blocks(8, 256, "q6_k"), "fmt": "q6_k",
+                                           "out_features": 8}),
+        "gemm q5_0": (kernels.gemm, {"x": torch.randn(1, 64), "packed": blocks(8, 64, "q5_0"), "fmt": "q5_0",
+                                     "out_features": 8}),
+        "quantize q5_k": (kernels.quantize, {"weight": torch.randn(4, 256), "fmt": "q5_k"}),
+        "dequantize q6_k": (kernels.dequantize, {"blocks": kernels.quantize(torch.randn(8, 256), "q6_k"),
+                                                 "fmt": "q6_k"}),
         "DecodeLayer call": (_LAYER, {
             "h": torch.zeros(1, HIDDEN), "cos": cos[:1], "sin": sin[:1], "k_cache": caches[0][0],
             "v_cache": caches[0][1], "slots": long(5), "block_tables": long(0, 1).view(1, 2),

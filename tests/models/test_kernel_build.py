@@ -174,8 +174,7 @@ def test_allocation_failures_and_overflowing_sizes_raise_memory_error() -> None:
     # A layer whose working memory overflows: -1 (DecodeLayer raises MemoryError for it), nothing touched.
     from asyncinfer.kernels.decoder import _Layer
 
-    huge = _Layer(None, None, None, None, None, None, None, 0, 0, 0, 0, 64, 1 << 40, 1 << 40, 1 << 20, 1 << 40,
-                  1e-5, 1.0)
+    huge = _Layer(hidden=64, H=1 << 40, KVH=1 << 40, D=1 << 20, I=1 << 40, eps=1e-5, scale=1.0)  # no weights
     assert lib.asyncinfer_decode_layer(ctypes.byref(huge), None, 1, None, None, None, None, None, None, 1, None, 16,
                                        1, None) == -1
 

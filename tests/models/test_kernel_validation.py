@@ -78,5 +78,8 @@ def test_the_block_layout_is_written_once_and_is_ggmls() -> None:
     for name, layout in formats.READ_LAYOUTS.items():
         assert GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]] == (layout.weights, layout.nbytes), name
         kind = int(GGMLQuantizationType[name.upper()])
-        assert gguf_file._BLOCKS[kind] == (layout.weights, layout.nbytes) and gguf_file._LAYOUTS[kind] is layout
-    assert formats.BLOCK_FORMATS == {"q4_1": (32, 20), "q8_0": (32, 34)}
+        assert kind == layout.ggml_type and formats.BY_GGML_TYPE[kind] == name
+        if kind in gguf_file._LAYOUTS:  # the formats the reader dequantizes itself take formats' layouts
+            assert gguf_file._BLOCKS[kind] == (layout.weights, layout.nbytes) and gguf_file._LAYOUTS[kind] is layout
+    assert formats.BLOCK_FORMATS == {"q4_1": (32, 20), "q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22),
+                                     "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}

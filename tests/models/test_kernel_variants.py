@@ -128,7 +128,7 @@ def test_the_variants_this_cpu_runs_are_named_and_one_is_chosen() -> None:
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
 def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     runs_here(isa)
     n, k = 37, 256
@@ -217,6 +217,45 @@ def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> 
             stack = kernels.DecodeStack([layer], torch.ones(64), 1e-5, head)
             logits = stack(ids, embed, positions, cos, sin, caches, slots, tables, lens, logits=True)
         results[name] = (one, logits, caches[0][0].clone())
+    for ref, got in zip(results["scalar"], results[isa]):
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> None:
+    """Every format in one layer and its head (q/k/v three formats, one a run of rows), at batch 1 (int16
+    activations) and 6 (float32 panels): each variant within float32 rounding of the scalar reference."""
+    runs_here(isa)
+    hidden, heads, kv_heads, head_dim, inter = 256, 4, 2, 64, 512
+    results = {}
+    for name in ("scalar", isa):
+        gen = torch.Generator().manual_seed(tokens)
+        q, kv = heads * head_dim, kv_heads * head_dim
+        layer = kernels.DecodeLayer(
+            norm1=torch.ones(hidden), norm2=torch.ones(hidden), eps=1e-5,
+            qkv=(("q4_k", "q5_k", "q6_k"),
+                 (random_blocks("q4_k", q, hidden, 1), random_blocks("q5_k", kv, hidden, 2),
+                  random_blocks("q6_k", kv, hidden, 3)), torch.randn(q + 2 * kv, generator=gen)),
+            o=("q4_0", random_blocks("q4_0", hidden, q, 4), None),
+            gate_up=(("q5_0", "q5_1"),
+                     (random_blocks("q5_0", inter, hidden, 5), random_blocks("q5_1", inter, hidden, 6)), None),
+            down=("q6_k", random_blocks("q6_k", hidden, inter, 7), None),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=head_dim ** -0.5)
+        caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
+                   torch.randn(8, 16, kv_heads, head_dim, generator=gen))]
+        angles = torch.rand(64, head_dim // 2, generator=gen) * 6
+        tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
+        lens = torch.randint(1, 64, (tokens,), generator=gen)
+        slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+        positions = torch.randint(0, 64, (tokens,), generator=gen)
+        embed = torch.randn(50, hidden, generator=gen)
+        ids = torch.randint(0, 50, (tokens,), generator=gen)
+        with on(name):
+            head = ("q6_k", random_blocks("q6_k", 50, hidden, 9), 50)
+            stack = kernels.DecodeStack([layer], torch.ones(hidden), 1e-5, head)
+            logits = stack(ids, embed, positions, angles.cos(), angles.sin(), caches, slots, tables, lens, logits=True)
+        results[name] = (logits, caches[0][0].clone())
     for ref, got in zip(results["scalar"], results[isa]):
         assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
 

@@ -382,12 +382,12 @@ def test_bad_inputs_are_refused_by_name() -> None:
         kernels.pack(torch.zeros(8, 40, dtype=torch.float32), "q4_1")
     with pytest.raises(ValueError, match="dequantize takes q8_0 blocks as uint8"):
         kernels.dequantize(random_blocks("q4_1", 8, 2, seed=1), "q8_0")  # 40 bytes a row: not 34s
-    with pytest.raises(ValueError, match="unknown block format 'q5_0'"):
-        kernels.unpack(blocks, "q5_0")
+    with pytest.raises(ValueError, match="unknown block format 'q3_k'"):
+        kernels.unpack(blocks, "q3_k")
     with pytest.raises(TypeError, match=r"weight: quantize takes floating-point weights \[N, K\]"):
         kernels.quantize(torch.randn(64), "q4_1")
     with pytest.raises(ValueError, match="unknown block format"):
-        kernels.gemm(x, blocks, "q5_0", 8)
+        kernels.gemm(x, blocks, "q3_k", 8)
     with pytest.raises(ValueError, match="bias has 3 values"):
         kernels.gemm(x, blocks, "q4_1", 8, torch.zeros(3))
     torch.testing.assert_close(kernels.gemm(x, blocks, "q4_1", 8, torch.ones(8, dtype=torch.float64)),

@@ -209,7 +209,7 @@ async def test_the_default_engine_serves_float16_weights(tiny_models) -> None:
 
 def test_formats_allowed_per_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for method in (None, "float16", "int8", "q8_0", "q4_1"):
+    for method in (None, "float16", "int8", "q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
         check_quantization(method, cpu, torch.float32)
     for method, dtype in ((None, torch.bfloat16), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         check_quantization(method, cuda, dtype)
@@ -220,7 +220,8 @@ def test_formats_allowed_per_device() -> None:
         with pytest.raises(InvalidParameterError) as err:
             check_quantization(method, device, dtype)
         assert err.value.parameter == "quantization" and err.value.value == method
-        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'q4_1' on CPU") in str(err.value)
+        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'q6_k' on CPU") in str(err.value)
+        assert all(f"'{fmt}'" in str(err.value) for fmt in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k"))
     # On CUDA a dtype format is the engine dtype: "auto" takes it, an explicit dtype must match.
     with pytest.raises(InvalidParameterError, match="a CPU format needs dtype float32 or 'auto', not bfloat16"):
         check_quantization("float16", cpu, torch.bfloat16)

@@ -1,5 +1,6 @@
-"""asyncinfer's own CPU kernels: matrix products with weights in ggml's Q4_1 and Q8_0 block formats, RMS
-norm, paged decode attention, a whole decoder layer and a whole decode step, argmax.
+"""asyncinfer's own CPU kernels: matrix products with weights in ggml's block formats (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0 and the k-quants Q4_K, Q5_K, Q6_K: :data:`BLOCK_FORMATS`), RMS norm, paged decode attention, a
+whole decoder layer and a whole decode step, argmax.
 
 The C sources (``csrc/``: ``asyncinfer_kernels.h`` carries the ABI) are built into one shared library per
 ISA variant: ``scalar`` (the plain-C reference, every machine), ``avx2`` (AVX2 + FMA + F16C) and ``avx512``
@@ -11,14 +12,14 @@ names (:func:`isa`, :func:`supported_isas`, :func:`build_info`). Where they cann
 compiler, a failed build, an unsafe cache, ``ASYNCINFER_DISABLE_KERNELS``, an ``ASYNCINFER_KERNEL_ISA`` that
 names no variant or one this CPU lacks), :func:`available` is False and :func:`unavailable_reason` says why
 (neither raises); the weight formats that need them are then refused with that reason
-(``quantization="q4_1"`` / ``"q8_0"``) and ``"auto"`` never picks them, while :func:`isa` and
+(``quantization="q4_1"``, ``"q4_k"``, ...) and ``"auto"`` never picks them, while :func:`isa` and
 :func:`build_info` raise RuntimeError with it. :func:`supported_isas` answers whatever
 ``ASYNCINFER_KERNEL_ISA`` says (empty where the kernels are disabled or cannot load).
 
-:func:`quantize` builds the blocks from float32 weights the way llama.cpp's reference
-quantisers do; on weights that were dequantised from blocks of the same type (a GGUF file's), it
-returns those blocks again, so the kernel multiplies by exactly the float32 model's weights
-(:func:`dequantize` round-trips; the loader checks it per layer).
+:func:`quantize` builds the blocks from float32 weights; for the 32-weight formats, on weights that were
+dequantised from blocks of the same type (a GGUF file's), it returns those blocks again, so the kernel
+multiplies by exactly the float32 model's weights (:func:`dequantize` round-trips; the loader checks it per
+layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``).
 """
 
 
@@ -35,13 +36,13 @@ from asyncinfer.kernels._build import (
     supported_isas,
     unavailable_reason,
 )
-from asyncinfer.kernels.decoder import DecodeLayer, DecodeStack
-from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, dequantize, pack, quantize, unpack
+from asyncinfer.kernels.decoder import MAX_PARTS, DecodeLayer, DecodeStack
+from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, dequantize, pack, quantize, unpack
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, gemm, rms_norm
 
 __all__ = [
     "auto_reason",
-    "BLOCK_FORMATS", "PANEL_MIN_ROWS", "QK", "DecodeLayer", "DecodeStack", "KernelISAError", "argmax",
-    "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded", "pack",
-    "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
+    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "DecodeLayer", "DecodeStack", "KernelISAError",
+    "argmax", "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded",
+    "pack", "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
 ]

@@ -14,6 +14,8 @@ import torch
 
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
+from asyncinfer.kernels.formats import LAYOUTS
+from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     _check,
@@ -26,20 +28,68 @@ from asyncinfer.kernels.ops import (
     longest,
 )
 
-_FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
+_FORMAT_CODES = {name: layout.code for name, layout in LAYOUTS.items()}
 _MAX_FLOATS = MAX_BYTES // 4
+#: The most runs of rows (each in its own format) a projection may have (ASYNCINFER_MAX_PARTS).
+MAX_PARTS = 3
+
+
+class _Part(ctypes.Structure):
+    """``part_t`` in asyncinfer_kernels.h: a run of a projection's output rows in one format."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("rows", ctypes.c_int64), ("fmt", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+_Parts = _Part * MAX_PARTS
 
 
 class _Layer(ctypes.Structure):
-    """``layer_t`` in gguf_gemm.c: one layer's weights (raw pointers) and shape."""
+    """``layer_t`` in asyncinfer_kernels.h: one layer's weights (raw pointers) and shape."""
 
-    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("w_qkv", ctypes.c_void_p),
-                ("b_qkv", ctypes.c_void_p), ("w_o", ctypes.c_void_p), ("w_gate_up", ctypes.c_void_p),
-                ("w_down", ctypes.c_void_p), ("fmt_qkv", ctypes.c_int32), ("fmt_o", ctypes.c_int32),
-                ("fmt_gate_up", ctypes.c_int32), ("fmt_down", ctypes.c_int32), ("hidden", ctypes.c_int64),
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p),
+                ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts), ("hidden", ctypes.c_int64),
                 ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
+
+def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, torch.Tensor | None]:
+    """A projection ``(format, blocks, bias or None)`` checked and as the kernel takes it: its parts and its
+    bias. ``format`` / ``blocks``: one format name and its blocks [rows, ...], or (a projection whose rows are
+    in several formats, e.g. q and k in Q4_K and v in Q6_K) a tuple of 1 to :data:`MAX_PARTS` names and a
+    tuple as long of blocks, whose row counts add up to ``rows``. TypeError / ValueError naming ``name``."""
+    if not isinstance(spec, tuple) or len(spec) != 3:
+        raise TypeError(f"{name} must be a tuple (format, blocks, bias or None), got {type(spec).__name__}")
+    fmt, blocks, _ = spec
+    if isinstance(fmt, str):
+        fmts, runs = (fmt,), (blocks,)
+    elif isinstance(fmt, tuple) and isinstance(blocks, tuple) and 1 <= len(fmt) == len(blocks) <= MAX_PARTS:
+        fmts, runs = fmt, blocks
+    else:
+        raise TypeError(f"{name}: the format must be a block format name (with one blocks tensor) or a tuple of 1 "
+                        f"to {MAX_PARTS} names with a tuple as long of blocks tensors, got {type(fmt).__name__} and "
+                        f"{type(blocks).__name__}")
+    parts = _Parts()
+    done = 0
+    for i, (f, b) in enumerate(zip(fmts, runs)):
+        part = name if len(fmts) == 1 else f"{name}[{i}]"
+        n = rows
+        if len(fmts) > 1:  # each part's rows are its blocks' (checked against the total below)
+            _bytes_per_block(f, f"{part}'s format")
+            tensor(part, b, torch.uint8, f"of {f} blocks")
+            n = b.shape[0] if b.dim() == 2 else -1
+        _check_blocks(b, f, n, k, part)
+        parts[i] = _Part(b.data_ptr(), n, _FORMAT_CODES[f], 0)
+        done += n
+    if done != rows:
+        raise ValueError(f"{name}: its parts hold {done} rows, the layer's shape needs {rows}")
+    return parts, spec[2]
+
+
+
+def _views(blocks: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A projection's blocks (one tensor, or a tuple of its parts') as views sharing their memory."""
+    return tuple(b.detach() for b in blocks) if isinstance(blocks, tuple) else blocks.detach()
 
 
 class DecodeLayer:
@@ -52,8 +102,10 @@ class DecodeLayer:
     the residual stream ``h`` [T, hidden] (float32, contiguous, updated in place and returned).
     ``qkv``, ``o``, ``gate_up``, ``down``: each ``(format, blocks, bias or None)``, blocks as
     :func:`gemm` takes them (``pack(quantize(w, format), format)``; ``qkv`` the q, k and v rows one
-    after another, ``gate_up`` the gate rows then the up rows); norms float32 [hidden]; only ``qkv`` may
-    have a bias (float32 [rows]).
+    after another, ``gate_up`` the gate rows then the up rows), in any block format; or, for a projection
+    whose rows are in several formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K),
+    ``((format, ...), (blocks, ...), bias or None)``: 1 to :data:`MAX_PARTS` runs of rows, one after another,
+    each in its own format. Norms float32 [hidden]; only ``qkv`` may have a bias (float32 [rows]).
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -79,12 +131,10 @@ class DecodeLayer:
         hidden = size("hidden (norm1's size)", norm1.shape[0])
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         self._head_dim, self._kv_heads = head_dim, kv_heads
+        parts = {}
         for name, spec, n, k in (("qkv", qkv, q_size + 2 * kv_size, hidden), ("o", o, hidden, q_size),
                                  ("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
-            if not isinstance(spec, tuple) or len(spec) != 3:
-                raise TypeError(f"{name} must be a tuple (format, blocks, bias or None), got {type(spec).__name__}")
-            _check_blocks(spec[1], spec[0], n, k, name)
-            bias = spec[2]
+            parts[name], bias = _projection_parts(name, spec, n, k)
             if bias is not None and name != "qkv":
                 raise ValueError(f"{name} must have no bias (the kernel adds one to q/k/v only)")
             if bias is not None:
@@ -94,8 +144,8 @@ class DecodeLayer:
         # What the kernel's pointers address is held here: private copies of the norms and the bias (a few KB),
         # views of the blocks (sharing their memory: a caller's ``set_`` on a tensor it passed cannot free it).
         norm1, norm2 = norm1.detach().clone(), norm2.detach().clone()
-        qkv, o, gate_up, down = ((spec[0], spec[1].detach(), None if spec[2] is None else spec[2].detach().clone())
-                                 for spec in (qkv, o, gate_up, down))
+        qkv, o, gate_up, down = ((spec[0], _views(spec[1]), None if spec[2] is None else spec[2].detach().clone())
+                                 for spec in (qkv, o, gate_up, down))  # the parts' pointers: the same memory
         # qkv / o / gate_up / down: (format, blocks, bias or None).
         self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
@@ -104,9 +154,8 @@ class DecodeLayer:
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
         self._struct = _Layer(
-            norm1.data_ptr(), norm2.data_ptr(), qkv[1].data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
-            o[1].data_ptr(), gate_up[1].data_ptr(), down[1].data_ptr(), _FORMAT_CODES[qkv[0]], _FORMAT_CODES[o[0]],
-            _FORMAT_CODES[gate_up[0]], _FORMAT_CODES[down[0]], hidden, heads, kv_heads, head_dim, inter, eps, scale)
+            norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(), parts["qkv"],
+            parts["o"], parts["gate_up"], parts["down"], hidden, heads, kv_heads, head_dim, inter, eps, scale)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None

@@ -1,10 +1,14 @@
-"""ggml's block formats as the kernels hold them: their sizes, the one layout (:func:`pack` /
-:func:`unpack`), and the codec (:func:`quantize`, :func:`dequantize`). Pure torch; no compiled code.
+"""ggml's block formats as the kernels hold them: their sizes (:data:`LAYOUTS`, the one place they are
+written), the kernels' layout (:func:`pack` / :func:`unpack`), and the codec (:func:`quantize`,
+:func:`dequantize`). Pure torch; no compiled code.
 
-:func:`quantize` builds the blocks from float32 weights the way llama.cpp's reference
-quantisers do; on weights that were dequantised from blocks of the same type (a GGUF file's), it
-returns those blocks again, so the kernel multiplies by exactly the float32 model's weights
-(:func:`dequantize` round-trips; the loader checks it per layer).
+Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the k-quants Q4_K, Q5_K, Q6_K
+(super-blocks of 256). :func:`dequantize` rebuilds every format bit for bit as ggml does. :func:`quantize`
+builds the blocks from float32 weights; for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, on weights that were
+dequantised from blocks of the same type as llama.cpp's reference quantisers write them (a GGUF file's),
+it returns those blocks again, so the kernel multiplies by exactly the float32 model's weights (the loader
+checks it per layer). The k-quants' quantizer is a plain one (see :func:`quantize`); a file's k-quant blocks
+are used as they are.
 """
 
 from __future__ import annotations
@@ -18,38 +22,73 @@ from asyncinfer.kernels._checks import tensor as _tensor
 
 
 class BlockLayout(NamedTuple):
-    """One of ggml's block formats, as a block lies in memory (ggml's order): the float16 scale ``d``,
-    then (with a minimum) the float16 minimum ``m``, then the quants: ``bits`` bits each, packed low
-    nibbles first for 4 bits (element j in byte j's low nibble, element j + 16 in its high one)."""
+    """One of ggml's block formats: its sizes, and its code in the kernels (``csrc/asyncinfer_kernels.h``'s
+    ``ASYNCINFER_FMT_*``, ``layer_t``'s parts). The bytes of a block, in ggml's order:
+
+    - Q4_0: float16 scale ``d``, 16 bytes of nibbles; weight ``d * (q - 8)``.
+    - Q4_1: ``d``, float16 minimum ``m``, 16 bytes of nibbles; ``d * q + m``.
+    - Q5_0: ``d``, ``qh`` (32 high bits, little-endian), 16 bytes of nibbles; ``d * (q - 16)``.
+    - Q5_1: ``d``, ``m``, ``qh``, 16 bytes of nibbles; ``d * q + m``.
+    - Q8_0: ``d``, 32 int8; ``d * q``.
+      (The 32-weight formats' nibbles: element j is byte j's low nibble, element j + 16 its high one; bit j
+      of ``qh`` is element j's fifth bit.)
+    - Q4_K (super-blocks of 256 weights): ``d``, ``dmin`` (float16), 12 bytes holding eight 6-bit scales
+      ``sc`` and eight 6-bit minimums ``mn``, 128 bytes of nibbles; sub-block j of 32 (bytes 32 (j // 2) on,
+      low nibbles for even j, high for odd) is ``(d * sc_j) * q - dmin * mn_j``.
+    - Q5_K: as Q4_K with 32 bytes ``qh`` between the scales and the nibbles (bit j of ``qh[i]``: the fifth
+      bit of sub-block j's element i).
+    - Q6_K: 128 bytes of low nibbles ``ql``, 64 bytes of high bit pairs ``qh``, 16 int8 scales (one per 16
+      weights), then ``d``; weight ``(d * sc) * (q - 32)`` with 6-bit q.
+    """
 
     weights: int  #: weights per block
     bits: int  #: bits per quant
-    has_min: bool  #: whether a float16 minimum follows the scale (Q4_1)
+    has_min: bool  #: whether a block adds an offset: a float16 minimum (Q4_1, Q5_1), minimums times dmin (Q4_K, Q5_K)
+    nbytes: int  #: bytes per block
+    code: int  #: the kernels' format code (ASYNCINFER_FMT_*)
+    ggml_type: int  #: ggml's type number (gguf's GGMLQuantizationType)
 
     @property
     def head(self) -> int:
-        """Bytes before the quants: the scale, and the minimum if any."""
+        """Q4_0, Q4_1 and Q8_0 (one run of quants after the scales): bytes before the quants."""
         return 2 + 2 * self.has_min
 
     @property
     def quant_bytes(self) -> int:
+        """Q4_0, Q4_1 and Q8_0: bytes of quants per block."""
         return self.weights * self.bits // 8
 
     @property
-    def nbytes(self) -> int:
-        """Bytes per block."""
-        return self.head + self.quant_bytes
+    def regrouped(self) -> bool:
+        """Whether the kernels' layout (:func:`pack`) regroups the blocks' bytes per row (Q4_1, Q8_0); the
+        other formats are multiplied in ggml's own block layout, as a file holds them."""
+        return self.code <= 1
 
 
-#: The block formats the kernels multiply by, and the one place their layout is written.
-LAYOUTS = {"q4_1": BlockLayout(32, 4, True), "q8_0": BlockLayout(32, 8, False)}
+#: Every block format the kernels multiply by, and the one place their layout is written.
+LAYOUTS = {
+    "q4_1": BlockLayout(32, 4, True, 20, 0, 3),
+    "q8_0": BlockLayout(32, 8, False, 34, 1, 8),
+    "q4_0": BlockLayout(32, 4, False, 18, 2, 2),
+    "q5_0": BlockLayout(32, 5, False, 22, 3, 6),
+    "q5_1": BlockLayout(32, 5, True, 24, 4, 7),
+    "q4_k": BlockLayout(256, 4, True, 144, 5, 12),
+    "q5_k": BlockLayout(256, 5, True, 176, 6, 13),
+    "q6_k": BlockLayout(256, 6, False, 210, 7, 14),
+}
 #: Block formats: (weights per block, bytes per block).
 BLOCK_FORMATS = {name: (layout.weights, layout.nbytes) for name, layout in LAYOUTS.items()}
-#: Every ggml block format asyncinfer reads (the GGUF reader, models/gguf_file.py): the kernels' own and
-#: Q4_0, which the reader dequantises (its quants are q - 8: 4 bits, no minimum) but no kernel takes.
-READ_LAYOUTS = {**LAYOUTS, "q4_0": BlockLayout(32, 4, False)}
+#: The formats by ggml's type number (a GGUF tensor's type).
+BY_GGML_TYPE = {layout.ggml_type: name for name, layout in LAYOUTS.items()}
+#: Every ggml block format asyncinfer reads (the GGUF reader, models/gguf_file.py): the kernels' own.
+READ_LAYOUTS = LAYOUTS
+#: Weights per activation block: the kernels round activations per run of QK; every format's block is a
+#: whole number of them.
 QK = 32
-assert all(layout.weights == QK for layout in LAYOUTS.values())
+#: The k-quants' super-block.
+QK_K = 256
+assert all(layout.weights % QK == 0 for layout in LAYOUTS.values())
+assert sorted(layout.code for layout in LAYOUTS.values()) == list(range(len(LAYOUTS)))
 
 
 def bytes_per_block(fmt: str, what: str = "fmt") -> int:
@@ -62,29 +101,116 @@ def bytes_per_block(fmt: str, what: str = "fmt") -> int:
     return BLOCK_FORMATS[fmt][1]
 
 
+def block_weights(fmt: str, what: str = "fmt") -> int:
+    """Weights per block of ``fmt`` (32, or 256 for the k-quants); errors as :func:`bytes_per_block`'s."""
+    bytes_per_block(fmt, what)
+    return BLOCK_FORMATS[fmt][0]
+
+
 def check_blocks(packed: torch.Tensor, fmt: str, out_features: int, k: int, name: str = "packed") -> None:
     """ValueError (TypeError for another device or dtype) naming ``name`` unless ``packed`` is ``fmt``'s
     blocks of ``out_features`` rows of ``k`` inputs, contiguous uint8 on the CPU."""
     size = bytes_per_block(fmt, "fmt" if name == "packed" else f"{name}'s format")
+    per = BLOCK_FORMATS[fmt][0]
     _tensor(name, packed, torch.uint8, f"of {fmt} blocks")
     if (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] == out_features and packed.shape[1]
-            and packed.shape[1] % size == 0 and packed.shape[1] // size * QK != k):
-        raise ValueError(f"x has {k} columns, but the {fmt} weights hold {packed.shape[1] // size * QK} inputs "
+            and packed.shape[1] % size == 0 and packed.shape[1] // size * per != k):
+        raise ValueError(f"x has {k} columns, but the {fmt} weights hold {packed.shape[1] // size * per} inputs "
                          f"per row")
-    expected = (out_features, k // QK * size)
-    if k % QK or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+    expected = (out_features, k // per * size)
+    if k % per or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
         raise ValueError(f"{name}: {fmt} weights for {k} inputs and {out_features} outputs are contiguous uint8 "
-                         f"{expected} (the input size a multiple of {QK}), got {packed.dtype} {tuple(packed.shape)}"
+                         f"{expected} (the input size a multiple of {per}), got {packed.dtype} {tuple(packed.shape)}"
                          f"{'' if packed.is_contiguous() else ' (not contiguous)'}")
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1] -> its float16 bytes [..., 2]."""
+    return t.half().view(torch.uint8)
+
+
+def _halves(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at bytes ``at``, ``at + 1`` of blocks [..., bytes], as float32 [..., 1]."""
+    return b[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d where d is a finite non-zero scale, else 0 (a block of zeros quantizes to zeros)."""
+    return torch.where((d != 0) & d.isfinite(), 1.0 / d, torch.zeros_like(d))
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Two runs of 4-bit values -> bytes: ``lo`` in the low nibbles, ``hi`` in the high ones."""
+    return (lo & 0x0F) | ((hi & 0x0F) << 4)
+
+
+_BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's qh: [..., 32] quants -> [..., 4] bytes, bit j of the 32 the fifth bit of element j."""
+    bits = ((q.to(torch.int32) >> 4) & 1).reshape(*q.shape[:-1], 4, 8)
+    return (bits * _BIT).sum(-1).to(torch.uint8)
+
+
+def _pack_k_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: eight 6-bit scales and minimums [..., 8] -> their 12 bytes (ggml's packing)."""
+    sc, mn = sc.to(torch.int32), mn.to(torch.int32)
+    low = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    mid = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    high = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    return torch.cat((low, mid, high), dim=-1).to(torch.uint8)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 bytes [..., 12] -> the eight 6-bit scales and minimums, each [..., 8] int32."""
+    s = s.to(torch.int32)
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((a & 63, (c & 0x0F) | ((a >> 6) << 4)), dim=-1)
+    mn = torch.cat((b & 63, (c >> 4) | ((b >> 6) << 4)), dim=-1)
+    return sc, mn
+
+
+def _quantize_k(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """Q4_K / Q5_K's quantizer on super-blocks [N, B, 256]: per sub-block of 32, its minimum (at most 0)
+    ``lo`` and span ``(max - lo) / levels``; the super-block's ``d`` and ``dmin`` the largest span and
+    ``-lo`` over 63; the 6-bit ``sc`` rounded up (the span fits) and ``mn`` to nearest; then each
+    ``q = round((w + dmin * mn) / (d * sc))`` in [0, levels], against the stored float16 values.
+    Returns d16, dmin16 [N, B, 1], sc, mn [N, B, 8] and q [N, B, 8, 32] (int32)."""
+    sub = w.reshape(*w.shape[:-1], 8, 32)
+    lo = sub.amin(dim=-1).clamp(max=0.0)  # [N, B, 8]
+    span = (sub.amax(dim=-1) - lo) / levels
+    d16 = (span.amax(dim=-1, keepdim=True) / 63).half()
+    dmin16 = ((-lo).amax(dim=-1, keepdim=True) / 63).half()
+    d, dmin = d16.float(), dmin16.float()
+    sc = (span * _inverse(d)).ceil().clamp(0, 63)
+    mn = (-lo * _inverse(dmin)).round().clamp(0, 63)
+    step, offset = d * sc, dmin * mn  # exact in float32
+    q = ((sub + offset[..., None]) * _inverse(step)[..., None]).round().clamp(0, levels).to(torch.int32)
+    return d16, dmin16, sc, mn, q
 
 
 @_allocating("weight")
 def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
-    """float32 weights [N, K] (K a multiple of 32) -> ``fmt`` blocks, uint8 [N, K / 32 * bytes per block].
+    """float32 weights [N, K] (K a multiple of the format's block: 32, or 256 for the k-quants) -> ``fmt``
+    blocks in ggml's order, uint8 [N, K / weights per block * bytes per block].
 
-    Q4_1: per block, m = min, d = (max - min) / 15, q = round((w - m) / d) in [0, 15];
-    Q8_0: d = max |w| / 127, q = round(w / d). d and m are stored in float16, and q is computed
-    against the stored values.
+    Every scale and minimum is stored in float16 (the k-quants' sub-block scales in 6 or 8 bits) and the
+    quants are rounded to nearest against the stored values:
+
+    - Q4_1 / Q5_1: per block, m = min, d = (max - min) / 15 (31), q = round((w - m) / d) in [0, 15] ([0, 31]);
+    - Q8_0: d = max |w| / 127, q = round(w / d) in [-127, 127];
+    - Q4_0 / Q5_0: ggml's reference choice: d = (the value of largest magnitude) / -8 (-16), so that value
+      is q = 0; q = round(w / d) + 8 (16) in [0, 15] ([0, 31]);
+    - Q4_K / Q5_K: see ``_quantize_k`` (a plain choice, not llama.cpp's search over scales);
+    - Q6_K: per 16 weights, s = (the value of largest magnitude) / -32; d = (the s of largest magnitude) /
+      -128; the int8 scale sc = s / d rounded away from zero; q = round(w / (d * sc)) + 32 in [0, 63].
+
+    On weights dequantised from blocks that these rules would write (a block's extremes where the rule puts
+    them, as llama.cpp's quantisers of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 do), the same blocks come back, so
+    the kernel multiplies by exactly those weights. The k-quants make no such promise (their files come from
+    llama.cpp's search): their blocks are taken from a file as they are.
     """
     bytes_per_block(fmt)
     _tensor("weight", weight)
@@ -92,32 +218,62 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         raise TypeError(f"weight: quantize takes floating-point weights [N, K], got {weight.dtype} "
                         f"{tuple(weight.shape)}")
     n, k = weight.shape
-    if k % QK:
-        raise ValueError(f"weight: {fmt} needs an input size that is a multiple of {QK}, got {k}")
+    per = BLOCK_FORMATS[fmt][0]
+    if k % per:
+        raise ValueError(f"weight: {fmt} needs an input size that is a multiple of {per}, got {k}")
     if not weight.numel():  # no block to build
-        return torch.empty(n, k // QK * bytes_per_block(fmt), dtype=torch.uint8)
-    w = weight.detach().float().reshape(n, k // QK, QK)  # [N, B, 32]
-    if fmt == "q4_1":
+        return torch.empty(n, k // per * bytes_per_block(fmt), dtype=torch.uint8)
+    w = weight.detach().float().reshape(n, k // per, per)  # [N, B, weights]
+    if fmt in ("q4_1", "q5_1"):
+        levels = 15 if fmt == "q4_1" else 31
         lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]
         hi = w.amax(dim=-1, keepdim=True)
-        d16 = ((hi - lo) / 15).half()
+        d16 = ((hi - lo) / levels).half()
         m16 = lo.half()
         d, m = d16.float(), m16.float()
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = ((w - m) * inv).round().clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
-        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, B, 16]
+        q = ((w - m) * _inverse(d)).round_().clamp_(0, levels).to(torch.int32)  # [N, B, 32]
         head = torch.cat((d16, m16), dim=-1).view(torch.uint8)  # [N, B, 4]
-        blocks = torch.cat((head, packed), dim=-1)  # [N, B, 20]
+        qs = _nibbles(q[..., :16], q[..., 16:]).to(torch.uint8)  # [N, B, 16]
+        parts = (head, qs) if fmt == "q4_1" else (head, _fifth_bits(q), qs)
     elif fmt == "q8_0":
         amax = w.abs().amax(dim=-1, keepdim=True)
         d16 = (amax / 127).half()
-        d = d16.float()
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = (w * inv).round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)  # [N, B, 32]
-        blocks = torch.cat((d16.view(torch.uint8), q), dim=-1)  # [N, B, 34]
-    else:
+        q8 = (w * _inverse(d16.float())).round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)  # [N, B, 32]
+        parts = (d16.view(torch.uint8), q8)
+    elif fmt in ("q4_0", "q5_0"):
+        half = 8 if fmt == "q4_0" else 16
+        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # [N, B, 1], signed
+        d16 = (extreme / -half).half()
+        q = (w * _inverse(d16.float())).round_().add_(half).clamp_(0, 2 * half - 1).to(torch.int32)
+        qs = _nibbles(q[..., :16], q[..., 16:]).to(torch.uint8)
+        parts = (d16.view(torch.uint8), qs) if fmt == "q4_0" else (d16.view(torch.uint8), _fifth_bits(q), qs)
+    elif fmt in ("q4_k", "q5_k"):
+        d16, dmin16, sc, mn, q = _quantize_k(w, 15 if fmt == "q4_k" else 31)  # q [N, B, 8, 32]
+        pairs = q.reshape(n, k // per, 4, 2, 32)
+        qs = _nibbles(pairs[..., 0, :], pairs[..., 1, :]).reshape(n, k // per, 128).to(torch.uint8)
+        head = (d16.view(torch.uint8), dmin16.view(torch.uint8), _pack_k_scales(sc, mn))
+        if fmt == "q4_k":
+            parts = (*head, qs)
+        else:
+            qh = (((q >> 4) & 1) * _BIT[:, None]).sum(dim=-2).to(torch.uint8)  # [N, B, 32]: bit j from sub-block j
+            parts = (*head, qh, qs)
+    elif fmt == "q6_k":
+        sub = w.reshape(n, k // per, 16, 16)
+        s = sub.gather(-1, sub.abs().argmax(dim=-1, keepdim=True))[..., 0] / -32  # [N, B, 16]
+        d16 = (s.gather(-1, s.abs().argmax(dim=-1, keepdim=True)) / -128).half()  # [N, B, 1]
+        ratio = s * _inverse(d16.float())
+        sc = (ratio.sign() * ratio.abs().ceil()).clamp_(-128, 127)  # away from zero: the block's values fit
+        step = d16.float() * sc  # exact in float32
+        q = (sub * _inverse(step)[..., None]).round_().add_(32).clamp_(0, 63).to(torch.int32)
+        q = q.reshape(n, k // per, 2, 4, 32)  # [N, B, half, quarter, 32]
+        ql = torch.cat((_nibbles(q[..., 0, :], q[..., 2, :]), _nibbles(q[..., 1, :], q[..., 3, :])), dim=-1)
+        qh = (((q >> 4) & 3) << torch.tensor([0, 2, 4, 6], dtype=torch.int32)[:, None]).sum(dim=-2)
+        parts = (ql.reshape(n, k // per, 128).to(torch.uint8), qh.reshape(n, k // per, 64).to(torch.uint8),
+                 sc.to(torch.int8).view(torch.uint8), d16.view(torch.uint8))
+    else:  # pragma: no cover - bytes_per_block refused it
         raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
-    return blocks.reshape(n, k // QK * blocks.shape[-1]).contiguous()
+    blocks = torch.cat(parts, dim=-1)  # [N, B, bytes]
+    return blocks.reshape(n, k // per * blocks.shape[-1]).contiguous()
 
 
 def block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
@@ -135,13 +291,17 @@ def block_bytes(blocks: torch.Tensor, fmt: str, what: str) -> int:
 
 @_allocating("blocks")
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size): per row, every block's
-    float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block."""
+    """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size). Q4_1 / Q8_0: per row, every
+    block's float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block (a new
+    tensor). Every other format: ggml's layout itself, so ``blocks`` is returned as it is when contiguous
+    (no copy: a file's mapped blocks are multiplied in place), else a contiguous copy."""
     size = block_bytes(blocks, fmt, "pack")
+    layout = LAYOUTS[fmt]
+    if not layout.regrouped:
+        return blocks if blocks.is_contiguous() else blocks.contiguous()
     n = blocks.shape[0]
     nb = blocks.shape[1] // size  # sizes spelled out: N may be 0
     b = blocks.reshape(n, nb, size)  # [N, B, bytes]
-    layout = LAYOUTS[fmt]
     parts = [b[..., 0:2].reshape(n, 2 * nb)]  # d of every block
     if layout.has_min:
         parts.append(b[..., 2:4].reshape(n, 2 * nb))  # m of every block
@@ -151,30 +311,70 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @_allocating("blocks")
 def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The kernels' layout back to ggml blocks (the inverse of :func:`pack`)."""
+    """The kernels' layout back to ggml blocks (the inverse of :func:`pack`; the same tensor for the formats
+    the kernels take in ggml's layout)."""
     size = block_bytes(packed, fmt, "unpack")
+    layout = LAYOUTS[fmt]
+    if not layout.regrouped:
+        return packed if packed.is_contiguous() else packed.contiguous()
     n = packed.shape[0]
     nb = packed.shape[1] // size
-    layout = LAYOUTS[fmt]
     d = packed[:, : 2 * nb].reshape(n, nb, 2)
     parts = [d, packed[:, 2 * nb : 4 * nb].reshape(n, nb, 2)] if layout.has_min else [d]
     parts.append(packed[:, layout.head * nb :].reshape(n, nb, layout.quant_bytes))
     return torch.cat(parts, dim=-1).reshape(n, packed.shape[1]).contiguous()
 
 
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes of nibbles [..., 16] -> the 32 values, low nibbles first (int32)."""
+    qs = qs.to(torch.int32)
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _qh_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 bytes of high bits [..., 4] -> [..., 32] values 0 or 16."""
+    bits = (qh.to(torch.int32)[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [..., 4, 8]
+    return bits.reshape(*qh.shape[:-1], 32) << 4
+
+
 @_allocating("blocks")
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``fmt`` blocks uint8 [N, B * bytes] -> float32 [N, B * 32], as ggml (and the kernels) rebuild them."""
+    """``fmt`` blocks uint8 [N, B * bytes] (ggml's order) -> float32 [N, B * weights per block], as ggml (and
+    the kernels) rebuild them: bit for bit what ``gguf.quants.dequantize`` returns."""
     size = block_bytes(blocks, fmt, "dequantize")
     n = blocks.shape[0]
-    b = blocks.reshape(n, blocks.shape[1] // size, size)  # [N, B, bytes]
-    layout = LAYOUTS[fmt]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
-    if layout.has_min:  # 4-bit quants and a minimum
-        m = b[..., 2:4].contiguous().view(torch.float16).float()
-        qs = b[..., layout.head:]
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [N, B, 32]
-        return torch.addcmul(m, d, q).reshape(n, b.shape[1] * QK)  # d * q + m, exact in float32
-    q = b[..., layout.head:].contiguous().view(torch.int8).float()
-    return (d * q).reshape(n, b.shape[1] * QK)
-
+    nb = blocks.shape[1] // size
+    per = BLOCK_FORMATS[fmt][0]
+    b = blocks.reshape(n, nb, size)  # [N, B, bytes]
+    if fmt == "q8_0":
+        return (_halves(b, 0) * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, nb * per)
+    if fmt in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        d = _halves(b, 0)  # [N, B, 1]
+        has_min, five = LAYOUTS[fmt].has_min, LAYOUTS[fmt].bits == 5
+        at = 2 + 2 * has_min  # the quants (Q5: qh, then the nibbles)
+        q = _low_high(b[..., at + 4 * five:])  # [N, B, 32]
+        if five:
+            q = q | _qh_bits(b[..., at:at + 4])
+        if has_min:  # d * q is exact: d * q + m rounds once, fused or not
+            return torch.addcmul(_halves(b, 2), d, q.float()).reshape(n, nb * per)
+        return (d * (q - (8 if fmt == "q4_0" else 16)).float()).reshape(n, nb * per)
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = _halves(b, 0), _halves(b, 2)  # [N, B, 1]
+        sc, mn = _k_scales(b[..., 4:16])  # [N, B, 8]
+        at = 16 if fmt == "q4_k" else 48
+        qs = b[..., at:at + 128].reshape(n, nb, 4, 1, 32).to(torch.int32)
+        q = ((qs >> torch.tensor([0, 4], dtype=torch.int32)[:, None]) & 0x0F).reshape(n, nb, 8, 32)
+        if fmt == "q5_k":
+            qh = b[..., 16:48].to(torch.int32)[..., None, :]  # [N, B, 1, 32]
+            q = q | (((qh >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4)
+        scale = (d * sc.float())[..., None]  # [N, B, 8, 1], exact
+        offset = (dmin * mn.float())[..., None]
+        return (scale * q.float() - offset).reshape(n, nb * per)
+    # q6_k
+    ql = b[..., :128].reshape(n, nb, 2, 1, 64).to(torch.int32)
+    low = ((ql >> torch.tensor([0, 4], dtype=torch.int32)[:, None]) & 0x0F).reshape(n, nb, 2, 4, 32)
+    qh = b[..., 128:192].reshape(n, nb, 2, 1, 32).to(torch.int32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32)[:, None]) & 3  # [N, B, 2, 4, 32]
+    q = ((low | (high << 4)) - 32).reshape(n, nb, 16, 16)
+    scale = (_halves(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float())[..., None]  # [N, B, 16, 1]
+    return (scale * q.float()).reshape(n, nb * per)

@@ -27,12 +27,14 @@ _MAX_FLOATS = MAX_BYTES // 4
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks in the
-    kernels' layout: ``packed = pack(quantize(W, fmt), fmt)`` (uint8 [out_features, K / 32 * bytes per
-    block]; ggml's own block order, as :func:`quantize` returns it, has the same shape but is not this
-    layout); returns float32 [M, out_features].
+    """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (any of
+    :data:`~asyncinfer.kernels.formats.BLOCK_FORMATS`) in the kernels' layout: ``packed = pack(quantize(W,
+    fmt), fmt)`` (uint8 [out_features, K / weights per block * bytes per block], K a multiple of the block's
+    weights: 32, 256 for the k-quants; for Q4_1 and Q8_0 ggml's own block order, as :func:`quantize` returns
+    it, has the same shape but is not this layout; the other formats' layout is ggml's); returns float32
+    [M, out_features].
 
-    Activations: rounded per block of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
+    Activations: rounded per run of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
     Runs on torch's intra-op thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is

@@ -8,8 +8,9 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
   through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
   every step shape.
 - :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; not
-  Qwen3, whose attention adds a per-head q/k norm) whose projections are all in ggml's block formats
-  (``q4_1``, ``q8_0``) on asyncinfer's kernels: it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
+  Qwen3, whose attention adds a per-head q/k norm) whose projections are all in ggml's block formats (any of
+  them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's kernels:
+  it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
   call (the step's integers in one list; logits and argmax from the same call). Any other step (a
   prefill, a mixed step, an empty one, or, for a model with a sliding window, a step with a context
@@ -36,7 +37,7 @@ from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncinfer.models.quant import BlockLinear
+from asyncinfer.models.quant import BlockLinear, MixedBlockLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -178,7 +179,7 @@ def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
 
 def has_block_weights(model: nn.Module) -> bool:
     """Whether any of ``model``'s projections is in a block format (so asyncinfer's kernels run here)."""
-    return any(isinstance(module, BlockLinear) for module in model.modules())
+    return any(isinstance(module, (BlockLinear, MixedBlockLinear)) for module in model.modules())
 
 
 def kernel_attention_applies(model: nn.Module, config: ModelConfig) -> bool:
@@ -204,7 +205,7 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
         projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():
-            if not isinstance(proj, BlockLinear):
+            if not isinstance(proj, (BlockLinear, MixedBlockLinear)):
                 return f"layers.{i}.{name} is not in a block format (quantization_skip)"
             if name != "attn.qkv_proj" and proj.kernel_weights()[2] is not None:
                 return f"layers.{i}.{name} has a bias (the kernel adds one to q/k/v only)"

@@ -19,6 +19,11 @@ The formats (values of the engine option ``quantization``):
   ``"q4_1"`` keeps the LM head in Q8_0. On a GGUF file stored in the same blocks they hold exactly
   the file's weights (``BlockLinear.lossless``); a step of decodes runs as one kernel call
   (:class:`asyncinfer.models.decode_backends.KernelDecode`).
+- ``"q4_0"``, ``"q5_0"``, ``"q5_1"`` and the k-quants ``"q4_k"``, ``"q5_k"``, ``"q6_k"``: ggml's other block
+  formats on the same kernels (docs/formats.md). The 32-weight ones keep the head in Q8_0, the k-quants in
+  Q6_K; a projection whose input size is not a multiple of a k-quant's 256 takes llama.cpp's fallback
+  (:data:`K_QUANT_FALLBACK`: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Their quantizer is a plain one
+  (:func:`asyncinfer.kernels.quantize`): a GGUF file's own k-quant blocks are taken as they are.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
   Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with
@@ -54,14 +59,19 @@ if TYPE_CHECKING:
     from asyncinfer.models.config import ModelConfig
 
 #: Format names per device type (values of ``quantization`` besides None).
-CPU_FORMATS = ("float16", "int8", "q8_0", "q4_1")
-CUDA_FORMATS = ("float16", "bfloat16")
-QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", "q8_0", "q4_1")
 #: The formats in ggml's block layouts, multiplied by asyncinfer's own kernels (asyncinfer.kernels).
 BLOCK_FORMATS = tuple(kernels.BLOCK_FORMATS)
-#: The LM head's format under each block format: q4_1 keeps the head in Q8_0, as llama.cpp's
-#: Q4 files do (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding tied to the head).
-BLOCK_HEAD_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0"}
+CPU_FORMATS = ("float16", "int8", *BLOCK_FORMATS)
+CUDA_FORMATS = ("float16", "bfloat16")
+QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", *BLOCK_FORMATS)
+#: The LM head's format under each block format: the 32-weight formats keep the head in Q8_0, as
+#: llama.cpp's Q4 files do (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding tied to the head); the
+#: k-quants in Q6_K, as llama.cpp's Q4_K_M / Q5_K_M files do.
+BLOCK_HEAD_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0",
+                     "q4_k": "q6_k", "q5_k": "q6_k", "q6_k": "q6_k"}
+#: A k-quant projection whose input size is not a multiple of 256 takes this 32-weight format instead
+#: (llama.cpp's own fallback when it quantizes such a tensor).
+K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 #: The default ``quantization_skip`` of each format. int8: chosen by ``benchmarks/quality.py
 #: --sensitivity`` on SmolLM2-135M (benchmarks/results/quality.json): the MLP down projection, whose
@@ -69,16 +79,16 @@ BLOCK_HEAD_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0"}
 #: in float32 gave 88.5% teacher-forced top-1 agreement (int8 everywhere: 75.1%, all but down_proj:
 #: 85.0%); no list that still quantizes most weights reaches the issue's 97%.
 DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
-    None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"), "q8_0": (), "q4_1": (),
+    None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"), **{fmt: () for fmt in BLOCK_FORMATS},
 }
 
 
 def _allowed(device_type: str) -> str:
     if device_type == "cuda":
-        return ("'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8', 'q8_0' and 'q4_1' "
-                "run on CPU only)")
-    return ("'auto', None, 'float16', 'int8', 'q8_0' or 'q4_1' on CPU, with float32 activations "
-            "('bfloat16' is a CUDA format)")
+        return (f"'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' and the block formats "
+                f"{', '.join(map(repr, BLOCK_FORMATS))} run on CPU only)")
+    return (f"'auto', None, {', '.join(map(repr, CPU_FORMATS[:-1]))} or {CPU_FORMATS[-1]!r} on CPU, with float32 "
+            f"activations ('bfloat16' is a CUDA format)")
 
 
 def fp16_weights_available() -> bool:
@@ -257,8 +267,8 @@ class Int8DynamicLinear(FormatLinear):
 
 
 class BlockLinear(FormatLinear):
-    """Weights in one of ggml's block formats (``"q4_1"``, ``"q8_0"``), float32 activations, asyncinfer's
-    AVX2 kernel (:mod:`asyncinfer.kernels`).
+    """Weights in one of ggml's block formats (:data:`BLOCK_FORMATS`: one subclass each, ``fmt`` its name),
+    float32 activations, asyncinfer's kernels (:mod:`asyncinfer.kernels`).
 
     ``lossless``: whether the blocks rebuild exactly the float32 weights they were made from (true
     for weights a GGUF file held in the same format: the float32 model and this layer then multiply
@@ -275,7 +285,7 @@ class BlockLinear(FormatLinear):
         packed, self.lossless = [], True
         for rows in w.split(self._CHUNK_ROWS):  # a chunk at a time: the temporaries stay small at load
             rows = rows.float()
-            blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / 32 * block bytes]
+            blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / block weights * block bytes]
             self.lossless = self.lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
             packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
         self._blocks = packed[0] if len(packed) == 1 else torch.cat(packed)
@@ -314,8 +324,97 @@ class Q8_0Linear(BlockLinear):
     fmt = "q8_0"
 
 
-_LAYERS: dict[str, type[FormatLinear]] = {"float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear,
-                                          "q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
+class Q4_0Linear(BlockLinear):
+    """ggml's Q4_0: blocks of 32 weights, d * (q - 8) with q in [0, 15] (4.5 bits per weight)."""
+
+    fmt = "q4_0"
+
+
+class Q5_0Linear(BlockLinear):
+    """ggml's Q5_0: blocks of 32 weights, d * (q - 16) with q in [0, 31] (5.5 bits per weight)."""
+
+    fmt = "q5_0"
+
+
+class Q5_1Linear(BlockLinear):
+    """ggml's Q5_1: blocks of 32 weights, d * q + m with q in [0, 31] (6 bits per weight)."""
+
+    fmt = "q5_1"
+
+
+class Q4_KLinear(BlockLinear):
+    """ggml's Q4_K: super-blocks of 256 weights, eight sub-blocks of 32 with 6-bit scales and minimums
+    (4.5 bits per weight)."""
+
+    fmt = "q4_k"
+
+
+class Q5_KLinear(BlockLinear):
+    """ggml's Q5_K: Q4_K with a fifth bit per quant (5.5 bits per weight)."""
+
+    fmt = "q5_k"
+
+
+class Q6_KLinear(BlockLinear):
+    """ggml's Q6_K: super-blocks of 256 weights, 6-bit quants, an int8 scale per 16 (6.5625 bits per weight)."""
+
+    fmt = "q6_k"
+
+
+class MixedBlockLinear(FormatLinear):
+    """A projection whose output rows are runs in different block formats: :class:`BlockLinear` parts (1 to
+    :data:`asyncinfer.kernels.MAX_PARTS`) stacked row-wise, e.g. a fused q/k/v whose file holds q and
+    k in Q4_K and v in Q6_K (llama.cpp's Q4_K_M). ``y = [part_0(x), part_1(x), ...]`` along the last
+    dimension; the fused decoder multiplies each run in its own format
+    (:class:`asyncinfer.kernels.DecodeLayer`'s parts).
+
+    Raises:
+        TypeError: a part that is not a :class:`BlockLinear`.
+        ValueError: no part, more than ``MAX_PARTS``, or parts of different input sizes.
+    """
+
+    def __init__(self, parts: Iterable[BlockLinear]) -> None:
+        super().__init__()
+        parts = list(parts)
+        if not 1 <= len(parts) <= kernels.MAX_PARTS:
+            raise ValueError(f"parts: a MixedBlockLinear has 1 to {kernels.MAX_PARTS} parts, got {len(parts)}")
+        for i, part in enumerate(parts):
+            if not isinstance(part, BlockLinear):
+                raise TypeError(f"parts[{i}] must be a BlockLinear, got {type(part).__name__}")
+            if part.in_features != parts[0].in_features:
+                raise ValueError(f"parts[{i}] takes {part.in_features} inputs, parts[0] {parts[0].in_features}")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.nbytes = sum(part.nbytes for part in parts)
+        biases = [part.kernel_weights()[2] for part in parts]
+        self._bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)])
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "mixed (" + ", ".join(part.kind for part in self.parts) + ")"
+
+    @property
+    def lossless(self) -> bool:
+        return all(part.lossless for part in self.parts)
+
+    def kernel_weights(self) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((format, ...), (blocks, ...), float32 bias or None)``: the parts' formats and blocks (the tensors
+        themselves) as :class:`asyncinfer.kernels.DecodeLayer` takes a projection of several formats."""
+        weights = [part.kernel_weights() for part in self.parts]
+        return tuple(w[0] for w in weights), tuple(w[1] for w in weights), self._bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)  # [..., out]
+
+
+_LAYERS: dict[str, type[FormatLinear]] = {
+    "float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear,
+    **{layer.fmt: layer for layer in (Q4_1Linear, Q8_0Linear, Q4_0Linear, Q5_0Linear, Q5_1Linear, Q4_KLinear,
+                                      Q5_KLinear, Q6_KLinear)},
+}
+assert all(fmt in _LAYERS for fmt in BLOCK_FORMATS)
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, *, bias: bool) -> int:
@@ -404,8 +503,9 @@ def weight_bytes(
         return total
     skip = tuple(skip)
     for _, _, full, linear in _format_linears(model):
-        if _layer_format(quantization, full, skip, linear.in_features) != "float32":
-            total += linear_bytes(quantization, *linear.weight.shape, bias=linear.bias is not None)
+        fmt = _layer_format(quantization, full, skip, linear.in_features)
+        if fmt != "float32":
+            total += linear_bytes(fmt, *linear.weight.shape, bias=linear.bias is not None)
             total -= _float_bytes(linear, dtype_bytes)
     head = _head_format(model, quantization, skip)
     if head != "float32":
@@ -430,11 +530,14 @@ def _format_linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Line
 
 
 def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_features: int) -> str:
-    """A projection's format: ``method``, or float32 when skipped (or for a block format, when its
-    input size is not a whole number of blocks)."""
+    """A projection's format: ``method``; for a k-quant whose 256 does not divide the input size, its
+    :data:`K_QUANT_FALLBACK`; float32 when skipped (or for a block format, when the input size is not a
+    whole number of its blocks)."""
     if method is None or any(s in name for s in skip):
         return "float32"
-    if method in BLOCK_FORMATS and in_features % kernels.QK:
+    if method in K_QUANT_FALLBACK and in_features % kernels.BLOCK_FORMATS[method][0]:
+        method = K_QUANT_FALLBACK[method]
+    if method in BLOCK_FORMATS and in_features % kernels.BLOCK_FORMATS[method][0]:
         return "float32"
     return method
 
@@ -442,6 +545,5 @@ def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_featu
 def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str:
     """The output projection's format (every family has one, ``lm_head_weight``): ``method`` (a block
     format's head format), or float32 when skipped."""
-    if _layer_format(method, "lm_head", tuple(s for s in skip if s), model.lm_head_weight.shape[1]) == "float32":
-        return "float32"
-    return BLOCK_HEAD_FORMAT.get(method, method)
+    head = BLOCK_HEAD_FORMAT.get(method, method)  # type: ignore[arg-type]
+    return _layer_format(head, "lm_head", tuple(s for s in skip if s), model.lm_head_weight.shape[1])

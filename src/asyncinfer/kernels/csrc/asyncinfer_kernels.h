@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 24
+#define ASYNCINFER_KERNELS_VERSION 25
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -38,24 +38,52 @@
 extern "C" {
 #endif
 
-/* One decoder layer's weights and shape (DecodeLayer's _Layer mirrors it field for field).
- * fmt_*: 0 = Q4_1, 1 = Q8_0. */
+/* Block formats (layer_t's parts, the head's format; asyncinfer.kernels.formats.LAYOUTS' ``code``). */
+#define ASYNCINFER_FMT_Q4_1 0
+#define ASYNCINFER_FMT_Q8_0 1
+#define ASYNCINFER_FMT_Q4_0 2
+#define ASYNCINFER_FMT_Q5_0 3
+#define ASYNCINFER_FMT_Q5_1 4
+#define ASYNCINFER_FMT_Q4_K 5
+#define ASYNCINFER_FMT_Q5_K 6
+#define ASYNCINFER_FMT_Q6_K 7
+#define ASYNCINFER_NUM_FMTS 8
+
+/* A projection is up to ASYNCINFER_MAX_PARTS runs of output rows, each in its own format (a fused q/k/v
+ * whose tensors a file holds in different formats): part i's rows follow part i - 1's in the output. A
+ * part of 0 rows is unused. */
+#define ASYNCINFER_MAX_PARTS 3
+typedef struct {
+    const void *w; /* rows x (K / weights per block) blocks, in the kernels' layout */
+    int64_t rows;
+    int32_t fmt; /* ASYNCINFER_FMT_* */
+    int32_t reserved;
+} part_t;
+
+/* One decoder layer's weights and shape (DecodeLayer's _Layer mirrors it field for field). */
 typedef struct {
     const float *norm1, *norm2;
-    const void *w_qkv;
     const float *b_qkv; /* [q + 2 kv] or NULL */
-    const void *w_o, *w_gate_up, *w_down;
-    int32_t fmt_qkv, fmt_o, fmt_gate_up, fmt_down;
+    part_t qkv[ASYNCINFER_MAX_PARTS], o[ASYNCINFER_MAX_PARTS], gate_up[ASYNCINFER_MAX_PARTS],
+        down[ASYNCINFER_MAX_PARTS];
     int64_t hidden, H, KVH, D, I;
     float eps, scale;
 } layer_t;
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times W[N, K] held as blocks in the kernels' layout
- * (+ bias[N] or NULL); scratch: asyncinfer_scratch_bytes(M, K) bytes. Returns 0 or -1. */
-ASYNCINFER_API int asyncinfer_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                                        const float *bias, float *y, int64_t ldy, int threads, void *scratch);
-ASYNCINFER_API int asyncinfer_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                                        const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+ * (+ bias[N] or NULL); K a multiple of the format's weights per block; scratch: asyncinfer_scratch_bytes(M,
+ * K) bytes. Returns 0 or -1. One entry per format. */
+#define ASYNCINFER_GEMM_DECL(NAME)                                                                          \
+    ASYNCINFER_API int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,       \
+                            const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q4_1)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q8_0)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q4_0)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_0)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_1)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q4_k)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_k)
+ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q6_k)
 /* The scratch bytes a GEMM of M rows by K takes; -1 when that size would overflow. */
 ASYNCINFER_API int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K);
 

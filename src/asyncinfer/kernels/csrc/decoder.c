@@ -11,10 +11,28 @@
  *   h += o_proj(attention(rope(qkv_proj(norm1(h)))))      (K/V written to their cache slots first)
  *   h += down_proj(silu(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
  *
- * Weights: one of the formats above per projection (fmt: 0 = Q4_1, 1 = Q8_0). cos/sin: [T, D/2]
- * rows of the rope table for each token's position (rotate-half convention). timing: NULL, or
- * three doubles that the call adds its seconds to (see TIMED). */
-static gemm_fn gemm_of(int fmt) { return fmt == 0 ? ai_gemm_q4_1 : ai_gemm_q8_0; }
+ * Weights: each projection up to ASYNCINFER_MAX_PARTS runs of output rows, each in any block format
+ * (part_t; the Python side checks the formats and sizes). cos/sin: [T, D/2] rows of the rope table for
+ * each token's position (rotate-half convention). timing: NULL, or three doubles that the call adds its
+ * seconds to (see TIMED). */
+static gemm_fn gemm_of(int fmt) { return ai_gemm_of(fmt); }
+
+/* y[T, sum of the parts' rows] (row stride ldy) = x[T, K] times a projection's parts, each into its own
+ * columns (+ the bias's matching values); -2 for a format code outside the table. */
+static int project(const part_t *parts, const float *x, int64_t T, int64_t K, const float *bias, float *y,
+                   int64_t ldy, int threads, void *scratch) {
+    int64_t at = 0;
+    for (int i = 0; i < ASYNCINFER_MAX_PARTS; i++) {
+        if (parts[i].rows <= 0) continue;
+        const gemm_fn fn = gemm_of(parts[i].fmt);
+        if (!fn) return ASYNCINFER_EINVAL;
+        const int rc = fn(x, T, K, K, parts[i].w, parts[i].rows, bias ? bias + at : NULL, y + at, ldy, threads,
+                          scratch);
+        if (rc) return rc;
+        at += parts[i].rows;
+    }
+    return 0;
+}
 
 /* A step's working memory, sized for the widest layer of a call. */
 typedef struct {
@@ -85,8 +103,7 @@ static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, c
 
     /* attention block */
     ai_rms_norm(h, T, hidden, hidden, L->norm1, L->eps, x, threads);
-    TIMED(0, gemm_of(L->fmt_qkv)(x, T, hidden, hidden, L->w_qkv, qkv_size, L->b_qkv, wide, qkv_size, threads,
-                                 b->scratch));
+    TIMED(0, project(L->qkv, x, T, hidden, L->b_qkv, wide, qkv_size, threads, b->scratch));
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_size;
@@ -108,16 +125,15 @@ static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, c
         memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
     }
     TIMED(1, ai_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, attn, threads));
-    TIMED(0, gemm_of(L->fmt_o)(attn, T, q_size, q_size, L->w_o, hidden, NULL, out, hidden, threads, b->scratch));
+    TIMED(0, project(L->o, attn, T, q_size, NULL, out, hidden, threads, b->scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
 
     /* MLP block */
     ai_rms_norm(h, T, hidden, hidden, L->norm2, L->eps, x, threads);
-    TIMED(0, gemm_of(L->fmt_gate_up)(x, T, hidden, hidden, L->w_gate_up, 2 * I, NULL, wide, 2 * I, threads,
-                                     b->scratch));
+    TIMED(0, project(L->gate_up, x, T, hidden, NULL, wide, 2 * I, threads, b->scratch));
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && T >= 8)")
     for (int64_t t = 0; t < T; t++) ai_swiglu(wide + t * 2 * I, wide + t * 2 * I + I, attn + t * I, I);
-    TIMED(0, gemm_of(L->fmt_down)(attn, T, I, I, L->w_down, hidden, NULL, out, hidden, threads, b->scratch));
+    TIMED(0, project(L->down, attn, T, I, NULL, out, hidden, threads, b->scratch));
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
     if (timing) timing[2] += now() - start;
     return 0;
@@ -156,7 +172,9 @@ static int stack_step(const layer_t *layers, int64_t n, float *const *caches, fl
     ai_rms_norm(h, T, hidden, hidden, final_norm, final_eps, out, threads);
     if (logits) {
         double mark = 0.0;
-        TIMED(3, gemm_of(head_fmt)(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads, b->scratch));
+        const gemm_fn head = gemm_of(head_fmt);
+        if (!head) return ASYNCINFER_EINVAL;
+        TIMED(3, head(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads, b->scratch));
         if (argmax) ai_argmax(logits, T, head_n, head_n, argmax);
     }
     return 0;

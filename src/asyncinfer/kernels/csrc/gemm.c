@@ -1,4 +1,5 @@
-/* Block formats: products of float32 activations with weights in ggml's Q4_1 / Q8_0 blocks.
+/* Block formats: products of float32 activations with weights in ggml's block formats (Q4_1 / Q8_0 here,
+ * the others' blocks read through blocks.h).
  *
  *   y[m, n] = sum_k x[m, k] * W[n, k]  (+ bias[n])
  *
@@ -8,18 +9,22 @@
  *   Q4_1 row: d[nb] (fp16), m[nb] (fp16), then 16 bytes of nibbles per block; weight j = d * q_j + m,
  *             q_j the low nibble of byte j for j < 16, the high nibble of byte j - 16 otherwise
  *   Q8_0 row: d[nb] (fp16), then 32 int8 per block; weight j = d * q_j
+ *   Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K rows: ggml's blocks as they are (blocks.h), read as sub-blocks of
+ *             32 weights scale * q_j + min (min 0 for Q4_0, Q5_0, Q6_K)
  *
  * The algorithm, the same in every variant:
  *   - below PANEL_MIN_ROWS activation rows, each block of 32 activations is rounded to int16
  *     (x ~= dx * qx, |qx| <= 32767, rounded to nearest even, dx = the block's largest |x| / 32767),
  *     each block's integer dot product is exact, scaled by dx * dw in float32 and summed; Q4_1 adds
- *     sum over blocks of m * (the block's float32 sum of x);
+ *     sum over blocks of m * (the block's float32 sum of x); the other formats the same per sub-block of
+ *     32 (dw its scale, m its min), the sub-blocks of 32 lining up with the activations' blocks;
  *   - from PANEL_MIN_ROWS rows on, the weights are rebuilt in float32 (the blocks' exact values) and
  *     each output is one float32 sum over k in order.
  * The variants differ only in the order of float32 additions (and Q4_1's d * q + m being fused or not),
  * which the tests bound against the scalar reference (docs/formats.md, "Kernel variants").
  */
 #include "internal.h"
+#include "blocks.h"
 
 #define MR 4  /* activation rows per pass over a weight row */
 #define TN 12 /* weight rows per panel */
@@ -112,17 +117,44 @@ static void rebuild_row_ref(const uint8_t *row, int64_t nb, int has_min, float *
     }
 }
 
-static int gemm_ref(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
-                    int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
-                    void *scratch) {
-    const int64_t nb = K / QK;
+/* blocks.h's formats: one weight row against activation row m, per sub-block of 32 (the integer dot product
+ * in int64: Q6_K's scaled quants reach 4096 x 32767 per product). */
+static float row_blocks_ref(int fmt, const uint8_t *row, int64_t K, const acts *a, int64_t m) {
+    const int subs = ai_fmt_subs(fmt);
+    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt), nb = K / QK;
+    const int16_t *qx = a->q + m * K;
+    const float *dx = a->d + m * nb, *sx = a->sum + m * nb;
+    float acc = 0.0f, offset = 0.0f;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        float scale[8], min[8];
+        ai_block_scales(fmt, p, scale, min);
+        for (int j = 0; j < subs; j++) {
+            const int64_t b = blk * subs + j;
+            int16_t q[32];
+            ai_sub_quants(fmt, p, j, q);
+            int64_t s = 0;
+            for (int i = 0; i < 32; i++) s += (int64_t)q[i] * qx[b * QK + i];
+            acc += (float)s * (dx[b] * scale[j]);
+            if (ai_fmt_has_min(fmt)) offset += min[j] * sx[b];
+        }
+    }
+    return acc + offset;
+}
+
+static int gemm_ref(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N, int fmt,
+                    const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    const int64_t nb = K / QK, row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt);
+    const int legacy = fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0, has_min = fmt == ASYNCINFER_FMT_Q4_1;
     if (M < PANEL_MIN_ROWS) {
         acts a = acts_in(scratch, M, K);
         quantize_acts_ref(x, M, ldx, K, &a);
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
         for (int64_t n = 0; n < N; n++)
             for (int64_t m = 0; m < M; m++)
-                y[m * ldy + n] = row_ref(rows + n * row_bytes, nb, has_min, &a, m, K) + (bias ? bias[n] : 0.0f);
+                y[m * ldy + n] = (legacy ? row_ref(rows + n * row_bytes, nb, has_min, &a, m, K)
+                                         : row_blocks_ref(fmt, rows + n * row_bytes, K, &a, m)) +
+                                 (bias ? bias[n] : 0.0f);
         return 0;
     }
     float *wrows = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), (K > 0 ? K : 1) * (int64_t)sizeof(float));
@@ -130,7 +162,10 @@ static int gemm_ref(const float *x, int64_t M, int64_t ldx, int64_t K, const uin
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
     for (int64_t n = 0; n < N; n++) {
         float *w = wrows + (int64_t)ai_thread_num() * K;
-        rebuild_row_ref(rows + n * row_bytes, nb, has_min, w);
+        if (legacy)
+            rebuild_row_ref(rows + n * row_bytes, nb, has_min, w);
+        else
+            ai_rebuild_blocks(fmt, rows + n * row_bytes, K, w);
         for (int64_t m = 0; m < M; m++) {
             const float *xr = x + m * ldx;
             float acc = 0.0f;
@@ -508,10 +543,11 @@ static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t
 #define PANEL_PASS_BYTES (384 * 1024)
 #endif
 
-static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N,
-                       int64_t row_bytes, int has_min, const float *bias, float *y, int64_t ldy, int threads,
-                       float *xt) {
+static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N, int fmt,
+                      const float *bias, float *y, int64_t ldy, int threads, float *xt) {
     const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
+    const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt);
+    const int legacy = fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0, has_min = fmt == ASYNCINFER_FMT_Q4_1;
     if (K == 0) { /* empty sums: the bias, as the row kernels give */
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias ? bias[n] : 0.0f;
@@ -530,7 +566,12 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
             _Pragma("omp for schedule(static)")
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t n0 = g * TN, nr = N - n0 < TN ? N - n0 : TN;
-                for (int64_t r = 0; r < nr; r++) rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
+                for (int64_t r = 0; r < nr; r++) {
+                    if (legacy)
+                        rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
+                    else
+                        ai_rebuild_blocks(fmt, rows + (n0 + r) * row_bytes, K, panel + r * K);
+                }
                 for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
                 for (int64_t m0 = p0; m0 < p1; m0 += 16) {
                     if (tile_width(m0, Mp) == 16) {
@@ -562,14 +603,13 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
 #define QUANTIZE_ACTS quantize_acts_avx2
 #endif
 
-#define GEMM(NAME, ROW, ROW2, ROW_BYTES)                                                          \
+#define GEMM(NAME, ROW, ROW2, ROW_BYTES, FMT)                                                     \
     int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
              float *y, int64_t ldy, int threads, void *scratch) {                                 \
         const int64_t nb = K / QK;                                                                \
         const uint8_t *rows = (const uint8_t *)w;                                                 \
         if (M >= PANEL_MIN_ROWS)                                                                  \
-            return gemm_panel(x, M, ldx, K, rows, N, nb * ROW_BYTES, ROW_BYTES == ROW_BYTES_Q4_1, bias, y, ldy, \
-                              threads, (float *)scratch);                                         \
+            return gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch);  \
         acts a = acts_in(scratch, M, K);                                                          \
         QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
         if (M == 1 && ROW2_PAIRS) { /* pairs of weight rows; an odd last row through ROW */       \
@@ -611,25 +651,108 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
 static inline void row2_none(const uint8_t *r0, const uint8_t *r1, int64_t nb, const acts *a, float *out) {
     (void)r0; (void)r1; (void)nb; (void)a; (void)out;
 }
-GEMM(ai_gemm_q4_1, row_q4_1, row2_none, ROW_BYTES_Q4_1)
-GEMM(ai_gemm_q8_0, row_q8_0, row2_none, ROW_BYTES_Q8_0)
+GEMM(ai_gemm_q4_1, row_q4_1, row2_none, ROW_BYTES_Q4_1, ASYNCINFER_FMT_Q4_1)
+GEMM(ai_gemm_q8_0, row_q8_0, row2_none, ROW_BYTES_Q8_0, ASYNCINFER_FMT_Q8_0)
 #else
 #define ROW2_PAIRS 1
-GEMM(ai_gemm_q4_1, row_q4_1, row2_q4_1, ROW_BYTES_Q4_1)
-GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0)
+GEMM(ai_gemm_q4_1, row_q4_1, row2_q4_1, ROW_BYTES_Q4_1, ASYNCINFER_FMT_Q4_1)
+GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0, ASYNCINFER_FMT_Q8_0)
 #endif
+
+/* blocks.h's formats: one weight row against ROWS (1 to MR, a constant at every call) activation rows, a
+ * sub-block of 32 at a time (ai_sub_words: its integer quants in the activations' order; four products a
+ * lane before the float conversion, at most 4 x 4096 x 32767 < 2^31), scaled by dx * the sub-block's scale;
+ * the mins' term added per sub-block in float32. One accumulator per row. */
+static inline __attribute__((always_inline)) void row_blocks(const int fmt, const uint8_t *row, int64_t K,
+                                                             const acts *a, int64_t m0, const int ROWS, float *out) {
+    const int subs = ai_fmt_subs(fmt);
+    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt), nb = K / QK;
+    __m256 acc[MR];
+    float offset[MR];
+    for (int i = 0; i < MR; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offset[i] = 0.0f;
+    }
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        float scale[8], min[8];
+        ai_block_scales(fmt, p, scale, min);
+        for (int j = 0; j < subs; j++) {
+            const int64_t b = blk * subs + j;
+            __m256i w[2];
+            ai_sub_words(fmt, p, j, w);
+            for (int i = 0; i < ROWS; i++) {
+                const int16_t *q = a->q + (m0 + i) * K + b * QK;
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
+                                                   _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[(m0 + i) * nb + b] * scale[j]), acc[i]);
+                if (ai_fmt_has_min(fmt)) offset[i] += min[j] * a->sum[(m0 + i) * nb + b];
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(acc[i]) + offset[i];
+}
+
+#define GEMM_BLOCKS(NAME, FMT)                                                                    \
+    int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+             float *y, int64_t ldy, int threads, void *scratch) {                                 \
+        const uint8_t *rows = (const uint8_t *)w;                                                 \
+        const int64_t row_bytes = K / ai_fmt_weights(FMT) * ai_fmt_bytes(FMT);                    \
+        if (M >= PANEL_MIN_ROWS)                                                                  \
+            return gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch);  \
+        acts a = acts_in(scratch, M, K);                                                          \
+        QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
+        for (int64_t n = 0; n < N; n++) {                                                         \
+            const uint8_t *row = rows + n * row_bytes;                                            \
+            const float bn = bias ? bias[n] : 0.0f;                                               \
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {                                              \
+                const int rows_now = (int)(M - m0 < MR ? M - m0 : MR);                            \
+                float out[MR];                                                                    \
+                switch (rows_now) {                                                               \
+                    case 1: row_blocks(FMT, row, K, &a, m0, 1, out); break;                       \
+                    case 2: row_blocks(FMT, row, K, &a, m0, 2, out); break;                       \
+                    case 3: row_blocks(FMT, row, K, &a, m0, 3, out); break;                       \
+                    default: row_blocks(FMT, row, K, &a, m0, 4, out); break;                      \
+                }                                                                                 \
+                for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;           \
+            }                                                                                     \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
 
 #else /* scalar */
 int ai_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias,
                  float *y, int64_t ldy, int threads, void *scratch) {
-    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, K / QK * ROW_BYTES_Q4_1, 1, bias, y, ldy, threads, scratch);
+    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, ASYNCINFER_FMT_Q4_1, bias, y, ldy, threads, scratch);
 }
 
 int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias,
                  float *y, int64_t ldy, int threads, void *scratch) {
-    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, K / QK * ROW_BYTES_Q8_0, 0, bias, y, ldy, threads, scratch);
+    return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, ASYNCINFER_FMT_Q8_0, bias, y, ldy, threads, scratch);
 }
+
+#define GEMM_BLOCKS(NAME, FMT)                                                                    \
+    int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+             float *y, int64_t ldy, int threads, void *scratch) {                                 \
+        return gemm_ref(x, M, ldx, K, (const uint8_t *)w, N, FMT, bias, y, ldy, threads, scratch); \
+    }
 #endif
+
+/* The other formats' GEMMs (static: reached through ai_gemm_of and their exported entries). */
+static GEMM_BLOCKS(ai_gemm_q4_0, ASYNCINFER_FMT_Q4_0)
+static GEMM_BLOCKS(ai_gemm_q5_0, ASYNCINFER_FMT_Q5_0)
+static GEMM_BLOCKS(ai_gemm_q5_1, ASYNCINFER_FMT_Q5_1)
+static GEMM_BLOCKS(ai_gemm_q4_k, ASYNCINFER_FMT_Q4_K)
+static GEMM_BLOCKS(ai_gemm_q5_k, ASYNCINFER_FMT_Q5_K)
+static GEMM_BLOCKS(ai_gemm_q6_k, ASYNCINFER_FMT_Q6_K)
+
+gemm_fn ai_gemm_of(int fmt) {
+    static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_gemm_q4_1, ai_gemm_q8_0, ai_gemm_q4_0, ai_gemm_q5_0,
+                                                       ai_gemm_q5_1, ai_gemm_q4_k, ai_gemm_q5_k, ai_gemm_q6_k};
+    return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
+}
 
 /* Bytes: from PANEL_MIN_ROWS rows on the activations packed in tiles (rows rounded up to 8) as float32;
  * below it int16 values and two floats per block. -1 when a size would overflow. */
@@ -654,5 +777,17 @@ int asyncinfer_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, cons
                          const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
     return ai_gemm_q8_0(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
 }
+
+#define EXPORT_GEMM(NAME, INNER)                                                                  \
+    int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+             float *y, int64_t ldy, int threads, void *scratch) {                                 \
+        return INNER(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);                         \
+    }
+EXPORT_GEMM(asyncinfer_gemm_q4_0, ai_gemm_q4_0)
+EXPORT_GEMM(asyncinfer_gemm_q5_0, ai_gemm_q5_0)
+EXPORT_GEMM(asyncinfer_gemm_q5_1, ai_gemm_q5_1)
+EXPORT_GEMM(asyncinfer_gemm_q4_k, ai_gemm_q4_k)
+EXPORT_GEMM(asyncinfer_gemm_q5_k, ai_gemm_q5_k)
+EXPORT_GEMM(asyncinfer_gemm_q6_k, ai_gemm_q6_k)
 
 int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return ai_scratch_bytes(M, K); }

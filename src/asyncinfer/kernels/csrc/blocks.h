@@ -1,0 +1,248 @@
+/* ggml's block formats besides Q4_1 / Q8_0, as gemm.c reads them: Q4_0, Q5_0, Q5_1 (blocks of 32 weights)
+ * and the k-quants Q4_K, Q5_K, Q6_K (super-blocks of 256), each in ggml's own block layout (the kernels'
+ * layout is ggml's: asyncinfer.kernels.pack leaves these blocks as they are).
+ *
+ * A block is read as runs of 32 weights ("sub-blocks": a 32-weight block is one, a super-block eight);
+ * sub-block j's weight i is  scale_j * q_i + min_j,  q_i an integer (int16), scale_j and min_j float32:
+ *
+ *   Q4_0 (18 bytes: d, 16 bytes of nibbles):  q = nibble - 8, scale d, no min
+ *   Q5_0 (22 bytes: d, qh[4], qs[16]):        q = (nibble | bit i of qh << 4) - 16, scale d, no min
+ *   Q5_1 (24 bytes: d, m, qh[4], qs[16]):     q = nibble | bit i of qh << 4, scale d, min m
+ *        (the nibbles: element i < 16 is byte i's low nibble, element i + 16 its high one)
+ *   Q4_K (144 bytes: d, dmin, scales[12], qs[128]): q = nibble, scale d * sc_j, min -(dmin * m_j), with
+ *        sc_j / m_j sub-block j's 6-bit scale and minimum packed in scales[12]; sub-block j's nibbles are
+ *        the low (j even) or high (j odd) halves of bytes 32 (j / 2) to 32 (j / 2) + 31
+ *   Q5_K (176 bytes: d, dmin, scales[12], qh[32], qs[128]): as Q4_K, plus bit j of qh[i] << 4
+ *   Q6_K (210 bytes: ql[128], qh[64], scales[16] int8, d): sub-block j = 4 n + k (n the half of 128,
+ *        k its quarter) takes the low (k < 2) or high nibbles of ql[64 n + 32 (k & 1) + i] and bits 2k, 2k + 1
+ *        of qh[32 n + i] as bits 4, 5; q = sc * (that - 32), sc = scales[2 j] for i < 16, scales[2 j + 1]
+ *        after (the int8 scales of the halves of 16); scale d, no min
+ *
+ * Every scale_j * q_i is exact in float32 (at most 24 significant bits: an 11-bit half times at most 13
+ * bits), so scale_j * q_i + min_j is ggml's dequantized weight bit for bit (one rounding, of the sum). */
+#ifndef ASYNCINFER_BLOCKS_H
+#define ASYNCINFER_BLOCKS_H
+
+#include "internal.h"
+
+/* Weights and bytes per block, sub-blocks of 32 per block, whether a min term is added. */
+static inline int64_t ai_fmt_weights(int fmt) { return fmt >= ASYNCINFER_FMT_Q4_K ? 256 : 32; }
+
+static inline int64_t ai_fmt_bytes(int fmt) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_1: return 20;
+        case ASYNCINFER_FMT_Q8_0: return 34;
+        case ASYNCINFER_FMT_Q4_0: return 18;
+        case ASYNCINFER_FMT_Q5_0: return 22;
+        case ASYNCINFER_FMT_Q5_1: return 24;
+        case ASYNCINFER_FMT_Q4_K: return 144;
+        case ASYNCINFER_FMT_Q5_K: return 176;
+        default: return 210; /* Q6_K */
+    }
+}
+
+static inline int ai_fmt_subs(int fmt) { return fmt >= ASYNCINFER_FMT_Q4_K ? 8 : 1; }
+
+static inline int ai_fmt_has_min(int fmt) {
+    return fmt == ASYNCINFER_FMT_Q5_1 || fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K;
+}
+
+static inline float ai_half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return ai_half_to_float(h);
+}
+
+static inline uint32_t ai_u32_at(const uint8_t *p) { /* little-endian, as ggml writes qh */
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum from the 12 packed bytes (the low 6 bits of bytes
+ * j and j + 4 for j < 4; for j >= 4 the nibbles of byte j + 4 and the top 2 bits of bytes j - 4 and j). */
+static inline void ai_k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Every sub-block's scale and min of the block at blk (min 0 where the format has none). */
+static inline void ai_block_scales(int fmt, const uint8_t *blk, float *scale, float *min) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0:
+        case ASYNCINFER_FMT_Q5_0:
+            scale[0] = ai_half_at(blk);
+            min[0] = 0.0f;
+            return;
+        case ASYNCINFER_FMT_Q5_1:
+            scale[0] = ai_half_at(blk);
+            min[0] = ai_half_at(blk + 2);
+            return;
+        case ASYNCINFER_FMT_Q4_K:
+        case ASYNCINFER_FMT_Q5_K: {
+            const float d = ai_half_at(blk), dmin = ai_half_at(blk + 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                ai_k_scale_min(blk + 4, j, &sc, &m);
+                scale[j] = d * (float)sc;
+                min[j] = -(dmin * (float)m);
+            }
+            return;
+        }
+        default: { /* Q6_K: the int8 scales go into q */
+            const float d = ai_half_at(blk + 208);
+            for (int j = 0; j < 8; j++) {
+                scale[j] = d;
+                min[j] = 0.0f;
+            }
+            return;
+        }
+    }
+}
+
+/* Sub-block j's 32 integer quants of the block at blk, in order. */
+static inline void ai_sub_quants(int fmt, const uint8_t *blk, int j, int16_t *q) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0:
+            for (int i = 0; i < 16; i++) {
+                q[i] = (int16_t)((blk[2 + i] & 0x0F) - 8);
+                q[i + 16] = (int16_t)((blk[2 + i] >> 4) - 8);
+            }
+            return;
+        case ASYNCINFER_FMT_Q5_0:
+        case ASYNCINFER_FMT_Q5_1: {
+            const int min = fmt == ASYNCINFER_FMT_Q5_1;
+            const uint8_t *qs = blk + (min ? 8 : 6);
+            const uint32_t qh = ai_u32_at(blk + (min ? 4 : 2));
+            const int offset = min ? 0 : 16;
+            for (int i = 0; i < 16; i++) {
+                q[i] = (int16_t)(((qs[i] & 0x0F) | ((qh >> i) & 1) << 4) - offset);
+                q[i + 16] = (int16_t)(((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - offset);
+            }
+            return;
+        }
+        case ASYNCINFER_FMT_Q4_K: {
+            const uint8_t *qs = blk + 16 + 32 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) q[i] = (int16_t)((qs[i] >> shift) & 0x0F);
+            return;
+        }
+        case ASYNCINFER_FMT_Q5_K: {
+            const uint8_t *qs = blk + 48 + 32 * (j >> 1), *qh = blk + 16;
+            const int shift = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) q[i] = (int16_t)(((qs[i] >> shift) & 0x0F) | ((qh[i] >> j) & 1) << 4);
+            return;
+        }
+        default: { /* Q6_K */
+            const int n = j >> 2, k = j & 3;
+            const uint8_t *ql = blk + 64 * n + 32 * (k & 1), *qh = blk + 128 + 32 * n;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
+            for (int i = 0; i < 32; i++) {
+                const int v = (((ql[i] >> (4 * (k >> 1))) & 0x0F) | ((qh[i] >> (2 * k)) & 3) << 4) - 32;
+                q[i] = (int16_t)(sc[i >> 4] * v);
+            }
+            return;
+        }
+    }
+}
+
+/* One row of K weights in float32, in order: ggml's dequantized values (see above). */
+static inline void ai_rebuild_blocks(int fmt, const uint8_t *row, int64_t K, float *out) {
+    const int subs = ai_fmt_subs(fmt);
+    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        float scale[8], min[8];
+        ai_block_scales(fmt, p, scale, min);
+        for (int j = 0; j < subs; j++, out += 32) {
+            int16_t q[32];
+            ai_sub_quants(fmt, p, j, q);
+            if (ai_fmt_has_min(fmt))
+                for (int i = 0; i < 32; i++) out[i] = scale[j] * (float)q[i] + min[j];
+            else
+                for (int i = 0; i < 32; i++) out[i] = scale[j] * (float)q[i];
+        }
+    }
+}
+
+#ifdef AI_AVX2
+/* ---- AVX2: sub-block j's quants as 32 int8 in order (Q6_K: before its int8 scales), then widened to
+ * int16 in the order the variant's activations are stored (gemm.c's acts). */
+
+/* 16 bytes of nibbles: elements 0-15 the low nibbles, 16-31 the high ones. */
+static inline __m256i ai_nibbles32(const uint8_t *qs) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), low), _mm_and_si128(x, low));
+}
+
+/* Byte i = 0x10 where bit i of bits is set, else 0. */
+static inline __m256i ai_bits32(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Each byte of x shifted right by n (< 8) and masked. */
+static inline __m256i ai_shift_mask(__m256i x, int n, char mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(mask));
+}
+
+static inline __m256i ai_sub_bytes(int fmt, const uint8_t *blk, int j) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0:
+            return _mm256_sub_epi8(ai_nibbles32(blk + 2), _mm256_set1_epi8(8));
+        case ASYNCINFER_FMT_Q5_0:
+            return _mm256_sub_epi8(_mm256_or_si256(ai_nibbles32(blk + 6), ai_bits32(ai_u32_at(blk + 2))),
+                                   _mm256_set1_epi8(16));
+        case ASYNCINFER_FMT_Q5_1:
+            return _mm256_or_si256(ai_nibbles32(blk + 8), ai_bits32(ai_u32_at(blk + 4)));
+        case ASYNCINFER_FMT_Q4_K:
+            return ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j >> 1))), 4 * (j & 1), 0x0F);
+        case ASYNCINFER_FMT_Q5_K: {
+            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * (j >> 1))),
+                                             4 * (j & 1), 0x0F);
+            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16)), j, 0x01);
+            return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        }
+        default: { /* Q6_K */
+            const int n = j >> 2, k = j & 3;
+            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (k & 1))),
+                                             4 * (k >> 1), 0x0F);
+            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)), 2 * k, 0x03);
+            return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+        }
+    }
+}
+
+/* Sub-block j's quants as int16: w[0], w[1] hold elements 0-15 and 16-31 in the AVX-512 build (whose
+ * activations are in order), the even and the odd elements in the AVX2 build (quantize_acts_avx2's order).
+ * Q6_K's are multiplied by their int8 scales here (|sc * q| <= 4096: exact in int16). */
+static inline void ai_sub_words(int fmt, const uint8_t *blk, int j, __m256i w[2]) {
+    const __m256i v = ai_sub_bytes(fmt, blk, j);
+#ifdef AI_AVX512
+    w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+    w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    if (fmt == ASYNCINFER_FMT_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
+        w[0] = _mm256_mullo_epi16(w[0], _mm256_set1_epi16(sc[0]));
+        w[1] = _mm256_mullo_epi16(w[1], _mm256_set1_epi16(sc[1]));
+    }
+#else
+    w[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+    w[1] = _mm256_srai_epi16(v, 8);
+    if (fmt == ASYNCINFER_FMT_Q6_K) { /* lanes 0-7 of each are elements below 16, lanes 8-15 the rest */
+        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
+        const __m256i m = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+        w[0] = _mm256_mullo_epi16(w[0], m);
+        w[1] = _mm256_mullo_epi16(w[1], m);
+    }
+#endif
+}
+#endif /* AI_AVX2 */
+
+#endif
