@@ -52,9 +52,15 @@ class ModelConfig:
     # config's window caps max_position_embeddings instead, see _max_positions).
     sliding_window: int | None = None
     # The block format a GGUF file holds every projection in ("q4_1": Q4_1 layers and a Q8_0 head, as
-    # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights; None
+    # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights;
+    # "native" for a file whose projections are in several formats, some of them a kernel's
+    # (each projection then keeps its own where a kernel takes it: asyncinfer.models.quant); None
     # for any other file or a Hugging Face checkpoint. quantization="auto" picks it where it runs.
     native_format: str | None = None
+    # The format a GGUF file stores each matrix in, by layer name ("layers.0.attn.qkv_proj", "lm_head"):
+    # "float32", "float16", "bfloat16", a ggml block type in lower case ("q4_1", "q6_k"), or "mixed"
+    # when the rows of a fused layer come in different ones; () for a Hugging Face checkpoint.
+    stored_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         model_family(self.architecture)  # raises ModelLoadError for an unregistered one
