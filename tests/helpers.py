@@ -5,7 +5,8 @@ pyproject.toml puts the repository root on ``sys.path`` (``pythonpath = ["."]``)
 Fixtures (session resources such as ``tiny_models`` or ``real_gguf``) stay in the
 conftest files; plain code lives here.
 
-- Tiny random transformers models: :func:`tiny_hf_config`, :func:`tiny_hf_model`.
+- Tiny random transformers models: :func:`tiny_hf_config`, :func:`tiny_hf_model`; a tiny Gemma as
+  llama.cpp writes its GGUF: :func:`write_gemma_gguf` (:func:`gguf_names` maps a weight map's names).
 - References from transformers: :func:`hf_logits`, :func:`hf_greedy`.
 - :class:`PagedRunner`: our model driven step by step over a shuffled paged cache.
 - Engine tests: :data:`ENGINE_BASE`, :func:`random_prompts`, :func:`greedy`.
@@ -18,10 +19,21 @@ conftest files; plain code lives here.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.lab import StepCostModel
@@ -54,7 +66,13 @@ def tiny_hf_config(kind: str, **overrides: Any):
     replace fields of :data:`TINY` (e.g. ``vocab_size``).
 
     Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen2`` (tied head,
-    q/k/v bias), ``mistral``.
+    q/k/v bias), ``mistral``, ``qwen3`` (per-head q/k norm, an explicit head_dim of 32: q/k/v
+    wider than the hidden size), ``phi3`` (fused qkv and gate_up projections in the checkpoint); with a
+    sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window`` (every layer), ``qwen2_window`` and
+    ``qwen3_window`` (the second layer only), ``gemma2`` (layer 0 sliding, 1 full; a ``query_pre_attn_scalar`` that is not
+    ``head_dim``; attention and final logits soft-capped low enough to bite) and ``gemma3`` (layers
+    sliding, full, sliding; q/k norms; its own rope base on the sliding layers and linear rope scaling on
+    the full one).
     """
     fields = {**TINY, **overrides}
     if kind == "llama":
@@ -77,7 +95,35 @@ def tiny_hf_config(kind: str, **overrides: Any):
         return Qwen2Config(**fields, tie_word_embeddings=True)
     if kind == "mistral":
         return MistralConfig(**fields, sliding_window=None, tie_word_embeddings=False)
+    if kind == "mistral_window":
+        return MistralConfig(**fields, sliding_window=TINY_WINDOW, tie_word_embeddings=False)
+    if kind == "qwen3_window":
+        return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False, use_sliding_window=True,
+                           sliding_window=TINY_WINDOW, max_window_layers=1)
+    if kind == "qwen2_window":
+        return Qwen2Config(**fields, tie_word_embeddings=True, use_sliding_window=True, sliding_window=TINY_WINDOW,
+                           max_window_layers=1)
+    if kind == "gemma2":
+        return Gemma2Config(**{"head_dim": 16, "pad_token_id": 0, **fields}, query_pre_attn_scalar=24,
+                            sliding_window=TINY_WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
+    if kind == "gemma3":
+        fields = {"head_dim": 16, "pad_token_id": 0, **fields, "num_hidden_layers": overrides.get("num_hidden_layers", 3)}
+        return Gemma3TextConfig(
+            **fields, query_pre_attn_scalar=16, sliding_window=TINY_WINDOW,
+            layer_types=[("sliding_attention", "full_attention")[i % 3 == 1] for i in range(fields["num_hidden_layers"])],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        )
+    if kind == "qwen3":
+        return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False)
+    if kind == "phi3":
+        # Phi3Config's default pad id (32000) lies past a tiny vocabulary.
+        return Phi3Config(**{"pad_token_id": 0, **fields}, tie_word_embeddings=False)
     raise ValueError(kind)
+
+
+TINY_WINDOW = 8
+"""The tiny windowed models' sliding window: prompts of 20+ tokens run well past it."""
 
 
 def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
@@ -96,6 +142,88 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
             else:
                 p.normal_(0.0, 0.1)
     return model.eval()
+
+
+# ---- tiny GGUF files, as llama.cpp writes them -------------------------------
+
+
+def write_gemma_gguf(hf: torch.nn.Module, path: Path, *, q8: bool = False, vocab: list[str] | None = None,
+                     chat_template: str | None = None) -> Path:
+    """Write ``hf`` (a tiny Gemma 2 / Gemma 3) as llama.cpp's converter does: architecture ``gemma2`` /
+    ``gemma3``, its tensor names, every ``*norm.weight`` with Gemma's 1 added, no output tensor (tied),
+    the window in ``<arch>.attention.sliding_window`` and the soft-caps as their keys; with ``q8``, every
+    projection and the embedding in Q8_0, and ``hf`` given the stored (rounded) values, so that it stays
+    the exact reference. Gemma 3's query scale and pattern are llama.cpp's defaults (head_dim, 6) unless
+    written: this writes the tiny model's as ``attention.scale`` and ``sliding_window_pattern``. ``vocab``:
+    a sentencepiece vocabulary to write as the tokenizer (``<...>`` tokens are control tokens, ``<unk>``
+    the unknown one), with ``chat_template``."""
+    cfg = hf.config
+    arch = "gemma3" if cfg.model_type == "gemma3_text" else "gemma2"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_vocab_size(cfg.vocab_size)  # transformers' reader needs it without a tokenizer
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_attention_scale(cfg.query_pre_attn_scalar**-0.5)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        full, sliding = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_rope_freq_base_swa(sliding["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    from asyncinfer.models.gemma import GEMMA2_WEIGHT_MAP, GEMMA3_WEIGHT_MAP
+
+    if vocab is not None:
+        writer.add_tokenizer_model("llama")  # what llama.cpp's converter writes for Gemma's sentencepiece model
+        writer.add_token_list(vocab)
+        writer.add_token_scores([-float(i) for i in range(len(vocab))])
+        writer.add_token_types([2 if t == "<unk>" else 3 if t.startswith("<") and t.endswith(">") else 1
+                                for t in vocab])
+        writer.add_unk_token_id(vocab.index("<unk>"))
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
+    names = gguf_names(GEMMA3_WEIGHT_MAP if arch == "gemma3" else GEMMA2_WEIGHT_MAP, cfg.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name == "lm_head.weight":
+                continue  # tied: llama.cpp writes no output tensor
+            if q8 and p.dim() == 2:
+                blocks = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+                writer.add_tensor(names[name], blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            elif name.endswith("norm.weight"):
+                writer.add_tensor(names[name], (p + 1).numpy())  # llama.cpp's converter adds Gemma's 1
+            else:
+                writer.add_tensor(names[name], p.numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_names(weight_map, num_layers: int) -> dict[str, str]:
+    """HF checkpoint name -> GGUF tensor name, from a family's weight map, for ``num_layers`` layers."""
+    names = {}
+    for hf_name, gguf_name, _, _ in weight_map:
+        for i in range(num_layers) if "{i}" in hf_name else (0,):
+            names[hf_name.format(i=i)] = gguf_name.format(i=i)
+    return names
 
 
 # ---- references from transformers --------------------------------------------

@@ -228,7 +228,6 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     element-wise functions (``torch_compile=True``), reported by ``model_info()``."""
     mc = loaded.config
     max_model_len = resolve_max_model_len(config, mc)
-    check_sliding_window(loaded, max_model_len)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise InvalidParameterError(
             "max_num_batched_tokens",
@@ -303,38 +302,6 @@ def _report_block_rounding(model: Any, method: str | None) -> None:
                        method, rounded, len(layers))
     else:
         logger.info("quantization=%r: all %d projections hold the checkpoint's own weights", method, len(layers))
-
-
-def check_sliding_window(loaded: LoadedModel, max_model_len: int) -> None:
-    """Refuse a context longer than the attention window a GGUF file declares.
-
-    The runner has full attention only; within the window that is the same thing as
-    sliding-window attention, past it the results would differ from the model's. A
-    Hugging Face config's window already caps the model's context length (and so
-    ``max_model_len``); a GGUF file states it as ``<arch>.attention.sliding_window``,
-    which the loader keeps as ``ModelConfig.sliding_window`` (the header is parsed once).
-
-    Raises:
-        ConfigurationError: ``max_model_len`` exceeds the window (the message names both).
-    """
-    window = loaded.config.sliding_window
-    if window is not None and max_model_len > window:
-        raise ConfigurationError(
-            f"max_model_len={max_model_len} exceeds the model's sliding attention window of {window} tokens, "
-            f"which this engine does not implement (it attends to the whole context): pass max_model_len={window} "
-            "or less"
-        )
-
-
-def gguf_sliding_window(source: str) -> int | None:
-    """The sliding attention window a ``"gguf:<file>"`` source declares (None: none, or not a GGUF)."""
-    if not source.startswith("gguf:"):
-        return None
-    from asyncinfer.models.gguf_file import GGUFFile
-
-    fields = GGUFFile(source.removeprefix("gguf:")).fields
-    window = fields.get(f"{fields['general.architecture']}.attention.sliding_window")
-    return int(window) if window else None
 
 
 def warm_up(core: EngineCore) -> None:

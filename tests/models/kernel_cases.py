@@ -109,6 +109,34 @@ def _timed_stack():
     return _packed(stack=stack)
 
 
+class _Lying(list):
+    """A list whose ``__len__`` says 6 while it holds 4 ints: counted by that, the kernel would read a table row
+    and write an argmax past the converted buffer; decode_packed counts what it converted."""
+
+    def __len__(self) -> int:
+        return 6
+
+
+def _nested(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # nested tensors are a prototype
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.zeros(s, dtype=dtype) for s in shapes])
+
+
+def _freed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage freed in place (its shape kept): what a caller releasing memory early leaves."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _shrunk(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage cut to one element in place (its shape kept)."""
+    t.untyped_storage().resize_(t.element_size())
+    return t
+
+
 def _sparse():
     return torch.eye(4).to_sparse()
 
@@ -252,6 +280,7 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "packed int below int64": (lambda: _packed([3, -(2**70), 5, 6, 0, 1]), ValueError, "packed"),
     "packed float": (lambda: _packed([3, 5, 5, 6.0, 0, 1]), TypeError, "packed"),
     "packed num_tokens a float": (lambda: _packed(num_tokens=1.0), TypeError, "num_tokens"),
+    "packed a list whose __len__ lies": (lambda: _packed(_Lying([3, 5, 5, 6])), ValueError, "packed"),
     "packed width 0": (lambda: _packed([3, 5, 5, 6], width=0), ValueError, "width"),
     "packed block size 0": (lambda: _packed(kv_caches=tables(block=0)[3]), ValueError, "kv_caches[0][0]"),
     "packed caches on meta": (lambda: _packed(kv_caches=[(torch.zeros(8, BLOCK, 1, 16, device=META),) * 2] * 2),
@@ -271,6 +300,46 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
         "sin_table"),
     "attention context lengths of two dimensions": (lambda: _attention(context_lens=long(1).view(1, 1)), TypeError,
                                                     "context_lens"),
+    # storage freed in place (``untyped_storage().resize_(0)``): the tensor keeps its shape, its data pointer is 0
+    "gemm x with freed storage": (lambda: _gemm(x=_freed(torch.randn(2, 64))), ValueError, "x"),
+    "gemm weights with freed storage": (lambda: _gemm(packed=_freed(blocks(8, 64))), ValueError, "packed"),
+    "rms_norm x with freed storage": (lambda: kernels.rms_norm(_freed(torch.randn(64, 64)), torch.ones(64), 1e-5),
+                                      ValueError, "x"),
+    "rms_norm weight with freed storage": (lambda: kernels.rms_norm(torch.randn(2, 64), _freed(torch.ones(64)),
+                                                                    1e-5), ValueError, "weight"),
+    "argmax x with freed storage": (lambda: kernels.argmax(_freed(torch.randn(64, 64))), ValueError, "x"),
+    "attention cache with freed storage": (lambda: _attention(k_cache=_freed(torch.zeros(4, 16, 1, 16))), ValueError,
+                                           "k_cache"),
+    "attention context_lens with freed storage": (lambda: _attention(context_lens=_freed(long(1))), ValueError,
+                                                  "context_lens"),
+    "layer slots with freed storage": (lambda: _layer_call(slots=_freed(long(5))), ValueError, "slots"),
+    "layer h with storage shrunk": (lambda: _layer_call(h=_shrunk(torch.zeros(1, HIDDEN))), ValueError, "h"),
+    "stack positions with freed storage": (lambda: _stack_call(positions=_freed(long(5))), ValueError, "positions"),
+    "stack table row with freed storage": (lambda: _stack_call(block_tables=_freed(long(0, 1).view(1, 2))),
+                                           ValueError, "block_tables"),
+    "stack embed with freed storage": (lambda: _stack_call(embed=_freed(tables()[0])), ValueError, "embed"),
+    "stack cache freed after a call": (
+        lambda: _after_a_good_call(lambda caches, *_: (_freed(caches[1][0]), {})[1]), ValueError, "kv_caches[1][0]"),
+    "stack embed freed after a call": (lambda: _after_a_good_call(lambda c, embed, *_: (_freed(embed), {})[1]),
+                                       ValueError, "embed"),
+    # nested tensors (strided layout, no single shape)
+    "gemm x nested": (lambda: _gemm(x=_nested((2, 64), (3, 64))), TypeError, "x"),
+    "rms_norm x nested": (lambda: kernels.rms_norm(_nested((2, 8), (3, 8)), torch.ones(8), 1e-5), TypeError, "x"),
+    "argmax x nested": (lambda: kernels.argmax(_nested((2, 8), (3, 8))), TypeError, "x"),
+    "attention q nested": (lambda: _attention(q=_nested((2, 16), (2, 16))), TypeError, "q"),
+    "quantize weight nested": (lambda: kernels.quantize(_nested((2, 32), (3, 32)), "q4_1"), TypeError, "weight"),
+    "stack input_ids nested": (lambda: _stack_call(input_ids=_nested((1,), dtype=torch.int64)), TypeError,
+                               "input_ids"),
+    # lazily negated views (``z.conj().imag`` of a complex z): their memory holds the values unnegated
+    "gemm x a negated view": (lambda: _gemm(x=torch.randn(2, 64, dtype=torch.cfloat).conj().imag), TypeError, "x"),
+    "gemm bias a negated view": (lambda: _gemm(bias=torch.randn(8, dtype=torch.cfloat).conj().imag), TypeError,
+                                 "bias"),
+    "rms_norm x a negated view": (lambda: kernels.rms_norm(torch.randn(2, 8, dtype=torch.cfloat).conj().imag,
+                                                           torch.ones(8), 1e-5), TypeError, "x"),
+    "argmax x a negated view": (lambda: kernels.argmax(torch.randn(2, 8, dtype=torch.cfloat).conj().imag),
+                                TypeError, "x"),
+    "attention q a negated view": (lambda: _attention(q=torch.randn(1, 2, 16, dtype=torch.cfloat).conj().imag),
+                                   TypeError, "q"),
 }
 
 #: Empty inputs the kernels take: case -> (the call, a check of what it returns).
@@ -292,6 +361,77 @@ EMPTIES: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
                                                     sin=torch.zeros(0, 8), slots=long(),
                                                     block_tables=long().view(0, 2), context_lens=long()),
                                 lambda y: y.shape == (0, HIDDEN)),
+}
+
+
+def _layer_out(layer: kernels.DecodeLayer) -> torch.Tensor:
+    _, cos, sin, caches = tables(1)
+    k, v = caches[0]
+    return layer(torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1)), cos[5:6], sin[5:6], k, v,
+                 long(5), long(0, 1).view(1, 2), long(6))
+
+
+def _layer_weights_replaced() -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's output, and the output of the same layer built from other tensors whose storage was then
+    replaced (``set_``) and dropped by the caller: the layer holds what its pointers address."""
+    expected = _layer_out(tiny_layer())
+    args = layer_args()
+    layer = kernels.DecodeLayer(**args)
+    for t in (args["norm1"], args["norm2"], *(args[n][1] for n in ("qkv", "o", "gate_up", "down"))):
+        t.set_(torch.empty(0, dtype=t.dtype))
+    del args
+    return _layer_out(layer), expected
+
+
+def _head_replaced() -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack's logits, and those of the same stack after the caller replaced its head blocks' storage."""
+    expected = _packed(stack=tiny_stack())[0]
+    head = blocks(VOCAB, HIDDEN, "q8_0", 99)
+    stack = kernels.DecodeStack(list(tiny_stack().layers), torch.ones(HIDDEN), 1e-5, ("q8_0", head, VOCAB))
+    head.set_(torch.empty(0, dtype=torch.uint8))
+    del head
+    return _packed(stack=stack)[0], expected
+
+
+def _norms_freed() -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's output, and the same layer's after the caller freed its norms' and q/k/v bias's storage in
+    place: the layer holds copies of them (a few KB; the blocks it shares, see docs/api.md)."""
+    bias = torch.randn(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    expected = _layer_out(tiny_layer(qkv=(*layer_args()["qkv"][:2], bias.clone())))
+    args = layer_args()
+    args["qkv"] = (*args["qkv"][:2], bias)
+    layer = kernels.DecodeLayer(**args)
+    for t in (args["norm1"], args["norm2"], bias):
+        _freed(t)
+    return _layer_out(layer), expected
+
+
+def _final_norm_freed() -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack's logits, and the same stack's after the caller freed its final norm's storage in place."""
+    expected = _packed(stack=tiny_stack())[0]
+    norm = torch.ones(HIDDEN)
+    stack = kernels.DecodeStack(list(tiny_stack().layers), norm, 1e-5, tiny_stack().head)
+    _freed(norm)
+    return _packed(stack=stack)[0], expected
+
+
+def _rebind() -> bool:
+    """A stack's layers and head cannot be swapped under the kernel array built from them."""
+    stack = tiny_stack()
+    try:
+        stack.head = ("q8_0", torch.zeros(1, 34, dtype=torch.uint8), 10**6)  # type: ignore[misc]
+    except AttributeError:
+        return isinstance(stack.layers, tuple)
+    return False
+
+
+#: Calls after the caller changed what a DecodeLayer / DecodeStack was built from: case -> (the call, a check).
+HELD: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
+    "layer weights replaced after build": (_layer_weights_replaced, lambda pair: torch.equal(*pair)),
+    "stack head replaced after build": (_head_replaced, lambda pair: torch.equal(*pair)),
+    "stack layers and head are read-only": (_rebind, lambda ok: ok is True),
+    "layer norms and bias freed after build": (_norms_freed, lambda pair: torch.equal(*pair)),
+    "stack final norm freed after build": (_final_norm_freed, lambda pair: torch.equal(*pair)),
 }
 
 
@@ -334,7 +474,8 @@ def main() -> None:
     assert kernels.available(), kernels.unavailable_reason()
     tiny_stack()  # built once here, before any fork
     results = {name: run_forked(fn) for name, (fn, _, _) in CASES.items()}
-    results.update({name: run_forked(lambda fn=fn, ok=ok: _returns(fn, ok)) for name, (fn, ok) in EMPTIES.items()})
+    results.update({name: run_forked(lambda fn=fn, ok=ok: _returns(fn, ok))
+                    for name, (fn, ok) in (*EMPTIES.items(), *HELD.items())})
     results["a real crash (the harness's own check)"] = run_forked(lambda: os.kill(os.getpid(), signal.SIGSEGV))
     json.dump(results, sys.stdout)
 

@@ -119,6 +119,25 @@ def test_a_cache_owned_by_another_user_is_refused(cache, tmp_path) -> None:
     assert proc.stdout.startswith("False") and "owned by uid 4242" in proc.stdout, proc.stdout
 
 
+def test_a_cache_below_a_symbolic_link_another_user_owns_is_refused(cache, tmp_path) -> None:
+    """A link above the cache that another user owns can be pointed elsewhere at any time (a link of theirs
+    in /tmp, whose sticky bit does not stop its owner): refused, though what it points to now is private."""
+    if os.getuid() != 0:
+        pytest.skip("only root can hand a symbolic link to another user")
+    real = tmp_path / "real"
+    real.mkdir()
+    shutil.copytree(cache, real / "cache")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    os.lchown(link, 4242, 4242)
+    proc = run(REPORT, link / "cache")
+    assert proc.stdout.startswith("False") and f"{link}, above the kernel cache, is a symbolic link owned by uid 4242" \
+        in proc.stdout, proc.stdout
+    os.lchown(link, os.getuid(), os.getgid())  # this user's own link: taken
+    proc = run(REPORT, link / "cache")
+    assert proc.stdout.startswith("True"), proc.stdout + proc.stderr[-2000:]
+
+
 def test_a_stale_build_is_rebuilt_and_loaded_under_a_new_name(cache, tmp_path) -> None:
     """A cached library of another ABI version (its digest intact) is loaded, refused, rebuilt, and the
     rebuild loaded from a new file: dlopen of the old path would return the stale library again."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.kernel_cases import CASES, EMPTIES
+from tests.models.kernel_cases import CASES, EMPTIES, HELD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,13 @@ def test_the_input_is_refused_by_name(outcomes, case) -> None:
 
 @pytest.mark.parametrize("case", list(EMPTIES))
 def test_empty_inputs_give_empty_results(outcomes, case) -> None:
+    assert outcomes[case] == {"returned": True}, f"{case}: {outcomes[case]}"
+
+
+@pytest.mark.parametrize("case", list(HELD))
+def test_a_layer_or_stack_holds_what_its_pointers_address(outcomes, case) -> None:
+    """The caller's tensors replaced (``set_``) and dropped after a DecodeLayer / DecodeStack was built, or its
+    layers and head rebound: the kernel still reads the weights it was built from (same result, no crash)."""
     assert outcomes[case] == {"returned": True}, f"{case}: {outcomes[case]}"
 
 

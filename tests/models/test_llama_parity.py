@@ -11,7 +11,7 @@ import torch
 from tests.helpers import PagedRunner, hf_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "mistral", "llama3_rope", "linear_rope"]
+KINDS = ["llama", "qwen2", "mistral", "llama3_rope", "linear_rope", "qwen3", "phi3"]
 
 
 def random_tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
@@ -27,7 +27,7 @@ def test_single_prefill_matches_hf(tiny_pair, kind):
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_chunked_prefill_on_cached_prefix(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     tokens = random_tokens(30, seed=2)
@@ -40,7 +40,7 @@ def test_chunked_prefill_on_cached_prefix(tiny_pair, kind):
         start += size
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_mixed_batch_of_decodes_and_prefills(tiny_pair, kind):
     """Several sequences in one flattened batch, decodes first, shuffled block ids."""
     hf, ours = tiny_pair(kind)
@@ -60,7 +60,7 @@ def test_mixed_batch_of_decodes_and_prefills(tiny_pair, kind):
             torch.testing.assert_close(logits, expected[seq][a:b], atol=ATOL, rtol=0, msg=f"seq {seq} [{a}:{b}]")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_greedy_decode_matches_generate(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     prompts = [random_tokens(11, seed=20), random_tokens(4, seed=21), random_tokens(7, seed=22)]
@@ -86,8 +86,9 @@ def test_greedy_decode_matches_generate(tiny_pair, kind):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_mixed_batch(tiny_pair, dtype):
-    hf, ours = tiny_pair("qwen2")
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "phi3"])
+def test_cuda_mixed_batch(tiny_pair, kind, dtype):
+    hf, ours = tiny_pair(kind)
     model = copy.deepcopy(ours.model).to("cuda", dtype)
     seqs = {i: random_tokens(n, seed=30 + i) for i, n in enumerate((9, 5, 12))}
     runner = PagedRunner(model, block_size=4, seed=6, device="cuda")

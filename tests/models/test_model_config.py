@@ -52,9 +52,11 @@ def test_transformers4_style_attributes():
     assert cfg.bos_token_id is None and cfg.eos_token_ids == (3, 4)
 
 
-def test_mistral_context_capped_at_sliding_window():
+def test_mistral_window_applies_within_the_models_context():
     hf = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, sliding_window=1024)
-    assert ModelConfig.from_hf_config(hf).max_position_embeddings == 1024
+    cfg = ModelConfig.from_hf_config(hf)
+    assert (cfg.max_position_embeddings, cfg.sliding_window, cfg.layer_types) == (8192, 1024, None)
+    assert cfg.layer_window(0) == 1024
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from asyncinfer.models import (
     register_model_family,
     registry,
 )
+from asyncinfer.models.gemma import Gemma3ForCausalLM, GemmaForCausalLM
 from asyncinfer.models.llama import LLAMA_WEIGHT_MAP
 from asyncinfer.models.registry import ModelFamily, supported_architectures
 from tests.helpers import PagedRunner, hf_logits, tiny_hf_model
@@ -33,8 +34,8 @@ def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_built_in_families() -> None:
-    assert supported_architectures() == ("llama", "qwen2", "mistral")
-    assert supported_architectures(gguf=True) == ("llama", "qwen2")
+    assert supported_architectures() == ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
+    assert supported_architectures(gguf=True) == ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
     for name, hf_name in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
                           ("mistral", "MistralForCausalLM")):
         family = model_family(name)
@@ -42,15 +43,24 @@ def test_the_built_in_families() -> None:
         assert family.model_class is LlamaForCausalLM and family.weight_map is LLAMA_WEIGHT_MAP
     assert model_family("qwen2").qkv_bias and not model_family("llama").qkv_bias
     assert model_family("mistral").sliding_window and model_family("llama").gguf_permuted_qk
+    for name, hf_names, cls in (("gemma2", ("Gemma2ForCausalLM",), GemmaForCausalLM),
+                                ("gemma3", ("Gemma3ForCausalLM", "gemma3_text"), Gemma3ForCausalLM)):
+        family = model_family(name)
+        assert all(model_family(n) is family for n in hf_names) and family.model_class is cls and family.gguf
+        assert (family.hidden_act, family.norm_weight_offset, family.gguf_eot_tokens) == (
+            "gelu_pytorch_tanh", 1.0, ("<end_of_turn>",))
 
 
 def test_unknown_names_are_refused_with_the_list() -> None:
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2'; supported: llama, qwen2, mistral$"):
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2'; supported: llama, qwen2, mistral, "
+                                              r"qwen3, phi3, gemma2, gemma3$"):
         model_family("gpt2")
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'mistral'; supported: llama, qwen2$"):
+    with pytest.raises(ModelLoadError,
+                       match=r"unsupported GGUF architecture 'mistral'; supported: llama, qwen2, qwen3, phi3, gemma2, "
+                             r"gemma3$"):
         model_family("mistral", what="GGUF architecture", gguf=True)
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'phi3'"):
-        dataclasses.replace(ModelConfig.from_hf_config(SimpleNamespace(**HF_FIELDS)), architecture="phi3")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'falcon'"):
+        dataclasses.replace(ModelConfig.from_hf_config(SimpleNamespace(**HF_FIELDS)), architecture="falcon")
 
 
 HF_FIELDS = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
@@ -99,11 +109,13 @@ def test_a_new_family_is_one_registration(clean_registry, tmp_path):
 
 
 def test_a_gguf_of_an_unregistered_architecture_is_refused(tmp_path) -> None:
-    path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'phi3'; supported: llama, qwen2$"):
+    with pytest.raises(ModelLoadError,
+                       match=r"unsupported GGUF architecture 'falcon'; supported: llama, qwen2, qwen3, phi3, gemma2, "
+                             r"gemma3$"):
         load_model(path, torch.float32, "cpu")

@@ -132,14 +132,18 @@ def _private_problem(path: Path, what: str) -> str | None:
 
 def _ancestor_problem(directory: Path) -> str | None:
     """Why a directory above the cache lets another user replace it: one owned by someone other than this
-    user or root, or writable by group/others without the sticky bit (which keeps others from renaming
-    what they do not own)."""
+    user or root (or a symbolic link they own: they may point it elsewhere), or writable by group/others
+    without the sticky bit (which keeps others from renaming what they do not own)."""
     uid = os.getuid() if hasattr(os, "getuid") else None
     for parent in Path(os.path.abspath(directory)).parents:
         try:
-            st = parent.stat()
+            link, st = parent.lstat(), parent.stat()
         except OSError as exc:
             return f"cannot inspect {parent}, above the kernel cache ({exc})"
+        if stat.S_ISLNK(link.st_mode) and uid is not None and link.st_uid not in (0, uid):
+            return (f"{parent}, above the kernel cache, is a symbolic link owned by uid {link.st_uid}, who could "
+                    f"point it elsewhere; asyncinfer loads no code through it (set ASYNCINFER_KERNEL_CACHE to a "
+                    f"private directory)")
         if uid is not None and st.st_uid not in (0, uid):
             return (f"{parent}, above the kernel cache, is owned by uid {st.st_uid}, who could replace the cache; "
                     f"asyncinfer loads no code from it (set ASYNCINFER_KERNEL_CACHE to a private directory)")

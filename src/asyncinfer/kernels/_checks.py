@@ -3,9 +3,12 @@ host memory where they are told, so anything they cannot take is refused here wi
 parameter and what it allows.
 
 TypeError: not a tensor, another device (the kernels read host memory: CPU tensors only), another layout or
-dtype, a shape of another kind, non-contiguous where the kernel needs contiguous; ValueError: a size outside its
-range (0 where the kernel divides by it, products beyond :data:`MAX_BYTES`); IndexError: an index outside its
-table (token ids, positions, context lengths, slots, block ids)."""
+dtype, a shape of another kind, non-contiguous where the kernel needs contiguous, a negated or conjugated view
+(torch's lazy ``is_neg()`` / ``is_conj()`` bit, e.g. ``z.conj().imag``: the kernels would read the values
+unnegated); ValueError: a size outside its range (0 where the kernel divides by it, products beyond
+:data:`MAX_BYTES`), a tensor whose storage does not hold its elements (freed with
+``untyped_storage().resize_(0)``); IndexError: an index outside its table (token ids, positions, context
+lengths, slots, block ids)."""
 
 from __future__ import annotations
 
@@ -28,12 +31,28 @@ def tensor(name: str, t: object, dtype: torch.dtype | None = None, allowed: str 
     """``t`` itself, once it is a strided CPU tensor (of ``dtype``, if given); else TypeError naming ``name``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a CPU torch.Tensor{allowed and ' ' + allowed}, got {type(t).__name__}")
-    if not t.is_cpu or t.layout != torch.strided:
-        raise TypeError(f"{name} must be a strided CPU tensor (the kernels read host memory), got a {t.layout} "
-                        f"tensor on {t.device}")
+    if not t.is_cpu or t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{name} must be a strided CPU tensor (the kernels read host memory), got a "
+                        f"{'nested ' if t.is_nested else ''}{t.layout} tensor on {t.device}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must be a {dtype} tensor{allowed and ' ' + allowed}, got {t.dtype} "
                         f"{tuple(t.shape)}")
+    return memory(name, t)
+
+
+def memory(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, once a strided CPU tensor's bytes are what the kernels read at its data pointer: TypeError
+    for a negated or conjugated view (the bit torch resolves lazily), ValueError when its storage does not
+    reach its last element (a storage freed or shrunk in place: ``untyped_storage().resize_(0)``)."""
+    if t.is_neg() or t.is_conj():
+        raise TypeError(f"{name} is a lazily negated or conjugated view (is_neg() / is_conj()), whose memory "
+                        f"holds other values; pass {name}.resolve_neg() / {name}.resolve_conj()")
+    if t.numel():
+        extent = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        have = t.untyped_storage().nbytes()
+        if extent * t.element_size() > have:
+            raise ValueError(f"{name}: its storage holds {have} bytes, not the {extent * t.element_size()} its "
+                             f"{tuple(t.shape)} elements reach (freed or shrunk in place?)")
     return t
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from asyncinfer.kernels._build import lib as _need
-from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, real, size, tensor
+from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     _check,
@@ -47,7 +47,8 @@ class DecodeLayer:
     (``asyncinfer_decode_layer``): norms, projections, rope, the K/V write, attention over the paged
     cache and SwiGLU, each the same computation as the engine's kernels run op by op.
 
-    Built once per layer from its weights (held here, so they outlive nothing); called per step with
+    Built once per layer from its weights (held here: views of the blocks, copies of the norms and the
+    bias; resizing the blocks' memory in place afterwards is not detected, see docs/api.md); called per step with
     the residual stream ``h`` [T, hidden] (float32, contiguous, updated in place and returned).
     ``qkv``, ``o``, ``gate_up``, ``down``: each ``(format, blocks, bias or None)``, blocks as
     :func:`gemm` takes them (``pack(quantize(w, format), format)``; ``qkv`` the q, k and v rows one
@@ -63,10 +64,6 @@ class DecodeLayer:
     def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
                  gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, scale: float) -> None:
-        # qkv / o / gate_up / down: (format, blocks, bias or None).
-        self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
-                      "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                      "intermediate_size": intermediate_size, "scale": scale}
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -94,6 +91,15 @@ class DecodeLayer:
                 tensor("qkv bias", bias, torch.float32)
                 if not bias.is_contiguous() or bias.numel() != n:
                     raise ValueError(f"qkv bias must be contiguous float32 [{n}], got {tuple(bias.shape)}")
+        # What the kernel's pointers address is held here: private copies of the norms and the bias (a few KB),
+        # views of the blocks (sharing their memory: a caller's ``set_`` on a tensor it passed cannot free it).
+        norm1, norm2 = norm1.detach().clone(), norm2.detach().clone()
+        qkv, o, gate_up, down = ((spec[0], spec[1].detach(), None if spec[2] is None else spec[2].detach().clone())
+                                 for spec in (qkv, o, gate_up, down))
+        # qkv / o / gate_up / down: (format, blocks, bias or None).
+        self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
+                      "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                      "intermediate_size": intermediate_size, "scale": scale}
         #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
@@ -234,12 +240,13 @@ class DecodeStack:
             fmt, blocks, out_features = head
             size("head's out_features", out_features)
             _check_blocks(blocks, fmt, out_features, hidden, "head")
-        self.layers = layers
-        self.head = head
+        #: The layers and the head the kernel's pointers address (read-only: the array below is built from them).
+        self._layers = tuple(layers)
+        self._head = head if head is None else (head[0], head[1].detach(), head[2])
         self._widest = max(layer._widest for layer in layers)
-        self._norm = final_norm.detach().float().contiguous()
+        self._norm = final_norm.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self._eps = eps
-        self._array = (_Layer * len(self.layers))(*(layer._struct for layer in self.layers))
+        self._array = (_Layer * len(self._layers))(*(layer._struct for layer in self._layers))
         # The caches as last checked: their tensors (k0, v0, k1, ...), layer 0's K address, their pointers.
         # The caches as last checked: their tensors (k0, v0, k1, ...), every one's data pointer, their pointers
         # for the C call, and layer 0's K shape (the slots the kernel may address).
@@ -249,6 +256,16 @@ class DecodeStack:
         #: the layers as a whole, and the head (see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
 
+    @property
+    def layers(self) -> tuple[DecodeLayer, ...]:
+        """The layers, in order (a tuple: the stack's kernel array is built from them once)."""
+        return self._layers
+
+    @property
+    def head(self) -> tuple[str, torch.Tensor, int] | None:
+        """None, or the output projection ``(format, blocks, out_features)`` (the blocks a view this stack holds)."""
+        return self._head
+
     def time_parts(self, on: bool = True) -> None:
         """Start (zeroed) or stop adding up where the calls spend their time (all layers together)."""
         self.timing = torch.zeros(4, dtype=torch.float64) if on else None
@@ -256,8 +273,8 @@ class DecodeStack:
     def __deepcopy__(self, memo: dict) -> DecodeStack:
         import copy
 
-        return DecodeStack([copy.deepcopy(layer, memo) for layer in self.layers], copy.deepcopy(self._norm, memo),
-                           self._eps, copy.deepcopy(self.head, memo))
+        return DecodeStack([copy.deepcopy(layer, memo) for layer in self._layers], copy.deepcopy(self._norm, memo),
+                           self._eps, copy.deepcopy(self._head, memo))
 
     def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, torch.Tensor]:
         """The caches' pointers and layer 0's K (whose shape bounds the slots and blocks the call may
@@ -268,8 +285,8 @@ class DecodeStack:
         held = self._kv
         if not isinstance(kv_caches, (list, tuple)):
             raise TypeError(f"kv_caches must be a list of (k, v) pairs, got {type(kv_caches).__name__}")
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self._layers)} layers")
         try:
             same = held is not None and all(map(operator.is_, chain.from_iterable(kv_caches), held[0])) and (
                 tuple(map(_data_ptr, held[0])) == held[1]) and held[0][0].shape == held[3]
@@ -283,7 +300,7 @@ class DecodeStack:
         for i, t in enumerate(tensors):
             tensor(f"kv_caches[{i // 2}][{i % 2}]", t, torch.float32)
         shape = tensors[0].shape
-        for layer, (k, v) in zip(self.layers, kv_caches):
+        for layer, (k, v) in zip(self._layers, kv_caches):
             kv_shape = (layer._kv_heads, layer._head_dim)
             if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
                     and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
@@ -307,7 +324,7 @@ class DecodeStack:
         if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
                 held.cos_tensor is cos_table) and held.sin_tensor is sin_table and held.layout == layout:
             return held
-        layer = self.layers[0]
+        layer = self._layers[0]
         half = layer._head_dim // 2
         tensor("embed", embed)
         if embed.dim() != 2 or embed.shape[1] != layer._hidden or not embed.is_floating_point():
@@ -345,6 +362,7 @@ class DecodeStack:
                 tensor(name, t)
                 raise TypeError(f"{name} must be a CPU int64 tensor, one entry a token (block_tables: one row), got "
                                 f"{t.dtype} {tuple(t.shape)}")
+            memory(name, t)
         if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
             raise TypeError(f"block_tables must be int64 [{num_tokens}, blocks], got {tuple(block_tables.shape)}")
         if num_tokens < 1:
@@ -367,7 +385,7 @@ class DecodeStack:
         another length or holding an int outside int64; TypeError for arguments of another type (``packed``
         a list of ints, ``num_tokens`` and ``width`` ints) and the tables and caches as :meth:`__call__`
         does; IndexError for a token id, position, context, slot or block outside its table."""
-        if self.head is None:
+        if self._head is None:
             raise ValueError("decode_packed needs a DecodeStack built with a head")
         if type(num_tokens) is not int or type(width) is not int:  # a bool, float, numpy int...: named
             num_tokens, width = size("num_tokens", num_tokens, -2**63, 2**63), size("width", width, -2**63, 2**63)
@@ -375,26 +393,26 @@ class DecodeStack:
             raise ValueError(f"num_tokens, width: a step of decodes has at least one token and one block, got "
                              f"{num_tokens} and {width}")
         try:
-            n = len(packed)
             data = array("q", packed)  # int64, range-checked
         except (TypeError, OverflowError, RuntimeError) as exc:  # RuntimeError: a tensor without a value
             raise (ValueError if isinstance(exc, OverflowError) else TypeError)(
                 f"packed must be a list of ints within int64: {exc}") from None
+        n = len(data)  # what was converted (a list subclass's own __len__ may say otherwise)
         if n != num_tokens * (4 + width):
             raise ValueError(f"packed holds {n} ints, not {num_tokens} * (4 + {width})")
         data.frombytes(bytes(8 * num_tokens))  # room for each row's argmax
         at = data.buffer_info()[0]
         logits = self._run(num_tokens, at, at + 8 * num_tokens, at + 16 * num_tokens, at + 24 * num_tokens,
                            at + 32 * num_tokens, width, embed, cos_table, sin_table, kv_caches, True,
-                           lambda: torch.tensor(packed[:num_tokens], dtype=torch.long),
-                           max(packed[3 * num_tokens:4 * num_tokens]), at + 8 * n)
+                           lambda: torch.tensor(data[:num_tokens], dtype=torch.long),
+                           max(data[3 * num_tokens:4 * num_tokens]), at + 8 * n)
         return logits, data[n:].tolist()
 
     def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
              embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, logits: bool,
              input_ids: Callable[[], torch.Tensor], max_context: int, argmax: int | None = None) -> torch.Tensor:
         lib = _need()
-        if logits and self.head is None:
+        if logits and self._head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
         if num_tokens * self._widest > _MAX_FLOATS:
             bounded("a step's working memory (tokens x the widest layer)", num_tokens, self._widest, 4)
@@ -409,15 +427,15 @@ class DecodeStack:
             h = contiguous(torch.nn.functional.embedding(ids_in, embed).float(), "embed")
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
-            fmt, blocks, head_n = self.head  # type: ignore[misc]
+            fmt, blocks, head_n = self._head  # type: ignore[misc]
             out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt], head_n), torch.empty(num_tokens, head_n)
         else:
-            out, head, result = torch.empty(num_tokens, self.layers[0]._hidden), (None, 0, 0), None
+            out, head, result = torch.empty(num_tokens, self._layers[0]._hidden), (None, 0, 0), None
         pointers, cache = self._cache_pointers(kv_caches)  # cache: layer 0's K [blocks, block size, KV heads, D]
         if max_context > ldt * cache.shape[1]:  # before the kernels' own check, whose rounding-up could wrap
             check_width(ldt, cache.shape[1])
             check_context(max_context, ldt, cache.shape[1])
-        args = (self._array, len(self.layers), pointers, None if h is None else h.data_ptr(),
+        args = (self._array, len(self._array), pointers, None if h is None else h.data_ptr(),
                 num_tokens, ids, tables_in.embed, tables_in.vocab, positions, tables_in.cos, tables_in.sin,
                 tables_in.positions,
                 self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,

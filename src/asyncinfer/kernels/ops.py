@@ -8,7 +8,17 @@ import ctypes
 import torch
 
 from asyncinfer.kernels._build import lib as _need
-from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, empty, out_of_memory, real, size, tensor
+from asyncinfer.kernels._checks import (
+    MAX_BYTES,
+    bounded,
+    contiguous,
+    empty,
+    memory,
+    out_of_memory,
+    real,
+    size,
+    tensor,
+)
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
@@ -72,12 +82,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     hidden size of 0 or more than 2**62 bytes of x."""
     lib = _need()
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cpu and weight.is_cpu
-            and x.dtype == weight.dtype == torch.float32 and x.layout == weight.layout == torch.strided
+            and not (x.is_nested or weight.is_nested) and x.dtype == weight.dtype == torch.float32 and x.layout == weight.layout == torch.strided
             and x.dim() >= 1 and weight.shape == x.shape[-1:]):  # one test on the hot path; the details below
         tensor("x", x)
         tensor("weight", weight)
         raise TypeError(f"x, weight: rms_norm takes float32 x [..., hidden] and weight [hidden], got {x.dtype} "
                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    memory("x", x)
+    memory("weight", weight)
     shape = x.shape
     hidden = shape[-1]
     if hidden < 1:
@@ -188,6 +200,8 @@ def _check_paged(lib: ctypes.CDLL, tables: torch.Tensor, context_lens: torch.Ten
             tensor(name, t, torch.int64)
             raise TypeError(f"{name} must be contiguous int64 [sequences] with one entry a sequence, got {t.dtype} "
                             f"{tuple(t.shape)}")
+        if t is not None:
+            memory(name, t)
     if tables.dim() != 2 or tables.shape[0] != num_seqs:
         raise TypeError(f"block_tables must be int64 [sequences={num_seqs}, blocks], got {tuple(tables.shape)}")
     check_cache_size("k_cache", k_cache)
@@ -224,9 +238,10 @@ def _check(code: int, what: str) -> None:
 
 def argmax_takes(x: torch.Tensor) -> bool:
     """Whether :func:`argmax` takes ``x``: a CPU float32 [rows, n > 0] tensor whose rows follow each
-    other (values contiguous, rows apart by at least n)."""
-    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu
-            and x.layout == torch.strided and x.shape[1] > 0 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and (x.shape[1] == 1 or x.stride(1) == 1))
+    other (values contiguous, rows apart by at least n), not a lazily negated view (``is_neg()``)."""
+    return (isinstance(x, torch.Tensor) and not x.is_nested and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu
+            and x.layout == torch.strided and x.shape[1] > 0 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
+            and (x.shape[1] == 1 or x.stride(1) == 1) and not x.is_neg())
 
 
 def argmax(x: torch.Tensor) -> list[int]:
@@ -238,6 +253,7 @@ def argmax(x: torch.Tensor) -> list[int]:
         tensor("x", x, torch.float32)
         raise TypeError(f"x: argmax takes a CPU float32 [rows, n > 0] tensor with contiguous rows, got {x.dtype} "
                         f"{tuple(x.shape)} on {x.device}")
+    memory("x", x)
     out = (ctypes.c_int64 * x.shape[0])()
     lib.asyncinfer_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out)
     return list(out)

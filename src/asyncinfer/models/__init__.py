@@ -1,4 +1,4 @@
-"""The from-scratch model layer: config, attention backends, model families (Llama/Qwen2/Mistral), loaders."""
+"""The from-scratch model layer: config, attention backends, model families (Llama/Qwen2/Mistral/Qwen3/Phi-3), loaders."""
 
 from asyncinfer.models.attention import AttentionBackend, AttentionMetadata, select_attention_backend
 from asyncinfer.models.config import ModelConfig

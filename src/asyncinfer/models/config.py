@@ -19,17 +19,35 @@ from asyncinfer.models.registry import ModelFamily, find_model_family, model_fam
 # Rope types the rotary embedding implements; "default" means no scaling.
 # "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+# Attention kinds a layer may have (``ModelConfig.layer_types``, Hugging Face's names).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral).
+    """Shape and numerics of a decoder of a registered family (Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2,
+    Gemma 3).
 
     ``architecture`` is the family's registered name (``models.registry``).
     ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
     ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"freq_factors"``) and
     that type's parameters, using the Hugging Face key names.
     ``attention_bias`` means bias on the q/k/v projections only (Qwen2).
+
+    Sliding-window attention: a query at position ``p`` of a layer with a window (:meth:`layer_window`)
+    attends to the keys at positions ``p - sliding_window + 1 .. p`` only, as transformers does; the
+    context length stays ``max_position_embeddings``. ``layer_types`` says which layers have the window
+    (``"sliding_attention"``) and which attend to the whole context (``"full_attention"``); None: every
+    layer has it (Mistral). No ``sliding_window``: no layer has one.
+
+    The Gemma fields (defaults: what the Llama families do): ``query_pre_attn_scalar`` (the softmax
+    scale is its inverse square root; None: ``head_dim``), ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (``cap * tanh(x / cap)`` on the attention scores and on the logits;
+    None: none), ``sliding_rope_theta`` (the rope base of the sliding layers, which take no rope
+    scaling; None: ``rope_theta`` and ``rope_scaling`` on every layer) and ``norm_weight_offset``
+    (added to every RMSNorm weight: Gemma's Hugging Face checkpoints store ``weight - 1``, llama.cpp's
+    Gemma GGUFs the weight itself).
     """
 
     architecture: str
@@ -48,8 +66,8 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # The attention window a GGUF file declares (None: none declared; a Hugging Face
-    # config's window caps max_position_embeddings instead, see _max_positions).
+    # The attention window (keys a query sees, its own included) of the layers layer_types marks
+    # "sliding_attention" (every layer when layer_types is None); None: full attention everywhere.
     sliding_window: int | None = None
     # The block format a GGUF file holds every projection in ("q4_1": Q4_1 layers and a Q8_0 head, as
     # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights;
@@ -57,6 +75,13 @@ class ModelConfig:
     # (each projection then keeps its own where a kernel takes it: asyncinfer.models.quant); None
     # for any other file or a Hugging Face checkpoint. quantization="auto" picks it where it runs.
     native_format: str | None = None
+    # Per layer, "full_attention" or "sliding_attention" (None: every layer as sliding_window says).
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_rope_theta: float | None = None
+    norm_weight_offset: float = 0.0
     # The format a GGUF file stores each matrix in, by layer name ("layers.0.attn.qkv_proj", "lm_head"):
     # "float32", "float16", "bfloat16", a ggml block type in lower case ("q4_1", "q6_k"), or "mixed"
     # when the rows of a fused layer come in different ones; () for a Hugging Face checkpoint.
@@ -83,6 +108,12 @@ class ModelConfig:
         if not self.rope_theta > 0:
             raise ModelLoadError(f"model config: rope_theta={self.rope_theta!r} must be > 0")
         _validate_rope_scaling(self.rope_scaling, self.head_dim)
+        self._validate_window()
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "sliding_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ModelLoadError(f"model config: {name}={value!r} must be None or > 0")
         if not isinstance(self.eos_token_ids, tuple):
             raise ModelLoadError("model config: eos_token_ids must be a tuple of ints")
         for tok in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -91,7 +122,35 @@ class ModelConfig:
                     f"model config: special token id {tok!r} outside vocab [0, {self.vocab_size})"
                 )
 
+    def _validate_window(self) -> None:
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ModelLoadError(f"model config: sliding_window={window!r} must be None or a positive int")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(f"model config: layer_types must be a tuple of num_layers={self.num_layers} "
+                                 f"entries, got {self.layer_types!r}")
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+        if unknown:
+            raise ModelLoadError(f"unsupported attention layer type(s) {', '.join(map(repr, unknown))}; "
+                                 f"supported: {', '.join(LAYER_TYPES)}")
+
     # ---- derived values -------------------------------------------------
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (keys a query sees, its own included), None: the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma), else ``head_dim ** -0.5``."""
+        scalar = self.query_pre_attn_scalar
+        return (self.head_dim if scalar is None else scalar) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -107,17 +166,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelConfig:
-        """Normalise a transformers ``LlamaConfig``/``Qwen2Config``/``MistralConfig``.
+        """Normalise a transformers config of a registered family (``LlamaConfig``, ``Qwen2Config``,
+        ``MistralConfig``, ``Qwen3Config``, ``Phi3Config``, ``Gemma2Config``, ``Gemma3TextConfig``, ...).
 
-        Handles both the transformers 5 ``rope_parameters`` dict and the older
-        ``rope_theta``/``rope_scaling`` attributes. Raises ``ModelLoadError``
+        Handles both the transformers 5 ``rope_parameters`` dict (per layer type for Gemma 3) and the
+        older ``rope_theta``/``rope_scaling``/``rope_local_base_freq`` attributes. Raises ``ModelLoadError``
         for architectures or features the runner does not implement.
         """
         family = _hf_family(cfg)
         arch = family.name
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
+        # Gemma's configs name it hidden_activation (an older hidden_act there is not what runs).
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+        if act != family.hidden_act:
+            raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; only {family.hidden_act!r} is implemented")
         # HF Llama/Mistral's attention_bias also adds an o_proj bias, which we don't implement;
         # a qkv_bias family (Qwen2) always has q/k/v bias and no o_proj bias.
         if not family.qkv_bias and getattr(cfg, "attention_bias", False):
@@ -129,6 +190,7 @@ class ModelConfig:
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         rope_theta, rope_scaling = _hf_rope(cfg)
+        window, layer_types = _hf_window(cfg, family)
 
         return cls(
             architecture=arch,
@@ -142,11 +204,18 @@ class ModelConfig:
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_max_positions(cfg, family),
+            max_position_embeddings=int(cfg.max_position_embeddings),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=family.qkv_bias,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_ids=normalise_token_ids(getattr(cfg, "eos_token_id", None)),
+            sliding_window=window,
+            layer_types=layer_types,
+            query_pre_attn_scalar=_optional_float(getattr(cfg, "query_pre_attn_scalar", None)),
+            attn_logit_softcapping=_optional_float(getattr(cfg, "attn_logit_softcapping", None)),
+            final_logit_softcapping=_optional_float(getattr(cfg, "final_logit_softcapping", None)),
+            sliding_rope_theta=_hf_sliding_rope_theta(cfg),
+            norm_weight_offset=family.norm_weight_offset,
         )
 
 
@@ -159,11 +228,20 @@ def normalise_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(v) for v in value))  # dedupe, keep order
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
-    """Return (rope_theta, rope_scaling) from either transformers rope convention."""
+    """Return (rope_theta, rope_scaling) from either transformers rope convention (per layer type:
+    the full-attention layers', see :func:`_hf_sliding_rope_theta` for the sliding ones')."""
     params = getattr(cfg, "rope_parameters", None)
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        raise ModelLoadError("per-layer-type rope parameters are not supported")
+        if set(params) - set(LAYER_TYPES) or not isinstance(params.get(FULL_ATTENTION), dict):
+            raise ModelLoadError(f"unsupported per-layer-type rope parameters for layer types {sorted(params)}")
+        params = params[FULL_ATTENTION]
+        if "rope_theta" not in params:
+            raise ModelLoadError("the full-attention layers' rope parameters have no rope_theta")
     if isinstance(params, dict) and "rope_theta" in params:
         # transformers 5: theta lives in rope_parameters next to the scaling keys.
         theta = float(params["rope_theta"])
@@ -187,30 +265,83 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **scaling}
 
 
+def _hf_sliding_rope_theta(cfg: Any) -> float | None:
+    """The rope base of the sliding-window layers where a config gives them their own (Gemma 3:
+    transformers 5's ``rope_parameters["sliding_attention"]``, older ``rope_local_base_freq``), else None.
+
+    Raises:
+        ModelLoadError: rope scaling on the sliding layers (not implemented).
+    """
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(SLIDING_ATTENTION), dict):
+        sliding = dict(params[SLIDING_ATTENTION])
+        rope_type = sliding.get("rope_type") or sliding.get("type") or "default"
+        if rope_type != "default":
+            raise ModelLoadError(f"rope scaling {rope_type!r} on the sliding-window layers is not supported")
+        return _optional_float(sliding.get("rope_theta"))
+    return _optional_float(getattr(cfg, "rope_local_base_freq", None))
+
+
+def _hf_window(cfg: Any, family: ModelFamily) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of a transformers config: ``layer_types`` where the config lists
+    them (Qwen2, Gemma; None when none is sliding), else every layer for a family whose window always
+    applies (Mistral) or a config that sets ``use_sliding_window``."""
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None, None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        types = tuple(str(t) for t in layer_types)
+        return (window, types) if SLIDING_ATTENTION in types else (None, None)
+    if family.sliding_window or getattr(cfg, "use_sliding_window", False):
+        return window, None
+    return None, None
+
+
 def _hf_family(cfg: Any) -> ModelFamily:
     """The registered family of a transformers config: by a class name in ``architectures``
     (a family may reuse another's config class), else by ``model_type``."""
     model_type = getattr(cfg, "model_type", None)
-    for name in (*(getattr(cfg, "architectures", None) or ()), model_type):
+    _refuse_multimodal(model_type, getattr(cfg, "text_config", None) is not None)
+    return _family_of(model_type, getattr(cfg, "architectures", None))
+
+
+def hf_config_family(raw: Any, source: Any = "config.json") -> ModelFamily:
+    """The registered family a parsed ``config.json`` names (as :meth:`ModelConfig.from_hf_config` picks it:
+    a class name in ``architectures``, else ``model_type``), from the file's own names, before transformers
+    parses it and before any weight is read.
+
+    Raises:
+        ModelLoadError: ``raw`` is not a JSON object (naming ``source``), a multimodal model (a
+            ``text_config`` inside), or no family runs the model: the message names its ``model_type`` and
+            ``architectures`` and lists the supported architectures.
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"cannot read {source}: expected a JSON object, got {type(raw).__name__}")
+    _refuse_multimodal(raw.get("model_type"), raw.get("text_config") is not None)
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list):
+        architectures = None
+    return _family_of(raw.get("model_type"), architectures)
+
+
+def _refuse_multimodal(model_type: Any, has_text_config: bool) -> None:
+    """A multimodal wrapper (e.g. ``Gemma3ForConditionalGeneration``, model_type ``gemma3``) is refused by
+    name: only text decoders run, even where its text part's family is registered."""
+    if has_text_config:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}: a multimodal model (only text decoders run; "
+                             f"supported: {', '.join(supported_architectures())})")
+
+
+def _family_of(model_type: Any, architectures: Any) -> ModelFamily:
+    for name in (*(architectures or ()), model_type):
         family = find_model_family(name)
         if family is not None:
             return family
-    raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_architectures())}")
-
-
-def _max_positions(cfg: Any, family: ModelFamily) -> int:
-    """Positions the runner may use; capped at the sliding window where one applies.
-
-    Sliding-window attention is not implemented, so capping the usable context
-    at the window keeps results exact (within the window full attention and
-    sliding-window attention are the same thing).
-    """
-    max_pos = int(cfg.max_position_embeddings)
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = family.sliding_window or bool(getattr(cfg, "use_sliding_window", False))
-    if uses_window and isinstance(window, int) and 0 < window < max_pos:
-        return window
-    return max_pos
+    named = f" (architectures: {', '.join(map(str, architectures))})" if architectures else ""
+    raise ModelLoadError(
+        f"unsupported model_type {model_type!r}{named}; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> None:

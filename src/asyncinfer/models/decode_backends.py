@@ -7,11 +7,13 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
 - :class:`TorchDecode` — the model's own ``forward`` (the reference every backend is tested against)
   through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
   every step shape.
-- :class:`KernelDecode` — a Llama-family model whose projections are all in ggml's block formats
+- :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; not
+  Qwen3, whose attention adds a per-head q/k norm) whose projections are all in ggml's block formats
   (``q4_1``, ``q8_0``) on asyncinfer's kernels: it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
   call (the step's integers in one list; logits and argmax from the same call). Any other step (a
-  prefill, a mixed step, an empty one) runs the torch reference.
+  prefill, a mixed step, an empty one, or, for a model with a sliding window, a step with a context
+  longer than the window: the kernel attends to the whole context) runs the torch reference.
 
 :func:`select_decode_backend` makes the choice (``loading.build_core`` and ``quality.py`` call it); the
 attention backend goes with it: the block formats decode attention in asyncinfer's kernel
@@ -33,7 +35,7 @@ from asyncinfer.models.attention.padding import flat_padded_tables
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm
-from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncinfer.models.quant import BlockLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -129,6 +131,8 @@ class KernelDecode(DecodeBackend):
             raise ValueError(f"KernelDecode cannot run this model: {why_not}")
         assert isinstance(model, LlamaForCausalLM) and isinstance(model.output_proj, BlockLinear)
         self._reference = TorchDecode(model, attention, device)
+        # The kernel attends to whole contexts: a windowed model's steps past its window run the reference.
+        self._window = model.config.sliding_window
         layers = [_decode_layer(layer) for layer in model.layers]
         head = model.output_proj.kernel_weights()
         self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps,
@@ -145,7 +149,7 @@ class KernelDecode(DecodeBackend):
         return self._stack
 
     def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
-        if not step.sampled_decodes_only:
+        if not step.sampled_decodes_only or (self._window is not None and max(step.context_lens) > self._window):
             return self._reference.forward(step, kv_caches)
         # The step's integers in one list (ids, positions, slots, context lengths, block tables padded to
         # the widest): no per-step tensor or attention metadata (each torch op costs tens of microseconds
@@ -186,10 +190,17 @@ def kernel_attention_applies(model: nn.Module, config: ModelConfig) -> bool:
 def kernel_decode_blocker(model: nn.Module) -> str | None:
     """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not."""
     if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not a Llama-family model (the kernels run that layer only)"
+        return (f"{type(model).__name__} is not a Llama-family model (the kernels' decode step runs that layer only: "
+                "not Gemma's GeGLU, four norms a layer, q/k norms, scaled embeddings or soft-capped scores)")
     if not kernel_attention_applies(model, model.config):
         return "its projections are not in a block format, or its head_dim is not a multiple of 8"
     for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            # A family's own block or attention (Qwen3's): the kernels' decode layer computes Llama's only.
+            gap = f" (it adds {attn.kernel_gap})" if isinstance(attn, LlamaAttention) and attn.kernel_gap else ""
+            return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not the LlamaDecoderLayer "
+                    f"with LlamaAttention the kernels' decode layer computes{gap}")
         projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():

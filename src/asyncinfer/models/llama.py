@@ -20,6 +20,8 @@ Parameter names (what the weight map fills)::
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,10 +39,18 @@ class LlamaAttention(nn.Module):
 
     The attention itself is the step's backend's (``meta.backend``, see
     :mod:`asyncinfer.models.attention`): this layer only projects and rotates (with ``ops.apply_rope``).
+    ``window``: the layer's sliding window (:meth:`ModelConfig.layer_window`), handed to the backend.
     """
 
-    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
+    #: What a subclass computes beyond this layer's steps (e.g. Qwen3's per-head q/k norm), which the
+    #: kernels' one-call decode step does not (``decode_backends.kernel_decode_blocker`` says so); None here.
+    kernel_gap: ClassVar[str | None] = None
+
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
+        # The backend's keyword arguments for this layer: its window, where it has one.
+        self._attn_kwargs: dict[str, int] = {} if window is None else {"window": window}
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -68,17 +78,23 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, KVH, D]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, **self._attn_kwargs)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); ``layer``: its index (for its window).
 
-    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
+    ``attention_class``: the attention layer it builds (a family whose block differs only in its
+    attention, as Qwen3's, subclasses this with its own, taking ``(config, ops, window)``).
+    """
+
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS, layer: int = 0) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
-        self.attn = LlamaAttention(config, ops)
+        self.attn = self.attention_class(config, ops, window=config.layer_window(layer))
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ops.silu_mul)
 
@@ -99,7 +115,12 @@ class LlamaForCausalLM(nn.Module):
 
     ``ops``: the element-wise functions (RMSNorm, rotary, SwiGLU) every layer computes with, fixed here
     (the eager ones, or their compiled forms with ``torch_compile=True``).
+
+    ``decoder_layer_class``: the block it stacks (a family that differs only inside it subclasses this
+    with its own, as :class:`asyncinfer.models.qwen3.Qwen3ForCausalLM` does).
     """
+
+    decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS) -> None:
         super().__init__()
@@ -107,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self._ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The weight format's output projection (see use_output_proj); None: lm_head_weight in the dtype.

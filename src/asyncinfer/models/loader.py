@@ -52,7 +52,14 @@ from torch import nn
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
-from asyncinfer.models.config import ModelConfig, normalise_token_ids
+from asyncinfer.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ROPE_TYPES,
+    ModelConfig,
+    hf_config_family,
+    normalise_token_ids,
+)
 from asyncinfer.models.gguf_file import GGUFFile, GGUFTensor
 from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
@@ -306,6 +313,9 @@ def _preview(names: list[str], limit: int = 8) -> str:
 def _hf_model_config(path: Path) -> ModelConfig:
     from transformers import AutoConfig
 
+    # An architecture no family runs is refused from config.json's names, before transformers parses it
+    # (which fails on model types it does not know without naming what runs here) and before any weight.
+    hf_config_family(read_json(path / "config.json"), path / "config.json")
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
@@ -519,6 +529,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     Raises:
         ModelLoadError: naming the metadata key or the tensor.
     """
+    arch = reader.fields.get("general.architecture")
+    _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
     try:
         config = gguf_model_config(reader)
     except (TypeError, ValueError, OverflowError, KeyError, AttributeError) as exc:  # a value of the wrong kind
@@ -535,11 +547,7 @@ def _check_index(reader: GGUFFile, config: ModelConfig) -> tuple[tuple[str, str]
     each projection and of the head (``"lm_head"``)."""
     arch = config.architecture
     index = {t.name: t for t in reader.tensors}
-    blocks = {int(m.group(1)) for name in index if (m := _BLOCK_NAME.match(name))}
-    held = max(blocks) + 1 if blocks else 0
-    if config.num_layers != held:  # first: the model built for a wrong count would be that count's size
-        raise ModelLoadError(f"GGUF file {reader.path}: metadata {arch}.block_count = {config.num_layers}, but its "
-                             f"tensors hold {held} layer(s)" + (f" (blk.0 ... blk.{held - 1})" if held else ""))
+    _check_block_count(reader, arch, config.num_layers)
     largest = max((d for t in reader.tensors for d in t.shape), default=0)
     for key, value in ((f"{arch}.embedding_length", config.hidden_size),
                        (f"{arch}.feed_forward_length", config.intermediate_size),
@@ -577,6 +585,18 @@ def _check_index(reader: GGUFFile, config: ModelConfig) -> tuple[tuple[str, str]
     return tuple(formats)
 
 
+def _check_block_count(reader: GGUFFile, arch: object, count: object) -> None:
+    """Refuse a block count (an int in the metadata) other than the layers the tensors hold: a model built
+    for a wrong count would be that count's size."""
+    if not isinstance(count, int) or isinstance(count, bool):
+        return  # absent or not an int: gguf_model_config says so
+    blocks = {int(m.group(1)) for t in reader.tensors if (m := _BLOCK_NAME.match(t.name))}
+    held = max(blocks) + 1 if blocks else 0
+    if count != held:
+        raise ModelLoadError(f"GGUF file {reader.path}: metadata {arch}.block_count = {count}, but its "
+                             f"tensors hold {held} layer(s)" + (f" (blk.0 ... blk.{held - 1})" if held else ""))
+
+
 def _native_format(stored: tuple[tuple[str, str], ...]) -> str | None:
     """``ModelConfig.native_format`` of a file storing its projections in ``stored``: the block format of
     every projection where its head is in that format's head format (SmolLM2's: Q4_1 layers, a Q8_0 head);
@@ -608,12 +628,14 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         )
     eos = normalise_token_ids(_field(reader, "tokenizer.ggml.eos_token_id", None))
     eot = normalise_token_ids(_field(reader, "tokenizer.ggml.eot_token_id", None))
+    num_layers = int(_field(reader, f"{arch}.block_count"))
+    window, layer_types = _gguf_window(reader, arch, num_layers)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -624,9 +646,76 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=family.qkv_bias,
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
-        eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
-        sliding_window=_optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None,
+        eos_token_ids=tuple(dict.fromkeys((*eos, *eot, *_gguf_token_ids(reader, family.gguf_eot_tokens)))),
+        sliding_window=window,
+        layer_types=layer_types,
+        attn_logit_softcapping=_optional_float(_field(reader, f"{arch}.attn_logit_softcapping", None)),
+        final_logit_softcapping=_optional_float(_field(reader, f"{arch}.final_logit_softcapping", None)),
+        **_gguf_gemma_fields(reader, arch, family.name, num_layers, hidden, num_heads, head_dim),
     )
+
+
+# llama.cpp's Gemma conventions, for files that do not state them (its loader hard-codes them):
+# the sliding-window pattern (every 2nd layer full for Gemma 2, every 6th for Gemma 3) and the layer
+# count of the 27B models, whose softmax scale is (hidden / heads) ** -0.5 instead of head_dim ** -0.5.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_window(reader: GGUFFile, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` from ``<arch>.attention.sliding_window`` and
+    ``<arch>.attention.sliding_window_pattern`` (a period ``n``: every ``n``-th layer full, the others
+    sliding, or one bool a layer: sliding or not). Gemma files without a pattern get llama.cpp's; other
+    architectures' windows apply to every layer. A window of 0 is none."""
+    window = _optional_int(_field(reader, f"{arch}.attention.sliding_window", None)) or None
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PATTERN.get(arch))
+    if pattern is None:
+        return window, None
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                                 f"for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern)
+        if period < 1:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern={period} must be >= 1")
+        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding)
+    return (window, types) if window is not None and any(sliding) else (None, types)
+
+
+def _gguf_gemma_fields(reader: GGUFFile, arch: str, family: str, num_layers: int, hidden: int, num_heads: int,
+                       head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma files set: the softmax scale (``<arch>.attention.scale`` where
+    the file has it, else llama.cpp's rule), the sliding layers' rope base (``<arch>.rope.freq_base_swa``,
+    else 10000 as llama.cpp takes for Gemma 3) and the norm offset (0: llama.cpp's converter stored the
+    norm weights with Gemma's 1 added)."""
+    if family not in _GEMMA_SWA_PATTERN:
+        return {}
+    scale = _field(reader, f"{arch}.attention.scale", None)
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif num_layers == _GEMMA_27B_LAYERS[family]:
+        scalar = hidden / num_heads
+    else:
+        scalar = float(head_dim)
+    swa_base = _field(reader, f"{arch}.rope.freq_base_swa", 10000.0 if family == "gemma3" else None)
+    return {"query_pre_attn_scalar": scalar, "sliding_rope_theta": _optional_float(swa_base),
+            "norm_weight_offset": 0.0}
+
+
+def _gguf_token_ids(reader: GGUFFile, texts: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of the tokens spelled ``texts`` in the file's vocabulary (those it has), in that order."""
+    if not texts or "tokenizer.ggml.tokens" not in reader.fields:
+        return ()
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    ids = {text: i for i, text in enumerate(tokens) if text in texts}
+    return tuple(ids[text] for text in texts if text in ids)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _optional_int(value: Any) -> int | None:
@@ -636,6 +725,11 @@ def _optional_int(value: Any) -> int | None:
 def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors."""
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    long_short = sorted(name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensors)
+    if long_short:
+        # Phi-3's "longrope" ("su") scaling: per-frequency factors switched by context length, not implemented.
+        raise ModelLoadError(f"unsupported rope type 'longrope' (GGUF tensors {', '.join(long_short)}); "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     has_factors = "rope_freqs.weight" in tensors
     if kind not in ("none", "linear") or (kind == "linear" and has_factors):
         raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 WeightMap = tuple[tuple[str, str, str, str | None], ...]
 
 # Modules that define and register the built-in families, imported on first lookup.
-_BUILTIN_MODULES = ("asyncinfer.models.llama",)
+_BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.qwen3", "asyncinfer.models.phi3",
+                    "asyncinfer.models.gemma")
 _FAMILIES: dict[str, ModelFamily] = {}  # family name -> family
 _NAMES: dict[str, ModelFamily] = {}  # family name or HF class name -> family
 
@@ -63,9 +64,18 @@ class ModelFamily:
     - ``gguf``: it loads from GGUF files;
     - ``qkv_bias``: its q/k/v projections always carry a bias (Qwen2); otherwise a
       config asking for attention bias is refused;
-    - ``sliding_window``: its window always applies (Mistral); otherwise only when
-      the config sets ``use_sliding_window``. The usable context is capped at the window;
-    - ``gguf_permuted_qk``: llama.cpp's converter permuted its q/k rows (undone at load).
+    - ``sliding_window``: its window always applies (Mistral, Phi-3); otherwise only when
+      the config sets ``use_sliding_window`` or names ``sliding_attention`` layers in
+      ``layer_types`` (Qwen2, Gemma). Attention then sees the last ``sliding_window``
+      keys on those layers (``ModelConfig.layer_window``); the context stays the model's;
+    - ``gguf_permuted_qk``: llama.cpp's converter permuted its q/k rows (undone at load);
+    - ``hidden_act``: the MLP activation its configs must name (``"silu"``: SwiGLU;
+      ``"gelu_pytorch_tanh"``: Gemma's GeGLU); a config naming another is refused;
+    - ``norm_weight_offset``: what its RMSNorms add to the norm weights of a Hugging Face checkpoint
+      (Gemma: 1.0, its checkpoints store ``weight - 1``; a GGUF file's are taken as they are, llama.cpp's
+      converter having added it);
+    - ``gguf_eot_tokens``: texts of the tokens that end a chat turn (Gemma's
+      ``<end_of_turn>``), added to a GGUF file's end-of-sequence ids where its vocabulary has them.
     """
 
     name: str
@@ -76,6 +86,9 @@ class ModelFamily:
     qkv_bias: bool = False
     sliding_window: bool = False
     gguf_permuted_qk: bool = False
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    gguf_eot_tokens: tuple[str, ...] = ()
 
 
 def register_model_family(family: ModelFamily) -> ModelFamily:

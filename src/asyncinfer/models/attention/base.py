@@ -52,7 +52,8 @@ class AttentionBackend(abc.ABC):
       ``backend`` is this backend). Validates the lists.
     - :meth:`forward`: for one layer, write this step's K/V into their cache
       slots, then attend every query over its own sequence's context
-      (causally: query ``j`` of a chunk sees keys up to its own position).
+      (causally: query ``j`` of a chunk sees keys up to its own position; within
+      the layer's sliding window, when it has one; with soft-capped scores, when asked).
     - :meth:`decode_padding`: plain Python, no tensors; how many keys beyond
       the real contexts the backend computes for a batch of decodes (a kernel
       that reads blocks in place returns 0).
@@ -97,11 +98,18 @@ class AttentionBackend(abc.ABC):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` into ``kv_cache`` at ``meta``'s slots, then attend; returns ``[T, H, D]``.
 
         ``q``: ``[T, H, D]``; ``k``, ``v``: ``[T, KVH, D]`` (``H`` a multiple of ``KVH``:
         grouped-query attention); ``scale``: the softmax scale (usually ``D ** -0.5``).
+        ``window``: this layer's sliding window, the query at position ``p`` sees the keys at
+        ``p - window + 1 .. p`` only (None: its whole context). ``softcap``: the scores
+        ``scale * q.k`` become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2;
+        None: as they are). The model passes these only to layers that have them.
         The caches are updated in place.
         """
 

@@ -25,12 +25,18 @@ Stale (finite) data from freed blocks is harmless.
 share it, so the per-layer work is only the attention itself. The decodes are
 one batched call padded to the longest decode context (rounded up to whole
 blocks): ``SdpaBackend.decode_padding`` says how many keys that costs.
+
+A layer with a sliding window or soft-capped scores (``forward``'s ``window`` and ``softcap``) gets
+masks that also hide the keys before its window, built on the first such layer of a step and kept in
+the metadata for the others (one set per window); where every context of the step fits in the window
+the window hides nothing and the plain path runs. Soft-capping has no SDPA form: those layers compute
+the scores, cap them, mask and softmax in float32 as transformers' eager attention does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -97,6 +103,7 @@ class SdpaBackend(AttentionBackend):
             decode_bias=decode_bias,
             prefill_context_slots=prefill_slots,
             prefill_masks=prefill_masks,
+            max_context_len=max(context_lens, default=0),
         )
 
     def _kernel_decodes(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
@@ -123,12 +130,15 @@ class SdpaBackend(AttentionBackend):
             decode_bias=None,
             prefill_context_slots=[],
             prefill_masks=[],
+            max_context_len=max(context_lens, default=0),
         )
 
     def forward(  # type: ignore[override]  # takes the metadata this backend builds
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: SdpaMetadata, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: SdpaMetadata, scale: float,
+        *, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        """Write k/v into the cache, then attend every query over its sequence's context.
+        """Write k/v into the cache, then attend every query over its sequence's context (within
+        ``window`` keys, with scores capped at ``softcap``: see the contract).
 
         q: [T, H, D]; k, v: [T, KVH, D]; each cache: ``KVCacheSpec.layer_shape(num_blocks)``.
         Returns [T, H, D]. Decodes are one batched SDPA call; each prefill chunk is
@@ -138,6 +148,10 @@ class SdpaBackend(AttentionBackend):
             return torch.empty_like(q)  # [0, H, D]
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if window is not None and window >= meta.max_context_len:
+            window = None  # every context fits in the window: it hides nothing
+        if window is not None or softcap is not None:
+            return _masked_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         nd = meta.num_decodes
         decode = _kernel_decode_attention if self.decodes_in_kernel else _decode_attention
         if nd == meta.num_seqs:
@@ -192,6 +206,10 @@ class SdpaMetadata(AttentionMetadata):
     # k/v), else the cache slots of the whole context and the offset-causal mask.
     prefill_context_slots: list[torch.Tensor | None]  # each [context_len] int64
     prefill_masks: list[torch.Tensor | None]  # each [query_len, context_len] bool
+    max_context_len: int = 0  # the longest context of the step
+    # The masks of the layers with a window or soft-capped scores, per window (None: no window), made
+    # by the first such layer of the step (see _step_masks).
+    window_masks: dict[int | None, _StepMasks] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -352,3 +370,93 @@ def _prefill_attention(
         mask = meta.prefill_masks[prefill_index]  # [Lq, ctx]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, Lq, D]
     return out[0].transpose(0, 1)  # [Lq, H, D]
+
+
+@dataclass(frozen=True)
+class _StepMasks:
+    """What a layer with a window (or soft-capped scores) lets each query see: ``decode`` [S, 1, 1, L]
+    bool over the decodes' padded blocks, and per prefill chunk [query_len, context_len] bool."""
+
+    decode: torch.Tensor | None
+    prefill: list[torch.Tensor]
+
+
+def _step_masks(meta: SdpaMetadata, window: int | None) -> _StepMasks:
+    """The step's masks for ``window`` (None: causal only), made once per step and window."""
+    masks = meta.window_masks.get(window)
+    if masks is not None:
+        return masks
+    device = meta.slot_mapping.device
+    decode = None
+    nd = meta.num_decodes
+    if nd:
+        span = meta.decode_block_tables.shape[1] * meta.block_size
+        pos = torch.arange(span, device=device)[None, :]  # [1, L]
+        ctx = meta.decode_context_lens[:, None]  # [S, 1]; the query sits at ctx - 1
+        visible = pos < ctx
+        if window is not None:
+            visible &= pos >= ctx - window
+        decode = visible.view(nd, 1, 1, span)  # [S, 1, 1, L]
+    prefill = []
+    for i in range(nd, meta.num_seqs):
+        qlen, ctx = meta.query_lens[i], meta.context_lens[i]
+        k_pos = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+        q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]  # [qlen, 1]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        prefill.append(visible)  # [qlen, ctx]
+    masks = meta.window_masks[window] = _StepMasks(decode, prefill)
+    return masks
+
+
+def _masked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: SdpaMetadata, scale: float, window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """:meth:`SdpaBackend.forward` for a layer with a window or soft-capped scores (k/v already written)."""
+    masks = _step_masks(meta, window)
+    out = torch.empty_like(q)  # [T, H, D]
+    nd = meta.num_decodes
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if nd:
+        num_heads = q.shape[1]
+        qg = q[:nd].reshape(nd, kv_heads, num_heads // kv_heads, head_dim)  # [S, KVH, G, D]
+        blocks = meta.decode_block_tables.reshape(-1)  # [S * nb]
+        keys = k_cache.index_select(0, blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+        values = v_cache.index_select(0, blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)  # [S, KVH, L, D]
+        out[:nd] = _attend(qg, keys, values, masks.decode, scale, softcap).reshape(nd, num_heads, head_dim)
+    for i in range(nd, meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        slots = meta.prefill_context_slots[i - nd]
+        if slots is None:  # the chunk is the whole context
+            kh, vh = k[start:end], v[start:end]  # [ctx, KVH, D]
+        else:
+            kh = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)  # [ctx, KVH, D]
+            vh = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)  # [ctx, KVH, D]
+        qlen, num_heads = end - start, q.shape[1]
+        # The G query heads of a KV head side by side: [KVH, G, Lq, D] against [KVH, 1, ctx, D].
+        qh = q[start:end].transpose(0, 1).reshape(kv_heads, num_heads // kv_heads, qlen, head_dim)
+        keys, values = kh.transpose(0, 1).unsqueeze(1), vh.transpose(0, 1).unsqueeze(1)  # [KVH, 1, ctx, D]
+        o = _attend(qh, keys, values, masks.prefill[i - nd], scale, softcap)  # [KVH, G, Lq, D]
+        out[start:end] = o.reshape(num_heads, qlen, head_dim).transpose(0, 1)  # [Lq, H, D]
+    return out
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Masked attention of q [..., Lq, D] over keys/values [..., L, D] (broadcast), mask [..., Lq, L] bool
+    (True: seen); with ``softcap``, the scores capped as transformers' eager attention caps them."""
+    if softcap is None:
+        if keys.shape[:-2] != q.shape[:-2]:  # SDPA does not broadcast the batch dimensions
+            keys = keys.expand(*q.shape[:-2], *keys.shape[-2:])
+            values = values.expand(*q.shape[:-2], *values.shape[-2:])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [..., Lq, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)  # [..., Lq, D]
