@@ -1,4 +1,5 @@
-"""Start-up: wall time and peak memory of loading the default model, and of ``asyncinfer chat`` one-shot.
+"""Start-up: wall time and peak memory of loading a model (the default one, or ``--model PATH``), of
+``asyncinfer chat`` one-shot, and of llama.cpp loading the same file.
 
 Every measurement is a fresh Python process with the model already cached
 (what a user sees from the second run on), so nothing is warm but the OS page
@@ -11,6 +12,16 @@ cache. Per round, in alternating order so that machine noise hits all alike:
   timed from spawn to exit (interpreter, imports, load, answer); its peak RSS.
 - with ``--base TREE``: the same two for another source tree (e.g. a worktree of
   the commit before a change), so before and after share the machine's noise.
+- ``llama.cpp``: llama-cpp-python (when it imports; it is optional and the output says so
+  plainly when it does not) loading the same GGUF file with a context as large as asyncinfer's KV
+  cache, in a fresh process of its own: load seconds and peak RSS, for the issue's "load time at
+  most 2x llama.cpp's on the same file".
+
+With ``--model PATH`` (a ``.gguf`` file, e.g. from ``benchmarks/make_gguf.py``, or a model
+directory) every load is of that model; ``chat`` needs a tokenizer and is left out for a file
+without one. The memory bound of loading (docs/memory.md) is checked per load: peak RSS <=
+file size + KV cache + 300 MiB above the process's RSS after its imports (``baseline_rss_mib``),
+and printed against the whole process's peak too.
 
 Then one ``breakdown`` process times the phases of a load one after the other
 (in the engine the tokenizer loads in parallel with the weights), and one
@@ -20,6 +31,8 @@ model file already downloaded). Medians are reported; ``--json`` writes every ru
     python benchmarks/startup.py --rounds 5 --json benchmarks/results/startup.json
     git archive 8ecfba9 | tar -x -C /tmp/before          # the tree before the start-up work
     python benchmarks/startup.py --rounds 5 --base /tmp/before --base-rounds 2 --base-label 8ecfba9
+    python benchmarks/make_gguf.py /tmp/llama-1b-q4_1.gguf --shape 1b --type q4_1 --head-type q8_0
+    python benchmarks/startup.py --model /tmp/llama-1b-q4_1.gguf --rounds 3 --json benchmarks/results/startup_1b.json
 """
 
 from __future__ import annotations
@@ -41,18 +54,42 @@ PROMPT = "What is the capital of France?"
 TARGETS = {"load_s": 5.0, "peak_rss_mib": 1536.0}
 
 LOAD = """
-import json, resource, time
+import json, os, resource, sys, time
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+model = sys.argv[1] or None
 t0, c0 = time.perf_counter(), cpu()
 from asyncinfer import AsyncEngine
+import torch, transformers  # what a load imports anyway: part of the baseline, not of the load
 t1, c1 = time.perf_counter(), cpu()
-engine = AsyncEngine.from_pretrained()
+baseline = rss_mib()
+engine = AsyncEngine.from_pretrained(model)
 t2, c2 = time.perf_counter(), cpu()
-print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "load_cpu_s": c2 - c1,
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "load_cpu_s": c2 - c1, "baseline_rss_mib": baseline,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "kv_mib": engine.memory_plan.kv_bytes / 2**20, "kv_tokens": engine.memory_plan.kv_token_capacity,
                   "kv": engine.memory_plan.describe()}))
+"""
+
+LLAMA_CPP = """
+import json, os, resource, sys, time
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+path, n_ctx = sys.argv[1], int(sys.argv[2])
+t0 = time.perf_counter()
+import llama_cpp
+t1 = time.perf_counter()
+baseline = rss_mib()
+llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "baseline_rss_mib": baseline,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "version": getattr(llama_cpp, "__version__", "unknown")}))
 """
 
 BREAKDOWN = """
@@ -71,15 +108,19 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.loading import build_core, warm_up
 from asyncinfer.memory import plan_memory
 from asyncinfer.model_source import resolve_model
-from asyncinfer.models.loader import LoadedModel, _iter_gguf, _materialise, gguf_tokenizer, open_checkpoint
-config = EngineConfig()
-path = resolve_model(None); mark("resolve the cached model")
-checkpoint = open_checkpoint(path); mark("parse the GGUF header")
+from asyncinfer.config import for_model
+from asyncinfer.models.loader import gguf_tokenizer, open_checkpoint
+from asyncinfer.models.quant import WeightFormat
+import sys
+path = resolve_model(sys.argv[1] or None); mark("resolve the model")
+checkpoint = open_checkpoint(path); mark("parse and check the header")
+config = for_model(EngineConfig(), {}, checkpoint.config)
 plan_memory(checkpoint.config); mark("plan memory from the config")
-tokenizer = gguf_tokenizer(path); mark("load the cached tokenizer (transformers import included)")
-model = _materialise(checkpoint.config, _iter_gguf(checkpoint.gguf, checkpoint.config), "gguf", config.dtype,
-                     config.device, adopt=True); mark("dequantise and place the weights")
-plan, core = build_core(LoadedModel(model, checkpoint.config, tokenizer, "gguf"), config)
+if checkpoint.gguf is not None and "tokenizer.ggml.model" in checkpoint.gguf.fields:
+    gguf_tokenizer(path); mark("load the cached tokenizer (transformers import included)")
+loaded = checkpoint.load(config.dtype, config.device, progress=lambda done, total: None, weight_format=WeightFormat(
+    config.quantization, config.quantization_skip, config.pack_weights)); mark("build the weights in their format")
+plan, core = build_core(loaded, config)
 mark("build the core (KV tensors)")
 warm_up(core); mark("warm-up step")
 print(json.dumps({"phases": marks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -105,20 +146,56 @@ def env_for(tree: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree / "src"), "ASYNCINFER_PROGRESS": "0", **extra}
 
 
+MODEL = ""  # --model: the path every load takes ("": the default model)
+BOUND_MIB = 300.0  # docs/memory.md: peak RSS of a load <= file size + KV cache + 300 MiB
+
+
 def run_load(tree: Path) -> dict[str, Any]:
-    wall, rss, out = spawn([sys.executable, "-c", LOAD], env_for(tree))
+    wall, rss, out = spawn([sys.executable, "-c", LOAD, MODEL], env_for(tree))
     record = json.loads(out.strip().splitlines()[-1])
     return {**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])}
 
 
 def run_chat(tree: Path) -> dict[str, Any]:
-    wall, rss, out = spawn([sys.executable, "-m", "asyncinfer.cli", "chat", PROMPT], env_for(tree))
+    cmd = [sys.executable, "-m", "asyncinfer.cli", "chat", *(["--model", MODEL] if MODEL else []), PROMPT]
+    wall, rss, out = spawn(cmd, env_for(tree))
     return {"process_s": wall, "peak_rss_mib": rss, "answer": out.strip()}
 
 
 def run_breakdown(tree: Path) -> dict[str, Any]:
-    _, _, out = spawn([sys.executable, "-c", BREAKDOWN], env_for(tree))
+    _, _, out = spawn([sys.executable, "-c", BREAKDOWN, MODEL], env_for(tree))
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_llama_cpp(path: Path, n_ctx: int) -> dict[str, Any]:
+    wall, rss, out = spawn([sys.executable, "-c", LLAMA_CPP, str(path), str(n_ctx)], dict(os.environ))
+    record = json.loads(out.strip().splitlines()[-1])
+    return {**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])}
+
+
+def llama_cpp_missing() -> str | None:
+    """None when llama-cpp-python imports here, else why not."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llamacpp_peer import available
+
+    return available()
+
+
+def has_tokenizer(path: Path | None) -> bool:
+    if path is None or path.is_dir():
+        return True
+    sys.path.insert(0, str(HERE / "src"))
+    from asyncinfer.models.gguf_file import GGUFFile
+
+    return "tokenizer.ggml.model" in GGUFFile(path).fields
+
+
+def bound(record: dict[str, Any], file_mib: float) -> dict[str, float | bool]:
+    """The load's memory against the bound: above the baseline, and the whole process."""
+    limit = file_mib + record["kv_mib"] + BOUND_MIB
+    above = record["peak_rss_mib"] - record["baseline_rss_mib"]
+    return {"file_mib": file_mib, "limit_above_baseline_mib": limit, "peak_above_baseline_mib": above,
+            "met": above <= limit}
 
 
 def run_cold(tree: Path) -> dict[str, Any]:
@@ -134,6 +211,11 @@ def run_cold(tree: Path) -> dict[str, Any]:
         wall, rss, out = spawn([sys.executable, "-c", LOAD], env_for(tree, ASYNCINFER_CACHE_DIR=cache))
     record = json.loads(out.strip().splitlines()[-1])
     return {**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])}
+
+
+def _context_tokens(runs: dict[str, list[dict[str, Any]]]) -> int:
+    """llama.cpp's context: as many tokens as asyncinfer's KV cache holds."""
+    return int(runs["load"][0]["kv_tokens"]) if runs["load"] else 4096
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -155,15 +237,35 @@ def main() -> int:
     p.add_argument("--base-rounds", type=int, default=None, help="rounds of the base tree (default: --rounds)")
     p.add_argument("--base-label", default=None, help="what the base tree is (e.g. its commit), for the record")
     p.add_argument("--json", type=Path, default=None, help="write every run and the medians here")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the model every load takes: a .gguf file or a model directory (default: the default model)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where it imports")
     args = p.parse_args()
+    global MODEL
     head = HERE
-    runs: dict[str, list[dict[str, Any]]] = {"load": [], "chat": [], "base load": [], "base chat": []}
+    if args.model is not None:
+        if not args.model.exists():
+            raise SystemExit(f"--model {args.model}: no such file or directory")
+        MODEL = str(args.model.resolve())
+    sys.path.insert(0, str(HERE / "src"))
+    from asyncinfer.model_source import resolve_model
+
+    model_file = resolve_model(MODEL or None)
+    file_mib = (model_file.stat().st_size if model_file.is_file()
+                else sum(f.stat().st_size for f in model_file.glob("*.safetensors"))) / 2**20
+    chat = has_tokenizer(model_file)
+    peer_missing = "left out (--no-llama-cpp)" if args.no_llama_cpp else (
+        "not a GGUF file" if not model_file.is_file() else llama_cpp_missing())
+    runs: dict[str, list[dict[str, Any]]] = {"load": [], "chat": [], "base load": [], "base chat": [],
+                                             "llama.cpp": []}
     started = loadavg()
     base_rounds = args.rounds if args.base_rounds is None else args.base_rounds
     for i in range(args.rounds):
-        order = [("load", run_load, head), ("chat", run_chat, head)]
+        order: list[tuple[str, Any, Any]] = [("load", run_load, head)] + ([("chat", run_chat, head)] if chat else [])
         if args.base is not None and i < base_rounds:
-            order += [("base load", run_load, args.base), ("base chat", run_chat, args.base)]
+            order += [("base load", run_load, args.base)] + ([("base chat", run_chat, args.base)] if chat else [])
+        if peer_missing is None:
+            order.append(("llama.cpp", lambda _: run_llama_cpp(model_file, _context_tokens(runs)), None))
         for name, fn, tree in (order if i % 2 == 0 else order[::-1]):
             result = fn(tree)
             runs[name].append(result)
@@ -171,19 +273,34 @@ def main() -> int:
             print(f"round {i + 1} {name}: {shown}process {result['process_s']:.2f} s, "
                   f"peak RSS {result['peak_rss_mib']:.0f} MiB", flush=True)
     breakdown = run_breakdown(head)
-    cold = run_cold(head)
+    cold = run_cold(head) if MODEL == "" else None
     summary = {name: medians(r) for name, r in runs.items() if r}
     met = {k: summary["load"][k] <= limit for k, limit in TARGETS.items()}
-    print("\nmedians:")
+    memory = bound(summary["load"], file_mib)
+    print(f"\nmodel: {model_file} ({file_mib:.1f} MiB)")
+    print("medians:")
     for name, values in summary.items():
         print(f"  {name:<10} " + ", ".join(f"{k} {v:.2f}" for k, v in values.items()))
     print("\nbreakdown of one load, phase by phase (s):")
     for phase, seconds in breakdown["phases"].items():
         print(f"  {seconds:6.2f}  {phase}")
-    print(f"\nfirst load with an empty tokenizer cache: load {cold['load_s']:.2f} s, "
-          f"peak RSS {cold['peak_rss_mib']:.0f} MiB")
-    print(f"targets (load <= {TARGETS['load_s']} s, peak RSS <= {TARGETS['peak_rss_mib']:.0f} MiB): "
-          f"{'met' if all(met.values()) else 'NOT met'} {met}")
+    if cold is not None:
+        print(f"\nfirst load with an empty tokenizer cache: load {cold['load_s']:.2f} s, "
+              f"peak RSS {cold['peak_rss_mib']:.0f} MiB")
+    print(f"\nmemory bound (peak RSS above the imports' <= file {file_mib:.0f} + KV {summary['load']['kv_mib']:.0f} "
+          f"+ {BOUND_MIB:.0f} MiB = {memory['limit_above_baseline_mib']:.0f} MiB): "
+          f"{memory['peak_above_baseline_mib']:.0f} MiB, {'met' if memory['met'] else 'NOT met'}; whole process "
+          f"{summary['load']['peak_rss_mib']:.0f} MiB")
+    if peer_missing is not None:
+        print(f"llama.cpp: NOT MEASURED: {peer_missing} (pip install llama-cpp-python to compare with it)")
+    else:
+        ratio = summary["load"]["load_s"] / summary["llama.cpp"]["load_s"]
+        print(f"llama.cpp {runs['llama.cpp'][0]['version']}: load {summary['llama.cpp']['load_s']:.2f} s, peak RSS "
+              f"{summary['llama.cpp']['peak_rss_mib']:.0f} MiB; asyncinfer's load takes {ratio:.2f}x its time "
+              f"(goal: at most 2x)")
+    if MODEL == "":
+        print(f"targets (load <= {TARGETS['load_s']} s, peak RSS <= {TARGETS['peak_rss_mib']:.0f} MiB): "
+              f"{'met' if all(met.values()) else 'NOT met'} {met}")
     print(f"load average: {started} at the start, {loadavg()} at the end (2 cores: above 2 means contention)")
     if args.json:
         record = {
@@ -192,6 +309,8 @@ def main() -> int:
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                         "loadavg_start": started, "loadavg_end": loadavg()},
             "base": args.base_label or (str(args.base) if args.base else None),
+            "model": str(model_file), "model_mib": file_mib, "memory_bound": memory,
+            "llama_cpp": peer_missing or "measured",
             "targets": TARGETS, "targets_met": met,
             "medians": summary, "runs": runs, "breakdown": breakdown, "cold_tokenizer_cache": cold,
         }

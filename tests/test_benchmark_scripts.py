@@ -35,3 +35,21 @@ def test_the_threads_benchmark_runs(real_gguf, tmp_path) -> None:
     result = json.loads(out.read_text())
     assert {case: len(f["decode"]) for case, f in result["rounds"].items()} == {"clean": 2, "other_team": 2}
     assert set(result["clean_over_other_team"]) == {"decode", "batch"} and "medians:" in done.stdout
+
+
+def test_the_startup_benchmark_loads_a_generated_file_and_says_whether_llama_cpp_ran(tmp_path) -> None:
+    model, out = tmp_path / "tiny.gguf", tmp_path / "startup.json"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", "--type", "q4_1", "--head-type", "q8_0",
+                      "--vocab", "none")
+    assert made.returncode == 0 and "wrote" in made.stdout, made.stderr[-3000:]
+    done = run_script("startup.py", "--model", str(model), "--rounds", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["runs"]["load"]) == 1 and not result["runs"]["chat"]  # no tokenizer in the file: no chat
+    assert result["memory_bound"]["met"] and result["model_mib"] < 2
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert result["llama_cpp"].startswith("ModuleNotFoundError") and "llama.cpp: NOT MEASURED" in done.stdout
+    else:
+        assert result["llama_cpp"] == "measured" and len(result["runs"]["llama.cpp"]) == 1

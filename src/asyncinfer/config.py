@@ -99,13 +99,16 @@ class EngineConfig:
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
     - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
-      "auto" (default): "float16" on a CPU when ``dtype`` is "auto" and fbgemm runs (the
-      fastest format whose greedy output equals float32's), else None; after construction
-      ``config.quantization`` holds the concrete value. None: the engine dtype (pass
-      ``dtype="float32"`` or ``quantization=None`` for float32 weights on a CPU). On CPU, with
-      float32 activations: "float16" (fp16 weights, fbgemm's fp16 kernel; half the bytes,
-      near-exact) or "int8" (int8 weights, activations quantized per call to 8 bits; a quarter
-      of the bytes, not exact). On CUDA
+      "auto" (default): on a CPU when ``dtype`` is "auto", the model's GGUF file's own block format
+      ("q4_1" for the default model) or "native" for a file of several formats, where asyncinfer's
+      kernels run (:func:`for_model`, at load), else "float16" where fbgemm runs (the fastest format
+      whose greedy output equals float32's), else None; after construction ``config.quantization``
+      holds the concrete value. None: the engine dtype (pass ``dtype="float32"`` or
+      ``quantization=None`` for float32 weights on a CPU). On CPU, with float32 activations:
+      "q4_1" / "q8_0" (ggml's blocks, asyncinfer's kernels), "native" (each projection in its GGUF
+      file's own format where a kernel takes it, float16 elsewhere), "float16" (fp16 weights,
+      fbgemm's fp16 kernel; half the bytes, near-exact) or "int8" (int8 weights, activations
+      quantized per call to 8 bits; a quarter of the bytes, not exact). On CUDA
       "float16" or "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype
       is refused). Other combinations raise InvalidParameterError naming ``quantization``.
     - ``quantization_skip``: substrings of layer names kept in float32 under a CPU format;

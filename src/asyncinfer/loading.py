@@ -56,7 +56,16 @@ from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocke
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
 from asyncinfer.models.layers import EAGER_OPS
 from asyncinfer.models.loader import open_checkpoint
-from asyncinfer.models.quant import BLOCK_FORMATS, BlockLinear, apply_weight_format, weight_bytes
+from asyncinfer.models.quant import (
+    BLOCK_FORMATS,
+    NATIVE,
+    BlockLinear,
+    WeightFormat,
+    apply_weight_format,
+    layer_formats,
+    native_fallback,
+    weight_bytes,
+)
 from asyncinfer.models.torch_compile import compile_elementwise_ops
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
@@ -165,7 +174,8 @@ def load_generator(
         ops, compile_seconds = EAGER_OPS, None  # the element-wise functions the model is built with
         if config.torch_compile:
             ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)
-        loaded = checkpoint.load(config.dtype, config.device, ops=ops)
+        loaded = checkpoint.load(config.dtype, config.device, ops=ops, weight_format=WeightFormat(
+            config.quantization, config.quantization_skip, config.pack_weights))  # a GGUF's layers built as read
         check_tokenizer(loaded)
         plan, core = build_core(loaded, config, compile_seconds=compile_seconds)
         warm_up(core)
@@ -225,14 +235,15 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
             f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
         )
     if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
-        apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
+        if loaded.weight_format is None:  # not built in its format as it was read (a Hugging Face directory)
+            apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
         _report_block_rounding(loaded.model, config.quantization)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
     logger.info("memory plan: %s", plan.describe())
     decode = select_decode_backend(loaded.model, mc, config.device)  # the one choice of how the model runs
-    if config.quantization in BLOCK_FORMATS and not isinstance(decode, KernelDecode):
+    if (config.quantization in BLOCK_FORMATS or config.quantization == NATIVE) and not isinstance(decode, KernelDecode):
         logger.info("quantization=%r: decode steps run op by op, not in one kernel call: %s", config.quantization,
                     kernel_decode_blocker(loaded.model))
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, decode=decode,
@@ -262,7 +273,25 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
 
 def _report_block_rounding(model: Any, method: str | None) -> None:
     """Say whether a block format holds the model's own weights (a GGUF file in those blocks) or
-    rounded them (e.g. q4_1 on a float checkpoint: 4-bit weights, measure the quality)."""
+    rounded them (e.g. q4_1 on a float checkpoint: 4-bit weights, measure the quality); for "native",
+    which projections kept their file's blocks and which went to the fallback format, and why."""
+    if method == NATIVE:
+        kept: dict[str, int] = {}
+        for layer in model.modules():
+            if isinstance(layer, BlockLinear):
+                kept[layer.fmt] = kept.get(layer.fmt, 0) + 1
+        stored = dict(model.config.stored_formats)
+        fallback = {name: fmt for name, fmt in layer_formats(model.config, NATIVE).items() if fmt not in BLOCK_FORMATS}
+        reasons: dict[str, int] = {}
+        for name in fallback:
+            reasons[stored.get(name, "?")] = reasons.get(stored.get(name, "?"), 0) + 1
+        logger.info("quantization='native': %d projections in their file's own blocks (%s); %d in %s (%s)",
+                    sum(kept.values()), ", ".join(f"{fmt}: {n}" for fmt, n in sorted(kept.items())) or "none",
+                    len(fallback), native_fallback(),
+                    ", ".join(f"{n} stored as {fmt}, which no kernel takes" if fmt not in BLOCK_FORMATS
+                              else f"{n} stored as {fmt}, skipped or not whole blocks"
+                              for fmt, n in sorted(reasons.items())) or "none")
+        return
     if method not in BLOCK_FORMATS:
         return
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]

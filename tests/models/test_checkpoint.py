@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from safetensors.torch import save_file
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+from asyncinfer.models.loader import load_model
+from tests.helpers import tiny_hf_config
 
 
 def test_shards_in_index_order_and_their_tensors(tmp_path) -> None:
@@ -42,3 +45,38 @@ def test_missing_and_corrupt_files(tmp_path) -> None:
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(ModelLoadError, match="cannot read weights from .*bad.safetensors"):
         list(iter_safetensors([tmp_path / "bad.safetensors"]))
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/dev/zero",
+                                   "{outside}", "link.safetensors", "/dev/../etc/passwd"])
+def test_an_index_naming_files_outside_the_directory_is_refused_before_opening_them(tmp_path, monkeypatch,
+                                                                                   shard: str) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    outside = tmp_path / "outside.safetensors"
+    save_file({"a": torch.zeros(3)}, outside)
+    (model / "link.safetensors").symlink_to(outside)  # inside by name, outside by target
+    shard = shard.format(outside=outside)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+    opened: list[str] = []
+    real_open = open
+
+    def spy(file, *args, **kwargs):  # records every file Python opens while the index is read
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy)
+    with pytest.raises(ModelLoadError, match=f"weight shard {re.escape(repr(shard))} (is not a file name inside|"
+                                             "leads outside)"):
+        safetensors_files(model)
+    monkeypatch.undo()
+    assert not [f for f in opened if not f.startswith(str(model))], opened
+    tiny_hf_config("llama").save_pretrained(model)  # the loader refuses it the same way, before any weight
+    with pytest.raises(ModelLoadError, match="leads outside|is not a file name inside"):
+        load_model(model, torch.float32, "cpu")
+
+
+def test_an_index_with_a_shard_name_that_is_not_a_string_is_refused(tmp_path) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 5}}))
+    with pytest.raises(ModelLoadError, match="must be shard file names"):
+        safetensors_files(tmp_path)

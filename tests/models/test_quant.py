@@ -220,8 +220,8 @@ def test_formats_allowed_per_device() -> None:
         with pytest.raises(InvalidParameterError) as err:
             check_quantization(method, device, dtype)
         assert err.value.parameter == "quantization" and err.value.value == method
-        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'q6_k' on CPU") in str(err.value)
-        assert all(f"'{fmt}'" in str(err.value) for fmt in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k"))
+        assert ("'bfloat16' on CUDA" if device.type == "cuda" else "'native' on CPU") in str(err.value)
+        assert all(f"'{fmt}'" in str(err.value) for fmt in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "native"))
     # On CUDA a dtype format is the engine dtype: "auto" takes it, an explicit dtype must match.
     with pytest.raises(InvalidParameterError, match="a CPU format needs dtype float32 or 'auto', not bfloat16"):
         check_quantization("float16", cpu, torch.bfloat16)

@@ -36,9 +36,13 @@ def prompt_ids(ours):
 def test_config_matches_transformers(ours, reference):
     # The one thing a Hugging Face config cannot say: the file stores Q4_1 projections and a Q8_0 head.
     assert ours.config.native_format == "q4_1"
-    assert dataclasses.replace(ours.config, native_format=None) == ModelConfig.from_hf_config(reference.config)
+    stored = dict(ours.config.stored_formats)  # every projection Q4_1, the head (the tied embedding) Q8_0
+    assert stored.pop("lm_head") == "q8_0" and set(stored.values()) == {"q4_1"}
+    assert len(stored) == 4 * ours.config.num_layers  # qkv, o, gate_up, down
+    plain = dataclasses.replace(ours.config, native_format=None, stored_formats=())
+    assert plain == ModelConfig.from_hf_config(reference.config)
     # The hand-written config of the size tests is this file's (its eps is stored as float32).
-    assert dataclasses.replace(ours.config, rms_norm_eps=1e-5, native_format=None) == SMOLLM2
+    assert dataclasses.replace(plain, rms_norm_eps=1e-5) == SMOLLM2
 
 
 def test_weights_equal_transformers_own_gguf_loading(ours, reference):

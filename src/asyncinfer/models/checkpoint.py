@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from asyncinfer.errors import ModelLoadError
@@ -45,7 +45,10 @@ def safetensors_files(path: Path) -> list[Path]:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"cannot read {index}: no 'weight_map' object")
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        if not all(isinstance(name, str) for name in names):
+            raise ModelLoadError(f"cannot read {index}: 'weight_map' values must be shard file names (strings)")
+        files = [_shard_in(path, index, name) for name in sorted(names)]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -53,7 +56,30 @@ def safetensors_files(path: Path) -> list[Path]:
     for f in files:
         if not f.exists():
             raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
+        if not f.is_file():
+            raise ModelLoadError(f"weight shard {f} is not a regular file")
     return files
+
+
+def _shard_in(path: Path, index: Path, name: str) -> Path:
+    """The shard the index names, refused unless it is a plain relative name inside the directory.
+
+    Decided from the name and the directory's own entries alone: nothing outside ``path`` is opened,
+    read or followed (no ``..``, no absolute path, no device, no symbolic link that leads out).
+
+    Raises:
+        ModelLoadError: naming the index and the shard name.
+    """
+    rel = PurePath(name)
+    if not name or "\x00" in name or rel.is_absolute() or rel.drive or ".." in rel.parts:
+        raise ModelLoadError(f"cannot read {index}: weight shard {name!r} is not a file name inside {path} "
+                             "(no absolute paths, '..' or devices)")
+    root = path.resolve()
+    shard = path / rel
+    # resolve() reads links (never file contents); a link inside the directory that leads out is refused too
+    if not shard.resolve().is_relative_to(root):
+        raise ModelLoadError(f"cannot read {index}: weight shard {name!r} leads outside {path}")
+    return shard
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -70,7 +70,9 @@ class ModelConfig:
     # "sliding_attention" (every layer when layer_types is None); None: full attention everywhere.
     sliding_window: int | None = None
     # The block format a GGUF file holds every projection in ("q4_1": Q4_1 layers and a Q8_0 head, as
-    # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights; None
+    # SmolLM2's; "q8_0": all Q8_0), the weight format that multiplies by exactly those weights;
+    # "native" for a file whose projections are in several formats, some of them a kernel's
+    # (each projection then keeps its own where a kernel takes it: asyncinfer.models.quant); None
     # for any other file or a Hugging Face checkpoint. quantization="auto" picks it where it runs.
     native_format: str | None = None
     # Per layer, "full_attention" or "sliding_attention" (None: every layer as sliding_window says).
@@ -80,6 +82,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sliding_rope_theta: float | None = None
     norm_weight_offset: float = 0.0
+    # The format a GGUF file stores each matrix in, by layer name ("layers.0.attn.qkv_proj", "lm_head"):
+    # "float32", "float16", "bfloat16", a ggml block type in lower case ("q4_1", "q6_k"), or "mixed"
+    # when the rows of a fused layer come in different ones; () for a Hugging Face checkpoint.
+    stored_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         model_family(self.architecture)  # raises ModelLoadError for an unregistered one

@@ -10,6 +10,18 @@ this reader walks the same bytes with ``struct`` and takes ~0.1 s. The format
     tensor infos: name (string), n_dims (u32), dims (u64 each, fastest first), type (u32), offset (u64),
     padding to ``general.alignment`` (default 32), then the tensor data.
 
+The whole index is checked against the file's size before anything is allocated (counts that
+the bytes cannot hold, more than 4 dimensions, rows that are not whole blocks, offsets that are not
+aligned or run past the end, an alignment that is not a power of two, arrays nested past
+``_MAX_DEPTH``): every such file is a :class:`~asyncinfer.errors.ModelLoadError` naming the tensor or
+key, in microseconds per entry.
+
+The file is mapped copy-on-write (``MAP_PRIVATE``): a tensor can be used in place as a view
+(:meth:`GGUFFile.view`, :meth:`GGUFFile.blocks`) and nothing written to one ever reaches the file or
+faults. :meth:`GGUFFile.release` drops a tensor's pages from the process once it has been copied
+elsewhere (repacked into a kernel's layout, converted to another dtype), so a load holds each byte
+of the file once at most.
+
 Q4_0, Q4_1 and Q8_0 are dequantised with whole-tensor numpy ops, bit-identical to
 ``gguf.quants`` (the same float32 multiply, then add) but without its per-16-row
 Python loop; other quantised types go through ``gguf.quants.dequantize``. Numpy,
@@ -19,6 +31,7 @@ turned 0.6 s of dequantisation into 26 s, while numpy's single thread never wait
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -39,6 +52,11 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_MAX_DEPTH = 4  # arrays of arrays: deeper nesting is refused (ggml writes one level)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MIN_FIELD_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset (no dimension at all)
+_MIN_ITEM_BYTES = {_STRING: 8, **{kind: struct.calcsize(fmt) for kind, fmt in _SCALARS.items()}, _ARRAY: 12}
 
 # ggml tensor types: (elements per block, bytes per block). The block formats' layouts are
 # asyncinfer.kernels.formats' (READ_LAYOUTS); the rest come from gguf.constants.
@@ -67,6 +85,34 @@ class GGUFTensor:
         except (ImportError, ValueError):
             return f"ggml type {self.ggml_type}"
 
+    @property
+    def format(self) -> str:
+        """The tensor's format as the weight formats name it: "float32", "float16", "bfloat16", or ggml's
+        block type in lower case ("q4_1", "q8_0", "q4_k", ...: a block format of
+        :data:`asyncinfer.kernels.formats.LAYOUTS` where a kernel takes it)."""
+        return tensor_format(self.ggml_type)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the tensor as a matrix (every dimension but the fastest)."""
+        return math.prod(self.shape[:-1]) if self.shape else 1
+
+
+_FLOAT_NAMES = {_F32: "float32", _F16: "float16", _BF16: "bfloat16"}
+_FLOAT_DTYPES = {_F32: torch.float32, _F16: torch.float16, _BF16: torch.bfloat16}
+
+
+def tensor_format(ggml_type: int) -> str:
+    """The name of a ggml tensor type as :attr:`GGUFTensor.format` spells it."""
+    if ggml_type in _FLOAT_NAMES:
+        return _FLOAT_NAMES[ggml_type]
+    try:
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name.lower()
+    except (ImportError, ValueError):
+        return f"ggml type {ggml_type}"
+
 
 class GGUFFile:
     """The parsed header of a ``.gguf`` file; tensors are read from a memory map on demand.
@@ -75,19 +121,21 @@ class GGUFFile:
     ``tensors``: the tensor index, in file order.
 
     Raises:
-        ModelLoadError: not a GGUF file, a big-endian or truncated one.
+        ModelLoadError: not a GGUF file, a big-endian, truncated or corrupt one (naming the tensor or
+            key where one is at fault), decided from the header alone.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as fh:
-                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
+                # Copy-on-write: tensors used in place as views can never write to (or fault on) the file.
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError, OverflowError) as exc:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from exc
         try:
             self.fields, self.tensors = self._parse(memoryview(self._map))
-        except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
+        except (struct.error, UnicodeDecodeError, IndexError, ValueError, OverflowError, MemoryError) as exc:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: truncated or corrupt header ({exc})") from exc
 
     # ------------------------------------------------------------------ parsing
@@ -99,39 +147,91 @@ class GGUFFile:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: big-endian GGUF files are not supported")
         if version < 2:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: GGUF version {version} is not supported")
+        for what, count, least in (("tensor count", n_tensors, _MIN_TENSOR_BYTES),
+                                   ("metadata count", n_fields, _MIN_FIELD_BYTES)):
+            if count * least > len(buf):
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: its header's {what} {count} needs at "
+                                     f"least {count * least} bytes, but the file has {len(buf)} (truncated or "
+                                     "corrupt)")
         pos = 24
         fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key, pos = _string(buf, pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-            fields[key], pos = _value(buf, pos, vtype)
+            try:
+                fields[key], pos = _value(buf, pos, vtype, 0)
+            except (struct.error, ValueError) as exc:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: metadata {key!r}: {exc}") from exc
         infos = []
+        names: set[str] = set()
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
             (n_dims,) = struct.unpack_from("<I", buf, pos)
+            if n_dims > _MAX_DIMS:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} has {n_dims} dimensions "
+                                     f"(at most {_MAX_DIMS})")
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
+            if name in names:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} appears twice")
+            names.add(name)
             infos.append((name, dims, ggml_type, offset))
-        alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (
+                alignment - 1):
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: metadata 'general.alignment' = {alignment!r} "
+                                 "is not a positive power of two")
         data_start = -(-pos // alignment) * alignment
         tensors = []
         for name, dims, ggml_type, offset in infos:
-            count = int(np.prod(dims)) if dims else 1
             block, size = _block(ggml_type, name)
-            nbytes = count // block * size
+            if dims and dims[0] % block:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} ({tensor_format(ggml_type)}) "
+                                     f"has rows of {dims[0]} values, not a whole number of {block}-value blocks")
+            nbytes = math.prod(dims) // block * size  # Python ints: no overflow, however large the counts
             start = data_start + offset
+            if offset % alignment:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} starts at offset {offset}, "
+                                     f"not a multiple of the file's alignment {alignment}")
             if start + nbytes > len(buf):
                 raise ModelLoadError(
-                    f"cannot read GGUF file {self.path}: tensor {name!r} runs past the end of the file"
+                    f"cannot read GGUF file {self.path}: tensor {name!r} runs past the end of the file "
+                    f"({nbytes} bytes at {start}, the file has {len(buf)})"
                 )
             tensors.append(GGUFTensor(name, tuple(int(d) for d in reversed(dims)), ggml_type, start, nbytes))
         return fields, tensors
 
     # ------------------------------------------------------------------ tensors
     def raw(self, tensor: GGUFTensor) -> np.ndarray:
-        """The tensor's bytes: a read-only ``uint8`` view of the memory map."""
+        """The tensor's bytes: a ``uint8`` view of the (copy-on-write) memory map."""
         return np.frombuffer(self._map, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset)
+
+    def blocks(self, tensor: GGUFTensor) -> torch.Tensor:
+        """The tensor's bytes as rows: a ``uint8 [rows, bytes per row]`` view of the map (ggml's block
+        layout for a block type), no copy."""
+        return torch.from_numpy(self.raw(tensor)).view(tensor.rows, -1 if tensor.rows else 0)
+
+    def view(self, tensor: GGUFTensor) -> torch.Tensor:
+        """A float tensor (F32, F16, BF16) in its own dtype and ``tensor.shape``, as a view of the map (no copy).
+
+        Raises:
+            ModelLoadError: the tensor is in a block format (use :meth:`dequantize`).
+        """
+        if tensor.ggml_type not in _FLOAT_DTYPES:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} is {tensor.type_name}, not a float type")
+        return torch.from_numpy(self.raw(tensor)).view(_FLOAT_DTYPES[tensor.ggml_type]).view(tensor.shape)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages that hold only this tensor from the process (``MADV_DONTNEED``) once its values
+        have been copied elsewhere: they stop counting in its resident memory (the kernel's page cache keeps
+        them). Pages shared with a neighbouring tensor are kept. A view of the tensor stays valid (its pages are
+        read back from the file when touched again); only what was written into it would be lost."""
+        page = mmap.PAGESIZE
+        start = -(-tensor.offset // page) * page
+        end = (tensor.offset + tensor.nbytes) // page * page
+        if end > start and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def dequantize(self, tensor: GGUFTensor) -> torch.Tensor:
         """The tensor as a new float32 CPU tensor of ``tensor.shape`` (never a view of the file)."""
@@ -158,7 +258,7 @@ def _string(buf: memoryview, pos: int) -> tuple[str, int]:
     return str(buf[pos + 8 : end], "utf-8"), end
 
 
-def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
+def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]:
     if vtype == _STRING:
         return _string(buf, pos)
     if vtype in _SCALARS:
@@ -167,13 +267,19 @@ def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
     if vtype == _ARRAY:
         item_type, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
+        if item_type not in _MIN_ITEM_BYTES:
+            raise ValueError(f"unknown array item type {item_type}")
+        if count * _MIN_ITEM_BYTES[item_type] > len(buf) - pos:
+            raise ValueError(f"an array of {count} items runs past the end of the file")
         if item_type in _NUMPY:
             dtype = np.dtype(_NUMPY[item_type]).newbyteorder("<")
             values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
             return values.tolist(), pos + count * dtype.itemsize
+        if item_type == _ARRAY and depth >= _MAX_DEPTH:
+            raise ValueError(f"arrays nested more than {_MAX_DEPTH} deep")
         items = []
         for _ in range(count):
-            item, pos = _value(buf, pos, item_type)
+            item, pos = _value(buf, pos, item_type, depth + 1)
             items.append(item)
         return items, pos
     raise ValueError(f"unknown metadata value type {vtype}")

@@ -10,6 +10,17 @@ held twice in RAM.
 A checkpoint is opened once (:func:`open_checkpoint`): its config comes from
 that one read of config.json or the GGUF header, so the memory plan is made
 before any weight is read, and the weights are then loaded from the same parse.
+A GGUF header is checked against its tensor index there (:func:`gguf_config`), so a
+file whose metadata disagrees with its tensors is refused before anything of the
+model's size exists.
+
+Given a weight format (``Checkpoint.load(..., weight_format=...)``, what the engine
+passes on a CPU), a GGUF file's projections are built in it as they are read:
+:func:`~asyncinfer.models.quant.apply_weight_format` takes the memory-mapped file
+as the source of each layer's weights (:class:`_GGUFProjections`), a layer in its
+file's own block format is repacked from those blocks, and the file's pages of each
+tensor are dropped once it has been copied; only the parameters left (embedding,
+norms) are then filled. No float32 copy of the model exists (docs/memory.md).
 A GGUF file's tokenizer is built by transformers once and cached as
 ``tokenizer.json`` (:func:`gguf_tokenizer`); it loads in parallel with the weights.
 
@@ -20,6 +31,7 @@ and gate/up land in row slices of the fused params.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import logging
@@ -27,6 +39,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -47,9 +60,17 @@ from asyncinfer.models.config import (
     hf_config_family,
     normalise_token_ids,
 )
-from asyncinfer.models.gguf_file import GGUFFile
+from asyncinfer.models.gguf_file import GGUFFile, GGUFTensor
 from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
+from asyncinfer.models.quant import (
+    BLOCK_FORMATS,
+    BLOCK_HEAD_FORMAT,
+    NATIVE,
+    WeightFormat,
+    apply_weight_format,
+    layer_formats,
+)
 from asyncinfer.models.registry import model_family
 from asyncinfer.progress import TerminalProgress, say
 
@@ -70,6 +91,9 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None
     source: str  # "safetensors:<dir>" or "gguf:<file>"
+    # The weight format the model was built in at load (a GGUF file's projections straight from its blocks),
+    # or None: its projections are plain float layers, for apply_weight_format to convert.
+    weight_format: WeightFormat | None = None
 
 
 # Checkpoint tensors that are derivable or redundant and safe to skip.
@@ -97,11 +121,15 @@ class Checkpoint:
         return len(self.gguf.tensors) if self.gguf is not None else len(build_targets(self.config, "hf"))
 
     def load(self, dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None, *,
-             ops: ElementwiseOps = EAGER_OPS) -> LoadedModel:
+             ops: ElementwiseOps = EAGER_OPS, weight_format: WeightFormat | None = None) -> LoadedModel:
         """Read the weights (and the tokenizer) into a :class:`LoadedModel` on ``device``.
 
         ``ops``: the element-wise functions the model is built with (the eager ones by default; the
         compiled ones with ``torch_compile=True``, see :mod:`asyncinfer.models.torch_compile`).
+        ``weight_format``: on a CPU, a GGUF file's projections are built in it as they are read
+        (:func:`~asyncinfer.models.quant.apply_weight_format` with the file as the source: a layer in its
+        file's own block format straight from the mapped blocks), never through a float32 model; the
+        result's ``weight_format`` says so. None (or a Hugging Face directory): plain float layers.
 
         Raises:
             ModelLoadError: checkpoint tensors that are missing, unexpected or of the wrong shape.
@@ -110,7 +138,9 @@ class Checkpoint:
         if progress is None:
             progress = TerminalProgress(f"loading {self.path.name}", "tensors")
         if self.gguf is not None:
-            return _load_gguf(self.gguf, self.config, dtype, device, progress, ops)
+            if device.type != "cpu":
+                weight_format = None
+            return _load_gguf(self.gguf, self.config, dtype, device, progress, ops, weight_format)
         return _load_hf_dir(self.path, self.config, dtype, device, progress, ops)
 
 
@@ -126,7 +156,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     path = _model_location(path)
     if path.is_file():
         gguf = GGUFFile(path)
-        return Checkpoint(path, gguf_model_config(gguf), gguf)
+        return Checkpoint(path, gguf_config(gguf), gguf)
     return Checkpoint(path, _merge_generation_eos(_hf_model_config(path), path))
 
 
@@ -208,6 +238,8 @@ def _materialise(
     adopt: bool = False,
     progress: Progress | None = None,
     ops: ElementwiseOps = EAGER_OPS,
+    model: nn.Module | None = None,
+    done: int = 0,
 ) -> nn.Module:
     """Build the family's model on meta, then fill its parameters from (name, tensor) pairs.
 
@@ -215,19 +247,22 @@ def _materialise(
     copied (with dtype/device conversion) into place. ``adopt``: the tensors are
     fresh and owned by nobody else, so one that fills a whole parameter in the
     right dtype and device becomes that parameter without a copy. ``ops``: what the model computes its
-    element-wise chains with.
+    element-wise chains with. ``model``: a model already built on meta whose weight-format layers are in
+    place (their checkpoint tensors are consumed: ``done`` of them); only its parameters left are filled.
     """
-    model = build_on_meta(config, ops)
+    all_targets = build_targets(config, fmt)
+    if model is None:
+        model = build_on_meta(config, ops)
     params = {name: p for name, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
-    targets = build_targets(config, fmt)
+    targets = {name: t for name, t in all_targets.items() if t.param in params}
     seen: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
         for name, tensor in tensors:
             target = targets.get(name)
             if target is None:
-                if not _is_ignorable(name, config):
+                if name not in all_targets and not _is_ignorable(name, config):
                     unexpected.append(name)
                 continue
             shape = params[target.param].shape
@@ -246,7 +281,7 @@ def _materialise(
                 _copy(dest if target.rows is None else dest[target.rows], tensor)
             seen.add(name)
             if progress is not None:
-                progress(len(seen), len(targets))
+                progress(done + len(seen), done + len(targets))
     missing = sorted(set(targets) - seen)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {_preview(missing)}")
@@ -316,19 +351,162 @@ def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
 
 def _load_gguf(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
-    ops: ElementwiseOps,
+    ops: ElementwiseOps, weight_format: WeightFormat | None = None,
 ) -> LoadedModel:
+    def weights() -> nn.Module:
+        if weight_format is None:
+            return _materialise(config, _iter_gguf(gguf, config, dtype), "gguf", dtype, device, adopt=True,
+                                progress=progress, ops=ops)
+        return _build_in_format(gguf, config, dtype, device, progress, ops, weight_format)
+
+    source = f"gguf:{gguf.path.resolve()}"
     # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
     if "tokenizer.ggml.model" not in gguf.fields:
-        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress,
-                             ops=ops)
-        return LoadedModel(model, config, None, f"gguf:{gguf.path.resolve()}")
+        return LoadedModel(weights(), config, None, source, weight_format)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
         tokenizer = pool.submit(gguf_tokenizer, gguf.path)
-        model = _materialise(config, _iter_gguf(gguf, config), "gguf", dtype, device, adopt=True, progress=progress,
-                             ops=ops)
-        return LoadedModel(model, config, tokenizer.result(), f"gguf:{gguf.path.resolve()}")
+        model = weights()
+        return LoadedModel(model, config, tokenizer.result(), source, weight_format)
+
+
+def _build_in_format(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
+    ops: ElementwiseOps, weight_format: WeightFormat,
+) -> nn.Module:
+    """The model with its projections in ``weight_format``, each built from the file as it is read (its own
+    blocks where it keeps them), then every other parameter filled from the file; the float32 model never exists."""
+    model = build_on_meta(config, ops)
+    head = next(name for name, p in model.named_parameters() if p is model.lm_head_weight)  # family contract
+    projections = _GGUFProjections(gguf, config, head, progress)
+    apply_weight_format(model, weight_format.method, weight_format.skip, pack=weight_format.pack,
+                        source=projections)
+    model = _materialise(config, _iter_gguf(gguf, config, dtype, skip=projections.consumed), "gguf", dtype, device,
+                         adopt=True, progress=progress, ops=ops, model=model, done=len(projections.consumed))
+    _trim_heap()
+    return model
+
+
+def _heap_trimmer() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)`` where there is one (a no-op elsewhere): the temporaries of building a layer
+    (tens of MiB) are freed into the allocator's per-thread arenas, which keep them; ~140 MiB of them for a
+    250 MiB file, on top of the weights, until they are handed back."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def trim_heap() -> None:
+        trim(0)
+
+    return trim_heap
+
+
+_trim_heap = _heap_trimmer()
+
+
+class _GGUFProjections:
+    """The loader's :data:`~asyncinfer.models.quant.WeightSource` for a GGUF file: a layer name -> its tensors
+    (the row shards of a fused layer, q/k rows put back in rope order, its bias), read from the memory map."""
+
+    def __init__(self, reader: GGUFFile, config: ModelConfig, head: str, progress: Progress | None) -> None:
+        self._reader = reader
+        self._config = config
+        self._progress = progress
+        targets = build_targets(config, "gguf")
+        self._layers = _gguf_layers(reader, targets, head)
+        self._total = len(targets)
+        # A tied head reads the embedding's tensor, which the embedding itself still needs (as floats).
+        self._shared = {name for name, t in targets.items() if t.param == head} if config.tie_word_embeddings else set()
+        self.consumed: set[str] = set()  # tensor names read into a layer (and needed by nothing else)
+        self._lock = threading.Lock()
+
+    def __call__(self, layer: str) -> _GGUFProjection:
+        if layer not in self._layers:
+            raise ModelLoadError(f"GGUF file {self._reader.path} has no tensors for layer {layer!r}")
+        weight, bias = self._layers[layer]
+        return _GGUFProjection(self, weight, bias)
+
+    def done(self, tensors: list[GGUFTensor]) -> None:
+        """Called by the layer builders (on apply_weight_format's threads) once a layer is built."""
+        for t in tensors:
+            self._reader.release(t)  # copied into the layer: the file's pages may go
+        _trim_heap()  # and the layer's temporaries (joined rows, dequantised floats) too
+        with self._lock:
+            self.consumed.update(t.name for t in tensors if t.name not in self._shared)
+            if self._progress is not None:
+                self._progress(len(self.consumed), self._total)
+
+
+class _GGUFProjection:
+    """One layer's weights in a GGUF file (a :class:`~asyncinfer.models.quant.StoredProjection`)."""
+
+    def __init__(self, owner: _GGUFProjections, weight: list[GGUFTensor], bias: list[GGUFTensor]) -> None:
+        self._owner = owner
+        self._reader = owner._reader
+        self._weight, self._bias = weight, bias
+        formats = {t.format for t in weight}
+        self.format = formats.pop() if len(formats) == 1 else "mixed"
+
+    def _heads(self, t: GGUFTensor) -> int | None:
+        return _permuted_heads(t.name, self._owner._config)
+
+    def blocks(self) -> torch.Tensor:
+        parts = []
+        for t in self._weight:
+            rows = self._reader.blocks(t)  # [rows, bytes per row], a view of the map
+            heads = self._heads(t)
+            parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def floats(self) -> torch.Tensor:
+        parts = []
+        for t in self._weight:
+            w = self._reader.dequantize(t).reshape(t.rows, -1)  # [rows, cols] float32, a new tensor
+            heads = self._heads(t)
+            parts.append(w if heads is None else torch.from_numpy(_unpermute_rope_rows(w.numpy(), heads)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def bias(self) -> torch.Tensor | None:
+        if not self._bias:
+            return None
+        parts = [self._reader.dequantize(t).reshape(-1) for t in self._bias]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def release(self) -> None:
+        self._owner.done(self._weight + self._bias)
+
+
+def _gguf_layers(reader: GGUFFile, targets: dict[str, _Target],
+                 head: str) -> dict[str, tuple[list[GGUFTensor], list[GGUFTensor]]]:
+    """Layer name -> (weight tensors, bias tensors) in row order, for every parameter of the weight map;
+    ``"lm_head"`` is the tensor of ``head`` (the output projection's parameter: the embedding when tied)."""
+    index = {t.name: t for t in reader.tensors}
+    grouped: dict[str, list[tuple[int, GGUFTensor]]] = {}
+    for name, target in targets.items():
+        if name in index:
+            grouped.setdefault(target.param, []).append((0 if target.rows is None else target.rows.start, index[name]))
+    layers: dict[str, tuple[list[GGUFTensor], list[GGUFTensor]]] = {}
+    for param, parts in grouped.items():
+        layer, _, kind = param.rpartition(".")
+        tensors = [t for _, t in sorted(parts, key=lambda part: part[0])]
+        weight, bias = layers.get(layer, ([], []))
+        layers[layer] = (tensors, bias) if kind == "weight" else (weight, tensors)
+    if head.rpartition(".")[0] in layers:
+        layers["lm_head"] = (layers[head.rpartition(".")[0]][0], [])
+    return layers
+
+
+def _permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """The head count whose rope rows llama.cpp interleaved in tensor ``name`` (undone at load), or None."""
+    if not model_family(config.architecture).gguf_permuted_qk:
+        return None
+    if name.endswith("attn_q.weight"):
+        return config.num_heads
+    if name.endswith("attn_k.weight"):
+        return config.num_kv_heads
+    return None
 
 
 def _field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
@@ -338,6 +516,98 @@ def _field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
             raise ModelLoadError(f"GGUF metadata has no {key!r}")
         return default
     return reader.fields[key]
+
+
+def gguf_config(reader: GGUFFile) -> ModelConfig:
+    """The model's config from a GGUF header (:func:`gguf_model_config`), checked against the file's tensor
+    index and with the formats the file stores each projection in (``stored_formats``, ``native_format``).
+
+    Decided from the header alone, before anything of the model's size is allocated: a block count that
+    the tensors do not hold, a size larger than any tensor, a tensor missing, unexpected or of another
+    shape than the metadata makes it.
+
+    Raises:
+        ModelLoadError: naming the metadata key or the tensor.
+    """
+    arch = reader.fields.get("general.architecture")
+    _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
+    try:
+        config = gguf_model_config(reader)
+    except (TypeError, ValueError, OverflowError, KeyError, AttributeError) as exc:  # a value of the wrong kind
+        raise ModelLoadError(f"cannot read GGUF file {reader.path}: metadata of the wrong kind ({exc})") from exc
+    stored = _check_index(reader, config)
+    return replace(config, stored_formats=stored, native_format=_native_format(stored))
+
+
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.")
+
+
+def _check_index(reader: GGUFFile, config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """Refuse a tensor index that disagrees with the config (see :func:`gguf_config`); the stored format of
+    each projection and of the head (``"lm_head"``)."""
+    arch = config.architecture
+    index = {t.name: t for t in reader.tensors}
+    _check_block_count(reader, arch, config.num_layers)
+    largest = max((d for t in reader.tensors for d in t.shape), default=0)
+    for key, value in ((f"{arch}.embedding_length", config.hidden_size),
+                       (f"{arch}.feed_forward_length", config.intermediate_size),
+                       (f"{arch}.vocab_size", config.vocab_size),
+                       (f"{arch}.attention.head_count x key_length", config.q_size),
+                       (f"{arch}.attention.head_count_kv x key_length", config.kv_size)):
+        if value > largest:
+            raise ModelLoadError(f"GGUF file {reader.path}: metadata {key} = {value} is larger than any of its "
+                                 f"tensors (the largest dimension is {largest})")
+    model = build_on_meta(config)
+    params = dict(model.named_parameters())
+    targets = build_targets(config, "gguf")
+    for name, target in targets.items():
+        tensor = index.get(name)
+        if tensor is None:
+            continue  # listed with the others below
+        shape = params[target.param].shape
+        expected = tuple(shape) if target.rows is None else (target.rows.stop - target.rows.start, *shape[1:])
+        if tensor.shape != expected:
+            raise ModelLoadError(f"GGUF tensor {name!r} ({tensor.format}) has shape {tensor.shape}, but the file's "
+                                 f"metadata makes it {expected} (for parameter {target.param!r})")
+    missing = sorted(set(targets) - set(index))
+    if missing:
+        raise ModelLoadError(f"GGUF file {reader.path} is missing {len(missing)} tensor(s): {_preview(missing)}")
+    unexpected = [name for name in index if name not in targets and not _is_ignorable(name, config)]
+    if unexpected:
+        raise ModelLoadError(f"GGUF file {reader.path} has {len(unexpected)} unexpected tensor(s): "
+                             f"{_preview(unexpected)}")
+    head = next(name for name, p in params.items() if p is model.lm_head_weight)  # the family contract
+    layers = _gguf_layers(reader, targets, head)
+    formats = []
+    for layer in layer_formats(config, None):  # every projection, and "lm_head"
+        kinds = {t.format for t in layers[layer][0]}
+        formats.append((layer, kinds.pop() if len(kinds) == 1 else "mixed"))
+    return tuple(formats)
+
+
+def _check_block_count(reader: GGUFFile, arch: object, count: object) -> None:
+    """Refuse a block count (an int in the metadata) other than the layers the tensors hold: a model built
+    for a wrong count would be that count's size."""
+    if not isinstance(count, int) or isinstance(count, bool):
+        return  # absent or not an int: gguf_model_config says so
+    blocks = {int(m.group(1)) for t in reader.tensors if (m := _BLOCK_NAME.match(t.name))}
+    held = max(blocks) + 1 if blocks else 0
+    if count != held:
+        raise ModelLoadError(f"GGUF file {reader.path}: metadata {arch}.block_count = {count}, but its "
+                             f"tensors hold {held} layer(s)" + (f" (blk.0 ... blk.{held - 1})" if held else ""))
+
+
+def _native_format(stored: tuple[tuple[str, str], ...]) -> str | None:
+    """``ModelConfig.native_format`` of a file storing its projections in ``stored``: the block format of
+    every projection where its head is in that format's head format (SmolLM2's: Q4_1 layers, a Q8_0 head);
+    "native" where some projection or the head is in a format a kernel takes; None otherwise."""
+    layers = {fmt for name, fmt in stored if name != "lm_head"}
+    head = dict(stored).get("lm_head")
+    if len(layers) == 1:
+        (fmt,) = layers
+        if BLOCK_HEAD_FORMAT.get(fmt, "") == head:
+            return fmt
+    return NATIVE if any(fmt in BLOCK_FORMATS for fmt in (*layers, head)) else None
 
 
 def gguf_model_config(reader: GGUFFile) -> ModelConfig:
@@ -378,7 +648,6 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=tuple(dict.fromkeys((*eos, *eot, *_gguf_token_ids(reader, family.gguf_eot_tokens)))),
         sliding_window=window,
-        native_format=_native_format(tensors),
         layer_types=layer_types,
         attn_logit_softcapping=_optional_float(_field(reader, f"{arch}.attn_logit_softcapping", None)),
         final_logit_softcapping=_optional_float(_field(reader, f"{arch}.final_logit_softcapping", None)),
@@ -449,22 +718,6 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-# The projections of a decoder layer in GGUF spelling (blk.{i}.<kind>.weight).
-_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_Q4_1, _Q8_0 = 3, 8  # ggml tensor types
-
-
-def _native_format(tensors: dict[str, Any]) -> str | None:
-    """The block weight format that holds exactly this file's projections and head (see
-    ``ModelConfig.native_format``), or None."""
-    layers = {t.ggml_type for name, t in tensors.items()
-              if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[-2] in _GGUF_PROJECTIONS}
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if head is None or head.ggml_type != _Q8_0:
-        return None
-    return {frozenset({_Q4_1}): "q4_1", frozenset({_Q8_0}): "q8_0"}.get(frozenset(layers))
-
-
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -489,15 +742,25 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> 
     return None
 
 
-def _iter_gguf(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantise GGUF tensors one at a time to new float32 CPU tensors in HF layout."""
-    permuted = model_family(config.architecture).gguf_permuted_qk
+def _iter_gguf(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+               skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """GGUF tensors one at a time as CPU tensors in HF layout (``skip``: names already read elsewhere).
+
+    A float tensor stored in ``dtype`` and used as it lies is a view of the map (no copy); any other is a new
+    float32 tensor, whose pages of the file are dropped from the process once it has been used.
+    """
     for t in reader.tensors:
+        if t.name in skip:
+            continue
+        heads = _permuted_heads(t.name, config)
+        if heads is None and t.format == str(dtype).removeprefix("torch."):
+            yield t.name, reader.view(t)  # adopted as the parameter: the file's bytes, in place
+            continue
         tensor = reader.dequantize(t)  # [rows, cols], slowest dimension first
-        if permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads
+        if heads is not None:
             tensor = torch.from_numpy(_unpermute_rope_rows(tensor.numpy(), heads))
         yield t.name, tensor
+        reader.release(t)
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -9,6 +9,13 @@ The formats (values of the engine option ``quantization``):
   ``"float16"`` where fbgemm runs. Both are the fastest format measured whose greedy output equals
   float32's on the fidelity prompts (benchmarks/quality.py, benchmarks/throughput.py,
   docs/formats.md). Everywhere else (an explicit ``dtype``, CUDA, a CPU without fbgemm) ``None``.
+- ``"native"`` (CPU, float32 activations; what ``"auto"`` picks for a GGUF file whose projections
+  come in several formats, e.g. llama.cpp's Q4_K_M mixes): each projection and the LM head in the
+  format its file stores it in where one of asyncinfer's kernels takes that format (a name of
+  :data:`asyncinfer.kernels.formats.LAYOUTS`), built straight from the file's blocks; every other
+  one (a format no kernel takes, a float tensor, a fused layer whose rows differ) in float16 where
+  fbgemm runs, else float32, dequantised one tensor at a time. ``ModelConfig.stored_formats`` says
+  which is which, so the memory planner counts the same bytes before loading.
 - ``None``: the engine dtype. On a CPU in float32 the projection weights are also
   packed once at load into oneDNN's blocked layout (``pack_weights``, on by default where
   oneDNN exists): the same float32 values, a faster kernel, results within float32 rounding.
@@ -39,14 +46,21 @@ The formats (values of the engine option ``quantization``):
 :func:`weight_bytes` is the one weight-size calculation of the package: from the config alone it
 counts what :func:`apply_weight_format` leaves (the memory planner before loading and the
 start-up path after it both use it).
+
+:func:`apply_weight_format` builds each layer from the model's own weights, or, given a ``source``
+(the GGUF loader's, :class:`StoredProjection`), from the checkpoint's tensors one layer at a time:
+a layer whose format is the one its file stores it in is made from those blocks
+(:meth:`BlockLinear.from_blocks`: repacked once into the kernels' layout, never through float32).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -58,12 +72,14 @@ from asyncinfer.models.meta import build_on_meta
 if TYPE_CHECKING:
     from asyncinfer.models.config import ModelConfig
 
-#: Format names per device type (values of ``quantization`` besides None).
 #: The formats in ggml's block layouts, multiplied by asyncinfer's own kernels (asyncinfer.kernels).
 BLOCK_FORMATS = tuple(kernels.BLOCK_FORMATS)
-CPU_FORMATS = ("float16", "int8", *BLOCK_FORMATS)
+#: Each projection in the format its GGUF file stores it in where a kernel takes it (see the module).
+NATIVE = "native"
+#: Format names per device type (values of ``quantization`` besides None).
+CPU_FORMATS = ("float16", "int8", *BLOCK_FORMATS, NATIVE)
 CUDA_FORMATS = ("float16", "bfloat16")
-QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", *BLOCK_FORMATS)
+QUANTIZATION_METHODS = ("float16", "bfloat16", "int8", *BLOCK_FORMATS, NATIVE)
 #: The LM head's format under each block format: the 32-weight formats keep the head in Q8_0, as
 #: llama.cpp's Q4 files do (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding tied to the head); the
 #: k-quants in Q6_K, as llama.cpp's Q4_K_M / Q5_K_M files do.
@@ -80,13 +96,14 @@ K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 #: 85.0%); no list that still quantizes most weights reaches the issue's 97%.
 DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
     None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"), **{fmt: () for fmt in BLOCK_FORMATS},
+    NATIVE: (),
 }
 
 
 def _allowed(device_type: str) -> str:
     if device_type == "cuda":
-        return (f"'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8' and the block formats "
-                f"{', '.join(map(repr, BLOCK_FORMATS))} run on CPU only)")
+        return (f"'auto', None, 'float16' or 'bfloat16' on CUDA (the engine dtype; 'int8', {NATIVE!r} and the block "
+                f"formats {', '.join(map(repr, BLOCK_FORMATS))} run on CPU only)")
     return (f"'auto', None, {', '.join(map(repr, CPU_FORMATS[:-1]))} or {CPU_FORMATS[-1]!r} on CPU, with float32 "
             f"activations ('bfloat16' is a CUDA format)")
 
@@ -99,7 +116,7 @@ def fp16_weights_available() -> bool:
 def resolve_quantization(method: object, device: torch.device, dtype: object, native_format: str | None = None) -> object:
     """``quantization="auto"`` made concrete for ``device`` and the ``dtype`` option as given (before
     it is resolved). On a CPU with ``dtype`` "auto" (or None): the model's ``native_format`` (its GGUF
-    file's own block format, ``ModelConfig.native_format``) where asyncinfer's kernels run (a vectorised
+    file's own block format, or "native" for a file of several formats: ``ModelConfig.native_format``) where asyncinfer's kernels run (a vectorised
     variant, or the scalar reference when ``ASYNCINFER_KERNEL_ISA`` asks for it: ``kernels.auto_reason()``),
     else "float16" where fbgemm runs; everywhere else None. Any other value is returned as is (validated
     by :func:`check_quantization`)."""
@@ -107,7 +124,8 @@ def resolve_quantization(method: object, device: torch.device, dtype: object, na
         return method
     if device.type != "cpu" or dtype not in (None, "auto"):
         return None
-    if native_format in BLOCK_FORMATS and kernels.auto_reason() is None:  # kernels that run, vectorised or asked for
+    if (native_format in BLOCK_FORMATS or native_format == NATIVE) and kernels.auto_reason() is None:
+        # kernels that run, vectorised or asked for
         return native_format
     return "float16" if fp16_weights_available() else None
 
@@ -135,7 +153,7 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
             raise InvalidParameterError("quantization", method, _allowed("cuda") + f"; it must match dtype={dtype}")
     elif method not in CPU_FORMATS:
         raise InvalidParameterError("quantization", method, _allowed("cpu"))
-    elif method in BLOCK_FORMATS and not kernels.available():
+    elif (method in BLOCK_FORMATS or method == NATIVE) and not kernels.available():
         allowed = f"'auto', None, 'float16' or 'int8' here: asyncinfer's {method} kernel cannot run ({kernels.unavailable_reason()})"
         raise InvalidParameterError("quantization", method, allowed)
     elif dtype != torch.float32:
@@ -281,14 +299,34 @@ class BlockLinear(FormatLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach()
-        self.out_features, self.in_features = w.shape
-        packed, self.lossless = [], True
+        out_features, in_features = w.shape
+        packed, lossless = [], True
         for rows in w.split(self._CHUNK_ROWS):  # a chunk at a time: the temporaries stay small at load
             rows = rows.float()
             blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / block weights * block bytes]
-            self.lossless = self.lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
+            lossless = lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
             packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
-        self._blocks = packed[0] if len(packed) == 1 else torch.cat(packed)
+        self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+        """The layer of ggml blocks in the class's format as a file stores them, uint8
+        [out, in / per block * bytes per block] (e.g. a view of a GGUF file's memory map): repacked once into
+        the kernels' layout (:func:`asyncinfer.kernels.pack`, a copy of the same size), never through
+        float32; ``lossless``."""
+        layer = cls.__new__(cls)
+        FormatLinear.__init__(layer)
+        per_block, size = kernels.BLOCK_FORMATS[cls.fmt]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+            raise ValueError(f"blocks: {cls.fmt} blocks are uint8 [out, a multiple of {size} bytes], got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        layer._hold(kernels.pack(blocks, cls.fmt), blocks.shape[0], blocks.shape[1] // size * per_block, bias, True)
+        return layer
+
+    def _hold(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+              lossless: bool) -> None:
+        self.out_features, self.in_features, self.lossless = out_features, in_features, lossless
+        self._blocks = packed
         self._bias = _float_bias(bias)
         self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
 
@@ -434,7 +472,45 @@ def int8_linear_bytes(out_features: int, in_features: int, *, bias: bool) -> int
     return linear_bytes("int8", out_features, in_features, bias=bias)
 
 
-def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> int:
+class StoredProjection(Protocol):
+    """One projection's weights as a checkpoint stores them (what a ``source`` of :func:`apply_weight_format`
+    gives for a layer name): the GGUF loader's, read from the memory-mapped file when asked."""
+
+    format: str  #: the stored format of all its rows: a block format, "float32"/"float16"/"bfloat16", or "mixed"
+
+    def blocks(self) -> torch.Tensor:
+        """ggml blocks uint8 [out, in / per block * bytes] (only when ``format`` is a block format)."""
+        ...
+
+    def floats(self) -> torch.Tensor:
+        """The weights as float32 [out, in], made one tensor at a time."""
+        ...
+
+    def bias(self) -> torch.Tensor | None:
+        """The float32 bias [out], or None."""
+        ...
+
+    def release(self) -> None:
+        """The layer is built: what the source holds for it may go."""
+        ...
+
+
+#: A layer's name ("layers.0.attn.qkv_proj", "lm_head") -> its weights where the checkpoint stores them.
+WeightSource = Callable[[str], StoredProjection]
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weight format as the engine applies it: ``method`` (a value of ``quantization``), the layer names
+    kept in float32 (``skip``) and whether float32 projections are packed for oneDNN (``pack``)."""
+
+    method: str | None
+    skip: tuple[str, ...] = ()
+    pack: bool = False
+
+
+def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False,
+                        source: WeightSource | None = None) -> int:
     """Put ``model``'s projections (every ``nn.Linear`` and the LM head) in ``method``'s CPU format, in place.
 
     ``skip``: substrings of layer names kept in float32. ``pack``: float32 projections left (all of
@@ -442,34 +518,91 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     to the embedding (the embedding stays for lookups; a packed copy would double it). Returns the
     bytes the replaced layers take (:func:`weight_bytes` counts the same from the config alone).
 
+    ``source``: where each replaced layer's weights come from (by layer name) instead of the model's own
+    parameters, which may then be on the meta device: the GGUF loader's, so that a layer in the format
+    its file stores it in is built from those blocks (:meth:`BlockLinear.from_blocks`) and any other from
+    its float32 values, one layer at a time. A layer already replaced (a model formatted at load) is left.
+
     The one place a loaded model's modules are replaced: each ``nn.Linear`` in a format becomes that
     format's :class:`FormatLinear` on its parent (the same attribute), and the output projection is
     handed to the model's own ``use_output_proj`` (part of the model family contract, see
     :mod:`asyncinfer.models.registry`).
     """
     skip = tuple(skip)
-    jobs: list[tuple[nn.Module | None, str, str, torch.Tensor, torch.Tensor | None]] = []
+    stored = dict(model.config.stored_formats)
+    jobs: list[tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]] = []
     for parent, name, full, linear in _format_linears(model):
-        fmt = _layer_format(method, full, skip, linear.in_features)
+        fmt = _layer_format(method, full, skip, linear.in_features, stored.get(full))
         if fmt != "float32" or pack:
-            jobs.append((parent, name, fmt, linear.weight, linear.bias))
-    head_fmt = _head_format(model, method, skip)
-    tied = model.config.tie_word_embeddings
-    if head_fmt != "float32" or (pack and not tied):
-        jobs.append((None, "output_proj", head_fmt, model.lm_head_weight, None))
+            jobs.append((parent, name, full, fmt, linear.weight, linear.bias))
+    if model.output_proj is None:
+        head_fmt = _head_format(model, method, skip, stored.get("lm_head"))
+        tied = model.config.tie_word_embeddings
+        if head_fmt != "float32" or (pack and not tied):
+            jobs.append((None, "output_proj", "lm_head", head_fmt, model.lm_head_weight, None))
+
+    def build(job: tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]) -> FormatLinear:
+        _, _, full, fmt, weight, bias = job
+        if source is None:
+            return _layer_class(fmt)(weight, bias)
+        return _from_source(fmt, source(full))
+
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
     # (fbgemm's float16 packing of SmolLM2-135M: 1.8 s alone, 1.2 s on two cores).
     workers = max(1, min(len(jobs), torch.get_num_threads(), 8))
     with ThreadPoolExecutor(workers, thread_name_prefix="asyncinfer-pack") as pool:
-        layers = list(pool.map(lambda job: _LAYERS[job[2]](job[3], job[4]), jobs))
+        layers = list(pool.map(build, jobs))
     nbytes = 0
-    for (parent, name, _, _, _), layer in zip(jobs, layers):
+    for (parent, name, _, _, _, _), layer in zip(jobs, layers):
         if parent is None:
             model.use_output_proj(layer)  # the family's own method: a tied embedding stays float for lookups
         else:
             setattr(parent, name, layer)  # the swap: a projection becomes its format's layer, in place
         nbytes += layer.nbytes
     return nbytes
+
+
+def _from_source(fmt: str, stored: StoredProjection) -> FormatLinear:
+    """``fmt``'s layer from a checkpoint's weights: from its blocks where the file stores them in ``fmt``,
+    else from their float32 values; the source is released either way."""
+    try:
+        if fmt == stored.format and fmt in BLOCK_FORMATS:
+            return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias())
+        return _layer_class(fmt)(stored.floats(), stored.bias())
+    finally:
+        stored.release()
+
+
+def _layer_class(fmt: str) -> type[FormatLinear]:
+    return block_layer_class(fmt) if fmt in BLOCK_FORMATS else _LAYERS[fmt]
+
+
+@functools.cache
+def block_layer_class(fmt: str) -> type[BlockLinear]:
+    """The layer class of a block format of :data:`asyncinfer.kernels.formats.LAYOUTS`: its own subclass
+    (:class:`Q4_1Linear`, ...), or for a format the kernels take that has none, a :class:`BlockLinear`
+    subclass made once for it."""
+    cls = _LAYERS.get(fmt)
+    if isinstance(cls, type) and issubclass(cls, BlockLinear):
+        return cls
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; expected one of {list(BLOCK_FORMATS)}")
+    return type(f"{fmt.upper()}Linear", (BlockLinear,), {"fmt": fmt, "__doc__": f"ggml's {fmt.upper()} blocks."})
+
+
+def layer_formats(model_config: ModelConfig, method: str | None, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Each projection's format under ``method`` (layer name -> format, ``"lm_head"`` included), as
+    :func:`apply_weight_format` and :func:`weight_bytes` decide it from the config alone; "float32" for a layer
+    left in float32."""
+    return _layer_formats(build_on_meta(model_config), method, tuple(skip))
+
+
+def _layer_formats(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> dict[str, str]:
+    stored = dict(model.config.stored_formats)
+    formats = {full: _layer_format(method, full, skip, linear.in_features, stored.get(full))
+               for _, _, full, linear in _format_linears(model)}
+    formats["lm_head"] = _head_format(model, method, skip, stored.get("lm_head"))
+    return formats
 
 
 def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:
@@ -502,12 +635,13 @@ def weight_bytes(
     if quantization is None or torch.device(device).type == "cuda":
         return total
     skip = tuple(skip)
+    stored = dict(model_config.stored_formats)
     for _, _, full, linear in _format_linears(model):
-        fmt = _layer_format(quantization, full, skip, linear.in_features)
+        fmt = _layer_format(quantization, full, skip, linear.in_features, stored.get(full))
         if fmt != "float32":
             total += linear_bytes(fmt, *linear.weight.shape, bias=linear.bias is not None)
             total -= _float_bytes(linear, dtype_bytes)
-    head = _head_format(model, quantization, skip)
+    head = _head_format(model, quantization, skip, stored.get("lm_head"))
     if head != "float32":
         total += linear_bytes(head, *model.lm_head_weight.shape, bias=False)
         if not model_config.tie_word_embeddings:  # the float head is dropped; a tied one is the embedding
@@ -529,21 +663,35 @@ def _format_linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Line
     return found
 
 
-def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_features: int) -> str:
-    """A projection's format: ``method``; for a k-quant whose 256 does not divide the input size, its
-    :data:`K_QUANT_FALLBACK`; float32 when skipped (or for a block format, when the input size is not a
-    whole number of its blocks)."""
+def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_features: int,
+                  stored: str | None = None) -> str:
+    """A projection's format: ``method`` (for "native", ``stored``, the format its file stores it in, where a
+    kernel takes it, else :func:`native_fallback`; for a k-quant whose 256 does not divide the input size, its
+    :data:`K_QUANT_FALLBACK`), or float32 when skipped (or for a block format, when its input size is not a
+    whole number of blocks)."""
     if method is None or any(s in name for s in skip):
         return "float32"
-    if method in K_QUANT_FALLBACK and in_features % kernels.BLOCK_FORMATS[method][0]:
-        method = K_QUANT_FALLBACK[method]
-    if method in BLOCK_FORMATS and in_features % kernels.BLOCK_FORMATS[method][0]:
+    fmt = method
+    if method == NATIVE:
+        fmt = stored if stored in BLOCK_FORMATS else native_fallback()
+    elif method in K_QUANT_FALLBACK and in_features % kernels.BLOCK_FORMATS[method][0]:
+        fmt = K_QUANT_FALLBACK[method]
+    if fmt in BLOCK_FORMATS and in_features % kernels.BLOCK_FORMATS[fmt][0]:
         return "float32"
-    return method
+    return fmt
 
 
-def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> str:
+def native_fallback() -> str:
+    """The format of a projection that ``"native"`` cannot keep in its file's own: float16 where fbgemm runs,
+    else float32."""
+    return "float16" if fp16_weights_available() else "float32"
+
+
+def _head_format(model: nn.Module, method: str | None, skip: tuple[str, ...], stored: str | None = None) -> str:
     """The output projection's format (every family has one, ``lm_head_weight``): ``method`` (a block
-    format's head format), or float32 when skipped."""
+    format's head format; for "native" the head's stored format as for any layer), or float32 when skipped."""
+    skip = tuple(s for s in skip if s)
+    if method == NATIVE:
+        return _layer_format(method, "lm_head", skip, model.lm_head_weight.shape[1], stored)
     head = BLOCK_HEAD_FORMAT.get(method, method)  # type: ignore[arg-type]
-    return _layer_format(head, "lm_head", tuple(s for s in skip if s), model.lm_head_weight.shape[1])
+    return _layer_format(head, "lm_head", skip, model.lm_head_weight.shape[1])

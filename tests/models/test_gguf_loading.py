@@ -1,0 +1,258 @@
+"""A GGUF file's projections are built in their weight format as they are read (its own blocks where it keeps
+them, never through a float32 model), and bad files are refused from the header alone.
+
+The files are random-weight GGUFs written by ``benchmarks/make_gguf.py``, the benchmarks' own generator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncinfer import kernels
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.memory import plan_memory
+from asyncinfer.models.gguf_file import GGUFFile
+from asyncinfer.models.loader import open_checkpoint
+from asyncinfer.models.quant import (
+    BlockLinear,
+    FormatLinear,
+    WeightFormat,
+    apply_weight_format,
+    layer_formats,
+    native_fallback,
+    weight_bytes,
+)
+from benchmarks.make_gguf import SHAPES, tensors, write
+from tests.helpers import loaded_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(SHAPES["tiny"], hidden=128, intermediate=256, heads=4, kv_heads=2, vocab_size=320)
+
+
+def tiny_gguf(path: Path, kind: str = "q8_0", head: str = "q8_0", arch: str = "llama", **options) -> Path:
+    write(path, TINY, arch, kind, head, "none", 0, **options)
+    return path
+
+
+def quiet(done: int, total: int) -> None:
+    """A progress callback that shows nothing."""
+
+
+def _expected_block(stored: str) -> type[FormatLinear] | str:
+    """What "native" makes of a layer stored in ``stored``: its blocks where a kernel takes them, else the fallback."""
+    return stored if stored in kernels.BLOCK_FORMATS else native_fallback()
+
+
+CASES = [  # (projections, embedding and head, arch, method, tied)
+    ("q4_1", "q8_0", "llama", "native", False),
+    ("q4_1", "q8_0", "llama", "q4_1", True),
+    ("q8_0", "q8_0", "qwen2", "native", False),
+    ("q4_0", "q8_0", "llama", "native", True),
+    ("f16", "f16", "llama", "native", False),
+    ("q8_0", "q8_0", "llama", "float16", False),
+    ("q4_1", "q8_0", "qwen2", "q8_0", True),
+    ("q8_0", "f16", "llama", None, False),
+    ("bf16", "bf16", "llama", "native", False),
+    ("bf16", "q8_0", "qwen2", None, True),
+]
+
+
+@pytest.mark.parametrize("kind, head, arch, method, tied", CASES)
+def test_layers_built_from_the_file_equal_those_converted_from_the_float_model(tmp_path, kind, head, arch, method,
+                                                                              tied) -> None:
+    layout = [t for t in tensors(TINY, arch) if not (tied and t[0] == "output.weight")]
+    checkpoint = open_checkpoint(tiny_gguf(tmp_path / "m.gguf", kind, head, arch, layout=layout))
+    assert checkpoint.config.tie_word_embeddings == tied
+    fmt = WeightFormat(method)
+    direct = checkpoint.load(torch.float32, "cpu", quiet, weight_format=fmt)
+    assert direct.weight_format == fmt
+    converted = checkpoint.load(torch.float32, "cpu", quiet).model  # the float32 model, then the format
+    assert apply_weight_format(converted, method) == sum(
+        m.nbytes for m in direct.model.modules() if isinstance(m, FormatLinear))
+    modules, reference = dict(direct.model.named_modules()), dict(converted.named_modules())
+    assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
+    generator = torch.Generator().manual_seed(0)
+    for name, module in modules.items():
+        if isinstance(module, FormatLinear):
+            x = torch.randn(3, module.in_features, generator=generator)
+            assert torch.equal(module(x), reference[name](x)), name
+            if isinstance(module, BlockLinear):
+                assert module.lossless == reference[name].lossless, name
+    params, reference_params = dict(direct.model.named_parameters()), dict(converted.named_parameters())
+    assert params.keys() == reference_params.keys()
+    assert all(torch.equal(params[n], reference_params[n]) for n in params)
+    # the planner counted these bytes from the header alone
+    assert weight_bytes(checkpoint.config, 4, method) == loaded_bytes(direct.model)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0", "f16", "bf16"])
+def test_native_keeps_each_layer_in_its_files_format_where_a_kernel_takes_it(tmp_path, kind) -> None:
+    checkpoint = open_checkpoint(tiny_gguf(tmp_path / "m.gguf", kind, "q8_0"))
+    model = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    stored = dict(checkpoint.config.stored_formats)
+    assert set(stored.values()) == {{"f16": "float16", "bf16": "bfloat16"}.get(kind, kind), "q8_0"}
+    formats = layer_formats(checkpoint.config, "native")
+    assert formats == {name: _expected_block(stored[name]) for name in formats}
+    assert len(formats) == 4 * TINY["layers"] + 1  # qkv, o, gate_up, down per layer, and the head
+    blocks = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert all(m.lossless for m in blocks)  # straight from the file's blocks: exactly its weights
+    assert sum(fmt in kernels.BLOCK_FORMATS for fmt in formats.values()) == len(blocks)
+
+
+def test_a_file_of_mixed_formats_takes_each_tensors_own(tmp_path, caplog) -> None:
+    """Q4_K_M-style: most layers in one format, some in others; a fused layer whose rows differ falls back."""
+    types = {"blk.0.attn_v.weight": "q8_0", "blk.1.ffn_down.weight": "q8_0", "blk.1.attn_output.weight": "f16"}
+    path = tiny_gguf(tmp_path / "mixed.gguf", "q4_1", "q8_0", types=types)
+    checkpoint = open_checkpoint(path)
+    stored = dict(checkpoint.config.stored_formats)
+    assert checkpoint.config.native_format == "native"
+    assert (stored["layers.0.attn.qkv_proj"], stored["layers.1.attn.qkv_proj"]) == ("mixed", "q4_1")
+    assert (stored["layers.1.mlp.down_proj"], stored["layers.1.attn.o_proj"]) == ("q8_0", "float16")
+    model = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    formats = layer_formats(checkpoint.config, "native")
+    assert formats["layers.0.attn.qkv_proj"] == formats["layers.1.attn.o_proj"] == native_fallback()
+    assert formats["layers.1.mlp.down_proj"] == "q8_0" and formats["layers.1.attn.qkv_proj"] == "q4_1"
+    assert weight_bytes(checkpoint.config, 4, "native") == loaded_bytes(model)
+
+
+def test_the_engine_loads_a_mixed_file_in_its_own_formats_and_says_which(tmp_path, caplog) -> None:
+    import logging
+
+    from asyncinfer import AsyncEngine
+
+    types = {"blk.0.attn_v.weight": "q8_0"}
+    path = tiny_gguf(tmp_path / "mixed.gguf", "q4_1", "q8_0", types=types)
+    with caplog.at_level(logging.INFO, logger="asyncinfer"):
+        engine = AsyncEngine.from_pretrained(path, kv_cache_memory=1 << 20, max_model_len=64)
+    assert engine.config.quantization == "native"
+    assert f"1 in {native_fallback()} (1 stored as mixed" in caplog.text
+
+
+# ---- bad files: refused from the header, fast -------------------------------
+
+
+def test_a_block_count_far_beyond_the_tensors_is_refused_from_the_header_in_well_under_a_second(tmp_path) -> None:
+    """The old loader built the model for the metadata's count first: ~50 s and 2.7 GB for 300 000 layers."""
+    path = tiny_gguf(tmp_path / "deep.gguf", block_count=300_000)
+    start = time.perf_counter()
+    for read in (open_checkpoint, plan_memory):
+        with pytest.raises(ModelLoadError, match=r"llama.block_count = 300000, but its tensors hold 2 layer\(s\)"):
+            read(path)
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: [(n, (d[0], 2 * d[1]) if n == "blk.1.ffn_up.weight" else d) for n, d in t],
+     r"GGUF tensor 'blk.1.ffn_up.weight' \(q8_0\) has shape \(256, 256\), but the file's metadata makes it \(256, 128\)"),
+    (lambda t: [(n, d) for n, d in t if n != "blk.0.attn_k.weight"], r"missing 1 tensor\(s\): blk.0.attn_k.weight"),
+    (lambda t: [*t, ("blk.0.extra.weight", (4,))], r"1 unexpected tensor\(s\): blk.0.extra.weight"),
+    (lambda t: [(n, (64, d[1]) if n == "token_embd.weight" else d) for n, d in t], r"'token_embd.weight'.*\(64, 128\)"),
+])
+def test_tensors_that_disagree_with_the_metadata_are_refused_naming_the_tensor(tmp_path, edit, message) -> None:
+    path = tiny_gguf(tmp_path / "bad.gguf", layout=edit(tensors(TINY, "llama")))
+    with pytest.raises(ModelLoadError, match=message):
+        open_checkpoint(path)
+
+
+def _header(fields: bytes = b"", infos: bytes = b"", n_fields: int = 0, n_tensors: int = 0, tail: int = 64) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_fields) + fields + infos + b"\0" * tail
+
+
+def _string(s: str) -> bytes:
+    return struct.pack("<Q", len(s)) + s.encode()
+
+
+def _info(name: str, dims: tuple[int, ...], ggml_type: int = 0, offset: int = 0) -> bytes:
+    return _string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack(
+        "<IQ", ggml_type, offset)
+
+
+@pytest.mark.parametrize("data, message", [
+    (_header(n_tensors=2**60), "tensor count 1152921504606846976 needs at least"),
+    (_header(n_fields=2**40), "metadata count 1099511627776 needs at least"),
+    (_header(_string("a") + struct.pack("<IIQ", 9, 4, 2**61), n_fields=1), "metadata 'a'.*array of 2305843009213693952"),
+    (_header(_string("a") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10 + struct.pack("<IQ", 4, 0),
+             n_fields=1),
+     "metadata 'a'.*nested more than"),
+    (_header(_string("a") + struct.pack("<I", 77), n_fields=1), "metadata 'a'.*unknown metadata value type 77"),
+    (_header(_string("general.alignment") + struct.pack("<II", 4, 0), n_fields=1), "alignment' = 0 is not a positive"),
+    (_header(_string("general.alignment") + struct.pack("<II", 4, 24), n_fields=1), "24 is not a positive power"),
+    (_header(infos=_info("w", (4,) * 5), n_tensors=1), "tensor 'w' has 5 dimensions"),
+    (_header(infos=_info("w", (2**40, 2**40)), n_tensors=1), "tensor 'w' runs past the end of the file"),
+    (_header(infos=_info("w", (4,), offset=2**63), n_tensors=1), "tensor 'w' runs past the end of the file"),
+    (_header(infos=_info("w", (4,), offset=4), n_tensors=1), "tensor 'w' starts at offset 4, not a multiple"),
+    (_header(infos=_info("w", (48, 2), ggml_type=8), n_tensors=1), "'w' \\(q8_0\\) has rows of 48 values"),
+    (_header(infos=_info("w", (4,), ggml_type=99), n_tensors=1), "'w' has an unknown ggml type 99"),
+    (_header(infos=_info("w", (4,)) * 2, n_tensors=2), "tensor 'w' appears twice"),
+    (_header(_string("a") + struct.pack("<IQ", 8, 2**62), n_fields=1), "metadata 'a': a string runs past the end"),
+])
+def test_corrupt_headers_are_refused_naming_what_is_wrong(tmp_path, data: bytes, message: str) -> None:
+    (tmp_path / "bad.gguf").write_bytes(data)
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=message):
+        GGUFFile(tmp_path / "bad.gguf")
+    assert time.perf_counter() - start < 0.5
+
+
+def test_every_corruption_of_a_header_is_a_model_load_error_or_a_loadable_file(tmp_path) -> None:
+    """Random bytes of the header overwritten, a truncation anywhere: never another exception, never a crash."""
+    good = tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    header = len(good) - sum(t.nbytes for t in GGUFFile(tmp_path / "good.gguf").tensors) - 64
+    rng = random.Random(0)
+    for case in range(300):
+        data = bytearray(good)
+        if case % 3 == 0:
+            data = data[: rng.randrange(len(good))]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(header)] = rng.randrange(256)
+        path = tmp_path / f"case{case}.gguf"
+        path.write_bytes(bytes(data))
+        try:
+            open_checkpoint(path)
+        except ModelLoadError:
+            pass
+        path.unlink()
+
+
+# ---- memory: the file is mapped, not converted --------------------------------
+
+MEASURE = """
+import json, os, resource, sys
+import torch, transformers
+from asyncinfer import AsyncEngine
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+baseline = rss()
+engine = AsyncEngine.from_pretrained(sys.argv[1], kv_cache_memory=16 << 20, max_model_len=256)
+print(json.dumps({"baseline": baseline, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "kv": engine.memory_plan.kv_bytes, "quantization": engine.config.quantization}))
+"""
+
+
+def test_loading_holds_the_file_once_peak_rss_within_file_size_plus_kv_plus_300_mib(tmp_path) -> None:
+    """A 179 MiB Q4_1 file (Llama-shaped, 1B's widths, 4 layers, 8192 tokens): converting through float32 held
+    its 1.0 GiB of float32 weights before the format was even applied; building each layer from the mapped blocks
+    stays within the bound (the float32 embedding, 64 MiB, and the engine's 128 MiB bandwidth probe included)."""
+    shape = dict(SHAPES["1b"], layers=4, vocab_size=8192)
+    path = tmp_path / "mid.gguf"
+    write(path, shape, "llama", "q4_1", "q8_0", "none", 0, direct=True)
+    size = path.stat().st_size
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env={**os.environ, "ASYNCINFER_PROGRESS": "0"}, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["quantization"] == "q4_1"
+    above = result["peak"] - result["baseline"]
+    assert above <= size + result["kv"] + 300 * 2**20, (above / 2**20, size / 2**20)
