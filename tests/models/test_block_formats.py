@@ -314,3 +314,16 @@ def test_a_mixed_projection_refuses_parts_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match=r"parts\[1\]"):
         MixedBlockLinear([a, Q8_0Linear(torch.randn(8, 64), None)])
     assert isinstance(a, BlockLinear) and not a.lossless  # the plain quantizer on float weights rounds them
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("bad", [1e5, 1e7, -7e4, float("inf"), float("nan")])
+def test_quantize_refuses_weights_whose_scales_overflow_float16(fmt: str, bad: float) -> None:
+    """Every scale and minimum is a float16: weights beyond its range would give inf/NaN blocks silently."""
+    per = formats.BLOCK_FORMATS[fmt][0]
+    weight = torch.zeros(2, per)
+    weight[1, 3] = bad
+    with pytest.raises(ValueError, match=r"weight: .*\|w\| <= 65504"):
+        formats.quantize(weight, fmt)
+    weight[1, 3] = 65504.0  # the largest finite float16 still round-trips to finite weights
+    assert torch.isfinite(formats.dequantize(formats.quantize(weight, fmt), fmt)).all()

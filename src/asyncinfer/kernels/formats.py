@@ -191,6 +191,10 @@ def _quantize_k(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     return d16, dmin16, sc, mn, q
 
 
+#: float16's largest finite value, the bound on the weights :func:`quantize` takes (its scales are float16).
+F16_MAX = 65504.0
+
+
 @_allocating("weight")
 def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """float32 weights [N, K] (K a multiple of the format's block: 32, or 256 for the k-quants) -> ``fmt``
@@ -224,6 +228,10 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     if not weight.numel():  # no block to build
         return torch.empty(n, k // per * bytes_per_block(fmt), dtype=torch.uint8)
     w = weight.detach().float().reshape(n, k // per, per)  # [N, B, weights]
+    largest = float(w.abs().amax())
+    if not largest <= F16_MAX:  # NaN compares false too
+        raise ValueError(f"weight: {fmt} stores its scales and minimums in float16, so the weights must be finite "
+                         f"with |w| <= {F16_MAX:g}; got a largest |w| of {largest:g}")
     if fmt in ("q4_1", "q5_1"):
         levels = 15 if fmt == "q4_1" else 31
         lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]
