@@ -141,3 +141,24 @@ def test_help_is_plain_text(command, capsys) -> None:
     out = capsys.readouterr().out
     assert "``" not in out and not re.search(r":[a-z]+:`", out), out
     assert "None" not in out.replace("--help", ""), [line for line in out.splitlines() if "None" in line]
+
+
+def test_the_auto_weight_format_rule_is_stated_as_the_code_decides_it() -> None:
+    """Every format resolve_quantization("auto", ...) can pick here is named where "auto" is explained:
+    EngineConfig's docstring, the README's quantization row and --quantization's help (the docstring said
+    "float16 on a CPU" after the default had become the GGUF file's own q4_1)."""
+    import torch
+
+    from asyncinfer.models.quant import resolve_quantization
+
+    picked = {resolve_quantization("auto", torch.device(device), dtype, native)
+              for device in ("cpu", "cuda") for dtype in ("auto", "float32") for native in (None, "q4_1", "q8_0")}
+    docstring = EngineConfig.__doc__.split("- ``quantization``:", 1)[1]
+    auto = docstring.split('"auto" (default):', 1)[1].split(" None: ", 1)[0]
+    readme = next(row for row in readme_options() if row[0] == "`quantization`")[3]
+    readme_auto = readme.split("`\"auto\"`, on a CPU", 1)[1].split("CPU, float32 activations", 1)[0]
+    flag_auto = BY_FIELD["quantization"].help.split("auto (", 1)[1].split(") |", 1)[0]
+    for fmt in picked:
+        assert (f'"{fmt}"' if fmt else "None") in auto, (fmt, auto)
+        assert (f'`"{fmt}"`' if fmt else "None") in readme_auto, (fmt, readme_auto)
+        assert (fmt or "none") in flag_auto, (fmt, flag_auto)

@@ -137,7 +137,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("activation_reserve", "--activation-reserve", _size,
          "memory kept free for activations when the KV budget is a fraction: bytes or a size"),
     Flag("quantization", "--quantization", _or_none(str), "weight format (docs/formats.md): auto (on a CPU with "
-         "--dtype auto: the GGUF file's own block format where asyncinfer's kernels run, q4_1 for the default model, "
+         "--dtype auto: the GGUF file's own block format, q4_1 or q8_0, where asyncinfer's kernels run (q4_1 for the "
+         "default model), "
          "else float16 weights; elsewhere none) | none (the dtype: float32 weights on a CPU) | q4_1 | q8_0 (CPU, "
          "asyncinfer's kernels) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and bfloat16 are the "
          "dtype)", "FORMAT"),
