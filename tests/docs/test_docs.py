@@ -194,6 +194,14 @@ def release(namespace: dict, loop: asyncio.AbstractEventLoop) -> None:
         if isinstance(value, AsyncEngine) and value.state is EngineState.RUNNING and value.loop is loop:
             loop.run_until_complete(value.aclose(abort=True))
     namespace.clear()
+    collect()
+
+
+def collect() -> None:
+    """Collect what the blocks so far dropped, and hand the freed heap back to the system: a closed engine
+    sits in reference cycles (its thread, its hooks) until a collection, and glibc keeps freed memory, so
+    without this every in-process command or block of a page (each loading the real model) added its
+    load to the process (getting_started.md's five loads held 4 GiB)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -248,6 +256,7 @@ def run_cli(argv: list[str], where: str) -> None:
             code = cli.main(argv)
         except SystemExit as exc:  # --version, --help
             code = exc.code
+    collect()  # the command's engine, before the next command loads its own
     assert code in (0, None), f"{where}: asyncinfer {shlex.join(argv)} failed ({code}):\n{err.getvalue()[-3000:]}"
 
 
@@ -330,6 +339,7 @@ def test_every_block_runs(doc, placeholders, servers, env, workdir, monkeypatch)
             elif block.lang not in ("", "text"):
                 pytest.fail(f"{doc.name}:{block.line}: a ```{block.lang} block: give it a language this test runs "
                             "(python, bash, json, toml, yaml) or mark it ```text")
+            collect()
     finally:
         release(namespace, loop)
         loop.close()
