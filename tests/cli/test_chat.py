@@ -80,10 +80,12 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_130(real_gguf, tmp_path) -> 
     try:
         read_until(proc, b"> ")
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)  # stdin stays open: the session ends by the interrupt, not by end of input
+        err = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.stdin.close()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err and not (tmp_path / "history").exists()  # no terminal: no history kept
 

@@ -113,15 +113,15 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
             if args.prompt:
                 return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130
             print(f"asyncinfer chat: {HELP}", file=sys.stderr)
-            with LineEditor.for_terminal():
-                return await _session(session, interrupts)
+            with LineEditor.for_terminal() as editor:
+                return await _session(session, interrupts, editor)
 
 
-async def _session(session: ChatSession, interrupts: _Interrupts) -> int:
+async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEditor) -> int:
     """The interactive loop: 0 when the user leaves (/exit, Ctrl-D), 130 on Ctrl-C at the prompt."""
     while True:
         try:
-            line = await interrupts.read_line("> ")
+            line = await interrupts.read_line("> ", editor)
         except PromptInterrupted:
             return 130
         if line is None or line.strip() in ("/exit", "/quit"):
@@ -162,11 +162,39 @@ class LineEditor:
     was (a Ctrl-C ends the session while ``readline`` holds the terminal in its own mode).
     """
 
-    def __init__(self, readline: ModuleType | None, path: Path | None, fd: int | None = None) -> None:
+    def __init__(self, readline: ModuleType | None, path: Path | None, fd: int | None = None, *,
+                 terminal: bool = False) -> None:
         self.readline = readline
         self.path = path
         self.fd = fd  # the terminal whose settings are restored
+        self.terminal = terminal  # input() reads it; else lines are read from the file descriptor itself
         self._saved: Any = None
+        self._pending = b""
+
+    def read(self, prompt: str) -> str | None:
+        """One line (without its end), or None at end of input; blocks (call it off the event loop).
+
+        Not at a terminal the line is read from file descriptor 0 itself, not through ``sys.stdin``: a
+        thread left waiting in ``sys.stdin`` when Ctrl-C ends the session holds its lock, and the
+        interpreter aborts at exit (SIGABRT) when it flushes the standard streams."""
+        if self.terminal:
+            try:
+                return input(prompt)
+            except (EOFError, OSError, ValueError):
+                return None
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while b"\n" not in self._pending:
+            try:
+                chunk = os.read(0, 4096)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                line, self._pending = self._pending, b""
+                return line.decode("utf-8", "replace") if line else None
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode("utf-8", "replace").removesuffix("\r")
 
     @classmethod
     def for_terminal(cls) -> LineEditor:
@@ -180,8 +208,8 @@ class LineEditor:
         try:
             import readline
         except ImportError:  # not built on this platform: plain input()
-            return cls(None, None)
-        return cls(readline, history_path(), sys.stdin.fileno())
+            return cls(None, None, sys.stdin.fileno(), terminal=True)
+        return cls(readline, history_path(), sys.stdin.fileno(), terminal=True)
 
     def __enter__(self) -> LineEditor:
         if self.fd is not None:
@@ -251,7 +279,7 @@ class _Interrupts:
         finally:
             self.current = None
 
-    async def read_line(self, prompt: str) -> str | None:
+    async def read_line(self, prompt: str, editor: LineEditor) -> str | None:
         """A line from stdin; None at end of input.
 
         Raises:
@@ -260,10 +288,7 @@ class _Interrupts:
         future: asyncio.Future[str | None] = self.loop.create_future()
 
         def read() -> None:
-            try:
-                line: str | None = input(prompt)
-            except (EOFError, OSError, ValueError):
-                line = None
+            line = editor.read(prompt)
             self.loop.call_soon_threadsafe(lambda: future.done() or future.set_result(line))
 
         threading.Thread(target=read, name="asyncinfer-chat-input", daemon=True).start()
