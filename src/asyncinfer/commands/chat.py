@@ -224,7 +224,7 @@ class LineEditor:
                     self.readline.read_history_file(str(self.path))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
             with contextlib.suppress(ImportError, OSError):
                 import termios
@@ -237,8 +237,8 @@ class LineEditor:
             self.path.touch(mode=0o600, exist_ok=True)
             self.readline.write_history_file(str(self.path))
             self.path.chmod(0o600)
-        except OSError as exc:
-            print(f"asyncinfer chat: the history was not saved: {exc.strerror or exc}: {self.path} "
+        except OSError as error:
+            print(f"asyncinfer chat: the history was not saved: {error.strerror or error}: {self.path} "
                   f"({HISTORY_ENV}= keeps none)", file=sys.stderr)
 
 
@@ -258,7 +258,7 @@ class _Interrupts:
             self.loop.add_signal_handler(signal.SIGINT, self._interrupt)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.remove_signal_handler(signal.SIGINT)
 

@@ -64,8 +64,8 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
     from asyncinfer.memory import MemoryPlan, format_bytes
 
     base = url(host, port)
-    lines = [f"asyncinfer serve: loading, then serving the OpenAI API at {base}/v1 (also {base}/health, "
-             f"{base}/metrics)"]
+    lines = [(f"asyncinfer serve: loading, then serving the OpenAI API at {base}/v1 (also {base}/health, "
+              f"{base}/metrics)")]
     for spec, plan in zip(specs, plans):
         path = _path(spec.model)
         if isinstance(plan, MemoryPlan):
@@ -77,8 +77,8 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
                 f"  model {spec.name!r}: {path}",
                 f"    weights: {fmt}, {format_bytes(plan.weight_bytes)} ({dtype} on {device})",
                 f"    context: {plan.max_model_len} tokens per request (prompt + output)",
-                f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} "
-                f"blocks of {plan.block_size})",
+                (f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} "
+                 f"blocks of {plan.block_size})"),
                 f"    scheduler: {scheduler}" + (f" {extra}" if extra else ""),
             ]
         else:
