@@ -9,7 +9,9 @@ The bot answers every message that mentions it (and every message in a DM):
 - the reply streams in: the bot posts "…" at once and edits it as tokens arrive,
   at most once per ``edit_interval`` seconds (Discord rate-limits edits);
 - each channel has its own history, trimmed to what fits the model
-  (``trim_messages``: oldest turns first, the system prompt kept);
+  (``trim_messages``: oldest turns first, the system prompt kept); a message
+  enters it as the user's turn of the chat template, its text as written (the
+  author's name in the message's ``name`` field);
 - a channel is one conversation, answered in turn: messages that arrive while a
   reply is being written get their "…" at once and are answered one after the
   other, in arrival order, each seeing the exchanges before it (the history
@@ -140,7 +142,10 @@ class ChatBot:
 
     async def _reply(self, message: Any, text: str, turn: _Turn, edits: _Edits) -> None:
         channel = message.channel.id
-        said = {"role": "user", "content": f"{message.author.display_name}: {text}"}
+        # The text alone, in the user's role: the chat template marks who speaks. (Written into the
+        # text, "name: text" lines read as a transcript to continue, and the model echoed them.) The
+        # speaker's name rides along in OpenAI's optional "name" field, for templates that show it.
+        said = {"role": "user", "content": text, "name": message.author.display_name}
         try:
             prompt = self.prompt_for(channel, said)
         except InvalidParameterError:

@@ -1,7 +1,11 @@
 """Your own FastAPI app with the OpenAI routes in it: one engine in the lifespan, one route of yours.
 
-    python examples/openai_server.py --model PATH --host 127.0.0.1 --port 8000
-    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    python examples/openai_server.py --host 127.0.0.1 --port 8000      # the default model; --model PATH for another
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+
+The model is served under the name ``asyncinfer serve`` gives it: SmolLM2-135M-Instruct for the
+default model, else its file's or directory's name (``--served-model-name`` chooses another).
 """
 
 import argparse
@@ -10,15 +14,16 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.server import ServerSettings, guard_app, openai_router, run_server
+from asyncinfer.server import ModelSpec, ServerSettings, guard_app, openai_router, run_server
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=8000)
+parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
 args = parser.parse_args()
 
-engine = AsyncEngine.from_pretrained(args.model)
+engine = AsyncEngine.from_pretrained(args.model, name=args.served_model_name or ModelSpec.served_name(args.model))
 
 
 @asynccontextmanager

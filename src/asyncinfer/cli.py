@@ -28,25 +28,6 @@ from typing import Any
 from asyncinfer.errors import AsyncInferError, InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
-# (flag, EngineConfig field, type, help): None means "not given", i.e. the library's default.
-_ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16"),
-    ("--device", "device", str, "auto | cpu | cuda | cuda:N"),
-    ("--max-model-len", "max_model_len", int, "prompt + output tokens per request (default: the model's context)"),
-    ("--max-num-seqs", "max_num_seqs", int, "requests per step"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens per step"),
-    ("--kv-cache-memory", "kv_cache_memory", int, "KV cache budget in bytes"),
-    ("--kv-cache-fraction", "kv_cache_fraction", float,
-     "KV cache budget as a fraction of free memory (default: sized from the workload, docs/memory.md)"),
-    ("--scheduler", "scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name"),
-    ("--quantization", "quantization", str,
-     ("weight format: auto (default; on a CPU with --dtype auto: a GGUF's own block format where it has one, "
-      "q4_1 for the default model, else float16 weights) | none (the dtype: float32 weights on a CPU) | q4_1 | "
-      "q8_0 (CPU, asyncinfer's kernels) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and "
-      "bfloat16 are the dtype)")),
-    ("--threads", "num_threads", int, "torch CPU threads (default: torch's setting)"),
-)
-
 # (flag, SamplingParams field, type, help)
 _SAMPLING_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-tokens", "max_tokens", int, "most tokens to generate"),
@@ -68,19 +49,11 @@ def _defaults(cls: Any) -> dict[str, Any]:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from asyncinfer.config import EngineConfig
+    from asyncinfer.commands.engine_flags import add_engine_flags
 
-    defaults = _defaults(EngineConfig)
     p.add_argument("--model", default=None, help="HF model directory, .gguf file or known name "
                                                  "(default: SmolLM2-135M-Instruct, fetched once)")
-    for flag, field, kind, text in _ENGINE_ARGS:
-        default = defaults[field]
-        shown = "" if default is None or "default:" in text else f" (default: {default})"
-        p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
-    p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a keyword of the scheduler, VALUE read as JSON (repeatable)")
-    p.add_argument("--torch-compile", action="store_true", default=None, dest="torch_compile",
-                   help="compile the decoder's element-wise chains with torch.compile at load (docs/formats.md)")
+    add_engine_flags(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,21 +66,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _weight_format(value: str) -> str | None:
-    """A ``--quantization`` value as the engine option: "none" is None (the engine dtype: float32
-    weights on a CPU); any other value is passed on (and validated by the engine)."""
+    """A ``--quantization`` value of ``asyncinfer plan`` as the planner's: "none" is None (the dtype)."""
     return None if value.lower() == "none" else value
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (the rest keep the library's defaults)."""
-    options = {field: getattr(args, field) for _, field, _, _ in _ENGINE_ARGS if getattr(args, field) is not None}
-    if "quantization" in options:
-        options["quantization"] = _weight_format(options["quantization"])
-    if args.torch_compile:
-        options["torch_compile"] = True
-    if args.scheduler_option:
-        options["scheduler_options"] = {k: v for k, v in (_key_value(item) for item in args.scheduler_option)}
-    return options
+    from asyncinfer.commands.engine_flags import engine_options
+
+    return engine_options(args)
 
 
 def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
@@ -115,16 +82,6 @@ def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingPara
     fields = [field for _, field, _, _ in _SAMPLING_ARGS] + ["stop", "ignore_eos"]
     given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     return SamplingParams(**{**given, **overrides})
-
-
-def _key_value(item: str) -> tuple[str, Any]:
-    key, sep, raw = item.partition("=")
-    if not (sep and key):
-        raise InvalidParameterError("--scheduler-option", item, "KEY=VALUE, e.g. prefill_budget=64")
-    try:
-        return key, json.loads(raw)
-    except ValueError:
-        return key, raw
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -392,6 +349,7 @@ async def _embed(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from asyncinfer.commands.serve import check_port_free, describe_serving
     from asyncinfer.engine import AsyncEngine
 
     try:
@@ -411,47 +369,60 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, max_connections=args.max_connections)
+    check_port_free(args.host, args.port)  # before anything is loaded: a port in use is refused at once
     model = args.model_arg or args.model
     options = _engine_options(args)
     specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
-                               {"device": args.device}))
-    for spec in specs:  # a bad path or option fails here, in a line, not in the server's start-up log
-        AsyncEngine.plan_memory(spec.model, **spec.options)
+                               {"device": options["device"]} if "device" in options else {}))
+    plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
+    print(describe_serving(specs, plans, host=args.host, port=args.port, api_keys=len(settings.api_keys)), flush=True)
     run_server(create_app(specs, settings), args.host, args.port, args.log_level, settings)
     return 0
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory, .gguf file or known name (same as --model; default: "
+                        "SmolLM2-135M-Instruct, fetched once)")
     _add_engine_args(p)
-    p.add_argument("--served-model-name", default=None, help="its name in requests (default: file or dir name)")
-    p.add_argument("--embedding-model", default=None, help="also serve this sentence encoder on /v1/embeddings")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=[],
-                   help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in requests and /v1/models (default: SmolLM2-135M-Instruct for the "
+                        "default model, else the file's or directory's name without .gguf)")
+    p.add_argument("--embedding-model", default=None, metavar="MODEL",
+                   help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
+                                                       "(default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
+                        "default: none, anyone who reaches the port may call it)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                   help="larger request bodies get a 413 before they are read (default: 4194304, 4 MiB)")
     p.add_argument("--cache-isolation", default="off", choices=("off", "api-key", "header"),
-                   help="share cached prompt prefixes only within one API key or one tenant header value")
-    p.add_argument("--tenant-header", default="x-tenant-id",
-                   help="the header --cache-isolation header and --tenant-from header read (default x-tenant-id)")
-    p.add_argument("--metrics-key", action="append", default=[],
+                   help="share cached prompt prefixes only within one API key or one tenant header value "
+                        "(default: off, shared by all)")
+    p.add_argument("--tenant-header", default="x-tenant-id", metavar="HEADER",
+                   help="the header --cache-isolation header and --tenant-from header read (default: x-tenant-id)")
+    p.add_argument("--metrics-key", action="append", default=[], metavar="KEY",
                    help="a key that may read /metrics, not an API key (repeatable; ASYNCINFER_METRICS_KEY adds "
-                        "comma-separated ones); with API keys and none of these, /metrics is off")
+                        "comma-separated ones); with API keys and none of these, /metrics is off (default: none)")
     p.add_argument("--tenant-from", default="api-key", choices=("api-key", "header", "request"),
-                   help="where a request's tenant and priority come from: its API key (default), --tenant-header "
-                        "set by a proxy you trust, or the body's user and priority fields (trusted clients only)")
-    p.add_argument("--priority-header", default=None,
-                   help="a header, set by a proxy you trust, carrying each request's integer priority (default: none)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection has to send a request's headers (default 10)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request has to send its body once its headers are in (default 30)")
-    p.add_argument("--max-connections", type=int, default=512,
-                   help="open connections at most; one more is answered 503 (default 512)")
-    p.add_argument("--log-level", default="info")
+                   help="where a request's tenant and priority come from: its API key, --tenant-header set by a "
+                        "proxy you trust, or the body's user and priority fields (trusted clients only) "
+                        "(default: api-key)")
+    p.add_argument("--priority-header", default=None, metavar="HEADER",
+                   help="a header, set by a proxy you trust, carrying each request's integer priority "
+                        "(default: none)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds a connection has to send a request's headers (default: 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds a request has to send its body once its headers are in (default: 30)")
+    p.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="open connections at most; one more is answered 503 (default: 512)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level (default: info)")
 
 
 def _version() -> str:
@@ -476,45 +447,51 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncinfer.commands.generate import add_generate_args
 
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)",
                           description="Chat with a model. In a session: /reset clears the history, /exit (or "
-                                      "Ctrl-D) leaves, Ctrl-C stops the reply being written.")
+                                      "Ctrl-D) leaves, Ctrl-C stops the reply being written.",
+                          formatter_class=_HelpFormatter)
     add_chat_args(chat)
     _add_engine_args(chat)
     _add_sampling_args(chat)
     generate = sub.add_parser("generate", help="run a batch of prompts (JSONL in, JSONL out), with a progress bar",
-                              description=generate_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=generate_doc, formatter_class=_HelpFormatter)
     generate.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_generate_args(generate)
     _add_engine_args(generate)
     _add_sampling_args(generate)
     bench = sub.add_parser("bench", help="measure throughput and latency (optionally against transformers)",
-                           description=bench_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           description=bench_doc, formatter_class=_HelpFormatter)
     bench.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_bench_args(bench)
     _add_engine_args(bench)
     info = sub.add_parser("info", help="print a model's shapes and memory plan (from its config: no weight read)",
-                             description="Print a model's shapes and memory plan (from its config: no weight read).")
+                          description="Print a model's shapes and memory plan (from its config: no weight read).",
+                          formatter_class=_HelpFormatter)
     info.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     _add_engine_args(info)
     plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)",
-                             description="Print the memory budget of a deployment from the config alone (no weights).")
+                          description="Print the memory budget of a deployment from the config alone (no weights).",
+                          formatter_class=_HelpFormatter)
     _add_plan_args(plan)
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",
-                              description="Embed texts with a sentence encoder and print their cosine similarities.")
+                           description="Embed texts with a sentence encoder and print their cosine similarities.",
+                           formatter_class=_HelpFormatter)
     embed.add_argument("texts", nargs="+", help="texts to embed")
     embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
     embed.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     embed.add_argument("--device", default="auto", help="auto | cpu | cuda")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
-                            description="Replay a request trace through schedulers in simulated time (no model).")
+                         description="Replay a request trace through schedulers in simulated time (no model).",
+                         formatter_class=_HelpFormatter)
     _add_lab_args(lab)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (asyncinfer[server])",
-                              description="Serve a model over an OpenAI-compatible HTTP API (asyncinfer[server]).")
+                           description="Serve a model over an OpenAI-compatible HTTP API (asyncinfer[server]).",
+                           formatter_class=_HelpFormatter)
     _add_serve_args(serve)
     return parser
 
@@ -567,6 +544,32 @@ def _kernel_setting_error(exc: BaseException) -> bool:
     return False
 
 
+def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
+    """The error's message, in the flags' terms when it is about an engine option given as one."""
+    if isinstance(exc, InvalidParameterError) and args is not None:
+        from asyncinfer.commands.engine_flags import flag_error
+
+        worded = flag_error(exc, _engine_options(args))
+        if worded is not None:
+            return worded
+    return str(exc)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help for a terminal: the docstrings' reST markup (````name````, ``:class:`X```) shown as plain text."""
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST's double backticks and roles (``:func:`f``` -> ``f``)."""
+    import re
+
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; every failure is one line on stderr and a non-zero status, never a traceback.
 
@@ -576,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     from asyncinfer._interrupts import deferred_interrupts
 
+    args: argparse.Namespace | None = None
     try:
         with deferred_interrupts():
             parser = build_parser()
@@ -583,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         _working_directory_importable()
         return _run(args)
     except AsyncInferError as exc:
-        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        print(f"asyncinfer: error: {_in_flags(exc, args)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file that cannot be read or written
         print(f"asyncinfer: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)

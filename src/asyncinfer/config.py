@@ -99,18 +99,22 @@ class EngineConfig:
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
     - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
-      "auto" (default): on a CPU when ``dtype`` is "auto", the model's GGUF file's own block format
-      ("q4_1" for the default model) or "native" for a file of several formats, where asyncinfer's
-      kernels run (:func:`for_model`, at load), else "float16" where fbgemm runs (the fastest format
-      whose greedy output equals float32's), else None; after construction ``config.quantization``
-      holds the concrete value. None: the engine dtype (pass ``dtype="float32"`` or
+      "auto" (default): on a CPU with ``dtype`` "auto", the model's own block format, "q4_1" or
+      "q8_0" (a GGUF file that stores every projection in it, as the default model's does in
+      "q4_1"), or "native" for a file of several formats, where asyncinfer's kernels run a
+      vectorised variant (or ``ASYNCINFER_KERNEL_ISA`` asks for one), else "float16" where fbgemm runs (the fastest format whose greedy output
+      equals float32's), else None; elsewhere (CUDA, or another ``dtype``) None. The rule is
+      ``models.quant.resolve_quantization``; after construction ``config.quantization`` holds the
+      value for a model without a format of its own, and the load makes it concrete for the
+      model's file (``for_model``). None: the engine dtype (pass ``dtype="float32"`` or
       ``quantization=None`` for float32 weights on a CPU). On CPU, with float32 activations:
-      "q4_1" / "q8_0" (ggml's blocks, asyncinfer's kernels), "native" (each projection in its GGUF
+      "q4_1" or "q8_0" (ggml's blocks on asyncinfer's kernels), ggml's other block formats "q4_0",
+      "q5_0", "q5_1", "q4_k", "q5_k", "q6_k" (the same kernels), "native" (each projection in its GGUF
       file's own format where a kernel takes it, float16 elsewhere), "float16" (fp16 weights,
       fbgemm's fp16 kernel; half the bytes, near-exact) or "int8" (int8 weights, activations
-      quantized per call to 8 bits; a quarter of the bytes, not exact). On CUDA
-      "float16" or "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype
-      is refused). Other combinations raise InvalidParameterError naming ``quantization``.
+      quantized per call to 8 bits; a quarter of the bytes, not exact). On CUDA "float16" or
+      "bfloat16" name the engine dtype (``dtype="auto"`` takes it; another dtype is refused).
+      Other combinations raise InvalidParameterError naming ``quantization``.
     - ``quantization_skip``: substrings of layer names kept in float32 under a CPU format;
       None (default): the format's own list (int8: ("down_proj", "lm_head"), from the per-layer
       sensitivity in benchmarks/quality.py; float16: none).

@@ -65,3 +65,111 @@ def test_ctrl_c_stops_the_reply_and_the_session_goes_on(real_gguf) -> None:
             proc.kill()
     assert proc.returncode == 0, err.decode()
     assert b"[history cleared]" in err and b"Traceback" not in err
+
+
+def chat_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "ASYNCINFER_CHAT_HISTORY": str(tmp_path / "history"), "TERM": "xterm"}
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session_with_130(real_gguf, tmp_path) -> None:
+    """README: Ctrl-C ends a command with status 130; at an empty prompt it leaves the session (was 0)."""
+    command = [sys.executable, "-m", "asyncinfer", "chat", "--model", str(real_gguf), "--max-model-len", "256"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=chat_env(tmp_path))
+    try:
+        read_until(proc, b"> ")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)  # stdin stays open: the session ends by the interrupt, not by end of input
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err and not (tmp_path / "history").exists()  # no terminal: no history kept
+
+
+class Terminal:
+    """``asyncinfer chat`` on a pseudo-terminal (stdin and stdout), as a user at a terminal runs it."""
+
+    def __init__(self, model: Path, tmp_path: Path) -> None:
+        import pty
+
+        import termios
+
+        self.master, self.slave = pty.openpty()
+        self.initial = termios.tcgetattr(self.slave)  # echo and line mode, as a fresh terminal has them
+        command = [sys.executable, "-m", "asyncinfer", "chat", "--model", str(model), "--max-model-len", "256",
+                   "--max-tokens", "4"]
+        self.proc = subprocess.Popen(command, stdin=self.slave, stdout=self.slave, stderr=subprocess.PIPE,
+                                     env=chat_env(tmp_path), close_fds=True)
+        self.seen = b""
+
+    def read_until(self, marker: bytes, timeout: float = 120.0) -> None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while marker not in self.seen:
+            assert time.monotonic() < deadline, f"no {marker!r} in {self.seen[-500:]!r}"
+            if select.select([self.master], [], [], 0.2)[0]:
+                self.seen += os.read(self.master, 4096)
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def end(self, timeout: float = 60.0) -> tuple[int, bytes]:
+        """The exit status (the session must end by itself within ``timeout``) and stderr."""
+        import select
+
+        try:
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None:
+                assert time.monotonic() < deadline, f"the session goes on: {self.seen[-500:]!r}"
+                if select.select([self.master], [], [], 0.1)[0]:
+                    self.seen += os.read(self.master, 4096)
+            return self.proc.returncode, self.proc.stderr.read()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.master)
+            os.close(self.slave)
+
+
+LEFT, UP = b"\x1b[D", b"\x1b[A"
+
+
+def test_a_terminal_prompt_has_line_editing_and_a_kept_history(real_gguf, tmp_path) -> None:
+    """At a terminal the arrow keys edit the line (readline) and recall earlier lines, across sessions, from
+    the history file (mode 0600). Without line editing the keys' escape codes would reach the line, "/exit"
+    would not be seen and the session would go on."""
+    import termios
+
+    first = Terminal(real_gguf, tmp_path)
+    first.read_until(b"> ")
+    first.type(b"/eit" + LEFT + LEFT + b"x\r")  # "/e|it" -> "/exit"
+    code, err = first.end()
+    assert code == 0, err.decode()
+    history = tmp_path / "history"
+    assert "/exit" in history.read_text().splitlines() and (history.stat().st_mode & 0o777) == 0o600
+
+    second = Terminal(real_gguf, tmp_path)
+    second.read_until(b"> ")
+    second.type(UP + b"\r")  # the line of the last session
+    code, err = second.end()
+    assert code == 0, err.decode()
+
+    third = Terminal(real_gguf, tmp_path)
+    third.read_until(b"> ")
+    third.type(b"half a line")
+    third.read_until(b"half a line")  # readline echoes it: it holds the terminal in its own mode now
+    slave = third.slave
+    third.proc.send_signal(signal.SIGINT)
+    code, err = third.proc.wait(timeout=60), third.proc.stderr.read()
+    assert code == 130, err.decode()
+    modes = termios.ECHO | termios.ICANON
+    assert third.initial[3] & modes == modes
+    assert termios.tcgetattr(slave)[3] & modes == modes  # the terminal is left as it was found
+    os.close(third.master)
+    os.close(slave)

@@ -117,11 +117,11 @@ def test_a_bad_kernel_isa_is_the_users_error_on_every_command(tiny_models) -> No
     for value in ["bogus", *lacking[:1]]:
         proc = cli_process("info", path, "--quantization", "q8_0", ASYNCINFER_KERNEL_ISA=value)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith("asyncinfer: error: quantization='q8_0' is invalid") and \
+        assert proc.stderr.startswith("asyncinfer: error: --quantization 'q8_0' is invalid") and \
             f"ASYNCINFER_KERNEL_ISA={value!r}" in proc.stderr, proc.stderr
     proc = cli_process("chat", "hi", "--model", path, "--quantization", "q4_1", ASYNCINFER_KERNEL_ISA="bogus")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "quantization='q4_1'" in proc.stderr and "ASYNCINFER_KERNEL_ISA='bogus'" in proc.stderr, proc.stderr
+    assert "--quantization 'q4_1'" in proc.stderr and "ASYNCINFER_KERNEL_ISA='bogus'" in proc.stderr, proc.stderr
     proc = cli_process("info", path, ASYNCINFER_KERNEL_ISA="bogus")
     assert proc.returncode == 0, proc.stderr
     assert "kernels: unavailable (ASYNCINFER_KERNEL_ISA='bogus' names no kernel variant" in proc.stdout, proc.stdout

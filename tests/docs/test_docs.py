@@ -14,7 +14,9 @@ One test per file (new docs are picked up by the glob); its blocks run in order:
   in this process (the interpreter and torch are already loaded), anything with shell
   syntax through bash, where ``asyncinfer`` is ``python -m asyncinfer`` from this tree.
 - ``json`` / ``toml`` / ``yaml``: parsed (a JSON block may be JSON Lines).
-- ``text`` or no language: prose, a diagram or printed output; not code.
+- ``text`` or no language: prose, a diagram or printed output; not code. A ``text`` block
+  whose first line is ``$ asyncinfer ...`` is that command's output: the command runs and
+  must print exactly the rest of the block (trailing spaces aside), so a sample cannot go stale.
 - ``<!-- docs-test: not run: REASON -->`` on the line before a fence: not run; the
   reason is printed (``pytest -s`` or ``-rA`` shows it) and must not be empty.
 
@@ -27,6 +29,8 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import ctypes
+import gc
 import io
 import json
 import os
@@ -171,11 +175,36 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "ASYNCINFER_PROGRESS": "0", "KEY": "sk-one"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers(real_gguf, env) -> Iterator[Servers]:
+    """The servers of one page, stopped when its test ends (each holds the real model: a page's server
+    kept for the whole module added a process of ~1 GiB to every later page)."""
     servers = Servers(real_gguf, env)
     yield servers
     servers.close()
+
+
+def release(namespace: dict, loop: asyncio.AbstractEventLoop) -> None:
+    """Give back what a page's blocks left behind: engines still running on the page's loop are closed,
+    the namespace (engines, apps, models held by its names) dropped and collected, and the freed heap
+    returned to the system (glibc keeps it otherwise, and the next page's model lands on top)."""
+    from asyncinfer.engine import AsyncEngine, EngineState
+
+    for value in list(namespace.values()):
+        if isinstance(value, AsyncEngine) and value.state is EngineState.RUNNING and value.loop is loop:
+            loop.run_until_complete(value.aclose(abort=True))
+    namespace.clear()
+    collect()
+
+
+def collect() -> None:
+    """Collect what the blocks so far dropped, and hand the freed heap back to the system: a closed engine
+    sits in reference cycles (its thread, its hooks) until a collection, and glibc keeps freed memory, so
+    without this every in-process command or block of a page (each loading the real model) added its
+    load to the process (getting_started.md's five loads held 4 GiB)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 # --------------------------------------------------------------------------- running blocks
@@ -227,7 +256,23 @@ def run_cli(argv: list[str], where: str) -> None:
             code = cli.main(argv)
         except SystemExit as exc:  # --version, --help
             code = exc.code
+    collect()  # the command's engine, before the next command loads its own
     assert code in (0, None), f"{where}: asyncinfer {shlex.join(argv)} failed ({code}):\n{err.getvalue()[-3000:]}"
+
+
+def check_command_output(block: Block) -> None:
+    """A ``text`` block ``$ asyncinfer ARGS`` + output: ``asyncinfer ARGS`` prints exactly that output."""
+    from asyncinfer import cli
+
+    first, *shown = block.code.rstrip().splitlines()
+    argv = shlex.split(first.removeprefix("$ "), comments=True)[1:]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    assert code in (0, 1), f"{block.file.name}:{block.line}: {first} failed ({code}):\n{err.getvalue()[-3000:]}"
+    printed = [line.rstrip() for line in out.getvalue().rstrip().splitlines()]
+    assert printed == [line.rstrip() for line in shown], (
+        f"{block.file.name}:{block.line}: {first} prints, today:\n" + "\n".join(printed))
 
 
 def run_shell(block: Block, placeholders: dict[str, str], env: dict[str, str], cwd: Path) -> list[str]:
@@ -289,10 +334,14 @@ def test_every_block_runs(doc, placeholders, servers, env, workdir, monkeypatch)
                 import yaml
 
                 yaml.safe_load(block.code)
+            elif block.lang == "text" and block.code.startswith("$ asyncinfer "):
+                check_command_output(block)
             elif block.lang not in ("", "text"):
                 pytest.fail(f"{doc.name}:{block.line}: a ```{block.lang} block: give it a language this test runs "
                             "(python, bash, json, toml, yaml) or mark it ```text")
+            collect()
     finally:
+        release(namespace, loop)
         loop.close()
     for note in notes:
         print(note)

@@ -78,7 +78,7 @@ async def test_streamed_reply_with_rate_limited_edits_and_channel_memory(example
         await bot.on_message(first)
         (reply,) = first.replies
         expected = [{"role": "system", "content": example.SYSTEM_PROMPT},
-                    {"role": "user", "content": "ann: What is the capital of France?"}]
+                    {"role": "user", "content": "What is the capital of France?", "name": "ann"}]
         want = await engine.generate(expected, GREEDY)
         assert reply.content == want.text  # the final edit is the whole answer, exactly
         times = [t for t, _ in reply.edits]
@@ -88,11 +88,11 @@ async def test_streamed_reply_with_rate_limited_edits_and_channel_memory(example
         follow = Message("And of Italy?", BOB, Channel(10))
         await bot.on_message(follow)
         history = expected + [{"role": "assistant", "content": want.text},
-                              {"role": "user", "content": "bob: And of Italy?"}]
+                              {"role": "user", "content": "And of Italy?", "name": "bob"}]
         assert follow.replies[0].content == (await engine.generate(history, GREEDY)).text
         other = Message("Hello", ANN, Channel(11))  # another channel starts empty
         await bot.on_message(other)
-        assert [m["content"] for m in bot.histories[11]] == ["ann: Hello", other.replies[0].content]
+        assert [m["content"] for m in bot.histories[11]] == ["Hello", other.replies[0].content]
 
         reset = Message("!reset", ANN, Channel(10))
         await bot.on_message(reset)
@@ -110,7 +110,7 @@ async def test_history_is_trimmed_to_the_token_budget(example, real_gguf) -> Non
         prompt = bot.prompt_for(5)
         assert engine.count_tokens(prompt) <= 120
         assert prompt[0]["role"] == "system" and prompt[1]["role"] == "user"
-        assert prompt[-2]["content"] == "ann: Tell me fact number 7 about cats, please."
+        assert prompt[-2] == {"role": "user", "content": "Tell me fact number 7 about cats, please.", "name": "ann"}
         assert len(prompt) < 1 + 2 * 8  # older turns are gone
         long = Message("word " * 400, ANN, Channel(6))
         await bot.on_message(long)
@@ -198,8 +198,9 @@ async def wait_for(condition) -> None:
 
 
 def turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
-    return [m for user, reply in pairs for m in ({"role": "user", "content": user},
-                                                  {"role": "assistant", "content": reply})]
+    """``("ann: q0", "re: q0")`` -> ann's user turn ``q0`` (her name in ``name``) and the reply."""
+    return [m for said, reply in pairs for name, text in [said.split(": ", 1)]
+            for m in ({"role": "user", "content": text, "name": name}, {"role": "assistant", "content": reply})]
 
 
 async def test_a_channel_answers_its_messages_one_at_a_time_in_arrival_order(example) -> None:
@@ -215,7 +216,7 @@ async def test_a_channel_answers_its_messages_one_at_a_time_in_arrival_order(exa
     engine.release("1/1")
     await asyncio.gather(*tasks)
     system = [{"role": "system", "content": example.SYSTEM_PROMPT}]
-    expected = turns(("ann: q0", "re: ann: q0"), ("bob: q1", "re: bob: q1"), ("ann: q2", "re: ann: q2"))
+    expected = turns(("ann: q0", "re: q0"), ("bob: q1", "re: q1"), ("ann: q2", "re: q2"))
     assert bot.histories[7] == expected
     assert [m.replies[0].content for m in messages] == [t["content"] for t in expected[1::2]]
     assert engine.prompts == {"1/1": system + expected[:1], "2/2": system + expected[:3],
@@ -236,11 +237,11 @@ async def test_reset_during_a_reply_keeps_it_and_the_queued_ones_out_of_the_new_
         engine.release(request_id)
     await asyncio.gather(*tasks)
     assert reset.replies[0].content == "History cleared."
-    assert [m.replies[0].content for m in (*before, after)] == ["re: ann: old question", "re: bob: queued question",
-                                                                "re: ann: new question"]  # all answered
+    assert [m.replies[0].content for m in (*before, after)] == ["re: old question", "re: queued question",
+                                                                "re: new question"]  # all answered
     system = [{"role": "system", "content": example.SYSTEM_PROMPT}]
-    assert engine.prompts["2/2"] == system + [{"role": "user", "content": "bob: queued question"}]
-    assert bot.histories[8] == turns(("ann: new question", "re: ann: new question"))
+    assert engine.prompts["2/2"] == system + [{"role": "user", "content": "queued question", "name": "bob"}]
+    assert bot.histories[8] == turns(("ann: new question", "re: new question"))
 
 
 @pytest.mark.parametrize("error, shown", [
@@ -259,8 +260,8 @@ async def test_an_engine_error_becomes_a_short_reply_and_leaves_no_trace(example
     assert any("1/1" in r.getMessage() and str(error) in r.getMessage() for r in caplog.records)
     ok = Message("second", ANN, Channel(9))
     await bot.on_message(ok)
-    assert ok.replies[0].content == "re: ann: second"
-    assert bot.histories[9] == turns(("ann: second", "re: ann: second"))
+    assert ok.replies[0].content == "re: second"
+    assert bot.histories[9] == turns(("ann: second", "re: second"))
 
 
 async def test_stop_on_a_queued_message_keeps_the_order_of_the_rest(example) -> None:
@@ -277,4 +278,4 @@ async def test_stop_on_a_queued_message_keeps_the_order_of_the_rest(example) -> 
     engine.release("1/1")
     engine.release("1/3")
     await asyncio.gather(*tasks)
-    assert bot.histories[4] == turns(("ann: a", "re: ann: a"), ("ann: c", "re: ann: c"))
+    assert bot.histories[4] == turns(("ann: a", "re: a"), ("ann: c", "re: c"))

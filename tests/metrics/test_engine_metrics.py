@@ -23,6 +23,7 @@ from asyncinfer.metrics import EngineObservability, asgi_app
 from asyncinfer.metrics.exposition import exposition, metric_names
 from asyncinfer.request import Request
 from asyncinfer.schedulers import FIFOScheduler
+from tests.helpers import SMOLLM2, loaded_bytes
 
 OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
            "memory_bandwidth": 1e10}
@@ -120,16 +121,73 @@ async def test_step_figures_equal_the_cores_counters(tiny_models) -> None:
     assert m.prompt_tokens == sum(4 + 3 * i for i in range(6))
 
 
-async def test_roofline_bytes_of_one_request(tiny_models) -> None:
-    """One request, prompt 10, 6 tokens: 5 decode-only steps attending over 11..15 tokens."""
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
+def decode_read(model) -> int:
+    """The weight bytes a decode step of ``model`` reads: all it holds but the embedding table, unless the
+    logits are computed from that table itself (tied, and no format's head of its own)."""
+    table = model.embed_tokens.weight
+    head_is_table = model.output_proj is None and model.lm_head_weight is table
+    return loaded_bytes(model) - (0 if head_is_table else table.numel() * table.element_size())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # an untied head, and a head that is the embedding table
+async def test_roofline_bytes_of_one_request(tiny_models, kind) -> None:
+    """One request, prompt 10, 6 tokens: 5 decode-only steps attending over 11..15 tokens, each reading every
+    weight the model holds but the token embedding table, of which a step gathers one row: unless the table
+    is the LM head too (tied, in the dtype), which every step reads whole."""
+    engine = AsyncEngine.from_pretrained(tiny_models[kind][0], **OPTIONS)
     async with engine:
         await engine.generate(ids(10), SamplingParams(max_tokens=6, ignore_eos=True))
         m = engine.metrics.snapshot().models["default"]
         per_token = engine.core.runner.spec.bytes_per_token
-        weights = engine.memory_plan.weight_bytes
+        model = engine.core.runner.model
+        weights = decode_read(model)
+        tied = model.config.tie_word_embeddings
+    assert tied == (kind == "qwen2")
+    assert (weights == loaded_bytes(model)) == tied  # the tied float head is the table: read whole
     assert m.decode_bytes_read == 5 * weights + sum(range(11, 16)) * per_token
     assert m.decode_bandwidth == pytest.approx(m.decode_bytes_read / m.decode_seconds)
+
+
+@pytest.mark.parametrize("fmt, table_read", [(None, True), ("float16", False), ("q4_1", False), ("q8_0", False),
+                                             ("int8", True)])
+def test_decode_weight_bytes_of_the_default_model(fmt, table_read) -> None:
+    """SmolLM2-135M ties its head to the embedding table: read whole by each step where the head is the table
+    (float32; int8 keeps lm_head in float32), not at all where a format holds a head of its own."""
+    from asyncinfer.models.quant import decode_weight_bytes, default_skip, weight_bytes
+
+    skip = default_skip(fmt)
+    table = SMOLLM2.vocab_size * SMOLLM2.hidden_size * 4
+    assert decode_weight_bytes(SMOLLM2, 4, fmt, skip) == weight_bytes(SMOLLM2, 4, fmt, skip) - (
+        0 if table_read else table)
+
+
+@pytest.mark.real_model
+async def test_the_bandwidth_utilization_of_the_default_model_is_a_fraction(real_gguf) -> None:
+    """The default model (Q4_1 projections, a Q8_0 copy of its tied head) against this machine's probe: each
+    decode step reads the model's bytes but its float32 embedding table (108 MiB of its 200, which counted as
+    read before), and the ratio is in [0, 1]."""
+    async with await AsyncEngine.load(real_gguf, max_model_len=256) as engine:
+        ratios = []
+        for start in (40, 60, 80):  # one request at a time: prompt 8, 12 tokens, 11 decode-only steps
+            await engine.generate(ids(8, start), SamplingParams(max_tokens=12, ignore_eos=True))
+            ratios.append(engine.metrics.snapshot().models["default"].last_decode_bandwidth_utilization)
+        m = engine.metrics.snapshot().models["default"]
+        per_token = engine.core.runner.spec.bytes_per_token
+        weights = decode_read(engine.core.runner.model)
+    assert m.decode_bytes_read == 3 * (11 * weights + sum(range(9, 20)) * per_token)
+    assert all(r is not None and 0.0 <= r <= 1.0 for r in ratios), ratios
+
+
+async def test_a_step_faster_than_the_probe_reads_as_the_whole_bandwidth(tiny_models) -> None:
+    """A decode step can outrun the start-up probe (weights served from a cache, a probe taken on a busy
+    machine): the ratio stays 1 and the bytes per second say by how much."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **{**OPTIONS, "memory_bandwidth": 1.0})
+    async with engine:
+        await engine.generate(ids(10), SamplingParams(max_tokens=4, ignore_eos=True))
+        m = engine.metrics.snapshot().models["default"]
+        text = exposition(engine).decode()
+    assert m.last_decode_bandwidth > 1.0 and m.last_decode_bandwidth_utilization == 1.0
+    assert parse(text)[("asyncinfer_decode_bandwidth_utilization_ratio", (("model", "default"),))] == 1.0
 
 
 @pytest.mark.parametrize("failures", [3, 1])  # 3: the fault fails its request; 1: it kills the engine

@@ -1,9 +1,16 @@
 """``asyncinfer chat``: one-shot or interactive chat, streamed as it is written.
 
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
-session goes on); at the prompt it leaves, as do ``/exit``, ``/quit`` and
-Ctrl-D. ``/reset`` forgets the conversation. The history is trimmed to what
-fits ``max_model_len`` with room for ``max_tokens`` (oldest turns first).
+session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
+and Ctrl-D leave with 0). ``/reset`` forgets the conversation. The history is
+trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
+first).
+
+At a terminal the prompt has line editing and a history of what you typed (the
+arrow keys, Ctrl-R; Python's ``readline`` where the platform has it), kept
+across sessions in ``$XDG_STATE_HOME/asyncinfer/chat_history``
+(``~/.local/state/asyncinfer/chat_history``; ``ASYNCINFER_CHAT_HISTORY`` names
+another file, or none when empty), readable by you only.
 """
 
 from __future__ import annotations
@@ -11,17 +18,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.history import trim_messages
 from asyncinfer.sampling_params import SamplingParams
 
-HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply."
+HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves)."
+
+#: The file of the prompt's history: a path, or empty for none (default: :func:`history_path`'s).
+HISTORY_ENV = "ASYNCINFER_CHAT_HISTORY"
+HISTORY_LENGTH = 1000  # lines kept
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -98,21 +113,133 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
             if args.prompt:
                 return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130
             print(f"asyncinfer chat: {HELP}", file=sys.stderr)
-            while True:
-                line = await interrupts.read_line("> ")
-                if line is None or line.strip() in ("/exit", "/quit"):
-                    return 0
-                command = line.strip()
-                if command == "/reset":
-                    session.reset()
-                    print("[history cleared]", file=sys.stderr)
-                elif command in ("/help", "/?"):
-                    print(HELP, file=sys.stderr)
-                elif command:
-                    try:
-                        await interrupts.run(session.reply(line))
-                    except InvalidParameterError as exc:
-                        print(f"asyncinfer: {exc}", file=sys.stderr)
+            with LineEditor.for_terminal() as editor:
+                return await _session(session, interrupts, editor)
+
+
+async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEditor) -> int:
+    """The interactive loop: 0 when the user leaves (/exit, Ctrl-D), 130 on Ctrl-C at the prompt."""
+    while True:
+        try:
+            line = await interrupts.read_line("> ", editor)
+        except PromptInterrupted:
+            return 130
+        if line is None or line.strip() in ("/exit", "/quit"):
+            return 0
+        command = line.strip()
+        if command == "/reset":
+            session.reset()
+            print("[history cleared]", file=sys.stderr)
+        elif command in ("/help", "/?"):
+            print(HELP, file=sys.stderr)
+        elif command:
+            try:
+                await interrupts.run(session.reply(line))
+            except InvalidParameterError as exc:
+                print(f"asyncinfer: {exc}", file=sys.stderr)
+
+
+class PromptInterrupted(Exception):
+    """Ctrl-C at the prompt: the session ends (status 130)."""
+
+
+def history_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The chat's history file: ``ASYNCINFER_CHAT_HISTORY`` (empty: no file), else
+    ``$XDG_STATE_HOME/asyncinfer/chat_history`` (``~/.local/state`` when the variable is unset)."""
+    env = os.environ if environ is None else environ
+    if HISTORY_ENV in env:
+        return Path(env[HISTORY_ENV]).expanduser() if env[HISTORY_ENV] else None
+    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "asyncinfer" / "chat_history"
+
+
+class LineEditor:
+    """Line editing and history for the prompt, where ``input()`` reads a terminal.
+
+    ``readline`` is the platform's module (None where there is none, or where stdin is not a
+    terminal: then ``input()`` reads plain lines and no history is kept). Entering it loads
+    the history file; leaving it writes the file (mode 0600) and puts the terminal back as it
+    was (a Ctrl-C ends the session while ``readline`` holds the terminal in its own mode).
+    """
+
+    def __init__(self, readline: ModuleType | None, path: Path | None, fd: int | None = None, *,
+                 terminal: bool = False) -> None:
+        self.readline = readline
+        self.path = path
+        self.fd = fd  # the terminal whose settings are restored
+        self.terminal = terminal  # input() reads it; else lines are read from the file descriptor itself
+        self._saved: Any = None
+        self._pending = b""
+
+    def read(self, prompt: str) -> str | None:
+        """One line (without its end), or None at end of input; blocks (call it off the event loop).
+
+        Not at a terminal the line is read from file descriptor 0 itself, not through ``sys.stdin``: a
+        thread left waiting in ``sys.stdin`` when Ctrl-C ends the session holds its lock, and the
+        interpreter aborts at exit (SIGABRT) when it flushes the standard streams."""
+        if self.terminal:
+            try:
+                return input(prompt)
+            except (EOFError, OSError, ValueError):
+                return None
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while b"\n" not in self._pending:
+            try:
+                chunk = os.read(0, 4096)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                line, self._pending = self._pending, b""
+                return line.decode("utf-8", "replace") if line else None
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode("utf-8", "replace").removesuffix("\r")
+
+    @classmethod
+    def for_terminal(cls) -> LineEditor:
+        """The editor for this process's stdin: ``readline`` when stdin and stdout are terminals."""
+        try:
+            interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        except (AttributeError, ValueError):  # a closed or replaced stream
+            interactive = False
+        if not interactive:
+            return cls(None, None)
+        try:
+            import readline
+        except ImportError:  # not built on this platform: plain input()
+            return cls(None, None, sys.stdin.fileno(), terminal=True)
+        return cls(readline, history_path(), sys.stdin.fileno(), terminal=True)
+
+    def __enter__(self) -> LineEditor:
+        if self.fd is not None:
+            with contextlib.suppress(ImportError, OSError):
+                import termios
+
+                self._saved = termios.tcgetattr(self.fd)
+        if self.readline is not None:
+            self.readline.set_history_length(HISTORY_LENGTH)
+            if self.path is not None and self.path.is_file():
+                with contextlib.suppress(OSError):
+                    self.readline.read_history_file(str(self.path))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            with contextlib.suppress(ImportError, OSError):
+                import termios
+
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+        if self.readline is None or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch(mode=0o600, exist_ok=True)
+            self.readline.write_history_file(str(self.path))
+            self.path.chmod(0o600)
+        except OSError as error:
+            print(f"asyncinfer chat: the history was not saved: {error.strerror or error}: {self.path} "
+                  f"({HISTORY_ENV}= keeps none)", file=sys.stderr)
 
 
 class _Interrupts:
@@ -131,7 +258,7 @@ class _Interrupts:
             self.loop.add_signal_handler(signal.SIGINT, self._interrupt)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.remove_signal_handler(signal.SIGINT)
 
@@ -152,15 +279,16 @@ class _Interrupts:
         finally:
             self.current = None
 
-    async def read_line(self, prompt: str) -> str | None:
-        """A line from stdin; None at end of input or on Ctrl-C."""
+    async def read_line(self, prompt: str, editor: LineEditor) -> str | None:
+        """A line from stdin; None at end of input.
+
+        Raises:
+            PromptInterrupted: Ctrl-C while waiting for the line.
+        """
         future: asyncio.Future[str | None] = self.loop.create_future()
 
         def read() -> None:
-            try:
-                line: str | None = input(prompt)
-            except (EOFError, OSError, ValueError):
-                line = None
+            line = editor.read(prompt)
             self.loop.call_soon_threadsafe(lambda: future.done() or future.set_result(line))
 
         threading.Thread(target=read, name="asyncinfer-chat-input", daemon=True).start()
@@ -171,6 +299,6 @@ class _Interrupts:
             if not future.cancelled():
                 raise
             print(file=sys.stderr)
-            return None
+            raise PromptInterrupted from None
         finally:
             self.current = None

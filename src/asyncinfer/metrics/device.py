@@ -2,10 +2,12 @@
 
 The roofline gauge divides each decode step's bytes by the device's memory
 bandwidth. :func:`measure_memory_bandwidth` measures that once at engine
-start-up with a short copy (read + write of ``nbytes``, best of a few runs); the
-``memory_bandwidth`` engine option skips it. A copy is what a decode step does
-to its weights (stream them once), so the figure is the attainable rate, not the
-datasheet's peak, which is the fairer denominator.
+start-up by reading ``nbytes`` once (a sum over them, best of a few runs); the
+``memory_bandwidth`` engine option skips it. Reading a buffer once is what a
+decode step does to its weights, so the figure is the attainable read rate, not
+the datasheet's peak, which is the fairer denominator. (A copy, as measured
+before, counts the bytes read and written but not the cache-line reads its
+writes cost on a CPU: a decode step that only reads ran faster than that figure.)
 
 The CUDA figures are torch's allocator (allocated, reserved) and, when the
 optional ``nvidia-ml-py`` package is installed, NVML's utilisation. Nothing here
@@ -24,19 +26,18 @@ PROBE_BYTES = 64 * 1024**2
 
 
 def measure_memory_bandwidth(device: torch.device, nbytes: int = PROBE_BYTES, repeats: int = 3) -> float:
-    """Bytes per second one device-to-device copy of ``nbytes`` moves (read + write), best of ``repeats``."""
+    """Bytes per second one read of ``nbytes`` on ``device`` takes (a sum over them), best of ``repeats``."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # [n]
-    dst = torch.empty_like(src)  # [n]
     best = float("inf")
-    for run in range(repeats + 1):  # the first run pages the buffers in; it is not counted
+    for run in range(repeats + 1):  # the first run pages the buffer in; it is not counted
         _sync(device)
         start = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         _sync(device)
         if run:
             best = min(best, time.perf_counter() - start)
-    nbytes = 2 * src.numel() * 4
-    del src, dst
+    nbytes = src.numel() * 4
+    del src
     if device.type == "cuda":  # give the buffers back: the KV planner reads the device's free memory
         torch.cuda.empty_cache()
     return nbytes / best

@@ -39,6 +39,7 @@ from asyncinfer.metrics.device import Nvml, cuda_memory, measure_memory_bandwidt
 from asyncinfer.metrics.memory_report import MemoryReport
 from asyncinfer.metrics.profile import ProfileResult, StepProfiler
 from asyncinfer.metrics.requests import FinishedRequest, RequestTracker, log_finished
+from asyncinfer.models.quant import decode_weight_bytes
 from asyncinfer.threads import run_on_own_thread
 
 if TYPE_CHECKING:
@@ -158,7 +159,10 @@ class EngineMetrics:
     def _step_hook(self, name: str, version: ModelVersion) -> Callable[..., None]:
         """The core's ``on_step``: one tuple onto the deque, on the engine thread; nothing else."""
         append = self._steps.append
-        weights = version.plan.weight_bytes
+        config = version.config
+        # What a decode step reads of the weights: all but the embedding table's unread rows.
+        weights = decode_weight_bytes(version.model_config, config.dtype_bytes, config.quantization,
+                                      config.quantization_skip, config.device)
         per_token = version.core.runner.spec.bytes_per_token if version.core is not None else 0
         record = self.enabled
 
@@ -353,7 +357,7 @@ class EngineMetrics:
             kv_cow_copies=kv_totals["cow_copies"], kv_evictions=kv_totals["evictions"], swaps=dict(fig.swaps),
             rejected=dict(fig.rejected), decode_bytes_read=fig.decode_bytes, decode_seconds=fig.decode_seconds,
             running=running, waiting=waiting, versions_live=len(live), last_decode_bandwidth=last,
-            last_decode_bandwidth_utilization=None if last is None or not peak else last / peak,
+            last_decode_bandwidth_utilization=None if last is None or not peak else min(1.0, last / peak),
             ttft=fig.ttft.snapshot(), tpot=fig.tpot.snapshot(), e2e_latency=fig.e2e.snapshot(),
             queue_time=fig.queue.snapshot(), prompt_len=fig.prompt_len.snapshot(),
             output_len=fig.output_len.snapshot(), step_tokens=fig.step_tokens.snapshot(),

@@ -61,7 +61,7 @@ GAUGES: tuple[tuple[str, str, Read], ...] = (
     ("model_versions_live", "Versions of the model loaded (2 during an overlap swap)", lambda m: m.versions_live),
     ("decode_bandwidth_bytes_per_second", "Bytes per second the latest decode-only step read",
      lambda m: m.last_decode_bandwidth),
-    ("decode_bandwidth_utilization_ratio", "The latest decode-only step's bandwidth over the device's",
+    ("decode_bandwidth_utilization_ratio", "The latest decode-only step's bandwidth over the device's, at most 1",
      lambda m: m.last_decode_bandwidth_utilization),
 )
 HISTOGRAMS: tuple[tuple[str, str, Read], ...] = (

@@ -122,7 +122,7 @@ class ModelMetrics:
     kv_usage: float = 0.0
     versions_live: int = 0
     last_decode_bandwidth: float | None = None  # bytes per second
-    last_decode_bandwidth_utilization: float | None = None  # of MetricsSnapshot.memory_bandwidth
+    last_decode_bandwidth_utilization: float | None = None  # of MetricsSnapshot.memory_bandwidth, in [0, 1]
     # histograms
     ttft: HistogramSnapshot | None = None
     tpot: HistogramSnapshot | None = None

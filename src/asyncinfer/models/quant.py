@@ -649,6 +649,30 @@ def weight_bytes(
     return total
 
 
+def decode_weight_bytes(
+    model_config: ModelConfig,
+    dtype_bytes: int,
+    quantization: str | None = None,
+    skip: Iterable[str] = (),
+    device: torch.device | str = "cpu",
+) -> int:
+    """Bytes of weights one decode step reads: :func:`weight_bytes` less the token embedding table
+    ([vocab, hidden] in the dtype), of which a step gathers only its tokens' rows, unless that
+    table is itself the LM head (tied embeddings with the head in the dtype), which every step
+    reads whole. A tied head in a weight format is a copy of its own (the table stays in the
+    dtype, for the rows), and an untied model's head is another matrix: the table is not read.
+    The roofline gauge's weights (``asyncinfer.metrics``).
+    """
+    total = weight_bytes(model_config, dtype_bytes, quantization, skip, device)
+    table = model_config.vocab_size * model_config.hidden_size * dtype_bytes
+    if not model_config.tie_word_embeddings:
+        return total - table
+    if quantization is None or torch.device(device).type == "cuda":
+        return total  # the head is the table
+    head = _head_format(build_on_meta(model_config), quantization, tuple(skip))
+    return total if head == "float32" else total - table
+
+
 def _float_bytes(module: nn.Module, dtype_bytes: int) -> int:
     return sum(p.numel() for p in module.parameters()) * dtype_bytes
 

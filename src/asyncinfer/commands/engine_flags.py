@@ -1,0 +1,225 @@
+"""The engine options as command-line flags: one table, every ``EngineConfig`` field in it once.
+
+:data:`FLAGS` gives each field of :class:`~asyncinfer.config.EngineConfig` (the keywords of
+``AsyncEngine.from_pretrained``) its flag, how the flag's text is read and its help;
+:func:`add_engine_flags` adds them all to a command, each help ending with the library's
+default, and :func:`engine_options` returns the options given (a flag not given is absent from
+the namespace, so the library's default holds). ``tests/cli/test_engine_flags.py`` holds the
+table to the dataclass's fields, so an option added there and forgotten here fails a test, and
+README.md's options table to this one.
+
+Options that take None take ``none`` on the command line; :func:`flag_error` words an engine's
+:class:`~asyncinfer.errors.InvalidParameterError` about such an option in the flag's terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncinfer.config import EngineConfig
+from asyncinfer.errors import InvalidParameterError
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One engine option's flag.
+
+    ``read``: the flag's text to the option's value (None for an on/off pair ``--x`` / ``--no-x``);
+    ``none``: what None means for an option whose default is None (and ``none`` is accepted on the
+    command line wherever None is a value of the option).
+    """
+
+    field: str
+    flag: str
+    read: Callable[[str], Any] | None
+    help: str
+    metavar: str | None = None
+    none: str | None = None
+    repeat: bool = False  # KEY=VALUE, once per key
+
+    @property
+    def dest(self) -> str:
+        """The namespace attribute (apart from the commands' own: ``--seed`` is a request's seed there)."""
+        return f"engine_{self.field}"
+
+    @property
+    def takes_none(self) -> bool:
+        """Whether ``none`` is a value of the flag (None of the option)."""
+        return isinstance(self.read, _OrNone)
+
+
+def _size(text: str) -> int:
+    """A byte count, or a size such as ``512MiB`` / ``2GiB`` / ``4GB``."""
+    from asyncinfer.planner import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except InvalidParameterError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)") from None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _layers(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+class _OrNone:
+    """A flag's reader that also takes ``none`` (the option's None)."""
+
+    def __init__(self, read: Callable[[str], Any]) -> None:
+        self.read = read
+        self.__name__ = read.__name__  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> Any:
+        return None if text.strip().lower() == "none" else self.read(text)
+
+
+def _or_none(read: Callable[[str], Any]) -> _OrNone:
+    return _OrNone(read)
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not (sep and key):
+        raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. prefill_budget=64)")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw
+
+
+#: Every field of EngineConfig, as a flag (tests/cli/test_engine_flags.py checks that none is missing).
+FLAGS: tuple[Flag, ...] = (
+    Flag("dtype", "--dtype", str, "weights, activations and KV cache dtype: auto (float32 on a CPU, bfloat16 on "
+         "CUDA) | float32 | bfloat16 | float16"),
+    Flag("device", "--device", str, "auto | cpu | cuda | cuda:N"),
+    Flag("block_size", "--block-size", _int, "tokens per KV block, 1 to 256"),
+    Flag("kv_cache_memory", "--kv-cache-memory", _or_none(_size), "KV cache budget: bytes or a size (512MiB, 2GiB); "
+         "overrides --kv-cache-fraction", "SIZE", none="none: from --kv-cache-fraction"),
+    Flag("kv_cache_fraction", "--kv-cache-fraction", _or_none(_float),
+         "KV cache budget as a fraction of the memory free after the weights, in (0, 0.95]", "FRACTION",
+         none="none: on a CPU room for min(max-num-seqs, 4) requests of max-model-len tokens, at most 0.25 of that "
+              "memory; on CUDA 0.25"),
+    Flag("max_num_seqs", "--max-num-seqs", _int, "requests per step, 1 to 4096"),
+    Flag("max_num_batched_tokens", "--max-num-batched-tokens", _int,
+         "tokens per step (longer prompts are prefilled in chunks)"),
+    Flag("max_model_len", "--max-model-len", _or_none(_int), "prompt + output tokens per request", "TOKENS",
+         none="none: the model's context"),
+    Flag("enable_chunked_prefill", "--enable-chunked-prefill", None, "split prompts longer than a step's budget"),
+    Flag("scheduler", "--scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name | "
+         "module:Class (docs/schedulers.md)"),
+    Flag("scheduler_options", "--scheduler-option", _key_value, "a keyword of the scheduler, VALUE read as JSON "
+         "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
+    Flag("seed", "--engine-seed", _int, "seed of the engine's generator, used by requests that set no seed of their "
+         "own"),
+    Flag("num_threads", "--threads", _or_none(_int), "torch CPU threads", "N", none="none: torch's setting"),
+    Flag("activation_reserve", "--activation-reserve", _size,
+         "memory kept free for activations when the KV budget is a fraction: bytes or a size"),
+    Flag("quantization", "--quantization", _or_none(str), "weight format (docs/formats.md): auto (on a CPU with "
+         "--dtype auto: the GGUF file's own block format, q4_1 or q8_0, or native for a file of several formats, "
+         "where asyncinfer's kernels run (q4_1 for the default model), "
+         "else float16 weights; elsewhere none) | none (the dtype: float32 weights on a CPU) | q4_1 | q8_0 | q4_0 | "
+         "q5_0 | q5_1 | q4_k | q5_k | q6_k (CPU, asyncinfer's kernels) | native (each projection in its GGUF file's "
+         "own format where a kernel takes it) | float16 | int8 (CPU, not exact) | bfloat16 (CUDA: float16 and bfloat16 are the "
+         "dtype)", "FORMAT"),
+    Flag("quantization_skip", "--quantization-skip", _or_none(_layers),
+         "comma-separated layer-name substrings a CPU format keeps in float32 (an empty string: none skipped)",
+         "LAYERS", none="none: the format's own, int8: down_proj,lm_head"),
+    Flag("pack_weights", "--pack-weights", None, "pack float32 projections for oneDNN at load "
+         "(--no-pack-weights: plain F.linear)", none="wherever possible on a CPU"),
+    Flag("torch_compile", "--torch-compile", None,
+         "compile the decoder's element-wise chains with torch.compile at load (docs/formats.md)"),
+    Flag("enable_prefix_caching", "--enable-prefix-caching", None,
+         "reuse the KV blocks of prompt prefixes seen before"),
+    Flag("kv_watermark", "--kv-watermark", _float,
+         "fraction of the KV blocks kept free from new admissions, in [0, 0.5]"),
+    Flag("max_waiting_requests", "--max-waiting-requests", _or_none(_int),
+         "requests that may wait beyond max-num-seqs; past it new requests are refused at once "
+         "(EngineOverloadedError; over HTTP a 503 with Retry-After)", "N", none="none: no bound"),
+    Flag("max_consecutive_step_failures", "--max-consecutive-step-failures", _int,
+         "failed steps in a row (each fails only its own requests) after which the engine is declared dead"),
+    Flag("stall_timeout", "--stall-timeout", _or_none(_float),
+         "seconds every request may be stuck (nothing scheduled) before they fail with RequestStalledError",
+         "SECONDS", none="none: wait forever"),
+    Flag("enable_metrics", "--enable-metrics", None, "record engine.metrics (Prometheus /metrics)"),
+    Flag("memory_bandwidth", "--memory-bandwidth", _or_none(_float),
+         "the device's memory bandwidth in bytes per second, for the roofline gauge", "BYTES_PER_S",
+         none="none: measured at start-up"),
+    Flag("log_request_text_rate", "--log-request-text-rate", _float,
+         "fraction of the per-request INFO log lines that include prompt and output text, in [0, 1]"),
+)
+
+BY_FIELD: dict[str, Flag] = {f.field: f for f in FLAGS}
+
+
+def library_defaults() -> dict[str, Any]:
+    """Each EngineConfig field's default, as ``from_pretrained`` takes it when the option is not given."""
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def shown_default(flag: Flag, default: Any) -> str:
+    """The default as the flag's help states it: in the command line's terms (``none``, ``on``/``off``)."""
+    if default is None:
+        return flag.none or "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, int) and default >= MiB and default % MiB == 0 and flag.read is _size:
+        return f"{default // MiB}MiB"
+    return str(default)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Every engine option as a flag, its help ending with the library's default; none is set unless given."""
+    defaults = library_defaults()
+    for flag in FLAGS:
+        text = f"{flag.help} (default: {shown_default(flag, defaults[flag.field])})"
+        if flag.read is None:
+            parser.add_argument(flag.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                dest=flag.dest, help=text)
+        elif flag.repeat:
+            parser.add_argument(flag.flag, action="append", type=flag.read, default=argparse.SUPPRESS,
+                                dest=flag.dest, metavar=flag.metavar, help=text)
+        else:
+            parser.add_argument(flag.flag, type=flag.read, default=argparse.SUPPRESS, dest=flag.dest,
+                                metavar=flag.metavar, help=text)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line, as ``from_pretrained`` keywords."""
+    options = {flag.field: getattr(args, flag.dest) for flag in FLAGS if hasattr(args, flag.dest)}
+    if "scheduler_options" in options:
+        options["scheduler_options"] = dict(options["scheduler_options"])
+    return options
+
+
+def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
+    """``exc`` in the command line's terms when it is about an engine option given as a flag: the flag's
+    name, and ``none`` where the flag takes it (the library's message says None); else None."""
+    flag = BY_FIELD.get(exc.parameter)
+    if flag is None or flag.field not in given:
+        return None
+    value = exc.value
+    shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
+    allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
+    return f"{flag.flag} {shown} is invalid: allowed {allowed}"

@@ -1,0 +1,105 @@
+"""What ``asyncinfer serve`` checks and says before it loads anything: the port is free, and what it
+will serve (URL, model, weight format and path, context length, KV budget, scheduler, API keys).
+
+Everything said is planned from the model's config with the options given, as the engine plans
+its load (``AsyncEngine.plan_memory`` makes the engine's own plan), so it is printed at once,
+before the weights are read; uvicorn's "Uvicorn running on ..." line follows once it serves.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from asyncinfer.commands import CommandError
+
+
+class Served(Protocol):
+    """A model the server loads (``asyncinfer.server.ModelSpec``)."""
+
+    model: str | None
+    name: str
+    options: Mapping[str, Any]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, before any model is loaded, a port that the server could not listen on.
+
+    Binds it as uvicorn will (``SO_REUSEADDR``, IPv6 for an address with a colon) and lets it go.
+
+    Raises:
+        CommandError: the port is in use, not ours to take, or ``host`` is no address of this machine.
+    """
+    if not 0 <= port <= 65535:
+        raise CommandError(f"--port {port} is not a TCP port (0 to 65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except socket.gaierror as exc:
+        raise CommandError(f"--host {host!r} is not an address of this machine ({exc.strerror})") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise CommandError(f"port {port} on {host} is in use (another server listens on {where}?): stop it, "
+                               "or choose another with --port") from None
+        if exc.errno == errno.EACCES:
+            raise CommandError(f"cannot listen on {where}: permission denied (ports below 1024 need privileges): "
+                               "choose another with --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise CommandError(f"--host {host!r} is not an address of this machine") from None
+        raise CommandError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str, port: int, api_keys: int) -> str:
+    """The lines ``asyncinfer serve`` prints before it loads: one model per spec, with its plan."""
+    from asyncinfer.memory import MemoryPlan, format_bytes
+
+    base = url(host, port)
+    lines = [(f"asyncinfer serve: loading, then serving the OpenAI API at {base}/v1 (also {base}/health, "
+              f"{base}/metrics)")]
+    for spec, plan in zip(specs, plans):
+        path = _path(spec.model)
+        if isinstance(plan, MemoryPlan):
+            dtype, device, fmt = weight_format(path, dict(spec.options))
+            options = dict(spec.options)
+            scheduler = options.get("scheduler", "fifo")
+            extra = options.get("scheduler_options")
+            lines += [
+                f"  model {spec.name!r}: {path}",
+                f"    weights: {fmt}, {format_bytes(plan.weight_bytes)} ({dtype} on {device})",
+                f"    context: {plan.max_model_len} tokens per request (prompt + output)",
+                (f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} "
+                 f"blocks of {plan.block_size})"),
+                f"    scheduler: {scheduler}" + (f" {extra}" if extra else ""),
+            ]
+        else:
+            lines += [f"  embedding model {spec.name!r}: {path}", f"    {plan.describe()}"]
+    lines.append(f"  API keys: on ({api_keys} accepted)" if api_keys else
+                 "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)")
+    return "\n".join(lines)
+
+
+def _path(model: str | None) -> Path:
+    from asyncinfer.model_source import resolve_model
+
+    return resolve_model(model)
+
+
+def weight_format(path: Path, options: dict[str, Any]) -> tuple[str, str, str]:
+    """``(dtype, device, weight format)`` of a generator loaded from ``path`` with ``options``, from its
+    config alone: ``quantization="auto"`` made concrete for the file as the load makes it."""
+    from asyncinfer.config import EngineConfig, for_model
+    from asyncinfer.models.loader import read_model_config
+
+    config = for_model(EngineConfig.from_options(options), options, read_model_config(path), warn=False)
+    dtype = str(config.dtype).removeprefix("torch.")
+    return dtype, str(config.device), config.quantization or f"{dtype} (the dtype)"

@@ -1,0 +1,87 @@
+"""``asyncinfer serve`` before it serves: a port in use is refused before any model is touched, and the start
+prints what will be served (URL, model name, path, weight format, context, KV budget, scheduler, API keys),
+figures that equal the engine's own plan."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import asyncinfer.server
+from asyncinfer import AsyncEngine, cli
+from asyncinfer.memory import format_bytes
+
+
+def test_a_port_in_use_is_refused_before_the_model_is_touched(tmp_path, capsys, monkeypatch) -> None:
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was read before the port was checked")
+
+    monkeypatch.setattr(AsyncEngine, "plan_memory", no_model)
+    monkeypatch.setattr(AsyncEngine, "from_pretrained", no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"asyncinfer: error: port {port} on 127.0.0.1 is in use (another server listens on "
+                   f"127.0.0.1:{port}?): stop it, or choose another with --port\n")
+
+
+def test_a_bad_host_or_port_is_one_line(tmp_path, capsys) -> None:
+    assert cli.main(["serve", str(tmp_path / "m"), "--port", "70000"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --port 70000 is not a TCP port (0 to 65535)\n"
+    assert cli.main(["serve", str(tmp_path / "m"), "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    assert capsys.readouterr().err.startswith("asyncinfer: error: --host 'no-such-host.invalid' is not an address")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None:
+    served = []
+    monkeypatch.setattr(asyncinfer.server, "run_server", lambda app, host, port, level, settings=None: served.append((host, port)))
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    path = tiny_models["llama"][0]
+    port = free_port()
+    options = ["--max-model-len", "64", "--kv-cache-memory", "1MiB", "--device", "cpu", "--scheduler", "pd-split",
+               "--scheduler-option", "prefill_budget=32", "--max-waiting-requests", "4"]
+    assert cli.main(["serve", str(path), "--port", str(port), "--served-model-name", "tiny", *options,
+                     "--api-key", "k1", "--api-key", "k2"]) == 0
+    assert served == [("127.0.0.1", port)]
+    plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20, device="cpu")
+    assert capsys.readouterr().out.splitlines() == [
+        (f"asyncinfer serve: loading, then serving the OpenAI API at http://127.0.0.1:{port}/v1 (also "
+         f"http://127.0.0.1:{port}/health, http://127.0.0.1:{port}/metrics)"),
+        f"  model 'tiny': {path}",
+        f"    weights: float16, {format_bytes(plan.weight_bytes)} (float32 on cpu)",
+        "    context: 64 tokens per request (prompt + output)",
+        f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} blocks of 16)",
+        "    scheduler: pd-split {'prefill_budget': 32}",
+        "  API keys: on (2 accepted)",
+    ]
+    assert plan.kv_bytes == 1 << 20 and plan.max_model_len == 64
+    assert cli.main(["serve", str(path), "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+                     "--kv-cache-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"  model '{path.name}': {path}"  # the directory's name, as /v1/models lists it
+    assert out[2].startswith("    weights: float32 (the dtype), ")
+    assert out[-2:] == ["    scheduler: fifo",
+                        "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)"]
+
+
+@pytest.mark.real_model
+def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(asyncinfer.server, "run_server", lambda *args: None)
+    monkeypatch.setenv("ASYNCINFER_MODEL", str(real_gguf))
+    assert cli.main(["serve", "--port", str(free_port()), "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"  model 'SmolLM2-135M-Instruct': {real_gguf}"
+    from asyncinfer import kernels
+
+    if kernels.auto_reason() is None:  # the file's own format where the kernels run (else float16)
+        assert out[2].startswith("    weights: q4_1, 200.1 MiB (float32 on cpu)"), out[2]

@@ -1,0 +1,71 @@
+"""README.md's client snippet asks for the model name that ``asyncinfer serve`` and examples/openai_server.py
+serve the default model under (it was "default" in the example: a 404)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.server import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "openai_server.py"
+
+
+def readme_client_model() -> str:
+    """The ``model=`` of the README's openai client snippet (its HTTP section)."""
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Serving it over HTTP", 1)[1]
+    snippet = section.split("```python", 1)[1].split("```", 1)[0]
+    assert "OpenAI(base_url=" in snippet
+    (name,) = re.findall(r'model="([^"]+)"', snippet)
+    return name
+
+
+def test_the_readme_snippet_asks_for_what_asyncinfer_serve_serves() -> None:
+    assert readme_client_model() == ModelSpec.served_name(None) == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.real_model
+def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf) -> None:
+    import httpx
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ASYNCINFER_MODEL": str(real_gguf),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the example did not come up"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        name = readme_client_model()
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == [name]
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi!"}],
+                                                   max_tokens=4)
+            assert reply.model == name and reply.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
