@@ -156,6 +156,30 @@ Q4_K_M_TYPES = {f"blk.{i}.{name}.weight": "q6_k" for i in range(Q4_K_M["layers"]
                 for name in ("attn_v", "ffn_up", "ffn_down")}  # the rest in Q4_K: q/k, o, gate
 
 
+def test_a_q4_k_m_mix_built_from_the_file_equals_the_float_model_converted(tmp_path) -> None:
+    """"native" on the float32 model of the same file (apply_weight_format without a source) quantises each part
+    of a mixed layer in its own format: the same layers and bytes as those built from the file's blocks, outputs
+    within the k-quants' rounding (asyncinfer's plain quantiser does not choose llama.cpp's scales, so the
+    re-quantised blocks are not the file's: docs/formats.md)."""
+    path = tmp_path / "q4_k_m.gguf"
+    write(path, Q4_K_M, "llama", "q4_k", "q8_0", "none", 0, types=Q4_K_M_TYPES)
+    checkpoint = open_checkpoint(path)
+    direct = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    converted = checkpoint.load(torch.float32, "cpu", quiet).model
+    assert apply_weight_format(converted, "native") == sum(
+        m.nbytes for n, m in direct.named_modules() if isinstance(m, FormatLinear) and ".parts." not in n)
+    modules, reference = dict(direct.named_modules()), dict(converted.named_modules())
+    assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
+    generator = torch.Generator().manual_seed(0)
+    for name, module in modules.items():
+        if isinstance(module, MixedBlockLinear):
+            x = torch.randn(3, module.in_features, generator=generator)
+            assert [p.fmt for p in module.parts] == [p.fmt for p in reference[name].parts], name
+            got, want = reference[name](x), module(x)
+            assert ((got - want).norm() / want.norm()).item() < 0.05, name
+            assert module.lossless, name  # the file's own blocks
+
+
 async def test_auto_loads_a_q4_k_m_mix_part_by_part_in_its_files_own_blocks(tmp_path, caplog) -> None:
     """llama.cpp's Q4_K_M layout (q/k Q4_K, v Q6_K; gate Q4_K, up Q6_K): "auto" is "native", each fused projection
     a MixedBlockLinear of the file's own blocks (lossless), the fused kernel decodes, and its greedy tokens are the
