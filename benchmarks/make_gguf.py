@@ -83,8 +83,22 @@ def encode(rng: np.random.Generator, name: str, dims: tuple[int, ...], kind: str
     for start in range(0, rows, step):
         values = rng.standard_normal((min(step, rows - start), cols), np.float32)
         values *= np.float32(0.02)
-        out[start : start + len(values)] = values if kind == "f16" else gguf.quants.quantize(values, qtype)
+        out[start : start + len(values)] = values if kind == "f16" else _quantize(values, kind, qtype)
     return out
+
+
+def _quantize(values: np.ndarray, kind: str, qtype: object) -> np.ndarray:
+    """ggml blocks of ``values`` [rows, cols]: gguf's own quantiser, or asyncinfer's for the k-quants (which gguf's
+    Python package cannot quantise)."""
+    import gguf
+
+    if kind in ("q4_k", "q5_k", "q6_k"):
+        import torch
+
+        from asyncinfer import kernels
+
+        return kernels.quantize(torch.from_numpy(values), kind).numpy()
+    return gguf.quants.quantize(values, qtype)
 
 
 def random_blocks(rng: np.random.Generator, rows: int, blocks: int, kind: str) -> np.ndarray:

@@ -390,11 +390,13 @@ SMOLLM2 = ModelConfig(
 
 def loaded_bytes(model: torch.nn.Module) -> int:
     """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
-    scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back)."""
-    from asyncinfer.models.quant import FormatLinear
+    scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back). A
+    MixedBlockLinear's nbytes counts its parts: they are not counted again."""
+    from asyncinfer.models.quant import FormatLinear, MixedBlockLinear
 
+    parts = {id(p) for m in model.modules() if isinstance(m, MixedBlockLinear) for p in m.parts}
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear))
+    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear) and id(m) not in parts)
 
 
 class QueuesForkedSamples(FIFOScheduler):

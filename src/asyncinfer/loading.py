@@ -60,9 +60,11 @@ from asyncinfer.models.quant import (
     BLOCK_FORMATS,
     NATIVE,
     BlockLinear,
+    MixedBlockLinear,
     WeightFormat,
     apply_weight_format,
     layer_formats,
+    mixed_parts,
     native_fallback,
     weight_bytes,
 )
@@ -271,26 +273,50 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     return plan, core
 
 
+def _kernel_formats(fmt: str) -> bool:
+    """Whether a kernel takes ``fmt``, a block format or parts of them joined by "+"."""
+    return all(part in BLOCK_FORMATS for part in fmt.split("+"))
+
+
+def _preview_names(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
 def _report_block_rounding(model: Any, method: str | None) -> None:
     """Say whether a block format holds the model's own weights (a GGUF file in those blocks) or
     rounded them (e.g. q4_1 on a float checkpoint: 4-bit weights, measure the quality); for "native",
-    which projections kept their file's blocks and which went to the fallback format, and why."""
+    which projections kept their file's blocks (which of them mix formats part by part) and which went to the
+    fallback format, and why."""
     if method == NATIVE:
         kept: dict[str, int] = {}
-        for layer in model.modules():
-            if isinstance(layer, BlockLinear):
+        mixed: dict[str, list[str]] = {}  # "q4_k+q4_k+q6_k" -> the layers whose parts are in those formats
+        modules = list(model.named_modules())
+        parts = {id(part) for _, layer in modules if isinstance(layer, MixedBlockLinear) for part in layer.parts}
+        for name, layer in modules:
+            if isinstance(layer, MixedBlockLinear):
+                fmt = "+".join(part.fmt for part in layer.parts)
+                kept[fmt] = kept.get(fmt, 0) + 1
+                mixed.setdefault(fmt, []).append(name)
+            elif isinstance(layer, BlockLinear) and id(layer) not in parts:  # a mixed layer's part counts there
                 kept[layer.fmt] = kept.get(layer.fmt, 0) + 1
         stored = dict(model.config.stored_formats)
-        fallback = {name: fmt for name, fmt in layer_formats(model.config, NATIVE).items() if fmt not in BLOCK_FORMATS}
+        fallback = {name: fmt for name, fmt in layer_formats(model.config, NATIVE).items()
+                    if fmt not in BLOCK_FORMATS and not mixed_parts(fmt)}
         reasons: dict[str, int] = {}
         for name in fallback:
-            reasons[stored.get(name, "?")] = reasons.get(stored.get(name, "?"), 0) + 1
+            reason = stored.get(name, "?")
+            if mixed_parts(reason):  # the parts' formats, not their row counts
+                reason = "+".join(part for part, _ in mixed_parts(reason))
+            reasons[reason] = reasons.get(reason, 0) + 1
         logger.info("quantization='native': %d projections in their file's own blocks (%s); %d in %s (%s)",
                     sum(kept.values()), ", ".join(f"{fmt}: {n}" for fmt, n in sorted(kept.items())) or "none",
                     len(fallback), native_fallback(),
-                    ", ".join(f"{n} stored as {fmt}, which no kernel takes" if fmt not in BLOCK_FORMATS
+                    ", ".join(f"{n} stored as {fmt}, which no kernel takes" if not _kernel_formats(fmt)
                               else f"{n} stored as {fmt}, skipped or not whole blocks"
                               for fmt, n in sorted(reasons.items())) or "none")
+        for fmt, names in sorted(mixed.items()):
+            logger.info("quantization='native': %d projection(s) mix formats part by part (%s): %s", len(names),
+                        fmt, _preview_names(names))
         return
     if method not in BLOCK_FORMATS:
         return

@@ -6,6 +6,7 @@ The files are random-weight GGUFs written by ``benchmarks/make_gguf.py``, the be
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -26,9 +27,12 @@ from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import (
     BlockLinear,
     FormatLinear,
+    MixedBlockLinear,
     WeightFormat,
     apply_weight_format,
     layer_formats,
+    linear_bytes,
+    mixed_parts,
     native_fallback,
     weight_bytes,
 )
@@ -110,18 +114,26 @@ def test_native_keeps_each_layer_in_its_files_format_where_a_kernel_takes_it(tmp
 
 
 def test_a_file_of_mixed_formats_takes_each_tensors_own(tmp_path, caplog) -> None:
-    """Q4_K_M-style: most layers in one format, some in others; a fused layer whose rows differ falls back."""
-    types = {"blk.0.attn_v.weight": "q8_0", "blk.1.ffn_down.weight": "q8_0", "blk.1.attn_output.weight": "f16"}
+    """Q4_K_M-style: most layers in one format, some in others; a fused layer whose parts differ mixes them part
+    by part where a kernel takes every part, and falls back where one is a float tensor."""
+    types = {"blk.0.attn_v.weight": "q8_0", "blk.1.ffn_down.weight": "q8_0", "blk.1.attn_output.weight": "f16",
+             "blk.1.ffn_up.weight": "f16"}
     path = tiny_gguf(tmp_path / "mixed.gguf", "q4_1", "q8_0", types=types)
     checkpoint = open_checkpoint(path)
     stored = dict(checkpoint.config.stored_formats)
     assert checkpoint.config.native_format == "native"
-    assert (stored["layers.0.attn.qkv_proj"], stored["layers.1.attn.qkv_proj"]) == ("mixed", "q4_1")
+    assert stored["layers.0.attn.qkv_proj"] == "q4_1:128+q4_1:64+q8_0:64"  # q, k, v: each part's format and rows
+    assert mixed_parts(stored["layers.0.attn.qkv_proj"]) == (("q4_1", 128), ("q4_1", 64), ("q8_0", 64))
+    assert stored["layers.1.attn.qkv_proj"] == "q4_1" and stored["layers.1.mlp.gate_up_proj"] == "q4_1:256+float16:256"
     assert (stored["layers.1.mlp.down_proj"], stored["layers.1.attn.o_proj"]) == ("q8_0", "float16")
     model = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
     formats = layer_formats(checkpoint.config, "native")
-    assert formats["layers.0.attn.qkv_proj"] == formats["layers.1.attn.o_proj"] == native_fallback()
+    assert formats["layers.0.attn.qkv_proj"] == "q4_1:128+q4_1:64+q8_0:64"
+    assert formats["layers.1.mlp.gate_up_proj"] == formats["layers.1.attn.o_proj"] == native_fallback()
     assert formats["layers.1.mlp.down_proj"] == "q8_0" and formats["layers.1.attn.qkv_proj"] == "q4_1"
+    qkv = model.layers[0].attn.qkv_proj
+    assert isinstance(qkv, MixedBlockLinear) and [p.fmt for p in qkv.parts] == ["q4_1", "q4_1", "q8_0"]
+    assert qkv.lossless and [p.out_features for p in qkv.parts] == [128, 64, 64]
     assert weight_bytes(checkpoint.config, 4, "native") == loaded_bytes(model)
 
 
@@ -135,7 +147,86 @@ def test_the_engine_loads_a_mixed_file_in_its_own_formats_and_says_which(tmp_pat
     with caplog.at_level(logging.INFO, logger="asyncinfer"):
         engine = AsyncEngine.from_pretrained(path, kv_cache_memory=1 << 20, max_model_len=64)
     assert engine.config.quantization == "native"
-    assert f"1 in {native_fallback()} (1 stored as mixed" in caplog.text
+    assert f"0 in {native_fallback()} (none)" in caplog.text
+    assert "1 projection(s) mix formats part by part (q4_1+q4_1+q8_0): layers.0.attn.qkv_proj" in caplog.text
+
+
+Q4_K_M = dict(TINY, hidden=256, intermediate=512, heads=4, kv_heads=2)  # whole 256-weight super-blocks everywhere
+Q4_K_M_TYPES = {f"blk.{i}.{name}.weight": "q6_k" for i in range(Q4_K_M["layers"])
+                for name in ("attn_v", "ffn_up", "ffn_down")}  # the rest in Q4_K: q/k, o, gate
+
+
+def test_a_q4_k_m_mix_built_from_the_file_equals_the_float_model_converted(tmp_path) -> None:
+    """"native" on the float32 model of the same file (apply_weight_format without a source) quantises each part
+    of a mixed layer in its own format: the same layers and bytes as those built from the file's blocks, outputs
+    within the k-quants' rounding (asyncinfer's plain quantiser does not choose llama.cpp's scales, so the
+    re-quantised blocks are not the file's: docs/formats.md)."""
+    path = tmp_path / "q4_k_m.gguf"
+    write(path, Q4_K_M, "llama", "q4_k", "q8_0", "none", 0, types=Q4_K_M_TYPES)
+    checkpoint = open_checkpoint(path)
+    direct = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    converted = checkpoint.load(torch.float32, "cpu", quiet).model
+    assert apply_weight_format(converted, "native") == sum(
+        m.nbytes for n, m in direct.named_modules() if isinstance(m, FormatLinear) and ".parts." not in n)
+    modules, reference = dict(direct.named_modules()), dict(converted.named_modules())
+    assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
+    generator = torch.Generator().manual_seed(0)
+    for name, module in modules.items():
+        if isinstance(module, MixedBlockLinear):
+            x = torch.randn(3, module.in_features, generator=generator)
+            assert [p.fmt for p in module.parts] == [p.fmt for p in reference[name].parts], name
+            got, want = reference[name](x), module(x)
+            assert ((got - want).norm() / want.norm()).item() < 0.05, name
+            assert module.lossless, name  # the file's own blocks
+
+
+async def test_auto_loads_a_q4_k_m_mix_part_by_part_in_its_files_own_blocks(tmp_path, caplog) -> None:
+    """llama.cpp's Q4_K_M layout (q/k Q4_K, v Q6_K; gate Q4_K, up Q6_K): "auto" is "native", each fused projection
+    a MixedBlockLinear of the file's own blocks (lossless), the fused kernel decodes, and its greedy tokens are the
+    float32 model's (the same file, dequantised); the planner counted exactly the bytes built."""
+    import logging
+
+    from asyncinfer import AsyncEngine
+    from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker
+    from tests.helpers import greedy
+
+    assert kernels.available(), kernels.unavailable_reason()
+    path = tmp_path / "q4_k_m.gguf"
+    write(path, Q4_K_M, "llama", "q4_k", "q8_0", "none", 0, types=Q4_K_M_TYPES)
+    checkpoint = open_checkpoint(path)
+    q, kv, inter = 256, 128, 512
+    stored = dict(checkpoint.config.stored_formats)
+    assert checkpoint.config.native_format == "native"
+    assert stored["layers.0.attn.qkv_proj"] == f"q4_k:{q}+q4_k:{kv}+q6_k:{kv}"
+    assert stored["layers.1.mlp.gate_up_proj"] == f"q4_k:{inter}+q6_k:{inter}"
+    options = {"kv_cache_memory": 1 << 20, "max_model_len": 64}
+    with caplog.at_level(logging.INFO, logger="asyncinfer"):
+        engine = AsyncEngine.from_pretrained(path, **options)
+    reference = AsyncEngine.from_pretrained(path, quantization=None, **options)
+    assert engine.config.quantization == "native" and reference.config.quantization is None
+    decode = engine.core.runner.decode
+    assert isinstance(decode, KernelDecode) and kernel_decode_blocker(decode.model) is None
+    model = decode.model
+    for layer in model.layers:
+        qkv, gate_up = layer.attn.qkv_proj, layer.mlp.gate_up_proj
+        assert isinstance(qkv, MixedBlockLinear) and isinstance(gate_up, MixedBlockLinear)
+        assert qkv.kernel_weights()[0] == ("q4_k", "q4_k", "q6_k") and gate_up.kernel_weights()[0] == ("q4_k", "q6_k")
+        assert [p.out_features for p in qkv.parts] == [q, kv, kv] and qkv.lossless and gate_up.lossless
+        assert (layer.attn.o_proj.fmt, layer.mlp.down_proj.fmt) == ("q4_k", "q6_k")
+    assert ("2 projection(s) mix formats part by part (q4_k+q4_k+q6_k): layers.0.attn.qkv_proj, "
+            "layers.1.attn.qkv_proj") in caplog.text
+    assert f"0 in {native_fallback()} (none)" in caplog.text
+    # the planner's bytes, from the header alone, are the layers built
+    assert weight_bytes(checkpoint.config, 4, "native") == loaded_bytes(model)
+    mixed = [m for m in model.modules() if isinstance(m, MixedBlockLinear)]
+    assert sum(m.nbytes for m in mixed) == sum(
+        linear_bytes(layer_formats(checkpoint.config, "native")[name], m.out_features, m.in_features, bias=False)
+        for name, m in model.named_modules() if isinstance(m, MixedBlockLinear))
+    prompts = [[5, 9, 14, 3], [7, 100, 250, 31, 64, 2]]
+    async with engine, reference:
+        got = await asyncio.gather(*(engine.generate(p, greedy(12)) for p in prompts))
+        want = await asyncio.gather(*(reference.generate(p, greedy(12)) for p in prompts))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 # ---- bad files: refused from the header, fast -------------------------------

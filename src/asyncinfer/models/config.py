@@ -83,8 +83,9 @@ class ModelConfig:
     sliding_rope_theta: float | None = None
     norm_weight_offset: float = 0.0
     # The format a GGUF file stores each matrix in, by layer name ("layers.0.attn.qkv_proj", "lm_head"):
-    # "float32", "float16", "bfloat16", a ggml block type in lower case ("q4_1", "q6_k"), or "mixed"
-    # when the rows of a fused layer come in different ones; () for a Hugging Face checkpoint.
+    # "float32", "float16", "bfloat16", a ggml block type in lower case ("q4_1", "q6_k"), or when the rows
+    # of a fused layer come in different ones, each part's format and rows ("q4_k:576+q4_k:192+q6_k:192",
+    # models.quant.mixed_format / mixed_parts); () for a Hugging Face checkpoint.
     stored_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -70,6 +70,8 @@ from asyncinfer.models.quant import (
     WeightFormat,
     apply_weight_format,
     layer_formats,
+    mixed_format,
+    mixed_parts,
 )
 from asyncinfer.models.registry import model_family
 from asyncinfer.progress import TerminalProgress, say
@@ -446,8 +448,7 @@ class _GGUFProjection:
         self._owner = owner
         self._reader = owner._reader
         self._weight, self._bias = weight, bias
-        formats = {t.format for t in weight}
-        self.format = formats.pop() if len(formats) == 1 else "mixed"
+        self.format = _stored_format(weight)
 
     def _heads(self, t: GGUFTensor) -> int | None:
         return _permuted_heads(t.name, self._owner._config)
@@ -459,6 +460,12 @@ class _GGUFProjection:
             heads = self._heads(t)
             parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def part_blocks(self, part: int) -> torch.Tensor:
+        t = self._weight[part]
+        rows = self._reader.blocks(t)  # [rows, bytes per row], a view of the map
+        heads = self._heads(t)
+        return rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads))
 
     def floats(self) -> torch.Tensor:
         parts = []
@@ -580,9 +587,15 @@ def _check_index(reader: GGUFFile, config: ModelConfig) -> tuple[tuple[str, str]
     layers = _gguf_layers(reader, targets, head)
     formats = []
     for layer in layer_formats(config, None):  # every projection, and "lm_head"
-        kinds = {t.format for t in layers[layer][0]}
-        formats.append((layer, kinds.pop() if len(kinds) == 1 else "mixed"))
+        formats.append((layer, _stored_format(layers[layer][0])))
     return tuple(formats)
+
+
+def _stored_format(tensors: list[GGUFTensor]) -> str:
+    """The stored format of a layer made of ``tensors`` (its row shards in order): their format where they share
+    one, else a :func:`~asyncinfer.models.quant.mixed_format` of each one's format and rows."""
+    kinds = {t.format for t in tensors}
+    return kinds.pop() if len(kinds) == 1 else mixed_format((t.format, t.rows) for t in tensors)
 
 
 def _check_block_count(reader: GGUFFile, arch: object, count: object) -> None:
@@ -607,7 +620,8 @@ def _native_format(stored: tuple[tuple[str, str], ...]) -> str | None:
         (fmt,) = layers
         if BLOCK_HEAD_FORMAT.get(fmt, "") == head:
             return fmt
-    return NATIVE if any(fmt in BLOCK_FORMATS for fmt in (*layers, head)) else None
+    kernel_parts = (part for fmt in layers for part, _ in mixed_parts(fmt))  # a mixed layer's parts count too
+    return NATIVE if any(fmt in BLOCK_FORMATS for fmt in (*layers, head, *kernel_parts)) else None
 
 
 def gguf_model_config(reader: GGUFFile) -> ModelConfig:

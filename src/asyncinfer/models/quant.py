@@ -12,8 +12,10 @@ The formats (values of the engine option ``quantization``):
 - ``"native"`` (CPU, float32 activations; what ``"auto"`` picks for a GGUF file whose projections
   come in several formats, e.g. llama.cpp's Q4_K_M mixes): each projection and the LM head in the
   format its file stores it in where one of asyncinfer's kernels takes that format (a name of
-  :data:`asyncinfer.kernels.formats.LAYOUTS`), built straight from the file's blocks; every other
-  one (a format no kernel takes, a float tensor, a fused layer whose rows differ) in float16 where
+  :data:`asyncinfer.kernels.formats.LAYOUTS`), built straight from the file's blocks; a fused layer whose
+  parts the file stores in different such formats (Q4_K_M's q/k in Q4_K, v in Q6_K) becomes a
+  :class:`MixedBlockLinear` of each part's own blocks (its stored format a :func:`mixed_format`); every other
+  one (a format no kernel takes, a float tensor, a fused layer with such a part) in float16 where
   fbgemm runs, else float32, dequantised one tensor at a time. ``ModelConfig.stored_formats`` says
   which is which, so the memory planner counts the same bytes before loading.
 - ``None``: the engine dtype. On a CPU in float32 the projection weights are also
@@ -455,10 +457,46 @@ _LAYERS: dict[str, type[FormatLinear]] = {
 assert all(fmt in _LAYERS for fmt in BLOCK_FORMATS)
 
 
+#: Joins the parts of a mixed stored format (:func:`mixed_format`).
+MIXED_SEPARATOR = "+"
+
+
+def mixed_format(parts: Iterable[tuple[str, int]]) -> str:
+    """The stored format of a fused projection whose runs of rows come in different formats: each part's format
+    and row count, in row order, e.g. ``"q4_k:576+q4_k:192+q6_k:192"`` (a Q4_K_M file's q/k/v). What
+    ``ModelConfig.stored_formats`` records for it, and under ``"native"`` the layer's format
+    (a :class:`MixedBlockLinear`) when every part is in a block format a kernel takes."""
+    return MIXED_SEPARATOR.join(f"{fmt}:{rows}" for fmt, rows in parts)
+
+
+def mixed_parts(fmt: str | None) -> tuple[tuple[str, int], ...]:
+    """``(format, rows)`` of each part of a :func:`mixed_format`; () for any other format."""
+    if not fmt or ":" not in fmt:
+        return ()
+    parts = []
+    for part in fmt.split(MIXED_SEPARATOR):
+        name, _, rows = part.partition(":")
+        parts.append((name, int(rows)))
+    return tuple(parts)
+
+
+def _kernel_mixed(fmt: str | None, in_features: int) -> bool:
+    """Whether a stored mixed format is one :class:`MixedBlockLinear` holds: at most ``MAX_PARTS`` parts, each in
+    a block format of :data:`BLOCK_FORMATS` whose block divides the input size."""
+    parts = mixed_parts(fmt)
+    return 1 <= len(parts) <= kernels.MAX_PARTS and all(
+        part in BLOCK_FORMATS and not in_features % kernels.BLOCK_FORMATS[part][0] for part, _ in parts)
+
+
 def linear_bytes(fmt: str, out_features: int, in_features: int, *, bias: bool) -> int:
     """Bytes one projection takes in ``fmt``: its weights (int8: plus a float32 scale per output
-    channel) and a float32 bias when there is one."""
+    channel; a :func:`mixed_format`: each part's blocks) and a float32 bias when there is one."""
     bias_bytes = 4 * out_features if bias else 0
+    parts = mixed_parts(fmt)
+    if parts:
+        if sum(rows for _, rows in parts) != out_features:
+            raise ValueError(f"fmt: {fmt!r} holds {sum(rows for _, rows in parts)} rows, the layer {out_features}")
+        return sum(linear_bytes(part, rows, in_features, bias=False) for part, rows in parts) + bias_bytes
     if fmt in BLOCK_FORMATS:
         per_block, block_bytes = kernels.BLOCK_FORMATS[fmt]
         return out_features * (-(-in_features // per_block)) * block_bytes + bias_bytes
@@ -476,10 +514,16 @@ class StoredProjection(Protocol):
     """One projection's weights as a checkpoint stores them (what a ``source`` of :func:`apply_weight_format`
     gives for a layer name): the GGUF loader's, read from the memory-mapped file when asked."""
 
-    format: str  #: the stored format of all its rows: a block format, "float32"/"float16"/"bfloat16", or "mixed"
+    #: the stored format of all its rows: a block format, "float32"/"float16"/"bfloat16", or a :func:`mixed_format`
+    format: str
 
     def blocks(self) -> torch.Tensor:
         """ggml blocks uint8 [out, in / per block * bytes] (only when ``format`` is a block format)."""
+        ...
+
+    def part_blocks(self, part: int) -> torch.Tensor:
+        """Part ``part``'s ggml blocks uint8 [its rows, in / per block * bytes] (only when ``format`` is a
+        :func:`mixed_format`, each part in a block format)."""
         ...
 
     def floats(self) -> torch.Tensor:
@@ -544,7 +588,7 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     def build(job: tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]) -> FormatLinear:
         _, _, full, fmt, weight, bias = job
         if source is None:
-            return _layer_class(fmt)(weight, bias)
+            return _mixed_from_floats(fmt, weight, bias) if mixed_parts(fmt) else _layer_class(fmt)(weight, bias)
         return _from_source(fmt, source(full))
 
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
@@ -563,14 +607,32 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
 
 
 def _from_source(fmt: str, stored: StoredProjection) -> FormatLinear:
-    """``fmt``'s layer from a checkpoint's weights: from its blocks where the file stores them in ``fmt``,
-    else from their float32 values; the source is released either way."""
+    """``fmt``'s layer from a checkpoint's weights: from its blocks where the file stores them in ``fmt`` (a
+    :class:`MixedBlockLinear` from each part's blocks for a :func:`mixed_format`), else from their float32 values;
+    the source is released either way."""
     try:
         if fmt == stored.format and fmt in BLOCK_FORMATS:
             return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias())
+        parts = mixed_parts(fmt)
+        if parts:
+            if fmt != stored.format:
+                raise ValueError(f"fmt: a mixed format is built only from a file storing it, here {stored.format!r}")
+            bias = stored.bias()
+            biases = [None] * len(parts) if bias is None else list(bias.split([rows for _, rows in parts]))
+            # one part at a time: each part's blocks are read from the file and repacked, never through float32
+            return MixedBlockLinear(block_layer_class(part).from_blocks(stored.part_blocks(i), biases[i])
+                                    for i, (part, _) in enumerate(parts))
         return _layer_class(fmt)(stored.floats(), stored.bias())
     finally:
         stored.release()
+
+
+def _mixed_from_floats(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> MixedBlockLinear:
+    """A :func:`mixed_format`'s layer from float weights [out, in]: each part's rows in its own block format."""
+    rows = [n for _, n in mixed_parts(fmt)]
+    biases = [None] * len(rows) if bias is None else list(bias.detach().split(rows))
+    return MixedBlockLinear(block_layer_class(part)(w, b)
+                            for (part, _), w, b in zip(mixed_parts(fmt), weight.detach().split(rows), biases))
 
 
 def _layer_class(fmt: str) -> type[FormatLinear]:
@@ -692,11 +754,14 @@ def _layer_format(method: str | None, name: str, skip: tuple[str, ...], in_featu
     """A projection's format: ``method`` (for "native", ``stored``, the format its file stores it in, where a
     kernel takes it, else :func:`native_fallback`; for a k-quant whose 256 does not divide the input size, its
     :data:`K_QUANT_FALLBACK`), or float32 when skipped (or for a block format, when its input size is not a
-    whole number of blocks)."""
+    whole number of blocks). A :func:`mixed_format` stored with every part in a block format (input sizes whole
+    blocks, at most ``MAX_PARTS`` parts) stays that mixed format under "native" (a :class:`MixedBlockLinear`)."""
     if method is None or any(s in name for s in skip):
         return "float32"
     fmt = method
     if method == NATIVE:
+        if stored is not None and mixed_parts(stored):
+            return stored if _kernel_mixed(stored, in_features) else native_fallback()
         fmt = stored if stored in BLOCK_FORMATS else native_fallback()
     elif method in K_QUANT_FALLBACK and in_features % kernels.BLOCK_FORMATS[method][0]:
         fmt = K_QUANT_FALLBACK[method]
