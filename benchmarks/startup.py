@@ -18,7 +18,7 @@ cache. Per round, in alternating order so that machine noise hits all alike:
   most 2x llama.cpp's on the same file".
 
 With ``--model PATH`` (a ``.gguf`` file, e.g. from ``benchmarks/make_gguf.py``, or a model
-directory) every load is of that model; ``chat`` needs a tokenizer and is left out for a file
+directory) every load is of that model; ``chat`` needs a tokenizer and a chat template and is left out for a file
 without one. The memory bound of loading (docs/memory.md) is checked per load: peak RSS <=
 file size + KV cache + 300 MiB above the process's RSS after its imports (``baseline_rss_mib``),
 and printed against the whole process's peak too.
@@ -182,12 +182,14 @@ def llama_cpp_missing() -> str | None:
 
 
 def has_tokenizer(path: Path | None) -> bool:
+    """Whether ``chat`` can run on the model: a directory, or a GGUF file with a vocabulary and a chat template."""
     if path is None or path.is_dir():
         return True
     sys.path.insert(0, str(HERE / "src"))
     from asyncinfer.models.gguf_file import GGUFFile
 
-    return "tokenizer.ggml.model" in GGUFFile(path).fields
+    fields = GGUFFile(path).fields
+    return "tokenizer.ggml.model" in fields and "tokenizer.chat_template" in fields
 
 
 def bound(record: dict[str, Any], file_mib: float) -> dict[str, float | bool]:
