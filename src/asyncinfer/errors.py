@@ -29,6 +29,8 @@ error, the second a bug or a resource failure worth paging someone for.
 
 from __future__ import annotations
 
+import reprlib
+
 
 class AsyncInferError(Exception):
     """Base class of every asyncinfer error."""
@@ -44,7 +46,27 @@ class InvalidParameterError(AsyncInferError, ValueError):
         self.parameter = parameter
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{parameter}={value!r} is invalid: allowed {allowed}")
+        super().__init__(f"{parameter}={_short_repr(value)} is invalid: allowed {allowed}")
+
+
+def _bounded_repr() -> reprlib.Repr:
+    shown = reprlib.Repr()
+    shown.maxlevel = 4
+    shown.maxlist = shown.maxtuple = shown.maxset = shown.maxfrozenset = shown.maxdeque = shown.maxdict = 32
+    shown.maxarray = 32
+    shown.maxstring = shown.maxother = 240
+    shown.maxlong = 5000  # ints whole (their repr stops at 4300 digits anyway)
+    return shown
+
+
+_SHOWN = _bounded_repr()
+
+
+def _short_repr(value: object) -> str:
+    """``repr(value)`` for the error's message, bounded: a huge value (a long text, a list of many items, a
+    list holding one long text many times) is shown elided, so building the message costs little
+    (``InvalidParameterError.value`` keeps the value itself)."""
+    return _SHOWN.repr(value)
 
 
 class ModelLoadError(AsyncInferError):
