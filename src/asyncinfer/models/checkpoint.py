@@ -64,8 +64,10 @@ def safetensors_files(path: Path) -> list[Path]:
 def _shard_in(path: Path, index: Path, name: str) -> Path:
     """The shard the index names, refused unless it is a plain relative name inside the directory.
 
-    Decided from the name and the directory's own entries alone: nothing outside ``path`` is opened,
-    read or followed (no ``..``, no absolute path, no device, no symbolic link that leads out).
+    Decided from the name alone: nothing outside ``path`` is opened or read (no ``..``, no absolute path,
+    no device). A symbolic link inside the directory is the directory owner's own and is followed, as the
+    Hugging Face cache lays out a snapshot (``snapshots/REV/NAME -> ../../blobs/HASH``); what it leads to
+    must still be a regular file (``safetensors_files`` checks with ``stat``, which opens nothing).
 
     Raises:
         ModelLoadError: naming the index and the shard name.
@@ -74,11 +76,7 @@ def _shard_in(path: Path, index: Path, name: str) -> Path:
     if not name or "\x00" in name or rel.is_absolute() or rel.drive or ".." in rel.parts:
         raise ModelLoadError(f"cannot read {index}: weight shard {name!r} is not a file name inside {path} "
                              "(no absolute paths, '..' or devices)")
-    root = path.resolve()
     shard = path / rel
-    # resolve() reads links (never file contents); a link inside the directory that leads out is refused too
-    if not shard.resolve().is_relative_to(root):
-        raise ModelLoadError(f"cannot read {index}: weight shard {name!r} leads outside {path}")
     return shard
 
 
