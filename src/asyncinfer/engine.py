@@ -48,7 +48,14 @@ from asyncinfer.metrics.memory_report import memory_report
 from asyncinfer.metrics.profile import profile_steps
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
-from asyncinfer.prompts import Prompt, chat_token_ids, check_request_id, check_texts, prompt_token_ids
+from asyncinfer.prompts import (
+    Prompt,
+    chat_token_ids,
+    check_prompt_chars,
+    check_request_id,
+    check_texts,
+    prompt_token_ids,
+)
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import RequestStream, StreamTable
@@ -306,13 +313,27 @@ class AsyncEngine:
             self._post(AbortRequest(request_id))
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]], *, model: str | None = None) -> list[int]:
-        """Render chat messages with a generator's template (generation prompt added) into token ids."""
-        return chat_token_ids(current(self._models.generator(model)), messages)
+        """Render chat messages with a generator's template (generation prompt added) into token ids.
+
+        Messages too long to fit the generator's ``max_model_len`` whatever their tokens are refused by
+        their characters first, untokenized (as :meth:`generate` refuses them)."""
+        version = current(self._models.generator(model))
+        check_prompt_chars(messages, version)
+        return chat_token_ids(version, messages)
+
+    def tokenize(self, prompt: Prompt, *, model: str | None = None) -> list[int]:
+        """The token ids ``prompt`` (a text, chat messages or token ids) is sent as, exactly as :meth:`generate`
+        would send it (chat messages templated). A prompt too long to fit ``max_model_len`` whatever its
+        tokens is refused by its characters first, untokenized. Raises :class:`InvalidParameterError`."""
+        version = current(self._models.generator(model))
+        check_prompt_chars(prompt, version)
+        return prompt_token_ids(prompt, version)
 
     def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:
         """How many tokens ``prompt`` (a text, chat messages or token ids) takes, exactly as
-        :meth:`generate` would send it (chat messages templated). Raises :class:`InvalidParameterError`."""
-        return len(prompt_token_ids(prompt, current(self._models.generator(model))))
+        :meth:`generate` would send it (chat messages templated; refused by its characters first, as
+        :meth:`tokenize`). Raises :class:`InvalidParameterError`."""
+        return len(self.tokenize(prompt, model=model))
 
     async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:
         """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""

@@ -194,3 +194,29 @@ async def test_sixteen_concurrent_async_clients(server) -> None:
     batch_sizes = stats.batch_sizes[len(stats.batch_sizes) - (stats.steps - steps_before):]
     assert max(batch_sizes) > 1  # they shared engine steps: one engine, many requests
     server.wait_idle()
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_stream_with_usage_refuses_a_too_long_prompt_by_characters_before_tokenizing(server, client, route,
+                                                                                      monkeypatch) -> None:
+    """With include_usage the server counts the prompt itself: a text that cannot fit max_model_len whatever
+    its tokens is refused by its characters, as generate() refuses it, never tokenized first."""
+    calls: list[int] = []
+    tokenizer = server.engine.get_tokenizer("tiny")
+    real = type(tokenizer).__call__
+
+    def spy(self, text, *args, **kwargs):  # the tokenizer's every use, by text length
+        calls.append(len(text) if isinstance(text, str) else -1)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", spy)
+    text = "word " * 400_000  # 2 M characters, far past 512 tokens' worth
+    with pytest.raises(openai.BadRequestError) as err:
+        if route == "chat":
+            list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                                stream=True, stream_options={"include_usage": True}))
+        else:
+            list(client.completions.create(model="tiny", prompt=text, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert "characters" in str(err.value) and err.value.body["param"] == ("messages" if route == "chat" else "prompt")
+    assert not [n for n in calls if n > 100_000]

@@ -326,10 +326,12 @@ class _OpenAI:
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
             return _json(g.reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
-        if body.include_usage:  # count the prompts here, and hand the engine the very ids counted
+        if body.include_usage:  # count the prompts here (too long ones refused by characters first), and
+            # hand the engine the very ids counted
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             prompts = [p if isinstance(p, list) or tokenizer is None else
-                       await _off_loop_if_long(len(p), lambda p=p: list(tokenizer.encode(p))) for p in prompts]
+                       await _off_loop_if_long(len(p), lambda p=p: g.engine.tokenize(p, model=g.model))
+                       for p in prompts]
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
         prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
         return await self._stream(call, g.reply, streams, n, prompt_tokens)
