@@ -170,3 +170,35 @@ def test_the_load_script_300_slow_connections(limited, tmp_path, mode) -> None:
     result = json.loads(out.read_text())
     assert (result["closed"], result["held_until_give_up"], result["statuses"]) == (300, 0, {"408": 300})
     assert result["closed_after_s"]["max"] < LIMIT + 2 * SLACK and result["ordinary_request_s"] is not None
+
+
+def test_a_request_head_past_the_limit_is_answered_431_and_the_server_keeps_its_memory(limited) -> None:
+    """Headers have a size limit of their own (the body's does not cover them): a head past
+    MAX_HEADER_BYTES gets an OpenAI-shaped 431 at once, sent in one piece or split at any point, and a
+    head just under it is served."""
+    import socket
+
+    from asyncinfer.server.connections import MAX_HEADER_BYTES
+
+    def send(head: bytes, pieces: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port_of(limited)), timeout=LIMIT + SLACK) as sock:
+            step = -(-len(head) // pieces)
+            try:
+                for i in range(0, len(head), step):
+                    sock.sendall(head[i:i + step])
+            except OSError:
+                pass  # refused mid-way: the answer is already there
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            return answer
+
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    padding = b"X-Padding: " + b"a" * 1000 + b"\r\n"
+    big = health + padding * (MAX_HEADER_BYTES // len(padding) + 2) + b"\r\n"
+    for pieces in (1, 7, 300):
+        answer = send(big, pieces)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b"x-request-id:" in answer.lower() and b'"code":"headers_too_large"' in answer
+    fits = health + padding * (MAX_HEADER_BYTES // len(padding) - 2) + b"\r\n"
+    assert send(fits, 5).startswith(b"HTTP/1.1 200 ")

@@ -45,6 +45,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _GUARD: ContextVar[ConnectionGuard | None] = ContextVar("asyncinfer_connection_guard", default=None)
 LINGER_SECONDS = 0.5  # after a refusal, unread request bytes are drained this long (a close with them unread resets)
 GRACE_SECONDS = 0.05  # a deadline is checked twice this far apart: bytes that came in meanwhile count
+#: A request's head (request line and headers) may take this many bytes; a longer one is answered 431 and
+#: the connection closed (the body has its own limit, ServerSettings.max_body_bytes).
+MAX_HEADER_BYTES = 64 * 1024
+_HEAD_END = b"\r\n\r\n"
 
 
 def _timeout_error(what: str, seconds: float) -> APIError:
@@ -80,6 +84,8 @@ class ConnectionGuard(asyncio.Protocol):
         self._partial = False  # bytes of a request the app has not been started for
         self._refused = False  # answered here; the inner protocol gets no more bytes
         self._inner_open = False  # the inner protocol was told of the connection (so it must hear of its end)
+        self._head_bytes: int | None = 0  # bytes of the request head being received (None: its end was seen)
+        self._head_tail = b""  # the last bytes seen of it, to find an end split across reads
 
     # ------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -98,6 +104,10 @@ class ConnectionGuard(asyncio.Protocol):
             return  # drained while the refusal lingers
         if self._in_flight == 0:
             self._partial = True
+        if self._head_bytes is not None and self._head_too_long(data):
+            self._refuse(APIError(431, f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
+                                  type="invalid_request_error", code="headers_too_large"))
+            return
         token = _GUARD.set(self)  # the app's task, started in here once the headers are in, inherits it
         try:
             self._inner.data_received(data)
@@ -131,9 +141,23 @@ class ConnectionGuard(asyncio.Protocol):
     def request_finished(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
+            self._head_bytes, self._head_tail = 0, b""  # the next request's head is counted afresh
             self._arm()
 
     # ---------------------------------------------------------------- inside
+    def _head_too_long(self, data: bytes) -> bool:
+        """Count ``data`` into the request head until its end (an empty line) is seen; whether the head
+        has passed :data:`MAX_HEADER_BYTES` without ending."""
+        seen = self._head_tail + data
+        end = seen.find(_HEAD_END)
+        if end >= 0:
+            total = (self._head_bytes or 0) - len(self._head_tail) + end + len(_HEAD_END)
+            self._head_bytes = None  # the rest is body (or the next pipelined request, counted by the server)
+            return total > MAX_HEADER_BYTES
+        self._head_bytes = (self._head_bytes or 0) + len(data)
+        self._head_tail = seen[-3:]
+        return self._head_bytes > MAX_HEADER_BYTES
+
     def _arm(self) -> None:
         self._disarm()
         if self._transport is not None and not self._transport.is_closing():
