@@ -63,7 +63,7 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert proc.returncode == 0, output
+    assert proc.returncode == 130, output  # Ctrl-C ends serve with 130, as the README says of every command
 
 
 def test_serve_refuses_a_bad_model_in_one_line(capsys) -> None:

@@ -131,15 +131,18 @@ def server_config(app: Any, settings: ServerSettings | None = None, host: str = 
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               settings: ServerSettings | None = None) -> None:
+               settings: ServerSettings | None = None) -> bool:
     """Serve ``app`` with uvicorn until interrupted, under ``settings``' connection limits
-    (pass the settings the app was made with; the defaults otherwise)."""
+    (pass the settings the app was made with; the defaults otherwise). Returns whether it ended on
+    Ctrl-C (SIGINT; ``asyncinfer serve`` then exits 130)."""
     import uvicorn
 
     server = uvicorn.Server(server_config(app, settings, host, port, log_level))
+    interrupted = False
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raised the signal, as uvicorn.run swallows it
-        pass
+        interrupted = True
     if not server.started:
-        raise SystemExit(3)  # uvicorn.run's exit status when the server could not start
+        raise SystemExit(130 if interrupted else 3)  # 3: uvicorn.run's status when the server could not start
+    return interrupted
