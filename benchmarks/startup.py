@@ -58,6 +58,9 @@ import json, os, resource, sys, time
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+def peak_mib():  # this process's own high-water RSS: VmHWM starts afresh at exec (ru_maxrss carries the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -70,13 +73,16 @@ baseline = rss_mib()
 engine = AsyncEngine.from_pretrained(model)
 t2, c2 = time.perf_counter(), cpu()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "load_cpu_s": c2 - c1, "baseline_rss_mib": baseline,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_rss_mib": peak_mib(),
                   "kv_mib": engine.memory_plan.kv_bytes / 2**20, "kv_tokens": engine.memory_plan.kv_token_capacity,
                   "kv": engine.memory_plan.describe()}))
 """
 
 LLAMA_CPP = """
 import json, os, resource, sys, time
+def peak_mib():  # this process's own high-water RSS: VmHWM starts afresh at exec (ru_maxrss carries the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -88,13 +94,16 @@ baseline = rss_mib()
 llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "baseline_rss_mib": baseline,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_rss_mib": peak_mib(),
                   "version": getattr(llama_cpp, "__version__", "unknown")}))
 """
 
 BREAKDOWN = """
 import json, resource, time
 from pathlib import Path
+def peak_mib():  # this process's own high-water RSS (VmHWM; ru_maxrss carries the parent's from before exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 marks = {}
 t = time.perf_counter()
 def mark(name):
@@ -123,7 +132,7 @@ loaded = checkpoint.load(config.dtype, config.device, progress=lambda done, tota
 plan, core = build_core(loaded, config)
 mark("build the core (KV tensors)")
 warm_up(core); mark("warm-up step")
-print(json.dumps({"phases": marks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"phases": marks, "peak_rss_mib": peak_mib()}))
 """
 
 
