@@ -53,17 +53,23 @@ HERE = Path(__file__).resolve().parents[1]
 PROMPT = "What is the capital of France?"
 TARGETS = {"load_s": 5.0, "peak_rss_mib": 1536.0}
 
-LOAD = """
-import json, os, resource, sys, time
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-def peak_mib():  # this process's own high-water RSS: VmHWM starts afresh at exec (ru_maxrss carries the parent's)
+# The children's memory figures, in MiB: ``rss_mib`` now, ``peak_mib`` this process's own high-water mark
+# (VmHWM starts afresh at exec; ru_maxrss keeps the forking parent's).
+MEMORY = """
+import os
+def peak_mib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+"""
+
+LOAD = MEMORY + """
+import json, os, resource, sys, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 model = sys.argv[1] or None
 t0, c0 = time.perf_counter(), cpu()
 from asyncinfer import AsyncEngine
@@ -78,14 +84,8 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "load_cpu_s": c2 - c1,
                   "kv": engine.memory_plan.describe()}))
 """
 
-LLAMA_CPP = """
+LLAMA_CPP = MEMORY + """
 import json, os, resource, sys, time
-def peak_mib():  # this process's own high-water RSS: VmHWM starts afresh at exec (ru_maxrss carries the parent's)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-def rss_mib():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 path, n_ctx = sys.argv[1], int(sys.argv[2])
 t0 = time.perf_counter()
 import llama_cpp
@@ -98,12 +98,9 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "baseline_rss_mib": ba
                   "version": getattr(llama_cpp, "__version__", "unknown")}))
 """
 
-BREAKDOWN = """
+BREAKDOWN = MEMORY + """
 import json, resource, time
 from pathlib import Path
-def peak_mib():  # this process's own high-water RSS (VmHWM; ru_maxrss carries the parent's from before exec)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 marks = {}
 t = time.perf_counter()
 def mark(name):
