@@ -10,6 +10,13 @@ never exist, so an 8B file is written in well under 1 GiB of memory.
     python benchmarks/make_gguf.py /tmp/qwen-3b-q8_0.gguf --shape 3b --arch qwen2 --type q8_0
     python benchmarks/make_gguf.py /tmp/llama-8b-q4_0.gguf --shape 8b --type q4_0 --direct-blocks
     python benchmarks/make_gguf.py /tmp/mid.gguf --shape tiny --hidden 1024 --layers 8 --vocab none
+    python benchmarks/make_gguf.py /tmp/llama-1b-q4_k_m.gguf --shape 1b --llama-quantize q4_k_m
+
+``--llama-quantize FTYPE`` writes the model in F16 first (beside the output, removed afterwards) and has
+llama.cpp's own quantizer (``llama_model_quantize`` from ``llama-cpp-python``) write the output in one of
+its file types (``q4_k_m``, ``q5_k_m``, ``q6_k``, ``q8_0``, ``q4_0``, ...: :data:`LLAMA_FTYPES`), with the
+mixes it chooses per tensor (a Q4_K_M file: most projections in Q4_K, half the v and down projections and
+the head in Q6_K). Both engines then read the same bytes, as users' downloads have them.
 
 Shapes (``--shape``; ``--hidden``, ``--layers``, ``--intermediate``, ``--heads``, ``--kv-heads`` and
 ``--vocab-size`` override any of them):
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +49,9 @@ SHAPES = {
     "8b": {"hidden": 4096, "layers": 32, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab_size": 128256},
 }
 TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
+#: llama.cpp's file types (``--llama-quantize``) -> its ``LLAMA_FTYPE_MOSTLY_*`` name.
+LLAMA_FTYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in (
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")}
 CHUNK_VALUES = 1 << 24  # float32 values made at once (64 MiB)
 
 
@@ -164,6 +175,30 @@ def write(path: Path, shape: dict[str, int], arch: str, kind: str, head_kind: st
     return path.stat().st_size
 
 
+def _llama_cpp() -> object:
+    """llama-cpp-python's module; SystemExit saying so when it does not import."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise SystemExit(f"--llama-quantize needs llama-cpp-python (pip install llama-cpp-python): {exc}") from None
+    return llama_cpp
+
+
+def llama_quantize(source: Path, out: Path, ftype: str, threads: int | None = None) -> int:
+    """``source`` (an F16/F32 GGUF) quantized by llama.cpp's own quantizer into ``out`` as its file type ``ftype``
+    (a key of :data:`LLAMA_FTYPES`); the output's size in bytes. SystemExit when llama-cpp-python is missing or
+    the quantizer fails."""
+    llama_cpp: Any = _llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[ftype])
+    params.nthread = threads or 0  # 0: llama.cpp's own choice (the machine's threads)
+    llama_cpp.llama_backend_init()
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({source} -> {out}, {ftype}) failed with {rc}")
+    return out.stat().st_size
+
+
 def add_spm_vocab(writer: object, size: int) -> None:
     """A SentencePiece-style vocabulary: <unk> <s> </s>, the 256 byte tokens, then filler pieces."""
     import gguf
@@ -192,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-type", choices=TYPES, default=None, help="the embedding and head's (default: --type)")
     p.add_argument("--vocab", choices=("spm", "none"), default="spm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-quantize", choices=sorted(LLAMA_FTYPES), default=None, metavar="FTYPE",
+                   help=f"write F16, then quantize with llama.cpp's own quantizer to FTYPE ({', '.join(LLAMA_FTYPES)})")
     p.add_argument("--direct-blocks", action="store_true",
                    help="make Q8_0/Q4_0/Q4_1 blocks as random bytes instead of quantising random floats (50x faster)")
     for key in SHAPES["tiny"]:
@@ -206,9 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("hidden", shape["hidden"]), ("intermediate", shape["intermediate"])):
         if value % 32:
             raise SystemExit(f"--{name} must be a multiple of 32 (the block size), got {value}")
+    params = sum(int(np.prod(dims)) for _, dims in tensors(shape, args.arch))
+    if args.llama_quantize:
+        _llama_cpp()  # before writing the F16 model (16 GB at the 8B shape)
+        source = args.out.with_name(args.out.name + ".f16.tmp")
+        try:
+            write(source, shape, args.arch, "f16", "f16", args.vocab, args.seed)
+            size = llama_quantize(source, args.out, args.llama_quantize)
+        finally:
+            source.unlink(missing_ok=True)
+        print(f"wrote {args.out}: {args.arch} {shape}, llama.cpp {args.llama_quantize}, "
+              f"{params / 1e9:.3f} B parameters, {size / 2**20:.1f} MiB")
+        return 0
     size = write(args.out, shape, args.arch, args.kind, args.head_type or args.kind, args.vocab, args.seed,
                  direct=args.direct_blocks)
-    params = sum(int(np.prod(dims)) for _, dims in tensors(shape, args.arch))
     print(f"wrote {args.out}: {args.arch} {shape}, {args.kind} (head {args.head_type or args.kind}), "
           f"{params / 1e9:.3f} B parameters, {size / 2**20:.1f} MiB")
     return 0

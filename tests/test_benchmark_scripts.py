@@ -57,3 +57,24 @@ def test_the_startup_benchmark_loads_a_generated_file_and_says_whether_llama_cpp
         assert result["llama_cpp"].startswith("ModuleNotFoundError") and "llama.cpp: NOT MEASURED" in done.stdout
     else:
         assert result["llama_cpp"] == "measured" and len(result["runs"]["llama.cpp"]) == 1
+
+
+def test_make_gguf_quantizes_with_llama_cpp_or_says_it_cannot(tmp_path) -> None:
+    """``--llama-quantize q4_k_m``: llama.cpp's own quantizer writes the file (its Q4_K_M mix: Q4_K with some
+    tensors in Q6_K), which the engine loads in its native formats; without llama-cpp-python a clear exit."""
+    model = tmp_path / "tiny-q4_k_m.gguf"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", "--llama-quantize", "q4_k_m")
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert made.returncode != 0 and "--llama-quantize needs llama-cpp-python" in made.stderr
+        assert not model.exists() and not list(tmp_path.iterdir())  # the F16 intermediate removed too
+        return
+    assert made.returncode == 0 and "llama.cpp q4_k_m" in made.stdout, made.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == [model.name]  # the F16 intermediate removed
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(model)).tensors}
+    assert set(types.values()) == {"F32", "Q4_K", "Q6_K"} and types["output.weight"] == "Q6_K"
+    from asyncinfer import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(str(model), num_threads=1)
+    assert engine.config.quantization == "native"  # "auto" keeps the file's own mix of block formats
