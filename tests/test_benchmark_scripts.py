@@ -78,3 +78,22 @@ def test_make_gguf_quantizes_with_llama_cpp_or_says_it_cannot(tmp_path) -> None:
 
     engine = AsyncEngine.from_pretrained(str(model), num_threads=1)
     assert engine.config.quantization == "native"  # "auto" keeps the file's own mix of block formats
+
+
+def test_the_peer_benchmark_runs_both_engines_or_says_llama_cpp_is_missing(tmp_path) -> None:
+    model, out = tmp_path / "tiny.gguf", tmp_path / "peer.json"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", "--type", "q4_0")
+    assert made.returncode == 0, made.stderr[-3000:]
+    done = run_script("peer.py", "--model", str(model), "--rounds", "2", "--num-requests", "3", "--min-new-tokens",
+                      "2", "--max-new-tokens", "4", "--slots", "1", "3", "--decode-tokens", "4", "--repeats", "1",
+                      "--probe-mib", "16", "--threads", "1", "--json", str(out))
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert done.returncode != 0 and "llama.cpp is the peer of this benchmark" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["order"] for r in result["one_request"]["rounds"]] == [["asyncinfer", "llama.cpp"],
+                                                                      ["llama.cpp", "asyncinfer"]]
+    assert set(result["many"]["llama_cpp_by_slots"]) == {"1", "3"} and result["workload"]["num_requests"] == 3
+    assert result["many"]["asyncinfer_cache_on_off_identical"] == 3  # the prefix cache changes no token
+    assert result["llama_cpp"]["system_info"] and result["weight_bytes_per_token"] > 0

@@ -1,0 +1,297 @@
+"""asyncinfer against llama.cpp on one GGUF file, side by side in one run: one request, many at once,
+and the machine's read bandwidth as the bound both are measured against.
+
+The file is any GGUF both engines load: the real default model, or a random-weight model at a real
+shape written by ``benchmarks/make_gguf.py`` (``--llama-quantize q4_k_m`` has llama.cpp's own quantizer
+write it, so both read the bytes users download). Both engines run in this process, one after the
+other, on the same number of threads, with every prompt given as the same token ids:
+
+1. **read bandwidth**: the best of ``--probe-repeats`` sums of a 1 GiB float32 buffer on ``--threads``
+   threads (torch), GB/s: what a step that reads every weight once can at best reach;
+2. **one request**: ``--rounds`` rounds, each one request's decode rate in asyncinfer then llama.cpp (the
+   order alternating between rounds), both as ``(n - 1) / (T(n) - T(1))`` (the prompt's time cancelled
+   out); the per-round ratios and their median, and each engine's **bandwidth use**: weight bytes read per
+   token (every tensor of the file but the token embedding, which a step gathers a few rows of, unless
+   the head is tied to it) x tok/s / the probe;
+3. **many requests**: ``--num-requests`` requests at t=0 (a shared ``--shared-prefix``-token system prompt,
+   then a distinct random tail, output lengths drawn in [``--min-new-tokens``, ``--max-new-tokens``],
+   greedy, EOS ignored): asyncinfer with its prefix cache on and off, llama.cpp with every slot count of
+   ``--slots`` (its parallel sequences: llama.cpp recomputes the shared prefix in every sequence) and its
+   best taken.
+
+The JSON record names the commit, the machine, llama.cpp's version and build (``llama_print_system_info``)
+and every setting. Timings mean something only on a quiet machine (the load average is recorded at the
+start and the end).
+
+    python benchmarks/make_gguf.py /tmp/llama-1b-q4_k_m.gguf --shape 1b --llama-quantize q4_k_m
+    python benchmarks/peer.py --model /tmp/llama-1b-q4_k_m.gguf --json benchmarks/results/peer_1b_q4_k_m.json
+    python benchmarks/peer.py --model FILE --rounds 1 --num-requests 4 --max-new-tokens 8 --slots 4 \\
+        --decode-tokens 8 --repeats 1 --probe-mib 64          # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import torch
+from common import engine_decode_rate, machine_info
+
+from asyncinfer.threads import on_own_thread
+
+
+def say(message: str) -> None:
+    print(f"[peer] {message}", file=sys.stderr, flush=True)
+
+
+def read_bandwidth(mib: int, repeats: int) -> float:
+    """GB/s of the best of ``repeats`` sums of a ``mib`` MiB float32 buffer (torch's threads)."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first pass warms the pages
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """Bytes of the file's tensors a decode step reads: all but the token embedding (of which a step reads a
+    few rows), which counts when the file has no ``output.weight`` (the head tied to it)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def workload(vocab: int, num_requests: int, shared: int, tail: tuple[int, int], new_tokens: tuple[int, int],
+             seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts (one shared prefix, then a distinct random tail each) and output lengths, from ``seed``."""
+    rng = random.Random(seed)
+    low = min(300, vocab - 1)  # past the special and byte tokens of make_gguf's vocabulary
+    prefix = [rng.randrange(low, vocab) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(low, vocab) for _ in range(rng.randint(*tail))] for _ in range(num_requests)]
+    return prompts, [rng.randint(*new_tokens) for _ in range(num_requests)]
+
+
+def llama_cpp_build() -> dict[str, str]:
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return {"version": getattr(llama_cpp, "__version__", "unknown"),
+            "system_info": info.decode() if isinstance(info, bytes) else str(info)}
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH_DIR,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+uncommitted changes" if dirty else "")
+
+
+async def _generate_all(engine: Any, prompts: list[list[int]], lengths: list[int]) -> tuple[float, list[list[int]]]:
+    from asyncinfer import SamplingParams
+
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                                  for p, n in zip(prompts, lengths)))
+    wall = time.perf_counter() - start
+    tokens = [list(o.token_ids) for o in outs]
+    if [len(t) for t in tokens] != lengths:
+        raise RuntimeError("asyncinfer returned the wrong number of tokens")
+    return wall, tokens
+
+
+async def load_engine(path: Path, args: argparse.Namespace, max_len: int, prefix_cache: bool) -> Any:
+    from asyncinfer import AsyncEngine
+
+    return await AsyncEngine.load(str(path), num_threads=args.threads, max_num_seqs=args.num_requests,
+                                       max_model_len=max_len, enable_prefix_caching=prefix_cache, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from llamacpp_peer import LlamaCppPeer, available
+
+    why_not = available()
+    if why_not is not None:
+        raise SystemExit(f"llama.cpp is the peer of this benchmark and does not import: {why_not}")
+    torch.set_num_threads(args.threads)
+    path = Path(args.model)
+    record: dict[str, Any] = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(), "model": str(path), "model_mib": path.stat().st_size / 2**20,
+        "settings": {k: v for k, v in vars(args).items() if k != "json"}, "load_average_start": os.getloadavg(),
+        "llama_cpp": llama_cpp_build(),
+    }
+    say(f"read bandwidth probe ({args.probe_mib} MiB, {args.threads} threads)")
+    probe = on_own_thread(read_bandwidth, args.probe_mib, args.probe_repeats)
+    per_token = weight_bytes_per_token(path)
+    record["read_bandwidth_gb_s"], record["weight_bytes_per_token"] = probe, per_token
+
+    vocab: int | None = None  # the workload's token ids are drawn from the vocabulary the first engine reports
+    prompts: list[list[int]] = []
+    lengths: list[int] = []
+
+    async def asyncinfer_session(prefix_cache: bool, single_rounds: int, peer_single: Any) -> dict[str, Any]:
+        nonlocal prompts, lengths, vocab
+        say(f"loading asyncinfer (prefix cache {'on' if prefix_cache else 'off'})")
+        start = time.perf_counter()
+        eng = await load_engine(path, args, n_ctx, prefix_cache)
+        out: dict[str, Any] = {"load_s": time.perf_counter() - start}
+        if vocab is None:
+            vocab = eng.model_config.vocab_size
+            prompts, lengths = workload(vocab, args.num_requests, args.shared_prefix, (args.min_tail, args.max_tail),
+                                        (args.min_new_tokens, args.max_new_tokens), args.seed)
+        async with eng:
+            await _generate_all(eng, prompts[:2], [4, 4])  # warm-up
+            rounds = []
+            for index in range(single_rounds):
+                order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
+                rates = {}
+                for system in order:
+                    say(f"one request, round {index + 1}/{single_rounds}: {system}")
+                    if system == "asyncinfer":
+                        rates[system] = (await engine_decode_rate(eng, prompts[0], args.decode_tokens,
+                                                                  args.repeats))["decode_tokens_per_s"]
+                    else:
+                        rates[system] = (await asyncio.to_thread(on_own_thread, peer_single.single_decode_rate,
+                                                                 prompts[0], args.decode_tokens, args.repeats)
+                                         )["decode_tokens_per_s"]
+                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
+            say(f"{args.num_requests} requests, asyncinfer, prefix cache {'on' if prefix_cache else 'off'}")
+            wall, tokens = await _generate_all(eng, prompts, lengths)
+        out.update({"rounds": rounds, "many_wall_s": wall, "many_tokens_per_s": sum(lengths) / wall,
+                    "tokens": tokens})
+        return out
+
+    n_ctx = args.shared_prefix + args.max_tail + max(args.max_new_tokens, args.decode_tokens) + 16
+    say("loading llama.cpp (one slot) for the single-request rounds")
+    single_peer = on_own_thread(LlamaCppPeer, path, args.threads, 1, n_ctx)
+    try:
+        on = asyncio.run(asyncinfer_session(True, args.rounds, single_peer))
+    finally:
+        on_own_thread(single_peer.close)
+    off = asyncio.run(asyncinfer_session(False, 0, None))
+
+    slots = {}
+    for n in args.slots:
+        say(f"{args.num_requests} requests, llama.cpp with {n} slots")
+        peer = on_own_thread(LlamaCppPeer, path, args.threads, n, n_ctx)
+        try:
+            on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
+            done, wall, steps = on_own_thread(peer.run, prompts, lengths)
+        finally:
+            on_own_thread(peer.close)
+        slots[n] = {"wall_s": wall, "steps": steps, "tokens_per_s": sum(lengths) / wall,
+                    "tokens": [done[i] for i in range(len(prompts))]}
+    best = max(slots, key=lambda n: slots[n]["tokens_per_s"])
+
+    rounds = on["rounds"]
+    single = {
+        "rounds": rounds,
+        "asyncinfer_median_tokens_per_s": statistics.median(r["asyncinfer"] for r in rounds),
+        "llama_cpp_median_tokens_per_s": statistics.median(r["llama.cpp"] for r in rounds),
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+    }
+    for system, key in (("asyncinfer", "asyncinfer_median_tokens_per_s"), ("llama_cpp", "llama_cpp_median_tokens_per_s")):
+        single[f"{system}_bandwidth_use"] = single[key] * per_token / 1e9 / probe
+    agree = sum(a == b for a, b in zip(on["tokens"], slots[best]["tokens"]))
+    record.update({
+        "workload": {"num_requests": len(prompts), "shared_prefix": args.shared_prefix,
+                     "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)},
+        "one_request": single,
+        "many": {
+            "asyncinfer_prefix_cache_on_tokens_per_s": on["many_tokens_per_s"],
+            "asyncinfer_prefix_cache_off_tokens_per_s": off["many_tokens_per_s"],
+            "llama_cpp_by_slots": {str(n): {k: v for k, v in r.items() if k != "tokens"} for n, r in slots.items()},
+            "llama_cpp_best_slots": best,
+            "llama_cpp_best_tokens_per_s": slots[best]["tokens_per_s"],
+            "ratio_prefix_cache_on": on["many_tokens_per_s"] / slots[best]["tokens_per_s"],
+            "ratio_prefix_cache_off": off["many_tokens_per_s"] / slots[best]["tokens_per_s"],
+            "greedy_identical_requests_vs_llama_cpp": agree,
+            "asyncinfer_cache_on_off_identical": sum(a == b for a, b in zip(on["tokens"], off["tokens"])),
+        },
+        "asyncinfer_load_s": on["load_s"],
+        "machine": machine_info(),
+        "load_average_end": os.getloadavg(),
+    })
+    return record
+
+
+def report(r: dict[str, Any]) -> None:
+    one, many = r["one_request"], r["many"]
+    ratios = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
+    print(f"model: {r['model']} ({r['model_mib']:.1f} MiB), {r['settings']['threads']} threads, commit {r['commit']}")
+    print(f"read bandwidth probe: {r['read_bandwidth_gb_s']:.1f} GB/s; weight bytes per token "
+          f"{r['weight_bytes_per_token'] / 2**20:.1f} MiB")
+    print(f"one request ({len(one['rounds'])} paired rounds): asyncinfer {one['asyncinfer_median_tokens_per_s']:.1f} "
+          f"tok/s ({one['asyncinfer_bandwidth_use']:.0%} of the probe), llama.cpp "
+          f"{one['llama_cpp_median_tokens_per_s']:.1f} ({one['llama_cpp_bandwidth_use']:.0%}); asyncinfer / llama.cpp "
+          f"median {one['median_ratio']:.2f}x (rounds {ratios})")
+    print(f"{r['workload']['num_requests']} requests ({r['workload']['output_tokens']} output tokens, "
+          f"{r['workload']['shared_prefix']}-token shared prefix): asyncinfer "
+          f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f} tok/s (prefix cache on), "
+          f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} (off); llama.cpp best "
+          f"{many['llama_cpp_best_tokens_per_s']:.1f} at {many['llama_cpp_best_slots']} slots ("
+          + ", ".join(f"{n}: {s['tokens_per_s']:.1f}" for n, s in many["llama_cpp_by_slots"].items())
+          + f"); ratio {many['ratio_prefix_cache_on']:.2f}x (cache on), {many['ratio_prefix_cache_off']:.2f}x (off)")
+    print(f"load average: {r['load_average_start']} at the start, {r['load_average_end']} at the end")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a GGUF file both engines load")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds of the one-request rate")
+    p.add_argument("--decode-tokens", type=int, default=64, help="new tokens of the one-request rate")
+    p.add_argument("--repeats", type=int, default=3, help="repeats (median) inside each one-request timing")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--shared-prefix", type=int, default=64, help="tokens of the prompt every request shares")
+    p.add_argument("--min-tail", type=int, default=8)
+    p.add_argument("--max-tail", type=int, default=64)
+    p.add_argument("--min-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--slots", type=int, nargs="+", default=[16, 32, 64], help="llama.cpp's slot counts to sweep")
+    p.add_argument("--probe-mib", type=int, default=1024)
+    p.add_argument("--probe-repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    for name in ("threads", "rounds", "decode_tokens", "repeats", "num_requests", "probe_mib", "probe_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.min_tail <= args.max_tail or not 1 <= args.min_new_tokens <= args.max_new_tokens:
+        p.error("need 0 <= --min-tail <= --max-tail and 1 <= --min-new-tokens <= --max-new-tokens")
+    if args.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2 (the rate is (n - 1) / (T(n) - T(1)))")
+    record = run(args)
+    report(record)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
