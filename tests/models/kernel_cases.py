@@ -246,6 +246,13 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
                                TypeError, "qkv bias"),
     "layer intermediate_size 0": (lambda: tiny_layer(intermediate_size=0), ValueError, "intermediate_size"),
     "layer qkv not a tuple": (lambda: tiny_layer(qkv=None), TypeError, "qkv"),
+    "layer q_norm without k_norm": (lambda: tiny_layer(q_norm=torch.ones(HEAD_DIM)), ValueError, "q_norm"),
+    "layer q_norm of hidden's size": (lambda: tiny_layer(q_norm=torch.ones(HIDDEN), k_norm=torch.ones(HEAD_DIM)),
+                                      ValueError, "q_norm"),
+    "layer k_norm on meta": (lambda: tiny_layer(q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HEAD_DIM, device=META)),
+                             TypeError, "k_norm"),
+    "layer k_norm float64": (lambda: tiny_layer(q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HEAD_DIM).double()),
+                             TypeError, "k_norm"),
     "layer qkv parts that do not add up": (
         lambda: tiny_layer(qkv=(("q4_0", "q8_0"), (blocks(HEADS * HEAD_DIM, HIDDEN, "q4_0"), blocks(8, HIDDEN, "q8_0")),
                                 None)), ValueError, "qkv"),

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, Phi3Config, PreTrainedTokenizerFast, Qwe
 from asyncinfer import AsyncEngine, InvalidParameterError, kernels
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig, load_model, model_family
-from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
 from asyncinfer.models.decode_backends import (
     KernelDecode,
     TorchDecode,
@@ -317,31 +317,40 @@ async def test_greedy_tokens_equal_transformers(families, kind, source, fmt) -> 
     assert kernels.available(), kernels.unavailable_reason()
     layers = [m for m in runner.model.modules() if isinstance(m, BlockLinear)]
     assert len(layers) == 4 * 2 + 1 and all(m.fmt == "q8_0" and m.lossless for m in layers)  # the same weights
-    if kind == "phi3":  # Llama's layer exactly: one kernel call a decode step
-        assert blocker is None and type(runner.decode) is KernelDecode
-    else:  # the q/k norm is not in the kernels' decode layer: the torch reference runs, and says why
-        assert type(runner.decode) is TorchDecode
-        assert blocker == ("layers.0 is Qwen3DecoderLayer with Qwen3Attention, not the LlamaDecoderLayer with "
-                           "LlamaAttention the kernels' decode layer computes (it adds a per-head RMSNorm of q and "
-                           "k before rope: Qwen3's q_norm and k_norm)")
+    # Phi-3: Llama's layer exactly; Qwen3: with its per-head q/k norms, which the kernels' layer applies.
+    assert blocker is None and type(runner.decode) is KernelDecode
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_each_family_gets_its_decode_backend_in_q4_1(families, kind) -> None:
-    """In a block format the attention decodes in the kernel for both; the one-call decode step runs Phi-3
-    (Llama's layer), and refuses Qwen3 naming the q/k norm, so the torch reference decodes it."""
+    """In a block format both decode in one kernel call a step (KernelDecode), the attention in the kernel;
+    its decode steps give the torch reference's logits (float32 rounding) and the same greedy tokens, so
+    Qwen3's q/k norms are applied in the kernels' layer as the reference applies them."""
     assert kernels.available(), kernels.unavailable_reason()
     model = load_model(families[kind].hf_dir, torch.float32, "cpu").model
     apply_weight_format(model, "q4_1")
     chosen = select_decode_backend(model, model.config, "cpu")
     assert type(chosen.attention) is KernelDecodeSdpaBackend
-    if kind == "phi3":
-        assert type(chosen) is KernelDecode and kernel_decode_blocker(model) is None
-        return
-    assert all(type(layer.attn) is Qwen3Attention for layer in model.layers)
-    assert type(chosen) is TorchDecode
-    with pytest.raises(ValueError, match=r"KernelDecode cannot run this model: layers\.0 is Qwen3DecoderLayer .*q_norm"):
-        KernelDecode(model, KernelDecodeSdpaBackend(), torch.device("cpu"))
+    assert type(chosen) is KernelDecode and kernel_decode_blocker(model) is None
+    if kind == "qwen3":
+        assert all(type(layer.attn) is Qwen3Attention for layer in model.layers)
+        assert chosen.stack.layers[0]._args["q_norm"] is not None
+    cpu = torch.device("cpu")
+    reference = TorchDecode(model, SdpaBackend(), cpu)
+    fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)
+    prompts = random_prompts(3, seed=3, vocab=320)
+    work = list(zip(range(3), prompts))
+    first = chosen.forward(fused.step_batch(work, last_only=True), fused.kv_caches)
+    reference.forward(plain.step_batch(work, last_only=True), plain.kv_caches)
+    last = first.logits.argmax(dim=-1).tolist()
+    for _ in range(4):
+        work = [(s, [t]) for s, t in zip(range(3), last)]
+        a = chosen.forward(fused.step_batch(work), fused.kv_caches)
+        b = reference.forward(plain.step_batch(work), plain.kv_caches)
+        assert a.greedy_ids is not None and b.greedy_ids is None  # the step ran in the kernel
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-3, rtol=1e-3)
+        assert a.greedy_ids == b.logits.argmax(dim=-1).tolist()
+        last = a.greedy_ids
 
 
 # ---- chat templates ------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class _Layer(ctypes.Structure):
     """``layer_t`` in asyncinfer_kernels.h: one layer's weights (raw pointers) and shape."""
 
     _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p),
-                ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts), ("hidden", ctypes.c_int64),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts), ("hidden", ctypes.c_int64),
                 ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
@@ -106,6 +106,8 @@ class DecodeLayer:
     whose rows are in several formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K),
     ``((format, ...), (blocks, ...), bias or None)``: 1 to :data:`MAX_PARTS` runs of rows, one after another,
     each in its own format. Norms float32 [hidden]; only ``qkv`` may have a bias (float32 [rows]).
+    ``q_norm`` / ``k_norm`` (Qwen3): float32 [head_dim] each, or both None: every q and k head RMS-normalised
+    over its head_dim values (with ``eps``, weights shared by the heads) between the projection and rope.
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -115,7 +117,8 @@ class DecodeLayer:
 
     def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
                  gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate_size: int, scale: float) -> None:
+                 intermediate_size: int, scale: float, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None) -> None:
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -130,6 +133,13 @@ class DecodeLayer:
                 raise TypeError(f"{name} must be contiguous float32 [hidden] like norm1, got {tuple(t.shape)}")
         hidden = size("hidden (norm1's size)", norm1.shape[0])
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm go together (Qwen3's per-head norms of q and k): give both or neither")
+        for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if t is not None:
+                tensor(name, t, torch.float32, f"[head_dim={head_dim}]")
+                if t.dim() != 1 or t.shape[0] != head_dim:
+                    raise ValueError(f"{name} must be float32 [head_dim={head_dim}], got {tuple(t.shape)}")
         self._head_dim, self._kv_heads = head_dim, kv_heads
         parts = {}
         for name, spec, n, k in (("qkv", qkv, q_size + 2 * kv_size, hidden), ("o", o, hidden, q_size),
@@ -144,17 +154,19 @@ class DecodeLayer:
         # What the kernel's pointers address is held here: private copies of the norms and the bias (a few KB),
         # views of the blocks (sharing their memory: a caller's ``set_`` on a tensor it passed cannot free it).
         norm1, norm2 = norm1.detach().clone(), norm2.detach().clone()
+        q_norm, k_norm = (None if t is None else t.detach().contiguous().clone() for t in (q_norm, k_norm))
         qkv, o, gate_up, down = ((spec[0], _views(spec[1]), None if spec[2] is None else spec[2].detach().clone())
                                  for spec in (qkv, o, gate_up, down))  # the parts' pointers: the same memory
         # qkv / o / gate_up / down: (format, blocks, bias or None).
         self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                      "intermediate_size": intermediate_size, "scale": scale}
+                      "intermediate_size": intermediate_size, "scale": scale, "q_norm": q_norm, "k_norm": k_norm}
         #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
         self._struct = _Layer(
-            norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(), parts["qkv"],
+            norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), parts["qkv"],
             parts["o"], parts["gate_up"], parts["down"], hidden, heads, kv_heads, head_dim, inter, eps, scale)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).

@@ -7,8 +7,8 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
 - :class:`TorchDecode` — the model's own ``forward`` (the reference every backend is tested against)
   through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
   every step shape.
-- :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; not
-  Qwen3, whose attention adds a per-head q/k norm) whose projections are all in ggml's block formats (any of
+- :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; Qwen3:
+  Llama's layer with a per-head q/k norm before rope, which the kernels' layer applies) whose projections are all in ggml's block formats (any of
   them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's kernels:
   it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
@@ -38,6 +38,7 @@ from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncinfer.models.quant import BlockLinear, MixedBlockLinear
+from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -174,7 +175,15 @@ def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
         gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         intermediate_size=mlp.intermediate_size, scale=attn.scale,
+        **_qk_norms(attn.kernel_qk_norms()),
     )
+
+
+def _qk_norms(norms: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """DecodeLayer's ``q_norm`` / ``k_norm`` arguments: none for Llama, float32 copies of Qwen3's weights."""
+    if norms is None:
+        return {}
+    return {"q_norm": norms[0].detach().float().contiguous(), "k_norm": norms[1].detach().float().contiguous()}
 
 
 def has_block_weights(model: nn.Module) -> bool:
@@ -188,6 +197,13 @@ def kernel_attention_applies(model: nn.Module, config: ModelConfig) -> bool:
     return config.head_dim > 0 and config.head_dim % 8 == 0 and has_block_weights(model)
 
 
+#: The decoder layers the kernels' one-call decode layer computes, with the attention each must hold.
+_KERNEL_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
+    LlamaDecoderLayer: LlamaAttention,
+    Qwen3DecoderLayer: Qwen3Attention,
+}
+
+
 def kernel_decode_blocker(model: nn.Module) -> str | None:
     """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not."""
     if not isinstance(model, LlamaForCausalLM):
@@ -197,11 +213,15 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
         return "its projections are not in a block format, or its head_dim is not a multiple of 8"
     for i, layer in enumerate(model.layers):
         attn = layer.attn
-        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
-            # A family's own block or attention (Qwen3's): the kernels' decode layer computes Llama's only.
+        if _KERNEL_LAYERS.get(type(layer)) is not type(attn):
+            # A family's own block or attention: the kernels' decode layer computes Llama's (and Qwen3's q/k norms).
             gap = f" (it adds {attn.kernel_gap})" if isinstance(attn, LlamaAttention) and attn.kernel_gap else ""
-            return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not the LlamaDecoderLayer "
-                    f"with LlamaAttention the kernels' decode layer computes{gap}")
+            return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not a layer the kernels' "
+                    f"decode layer computes (LlamaDecoderLayer with LlamaAttention, Qwen3DecoderLayer with "
+                    f"Qwen3Attention){gap}")
+        norms = attn.kernel_qk_norms()
+        if norms is not None and any(norm.eps != layer.input_norm.eps for norm in (attn.q_norm, attn.k_norm)):
+            return f"layers.{i}'s q/k norms have another eps than its input norm (the kernel takes one eps a layer)"
         projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():

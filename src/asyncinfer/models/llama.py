@@ -66,6 +66,11 @@ class LlamaAttention(nn.Module):
         """The rotary function this layer computes with (fixed at construction)."""
         return self._rope
 
+    def kernel_qk_norms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The per-head q and k norm weights the kernels' decode layer applies before rope (with the layer's
+        ``eps``), or None: Llama has none (Qwen3's attention returns its ``q_norm`` / ``k_norm``)."""
+        return None
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:

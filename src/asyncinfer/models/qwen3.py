@@ -14,10 +14,9 @@ Parameter names beyond Llama's (what ``QWEN3_WEIGHT_MAP`` fills)::
 Checkpoints: Hugging Face ``Qwen3ForCausalLM`` (``model_type`` "qwen3") and GGUF files of llama.cpp's
 ``qwen3`` architecture (``blk.{i}.attn_q_norm`` / ``attn_k_norm``; q/k rows not permuted).
 
-The kernels' one-call decode step computes Llama's layer only, so a Qwen3 model decodes through the
-torch reference in every weight format (:func:`asyncinfer.models.decode_backends.kernel_decode_blocker`
-says why); its projections still run on the block-format kernels, and its decode attention in the
-kernel, where the format is one of theirs.
+In a block format a Qwen3 model decodes in the kernels' one-call decode step like Llama
+(:class:`asyncinfer.models.decode_backends.KernelDecode`): the kernels' decoder layer normalises each q and
+k head with these weights (:meth:`Qwen3Attention.kernel_qk_norms`) between the projection and rope.
 """
 
 from __future__ import annotations
@@ -36,12 +35,15 @@ from asyncinfer.models.registry import ModelFamily, WeightMap, register_model_fa
 class Qwen3Attention(LlamaAttention):
     """:class:`LlamaAttention` with each query and key head RMS-normalised (``q_norm``, ``k_norm``) before rope."""
 
-    kernel_gap: ClassVar[str | None] = "a per-head RMSNorm of q and k before rope: Qwen3's q_norm and k_norm"
 
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS, window: int | None = None) -> None:
         super().__init__(config, ops, window)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.rms_norm)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.rms_norm)
+
+    def kernel_qk_norms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``q_norm`` and ``k_norm``'s weights: the kernels' decode layer normalises every head with them."""
+        return self.q_norm.weight, self.k_norm.weight
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata

@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 25
+#define ASYNCINFER_KERNELS_VERSION 26
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -64,6 +64,7 @@ typedef struct {
 typedef struct {
     const float *norm1, *norm2;
     const float *b_qkv; /* [q + 2 kv] or NULL */
+    const float *q_norm, *k_norm; /* [D] each, or both NULL: each q and k head RMS-normalised before rope (Qwen3) */
     part_t qkv[ASYNCINFER_MAX_PARTS], o[ASYNCINFER_MAX_PARTS], gate_up[ASYNCINFER_MAX_PARTS],
         down[ASYNCINFER_MAX_PARTS];
     int64_t hidden, H, KVH, D, I;

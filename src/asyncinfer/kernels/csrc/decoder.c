@@ -9,6 +9,7 @@
  * batch 1 took about as long as the projections themselves).
  *
  *   h += o_proj(attention(rope(qkv_proj(norm1(h)))))      (K/V written to their cache slots first)
+ *   (Qwen3: each q and k head RMS-normalised, q_norm / k_norm, between qkv_proj and rope)
  *   h += down_proj(silu(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
  *
  * Weights: each projection up to ASYNCINFER_MAX_PARTS runs of output rows, each in any block format
@@ -100,6 +101,7 @@ static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, c
     const double start = timing ? now() : 0.0;
     double mark = start;
     float *x = b->x, *wide = b->wide, *attn = b->attn, *out = b->out;
+    if (!L->q_norm != !L->k_norm) return ASYNCINFER_EINVAL; /* both q/k norms or neither */
 
     /* attention block */
     ai_rms_norm(h, T, hidden, hidden, L->norm1, L->eps, x, threads);
@@ -108,6 +110,10 @@ static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, c
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_size;
         const float *c = cos + t * half, *sn = sin + t * half;
+        if (L->q_norm) { /* Qwen3: every q head, then every k head, normalised over its D values (in place) */
+            ai_rms_norm(row, H, D, D, L->q_norm, L->eps, row, 1);
+            ai_rms_norm(row + q_size, KVH, D, D, L->k_norm, L->eps, row + q_size, 1);
+        }
         for (int64_t head = 0; head < H + KVH; head++) { /* q heads, then k heads: adjacent in the row */
             float *v = row + head * D;
             for (int64_t i = 0; i < half; i++) {
