@@ -215,10 +215,9 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
         attn = layer.attn
         if _KERNEL_LAYERS.get(type(layer)) is not type(attn):
             # A family's own block or attention: the kernels' decode layer computes Llama's (and Qwen3's q/k norms).
-            gap = f" (it adds {attn.kernel_gap})" if isinstance(attn, LlamaAttention) and attn.kernel_gap else ""
             return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not a layer the kernels' "
                     f"decode layer computes (LlamaDecoderLayer with LlamaAttention, Qwen3DecoderLayer with "
-                    f"Qwen3Attention){gap}")
+                    f"Qwen3Attention)")
         norms = attn.kernel_qk_norms()
         if norms is not None and any(norm.eps != layer.input_norm.eps for norm in (attn.q_norm, attn.k_norm)):
             return f"layers.{i}'s q/k norms have another eps than its input norm (the kernel takes one eps a layer)"

@@ -42,10 +42,6 @@ class LlamaAttention(nn.Module):
     ``window``: the layer's sliding window (:meth:`ModelConfig.layer_window`), handed to the backend.
     """
 
-    #: What a subclass computes beyond this layer's steps (e.g. Qwen3's per-head q/k norm), which the
-    #: kernels' one-call decode step does not (``decode_backends.kernel_decode_blocker`` says so); None here.
-    kernel_gap: ClassVar[str | None] = None
-
     def __init__(self, config: ModelConfig, ops: ElementwiseOps = EAGER_OPS, window: int | None = None) -> None:
         super().__init__()
         self.window = window
