@@ -65,7 +65,7 @@ def tiny_hf_config(kind: str, **overrides: Any):
     """A tiny transformers config; ``kind`` picks the architecture/rope variant, ``overrides``
     replace fields of :data:`TINY` (e.g. ``vocab_size``).
 
-    Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen2`` (tied head,
+    Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen3_yarn``, ``qwen2`` (tied head,
     q/k/v bias), ``mistral``, ``qwen3`` (per-head q/k norm, an explicit head_dim of 32: q/k/v
     wider than the hidden size), ``phi3`` (fused qkv and gate_up projections in the checkpoint); with a
     sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window`` (every layer), ``qwen2_window`` and
@@ -116,6 +116,9 @@ def tiny_hf_config(kind: str, **overrides: Any):
         )
     if kind == "qwen3":
         return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False)
+    if kind == "qwen3_yarn":  # YaRN past a 16-token original context (attention factor from factor)
+        return Qwen3Config(**{"head_dim": 32, **fields}, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
     if kind == "phi3":
         # Phi3Config's default pad id (32000) lies past a tiny vocabulary.
         return Phi3Config(**{"pad_token_id": 0, **fields}, tie_word_embeddings=False)

@@ -403,8 +403,6 @@ ROPE_CONFIGS = {
     # Phi-3's older spelling, which transformers reads as longrope
     "phi3 su": (lambda: Phi3Config(**_SMALL, pad_token_id=0, original_max_position_embeddings=64,
                                    rope_scaling={"type": "su", **_FACTORS}), "longrope"),
-    "qwen3 yarn": (lambda: Qwen3Config(**_SMALL, head_dim=16, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}), "yarn"),
 }
 
 

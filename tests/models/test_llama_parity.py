@@ -11,7 +11,7 @@ import torch
 from tests.helpers import PagedRunner, hf_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "mistral", "llama3_rope", "linear_rope", "qwen3", "phi3"]
+KINDS = ["llama", "qwen2", "mistral", "llama3_rope", "linear_rope", "qwen3", "qwen3_yarn", "phi3"]
 
 
 def random_tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
@@ -22,7 +22,7 @@ def random_tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_single_prefill_matches_hf(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
-    tokens = random_tokens(45, seed=1)  # > original_max_position_embeddings of llama3_rope
+    tokens = random_tokens(45, seed=1)  # > original_max_position_embeddings of llama3_rope and qwen3_yarn
     (logits,) = PagedRunner(ours.model).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
@@ -60,7 +60,7 @@ def test_mixed_batch_of_decodes_and_prefills(tiny_pair, kind):
             torch.testing.assert_close(logits, expected[seq][a:b], atol=ATOL, rtol=0, msg=f"seq {seq} [{a}:{b}]")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_yarn", "phi3"])
 def test_greedy_decode_matches_generate(tiny_pair, kind):
     hf, ours = tiny_pair(kind)
     prompts = [random_tokens(11, seed=20), random_tokens(4, seed=21), random_tokens(7, seed=22)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from types import SimpleNamespace
 
@@ -63,7 +65,8 @@ def test_mistral_window_applies_within_the_models_context():
     "hf_config, message",
     [
         (GPT2Config(), "unsupported model_type 'gpt2'"),
-        (LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope type 'yarn'"),
+        (LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": -4.0}), "yarn rope: factor must be a finite number"),
+        (LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": float("inf")}), "yarn rope: beta_fast"),
         (LlamaConfig(hidden_act="gelu"), "hidden_act"),
         (LlamaConfig(attention_bias=True), "attention_bias"),
         (LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
@@ -102,3 +105,17 @@ def test_derived_sizes_of_smollm2():
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert (cfg.q_size, cfg.kv_size) == (576, 192)  # 9 x 64 query rows, 3 x 64 key (and value) rows
     assert cfg == SMOLLM2  # the config the size tests use (tests.helpers) is this one
+
+
+def test_yarn_reads_as_transformers_does():
+    """The config's own original_max_position_embeddings wins over rope_scaling's; a missing one is the model's
+    context (transformers fills it in); the attention factor comes from factor unless given."""
+    from asyncinfer.models.layers import rope_attention_factor
+
+    cfg = ModelConfig.from_hf_config(LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0},
+                                                 max_position_embeddings=4096))
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    assert rope_attention_factor(cfg) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    given = ModelConfig.from_hf_config(LlamaConfig(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": 0.5}))
+    assert given.rope_scaling["original_max_position_embeddings"] == 1024 and rope_attention_factor(given) == 0.5

@@ -10,6 +10,8 @@ Which architectures exist, and their quirks, is the registry's business
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from asyncinfer.models.registry import ModelFamily, find_model_family, model_fam
 
 # Rope types the rotary embedding implements; "default" means no scaling.
 # "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 # Attention kinds a layer may have (``ModelConfig.layer_types``, Hugging Face's names).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -31,7 +33,7 @@ class ModelConfig:
 
     ``architecture`` is the family's registered name (``models.registry``).
     ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
-    ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"freq_factors"``) and
+    ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"yarn"``, ``"freq_factors"``) and
     that type's parameters, using the Hugging Face key names.
     ``attention_bias`` means bias on the q/k/v projections only (Qwen2).
 
@@ -263,6 +265,14 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
         raise ModelLoadError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if rope_type == "yarn":
+        # As transformers reads it: the config's own original_max_position_embeddings takes priority, and a
+        # missing factor is the ratio of the context lengths (DeepSeek-V3's configs).
+        original = getattr(cfg, "original_max_position_embeddings", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
+            scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -358,6 +368,7 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
     required = {
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "yarn": ("factor", "original_max_position_embeddings"),
         "freq_factors": ("factors",),
     }[rope_type]
     missing = [k for k in required if scaling.get(k) is None]
@@ -369,3 +380,15 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
         )
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ModelLoadError("llama3 rope needs high_freq_factor > low_freq_factor")
+    if rope_type == "yarn":
+        numbers = {k: scaling.get(k) for k in ("factor", "original_max_position_embeddings", "attention_factor",
+                                                "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+        for key, value in numbers.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ModelLoadError(f"yarn rope: {key} must be a finite number >= 0, got {value!r}")
+        if not numbers["factor"] > 0 or not numbers["original_max_position_embeddings"] >= 1:
+            raise ModelLoadError(f"yarn rope needs factor > 0 and original_max_position_embeddings >= 1, got "
+                                 f"{numbers['factor']!r} and {numbers['original_max_position_embeddings']!r}")
+        if not isinstance(scaling.get("truncate", True), bool):
+            raise ModelLoadError(f"yarn rope: truncate must be true or false, got {scaling['truncate']!r}")

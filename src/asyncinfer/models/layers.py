@@ -75,7 +75,49 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # [D/2]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, config.rope_theta, dim, scaling)
     raise ValueError(f"unknown rope type {rope_type!r}")  # ModelConfig validation prevents this
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What the cos/sin tables are multiplied by: 1, or YaRN's attention factor (given, or from ``factor``:
+    ``0.1 * log(factor) + 1``, with ``mscale`` / ``mscale_all_dim`` the ratio of two such terms)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, base: float, dim: int, scaling: dict) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than ``beta_slow`` times over the original context are divided by
+    ``factor`` (interpolated), those that turn more than ``beta_fast`` times are kept (extrapolated), and a
+    linear ramp over the dimensions between blends the two."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]: 0 keeps
+    keep = 1 - ramp
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep  # [D/2]
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -122,9 +164,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.config).to(device)  # [D/2]
         pos = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.int64).float()  # [P]
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        # Only half the dimensions are stored: rotate_half's cos/sin repeat them.
-        self.cos_cache = freqs.cos()  # [P, D/2]
-        self.sin_cache = freqs.sin()  # [P, D/2]
+        # Only half the dimensions are stored: rotate_half's cos/sin repeat them. YaRN scales both.
+        scale = rope_attention_factor(self.config)
+        self.cos_cache = freqs.cos() * scale if scale != 1.0 else freqs.cos()  # [P, D/2]
+        self.sin_cache = freqs.sin() * scale if scale != 1.0 else freqs.sin()  # [P, D/2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cos and sin for each token, shaped to broadcast over heads: [T, 1, D/2] each."""
