@@ -306,8 +306,9 @@ class _OpenAI:
         if not body.stream:
             out = await unless_disconnected(
                 call.request, g.engine.generate(body.messages, g.params, request_id=g.ids[0], **g.args))
-            choices = [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
-            return _json(g.reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
+            return await _whole(g.reply, lambda: g.reply.completion(
+                [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
+                len(out.prompt_token_ids), _tokens(out.outputs)))
         prompt: Any = body.messages
         if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
@@ -321,10 +322,11 @@ class _OpenAI:
         if not body.stream:
             outs = await unless_disconnected(call.request, gather_all(
                 [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
-            choices = [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
-                       for i, out in enumerate(outs) for c in out.outputs]
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
-            return _json(g.reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
+            return await _whole(g.reply, lambda: g.reply.completion(
+                [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
+                 for i, out in enumerate(outs) for c in out.outputs],
+                prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
         if body.include_usage:  # count the prompts here (too long ones refused by characters first), and
             # hand the engine the very ids counted
@@ -356,7 +358,10 @@ class _OpenAI:
                 yield reply.role_chunk(n * num_prompts)
             async for prompt_index, delta in merged:
                 completion_tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason is not None or (reply.want_logprobs and delta.logprobs):
+                if reply.want_logprobs and delta.logprobs:  # a tokenizer decode per token and alternative
+                    yield await anyio.to_thread.run_sync(reply.delta_chunk, prompt_index * n + delta.index,
+                                                         delta.text, delta.logprobs, delta.finish_reason)
+                elif delta.text or delta.finish_reason is not None:
                     yield reply.delta_chunk(prompt_index * n + delta.index, delta.text, delta.logprobs,
                                             delta.finish_reason)
             if reply.include_usage:
@@ -387,6 +392,16 @@ class _OpenAI:
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
+    """A whole answer, ``build()`` as JSON. With logprobs it costs a tokenizer decode per token and per
+    alternative (seconds for a long answer with ``top_logprobs``): then it is built and encoded in a worker
+    thread, and the loop serves everyone else meanwhile."""
+    if not reply.want_logprobs:
+        return _json(build())
+    body = await anyio.to_thread.run_sync(lambda: msgspec.json.encode(build()))
+    return Response(body, 200, media_type="application/json")
 
 
 def _tokens(outputs: Sequence[Any]) -> int:
