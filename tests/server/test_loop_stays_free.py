@@ -82,3 +82,46 @@ def test_a_logprobs_answer_is_built_off_the_loop(server, monkeypatch, route, str
         logprobs = answer.json()["choices"][0]["logprobs"]
         count = len(logprobs["content"]) if route == "chat" else len(logprobs["tokens"])
     assert count == 8
+
+
+PAD = {"prompt_cache_key": "x" * 6000}  # an ignored field: a body past the on-loop size, answered 200
+
+
+@pytest.mark.parametrize("step", ["decode_json", "parse_chat"])
+def test_a_large_body_is_decoded_and_checked_off_the_loop(server, monkeypatch, step) -> None:
+    import asyncinfer.server.router as router
+
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **PAD}
+    assert len(msgspec.json.encode(body)) > router.OFF_LOOP_CHARS
+
+    def send() -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+    answer, threads = answered_while_held(server, monkeypatch, router, step, send)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 2
+    assert loop_thread(server) not in threads
+
+
+def test_a_small_body_is_read_on_the_loop_and_the_limits_hold(server, monkeypatch) -> None:
+    """No thread hop for an ordinary body; the nesting limit holds on either side of the size threshold."""
+    import asyncinfer.server.router as router
+
+    threads: set[int] = set()
+    real = router.parse_chat
+
+    def recorded(body):
+        threads.add(threading.get_ident())
+        return real(body)
+
+    monkeypatch.setattr(router, "parse_chat", recorded)
+    small = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/chat/completions", json=small, timeout=60).status_code == 200
+    assert threads == {loop_thread(server)}
+    nested = {"a": None}
+    for _ in range(40):
+        nested = {"a": nested}
+    for pad in ({}, PAD):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**small, **pad, "metadata": nested}, timeout=60)
+        assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
+        assert (len(r.request.content) > router.OFF_LOOP_CHARS) == bool(pad)

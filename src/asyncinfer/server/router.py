@@ -148,7 +148,7 @@ class _OpenAI:
         try:
             key = (authorize or self._authorize)(request)
             call = _Call(call_id, request, key, self._cache_salt(request, key))
-            body = parse(await self._json(request)) if parse is not None else None
+            body = await self._body(request, parse) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
             response = await run(body, call)  # type: ignore[arg-type]
@@ -222,8 +222,10 @@ class _OpenAI:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
 
-    async def _json(self, request: Request) -> Any:
-        """The body as JSON, refused with a 413 once it grows past ``max_body_bytes``."""
+    async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
+        """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
+        checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
+        thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone)."""
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
@@ -240,7 +242,7 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await _off_loop_if_long(len(raw), lambda: decode_json(raw))
+        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw)))
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
