@@ -292,3 +292,46 @@ def test_a_max_tokens_past_the_context_speaks_of_http_fields(http) -> None:
         error = check_error(http.post(path, json={**valid, **body}), 400, field, "context_length_exceeded")
         assert f"`{field}`" in error["message"] and f"leave `{field}` out" in error["message"]
         assert "SamplingParams" not in error["message"] and "truncate_output_to_model_len" not in error["message"]
+
+
+MALFORMED = [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",  # a length that is no number
+    b"GET /health HTTP/1.1\r\nHost: x\r\nno colon in this header\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(32)) + b"\r\n\r\n",  # TLS spoken to the HTTP port
+]
+
+
+def exchange(port: int, raw: bytes) -> bytes:
+    """``raw`` sent over a fresh connection; everything the server answers until it closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_a_request_the_http_parser_refuses_is_an_openai_400(protocol) -> None:
+    """uvicorn's parser answers what it cannot parse before any app runs: in OpenAI's shape too."""
+    from fastapi import FastAPI
+
+    from asyncinfer.server import guard_app
+
+    pytest.importorskip(protocol)
+    with LiveServer(guard_app(FastAPI()), http=protocol) as live:
+        port = live.server.servers[0].sockets[0].getsockname()[1]
+        for raw in MALFORMED:
+            head, _, body = exchange(port, raw).partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            assert lines[0] == "HTTP/1.1 400 Bad Request", head
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("conn-")
+            assert headers["connection"] == "close" and int(headers["content-length"]) == len(body)
+            error = json.loads(body)["error"]
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None,
+                                                                     "invalid_http_request")
+            assert "not valid HTTP/1.1" in error["message"]
+        assert httpx.get(live.url + "/health").status_code == 404  # no /health in this app: it answers on

@@ -15,6 +15,7 @@ import httpx
 import msgspec
 import pytest
 
+from asyncinfer.server import router
 from asyncinfer.server.responses import Reply
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -89,8 +90,6 @@ PAD = {"prompt_cache_key": "x" * 6000}  # an ignored field: a body past the on-l
 
 @pytest.mark.parametrize("step", ["decode_json", "parse_chat"])
 def test_a_large_body_is_decoded_and_checked_off_the_loop(server, monkeypatch, step) -> None:
-    import asyncinfer.server.router as router
-
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **PAD}
     assert len(msgspec.json.encode(body)) > router.OFF_LOOP_CHARS
 
@@ -105,8 +104,6 @@ def test_a_large_body_is_decoded_and_checked_off_the_loop(server, monkeypatch, s
 
 def test_a_small_body_is_read_on_the_loop_and_the_limits_hold(server, monkeypatch) -> None:
     """No thread hop for an ordinary body; the nesting limit holds on either side of the size threshold."""
-    import asyncinfer.server.router as router
-
     threads: set[int] = set()
     real = router.parse_chat
 

@@ -119,14 +119,16 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
 
 
 def server_config(app: Any, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
-                  log_level: str = "info", **uvicorn_options: Any) -> uvicorn.Config:
+                  log_level: str = "info", http: str = "auto", **uvicorn_options: Any) -> uvicorn.Config:
     """uvicorn's ``Config`` for ``app``, its connections behind ``settings.header_timeout`` and
-    ``settings.max_connections`` (see :mod:`asyncinfer.server.connections`)."""
+    ``settings.max_connections`` (see :mod:`asyncinfer.server.connections`). ``http``: uvicorn's HTTP/1.1
+    parser, ``"auto"`` (httptools where installed, else h11), ``"h11"`` or ``"httptools"``; a request
+    it cannot parse is answered with an OpenAI-shaped 400 either way."""
     import uvicorn
 
     settings = settings or ServerSettings()
-    http = GuardedHTTP(settings)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,  # type: ignore[arg-type]
+    guarded = GuardedHTTP(settings, http)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded,  # type: ignore[arg-type]
                           **uvicorn_options)
 
 

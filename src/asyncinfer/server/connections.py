@@ -25,7 +25,6 @@ task inherits it.
 from __future__ import annotations
 
 import asyncio
-import http
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,15 +53,6 @@ _HEAD_END = b"\r\n\r\n"
 def _timeout_error(what: str, seconds: float) -> APIError:
     return APIError(408, f"The request's {what} did not arrive within this server's limit of {seconds:g} seconds.",
                     code="request_timeout")
-
-
-def _raw_response(error: APIError, request_id: str) -> bytes:
-    """``error`` as a whole HTTP/1.1 response that closes the connection, written straight to a socket."""
-    body = msgspec.json.encode(error.body())
-    lines = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
-             f"content-length: {len(body)}", f"x-request-id: {request_id}", "connection: close",
-             *(f"{name}: {value}" for name, value in error.headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class ConnectionGuard(asyncio.Protocol):
@@ -187,7 +177,7 @@ class ConnectionGuard(asyncio.Protocol):
         assert transport is not None
         self._refused = True
         self._disarm()
-        transport.write(_raw_response(error, new_request_id("conn")))
+        transport.write(error.raw_response(new_request_id("conn")))
         if transport.can_write_eof():
             transport.write_eof()
             self._loop.call_later(LINGER_SECONDS, transport.close)
@@ -196,14 +186,16 @@ class ConnectionGuard(asyncio.Protocol):
 
 
 class GuardedHTTP:
-    """What uvicorn's ``Config(http=...)`` takes: makes a :class:`ConnectionGuard` around ``protocol``
-    (uvicorn's HTTP protocol class; its automatic choice when None) for each connection."""
+    """What uvicorn's ``Config(http=...)`` takes: makes a :class:`ConnectionGuard` around ``protocol`` for
+    each connection. ``protocol``: ``"auto"``, ``"h11"`` or ``"httptools"``, uvicorn's HTTP/1.1 protocols
+    as :mod:`asyncinfer.server.parsers` has them (a request they cannot parse gets an OpenAI 400), or a
+    protocol class of your own, used as it is."""
 
-    def __init__(self, settings: ServerSettings, protocol: type[asyncio.Protocol] | None = None) -> None:
-        if protocol is None:
-            from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    def __init__(self, settings: ServerSettings, protocol: str | type[asyncio.Protocol] = "auto") -> None:
+        if isinstance(protocol, str):
+            from asyncinfer.server.parsers import http_protocol
 
-            protocol = AutoHTTPProtocol
+            protocol = http_protocol(protocol)
         self._settings = settings
         self._protocol = protocol
 

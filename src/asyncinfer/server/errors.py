@@ -10,6 +10,7 @@ outside the routes (500).
 
 from __future__ import annotations
 
+import http
 import logging
 import uuid
 from collections.abc import Callable
@@ -67,6 +68,15 @@ class APIError(Exception):
         if request_id is not None:
             headers["x-request-id"] = request_id
         return Response(msgspec.json.encode(self.body()), self.status, headers, media_type="application/json")
+
+    def raw_response(self, request_id: str) -> bytes:
+        """The error as a whole HTTP/1.1 response that closes the connection, written straight to a socket
+        (by the connection guard and the HTTP parsers, before or without any app)."""
+        body = msgspec.json.encode(self.body())
+        lines = [f"HTTP/1.1 {self.status} {http.HTTPStatus(self.status).phrase}", "content-type: application/json",
+                 f"content-length: {len(body)}", f"x-request-id: {request_id}", "connection: close",
+                 *(f"{name}: {value}" for name, value in self.headers.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 def not_found(model: str) -> APIError:
