@@ -335,3 +335,23 @@ def test_a_request_the_http_parser_refuses_is_an_openai_400(protocol) -> None:
                                                                      "invalid_http_request")
             assert "not valid HTTP/1.1" in error["message"]
         assert httpx.get(live.url + "/health").status_code == 404  # no /health in this app: it answers on
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/json; charset=latin-1", "application/jsonx", ""])
+def test_a_body_that_is_not_declared_json_is_a_415(http, content_type) -> None:
+    """Only JSON is read (what curl -d sends without -H is not): OpenAI's shape, naming the type."""
+    for path, valid in ROUTES.values():
+        r = http.post(path, content=json.dumps(valid).encode(), headers={"content-type": content_type})
+        error = check_error(r, 415, None, "unsupported_media_type")
+        assert f"Content-Type {content_type!r}" in error["message"] and "application/json" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON", "application/json; charset=utf-8",
+                                          "application/json;charset=UTF-8", None])
+def test_json_with_or_without_a_charset_or_without_a_content_type_is_read(http, content_type) -> None:
+    for path, valid in ROUTES.values():
+        headers = {} if content_type is None else {"content-type": content_type}
+        r = http.post(path, content=json.dumps(valid).encode(), headers=headers)
+        assert r.status_code == 200, r.text
+        assert ("content-type" in r.request.headers) == (content_type is not None)

@@ -225,7 +225,9 @@ class _OpenAI:
     async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
         """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
         checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
-        thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone)."""
+        thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
+        declared as anything but JSON is a 415, unread."""
+        _check_json_type(request.headers.get("content-type"))
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
@@ -415,6 +417,19 @@ async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
     if chars <= OFF_LOOP_CHARS:
         return work()
     return await anyio.to_thread.run_sync(work)
+
+
+def _check_json_type(content_type: str | None) -> None:
+    """A 415 unless the body is declared ``application/json`` (any case, UTF-8 if a charset is named).
+    A body without a ``Content-Type`` is read as JSON, as a client that sends none means it."""
+    if content_type is None:
+        return
+    media, *params = (part.strip().lower() for part in content_type.split(";"))
+    charsets = [p.partition("=")[2].strip().strip('"') for p in params if p.partition("=")[0].strip() == "charset"]
+    if media == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
+        return
+    raise APIError(415, f"The request body must be JSON (Content-Type: application/json, UTF-8), got Content-Type "
+                        f"{content_type[:100]!r}.", code="unsupported_media_type")
 
 
 MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
