@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,7 +29,8 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
-from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found, unauthorized
+from asyncinfer.server.auth import bearer
+from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
     ChatRequest,
@@ -169,13 +169,13 @@ class _OpenAI:
     def _authorize(self, request: Request) -> str | None:
         """The caller's API key (None when the server asks for none); 401 when it is wrong or missing."""
         keys = self.settings.accepted_keys
-        return _bearer(request, keys) if keys else None
+        return bearer(request, keys) if keys else None
 
     def _authorize_metrics(self, request: Request) -> str | None:
         """``/metrics`` takes an operator's key (``metrics_keys``), never a tenant's: one tenant's
         scrape would show the others' figures (their prefix-cache hits, their tokens)."""
         if self.settings.metrics_keys:
-            _bearer(request, self.settings.metrics_keys)
+            bearer(request, self.settings.metrics_keys)
         elif self.settings.accepted_keys:
             raise APIError(403, "/metrics is off on a server with API keys unless an operator's key is named for "
                                 "it (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
@@ -458,16 +458,3 @@ def decode_json(raw: bytes) -> Any:
 def _escape_tenant(name: str) -> str:
     """``name`` with "%" and "/" escaped (``%25``, ``%2F``): one-to-one, and never a "/" inside."""
     return name.replace("%", "%25").replace("/", "%2F")
-
-
-def _bearer(request: Request, keys: Sequence[str]) -> str:
-    """The request's bearer key if it is one of ``keys`` (each compared in constant time); 401 otherwise."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise unauthorized(got_key=False)
-    given = token.encode()
-    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
-    if not any(matches):
-        raise unauthorized(got_key=True)
-    return token
