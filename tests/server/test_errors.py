@@ -355,3 +355,12 @@ def test_json_with_or_without_a_charset_or_without_a_content_type_is_read(http, 
         r = http.post(path, content=json.dumps(valid).encode(), headers=headers)
         assert r.status_code == 200, r.text
         assert ("content-type" in r.request.headers) == (content_type is not None)
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics"])
+def test_head_is_answered_as_get_without_a_body(http, path) -> None:
+    get, head = http.get(path), http.head(path)
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"] and head.headers["x-request-id"]
+    if path != "/metrics":  # a scrape's length changes from one to the next
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))

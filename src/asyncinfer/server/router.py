@@ -59,7 +59,7 @@ def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> 
     The app owns the engine's lifecycle: start it in the app's lifespan, on the
     loop that serves the requests. Routes: ``POST /v1/chat/completions``,
     ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
-    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``.
+    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (each GET also answers HEAD).
     """
     api = _OpenAI(engine if callable(engine) and not isinstance(engine, AsyncEngine) else (lambda: engine),
                   settings or ServerSettings())
@@ -67,10 +67,11 @@ def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> 
     router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", api.completions, methods=["POST"])
     router.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
-    router.add_api_route("/v1/models", api.models, methods=["GET"])
-    router.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
-    router.add_api_route("/health", api.health, methods=["GET"])
-    router.add_api_route("/metrics", api.metrics, methods=["GET"])
+    # HEAD as GET, without the body (the ASGI server leaves it out), as for any GET of HTTP's
+    router.add_api_route("/v1/models", api.models, methods=["GET", "HEAD"])
+    router.add_api_route("/v1/models/{model:path}", api.model, methods=["GET", "HEAD"])
+    router.add_api_route("/health", api.health, methods=["GET", "HEAD"])
+    router.add_api_route("/metrics", api.metrics, methods=["GET", "HEAD"])
     return router
 
 
