@@ -87,6 +87,21 @@ def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
         assert r.status_code == 200 and "asyncinfer_prefix_cache_hit_tokens_total" in r.text
 
 
+def test_the_metrics_401_names_the_key_it_needs_and_no_key(locked) -> None:
+    with httpx.Client(base_url=locked.url) as http:
+        for key, code in [(None, None), ("wrong-guess", "invalid_api_key"), ("key-one", "invalid_api_key")]:
+            r = http.get("/metrics", headers=as_key(key))
+            assert r.status_code == 401 and r.headers["x-request-id"]
+            error = r.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, None)
+            message = error["message"]
+            assert "/metrics" in message and "metrics key" in message and "ServerSettings.metrics_keys" in message
+            assert "--metrics-key" in message and "ASYNCINFER_METRICS_KEY" in message
+            assert ("key provided is not a metrics key" in message) == (key is not None)
+            for secret in (*KEYS, OPS, "wrong-guess"):
+                assert secret not in message
+
+
 def test_metrics_are_off_on_a_keyed_server_without_an_operators_key(tiny_models) -> None:
     settings = ServerSettings(api_keys=KEYS)
     with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live, \

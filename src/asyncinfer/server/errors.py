@@ -91,6 +91,16 @@ def unauthorized(got_key: bool) -> APIError:
     return APIError(401, message, code="invalid_api_key" if got_key else None)
 
 
+def metrics_unauthorized(got_key: bool) -> APIError:
+    """The 401 of ``/metrics``: it takes an operator's metrics key, not an API key (no key is ever named)."""
+    where = ("one of the server's metrics keys (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
+             "ASYNCINFER_METRICS_KEY), not an API key")
+    message = (f"The key provided is not a metrics key: /metrics takes {where}." if got_key else
+               f"You didn't provide a key: /metrics takes {where}, in an Authorization header using Bearer auth "
+               "(i.e. Authorization: Bearer METRICS_KEY).")
+    return APIError(401, message, code="invalid_api_key" if got_key else None)
+
+
 def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], str] = lambda p: p) -> APIError:
     """The API error for ``exc``; ``rename`` maps an engine parameter name to the body's field."""
     if isinstance(exc, APIError):

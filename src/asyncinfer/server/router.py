@@ -30,7 +30,7 @@ from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer
-from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found
+from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
     ChatRequest,
@@ -176,7 +176,7 @@ class _OpenAI:
         """``/metrics`` takes an operator's key (``metrics_keys``), never a tenant's: one tenant's
         scrape would show the others' figures (their prefix-cache hits, their tokens)."""
         if self.settings.metrics_keys:
-            bearer(request, self.settings.metrics_keys)
+            bearer(request, self.settings.metrics_keys, metrics_unauthorized)
         elif self.settings.accepted_keys:
             raise APIError(403, "/metrics is off on a server with API keys unless an operator's key is named for "
                                 "it (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
