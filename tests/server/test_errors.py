@@ -364,3 +364,26 @@ def test_head_is_answered_as_get_without_a_body(http, path) -> None:
     assert head.headers["content-type"] == get.headers["content-type"] and head.headers["x-request-id"]
     if path != "/metrics":  # a scrape's length changes from one to the next
         assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_a_refused_websocket_handshake_is_an_openai_403(protocol) -> None:
+    """No route takes a WebSocket: the refusal (uvicorn's empty 403) is in OpenAI's shape too."""
+    from fastapi import FastAPI
+
+    from asyncinfer.server import guard_app
+
+    pytest.importorskip(protocol)
+    pytest.importorskip("websockets")  # uvicorn hands the upgrade to it (without one, it is plain HTTP)
+    handshake = (b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    with LiveServer(guard_app(FastAPI()), http=protocol) as live:
+        port = live.server.servers[0].sockets[0].getsockname()[1]
+        head, _, body = exchange(port, handshake).partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        assert lines[0] == "HTTP/1.1 403 Forbidden", head
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("req-")
+        error = json.loads(body)["error"]
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, "websocket_refused")
+        assert "/v1/realtime" in error["message"]

@@ -109,7 +109,8 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
       ``Allow``), a fault outside the routes a 500 ``internal_error`` with the request id;
     - on a server with API keys (``settings.accepted_keys``), those 404s and 405s under ``/v1``
       are a 401 first for a request without an accepted key: no route discovery without one;
-    - an ``X-Request-Id`` on every answer;
+    - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
+      OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
       the connection closes.
 

@@ -14,7 +14,8 @@ everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close 
   (unless the answer has begun: a 401 sent before the body was read, say).
 
 Every answer of the app leaves :class:`RequestDeadlines` with an ``X-Request-Id`` (the
-routes set their own; any other answer gets ``req-<hex>``).
+routes set their own; any other answer gets ``req-<hex>``), and a refused WebSocket handshake
+with an OpenAI-shaped 403 rather than the ASGI server's empty one.
 
 The guard learns that a request's headers are in from the middleware: the ASGI server
 starts the app for a request once its headers are parsed, inside the guard's
@@ -222,6 +223,9 @@ class RequestDeadlines:
         self.body_timeout = settings.body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
+            await self.app(scope, receive, _websocket_refusal(scope, send))
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -274,6 +278,30 @@ class RequestDeadlines:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _websocket_refusal(scope: Scope, send: Send) -> Send:
+    """``send`` for a WebSocket handshake, where a close before any accept (the app refuses it: no route
+    takes it, say) becomes an OpenAI-shaped 403 with an ``X-Request-Id`` instead of the ASGI server's empty
+    one (through the ASGI "WebSocket denial response" extension the scope names)."""
+    accepted = False
+
+    async def send_(message: Message) -> None:
+        nonlocal accepted
+        if message["type"] == "websocket.close" and not accepted:
+            error = APIError(403, f"The WebSocket handshake on {scope.get('path', '')} was refused: no route "
+                                  "of this server accepted it.", code="websocket_refused")
+            body = msgspec.json.encode(error.body())
+            await send({"type": "websocket.http.response.start", "status": error.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"x-request-id", new_request_id().encode())]})
+            await send({"type": "websocket.http.response.body", "body": body})
+            return
+        accepted = accepted or message["type"] in ("websocket.accept", "websocket.http.response.start")
+        await send(message)
+
+    return send_
 
 
 def _has_body(scope: Scope) -> bool:
