@@ -14,6 +14,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.commands import CommandError
+from asyncinfer.commands.serve import check_port_free
 from asyncinfer.server import ModelSpec, ServerSettings, guard_app, openai_router, run_server
 
 parser = argparse.ArgumentParser()
@@ -22,6 +24,10 @@ parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=8000)
 parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
 args = parser.parse_args()
+try:
+    check_port_free(args.host, args.port)  # as `asyncinfer serve`: a port in use is refused before the model loads
+except CommandError as exc:
+    parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 engine = AsyncEngine.from_pretrained(args.model, name=args.served_model_name or ModelSpec.served_name(args.model))
 

@@ -377,7 +377,8 @@ def _serve(args: argparse.Namespace) -> int:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
-    print(describe_serving(specs, plans, host=args.host, port=args.port, api_keys=len(settings.api_keys)), flush=True)
+    print(describe_serving(specs, plans, host=args.host, port=args.port, api_keys=len(settings.api_keys),
+                           metrics_keys=len(settings.metrics_keys)), flush=True)
     interrupted = run_server(create_app(specs, settings), args.host, args.port, args.log_level, settings)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
 

@@ -46,6 +46,7 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
     served = []
     monkeypatch.setattr(asyncinfer.server, "run_server", lambda app, host, port, level, settings=None: served.append((host, port)))
     monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
     path = tiny_models["llama"][0]
     port = free_port()
     options = ["--max-model-len", "64", "--kv-cache-memory", "1MiB", "--device", "cpu", "--scheduler", "pd-split",
@@ -55,23 +56,31 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
     assert served == [("127.0.0.1", port)]
     plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20, device="cpu")
     assert capsys.readouterr().out.splitlines() == [
-        (f"asyncinfer serve: loading, then serving the OpenAI API at http://127.0.0.1:{port}/v1 (also "
-         f"http://127.0.0.1:{port}/health, http://127.0.0.1:{port}/metrics)"),
+        f"asyncinfer serve: loading, then serving the OpenAI API at http://127.0.0.1:{port}/v1 (also "
+        f"http://127.0.0.1:{port}/health)",  # no /metrics: with API keys and no metrics key it is off
         f"  model 'tiny': {path}",
         f"    weights: float16, {format_bytes(plan.weight_bytes)} (float32 on cpu)",
         "    context: 64 tokens per request (prompt + output)",
         f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} blocks of 16)",
         "    scheduler: pd-split {'prefill_budget': 32}",
         "  API keys: on (2 accepted)",
+        "  /metrics: off (API keys are on and no --metrics-key names an operator's key)",
     ]
     assert plan.kv_bytes == 1 << 20 and plan.max_model_len == 64
     assert cli.main(["serve", str(path), "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
                      "--kv-cache-memory", "1MiB"]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(f"(also http://127.0.0.1:{port}/health, http://127.0.0.1:{port}/metrics)")  # open
     assert out[1] == f"  model '{path.name}': {path}"  # the directory's name, as /v1/models lists it
     assert out[2].startswith("    weights: float32 (the dtype), ")
     assert out[-2:] == ["    scheduler: fifo",
                         "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)"]
+    for keys in (["--api-key", "k1"], []):
+        assert cli.main(["serve", str(path), "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+                         "--kv-cache-memory", "1MiB", *keys, "--metrics-key", "ops-secret-7f3"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].endswith(f"(also http://127.0.0.1:{port}/health, http://127.0.0.1:{port}/metrics)")
+        assert out[-1] == "  /metrics: with a metrics key (1 accepted)" and "ops-secret-7f3" not in "\n".join(out)
 
 
 @pytest.mark.real_model

@@ -34,6 +34,21 @@ def test_the_readme_snippet_asks_for_what_asyncinfer_serve_serves() -> None:
     assert readme_client_model() == ModelSpec.served_name(None) == "SmolLM2-135M-Instruct"
 
 
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path) -> None:
+    """As ``asyncinfer serve`` does: one line and status 2, at once, not a traceback after the load."""
+    missing = tmp_path / "no-such-model"  # loading it would fail: the answer must be about the port
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing), "--port", str(port)], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (f"openai_server.py: error: port {port} on 127.0.0.1 is in use (another server listens on "
+                           f"127.0.0.1:{port}?): stop it, or choose another with --port\n")
+
+
 @pytest.mark.real_model
 def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf) -> None:
     import httpx

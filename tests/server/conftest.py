@@ -59,11 +59,13 @@ def tiny_chat_model(tiny_models, tmp_path_factory) -> Path:
 
 class LiveServer:
     """An app served by uvicorn on 127.0.0.1 (a free port), in a thread running its own loop, as
-    ``run_server`` serves it (under ``settings``' header deadline and connection cap)."""
+    ``run_server`` serves it (under ``settings``' header deadline and connection cap), with uvicorn's
+    ``http`` protocol ("auto", "h11" or "httptools")."""
 
-    def __init__(self, app: Any, settings: ServerSettings | None = None) -> None:
+    def __init__(self, app: Any, settings: ServerSettings | None = None, http: str = "auto") -> None:
         self.app = app
-        self.server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=0, log_level="warning",
+                                                   http=http))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 

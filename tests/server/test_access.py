@@ -56,6 +56,23 @@ def test_keys_guard_every_v1_route_and_metrics_but_not_health(locked) -> None:
         assert http.get("/v1/models", headers=as_key(OPS)).status_code == 401  # the operator's key is for /metrics
 
 
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("POST", "/v1/nope", 404), ("GET", "/v1/", 404), ("GET", "/v1", 404), ("DELETE", "/v1/files/x", 404),
+    ("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("PUT", "/v1/models/ids", 405),
+])
+def test_without_a_key_no_v1_url_says_whether_it_exists(locked, method, path, status) -> None:
+    """An unknown /v1 URL or a wrong method there is a 401 first: no route discovery without a key."""
+    with httpx.Client(base_url=locked.url) as http:
+        for key, code in [(None, None), ("wrong", "invalid_api_key"), (OPS, "invalid_api_key")]:
+            r = http.request(method, path, headers=as_key(key), json=TEXT)
+            assert r.status_code == 401, (path, key, r.text)
+            assert r.json()["error"]["code"] == code and r.headers["x-request-id"] and "allow" not in r.headers
+        r = http.request(method, path, headers=as_key("key-one"), json=TEXT)
+        assert r.status_code == status and r.json()["error"]["code"] in ("unknown_url", "method_not_allowed")
+        assert http.get("/nope").status_code == 404  # outside /v1, as without keys
+        assert http.post("/health").status_code == 405
+
+
 def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
     """/metrics shows every tenant's figures (their prefix-cache hits among them): a tenant's key gets a 401."""
     body = {**TEXT, "prompt": list(range(200, 240))}
@@ -68,6 +85,21 @@ def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
             assert "asyncinfer_prefix_cache_hit_tokens_total" not in r.text
         r = http.get("/metrics", headers=as_key(OPS))
         assert r.status_code == 200 and "asyncinfer_prefix_cache_hit_tokens_total" in r.text
+
+
+def test_the_metrics_401_names_the_key_it_needs_and_no_key(locked) -> None:
+    with httpx.Client(base_url=locked.url) as http:
+        for key, code in [(None, None), ("wrong-guess", "invalid_api_key"), ("key-one", "invalid_api_key")]:
+            r = http.get("/metrics", headers=as_key(key))
+            assert r.status_code == 401 and r.headers["x-request-id"]
+            error = r.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, None)
+            message = error["message"]
+            assert "/metrics" in message and "metrics key" in message and "ServerSettings.metrics_keys" in message
+            assert "--metrics-key" in message and "ASYNCINFER_METRICS_KEY" in message
+            assert ("key provided is not a metrics key" in message) == (key is not None)
+            for secret in (*KEYS, OPS, "wrong-guess"):
+                assert secret not in message
 
 
 def test_metrics_are_off_on_a_keyed_server_without_an_operators_key(tiny_models) -> None:

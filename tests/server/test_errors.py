@@ -292,3 +292,98 @@ def test_a_max_tokens_past_the_context_speaks_of_http_fields(http) -> None:
         error = check_error(http.post(path, json={**valid, **body}), 400, field, "context_length_exceeded")
         assert f"`{field}`" in error["message"] and f"leave `{field}` out" in error["message"]
         assert "SamplingParams" not in error["message"] and "truncate_output_to_model_len" not in error["message"]
+
+
+MALFORMED = [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",  # a length that is no number
+    b"GET /health HTTP/1.1\r\nHost: x\r\nno colon in this header\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(32)) + b"\r\n\r\n",  # TLS spoken to the HTTP port
+]
+
+
+def exchange(port: int, raw: bytes) -> bytes:
+    """``raw`` sent over a fresh connection; everything the server answers until it closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_a_request_the_http_parser_refuses_is_an_openai_400(protocol) -> None:
+    """uvicorn's parser answers what it cannot parse before any app runs: in OpenAI's shape too."""
+    from fastapi import FastAPI
+
+    from asyncinfer.server import guard_app
+
+    pytest.importorskip(protocol)
+    with LiveServer(guard_app(FastAPI()), http=protocol) as live:
+        port = live.server.servers[0].sockets[0].getsockname()[1]
+        for raw in MALFORMED:
+            head, _, body = exchange(port, raw).partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            assert lines[0] == "HTTP/1.1 400 Bad Request", head
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("conn-")
+            assert headers["connection"] == "close" and int(headers["content-length"]) == len(body)
+            error = json.loads(body)["error"]
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None,
+                                                                     "invalid_http_request")
+            assert "not valid HTTP/1.1" in error["message"]
+        assert httpx.get(live.url + "/health").status_code == 404  # no /health in this app: it answers on
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/json; charset=latin-1", "application/jsonx", ""])
+def test_a_body_that_is_not_declared_json_is_a_415(http, content_type) -> None:
+    """Only JSON is read (what curl -d sends without -H is not): OpenAI's shape, naming the type."""
+    for path, valid in ROUTES.values():
+        r = http.post(path, content=json.dumps(valid).encode(), headers={"content-type": content_type})
+        error = check_error(r, 415, None, "unsupported_media_type")
+        assert f"Content-Type {content_type!r}" in error["message"] and "application/json" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON", "application/json; charset=utf-8",
+                                          "application/json;charset=UTF-8", None])
+def test_json_with_or_without_a_charset_or_without_a_content_type_is_read(http, content_type) -> None:
+    for path, valid in ROUTES.values():
+        headers = {} if content_type is None else {"content-type": content_type}
+        r = http.post(path, content=json.dumps(valid).encode(), headers=headers)
+        assert r.status_code == 200, r.text
+        assert ("content-type" in r.request.headers) == (content_type is not None)
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics"])
+def test_head_is_answered_as_get_without_a_body(http, path) -> None:
+    get, head = http.get(path), http.head(path)
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"] and head.headers["x-request-id"]
+    if path != "/metrics":  # a scrape's length changes from one to the next
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_a_refused_websocket_handshake_is_an_openai_403(protocol) -> None:
+    """No route takes a WebSocket: the refusal (uvicorn's empty 403) is in OpenAI's shape too."""
+    from fastapi import FastAPI
+
+    from asyncinfer.server import guard_app
+
+    pytest.importorskip(protocol)
+    pytest.importorskip("websockets")  # uvicorn hands the upgrade to it (without one, it is plain HTTP)
+    handshake = (b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    with LiveServer(guard_app(FastAPI()), http=protocol) as live:
+        port = live.server.servers[0].sockets[0].getsockname()[1]
+        head, _, body = exchange(port, handshake).partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        assert lines[0] == "HTTP/1.1 403 Forbidden", head
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("req-")
+        error = json.loads(body)["error"]
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, "websocket_refused")
+        assert "/v1/realtime" in error["message"]

@@ -59,13 +59,16 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str, port: int, api_keys: int) -> str:
-    """The lines ``asyncinfer serve`` prints before it loads: one model per spec, with its plan."""
+def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str, port: int, api_keys: int,
+                     metrics_keys: int = 0) -> str:
+    """The lines ``asyncinfer serve`` prints before it loads: one model per spec, with its plan.
+    ``/metrics`` is listed only where it is served: without API keys, or with a metrics key."""
     from asyncinfer.memory import MemoryPlan, format_bytes
 
     base = url(host, port)
-    lines = [(f"asyncinfer serve: loading, then serving the OpenAI API at {base}/v1 (also {base}/health, "
-              f"{base}/metrics)")]
+    metrics_on = metrics_keys > 0 or api_keys == 0
+    also = f"{base}/health" + (f", {base}/metrics" if metrics_on else "")
+    lines = [f"asyncinfer serve: loading, then serving the OpenAI API at {base}/v1 (also {also})"]
     for spec, plan in zip(specs, plans):
         path = _path(spec.model)
         if isinstance(plan, MemoryPlan):
@@ -85,6 +88,10 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
             lines += [f"  embedding model {spec.name!r}: {path}", f"    {plan.describe()}"]
     lines.append(f"  API keys: on ({api_keys} accepted)" if api_keys else
                  "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)")
+    if metrics_keys:
+        lines.append(f"  /metrics: with a metrics key ({metrics_keys} accepted)")
+    elif not metrics_on:
+        lines.append("  /metrics: off (API keys are on and no --metrics-key names an operator's key)")
     return "\n".join(lines)
 
 

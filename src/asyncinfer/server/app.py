@@ -10,7 +10,7 @@ connections behind the header deadline and the connection cap.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +18,14 @@ import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, InvalidParameterError
+from asyncinfer.server.auth import bearer, is_v1
 from asyncinfer.server.connections import GuardedHTTP, RequestDeadlines
-from asyncinfer.server.errors import http_error, internal_error, validation_error
+from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
 
@@ -104,29 +107,48 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     - every error, on every route, in OpenAI's shape: a URL no route serves is a 404
       ``unknown_url``, a method the route does not take a 405 ``method_not_allowed`` (with
       ``Allow``), a fault outside the routes a 500 ``internal_error`` with the request id;
-    - an ``X-Request-Id`` on every answer;
+    - on a server with API keys (``settings.accepted_keys``), those 404s and 405s under ``/v1``
+      are a 401 first for a request without an accepted key: no route discovery without one;
+    - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
+      OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
       the connection closes.
 
     Call it before the app serves (it adds a middleware). Returns ``app``.
     """
     settings = settings or ServerSettings()
-    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(HTTPException, _keyed_http_errors(settings.accepted_keys))
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(RequestDeadlines, settings=settings)
     return app
 
 
+def _keyed_http_errors(keys: tuple[str, ...]) -> Callable[[Request, Exception], Response]:
+    """:func:`http_error`, behind the API key under ``/v1`` when there are keys."""
+
+    def handler(request: Request, exc: Exception) -> Response:
+        if keys and is_v1(request.url.path):
+            try:
+                bearer(request, keys)
+            except APIError as refused:
+                return refused.response(new_request_id())
+        return http_error(request, exc)
+
+    return handler
+
+
 def server_config(app: Any, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
-                  log_level: str = "info", **uvicorn_options: Any) -> uvicorn.Config:
+                  log_level: str = "info", http: str = "auto", **uvicorn_options: Any) -> uvicorn.Config:
     """uvicorn's ``Config`` for ``app``, its connections behind ``settings.header_timeout`` and
-    ``settings.max_connections`` (see :mod:`asyncinfer.server.connections`)."""
+    ``settings.max_connections`` (see :mod:`asyncinfer.server.connections`). ``http``: uvicorn's HTTP/1.1
+    parser, ``"auto"`` (httptools where installed, else h11), ``"h11"`` or ``"httptools"``; a request
+    it cannot parse is answered with an OpenAI-shaped 400 either way."""
     import uvicorn
 
     settings = settings or ServerSettings()
-    http = GuardedHTTP(settings)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,  # type: ignore[arg-type]
+    guarded = GuardedHTTP(settings, http)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded,  # type: ignore[arg-type]
                           **uvicorn_options)
 
 

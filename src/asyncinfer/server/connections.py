@@ -14,7 +14,8 @@ everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close 
   (unless the answer has begun: a 401 sent before the body was read, say).
 
 Every answer of the app leaves :class:`RequestDeadlines` with an ``X-Request-Id`` (the
-routes set their own; any other answer gets ``req-<hex>``).
+routes set their own; any other answer gets ``req-<hex>``), and a refused WebSocket handshake
+with an OpenAI-shaped 403 rather than the ASGI server's empty one.
 
 The guard learns that a request's headers are in from the middleware: the ASGI server
 starts the app for a request once its headers are parsed, inside the guard's
@@ -25,7 +26,6 @@ task inherits it.
 from __future__ import annotations
 
 import asyncio
-import http
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,15 +54,6 @@ _HEAD_END = b"\r\n\r\n"
 def _timeout_error(what: str, seconds: float) -> APIError:
     return APIError(408, f"The request's {what} did not arrive within this server's limit of {seconds:g} seconds.",
                     code="request_timeout")
-
-
-def _raw_response(error: APIError, request_id: str) -> bytes:
-    """``error`` as a whole HTTP/1.1 response that closes the connection, written straight to a socket."""
-    body = msgspec.json.encode(error.body())
-    lines = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
-             f"content-length: {len(body)}", f"x-request-id: {request_id}", "connection: close",
-             *(f"{name}: {value}" for name, value in error.headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class ConnectionGuard(asyncio.Protocol):
@@ -187,7 +178,7 @@ class ConnectionGuard(asyncio.Protocol):
         assert transport is not None
         self._refused = True
         self._disarm()
-        transport.write(_raw_response(error, new_request_id("conn")))
+        transport.write(error.raw_response(new_request_id("conn")))
         if transport.can_write_eof():
             transport.write_eof()
             self._loop.call_later(LINGER_SECONDS, transport.close)
@@ -196,14 +187,16 @@ class ConnectionGuard(asyncio.Protocol):
 
 
 class GuardedHTTP:
-    """What uvicorn's ``Config(http=...)`` takes: makes a :class:`ConnectionGuard` around ``protocol``
-    (uvicorn's HTTP protocol class; its automatic choice when None) for each connection."""
+    """What uvicorn's ``Config(http=...)`` takes: makes a :class:`ConnectionGuard` around ``protocol`` for
+    each connection. ``protocol``: ``"auto"``, ``"h11"`` or ``"httptools"``, uvicorn's HTTP/1.1 protocols
+    as :mod:`asyncinfer.server.parsers` has them (a request they cannot parse gets an OpenAI 400), or a
+    protocol class of your own, used as it is."""
 
-    def __init__(self, settings: ServerSettings, protocol: type[asyncio.Protocol] | None = None) -> None:
-        if protocol is None:
-            from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    def __init__(self, settings: ServerSettings, protocol: str | type[asyncio.Protocol] = "auto") -> None:
+        if isinstance(protocol, str):
+            from asyncinfer.server.parsers import http_protocol
 
-            protocol = AutoHTTPProtocol
+            protocol = http_protocol(protocol)
         self._settings = settings
         self._protocol = protocol
 
@@ -230,6 +223,9 @@ class RequestDeadlines:
         self.body_timeout = settings.body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
+            await self.app(scope, receive, _websocket_refusal(scope, send))
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -282,6 +278,30 @@ class RequestDeadlines:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _websocket_refusal(scope: Scope, send: Send) -> Send:
+    """``send`` for a WebSocket handshake, where a close before any accept (the app refuses it: no route
+    takes it, say) becomes an OpenAI-shaped 403 with an ``X-Request-Id`` instead of the ASGI server's empty
+    one (through the ASGI "WebSocket denial response" extension the scope names)."""
+    accepted = False
+
+    async def send_(message: Message) -> None:
+        nonlocal accepted
+        if message["type"] == "websocket.close" and not accepted:
+            error = APIError(403, f"The WebSocket handshake on {scope.get('path', '')} was refused: no route "
+                                  "of this server accepted it.", code="websocket_refused")
+            body = msgspec.json.encode(error.body())
+            await send({"type": "websocket.http.response.start", "status": error.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"x-request-id", new_request_id().encode())]})
+            await send({"type": "websocket.http.response.body", "body": body})
+            return
+        accepted = accepted or message["type"] in ("websocket.accept", "websocket.http.response.start")
+        await send(message)
+
+    return send_
 
 
 def _has_body(scope: Scope) -> bool:

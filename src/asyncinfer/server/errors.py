@@ -10,6 +10,7 @@ outside the routes (500).
 
 from __future__ import annotations
 
+import http
 import logging
 import uuid
 from collections.abc import Callable
@@ -68,6 +69,15 @@ class APIError(Exception):
             headers["x-request-id"] = request_id
         return Response(msgspec.json.encode(self.body()), self.status, headers, media_type="application/json")
 
+    def raw_response(self, request_id: str) -> bytes:
+        """The error as a whole HTTP/1.1 response that closes the connection, written straight to a socket
+        (by the connection guard and the HTTP parsers, before or without any app)."""
+        body = msgspec.json.encode(self.body())
+        lines = [f"HTTP/1.1 {self.status} {http.HTTPStatus(self.status).phrase}", "content-type: application/json",
+                 f"content-length: {len(body)}", f"x-request-id: {request_id}", "connection: close",
+                 *(f"{name}: {value}" for name, value in self.headers.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
 
 def not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -78,6 +88,16 @@ def unauthorized(got_key: bool) -> APIError:
         "You didn't provide an API key. You need to provide your API key in an Authorization header "
         "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
     )
+    return APIError(401, message, code="invalid_api_key" if got_key else None)
+
+
+def metrics_unauthorized(got_key: bool) -> APIError:
+    """The 401 of ``/metrics``: it takes an operator's metrics key, not an API key (no key is ever named)."""
+    where = ("one of the server's metrics keys (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
+             "ASYNCINFER_METRICS_KEY), not an API key")
+    message = (f"The key provided is not a metrics key: /metrics takes {where}." if got_key else
+               f"You didn't provide a key: /metrics takes {where}, in an Authorization header using Bearer auth "
+               "(i.e. Authorization: Bearer METRICS_KEY).")
     return APIError(401, message, code="invalid_api_key" if got_key else None)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,7 +29,8 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
-from asyncinfer.server.errors import APIError, from_exception, new_request_id, not_found, unauthorized
+from asyncinfer.server.auth import bearer
+from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
     ChatRequest,
@@ -59,7 +59,7 @@ def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> 
     The app owns the engine's lifecycle: start it in the app's lifespan, on the
     loop that serves the requests. Routes: ``POST /v1/chat/completions``,
     ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
-    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``.
+    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (each GET also answers HEAD).
     """
     api = _OpenAI(engine if callable(engine) and not isinstance(engine, AsyncEngine) else (lambda: engine),
                   settings or ServerSettings())
@@ -67,10 +67,11 @@ def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> 
     router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", api.completions, methods=["POST"])
     router.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
-    router.add_api_route("/v1/models", api.models, methods=["GET"])
-    router.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
-    router.add_api_route("/health", api.health, methods=["GET"])
-    router.add_api_route("/metrics", api.metrics, methods=["GET"])
+    # HEAD as GET, without the body (the ASGI server leaves it out), as for any GET of HTTP's
+    router.add_api_route("/v1/models", api.models, methods=["GET", "HEAD"])
+    router.add_api_route("/v1/models/{model:path}", api.model, methods=["GET", "HEAD"])
+    router.add_api_route("/health", api.health, methods=["GET", "HEAD"])
+    router.add_api_route("/metrics", api.metrics, methods=["GET", "HEAD"])
     return router
 
 
@@ -148,7 +149,7 @@ class _OpenAI:
         try:
             key = (authorize or self._authorize)(request)
             call = _Call(call_id, request, key, self._cache_salt(request, key))
-            body = parse(await self._json(request)) if parse is not None else None
+            body = await self._body(request, parse) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
             response = await run(body, call)  # type: ignore[arg-type]
@@ -169,13 +170,13 @@ class _OpenAI:
     def _authorize(self, request: Request) -> str | None:
         """The caller's API key (None when the server asks for none); 401 when it is wrong or missing."""
         keys = self.settings.accepted_keys
-        return _bearer(request, keys) if keys else None
+        return bearer(request, keys) if keys else None
 
     def _authorize_metrics(self, request: Request) -> str | None:
         """``/metrics`` takes an operator's key (``metrics_keys``), never a tenant's: one tenant's
         scrape would show the others' figures (their prefix-cache hits, their tokens)."""
         if self.settings.metrics_keys:
-            _bearer(request, self.settings.metrics_keys)
+            bearer(request, self.settings.metrics_keys, metrics_unauthorized)
         elif self.settings.accepted_keys:
             raise APIError(403, "/metrics is off on a server with API keys unless an operator's key is named for "
                                 "it (ServerSettings.metrics_keys, asyncinfer serve --metrics-key, "
@@ -222,8 +223,12 @@ class _OpenAI:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
 
-    async def _json(self, request: Request) -> Any:
-        """The body as JSON, refused with a 413 once it grows past ``max_body_bytes``."""
+    async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
+        """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
+        checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
+        thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
+        declared as anything but JSON is a 415, unread."""
+        _check_json_type(request.headers.get("content-type"))
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
@@ -240,7 +245,7 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await _off_loop_if_long(len(raw), lambda: decode_json(raw))
+        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw)))
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
@@ -306,8 +311,9 @@ class _OpenAI:
         if not body.stream:
             out = await unless_disconnected(
                 call.request, g.engine.generate(body.messages, g.params, request_id=g.ids[0], **g.args))
-            choices = [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs]
-            return _json(g.reply.completion(choices, len(out.prompt_token_ids), _tokens(out.outputs)))
+            return await _whole(g.reply, lambda: g.reply.completion(
+                [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
+                len(out.prompt_token_ids), _tokens(out.outputs)))
         prompt: Any = body.messages
         if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
@@ -321,10 +327,11 @@ class _OpenAI:
         if not body.stream:
             outs = await unless_disconnected(call.request, gather_all(
                 [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
-            choices = [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
-                       for i, out in enumerate(outs) for c in out.outputs]
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
-            return _json(g.reply.completion(choices, prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
+            return await _whole(g.reply, lambda: g.reply.completion(
+                [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
+                 for i, out in enumerate(outs) for c in out.outputs],
+                prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
         if body.include_usage:  # count the prompts here (too long ones refused by characters first), and
             # hand the engine the very ids counted
@@ -356,7 +363,10 @@ class _OpenAI:
                 yield reply.role_chunk(n * num_prompts)
             async for prompt_index, delta in merged:
                 completion_tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason is not None or (reply.want_logprobs and delta.logprobs):
+                if reply.want_logprobs and delta.logprobs:  # a tokenizer decode per token and alternative
+                    yield await anyio.to_thread.run_sync(reply.delta_chunk, prompt_index * n + delta.index,
+                                                         delta.text, delta.logprobs, delta.finish_reason)
+                elif delta.text or delta.finish_reason is not None:
                     yield reply.delta_chunk(prompt_index * n + delta.index, delta.text, delta.logprobs,
                                             delta.finish_reason)
             if reply.include_usage:
@@ -389,6 +399,16 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
+async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
+    """A whole answer, ``build()`` as JSON. With logprobs it costs a tokenizer decode per token and per
+    alternative (seconds for a long answer with ``top_logprobs``): then it is built and encoded in a worker
+    thread, and the loop serves everyone else meanwhile."""
+    if not reply.want_logprobs:
+        return _json(build())
+    body = await anyio.to_thread.run_sync(lambda: msgspec.json.encode(build()))
+    return Response(body, 200, media_type="application/json")
+
+
 def _tokens(outputs: Sequence[Any]) -> int:
     return sum(len(c.token_ids) for c in outputs)
 
@@ -398,6 +418,19 @@ async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
     if chars <= OFF_LOOP_CHARS:
         return work()
     return await anyio.to_thread.run_sync(work)
+
+
+def _check_json_type(content_type: str | None) -> None:
+    """A 415 unless the body is declared ``application/json`` (any case, UTF-8 if a charset is named).
+    A body without a ``Content-Type`` is read as JSON, as a client that sends none means it."""
+    if content_type is None:
+        return
+    media, *params = (part.strip().lower() for part in content_type.split(";"))
+    charsets = [p.partition("=")[2].strip().strip('"') for p in params if p.partition("=")[0].strip() == "charset"]
+    if media == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
+        return
+    raise APIError(415, f"The request body must be JSON (Content-Type: application/json, UTF-8), got Content-Type "
+                        f"{content_type[:100]!r}.", code="unsupported_media_type")
 
 
 MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
@@ -426,16 +459,3 @@ def decode_json(raw: bytes) -> Any:
 def _escape_tenant(name: str) -> str:
     """``name`` with "%" and "/" escaped (``%25``, ``%2F``): one-to-one, and never a "/" inside."""
     return name.replace("%", "%25").replace("/", "%2F")
-
-
-def _bearer(request: Request, keys: Sequence[str]) -> str:
-    """The request's bearer key if it is one of ``keys`` (each compared in constant time); 401 otherwise."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise unauthorized(got_key=False)
-    given = token.encode()
-    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
-    if not any(matches):
-        raise unauthorized(got_key=True)
-    return token

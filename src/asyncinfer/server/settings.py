@@ -85,7 +85,9 @@ class ServerSettings:
     Keys:
 
     - ``api_keys``: accepted bearer keys; with none (and no ``tenants``) no key is asked for.
-      Every ``/v1`` route checks it (OpenAI's 401 body otherwise); ``/health`` is open.
+      Every ``/v1`` route checks it (OpenAI's 401 body otherwise), and under ``/v1`` an unknown
+      URL or a wrong method is a 401 before its 404/405 (:func:`~asyncinfer.server.guard_app`);
+      ``/health`` is open.
     - ``tenants``: more accepted keys, each with the :class:`Tenant` its requests run as.
     - ``metrics_keys``: the keys that may read ``/metrics`` (an operator's, never a tenant's:
       none may also be an API key). With them, ``/metrics`` asks for one of them; without

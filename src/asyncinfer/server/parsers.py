@@ -1,0 +1,54 @@
+"""uvicorn's HTTP/1.1 protocols, answering a request they cannot parse in OpenAI's shape.
+
+uvicorn's parsers (h11, httptools) answer bytes that are not an HTTP/1.1 request (a malformed
+header, a ``Content-Length`` that is no number, TLS spoken to the plain port) themselves, before any
+app runs, with a ``text/plain`` 400. The protocols here are uvicorn's with that one answer replaced:
+a 400 ``invalid_http_request`` with an OpenAI error body and an ``X-Request-Id``, then the connection
+closes, as uvicorn closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.server.errors import APIError, new_request_id
+
+HTTP_PROTOCOLS = ("auto", "h11", "httptools")
+
+
+def http_protocol(name: str) -> type[asyncio.Protocol]:
+    """uvicorn's protocol ``name`` ("auto": httptools where installed, else h11, as uvicorn chooses)."""
+    if name not in HTTP_PROTOCOLS:
+        raise InvalidParameterError("http", name, f"one of {HTTP_PROTOCOLS}")
+    if name == "auto":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            name = "h11"
+        else:
+            name = "httptools"
+    if name == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        class H11(H11Protocol):
+            def send_400_response(self, msg: str) -> None:
+                _refuse(self.transport)
+
+        return H11
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HttpTools(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            _refuse(self.transport)
+
+    return HttpTools
+
+
+def _refuse(transport: asyncio.Transport) -> None:
+    """What uvicorn's ``send_400_response`` does (its ``msg`` is always "Invalid HTTP request received."),
+    in OpenAI's shape."""
+    error = APIError(400, "The request is not valid HTTP/1.1: the server could not parse its request line or "
+                          "headers.", code="invalid_http_request")
+    transport.write(error.raw_response(new_request_id("conn")))
+    transport.close()
