@@ -110,7 +110,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             it already occurs in the output. float in [-2, 2].
         seed: seed of this request's own random generator; a seeded request samples
             the same tokens whatever else is batched with it. int in [0, 2**63 - 1],
-            or ``None`` for the engine-wide generator.
+            or ``None`` for the engine-wide generator (fresh entropy for each engine unless
+            ``EngineConfig.seed`` is set, so unseeded samples differ from run to run).
         stop: string(s) that end generation when they appear in the output text. A
             string or a list of non-empty strings, or ``None``: at most
             :data:`MAX_STOP_STRINGS` (1024) strings of at most :data:`MAX_STOP_CHARS` (16384)
