@@ -154,7 +154,7 @@ class ModelHolder:
             outputs = core.step()
         except ENDS_ENGINE:
             raise
-        except BaseException as exc:  # noqa: BLE001 - fault isolation: the step's requests fail, not the engine
+        except BaseException as exc:  # fault isolation: the step's requests fail, not the engine
             version.failures_in_a_row += 1
             limit = version.config.max_consecutive_step_failures
             if version.failures_in_a_row >= limit:

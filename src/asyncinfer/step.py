@@ -165,7 +165,7 @@ def _finish(scheduler: Scheduler, finished: list[Request], isolate: FaultSink | 
         scheduler.finish_requests(finished)
     except ENDS_ENGINE:
         raise
-    except BaseException as exc:  # noqa: BLE001 - find the request it was about
+    except BaseException as exc:  # find the request it was about
         if not finished:
             raise  # about no request: a fault of the step
         if len(finished) == 1:
