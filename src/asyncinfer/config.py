@@ -95,7 +95,11 @@ class EngineConfig:
     - ``scheduler``: "fifo" (default), "length-bucket", "aging-priority", "pd-split", another
       registered or entry-point name, a Scheduler subclass or "module:Class".
     - ``scheduler_options``: keyword arguments for the scheduler's constructor (a dict, or None).
-    - ``seed``: seed of the engine-wide generator used by unseeded sampling requests.
+    - ``seed``: seed of the engine-wide generator used by sampling requests that set no
+      ``SamplingParams.seed``. None (default): fresh entropy from the OS for each engine (and each
+      model version), so unseeded samples differ from one engine, or one run, to the next; an int
+      in [0, 2**63 - 1] makes them repeat for the same traffic in the same order. A request's own
+      seed is reproducible either way.
     - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
     - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
@@ -161,7 +165,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduler: Any = "fifo"
     scheduler_options: dict[str, Any] | None = None
-    seed: int = 0
+    seed: int | None = None
     num_threads: int | None = None
     activation_reserve: int = 256 * 1024 * 1024
     quantization: str | None = "auto"
@@ -191,7 +195,7 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_model_len", self.max_model_len, 2, optional=True)
-        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_int("activation_reserve", self.activation_reserve, 0)
         check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)

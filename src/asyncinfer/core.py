@@ -32,7 +32,8 @@ Faults, from the narrowest to the widest (docs/reliability.md, "Isolation"):
   request the scheduler holds when ``schedule`` raised) and leaves the others serving.
 
 Either way the failure is an output (``CoreOutput.error``), never an exception out
-of the core's inputs.
+of the core's inputs. A fault is any ``BaseException`` but :data:`~asyncinfer.step.ENDS_ENGINE`'s
+(``SystemExit``, ``KeyboardInterrupt``), which pass through and end the engine thread.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler
-from asyncinfer.step import StepResult, apply_step, fork_samples, scheduled
+from asyncinfer.step import ENDS_ENGINE, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
 
@@ -140,7 +141,9 @@ class EngineCore:
             if request.params.n > 1:
                 self._groups[request.request_id] = _Group(request.params.n, {0: request})
             self.scheduler.add_request(request)
-        except Exception as exc:  # noqa: BLE001 - a plugin's fault fails this request only
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a plugin's fault fails this request only
             self._groups.pop(request.request_id, None)
             _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in add_request", request, exc)
             self._drop(request)
@@ -236,7 +239,7 @@ class EngineCore:
             self.on_step(batch, inputs, result, started)
         return outputs
 
-    def fail_step(self, exc: Exception) -> list[CoreOutput]:
+    def fail_step(self, exc: BaseException) -> list[CoreOutput]:
         """Undo the step that raised ``exc`` and fail its requests; returns their final outputs.
 
         A fault after ``schedule`` returned (the copies, the forward pass, the sampler,
@@ -290,7 +293,9 @@ class EngineCore:
         """
         try:
             held = self.scheduler.abort_request(request.request_id) is not None
-        except Exception as exc:  # noqa: BLE001 - a plugin's fault for one request: that request only
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a plugin's fault for one request: that request only
             _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in abort_request", request, exc)
             self._evict(request)
             held = True
@@ -326,7 +331,9 @@ class EngineCore:
             if error is None and request.detokenizer is not None:
                 try:
                     text = request.detokenizer.flush()  # what it held back (e.g. a possible stop string's start)
-                except Exception as exc:  # noqa: BLE001 - its detokenizer's fault: this request's error
+                except ENDS_ENGINE:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - its detokenizer's fault: this request's error
                     _log_fault("its detokenizer raised", request, exc)
                     error = _failure(request_id, "its detokenizer", exc)
         return CoreOutput(
@@ -374,7 +381,9 @@ class EngineCore:
                 continue
             try:
                 outputs.append(self._output(request, token_id, tokens, now))
-            except Exception as exc:  # noqa: BLE001 - its detokenizer's flush: this request only
+            except ENDS_ENGINE:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - its detokenizer's flush: this request only
                 tokens.fail(request, "its detokenizer", exc)
         failed = tokens.failed
         if failed:  # a sample's output built before its sibling failed: the request's failure replaces it
@@ -468,32 +477,34 @@ class _StepTokens:
         if request.detokenizer is not None:
             try:
                 text, stop_hit = request.detokenizer.add(token_id)
-            except Exception as exc:  # noqa: BLE001 - its tokenizer's fault on its tokens: this request only
+            except ENDS_ENGINE:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - its tokenizer's fault on its tokens: this request only
                 self.fail(request, "its detokenizer", exc)
                 request.status = RequestStatus.FINISHED_ABORTED  # apply_step hands it to finish_requests
                 return
         self.texts[request] = text
         self.core._check_stop(request, token_id, stop_hit)
 
-    def hook_failed(self, request: Request, hook: str, exc: Exception) -> None:
+    def hook_failed(self, request: Request, hook: str, exc: BaseException) -> None:
         """:func:`apply_step`'s ``isolate``: the scheduler's ``hook`` raised for ``request`` alone."""
         where = f"the scheduler ({type(self.core.scheduler).__name__}) in {hook}"
         self.core._evict(request)
         self.fail(request, where, exc)
 
-    def fail(self, request: Request, where: str, exc: Exception) -> None:
+    def fail(self, request: Request, where: str, exc: BaseException) -> None:
         """Fail ``request``'s user request (all its samples) alone; the core ends it after the update."""
         if request.group_id not in self.failed:
             _log_fault(f"{where} raised", request, exc)
             self.failed[request.group_id] = (request, _failure(request.group_id, where, exc))
 
 
-def _log_fault(what: str, request: Request, exc: Exception) -> None:
+def _log_fault(what: str, request: Request, exc: BaseException) -> None:
     logger.error("request %r fails alone: %s: %s: %s (the engine serves on)",
                  request.group_id, what, type(exc).__name__, exc, exc_info=exc)
 
 
-def _failure(request_id: str, where: str, cause: Exception) -> RequestFailedError:
+def _failure(request_id: str, where: str, cause: BaseException) -> RequestFailedError:
     error = RequestFailedError(f"request {request_id!r} failed: {where} raised {type(cause).__name__}: {cause}")
     error.__cause__ = cause
     return error

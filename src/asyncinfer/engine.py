@@ -54,6 +54,7 @@ from asyncinfer.prompts import (
     check_prompt_chars,
     check_request_id,
     check_texts,
+    plain_prompt,
     prompt_token_ids,
 )
 from asyncinfer.request import Request
@@ -269,6 +270,7 @@ class AsyncEngine:
         in its step; RequestStalledError: nothing ran for ``stall_timeout``), EngineClosedError /
         WrongEventLoopError (not running, or another loop), EngineDeadError (the step loop broke).
         """
+        prompt = plain_prompt(prompt)  # checked as what it holds, not as a subclass says
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
         request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
         result = OutputAssembler.for_request(request)
@@ -295,6 +297,7 @@ class AsyncEngine:
         Raises the same errors as :meth:`generate` at the call itself, before any delta
         (texts over 4096 characters, tokenized off the loop, are length-checked at the first).
         """
+        prompt = plain_prompt(prompt)
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
         return self._stream(prompt, args, model)
 
@@ -318,6 +321,7 @@ class AsyncEngine:
         Messages too long to fit the generator's ``max_model_len`` whatever their tokens are refused by
         their characters first, untokenized (as :meth:`generate` refuses them)."""
         version = current(self._models.generator(model))
+        messages = plain_prompt(messages)
         check_prompt_chars(messages, version)
         return chat_token_ids(version, messages)
 
@@ -326,6 +330,7 @@ class AsyncEngine:
         would send it (chat messages templated). A prompt too long to fit ``max_model_len`` whatever its
         tokens is refused by its characters first, untokenized. Raises :class:`InvalidParameterError`."""
         version = current(self._models.generator(model))
+        prompt = plain_prompt(prompt)
         check_prompt_chars(prompt, version)
         return prompt_token_ids(prompt, version)
 

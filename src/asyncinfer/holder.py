@@ -40,6 +40,7 @@ from asyncinfer.errors import EngineDeadError, RequestStalledError
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput
+from asyncinfer.step import ENDS_ENGINE
 
 
 class VersionState(enum.Enum):
@@ -151,7 +152,9 @@ class ModelHolder:
         ran = core.stats.steps
         try:
             outputs = core.step()
-        except Exception as exc:  # fault isolation: the step's requests fail, not the engine
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # fault isolation: the step's requests fail, not the engine
             version.failures_in_a_row += 1
             limit = version.config.max_consecutive_step_failures
             if version.failures_in_a_row >= limit:

@@ -8,7 +8,8 @@ message the template renders) is tokenized in a worker thread (the engine does t
 after :func:`check_prompt_chars` refused, without tokenizing, any prompt too long to
 ever fit and any chat of more than :data:`MAX_CHAT_MESSAGES` messages. Texts must be
 valid Unicode: a lone surrogate (``"\ud800"``) is refused here, naming the prompt,
-rather than by the tokenizer.
+rather than by the tokenizer. Everything is checked as :func:`plain_prompt` makes it (built-in
+``str``, ``list`` and ``dict``), so a subclass whose ``__len__`` lies cannot slip past a limit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,50 @@ MAX_CHAT_MESSAGES = 4096
 #: What one chat message (rendered by the template) or one embed() text costs to tokenize besides its
 #: characters, counted in characters of text (prompt_cost, texts_cost).
 ITEM_COST_CHARS = 64
+
+
+def plain_text(value: Any) -> Any:
+    """A ``str`` (of a subclass too) as the plain ``str`` it holds; anything else as it is.
+
+    ``str.__str__`` copies the characters themselves: a subclass's own ``__str__`` or ``__len__``
+    cannot change what the checks then count."""
+    return str.__str__(value) if isinstance(value, str) else value
+
+
+def plain_prompt(prompt: Any) -> Any:
+    """``prompt`` in built-in types, so that every check looks at its real content, not at what a
+    subclass's ``__len__`` (or ``__bool__``) says: a text as a plain ``str``; a list, tuple or other
+    sequence of token ids or chat messages as a plain ``list`` of the items it holds (:func:`plain_list`);
+    each chat message (up to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real
+    count) as a plain ``dict`` of plain ``str`` keys and values. Bytes, ranges and other values are
+    returned as they are (the checks refuse them). The engine's calls do this first of all."""
+    if isinstance(prompt, str):
+        return plain_text(prompt)
+    items = plain_list(prompt)
+    if items is None:
+        return prompt
+    if len(items) <= MAX_CHAT_MESSAGES and items and isinstance(items[0], dict):
+        items = [_plain_message(m) for m in items]
+    return items
+
+
+def plain_list(value: Any) -> list[Any] | None:
+    """A list or tuple as a plain list of the items it holds (whatever a subclass's ``__iter__`` or
+    ``__len__`` says), another sequence as ``list(value)``; None for a ``str``, bytes, a range or a
+    value that is no sequence."""
+    if isinstance(value, list):
+        return list(list.__iter__(value))
+    if isinstance(value, tuple):
+        return list(tuple.__iter__(value))
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, range)):
+        return list(value)
+    return None
+
+
+def _plain_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    return {plain_text(k): plain_text(v) for k, v in dict.items(message)}
 
 
 def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
@@ -236,12 +281,17 @@ def _need_tokenizer(version: ModelVersion, what: str) -> Any:
 def check_texts(texts: Any) -> list[str]:
     """``embed()``'s input as a list of strings (a single string is one text)."""
     if isinstance(texts, str):
+        texts = plain_text(texts)
         check_unicode("texts", texts)
         return [texts]
-    if not isinstance(texts, Sequence) or not texts or len(texts) > MAX_EMBED_TEXTS:
+    items = plain_list(texts)  # its real items, whatever a subclass's __len__ says
+    if items is not None:
+        texts = items
+    if not isinstance(texts, list) or not texts or len(texts) > MAX_EMBED_TEXTS:
         raise InvalidParameterError("texts", texts, f"a string or a list of 1 to {MAX_EMBED_TEXTS} strings")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidParameterError(f"texts[{i}]", text, "a string")
+        texts[i] = text = plain_text(text)
         check_unicode(f"texts[{i}]", text)
-    return list(texts)
+    return texts

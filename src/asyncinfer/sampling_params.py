@@ -65,9 +65,19 @@ _STOP_ALLOWED = (
 
 def _shown(value: object) -> object:
     """``value`` as an error message shows it: a long list by its length."""
-    if isinstance(value, (list, tuple)) and len(value) > 8:
-        return f"<a list of {len(value)}>"
+    if isinstance(value, (list, tuple)) and _real_len(value) > 8:
+        return f"<a list of {_real_len(value)}>"
     return value
+
+
+def _real_len(value: list[Any] | tuple[Any, ...]) -> int:
+    """How many items a list or tuple holds, whatever a subclass's ``__len__`` says (nothing is read)."""
+    return list.__len__(value) if isinstance(value, list) else tuple.__len__(value)
+
+
+def _real_items(value: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """The items a list or tuple holds, as a plain list, whatever a subclass's ``__iter__`` yields."""
+    return list(list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value))
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -100,11 +110,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             it already occurs in the output. float in [-2, 2].
         seed: seed of this request's own random generator; a seeded request samples
             the same tokens whatever else is batched with it. int in [0, 2**63 - 1],
-            or ``None`` for the engine-wide generator.
+            or ``None`` for the engine-wide generator (fresh entropy for each engine unless
+            ``EngineConfig.seed`` is set, so unseeded samples differ from run to run).
         stop: string(s) that end generation when they appear in the output text. A
             string or a list of non-empty strings, or ``None``: at most
             :data:`MAX_STOP_STRINGS` (1024) strings of at most :data:`MAX_STOP_CHARS` (16384)
-            characters together. See :attr:`stop_strings`.
+            characters together, counted as held (a subclass's ``__len__`` is not asked). Kept as
+            a plain ``str`` or ``list`` of them (a tuple becomes a list). See :attr:`stop_strings`.
         stop_token_ids: token ids (>= 0) that end generation, besides EOS. A list of at most
             :data:`MAX_STOP_TOKEN_IDS` (4096), or ``None``.
         ignore_eos: keep generating past EOS (the engine does not stop on it; the
@@ -184,27 +196,37 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
         stop = self.stop
         if stop is not None:
-            items = [stop] if isinstance(stop, str) else stop
-            if not isinstance(items, (list, tuple)):
+            # Checked and kept as built-in values: a str or list subclass's __len__ may lie about its content.
+            if isinstance(stop, str):
+                items = [str.__str__(stop)]
+            elif isinstance(stop, (list, tuple)):
+                if _real_len(stop) > MAX_STOP_STRINGS:  # before looking at them: a long list costs nothing
+                    raise InvalidParameterError("stop", f"<{_real_len(stop)} strings>", _STOP_ALLOWED)
+                items = _real_items(stop)
+            else:
                 raise InvalidParameterError("stop", stop, "None, a non-empty string or a list of them")
-            if len(items) > MAX_STOP_STRINGS:  # before looking at them: a long list costs the caller nothing
-                raise InvalidParameterError("stop", f"<{len(items)} strings>", _STOP_ALLOWED)
             chars = 0
-            for s in items:
-                if not isinstance(s, str) or not s:
+            for i, s in enumerate(items):
+                if not isinstance(s, str) or not str.__len__(s):
                     raise InvalidParameterError("stop", _shown(stop), "None, a non-empty string or a list of them")
+                items[i] = s = str.__str__(s)
                 chars += len(s)
             if chars > MAX_STOP_CHARS:
                 raise InvalidParameterError("stop", f"<{len(items)} strings, {chars} characters>", _STOP_ALLOWED)
+            msgspec.structs.force_setattr(self, "stop", items[0] if isinstance(stop, str) else items)
 
         ids = self.stop_token_ids
         if ids is not None:
-            if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:
-                raise InvalidParameterError(
-                    "stop_token_ids", f"<{len(ids)} ids>", f"None or a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
-                )
-            if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            if not isinstance(ids, (list, tuple)):
                 raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
+            if _real_len(ids) > MAX_STOP_TOKEN_IDS:  # before reading them
+                raise InvalidParameterError(
+                    "stop_token_ids", f"<{_real_len(ids)} ids>", f"None or a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
+                )
+            id_list = _real_items(ids)
+            if not all(_is_int(i) and i >= 0 for i in id_list):
+                raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
+            msgspec.structs.force_setattr(self, "stop_token_ids", id_list)
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_output_to_model_len"):
             _check_bool(name, getattr(self, name))

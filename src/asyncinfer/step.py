@@ -35,7 +35,14 @@ TokenSource = Callable[[list[Request]], Iterable[tuple[Request, int]]]
 #: ``check_stop(request, token_id)``: may finish the request that just got ``token_id``.
 StopCheck = Callable[[Request, int], object]
 #: ``isolate(request, hook, exc)``: the scheduler's per-request ``hook`` raised ``exc`` for ``request``.
-FaultSink = Callable[[Request, str, Exception], object]
+FaultSink = Callable[[Request, str, BaseException], object]
+
+#: What fault isolation never catches: the interpreter's own exit and interrupt. Raised on the engine
+#: thread (a plugin calling ``sys.exit()``), they end it, and every waiter gets ``EngineDeadError`` with
+#: the cause chained. Anything else raised for one request, a ``BaseException`` subclass of a plugin's
+#: own or ``asyncio.CancelledError`` included (the engine thread is no asyncio task: the engine stops it
+#: with a command, never by cancelling), is that request's fault; raised in a step, that step's.
+ENDS_ENGINE: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt)
 
 
 @dataclass
@@ -107,7 +114,7 @@ def apply_step(
 
     ``isolate``: without it, an exception from the scheduler's ``finish_requests`` or
     ``add_forked`` propagates. With it (the engine core), a fault of those per-request hooks
-    is attributed to its request: ``add_forked`` is called per request already, and a
+    (any exception but :data:`ENDS_ENGINE`'s) is attributed to its request: ``add_forked`` is called per request already, and a
     ``finish_requests`` call that raised is made again one request at a time; each request
     whose own call raises goes to ``isolate(request, hook, exc)``, and the update carries on
     for the others.
@@ -141,7 +148,9 @@ def apply_step(
                 continue
             try:
                 scheduler.add_forked(request)
-            except Exception as exc:  # noqa: BLE001 - attributed to this sample (see isolate)
+            except ENDS_ENGINE:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - attributed to this sample (see isolate)
                 isolate(request, "add_forked", exc)
     return result
 
@@ -154,7 +163,9 @@ def _finish(scheduler: Scheduler, finished: list[Request], isolate: FaultSink | 
         return
     try:
         scheduler.finish_requests(finished)
-    except Exception as exc:  # find the request it was about
+    except ENDS_ENGINE:
+        raise
+    except BaseException as exc:  # find the request it was about
         if not finished:
             raise  # about no request: a fault of the step
         if len(finished) == 1:
@@ -163,7 +174,9 @@ def _finish(scheduler: Scheduler, finished: list[Request], isolate: FaultSink | 
         for request in finished:
             try:
                 scheduler.finish_requests([request])
-            except Exception as own:  # noqa: BLE001
+            except ENDS_ENGINE:
+                raise
+            except BaseException as own:  # noqa: BLE001
                 isolate(request, "finish_requests", own)
 
 

@@ -90,6 +90,34 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_130(real_gguf, tmp_path) -> 
     assert b"Traceback" not in err and not (tmp_path / "history").exists()  # no terminal: no history kept
 
 
+async def test_a_message_too_long_for_the_model_is_refused_naming_the_message(real_gguf) -> None:
+    """The error named ``prompt`` (the rendered chat) or ``messages`` (the history): the user typed a
+    message, and that is what it now names, with the budget it must fit and what to change."""
+    import io
+
+    from asyncinfer import InvalidParameterError
+    from asyncinfer.commands.chat import ChatSession
+
+    async with await AsyncEngine.load(real_gguf, max_model_len=256) as engine:
+        session = ChatSession(engine, SamplingParams(max_tokens=16), None, out=io.StringIO(), err=io.StringIO())
+        # Refused by its characters (untokenized), and by its tokens (2000 characters, about 400 tokens).
+        for text in ("word " * 20_000, "word " * 400):
+            with pytest.raises(InvalidParameterError) as err:
+                await session.reply(text)
+            assert err.value.parameter == "message" and err.value.value == f"<{len(text)} characters>"
+            assert "fits in 240 tokens (max_model_len 256 - max_tokens 16)" in err.value.allowed
+            assert "prompt" not in str(err.value) and session.history == []
+
+
+def test_ctrl_d_at_the_prompt_leaves_with_the_shell_prompt_on_a_fresh_line(real_gguf, tmp_path) -> None:
+    """End of input at the prompt leaves with status 0, after a newline (the shell's prompt used to
+    follow "> " on the same line)."""
+    command = [sys.executable, "-m", "asyncinfer", "chat", "--model", str(real_gguf), "--max-model-len", "256"]
+    proc = subprocess.run(command, input=b"", capture_output=True, env=chat_env(tmp_path), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == b"> \n" and b"Traceback" not in proc.stderr
+
+
 class Terminal:
     """``asyncinfer chat`` on a pseudo-terminal (stdin and stdout), as a user at a terminal runs it."""
 

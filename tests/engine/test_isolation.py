@@ -19,7 +19,14 @@ from typing import ClassVar
 import pytest
 
 import asyncinfer.core as core_module
-from asyncinfer import AsyncEngine, EngineState, InvalidParameterError, RequestFailedError, SamplingParams
+from asyncinfer import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineState,
+    InvalidParameterError,
+    RequestFailedError,
+    SamplingParams,
+)
 from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from asyncinfer.schedulers import FIFOScheduler
 
@@ -100,15 +107,20 @@ class Injected(RuntimeError):
     """The fault the picky scheduler raises."""
 
 
+class PluginSignal(BaseException):
+    """A plugin's own ``BaseException`` subclass (not an ``Exception``): a fault like any other."""
+
+
 class Picky(FIFOScheduler):
-    """FIFO that raises in a per-request hook for the requests named in ``bad``:
+    """FIFO that raises ``error`` in a per-request hook for the requests named in ``bad``:
     ``abort_request``, ``finish_requests``, ``add_forked`` or ``add_request`` (by the hook's name)."""
 
     bad: ClassVar[dict[str, set[str]]] = {}
+    error: ClassVar[type[BaseException]] = Injected
 
     def _check(self, hook: str, request_id: str) -> None:
         if request_id.split("#")[0] in self.bad.get(hook, ()):
-            raise Injected(f"{hook} refuses {request_id!r}")
+            raise self.error(f"{hook} refuses {request_id!r}")
 
     def add_request(self, request) -> None:
         self._check("add_request", request.request_id)
@@ -129,14 +141,19 @@ class Picky(FIFOScheduler):
         super().add_forked(request)
 
 
+@pytest.mark.parametrize("error", [Injected, PluginSignal, asyncio.CancelledError])
 @pytest.mark.parametrize("hook", ["abort_request", "finish_requests", "add_forked", "add_request"])
 async def test_a_scheduler_hook_that_raises_for_one_request_fails_that_request_only(
-        tiny_models, hf_greedy, hook, caplog) -> None:
+        tiny_models, hf_greedy, hook, error, caplog) -> None:
+    """Any exception but SystemExit and KeyboardInterrupt: a BaseException subclass of the plugin's
+    own, or asyncio.CancelledError (the engine thread is no task: nothing of the engine cancels it
+    so), used to pass the isolation and kill the engine for everybody."""
     path, hf = tiny_models["llama"]
     good_ids = hf_greedy(hf, GOOD, 10)
     engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=Picky, max_consecutive_step_failures=1)
     sched = engine.core.scheduler
     sched.bad = {hook: {"victim"}}
+    sched.error = error
     caplog.set_level(logging.ERROR, logger="asyncinfer")
     async with engine:
         neighbour = asyncio.create_task(engine.generate(GOOD, greedy(10)))
@@ -155,7 +172,7 @@ async def test_a_scheduler_hook_that_raises_for_one_request_fails_that_request_o
             victim = engine.generate(BAD, greedy(10, n=2 if hook == "add_forked" else 1), request_id="victim")
             with pytest.raises(RequestFailedError, match=f"'victim'.*{hook}") as err:
                 await victim
-            assert isinstance(err.value.__cause__, Injected)
+            assert type(err.value.__cause__) is error
         assert (await neighbour).token_ids == good_ids
         # max_consecutive_step_failures=1: a single failed step would have killed it.
         assert engine.state is EngineState.RUNNING
@@ -165,6 +182,53 @@ async def test_a_scheduler_hook_that_raises_for_one_request_fails_that_request_o
     assert engine.kv_stats().used_blocks == 0 and sched.requests == {} and not sched.running and not sched.waiting
     logged = [r for r in caplog.records if r.levelno == logging.ERROR and "'victim'" in r.getMessage()]
     assert logged and hook in logged[0].getMessage() and "Picky" in logged[0].getMessage()
+
+
+class PickySchedule(FIFOScheduler):
+    """FIFO whose ``schedule()`` raises ``error`` once while a request named "victim" waits."""
+
+    error: ClassVar[type[BaseException]] = PluginSignal
+
+    def schedule(self):
+        if any(r.request_id == "victim" for r in self.waiting):
+            raise self.error("schedule() refuses 'victim'")
+        return super().schedule()
+
+
+async def test_a_base_exception_from_schedule_fails_the_step_not_the_engine(tiny_models, hf_greedy) -> None:
+    """schedule() raising a plugin's BaseException subclass is a failed step (its requests fail with
+    RequestFailedError, the cause chained), as an Exception is; it used to end the engine thread."""
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=PickySchedule, max_consecutive_step_failures=2)
+    async with engine:
+        with pytest.raises(RequestFailedError, match="'victim'.*PickySchedule") as err:
+            await engine.generate(BAD, greedy(4), request_id="victim")
+        assert type(err.value.__cause__) is PluginSignal
+        assert engine.state is EngineState.RUNNING
+        assert (await engine.generate(GOOD, greedy(6))).token_ids == hf_greedy(hf, GOOD, 6)
+        stats = engine.step_stats()
+    assert stats.failed_steps == 1 and engine.kv_stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
+async def test_system_exit_and_keyboard_interrupt_from_a_hook_end_the_engine_and_every_waiter_hears(
+        tiny_models, error) -> None:
+    """The two exceptions isolation lets through (docs/reliability.md): the engine thread ends, the
+    engine is dead, and every waiter gets EngineDeadError with the cause chained, at once (no hang)."""
+    path, _ = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=Picky)
+    sched = engine.core.scheduler
+    sched.bad = {"add_request": {"victim"}}
+    sched.error = error
+    async with engine:
+        neighbour = asyncio.create_task(engine.generate(GOOD, greedy(100)))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineDeadError) as err:
+            await asyncio.wait_for(engine.generate(BAD, greedy(4), request_id="victim"), 30)
+        assert type(err.value.__cause__) is error
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(neighbour, 30)
+        assert engine.state is EngineState.DEAD
 
 
 class CharTokenizer:

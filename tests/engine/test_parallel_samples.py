@@ -136,3 +136,29 @@ def test_an_internal_sample_id_is_not_abortable(tiny_models, hf_greedy) -> None:
     assert sorted((o.index, o.finish_reason) for o in outputs if o.finish_reason) == [(i, "length") for i in range(3)]
     assert core.abort_request("z") == []  # over: nothing of it is left in the core
     assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+async def test_the_most_samples_on_the_smallest_kv_budget_all_finish_with_their_own_tokens(tiny_models, hf_greedy) -> None:
+    """n=64 (the maximum) with KV blocks for one max_model_len request and two more: the samples
+    preempt each other (a sibling holding only shared blocks frees nothing), yet every one finishes,
+    within a time limit, with exactly its own tokens: greedy ones transformers', and seeded sample
+    ``i`` those of a lone request with ``seed + i``. Every block comes back."""
+    import asyncio
+
+    path, hf = tiny_models["llama"]
+    prompt = PROMPT_16[:8]
+    options = {**SMALL, "kv_cache_memory": 6 * BLOCK_BYTES, "max_model_len": 16, "max_num_seqs": 64}
+    async with await AsyncEngine.load(path, **options) as engine:
+        assert engine.kv_manager.num_blocks == 6  # one request of max_model_len takes 4
+        greedy_out = await asyncio.wait_for(engine.generate(prompt, greedy(8, n=64)), 300)
+        expected = hf_greedy(hf, prompt, 8)
+        assert [o.token_ids for o in greedy_out.outputs] == [expected] * 64
+        assert all(o.finish_reason == "length" for o in greedy_out.outputs)
+        seeded = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=11, n=64)
+        out = await asyncio.wait_for(engine.generate(prompt, seeded), 300)
+        assert len(out.outputs) == 64 and all(len(o.token_ids) == 8 for o in out.outputs)
+        for i in (0, 1, 37, 63):
+            alone = await engine.generate(prompt, seeded.with_updates(n=1, seed=11 + i))
+            assert out.outputs[i].token_ids == alone.token_ids, i
+        assert engine.step_stats().preemptions > 0  # the pressure path ran
+    assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []

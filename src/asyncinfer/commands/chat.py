@@ -4,7 +4,8 @@ In a session, Ctrl-C stops the reply being written (the request is aborted, the
 session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation. The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
-first).
+first); a message that cannot fit even alone is refused with an
+``InvalidParameterError`` on ``message`` and the session goes on.
 
 At a terminal the prompt has line editing and a history of what you typed (the
 arrow keys, Ctrl-R; Python's ``readline`` where the platform has it), kept
@@ -66,8 +67,24 @@ class ChatSession:
     def reset(self) -> None:
         self.history = list(self.system)
 
+    def _refused(self, text: str, budget: int, exc: InvalidParameterError) -> InvalidParameterError:
+        """``exc`` (about the rendered prompt or the history) as an error about the message the user typed."""
+        if exc.parameter not in ("prompt", "messages"):  # e.g. "prompt[1]": a text that is not valid Unicode
+            return InvalidParameterError("message", exc.value, exc.allowed)
+        system = ", with the system message," if self.system else ""
+        return InvalidParameterError(
+            "message", f"<{len(text)} characters>",
+            f"a message that{system} fits in {budget} tokens (max_model_len {self.engine.max_model_len} - "
+            f"max_tokens {self.params.max_tokens}): shorten it, or raise --max-model-len or lower --max-tokens",
+        )
+
     async def reply(self, text: str) -> str:
-        """Stream the answer to ``text``; cancelling the task stops it (the partial answer is kept)."""
+        """Stream the answer to ``text``; cancelling the task stops it (the partial answer is kept).
+
+        Raises:
+            InvalidParameterError: on ``message`` when ``text`` (with the system message) cannot fit
+                ``max_model_len - max_tokens`` tokens; the history is left as it was.
+        """
         budget = self.engine.max_model_len - self.params.max_tokens
         if budget < 1:
             raise InvalidParameterError("max_tokens", self.params.max_tokens,
@@ -75,9 +92,9 @@ class ChatSession:
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
-        except InvalidParameterError:
+        except InvalidParameterError as exc:
             self.history.pop()
-            raise
+            raise self._refused(text, budget, exc) from exc
         pieces: list[str] = []
         start, first, tokens, reason = time.perf_counter(), None, 0, "abort"
         try:
@@ -124,7 +141,10 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
             line = await interrupts.read_line("> ", editor)
         except PromptInterrupted:
             return 130
-        if line is None or line.strip() in ("/exit", "/quit"):
+        if line is None:  # Ctrl-D (end of input): the shell's prompt on a fresh line
+            print(flush=True)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
             return 0
         command = line.strip()
         if command == "/reset":

@@ -131,8 +131,8 @@ FLAGS: tuple[Flag, ...] = (
          "module:Class (docs/schedulers.md)"),
     Flag("scheduler_options", "--scheduler-option", _key_value, "a keyword of the scheduler, VALUE read as JSON "
          "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
-    Flag("seed", "--engine-seed", _int, "seed of the engine's generator, used by requests that set no seed of their "
-         "own"),
+    Flag("seed", "--engine-seed", _or_none(_int), "seed of the engine's generator, used by requests that set no "
+         "seed of their own (--seed)", "SEED", none="none: fresh entropy for each engine"),
     Flag("num_threads", "--threads", _or_none(_int), "torch CPU threads", "N", none="none: torch's setting"),
     Flag("activation_reserve", "--activation-reserve", _size,
          "memory kept free for activations when the KV budget is a fraction: bytes or a size"),

@@ -77,7 +77,9 @@ failures in a row declare the engine dead. An exception from a per-request hook
 (``add_request``, ``abort_request``, ``finish_requests``, ``add_forked``) is logged and
 fails only that request: the engine takes it out of ``requests``, ``running`` and
 ``waiting`` itself and frees its blocks (``finish_requests`` is called again one request
-at a time to find which one it was about); it is not a failed step.
+at a time to find which one it was about); it is not a failed step. Any ``BaseException`` counts
+as such an exception except ``SystemExit`` and ``KeyboardInterrupt``, which end the engine
+(``asyncinfer.step.ENDS_ENGINE``).
 """
 
 from __future__ import annotations
