@@ -57,3 +57,19 @@ def test_the_startup_benchmark_loads_a_generated_file_and_says_whether_llama_cpp
         assert result["llama_cpp"].startswith("ModuleNotFoundError") and "llama.cpp: NOT MEASURED" in done.stdout
     else:
         assert result["llama_cpp"] == "measured" and len(result["runs"]["llama.cpp"]) == 1
+
+
+def test_the_structured_masks_benchmark_runs(real_gguf, tmp_path) -> None:
+    out = tmp_path / "structured_masks.json"
+    done = run_script("structured_masks.py", "--model", str(real_gguf), "--rounds", "1", "--grammars", "person",
+                      "choice", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for name in ("llguidance", "xgrammar"):  # measured where installed, else why not
+        lib = result["libraries"][name]
+        if isinstance(lib, str):
+            assert lib.startswith("ModuleNotFoundError") and f"{name}: NOT MEASURED" in done.stdout
+        else:
+            assert set(lib["grammars"]) == {"person", "choice"} and lib["grammars"]["person"]["tokens"] > 5
+    assert isinstance(result["libraries"]["llguidance"], dict)  # the engine's library: a dev dependency
+    assert {"numpy_unpackbits_1", "numpy_unpackbits_32"} <= set(result["apply_us"])
