@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -19,6 +20,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "structured_output.
 def load_example():
     spec = importlib.util.spec_from_file_location("structured_output_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while it is built
     spec.loader.exec_module(module)
     return module
 
