@@ -375,6 +375,22 @@ def test_grammars_compile_once_per_spec_and_steps_record_their_mask_time(served:
 
 
 @pytestmark_real
+def test_a_profile_shows_the_mask_work(served: Served, tmp_path) -> None:
+    engine = served.engine
+    spec = StructuredOutput.choice(["alpha", "beta", "gamma"])
+
+    async def run() -> Any:
+        job = asyncio.ensure_future(engine.profile(steps=3, path=tmp_path / "prof"))
+        while not job.done():  # structured traffic until the profile has its steps
+            await engine.generate(chat("Pick one."), SamplingParams(max_tokens=4, structured=spec))
+        return await job
+
+    result = served.call(run())
+    names = {event.get("name", "") for event in json.loads(result.trace_path.read_text())["traceEvents"]}
+    assert "asyncinfer.structured_mask" in names
+
+
+@pytestmark_real
 def test_grammars_compile_in_a_worker_thread(served: Served) -> None:
     grammars = served.engine.core.grammars
     assert grammars is not None
