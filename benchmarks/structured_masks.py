@@ -71,9 +71,9 @@ ORDER = {
 GRAMMARS: dict[str, tuple[str, Any, str]] = {
     "person": ("json_schema", PERSON, '{"name": "Ada Lovelace", "age": 36}'),
     "order": ("json_schema", ORDER,
-              '{"id": "ABC-1234", "status": "shipped", "items": [{"sku": "pen-blue", "quantity": 3, "price": 1.5}, '
-              '{"sku": "notebook", "quantity": 1, "price": 4.25}], "customer": {"name": "Grace Hopper", '
-              '"email": "grace@example.com", "vip": true}, "note": null}'),
+              ('{"id": "ABC-1234", "status": "shipped", "items": [{"sku": "pen-blue", "quantity": 3, "price": 1.5}, '
+               '{"sku": "notebook", "quantity": 1, "price": 4.25}], "customer": {"name": "Grace Hopper", '
+               '"email": "grace@example.com", "vip": true}, "note": null}')),
     "json_object": ("json_object", None,
                     '{"title": "A walk in the park", "tags": ["short", "calm"], "rating": 4.5, "draft": false}'),
     "regex": ("regex", r"\d{3}-\d{3}-\d{4}", "555-867-5309"),
@@ -177,12 +177,10 @@ def shift_apply(logits: Any, bitmask: Any) -> None:
 
 
 def numpy_apply(logits: Any, bitmask: Any) -> None:
-    """The sampler's way: numpy's ``unpackbits`` (little bit order: token ``32 w + b`` is bit ``b`` of word ``w``)."""
-    import numpy as np
-    import torch
+    """The sampler's way, :func:`asyncinfer.grammar.apply_token_bitmask`: numpy's ``unpackbits``."""
+    from asyncinfer.grammar import apply_token_bitmask
 
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[1]]
-    logits.masked_fill_(torch.from_numpy(bits.view(np.bool_)).logical_not_(), float("-inf"))
+    apply_token_bitmask(logits, bitmask)
 
 
 def time_us(fn: Callable[[], object], repeat: int = 50) -> float:
@@ -263,30 +261,34 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(f"{name} {r['version']}: tokenizer {r['tokenizer_s'] * 1e3:.0f} ms")
         for g, f in r["grammars"].items():
-            print(f"  {g:12s} compile {f['compile_s'] * 1e3:8.2f} ms   mask/token median {f['mask_us']['median']:8.1f} us"
-                  f"  p90 {f['mask_us']['p90']:8.1f}  max {f['mask_us']['max']:8.1f}   accept {f['accept_us']:6.1f} us"
+            mask = f["mask_us"]
+            print(f"  {g:12s} compile {f['compile_s'] * 1e3:8.2f} ms   mask/token median {mask['median']:8.1f} us"
+                  f"  p90 {mask['p90']:8.1f}  max {mask['max']:8.1f}   accept {f['accept_us']:6.1f} us"
                   f"   ({f['tokens']} tokens)")
 
     # Applying the masks to the logits: the same for both libraries (the sampler's torch unpacking).
     apply: dict[str, float] = {}
     words = (vocab_size + 31) // 32
     gen = torch.Generator().manual_seed(0)
+    try:
+        import xgrammar
+    except ImportError:
+        xgrammar = None
     for rows in (1, 32):
         logits = torch.randn(rows, vocab_size, generator=gen)
         bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
-        apply[f"torch_shifts_{rows}"] = time_us(lambda: shift_apply(logits.clone(), bitmask))
-        apply[f"numpy_unpackbits_{rows}"] = time_us(lambda: numpy_apply(logits.clone(), bitmask))
-        apply[f"clone_only_{rows}"] = time_us(lambda: logits.clone())
-        try:
-            import xgrammar
-        except ImportError:
-            continue
-        apply[f"xgrammar_kernel_{rows}"] = time_us(lambda: xgrammar.apply_token_bitmask_inplace(logits.clone(), bitmask))
+        ways: dict[str, Callable[[Any, Any], object]] = {"torch_shifts": shift_apply, "numpy_unpackbits": numpy_apply,
+                                                         "clone_only": lambda x, _: x}
+        if xgrammar is not None:
+            ways["xgrammar_kernel"] = xgrammar.apply_token_bitmask_inplace
+        for way, fn in ways.items():
+            apply[f"{way}_{rows}"] = time_us(lambda fn=fn, x=logits, m=bitmask: fn(x.clone(), m))
     print("apply a mask (us, a copy of the logits included): "
           + ", ".join(f"{k} {v:.1f}" for k, v in apply.items()))
 
     if args.json:
-        record = {"command": "python benchmarks/structured_masks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        given = argv if argv is not None else sys.argv[1:]
+        record = {"command": "python benchmarks/structured_masks.py " + " ".join(given),
                   "machine": machine_info(), "model": args.model or "default", "vocab_size": vocab_size,
                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   "libraries": results, "apply_us": apply}

@@ -52,7 +52,8 @@ PARAMS = SamplingParams(max_tokens=120, structured=StructuredOutput.json_schema(
 
 def prompt(message: str) -> list[dict[str, str]]:
     return [
-        {"role": "system", "content": "You extract contact details from messages as JSON. Use null for what is missing."},
+        {"role": "system",
+         "content": "You extract contact details from messages as JSON. Use null for what is missing."},
         {"role": "user", "content": message},
     ]
 

@@ -39,7 +39,8 @@ CPU = torch.device("cpu")
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {"name": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -82,7 +83,8 @@ def chat(text: str) -> list[dict[str, str]]:
 
 def test_constructors_build_equal_hashable_specs() -> None:
     a = StructuredOutput.json_schema(PERSON)
-    assert a == StructuredOutput.json_schema(json.dumps(PERSON)) and hash(a) == hash(StructuredOutput.json_schema(PERSON))
+    assert a == StructuredOutput.json_schema(json.dumps(PERSON))
+    assert hash(a) == hash(StructuredOutput.json_schema(PERSON))
     assert a.kind == "json_schema" and a.schema == PERSON
     assert list(json.loads(a.value)["properties"]) == ["name", "age"]  # the order the JSON is written in
     assert StructuredOutput.json_object() == StructuredOutput(kind="json_object")
@@ -151,7 +153,8 @@ class Allow:
 
 
 def shaped_state(tokens: list[int], **kw: Any) -> SamplingState:
-    return SamplingState(params=SamplingParams(**kw), prompt_token_ids=[1], matcher=Allow(tokens))  # type: ignore[arg-type]
+    matcher: Any = Allow(tokens)
+    return SamplingState(params=SamplingParams(**kw), prompt_token_ids=[1], matcher=matcher)
 
 
 def test_structured_rows_take_the_best_allowed_token_and_ignore_the_steps_greedy_ids() -> None:
@@ -164,7 +167,7 @@ def test_structured_rows_take_the_best_allowed_token_and_ignore_the_steps_greedy
     out = Sampler(100, CPU)(logits[:2], [plain, shaped_state(allowed)], greedy_ids=[7, 7])
     best = max(allowed, key=lambda t: float(logits[1, t]))
     assert out.token_ids == [7, best] and out.mask_seconds > 0
-    # Beside sampled rows, structured or not, the unconstrained rows get the tokens they get without the structured ones.
+    # Beside sampled rows, structured or not, the unconstrained rows get the tokens they get without structured ones.
     seeded = SamplingParams(temperature=1.0, seed=5)
     states = [plain, shaped_state(allowed), SamplingState(params=seeded, prompt_token_ids=[1]),
               shaped_state(allowed, temperature=1.0, seed=7)]

@@ -459,9 +459,7 @@ class EngineCore:
         elif params.stop_token_ids and token_id in request.sampling_state.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif complete:
+        elif (not params.ignore_eos and token_id in self.eos_token_ids) or complete:
             request.status = RequestStatus.FINISHED_STOPPED
 
 

@@ -52,8 +52,7 @@ _INSTALL = "pip install 'asyncinfer[structured]'"
 def library_missing() -> str | None:
     """Why structured output cannot run here (the grammar library is not installed), or None."""
     try:
-        import llguidance  # noqa: F401
-        import llguidance.hf  # noqa: F401
+        import llguidance.hf  # noqa: F401 - the package and the part the compiler uses
     except ImportError as exc:
         return f"structured output needs llguidance ({_INSTALL}): {exc}"
     return None
@@ -109,7 +108,7 @@ class GrammarMatcher:
 class CompiledGrammar:
     """A spec compiled for one vocabulary; :meth:`matcher` gives each sample its own state."""
 
-    __slots__ = ("spec", "_template")
+    __slots__ = ("_template", "spec")
 
     def __init__(self, spec: StructuredOutput, template: Any) -> None:
         self.spec = spec

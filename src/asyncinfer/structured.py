@@ -49,7 +49,8 @@ def _canonical_json(schema: object) -> str:
         if isinstance(value, Mapping):
             for key, item in value.items():
                 if not isinstance(key, str):
-                    raise InvalidParameterError(_NAME, f"<a schema key {key!r}>", "a JSON schema whose keys are strings")
+                    raise InvalidParameterError(_NAME, f"<a schema key {key!r}>",
+                                                "a JSON schema whose keys are strings")
                 check(item, depth + 1)
         elif isinstance(value, (list, tuple)):
             for item in value:
