@@ -216,21 +216,24 @@ class Sampler:
                 for i in others:
                     token_ids[i] = ids[i]
             else:
-                rest = self._sample_general(logits[self._index(others, dev)], [states[i] for i in others])
+                rest = self._sample_general(logits[self._index(others, dev)], [states[i] for i in others], fresh=True)
                 for j, i in enumerate(others):
                     token_ids[i], logprobs[i] = rest.token_ids[j], rest.logprobs[j]
-        rows = logits if len(structured) == n else logits[self._index(structured, dev)]
-        done = self._sample_general(rows, [states[i] for i in structured])
+        whole = len(structured) == n
+        rows = logits if whole else logits[self._index(structured, dev)]
+        done = self._sample_general(rows, [states[i] for i in structured], fresh=not whole)
         for j, i in enumerate(structured):
             token_ids[i], logprobs[i] = done.token_ids[j], done.logprobs[j]
         return SamplerOutput(token_ids, logprobs, done.mask_seconds)
 
     # ------------------------------------------------------------------ general path
 
-    def _sample_general(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def _sample_general(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
+                        fresh: bool = False) -> SamplerOutput:
+        """``fresh``: ``logits`` is a copy the sampler made (rows picked out of the step's): changed in place."""
         n = len(states)
         dev = logits.device
-        x = logits.to(dtype=torch.float32, copy=True)
+        x = logits if fresh and logits.dtype == torch.float32 else logits.to(dtype=torch.float32, copy=True)
 
         pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
         if pen_rows:
