@@ -97,3 +97,19 @@ def test_the_peer_benchmark_runs_both_engines_or_says_llama_cpp_is_missing(tmp_p
     assert set(result["many"]["llama_cpp_by_slots"]) == {"1", "3"} and result["workload"]["num_requests"] == 3
     assert result["many"]["asyncinfer_cache_on_off_identical"] == 3  # the prefix cache changes no token
     assert result["llama_cpp"]["system_info"] and result["weight_bytes_per_token"] > 0
+
+
+def test_the_structured_masks_benchmark_runs(real_gguf, tmp_path) -> None:
+    out = tmp_path / "structured_masks.json"
+    done = run_script("structured_masks.py", "--model", str(real_gguf), "--rounds", "1", "--grammars", "person",
+                      "choice", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for name in ("llguidance", "xgrammar"):  # measured where installed, else why not
+        lib = result["libraries"][name]
+        if isinstance(lib, str):
+            assert lib.startswith("ModuleNotFoundError") and f"{name}: NOT MEASURED" in done.stdout
+        else:
+            assert set(lib["grammars"]) == {"person", "choice"} and lib["grammars"]["person"]["tokens"] > 5
+    assert isinstance(result["libraries"]["llguidance"], dict)  # the engine's library: a dev dependency
+    assert {"numpy_unpackbits_1", "numpy_unpackbits_32"} <= set(result["apply_us"])

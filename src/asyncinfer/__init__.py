@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     )
     from asyncinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
     from asyncinfer.sampling_params import SamplingParams
+    from asyncinfer.structured import StructuredOutput
     from asyncinfer.threads import on_own_thread
 
 # Every public name but the errors: the module it is imported from on first use.
@@ -81,6 +82,7 @@ _LAZY: dict[str, str] = {
     "RequestOutput": "asyncinfer.outputs",
     "StreamDelta": "asyncinfer.outputs",
     "SamplingParams": "asyncinfer.sampling_params",
+    "StructuredOutput": "asyncinfer.structured",
     "on_own_thread": "asyncinfer.threads",
 }
 
@@ -120,6 +122,7 @@ __all__ = [
     "SamplingParams",
     "StepStats",
     "StreamDelta",
+    "StructuredOutput",
     "SwapError",
     "WrongEventLoopError",
     "__version__",

@@ -47,6 +47,7 @@ from typing import Any
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.detokenizer import IncrementalDetokenizer, StopMatcher
 from asyncinfer.errors import InvalidParameterError, RequestFailedError
+from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
@@ -80,6 +81,8 @@ class StepStats:
     long-running engine does not grow it; ``scheduled_requests / steps`` is the mean
     over every step. ``failed_steps`` counts steps that raised (their requests failed),
     ``idle_steps`` steps that scheduled nothing while requests were unfinished.
+    ``mask_seconds``: time spent on structured requests' grammars (computing and applying their
+    token masks, advancing their matchers), over ``masked_tokens`` tokens sampled under a grammar.
     """
 
     steps: int = 0
@@ -90,6 +93,8 @@ class StepStats:
     scheduled_requests: int = 0
     failed_steps: int = 0
     idle_steps: int = 0
+    mask_seconds: float = 0.0
+    masked_tokens: int = 0
 
 
 class EngineCore:
@@ -104,6 +109,7 @@ class EngineCore:
         tokenizer: Any,
         eos_token_ids: Sequence[int],
         max_model_len: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -111,6 +117,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        # Structured output's compiler for this model's vocabulary (None: a model without a tokenizer).
+        self.grammars = grammars
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
         # The running step's requests once it is scheduled (None before): what fail_step fails.
@@ -136,6 +144,11 @@ class EngineCore:
         refusal = self._refusal(request)
         if refusal is not None:
             return self._refused(request, refusal)
+        if request.params.structured is not None and request.grammar is None:
+            try:  # added to the core directly (tests, benchmarks); the engine compiles it off its threads first
+                request.grammar = self.compile_grammar(request.params.structured)
+            except InvalidParameterError as exc:
+                return self._refused(request, exc)
         try:
             self._prepare(request)
             if request.params.n > 1:
@@ -160,6 +173,13 @@ class EngineCore:
             return InvalidParameterError("n", request.params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
         return None
 
+    def compile_grammar(self, spec: Any) -> Any:
+        """``spec`` (a :class:`~asyncinfer.structured.StructuredOutput`) compiled for this model's vocabulary
+        (cached). Blocking. Raises :class:`InvalidParameterError` on ``structured``."""
+        if self.grammars is None:
+            raise InvalidParameterError("structured", spec.kind, "None: this model has no tokenizer")
+        return self.grammars.compile(spec)
+
     def _holds(self, rid: str) -> bool:
         """Whether ``rid`` is the id of a sample in this core, forked or still to fork."""
         if rid in self.scheduler.requests or rid in self._groups:
@@ -176,6 +196,7 @@ class EngineCore:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             generator=None,
+            matcher=None if request.grammar is None else request.grammar.matcher(),  # its own, per sample
         )
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(
@@ -233,6 +254,7 @@ class EngineCore:
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
+        result.mask_seconds = tokens.mask_seconds
         self._count(result)
         outputs = self._outputs(result, tokens)
         if self.on_step is not None:
@@ -370,6 +392,8 @@ class EngineCore:
         stats.scheduled_requests += result.num_scheduled
         stats.decode_tokens += result.decode_tokens
         stats.prefill_tokens += result.prefill_tokens
+        stats.mask_seconds += result.mask_seconds
+        stats.masked_tokens += sum(1 for request, _ in result.sampled if request.is_structured)
 
     def _outputs(self, result: StepResult, tokens: _StepTokens) -> list[CoreOutput]:
         """The step's outputs: one per sampled request, and one final error output per sample of
@@ -430,9 +454,13 @@ class EngineCore:
 
     def _check_stop(self, request: Request, token_id: int, stop_hit: bool) -> None:
         """Finish ``request`` if ``token_id`` (just appended) stops it: a stop string (``stop_hit``),
-        a stop token id or EOS, once it has ``min_tokens``. Length is :func:`apply_step`'s rule."""
+        a stop token id or EOS, once it has ``min_tokens``; or its grammar is complete (nothing but EOS
+        may follow, or EOS was taken: whatever ``min_tokens`` and ``ignore_eos`` say, no other token could
+        come). Length is :func:`apply_step`'s rule."""
         params = request.params
-        if request.num_output_tokens < params.min_tokens:
+        matcher = request.sampling_state.matcher if request.sampling_state is not None else None
+        complete = matcher is not None and matcher.is_stopped
+        if request.num_output_tokens < params.min_tokens and not complete:
             return
         if stop_hit:
             request.status = RequestStatus.FINISHED_STOPPED
@@ -440,7 +468,7 @@ class EngineCore:
         elif params.stop_token_ids and token_id in request.sampling_state.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
+        elif (not params.ignore_eos and token_id in self.eos_token_ids) or complete:
             request.status = RequestStatus.FINISHED_STOPPED
 
 
@@ -458,6 +486,8 @@ class _StepTokens:
     texts: dict[Request, str] = field(default_factory=dict)
     # The user's requests that failed alone in this step: their id -> (the sample that failed, the error).
     failed: dict[str, tuple[Request, RequestFailedError]] = field(default_factory=dict)
+    # Seconds spent on grammars in this step: the sampler's masks and the matchers' advances.
+    mask_seconds: float = 0.0
 
     def sample(self, caught_up: list[Request]) -> list[tuple[Request, int]]:
         # The runner returned a row for exactly the requests that catch up (decodes first).
@@ -469,10 +499,20 @@ class _StepTokens:
         states = [r.sampling_state for r in requests]
         greedy_ids = None if forked else self.output.greedy_ids  # one per row of the runner's logits
         drawn = self.core.sampler(logits, states, greedy_ids=greedy_ids)
+        self.mask_seconds += drawn.mask_seconds
         self.logprobs = dict(zip(requests, drawn.logprobs))
         return list(zip(requests, drawn.token_ids))
 
     def check_stop(self, request: Request, token_id: int) -> None:
+        matcher = request.sampling_state.matcher if request.sampling_state is not None else None
+        if matcher is not None:  # advance its grammar by the token (its mask allowed it)
+            start = time.perf_counter()
+            accepted = matcher.accept(token_id)
+            self.mask_seconds += time.perf_counter() - start
+            if not accepted:
+                self.fail(request, "its grammar", ValueError(f"token {token_id} is not allowed: {matcher.error}"))
+                request.status = RequestStatus.FINISHED_ABORTED  # apply_step hands it to finish_requests
+                return
         text, stop_hit = ("", False)
         if request.detokenizer is not None:
             try:

@@ -6,7 +6,10 @@ token ids when the generator serves and the text is short), and
 :meth:`RequestIntake.bind` awaits admission (a drain-mode swap may hold it), binds
 the request to the version that serves, and reuses the ids computed at the call
 when that version still serves. Nothing awaits between ``bind`` returning and the
-request being posted to the engine thread.
+request being posted to the engine thread. A structured request's grammar
+(``SamplingParams.structured``) is compiled for the bound version in ``bind`` too: from
+the version's cache, or in a worker thread (never on the loop), so that a spec the
+grammar library refuses is an :class:`InvalidParameterError` before anything is queued.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -18,7 +21,9 @@ import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import anyio
 
 from asyncinfer.catalog import ModelCatalog
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
@@ -111,18 +116,37 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
-            version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+            version, ids, grammar = await self._bind(prompt, args, model, check_running)
             check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
             self._check_id_free(args.request_id, args.params.n)
             self._check_load(model)
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
                                    version.max_model_len)
+            request.grammar = grammar
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
             raise
         if self._observer is not None:
             self._observer.track(request, version.version_id)
         return request, version, self.models.generator(model)
+
+    async def _bind(self, prompt: Prompt, args: RequestArgs, model: str | None,
+                    check_running: Callable[[], None]) -> tuple[ModelVersion, list[int], Any]:
+        """The version, the prompt's ids for it and, for a structured request, its grammar compiled for it."""
+        spec = args.params.structured
+        while True:
+            version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+            if spec is None:
+                return version, ids, None
+            core = version.core
+            assert core is not None
+            grammar = core.grammars.cached(spec) if core.grammars is not None else None
+            if grammar is not None:
+                return version, ids, grammar
+            grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec)
+            check_running()
+            if self.models.generator(model).current is version:  # else a swap moved it on: bind again
+                return version, ids, grammar
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

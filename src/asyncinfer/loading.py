@@ -40,6 +40,7 @@ from asyncinfer.embedding import (
     plan_embedding,
 )
 from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
+from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.holder import ModelVersion
 from asyncinfer.memory import (
     MemoryPlan,
@@ -269,6 +270,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         tokenizer=loaded.tokenizer,
         eos_token_ids=eos,
         max_model_len=max_model_len,
+        grammars=None if loaded.tokenizer is None else GrammarCompiler(loaded.tokenizer, mc.vocab_size, eos),
     )
     return plan, core
 

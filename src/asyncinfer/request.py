@@ -58,9 +58,12 @@ class Request:
     # queue time. Set by asyncinfer.step.scheduled, whatever the metrics setting.
     scheduled_time: float | None = None
     stop_reason: int | str | None = None
-    # Owned by the core: sampling state (seeded generator) and detokenizer.
+    # Owned by the core: sampling state (seeded generator, grammar matcher) and detokenizer.
     sampling_state: Any = None
     detokenizer: Any = None
+    # A structured request's grammar compiled for its model (asyncinfer.grammar.CompiledGrammar), set when it
+    # is bound to the model (off the event loop); each sample gets its own matcher from it. None otherwise.
+    grammar: Any = None
     # Samples 1 .. n-1 not forked from this one yet: the driver forks them when it has
     # computed its prompt (asyncinfer.step.fork_samples). ``n - 1`` for a request as added.
     num_unforked_samples: int = field(init=False)
@@ -76,6 +79,12 @@ class Request:
         running set stays within the limit when the forked samples join it.
         """
         return 1 + self.num_unforked_samples
+
+    @property
+    def is_structured(self) -> bool:
+        """Whether its output is constrained (``params.structured``): each of its sampled steps computes a
+        token mask (a policy may weigh that cost; ``EngineCore.stats.mask_seconds`` has the total)."""
+        return self.params.structured is not None
 
     @property
     def group_id(self) -> str:

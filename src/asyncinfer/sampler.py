@@ -2,7 +2,7 @@
 
 Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
 
-    logits ─► penalties (repetition, frequency, presence) ─► min_tokens mask
+    logits ─► penalties (repetition, frequency, presence) ─► min_tokens mask ─► grammar mask (structured rows)
            ├─► [logprobs are taken here: log_softmax of these "processed" logits]
            ├─► greedy rows: argmax (one batched call)
            └─► sampling rows: / temperature ─► top_k ─► top_p ─► min_p ─► draw
@@ -17,6 +17,14 @@ Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over
   output tokens only. They apply to greedy rows too, and are computed sparsely
   (gather/scatter over the (row, token) pairs that occur, not rows x vocab).
+* **Structured rows** (a state with a grammar ``matcher``, ``SamplingParams.structured``) are sampled
+  apart from the others: each matcher writes its row of one int32 bitmask (the tokens its grammar
+  allows next), and :func:`asyncinfer.grammar.apply_token_bitmask` sets the rest of those rows to
+  ``-inf`` after the penalties and the min_tokens mask, before logprobs, temperature and the filters
+  (which so act on the allowed tokens only). Greedy structured rows take the argmax of their masked
+  row, never the step's ``greedy_ids``. The other rows of the batch take exactly the path they would
+  take without them (the fast path included), so their tokens do not change. The time spent on the
+  masks is :attr:`SamplerOutput.mask_seconds` (and ``asyncinfer.structured_mask`` in a profile).
 * **min_tokens.** While a request has fewer than ``min_tokens`` output tokens,
   the sampler's ``eos_token_ids`` and the request's ``stop_token_ids`` get ``-inf``.
 * **ignore_eos** is *not* handled here: EOS stays sampleable, the engine core
@@ -43,6 +51,7 @@ The sampler never modifies the ``logits`` tensor it is given.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +59,7 @@ import torch
 
 from asyncinfer import kernels
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.grammar import GrammarMatcher, apply_token_bitmask, bitmask_words
 from asyncinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplerOutput", "Sampler", "SamplingState", "TokenLogprobs"]
@@ -69,12 +79,15 @@ class SamplingState:
     sampler's device) the first time a seeded request is sampled; leave it ``None``.
     ``plain_greedy`` (used by the fast path) is derived from ``params`` once, at
     construction: build a new state rather than replacing ``params``.
+    ``matcher``: a structured request's grammar state (its own per sample), advanced by the
+    engine with each token it accepts; the sampler only asks it for the next mask.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: GrammarMatcher | None = None
     # True when the row needs nothing but argmax (decided once, from the params).
     plain_greedy: bool = field(init=False, repr=False, default=False)
     #: ``params.stop_token_ids`` as a set, built once: a stop check per token that costs the same for any list.
@@ -86,7 +99,8 @@ class SamplingState:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain_greedy = p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+        self.plain_greedy = (p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+                             and self.matcher is None)
         self.stop_token_ids = frozenset(p.stop_token_ids or ())
 
 
@@ -101,10 +115,12 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    """One step's result: ``token_ids[i]`` and ``logprobs[i]`` belong to ``states[i]``."""
+    """One step's result: ``token_ids[i]`` and ``logprobs[i]`` belong to ``states[i]``; ``mask_seconds``:
+    the time spent computing and applying the structured rows' grammar masks (0 without any)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    mask_seconds: float = 0.0
 
 
 class Sampler:
@@ -135,6 +151,8 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        # The structured rows' bitmasks (int32, CPU), grown to the most rows a step has had.
+        self._bitmask = torch.zeros((0, bitmask_words(self.vocab_size)), dtype=torch.int32)
 
     # ------------------------------------------------------------------ public
 
@@ -169,24 +187,60 @@ class Sampler:
         if all(s.plain_greedy for s in states):
             # Hot path: no copy, no per-row tensor work, one sync (asyncinfer's one-pass kernel where a
             # block-format model has loaded it: torch's argmax took ~40 us a row of 49,152 here).
-            if greedy_ids is not None and vocab == self.vocab_size:  # over all columns: only the real ones
-                return SamplerOutput(list(greedy_ids), [None] * n)
-            if kernels.loaded() and kernels.argmax_takes(logits):
-                return SamplerOutput(kernels.argmax(logits), [None] * n)
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)
-        return self._sample_general(logits, states)
+            return SamplerOutput(self._greedy(logits, greedy_ids if vocab == self.vocab_size else None), [None] * n)
+        structured = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not structured:
+            return self._sample_general(logits, states)
+        return self._split(logits, states, structured, greedy_ids if vocab == self.vocab_size else None)
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, greedy_ids: Sequence[int] | None) -> list[int]:
+        """Each row's argmax: the step's own (over all columns: only when they are the real ones), else computed."""
+        if greedy_ids is not None:
+            return list(greedy_ids)
+        if kernels.loaded() and kernels.argmax_takes(logits):
+            return kernels.argmax(logits)
+        return logits.argmax(dim=-1).tolist()
+
+    def _split(self, logits: torch.Tensor, states: Sequence[SamplingState], structured: list[int],
+               greedy_ids: Sequence[int] | None) -> SamplerOutput:
+        """A batch with structured rows: those sampled on their own with their masks, the others as if alone."""
+        n = len(states)
+        dev = logits.device
+        token_ids = [0] * n
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        others = [i for i in range(n) if states[i].matcher is None]
+        if others:
+            if all(states[i].plain_greedy for i in others):
+                ids = self._greedy(logits, greedy_ids)  # the rows' own argmax: the structured rows' are unused
+                for i in others:
+                    token_ids[i] = ids[i]
+            else:
+                rest = self._sample_general(logits[self._index(others, dev)], [states[i] for i in others], fresh=True)
+                for j, i in enumerate(others):
+                    token_ids[i], logprobs[i] = rest.token_ids[j], rest.logprobs[j]
+        whole = len(structured) == n
+        rows = logits if whole else logits[self._index(structured, dev)]
+        done = self._sample_general(rows, [states[i] for i in structured], fresh=not whole)
+        for j, i in enumerate(structured):
+            token_ids[i], logprobs[i] = done.token_ids[j], done.logprobs[j]
+        return SamplerOutput(token_ids, logprobs, done.mask_seconds)
 
     # ------------------------------------------------------------------ general path
 
-    def _sample_general(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def _sample_general(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
+                        fresh: bool = False) -> SamplerOutput:
+        """``fresh``: ``logits`` is a copy the sampler made (rows picked out of the step's): changed in place."""
         n = len(states)
         dev = logits.device
-        x = logits.to(dtype=torch.float32, copy=True)
+        x = logits if fresh and logits.dtype == torch.float32 else logits.to(dtype=torch.float32, copy=True)
 
         pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
         if pen_rows:
             self._apply_penalties(x, pen_rows, states)
         self._apply_min_tokens(x, states)
+        mask_rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        mask_seconds = self._apply_grammars(x, mask_rows, states) if mask_rows else 0.0
 
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         logp = None
@@ -207,8 +261,30 @@ class Sampler:
             tokens[si] = self._sample_rows(x[si], [states[i] for i in sample_rows])
 
         if logp is None:
-            return SamplerOutput(tokens.tolist(), [None] * n)
-        return self._with_logprobs(tokens, logp, lp_rows, states)
+            return SamplerOutput(tokens.tolist(), [None] * n, mask_seconds)
+        out = self._with_logprobs(tokens, logp, lp_rows, states)
+        out.mask_seconds = mask_seconds
+        return out
+
+    def _apply_grammars(self, x: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> float:
+        """Mask ``x``'s structured ``rows`` to the tokens their grammars allow next, in place; returns the seconds."""
+        start = time.perf_counter()
+        with torch.profiler.record_function("asyncinfer.structured_mask"):
+            if self._bitmask.shape[0] < len(rows):
+                self._bitmask = torch.zeros((len(rows), self._bitmask.shape[1]), dtype=torch.int32)
+            bitmask = self._bitmask
+            for j, i in enumerate(rows):
+                matcher = states[i].matcher
+                assert matcher is not None
+                matcher.fill(bitmask, j)
+            if len(rows) == x.shape[0]:
+                apply_token_bitmask(x, bitmask)
+            else:
+                index = self._index(rows, x.device)
+                part = x[index]
+                apply_token_bitmask(part, bitmask)
+                x[index] = part
+        return time.perf_counter() - start
 
     @staticmethod
     def _index(rows: list[int], dev: torch.device) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.structured import StructuredOutput
 
 __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams"]
 
@@ -139,6 +140,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             request is refused with ``InvalidParameterError`` on ``max_tokens``, as vLLM's
             server refuses it. True: it runs, and its output stops once prompt + output
             reach ``max_model_len`` (``finish_reason="length"``). bool.
+        structured: constrain the output to a JSON schema, any JSON object, a regular expression,
+            one of a list of strings or a grammar: a :class:`~asyncinfer.structured.StructuredOutput`
+            (``StructuredOutput.json_schema(schema)``, ``.json_object()``, ``.regex(pattern)``,
+            ``.choice([...])``, ``.grammar(text)``), or ``None`` (default). Tokens the constraint does
+            not allow are masked before temperature, top-k/p and min-p, greedy or sampled; a reply
+            ends with ``finish_reason="stop"`` once the constraint is complete (EOS, or nothing else
+            may follow), ``"length"`` if ``max_tokens`` cut it first (then it is incomplete). A spec
+            the grammar library refuses is an ``InvalidParameterError`` on ``structured`` when the
+            request is bound to a model, before it is queued. Needs ``asyncinfer[structured]``;
+            docs/structured_output.md.
     """
 
     max_tokens: int = 128
@@ -159,6 +170,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     n: int = 1
     truncate_output_to_model_len: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
@@ -237,6 +249,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
 
         _check_int("n", self.n, 1, _MAX_N, f"an int in [1, {_MAX_N}]")
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidParameterError(
+                "structured", _shown(self.structured),
+                "None or a StructuredOutput (StructuredOutput.json_schema(...), .json_object(), .regex(...), "
+                ".choice([...]), .grammar(...))",
+            )
 
     # ------------------------------------------------------------------ helpers
 

@@ -54,6 +54,7 @@ class StepResult:
     prefill_tokens: int = 0  # every other scheduled token: prompts, chunks, recomputation
     sampled: list[tuple[Request, int]] = field(default_factory=list)  # each request that got a token, with it
     finished: list[Request] = field(default_factory=list)  # handed to scheduler.finish_requests
+    mask_seconds: float = 0.0  # structured requests' grammar time in the step (set by the engine core; 0 elsewhere)
 
 
 def scheduled(scheduler: Scheduler, plan: SchedulerOutput) -> list[tuple[Request, int]]:
@@ -205,6 +206,7 @@ def fork_samples(kv: KVCacheManager, request: Request) -> list[Request]:
             index=index,
             parent_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
+            grammar=request.grammar,  # each sample gets its own matcher from it
         )
         kv.fork(request.request_id, child, request.num_computed_tokens)
         children.append(child)

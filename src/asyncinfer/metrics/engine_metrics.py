@@ -95,6 +95,7 @@ class _ModelFigures:
         self.step_tokens = t.Histogram(t.TOKEN_BUCKETS)
         self.step_seqs = t.Histogram(t.SEQ_BUCKETS)
         self.step_seconds = t.Histogram(t.STEP_SECONDS_BUCKETS)
+        self.step_mask_seconds = t.Histogram(t.MASK_SECONDS_BUCKETS)  # steps that sampled a structured request
 
 
 class EngineMetrics:
@@ -171,7 +172,8 @@ class EngineMetrics:
             if record:
                 # A decode-only step reads the weights once, and the K/V of every context token attended over.
                 bytes_read = 0 if result.prefill_tokens else weights + sum(inputs.context_lens) * per_token
-                append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read))
+                append((name, duration, len(batch), result.prefill_tokens + result.decode_tokens, bytes_read,
+                        result.mask_seconds))
             profiler = self.profiler
             if profiler is not None and profiler.tick() and self.profiler is profiler:
                 self.profiler = None
@@ -260,9 +262,11 @@ class EngineMetrics:
         """Move the engine thread's step tuples into the histograms (the lock is held)."""
         steps = self._steps
         while steps:
-            name, duration, seqs, tokens, bytes_read = steps.popleft()
+            name, duration, seqs, tokens, bytes_read, mask_seconds = steps.popleft()
             fig = self._model(name)
             fig.step_seconds.observe(duration)
+            if mask_seconds:
+                fig.step_mask_seconds.observe(mask_seconds)
             fig.step_seqs.observe(seqs)
             fig.step_tokens.observe(tokens)
             if bytes_read and duration > 0:
@@ -361,7 +365,8 @@ class EngineMetrics:
             ttft=fig.ttft.snapshot(), tpot=fig.tpot.snapshot(), e2e_latency=fig.e2e.snapshot(),
             queue_time=fig.queue.snapshot(), prompt_len=fig.prompt_len.snapshot(),
             output_len=fig.output_len.snapshot(), step_tokens=fig.step_tokens.snapshot(),
-            step_sequences=fig.step_seqs.snapshot(), step_duration=fig.step_seconds.snapshot(), **gauges,
+            step_sequences=fig.step_seqs.snapshot(), step_duration=fig.step_seconds.snapshot(),
+            step_mask_duration=fig.step_mask_seconds.snapshot(), **gauges,
         )
 
     @staticmethod

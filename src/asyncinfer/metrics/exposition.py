@@ -75,6 +75,8 @@ HISTOGRAMS: tuple[tuple[str, str, Read], ...] = (
     ("step_tokens", "Tokens computed per step", lambda m: m.step_tokens),
     ("step_sequences", "Requests per step", lambda m: m.step_sequences),
     ("step_duration_seconds", "Wall time of one engine step", lambda m: m.step_duration),
+    ("step_mask_seconds", "Per step that sampled structured requests: seconds on their grammar masks",
+     lambda m: m.step_mask_duration),
 )
 ENGINE_GAUGES: tuple[tuple[str, str, str, Callable[[MetricsSnapshot], Any]], ...] = (
     ("memory_bandwidth_bytes_per_second", "The device's memory bandwidth (measured at start-up or given)",

@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: A step's structured-output mask time: tens of microseconds a row to tens of milliseconds a batch.
+MASK_SECONDS_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131072
 SEQ_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
 
@@ -133,6 +135,7 @@ class ModelMetrics:
     step_tokens: HistogramSnapshot | None = None
     step_sequences: HistogramSnapshot | None = None
     step_duration: HistogramSnapshot | None = None
+    step_mask_duration: HistogramSnapshot | None = None  # steps that sampled a structured request: their mask time
 
     @property
     def decode_bandwidth(self) -> float | None:

@@ -1,0 +1,234 @@
+"""Structured output's engine side: a :class:`~asyncinfer.structured.StructuredOutput` spec compiled
+for one model's vocabulary, and the per-sample matchers whose token masks the sampler applies.
+
+Built on llguidance (the optional extra ``asyncinfer[structured]``; ``benchmarks/structured_masks.py``
+measured it against xgrammar, docs/structured_output.md has the figures), imported only when a
+structured request first needs it. Three objects:
+
+- :class:`GrammarCompiler` — one per model version (``EngineCore.grammars``, built at load, cheap):
+  the library's view of the vocabulary (built on first use, ~1 s) and a bounded LRU cache of compiled
+  grammars keyed by spec. :meth:`GrammarCompiler.compile` is thread-safe and blocking: the engine calls
+  it in a worker thread (off the event loop and off the engine thread), :meth:`GrammarCompiler.cached`
+  is the loop's free look-up first.
+- :class:`CompiledGrammar` — a spec compiled and checked (it parses, and some text satisfies it);
+  :meth:`CompiledGrammar.matcher` gives each sample its own matcher (a copy of a template: cheap).
+- :class:`GrammarMatcher` — one sample's parser state: :meth:`~GrammarMatcher.fill` writes the allowed
+  tokens of the next position as a bitmask row, :meth:`~GrammarMatcher.accept` advances by a sampled
+  token; :attr:`~GrammarMatcher.is_stopped` says the grammar is complete and nothing may follow.
+
+:func:`apply_token_bitmask` sets the disallowed logits of a batch of rows to ``-inf``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.structured import StructuredOutput
+
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarMatcher",
+    "apply_token_bitmask",
+    "bitmask_words",
+    "library_missing",
+]
+
+#: Compiled grammars a model keeps (least recently used dropped first).
+DEFAULT_CACHE_SIZE = 256
+#: How JSON is written: one line, ``", "`` and ``": "`` between items (json.dumps's own separators).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_INSTALL = "pip install 'asyncinfer[structured]'"
+
+
+def library_missing() -> str | None:
+    """Why structured output cannot run here (the grammar library is not installed), or None."""
+    try:
+        import llguidance.hf  # noqa: F401 - the package and the part the compiler uses
+    except ImportError as exc:
+        return f"structured output needs llguidance ({_INSTALL}): {exc}"
+    return None
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask: bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[i, t]`` to ``-inf`` where bit ``t`` of ``bitmask[i]`` is 0, in place.
+
+    ``logits``: [rows, vocab] float on any device; ``bitmask``: [rows, >= bitmask_words(vocab)] int32 on the CPU.
+    """
+    rows, vocab = logits.shape
+    # The complement's bits, unpacked: 1 where a token is blocked (no pass over rows x vocab to negate them).
+    bits = np.unpackbits(np.invert(bitmask[:rows].numpy().view(np.uint8)), axis=-1, bitorder="little")[:, :vocab]
+    blocked = torch.from_numpy(bits.view(np.bool_))
+    if logits.device.type != "cpu":
+        blocked = blocked.to(logits.device, non_blocking=True)
+    logits.masked_fill_(blocked, float("-inf"))
+
+
+class GrammarMatcher:
+    """One sample's position in its grammar (engine thread only)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32, CPU, contiguous)."""
+        out = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False if the grammar does not allow it (the matcher is then in error)."""
+        return bool(self._m.consume_token(token_id))
+
+    @property
+    def is_stopped(self) -> bool:
+        """Whether the grammar is complete and no token but EOS may follow (or the matcher is in error)."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str:
+        """The matcher's error ("" when none)."""
+        return str(self._m.get_error())
+
+
+class CompiledGrammar:
+    """A spec compiled for one vocabulary; :meth:`matcher` gives each sample its own state."""
+
+    __slots__ = ("_template", "spec")
+
+    def __init__(self, spec: StructuredOutput, template: Any) -> None:
+        self.spec = spec
+        self._template = template
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles specs for one model's vocabulary, with a bounded LRU cache (thread-safe).
+
+    ``tokenizer``: the model's (a fast Hugging Face tokenizer); ``vocab_size``: the model's logits
+    columns; ``eos_token_ids``: the tokens that end a reply (a complete grammar allows them).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._vocab_lock = threading.Lock()
+        self._vocab: Any = None
+        self._vocab_error: str | None = None
+        self.compiled = 0  # specs compiled (cache misses), for tests and metrics
+
+    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if the cache holds it (marked recently used), else None."""
+        with self._lock:
+            found = self._cache.get(spec)
+            if found is not None:
+                self._cache.move_to_end(spec)
+            return found
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """``spec`` compiled (from the cache when it holds it). Blocking: call it off the event loop.
+
+        Raises:
+            InvalidParameterError: on ``structured``: the library refuses the spec (with its reason), no
+                text satisfies it, or the library is not installed.
+        """
+        found = self.cached(spec)
+        if found is not None:
+            return found
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            self.compiled += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        missing = library_missing()
+        if missing is not None:
+            raise InvalidParameterError("structured", _shown(spec), f"None: {missing}")
+        import llguidance
+
+        grammar = _grammar_text(llguidance, spec)
+        matcher = llguidance.LLMatcher(self._vocabulary(spec), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
+                                                                    f"{matcher.get_error().strip()}")
+        probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+        GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
+        if matcher.is_error() or not bool(probe.any()):
+            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} that some text satisfies")
+        return CompiledGrammar(spec, matcher)
+
+    def _vocabulary(self, spec: StructuredOutput) -> Any:
+        """llguidance's view of the vocabulary, built once (a tokenizer it cannot read: refused each time)."""
+        with self._vocab_lock:
+            if self._vocab is None and self._vocab_error is None:
+                import llguidance.hf
+
+                try:
+                    self._vocab = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids) or None
+                    )
+                except Exception as exc:  # noqa: BLE001 - e.g. a slow (Python) tokenizer: no structured output
+                    self._vocab_error = f"{type(exc).__name__}: {exc}"
+            if self._vocab_error is not None:
+                raise InvalidParameterError("structured", _shown(spec),
+                                            f"None: this model's tokenizer cannot be used for it ({self._vocab_error})")
+            return self._vocab
+
+
+_WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
+         "choice": "list of choices", "grammar": "grammar"}
+
+
+def _shown(spec: StructuredOutput) -> str:
+    value = spec.value if isinstance(spec.value, str) else repr(list(spec.value))
+    return f"{spec.kind}: {value[:200]}{'...' if len(value) > 200 else ''}"
+
+
+def _grammar_text(llguidance: Any, spec: StructuredOutput) -> str:
+    """The llguidance grammar of ``spec`` (its errors are reported by the matcher built from it)."""
+    M = llguidance.LLMatcher
+    value = spec.value
+    if spec.kind == "json_schema":
+        return M.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
+    if spec.kind == "json_object":
+        return M.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
+    if spec.kind == "regex":
+        return M.grammar_from_regex(value)
+    if spec.kind == "choice":
+        return M.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
+    try:
+        return llguidance.grammar_from("grammar", value)  # GBNF converted to Lark, or Lark as it is
+    except ValueError as exc:
+        raise InvalidParameterError("structured", _shown(spec), f"a GBNF or Lark grammar: {exc}") from None
+
+
+def _lark_string(text: str) -> str:
+    """``text`` as a Lark string literal (JSON's escapes are Lark's)."""
+    import json
+
+    return json.dumps(text, ensure_ascii=False)
