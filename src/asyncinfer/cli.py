@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from asyncinfer.errors import AsyncInferError, InvalidParameterError
+from asyncinfer.errors import AsyncInferError, InvalidParameterError, exception_text
 from asyncinfer.sampling_params import SamplingParams
 
 # (flag, SamplingParams field, type, help)
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if os.environ.get("ASYNCINFER_DEBUG") == "1":
             raise
-        print(f"asyncinfer: internal error: {type(exc).__name__}: {exc} (ASYNCINFER_DEBUG=1 shows the traceback)",
+        print(f"asyncinfer: internal error: {exception_text(exc)} (ASYNCINFER_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1
 

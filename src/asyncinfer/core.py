@@ -46,7 +46,7 @@ from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.detokenizer import IncrementalDetokenizer, StopMatcher
-from asyncinfer.errors import InvalidParameterError, RequestFailedError
+from asyncinfer.errors import InvalidParameterError, RequestFailedError, exception_text
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus, sample_id
@@ -540,12 +540,13 @@ class _StepTokens:
 
 
 def _log_fault(what: str, request: Request, exc: BaseException) -> None:
-    logger.error("request %r fails alone: %s: %s: %s (the engine serves on)",
-                 request.group_id, what, type(exc).__name__, exc, exc_info=exc)
+    logger.error("request %r fails alone: %s: %s (the engine serves on)",
+                 request.group_id, what, exception_text(exc), exc_info=exc)
 
 
 def _failure(request_id: str, where: str, cause: BaseException) -> RequestFailedError:
-    error = RequestFailedError(f"request {request_id!r} failed: {where} raised {type(cause).__name__}: {cause}")
+    """The error a request fails with (``cause`` chained); its message never raises, whatever ``cause`` is."""
+    error = RequestFailedError(f"request {request_id!r} failed: {where} raised {exception_text(cause)}")
     error.__cause__ = cause
     return error
 

@@ -69,6 +69,28 @@ def _short_repr(value: object) -> str:
     return _SHOWN.repr(value)
 
 
+#: The most characters of an exception's message :func:`exception_text` keeps.
+MAX_EXCEPTION_TEXT = 1000
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception from code the engine does not own (a scheduler plugin, a tokenizer),
+    for a request's error and the log: never raises (a ``__str__`` that raises or returns no string reads as
+    the type's name and a note) and is bounded to :data:`MAX_EXCEPTION_TEXT` characters of message."""
+    name = type(exc).__name__
+    try:
+        text = str(exc)
+        if type(text) is not str:
+            raise TypeError(f"__str__ returned {type(text).__name__}")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:  # noqa: BLE001 - whatever its __str__ does, the engine reports the fault
+        return f"{name} (its message could not be read: its __str__ raised)"
+    if len(text) > MAX_EXCEPTION_TEXT:
+        text = f"{text[:MAX_EXCEPTION_TEXT]}... ({len(text)} characters)"
+    return f"{name}: {text}" if text else name
+
+
 class ModelLoadError(AsyncInferError):
     """The model could not be found, parsed or mapped onto the runner."""
 

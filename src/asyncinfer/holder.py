@@ -36,7 +36,7 @@ from typing import Any
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import EngineCore
 from asyncinfer.embedding import EmbeddingPlan
-from asyncinfer.errors import EngineDeadError, RequestStalledError
+from asyncinfer.errors import EngineDeadError, RequestStalledError, exception_text
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput
@@ -160,7 +160,7 @@ class ModelHolder:
             if version.failures_in_a_row >= limit:
                 raise EngineDeadError(
                     f"{limit} consecutive steps of model version {version.version_id} failed "
-                    f"(max_consecutive_step_failures={limit}); the last one raised {type(exc).__name__}: {exc}"
+                    f"(max_consecutive_step_failures={limit}); the last one raised {exception_text(exc)}"
                 ) from exc
             self.progressed = True
             return core.fail_step(exc)

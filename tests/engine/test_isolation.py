@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 import pytest
@@ -45,14 +46,15 @@ class Poisoned(RuntimeError):
 
 class PoisonTokenizer:
     """Each id decodes to a character of its own, except ``poison``, which it cannot decode
-    (as a tokenizer whose vocabulary lacks an id the model can produce)."""
+    (as a tokenizer whose vocabulary lacks an id the model can produce); ``error`` builds what it raises."""
 
-    def __init__(self, poison: int) -> None:
+    def __init__(self, poison: int, error: Callable[[str], BaseException] | None = None) -> None:
         self.poison = poison
+        self.error = error or Poisoned
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.poison in ids:
-            raise Poisoned(f"cannot decode token {self.poison}")
+            raise self.error(f"cannot decode token {self.poison}")
         return "".join(chr(0x4E00 + i) for i in ids)
 
 
@@ -111,6 +113,17 @@ class PluginSignal(BaseException):
     """A plugin's own ``BaseException`` subclass (not an ``Exception``): a fault like any other."""
 
 
+class Unprintable(RuntimeError):
+    """A fault whose ``str()`` and ``repr()`` raise: reporting it must not become a second fault (it used to
+    escape the isolation while its message was built, failing the neighbours' step or killing the engine)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ raises")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ raises")
+
+
 class Picky(FIFOScheduler):
     """FIFO that raises ``error`` in a per-request hook for the requests named in ``bad``:
     ``abort_request``, ``finish_requests``, ``add_forked`` or ``add_request`` (by the hook's name)."""
@@ -120,7 +133,7 @@ class Picky(FIFOScheduler):
 
     def _check(self, hook: str, request_id: str) -> None:
         if request_id.split("#")[0] in self.bad.get(hook, ()):
-            raise self.error(f"{hook} refuses {request_id!r}")
+            raise self.error() if self.error is Unprintable else self.error(f"{hook} refuses {request_id!r}")
 
     def add_request(self, request) -> None:
         self._check("add_request", request.request_id)
@@ -141,7 +154,7 @@ class Picky(FIFOScheduler):
         super().add_forked(request)
 
 
-@pytest.mark.parametrize("error", [Injected, PluginSignal, asyncio.CancelledError])
+@pytest.mark.parametrize("error", [Injected, PluginSignal, asyncio.CancelledError, Unprintable])
 @pytest.mark.parametrize("hook", ["abort_request", "finish_requests", "add_forked", "add_request"])
 async def test_a_scheduler_hook_that_raises_for_one_request_fails_that_request_only(
         tiny_models, hf_greedy, hook, error, caplog) -> None:
@@ -170,7 +183,8 @@ async def test_a_scheduler_hook_that_raises_for_one_request_fails_that_request_o
         else:
             # finish_requests: it finishes in the same step as the neighbour (10 tokens each, admitted together)
             victim = engine.generate(BAD, greedy(10, n=2 if hook == "add_forked" else 1), request_id="victim")
-            with pytest.raises(RequestFailedError, match=f"'victim'.*{hook}") as err:
+            said = "its message could not be read" if error is Unprintable else hook  # else the hook says which
+            with pytest.raises(RequestFailedError, match=f"'victim'.*{said}") as err:
                 await victim
             assert type(err.value.__cause__) is error
         assert (await neighbour).token_ids == good_ids
@@ -285,3 +299,19 @@ async def test_a_request_at_the_limits_adds_little_to_its_neighbours_per_token_l
         neighbour = await engine.generate(GOOD, greedy(60))
         assert (await companion).token_ids == hf_greedy(hf, BAD, 60) and neighbour.token_ids == hf_greedy(hf, GOOD, 60)
     assert spent["hostile"] > 0 and spent["hostile"] / spent["steps"] < 0.05, spent
+
+
+async def test_a_tokenizer_fault_whose_message_cannot_be_read_fails_its_request_alone(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    good_ids, bad_ids = hf_greedy(hf, GOOD, 12), hf_greedy(hf, BAD, 12)
+    poison, _ = poison_for(bad_ids, good_ids)
+    engine = AsyncEngine.from_pretrained(path, **BASE, max_consecutive_step_failures=1)
+    engine.core.tokenizer = PoisonTokenizer(poison, lambda _: Unprintable())
+    async with engine:
+        bad = engine.generate(BAD, greedy(12), request_id="bad")
+        results = await asyncio.gather(bad, engine.generate(GOOD, greedy(12)), return_exceptions=True)
+        assert isinstance(results[0], RequestFailedError) and type(results[0].__cause__) is Unprintable
+        assert "Unprintable (its message could not be read" in str(results[0])
+        assert results[1].token_ids == good_ids and engine.state is EngineState.RUNNING
+        stats = engine.step_stats()
+    assert stats.failed_steps == 0

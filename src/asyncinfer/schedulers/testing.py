@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.errors import exception_text
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
@@ -236,7 +237,7 @@ def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = No
     except (AttributeError, TypeError) as exc:  # e.g. a subclass whose __init__ skips super().__init__
         name = getattr(scheduler, "__name__", scheduler)
         raise ContractViolation(f"{name} cannot be constructed as the engine constructs it "
-                                f"(scheduler(config, kv, **options)): {type(exc).__name__}: {exc}") from exc
+                                f"(scheduler(config, kv, **options)): {exception_text(exc)}") from exc
     for flag in ("uses_priority", "starvation_free"):
         if not isinstance(getattr(cls, flag, None), bool):
             raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
@@ -326,7 +327,7 @@ def check_rules(
                 for seed in seeds for lim in limits for samples in (False, True)]
         check_no_starvation(scheduler, options)
     except (AttributeError, TypeError) as exc:  # a broken class, not a broken rule: name it all the same
-        raise ContractViolation(f"{cls.__name__} failed while scheduling: {type(exc).__name__}: {exc} (does its "
+        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)} (does its "
                                 "__init__ call super().__init__(config, kv)? do its methods keep the base "
                                 "class's signatures?)") from exc
     return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
