@@ -25,7 +25,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
 from asyncinfer.catalog import EmbedCalls, EmbeddingModel, ModelCatalog, check_name, current
-from asyncinfer.config import EngineConfig
+from asyncinfer.config import EngineConfig, check_int
 from asyncinfer.core import EngineCore, StepStats
 from asyncinfer.embedding import EmbeddingBatcher, EmbeddingPlan, EmbeddingStats
 from asyncinfer.engine_thread import (
@@ -333,6 +333,17 @@ class AsyncEngine:
         prompt = plain_prompt(prompt)
         check_prompt_chars(prompt, version)
         return prompt_token_ids(prompt, version)
+
+    def check_admission(self, count: int, *, model: str | None = None) -> None:
+        """Whether ``count`` requests submitted now would all be admitted by the engine's admission control
+        (``max_waiting_requests``; nothing to check without it): for a caller about to submit several prompts
+        as one call, so that it is refused whole rather than half queued. Raises InvalidParameterError on
+        ``prompt`` when ``count`` exceeds ``max_num_seqs + max_waiting_requests`` (no retry can succeed),
+        EngineOverloadedError when they do not fit beside the requests in flight now (retry later). Each
+        request is still checked as it is submitted."""
+        self._check_running()
+        check_int("count", count, 1, 2**31)
+        self._intake.check_room(model, count)
 
     def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:
         """How many tokens ``prompt`` (a text, chat messages or token ids) takes, exactly as

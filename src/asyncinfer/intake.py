@@ -153,14 +153,25 @@ class RequestIntake:
             reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"
             self._observer.count_rejected(model if isinstance(model, str) else None, reason)
 
-    def _check_load(self, model: str | None) -> None:
+    def check_room(self, model: str | None, count: int) -> None:
+        """Whether ``count`` more requests would be admitted now (admission control, ``max_waiting_requests``):
+        InvalidParameterError on ``prompt`` when ``count`` exceeds what may ever be in flight (no retry can
+        succeed), EngineOverloadedError when they do not fit beside the requests in flight now."""
+        self._check_load(model, count)
+
+    def _check_load(self, model: str | None, count: int = 1) -> None:
         """Admission control: refuse at once past ``max_num_seqs + max_waiting_requests`` in flight."""
         holder = self.models.generator(model)
         version = holder.current
         if version is None or version.config.max_waiting_requests is None:
             return
         limit = version.config.max_num_seqs + version.config.max_waiting_requests
-        if self.streams.count(holder) >= limit:
+        if count > limit:
+            raise InvalidParameterError(
+                "prompt", f"<{count} prompts>",
+                f"at most {limit} prompts in one call: at most max_num_seqs={version.config.max_num_seqs} + "
+                f"max_waiting_requests={version.config.max_waiting_requests} requests may be in flight")
+        if self.streams.count(holder) + count > limit:
             raise EngineOverloadedError(
                 f"model {self.models.name_of(holder)!r} has {limit} requests in flight "
                 f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="

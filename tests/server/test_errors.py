@@ -387,3 +387,22 @@ def test_a_refused_websocket_handshake_is_an_openai_403(protocol) -> None:
         error = json.loads(body)["error"]
         assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, "websocket_refused")
         assert "/v1/realtime" in error["message"]
+
+
+def test_a_call_of_more_prompts_than_may_ever_be_in_flight_is_a_400_and_queues_none(tiny_chat_model) -> None:
+    """With admission control (max_waiting_requests), a /v1/completions call of more prompts than
+    max_num_seqs + max_waiting_requests can never be admitted: it used to be a 503 "retry later" after
+    part of it had been queued and then aborted, filling the queue for everybody meanwhile. Now a 400
+    naming the limit, before anything is queued; a call that fits is served."""
+    engine = AsyncEngine.from_pretrained(tiny_chat_model, name="tiny", **TINY_OPTIONS, max_num_seqs=4,
+                                         max_waiting_requests=2)
+    with LiveServer(create_app(engine)) as live, httpx.Client(base_url=live.url) as http:
+        body = {"model": "tiny", "max_tokens": 2, "ignore_eos": True}
+        r = http.post("/v1/completions", json={**body, "prompt": [[5, 6, 7]] * 7})
+        error = check_error(r, 400, "prompt", None)
+        assert "at most 6 prompts in one call" in error["message"]
+        r = http.post("/v1/completions", json={**body, "prompt": [[5, 6, 7]] * 7, "stream": True})
+        check_error(r, 400, "prompt", None)
+        assert engine.step_stats().scheduled_requests == 0  # nothing of either call was queued
+        r = http.post("/v1/completions", json={**body, "prompt": [[5, 6, 7]] * 6})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 6

@@ -324,6 +324,8 @@ class _OpenAI:
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
         g = self._generation(body, call, False, len(body.prompts))
         n = g.params.n
+        if len(body.prompts) > 1:  # refused whole (400: never fits; 503: not now), never half queued then aborted
+            g.engine.check_admission(len(body.prompts), model=g.model)
         if not body.stream:
             outs = await unless_disconnected(call.request, gather_all(
                 [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
