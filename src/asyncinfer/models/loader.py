@@ -22,7 +22,8 @@ file's own block format is repacked from those blocks, and the file's pages of e
 tensor are dropped once it has been copied; only the parameters left (embedding,
 norms) are then filled. No float32 copy of the model exists (docs/memory.md).
 A GGUF file's tokenizer is built by transformers once and cached as
-``tokenizer.json`` (:func:`gguf_tokenizer`); it loads in parallel with the weights.
+``tokenizer.json`` (:func:`gguf_tokenizer`), then read back without importing transformers
+(:class:`~asyncinfer.models.tokenizer.CachedTokenizer`); it loads in parallel with the weights.
 
 The family's weight map (see :mod:`asyncinfer.models.registry`) is the single
 table from checkpoint names (HF and GGUF spelling) to parameter names; q/k/v
