@@ -30,7 +30,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 #: The named special tokens, in transformers' order: they are template variables and attributes.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -154,7 +154,7 @@ def compile_chat_template(source: str) -> Any:
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (templates mark the assistant's text with it): its body."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
