@@ -23,8 +23,10 @@ without one. The memory bound of loading (docs/memory.md) is checked per load: p
 file size + KV cache + 300 MiB above the process's RSS after its imports (``baseline_rss_mib``),
 and printed against the whole process's peak too.
 
-Then one ``breakdown`` process times the phases of a load one after the other
-(in the engine the tokenizer loads in parallel with the weights), and one
+Then one ``breakdown`` process times the phases of a load one after the other, in wall and CPU seconds
+(in the engine the tokenizer loads in parallel with the weights; on a machine shared with other busy
+processes the CPU seconds are the figure to compare: torch's and the kernels' OpenMP threads spin
+while they wait for a core, which inflates the wall time and, less, the CPU time of the steps), and one
 ``cold`` process loads with an empty tokenizer cache (the first run after install,
 model file already downloaded). Medians are reported; ``--json`` writes every run.
 
@@ -73,7 +75,7 @@ def cpu():
 model = sys.argv[1] or None
 t0, c0 = time.perf_counter(), cpu()
 from asyncinfer import AsyncEngine
-import torch, transformers  # what a load imports anyway: part of the baseline, not of the load
+import torch  # what a load imports anyway: part of the baseline, not of the load (transformers is not, for a GGUF)
 t1, c1 = time.perf_counter(), cpu()
 baseline = rss_mib()
 engine = AsyncEngine.from_pretrained(model)
@@ -101,13 +103,13 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "baseline_rss_mib": ba
 BREAKDOWN = MEMORY + """
 import json, resource, time
 from pathlib import Path
-marks = {}
-t = time.perf_counter()
+marks, cpu_marks = {}, {}
+t, c = time.perf_counter(), time.process_time()
 def mark(name):
-    global t
-    now = time.perf_counter()
-    marks[name] = now - t
-    t = now
+    global t, c
+    now, cpu = time.perf_counter(), time.process_time()
+    marks[name], cpu_marks[name] = now - t, cpu - c
+    t, c = now, cpu
 import torch; mark("import torch")
 import asyncinfer; mark("import asyncinfer (rest)")
 from asyncinfer.config import EngineConfig
@@ -118,18 +120,20 @@ from asyncinfer.config import for_model
 from asyncinfer.models.loader import gguf_tokenizer, open_checkpoint
 from asyncinfer.models.quant import WeightFormat
 import sys
+mark("import the loading modules")
 path = resolve_model(sys.argv[1] or None); mark("resolve the model")
 checkpoint = open_checkpoint(path); mark("parse and check the header")
 config = for_model(EngineConfig(), {}, checkpoint.config)
 plan_memory(checkpoint.config); mark("plan memory from the config")
 if checkpoint.gguf is not None and "tokenizer.ggml.model" in checkpoint.gguf.fields:
-    gguf_tokenizer(path); mark("load the cached tokenizer (transformers import included)")
+    gguf_tokenizer(path)
+    mark("load the cached tokenizer" + (" (transformers imported)" if "transformers" in sys.modules else ""))
 loaded = checkpoint.load(config.dtype, config.device, progress=lambda done, total: None, weight_format=WeightFormat(
     config.quantization, config.quantization_skip, config.pack_weights)); mark("build the weights in their format")
 plan, core = build_core(loaded, config)
 mark("build the core (KV tensors)")
 warm_up(core); mark("warm-up step")
-print(json.dumps({"phases": marks, "peak_rss_mib": peak_mib()}))
+print(json.dumps({"phases": marks, "phases_cpu": cpu_marks, "peak_rss_mib": peak_mib()}))
 """
 
 
@@ -289,9 +293,9 @@ def main() -> int:
     print("medians:")
     for name, values in summary.items():
         print(f"  {name:<10} " + ", ".join(f"{k} {v:.2f}" for k, v in values.items()))
-    print("\nbreakdown of one load, phase by phase (s):")
+    print("\nbreakdown of one load, phase by phase (wall s, CPU s of the whole process):")
     for phase, seconds in breakdown["phases"].items():
-        print(f"  {seconds:6.2f}  {phase}")
+        print(f"  {seconds:6.2f} {breakdown['phases_cpu'][phase]:6.2f}  {phase}")
     if cold is not None:
         print(f"\nfirst load with an empty tokenizer cache: load {cold['load_s']:.2f} s, "
               f"peak RSS {cold['peak_rss_mib']:.0f} MiB")

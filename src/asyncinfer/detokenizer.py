@@ -54,6 +54,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from asyncinfer.models.tokenizer import CachedTokenizer
 from asyncinfer.sampling_params import SamplingParams
 
 __all__ = ["IncrementalDetokenizer", "StopMatcher"]
@@ -295,6 +296,8 @@ def _backend_tokenizer(tokenizer: Any) -> Any:
     (neither ``decode`` nor ``_decode`` overridden; the detokenizer turns the clean-up off), else None.
     Decoding with it gives the same text without transformers' per-call Python, which a decode step
     pays once per request per token."""
+    if isinstance(tokenizer, CachedTokenizer):  # its decode is the backend's
+        return tokenizer.backend_tokenizer
     transformers = sys.modules.get("transformers")  # not loaded: the tokenizer is not one of its classes
     if transformers is None:
         return None

@@ -101,3 +101,50 @@ def test_building_a_model_on_meta_neither_initialises_nor_imports_dynamo() -> No
         "assert 'torch._dynamo' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
+
+
+def test_the_type_table_is_ggmls() -> None:
+    """The reader's own table of ggml types (it parses a header without importing gguf) agrees with gguf's."""
+    from asyncinfer.models.gguf_file import _GGML_TYPES, tensor_format
+
+    for kind, (name, block, size) in _GGML_TYPES.items():
+        assert Q(kind).name == name and gguf.GGML_QUANT_SIZES[Q(kind)] == (block, size), kind
+    known = {int(k) for k in gguf.GGML_QUANT_SIZES}
+    assert set(_GGML_TYPES) <= known and {int(Q[n]) for n in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "BF16")} <= set(_GGML_TYPES)
+    assert tensor_format(int(Q.Q6_K)) == "q6_k" and tensor_format(int(Q.F16)) == "float16"
+    assert tensor_format(9999) == "ggml type 9999"
+
+
+def test_a_string_array_past_the_end_is_refused(tmp_path) -> None:
+    path = tmp_path / "words.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.words", ["alpha", "beta", "gamma"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert GGUFFile(path).fields["test.words"] == ["alpha", "beta", "gamma"]
+    data = bytearray(path.read_bytes())
+    at = data.index(b"gamma") - 8  # the last string's length: now far past the end
+    data[at:at + 8] = (10**6).to_bytes(8, "little")
+    (tmp_path / "long.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="test.words.*past the end"):
+        GGUFFile(tmp_path / "long.gguf")
+
+
+def test_parsing_a_k_quant_header_imports_no_gguf(tmp_path) -> None:
+    """A header of k-quant tensors is parsed and checked without the gguf package (~0.5 s of CPU to import)."""
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("q6", np.zeros((2, 210), dtype=np.uint8), raw_dtype=Q.Q6_K)  # two rows of one block
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code = (
+        "import sys\n"
+        "from asyncinfer.models.gguf_file import GGUFFile\n"
+        f"(t,) = GGUFFile({str(path)!r}).tensors\n"
+        "assert (t.format, t.type_name, t.nbytes) == ('q6_k', 'Q6_K', 2 * 210), (t.format, t.type_name, t.nbytes)\n"
+        "assert 'gguf' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])

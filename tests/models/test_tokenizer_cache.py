@@ -11,6 +11,7 @@ import pytest
 from asyncinfer import model_source
 from asyncinfer.models import loader
 from asyncinfer.models.loader import gguf_tokenizer
+from asyncinfer.models.tokenizer import CachedTokenizer
 
 TEXTS = [
     "What is the capital of France?",
@@ -25,7 +26,7 @@ TEXTS = [
 def test_the_cached_tokenizer_equals_the_one_built_from_the_gguf(real_gguf, real_hf_reference) -> None:
     built = real_hf_reference[1]  # transformers' own, from the GGUF metadata
     cached = gguf_tokenizer(real_gguf)  # the user cache's copy (built once by an earlier load)
-    assert type(cached) is type(built)
+    assert isinstance(cached, CachedTokenizer)  # loaded without transformers (tests/models/test_tokenizer.py)
     assert cached.get_vocab() == built.get_vocab() and len(cached) == len(built)
     assert cached.all_special_tokens == built.all_special_tokens
     assert (cached.eos_token_id, cached.bos_token_id, cached.pad_token_id) == (

@@ -59,11 +59,26 @@ _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset 
 _MIN_ITEM_BYTES = {_STRING: 8, **{kind: struct.calcsize(fmt) for kind, fmt in _SCALARS.items()}, _ARRAY: 12}
 
 # ggml tensor types: (elements per block, bytes per block). The block formats' layouts are
-# asyncinfer.kernels.formats' (READ_LAYOUTS); the rest come from gguf.constants.
+# asyncinfer.kernels.formats' (READ_LAYOUTS).
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
 _LAYOUTS = {_Q4_0: READ_LAYOUTS["q4_0"], _Q4_1: READ_LAYOUTS["q4_1"], _Q8_0: READ_LAYOUTS["q8_0"]}
 _BLOCKS = {_F32: (1, 4), _F16: (1, 2), _BF16: (1, 2),
            **{kind: (layout.weights, layout.nbytes) for kind, layout in _LAYOUTS.items()}}
+
+# Every ggml tensor type a GGUF file may name: id -> (name, elements per block, bytes per block), as ggml
+# defines them (ggml.h's ggml_type, ggml.c's type traits). Held here so that parsing a header never imports
+# the ``gguf`` package (~0.5 s of CPU, most of a header's parse); tests/models/test_gguf_file.py checks the
+# table against gguf.constants. An id missing here is looked up there (a type newer than this table).
+_GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
 
 
 @dataclass(frozen=True)
@@ -78,12 +93,8 @@ class GGUFTensor:
 
     @property
     def type_name(self) -> str:
-        try:
-            from gguf.constants import GGMLQuantizationType
-
-            return GGMLQuantizationType(self.ggml_type).name
-        except (ImportError, ValueError):
-            return f"ggml type {self.ggml_type}"
+        """ggml's name of the tensor's type ("Q4_K", "F16", ...)."""
+        return _type_name(self.ggml_type)
 
     @property
     def format(self) -> str:
@@ -106,10 +117,18 @@ def tensor_format(ggml_type: int) -> str:
     """The name of a ggml tensor type as :attr:`GGUFTensor.format` spells it."""
     if ggml_type in _FLOAT_NAMES:
         return _FLOAT_NAMES[ggml_type]
+    name = _type_name(ggml_type)
+    return name if name.startswith("ggml type") else name.lower()
+
+
+def _type_name(ggml_type: int) -> str:
+    """ggml's name of a tensor type, from :data:`_GGML_TYPES` (gguf.constants for an id missing there)."""
+    if ggml_type in _GGML_TYPES:
+        return _GGML_TYPES[ggml_type][0]
     try:
         from gguf.constants import GGMLQuantizationType
 
-        return GGMLQuantizationType(ggml_type).name.lower()
+        return GGMLQuantizationType(ggml_type).name
     except (ImportError, ValueError):
         return f"ggml type {ggml_type}"
 
@@ -258,6 +277,23 @@ def _string(buf: memoryview, pos: int) -> tuple[str, int]:
     return str(buf[pos + 8 : end], "utf-8"), end
 
 
+def _strings(buf: memoryview, pos: int, count: int) -> tuple[list[str], int]:
+    """An array of ``count`` strings from ``pos``: :func:`_string` inlined into one loop, since a vocabulary and
+    its merges are hundreds of thousands of them (the call per string was most of a header's parse)."""
+    unpack, size, items = _U64.unpack_from, len(buf), []
+    append = items.append
+    for _ in range(count):
+        start = pos + 8
+        pos = start + unpack(buf, pos)[0]
+        if pos > size:
+            raise ValueError("a string runs past the end of the file")
+        append(str(buf[start:pos], "utf-8"))
+    return items, pos
+
+
+_U64 = struct.Struct("<Q")
+
+
 def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]:
     if vtype == _STRING:
         return _string(buf, pos)
@@ -275,6 +311,8 @@ def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]
             dtype = np.dtype(_NUMPY[item_type]).newbyteorder("<")
             values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
             return values.tolist(), pos + count * dtype.itemsize
+        if item_type == _STRING:
+            return _strings(buf, pos, count)
         if item_type == _ARRAY and depth >= _MAX_DEPTH:
             raise ValueError(f"arrays nested more than {_MAX_DEPTH} deep")
         items = []
@@ -288,6 +326,8 @@ def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]
 def _block(ggml_type: int, name: str) -> tuple[int, int]:
     if ggml_type in _BLOCKS:
         return _BLOCKS[ggml_type]
+    if ggml_type in _GGML_TYPES:
+        return _GGML_TYPES[ggml_type][1:]
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:

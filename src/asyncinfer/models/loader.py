@@ -22,7 +22,8 @@ file's own block format is repacked from those blocks, and the file's pages of e
 tensor are dropped once it has been copied; only the parameters left (embedding,
 norms) are then filled. No float32 copy of the model exists (docs/memory.md).
 A GGUF file's tokenizer is built by transformers once and cached as
-``tokenizer.json`` (:func:`gguf_tokenizer`); it loads in parallel with the weights.
+``tokenizer.json`` (:func:`gguf_tokenizer`), then read back without importing transformers
+(:class:`~asyncinfer.models.tokenizer.CachedTokenizer`); it loads in parallel with the weights.
 
 The family's weight map (see :mod:`asyncinfer.models.registry`) is the single
 table from checkpoint names (HF and GGUF spelling) to parameter names; q/k/v
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -74,6 +76,7 @@ from asyncinfer.models.quant import (
     mixed_parts,
 )
 from asyncinfer.models.registry import model_family
+from asyncinfer.models.tokenizer import CachedTokenizer, load_cached
 from asyncinfer.progress import TerminalProgress, say
 
 logger = logging.getLogger("asyncinfer")
@@ -91,7 +94,7 @@ class LoadedModel:
 
     model: nn.Module  # the family's model class (LlamaForCausalLM for the built-in families)
     config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer: PreTrainedTokenizerBase | CachedTokenizer | None  # CachedTokenizer: a GGUF file's, from its cache
     source: str  # "safetensors:<dir>" or "gguf:<file>"
     # The weight format the model was built in at load (a GGUF file's projections straight from its blocks),
     # or None: its projections are plain float layers, for apply_weight_format to convert.
@@ -799,7 +802,7 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 _STAMP = "asyncinfer-tokenizer.json"
 
 
-def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | CachedTokenizer:
     """The tokenizer of a GGUF file: built by transformers from the metadata once, then cached.
 
     Building it (transformers parses the whole GGUF again and converts the
@@ -808,6 +811,9 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     :func:`asyncinfer.model_source.tokenizer_cache_dir`), stamped with the file's size
     and modification time and the transformers version; a stale or unreadable one
     is rebuilt, and a cache that cannot be written only costs the next load the build again.
+    The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers`` library
+    and the chat template, without importing transformers) where its configuration is the plain one
+    transformers writes for a GGUF vocabulary, else as the transformers class that built it.
 
     Raises:
         ModelLoadError: transformers cannot build a tokenizer from the file.
@@ -826,25 +832,28 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {exc}") from exc
-    _save_tokenizer(tokenizer, cache, stamp)
+    if _save_tokenizer(tokenizer, cache, stamp):
+        return _cached_tokenizer(cache, stamp) or tokenizer  # the class every later load gets
     return tokenizer
 
 
 def _tokenizer_stamp(path: Path) -> dict[str, Any]:
-    import transformers
-
     info = path.stat()
     return {"gguf": str(path.resolve()), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
-            "transformers": transformers.__version__}
+            "transformers": importlib.metadata.version("transformers")}  # (importing it costs ~1 s of CPU)
 
 
-def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizerBase | None:
-    """The cached tokenizer if its stamp matches, loaded with the class that built it
-    (importing only that class, not ``AutoTokenizer``'s registry, saves ~1 s)."""
+def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizerBase | CachedTokenizer | None:
+    """The cached tokenizer if its stamp matches: a :class:`CachedTokenizer` where it reproduces the cache
+    exactly, else loaded with the class that built it (importing only that class, not ``AutoTokenizer``'s
+    registry, saves ~1 s)."""
     try:
         saved = json.loads((cache / _STAMP).read_text())
         if {k: saved.get(k) for k in stamp} != stamp:
             return None
+        light = load_cached(cache)
+        if light is not None:
+            return light
         module, _, name = str(saved["class"]).rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         return cls.from_pretrained(cache)
@@ -855,8 +864,9 @@ def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizer
         return None
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict[str, Any]) -> None:
-    """Write the cache atomically (a half-written directory is never read); a failure is only logged."""
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict[str, Any]) -> bool:
+    """Write the cache atomically (a half-written directory is never read); whether it was written (a failure
+    is only logged)."""
     staged: Path | None = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -867,7 +877,9 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(staged, cache)
+        return True
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
+        return False

@@ -1,0 +1,246 @@
+"""A cached GGUF tokenizer loaded without transformers: :class:`CachedTokenizer`.
+
+A GGUF file's tokenizer is built by transformers once and saved (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja``; :func:`asyncinfer.models.loader.gguf_tokenizer`). Loading that cache back through
+transformers costs its import, ~1.2 s of CPU on the 2-core machine, more than the rest of a small model's load.
+What the engine needs of a tokenizer is narrow: ``encode``, ``decode``, the chat template and the special
+tokens. For the plain configuration transformers writes for a GGUF vocabulary (its generic ``TokenizersBackend``
+class over a ``tokenizer.json`` that has its own post-processor and every named special token among its added
+tokens), those are exactly the ``tokenizers`` library's ``Tokenizer`` and a Jinja rendering of the template,
+so this class holds just those two: :func:`load_cached` returns one, or None for any other configuration (which
+then loads through transformers as before).
+
+Exactness, checked against transformers' own tokenizer from the same files (tests/models/test_tokenizer.py):
+
+- ``encode(text, add_special_tokens=True)``: the backend's ids, the post-processor adding what it adds.
+- ``decode(ids, skip_special_tokens=False)``: the backend's text (the configuration has no clean-up of spaces).
+- ``apply_chat_template(messages, add_generation_prompt=..., tokenize=...)``: the template rendered as
+  transformers renders it: a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the
+  ``loopcontrols`` extension, a ``tojson`` filter that is ``json.dumps`` (non-ASCII kept), the globals
+  ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace``, and as variables ``messages`` (keys whose
+  value is None dropped, a message's reasoning also given as ``reasoning_content`` and ``thinking``),
+  ``tools``, ``documents``, ``add_generation_prompt`` and the named special tokens (``bos_token``,
+  ``eos_token``, ...), which keyword arguments override. ``tokenize=True`` returns the ids of the rendered text
+  encoded without special tokens (as a list, not transformers' dict).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+#: The named special tokens, in transformers' order: they are template variables and attributes.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+# tokenizer_config.json keys that change nothing this class does (the rest send the load to transformers).
+_PLAIN_KEYS = frozenset({*SPECIAL_TOKENS, "backend", "is_local", "local_files_only", "model_max_length",
+                         "tokenizer_class", "clean_up_tokenization_spaces", "chat_template"})
+_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"})
+_REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, as templates name it
+
+
+class CachedTokenizer:
+    """The tokenizer of a GGUF file from its cache: ``tokenizers.Tokenizer`` plus the chat template.
+
+    Speaks the part of transformers' tokenizer interface the engine and its users need: ``encode``,
+    ``decode``, ``__call__`` (``{"input_ids": ...}``), ``apply_chat_template``, ``chat_template``,
+    the named special tokens and their ids (``eos_token``, ``eos_token_id``, ...), ``special_tokens_map``,
+    ``all_special_tokens``, ``all_special_ids``, ``get_vocab``, ``convert_tokens_to_ids``, ``convert_ids_to_tokens``, ``len()`` and
+    ``backend_tokenizer``.
+    """
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self, backend: Any, special_tokens: Mapping[str, str], chat_template: str | None) -> None:
+        self.backend_tokenizer = backend
+        self.special_tokens_map: dict[str, str] = dict(special_tokens)
+        self.chat_template = chat_template
+        # Compiled now, with the load, so that the first chat pays nothing more than the next.
+        self._template = None if chat_template is None else compile_chat_template(chat_template)
+
+    # ---------------------------------------------------------------- special tokens
+    def __getattr__(self, name: str) -> Any:
+        if name in SPECIAL_TOKENS:
+            return self.special_tokens_map.get(name)
+        if name.endswith("_id") and name[:-3] in SPECIAL_TOKENS:
+            token = self.special_tokens_map.get(name[:-3])
+            return None if token is None else self.convert_tokens_to_ids(token)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens, each once, in :data:`SPECIAL_TOKENS`' order."""
+        return list(dict.fromkeys(self.special_tokens_map.values()))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [self.convert_tokens_to_ids(token) for token in self.all_special_tokens]
+
+    # ---------------------------------------------------------------- vocabulary
+    def __len__(self) -> int:
+        return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend_tokenizer.get_vocab(with_added_tokens=True))
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        if isinstance(tokens, str):
+            found = self.backend_tokenizer.token_to_id(tokens)
+            if found is None and self.unk_token is not None:
+                return self.backend_tokenizer.token_to_id(self.unk_token)
+            return found
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    # ---------------------------------------------------------------- text <-> ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    # ---------------------------------------------------------------- chat
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools: list[dict[str, Any]] | None = None,
+                            documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str | list[int]:
+        """The conversation rendered by the chat template (see the module docstring); its ids with ``tokenize``.
+
+        Raises:
+            ValueError: the tokenizer has no chat template, or the conversation is empty.
+            TypeError: a message that is not a mapping.
+            jinja2.TemplateError: the template refuses the conversation (its ``raise_exception``).
+        """
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if len(conversation) == 0:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        messages = [_message(m) for m in conversation]
+        text = self._template.render(messages=messages, tools=tools, documents=documents,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{**self.special_tokens_map, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _message(message: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise TypeError(f"chat messages must be mappings, got {message!r}")
+    plain = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((plain[key] for key in _REASONING if key in plain), None)
+    if reasoning is not None:  # the names templates read it under, as transformers gives them
+        plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+    return plain
+
+
+def compile_chat_template(source: str) -> Any:
+    """``source`` compiled in the sandboxed environment described in the module docstring."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (templates mark the assistant's text with it): its body."""
+
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    class Namespace(jinja2.utils.Namespace):
+        """``namespace()`` that refuses attribute names starting with "_"."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, values = args[0], dict(*args[1:], **kwargs)
+            for name in values:
+                _public(name)
+            jinja2.utils.Namespace.__init__(self, values)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _public(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def _public(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Dict:
+        """``dict(...)`` and ``dict.fromkeys(...)``, nothing else of the type."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=Dict(), namespace=Namespace)
+    return env.from_string(source)
+
+
+def load_cached(directory: Path) -> CachedTokenizer | None:
+    """The tokenizer saved in ``directory`` as a :class:`CachedTokenizer`, or None when its configuration is one
+    this class does not reproduce exactly (another tokenizer class, options that change encoding or decoding, a
+    special token the vocabulary lacks, no post-processor, several chat templates): load it with transformers.
+
+    Raises:
+        OSError, ValueError: unreadable or malformed files (the caller rebuilds the cache).
+    """
+    files = {p.name for p in directory.iterdir() if not p.name.startswith("asyncinfer-")}
+    if not files <= _FILES or not {"tokenizer.json", "tokenizer_config.json"} <= files:
+        return None
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if not isinstance(config, dict) or not config.keys() <= _PLAIN_KEYS:
+        return None
+    if config.get("tokenizer_class") != "TokenizersBackend" or config.get("clean_up_tokenization_spaces", False):
+        return None
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    if backend.post_processor is None or backend.encode_special_tokens:
+        return None  # transformers would write a post-processor of its own
+    special: dict[str, str] = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            return None
+        special[name] = value
+    added = {token.content for token in backend.get_added_tokens_decoder().values()}
+    if not set(special.values()) <= added:
+        return None  # transformers would add it to the vocabulary, which changes the encoding
+    template = config.get("chat_template")
+    if (directory / "chat_template.jinja").is_file():
+        if template is not None:
+            return None
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        return None  # several named templates
+    return CachedTokenizer(backend, special, template)
