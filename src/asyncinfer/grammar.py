@@ -21,6 +21,7 @@ structured request first needs it. Three objects:
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -186,12 +187,8 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary, built once (a tokenizer it cannot read: refused each time)."""
         with self._vocab_lock:
             if self._vocab is None and self._vocab_error is None:
-                import llguidance.hf
-
                 try:
-                    self._vocab = llguidance.hf.from_tokenizer(
-                        self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids) or None
-                    )
+                    self._vocab = _ll_tokenizer(self.tokenizer, self.vocab_size, list(self.eos_token_ids) or None)
                 except Exception as exc:  # noqa: BLE001 - e.g. a slow (Python) tokenizer: no structured output
                     self._vocab_error = f"{type(exc).__name__}: {exc}"
             if self._vocab_error is not None:
@@ -232,3 +229,22 @@ def _lark_string(text: str) -> str:
     import json
 
     return json.dumps(text, ensure_ascii=False)
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None) -> Any:
+    """llguidance's tokenizer from the model's: its ``tokenizers`` backend (a Hugging Face fast tokenizer's
+    ``backend_tokenizer``, or the engine's cached tokenizer of a GGUF file, which is the same object),
+    serialised without padding or truncation. ValueError for a tokenizer without one (a slow, Python one)."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    try:
+        backend = tokenizer.backend_tokenizer
+    except AttributeError:
+        backend = None
+    if not isinstance(backend, Tokenizer):
+        raise ValueError("only tokenizers backed by the `tokenizers` library (fast tokenizers) are supported")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
