@@ -234,7 +234,7 @@ def _lark_string(text: str) -> str:
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None) -> Any:
     """llguidance's tokenizer from the model's: its ``tokenizers`` backend (a Hugging Face fast tokenizer's
     ``backend_tokenizer``, or the engine's cached tokenizer of a GGUF file, which is the same object),
-    serialised without padding or truncation. ValueError for a tokenizer without one (a slow, Python one)."""
+    serialised without padding or truncation. TypeError for a tokenizer without one (a slow, Python one)."""
     import llguidance
     from tokenizers import Tokenizer
 
@@ -243,7 +243,7 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | No
     except AttributeError:
         backend = None
     if not isinstance(backend, Tokenizer):
-        raise ValueError("only tokenizers backed by the `tokenizers` library (fast tokenizers) are supported")
+        raise TypeError("only tokenizers backed by the `tokenizers` library (fast tokenizers) are supported")
     backend = copy.copy(backend)
     backend.no_padding()
     backend.no_truncation()
