@@ -198,12 +198,7 @@ def test_response_format_json_schema_and_json_object(smol) -> None:
     chunks = list(client.chat.completions.create(model="smol", messages=ALICE, max_tokens=48, temperature=0,
                                                  response_format=_schema(PERSON, "person"), stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
-    sampled = client.chat.completions.create(model="smol", messages=ALICE, max_tokens=48, temperature=1, seed=7, n=3,
-                                             extra_body={"guided_json": PERSON})
-    for choice in sampled.choices:
-        if choice.finish_reason == "stop":
-            jsonschema.validate(json.loads(choice.message.content), PERSON)
-    obj = client.chat.completions.create(model="smol", messages=ALICE, max_tokens=64, temperature=0,
+    obj = client.chat.completions.create(model="smol", messages=ALICE, max_tokens=32, temperature=0,
                                          response_format={"type": "json_object"})
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
@@ -267,10 +262,10 @@ def _call_json(call) -> dict:
 @pytestmark_real
 def test_auto_describes_the_tools_and_parses_what_the_model_writes(smol) -> None:
     live, client = smol
-    got = client.chat.completions.create(model="smol", messages=DICE, tools=[ROLL], max_tokens=48, temperature=0)
+    got = client.chat.completions.create(model="smol", messages=DICE, tools=[ROLL], max_tokens=24, temperature=0)
     use = parse_tool_use([ROLL], None, None)  # "auto", the default with tools
     assert got.usage.prompt_tokens == len(live.engine.apply_chat_template(use.with_prompt(DICE)))
-    text = live.call(live.engine.generate(use.with_prompt(DICE), SamplingParams(max_tokens=48))).text
+    text = live.call(live.engine.generate(use.with_prompt(DICE), SamplingParams(max_tokens=24))).text
     content, calls = split_calls(text, use)
     (reply,) = got.choices
     assert reply.message.content == content
