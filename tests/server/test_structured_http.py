@@ -179,7 +179,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def smol(real_gguf):
-    app = create_app(ModelSpec(str(real_gguf), "smol", dict(max_model_len=1024, kv_cache_memory=64 * 1024 * 1024)))
+    app = create_app(ModelSpec(str(real_gguf), "smol", {"max_model_len": 1024, "kv_cache_memory": 64 * 1024 * 1024}))
     with LiveServer(app) as live, openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0) as c:
         yield live, c
 
