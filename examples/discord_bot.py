@@ -16,6 +16,12 @@ The bot answers every message that mentions it (and every message in a DM):
   reply is being written get their "…" at once and are answered one after the
   other, in arrival order, each seeing the exchanges before it (the history
   stays user/assistant pairs in order); different channels are answered at once;
+- ``!roll <words>`` rolls dice by a tool call: the model turns the words ("two
+  twenty-sided dice plus 3") into a call of the ``roll_dice`` tool, its decoding
+  constrained to the call's JSON schema (``StructuredOutput``, docs/structured_output.md)
+  so the call always parses and its arguments are in range, and the bot runs the
+  tool: "🎲 2d20+3: 7 + 15 + 3 = 25". (Over HTTP, the same is ``tools`` with
+  ``tool_choice``; docs/serving.md.) Rolls stay out of the history;
 - ``!reset`` forgets the channel's history: replies under way (or queued) still
   finish, but nothing of a message sent before the reset enters the new history;
   ``!stop`` stops your replies being written (the engine aborts them and frees
@@ -41,8 +47,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import logging
 import os
+import random
 import time
 from typing import Any
 
@@ -52,6 +60,7 @@ from asyncinfer import (
     EngineOverloadedError,
     InvalidParameterError,
     SamplingParams,
+    StructuredOutput,
     trim_messages,
 )
 
@@ -60,13 +69,41 @@ log = logging.getLogger("discord_bot")
 DISCORD_LIMIT = 2000  # characters in one Discord message
 SYSTEM_PROMPT = "You are a friendly assistant in a Discord chat. Keep answers short."
 
+#: The tool ``!roll`` calls: its name, description and JSON-schema parameters (OpenAI's function-tool shape).
+ROLL_TOOL = {
+    "name": "roll_dice",
+    "description": "Roll dice: `count` dice with `sides` sides each, then add `modifier`.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer", "minimum": 1, "maximum": 20},
+            "sides": {"type": "integer", "enum": [2, 4, 6, 8, 10, 12, 20, 100]},
+            "modifier": {"type": "integer", "minimum": -100, "maximum": 100},
+        },
+        "required": ["count", "sides", "modifier"],
+        "additionalProperties": False,
+    },
+}
+#: What the model may write for ``!roll``: exactly one call of ROLL_TOOL, ``{"name": ..., "arguments": {...}}``.
+ROLL_CALL = StructuredOutput.json_schema({
+    "type": "object",
+    "properties": {"name": {"const": ROLL_TOOL["name"]}, "arguments": ROLL_TOOL["parameters"]},
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+})
+ROLL_PROMPT = ("You call tools. The tool you have, as JSON:\n" + json.dumps(ROLL_TOOL) + "\nAnswer the user's request "
+               'with one call of it: {"name": "roll_dice", "arguments": {...}}.')
+ROLL_PARAMS = SamplingParams(max_tokens=64, structured=ROLL_CALL)  # greedy: the same words, the same call
+
 
 class ChatBot:
     """The bot's logic: commands, per-channel histories, streamed replies, per-user priorities."""
 
     def __init__(self, engine: AsyncEngine, *, params: SamplingParams | None = None, edit_interval: float = 1.0,
-                 system_prompt: str = SYSTEM_PROMPT, history_budget: int | None = None) -> None:
+                 system_prompt: str = SYSTEM_PROMPT, history_budget: int | None = None,
+                 dice: random.Random | None = None) -> None:
         self.engine = engine
+        self.dice = dice or random.Random()
         self.params = params or SamplingParams(max_tokens=200, temperature=0.7, top_p=0.9)
         self.edit_interval = edit_interval
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -91,6 +128,9 @@ class ChatBot:
         elif text == "!stop":
             for task in list(self.in_flight.get(message.author.id, ())):
                 task.cancel()
+        elif text.startswith("!roll"):
+            await message.reply(await self.roll(text.removeprefix("!roll").strip() or "one six-sided die",
+                                                self.priority(message.author.id)))
         elif text:
             # Taken now, in arrival order: the channel's turn and the priority (how many of this
             # user's requests are already in flight).
@@ -103,6 +143,19 @@ class ChatBot:
                     raise
             finally:
                 self.in_flight[message.author.id].discard(task)
+
+    async def roll(self, words: str, priority: int = 0) -> str:
+        """``words`` ("two d20 plus 3") as a call of the ``roll_dice`` tool, run: the reply's text."""
+        prompt = [{"role": "system", "content": ROLL_PROMPT}, {"role": "user", "content": words}]
+        try:
+            out = await self.engine.generate(prompt, ROLL_PARAMS, priority=priority)
+        except Exception as exc:  # refused or failed, as for a chat reply
+            log.warning("roll failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, AsyncInferError))
+            return _apology(exc)
+        if out.finish_reason != "stop":  # cut by max_tokens: no complete call to run
+            return "Sorry, I could not read that roll."
+        args = json.loads(out.text)["arguments"]  # always parses: the decoding was held to ROLL_CALL
+        return roll_dice(self.dice, args["count"], args["sides"], args["modifier"])
 
     def priority(self, user_id: Any) -> int:
         """Lower is more urgent: each request a user already has in flight pushes the next one back."""
@@ -171,6 +224,14 @@ class ChatBot:
         """The exchange enters the history as a pair, unless the channel was reset since it was sent."""
         if answer and self.resets[channel] == turn.resets:
             self.histories[channel] += [said, {"role": "assistant", "content": answer}]
+
+
+def roll_dice(dice: random.Random, count: int, sides: int, modifier: int) -> str:
+    """The ``roll_dice`` tool itself: "🎲 2d20+3: 7 + 15 + 3 = 25"."""
+    faces = [dice.randint(1, sides) for _ in range(count)]
+    terms = " + ".join(map(str, faces)) + (f" {'+' if modifier > 0 else '-'} {abs(modifier)}" if modifier else "")
+    return f"🎲 {count}d{sides}{modifier:+d}: {terms} = {sum(faces) + modifier}" if modifier else (
+        f"🎲 {count}d{sides}: {terms} = {sum(faces)}")
 
 
 def _apology(exc: Exception) -> str:

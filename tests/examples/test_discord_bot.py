@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from asyncinfer import AsyncEngine, EngineOverloadedError, InvalidParameterError, SamplingParams
@@ -150,6 +154,42 @@ async def test_stop_aborts_only_the_users_reply_and_priorities_follow_load(examp
         assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
 
 
+@pytest.mark.real_model
+async def test_roll_is_a_tool_call_the_bot_runs(example, real_gguf) -> None:
+    async with await AsyncEngine.load(real_gguf, max_model_len=1024) as engine:
+        bot = example.ChatBot(engine, dice=random.Random(5))
+        message = Message("!roll two twenty-sided dice plus 3", ANN, Channel(12))
+        await bot.on_message(message)
+        prompt = [{"role": "system", "content": example.ROLL_PROMPT},
+                  {"role": "user", "content": "two twenty-sided dice plus 3"}]
+        call = await engine.generate(prompt, example.ROLL_PARAMS)
+        assert call.finish_reason == "stop"
+        parsed = json.loads(call.text)  # the model's call: parses, names the tool, arguments in range
+        assert parsed["name"] == "roll_dice"
+        jsonschema.validate(parsed["arguments"], example.ROLL_TOOL["parameters"])
+        args = parsed["arguments"]
+        (reply,) = message.replies
+        assert reply.content == example.roll_dice(random.Random(5), args["count"], args["sides"], args["modifier"])
+        assert re.fullmatch(r"🎲 \d+d\d+([+-]\d+)?: .* = -?\d+", reply.content)
+        assert bot.histories.get(12) is None  # rolls stay out of the history
+
+
+async def test_roll_runs_the_call_and_refuses_a_cut_one(example) -> None:
+    engine = FakeEngine()
+    bot = example.ChatBot(engine, dice=random.Random(1))
+    engine.calls = [Out('{"name": "roll_dice", "arguments": {"count": 2, "sides": 6, "modifier": -1}}', "stop"),
+                    Out('{"name": "roll_dice", "arguments": {"count": 2', "length")]
+    first, cut = Message("!roll 2d6-1", ANN, Channel(3)), Message("!roll", ANN, Channel(3))
+    await bot.on_message(first)
+    await bot.on_message(cut)
+    dice = random.Random(1)
+    faces = [dice.randint(1, 6), dice.randint(1, 6)]
+    assert first.replies[0].content == f"🎲 2d6-1: {faces[0]} + {faces[1]} - 1 = {sum(faces) - 1}"
+    assert cut.replies[0].content == "Sorry, I could not read that roll."
+    assert [p[-1]["content"] for p in engine.generated] == ["2d6-1", "one six-sided die"]
+    assert example.roll_dice(random.Random(2), 1, 20, 0).startswith("🎲 1d20: ")
+
+
 def test_the_gateway_part_needs_discord_only_when_run() -> None:
     source = EXAMPLE.read_text()
     assert "import discord\n" not in source.split("def main()")[0]  # the bot logic imports no discord
@@ -166,6 +206,12 @@ class FakeEngine:
         self.prompts: dict[str, list[dict[str, str]]] = {}
         self.gates: dict[str, asyncio.Event] = {}
         self.fail: dict[str, Exception] = {}
+        self.calls: list[Out] = []  # generate()'s answers, in order
+        self.generated: list[list[dict[str, str]]] = []
+
+    async def generate(self, prompt, params, *, priority):
+        self.generated.append(list(prompt))
+        return self.calls.pop(0)
 
     def count_tokens(self, messages: list[dict[str, str]]) -> int:
         return sum(len(m["content"].split()) + 2 for m in messages)
@@ -187,6 +233,12 @@ class FakeEngine:
 @dataclass
 class Delta:
     text: str
+
+
+@dataclass
+class Out:
+    text: str
+    finish_reason: str
 
 
 async def wait_for(condition) -> None:

@@ -6,8 +6,13 @@ A body is a JSON object. Its fields fall in four groups, per endpoint:
 - asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
   ``priority``), sent by OpenAI clients through ``extra_body``;
 - ignored: OpenAI fields that change nothing here (``store``, ``metadata``, ...);
-- neutral only: OpenAI features this server lacks (tools, JSON mode, ``logit_bias``,
-  ``echo``, ...). Their "off" value is accepted; anything else is a 400 naming the
+- structured: chat's ``response_format`` and ``tools``/``tool_choice``/``parallel_tool_calls``
+  (:mod:`asyncinfer.server.tools`), and vLLM's ``guided_json``, ``guided_regex``,
+  ``guided_choice`` and ``guided_grammar`` on both endpoints: a
+  :class:`~asyncinfer.structured.StructuredOutput` in the request's ``SamplingParams``; a spec
+  the grammar library refuses is a 400 naming the body field it came from;
+- neutral only: OpenAI features this server lacks (``logit_bias``, ``echo``, legacy
+  ``functions``, ...). Their "off" value is accepted; anything else is a 400 naming the
   field, so a client never silently gets something other than what it asked for.
 
 Any other field is a 400 ("Unrecognized request argument supplied"), as OpenAI
@@ -18,6 +23,7 @@ they differ from the engine's: without `temperature` a request samples at 1.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +31,8 @@ from typing import Any
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server.errors import APIError
+from asyncinfer.server.tools import ToolUse, parse_tool_use, render_assistant, render_tool_result
+from asyncinfer.structured import StructuredOutput
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
 MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
@@ -34,18 +42,17 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its cli
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "ignore_eos")
-_COMMON = ("model", "user", "stream", "stream_options", "priority", *_SAMPLING)
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
+_COMMON = ("model", "user", "stream", "stream_options", "priority", *_SAMPLING, *_GUIDED)
 
-_CHAT = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs")
-_CHAT_IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+_CHAT = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
+         "tool_choice", "parallel_tool_calls")
+_CHAT_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key",
                  "prompt_cache_retention", "safety_identifier", "reasoning_effort", "verbosity")
 _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -61,6 +68,7 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 _EMBEDDING = ("model", "input", "encoding_format", "dimensions", "user")
 
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_format.json_schema.name
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -107,6 +115,7 @@ class _Common:
     priority: int | None
     sampling: dict[str, Any]  # SamplingParams keywords, max_tokens possibly missing
     max_tokens_field: str  # the body field that set max_tokens ("max_completion_tokens" in chat)
+    structured_field: str  # the body field that set SamplingParams.structured (when one did)
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
         """The request's parameters. Without `temperature` it samples at OpenAI's default, 1 (the engine's
@@ -123,6 +132,8 @@ class _Common:
 
     def field(self, parameter: str) -> str:
         """The body field an engine parameter name stands for (this body's own token-limit field)."""
+        if parameter == "structured":
+            return self.structured_field
         return self.max_tokens_field if parameter == "max_tokens" else self.rename(parameter)
 
     @staticmethod
@@ -148,16 +159,90 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
         include_usage = options.get("include_usage") is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
-    return dict(model=model, user=user, stream=stream, include_usage=include_usage, priority=priority,
-                sampling=sampling, max_tokens_field="max_tokens")
+    common = dict(model=model, user=user, stream=stream, include_usage=include_usage, priority=priority,
+                  sampling=sampling, max_tokens_field="max_tokens", structured_field="structured")
+    guided = [k for k in _GUIDED if k in fields]
+    if len(guided) > 1:
+        raise _bad(guided[1], f"At most one of {', '.join(_GUIDED)} may be set, got {' and '.join(guided)}.")
+    if guided:
+        _constrain(common, guided[0], _guided(guided[0], fields[guided[0]]))
+    return common
+
+
+def _constrain(common: dict[str, Any], field: str, spec: StructuredOutput) -> None:
+    """Set the request's ``structured`` spec, from body field ``field`` (only one field may set it)."""
+    if "structured" in common["sampling"]:
+        raise _bad(field, f"`{field}` cannot be combined with `{common['structured_field']}`: both constrain the "
+                          "output.")
+    common["sampling"]["structured"] = spec
+    common["structured_field"] = field
+
+
+def _spec(field: str, build: Any, value: Any) -> StructuredOutput:
+    """``build(value)``, its shape error as a 400 naming ``field``."""
+    try:
+        return build(value)  # type: ignore[no-any-return]
+    except InvalidParameterError as exc:
+        raise _bad(field, f"`{field}` is invalid: {exc.value!r} (allowed: {exc.allowed}).") from None
+
+
+def _guided(field: str, value: Any) -> StructuredOutput:
+    if field == "guided_json":
+        if not isinstance(value, (dict, str)):
+            raise _bad(field, "`guided_json` must be a JSON schema (an object, or its JSON text).")
+        return _spec(field, StructuredOutput.json_schema, value)
+    if field == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise _bad(field, "`guided_choice` must be a list of strings.")
+        return _spec(field, StructuredOutput.choice, value)
+    if not isinstance(value, str):
+        raise _bad(field, f"`{field}` must be a string.")
+    return _spec(field, StructuredOutput.regex if field == "guided_regex" else StructuredOutput.grammar, value)
+
+
+def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
+    """Chat's ``response_format``: None for text, else the body field of its spec and the spec."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _bad("response_format", '`response_format` must be an object with a `type`: "text", "json_object" '
+                                      'or "json_schema".')
+    kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise _bad(f"response_format.{extra[0]}", f"Unrecognized argument in `response_format`: {extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", StructuredOutput.json_object()
+    if kind != "json_schema":
+        raise _bad("response_format.type", '`response_format.type` must be "text", "json_object" or "json_schema", '
+                                           f"got {kind!r}.")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format.json_schema", "`response_format.json_schema` must be an object with `name` and "
+                                                  "`schema`.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise _bad("response_format.json_schema.name", "`response_format.json_schema.name` must be 1 to 64 "
+                                                       f"letters, digits, '_' or '-', got {name!r}.")
+    for key, kinds, what in (("description", str, "a string"), ("strict", bool, "a boolean")):
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise _bad(f"response_format.json_schema.{key}", f"`response_format.json_schema.{key}` must be {what}.")
+    field = "response_format.json_schema.schema"
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's `schema` is optional: without one, any JSON object
+        return field, StructuredOutput.json_object()
+    if not isinstance(schema, dict):
+        raise _bad(field, f"`{field}` must be a JSON schema (an object).")
+    return field, _spec(field, StructuredOutput.json_schema, schema)
 
 
 @dataclass(frozen=True)
 class ChatRequest(_Common):
     """A checked ``/v1/chat/completions`` body."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]]  # as the template renders them: the tools' system message included
     top_logprobs: int | None  # the engine's ``logprobs`` when the body asked for them
+    tool_use: ToolUse | None  # the tools the model may call (None: no tools, or tool_choice "none")
 
     @staticmethod
     def rename(parameter: str) -> str:
@@ -183,11 +268,23 @@ def parse_chat(body: Any) -> ChatRequest:
         common["sampling"]["logprobs"] = 0 if top is None else top
     if "messages" not in fields:
         raise _bad("messages", "Missing required parameter: 'messages'.")
-    return ChatRequest(**common, messages=chat_messages(fields["messages"]), top_logprobs=top)
+    messages = chat_messages(fields["messages"])
+    if "response_format" in fields:
+        fmt = _response_format(fields["response_format"])
+        if fmt is not None:
+            _constrain(common, *fmt)
+    tool_use = parse_tool_use(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls"))
+    if tool_use is not None:
+        messages = tool_use.with_prompt(messages)
+        calls = tool_use.structured()
+        if calls is not None:
+            _constrain(common, "tools", calls)
+    return ChatRequest(**common, messages=messages, top_logprobs=top, tool_use=tool_use)
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI messages as the engine's ``{"role", "content"}`` dicts (text parts joined by newlines)."""
+    """OpenAI messages as the engine's ``{"role", "content"}`` dicts (text parts joined by newlines; an
+    assistant's ``tool_calls`` and ``tool`` results written as :mod:`asyncinfer.server.tools` renders them)."""
     if not isinstance(value, list) or not value:
         raise _bad("messages", "`messages` must be a non-empty list of messages.")
     out = []
@@ -196,11 +293,22 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise _bad(where, f"`{where}` must be an object with `role` and `content`.")
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-            raise _bad(where, "Tool and function messages are not supported by this server.", "unsupported_parameter")
+        if role == "function" or message.get("function_call"):
+            raise _bad(where, "Legacy function messages are not supported by this server: use `tool_calls` and "
+                              "`tool` messages.", "unsupported_parameter")
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise _bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string.")
+            out.append(render_tool_result(_content(message.get("content"), role, where)))
+            continue
         if role not in _ROLES:
-            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted(_ROLES)}, got {role!r}.")
-        out.append({"role": _ROLES[role], "content": _content(message.get("content"), role, where)})
+            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {role!r}.")
+        content = _content(message.get("content"), role, where)
+        if role == "assistant" and message.get("tool_calls") is not None:
+            content = render_assistant(content, message["tool_calls"], where)
+        elif message.get("tool_calls") is not None:
+            raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {role!r} ones.")
+        out.append({"role": _ROLES[role], "content": content})
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.outputs import Logprob
+from asyncinfer.server.tools import CallStream, ToolUse, split_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -35,13 +36,20 @@ class Reply:
     tokenizer: Any
     want_logprobs: bool
     include_usage: bool = False
+    tools: ToolUse | None = None  # chat with tools: replies are parsed for tool calls
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters streamed so far
+    _calls: dict[int, CallStream] = field(default_factory=dict)  # per choice, with tools: its text's split
 
     # ----------------------------------------------------------- whole results
     def choice(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str) -> dict[str, Any]:
         body: dict[str, Any] = {"index": index}
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, calls = split_calls(text, self.tools)
+                if calls:
+                    body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             body["text"] = text
         body["logprobs"] = self._logprobs(index, logprobs, text_start=0) if self.want_logprobs else None
@@ -70,13 +78,31 @@ class Reply:
         start = self._offsets.get(index, 0)
         self._offsets[index] = start + len(text)
         body: dict[str, Any] = {"index": index}
+        before = b""
+        if self.chat and self.tools is not None:  # content up to a tool call; the calls when the reply ends
+            stream = self._calls.setdefault(index, CallStream(self.tools))
+            text = stream.feed(text)
+            if finish_reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                if calls:
+                    if text:
+                        before = self.chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+                                              "finish_reason": None}])
+                        text = ""
+                    before += self.chunk([{"index": index, "delta": {"tool_calls": [
+                        {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None,
+                        "finish_reason": None}])
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            elif not text and not (self.want_logprobs and logprobs):
+                return b""  # all of it held back
         if self.chat:
             body["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             body["text"] = text
         body["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
-        return self.chunk([body])
+        return before + self.chunk([body])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

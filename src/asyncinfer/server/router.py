@@ -296,7 +296,8 @@ class _OpenAI:
         params = body.sampling_params(info.memory_plan.max_model_len)
         want_logprobs = params.logprobs is not None
         tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
-        reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage)
+        reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage,
+                      body.tool_use if isinstance(body, ChatRequest) else None)
         tenant, priority = self._identity(call, body)
         # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
         # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
