@@ -3,6 +3,8 @@ bounded bodies, per-tenant prefix caches, and tenants and priorities from the de
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -288,3 +290,32 @@ def test_user_priorities_is_the_deprecated_name_of_tenant_priorities() -> None:
     assert "tenant_priorities" in str(caught[0].message)
     assert dict(settings.tenant_priorities) == {"batch": 5, "web": 0}
     assert settings == ServerSettings(tenant_priorities={"batch": 5, "web": 0})
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_models):
+    """A keyed server that takes its tenant and priority from a proxy's headers."""
+    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
+        yield live
+
+
+@pytest.mark.parametrize("copies", [
+    [("authorization", "Bearer key-one"), ("authorization", "Bearer wrong")],
+    [("authorization", "Bearer wrong"), ("authorization", "Bearer key-one")],
+    [("authorization", "Bearer key-one"), ("x-team", "vip"), ("X-Team", "bob")],
+    [("authorization", "Bearer key-one"), ("x-priority", "-9"), ("x-priority", "5")],
+    [("authorization", "Bearer key-one"), ("content-type", "application/json"), ("content-type", "text/plain")],
+])
+def test_a_header_a_decision_reads_given_twice_is_a_400_naming_it(trusting, copies) -> None:
+    """Whichever copy won, a client could pre-empt the copy its proxy appends: neither wins."""
+    name = copies[-1][0].lower()
+    with httpx.Client(base_url=trusting.url) as http:
+        for path in ("/v1/completions", "/v1/nope"):
+            r = http.post(path, headers=copies, content=json.dumps(TEXT))
+            assert r.status_code == (400 if path == "/v1/completions" or name == "authorization" else 404), r.text
+            if r.status_code == 400:
+                error = r.json()["error"]
+                assert (error["type"], error["code"]) == ("invalid_request_error", "duplicate_header")
+                assert f"`{name}`" in error["message"] and r.headers["x-request-id"]
+        assert http.post("/v1/completions", headers=as_key("key-one"), json=TEXT).status_code == 200

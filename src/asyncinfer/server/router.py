@@ -29,7 +29,7 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
-from asyncinfer.server.auth import bearer
+from asyncinfer.server.auth import bearer, single_header
 from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
@@ -102,6 +102,9 @@ class _OpenAI:
         self.created = int(time.time())
         self.answers: Counter[tuple[str, int]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
+        # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
+        self._single = ("authorization", "content-type", settings.tenant_header,
+                        *(() if settings.priority_header is None else (settings.priority_header,)))
 
     # ------------------------------------------------------------------ routes
     async def chat_completions(self, request: Request) -> Response:
@@ -147,6 +150,8 @@ class _OpenAI:
     ) -> Response:
         call_id = new_request_id(prefix)
         try:
+            for name in self._single:  # before any of them decides anything
+                single_header(request, name)
             key = (authorize or self._authorize)(request)
             call = _Call(call_id, request, key, self._cache_salt(request, key))
             body = await self._body(request, parse) if parse is not None else None
