@@ -61,6 +61,7 @@ def test_keys_guard_every_v1_route_and_metrics_but_not_health(locked) -> None:
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("POST", "/v1/nope", 404), ("GET", "/v1/", 404), ("GET", "/v1", 404), ("DELETE", "/v1/files/x", 404),
     ("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("PUT", "/v1/models/ids", 405),
+    ("POST", "/v1/chat/completions/", 404), ("POST", "/v1/completions/", 404),
 ])
 def test_without_a_key_no_v1_url_says_whether_it_exists(locked, method, path, status) -> None:
     """An unknown /v1 URL or a wrong method there is a 401 first: no route discovery without a key."""
@@ -73,6 +74,9 @@ def test_without_a_key_no_v1_url_says_whether_it_exists(locked, method, path, st
         assert r.status_code == status and r.json()["error"]["code"] in ("unknown_url", "method_not_allowed")
         assert http.get("/nope").status_code == 404  # outside /v1, as without keys
         assert http.post("/health").status_code == 405
+        for slashed in ("/health/", "/metrics/"):  # no redirect (its Location built from Host) anywhere
+            r = http.get(slashed, headers={"host": "evil.example"})
+            assert r.status_code == 404 and "location" not in r.headers and r.json()["error"]["code"] == "unknown_url"
 
 
 def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
