@@ -61,6 +61,9 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 _EMBEDDING = ("model", "input", "encoding_format", "dimensions", "user")
 
+# OpenAI's own bounds on `metadata` (ignored here, but checked so its bulk is refused, not carried)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -181,9 +184,23 @@ def parse_chat(body: Any) -> ChatRequest:
         raise _bad("top_logprobs", "`top_logprobs` requires `logprobs` to be true.")
     if want:
         common["sampling"]["logprobs"] = 0 if top is None else top
+    _check_metadata(body.get("metadata"))
     if "messages" not in fields:
         raise _bad("messages", "Missing required parameter: 'messages'.")
     return ChatRequest(**common, messages=chat_messages(fields["messages"]), top_logprobs=top)
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` (ignored) within OpenAI's limits: at most 16 pairs of strings, keys up to 64 characters,
+    values up to 512."""
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
+            and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS
+                    and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
+        raise _bad("metadata", f"`metadata` must be an object of at most {MAX_METADATA_PAIRS} string pairs, keys of at "
+                               f"most {MAX_METADATA_KEY_CHARS} characters and values of at most "
+                               f"{MAX_METADATA_VALUE_CHARS}.")
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
