@@ -52,6 +52,10 @@ CASES = [
     ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.[0].content", None),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages.[0].content.[0]", UNSUPPORTED),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.[0].content.[0].text",
+     None),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages.[0].content.[0].text", None),
     ("chat", {"messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.[0]", UNSUPPORTED),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", UNSUPPORTED),
     ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format", UNSUPPORTED),
@@ -289,6 +293,24 @@ def test_a_body_at_the_limit_full_of_ignored_data_is_refused_in_bounded_time() -
         parse_chat(decode_json(raw))
     assert time.thread_time() - start < 5.0
     assert (refused.value.status, refused.value.param) == (400, "metadata")
+
+
+def test_edges_name_what_the_client_sent_and_echo_it_bounded(http) -> None:
+    parts = [{"type": "text"}, {"type": "text", "text": 5}]
+    for part, got in zip(parts, ("got nothing", "got int")):
+        r = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": [part]}]})
+        message = check_error(r, 400, "messages.[0].content.[0].text", None)["message"]
+        assert "must be a string" in message and got in message and "Only text content parts" not in message
+    r = http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 21})
+    assert check_error(r, 400, "top_logprobs", None)["message"].startswith("top_logprobs=21 is invalid")
+    name = "m" * 3_000_000
+    r = http.post("/v1/chat/completions", json={**CHAT, "model": name})
+    message = check_error(r, 404, "model", "model_not_found")["message"]
+    assert len(r.content) < 2000 and "(3000000 characters)" in message
+    for encoding in ("gzip", "deflate, gzip", "br"):
+        r = http.post("/v1/completions", json=TEXT, headers={"content-encoding": encoding})
+        assert encoding in check_error(r, 415, None, "unsupported_content_encoding")["message"]
+    assert http.post("/v1/completions", json=TEXT, headers={"content-encoding": "identity"}).status_code == 200
 
 
 def test_a_long_user_is_accepted_where_it_names_no_one(http) -> None:

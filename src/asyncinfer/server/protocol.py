@@ -230,7 +230,11 @@ def _content(content: Any, role: str, where: str) -> str:
         raise _bad(f"{where}.content", f"`{where}.content` must be a string or a list of content parts.")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+            at = f"{where}.content.[{j}].text"
+            raise _bad(at, f"`{at}` must be a string (the part's text), got "
+                           f"{'nothing' if part.get('text') is None else type(part['text']).__name__}.")
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {kind!r}.",
                        "unsupported_parameter")
