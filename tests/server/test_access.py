@@ -179,7 +179,10 @@ def test_header_isolation_and_the_shared_default(tiny_models, server) -> None:
 
 
 def test_keys_from_the_environment_and_settings_checks() -> None:
-    assert api_keys_from_env({"ASYNCINFER_API_KEY": " a, b ,,"}) == ("a", "b")
+    assert api_keys_from_env({"ASYNCINFER_API_KEY": " a, b "}) == ("a", "b")
+    for gap in ("sk-x,,sk-y", "sk-x, ,sk-y", "sk-x,", ",sk-x"):  # an empty item: not the keys someone meant
+        with pytest.raises(InvalidParameterError, match="empty item"):
+            api_keys_from_env({"ASYNCINFER_API_KEY": gap})
     assert api_keys_from_env({}) == ()
     assert metrics_keys_from_env({"ASYNCINFER_METRICS_KEY": "ops"}) == ("ops",)
     for blank in ("", "  ", ",", " , ,"):  # set, but to no key: an error, never a server without keys
@@ -212,10 +215,12 @@ def test_keys_from_the_environment_and_settings_checks() -> None:
 def test_a_blank_key_variable_stops_serve_before_anything_loads(monkeypatch, capsys) -> None:
     from asyncinfer import cli
 
-    monkeypatch.setenv("ASYNCINFER_API_KEY", " ")
-    assert cli.main(["serve", "/no/such/model"]) == 2
-    err = capsys.readouterr().err
-    assert "ASYNCINFER_API_KEY" in err and "does not exist" not in err  # refused before the model is looked at
+    for value in (" ", "sk-x,,sk-y"):
+        monkeypatch.setenv("ASYNCINFER_API_KEY", value)
+        assert cli.main(["serve", "/no/such/model"]) == 2
+        err = capsys.readouterr().err
+        assert "ASYNCINFER_API_KEY" in err and "does not exist" not in err  # refused before the model is looked at
+        assert "sk-x" not in err  # no key is shown
 
 
 class RecordingScheduler(FIFOScheduler):
@@ -323,3 +328,15 @@ def test_a_header_a_decision_reads_given_twice_is_a_400_naming_it(trusting, copi
                 assert (error["type"], error["code"]) == ("invalid_request_error", "duplicate_header")
                 assert f"`{name}`" in error["message"] and r.headers["x-request-id"]
         assert http.post("/v1/completions", headers=as_key("key-one"), json=TEXT).status_code == 200
+
+
+def test_a_proxys_tenant_and_priority_headers_must_be_well_formed(trusting) -> None:
+    key = as_key("key-one")
+    with httpx.Client(base_url=trusting.url) as http:
+        for headers, code in [({"x-team": ""}, "invalid_tenant"), ({"x-team": "t" * 129}, "invalid_tenant"),
+                              *(({"x-priority": bad}, "invalid_priority")
+                                for bad in ("1_000", "+3", "1 000", "", "٣".encode(), "1.0", "--1", "9" * 5000))]:
+            r = http.post("/v1/completions", headers={**key, **headers}, json=TEXT)
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, (headers, r.text)
+        for good in ({"x-team": "t" * 128}, {"x-priority": "-12"}, {"x-priority": "007"}, {}):
+            assert http.post("/v1/completions", headers={**key, **good}, json=TEXT).status_code == 200, good

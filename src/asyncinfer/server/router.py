@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -48,6 +49,7 @@ __all__ = ["openai_router"]
 
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
+_PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
 
@@ -193,8 +195,8 @@ class _OpenAI:
         if mode == "api-key" and key is not None:
             return "key:" + hashlib.sha256(key.encode()).hexdigest()
         if mode == "header":
-            tenant = request.headers.get(self.settings.tenant_header)
-            return None if not tenant else "tenant:" + tenant
+            tenant = self._tenant_header(request)
+            return None if tenant is None else "tenant:" + tenant
         return None
 
     def _identity(self, call: _Call, body: ChatRequest | CompletionRequest) -> tuple[str | None, int]:
@@ -212,15 +214,14 @@ class _OpenAI:
         elif settings.tenant_from == "api-key":
             tenant = None if owner is None else owner.name
         else:
-            tenant = call.request.headers.get(settings.tenant_header) or None
-            if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
-                raise APIError(400, f"The `{settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
-                                    "characters.", code="invalid_tenant")
+            tenant = self._tenant_header(call.request)
         if priority is None and settings.priority_header is not None:
             raw = call.request.headers.get(settings.priority_header)
             if raw is not None:
                 try:
-                    priority = int(raw.strip())
+                    if not _PRIORITY.fullmatch(raw):  # not int()'s "+3", " 7 " or "1_000"
+                        raise ValueError(raw)
+                    priority = int(raw)
                 except ValueError:
                     raise APIError(400, f"The `{settings.priority_header}` header must be an integer, "
                                         f"got {raw[:32]!r}.", code="invalid_priority") from None
@@ -228,12 +229,24 @@ class _OpenAI:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
 
+    def _tenant_header(self, request: Request) -> str | None:
+        """The ``tenant_header`` value (None when absent); a 400 when it is empty or over MAX_TENANT_CHARS."""
+        tenant = request.headers.get(self.settings.tenant_header)
+        if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_CHARS:
+            raise APIError(400, f"The `{self.settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
+                                "characters.", code="invalid_tenant")
+        return tenant
+
     async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
         """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
         checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
         thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
         declared as anything but JSON is a 415, unread."""
         _check_json_type(request.headers.get("content-type"))
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() != "identity":
+            raise APIError(415, f"The request body must not be encoded: Content-Encoding {encoding[:100]!r} is not "
+                                "supported (send it as plain JSON).", code="unsupported_content_encoding")
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
