@@ -3,6 +3,8 @@ bounded bodies, per-tenant prefix caches, and tenants and priorities from the de
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -59,6 +61,7 @@ def test_keys_guard_every_v1_route_and_metrics_but_not_health(locked) -> None:
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("POST", "/v1/nope", 404), ("GET", "/v1/", 404), ("GET", "/v1", 404), ("DELETE", "/v1/files/x", 404),
     ("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("PUT", "/v1/models/ids", 405),
+    ("POST", "/v1/chat/completions/", 404), ("POST", "/v1/completions/", 404),
 ])
 def test_without_a_key_no_v1_url_says_whether_it_exists(locked, method, path, status) -> None:
     """An unknown /v1 URL or a wrong method there is a 401 first: no route discovery without a key."""
@@ -71,6 +74,9 @@ def test_without_a_key_no_v1_url_says_whether_it_exists(locked, method, path, st
         assert r.status_code == status and r.json()["error"]["code"] in ("unknown_url", "method_not_allowed")
         assert http.get("/nope").status_code == 404  # outside /v1, as without keys
         assert http.post("/health").status_code == 405
+        for slashed in ("/health/", "/metrics/"):  # no redirect (its Location built from Host) anywhere
+            r = http.get(slashed, headers={"host": "evil.example"})
+            assert r.status_code == 404 and "location" not in r.headers and r.json()["error"]["code"] == "unknown_url"
 
 
 def test_a_tenants_key_never_reads_metrics_the_operators_does(locked) -> None:
@@ -173,7 +179,10 @@ def test_header_isolation_and_the_shared_default(tiny_models, server) -> None:
 
 
 def test_keys_from_the_environment_and_settings_checks() -> None:
-    assert api_keys_from_env({"ASYNCINFER_API_KEY": " a, b ,,"}) == ("a", "b")
+    assert api_keys_from_env({"ASYNCINFER_API_KEY": " a, b "}) == ("a", "b")
+    for gap in ("sk-x,,sk-y", "sk-x, ,sk-y", "sk-x,", ",sk-x"):  # an empty item: not the keys someone meant
+        with pytest.raises(InvalidParameterError, match="empty item"):
+            api_keys_from_env({"ASYNCINFER_API_KEY": gap})
     assert api_keys_from_env({}) == ()
     assert metrics_keys_from_env({"ASYNCINFER_METRICS_KEY": "ops"}) == ("ops",)
     for blank in ("", "  ", ",", " , ,"):  # set, but to no key: an error, never a server without keys
@@ -206,10 +215,12 @@ def test_keys_from_the_environment_and_settings_checks() -> None:
 def test_a_blank_key_variable_stops_serve_before_anything_loads(monkeypatch, capsys) -> None:
     from asyncinfer import cli
 
-    monkeypatch.setenv("ASYNCINFER_API_KEY", " ")
-    assert cli.main(["serve", "/no/such/model"]) == 2
-    err = capsys.readouterr().err
-    assert "ASYNCINFER_API_KEY" in err and "does not exist" not in err  # refused before the model is looked at
+    for value in (" ", "sk-x,,sk-y"):
+        monkeypatch.setenv("ASYNCINFER_API_KEY", value)
+        assert cli.main(["serve", "/no/such/model"]) == 2
+        err = capsys.readouterr().err
+        assert "ASYNCINFER_API_KEY" in err and "does not exist" not in err  # refused before the model is looked at
+        assert "sk-x" not in err  # no key is shown
 
 
 class RecordingScheduler(FIFOScheduler):
@@ -288,3 +299,44 @@ def test_user_priorities_is_the_deprecated_name_of_tenant_priorities() -> None:
     assert "tenant_priorities" in str(caught[0].message)
     assert dict(settings.tenant_priorities) == {"batch": 5, "web": 0}
     assert settings == ServerSettings(tenant_priorities={"batch": 5, "web": 0})
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_models):
+    """A keyed server that takes its tenant and priority from a proxy's headers."""
+    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
+        yield live
+
+
+@pytest.mark.parametrize("copies", [
+    [("authorization", "Bearer key-one"), ("authorization", "Bearer wrong")],
+    [("authorization", "Bearer wrong"), ("authorization", "Bearer key-one")],
+    [("authorization", "Bearer key-one"), ("x-team", "vip"), ("X-Team", "bob")],
+    [("authorization", "Bearer key-one"), ("x-priority", "-9"), ("x-priority", "5")],
+    [("authorization", "Bearer key-one"), ("content-type", "application/json"), ("content-type", "text/plain")],
+])
+def test_a_header_a_decision_reads_given_twice_is_a_400_naming_it(trusting, copies) -> None:
+    """Whichever copy won, a client could pre-empt the copy its proxy appends: neither wins."""
+    name = copies[-1][0].lower()
+    with httpx.Client(base_url=trusting.url) as http:
+        for path in ("/v1/completions", "/v1/nope"):
+            r = http.post(path, headers=copies, content=json.dumps(TEXT))
+            assert r.status_code == (400 if path == "/v1/completions" or name == "authorization" else 404), r.text
+            if r.status_code == 400:
+                error = r.json()["error"]
+                assert (error["type"], error["code"]) == ("invalid_request_error", "duplicate_header")
+                assert f"`{name}`" in error["message"] and r.headers["x-request-id"]
+        assert http.post("/v1/completions", headers=as_key("key-one"), json=TEXT).status_code == 200
+
+
+def test_a_proxys_tenant_and_priority_headers_must_be_well_formed(trusting) -> None:
+    key = as_key("key-one")
+    with httpx.Client(base_url=trusting.url) as http:
+        for headers, code in [({"x-team": ""}, "invalid_tenant"), ({"x-team": "t" * 129}, "invalid_tenant"),
+                              *(({"x-priority": bad}, "invalid_priority")
+                                for bad in ("1_000", "+3", "1 000", "", "٣".encode(), "1.0", "--1", "9" * 5000))]:
+            r = http.post("/v1/completions", headers={**key, **headers}, json=TEXT)
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, (headers, r.text)
+        for good in ({"x-team": "t" * 128}, {"x-priority": "-12"}, {"x-priority": "007"}, {}):
+            assert http.post("/v1/completions", headers={**key, **good}, json=TEXT).status_code == 200, good

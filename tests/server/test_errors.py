@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -53,8 +54,17 @@ CASES = [
      400, "messages.[0].content.[0]", UNSUPPORTED),
     ("chat", {"messages": [{"role": "function", "content": "4", "name": "f"}]}, 400, "messages.[0]", UNSUPPORTED),
     ("chat", {"functions": [{"name": "f"}]}, 400, "functions", UNSUPPORTED),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.[0].content.[0].text",
+     None),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages.[0].content.[0].text", None),
     ("chat", {"logit_bias": {"5": 10}}, 400, "logit_bias", UNSUPPORTED),
     ("chat", {"foo": 1}, 400, "foo", None),
+    ("chat", {"metadata": {str(i): "v" for i in range(17)}}, 400, "metadata", None),  # OpenAI's limits
+    ("chat", {"metadata": {"k" * 65: "v"}}, 400, "metadata", None),
+    ("chat", {"metadata": {"k": "v" * 513}}, 400, "metadata", None),
+    ("chat", {"metadata": {"k": 1}}, 400, "metadata", None),
+    ("chat", {"metadata": ["k", "v"]}, 400, "metadata", None),
     ("chat", {"messages": [{"role": "user", "content": "hello " * 600}]}, 400, "messages", "context_length_exceeded"),
     ("chat", {"model": "ids"}, 400, "messages", None),  # no tokenizer, so no chat template
     ("chat", {"model": "nope"}, 404, "model", "model_not_found"),
@@ -264,6 +274,42 @@ def test_a_deeply_nested_body_is_a_clean_400(http, depth) -> None:
         assert "nested deeper" in check_error(r, 400, None, None)["message"]
     ok = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+def test_a_body_at_the_limit_full_of_ignored_data_is_refused_in_bounded_time() -> None:
+    """~4 MiB whose bulk is `metadata` (200k keys) was accepted, and two dozen such bodies at once held the
+    workers for seconds: refused now, naming the field, the decode and check measured in this thread's CPU
+    time (generous: a loaded machine; the body's decode, in C, is the bulk of it)."""
+    from asyncinfer.server.protocol import parse_chat
+    from asyncinfer.server.router import decode_json
+    from asyncinfer.server.settings import ServerSettings
+
+    metadata = {f"{i:06d}": "v" for i in range(200_000)}
+    raw = json.dumps({**CHAT, "metadata": metadata}).encode()
+    assert 2_500_000 < len(raw) <= ServerSettings().max_body_bytes
+    start = time.thread_time()
+    with pytest.raises(server_errors.APIError) as refused:
+        parse_chat(decode_json(raw))
+    assert time.thread_time() - start < 5.0
+    assert (refused.value.status, refused.value.param) == (400, "metadata")
+
+
+def test_edges_name_what_the_client_sent_and_echo_it_bounded(http) -> None:
+    parts = [{"type": "text"}, {"type": "text", "text": 5}]
+    for part, got in zip(parts, ("got nothing", "got int")):
+        r = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": [part]}]})
+        message = check_error(r, 400, "messages.[0].content.[0].text", None)["message"]
+        assert "must be a string" in message and got in message and "Only text content parts" not in message
+    r = http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 21})
+    assert check_error(r, 400, "top_logprobs", None)["message"].startswith("top_logprobs=21 is invalid")
+    name = "m" * 3_000_000
+    r = http.post("/v1/chat/completions", json={**CHAT, "model": name})
+    message = check_error(r, 404, "model", "model_not_found")["message"]
+    assert len(r.content) < 2000 and "(3000000 characters)" in message
+    for encoding in ("gzip", "deflate, gzip", "br"):
+        r = http.post("/v1/completions", json=TEXT, headers={"content-encoding": encoding})
+        assert encoding in check_error(r, 415, None, "unsupported_content_encoding")["message"]
+    assert http.post("/v1/completions", json=TEXT, headers={"content-encoding": "identity"}).status_code == 200
 
 
 def test_a_long_user_is_accepted_where_it_names_no_one(http) -> None:

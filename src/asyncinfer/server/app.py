@@ -112,11 +112,15 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
       OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
-      the connection closes.
+      the connection closes;
+    - no redirect for a trailing slash (``app.router.redirect_slashes`` off): Starlette's 307 to the
+      URL without it answered before any key was checked, with a ``Location`` built from the
+      ``Host`` header; ``/v1/chat/completions/`` is an unknown URL like any other.
 
     Call it before the app serves (it adds a middleware). Returns ``app``.
     """
     settings = settings or ServerSettings()
+    app.router.redirect_slashes = False
     app.add_exception_handler(HTTPException, _keyed_http_errors(settings.accepted_keys))
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)

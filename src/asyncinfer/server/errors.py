@@ -79,8 +79,12 @@ class APIError(Exception):
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+MAX_SHOWN_NAME = 256  # characters of a client's model name echoed in an error
+
+
 def not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    shown = model if len(model) <= MAX_SHOWN_NAME else f"{model[:MAX_SHOWN_NAME]}... ({len(model)} characters)"
+    return APIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
 
 
 def unauthorized(got_key: bool) -> APIError:
@@ -118,7 +122,9 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         field = rename(exc.parameter)
         if exc.parameter == "max_tokens" and code is not None:
             return APIError(400, _no_room(field, exc), param=field, code=code)
-        return APIError(400, str(exc), param=field, code=code)
+        # the message names the body's field too (chat's `top_logprobs` is the engine's `logprobs`)
+        message = str(exc) if field == exc.parameter else str(InvalidParameterError(field, exc.value, exc.allowed))
+        return APIError(400, message, param=field, code=code)
     if isinstance(exc, EngineClosedError) and not isinstance(exc, EngineDeadError):
         # Stopping, or a drain-mode swap with no version serving yet: come back shortly.
         return APIError(503, f"The engine is not serving right now: {exc}", type="server_error",

@@ -69,6 +69,9 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _EMBEDDING = ("model", "input", "encoding_format", "dimensions", "user")
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_format.json_schema.name
+# OpenAI's own bounds on `metadata` (ignored here, but checked so its bulk is refused, not carried)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -266,6 +269,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise _bad("top_logprobs", "`top_logprobs` requires `logprobs` to be true.")
     if want:
         common["sampling"]["logprobs"] = 0 if top is None else top
+    _check_metadata(body.get("metadata"))
     if "messages" not in fields:
         raise _bad("messages", "Missing required parameter: 'messages'.")
     messages = chat_messages(fields["messages"])
@@ -280,6 +284,19 @@ def parse_chat(body: Any) -> ChatRequest:
         if calls is not None:
             _constrain(common, "tools", calls)
     return ChatRequest(**common, messages=messages, top_logprobs=top, tool_use=tool_use)
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` (ignored) within OpenAI's limits: at most 16 pairs of strings, keys up to 64 characters,
+    values up to 512."""
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
+            and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS
+                    and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
+        raise _bad("metadata", f"`metadata` must be an object of at most {MAX_METADATA_PAIRS} string pairs, keys of at "
+                               f"most {MAX_METADATA_KEY_CHARS} characters and values of at most "
+                               f"{MAX_METADATA_VALUE_CHARS}.")
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
@@ -321,7 +338,11 @@ def _content(content: Any, role: str, where: str) -> str:
         raise _bad(f"{where}.content", f"`{where}.content` must be a string or a list of content parts.")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+            at = f"{where}.content.[{j}].text"
+            raise _bad(at, f"`{at}` must be a string (the part's text), got "
+                           f"{'nothing' if part.get('text') is None else type(part['text']).__name__}.")
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {kind!r}.",
                        "unsupported_parameter")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -29,7 +30,7 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
-from asyncinfer.server.auth import bearer
+from asyncinfer.server.auth import bearer, single_header
 from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
@@ -48,6 +49,7 @@ __all__ = ["openai_router"]
 
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
+_PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
 
@@ -102,6 +104,9 @@ class _OpenAI:
         self.created = int(time.time())
         self.answers: Counter[tuple[str, int]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
+        # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
+        self._single = ("authorization", "content-type", settings.tenant_header,
+                        *(() if settings.priority_header is None else (settings.priority_header,)))
 
     # ------------------------------------------------------------------ routes
     async def chat_completions(self, request: Request) -> Response:
@@ -147,6 +152,8 @@ class _OpenAI:
     ) -> Response:
         call_id = new_request_id(prefix)
         try:
+            for name in self._single:  # before any of them decides anything
+                single_header(request, name)
             key = (authorize or self._authorize)(request)
             call = _Call(call_id, request, key, self._cache_salt(request, key))
             body = await self._body(request, parse) if parse is not None else None
@@ -188,8 +195,8 @@ class _OpenAI:
         if mode == "api-key" and key is not None:
             return "key:" + hashlib.sha256(key.encode()).hexdigest()
         if mode == "header":
-            tenant = request.headers.get(self.settings.tenant_header)
-            return None if not tenant else "tenant:" + tenant
+            tenant = self._tenant_header(request)
+            return None if tenant is None else "tenant:" + tenant
         return None
 
     def _identity(self, call: _Call, body: ChatRequest | CompletionRequest) -> tuple[str | None, int]:
@@ -207,15 +214,14 @@ class _OpenAI:
         elif settings.tenant_from == "api-key":
             tenant = None if owner is None else owner.name
         else:
-            tenant = call.request.headers.get(settings.tenant_header) or None
-            if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
-                raise APIError(400, f"The `{settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
-                                    "characters.", code="invalid_tenant")
+            tenant = self._tenant_header(call.request)
         if priority is None and settings.priority_header is not None:
             raw = call.request.headers.get(settings.priority_header)
             if raw is not None:
                 try:
-                    priority = int(raw.strip())
+                    if not _PRIORITY.fullmatch(raw):  # not int()'s "+3", " 7 " or "1_000"
+                        raise ValueError(raw)
+                    priority = int(raw)
                 except ValueError:
                     raise APIError(400, f"The `{settings.priority_header}` header must be an integer, "
                                         f"got {raw[:32]!r}.", code="invalid_priority") from None
@@ -223,12 +229,24 @@ class _OpenAI:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
 
+    def _tenant_header(self, request: Request) -> str | None:
+        """The ``tenant_header`` value (None when absent); a 400 when it is empty or over MAX_TENANT_CHARS."""
+        tenant = request.headers.get(self.settings.tenant_header)
+        if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_CHARS:
+            raise APIError(400, f"The `{self.settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
+                                "characters.", code="invalid_tenant")
+        return tenant
+
     async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
         """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
         checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
         thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
         declared as anything but JSON is a 415, unread."""
         _check_json_type(request.headers.get("content-type"))
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() != "identity":
+            raise APIError(415, f"The request body must not be encoded: Content-Encoding {encoding[:100]!r} is not "
+                                "supported (send it as plain JSON).", code="unsupported_content_encoding")
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")

@@ -25,17 +25,20 @@ def _keys_from_env(name: str, environ: Mapping[str, str] | None) -> tuple[str, .
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None:
         return ()
-    keys = tuple(key.strip() for key in raw.split(",") if key.strip())
-    if not keys:  # set, but to nothing: serving without the keys someone meant to require
-        raise InvalidParameterError(name, raw, "comma-separated non-empty keys (unset it to ask for none)")
+    keys = tuple(key.strip() for key in raw.split(","))
+    if not all(keys):  # set to nothing, or with a blank item ("sk-x,,sk-y"): not what someone meant to require
+        shown = raw if not any(keys) else "<keys with an empty item between commas>"
+        raise InvalidParameterError(name, shown, "comma-separated non-empty keys, no empty item between or "
+                                                 "after the commas (unset it to ask for none)")
     return keys
 
 
 def api_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The keys in ``ASYNCINFER_API_KEY`` (comma-separated; blanks between commas dropped).
+    """The keys in ``ASYNCINFER_API_KEY`` (comma-separated, spaces around each dropped).
 
-    Unset: no key. Set but blank (``""``, spaces, commas only): ``InvalidParameterError``,
-    so a server meant to ask for keys never starts without them.
+    Unset: no key. Set but blank (``""``, spaces, commas only), or with an empty item
+    (``sk-x,,sk-y``, a trailing comma): ``InvalidParameterError``, so a server meant to ask for
+    keys never starts without the keys someone meant.
     """
     return _keys_from_env(API_KEYS_ENV, environ)
 
