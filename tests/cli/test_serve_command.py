@@ -94,3 +94,32 @@ def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, 
 
     if kernels.auto_reason() is None:  # the file's own format where the kernels run (else float16)
         assert out[2].startswith("    weights: q4_1, 200.1 MiB (float32 on cpu)"), out[2]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--scheduler", "nosuch"], "asyncinfer: error: --scheduler 'nosuch' is invalid: allowed one of "),
+    (["--scheduler", "pd-split", "--scheduler-option", "bogus=1"],
+     "asyncinfer: error: --scheduler-option {'bogus': 1} is invalid: allowed keywords PDSplitScheduler accepts ("),
+    (["--scheduler-option", "prefill_budget=64"],
+     "asyncinfer: error: --scheduler-option {'prefill_budget': 64} is invalid: allowed keywords FIFOScheduler accepts ("),
+])
+@pytest.mark.parametrize("command", ["serve", "chat", "generate", "bench", "info"])
+def test_a_bad_scheduler_is_refused_before_the_model_is_loaded(command, flags, said, tiny_models, capsys,
+                                                               monkeypatch, tmp_path) -> None:
+    import asyncinfer.loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the scheduler was checked")
+
+    monkeypatch.setattr(asyncinfer.loading, "load_generator", no_load)
+    monkeypatch.setattr(asyncinfer.loading, "plan_memory", no_load)
+    monkeypatch.setattr(asyncinfer.server, "run_server", no_load)
+    path = str(tiny_models["llama"][0])
+    extra = {"serve": ["--port", str(free_port())], "chat": ["hi"], "info": [],
+             "generate": ["--prompt", "hi"], "bench": []}[command]
+    argv = [command, "--model", path, *flags, *extra] if command in ("chat", "generate") else \
+        [command, path, *flags, *extra]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(said) and captured.err.count("\n") == 1, captured.err
+    assert "loading" not in captured.out  # serve says nothing of what it would serve
