@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -349,18 +350,10 @@ async def _embed(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncinfer.commands.serve import check_port_free, describe_serving
-    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.commands.serve import listening_socket
 
     try:
-        from asyncinfer.server import (
-            ModelSpec,
-            ServerSettings,
-            api_keys_from_env,
-            create_app,
-            metrics_keys_from_env,
-            run_server,
-        )
+        from asyncinfer.server import ServerSettings, api_keys_from_env, metrics_keys_from_env
     except ImportError as exc:
         print(f"asyncinfer: error: {exc.name} is missing: pip install 'asyncinfer[server]'", file=sys.stderr)
         return 2
@@ -369,7 +362,19 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, max_connections=args.max_connections)
-    check_port_free(args.host, args.port)  # before anything is loaded: a port in use is refused at once
+    # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
+    # in use, or taken by a second serve started a moment later, is refused at once.
+    sock = listening_socket(args.host, args.port)
+    with sock:
+        return _serve_on(args, sock, settings)
+
+
+def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> int:
+    from asyncinfer.commands.serve import describe_serving
+    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.server import ModelSpec, create_app, run_server
+
+    port = sock.getsockname()[1]  # --port 0: the free port taken
     model = args.model_arg or args.model
     options = _engine_options(args)
     specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
@@ -377,9 +382,9 @@ def _serve(args: argparse.Namespace) -> int:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
-    print(describe_serving(specs, plans, host=args.host, port=args.port, api_keys=len(settings.api_keys),
+    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
                            metrics_keys=len(settings.metrics_keys)), flush=True)
-    interrupted = run_server(create_app(specs, settings), args.host, args.port, args.log_level, settings)
+    interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
 
 
