@@ -72,10 +72,24 @@ class ChatSession:
         if exc.parameter not in ("prompt", "messages"):  # e.g. "prompt[1]": a text that is not valid Unicode
             return InvalidParameterError("message", exc.value, exc.allowed)
         system = ", with the system message," if self.system else ""
+        max_model_len = self.engine.max_model_len
+        fix = "shorten it, or raise --max-model-len or lower --max-tokens"
+        try:  # as the engine renders it: the message (and the system message) in the chat template
+            need = self.engine.count_tokens([*self.system, {"role": "user", "content": text}])
+        except InvalidParameterError:  # refused by its characters, before any tokenization
+            need = None
+        if need is not None:
+            system = " and the system message" if self.system else ""
+            room = max_model_len - need
+            fix = (f"rendered with the chat template it takes {need} tokens (the message{system} and the template's "
+                   f"own): shorten it, or raise --max-model-len"
+                   + (f" or lower --max-tokens to at most max_model_len - tokens = {max_model_len} - {need} = {room}"
+                      if room >= 1 else ""))
+            system = ", with the system message," if self.system else ""
         return InvalidParameterError(
             "message", f"<{len(text)} characters>",
-            f"a message that{system} fits in {budget} tokens (max_model_len {self.engine.max_model_len} - "
-            f"max_tokens {self.params.max_tokens}): shorten it, or raise --max-model-len or lower --max-tokens",
+            f"a message that{system} fits in {budget} tokens (max_model_len {max_model_len} - "
+            f"max_tokens {self.params.max_tokens}); {fix}",
         )
 
     async def reply(self, text: str) -> str:
