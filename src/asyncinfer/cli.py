@@ -458,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)",
                           description="Chat with a model. In a session: /reset clears the history, /exit (or "
-                                      "Ctrl-D) leaves, Ctrl-C stops the reply being written.",
+                                      "Ctrl-D) leaves, /help lists the commands, Ctrl-C stops the reply being "
+                                      "written; a message that starts with / is typed with // (another line "
+                                      "starting with / is no message: it gets a hint).",
                           formatter_class=_HelpFormatter)
     add_chat_args(chat)
     _add_engine_args(chat)

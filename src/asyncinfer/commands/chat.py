@@ -2,7 +2,9 @@
 
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
 session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
-and Ctrl-D leave with 0). ``/reset`` forgets the conversation. The history is
+and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
+commands. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
+message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
 ``InvalidParameterError`` on ``message`` and the session goes on.
@@ -33,7 +35,15 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.history import trim_messages
 from asyncinfer.sampling_params import SamplingParams
 
-HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves)."
+HELP = ("/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves); "
+        "a message that starts with / is sent as //...")
+COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
+
+
+def unknown_command(line: str) -> str:
+    """The one-line hint for a line that starts with ``/`` but is no command (it is not sent to the model)."""
+    return (f"asyncinfer: {line.strip()!r} is not a command ({', '.join(COMMANDS)}); "
+            "to send a message that starts with /, begin it with //")
 
 #: The file of the prompt's history: a path, or empty for none (default: :func:`history_path`'s).
 HISTORY_ENV = "ASYNCINFER_CHAT_HISTORY"
@@ -158,15 +168,23 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if line is None:  # Ctrl-D (end of input): the shell's prompt on a fresh line
             print(flush=True)
             return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
         command = line.strip()
-        if command == "/reset":
+        if command in ("/exit", "/quit"):
+            return 0
+        if command.startswith("//"):  # the escape: a message that starts with /, sent without the first /
+            line = line.replace("/", "", 1)
+            command = line.strip()
+        elif command == "/reset":
             session.reset()
             print("[history cleared]", file=sys.stderr)
+            continue
         elif command in ("/help", "/?"):
             print(HELP, file=sys.stderr)
-        elif command:
+            continue
+        elif command.startswith("/"):  # a mistyped command (/rest, /exit now) is not sent to the model
+            print(unknown_command(line), file=sys.stderr)
+            continue
+        if command:
             try:
                 await interrupts.run(session.reply(line))
             except InvalidParameterError as exc:
