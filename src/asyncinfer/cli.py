@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from asyncinfer.errors import AsyncInferError, InvalidParameterError, exception_text
+from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.sampling_params import SamplingParams
 
 # (flag, SamplingParams field, type, help)
@@ -90,8 +90,6 @@ def _info(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
     from asyncinfer.memory import MemoryPlan, format_bytes
     from asyncinfer.model_source import resolve_model
-
-    from asyncinfer.errors import ConfigurationError
     from asyncinfer.models.encoder import is_encoder_dir
     from asyncinfer.models.loader import read_model_config
 
@@ -105,8 +103,10 @@ def _info(args: argparse.Namespace) -> int:
     try:
         plan = AsyncEngine.plan_memory(path, **_engine_options(args))
     except ConfigurationError as exc:
+        from asyncinfer.commands.engine_flags import in_flag_terms
+
         command = f"asyncinfer plan {model}" if model else "asyncinfer plan"
-        print(f"memory plan: {exc} ({command} shows the whole budget)")
+        print(f"memory plan: {in_flag_terms(str(exc))} ({command} shows the whole budget)")
         return 1
     if isinstance(plan, MemoryPlan):
         from asyncinfer.config import EngineConfig, for_model
@@ -552,14 +552,40 @@ def _kernel_setting_error(exc: BaseException) -> bool:
     return False
 
 
-def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
-    """The error's message, in the flags' terms when it is about an engine option given as one."""
-    if isinstance(exc, InvalidParameterError) and args is not None:
-        from asyncinfer.commands.engine_flags import flag_error
+#: ``asyncinfer serve``'s own flags, by the ServerSettings field (the ``parameter`` of its errors).
+_SERVE_FLAGS = {
+    "api_keys": "--api-key", "metrics_keys": "--metrics-key", "max_body_bytes": "--max-body-bytes",
+    "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
+    "priority_header": "--priority-header", "header_timeout": "--header-timeout", "body_timeout": "--body-timeout",
+    "max_connections": "--max-connections",
+}
+_KEY_FLAGS = ("api_keys", "metrics_keys")
+_ENGINE_COMMANDS = ("chat", "generate", "bench", "info", "serve")  # the commands with the engine flags  # repeatable: the error names the one bad key, not the list
 
+
+def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
+    """The error's message in the flags' terms: an engine option, or a serve setting, given as a flag is
+    named by it (``--api-key ''``, not ``api_keys=('',)``), and a ConfigurationError's text names the
+    engine options by their flags."""
+    if args is None or args.command not in _ENGINE_COMMANDS:
+        return str(exc)
+    from asyncinfer.commands.engine_flags import flag_error, in_flag_terms
+
+    if isinstance(exc, InvalidParameterError):
         worded = flag_error(exc, _engine_options(args))
         if worded is not None:
             return worded
+        flag = _SERVE_FLAGS.get(exc.parameter) if args.command == "serve" else None
+        if flag is not None:
+            value = exc.value
+            if exc.parameter in _KEY_FLAGS and isinstance(value, tuple):
+                value = next((k for k in value if not (isinstance(k, str) and k)), value)
+                return f"{flag} {value!r} is invalid: allowed a non-empty key"
+            shown = repr(value) if isinstance(value, str) else str(value)
+            return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+        return str(exc)
+    if isinstance(exc, ConfigurationError):
+        return in_flag_terms(str(exc))
     return str(exc)
 
 

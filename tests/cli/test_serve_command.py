@@ -155,3 +155,25 @@ def test_a_second_serve_on_the_port_fails_at_once_while_the_first_loads(tiny_mod
                           f"127.0.0.1:{port}?): stop it, or choose another with --port\n", 0)]
     with socket.socket() as again:  # released when serve ends
         again.bind(("127.0.0.1", port))
+
+
+def test_errors_name_the_flags_not_the_fields(tiny_models, capsys, monkeypatch) -> None:
+    """A serve setting or an engine option given as a flag is named by its flag, in the one line."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("served")
+
+    monkeypatch.setattr(asyncinfer.server, "run_server", no_load)
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["serve", path, "--port", str(free_port()), "--api-key", ""]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --api-key '' is invalid: allowed a non-empty key\n"
+    assert cli.main(["serve", path, "--port", str(free_port()), "--max-connections", "0"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --max-connections 0 is invalid: allowed an int >= 1\n"
+    for command in (["serve", path, "--port", str(free_port())], ["chat", "--model", path, "hi"]):
+        assert cli.main([*command, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("asyncinfer: error: the KV cache holds 0 blocks") and err.count("\n") == 1, err
+        assert "one request of --max-model-len=" in err
+        assert err.endswith("Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len.\n")
+    assert cli.main(["info", path, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 1
+    assert "Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len." in capsys.readouterr().out

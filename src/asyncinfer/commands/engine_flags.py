@@ -9,7 +9,8 @@ table to the dataclass's fields, so an option added there and forgotten here fai
 README.md's options table to this one.
 
 Options that take None take ``none`` on the command line; :func:`flag_error` words an engine's
-:class:`~asyncinfer.errors.InvalidParameterError` about such an option in the flag's terms.
+:class:`~asyncinfer.errors.InvalidParameterError` about such an option in the flag's terms, and
+:func:`in_flag_terms` names the options of any other message (a ``ConfigurationError``'s) by their flags.
 """
 
 from __future__ import annotations
@@ -223,3 +224,13 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
     allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
     return f"{flag.flag} {shown} is invalid: allowed {allowed}"
+
+
+def in_flag_terms(text: str) -> str:
+    """A message of the library's (a :class:`~asyncinfer.errors.ConfigurationError`'s, say) with each engine
+    option named as its flag: ``Raise kv_cache_memory / kv_cache_fraction or lower max_model_len`` reads
+    ``Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len``. Only the fields spelt with an
+    underscore are replaced (``device`` or ``seed`` are also words of the text)."""
+    names = sorted((f for f in BY_FIELD if "_" in f), key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda m: BY_FIELD[m.group(1)].flag, text)
