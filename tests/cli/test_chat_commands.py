@@ -43,8 +43,8 @@ async def test_an_unknown_command_is_answered_with_a_hint_not_sent(capsys) -> No
     assert session.resets == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "asyncinfer: '/rest' is not a command (/reset, /exit, /quit, /help, /?); to send a message that starts "
-        "with /, begin it with //",
+        ("asyncinfer: '/rest' is not a command (/reset, /exit, /quit, /help, /?); to send a message that starts "
+         "with /, begin it with //"),
         unknown_command("/exit now"),
         unknown_command("  /Reset"),
         "[history cleared]",

@@ -151,8 +151,9 @@ def test_a_second_serve_on_the_port_fails_at_once_while_the_first_loads(tiny_mod
     monkeypatch.setattr(AsyncEngine, "plan_memory", plan_memory)
     monkeypatch.setattr(asyncinfer.server, "run_server", first_serves)
     assert cli.main(["serve", path, "--port", str(port), *options]) == 0
-    assert second == [(2, f"asyncinfer: error: port {port} on 127.0.0.1 is in use (another server listens on "
-                          f"127.0.0.1:{port}?): stop it, or choose another with --port\n", 0)]
+    refused = (f"asyncinfer: error: port {port} on 127.0.0.1 is in use (another server listens on 127.0.0.1:{port}?): "
+               "stop it, or choose another with --port\n")
+    assert second == [(2, refused, 0)]
     with socket.socket() as again:  # released when serve ends
         again.bind(("127.0.0.1", port))
 
