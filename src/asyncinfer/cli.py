@@ -52,7 +52,7 @@ def _defaults(cls: Any) -> dict[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.engine_flags import add_engine_flags
 
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file or known name "
+    p.add_argument("--model", metavar="MODEL", default=None, help="HF model directory, .gguf file or known name "
                                                  "(default: SmolLM2-135M-Instruct, fetched once)")
     add_engine_flags(p)
 
@@ -61,7 +61,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     defaults = _defaults(SamplingParams)
     for flag, field, kind, text in _SAMPLING_ARGS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
-        p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
+        metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
+        p.add_argument(flag, type=kind, default=None, dest=field, metavar=metavar, help=text + shown)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
@@ -159,11 +160,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", default=None, help="the model (same as MODEL)")
-    p.add_argument("--batch", type=int, default=1, help="requests served at once (default 1)")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL)")
+    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default 1)")
+    p.add_argument("--seq-len", metavar="TOKENS", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", metavar="DTYPE", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
     p.add_argument("--quantization", default="auto",
                    choices=("auto", "none", "float16", "bfloat16", "int8", "q8_0", "q4_1"),
@@ -173,9 +174,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's block_size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (for activations)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (for the logits)")
+    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations)")
+    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits)")
 
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -295,15 +296,15 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
+    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
     src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
                      help="generate N requests (default 200)")
-    p.add_argument("--rate", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed")
-    p.add_argument("--long-fraction", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
-    p.add_argument("--priorities", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
+    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
+    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
+    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
-    p.add_argument("--schedulers", default=None,
+    p.add_argument("--schedulers", metavar="NAMES", default=None,
                    help="comma-separated names (default: the built-ins, installed plugins and --plugin's names)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, so that its @register_scheduler names exist (repeatable)")
@@ -311,21 +312,21 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", type=_positive_int, default=4096)
-    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096)
+    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
     # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
-    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
-    p.add_argument("--max-model-len", type=_positive_int, default=4096)
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO in seconds")
+    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512)
+    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096)
+    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds")
+    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds")
     p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file")
     p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
     p.add_argument("--calibrate", default=None, metavar="OUT",
                    help="time the real runner of --model, write a cost model JSON to OUT, and exit")
-    p.add_argument("--model", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while calibrating")
+    p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -398,9 +399,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default model, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
+    p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
                                                        "(default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--port", metavar="PORT", type=int, default=8000, help="TCP port to listen on (default: 8000)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
@@ -489,9 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Embed texts with a sentence encoder and print their cosine similarities.",
                            formatter_class=_HelpFormatter)
     embed.add_argument("texts", nargs="+", help="texts to embed")
-    embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
-    embed.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    embed.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
+    embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
+    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
