@@ -22,10 +22,11 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import sys
 from typing import Any
 
-from asyncinfer.errors import AsyncInferError, InvalidParameterError, exception_text
+from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.sampling_params import SamplingParams
 
 # (flag, SamplingParams field, type, help)
@@ -51,7 +52,7 @@ def _defaults(cls: Any) -> dict[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.engine_flags import add_engine_flags
 
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file or known name "
+    p.add_argument("--model", metavar="MODEL", default=None, help="HF model directory, .gguf file or known name "
                                                  "(default: SmolLM2-135M-Instruct, fetched once)")
     add_engine_flags(p)
 
@@ -60,7 +61,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     defaults = _defaults(SamplingParams)
     for flag, field, kind, text in _SAMPLING_ARGS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
-        p.add_argument(flag, type=kind, default=None, dest=field, help=text + shown)
+        metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
+        p.add_argument(flag, type=kind, default=None, dest=field, metavar=metavar, help=text + shown)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
@@ -89,8 +91,6 @@ def _info(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
     from asyncinfer.memory import MemoryPlan, format_bytes
     from asyncinfer.model_source import resolve_model
-
-    from asyncinfer.errors import ConfigurationError
     from asyncinfer.models.encoder import is_encoder_dir
     from asyncinfer.models.loader import read_model_config
 
@@ -104,8 +104,10 @@ def _info(args: argparse.Namespace) -> int:
     try:
         plan = AsyncEngine.plan_memory(path, **_engine_options(args))
     except ConfigurationError as exc:
+        from asyncinfer.commands.engine_flags import in_flag_terms
+
         command = f"asyncinfer plan {model}" if model else "asyncinfer plan"
-        print(f"memory plan: {exc} ({command} shows the whole budget)")
+        print(f"memory plan: {in_flag_terms(str(exc))} ({command} shows the whole budget)")
         return 1
     if isinstance(plan, MemoryPlan):
         from asyncinfer.config import EngineConfig, for_model
@@ -158,11 +160,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", default=None, help="the model (same as MODEL)")
-    p.add_argument("--batch", type=int, default=1, help="requests served at once (default 1)")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL)")
+    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default 1)")
+    p.add_argument("--seq-len", metavar="TOKENS", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", metavar="DTYPE", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
     p.add_argument("--quantization", default="auto",
                    choices=("auto", "none", "float16", "bfloat16", "int8", "q8_0", "q4_1"),
@@ -172,9 +174,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's block_size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (for activations)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (for the logits)")
+    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations)")
+    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits)")
 
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -294,15 +296,15 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
+    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
     src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
                      help="generate N requests (default 200)")
-    p.add_argument("--rate", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed")
-    p.add_argument("--long-fraction", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
-    p.add_argument("--priorities", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
+    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
+    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
+    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
-    p.add_argument("--schedulers", default=None,
+    p.add_argument("--schedulers", metavar="NAMES", default=None,
                    help="comma-separated names (default: the built-ins, installed plugins and --plugin's names)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, so that its @register_scheduler names exist (repeatable)")
@@ -310,21 +312,21 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", type=_positive_int, default=4096)
-    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096)
+    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
     # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
-    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
-    p.add_argument("--max-model-len", type=_positive_int, default=4096)
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO in seconds")
+    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512)
+    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096)
+    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds")
+    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds")
     p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file")
     p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
     p.add_argument("--calibrate", default=None, metavar="OUT",
                    help="time the real runner of --model, write a cost model JSON to OUT, and exit")
-    p.add_argument("--model", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while calibrating")
+    p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -349,18 +351,10 @@ async def _embed(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncinfer.commands.serve import check_port_free, describe_serving
-    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.commands.serve import listening_socket
 
     try:
-        from asyncinfer.server import (
-            ModelSpec,
-            ServerSettings,
-            api_keys_from_env,
-            create_app,
-            metrics_keys_from_env,
-            run_server,
-        )
+        from asyncinfer.server import ServerSettings, api_keys_from_env, metrics_keys_from_env
     except ImportError as exc:
         print(f"asyncinfer: error: {exc.name} is missing: pip install 'asyncinfer[server]'", file=sys.stderr)
         return 2
@@ -369,7 +363,19 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, max_connections=args.max_connections)
-    check_port_free(args.host, args.port)  # before anything is loaded: a port in use is refused at once
+    # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
+    # in use, or taken by a second serve started a moment later, is refused at once.
+    sock = listening_socket(args.host, args.port)
+    with sock:
+        return _serve_on(args, sock, settings)
+
+
+def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> int:
+    from asyncinfer.commands.serve import describe_serving
+    from asyncinfer.engine import AsyncEngine
+    from asyncinfer.server import ModelSpec, create_app, run_server
+
+    port = sock.getsockname()[1]  # --port 0: the free port taken
     model = args.model_arg or args.model
     options = _engine_options(args)
     specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
@@ -377,9 +383,9 @@ def _serve(args: argparse.Namespace) -> int:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
-    print(describe_serving(specs, plans, host=args.host, port=args.port, api_keys=len(settings.api_keys),
+    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
                            metrics_keys=len(settings.metrics_keys)), flush=True)
-    interrupted = run_server(create_app(specs, settings), args.host, args.port, args.log_level, settings)
+    interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
 
 
@@ -393,9 +399,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default model, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
+    p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
                                                        "(default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--port", metavar="PORT", type=int, default=8000, help="TCP port to listen on (default: 8000)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
@@ -453,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)",
                           description="Chat with a model. In a session: /reset clears the history, /exit (or "
-                                      "Ctrl-D) leaves, Ctrl-C stops the reply being written.",
+                                      "Ctrl-D) leaves, /help lists the commands, Ctrl-C stops the reply being "
+                                      "written; a message that starts with / is typed with // (another line "
+                                      "starting with / is no message: it gets a hint).",
                           formatter_class=_HelpFormatter)
     add_chat_args(chat)
     _add_engine_args(chat)
@@ -482,9 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Embed texts with a sentence encoder and print their cosine similarities.",
                            formatter_class=_HelpFormatter)
     embed.add_argument("texts", nargs="+", help="texts to embed")
-    embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
-    embed.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    embed.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
+    embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
+    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
@@ -545,14 +553,40 @@ def _kernel_setting_error(exc: BaseException) -> bool:
     return False
 
 
-def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
-    """The error's message, in the flags' terms when it is about an engine option given as one."""
-    if isinstance(exc, InvalidParameterError) and args is not None:
-        from asyncinfer.commands.engine_flags import flag_error
+#: ``asyncinfer serve``'s own flags, by the ServerSettings field (the ``parameter`` of its errors).
+_SERVE_FLAGS = {
+    "api_keys": "--api-key", "metrics_keys": "--metrics-key", "max_body_bytes": "--max-body-bytes",
+    "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
+    "priority_header": "--priority-header", "header_timeout": "--header-timeout", "body_timeout": "--body-timeout",
+    "max_connections": "--max-connections",
+}
+_KEY_FLAGS = ("api_keys", "metrics_keys")
+_ENGINE_COMMANDS = ("chat", "generate", "bench", "info", "serve")  # the commands with the engine flags  # repeatable: the error names the one bad key, not the list
 
+
+def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
+    """The error's message in the flags' terms: an engine option, or a serve setting, given as a flag is
+    named by it (``--api-key ''``, not ``api_keys=('',)``), and a ConfigurationError's text names the
+    engine options by their flags."""
+    if args is None or args.command not in _ENGINE_COMMANDS:
+        return str(exc)
+    from asyncinfer.commands.engine_flags import flag_error, in_flag_terms
+
+    if isinstance(exc, InvalidParameterError):
         worded = flag_error(exc, _engine_options(args))
         if worded is not None:
             return worded
+        flag = _SERVE_FLAGS.get(exc.parameter) if args.command == "serve" else None
+        if flag is not None:
+            value = exc.value
+            if exc.parameter in _KEY_FLAGS and isinstance(value, tuple):
+                value = next((k for k in value if not (isinstance(k, str) and k)), value)
+                return f"{flag} {value!r} is invalid: allowed a non-empty key"
+            shown = repr(value) if isinstance(value, str) else str(value)
+            return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+        return str(exc)
+    if isinstance(exc, ConfigurationError):
+        return in_flag_terms(str(exc))
     return str(exc)
 
 

@@ -75,7 +75,7 @@ from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import SchedulerConfig
-from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.schedulers.registry import check_scheduler_options, create_scheduler
 from asyncinfer.threads import run_on_own_thread
 
 logger = logging.getLogger("asyncinfer")
@@ -138,6 +138,7 @@ def _load(
     if kind == "embed":
         raise InvalidParameterError("model", str(model), "a sentence encoder (this is a generator)")
     config = EngineConfig.from_options(options)
+    check_scheduler_options(config.scheduler, config.scheduler_options)  # refused before any weight is read
     _set_threads(config.num_threads)
     return load_generator(path, config, options, version_id=version_id, error=error, what=what)
 
@@ -365,6 +366,8 @@ def plan_model_memory(
         if shortfall is not None:
             raise ConfigurationError(shortfall)
         return plan
+    config = EngineConfig.from_options(options)
+    check_scheduler_options(config.scheduler, config.scheduler_options)  # as load() does, before any weight
     return plan_memory(path, available_bytes=available_bytes, **options)
 
 

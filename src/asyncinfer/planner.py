@@ -139,7 +139,7 @@ class DeploymentPlan:
             (f"{self.model_name}: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
              f"{mc.num_heads} heads / {mc.num_kv_heads} kv heads, head dim {mc.head_dim}, context "
              f"{mc.max_position_embeddings}"),
-            f"{self.device}, {_dtype(self.dtype)}, {quant}: {self.batch} requests x {self.seq_len} tokens",
+            f"{self.device}, {_dtype(self.dtype)}, {quant}: {_count(self.batch, 'request')} x {_count(self.seq_len, 'token')}",
             "",
             f"  {'item':<20}{'size':>12}   how",
         ]
@@ -183,6 +183,11 @@ def _gather_bytes(spec: KVCacheSpec, seq_len: int) -> int:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 request``, ``16 requests``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _size(n: int) -> str:

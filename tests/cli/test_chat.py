@@ -107,6 +107,17 @@ async def test_a_message_too_long_for_the_model_is_refused_naming_the_message(re
             assert err.value.parameter == "message" and err.value.value == f"<{len(text)} characters>"
             assert "fits in 240 tokens (max_model_len 256 - max_tokens 16)" in err.value.allowed
             assert "prompt" not in str(err.value) and session.history == []
+        # A short message that does not fit only with the chat template's own tokens: the count says so.
+        session = ChatSession(engine, SamplingParams(max_tokens=250), None, out=io.StringIO(), err=io.StringIO())
+        need = engine.count_tokens([{"role": "user", "content": "hi"}])
+        assert need > 6  # the template's tokens, not the 2 characters, are what does not fit
+        with pytest.raises(InvalidParameterError) as err:
+            await session.reply("hi")
+        assert err.value.allowed == (
+            f"a message that fits in 6 tokens (max_model_len 256 - max_tokens 250); rendered with the chat template "
+            f"it takes {need} tokens (the message and the template's own): shorten it, or raise --max-model-len or "
+            f"lower --max-tokens to at most max_model_len - tokens = 256 - {need} = {256 - need}")
+        assert session.history == []
 
 
 def test_ctrl_d_at_the_prompt_leaves_with_the_shell_prompt_on_a_fresh_line(real_gguf, tmp_path) -> None:

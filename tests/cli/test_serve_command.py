@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None:
     served = []
-    monkeypatch.setattr(asyncinfer.server, "run_server", lambda app, host, port, level, settings=None: served.append((host, port)))
+    monkeypatch.setattr(asyncinfer.server, "run_server", lambda app, host, port, level, settings=None, sock=None: served.append((host, port)))
     monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
     monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
     path = tiny_models["llama"][0]
@@ -85,7 +85,7 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
 
 @pytest.mark.real_model
 def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(asyncinfer.server, "run_server", lambda *args: None)
+    monkeypatch.setattr(asyncinfer.server, "run_server", lambda *args, **kwargs: None)
     monkeypatch.setenv("ASYNCINFER_MODEL", str(real_gguf))
     assert cli.main(["serve", "--port", str(free_port()), "--max-model-len", "256"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -94,3 +94,87 @@ def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, 
 
     if kernels.auto_reason() is None:  # the file's own format where the kernels run (else float16)
         assert out[2].startswith("    weights: q4_1, 200.1 MiB (float32 on cpu)"), out[2]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--scheduler", "nosuch"], "asyncinfer: error: --scheduler 'nosuch' is invalid: allowed one of "),
+    (["--scheduler", "pd-split", "--scheduler-option", "bogus=1"],
+     "asyncinfer: error: --scheduler-option {'bogus': 1} is invalid: allowed keywords PDSplitScheduler accepts ("),
+    (["--scheduler-option", "prefill_budget=64"],
+     "asyncinfer: error: --scheduler-option {'prefill_budget': 64} is invalid: allowed keywords FIFOScheduler accepts ("),
+])
+@pytest.mark.parametrize("command", ["serve", "chat", "generate", "bench", "info"])
+def test_a_bad_scheduler_is_refused_before_the_model_is_loaded(command, flags, said, tiny_models, capsys,
+                                                               monkeypatch, tmp_path) -> None:
+    import asyncinfer.loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the scheduler was checked")
+
+    monkeypatch.setattr(asyncinfer.loading, "load_generator", no_load)
+    monkeypatch.setattr(asyncinfer.loading, "plan_memory", no_load)
+    monkeypatch.setattr(asyncinfer.server, "run_server", no_load)
+    path = str(tiny_models["llama"][0])
+    extra = {"serve": ["--port", str(free_port())], "chat": ["hi"], "info": [],
+             "generate": ["--prompt", "hi"], "bench": []}[command]
+    argv = [command, "--model", path, *flags, *extra] if command in ("chat", "generate") else \
+        [command, path, *flags, *extra]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(said) and captured.err.count("\n") == 1, captured.err
+    assert "loading" not in captured.out  # serve says nothing of what it would serve
+
+
+def test_a_second_serve_on_the_port_fails_at_once_while_the_first_loads(tiny_models, capsys, monkeypatch) -> None:
+    """The first serve holds its port (bound, listening) from before its load to the end; a second one started
+    during that load is refused with the port's one line, before it reads any model."""
+    path = str(tiny_models["llama"][0])
+    options = ["--max-model-len", "64", "--kv-cache-memory", "1MiB", "--device", "cpu", "--dtype", "float32"]
+    port = free_port()
+    second: list[tuple[int, str, int]] = []
+    plans: list[object] = []
+    real_plan = AsyncEngine.plan_memory
+
+    def plan_memory(*args, **kwargs):
+        plans.append(args)
+        return real_plan(*args, **kwargs)
+
+    def first_serves(app, host, port_, level, settings=None, sock=None):
+        # The app's start-up (the model's load) runs in here, before uvicorn would bind: start the second now.
+        assert sock is not None and sock.getsockname() == ("127.0.0.1", port) and port_ == port
+        capsys.readouterr()
+        loaded = len(plans)
+        status = cli.main(["serve", path, "--port", str(port), *options])
+        second.append((status, capsys.readouterr().err, len(plans) - loaded))
+        return False
+
+    monkeypatch.setattr(AsyncEngine, "plan_memory", plan_memory)
+    monkeypatch.setattr(asyncinfer.server, "run_server", first_serves)
+    assert cli.main(["serve", path, "--port", str(port), *options]) == 0
+    refused = (f"asyncinfer: error: port {port} on 127.0.0.1 is in use (another server listens on 127.0.0.1:{port}?): "
+               "stop it, or choose another with --port\n")
+    assert second == [(2, refused, 0)]
+    with socket.socket() as again:  # released when serve ends
+        again.bind(("127.0.0.1", port))
+
+
+def test_errors_name_the_flags_not_the_fields(tiny_models, capsys, monkeypatch) -> None:
+    """A serve setting or an engine option given as a flag is named by its flag, in the one line."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("served")
+
+    monkeypatch.setattr(asyncinfer.server, "run_server", no_load)
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["serve", path, "--port", str(free_port()), "--api-key", ""]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --api-key '' is invalid: allowed a non-empty key\n"
+    assert cli.main(["serve", path, "--port", str(free_port()), "--max-connections", "0"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --max-connections 0 is invalid: allowed an int >= 1\n"
+    for command in (["serve", path, "--port", str(free_port())], ["chat", "--model", path, "hi"]):
+        assert cli.main([*command, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("asyncinfer: error: the KV cache holds 0 blocks") and err.count("\n") == 1, err
+        assert "one request of --max-model-len=" in err
+        assert err.endswith("Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len.\n")
+    assert cli.main(["info", path, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 1
+    assert "Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len." in capsys.readouterr().out

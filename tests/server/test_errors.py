@@ -28,6 +28,8 @@ UNSUPPORTED = "unsupported_parameter"
 # (route, changes to the valid body, status, param, code)
 CASES = [
     ("chat", {"temperature": -1}, 400, "temperature", None),
+    ("chat", {"temperature": 2.5}, 400, "temperature", None),  # OpenAI's range, [0, 2], over HTTP
+    ("text", {"temperature": 3}, 400, "temperature", None),
     ("chat", {"top_p": 0}, 400, "top_p", None),
     ("chat", {"n": 0}, 400, "n", None),
     ("chat", {"max_tokens": 0}, 400, "max_tokens", None),
@@ -451,3 +453,13 @@ def test_a_call_of_more_prompts_than_may_ever_be_in_flight_is_a_400_and_queues_n
         assert engine.step_stats().scheduled_requests == 0  # nothing of either call was queued
         r = http.post("/v1/completions", json={**body, "prompt": [[5, 6, 7]] * 6})
         assert r.status_code == 200 and len(r.json()["choices"]) == 6
+
+
+def test_temperature_over_http_is_openais_range(http) -> None:
+    """[0, 2] over HTTP, as OpenAI (SamplingParams itself takes up to 1e4): 2 is served, above it a 400 naming
+    the field and the range."""
+    for path, valid in (ROUTES["chat"], ROUTES["text"]):
+        error = check_error(http.post(path, json={**valid, "temperature": 2.01}), 400, "temperature", None)
+        assert "temperature" in error["message"] and "[0, 2]" in error["message"], error["message"]
+        assert http.post(path, json={**valid, "temperature": 2}).status_code == 200
+    assert SamplingParams(temperature=5).temperature == 5  # the in-process API keeps its own range

@@ -27,11 +27,11 @@ from asyncinfer.sampling_params import SamplingParams
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=16, help="requests per concurrency level (default: 16)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
-    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default: 32)")
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels (default: 1,4,16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
+    p.add_argument("--num-requests", metavar="N", type=int, default=16, help="requests per concurrency level (default: 16)")
+    p.add_argument("--input-len", metavar="TOKENS", type=int, default=128, help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", metavar="TOKENS", type=int, default=32, help="output tokens per request (default: 32)")
+    p.add_argument("--concurrency", metavar="N", default="1,4,16", help="comma-separated levels (default: 1,4,16)")
+    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate() on the same prompts (loads the model a second time)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and latency into this PNG")
@@ -39,7 +39,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the table, profile --profile-steps engine steps at the highest concurrency with "
                         "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt")
-    p.add_argument("--profile-steps", type=int, default=20, help="steps to profile with --profile (default: 20)")
+    p.add_argument("--profile-steps", metavar="N", type=int, default=20, help="steps to profile with --profile (default: 20)")
 
 
 @dataclass(frozen=True)

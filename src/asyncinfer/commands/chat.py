@@ -2,7 +2,9 @@
 
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
 session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
-and Ctrl-D leave with 0). ``/reset`` forgets the conversation. The history is
+and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
+commands. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
+message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
 ``InvalidParameterError`` on ``message`` and the session goes on.
@@ -33,7 +35,15 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.history import trim_messages
 from asyncinfer.sampling_params import SamplingParams
 
-HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves)."
+HELP = ("/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves); "
+        "a message that starts with / is sent as //...")
+COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
+
+
+def unknown_command(line: str) -> str:
+    """The one-line hint for a line that starts with ``/`` but is no command (it is not sent to the model)."""
+    return (f"asyncinfer: {line.strip()!r} is not a command ({', '.join(COMMANDS)}); "
+            "to send a message that starts with /, begin it with //")
 
 #: The file of the prompt's history: a path, or empty for none (default: :func:`history_path`'s).
 HISTORY_ENV = "ASYNCINFER_CHAT_HISTORY"
@@ -42,7 +52,7 @@ HISTORY_LENGTH = 1000  # lines kept
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session")
-    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
 
 
@@ -72,10 +82,24 @@ class ChatSession:
         if exc.parameter not in ("prompt", "messages"):  # e.g. "prompt[1]": a text that is not valid Unicode
             return InvalidParameterError("message", exc.value, exc.allowed)
         system = ", with the system message," if self.system else ""
+        max_model_len = self.engine.max_model_len
+        fix = "shorten it, or raise --max-model-len or lower --max-tokens"
+        try:  # as the engine renders it: the message (and the system message) in the chat template
+            need = self.engine.count_tokens([*self.system, {"role": "user", "content": text}])
+        except InvalidParameterError:  # refused by its characters, before any tokenization
+            need = None
+        if need is not None:
+            system = " and the system message" if self.system else ""
+            room = max_model_len - need
+            fix = (f"rendered with the chat template it takes {need} tokens (the message{system} and the template's "
+                   f"own): shorten it, or raise --max-model-len"
+                   + (f" or lower --max-tokens to at most max_model_len - tokens = {max_model_len} - {need} = {room}"
+                      if room >= 1 else ""))
+            system = ", with the system message," if self.system else ""
         return InvalidParameterError(
             "message", f"<{len(text)} characters>",
-            f"a message that{system} fits in {budget} tokens (max_model_len {self.engine.max_model_len} - "
-            f"max_tokens {self.params.max_tokens}): shorten it, or raise --max-model-len or lower --max-tokens",
+            f"a message that{system} fits in {budget} tokens (max_model_len {max_model_len} - "
+            f"max_tokens {self.params.max_tokens}); {fix}",
         )
 
     async def reply(self, text: str) -> str:
@@ -144,15 +168,23 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if line is None:  # Ctrl-D (end of input): the shell's prompt on a fresh line
             print(flush=True)
             return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
         command = line.strip()
-        if command == "/reset":
+        if command in ("/exit", "/quit"):
+            return 0
+        if command.startswith("//"):  # the escape: a message that starts with /, sent without the first /
+            line = line.replace("/", "", 1)
+            command = line.strip()
+        elif command == "/reset":
             session.reset()
             print("[history cleared]", file=sys.stderr)
+            continue
         elif command in ("/help", "/?"):
             print(HELP, file=sys.stderr)
-        elif command:
+            continue
+        elif command.startswith("/"):  # a mistyped command (/rest, /exit now) is not sent to the model
+            print(unknown_command(line), file=sys.stderr)
+            continue
+        if command:
             try:
                 await interrupts.run(session.reply(line))
             except InvalidParameterError as exc:

@@ -9,7 +9,8 @@ table to the dataclass's fields, so an option added there and forgotten here fai
 README.md's options table to this one.
 
 Options that take None take ``none`` on the command line; :func:`flag_error` words an engine's
-:class:`~asyncinfer.errors.InvalidParameterError` about such an option in the flag's terms.
+:class:`~asyncinfer.errors.InvalidParameterError` about such an option in the flag's terms, and
+:func:`in_flag_terms` names the options of any other message (a ``ConfigurationError``'s) by their flags.
 """
 
 from __future__ import annotations
@@ -112,30 +113,30 @@ def _key_value(item: str) -> tuple[str, Any]:
 #: Every field of EngineConfig, as a flag (tests/cli/test_engine_flags.py checks that none is missing).
 FLAGS: tuple[Flag, ...] = (
     Flag("dtype", "--dtype", str, "weights, activations and KV cache dtype: auto (float32 on a CPU, bfloat16 on "
-         "CUDA) | float32 | bfloat16 | float16"),
-    Flag("device", "--device", str, "auto | cpu | cuda | cuda:N"),
-    Flag("block_size", "--block-size", _int, "tokens per KV block, 1 to 256"),
+         "CUDA) | float32 | bfloat16 | float16", "DTYPE"),
+    Flag("device", "--device", str, "auto | cpu | cuda | cuda:N", "DEVICE"),
+    Flag("block_size", "--block-size", _int, "tokens per KV block, 1 to 256", "N"),
     Flag("kv_cache_memory", "--kv-cache-memory", _or_none(_size), "KV cache budget: bytes or a size (512MiB, 2GiB); "
          "overrides --kv-cache-fraction", "SIZE", none="none: from --kv-cache-fraction"),
     Flag("kv_cache_fraction", "--kv-cache-fraction", _or_none(_float),
          "KV cache budget as a fraction of the memory free after the weights, in (0, 0.95]", "FRACTION",
          none="none: on a CPU room for min(max-num-seqs, 4) requests of max-model-len tokens, at most 0.25 of that "
               "memory; on CUDA 0.25"),
-    Flag("max_num_seqs", "--max-num-seqs", _int, "requests per step, 1 to 4096"),
+    Flag("max_num_seqs", "--max-num-seqs", _int, "requests per step, 1 to 4096", "N"),
     Flag("max_num_batched_tokens", "--max-num-batched-tokens", _int,
-         "tokens per step (longer prompts are prefilled in chunks)"),
+         "tokens per step (longer prompts are prefilled in chunks)", "N"),
     Flag("max_model_len", "--max-model-len", _or_none(_int), "prompt + output tokens per request", "TOKENS",
          none="none: the model's context"),
     Flag("enable_chunked_prefill", "--enable-chunked-prefill", None, "split prompts longer than a step's budget"),
     Flag("scheduler", "--scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name | "
-         "module:Class (docs/schedulers.md)"),
+         "module:Class (docs/schedulers.md)", "NAME"),
     Flag("scheduler_options", "--scheduler-option", _key_value, "a keyword of the scheduler, VALUE read as JSON "
          "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
     Flag("seed", "--engine-seed", _or_none(_int), "seed of the engine's generator, used by requests that set no "
          "seed of their own (--seed)", "SEED", none="none: fresh entropy for each engine"),
     Flag("num_threads", "--threads", _or_none(_int), "torch CPU threads", "N", none="none: torch's setting"),
     Flag("activation_reserve", "--activation-reserve", _size,
-         "memory kept free for activations when the KV budget is a fraction: bytes or a size"),
+         "memory kept free for activations when the KV budget is a fraction: bytes or a size", "SIZE"),
     Flag("quantization", "--quantization", _or_none(str), "weight format (docs/formats.md): auto (on a CPU with "
          "--dtype auto: the GGUF file's own block format, q4_1 or q8_0, or native for a file of several formats, "
          "where asyncinfer's kernels run (q4_1 for the default model), "
@@ -153,12 +154,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enable_prefix_caching", "--enable-prefix-caching", None,
          "reuse the KV blocks of prompt prefixes seen before"),
     Flag("kv_watermark", "--kv-watermark", _float,
-         "fraction of the KV blocks kept free from new admissions, in [0, 0.5]"),
+         "fraction of the KV blocks kept free from new admissions, in [0, 0.5]", "FRACTION"),
     Flag("max_waiting_requests", "--max-waiting-requests", _or_none(_int),
          "requests that may wait beyond max-num-seqs; past it new requests are refused at once "
          "(EngineOverloadedError; over HTTP a 503 with Retry-After)", "N", none="none: no bound"),
     Flag("max_consecutive_step_failures", "--max-consecutive-step-failures", _int,
-         "failed steps in a row (each fails only its own requests) after which the engine is declared dead"),
+         "failed steps in a row (each fails only its own requests) after which the engine is declared dead", "N"),
     Flag("stall_timeout", "--stall-timeout", _or_none(_float),
          "seconds every request may be stuck (nothing scheduled) before they fail with RequestStalledError",
          "SECONDS", none="none: wait forever"),
@@ -167,7 +168,7 @@ FLAGS: tuple[Flag, ...] = (
          "the device's memory bandwidth in bytes per second, for the roofline gauge", "BYTES_PER_S",
          none="none: measured at start-up"),
     Flag("log_request_text_rate", "--log-request-text-rate", _float,
-         "fraction of the per-request INFO log lines that include prompt and output text, in [0, 1]"),
+         "fraction of the per-request INFO log lines that include prompt and output text, in [0, 1]", "FRACTION"),
 )
 
 BY_FIELD: dict[str, Flag] = {f.field: f for f in FLAGS}
@@ -223,3 +224,13 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
     allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
     return f"{flag.flag} {shown} is invalid: allowed {allowed}"
+
+
+def in_flag_terms(text: str) -> str:
+    """A message of the library's (a :class:`~asyncinfer.errors.ConfigurationError`'s, say) with each engine
+    option named as its flag: ``Raise kv_cache_memory / kv_cache_fraction or lower max_model_len`` reads
+    ``Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len``. Only the fields spelt with an
+    underscore are replaced (``device`` or ``seed`` are also words of the text)."""
+    names = sorted((f for f in BY_FIELD if "_" in f), key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda m: BY_FIELD[m.group(1)].flag, text)

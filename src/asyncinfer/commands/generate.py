@@ -50,7 +50,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above")
     p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
     p.add_argument("--chat", action="store_true", help="send text prompts as a user message (chat template)")
-    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default: 64)")
+    p.add_argument("--concurrency", metavar="N", type=int, default=64, help="requests in flight at most (default: 64)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway without a terminal)")
 
 

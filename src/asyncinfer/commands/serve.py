@@ -1,5 +1,5 @@
-"""What ``asyncinfer serve`` checks and says before it loads anything: the port is free, and what it
-will serve (URL, model, weight format and path, context length, KV budget, scheduler, API keys).
+"""What ``asyncinfer serve`` checks and says before it loads anything: the port is its own (bound and
+listening, held through the load), and what it will serve (URL, model, weight format and path, context length, KV budget, scheduler, API keys).
 
 Everything said is planned from the model's config with the options given, as the engine plans
 its load (``AsyncEngine.plan_memory`` makes the engine's own plan), so it is printed at once,
@@ -26,9 +26,22 @@ class Served(Protocol):
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Refuse, before any model is loaded, a port that the server could not listen on.
+    """Refuse, before any model is loaded, a port that the server could not listen on (and let it go).
 
-    Binds it as uvicorn will (``SO_REUSEADDR``, IPv6 for an address with a colon) and lets it go.
+    Raises:
+        CommandError: as :func:`listening_socket`.
+    """
+    listening_socket(host, port).close()
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The server's socket, bound and listening on ``host:port`` before any model is loaded.
+
+    ``asyncinfer serve`` holds it through the load and hands it to uvicorn, so a second server
+    started on the same port a moment later is refused at once, not after loading its model
+    (uvicorn binds only once the app has started). Bound as uvicorn binds (``SO_REUSEADDR``,
+    IPv6 for an address with a colon); connections made during the load wait in ``backlog``
+    (uvicorn's default) until the server serves. Port 0 takes a free port (``getsockname()``).
 
     Raises:
         CommandError: the port is in use, not ours to take, or ``host`` is no address of this machine.
@@ -37,13 +50,16 @@ def check_port_free(host: str, port: int) -> None:
         raise CommandError(f"--port {port} is not a TCP port (0 to 65535)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)  # listening: a second bind of the port fails even with SO_REUSEADDR
     except socket.gaierror as exc:
+        sock.close()
         raise CommandError(f"--host {host!r} is not an address of this machine ({exc.strerror})") from None
     except OSError as exc:
+        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise CommandError(f"port {port} on {host} is in use (another server listens on {where}?): stop it, "
                                "or choose another with --port") from None
@@ -53,6 +69,7 @@ def check_port_free(host: str, port: int) -> None:
         if exc.errno == errno.EADDRNOTAVAIL:
             raise CommandError(f"--host {host!r} is not an address of this machine") from None
         raise CommandError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    return sock
 
 
 def url(host: str, port: int) -> str:

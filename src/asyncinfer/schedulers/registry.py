@@ -108,10 +108,22 @@ def create_scheduler(
     Raises:
         InvalidParameterError: as :func:`resolve_scheduler`, or an option the class does not take.
     """
+    cls = check_scheduler_options(spec, options)
+    return cls(config, kv, **dict(options or {}))
+
+
+def check_scheduler_options(spec: str | type[Scheduler], options: Mapping[str, Any] | None = None) -> type[Scheduler]:
+    """The class ``spec`` names, once its ``options`` are known to be keywords it takes: checked
+    before anything is loaded (the engine's load and memory plan call it first), so a bad
+    ``scheduler`` or ``scheduler_options`` is refused at once, not after the weights are read.
+
+    Raises:
+        InvalidParameterError: as :func:`resolve_scheduler`, or an option the class does not take.
+    """
     cls = resolve_scheduler(spec)
     options = dict(options or {})
     try:
-        inspect.signature(cls).bind(config, kv, **options)
+        inspect.signature(cls).bind(None, None, **options)  # (config, kv, **options), as create_scheduler calls it
     except TypeError as exc:
         raise InvalidParameterError("scheduler_options", options, f"keywords {cls.__name__} accepts ({exc})") from exc
-    return cls(config, kv, **options)
+    return cls

@@ -10,6 +10,7 @@ connections behind the header deadline and the connection cap.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -157,16 +158,18 @@ def server_config(app: Any, settings: ServerSettings | None = None, host: str = 
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               settings: ServerSettings | None = None) -> bool:
+               settings: ServerSettings | None = None, sock: socket.socket | None = None) -> bool:
     """Serve ``app`` with uvicorn until interrupted, under ``settings``' connection limits
     (pass the settings the app was made with; the defaults otherwise). Returns whether it ended on
-    Ctrl-C (SIGINT; ``asyncinfer serve`` then exits 130)."""
+    Ctrl-C (SIGINT; ``asyncinfer serve`` then exits 130). ``sock``: a socket already bound and
+    listening on ``host:port`` (``asyncinfer.commands.serve.listening_socket``), served instead of
+    one uvicorn binds after the app's start-up (the model's load)."""
     import uvicorn
 
     server = uvicorn.Server(server_config(app, settings, host, port, log_level))
     interrupted = False
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raised the signal, as uvicorn.run swallows it
         interrupted = True
     if not server.started:

@@ -16,7 +16,8 @@ A body is a JSON object. Its fields fall in four groups, per endpoint:
   field, so a client never silently gets something other than what it asked for.
 
 Any other field is a 400 ("Unrecognized request argument supplied"), as OpenAI
-answers. Value ranges are :class:`SamplingParams`'s own checks. Defaults are OpenAI's where
+answers. Value ranges are :class:`SamplingParams`'s own checks, but for ``temperature``: OpenAI's
+[0, 2] over HTTP (:data:`MAX_TEMPERATURE`; the Python API takes up to 1e4). Defaults are OpenAI's where
 they differ from the engine's: without `temperature` a request samples at 1.
 """
 
@@ -38,6 +39,7 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions body
 MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -127,11 +129,17 @@ class _Common:
         if "max_tokens" not in kw:
             kw.update(max_tokens=max_model_len, truncate_output_to_model_len=True)
         try:
-            return SamplingParams(**kw)
+            params = SamplingParams(**kw)
         except InvalidParameterError as exc:
             if exc.parameter == "max_tokens":
                 raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
             raise
+        if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
+            raise InvalidParameterError(
+                "temperature", kw["temperature"],
+                f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)",
+            )
+        return params
 
     def field(self, parameter: str) -> str:
         """The body field an engine parameter name stands for (this body's own token-limit field)."""
