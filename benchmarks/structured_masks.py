@@ -229,6 +229,16 @@ def measure(lib: Library, hf_tokenizer: Any, vocab_size: int, names: list[str], 
     return out
 
 
+def fast_tokenizer(tokenizer: Any) -> Any:
+    """The model's tokenizer as transformers' fast tokenizer, which both libraries' constructors take: itself, or
+    (the engine's cached GGUF tokenizer, no transformers object) one over the same ``tokenizers`` backend."""
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tokenizer, PreTrainedTokenizerFast):
+        return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model whose tokenizer is used (default: the engine's default model)")
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncinfer import AsyncEngine
 
     engine = AsyncEngine.from_pretrained(args.model, max_model_len=256)
-    tokenizer = engine.tokenizer
+    tokenizer = fast_tokenizer(engine.tokenizer)
     vocab_size = engine.model_config.vocab_size
     results: dict[str, Any] = {}
     for name in args.libraries:
