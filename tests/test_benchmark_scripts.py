@@ -113,3 +113,15 @@ def test_the_structured_masks_benchmark_runs(real_gguf, tmp_path) -> None:
             assert set(lib["grammars"]) == {"person", "choice"} and lib["grammars"]["person"]["tokens"] > 5
     assert isinstance(result["libraries"]["llguidance"], dict)  # the engine's library: a dev dependency
     assert {"numpy_unpackbits_1", "numpy_unpackbits_32"} <= set(result["apply_us"])
+
+
+def test_the_structured_benchmark_runs(real_gguf, tmp_path) -> None:
+    out = tmp_path / "structured.json"
+    done = run_script("structured.py", "--model", str(real_gguf), "--num-requests", "2", "--max-tokens", "8",
+                      "--rounds", "2", "--threads", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["order"][0] for r in result["rounds"]] == ["constrained", "unconstrained"]
+    assert all(r["constrained"]["mask_seconds"] > 0 and r["unconstrained"]["mask_seconds"] == 0
+               for r in result["rounds"])
+    assert "median of 2 rounds" in done.stdout
