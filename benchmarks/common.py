@@ -5,10 +5,12 @@ Nothing here runs a benchmark; ``throughput.py`` composes these helpers.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,6 +271,22 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernels": kernels_info(),
     }
+
+
+def git_commit() -> str:
+    """The checkout's HEAD commit (its hash; "unknown" outside a git checkout), for a results file."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_record(path: Path, record: dict[str, Any], indent: int = 1) -> None:
+    """Write a benchmark's record as JSON to ``path`` (its directory made) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=indent) + "\n")
+    print(f"written to {path}")
 
 
 def kernels_info() -> dict[str, str] | None:

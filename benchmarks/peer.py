@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import math
 import os
 import random
@@ -49,7 +48,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import torch
-from common import engine_decode_rate, machine_info
+from common import engine_decode_rate, git_commit, machine_info, write_record
 
 from asyncinfer.threads import on_own_thread
 
@@ -98,13 +97,13 @@ def llama_cpp_build() -> dict[str, str]:
 
 
 def commit() -> str:
+    """HEAD's hash, marked when tracked files carry uncommitted changes (measured code that is not the commit's)."""
+    head = git_commit()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
-                              check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH_DIR,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return head
     return head + ("+uncommitted changes" if dirty else "")
 
 
@@ -287,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     record = run(args)
     report(record)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"written to {args.json}")
+        write_record(args.json, record)
     return 0
 
 

@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from common import machine_info, resolve_model_path
+from common import git_commit, machine_info, resolve_model_path, write_record
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 32},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 130},
@@ -37,14 +36,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "city"], "additionalProperties": False}
 PEOPLE = ("Ana is 34 and lives in Lisbon.", "Tom, 51, moved to Leeds last year.", "Mei (27) works in Taipei.",
           "In Oslo lives Ingrid, who is 45.", "Carlos turned 60 in Bogota.", "Priya, aged 22, studies in Pune.")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,16 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     record: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "commit": commit(), "settings": {k: str(v) for k, v in vars(args).items()},
+                              "commit": git_commit(), "settings": {k: str(v) for k, v in vars(args).items()},
                               "load_average_start": os.getloadavg()}
     record.update(asyncio.run(run(args)))
     record.update({"machine": machine_info(), "load_average_end": os.getloadavg()})
     print(f"constrained / unconstrained throughput, median of {len(record['rounds'])} rounds: "
           f"{record['median_ratio']:.3f}x")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"written to {args.json}")
+        write_record(args.json, record)
     return 0
 
 

@@ -19,6 +19,7 @@ conftest files; plain code lives here.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +417,15 @@ class CountsRequestsNotSeats(FIFOScheduler):
 
     def has_seats(self, request: Request) -> bool:
         return self.num_running < self.config.max_num_seqs
+
+
+class TemplateSpy:
+    """Records the thread of every ``apply_chat_template`` call of the tokenizer it wraps."""
+
+    def __init__(self, tokenizer) -> None:
+        self.real = tokenizer.apply_chat_template
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread())
+        return self.real(*args, **kwargs)

@@ -10,13 +10,12 @@ as the built-in ``str``/``list``/``dict`` they hold before any check (``prompts.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import MAX_CHAT_MESSAGES, MAX_EMBED_TEXTS, check_texts, plain_prompt
 from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tests.helpers import TemplateSpy
 
 ONE = SamplingParams(max_tokens=1)
 
@@ -88,18 +87,6 @@ def test_embed_texts_that_lie_about_their_count_are_held_to_the_limit() -> None:
 
 
 # ------------------------------------------------------------------ the real tokenizer
-class TemplateSpy:
-    """Records the thread of every ``apply_chat_template`` call of the tokenizer it wraps."""
-
-    def __init__(self, tokenizer) -> None:
-        self.real = tokenizer.apply_chat_template
-        self.threads: list[threading.Thread] = []
-
-    def __call__(self, *args, **kwargs):
-        self.threads.append(threading.current_thread())
-        return self.real(*args, **kwargs)
-
-
 @pytest.mark.real_model
 async def test_prompts_and_messages_that_lie_about_their_length_are_refused_by_what_they_hold(
         real_gguf, monkeypatch) -> None:

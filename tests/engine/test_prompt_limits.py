@@ -14,22 +14,11 @@ import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import MAX_CHAT_MESSAGES
+from tests.helpers import TemplateSpy
 
 pytestmark = pytest.mark.real_model
 
 ONE = SamplingParams(max_tokens=1)
-
-
-class TemplateSpy:
-    """Records the thread of every ``apply_chat_template`` call of the tokenizer it wraps."""
-
-    def __init__(self, tokenizer) -> None:
-        self.real = tokenizer.apply_chat_template
-        self.threads: list[threading.Thread] = []
-
-    def __call__(self, *args, **kwargs):
-        self.threads.append(threading.current_thread())
-        return self.real(*args, **kwargs)
 
 
 async def test_many_chat_messages_are_refused_before_work_or_templated_off_the_loop(real_gguf, monkeypatch) -> None:
