@@ -13,13 +13,19 @@ Each process measures, in one engine session:
 - the single-request decode rate (``common.engine_decode_rate``: ``(n-1)/(T(n)-T(1))``);
 - the greedy token ids of every request.
 
-Rounds alternate the order (base, head, then head, base, ...) so that the machine's drift
-hits both alike; each round gives a head/base ratio for both rates, and the report gives
-their medians and spread, and how many requests' tokens are identical.
+Each process runs the batched workload ``--batched-repeats`` times and keeps the fastest, with
+the process CPU time it took (``time.process_time``: a second view, less sensitive to other
+load on the machine than wall time). A round (``--design abba``, the default) runs base,
+head, head, base (the next round head, base, base, head): each revision is measured first,
+second, third and fourth equally often, so a steady drift of the machine and an effect of a
+run's position cancel in the round's ratio (geometric means of each revision's runs). Each
+round gives a head/base ratio for both rates and for CPU time a token, and the report gives
+their medians and spread, and how many requests' tokens are identical. ``--design ab`` is
+the older one run of each per round, the order alternating between rounds.
 
     python benchmarks/revisions.py --json benchmarks/results/revisions.json      # edacc11 vs the checkout
     python benchmarks/revisions.py --num-requests 2 --min-new-tokens 4 --max-new-tokens 8 \\
-        --decode-tokens 8 --repeats 1 --rounds 1                                  # smoke test
+        --decode-tokens 8 --repeats 1 --rounds 1 --batched-repeats 1              # smoke test
 """
 
 from __future__ import annotations
@@ -76,15 +82,25 @@ async def _session(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     async with engine:
         await submit_all(prompts[:2], [4] * len(prompts[:2]))  # warm-up
-        start = time.perf_counter()
-        outs = await submit_all(prompts, lengths)
-        wall = time.perf_counter() - start
+        walls, cpus, tokens = [], [], None
+        for _ in range(spec["batched_repeats"]):
+            start, cpu = time.perf_counter(), time.process_time()
+            outs = await submit_all(prompts, lengths)
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
+            ids = [list(o.token_ids) for o in outs]
+            if tokens is not None and ids != tokens:
+                raise RuntimeError("the batched workload's greedy tokens changed between repeats in one process")
+            tokens = ids
         decode = await engine_decode_rate(engine, list(prompts[0]), spec["decode_tokens"], spec["repeats"])
-    tokens = [list(o.token_ids) for o in outs]
+    assert tokens is not None
     wrong = [i for i, (t, n) in enumerate(zip(tokens, lengths)) if len(t) != n]
     if wrong:
         raise RuntimeError(f"wrong number of tokens for requests {wrong[:8]}")
-    return {"wall_s": wall, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / wall,
+    best = min(range(len(walls)), key=walls.__getitem__)
+    return {"wall_s": walls[best], "walls_s": walls, "cpu_s": cpus[best], "cpus_s": cpus,
+            "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / walls[best],
+            "cpu_ms_per_token": 1000 * cpus[best] / sum(lengths),
             "single_decode": decode, "token_ids": tokens}
 
 
@@ -164,6 +180,15 @@ def token_identity(base: list[list[int]], head: list[list[int]]) -> dict[str, An
             "differing_requests": [i for i, (a, b) in enumerate(zip(base, head)) if a != b]}
 
 
+def round_order(r: int, design: str) -> tuple[str, ...]:
+    """The runs of round ``r`` (0-based). ``abba``: base, head, head, base, then head, base, base, head: each
+    revision takes every position of a round equally often, so a linear drift and an effect of running
+    first or second cancel in each round's ratio. ``ab``: one run of each, the order alternating."""
+    if design == "ab":
+        return ("base", "head") if r % 2 == 0 else ("head", "base")
+    return ("base", "head", "head", "base") if r % 2 == 0 else ("head", "base", "base", "head")
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -199,7 +224,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ASYNCINFER_KERNEL_ISA=avx2 with --base . to compare kernel variants of one checkout")
     p.add_argument("--head-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the head's processes (repeatable)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds, each one run of both, the order alternating")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds, each two runs of each revision (--design abba) or one of each (ab)")
+    p.add_argument("--design", choices=("abba", "ab"), default="abba",
+                   help="abba (default): each round runs base, head, head, base (then head, base, base, head) "
+                        "and compares geometric means, cancelling drift and position; ab: one run of each, "
+                        "the order alternating between rounds")
+    p.add_argument("--batched-repeats", type=int, default=2,
+                   help="times the batched workload runs in each process (the fastest is kept)")
     p.add_argument("--model", help="a .gguf file or HF model directory (default: asyncinfer's default model)")
     p.add_argument("--threads", type=int, default=2, help="the engine's num_threads")
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
@@ -215,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.batched_repeats < 1:
+        p.error("--batched-repeats must be at least 1")
     for option in ("base_env", "head_env"):
         pairs = {}
         for item in getattr(args, option):
@@ -267,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": list(workload.max_new_tokens),
         "decode_tokens": args.decode_tokens,
         "repeats": args.repeats,
+        "batched_repeats": args.batched_repeats,
     }
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/revisions.py", *sys.argv[1:]])
     say(f"base {base_name}, head {head_name}; {workload.num_requests} requests, "
@@ -280,14 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                 "head": repo / "src" if args.head is None else extract_src(repo, head_commit, tmp / "head")}
         index = 0
         for r in range(args.rounds):
-            for label in (("base", "head") if r % 2 == 0 else ("head", "base")):
+            for label in round_order(r, args.design):
                 result = run_one(label, srcs[label], spec, tmp, index,
                                  args.base_env if label == "base" else args.head_env)
                 index += 1
                 result["round"] = r + 1
                 result["order"] = index
                 runs[label].append(result)
-                say(f"round {r + 1} {label}: {result['tokens_per_s']:.1f} tok/s batched, "
+                say(f"round {r + 1} {label}: {result['tokens_per_s']:.1f} tok/s batched "
+                    f"({result['cpu_ms_per_token']:.2f} CPU ms/token), "
                     f"{result['single_decode']['decode_tokens_per_s']:.1f} tok/s one request "
                     f"({result['weight_format']}; asyncinfer {result['asyncinfer_file']})")
         for label in ("base", "head"):  # where the code ran from: not a path that outlives the run
@@ -296,23 +332,39 @@ def main(argv: list[str] | None = None) -> int:
                 result["kernel_libraries"] = [k.replace(tmp_name, "<extracted>") for k in result["kernel_libraries"]]
 
     rounds = []
-    for r, (b, h) in enumerate(zip(runs["base"], runs["head"])):
+    per_round = len(round_order(0, args.design)) // 2
+    for r in range(args.rounds):
+        b_runs = runs["base"][r * per_round:(r + 1) * per_round]
+        h_runs = runs["head"][r * per_round:(r + 1) * per_round]
+
+        def mean(rs: list[dict[str, Any]], key: Any) -> float:
+            values = [key(x) for x in rs]  # a tiny smoke run can time a non-positive rate: then the plain mean
+            return statistics.geometric_mean(values) if min(values) > 0 else statistics.fmean(values)
+
+        batched = lambda x: x["tokens_per_s"]  # noqa: E731
+        single = lambda x: x["single_decode"]["decode_tokens_per_s"]  # noqa: E731
+        cpu = lambda x: x["cpu_ms_per_token"]  # noqa: E731
         rounds.append({
             "round": r + 1,
-            "order": "base, head" if r % 2 == 0 else "head, base",
-            "base_tokens_per_s": b["tokens_per_s"],
-            "head_tokens_per_s": h["tokens_per_s"],
-            "throughput_ratio": h["tokens_per_s"] / b["tokens_per_s"],
-            "base_single_decode_tokens_per_s": b["single_decode"]["decode_tokens_per_s"],
-            "head_single_decode_tokens_per_s": h["single_decode"]["decode_tokens_per_s"],
-            "single_decode_ratio": h["single_decode"]["decode_tokens_per_s"] / b["single_decode"]["decode_tokens_per_s"],
-            "tokens": token_identity(b["token_ids"], h["token_ids"]),
+            "order": ", ".join(round_order(r, args.design)),
+            "base_tokens_per_s": mean(b_runs, batched),
+            "head_tokens_per_s": mean(h_runs, batched),
+            "throughput_ratio": mean(h_runs, batched) / mean(b_runs, batched),
+            "base_cpu_ms_per_token": mean(b_runs, cpu),
+            "head_cpu_ms_per_token": mean(h_runs, cpu),
+            # base CPU time over head CPU time: above 1 when the head spends less CPU a token
+            "cpu_ratio": mean(b_runs, cpu) / mean(h_runs, cpu),
+            "base_single_decode_tokens_per_s": mean(b_runs, single),
+            "head_single_decode_tokens_per_s": mean(h_runs, single),
+            "single_decode_ratio": mean(h_runs, single) / mean(b_runs, single),
+            "tokens": token_identity(b_runs[0]["token_ids"], h_runs[0]["token_ids"]),
         })
     identical = [x["tokens"]["identical"] for x in rounds]
     stable = {label: all(run["token_ids"] == runs[label][0]["token_ids"] for run in runs[label])
               for label in ("base", "head")}
     summary = {
         "throughput_ratio": spread([x["throughput_ratio"] for x in rounds]),
+        "cpu_ratio": spread([x["cpu_ratio"] for x in rounds]),
         "single_decode_ratio": spread([x["single_decode_ratio"] for x in rounds]),
         "base_tokens_per_s": spread([x["base_tokens_per_s"] for x in rounds]),
         "head_tokens_per_s": spread([x["head_tokens_per_s"] for x in rounds]),
@@ -328,17 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_path}, {args.threads} threads, {workload.num_requests} requests "
           f"({workload.total_output_tokens} output tokens), single-request decode {args.decode_tokens} tokens, "
           f"median of {args.repeats}")
-    print(f"{'round':<7}{'order':<12}{'base tok/s':>11}{'head tok/s':>11}{'ratio':>8}"
+    print(f"{'round':<7}{'order':<26}{'base tok/s':>11}{'head tok/s':>11}{'ratio':>8}{'CPU ratio':>10}"
           f"{'base 1-req':>12}{'head 1-req':>12}{'ratio':>8}{'tokens':>9}")
     for x in rounds:
         t = x["tokens"]
-        print(f"{x['round']:<7}{x['order']:<12}{x['base_tokens_per_s']:>11.1f}{x['head_tokens_per_s']:>11.1f}"
-              f"{x['throughput_ratio']:>7.3f}x{x['base_single_decode_tokens_per_s']:>12.1f}"
+        print(f"{x['round']:<7}{x['order']:<26}{x['base_tokens_per_s']:>11.1f}{x['head_tokens_per_s']:>11.1f}"
+              f"{x['throughput_ratio']:>7.3f}x{x['cpu_ratio']:>9.3f}x{x['base_single_decode_tokens_per_s']:>12.1f}"
               f"{x['head_single_decode_tokens_per_s']:>12.1f}{x['single_decode_ratio']:>7.3f}x"
               f"{t['identical']:>5}/{t['compared']}")
-    th, sd = summary["throughput_ratio"], summary["single_decode_ratio"]
+    th, sd, cp = summary["throughput_ratio"], summary["single_decode_ratio"], summary["cpu_ratio"]
     print(f"head / base, median of {len(rounds)} (min-max): throughput {th['median']:.3f}x "
-          f"({th['min']:.3f}-{th['max']:.3f}), one request {sd['median']:.3f}x ({sd['min']:.3f}-{sd['max']:.3f})")
+          f"({th['min']:.3f}-{th['max']:.3f}), CPU time a token (base/head) {cp['median']:.3f}x "
+          f"({cp['min']:.3f}-{cp['max']:.3f}), one request {sd['median']:.3f}x ({sd['min']:.3f}-{sd['max']:.3f})")
     print(f"greedy tokens: {summary['tokens_identical_min']}/{workload.num_requests} requests identical "
           f"(fewest in a round); each revision the same in every round: base {stable['base']}, head {stable['head']}")
 

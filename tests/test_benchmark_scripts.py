@@ -125,3 +125,33 @@ def test_the_structured_benchmark_runs(real_gguf, tmp_path) -> None:
     assert all(r["constrained"]["mask_seconds"] > 0 and r["unconstrained"]["mask_seconds"] == 0
                for r in result["rounds"])
     assert "median of 2 rounds" in done.stdout
+
+
+def _revisions_module():
+    spec = importlib.util.spec_from_file_location("bench_revisions", ROOT / "benchmarks" / "revisions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_revisions_abba_design_puts_each_revision_in_each_position_equally_often() -> None:
+    revisions = _revisions_module()
+    two_rounds = [revisions.round_order(r, "abba") for r in range(2)]
+    for position in range(4):
+        assert sorted(order[position] for order in two_rounds) == ["base", "head"]
+    assert all(sorted(order) == ["base", "base", "head", "head"] for order in two_rounds)
+    assert [revisions.round_order(r, "ab") for r in range(2)] == [("base", "head"), ("head", "base")]
+
+
+def test_the_revisions_benchmark_runs_abba_rounds(real_gguf, tmp_path) -> None:
+    out = tmp_path / "revisions.json"
+    done = run_script("revisions.py", "--base", ".", "--model", str(real_gguf), "--num-requests", "2",
+                      "--min-new-tokens", "2", "--max-new-tokens", "4", "--decode-tokens", "8", "--repeats", "1",
+                      "--rounds", "1", "--batched-repeats", "2", "--json", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [x["order"] for x in result["rounds"]] == ["base, head, head, base"]
+    assert {label: len(runs) for label, runs in result["runs"].items()} == {"base": 2, "head": 2}
+    assert all(len(run["walls_s"]) == 2 for runs in result["runs"].values() for run in runs)
+    assert result["summary"]["tokens_identical_min"] == 2 and "CPU time a token" in done.stdout
