@@ -121,6 +121,14 @@ def test_bad_request_gets_an_openai_error_then_the_server_serves_on(http, route,
     assert http.post(path, json=valid).status_code == 200
 
 
+@pytest.mark.parametrize("temperature", [-1, -0.5, 2.5, 1e5])
+def test_a_temperature_out_of_range_names_the_http_range(http, temperature) -> None:
+    """Below 0 or above 2, the message gives OpenAI's range, never the Python API's wider one."""
+    error = check_error(http.post("/v1/chat/completions", json={**CHAT, "temperature": temperature}),
+                        400, "temperature", None)
+    assert error["message"] == f"temperature={temperature!r} is invalid: allowed a number in [0, 2] (OpenAI's range; 0 = greedy)"
+
+
 def test_the_openai_client_raises_its_own_errors(client) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)

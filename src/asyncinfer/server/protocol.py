@@ -40,6 +40,7 @@ MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
+_TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)"
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -133,12 +134,11 @@ class _Common:
         except InvalidParameterError as exc:
             if exc.parameter == "max_tokens":
                 raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
+            if exc.parameter == "temperature":  # the HTTP range, not the Python API's (a negative one too)
+                raise InvalidParameterError("temperature", exc.value, _TEMPERATURE_RANGE) from None
             raise
         if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
-            raise InvalidParameterError(
-                "temperature", kw["temperature"],
-                f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)",
-            )
+            raise InvalidParameterError("temperature", kw["temperature"], _TEMPERATURE_RANGE)
         return params
 
     def field(self, parameter: str) -> str:
