@@ -3,7 +3,8 @@ listening, held through the load), and what it will serve (URL, model, weight fo
 
 Everything said is planned from the model's config with the options given, as the engine plans
 its load (``AsyncEngine.plan_memory`` makes the engine's own plan), so it is printed at once,
-before the weights are read; uvicorn's "Uvicorn running on ..." line follows once it serves.
+before the weights are read; uvicorn's "Application startup complete." line follows once it serves (no "Uvicorn running on ..."
+line: uvicorn prints none for a socket handed to it).
 """
 
 from __future__ import annotations
