@@ -7,6 +7,9 @@ Each message becomes a ``Contact`` (a dataclass) through one JSON-schema-constra
 engine masks every token that would break the schema, so the reply always parses (unless
 ``max_tokens`` cuts it: then ``finish_reason`` is ``"length"`` and the example says so). All messages
 are extracted concurrently, in the same batches. Needs ``pip install 'asyncinfer[structured]'``.
+
+The schema fixes the record's shape, not its truth: the default 135M model fills every field it must,
+and may invent what the message lacks (an e-mail, a phone number, a company) or garble what it has.
 """
 
 from __future__ import annotations
