@@ -2,13 +2,84 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import helpers
+
+
+def _heap_trimmer():
+    """glibc's ``malloc_trim(0)`` (a no-op where there is none)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+_trim_heap = _heap_trimmer()
+
+
+def _release_memory() -> None:
+    """Collect the reference cycles that closed engines and dropped models sit in (their threads, hooks), and
+    hand the freed heap back to the system (glibc keeps it in its arenas otherwise)."""
+    gc.collect()
+    _trim_heap()
+
+
+def _rss_bytes() -> int:
+    """This process' resident memory now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+#: A test that leaves the process this much larger is followed by :func:`_release_memory`.
+RELEASE_AFTER_GROWTH = 64 * 2**20
+
+
+@pytest.fixture(autouse=True)
+def _release_memory_after_a_test_that_grew() -> Iterator[None]:
+    """After a test that left the process ``RELEASE_AFTER_GROWTH`` larger (a closed engine of the real model, its
+    KV cache): :func:`_release_memory`. Without it, each such engine stayed in the suite's process until the
+    garbage collector happened to run, and the heap it freed stayed with glibc: the process grew by a real
+    engine a test (test_real_model, test_discord_bot) to ~7 GB. Tests that grow less cost only a read of
+    /proc/self/statm."""
+    before = _rss_bytes()
+    yield
+    if _rss_bytes() - before > RELEASE_AFTER_GROWTH:
+        _release_memory()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_module() -> Iterator[None]:
+    """After a module, once its module-scoped fixtures (models, engines) are gone: :func:`_release_memory`."""
+    yield
+    _release_memory()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _transformers_gguf_name_maps_built_once() -> Iterator[None]:
+    """transformers' GGUF loading (the references: ``real_hf_reference``, the tiny Gemma files) builds gguf's
+    ``TensorNameMap`` for the architecture and layer count again for every submodule of the model it fills: for
+    SmolLM2-135M, over 95% of the load (minutes on a loaded 2-core machine). The map is a pure function of
+    its two arguments that transformers only reads, so it is built once per (arch, layers); asyncinfer's own
+    loader does not use it."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +101,31 @@ def real_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def real_hf_reference(real_gguf: Path):
-    """transformers' own model and tokenizer built from the same GGUF file (fp32): the reference."""
+    """transformers' own model and tokenizer built from the same GGUF file (fp32): the reference.
+
+    transformers parses the file's header with gguf's ``GGUFReader`` for the tokenizer, the config and the
+    weights, each time again (the 49k-token vocabulary: minutes on a loaded 2-core machine); here the loads
+    share one reader of the file, which they only read."""
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name, dtype=torch.float32)
+    readers: dict[str, gguf.GGUFReader] = {}
+    real_reader = gguf.GGUFReader
+
+    def shared_reader(path, *args, **kwargs):
+        if args or kwargs:
+            return real_reader(path, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in readers:
+            readers[key] = real_reader(path)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared_reader)
+        tok = AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name, dtype=torch.float32)
+    readers.clear()
     return model.eval(), tok
 
 

@@ -100,10 +100,25 @@ def test_the_default_model_is_named_when_its_load_fails(tmp_path, capsys, monkey
     assert err.startswith(f"asyncinfer: error: loading the default model ({missing}) failed: ") and "None" not in err
 
 
-def cli_process(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "ASYNCINFER_DISABLE_KERNELS": "0", **env}
-    return subprocess.run([sys.executable, "-m", "asyncinfer", *args], env=full, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
+def cli_processes(*runs: tuple[tuple[str, ...], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """``python -m asyncinfer ARGS`` for each (ARGS, environment additions) of ``runs``, all started at once (each
+    spends seconds importing torch: side by side they share the cores), in order of ``runs``."""
+    procs = []
+    for args, env in runs:
+        full = {**os.environ, "ASYNCINFER_DISABLE_KERNELS": "0", **env}
+        procs.append(subprocess.Popen([sys.executable, "-m", "asyncinfer", *args], env=full, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
 
 
 def test_a_bad_kernel_isa_is_the_users_error_on_every_command(tiny_models) -> None:
@@ -114,17 +129,20 @@ def test_a_bad_kernel_isa_is_the_users_error_on_every_command(tiny_models) -> No
 
     path = str(tiny_models["llama"][0])
     lacking = [isa for isa in ("avx512", "avx2") if isa not in kernels.supported_isas()]
-    for value in ["bogus", *lacking[:1]]:
-        proc = cli_process("info", path, "--quantization", "q8_0", ASYNCINFER_KERNEL_ISA=value)
+    values = ["bogus", *lacking[:1]]
+    *refused, chat, info = cli_processes(
+        *[(("info", path, "--quantization", "q8_0"), {"ASYNCINFER_KERNEL_ISA": value}) for value in values],
+        (("chat", "hi", "--model", path, "--quantization", "q4_1"), {"ASYNCINFER_KERNEL_ISA": "bogus"}),
+        (("info", path), {"ASYNCINFER_KERNEL_ISA": "bogus"}),
+    )
+    for value, proc in zip(values, refused, strict=True):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("asyncinfer: error: --quantization 'q8_0' is invalid") and \
             f"ASYNCINFER_KERNEL_ISA={value!r}" in proc.stderr, proc.stderr
-    proc = cli_process("chat", "hi", "--model", path, "--quantization", "q4_1", ASYNCINFER_KERNEL_ISA="bogus")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "--quantization 'q4_1'" in proc.stderr and "ASYNCINFER_KERNEL_ISA='bogus'" in proc.stderr, proc.stderr
-    proc = cli_process("info", path, ASYNCINFER_KERNEL_ISA="bogus")
-    assert proc.returncode == 0, proc.stderr
-    assert "kernels: unavailable (ASYNCINFER_KERNEL_ISA='bogus' names no kernel variant" in proc.stdout, proc.stdout
+    assert chat.returncode == 2 and chat.stderr.count("\n") == 1, chat.stderr
+    assert "--quantization 'q4_1'" in chat.stderr and "ASYNCINFER_KERNEL_ISA='bogus'" in chat.stderr, chat.stderr
+    assert info.returncode == 0, info.stderr
+    assert "kernels: unavailable (ASYNCINFER_KERNEL_ISA='bogus' names no kernel variant" in info.stdout, info.stdout
 
 
 def test_a_kernel_isa_error_reaching_the_command_is_a_user_error(capsys, monkeypatch) -> None:
