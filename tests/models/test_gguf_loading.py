@@ -25,11 +25,13 @@ from asyncinfer.memory import plan_memory
 from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import (
+    BlockEmbedding,
     BlockLinear,
     FormatLinear,
     MixedBlockLinear,
     WeightFormat,
     apply_weight_format,
+    embedding_formats,
     layer_formats,
     linear_bytes,
     mixed_parts,
@@ -84,6 +86,18 @@ def test_layers_built_from_the_file_equal_those_converted_from_the_float_model(t
     assert apply_weight_format(converted, method) == sum(
         m.nbytes for m in direct.model.modules() if isinstance(m, FormatLinear))
     modules, reference = dict(direct.model.named_modules()), dict(converted.named_modules())
+    # The embedding stays in the file's blocks under a block format (never a float table), the float model's is a
+    # float table: the same rows, bit for bit, for every id.
+    in_blocks = embedding_formats(checkpoint.config, method)["embed_tokens"] != "float32"
+    assert in_blocks == (method in ("native", "q4_1", "q8_0") and head == "q8_0")
+    embedding = modules.pop("embed_tokens")
+    assert type(embedding) is (BlockEmbedding if in_blocks else torch.nn.Embedding)
+    every_id = torch.arange(TINY["vocab_size"])
+    assert torch.equal(embedding(every_id), reference.pop("embed_tokens")(every_id))
+    if in_blocks:  # a tied head in the same blocks is read, not copied
+        assert embedding.shared == (tied and direct.model.output_proj.fmt == "q8_0")
+        assert embedding.nbytes == (0 if embedding.shared else linear_bytes("q8_0", TINY["vocab_size"],
+                                                                            TINY["hidden"], bias=False))
     assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
     generator = torch.Generator().manual_seed(0)
     for name, module in modules.items():
@@ -93,6 +107,8 @@ def test_layers_built_from_the_file_equal_those_converted_from_the_float_model(t
             if isinstance(module, BlockLinear):
                 assert module.lossless == reference[name].lossless, name
     params, reference_params = dict(direct.model.named_parameters()), dict(converted.named_parameters())
+    if in_blocks:
+        del reference_params["embed_tokens.weight"]
     assert params.keys() == reference_params.keys()
     assert all(torch.equal(params[n], reference_params[n]) for n in params)
     # the planner counted these bytes from the header alone
@@ -169,6 +185,9 @@ def test_a_q4_k_m_mix_built_from_the_file_equals_the_float_model_converted(tmp_p
     assert apply_weight_format(converted, "native") == sum(
         m.nbytes for n, m in direct.named_modules() if isinstance(m, FormatLinear) and ".parts." not in n)
     modules, reference = dict(direct.named_modules()), dict(converted.named_modules())
+    every_id = torch.arange(Q4_K_M["vocab_size"])  # the embedding: the file's Q8_0 blocks, the float table's rows
+    assert type(modules["embed_tokens"]) is BlockEmbedding and modules["embed_tokens"].fmt == "q8_0"
+    assert torch.equal(modules.pop("embed_tokens")(every_id), reference.pop("embed_tokens")(every_id))
     assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
     generator = torch.Generator().manual_seed(0)
     for name, module in modules.items():

@@ -19,7 +19,8 @@ names no variant or one this CPU lacks), :func:`available` is False and :func:`u
 :func:`quantize` builds the blocks from float32 weights; for the 32-weight formats, on weights that were
 dequantised from blocks of the same type (a GGUF file's), it returns those blocks again, so the kernel
 multiplies by exactly the float32 model's weights (:func:`dequantize` round-trips; the loader checks it per
-layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``).
+layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``). :class:`BlockTable` is a
+matrix kept in blocks whose rows are dequantized a few at a time (a token embedding in its file's blocks).
 """
 
 
@@ -37,12 +38,12 @@ from asyncinfer.kernels._build import (
     unavailable_reason,
 )
 from asyncinfer.kernels.decoder import MAX_PARTS, DecodeLayer, DecodeStack
-from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, dequantize, pack, quantize, unpack
+from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, BlockTable, dequantize, pack, quantize, unpack
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, gemm, rms_norm
 
 __all__ = [
     "auto_reason",
-    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "DecodeLayer", "DecodeStack", "KernelISAError",
+    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "BlockTable", "DecodeLayer", "DecodeStack", "KernelISAError",
     "argmax", "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded",
     "pack", "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
 ]

@@ -14,7 +14,7 @@ import torch
 
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
-from asyncinfer.kernels.formats import LAYOUTS
+from asyncinfer.kernels.formats import LAYOUTS, BlockTable
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
@@ -246,20 +246,31 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Tables(NamedTuple):
-    """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, whether the kernel
-    reads the embedding rows itself (float32, contiguous), and the tensors (their identity)."""
+    """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, how the step's embedding rows
+    are gathered (``rows``: None where the kernel reads them itself from a contiguous float32 table, else the
+    function that makes them, float32 [T, hidden], from the token ids), and the tables (their identity)."""
 
     embed: int
     cos: int
     sin: int
     vocab: int
     positions: int
-    kernel_embeds: bool
-    embed_tensor: torch.Tensor
+    rows: Callable[[torch.Tensor], torch.Tensor] | None
+    embed_tensor: torch.Tensor | BlockTable
     cos_tensor: torch.Tensor
     sin_tensor: torch.Tensor
     #: The three tables' shapes and dtypes as checked (an in-place resize or a dtype view is checked again).
     layout: tuple
+
+
+def _float_rows(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rows of a float embedding table the kernel does not read itself (another dtype, not contiguous), as
+    float32."""
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, table).float()
+
+    return rows
 
 
 class DecodeStack:
@@ -373,13 +384,15 @@ class DecodeStack:
         held = self._kv = (tensors, addresses, (ctypes.c_void_p * len(tensors))(*addresses), tensors[0].shape)
         return held[2], tensors[0]
 
-    def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
-        """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
-        rows); checked when they change."""
+    def _check_tables(self, embed: torch.Tensor | BlockTable, cos_table: torch.Tensor,
+                      sin_table: torch.Tensor) -> _Tables:
+        """The embedding and rope tables' pointers and sizes, and how the step's embedding rows are gathered
+        (by the kernel from a contiguous float32 table; here from any other); checked when they change."""
         held = self._tables
+        blocks = embed.blocks if isinstance(embed, BlockTable) else embed  # a table in blocks: its rows dequantized
         try:
-            key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
-            layout = (embed.shape, cos_table.shape, sin_table.shape, embed.dtype, cos_table.dtype, sin_table.dtype)
+            key = (blocks.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+            layout = (blocks.shape, cos_table.shape, sin_table.shape, blocks.dtype, cos_table.dtype, sin_table.dtype)
         except (AttributeError, RuntimeError):
             key = layout = None  # not tensors, or tensors without host memory: refused below
         if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
@@ -387,26 +400,33 @@ class DecodeStack:
             return held
         layer = self._layers[0]
         half = layer._head_dim // 2
-        tensor("embed", embed)
-        if embed.dim() != 2 or embed.shape[1] != layer._hidden or not embed.is_floating_point():
-            raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}], got {embed.dtype} "
-                            f"{tuple(embed.shape)}")
+        if isinstance(embed, BlockTable):
+            if embed.shape[1] != layer._hidden:
+                raise TypeError(f"embed must be a table [vocab, {layer._hidden}], got a {embed.fmt} BlockTable "
+                                f"{embed.shape}")
+            vocab, rows = embed.shape[0], embed.rows
+        else:
+            tensor("embed", embed, allowed="or a BlockTable")
+            if embed.dim() != 2 or embed.shape[1] != layer._hidden or not embed.is_floating_point():
+                raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}] or a BlockTable, got "
+                                f"{embed.dtype} {tuple(embed.shape)}")
+            vocab = embed.shape[0]
+            rows = None if embed.dtype == torch.float32 and embed.is_contiguous() else _float_rows(embed)
         for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
             tensor(name, t)
             if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != half or (
                     t.shape != cos_table.shape):
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
                                 f"{t.dtype} {tuple(t.shape)}")
-        held = self._tables = _Tables(*key, embed.shape[0], cos_table.shape[0],
-                                      embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table,
-                                      sin_table, layout)
+        held = self._tables = _Tables(*key, vocab, cos_table.shape[0], rows, embed, cos_table, sin_table, layout)
         return held
 
-    def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor | BlockTable, positions: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
         """Run a step of decodes: int64 input_ids / positions / slots / context_lens [T]; ``embed`` the
-        embedding table [vocab, hidden]; cos/sin tables float32 [max_positions, head_dim / 2];
+        embedding table [vocab, hidden] (a float table, whose rows the kernel reads itself when it is contiguous
+        float32, or a :class:`BlockTable`, whose step rows are dequantized before the call); cos/sin tables float32 [max_positions, head_dim / 2];
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
@@ -434,7 +454,7 @@ class DecodeStack:
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
                          kv_caches, logits, lambda: input_ids, max_context)
 
-    def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor,
+    def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor | BlockTable,
                       cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list
                       ) -> tuple[torch.Tensor, list[int]]:
         """The logits [T, out_features] of a step of decodes given as one list of ints (the T token ids,
@@ -470,8 +490,9 @@ class DecodeStack:
         return logits, data[n:].tolist()
 
     def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
-             embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, logits: bool,
-             input_ids: Callable[[], torch.Tensor], max_context: int, argmax: int | None = None) -> torch.Tensor:
+             embed: torch.Tensor | BlockTable, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list,
+             logits: bool, input_ids: Callable[[], torch.Tensor], max_context: int,
+             argmax: int | None = None) -> torch.Tensor:
         lib = _need()
         if logits and self._head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
@@ -481,11 +502,12 @@ class DecodeStack:
         _check_timing(timing, 4, "DecodeStack")
         h = None
         tables_in = self._check_tables(embed, cos_table, sin_table)
-        if not tables_in.kernel_embeds:  # embedded here instead
-            ids_in = input_ids()
-            if int(ids_in.min()) < 0 or int(ids_in.max()) >= tables_in.vocab:
-                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
-            h = contiguous(torch.nn.functional.embedding(ids_in, embed).float(), "embed")
+        if tables_in.rows is not None:  # embedded here instead: the step's rows only
+            try:
+                h = contiguous(tables_in.rows(input_ids()), "embed")
+            except IndexError:
+                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})"
+                                 ) from None
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self._head  # type: ignore[misc]

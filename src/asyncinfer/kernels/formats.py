@@ -386,3 +386,52 @@ def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     q = ((low | (high << 4)) - 32).reshape(n, nb, 16, 16)
     scale = (_halves(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float())[..., None]  # [N, B, 16, 1]
     return (scale * q.float()).reshape(n, nb * per)
+
+
+class BlockTable:
+    """A matrix [rows, cols] held in a block format, read a few rows at a time: :meth:`rows` gathers the rows
+    asked for and dequantizes only those, float32, bit for bit the values :func:`dequantize` gives for the whole
+    matrix (ggml's own). A model's token embedding kept in its file's blocks is one
+    (``models.quant.BlockEmbedding``, and what :class:`~asyncinfer.kernels.DecodeStack` then takes as its
+    ``embed``).
+
+    ``blocks``: uint8 [rows, bytes per row], in ggml's order as a file stores them (``packed=False``: a view of
+    the file's map is used as it lies) or in the kernels' layout (``packed=True``, :func:`pack`: a head's own
+    blocks, ``BlockLinear.kernel_weights()``, read in place); the same bytes for the formats the kernels take in
+    ggml's order.
+
+    Raises:
+        TypeError / ValueError: ``blocks`` is not contiguous uint8 [rows, a multiple of the format's block bytes]
+            on the CPU, or ``fmt`` is not a block format.
+    """
+
+    __slots__ = ("fmt", "blocks", "shape", "nbytes", "_regrouped")
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, *, packed: bool = False) -> None:
+        size = bytes_per_block(fmt)
+        _tensor("blocks", blocks, torch.uint8, f"of {fmt} blocks")
+        if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.is_contiguous():
+            raise ValueError(f"blocks: a {fmt} table is contiguous uint8 [rows, a multiple of {size} bytes], got "
+                             f"{tuple(blocks.shape)}{'' if blocks.is_contiguous() else ' (not contiguous)'}")
+        self.fmt = fmt
+        self.blocks = blocks
+        #: (rows, cols): the matrix the blocks hold.
+        self.shape = (blocks.shape[0], blocks.shape[1] // size * BLOCK_FORMATS[fmt][0])
+        #: The bytes of the blocks.
+        self.nbytes = blocks.numel()
+        self._regrouped = packed and LAYOUTS[fmt].regrouped  # rows to put back in ggml's order before dequantizing
+
+    @_allocating("rows")
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), cols]: the rows ``ids`` (int64 or int32 [n]) dequantized.
+
+        Raises:
+            IndexError: an id outside [0, rows).
+        """
+        try:
+            picked = self.blocks.index_select(0, ids)  # [n, bytes per row]: the only rows read
+        except IndexError:
+            raise IndexError(f"ids: a row index is outside the table [0, {self.shape[0]})") from None
+        if self._regrouped:
+            picked = unpack(picked, self.fmt)
+        return dequantize(picked, self.fmt)
