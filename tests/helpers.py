@@ -273,7 +273,7 @@ class PagedRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.backend = backend or select_attention_backend(self.device)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype  # the model's dtype (an embedding kept in blocks has no float table)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block ids
         spec = KVCacheSpec.from_model_config(cfg, block_size=block_size, dtype=dtype, device=self.device)

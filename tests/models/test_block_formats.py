@@ -327,3 +327,29 @@ def test_quantize_refuses_weights_whose_scales_overflow_float16(fmt: str, bad: f
         formats.quantize(weight, fmt)
     weight[1, 3] = 65504.0  # the largest finite float16 still round-trips to finite weights
     assert torch.isfinite(formats.dequantize(formats.quantize(weight, fmt), fmt)).all()
+
+
+@pytest.mark.parametrize("fmt", list(formats.LAYOUTS))
+def test_a_block_table_dequantizes_exactly_the_rows_asked_for(fmt) -> None:
+    """kernels.BlockTable (an embedding kept in blocks): the rows of any ids, in ggml's order or the kernels'
+    layout, are bit for bit those rows of the whole matrix's dequantization; bad ids and blocks are refused."""
+    per, size = formats.BLOCK_FORMATS[fmt]
+    blocks = random_blocks(fmt, 40, 512 // per, seed=7)  # [40, bytes per row]: 40 rows of 512 weights
+    whole = kernels.dequantize(blocks, fmt)  # float32 [40, 512]
+    ids = torch.tensor([39, 0, 5, 5, 17])
+    for table in (kernels.BlockTable(blocks, fmt), kernels.BlockTable(kernels.pack(blocks, fmt), fmt, packed=True)):
+        assert table.shape == (40, 512) and table.nbytes == 40 * 512 // per * size
+        assert torch.equal(table.rows(ids), whole[ids])
+        assert torch.equal(table.rows(torch.arange(40, dtype=torch.int32)), whole)
+        assert table.rows(ids[:0]).shape == (0, 512)
+        for bad in (40, -1):
+            with pytest.raises(IndexError, match=r"ids: a row index is outside the table \[0, 40\)"):
+                table.rows(torch.tensor([1, bad]))
+    with pytest.raises(TypeError, match="blocks must be a torch.uint8 tensor"):
+        kernels.BlockTable(whole, fmt)
+    with pytest.raises(ValueError, match=f"a multiple of {size} bytes"):
+        kernels.BlockTable(blocks[:, 1:].contiguous(), fmt)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernels.BlockTable(blocks[:, :size], fmt)  # one block of each row's two or more
+    with pytest.raises(ValueError, match="unknown block format"):
+        kernels.BlockTable(blocks, "q3_k")

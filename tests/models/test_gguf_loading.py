@@ -248,6 +248,62 @@ async def test_auto_loads_a_q4_k_m_mix_part_by_part_in_its_files_own_blocks(tmp_
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+
+@pytest.mark.parametrize("fmt", list(kernels.formats.LAYOUTS))
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_stays_in_its_files_blocks_and_gathers_exactly_the_float_rows(tmp_path, fmt, tied) -> None:
+    """An embedding (and head) stored in any block format of LAYOUTS stays in those blocks under "native": no float
+    table, each lookup exactly the rows of the file's float32 dequantization, in the torch forward and in the one
+    kernel call (its step's rows dequantized before the call); a tied head's blocks are read, not copied; the
+    weights held are the planner's bytes, the embedding counted from its blocks."""
+    from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
+    from asyncinfer.models.decode_backends import KernelDecode
+    from tests.helpers import PagedRunner
+
+    layout = [t for t in tensors(Q4_K_M, "llama") if not (tied and t[0] == "output.weight")]
+    path = tmp_path / f"{fmt}.gguf"
+    write(path, Q4_K_M, "llama", "q8_0", fmt, "none", 0, layout=layout)
+    checkpoint = open_checkpoint(path)
+    assert dict(checkpoint.config.stored_formats)["embed_tokens"] == fmt
+    assert embedding_formats(checkpoint.config, "native") == {"embed_tokens": fmt}
+    model = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    embedding = model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.fmt == fmt
+    assert "embed_tokens.weight" not in dict(model.named_parameters())  # no float table at all
+    vocab, hidden = Q4_K_M["vocab_size"], Q4_K_M["hidden"]
+    reader = GGUFFile(path)
+    table = reader.dequantize(next(t for t in reader.tensors if t.name == "token_embd.weight"))  # today's float32
+    every_id = torch.arange(vocab)
+    assert torch.equal(embedding(every_id), table)
+    ids = torch.tensor([[7, 0, vocab - 1], [7, 7, 300]])  # any shape, repeats, out of order
+    assert torch.equal(embedding(ids), table[ids])
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"input_ids: a token id is outside the embedding table \[0, {vocab}\)"):
+            embedding(torch.tensor([3, bad]))
+    # one copy: a tied head in the same blocks is what the embedding reads; else the file's blocks as they lie
+    own = linear_bytes(fmt, vocab, hidden, bias=False)
+    assert embedding.shared == tied and embedding.nbytes == (0 if tied else own) == (0 if tied else vocab * (
+        hidden // kernels.BLOCK_FORMATS[fmt][0]) * kernels.BLOCK_FORMATS[fmt][1])
+    if tied:
+        assert embedding.table.blocks is model.output_proj.kernel_weights()[1]
+    # the planner's bytes are those held: the float table's 4 bytes a weight gone, the blocks (if not the head's) in
+    assert weight_bytes(checkpoint.config, 4, "native") == loaded_bytes(model)
+    float_table = weight_bytes(checkpoint.config, 4, "native", ("embed_tokens",))  # skipped: the float table
+    assert float_table - weight_bytes(checkpoint.config, 4, "native") == vocab * hidden * 4 - (0 if tied else own)
+    skipped = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native", ("embed_tokens",)))
+    assert type(skipped.model.embed_tokens) is torch.nn.Embedding and loaded_bytes(skipped.model) == float_table
+    # the one-call decode step: the block table's rows give exactly the float table's result
+    stack = KernelDecode(model, KernelDecodeSdpaBackend(), torch.device("cpu")).stack
+    runner = PagedRunner(model, seed=1, backend=KernelDecodeSdpaBackend())
+    runner.step([(1, [3, 4, 5])])
+    step = (torch.tensor([vocab - 1, 9]), torch.tensor([1, 2]), model.rotary.cos_cache, model.rotary.sin_cache,
+            runner.kv_caches, torch.tensor([1, 2]), torch.zeros(2, 1, dtype=torch.long), torch.tensor([2, 3]))
+    from_blocks = stack(step[0], embedding.table, *step[1:], logits=True)
+    assert torch.equal(from_blocks, stack(step[0], table, *step[1:], logits=True))
+    with pytest.raises(IndexError, match="token id is outside the embedding table"):
+        stack(torch.tensor([vocab, 9]), embedding.table, *step[1:], logits=True)
+
+
 # ---- bad files: refused from the header, fast -------------------------------
 
 

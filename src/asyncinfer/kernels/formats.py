@@ -432,6 +432,23 @@ class BlockTable:
             picked = self.blocks.index_select(0, ids)  # [n, bytes per row]: the only rows read
         except IndexError:
             raise IndexError(f"ids: a row index is outside the table [0, {self.shape[0]})") from None
-        if self._regrouped:
-            picked = unpack(picked, self.fmt)
+        if self._regrouped:  # read in place, in a few ops (a decode step's T rows)
+            return _dequantize_regrouped(picked, self.fmt)
         return dequantize(picked, self.fmt)
+
+
+def _dequantize_regrouped(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q4_1 / Q8_0 rows in the kernels' layout (:func:`pack`: per row every ``d``, Q4_1's every ``m``, then the
+    quants) -> float32 [n, cols]: :func:`dequantize`'s arithmetic on :func:`unpack`'s blocks, bit for bit (each
+    ``d * q`` is exact in float32), without putting the bytes back in ggml's order first."""
+    layout = LAYOUTS[fmt]
+    n = rows.shape[0]
+    nb = rows.shape[1] // layout.nbytes
+    d = rows[:, : 2 * nb].view(torch.float16).float().unsqueeze(-1)  # [n, B, 1]
+    if fmt == "q8_0":
+        q = rows[:, 2 * nb :].view(torch.int8).view(n, nb, 32).float()  # [n, B, 32]
+        return (d * q).view(n, nb * 32)
+    m = rows[:, 2 * nb : 4 * nb].view(torch.float16).float().unsqueeze(-1)
+    qs = rows[:, 4 * nb :].view(n, nb, 16)  # element j: byte j's low nibble, element j + 16: its high one
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [n, B, 32]
+    return torch.addcmul(m, d, q).view(n, nb * 32)

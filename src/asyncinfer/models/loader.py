@@ -19,8 +19,10 @@ passes on a CPU), a GGUF file's projections are built in it as they are read:
 :func:`~asyncinfer.models.quant.apply_weight_format` takes the memory-mapped file
 as the source of each layer's weights (:class:`_GGUFProjections`), a layer in its
 file's own block format is repacked from those blocks, and the file's pages of each
-tensor are dropped once it has been copied; only the parameters left (embedding,
-norms) are then filled. No float32 copy of the model exists (docs/memory.md).
+tensor are dropped once it has been copied; under a block format the embedding stays
+in its file's blocks too (``quant.BlockEmbedding``; a tied head's blocks are its own);
+only the parameters left (norms, a float embedding) are then filled. No float32 copy
+of the model exists (docs/memory.md).
 A GGUF file's tokenizer is built by transformers once and cached as
 ``tokenizer.json`` (:func:`gguf_tokenizer`), then read back without importing transformers
 (:class:`~asyncinfer.models.tokenizer.CachedTokenizer`); it loads in parallel with the weights.

@@ -53,6 +53,9 @@ start-up path after it both use it).
 (the GGUF loader's, :class:`StoredProjection`), from the checkpoint's tensors one layer at a time:
 a layer whose format is the one its file stores it in is made from those blocks
 (:meth:`BlockLinear.from_blocks`: repacked once into the kernels' layout, never through float32).
+From a file, under a block format or ``"native"``, the token embedding stays in the blocks the file stores it
+in too (:class:`BlockEmbedding`: a lookup dequantizes only its rows; a tied head in those blocks is the one
+copy; :func:`embedding_formats`), instead of a float32 table of vocab x hidden x 4 bytes.
 """
 
 from __future__ import annotations
@@ -606,11 +609,15 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     parameters, which may then be on the meta device: the GGUF loader's, so that a layer in the format
     its file stores it in is built from those blocks (:meth:`BlockLinear.from_blocks`) and any other from
     its float32 values, one layer at a time. A layer already replaced (a model formatted at load) is left.
+    With a source, the token embedding (the family's ``nn.Embedding``) becomes a :class:`BlockEmbedding` of the
+    file's blocks where :func:`embedding_formats` says so (after the head: a tied head built from the same blocks
+    is read, not copied); its bytes are in the count. Without one (a float model) it stays a float table: it has
+    no blocks to keep.
 
     The one place a loaded model's modules are replaced: each ``nn.Linear`` in a format becomes that
-    format's :class:`FormatLinear` on its parent (the same attribute), and the output projection is
-    handed to the model's own ``use_output_proj`` (part of the model family contract, see
-    :mod:`asyncinfer.models.registry`).
+    format's :class:`FormatLinear` on its parent (the same attribute), the embedding a :class:`BlockEmbedding`
+    on its parent, and the output projection is handed to the model's own ``use_output_proj`` (part of the
+    model family contract, see :mod:`asyncinfer.models.registry`).
     """
     skip = tuple(skip)
     stored = dict(model.config.stored_formats)
@@ -796,7 +803,9 @@ def weight_bytes(
     The one weight-size calculation: the memory planner (before loading) and the start-up path
     (after loading) both use it. Nothing is loaded: the family's model is built on the meta device
     and its layers are counted as :func:`apply_weight_format` leaves them on ``device``'s type (on
-    CUDA the formats are dtypes: nothing is replaced). Packing float32 weights changes no size.
+    CUDA the formats are dtypes: nothing is replaced), a GGUF file's as the engine loads it, the file
+    as the source: its embedding in the file's blocks where :func:`embedding_formats` says so (none
+    of its own where it reads a tied head's). Packing float32 weights changes no size.
 
     Raises:
         InvalidParameterError: ``quantization`` is not None or one of ``QUANTIZATION_METHODS``.
