@@ -405,7 +405,7 @@ class BlockTable:
             on the CPU, or ``fmt`` is not a block format.
     """
 
-    __slots__ = ("fmt", "blocks", "shape", "nbytes", "_regrouped")
+    __slots__ = ("_regrouped", "blocks", "fmt", "nbytes", "shape")
 
     def __init__(self, blocks: torch.Tensor, fmt: str, *, packed: bool = False) -> None:
         size = bytes_per_block(fmt)
