@@ -392,6 +392,12 @@ SMOLLM2 = ModelConfig(
 """SmolLM2-135M-Instruct's config (the default model), written out by hand from its config.json."""
 
 
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 values as their bits (int32): equal only where each value is the same float, a zero's sign
+    included (``torch.equal`` takes -0.0 for 0.0)."""
+    return t.contiguous().view(torch.int32)
+
+
 def loaded_bytes(model: torch.nn.Module) -> int:
     """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
     scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back). A

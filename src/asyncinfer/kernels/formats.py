@@ -421,6 +421,12 @@ class BlockTable:
         self.nbytes = blocks.numel()
         self._regrouped = packed and LAYOUTS[fmt].regrouped  # rows to put back in ggml's order before dequantizing
 
+    @property
+    def regrouped(self) -> bool:
+        """Whether the rows are in the kernels' layout of Q4_1 / Q8_0 (:func:`pack`: every ``d``, every ``m``, then
+        the quants), not ggml's order."""
+        return self._regrouped
+
     @_allocating("rows")
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), cols]: the rows ``ids`` (int64 or int32 [n]) dequantized.
