@@ -39,7 +39,7 @@ from asyncinfer.models.quant import (
     weight_bytes,
 )
 from benchmarks.make_gguf import SHAPES, tensors, write
-from tests.helpers import loaded_bytes
+from tests.helpers import float_bits, loaded_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(SHAPES["tiny"], hidden=128, intermediate=256, heads=4, kv_heads=2, vocab_size=320)
@@ -253,9 +253,11 @@ async def test_auto_loads_a_q4_k_m_mix_part_by_part_in_its_files_own_blocks(tmp_
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_embedding_stays_in_its_files_blocks_and_gathers_exactly_the_float_rows(tmp_path, fmt, tied) -> None:
     """An embedding (and head) stored in any block format of LAYOUTS stays in those blocks under "native": no float
-    table, each lookup exactly the rows of the file's float32 dequantization, in the torch forward and in the one
-    kernel call (its step's rows dequantized before the call); a tied head's blocks are read, not copied; the
-    weights held are the planner's bytes, the embedding counted from its blocks."""
+    table, each lookup bit for bit the rows of the file's float32 dequantization, in the torch forward and in the
+    kernels (kernels.embed_rows, and the one-call step, which dequantizes its rows straight into the residual
+    stream: a tied Q4_1 / Q8_0 head's blocks in the kernels' layout, an untied table in ggml's order); a tied
+    head's blocks are read, not copied; the weights held are the planner's bytes, the embedding counted from its
+    blocks."""
     from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
     from asyncinfer.models.decode_backends import KernelDecode
     from tests.helpers import PagedRunner
@@ -274,7 +276,9 @@ def test_the_embedding_stays_in_its_files_blocks_and_gathers_exactly_the_float_r
     reader = GGUFFile(path)
     table = reader.dequantize(next(t for t in reader.tensors if t.name == "token_embd.weight"))  # today's float32
     every_id = torch.arange(vocab)
-    assert torch.equal(embedding(every_id), table)
+    assert torch.equal(float_bits(embedding(every_id)), float_bits(table))  # the torch reference's rows
+    assert torch.equal(float_bits(kernels.embed_rows(embedding.table, every_id)), float_bits(table))  # the C rows
+    assert embedding.table.regrouped == (tied and fmt in ("q4_1", "q8_0"))  # the head's own layout, read in place
     ids = torch.tensor([[7, 0, vocab - 1], [7, 7, 300]])  # any shape, repeats, out of order
     assert torch.equal(embedding(ids), table[ids])
     for bad in (vocab, -1):
@@ -299,9 +303,44 @@ def test_the_embedding_stays_in_its_files_blocks_and_gathers_exactly_the_float_r
     step = (torch.tensor([vocab - 1, 9]), torch.tensor([1, 2]), model.rotary.cos_cache, model.rotary.sin_cache,
             runner.kv_caches, torch.tensor([1, 2]), torch.zeros(2, 1, dtype=torch.long), torch.tensor([2, 3]))
     from_blocks = stack(step[0], embedding.table, *step[1:], logits=True)
-    assert torch.equal(from_blocks, stack(step[0], table, *step[1:], logits=True))
-    with pytest.raises(IndexError, match="token id is outside the embedding table"):
-        stack(torch.tensor([vocab, 9]), embedding.table, *step[1:], logits=True)
+    assert torch.equal(float_bits(from_blocks), float_bits(stack(step[0], table, *step[1:], logits=True)))
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"input_ids: a token id is outside the embedding table \[0, {vocab}\)"):
+            stack(torch.tensor([bad, 9]), embedding.table, *step[1:], logits=True)
+
+
+@pytest.mark.parametrize("fmt", list(kernels.formats.LAYOUTS))
+@pytest.mark.parametrize("tied", [True, False])
+async def test_the_engine_decodes_from_the_block_embedding_the_float_tables_greedy_tokens(tmp_path, fmt, tied) -> None:
+    """Through the engine ("auto": the file's own formats), the one-call decode step reads the embedding from its
+    file's blocks (KernelDecode holds the BlockTable: no torch op gathers the rows), and its greedy tokens are
+    those of the same file with a float32 embedding table (``quantization_skip=("embed_tokens",)``); a prompt
+    with a token id outside the vocabulary is refused by name before it is queued."""
+    from asyncinfer import AsyncEngine, InvalidParameterError
+    from asyncinfer.models.decode_backends import KernelDecode
+    from tests.helpers import greedy
+
+    assert kernels.available(), kernels.unavailable_reason()
+    layout = [t for t in tensors(Q4_K_M, "llama") if not (tied and t[0] == "output.weight")]
+    path = tmp_path / f"{fmt}.gguf"
+    write(path, Q4_K_M, "llama", "q8_0", fmt, "none", 0, layout=layout)
+    options = {"kv_cache_memory": 1 << 20, "max_model_len": 64, "quantization": "auto"}
+    engine = AsyncEngine.from_pretrained(path, **options)
+    reference = AsyncEngine.from_pretrained(path, quantization_skip=("embed_tokens",), **options)
+    for e, kind in ((engine, BlockEmbedding), (reference, torch.nn.Embedding)):
+        decode = e.core.runner.decode
+        assert isinstance(decode, KernelDecode) and type(decode.model.embed_tokens) is kind
+    assert isinstance(engine.core.runner.decode.embed, kernels.BlockTable)
+    vocab = Q4_K_M["vocab_size"]
+    prompts = [[5, 9, 14, 3], [vocab - 1, 100, 250, 31, 64, 2], [0]]
+    async with engine, reference:
+        got = await asyncio.gather(*(engine.generate(p, greedy(12)) for p in prompts))
+        want = await asyncio.gather(*(reference.generate(p, greedy(12)) for p in prompts))
+        with pytest.raises(InvalidParameterError, match="token"):
+            await engine.generate([3, vocab], greedy(4))
+        assert (await engine.generate(prompts[0], greedy(12))).token_ids == got[0].token_ids  # still serving
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(engine.step_stats().batch_sizes) > 1  # the prompts shared decode steps
 
 
 # ---- bad files: refused from the header, fast -------------------------------

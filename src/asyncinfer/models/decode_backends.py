@@ -140,8 +140,8 @@ class KernelDecode(DecodeBackend):
         self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps,
                                           (head[0], head[1], model.output_proj.out_features))
         # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables). The
-        # embedding: a float32 table whose rows the kernel copies, or one kept in its file's blocks, whose step
-        # rows are dequantized before the call (kernels.BlockTable).
+        # embedding: a float32 table whose rows the kernel copies, or one kept in its file's blocks
+        # (kernels.BlockTable), whose step rows the call dequantizes straight into the residual stream.
         self._embed = _embedding_table(model.embed_tokens)
         self._cos = model.rotary.cos_cache
         self._sin = model.rotary.sin_cache
@@ -151,6 +151,12 @@ class KernelDecode(DecodeBackend):
         """The model's layers, final norm and head as the kernels run them; its ``time_parts`` / ``timing``
         are how a profiler reads where a decode step spends its time (``benchmarks/throughput.py --profile``)."""
         return self._stack
+
+    @property
+    def embed(self) -> torch.Tensor | kernels.BlockTable:
+        """The embedding table the one-call step reads its rows from: the model's float32 table, or its
+        :class:`~asyncinfer.models.quant.BlockEmbedding`'s blocks (:class:`asyncinfer.kernels.BlockTable`)."""
+        return self._embed
 
     def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
         if not step.sampled_decodes_only or (self._window is not None and max(step.context_lens) > self._window):
