@@ -273,7 +273,7 @@ class PagedRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.backend = backend or select_attention_backend(self.device)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype  # the model's dtype (an embedding kept in blocks has no float table)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block ids
         spec = KVCacheSpec.from_model_config(cfg, block_size=block_size, dtype=dtype, device=self.device)
@@ -392,15 +392,26 @@ SMOLLM2 = ModelConfig(
 """SmolLM2-135M-Instruct's config (the default model), written out by hand from its config.json."""
 
 
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 values as their bits (int32): equal only where each value is the same float, a zero's sign
+    included (``torch.equal`` takes -0.0 for 0.0)."""
+    return t.contiguous().view(torch.int32)
+
+
 def loaded_bytes(model: torch.nn.Module) -> int:
     """The bytes the loaded model holds: float parameters plus what the format layers keep (int8 weights and
     scales, float16 weights, oneDNN-packed float32 weights; tests/models/test_quant.py reads them back). A
-    MixedBlockLinear's nbytes counts its parts: they are not counted again."""
-    from asyncinfer.models.quant import FormatLinear, MixedBlockLinear
+    MixedBlockLinear's nbytes counts its parts: they are not counted again. An embedding kept in its file's
+    blocks (BlockEmbedding) counts the bytes of its blocks, read from the tensor, unless they are a block
+    layer's own (a tied head's: counted there)."""
+    from asyncinfer.models.quant import BlockEmbedding, BlockLinear, FormatLinear, MixedBlockLinear
 
     parts = {id(p) for m in model.modules() if isinstance(m, MixedBlockLinear) for p in m.parts}
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear) and id(m) not in parts)
+    total += sum(m.nbytes for m in model.modules() if isinstance(m, FormatLinear) and id(m) not in parts)
+    held = {m.kernel_weights()[1].data_ptr() for m in model.modules() if isinstance(m, BlockLinear)}
+    return total + sum(m.table.blocks.numel() for m in model.modules()
+                       if isinstance(m, BlockEmbedding) and m.table.blocks.data_ptr() not in held)
 
 
 class QueuesForkedSamples(FIFOScheduler):

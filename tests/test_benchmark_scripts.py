@@ -155,3 +155,16 @@ def test_the_revisions_benchmark_runs_abba_rounds(real_gguf, tmp_path) -> None:
     assert {label: len(runs) for label, runs in result["runs"].items()} == {"base": 2, "head": 2}
     assert all(len(run["walls_s"]) == 2 for runs in result["runs"].values() for run in runs)
     assert result["summary"]["tokens_identical_min"] == 2 and "CPU time a token" in done.stdout
+
+
+def test_the_embedding_step_benchmark_runs(real_gguf, tmp_path) -> None:
+    out = tmp_path / "embedding_step.json"
+    done = run_script("embedding_step.py", "--model", str(real_gguf), "--batch", "1", "2", "--steps", "2",
+                      "--rounds", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"]["same_logits"] == {"1": True, "2": True}  # the blocks' step is the float table's
+    for row in result["steps"]["batches"].values():
+        assert {mode: len(v) for mode, v in row["per_step_cpu_ms"].items()} == {"float32": 1, "blocks": 1,
+                                                                                "torch_rows": 1}
+    assert "blocks/float32" in done.stdout and "memory" not in result

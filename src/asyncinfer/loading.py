@@ -60,6 +60,7 @@ from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import (
     BLOCK_FORMATS,
     NATIVE,
+    BlockEmbedding,
     BlockLinear,
     MixedBlockLinear,
     WeightFormat,
@@ -242,6 +243,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         if loaded.weight_format is None:  # not built in its format as it was read (a Hugging Face directory)
             apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
         _report_block_rounding(loaded.model, config.quantization)
+        _report_block_embedding(loaded.model)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))
@@ -283,6 +285,16 @@ def _kernel_formats(fmt: str) -> bool:
 
 def _preview_names(names: list[str], shown: int = 4) -> str:
     return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def _report_block_embedding(model: Any) -> None:
+    """Say where a token embedding kept in its file's blocks is held, and what the float32 table would have taken."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, BlockEmbedding):
+            table = layer.num_embeddings * layer.embedding_dim * 4
+            held = "the tied head's blocks, no copy" if layer.shared else f"{layer.nbytes / MiB:.1f} MiB"
+            logger.info("%s stays in its file's %s blocks (%s) instead of a %.1f MiB float32 table", name, layer.fmt,
+                        held, table / MiB)
 
 
 def _report_block_rounding(model: Any, method: str | None) -> None:

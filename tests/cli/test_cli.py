@@ -237,8 +237,8 @@ def test_info_and_plan_name_the_gguf_s_own_format(real_gguf, capsys) -> None:
     accepts and counts (the same bytes as the engine's plan)."""
     assert cli.main(["info", str(real_gguf), "--max-model-len", "256"]) == 0
     out = capsys.readouterr().out
-    assert "weight format: q4_1" in out and "weights 200.1 MiB" in out
-    for fmt, size in (("q4_1", "200.1 MiB"), ("q8_0", "244.4 MiB")):
+    assert "weight format: q4_1" in out and "weights 92.1 MiB" in out  # no float32 embedding beside the head
+    for fmt, size in (("q4_1", "92.1 MiB"), ("q8_0", "136.4 MiB")):
         assert cli.main(["plan", str(real_gguf), "--quantization", fmt, "--seq-len", "256",
                          "--device-memory", "8GiB"]) == 0
         assert size in capsys.readouterr().out

@@ -93,7 +93,7 @@ def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, 
     from asyncinfer import kernels
 
     if kernels.auto_reason() is None:  # the file's own format where the kernels run (else float16)
-        assert out[2].startswith("    weights: q4_1, 200.1 MiB (float32 on cpu)"), out[2]
+        assert out[2].startswith("    weights: q4_1, 92.1 MiB (float32 on cpu)"), out[2]
 
 
 @pytest.mark.parametrize(("flags", "said"), [

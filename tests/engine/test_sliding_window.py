@@ -22,7 +22,7 @@ import torch
 from asyncinfer import AsyncEngine, InvalidParameterError, kernels
 from asyncinfer.models.decode_backends import KernelDecode, TorchDecode, kernel_decode_blocker
 from asyncinfer.models.llama import LLAMA_WEIGHT_MAP
-from asyncinfer.models.quant import BlockLinear
+from asyncinfer.models.quant import BlockEmbedding, BlockLinear
 from tests.helpers import (
     ENGINE_BASE,
     TINY_WINDOW,
@@ -76,6 +76,8 @@ async def test_a_gemma_gguf_in_blocks_decodes_on_the_torch_path_and_matches(kind
     assert isinstance(decode, TorchDecode) and decode.attention.name == "sdpa-kernel-decode"
     assert "not a Llama-family model" in kernel_decode_blocker(decode.model)
     assert isinstance(decode.model.layers[0].attn.qkv_proj, BlockLinear)  # the file's own Q8_0 blocks
+    embedding = decode.model.embed_tokens  # tied: the embedding reads the head's Q8_0 blocks, scaled in float32
+    assert isinstance(embedding, BlockEmbedding) and embedding.shared and embedding.fmt == "q8_0"
     prompts = [[5, 9, 14], *random_prompts(2, seed=4, max_len=26, vocab=256)]
     layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(engine.core.runner.kv_caches)}
     in_kernel: list[tuple[int, int]] = []  # (layer, longest context) of each decode attention the kernel ran

@@ -123,7 +123,14 @@ async def test_step_figures_equal_the_cores_counters(tiny_models) -> None:
 
 def decode_read(model) -> int:
     """The weight bytes a decode step of ``model`` reads: all it holds but the embedding table, unless the
-    logits are computed from that table itself (tied, and no format's head of its own)."""
+    logits are computed from that table itself (tied, and no format's head of its own; or an embedding kept in
+    its file's blocks that reads the head's own)."""
+    from asyncinfer.models.quant import BlockEmbedding
+
+    if isinstance(model.embed_tokens, BlockEmbedding):
+        embedding = model.embed_tokens
+        assert embedding.shared == (embedding.table.blocks is model.output_proj.kernel_weights()[1])
+        return loaded_bytes(model) - (0 if embedding.shared else embedding.table.blocks.numel())
     table = model.embed_tokens.weight
     head_is_table = model.output_proj is None and model.lm_head_weight is table
     return loaded_bytes(model) - (0 if head_is_table else table.numel() * table.element_size())
@@ -163,9 +170,9 @@ def test_decode_weight_bytes_of_the_default_model(fmt, table_read) -> None:
 
 @pytest.mark.real_model
 async def test_the_bandwidth_utilization_of_the_default_model_is_a_fraction(real_gguf) -> None:
-    """The default model (Q4_1 projections, a Q8_0 copy of its tied head) against this machine's probe: each
-    decode step reads the model's bytes but its float32 embedding table (108 MiB of its 200, which counted as
-    read before), and the ratio is in [0, 1]."""
+    """The default model (Q4_1 projections; its embedding and the tied head one set of the file's Q8_0 blocks)
+    against this machine's probe: each decode step reads every weight byte the model holds (92.1 MiB: no float32
+    embedding table any more, the head's blocks read whole), and the ratio is in [0, 1]."""
     async with await AsyncEngine.load(real_gguf, max_model_len=256) as engine:
         ratios = []
         for start in (40, 60, 80):  # one request at a time: prompt 8, 12 tokens, 11 decode-only steps
@@ -173,7 +180,9 @@ async def test_the_bandwidth_utilization_of_the_default_model_is_a_fraction(real
             ratios.append(engine.metrics.snapshot().models["default"].last_decode_bandwidth_utilization)
         m = engine.metrics.snapshot().models["default"]
         per_token = engine.core.runner.spec.bytes_per_token
-        weights = decode_read(engine.core.runner.model)
+        model = engine.core.runner.model
+        weights = decode_read(model)
+    assert model.embed_tokens.shared and weights == loaded_bytes(model) == 96_576_768
     assert m.decode_bytes_read == 3 * (11 * weights + sum(range(9, 20)) * per_token)
     assert all(r is not None and 0.0 <= r <= 1.0 for r in ratios), ratios
 

@@ -110,6 +110,36 @@ def _packed(packed=None, num_tokens=1, width=2, stack=None, **over):
                                                  **args)
 
 
+def block_embed(fmt: str = "q8_0", packed: bool = False) -> kernels.BlockTable:
+    """The embedding [VOCAB, HIDDEN] kept in ``fmt`` blocks (ggml's order, or the kernels' layout)."""
+    rows = kernels.quantize(tables()[0], fmt)
+    return kernels.BlockTable(kernels.pack(rows, fmt), fmt, packed=True) if packed else kernels.BlockTable(rows, fmt)
+
+
+def _block_embed_changed(change: Callable[[kernels.BlockTable], None], packed: list[int] | None = None):
+    """A stack that ran a good step from a block embedding, then that BlockTable changed in place (its
+    attributes are plain): the next call checks it again and reads only what it now holds."""
+    stack, table = tiny_stack(), block_embed(packed=True)
+    _packed(stack=stack, embed=table)
+    change(table)
+    return _packed(packed, stack=stack, embed=table)
+
+
+def _block_embed_cut(table: kernels.BlockTable) -> None:
+    table.blocks = table.blocks[:2].clone()
+
+
+def _block_embed_format(fmt: str) -> Callable[[kernels.BlockTable], None]:
+    def change(table: kernels.BlockTable) -> None:
+        table.fmt = fmt
+    return change
+
+
+def _embed_rows(**over):
+    args = {"table": block_embed(), "ids": long(3, 0), "scale": 1.0, **over}
+    return kernels.embed_rows(**args)
+
+
 def _timed_stack():
     stack = tiny_stack()
     stack.timing = torch.zeros(4, dtype=torch.float64, device=META)
@@ -136,6 +166,17 @@ def _freed(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its storage freed in place (its shape kept): what a caller releasing memory early leaves."""
     t.untyped_storage().resize_(0)
     return t
+
+
+def _freeing_blocks(table: kernels.BlockTable) -> kernels.BlockTable:
+    """``table`` with its blocks' storage freed in place."""
+    _freed(table.blocks)
+    return table
+
+
+def _blocks_on_meta(table: kernels.BlockTable) -> kernels.BlockTable:
+    table.blocks = table.blocks.to(META)
+    return table
 
 
 def _shrunk(t: torch.Tensor) -> torch.Tensor:
@@ -330,6 +371,48 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "stack sin table of another dtype after a call": (
         lambda: _after_a_good_call(lambda c, e, cos, sin: {"sin_table": sin.view(torch.int32)}), TypeError,
         "sin_table"),
+    # an embedding kept in blocks (BlockTable), the step's rows dequantized by the kernel; its scale
+    "stack token id beyond a block embedding": (lambda: _stack_call(input_ids=long(VOCAB), embed=block_embed()),
+                                                IndexError, "input_ids"),
+    "packed negative token id, block embedding in the kernels' layout": (
+        lambda: _packed([-1, 5, 5, 6, 0, 1], embed=block_embed(packed=True)), IndexError, "input_ids"),
+    "packed token id near 2**63, q4_0 embedding": (
+        lambda: _packed([NEAR_2_63, 5, 5, 6, 0, 1], embed=block_embed("q4_0")), IndexError, "input_ids"),
+    "stack block embedding of another width": (
+        lambda: _stack_call(embed=kernels.BlockTable(kernels.quantize(torch.zeros(VOCAB, 2 * HIDDEN), "q8_0"), "q8_0")),
+        TypeError, "embed"),
+    "stack block embedding moved to meta": (lambda: _stack_call(embed=_blocks_on_meta(block_embed())), TypeError,
+                                            "embed.blocks"),
+    "stack block embedding with freed storage": (
+        lambda: _stack_call(embed=_freeing_blocks(block_embed())), ValueError, "embed.blocks"),
+    "stack block embedding cut to 2 rows after a call": (
+        lambda: _block_embed_changed(_block_embed_cut), IndexError, "input_ids"),
+    "stack block embedding of an unknown format after a call": (
+        lambda: _block_embed_changed(_block_embed_format("q3_k")), ValueError, "embed's format"),
+    "stack block embedding whose rows are no whole blocks of its new format": (
+        lambda: _block_embed_changed(_block_embed_format("q4_1")), TypeError, "embed.blocks"),
+    "stack block embedding's blocks freed after a call": (
+        lambda: _block_embed_changed(_freeing_blocks), ValueError, "embed.blocks"),
+    "stack block embedding's blocks replaced by a list after a call": (
+        lambda: _block_embed_changed(lambda t: setattr(t, "blocks", [0] * 40)), TypeError, "embed.blocks"),
+    "stack embed_scale NaN": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                          embed_scale=float("nan")), ValueError, "embed_scale"),
+    "stack embed_scale beyond float32": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                                     embed_scale=1e39), ValueError, "embed_scale"),
+    "stack embed_scale a tensor": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                               embed_scale=torch.tensor(2.0)), TypeError, "embed_scale"),
+    "embed_rows id beyond the table": (lambda: _embed_rows(ids=long(0, VOCAB)), IndexError, "ids"),
+    "embed_rows ids on meta": (lambda: _embed_rows(ids=long(1).to(META)), TypeError, "ids"),
+    "embed_rows ids of two dimensions": (lambda: _embed_rows(ids=long(1, 2).view(1, 2)), TypeError, "ids"),
+    "embed_rows ids that overflow its output": (lambda: _embed_rows(ids=long(0).expand(2**60)), ValueError, "ids"),
+    "embed_rows a float16 table": (lambda: _embed_rows(table=tables()[0].half()), TypeError, "table"),
+    "embed_rows a table of overlapping rows": (lambda: _embed_rows(table=torch.zeros(1, HIDDEN).expand(VOCAB, HIDDEN)),
+                                               TypeError, "table"),
+    "embed_rows a table with freed storage": (lambda: _embed_rows(table=_freed(tables()[0])), ValueError, "table"),
+    "embed_rows blocks of a 0-wide table": (
+        lambda: _embed_rows(table=kernels.BlockTable(torch.zeros(VOCAB, 0, dtype=torch.uint8), "q8_0")), TypeError,
+        "table"),
+    "embed_rows scale infinite": (lambda: _embed_rows(scale=float("inf")), ValueError, "scale"),
     "attention context lengths of two dimensions": (lambda: _attention(context_lens=long(1).view(1, 1)), TypeError,
                                                     "context_lens"),
     # storage freed in place (``untyped_storage().resize_(0)``): the tensor keeps its shape, its data pointer is 0
@@ -392,6 +475,9 @@ EMPTIES: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
                         lambda y: y.shape == (0, 34)),
     "dequantize of no rows": (lambda: kernels.dequantize(torch.zeros(0, 40, dtype=torch.uint8), "q4_1"),
                               lambda y: y.shape == (0, 64)),
+    "embed_rows of no ids": (lambda: _embed_rows(ids=long()), lambda y: y.shape == (0, HIDDEN)),
+    "embed_rows of a table of no rows": (lambda: _embed_rows(table=torch.zeros(0, HIDDEN), ids=long()),
+                                         lambda y: y.shape == (0, HIDDEN)),
     "layer step of no tokens": (lambda: _layer_call(h=torch.zeros(0, HIDDEN), cos=torch.zeros(0, 8),
                                                     sin=torch.zeros(0, 8), slots=long(),
                                                     block_tables=long().view(0, 2), context_lens=long()),
@@ -450,6 +536,16 @@ def _final_norm_freed() -> tuple[torch.Tensor, torch.Tensor]:
     return _packed(stack=stack)[0], expected
 
 
+def _block_embed_equals_float() -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack's logits from a block embedding (the kernels' layout) and from the float32 table of its values, with
+    the scale applied by the call and by the caller: the same."""
+    table = block_embed(packed=True)
+    stack = kernels.DecodeStack(list(tiny_stack().layers), torch.ones(HIDDEN), 1e-5, tiny_stack().head,
+                                embed_scale=3.0)
+    values = kernels.dequantize(kernels.unpack(table.blocks, "q8_0"), "q8_0")
+    return _packed(stack=stack, embed=table)[0], _packed(embed=values * 3.0)[0]
+
+
 def _rebind() -> bool:
     """A stack's layers and head cannot be swapped under the kernel array built from them."""
     stack = tiny_stack()
@@ -467,6 +563,7 @@ HELD: dict[str, tuple[Callable[[], object], Callable[[object], bool]]] = {
     "stack layers and head are read-only": (_rebind, lambda ok: ok is True),
     "layer norms and bias freed after build": (_norms_freed, lambda pair: torch.equal(*pair)),
     "stack final norm freed after build": (_final_norm_freed, lambda pair: torch.equal(*pair)),
+    "stack block embedding and its scale": (_block_embed_equals_float, lambda pair: torch.equal(*pair)),
 }
 
 

@@ -20,7 +20,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncinfer import kernels
-from tests.models.kernel_cases import GOOD_PACKED, HIDDEN, blocks, layer_args, long, mixed_qkv, tables, tiny_stack
+from tests.models.kernel_cases import (
+    GOOD_PACKED,
+    HIDDEN,
+    block_embed,
+    blocks,
+    layer_args,
+    long,
+    mixed_qkv,
+    tables,
+    tiny_stack,
+)
 
 ALLOWED = (TypeError, ValueError, IndexError, MemoryError)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)
@@ -134,6 +144,20 @@ def _entries() -> dict:
         "decode_packed": (_STACK.decode_packed, {"packed": list(GOOD_PACKED), "num_tokens": 1, "width": 2,
                                                  "embed": embed, "cos_table": cos, "sin_table": sin,
                                                  "kv_caches": caches}),
+        "DecodeStack call, block embedding": (_STACK, {
+            "input_ids": long(3), "embed": block_embed("q4_1"), "positions": long(5), "cos_table": cos,
+            "sin_table": sin, "kv_caches": caches, "slots": long(5), "block_tables": long(0, 1).view(1, 2),
+            "context_lens": long(6)}),
+        "decode_packed, block embedding in the kernels' layout": (_STACK.decode_packed, {
+            "packed": list(GOOD_PACKED), "num_tokens": 1, "width": 2, "embed": block_embed("q8_0", packed=True),
+            "cos_table": cos, "sin_table": sin, "kv_caches": caches}),
+        "DecodeStack with an embedding scale": (kernels.DecodeStack, {
+            "layers": list(_STACK.layers), "final_norm": torch.ones(HIDDEN), "eps": 1e-5, "head": _STACK.head,
+            "embed_scale": 5.65625}),
+        "embed_rows": (kernels.embed_rows, {"table": block_embed("q5_1"), "ids": long(3, 0, 39), "scale": 2.0}),
+        "embed_rows q6_k": (kernels.embed_rows, {"table": kernels.BlockTable(blocks(8, 256, "q6_k"), "q6_k"),
+                                                 "ids": long(7, 1)}),
+        "embed_rows float32": (kernels.embed_rows, {"table": embed, "ids": long(2)}),
     }
 
 

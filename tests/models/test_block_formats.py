@@ -35,6 +35,7 @@ from asyncinfer.models.quant import (
     weight_bytes,
 )
 from tests.helpers import PagedRunner, tiny_hf_model
+from tests.helpers import float_bits as bits
 
 NEW = ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 ALL = tuple(formats.LAYOUTS)
@@ -327,3 +328,71 @@ def test_quantize_refuses_weights_whose_scales_overflow_float16(fmt: str, bad: f
         formats.quantize(weight, fmt)
     weight[1, 3] = 65504.0  # the largest finite float16 still round-trips to finite weights
     assert torch.isfinite(formats.dequantize(formats.quantize(weight, fmt), fmt)).all()
+
+
+@pytest.mark.parametrize("fmt", list(formats.LAYOUTS))
+def test_a_block_table_dequantizes_exactly_the_rows_asked_for(fmt) -> None:
+    """kernels.BlockTable (an embedding kept in blocks): the rows of any ids, in ggml's order or the kernels'
+    layout, are bit for bit those rows of the whole matrix's dequantization; bad ids and blocks are refused."""
+    per, size = formats.BLOCK_FORMATS[fmt]
+    blocks = random_blocks(fmt, 40, 512 // per, seed=7)  # [40, bytes per row]: 40 rows of 512 weights
+    whole = kernels.dequantize(blocks, fmt)  # float32 [40, 512]
+    ids = torch.tensor([39, 0, 5, 5, 17])
+    for table in (kernels.BlockTable(blocks, fmt), kernels.BlockTable(kernels.pack(blocks, fmt), fmt, packed=True)):
+        assert table.shape == (40, 512) and table.nbytes == 40 * 512 // per * size
+        assert torch.equal(table.rows(ids), whole[ids])
+        assert torch.equal(table.rows(torch.arange(40, dtype=torch.int32)), whole)
+        assert table.rows(ids[:0]).shape == (0, 512)
+        for bad in (40, -1):
+            with pytest.raises(IndexError, match=r"ids: a row index is outside the table \[0, 40\)"):
+                table.rows(torch.tensor([1, bad]))
+    with pytest.raises(TypeError, match="blocks must be a torch.uint8 tensor"):
+        kernels.BlockTable(whole, fmt)
+    with pytest.raises(ValueError, match=f"a multiple of {size} bytes"):
+        kernels.BlockTable(blocks[:, 1:].contiguous(), fmt)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernels.BlockTable(blocks[:, :size], fmt)  # one block of each row's two or more
+    with pytest.raises(ValueError, match="unknown block format"):
+        kernels.BlockTable(blocks, "q3_k")
+
+
+@pytest.mark.parametrize("fmt", list(formats.LAYOUTS))
+def test_the_kernels_embed_rows_bit_for_bit_from_every_block_format(fmt) -> None:
+    """kernels.embed_rows (the decode stack's first step, in C): a BlockTable's rows in ggml's order and in the
+    kernels' layout, and a float32 table's, are bit for bit the whole matrix's dequantization (what the torch
+    reference's BlockTable.rows gives); a scale (Gemma's sqrt(hidden), rounded to float32) multiplies each value
+    as float32 does; ids outside the table and tables the kernels do not read are refused by name."""
+    per, _ = formats.BLOCK_FORMATS[fmt]
+    blocks = random_blocks(fmt, 40, 512 // per, seed=11)  # signed scales: zeros of both signs among the values
+    whole = kernels.dequantize(blocks, fmt)  # float32 [40, 512]
+    ids = torch.tensor([39, 0, 5, 5, 17, 39])
+    scale = float(torch.tensor(512**0.5, dtype=torch.float32))
+    wider = torch.cat([whole, torch.full((40, 8), 7.0)], dim=1)[:, :512]  # rows 520 floats apart
+    tables = (kernels.BlockTable(blocks, fmt), kernels.BlockTable(kernels.pack(blocks, fmt), fmt, packed=True),
+              whole, wider)
+    for table in tables:
+        assert torch.equal(bits(kernels.embed_rows(table, ids)), bits(whole[ids]))
+        assert torch.equal(bits(kernels.embed_rows(table, torch.arange(40))), bits(whole))
+        assert torch.equal(bits(kernels.embed_rows(table, ids, scale)), bits(whole[ids] * scale))
+        assert kernels.embed_rows(table, ids[:0]).shape == (0, 512)
+        if isinstance(table, kernels.BlockTable):  # the torch reference's rows: the same bits
+            assert torch.equal(bits(table.rows(ids)), bits(whole[ids]))
+        for bad in (40, -1, 2**62):
+            with pytest.raises(IndexError, match=r"ids: a token id is outside the table \[0, 40\)"):
+                kernels.embed_rows(table, torch.tensor([1, bad]))
+    table = tables[0]
+    with pytest.raises(TypeError, match="ids must be a torch.int64 tensor"):
+        kernels.embed_rows(table, ids.int())
+    with pytest.raises(TypeError, match="ids must be int64 \\[n\\]"):
+        kernels.embed_rows(table, ids.view(2, 3))
+    with pytest.raises(ValueError, match="scale must be a finite float32"):
+        kernels.embed_rows(table, ids, float("nan"))
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        kernels.embed_rows(table, ids, "2")
+    with pytest.raises(TypeError, match="table: embed_rows reads a BlockTable or a float32"):
+        kernels.embed_rows(whole.half(), ids)
+    with pytest.raises(TypeError, match="table must be a CPU torch.Tensor or a BlockTable"):
+        kernels.embed_rows(blocks.tolist(), ids)
+    table.fmt = "q3_k"  # a table changed under its checks: refused, never read
+    with pytest.raises(ValueError, match="table's format: unknown block format 'q3_k'"):
+        kernels.embed_rows(table, ids)

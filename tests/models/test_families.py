@@ -37,7 +37,7 @@ from asyncinfer.models.decode_backends import (
 )
 from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.phi3 import PHI3_WEIGHT_MAP
-from asyncinfer.models.quant import BlockLinear, apply_weight_format
+from asyncinfer.models.quant import BlockEmbedding, BlockLinear, apply_weight_format
 from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from asyncinfer.models.registry import supported_architectures
 from tests.helpers import PagedRunner, greedy, hf_greedy, hf_logits, random_prompts, tiny_hf_model
@@ -317,6 +317,10 @@ async def test_greedy_tokens_equal_transformers(families, kind, source, fmt) -> 
     assert kernels.available(), kernels.unavailable_reason()
     layers = [m for m in runner.model.modules() if isinstance(m, BlockLinear)]
     assert len(layers) == 4 * 2 + 1 and all(m.fmt == "q8_0" and m.lossless for m in layers)  # the same weights
+    # From the file, the (untied) embedding stays in its Q8_0 blocks; from Hugging Face, a float table.
+    embedding = runner.model.embed_tokens
+    assert type(embedding) is (BlockEmbedding if source == "gguf" else torch.nn.Embedding)
+    assert source == "hf" or (embedding.fmt == "q8_0" and not embedding.shared)
     # Phi-3: Llama's layer exactly; Qwen3: with its per-head q/k norms, which the kernels' layer applies.
     assert blocker is None and type(runner.decode) is KernelDecode
 

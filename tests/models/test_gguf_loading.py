@@ -25,11 +25,13 @@ from asyncinfer.memory import plan_memory
 from asyncinfer.models.gguf_file import GGUFFile
 from asyncinfer.models.loader import open_checkpoint
 from asyncinfer.models.quant import (
+    BlockEmbedding,
     BlockLinear,
     FormatLinear,
     MixedBlockLinear,
     WeightFormat,
     apply_weight_format,
+    embedding_formats,
     layer_formats,
     linear_bytes,
     mixed_parts,
@@ -37,7 +39,7 @@ from asyncinfer.models.quant import (
     weight_bytes,
 )
 from benchmarks.make_gguf import SHAPES, tensors, write
-from tests.helpers import loaded_bytes
+from tests.helpers import float_bits, loaded_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(SHAPES["tiny"], hidden=128, intermediate=256, heads=4, kv_heads=2, vocab_size=320)
@@ -84,6 +86,18 @@ def test_layers_built_from_the_file_equal_those_converted_from_the_float_model(t
     assert apply_weight_format(converted, method) == sum(
         m.nbytes for m in direct.model.modules() if isinstance(m, FormatLinear))
     modules, reference = dict(direct.model.named_modules()), dict(converted.named_modules())
+    # The embedding stays in the file's blocks under a block format (never a float table), the float model's is a
+    # float table: the same rows, bit for bit, for every id.
+    in_blocks = embedding_formats(checkpoint.config, method)["embed_tokens"] != "float32"
+    assert in_blocks == (method in ("native", "q4_1", "q8_0") and head == "q8_0")
+    embedding = modules.pop("embed_tokens")
+    assert type(embedding) is (BlockEmbedding if in_blocks else torch.nn.Embedding)
+    every_id = torch.arange(TINY["vocab_size"])
+    assert torch.equal(embedding(every_id), reference.pop("embed_tokens")(every_id))
+    if in_blocks:  # a tied head in the same blocks is read, not copied
+        assert embedding.shared == (tied and direct.model.output_proj.fmt == "q8_0")
+        assert embedding.nbytes == (0 if embedding.shared else linear_bytes("q8_0", TINY["vocab_size"],
+                                                                            TINY["hidden"], bias=False))
     assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
     generator = torch.Generator().manual_seed(0)
     for name, module in modules.items():
@@ -93,6 +107,8 @@ def test_layers_built_from_the_file_equal_those_converted_from_the_float_model(t
             if isinstance(module, BlockLinear):
                 assert module.lossless == reference[name].lossless, name
     params, reference_params = dict(direct.model.named_parameters()), dict(converted.named_parameters())
+    if in_blocks:
+        del reference_params["embed_tokens.weight"]
     assert params.keys() == reference_params.keys()
     assert all(torch.equal(params[n], reference_params[n]) for n in params)
     # the planner counted these bytes from the header alone
@@ -169,6 +185,9 @@ def test_a_q4_k_m_mix_built_from_the_file_equals_the_float_model_converted(tmp_p
     assert apply_weight_format(converted, "native") == sum(
         m.nbytes for n, m in direct.named_modules() if isinstance(m, FormatLinear) and ".parts." not in n)
     modules, reference = dict(direct.named_modules()), dict(converted.named_modules())
+    every_id = torch.arange(Q4_K_M["vocab_size"])  # the embedding: the file's Q8_0 blocks, the float table's rows
+    assert type(modules["embed_tokens"]) is BlockEmbedding and modules["embed_tokens"].fmt == "q8_0"
+    assert torch.equal(modules.pop("embed_tokens")(every_id), reference.pop("embed_tokens")(every_id))
     assert {n: type(m) for n, m in modules.items()} == {n: type(m) for n, m in reference.items()}
     generator = torch.Generator().manual_seed(0)
     for name, module in modules.items():
@@ -227,6 +246,101 @@ async def test_auto_loads_a_q4_k_m_mix_part_by_part_in_its_files_own_blocks(tmp_
         got = await asyncio.gather(*(engine.generate(p, greedy(12)) for p in prompts))
         want = await asyncio.gather(*(reference.generate(p, greedy(12)) for p in prompts))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+
+@pytest.mark.parametrize("fmt", list(kernels.formats.LAYOUTS))
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_stays_in_its_files_blocks_and_gathers_exactly_the_float_rows(tmp_path, fmt, tied) -> None:
+    """An embedding (and head) stored in any block format of LAYOUTS stays in those blocks under "native": no float
+    table, each lookup bit for bit the rows of the file's float32 dequantization, in the torch forward and in the
+    kernels (kernels.embed_rows, and the one-call step, which dequantizes its rows straight into the residual
+    stream: a tied Q4_1 / Q8_0 head's blocks in the kernels' layout, an untied table in ggml's order); a tied
+    head's blocks are read, not copied; the weights held are the planner's bytes, the embedding counted from its
+    blocks."""
+    from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
+    from asyncinfer.models.decode_backends import KernelDecode
+    from tests.helpers import PagedRunner
+
+    layout = [t for t in tensors(Q4_K_M, "llama") if not (tied and t[0] == "output.weight")]
+    path = tmp_path / f"{fmt}.gguf"
+    write(path, Q4_K_M, "llama", "q8_0", fmt, "none", 0, layout=layout)
+    checkpoint = open_checkpoint(path)
+    assert dict(checkpoint.config.stored_formats)["embed_tokens"] == fmt
+    assert embedding_formats(checkpoint.config, "native") == {"embed_tokens": fmt}
+    model = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native")).model
+    embedding = model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.fmt == fmt
+    assert "embed_tokens.weight" not in dict(model.named_parameters())  # no float table at all
+    vocab, hidden = Q4_K_M["vocab_size"], Q4_K_M["hidden"]
+    reader = GGUFFile(path)
+    table = reader.dequantize(next(t for t in reader.tensors if t.name == "token_embd.weight"))  # today's float32
+    every_id = torch.arange(vocab)
+    assert torch.equal(float_bits(embedding(every_id)), float_bits(table))  # the torch reference's rows
+    assert torch.equal(float_bits(kernels.embed_rows(embedding.table, every_id)), float_bits(table))  # the C rows
+    assert embedding.table.regrouped == (tied and fmt in ("q4_1", "q8_0"))  # the head's own layout, read in place
+    ids = torch.tensor([[7, 0, vocab - 1], [7, 7, 300]])  # any shape, repeats, out of order
+    assert torch.equal(embedding(ids), table[ids])
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"input_ids: a token id is outside the embedding table \[0, {vocab}\)"):
+            embedding(torch.tensor([3, bad]))
+    # one copy: a tied head in the same blocks is what the embedding reads; else the file's blocks as they lie
+    own = linear_bytes(fmt, vocab, hidden, bias=False)
+    assert embedding.shared == tied and embedding.nbytes == (0 if tied else own) == (0 if tied else vocab * (
+        hidden // kernels.BLOCK_FORMATS[fmt][0]) * kernels.BLOCK_FORMATS[fmt][1])
+    if tied:
+        assert embedding.table.blocks is model.output_proj.kernel_weights()[1]
+    # the planner's bytes are those held: the float table's 4 bytes a weight gone, the blocks (if not the head's) in
+    assert weight_bytes(checkpoint.config, 4, "native") == loaded_bytes(model)
+    float_table = weight_bytes(checkpoint.config, 4, "native", ("embed_tokens",))  # skipped: the float table
+    assert float_table - weight_bytes(checkpoint.config, 4, "native") == vocab * hidden * 4 - (0 if tied else own)
+    skipped = checkpoint.load(torch.float32, "cpu", quiet, weight_format=WeightFormat("native", ("embed_tokens",)))
+    assert type(skipped.model.embed_tokens) is torch.nn.Embedding and loaded_bytes(skipped.model) == float_table
+    # the one-call decode step: the block table's rows give exactly the float table's result
+    stack = KernelDecode(model, KernelDecodeSdpaBackend(), torch.device("cpu")).stack
+    runner = PagedRunner(model, seed=1, backend=KernelDecodeSdpaBackend())
+    runner.step([(1, [3, 4, 5])])
+    step = (torch.tensor([vocab - 1, 9]), torch.tensor([1, 2]), model.rotary.cos_cache, model.rotary.sin_cache,
+            runner.kv_caches, torch.tensor([1, 2]), torch.zeros(2, 1, dtype=torch.long), torch.tensor([2, 3]))
+    from_blocks = stack(step[0], embedding.table, *step[1:], logits=True)
+    assert torch.equal(float_bits(from_blocks), float_bits(stack(step[0], table, *step[1:], logits=True)))
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"input_ids: a token id is outside the embedding table \[0, {vocab}\)"):
+            stack(torch.tensor([bad, 9]), embedding.table, *step[1:], logits=True)
+
+
+@pytest.mark.parametrize("fmt", list(kernels.formats.LAYOUTS))
+@pytest.mark.parametrize("tied", [True, False])
+async def test_the_engine_decodes_from_the_block_embedding_the_float_tables_greedy_tokens(tmp_path, fmt, tied) -> None:
+    """Through the engine ("auto": the file's own formats), the one-call decode step reads the embedding from its
+    file's blocks (KernelDecode holds the BlockTable: no torch op gathers the rows), and its greedy tokens are
+    those of the same file with a float32 embedding table (``quantization_skip=("embed_tokens",)``); a prompt
+    with a token id outside the vocabulary is refused by name before it is queued."""
+    from asyncinfer import AsyncEngine, InvalidParameterError
+    from asyncinfer.models.decode_backends import KernelDecode
+    from tests.helpers import greedy
+
+    assert kernels.available(), kernels.unavailable_reason()
+    layout = [t for t in tensors(Q4_K_M, "llama") if not (tied and t[0] == "output.weight")]
+    path = tmp_path / f"{fmt}.gguf"
+    write(path, Q4_K_M, "llama", "q8_0", fmt, "none", 0, layout=layout)
+    options = {"kv_cache_memory": 1 << 20, "max_model_len": 64, "quantization": "auto"}
+    engine = AsyncEngine.from_pretrained(path, **options)
+    reference = AsyncEngine.from_pretrained(path, quantization_skip=("embed_tokens",), **options)
+    for e, kind in ((engine, BlockEmbedding), (reference, torch.nn.Embedding)):
+        decode = e.core.runner.decode
+        assert isinstance(decode, KernelDecode) and type(decode.model.embed_tokens) is kind
+    assert isinstance(engine.core.runner.decode.embed, kernels.BlockTable)
+    vocab = Q4_K_M["vocab_size"]
+    prompts = [[5, 9, 14, 3], [vocab - 1, 100, 250, 31, 64, 2], [0]]
+    async with engine, reference:
+        got = await asyncio.gather(*(engine.generate(p, greedy(12)) for p in prompts))
+        want = await asyncio.gather(*(reference.generate(p, greedy(12)) for p in prompts))
+        with pytest.raises(InvalidParameterError, match="token"):
+            await engine.generate([3, vocab], greedy(4))
+        assert (await engine.generate(prompts[0], greedy(12))).token_ids == got[0].token_ids  # still serving
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(engine.step_stats().batch_sizes) > 1  # the prompts shared decode steps
 
 
 # ---- bad files: refused from the header, fast -------------------------------

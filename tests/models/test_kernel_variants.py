@@ -176,6 +176,26 @@ def test_rms_norm_attention_and_argmax_equal_the_scalar_reference(isa) -> None:
     assert out[isa][2] == out["scalar"][2] == torch.argmax(logits, dim=1).tolist()
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_the_embedding_rows_are_dequantizes_bits_on_every_variant(isa) -> None:
+    """kernels.embed_rows (the decode stack's first step) gives, on every variant, bit for bit the float32 values
+    of ``dequantize`` for every block format, in ggml's order and the kernels' layout, and times a scale the
+    float32 product: its products are exact, so no variant may differ at all."""
+    runs_here(isa)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([7, 0, 7, 19, 3])
+    scale = 22.627417
+    for fmt in kernels.BLOCK_FORMATS:
+        blocks = kernels.quantize(torch.randn(20, 512, generator=gen) * 0.1, fmt)
+        whole = kernels.dequantize(blocks, fmt)
+        for table in (kernels.BlockTable(blocks, fmt), kernels.BlockTable(kernels.pack(blocks, fmt), fmt, packed=True),
+                      whole):
+            with on(isa):
+                rows, scaled = kernels.embed_rows(table, ids), kernels.embed_rows(table, ids, scale)
+            assert torch.equal(rows.view(torch.int32), whole[ids].view(torch.int32)), (isa, fmt)
+            assert torch.equal(scaled.view(torch.int32), (whole[ids] * scale).view(torch.int32)), (isa, fmt)
+
+
 def layer_and_inputs(fmt: str, tokens: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96

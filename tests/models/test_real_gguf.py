@@ -37,7 +37,7 @@ def test_config_matches_transformers(ours, reference):
     # The one thing a Hugging Face config cannot say: the file stores Q4_1 projections and a Q8_0 head.
     assert ours.config.native_format == "q4_1"
     stored = dict(ours.config.stored_formats)  # every projection Q4_1, the head (the tied embedding) Q8_0
-    assert stored.pop("lm_head") == "q8_0" and set(stored.values()) == {"q4_1"}
+    assert stored.pop("lm_head") == stored.pop("embed_tokens") == "q8_0" and set(stored.values()) == {"q4_1"}
     assert len(stored) == 4 * ours.config.num_layers  # qkv, o, gate_up, down
     plain = dataclasses.replace(ours.config, native_format=None, stored_formats=())
     assert plain == ModelConfig.from_hf_config(reference.config)

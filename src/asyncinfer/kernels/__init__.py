@@ -1,6 +1,7 @@
 """asyncinfer's own CPU kernels: matrix products with weights in ggml's block formats (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0 and the k-quants Q4_K, Q5_K, Q6_K: :data:`BLOCK_FORMATS`), RMS norm, paged decode attention, a
-whole decoder layer and a whole decode step, argmax.
+whole decoder layer and a whole decode step, argmax, the token embedding's rows from a table in any of those
+block formats (:func:`embed_rows`; the first step of :class:`DecodeStack`).
 
 The C sources (``csrc/``: ``asyncinfer_kernels.h`` carries the ABI) are built into one shared library per
 ISA variant: ``scalar`` (the plain-C reference, every machine), ``avx2`` (AVX2 + FMA + F16C) and ``avx512``
@@ -19,7 +20,10 @@ names no variant or one this CPU lacks), :func:`available` is False and :func:`u
 :func:`quantize` builds the blocks from float32 weights; for the 32-weight formats, on weights that were
 dequantised from blocks of the same type (a GGUF file's), it returns those blocks again, so the kernel
 multiplies by exactly the float32 model's weights (:func:`dequantize` round-trips; the loader checks it per
-layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``).
+layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``). :class:`BlockTable` is a
+matrix kept in blocks whose rows are dequantized a few at a time (a token embedding in its file's blocks):
+:meth:`BlockTable.rows` in torch (the models' reference forward), :func:`embed_rows` and :class:`DecodeStack` in
+the kernels, bit for bit the same values.
 """
 
 
@@ -37,12 +41,12 @@ from asyncinfer.kernels._build import (
     unavailable_reason,
 )
 from asyncinfer.kernels.decoder import MAX_PARTS, DecodeLayer, DecodeStack
-from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, dequantize, pack, quantize, unpack
-from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, gemm, rms_norm
+from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, BlockTable, dequantize, pack, quantize, unpack
+from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
 
 __all__ = [
     "auto_reason",
-    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "DecodeLayer", "DecodeStack", "KernelISAError",
-    "argmax", "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "gemm", "isa", "loaded",
-    "pack", "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
+    "BLOCK_FORMATS", "MAX_PARTS", "PANEL_MIN_ROWS", "QK", "QK_K", "BlockTable", "DecodeLayer", "DecodeStack", "KernelISAError",
+    "argmax", "argmax_takes", "available", "build_info", "decode_attention", "dequantize", "embed_rows", "gemm", "isa",
+    "loaded", "pack", "quantize", "rms_norm", "supported_isas", "unavailable_reason", "unpack",
 ]

@@ -14,10 +14,11 @@ import torch
 
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
-from asyncinfer.kernels.formats import LAYOUTS
+from asyncinfer.kernels.formats import LAYOUTS, BlockTable
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
+    EmbedTable,
     _check,
     _check_paged,
     _check_timing,
@@ -25,8 +26,10 @@ from asyncinfer.kernels.ops import (
     check_cache_size,
     check_context,
     check_width,
+    embed_table,
     longest,
 )
+from asyncinfer.kernels.ops import embed_scale as _embed_scale
 
 _FORMAT_CODES = {name: layout.code for name, layout in LAYOUTS.items()}
 _MAX_FLOATS = MAX_BYTES // 4
@@ -246,20 +249,35 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Tables(NamedTuple):
-    """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, whether the kernel
-    reads the embedding rows itself (float32, contiguous), and the tensors (their identity)."""
+    """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, the embedding as the kernel
+    reads its rows (``kernel``: a BlockTable in any block format or a float32 table, dequantized into the step's
+    residual stream by the call itself) or, for any other float table, ``rows``: the function that makes the step's
+    rows, float32 [T, hidden], from the token ids; and the tables (their identity)."""
 
     embed: int
     cos: int
     sin: int
     vocab: int
     positions: int
-    kernel_embeds: bool
-    embed_tensor: torch.Tensor
+    kernel: EmbedTable | None
+    rows: Callable[[torch.Tensor], torch.Tensor] | None
+    embed_tensor: torch.Tensor | BlockTable
     cos_tensor: torch.Tensor
     sin_tensor: torch.Tensor
-    #: The three tables' shapes and dtypes as checked (an in-place resize or a dtype view is checked again).
+    #: The three tables' shapes, dtypes and strides as checked, and a BlockTable's format and layout (a change
+    #: in place, a resize or a dtype view, is checked again).
     layout: tuple
+
+
+def _float_rows(table: torch.Tensor, scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rows of a float embedding table the kernel does not read itself (another dtype, values not contiguous in
+    a row), as float32, times ``scale`` (unless 1)."""
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.embedding(ids, table).float()
+        return out if scale == 1.0 else out.mul_(scale)
+
+    return rows
 
 
 class DecodeStack:
@@ -270,11 +288,13 @@ class DecodeStack:
 
     ``layers``: the model's DecodeLayers in order (kept here, with the weights they point to);
     ``final_norm`` / ``eps``: the model's last norm; ``head``: None, or the output projection as
-    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them).
+    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them); ``embed_scale``: what each embedding
+    row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
+    ``sqrt(hidden)``; 1: the rows as stored), a finite real number.
     """
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
-                 head: tuple[str, torch.Tensor, int] | None = None) -> None:
+                 head: tuple[str, torch.Tensor, int] | None = None, *, embed_scale: float = 1.0) -> None:
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
@@ -294,6 +314,7 @@ class DecodeStack:
             raise TypeError(f"final_norm must be floating-point [hidden={hidden}], got {final_norm.dtype} "
                             f"{tuple(final_norm.shape)}")
         eps = real("eps", eps)
+        scale = _embed_scale(embed_scale)
         if head is not None:
             if not isinstance(head, tuple) or len(head) != 3:
                 raise TypeError(f"head must be None or a tuple (format, blocks, out_features), got "
@@ -307,6 +328,7 @@ class DecodeStack:
         self._widest = max(layer._widest for layer in layers)
         self._norm = final_norm.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self._eps = eps
+        self._embed_scale = scale
         self._array = (_Layer * len(self._layers))(*(layer._struct for layer in self._layers))
         # The caches as last checked: their tensors (k0, v0, k1, ...), layer 0's K address, their pointers.
         # The caches as last checked: their tensors (k0, v0, k1, ...), every one's data pointer, their pointers
@@ -335,7 +357,12 @@ class DecodeStack:
         import copy
 
         return DecodeStack([copy.deepcopy(layer, memo) for layer in self._layers], copy.deepcopy(self._norm, memo),
-                           self._eps, copy.deepcopy(self._head, memo))
+                           self._eps, copy.deepcopy(self._head, memo), embed_scale=self._embed_scale)
+
+    @property
+    def embed_scale(self) -> float:
+        """What each embedding row is multiplied by before the first layer (1: as stored)."""
+        return self._embed_scale
 
     def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, torch.Tensor]:
         """The caches' pointers and layer 0's K (whose shape bounds the slots and blocks the call may
@@ -373,40 +400,51 @@ class DecodeStack:
         held = self._kv = (tensors, addresses, (ctypes.c_void_p * len(tensors))(*addresses), tensors[0].shape)
         return held[2], tensors[0]
 
-    def _check_tables(self, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> _Tables:
-        """The embedding and rope tables' pointers and sizes, and whether the kernel embeds (float32
-        rows); checked when they change."""
+    def _check_tables(self, embed: torch.Tensor | BlockTable, cos_table: torch.Tensor,
+                      sin_table: torch.Tensor) -> _Tables:
+        """The embedding and rope tables' pointers and sizes, and how the step's embedding rows are gathered (by
+        the kernel, dequantized from a BlockTable or copied from a float32 table; here from any other float
+        table); checked when they change."""
         held = self._tables
+        is_blocks = isinstance(embed, BlockTable)
+        memory_ = embed.blocks if is_blocks else embed  # type: ignore[union-attr]
         try:
-            key = (embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
-            layout = (embed.shape, cos_table.shape, sin_table.shape, embed.dtype, cos_table.dtype, sin_table.dtype)
-        except (AttributeError, RuntimeError):
+            key = (memory_.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
+            layout = (memory_.shape, cos_table.shape, sin_table.shape, memory_.dtype, cos_table.dtype,
+                      sin_table.dtype, memory_.stride(), embed.fmt if is_blocks else None,  # type: ignore[union-attr]
+                      embed.regrouped if is_blocks else None)  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError, TypeError):
             key = layout = None  # not tensors, or tensors without host memory: refused below
         if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
                 held.cos_tensor is cos_table) and held.sin_tensor is sin_table and held.layout == layout:
             return held
         layer = self._layers[0]
         half = layer._head_dim // 2
-        tensor("embed", embed)
-        if embed.dim() != 2 or embed.shape[1] != layer._hidden or not embed.is_floating_point():
-            raise TypeError(f"embed must be a CPU table [vocab, {layer._hidden}], got {embed.dtype} "
-                            f"{tuple(embed.shape)}")
+        kernel = embed_table(embed, layer._hidden, self._embed_scale)
+        if kernel is None:  # a float table of another dtype or layout: its rows gathered here, then the call
+            assert isinstance(embed, torch.Tensor)
+            vocab, rows = embed.shape[0], _float_rows(embed, self._embed_scale)
+        else:
+            vocab, rows = kernel.vocab, None
         for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
             tensor(name, t)
             if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != half or (
                     t.shape != cos_table.shape):
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
                                 f"{t.dtype} {tuple(t.shape)}")
-        held = self._tables = _Tables(*key, embed.shape[0], cos_table.shape[0],
-                                      embed.dtype == torch.float32 and embed.is_contiguous(), embed, cos_table,
-                                      sin_table, layout)
+        assert key is not None
+        held = self._tables = _Tables(*key, vocab, cos_table.shape[0], kernel, rows, embed, cos_table, sin_table,
+                                      layout)
         return held
 
-    def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor | BlockTable, positions: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
         """Run a step of decodes: int64 input_ids / positions / slots / context_lens [T]; ``embed`` the
-        embedding table [vocab, hidden]; cos/sin tables float32 [max_positions, head_dim / 2];
+        embedding table [vocab, hidden]: a :class:`BlockTable` in any block format, whose step rows the call
+        dequantizes straight into the residual stream, or a float table (read by the call when it is float32 with
+        contiguous rows; any other's rows gathered with torch first); each row times ``embed_scale``; cos/sin
+        tables float32 [max_positions, head_dim / 2];
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
@@ -434,7 +472,7 @@ class DecodeStack:
                          context_lens.data_ptr(), tables.data_ptr(), tables.shape[1], embed, cos_table, sin_table,
                          kv_caches, logits, lambda: input_ids, max_context)
 
-    def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor,
+    def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor | BlockTable,
                       cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list
                       ) -> tuple[torch.Tensor, list[int]]:
         """The logits [T, out_features] of a step of decodes given as one list of ints (the T token ids,
@@ -470,8 +508,9 @@ class DecodeStack:
         return logits, data[n:].tolist()
 
     def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
-             embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, logits: bool,
-             input_ids: Callable[[], torch.Tensor], max_context: int, argmax: int | None = None) -> torch.Tensor:
+             embed: torch.Tensor | BlockTable, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list,
+             logits: bool, input_ids: Callable[[], torch.Tensor], max_context: int,
+             argmax: int | None = None) -> torch.Tensor:
         lib = _need()
         if logits and self._head is None:
             raise ValueError("logits=True needs a DecodeStack built with a head")
@@ -481,11 +520,12 @@ class DecodeStack:
         _check_timing(timing, 4, "DecodeStack")
         h = None
         tables_in = self._check_tables(embed, cos_table, sin_table)
-        if not tables_in.kernel_embeds:  # embedded here instead
-            ids_in = input_ids()
-            if int(ids_in.min()) < 0 or int(ids_in.max()) >= tables_in.vocab:
-                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})")
-            h = contiguous(torch.nn.functional.embedding(ids_in, embed).float(), "embed")
+        if tables_in.rows is not None:  # a float table the kernel does not read: the step's rows gathered here
+            try:
+                h = contiguous(tables_in.rows(input_ids()), "embed")
+            except IndexError:
+                raise IndexError(f"input_ids: a token id is outside the embedding table [0, {tables_in.vocab})"
+                                 ) from None
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self._head  # type: ignore[misc]
@@ -497,7 +537,8 @@ class DecodeStack:
             check_width(ldt, cache.shape[1])
             check_context(max_context, ldt, cache.shape[1])
         args = (self._array, len(self._array), pointers, None if h is None else h.data_ptr(),
-                num_tokens, ids, tables_in.embed, tables_in.vocab, positions, tables_in.cos, tables_in.sin,
+                num_tokens, ids, None if tables_in.kernel is None else tables_in.kernel.address, positions,
+                tables_in.cos, tables_in.sin,
                 tables_in.positions,
                 self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,
                 None if result is None else result.data_ptr(), argmax, slots, tables, ldt, context_lens,

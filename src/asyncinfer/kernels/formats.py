@@ -386,3 +386,75 @@ def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     q = ((low | (high << 4)) - 32).reshape(n, nb, 16, 16)
     scale = (_halves(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float())[..., None]  # [N, B, 16, 1]
     return (scale * q.float()).reshape(n, nb * per)
+
+
+class BlockTable:
+    """A matrix [rows, cols] held in a block format, read a few rows at a time: :meth:`rows` gathers the rows
+    asked for and dequantizes only those, float32, bit for bit the values :func:`dequantize` gives for the whole
+    matrix (ggml's own). A model's token embedding kept in its file's blocks is one
+    (``models.quant.BlockEmbedding``, and what :class:`~asyncinfer.kernels.DecodeStack` then takes as its
+    ``embed``).
+
+    ``blocks``: uint8 [rows, bytes per row], in ggml's order as a file stores them (``packed=False``: a view of
+    the file's map is used as it lies) or in the kernels' layout (``packed=True``, :func:`pack`: a head's own
+    blocks, ``BlockLinear.kernel_weights()``, read in place); the same bytes for the formats the kernels take in
+    ggml's order.
+
+    Raises:
+        TypeError / ValueError: ``blocks`` is not contiguous uint8 [rows, a multiple of the format's block bytes]
+            on the CPU, or ``fmt`` is not a block format.
+    """
+
+    __slots__ = ("_regrouped", "blocks", "fmt", "nbytes", "shape")
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, *, packed: bool = False) -> None:
+        size = bytes_per_block(fmt)
+        _tensor("blocks", blocks, torch.uint8, f"of {fmt} blocks")
+        if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.is_contiguous():
+            raise ValueError(f"blocks: a {fmt} table is contiguous uint8 [rows, a multiple of {size} bytes], got "
+                             f"{tuple(blocks.shape)}{'' if blocks.is_contiguous() else ' (not contiguous)'}")
+        self.fmt = fmt
+        self.blocks = blocks
+        #: (rows, cols): the matrix the blocks hold.
+        self.shape = (blocks.shape[0], blocks.shape[1] // size * BLOCK_FORMATS[fmt][0])
+        #: The bytes of the blocks.
+        self.nbytes = blocks.numel()
+        self._regrouped = packed and LAYOUTS[fmt].regrouped  # rows to put back in ggml's order before dequantizing
+
+    @property
+    def regrouped(self) -> bool:
+        """Whether the rows are in the kernels' layout of Q4_1 / Q8_0 (:func:`pack`: every ``d``, every ``m``, then
+        the quants), not ggml's order."""
+        return self._regrouped
+
+    @_allocating("rows")
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), cols]: the rows ``ids`` (int64 or int32 [n]) dequantized.
+
+        Raises:
+            IndexError: an id outside [0, rows).
+        """
+        try:
+            picked = self.blocks.index_select(0, ids)  # [n, bytes per row]: the only rows read
+        except IndexError:
+            raise IndexError(f"ids: a row index is outside the table [0, {self.shape[0]})") from None
+        if self._regrouped:  # read in place, in a few ops (a decode step's T rows)
+            return _dequantize_regrouped(picked, self.fmt)
+        return dequantize(picked, self.fmt)
+
+
+def _dequantize_regrouped(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q4_1 / Q8_0 rows in the kernels' layout (:func:`pack`: per row every ``d``, Q4_1's every ``m``, then the
+    quants) -> float32 [n, cols]: :func:`dequantize`'s arithmetic on :func:`unpack`'s blocks, bit for bit (each
+    ``d * q`` is exact in float32), without putting the bytes back in ggml's order first."""
+    layout = LAYOUTS[fmt]
+    n = rows.shape[0]
+    nb = rows.shape[1] // layout.nbytes
+    d = rows[:, : 2 * nb].view(torch.float16).float().unsqueeze(-1)  # [n, B, 1]
+    if fmt == "q8_0":
+        q = rows[:, 2 * nb :].view(torch.int8).view(n, nb, 32).float()  # [n, B, 32]
+        return (d * q).view(n, nb * 32)
+    m = rows[:, 2 * nb : 4 * nb].view(torch.float16).float().unsqueeze(-1)
+    qs = rows[:, 4 * nb :].view(n, nb, 16)  # element j: byte j's low nibble, element j + 16: its high one
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [n, B, 32]
+    return torch.addcmul(m, d, q).view(n, nb * 32)

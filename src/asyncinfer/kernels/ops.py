@@ -1,9 +1,11 @@
-"""The kernels' single operations: the block-format GEMM, RMS norm, paged decode attention and argmax,
-each checking its inputs before the compiled call."""
+"""The kernels' single operations: the block-format GEMM, RMS norm, paged decode attention, argmax and the
+embedding's rows, each checking its inputs before the compiled call."""
 
 from __future__ import annotations
 
 import ctypes
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -19,10 +21,114 @@ from asyncinfer.kernels._checks import (
     size,
     tensor,
 )
+from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
 _MAX_FLOATS = MAX_BYTES // 4
+#: embed_t's format codes besides the block formats' (asyncinfer_kernels.h): the flag of a Q4_1 / Q8_0 table in
+#: the kernels' layout, and a float32 table.
+_EMBED_PACKED = 0x100
+_EMBED_F32 = 0x200
+
+
+class _Embed(ctypes.Structure):
+    """``embed_t`` in asyncinfer_kernels.h: an embedding table the kernels read rows of."""
+
+    _fields_ = [("rows", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("ld", ctypes.c_int64), ("fmt", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
+
+
+class EmbedTable(NamedTuple):
+    """An embedding table as the kernels read its rows, checked (:func:`embed_table`): its ``embed_t``, that
+    struct's address (what a call passes), the tensor whose memory it points into (held here, so the memory
+    outlives the pointer), and its rows and columns."""
+
+    struct: _Embed
+    address: int
+    memory: torch.Tensor
+    vocab: int
+    hidden: int
+
+
+def embed_scale(value: object, name: str = "embed_scale") -> float:
+    """An embedding scale (each row's values are multiplied by it; 1: as stored): TypeError for anything but a
+    real number, ValueError unless finite and within float32 (naming ``name``)."""
+    scale = real(name, value)
+    if not math.isfinite(scale) or abs(scale) > 3.4e38:
+        raise ValueError(f"{name} must be a finite float32, got {scale!r}")
+    return scale
+
+
+def embed_table(table: object, hidden: int | None, scale: float = 1.0, name: str = "embed") -> EmbedTable | None:
+    """``table`` as the kernels read its rows (``asyncinfer_embed_rows``), ``hidden`` its width where the caller
+    needs one: a :class:`~asyncinfer.kernels.BlockTable` in any block format (ggml's order, or the kernels' layout
+    for Q4_1 / Q8_0), or a float32 CPU tensor [vocab, hidden] whose rows hold their values one after another;
+    None for any other floating-point table [vocab, hidden] (float16, a column-strided view...), whose rows the
+    caller gathers itself. ``scale``: :func:`embed_scale`'s, already checked.
+
+    Raises TypeError naming ``name`` for a table that is neither, a width other than ``hidden``, blocks that are
+    not contiguous uint8 [vocab, a whole number of blocks] on the CPU; ValueError for an unknown format or a table
+    whose storage does not hold its rows.
+    """
+    if isinstance(table, BlockTable):
+        fmt, blocks = table.fmt, table.blocks  # read once: the table's attributes as they are now
+        size_ = _bytes_per_block(fmt, f"{name}'s format")
+        tensor(f"{name}.blocks", blocks, torch.uint8, f"of {fmt} blocks")
+        if blocks.dim() != 2 or blocks.shape[1] % size_ or not blocks.is_contiguous():
+            raise TypeError(f"{name}.blocks: a {fmt} table is contiguous uint8 [vocab, a multiple of {size_} bytes], "
+                            f"got {tuple(blocks.shape)}{'' if blocks.is_contiguous() else ' (not contiguous)'}")
+        cols = blocks.shape[1] // size_ * BLOCK_FORMATS[fmt][0]
+        if cols < 1 or (hidden is not None and cols != hidden):
+            raise TypeError(f"{name} must be a table [vocab, {hidden if hidden is not None else 'hidden >= 1'}], got "
+                            f"a {fmt} BlockTable of {blocks.shape[0]} rows of {cols} values")
+        layout = LAYOUTS[fmt]
+        code = layout.code | (_EMBED_PACKED if table.regrouped and layout.regrouped else 0)
+        struct = _Embed(blocks.data_ptr(), blocks.shape[0], blocks.shape[1], code, scale)
+        return EmbedTable(struct, ctypes.addressof(struct), blocks, blocks.shape[0], cols)
+    tensor(name, table, allowed="or a BlockTable")
+    assert isinstance(table, torch.Tensor)
+    if table.dim() != 2 or table.shape[1] < 1 or (hidden is not None and table.shape[1] != hidden) or (
+            not table.is_floating_point()):
+        raise TypeError(f"{name} must be a CPU table [vocab, {hidden if hidden is not None else 'hidden >= 1'}] or a "
+                        f"BlockTable, got {table.dtype} {tuple(table.shape)}")
+    vocab, cols = table.shape
+    if table.dtype != torch.float32 or (cols > 1 and table.stride(1) != 1) or (vocab > 1 and table.stride(0) < cols):
+        return None  # rows the kernels do not read as float32 values one after another
+    struct = _Embed(table.data_ptr(), vocab, table.stride(0) * 4, _EMBED_F32, scale)
+    return EmbedTable(struct, ctypes.addressof(struct), table, vocab, cols)
+
+
+def embed_rows(table: torch.Tensor | BlockTable, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """float32 [n, hidden]: the rows ``ids`` (int64 [n]) of ``table``, dequantized by the kernels as the first step
+    of :class:`~asyncinfer.kernels.DecodeStack` does (``asyncinfer_embed_rows``), each value times ``scale``
+    (1: the stored values). ``table``: a :class:`~asyncinfer.kernels.BlockTable` in any block format, whose rows
+    are bit for bit :func:`~asyncinfer.kernels.dequantize`'s, or a float32 [vocab, hidden] tensor with rows of
+    contiguous values.
+
+    Raises TypeError naming the parameter for a table of another kind (see :func:`embed_table`; a float table
+    the kernels do not read included) or ids that are not a CPU int64 [n] tensor; ValueError for a scale that is
+    not a finite float32 or sizes beyond 2**62 bytes; IndexError for an id outside [0, vocab)."""
+    lib = _need()
+    scale = embed_scale(scale, "scale")
+    checked = embed_table(table, None, scale, "table")
+    if checked is None:
+        raise TypeError(f"table: embed_rows reads a BlockTable or a float32 [vocab, hidden] tensor whose rows hold "
+                        f"contiguous values, got {table.dtype} {tuple(table.shape)} "  # type: ignore[union-attr]
+                        f"strides {table.stride()}")  # type: ignore[union-attr]
+    tensor("ids", ids, torch.int64)
+    if ids.dim() != 1:
+        raise TypeError(f"ids must be int64 [n], got {tuple(ids.shape)}")
+    if ids.numel() * checked.hidden > _MAX_FLOATS:
+        bounded("ids, the table's width (embed_rows' output)", ids.numel(), checked.hidden, 4)
+    ids = ids if ids.is_contiguous() else contiguous(ids, "ids")
+    out = empty((ids.numel(), checked.hidden), "ids (embed_rows' output)")
+    code = lib.asyncinfer_embed_rows(checked.address, ids.data_ptr(), ids.numel(), checked.hidden, out.data_ptr(),
+                                     checked.hidden)
+    if code == 1:
+        raise IndexError(f"ids: a token id is outside the table [0, {checked.vocab})")
+    _check(code, "embed_rows")
+    return out
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,

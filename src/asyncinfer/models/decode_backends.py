@@ -37,7 +37,7 @@ from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncinfer.models.quant import BlockLinear, MixedBlockLinear
+from asyncinfer.models.quant import BlockEmbedding, BlockLinear, MixedBlockLinear
 from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -139,8 +139,10 @@ class KernelDecode(DecodeBackend):
         head = model.output_proj.kernel_weights()
         self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps,
                                           (head[0], head[1], model.output_proj.out_features))
-        # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables).
-        self._embed = model.embed_tokens.weight
+        # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables). The
+        # embedding: a float32 table whose rows the kernel copies, or one kept in its file's blocks
+        # (kernels.BlockTable), whose step rows the call dequantizes straight into the residual stream.
+        self._embed = _embedding_table(model.embed_tokens)
         self._cos = model.rotary.cos_cache
         self._sin = model.rotary.sin_cache
 
@@ -149,6 +151,12 @@ class KernelDecode(DecodeBackend):
         """The model's layers, final norm and head as the kernels run them; its ``time_parts`` / ``timing``
         are how a profiler reads where a decode step spends its time (``benchmarks/throughput.py --profile``)."""
         return self._stack
+
+    @property
+    def embed(self) -> torch.Tensor | kernels.BlockTable:
+        """The embedding table the one-call step reads its rows from: the model's float32 table, or its
+        :class:`~asyncinfer.models.quant.BlockEmbedding`'s blocks (:class:`asyncinfer.kernels.BlockTable`)."""
+        return self._embed
 
     def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
         if not step.sampled_decodes_only or (self._window is not None and max(step.context_lens) > self._window):
@@ -162,6 +170,12 @@ class KernelDecode(DecodeBackend):
         logits, greedy = self._stack.decode_packed(packed, num_tokens, width, self._embed, self._cos, self._sin,
                                                    kv_caches)
         return ModelOutput(logits, greedy)
+
+
+def _embedding_table(embedding: nn.Module) -> torch.Tensor | kernels.BlockTable:
+    """The embedding as :class:`asyncinfer.kernels.DecodeStack` takes it: a :class:`BlockEmbedding`'s blocks, or
+    an ``nn.Embedding``'s float table."""
+    return embedding.table if isinstance(embedding, BlockEmbedding) else embedding.weight
 
 
 def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:

@@ -3,7 +3,8 @@
 Both are a Llama-shaped decoder with Gemma's differences, each matching transformers'
 ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``:
 
-- the embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the model's dtype, as transformers does);
+- the embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the dtype of the embedding's rows, the
+  model's, as transformers does; float32 for an embedding kept in its GGUF file's blocks);
 - RMSNorm multiplies by ``norm_weight_offset + weight`` in float32 (``ModelConfig.norm_weight_offset``:
   1.0 for Hugging Face checkpoints, which store ``weight - 1``; 0.0 for llama.cpp's GGUFs, whose
   converter stored ``weight + 1``), and every layer has four of them: before and after attention, before
@@ -178,8 +179,10 @@ class GemmaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The weight format's output projection (see use_output_proj); None: lm_head_weight in the dtype.
         self.output_proj: nn.Module | None = None
-        # sqrt(hidden) as the embedding's dtype rounds it (set again by init_buffers, once the dtype is known).
-        self._embed_scale = config.hidden_size**0.5
+        # sqrt(hidden) as each float dtype rounds it, for the embedding rows of that dtype (init_buffers: a
+        # dtype's rounding is computed off the meta device). A float table's rows are in the model's dtype, a
+        # block embedding's (models.quant.BlockEmbedding) in float32.
+        self._embed_scales: dict[torch.dtype, float] = {}
 
     def forward(
         self,
@@ -194,7 +197,8 @@ class GemmaForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        h = self.embed_tokens(input_ids) * self._embed_scale  # [T, hidden]
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h = h * self._embed_scales[h.dtype]
         full = self.rotary.cos_sin(positions, h.dtype)  # ([T, 1, D/2], [T, 1, D/2])
         local = full if self.local_rotary is None else self.local_rotary.cos_sin(positions, h.dtype)
         for layer, kv_cache, is_local in zip(self.layers, kv_caches, self._local_layers):
@@ -209,12 +213,13 @@ class GemmaForCausalLM(nn.Module):
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Compute the rope tables (non-persistent buffers, never in checkpoints) on ``device``, and the
-        embedding scale in the loaded embedding's dtype."""
+        embedding scale as each float dtype of the embedding's rows rounds it."""
         self.rotary.materialize(device)
         if self.local_rotary is not None:
             self.local_rotary.materialize(device)
-        dtype = self.embed_tokens.weight.dtype
-        self._embed_scale = float(torch.tensor(self.config.hidden_size**0.5).to(dtype))
+        scale = torch.tensor(self.config.hidden_size**0.5, device="cpu")
+        self._embed_scales = {dtype: float(scale.to(dtype)) for dtype in (torch.float32, torch.float16,
+                                                                          torch.bfloat16)}
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

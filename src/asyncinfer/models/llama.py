@@ -6,7 +6,7 @@ three architectures it runs, registered with :mod:`asyncinfer.models.registry`.
 
 Parameter names (what the weight map fills)::
 
-    embed_tokens.weight                         [vocab, hidden]
+    embed_tokens.weight                         [vocab, hidden]                 (or its file's blocks)
     layers.{i}.input_norm.weight                [hidden]
     layers.{i}.attn.qkv_proj.weight             [q_size + 2 * kv_size, hidden]  rows: [q; k; v]
     layers.{i}.attn.qkv_proj.bias               [q_size + 2 * kv_size]          (qwen2 only)
@@ -165,13 +165,16 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The output projection [vocab, hidden] (the embedding matrix when tied)."""
+        """The output projection [vocab, hidden] (the embedding matrix when tied; read while the model's layers
+        are float, before a weight format: a tied embedding kept in its file's blocks has none, its head is
+        ``output_proj``)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def use_output_proj(self, proj: nn.Module) -> None:
         """Compute logits with ``proj`` from now on: the output projection in a weight format, built by
         :func:`asyncinfer.models.quant.apply_weight_format` from :attr:`lm_head_weight`. An untied float
-        head is dropped (no longer needed); a tied one stays, as the embedding used for lookups."""
+        head is dropped (no longer needed); a tied one stays, as the embedding used for lookups (unless the
+        embedding is kept in its file's blocks, :class:`asyncinfer.models.quant.BlockEmbedding`)."""
         self.output_proj = proj
         if not self.config.tie_word_embeddings:
             self.lm_head = None

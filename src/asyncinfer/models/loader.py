@@ -19,8 +19,10 @@ passes on a CPU), a GGUF file's projections are built in it as they are read:
 :func:`~asyncinfer.models.quant.apply_weight_format` takes the memory-mapped file
 as the source of each layer's weights (:class:`_GGUFProjections`), a layer in its
 file's own block format is repacked from those blocks, and the file's pages of each
-tensor are dropped once it has been copied; only the parameters left (embedding,
-norms) are then filled. No float32 copy of the model exists (docs/memory.md).
+tensor are dropped once it has been copied; under a block format the embedding stays
+in its file's blocks too (``quant.BlockEmbedding``; a tied head's blocks are its own);
+only the parameters left (norms, a float embedding) are then filled. No float32 copy
+of the model exists (docs/memory.md).
 A GGUF file's tokenizer is built by transformers once and cached as
 ``tokenizer.json`` (:func:`gguf_tokenizer`), then read back without importing transformers
 (:class:`~asyncinfer.models.tokenizer.CachedTokenizer`); it loads in parallel with the weights.
@@ -42,6 +44,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -71,6 +74,7 @@ from asyncinfer.models.quant import (
     NATIVE,
     WeightFormat,
     apply_weight_format,
+    embedding_formats,
     layer_formats,
     mixed_format,
     mixed_parts,
@@ -422,8 +426,9 @@ class _GGUFProjections:
         targets = build_targets(config, "gguf")
         self._layers = _gguf_layers(reader, targets, head)
         self._total = len(targets)
-        # A tied head reads the embedding's tensor, which the embedding itself still needs (as floats).
-        self._shared = {name for name, t in targets.items() if t.param == head} if config.tie_word_embeddings else set()
+        # The layers that read each tensor: a tied head reads the embedding's, which the embedding still needs (its
+        # blocks, or floats where it stays a float table); a tensor is consumed once every reader has released it.
+        self._readers = Counter(t.name for weight, bias in self._layers.values() for t in weight + bias)
         self.consumed: set[str] = set()  # tensor names read into a layer (and needed by nothing else)
         self._lock = threading.Lock()
 
@@ -439,7 +444,8 @@ class _GGUFProjections:
             self._reader.release(t)  # copied into the layer: the file's pages may go
         _trim_heap()  # and the layer's temporaries (joined rows, dequantised floats) too
         with self._lock:
-            self.consumed.update(t.name for t in tensors if t.name not in self._shared)
+            self._readers.subtract(t.name for t in tensors)
+            self.consumed.update(t.name for t in tensors if self._readers[t.name] <= 0)
             if self._progress is not None:
                 self._progress(len(self.consumed), self._total)
 
@@ -546,7 +552,9 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     except (TypeError, ValueError, OverflowError, KeyError, AttributeError) as exc:  # a value of the wrong kind
         raise ModelLoadError(f"cannot read GGUF file {reader.path}: metadata of the wrong kind ({exc})") from exc
     stored = _check_index(reader, config)
-    return replace(config, stored_formats=stored, native_format=_native_format(stored))
+    embeddings = embedding_formats(config, None)  # the formats the projections are multiplied in say "native"
+    projections = tuple((name, fmt) for name, fmt in stored if name not in embeddings)
+    return replace(config, stored_formats=stored, native_format=_native_format(projections))
 
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.")
@@ -589,8 +597,8 @@ def _check_index(reader: GGUFFile, config: ModelConfig) -> tuple[tuple[str, str]
     head = next(name for name, p in params.items() if p is model.lm_head_weight)  # the family contract
     layers = _gguf_layers(reader, targets, head)
     formats = []
-    for layer in layer_formats(config, None):  # every projection, and "lm_head"
-        formats.append((layer, _stored_format(layers[layer][0])))
+    for layer in (*layer_formats(config, None), *embedding_formats(config, None)):  # projections, "lm_head", the
+        formats.append((layer, _stored_format(layers[layer][0])))  # embedding
     return tuple(formats)
 
 

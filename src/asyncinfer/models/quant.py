@@ -53,6 +53,9 @@ start-up path after it both use it).
 (the GGUF loader's, :class:`StoredProjection`), from the checkpoint's tensors one layer at a time:
 a layer whose format is the one its file stores it in is made from those blocks
 (:meth:`BlockLinear.from_blocks`: repacked once into the kernels' layout, never through float32).
+From a file, under a block format or ``"native"``, the token embedding stays in the blocks the file stores it
+in too (:class:`BlockEmbedding`: a lookup dequantizes only its rows; a tied head in those blocks is the one
+copy; :func:`embedding_formats`), instead of a float32 table of vocab x hidden x 4 bytes.
 """
 
 from __future__ import annotations
@@ -449,6 +452,46 @@ class MixedBlockLinear(FormatLinear):
         return torch.cat([part(x) for part in self.parts], dim=-1)  # [..., out]
 
 
+class BlockEmbedding(nn.Module):
+    """The token embedding [vocab, hidden] kept in the block format its GGUF file stores it in (a
+    :class:`asyncinfer.kernels.BlockTable`), never as a float32 table: a lookup dequantizes only the rows of the
+    ids asked for, float32, bit for bit what a float32 table of the same file holds
+    (:meth:`GGUFFile.dequantize <asyncinfer.models.gguf_file.GGUFFile.dequantize>`), so every output is today's.
+    Made by :func:`apply_weight_format` from a file's blocks (:func:`embedding_formats` says when); an embedding
+    tied to a head built from the same blocks reads that head's blocks (``shared``: one copy).
+
+    ``nbytes``: the bytes it holds of its own (0 when ``shared``: they are the head's).
+    """
+
+    def __init__(self, table: kernels.BlockTable, *, shared: bool = False) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.shared = shared
+        self.nbytes = 0 if shared else table.nbytes
+
+    @property
+    def fmt(self) -> str:
+        return self.table.fmt
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+                + (" (the head's blocks)" if self.shared else ""))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """float32 [*input_ids.shape, hidden]: the ids' rows.
+
+        Raises:
+            IndexError: an id outside [0, vocab), as an ``nn.Embedding`` does.
+        """
+        try:
+            rows = self.table.rows(input_ids.reshape(-1))  # [n, hidden]
+        except IndexError:
+            raise IndexError(f"input_ids: a token id is outside the embedding table [0, {self.num_embeddings})"
+                             ) from None
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 _LAYERS: dict[str, type[FormatLinear]] = {
     "float32": PackedLinear, "float16": Fp16Linear, "int8": Int8DynamicLinear,
     **{layer.fmt: layer for layer in (Q4_1Linear, Q8_0Linear, Q4_0Linear, Q5_0Linear, Q5_1Linear, Q4_KLinear,
@@ -566,14 +609,20 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     parameters, which may then be on the meta device: the GGUF loader's, so that a layer in the format
     its file stores it in is built from those blocks (:meth:`BlockLinear.from_blocks`) and any other from
     its float32 values, one layer at a time. A layer already replaced (a model formatted at load) is left.
+    With a source, the token embedding (the family's ``nn.Embedding``) becomes a :class:`BlockEmbedding` of the
+    file's blocks where :func:`embedding_formats` says so (after the head: a tied head built from the same blocks
+    is read, not copied); its bytes are in the count. Without one (a float model) it stays a float table: it has
+    no blocks to keep.
 
     The one place a loaded model's modules are replaced: each ``nn.Linear`` in a format becomes that
-    format's :class:`FormatLinear` on its parent (the same attribute), and the output projection is
-    handed to the model's own ``use_output_proj`` (part of the model family contract, see
-    :mod:`asyncinfer.models.registry`).
+    format's :class:`FormatLinear` on its parent (the same attribute), the embedding a :class:`BlockEmbedding`
+    on its parent, and the output projection is handed to the model's own ``use_output_proj`` (part of the
+    model family contract, see :mod:`asyncinfer.models.registry`).
     """
     skip = tuple(skip)
     stored = dict(model.config.stored_formats)
+    # The embeddings a file keeps in its blocks (decided while the model is whole: a tied head reads its table).
+    embeddings = [] if source is None else _block_embeddings(model, method, skip)
     jobs: list[tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]] = []
     for parent, name, full, linear in _format_linears(model):
         fmt = _layer_format(method, full, skip, linear.in_features, stored.get(full))
@@ -603,7 +652,26 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
         else:
             setattr(parent, name, layer)  # the swap: a projection becomes its format's layer, in place
         nbytes += layer.nbytes
+    for plan in embeddings:  # after the head: a tied one's blocks are read, not copied
+        assert source is not None
+        embedding = _embedding_from_source(plan.fmt, source(plan.name), model.output_proj if plan.shares_head else None)
+        setattr(plan.parent, plan.attribute, embedding)  # the float table is never made
+        nbytes += embedding.nbytes
     return nbytes
+
+
+def _embedding_from_source(fmt: str, stored: StoredProjection, head: nn.Module | None) -> BlockEmbedding:
+    """The :class:`BlockEmbedding` of a file's embedding stored in ``fmt``: ``head``'s blocks where it is a tied
+    head built from those same blocks (one copy), else the file's blocks as they lie (no copy); the source is
+    released either way."""
+    try:
+        if isinstance(head, BlockLinear) and head.fmt == fmt and head.lossless:
+            return BlockEmbedding(kernels.BlockTable(head.kernel_weights()[1], fmt, packed=True), shared=True)
+        if stored.format != fmt:
+            raise ValueError(f"fmt: the embedding is stored as {stored.format!r}, not {fmt!r}")
+        return BlockEmbedding(kernels.BlockTable(stored.blocks(), fmt))
+    finally:
+        stored.release()
 
 
 def _from_source(fmt: str, stored: StoredProjection) -> FormatLinear:
@@ -667,6 +735,57 @@ def _layer_formats(model: nn.Module, method: str | None, skip: tuple[str, ...]) 
     return formats
 
 
+@dataclass(frozen=True)
+class _EmbeddingPlan:
+    """A token embedding kept in its file's blocks: where it is (``parent.attribute``, layer ``name``), its shape,
+    its format and whether it reads the head's blocks (tied, and the head built from the same blocks)."""
+
+    parent: nn.Module
+    attribute: str
+    name: str
+    shape: tuple[int, int]
+    fmt: str
+    shares_head: bool
+
+
+def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Embedding]]:
+    """``(parent, attribute, full name, layer)`` of every ``nn.Embedding`` (a family's token embedding)."""
+    return [(module, child_name, f"{name}.{child_name}" if name else child_name, child)
+            for name, module in model.named_modules() for child_name, child in module.named_children()
+            if isinstance(child, nn.Embedding)]
+
+
+def _block_embeddings(model: nn.Module, method: str | None, skip: tuple[str, ...]) -> list[_EmbeddingPlan]:
+    """The embeddings of ``model`` (its float layers as built, on meta or loaded) that a load from its file keeps
+    in the file's blocks under ``method`` (see :func:`embedding_formats`)."""
+    if method is None or (method not in BLOCK_FORMATS and method != NATIVE):
+        return []  # the float formats keep float tables (and the CUDA dtypes)
+    stored = dict(model.config.stored_formats)
+    plans = []
+    for parent, attribute, name, embedding in _embeddings(model):
+        fmt = stored.get(name)
+        if fmt not in BLOCK_FORMATS or any(s in name for s in skip) or (
+                embedding.weight.shape[1] % kernels.BLOCK_FORMATS[fmt][0]):
+            continue
+        head = _head_format(model, method, skip, stored.get("lm_head")) if model.config.tie_word_embeddings else None
+        if head == "float32":
+            continue  # the table is the head too: it stays float
+        plans.append(_EmbeddingPlan(parent, attribute, name, tuple(embedding.weight.shape), fmt, head == fmt))
+    return plans
+
+
+def embedding_formats(model_config: ModelConfig, method: str | None, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Each token embedding's format when a GGUF file is loaded in ``method`` (layer name, e.g. ``"embed_tokens"``
+    -> format), as :func:`apply_weight_format` with the file as ``source`` and :func:`weight_bytes` decide it from
+    the config alone: the block format the file stores it in (``ModelConfig.stored_formats``) under a block format
+    or ``"native"`` where that is a format of :data:`asyncinfer.kernels.formats.LAYOUTS`, unless it is skipped or
+    is a tied head's table that the head leaves in float32 (then it is that head); else "float32" (the float
+    table, as a Hugging Face checkpoint, the float formats and ``None`` keep it)."""
+    model = build_on_meta(model_config)
+    kept = {plan.name: plan.fmt for plan in _block_embeddings(model, method, tuple(skip))}
+    return {name: kept.get(name, "float32") for _, _, name, _ in _embeddings(model)}
+
+
 def quantize_int8(model: nn.Module, skip: Iterable[str] = ()) -> int:
     """:func:`apply_weight_format` with ``"int8"`` and no packing of the layers left in float32."""
     return apply_weight_format(model, "int8", skip)
@@ -684,7 +803,9 @@ def weight_bytes(
     The one weight-size calculation: the memory planner (before loading) and the start-up path
     (after loading) both use it. Nothing is loaded: the family's model is built on the meta device
     and its layers are counted as :func:`apply_weight_format` leaves them on ``device``'s type (on
-    CUDA the formats are dtypes: nothing is replaced). Packing float32 weights changes no size.
+    CUDA the formats are dtypes: nothing is replaced), a GGUF file's as the engine loads it, the file
+    as the source: its embedding in the file's blocks where :func:`embedding_formats` says so (none
+    of its own where it reads a tied head's). Packing float32 weights changes no size.
 
     Raises:
         InvalidParameterError: ``quantization`` is not None or one of ``QUANTIZATION_METHODS``.
@@ -708,6 +829,9 @@ def weight_bytes(
         total += linear_bytes(head, *model.lm_head_weight.shape, bias=False)
         if not model_config.tie_word_embeddings:  # the float head is dropped; a tied one is the embedding
             total -= model.lm_head_weight.numel() * dtype_bytes
+    for plan in _block_embeddings(model, quantization, skip):  # no float table: the file's blocks instead
+        total -= plan.shape[0] * plan.shape[1] * dtype_bytes
+        total += 0 if plan.shares_head else linear_bytes(plan.fmt, *plan.shape, bias=False)
     return total
 
 
@@ -719,19 +843,26 @@ def decode_weight_bytes(
     device: torch.device | str = "cpu",
 ) -> int:
     """Bytes of weights one decode step reads: :func:`weight_bytes` less the token embedding table
-    ([vocab, hidden] in the dtype), of which a step gathers only its tokens' rows, unless that
-    table is itself the LM head (tied embeddings with the head in the dtype), which every step
-    reads whole. A tied head in a weight format is a copy of its own (the table stays in the
-    dtype, for the rows), and an untied model's head is another matrix: the table is not read.
+    ([vocab, hidden] in the dtype, or in its file's blocks: :func:`embedding_formats`), of which a step
+    gathers only its tokens' rows, unless that table is itself the LM head (tied embeddings with the head
+    in the dtype, or a block embedding reading the head's own blocks), which every step reads whole. A
+    tied head in a weight format of its own is a matrix apart from the table (float, or the file's blocks,
+    for the rows), and an untied model's head is another matrix: the table is not read.
     The roofline gauge's weights (``asyncinfer.metrics``).
     """
     total = weight_bytes(model_config, dtype_bytes, quantization, skip, device)
     table = model_config.vocab_size * model_config.hidden_size * dtype_bytes
+    if quantization is None or torch.device(device).type == "cuda":
+        return total if model_config.tie_word_embeddings else total - table  # tied: the head is the table
+    skip = tuple(skip)
+    model = build_on_meta(model_config)
+    blocks = _block_embeddings(model, quantization, skip)
+    if blocks:  # one embedding a family: its own blocks are not read, the head's are (as the head)
+        return total - sum(0 if plan.shares_head else linear_bytes(plan.fmt, *plan.shape, bias=False)
+                           for plan in blocks)
     if not model_config.tie_word_embeddings:
         return total - table
-    if quantization is None or torch.device(device).type == "cuda":
-        return total  # the head is the table
-    head = _head_format(build_on_meta(model_config), quantization, tuple(skip))
+    head = _head_format(model, quantization, skip, dict(model_config.stored_formats).get("lm_head"))
     return total if head == "float32" else total - table
 
 

@@ -27,7 +27,11 @@ The model class contract (what the loader, the runner and ``quant.py`` use):
 - ``compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]``;
 - its output projection, for the weight formats (``quant.py``): ``lm_head_weight`` [vocab, hidden]
   (the embedding when ``config.tie_word_embeddings``), ``use_output_proj(layer)`` (compute logits
-  with the format's layer from now on) and ``output_proj`` (that layer, or None).
+  with the format's layer from now on) and ``output_proj`` (that layer, or None);
+- its token embedding, an ``nn.Embedding`` that it only calls (``embedding(input_ids)``): a GGUF file
+  loaded in a block format puts a ``quant.BlockEmbedding`` there instead (float32 rows from the file's
+  blocks, no ``weight``), so a family reads no embedding weight after load (a tied ``lm_head_weight``
+  then goes unused: the head is in a format of its own, ``output_proj``).
 
 The weight map: rows ``(HF checkpoint name, GGUF tensor name, parameter name,
 fused shard or None)``; ``"{i}"`` is the layer index, and a shard (``"q"``,

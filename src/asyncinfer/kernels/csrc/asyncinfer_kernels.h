@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 26
+#define ASYNCINFER_KERNELS_VERSION 27
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -71,6 +71,25 @@ typedef struct {
     float eps, scale;
 } layer_t;
 
+/* A token embedding table [vocab, hidden] the kernels read rows of (asyncinfer_embed_rows, the first step of
+ * asyncinfer_decode_stack; asyncinfer.kernels.ops' _Embed mirrors it): row r is ld bytes after row r - 1, from
+ * rows; fmt says how a row is held:
+ *   ASYNCINFER_FMT_* (a block format): the row's blocks in ggml's order, as a GGUF file stores them;
+ *   ASYNCINFER_EMBED_PACKED | ASYNCINFER_FMT_Q4_1 or _Q8_0: in the kernels' layout (asyncinfer.kernels.pack:
+ *     the row's every d, Q4_1's every m, then the quants; a head's own blocks, read in place);
+ *   ASYNCINFER_EMBED_F32: hidden float32 values.
+ * A row is dequantized straight into its output, bit for bit ggml's float32 values (blocks.h), then, unless
+ * scale is 1, multiplied by scale (a family's embedding scale: Gemma's sqrt(hidden)). */
+#define ASYNCINFER_EMBED_PACKED 0x100
+#define ASYNCINFER_EMBED_F32 0x200
+typedef struct {
+    const void *rows;
+    int64_t vocab;
+    int64_t ld; /* bytes from a row to the next */
+    int32_t fmt; /* see above */
+    float scale;
+} embed_t;
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times W[N, K] held as blocks in the kernels' layout
  * (+ bias[N] or NULL); K a multiple of the format's weights per block; scratch: asyncinfer_scratch_bytes(M,
  * K) bytes. Returns 0 or -1. One entry per format. */
@@ -102,9 +121,14 @@ ASYNCINFER_API int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T
                                            const int64_t *tables, int64_t ldt, const int64_t *ctx, int64_t BS,
                                            int threads, double *timing);
 
+/* out[T, hidden] (row stride ldo) = the rows ids[T] of the table E (times its scale). Returns 0; 1 for an id
+ * outside [0, E->vocab) (nothing is written then); -2 for a format code the table cannot have, a hidden size
+ * that is no whole number of its blocks, or rows closer than a row's bytes. */
+ASYNCINFER_API int asyncinfer_embed_rows(const embed_t *E, const int64_t *ids, int64_t T, int64_t hidden, float *out,
+                                         int64_t ldo);
+
 ASYNCINFER_API int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
-                                           const int64_t *ids, const float *embed, int64_t vocab,
-                                           const int64_t *positions, const float *cos_table, const float *sin_table,
+                                           const int64_t *ids, const embed_t *embed, const int64_t *positions, const float *cos_table, const float *sin_table,
                                            int64_t max_pos, const float *final_norm, float final_eps, float *out,
                                            const void *head_w, int head_fmt, int64_t head_n, float *logits,
                                            int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,

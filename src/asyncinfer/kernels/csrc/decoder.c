@@ -158,14 +158,13 @@ int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *
 
 /* The body of a step (asyncinfer_decode_stack), its memory allocated; cs: [2, T, D / 2]. */
 static int stack_step(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T, const int64_t *ids,
-                      const float *embed, const int64_t *positions, const float *cos_table, const float *sin_table,
+                      const embed_t *embed, const int64_t *positions, const float *cos_table, const float *sin_table,
                       const float *final_norm, float final_eps, float *out, const void *head_w, int head_fmt,
                       int64_t head_n, float *logits, int64_t *argmax, const int64_t *slots, const int64_t *tables,
                       int64_t ldt, const int64_t *ctx, int64_t BS, int threads, double *timing, const step_bufs *b,
                       float *cs) {
     const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
-    if (ids)
-        for (int64_t t = 0; t < T; t++) memcpy(h + t * hidden, embed + ids[t] * hidden, sizeof(float) * (size_t)hidden);
+    if (ids) ai_embed_rows(embed, ids, T, hidden, h, hidden); /* each row dequantized straight into h */
     for (int64_t t = 0; t < T; t++) {
         memcpy(cs + t * half, cos_table + positions[t] * half, sizeof(float) * (size_t)half);
         memcpy(cs + (T + t) * half, sin_table + positions[t] * half, sizeof(float) * (size_t)half);
@@ -188,26 +187,28 @@ static int stack_step(const layer_t *layers, int64_t n, float *const *caches, fl
 
 /* Every layer of a model and its final norm for a step of decodes (DecodeStack).
  *   h: [T, hidden], the residual stream, or NULL (allocated here); ids: NULL (h holds the embedded
- *     tokens), or the tokens, whose rows of the float32 embedding table [vocab, hidden] fill h first;
+ *     tokens; embed unused), or the tokens, whose rows of the embedding table embed (any block format or
+ *     float32, times its scale: asyncinfer_embed_rows) fill h first;
  *   cos_table / sin_table: [max_pos, D / 2], read at each token's position;
  *   caches: layer l's K and V caches at 2l and 2l + 1;
  *   out: [T, hidden], the final-normed states, or NULL (allocated here);
  *   logits: NULL, or [T, head_n]: out times the head's weights (head_w in format head_fmt);
  *   argmax: NULL, or [T]: each logits row's argmax (asyncinfer_argmax), for greedy sampling;
  *   timing: NULL or four doubles, the layers' three (TIMED) and the head's.
- * num_slots: the caches' blocks times BS. Returns 0; 1 for a token id outside [0, vocab), 2 for a
+ * num_slots: the caches' blocks times BS. Returns 0; 1 for a token id outside [0, embed->vocab), 2 for a
  * position outside [0, max_pos), 3 for a context length below 1 or longer than its block table, 4
  * for a slot or block outside the caches (nothing is computed then); -1 when working memory cannot
- * be allocated. */
+ * be allocated; -2 for an embedding table the kernels cannot read (ai_embed_check). */
 int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
-                            const int64_t *ids, const float *embed, int64_t vocab, const int64_t *positions,
+                            const int64_t *ids, const embed_t *embed, const int64_t *positions,
                             const float *cos_table, const float *sin_table, int64_t max_pos, const float *final_norm,
                             float final_eps, float *out, const void *head_w, int head_fmt, int64_t head_n,
                             float *logits, int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,
                             const int64_t *ctx, int64_t BS, int64_t num_slots, int threads, double *timing) {
     const int64_t hidden = layers[0].hidden, half = layers[0].D / 2;
+    if (ids && ai_embed_check(embed, hidden)) return ASYNCINFER_EINVAL;
     for (int64_t t = 0; t < T; t++) {
-        if (ids && (ids[t] < 0 || ids[t] >= vocab)) return 1;
+        if (ids && (ids[t] < 0 || ids[t] >= embed->vocab)) return 1;
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
     }
     const int paged = ai_check_paged(tables, ldt, ctx, slots, T, BS, num_slots / BS);

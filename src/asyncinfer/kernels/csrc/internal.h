@@ -137,6 +137,11 @@ AI_HIDDEN int ai_decode_attention(const float *q, const float *k_cache, const fl
 AI_HIDDEN void ai_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
 AI_HIDDEN int ai_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
                              int64_t BS, int64_t num_blocks);
+/* The embedding table's rows (asyncinfer_embed_rows without its checks: E checked by ai_embed_check, the ids
+ * within [0, E->vocab)). */
+AI_HIDDEN void ai_embed_rows(const embed_t *E, const int64_t *ids, int64_t T, int64_t hidden, float *out, int64_t ldo);
+/* 0 when the kernels can read rows of hidden values from E (its format code, its row bytes), else -2. */
+AI_HIDDEN int ai_embed_check(const embed_t *E, int64_t hidden);
 /* silu(g) * u over n values (SwiGLU), the variant's exp. */
 AI_HIDDEN void ai_swiglu(const float *g, const float *u, float *out, int64_t n);
 
