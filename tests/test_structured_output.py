@@ -225,7 +225,10 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(real_gguf) -> Iterator[Served]:
-    s = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=512, max_num_seqs=32, seed=0))
+    # A KV cache sized for the work, not the default: 32 replies of about 100 tokens at once (192 blocks of 16).
+    block = AsyncEngine.plan_memory(real_gguf, max_model_len=512).block_bytes
+    s = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=512, max_num_seqs=32, seed=0,
+                                           kv_cache_memory=192 * block))
     yield s
     s.close()
 
@@ -426,7 +429,9 @@ def test_greedy_equals_transformers_with_the_same_mask_step_by_step(real_gguf, r
                                                "key_separator": ": "})),
              "regex": (StructuredOutput.regex(r"[A-Z][a-z]+ (is|was) \d{1,3}"),
                        llguidance.LLMatcher.grammar_from_regex(r"[A-Z][a-z]+ (is|was) \d{1,3}"))}
-    s = Served(AsyncEngine.from_pretrained(real_gguf, dtype="float32", max_model_len=512))
+    block = AsyncEngine.plan_memory(real_gguf, dtype="float32", max_model_len=256).block_bytes
+    s = Served(AsyncEngine.from_pretrained(real_gguf, dtype="float32", max_model_len=256,
+                                           kv_cache_memory=32 * block))  # two replies of up to 256 tokens
     try:
         prompt = s.engine.tokenize(chat(PROMPTS["person"]))
         outs = s.generate_all([(prompt, SamplingParams(max_tokens=60, structured=spec)) for spec, _ in specs.values()])
@@ -470,8 +475,8 @@ def test_the_mask_follows_preemption_and_prefix_cache_hits(real_gguf) -> None:
         finally:
             s.close()
 
-    roomy, _, _ = run()
     block = AsyncEngine.plan_memory(real_gguf, max_model_len=256).block_bytes
+    roomy, _, _ = run(kv_cache_memory=64 * block)  # all four at once, up to 256 tokens each
     tight, kv, steps = run(kv_cache_memory=17 * block, kv_watermark=0.0)  # one 256-token request and a block
     assert steps.preemptions > 0 and kv.prefix_hits > 0
     for a, b in zip(roomy, tight):
@@ -512,17 +517,55 @@ def _arrays(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[di
 SCHEMA = _objects(st.recursive(_LEAVES, lambda c: st.one_of(_arrays(c), _objects(c)), max_leaves=4))
 
 
+#: Distinct generated schemas the test decodes, each greedy and sampled.
+GENERATED_SCHEMAS = 200
+#: Schemas per Hypothesis example, submitted together (twice as many requests, batched by the engine).
+SCHEMAS_PER_EXAMPLE = 25
+#: Room for a reply: the generated schemas are bounded (short strings, few items), so nearly all end by themselves.
+GENERATED_MAX_TOKENS = 128
+#: At least this share of the replies must end by themselves (the rest say "length" and are checked as cut).
+MIN_COMPLETE = 0.95
+
+
+def _canonical(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, sort_keys=True)
+
+
 @pytestmark_real
-# Each example runs the model (10 requests at once): few examples, and no shrinking (each try costs seconds).
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
-          phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(schemas=st.lists(SCHEMA, min_size=5, max_size=5))
-def test_generated_schemas_greedy_and_sampled_outputs_validate(served: Served, schemas: list[dict[str, Any]]) -> None:
-    jobs = []
-    for i, schema in enumerate(schemas):
-        spec = StructuredOutput.json_schema(schema)
-        prompt = chat(f"Reply in JSON with the fields {', '.join(schema['properties'])}.")
-        jobs.append((prompt, SamplingParams(max_tokens=300, structured=spec)))
-        jobs.append((prompt, SamplingParams(max_tokens=300, temperature=1.0, seed=i, structured=spec)))
-    for (_, params), out in zip(jobs, served.generate_all(jobs)):
-        check_json(out, params.structured.schema)
+def test_generated_schemas_greedy_and_sampled_outputs_validate(served: Served) -> None:
+    """200 distinct generated schemas; every reply that ends by itself parses and validates, one cut by
+    max_tokens says "length", has max_tokens tokens and does not parse; at least MIN_COMPLETE of them end."""
+    done: set[str] = set()
+    finish: dict[str, int] = {"stop": 0, "length": 0}
+
+    # Each example runs the model (2 x SCHEMAS_PER_EXAMPLE requests at once); no shrinking (a try costs seconds).
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    @given(schemas=st.lists(SCHEMA, min_size=SCHEMAS_PER_EXAMPLE, max_size=SCHEMAS_PER_EXAMPLE, unique_by=_canonical))
+    def batch(schemas: list[dict[str, Any]]) -> None:
+        fresh = [s for s in schemas if _canonical(s) not in done][: GENERATED_SCHEMAS - len(done)]
+        jobs = []
+        for schema in fresh:
+            spec = StructuredOutput.json_schema(schema)
+            prompt = chat(f"Reply in JSON with the fields {', '.join(schema['properties'])}.")
+            jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, structured=spec)))
+            jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, temperature=1.0,
+                                                seed=len(done) + len(jobs), structured=spec)))
+        counts = {"stop": 0, "length": 0}
+        for (_, params), out in zip(jobs, served.generate_all(jobs)):
+            assert out.finish_reason in counts, out
+            counts[out.finish_reason] += 1
+            if out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text), params.structured.schema)
+            else:  # cut: says so, never claims to be complete
+                assert out.finish_reason == "length" and len(out.token_ids) == GENERATED_MAX_TOKENS, out
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(out.text)
+        done.update(_canonical(s) for s in fresh)  # counted only once all of its replies passed
+        for reason, count in counts.items():
+            finish[reason] += count
+
+    batch()
+    assert len(done) == GENERATED_SCHEMAS
+    assert finish["stop"] + finish["length"] == 2 * GENERATED_SCHEMAS
+    assert finish["stop"] >= MIN_COMPLETE * 2 * GENERATED_SCHEMAS, finish

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import re
+from unittest.mock import ANY
 
 import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from asyncinfer import SamplingParams, StructuredOutput
 from asyncinfer.server import ModelSpec, create_app
-from asyncinfer.server.tools import OPEN, CallStream, parse_tool_use, split_calls
+from asyncinfer.server.responses import Reply
+from asyncinfer.server.tools import OPEN, CallStream, parse_tool_use, read_calls, split_calls
 
 from .conftest import LiveServer
 
@@ -147,20 +151,113 @@ def test_split_calls_reads_hermes_blocks_and_leaves_anything_else_as_content() -
         assert split_calls(text, use) == (text, []), text
 
 
-@pytest.mark.parametrize("text", [
-    'Sure. <tool_call>\n{"name": "roll_dice", "arguments": {"count": 1, "sides": 20}}\n</tool_call>',
-    "a <tool_ x <tool_cal",  # tag-like text that never becomes a call
-    '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+DICE_CALL = '<tool_call>\n{"name": "roll_dice", "arguments": {"count": 2, "sides": 6}}\n</tool_call>'
+OSLO_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+#: A call whose argument holds the closing tag: only a constrained stream can tell it from the block's end.
+CITY_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo}\\n</tool_call>"}}\n</tool_call>'
+
+
+def _gather(deltas) -> tuple[str, list[dict]]:
+    """Stream deltas accumulated as an OpenAI client does: content joined, calls merged by index."""
+    content, calls = "", []
+    for delta in deltas:
+        content += delta.get("content", "")
+        for part in delta.get("tool_calls", []):
+            if part["index"] == len(calls):
+                assert set(part) == {"index", "id", "type", "function"} and part["function"]["arguments"] == ""
+                calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
+            else:
+                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    return content, calls
+
+
+@pytest.mark.parametrize(("choice", "text"), [
+    ("auto", "Sure. " + DICE_CALL),
+    ("auto", "a <tool_ x <tool_cal"),  # tag-like text that never becomes a call
+    ("auto", '<tool_call>{"name": "nope", "arguments": {}}</tool_call> then text'),
+    ("auto", DICE_CALL + "\n" + OSLO_CALL + " trailing"),
+    ("auto", DICE_CALL + "\n" + CITY_CALL),
+    ("auto", DICE_CALL + "\n<tool_call>{broken}</tool_call>\n" + CITY_CALL),  # the calls end at a bad block
+    ("auto", DICE_CALL + "\n<tool_call>\n{\"name\": \"get_w"),  # cut inside a second block
+    ("required", DICE_CALL + "\n" + CITY_CALL),
+    ("required", DICE_CALL[:58]),  # cut inside the arguments
+    ("required", DICE_CALL[:20]),  # cut before the name is whole
 ])
-def test_a_streamed_reply_splits_as_the_whole_reply_whatever_its_pieces(text) -> None:
-    use = parse_tool_use([ROLL], None, None)
+def test_a_streamed_reply_splits_as_the_whole_reply_whatever_its_pieces(choice, text) -> None:
+    use = parse_tool_use([ROLL, WEATHER], choice, None)
     want = split_calls(text, use)
     for size in (1, 2, 3, 5, len(OPEN), len(text)):
         stream = CallStream(use)
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
-        rest, calls = stream.finish()
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
+        content, calls = _gather(deltas)
         assert [c["function"] for c in calls] == [c["function"] for c in want[1]], size
-        assert sent + rest == ((want[0] or "") if calls else text), size
+        assert content == ((want[0] or "") if calls else text), size
+        assert [c["index"] for d in deltas for c in d.get("tool_calls", []) if "id" in c] == list(range(len(calls)))
+
+
+def test_split_calls_ends_the_calls_at_a_bad_block_and_keeps_a_cut_constrained_call() -> None:
+    auto = parse_tool_use([ROLL, WEATHER], "auto", None)
+    content, calls = split_calls("Hi " + DICE_CALL + "\n<tool_call>{broken}</tool_call>\n" + CITY_CALL, auto)
+    assert content == "Hi " and [c["function"]["name"] for c in calls] == ["roll_dice"]
+    forced = parse_tool_use([ROLL, WEATHER], "required", None)
+    _content, [call] = split_calls(CITY_CALL, forced)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo}\\n</tool_call>"}'}
+    assert read_calls(DICE_CALL[:58], forced) == (None, [{"id": ANY, "type": "function", "function": {
+        "name": "roll_dice", "arguments": '{"count": 2'}}], True)  # cut inside: the arguments so far, and it says so
+    assert read_calls(DICE_CALL, forced)[2] is False
+
+
+def test_a_constrained_call_streams_its_arguments_as_they_are_written() -> None:
+    use = parse_tool_use([ROLL, WEATHER], {"type": "function", "function": {"name": "roll_dice"}}, None)
+    stream = CallStream(use)
+    assert stream.feed('<tool_call>\n{"name": "roll_dice", "argu') == []
+    opened, first = stream.feed('ments": {"cou')  # the name is whole: the call opens, its arguments begin
+    assert opened["tool_calls"][0]["function"] == {"name": "roll_dice", "arguments": ""}
+    assert opened["tool_calls"][0]["index"] == 0 and opened["tool_calls"][0]["type"] == "function"
+    assert first == {"tool_calls": [{"index": 0, "function": {"arguments": '{"cou'}}]}
+    assert stream.feed('nt": 2, "sides": 6}') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'nt": 2, "sides": 6'}}]}]
+    # A brace that may be the call's own is held until the next text shows whose it is.
+    assert stream.feed("}") == [{"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
+    assert stream.feed("\n</tool_") == [] and stream.in_call
+    assert stream.feed("call>") == []
+    assert stream.finish() == [] and stream.called and not stream.in_call
+
+
+def test_an_auto_call_is_sent_when_its_block_closes() -> None:
+    stream = CallStream(parse_tool_use([ROLL, WEATHER], "auto", None))
+    assert stream.feed("Rolling: <tool") == [{"content": "Rolling: "}]
+    assert stream.feed(DICE_CALL[5:-3]) == []  # held: a block is a call only once it is whole
+    opened, arguments = stream.feed(DICE_CALL[-3:])
+    assert opened["tool_calls"][0]["function"] == {"name": "roll_dice", "arguments": ""}
+    assert arguments == {"tool_calls": [{"index": 0, "function": {"arguments": '{"count": 2, "sides": 6}'}}]}
+
+
+def _events(body: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
+
+
+def test_reply_streams_parallel_calls_with_indexes_and_the_client_accumulates_them() -> None:
+    """The SSE chunks of a reply with content and two calls, read back by the openai library's own accumulator."""
+    use = parse_tool_use([ROLL, WEATHER], "auto", None)
+    text = "Let me check. " + DICE_CALL + "\n" + OSLO_CALL
+    whole = Reply(True, "chatcmpl-1", 0, "m", None, False, tools=use).choice(0, text, None, "stop")
+    streamed = Reply(True, "chatcmpl-1", 0, "m", None, False, tools=use)
+    body = streamed.role_chunk(1) + b"".join(
+        streamed.delta_chunk(0, text[i:i + 4], None, None) for i in range(0, len(text), 4))
+    body += streamed.delta_chunk(0, "", None, "stop")
+    events = _events(body)
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == whole["finish_reason"] == "tool_calls"
+    assert final.message.content == whole["message"]["content"] == "Let me check. "
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    opened = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls", []) if "id" in t]
+    assert [t["index"] for t in opened] == [0, 1]
+    assert events[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
 
 
 # ------------------------------------------------------------------- the real model
@@ -235,15 +332,24 @@ def test_a_forced_tool_call_round_trips(smol, choice) -> None:
         assert call.function.name == "roll_dice"
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
-    # streamed: the same call, as delta.tool_calls
+    # streamed: the same call, opened by name, then its arguments in pieces as they are generated
     chunks = list(client.chat.completions.create(model="smol", messages=DICE, tools=[WEATHER, ROLL],
                                                  tool_choice=choice, parallel_tool_calls=False, max_tokens=64,
                                                  temperature=0, stream=True))
     deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
-    assert [(d.index, d.type, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-        (0, "function", *_calls(reply.message)[0])]
+    first, pieces = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0, "function", call.function.name, "")
+    assert first.id.startswith("call_") and len(pieces) > 1  # not one lump at the end
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not c.choices[0].delta.content for c in chunks)
+    state = ChatCompletionStreamState()  # the openai library's own accumulation of the chunks
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and _calls(final.message) == _calls(reply.message)
 
     # the call and its result in the history, then the final answer
     history = [*DICE, reply.message.model_dump(exclude_none=True),
@@ -271,6 +377,15 @@ def test_auto_describes_the_tools_and_parses_what_the_model_writes(smol) -> None
     assert reply.message.content == content
     assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    chunks = list(client.chat.completions.create(model="smol", messages=DICE, tools=[ROLL], max_tokens=24,
+                                                 temperature=0, stream=True))
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot.choices[0]  # (get_final_completion refuses a "length" reply)
+    assert (streamed.message.content or None, streamed.finish_reason) == (reply.message.content, reply.finish_reason)
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
 
 
 @pytestmark_real
@@ -283,3 +398,12 @@ def test_parallel_calls_are_each_valid(smol) -> None:
     for name, arguments in _calls(reply.message):
         jsonschema.validate(arguments, {"roll_dice": ROLL, "get_weather": WEATHER}[name]["function"]["parameters"])
     assert len({c.id for c in reply.message.tool_calls}) == len(reply.message.tool_calls)
+    chunks = list(client.chat.completions.create(model="smol", messages=DICE, tools=[ROLL, WEATHER],
+                                                 tool_choice="required", max_tokens=160, temperature=0, stream=True))
+    opened = [t.index for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.id is not None]
+    assert opened == list(range(len(reply.message.tool_calls)))  # each call opens once, in order: 0, 1, ...
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and _calls(final.message) == _calls(reply.message)

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.outputs import Logprob
-from asyncinfer.server.tools import CallStream, ToolUse, split_calls
+from asyncinfer.server.tools import CallStream, ToolUse, read_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -46,10 +46,10 @@ class Reply:
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
             if self.tools is not None:
-                content, calls = split_calls(text, self.tools)
+                content, calls, cut = read_calls(text, self.tools)
                 if calls:
                     body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    finish_reason = "tool_calls" if finish_reason == "stop" and not cut else finish_reason
         else:
             body["text"] = text
         body["logprobs"] = self._logprobs(index, logprobs, text_start=0) if self.want_logprobs else None
@@ -77,32 +77,38 @@ class Reply:
     def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None) -> bytes:
         start = self._offsets.get(index, 0)
         self._offsets[index] = start + len(text)
+        if self.chat and self.tools is not None:
+            return self._tool_chunks(self.tools, index, text, logprobs, finish_reason, start)
         body: dict[str, Any] = {"index": index}
-        before = b""
-        if self.chat and self.tools is not None:  # content up to a tool call; the calls when the reply ends
-            stream = self._calls.setdefault(index, CallStream(self.tools))
-            text = stream.feed(text)
-            if finish_reason is not None:
-                rest, calls = stream.finish()
-                text += rest
-                if calls:
-                    if text:
-                        before = self.chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
-                                              "finish_reason": None}])
-                        text = ""
-                    before += self.chunk([{"index": index, "delta": {"tool_calls": [
-                        {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None,
-                        "finish_reason": None}])
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            elif not text and not (self.want_logprobs and logprobs):
-                return b""  # all of it held back
         if self.chat:
             body["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             body["text"] = text
         body["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
-        return before + self.chunk([body])
+        return self.chunk([body])
+
+    def _tool_chunks(self, tools: ToolUse, index: int, text: str, logprobs: list[Logprob] | None,
+                     finish_reason: str | None, start: int) -> bytes:
+        """A chat choice with tools: its content and calls as :class:`CallStream` splits them, one chunk per
+        delta, the last carrying the logprobs and the finish_reason."""
+        stream = self._calls.setdefault(index, CallStream(tools))
+        deltas = stream.feed(text)
+        if finish_reason is not None:
+            deltas += stream.finish()
+            if finish_reason == "stop" and stream.called and not stream.in_call:
+                finish_reason = "tool_calls"
+        with_logprobs = self.want_logprobs and bool(logprobs)
+        if not deltas and finish_reason is None and not with_logprobs:
+            return b""  # all of it held back
+        if finish_reason is not None or not deltas:
+            deltas.append({} if finish_reason is not None else {"content": ""})
+        chunks = [self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                  for delta in deltas[:-1]]
+        last: dict[str, Any] = {"index": index, "delta": deltas[-1]}
+        last["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
+        last["finish_reason"] = finish_reason
+        return b"".join([*chunks, self.chunk([last])])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

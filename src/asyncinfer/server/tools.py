@@ -10,8 +10,9 @@ default SmolLM2) still gets them, through its own template.
 
 With ``tool_choice`` ``"required"`` or a named function, decoding is constrained (a Lark grammar
 holding the calls' JSON schema, :meth:`ToolUse.structured`) so that the reply *is* a valid call;
-with ``"auto"`` the reply is parsed for calls the model chose to write (:func:`split_calls`), and
-:class:`CallStream` does the same for a stream.
+with ``"auto"`` the reply is parsed for calls the model chose to write (:func:`split_calls`).
+:class:`CallStream` turns a streamed reply into OpenAI's ``delta.content`` / ``delta.tool_calls``
+pieces as it is generated, and :func:`split_calls` is what it sends, gathered: the two never differ.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server.errors import APIError
 from asyncinfer.structured import StructuredOutput
 
-__all__ = ["CallStream", "Tool", "ToolUse", "parse_tool_use", "render_assistant", "render_tool_result",
+__all__ = ["CallStream", "Tool", "ToolUse", "parse_tool_use", "read_calls", "render_assistant", "render_tool_result",
            "split_calls"]
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
@@ -218,52 +219,172 @@ def _call(block: str, names: set[str]) -> dict[str, Any] | None:
 def split_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]]]:
     """A reply's content (the text before its first call; None if only whitespace) and its tool calls.
 
-    Calls are the ``<tool_call>`` blocks from the first one on; if any of them is not a call of an offered
-    tool with an object of arguments, there are none and the whole text is the content. Without
-    ``parallel`` only the first call is kept.
+    Exactly what :class:`CallStream` sends for the same text, gathered: ``<tool_call>`` blocks from the
+    first one on are read in order; if the first is not a call of an offered tool with an object of
+    arguments, there are no calls and the whole text is the content; a later block that is not one ends
+    the calls (it and what follows are dropped, as is text between blocks). Without ``parallel`` only
+    the first call is kept. With ``tool_choice`` ``"required"`` or a named function the arguments are
+    the JSON text the model wrote (a reply cut inside a call keeps the call, its arguments cut too:
+    :func:`read_calls` says so).
     """
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = [_call(block, use.names()) for block in _BLOCK.findall(text, start)]
-    if not calls or any(c is None for c in calls):
-        return text, []
-    head = text[:start]
-    return (head if head.strip() else None), [c for c in calls if c is not None][: None if use.parallel else 1]
+    content, calls, _cut = read_calls(text, use)
+    return content, calls
+
+
+def read_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]], bool]:
+    """:func:`split_calls`, and whether the text ends inside a call (its arguments incomplete)."""
+    stream = CallStream(use)
+    deltas = stream.feed(text) + stream.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for part in delta.get("tool_calls", []):
+            if part["index"] == len(calls):
+                calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
+            else:
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    if not calls:
+        return text, [], False
+    return (content if content.strip() else None), calls, stream.in_call
+
+
+#: How a constrained call begins (after ``<tool_call>``): its name, then its arguments' JSON.
+_HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+#: How a constrained call ends: the call object's brace, then the block's end.
+_END = "}\n" + CLOSE
+
+
+def _partial(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class CallStream:
-    """One streamed choice's text, split as :func:`split_calls` splits a whole reply: text before the
-    first ``<tool_call>`` goes out as content as it comes (a possible start of the tag held back); from
-    the tag on, the text is kept and parsed when the reply ends."""
+    """One choice's text, turned into OpenAI stream deltas as it comes (:meth:`feed`, then :meth:`finish`).
+
+    A delta is ``{"content": ...}`` or ``{"tool_calls": [...]}``: a call opens with its ``index``, ``id``,
+    ``type`` and ``function.name`` (``arguments: ""``); pieces of ``function.arguments`` follow under the
+    same ``index``. Text before the first ``<tool_call>`` is content as it comes (an end that may be the
+    start of the tag held back). With ``tool_choice`` ``"required"`` or a named function the grammar
+    writes the calls, so each call opens as soon as its name is written and its arguments go out as
+    they are generated. With ``"auto"`` a block is a call only if it is whole and valid, so each block
+    is held until its ``</tool_call>`` and then sent as one call (or, for a first block that is not a
+    call, as content, with all that follows).
+    """
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
-        self._held = ""  # text not yet sent: a possible start of OPEN, or everything from OPEN on
-        self._in_calls = False
-        self._sent = ""
+        self._forced = use.choice != "auto"
+        self._buf = ""  # text received and not yet settled
+        self._raw = ""  # everything from the first <tool_call> on (sent as content if that block is no call)
+        self._phase = "content"  # content | block | args | between | plain | over
+        self._calls = 0  # calls opened (their indexes are 0 .. _calls - 1)
 
-    def feed(self, text: str) -> str:
-        """The content to send now for ``text``."""
-        self._held += text
-        if self._in_calls:
-            return ""
-        at = self._held.find(OPEN)
-        if at >= 0:
-            self._in_calls = True
-            out, self._held = self._held[:at], self._held[at:]
-        else:
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self._held)), 0, -1)
-                         if OPEN.startswith(self._held[-k:])), 0)
-            out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
-        self._sent += out
+    @property
+    def called(self) -> bool:
+        """At least one call was sent."""
+        return self._calls > 0
+
+    @property
+    def in_call(self) -> bool:
+        """A call's arguments were being sent and have not ended (the reply was cut inside a call)."""
+        return self._phase == "args"
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas to send now for ``text``."""
+        if self._phase != "content" and self._phase != "plain":
+            self._raw += text
+        self._buf += text
+        out: list[dict[str, Any]] = []
+        while True:
+            before = (self._phase, len(self._buf))
+            self._step(out)
+            if (self._phase, len(self._buf)) == before:
+                return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas still to send when the reply ends."""
+        out: list[dict[str, Any]] = []
+        if self._phase == "content" or self._phase == "plain":
+            if self._buf:
+                out.append({"content": self._buf})
+        elif self._phase == "block" and not self.called:  # a first block never closed: no call, all content
+            out.append({"content": self._raw})
+        elif self._phase == "args" and self._buf:  # cut inside a constrained call: its arguments so far
+            out.append(self._arguments(self._buf))
+        self._buf = ""
+        if self._phase != "args":  # (a call cut short stays `in_call`)
+            self._phase = "over"
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the reply's end: the content still to send, and its tool calls."""
-        held, self._held = self._held, ""
-        if not self._in_calls:
-            return held, []
-        _content, calls = split_calls(self._sent + held, self.use)
-        return ("", calls) if calls else (held, [])
+    # ------------------------------------------------------------------ steps
+    def _step(self, out: list[dict[str, Any]]) -> None:
+        if self._phase == "plain":
+            if self._buf:
+                out.append({"content": self._buf})
+            self._buf = ""
+        elif self._phase == "content":
+            at = self._buf.find(OPEN)
+            if at >= 0:
+                head, self._buf = self._buf[:at], self._buf[at + len(OPEN):]
+                self._raw = OPEN + self._buf
+                self._phase = "block"
+            else:
+                keep = _partial(self._buf, OPEN)
+                head, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            if head:
+                out.append({"content": head})
+        elif self._phase == "between":
+            at = self._buf.find(OPEN)
+            if at >= 0:
+                self._buf = self._buf[at + len(OPEN):]
+                self._phase = "block" if self.use.parallel else "over"
+            else:
+                self._buf = self._buf[len(self._buf) - _partial(self._buf, OPEN):]  # text between blocks: dropped
+        elif self._phase == "block":
+            self._block(out)
+        elif self._phase == "args":
+            at = self._buf.find(_END)
+            if at >= 0:
+                piece, self._buf = self._buf[:at], self._buf[at + len(_END):]  # the call's own brace is not theirs
+                self._phase = "between"
+            else:
+                keep = _partial(self._buf, _END)
+                piece, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            if piece:
+                out.append(self._arguments(piece))
+        else:  # over: nothing more is sent
+            self._buf = ""
 
+    def _block(self, out: list[dict[str, Any]]) -> None:
+        """Inside a ``<tool_call>`` block: open a constrained call by its name, or wait for the block's end."""
+        if self._forced:
+            header = _HEADER.match(self._buf)
+            if header is not None and header.group(1) in self.use.names():
+                out.append(self._open(header.group(1)))
+                self._buf = self._buf[header.end():]
+                self._phase = "args"
+                return
+        at = self._buf.find(CLOSE)
+        if at < 0:
+            return
+        block, self._buf = self._buf[:at], self._buf[at + len(CLOSE):]
+        call = _call(block.strip(), self.use.names())
+        if call is not None:
+            out.append(self._open(call["function"]["name"]))
+            out.append(self._arguments(call["function"]["arguments"]))
+            self._phase = "between"
+        elif not self.called:  # the first block is no call: the reply is all content, from here on too
+            out.append({"content": self._raw[: len(self._raw) - len(self._buf)]})
+            self._phase = "plain"
+        else:  # a later block is no call: the calls end here
+            self._phase = "over"
+            self._buf = ""
+
+    def _open(self, name: str) -> dict[str, Any]:
+        self._calls += 1
+        return {"tool_calls": [{"index": self._calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _arguments(self, piece: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self._calls - 1, "function": {"arguments": piece}}]}
