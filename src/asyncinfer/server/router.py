@@ -346,7 +346,8 @@ class _OpenAI:
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
-        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0)
+        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0,
+                                  body.field)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
         g = self._generation(body, call, False, len(body.prompts))
@@ -370,22 +371,23 @@ class _OpenAI:
                        for p in prompts]
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
         prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
-        return await self._stream(call, g.reply, streams, n, prompt_tokens)
+        return await self._stream(call, g.reply, streams, n, prompt_tokens, body.field)
 
     async def _stream(self, call: _Call, reply: Reply, streams: Sequence[AsyncIterator[StreamDelta]], n: int,
-                      prompt_tokens: int) -> Response:
-        """Prime the streams (errors are still 4xx/5xx here), then answer 200 with their SSE events."""
+                      prompt_tokens: int, rename: Callable[[str], str]) -> Response:
+        """Prime the streams (errors are still 4xx/5xx here), then answer 200 with their SSE events (an error
+        after the 200 is an event, its ``param`` the body's field, ``rename``)."""
         merged = MergedStreams(streams)
         try:
             await unless_disconnected(call.request, merged.prime())
         except BaseException:
             merged.close()
             raise
-        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens), merged.close,
+        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens, rename), merged.close,
                            {"x-request-id": call.id})
 
     async def _events(self, merged: MergedStreams, reply: Reply, call: _Call, n: int, num_prompts: int,
-                      prompt_tokens: int) -> AsyncIterator[bytes]:
+                      prompt_tokens: int, rename: Callable[[str], str]) -> AsyncIterator[bytes]:
         completion_tokens = 0
         try:
             if reply.chat:
@@ -402,7 +404,7 @@ class _OpenAI:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
         except Exception as exc:  # the 200 is gone: the error travels as an event, as OpenAI sends it
-            yield sse(from_exception(exc, call.id).body())
+            yield sse(from_exception(exc, call.id, rename).body())
 
     # -------------------------------------------------------------- embeddings
     async def _embed(self, body: EmbeddingRequest, call: _Call) -> Response:
