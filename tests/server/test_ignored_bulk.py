@@ -34,6 +34,7 @@ from asyncinfer.server.settings import ServerSettings
 
 LIMIT = ServerSettings().max_body_bytes
 HEAD = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"'
+PARTS = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": ['
 MAX_PEAK = 256 * 1024  # bytes a decode may allocate: a few objects, never the bulk (~1.3M lists)
 
 
@@ -64,12 +65,14 @@ ACCEPTED = [  # bodies whose bulk is ignored: they parse, to the same request as
     ("prompt_cache_key", HEAD + b'}], "prompt_cache_key": ' + BULK + b"}"),
     ("a message's `name`", HEAD + b', "name": ' + BULK + b"}]}"),
     ("a message's unknown key", HEAD + b', "x": ' + BULK + b"}]}"),
+    ("a content part's unknown key", PARTS + b'{"type": "text", "text": "hi", "cache_control": ' + BULK + b"}]}]}"),
 ]
 REFUSED = [  # bodies refused for a field holding the bulk, naming it, without building it
     ("chat", "bulk", HEAD + b'}], "bulk": ' + BULK + b"}"),
     ("chat", "metadata", HEAD + b'}], "metadata": ' + BULK + b"}"),
     ("chat", "logit_bias", HEAD + b'}], "logit_bias": ' + BULK + b"}"),
     ("chat", "messages.[1]", HEAD + b"}, " + BULK + b"]}"),
+    ("chat", "messages.[0].content.[0]", PARTS + BULK + b"]}]}"),
     ("text", "logit_bias", b'{"model": "tiny", "prompt": "hi", "logit_bias": ' + BULK + b"}"),
     ("text", "bulk", b'{"model": "tiny", "prompt": "hi", "bulk": ' + BULK + b"}"),
     ("embed", "bulk", b'{"model": "minilm", "input": "hi", "bulk": ' + BULK + b"}"),

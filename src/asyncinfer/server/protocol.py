@@ -24,7 +24,7 @@ fields the server reads become Python objects. An unknown field is refused where
 its value unread; ignored and neutral-only fields are kept as their raw JSON text (``msgspec.Raw``),
 skipped by the decoder without building anything (``metadata`` is read only when its text fits
 OpenAI's limits, :data:`MAX_METADATA_BYTES`); each of ``messages`` is decoded into the keys a message
-has, its other keys skipped the same way. So a body full of bulk the server ignores costs a scan of
+has (its content parts into their ``type`` and ``text``), its other keys skipped the same way. So a body full of bulk the server ignores costs a scan of
 its bytes, never the objects. Value ranges are :class:`SamplingParams`'s own checks, but for ``temperature``: OpenAI's
 [0, 2] over HTTP (:data:`MAX_TEMPERATURE`; the Python API takes up to 1e4). Defaults are OpenAI's where
 they differ from the engine's: without `temperature` a request samples at 1.
@@ -103,8 +103,11 @@ def _shape(name: str, read: tuple[str, ...], skipped: tuple[str, ...]) -> type[m
     return msgspec.defstruct(name, fields, forbid_unknown_fields=True)
 
 
-# One message's shape: the keys chat reads; any other key (`name`, ...) skipped unread.
-_MESSAGE = msgspec.defstruct("ChatMessage", [(k, Any, msgspec.UNSET) for k in _MESSAGE_KEYS])
+# One message's shape: the keys chat reads; any other key (`name`, ...) skipped unread. Its `content`
+# is kept raw and read as a text or a list of parts, each part only for its `type` and `text`.
+_MESSAGE = msgspec.defstruct("ChatMessage", [(k, msgspec.Raw if k == "content" else Any, msgspec.UNSET)
+                                             for k in _MESSAGE_KEYS])
+_PART = msgspec.defstruct("ContentPart", [("type", Any, msgspec.UNSET), ("text", Any, msgspec.UNSET)])
 
 
 def _bad(param: str, message: str, code: str | None = None) -> APIError:
@@ -464,9 +467,34 @@ def _messages(raw: msgspec.Raw) -> Any:
         except RecursionError:
             raise _too_deep() from None
         fields = {k: v for k in _MESSAGE_KEYS if (v := getattr(message, k)) is not msgspec.UNSET}
+        if "content" in fields:
+            fields["content"] = _message_content(fields["content"])
         check_depth(fields, MAX_JSON_DEPTH - 2)  # body > messages > this message
         out.append(fields)
     return out
+
+
+def _message_content(raw: msgspec.Raw) -> Any:
+    """A message's ``content`` from its raw text: a text, ``None``, or a list of parts (each an object of
+    its ``type`` and ``text``, other keys skipped unread; an array part stands as an empty list, anything
+    else as itself); anything else as its raw text (refused by the caller, whatever it holds)."""
+    try:
+        return msgspec.json.decode(raw, type=str | None)  # type: ignore[arg-type]
+    except msgspec.ValidationError:
+        pass
+    try:
+        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        return raw
+    parts: list[Any] = []
+    for item in items:
+        try:
+            part = msgspec.json.decode(item, type=_PART)
+        except msgspec.ValidationError:  # not an object: refused, naming its JSON type
+            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else msgspec.json.decode(item))
+            continue
+        parts.append({k: v for k in ("type", "text") if (v := getattr(part, k)) is not msgspec.UNSET})
+    return parts
 
 
 def _content(content: Any, role: str, where: str) -> str:
