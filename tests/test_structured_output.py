@@ -397,6 +397,60 @@ def test_a_profile_shows_the_mask_work(served: Served, tmp_path) -> None:
 
 
 @pytestmark_real
+def test_compiles_queue_in_a_pool_of_their_own_and_leave_the_shared_one_free(served: Served) -> None:
+    """One caller's many uncached specs each held a thread of anyio's shared pool (40) while compiling, so
+    everyone's off-loop work (a long prompt's tokenizing, a large body's decoding) waited behind them, and
+    as many compiles as were sent ran at once on the machine's cores. Now at most
+    MAX_CONCURRENT_COMPILES compile at once, in a limiter of their own; the rest wait their turn."""
+    import anyio
+
+    from asyncinfer.intake import MAX_CONCURRENT_COMPILES
+
+    grammars = served.engine.core.grammars
+    assert grammars is not None
+    compile_ = grammars.compile
+    release, lock = threading.Event(), threading.Lock()
+    running, most = [0], [0]
+
+    def held(spec: StructuredOutput) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            release.wait(60)
+            return compile_(spec)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    patterns = [f"x{i}[a-z]{{2}}" for i in range(6)]
+
+    async def run() -> tuple[int, int, int, str, list[RequestOutput]]:
+        shared = anyio.to_thread.current_default_thread_limiter()
+        before = shared.borrowed_tokens
+        jobs = [asyncio.ensure_future(served.engine.generate(chat("Code?"), SamplingParams(
+            max_tokens=6, structured=StructuredOutput.regex(p)))) for p in patterns]
+        for _ in range(500):  # until the compiles' limiter is full
+            await asyncio.sleep(0.01)
+            if running[0] >= MAX_CONCURRENT_COMPILES:
+                break
+        await asyncio.sleep(0.3)  # time for any more to start, were they allowed to
+        held_now, borrowed = running[0], shared.borrowed_tokens - before
+        free = await anyio.to_thread.run_sync(lambda: "free")  # the shared pool serves meanwhile
+        release.set()
+        return held_now, borrowed, most[0], free, list(await asyncio.gather(*jobs))
+
+    grammars.compile = held  # type: ignore[method-assign]
+    try:
+        held_now, borrowed, most_at_once, free, outs = served.call(run())
+    finally:
+        release.set()
+        del grammars.compile
+    assert held_now == most_at_once == MAX_CONCURRENT_COMPILES
+    assert borrowed == 0 and free == "free"
+    assert [bool(re.fullmatch(p, out.text)) for p, out in zip(patterns, outs)] == [True] * len(patterns)
+
+
 def test_grammars_compile_in_a_worker_thread(served: Served) -> None:
     grammars = served.engine.core.grammars
     assert grammars is not None

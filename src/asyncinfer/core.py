@@ -510,7 +510,9 @@ class _StepTokens:
             accepted = matcher.accept(token_id)
             self.mask_seconds += time.perf_counter() - start
             if not accepted:
-                self.fail(request, "its grammar", ValueError(f"token {token_id} is not allowed: {matcher.error}"))
+                spec = request.params.structured
+                assert spec is not None  # a matcher is made for a structured request only
+                self.fail(request, "its grammar", matcher.refusal(spec, token_id))
                 request.status = RequestStatus.FINISHED_ABORTED  # apply_step hands it to finish_requests
                 return
         text, stop_hit = ("", False)

@@ -78,6 +78,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(blocked, float("-inf"))
 
 
+MAX_REASON_CHARS = 300  # of the library's reason quoted in an error
+
+
 class GrammarMatcher:
     """One sample's position in its grammar (engine thread only)."""
 
@@ -104,6 +107,17 @@ class GrammarMatcher:
     def error(self) -> str:
         """The matcher's error ("" when none)."""
         return str(self._m.get_error())
+
+    def refusal(self, spec: StructuredOutput, token_id: int) -> InvalidParameterError:
+        """The request's error when its grammar could not follow a token its own mask allowed: the library
+        gave up on the spec mid-way (e.g. a regex whose lexer needs more states than the library's limits
+        allow), a fault of the spec, named as ``structured``; the library's reason without its state dump."""
+        reason = self.error.split("<state>", 1)[0].strip() or "no reason given"
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS] + "..."
+        return InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} the grammar library can follow "
+                                                                 f"within its limits (it stopped at token {token_id}: "
+                                                                 f"{reason})")
 
 
 class CompiledGrammar:

@@ -9,7 +9,10 @@ when that version still serves. Nothing awaits between ``bind`` returning and th
 request being posted to the engine thread. A structured request's grammar
 (``SamplingParams.structured``) is compiled for the bound version in ``bind`` too: from
 the version's cache, or in a worker thread (never on the loop), so that a spec the
-grammar library refuses is an :class:`InvalidParameterError` before anything is queued.
+grammar library refuses is an :class:`InvalidParameterError` before anything is queued. At most
+:data:`MAX_CONCURRENT_COMPILES` compiles run at once per engine, in threads of their own limiter: a
+caller sending many costly specs queues behind itself, and never holds the worker threads (anyio's
+shared pool) that other callers' tokenizing and body decoding use.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -60,6 +63,10 @@ class IntakeObserver(Protocol):
     def track(self, request: Request, version_id: int) -> None: ...  # bound; posted before the next await
 
 
+#: Grammar compiles (cache misses) running at once in one engine; the others wait their turn.
+MAX_CONCURRENT_COMPILES = 2
+
+
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
 
@@ -68,6 +75,7 @@ class RequestIntake:
         self.streams = streams
         self._observer = observer
         self._ids = itertools.count()
+        self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
 
     def check(
         self,
@@ -143,7 +151,7 @@ class RequestIntake:
             grammar = core.grammars.cached(spec) if core.grammars is not None else None
             if grammar is not None:
                 return version, ids, grammar
-            grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec)
+            grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec, limiter=self.compiles)
             check_running()
             if self.models.generator(model).current is version:  # else a swap moved it on: bind again
                 return version, ids, grammar

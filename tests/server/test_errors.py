@@ -277,11 +277,16 @@ def test_every_answer_has_a_request_id(http) -> None:
 @pytest.mark.parametrize("depth", [33, 1000, 200_000])
 def test_a_deeply_nested_body_is_a_clean_400(http, depth) -> None:
     nested = b"[" * depth + b"]" * depth
-    for content in (nested, b'{"model": "tiny", "prompt": "hi", "stop": ' + nested + b"}",
-                    b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + nested + b"}"):
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"'
+    for content in (b'{"model": "tiny", "prompt": "hi", "stop": ' + nested + b"}",
+                    chat + b'}], "metadata": ' + nested + b"}",
+                    chat + b', "tool_calls": ' + nested + b"}]}"):  # inside a message
         r = http.post("/v1/completions" if b"prompt" in content else "/v1/chat/completions", content=content,
                       headers={"content-type": "application/json"})
         assert "nested deeper" in check_error(r, 400, None, None)["message"]
+    # a body that is no object is refused as such, at its first byte, before its nesting is read
+    r = http.post("/v1/chat/completions", content=nested, headers={"content-type": "application/json"})
+    assert check_error(r, 400, None, None)["message"] == "The request body must be a JSON object."
     ok = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json=ok).status_code == 200
 
@@ -290,8 +295,7 @@ def test_a_body_at_the_limit_full_of_ignored_data_is_refused_in_bounded_time() -
     """~4 MiB whose bulk is `metadata` (200k keys) was accepted, and two dozen such bodies at once held the
     workers for seconds: refused now, naming the field, the decode and check measured in this thread's CPU
     time (generous: a loaded machine; the body's decode, in C, is the bulk of it)."""
-    from asyncinfer.server.protocol import parse_chat
-    from asyncinfer.server.router import decode_json
+    from asyncinfer.server.protocol import CHAT_BODY, decode_json, parse_chat
     from asyncinfer.server.settings import ServerSettings
 
     metadata = {f"{i:06d}": "v" for i in range(200_000)}
@@ -299,7 +303,7 @@ def test_a_body_at_the_limit_full_of_ignored_data_is_refused_in_bounded_time() -
     assert 2_500_000 < len(raw) <= ServerSettings().max_body_bytes
     start = time.thread_time()
     with pytest.raises(server_errors.APIError) as refused:
-        parse_chat(decode_json(raw))
+        parse_chat(decode_json(raw, CHAT_BODY))
     assert time.thread_time() - start < 5.0
     assert (refused.value.status, refused.value.param) == (400, "metadata")
 

@@ -111,6 +111,30 @@ def test_a_bad_spec_is_a_400_naming_its_field_and_the_server_serves_on(server, h
     server.wait_idle()
 
 
+LEXER_BOMB = "a{1000}{1000}"  # compiles, then the library's lexer gives up at the first token (too many states)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_spec_the_library_gives_up_on_mid_way_is_a_400_not_a_500(server, http, stream) -> None:
+    """It was a 500 `internal_error` (the request failed with the library's ValueError and its whole state
+    dump): now the request's InvalidParameterError naming the body field, and the engine serves on."""
+    from asyncinfer.errors import InvalidParameterError, RequestFailedError
+
+    with pytest.raises(RequestFailedError) as failed:
+        server.call(server.engine.generate("a", SamplingParams(
+            max_tokens=4, structured=StructuredOutput.regex(LEXER_BOMB)), model="tiny"))
+    cause = failed.value.__cause__
+    assert isinstance(cause, InvalidParameterError) and cause.parameter == "structured"
+    assert "within its limits" in cause.allowed and "<state>" not in str(failed.value)
+    r = http.post("/v1/completions", json={**TEXT, "guided_regex": LEXER_BOMB, "stream": stream})
+    assert r.status_code == 400, r.text  # a stream too: it fails at its first token, before the 200
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "guided_regex"), error
+    assert "within its limits" in error["message"] and len(error["message"]) < 1000
+    assert http.post("/v1/completions", json=TEXT).status_code == 200
+    server.wait_idle()
+
+
 def test_guided_choice_and_regex_hold_on_the_tiny_model(server, client) -> None:
     """Even a random model's replies follow the constraint; the engine's own spec gives the same tokens."""
     got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,

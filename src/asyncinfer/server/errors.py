@@ -26,6 +26,7 @@ from asyncinfer.errors import (
     EngineDeadError,
     InvalidParameterError,
     RequestAbortedError,
+    RequestFailedError,
 )
 
 log = logging.getLogger("asyncinfer.server")
@@ -113,6 +114,8 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         retry = getattr(exc, "retry_after", None) or 1
         return APIError(503, f"The server is overloaded: {exc}", type="server_error", code="overloaded",
                         headers={"retry-after": str(max(1, round(retry)))})
+    if isinstance(exc, RequestFailedError) and isinstance(exc.__cause__, InvalidParameterError):
+        exc = exc.__cause__  # its own input failed it mid-way (a grammar the library gave up on): a 400
     if _is_template_error(exc):  # e.g. a template's raise_exception("roles must alternate")
         return APIError(400, f"The model's chat template refused these messages: {exc}", param=rename("prompt"))
     if isinstance(exc, InvalidParameterError):

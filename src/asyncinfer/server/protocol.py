@@ -16,7 +16,16 @@ A body is a JSON object. Its fields fall in four groups, per endpoint:
   field, so a client never silently gets something other than what it asked for.
 
 Any other field is a 400 ("Unrecognized request argument supplied"), as OpenAI
-answers. Value ranges are :class:`SamplingParams`'s own checks, but for ``temperature``: OpenAI's
+answers.
+
+A body is decoded (:func:`decode_json`) into its endpoint's shape (:data:`CHAT_BODY`,
+:data:`COMPLETION_BODY`, :data:`EMBEDDING_BODY`: msgspec Structs of the endpoint's fields): only the
+fields the server reads become Python objects. An unknown field is refused where the decoder meets it,
+its value unread; ignored and neutral-only fields are kept as their raw JSON text (``msgspec.Raw``),
+skipped by the decoder without building anything (``metadata`` is read only when its text fits
+OpenAI's limits, :data:`MAX_METADATA_BYTES`); each of ``messages`` is decoded into the keys a message
+has (its content parts into their ``type`` and ``text``), its other keys skipped the same way. So a body full of bulk the server ignores costs a scan of
+its bytes, never the objects. Value ranges are :class:`SamplingParams`'s own checks, but for ``temperature``: OpenAI's
 [0, 2] over HTTP (:data:`MAX_TEMPERATURE`; the Python API takes up to 1e4). Defaults are OpenAI's where
 they differ from the engine's: without `temperature` a request samples at 1.
 """
@@ -29,9 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.server.errors import APIError
+from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
 from asyncinfer.server.tools import ToolUse, parse_tool_use, render_assistant, render_tool_result
 from asyncinfer.structured import StructuredOutput
 
@@ -75,11 +86,105 @@ _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for respons
 # OpenAI's own bounds on `metadata` (ignored here, but checked so its bulk is refused, not carried)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
+# The most bytes of `metadata`'s JSON text that can hold OpenAI's largest (16 pairs of 64 + 512 characters,
+# each written as a 12-byte escaped surrogate pair), with room for spacing; a longer text is refused unread.
+MAX_METADATA_BYTES = MAX_METADATA_PAIRS * (12 * (MAX_METADATA_KEY_CHARS + MAX_METADATA_VALUE_CHARS) + 64) + 4096
+_MAX_NEUTRAL_BYTES = 64  # a neutral field's "off" value is a short literal (null, {}, [], "auto", ["text"], ...)
+MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "function_call")  # what a message is read for
+
+
+def _shape(name: str, read: tuple[str, ...], skipped: tuple[str, ...]) -> type[msgspec.Struct]:
+    """A body's msgspec shape: ``read`` fields decoded as any JSON, ``skipped`` ones kept as raw text;
+    an unknown field is a ``ValidationError`` where the decoder meets it."""
+    fields: list[tuple[str, Any, Any]] = [(f, Any, msgspec.UNSET) for f in read if f not in skipped]
+    fields += [(f, msgspec.Raw, msgspec.UNSET) for f in skipped]
+    return msgspec.defstruct(name, fields, forbid_unknown_fields=True)
+
+
+# One message's shape: the keys chat reads; any other key (`name`, ...) skipped unread. Its `content`
+# is kept raw and read as a text or a list of parts, each part only for its `type` and `text`.
+_MESSAGE = msgspec.defstruct("ChatMessage", [(k, msgspec.Raw if k == "content" else Any, msgspec.UNSET)
+                                             for k in _MESSAGE_KEYS])
+_PART = msgspec.defstruct("ContentPart", [("type", Any, msgspec.UNSET), ("text", Any, msgspec.UNSET)])
 
 
 def _bad(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+#: The endpoints' body shapes, for :func:`decode_json`.
+CHAT_BODY = _shape("ChatBody", _CHAT, ("messages", *_CHAT_IGNORED, *_CHAT_NEUTRAL))
+COMPLETION_BODY = _shape("CompletionBody", _COMPLETION, tuple(_COMPLETION_NEUTRAL))
+EMBEDDING_BODY = _shape("EmbeddingBody", _EMBEDDING, ())
+_UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.DOTALL)
+
+
+def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
+    """A request body as JSON, decoded into ``shape`` (one of the ``*_BODY`` shapes: then the dict of the
+    fields it holds, skipped ones as ``msgspec.Raw``) or whole (``None``). A 400 for a body that is not JSON,
+    not an object (with a shape), holds an unknown field (with a shape), or is nested deeper than
+    ``MAX_JSON_DEPTH`` in what was decoded (never a ``RecursionError`` from the decoder, or later from
+    whatever walks the value)."""
+    try:
+        value = msgspec.json.decode(raw) if shape is None else msgspec.json.decode(raw, type=shape)
+    except msgspec.ValidationError as exc:  # only with a shape: its fields are any JSON, so the body's own
+        unknown = _UNKNOWN.fullmatch(str(exc))
+        if unknown is None:
+            raise APIError(400, "The request body must be a JSON object.") from None
+        raise _unrecognized(unknown.group(1)) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _too_deep() from None
+    if shape is not None:
+        value = {f: v for f in value.__struct_fields__ if (v := getattr(value, f)) is not msgspec.UNSET}
+    check_depth(value, MAX_JSON_DEPTH)
+    return value
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"The request body is nested deeper than this server reads ({MAX_JSON_DEPTH} levels).")
+
+
+def check_depth(value: Any, levels: int) -> None:
+    """A 400 when ``value`` holds containers more than ``levels`` levels below it (only what was decoded:
+    a ``msgspec.Raw`` is no container)."""
+    level: list[Any] = [value]
+    for _ in range(levels):  # one list of containers per level, so the walk stops at the limit
+        level = [child for node in level if isinstance(node, (list, dict))
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (list, dict))]
+        if not level:
+            return
+    raise _too_deep()
+
+
+def _unrecognized(key: str) -> APIError:
+    shown = key if len(key) <= MAX_SHOWN_NAME else f"{key[:MAX_SHOWN_NAME]}... ({len(key)} characters)"
+    return _bad(shown, f"Unrecognized request argument supplied: {shown}")
+
+
+def _is_null(value: Any) -> bool:
+    return value is None or (isinstance(value, msgspec.Raw) and len(value) == 4 and bytes(value) == b"null")
+
+
+_NOT_NEUTRAL = object()  # what a neutral field's raw text too long to be an "off" value stands for
+
+
+def _plain(value: Any, max_bytes: int) -> Any:
+    """A skipped field's value: decoded from its raw text when that is at most ``max_bytes`` long (else
+    ``_NOT_NEUTRAL``, unread); a value already decoded (a body given as a dict) as it is."""
+    if not isinstance(value, msgspec.Raw):
+        return value
+    if len(value) > max_bytes:
+        return _NOT_NEUTRAL
+    try:
+        return msgspec.json.decode(value)
+    except RecursionError:  # within a few KiB of text: nested past the decoder's limit
+        raise _too_deep() from None
 
 
 def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
@@ -91,15 +196,16 @@ def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
     out: dict[str, Any] = {}
     for key, value in body.items():
         if key in neutral:
+            value = _plain(value, _MAX_NEUTRAL_BYTES)
             if not any(value == ok and type(value) is type(ok) for ok in neutral[key]):
                 accepted = " or ".join(json.dumps(ok) for ok in neutral[key])
                 raise _bad(key, f"`{key}` is not supported by this server (accepted: {accepted}).",
                            "unsupported_parameter")
         elif key in allowed:
-            if value is not None:
+            if not _is_null(value):
                 out[key] = value
         elif key not in ignored:
-            raise _bad(key, f"Unrecognized request argument supplied: {key}")
+            raise _unrecognized(key)
     return out
 
 
@@ -297,8 +403,10 @@ def parse_chat(body: Any) -> ChatRequest:
 def _check_metadata(metadata: Any) -> None:
     """`metadata` (ignored) within OpenAI's limits: at most 16 pairs of strings, keys up to 64 characters,
     values up to 512."""
+    metadata = _plain(metadata, MAX_METADATA_BYTES)
     if metadata is None:
         return
+    check_depth(metadata, MAX_JSON_DEPTH - 1)  # as deep in the body as the limit allows
     if not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
             and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS
                     and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
@@ -310,6 +418,8 @@ def _check_metadata(metadata: Any) -> None:
 def chat_messages(value: Any) -> list[dict[str, str]]:
     """OpenAI messages as the engine's ``{"role", "content"}`` dicts (text parts joined by newlines; an
     assistant's ``tool_calls`` and ``tool`` results written as :mod:`asyncinfer.server.tools` renders them)."""
+    if isinstance(value, msgspec.Raw):
+        value = _messages(value)
     if not isinstance(value, list) or not value:
         raise _bad("messages", "`messages` must be a non-empty list of messages.")
     out = []
@@ -335,6 +445,56 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
             raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {role!r} ones.")
         out.append({"role": _ROLES[role], "content": content})
     return out
+
+
+def _messages(raw: msgspec.Raw) -> Any:
+    """``messages`` from its raw text: each message an object of the keys chat reads (any other key
+    skipped unread), a message that is no object left as its raw text (refused by the caller), and
+    ``None`` for anything but a list."""
+    try:
+        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        return None
+    except RecursionError:
+        raise _too_deep() from None
+    out: list[Any] = []
+    for item in items:
+        try:
+            message = msgspec.json.decode(item, type=_MESSAGE)
+        except msgspec.ValidationError:
+            out.append(item)
+            continue
+        except RecursionError:
+            raise _too_deep() from None
+        fields = {k: v for k in _MESSAGE_KEYS if (v := getattr(message, k)) is not msgspec.UNSET}
+        if "content" in fields:
+            fields["content"] = _message_content(fields["content"])
+        check_depth(fields, MAX_JSON_DEPTH - 2)  # body > messages > this message
+        out.append(fields)
+    return out
+
+
+def _message_content(raw: msgspec.Raw) -> Any:
+    """A message's ``content`` from its raw text: a text, ``None``, or a list of parts (each an object of
+    its ``type`` and ``text``, other keys skipped unread; an array part stands as an empty list, anything
+    else as itself); anything else as its raw text (refused by the caller, whatever it holds)."""
+    try:
+        return msgspec.json.decode(raw, type=str | None)  # type: ignore[arg-type]
+    except msgspec.ValidationError:
+        pass
+    try:
+        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        return raw
+    parts: list[Any] = []
+    for item in items:
+        try:
+            part = msgspec.json.decode(item, type=_PART)
+        except msgspec.ValidationError:  # not an object: refused, naming its JSON type
+            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else msgspec.json.decode(item))
+            continue
+        parts.append({k: v for k in ("type", "text") if (v := getattr(part, k)) is not msgspec.UNSET})
+    return parts
 
 
 def _content(content: Any, role: str, where: str) -> str:

@@ -34,9 +34,14 @@ from asyncinfer.server.auth import bearer, single_header
 from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    EMBEDDING_BODY,
+    MAX_JSON_DEPTH,
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    decode_json,
     parse_chat,
     parse_completion,
     parse_embedding,
@@ -45,7 +50,7 @@ from asyncinfer.server.responses import SSE_DONE, Reply, sse
 from asyncinfer.server.settings import MAX_TENANT_CHARS, ServerSettings, check_tenant_name
 from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
 
-__all__ = ["openai_router"]
+__all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
@@ -110,13 +115,14 @@ class _OpenAI:
 
     # ------------------------------------------------------------------ routes
     async def chat_completions(self, request: Request) -> Response:
-        return await self._call(request, "chatcmpl", parse_chat, self._chat, ChatRequest.rename)
+        return await self._call(request, "chatcmpl", parse_chat, self._chat, ChatRequest.rename, shape=CHAT_BODY)
 
     async def completions(self, request: Request) -> Response:
-        return await self._call(request, "cmpl", parse_completion, self._complete, CompletionRequest.rename)
+        return await self._call(request, "cmpl", parse_completion, self._complete, CompletionRequest.rename,
+                                shape=COMPLETION_BODY)
 
     async def embeddings(self, request: Request) -> Response:
-        return await self._call(request, "embd", parse_embedding, self._embed)
+        return await self._call(request, "embd", parse_embedding, self._embed, shape=EMBEDDING_BODY)
 
     async def models(self, request: Request) -> Response:
         return await self._call(request, "models", None, lambda _body, _call: self._models())
@@ -149,6 +155,7 @@ class _OpenAI:
         run: Callable[[_B, _Call], Awaitable[Response]],
         rename: Callable[[str], str] = lambda p: p,
         authorize: Callable[[Request], str | None] | None = None,
+        shape: type[msgspec.Struct] | None = None,
     ) -> Response:
         call_id = new_request_id(prefix)
         try:
@@ -156,7 +163,7 @@ class _OpenAI:
                 single_header(request, name)
             key = (authorize or self._authorize)(request)
             call = _Call(call_id, request, key, self._cache_salt(request, key))
-            body = await self._body(request, parse) if parse is not None else None
+            body = await self._body(request, parse, shape) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
             response = await run(body, call)  # type: ignore[arg-type]
@@ -237,9 +244,10 @@ class _OpenAI:
                                 "characters.", code="invalid_tenant")
         return tenant
 
-    async def _body(self, request: Request, parse: Callable[[Any], _B]) -> _B:
-        """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON and
-        checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
+    async def _body(self, request: Request, parse: Callable[[Any], _B], shape: type[msgspec.Struct] | None) -> _B:
+        """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON into
+        ``shape`` (its endpoint's fields, :func:`~asyncinfer.server.protocol.decode_json`: bulk in fields the
+        server ignores is skipped, never built) and checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
         thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
         declared as anything but JSON is a 415, unread."""
         _check_json_type(request.headers.get("content-type"))
@@ -263,7 +271,7 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw)))
+        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
@@ -338,7 +346,8 @@ class _OpenAI:
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
-        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0)
+        return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0,
+                                  body.field)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
         g = self._generation(body, call, False, len(body.prompts))
@@ -362,22 +371,23 @@ class _OpenAI:
                        for p in prompts]
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
         prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
-        return await self._stream(call, g.reply, streams, n, prompt_tokens)
+        return await self._stream(call, g.reply, streams, n, prompt_tokens, body.field)
 
     async def _stream(self, call: _Call, reply: Reply, streams: Sequence[AsyncIterator[StreamDelta]], n: int,
-                      prompt_tokens: int) -> Response:
-        """Prime the streams (errors are still 4xx/5xx here), then answer 200 with their SSE events."""
+                      prompt_tokens: int, rename: Callable[[str], str]) -> Response:
+        """Prime the streams (errors are still 4xx/5xx here), then answer 200 with their SSE events (an error
+        after the 200 is an event, its ``param`` the body's field, ``rename``)."""
         merged = MergedStreams(streams)
         try:
             await unless_disconnected(call.request, merged.prime())
         except BaseException:
             merged.close()
             raise
-        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens), merged.close,
+        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens, rename), merged.close,
                            {"x-request-id": call.id})
 
     async def _events(self, merged: MergedStreams, reply: Reply, call: _Call, n: int, num_prompts: int,
-                      prompt_tokens: int) -> AsyncIterator[bytes]:
+                      prompt_tokens: int, rename: Callable[[str], str]) -> AsyncIterator[bytes]:
         completion_tokens = 0
         try:
             if reply.chat:
@@ -394,7 +404,7 @@ class _OpenAI:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
         except Exception as exc:  # the 200 is gone: the error travels as an event, as OpenAI sends it
-            yield sse(from_exception(exc, call.id).body())
+            yield sse(from_exception(exc, call.id, rename).body())
 
     # -------------------------------------------------------------- embeddings
     async def _embed(self, body: EmbeddingRequest, call: _Call) -> Response:
@@ -452,29 +462,6 @@ def _check_json_type(content_type: str | None) -> None:
         return
     raise APIError(415, f"The request body must be JSON (Content-Type: application/json, UTF-8), got Content-Type "
                         f"{content_type[:100]!r}.", code="unsupported_media_type")
-
-
-MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
-
-
-def decode_json(raw: bytes) -> Any:
-    """A request body as JSON; a 400 for one that is not JSON or is nested deeper than ``MAX_JSON_DEPTH``
-    (never a ``RecursionError`` from the decoder, or later from whatever walks the value)."""
-    too_deep = APIError(400, f"The request body is nested deeper than this server reads ({MAX_JSON_DEPTH} levels).")
-    try:
-        value = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise too_deep from None
-    level: list[Any] = [value]
-    for _ in range(MAX_JSON_DEPTH):  # one list of containers per level, so the walk stops at the limit
-        level = [child for node in level if isinstance(node, (list, dict))
-                 for child in (node.values() if isinstance(node, dict) else node)
-                 if isinstance(child, (list, dict))]
-        if not level:
-            return value
-    raise too_deep
 
 
 def _escape_tenant(name: str) -> str:
