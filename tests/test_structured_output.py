@@ -573,7 +573,7 @@ SCHEMA = _objects(st.recursive(_LEAVES, lambda c: st.one_of(_arrays(c), _objects
 
 #: Distinct generated schemas the test decodes, each greedy and sampled.
 GENERATED_SCHEMAS = 200
-#: Schemas per Hypothesis example, submitted together (twice as many requests, batched by the engine).
+#: Schemas a Hypothesis example draws (distinct in it); examples are drawn until GENERATED_SCHEMAS distinct ones.
 SCHEMAS_PER_EXAMPLE = 25
 #: Room for a reply: the generated schemas are bounded (short strings, few items), so nearly all end by themselves.
 GENERATED_MAX_TOKENS = 128
@@ -585,41 +585,61 @@ def _canonical(schema: dict[str, Any]) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
-@pytestmark_real
-def test_generated_schemas_greedy_and_sampled_outputs_validate(served: Served) -> None:
-    """200 distinct generated schemas; every reply that ends by itself parses and validates, one cut by
-    max_tokens says "length", has max_tokens tokens and does not parse; at least MIN_COMPLETE of them end."""
-    done: set[str] = set()
-    finish: dict[str, int] = {"stop": 0, "length": 0}
+def _draw_distinct_schemas(count: int) -> list[dict[str, Any]]:
+    """``count`` distinct schemas drawn by Hypothesis (examples of SCHEMAS_PER_EXAMPLE until there are enough)."""
+    drawn: dict[str, dict[str, Any]] = {}
 
-    # Each example runs the model (2 x SCHEMAS_PER_EXAMPLE requests at once); no shrinking (a try costs seconds).
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    @settings(max_examples=4 * count // SCHEMAS_PER_EXAMPLE, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     @given(schemas=st.lists(SCHEMA, min_size=SCHEMAS_PER_EXAMPLE, max_size=SCHEMAS_PER_EXAMPLE, unique_by=_canonical))
-    def batch(schemas: list[dict[str, Any]]) -> None:
-        fresh = [s for s in schemas if _canonical(s) not in done][: GENERATED_SCHEMAS - len(done)]
-        jobs = []
-        for schema in fresh:
-            spec = StructuredOutput.json_schema(schema)
-            prompt = chat(f"Reply in JSON with the fields {', '.join(schema['properties'])}.")
-            jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, structured=spec)))
-            jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, temperature=1.0,
-                                                seed=len(done) + len(jobs), structured=spec)))
-        counts = {"stop": 0, "length": 0}
-        for (_, params), out in zip(jobs, served.generate_all(jobs)):
-            assert out.finish_reason in counts, out
-            counts[out.finish_reason] += 1
-            if out.finish_reason == "stop":
-                jsonschema.validate(json.loads(out.text), params.structured.schema)
-            else:  # cut: says so, never claims to be complete
-                assert out.finish_reason == "length" and len(out.token_ids) == GENERATED_MAX_TOKENS, out
-                with pytest.raises(json.JSONDecodeError):
-                    json.loads(out.text)
-        done.update(_canonical(s) for s in fresh)  # counted only once all of its replies passed
-        for reason, count in counts.items():
-            finish[reason] += count
+    def draw(schemas: list[dict[str, Any]]) -> None:
+        for schema in schemas:
+            if len(drawn) < count:
+                drawn.setdefault(_canonical(schema), schema)
 
-    batch()
-    assert len(done) == GENERATED_SCHEMAS
+    draw()
+    assert len(drawn) == count, f"Hypothesis drew {len(drawn)} distinct schemas, not {count}"
+    return list(drawn.values())
+
+
+@pytestmark_real
+def test_generated_schemas_greedy_and_sampled_outputs_validate(real_gguf) -> None:
+    """200 distinct generated schemas (objects, arrays, enums, nested objects, required fields, string
+    patterns and lengths, number bounds), each asked greedy and sampled, all 400 requests at once (one engine
+    batching up to 64): every reply that ends by itself parses and validates, one cut by max_tokens says
+    "length", has max_tokens tokens and does not parse; at least MIN_COMPLETE of them end by themselves.
+    The schemas are drawn first and decoded together (one batch's tail, not one a Hypothesis example), so a
+    failure names its schema and reply in the assertion rather than through Hypothesis's shrinking."""
+    schemas = _draw_distinct_schemas(GENERATED_SCHEMAS)
+    jobs = []
+    for i, schema in enumerate(schemas):
+        spec = StructuredOutput.json_schema(schema)
+        prompt = chat(f"Reply in JSON with the fields {', '.join(schema['properties'])}.")
+        jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, structured=spec)))
+        jobs.append((prompt, SamplingParams(max_tokens=GENERATED_MAX_TOKENS, temperature=1.0, seed=i,
+                                            structured=spec)))
+    # 64 replies at once of up to ~40 prompt and 128 output tokens: 11 blocks of 16 each (~0.5 GB of float32 KV).
+    block = AsyncEngine.plan_memory(real_gguf, max_model_len=256).block_bytes
+    served = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=256, max_num_seqs=64, seed=0,
+                                                kv_cache_memory=64 * 11 * block))
+    try:
+        outs = served.generate_all(jobs)
+    finally:
+        served.close()
+    finish = {"stop": 0, "length": 0}
+    for (_, params), out in zip(jobs, outs):
+        assert params.structured is not None
+        where = f"schema {_canonical(params.structured.schema)}, reply {out.text!r}"
+        assert out.finish_reason in finish, where
+        finish[out.finish_reason] += 1
+        if out.finish_reason == "stop":
+            try:
+                jsonschema.validate(json.loads(out.text), params.structured.schema)
+            except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+                raise AssertionError(f"{where}: {exc}") from exc
+        else:  # cut: says so, never claims to be complete
+            assert len(out.token_ids) == GENERATED_MAX_TOKENS, where
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(out.text)
     assert finish["stop"] + finish["length"] == 2 * GENERATED_SCHEMAS
     assert finish["stop"] >= MIN_COMPLETE * 2 * GENERATED_SCHEMAS, finish
