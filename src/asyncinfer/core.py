@@ -542,6 +542,13 @@ class _StepTokens:
 
 
 def _log_fault(what: str, request: Request, exc: BaseException) -> None:
+    """A fault the engine did not expect: an error with its traceback. The request's own input refused on the
+    way (an ``InvalidParameterError``: a grammar that gives up mid-reply): one warning line, no traceback, so
+    that a caller sending such input cannot fill the log with tracebacks."""
+    if isinstance(exc, InvalidParameterError):
+        logger.warning("request %r fails alone: %s: %s (the engine serves on)",
+                       request.group_id, what, exception_text(exc))
+        return
     logger.error("request %r fails alone: %s: %s (the engine serves on)",
                  request.group_id, what, exception_text(exc), exc_info=exc)
 

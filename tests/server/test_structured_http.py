@@ -8,6 +8,7 @@ real default model (SmolLM2-135M) shows the constraints work end to end: a JSON 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from unittest.mock import ANY
 
@@ -115,14 +116,18 @@ LEXER_BOMB = "a{1000}{1000}"  # compiles, then the library's lexer gives up at t
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_spec_the_library_gives_up_on_mid_way_is_a_400_not_a_500(server, http, stream) -> None:
+def test_a_spec_the_library_gives_up_on_mid_way_is_a_400_not_a_500(server, http, stream, caplog) -> None:
     """It was a 500 `internal_error` (the request failed with the library's ValueError and its whole state
-    dump): now the request's InvalidParameterError naming the body field, and the engine serves on."""
+    dump): now the request's InvalidParameterError naming the body field, and the engine serves on. The
+    caller's own input is logged as one warning line, never an error with a traceback (a caller sending
+    many could fill the log)."""
     from asyncinfer.errors import InvalidParameterError, RequestFailedError
 
-    with pytest.raises(RequestFailedError) as failed:
+    with caplog.at_level(logging.WARNING), pytest.raises(RequestFailedError) as failed:
         server.call(server.engine.generate("a", SamplingParams(
             max_tokens=4, structured=StructuredOutput.regex(LEXER_BOMB)), model="tiny"))
+    logged = [r for r in caplog.records if "fails alone" in r.getMessage()]
+    assert logged and all(r.levelno == logging.WARNING and not r.exc_info for r in logged), logged
     cause = failed.value.__cause__
     assert isinstance(cause, InvalidParameterError) and cause.parameter == "structured"
     assert "within its limits" in cause.allowed and "<state>" not in str(failed.value)
