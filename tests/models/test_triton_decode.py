@@ -358,22 +358,28 @@ def test_triton_is_cudas_default_backend_and_never_the_cpus(monkeypatch: pytest.
 def test_cuda_triton_backend_matches_sdpa(name: str) -> None:
     """On the device, compiled: the same cases as the interpreter's (those with head_dim 128, a window or a
     soft cap, and every backend case), against SDPA on the device and the float64 reference."""
-    spec = SPECS[name]
-    case = make_case(spec, device="cuda")
+    check_on_device(SPECS[name], "cuda")
+
+
+def check_on_device(spec: Spec, device: str) -> None:
+    """The kernel (or the backend) on ``device`` against SDPA there and the float64 reference (on "cuda"
+    compiled; on "cpu" only in a process started with TRITON_INTERPRET=1)."""
+    case = make_case(spec, device=device)
     inputs = case.worker_input()
     if spec.kind == "kernel":
         out = paged_decode_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
                                      inputs["context_lens"], inputs["scale"], window=spec.window, softcap=spec.softcap)
     else:
-        backend = select_attention_backend("cuda")
+        backend = select_attention_backend("cuda")  # the class CUDA gets (selecting touches no device)
         assert isinstance(backend, TritonDecodeBackend)
         meta = backend.build_metadata(query_lens=inputs["query_lens"], context_lens=inputs["context_lens"],
                                       block_tables=inputs["block_tables"], slot_mapping=inputs["slot_mapping"],
-                                      block_size=spec.block_size, device="cuda")
+                                      block_size=spec.block_size, device=device)
         out = backend.forward(case.q, case.k, case.v, (case.k_cache.clone(), case.v_cache.clone()), meta,
                               inputs["scale"], window=spec.window, softcap=spec.softcap)
-    torch.cuda.synchronize()
-    assert out.device.type == "cuda" and out.dtype == spec.dtype and torch.isfinite(out).all()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert out.device.type == device and out.dtype == spec.dtype and torch.isfinite(out).all()
     tol = TOL[spec.dtype] if spec.dtype != torch.float32 else 5e-5  # TF32-free; the GPU's exp differs a little
     torch.testing.assert_close(out.double().cpu(), reference(case), atol=tol, rtol=tol)
     sdpa_tol = max(sdpa_tolerance(spec), 2 * tol)
