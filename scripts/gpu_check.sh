@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA check, for a machine with an NVIDIA GPU and this repo's dependencies already
-# installed (it installs nothing). Runs the CUDA tests (`-m cuda`: the engine, the float16
-# format, swaps, torch_compile and the embedding model on the GPU against the CPU; the real
-# model against transformers), a short throughput benchmark (eager and torch_compile) and the embedding
-# batching benchmark on the GPU;
-# the timeouts add up to under 8 minutes.
+# installed (it installs nothing; Triton comes with CUDA builds of torch). Runs the CUDA tests
+# (`-m cuda`: the engine, the float16 format, swaps, torch_compile and the embedding model on the
+# GPU against the CPU; the real model against transformers; the Triton paged-decode attention
+# backend, compiled, against SDPA and a float64 reference, tests/models/test_triton_decode.py), a
+# short throughput benchmark (eager and torch_compile; on CUDA the engine decodes through the Triton
+# backend), the decode-attention microbenchmark (Triton against SDPA, benchmarks/paged_decode.py) and
+# the embedding batching benchmark on the GPU; the timeouts add up to under 8 minutes (475 s).
 #
 #   scripts/gpu_check.sh [all|tests|bench]     (default: all)
 #
@@ -29,7 +31,7 @@ fi
 rc=0
 if [[ $stage == all || $stage == tests ]]; then
     mapfile -t files < <(grep -rl "pytest.mark.cuda" tests --include='test_*.py' | sort)
-    timeout 150 "$py" -m pytest -q -m cuda -p no:cacheprovider -rs "${files[@]}" 2>&1 | tee "$out/cuda_tests.log" \
+    timeout 135 "$py" -m pytest -q -m cuda -p no:cacheprovider -rs "${files[@]}" 2>&1 | tee "$out/cuda_tests.log" \
         || rc=1
 fi
 if [[ $stage == all || $stage == bench ]]; then
@@ -40,6 +42,8 @@ if [[ $stage == all || $stage == bench ]]; then
     timeout 85 "$py" benchmarks/throughput.py --device cuda --dtype float32 --num-requests 64 --max-num-seqs 64 \
         --skip-hf-single --skip-hf-static --skip-hf-cb --skip-roofline --skip-llamacpp --profile \
         --json "$out/throughput_cuda_float32.json" 2>&1 | tee "$out/throughput_cuda_float32.log" || rc=1
+    timeout 25 "$py" benchmarks/paged_decode.py --device cuda --json "$out/paged_decode_cuda.json" 2>&1 \
+        | tee "$out/paged_decode_cuda.log" || rc=1
     timeout 70 "$py" benchmarks/embeddings.py --device cuda --concurrency 1 16 64 --requests 128 \
         --json "$out/embeddings_cuda.json" 2>&1 | tee "$out/embeddings_cuda.log" || rc=1
 fi

@@ -168,3 +168,16 @@ def test_the_embedding_step_benchmark_runs(real_gguf, tmp_path) -> None:
         assert {mode: len(v) for mode, v in row["per_step_cpu_ms"].items()} == {"float32": 1, "blocks": 1,
                                                                                 "torch_rows": 1}
     assert "blocks/float32" in done.stdout and "memory" not in result
+
+
+def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
+    """On a CPU the kernel runs in Triton's interpreter (the script sets TRITON_INTERPRET in its own process)."""
+    out = tmp_path / "paged_decode.json"
+    done = run_script("paged_decode.py", "--device", "cpu", "--batch", "1", "3", "--context", "9", "--heads", "4",
+                      "--kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--dtype", "float32", "--warmup", "0",
+                      "--iters", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(row["batch"], row["context"]) for row in result["rows"]] == [(1, 9), (3, 9)]
+    assert all(row["max_abs_diff"] < 1e-5 and row["kv_bytes"] == 2 * row["batch"] * 9 * 2 * 16 * 4
+               for row in result["rows"])

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.models.attention.sdpa import SdpaBackend
+from asyncinfer.models.attention.triton_backend import TritonDecodeBackend
 from tests.helpers import greedy, hf_logits
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,6 +23,8 @@ async def test_cuda_fp32_tokens_equal_cpu(tiny_models) -> None:
     for device in ("cpu", "cuda"):
         engine = AsyncEngine.from_pretrained(path, device=device, dtype="float32",
                                              kv_cache_memory=8 * 2**20, max_model_len=256)
+        # CUDA decodes through the Triton paged-decode kernel (its default where triton imports), the CPU in SDPA.
+        assert type(engine.core.runner.decode.attention) is (TritonDecodeBackend if device == "cuda" else SdpaBackend)
         async with engine:
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         results[device] = [o.token_ids for o in outs]

@@ -9,6 +9,7 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models import AttentionBackend, select_attention_backend
 from asyncinfer.models.attention import available_attention_backends, base, register_attention_backend
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+from asyncinfer.models.attention.triton_backend import TritonDecodeBackend
 from tests.helpers import PagedRunner
 
 
@@ -35,9 +36,11 @@ class CudaOnlyBackend(SdpaBackend):
     device_types = ("cuda",)
 
 
-def test_sdpa_is_the_default_on_every_device_type() -> None:
+def test_sdpa_is_the_cpu_default_and_triton_the_cuda_one() -> None:
     assert type(select_attention_backend(torch.device("cpu"))) is SdpaBackend
-    assert type(select_attention_backend("cuda:1")) is SdpaBackend  # selecting touches no device
+    # Triton imports here (the dev extra): CUDA decodes in its kernel (its fallback: tests/models/test_triton_decode.py).
+    assert type(select_attention_backend("cuda:1")) is TritonDecodeBackend  # selecting touches no device
+    assert type(select_attention_backend("cuda:1", "sdpa")) is SdpaBackend
     assert type(select_attention_backend("cpu", "sdpa")) is SdpaBackend
     assert "sdpa" in available_attention_backends()
 
@@ -70,6 +73,8 @@ def test_registered_backend_by_name_and_as_a_device_default(clean_registry) -> N
     assert type(select_attention_backend("cpu")) is SdpaBackend  # not the default until it says so
     register_attention_backend(CountingBackend, default_for=("cpu",))
     assert type(select_attention_backend("cpu")) is CountingBackend
+    assert type(select_attention_backend("cuda")) is TritonDecodeBackend  # CUDA keeps its own default
+    register_attention_backend(SdpaBackend, default_for=("cuda",))  # how to run CUDA on SDPA again
     assert type(select_attention_backend("cuda")) is SdpaBackend
     with pytest.raises(InvalidParameterError):
         register_attention_backend(object)  # type: ignore[arg-type]

@@ -9,8 +9,9 @@ A scheduling policy that needs the cost of padding asks the backend through
 :meth:`AttentionBackend.decode_padding` (plain Python; the engine hands the
 bound function to the scheduler, which never imports torch or models).
 
-Built-in backends are imported only when selected (``_BUILTIN``); a CUDA
-kernel (Triton, FlashInfer) or a faster CPU kernel slots in with
+Built-in backends are imported only when selected (``_BUILTIN``: "sdpa", and
+"triton", the CUDA default where the triton package imports); another CUDA
+kernel (FlashInfer) or a faster CPU kernel slots in with
 :func:`register_attention_backend` (optionally as a device's default), or by a
 ``"package.module:Class"`` path passed as ``name``.
 
@@ -157,10 +158,16 @@ class AttentionMetadata:
 
 
 # Lazily imported built-ins: a backend costs nothing until it is selected.
-_BUILTIN: dict[str, str] = {"sdpa": "asyncinfer.models.attention.sdpa:SdpaBackend"}
+_BUILTIN: dict[str, str] = {
+    "sdpa": "asyncinfer.models.attention.sdpa:SdpaBackend",
+    "triton": "asyncinfer.models.attention.triton_backend:TritonDecodeBackend",  # needs the triton package
+}
 _REGISTERED: dict[str, type[AttentionBackend]] = {}
-# The backend a device type gets when none is named; a type not listed gets "sdpa".
+# The backend a device type gets when none is named, as registered (register_attention_backend's default_for).
 _DEVICE_DEFAULTS: dict[str, str] = {}
+# Where nothing is registered for a device type: its built-in defaults, best first, the first that imports
+# here taken ("triton" where the triton package imports; CUDA builds of torch ship it); else "sdpa".
+_BUILTIN_DEVICE_DEFAULTS: dict[str, tuple[str, ...]] = {"cuda": ("triton", "sdpa")}
 
 
 def register_attention_backend(
@@ -194,18 +201,32 @@ def select_attention_backend(
     """A fresh instance of the backend ``name`` (default: ``device``'s default backend).
 
     ``name``: a registered or built-in name, an :class:`AttentionBackend` subclass,
-    or a ``"package.module:Class"`` path.
+    or a ``"package.module:Class"`` path. A device's default is the backend registered as its default,
+    else its first built-in default that imports here: on CUDA "triton" (decodes in the Triton
+    paged-attention kernel) when the triton package imports, else "sdpa"; "sdpa" on every other device.
 
     Raises:
         InvalidParameterError: an unknown name or path, not an AttentionBackend
             subclass, or a backend that does not run on ``device``'s type.
     """
     device_type = _device_type(device)
-    spec = _DEVICE_DEFAULTS.get(device_type, "sdpa") if name is None else name
+    if name is None and device_type not in _DEVICE_DEFAULTS:
+        return _builtin_default(device_type)()
+    spec = _DEVICE_DEFAULTS[device_type] if name is None else name
     cls = _resolve(spec)
     if device_type not in cls.device_types:
         raise InvalidParameterError("attention_backend", spec, f"a backend that runs on {device_type!r}")
     return cls()
+
+
+def _builtin_default(device_type: str) -> type[AttentionBackend]:
+    """The first of ``device_type``'s built-in defaults whose module imports ("sdpa" always does)."""
+    for name in _BUILTIN_DEVICE_DEFAULTS.get(device_type, ()):
+        try:
+            return _resolve(name)
+        except InvalidParameterError:  # its module does not import here (no triton package)
+            continue
+    return _resolve("sdpa")
 
 
 def _device_type(device: Any) -> str:

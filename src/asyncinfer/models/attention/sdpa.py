@@ -54,8 +54,10 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
     device_types = ("cpu", "cuda")
-    #: Decodes through asyncinfer's CPU kernel (:func:`asyncinfer.kernels.decode_attention`), which reads
-    #: K/V blocks in place instead of gathering them: fixed by the class (:class:`KernelDecodeSdpaBackend`).
+    #: Decodes through a kernel that reads K/V blocks in place instead of gathering them, so the metadata
+    #: builds no decode masks: fixed by the class. :class:`KernelDecodeSdpaBackend`'s is asyncinfer's CPU
+    #: kernel (:func:`asyncinfer.kernels.decode_attention`, in this class's ``forward``); a subclass with its
+    #: own kernel overrides ``forward`` (the Triton backend, :mod:`asyncinfer.models.attention.triton_backend`).
     decodes_in_kernel: ClassVar[bool] = False
 
     def build_metadata(
@@ -412,14 +414,15 @@ def _step_masks(meta: SdpaMetadata, window: int | None) -> _StepMasks:
 
 def _masked_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: SdpaMetadata, scale: float, window: int | None, softcap: float | None,
+    meta: SdpaMetadata, scale: float, window: int | None, softcap: float | None, *, decodes: bool = True,
 ) -> torch.Tensor:
-    """:meth:`SdpaBackend.forward` for a layer with a window or soft-capped scores (k/v already written)."""
+    """:meth:`SdpaBackend.forward` for a layer with a window or soft-capped scores (k/v already written);
+    with ``decodes=False`` the prefill chunks only, the decodes' rows left for the caller to fill."""
     masks = _step_masks(meta, window)
     out = torch.empty_like(q)  # [T, H, D]
     nd = meta.num_decodes
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if nd:
+    if nd and decodes:
         num_heads = q.shape[1]
         qg = q[:nd].reshape(nd, kv_heads, num_heads // kv_heads, head_dim)  # [S, KVH, G, D]
         blocks = meta.decode_block_tables.reshape(-1)  # [S * nb]
