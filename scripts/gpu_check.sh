@@ -3,9 +3,9 @@
 # installed (it installs nothing; Triton comes with CUDA builds of torch). Runs the CUDA tests
 # (`-m cuda`: the engine, the float16 format, swaps, torch_compile and the embedding model on the
 # GPU against the CPU; the real model against transformers; the Triton paged-decode attention
-# backend, compiled, against SDPA and a float64 reference, tests/models/test_triton_decode.py), a
-# short throughput benchmark (eager and torch_compile; on CUDA the engine decodes through the Triton
-# backend), the decode-attention microbenchmark (Triton against SDPA, benchmarks/paged_decode.py) and
+# backend, compiled, against SDPA and a float64 reference, tests/models/test_triton_decode.py; the
+# engine's tokens with it registered as CUDA's default, tests/engine/test_cuda.py), a short throughput
+# benchmark (eager and torch_compile; SDPA, CUDA's default), the decode-attention microbenchmark (Triton against SDPA, benchmarks/paged_decode.py) and
 # the embedding batching benchmark on the GPU; the timeouts add up to under 8 minutes (475 s).
 #
 #   scripts/gpu_check.sh [all|tests|bench]     (default: all)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.models.attention import register_attention_backend
 from asyncinfer.models.attention.sdpa import SdpaBackend
 from asyncinfer.models.attention.triton_backend import TritonDecodeBackend
 from tests.helpers import greedy, hf_logits
@@ -16,20 +17,28 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 async def test_cuda_fp32_tokens_equal_cpu(tiny_models) -> None:
+    """The CPU (SDPA), CUDA's default (SDPA) and CUDA with the Triton paged-decode backend registered as its
+    default: the same greedy tokens."""
     path, _ = tiny_models["llama"]
     prompts = [[5 + i, 9, 17 + 2 * i, 33] * (i + 1) for i in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     results = {}
-    for device in ("cpu", "cuda"):
-        engine = AsyncEngine.from_pretrained(path, device=device, dtype="float32",
-                                             kv_cache_memory=8 * 2**20, max_model_len=256)
-        # CUDA decodes through the Triton paged-decode kernel (its default where triton imports), the CPU in SDPA.
-        assert type(engine.core.runner.decode.attention) is (TritonDecodeBackend if device == "cuda" else SdpaBackend)
-        async with engine:
-            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        results[device] = [o.token_ids for o in outs]
-        assert engine.kv_stats().used_blocks == 0
-    assert results["cuda"] == results["cpu"]
+    runs = [("cpu", SdpaBackend), ("cuda", SdpaBackend), ("cuda", TritonDecodeBackend)]
+    try:
+        for device, backend in runs:
+            if backend is TritonDecodeBackend:
+                register_attention_backend(TritonDecodeBackend, default_for=("cuda",))
+            engine = AsyncEngine.from_pretrained(path, device=device, dtype="float32",
+                                                 kv_cache_memory=8 * 2**20, max_model_len=256)
+            assert type(engine.core.runner.decode.attention) is backend
+            async with engine:
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            results[(device, backend.name)] = [o.token_ids for o in outs]
+            assert engine.kv_stats().used_blocks == 0
+    finally:  # CUDA's default back to SDPA for the other tests of this process
+        register_attention_backend(SdpaBackend, default_for=("cuda",))
+    assert results[("cuda", "sdpa")] == results[("cpu", "sdpa")]
+    assert results[("cuda", "triton")] == results[("cpu", "sdpa")]
 
 
 async def test_cuda_default_dtype_is_half_precision_and_serves(tiny_models) -> None:

@@ -36,10 +36,11 @@ class CudaOnlyBackend(SdpaBackend):
     device_types = ("cuda",)
 
 
-def test_sdpa_is_the_cpu_default_and_triton_the_cuda_one() -> None:
+def test_sdpa_is_the_default_everywhere_and_triton_opt_in_on_cuda() -> None:
     assert type(select_attention_backend(torch.device("cpu"))) is SdpaBackend
-    # Triton imports here (the dev extra): CUDA decodes in its kernel (its fallback: tests/models/test_triton_decode.py).
-    assert type(select_attention_backend("cuda:1")) is TritonDecodeBackend  # selecting touches no device
+    # Triton imports here (the dev extra) but is CUDA's only by name until a device run confirms it.
+    assert type(select_attention_backend("cuda:1")) is SdpaBackend  # selecting touches no device
+    assert type(select_attention_backend("cuda:1", "triton")) is TritonDecodeBackend
     assert type(select_attention_backend("cuda:1", "sdpa")) is SdpaBackend
     assert type(select_attention_backend("cpu", "sdpa")) is SdpaBackend
     assert "sdpa" in available_attention_backends()
@@ -73,9 +74,9 @@ def test_registered_backend_by_name_and_as_a_device_default(clean_registry) -> N
     assert type(select_attention_backend("cpu")) is SdpaBackend  # not the default until it says so
     register_attention_backend(CountingBackend, default_for=("cpu",))
     assert type(select_attention_backend("cpu")) is CountingBackend
-    assert type(select_attention_backend("cuda")) is TritonDecodeBackend  # CUDA keeps its own default
-    register_attention_backend(SdpaBackend, default_for=("cuda",))  # how to run CUDA on SDPA again
-    assert type(select_attention_backend("cuda")) is SdpaBackend
+    assert type(select_attention_backend("cuda")) is SdpaBackend  # CUDA keeps its own default
+    register_attention_backend(TritonDecodeBackend, default_for=("cuda",))  # how to decode CUDA in Triton
+    assert type(select_attention_backend("cuda")) is TritonDecodeBackend
     with pytest.raises(InvalidParameterError):
         register_attention_backend(object)  # type: ignore[arg-type]
 

@@ -338,16 +338,20 @@ def test_the_backend_metadata_carries_the_decodes_bounds_and_pads_nothing() -> N
     assert backend.decode_padding([5, 2, 17], 4) == 0 and SdpaBackend.decode_padding([5, 2], 4) == 9
 
 
-def test_triton_is_cudas_default_backend_and_never_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert type(select_attention_backend("cuda")) is TritonDecodeBackend
-    assert type(select_attention_backend(torch.device("cuda", 0))) is TritonDecodeBackend
+def test_triton_is_opt_in_on_cuda_and_never_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not CUDA's default until a device run confirms it (tested through the interpreter only): by name.
+    assert type(select_attention_backend("cuda")) is SdpaBackend
+    assert type(select_attention_backend("cuda", "triton")) is TritonDecodeBackend
+    assert type(select_attention_backend(torch.device("cuda", 0), "triton")) is TritonDecodeBackend
     assert type(select_attention_backend("cpu")) is SdpaBackend
     with pytest.raises(InvalidParameterError):
         select_attention_backend("cpu", "triton")
-    # Where the triton package does not import, CUDA falls back to SDPA.
+    # Where the triton package does not import, naming it is a typed error; CUDA's default is unchanged.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delitem(sys.modules, "asyncinfer.models.attention.triton_backend")
     monkeypatch.delitem(sys.modules, "asyncinfer.models.attention.triton_decode")
+    with pytest.raises(InvalidParameterError):
+        select_attention_backend("cuda", "triton")
     assert type(select_attention_backend("cuda")) is SdpaBackend
 
 
@@ -370,7 +374,7 @@ def check_on_device(spec: Spec, device: str) -> None:
         out = paged_decode_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
                                      inputs["context_lens"], inputs["scale"], window=spec.window, softcap=spec.softcap)
     else:
-        backend = select_attention_backend("cuda")  # the class CUDA gets (selecting touches no device)
+        backend = select_attention_backend("cuda", "triton")  # selecting touches no device
         assert isinstance(backend, TritonDecodeBackend)
         meta = backend.build_metadata(query_lens=inputs["query_lens"], context_lens=inputs["context_lens"],
                                       block_tables=inputs["block_tables"], slot_mapping=inputs["slot_mapping"],

@@ -1,9 +1,9 @@
 """Attention backends: one contract (:class:`AttentionBackend`), chosen per device.
 
 ``select_attention_backend(device, name=None)`` returns the backend a device
-runs ("sdpa", :mod:`asyncinfer.models.attention.sdpa`, except on CUDA where the
-triton package imports: "triton", :mod:`asyncinfer.models.attention.triton_backend`,
-decodes in a Triton paged-attention kernel); ``register_attention_backend`` adds one. See :mod:`asyncinfer.models.attention.base`
+runs ("sdpa", :mod:`asyncinfer.models.attention.sdpa`, on every device; "triton",
+:mod:`asyncinfer.models.attention.triton_backend`, decodes in a Triton paged-attention kernel on CUDA
+when named or registered as CUDA's default); ``register_attention_backend`` adds one. See :mod:`asyncinfer.models.attention.base`
 for the contract.
 """
 

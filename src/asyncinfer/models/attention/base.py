@@ -166,8 +166,9 @@ _REGISTERED: dict[str, type[AttentionBackend]] = {}
 # The backend a device type gets when none is named, as registered (register_attention_backend's default_for).
 _DEVICE_DEFAULTS: dict[str, str] = {}
 # Where nothing is registered for a device type: its built-in defaults, best first, the first that imports
-# here taken ("triton" where the triton package imports; CUDA builds of torch ship it); else "sdpa".
-_BUILTIN_DEVICE_DEFAULTS: dict[str, tuple[str, ...]] = {"cuda": ("triton", "sdpa")}
+# here taken; else "sdpa". "triton" is not among CUDA's defaults until a run on a device has confirmed it
+# (it is tested through Triton's interpreter only): select it by name or register it as CUDA's default.
+_BUILTIN_DEVICE_DEFAULTS: dict[str, tuple[str, ...]] = {"cuda": ("sdpa",)}
 
 
 def register_attention_backend(
@@ -202,8 +203,8 @@ def select_attention_backend(
 
     ``name``: a registered or built-in name, an :class:`AttentionBackend` subclass,
     or a ``"package.module:Class"`` path. A device's default is the backend registered as its default,
-    else its first built-in default that imports here: on CUDA "triton" (decodes in the Triton
-    paged-attention kernel) when the triton package imports, else "sdpa"; "sdpa" on every other device.
+    else its first built-in default that imports here: "sdpa" on every device ("triton", the Triton
+    paged-decode kernel, is opt-in on CUDA by name or as a registered default until a device run confirms it).
 
     Raises:
         InvalidParameterError: an unknown name or path, not an AttentionBackend
