@@ -186,8 +186,16 @@ class GrammarCompiler:
             raise InvalidParameterError("structured", _shown(spec), f"None: {missing}")
         import llguidance
 
-        grammar = _grammar_text(llguidance, spec)
-        matcher = llguidance.LLMatcher(self._vocabulary(spec), grammar, log_level=0)
+        vocabulary = self._vocabulary(spec)
+        try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
+            grammar = _grammar_text(llguidance, spec)
+            matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        except InvalidParameterError:
+            raise
+        except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
+            reason = str(exc).strip()[:MAX_REASON_CHARS]
+            raise InvalidParameterError("structured", _shown(spec),
+                                        f"a {_WHAT[spec.kind]} llguidance accepts: {reason}") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{matcher.get_error().strip()}")
