@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -166,3 +167,33 @@ def test_the_engine_refuses_such_specs_typed_and_serves_on(tiny_chat_model) -> N
             assert (await neighbour).outputs[0].token_ids == alone.outputs[0].token_ids
 
     asyncio.run(main())
+
+
+def _chain(rules: int) -> str:
+    """A GBNF grammar of ``rules`` chained rules: the converter's cost grows with their square."""
+    return "root ::= r0\n" + "\n".join(f'r{i} ::= "x{i}" | r{i + 1}' for i in range(rules)) + f'\nr{rules} ::= "end"'
+
+
+def test_a_long_gbnf_grammar_is_converted_outside_the_process(tiny_chat_model) -> None:
+    """llguidance's GBNF-to-Lark converter is pure Python, quadratic in the rules: 2,000 rules took ~4 s of
+    this process's CPU holding the GIL, and a neighbour's tokens took 17 times as long beside two such
+    compiles. Past GBNF_IN_PROCESS_CHARS it runs in a child interpreter: this process spends next to nothing,
+    and what the converter says (a valid grammar, or its reason to refuse one) is the same."""
+    from transformers import AutoTokenizer
+
+    from asyncinfer.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_chat_model), 320, [2])
+    compiler.compile(StructuredOutput.choice(["ok"]))  # the vocabulary view, built once
+    spec = StructuredOutput.grammar(_chain(2000))
+    assert len(spec.value) > 4096  # asyncinfer.grammar.GBNF_IN_PROCESS_CHARS
+    cpu = time.process_time()
+    with pytest.raises(InvalidParameterError) as refused:  # the library's lexer limit, after the conversion
+        compiler.compile(spec)
+    assert time.process_time() - cpu < 0.5
+    assert refused.value.parameter == "structured" and "too big" in refused.value.allowed
+    words = " | ".join(f'"w{i}"' for i in range(800))
+    assert compiler.compile(StructuredOutput.grammar(f"root ::= {words}")).spec.kind == "grammar"  # converted apart
+    with pytest.raises(InvalidParameterError) as refused:
+        compiler.compile(StructuredOutput.grammar(f"root ::= {words} | ("))
+    assert "GBNF or Lark" in refused.value.allowed
