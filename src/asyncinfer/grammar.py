@@ -273,6 +273,9 @@ def _gbnf_to_lark_apart(text: str) -> str:
                               timeout=GBNF_CONVERT_SECONDS, check=False)
     except subprocess.TimeoutExpired:
         raise ValueError(f"its conversion to Lark took over {GBNF_CONVERT_SECONDS:g} s") from None
+    except OSError as exc:  # no interpreter to start (an embedded Python whose sys.executable is not one)
+        raise ValueError(f"a grammar this long is converted in a child interpreter, which could not start "
+                         f"({type(exc).__name__}: {exc}); write it in Lark") from None
     if done.returncode != 0:
         lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
         raise ValueError(lines[-1] if lines else f"the converter exited with status {done.returncode}")
