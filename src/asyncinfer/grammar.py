@@ -22,6 +22,8 @@ structured request first needs it. Three objects:
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -186,8 +188,16 @@ class GrammarCompiler:
             raise InvalidParameterError("structured", _shown(spec), f"None: {missing}")
         import llguidance
 
-        grammar = _grammar_text(llguidance, spec)
-        matcher = llguidance.LLMatcher(self._vocabulary(spec), grammar, log_level=0)
+        vocabulary = self._vocabulary(spec)
+        try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
+            grammar = _grammar_text(llguidance, spec)
+            matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        except InvalidParameterError:
+            raise
+        except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
+            reason = str(exc).strip()[:MAX_REASON_CHARS]
+            raise InvalidParameterError("structured", _shown(spec),
+                                        f"a {_WHAT[spec.kind]} llguidance accepts: {reason}") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{matcher.get_error().strip()}")
@@ -232,10 +242,44 @@ def _grammar_text(llguidance: Any, spec: StructuredOutput) -> str:
         return M.grammar_from_regex(value)
     if spec.kind == "choice":
         return M.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
-    try:
-        return llguidance.grammar_from("grammar", value)  # GBNF converted to Lark, or Lark as it is
-    except ValueError as exc:
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if is_lark_syntax(value):
+        return M.grammar_from_lark(value)
+    try:  # GBNF, converted to Lark
+        lark = gbnf_to_lark(value) if len(value) <= GBNF_IN_PROCESS_CHARS else _gbnf_to_lark_apart(value)
+    except Exception as exc:  # noqa: BLE001 - the converter's own errors (a grammar it cannot read)
         raise InvalidParameterError("structured", _shown(spec), f"a GBNF or Lark grammar: {exc}") from None
+    return M.grammar_from_lark(lark)
+
+
+#: GBNF grammars longer than this are converted to Lark in a child interpreter (:func:`_gbnf_to_lark_apart`).
+GBNF_IN_PROCESS_CHARS = 4096
+#: The longest a child interpreter may take to convert a GBNF grammar; past it the spec is refused.
+GBNF_CONVERT_SECONDS = 20.0
+_CONVERT = ("import sys; from llguidance.gbnf_to_lark import gbnf_to_lark; "
+            "sys.stdout.buffer.write(gbnf_to_lark(sys.stdin.buffer.read().decode('utf-8')).encode('utf-8'))")
+
+
+def _gbnf_to_lark_apart(text: str) -> str:
+    """``text`` (GBNF) as Lark, converted by llguidance's converter in a child interpreter. The converter is
+    pure Python and quadratic in the rules (about 4 s of CPU for 2,000 rules, 0.06 s for 250): run here it
+    would hold this process's GIL all that time, and every thread that releases the GIL often (the engine
+    thread's step, the event loop) would wait for it at each turn (a neighbour's tokens took 17 times as
+    long beside two such compiles). Apart, it costs its own core and is cut off after
+    :data:`GBNF_CONVERT_SECONDS`. ValueError with the converter's reason when it fails."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CONVERT], input=text.encode("utf-8"), capture_output=True,
+                              timeout=GBNF_CONVERT_SECONDS, check=False)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"its conversion to Lark took over {GBNF_CONVERT_SECONDS:g} s") from None
+    except OSError as exc:  # no interpreter to start (an embedded Python whose sys.executable is not one)
+        raise ValueError(f"a grammar this long is converted in a child interpreter, which could not start "
+                         f"({type(exc).__name__}: {exc}); write it in Lark") from None
+    if done.returncode != 0:
+        lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"the converter exited with status {done.returncode}")
+    return done.stdout.decode("utf-8")
 
 
 def _lark_string(text: str) -> str:

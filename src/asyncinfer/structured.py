@@ -40,6 +40,30 @@ def _too_long(what: str, chars: int) -> InvalidParameterError:
     return InvalidParameterError(_NAME, f"<{what} of {chars} characters>", f"at most {MAX_SPEC_CHARS} characters")
 
 
+def _check_unicode(what: str, text: str) -> None:
+    """Refuse a text holding a lone surrogate (``"\\ud800"``): no grammar library can read it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameterError(_NAME, f"<a {what} with the lone surrogate {text[exc.start]!r} at index "
+                                           f"{exc.start}>",
+                                    "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)") from None
+
+
+def _load_json(text: str) -> object:
+    """``text`` parsed as JSON; InvalidParameterError when it is not JSON or is nested past what the parser
+    can follow (Python's ``json`` raises RecursionError there, which no caller expects)."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidParameterError(_NAME, text[:200], f"a JSON schema: not JSON ({exc})") from None
+    except RecursionError:
+        raise InvalidParameterError(_NAME, f"<a JSON text of {len(text)} characters nested too deeply to read>",
+                                    "a JSON schema nested at most 64 levels") from None
+
+
 def _canonical_json(schema: object) -> str:
     """``schema`` as compact JSON (its keys in their order); refuses anything JSON cannot hold exactly."""
 
@@ -106,6 +130,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             chars = sum(len(c) for c in value)
             if chars > MAX_SPEC_CHARS:
                 raise _too_long("choices", chars)
+            for c in value:
+                _check_unicode("choice", c)
             return
         if not isinstance(value, str):
             raise InvalidParameterError(_NAME, value, f"a string for kind={kind!r}")
@@ -117,11 +143,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidParameterError(_NAME, value, f"a non-empty {_WHAT[kind]}")
         if len(value) > MAX_SPEC_CHARS:
             raise _too_long(_WHAT[kind], len(value))
+        _check_unicode(_WHAT[kind], value)
         if kind == "json_schema":
-            try:
-                schema = json.loads(value)
-            except ValueError as exc:
-                raise InvalidParameterError(_NAME, value[:200], f"a JSON schema: not JSON ({exc})") from None
+            schema = _load_json(value)
             if not isinstance(schema, (dict, bool)):
                 raise InvalidParameterError(_NAME, value[:200], "a JSON schema (a JSON object)")
 
@@ -133,10 +157,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(schema, str):
             if len(schema) > MAX_SPEC_CHARS:
                 raise _too_long("JSON schema", len(schema))
-            try:
-                schema = json.loads(schema)
-            except ValueError as exc:
-                raise InvalidParameterError(_NAME, schema[:200], f"a JSON schema: not JSON ({exc})") from None
+            schema = _load_json(schema)
         if not isinstance(schema, Mapping):
             raise InvalidParameterError(_NAME, schema, "a JSON schema (a dict, or its JSON text)")
         text = _canonical_json(schema)

@@ -77,6 +77,7 @@ class ConnectionGuard(asyncio.Protocol):
         self._inner_open = False  # the inner protocol was told of the connection (so it must hear of its end)
         self._head_bytes: int | None = 0  # bytes of the request head being received (None: its end was seen)
         self._head_tail = b""  # the last bytes seen of it, to find an end split across reads
+        self._after_head = 0  # bytes since the head's end while its request is in flight (body, pipelined requests)
 
     # ------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -95,7 +96,7 @@ class ConnectionGuard(asyncio.Protocol):
             return  # drained while the refusal lingers
         if self._in_flight == 0:
             self._partial = True
-        if self._head_bytes is not None and self._head_too_long(data):
+        if self._head_too_long(data):
             self._refuse(APIError(431, f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
                                   type="invalid_request_error", code="headers_too_large"))
             return
@@ -132,18 +133,25 @@ class ConnectionGuard(asyncio.Protocol):
     def request_finished(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
-            self._head_bytes, self._head_tail = 0, b""  # the next request's head is counted afresh
+            self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
             self._arm()
 
     # ---------------------------------------------------------------- inside
     def _head_too_long(self, data: bytes) -> bool:
         """Count ``data`` into the request head until its end (an empty line) is seen; whether the head
-        has passed :data:`MAX_HEADER_BYTES` without ending."""
+        has passed :data:`MAX_HEADER_BYTES` without ending. Past its end, while its request is in flight, the
+        bytes that follow (its body, then any request pipelined behind it, whose head no parser here bounds:
+        httptools takes headers of any size) may be at most twice ``max_body_bytes`` plus
+        :data:`MAX_HEADER_BYTES` (a body over ``max_body_bytes`` is the app's 413 long before)."""
+        if self._head_bytes is None:
+            self._after_head += len(data)
+            return self._after_head > 2 * self._settings.max_body_bytes + MAX_HEADER_BYTES
         seen = self._head_tail + data
         end = seen.find(_HEAD_END)
         if end >= 0:
             total = (self._head_bytes or 0) - len(self._head_tail) + end + len(_HEAD_END)
-            self._head_bytes = None  # the rest is body (or the next pipelined request, counted by the server)
+            self._head_bytes = None  # the rest is body (or the next pipelined request), counted in _after_head
+            self._after_head = len(seen) - end - len(_HEAD_END)
             return total > MAX_HEADER_BYTES
         self._head_bytes = (self._head_bytes or 0) + len(data)
         self._head_tail = seen[-3:]

@@ -82,7 +82,7 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 _EMBEDDING = ("model", "input", "encoding_format", "dimensions", "user")
 
-_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_format.json_schema.name
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name (fullmatch)
 # OpenAI's own bounds on `metadata` (ignored here, but checked so its bulk is refused, not carried)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -338,7 +338,7 @@ def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
         raise _bad("response_format.json_schema", "`response_format.json_schema` must be an object with `name` and "
                                                   "`schema`.")
     name = spec.get("name")
-    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise _bad("response_format.json_schema.name", "`response_format.json_schema.name` must be 1 to 64 "
                                                        f"letters, digits, '_' or '-', got {name!r}.")
     for key, kinds, what in (("description", str, "a string"), ("strict", bool, "a boolean")):
@@ -394,7 +394,11 @@ def parse_chat(body: Any) -> ChatRequest:
     tool_use = parse_tool_use(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls"))
     if tool_use is not None:
         messages = tool_use.with_prompt(messages)
-        calls = tool_use.structured()
+        try:
+            calls = tool_use.structured()
+        except InvalidParameterError as exc:  # the tools fit one by one, their calls' grammar together does not
+            raise _bad("tools", f"`tools` cannot be constrained to: their calls' grammar is {exc.value} (allowed: "
+                                f"{exc.allowed}); offer fewer or smaller tools.") from None
         if calls is not None:
             _constrain(common, "tools", calls)
     return ChatRequest(**common, messages=messages, top_logprobs=top, tool_use=tool_use)

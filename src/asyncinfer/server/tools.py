@@ -32,7 +32,7 @@ __all__ = ["CallStream", "Tool", "ToolUse", "parse_tool_use", "read_calls", "ren
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (fullmatch: no final newline)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 #: How JSON is written in a constrained call (as ``StructuredOutput`` writes JSON: one line, json.dumps's separators).
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -136,7 +136,7 @@ def _tool(tool: Any, where: str) -> Tool:
         raise _bad(where, f'`{where}` must be {{"type": "function", "function": {{"name": ..., ...}}}}.')
     function = tool["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _bad(f"{where}.function.name", f"`{where}.function.name` must be 1 to 64 letters, digits, '_' or '-', "
                                              f"got {name!r}.")
     description = function.get("description")
@@ -167,8 +167,9 @@ def _choice(value: Any, have_tools: bool, names: set[str]) -> str:
         return str(value)
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
-        if name not in names:
-            raise _bad("tool_choice", f"`tool_choice` names the function {name!r}, which is not in `tools`.")
+        if not isinstance(name, str) or name not in names:  # (a list or an object is no name: unhashable too)
+            shown = repr(name) if len(repr(name)) <= 100 else repr(name)[:100] + "..."
+            raise _bad("tool_choice", f"`tool_choice` names the function {shown}, which is not in `tools`.")
         return str(name)
     raise _bad("tool_choice", '`tool_choice` must be "none", "auto", "required" or '
                               '{"type": "function", "function": {"name": ...}}.')
@@ -189,7 +190,7 @@ def render_assistant(content: str, tool_calls: Any, where: str) -> str:
         raw = function.get("arguments", "{}")
         try:
             arguments = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError:
+        except (ValueError, RecursionError):  # a string: the body's depth check never saw inside it
             raise _bad(f"{at}.function.arguments", f"`{at}.function.arguments` must be a JSON string.") from None
         call_json = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
         blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
@@ -205,9 +206,9 @@ def render_tool_result(content: str) -> dict[str, str]:
 def _call(block: str, names: set[str]) -> dict[str, Any] | None:
     try:
         value = json.loads(block)
-    except ValueError:
+    except (ValueError, RecursionError):  # what the model wrote: any text, nested as deep as it likes
         return None
-    if not isinstance(value, dict) or value.get("name") not in names:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, dict):
