@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             values = [key(x) for x in rs]  # a tiny smoke run can time a non-positive rate: then the plain mean
             return statistics.geometric_mean(values) if min(values) > 0 else statistics.fmean(values)
 
-        batched = lambda x: x["tokens_per_s"]  # noqa: E731
-        single = lambda x: x["single_decode"]["decode_tokens_per_s"]  # noqa: E731
-        cpu = lambda x: x["cpu_ms_per_token"]  # noqa: E731
+        batched = lambda x: x["tokens_per_s"]
+        single = lambda x: x["single_decode"]["decode_tokens_per_s"]
+        cpu = lambda x: x["cpu_ms_per_token"]
         rounds.append({
             "round": r + 1,
             "order": ", ".join(round_order(r, args.design)),
