@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,21 @@ def round_order(r: int, design: str) -> tuple[str, ...]:
     if design == "ab":
         return ("base", "head") if r % 2 == 0 else ("head", "base")
     return ("base", "head", "head", "base") if r % 2 == 0 else ("head", "base", "base", "head")
+
+
+#: The figures a round compares, each read from one run's result.
+FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
+    "batched": lambda run: run["tokens_per_s"],
+    "single": lambda run: run["single_decode"]["decode_tokens_per_s"],
+    "cpu": lambda run: run["cpu_ms_per_token"],
+}
+
+
+def round_mean(runs: list[dict[str, Any]], figure: Callable[[dict[str, Any]], float]) -> float:
+    """The geometric mean of ``figure`` over one revision's runs in a round (the plain mean where a tiny smoke
+    run timed a non-positive rate)."""
+    values = [figure(run) for run in runs]
+    return statistics.geometric_mean(values) if min(values) > 0 else statistics.fmean(values)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -336,27 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         b_runs = runs["base"][r * per_round:(r + 1) * per_round]
         h_runs = runs["head"][r * per_round:(r + 1) * per_round]
-
-        def mean(rs: list[dict[str, Any]], key: Any) -> float:
-            values = [key(x) for x in rs]  # a tiny smoke run can time a non-positive rate: then the plain mean
-            return statistics.geometric_mean(values) if min(values) > 0 else statistics.fmean(values)
-
-        batched = lambda x: x["tokens_per_s"]
-        single = lambda x: x["single_decode"]["decode_tokens_per_s"]
-        cpu = lambda x: x["cpu_ms_per_token"]
+        base = {name: round_mean(b_runs, figure) for name, figure in FIGURES.items()}
+        head = {name: round_mean(h_runs, figure) for name, figure in FIGURES.items()}
         rounds.append({
             "round": r + 1,
             "order": ", ".join(round_order(r, args.design)),
-            "base_tokens_per_s": mean(b_runs, batched),
-            "head_tokens_per_s": mean(h_runs, batched),
-            "throughput_ratio": mean(h_runs, batched) / mean(b_runs, batched),
-            "base_cpu_ms_per_token": mean(b_runs, cpu),
-            "head_cpu_ms_per_token": mean(h_runs, cpu),
+            "base_tokens_per_s": base["batched"],
+            "head_tokens_per_s": head["batched"],
+            "throughput_ratio": head["batched"] / base["batched"],
+            "base_cpu_ms_per_token": base["cpu"],
+            "head_cpu_ms_per_token": head["cpu"],
             # base CPU time over head CPU time: above 1 when the head spends less CPU a token
-            "cpu_ratio": mean(b_runs, cpu) / mean(h_runs, cpu),
-            "base_single_decode_tokens_per_s": mean(b_runs, single),
-            "head_single_decode_tokens_per_s": mean(h_runs, single),
-            "single_decode_ratio": mean(h_runs, single) / mean(b_runs, single),
+            "cpu_ratio": base["cpu"] / head["cpu"],
+            "base_single_decode_tokens_per_s": base["single"],
+            "head_single_decode_tokens_per_s": head["single"],
+            "single_decode_ratio": head["single"] / base["single"],
             "tokens": token_identity(b_runs[0]["token_ids"], h_runs[0]["token_ids"]),
         })
     identical = [x["tokens"]["identical"] for x in rounds]
