@@ -29,7 +29,7 @@ import torch
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 from transformers import AutoTokenizer, Phi3Config, PreTrainedTokenizerFast, Qwen3Config
 
-from asyncinfer import AsyncEngine, InvalidParameterError, kernels
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, kernels
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig, load_model, model_family
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
@@ -612,6 +612,21 @@ async def test_longrope_greedy_tokens_equal_transformers(longrope, source, fmt) 
     assert [out.metrics.num_preemptions for out in outs] == [1, 0, 1, 1]  # computed again once, at 33 tokens
     if fmt == "q8_0":
         assert type(runner.decode) is KernelDecode and kernel_decode_blocker(runner.model) is None
+
+
+async def test_longrope_samples_of_a_request_each_switch_once(longrope) -> None:
+    """``n = 3`` greedy samples forked from prompts of 32 tokens (forked at the switch itself) and of 20: each sample
+    is computed again on its own when it grows past the original context, and each equals ``generate()``'s tokens."""
+    base = _tokens(ORIGINAL, seed=17)
+    prompts = [base, base[:20]]
+    expected = [hf_greedy(longrope.hf, prompt, 24) for prompt in prompts]
+    engine = AsyncEngine.from_pretrained(longrope.hf_dir, **LONGROPE_OPTIONS, dtype="float32")
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, n=3, temperature=0))
+                                      for p in prompts))
+    for out, want in zip(outs, expected):
+        assert [sample.token_ids for sample in out.outputs] == [want] * 3
+        assert out.metrics.num_preemptions == 3  # one a sample
 
 
 def _longrope_dir(longrope: Family, tmp_path: Path, **rope: Any) -> Path:
