@@ -255,11 +255,24 @@ class EngineCore:
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
         result.mask_seconds = tokens.mask_seconds
+        self._switch_rope(result)
         self._count(result)
         outputs = self._outputs(result, tokens)
         if self.on_step is not None:
             self.on_step(batch, inputs, result, started)
         return outputs
+
+    def _switch_rope(self, result: StepResult) -> None:
+        """Preempt each request of a longrope model that has just grown past the model's original context: its K
+        were rotated with the short factors, every token of it rotates with the long ones from now on, so it is
+        computed again (as transformers' Phi-3 ``generate()`` computes the whole sequence again at that token;
+        :class:`asyncinfer.models.layers.RopeRows`). Counted as a preemption."""
+        rows = self.runner.rope_rows
+        if not rows.original:
+            return
+        for request, _ in result.sampled:
+            if request.status == RequestStatus.RUNNING and rows.switches(request.num_tokens):
+                self.scheduler.preempt(request)
 
     def fail_step(self, exc: BaseException) -> list[CoreOutput]:
         """Undo the step that raised ``exc`` and fail its requests; returns their final outputs.

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +257,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
                          compile_seconds=compile_seconds)
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching, prefix_group=_prefix_group(runner),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
@@ -276,6 +277,21 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         grammars=None if loaded.tokenizer is None else GrammarCompiler(loaded.tokenizer, mc.vocab_size, eos),
     )
     return plan, core
+
+
+def _prefix_group(runner: ModelRunner) -> Callable[[Request], Hashable] | None:
+    """The prefix cache's request groups (:class:`KVCacheManager`): none, except for a model whose K at a position
+    depend on the request (a longrope model's requests longer than the original context read other rope rows
+    below it; a request's group is taken when it gets its blocks, and one that grows past the original context is
+    computed again, in new blocks: ``EngineCore``)."""
+    rows = runner.rope_rows
+    if not rows.original:
+        return None
+
+    def long(request: Request) -> bool:
+        return rows.long(request.num_tokens)
+
+    return long
 
 
 def _kernel_formats(fmt: str) -> bool:

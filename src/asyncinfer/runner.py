@@ -20,6 +20,7 @@ from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models import ModelConfig
 from asyncinfer.models.decode_backends import DecodeBackend, ModelOutput, StepBatch
+from asyncinfer.models.layers import RopeRows
 from asyncinfer.request import Request
 
 __all__ = ["ModelOutput", "ModelRunner", "StepInputs"]
@@ -36,7 +37,8 @@ class StepInputs(StepBatch):
 class ModelRunner:
     """Owns the model weights, the preallocated paged KV tensors (laid out by ``spec``) and the one
     decode backend the model runs through (``decode``, chosen at load: its ``attention`` builds each
-    step's metadata)."""
+    step's metadata). ``rope_rows``: which rope-table row each token reads (its position, except a longrope
+    model's long requests below the original context), fixed by the config."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class ModelRunner:
         self.config = config
         self.spec = spec
         self.decode = decode
+        self.rope_rows = RopeRows.of(config)
         self.kv_caches = allocate_kv_caches(spec, num_blocks)
         self.compile_seconds = compile_seconds  # the load's compile time of the model's chains (torch_compile)
 
@@ -73,6 +76,7 @@ class ModelRunner:
         """Flatten the step's tokens; decodes first (one batched attention call covers them)."""
         order = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes, then prefills
         bs = self.block_size
+        rope_rows = self.rope_rows
         inputs = StepInputs([], [], [], [], [], [], [], [], [])
         for request, n in order:
             start = request.num_computed_tokens
@@ -80,7 +84,7 @@ class ModelRunner:
             table = block_tables[request.request_id]
             all_ids = request.all_token_ids if n > 1 else None
             inputs.input_ids.extend(all_ids[start:end] if all_ids is not None else [request.token_at(start)])
-            inputs.positions.extend(range(start, end))
+            rope_rows.extend(inputs.positions, request.num_tokens, start, end)
             inputs.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             inputs.query_lens.append(n)
             inputs.context_lens.append(end)

@@ -1,6 +1,8 @@
 """Qwen3 and Phi-3 (issue 23, item 3): from Hugging Face directories and from GGUF, token for token
 against transformers, on the torch reference decode and on the decode backend the engine selects, each
-with its chat template; unsupported rope types and architectures refused before any weight is read.
+with its chat template; Phi-3's longrope rope scaling past its original context (prefill, and greedy tokens against
+transformers' ``generate()``, which computes a sequence again when it grows past that context), bad longrope
+parameters refused by name; unsupported rope types and architectures refused before any weight is read.
 
 The tiny random models come from the families' own config classes (``tests.helpers.tiny_hf_model``:
 Qwen3 with q/k norms and an explicit head_dim wider than hidden / heads, Phi-3 with fused qkv and
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ import torch
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 from transformers import AutoTokenizer, Phi3Config, PreTrainedTokenizerFast, Qwen3Config
 
-from asyncinfer import AsyncEngine, InvalidParameterError, kernels
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, kernels
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig, load_model, model_family
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
@@ -36,6 +40,7 @@ from asyncinfer.models.decode_backends import (
     select_decode_backend,
 )
 from asyncinfer.models.gguf_file import GGUFFile
+from asyncinfer.models.layers import RopeRows, rope_attention_factor
 from asyncinfer.models.phi3 import PHI3_WEIGHT_MAP
 from asyncinfer.models.quant import BlockEmbedding, BlockLinear, apply_weight_format
 from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
@@ -197,8 +202,9 @@ def write_gguf(path: Path, arch: str, hf: torch.nn.Module, blocks: dict[str, np.
             writer.add_tensor(gguf_tensor_name(arch, name), blocks[name], raw_dtype=Q8_0)
         else:
             writer.add_tensor(gguf_tensor_name(arch, name), p.detach().numpy().copy())
-    for name, data in (extra or {}).items():
-        writer.add_tensor(name, data)
+    for name, data in {**_longrope_tensors(writer, cfg), **(extra or {})}.items():
+        if data is not None:  # extra: None drops a tensor
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -206,13 +212,28 @@ def write_gguf(path: Path, arch: str, hf: torch.nn.Module, blocks: dict[str, np.
     return path
 
 
+def _longrope_tensors(writer: gguf.GGUFWriter, cfg: Any) -> dict[str, np.ndarray]:
+    """A longrope config's factor tensors, and its metadata written as llama.cpp's converter writes them: the
+    original context, and the attention factor from the ratio of the contexts; {} for any other rope."""
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return {}
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / original)
+                                                   / math.log(original)))
+    return {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+            "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)}
+
+
 class Family:
     """One family's tiny model (weights rounded to Q8_0), saved as a Hugging Face directory (with a
-    tokenizer and the family's chat template) and as a GGUF file (the same weights, vocabulary and template)."""
+    tokenizer and the family's chat template) and as a GGUF file (the same weights, vocabulary and template).
+    ``overrides``: fields of the family's config (``tests.helpers.tiny_hf_config``)."""
 
-    def __init__(self, kind: str, root: Path) -> None:
+    def __init__(self, kind: str, root: Path, **overrides: Any) -> None:
         self.kind = kind
-        self.hf = tiny_hf_model(kind, seed=3, vocab_size=320, max_position_embeddings=512)
+        self.hf = tiny_hf_model(kind, seed=3, **{"vocab_size": 320, "max_position_embeddings": 512, **overrides})
         self.hf.generation_config.eos_token_id = None  # hf_greedy's references run to their length
         self.hf.generation_config.pad_token_id = 0
         self.blocks = round_to_q8_0(self.hf)
@@ -400,13 +421,8 @@ def _garbage_weights(path: Path) -> None:
 
 _SMALL = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
           "num_attention_heads": 4, "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2}
-_FACTORS = {"short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 64}
 ROPE_CONFIGS = {
-    "phi3 longrope": (lambda: Phi3Config(**_SMALL, pad_token_id=0, original_max_position_embeddings=64,
-                                         rope_scaling={"rope_type": "longrope", **_FACTORS}), "longrope"),
-    # Phi-3's older spelling, which transformers reads as longrope
-    "phi3 su": (lambda: Phi3Config(**_SMALL, pad_token_id=0, original_max_position_embeddings=64,
-                                   rope_scaling={"type": "su", **_FACTORS}), "longrope"),
+    "qwen3 dynamic": (lambda: Qwen3Config(**_SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
 }
 
 
@@ -420,16 +436,6 @@ def test_a_rope_type_not_implemented_is_refused_by_name(tmp_path, case) -> None:
     _garbage_weights(tmp_path)
     with pytest.raises(ModelLoadError, match=f"unsupported rope type '{rope_type}'"):
         AsyncEngine.from_pretrained(tmp_path, **OPTIONS)
-
-
-def test_a_phi3_gguf_with_longrope_factors_is_refused_by_name(families, tmp_path) -> None:
-    family = families["phi3"]
-    factors = {"rope_factors_long.weight": np.full(8, 4.0, np.float32),
-               "rope_factors_short.weight": np.ones(8, np.float32)}
-    path = write_gguf(tmp_path / "longrope.gguf", "phi3", family.hf, family.blocks, extra=factors)
-    with pytest.raises(ModelLoadError, match=r"unsupported rope type 'longrope' \(GGUF tensors rope_factors_long"
-                                             r"\.weight, rope_factors_short\.weight\); supported: default"):
-        load_model(path, torch.float32, "cpu")
 
 
 SUPPORTED = ", ".join(supported_architectures())
@@ -485,3 +491,199 @@ def test_an_unsupported_gguf_architecture_is_refused_before_any_weight(families,
         load_model(path, torch.float32, "cpu")
     with pytest.raises(ModelLoadError, match=f"^loading '{re.escape(str(path))}' failed: {message}"):
         AsyncEngine.from_pretrained(path, **OPTIONS)
+
+
+# ---- Phi-3's longrope ("su") rope scaling -----------------------------------------------------------------
+
+ORIGINAL = 32
+"""The tiny longrope model's original context (its context is 128): prompts and replies run past it."""
+LONGROPE = {  # one factor a frequency (head_dim 16: 8 each); the long ones stretch the slow frequencies most
+    "rope_type": "longrope", "original_max_position_embeddings": ORIGINAL,
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 1.7],
+    "long_factor": [1.0, 1.2, 1.6, 2.2, 3.0, 4.5, 6.0, 8.0],
+}
+LONGROPE_OPTIONS = {**OPTIONS, "max_model_len": 128, "max_num_batched_tokens": 16}  # prefills in 16-token chunks
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 320) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    """A tiny Phi-3 with longrope scaling (its config class's own), as a Hugging Face directory and a GGUF file."""
+    return Family("phi3", tmp_path_factory.mktemp("family-longrope"), max_position_embeddings=128,
+                  original_max_position_embeddings=ORIGINAL, rope_scaling=dict(LONGROPE))
+
+
+def test_longrope_reads_the_same_from_both_sources(longrope) -> None:
+    """The factors, the original context and the attention factor (transformers' sqrt(1 + log(128 / 32) / log(32))
+    from the Hugging Face config; llama.cpp's converter writes that value in the GGUF); "su", Phi-3's first
+    spelling, reads as longrope."""
+    configs = [load_model(longrope.path(source), torch.float32, "cpu") for source in ("hf", "gguf")]
+    for loaded in configs:
+        scaling = loaded.config.rope_scaling
+        assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == ORIGINAL
+        for key in ("short_factor", "long_factor"):
+            assert scaling[key] == pytest.approx(LONGROPE[key], rel=1e-7)  # the GGUF's are float32
+        assert rope_attention_factor(loaded.config) == pytest.approx(math.sqrt(1 + math.log(4) / math.log(32)), rel=1e-6)
+        assert RopeRows.of(loaded.config) == RopeRows(128, ORIGINAL)
+        assert loaded.model.rotary.cos_cache.shape == (128 + ORIGINAL, 8)  # short/long rows, then long below 32
+    assert "attention_factor" not in configs[0].config.rope_scaling  # from the contexts, as transformers does
+    su = Phi3Config(**_SMALL, pad_token_id=0, original_max_position_embeddings=64,
+                    rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                  "original_max_position_embeddings": 64})
+    scaling = ModelConfig.from_hf_config(su).rope_scaling
+    assert scaling == {"rope_type": "longrope", "short_factor": (1.0,) * 8, "long_factor": (4.0,) * 8,
+                       "original_max_position_embeddings": 64}
+
+
+def test_longrope_rows_depend_on_the_requests_length_only() -> None:
+    """Up to 32 tokens, a request reads the short rows (its positions); longer, the long ones: rows 128 + p below
+    32, in any chunks; a decode (position p of a request of p + 1 tokens) reads its position; the switch is at 33."""
+    rows = RopeRows(128, ORIGINAL)
+    short, long = [], []
+    rows.extend(short, ORIGINAL, 0, ORIGINAL)
+    for start, end in ((0, 20), (20, 45)):
+        rows.extend(long, 45, start, end)
+    assert short == list(range(ORIGINAL)) and long == [128 + p for p in range(ORIGINAL)] + list(range(ORIGINAL, 45))
+    decodes: list[int] = []
+    for p in (5, ORIGINAL - 1, ORIGINAL, 100):
+        rows.extend(decodes, p + 1, p, p + 1)
+    assert decodes == [5, ORIGINAL - 1, ORIGINAL, 100]
+    assert [rows.long(n) for n in (1, ORIGINAL, ORIGINAL + 1)] == [False, False, True]
+    assert [rows.switches(n) for n in (ORIGINAL, ORIGINAL + 1, ORIGINAL + 2)] == [False, True, False]
+    plain = RopeRows(128)  # any other rope, or an original context not shorter than the model's
+    assert plain.num_rows == 128 and not plain.long(100) and not plain.switches(1)
+
+
+@pytest.mark.parametrize("length", [ORIGINAL, ORIGINAL + 13])
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_prefill_logits_match_transformers(longrope, source, length) -> None:
+    """Every position's logits of a prompt prefilled in two chunks (20 tokens, then the rest: across the original
+    context for the longer one), against transformers' one forward over it: the short factors for a prompt of
+    up to 32 tokens, the long ones on every token of a longer one (the first chunk included: its rows are the
+    request's, not the chunk's). Read with plain positions (short below 32), the longer prompt's logits are not
+    transformers'."""
+    loaded = load_model(longrope.path(source), torch.float32, "cpu")
+    tokens = _tokens(length, seed=length)
+    expected = hf_logits(longrope.hf, tokens)
+    rows = RopeRows.of(loaded.config)
+    decode = TorchDecode(loaded.model, SdpaBackend(), torch.device("cpu"))
+
+    def prefill(rows_of: Any) -> torch.Tensor:
+        runner = PagedRunner(loaded.model, block_size=4, seed=2)
+        logits = []
+        for start, end in ((0, 20), (20, length)):
+            step = runner.step_batch([(0, tokens[start:end])])
+            step.positions = []
+            rows_of(step.positions, start, end)
+            logits.append(decode.forward(step, runner.kv_caches).logits)
+        return torch.cat(logits)
+
+    torch.testing.assert_close(prefill(lambda out, a, b: rows.extend(out, length, a, b)), expected, atol=1e-4, rtol=0)
+    if length > ORIGINAL:
+        plain = prefill(lambda out, a, b: out.extend(range(a, b)))
+        assert (plain[:ORIGINAL] - expected[:ORIGINAL]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+async def test_longrope_greedy_tokens_equal_transformers(longrope, source, fmt) -> None:
+    """Greedy tokens equal transformers' ``generate()`` for prompts that end below, at and past the original context,
+    each generating past it, submitted together and in 16-token prefill chunks: the prompts of up to 32 tokens run
+    on the short factors until they grow past 32 tokens, are then computed again on the long ones (as
+    transformers' Phi-3 ``generate()`` does; counted as one preemption each) and decode on; the 45-token one runs
+    on the long factors throughout. The prompts share a prefix with one computed before on the short factors: a
+    longer request never reuses those blocks. In q8_0, decode steps run in the kernels' one-call step."""
+    options = {"quantization": "auto"} if (source, fmt) == ("gguf", "q8_0") else FORMATS[fmt]
+    base = _tokens(ORIGINAL + 13, seed=13)
+    prompts = [base[:20], base, base[:ORIGINAL - 1], base[:ORIGINAL]]
+    expected = [hf_greedy(longrope.hf, prompt, 24) for prompt in prompts]
+    engine = AsyncEngine.from_pretrained(longrope.path(source), **LONGROPE_OPTIONS, **options)
+    async with engine:
+        alone = await engine.generate(prompts[0], greedy(24))  # its prompt's full block cached, short factors
+        outs = await asyncio.gather(*(engine.generate(p, greedy(24)) for p in prompts))
+        assert max(engine.step_stats().batch_sizes) > 1
+        runner = engine.core.runner
+    assert alone.token_ids == expected[0] and alone.metrics.num_preemptions == 1
+    assert [out.token_ids for out in outs] == expected
+    assert [out.metrics.num_preemptions for out in outs] == [1, 0, 1, 1]  # computed again once, at 33 tokens
+    if fmt == "q8_0":
+        assert type(runner.decode) is KernelDecode and kernel_decode_blocker(runner.model) is None
+
+
+async def test_longrope_samples_of_a_request_each_switch_once(longrope) -> None:
+    """``n = 3`` greedy samples forked from prompts of 32 tokens (forked at the switch itself) and of 20: each sample
+    is computed again on its own when it grows past the original context, and each equals ``generate()``'s tokens."""
+    base = _tokens(ORIGINAL, seed=17)
+    prompts = [base, base[:20]]
+    expected = [hf_greedy(longrope.hf, prompt, 24) for prompt in prompts]
+    engine = AsyncEngine.from_pretrained(longrope.hf_dir, **LONGROPE_OPTIONS, dtype="float32")
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, n=3, temperature=0))
+                                      for p in prompts))
+    for out, want in zip(outs, expected):
+        assert [sample.token_ids for sample in out.outputs] == [want] * 3
+        assert out.metrics.num_preemptions == 3  # one a sample
+
+
+def _longrope_dir(longrope: Family, tmp_path: Path, **rope: Any) -> Path:
+    """The tiny longrope model's config.json with ``rope`` in its rope parameters (and the original context beside
+    them, which transformers reads first), and weights no reader can parse."""
+    config = json.loads((longrope.hf_dir / "config.json").read_text())
+    config["rope_parameters"].update(rope)
+    config["original_max_position_embeddings"] = config["rope_parameters"]["original_max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _garbage_weights(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    ({"short_factor": [1.0] * 3}, r"short_factor field must have length 8, got 3"),  # transformers' own check
+    ({"long_factor": [1.0, 2.0, 3.0, 0.0, 5.0, 6.0, 7.0, 8.0]},
+     r"longrope rope: long_factor\[3\] must be a finite number > 0, got 0\.0"),
+    ({"short_factor": [-1.0] * 8}, r"longrope rope: short_factor\[0\] must be a finite number > 0, got -1\.0"),
+    ({"attention_factor": -0.5}, r"longrope rope: attention_factor must be a finite number > 0, got -0\.5"),
+    ({"original_max_position_embeddings": 1}, r"original_max_position_embeddings must be an int >= 2, got 1"),
+])
+def test_bad_longrope_parameters_are_refused_by_name_before_any_weight(longrope, tmp_path, rope, message) -> None:
+    path = _longrope_dir(longrope, tmp_path, **rope)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path, torch.float32, "cpu")
+    with pytest.raises(ModelLoadError, match=message):
+        AsyncEngine.from_pretrained(path, **LONGROPE_OPTIONS)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"rope_factors_long.weight": np.full(5, 4.0, np.float32)},
+     (r"GGUF tensor rope_factors_long\.weight is F32 \[5\], expected a float tensor of head_dim/2=8 values "
+      r"\(longrope's long_factor\)")),
+    ({"rope_factors_short.weight": None}, r"has no rope_factors_short\.weight \(longrope's short_factor"),
+])
+def test_a_gguf_with_bad_longrope_tensors_is_refused_from_its_header(longrope, tmp_path, no_weight_reads, extra,
+                                                                     message) -> None:
+    path = write_gguf(tmp_path / "bad.gguf", "phi3", longrope.hf, longrope.blocks, extra=extra)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_a_gguf_with_a_nonpositive_longrope_factor_is_refused_reading_only_the_factors(longrope, tmp_path,
+                                                                                      monkeypatch) -> None:
+    short = np.array(LONGROPE["short_factor"], np.float32)
+    short[2] = 0.0
+    path = write_gguf(tmp_path / "zero.gguf", "phi3", longrope.hf, longrope.blocks,
+                      extra={"rope_factors_short.weight": short})
+    read = GGUFFile.dequantize
+    names = []
+
+    def only_the_factors(reader: GGUFFile, tensor: Any) -> torch.Tensor:
+        names.append(tensor.name)
+        assert tensor.name.startswith("rope_factors_"), f"{tensor.name} was read"
+        return read(reader, tensor)
+
+    monkeypatch.setattr(GGUFFile, "dequantize", only_the_factors)
+    with pytest.raises(ModelLoadError, match=r"longrope rope: short_factor\[2\] must be a finite number > 0, got 0\.0"):
+        AsyncEngine.from_pretrained(path, **LONGROPE_OPTIONS)
+    assert sorted(set(names)) == ["rope_factors_long.weight", "rope_factors_short.weight"]

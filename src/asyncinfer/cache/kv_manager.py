@@ -28,7 +28,7 @@ or only partly, written) and the copies it queued are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,8 @@ class _Table:
     # The request whose tokens fill the table (None when only an id was given:
     # then its blocks are never registered in the prefix cache).
     request: Request | None = None
-    salt: str | None = None
+    # The root of its hash chain: the request's cache salt, with its prefix group where the manager has them.
+    salt: Hashable = None
     epoch: int = 0
     # For full block j: its chain hash, and the link a successor uses as parent
     # (None once the chain broke: nothing after it is registered).
@@ -114,6 +115,11 @@ class KVCacheManager:
     same growth in absolute token counts. ``watermark_blocks`` free blocks are
     kept back from *new* admissions so that running decodes do not stall at once.
     Free blocks include cached ones: taking them evicts their prefix.
+
+    ``prefix_group``: None, or a request's group, taken when its table is created; requests share cached blocks
+    only within one group and one cache salt (a longrope model's requests longer than its original context
+    compute other K for the same tokens: ``loading.build_core`` groups them by
+    :meth:`asyncinfer.models.layers.RopeRows.long`).
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = False,
         hash_fn: HashFn = hash,
+        prefix_group: Callable[[Request], Hashable] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -134,6 +141,9 @@ class KVCacheManager:
         self.watermark_blocks = int(num_blocks * watermark)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
+        # Requests share cached blocks only within one group (beside the salt): where the model computes other
+        # K/V for the same tokens in different requests (a longrope model's long requests, models.layers.RopeRows).
+        self.prefix_group = prefix_group
         self._tables: dict[str, _Table] = {}
         self._epoch = 0  # bumped by reset_prefix_cache: older tables stop registering
         self._pending: dict[int, str] = {}  # registered this step, not computed yet -> owner
@@ -207,7 +217,7 @@ class KVCacheManager:
         if max_blocks <= 0:
             return NO_HIT
         tokens = request.all_token_ids
-        salt = request.cache_salt
+        salt = self._root_key(request)
         parent_hash = root_hash(salt, self.hash_fn)
         link: Hashable = root_link(salt)
         blocks: list[int] = []
@@ -449,11 +459,17 @@ class KVCacheManager:
             blocks=list(prefix.block_ids),
             num_slots=prefix.num_tokens,
             request=request,
-            salt=None if request is None else request.cache_salt,
+            salt=None if request is None else self._root_key(request),
             epoch=self._epoch,
             hashes=list(prefix.hashes),
             links=list(prefix.links),
         )
+
+    def _root_key(self, request: Request) -> Hashable:
+        """What a request's hash chain starts from: its cache salt, and its prefix group where there are some."""
+        if self.prefix_group is None:
+            return request.cache_salt
+        return (request.cache_salt, self.prefix_group(request))
 
     def _copy_on_write(self, table: _Table, total_tokens: int) -> None:
         """Give the table its own copy of every shared block the new slots fall in."""

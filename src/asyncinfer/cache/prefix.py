@@ -1,7 +1,8 @@
 """Prefix-cache keys: chained block hashes and the result of a lookup (plain Python).
 
 Block ``j`` of a request is keyed by ``hash((hash of block j-1, token ids of block j))``;
-the chain starts at ``hash((ROOT, cache_salt))``, so requests with different salts
+the chain starts at ``hash((ROOT, cache_salt))`` (``hash((ROOT, (cache_salt, group)))`` where the
+cache manager groups requests), so requests with different salts or groups
 never share a block (tenants can be kept apart). The hash finds a candidate;
 :class:`~asyncinfer.cache.block_pool.BlockPool` verifies token ids and parent
 link, so a collision costs a miss, never a wrong reuse.
@@ -23,12 +24,12 @@ HashFn = Callable[[tuple], int]
 ROOT = "asyncinfer-prefix-root"
 
 
-def root_link(salt: str | None) -> tuple[str, str | None]:
+def root_link(salt: Hashable) -> tuple[str, Hashable]:
     """The parent link of a chain's first block."""
     return (ROOT, salt)
 
 
-def root_hash(salt: str | None, hash_fn: HashFn = hash) -> int:
+def root_hash(salt: Hashable, hash_fn: HashFn = hash) -> int:
     return hash_fn(root_link(salt))
 
 

@@ -19,8 +19,9 @@ from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.registry import ModelFamily, find_model_family, model_family, supported_architectures
 
 # Rope types the rotary embedding implements; "default" means no scaling.
-# "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+# "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor); "longrope" (Phi-3's, "su"
+# in older configs) two sets of them, short and long, chosen per request (asyncinfer.models.layers.RopeRows).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 # Attention kinds a layer may have (``ModelConfig.layer_types``, Hugging Face's names).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -33,8 +34,10 @@ class ModelConfig:
 
     ``architecture`` is the family's registered name (``models.registry``).
     ``rope_scaling`` is ``None`` for plain rope, else a dict with at least
-    ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"yarn"``, ``"freq_factors"``) and
-    that type's parameters, using the Hugging Face key names.
+    ``"rope_type"`` (one of ``"linear"``, ``"llama3"``, ``"yarn"``, ``"longrope"``, ``"freq_factors"``) and
+    that type's parameters, using the Hugging Face key names (``"longrope"``: ``short_factor`` and
+    ``long_factor``, ``head_dim / 2`` divisors each, ``original_max_position_embeddings``, optional ``factor``
+    and ``attention_factor``).
     ``attention_bias`` means bias on the q/k/v projections only (Qwen2).
 
     Sliding-window attention: a query at position ``p`` of a layer with a window (:meth:`layer_window`)
@@ -256,23 +259,31 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     partial = scaling.pop("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0
     if partial != 1.0:
         raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
-    # Old configs spell the key "type" instead of "rope_type".
+    # Old configs spell the key "type" instead of "rope_type"; Phi-3's first configs call longrope "su".
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    rope_type = "longrope" if rope_type == "su" else rope_type
     if rope_type == "default":
         return theta, None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if rope_type == "yarn":
-        # As transformers reads it: the config's own original_max_position_embeddings takes priority, and a
-        # missing factor is the ratio of the context lengths (DeepSeek-V3's configs).
+    if rope_type in ("yarn", "longrope"):
+        # As transformers reads it: the config's own original_max_position_embeddings takes priority (Phi-3 keeps
+        # it beside rope_scaling), else rope_scaling's, else (longrope) the model's context.
         original = getattr(cfg, "original_max_position_embeddings", None)
         if original is not None:
             scaling["original_max_position_embeddings"] = original
-        if scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
-            scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+        elif rope_type == "longrope":
+            scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    if rope_type == "yarn" and scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
+        # a missing factor is the ratio of the context lengths (DeepSeek-V3's configs)
+        scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        # The factor lists as tuples (the config is frozen); anything else is checked by ModelConfig.
+        scaling.update({k: tuple(v) for k in ("short_factor", "long_factor")
+                        if isinstance(v := scaling.get(k), list)})
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -369,6 +380,7 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
         "freq_factors": ("factors",),
     }[rope_type]
     missing = [k for k in required if scaling.get(k) is None]
@@ -392,3 +404,31 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
                                  f"{numbers['factor']!r} and {numbers['original_max_position_embeddings']!r}")
         if not isinstance(scaling.get("truncate", True), bool):
             raise ModelLoadError(f"yarn rope: truncate must be true or false, got {scaling['truncate']!r}")
+    if rope_type == "longrope":
+        _validate_longrope(scaling, head_dim)
+
+
+def _validate_longrope(scaling: dict[str, Any], head_dim: int) -> None:
+    """Longrope's parameters: ``short_factor`` / ``long_factor``, ``head_dim / 2`` finite numbers > 0 each (each
+    divides one frequency); ``original_max_position_embeddings`` an int >= 2; ``factor`` and
+    ``attention_factor``, where given, finite numbers > 0."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling[key]
+        if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
+            got = f"{len(factors)} entries" if isinstance(factors, (list, tuple)) else repr(factors)
+            raise ModelLoadError(f"longrope rope: {key} must list head_dim/2={head_dim // 2} factors, got {got}")
+        for i, factor in enumerate(factors):
+            if not _positive_number(factor):
+                raise ModelLoadError(f"longrope rope: {key}[{i}] must be a finite number > 0, got {factor!r}")
+    original = scaling["original_max_position_embeddings"]
+    if not isinstance(original, int) or isinstance(original, bool) or original < 2:  # log(original) divides
+        raise ModelLoadError(f"longrope rope: original_max_position_embeddings must be an int >= 2, got {original!r}")
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and not _positive_number(value):
+            raise ModelLoadError(f"longrope rope: {key} must be a finite number > 0, got {value!r}")
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)

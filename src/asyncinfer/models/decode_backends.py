@@ -61,7 +61,7 @@ class StepBatch:
     """The flattened, unpadded token batch of one step, as Python lists (tensors are built once, if at all)."""
 
     input_ids: list[int]
-    positions: list[int]
+    positions: list[int]  # each token's row of the rope tables: its position (but see models.layers.RopeRows)
     slot_mapping: list[int]
     query_lens: list[int]
     context_lens: list[int]

@@ -77,17 +77,35 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, config.rope_theta, dim, scaling)
+    if rope_type == "longrope":
+        raise ValueError("longrope has two sets of frequencies: longrope_inv_freq(config, 'short_factor' / 'long_factor')")
     raise ValueError(f"unknown rope type {rope_type!r}")  # ModelConfig validation prevents this
+
+
+def longrope_inv_freq(config: ModelConfig, key: str) -> torch.Tensor:
+    """Longrope's inverse frequencies [head_dim / 2] (float32, CPU) with ``key``'s factors (``"short_factor"`` or
+    ``"long_factor"``): ``1 / (factor_i * theta ** (2i / head_dim))``, as transformers computes them."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [D/2]
+    factors = torch.tensor(config.rope_scaling[key], dtype=torch.float32)  # [D/2]
+    return 1.0 / (factors * config.rope_theta**exponents)  # [D/2]
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
     """What the cos/sin tables are multiplied by: 1, or YaRN's attention factor (given, or from ``factor``:
-    ``0.1 * log(factor) + 1``, with ``mscale`` / ``mscale_all_dim`` the ratio of two such terms)."""
+    ``0.1 * log(factor) + 1``, with ``mscale`` / ``mscale_all_dim`` the ratio of two such terms), or longrope's
+    (given, or from ``factor``, by default ``max_position_embeddings / original_max_position_embeddings``:
+    ``sqrt(1 + log(factor) / log(original_max_position_embeddings))``, 1 for a factor <= 1; the same for the
+    short and the long factors, as transformers applies it)."""
     scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = float(scaling["factor"])
 
     def mscale(weight: float = 1.0) -> float:
@@ -135,13 +153,92 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)  # [D/2]
 
 
+@dataclass(frozen=True)
+class RopeRows:
+    """Which row of a model's cos/sin tables (:class:`RotaryEmbedding`) each token of a request reads, fixed by
+    the config (:meth:`of`): the runner asks it for each token's row (``StepBatch.positions``), the prefix cache
+    which requests may share K/V (:meth:`long`), the engine core when a request must be computed again
+    (:meth:`switches`).
+
+    Every rope type but longrope has one table: a token reads the row of its position. Longrope rotates with its
+    short or its long factors, and transformers picks them per forward: long when the forward's last position
+    + 1 exceeds ``original_max_position_embeddings``. Phi-3's ``generate()`` keeps a sequence on one set: when it
+    first grows past the original context (the forward for the token at position ``original``), it drops its
+    cache and computes the whole sequence again, with the long factors. So a request is rotated entirely with the
+    short factors while it holds at most ``original`` tokens and entirely with the long ones once it holds more
+    (its K are computed again at the switch: the engine core preempts it, :meth:`switches`). The tables hold
+    ``max_positions`` rows (short below ``original``, long from it) and, after them, ``original`` rows of long
+    factors for the positions below it: a long request's tokens there read row ``max_positions + position``.
+    A token's row depends on its position and its request's length only, never on the step it runs in: the same
+    for a chunked prefill, a batch, a preempted request computed again; and a decode's row is its position
+    (a decode at position ``p`` belongs to a request of ``p + 1`` tokens), which the kernels' one-call decode
+    step reads as it reads any rope.
+
+    ``original``: longrope's original context where it is shorter than ``max_positions``, else 0 (one table:
+    a longrope model whose context is not longer than its original one never uses its long factors).
+    """
+
+    max_positions: int
+    original: int = 0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RopeRows:
+        """The rows of ``config``'s rope tables."""
+        scaling = config.rope_scaling
+        original = 0
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            original = int(scaling["original_max_position_embeddings"])
+            original = original if original < config.max_position_embeddings else 0
+        return cls(config.max_position_embeddings, original)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the cos/sin tables."""
+        return self.max_positions + self.original
+
+    def long(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens (prompt and output) rotates with the long factors (its K
+        below the original context differ from a shorter request's on the same tokens: another prefix-cache group)."""
+        return 0 < self.original < num_tokens
+
+    def switches(self, num_tokens: int) -> bool:
+        """Whether a request that has just grown to ``num_tokens`` tokens by a sampled one must be computed again:
+        it has just passed the original context, and its K were rotated with the short factors."""
+        return 0 < self.original == num_tokens - 1
+
+    def extend(self, rows: list[int], num_tokens: int, start: int, end: int) -> None:
+        """Append the rows of positions ``start .. end - 1`` of a request of ``num_tokens`` tokens."""
+        if start >= self.original or not self.long(num_tokens):
+            rows.extend(range(start, end))
+            return
+        cut = min(end, self.original)
+        rows.extend(range(start + self.max_positions, cut + self.max_positions))
+        rows.extend(range(cut, end))
+
+
+def rope_angles(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """The angle of every row of the rope tables, ``position * inv_freq`` float32 [RopeRows.of(config).num_rows,
+    head_dim / 2], laid out as :class:`RopeRows` says."""
+    rows = RopeRows.of(config)
+    pos = torch.arange(rows.max_positions, device=device, dtype=torch.int64).float()  # [P]
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return torch.outer(pos, rope_inv_freq(config).to(device))  # [P, D/2]
+    short = longrope_inv_freq(config, "short_factor").to(device)  # [D/2]
+    long = torch.outer(pos, longrope_inv_freq(config, "long_factor").to(device))  # [P, D/2]
+    original = rows.original or rows.max_positions  # 0: short factors on every position
+    below = torch.outer(pos[:original], short)  # [original, D/2]
+    return torch.cat((below, long[original:], long[: rows.original]))  # [P + rows.original, D/2]
+
+
 class RotaryEmbedding(nn.Module):
-    """Cos/sin table for every position up to ``max_position_embeddings``.
+    """Cos/sin tables: a row for every position up to ``max_position_embeddings`` (and for longrope, the rows of
+    :class:`RopeRows`).
 
     The table is a non-persistent buffer: it is not in checkpoints, and the
     loader rebuilds it on the target device with :meth:`materialize`.
     ``cos_sin(positions)`` is looked up once per forward and shared by all
-    layers; positions are arbitrary per token (flattened batches).
+    layers; positions (the rows of :class:`RopeRows`) are arbitrary per token (flattened batches).
     """
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
@@ -157,20 +254,19 @@ class RotaryEmbedding(nn.Module):
         # ``with torch.device("meta")`` allocates nothing.
         device = torch.get_default_device() if device is None else torch.device(device)
         if device.type == "meta":
-            shape = (self.config.max_position_embeddings, self.config.head_dim // 2)
+            shape = (RopeRows.of(self.config).num_rows, self.config.head_dim // 2)
             self.cos_cache = torch.empty(shape, device=device)
             self.sin_cache = torch.empty(shape, device=device)
             return
-        inv_freq = rope_inv_freq(self.config).to(device)  # [D/2]
-        pos = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.int64).float()  # [P]
-        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        # Only half the dimensions are stored: rotate_half's cos/sin repeat them. YaRN scales both.
+        freqs = rope_angles(self.config, device)  # [rows, D/2]
+        # Only half the dimensions are stored: rotate_half's cos/sin repeat them. YaRN and longrope scale both.
         scale = rope_attention_factor(self.config)
-        self.cos_cache = freqs.cos() * scale if scale != 1.0 else freqs.cos()  # [P, D/2]
-        self.sin_cache = freqs.sin() * scale if scale != 1.0 else freqs.sin()  # [P, D/2]
+        self.cos_cache = freqs.cos() * scale if scale != 1.0 else freqs.cos()  # [rows, D/2]
+        self.sin_cache = freqs.sin() * scale if scale != 1.0 else freqs.sin()  # [rows, D/2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cos and sin for each token, shaped to broadcast over heads: [T, 1, D/2] each."""
+        """Cos and sin for each token (``positions``: its row, :class:`RopeRows`), shaped to broadcast over heads:
+        [T, 1, D/2] each."""
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
         return cos, sin

@@ -60,7 +60,6 @@ from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, re
 from asyncinfer.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    SUPPORTED_ROPE_TYPES,
     ModelConfig,
     hf_config_family,
     normalise_token_ids,
@@ -106,7 +105,7 @@ class LoadedModel:
 
 
 # Checkpoint tensors that are derivable or redundant and safe to skip.
-_IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|rope_freqs\.weight)$")
+_IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|rope_freqs\.weight|rope_factors_(long|short)\.weight)$")
 
 
 @dataclass(frozen=True)
@@ -666,7 +665,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors, head_dim),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=family.qkv_bias,
@@ -747,14 +746,12 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
-    """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors."""
+def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
+    """Rope scaling from GGUF: linear from metadata; Llama 3.1's as explicit frequency factors; Phi-3's longrope
+    from its two factor tensors (:func:`_gguf_longrope`)."""
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    long_short = sorted(name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensors)
-    if long_short:
-        # Phi-3's "longrope" ("su") scaling: per-frequency factors switched by context length, not implemented.
-        raise ModelLoadError(f"unsupported rope type 'longrope' (GGUF tensors {', '.join(long_short)}); "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "longrope" or any(name in tensors for name in _LONGROPE_TENSORS.values()):
+        return _gguf_longrope(reader, arch, tensors, kind, head_dim)
     has_factors = "rope_freqs.weight" in tensors
     if kind not in ("none", "linear") or (kind == "linear" and has_factors):
         raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")
@@ -765,6 +762,41 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> 
         factors = reader.dequantize(tensors["rope_freqs.weight"]).reshape(-1)
         return {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
     return None
+
+
+# Longrope's factor lists as llama.cpp's converter writes them: one float tensor each, head_dim / 2 divisors.
+_LONGROPE_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+
+
+def _gguf_longrope(reader: GGUFFile, arch: str, tensors: dict[str, Any], kind: object, head_dim: int) -> dict[str, Any]:
+    """Phi-3's longrope ("su") as llama.cpp writes it: ``rope_factors_short`` / ``rope_factors_long`` tensors
+    (``head_dim / 2`` floats each, checked from the header before they are read), the original context in
+    ``<arch>.rope.scaling.original_context_length`` and the attention factor in ``<arch>.rope.scaling.attn_factor``.
+    Where the file is silent, what llama.cpp assumes: the original context is the model's (the long factors
+    never apply) and the attention factor is 1. The values themselves are checked by ``ModelConfig``."""
+    if kind not in ("none", "longrope") or "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"GGUF file {reader.path}: longrope factor tensors with {arch}.rope.scaling.type="
+                             f"{kind!r}{' and rope_freqs.weight' if 'rope_freqs.weight' in tensors else ''}: "
+                             "one rope scaling a model")
+    for key, name in _LONGROPE_TENSORS.items():  # both checked from the header before either is read
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"GGUF file {reader.path} has no {name} (longrope's {key}; it needs "
+                                 f"{' and '.join(_LONGROPE_TENSORS.values())})")
+        if tensor.shape != (head_dim // 2,) or tensor.format not in ("float32", "float16", "bfloat16"):
+            raise ModelLoadError(f"GGUF tensor {name} is {tensor.type_name} {list(tensor.shape)}, expected a float "
+                                 f"tensor of head_dim/2={head_dim // 2} values (longrope's {key})")
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for key, name in _LONGROPE_TENSORS.items():
+        scaling[key] = tuple(reader.dequantize(tensors[name]).reshape(-1).tolist())
+    context = _field(reader, f"{arch}.context_length")
+    for field, key, default in (("original_max_position_embeddings", "original_context_length", context),
+                                ("attention_factor", "attn_factor", 1.0)):
+        value = _field(reader, f"{arch}.rope.scaling.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"GGUF metadata {arch}.rope.scaling.{key} must be a number, got {value!r}")
+        scaling[field] = value
+    return scaling
 
 
 def _iter_gguf(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,

@@ -7,9 +7,10 @@ projections that class fuses as single tensors: ``qkv_proj`` (rows ``[q; k; v]``
 
 Checkpoints: Hugging Face ``Phi3ForCausalLM`` (``model_type`` "phi3") and GGUF files of llama.cpp's
 ``phi3`` architecture (``blk.{i}.attn_qkv``, and ``blk.{i}.ffn_up`` holding gate and up; q/k rows not
-permuted). Plain rope only: a config with ``longrope`` ("su") scaling, or a GGUF file with
-``rope_factors_long`` / ``rope_factors_short`` tensors, is refused with a ``ModelLoadError`` naming
-the rope type (:mod:`asyncinfer.models.config`, :func:`asyncinfer.models.loader.gguf_model_config`).
+permuted). Plain rope, or longrope ("su": Phi-3-mini-128k, Phi-3.5-mini; in a GGUF file, the
+``rope_factors_short`` / ``rope_factors_long`` tensors): its short and long factors are in the rope tables, and
+which a token reads is :class:`asyncinfer.models.layers.RopeRows`' (a request past the original context is
+computed again on the long factors, as transformers' Phi-3 ``generate()`` does; docs/models_and_embeddings.md).
 The window of a config's ``sliding_window`` always applies (the family's ``sliding_window``): every layer
 attends within it, at the model's full context. The kernels' one-call decode step runs Phi-3 as it runs
 Llama (a step with a context past the window runs the torch reference).
