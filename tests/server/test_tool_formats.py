@@ -1,12 +1,14 @@
 """Tool-call formats native to each family's chat template (issue 26): Llama 3.x's JSON calls, Mistral's
 ``[TOOL_CALLS]``, and Hermes for the rest.
 
-Tiny random models (the suite's tiny Llama, a tiny Mistral) get small byte-level tokenizers whose special
+Tiny random Llama and Mistral models (``tests.helpers.tiny_hf_model``, with a 1,024-token vocabulary and 4,096
+positions so that a prompt describing tools fits) get small byte-level tokenizers whose special
 tokens are their families' (``<|python_tag|>``, ``[TOOL_CALLS]``, ...: special, so left out of a reply's text
 as in the real vocabularies) and the families' chat templates, written here in the public templates'
 format: Llama 3.1's (tools described in the first user message, a call as ``{"name": ..., "parameters": ...}``,
 results under the ``ipython`` role) and Mistral v0.3's (``[AVAILABLE_TOOLS]`` before the last user message,
-``[TOOL_CALLS]`` lists, ``[TOOL_RESULTS]``, call ids of 9 letters or digits). The prompts a tools request and a
+``[TOOL_CALLS]`` lists, ``[TOOL_RESULTS]``, call ids of 9 letters or digits), with Llama 3.2's dated and
+Mistral Nemo's unspaced variants. The prompts a tools request and a
 history of calls and results render to are asserted text for text; replies in each syntax are read (one call,
 several, text then a call, malformed ones as content), streamed pieces gather to the whole reply's reading,
 and a forced call (``tool_choice`` "required" or named) is a call in the family's syntax whose arguments
@@ -419,6 +421,37 @@ def test_what_a_template_refuses_is_a_400_naming_messages(live) -> None:
         assert "Traceback" not in error["message"]
         assert httpx.post(live.url + "/v1/chat/completions",
                           json={"model": kind, "messages": DICE, "max_tokens": 1}).status_code == 200
+
+
+# Mistral Nemo's template is v0.3's without the spaces after the control tokens.
+NEMO_TEMPLATE = (MISTRAL_TEMPLATE.replace('"[AVAILABLE_TOOLS] ["', '"[AVAILABLE_TOOLS]["').replace('"[INST] "', '"[INST]"')
+                 .replace('"[TOOL_CALLS] ["', '"[TOOL_CALLS]["').replace("'[TOOL_RESULTS] {", "'[TOOL_RESULTS]{")
+                 .replace('{{- " " + message["content"]|trim + eos_token}}', '{{- message["content"] + eos_token}}'))
+
+
+def test_llama32_and_mistral_nemo_templates_render_the_same_way() -> None:
+    """Llama 3.2's template dates its system turn today; Nemo's writes no space after its control tokens."""
+    from datetime import datetime
+
+    llama32 = _tokenizer(LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", LLAMA32_TEMPLATE)
+    fmt = tool_format(llama32)
+    days = {datetime.now().strftime("%d %b %Y")}
+    text = render_chat_text(llama32, fmt, chat_history(BRIEF), parse_tool_use([ROLL, WEATHER], "auto", None).bound(fmt))
+    days.add(datetime.now().strftime("%d %b %Y"))  # (a test run across midnight)
+    assert text in {LLAMA_TOOLS_PROMPT.replace("Today Date: 26 Jul 2024", f"Today Date: {day}") for day in days}
+    nemo = _tokenizer(MISTRAL_SPECIALS, "<s>", "</s>", NEMO_TEMPLATE)
+    fmt = tool_format(nemo)
+    assert type(fmt) is MistralFormat and fmt.marker_token == nemo.convert_tokens_to_ids("[TOOL_CALLS]")
+    use = parse_tool_use([ROLL, WEATHER], "auto", None).bound(fmt)
+    assert render_chat_text(nemo, fmt, chat_history(BRIEF), use) == MISTRAL_TOOLS_PROMPT.replace(
+        "[AVAILABLE_TOOLS] [", "[AVAILABLE_TOOLS][").replace("[INST] ", "[INST]")
+    assert render_chat_text(nemo, fmt, chat_history(_history("a1B2c3D4e")), None) == _history_prompt(
+        "mistral", "a1B2c3D4e").replace("[INST] ", "[INST]").replace("[TOOL_CALLS] [", "[TOOL_CALLS][").replace(
+        "[TOOL_RESULTS] {", "[TOOL_RESULTS]{")
+    nemo_reply = f"[TOOL_CALLS][{MISTRAL_DICE}]"  # what a Nemo model writes (the marker as text, or left out)
+    for text in (nemo_reply, nemo_reply.removeprefix("[TOOL_CALLS]")):
+        calls = read_calls(text, use)[1]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [DICE_CALL]
 
 
 # ---- replies, read -------------------------------------------------------------------------------------------
