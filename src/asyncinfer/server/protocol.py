@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -43,7 +43,7 @@ import msgspec
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
-from asyncinfer.server.tools import ToolUse, parse_tool_use, render_assistant, render_tool_result
+from asyncinfer.server.tools import ToolFormat, ToolUse, check_tool_calls, hermes_messages, parse_tool_use
 from asyncinfer.structured import StructuredOutput
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
@@ -357,9 +357,13 @@ def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
 class ChatRequest(_Common):
     """A checked ``/v1/chat/completions`` body."""
 
-    messages: list[dict[str, str]]  # as the template renders them: the tools' system message included
+    messages: list[dict[str, str]]  # as the template renders them in the Hermes format: the tools' system message
+    # included, the history's calls and results written into the text
     top_logprobs: int | None  # the engine's ``logprobs`` when the body asked for them
     tool_use: ToolUse | None  # the tools the model may call (None: no tools, or tool_choice "none")
+    # The messages checked, as chat templates read them: an assistant's ``tool_calls`` (arguments decoded) and
+    # ``tool`` messages (with ``tool_call_id``) kept as such, for a format whose template renders them.
+    history: list[dict[str, Any]]
 
     @staticmethod
     def rename(parameter: str) -> str:
@@ -369,6 +373,30 @@ class ChatRequest(_Common):
         if parameter.startswith("prompt["):
             return "messages.[" + parameter.removeprefix("prompt[")
         return {"logprobs": "top_logprobs"}.get(parameter, parameter)
+
+    @property
+    def has_tool_turns(self) -> bool:
+        """The history holds an assistant's tool calls or a tool's result."""
+        return any(m["role"] == "tool" or "tool_calls" in m for m in self.history)
+
+    def in_format(self, fmt: ToolFormat) -> ChatRequest:
+        """This request for a model whose tool format is ``fmt``: its tools bound to it, and a forced call's
+        grammar in its syntax (a 400 on ``tools`` when that grammar is refused). Parsing made them Hermes's."""
+        if self.tool_use is None or self.tool_use.format is fmt:
+            return self
+        use = self.tool_use.bound(fmt)
+        sampling = dict(self.sampling)
+        if use.forced:
+            sampling["structured"] = _calls_grammar(use)
+        return replace(self, tool_use=use, sampling=sampling)
+
+
+def _calls_grammar(use: ToolUse) -> StructuredOutput | None:
+    try:
+        return use.structured()
+    except InvalidParameterError as exc:  # the tools fit one by one, their calls' grammar together does not
+        raise _bad("tools", f"`tools` cannot be constrained to: their calls' grammar is {exc.value} (allowed: "
+                            f"{exc.allowed}); offer fewer or smaller tools.") from None
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -386,7 +414,8 @@ def parse_chat(body: Any) -> ChatRequest:
     _check_metadata(body.get("metadata"))
     if "messages" not in fields:
         raise _bad("messages", "Missing required parameter: 'messages'.")
-    messages = chat_messages(fields["messages"])
+    history = chat_history(fields["messages"])
+    messages = hermes_messages(history)
     if "response_format" in fields:
         fmt = _response_format(fields["response_format"])
         if fmt is not None:
@@ -394,14 +423,10 @@ def parse_chat(body: Any) -> ChatRequest:
     tool_use = parse_tool_use(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls"))
     if tool_use is not None:
         messages = tool_use.with_prompt(messages)
-        try:
-            calls = tool_use.structured()
-        except InvalidParameterError as exc:  # the tools fit one by one, their calls' grammar together does not
-            raise _bad("tools", f"`tools` cannot be constrained to: their calls' grammar is {exc.value} (allowed: "
-                                f"{exc.allowed}); offer fewer or smaller tools.") from None
+        calls = _calls_grammar(tool_use)
         if calls is not None:
             _constrain(common, "tools", calls)
-    return ChatRequest(**common, messages=messages, top_logprobs=top, tool_use=tool_use)
+    return ChatRequest(**common, messages=messages, top_logprobs=top, tool_use=tool_use, history=history)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -419,14 +444,16 @@ def _check_metadata(metadata: Any) -> None:
                                f"{MAX_METADATA_VALUE_CHARS}.")
 
 
-def chat_messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI messages as the engine's ``{"role", "content"}`` dicts (text parts joined by newlines; an
-    assistant's ``tool_calls`` and ``tool`` results written as :mod:`asyncinfer.server.tools` renders them)."""
+def chat_history(value: Any) -> list[dict[str, Any]]:
+    """OpenAI messages checked, as chat templates read them: ``{"role", "content"}`` (text parts joined by
+    newlines; ``developer`` as ``system``), an assistant's ``tool_calls`` as
+    :func:`asyncinfer.server.tools.check_tool_calls` gives them, a ``tool`` message with its
+    ``tool_call_id``. Anything malformed is a 400 naming its field."""
     if isinstance(value, msgspec.Raw):
         value = _messages(value)
     if not isinstance(value, list) or not value:
         raise _bad("messages", "`messages` must be a non-empty list of messages.")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         where = f"messages.[{i}]"
         if not isinstance(message, dict):
@@ -438,16 +465,19 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise _bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string.")
-            out.append(render_tool_result(_content(message.get("content"), role, where)))
+            out.append({"role": "tool", "tool_call_id": message["tool_call_id"],
+                        "content": _content(message.get("content"), role, where)})
             continue
         if role not in _ROLES:
             raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {role!r}.")
-        content = _content(message.get("content"), role, where)
+        turn: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
         if role == "assistant" and message.get("tool_calls") is not None:
-            content = render_assistant(content, message["tool_calls"], where)
+            calls = check_tool_calls(message["tool_calls"], where)
+            if calls:
+                turn["tool_calls"] = calls
         elif message.get("tool_calls") is not None:
             raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {role!r} ones.")
-        out.append({"role": _ROLES[role], "content": content})
+        out.append(turn)
     return out
 
 

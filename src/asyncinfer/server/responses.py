@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.outputs import Logprob
-from asyncinfer.server.tools import CallStream, ToolUse, read_calls
+from asyncinfer.server.tools import ReplyStream, ToolUse, read_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -38,7 +38,7 @@ class Reply:
     include_usage: bool = False
     tools: ToolUse | None = None  # chat with tools: replies are parsed for tool calls
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters streamed so far
-    _calls: dict[int, CallStream] = field(default_factory=dict)  # per choice, with tools: its text's split
+    _calls: dict[int, ReplyStream] = field(default_factory=dict)  # per choice, with tools: its text's split
 
     # ----------------------------------------------------------- whole results
     def choice(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str) -> dict[str, Any]:
@@ -90,9 +90,11 @@ class Reply:
 
     def _tool_chunks(self, tools: ToolUse, index: int, text: str, logprobs: list[Logprob] | None,
                      finish_reason: str | None, start: int) -> bytes:
-        """A chat choice with tools: its content and calls as :class:`CallStream` splits them, one chunk per
-        delta, the last carrying the logprobs and the finish_reason."""
-        stream = self._calls.setdefault(index, CallStream(tools))
+        """A chat choice with tools: its content and calls as the format's stream splits them
+        (:meth:`ToolUse.stream`), one chunk per delta, the last carrying the logprobs and the finish_reason."""
+        stream = self._calls.get(index)
+        if stream is None:
+            stream = self._calls[index] = tools.stream()
         deltas = stream.feed(text)
         if finish_reason is not None:
             deltas += stream.finish()

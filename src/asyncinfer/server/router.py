@@ -49,6 +49,7 @@ from asyncinfer.server.protocol import (
 from asyncinfer.server.responses import SSE_DONE, Reply, sse
 from asyncinfer.server.settings import MAX_TENANT_CHARS, ServerSettings, check_tenant_name
 from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
+from asyncinfer.server.tool_formats import ToolFormats, render_chat
 
 __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 
@@ -109,6 +110,7 @@ class _OpenAI:
         self.created = int(time.time())
         self.answers: Counter[tuple[str, int]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
+        self.tool_formats = ToolFormats()  # each served model's tool format, chosen once per loaded version
         # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
         self._single = ("authorization", "content-type", settings.tenant_header,
                         *(() if settings.priority_header is None else (settings.priority_header,)))
@@ -334,15 +336,26 @@ class _OpenAI:
                            {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+        engine = self.engine()
+        model, info = self._pick(body.model, "generate")
+        fmt = self.tool_formats.of(model, info.version_id, lambda: _engine.generator_tokenizer(engine, model))
+        body = body.in_format(fmt)  # its tools bound to the model's format, a forced call in its syntax
         g = self._generation(body, call, True, 1)
+        prompt: Any = body.messages
+        rendered = fmt.renders_history and (body.tool_use is not None or body.has_tool_turns)
+        if rendered:
+            # the family's template describes the tools and renders the calls and results: rendered here
+            tokenizer = _engine.generator_tokenizer(g.engine, g.model)
+            prompt = await _off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
+                tokenizer, fmt, body.history, body.tool_use))
         if not body.stream:
             out = await unless_disconnected(
-                call.request, g.engine.generate(body.messages, g.params, request_id=g.ids[0], **g.args))
+                call.request, g.engine.generate(prompt, g.params, request_id=g.ids[0], **g.args))
             return await _whole(g.reply, lambda: g.reply.completion(
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
-        prompt: Any = body.messages
-        if body.include_usage:  # a stream's deltas carry no prompt count: render the template once, here
+        if body.include_usage and not rendered:  # a stream's deltas carry no prompt count: render the template
+            # once, here
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)

@@ -1,18 +1,25 @@
 """Function tools over HTTP: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body.
 
-One format for every model, the Hermes/Qwen one that many open models are trained on: the tools
-are described to the model in a system message (their JSON signatures inside ``<tools></tools>``),
-and a call is written as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. History
-is rendered the same way, whatever the model's chat template: an assistant message's ``tool_calls``
+What a body asks is checked here whatever the model (:func:`parse_tool_use`, :func:`check_tool_calls`);
+how the tools are described to the model, how its history's calls and results are rendered, the grammar
+of a forced call and how a reply is read back are a :class:`ToolFormat`'s, chosen once per loaded model
+from its chat template (:mod:`asyncinfer.server.tool_formats`: Llama 3.x's JSON calls, Mistral's
+``[TOOL_CALLS]``) and held by the request's :class:`ToolUse`.
+
+This module holds the format every other model gets, :data:`HERMES` (Hermes/Qwen's, which many open
+models are trained on, and which a template that knows nothing of tools, the default SmolLM2's, gets
+too): the tools are described to the model in a system message (their JSON signatures inside
+``<tools></tools>``), and a call is written as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+History is rendered the same way, whatever the model's chat template: an assistant message's ``tool_calls``
 become such blocks in its text, a ``tool`` message becomes a user message holding
-``<tool_response>...</tool_response>``. So a model whose template knows nothing of tools (the
-default SmolLM2) still gets them, through its own template.
+``<tool_response>...</tool_response>``, and the messages go through the model's own template as text.
 
 With ``tool_choice`` ``"required"`` or a named function, decoding is constrained (a Lark grammar
 holding the calls' JSON schema, :meth:`ToolUse.structured`) so that the reply *is* a valid call;
 with ``"auto"`` the reply is parsed for calls the model chose to write (:func:`split_calls`).
 :class:`CallStream` turns a streamed reply into OpenAI's ``delta.content`` / ``delta.tool_calls``
-pieces as it is generated, and :func:`split_calls` is what it sends, gathered: the two never differ.
+pieces as it is generated, and :func:`split_calls` is what it sends, gathered: the two never differ
+(each format's stream, :meth:`ToolUse.stream`, keeps the same promise).
 """
 
 from __future__ import annotations
@@ -20,15 +27,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server.errors import APIError
 from asyncinfer.structured import StructuredOutput
 
-__all__ = ["CallStream", "Tool", "ToolUse", "parse_tool_use", "read_calls", "render_assistant", "render_tool_result",
-           "split_calls"]
+__all__ = ["HERMES", "CallStream", "HermesFormat", "ReplyStream", "Tool", "ToolFormat", "ToolUse", "check_tool_calls",
+           "hermes_messages", "parse_tool_use", "read_calls", "render_assistant", "render_tool_result", "split_calls"]
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -63,19 +71,23 @@ class Tool:
         function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
-    def call_schema(self) -> dict[str, Any]:
-        """The JSON schema of one call of this tool: ``{"name": <its name>, "arguments": <its parameters>}``."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
+    def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
+        """The JSON schema of one call of this tool: ``{"name": <its name>, <arguments>: <its parameters>}``
+        (the key of the arguments is the format's: ``arguments``, or Llama's ``parameters``)."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, arguments: self.parameters},
+                "required": ["name", arguments], "additionalProperties": False}
 
 
 @dataclass(frozen=True)
 class ToolUse:
-    """A chat body's tools and how they may be used: ``choice`` is ``"auto"``, ``"required"`` or a tool's name."""
+    """A chat body's tools and how they may be used: ``choice`` is ``"auto"``, ``"required"`` or a tool's name;
+    ``format`` is the loaded model's :class:`ToolFormat` (:data:`HERMES` until the server binds the model's own,
+    :meth:`bound`)."""
 
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool
+    format: ToolFormat = field(default_factory=lambda: HERMES)
 
     @property
     def offered(self) -> tuple[Tool, ...]:
@@ -84,31 +96,112 @@ class ToolUse:
             return self.tools
         return tuple(t for t in self.tools if t.name == self.choice)
 
+    @property
+    def forced(self) -> bool:
+        """``tool_choice`` is ``"required"`` or a named function: the reply is constrained to calls."""
+        return self.choice != "auto"
+
+    def bound(self, fmt: ToolFormat) -> ToolUse:
+        """The same tools in the model's format ``fmt``."""
+        return ToolUse(self.tools, self.choice, self.parallel, fmt)
+
     def system_prompt(self) -> str:
         return _PROMPT.format(tools="\n".join(json.dumps(t.signature(), ensure_ascii=False) for t in self.offered))
 
     def with_prompt(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        """``messages`` with the tools described: in the first system message, or in a new one before all."""
+        """``messages`` with the tools described as the Hermes format does: in the first system message, or in a
+        new one before all."""
         prompt = self.system_prompt()
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
         return [{"role": "system", "content": prompt}, *messages]
 
     def structured(self) -> StructuredOutput | None:
-        """With ``"required"`` or a named tool: the grammar of the reply (one call, or several when
-        ``parallel``); with ``"auto"``, None (the model may answer in text)."""
-        if self.choice == "auto":
-            return None
+        """With ``"required"`` or a named tool: the grammar of the reply in the format's syntax (one call, or
+        several when ``parallel`` and the format allows them); with ``"auto"``, None (the model may answer in
+        text)."""
+        return self.format.structured(self) if self.forced else None
+
+    def stream(self) -> ReplyStream:
+        """A reply's reader in the format's syntax (:class:`ReplyStream`)."""
+        return self.format.stream(self)
+
+    def call_schemas(self, arguments: str) -> dict[str, Any]:
+        """The JSON schema of one call of an offered tool, its arguments under the key ``arguments``, written
+        as a constrained call is (one line, json.dumps's separators)."""
         offered = self.offered
-        schema = offered[0].call_schema() if len(offered) == 1 else {"anyOf": [t.call_schema() for t in offered]}
+        schemas = [t.call_schema(arguments) for t in offered]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema["x-guidance"] = _JSON_STYLE
-        grammar = ("start: call" + (' ("\\n" call)*' if self.parallel else "") + "\n"
+        return schema
+
+    def names(self) -> set[str]:
+        return {t.name for t in self.offered}
+
+
+class ReplyStream(Protocol):
+    """One choice's text turned into OpenAI stream deltas as it comes (:class:`CallStream` is the Hermes one):
+    ``{"content": ...}`` or ``{"tool_calls": [...]}`` pieces, a call opening with its ``index``, ``id``, ``type``
+    and ``function.name`` (``arguments: ""``), then pieces of its ``function.arguments`` under the same index."""
+
+    def feed(self, text: str) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def called(self) -> bool: ...
+
+    @property
+    def in_call(self) -> bool: ...
+
+
+class ToolFormat(ABC):
+    """How one model family is told of tools, writes its calls and reads its history: chosen once per loaded
+    model (:func:`asyncinfer.server.tool_formats.tool_format`) and held by the request's :class:`ToolUse`."""
+
+    #: The format's name, as the docs give it ("hermes", "llama3_json", "mistral").
+    name: ClassVar[str]
+    #: True: the model's chat template renders the tools and the history's calls and results itself
+    #: (:meth:`template_messages`, :meth:`template_tools`); False: they are written into the messages' text
+    #: (the Hermes way) and the template sees plain messages.
+    renders_history: ClassVar[bool]
+
+    @abstractmethod
+    def structured(self, use: ToolUse) -> StructuredOutput:
+        """The grammar of a forced reply (``tool_choice`` "required" or named) in the format's syntax."""
+
+    @abstractmethod
+    def stream(self, use: ToolUse) -> ReplyStream:
+        """A reader of one reply."""
+
+    def template_messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The checked history (:func:`asyncinfer.server.protocol.chat_history`) as the family's template reads it."""
+        return history
+
+    def template_tools(self, use: ToolUse | None) -> list[dict[str, Any]] | None:
+        """The ``tools`` the template is given (None: no tool may be called)."""
+        return None if use is None else [t.signature() for t in use.offered]
+
+
+class HermesFormat(ToolFormat):
+    """Hermes/Qwen's ``<tool_call>`` blocks, described in a system message (the module docstring)."""
+
+    name = "hermes"
+    renders_history = False
+
+    def structured(self, use: ToolUse) -> StructuredOutput:
+        schema = use.call_schemas("arguments")
+        grammar = ("start: call" + (' ("\\n" call)*' if use.parallel else "") + "\n"
                    f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
                    f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")
         return StructuredOutput.grammar(grammar)
 
-    def names(self) -> set[str]:
-        return {t.name for t in self.offered}
+    def stream(self, use: ToolUse) -> ReplyStream:
+        return CallStream(use)
+
+
+#: The Hermes format: every model whose template is not one of :mod:`asyncinfer.server.tool_formats`' families.
+HERMES = HermesFormat()
 
 
 def parse_tool_use(tools: Any, tool_choice: Any, parallel: Any) -> ToolUse | None:
@@ -176,30 +269,62 @@ def _choice(value: Any, have_tools: bool, names: set[str]) -> str:
 
 
 # ------------------------------------------------------------------ history
-def render_assistant(content: str, tool_calls: Any, where: str) -> str:
-    """An assistant message's text with its ``tool_calls`` written as ``<tool_call>`` blocks."""
+def check_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked, as chat templates read them: ``{"id": <its id, or
+    None>, "type": "function", "function": {"name": ..., "arguments": <the arguments' JSON, decoded>}}``."""
     if not isinstance(tool_calls, list):
         raise _bad(f"{where}.tool_calls", f"`{where}.tool_calls` must be a list of tool calls.")
-    blocks = []
+    checked = []
     for j, call in enumerate(tool_calls):
         at = f"{where}.tool_calls.[{j}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise _bad(at, f'`{at}` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
                            '"arguments": ...}}}}.')
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _bad(f"{at}.id", f"`{at}.id` must be a string.")
         raw = function.get("arguments", "{}")
         try:
             arguments = json.loads(raw) if isinstance(raw, str) else raw
         except (ValueError, RecursionError):  # a string: the body's depth check never saw inside it
             raise _bad(f"{at}.function.arguments", f"`{at}.function.arguments` must be a JSON string.") from None
-        call_json = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        checked.append({"id": call_id, "type": "function", "function": {"name": function["name"],
+                                                                        "arguments": arguments}})
+    return checked
+
+
+def render_assistant(content: str, tool_calls: Any, where: str) -> str:
+    """An assistant message's text with its ``tool_calls`` written as ``<tool_call>`` blocks (Hermes)."""
+    return _hermes_text(content, check_tool_calls(tool_calls, where))
+
+
+def _hermes_text(content: str, calls: list[dict[str, Any]]) -> str:
+    blocks = []
+    for call in calls:
+        call_json = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+                               ensure_ascii=False)
         blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
     return "\n".join([content, *blocks] if content else blocks)
 
 
 def render_tool_result(content: str) -> dict[str, str]:
-    """A ``tool`` message (a call's result) as the user message that carries it."""
+    """A ``tool`` message (a call's result) as the user message that carries it (Hermes)."""
     return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+
+
+def hermes_messages(history: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A checked history (``tool_calls`` as :func:`check_tool_calls` gives them, ``tool`` messages with their
+    ``tool_call_id``) as the plain ``{"role", "content"}`` messages of the Hermes format."""
+    out = []
+    for message in history:
+        if message["role"] == "tool":
+            out.append(render_tool_result(message["content"]))
+        elif "tool_calls" in message:
+            out.append({"role": "assistant", "content": _hermes_text(message["content"], message["tool_calls"])})
+        else:
+            out.append({"role": message["role"], "content": message["content"]})
+    return out
 
 
 # ------------------------------------------------------------------ replies
@@ -233,8 +358,9 @@ def split_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any
 
 
 def read_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]], bool]:
-    """:func:`split_calls`, and whether the text ends inside a call (its arguments incomplete)."""
-    stream = CallStream(use)
+    """:func:`split_calls`, and whether the text ends inside a call (its arguments incomplete); in the format
+    of ``use`` (what its :meth:`ToolUse.stream` sends, gathered)."""
+    stream = use.stream()
     deltas = stream.feed(text) + stream.finish()
     content = "".join(d.get("content", "") for d in deltas)
     calls: list[dict[str, Any]] = []
@@ -275,7 +401,7 @@ class CallStream:
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
-        self._forced = use.choice != "auto"
+        self._forced = use.forced
         self._buf = ""  # text received and not yet settled
         self._raw = ""  # everything from the first <tool_call> on (sent as content if that block is no call)
         self._phase = "content"  # content | block | args | between | plain | over
