@@ -32,6 +32,7 @@ they differ from the engine's: without `temperature` a request samples at 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -122,6 +123,20 @@ EMBEDDING_BODY = _shape("EmbeddingBody", _EMBEDDING, ())
 _UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.DOTALL)
 
 
+@functools.cache
+def _decoder(shape: Any) -> msgspec.json.Decoder[Any]:
+    """msgspec's JSON decoder for ``shape``, reading every number with a fraction or an exponent as Python's
+    ``float()`` does: a literal beyond a 64-bit float (``1e400``) is an infinity, as Python's ``json`` reads
+    it, never msgspec's "Number out of range" (a ``ValidationError`` that no field's check would name), and is
+    then refused by the check of the field that holds it."""
+    return msgspec.json.Decoder(shape, float_hook=float)
+
+
+def _decode(raw: bytes | msgspec.Raw, shape: Any = Any) -> Any:
+    """``raw`` decoded as JSON into ``shape`` (any JSON by default): :func:`_decoder`'s reading."""
+    return _decoder(shape).decode(raw)
+
+
 def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
     """A request body as JSON, decoded into ``shape`` (one of the ``*_BODY`` shapes: then the dict of the
     fields it holds, skipped ones as ``msgspec.Raw``) or whole (``None``). A 400 for a body that is not JSON,
@@ -129,7 +144,7 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
     ``MAX_JSON_DEPTH`` in what was decoded (never a ``RecursionError`` from the decoder, or later from
     whatever walks the value)."""
     try:
-        value = msgspec.json.decode(raw) if shape is None else msgspec.json.decode(raw, type=shape)
+        value = _decode(raw, Any if shape is None else shape)
     except msgspec.ValidationError as exc:  # only with a shape: its fields are any JSON, so the body's own
         unknown = _UNKNOWN.fullmatch(str(exc))
         if unknown is None:
@@ -182,7 +197,7 @@ def _plain(value: Any, max_bytes: int) -> Any:
     if len(value) > max_bytes:
         return _NOT_NEUTRAL
     try:
-        return msgspec.json.decode(value)
+        return _decode(value)
     except RecursionError:  # within a few KiB of text: nested past the decoder's limit
         raise _too_deep() from None
 
@@ -456,7 +471,7 @@ def _messages(raw: msgspec.Raw) -> Any:
     skipped unread), a message that is no object left as its raw text (refused by the caller), and
     ``None`` for anything but a list."""
     try:
-        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw])
     except msgspec.ValidationError:
         return None
     except RecursionError:
@@ -464,7 +479,7 @@ def _messages(raw: msgspec.Raw) -> Any:
     out: list[Any] = []
     for item in items:
         try:
-            message = msgspec.json.decode(item, type=_MESSAGE)
+            message = _decode(item, _MESSAGE)
         except msgspec.ValidationError:
             out.append(item)
             continue
@@ -483,19 +498,19 @@ def _message_content(raw: msgspec.Raw) -> Any:
     its ``type`` and ``text``, other keys skipped unread; an array part stands as an empty list, anything
     else as itself); anything else as its raw text (refused by the caller, whatever it holds)."""
     try:
-        return msgspec.json.decode(raw, type=str | None)  # type: ignore[arg-type]
+        return _decode(raw, str | None)
     except msgspec.ValidationError:
         pass
     try:
-        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw])
     except msgspec.ValidationError:
         return raw
     parts: list[Any] = []
     for item in items:
         try:
-            part = msgspec.json.decode(item, type=_PART)
+            part = _decode(item, _PART)
         except msgspec.ValidationError:  # not an object: refused, naming its JSON type
-            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else msgspec.json.decode(item))
+            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else _decode(item))
             continue
         parts.append({k: v for k in ("type", "text") if (v := getattr(part, k)) is not msgspec.UNSET})
     return parts

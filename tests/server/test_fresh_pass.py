@@ -1,0 +1,89 @@
+"""A fresh adversarial pass over the server (issue 25, after the hostile-spec and bulk rounds): each case
+here was a fault on main before it was fixed, and is now a typed answer naming the body's field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from asyncinfer.server.errors import APIError, from_exception
+from asyncinfer.server.protocol import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    EMBEDDING_BODY,
+    decode_json,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
+
+MESSAGES = '[{"role": "user", "content": "What is the capital of France?"}]'
+CHAT = '{"model": "tiny", "messages": %s, "max_tokens": 4, %%s}' % MESSAGES
+TEXT = '{"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, %s}'
+EMBED = '{"model": "minilm", "input": "a text", %s}'
+ROUTES = {"chat": ("/v1/chat/completions", CHAT, CHAT_BODY, parse_chat),
+          "text": ("/v1/completions", TEXT, COMPLETION_BODY, parse_completion),
+          "embed": ("/v1/embeddings", EMBED, EMBEDDING_BODY, parse_embedding)}
+
+# A JSON number past a 64-bit float (1e400) in each kind of place a body holds one: msgspec refused it with a
+# ValidationError "Number out of range", which was a 500 where the field was skipped raw (a neutral field,
+# `metadata`, a content part) and a 400 "must be a JSON object" naming no field where it was decoded.
+# It now reads as an infinity (as Python's json reads it), which the field's own check refuses by name.
+HUGE = "1e400"
+OUT_OF_RANGE = [  # (route, field(s) as JSON text, param, code)
+    ("chat", f'"logit_bias": {HUGE}', "logit_bias", "unsupported_parameter"),  # was a 500
+    ("chat", f'"metadata": {{"k": {HUGE}}}', "metadata", None),  # was a 500
+    ("chat", f'"messages": [{{"role": "user", "content": [{HUGE}]}}]', "messages.[0].content.[0]",
+     "unsupported_parameter"),  # was a 500
+    ("chat", f'"messages": [{{"role": "user", "content": [{{"type": "text", "text": {HUGE}}}]}}]',
+     "messages.[0].content.[0].text", None),  # was a 500
+    ("chat", f'"messages": [{{"role": "user", "content": [{{"type": {HUGE}}}]}}]', "messages.[0].content.[0]",
+     "unsupported_parameter"),  # was a 500
+    ("chat", f'"messages": [{{"role": {HUGE}, "content": "x"}}]', "messages.[0].role", None),  # was on messages.[0]
+    ("chat", f'"temperature": {HUGE}', "temperature", None),  # these were a 400 naming no field
+    ("chat", f'"temperature": -{HUGE}', "temperature", None),
+    ("chat", f'"top_p": {HUGE}', "top_p", None),
+    ("chat", f'"n": {HUGE}', "n", None),
+    ("chat", f'"max_completion_tokens": {HUGE}', "max_completion_tokens", None),
+    ("chat", f'"logprobs": true, "top_logprobs": {HUGE}', "top_logprobs", None),
+    ("chat", f'"presence_penalty": -{HUGE}', "presence_penalty", None),
+    ("text", f'"echo": {HUGE}', "echo", "unsupported_parameter"),  # was a 500
+    ("text", f'"prompt": [{HUGE}]', "prompt", None),
+    ("text", f'"seed": {HUGE}', "seed", None),
+    ("text", f'"logprobs": {HUGE}', "logprobs", None),
+    ("embed", f'"dimensions": {HUGE}', "dimensions", None),
+]
+
+
+def _refusal(route: str, fields: str) -> APIError:
+    """The error the router answers for this body, parsed and mapped as the router does it."""
+    _, body, shape, parse = ROUTES[route]
+    value = None
+    try:
+        value = parse(decode_json((body % fields).encode(), shape))
+        if route != "embed":
+            value.sampling_params(512)  # as the router builds the request's parameters
+    except Exception as exc:  # noqa: BLE001 - mapped as the router maps it
+        return from_exception(exc, "req-test", value.field if value is not None and route != "embed" else str)
+    raise AssertionError(f"accepted: {fields}")
+
+
+@pytest.mark.parametrize(("route", "fields", "param", "code"), OUT_OF_RANGE,
+                         ids=[f"{r}-{f.split(':')[0].strip(chr(34))}-{i}" for i, (r, f, *_) in enumerate(OUT_OF_RANGE)])
+def test_a_number_past_a_float_is_refused_by_its_field(route, fields, param, code) -> None:
+    error = _refusal(route, fields)
+    assert (error.status, error.param, error.code) == (400, param, code), error.body()
+
+
+def test_a_number_past_a_float_over_http(server) -> None:
+    """On the wire: a 400 in OpenAI's shape naming the field (the 500s above), and the server serves on."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for route, fields, param, code in OUT_OF_RANGE:
+            path, body, *_ = ROUTES[route]
+            r = http.post(path, content=(body % fields).encode(), headers={"content-type": "application/json"})
+            assert r.status_code == 400, (fields, r.text)
+            assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == code, (fields, r.text)
+            assert r.headers["x-request-id"]
+        ok = http.post("/v1/chat/completions", content=(CHAT % '"temperature": 0').encode(),
+                       headers={"content-type": "application/json"})
+        assert ok.status_code == 200, ok.text
