@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -132,9 +133,30 @@ def _decoder(shape: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(shape, float_hook=float)
 
 
-def _decode(raw: bytes | msgspec.Raw, shape: Any = Any) -> Any:
-    """``raw`` decoded as JSON into ``shape`` (any JSON by default): :func:`_decoder`'s reading."""
-    return _decoder(shape).decode(raw)
+# msgspec's refusal of an integer literal Python will not build (more digits than sys.get_int_max_str_digits())
+_INT_OUT_OF_RANGE = re.compile(r"Integer value out of range(?: - at `\$(.*)`)?", re.DOTALL)
+
+
+def _decode(raw: bytes | msgspec.Raw, shape: Any = Any, where: str = "") -> Any:
+    """``raw`` decoded as JSON into ``shape`` (any JSON by default): :func:`_decoder`'s reading. ``where``: the
+    body field ``raw`` is (``""`` for the body itself), for the 400 naming the field that holds an integer of
+    more digits than Python reads (``sys.get_int_max_str_digits()``, 4300), wherever it sits in the body."""
+    try:
+        return _decoder(shape).decode(raw)
+    except msgspec.ValidationError as exc:
+        found = _INT_OUT_OF_RANGE.fullmatch(str(exc))
+        if found is None:
+            raise
+        field = _field_path(where, found.group(1) or "") or None
+        raise APIError(400, f"`{field}` holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                            "which this server does not read.", param=field) from None
+
+
+def _field_path(where: str, at: str) -> str:
+    """msgspec's path below ``where`` (``.stop[1]``; ``[...]`` for a value under some key) as the body's field
+    is named (``stop.[1]``)."""
+    below = at.replace("[...]", "").replace("[", ".[").lstrip(".")
+    return ".".join(part for part in (where, below) if part)
 
 
 def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
@@ -189,15 +211,15 @@ def _is_null(value: Any) -> bool:
 _NOT_NEUTRAL = object()  # what a neutral field's raw text too long to be an "off" value stands for
 
 
-def _plain(value: Any, max_bytes: int) -> Any:
-    """A skipped field's value: decoded from its raw text when that is at most ``max_bytes`` long (else
-    ``_NOT_NEUTRAL``, unread); a value already decoded (a body given as a dict) as it is."""
+def _plain(value: Any, max_bytes: int, where: str) -> Any:
+    """A skipped field's value (the body's field ``where``): decoded from its raw text when that is at most
+    ``max_bytes`` long (else ``_NOT_NEUTRAL``, unread); a value already decoded (a body given as a dict) as it is."""
     if not isinstance(value, msgspec.Raw):
         return value
     if len(value) > max_bytes:
         return _NOT_NEUTRAL
     try:
-        return _decode(value)
+        return _decode(value, Any, where)
     except RecursionError:  # within a few KiB of text: nested past the decoder's limit
         raise _too_deep() from None
 
@@ -211,7 +233,7 @@ def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
     out: dict[str, Any] = {}
     for key, value in body.items():
         if key in neutral:
-            value = _plain(value, _MAX_NEUTRAL_BYTES)
+            value = _plain(value, _MAX_NEUTRAL_BYTES, key)
             if not any(value == ok and type(value) is type(ok) for ok in neutral[key]):
                 accepted = " or ".join(json.dumps(ok) for ok in neutral[key])
                 raise _bad(key, f"`{key}` is not supported by this server (accepted: {accepted}).",
@@ -422,7 +444,7 @@ def parse_chat(body: Any) -> ChatRequest:
 def _check_metadata(metadata: Any) -> None:
     """`metadata` (ignored) within OpenAI's limits: at most 16 pairs of strings, keys up to 64 characters,
     values up to 512."""
-    metadata = _plain(metadata, MAX_METADATA_BYTES)
+    metadata = _plain(metadata, MAX_METADATA_BYTES, "metadata")
     if metadata is None:
         return
     check_depth(metadata, MAX_JSON_DEPTH - 1)  # as deep in the body as the limit allows
@@ -477,9 +499,9 @@ def _messages(raw: msgspec.Raw) -> Any:
     except RecursionError:
         raise _too_deep() from None
     out: list[Any] = []
-    for item in items:
+    for i, item in enumerate(items):
         try:
-            message = _decode(item, _MESSAGE)
+            message = _decode(item, _MESSAGE, f"messages.[{i}]")
         except msgspec.ValidationError:
             out.append(item)
             continue
@@ -487,30 +509,31 @@ def _messages(raw: msgspec.Raw) -> Any:
             raise _too_deep() from None
         fields = {k: v for k in _MESSAGE_KEYS if (v := getattr(message, k)) is not msgspec.UNSET}
         if "content" in fields:
-            fields["content"] = _message_content(fields["content"])
+            fields["content"] = _message_content(fields["content"], f"messages.[{i}].content")
         check_depth(fields, MAX_JSON_DEPTH - 2)  # body > messages > this message
         out.append(fields)
     return out
 
 
-def _message_content(raw: msgspec.Raw) -> Any:
-    """A message's ``content`` from its raw text: a text, ``None``, or a list of parts (each an object of
-    its ``type`` and ``text``, other keys skipped unread; an array part stands as an empty list, anything
-    else as itself); anything else as its raw text (refused by the caller, whatever it holds)."""
+def _message_content(raw: msgspec.Raw, where: str) -> Any:
+    """A message's ``content`` (the body's field ``where``) from its raw text: a text, ``None``, or a list of
+    parts (each an object of its ``type`` and ``text``, other keys skipped unread; an array part stands as an
+    empty list, anything else as itself); anything else as its raw text (refused by the caller, whatever it
+    holds)."""
     try:
-        return _decode(raw, str | None)
+        return _decode(raw, str | None, where)
     except msgspec.ValidationError:
         pass
     try:
-        items = _decode(raw, list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw], where)
     except msgspec.ValidationError:
         return raw
     parts: list[Any] = []
-    for item in items:
+    for j, item in enumerate(items):
         try:
-            part = _decode(item, _PART)
+            part = _decode(item, _PART, f"{where}.[{j}]")
         except msgspec.ValidationError:  # not an object: refused, naming its JSON type
-            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else _decode(item))
+            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else _decode(item, Any, f"{where}.[{j}]"))
             continue
         parts.append({k: v for k in ("type", "text") if (v := getattr(part, k)) is not msgspec.UNSET})
     return parts
