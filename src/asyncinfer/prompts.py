@@ -21,7 +21,7 @@ from typing import Any
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.holder import ModelVersion
 from asyncinfer.request import Request
-from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.sampling_params import SamplingParams, plain_params
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -81,11 +81,13 @@ def _plain_message(message: Any) -> Any:
 
 
 def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
-    """The request's parameters, checked (``None`` params: the defaults)."""
+    """The request's parameters, checked as they hold now (``None`` params: the defaults)."""
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         raise InvalidParameterError("params", params, "a SamplingParams instance or None")
+    else:  # checked again as what it holds now (a subclass, a stop list grown since): the request's own copy
+        params = plain_params(params)
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and not isinstance(cache_salt, str):
