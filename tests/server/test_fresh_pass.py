@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.errors import APIError, from_exception
 from asyncinfer.server.protocol import (
     CHAT_BODY,
@@ -16,6 +17,8 @@ from asyncinfer.server.protocol import (
     parse_completion,
     parse_embedding,
 )
+
+from .conftest import LiveServer
 
 MESSAGES = '[{"role": "user", "content": "What is the capital of France?"}]'
 CHAT = '{"model": "tiny", "messages": ' + MESSAGES + ', "max_tokens": 4, FIELDS}'
@@ -104,3 +107,25 @@ def test_a_number_past_a_float_over_http(server) -> None:
                        headers={"content-type": "application/json"})
         assert ok.status_code == 200, ok.text
 
+
+def test_an_embedding_model_removed_as_its_call_ends_still_answers_the_call(minilm_dir, monkeypatch) -> None:
+    """The route looked the model up again after its vectors came back (to count the tokens for ``usage``):
+    a ``remove_model`` that finished meanwhile made it a StopIteration, a 500 for vectors already computed.
+    The count's tokenizer and length are now taken before the await."""
+    app = create_app([ModelSpec(str(minilm_dir), "minilm"), ModelSpec(str(minilm_dir), "leaving")])
+    with LiveServer(app) as live:
+        engine = live.engine
+        real_embed = engine.embed
+        expected = sum(len(ids) for ids in engine.get_tokenizer("minilm")(["a text", "another"])["input_ids"])
+
+        async def embed_then_removed(texts, *, model=None):
+            vectors = await real_embed(texts, model=model)
+            await engine.remove_model("leaving")  # its calls are done: it goes before the route counts
+            return vectors
+
+        monkeypatch.setattr(engine, "embed", embed_then_removed)
+        r = httpx.post(live.url + "/v1/embeddings", json={"model": "leaving", "input": ["a text", "another"]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 2 and r.json()["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
+        assert [info.name for info in engine.model_info()] == ["minilm"]

@@ -414,9 +414,9 @@ class _OpenAI:
         if body.dimensions is not None and body.dimensions != dimension:
             raise APIError(400, f"`dimensions` must be {dimension} for `{model}` (it cannot shorten its vectors).",
                            param="dimensions")
+        count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
-        counts = await _off_loop_if_long(sum(map(len, body.texts)),
-                                         lambda: _engine.embedding_token_counts(engine, model, body.texts))
+        counts = await _off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
