@@ -146,7 +146,7 @@ class EngineCore:
             return self._refused(request, refusal)
         if request.params.structured is not None and request.grammar is None:
             try:  # added to the core directly (tests, benchmarks); the engine compiles it off its threads first
-                request.grammar = self.compile_grammar(request.params.structured)
+                request.grammar = self.compile_grammar(request.params.structured, request.cache_salt)
             except InvalidParameterError as exc:
                 return self._refused(request, exc)
         try:
@@ -173,12 +173,13 @@ class EngineCore:
             return InvalidParameterError("n", request.params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
         return None
 
-    def compile_grammar(self, spec: Any) -> Any:
+    def compile_grammar(self, spec: Any, namespace: str | None = None) -> Any:
         """``spec`` (a :class:`~asyncinfer.structured.StructuredOutput`) compiled for this model's vocabulary
-        (cached). Blocking. Raises :class:`InvalidParameterError` on ``structured``."""
+        (cached per ``namespace``, a request's ``cache_salt``). Blocking. Raises :class:`InvalidParameterError`
+        on ``structured``."""
         if self.grammars is None:
             raise InvalidParameterError("structured", spec.kind, "None: this model has no tokenizer")
-        return self.grammars.compile(spec)
+        return self.grammars.compile(spec, namespace)
 
     def _holds(self, rid: str) -> bool:
         """Whether ``rid`` is the id of a sample in this core, forked or still to fork."""

@@ -260,7 +260,8 @@ class AsyncEngine:
         """Run one request to its end and return the whole result.
 
         With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
-        ``cache_salt``: requests share cached prefixes only within one salt (e.g. a tenant).
+        ``cache_salt``: requests share cached prefixes and compiled structured-output specs only within one
+        salt (e.g. a tenant).
         Cancelling the awaiting task aborts the request (its blocks return at the next step
         boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
         ``model``: the generator's name (default: the first loaded).

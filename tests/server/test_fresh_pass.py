@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from asyncinfer.server import ModelSpec, create_app
+from asyncinfer.grammar import GrammarCompiler
+from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.errors import APIError, from_exception
 from asyncinfer.server.protocol import (
     CHAT_BODY,
@@ -17,8 +18,9 @@ from asyncinfer.server.protocol import (
     parse_completion,
     parse_embedding,
 )
+from asyncinfer.structured import StructuredOutput
 
-from .conftest import LiveServer
+from .conftest import TINY_OPTIONS, LiveServer
 
 MESSAGES = '[{"role": "user", "content": "What is the capital of France?"}]'
 CHAT = '{"model": "tiny", "messages": ' + MESSAGES + ', "max_tokens": 4, FIELDS}'
@@ -129,3 +131,39 @@ def test_an_embedding_model_removed_as_its_call_ends_still_answers_the_call(mini
         assert r.status_code == 200, r.text
         assert len(r.json()["data"]) == 2 and r.json()["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
         assert [info.name for info in engine.model_info()] == ["minilm"]
+
+
+def test_a_tenants_compiled_specs_are_its_own(tiny_chat_model) -> None:
+    """The compiled-grammar cache was shared by every caller, whatever ``cache_isolation`` said: a tenant's
+    structured request whose spec another tenant had sent found it compiled, so its time to first token told
+    it which specs the others used (a GBNF grammar takes seconds to compile). With isolation, the cache is
+    keyed by the request's ``cache_salt`` as the prefix cache is; without it, one namespace is shared."""
+    pytest.importorskip("llguidance", reason="structured output needs asyncinfer[structured] (llguidance)")
+    settings = ServerSettings(api_keys=("key-one", "key-two"), cache_isolation="api-key")
+    body = {"model": "tiny", "prompt": "Yes or no?", "max_tokens": 40, "temperature": 0,
+            "guided_choice": ["yes-fresh-pass", "no-fresh-pass"]}
+    with LiveServer(create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), settings)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        grammars = live.engine.core.grammars
+        assert grammars is not None
+
+        def compiles_of(key: str) -> int:
+            before = grammars.compiled
+            r = http.post("/v1/completions", headers={"authorization": f"Bearer {key}"}, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] in ("yes-fresh-pass", "no-fresh-pass")
+            return grammars.compiled - before
+
+        assert compiles_of("key-one") == 1
+        assert compiles_of("key-one") == 0  # the same tenant finds its own compiled spec
+        assert compiles_of("key-two") == 1  # another tenant never finds it
+        assert compiles_of("key-two") == 0
+    # The compiler itself: one namespace per cache_salt, and one for requests without a salt.
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_chat_model), 320, [2])
+    spec = StructuredOutput.choice(["a-fresh", "b-fresh"])
+    compiled = compiler.compile(spec, "tenant:a")
+    assert compiler.cached(spec, "tenant:a") is compiled and compiler.compile(spec, "tenant:a") is compiled
+    assert compiler.cached(spec, "tenant:b") is None and compiler.cached(spec) is None
+    assert compiler.compile(spec) is not compiled and compiler.compiled == 2
