@@ -4,9 +4,11 @@ here was a fault on main before it was fixed, and is now a typed answer naming t
 from __future__ import annotations
 
 import httpx
+import msgspec
 import pytest
 
 from asyncinfer.grammar import GrammarCompiler
+from asyncinfer.outputs import Logprob
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.errors import APIError, from_exception
 from asyncinfer.server.protocol import (
@@ -18,6 +20,7 @@ from asyncinfer.server.protocol import (
     parse_completion,
     parse_embedding,
 )
+from asyncinfer.server.responses import UNLIKELY_LOGPROB, Reply
 from asyncinfer.structured import StructuredOutput
 
 from .conftest import TINY_OPTIONS, LiveServer
@@ -167,3 +170,34 @@ def test_a_tenants_compiled_specs_are_its_own(tiny_chat_model) -> None:
     assert compiler.cached(spec, "tenant:a") is compiled and compiler.compile(spec, "tenant:a") is compiled
     assert compiler.cached(spec, "tenant:b") is None and compiler.cached(spec) is None
     assert compiler.compile(spec) is not compiled and compiler.compiled == 2
+
+
+def test_a_forbidden_alternative_has_openais_unlikely_logprob_not_null() -> None:
+    """Tokens a constraint (or the ``min_tokens`` mask) forbids have a log-probability of ``-inf``; among the
+    ``top_logprobs`` alternatives it was written as JSON ``null`` (JSON has no infinity), which clients
+    reading the field as a number refuse. It is OpenAI's -9999.0 now, in both formats, whole and streamed."""
+    forbidden = [Logprob(5, -0.25, [(5, -0.25), (7, float("-inf")), (9, float("-inf"))])]
+    chat = Reply(True, "chatcmpl-x", 0, "tiny", None, True)
+    content = chat.choice(0, "x", forbidden, "stop")["logprobs"]["content"][0]
+    assert content["logprob"] == -0.25
+    assert [alt["logprob"] for alt in content["top_logprobs"]] == [-0.25, UNLIKELY_LOGPROB, UNLIKELY_LOGPROB]
+    streamed = msgspec.json.decode(chat.delta_chunk(0, "x", forbidden, None).removeprefix(b"data: "))
+    assert [alt["logprob"] for alt in streamed["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == \
+        [-0.25, UNLIKELY_LOGPROB, UNLIKELY_LOGPROB]
+    legacy = Reply(False, "cmpl-x", 0, "tiny", None, True).choice(0, "x", forbidden, "stop")["logprobs"]
+    assert legacy["token_logprobs"] == [-0.25]
+    assert legacy["top_logprobs"] == [{"token_id:5": -0.25, "token_id:7": UNLIKELY_LOGPROB,
+                                       "token_id:9": UNLIKELY_LOGPROB}]
+
+
+def test_a_constrained_reply_with_top_logprobs_over_http_has_no_null(server) -> None:
+    pytest.importorskip("llguidance", reason="structured output needs asyncinfer[structured] (llguidance)")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Yes or no?"}], "max_tokens": 40,
+            "temperature": 0, "logprobs": True, "top_logprobs": 20, "guided_choice": ["yes", "no"]}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        tokens = r.json()["choices"][0]["logprobs"]["content"]
+        values = [t["logprob"] for t in tokens] + [a["logprob"] for t in tokens for a in t["top_logprobs"]]
+        assert UNLIKELY_LOGPROB in values  # 20 alternatives, of which the constraint allows fewer
+        assert all(isinstance(v, float) and v <= 0 for v in values), values
