@@ -5,16 +5,21 @@ subclass whose ``__post_init__`` skips the checks carried a NaN temperature or a
 ``MAX_STOP_STRINGS`` into the engine, and so did a plain instance whose ``stop`` (or ``stop_token_ids``)
 list was grown in place after it was built. The engine now builds each request's parameters again from
 what they hold at the call (``sampling_params.plain_params``): refused there, by name, like any bad value.
+
+And a burst of short prompts (each within ``OFF_LOOP_CHARS``, so each tokenized on the event loop) held
+the loop for their sum: the loop now tokenizes at most that much in one turn (``prompts.LoopShare``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+from asyncinfer.prompts import OFF_LOOP_CHARS, LoopShare
 from asyncinfer.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, plain_params
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
@@ -90,3 +95,37 @@ async def test_unchecked_parameters_are_refused_at_the_call_and_the_engine_serve
         params.stop_token_ids[:] = expected[:1]  # would stop it at its first token
         assert (await running).token_ids == expected
     assert engine.kv_stats().used_blocks == 0
+
+
+async def test_the_loop_tokenizes_at_most_its_share_in_one_turn() -> None:
+    """prompts.LoopShare: the engine tokenizes at most OFF_LOOP_CHARS of cost on the loop in one turn of it
+    (a burst of short prompts used to be tokenized there one after another, for their sum); the share comes
+    back with the next turn."""
+    share = LoopShare()
+    assert share.take(3000) and not share.take(2000) and share.take(OFF_LOOP_CHARS - 3000) and not share.take(1)
+    assert share.take(0)  # token ids cost nothing to tokenize
+    assert not LoopShare().take(OFF_LOOP_CHARS + 1)  # more than the share alone: always off the loop
+    await asyncio.sleep(0)
+    assert share.take(OFF_LOOP_CHARS)
+
+
+@pytest.mark.real_model
+async def test_a_burst_of_short_prompts_is_tokenized_off_the_loop_past_the_share(real_gguf, monkeypatch) -> None:
+    """16 prompts of about 1,000 characters each, submitted together: at most OFF_LOOP_CHARS of them on the
+    loop's thread, the others in worker threads, and every reply as it would be alone."""
+    async with await AsyncEngine.load(real_gguf, max_model_len=512, max_num_seqs=16) as engine:
+        loop = threading.get_ident()
+        prompts = [f"{i} " + "Hello world! The quick brown fox. " * 30 for i in range(16)]
+        alone = (await engine.generate(prompts[5], SamplingParams(max_tokens=1))).token_ids
+        seen: list[tuple[bool, int]] = []
+        real_encode = engine.tokenizer.encode
+
+        def spy(text, *args, **kwargs):
+            seen.append((threading.get_ident() == loop, len(text)))
+            return real_encode(text, *args, **kwargs)
+
+        monkeypatch.setattr(engine.tokenizer, "encode", spy)
+        outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=1)) for p in prompts])
+        assert len(seen) == len(prompts)
+        assert sum(chars for on_loop, chars in seen if on_loop) <= OFF_LOOP_CHARS
+        assert outs[5].token_ids == alone

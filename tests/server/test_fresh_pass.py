@@ -3,12 +3,15 @@ here was a fault on main before it was fixed, and is now a typed answer naming t
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import msgspec
 import pytest
 
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import Logprob
+from asyncinfer.prompts import OFF_LOOP_CHARS
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.errors import APIError, from_exception
 from asyncinfer.server.protocol import (
@@ -201,3 +204,40 @@ def test_a_constrained_reply_with_top_logprobs_over_http_has_no_null(server) -> 
         values = [t["logprob"] for t in tokens] + [a["logprob"] for t in tokens for a in t["top_logprobs"]]
         assert UNLIKELY_LOGPROB in values  # 20 alternatives, of which the constraint allows fewer
         assert all(isinstance(v, float) and v <= 0 for v in values), values
+
+
+def test_a_burst_of_short_prompts_is_tokenized_off_the_loop_past_its_share(server, monkeypatch) -> None:
+    """Each prompt of at most OFF_LOOP_CHARS was tokenized on the event loop, one call at a time, so one HTTP
+    call of 64 (up to 256) short prompts held the loop for their sum while every other caller waited. The
+    loop now tokenizes at most OFF_LOOP_CHARS of them in one turn (prompts.LoopShare); the rest of the
+    burst goes to worker threads. Streamed with usage, the router counts them in one worker thread."""
+    tokenizer = server.engine.get_tokenizer("tiny")
+    loop = loop_thread(server)
+    encoded: list[tuple[bool, int]] = []  # (on the loop, characters) per prompt tokenized
+    real_encode = tokenizer.encode
+
+    def spy(text, *args, **kwargs):
+        encoded.append((threading.get_ident() == loop, len(text)))
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    prompts = [f"{i} " + "Hello world! The quick brown fox. " * 17 for i in range(64)]  # about 600 characters each
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for stream in (False, True):
+            encoded.clear()
+            body = {"model": "tiny", "prompt": prompts, "max_tokens": 1, "temperature": 0}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert len(encoded) >= len(prompts)
+            on_loop = sum(chars for loop_side, chars in encoded if loop_side)
+            assert on_loop <= OFF_LOOP_CHARS, (stream, on_loop, len(encoded))
+    server.wait_idle()
+
+
+def loop_thread(server) -> int:
+    async def ident() -> int:
+        return threading.get_ident()
+
+    return server.call(ident())
