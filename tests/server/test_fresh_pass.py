@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import pytest
 
+from asyncinfer import InvalidParameterError
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import Logprob
 from asyncinfer.prompts import OFF_LOOP_CHARS
@@ -18,6 +19,7 @@ from asyncinfer.server.protocol import (
     CHAT_BODY,
     COMPLETION_BODY,
     EMBEDDING_BODY,
+    MAX_WHOLE_LOGPROBS,
     decode_json,
     parse_chat,
     parse_completion,
@@ -241,3 +243,31 @@ def loop_thread(server) -> int:
         return threading.get_ident()
 
     return server.call(ident())
+
+
+@pytest.mark.parametrize(("parse", "body", "param"), [
+    (parse_chat, {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 20, "n": 64},
+     "top_logprobs"),  # 64 x 8192 x 21 = 11 M log-probabilities: about 6.6 GB while its answer was built
+    (parse_completion, {"prompt": ["a"] * 256, "logprobs": 5, "max_tokens": 1000}, "logprobs"),
+])
+def test_a_whole_answer_too_big_to_hold_is_refused_and_may_be_streamed(parse, body, param) -> None:
+    """A whole answer with logprobs holds every token's alternatives until it is sent (about 600 bytes each
+    while built): unbounded, one caller's request could take the process's memory. Past MAX_WHOLE_LOGPROBS
+    it is a 400 naming the field, at once; streamed (one chunk at a time), it is served."""
+    request = parse(body)
+    with pytest.raises(InvalidParameterError) as refused:
+        request.sampling_params(8192)
+    error = from_exception(refused.value, "req-test", request.field)
+    assert (error.status, error.param) == (400, param)
+    assert f"at most {MAX_WHOLE_LOGPROBS} log-probabilities" in error.message and "stream" in error.message
+    streamed = parse({**body, "stream": True}).sampling_params(8192)
+    assert streamed.logprobs == (20 if param == "top_logprobs" else 5)
+    smaller = parse({**body, "n": 1} if "n" in body else {**body, "prompt": ["a"] * 4}).sampling_params(8192)
+    assert smaller.logprobs is not None
+
+
+def test_a_whole_answer_too_big_over_http_is_a_400(server) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": ["a b"] * 200, "logprobs": 20, "max_tokens": 300})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        assert server.engine.num_unfinished_requests == 0  # refused before anything was queued

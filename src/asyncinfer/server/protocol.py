@@ -50,6 +50,11 @@ from asyncinfer.structured import StructuredOutput
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
 MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
+#: The most log-probabilities (each token's and its alternatives') a whole, non-streamed answer may hold:
+#: completions x max_tokens x (1 + top_logprobs). It holds them all until it is sent, at about 600 bytes each
+#: while it is built (92 held, then the JSON's objects), so 256 completions of 8192 tokens with 20 alternatives
+#: would take tens of GB; such a request is refused at once (stream it: a stream holds one chunk at a time).
+MAX_WHOLE_LOGPROBS = 1 << 20
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
@@ -282,7 +287,20 @@ class _Common:
             raise
         if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
             raise InvalidParameterError("temperature", kw["temperature"], _TEMPERATURE_RANGE)
+        if params.logprobs is not None and not self.stream:
+            held = self.num_prompts * params.n * params.max_tokens * (1 + params.logprobs)
+            if held > MAX_WHOLE_LOGPROBS:
+                raise InvalidParameterError(
+                    "logprobs", params.logprobs,
+                    f"at most {MAX_WHOLE_LOGPROBS} log-probabilities in a whole answer, got completions x token limit "
+                    f"x (1 + alternatives) = {self.num_prompts * params.n} x {params.max_tokens} x "
+                    f"{1 + params.logprobs} = {held}: stream it (`stream: true`), or lower `n`, the token limit "
+                    "or the alternatives")
         return params
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     def field(self, parameter: str) -> str:
         """The body field an engine parameter name stands for (this body's own token-limit field)."""
@@ -569,6 +587,10 @@ class CompletionRequest(_Common):
     @staticmethod
     def rename(parameter: str) -> str:
         return "prompt" if parameter.startswith("prompt") else parameter
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
