@@ -7,7 +7,8 @@ list was grown in place after it was built. The engine now builds each request's
 what they hold at the call (``sampling_params.plain_params``): refused there, by name, like any bad value.
 
 And a burst of short prompts (each within ``OFF_LOOP_CHARS``, so each tokenized on the event loop) held
-the loop for their sum: the loop now tokenizes at most that much in one turn (``prompts.LoopShare``).
+the loop for their sum: the loop now tokenizes at most that much in one turn (``prompts.LoopShare``). And a
+scheduler plugin's plan that broke the contract for one request failed the whole step: its neighbours too.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import threading
 
 import pytest
 
-from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+from asyncinfer import AsyncEngine, InvalidParameterError, RequestFailedError, SamplingParams
+from asyncinfer.core import SchedulerPlanError
 from asyncinfer.prompts import OFF_LOOP_CHARS, LoopShare
 from asyncinfer.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, plain_params
+from asyncinfer.schedulers import FIFOScheduler
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
@@ -129,3 +132,57 @@ async def test_a_burst_of_short_prompts_is_tokenized_off_the_loop_past_the_share
         assert len(seen) == len(prompts)
         assert sum(chars for on_loop, chars in seen if on_loop) <= OFF_LOOP_CHARS
         assert outs[5].token_ids == alone
+
+
+def _misplanning(kind: str) -> type[FIFOScheduler]:
+    """FIFO, but its plan breaks the contract for the request whose id starts with "bad" (``kind``)."""
+
+    class Misplanning(FIFOScheduler):
+        def schedule(self):  # type: ignore[no-untyped-def]
+            out = super().schedule()
+            entries = out.num_scheduled_tokens
+            rid = next((r for r in entries if r.startswith("bad")), None)
+            if rid is None:
+                return out
+            if kind == "more than it lacks":
+                entries[rid] += 3
+            elif kind == "zero":
+                entries[rid] = 0
+            elif kind == "negative":
+                entries[rid] = -1
+            elif kind == "float":
+                entries[rid] = float(entries[rid])
+            elif kind == "unknown id":
+                entries["nobody"] = 1
+            return out
+
+    return Misplanning
+
+
+@pytest.mark.parametrize("kind", ["more than it lacks", "zero", "negative", "float", "unknown id"])
+async def test_a_plan_that_breaks_the_contract_for_one_request_fails_it_alone(
+        tiny_models, hf_greedy, kind, caplog) -> None:
+    """A plugin's plan giving one request a count the contract forbids (more tokens than it lacks, none, a
+    negative or non-int count) failed the whole step, so every neighbour in it, with RequestFailedError; an
+    entry for an id the scheduler does not hold failed every request it held. Now the entry leaves the plan:
+    its request fails alone (the cause a SchedulerPlanError, logged), an unknown id is just left out, and no
+    step fails."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 8)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    async with AsyncEngine.from_pretrained(path, **BASE, scheduler=_misplanning(kind)) as engine:
+        neighbours = [asyncio.create_task(engine.generate(GOOD, greedy)) for _ in range(2)]
+        bad = asyncio.create_task(engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True, n=2),
+                                                  request_id="bad"))
+        results = await asyncio.gather(*neighbours, bad, return_exceptions=True)
+        assert [r.token_ids for r in results[:2]] == [expected, expected]  # type: ignore[union-attr]
+        if kind == "unknown id":
+            assert len(results[2].outputs) == 2  # type: ignore[union-attr]
+            assert "does not hold" in caplog.text
+        else:
+            assert isinstance(results[2], RequestFailedError) and "'bad'" in str(results[2])
+            assert isinstance(results[2].__cause__, SchedulerPlanError)
+            assert "its scheduler's plan" in caplog.text
+        assert (await engine.generate(GOOD, greedy)).token_ids == expected
+        assert engine.step_stats().failed_steps == 0
+    assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
