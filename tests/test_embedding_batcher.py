@@ -40,9 +40,11 @@ class Clock:
         return self.now
 
 
-def make(max_batch_size: int = 4, max_wait_ms: float = 5.0) -> tuple[EmbeddingBatcher, FakeEncoder, Clock]:
+def make(max_batch_size: int = 4, max_wait_ms: float = 5.0,
+         max_batch_tokens: int = 2048) -> tuple[EmbeddingBatcher, FakeEncoder, Clock]:
     encoder, clock = FakeEncoder(), Clock()
-    config = EmbeddingConfig(device="cpu", max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+    config = EmbeddingConfig(device="cpu", max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                             max_batch_tokens=max_batch_tokens)
     return EmbeddingBatcher(encoder, config, clock), encoder, clock  # type: ignore[arg-type]
 
 
@@ -67,23 +69,50 @@ def test_a_batch_is_due_when_full_or_when_the_oldest_text_waited_long_enough() -
     assert batcher.wait_time() is None
 
 
-def test_texts_run_oldest_first_and_a_call_completes_with_its_last_text() -> None:
+def test_waiting_calls_take_turns_and_a_call_completes_with_its_last_text() -> None:
+    """One text of each waiting call in turn, the oldest call first: a call of many texts shares its first
+    batch with the calls behind it (it used to run all its batches first, oldest text first)."""
     batcher, encoder, clock = make(max_batch_size=3, max_wait_ms=0)
     done: list[EmbedCall] = []
     a = call([1, 2, 3, 4, 5], arrival=0.0, done=done)  # spans two batches
     b = call([6], arrival=0.001, done=done)
     batcher.add(a)
     batcher.add(b)
-    assert batcher.run_batch() == []  # a's first 3 texts: a is not complete yet
-    assert batcher.run_batch() == [a, b]
+    assert batcher.run_batch() == [b]  # a's first text, b's only one, a's second
+    assert encoder.batches[0] == [[1, 1], [6, 6], [2, 2, 2]]
+    assert batcher.run_batch() == [a]
     assert [len(x) for x in encoder.batches] == [3, 3]
     vectors = a.stacked()
     assert vectors[:, 0].tolist() == [1, 2, 3, 4, 5] and vectors[:, 1].tolist() == [2, 3, 4, 5, 1]
     stats = batcher.stats()
     assert (stats.num_calls, stats.num_texts, stats.num_batches, stats.batch_sizes) == (2, 6, 2, {3: 2})
     assert stats.num_tokens == 2 + 3 + 4 + 5 + 1 + 2
-    assert stats.num_padded_tokens == 3 * 4 + 3 * 5
+    assert stats.num_padded_tokens == 3 * 3 + 3 * 5
     assert stats.mean_batch_size == 3.0
+
+
+def test_a_flood_of_long_texts_neither_holds_back_other_calls_nor_outgrows_the_token_slots() -> None:
+    """A call of many long texts used to run all its batches (of max_batch_size texts, however long) before a
+    call queued behind it: each batch runs between two generation steps, so both another caller's embeddings
+    and every generated token waited for the whole flood. Now the short call rides in the first batch, and no
+    batch holds more than max_batch_tokens padded slots (a longer text alone)."""
+    batcher, encoder, clock = make(max_batch_size=32, max_wait_ms=0, max_batch_tokens=64)
+    flood = EmbedCall([[7] * 20 for _ in range(40)], 0.0)
+    short = EmbedCall([[9, 9]], 0.001)
+    batcher.add(flood)
+    batcher.add(short)
+    assert batcher.run_batch() == [short]
+    assert encoder.batches[0] == [[7] * 20, [9, 9], [7] * 20]  # 3 x 20 slots: a fourth text would pass 64
+    finished = []
+    while batcher.wait_time() is not None:
+        finished += batcher.run_batch()
+    assert finished == [flood] and flood.remaining == 0
+    assert all(len(b) * max(map(len, b)) <= 64 for b in encoder.batches)
+    huge = EmbedCall([[5] * 100, [6]], 0.0)  # a text longer than the slots runs alone
+    batcher.add(huge)
+    batcher.run_batch()
+    batcher.run_batch()
+    assert encoder.batches[-2:] == [[[5] * 100], [[6]]] and huge.remaining == 0
 
 
 def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> None:
@@ -106,7 +135,7 @@ def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> 
 
 def test_options_are_checked_by_name() -> None:
     for bad in (dict(max_batch_size=0), dict(max_batch_size=True), dict(max_wait_ms=-1), dict(max_wait_ms=2000),
-                dict(max_seq_len=1), dict(num_threads=0)):
+                dict(max_seq_len=1), dict(num_threads=0), dict(max_batch_tokens=0), dict(max_batch_tokens=1.5)):
         with pytest.raises(InvalidParameterError) as err:
             EmbeddingConfig(device="cpu", **bad)
         assert err.value.parameter == next(iter(bad))
@@ -129,7 +158,7 @@ def test_an_encoder_failure_fails_the_batchs_calls_only() -> None:
         raise boom
 
     encoder.encode_ids = fail_once
-    assert batcher.run_batch() == [a]  # a's first two texts: a fails, its third text is dropped
-    assert a.error is boom and a.cancelled
-    assert batcher.run_batch() == [b, c] and b.error is None and c.error is None
+    assert batcher.run_batch() == [a, b]  # a's first text and b's: both fail, a's other texts are dropped
+    assert a.error is boom and a.cancelled and b.error is boom
+    assert batcher.run_batch() == [c] and c.error is None
     assert batcher.wait_time() is None

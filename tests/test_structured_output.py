@@ -412,13 +412,13 @@ def test_compiles_queue_in_a_pool_of_their_own_and_leave_the_shared_one_free(ser
     release, lock = threading.Event(), threading.Lock()
     running, most = [0], [0]
 
-    def held(spec: StructuredOutput) -> Any:
+    def held(spec: StructuredOutput, namespace: str | None = None) -> Any:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
             release.wait(60)
-            return compile_(spec)
+            return compile_(spec, namespace)
         finally:
             with lock:
                 running[0] -= 1
@@ -457,9 +457,9 @@ def test_grammars_compile_in_a_worker_thread(served: Served) -> None:
     threads: list[threading.Thread] = []
     compile_ = grammars.compile
 
-    def spy(spec: StructuredOutput) -> Any:
+    def spy(spec: StructuredOutput, namespace: str | None = None) -> Any:
         threads.append(threading.current_thread())
-        return compile_(spec)
+        return compile_(spec, namespace)
 
     grammars.compile = spy  # type: ignore[method-assign]
     try:

@@ -24,7 +24,7 @@ from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
 from asyncinfer.engine_thread import QueueEmbed
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
-from asyncinfer.prompts import OFF_LOOP_CHARS, check_prompt_chars, prompt_cost, prompt_token_ids, texts_cost
+from asyncinfer.prompts import LoopShare, check_prompt_chars, prompt_cost, prompt_token_ids, texts_cost
 
 _M = TypeVar("_M")
 
@@ -56,8 +56,9 @@ class EmbeddingModel:
 class EmbedCalls:
     """The ``embed()`` calls in flight, each with the future its caller awaits."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop_share: LoopShare | None = None) -> None:
         self._calls: dict[EmbedCall, tuple[EmbeddingModel, asyncio.Future[torch.Tensor]]] = {}
+        self.loop_share = loop_share or LoopShare()  # the engine's tokenizing on the loop, per turn
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -76,7 +77,7 @@ class EmbedCalls:
         ``still_ok`` raises if the engine or the model went away while tokenizing off the loop.
         """
         tokenize = entry.batcher.encoder.tokenize
-        if texts_cost(texts) > OFF_LOOP_CHARS:
+        if not self.loop_share.take(texts_cost(texts)):
             ids = await anyio.to_thread.run_sync(tokenize, texts)
             still_ok()
         else:
@@ -122,7 +123,8 @@ class EmbedCalls:
 class ModelCatalog:
     """Named generators and embedding models, in load order."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop_share: LoopShare | None = None) -> None:
+        self.loop_share = loop_share or LoopShare()  # the engine's tokenizing on the loop, per turn
         self.generators: dict[str, ModelHolder] = {}
         self.embedders: dict[str, EmbeddingModel] = {}
         self.removing: dict[str, ModelHolder | EmbeddingModel] = {}
@@ -158,13 +160,14 @@ class ModelCatalog:
 
     def tokenize_now(self, name: str | None, prompt: Any) -> tuple[ModelVersion, list[int]] | None:
         """The serving version and the prompt's ids for it, when that takes no await: None
-        while a drain-mode swap has no version serving, or for a text tokenized off the loop
-        (only its length bounds are checked then). Raises for an unknown model or a bad prompt."""
+        while a drain-mode swap has no version serving, or for a text tokenized off the loop (over
+        ``OFF_LOOP_CHARS``, or past the loop's share of this turn: :class:`LoopShare`; only its length
+        bounds are checked then). Raises for an unknown model or a bad prompt."""
         version = self.generator(name).current
         if version is None:
             return None
         check_prompt_chars(prompt, version)
-        if prompt_cost(prompt) > OFF_LOOP_CHARS:
+        if not self.loop_share.take(prompt_cost(prompt)):
             return None
         return version, prompt_token_ids(prompt, version)
 
@@ -182,7 +185,7 @@ class ModelCatalog:
             if early is not None and early[0] is version:
                 return early
             check_prompt_chars(prompt, version)
-            if prompt_cost(prompt) <= OFF_LOOP_CHARS:
+            if self.loop_share.take(prompt_cost(prompt)):
                 return version, prompt_token_ids(prompt, version)
             ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
             if self.generator(name).current is version:

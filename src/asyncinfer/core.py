@@ -52,10 +52,14 @@ from asyncinfer.outputs import CoreOutput, Logprob
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
-from asyncinfer.schedulers.base import Scheduler
+from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
 from asyncinfer.step import ENDS_ENGINE, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
+
+
+class SchedulerPlanError(RuntimeError):
+    """A scheduler's plan broke the contract for one request: the cause of that request's ``RequestFailedError``."""
 
 #: How many recent steps :attr:`StepStats.batch_sizes` keeps.
 BATCH_SIZE_HISTORY = 1024
@@ -146,7 +150,7 @@ class EngineCore:
             return self._refused(request, refusal)
         if request.params.structured is not None and request.grammar is None:
             try:  # added to the core directly (tests, benchmarks); the engine compiles it off its threads first
-                request.grammar = self.compile_grammar(request.params.structured)
+                request.grammar = self.compile_grammar(request.params.structured, request.cache_salt)
             except InvalidParameterError as exc:
                 return self._refused(request, exc)
         try:
@@ -173,12 +177,13 @@ class EngineCore:
             return InvalidParameterError("n", request.params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
         return None
 
-    def compile_grammar(self, spec: Any) -> Any:
+    def compile_grammar(self, spec: Any, namespace: str | None = None) -> Any:
         """``spec`` (a :class:`~asyncinfer.structured.StructuredOutput`) compiled for this model's vocabulary
-        (cached). Blocking. Raises :class:`InvalidParameterError` on ``structured``."""
+        (cached per ``namespace``, a request's ``cache_salt``). Blocking. Raises :class:`InvalidParameterError`
+        on ``structured``."""
         if self.grammars is None:
             raise InvalidParameterError("structured", spec.kind, "None: this model has no tokenizer")
-        return self.grammars.compile(spec)
+        return self.grammars.compile(spec, namespace)
 
     def _holds(self, rid: str) -> bool:
         """Whether ``rid`` is the id of a sample in this core, forked or still to fork."""
@@ -242,7 +247,8 @@ class EngineCore:
         started = time.perf_counter()
         self._batch = None
         plan = self.scheduler.schedule()
-        batch = scheduled(self.scheduler, plan)  # a plan naming a request the scheduler lacks fails here
+        misplanned = self._check_plan(plan)  # entries that break the contract: their requests fail alone
+        batch = scheduled(self.scheduler, plan)
         copies = self.kv.commit_step()
         self._batch = batch  # from here on a fault fails these requests
         self.stats.preemptions = self.kv.num_preemptions
@@ -250,7 +256,7 @@ class EngineCore:
             self.runner.copy_blocks(copies)
         if not batch:
             self.stats.idle_steps += 1  # nothing to run: the engine thread backs off and times the stall
-            return []
+            return misplanned
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
@@ -260,6 +266,37 @@ class EngineCore:
         outputs = self._outputs(result, tokens)
         if self.on_step is not None:
             self.on_step(batch, inputs, result, started)
+        return misplanned + outputs
+
+    def _check_plan(self, plan: SchedulerOutput) -> list[CoreOutput]:
+        """Hold ``plan`` to the contract's rule for each scheduled request (docs/schedulers.md, invariant 2):
+        one the scheduler holds, running, ``1 <= n <= its uncomputed tokens`` (an int), with its slots
+        allocated. An entry that breaks it is logged and leaves the plan, and its request (all its samples)
+        fails alone with :class:`RequestFailedError` (its blocks freed, a slot the step registered for it
+        dropped from the prefix cache); an entry naming no request the scheduler holds just leaves the plan.
+        So a plugin's wrong count for one request never fails the step, and so its neighbours, nor reaches
+        the forward pass. Returns the failed requests' final outputs."""
+        sched = self.scheduler
+        entries = plan.num_scheduled_tokens
+        faults: dict[str, tuple[Request, str]] = {}
+        for rid, n in list(entries.items()):
+            request = sched.requests.get(rid)
+            if request is None:
+                logger.error("the scheduler (%s) planned %r tokens for %r, a request it does not hold: left out",
+                             type(sched).__name__, n, rid)
+                del entries[rid]
+                continue
+            fault = self._plan_fault(request, n)
+            if fault is not None:
+                faults.setdefault(request.group_id, (request, fault))
+        outputs: list[CoreOutput] = []
+        for group_id, (request, fault) in faults.items():
+            exc = SchedulerPlanError(f"the scheduler ({type(sched).__name__}) planned {fault}")
+            _log_fault("its scheduler's plan broke the contract", request, exc)
+            outputs += self._end(group_id, _failure(group_id, "its scheduler's plan", exc), alone=request)
+        if faults:  # its samples left with it
+            for rid in [rid for rid in entries if rid not in sched.requests]:
+                del entries[rid]
         return outputs
 
     def _switch_rope(self, result: StepResult) -> None:
@@ -273,6 +310,21 @@ class EngineCore:
         for request, _ in result.sampled:
             if request.status == RequestStatus.RUNNING and rows.switches(request.num_tokens):
                 self.scheduler.preempt(request)
+
+    def _plan_fault(self, request: Request, n: object) -> str | None:
+        """What is wrong with a plan's entry of ``n`` tokens for ``request`` (None: nothing)."""
+        rid = request.request_id
+        if not isinstance(n, int) or isinstance(n, bool):
+            return f"{n!r} tokens for {rid!r} (not an int)"
+        if request.status is not RequestStatus.RUNNING:
+            return f"{n} tokens for {rid!r}, which is {request.status.value}, not running"
+        uncomputed = request.num_tokens - request.num_computed_tokens
+        if not 1 <= n <= uncomputed:
+            return f"{n} tokens for {rid!r}, which has {uncomputed} to compute"
+        needed, slots = request.num_computed_tokens + n, self.kv.num_slots(rid)
+        if slots < needed:
+            return f"{n} tokens for {rid!r}, whose allocated slots cover {slots} of the {needed} it needs"
+        return None
 
     def fail_step(self, exc: BaseException) -> list[CoreOutput]:
         """Undo the step that raised ``exc`` and fail its requests; returns their final outputs.

@@ -35,6 +35,9 @@ class EmbeddingConfig:
 
     - ``dtype``, ``device``: as for generators ("auto" = float32 on CPU, bf16 on CUDA).
     - ``max_batch_size``: texts per forward pass, 1..1024 (1 = no batching; default 32).
+    - ``max_batch_tokens``: token slots per forward pass (texts x the longest, as the pass pads them), 1..1048576
+      (default 2048); a text longer than it runs alone. One batch runs between two generation steps of the
+      engine, so this bounds what a flood of long texts adds to every generated token's wait.
     - ``max_wait_ms``: how long the oldest waiting text may wait for more, in [0, 1000]
       (default 5; 0 = run whatever is queued at once).
     - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
@@ -45,6 +48,7 @@ class EmbeddingConfig:
     dtype: Any = "auto"
     device: Any = "auto"
     max_batch_size: int = 32
+    max_batch_tokens: int = 2048
     max_wait_ms: float = 5.0
     max_seq_len: int | None = None
     num_threads: int | None = None
@@ -54,6 +58,7 @@ class EmbeddingConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         check_int("max_batch_size", self.max_batch_size, 1, 1024)
+        check_int("max_batch_tokens", self.max_batch_tokens, 1, 1 << 20)
         wait = self.max_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
             raise InvalidParameterError("max_wait_ms", wait, "a number of milliseconds in [0, 1000]")
@@ -151,8 +156,11 @@ class EmbeddingBatcher:
     """The queue and the forward passes of one embedding model (engine thread only).
 
     ``add`` queues a call's texts; ``wait_time`` says how long until a batch is
-    due; ``run_batch`` embeds up to ``max_batch_size`` texts, oldest first, and
-    returns the calls it completed.
+    due; ``run_batch`` embeds up to ``max_batch_size`` texts and ``max_batch_tokens``
+    token slots, one text of each waiting call in turn (the oldest call first), and
+    returns the calls it completed. Taking the calls in turn keeps one caller's many
+    texts from holding the others back: a call of 2048 long texts shares every batch
+    with the calls queued behind it, rather than running its 64 batches first.
     """
 
     def __init__(
@@ -162,7 +170,8 @@ class EmbeddingBatcher:
         self.config = config
         self.plan = plan_embedding(encoder.config, config)
         self._clock = clock
-        self._pending: deque[tuple[EmbedCall, int]] = deque()
+        self._queue: deque[list[Any]] = deque()  # [call, index of its next text], oldest call first
+        self._waiting = 0  # texts of the queued calls not run yet
         self._calls = 0
         self._texts = 0
         self._batches = 0
@@ -173,33 +182,56 @@ class EmbeddingBatcher:
 
     def add(self, call: EmbedCall) -> None:
         self._calls += 1
-        self._pending.extend((call, i) for i in range(len(call.ids)))
+        if call.ids:
+            self._queue.append([call, 0])
+            self._waiting += len(call.ids)
         self._snapshot = self._stats()
 
     def _drop_cancelled(self) -> None:
-        while self._pending and self._pending[0][0].cancelled:
-            self._pending.popleft()
+        if any(call.cancelled for call, _ in self._queue):
+            for entry in [e for e in self._queue if e[0].cancelled]:
+                self._queue.remove(entry)
+                self._waiting -= len(entry[0].ids) - entry[1]
 
     def wait_time(self) -> float | None:
         """Seconds until a batch is due: None when nothing waits, 0 when one is due now."""
         self._drop_cancelled()
-        if not self._pending:
+        if not self._queue:
             return None
-        if len(self._pending) >= self.config.max_batch_size:
+        if self._waiting >= self.config.max_batch_size:
             return 0.0
-        waited = self._clock() - self._pending[0][0].arrival
+        waited = self._clock() - self._queue[0][0].arrival
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
+    def _next_batch(self) -> list[tuple[EmbedCall, int]]:
+        """Up to ``max_batch_size`` texts in ``max_batch_tokens`` padded slots (at least one text), one of each
+        waiting call in turn, oldest call first; taken off the queue."""
+        self._drop_cancelled()
+        size, slots = self.config.max_batch_size, self.config.max_batch_tokens
+        batch: list[tuple[EmbedCall, int]] = []
+        longest = 0
+        while self._queue and len(batch) < size:
+            for entry in list(self._queue):
+                call, i = entry
+                length = max(longest, len(call.ids[i]))
+                if batch and length * (len(batch) + 1) > slots:
+                    return batch
+                batch.append((call, i))
+                longest = length
+                self._waiting -= 1
+                entry[1] += 1
+                if entry[1] == len(call.ids):
+                    self._queue.remove(entry)
+                if len(batch) == size:
+                    break
+        return batch
+
     def run_batch(self) -> list[EmbedCall]:
-        """Embed up to ``max_batch_size`` queued texts; the calls this completed.
+        """Embed the next batch (:meth:`_next_batch`); the calls this completed.
 
         If the encoder raises, every call with a text in the batch completes
         with ``error`` set (and its other queued texts are dropped)."""
-        batch: list[tuple[EmbedCall, int]] = []
-        while self._pending and len(batch) < self.config.max_batch_size:
-            call, i = self._pending.popleft()
-            if not call.cancelled:
-                batch.append((call, i))
+        batch = self._next_batch()
         if not batch:
             return []
         ids = [call.ids[i] for call, i in batch]
@@ -227,8 +259,9 @@ class EmbeddingBatcher:
 
     def take_all(self) -> list[EmbedCall]:
         """Empty the queue; the distinct calls that were waiting (to fail them)."""
-        calls = list(dict.fromkeys(call for call, _ in self._pending if not call.cancelled))
-        self._pending.clear()
+        calls = [call for call, _ in self._queue if not call.cancelled]
+        self._queue.clear()
+        self._waiting = 0
         return calls
 
     def stats(self) -> EmbeddingStats:

@@ -49,6 +49,7 @@ from asyncinfer.metrics.profile import profile_steps
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
 from asyncinfer.prompts import (
+    LoopShare,
     Prompt,
     chat_token_ids,
     check_prompt_chars,
@@ -89,7 +90,8 @@ class AsyncEngine:
                  embedder: EmbeddingBatcher | None = None) -> None:
         self.config = config
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
-        self._models = ModelCatalog()
+        loop_share = LoopShare()  # what this engine tokenizes on the loop in one turn of it, prompts and texts
+        self._models = ModelCatalog(loop_share)
         if version is not None:
             self._models.add_generator(name, ModelHolder(version))
         if embedder is not None:
@@ -100,7 +102,7 @@ class AsyncEngine:
         # engine.metrics observes: the engine hands each part that feeds it its observer.
         self.metrics = EngineMetrics(self, config, generators)
         self._streams = StreamTable(observer=self.metrics)
-        self._embed_calls = EmbedCalls()
+        self._embed_calls = EmbedCalls(loop_share)
         self._link = ThreadLink()
         self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device,
                                      observer=self.metrics)
@@ -260,7 +262,8 @@ class AsyncEngine:
         """Run one request to its end and return the whole result.
 
         With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
-        ``cache_salt``: requests share cached prefixes only within one salt (e.g. a tenant).
+        ``cache_salt``: requests share cached prefixes and compiled structured-output specs only within one
+        salt (e.g. a tenant).
         Cancelling the awaiting task aborts the request (its blocks return at the next step
         boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
         ``model``: the generator's name (default: the first loaded).
@@ -295,7 +298,8 @@ class AsyncEngine:
         stream ends after all ``n`` have finished.
         Breaking out of the loop or cancelling the consuming task aborts the request.
         Raises the same errors as :meth:`generate` at the call itself, before any delta
-        (texts over 4096 characters, tokenized off the loop, are length-checked at the first).
+        (texts over 4096 characters, or past the loop's share of tokenizing in its current turn, tokenized
+        off the loop, are length-checked at the first).
         """
         prompt = plain_prompt(prompt)
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)

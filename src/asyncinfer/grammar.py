@@ -148,35 +148,42 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.cache_size = cache_size
-        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        # keyed by (namespace, spec): a namespace's compiled specs are its own (see cached())
+        self._cache: OrderedDict[tuple[str | None, StructuredOutput], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._vocab_lock = threading.Lock()
         self._vocab: Any = None
         self._vocab_error: str | None = None
         self.compiled = 0  # specs compiled (cache misses), for tests and metrics
 
-    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
-        """The compiled grammar of ``spec`` if the cache holds it (marked recently used), else None."""
+    def cached(self, spec: StructuredOutput, namespace: str | None = None) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if the cache holds it for ``namespace`` (marked recently used), else
+        None. ``namespace`` is the request's ``cache_salt``: requests find only the specs compiled in their own
+        namespace, so that, as with cached prompt prefixes, a caller cannot tell from its time to first token
+        which specs another tenant sent (``None``, requests without a salt, is one namespace of its own)."""
+        key = (namespace, spec)
         with self._lock:
-            found = self._cache.get(spec)
+            found = self._cache.get(key)
             if found is not None:
-                self._cache.move_to_end(spec)
+                self._cache.move_to_end(key)
             return found
 
-    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """``spec`` compiled (from the cache when it holds it). Blocking: call it off the event loop.
+    def compile(self, spec: StructuredOutput, namespace: str | None = None) -> CompiledGrammar:
+        """``spec`` compiled (from ``namespace``'s entries of the cache when it holds it: :meth:`cached`).
+        Blocking: call it off the event loop.
 
         Raises:
             InvalidParameterError: on ``structured``: the library refuses the spec (with its reason), no
                 text satisfies it, or the library is not installed.
         """
-        found = self.cached(spec)
+        found = self.cached(spec, namespace)
         if found is not None:
             return found
         compiled = self._compile(spec)
+        key = (namespace, spec)
         with self._lock:
-            self._cache[spec] = compiled
-            self._cache.move_to_end(spec)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
             self.compiled += 1
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)

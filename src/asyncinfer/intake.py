@@ -148,10 +148,11 @@ class RequestIntake:
                 return version, ids, None
             core = version.core
             assert core is not None
-            grammar = core.grammars.cached(spec) if core.grammars is not None else None
+            salt = args.cache_salt  # a tenant's compiled specs are its own, as its cached prefixes are
+            grammar = core.grammars.cached(spec, salt) if core.grammars is not None else None
             if grammar is not None:
                 return version, ids, grammar
-            grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec, limiter=self.compiles)
+            grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec, salt, limiter=self.compiles)
             check_running()
             if self.models.generator(model).current is version:  # else a swap moved it on: bind again
                 return version, ids, grammar

@@ -4,7 +4,8 @@ Runs before anything is queued, so every error here is an
 :class:`InvalidParameterError` raised at the call, and nothing is left behind.
 A prompt whose tokenization costs more than :data:`OFF_LOOP_CHARS` characters of text
 (:func:`prompt_cost`: its characters, plus :data:`ITEM_COST_CHARS` for each chat
-message the template renders) is tokenized in a worker thread (the engine does that),
+message the template renders) is tokenized in a worker thread (the engine does that), and so is
+any prompt that comes once the loop has tokenized that much in its current turn (:class:`LoopShare`),
 after :func:`check_prompt_chars` refused, without tokenizing, any prompt too long to
 ever fit and any chat of more than :data:`MAX_CHAT_MESSAGES` messages. Texts must be
 valid Unicode: a lone surrogate (``"\ud800"``) is refused here, naming the prompt,
@@ -14,6 +15,7 @@ rather than by the tokenizer. Everything is checked as :func:`plain_prompt` make
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.holder import ModelVersion
 from asyncinfer.request import Request
-from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.sampling_params import SamplingParams, plain_params
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -34,6 +36,35 @@ MAX_CHAT_MESSAGES = 4096
 #: What one chat message (rendered by the template) or one embed() text costs to tokenize besides its
 #: characters, counted in characters of text (prompt_cost, texts_cost).
 ITEM_COST_CHARS = 64
+
+
+class LoopShare:
+    """How much tokenizing one engine does on the event loop in one turn of it: at most :data:`OFF_LOOP_CHARS`
+    of cost (:func:`prompt_cost`, :func:`texts_cost`) together. A prompt within the limit alone is still
+    tokenized in a worker thread when the calls before it in the same turn used the share: a burst of many
+    short prompts (an HTTP call of 256 of them, a caller's ``gather`` of as many calls) would otherwise hold
+    the loop for their sum, every other caller waiting. A turn is what the loop runs between two looks at its
+    sockets: the share comes back with the next one."""
+
+    def __init__(self, chars: int = OFF_LOOP_CHARS) -> None:
+        self.chars = chars
+        self._used = 0
+        self._renewing = False
+
+    def take(self, cost: int) -> bool:
+        """Whether work of ``cost`` may run on the loop now (then it counts against this turn's share);
+        False: run it in a worker thread. Call it on the loop."""
+        if cost > self.chars - self._used:
+            return False
+        if cost and not self._renewing:  # the share comes back once this turn's ready callbacks have run
+            asyncio.get_running_loop().call_soon(self._renew)
+            self._renewing = True
+        self._used += cost
+        return True
+
+    def _renew(self) -> None:
+        self._used = 0
+        self._renewing = False
 
 
 def plain_text(value: Any) -> Any:
@@ -81,11 +112,13 @@ def _plain_message(message: Any) -> Any:
 
 
 def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
-    """The request's parameters, checked (``None`` params: the defaults)."""
+    """The request's parameters, checked as they hold now (``None`` params: the defaults)."""
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         raise InvalidParameterError("params", params, "a SamplingParams instance or None")
+    else:  # checked again as what it holds now (a subclass, a stop list grown since): the request's own copy
+        params = plain_params(params)
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and not isinstance(cache_salt, str):

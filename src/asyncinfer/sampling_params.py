@@ -16,7 +16,7 @@ import msgspec
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.structured import StructuredOutput
 
-__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams"]
+__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams", "plain_params"]
 
 _MAX_SEED = 2**63 - 1
 # Sampling runs in float32: logits are divided by the temperature and scaled by the
@@ -293,3 +293,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if name not in fields:
                 raise InvalidParameterError(name, value, f"a SamplingParams field: {', '.join(fields)}")
         return msgspec.structs.replace(self, **changes)
+
+
+def plain_params(params: SamplingParams) -> SamplingParams:
+    """``params`` as a plain :class:`SamplingParams` built again from the values it holds: what a request runs
+    with. Built again, every check runs on what the parameters hold when the request is made, so a subclass
+    whose ``__post_init__`` skips the checks, and a ``stop`` or ``stop_token_ids`` list grown in place after
+    the parameters were built, cannot slip past a range or a limit (``InvalidParameterError`` naming the
+    field); the lists become the new parameters' own copies, so what the caller changes later changes nothing."""
+    held = msgspec.structs.asdict(params)  # the values held, not what a subclass's attributes say
+    return SamplingParams(**{name: held[name] for name in SamplingParams.__struct_fields__})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.engine import AsyncEngine
@@ -17,11 +18,17 @@ def _embedder_info(engine: AsyncEngine, model: str) -> ModelVersionInfo:
     return next(i for i in engine.model_info() if i.name == model and i.kind == "embed")
 
 
-def embedding_token_counts(engine: AsyncEngine, model: str, texts: list[str]) -> list[int]:
-    """Tokens each text costs the embedding model (truncated as it truncates), for ``usage``."""
+def embedding_token_counter(engine: AsyncEngine, model: str) -> Callable[[list[str]], list[int]]:
+    """What counts the tokens each text costs embedding model ``model`` (truncated as it truncates), for
+    ``usage``: its tokenizer and length, taken now, so that counting after the vectors came back needs the
+    model no more (``remove_model`` may have unloaded it by then)."""
     max_len = _embedder_info(engine, model).memory_plan.max_seq_len  # type: ignore[union-attr]
-    encoded = engine.get_tokenizer(model)(texts, truncation=True, max_length=max_len, add_special_tokens=True)
-    return [len(ids) for ids in encoded["input_ids"]]
+    tokenizer = engine.get_tokenizer(model)
+
+    def count(texts: list[str]) -> list[int]:
+        encoded = tokenizer(texts, truncation=True, max_length=max_len, add_special_tokens=True)
+        return [len(ids) for ids in encoded["input_ids"]]
+    return count
 
 
 def embedding_dimension(engine: AsyncEngine, model: str) -> int:

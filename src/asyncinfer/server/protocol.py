@@ -32,8 +32,10 @@ they differ from the engine's: without `temperature` a request samples at 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,6 +50,11 @@ from asyncinfer.structured import StructuredOutput
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions body
 MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
+#: The most log-probabilities (each token's and its alternatives') a whole, non-streamed answer may hold:
+#: completions x max_tokens x (1 + top_logprobs). It holds them all until it is sent, at about 600 bytes each
+#: while it is built (92 held, then the JSON's objects), so 256 completions of 8192 tokens with 20 alternatives
+#: would take tens of GB; such a request is refused at once (stream it: a stream holds one chunk at a time).
+MAX_WHOLE_LOGPROBS = 1 << 20
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
@@ -122,6 +129,41 @@ EMBEDDING_BODY = _shape("EmbeddingBody", _EMBEDDING, ())
 _UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.DOTALL)
 
 
+@functools.cache
+def _decoder(shape: Any) -> msgspec.json.Decoder[Any]:
+    """msgspec's JSON decoder for ``shape``, reading every number with a fraction or an exponent as Python's
+    ``float()`` does: a literal beyond a 64-bit float (``1e400``) is an infinity, as Python's ``json`` reads
+    it, never msgspec's "Number out of range" (a ``ValidationError`` that no field's check would name), and is
+    then refused by the check of the field that holds it."""
+    return msgspec.json.Decoder(shape, float_hook=float)
+
+
+# msgspec's refusal of an integer literal Python will not build (more digits than sys.get_int_max_str_digits())
+_INT_OUT_OF_RANGE = re.compile(r"Integer value out of range(?: - at `\$(.*)`)?", re.DOTALL)
+
+
+def _decode(raw: bytes | msgspec.Raw, shape: Any = Any, where: str = "") -> Any:
+    """``raw`` decoded as JSON into ``shape`` (any JSON by default): :func:`_decoder`'s reading. ``where``: the
+    body field ``raw`` is (``""`` for the body itself), for the 400 naming the field that holds an integer of
+    more digits than Python reads (``sys.get_int_max_str_digits()``, 4300), wherever it sits in the body."""
+    try:
+        return _decoder(shape).decode(raw)
+    except msgspec.ValidationError as exc:
+        found = _INT_OUT_OF_RANGE.fullmatch(str(exc))
+        if found is None:
+            raise
+        field = _field_path(where, found.group(1) or "") or None
+        raise APIError(400, f"`{field}` holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                            "which this server does not read.", param=field) from None
+
+
+def _field_path(where: str, at: str) -> str:
+    """msgspec's path below ``where`` (``.stop[1]``; ``[...]`` for a value under some key) as the body's field
+    is named (``stop.[1]``)."""
+    below = at.replace("[...]", "").replace("[", ".[").lstrip(".")
+    return ".".join(part for part in (where, below) if part)
+
+
 def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
     """A request body as JSON, decoded into ``shape`` (one of the ``*_BODY`` shapes: then the dict of the
     fields it holds, skipped ones as ``msgspec.Raw``) or whole (``None``). A 400 for a body that is not JSON,
@@ -129,7 +171,7 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
     ``MAX_JSON_DEPTH`` in what was decoded (never a ``RecursionError`` from the decoder, or later from
     whatever walks the value)."""
     try:
-        value = msgspec.json.decode(raw) if shape is None else msgspec.json.decode(raw, type=shape)
+        value = _decode(raw, Any if shape is None else shape)
     except msgspec.ValidationError as exc:  # only with a shape: its fields are any JSON, so the body's own
         unknown = _UNKNOWN.fullmatch(str(exc))
         if unknown is None:
@@ -174,15 +216,15 @@ def _is_null(value: Any) -> bool:
 _NOT_NEUTRAL = object()  # what a neutral field's raw text too long to be an "off" value stands for
 
 
-def _plain(value: Any, max_bytes: int) -> Any:
-    """A skipped field's value: decoded from its raw text when that is at most ``max_bytes`` long (else
-    ``_NOT_NEUTRAL``, unread); a value already decoded (a body given as a dict) as it is."""
+def _plain(value: Any, max_bytes: int, where: str) -> Any:
+    """A skipped field's value (the body's field ``where``): decoded from its raw text when that is at most
+    ``max_bytes`` long (else ``_NOT_NEUTRAL``, unread); a value already decoded (a body given as a dict) as it is."""
     if not isinstance(value, msgspec.Raw):
         return value
     if len(value) > max_bytes:
         return _NOT_NEUTRAL
     try:
-        return msgspec.json.decode(value)
+        return _decode(value, Any, where)
     except RecursionError:  # within a few KiB of text: nested past the decoder's limit
         raise _too_deep() from None
 
@@ -196,7 +238,7 @@ def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
     out: dict[str, Any] = {}
     for key, value in body.items():
         if key in neutral:
-            value = _plain(value, _MAX_NEUTRAL_BYTES)
+            value = _plain(value, _MAX_NEUTRAL_BYTES, key)
             if not any(value == ok and type(value) is type(ok) for ok in neutral[key]):
                 accepted = " or ".join(json.dumps(ok) for ok in neutral[key])
                 raise _bad(key, f"`{key}` is not supported by this server (accepted: {accepted}).",
@@ -245,7 +287,20 @@ class _Common:
             raise
         if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
             raise InvalidParameterError("temperature", kw["temperature"], _TEMPERATURE_RANGE)
+        if params.logprobs is not None and not self.stream:
+            held = self.num_prompts * params.n * params.max_tokens * (1 + params.logprobs)
+            if held > MAX_WHOLE_LOGPROBS:
+                raise InvalidParameterError(
+                    "logprobs", params.logprobs,
+                    f"at most {MAX_WHOLE_LOGPROBS} log-probabilities in a whole answer, got completions x token limit "
+                    f"x (1 + alternatives) = {self.num_prompts * params.n} x {params.max_tokens} x "
+                    f"{1 + params.logprobs} = {held}: stream it (`stream: true`), or lower `n`, the token limit "
+                    "or the alternatives")
         return params
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     def field(self, parameter: str) -> str:
         """The body field an engine parameter name stands for (this body's own token-limit field)."""
@@ -432,7 +487,7 @@ def parse_chat(body: Any) -> ChatRequest:
 def _check_metadata(metadata: Any) -> None:
     """`metadata` (ignored) within OpenAI's limits: at most 16 pairs of strings, keys up to 64 characters,
     values up to 512."""
-    metadata = _plain(metadata, MAX_METADATA_BYTES)
+    metadata = _plain(metadata, MAX_METADATA_BYTES, "metadata")
     if metadata is None:
         return
     check_depth(metadata, MAX_JSON_DEPTH - 1)  # as deep in the body as the limit allows
@@ -486,15 +541,15 @@ def _messages(raw: msgspec.Raw) -> Any:
     skipped unread), a message that is no object left as its raw text (refused by the caller), and
     ``None`` for anything but a list."""
     try:
-        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw])
     except msgspec.ValidationError:
         return None
     except RecursionError:
         raise _too_deep() from None
     out: list[Any] = []
-    for item in items:
+    for i, item in enumerate(items):
         try:
-            message = msgspec.json.decode(item, type=_MESSAGE)
+            message = _decode(item, _MESSAGE, f"messages.[{i}]")
         except msgspec.ValidationError:
             out.append(item)
             continue
@@ -502,30 +557,31 @@ def _messages(raw: msgspec.Raw) -> Any:
             raise _too_deep() from None
         fields = {k: v for k in _MESSAGE_KEYS if (v := getattr(message, k)) is not msgspec.UNSET}
         if "content" in fields:
-            fields["content"] = _message_content(fields["content"])
+            fields["content"] = _message_content(fields["content"], f"messages.[{i}].content")
         check_depth(fields, MAX_JSON_DEPTH - 2)  # body > messages > this message
         out.append(fields)
     return out
 
 
-def _message_content(raw: msgspec.Raw) -> Any:
-    """A message's ``content`` from its raw text: a text, ``None``, or a list of parts (each an object of
-    its ``type`` and ``text``, other keys skipped unread; an array part stands as an empty list, anything
-    else as itself); anything else as its raw text (refused by the caller, whatever it holds)."""
+def _message_content(raw: msgspec.Raw, where: str) -> Any:
+    """A message's ``content`` (the body's field ``where``) from its raw text: a text, ``None``, or a list of
+    parts (each an object of its ``type`` and ``text``, other keys skipped unread; an array part stands as an
+    empty list, anything else as itself); anything else as its raw text (refused by the caller, whatever it
+    holds)."""
     try:
-        return msgspec.json.decode(raw, type=str | None)  # type: ignore[arg-type]
+        return _decode(raw, str | None, where)
     except msgspec.ValidationError:
         pass
     try:
-        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw], where)
     except msgspec.ValidationError:
         return raw
     parts: list[Any] = []
-    for item in items:
+    for j, item in enumerate(items):
         try:
-            part = msgspec.json.decode(item, type=_PART)
+            part = _decode(item, _PART, f"{where}.[{j}]")
         except msgspec.ValidationError:  # not an object: refused, naming its JSON type
-            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else msgspec.json.decode(item))
+            parts.append([] if bytes(memoryview(item)[:1]) == b"[" else _decode(item, Any, f"{where}.[{j}]"))
             continue
         parts.append({k: v for k in ("type", "text") if (v := getattr(part, k)) is not msgspec.UNSET})
     return parts
@@ -561,6 +617,10 @@ class CompletionRequest(_Common):
     @staticmethod
     def rename(parameter: str) -> str:
         return "prompt" if parameter.startswith("prompt") else parameter
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
 
 
 def parse_completion(body: Any) -> CompletionRequest:

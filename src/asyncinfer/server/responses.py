@@ -24,6 +24,17 @@ def sse(data: Any) -> bytes:
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+#: OpenAI's log-probability for a token that cannot (or almost cannot) be drawn: a number, never ``null``.
+UNLIKELY_LOGPROB = -9999.0
+
+
+def wire_logprob(value: float) -> float:
+    """A log-probability as OpenAI writes it: ``-inf`` (a token that a structured-output constraint or the
+    ``min_tokens`` mask forbids, among the ``top_logprobs`` alternatives) and anything below is
+    :data:`UNLIKELY_LOGPROB`, since JSON has no infinity (it would be written ``null``, which clients that
+    read the field as a number refuse)."""
+    return max(UNLIKELY_LOGPROB, value)  # NaN too: max keeps the first when nothing compares greater
+
 
 @dataclass
 class Reply:
@@ -131,13 +142,14 @@ class Reply:
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token_text(tid): value for tid, value in lp.top} for lp in logprobs],
+        return {"tokens": tokens, "token_logprobs": [wire_logprob(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.token_text(tid): wire_logprob(value) for tid, value in lp.top}
+                                 for lp in logprobs],
                 "text_offset": offsets}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     def token_text(self, token_id: int) -> str:
         """One token as text (``token_id:<id>`` for a model without a tokenizer)."""

@@ -377,11 +377,13 @@ class _OpenAI:
                 prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
         if body.include_usage:  # count the prompts here (too long ones refused by characters first), and
-            # hand the engine the very ids counted
+            # hand the engine the very ids counted: all in one worker thread when their texts together are long
+            # (256 short prompts, one at a time on the loop, would hold it for their sum)
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
-            prompts = [p if isinstance(p, list) or tokenizer is None else
-                       await _off_loop_if_long(len(p), lambda p=p: g.engine.tokenize(p, model=g.model))
-                       for p in prompts]
+            texts = sum(len(p) for p in prompts if isinstance(p, str))
+            prompts = await _off_loop_if_long(texts, lambda: [
+                p if isinstance(p, list) or tokenizer is None else g.engine.tokenize(p, model=g.model)
+                for p in body.prompts])
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
         prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list))
         return await self._stream(call, g.reply, streams, n, prompt_tokens, body.field)
@@ -427,9 +429,9 @@ class _OpenAI:
         if body.dimensions is not None and body.dimensions != dimension:
             raise APIError(400, f"`dimensions` must be {dimension} for `{model}` (it cannot shorten its vectors).",
                            param="dimensions")
+        count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
-        counts = await _off_loop_if_long(sum(map(len, body.texts)),
-                                         lambda: _engine.embedding_token_counts(engine, model, body.texts))
+        counts = await _off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
