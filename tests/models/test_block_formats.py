@@ -299,7 +299,10 @@ def test_a_q4_k_m_mix_decodes_in_one_call_as_the_torch_reference(tmp_path, kind)
             a, b = kernel.forward(fused.step_batch(work), fused.kv_caches), reference.forward(
                 plain.step_batch(work), plain.kv_caches)
             assert type(a) is ModelOutput and a.greedy_ids is not None and b.greedy_ids is None
-            torch.testing.assert_close(a.logits, b.logits, atol=1e-3, rtol=1e-3)
+            # a decode step's stated tolerance (docs/formats.md, "Kernel variants"): 1e-3 of the largest logit;
+            # the two paths' attention and norms differ in float32 rounding, which can flip an int16 rounding
+            # of a later projection's input (measured: up to 1.6e-3 absolute at logits of 5)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-3 * b.logits.abs().max().item(), rtol=1e-3)
             assert a.greedy_ids == a.logits.argmax(dim=-1).tolist() == b.logits.argmax(dim=-1).tolist()
             last = a.greedy_ids
 

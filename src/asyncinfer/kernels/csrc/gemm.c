@@ -543,6 +543,18 @@ static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t
 #define PANEL_PASS_BYTES (384 * 1024)
 #endif
 
+/* blocks.h's formats: ai_rebuild_blocks with the format a constant in each branch (each its own loop). */
+static void rebuild_blocks_row(int fmt, const uint8_t *row, int64_t K, float *out) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0: ai_rebuild_blocks(ASYNCINFER_FMT_Q4_0, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_0: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_0, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_1: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_1, row, K, out); return;
+        case ASYNCINFER_FMT_Q4_K: ai_rebuild_blocks(ASYNCINFER_FMT_Q4_K, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_K: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_K, row, K, out); return;
+        default: ai_rebuild_blocks(ASYNCINFER_FMT_Q6_K, row, K, out); return;
+    }
+}
+
 static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N, int fmt,
                       const float *bias, float *y, int64_t ldy, int threads, float *xt) {
     const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
@@ -570,7 +582,7 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
                     if (legacy)
                         rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
                     else
-                        ai_rebuild_blocks(fmt, rows + (n0 + r) * row_bytes, K, panel + r * K);
+                        rebuild_blocks_row(fmt, rows + (n0 + r) * row_bytes, K, panel + r * K);
                 }
                 for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
                 for (int64_t m0 = p0; m0 < p1; m0 += 16) {
@@ -665,7 +677,9 @@ GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0, ASYNCINFER_FMT_Q8_0)
  * The k-quants (8 sub-blocks a super-block): the 8 products dx * scale formed in one multiply, and the mins'
  * term sum(min_j * the block's sum of x) added up in 8 lanes by one fused multiply-add a super-block (16%
  * faster at one activation row than a sub-block at a time); the others: the min's term per block in float32.
- * One accumulator per row; every row is summed in the same order whatever ROWS is. (Two weight rows sharing
+ * One accumulator per row; every row is summed in the same order whatever ROWS is. The AVX-512 build's rows
+ * of every such format and the AVX2 build's 32-weight formats (the AVX2 build's k-quants: row_q45_k and
+ * row_q6_k below). (Two weight rows sharing
  * the activations' loads at one row, as Q4_1 has, measured slower here: the k-quants' unpacking spills.) */
 static inline __attribute__((always_inline)) void row_blocks(const int fmt, const uint8_t *row, int64_t K,
                                                              const acts *a, int64_t m0, const int ROWS, float *out) {
@@ -716,6 +730,136 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
     for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(acc[i]) + (subs == 8 ? ai_hsum256(off[i]) : offset[i]);
 }
 
+#ifndef AI_AVX512
+/* The AVX2 build's k-quant rows (the activations: each block's even elements, then its odd ones). The
+ * quants are unpacked straight into 16-bit lanes in that order, with shifts and masks of whole words; the
+ * sub-blocks' scales (and Q4_K / Q5_K's minimums) come out of the block's bytes eight at a time, as
+ * vectors. Two accumulators a row (even and odd sub-blocks), so that consecutive multiply-adds do not
+ * wait on each other; every row is summed in the same order whatever ROWS is. */
+
+/* Q4_K / Q5_K: d * sc_j (returned) and -(dmin * m_j) (*minv) of the block at p, lane j sub-block j's. */
+static inline __m256 kq_scales(const uint8_t *p, __m256 *minv) {
+    uint64_t sc, mn;
+    ai_k_scales8(p + 4, &sc, &mn);
+    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+    *minv = _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
+    return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
+}
+
+/* One sub-block's integer dot product against ROWS activation rows, scaled and added: w0 / w1 its even / odd
+ * quants, SV (an expression of the activation row i) dx times the sub-block's weight scale in every lane
+ * (Q6_K: one per half of 16, lanes 0-3 and 4-7). */
+#define KQ_SUB(j, slot, w0, w1, SV)                                                               \
+    do {                                                                                          \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const int16_t *q = a->q + (m0 + i) * K + (blk * 8 + (j)) * QK;                        \
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16((w0), _mm256_loadu_si256((const __m256i *)q)), \
+                                               _mm256_madd_epi16((w1), _mm256_loadu_si256((const __m256i *)(q + 16)))); \
+            acc[i][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), SV, acc[i][slot]);              \
+        }                                                                                         \
+    } while (0)
+
+/* Q4_K / Q5_K: bytes 32 p to 32 p + 31 of the nibbles hold sub-blocks 2 p (low nibbles) and 2 p + 1 (high);
+ * in 16-bit words, word l's bits 0-3 / 8-11 are sub-block 2 p's elements 2 l / 2 l + 1, bits 4-7 / 12-15
+ * sub-block 2 p + 1's. Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]: in words, bit j (even
+ * elements) and bit 8 + j (odd), moved to bit 4. */
+static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const uint8_t *row, int64_t K,
+                                                            const acts *a, int64_t m0, const int ROWS, float *out) {
+    const int five = fmt == ASYNCINFER_FMT_Q5_K;
+    const int64_t nblk = K / 256, bytes = ai_fmt_bytes(fmt), nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi16(0x0F), bit4 = _mm256_set1_epi16(0x10);
+    __m256 acc[MR][2], off[MR];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        __m256 minv;
+        const __m256 scv = kq_scales(p, &minv);
+        float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            _mm256_storeu_ps(dsc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        }
+        const uint8_t *qs = p + (five ? 48 : 16);
+        const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int pr = 0; pr < 4; pr++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+            __m256i e0 = _mm256_and_si256(x, low4), o0 = _mm256_and_si256(_mm256_srli_epi16(x, 8), low4);
+            __m256i e1 = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4), o1 = _mm256_srli_epi16(x, 12);
+            if (five) {
+                const int j0 = 2 * pr, j1 = 2 * pr + 1; /* at most 7: bit j to bit 4 */
+                e0 = _mm256_or_si256(e0, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(h, 4 - j0) : _mm256_srli_epi16(h, j0 - 4), bit4));
+                e1 = _mm256_or_si256(e1, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(h, 4 - j1) : _mm256_srli_epi16(h, j1 - 4), bit4));
+                o0 = _mm256_or_si256(o0, _mm256_and_si256(_mm256_srli_epi16(h, 4 + j0), bit4));
+                o1 = _mm256_or_si256(o1, _mm256_and_si256(_mm256_srli_epi16(h, 4 + j1), bit4));
+            }
+            KQ_SUB(2 * pr, 0, e0, o0, _mm256_broadcast_ss(&dsc[i][2 * pr]));
+            KQ_SUB(2 * pr + 1, 1, e1, o1, _mm256_broadcast_ss(&dsc[i][2 * pr + 1]));
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
+}
+
+/* Q6_K: sub-block j = 4 n + k's quants (ai_sub_bytes: low nibbles of ql, bit pairs of qh) made and
+ * centred as bytes, then split into even and odd 16-bit words; its two int8 scales (one per half of 16) are
+ * applied after the integer sums, in float32, to the lanes that hold each half (0-3 and 4-7: the even and
+ * the odd words of elements below 16 sit in lanes 0-7 of each, those from 16 on in lanes 8-15). */
+static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, int64_t K, const acts *a, int64_t m0,
+                                                           const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 210;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 192, _MM_HINT_T0);
+        const __m128i s16 = _mm_loadu_si128((const __m128i *)(p + 192));
+        const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
+        const __m256 half_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))),
+                                   _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))))};
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
+                                  _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * n + k;
+                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
+                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
+                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
+                const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), centre);
+                const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), w1 = _mm256_srai_epi16(v, 8);
+                /* lanes 0-3: d * scales[2 j], 4-7: d * scales[2 j + 1] (half_sc[n]'s lanes 2 k and 2 k + 1) */
+                const __m256 sv = _mm256_permutevar8x32_ps(
+                    half_sc[n], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1));
+                KQ_SUB(j, k & 1, w0, w1, _mm256_mul_ps(sv, _mm256_broadcast_ss(a->d + (m0 + i) * nb + blk * 8 + j)));
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+#define AI_AVX2_KQ 1
+#endif /* !AI_AVX512 */
+
+/* The row kernel of a format (a constant at every call). */
+static inline __attribute__((always_inline)) void row_of(const int fmt, const uint8_t *row, int64_t K, const acts *a,
+                                                         int64_t m0, const int ROWS, float *out) {
+#ifdef AI_AVX2_KQ
+    if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row_q45_k(fmt, row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row_q6_k(row, K, a, m0, ROWS, out);
+#endif
+    row_blocks(fmt, row, K, a, m0, ROWS, out);
+}
+
 #define GEMM_BLOCKS(NAME, FMT)                                                                    \
     int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
              float *y, int64_t ldy, int threads, void *scratch) {                                 \
@@ -733,10 +877,10 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
                 const int rows_now = (int)(M - m0 < MR ? M - m0 : MR);                            \
                 float out[MR];                                                                    \
                 switch (rows_now) {                                                               \
-                    case 1: row_blocks(FMT, row, K, &a, m0, 1, out); break;                       \
-                    case 2: row_blocks(FMT, row, K, &a, m0, 2, out); break;                       \
-                    case 3: row_blocks(FMT, row, K, &a, m0, 3, out); break;                       \
-                    default: row_blocks(FMT, row, K, &a, m0, 4, out); break;                      \
+                    case 1: row_of(FMT, row, K, &a, m0, 1, out); break;                       \
+                    case 2: row_of(FMT, row, K, &a, m0, 2, out); break;                       \
+                    case 3: row_of(FMT, row, K, &a, m0, 3, out); break;                       \
+                    default: row_of(FMT, row, K, &a, m0, 4, out); break;                      \
                 }                                                                                 \
                 for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;           \
             }                                                                                     \
