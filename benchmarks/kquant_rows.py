@@ -14,6 +14,7 @@ the same weights beside the one the package loads, and prints after / before per
 
     python benchmarks/kquant_rows.py --shape 1b --threads 1
     python benchmarks/kquant_rows.py --shape 1b --baseline /path/to/old/_kernels_avx2.so
+    python benchmarks/kquant_rows.py --shape 1b --clock cpu     # on a machine others load
     python benchmarks/kquant_rows.py --shape tiny --repeats 2     # a smoke run
 """
 
@@ -95,7 +96,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     ap.add_argument("--baseline", type=Path, default=None, help="another build of the kernels' library to compare")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this thread's CPU time (one thread only: the GEMMs then run on the calling "
+                         "thread; steadier where other processes take the cores)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times the calling thread: it needs --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if not kernels.available():
         raise SystemExit(f"the kernels cannot run here: {kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
@@ -117,13 +124,13 @@ def main() -> None:
             for _ in range(args.repeats):
                 for fmt, w in weights.items():
                     for name, run in runners.items():
-                        start = time.perf_counter()
+                        start = clock()
                         run(w, xs)
-                        elapsed = time.perf_counter() - start
+                        elapsed = clock() - start
                         key = (name, fmt, m)
                         best[key] = min(best.get(key, elapsed), elapsed)
     print(f"kernels {kernels.isa()}, shape {args.shape} x {args.layers} layers, {args.threads} thread(s), "
-          f"min of {args.repeats} interleaved passes")
+          f"min of {args.repeats} interleaved passes, {args.clock} time")
     for name in runners:
         print(f"\n[{name}]  ms per pass / GB/s of weights / per byte vs q4_1")
         print(f"{'format':<8}{'MB':>8}" + "".join(f"{'M=' + str(m):>24}" for m in args.tokens))

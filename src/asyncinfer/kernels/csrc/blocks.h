@@ -170,8 +170,9 @@ __attribute__((unused)) static inline void ai_rebuild_blocks_ref(int fmt, const 
 }
 
 #ifdef AI_AVX2
-/* ---- AVX2: sub-block j's quants as 32 int8 in order (Q6_K: before its int8 scales), then widened to
- * int16 in the order the variant's activations are stored (gemm.c's acts). */
+/* ---- AVX2: a 32-weight block's quants (Q4_0, Q5_0, Q5_1) as 32 int8 in order, then widened to int16 in
+ * the order the variant's activations are stored (gemm.c's acts); the k-quants have their own row kernels
+ * (gemm.c's row_q45_k, row_q6_k) and rebuild (below). */
 
 /* 16 bytes of nibbles: elements 0-15 the low nibbles, 16-31 the high ones. */
 static inline __m256i ai_nibbles32(const uint8_t *qs) {
@@ -193,55 +194,28 @@ static inline __m256i ai_shift_mask(__m256i x, int n, char mask) {
     return _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(mask));
 }
 
-static inline __m256i ai_sub_bytes(int fmt, const uint8_t *blk, int j) {
+static inline __m256i ai_sub_bytes(int fmt, const uint8_t *blk) {
     switch (fmt) {
         case ASYNCINFER_FMT_Q4_0:
             return _mm256_sub_epi8(ai_nibbles32(blk + 2), _mm256_set1_epi8(8));
         case ASYNCINFER_FMT_Q5_0:
             return _mm256_sub_epi8(_mm256_or_si256(ai_nibbles32(blk + 6), ai_bits32(ai_u32_at(blk + 2))),
                                    _mm256_set1_epi8(16));
-        case ASYNCINFER_FMT_Q5_1:
+        default: /* Q5_1 */
             return _mm256_or_si256(ai_nibbles32(blk + 8), ai_bits32(ai_u32_at(blk + 4)));
-        case ASYNCINFER_FMT_Q4_K:
-            return ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j >> 1))), 4 * (j & 1), 0x0F);
-        case ASYNCINFER_FMT_Q5_K: {
-            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * (j >> 1))),
-                                             4 * (j & 1), 0x0F);
-            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16)), j, 0x01);
-            return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        }
-        default: { /* Q6_K */
-            const int n = j >> 2, k = j & 3;
-            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (k & 1))),
-                                             4 * (k >> 1), 0x0F);
-            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)), 2 * k, 0x03);
-            return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-        }
     }
 }
 
-/* Sub-block j's quants as int16: w[0], w[1] hold elements 0-15 and 16-31 in the AVX-512 build (whose
- * activations are in order), the even and the odd elements in the AVX2 build (quantize_acts_avx2's order).
- * Q6_K's are multiplied by their int8 scales here (|sc * q| <= 4096: exact in int16). */
-static inline void ai_sub_words(int fmt, const uint8_t *blk, int j, __m256i w[2]) {
-    const __m256i v = ai_sub_bytes(fmt, blk, j);
+/* The block's quants as int16: w[0], w[1] hold elements 0-15 and 16-31 in the AVX-512 build (whose
+ * activations are in order), the even and the odd elements in the AVX2 build (quantize_acts_avx2's order). */
+static inline void ai_sub_words(int fmt, const uint8_t *blk, __m256i w[2]) {
+    const __m256i v = ai_sub_bytes(fmt, blk);
 #ifdef AI_AVX512
     w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
     w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-    if (fmt == ASYNCINFER_FMT_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
-        w[0] = _mm256_mullo_epi16(w[0], _mm256_set1_epi16(sc[0]));
-        w[1] = _mm256_mullo_epi16(w[1], _mm256_set1_epi16(sc[1]));
-    }
 #else
     w[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
     w[1] = _mm256_srai_epi16(v, 8);
-    if (fmt == ASYNCINFER_FMT_Q6_K) { /* lanes 0-7 of each are elements below 16, lanes 8-15 the rest */
-        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
-        const __m256i m = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-        w[0] = _mm256_mullo_epi16(w[0], m);
-        w[1] = _mm256_mullo_epi16(w[1], m);
-    }
 #endif
 }
 
@@ -255,7 +229,7 @@ static inline __m256i ai_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_m
  * Q5_K's minimums) formed in one vector (ai_k_scales8; Q6_K: d times its sixteen int8 scales), the quants
  * widened from eight bytes at a time to 32-bit lanes (a byte's two nibbles: two sub-blocks', or Q6_K's two
  * quarters'); each weight one rounding of the exact scale * q plus the min, or the exact product. The 32-weight
- * formats: a sub-block's quants (ai_sub_bytes, in order) to float32, times the scale, plus the min. */
+ * formats: the block's quants (ai_sub_bytes, in order) to float32, times the scale, plus the min. */
 static inline __attribute__((always_inline)) void ai_rebuild_blocks_avx2(int fmt, const uint8_t *row, int64_t K,
                                                                          float *out) {
     const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt);
@@ -315,7 +289,7 @@ static inline __attribute__((always_inline)) void ai_rebuild_blocks_avx2(int fmt
         } else {
             float scale[8], min[8];
             ai_block_scales(fmt, p, scale, min);
-            const __m256i v = ai_sub_bytes(fmt, p, 0);
+            const __m256i v = ai_sub_bytes(fmt, p);
             const __m128i half[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
             const __m256 sc = _mm256_set1_ps(scale[0]), mn = _mm256_set1_ps(min[0]);
             for (int h = 0; h < 4; h++, out += 8) { /* elements 8h to 8h + 7 */
