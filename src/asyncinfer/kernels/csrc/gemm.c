@@ -814,7 +814,7 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
     for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
 }
 
-/* Q6_K: sub-block j = 4 n + k's quants (as ai_sub_bytes: low nibbles of ql, bit pairs of qh) made and
+/* Q6_K: sub-block j = 4 n + k's quants (blocks.h: low or high nibbles of ql, a bit pair of qh) made and
  * centred as bytes, then widened to 16-bit lanes (AVX2: even and odd words; AVX-512: in order); its two int8
  * scales (one per half of 16) multiply, in float32, the lanes of the integer sums that hold each half
  * (KQ_HALVES: 0-3 and 4-7). */
