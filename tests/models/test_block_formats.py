@@ -144,7 +144,7 @@ def test_the_k_quants_plain_quantizer_stays_within_its_stated_error(fmt) -> None
 
 
 @pytest.mark.parametrize("fmt", NEW)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 33])
 def test_gemm_equals_float64_within_its_activation_rounding(fmt, rows) -> None:
     """Below PANEL_MIN_ROWS rows activations are rounded per run of 32 to int16 (a relative error of the
     result between 1e-6 and 2e-4); from it on they stay float32 (below 1e-6). A row's result never depends
