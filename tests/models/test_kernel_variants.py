@@ -131,7 +131,7 @@ def test_the_variants_this_cpu_runs_are_named_and_one_is_chosen() -> None:
 @pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
 def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     runs_here(isa)
-    n, k = 37, 256
+    n, k = 37, 512  # two k-quant super-blocks
     w = random_blocks(fmt, n, k, seed=3)
     dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
     gen = torch.Generator().manual_seed(5)

@@ -48,7 +48,7 @@ _CSRC = _HERE / "csrc"
 _VERSION = 27
 #: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
 #: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
-PANEL_MIN_ROWS = 5
+PANEL_MIN_ROWS = 9
 
 
 class KernelISAError(ValueError):

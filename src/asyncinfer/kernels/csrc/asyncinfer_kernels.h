@@ -17,7 +17,7 @@
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
-#define ASYNCINFER_PANEL_MIN_ROWS 5
+#define ASYNCINFER_PANEL_MIN_ROWS 9
 
 /* ISA variant codes (asyncinfer_kernels_isa, asyncinfer_cpu_isas' bits). */
 #define ASYNCINFER_ISA_SCALAR 0

@@ -57,16 +57,15 @@ static inline uint32_t ai_u32_at(const uint8_t *p) { /* little-endian, as ggml w
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum from the 12 packed bytes (the low 6 bits of bytes
- * j and j + 4 for j < 4; for j >= 4 the nibbles of byte j + 4 and the top 2 bits of bytes j - 4 and j). */
-static inline void ai_k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+/* Q4_K / Q5_K: the eight 6-bit scales and the eight minimums from the 12 packed bytes s, as bytes (byte j of
+ * *sc / *mn: sub-block j's). Sub-blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums);
+ * sub-blocks 4-7 the nibbles of bytes 8-11 (low: scale, high: minimum) with the top 2 bits of bytes 0-3
+ * (scale) and 4-7 (minimum) above them: four sub-blocks a 32-bit word, the bits no byte keeps masked off. */
+static inline void ai_k_scales8(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    const uint32_t a = ai_u32_at(s), b = ai_u32_at(s + 4), c = ai_u32_at(s + 8);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x30303030u;
+    *sc = (uint64_t)(a & low6) | (uint64_t)((c & low4) | ((a >> 2) & top2)) << 32;
+    *mn = (uint64_t)(b & low6) | (uint64_t)(((c >> 4) & low4) | ((b >> 2) & top2)) << 32;
 }
 
 /* Every sub-block's scale and min of the block at blk (min 0 where the format has none). */
@@ -84,11 +83,11 @@ static inline void ai_block_scales(int fmt, const uint8_t *blk, float *scale, fl
         case ASYNCINFER_FMT_Q4_K:
         case ASYNCINFER_FMT_Q5_K: {
             const float d = ai_half_at(blk), dmin = ai_half_at(blk + 2);
+            uint64_t sc, m;
+            ai_k_scales8(blk + 4, &sc, &m);
             for (int j = 0; j < 8; j++) {
-                int sc, m;
-                ai_k_scale_min(blk + 4, j, &sc, &m);
-                scale[j] = d * (float)sc;
-                min[j] = -(dmin * (float)m);
+                scale[j] = d * (float)(int)((sc >> (8 * j)) & 0xFF);
+                min[j] = -(dmin * (float)(int)((m >> (8 * j)) & 0xFF));
             }
             return;
         }
@@ -149,8 +148,10 @@ static inline void ai_sub_quants(int fmt, const uint8_t *blk, int j, int16_t *q)
     }
 }
 
-/* One row of K weights in float32, in order: ggml's dequantized values (see above). */
-static inline void ai_rebuild_blocks(int fmt, const uint8_t *row, int64_t K, float *out) {
+/* One row of K weights in float32, in order: ggml's dequantized values (see above). The plain-C form; the
+ * AVX2 builds take ai_rebuild_blocks_avx2's (the same values, each one rounding of an exact product plus the
+ * min, or an exact product). */
+__attribute__((unused)) static inline void ai_rebuild_blocks_ref(int fmt, const uint8_t *row, int64_t K, float *out) {
     const int subs = ai_fmt_subs(fmt);
     const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt);
     for (int64_t blk = 0; blk < nblk; blk++) {
@@ -169,8 +170,9 @@ static inline void ai_rebuild_blocks(int fmt, const uint8_t *row, int64_t K, flo
 }
 
 #ifdef AI_AVX2
-/* ---- AVX2: sub-block j's quants as 32 int8 in order (Q6_K: before its int8 scales), then widened to
- * int16 in the order the variant's activations are stored (gemm.c's acts). */
+/* ---- AVX2: a 32-weight block's quants (Q4_0, Q5_0, Q5_1) as 32 int8 in order, then widened to int16 in
+ * the order the variant's activations are stored (gemm.c's acts); the k-quants have their own row kernels
+ * (gemm.c's row_q45_k, row_q6_k) and rebuild (below). */
 
 /* 16 bytes of nibbles: elements 0-15 the low nibbles, 16-31 the high ones. */
 static inline __m256i ai_nibbles32(const uint8_t *qs) {
@@ -192,57 +194,122 @@ static inline __m256i ai_shift_mask(__m256i x, int n, char mask) {
     return _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(mask));
 }
 
-static inline __m256i ai_sub_bytes(int fmt, const uint8_t *blk, int j) {
+static inline __m256i ai_sub_bytes(int fmt, const uint8_t *blk) {
     switch (fmt) {
         case ASYNCINFER_FMT_Q4_0:
             return _mm256_sub_epi8(ai_nibbles32(blk + 2), _mm256_set1_epi8(8));
         case ASYNCINFER_FMT_Q5_0:
             return _mm256_sub_epi8(_mm256_or_si256(ai_nibbles32(blk + 6), ai_bits32(ai_u32_at(blk + 2))),
                                    _mm256_set1_epi8(16));
-        case ASYNCINFER_FMT_Q5_1:
+        default: /* Q5_1 */
             return _mm256_or_si256(ai_nibbles32(blk + 8), ai_bits32(ai_u32_at(blk + 4)));
-        case ASYNCINFER_FMT_Q4_K:
-            return ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j >> 1))), 4 * (j & 1), 0x0F);
-        case ASYNCINFER_FMT_Q5_K: {
-            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * (j >> 1))),
-                                             4 * (j & 1), 0x0F);
-            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 16)), j, 0x01);
-            return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        }
-        default: { /* Q6_K */
-            const int n = j >> 2, k = j & 3;
-            const __m256i lo = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (k & 1))),
-                                             4 * (k >> 1), 0x0F);
-            const __m256i hi = ai_shift_mask(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)), 2 * k, 0x03);
-            return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-        }
     }
 }
 
-/* Sub-block j's quants as int16: w[0], w[1] hold elements 0-15 and 16-31 in the AVX-512 build (whose
- * activations are in order), the even and the odd elements in the AVX2 build (quantize_acts_avx2's order).
- * Q6_K's are multiplied by their int8 scales here (|sc * q| <= 4096: exact in int16). */
-static inline void ai_sub_words(int fmt, const uint8_t *blk, int j, __m256i w[2]) {
-    const __m256i v = ai_sub_bytes(fmt, blk, j);
+/* The block's quants as int16: w[0], w[1] hold elements 0-15 and 16-31 in the AVX-512 build (whose
+ * activations are in order), the even and the odd elements in the AVX2 build (quantize_acts_avx2's order). */
+static inline void ai_sub_words(int fmt, const uint8_t *blk, __m256i w[2]) {
+    const __m256i v = ai_sub_bytes(fmt, blk);
 #ifdef AI_AVX512
     w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
     w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-    if (fmt == ASYNCINFER_FMT_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
-        w[0] = _mm256_mullo_epi16(w[0], _mm256_set1_epi16(sc[0]));
-        w[1] = _mm256_mullo_epi16(w[1], _mm256_set1_epi16(sc[1]));
-    }
 #else
     w[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
     w[1] = _mm256_srai_epi16(v, 8);
-    if (fmt == ASYNCINFER_FMT_Q6_K) { /* lanes 0-7 of each are elements below 16, lanes 8-15 the rest */
-        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * j;
-        const __m256i m = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-        w[0] = _mm256_mullo_epi16(w[0], m);
-        w[1] = _mm256_mullo_epi16(w[1], m);
-    }
 #endif
 }
+
+/* Lane j of the 8 floats v in every lane. */
+static inline __m256 ai_lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+
+/* 8 bytes at p as 8 int32 (unsigned). */
+static inline __m256i ai_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* ai_rebuild_blocks_ref's values, eight at a time. The k-quants: the super-block's eight scales (and Q4_K /
+ * Q5_K's minimums) formed in one vector (ai_k_scales8; Q6_K: d times its sixteen int8 scales), the quants
+ * widened from eight bytes at a time to 32-bit lanes (a byte's two nibbles: two sub-blocks', or Q6_K's two
+ * quarters'); each weight one rounding of the exact scale * q plus the min, or the exact product. The 32-weight
+ * formats: the block's quants (ai_sub_bytes, in order) to float32, times the scale, plus the min. */
+static inline __attribute__((always_inline)) void ai_rebuild_blocks_avx2(int fmt, const uint8_t *row, int64_t K,
+                                                                         float *out) {
+    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) {
+            uint64_t sc8, mn8;
+            ai_k_scales8(p + 4, &sc8, &mn8);
+            const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
+                                             _mm256_set1_ps(ai_half_at(p)));
+            const __m256 mnv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
+                                             _mm256_set1_ps(-ai_half_at(p + 2)));
+            const int five = fmt == ASYNCINFER_FMT_Q5_K;
+            const uint8_t *qs = p + (five ? 48 : 16), *qh = p + 16;
+            for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles) and 2 pr + 1 (high) */
+                const __m256 s0 = ai_lane(scv, 2 * pr), s1 = ai_lane(scv, 2 * pr + 1);
+                const __m256 m0 = ai_lane(mnv, 2 * pr), m1 = ai_lane(mnv, 2 * pr + 1);
+                float *o0 = out + 64 * pr, *o1 = o0 + 32;
+                for (int h = 0; h < 4; h++) {
+                    const __m256i v = ai_u8x8(qs + 32 * pr + 8 * h);
+                    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_srli_epi32(v, 4);
+                    if (five) { /* bits 2 pr and 2 pr + 1 of qh: the fifth bits */
+                        const __m256i b = _mm256_srl_epi32(ai_u8x8(qh + 8 * h), _mm_cvtsi32_si128(2 * pr));
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(1)), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(2)), 3));
+                    }
+                    _mm256_storeu_ps(o0 + 8 * h, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(lo), m0));
+                    _mm256_storeu_ps(o1 + 8 * h, _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(hi), m1));
+                }
+            }
+            out += 256;
+        } else if (fmt == ASYNCINFER_FMT_Q6_K) {
+            const __m128i s16 = _mm_loadu_si128((const __m128i *)(p + 192));
+            const __m256 d = _mm256_set1_ps(ai_half_at(p + 208)); /* d * sc exact (11 by 8 bits) */
+            const __m256 hs[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))),
+                                  _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))))};
+            const __m256i centre = _mm256_set1_epi32(32), two = _mm256_set1_epi32(0x30);
+            for (int n = 0; n < 2; n++) {
+                for (int c = 0; c < 2; c++) { /* ql bytes 64 n + 32 c on: quarters k = c (low) and c + 2 (high) */
+                    for (int h = 0; h < 4; h++) {
+                        const __m256i v = ai_u8x8(p + 64 * n + 32 * c + 8 * h), hv = ai_u8x8(p + 128 + 32 * n + 8 * h);
+                        const int klo = c, khi = c + 2; /* qh bits 2k, 2k + 1 to bits 4, 5 */
+                        const __m256i qlo = _mm256_or_si256(_mm256_and_si256(v, low4),
+                                                            _mm256_and_si256(_mm256_slli_epi32(hv, 4 - 2 * klo), two));
+                        const __m256i qhi = _mm256_or_si256(_mm256_srli_epi32(v, 4),
+                                                            _mm256_and_si256(_mm256_srl_epi32(hv, _mm_cvtsi32_si128(2 * khi - 4)), two));
+                        const int jl = 4 * n + klo, jh = 4 * n + khi; /* sub-blocks; their half h >> 1 of 16 */
+                        _mm256_storeu_ps(out + 32 * jl + 8 * h, _mm256_mul_ps(ai_lane(hs[n], (2 * jl + (h >> 1)) & 7),
+                                                                              _mm256_cvtepi32_ps(_mm256_sub_epi32(qlo, centre))));
+                        _mm256_storeu_ps(out + 32 * jh + 8 * h, _mm256_mul_ps(ai_lane(hs[n], (2 * jh + (h >> 1)) & 7),
+                                                                              _mm256_cvtepi32_ps(_mm256_sub_epi32(qhi, centre))));
+                    }
+                }
+            }
+            out += 256;
+        } else {
+            float scale[8], min[8];
+            ai_block_scales(fmt, p, scale, min);
+            const __m256i v = ai_sub_bytes(fmt, p);
+            const __m128i half[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+            const __m256 sc = _mm256_set1_ps(scale[0]), mn = _mm256_set1_ps(min[0]);
+            for (int h = 0; h < 4; h++, out += 8) { /* elements 8h to 8h + 7 */
+                const __m128i b8 = (h & 1) ? _mm_srli_si128(half[h >> 1], 8) : half[h >> 1];
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+                _mm256_storeu_ps(out, ai_fmt_has_min(fmt) ? _mm256_fmadd_ps(sc, q, mn) : _mm256_mul_ps(sc, q));
+            }
+        }
+    }
+}
 #endif /* AI_AVX2 */
+
+/* One row of K weights in float32, in order: ggml's dequantized values (see above); fmt a constant where the
+ * caller inlines it, so each format gets its own loop. */
+static inline __attribute__((always_inline)) void ai_rebuild_blocks(int fmt, const uint8_t *row, int64_t K, float *out) {
+#ifdef AI_AVX2
+    ai_rebuild_blocks_avx2(fmt, row, K, out);
+#else
+    ai_rebuild_blocks_ref(fmt, row, K, out);
+#endif
+}
 
 #endif

@@ -543,6 +543,18 @@ static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t
 #define PANEL_PASS_BYTES (384 * 1024)
 #endif
 
+/* blocks.h's formats: ai_rebuild_blocks with the format a constant in each branch (each its own loop). */
+static void rebuild_blocks_row(int fmt, const uint8_t *row, int64_t K, float *out) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0: ai_rebuild_blocks(ASYNCINFER_FMT_Q4_0, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_0: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_0, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_1: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_1, row, K, out); return;
+        case ASYNCINFER_FMT_Q4_K: ai_rebuild_blocks(ASYNCINFER_FMT_Q4_K, row, K, out); return;
+        case ASYNCINFER_FMT_Q5_K: ai_rebuild_blocks(ASYNCINFER_FMT_Q5_K, row, K, out); return;
+        default: ai_rebuild_blocks(ASYNCINFER_FMT_Q6_K, row, K, out); return;
+    }
+}
+
 static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *rows, int64_t N, int fmt,
                       const float *bias, float *y, int64_t ldy, int threads, float *xt) {
     const int64_t nb = K / QK, groups = (N + TN - 1) / TN, Mp = (M + 7) / 8 * 8;
@@ -570,7 +582,7 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
                     if (legacy)
                         rebuild_row(rows + (n0 + r) * row_bytes, nb, has_min, panel + r * K);
                     else
-                        ai_rebuild_blocks(fmt, rows + (n0 + r) * row_bytes, K, panel + r * K);
+                        rebuild_blocks_row(fmt, rows + (n0 + r) * row_bytes, K, panel + r * K);
                 }
                 for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
                 for (int64_t m0 = p0; m0 < p1; m0 += 16) {
@@ -659,61 +671,204 @@ GEMM(ai_gemm_q4_1, row_q4_1, row2_q4_1, ROW_BYTES_Q4_1, ASYNCINFER_FMT_Q4_1)
 GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0, ASYNCINFER_FMT_Q8_0)
 #endif
 
-/* blocks.h's formats: one weight row against ROWS (1 to MR, a constant at every call) activation rows, a
- * sub-block of 32 at a time (ai_sub_words: its integer quants in the activations' order; four products a
- * lane before the float conversion, at most 4 x 4096 x 32767 < 2^31), scaled by dx * the sub-block's scale.
- * The k-quants (8 sub-blocks a super-block): the 8 products dx * scale formed in one multiply, and the mins'
- * term sum(min_j * the block's sum of x) added up in 8 lanes by one fused multiply-add a super-block (16%
- * faster at one activation row than a sub-block at a time); the others: the min's term per block in float32.
- * One accumulator per row; every row is summed in the same order whatever ROWS is. (Two weight rows sharing
- * the activations' loads at one row, as Q4_1 has, measured slower here: the k-quants' unpacking spills.) */
+/* Q4_0, Q5_0, Q5_1: one weight row against ROWS (1 to MR, a constant at every call) activation rows, a block
+ * at a time (ai_sub_words: its integer quants in the activations' order), scaled by dx * the block's scale,
+ * plus the min's term per block in float32. One accumulator per row; every row is summed in the same order
+ * whatever ROWS is. */
 static inline __attribute__((always_inline)) void row_blocks(const int fmt, const uint8_t *row, int64_t K,
                                                              const acts *a, int64_t m0, const int ROWS, float *out) {
-    const int subs = ai_fmt_subs(fmt);
-    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt), nb = K / QK;
-    __m256 acc[MR], off[MR];
+    const int64_t nb = K / QK, bytes = ai_fmt_bytes(fmt);
+    __m256 acc[MR];
     float offset[MR];
     for (int i = 0; i < MR; i++) {
-        acc[i] = off[i] = _mm256_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
         offset[i] = 0.0f;
     }
-    for (int64_t blk = 0; blk < nblk; blk++) {
+    for (int64_t blk = 0; blk < nb; blk++) {
         const uint8_t *p = row + blk * bytes;
         _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
         float scale[8], min[8];
         ai_block_scales(fmt, p, scale, min);
-        if (subs == 8) {
-            float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
-            const __m256 scv = _mm256_loadu_ps(scale), minv = _mm256_loadu_ps(min);
-            for (int i = 0; i < ROWS; i++) {
-                const int64_t at = (m0 + i) * nb + blk * 8;
-                _mm256_storeu_ps(dsc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
-                if (ai_fmt_has_min(fmt)) off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        __m256i w[2];
+        ai_sub_words(fmt, p, w);
+        for (int i = 0; i < ROWS; i++) {
+            const int16_t *q = a->q + (m0 + i) * K + blk * QK;
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
+                                               _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[(m0 + i) * nb + blk] * scale[0]), acc[i]);
+            if (ai_fmt_has_min(fmt)) offset[i] += min[0] * a->sum[(m0 + i) * nb + blk];
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(acc[i]) + offset[i];
+}
+
+/* The k-quant rows of the AVX2 and AVX-512 builds. A block's 32 activations are stored as the build rounds
+ * them (quantize_acts_avx2: its even elements, then its odd ones; the AVX-512 build: in order), and the
+ * quants are unpacked straight into the 16-bit lanes that meet them: w0 against stored values 0-15, w1
+ * against 16-31, with shifts and masks of whole words (AVX2) or widened from 16 bytes (AVX-512, in order). The
+ * sub-blocks' scales (and Q4_K / Q5_K's minimums) come out of the block's bytes eight at a time, as vectors.
+ * Two accumulators a row (even and odd sub-blocks), so that consecutive multiply-adds do not wait on each
+ * other; every row is summed in the same order whatever ROWS is. */
+
+/* Q4_K / Q5_K: d * sc_j (returned) and -(dmin * m_j) (*minv) of the block at p, lane j sub-block j's. */
+static inline __m256 kq_scales(const uint8_t *p, __m256 *minv) {
+    uint64_t sc, mn;
+    ai_k_scales8(p + 4, &sc, &mn);
+    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+    *minv = _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
+    return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
+}
+
+/* The products' int32 lanes of w0 and w1 added into one vector: any lanes (one scale for all 32, KQ_ADD), or
+ * lanes 0-3 from elements 0-15 and 4-7 from 16-31 (Q6_K's two scales, KQ_HALVES). In the AVX2 order each of
+ * t0 / t1 already has elements below 16 in lanes 0-3, so adding keeps the halves apart; in order, t0 holds
+ * elements 0-15 and t1 16-31, whose 128-bit halves are summed into lanes 0-3 and 4-7. */
+#define KQ_ADD(t0, t1) _mm256_add_epi32((t0), (t1))
+#ifdef AI_AVX512
+#define KQ_HALVES(t0, t1) \
+    _mm256_add_epi32(_mm256_permute2x128_si256((t0), (t1), 0x20), _mm256_permute2x128_si256((t0), (t1), 0x31))
+#else
+#define KQ_HALVES KQ_ADD
+#endif
+
+/* One sub-block's integer dot product against ROWS activation rows, scaled and added: w0 / w1 its quants (see
+ * above), COMBINE KQ_ADD or KQ_HALVES, SV (an expression of the activation row i) dx times the sub-block's
+ * weight scale in every lane (Q6_K: one per half of 16, lanes 0-3 and 4-7). */
+#define KQ_SUB(j, slot, w0, w1, COMBINE, SV)                                                      \
+    do {                                                                                          \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const int16_t *q = a->q + (m0 + i) * K + (blk * 8 + (j)) * QK;                        \
+            const __m256i s = COMBINE(_mm256_madd_epi16((w0), _mm256_loadu_si256((const __m256i *)q)), \
+                                      _mm256_madd_epi16((w1), _mm256_loadu_si256((const __m256i *)(q + 16)))); \
+            acc[i][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), SV, acc[i][slot]);              \
+        }                                                                                         \
+    } while (0)
+
+/* Bit j (< 8) of each 16-bit lane of h moved to bit 4, the others cleared. */
+static inline __m256i kq_bit_to_4(__m256i h, int j) {
+    return _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), _mm256_set1_epi16(0x10));
+}
+
+/* Q4_K / Q5_K: bytes 32 p to 32 p + 31 of the nibbles hold sub-blocks 2 p (low nibbles) and 2 p + 1 (high).
+ * AVX2 order, in 16-bit words: word l's bits 0-3 / 8-11 are sub-block 2 p's elements 2 l / 2 l + 1, bits 4-7 /
+ * 12-15 sub-block 2 p + 1's. Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]: in words, bit j
+ * (even elements) and bit 8 + j (odd), moved to bit 4. In order (AVX-512 build): the 32 bytes widened to two
+ * runs of 16 words, each word's low and high nibble; qh widened the same way. */
+static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const uint8_t *row, int64_t K,
+                                                            const acts *a, int64_t m0, const int ROWS, float *out) {
+    const int five = fmt == ASYNCINFER_FMT_Q5_K;
+    const int64_t nblk = K / 256, bytes = ai_fmt_bytes(fmt), nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    __m256 acc[MR][2], off[MR];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        __m256 minv;
+        const __m256 scv = kq_scales(p, &minv);
+        float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            _mm256_storeu_ps(dsc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        }
+        const uint8_t *qs = p + (five ? 48 : 16);
+#ifdef AI_AVX512
+        const __m256i h0 = five ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_si256();
+        const __m256i h1 = five ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 32))) : _mm256_setzero_si256();
+#else
+        const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+#endif
+#pragma GCC unroll 4
+        for (int pr = 0; pr < 4; pr++) {
+            const int j0 = 2 * pr, j1 = 2 * pr + 1;
+#ifdef AI_AVX512
+            const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * pr)));
+            const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * pr + 16)));
+            __m256i a0 = _mm256_and_si256(x0, low4), a1 = _mm256_and_si256(x1, low4); /* sub-block j0 */
+            __m256i b0 = _mm256_srli_epi16(x0, 4), b1 = _mm256_srli_epi16(x1, 4);      /* sub-block j1 */
+            if (five) {
+                a0 = _mm256_or_si256(a0, kq_bit_to_4(h0, j0));
+                a1 = _mm256_or_si256(a1, kq_bit_to_4(h1, j0));
+                b0 = _mm256_or_si256(b0, kq_bit_to_4(h0, j1));
+                b1 = _mm256_or_si256(b1, kq_bit_to_4(h1, j1));
             }
-            for (int j = 0; j < 8; j++) {
-                const int64_t b = blk * 8 + j;
-                __m256i w[2];
-                ai_sub_words(fmt, p, j, w);
-                for (int i = 0; i < ROWS; i++) {
-                    const int16_t *q = a->q + (m0 + i) * K + b * QK;
-                    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
-                                                       _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&dsc[i][j]), acc[i]);
-                }
+#else
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+            __m256i a0 = _mm256_and_si256(x, low4), a1 = _mm256_and_si256(_mm256_srli_epi16(x, 8), low4);
+            __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4), b1 = _mm256_srli_epi16(x, 12);
+            if (five) {
+                a0 = _mm256_or_si256(a0, kq_bit_to_4(h, j0));
+                b0 = _mm256_or_si256(b0, kq_bit_to_4(h, j1));
+                a1 = _mm256_or_si256(a1, kq_bit_to_4(_mm256_srli_epi16(h, 8), j0));
+                b1 = _mm256_or_si256(b1, kq_bit_to_4(_mm256_srli_epi16(h, 8), j1));
             }
-        } else {
-            __m256i w[2];
-            ai_sub_words(fmt, p, 0, w);
-            for (int i = 0; i < ROWS; i++) {
-                const int16_t *q = a->q + (m0 + i) * K + blk * QK;
-                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
-                                                   _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[(m0 + i) * nb + blk] * scale[0]), acc[i]);
-                if (ai_fmt_has_min(fmt)) offset[i] += min[0] * a->sum[(m0 + i) * nb + blk];
+#endif
+            KQ_SUB(j0, 0, a0, a1, KQ_ADD, _mm256_broadcast_ss(&dsc[i][j0]));
+            KQ_SUB(j1, 1, b0, b1, KQ_ADD, _mm256_broadcast_ss(&dsc[i][j1]));
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
+}
+
+/* Q6_K: sub-block j = 4 n + k's quants (blocks.h: low or high nibbles of ql, a bit pair of qh) made and
+ * centred as bytes, then widened to 16-bit lanes (AVX2: even and odd words; AVX-512: in order); its two int8
+ * scales (one per half of 16) multiply, in float32, the lanes of the integer sums that hold each half
+ * (KQ_HALVES: 0-3 and 4-7). */
+static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, int64_t K, const acts *a, int64_t m0,
+                                                           const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 210;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 192, _MM_HINT_T0);
+        const __m128i s16 = _mm_loadu_si128((const __m128i *)(p + 192));
+        const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
+        const __m256 half_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))),
+                                   _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))))};
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
+                                  _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * n + k;
+                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
+                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
+                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
+                const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), centre);
+#ifdef AI_AVX512
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+#else
+                const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), w1 = _mm256_srai_epi16(v, 8);
+#endif
+                /* lanes 0-3: d * scales[2 j], 4-7: d * scales[2 j + 1] (half_sc[n]'s lanes 2 k and 2 k + 1) */
+                const __m256 sv = _mm256_permutevar8x32_ps(
+                    half_sc[n], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1));
+                KQ_SUB(j, k & 1, w0, w1, KQ_HALVES,
+                       _mm256_mul_ps(sv, _mm256_broadcast_ss(a->d + (m0 + i) * nb + blk * 8 + j)));
             }
         }
     }
-    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(acc[i]) + (subs == 8 ? ai_hsum256(off[i]) : offset[i]);
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+/* The row kernel of a format (a constant at every call). */
+static inline __attribute__((always_inline)) void row_of(const int fmt, const uint8_t *row, int64_t K, const acts *a,
+                                                         int64_t m0, const int ROWS, float *out) {
+    if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row_q45_k(fmt, row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row_q6_k(row, K, a, m0, ROWS, out);
+    row_blocks(fmt, row, K, a, m0, ROWS, out);
 }
 
 #define GEMM_BLOCKS(NAME, FMT)                                                                    \
@@ -733,10 +888,10 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
                 const int rows_now = (int)(M - m0 < MR ? M - m0 : MR);                            \
                 float out[MR];                                                                    \
                 switch (rows_now) {                                                               \
-                    case 1: row_blocks(FMT, row, K, &a, m0, 1, out); break;                       \
-                    case 2: row_blocks(FMT, row, K, &a, m0, 2, out); break;                       \
-                    case 3: row_blocks(FMT, row, K, &a, m0, 3, out); break;                       \
-                    default: row_blocks(FMT, row, K, &a, m0, 4, out); break;                      \
+                    case 1: row_of(FMT, row, K, &a, m0, 1, out); break;                       \
+                    case 2: row_of(FMT, row, K, &a, m0, 2, out); break;                       \
+                    case 3: row_of(FMT, row, K, &a, m0, 3, out); break;                       \
+                    default: row_of(FMT, row, K, &a, m0, 4, out); break;                      \
                 }                                                                                 \
                 for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;           \
             }                                                                                     \
