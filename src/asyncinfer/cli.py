@@ -334,8 +334,13 @@ async def _embed(args: argparse.Namespace) -> int:
 
     options = {"device": args.device, "dtype": args.dtype}
     async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
-        vectors = await engine.embed(args.texts)
         (info,) = engine.model_info()
+        if info.kind != "embed":
+            from asyncinfer.commands import CommandError
+
+            raise CommandError(f"--model {args.model!r} is a generator (a text generation model), not a sentence "
+                               "encoder: give --model a sentence encoder, e.g. all-MiniLM-L6-v2 (the default)")
+        vectors = await engine.embed(args.texts)
     if args.json:
         print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))
         return 0

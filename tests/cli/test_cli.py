@@ -211,6 +211,14 @@ def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
                                       "save it as UTF-8\n")
 
 
+def test_embed_given_a_generator_names_the_flag(tiny_models, capsys) -> None:
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["embed", "--model", path, "--device", "cpu", "hi"]) == 2
+    assert one_line_error(capsys) == (f"asyncinfer: error: --model {path!r} is a generator (a text generation "
+                                      "model), not a sentence encoder: give --model a sentence encoder, e.g. "
+                                      "all-MiniLM-L6-v2 (the default)\n")
+
+
 def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     path = tiny_models["llama"][0]
     assert cli.main(["info", str(path), "--max-model-len", "64", "--kv-cache-memory", str(1 << 20)]) == 0
