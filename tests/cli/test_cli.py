@@ -211,6 +211,17 @@ def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
                                       "save it as UTF-8\n")
 
 
+def test_bench_concurrency_is_repeatable() -> None:
+    from asyncinfer.commands.bench import _levels
+
+    def levels(*argv: str) -> list[int]:
+        return _levels(cli.build_parser().parse_args(["bench", *argv]).concurrency)
+
+    assert levels() == [1, 4, 16]
+    assert levels("--concurrency", "1", "--concurrency", "2,4") == [1, 2, 4]
+    assert levels("--concurrency", "4,1", "--concurrency", "1,8") == [4, 1, 8]
+
+
 def test_embed_given_a_generator_names_the_flag(tiny_models, capsys) -> None:
     path = str(tiny_models["llama"][0])
     assert cli.main(["embed", "--model", path, "--device", "cpu", "hi"]) == 2
