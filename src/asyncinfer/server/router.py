@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import re
 import time
 from collections import Counter
@@ -24,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from asyncinfer.engine import AsyncEngine, EngineState
-from asyncinfer.errors import EngineClosedError
+from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
@@ -56,6 +57,9 @@ __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
 _PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
+#: How many times a chat is made again (its format chosen, its prompt rendered or counted) for a model swapped while
+#: it was made, before its ModelChangedError is answered (a 503 to retry).
+MAX_REBINDS = 3
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
 
@@ -336,6 +340,17 @@ class _OpenAI:
                            {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+        for attempt in itertools.count(1):
+            try:
+                return await self._chat_on_one_version(body, call)
+            except ModelChangedError:  # a swap came while it was rendered: rendered again for the new version
+                if attempt == MAX_REBINDS:
+                    raise
+
+    async def _chat_on_one_version(self, body: ChatRequest, call: _Call) -> Response:
+        """``_chat`` with what the router makes for the model's current version (the tool format, a prompt it
+        renders or counts) pinned to that version: a swap that lands meanwhile is :class:`ModelChangedError`,
+        nothing queued."""
         engine = self.engine()
         model, info = self._pick(body.model, "generate")
         fmt = self.tool_formats.of(model, info.version_id, lambda: _engine.generator_tokenizer(engine, model))
@@ -343,6 +358,10 @@ class _OpenAI:
         g = self._generation(body, call, True, 1)
         prompt: Any = body.messages
         rendered = fmt.renders_history and (body.tool_use is not None or body.has_tool_turns)
+        counted = body.stream and body.include_usage and not rendered
+        if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
+            # tokenizer): run by it, or made again
+            g.args["version_id"] = info.version_id
         if rendered:
             # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
@@ -354,8 +373,7 @@ class _OpenAI:
             return await _whole(g.reply, lambda: g.reply.completion(
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
-        if body.include_usage and not rendered:  # a stream's deltas carry no prompt count: render the template
-            # once, here
+        if counted:  # a stream's deltas carry no prompt count: render the template once, here
             prompt = await _off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
