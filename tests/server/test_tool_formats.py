@@ -705,3 +705,52 @@ def test_a_chat_swapped_under_it_more_than_max_rebinds_times_is_a_503_to_retry()
     error = from_exception(ModelChangedError("swapped", 1, 4), "req-1")
     assert (error.status, error.type, error.code) == (503, "server_error", "unavailable")
     assert error.headers == {"retry-after": "1"}
+
+
+
+def test_a_burst_of_tool_chats_renders_at_most_the_loops_share_on_it_per_turn(live, monkeypatch) -> None:
+    """The router renders a Llama/Mistral tools chat itself: each one within OFF_LOOP_CHARS was rendered on the
+    event loop, so a burst of them arriving together held it for their sum (every other caller waiting). Now
+    what the server renders on the loop in one turn of it is at most OFF_LOOP_CHARS of cost, all calls
+    together (the rest in worker threads), and every call is answered."""
+    import asyncio
+    import threading
+
+    from asyncinfer.prompts import OFF_LOOP_CHARS
+    from asyncinfer.server import router
+
+    loop = live.engine.loop
+    turn, done = [0], threading.Event()
+
+    def tick() -> None:  # runs once per turn of the loop: the turn's number
+        turn[0] += 1
+        if not done.is_set():
+            loop.call_soon(tick)
+
+    seen: list[tuple[int, bool]] = []  # (the turn, on the loop's thread) of each render
+    real = router.render_chat
+
+    def spy(tokenizer, fmt, history, use):
+        seen.append((turn[0], threading.current_thread() is loop_thread[0]))
+        return real(tokenizer, fmt, history, use)
+
+    monkeypatch.setattr(router, "render_chat", spy)
+    loop_thread: list[threading.Thread] = []
+    text = "Roll two dice. " * 100  # a chat of about 1,500 characters of cost: 2 fit in the loop's share
+    assert 2 * len(text) < OFF_LOOP_CHARS < 3 * len(text)
+
+    async def burst() -> list[int]:  # sent from the server's own loop: the calls arrive together
+        loop_thread.append(threading.current_thread())
+        loop.call_soon(tick)
+        async with httpx.AsyncClient(base_url=live.url, timeout=120) as http:
+            bodies = [{"model": "llama", "tools": [ROLL], "max_tokens": 1,
+                       "messages": [{"role": "user", "content": f"{i} {text}"}]} for i in range(8)]
+            answers = await asyncio.gather(*[http.post("/v1/chat/completions", json=b) for b in bodies])
+        done.set()
+        return [a.status_code for a in answers]
+
+    assert live.call(burst()) == [200] * 8
+    assert len(seen) == 8
+    on_loop = [t for t, here in seen if here]
+    assert all(on_loop.count(t) <= 2 for t in on_loop), seen
+    assert len(on_loop) < 8, seen

@@ -28,7 +28,7 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
-from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
+from asyncinfer.prompts import OFF_LOOP_CHARS, LoopShare, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer, single_header
@@ -115,6 +115,9 @@ class _OpenAI:
         self.answers: Counter[tuple[str, int]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
         self.tool_formats = ToolFormats()  # each served model's tool format, chosen once per loaded version
+        # what this server decodes, renders and counts on the loop in one turn of it, all calls together
+        # (as the engine's own share bounds its tokenizing): a burst of calls, each short, would hold it for their sum
+        self.loop_share = LoopShare(OFF_LOOP_CHARS)
         # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
         self._single = ("authorization", "content-type", settings.tenant_header,
                         *(() if settings.priority_header is None else (settings.priority_header,)))
@@ -277,7 +280,15 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+        return await self._off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+
+    async def _off_loop_if_long(self, chars: int, work: Callable[[], _B]) -> _B:
+        """``work()`` (of cost ``chars``) on the loop when it fits what is left of this turn's share
+        (:class:`~asyncinfer.prompts.LoopShare`, ``OFF_LOOP_CHARS`` for all calls together), else in a worker
+        thread: a long input, or a short one that comes after others in the same turn."""
+        if self.loop_share.take(chars):
+            return work()
+        return await anyio.to_thread.run_sync(work)
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
@@ -365,7 +376,7 @@ class _OpenAI:
         if rendered:
             # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
-            prompt = await _off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
+            prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
                 tokenizer, fmt, body.history, body.tool_use))
         if not body.stream:
             out = await unless_disconnected(
@@ -374,7 +385,7 @@ class _OpenAI:
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
         if counted:  # a stream's deltas carry no prompt count: render the template once, here
-            prompt = await _off_loop_if_long(prompt_cost(body.messages),
+            prompt = await self._off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
         return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0,
@@ -399,7 +410,7 @@ class _OpenAI:
             # (256 short prompts, one at a time on the loop, would hold it for their sum)
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             texts = sum(len(p) for p in prompts if isinstance(p, str))
-            prompts = await _off_loop_if_long(texts, lambda: [
+            prompts = await self._off_loop_if_long(texts, lambda: [
                 p if isinstance(p, list) or tokenizer is None else g.engine.tokenize(p, model=g.model)
                 for p in body.prompts])
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
@@ -449,7 +460,7 @@ class _OpenAI:
                            param="dimensions")
         count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
-        counts = await _off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
+        counts = await self._off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
@@ -477,11 +488,6 @@ def _tokens(outputs: Sequence[Any]) -> int:
     return sum(len(c.token_ids) for c in outputs)
 
 
-async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
-    """``work()`` on the loop for short inputs, in a worker thread for long ones (as the engine tokenizes)."""
-    if chars <= OFF_LOOP_CHARS:
-        return work()
-    return await anyio.to_thread.run_sync(work)
 
 
 def _check_json_type(content_type: str | None) -> None:
