@@ -608,6 +608,17 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     return str(exc)
 
 
+def _contract_violation(exc: BaseException) -> str | None:
+    """The message for a scheduler's broken contract (``ContractViolation``, whose text starts with the
+    scheduler's name), or None for any other exception. Only once the checks were imported: the CLI does
+    not import them (nor torch) to print an unrelated error."""
+    testing = sys.modules.get("asyncinfer.schedulers.testing")
+    if testing is None or not isinstance(exc, testing.ContractViolation):
+        return None
+    name, _, rest = str(exc).partition(" ")
+    return f"scheduler {name.rstrip(':')} broke the scheduler contract (docs/schedulers.md): {rest or exc}"
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Help for a terminal: the docstrings' reST markup (````name````, ``:class:`X```) shown as plain text."""
 
@@ -651,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if _kernel_setting_error(exc):  # the user's ASYNCINFER_KERNEL_ISA, not an internal error
             print(f"asyncinfer: error: {exc}", file=sys.stderr)
+            return 2
+        broken = _contract_violation(exc)
+        if broken is not None:  # a scheduler plugin's fault (``asyncinfer lab``), not an internal error
+            print(f"asyncinfer: error: {broken}", file=sys.stderr)
             return 2
         if os.environ.get("ASYNCINFER_DEBUG") == "1":
             raise

@@ -395,3 +395,19 @@ def test_plan_takes_every_format_the_engine_takes(tiny_models, capsys) -> None:
 def test_plan_names_its_flags_in_errors(argv, message, tiny_models, capsys) -> None:
     assert cli.main(["plan", str(tiny_models["llama"][0]), *argv]) == 2
     assert one_line_error(capsys).startswith(f"asyncinfer: error: {message}")
+
+
+def test_lab_reports_a_plugin_s_broken_contract_as_the_plugin_s_fault(tmp_path, monkeypatch, capsys) -> None:
+    """A scheduler that schedules nothing breaks the contract: named as the plugin's fault, not an internal error."""
+    (tmp_path / "lazy_policies.py").write_text(
+        "from asyncinfer.schedulers import Scheduler, SchedulerOutput\n\n"
+        "class Lazy(Scheduler):\n    api_version = 1\n    uses_priority = False\n    starvation_free = False\n\n"
+        "    def schedule(self):\n        return SchedulerOutput()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["lab", "--synthetic", "3", "--schedulers", "lazy_policies:Lazy"]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith("asyncinfer: error: scheduler Lazy broke the scheduler contract (docs/schedulers.md): "
+                          "at step 0"), err
+    assert "scheduled nothing" in err and "internal error" not in err
