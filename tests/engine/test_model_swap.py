@@ -156,7 +156,7 @@ async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected,
         with pytest.raises(SwapError):
             await engine.swap_model(bad)
 
-        def broken_warm_up(core) -> None:
+        def broken_warm_up(core, stall_timeout=None) -> None:
             raise RuntimeError("warm-up exploded")
 
         monkeypatch.setattr(loading, "warm_up", broken_warm_up)
