@@ -178,13 +178,13 @@ async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monk
     most = 0
     lock = threading.Lock()
 
-    def slow_warm_up(core) -> None:
+    def slow_warm_up(core, stall_timeout=None) -> None:
         nonlocal active, most
         with lock:
             active += 1
             most = max(most, active)
         time.sleep(0.2)
-        real_warm_up(core)
+        real_warm_up(core, stall_timeout)
         with lock:
             active -= 1
 
