@@ -180,11 +180,14 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default="auto",
-                   choices=("auto", "none", "float16", "bfloat16", "int8", "q8_0", "q4_1"),
+    # No argparse choices: the planner checks the value against the engine's own list of formats
+    # (models.quant.QUANTIZATION_METHODS), so plan takes every format the engine takes.
+    p.add_argument("--quantization", default="auto", metavar="FORMAT",
                    help="weight format: auto (the engine's default: on cpu with --dtype auto, a GGUF's own block "
                         "format where it has one, q4_1 for the default model, else float16 weights), none (the "
-                        "dtype), q4_1, q8_0, float16 or int8 (cpu, float32), float16 or bfloat16 (cuda: the dtype)")
+                        "dtype), or any format the engine's quantization option takes (docs/formats.md): on cpu "
+                        "float16, int8, the block formats q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, or native; "
+                        "on cuda float16 or bfloat16 (the dtype)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
@@ -583,10 +586,25 @@ _KEY_FLAGS = ("api_keys", "metrics_keys")
 _ENGINE_COMMANDS = ("chat", "generate", "bench", "info", "serve")  # the commands with the engine flags  # repeatable: the error names the one bad key, not the list
 
 
+# ``asyncinfer plan``'s flags by the planner's parameter they set.
+_PLAN_FLAGS = {
+    "batch": "--batch", "seq_len": "--seq-len", "dtype": "--dtype", "quantization": "--quantization",
+    "device": "--device", "device memory": "--device-memory", "device_memory": "--device-memory",
+    "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
+}
+
+
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
-    """The error's message in the flags' terms: an engine option, or a serve setting, given as a flag is
-    named by it (``--api-key ''``, not ``api_keys=('',)``), and a ConfigurationError's text names the
-    engine options by their flags."""
+    """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
+    as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
+    and a ConfigurationError's text names the engine options by their flags."""
+    if args is not None and args.command == "plan" and isinstance(exc, InvalidParameterError):
+        flag = _PLAN_FLAGS.get(exc.parameter)
+        if flag is None:
+            return str(exc)
+        value = exc.value
+        shown = repr(value) if isinstance(value, str) else str(value)
+        return f"{flag} {shown} is invalid: allowed {exc.allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:
         return str(exc)
     from asyncinfer.commands.engine_flags import flag_error, in_flag_terms
@@ -607,6 +625,17 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))
     return str(exc)
+
+
+def _contract_violation(exc: BaseException) -> str | None:
+    """The message for a scheduler's broken contract (``ContractViolation``, whose text starts with the
+    scheduler's name), or None for any other exception. Only once the checks were imported: the CLI does
+    not import them (nor torch) to print an unrelated error."""
+    testing = sys.modules.get("asyncinfer.schedulers.testing")
+    if testing is None or not isinstance(exc, testing.ContractViolation):
+        return None
+    name, _, rest = str(exc).partition(" ")
+    return f"scheduler {name.rstrip(':')} broke the scheduler contract (docs/schedulers.md): {rest or exc}"
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -652,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if _kernel_setting_error(exc):  # the user's ASYNCINFER_KERNEL_ISA, not an internal error
             print(f"asyncinfer: error: {exc}", file=sys.stderr)
+            return 2
+        broken = _contract_violation(exc)
+        if broken is not None:  # a scheduler plugin's fault (``asyncinfer lab``), not an internal error
+            print(f"asyncinfer: error: {broken}", file=sys.stderr)
             return 2
         if os.environ.get("ASYNCINFER_DEBUG") == "1":
             raise

@@ -258,6 +258,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         model: str | None = None,
+        version_id: int | None = None,
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
 
@@ -266,15 +267,20 @@ class AsyncEngine:
         salt (e.g. a tenant).
         Cancelling the awaiting task aborts the request (its blocks return at the next step
         boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
-        ``model``: the generator's name (default: the first loaded).
+        ``model``: the generator's name (default: the first loaded). ``version_id``: the version of that
+        model the prompt was made for (token ids its tokenizer or chat template made; :meth:`model_info`'s
+        ``version_id``): if a swap replaced it before the request is bound, the request is refused with
+        ModelChangedError rather than run by a version whose tokenizer never made those ids.
 
         Raises (docs/reliability.md): InvalidParameterError (bad prompt or parameters; nothing
-        was queued), EngineOverloadedError (``max_waiting_requests``), RequestFailedError (a fault
+        was queued), EngineOverloadedError (``max_waiting_requests``), ModelChangedError (``version_id``
+        no longer serves; nothing was queued), RequestFailedError (a fault
         in its step; RequestStalledError: nothing ran for ``stall_timeout``), EngineClosedError /
         WrongEventLoopError (not running, or another loop), EngineDeadError (the step loop broke).
         """
         prompt = plain_prompt(prompt)  # checked as what it holds, not as a subclass says
-        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
+        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
+                                  version_id)
         request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
         result = OutputAssembler.for_request(request)
         async for out in self._submit(request, version, holder):
@@ -290,6 +296,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         model: str | None = None,
+        version_id: int | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield :class:`StreamDelta` pieces as tokens are generated; the last has ``finish_reason``.
 
@@ -302,7 +309,8 @@ class AsyncEngine:
         off the loop, are length-checked at the first).
         """
         prompt = plain_prompt(prompt)
-        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running)
+        args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
+                                  version_id)
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:

@@ -12,6 +12,8 @@ The tree::
     │   └── WrongEventLoopError (also RuntimeError) called from another event loop than the
     │                                             one the engine started on
     ├── EngineOverloadedError                     too many requests wait (max_waiting_requests); retry later
+    ├── ModelChangedError                         a prompt made for one version of a model (version_id=)
+    │                                             came after a swap_model replaced it; make it again
     ├── RequestAbortedError                       an embed() call was aborted before its vectors were
     │                                             computed (remove_model or aclose with abort=True)
     ├── RequestFailedError                        one request broke: a fault in the engine step (or the
@@ -129,6 +131,18 @@ class EngineOverloadedError(AsyncInferError):
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         self.retry_after = retry_after
+        super().__init__(message)
+
+
+class ModelChangedError(AsyncInferError):
+    """A request's prompt was made for a version of its model (``version_id=`` of ``generate``/``stream``: token
+    ids its tokenizer and chat template made) that no longer serves it: a ``swap_model`` came in between.
+    Nothing was queued; make the prompt again with the serving version and submit it again.
+    ``version_id``: the version it was made for; ``serving``: the version that serves now."""
+
+    def __init__(self, message: str, version_id: int, serving: int) -> None:
+        self.version_id = version_id
+        self.serving = serving
         super().__init__(message)
 
 

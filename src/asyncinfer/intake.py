@@ -23,13 +23,13 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import anyio
 
 from asyncinfer.catalog import ModelCatalog
-from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, ModelChangedError
 from asyncinfer.holder import ModelHolder, ModelVersion
 from asyncinfer.prompts import (
     Prompt,
@@ -53,6 +53,7 @@ class RequestArgs:
     priority: int
     cache_salt: str | None
     early: tuple[ModelVersion, list[int]] | None
+    version_id: int | None = None  # the version of the model the prompt was made for (None: any)
 
 
 class IntakeObserver(Protocol):
@@ -86,13 +87,25 @@ class RequestIntake:
         cache_salt: str | None,
         model: str | None,
         check_running: Callable[[], None],
+        version_id: int | None = None,
     ) -> RequestArgs:
-        """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error)."""
+        """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error, or
+        :class:`ModelChangedError` when ``version_id`` names a version of ``model`` that no longer serves)."""
         try:
-            return self._check(prompt, params, request_id, priority, cache_salt, model, check_running)
+            args = self._check(prompt, params, request_id, priority, cache_salt, model, check_running)
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
             raise
+        if version_id is None:
+            return args
+        if not isinstance(version_id, int) or isinstance(version_id, bool) or version_id < 0:
+            exc = InvalidParameterError("version_id", version_id, "None or a model version's id (an int >= 0)")
+            self._refused(model, exc)
+            raise exc
+        serving = self.models.generator(model).current
+        if serving is not None:
+            _check_version(version_id, serving)
+        return replace(args, version_id=version_id)
 
     def _check(
         self,
@@ -125,6 +138,8 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
+            if args.version_id is not None:  # a swap may have come since the call
+                _check_version(args.version_id, version)
             check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
             self._check_id_free(args.request_id, args.params.n)
             self._check_load(model)
@@ -190,3 +205,11 @@ class RequestIntake:
     def _check_id_free(self, request_id: str, n: int) -> None:
         if not self.streams.is_free(request_id, n):
             raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
+
+
+def _check_version(version_id: int, serving: ModelVersion) -> None:
+    """:class:`ModelChangedError` unless ``serving`` is the version ``version_id`` a prompt was made for."""
+    if serving.version_id != version_id:
+        raise ModelChangedError(f"the prompt was made for version {version_id} of the model, and version "
+                                f"{serving.version_id} serves it now (a swap_model came in between): make the "
+                                "prompt again with the serving version", version_id, serving.version_id)

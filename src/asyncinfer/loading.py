@@ -184,7 +184,7 @@ def load_generator(
             config.quantization, config.quantization_skip, config.pack_weights))  # a GGUF's layers built as read
         check_tokenizer(loaded)
         plan, core = build_core(loaded, config, compile_seconds=compile_seconds)
-        warm_up(core)
+        warm_up(core, config.stall_timeout)
     except (InvalidParameterError, ConfigurationError):
         raise
     except Exception as exc:
@@ -361,12 +361,37 @@ def _report_block_rounding(model: Any, method: str | None) -> None:
         logger.info("quantization=%r: all %d projections hold the checkpoint's own weights", method, len(layers))
 
 
-def warm_up(core: EngineCore) -> None:
-    """Run one tiny greedy request through a fresh core, then clear what it left behind."""
+# How long a warm-up waits on a scheduler that schedules nothing when ``stall_timeout`` is None (a load never hangs).
+WARM_UP_STALL_LIMIT = 30.0
+
+
+def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
+    """Run one tiny greedy request through a fresh core, then clear what it left behind.
+
+    A scheduler that schedules nothing for ``stall_timeout`` seconds (``WARM_UP_STALL_LIMIT`` when None)
+    while the request waits fails the warm-up with a ``RuntimeError`` naming it, as the engine thread
+    would fail the request with ``RequestStalledError``: the load then raises, it never hangs.
+    """
+    limit = WARM_UP_STALL_LIMIT if stall_timeout is None else stall_timeout
     request = Request("warm-up", [0], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=time.time())
     core.add_request(request)
+    stalled_since: float | None = None
+    wait = 0.0
     while core.has_unfinished_requests():
+        ran = core.stats.steps
         core.step()
+        if core.stats.steps > ran:
+            stalled_since, wait = None, 0.0
+            continue
+        now = time.monotonic()
+        stalled_since = now if stalled_since is None else stalled_since
+        if now - stalled_since >= limit:
+            raise RuntimeError(
+                f"the scheduler {type(core.scheduler).__name__} scheduled nothing during warm-up for "
+                f"{now - stalled_since:.1f} s (stall_timeout={stall_timeout}) while its one request waited "
+                f"with every KV block free: schedule() must schedule a runnable request (docs/schedulers.md)")
+        wait = min(max(2 * wait, 0.001), 0.05)  # back off as the engine thread does, instead of spinning
+        time.sleep(wait)
     core.reset_prefix_cache()
     core.stats = StepStats()
     core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0

@@ -280,6 +280,12 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     return ids
 
 
+# The roles a chat message may have, in the library and over HTTP alike (the server's ``messages.[i].role``
+# check reads this): ``developer`` is OpenAI's newer name for ``system`` and is rendered as ``system``.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLE_AS_RENDERED = {"developer": "system"}
+
+
 def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) -> list[int]:
     """Render chat messages with the version's template (generation prompt added) into token ids.
 
@@ -296,10 +302,13 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
             raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
         check_unicode(f"prompt[{i}]", role)
         check_unicode(f"prompt[{i}]", content)
+        if role not in CHAT_ROLES:
+            raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+    rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. roles out of order
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -404,3 +404,46 @@ def test_a_plugin_in_the_working_directory_imports_from_the_console_script(tmp_p
                              "--list-schedulers"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "fair-share" in result.stdout.split()
+
+
+def test_plan_takes_every_format_the_engine_takes(tiny_models, capsys) -> None:
+    """--quantization has no list of its own: every engine format plans, anything else is named by the flag."""
+    from asyncinfer.models.quant import CPU_FORMATS, check_quantization
+
+    path = str(tiny_models["llama"][0])
+    for fmt in CPU_FORMATS:
+        try:
+            check_quantization(fmt, __import__("torch").device("cpu"), __import__("torch").float32)
+        except asyncinfer.InvalidParameterError:
+            continue  # a block format whose kernel cannot run on this machine: the engine refuses it too
+        assert cli.main(["plan", path, "--quantization", fmt, "--seq-len", "64", "--device-memory", "1GiB"]) == 0, fmt
+        assert f"quantization={fmt!r}" in capsys.readouterr().out
+    assert cli.main(["plan", path, "--quantization", "q9_9"]) == 2
+    assert one_line_error(capsys).startswith("asyncinfer: error: --quantization 'q9_9' is invalid: allowed 'auto'")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch 0 is invalid: allowed an integer >= 1"),
+    (["--seq-len", "100000"], "--seq-len 100000 is invalid: allowed an integer >= 1 and <= 512"),
+    (["--device-memory", "lots"], "--device-memory 'lots' is invalid: allowed a size such as 24GiB"),
+    (["--block-size", "0"], "--block-size 0 is invalid"),
+])
+def test_plan_names_its_flags_in_errors(argv, message, tiny_models, capsys) -> None:
+    assert cli.main(["plan", str(tiny_models["llama"][0]), *argv]) == 2
+    assert one_line_error(capsys).startswith(f"asyncinfer: error: {message}")
+
+
+def test_lab_reports_a_plugin_s_broken_contract_as_the_plugin_s_fault(tmp_path, monkeypatch, capsys) -> None:
+    """A scheduler that schedules nothing breaks the contract: named as the plugin's fault, not an internal error."""
+    (tmp_path / "lazy_policies.py").write_text(
+        "from asyncinfer.schedulers import Scheduler, SchedulerOutput\n\n"
+        "class Lazy(Scheduler):\n    api_version = 1\n    uses_priority = False\n    starvation_free = False\n\n"
+        "    def schedule(self):\n        return SchedulerOutput()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["lab", "--synthetic", "3", "--schedulers", "lazy_policies:Lazy"]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith("asyncinfer: error: scheduler Lazy broke the scheduler contract (docs/schedulers.md): "
+                          "at step 0"), err
+    assert "scheduled nothing" in err and "internal error" not in err

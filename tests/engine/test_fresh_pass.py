@@ -154,12 +154,17 @@ def _misplanning(kind: str) -> type[FIFOScheduler]:
                 entries[rid] = float(entries[rid])
             elif kind == "unknown id":
                 entries["nobody"] = 1
+            elif kind == "bool":
+                entries[rid] = True
+            elif kind == "preempted in schedule":  # still planned after the plugin preempted it itself
+                self.preempt(self.requests[rid])
             return out
 
     return Misplanning
 
 
-@pytest.mark.parametrize("kind", ["more than it lacks", "zero", "negative", "float", "unknown id"])
+@pytest.mark.parametrize("kind", ["more than it lacks", "zero", "negative", "float", "unknown id", "bool",
+                                  "preempted in schedule"])
 async def test_a_plan_that_breaks_the_contract_for_one_request_fails_it_alone(
         tiny_models, hf_greedy, kind, caplog) -> None:
     """A plugin's plan giving one request a count the contract forbids (more tokens than it lacks, none, a

@@ -17,9 +17,11 @@ import pytest
 from asyncinfer import (
     AsyncEngine,
     InvalidParameterError,
+    ModelLoadError,
     RequestFailedError,
     RequestStalledError,
     SamplingParams,
+    SwapError,
 )
 from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
 
@@ -94,3 +96,34 @@ async def test_a_slow_start_is_not_a_stall(tiny_models, hf_greedy) -> None:
 def test_stall_timeout_is_checked(tiny_models, bad) -> None:
     with pytest.raises(InvalidParameterError, match="stall_timeout"):
         AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, stall_timeout=bad)
+
+
+class Lazy(FIFOScheduler):
+    """Never schedules anything: a load's warm-up must fail on it, not spin forever."""
+
+    def schedule(self) -> SchedulerOutput:
+        return SchedulerOutput()
+
+
+async def test_a_scheduler_that_schedules_nothing_fails_the_load_warm_up_in_time(tiny_models) -> None:
+    path = tiny_models["llama"][0]
+    wall = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"failed: the scheduler Lazy scheduled nothing "
+                                             r"during warm-up .*stall_timeout=0\.3") as err:
+        await asyncio.wait_for(AsyncEngine.load(path, **BASE, scheduler=Lazy, stall_timeout=0.3), 20)
+    assert 0.3 <= time.monotonic() - wall < 10.0
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+async def test_a_swap_or_added_model_whose_scheduler_schedules_nothing_fails_and_the_engine_keeps_serving(
+    tiny_models, hf_greedy
+) -> None:
+    path, hf = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **BASE)
+    async with engine:
+        with pytest.raises(SwapError, match="the scheduler Lazy scheduled nothing during warm-up"):
+            await asyncio.wait_for(engine.swap_model(tiny_models["qwen2"][0], scheduler=Lazy, stall_timeout=0.3), 20)
+        with pytest.raises(ModelLoadError, match="the scheduler Lazy scheduled nothing during warm-up"):
+            await asyncio.wait_for(
+                engine.add_model("second", tiny_models["qwen2"][0], scheduler=Lazy, stall_timeout=0.3), 20)
+        assert (await engine.generate(PROMPT, greedy(4))).token_ids == hf_greedy(hf, PROMPT, 4)

@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 import asyncinfer.loading as loading
-from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, SwapError
+from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, ModelChangedError, SwapError
 from tests.helpers import ENGINE_BASE, greedy, random_prompts
 
 NUM_PROMPTS = 12
@@ -119,6 +119,31 @@ async def test_prefix_cache_is_per_version(tiny_models) -> None:
     assert again.token_ids == first.token_ids
 
 
+async def test_a_prompt_pinned_to_a_swapped_out_version_is_refused_and_nothing_is_queued(tiny_models) -> None:
+    """``version_id=``: token ids made by one version's tokenizer (or template) are run by that version or refused
+    with ModelChangedError, at the call (generate and stream), never handed to the version that replaced it."""
+    path = tiny_models["llama"][0]
+    async with AsyncEngine.from_pretrained(path, **ENGINE_BASE) as engine:
+        old = engine.model_info()[0].version_id
+        pinned = await engine.generate([3, 4, 5], greedy(2), version_id=old)
+        assert len(pinned.token_ids) == 2
+        for bad in (-1, True, "1", 1.0):
+            with pytest.raises(InvalidParameterError) as info:
+                await engine.generate([3, 4, 5], greedy(2), version_id=bad)
+            assert info.value.parameter == "version_id"
+        await engine.swap_model(path)
+        new = next(i.version_id for i in engine.model_info() if i.state == "current")
+        assert new != old
+        with pytest.raises(ModelChangedError) as changed:
+            await engine.generate([3, 4, 5], greedy(2), version_id=old)
+        assert (changed.value.version_id, changed.value.serving) == (old, new)
+        with pytest.raises(ModelChangedError):
+            engine.stream([3, 4, 5], greedy(2), version_id=old)
+        assert engine.num_unfinished_requests == 0
+        again = await engine.generate([3, 4, 5], greedy(2), version_id=new)
+        assert again.token_ids == pinned.token_ids
+
+
 async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected, tmp_path, monkeypatch) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     bad = tmp_path / "bad-weights"
@@ -131,7 +156,7 @@ async def test_failed_loads_leave_the_old_version_serving(tiny_models, expected,
         with pytest.raises(SwapError):
             await engine.swap_model(bad)
 
-        def broken_warm_up(core) -> None:
+        def broken_warm_up(core, stall_timeout=None) -> None:
             raise RuntimeError("warm-up exploded")
 
         monkeypatch.setattr(loading, "warm_up", broken_warm_up)
@@ -153,13 +178,13 @@ async def test_a_swap_waits_for_the_swap_in_progress(tiny_models, expected, monk
     most = 0
     lock = threading.Lock()
 
-    def slow_warm_up(core) -> None:
+    def slow_warm_up(core, stall_timeout=None) -> None:
         nonlocal active, most
         with lock:
             active += 1
             most = max(most, active)
         time.sleep(0.2)
-        real_warm_up(core)
+        real_warm_up(core, stall_timeout)
         with lock:
             active -= 1
 

@@ -98,3 +98,20 @@ def test_a_kv_budget_too_small_is_refused_before_the_weights_are_read(tiny_model
     monkeypatch.setattr(loader.Checkpoint, "load", never)
     with pytest.raises(ConfigurationError, match="max_model_len=256 needs 16 blocks"):
         AsyncEngine.from_pretrained(tiny_models["llama"][0], kv_cache_memory=1024, max_model_len=256, device="cpu")
+
+
+def test_engine_config_leaves_the_scheduler_to_load_and_plan_memory(tiny_models) -> None:
+    """docs/api.md: EngineConfig does not resolve ``scheduler`` (a plugin registered later must work); load and
+    plan_memory refuse an unknown one by name, before any weight is read; unknown keywords are named by
+    from_options (a plain TypeError from the dataclass itself)."""
+    from asyncinfer import EngineConfig, InvalidParameterError
+
+    assert EngineConfig(scheduler="nope").scheduler == "nope"
+    with pytest.raises(InvalidParameterError, match=r"^scheduler='nope' is invalid"):
+        AsyncEngine.plan_memory(tiny_models["llama"][0], scheduler="nope", device="cpu")
+    with pytest.raises(InvalidParameterError, match=r"^scheduler='nope' is invalid"):
+        AsyncEngine.from_pretrained(tiny_models["llama"][0], scheduler="nope", device="cpu")
+    with pytest.raises(InvalidParameterError, match=r"^bogus=1 is invalid: allowed a known option"):
+        EngineConfig.from_options({"bogus": 1})
+    with pytest.raises(TypeError, match="bogus"):
+        EngineConfig(bogus=1)  # type: ignore[call-arg]

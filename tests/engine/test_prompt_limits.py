@@ -70,3 +70,25 @@ async def test_a_lone_surrogate_is_an_invalid_parameter_naming_the_prompt(real_g
         # Valid text beyond the BMP is fine, and the engine serves on.
         assert (await engine.generate("caf\u00e9 \U0001f916", ONE)).finish_reason == "length"
         assert tuple((await engine.embed(["caf\u00e9 \U0001f916"], model="minilm")).shape) == (1, 384)
+
+
+async def test_chat_roles_are_the_server_s_and_developer_renders_as_system(real_gguf) -> None:
+    """One rule for the library and HTTP (asyncinfer.prompts.CHAT_ROLES): an unknown role is refused naming
+    the message's role; ``developer`` renders as ``system``, as the server sends it to the template."""
+    from asyncinfer.prompts import CHAT_ROLES
+    from asyncinfer.server.protocol import chat_history
+
+    async with await AsyncEngine.load(real_gguf, max_model_len=256) as engine:
+        for call in (lambda m: engine.generate(m, ONE), lambda m: engine.count_tokens(m)):
+            with pytest.raises(InvalidParameterError) as err:
+                result = call([{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}])
+                if hasattr(result, "__await__"):
+                    await result
+            assert err.value.parameter == "prompt[1].role" and err.value.value == "robot"
+            assert "'system', 'developer', 'user', 'assistant', 'tool'" in str(err.value)
+        as_developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert engine.apply_chat_template(as_developer) == engine.apply_chat_template(as_system)
+        assert chat_history(as_developer) == as_system  # the server's rendering: the same
+        assert engine.apply_chat_template([{"role": "tool", "content": "4"}])  # a role both accept
+    assert set(CHAT_ROLES) == {"system", "developer", "user", "assistant", "tool"}

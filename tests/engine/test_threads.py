@@ -63,9 +63,9 @@ def test_the_load_and_the_bandwidth_probe_run_on_threads_that_end(tiny_models, m
     threads: dict[str, threading.Thread] = {}
     warm_up, probe = loading.warm_up, engine_metrics.measure_memory_bandwidth
 
-    def spy_warm_up(core):
+    def spy_warm_up(core, stall_timeout=None):
         threads["load"] = threading.current_thread()
-        return warm_up(core)
+        return warm_up(core, stall_timeout)
 
     def spy_probe(device):
         threads["bandwidth"] = threading.current_thread()

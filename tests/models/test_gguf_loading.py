@@ -464,3 +464,26 @@ def test_loading_holds_the_file_once_peak_rss_within_file_size_plus_kv_plus_300_
     assert result["quantization"] == "q4_1"
     above = result["peak"] - result["baseline"]
     assert above <= size + result["kv"] + 300 * 2**20, (above / 2**20, size / 2**20)
+
+
+@pytest.mark.parametrize(("kind", "head", "expected"), [
+    ("q4_1", "q8_0", "q4_1"),  # the default model's layout: the head in the format's own head format
+    ("q4_0", "q8_0", "q4_0"),
+    ("q8_0", "q8_0", "q8_0"),
+    ("q4_1", "q4_1", "native"),  # make_gguf.py --type q4_1: the head would be rounded to Q8_0 under "q4_1"
+    ("q4_0", "q4_0", "native"),
+    ("q4_1", "f16", "native"),
+])
+def test_auto_takes_the_file_s_format_only_where_its_head_is_that_format_s_head(tmp_path, kind, head,
+                                                                                  expected) -> None:
+    """README/docs/formats.md: "auto" is the file's block format when every layer projection is in it and the head
+    in BLOCK_HEAD_FORMAT's format for it; otherwise "native", which keeps every tensor in its own blocks."""
+    from asyncinfer.models.quant import BLOCK_HEAD_FORMAT, resolve_quantization
+
+    config = open_checkpoint(tiny_gguf(tmp_path / "m.gguf", kind, head)).config
+    assert config.native_format == expected
+    assert (BLOCK_HEAD_FORMAT[kind] == head) == (expected == kind)
+    if kernels.available() and kernels.auto_reason() is None:
+        import torch
+
+        assert resolve_quantization("auto", torch.device("cpu"), "auto", config.native_format) == expected

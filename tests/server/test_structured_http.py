@@ -68,6 +68,10 @@ BAD = [
     ("chat", {"guided_choice": []}, "guided_choice"),
     ("chat", {"guided_json": UNSAT}, "guided_json"),
     ("chat", {"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ("chat", {"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice"),  # not the body's order
+    ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema.schema"),
     ("text", {"guided_grammar": "root ::= ("}, "guided_grammar"),
     ("text", {"guided_grammar": "root ::= (", "stream": True}, "guided_grammar"),
     ("text", {"response_format": {"type": "json_object"}}, "response_format"),  # not a completions field

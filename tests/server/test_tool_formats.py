@@ -653,3 +653,113 @@ def test_tools_too_big_for_a_familys_grammar_are_a_400_on_tools(live) -> None:
         r = httpx.post(live.url + "/v1/chat/completions", json={"model": kind, "messages": DICE, "tools": tools,
                                                                 "tool_choice": "required", "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_swap_while_a_tool_chat_is_rendered_serves_it_in_the_new_versions_format(
+        family_dirs, tokenizers, monkeypatch, stream) -> None:
+    """The router renders a tools chat with the model's template itself (off the loop when long): a swap of the
+    model that lands meanwhile, here from a Llama to a Mistral under the same name, must not hand the new
+    version the old template's token ids (the same vocabulary size, so nothing refused them: the Mistral model
+    ran on a Llama prompt, its reply read as Llama's). The prompt is rendered again for the version that serves."""
+    import threading
+
+    from asyncinfer.server import router
+
+    monkeypatch.setattr(router, "OFF_LOOP_CHARS", 0)  # every render in a worker thread, where the swap can land
+    rendering, swapped = threading.Event(), threading.Event()
+    rendered_with = []
+    real = router.render_chat
+
+    def slow_render(tokenizer, fmt, history, use):
+        ids = real(tokenizer, fmt, history, use)
+        rendered_with.append(fmt.name)
+        if len(rendered_with) == 1:  # the first render: the swap lands before it returns
+            rendering.set()
+            assert swapped.wait(120)
+        return ids
+
+    monkeypatch.setattr(router, "render_chat", slow_render)
+    app = create_app([ModelSpec(str(family_dirs["llama"]), "m", OPTIONS)])
+    with LiveServer(app) as live:
+        body = {"model": "m", "messages": DICE, "tools": [ROLL], "max_tokens": 1, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        answer: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answer.append(
+            httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)))
+        sender.start()
+        assert rendering.wait(120)
+        live.call(live.engine.swap_model(str(family_dirs["mistral"]), name="m", **OPTIONS))
+        swapped.set()
+        sender.join(120)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        if stream:
+            events = [json.loads(line[6:]) for line in answer[0].text.splitlines()
+                      if line.startswith("data: {")]
+            usage = next(e["usage"] for e in events if e.get("usage"))
+        else:
+            usage = answer[0].json()["usage"]
+    mistral = tokenizers["mistral"]
+    fmt = tool_format(mistral)
+    want = render_chat_text(mistral, fmt, chat_history(DICE), parse_tool_use([ROLL], "auto", None).bound(fmt))
+    assert rendered_with == ["llama3_json", "mistral"]
+    assert usage["prompt_tokens"] == len(mistral.encode(want, add_special_tokens=False))
+
+
+def test_a_chat_swapped_under_it_more_than_max_rebinds_times_is_a_503_to_retry() -> None:
+    from asyncinfer import ModelChangedError
+    from asyncinfer.server.errors import from_exception
+
+    error = from_exception(ModelChangedError("swapped", 1, 4), "req-1")
+    assert (error.status, error.type, error.code) == (503, "server_error", "unavailable")
+    assert error.headers == {"retry-after": "1"}
+
+
+
+def test_a_burst_of_tool_chats_renders_at_most_the_loops_share_on_it_per_turn(live, monkeypatch) -> None:
+    """The router renders a Llama/Mistral tools chat itself: each one within OFF_LOOP_CHARS was rendered on the
+    event loop, so a burst of them arriving together held it for their sum (every other caller waiting). Now
+    what the server renders on the loop in one turn of it is at most OFF_LOOP_CHARS of cost, all calls
+    together (the rest in worker threads), and every call is answered."""
+    import asyncio
+    import threading
+
+    from asyncinfer.prompts import OFF_LOOP_CHARS
+    from asyncinfer.server import router
+
+    loop = live.engine.loop
+    turn, done = [0], threading.Event()
+
+    def tick() -> None:  # runs once per turn of the loop: the turn's number
+        turn[0] += 1
+        if not done.is_set():
+            loop.call_soon(tick)
+
+    seen: list[tuple[int, bool]] = []  # (the turn, on the loop's thread) of each render
+    real = router.render_chat
+
+    def spy(tokenizer, fmt, history, use):
+        seen.append((turn[0], threading.current_thread() is loop_thread[0]))
+        return real(tokenizer, fmt, history, use)
+
+    monkeypatch.setattr(router, "render_chat", spy)
+    loop_thread: list[threading.Thread] = []
+    text = "Roll two dice. " * 100  # a chat of about 1,500 characters of cost: 2 fit in the loop's share
+    assert 2 * len(text) < OFF_LOOP_CHARS < 3 * len(text)
+
+    async def burst() -> list[int]:  # sent from the server's own loop: the calls arrive together
+        loop_thread.append(threading.current_thread())
+        loop.call_soon(tick)
+        async with httpx.AsyncClient(base_url=live.url, timeout=120) as http:
+            bodies = [{"model": "llama", "tools": [ROLL], "max_tokens": 1,
+                       "messages": [{"role": "user", "content": f"{i} {text}"}]} for i in range(8)]
+            answers = await asyncio.gather(*[http.post("/v1/chat/completions", json=b) for b in bodies])
+        done.set()
+        return [a.status_code for a in answers]
+
+    assert live.call(burst()) == [200] * 8
+    assert len(seen) == 8
+    on_loop = [t for t, here in seen if here]
+    assert all(on_loop.count(t) <= 2 for t in on_loop), seen
+    assert len(on_loop) < 8, seen

@@ -25,6 +25,7 @@ from asyncinfer.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidParameterError,
+    ModelChangedError,
     RequestAbortedError,
     RequestFailedError,
 )
@@ -128,6 +129,9 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         # the message names the body's field too (chat's `top_logprobs` is the engine's `logprobs`)
         message = str(exc) if field == exc.parameter else str(InvalidParameterError(field, exc.value, exc.allowed))
         return APIError(400, message, param=field, code=code)
+    if isinstance(exc, ModelChangedError):  # swapped again and again while the request was made: come back
+        return APIError(503, f"The model changed while the request was prepared: {exc}", type="server_error",
+                        code="unavailable", headers={"retry-after": "1"})
     if isinstance(exc, EngineClosedError) and not isinstance(exc, EngineDeadError):
         # Stopping, or a drain-mode swap with no version serving yet: come back shortly.
         return APIError(503, f"The engine is not serving right now: {exc}", type="server_error",

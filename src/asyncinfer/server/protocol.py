@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.prompts import CHAT_ROLES, ROLE_AS_RENDERED
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
 from asyncinfer.server.tools import ToolFormat, ToolUse, check_tool_calls, hermes_messages, parse_tool_use
@@ -99,7 +100,8 @@ MAX_METADATA_BYTES = MAX_METADATA_PAIRS * (12 * (MAX_METADATA_KEY_CHARS + MAX_ME
 _MAX_NEUTRAL_BYTES = 64  # a neutral field's "off" value is a short literal (null, {}, [], "auto", ["text"], ...)
 MAX_JSON_DEPTH = 32  # nesting levels of a request body: OpenAI's bodies use a handful
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# The library's roles (one definition, asyncinfer.prompts), as the template reads them; ``tool`` is checked apart.
+_ROLES = {role: ROLE_AS_RENDERED.get(role, role) for role in CHAT_ROLES if role != "tool"}
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "function_call")  # what a message is read for
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import re
 import time
 from collections import Counter
@@ -25,10 +26,10 @@ from starlette.responses import Response
 
 from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.engine import AsyncEngine, EngineState
-from asyncinfer.errors import EngineClosedError
+from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
-from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
+from asyncinfer.prompts import OFF_LOOP_CHARS, LoopShare, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer, single_header
@@ -57,6 +58,9 @@ __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
 _PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
+#: How many times a chat is made again (its format chosen, its prompt rendered or counted) for a model swapped while
+#: it was made, before its ModelChangedError is answered (a 503 to retry).
+MAX_REBINDS = 3
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
 
@@ -112,6 +116,9 @@ class _OpenAI:
         self.answers: Counter[tuple[str, int]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
         self.tool_formats = ToolFormats()  # each served model's tool format, chosen once per loaded version
+        # what this server decodes, renders and counts on the loop in one turn of it, all calls together
+        # (as the engine's own share bounds its tokenizing): a burst of calls, each short, would hold it for their sum
+        self.loop_share = LoopShare(OFF_LOOP_CHARS)
         # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
         self._single = ("authorization", "content-type", settings.tenant_header,
                         *(() if settings.priority_header is None else (settings.priority_header,)))
@@ -274,7 +281,15 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await _off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+        return await self._off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+
+    async def _off_loop_if_long(self, chars: int, work: Callable[[], _B]) -> _B:
+        """``work()`` (of cost ``chars``) on the loop when it fits what is left of this turn's share
+        (:class:`~asyncinfer.prompts.LoopShare`, ``OFF_LOOP_CHARS`` for all calls together), else in a worker
+        thread: a long input, or a short one that comes after others in the same turn."""
+        if self.loop_share.take(chars):
+            return work()
+        return await anyio.to_thread.run_sync(work)
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
@@ -337,6 +352,17 @@ class _OpenAI:
                            {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+        for attempt in itertools.count(1):
+            try:
+                return await self._chat_on_one_version(body, call)
+            except ModelChangedError:  # a swap came while it was rendered: rendered again for the new version
+                if attempt == MAX_REBINDS:
+                    raise
+
+    async def _chat_on_one_version(self, body: ChatRequest, call: _Call) -> Response:
+        """``_chat`` with what the router makes for the model's current version (the tool format, a prompt it
+        renders or counts) pinned to that version: a swap that lands meanwhile is :class:`ModelChangedError`,
+        nothing queued."""
         engine = self.engine()
         model, info = self._pick(body.model, "generate")
         fmt = self.tool_formats.of(model, info.version_id, lambda: _engine.generator_tokenizer(engine, model))
@@ -344,10 +370,14 @@ class _OpenAI:
         g = self._generation(body, call, True, 1)
         prompt: Any = body.messages
         rendered = fmt.renders_history and (body.tool_use is not None or body.has_tool_turns)
+        counted = body.stream and body.include_usage and not rendered
+        if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
+            # tokenizer): run by it, or made again
+            g.args["version_id"] = info.version_id
         if rendered:
             # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
-            prompt = await _off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
+            prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
                 tokenizer, fmt, body.history, body.tool_use))
         if not body.stream:
             out = await unless_disconnected(
@@ -355,9 +385,8 @@ class _OpenAI:
             return await _whole(g.reply, lambda: g.reply.completion(
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
-        if body.include_usage and not rendered:  # a stream's deltas carry no prompt count: render the template
-            # once, here
-            prompt = await _off_loop_if_long(prompt_cost(body.messages),
+        if counted:  # a stream's deltas carry no prompt count: render the template once, here
+            prompt = await self._off_loop_if_long(prompt_cost(body.messages),
                                              lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
         return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0,
@@ -382,7 +411,7 @@ class _OpenAI:
             # (256 short prompts, one at a time on the loop, would hold it for their sum)
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             texts = sum(len(p) for p in prompts if isinstance(p, str))
-            prompts = await _off_loop_if_long(texts, lambda: [
+            prompts = await self._off_loop_if_long(texts, lambda: [
                 p if isinstance(p, list) or tokenizer is None else g.engine.tokenize(p, model=g.model)
                 for p in body.prompts])
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
@@ -432,7 +461,7 @@ class _OpenAI:
                            param="dimensions")
         count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
-        counts = await _off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
+        counts = await self._off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
@@ -460,11 +489,6 @@ def _tokens(outputs: Sequence[Any]) -> int:
     return sum(len(c.token_ids) for c in outputs)
 
 
-async def _off_loop_if_long(chars: int, work: Callable[[], _B]) -> _B:
-    """``work()`` on the loop for short inputs, in a worker thread for long ones (as the engine tokenizes)."""
-    if chars <= OFF_LOOP_CHARS:
-        return work()
-    return await anyio.to_thread.run_sync(work)
 
 
 def _check_json_type(content_type: str | None) -> None:
