@@ -267,7 +267,10 @@ def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], h
     """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise."""
     if name is None:
         if not models:
-            raise InvalidParameterError("model", None, f"a {kind}'s name, but this engine holds none (add_model)")
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise InvalidParameterError(
+                "model", None, f"{article} {kind}'s name", message=f"no model was named and this engine holds no "
+                f"{kind} to default to: add {article} {kind} with add_model(), or name one it holds")
         return next(iter(models.values()))
     found = models.get(name) if isinstance(name, str) else None
     if found is None:

@@ -81,9 +81,23 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
     """SamplingParams from the sampling flags given (the rest keep their defaults)."""
-    fields = [field for _, field, _, _ in _SAMPLING_ARGS] + ["stop", "ignore_eos"]
-    given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
-    return SamplingParams(**{**given, **overrides})
+    flags = {field: flag for flag, field, _, _ in _SAMPLING_ARGS} | {"stop": "--stop", "ignore_eos": "--ignore-eos"}
+    given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    try:
+        return SamplingParams(**{**given, **overrides})
+    except InvalidParameterError as exc:  # named by its flag: "--max-tokens -3 is invalid", not max_tokens=-3
+        field, _, index = exc.parameter.partition("[")  # "stop[1]": the second --stop
+        flag = flags.get(field)
+        if flag is None or field not in given:
+            raise
+        value, allowed = exc.value, exc.allowed
+        if field == "stop" and isinstance(value, list):  # the one bad --stop, not the list of them
+            value = next((v for v in value if not (isinstance(v, str) and v)), value)
+            allowed = "a non-empty string"
+        shown = repr(value) if isinstance(value, str) else str(value)
+        which = f" (occurrence {int(index.rstrip(']')) + 1})" if index.rstrip("]").isdigit() else ""
+        raise InvalidParameterError(flag, value, allowed,
+                                    message=f"{flag} {shown}{which} is invalid: allowed {allowed}") from None
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -337,8 +351,13 @@ async def _embed(args: argparse.Namespace) -> int:
 
     options = {"device": args.device, "dtype": args.dtype}
     async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
-        vectors = await engine.embed(args.texts)
         (info,) = engine.model_info()
+        if info.kind != "embed":
+            from asyncinfer.commands import CommandError
+
+            raise CommandError(f"--model {args.model!r} is a generator (a text generation model), not a sentence "
+                               "encoder: give --model a sentence encoder, e.g. all-MiniLM-L6-v2 (the default)")
+        vectors = await engine.embed(args.texts)
     if args.json:
         print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))
         return 0

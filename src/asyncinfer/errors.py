@@ -41,14 +41,16 @@ class AsyncInferError(Exception):
 class InvalidParameterError(AsyncInferError, ValueError):
     """A user-supplied value is out of its allowed range.
 
-    ``parameter`` is the name the user passed, ``allowed`` a human-readable range.
+    ``parameter`` is the name the user passed, ``allowed`` a human-readable range. ``message``
+    replaces the default text (``parameter=value is invalid: allowed ...``) where that would
+    misread, e.g. for a parameter the caller did not pass at all.
     """
 
-    def __init__(self, parameter: str, value: object, allowed: str) -> None:
+    def __init__(self, parameter: str, value: object, allowed: str, *, message: str | None = None) -> None:
         self.parameter = parameter
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{parameter}={_short_repr(value)} is invalid: allowed {allowed}")
+        super().__init__(message or f"{parameter}={_short_repr(value)} is invalid: allowed {allowed}")
 
 
 def _bounded_repr() -> reprlib.Repr:

@@ -75,7 +75,11 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
         assert cli.main(["generate", "--file", str(bad)]) == 2
         assert message in one_line_error(capsys)
     assert cli.main(["generate", "--file", str(tmp_path / "none.jsonl")]) == 2
-    assert "No such file or directory" in one_line_error(capsys)
+    assert one_line_error(capsys) == f"asyncinfer: error: --file {tmp_path / 'none.jsonl'}: No such file or directory\n"
+    bad.write_text('{"prompt": "x"}\n')
+    out = tmp_path / "no-dir" / "out.jsonl"
+    assert cli.main(["generate", "--file", str(bad), "--output", str(out)]) == 2
+    assert one_line_error(capsys) == f"asyncinfer: error: --output {out}: No such file or directory\n"
     assert cli.main(["bench", "--concurrency", "0,2"]) == 2
     assert "--concurrency" in one_line_error(capsys)
 
@@ -209,6 +213,38 @@ def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
     assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
     assert one_line_error(capsys) == (f"asyncinfer: error: {bad}: not UTF-8 text (invalid start byte 0xff); "
                                       "save it as UTF-8\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-tokens", "-3"], "--max-tokens -3 is invalid: allowed an int >= 1"),
+    (["--temperature", "-1"], "--temperature -1.0 is invalid: allowed a float in [0, 10000] (0 = greedy)"),
+    (["--top-p", "2"], "--top-p 2.0 is invalid: allowed a float in (0, 1]"),
+    (["--stop", "a", "--stop", ""], "--stop '' is invalid: allowed a non-empty string"),
+])
+def test_a_bad_sampling_flag_is_named_by_its_flag(command, flags, message, tmp_path, capsys) -> None:
+    argv = ["generate", "--prompt", "hi"] if command == "generate" else ["chat", "hi"]
+    assert cli.main([*argv, "--model", str(tmp_path / "no-model"), *flags]) == 2
+    assert one_line_error(capsys) == f"asyncinfer: error: {message}\n"
+
+
+def test_bench_concurrency_is_repeatable() -> None:
+    from asyncinfer.commands.bench import _levels
+
+    def levels(*argv: str) -> list[int]:
+        return _levels(cli.build_parser().parse_args(["bench", *argv]).concurrency)
+
+    assert levels() == [1, 4, 16]
+    assert levels("--concurrency", "1", "--concurrency", "2,4") == [1, 2, 4]
+    assert levels("--concurrency", "4,1", "--concurrency", "1,8") == [4, 1, 8]
+
+
+def test_embed_given_a_generator_names_the_flag(tiny_models, capsys) -> None:
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["embed", "--model", path, "--device", "cpu", "hi"]) == 2
+    assert one_line_error(capsys) == (f"asyncinfer: error: --model {path!r} is a generator (a text generation "
+                                      "model), not a sentence encoder: give --model a sentence encoder, e.g. "
+                                      "all-MiniLM-L6-v2 (the default)\n")
 
 
 def test_info_plans_from_the_config(tiny_models, capsys) -> None:

@@ -33,6 +33,7 @@ import ctypes
 import gc
 import io
 import json
+import logging
 import os
 import re
 import shlex
@@ -226,11 +227,30 @@ def run_python(block: Block, namespace: dict, loop: asyncio.AbstractEventLoop, p
         code = code.replace(SERVER_URL, url)
     compiled = compile(code, f"{block.file.name}:{block.line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = eval(compiled, namespace)  # noqa: S307 - the docs' own code
-        if asyncio.iscoroutine(result):
-            loop.run_until_complete(result)
+    warned = _Warnings()
+    logging.getLogger("asyncinfer").addHandler(warned)
+    try:
+        with contextlib.redirect_stdout(out):
+            result = eval(compiled, namespace)  # noqa: S307 - the docs' own code
+            if asyncio.iscoroutine(result):
+                loop.run_until_complete(result)
+    finally:
+        logging.getLogger("asyncinfer").removeHandler(warned)
+    # A page must not teach what the engine warns against: a load on the event loop's thread.
+    stalls = [m for m in warned.messages if "loading on the event loop's thread" in m]
+    assert not stalls, f"{block.file.name}:{block.line}: {stalls[0]}"
     return out.getvalue()
+
+
+class _Warnings(logging.Handler):
+    """The warnings the engine logged while a block ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def shell_commands(code: str) -> Iterator[str]:

@@ -175,8 +175,10 @@ async def test_add_model_refusals_leave_the_engine_as_it_was(tiny_models, minilm
 async def test_embed_argument_errors(tiny_models, minilm_dir, solo_vectors):
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
-        with pytest.raises(InvalidParameterError, match="holds none"):
+        with pytest.raises(InvalidParameterError) as err:
             await engine.embed("hello")
+        assert str(err.value) == ("no model was named and this engine holds no embedding model to default to: "
+                                  "add an embedding model with add_model(), or name one it holds")
         await engine.add_model("emb", minilm_dir)
         for bad, parameter in (([], "texts"), ([1], "texts[0]"), (None, "texts"), (["a", b"b"], "texts[1]")):
             with pytest.raises(InvalidParameterError) as err:
@@ -342,7 +344,7 @@ async def test_a_failing_embedding_batch_fails_its_calls_and_the_engine_keeps_se
 async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_dir, reference, solo_vectors):
     engine = AsyncEngine.from_pretrained(minilm_dir, name="emb")
     async with engine:
-        with pytest.raises(InvalidParameterError, match="holds none"):
+        with pytest.raises(InvalidParameterError, match="holds no generator to default to: add a generator"):
             await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
         await engine.add_model("gen", tiny_models["qwen2"][0], **ENGINE_BASE)
         out, vec = await asyncio.gather(engine.generate(PROMPTS[3], greedy(MAX_TOKENS)), engine.embed(TEXTS[5]))

@@ -105,6 +105,29 @@ async def test_a_known_workload_counts_exactly(tiny_models) -> None:
     assert {n.removesuffix("_total") for n in metric_names()} <= families
 
 
+async def test_a_call_naming_an_unknown_model_makes_no_series_of_it(tiny_models) -> None:
+    """A request or a swap naming a model the engine does not hold is counted once, under the fixed
+    label model="" of the rejection and swap counters only: no other series names it, nor the name given."""
+    path = tiny_models["llama"][0]
+    async with AsyncEngine.from_pretrained(path, **OPTIONS) as engine:
+        for name in ("nope", ""):
+            with pytest.raises(InvalidParameterError):
+                await engine.generate("x", SamplingParams(max_tokens=2), model=name)
+        with pytest.raises((InvalidParameterError, SwapError)):
+            await engine.swap_model(path, name="nope")
+        snap = engine.metrics.snapshot()
+        text = exposition(engine).decode()
+    assert set(snap.models) == {"default"}
+    assert snap.unknown_model_rejected == {"invalid": 2, "overloaded": 0}
+    assert sum(snap.unknown_model_swaps.values()) == 1
+    other = {(name, labels): v for (name, labels), v in parse(text).items()
+             if dict(labels).get("model", "default") != "default"}
+    assert other.keys() == {("asyncinfer_rejected_requests_total", (("model", ""), ("reason", r))) for r in
+                            ("invalid", "overloaded")} | {("asyncinfer_swaps_total", (("model", ""), ("outcome", o)))
+                                                          for o in ("ok", "refused", "failed")}
+    assert other[("asyncinfer_rejected_requests_total", (("model", ""), ("reason", "invalid")))] == 2
+
+
 async def test_step_figures_equal_the_cores_counters(tiny_models) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **OPTIONS)
     async with engine:

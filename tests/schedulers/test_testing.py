@@ -50,19 +50,21 @@ def test_a_conforming_plugin_passes_everything(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("cls, message", [
-    (OverBudget, "tokens > max_num_batched_tokens"),
-    (Idle, "scheduled nothing with 0 running and 1 waiting requests"),
+    (OverBudget, r"invariant 1 \(budget\): \d+ tokens > max_num_batched_tokens=64"),
+    (Idle, r"invariant 3 \(progress\): scheduled nothing with 0 running and 1 waiting requests"),
 ])
 def test_a_broken_rule_is_named_with_where_and_when(cls, message) -> None:
     with pytest.raises(ContractViolation, match=message) as err:
         check_scheduler(cls, engine=False)
-    assert f"{cls.__name__} (seed 0, limits {LIMITS[0]}) step" in str(err.value)
+    assert LIMITS[0] == (256, 4, 8, 64)
+    assert (f"{cls.__name__} (seed 0, limits num_blocks=256, block_size=4, max_num_seqs=8, "
+            "max_num_batched_tokens=64) step") in str(err.value)
     assert isinstance(err.value, AssertionError)  # pytest reports it as a failed assertion
 
 
 @pytest.mark.parametrize("cls, message", [
-    (QueuesForkedSamples, "queued requests hold blocks"),
-    (CountsRequestsNotSeats, "past max_num_seqs"),
+    (QueuesForkedSamples, r"invariant 6 \(no queued request holds blocks\): queued requests hold blocks"),
+    (CountsRequestsNotSeats, r"invariant 1 \(budget\): \d+ running, past max_num_seqs"),
 ])
 def test_sample_bugs_fail_only_with_samples(cls, message) -> None:
     for seed in range(2):  # without samples, nothing forks: these bugs cannot show
@@ -92,7 +94,8 @@ class SkipsInit(FIFOScheduler):
 
 
 def test_starvation_is_caught_unless_declared() -> None:
-    with pytest.raises(ContractViolation, match=r"Lifo declares starvation_free but the first request \(priority 3"):
+    with pytest.raises(ContractViolation, match=r"Lifo: invariant 4 \(no starvation\): it declares starvation_free "
+                                                r"but the first request \(priority 3"):
         check_scheduler(Lifo, engine=False)
     Lifo.starvation_free = False
     try:

@@ -27,6 +27,7 @@ def test_models_and_health(server, client) -> None:
     cards = client.models.list().data
     assert [(c.id, c.kind) for c in cards] == [("tiny", "generate"), ("ids", "generate"), ("minilm", "embed")]
     assert cards[0].max_model_len == 512 and cards[0].owned_by == "asyncinfer"
+    assert cards[2].max_model_len == 256  # all-MiniLM-L6-v2 reads 256 tokens a text (its max_seq_length)
     assert client.models.retrieve("minilm").id == "minilm"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")

@@ -429,6 +429,15 @@ NEMO_TEMPLATE = (MISTRAL_TEMPLATE.replace('"[AVAILABLE_TOOLS] ["', '"[AVAILABLE_
                  .replace('{{- " " + message["content"]|trim + eos_token}}', '{{- message["content"] + eos_token}}'))
 
 
+def test_a_mistral_template_without_the_marker_token_gets_hermes() -> None:
+    """[TOOL_CALLS] in several pieces of the vocabulary: the model was not trained on Mistral's calls."""
+    plain = _tokenizer([s for s in MISTRAL_SPECIALS if s != "[TOOL_CALLS]"], "<s>", "</s>", MISTRAL_TEMPLATE)
+    assert len(plain.encode("[TOOL_CALLS]", add_special_tokens=False)) > 1
+    assert tool_format(plain) is HERMES
+    whole = _tokenizer(MISTRAL_SPECIALS, "<s>", "</s>", MISTRAL_TEMPLATE)
+    assert type(tool_format(whole)) is MistralFormat
+
+
 def test_llama32_and_mistral_nemo_templates_render_the_same_way() -> None:
     """Llama 3.2's template dates its system turn today; Nemo's writes no space after its control tokens."""
     from datetime import datetime

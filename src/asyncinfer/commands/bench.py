@@ -30,7 +30,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", metavar="N", type=int, default=16, help="requests per concurrency level (default: 16)")
     p.add_argument("--input-len", metavar="TOKENS", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", metavar="TOKENS", type=int, default=32, help="output tokens per request (default: 32)")
-    p.add_argument("--concurrency", metavar="N", default="1,4,16", help="comma-separated levels (default: 1,4,16)")
+    p.add_argument("--concurrency", metavar="N", action="append", default=None,
+                   help="comma-separated levels; repeatable, the levels of every occurrence run (default: 1,4,16)")
     p.add_argument("--seed", metavar="SEED", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate() on the same prompts (loads the model a second time)")
@@ -81,13 +82,17 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise InvalidParameterError("--concurrency", text, "comma-separated ints >= 1, e.g. 1,4,16")
+def _levels(given: list[str] | None) -> list[int]:
+    """The concurrency levels of every ``--concurrency`` (each comma-separated), in order, each once."""
+    levels: list[int] = []
+    for text in given or ["1,4,16"]:
+        try:
+            these = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            these = []
+        if not these or min(these) < 1:
+            raise InvalidParameterError("--concurrency", text, "comma-separated ints >= 1, e.g. 1,4,16")
+        levels += [c for c in these if c not in levels]
     return levels
 
 

@@ -145,7 +145,7 @@ def _open_input(name: str) -> Iterator[TextIO]:
     if name == "-":
         yield sys.stdin
     else:
-        with open(name, encoding="utf-8") as fh:
+        with _opened("--file", name, "r") as fh:
             yield fh
 
 
@@ -154,8 +154,16 @@ def _open_output(name: str) -> Iterator[TextIO]:
     if name == "-":
         yield sys.stdout
     else:
-        with open(name, "w", encoding="utf-8") as fh:
+        with _opened("--output", name, "w") as fh:
             yield fh
+
+
+def _opened(flag: str, name: str, mode: str) -> TextIO:
+    """``open(name)``; a path that cannot be opened is the error of the flag that gave it."""
+    try:
+        return open(name, mode, encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"{flag} {name}: {exc.strerror or exc}") from None
 
 
 class _Progress:

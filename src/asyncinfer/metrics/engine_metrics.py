@@ -119,6 +119,10 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._steps: deque[tuple[Any, ...]] = deque()
         self._figures: dict[str, _ModelFigures] = {}
+        # Calls that named no model the engine holds: counted under no model's figures (a name from
+        # user input must not make a per-model series), rendered with the fixed label model="".
+        self._unknown_rejected = dict.fromkeys(t.REJECT_REASONS, 0)
+        self._unknown_swaps = dict.fromkeys(t.SWAP_OUTCOMES, 0)
         self._versions: dict[int, tuple[str, ModelVersion]] = {}  # live generator versions by id
         self._requests = RequestTracker(getattr(config, "log_request_text_rate", 0.0), self._tokenizer_of)
         self._registry: CollectorRegistry | None = None
@@ -278,24 +282,27 @@ class EngineMetrics:
         if self.enabled:
             label = self._label(model)
             with self._lock:
-                self._model(label).rejected[reason] += 1
+                counts = self._model(label).rejected if label is not None else self._unknown_rejected
+                counts[reason] += 1
 
     def count_swap(self, model: str | None, outcome: str) -> None:
         """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused or failed."""
         if self.enabled:
             label = self._label(model)
             with self._lock:
-                self._model(label).swaps[outcome] += 1
+                counts = self._model(label).swaps if label is not None else self._unknown_swaps
+                counts[outcome] += 1
 
-    def _label(self, model: str | None) -> str:
-        """The model label of a call's ``model`` argument: the default generator's name for None,
-        "" for a name the engine does not hold (user input must not make new label values)."""
+    def _label(self, model: str | None) -> str | None:
+        """The model a call's ``model`` argument counts under: the default generator's name for None,
+        None for a name the engine does not hold, or None with no generator (user input must not make
+        new label values)."""
         names = [name for name, _ in self.live_versions()]
         if model is None:
             engine = self._engine()
             infos = engine.model_info() if engine is not None else []
-            return next((i.name for i in infos if i.kind == "generate"), "")
-        return model if model in names or model in self._figures else ""
+            return next((i.name for i in infos if i.kind == "generate"), None)
+        return model if model in names or model in self._figures else None
 
     def _model(self, name: str) -> _ModelFigures:
         fig = self._figures.get(name)
@@ -317,6 +324,7 @@ class EngineMetrics:
         with self._lock:
             self._drain_steps()
             models = {name: self._model_snapshot(name, fig, engine) for name, fig in self._figures.items()}
+            unknown_rejected, unknown_swaps = dict(self._unknown_rejected), dict(self._unknown_swaps)
         for info in engine.model_info() if engine is not None else []:
             if info.kind == "embed":
                 models[info.name] = self._embedder_snapshot(engine, info.name)
@@ -328,6 +336,8 @@ class EngineMetrics:
             device=str(self.device),
             requests_in_flight=engine.num_unfinished_requests if engine is not None else 0,
             models=models,
+            unknown_model_rejected=unknown_rejected,
+            unknown_model_swaps=unknown_swaps,
             memory_bandwidth=self.memory_bandwidth,
             process_rss_bytes=process_rss_bytes(),
             device_memory_allocated=None if cuda is None else cuda[0],

@@ -51,6 +51,13 @@ LABELLED_COUNTERS: tuple[tuple[str, str, str, Read], ...] = (
     ("rejected_requests", "Requests refused at admission by reason (invalid, overloaded)", "reason",
      lambda m: m.rejected),
 )
+# The labelled counters that also count calls naming a model the engine does not hold: those are
+# rendered under this one fixed label value, never under the caller's name (unbounded cardinality).
+UNKNOWN_MODEL_LABEL = ""
+UNKNOWN_MODEL_COUNTS: dict[str, Callable[[MetricsSnapshot], dict[str, int]]] = {
+    "swaps": lambda s: s.unknown_model_swaps,
+    "rejected_requests": lambda s: s.unknown_model_rejected,
+}
 GAUGES: tuple[tuple[str, str, Read], ...] = (
     ("requests_running", "Requests in the running set", lambda m: m.running),
     ("requests_waiting", "Requests waiting to be scheduled", lambda m: m.waiting),
@@ -118,6 +125,11 @@ class SnapshotCollector:
             for m in generators:
                 for key, value in read(m).items():
                     family.add_metric([m.name, key], float(value))
+            unknown = UNKNOWN_MODEL_COUNTS.get(name)
+            counts = unknown(snap) if unknown is not None else {}
+            if any(counts.values()):  # calls that named no model the engine holds: one fixed label
+                for key, value in counts.items():
+                    family.add_metric([UNKNOWN_MODEL_LABEL, key], float(value))
             yield family
         for name, doc, read in GAUGES:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model"])

@@ -151,7 +151,10 @@ class MetricsSnapshot:
     counters). ``memory_bandwidth``: bytes per second of the device, measured at start-up
     (or the ``memory_bandwidth`` option); None for an engine without a generator. The
     ``device_*`` figures are CUDA's (None on a CPU); ``device_utilization`` needs
-    ``nvidia-ml-py``.
+    ``nvidia-ml-py``. ``unknown_model_rejected`` (by reason) and ``unknown_model_swaps`` (by
+    outcome) count the calls that named a model the engine does not hold (or named none on an
+    engine without a generator): they belong to no model, so no entry of ``models`` is made for
+    them (/metrics renders them with the fixed label ``model=""``).
     """
 
     state: str
@@ -160,6 +163,8 @@ class MetricsSnapshot:
     models: dict[str, ModelMetrics]
     memory_bandwidth: float | None
     process_rss_bytes: int
+    unknown_model_rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    unknown_model_swaps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SWAP_OUTCOMES, 0))
     device_memory_allocated: int | None = None
     device_memory_reserved: int | None = None
     device_memory_total: int | None = None

@@ -74,8 +74,24 @@ SchedulerSpec = str | type[Scheduler]
 LIMITS: tuple[tuple[int, int, int, int], ...] = ((256, 4, 8, 64), (26, 4, 6, 48), (40, 2, 3, 7))
 
 
+#: The invariants of the contract, numbered and named as docs/schedulers.md ("The contract") has them.
+INVARIANTS: dict[int, str] = {1: "budget", 2: "each scheduled request", 3: "progress", 4: "no starvation",
+                              5: "nothing lost", 6: "no queued request holds blocks"}
+LIMIT_NAMES = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+def limits_text(limits: tuple[int, int, int, int]) -> str:
+    """``(256, 4, 8, 64)`` as ``num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64``."""
+    return ", ".join(f"{name}={value}" for name, value in zip(LIMIT_NAMES, limits))
+
+
+def _rule(number: int) -> str:
+    return f"invariant {number} ({INVARIANTS[number]}): "
+
+
 class ContractViolation(AssertionError):
-    """A scheduler broke the contract of :mod:`asyncinfer.schedulers.base`."""
+    """A scheduler broke the contract of :mod:`asyncinfer.schedulers.base`; the message names the
+    invariant by its number and name in docs/schedulers.md (``invariant 1 (budget): ...``)."""
 
 
 def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> None:
@@ -89,27 +105,27 @@ def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> 
     cfg = sched.config
     scheduled = plan.num_scheduled_tokens
     if plan.total_tokens > cfg.max_num_batched_tokens:
-        raise ContractViolation(f"{where}: {plan.total_tokens} tokens > max_num_batched_tokens")
+        raise ContractViolation(f"{where}: {_rule(1)}{plan.total_tokens} tokens > max_num_batched_tokens={cfg.max_num_batched_tokens}")
     if len(scheduled) > cfg.max_num_seqs or sched.num_running > cfg.max_num_seqs:
-        raise ContractViolation(f"{where}: more than max_num_seqs={cfg.max_num_seqs} requests")
+        raise ContractViolation(f"{where}: {_rule(1)}more than max_num_seqs={cfg.max_num_seqs} requests")
     running = {r.request_id for r in sched.running}
     waiting = {r.request_id for r in sched.waiting}
     if running & waiting or running | waiting != set(sched.requests) or len(sched.waiting) != len(waiting):
-        raise ContractViolation(f"{where}: running/waiting do not partition the live requests")
+        raise ContractViolation(f"{where}: {_rule(5)}running/waiting do not partition the live requests")
     if set(plan.preempted) & set(scheduled) or not set(plan.preempted) <= waiting:
-        raise ContractViolation(f"{where}: a preempted request is scheduled or not back in waiting")
+        raise ContractViolation(f"{where}: {_rule(2)}a preempted request is scheduled or not back in waiting")
     bs = sched.kv.block_size
     for rid, n in scheduled.items():
         request = sched.requests.get(rid)
         if request is None or rid not in running:
-            raise ContractViolation(f"{where}: {rid} is scheduled but not running")
+            raise ContractViolation(f"{where}: {_rule(2)}{rid} is scheduled but not running")
         if not 1 <= n <= request.num_uncomputed_tokens:
-            raise ContractViolation(f"{where}: {rid} scheduled for {n} of {request.num_uncomputed_tokens} tokens")
+            raise ContractViolation(f"{where}: {_rule(2)}{rid} scheduled for {n} of {request.num_uncomputed_tokens} tokens")
         if len(sched.kv.block_table(rid)) * bs < request.num_computed_tokens + n:
-            raise ContractViolation(f"{where}: {rid} has no slots for its tokens")
+            raise ContractViolation(f"{where}: {_rule(2)}{rid} has no slots for its tokens")
     if plan.is_empty and sched.has_unfinished_requests():
         raise ContractViolation(
-            f"{where}: scheduled nothing with {sched.num_running} running and {sched.num_waiting} waiting requests"
+            f"{where}: {_rule(3)}scheduled nothing with {sched.num_running} running and {sched.num_waiting} waiting requests"
         )
 
 
@@ -158,7 +174,7 @@ def drive_random_load(
             back, disagreeing preemption counts, or no end after ``max_steps`` steps.
     """
     num_blocks, block_size, max_seqs, budget = limits
-    where = f"{getattr(scheduler, '__name__', scheduler)} (seed {seed}, limits {limits})"
+    where = f"{getattr(scheduler, '__name__', scheduler)} (seed {seed}, limits {limits_text(limits)})"
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
@@ -196,7 +212,7 @@ def drive_random_load(
         if sched.requests and rng.random() < 0.04:
             victim = rng.choice(sorted(sched.requests))
             if sched.abort_request(victim).status is not RequestStatus.FINISHED_ABORTED:
-                raise ContractViolation(f"{where}: abort_request({victim!r}) did not mark it aborted")
+                raise ContractViolation(f"{where}: {_rule(5)}abort_request({victim!r}) did not mark it aborted")
             ended[victim] = "abort"
             aborted += 1
         step += 1
@@ -209,21 +225,21 @@ def drive_random_load(
         preempted += len(plan.preempted)
         for request in apply_step(sched, plan, sample).finished:
             if request.num_output_tokens != request.params.max_tokens:
-                raise ContractViolation(f"{where}: {request.request_id} finished with "
+                raise ContractViolation(f"{where}: {_rule(2)}{request.request_id} finished with "
                                         f"{request.num_output_tokens} of {request.params.max_tokens} tokens")
             ended[request.request_id] = "length"
         if sched.num_running > max_seqs:
-            raise ContractViolation(f"{where} step {step}: {sched.num_running} running, past max_num_seqs={max_seqs}")
+            raise ContractViolation(f"{where} step {step}: {_rule(1)}{sched.num_running} running, past max_num_seqs={max_seqs}")
         holding = [r.request_id for r in sched.waiting if kv.block_table(r.request_id)]
         if holding:
-            raise ContractViolation(f"{where} step {step}: queued requests hold blocks: {holding}")
+            raise ContractViolation(f"{where} step {step}: {_rule(6)}queued requests hold blocks: {holding}")
         if step >= max_steps:
-            raise ContractViolation(f"{where}: no end after {max_steps} steps")
+            raise ContractViolation(f"{where}: {_rule(3)}no end after {max_steps} steps")
     lost = sorted({r.request_id for r in added} - set(ended))
     if lost:
-        raise ContractViolation(f"{where}: requests lost (never finished nor aborted): {lost}")
+        raise ContractViolation(f"{where}: {_rule(5)}requests lost (never finished nor aborted): {lost}")
     if kv.num_free_blocks != num_blocks or sched.requests:
-        raise ContractViolation(f"{where}: {num_blocks - kv.num_free_blocks} blocks not given back at the end")
+        raise ContractViolation(f"{where}: {_rule(5)}{num_blocks - kv.num_free_blocks} blocks not given back at the end")
     if not kv.num_preemptions == preempted == sum(r.num_preemptions for r in added):
         raise ContractViolation(f"{where}: preemptions disagree: plans {preempted}, cache {kv.num_preemptions}, "
                                 f"requests {sum(r.num_preemptions for r in added)}")
@@ -284,8 +300,8 @@ def check_no_starvation(
         else:
             name = getattr(scheduler, "__name__", scheduler)
             raise ContractViolation(
-                f"{name} declares starvation_free but the first request (priority {victim_priority}, newer ones "
-                f"{others}) was still {first.status.name.lower()} after {steps} steps of new arrivals; age it, "
+                f"{name}: {_rule(4)}it declares starvation_free but the first request (priority {victim_priority}, "
+                f"newer ones {others}) was still {first.status.name.lower()} after {steps} steps of new arrivals; age it, "
                 "or declare starvation_free = False")
     return latest
 

@@ -24,6 +24,7 @@ from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
@@ -327,8 +328,8 @@ class _OpenAI:
     def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
         card = {"id": info.name, "object": "model", "created": self.created, "owned_by": "asyncinfer",
                 "kind": info.kind}
-        if info.kind == "generate":
-            card["max_model_len"] = info.memory_plan.max_model_len
+        plan = info.memory_plan  # a generator's max_model_len; an embedding model's tokens read per text
+        card["max_model_len"] = plan.max_seq_len if isinstance(plan, EmbeddingPlan) else plan.max_model_len
         return card
 
     # -------------------------------------------------------------- generation

@@ -10,7 +10,7 @@ marker token) and returns the :class:`~asyncinfer.server.tools.ToolFormat` its f
   or after ``<|python_tag|>``; several may follow one another separated by ``;``. A forced call is one
   object (these templates hold one call per assistant message).
 - :class:`MistralFormat` for Mistral templates (v0.3 / Nemo style: ``[AVAILABLE_TOOLS]`` and
-  ``[TOOL_CALLS]``): the template describes the tools and renders the history; calls are written as
+  ``[TOOL_CALLS]``) whose vocabulary has ``[TOOL_CALLS]`` as one token (else Hermes): the template describes the tools and renders the history; calls are written as
   ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``. These templates refuse call ids
   that are not 9 letters or digits, so this format's calls get such ids, and any other id a client sends
   back in its history is mapped to one (the same for a call and for the result naming it).
@@ -62,7 +62,10 @@ def tool_format(tokenizer: Any) -> ToolFormat:
     if not isinstance(template, str):
         return HERMES
     if MISTRAL_MARKER in template and "[AVAILABLE_TOOLS]" in template:
-        return MistralFormat(_single_token(tokenizer, MISTRAL_MARKER))
+        marker = _single_token(tokenizer, MISTRAL_MARKER)
+        # A vocabulary without [TOOL_CALLS] as one token was not trained on Mistral's calls (its family's
+        # vocabularies all hold it): the model would have to spell the marker in pieces it never saw.
+        return MistralFormat(marker) if marker is not None else HERMES
     if "<|start_header_id|>" in template and "ipython" in template and "tools" in template:
         return Llama3JsonFormat()
     return HERMES
