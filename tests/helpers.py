@@ -440,3 +440,19 @@ class TemplateSpy:
     def __call__(self, *args, **kwargs):
         self.threads.append(threading.current_thread())
         return self.real(*args, **kwargs)
+
+
+def gather_tool_deltas(deltas: list[dict[str, Any]]) -> tuple[str, list[dict]]:
+    """Chat stream deltas accumulated as an OpenAI client does: content joined, tool calls merged by index
+    (a call's first piece carries index, id, type and name with empty arguments; later ones only arguments)."""
+    content, calls = "", []
+    for delta in deltas:
+        content += delta.get("content", "")
+        for part in delta.get("tool_calls", []):
+            if part["index"] == len(calls):
+                assert set(part) == {"index", "id", "type", "function"} and part["function"]["arguments"] == ""
+                calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
+            else:
+                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    return content, calls

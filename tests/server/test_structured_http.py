@@ -24,6 +24,7 @@ from asyncinfer import SamplingParams, StructuredOutput
 from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.responses import Reply
 from asyncinfer.server.tools import OPEN, CallStream, parse_tool_use, read_calls, split_calls
+from tests.helpers import gather_tool_deltas
 
 from .conftest import LiveServer
 
@@ -190,21 +191,6 @@ OSLO_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}
 CITY_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo}\\n</tool_call>"}}\n</tool_call>'
 
 
-def _gather(deltas) -> tuple[str, list[dict]]:
-    """Stream deltas accumulated as an OpenAI client does: content joined, calls merged by index."""
-    content, calls = "", []
-    for delta in deltas:
-        content += delta.get("content", "")
-        for part in delta.get("tool_calls", []):
-            if part["index"] == len(calls):
-                assert set(part) == {"index", "id", "type", "function"} and part["function"]["arguments"] == ""
-                calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
-            else:
-                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
-                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
-    return content, calls
-
-
 @pytest.mark.parametrize(("choice", "text"), [
     ("auto", "Sure. " + DICE_CALL),
     ("auto", "a <tool_ x <tool_cal"),  # tag-like text that never becomes a call
@@ -223,7 +209,7 @@ def test_a_streamed_reply_splits_as_the_whole_reply_whatever_its_pieces(choice, 
     for size in (1, 2, 3, 5, len(OPEN), len(text)):
         stream = CallStream(use)
         deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
-        content, calls = _gather(deltas)
+        content, calls = gather_tool_deltas(deltas)
         assert [c["function"] for c in calls] == [c["function"] for c in want[1]], size
         assert content == ((want[0] or "") if calls else text), size
         assert [c["index"] for d in deltas for c in d.get("tool_calls", []) if "id" in c] == list(range(len(calls)))

@@ -36,7 +36,7 @@ from asyncinfer.server.tool_formats import (
     tool_format,
 )
 from asyncinfer.server.tools import HERMES, parse_tool_use, read_calls
-from tests.helpers import tiny_hf_model
+from tests.helpers import gather_tool_deltas, tiny_hf_model
 
 from .conftest import CHAT_TEMPLATE, LiveServer
 
@@ -512,21 +512,6 @@ def test_a_reply_is_read_in_its_familys_syntax(tokenizers, kind, text, content, 
         assert len(read_calls(text, _use(kind, tokenizers, parallel=False))[1]) == 1
 
 
-def _gather(deltas) -> tuple[str, list[dict]]:
-    """Stream deltas accumulated as an OpenAI client does: content joined, calls merged by index."""
-    content, calls = "", []
-    for delta in deltas:
-        content += delta.get("content", "")
-        for part in delta.get("tool_calls", []):
-            if part["index"] == len(calls):
-                assert set(part) == {"index", "id", "type", "function"} and part["function"]["arguments"] == ""
-                calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
-            else:
-                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
-                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
-    return content, calls
-
-
 FORCED = [("llama", LLAMA_DICE), ("llama", LLAMA_DICE[:45]), ("llama", LLAMA_DICE[:12]),
           ("mistral", f" [{MISTRAL_DICE}, {MISTRAL_OSLO}]"), ("mistral", f" [{MISTRAL_DICE[:50]}")]
 
@@ -539,7 +524,7 @@ def test_streamed_pieces_gather_to_the_whole_reply_whatever_their_sizes(tokenize
     for size in (1, 2, 3, 5, 13, len(text)):
         stream = use.stream()
         deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
-        got_content, got_calls = _gather(deltas)
+        got_content, got_calls = gather_tool_deltas(deltas)
         assert [c["function"] for c in got_calls] == [c["function"] for c in calls], size
         assert (got_content.strip() or None) == (content.strip() or None if content else None), size
         if not calls:
