@@ -35,9 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QUESTIONS, machine_info, percentile  # noqa: E402
+from common import QUESTIONS, machine_info, percentile
 
-from asyncinfer import AsyncEngine, on_own_thread  # noqa: E402
+from asyncinfer import AsyncEngine, on_own_thread
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": dict(max_batch_size=1),  # every call alone: no batching

@@ -41,13 +41,13 @@ from typing import Any
 # transformers' GGUF loader draws a plain tqdm bar that ignores its own progress-bar switch.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from asyncinfer.threads import on_own_thread  # noqa: E402
+from asyncinfer.threads import on_own_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     SystemResult,
     Workload,
     build_workload,

@@ -180,7 +180,7 @@ class EngineThread:
             while self._iterate():
                 pass
             self.to_loop(self.callbacks.stopped)
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+        except BaseException as exc:  # any failure kills the engine, loudly (logged below)
             logger.exception("asyncinfer step loop failed")
             self.to_loop(self.callbacks.failed, exc)
 

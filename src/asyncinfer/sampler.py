@@ -62,7 +62,7 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.grammar import GrammarMatcher, apply_token_bitmask, bitmask_words
 from asyncinfer.sampling_params import SamplingParams
 
-__all__ = ["SamplerOutput", "Sampler", "SamplingState", "TokenLogprobs"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs"]
 
 _NEG_INF = float("-inf")
 # Temperatures below this are raised to it, so logits / temperature stays finite

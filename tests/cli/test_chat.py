@@ -134,7 +134,6 @@ class Terminal:
 
     def __init__(self, model: Path, tmp_path: Path) -> None:
         import pty
-
         import termios
 
         self.master, self.slave = pty.openpty()

@@ -231,7 +231,7 @@ def run_python(block: Block, namespace: dict, loop: asyncio.AbstractEventLoop, p
     logging.getLogger("asyncinfer").addHandler(warned)
     try:
         with contextlib.redirect_stdout(out):
-            result = eval(compiled, namespace)  # noqa: S307 - the docs' own code
+            result = eval(compiled, namespace)  # the docs' own code
             if asyncio.iscoroutine(result):
                 loop.run_until_complete(result)
     finally:

@@ -73,8 +73,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 def save_trace(trace: Iterable[TraceRequest], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        for request in trace:
-            fh.write(json.dumps(asdict(request)) + "\n")
+        fh.writelines(json.dumps(asdict(request)) + "\n" for request in trace)
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
