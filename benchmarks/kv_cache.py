@@ -151,7 +151,7 @@ def measure_waste(model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
     final_len = {r.request_id: r.num_prompt_tokens + r.params.max_tokens for r in requests}
     for r in requests:
         core.add_request(r)
-    totals = dict(paged_alloc=0, paged_filled=0, tokens=0, max_len_reserved=0, exact_reserved=0)
+    totals = {"paged_alloc": 0, "paged_filled": 0, "tokens": 0, "max_len_reserved": 0, "exact_reserved": 0}
     peak: dict[str, Any] = {"allocated_slots": -1}
     steps = 0
     start = time.perf_counter()

@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     trace = load_trace(args.trace) if args.trace else default_trace(args.requests, args.rate, args.seed)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    engine_options = dict(device="cpu", dtype="float32", num_threads=args.threads, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=args.kv_cache_memory)
+    engine_options = {"device": "cpu", "dtype": "float32", "num_threads": args.threads,
+                      "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                      "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory}
     if args.calibrate:
         from asyncinfer.commands.calibrate import calibrate
 

@@ -134,8 +134,8 @@ def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> 
 
 
 def test_options_are_checked_by_name() -> None:
-    for bad in (dict(max_batch_size=0), dict(max_batch_size=True), dict(max_wait_ms=-1), dict(max_wait_ms=2000),
-                dict(max_seq_len=1), dict(num_threads=0), dict(max_batch_tokens=0), dict(max_batch_tokens=1.5)):
+    for bad in ({"max_batch_size": 0}, {"max_batch_size": True}, {"max_wait_ms": -1}, {"max_wait_ms": 2000},
+                {"max_seq_len": 1}, {"num_threads": 0}, {"max_batch_tokens": 0}, {"max_batch_tokens": 1.5}):
         with pytest.raises(InvalidParameterError) as err:
             EmbeddingConfig(device="cpu", **bad)
         assert err.value.parameter == next(iter(bad))

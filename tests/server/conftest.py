@@ -25,7 +25,7 @@ from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_conf
 T = TypeVar("T")
 
 # The tiny model's options in these tests: 512 KV blocks of 16 tokens, 512-token requests.
-TINY_OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=512, dtype="float32", device="cpu")
+TINY_OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 512, "dtype": "float32", "device": "cpu"}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
