@@ -112,6 +112,11 @@ def kendall_tau(a: list[str], b: list[str]) -> float:
     return score / len(pairs)
 
 
+def _order(summaries: dict[str, Any], metric: str, lower_better: bool) -> list[str]:
+    """The policies, best first on ``metric``."""
+    return sorted(summaries, key=lambda p: getattr(summaries[p], metric), reverse=not lower_better)
+
+
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """Orderings, tau and relative gaps per metric (summaries keyed by policy).
 
@@ -120,10 +125,7 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for metric, lower_better in METRICS:
-        def order(summaries: dict[str, Any]) -> list[str]:
-            return sorted(summaries, key=lambda p: getattr(summaries[p], metric), reverse=not lower_better)
-
-        r, s = order(real), order(sim)
+        r, s = _order(real, metric, lower_better), _order(sim, metric, lower_better)
         values = [getattr(v, metric) for v in real.values()]
         spread = (max(values) - min(values)) / min(values) if min(values) > 0 else float("inf")
         gaps = {p: (getattr(sim[p], metric) - getattr(real[p], metric)) / getattr(real[p], metric)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -643,7 +644,7 @@ def model_gemm_flops(shapes: Counter, batch: int, dtype: torch.dtype, repeats: i
             w = torch.randn(n, k, dtype=dtype)
             flops = 2 * batch * k * n
             inner = max(1, int(2e8 // flops))  # about 0.2 GFLOP per timing
-            seconds = median_seconds(lambda: torch.nn.functional.linear(x, w), repeats, inner=inner)
+            seconds = median_seconds(functools.partial(torch.nn.functional.linear, x, w), repeats, inner=inner)
             per_shape.append({"shape": f"[{batch},{k}]x[{k},{n}]", "count": count, "gflops": flops / seconds / 1e9})
             total_flops += count * flops
             total_s += count * seconds
