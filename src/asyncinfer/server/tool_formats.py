@@ -102,7 +102,9 @@ def render_chat_text(tokenizer: Any, fmt: ToolFormat, history: list[dict[str, An
     try:
         text = tokenizer.apply_chat_template(fmt.template_messages(history), tools=fmt.template_tools(use),
                                              add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. roles out of order
+    # The template is the model's code: whatever it raises (its own checks with jinja2's raise_exception, e.g.
+    # roles out of order, or any other error) means it refuses these messages, the caller's error.
+    except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages",
                                     f"messages this model's chat template accepts ({exc})") from None
     check_unicode("prompt", text)
