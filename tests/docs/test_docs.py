@@ -61,8 +61,8 @@ SERVER_URL = "http://127.0.0.1:8000"
 NOT_RUN: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^pip install"), "installs packages into the environment running the tests"),
     (re.compile(r"^python -m pytest"), "is the test suite itself"),
-    (re.compile(r"^asyncinfer serve"), "starts a server that runs until stopped (tests/server/test_cli_serve.py "
-                                       "runs it; this test starts one for the client blocks)"),
+    (re.compile(r"^asyncinfer serve"), ("starts a server that runs until stopped (tests/server/test_cli_serve.py "
+                                        "runs it; this test starts one for the client blocks)")),
     (re.compile(r"^(\$ )?python benchmarks/"), "a benchmark of minutes (its figures are in benchmarks/results/)"),
     (re.compile(r"^asyncinfer lab --calibrate"), "times the real runner for minutes"),
 ]
