@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -124,10 +124,10 @@ class Stop:
     abort: bool
 
 
-Command = Union[
-    AddRequest, AbortRequest, QueueEmbed, AbortEmbeds, ResetPrefixCache, SwitchVersion, DrainVersion,
-    AddHolder, RemoveHolder, Stop,
-]
+Command = (
+    AddRequest | AbortRequest | QueueEmbed | AbortEmbeds | ResetPrefixCache | SwitchVersion | DrainVersion
+    | AddHolder | RemoveHolder | Stop
+)
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,7 @@ class Sampler:
     @staticmethod
     def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """top_k, then top_p (on the renormalised survivors), then min_p; removed logits -> -inf."""
-        rows, vocab = x.shape
+        _, vocab = x.shape
         dev = x.device
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         need_k = any(k < vocab for k in ks)

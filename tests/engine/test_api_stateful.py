@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -44,7 +44,7 @@ class Call:
 
 
 class EngineMachine(RuleBasedStateMachine):
-    paths: dict[str, Any] = {}
+    paths: ClassVar[dict[str, Any]] = {}
     reference: Any = None  # (model name, prompt index, max_tokens) -> greedy tokens
 
     def __init__(self) -> None:

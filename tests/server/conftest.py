@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import openai
 import pytest
@@ -21,6 +21,9 @@ import uvicorn
 
 from asyncinfer import AsyncEngine
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_config
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 T = TypeVar("T")
 
@@ -69,7 +72,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 120
         while not self.server.started:
@@ -80,7 +83,7 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(60)
         assert not self.thread.is_alive(), "the server did not stop"

@@ -77,7 +77,7 @@ def save_trace(trace: Iterable[TraceRequest], path: str | Path) -> None:
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
 def synthetic_trace(
