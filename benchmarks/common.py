@@ -38,12 +38,12 @@ QUESTIONS: tuple[str, ...] = (
     "What causes the seasons on Earth?",
     "List five fruits that are high in vitamin C.",
     "How does a bicycle stay upright when it moves?",
-    "I keep forgetting to drink water during the day. Can you suggest a few habits "
-    "that would help me remember, without needing an app?",
+    ("I keep forgetting to drink water during the day. Can you suggest a few habits "
+     "that would help me remember, without needing an app?"),
     "Describe the water cycle step by step.",
     "What is a prime number? Give a few examples.",
-    "My tomato plants have yellow leaves at the bottom. What could be wrong, and "
-    "what can I try this week to fix it?",
+    ("My tomato plants have yellow leaves at the bottom. What could be wrong, and "
+     "what can I try this week to fix it?"),
     "Tell me a fun fact about octopuses.",
     "Explain the difference between a virus and a bacterium.",
     "How can I make my morning routine less rushed?",
@@ -52,8 +52,8 @@ QUESTIONS: tuple[str, ...] = (
     "Give me three ideas for a rainy-day activity with children aged six to eight.",
     "Why do we have leap years?",
     "What are the main parts of a computer and what does each do?",
-    "I am preparing a five-minute talk for my team about why code review matters. "
-    "Can you outline the main points I should cover, in a sensible order?",
+    ("I am preparing a five-minute talk for my team about why code review matters. "
+     "Can you outline the main points I should cover, in a sensible order?"),
     "How do bees make honey?",
     "What is the best way to learn a new language as an adult?",
     "Explain recursion with a simple example.",
@@ -63,8 +63,8 @@ QUESTIONS: tuple[str, ...] = (
     "Compare trains and planes for a 500 km trip: cost, time and comfort.",
     "What is inflation, and why does it matter to savers?",
     "Give me a short motivational message for someone starting a new job.",
-    "Here is a sentence with a mistake: 'Their going to the park tomorrow.' "
-    "Correct it and explain the rule so I remember it next time.",
+    ("Here is a sentence with a mistake: 'Their going to the park tomorrow.' "
+     "Correct it and explain the rule so I remember it next time."),
     "Why do cats purr?",
     "What is the difference between a list and a tuple in Python?",
     "Plan a simple three-course dinner for four people on a small budget.",

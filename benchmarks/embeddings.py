@@ -35,14 +35,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QUESTIONS, machine_info, percentile  # noqa: E402
+from common import QUESTIONS, machine_info, percentile
 
-from asyncinfer import AsyncEngine, on_own_thread  # noqa: E402
+from asyncinfer import AsyncEngine, on_own_thread
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "off": dict(max_batch_size=1),  # every call alone: no batching
-    "on": dict(max_batch_size=32, max_wait_ms=5.0),  # the default: wait up to 5 ms for up to 32 texts
-    "on-nowait": dict(max_batch_size=32, max_wait_ms=0.0),  # take whatever is queued, never wait
+    "off": {"max_batch_size": 1},  # every call alone: no batching
+    "on": {"max_batch_size": 32, "max_wait_ms": 5.0},  # the default: wait up to 5 ms for up to 32 texts
+    "on-nowait": {"max_batch_size": 32, "max_wait_ms": 0.0},  # take whatever is queued, never wait
 }
 
 
@@ -128,7 +128,7 @@ def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[st
 
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     first, *rest = args.settings
-    device = dict(device=args.device, dtype=args.dtype)
+    device = {"device": args.device, "dtype": args.dtype}
     engine = await AsyncEngine.load(args.model, name=first, num_threads=args.threads, **device, **SETTINGS[first])
     rows: list[dict[str, Any]] = []
     print("one forward pass (before the engine starts):")

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import build_workload, machine_info, resolve_model_path  # noqa: E402
+from common import build_workload, machine_info, resolve_model_path
 
 SYSTEM_PROMPT = (
     "You are the support assistant of Northwind Outfitters, a shop that sells hiking, camping and "
@@ -131,12 +131,11 @@ def make_engine(model_path: Path, args: argparse.Namespace, *, max_model_len: in
 
 
 def measure_waste(model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from asyncinfer import SamplingParams
-    from asyncinfer.request import Request
-
+    from common import hf_load_args
     from transformers import AutoTokenizer
 
-    from common import hf_load_args
+    from asyncinfer import SamplingParams
+    from asyncinfer.request import Request
 
     directory, kwargs = hf_load_args(model_path)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
@@ -152,7 +151,7 @@ def measure_waste(model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
     final_len = {r.request_id: r.num_prompt_tokens + r.params.max_tokens for r in requests}
     for r in requests:
         core.add_request(r)
-    totals = dict(paged_alloc=0, paged_filled=0, tokens=0, max_len_reserved=0, exact_reserved=0)
+    totals = {"paged_alloc": 0, "paged_filled": 0, "tokens": 0, "max_len_reserved": 0, "exact_reserved": 0}
     peak: dict[str, Any] = {"allocated_slots": -1}
     steps = 0
     start = time.perf_counter()

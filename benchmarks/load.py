@@ -37,8 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asyncinfer import AsyncEngine, SamplingParams  # noqa: E402
-from asyncinfer.errors import RequestFailedError  # noqa: E402
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.errors import RequestFailedError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -44,13 +44,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch
 from common import engine_decode_rate, git_commit, machine_info, write_record
 
 from asyncinfer.threads import on_own_thread
+
+BENCH_DIR = Path(__file__).resolve().parent
 
 
 def say(message: str) -> None:

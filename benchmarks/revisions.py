@@ -46,10 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 from common import build_workload, engine_decode_rate, hf_load_args, machine_info, resolve_model_path
+
+BENCH_DIR = Path(__file__).resolve().parent
 
 KV_DTYPE_BYTES = 4  # float32 activations, so a float32 KV cache
 BLOCK_SIZE = 16

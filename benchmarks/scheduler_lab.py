@@ -112,6 +112,11 @@ def kendall_tau(a: list[str], b: list[str]) -> float:
     return score / len(pairs)
 
 
+def _order(summaries: dict[str, Any], metric: str, lower_better: bool) -> list[str]:
+    """The policies, best first on ``metric``."""
+    return sorted(summaries, key=lambda p: getattr(summaries[p], metric), reverse=not lower_better)
+
+
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """Orderings, tau and relative gaps per metric (summaries keyed by policy).
 
@@ -120,10 +125,7 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for metric, lower_better in METRICS:
-        def order(summaries: dict[str, Any]) -> list[str]:
-            return sorted(summaries, key=lambda p: getattr(summaries[p], metric), reverse=not lower_better)
-
-        r, s = order(real), order(sim)
+        r, s = _order(real, metric, lower_better), _order(sim, metric, lower_better)
         values = [getattr(v, metric) for v in real.values()]
         spread = (max(values) - min(values)) / min(values) if min(values) > 0 else float("inf")
         gaps = {p: (getattr(sim[p], metric) - getattr(real[p], metric)) / getattr(real[p], metric)
@@ -157,9 +159,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     trace = load_trace(args.trace) if args.trace else default_trace(args.requests, args.rate, args.seed)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    engine_options = dict(device="cpu", dtype="float32", num_threads=args.threads, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=args.kv_cache_memory)
+    engine_options = {"device": "cpu", "dtype": "float32", "num_threads": args.threads,
+                      "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                      "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory}
     if args.calibrate:
         from asyncinfer.commands.calibrate import calibrate
 

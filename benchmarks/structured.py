@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 from common import git_commit, machine_info, resolve_model_path, write_record
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -41,13 +42,13 @@ from typing import Any
 # transformers' GGUF loader draws a plain tqdm bar that ignores its own progress-bar switch.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from asyncinfer.threads import on_own_thread  # noqa: E402
+from asyncinfer.threads import on_own_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     SystemResult,
     Workload,
     build_workload,
@@ -643,7 +644,7 @@ def model_gemm_flops(shapes: Counter, batch: int, dtype: torch.dtype, repeats: i
             w = torch.randn(n, k, dtype=dtype)
             flops = 2 * batch * k * n
             inner = max(1, int(2e8 // flops))  # about 0.2 GFLOP per timing
-            seconds = median_seconds(lambda: torch.nn.functional.linear(x, w), repeats, inner=inner)
+            seconds = median_seconds(functools.partial(torch.nn.functional.linear, x, w), repeats, inner=inner)
             per_shape.append({"shape": f"[{batch},{k}]x[{k},{n}]", "count": count, "gflops": flops / seconds / 1e9})
             total_flops += count * flops
             total_s += count * seconds

@@ -18,7 +18,7 @@ import time
 from asyncinfer import AsyncEngine, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 7 times 6?"]
-OPTIONS = dict(max_model_len=1024, kv_cache_memory=64 * 2**20)
+OPTIONS = {"max_model_len": 1024, "kv_cache_memory": 64 * 2**20}
 
 
 async def client(engine: AsyncEngine, stop: asyncio.Event, log: list[str]) -> None:

@@ -72,7 +72,7 @@ def test_a_batch_is_due_when_full_or_when_the_oldest_text_waited_long_enough() -
 def test_waiting_calls_take_turns_and_a_call_completes_with_its_last_text() -> None:
     """One text of each waiting call in turn, the oldest call first: a call of many texts shares its first
     batch with the calls behind it (it used to run all its batches first, oldest text first)."""
-    batcher, encoder, clock = make(max_batch_size=3, max_wait_ms=0)
+    batcher, encoder, _ = make(max_batch_size=3, max_wait_ms=0)
     done: list[EmbedCall] = []
     a = call([1, 2, 3, 4, 5], arrival=0.0, done=done)  # spans two batches
     b = call([6], arrival=0.001, done=done)
@@ -96,7 +96,7 @@ def test_a_flood_of_long_texts_neither_holds_back_other_calls_nor_outgrows_the_t
     call queued behind it: each batch runs between two generation steps, so both another caller's embeddings
     and every generated token waited for the whole flood. Now the short call rides in the first batch, and no
     batch holds more than max_batch_tokens padded slots (a longer text alone)."""
-    batcher, encoder, clock = make(max_batch_size=32, max_wait_ms=0, max_batch_tokens=64)
+    batcher, encoder, _ = make(max_batch_size=32, max_wait_ms=0, max_batch_tokens=64)
     flood = EmbedCall([[7] * 20 for _ in range(40)], 0.0)
     short = EmbedCall([[9, 9]], 0.001)
     batcher.add(flood)
@@ -134,8 +134,8 @@ def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> 
 
 
 def test_options_are_checked_by_name() -> None:
-    for bad in (dict(max_batch_size=0), dict(max_batch_size=True), dict(max_wait_ms=-1), dict(max_wait_ms=2000),
-                dict(max_seq_len=1), dict(num_threads=0), dict(max_batch_tokens=0), dict(max_batch_tokens=1.5)):
+    for bad in ({"max_batch_size": 0}, {"max_batch_size": True}, {"max_wait_ms": -1}, {"max_wait_ms": 2000},
+                {"max_seq_len": 1}, {"num_threads": 0}, {"max_batch_tokens": 0}, {"max_batch_tokens": 1.5}):
         with pytest.raises(InvalidParameterError) as err:
             EmbeddingConfig(device="cpu", **bad)
         assert err.value.parameter == next(iter(bad))
@@ -145,7 +145,7 @@ def test_options_are_checked_by_name() -> None:
 
 
 def test_an_encoder_failure_fails_the_batchs_calls_only() -> None:
-    batcher, encoder, clock = make(max_batch_size=2, max_wait_ms=0)
+    batcher, encoder, _ = make(max_batch_size=2, max_wait_ms=0)
     done: list[EmbedCall] = []
     a, b, c = call([1, 2, 3], 0.0, done), call([4], 0.0, done), call([5], 0.0, done)
     for x in (a, b, c):

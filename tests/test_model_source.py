@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer import ModelLoadError
-from asyncinfer import model_source
+from asyncinfer import ModelLoadError, model_source
 
 
 def fake_wheel(path: Path, files: dict[str, str]) -> Path:

@@ -279,7 +279,7 @@ def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
     """Build the options dataclass ``cls`` from keywords; an unknown one raises
     :class:`InvalidParameterError` naming it and listing ``allowed`` ones."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    for key in options:
+    for key, value in options.items():
         if key not in known:
-            raise InvalidParameterError(key, options[key], f"{allowed}: {sorted(known)}")
+            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}")
     return cls(**options)

@@ -18,7 +18,7 @@ import functools
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -62,6 +62,11 @@ from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import RequestStream, StreamTable
 from asyncinfer.swaps import ModelChanges
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 __all__ = ["AsyncEngine", "EngineState", "Prompt"]
 
@@ -241,11 +246,13 @@ class AsyncEngine:
         if self._state is not EngineState.DEAD:
             self._state = EngineState.CLOSED
 
-    async def __aenter__(self) -> AsyncEngine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose(abort=exc_type is not None)  # leaving on an error aborts what is in flight
 
     # ------------------------------------------------------------- generation

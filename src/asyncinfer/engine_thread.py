@@ -15,8 +15,8 @@ be carried out for one request (``AddRequest``) fails only that request; the
 thread dies (every waiter gets ``EngineDeadError``) on any other exception and
 when one model's steps fail ``max_consecutive_step_failures`` times in a row
 (see :mod:`asyncinfer.holder`). When no core with requests can schedule any,
-the thread waits for a command with a growing timeout (up to
-:data:`MAX_IDLE_WAIT`) instead of spinning.
+the thread waits for a command with a growing timeout
+(:func:`asyncinfer.holder.idle_backoff`) instead of spinning.
 """
 
 from __future__ import annotations
@@ -27,20 +27,17 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
 from asyncinfer.errors import RequestAbortedError, WrongEventLoopError
-from asyncinfer.holder import ModelHolder, ModelVersion
+from asyncinfer.holder import ModelHolder, ModelVersion, idle_backoff
 from asyncinfer.outputs import CoreOutput
 from asyncinfer.request import Request
 
 logger = logging.getLogger("asyncinfer")
-
-#: Seconds the thread waits at most between two tries when every core with requests scheduled nothing.
-MAX_IDLE_WAIT = 0.05
 
 
 # ------------------------------------------------------------------ commands
@@ -124,10 +121,10 @@ class Stop:
     abort: bool
 
 
-Command = Union[
-    AddRequest, AbortRequest, QueueEmbed, AbortEmbeds, ResetPrefixCache, SwitchVersion, DrainVersion,
-    AddHolder, RemoveHolder, Stop,
-]
+Command = (
+    AddRequest | AbortRequest | QueueEmbed | AbortEmbeds | ResetPrefixCache | SwitchVersion | DrainVersion
+    | AddHolder | RemoveHolder | Stop
+)
 
 
 @dataclass(frozen=True)
@@ -180,7 +177,7 @@ class EngineThread:
             while self._iterate():
                 pass
             self.to_loop(self.callbacks.stopped)
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+        except BaseException as exc:  # any failure kills the engine, loudly (logged below)
             logger.exception("asyncinfer step loop failed")
             self.to_loop(self.callbacks.failed, exc)
 
@@ -211,7 +208,7 @@ class EngineThread:
         if any(holder.progressed for holder in self._holders):
             self._idle_wait = 0.0
         else:  # requests wait and none could be scheduled: a command (or time) must change something
-            self._idle_wait = min(max(2 * self._idle_wait, 0.001), MAX_IDLE_WAIT)
+            self._idle_wait = idle_backoff(self._idle_wait)
             self._wake.wait(self._idle_wait if embed_wait is None else min(self._idle_wait, embed_wait))
         return True
 

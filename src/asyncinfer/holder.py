@@ -22,7 +22,8 @@ Stepping a core is also where the engine thread's two safety rules live
 (``EngineCore.fail_step``) unless ``max_consecutive_step_failures`` steps of that
 version failed in a row, which kills the thread (every waiter then gets
 ``EngineDeadError``); and a core whose requests stay unscheduled for
-``stall_timeout`` seconds fails them with ``RequestStalledError``.
+``stall_timeout`` seconds fails them with ``RequestStalledError``. Until then the
+engine thread (and a load's warm-up) retries after a growing wait, :func:`idle_backoff`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ from asyncinfer.memory import MemoryPlan
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput
 from asyncinfer.step import ENDS_ENGINE
+
+#: Seconds the engine thread (and a load's warm-up) waits at most between two tries while every core with
+#: requests schedules nothing.
+MAX_IDLE_WAIT = 0.05
+
+
+def idle_backoff(wait: float) -> float:
+    """The wait before the next try after ``wait`` (0.0 for the first) while nothing could be scheduled:
+    1 ms, doubling up to :data:`MAX_IDLE_WAIT`: a stuck scheduler is soon retried, and nothing spins."""
+    return min(max(2 * wait, 0.001), MAX_IDLE_WAIT)
 
 
 class VersionState(enum.Enum):

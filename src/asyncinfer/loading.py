@@ -42,7 +42,7 @@ from asyncinfer.embedding import (
 )
 from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
 from asyncinfer.grammar import GrammarCompiler
-from asyncinfer.holder import ModelVersion
+from asyncinfer.holder import ModelVersion, idle_backoff
 from asyncinfer.memory import (
     MemoryPlan,
     MiB,
@@ -390,7 +390,7 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
                 f"the scheduler {type(core.scheduler).__name__} scheduled nothing during warm-up for "
                 f"{now - stalled_since:.1f} s (stall_timeout={stall_timeout}) while its one request waited "
                 f"with every KV block free: schedule() must schedule a runnable request (docs/schedulers.md)")
-        wait = min(max(2 * wait, 0.001), 0.05)  # back off as the engine thread does, instead of spinning
+        wait = idle_backoff(wait)  # as the engine thread does, instead of spinning
         time.sleep(wait)
     core.reset_prefix_cache()
     core.stats = StepStats()

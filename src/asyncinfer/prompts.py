@@ -309,7 +309,9 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. roles out of order
+    # The template is the model's code: whatever it raises (its own checks with jinja2's raise_exception, e.g.
+    # roles out of order, or any other error) means it refuses these messages, the caller's error.
+    except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
     return list(tokenizer.encode(text, add_special_tokens=False))
 

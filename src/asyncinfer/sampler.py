@@ -62,7 +62,7 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.grammar import GrammarMatcher, apply_token_bitmask, bitmask_words
 from asyncinfer.sampling_params import SamplingParams
 
-__all__ = ["SamplerOutput", "Sampler", "SamplingState", "TokenLogprobs"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs"]
 
 _NEG_INF = float("-inf")
 # Temperatures below this are raised to it, so logits / temperature stays finite
@@ -387,7 +387,7 @@ class Sampler:
     @staticmethod
     def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """top_k, then top_p (on the renormalised survivors), then min_p; removed logits -> -inf."""
-        rows, vocab = x.shape
+        _, vocab = x.shape
         dev = x.device
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         need_k = any(k < vocab for k in ks)

@@ -32,7 +32,7 @@ class RequestStream:
     piece per sample (plus errors) waits, whatever the consumer's pace.
     """
 
-    __slots__ = ("pending", "wake", "n", "num_done", "ids", "version_id", "owner", "abandoned")
+    __slots__ = ("abandoned", "ids", "n", "num_done", "owner", "pending", "version_id", "wake")
 
     def __init__(self, n: int, ids: tuple[str, ...], version_id: int, owner: object) -> None:
         self.pending: deque[CoreOutput | BaseException] = deque()

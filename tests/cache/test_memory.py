@@ -36,8 +36,8 @@ SMALL = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dty
 
 
 def plan(**kw):
-    args = dict(max_model_len=64, weight_bytes=1000, kv_cache_memory=None, kv_cache_fraction=0.5,
-                activation_reserve=0, free_bytes=10 * MiB)
+    args = {"max_model_len": 64, "weight_bytes": 1000, "kv_cache_memory": None, "kv_cache_fraction": 0.5,
+            "activation_reserve": 0, "free_bytes": 10 * MiB}
     return plan_kv_cache(SMALL, **{**args, **kw})
 
 

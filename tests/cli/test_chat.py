@@ -59,7 +59,7 @@ def test_ctrl_c_stops_the_reply_and_the_session_goes_on(real_gguf) -> None:
         read_until(proc, b" [stopped]\n> ")  # stopped, and the next prompt: the session goes on
         proc.stdin.write(b"/reset\n/exit\n")
         proc.stdin.flush()
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -134,7 +134,6 @@ class Terminal:
 
     def __init__(self, model: Path, tmp_path: Path) -> None:
         import pty
-
         import termios
 
         self.master, self.slave = pty.openpty()

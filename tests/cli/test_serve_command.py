@@ -56,8 +56,8 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
     assert served == [("127.0.0.1", port)]
     plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20, device="cpu")
     assert capsys.readouterr().out.splitlines() == [
-        f"asyncinfer serve: loading, then serving the OpenAI API at http://127.0.0.1:{port}/v1 (also "
-        f"http://127.0.0.1:{port}/health)",  # no /metrics: with API keys and no metrics key it is off
+        (f"asyncinfer serve: loading, then serving the OpenAI API at http://127.0.0.1:{port}/v1 (also "
+         f"http://127.0.0.1:{port}/health)"),  # no /metrics: with API keys and no metrics key it is off
         f"  model 'tiny': {path}",
         f"    weights: float16, {format_bytes(plan.weight_bytes)} (float32 on cpu)",
         "    context: 64 tokens per request (prompt + output)",

@@ -61,8 +61,8 @@ SERVER_URL = "http://127.0.0.1:8000"
 NOT_RUN: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^pip install"), "installs packages into the environment running the tests"),
     (re.compile(r"^python -m pytest"), "is the test suite itself"),
-    (re.compile(r"^asyncinfer serve"), "starts a server that runs until stopped (tests/server/test_cli_serve.py "
-                                       "runs it; this test starts one for the client blocks)"),
+    (re.compile(r"^asyncinfer serve"), ("starts a server that runs until stopped (tests/server/test_cli_serve.py "
+                                        "runs it; this test starts one for the client blocks)")),
     (re.compile(r"^(\$ )?python benchmarks/"), "a benchmark of minutes (its figures are in benchmarks/results/)"),
     (re.compile(r"^asyncinfer lab --calibrate"), "times the real runner for minutes"),
 ]
@@ -231,7 +231,7 @@ def run_python(block: Block, namespace: dict, loop: asyncio.AbstractEventLoop, p
     logging.getLogger("asyncinfer").addHandler(warned)
     try:
         with contextlib.redirect_stdout(out):
-            result = eval(compiled, namespace)  # noqa: S307 - the docs' own code
+            result = eval(compiled, namespace)  # the docs' own code
             if asyncio.iscoroutine(result):
                 loop.run_until_complete(result)
     finally:
@@ -308,7 +308,7 @@ def run_shell(block: Block, placeholders: dict[str, str], env: dict[str, str], c
             continue
         script = f'asyncinfer() {{ {shlex.quote(sys.executable)} -m asyncinfer "$@"; }}\nset -e\n{command}\n'
         result = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                                timeout=300)
+                                timeout=300, check=False)
         assert result.returncode == 0, (f"{block.file.name}:{block.line}: {command!r} failed "
                                         f"({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     return notes
@@ -328,8 +328,11 @@ def test_every_block_runs(doc, placeholders, servers, env, workdir, monkeypatch)
     monkeypatch.syspath_prepend(str(workdir))  # as `python -m` has the working directory on the path
     monkeypatch.syspath_prepend(str(ROOT / "src"))
     monkeypatch.setenv("ASYNCINFER_PROGRESS", "0")
-    namespace: dict = {"__name__": "__docs__"}
-    exec("import asyncio\nfrom asyncinfer import *\n", namespace)  # what a page's fragments take as given
+    import asyncinfer  # with src/ on the path, as a page's reader has it
+
+    # What a page's fragments take as given: `import asyncio` and `from asyncinfer import *`.
+    namespace: dict = {"__name__": "__docs__", "asyncio": asyncio}
+    namespace.update({name: getattr(asyncinfer, name) for name in asyncinfer.__all__})
     loop = asyncio.new_event_loop()
     notes = []
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 
-BASE = dict(kv_cache_memory=2 * 1024 * 1024, max_model_len=128, dtype="float32", device="cpu", max_num_seqs=6)
+BASE = {"kv_cache_memory": 2 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu",
+        "max_num_seqs": 6}
 PROMPTS = [[5, 17, 99, 3], [250, 42, 8, 8, 8, 61, 7], [11] * 20, [300, 2, 19]]
 IDS = ["a", "b", "c"]
 
@@ -43,7 +44,7 @@ class Call:
 
 
 class EngineMachine(RuleBasedStateMachine):
-    paths: dict[str, Any] = {}
+    paths: ClassVar[dict[str, Any]] = {}
     reference: Any = None  # (model name, prompt index, max_tokens) -> greedy tokens
 
     def __init__(self) -> None:

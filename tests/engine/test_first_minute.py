@@ -4,6 +4,7 @@ trimmed to a budget, and no U+FFFD when max_tokens cuts a character."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -28,7 +29,7 @@ async def test_load_keeps_the_event_loop_running(real_gguf) -> None:
     engine = await AsyncEngine.load(real_gguf, max_model_len=512)
     elapsed = time.perf_counter() - start
     task.cancel()
-    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
     assert len(ticks) > 10 and max(gaps) < max(1.0, elapsed / 4)  # the loop kept running through the load
     async with engine:
         out = await engine.generate("The capital of France is", SamplingParams(max_tokens=3))

@@ -11,8 +11,7 @@ import weakref
 
 import pytest
 
-import asyncinfer.loading as loading
-from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, ModelChangedError, SwapError
+from asyncinfer import AsyncEngine, ConfigurationError, InvalidParameterError, ModelChangedError, SwapError, loading
 from tests.helpers import ENGINE_BASE, greedy, random_prompts
 
 NUM_PROMPTS = 12

@@ -22,7 +22,7 @@ from asyncinfer import (
     WrongEventLoopError,
 )
 
-BASE = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu")
+BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu"}
 PROMPT = [5, 17, 99, 3, 250, 42, 8]
 
 

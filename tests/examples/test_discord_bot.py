@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -86,7 +87,7 @@ async def test_streamed_reply_with_rate_limited_edits_and_channel_memory(example
         want = await engine.generate(expected, GREEDY)
         assert reply.content == want.text  # the final edit is the whole answer, exactly
         times = [t for t, _ in reply.edits]
-        assert all(b - a >= 0.2 for a, b in zip(times, times[1:-1]))  # at most one edit per interval
+        assert all(b - a >= 0.2 for a, b in itertools.pairwise(times[:-1]))  # at most one edit per interval
         assert all(c.endswith(" …") for _, c in reply.edits[:-1])  # "still writing" until the last edit
 
         follow = Message("And of Italy?", BOB, Channel(10))

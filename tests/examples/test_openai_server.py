@@ -43,7 +43,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing), "--port", str(port)], env=env,
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr == (f"openai_server.py: error: port {port} on 127.0.0.1 is in use (another server listens on "
                            f"127.0.0.1:{port}?): stop it, or choose another with --port\n")

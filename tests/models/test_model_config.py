@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest

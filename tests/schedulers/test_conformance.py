@@ -99,8 +99,8 @@ def test_flags_are_declared(spec: str) -> None:
 # ---------------------------------------------------------------- real engine: token identity with FIFO
 
 # 40 blocks of 4 tokens for 8 requests growing to ~45 tokens: preemption is certain.
-ENGINE = dict(kv_cache_memory=40 * 1024, max_model_len=64, dtype="float32", device="cpu", block_size=4,
-              max_num_batched_tokens=24, max_num_seqs=5)
+ENGINE = {"kv_cache_memory": 40 * 1024, "max_model_len": 64, "dtype": "float32", "device": "cpu", "block_size": 4,
+          "max_num_batched_tokens": 24, "max_num_seqs": 5}
 
 
 async def run_engine(path: Path, spec: str) -> tuple[list[list[int]], int]:

@@ -104,7 +104,7 @@ def test_entry_point_of_an_installed_package(tmp_path: Path, monkeypatch: pytest
 def test_engine_takes_scheduler_and_options(tiny_llama: Path) -> None:
     from asyncinfer import AsyncEngine
 
-    base = dict(kv_cache_memory=1 << 20, max_model_len=64, device="cpu", dtype="float32")
+    base = {"kv_cache_memory": 1 << 20, "max_model_len": 64, "device": "cpu", "dtype": "float32"}
     engine = AsyncEngine.from_pretrained(tiny_llama, **base, scheduler="pd-split", scheduler_options={"prefill_budget": 9})
     assert isinstance(engine.core.scheduler, PDSplitScheduler) and engine.core.scheduler.prefill_budget == 9
     with pytest.raises(InvalidParameterError, match="scheduler_options"):

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import openai
 import pytest
@@ -22,10 +22,13 @@ import uvicorn
 from asyncinfer import AsyncEngine
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_config
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
+
 T = TypeVar("T")
 
 # The tiny model's options in these tests: 512 KV blocks of 16 tokens, 512-token requests.
-TINY_OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=512, dtype="float32", device="cpu")
+TINY_OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 512, "dtype": "float32", "device": "cpu"}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -69,7 +72,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 120
         while not self.server.started:
@@ -80,7 +83,7 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(60)
         assert not self.thread.is_alive(), "the server did not stop"

@@ -4,6 +4,7 @@ bounded bodies, per-tenant prefix caches, and tenants and priorities from the de
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import httpx
 import openai
@@ -126,9 +127,9 @@ def test_metrics_are_off_on_a_keyed_server_without_an_operators_key(tiny_models)
 def test_the_openai_client_with_a_right_and_a_wrong_key(locked) -> None:
     with openai.OpenAI(base_url=locked.url + "/v1", api_key="key-two", max_retries=0) as good:
         assert good.completions.create(**TEXT).usage.prompt_tokens == len(PROMPT)
-    with openai.OpenAI(base_url=locked.url + "/v1", api_key="sk-wrong", max_retries=0) as bad:
-        with pytest.raises(openai.AuthenticationError) as err:
-            bad.models.list()
+    with (openai.OpenAI(base_url=locked.url + "/v1", api_key="sk-wrong", max_retries=0) as bad,
+          pytest.raises(openai.AuthenticationError) as err):
+        bad.models.list()
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
 
 
@@ -226,7 +227,7 @@ def test_a_blank_key_variable_stops_serve_before_anything_loads(monkeypatch, cap
 class RecordingScheduler(FIFOScheduler):
     """FIFO that remembers the tenant (the request id's prefix) and priority of every request it is given."""
 
-    seen: list[tuple[str | None, int]] = []
+    seen: ClassVar[list[tuple[str | None, int]]] = []
 
     def add_request(self, request):
         rid = request.request_id

@@ -53,9 +53,9 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
                                                      max_tokens=5, extra_body={"ignore_eos": True})
                 assert out.usage.completion_tokens == 5
                 assert len(client.embeddings.create(model=minilm_dir.name, input="hi").data[0].embedding) == 384
-        with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as client:
-            with pytest.raises(openai.AuthenticationError):
-                client.models.list()
+        with (openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as client,
+              pytest.raises(openai.AuthenticationError)):
+            client.models.list()
     finally:
         proc.send_signal(signal.SIGINT)
         try:

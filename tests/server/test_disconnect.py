@@ -47,9 +47,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts(server) -> None:
     server.wait_idle()
     before = decoded(server)
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": LONG, "ignore_eos": True}
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.2)) as http:
-        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            http.post("/v1/completions", json=body)
+    with (httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.2)) as http,
+          pytest.raises(httpx.ReadTimeout)):  # the client gives up and closes the connection
+        http.post("/v1/completions", json=body)
     server.wait_idle()
     assert held_blocks(server) == 0
     assert decoded(server) - before < LONG // 2
@@ -59,8 +59,8 @@ def test_disconnect_of_a_several_prompt_request_aborts_them_all(server) -> None:
     server.wait_idle()
     before = decoded(server)
     body = {"model": "tiny", "prompt": ["one", "two", "three"], "n": 2, "max_tokens": LONG, "ignore_eos": True}
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.3)) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json=body)
+    with (httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.3)) as http,
+          pytest.raises(httpx.ReadTimeout)):
+        http.post("/v1/completions", json=body)
     server.wait_idle()
     assert decoded(server) - before < 3 * LONG  # half the six samples of LONG tokens each

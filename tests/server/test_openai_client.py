@@ -16,7 +16,7 @@ from asyncinfer import SamplingParams
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "What is the capital of France?"}]
-GREEDY = dict(max_tokens=12, temperature=0)  # over HTTP, a request without `temperature` samples at 1
+GREEDY = {"max_tokens": 12, "temperature": 0}  # over HTTP, a request without `temperature` samples at 1
 
 
 def generate(server, prompt, model="tiny", **params):
@@ -79,8 +79,9 @@ def test_stream_ends_with_done_on_the_wire(server) -> None:
 
 def test_sampling_fields_reach_the_engine(server, client) -> None:
     """Seeded sampling with every mapped field: n samples equal the engine's, sample by sample."""
-    fields = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=0.3, n=3)
-    extra = dict(top_k=40, min_p=0.02, repetition_penalty=1.1)
+    fields = {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+              "n": 3}
+    extra = {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1}
     want = generate(server, MESSAGES, max_tokens=16, **fields, **extra)
     got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=16, **fields,
                                          extra_body=extra)
@@ -114,7 +115,7 @@ def test_chat_logprobs(server, client) -> None:
 
 def test_completions_several_prompts_and_samples(server, client) -> None:
     prompts = ["The quick brown fox", "1, 2, 3,"]
-    fields = dict(temperature=0.8, seed=7, n=2, max_tokens=10)
+    fields = {"temperature": 0.8, "seed": 7, "n": 2, "max_tokens": 10}
     wants = [generate(server, p, **fields) for p in prompts]
     got = client.completions.create(model="tiny", prompt=prompts, **fields)
     assert got.object == "text_completion" and [c.index for c in got.choices] == [0, 1, 2, 3]

@@ -20,7 +20,8 @@ serve = pytest.importorskip("ray.serve")
 from asyncinfer.serve_ray import openai_app  # noqa: E402  (needs ray)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-OPTIONS = dict(kv_cache_memory=4 * 1024 * 1024, max_model_len=256, dtype="float32", device="cpu", num_threads=1)
+OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 256, "dtype": "float32", "device": "cpu",
+           "num_threads": 1}
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7 + i] for i in range(12)]
 
 

@@ -16,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer i
 
 @pytest.fixture(scope="module")
 def smol(real_gguf):
-    app = create_app(ModelSpec(str(real_gguf), "smol", dict(max_model_len=512, kv_cache_memory=32 * 1024 * 1024)))
+    app = create_app(ModelSpec(str(real_gguf), "smol", {"max_model_len": 512, "kv_cache_memory": 32 * 1024 * 1024}))
     with LiveServer(app) as live:
         yield live
 

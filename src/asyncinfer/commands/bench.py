@@ -114,23 +114,23 @@ async def _bench_engine(
     tokens: dict[int, list[int]] = {}
     async with engine:
         await engine.generate(prompts[0][:8], SamplingParams(max_tokens=2))  # warm-up
+
+        async def one(i: int, limit: asyncio.Semaphore, timings: list[tuple[float, float, int]]) -> None:
+            async with limit:
+                start, first, n = time.perf_counter(), None, 0
+                ids: list[int] = []
+                async for delta in engine.stream(prompts[i], params):
+                    first = first or time.perf_counter()
+                    ids += delta.token_ids
+                n = len(ids)
+                tokens[i] = ids
+                timings.append((first - start, time.perf_counter() - start, n))
+
         for c in levels:
             limit = asyncio.Semaphore(c)
             timings: list[tuple[float, float, int]] = []
-
-            async def one(i: int) -> None:
-                async with limit:
-                    start, first, n = time.perf_counter(), None, 0
-                    ids: list[int] = []
-                    async for delta in engine.stream(prompts[i], params):
-                        first = first or time.perf_counter()
-                        ids += delta.token_ids
-                    n = len(ids)
-                    tokens[i] = ids
-                    timings.append((first - start, time.perf_counter() - start, n))
-
             start = time.perf_counter()
-            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await asyncio.gather(*(one(i, limit, timings) for i in range(len(prompts))))
             rows.append(_row("asyncinfer", c, time.perf_counter() - start, timings))
         if args.profile:
             args.profile_report = await _profile(engine, prompts[:levels[-1]], params, args)

@@ -29,11 +29,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.history import trim_messages
 from asyncinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 HELP = ("/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves); "
         "a message that starts with / is sent as //...")
@@ -263,7 +266,7 @@ class LineEditor:
             return cls(None, None, sys.stdin.fileno(), terminal=True)
         return cls(readline, history_path(), sys.stdin.fileno(), terminal=True)
 
-    def __enter__(self) -> LineEditor:
+    def __enter__(self) -> Self:
         if self.fd is not None:
             with contextlib.suppress(ImportError, OSError):
                 import termios
@@ -305,7 +308,7 @@ class _Interrupts:
         self.loop = asyncio.get_running_loop()
         self.current: asyncio.Future[Any] | None = None
 
-    def __enter__(self) -> _Interrupts:
+    def __enter__(self) -> Self:
         with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers here (Windows)
             self.loop.add_signal_handler(signal.SIGINT, self._interrupt)
         return self

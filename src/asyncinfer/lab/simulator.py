@@ -16,6 +16,7 @@ raises its :class:`ContractViolation`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -77,7 +78,7 @@ class RequestRecord:
     def itls(self) -> list[float]:
         """Gaps between consecutive output tokens."""
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 @dataclass(frozen=True)

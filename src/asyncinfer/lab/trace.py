@@ -73,12 +73,11 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 def save_trace(trace: Iterable[TraceRequest], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        for request in trace:
-            fh.write(json.dumps(asdict(request)) + "\n")
+        fh.writelines(json.dumps(asdict(request)) + "\n" for request in trace)
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
 def synthetic_trace(

@@ -91,7 +91,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safetensors file handle, not a dict: it has no __iter__
                     yield name, f.get_tensor(name)
         except ModelLoadError:
             raise

@@ -11,7 +11,6 @@ Which architectures exist, and their quirks, is the registry's business
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any
 

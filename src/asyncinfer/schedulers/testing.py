@@ -132,6 +132,16 @@ def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> 
 # --------------------------------------------------------------------------- without a model
 
 
+class _SimClock:
+    """The simulated time a scheduler under test reads as its ``clock``: ``now`` seconds, moved on by the check."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """What one :func:`drive_random_load` run went through."""
@@ -179,8 +189,7 @@ def drive_random_load(
     kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
     sched = create_scheduler(scheduler, config, kv, options)
-    now = [0.0]
-    sched.clock = lambda: now[0]
+    clock = sched.clock = _SimClock()
     arrivals = sorted((rng.randrange(60), i) for i in range(num_requests))
     added: list[Request] = []
     ended: dict[str, str] = {}
@@ -206,7 +215,7 @@ def drive_random_load(
             prompt = [*system, *(rng.randrange(3, 300) for _ in range(size))][:size] if shared else [1] * size
             params = SamplingParams(max_tokens=rng.randrange(1, max_model_len - len(prompt) + 1), ignore_eos=True,
                                     n=rng.choice([1, 1, 2, 3]) if samples else 1)
-            added.append(Request(f"{rng.choice('ab')}/{i}", prompt, params, arrival_time=now[0],
+            added.append(Request(f"{rng.choice('ab')}/{i}", prompt, params, arrival_time=clock.now,
                                  priority=rng.randrange(4)))
             sched.add_request(added[-1])
         if sched.requests and rng.random() < 0.04:
@@ -216,7 +225,7 @@ def drive_random_load(
             ended[victim] = "abort"
             aborted += 1
         step += 1
-        now[0] += 0.05
+        clock.now += 0.05
         if not sched.has_unfinished_requests():
             continue
         plan = sched.schedule()
@@ -281,8 +290,7 @@ def check_no_starvation(
         sched = create_scheduler(scheduler, config, kv, options)
         if not sched.starvation_free:
             return None
-        now = [0.0]
-        sched.clock = lambda: now[0]
+        clock = sched.clock = _SimClock()
         first = Request("first", [1] * 24, SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0,
                         priority=victim_priority)
         sched.add_request(first)
@@ -291,8 +299,8 @@ def check_no_starvation(
                                       arrival_time=0.0, priority=others))
         for step in range(1, steps + 1):
             sched.add_request(Request(f"new/{step}", [2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
-                                      arrival_time=now[0], priority=others))
-            now[0] += 0.05
+                                      arrival_time=clock.now, priority=others))
+            clock.now += 0.05
             apply_step(sched, sched.schedule(), 5)
             if first.status.finished:
                 latest = max(latest, step)

@@ -333,8 +333,8 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
         include_usage = options.get("include_usage") is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
-    common = dict(model=model, user=user, stream=stream, include_usage=include_usage, priority=priority,
-                  sampling=sampling, max_tokens_field="max_tokens", structured_field="structured")
+    common = {"model": model, "user": user, "stream": stream, "include_usage": include_usage, "priority": priority,
+              "sampling": sampling, "max_tokens_field": "max_tokens", "structured_field": "structured"}
     guided = [k for k in _GUIDED if k in fields]
     if len(guided) > 1:
         raise _bad(guided[1], f"At most one of {', '.join(_GUIDED)} may be set, got {' and '.join(guided)}.")

@@ -179,7 +179,7 @@ class _OpenAI:
             response = await run(body, call)  # type: ignore[arg-type]
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every call is answered: from_exception logs an unknown one, a 500
             response = from_exception(exc, call_id, rename).response(call_id)
         response.headers.setdefault("x-request-id", call_id)
         return self._answer(request, response)
@@ -448,7 +448,7 @@ class _OpenAI:
             if reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
-        except Exception as exc:  # the 200 is gone: the error travels as an event, as OpenAI sends it
+        except Exception as exc:  # noqa: BLE001 - the 200 is gone: the error travels as an event, as OpenAI sends it
             yield sse(from_exception(exc, call.id, rename).body())
 
     # -------------------------------------------------------------- embeddings

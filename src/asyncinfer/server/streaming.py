@@ -76,7 +76,7 @@ class MergedStreams:
         try:
             async for delta in stream:
                 self._queue.put_nowait((index, delta))
-        except Exception as exc:  # handed to the reader, which raises it
+        except Exception as exc:  # noqa: BLE001 - not swallowed: handed to the reader, which raises it
             self._queue.put_nowait((index, exc))
         else:
             self._queue.put_nowait((index, _END))

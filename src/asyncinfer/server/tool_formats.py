@@ -37,13 +37,20 @@ import json
 import re
 import secrets
 import string
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.prompts import check_unicode
-from asyncinfer.server.tools import HERMES, ReplyStream, ToolFormat, ToolUse
+from asyncinfer.server.tools import (
+    HERMES,
+    CallStreamBase,
+    ReplyStream,
+    ToolFormat,
+    ToolUse,
+    openai_call_id,
+    partial_tag,
+)
 from asyncinfer.structured import StructuredOutput
 
 __all__ = ["LLAMA_MARKER", "MISTRAL_MARKER", "JsonCallStream", "Llama3JsonFormat", "MistralFormat", "ToolFormats",
@@ -102,7 +109,9 @@ def render_chat_text(tokenizer: Any, fmt: ToolFormat, history: list[dict[str, An
     try:
         text = tokenizer.apply_chat_template(fmt.template_messages(history), tools=fmt.template_tools(use),
                                              add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. roles out of order
+    # The template is the model's code: whatever it raises (its own checks with jinja2's raise_exception, e.g.
+    # roles out of order, or any other error) means it refuses these messages, the caller's error.
+    except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages",
                                     f"messages this model's chat template accepts ({exc})") from None
     check_unicode("prompt", text)
@@ -113,10 +122,6 @@ def _single_token(tokenizer: Any, text: str) -> int | None:
     """The id of the one token ``text`` is in the vocabulary (None when it takes several)."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     return ids[0] if len(ids) == 1 else None
-
-
-def _openai_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def mistral_id() -> str:
@@ -146,7 +151,7 @@ class Llama3JsonFormat(ToolFormat):
         return StructuredOutput.grammar(f"start: %json {json.dumps(use.call_schemas('parameters'), ensure_ascii=False)}\n")
 
     def stream(self, use: ToolUse) -> ReplyStream:
-        return JsonCallStream(use, LLAMA_MARKER, listed=False, arguments="parameters", new_id=_openai_id)
+        return JsonCallStream(use, LLAMA_MARKER, listed=False, arguments="parameters", new_id=openai_call_id)
 
 
 class MistralFormat(ToolFormat):
@@ -234,7 +239,7 @@ class _ValueEnd:
         return None
 
 
-class JsonCallStream:
+class JsonCallStream(CallStreamBase):
     """One choice's text in a JSON call syntax, turned into OpenAI stream deltas as it comes (:meth:`feed`, then
     :meth:`finish`); the deltas are :class:`~asyncinfer.server.tools.CallStream`'s.
 
@@ -245,48 +250,31 @@ class JsonCallStream:
     """
 
     def __init__(self, use: ToolUse, marker: str, *, listed: bool, arguments: str, new_id: Callable[[], str]) -> None:
-        self.use = use
+        super().__init__(use, new_id)  # phases: content | open | value | args | close | next | plain | over
         self.marker = marker
         self.listed = listed
         self.key = arguments
-        self.new_id = new_id
         self._header = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "' + arguments + '": ')
         self._text = ""  # the whole reply so far
         self._at = 0  # how far it is read
         self._sent = 0  # how much of it went out as content
         self._lead = True  # nothing but whitespace so far (calls may open with their first character)
-        self._phase = "content"  # content | open | value | args | close | next | plain | over
         self._value_at = 0  # where the value being read began
         self._scan = _ValueEnd()
-        self._calls = 0
 
-    @property
-    def called(self) -> bool:
-        return self._calls > 0
-
-    @property
-    def in_call(self) -> bool:
-        """A forced call's arguments were being sent and have not ended (the reply was cut inside a call)."""
-        return self._phase == "args"
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def _take(self, text: str) -> None:
         self._text += text
-        out: list[dict[str, Any]] = []
-        while True:
-            before = (self._phase, self._at)
-            self._step(out)
-            if (self._phase, self._at) == before:
-                return out
 
-    def finish(self) -> list[dict[str, Any]]:
+    def _mark(self) -> int:
+        return self._at
+
+    def _held(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         # (a forced call's arguments went out as they came: nothing of them is held)
         if self._phase in ("content", "plain") or (not self.called and self._phase not in ("args", "over")):
             if len(self._text) > self._sent:  # held text, or a first value never whole: all of it content
                 out.append({"content": self._text[self._sent:]})
             self._sent = len(self._text)
-        if self._phase != "args":
-            self._phase = "over"
         return out
 
     # ------------------------------------------------------------------ steps
@@ -357,7 +345,7 @@ class JsonCallStream:
             return
         if self._lead:  # only the marker's beginning yet, after whitespace: held, read again with what comes
             return
-        end = len(text) - _partial(text, self.marker)
+        end = len(text) - partial_tag(text, self.marker)
         if end > self._sent:
             out.append({"content": text[self._sent:end]})
             self._sent = end
@@ -422,23 +410,9 @@ class JsonCallStream:
             return None
         return call["name"], json.dumps(arguments, ensure_ascii=False)
 
-    def _open(self, name: str) -> dict[str, Any]:
-        self._calls += 1
-        return {"tool_calls": [{"index": self._calls - 1, "id": self.new_id(), "type": "function",
-                                "function": {"name": name, "arguments": ""}}]}
-
-    def _arguments(self, piece: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": self._calls - 1, "function": {"arguments": piece}}]}
-
 
 def _skip(text: str, at: int) -> int:
     """The index of the first character at or after ``at`` that is not whitespace (``len(text)`` if none)."""
     while at < len(text) and text[at] in _WHITESPACE:
         at += 1
     return at
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
-

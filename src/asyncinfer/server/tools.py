@@ -28,6 +28,7 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -35,8 +36,9 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server.errors import APIError
 from asyncinfer.structured import StructuredOutput
 
-__all__ = ["HERMES", "CallStream", "HermesFormat", "ReplyStream", "Tool", "ToolFormat", "ToolUse", "check_tool_calls",
-           "hermes_messages", "parse_tool_use", "read_calls", "render_assistant", "render_tool_result", "split_calls"]
+__all__ = ["HERMES", "CallStream", "CallStreamBase", "HermesFormat", "ReplyStream", "Tool", "ToolFormat", "ToolUse",
+           "check_tool_calls", "hermes_messages", "openai_call_id", "parse_tool_use", "partial_tag", "read_calls",
+           "render_assistant", "render_tool_result", "split_calls"]
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -328,6 +330,11 @@ def hermes_messages(history: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------ replies
+def openai_call_id() -> str:
+    """A new call's id as OpenAI writes them: ``call_`` and 24 hex digits."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(block: str, names: set[str]) -> dict[str, Any] | None:
     try:
         value = json.loads(block)
@@ -338,7 +345,7 @@ def _call(block: str, names: set[str]) -> dict[str, Any] | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": openai_call_id(), "type": "function",
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -381,31 +388,22 @@ _HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 _END = "}\n" + CLOSE
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
-class CallStream:
-    """One choice's text, turned into OpenAI stream deltas as it comes (:meth:`feed`, then :meth:`finish`).
+class CallStreamBase(ABC):
+    """What every format's :class:`ReplyStream` shares: the phase it is in (it starts in ``"content"``; ``"args"``
+    is inside a call's arguments, ``"over"`` sends nothing more), the calls it opened (their indexes are
+    0 .. n - 1, each with a ``new_id()``), the deltas that open a call and carry a piece of its arguments, and
+    :meth:`feed`'s loop: steps (:meth:`_step`) until one moves neither the phase nor :meth:`_mark`."""
 
-    A delta is ``{"content": ...}`` or ``{"tool_calls": [...]}``: a call opens with its ``index``, ``id``,
-    ``type`` and ``function.name`` (``arguments: ""``); pieces of ``function.arguments`` follow under the
-    same ``index``. Text before the first ``<tool_call>`` is content as it comes (an end that may be the
-    start of the tag held back). With ``tool_choice`` ``"required"`` or a named function the grammar
-    writes the calls, so each call opens as soon as its name is written and its arguments go out as
-    they are generated. With ``"auto"`` a block is a call only if it is whole and valid, so each block
-    is held until its ``</tool_call>`` and then sent as one call (or, for a first block that is not a
-    call, as content, with all that follows).
-    """
-
-    def __init__(self, use: ToolUse) -> None:
+    def __init__(self, use: ToolUse, new_id: Callable[[], str] = openai_call_id) -> None:
         self.use = use
-        self._forced = use.forced
-        self._buf = ""  # text received and not yet settled
-        self._raw = ""  # everything from the first <tool_call> on (sent as content if that block is no call)
-        self._phase = "content"  # content | block | args | between | plain | over
-        self._calls = 0  # calls opened (their indexes are 0 .. _calls - 1)
+        self.new_id = new_id
+        self._phase = "content"
+        self._calls = 0  # calls opened
 
     @property
     def called(self) -> bool:
@@ -419,18 +417,74 @@ class CallStream:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas to send now for ``text``."""
-        if self._phase != "content" and self._phase != "plain":
-            self._raw += text
-        self._buf += text
+        self._take(text)
         out: list[dict[str, Any]] = []
         while True:
-            before = (self._phase, len(self._buf))
+            before = (self._phase, self._mark())
             self._step(out)
-            if (self._phase, len(self._buf)) == before:
+            if (self._phase, self._mark()) == before:
                 return out
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas still to send when the reply ends."""
+        out = self._held()
+        if self._phase != "args":  # (a call cut short stays `in_call`)
+            self._phase = "over"
+        return out
+
+    @abstractmethod
+    def _take(self, text: str) -> None:
+        """Keep ``text``, the reply's next piece, to be read."""
+
+    @abstractmethod
+    def _mark(self) -> int:
+        """Where the reading stands: a step that reads anything moves it (or the phase)."""
+
+    @abstractmethod
+    def _step(self, out: list[dict[str, Any]]) -> None:
+        """Read on from where the reading stands, appending the deltas that are due to ``out``."""
+
+    @abstractmethod
+    def _held(self) -> list[dict[str, Any]]:
+        """At the reply's end: the deltas for what is still held."""
+
+    def _open(self, name: str) -> dict[str, Any]:
+        self._calls += 1
+        return {"tool_calls": [{"index": self._calls - 1, "id": self.new_id(), "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _arguments(self, piece: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self._calls - 1, "function": {"arguments": piece}}]}
+
+
+class CallStream(CallStreamBase):
+    """One choice's text, turned into OpenAI stream deltas as it comes (:meth:`feed`, then :meth:`finish`).
+
+    A delta is ``{"content": ...}`` or ``{"tool_calls": [...]}``: a call opens with its ``index``, ``id``,
+    ``type`` and ``function.name`` (``arguments: ""``); pieces of ``function.arguments`` follow under the
+    same ``index``. Text before the first ``<tool_call>`` is content as it comes (an end that may be the
+    start of the tag held back). With ``tool_choice`` ``"required"`` or a named function the grammar
+    writes the calls, so each call opens as soon as its name is written and its arguments go out as
+    they are generated. With ``"auto"`` a block is a call only if it is whole and valid, so each block
+    is held until its ``</tool_call>`` and then sent as one call (or, for a first block that is not a
+    call, as content, with all that follows).
+    """
+
+    def __init__(self, use: ToolUse) -> None:
+        super().__init__(use)  # phases: content | block | args | between | plain | over
+        self._forced = use.forced
+        self._buf = ""  # text received and not yet settled
+        self._raw = ""  # everything from the first <tool_call> on (sent as content if that block is no call)
+
+    def _take(self, text: str) -> None:
+        if self._phase != "content" and self._phase != "plain":
+            self._raw += text
+        self._buf += text
+
+    def _mark(self) -> int:
+        return len(self._buf)  # what is settled leaves the buffer
+
+    def _held(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self._phase == "content" or self._phase == "plain":
             if self._buf:
@@ -440,8 +494,6 @@ class CallStream:
         elif self._phase == "args" and self._buf:  # cut inside a constrained call: its arguments so far
             out.append(self._arguments(self._buf))
         self._buf = ""
-        if self._phase != "args":  # (a call cut short stays `in_call`)
-            self._phase = "over"
         return out
 
     # ------------------------------------------------------------------ steps
@@ -457,7 +509,7 @@ class CallStream:
                 self._raw = OPEN + self._buf
                 self._phase = "block"
             else:
-                keep = _partial(self._buf, OPEN)
+                keep = partial_tag(self._buf, OPEN)
                 head, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             if head:
                 out.append({"content": head})
@@ -467,7 +519,7 @@ class CallStream:
                 self._buf = self._buf[at + len(OPEN):]
                 self._phase = "block" if self.use.parallel else "over"
             else:
-                self._buf = self._buf[len(self._buf) - _partial(self._buf, OPEN):]  # text between blocks: dropped
+                self._buf = self._buf[len(self._buf) - partial_tag(self._buf, OPEN):]  # text between blocks: dropped
         elif self._phase == "block":
             self._block(out)
         elif self._phase == "args":
@@ -476,7 +528,7 @@ class CallStream:
                 piece, self._buf = self._buf[:at], self._buf[at + len(_END):]  # the call's own brace is not theirs
                 self._phase = "between"
             else:
-                keep = _partial(self._buf, _END)
+                keep = partial_tag(self._buf, _END)
                 piece, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             if piece:
                 out.append(self._arguments(piece))
@@ -507,11 +559,3 @@ class CallStream:
         else:  # a later block is no call: the calls end here
             self._phase = "over"
             self._buf = ""
-
-    def _open(self, name: str) -> dict[str, Any]:
-        self._calls += 1
-        return {"tool_calls": [{"index": self._calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                "function": {"name": name, "arguments": ""}}]}
-
-    def _arguments(self, piece: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": self._calls - 1, "function": {"arguments": piece}}]}
