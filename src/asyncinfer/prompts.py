@@ -75,13 +75,23 @@ def plain_text(value: Any) -> Any:
     return str.__str__(value) if isinstance(value, str) else value
 
 
+def plain_int(value: Any) -> Any:
+    """An ``int`` (of a subclass too, but ``bool``) as the plain ``int`` it holds; anything else as it is.
+
+    ``int.__index__`` reads the number itself: a subclass whose comparisons lie (``__lt__`` always true)
+    cannot pass a range check with a value outside the range (a token id past the vocabulary failed the
+    step of every request batched with it)."""
+    return int.__index__(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def plain_prompt(prompt: Any) -> Any:
     """``prompt`` in built-in types, so that every check looks at its real content, not at what a
-    subclass's ``__len__`` (or ``__bool__``) says: a text as a plain ``str``; a list, tuple or other
-    sequence of token ids or chat messages as a plain ``list`` of the items it holds (:func:`plain_list`);
-    each chat message (up to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real
-    count) as a plain ``dict`` of plain ``str`` keys and values. Bytes, ranges and other values are
-    returned as they are (the checks refuse them). The engine's calls do this first of all."""
+    subclass's ``__len__`` (or ``__bool__``, or an int subclass's comparisons) says: a text as a plain
+    ``str``; a list, tuple or other sequence of token ids or chat messages as a plain ``list`` of the items
+    it holds (:func:`plain_list`), each token id a plain ``int`` (:func:`plain_int`); each chat message (up
+    to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real count) as a plain ``dict`` of
+    plain ``str`` keys and values. Bytes, ranges and other values are returned as they are (the checks
+    refuse them). The engine's calls do this first of all."""
     if isinstance(prompt, str):
         return plain_text(prompt)
     items = plain_list(prompt)
@@ -89,6 +99,8 @@ def plain_prompt(prompt: Any) -> Any:
         return prompt
     if len(items) <= MAX_CHAT_MESSAGES and items and isinstance(items[0], dict):
         items = [_plain_message(m) for m in items]
+    else:
+        items = [plain_int(t) for t in items]
     return items
 
 
