@@ -2,9 +2,12 @@
 
 The engine already copied a ``str`` or ``list`` subclass into the plain value it holds before checking it,
 but took an ``int`` subclass as it came, and such an int's comparisons are its own: one whose ``__lt__`` and
-``__ge__`` always answer True passes every range check whatever it holds. A token id of a million in a
+``__ge__`` answer as if it held another number passes every range check whatever it holds. A token id of a million in a
 prompt (the vocabulary has 320) passed ``0 <= t < vocab_size`` and failed, with an ``IndexError`` in the
-model's embedding, the step of every request batched with it.
+model's embedding, the step of every request batched with it. ``SamplingParams`` took such ints (and float
+subclasses) as they came too: ``n`` of ten thousand samples, a negative ``max_tokens`` or ``seed``, a
+``logprobs`` of a million passed their checks, and the ten thousand samples ended the call with a bare
+``RuntimeError``. Both now read the plain number the value holds before checking it, and keep that.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import plain_prompt
+from asyncinfer.sampling_params import plain_params
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
@@ -26,6 +30,29 @@ class Posing(int):
     poses_as: float
 
     def __new__(cls, value: int, poses_as: float) -> Posing:
+        number = super().__new__(cls, value)
+        number.poses_as = poses_as
+        return number
+
+    def __lt__(self, other: object) -> bool:
+        return self.poses_as < other  # type: ignore[operator,no-any-return]
+
+    def __le__(self, other: object) -> bool:
+        return self.poses_as <= other  # type: ignore[operator,no-any-return]
+
+    def __gt__(self, other: object) -> bool:
+        return self.poses_as > other  # type: ignore[operator,no-any-return]
+
+    def __ge__(self, other: object) -> bool:
+        return self.poses_as >= other  # type: ignore[operator,no-any-return]
+
+
+class PosingFloat(float):
+    """A float that compares as another number."""
+
+    poses_as: float
+
+    def __new__(cls, value: float, poses_as: float) -> PosingFloat:
         number = super().__new__(cls, value)
         number.poses_as = poses_as
         return number
@@ -69,3 +96,47 @@ async def test_a_token_id_that_lies_about_its_range_is_refused_and_fails_no_neig
         assert engine.step_stats().failed_steps == 0
     assert engine.kv_stats().used_blocks == 0
 
+
+AGREEABLE_PARAMS = {  # each a value outside its field's range, in a type whose comparisons say it is inside
+    "n": Posing(10_000, 2),
+    "max_tokens": Posing(-5, 8),
+    "min_tokens": Posing(10**9, 1),
+    "seed": Posing(-1, 1),
+    "top_k": Posing(-7, 2),
+    "logprobs": Posing(10**6, 2),
+    "temperature": PosingFloat(-1.0, 0.5),
+    "top_p": PosingFloat(5.0, 0.5),
+    "min_p": PosingFloat(-3.0, 0.5),
+    "presence_penalty": PosingFloat(1e30, 0.5),
+    "repetition_penalty": PosingFloat(0.0, 1.0),
+    "stop_token_ids": [Posing(-3, 3)],
+}
+
+
+@pytest.mark.parametrize("field", AGREEABLE_PARAMS)
+def test_sampling_params_check_the_number_a_value_holds(field) -> None:
+    with pytest.raises(InvalidParameterError) as refused:
+        SamplingParams(**{field: AGREEABLE_PARAMS[field]})
+    assert refused.value.parameter == field
+
+
+def test_sampling_params_keep_plain_numbers() -> None:
+    params = SamplingParams(max_tokens=Posing(7, 7), temperature=PosingFloat(0.5, 0.5), n=Posing(2, 2),
+                            seed=Posing(3, 3), stop_token_ids=[Posing(4, 4)])
+    assert (params.max_tokens, params.temperature, params.n, params.seed, params.stop_token_ids) == (7, 0.5, 2, 3, [4])
+    assert [type(v) for v in (params.max_tokens, params.temperature, params.n, params.seed,
+                              *params.stop_token_ids)] == [int, float, int, int, int]
+    assert type(plain_params(params).max_tokens) is int
+
+
+async def test_ten_thousand_samples_behind_a_posing_n_are_refused_at_the_call(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 16)
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        neighbour = asyncio.create_task(engine.generate(GOOD, SamplingParams(max_tokens=16, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidParameterError) as refused:
+            await engine.generate(GOOD, SamplingParams(max_tokens=3, temperature=1.0, n=Posing(10_000, 2)))
+        assert refused.value.parameter == "n"
+        assert (await neighbour).token_ids == expected
+    assert engine.kv_stats().used_blocks == 0
