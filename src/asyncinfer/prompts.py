@@ -123,8 +123,13 @@ def _plain_message(message: Any) -> Any:
     return {plain_text(k): plain_text(v) for k, v in dict.items(message)}
 
 
-def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
-    """The request's parameters, checked as they hold now (``None`` params: the defaults)."""
+def check_request_args(params: SamplingParams | None, priority: Any,
+                       cache_salt: Any) -> tuple[SamplingParams, int, str | None]:
+    """The request's parameters, checked as they hold now (``None`` params: the defaults), its priority as the
+    plain ``int`` and its cache salt as the plain ``str`` they hold (:func:`plain_int`, :func:`plain_text`): the
+    engine thread compares the one and hashes the other, and a subclass's own methods would run there (a salt
+    whose ``__hash__`` raised failed its neighbours' step)."""
+    priority, cache_salt = plain_int(priority), plain_text(cache_salt)
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -135,7 +140,7 @@ def check_request_args(params: SamplingParams | None, priority: Any, cache_salt:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
-    return params
+    return params, priority, cache_salt
 
 
 def make_request(
@@ -249,6 +254,10 @@ def check_unicode(parameter: str, text: str) -> None:
 
 
 def check_request_id(request_id: Any) -> str:
+    """``request_id`` as the plain ``str`` it holds (:func:`plain_text`), checked: the engine thread keys its
+    tables by it, and a ``str`` subclass's ``__hash__`` or ``__eq__`` would run there, in every step (one that
+    raised killed the engine for everyone)."""
+    request_id = plain_text(request_id)
     if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
         shown = request_id if not isinstance(request_id, str) or len(request_id) <= 64 else f"<{len(request_id)} chars>"
         raise InvalidParameterError("request_id", shown, f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters")

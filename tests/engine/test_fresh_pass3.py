@@ -8,11 +8,17 @@ model's embedding, the step of every request batched with it. ``SamplingParams``
 subclasses) as they came too: ``n`` of ten thousand samples, a negative ``max_tokens`` or ``seed``, a
 ``logprobs`` of a million passed their checks, and the ten thousand samples ended the call with a bare
 ``RuntimeError``. Both now read the plain number the value holds before checking it, and keep that.
+
+The same for the request's strings: a ``request_id`` or ``cache_salt`` given as a ``str`` subclass was kept as
+it came, and the engine thread keys its tables by them: a subclass whose ``__hash__`` raised there (and only
+there) killed the engine for everyone (the id) or failed its neighbours' step (the salt). Both are now the
+plain ``str`` they hold, and the priority the plain ``int``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -140,3 +146,48 @@ async def test_ten_thousand_samples_behind_a_posing_n_are_refused_at_the_call(ti
         assert refused.value.parameter == "n"
         assert (await neighbour).token_ids == expected
     assert engine.kv_stats().used_blocks == 0
+
+
+class EngineSideHash(str):
+    """A str whose ``__hash__`` works on the caller's thread and raises on any other (the engine thread)."""
+
+    caller = threading.get_ident()
+
+    def __hash__(self) -> int:
+        if threading.get_ident() != self.caller:
+            raise RuntimeError("hashed off the caller's thread")
+        return str.__hash__(self)
+
+    __eq__ = str.__eq__
+
+
+@pytest.mark.parametrize("argument", ["request_id", "cache_salt"])
+async def test_a_str_subclass_whose_hash_raises_on_the_engine_thread_harms_nobody(tiny_models, hf_greedy,
+                                                                                  argument) -> None:
+    """Before: the id's ``__hash__`` raised in the engine thread's step loop (EngineDeadError for every caller,
+    and the engine dead); the salt's in the scheduler's admission, failing the neighbours' step."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 24)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    EngineSideHash.caller = threading.get_ident()
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        neighbour = asyncio.create_task(engine.generate(GOOD, greedy))
+        await asyncio.sleep(0.05)
+        value = EngineSideHash("hostile")
+        own = await engine.generate(GOOD, greedy, **{argument: value})  # type: ignore[arg-type]
+        assert own.token_ids == expected and type(own.request_id) is str
+        assert (await neighbour).token_ids == expected
+        engine.abort(EngineSideHash("hostile"))  # a finished id: nothing to abort, and nothing raised
+        assert (await engine.generate(GOOD, greedy)).token_ids == expected
+        assert engine.step_stats().failed_steps == 0
+    assert engine.kv_stats().used_blocks == 0
+
+
+def test_a_priority_that_poses_as_in_range_is_refused() -> None:
+    from asyncinfer.prompts import MAX_PRIORITY, check_request_args
+
+    with pytest.raises(InvalidParameterError) as refused:
+        check_request_args(None, Posing(10**40, 0), None)
+    assert refused.value.parameter == "priority"
+    _, priority, salt = check_request_args(None, Posing(MAX_PRIORITY, 0), EngineSideHash("s"))
+    assert (type(priority), priority, type(salt), salt) == (int, MAX_PRIORITY, str, "s")
