@@ -280,6 +280,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 "None or a StructuredOutput (StructuredOutput.json_schema(...), .json_object(), .regex(...), "
                 ".choice([...]), .grammar(...))",
             )
+        if self.structured is not None and type(self.structured) is not StructuredOutput:
+            # a subclass built again as the plain spec it holds: the spec keys the compiled-grammar cache, and a
+            # subclass's __hash__ and __eq__ would let its grammar be found for another request's spec
+            held = msgspec.structs.asdict(self.structured)
+            msgspec.structs.force_setattr(self, "structured", StructuredOutput(kind=held["kind"], value=held["value"]))
 
     # ------------------------------------------------------------------ helpers
 
