@@ -3,9 +3,12 @@ over HTTP. Each case here was a fault on main before it was fixed."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.server.errors import APIError
+from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, decode_json, parse_chat, parse_completion
 from asyncinfer.structured import StructuredOutput
 
 from .conftest import TINY_OPTIONS
@@ -59,3 +62,46 @@ async def test_a_spec_posing_as_anothers_never_lends_it_its_grammar(tiny_chat_mo
         assert own.outputs[0].text == "aaaaa"
         answer = await engine.generate("hello", SamplingParams(max_tokens=16, structured=victim))
         assert answer.outputs[0].text in ("yes-victim", "no-victim"), answer.outputs[0].text
+
+
+# Invalid UTF-8 inside a field the body's decoder keeps as raw text (skipped unread, so never checked as UTF-8 there)
+# and reads later: msgspec's DecodeError escaped the router's checks as a 500 "internal_error" (logged as an engine
+# fault). Each is now a 400 naming the field, as the same bytes in a field decoded with the body are refused.
+BAD = b"h\xc0\xafi"  # an overlong "/" (a classic filter bypass): not UTF-8
+HI = b'[{"role": "user", "content": "hi"}]'
+INVALID_UTF8 = [  # (parse, body, param)
+    ("chat", b'{"messages": [{"role": "user", "content": "' + BAD + b'"}]}', "messages.[0].content"),
+    ("chat", b'{"messages": [{"role": "us' + BAD + b'", "content": "hi"}]}', "messages.[0]"),
+    ("chat", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "' + BAD + b'"}]}]}',
+     "messages.[0].content.[0]"),
+    ("chat", b'{"messages": [{"role": "user", "content": ["' + BAD + b'"]}]}', "messages.[0].content.[0]"),
+    ("chat", b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "' + BAD + b'"}]}]}',
+     "messages.[0]"),
+    ("chat", b'{"messages": ' + HI + b', "metadata": {"k": "' + BAD + b'"}}', "metadata"),
+    ("chat", b'{"messages": ' + HI + b', "logit_bias": "' + BAD + b'"}', "logit_bias"),
+    ("chat", b'{"messages": ' + HI + b', "functions": ["' + BAD + b'"]}', "functions"),
+    ("text", b'{"prompt": "hi", "echo": "' + BAD + b'"}', "echo"),
+    ("text", b'{"prompt": "hi", "suffix": "' + BAD + b'"}', "suffix"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), INVALID_UTF8, ids=[p for _, _, p in INVALID_UTF8])
+def test_invalid_utf8_in_a_raw_field_is_a_400_naming_it(route, body, param) -> None:
+    shape, parse = (CHAT_BODY, parse_chat) if route == "chat" else (COMPLETION_BODY, parse_completion)
+    with pytest.raises(APIError) as refused:
+        parse(decode_json(body, shape))
+    assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
+    assert "UTF-8" in refused.value.message
+
+
+def test_invalid_utf8_in_a_message_over_http_is_a_400(server) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for route, body, param in INVALID_UTF8:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            r = http.post(path, content=body.replace(b"{", b'{"model": "tiny", "max_tokens": 2, ', 1),
+                          headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.status_code, r.text)
+            assert r.headers["x-request-id"]
+        ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
