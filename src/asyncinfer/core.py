@@ -125,6 +125,8 @@ class EngineCore:
         self.grammars = grammars
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
+        # The kinds of fault the scheduler's has_unfinished_requests raised, each logged once (asked every pass)
+        self._unfinished_faults: set[type[BaseException]] = set()
         # The running step's requests once it is scheduled (None before): what fail_step fails.
         self._batch: list[tuple[Request, int]] | None = None
         # Called on this thread after each step that ran: (batch, inputs, result, perf_counter at its start).
@@ -235,7 +237,21 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether the scheduler holds work. A plugin's ``has_unfinished_requests`` that raises (or answers with
+        something that has no truth value) is logged, once per kind of fault, and answered from the requests the
+        scheduler holds (``scheduler.requests``): its fault, asked by the engine thread's loop between steps,
+        ended the engine for everyone (``EngineDeadError``)."""
+        try:
+            return bool(self.scheduler.has_unfinished_requests())
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a plugin's fault: logged, and the engine serves on
+            if type(exc) not in self._unfinished_faults:
+                self._unfinished_faults.add(type(exc))
+                logger.error("the scheduler (%s) raised in has_unfinished_requests: %s (answered from the requests "
+                             "it holds; the engine serves on)", type(self.scheduler).__name__,
+                             exception_text(exc), exc_info=exc)
+            return bool(self.scheduler.requests) or bool(self._groups)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[CoreOutput]:

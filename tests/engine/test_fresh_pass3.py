@@ -25,6 +25,7 @@ import pytest
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import plain_prompt
 from asyncinfer.sampling_params import plain_params
+from asyncinfer.schedulers import FIFOScheduler
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
@@ -191,3 +192,36 @@ def test_a_priority_that_poses_as_in_range_is_refused() -> None:
     assert refused.value.parameter == "priority"
     _, priority, salt = check_request_args(None, Posing(MAX_PRIORITY, 0), EngineSideHash("s"))
     assert (type(priority), priority, type(salt), salt) == (int, MAX_PRIORITY, str, "s")
+
+
+class Undecided(FIFOScheduler):
+    """FIFO whose ``has_unfinished_requests`` raises once ``broken`` (each time it is asked)."""
+
+    broken = False
+
+    def has_unfinished_requests(self) -> bool:
+        if Undecided.broken:
+            raise ValueError("this plugin cannot tell")
+        return super().has_unfinished_requests()
+
+
+async def test_a_plugin_whose_has_unfinished_requests_raises_is_logged_and_survived(tiny_models, hf_greedy,
+                                                                                     caplog) -> None:
+    """The engine thread asks each core whether it has work between steps; a plugin whose answer raised ended the
+    step loop (every caller's request an EngineDeadError, the engine dead). Now it is logged once and answered
+    from the requests the scheduler holds."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 8)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    Undecided.broken = False
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=Undecided)
+    Undecided.broken = True  # from now on (warm-up, at load, asks it too: a fault there refuses the load)
+    async with engine:
+        for _ in range(2):
+            outs = await asyncio.wait_for(asyncio.gather(*[engine.generate(GOOD, greedy) for _ in range(3)]), 60)
+            assert [o.token_ids for o in outs] == [expected] * 3
+        assert engine.state.value == "running" and engine.step_stats().failed_steps == 0
+    assert engine.kv_stats().used_blocks == 0
+    Undecided.broken = False
+    faults = [r for r in caplog.records if "has_unfinished_requests" in r.getMessage()]
+    assert len(faults) == 1 and "this plugin cannot tell" in faults[0].getMessage()
