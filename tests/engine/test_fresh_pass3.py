@@ -225,3 +225,30 @@ async def test_a_plugin_whose_has_unfinished_requests_raises_is_logged_and_survi
     Undecided.broken = False
     faults = [r for r in caplog.records if "has_unfinished_requests" in r.getMessage()]
     assert len(faults) == 1 and "this plugin cannot tell" in faults[0].getMessage()
+
+
+def test_a_gguf_tensor_with_a_dimension_past_int64_is_refused_at_parse(tmp_path) -> None:
+    """A tensor of dims (2**64 - 1, 0, ...) holds no bytes, so it passed the check that its bytes lie in the file,
+    and was accepted into the index; reading it was a TypeError from torch (a size it cannot hold), not a
+    ModelLoadError. The reader now refuses a dimension past ggml's int64 sizes when it parses the header."""
+    import gguf
+    import numpy as np
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.gguf_file import GGUFFile
+
+    path = tmp_path / "dims.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("f32", np.zeros((0, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GGUFFile(path).tensors[0].shape == (0, 4)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"f32") + 3 + 4  # the name, then n_dims (u32): the first dimension (u64)
+    assert int.from_bytes(data[at:at + 8], "little") == 4
+    data[at:at + 8] = (2**64 - 1).to_bytes(8, "little")
+    (tmp_path / "huge.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="'f32' has a dimension of 18446744073709551615"):
+        GGUFFile(tmp_path / "huge.gguf")
