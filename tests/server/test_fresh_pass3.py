@@ -105,3 +105,45 @@ def test_invalid_utf8_in_a_message_over_http_is_a_400(server) -> None:
         ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+def test_a_stream_nobody_reads_is_closed_after_send_timeout_and_its_requests_aborted(tiny_chat_model) -> None:
+    """A client that asks for a large stream (16 samples of 500 tokens with 20 alternatives each) and then reads
+    nothing filled its connection's send buffer: the server waited on it for ever, the connection open (one of
+    ``max_connections``) and its 16 samples held in the engine (their seats and KV blocks), past every header
+    and body deadline; the server could not even stop. Now the connection is closed once its buffer has stayed
+    full for ``send_timeout``, and its requests are aborted as on a disconnect."""
+    import json
+    import socket
+    import time
+
+    from asyncinfer.server import ModelSpec, ServerSettings, create_app
+
+    from .conftest import LiveServer
+
+    settings = ServerSettings(header_timeout=2.0, send_timeout=1.0)
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), settings)
+    with LiveServer(app, settings) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 500, "n": 16, "temperature": 1,
+                           "ignore_eos": True, "logprobs": 20, "stream": True}).encode()
+        silent = socket.socket()
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        silent.connect((host, int(port)))
+        silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            deadline = time.monotonic() + 60
+            while live.engine.num_unfinished_requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert live.engine.num_unfinished_requests > 0  # it is being served
+            while (live.server.server_state.connections or live.engine.num_unfinished_requests) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not live.server.server_state.connections, "the silent client's connection is still open"
+            live.wait_idle()  # its samples were aborted, their blocks freed
+            r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            silent.close()
