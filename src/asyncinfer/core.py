@@ -245,7 +245,7 @@ class EngineCore:
             return bool(self.scheduler.has_unfinished_requests())
         except ENDS_ENGINE:
             raise
-        except BaseException as exc:  # noqa: BLE001 - a plugin's fault: logged, and the engine serves on
+        except BaseException as exc:  # a plugin's fault: logged, and the engine serves on
             if type(exc) not in self._unfinished_faults:
                 self._unfinished_faults.add(type(exc))
                 logger.error("the scheduler (%s) raised in has_unfinished_requests: %s (answered from the requests "

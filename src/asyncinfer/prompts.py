@@ -86,9 +86,9 @@ def plain_int(value: Any) -> Any:
 
 def plain_prompt(prompt: Any) -> Any:
     """``prompt`` in built-in types, so that every check looks at its real content, not at what a
-    subclass's ``__len__`` (or ``__bool__``, or an int subclass's comparisons) says: a text as a plain
-    ``str``; a list, tuple or other sequence of token ids or chat messages as a plain ``list`` of the items
-    it holds (:func:`plain_list`), each token id a plain ``int`` (:func:`plain_int`); each chat message (up
+    subclass's ``__len__`` (or ``__bool__``) says: a text as a plain ``str``; a list, tuple or other
+    sequence of token ids or chat messages as a plain ``list`` of the items it holds (:func:`plain_list`;
+    its token ids are read as plain ints once its length is checked, :func:`prompt_token_ids`); each chat message (up
     to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real count) as a plain ``dict`` of
     plain ``str`` keys and values. Bytes, ranges and other values are returned as they are (the checks
     refuse them). The engine's calls do this first of all."""
@@ -99,8 +99,6 @@ def plain_prompt(prompt: Any) -> Any:
         return prompt
     if len(items) <= MAX_CHAT_MESSAGES and items and isinstance(items[0], dict):
         items = [_plain_message(m) for m in items]
-    else:
-        items = [plain_int(t) for t in items]
     return items
 
 
@@ -289,7 +287,7 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     elif isinstance(prompt, Sequence) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = [plain_int(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
-from asyncinfer.prompts import plain_prompt
+from asyncinfer.prompts import plain_int
 from asyncinfer.sampling_params import plain_params
 from asyncinfer.schedulers import FIFOScheduler
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
@@ -36,7 +40,7 @@ class Posing(int):
 
     poses_as: float
 
-    def __new__(cls, value: int, poses_as: float) -> Posing:
+    def __new__(cls, value: int, poses_as: float) -> Self:
         number = super().__new__(cls, value)
         number.poses_as = poses_as
         return number
@@ -59,7 +63,7 @@ class PosingFloat(float):
 
     poses_as: float
 
-    def __new__(cls, value: float, poses_as: float) -> PosingFloat:
+    def __new__(cls, value: float, poses_as: float) -> Self:
         number = super().__new__(cls, value)
         number.poses_as = poses_as
         return number
@@ -77,10 +81,9 @@ class PosingFloat(float):
         return self.poses_as >= other  # type: ignore[operator,no-any-return]
 
 
-def test_plain_prompt_reads_token_ids_as_plain_ints() -> None:
-    prompt = plain_prompt((5, Posing(10**6, 5), 7))
-    assert prompt == [5, 10**6, 7] and all(type(t) is int for t in prompt)
-    assert plain_prompt([True, 3]) == [True, 3] and plain_prompt([True, 3])[0] is True  # a bool stays a bool (refused)
+def test_plain_int_reads_the_number_an_int_holds() -> None:
+    assert [type(plain_int(t)) for t in (5, Posing(10**6, 5))] == [int, int] and plain_int(Posing(10**6, 5)) == 10**6
+    assert plain_int(True) is True and plain_int("7") == "7"  # a bool stays a bool, anything else as it is (refused)
 
 
 @pytest.mark.parametrize("position", [0, 4])
