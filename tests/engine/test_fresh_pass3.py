@@ -26,7 +26,7 @@ import pytest
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import plain_int
 from asyncinfer.sampling_params import plain_params
-from asyncinfer.schedulers import FIFOScheduler
+from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -255,3 +255,58 @@ def test_a_gguf_tensor_with_a_dimension_past_int64_is_refused_at_parse(tmp_path)
     (tmp_path / "huge.gguf").write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="'f32' has a dimension of 18446744073709551615"):
         GGUFFile(tmp_path / "huge.gguf")
+
+
+class Uncounted(FIFOScheduler):
+    """FIFO whose ``num_running`` and ``num_waiting`` raise once ``broken``; ``stalling`` schedules nothing."""
+
+    broken = False
+    stalling = False
+
+    @property
+    def num_running(self) -> int:
+        if Uncounted.broken:
+            raise ValueError("this plugin cannot count")
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        if Uncounted.broken:
+            raise ValueError("this plugin cannot count")
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        if Uncounted.stalling:
+            return SchedulerOutput()  # an empty plan: nothing scheduled, ever
+        return super().schedule()
+
+
+async def test_a_plugin_whose_counts_raise_fails_no_scrape_and_no_stall_check(tiny_models, hf_greedy, caplog) -> None:
+    """``num_running``/``num_waiting`` of a plugin are read by ``engine.metrics`` (every ``/metrics`` scrape) and by
+    the stall check's message on the engine thread: a plugin whose counts raised failed every scrape, and, once
+    its requests stalled, ended the engine thread (EngineDeadError for everyone) instead of failing the stalled
+    requests with RequestStalledError. The counts now come from the scheduler's queues when the plugin's raise."""
+    from prometheus_client import generate_latest
+
+    from asyncinfer.errors import RequestStalledError
+
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 8)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    Uncounted.broken = Uncounted.stalling = False
+    engine = AsyncEngine.from_pretrained(path, **BASE, scheduler=Uncounted, stall_timeout=0.5)
+    Uncounted.broken = True
+    try:
+        async with engine:
+            assert (await engine.generate(GOOD, greedy)).token_ids == expected
+            assert b"asyncinfer_" in generate_latest(engine.metrics.registry)  # the scrape is whole
+            Uncounted.stalling = True
+            with pytest.raises(RequestStalledError, match="with 0 running and 1 waiting"):
+                await asyncio.wait_for(engine.generate(GOOD, greedy), 60)
+            Uncounted.stalling = False
+            assert (await engine.generate(GOOD, greedy)).token_ids == expected
+            assert engine.state.value == "running"
+    finally:
+        Uncounted.broken = Uncounted.stalling = False
+    faults = [r for r in caplog.records if "num_running or num_waiting" in r.getMessage()]
+    assert len(faults) == 1 and "this plugin cannot count" in faults[0].getMessage()
