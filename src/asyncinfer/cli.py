@@ -384,7 +384,8 @@ def _serve(args: argparse.Namespace) -> int:
                               cache_isolation=args.cache_isolation, tenant_header=args.tenant_header,
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
-                              body_timeout=args.body_timeout, max_connections=args.max_connections)
+                              body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+                              max_connections=args.max_connections)
     # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
     # in use, or taken by a second serve started a moment later, is refused at once.
     sock = listening_socket(args.host, args.port)
@@ -448,6 +449,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a connection has to send a request's headers (default: 10)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="seconds a request has to send its body once its headers are in (default: 30)")
+    p.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds an answer may wait for its client to read it (a full send buffer) before the "
+                        "connection is closed and its requests aborted (default: 30)")
     p.add_argument("--max-connections", type=int, default=512, metavar="N",
                    help="open connections at most; one more is answered 503 (default: 512)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -580,7 +584,7 @@ _SERVE_FLAGS = {
     "api_keys": "--api-key", "metrics_keys": "--metrics-key", "max_body_bytes": "--max-body-bytes",
     "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
     "priority_header": "--priority-header", "header_timeout": "--header-timeout", "body_timeout": "--body-timeout",
-    "max_connections": "--max-connections",
+    "send_timeout": "--send-timeout", "max_connections": "--max-connections",
 }
 _KEY_FLAGS = ("api_keys", "metrics_keys")
 _ENGINE_COMMANDS = ("chat", "generate", "bench", "info", "serve")  # the commands with the engine flags  # repeatable: the error names the one bad key, not the list

@@ -125,6 +125,9 @@ class EngineCore:
         self.grammars = grammars
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
+        # The kinds of fault the scheduler's has_unfinished_requests raised, each logged once (asked every pass)
+        self._unfinished_faults: set[type[BaseException]] = set()
+        self._count_faults: set[type[BaseException]] = set()  # the same for num_running and num_waiting
         # The running step's requests once it is scheduled (None before): what fail_step fails.
         self._batch: list[tuple[Request, int]] | None = None
         # Called on this thread after each step that ran: (batch, inputs, result, perf_counter at its start).
@@ -235,7 +238,38 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether the scheduler holds work. A plugin's ``has_unfinished_requests`` that raises (or answers with
+        something that has no truth value) is logged, once per kind of fault, and answered from the requests the
+        scheduler holds (``scheduler.requests``): its fault, asked by the engine thread's loop between steps,
+        ended the engine for everyone (``EngineDeadError``)."""
+        try:
+            return bool(self.scheduler.has_unfinished_requests())
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # a plugin's fault: logged, and the engine serves on
+            if type(exc) not in self._unfinished_faults:
+                self._unfinished_faults.add(type(exc))
+                logger.error("the scheduler (%s) raised in has_unfinished_requests: %s (answered from the requests "
+                             "it holds; the engine serves on)", type(self.scheduler).__name__,
+                             exception_text(exc), exc_info=exc)
+            return bool(self.scheduler.requests) or bool(self._groups)
+
+    def queue_counts(self) -> tuple[int, int]:
+        """``(running, waiting)`` as the scheduler counts them (``num_running``, ``num_waiting``). A plugin whose
+        count raises or is no int is logged, once per kind of fault, and answered from its base queues
+        (``running``, ``waiting``): read by ``/metrics`` and by the stall check's message, its fault failed every
+        scrape, and, in a stall, ended the engine thread."""
+        sched = self.scheduler
+        try:
+            return int.__index__(sched.num_running), int.__index__(sched.num_waiting)
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # a plugin's fault: logged, and the counts come from its base queues
+            if type(exc) not in self._count_faults:
+                self._count_faults.add(type(exc))
+                logger.error("the scheduler (%s) raised reading num_running or num_waiting: %s (counted from its "
+                             "queues; the engine serves on)", type(sched).__name__, exception_text(exc), exc_info=exc)
+            return len(sched.running), len(sched.waiting)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[CoreOutput]:

@@ -330,7 +330,7 @@ class AsyncEngine:
 
         Raises ``InvalidParameterError`` if ``request_id`` is not a non-empty string.
         """
-        check_request_id(request_id)
+        request_id = check_request_id(request_id)  # the plain str it holds: the engine thread hashes it
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post(AbortRequest(request_id))
 

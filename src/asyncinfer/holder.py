@@ -194,9 +194,10 @@ class ModelHolder:
             return []
         version.stalled_since = None
         sched, kv = core.scheduler, core.kv
+        running, waiting = core.queue_counts()
         why = (
             f"the scheduler ({type(sched).__name__}) of model version {version.version_id} scheduled nothing for "
-            f"{waited:.1f} s (stall_timeout={timeout}) with {sched.num_running} running and {sched.num_waiting} "
+            f"{waited:.1f} s (stall_timeout={timeout}) with {running} running and {waiting} "
             f"waiting requests and {kv.num_free_blocks} of {kv.num_blocks} KV blocks free"
         )
         return core.fail_all(lambda request_id: RequestStalledError(f"request {request_id!r} failed: {why}"))

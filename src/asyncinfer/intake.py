@@ -118,7 +118,7 @@ class RequestIntake:
         check_running: Callable[[], None],
     ) -> RequestArgs:
         check_running()
-        params = check_request_args(params, priority, cache_salt)
+        params, priority, cache_salt = check_request_args(params, priority, cache_salt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)

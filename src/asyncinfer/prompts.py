@@ -75,13 +75,23 @@ def plain_text(value: Any) -> Any:
     return str.__str__(value) if isinstance(value, str) else value
 
 
+def plain_int(value: Any) -> Any:
+    """An ``int`` (of a subclass too, but ``bool``) as the plain ``int`` it holds; anything else as it is.
+
+    ``int.__index__`` reads the number itself: a subclass whose comparisons lie (``__lt__`` always true)
+    cannot pass a range check with a value outside the range (a token id past the vocabulary failed the
+    step of every request batched with it)."""
+    return int.__index__(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def plain_prompt(prompt: Any) -> Any:
     """``prompt`` in built-in types, so that every check looks at its real content, not at what a
     subclass's ``__len__`` (or ``__bool__``) says: a text as a plain ``str``; a list, tuple or other
-    sequence of token ids or chat messages as a plain ``list`` of the items it holds (:func:`plain_list`);
-    each chat message (up to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real
-    count) as a plain ``dict`` of plain ``str`` keys and values. Bytes, ranges and other values are
-    returned as they are (the checks refuse them). The engine's calls do this first of all."""
+    sequence of token ids or chat messages as a plain ``list`` of the items it holds (:func:`plain_list`;
+    its token ids are read as plain ints once its length is checked, :func:`prompt_token_ids`); each chat message (up
+    to :data:`MAX_CHAT_MESSAGES` of them: a longer chat is refused by its real count) as a plain ``dict`` of
+    plain ``str`` keys and values. Bytes, ranges and other values are returned as they are (the checks
+    refuse them). The engine's calls do this first of all."""
     if isinstance(prompt, str):
         return plain_text(prompt)
     items = plain_list(prompt)
@@ -111,8 +121,13 @@ def _plain_message(message: Any) -> Any:
     return {plain_text(k): plain_text(v) for k, v in dict.items(message)}
 
 
-def check_request_args(params: SamplingParams | None, priority: Any, cache_salt: Any) -> SamplingParams:
-    """The request's parameters, checked as they hold now (``None`` params: the defaults)."""
+def check_request_args(params: SamplingParams | None, priority: Any,
+                       cache_salt: Any) -> tuple[SamplingParams, int, str | None]:
+    """The request's parameters, checked as they hold now (``None`` params: the defaults), its priority as the
+    plain ``int`` and its cache salt as the plain ``str`` they hold (:func:`plain_int`, :func:`plain_text`): the
+    engine thread compares the one and hashes the other, and a subclass's own methods would run there (a salt
+    whose ``__hash__`` raised failed its neighbours' step)."""
+    priority, cache_salt = plain_int(priority), plain_text(cache_salt)
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -123,7 +138,7 @@ def check_request_args(params: SamplingParams | None, priority: Any, cache_salt:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
-    return params
+    return params, priority, cache_salt
 
 
 def make_request(
@@ -237,6 +252,10 @@ def check_unicode(parameter: str, text: str) -> None:
 
 
 def check_request_id(request_id: Any) -> str:
+    """``request_id`` as the plain ``str`` it holds (:func:`plain_text`), checked: the engine thread keys its
+    tables by it, and a ``str`` subclass's ``__hash__`` or ``__eq__`` would run there, in every step (one that
+    raised killed the engine for everyone)."""
+    request_id = plain_text(request_id)
     if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
         shown = request_id if not isinstance(request_id, str) or len(request_id) <= 64 else f"<{len(request_id)} chars>"
         raise InvalidParameterError("request_id", shown, f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters")
@@ -268,7 +287,7 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     elif isinstance(prompt, Sequence) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = [plain_int(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -33,6 +33,24 @@ MAX_STOP_CHARS = 16384
 MAX_STOP_TOKEN_IDS = 4096
 
 
+#: The fields that hold a number (an int, or a float where an int is also taken).
+_NUMBERS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "logprobs", "min_tokens", "n")
+
+
+def _plain_number(value: object) -> object:
+    """An ``int`` or ``float`` (of a subclass too; never a ``bool``) as the plain number it holds, read by the
+    built-in type's own method: an ``int`` subclass whose ``__lt__`` always answers True would pass every range
+    check (``n`` of ten thousand samples, a negative ``max_tokens``, a ``seed`` below 0). Anything else as it is."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int.__index__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    return value
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass; True as "max_tokens" is almost surely a bug.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -173,6 +191,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        for name in _NUMBERS:  # checked and kept as the plain numbers they hold: a subclass's comparisons may lie
+            value = getattr(self, name)
+            plain = _plain_number(value)
+            if plain is not value:
+                msgspec.structs.force_setattr(self, name, plain)
+
         _check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
 
         t = self.temperature
@@ -235,7 +259,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidParameterError(
                     "stop_token_ids", f"<{_real_len(ids)} ids>", f"None or a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
                 )
-            id_list = _real_items(ids)
+            id_list = [_plain_number(i) for i in _real_items(ids)]
             if not all(_is_int(i) and i >= 0 for i in id_list):
                 raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
             msgspec.structs.force_setattr(self, "stop_token_ids", id_list)
@@ -256,6 +280,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 "None or a StructuredOutput (StructuredOutput.json_schema(...), .json_object(), .regex(...), "
                 ".choice([...]), .grammar(...))",
             )
+        if self.structured is not None and type(self.structured) is not StructuredOutput:
+            # a subclass built again as the plain spec it holds: the spec keys the compiled-grammar cache, and a
+            # subclass's __hash__ and __eq__ would let its grammar be found for another request's spec
+            held = msgspec.structs.asdict(self.structured)
+            msgspec.structs.force_setattr(self, "structured", StructuredOutput(kind=held["kind"], value=held["value"]))
 
     # ------------------------------------------------------------------ helpers
 

@@ -36,6 +36,17 @@ MAX_CHOICES = 1024
 _NAME = "structured"
 
 
+def _plain(value: object) -> object:
+    """A ``str`` as the plain ``str`` it holds, a ``tuple`` as a plain tuple of its items (each ``str`` plain);
+    anything else as it is (refused by the checks)."""
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, tuple):
+        items = tuple(str.__str__(c) if isinstance(c, str) else c for c in tuple.__iter__(value))
+        return value if type(value) is tuple and all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
 def _too_long(what: str, chars: int) -> InvalidParameterError:
     return InvalidParameterError(_NAME, f"<{what} of {chars} characters>", f"at most {MAX_SPEC_CHARS} characters")
 
@@ -117,7 +128,13 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     value: str | tuple[str, ...] = ""
 
     def __post_init__(self) -> None:
-        kind, value = self.kind, self.value
+        # Checked and kept as the plain str and tuple they hold: the spec is the key of each model's cache of
+        # compiled grammars, and a str subclass's own __hash__ and __eq__ would decide which entry it finds.
+        kind, value = _plain(self.kind), _plain(self.value)
+        if kind is not self.kind:
+            msgspec.structs.force_setattr(self, "kind", kind)
+        if value is not self.value:
+            msgspec.structs.force_setattr(self, "value", value)
         if kind not in _KINDS:
             raise InvalidParameterError(_NAME, kind, f"a StructuredOutput kind: {', '.join(_KINDS)}")
         if kind == "choice":

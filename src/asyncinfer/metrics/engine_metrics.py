@@ -356,8 +356,9 @@ class EngineMetrics:
             stats = core.kv.stats()
             for key in _KV_COUNTERS:
                 kv_totals[key] += getattr(stats, key)
-            running += core.scheduler.num_running
-            waiting += core.scheduler.num_waiting
+            counts = core.queue_counts()  # a plugin's counts, or its queues' when they raise
+            running += counts[0]
+            waiting += counts[1]
         gauges: dict[str, Any] = {}
         current = self._current_kv(engine, name)
         if current is not None:

@@ -54,6 +54,7 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
 _STRING, _ARRAY = 8, 9
 _MAX_DEPTH = 4  # arrays of arrays: deeper nesting is refused (ggml writes one level)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_DIM = 2**63 - 1  # a dimension's size: ggml's int64_t ne[] (and torch's)
 _MIN_FIELD_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
 _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset (no dimension at all)
 _MIN_ITEM_BYTES = {_STRING: 8, **{kind: struct.calcsize(fmt) for kind, fmt in _SCALARS.items()}, _ARRAY: 12}
@@ -192,6 +193,9 @@ class GGUFFile:
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
+            if any(d > _MAX_DIM for d in dims):  # beside a 0, a size no file holds passes the bytes' check below
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} has a dimension of "
+                                     f"{max(dims)} (at most {_MAX_DIM}, ggml's int64 sizes)")
             if name in names:
                 raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} appears twice")
             names.add(name)

@@ -8,6 +8,10 @@ everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close 
   server's own HTTP protocol, closes a connection whose request headers are not all in
   within the limit of its opening, or of the end of its previous answer (with a 408 when
   it had begun a request; an idle keep-alive connection is simply closed).
+- ``send_timeout``: the guard closes a connection whose send buffer stays full (its client reads
+  nothing: the transport's flow control has paused writing) for that long; the app's stream then
+  ends as on a disconnect, its requests aborted. A client that asks for a stream and never reads it
+  would otherwise hold its connection, and its requests' places in the engine, for ever.
 - ``max_connections``: the guard answers a connection over the cap with a 503 and closes it.
 - ``body_timeout``: :class:`RequestDeadlines`, an ASGI middleware, answers 408 and closes
   the connection when a request's body is not all in within the limit of its headers
@@ -71,6 +75,7 @@ class ConnectionGuard(asyncio.Protocol):
         self._loop = loop
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused (send_timeout)
         self._in_flight = 0  # requests whose headers are in and whose app has not returned
         self._partial = False  # bytes of a request the app has not been started for
         self._refused = False  # answered here; the inner protocol gets no more bytes
@@ -113,16 +118,32 @@ class ConnectionGuard(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_send()
         if self._inner_open:
             self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        if self._send_timer is None:
+            self._send_timer = self._loop.call_later(self._settings.send_timeout, self._send_expired)
         if self._inner_open:
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._disarm_send()
         if self._inner_open:
             self._inner.resume_writing()
+
+    def _disarm_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        """The client has read nothing for ``send_timeout``: nothing more can be said to it (its answer has
+        begun, and its buffer is full), so the connection is dropped; the app sees a disconnect."""
+        self._send_timer = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.abort()
 
     # ------------------------------------------------- told by RequestDeadlines
     def request_started(self) -> None:

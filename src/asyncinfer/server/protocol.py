@@ -147,7 +147,10 @@ _INT_OUT_OF_RANGE = re.compile(r"Integer value out of range(?: - at `\$(.*)`)?",
 def _decode(raw: bytes | msgspec.Raw, shape: Any = Any, where: str = "") -> Any:
     """``raw`` decoded as JSON into ``shape`` (any JSON by default): :func:`_decoder`'s reading. ``where``: the
     body field ``raw`` is (``""`` for the body itself), for the 400 naming the field that holds an integer of
-    more digits than Python reads (``sys.get_int_max_str_digits()``, 4300), wherever it sits in the body."""
+    more digits than Python reads (``sys.get_int_max_str_digits()``, 4300), wherever it sits in the body, and,
+    for a field's raw text (``where`` not empty), the 400 naming the field whose text is not valid JSON: a
+    field kept raw was skipped unread when the body was decoded, so its strings' UTF-8 is read only here (an
+    invalid byte sequence in a message's ``content`` was a ``DecodeError``, a 500)."""
     try:
         return _decoder(shape).decode(raw)
     except msgspec.ValidationError as exc:
@@ -157,6 +160,10 @@ def _decode(raw: bytes | msgspec.Raw, shape: Any = Any, where: str = "") -> Any:
         field = _field_path(where, found.group(1) or "") or None
         raise APIError(400, f"`{field}` holds an integer of more than {sys.get_int_max_str_digits()} digits, "
                             "which this server does not read.", param=field) from None
+    except msgspec.DecodeError as exc:  # (after ValidationError, its subclass)
+        if not where:
+            raise
+        raise APIError(400, f"`{where}` is not valid JSON: {exc}.", param=where) from None
 
 
 def _field_path(where: str, at: str) -> str:
@@ -543,7 +550,7 @@ def _messages(raw: msgspec.Raw) -> Any:
     skipped unread), a message that is no object left as its raw text (refused by the caller), and
     ``None`` for anything but a list."""
     try:
-        items = _decode(raw, list[msgspec.Raw])
+        items = _decode(raw, list[msgspec.Raw], "messages")
     except msgspec.ValidationError:
         return None
     except RecursionError:

@@ -125,8 +125,11 @@ class ServerSettings:
       its opening or from the end of its previous answer (408 and closed otherwise).
     - ``body_timeout``: seconds a request has to send its body in full once its headers are in
       (408 and closed otherwise).
+    - ``send_timeout``: seconds an answer may wait for the client to read it: when the connection's send
+      buffer stays full (the client reads nothing) that long, the connection is closed, and a stream's
+      requests are aborted as on a disconnect.
     - ``max_connections``: open connections at most; one more is answered 503 and closed.
-      ``header_timeout`` and ``max_connections`` act in :func:`~asyncinfer.server.run_server`
+      ``header_timeout``, ``send_timeout`` and ``max_connections`` act in :func:`~asyncinfer.server.run_server`
       (``asyncinfer serve``), the others in every app :func:`~asyncinfer.server.create_app`
       or :func:`~asyncinfer.server.guard_app` prepares.
 
@@ -145,6 +148,7 @@ class ServerSettings:
     metrics_keys: tuple[str, ...] = ()
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    send_timeout: float = 30.0
     max_connections: int = 512
     instance_id: str | None = None
     #: Deprecated name of ``tenant_priorities`` (it keyed priorities by the client's own ``user`` field);
@@ -191,6 +195,7 @@ class ServerSettings:
             raise InvalidParameterError("tenant_priorities", prios, "a mapping of tenant names to int priorities")
         object.__setattr__(self, "header_timeout", _seconds("header_timeout", self.header_timeout))
         object.__setattr__(self, "body_timeout", _seconds("body_timeout", self.body_timeout))
+        object.__setattr__(self, "send_timeout", _seconds("send_timeout", self.send_timeout))
         cap = self.max_connections
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidParameterError("max_connections", cap, "an int >= 1")
