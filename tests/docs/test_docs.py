@@ -55,6 +55,8 @@ except ModuleNotFoundError:  # Python 3.10: TOML blocks are not parsed there
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!--\s*docs-test:\s*not run:\s*(.*?)\s*-->")
 SERVER_URL = "http://127.0.0.1:8000"
+#: The served context (``--max-model-len``): room for the pages' prompts and replies (the longest asks 64 tokens).
+SERVER_MAX_MODEL_LEN = 512
 #: The pages, those whose blocks talk to a server last (README.md, docs/serving.md, docs/structured_output.md):
 #: one after another, they share a server of the real model (the ``servers`` fixture) rather than each start one.
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")],
@@ -132,7 +134,11 @@ def placeholders(tiny_models, real_gguf, tmp_path_factory) -> dict[str, str]:
 
 
 class Servers:
-    """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand."""
+    """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand.
+
+    Their context is ``SERVER_MAX_MODEL_LEN`` tokens: the pages' requests are short chats, and one without
+    ``max_tokens`` (README.md's and docs/serving.md's ``"Hi"``) samples at temperature 1 until the EOS token or
+    the end of the context, so the context bounds how long it may run."""
 
     def __init__(self, model: Path, env: dict[str, str]) -> None:
         self.model, self.env = model, env
@@ -144,7 +150,8 @@ class Servers:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             cmd = [sys.executable, "-m", "asyncinfer", "serve", str(self.model), "--served-model-name", name,
-                   "--api-key", key, "--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
+                   "--api-key", key, "--port", str(port), "--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                   "--log-level", "warning"]
             proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             url = f"http://127.0.0.1:{port}"
             self.running[(name, key)] = (proc, url)
