@@ -53,9 +53,14 @@ except ModuleNotFoundError:  # Python 3.10: TOML blocks are not parsed there
     tomllib = None
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*not run:\s*(.*?)\s*-->")
 SERVER_URL = "http://127.0.0.1:8000"
+#: The served context (``--max-model-len``): room for the pages' prompts and replies (the longest asks 64 tokens).
+SERVER_MAX_MODEL_LEN = 512
+#: The pages, those whose blocks talk to a server last (README.md, docs/serving.md, docs/structured_output.md):
+#: one after another, they share a server of the real model (the ``servers`` fixture) rather than each start one.
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")],
+              key=lambda path: (SERVER_URL in path.read_text(encoding="utf-8"), path))
 
 #: Shell commands that cannot run inside a test, and why.
 NOT_RUN: list[tuple[re.Pattern[str], str]] = [
@@ -129,7 +134,11 @@ def placeholders(tiny_models, real_gguf, tmp_path_factory) -> dict[str, str]:
 
 
 class Servers:
-    """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand."""
+    """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand.
+
+    Their context is ``SERVER_MAX_MODEL_LEN`` tokens: the pages' requests are short chats, and one without
+    ``max_tokens`` (README.md's and docs/serving.md's ``"Hi"``) samples at temperature 1 until the EOS token or
+    the end of the context, so the context bounds how long it may run."""
 
     def __init__(self, model: Path, env: dict[str, str]) -> None:
         self.model, self.env = model, env
@@ -141,12 +150,15 @@ class Servers:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             cmd = [sys.executable, "-m", "asyncinfer", "serve", str(self.model), "--served-model-name", name,
-                   "--api-key", key, "--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
+                   "--api-key", key, "--port", str(port), "--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                   "--log-level", "warning"]
             proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             url = f"http://127.0.0.1:{port}"
             self.running[(name, key)] = (proc, url)
             self._wait(proc, url)
-        return self.running[(name, key)][1]
+        proc, url = self.running[(name, key)]
+        assert proc.poll() is None, f"asyncinfer serve ended: {proc.stderr.read()[-2000:]}"  # one kept from a page
+        return url
 
     @staticmethod
     def _wait(proc: subprocess.Popen, url: str) -> None:
@@ -161,8 +173,10 @@ class Servers:
                     return
             time.sleep(0.2)
 
-    def close(self) -> None:
-        for proc, _ in self.running.values():
+    def close(self, keep: frozenset[tuple[str, str]] = frozenset()) -> None:
+        """Stop every server but those of ``keep`` (served name, key)."""
+        for served in [served for served in self.running if served not in keep]:
+            proc, _ = self.running.pop(served)
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
@@ -176,13 +190,29 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "ASYNCINFER_PROGRESS": "0", "KEY": "sk-one"}
 
 
+@pytest.fixture(scope="module")
+def server_pool(real_gguf, env) -> Iterator[Servers]:
+    """The module's ``asyncinfer serve`` processes (what the pages' tests left running is stopped at its end)."""
+    pool = Servers(real_gguf, env)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def servers(real_gguf, env) -> Iterator[Servers]:
-    """The servers of one page, stopped when its test ends (each holds the real model: a page's server
-    kept for the whole module added a process of ~1 GiB to every later page)."""
-    servers = Servers(real_gguf, env)
-    yield servers
-    servers.close()
+def servers(server_pool, placeholders, request) -> Iterator[Servers]:
+    """The servers of one page, stopped when its test ends unless the next page to run talks to the same one
+    (README.md, docs/serving.md and docs/structured_output.md, run last and in a row (``DOCS``): one start of
+    the real model's server, not three). Each holds the real model: a page's server kept for the whole module
+    added a process of ~1 GiB to every later page."""
+    yield server_pool
+    items = request.session.items
+    index = items.index(request.node)
+    following = items[index + 1] if index + 1 < len(items) else None
+    keep: frozenset[tuple[str, str]] = frozenset()
+    if (isinstance(following, pytest.Function) and following.parent is request.node.parent
+            and following.originalname == request.node.originalname):
+        keep = servers_of(following.callspec.params["doc"], placeholders)
+    server_pool.close(keep)
 
 
 def release(namespace: dict, loop: asyncio.AbstractEventLoop) -> None:
@@ -217,14 +247,28 @@ def substitute(code: str, placeholders: dict[str, str]) -> str:
     return code
 
 
+def server_of(code: str) -> tuple[str, str] | None:
+    """The server a python block talks to, (served name, API key), from its ``model=`` and ``api_key=``; None
+    for a block that talks to none."""
+    if SERVER_URL not in code:
+        return None
+    name = re.search(r'model="([^"]+)"', code)
+    key = re.search(r'api_key="([^"]+)"', code)
+    return name.group(1) if name else "SmolLM2-135M-Instruct", key.group(1) if key else "unused"
+
+
+def servers_of(doc: Path, placeholders: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """The servers a page's python blocks talk to."""
+    return frozenset(served for block in blocks(doc) if block.not_run is None and block.lang in ("python", "py")
+                     for served in [server_of(substitute(block.code, placeholders))] if served is not None)
+
+
 def run_python(block: Block, namespace: dict, loop: asyncio.AbstractEventLoop, placeholders: dict[str, str],
                servers: Servers) -> str:
     code = substitute(block.code, placeholders)
-    if SERVER_URL in code:
-        name = re.search(r'model="([^"]+)"', code)
-        key = re.search(r'api_key="([^"]+)"', code)
-        url = servers.url(name.group(1) if name else "SmolLM2-135M-Instruct", key.group(1) if key else "unused")
-        code = code.replace(SERVER_URL, url)
+    served = server_of(code)
+    if served is not None:
+        code = code.replace(SERVER_URL, servers.url(*served))
     compiled = compile(code, f"{block.file.name}:{block.line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     out = io.StringIO()
     warned = _Warnings()
