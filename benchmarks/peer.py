@@ -124,8 +124,15 @@ async def _generate_all(engine: Any, prompts: list[list[int]], lengths: list[int
 async def load_engine(path: Path, args: argparse.Namespace, max_len: int, prefix_cache: bool) -> Any:
     from asyncinfer import AsyncEngine
 
-    return await AsyncEngine.load(str(path), num_threads=args.threads, max_num_seqs=args.num_requests,
-                                       max_model_len=max_len, enable_prefix_caching=prefix_cache, seed=args.seed)
+    options = {"num_threads": args.threads, "max_num_seqs": args.num_requests, "max_model_len": max_len,
+               "enable_prefix_caching": prefix_cache, "seed": args.seed}
+    # Room for every request at max_len, as llama.cpp has at 32 slots (one context of n_parallel * n_ctx_per_seq
+    # tokens; twice this at 64, half at 16): without it the engine's default CPU budget holds
+    # DEFAULT_KV_FULL_REQUESTS max-length requests and the rest of the requests wait for their turn.
+    room = args.num_requests * max_len
+    plan = AsyncEngine.plan_memory(str(path), **options)
+    options["kv_cache_memory"] = -(-room // plan.block_size) * plan.block_bytes
+    return await AsyncEngine.load(str(path), **options)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say(f"loading asyncinfer (prefix cache {'on' if prefix_cache else 'off'})")
         start = time.perf_counter()
         eng = await load_engine(path, args, n_ctx, prefix_cache)
-        out: dict[str, Any] = {"load_s": time.perf_counter() - start}
+        out: dict[str, Any] = {"load_s": time.perf_counter() - start,
+                               "kv_tokens": eng.memory_plan.num_blocks * eng.memory_plan.block_size}
         if vocab is None:
             vocab = eng.model_config.vocab_size
             prompts, lengths = workload(vocab, args.num_requests, args.shared_prefix, (args.min_tail, args.max_tail),
@@ -232,6 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "asyncinfer_cache_on_off_identical": sum(a == b for a, b in zip(on["tokens"], off["tokens"])),
         },
         "asyncinfer_load_s": on["load_s"],
+        "asyncinfer_kv_tokens": on["kv_tokens"],
+        "llama_cpp_kv_tokens_by_slots": {str(n): n * n_ctx for n in args.slots},
         "machine": machine_info(),
         "load_average_end": os.getloadavg(),
     })
