@@ -3,11 +3,20 @@ refusal names its field. Each case here was a fault on main before it was fixed.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import httpx
 import pytest
 
+from asyncinfer import swaps
+from asyncinfer.server import create_app
 from asyncinfer.server.errors import APIError
 from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, EMBEDDING_BODY, decode_json
+from asyncinfer.server.settings import ModelSpec
+
+from .conftest import TINY_OPTIONS, LiveServer
 
 # An escaped lone surrogate is valid JSON grammar but no valid Unicode text; msgspec refuses the body, and the
 # 400 said only "The request body is not valid JSON" (param null). The issue: errors name the parameter.
@@ -53,3 +62,44 @@ def test_a_lone_surrogate_over_http_is_a_400_naming_its_field(server) -> None:
             assert r.headers["x-request-id"]
         ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "\U0001f600", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+# Between the versions of a drain-mode swap (the old one retired, the next one loading) the model is in no
+# model_info() entry, and the router answered its requests 404 "does not exist" (and /v1/models/<it> 404),
+# though it is still served: docs/serving.md promises a 503 + Retry-After there. Now it is that 503.
+def test_a_model_between_versions_of_a_drain_swap_is_a_503_to_retry_not_a_404(tiny_chat_model, monkeypatch) -> None:
+    release = threading.Event()
+    real_load = swaps.load
+
+    def held_load(*args, **kwargs):
+        assert release.wait(60)
+        return real_load(*args, **kwargs)
+
+    app = create_app([ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS),
+                      ModelSpec(str(tiny_chat_model), "other", TINY_OPTIONS)])
+    body = {"prompt": "hi", "max_tokens": 2}
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        engine = live.engine
+        monkeypatch.setattr(swaps, "load", held_load)
+        assert engine.loop is not None
+        swap = asyncio.run_coroutine_threadsafe(
+            engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **TINY_OPTIONS), engine.loop)
+        try:
+            deadline = time.monotonic() + 30
+            while any(info.name == "tiny" for info in engine.model_info()):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            for r in (http.post("/v1/completions", json={"model": "tiny", **body}),
+                      http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]}),
+                      http.get("/v1/models/tiny")):
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == "1" and r.headers["x-request-id"]
+                assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("unavailable", "model")
+            assert http.post("/v1/completions", json={"model": "gone", **body}).status_code == 404
+            assert http.post("/v1/completions", json={"model": "other", **body}).status_code == 200
+        finally:
+            release.set()
+        swap.result(60)
+        assert http.post("/v1/completions", json={"model": "tiny", **body}).status_code == 200
+        assert http.get("/v1/models/tiny").status_code == 200
