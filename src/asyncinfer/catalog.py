@@ -193,7 +193,7 @@ class ModelCatalog:
 
     def tokenizer_of(self, name: str | None) -> Any:
         """The tokenizer of the model ``name``, generator or embedding model (None: the default generator)."""
-        if name is not None and name in self.embedders:
+        if isinstance(name, str) and name in self.embedders:
             return self.embedders[name].batcher.encoder.tokenizer
         return current(self.generator(name)).tokenizer
 

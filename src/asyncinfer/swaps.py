@@ -91,6 +91,8 @@ class ModelChanges:
             raise InvalidParameterError("mode", mode, "'overlap' or 'drain'")
         if not isinstance(abort, bool) or (abort and mode != "drain"):
             raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
+        if name is not None and not isinstance(name, str):
+            raise InvalidParameterError("name", name, f"a loaded generator's name, or None: {sorted(self.models.generators)}")
         available = _check_available(available)
         async with self.lock:
             self.check_usable()
@@ -238,6 +240,9 @@ class ModelChanges:
     async def remove(self, name: str, abort: bool) -> None:
         if not isinstance(abort, bool):
             raise InvalidParameterError("abort", abort, "True or False")
+        if not isinstance(name, str):
+            raise InvalidParameterError("name", name, f"a loaded model's name: {self.models.loaded_names()}")
+        name = str.__str__(name)
         async with self.lock:
             self.check_usable()
             if name in self.models.generators:

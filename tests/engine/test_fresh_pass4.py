@@ -142,3 +142,22 @@ async def test_a_load_with_a_posing_block_size_is_refused_by_name_and_the_engine
         assert [info.name for info in engine.model_info()] == ["default"]
         answer = await engine.generate(GOOD, SamplingParams(max_tokens=6, ignore_eos=True))
         assert answer.token_ids == expected
+
+
+# A model argument that is no string (a list, a dict) was hashed as a dict key before any check: get_tokenizer,
+# remove_model and swap_model raised a bare TypeError ("unhashable type"), and swap_model's refusal was lost in
+# the metrics' count of it. Each is now the InvalidParameterError naming the argument.
+async def test_a_model_argument_that_is_no_string_is_refused_by_name(tiny_models, hf_greedy) -> None:
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 6)
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        with pytest.raises(InvalidParameterError) as refused:
+            engine.get_tokenizer(["default"])  # type: ignore[arg-type]
+        assert refused.value.parameter == "model"
+        for call in (engine.remove_model(["default"]), engine.swap_model(path, name=["default"], **BASE),  # type: ignore[arg-type]
+                     engine.remove_model({"default": 1})):  # type: ignore[arg-type]
+            with pytest.raises(InvalidParameterError) as refused:
+                await call
+            assert refused.value.parameter == "name"
+        assert [info.name for info in engine.model_info()] == ["default"]
+        assert (await engine.generate(GOOD, SamplingParams(max_tokens=6, ignore_eos=True))).token_ids == expected
