@@ -193,7 +193,7 @@ class ModelCatalog:
 
     def tokenizer_of(self, name: str | None) -> Any:
         """The tokenizer of the model ``name``, generator or embedding model (None: the default generator)."""
-        if name is not None and name in self.embedders:
+        if isinstance(name, str) and name in self.embedders:
             return self.embedders[name].batcher.encoder.tokenizer
         return current(self.generator(name)).tokenizer
 
@@ -211,11 +211,13 @@ class ModelCatalog:
     def name_of(self, holder: ModelHolder) -> str:
         return next(n for n, h in self.generators.items() if h is holder)
 
-    def check_free(self, name: str) -> None:
-        check_name(name)
+    def check_free(self, name: str) -> str:
+        """``name`` as the plain ``str`` it holds (:func:`check_name`), when no model holds or is leaving it."""
+        name = check_name(name)
         taken = {*self.generators, *self.embedders, *self.removing}
         if name in taken:
             raise InvalidParameterError("name", name, f"a name not in use (in use: {sorted(taken)})")
+        return name
 
     def loaded_names(self) -> list[str]:
         return sorted({*self.generators, *self.embedders})
@@ -258,9 +260,15 @@ def current(holder: ModelHolder) -> ModelVersion:
     return version
 
 
-def check_name(name: Any) -> None:
+def check_name(name: Any) -> str:
+    """A model's name as the plain ``str`` it holds, checked: a ``str`` subclass's own ``__len__`` cannot pass a
+    name of any length (it is in every metric's labels and every ``/v1/models`` answer), and the engine keeps
+    no object whose methods are the caller's."""
+    if isinstance(name, str):
+        name = str.__str__(name)
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidParameterError("name", name, "a non-empty string of at most 200 characters")
+    return name
 
 
 def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str) -> _M:

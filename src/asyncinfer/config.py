@@ -66,6 +66,24 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     raise InvalidParameterError("dtype", dtype, "'auto', 'float32', 'float16', 'bfloat16' or the torch dtype")
 
 
+def plain_fields(options: Any) -> None:
+    """Make each ``int``, ``float`` and ``str`` field of the frozen options dataclass ``options`` the plain
+    value it holds (of a subclass too; never a ``bool``), before its checks run: an ``int`` subclass whose
+    comparisons answer as another number passed every range check with what it held (a ``block_size`` of 0
+    that compared as 4 failed the load with a ``ZeroDivisionError``; a ``max_num_seqs`` of -3 served), and the
+    options keep no object whose methods are the caller's."""
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if isinstance(value, bool) or type(value) in (int, float, str):
+            continue
+        if isinstance(value, int):
+            object.__setattr__(options, f.name, int.__index__(value))
+        elif isinstance(value, float):
+            object.__setattr__(options, f.name, float.__float__(value))
+        elif isinstance(value, str):
+            object.__setattr__(options, f.name, str.__str__(value))
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -182,6 +200,7 @@ class EngineConfig:
     log_request_text_rate: float = 0.0
 
     def __post_init__(self) -> None:
+        plain_fields(self)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.config import check_int, from_options, resolve_device, resolve_dtype
+from asyncinfer.config import check_int, from_options, plain_fields, resolve_device, resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import MiB
 from asyncinfer.models.encoder import EncoderConfig, LoadedEncoder
@@ -54,6 +54,7 @@ class EmbeddingConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        plain_fields(self)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))

@@ -132,7 +132,7 @@ class AsyncEngine:
             ConfigurationError: the weights, or one ``max_model_len`` request's KV cache, do not
                 fit (checked from the config, before any weight is read).
         """
-        check_name(name)
+        name = check_name(name)
         loaded = load(model, options, version_id=0)
         if isinstance(loaded, EmbeddingBatcher):
             ec = loaded.config

@@ -91,6 +91,9 @@ class ModelChanges:
             raise InvalidParameterError("mode", mode, "'overlap' or 'drain'")
         if not isinstance(abort, bool) or (abort and mode != "drain"):
             raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
+        if name is not None and not isinstance(name, str):
+            raise InvalidParameterError("name", name, f"a loaded generator's name, or None: {sorted(self.models.generators)}")
+        available = _check_available(available)
         async with self.lock:
             self.check_usable()
             holder = self.models.generator(name)
@@ -189,11 +192,10 @@ class ModelChanges:
 
     # --------------------------------------------------------------------- add
     async def add(self, name: str, model: ModelRef, available: int | None, options: dict[str, Any]) -> ModelVersionInfo:
-        if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
-            raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
+        available = _check_available(available)
         async with self.lock:
             self.check_usable()
-            self.models.check_free(name)
+            name = self.models.check_free(name)
             path = await anyio.to_thread.run_sync(resolve_model, model)
             options = {"device": self.device, **options}
             label = f"loading {str(model)!r} as model {name!r}"
@@ -238,6 +240,9 @@ class ModelChanges:
     async def remove(self, name: str, abort: bool) -> None:
         if not isinstance(abort, bool):
             raise InvalidParameterError("abort", abort, "True or False")
+        if not isinstance(name, str):
+            raise InvalidParameterError("name", name, f"a loaded model's name: {self.models.loaded_names()}")
+        name = str.__str__(name)
         async with self.lock:
             self.check_usable()
             if name in self.models.generators:
@@ -273,3 +278,12 @@ class ModelChanges:
                 await self.link.wait_for(entry.drained)
         finally:
             del models.removing[name]
+
+
+def _check_available(available: Any) -> int | None:
+    """``available_bytes`` as the plain ``int`` it holds (an ``int`` subclass's comparisons may lie), or None."""
+    if available is not None and not isinstance(available, bool) and isinstance(available, int):
+        available = int.__index__(available)
+    if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
+        raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
+    return available

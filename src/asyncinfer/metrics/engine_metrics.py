@@ -302,6 +302,9 @@ class EngineMetrics:
             engine = self._engine()
             infos = engine.model_info() if engine is not None else []
             return next((i.name for i in infos if i.kind == "generate"), None)
+        if not isinstance(model, str):  # a name of no model (a list, ...): counted under none, never raised
+            return None
+        model = str.__str__(model)  # the plain name: a label keeps no object whose methods are the caller's
         return model if model in names or model in self._figures else None
 
     def _model(self, name: str) -> _ModelFigures:

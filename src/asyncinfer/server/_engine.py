@@ -6,12 +6,25 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.engine import AsyncEngine
+from asyncinfer.errors import EngineClosedError, InvalidParameterError
 from asyncinfer.holder import ModelVersionInfo
 
 
 def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
     """The tokenizer of generator ``model`` (None without tokenizer files)."""
     return engine.get_tokenizer(model)
+
+
+def between_versions(engine: AsyncEngine, model: str) -> bool:
+    """Whether ``model`` is a generator with no version serving now (a drain-mode swap is loading its next one):
+    it is in no ``model_info()`` entry then, but it is still served, and its requests are to come back shortly."""
+    try:
+        engine.get_tokenizer(model)
+    except EngineClosedError:
+        return True
+    except InvalidParameterError:
+        return False
+    return False
 
 
 def _embedder_info(engine: AsyncEngine, model: str) -> ModelVersionInfo:

@@ -187,6 +187,11 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
             raise APIError(400, "The request body must be a JSON object.") from None
         raise _unrecognized(unknown.group(1)) from None
     except msgspec.DecodeError as exc:
+        field = _lone_surrogate_field(raw)
+        if field is not None:
+            raise APIError(400, f"`{field or 'the request body'}` holds an escaped lone surrogate (\\ud800 to "
+                                "\\udfff without its pair), which is not valid Unicode text.",
+                           param=field or None) from None
         raise APIError(400, f"The request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise _too_deep() from None
@@ -194,6 +199,40 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
         value = {f: v for f in value.__struct_fields__ if (v := getattr(value, f)) is not msgspec.UNSET}
     check_depth(value, MAX_JSON_DEPTH)
     return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_field(raw: bytes) -> str | None:
+    """The field of a body msgspec refused that holds an escaped lone surrogate (``"\\ud800"``, which JSON's
+    grammar allows but no valid Unicode text holds), named as :func:`_field_path` names fields
+    (``messages.[0].content``; ``""`` for a key of the body itself), or ``None`` when the body is not JSON even
+    so, or holds no such text. Python's ``json`` reads such escapes, so the 400 can name the field, as the
+    issue asks of every refusal; the walk stops ``MAX_JSON_DEPTH`` levels down (a deeper body is refused as
+    too deep wherever its surrogate sits)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return None
+    level: list[tuple[str, Any]] = [("", value)]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        below: list[tuple[str, Any]] = []
+        for where, node in level:
+            if isinstance(node, str):
+                if _SURROGATE.search(node):
+                    return where
+            elif isinstance(node, dict):
+                for key, child in node.items():
+                    if _SURROGATE.search(key):
+                        return where
+                    below.append((f"{where}.{key}" if where else key, child))
+            elif isinstance(node, list):
+                below.extend((f"{where}.[{i}]", child) for i, child in enumerate(node))
+        if not below:
+            return None
+        level = below
+    return None
 
 
 def _too_deep() -> APIError:

@@ -311,7 +311,7 @@ class _OpenAI:
             return found.name, found
         info = served.get(requested)
         if info is None:
-            raise not_found(requested)
+            raise self._absent(requested)
         if info.kind != kind:
             use = "/v1/embeddings" if info.kind == "embed" else "/v1/chat/completions or /v1/completions"
             raise APIError(400, f"The model `{requested}` does not support this endpoint: use {use}.", param="model")
@@ -322,8 +322,17 @@ class _OpenAI:
         if model is None:
             return _json({"object": "list", "data": list(cards.values())})
         if model not in cards:
-            raise not_found(model)
+            raise self._absent(model)
         return _json(cards[model])
+
+    def _absent(self, model: str) -> APIError:
+        """A model no ``model_info()`` entry names: a 503 to come back shortly while it is between versions of a
+        drain-mode swap (it is still served: a 404 told clients it was gone), else a 404."""
+        if _engine.between_versions(self.engine(), model):
+            return APIError(503, f"The model `{model}` is between versions (a drain-mode swap is loading the next "
+                                 "one): retry shortly.", param="model", type="server_error", code="unavailable",
+                            headers={"retry-after": "1"})
+        return not_found(model)
 
     def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
         card = {"id": info.name, "object": "model", "created": self.created, "owned_by": "asyncinfer",
