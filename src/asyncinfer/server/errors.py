@@ -149,7 +149,7 @@ def _no_room(field: str, exc: InvalidParameterError) -> str:
     own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
     room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
     return (f"`{field}` is {exc.value!r}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
-            f"shorten the prompt, or leave `{field}` out to generate up to the model's context length.")
+            f"shorten the prompt, or leave `{field}` out (the output then stops where the context ends).")
 
 
 def _is_template_error(exc: BaseException) -> bool:
