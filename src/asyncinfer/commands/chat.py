@@ -54,13 +54,30 @@ HISTORY_LENGTH = 1000  # lines kept
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session")
+    p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session (the model is "
+                                             "--model: a prompt that names a model file or directory is refused)")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
 
 
 def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    if args.prompt and _looks_like_a_model(args.prompt[0]):
+        from asyncinfer.commands import CommandError
+
+        # chat's positional is the prompt (every other command's is the model): a model file is a mistake
+        raise CommandError(f"{args.prompt[0]!r} is a model, not a prompt: give it as --model "
+                           f"(asyncinfer chat --model {args.prompt[0]} [PROMPT])")
     return asyncio.run(_main(args, options, params))
+
+
+def _looks_like_a_model(text: str) -> bool:
+    """Whether ``text`` names an existing model: a ``.gguf`` file, or a directory with a ``config.json``."""
+    try:
+        path = Path(text).expanduser()
+        return ((path.suffix.lower() == ".gguf" and path.is_file())
+                or (path.is_dir() and (path / "config.json").is_file()))
+    except (OSError, ValueError):  # a prompt too long for a file name, or with a NUL: no file
+        return False
 
 
 class ChatSession:
