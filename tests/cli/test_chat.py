@@ -236,3 +236,20 @@ def test_a_model_given_as_the_prompt_is_refused(tmp_path, capsys, monkeypatch) -
     for prompt in ("hi", str(tmp_path / "none.gguf"), str(tmp_path), "x" * 5000):
         assert cli.main(["chat", "--model", str(hf), prompt]) == 1  # got as far as the load
         assert "AssertionError: the model was loaded" in capsys.readouterr().err
+
+
+def test_max_tokens_past_the_context_names_the_flags(capsys) -> None:
+    """``chat --max-model-len 10 hi`` (max_tokens 128 by default): the error names the flags to change."""
+    from asyncinfer.commands.chat import ChatSession
+    from asyncinfer.errors import InvalidParameterError
+
+    class Engine:
+        max_model_len = 10
+
+    session = ChatSession(Engine(), SamplingParams(max_tokens=128), None)
+    with pytest.raises(InvalidParameterError) as err:
+        asyncio.run(session.reply("hi"))
+    assert err.value.parameter == "max_tokens" and err.value.value == 128
+    assert str(err.value) == ("--max-tokens 128 is invalid: allowed less than --max-model-len (10); lower "
+                              "--max-tokens or raise --max-model-len")
+    assert session.history == []

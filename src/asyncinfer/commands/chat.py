@@ -130,9 +130,12 @@ class ChatSession:
                 ``max_model_len - max_tokens`` tokens; the history is left as it was.
         """
         budget = self.engine.max_model_len - self.params.max_tokens
-        if budget < 1:
-            raise InvalidParameterError("max_tokens", self.params.max_tokens,
-                                        f"less than max_model_len ({self.engine.max_model_len})")
+        if budget < 1:  # named by the flags the user can change
+            limit, n = self.params.max_tokens, self.engine.max_model_len
+            raise InvalidParameterError(
+                "max_tokens", limit, f"less than --max-model-len ({n})",
+                message=f"--max-tokens {limit} is invalid: allowed less than --max-model-len ({n}); lower "
+                        f"--max-tokens or raise --max-model-len")
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
