@@ -110,9 +110,10 @@ def _info(args: argparse.Namespace) -> int:
 
     model = args.model_arg or args.model
     path = resolve_model(model)
+    encoder = is_encoder_dir(path)
+    mc = None if encoder else read_model_config(path)  # a file that is no model: the error alone, no line before
     print(f"model: {path}")
-    if not is_encoder_dir(path):
-        mc = read_model_config(path)
+    if mc is not None:
         print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
               f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
     try:
@@ -128,7 +129,7 @@ def _info(args: argparse.Namespace) -> int:
 
         options = _engine_options(args)
         config = EngineConfig.from_options(options)
-        if not is_encoder_dir(path):
+        if mc is not None:
             # "auto": this file's own block format where it runs (plan_memory above logged any fallback)
             config = for_model(config, options, mc, warn=False)
         weights = config.quantization or "the dtype"
@@ -509,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     _add_engine_args(info)
     plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)",
-                          description="Print the memory budget of a deployment from the config alone (no weights).",
+                          description="Print the memory budget of a deployment from the config alone (no weights). "
+                                      "Exit status 0 when the plan fits the device memory, 1 when it does not "
+                                      "(the table says why), 2 on an error.",
                           formatter_class=_HelpFormatter)
     _add_plan_args(plan)
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",

@@ -38,8 +38,8 @@ from asyncinfer.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
 
-HELP = ("/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves); "
-        "a message that starts with / is sent as //...")
+HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
+        "reply (at the prompt: leaves); a message that starts with / is sent as //...")
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
 
 
