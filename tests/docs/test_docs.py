@@ -431,3 +431,18 @@ def test_getting_started_states_the_suite_s_measured_duration() -> None:
     text = (ROOT / "docs" / "getting_started.md").read_text(encoding="utf-8")
     (low, high) = re.findall(r"About (\d+)-(\d+) minutes on 2 cores", text)[0]
     assert int(low) <= 27 <= int(high)
+
+
+def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> None:
+    """README snippets with a top-level ``await`` (not valid in a script) come after the note that says how
+    to run them: inside an ``async def`` with ``asyncio.run``, or where top-level await works."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    note = readme.find("use `await` at the top level for brevity: run them inside an `async def`")
+    assert note != -1
+    firsts = []
+    for match in re.finditer(r"```python\n(.*?)```", readme, re.DOTALL):
+        try:
+            compile(match.group(1), "README.md", "exec")  # ast.parse alone accepts a top-level await
+        except SyntaxError:  # 'await' outside function
+            firsts.append(match.start())
+    assert firsts and note < min(firsts)
