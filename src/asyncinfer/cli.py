@@ -112,18 +112,20 @@ def _info(args: argparse.Namespace) -> int:
     path = resolve_model(model)
     encoder = is_encoder_dir(path)
     mc = None if encoder else read_model_config(path)  # a file that is no model: the error alone, no line before
-    print(f"model: {path}")
+    head = [f"model: {path}"]  # printed once the plan is made: an error (a bad option) is the only output
     if mc is not None:
-        print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
-              f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
+        head.append(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, heads "
+                    f"{mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
     try:
         plan = AsyncEngine.plan_memory(path, **_engine_options(args))
     except ConfigurationError as exc:
         from asyncinfer.commands.engine_flags import in_flag_terms
 
         command = f"asyncinfer plan {model}" if model else "asyncinfer plan"
+        print(*head, sep="\n")
         print(f"memory plan: {in_flag_terms(str(exc))} ({command} shows the whole budget)")
         return 1
+    print(*head, sep="\n")
     if isinstance(plan, MemoryPlan):
         from asyncinfer.config import EngineConfig, for_model
 
