@@ -88,6 +88,7 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_130(real_gguf, tmp_path) -> 
         proc.stdin.close()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err and not (tmp_path / "history").exists()  # no terminal: no history kept
+    assert err.endswith("\nstopping…\n".encode()), err.decode()  # said at once: closing the engine takes a while
 
 
 async def test_a_message_too_long_for_the_model_is_refused_naming_the_message(real_gguf) -> None:

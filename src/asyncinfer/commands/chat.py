@@ -1,7 +1,7 @@
 """``asyncinfer chat``: one-shot or interactive chat, streamed as it is written.
 
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
-session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
+session goes on); at the prompt it says "stopping…" at once and leaves with status 130 (``/exit``, ``/quit``
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
 commands. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
 message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
@@ -373,7 +373,8 @@ class _Interrupts:
         except asyncio.CancelledError:
             if not future.cancelled():
                 raise
-            print(file=sys.stderr)
+            # at once: closing the engine (its thread, the model's memory) may take seconds after this
+            print("\nstopping…", file=sys.stderr, flush=True)
             raise PromptInterrupted from None
         finally:
             self.current = None
