@@ -6,16 +6,17 @@
 
 The model is served under the name ``asyncinfer serve`` gives it: SmolLM2-135M-Instruct for the
 default model, else its file's or directory's name (``--served-model-name`` chooses another).
+As docs/guides/fastapi.md advises, the model loads in the lifespan with ``await AsyncEngine.load()``
+(off the event loop), and only public names are used (docs/api.md, docs/serving.md).
 """
 
 import argparse
+import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.commands import CommandError
-from asyncinfer.commands.serve import check_port_free
 from asyncinfer.server import ModelSpec, ServerSettings, guard_app, openai_router, run_server
 
 parser = argparse.ArgumentParser()
@@ -24,23 +25,20 @@ parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=8000)
 parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
 args = parser.parse_args()
-try:
-    check_port_free(args.host, args.port)  # as `asyncinfer serve`: a port in use is refused before the model loads
-except CommandError as exc:
-    parser.exit(2, f"{parser.prog}: error: {exc}\n")
-
-engine = AsyncEngine.from_pretrained(args.model, name=args.served_model_name or ModelSpec.served_name(args.model))
+engine: AsyncEngine | None = None  # loaded in the lifespan
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
+    global engine
+    engine = await AsyncEngine.load(args.model, name=args.served_model_name or ModelSpec.served_name(args.model))
     async with engine:  # started on uvicorn's loop; in-flight requests finish at shutdown
         yield
 
 
 settings = ServerSettings()  # keys, tenants, limits: docs/serving.md
 app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-app.include_router(openai_router(engine, settings))  # /v1/chat/completions, /v1/completions, /v1/models, /health, ...
+app.include_router(openai_router(lambda: engine, settings))  # the engine of the moment: /v1/chat/completions, ...
 guard_app(app, settings)  # OpenAI errors on every route (404, 405, ...), request ids, the body deadline
 
 
@@ -51,4 +49,13 @@ async def haiku(topic: str = "autumn") -> dict:
 
 
 if __name__ == "__main__":
-    run_server(app, args.host, args.port, settings=settings)  # with the header deadline and the connection cap
+    # Bound before the model loads, as `asyncinfer serve` does: a port in use is refused at once.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+        sock.listen(2048)
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: cannot listen on {args.host}:{args.port} ({exc.strerror}): stop the "
+                       "server there, or choose another --host / --port\n")
+    run_server(app, args.host, args.port, settings=settings, sock=sock)  # with the header deadline and connection cap

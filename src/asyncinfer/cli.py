@@ -24,7 +24,7 @@ import json
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.sampling_params import SamplingParams
@@ -110,25 +110,28 @@ def _info(args: argparse.Namespace) -> int:
 
     model = args.model_arg or args.model
     path = resolve_model(model)
-    print(f"model: {path}")
-    if not is_encoder_dir(path):
-        mc = read_model_config(path)
-        print(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
-              f"heads {mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
+    encoder = is_encoder_dir(path)
+    mc = None if encoder else read_model_config(path)  # a file that is no model: the error alone, no line before
+    head = [f"model: {path}"]  # printed once the plan is made: an error (a bad option) is the only output
+    if mc is not None:
+        head.append(f"architecture: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, heads "
+                    f"{mc.num_heads}/{mc.num_kv_heads} kv, vocab {mc.vocab_size}, context {mc.max_position_embeddings}")
     try:
         plan = AsyncEngine.plan_memory(path, **_engine_options(args))
     except ConfigurationError as exc:
         from asyncinfer.commands.engine_flags import in_flag_terms
 
         command = f"asyncinfer plan {model}" if model else "asyncinfer plan"
+        print(*head, sep="\n")
         print(f"memory plan: {in_flag_terms(str(exc))} ({command} shows the whole budget)")
         return 1
+    print(*head, sep="\n")
     if isinstance(plan, MemoryPlan):
         from asyncinfer.config import EngineConfig, for_model
 
         options = _engine_options(args)
         config = EngineConfig.from_options(options)
-        if not is_encoder_dir(path):
+        if mc is not None:
             # "auto": this file's own block format where it runs (plan_memory above logged any fallback)
             config = for_model(config, options, mc, warn=False)
         weights = config.quantization or "the dtype"
@@ -378,8 +381,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from asyncinfer.server import ServerSettings, api_keys_from_env, metrics_keys_from_env
     except ImportError as exc:
-        print(f"asyncinfer: error: {exc.name} is missing: pip install 'asyncinfer[server]'", file=sys.stderr)
-        return 2
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"{exc.name} is missing: pip install 'asyncinfer[server]'") from exc
     settings = ServerSettings(api_keys=(*api_keys_from_env(), *args.api_key), max_body_bytes=args.max_body_bytes,
                               cache_isolation=args.cache_isolation, tenant_header=args.tenant_header,
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
@@ -479,8 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncinfer.commands.generate import __doc__ as generate_doc
     from asyncinfer.commands.generate import add_generate_args
 
-    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
-                                     formatter_class=_HelpFormatter)
+    parser = _Parser(prog="asyncinfer", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = sub.add_parser("chat", help="chat with a model (one-shot with a prompt, interactive without)",
@@ -509,7 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     _add_engine_args(info)
     plan = sub.add_parser("plan", help="print the memory budget of a deployment from the config alone (no weights)",
-                          description="Print the memory budget of a deployment from the config alone (no weights).",
+                          description="Print the memory budget of a deployment from the config alone (no weights). "
+                                      "Exit status 0 when the plan fits the device memory, 1 when it does not "
+                                      "(the table says why), 2 on an error.",
                           formatter_class=_HelpFormatter)
     _add_plan_args(plan)
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",
@@ -642,6 +647,33 @@ def _contract_violation(exc: BaseException) -> str | None:
     return f"scheduler {name.rstrip(':')} broke the scheduler contract (docs/schedulers.md): {rest or exc}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a value its type refuses, a missing argument) as every other error of the
+    command: one line, ``asyncinfer: error: ...``, status 2, not the whole usage. The subcommands' parsers
+    are of this class too (``add_subparsers`` makes them of the parser's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"asyncinfer: error: {message}\n")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with a flag the command does not have named as its command's near flag:
+    ``--maxtokens`` gets "did you mean --max-tokens?" (argparse leaves such flags to the top parser, which
+    does not know the subcommand's flags)."""
+    import difflib
+
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    # argparse has no public accessor for a parser's subparsers or flags: its actions are read.
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    flags = [f for a in sub._actions for f in a.option_strings if f.startswith("--")]
+    unknown = [a for a in extra if a.startswith("-")]
+    near = [m for a in unknown for m in difflib.get_close_matches(a.split("=", 1)[0], flags, n=1, cutoff=0.6)]
+    hint = f"; did you mean {' / '.join(near)}?" if near else f" (asyncinfer {args.command} --help lists the flags)"
+    sub.exit(2, f"asyncinfer: error: unrecognized arguments: {' '.join(extra)}{hint}\n")
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Help for a terminal: the docstrings' reST markup (````name````, ``:class:`X```) shown as plain text."""
 
@@ -657,6 +689,21 @@ def plain_text(text: str) -> str:
     return text.replace("``", "")
 
 
+def _debugging() -> bool:
+    return os.environ.get("ASYNCINFER_DEBUG") == "1"
+
+
+def _user_error(message: str) -> int:
+    """The error being handled as one line on stderr, status 2; with ``ASYNCINFER_DEBUG=1`` its traceback
+    first (every error path of the command, as ``asyncinfer --help`` says)."""
+    if _debugging():
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+    print(f"asyncinfer: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; every failure is one line on stderr and a non-zero status, never a traceback.
 
@@ -670,27 +717,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with deferred_interrupts():
             parser = build_parser()
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
         _working_directory_importable()
         return _run(args)
     except AsyncInferError as exc:
-        print(f"asyncinfer: error: {_in_flags(exc, args)}", file=sys.stderr)
-        return 2
+        return _user_error(_in_flags(exc, args))
     except OSError as exc:  # a file that cannot be read or written
-        print(f"asyncinfer: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
+        return _user_error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     except KeyboardInterrupt:  # the shell's prompt on a fresh line, no traceback
         print(file=sys.stderr)
         return 130
     except Exception as exc:
         if _kernel_setting_error(exc):  # the user's ASYNCINFER_KERNEL_ISA, not an internal error
-            print(f"asyncinfer: error: {exc}", file=sys.stderr)
-            return 2
+            return _user_error(str(exc))
         broken = _contract_violation(exc)
         if broken is not None:  # a scheduler plugin's fault (``asyncinfer lab``), not an internal error
-            print(f"asyncinfer: error: {broken}", file=sys.stderr)
-            return 2
-        if os.environ.get("ASYNCINFER_DEBUG") == "1":
+            return _user_error(broken)
+        if _debugging():
             raise
         print(f"asyncinfer: internal error: {exception_text(exc)} (ASYNCINFER_DEBUG=1 shows the traceback)",
               file=sys.stderr)

@@ -88,6 +88,7 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_130(real_gguf, tmp_path) -> 
         proc.stdin.close()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err and not (tmp_path / "history").exists()  # no terminal: no history kept
+    assert err.endswith("\nstopping…\n".encode()), err.decode()  # said at once: closing the engine takes a while
 
 
 async def test_a_message_too_long_for_the_model_is_refused_naming_the_message(real_gguf) -> None:
@@ -211,3 +212,45 @@ def test_a_terminal_prompt_has_line_editing_and_a_kept_history(real_gguf, tmp_pa
     assert termios.tcgetattr(slave)[3] & modes == modes  # the terminal is left as it was found
     os.close(third.master)
     os.close(slave)
+
+
+def test_a_model_given_as_the_prompt_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    """``asyncinfer chat PATH.gguf``: chat's positional is the prompt; a prompt that names a model (a .gguf
+    file, a directory with config.json) is one line naming --model, status 2, before any load."""
+    import asyncinfer.engine
+
+    async def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", no_load)
+    gguf = tmp_path / "m.GGUF"
+    gguf.write_bytes(b"GGUF")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for given in (str(gguf), str(hf)):
+        assert cli.main(["chat", given]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"asyncinfer: error: {given!r} is a model, not a prompt: give it as --model "
+                       f"(asyncinfer chat --model {given} [PROMPT])\n")
+    # Words that are not a model: a prompt, a missing .gguf, a directory without config.json, a long text
+    for prompt in ("hi", str(tmp_path / "none.gguf"), str(tmp_path), "x" * 5000):
+        assert cli.main(["chat", "--model", str(hf), prompt]) == 1  # got as far as the load
+        assert "AssertionError: the model was loaded" in capsys.readouterr().err
+
+
+def test_max_tokens_past_the_context_names_the_flags(capsys) -> None:
+    """``chat --max-model-len 10 hi`` (max_tokens 128 by default): the error names the flags to change."""
+    from asyncinfer.commands.chat import ChatSession
+    from asyncinfer.errors import InvalidParameterError
+
+    class Engine:
+        max_model_len = 10
+
+    session = ChatSession(Engine(), SamplingParams(max_tokens=128), None)
+    with pytest.raises(InvalidParameterError) as err:
+        asyncio.run(session.reply("hi"))
+    assert err.value.parameter == "max_tokens" and err.value.value == 128
+    assert str(err.value) == ("--max-tokens 128 is invalid: allowed less than --max-model-len (10); lower "
+                              "--max-tokens or raise --max-model-len")
+    assert session.history == []

@@ -57,3 +57,12 @@ async def test_exit_still_leaves() -> None:
     session = Session()
     assert await _session(session, Lines(["/exit", "never read"]), None) == 0
     assert session.sent == []
+
+
+async def test_help_lists_every_command(capsys) -> None:
+    """/help (and /?) name every command the session takes, /quit and /? too."""
+    from asyncinfer.commands.chat import COMMANDS
+
+    assert await _session(Session(), Lines(["/?"]), None) == 0
+    shown = capsys.readouterr().err.strip()
+    assert shown == HELP and all(command in shown for command in COMMANDS)

@@ -30,6 +30,8 @@ def test_every_command_has_help(command, capsys) -> None:
     assert out.startswith("usage: asyncinfer") and "--help" in out
     if command == []:
         assert all(c in out for c in COMMANDS)
+    if command == ["plan"]:  # its exit status when the plan does not fit
+        assert "Exit status 0 when the plan fits the device memory, 1 when it does not" in out
 
 
 def test_version_and_python_dash_m() -> None:
@@ -70,7 +72,9 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
     for line, message in (('{"prompt": "x"}\nnot json\n', "line 2: not JSON"),
                           ('{"prompt": "x", "max_tokens": 0}\n', "line 1: max_tokens=0 is invalid"),
                           ('{"prompt": "x", "maxtokens": 3}\n', "line 1: unknown key(s) ['maxtokens']"),
-                          ('{"text": "x"}\n', "line 1: expected an object with 'prompt' or 'messages'")):
+                          ('{"promt": "y"}\n', "line 1: unknown key(s) ['promt']"),
+                          ('{"text": "x"}\n', "line 1: unknown key(s) ['text']: the keys are prompt, messages"),
+                          ('{"id": "x"}\n', "line 1: expected an object with 'prompt' or 'messages'")):
         bad.write_text(line)
         assert cli.main(["generate", "--file", str(bad)]) == 2
         assert message in one_line_error(capsys)
@@ -448,3 +452,51 @@ def test_lab_reports_a_plugin_s_broken_contract_as_the_plugin_s_fault(tmp_path, 
     assert err.startswith("asyncinfer: error: scheduler Lazy broke the scheduler contract (docs/schedulers.md): "
                           "at step 0"), err
     assert "scheduled nothing" in err and "internal error" not in err
+
+
+def test_debug_shows_the_traceback_on_every_error_path(tmp_path, capsys, monkeypatch) -> None:
+    """``ASYNCINFER_DEBUG=1`` (``asyncinfer --help``, docs/getting_started.md) shows the traceback of a user's
+    error too, then the same one line; without it, the one line alone."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    missing_server = {"asyncinfer.server": None}  # the import of the server package fails: no fastapi
+    cases = ((["info", str(tmp_path / "nope.gguf")], {}), (["info", str(junk)], {}),
+             (["chat", "--model", str(tmp_path / "nope"), "hi"], {}),
+             (["serve", "--port", "0"], missing_server))
+    for argv, modules in cases:
+        for name, module in modules.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.delenv("ASYNCINFER_DEBUG", raising=False)
+        assert cli.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == ""  # nothing on stdout before the error (info's "model:" line)
+        line = captured.err
+        assert line.count("\n") == 1 and "Traceback" not in line, line
+        assert line.startswith("asyncinfer: error: "), line
+        monkeypatch.setenv("ASYNCINFER_DEBUG", "1")
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback (most recent call last):") and err.endswith(line), (argv, err)
+        for name in modules:
+            monkeypatch.delitem(sys.modules, name)
+    assert line == "asyncinfer: error: asyncinfer.server is missing: pip install 'asyncinfer[server]'\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["chat", "--kv-cache-memory", "12XB", "hi"],
+     "argument --kv-cache-memory: '12XB' is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)"),
+    (["chat", "--temperature", "abc", "hi"], "argument --temperature: invalid float value: 'abc'"),
+    (["chat", "--maxtokens", "3", "hi"], "unrecognized arguments: --maxtokens; did you mean --max-tokens?"),
+    (["serve", "--max-conections", "3"], "unrecognized arguments: --max-conections; did you mean --max-connections?"),
+    (["info", "--xyzzy"], "unrecognized arguments: --xyzzy (asyncinfer info --help lists the flags)"),
+    (["nope"], ("argument COMMAND: invalid choice: 'nope' (choose from 'chat', 'generate', 'bench', 'info', "
+                "'plan', 'embed', 'lab', 'serve')")),
+])
+def test_argparse_errors_are_one_line_like_every_error(argv, message, capsys) -> None:
+    """A value argparse's own type check refuses, or a flag the command lacks: one line with the prefix of
+    every other error (not the usage), status 2; a misspelt flag gets the near one."""
+    with pytest.raises(SystemExit) as end:
+        cli.main(argv)
+    assert end.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"asyncinfer: error: {message}\n"

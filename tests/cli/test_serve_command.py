@@ -63,6 +63,7 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
         "    context: 64 tokens per request (prompt + output)",
         f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} blocks of 16)",
         "    scheduler: pd-split {'prefill_budget': 32}",
+        "  structured output: on (llguidance)",  # llguidance is installed here ([dev])
         "  API keys: on (2 accepted)",
         "  /metrics: off (API keys are on and no --metrics-key names an operator's key)",
     ]
@@ -73,7 +74,7 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
     assert out[0].endswith(f"(also http://127.0.0.1:{port}/health, http://127.0.0.1:{port}/metrics)")  # open
     assert out[1] == f"  model '{path.name}': {path}"  # the directory's name, as /v1/models lists it
     assert out[2].startswith("    weights: float32 (the dtype), ")
-    assert out[-2:] == ["    scheduler: fifo",
+    assert out[-3:] == ["    scheduler: fifo", "  structured output: on (llguidance)",
                         "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)"]
     for keys in (["--api-key", "k1"], []):
         assert cli.main(["serve", str(path), "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
@@ -99,9 +100,9 @@ def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, 
 @pytest.mark.parametrize(("flags", "said"), [
     (["--scheduler", "nosuch"], "asyncinfer: error: --scheduler 'nosuch' is invalid: allowed one of "),
     (["--scheduler", "pd-split", "--scheduler-option", "bogus=1"],
-     "asyncinfer: error: --scheduler-option {'bogus': 1} is invalid: allowed keywords PDSplitScheduler accepts ("),
+     "asyncinfer: error: --scheduler-option bogus=1 is invalid: allowed keywords scheduler pd-split takes ("),
     (["--scheduler-option", "prefill_budget=64"],
-     "asyncinfer: error: --scheduler-option {'prefill_budget': 64} is invalid: allowed keywords FIFOScheduler accepts ("),
+     "asyncinfer: error: --scheduler-option prefill_budget=64 is invalid: allowed keywords scheduler fifo takes ("),
 ])
 @pytest.mark.parametrize("command", ["serve", "chat", "generate", "bench", "info"])
 def test_a_bad_scheduler_is_refused_before_the_model_is_loaded(command, flags, said, tiny_models, capsys,
@@ -123,6 +124,8 @@ def test_a_bad_scheduler_is_refused_before_the_model_is_loaded(command, flags, s
     captured = capsys.readouterr()
     assert captured.err.startswith(said) and captured.err.count("\n") == 1, captured.err
     assert "loading" not in captured.out  # serve says nothing of what it would serve
+    if command == "info":  # no "model:" or "architecture:" line before the error
+        assert captured.out == ""
 
 
 def test_a_second_serve_on_the_port_fails_at_once_while_the_first_loads(tiny_models, capsys, monkeypatch) -> None:
@@ -178,3 +181,13 @@ def test_errors_name_the_flags_not_the_fields(tiny_models, capsys, monkeypatch) 
         assert err.endswith("Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len.\n")
     assert cli.main(["info", path, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 1
     assert "Raise --kv-cache-memory / --kv-cache-fraction or lower --max-model-len." in capsys.readouterr().out
+
+
+def test_the_banner_says_when_structured_output_is_off(monkeypatch) -> None:
+    """Without llguidance the start-up lines say so (each structured request is then a 501)."""
+    import asyncinfer.grammar
+    from asyncinfer.commands.serve import structured_line
+
+    monkeypatch.setattr(asyncinfer.grammar, "library_missing", lambda: "structured output needs llguidance: gone")
+    assert structured_line() == ("  structured output: off (llguidance is not installed: pip install "
+                                 "'asyncinfer[structured]'; such requests get a 501)")

@@ -412,3 +412,37 @@ def test_every_block_runs(doc, placeholders, servers, env, workdir, monkeypatch)
         loop.close()
     for note in notes:
         print(note)
+
+
+def test_the_readme_s_first_minute_says_threads_1_on_a_shared_machine() -> None:
+    """On a busy machine the default threads collapse generation: the README's first minute says to pass
+    ``--threads 1``, a flag every engine command has, and points at formats.md's explanation."""
+    from asyncinfer import cli
+
+    first = (ROOT / "README.md").read_text(encoding="utf-8").split("**The first minute.**", 1)[1].split("\n## ", 1)[0]
+    assert "`--threads 1`" in first and "\"Threads and OpenMP\"" in first
+    assert "## Threads and OpenMP" in (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
+    args = cli.build_parser().parse_args(["chat", "--threads", "1", "hi"])
+    assert cli._engine_options(args) == {"num_threads": 1}
+
+
+def test_getting_started_states_the_suite_s_measured_duration() -> None:
+    """The full suite took about 27 minutes on 2 cores (the page said 8): the figure stated brackets it."""
+    text = (ROOT / "docs" / "getting_started.md").read_text(encoding="utf-8")
+    (low, high) = re.findall(r"About (\d+)-(\d+) minutes on 2 cores", text)[0]
+    assert int(low) <= 27 <= int(high)
+
+
+def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> None:
+    """README snippets with a top-level ``await`` (not valid in a script) come after the note that says how
+    to run them: inside an ``async def`` with ``asyncio.run``, or where top-level await works."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    note = readme.find("use `await` at the top level for brevity: run them inside an `async def`")
+    assert note != -1
+    firsts = []
+    for match in re.finditer(r"```python\n(.*?)```", readme, re.DOTALL):
+        try:
+            compile(match.group(1), "README.md", "exec")  # ast.parse alone accepts a top-level await
+        except SyntaxError:  # 'await' outside function
+            firsts.append(match.start())
+    assert firsts and note < min(firsts)

@@ -3,6 +3,7 @@ serve the default model under (it was "default" in the example: a 404)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -45,8 +46,45 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path) -> None:
         proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing), "--port", str(port)], env=env,
                               cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr == (f"openai_server.py: error: port {port} on 127.0.0.1 is in use (another server listens on "
-                           f"127.0.0.1:{port}?): stop it, or choose another with --port\n")
+    assert proc.stderr == (f"openai_server.py: error: cannot listen on 127.0.0.1:{port} (Address already in use): "
+                           "stop the server there, or choose another --host / --port\n")
+
+
+def _code_lines(tree: ast.Module, source: str) -> int:
+    """The example's lines of code: not blank, not a comment, not the module's docstring."""
+    lines = source.splitlines()
+    spans = {n for node in tree.body[1:] for sub in ast.walk(node) if hasattr(sub, "lineno")
+             for n in range(sub.lineno, sub.end_lineno + 1)}
+    return sum(1 for n in spans if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def test_the_example_follows_the_fastapi_guide_with_public_names_only() -> None:
+    """The template for one's own app: only the names docs/api.md lists (``asyncinfer`` and
+    ``asyncinfer.server``'s ``__all__``; not ``asyncinfer.commands``), the model loaded in the lifespan with
+    ``await AsyncEngine.load()`` as docs/guides/fastapi.md advises (never at import), and as short as the
+    README says."""
+    import asyncinfer
+    import asyncinfer.server
+
+    source = EXAMPLE.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    public = {"asyncinfer": set(asyncinfer.__all__), "asyncinfer.server": set(asyncinfer.server.__all__)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("asyncinfer"):
+            assert node.module in public, node.module
+            assert {a.name for a in node.names} <= public[node.module], ast.unparse(node)
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith("asyncinfer") for a in node.names), ast.unparse(node)
+    assert "from_pretrained" not in source
+    (lifespan,) = [n for n in tree.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "lifespan"]
+    loads = [n for n in ast.walk(lifespan) if isinstance(n, ast.Await) and "AsyncEngine.load(" in ast.unparse(n)]
+    assert len(loads) == 1
+    at_import = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.If))]
+    calls = [ast.unparse(c.func) for n in at_import for c in ast.walk(n) if isinstance(c, ast.Call)]
+    assert not [c for c in calls if c.startswith("AsyncEngine")], calls  # no load at import
+    (claim,) = re.findall(r"examples/openai_server\.py` shows it in under (\d+) lines of code",
+                          (ROOT / "README.md").read_text(encoding="utf-8").replace("\n", " "))
+    assert _code_lines(tree, source) < int(claim)
 
 
 @pytest.mark.real_model

@@ -238,12 +238,14 @@ def test_an_overloaded_engine_is_a_503_with_retry_after(server, http, monkeypatc
     assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_max_tokens_defaults_to_the_rest_of_the_context(server, http) -> None:
+def test_completions_max_tokens_defaults_to_16(server, http) -> None:
+    """OpenAI's and vLLM's default for /v1/completions (chat's runs to the context: test_default_max_tokens)."""
     prompt = list(range(5, 15))
-    r = http.post("/v1/completions", json={"model": "ids", "prompt": prompt, "ignore_eos": True})
-    params = SamplingParams(max_tokens=512, ignore_eos=True, truncate_output_to_model_len=True)
+    r = http.post("/v1/completions", json={"model": "ids", "prompt": prompt, "ignore_eos": True, "temperature": 0})
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = server.call(server.engine.generate(prompt, params, model="ids"))
-    assert r.json()["usage"]["completion_tokens"] == 512 - len(prompt) == len(want.token_ids)
+    assert r.json()["usage"]["completion_tokens"] == 16 == len(want.token_ids)
+    assert r.json()["choices"][0]["text"] == want.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 

@@ -426,3 +426,25 @@ def test_parallel_calls_are_each_valid(smol) -> None:
         state.handle_chunk(chunk)
     final = state.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls" and _calls(final.message) == _calls(reply.message)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("route", "field", "body"), [
+    ("/v1/chat/completions", "response_format", {**CHAT, "response_format": {"type": "json_object"}}),
+    ("/v1/completions", "guided_regex", {**TEXT, "guided_regex": "[a-c]{3}-no-llguidance"}),
+])
+def test_structured_output_without_llguidance_is_a_501_not_the_client_s_400(server, http, monkeypatch, route, field,
+                                                                            body, stream) -> None:
+    """Without the grammar library the server cannot do what a valid body asks: a server error, 501
+    ``not_implemented`` naming the field and the install, and the server serves on."""
+    import asyncinfer.grammar
+
+    monkeypatch.setattr(asyncinfer.grammar, "library_missing",
+                        lambda: "structured output needs llguidance (pip install 'asyncinfer[structured]'): gone")
+    r = http.post(route, json={**body, "stream": stream})
+    assert r.status_code == 501, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("server_error", "not_implemented", field)
+    assert "llguidance" in error["message"] and "asyncinfer[structured]" in error["message"]
+    monkeypatch.undo()
+    assert http.post(route, json=TEXT if route == "/v1/completions" else CHAT).status_code == 200

@@ -1,7 +1,7 @@
 """``asyncinfer chat``: one-shot or interactive chat, streamed as it is written.
 
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
-session goes on); at the prompt it leaves with status 130 (``/exit``, ``/quit``
+session goes on); at the prompt it says "stopping…" at once and leaves with status 130 (``/exit``, ``/quit``
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
 commands. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
 message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
@@ -38,8 +38,8 @@ from asyncinfer.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
 
-HELP = ("/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply (at the prompt: leaves); "
-        "a message that starts with / is sent as //...")
+HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
+        "reply (at the prompt: leaves); a message that starts with / is sent as //...")
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
 
 
@@ -54,13 +54,30 @@ HISTORY_LENGTH = 1000  # lines kept
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session")
+    p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session (the model is "
+                                             "--model: a prompt that names a model file or directory is refused)")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
 
 
 def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    if args.prompt and _looks_like_a_model(args.prompt[0]):
+        from asyncinfer.commands import CommandError
+
+        # chat's positional is the prompt (every other command's is the model): a model file is a mistake
+        raise CommandError(f"{args.prompt[0]!r} is a model, not a prompt: give it as --model "
+                           f"(asyncinfer chat --model {args.prompt[0]} [PROMPT])")
     return asyncio.run(_main(args, options, params))
+
+
+def _looks_like_a_model(text: str) -> bool:
+    """Whether ``text`` names an existing model: a ``.gguf`` file, or a directory with a ``config.json``."""
+    try:
+        path = Path(text).expanduser()
+        return ((path.suffix.lower() == ".gguf" and path.is_file())
+                or (path.is_dir() and (path / "config.json").is_file()))
+    except (OSError, ValueError):  # a prompt too long for a file name, or with a NUL: no file
+        return False
 
 
 class ChatSession:
@@ -113,9 +130,12 @@ class ChatSession:
                 ``max_model_len - max_tokens`` tokens; the history is left as it was.
         """
         budget = self.engine.max_model_len - self.params.max_tokens
-        if budget < 1:
-            raise InvalidParameterError("max_tokens", self.params.max_tokens,
-                                        f"less than max_model_len ({self.engine.max_model_len})")
+        if budget < 1:  # named by the flags the user can change
+            limit, n = self.params.max_tokens, self.engine.max_model_len
+            raise InvalidParameterError(
+                "max_tokens", limit, f"less than --max-model-len ({n})",
+                message=f"--max-tokens {limit} is invalid: allowed less than --max-model-len ({n}); lower "
+                        f"--max-tokens or raise --max-model-len")
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
@@ -353,7 +373,8 @@ class _Interrupts:
         except asyncio.CancelledError:
             if not future.cancelled():
                 raise
-            print(file=sys.stderr)
+            # at once: closing the engine (its thread, the model's memory) may take seconds after this
+            print("\nstopping…", file=sys.stderr, flush=True)
             raise PromptInterrupted from None
         finally:
             self.current = None

@@ -221,6 +221,11 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     if flag is None or flag.field not in given:
         return None
     value = exc.value
+    if flag.field == "scheduler_options" and isinstance(value, dict):  # as typed (KEY=VALUE), not a Python dict
+        shown = " ".join(f"{key}={json.dumps(v)}" for key, v in value.items())
+        scheduler = given.get("scheduler") or "fifo"
+        allowed = re.sub(r"^keywords \w+ accepts", f"keywords scheduler {scheduler} takes", exc.allowed)
+        return f"{flag.flag} {shown} is invalid: allowed {allowed}"
     shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
     allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
     return f"{flag.flag} {shown} is invalid: allowed {allowed}"

@@ -94,13 +94,15 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
         raise CommandError(f"{where}: not JSON ({exc})") from None
     if isinstance(item, str):
         item = {"prompt": item}
-    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+    if not isinstance(item, dict):
         raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
     overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
     unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
-    if unknown:
+    if unknown:  # before the missing prompt: {"promt": "y"} is named by its misspelt key
         raise CommandError(f"{where}: unknown key(s) {unknown}: the keys are prompt, messages, id and "
                            "SamplingParams' fields (max_tokens, temperature, stop, ...)")
+    if ("prompt" in item) == ("messages" in item):
+        raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
     try:
         line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
     except InvalidParameterError as exc:

@@ -104,6 +104,7 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
             ]
         else:
             lines += [f"  embedding model {spec.name!r}: {path}", f"    {plan.describe()}"]
+    lines.append(structured_line())
     lines.append(f"  API keys: on ({api_keys} accepted)" if api_keys else
                  "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)")
     if metrics_keys:
@@ -111,6 +112,18 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
     elif not metrics_on:
         lines.append("  /metrics: off (API keys are on and no --metrics-key names an operator's key)")
     return "\n".join(lines)
+
+
+def structured_line() -> str:
+    """Whether structured output (``response_format``, ``guided_*``, constrained tool calls) can run here:
+    it needs the grammar library, llguidance; without it such requests get a 501 ``not_implemented``."""
+    from asyncinfer.grammar import library_missing
+
+    missing = library_missing()
+    if missing is None:
+        return "  structured output: on (llguidance)"
+    return ("  structured output: off (llguidance is not installed: pip install 'asyncinfer[structured]'; "
+            "such requests get a 501)")
 
 
 def _path(model: str | None) -> Path:

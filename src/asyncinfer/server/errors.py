@@ -120,6 +120,12 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
     if _is_template_error(exc):  # e.g. a template's raise_exception("roles must alternate")
         return APIError(400, f"The model's chat template refused these messages: {exc}", param=rename("prompt"))
     if isinstance(exc, InvalidParameterError):
+        if exc.parameter == "structured" and _grammar_library_missing():  # the server lacks it: not the client's fault
+            field = rename(exc.parameter)
+            return APIError(501, f"`{field}` cannot be served here: this server has no structured output "
+                                 "(its grammar library, llguidance, is not installed: pip install "
+                                 "'asyncinfer[structured]').", type="server_error", param=field,
+                            code="not_implemented")
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
         code = "context_length_exceeded" if "max_model_len" in exc.allowed else None
@@ -149,7 +155,13 @@ def _no_room(field: str, exc: InvalidParameterError) -> str:
     own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
     room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
     return (f"`{field}` is {exc.value!r}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
-            f"shorten the prompt, or leave `{field}` out to generate up to the model's context length.")
+            f"shorten the prompt, or leave `{field}` out (the output then stops where the context ends).")
+
+
+def _grammar_library_missing() -> bool:
+    from asyncinfer.grammar import library_missing
+
+    return library_missing() is not None
 
 
 def _is_template_error(exc: BaseException) -> bool:

@@ -57,6 +57,9 @@ MAX_SAMPLES = 256  # prompts x n in one body: one call may not flood the engine
 #: would take tens of GB; such a request is refused at once (stream it: a stream holds one chunk at a time).
 MAX_WHOLE_LOGPROBS = 1 << 20
 MAX_EMBED_INPUTS = 2048  # texts in one /v1/embeddings body (OpenAI's limit)
+#: ``/v1/completions``' token limit for a body without ``max_tokens``, OpenAI's and vLLM's default (chat
+#: completions without one run to the context length, as OpenAI's do).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
 _TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)"
@@ -321,10 +324,11 @@ class _Common:
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
         """The request's parameters. Without `temperature` it samples at OpenAI's default, 1 (the engine's
-        own default is greedy); without a token limit it may run to the model's context length."""
+        own default is greedy); without a token limit it has the endpoint's default (:meth:`default_limit`),
+        cut where prompt + output reach the model's context length."""
         kw = {"temperature": DEFAULT_TEMPERATURE, **self.sampling}
         if "max_tokens" not in kw:
-            kw.update(max_tokens=max_model_len, truncate_output_to_model_len=True)
+            kw.update(max_tokens=self.default_limit(max_model_len), truncate_output_to_model_len=True)
         try:
             params = SamplingParams(**kw)
         except InvalidParameterError as exc:
@@ -349,6 +353,10 @@ class _Common:
     @property
     def num_prompts(self) -> int:
         return 1
+
+    def default_limit(self, max_model_len: int) -> int:
+        """The token limit of a body without one: chat runs to the context length, as OpenAI's does."""
+        return max_model_len
 
     def field(self, parameter: str) -> str:
         """The body field an engine parameter name stands for (this body's own token-limit field)."""
@@ -669,6 +677,10 @@ class CompletionRequest(_Common):
     @property
     def num_prompts(self) -> int:
         return len(self.prompts)
+
+    def default_limit(self, max_model_len: int) -> int:
+        """OpenAI's (and vLLM's) default for completions: 16 tokens (fewer where the context ends first)."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 def parse_completion(body: Any) -> CompletionRequest:
