@@ -14,6 +14,7 @@ conftest files; plain code lives here.
   suites must catch: :class:`QueuesForkedSamples`, :class:`CountsRequestsNotSeats`.
 - :data:`SMOLLM2`: the default model's config, for size arithmetic without loading it.
 - :func:`loaded_bytes`: the bytes a loaded model holds, its weight-format layers included.
+- Hostile numbers: :class:`Posing` (an int) and :class:`PosingFloat` that compare as another number.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import random
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import torch
@@ -44,6 +45,9 @@ from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, Scheduler
 from asyncinfer.step import apply_step
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 # ---- tiny random transformers models ---------------------------------------
 
@@ -456,3 +460,39 @@ def gather_tool_deltas(deltas: list[dict[str, Any]]) -> tuple[str, list[dict]]:
                 assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
                 calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
     return content, calls
+
+
+class _ComparesAs:
+    """Comparisons answered as ``poses_as``, whatever the number holds (for :class:`Posing` / :class:`PosingFloat`)."""
+
+    poses_as: float
+
+    def __lt__(self, other: object) -> bool:
+        return self.poses_as < other  # type: ignore[operator,no-any-return]
+
+    def __le__(self, other: object) -> bool:
+        return self.poses_as <= other  # type: ignore[operator,no-any-return]
+
+    def __gt__(self, other: object) -> bool:
+        return self.poses_as > other  # type: ignore[operator,no-any-return]
+
+    def __ge__(self, other: object) -> bool:
+        return self.poses_as >= other  # type: ignore[operator,no-any-return]
+
+
+class Posing(_ComparesAs, int):
+    """An int that compares as another number (``poses_as``), whatever it holds."""
+
+    def __new__(cls, value: int, poses_as: float) -> Self:
+        number = super().__new__(cls, value)
+        number.poses_as = poses_as
+        return number
+
+
+class PosingFloat(_ComparesAs, float):
+    """A float that compares as another number (``poses_as``), whatever it holds."""
+
+    def __new__(cls, value: float, poses_as: float) -> Self:
+        number = super().__new__(cls, value)
+        number.poses_as = poses_as
+        return number

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -27,58 +26,10 @@ from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import plain_int
 from asyncinfer.sampling_params import plain_params
 from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from tests.helpers import Posing, PosingFloat
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
-
-
-class Posing(int):
-    """An int that compares as another number (``poses_as``), whatever it holds."""
-
-    poses_as: float
-
-    def __new__(cls, value: int, poses_as: float) -> Self:
-        number = super().__new__(cls, value)
-        number.poses_as = poses_as
-        return number
-
-    def __lt__(self, other: object) -> bool:
-        return self.poses_as < other  # type: ignore[operator,no-any-return]
-
-    def __le__(self, other: object) -> bool:
-        return self.poses_as <= other  # type: ignore[operator,no-any-return]
-
-    def __gt__(self, other: object) -> bool:
-        return self.poses_as > other  # type: ignore[operator,no-any-return]
-
-    def __ge__(self, other: object) -> bool:
-        return self.poses_as >= other  # type: ignore[operator,no-any-return]
-
-
-class PosingFloat(float):
-    """A float that compares as another number."""
-
-    poses_as: float
-
-    def __new__(cls, value: float, poses_as: float) -> Self:
-        number = super().__new__(cls, value)
-        number.poses_as = poses_as
-        return number
-
-    def __lt__(self, other: object) -> bool:
-        return self.poses_as < other  # type: ignore[operator,no-any-return]
-
-    def __le__(self, other: object) -> bool:
-        return self.poses_as <= other  # type: ignore[operator,no-any-return]
-
-    def __gt__(self, other: object) -> bool:
-        return self.poses_as > other  # type: ignore[operator,no-any-return]
-
-    def __ge__(self, other: object) -> bool:
-        return self.poses_as >= other  # type: ignore[operator,no-any-return]
 
 
 def test_plain_int_reads_the_number_an_int_holds() -> None:

@@ -16,16 +16,13 @@ a ``max_num_seqs`` of -3 and a ``max_num_batched_tokens`` of 0 served). ``add_mo
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import pytest
 
 from asyncinfer import AsyncEngine, EngineConfig, InvalidParameterError, SamplingParams
 from asyncinfer.embedding import EmbeddingConfig
 from asyncinfer.metrics.exposition import exposition
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from tests.helpers import Posing, PosingFloat
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
@@ -59,57 +56,18 @@ async def test_a_model_name_whose_len_lies_is_refused_by_its_real_length(tiny_mo
         assert own.token_ids == other.token_ids == expected
 
 
-class Posing(int):
-    """An int that compares as another number (``poses_as``), whatever it holds."""
-
-    poses_as: float
-
-    def __new__(cls, value: int, poses_as: float) -> Self:
-        number = super().__new__(cls, value)
-        number.poses_as = poses_as
-        return number
-
-    def __lt__(self, other: object) -> bool:
-        return self.poses_as < other  # type: ignore[operator,no-any-return]
-
-    def __le__(self, other: object) -> bool:
-        return self.poses_as <= other  # type: ignore[operator,no-any-return]
-
-    def __gt__(self, other: object) -> bool:
-        return self.poses_as > other  # type: ignore[operator,no-any-return]
-
-    def __ge__(self, other: object) -> bool:
-        return self.poses_as >= other  # type: ignore[operator,no-any-return]
-
-
-class PosingFloat(float):
-    """A float that compares as 0.5, whatever it holds."""
-
-    def __lt__(self, other: object) -> bool:
-        return 0.5 < other  # type: ignore[operator]
-
-    def __le__(self, other: object) -> bool:
-        return 0.5 <= other  # type: ignore[operator]
-
-    def __gt__(self, other: object) -> bool:
-        return 0.5 > other  # type: ignore[operator]
-
-    def __ge__(self, other: object) -> bool:
-        return 0.5 >= other  # type: ignore[operator]
-
-
 POSING_OPTIONS = [  # (config, field, value)
     (EngineConfig, "block_size", Posing(0, 4)),
     (EngineConfig, "max_num_seqs", Posing(-3, 4)),
     (EngineConfig, "max_num_batched_tokens", Posing(0, 256)),
     (EngineConfig, "kv_cache_memory", Posing(-1, 4 << 20)),
     (EngineConfig, "max_consecutive_step_failures", Posing(0, 3)),
-    (EngineConfig, "kv_cache_fraction", PosingFloat(7.0)),
-    (EngineConfig, "stall_timeout", PosingFloat(-1.0)),
-    (EngineConfig, "kv_watermark", PosingFloat(9.0)),
+    (EngineConfig, "kv_cache_fraction", PosingFloat(7.0, 0.5)),
+    (EngineConfig, "stall_timeout", PosingFloat(-1.0, 0.5)),
+    (EngineConfig, "kv_watermark", PosingFloat(9.0, 0.5)),
     (EmbeddingConfig, "max_batch_size", Posing(0, 8)),
     (EmbeddingConfig, "max_batch_tokens", Posing(-5, 64)),
-    (EmbeddingConfig, "max_wait_ms", PosingFloat(1e9)),
+    (EmbeddingConfig, "max_wait_ms", PosingFloat(1e9, 0.5)),
 ]
 
 
