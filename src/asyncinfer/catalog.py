@@ -24,6 +24,7 @@ from asyncinfer.embedding import EmbedCall, EmbeddingBatcher
 from asyncinfer.engine_thread import QueueEmbed
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
+from asyncinfer.plain import plain_value
 from asyncinfer.prompts import LoopShare, check_prompt_chars, prompt_cost, prompt_token_ids, texts_cost
 
 _M = TypeVar("_M")
@@ -264,8 +265,7 @@ def check_name(name: Any) -> str:
     """A model's name as the plain ``str`` it holds, checked: a ``str`` subclass's own ``__len__`` cannot pass a
     name of any length (it is in every metric's labels and every ``/v1/models`` answer), and the engine keeps
     no object whose methods are the caller's."""
-    if isinstance(name, str):
-        name = str.__str__(name)
+    name = plain_value(name)
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidParameterError("name", name, "a non-empty string of at most 200 characters")
     return name

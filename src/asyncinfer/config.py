@@ -23,6 +23,7 @@ from asyncinfer.models.quant import (
     resolve_pack,
     resolve_quantization,
 )
+from asyncinfer.plain import plain_value
 
 _T = TypeVar("_T")
 
@@ -74,14 +75,9 @@ def plain_fields(options: Any) -> None:
     options keep no object whose methods are the caller's."""
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
-        if isinstance(value, bool) or type(value) in (int, float, str):
-            continue
-        if isinstance(value, int):
-            object.__setattr__(options, f.name, int.__index__(value))
-        elif isinstance(value, float):
-            object.__setattr__(options, f.name, float.__float__(value))
-        elif isinstance(value, str):
-            object.__setattr__(options, f.name, str.__str__(value))
+        plain = plain_value(value)
+        if plain is not value:
+            object.__setattr__(options, f.name, plain)
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:

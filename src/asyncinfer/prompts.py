@@ -22,6 +22,7 @@ from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.holder import ModelVersion
+from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams, plain_params
 
@@ -75,15 +76,6 @@ def plain_text(value: Any) -> Any:
     return str.__str__(value) if isinstance(value, str) else value
 
 
-def plain_int(value: Any) -> Any:
-    """An ``int`` (of a subclass too, but ``bool``) as the plain ``int`` it holds; anything else as it is.
-
-    ``int.__index__`` reads the number itself: a subclass whose comparisons lie (``__lt__`` always true)
-    cannot pass a range check with a value outside the range (a token id past the vocabulary failed the
-    step of every request batched with it)."""
-    return int.__index__(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-
 def plain_prompt(prompt: Any) -> Any:
     """``prompt`` in built-in types, so that every check looks at its real content, not at what a
     subclass's ``__len__`` (or ``__bool__``) says: a text as a plain ``str``; a list, tuple or other
@@ -124,10 +116,10 @@ def _plain_message(message: Any) -> Any:
 def check_request_args(params: SamplingParams | None, priority: Any,
                        cache_salt: Any) -> tuple[SamplingParams, int, str | None]:
     """The request's parameters, checked as they hold now (``None`` params: the defaults), its priority as the
-    plain ``int`` and its cache salt as the plain ``str`` they hold (:func:`plain_int`, :func:`plain_text`): the
+    plain ``int`` and its cache salt as the plain ``str`` they hold (:func:`~asyncinfer.plain.plain_value`): the
     engine thread compares the one and hashes the other, and a subclass's own methods would run there (a salt
     whose ``__hash__`` raised failed its neighbours' step)."""
-    priority, cache_salt = plain_int(priority), plain_text(cache_salt)
+    priority, cache_salt = plain_value(priority), plain_value(cache_salt)
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -287,7 +279,7 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     elif isinstance(prompt, Sequence) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        ids = [plain_int(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
+        ids = [plain_value(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

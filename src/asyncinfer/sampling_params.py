@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.plain import plain_value
 from asyncinfer.structured import StructuredOutput
 
 __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams", "plain_params"]
@@ -36,19 +37,6 @@ MAX_STOP_TOKEN_IDS = 4096
 #: The fields that hold a number (an int, or a float where an int is also taken).
 _NUMBERS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "logprobs", "min_tokens", "n")
-
-
-def _plain_number(value: object) -> object:
-    """An ``int`` or ``float`` (of a subclass too; never a ``bool``) as the plain number it holds, read by the
-    built-in type's own method: an ``int`` subclass whose ``__lt__`` always answers True would pass every range
-    check (``n`` of ten thousand samples, a negative ``max_tokens``, a ``seed`` below 0). Anything else as it is."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return int.__index__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    return value
 
 
 def _is_int(value: object) -> bool:
@@ -193,7 +181,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         for name in _NUMBERS:  # checked and kept as the plain numbers they hold: a subclass's comparisons may lie
             value = getattr(self, name)
-            plain = _plain_number(value)
+            plain = plain_value(value)
             if plain is not value:
                 msgspec.structs.force_setattr(self, name, plain)
 
@@ -259,7 +247,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidParameterError(
                     "stop_token_ids", f"<{_real_len(ids)} ids>", f"None or a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
                 )
-            id_list = [_plain_number(i) for i in _real_items(ids)]
+            id_list = [plain_value(i) for i in _real_items(ids)]
             if not all(_is_int(i) and i >= 0 for i in id_list):
                 raise InvalidParameterError("stop_token_ids", ids, "None or a list of ints >= 0")
             msgspec.structs.force_setattr(self, "stop_token_ids", id_list)

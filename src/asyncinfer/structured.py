@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.plain import plain_value
 
 __all__ = ["MAX_CHOICES", "MAX_SPEC_CHARS", "StructuredKind", "StructuredOutput"]
 
@@ -39,12 +40,10 @@ _NAME = "structured"
 def _plain(value: object) -> object:
     """A ``str`` as the plain ``str`` it holds, a ``tuple`` as a plain tuple of its items (each ``str`` plain);
     anything else as it is (refused by the checks)."""
-    if isinstance(value, str):
-        return str.__str__(value)
     if isinstance(value, tuple):
-        items = tuple(str.__str__(c) if isinstance(c, str) else c for c in tuple.__iter__(value))
+        items = tuple(plain_value(c) if isinstance(c, str) else c for c in tuple.__iter__(value))
         return value if type(value) is tuple and all(a is b for a, b in zip(items, value)) else items
-    return value
+    return plain_value(value) if isinstance(value, str) else value
 
 
 def _too_long(what: str, chars: int) -> InvalidParameterError:

@@ -32,6 +32,7 @@ from asyncinfer.loading import (
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
+from asyncinfer.plain import plain_value
 
 
 class ChangeObserver(Protocol):
@@ -242,7 +243,7 @@ class ModelChanges:
             raise InvalidParameterError("abort", abort, "True or False")
         if not isinstance(name, str):
             raise InvalidParameterError("name", name, f"a loaded model's name: {self.models.loaded_names()}")
-        name = str.__str__(name)
+        name = plain_value(name)
         async with self.lock:
             self.check_usable()
             if name in self.models.generators:
@@ -282,8 +283,7 @@ class ModelChanges:
 
 def _check_available(available: Any) -> int | None:
     """``available_bytes`` as the plain ``int`` it holds (an ``int`` subclass's comparisons may lie), or None."""
-    if available is not None and not isinstance(available, bool) and isinstance(available, int):
-        available = int.__index__(available)
+    available = plain_value(available)
     if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
         raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
     return available

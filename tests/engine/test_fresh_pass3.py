@@ -23,7 +23,7 @@ import threading
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
-from asyncinfer.prompts import plain_int
+from asyncinfer.plain import plain_value
 from asyncinfer.sampling_params import plain_params
 from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
 from tests.helpers import Posing, PosingFloat
@@ -32,9 +32,9 @@ BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "floa
 GOOD = [(29 * j) % 300 + 7 for j in range(9)]
 
 
-def test_plain_int_reads_the_number_an_int_holds() -> None:
-    assert [type(plain_int(t)) for t in (5, Posing(10**6, 5))] == [int, int] and plain_int(Posing(10**6, 5)) == 10**6
-    assert plain_int(True) is True and plain_int("7") == "7"  # a bool stays a bool, anything else as it is (refused)
+def test_plain_value_reads_the_number_an_int_holds() -> None:
+    assert [type(plain_value(t)) for t in (5, Posing(10**6, 5))] == [int, int] and plain_value(Posing(10**6, 5)) == 10**6
+    assert plain_value(True) is True and plain_value("7") == "7"  # a bool stays a bool, anything else as it is (refused)
 
 
 @pytest.mark.parametrize("position", [0, 4])
