@@ -382,16 +382,40 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
 }
 
+/* Block b's product with activation row m0 + i, its scale dx * dw read from sc (formed sixteen blocks at a
+ * time, so no scalar conversion or multiply sits in the loop). */
 #define ROW512_BLOCK(b, slot, UNPACK, QS_BYTES)                                                   \
     do {                                                                                          \
         _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
         const __m512i w = UNPACK(qs + (b) * QS_BYTES);                                            \
-        const float dw = ai_half_to_float(d16[b]);                                                \
         for (int i = 0; i < ROWS; i++) {                                                          \
             const __m512i s = _mm512_madd_epi16(w, _mm512_loadu_si512(a->q + (m0 + i) * K + (b) * QK)); \
-            acc[2 * i + (slot)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                          \
-                                                  _mm512_set1_ps(a->d[(m0 + i) * nb + (b)] * dw), \
+            acc[2 * i + (slot)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sc[i][(b) - b0]), \
                                                   acc[2 * i + (slot)]);                           \
+        }                                                                                         \
+    } while (0)
+
+/* The scales dx * dw of blocks b0 to b0 + n - 1 (n <= 16) per activation row, and (HAS_MIN) the offset
+ * term m * (the block's sum of x) of those blocks added to off. */
+#define ROW512_SCALES(n, HAS_MIN)                                                                 \
+    do {                                                                                          \
+        if ((n) == 16) { /* 256 bits at a time (SIMDe's emulation has no 512-bit cvtph) */          \
+            for (int h = 0; h < 16; h += 8) {                                                     \
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + b0 + h))); \
+                const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b0 + h))) \
+                                          : _mm256_setzero_ps();                                  \
+                for (int i = 0; i < ROWS; i++) {                                                  \
+                    const int64_t at = (m0 + i) * nb + b0 + h;                                    \
+                    _mm256_storeu_ps(sc[i] + h, _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw));   \
+                    if (HAS_MIN) off[i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + at), off[i]); \
+                }                                                                                 \
+            }                                                                                     \
+        } else {                                                                                  \
+            for (int i = 0; i < ROWS; i++)                                                        \
+                for (int64_t j = 0; j < (n); j++) {                                               \
+                    sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * ai_half_to_float(d16[b0 + j]);      \
+                    if (HAS_MIN) tail[i] += ai_half_to_float(m16[b0 + j]) * a->sum[(m0 + i) * nb + b0 + j]; \
+                }                                                                                 \
         }                                                                                         \
     } while (0)
 
@@ -402,20 +426,23 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
         __m512 acc[2 * MR];                                                                       \
+        __m256 off[MR];                                                                           \
+        float sc[MR][16], tail[MR];                                                               \
         for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
-        int64_t b = 0;                                                                            \
-        for (; b + 1 < nb; b += 2) {                                                              \
-            ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                                 \
-            ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                             \
+        for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
+            const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
+            ROW512_SCALES(n, HAS_MIN);                                                            \
+            int64_t b = b0;                                                                       \
+            for (; b + 1 < b0 + n; b += 2) {                                                      \
+                ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
+                ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                         \
+            }                                                                                     \
+            if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                 \
         }                                                                                         \
-        if (b < nb) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                         \
-        for (int i = 0; i < ROWS; i++) {                                                          \
-            float offset = 0.0f;                                                                  \
-            if (HAS_MIN)                                                                          \
-                for (int64_t bb = 0; bb < nb; bb++)                                               \
-                    offset += ai_half_to_float(m16[bb]) * a->sum[(m0 + i) * nb + bb];             \
-            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) + offset;    \
-        }                                                                                         \
+        for (int i = 0; i < ROWS; i++)                                                            \
+            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +            \
+                     (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);                             \
     }
 
 ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
