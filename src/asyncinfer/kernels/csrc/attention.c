@@ -5,6 +5,8 @@
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
  * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
+ * softcap > 0 (ai_decode_attention only; Gemma 2): each score, scale included, becomes
+ * softcap * tanh(score / softcap) before the softmax, as transformers' eager attention caps it.
  * D must be a multiple of 8. The variants differ in the order of float32 sums and in exp (the AVX2
  * polynomial within 2 ulp of expf, the scalar reference expf itself).
  *
@@ -30,7 +32,7 @@ static inline void prefetch_keys(const float *cache, const int64_t *table, int64
 }
 
 static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
-                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+                   int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
     float mx = -INFINITY;
     for (int64_t b = 0, t = 0; t < L; b++) {
         const float *kb = k_cache + table[b] * BS * row;
@@ -56,6 +58,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
         for (j = 0; j < n; j++) mx = pg[t + j] > mx ? pg[t + j] : mx;
         t += n;
     }
+    if (softcap > 0.0f) mx = ai_softcap(pg, L, softcap); /* Gemma 2: the scores capped before the softmax */
     __m256 dsum = _mm256_setzero_ps();
     const __m256 mxv = _mm256_set1_ps(mx);
     int64_t t = 0;
@@ -121,7 +124,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
 /* The scalar reference: each key's score in order, softmax with the maximum subtracted, the weighted
  * sum of values in key order. */
 static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
-                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+                   int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < L; t++) {
         const float *kv = k_cache + table[t / BS] * BS * row + (t % BS) * row;
@@ -130,6 +133,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
         pg[t] = acc * scale;
         mx = pg[t] > mx ? pg[t] : mx;
     }
+    if (softcap > 0.0f) mx = ai_softcap(pg, L, softcap);
     float denom = 0.0f;
     for (int64_t t = 0; t < L; t++) {
         pg[t] = expf(pg[t] - mx);
@@ -148,7 +152,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
 /* One task per (sequence, query head); each thread's scores in its own slice of one allocation. */
 int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                        float scale, float *out, int threads) {
+                        float scale, float softcap, float *out, int threads) {
     if (S < 0 || H < 1 || KVH < 1 || H % KVH || D < 1 || BS < 1) return ASYNCINFER_EINVAL; /* never divide by 0 */
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     int64_t longest = 1;
@@ -158,7 +162,7 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
     for (int64_t task = 0; task < S * H; task++) {
         const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s];
-        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, L, BS, row, D, scale,
+        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, L, BS, row, D, scale, softcap,
                scores + (int64_t)ai_thread_num() * longest, out + (s * H + head) * D);
     }
     free(scores);
@@ -168,5 +172,5 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
 int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                 int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
                                 int64_t BS, float scale, float *out, int threads) {
-    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, out, threads);
+    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, 0.0f, out, threads);
 }
