@@ -200,31 +200,33 @@ def test_the_kernel_decode_step_runs_gemma_as_the_torch_reference_does(kind, met
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_a_windowed_gemma_decodes_on_the_kernel_step_within_its_window(kind, saved) -> None:
-    """With its sliding layers' window of TINY_WINDOW tokens: decodes of two sequences from contexts within the
-    window to well past it, greedy, token for token as the reference, the kernel step running while every
-    context fits in the window and the reference's masked attention after."""
-    model = gemma_in_blocks(kind, saved, "q8_0", window=True)
+@pytest.mark.parametrize(("method", "batch", "atol"), [("q8_0", 2, 2e-3), ("q4_1", 12, 5e-5)])
+def test_a_windowed_gemma_decodes_past_its_window_on_the_kernel_step(kind, method, batch, atol, saved) -> None:
+    """With its sliding layers' window of TINY_WINDOW tokens (blocks of 4: windows that start inside a block):
+    decodes from contexts within the window to three times past it, every step on the kernel step (each sliding
+    layer attends to its last TINY_WINDOW keys, the full layers to everything), greedy, token for token as the
+    reference's masked attention, logits within ``atol`` (see the test above)."""
+    model = gemma_in_blocks(kind, saved, method, window=True)
     assert model.config.sliding_window == TINY_WINDOW
     kernel = select_decode_backend(model, model.config, "cpu")
     assert type(kernel) is KernelDecode
+    windows = [layer.attn.window for layer in model.layers]
+    assert windows == ([TINY_WINDOW, None] if kind == "gemma2" else [TINY_WINDOW, None, TINY_WINDOW])
+    assert [layer._args["window"] for layer in kernel.stack.layers] == windows
     reference = TorchDecode(model, SdpaBackend(), torch.device("cpu"))
-    ours, theirs = PagedRunner(model, seed=4), PagedRunner(model, seed=4)
-    work = [(0, [5, 9, 14]), (1, [7, 3])]
+    ours, theirs = (PagedRunner(model, num_blocks=128, seed=4) for _ in range(2))
+    work = [(i, [5 + i, 9, 14 + 2 * i][: 2 + i % 2]) for i in range(batch)]
     a = kernel.forward(ours.step_batch(work, last_only=True), ours.kv_caches)
     b = reference.forward(theirs.step_batch(work, last_only=True), theirs.kv_caches)
-    last, on_kernel = a.logits.argmax(dim=-1).tolist(), []
-    for n in range(3 * TINY_WINDOW):
+    last = a.logits.argmax(dim=-1).tolist()
+    for _ in range(3 * TINY_WINDOW):
         step = [(i, [t]) for i, t in enumerate(last)]
-        batch = ours.step_batch(step)
-        a = kernel.forward(batch, ours.kv_caches)
+        a = kernel.forward(ours.step_batch(step), ours.kv_caches)
         b = reference.forward(theirs.step_batch(step), theirs.kv_caches)
-        on_kernel.append(a.greedy_ids is not None)
-        assert on_kernel[-1] == (max(batch.context_lens) <= TINY_WINDOW), (n, batch.context_lens)
-        torch.testing.assert_close(a.logits, b.logits, atol=2e-3, rtol=2e-3)
-        assert a.logits.argmax(dim=-1).tolist() == b.logits.argmax(dim=-1).tolist()
-        last = a.logits.argmax(dim=-1).tolist()
-    assert any(on_kernel) and not all(on_kernel)
+        assert a.greedy_ids is not None  # the kernel step, within the window and past it
+        torch.testing.assert_close(a.logits, b.logits, atol=atol, rtol=atol)
+        assert a.greedy_ids == b.logits.argmax(dim=-1).tolist()
+        last = a.greedy_ids
 
 
 # ---- GGUF, as llama.cpp's converter writes Gemma ---------------------------------------------------

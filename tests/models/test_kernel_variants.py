@@ -284,7 +284,7 @@ def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> No
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_a_gemma_stack_equals_the_scalar_reference(isa, tokens) -> None:
     """Gemma's parts of the layer and the stack (post-attention and post-MLP norms, GeGLU, soft-capped scores and
-    logits, q/k norms, a second rope table, the embedding scale): each variant's tanh and exp within float32
+    logits, q/k norms, a second rope table, a sliding window, the embedding scale): each variant's tanh and exp within float32
     rounding of the scalar reference's tanhf / expf."""
     runs_here(isa)
     hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
@@ -307,7 +307,7 @@ def test_a_gemma_stack_equals_the_scalar_reference(isa, tokens) -> None:
                 activation="gelu_tanh", **gemma)
         layers = [layer(0, attn_softcap=2.0, rope_table=1, q_norm=1 + 0.2 * torch.randn(head_dim, generator=gen),
                         k_norm=1 + 0.2 * torch.randn(head_dim, generator=gen)),
-                  layer(1, attn_softcap=2.0)]
+                  layer(1, attn_softcap=2.0, window=21)]  # a window that starts inside a block of 16
         caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
                    torch.randn(8, 16, kv_heads, head_dim, generator=gen)) for _ in layers]
         angles = torch.rand(2, 64, head_dim // 2, generator=gen) * 6

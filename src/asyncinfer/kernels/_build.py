@@ -45,7 +45,7 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 28
+_VERSION = 29
 #: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
 #: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
 PANEL_MIN_ROWS = 9

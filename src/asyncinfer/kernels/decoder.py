@@ -64,7 +64,7 @@ class _Layer(ctypes.Structure):
                 ("post_norm2", ctypes.c_void_p), ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts),
                 ("hidden", ctypes.c_int64), ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("I", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("act", ctypes.c_int32), ("rope", ctypes.c_int32)]
+                ("act", ctypes.c_int32), ("rope", ctypes.c_int32), ("window", ctypes.c_int64)]
 
 
 def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, torch.Tensor | None]:
@@ -131,6 +131,8 @@ class DecodeLayer:
     :class:`DecodeStack`'s rope tables the layer reads, 0 to ``MAX_ROPE_TABLES - 1`` (Gemma 3's sliding layers:
     1, their own rope base; a layer called alone takes its rope rows directly). A norm's weights are what the
     normalised values are multiplied by: a family's weight offset (Gemma's ``1 + w``) added by the caller.
+    ``window``: None, or a positive int: each token attends to the last ``window`` keys of its context only (its
+    own included; a sliding-window layer), as the torch reference's window masks them.
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -143,7 +145,7 @@ class DecodeLayer:
                  intermediate_size: int, scale: float, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, post_norm1: torch.Tensor | None = None,
                  post_norm2: torch.Tensor | None = None, activation: Activation = "silu",
-                 attn_softcap: float | None = None, rope_table: int = 0) -> None:
+                 attn_softcap: float | None = None, rope_table: int = 0, window: int | None = None) -> None:
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -166,6 +168,7 @@ class DecodeLayer:
             if not 0.0 < softcap < 3.4e38:
                 raise ValueError(f"attn_softcap must be None or a positive finite float32, got {attn_softcap!r}")
         rope_table = size("rope_table", rope_table, 0, MAX_ROPE_TABLES - 1)
+        window_keys = 0 if window is None else size("window", window, 1, 2**62)
         hidden = size("hidden (norm1's size)", norm1.shape[0])
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         if (q_norm is None) != (k_norm is None):
@@ -198,7 +201,7 @@ class DecodeLayer:
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                       "intermediate_size": intermediate_size, "scale": scale, "q_norm": q_norm, "k_norm": k_norm,
                       "post_norm1": post_norm1, "post_norm2": post_norm2, "activation": activation,
-                      "attn_softcap": attn_softcap, "rope_table": rope_table}
+                      "attn_softcap": attn_softcap, "rope_table": rope_table, "window": window}
         #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
@@ -207,7 +210,7 @@ class DecodeLayer:
             norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
             *(None if t is None else t.data_ptr() for t in (q_norm, k_norm, post_norm1, post_norm2)), parts["qkv"],
             parts["o"], parts["gate_up"], parts["down"], hidden, heads, kv_heads, head_dim, inter, eps, scale, softcap,
-            _ACTIVATION_CODES[activation], rope_table)
+            _ACTIVATION_CODES[activation], rope_table, window_keys)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None

@@ -16,8 +16,9 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
   it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
   call (the step's integers in one list; logits and argmax from the same call). Any other step (a
-  prefill, a mixed step, an empty one, or, for a model with a sliding window, a step with a context
-  longer than the window: the kernel attends to the whole context) runs the torch reference.
+  prefill, a mixed step, an empty one, or, for a Llama-family model with a sliding window, a step with a
+  context longer than the window: that layer attends to the whole context on the kernel; a Gemma sliding
+  layer attends to its window there) runs the torch reference.
 
 :func:`select_decode_backend` makes the choice (``loading.build_core`` and ``quality.py`` call it); the
 attention backend goes with it: the block formats decode attention in asyncinfer's kernel
@@ -138,7 +139,9 @@ class KernelDecode(DecodeBackend):
             raise ValueError(f"KernelDecode cannot run this model: {why_not}")
         assert isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)) and isinstance(model.output_proj, BlockLinear)
         self._reference = TorchDecode(model, attention, device)
-        # The kernel attends to whole contexts: a windowed model's steps past its window run the reference.
+        # Steps with a context past this many tokens run the reference (None: none do). The Llama families' layers
+        # attend to whole contexts on the kernel, so a windowed model's steps past its window run the reference;
+        # a Gemma layer's window is the kernel layer's own (each sliding layer attends to its last window keys).
         self._window = model.config.sliding_window
         head = model.output_proj.kernel_weights()
         head = (head[0], head[1], model.output_proj.out_features)
@@ -157,6 +160,7 @@ class KernelDecode(DecodeBackend):
             self._stack = kernels.DecodeStack(layers, model.norm.kernel_weight(), model.norm.eps, head,
                                               embed_scale=model.embed_scale(rows),
                                               logit_softcap=model.config.final_logit_softcapping)
+            self._window = None
             rotaries = (model.rotary,) if not local else (model.rotary, model.local_rotary)
         else:
             layers = [_decode_layer(layer) for layer in model.layers]
@@ -216,7 +220,7 @@ def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int) -> kernels.De
     """A Gemma decoder layer as :class:`asyncinfer.kernels.DecodeLayer` holds it: its four norms (each weight with
     the config's offset added, :meth:`GemmaRMSNorm.kernel_weight`; ``norm2`` the pre-MLP norm), GeGLU, the
     layer's attention scale and soft-cap, Gemma 3's q/k norms, and ``rope_table``: 1 for a layer that rotates with
-    the sliding layers' own tables, else 0."""
+    the sliding layers' own tables, else 0; a sliding layer's window."""
     attn, mlp = layer.attn, layer.mlp
     qk_norms = {}
     if attn.q_norm is not None and attn.k_norm is not None:
@@ -229,7 +233,7 @@ def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int) -> kernels.De
         gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         intermediate_size=mlp.intermediate_size, scale=attn.scale, activation="gelu_tanh",
-        attn_softcap=attn.softcap, rope_table=rope_table, **qk_norms,
+        attn_softcap=attn.softcap, rope_table=rope_table, window=attn.window, **qk_norms,
     )
 
 

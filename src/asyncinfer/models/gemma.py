@@ -36,9 +36,9 @@ Parameter names (what the weight maps fill)::
 
 Under ``torch_compile=True`` the rotary function is the compiled one; Gemma's norm and GeGLU run eagerly.
 In the block formats (every projection and the head in ggml's blocks) a step of decodes runs as one kernel call
-(:class:`asyncinfer.models.decode_backends.KernelDecode`), whose layer takes each of Gemma's parts above as a
-per-layer parameter chosen at load; a step with a context past the window (and any other step) runs this module's
-forward. Every other weight format decodes through :class:`~asyncinfer.models.decode_backends.TorchDecode`.
+(:class:`asyncinfer.models.decode_backends.KernelDecode`), whose layer takes each of Gemma's parts above (a sliding
+layer's window included) as a per-layer parameter chosen at load; any other step (a prefill, a mixed step) runs this
+module's forward. Every other weight format decodes through :class:`~asyncinfer.models.decode_backends.TorchDecode`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 28
+#define ASYNCINFER_KERNELS_VERSION 29
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -81,6 +81,7 @@ typedef struct {
     float softcap; /* > 0: each attention score s (scale included) becomes softcap * tanh(s / softcap); 0: none */
     int32_t act;   /* ASYNCINFER_ACT_* */
     int32_t rope;  /* which of asyncinfer_decode_stack's rope tables the layer reads (0 for asyncinfer_decode_layer) */
+    int64_t window; /* > 0: a token attends to the last `window` keys of its context only (a sliding layer); 0: all */
 } layer_t;
 
 /* A token embedding table [vocab, hidden] the kernels read rows of (asyncinfer_embed_rows, the first step of

@@ -12,7 +12,8 @@
  *   (Qwen3, Gemma 3: each q and k head RMS-normalised, q_norm / k_norm, between qkv_proj and rope)
  *   h += down_proj(act(gate) * up),  [gate; up] = gate_up_proj(norm2(h))
  * Gemma's parts, each chosen per layer (layer_t): the attention's and the MLP's outputs RMS-normalised
- * (post_norm1, post_norm2) before they are added to h, GeGLU (act), soft-capped attention scores.
+ * (post_norm1, post_norm2) before they are added to h, GeGLU (act), soft-capped attention scores, and a
+ * sliding layer's window (the last `window` keys of each context).
  *
  * Weights: each projection up to ASYNCINFER_MAX_PARTS runs of output rows, each in any block format
  * (part_t; the Python side checks the formats and sizes). cos/sin: [T, D/2] rows of the rope table for
@@ -133,8 +134,8 @@ static int layer_step(const layer_t *L, float *h, int64_t T, const float *cos, c
         memcpy(k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
         memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
     }
-    TIMED(1, ai_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, L->softcap, attn,
-                                 threads));
+    TIMED(1, ai_decode_attention(x, k_cache, v_cache, tables, ldt, ctx, T, H, KVH, D, BS, L->scale, L->softcap,
+                                 L->window, attn, threads));
     TIMED(0, project(L->o, attn, T, q_size, NULL, out, hidden, threads, b->scratch));
     if (L->post_norm1) ai_rms_norm(out, T, hidden, hidden, L->post_norm1, L->eps, out, threads); /* Gemma */
     for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];

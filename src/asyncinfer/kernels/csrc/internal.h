@@ -133,7 +133,7 @@ AI_HIDDEN void ai_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, co
                            int threads);
 AI_HIDDEN int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                   int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
-                                  int64_t BS, float scale, float softcap, float *out, int threads);
+                                  int64_t BS, float scale, float softcap, int64_t window, float *out, int threads);
 AI_HIDDEN void ai_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
 AI_HIDDEN int ai_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
                              int64_t BS, int64_t num_blocks);
