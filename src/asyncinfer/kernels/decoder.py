@@ -1,4 +1,4 @@
-"""The decoder in one kernel call: :class:`DecodeLayer` (one Llama-family layer for a step of decodes) and
+"""The decoder in one kernel call: :class:`DecodeLayer` (one Llama-family or Gemma layer for a step of decodes) and
 :class:`DecodeStack` (every layer, the final norm and the head)."""
 
 from __future__ import annotations
