@@ -4,7 +4,9 @@ Tiny random models made from the families' config classes (tests/helpers.py: ``g
 ``mistral_window``, ``qwen2_window``, ``qwen3_window``, each with a window of ``TINY_WINDOW`` tokens) are saved as
 safetensors or written as llama.cpp lays out a GGUF, loaded by asyncinfer, and run over a shuffled paged
 cache in prefill chunks, decodes and mixed steps, on prompts well past the window: every position's
-logits equal transformers' full, uncached forward.
+logits equal transformers' full, uncached forward. In the block formats Gemma's decodes run on the kernels'
+one-call step (``KernelDecode``), within its window and past it: greedy tokens equal the torch reference's
+(``TorchDecode``), logits within a stated tolerance.
 """
 
 from __future__ import annotations
