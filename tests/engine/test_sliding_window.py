@@ -3,9 +3,9 @@
 Each windowed tiny model (Mistral: every layer; Qwen2: its second layer; Gemma 2 and Gemma 3:
 alternating) serves prompts longer than its window, with a context of its own length, and its greedy
 tokens equal transformers' ``generate()`` on the torch reference decode and on the backend
-``select_decode_backend`` picks for a GGUF in Q8_0 blocks (Gemma: the torch path, which
-``kernel_decode_blocker`` says why; Mistral as a ``llama`` GGUF: the kernels' one-call decode step
-while every context fits in the window, the reference past it). Gemma's chat turns render through
+``select_decode_backend`` picks for a GGUF in Q8_0 blocks (Gemma: the kernels' one-call decode step at any
+context, its sliding layers' windows in the kernel; Mistral as a ``llama`` GGUF: the one-call step while
+every context fits in the window, the reference past it). Gemma's chat turns render through
 ``prompts.py`` with a Hugging Face tokenizer and with the one transformers builds from a Gemma GGUF,
 and ``<end_of_turn>`` ends a reply.
 """
@@ -67,14 +67,14 @@ async def test_greedy_tokens_past_the_window_equal_transformers(kind, tmp_path) 
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-async def test_a_gemma_gguf_in_blocks_decodes_on_the_torch_path_and_matches(kind, tmp_path, monkeypatch) -> None:
+async def test_a_gemma_gguf_in_blocks_decodes_on_the_kernel_step_and_matches(kind, tmp_path, monkeypatch) -> None:
     assert kernels.available(), kernels.unavailable_reason()
     hf = reference(kind)
     path = write_gemma_gguf(hf, tmp_path / f"{kind}.gguf", q8=True)  # hf now holds the stored values
     engine = AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "max_num_batched_tokens": 16}, quantization="q8_0")
     decode = engine.core.runner.decode
-    assert isinstance(decode, TorchDecode) and decode.attention.name == "sdpa-kernel-decode"
-    assert "not a Llama-family model" in kernel_decode_blocker(decode.model)
+    assert isinstance(decode, KernelDecode) and decode.attention.name == "sdpa-kernel-decode"
+    assert kernel_decode_blocker(decode.model) is None
     assert isinstance(decode.model.layers[0].attn.qkv_proj, BlockLinear)  # the file's own Q8_0 blocks
     embedding = decode.model.embed_tokens  # tied: the embedding reads the head's Q8_0 blocks, scaled in float32
     assert isinstance(embedding, BlockEmbedding) and embedding.shared and embedding.fmt == "q8_0"
@@ -86,19 +86,27 @@ async def test_a_gemma_gguf_in_blocks_decodes_on_the_torch_path_and_matches(kind
                         lambda q, kc, vc, tables, lens, scale: in_kernel.append((layer_of[kc.data_ptr()],
                                                                                  int(lens.max())))
                         or attend(q, kc, vc, tables, lens, scale))
+    kernel_contexts: list[int] = []  # the context lengths of the steps the one-call kernel step ran
+    run_step = decode.stack.decode_packed
+
+    def counted(packed, num_tokens, *args):  # the step's context lengths sit at [3n, 4n) of its integers
+        kernel_contexts.extend(packed[3 * num_tokens : 4 * num_tokens])
+        return run_step(packed, num_tokens, *args)
+
+    monkeypatch.setattr(decode.stack, "decode_packed", counted)
     async with engine:
-        # Alone, within the window: Gemma 3's decodes attend in the kernel (Gemma 2's are soft-capped).
+        # Alone: the kernel step, within the window and past it.
         short = await engine.generate(prompts[0], greedy(5))
         both = await asyncio.gather(*(engine.generate(p, greedy(n)) for p, n in zip(prompts[1:], [16, 12])))
     assert short.token_ids == hf_greedy(hf, prompts[0], 5)
     for p, n, out in zip(prompts[1:], [16, 12], both):
         assert out.token_ids == hf_greedy(hf, p, n)
+    assert kernel_contexts and max(kernel_contexts) > 2 * TINY_WINDOW  # the sliding layers' windows in the kernel
+    # The reference's decode attention (the decodes of a mixed step): in the kernel where nothing is masked.
     if kind == "gemma3":  # layers 0 and 2 slide, layer 1 attends to everything
-        sliding = [ctx for layer, ctx in in_kernel if layer != 1]
-        assert sliding and max(sliding) <= TINY_WINDOW  # past the window the masked torch path ran
-        assert max(ctx for layer, ctx in in_kernel if layer == 1) > TINY_WINDOW  # a full layer: the kernel at any length
+        assert all(ctx <= TINY_WINDOW for layer, ctx in in_kernel if layer != 1)  # past the window: masked torch
     else:
-        assert in_kernel == []  # soft-capped scores never enter the kernel
+        assert in_kernel == []  # the reference's soft-capped scores never enter the attention kernel
 
 
 def write_llama_gguf(hf: torch.nn.Module, path, window: int):

@@ -306,6 +306,18 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
     "layer qkv part on meta": (
         lambda: tiny_layer(qkv=(mixed_qkv()[0], (*mixed_qkv()[1][:2], blocks(16, HIDDEN, "q8_0").to(META)), None)),
         TypeError, "qkv[2]"),
+    # DecodeLayer's Gemma parameters
+    "layer post_norm1 of another size": (lambda: tiny_layer(post_norm1=torch.ones(HIDDEN + 1)), TypeError, "post_norm1"),
+    "layer post_norm2 float64": (lambda: tiny_layer(post_norm2=torch.ones(HIDDEN, dtype=torch.float64)), TypeError,
+                                 "post_norm2"),
+    "layer activation unknown": (lambda: tiny_layer(activation="relu"), ValueError, "activation"),
+    "layer attn_softcap 0": (lambda: tiny_layer(attn_softcap=0.0), ValueError, "attn_softcap"),
+    "layer attn_softcap NaN": (lambda: tiny_layer(attn_softcap=float("nan")), ValueError, "attn_softcap"),
+    "layer attn_softcap a string": (lambda: tiny_layer(attn_softcap="2"), TypeError, "attn_softcap"),
+    "layer rope_table beyond the tables": (lambda: tiny_layer(rope_table=kernels.MAX_ROPE_TABLES), ValueError,
+                                           "rope_table"),
+    "layer window 0": (lambda: tiny_layer(window=0), ValueError, "window"),
+    "layer window a float": (lambda: tiny_layer(window=8.0), TypeError, "window"),
     # DecodeLayer call
     "layer h on meta": (lambda: _layer_call(h=torch.zeros(1, HIDDEN, device=META)), TypeError, "h"),
     "layer slots on meta": (lambda: _layer_call(slots=long(5).to(META)), TypeError, "slots"),
@@ -401,6 +413,15 @@ CASES: dict[str, tuple[Callable[[], object], type, str]] = {
                                                                      embed_scale=1e39), ValueError, "embed_scale"),
     "stack embed_scale a tensor": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
                                                                embed_scale=torch.tensor(2.0)), TypeError, "embed_scale"),
+    "stack logit_softcap negative": (lambda: kernels.DecodeStack([tiny_layer()], torch.ones(HIDDEN), 1e-5,
+                                                                 logit_softcap=-1.0), ValueError, "logit_softcap"),
+    "stack of a second rope table called with one": (
+        lambda: _stack_call(kernels.DecodeStack([tiny_layer(), tiny_layer(rope_table=1)], torch.ones(HIDDEN), 1e-5)),
+        TypeError, "cos_table"),
+    "stack second rope table of another size": (
+        lambda: _stack_call(kernels.DecodeStack([tiny_layer(), tiny_layer(rope_table=1)], torch.ones(HIDDEN), 1e-5),
+                            cos_table=(tables()[1], tables()[1][:32]), sin_table=(tables()[2],) * 2),
+        TypeError, "cos_table[1]"),
     "embed_rows id beyond the table": (lambda: _embed_rows(ids=long(0, VOCAB)), IndexError, "ids"),
     "embed_rows ids on meta": (lambda: _embed_rows(ids=long(1).to(META)), TypeError, "ids"),
     "embed_rows ids of two dimensions": (lambda: _embed_rows(ids=long(1, 2).view(1, 2)), TypeError, "ids"),

@@ -30,9 +30,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "asyncinfer"
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny random llama (untied head) and qwen2 (tied head, q/k/v bias), saved as safetensors."""
+    """A tiny random llama (untied head), qwen2 (tied head, q/k/v bias), gemma2 and gemma3 (tied heads), saved as
+    safetensors."""
     out = {}
-    for kind, seed in (("llama", 0), ("qwen2", 1)):
+    for kind, seed in (("llama", 0), ("qwen2", 1), ("gemma2", 2), ("gemma3", 3)):
         path = tmp_path_factory.mktemp(f"decode-{kind}")
         tiny_hf_model(kind, seed).save_pretrained(path, safe_serialization=True)
         out[kind] = path
@@ -45,7 +46,7 @@ def formatted(path: Path, method: str | None, skip: tuple[str, ...] = ()) -> tor
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "gemma3"])
 @pytest.mark.parametrize(("method", "skip", "decode", "attention"), [
     (None, (), TorchDecode, SdpaBackend),
     ("float16", (), TorchDecode, SdpaBackend),

@@ -4,11 +4,14 @@ Tiny random models made from the families' config classes (tests/helpers.py: ``g
 ``mistral_window``, ``qwen2_window``, ``qwen3_window``, each with a window of ``TINY_WINDOW`` tokens) are saved as
 safetensors or written as llama.cpp lays out a GGUF, loaded by asyncinfer, and run over a shuffled paged
 cache in prefill chunks, decodes and mixed steps, on prompts well past the window: every position's
-logits equal transformers' full, uncached forward.
+logits equal transformers' full, uncached forward. In the block formats Gemma's decodes run on the kernels'
+one-call step (``KernelDecode``), within its window and past it: greedy tokens equal the torch reference's
+(``TorchDecode``), logits within a stated tolerance.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -19,9 +22,11 @@ from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import ModelConfig, load_model
-from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+from asyncinfer.models.decode_backends import KernelDecode, TorchDecode, kernel_decode_blocker, select_decode_backend
 from asyncinfer.models.gguf_file import GGUFFile
-from asyncinfer.models.loader import gguf_model_config
+from asyncinfer.models.loader import gguf_model_config, open_checkpoint
+from asyncinfer.models.quant import apply_weight_format
 from tests.helpers import TINY_WINDOW, PagedRunner, hf_logits, tiny_hf_config, tiny_hf_model, write_gemma_gguf
 
 WINDOWED = ["gemma2", "gemma3", "mistral_window", "qwen2_window", "qwen3_window"]
@@ -76,10 +81,6 @@ def test_logits_match_transformers_past_the_window(kind, saved) -> None:
 
 
 def _full_attention_logits(kind: str, path: Path, tokens: list[int]) -> torch.Tensor:
-    from dataclasses import replace
-
-    from asyncinfer.models.loader import open_checkpoint
-
     checkpoint = open_checkpoint(path)
     checkpoint.config = replace(checkpoint.config, sliding_window=None)
     model = checkpoint.load(torch.float32, "cpu", progress=lambda done, total: None).model
@@ -140,6 +141,94 @@ def test_a_multimodal_config_json_is_refused_from_its_names(tmp_path) -> None:
     Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict()).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gemma3': a multimodal model"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+# ---- The kernels' one-call decode step (KernelDecode) against the torch reference (TorchDecode) ------
+
+
+def gemma_in_blocks(kind: str, saved, method: str, *, window: bool) -> torch.nn.Module:
+    """The tiny ``kind`` loaded in float32, every projection and the head in ``method``'s blocks; without its window
+    (``window=False``: every layer attends to its whole context, so long contexts decode on the kernel step)."""
+    checkpoint = open_checkpoint(saved(kind)[1])
+    if not window:
+        checkpoint.config = replace(checkpoint.config, sliding_window=None)
+    model = checkpoint.load(torch.float32, "cpu", progress=lambda done, total: None).model
+    apply_weight_format(model, method, ())
+    return model
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(3, 30)), [11, 4], *([j + 3, 2 * j + 5, 7 * j % 250 + 3] for j in range(9))]
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize(("method", "batch", "atol"), [
+    # Below PANEL_MIN_ROWS (9) rows the kernels' GEMM rounds its activations to int16 per block of 32, the
+    # reference multiplies float32 by the same weights: their logits agree within that rounding.
+    ("q4_1", 1, 2e-3), ("q4_1", 3, 2e-3), ("q8_0", 3, 2e-3),
+    # From 9 rows on both multiply float32 activations: the same sums in another order (float32 rounding).
+    ("q4_1", 12, 5e-5),
+])
+def test_the_kernel_decode_step_runs_gemma_as_the_torch_reference_does(kind, method, batch, atol, saved) -> None:
+    """Gemma 2 (soft-capped scores and logits, GeGLU, four offset norms a layer, scaled embeddings, its own
+    attention scale) and Gemma 3 (q/k norms, its sliding layers' own rope tables) in block formats: a prefill
+    through the reference on both sides, then eight greedy decode steps of ``batch`` sequences (contexts up to 37),
+    each one kernel call, against the model's own forward over a copy of the same cache: logits within ``atol``
+    (and as much relative), the greedy tokens equal token for token."""
+    model = gemma_in_blocks(kind, saved, method, window=False)
+    assert kernel_decode_blocker(model) is None
+    kernel = select_decode_backend(model, model.config, "cpu")
+    assert type(kernel) is KernelDecode and type(kernel.attention) is KernelDecodeSdpaBackend
+    stack = kernel.stack
+    assert stack.embed_scale == pytest.approx(model.config.hidden_size**0.5)
+    assert stack.logit_softcap == (4.0 if kind == "gemma2" else None)
+    assert stack.rope_tables == (2 if kind == "gemma3" else 1)
+    assert [layer._rope_table for layer in stack.layers] == ([1, 0, 1] if kind == "gemma3" else [0, 0])
+    reference = TorchDecode(model, SdpaBackend(), torch.device("cpu"))
+    ours, theirs = PagedRunner(model, seed=3), PagedRunner(model, seed=3)
+    work = list(enumerate(PROMPTS[:batch]))
+    a = kernel.forward(ours.step_batch(work, last_only=True), ours.kv_caches)
+    b = reference.forward(theirs.step_batch(work, last_only=True), theirs.kv_caches)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)  # a prefill: the reference on both sides
+    last = a.logits.argmax(dim=-1).tolist()
+    for _ in range(8):
+        step = [(i, [t]) for i, t in enumerate(last)]
+        a = kernel.forward(ours.step_batch(step), ours.kv_caches)
+        b = reference.forward(theirs.step_batch(step), theirs.kv_caches)
+        assert a.greedy_ids is not None and b.greedy_ids is None  # the kernel step ran
+        torch.testing.assert_close(a.logits, b.logits, atol=atol, rtol=atol)
+        assert a.greedy_ids == a.logits.argmax(dim=-1).tolist() == b.logits.argmax(dim=-1).tolist()
+        last = a.greedy_ids
+    torch.testing.assert_close(ours.kv_caches[0][0], theirs.kv_caches[0][0], atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize(("method", "batch", "atol"), [("q8_0", 2, 2e-3), ("q4_1", 12, 5e-5)])
+def test_a_windowed_gemma_decodes_past_its_window_on_the_kernel_step(kind, method, batch, atol, saved) -> None:
+    """With its sliding layers' window of TINY_WINDOW tokens (blocks of 4: windows that start inside a block):
+    decodes from contexts within the window to three times past it, every step on the kernel step (each sliding
+    layer attends to its last TINY_WINDOW keys, the full layers to everything), greedy, token for token as the
+    reference's masked attention, logits within ``atol`` (see the test above)."""
+    model = gemma_in_blocks(kind, saved, method, window=True)
+    assert model.config.sliding_window == TINY_WINDOW
+    kernel = select_decode_backend(model, model.config, "cpu")
+    assert type(kernel) is KernelDecode
+    windows = [layer.attn.window for layer in model.layers]
+    assert windows == ([TINY_WINDOW, None] if kind == "gemma2" else [TINY_WINDOW, None, TINY_WINDOW])
+    assert [layer._args["window"] for layer in kernel.stack.layers] == windows
+    reference = TorchDecode(model, SdpaBackend(), torch.device("cpu"))
+    ours, theirs = (PagedRunner(model, num_blocks=128, seed=4) for _ in range(2))
+    work = [(i, [5 + i, 9, 14 + 2 * i][: 2 + i % 2]) for i in range(batch)]
+    a = kernel.forward(ours.step_batch(work, last_only=True), ours.kv_caches)
+    b = reference.forward(theirs.step_batch(work, last_only=True), theirs.kv_caches)
+    last = a.logits.argmax(dim=-1).tolist()
+    for _ in range(3 * TINY_WINDOW):
+        step = [(i, [t]) for i, t in enumerate(last)]
+        a = kernel.forward(ours.step_batch(step), ours.kv_caches)
+        b = reference.forward(theirs.step_batch(step), theirs.kv_caches)
+        assert a.greedy_ids is not None  # the kernel step, within the window and past it
+        torch.testing.assert_close(a.logits, b.logits, atol=atol, rtol=atol)
+        assert a.greedy_ids == b.logits.argmax(dim=-1).tolist()
+        last = a.greedy_ids
 
 
 # ---- GGUF, as llama.cpp's converter writes Gemma ---------------------------------------------------

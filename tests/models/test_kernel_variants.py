@@ -280,6 +280,54 @@ def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> No
         assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_a_gemma_stack_equals_the_scalar_reference(isa, tokens) -> None:
+    """Gemma's parts of the layer and the stack (post-attention and post-MLP norms, GeGLU, soft-capped scores and
+    logits, q/k norms, a second rope table, a sliding window, the embedding scale): each variant's tanh and exp within float32
+    rounding of the scalar reference's tanhf / expf."""
+    runs_here(isa)
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
+    results = {}
+    for name in ("scalar", isa):
+        gen = torch.Generator().manual_seed(100 + tokens)
+
+        def norm() -> torch.Tensor:
+            return 1 + 0.3 * torch.randn(hidden, generator=gen)  # noqa: B023 (used within the iteration)
+
+        def layer(i: int, **gemma) -> kernels.DecodeLayer:
+            q, kv = heads * head_dim, kv_heads * head_dim
+            return kernels.DecodeLayer(
+                norm1=norm(), norm2=norm(), post_norm1=norm(), post_norm2=norm(), eps=1e-6,
+                qkv=("q8_0", random_blocks("q8_0", q + 2 * kv, hidden, 10 * i + 1), None),
+                o=("q4_1", random_blocks("q4_1", hidden, q, 10 * i + 2), None),
+                gate_up=("q8_0", random_blocks("q8_0", 2 * inter, hidden, 10 * i + 3), None),
+                down=("q4_1", random_blocks("q4_1", hidden, inter, 10 * i + 4), None),
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=24 ** -0.5,
+                activation="gelu_tanh", **gemma)
+        layers = [layer(0, attn_softcap=2.0, rope_table=1, q_norm=1 + 0.2 * torch.randn(head_dim, generator=gen),
+                        k_norm=1 + 0.2 * torch.randn(head_dim, generator=gen)),
+                  layer(1, attn_softcap=2.0, window=21)]  # a window that starts inside a block of 16
+        caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
+                   torch.randn(8, 16, kv_heads, head_dim, generator=gen)) for _ in layers]
+        angles = torch.rand(2, 64, head_dim // 2, generator=gen) * 6
+        tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
+        lens = torch.randint(1, 64, (tokens,), generator=gen)
+        slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+        positions = torch.randint(0, 64, (tokens,), generator=gen)
+        embed = torch.randn(50, hidden, generator=gen)
+        ids = torch.randint(0, 50, (tokens,), generator=gen)
+        with on(name):
+            head = ("q8_0", random_blocks("q8_0", 50, hidden, 9), 50)
+            stack = kernels.DecodeStack(layers, norm(), 1e-6, head, embed_scale=hidden ** 0.5, logit_softcap=4.0)
+            cos, sin = tuple(angles.cos().unbind()), tuple(angles.sin().unbind())
+            logits = stack(ids, embed, positions, cos, sin, caches, slots, tables, lens, logits=True)
+        assert logits.abs().max() <= 4.0  # capped
+        results[name] = (logits, caches[0][0].clone(), caches[1][1].clone())
+    for ref, got in zip(results["scalar"], results[isa]):
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
+
+
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, "ASYNCINFER_DISABLE_KERNELS": "0", **env},
                           capture_output=True, text=True, timeout=300, check=False)

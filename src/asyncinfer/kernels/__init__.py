@@ -40,20 +40,23 @@ from asyncinfer.kernels._build import (
     supported_isas,
     unavailable_reason,
 )
-from asyncinfer.kernels.decoder import MAX_PARTS, DecodeLayer, DecodeStack
+from asyncinfer.kernels.decoder import MAX_PARTS, MAX_ROPE_TABLES, Activation, DecodeLayer, DecodeStack, RopeTables
 from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, BlockTable, dequantize, pack, quantize, unpack
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
 
 __all__ = [
     "BLOCK_FORMATS",
     "MAX_PARTS",
+    "MAX_ROPE_TABLES",
     "PANEL_MIN_ROWS",
     "QK",
     "QK_K",
+    "Activation",
     "BlockTable",
     "DecodeLayer",
     "DecodeStack",
     "KernelISAError",
+    "RopeTables",
     "argmax",
     "argmax_takes",
     "auto_reason",

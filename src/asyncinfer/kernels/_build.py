@@ -45,7 +45,7 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 27
+_VERSION = 29
 #: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
 #: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
 PANEL_MIN_ROWS = 9
@@ -372,8 +372,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.asyncinfer_decode_layer.restype = INT
     lib.asyncinfer_embed_rows.argtypes = [P, P, I64, I64, P, I64]
     lib.asyncinfer_embed_rows.restype = INT
-    lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, P, P, P, I64, P, F32, P, P, INT, I64, P,
-                                            P, P, P, I64, P, I64, I64, INT, P]
+    lib.asyncinfer_decode_stack.argtypes = [P, I64, P, P, I64, P, P, P, P, P, I64, I64, P, F32, P, P, INT, I64,
+                                            F32, P, P, P, P, I64, P, I64, I64, INT, P]
     lib.asyncinfer_decode_stack.restype = INT
     lib.asyncinfer_argmax.argtypes = [P, I64, I64, I64, P]
     lib.asyncinfer_argmax.restype = None

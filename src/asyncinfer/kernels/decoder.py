@@ -1,4 +1,4 @@
-"""The decoder in one kernel call: :class:`DecodeLayer` (one Llama-family layer for a step of decodes) and
+"""The decoder in one kernel call: :class:`DecodeLayer` (one Llama-family or Gemma layer for a step of decodes) and
 :class:`DecodeStack` (every layer, the final norm and the head)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import operator
 from array import array
 from collections.abc import Callable
 from itertools import chain
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -32,7 +32,16 @@ from asyncinfer.kernels.ops import (
 from asyncinfer.kernels.ops import embed_scale as _embed_scale
 
 _FORMAT_CODES = {name: layout.code for name, layout in LAYOUTS.items()}
+#: The MLP activations the kernels' layer computes (``layer_t``'s ``act``, ASYNCINFER_ACT_*): SwiGLU's silu, GeGLU's
+#: gelu with the tanh approximation (Gemma).
+Activation = Literal["silu", "gelu_tanh"]
+_ACTIVATION_CODES: dict[str, int] = {"silu": 0, "gelu_tanh": 1}
+#: The most rope tables a stack's layers may read (Gemma 3: the full layers' and the sliding layers').
+MAX_ROPE_TABLES = 2
 _MAX_FLOATS = MAX_BYTES // 4
+#: A step's rope tables (cos or sin): one float32 tensor [positions, head_dim / 2] where every layer reads the same,
+#: else a tuple of one tensor per rope table (:attr:`DecodeStack.rope_tables`).
+RopeTables = torch.Tensor | tuple[torch.Tensor, ...]
 #: The most runs of rows (each in its own format) a projection may have (ASYNCINFER_MAX_PARTS).
 MAX_PARTS = 3
 
@@ -51,9 +60,11 @@ class _Layer(ctypes.Structure):
     """``layer_t`` in asyncinfer_kernels.h: one layer's weights (raw pointers) and shape."""
 
     _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts), ("hidden", ctypes.c_int64),
-                ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("post_norm1", ctypes.c_void_p),
+                ("post_norm2", ctypes.c_void_p), ("qkv", _Parts), ("o", _Parts), ("gate_up", _Parts), ("down", _Parts),
+                ("hidden", ctypes.c_int64), ("H", ctypes.c_int64), ("KVH", ctypes.c_int64), ("D", ctypes.c_int64),
+                ("I", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("act", ctypes.c_int32), ("rope", ctypes.c_int32), ("window", ctypes.c_int64)]
 
 
 def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, torch.Tensor | None]:
@@ -96,9 +107,9 @@ def _views(blocks: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tu
 
 
 class DecodeLayer:
-    """One Llama-family decoder layer for a step of decodes, in a single kernel call
+    """One Llama-family or Gemma decoder layer for a step of decodes, in a single kernel call
     (``asyncinfer_decode_layer``): norms, projections, rope, the K/V write, attention over the paged
-    cache and SwiGLU, each the same computation as the engine's kernels run op by op.
+    cache and SwiGLU (or GeGLU), each the same computation as the engine's kernels run op by op.
 
     Built once per layer from its weights (held here: views of the blocks, copies of the norms and the
     bias; resizing the blocks' memory in place afterwards is not detected, see docs/api.md); called per step with
@@ -112,6 +123,17 @@ class DecodeLayer:
     ``q_norm`` / ``k_norm`` (Qwen3): float32 [head_dim] each, or both None: every q and k head RMS-normalised
     over its head_dim values (with ``eps``, weights shared by the heads) between the projection and rope.
 
+    Gemma's parts (defaults: the Llama layer, none of this work done): ``post_norm1`` / ``post_norm2``, float32
+    [hidden] or None: the attention's / the MLP's output RMS-normalised (``eps``) before it is added to ``h``
+    (``norm2`` is then Gemma's pre-MLP norm); ``activation``: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU,
+    torch's ``F.gelu(approximate="tanh")``); ``attn_softcap``: None, or a positive cap each attention score
+    (``scale`` included) is soft-capped at, ``cap * tanh(s / cap)`` (Gemma 2); ``rope_table``: which of a
+    :class:`DecodeStack`'s rope tables the layer reads, 0 to ``MAX_ROPE_TABLES - 1`` (Gemma 3's sliding layers:
+    1, their own rope base; a layer called alone takes its rope rows directly). A norm's weights are what the
+    normalised values are multiplied by: a family's weight offset (Gemma's ``1 + w``) added by the caller.
+    ``window``: None, or a positive int: each token attends to the last ``window`` keys of its context only (its
+    own included; a sliding-window layer), as the torch reference's window masks them.
+
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
     outside its range (heads, KV heads, intermediate size and hidden size >= 1, head_dim a positive
@@ -121,7 +143,9 @@ class DecodeLayer:
     def __init__(self, *, norm1: torch.Tensor, norm2: torch.Tensor, eps: float, qkv: tuple, o: tuple,
                  gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, scale: float, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None) -> None:
+                 k_norm: torch.Tensor | None = None, post_norm1: torch.Tensor | None = None,
+                 post_norm2: torch.Tensor | None = None, activation: Activation = "silu",
+                 attn_softcap: float | None = None, rope_table: int = 0, window: int | None = None) -> None:
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -130,10 +154,21 @@ class DecodeLayer:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (the attention kernel's vectors)")
         inter = size("intermediate_size", intermediate_size)
         eps, scale = real("eps", eps), real("scale", scale)
-        for name, t in (("norm1", norm1), ("norm2", norm2)):
+        for name, t in (("norm1", norm1), ("norm2", norm2), ("post_norm1", post_norm1), ("post_norm2", post_norm2)):
+            if t is None and name.startswith("post_"):
+                continue
             tensor(name, t, torch.float32, "[hidden]")
             if t.dim() != 1 or not t.is_contiguous() or t.shape != norm1.shape:
                 raise TypeError(f"{name} must be contiguous float32 [hidden] like norm1, got {tuple(t.shape)}")
+        if not isinstance(activation, str) or activation not in _ACTIVATION_CODES:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
+        softcap = 0.0
+        if attn_softcap is not None:
+            softcap = real("attn_softcap", attn_softcap)
+            if not 0.0 < softcap < 3.4e38:
+                raise ValueError(f"attn_softcap must be None or a positive finite float32, got {attn_softcap!r}")
+        rope_table = size("rope_table", rope_table, 0, MAX_ROPE_TABLES - 1)
+        window_keys = 0 if window is None else size("window", window, 1, 2**62)
         hidden = size("hidden (norm1's size)", norm1.shape[0])
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         if (q_norm is None) != (k_norm is None):
@@ -157,20 +192,25 @@ class DecodeLayer:
         # What the kernel's pointers address is held here: private copies of the norms and the bias (a few KB),
         # views of the blocks (sharing their memory: a caller's ``set_`` on a tensor it passed cannot free it).
         norm1, norm2 = norm1.detach().clone(), norm2.detach().clone()
-        q_norm, k_norm = (None if t is None else t.detach().contiguous().clone() for t in (q_norm, k_norm))
+        q_norm, k_norm, post_norm1, post_norm2 = (None if t is None else t.detach().contiguous().clone()
+                                                  for t in (q_norm, k_norm, post_norm1, post_norm2))
         qkv, o, gate_up, down = ((spec[0], _views(spec[1]), None if spec[2] is None else spec[2].detach().clone())
                                  for spec in (qkv, o, gate_up, down))  # the parts' pointers: the same memory
         # qkv / o / gate_up / down: (format, blocks, bias or None).
         self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                      "intermediate_size": intermediate_size, "scale": scale, "q_norm": q_norm, "k_norm": k_norm}
+                      "intermediate_size": intermediate_size, "scale": scale, "q_norm": q_norm, "k_norm": k_norm,
+                      "post_norm1": post_norm1, "post_norm2": post_norm2, "activation": activation,
+                      "attn_softcap": attn_softcap, "rope_table": rope_table, "window": window}
         #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
+        self._rope_table = rope_table
         self._struct = _Layer(
             norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
-            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), parts["qkv"],
-            parts["o"], parts["gate_up"], parts["down"], hidden, heads, kv_heads, head_dim, inter, eps, scale)
+            *(None if t is None else t.data_ptr() for t in (q_norm, k_norm, post_norm1, post_norm2)), parts["qkv"],
+            parts["o"], parts["gate_up"], parts["down"], hidden, heads, kv_heads, head_dim, inter, eps, scale, softcap,
+            _ACTIVATION_CODES[activation], rope_table, window_keys)
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
@@ -252,18 +292,19 @@ class _Tables(NamedTuple):
     """A DecodeStack's embedding and rope tables, as last checked: pointers, sizes, the embedding as the kernel
     reads its rows (``kernel``: a BlockTable in any block format or a float32 table, dequantized into the step's
     residual stream by the call itself) or, for any other float table, ``rows``: the function that makes the step's
-    rows, float32 [T, hidden], from the token ids; and the tables (their identity)."""
+    rows, float32 [T, hidden], from the token ids; and the tables (their identity). The rope tables: one cos and one
+    sin table per rope table the layers read (``cos`` / ``sin``: their pointers as the C call takes them)."""
 
-    embed: int
-    cos: int
-    sin: int
+    addresses: tuple[int, ...]  # the embedding's memory, then every cos table's, then every sin table's
+    cos: ctypes.Array
+    sin: ctypes.Array
     vocab: int
     positions: int
     kernel: EmbedTable | None
     rows: Callable[[torch.Tensor], torch.Tensor] | None
     embed_tensor: torch.Tensor | BlockTable
-    cos_tensor: torch.Tensor
-    sin_tensor: torch.Tensor
+    cos_tensor: tuple[torch.Tensor, ...]
+    sin_tensor: tuple[torch.Tensor, ...]
     #: The three tables' shapes, dtypes and strides as checked, and a BlockTable's format and layout (a change
     #: in place, a resize or a dtype view, is checked again).
     layout: tuple
@@ -290,11 +331,17 @@ class DecodeStack:
     ``final_norm`` / ``eps``: the model's last norm; ``head``: None, or the output projection as
     ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them); ``embed_scale``: what each embedding
     row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
-    ``sqrt(hidden)``; 1: the rows as stored), a finite real number.
+    ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
+    each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping).
+
+    Rope tables: each call takes one cos and one sin table per rope table its layers read
+    (:class:`DecodeLayer`'s ``rope_table``; :attr:`rope_tables` of them): a tensor each where every layer reads
+    table 0 (the Llama families), else tuples (Gemma 3: the full layers' tables, then the sliding layers').
     """
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
-                 head: tuple[str, torch.Tensor, int] | None = None, *, embed_scale: float = 1.0) -> None:
+                 head: tuple[str, torch.Tensor, int] | None = None, *, embed_scale: float = 1.0,
+                 logit_softcap: float | None = None) -> None:
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
@@ -315,6 +362,11 @@ class DecodeStack:
                             f"{tuple(final_norm.shape)}")
         eps = real("eps", eps)
         scale = _embed_scale(embed_scale)
+        softcap = 0.0
+        if logit_softcap is not None:
+            softcap = real("logit_softcap", logit_softcap)
+            if not 0.0 < softcap < 3.4e38:
+                raise ValueError(f"logit_softcap must be None or a positive finite float32, got {logit_softcap!r}")
         if head is not None:
             if not isinstance(head, tuple) or len(head) != 3:
                 raise TypeError(f"head must be None or a tuple (format, blocks, out_features), got "
@@ -329,6 +381,10 @@ class DecodeStack:
         self._norm = final_norm.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self._eps = eps
         self._embed_scale = scale
+        self._logit_softcap = logit_softcap
+        self._softcap = softcap
+        #: How many rope tables the layers read (a call's cos / sin: this many tables each).
+        self._rope_tables = max(layer._rope_table for layer in layers) + 1
         self._array = (_Layer * len(self._layers))(*(layer._struct for layer in self._layers))
         # The caches as last checked: their tensors (k0, v0, k1, ...), layer 0's K address, their pointers.
         # The caches as last checked: their tensors (k0, v0, k1, ...), every one's data pointer, their pointers
@@ -357,7 +413,18 @@ class DecodeStack:
         import copy
 
         return DecodeStack([copy.deepcopy(layer, memo) for layer in self._layers], copy.deepcopy(self._norm, memo),
-                           self._eps, copy.deepcopy(self._head, memo), embed_scale=self._embed_scale)
+                           self._eps, copy.deepcopy(self._head, memo), embed_scale=self._embed_scale,
+                           logit_softcap=self._logit_softcap)
+
+    @property
+    def rope_tables(self) -> int:
+        """How many rope tables a call takes (one cos and one sin each): 1 + the largest layer's ``rope_table``."""
+        return self._rope_tables
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """None, or the cap the logits are soft-capped at."""
+        return self._logit_softcap
 
     @property
     def embed_scale(self) -> float:
@@ -400,23 +467,26 @@ class DecodeStack:
         held = self._kv = (tensors, addresses, (ctypes.c_void_p * len(tensors))(*addresses), tensors[0].shape)
         return held[2], tensors[0]
 
-    def _check_tables(self, embed: torch.Tensor | BlockTable, cos_table: torch.Tensor,
-                      sin_table: torch.Tensor) -> _Tables:
+    def _check_tables(self, embed: torch.Tensor | BlockTable, cos_table: RopeTables, sin_table: RopeTables
+                      ) -> _Tables:
         """The embedding and rope tables' pointers and sizes, and how the step's embedding rows are gathered (by
         the kernel, dequantized from a BlockTable or copied from a float32 table; here from any other float
         table); checked when they change."""
         held = self._tables
         is_blocks = isinstance(embed, BlockTable)
         memory_ = embed.blocks if is_blocks else embed  # type: ignore[union-attr]
+        cos_t = cos_table if isinstance(cos_table, tuple) else (cos_table,)
+        sin_t = sin_table if isinstance(sin_table, tuple) else (sin_table,)
         try:
-            key = (memory_.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr())
-            layout = (memory_.shape, cos_table.shape, sin_table.shape, memory_.dtype, cos_table.dtype,
-                      sin_table.dtype, memory_.stride(), embed.fmt if is_blocks else None,  # type: ignore[union-attr]
-                      embed.regrouped if is_blocks else None)  # type: ignore[union-attr]
+            key = (memory_.data_ptr(), *map(_data_ptr, cos_t), *map(_data_ptr, sin_t))
+            layout = (memory_.shape, memory_.dtype, memory_.stride(), embed.fmt if is_blocks else None,  # type: ignore[union-attr]
+                      embed.regrouped if is_blocks else None,  # type: ignore[union-attr]
+                      *((t.shape, t.dtype) for t in chain(cos_t, sin_t)))
         except (AttributeError, RuntimeError, TypeError):
             key = layout = None  # not tensors, or tensors without host memory: refused below
-        if held is not None and (held.embed, held.cos, held.sin) == key and held.embed_tensor is embed and (
-                held.cos_tensor is cos_table) and held.sin_tensor is sin_table and held.layout == layout:
+        if held is not None and held.addresses == key and held.embed_tensor is embed and len(cos_t) == len(
+                held.cos_tensor) and all(map(operator.is_, cos_t, held.cos_tensor)) and all(
+                map(operator.is_, sin_t, held.sin_tensor)) and held.layout == layout:
             return held
         layer = self._layers[0]
         half = layer._head_dim // 2
@@ -426,25 +496,33 @@ class DecodeStack:
             vocab, rows = embed.shape[0], _float_rows(embed, self._embed_scale)
         else:
             vocab, rows = kernel.vocab, None
-        for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+        n = self._rope_tables
+        for name, given in (("cos_table", cos_t), ("sin_table", sin_t)):
+            if len(given) != n:
+                raise TypeError(f"{name} must be {'a tensor' if n == 1 else f'a tuple of {n} tensors'}: the layers "
+                                f"read {n} rope table{'s' if n > 1 else ''}, got {len(given)}")
+        first = cos_t[0]
+        for name, t in chain((("cos_table" if n == 1 else f"cos_table[{i}]", t) for i, t in enumerate(cos_t)),
+                             (("sin_table" if n == 1 else f"sin_table[{i}]", t) for i, t in enumerate(sin_t))):
             tensor(name, t)
             if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != half or (
-                    t.shape != cos_table.shape):
+                    t.shape != first.shape):
                 raise TypeError(f"{name} must be contiguous float32 [positions, {half}] like cos_table, got "
                                 f"{t.dtype} {tuple(t.shape)}")
         assert key is not None
-        held = self._tables = _Tables(*key, vocab, cos_table.shape[0], kernel, rows, embed, cos_table, sin_table,
-                                      layout)
+        held = self._tables = _Tables(key, (ctypes.c_void_p * n)(*key[1:1 + n]), (ctypes.c_void_p * n)(*key[1 + n:]),
+                                      vocab, first.shape[0], kernel, rows, embed, cos_t, sin_t, layout)
         return held
 
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor | BlockTable, positions: torch.Tensor,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list, slots: torch.Tensor,
+                 cos_table: RopeTables, sin_table: RopeTables, kv_caches: list, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, *, logits: bool = False) -> torch.Tensor:
         """Run a step of decodes: int64 input_ids / positions / slots / context_lens [T]; ``embed`` the
         embedding table [vocab, hidden]: a :class:`BlockTable` in any block format, whose step rows the call
         dequantizes straight into the residual stream, or a float table (read by the call when it is float32 with
         contiguous rows; any other's rows gathered with torch first); each row times ``embed_scale``; cos/sin
-        tables float32 [max_positions, head_dim / 2];
+        tables float32 [max_positions, head_dim / 2] (a tuple of :attr:`rope_tables` such tables each where the
+        layers read more than one);
         ``kv_caches`` one (k, v) per layer; block_tables int64 [T, n]. Returns the final-normed hidden
         states, float32 [T, hidden], or with ``logits=True`` (needs a head) the logits [T, out_features].
 
@@ -473,7 +551,7 @@ class DecodeStack:
                          kv_caches, logits, lambda: input_ids, max_context)
 
     def decode_packed(self, packed: list[int], num_tokens: int, width: int, embed: torch.Tensor | BlockTable,
-                      cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list
+                      cos_table: RopeTables, sin_table: RopeTables, kv_caches: list
                       ) -> tuple[torch.Tensor, list[int]]:
         """The logits [T, out_features] of a step of decodes given as one list of ints (the T token ids,
         the T positions, the T cache slots, the T context lengths, then each sequence's block table
@@ -508,7 +586,7 @@ class DecodeStack:
         return logits, data[n:].tolist()
 
     def _run(self, num_tokens: int, ids: int, positions: int, slots: int, context_lens: int, tables: int, ldt: int,
-             embed: torch.Tensor | BlockTable, cos_table: torch.Tensor, sin_table: torch.Tensor, kv_caches: list,
+             embed: torch.Tensor | BlockTable, cos_table: RopeTables, sin_table: RopeTables, kv_caches: list,
              logits: bool, input_ids: Callable[[], torch.Tensor], max_context: int,
              argmax: int | None = None) -> torch.Tensor:
         lib = _need()
@@ -538,9 +616,8 @@ class DecodeStack:
             check_context(max_context, ldt, cache.shape[1])
         args = (self._array, len(self._array), pointers, None if h is None else h.data_ptr(),
                 num_tokens, ids, None if tables_in.kernel is None else tables_in.kernel.address, positions,
-                tables_in.cos, tables_in.sin,
-                tables_in.positions,
-                self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head,
+                tables_in.cos, tables_in.sin, self._rope_tables, tables_in.positions,
+                self._norm.data_ptr(), self._eps, None if out is None else out.data_ptr(), *head, self._softcap,
                 None if result is None else result.data_ptr(), argmax, slots, tables, ldt, context_lens,
                 cache.shape[1], cache.shape[0] * cache.shape[1],  # block size, slots
                 torch.get_num_threads(), None if timing is None else timing.data_ptr())

@@ -8,13 +8,17 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
   through an attention backend, then ``compute_logits`` on the sampled rows. Every weight format and
   every step shape.
 - :class:`KernelDecode` — a Llama-family model (Llama, Qwen2, Mistral, Phi-3: Llama's layer exactly; Qwen3:
-  Llama's layer with a per-head q/k norm before rope, which the kernels' layer applies) whose projections are all in ggml's block formats (any of
+  Llama's layer with a per-head q/k norm before rope, which the kernels' layer applies) or a Gemma 2 / Gemma 3
+  model (its four norms a layer with their weight offset, GeGLU, scaled embeddings, soft-capped scores and
+  logits, Gemma 3's q/k norms and its sliding layers' own rope tables: each a parameter of the kernels' layer or
+  stack, chosen at load) whose projections are all in ggml's block formats (any of
   them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's kernels:
   it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
   call (the step's integers in one list; logits and argmax from the same call). Any other step (a
-  prefill, a mixed step, an empty one, or, for a model with a sliding window, a step with a context
-  longer than the window: the kernel attends to the whole context) runs the torch reference.
+  prefill, a mixed step, an empty one, or, for a Llama-family model with a sliding window, a step with a
+  context longer than the window: that layer attends to the whole context on the kernel; a Gemma sliding
+  layer attends to its window there) runs the torch reference.
 
 :func:`select_decode_backend` makes the choice (``loading.build_core`` and ``quality.py`` call it); the
 attention backend goes with it: the block formats decode attention in asyncinfer's kernel
@@ -35,6 +39,7 @@ from asyncinfer.models.attention import AttentionBackend, select_attention_backe
 from asyncinfer.models.attention.padding import flat_padded_tables
 from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend
 from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaForCausalLM, GemmaRMSNorm
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncinfer.models.quant import BlockEmbedding, BlockLinear, MixedBlockLinear
@@ -117,10 +122,11 @@ class KernelDecode(DecodeBackend):
     """A step of decodes in one kernel call (:meth:`asyncinfer.kernels.DecodeStack.decode_packed`); every
     other step through :class:`TorchDecode`.
 
-    Built from a Llama-family model whose every layer's four projections and the output projection are
+    Built from a Llama-family or Gemma model whose every layer's four projections and the output projection are
     :class:`~asyncinfer.models.quant.BlockLinear` (:func:`kernel_decode_blocker` says why a model is not):
     one :class:`asyncinfer.kernels.DecodeLayer` a layer, held with the final norm and the head in
-    :attr:`stack`. The kernels read the model's own weight blocks (no copy).
+    :attr:`stack`. The kernels read the model's own weight blocks (no copy). A Gemma model's differences from
+    Llama are the layers' and the stack's parameters, fixed here (see :func:`_gemma_decode_layer`).
 
     Raises:
         ValueError: ``model`` cannot run on the kernels (the message is :func:`kernel_decode_blocker`'s).
@@ -131,20 +137,37 @@ class KernelDecode(DecodeBackend):
         why_not = kernel_decode_blocker(model)
         if why_not is not None:
             raise ValueError(f"KernelDecode cannot run this model: {why_not}")
-        assert isinstance(model, LlamaForCausalLM) and isinstance(model.output_proj, BlockLinear)
+        assert isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)) and isinstance(model.output_proj, BlockLinear)
         self._reference = TorchDecode(model, attention, device)
-        # The kernel attends to whole contexts: a windowed model's steps past its window run the reference.
+        # Steps with a context past this many tokens run the reference (None: none do). The Llama families' layers
+        # attend to whole contexts on the kernel, so a windowed model's steps past its window run the reference;
+        # a Gemma layer's window is the kernel layer's own (each sliding layer attends to its last window keys).
         self._window = model.config.sliding_window
-        layers = [_decode_layer(layer) for layer in model.layers]
         head = model.output_proj.kernel_weights()
-        self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps,
-                                          (head[0], head[1], model.output_proj.out_features))
+        head = (head[0], head[1], model.output_proj.out_features)
         # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables). The
         # embedding: a float32 table whose rows the kernel copies, or one kept in its file's blocks
         # (kernels.BlockTable), whose step rows the call dequantizes straight into the residual stream.
         self._embed = _embedding_table(model.embed_tokens)
-        self._cos = model.rotary.cos_cache
-        self._sin = model.rotary.sin_cache
+        self._cos: kernels.RopeTables
+        self._sin: kernels.RopeTables
+        if isinstance(model, GemmaForCausalLM):
+            # Gemma 3's sliding layers read the second rope table (their own base); Gemma 2 has one.
+            local = model.local_layers if model.local_rotary is not None and any(model.local_layers) else ()
+            layers = [_gemma_decode_layer(layer, 1 if i < len(local) and local[i] else 0)
+                      for i, layer in enumerate(model.layers)]
+            rows = torch.float32 if isinstance(self._embed, kernels.BlockTable) else self._embed.dtype
+            self._stack = kernels.DecodeStack(layers, model.norm.kernel_weight(), model.norm.eps, head,
+                                              embed_scale=model.embed_scale(rows),
+                                              logit_softcap=model.config.final_logit_softcapping)
+            self._window = None
+            rotaries = (model.rotary,) if not local else (model.rotary, model.local_rotary)
+        else:
+            layers = [_decode_layer(layer) for layer in model.layers]
+            self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps, head)
+            rotaries = (model.rotary,)
+        self._cos = rotaries[0].cos_cache if len(rotaries) == 1 else tuple(r.cos_cache for r in rotaries)
+        self._sin = rotaries[0].sin_cache if len(rotaries) == 1 else tuple(r.sin_cache for r in rotaries)
 
     @property
     def stack(self) -> kernels.DecodeStack:
@@ -193,6 +216,27 @@ def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
     )
 
 
+def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int) -> kernels.DecodeLayer:
+    """A Gemma decoder layer as :class:`asyncinfer.kernels.DecodeLayer` holds it: its four norms (each weight with
+    the config's offset added, :meth:`GemmaRMSNorm.kernel_weight`; ``norm2`` the pre-MLP norm), GeGLU, the
+    layer's attention scale and soft-cap, Gemma 3's q/k norms, and ``rope_table``: 1 for a layer that rotates with
+    the sliding layers' own tables, else 0; a sliding layer's window."""
+    attn, mlp = layer.attn, layer.mlp
+    qk_norms = {}
+    if attn.q_norm is not None and attn.k_norm is not None:
+        qk_norms = {"q_norm": attn.q_norm.kernel_weight(), "k_norm": attn.k_norm.kernel_weight()}
+    return kernels.DecodeLayer(
+        norm1=layer.input_norm.kernel_weight(), norm2=layer.pre_mlp_norm.kernel_weight(),
+        post_norm1=layer.post_attn_norm.kernel_weight(), post_norm2=layer.post_mlp_norm.kernel_weight(),
+        eps=layer.input_norm.eps,
+        qkv=attn.qkv_proj.kernel_weights(), o=attn.o_proj.kernel_weights(),
+        gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        intermediate_size=mlp.intermediate_size, scale=attn.scale, activation="gelu_tanh",
+        attn_softcap=attn.softcap, rope_table=rope_table, window=attn.window, **qk_norms,
+    )
+
+
 def _qk_norms(norms: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """DecodeLayer's ``q_norm`` / ``k_norm`` arguments: none for Llama, float32 copies of Qwen3's weights."""
     if norms is None:
@@ -215,14 +259,30 @@ def kernel_attention_applies(model: nn.Module, config: ModelConfig) -> bool:
 _KERNEL_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     LlamaDecoderLayer: LlamaAttention,
     Qwen3DecoderLayer: Qwen3Attention,
+    GemmaDecoderLayer: GemmaAttention,
 }
+
+
+def _layer_norms_blocker(i: int, layer: nn.Module) -> str | None:
+    """Why layer ``i``'s norms do not fit the kernels' layer (one eps for all of a layer's norms), or None."""
+    if isinstance(layer, GemmaDecoderLayer):
+        norms = [layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm, layer.post_mlp_norm]
+        if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
+            norms += [layer.attn.q_norm, layer.attn.k_norm]
+        if any(norm.eps != layer.input_norm.eps for norm in norms):
+            return f"layers.{i}'s norms have different eps (the kernel takes one eps a layer)"
+        return None
+    norms = layer.attn.kernel_qk_norms()
+    if norms is not None and any(norm.eps != layer.input_norm.eps for norm in (layer.attn.q_norm, layer.attn.k_norm)):
+        return f"layers.{i}'s q/k norms have another eps than its input norm (the kernel takes one eps a layer)"
+    return None
 
 
 def kernel_decode_blocker(model: nn.Module) -> str | None:
     """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not."""
-    if not isinstance(model, LlamaForCausalLM):
-        return (f"{type(model).__name__} is not a Llama-family model (the kernels' decode step runs that layer only: "
-                "not Gemma's GeGLU, four norms a layer, q/k norms, scaled embeddings or soft-capped scores)")
+    if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)):
+        return (f"{type(model).__name__} is neither a Llama-family nor a Gemma model (the kernels' decode step runs "
+                "those layers only)")
     if not kernel_attention_applies(model, model.config):
         return "its projections are not in a block format, or its head_dim is not a multiple of 8"
     for i, layer in enumerate(model.layers):
@@ -231,10 +291,10 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
             # A family's own block or attention: the kernels' decode layer computes Llama's (and Qwen3's q/k norms).
             return (f"layers.{i} is {type(layer).__name__} with {type(attn).__name__}, not a layer the kernels' "
                     f"decode layer computes (LlamaDecoderLayer with LlamaAttention, Qwen3DecoderLayer with "
-                    f"Qwen3Attention)")
-        norms = attn.kernel_qk_norms()
-        if norms is not None and any(norm.eps != layer.input_norm.eps for norm in (attn.q_norm, attn.k_norm)):
-            return f"layers.{i}'s q/k norms have another eps than its input norm (the kernel takes one eps a layer)"
+                    f"Qwen3Attention, GemmaDecoderLayer with GemmaAttention)")
+        why_not = _layer_norms_blocker(i, layer)
+        if why_not is not None:
+            return why_not
         projections = {"attn.qkv_proj": layer.attn.qkv_proj, "attn.o_proj": layer.attn.o_proj,
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():
@@ -242,8 +302,12 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
                 return f"layers.{i}.{name} is not in a block format (quantization_skip)"
             if name != "attn.qkv_proj" and proj.kernel_weights()[2] is not None:
                 return f"layers.{i}.{name} has a bias (the kernel adds one to q/k/v only)"
-    if not isinstance(model.norm, RMSNorm):
-        return "its final norm is not an RMSNorm"
+    if not isinstance(model.norm, GemmaRMSNorm if isinstance(model, GemmaForCausalLM) else RMSNorm):
+        return "its final norm is not its family's RMSNorm"
+    if isinstance(model, GemmaForCausalLM) and model.local_rotary is not None and (
+            model.local_rotary.cos_cache.shape != model.rotary.cos_cache.shape):
+        return "its sliding layers' rope tables have another number of rows than its full layers' (the kernel " \
+               "reads one position a token from each)"
     head = model.output_proj
     if not isinstance(head, BlockLinear) or head.kernel_weights()[2] is not None:
         return "its output projection (lm_head) is not in a block format (quantization_skip)"

@@ -35,8 +35,10 @@ Parameter names (what the weight maps fill)::
     lm_head.weight                              [vocab, hidden]                 (untied only)
 
 Under ``torch_compile=True`` the rotary function is the compiled one; Gemma's norm and GeGLU run eagerly.
-The kernels' one-call decode step runs the Llama layer only, so these models decode through
-:class:`asyncinfer.models.decode_backends.TorchDecode` in every weight format.
+In the block formats (every projection and the head in ggml's blocks) a step of decodes runs as one kernel call
+(:class:`asyncinfer.models.decode_backends.KernelDecode`), whose layer takes each of Gemma's parts above (a sliding
+layer's window included) as a per-layer parameter chosen at load; any other step (a prefill, a mixed step) runs this
+module's forward. Every other weight format decodes through :class:`~asyncinfer.models.decode_backends.TorchDecode`.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps, self.offset)  # [..., dim]
+
+    def kernel_weight(self) -> torch.Tensor:
+        """What the normalised values are multiplied by, float32 [dim]: ``offset + weight`` computed as
+        :func:`gemma_rms_norm` computes it (bit for bit), for the kernels' RMS norm, which takes one weight."""
+        with torch.no_grad():
+            return (self.offset + self.weight.detach().float()).contiguous()
 
 
 class GemmaAttention(nn.Module):
@@ -205,6 +213,17 @@ class GemmaForCausalLM(nn.Module):
             cos, sin = local if is_local else full
             h = layer(h, cos, sin, kv_cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """One bool a layer: whether it rotates with :attr:`local_rotary`'s tables (Gemma 3's sliding layers),
+        not :attr:`rotary`'s."""
+        return self._local_layers
+
+    def embed_scale(self, dtype: torch.dtype) -> float:
+        """What the embedding rows of ``dtype`` (float32, float16 or bfloat16) are multiplied by: ``sqrt(hidden)``
+        as ``dtype`` rounds it (after :meth:`init_buffers`)."""
+        return self._embed_scales[dtype]
 
     @property
     def ops(self) -> ElementwiseOps:

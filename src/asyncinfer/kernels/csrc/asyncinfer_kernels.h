@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 27
+#define ASYNCINFER_KERNELS_VERSION 29
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -60,15 +60,28 @@ typedef struct {
     int32_t reserved;
 } part_t;
 
-/* One decoder layer's weights and shape (DecodeLayer's _Layer mirrors it field for field). */
+/* The MLP's activation (layer_t's act): silu(gate) * up (SwiGLU, the Llama families) or gelu(gate) * up with
+ * gelu's tanh approximation (GeGLU, Gemma). */
+#define ASYNCINFER_ACT_SILU 0
+#define ASYNCINFER_ACT_GELU_TANH 1
+
+/* One decoder layer's weights and shape (DecodeLayer's _Layer mirrors it field for field).
+ *   h += post_norm1(o(attention(...norm1(h)...))), h += post_norm2(down(act(gate_up(norm2(h))))),
+ * each post norm skipped where NULL (the Llama families have none; Gemma has both). Norm weights are the
+ * values the normalised rows are multiplied by (a family's weight offset already added). */
 typedef struct {
     const float *norm1, *norm2;
     const float *b_qkv; /* [q + 2 kv] or NULL */
     const float *q_norm, *k_norm; /* [D] each, or both NULL: each q and k head RMS-normalised before rope (Qwen3) */
+    const float *post_norm1, *post_norm2; /* [hidden] each, or NULL: the attention's / MLP's output normalised */
     part_t qkv[ASYNCINFER_MAX_PARTS], o[ASYNCINFER_MAX_PARTS], gate_up[ASYNCINFER_MAX_PARTS],
         down[ASYNCINFER_MAX_PARTS];
     int64_t hidden, H, KVH, D, I;
     float eps, scale;
+    float softcap; /* > 0: each attention score s (scale included) becomes softcap * tanh(s / softcap); 0: none */
+    int32_t act;   /* ASYNCINFER_ACT_* */
+    int32_t rope;  /* which of asyncinfer_decode_stack's rope tables the layer reads (0 for asyncinfer_decode_layer) */
+    int64_t window; /* > 0: a token attends to the last `window` keys of its context only (a sliding layer); 0: all */
 } layer_t;
 
 /* A token embedding table [vocab, hidden] the kernels read rows of (asyncinfer_embed_rows, the first step of
@@ -128,12 +141,13 @@ ASYNCINFER_API int asyncinfer_embed_rows(const embed_t *E, const int64_t *ids, i
                                          int64_t ldo);
 
 ASYNCINFER_API int asyncinfer_decode_stack(const layer_t *layers, int64_t n, float *const *caches, float *h, int64_t T,
-                                           const int64_t *ids, const embed_t *embed, const int64_t *positions, const float *cos_table, const float *sin_table,
-                                           int64_t max_pos, const float *final_norm, float final_eps, float *out,
-                                           const void *head_w, int head_fmt, int64_t head_n, float *logits,
-                                           int64_t *argmax, const int64_t *slots, const int64_t *tables, int64_t ldt,
-                                           const int64_t *ctx, int64_t BS, int64_t num_slots, int threads,
-                                           double *timing);
+                                           const int64_t *ids, const embed_t *embed, const int64_t *positions,
+                                           const float *const *cos_tables, const float *const *sin_tables,
+                                           int64_t n_rope, int64_t max_pos, const float *final_norm, float final_eps,
+                                           float *out, const void *head_w, int head_fmt, int64_t head_n,
+                                           float logit_softcap, float *logits, int64_t *argmax, const int64_t *slots,
+                                           const int64_t *tables, int64_t ldt, const int64_t *ctx, int64_t BS,
+                                           int64_t num_slots, int threads, double *timing);
 
 ASYNCINFER_API void asyncinfer_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
 

@@ -5,6 +5,10 @@
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
  * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
+ * softcap > 0 (ai_decode_attention only; Gemma 2): each score, scale included, becomes
+ * softcap * tanh(score / softcap) before the softmax, as transformers' eager attention caps it;
+ * window > 0 (ai_decode_attention only; Gemma's sliding layers): a context of L keys attends to its last
+ * min(L, window) keys, L - window .. L - 1, as the torch reference's window masks them.
  * D must be a multiple of 8. The variants differ in the order of float32 sums and in exp (the AVX2
  * polynomial within 2 ulp of expf, the scalar reference expf itself).
  *
@@ -29,12 +33,15 @@ static inline void prefetch_keys(const float *cache, const int64_t *table, int64
         for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(p + r * row + i), _MM_HINT_T0);
 }
 
-static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
-                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t s0,
+                   int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
     float mx = -INFINITY;
-    for (int64_t b = 0, t = 0; t < L; b++) {
-        const float *kb = k_cache + table[b] * BS * row;
-        const int64_t n = L - t < BS ? L - t : BS;
+    /* keys s0 .. L - 1, block by block (the first from its slot s0 % BS); key t's score in pg[t - s0] */
+    for (int64_t b = s0 / BS, t = s0; t < L; b++) {
+        const int64_t j0 = t - b * BS; /* 0 but in a window's first block */
+        const float *kb = k_cache + table[b] * BS * row + j0 * row;
+        const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+        float *const ps = pg + (t - s0);
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) { /* the same per-key sums as key_score, four chains at once */
             const float *k0 = kb + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
@@ -47,38 +54,42 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
                 a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
                 a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
             }
-            pg[t + j] = ai_hsum256(a0) * scale;
-            pg[t + j + 1] = ai_hsum256(a1) * scale;
-            pg[t + j + 2] = ai_hsum256(a2) * scale;
-            pg[t + j + 3] = ai_hsum256(a3) * scale;
+            ps[j] = ai_hsum256(a0) * scale;
+            ps[j + 1] = ai_hsum256(a1) * scale;
+            ps[j + 2] = ai_hsum256(a2) * scale;
+            ps[j + 3] = ai_hsum256(a3) * scale;
         }
-        for (; j < n; j++) pg[t + j] = key_score(qv, kb + j * row, D) * scale;
-        for (j = 0; j < n; j++) mx = pg[t + j] > mx ? pg[t + j] : mx;
+        for (; j < n; j++) ps[j] = key_score(qv, kb + j * row, D) * scale;
+        for (j = 0; j < n; j++) mx = ps[j] > mx ? ps[j] : mx;
         t += n;
     }
+    const int64_t keys = L - s0;
+    if (softcap > 0.0f) mx = ai_softcap(pg, keys, softcap); /* Gemma 2: the scores capped before the softmax */
     __m256 dsum = _mm256_setzero_ps();
     const __m256 mxv = _mm256_set1_ps(mx);
     int64_t t = 0;
-    for (; t + 8 <= L; t += 8) {
+    for (; t + 8 <= keys; t += 8) {
         const __m256 e = ai_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
         _mm256_storeu_ps(pg + t, e);
         dsum = _mm256_add_ps(dsum, e);
     }
     float denom = ai_hsum256(dsum);
-    for (; t < L; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
+    for (; t < keys; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
     const __m256 inv = _mm256_set1_ps(1.0f / denom);
     const int64_t wide = D - D % 32;
     for (int64_t i0 = 0; i0 < wide; i0 += 32) {
         __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-        t = 0;
-        for (int64_t b = 0; t < L; b++) {
-            const float *vb = v_cache + table[b] * BS * row + i0;
-            const int64_t n = L - t < BS ? L - t : BS;
+        t = s0;
+        for (int64_t b = s0 / BS; t < L; b++) {
+            const int64_t j0 = t - b * BS;
+            const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
+            const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+            const float *const ps = pg + (t - s0);
             int64_t j = 0;
             for (; j + 2 <= n; j += 2) {
                 const float *v0 = vb + j * row, *v1 = v0 + row;
                 if (t + j + AHEAD < L) prefetch_keys(v_cache + i0, table, t + j + AHEAD, BS, row, 32, 2);
-                const __m256 w0 = _mm256_broadcast_ss(pg + t + j), w1 = _mm256_broadcast_ss(pg + t + j + 1);
+                const __m256 w0 = _mm256_broadcast_ss(ps + j), w1 = _mm256_broadcast_ss(ps + j + 1);
                 e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
                 e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
                 e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
@@ -90,7 +101,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
             }
             if (j < n) { /* an odd block length: its last key on the even chains */
                 const float *v0 = vb + j * row;
-                const __m256 w0 = _mm256_broadcast_ss(pg + t + j);
+                const __m256 w0 = _mm256_broadcast_ss(ps + j);
                 e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
                 e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
                 e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
@@ -105,12 +116,13 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
     }
     for (int64_t i0 = wide; i0 < D; i0 += 8) { /* D not a multiple of 32: the last 8s one chain each */
         __m256 acc = _mm256_setzero_ps();
-        t = 0;
-        for (int64_t b = 0; t < L; b++) {
-            const float *vb = v_cache + table[b] * BS * row + i0;
-            const int64_t n = L - t < BS ? L - t : BS;
+        t = s0;
+        for (int64_t b = s0 / BS; t < L; b++) {
+            const int64_t j0 = t - b * BS;
+            const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
+            const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
             for (int64_t j = 0; j < n; j++)
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + j), _mm256_loadu_ps(vb + j * row), acc);
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + (t - s0) + j), _mm256_loadu_ps(vb + j * row), acc);
             t += n;
         }
         _mm256_storeu_ps(o + i0, _mm256_mul_ps(acc, inv));
@@ -120,26 +132,28 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
 #else
 /* The scalar reference: each key's score in order, softmax with the maximum subtracted, the weighted
  * sum of values in key order. */
-static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t L,
-                   int64_t BS, int64_t row, int64_t D, float scale, float *pg, float *o) {
+static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t s0,
+                   int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
     float mx = -INFINITY;
-    for (int64_t t = 0; t < L; t++) {
+    const int64_t keys = L - s0; /* keys s0 .. L - 1; key t's score in pg[t - s0] */
+    for (int64_t t = s0; t < L; t++) {
         const float *kv = k_cache + table[t / BS] * BS * row + (t % BS) * row;
         float acc = 0.0f;
         for (int64_t i = 0; i < D; i++) acc += qv[i] * kv[i];
-        pg[t] = acc * scale;
-        mx = pg[t] > mx ? pg[t] : mx;
+        pg[t - s0] = acc * scale;
+        mx = pg[t - s0] > mx ? pg[t - s0] : mx;
     }
+    if (softcap > 0.0f) mx = ai_softcap(pg, keys, softcap);
     float denom = 0.0f;
-    for (int64_t t = 0; t < L; t++) {
+    for (int64_t t = 0; t < keys; t++) {
         pg[t] = expf(pg[t] - mx);
         denom += pg[t];
     }
     const float inv = 1.0f / denom;
     for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-    for (int64_t t = 0; t < L; t++) {
+    for (int64_t t = s0; t < L; t++) {
         const float *vv = v_cache + table[t / BS] * BS * row + (t % BS) * row;
-        for (int64_t i = 0; i < D; i++) o[i] += pg[t] * vv[i];
+        for (int64_t i = 0; i < D; i++) o[i] += pg[t - s0] * vv[i];
     }
     for (int64_t i = 0; i < D; i++) o[i] *= inv;
 }
@@ -148,7 +162,7 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
 /* One task per (sequence, query head); each thread's scores in its own slice of one allocation. */
 int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                        float scale, float *out, int threads) {
+                        float scale, float softcap, int64_t window, float *out, int threads) {
     if (S < 0 || H < 1 || KVH < 1 || H % KVH || D < 1 || BS < 1) return ASYNCINFER_EINVAL; /* never divide by 0 */
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     int64_t longest = 1;
@@ -158,8 +172,9 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
     for (int64_t task = 0; task < S * H; task++) {
         const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s];
-        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, L, BS, row, D, scale,
-               scores + (int64_t)ai_thread_num() * longest, out + (s * H + head) * D);
+        const int64_t s0 = window > 0 && L > window ? L - window : 0; /* a window: the last `window` keys */
+        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, s0, L, BS, row, D, scale,
+               softcap, scores + (int64_t)ai_thread_num() * longest, out + (s * H + head) * D);
     }
     free(scores);
     return 0;
@@ -168,5 +183,5 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
 int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                 int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
                                 int64_t BS, float scale, float *out, int threads) {
-    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, out, threads);
+    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, 0.0f, 0, out, threads);
 }

@@ -133,7 +133,7 @@ AI_HIDDEN void ai_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, co
                            int threads);
 AI_HIDDEN int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                   int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
-                                  int64_t BS, float scale, float *out, int threads);
+                                  int64_t BS, float scale, float softcap, int64_t window, float *out, int threads);
 AI_HIDDEN void ai_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out);
 AI_HIDDEN int ai_check_paged(const int64_t *tables, int64_t ldt, const int64_t *ctx, const int64_t *slots, int64_t S,
                              int64_t BS, int64_t num_blocks);
@@ -144,6 +144,10 @@ AI_HIDDEN void ai_embed_rows(const embed_t *E, const int64_t *ids, int64_t T, in
 AI_HIDDEN int ai_embed_check(const embed_t *E, int64_t hidden);
 /* silu(g) * u over n values (SwiGLU), the variant's exp. */
 AI_HIDDEN void ai_swiglu(const float *g, const float *u, float *out, int64_t n);
+/* gelu_tanh(g) * u over n values (GeGLU): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), float32. */
+AI_HIDDEN void ai_geglu(const float *g, const float *u, float *out, int64_t n);
+/* x[i] = cap * tanh(x[i] / cap) over n values (soft-capping); returns the largest result (-inf for n = 0). */
+AI_HIDDEN float ai_softcap(float *x, int64_t n, float cap);
 
 #ifdef AI_AVX2
 static inline float ai_hsum256(__m256 v) {
@@ -171,6 +175,25 @@ static inline __m256 ai_exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* tanh of 8 floats, within 5 ulp: an odd Taylor polynomial (to x^9) below |x| = 0.25, where
+ * (1 - e) / (1 + e), e = e^-2|x|, would lose bits to cancellation, that quotient above (1 from |x| = 9
+ * on, as e underflows the float's precision), the sign put back. NaN stays NaN. */
+static inline __m256 ai_tanh256(__m256 x) {
+    const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 e = ai_exp256(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 a2 = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-17.0f / 315.0f));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(2.0f / 15.0f));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1.0f / 3.0f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, a2), a, a);
+    const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+    return _mm256_or_ps(r, sign);
 }
 #endif
 

@@ -1,5 +1,5 @@
-/* The small kernels: argmax, the paged-input check, SwiGLU's element-wise step, and what the library
- * says about itself (version, variant, the variants this CPU runs). */
+/* The small kernels: argmax, the paged-input check, SwiGLU's and GeGLU's element-wise steps, soft-capping,
+ * and what the library says about itself (version, variant, the variants this CPU runs). */
 #include "internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -84,6 +84,51 @@ void ai_swiglu(const float *g, const float *u, float *out, int64_t n) {
     }
 #endif
     for (; i < n; i++) out[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+}
+
+/* out[i] = gelu_tanh(g[i]) * u[i], the float32 steps of torch's F.gelu(approximate="tanh"), then times u. */
+void ai_geglu(const float *g, const float *u, float *out, int64_t n) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    int64_t i = 0;
+#ifdef AI_AVX2
+    const __m256 bv = _mm256_set1_ps(beta), kv = _mm256_set1_ps(kappa), half = _mm256_set1_ps(0.5f),
+                 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 inner = _mm256_mul_ps(bv, _mm256_add_ps(x, _mm256_mul_ps(kv, cube)));
+        const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, ai_tanh256(inner)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = g[i], inner = beta * (x + kappa * (x * x * x));
+        out[i] = ((0.5f * x) * (1.0f + tanhf(inner))) * u[i];
+    }
+}
+
+/* x = cap * tanh(x / cap), in place; the largest result. */
+float ai_softcap(float *x, int64_t n, float cap) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#ifdef AI_AVX2
+    const __m256 cv = _mm256_set1_ps(cap);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) {
+        /* x / cap as a division, as torch divides: x * (1 / cap) may round differently */
+        const __m256 v = _mm256_mul_ps(ai_tanh256(_mm256_div_ps(_mm256_loadu_ps(x + i), cv)), cv);
+        _mm256_storeu_ps(x + i, v);
+        m = _mm256_max_ps(v, m);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+#endif
+    for (; i < n; i++) {
+        x[i] = tanhf(x[i] / cap) * cap;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    return mx;
 }
 
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
