@@ -266,6 +266,14 @@ def _replace(plan: DeploymentPlan, **changes: object) -> DeploymentPlan:
     return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
 
 
+def _with_it(plan: DeploymentPlan) -> str:
+    """What fits with a smaller format: a smaller batch, a shorter length, either, or not one request
+    (a batch or length of 0 is never offered)."""
+    options = ([f"batch {plan.max_batch} at {plan.seq_len} tokens"] if plan.max_batch >= 1 else []) + (
+        [f"max_model_len {plan.max_seq_len} at batch {plan.batch}"] if plan.max_seq_len >= 1 else [])
+    return "with it, " + " or ".join(options) if options else "not one request fits even with it"
+
+
 def _suggestions(plan: DeploymentPlan) -> list[str]:
     if plan.fits:
         return []
@@ -275,9 +283,7 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
             smaller = weight_bytes(plan.model_config, 4, method, default_skip(method))
             quantized = _replace(plan, weight_bytes=smaller)
             then = ("and the plan fits" if quantized.fits else
-                    f"not enough alone: {_size(-quantized.headroom_bytes)} short; with it, batch "
-                    f"{quantized.max_batch} at {plan.seq_len} tokens or max_model_len {quantized.max_seq_len} "
-                    f"at batch {plan.batch}")
+                    f"not enough alone: {_size(-quantized.headroom_bytes)} short; " + _with_it(quantized))
             out.append(f"--quantization {method}: weights {_size(plan.weight_bytes)} -> {_size(smaller)}, {then}")
     if plan.device == "cuda" and plan.dtype == torch.float32:
         out.append("--dtype bfloat16: half the weights and the KV cache")
