@@ -353,6 +353,8 @@ async def _embed(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
 
     options = {"device": args.device, "dtype": args.dtype}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
     async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
         (info,) = engine.model_info()
         if info.kind != "embed":
@@ -524,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
     embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
     embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("--threads", metavar="N", type=int, default=None,
+                       help="torch CPU threads (default: torch's setting, one per core; on a busy or shared machine, 1)")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
@@ -602,13 +606,16 @@ _PLAN_FLAGS = {
     "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
 }
 
+# ``asyncinfer embed``'s flags by the embedding model's option they set.
+_EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
+
 
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
-    if args is not None and args.command == "plan" and isinstance(exc, InvalidParameterError):
-        flag = _PLAN_FLAGS.get(exc.parameter)
+    if args is not None and args.command in ("plan", "embed") and isinstance(exc, InvalidParameterError):
+        flag = (_PLAN_FLAGS if args.command == "plan" else _EMBED_FLAGS).get(exc.parameter)
         if flag is None:
             return str(exc)
         value = exc.value

@@ -33,3 +33,27 @@ def test_ray_serve_without_a_cluster_at_address_is_one_line(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err == ("ray_serve.py: error: cannot connect to Ray at --address auto: "
                    "Could not find any running Ray instance.\n")
+
+
+def test_embed_takes_threads_as_the_readme_advises_on_a_shared_machine(minilm_dir, monkeypatch, capsys) -> None:
+    """The README: "On a busy or shared machine, pass --threads 1"; ``asyncinfer embed`` refused the flag.
+    Its errors name the flags (``--threads 0``, ``--dtype 'foo'``), not the options (``num_threads=0``)."""
+    import json
+
+    from asyncinfer import AsyncEngine, cli
+
+    loads: list[dict] = []
+    load = AsyncEngine.load.__func__
+
+    async def recorded(cls, model=None, **options):
+        loads.append(options)
+        return await load(cls, model, **options)
+
+    monkeypatch.setattr(AsyncEngine, "load", classmethod(recorded))
+    assert cli.main(["embed", "--model", str(minilm_dir), "--device", "cpu", "--threads", "1", "--json", "hi"]) == 0
+    assert loads[0]["num_threads"] == 1
+    assert len(json.loads(capsys.readouterr().out)["embeddings"][0]) == 384
+    assert cli.main(["embed", "--model", str(minilm_dir), "--threads", "0", "hi"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --threads 0 is invalid: allowed an integer in [1, 4096]\n"
+    assert cli.main(["embed", "--model", str(minilm_dir), "--dtype", "foo", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("asyncinfer: error: --dtype 'foo' is invalid: allowed ")
