@@ -619,6 +619,8 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         if flag is None:
             return str(exc)
         value = exc.value
+        if value is None:  # a flag not given that the plan needs (--device-memory for cuda without CUDA here)
+            return f"{flag} is needed: {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
         return f"{flag} {shown} is invalid: allowed {exc.allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:

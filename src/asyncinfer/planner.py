@@ -253,7 +253,8 @@ def plan_deployment(
 def _measure(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise InvalidParameterError("device_memory", None, "a size (e.g. --device-memory 80GB): no CUDA here")
+            raise InvalidParameterError("device_memory", None, "a size such as 80GB for a CUDA plan (no CUDA device "
+                                                               "here to measure)")
         return int(torch.cuda.get_device_properties(0).total_memory), "CUDA device 0's total"
     from asyncinfer.memory import available_memory
 

@@ -57,3 +57,17 @@ def test_embed_takes_threads_as_the_readme_advises_on_a_shared_machine(minilm_di
     assert capsys.readouterr().err == "asyncinfer: error: --threads 0 is invalid: allowed an integer in [1, 4096]\n"
     assert cli.main(["embed", "--model", str(minilm_dir), "--dtype", "foo", "hi"]) == 2
     assert capsys.readouterr().err.startswith("asyncinfer: error: --dtype 'foo' is invalid: allowed ")
+
+
+def test_plan_for_cuda_without_cuda_asks_for_device_memory_not_none(capsys) -> None:
+    """`asyncinfer plan --device cuda` here said "--device-memory None is invalid", a flag never given."""
+    import torch
+
+    from asyncinfer import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the plan measures its memory")
+    assert cli.main(["plan", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("asyncinfer: error: --device-memory is needed: a size such as 80GB for a CUDA plan "
+                   "(no CUDA device here to measure)\n")
