@@ -71,3 +71,17 @@ def test_plan_for_cuda_without_cuda_asks_for_device_memory_not_none(capsys) -> N
     err = capsys.readouterr().err
     assert err == ("asyncinfer: error: --device-memory is needed: a size such as 80GB for a CUDA plan "
                    "(no CUDA device here to measure)\n")
+
+
+def test_hot_swap_example_to_a_missing_path_keeps_serving(real_gguf, tmp_path, monkeypatch, capsys) -> None:
+    """`python examples/hot_swap.py /nope` ended in a SwapError traceback and three "Task exception was
+    never retrieved" (its clients met the closing engine); the docs promise the old version serves on."""
+    import asyncio
+
+    monkeypatch.setenv("ASYNCINFER_MODEL", str(real_gguf))
+    example = load_example("hot_swap")
+    asyncio.run(example.main(str(tmp_path / "no-such-model")))
+    out = capsys.readouterr().out
+    assert "swap failed, the serving version goes on: cannot load " in out
+    assert "requests served, none failed:" in out
+    assert "[after] live versions: v0 current (0 in flight)" in out
