@@ -412,10 +412,28 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
+    _check_embedding_model(args, specs, plans)
     print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
                            metrics_keys=len(settings.metrics_keys)), flush=True)
     interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
+
+
+def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: list[Any]) -> None:
+    """``--embedding-model`` must name a sentence encoder, served under a name of its own: refused here, before
+    anything loads (a generator was loaded as a second chat model, and a clash of names failed the start-up
+    with a traceback after the first model had loaded)."""
+    if not args.embedding_model:
+        return
+    from asyncinfer import EmbeddingPlan
+    from asyncinfer.commands import CommandError
+
+    if not isinstance(plans[1], EmbeddingPlan):
+        raise CommandError(f"--embedding-model {args.embedding_model!r} is a generator (a text generation model), "
+                           "not a sentence encoder: give it a sentence encoder, e.g. all-MiniLM-L6-v2")
+    if specs[1].name == specs[0].name:
+        raise CommandError(f"--embedding-model {args.embedding_model!r} would be served as {specs[1].name!r}, the "
+                           "name of the model served: give that one another with --served-model-name")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
