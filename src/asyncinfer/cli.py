@@ -163,6 +163,13 @@ def _plan(args: argparse.Namespace) -> int:
     from asyncinfer.planner import parse_bytes, plan_deployment
 
     path = resolve_model(args.model_arg or args.model)
+    from asyncinfer.models.encoder import is_encoder_dir
+
+    if is_encoder_dir(path):  # the budget table is a generator's (KV cache, batch, length)
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"{str(args.model_arg or args.model)!r} is a sentence encoder: asyncinfer plan budgets "
+                           "generators (KV cache, batch, length); asyncinfer info prints an encoder's memory plan")
     plan = plan_deployment(
         read_model_config(path), model_name=path.name, batch=args.batch, seq_len=args.seq_len, device=args.device,
         dtype=args.dtype, quantization=_weight_format(args.quantization),

@@ -85,3 +85,13 @@ def test_hot_swap_example_to_a_missing_path_keeps_serving(real_gguf, tmp_path, m
     assert "swap failed, the serving version goes on: cannot load " in out
     assert "requests served, none failed:" in out
     assert "[after] live versions: v0 current (0 in flight)" in out
+
+
+def test_plan_of_a_sentence_encoder_points_to_info(minilm_dir, capsys) -> None:
+    """`asyncinfer plan all-MiniLM-L6-v2` said "unsupported model_type 'bert'", though the engine serves it."""
+    from asyncinfer import cli
+
+    assert cli.main(["plan", str(minilm_dir)]) == 2
+    assert capsys.readouterr().err == (f"asyncinfer: error: {str(minilm_dir)!r} is a sentence encoder: asyncinfer plan "
+                                       "budgets generators (KV cache, batch, length); asyncinfer info prints an "
+                                       "encoder's memory plan\n")
