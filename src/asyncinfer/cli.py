@@ -565,7 +565,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_encoder(args: argparse.Namespace) -> None:
+    """``chat``, ``generate`` and ``bench`` generate text: a sentence encoder given as their model is refused by
+    name before it loads (it loaded, then every request failed with the library's "no generator to default
+    to: add a generator with add_model()")."""
+    model = getattr(args, "model_arg", None) or args.model
+    if model is None:  # the default model (or ASYNCINFER_MODEL's, which the load names if it is no generator)
+        return
+    from asyncinfer.errors import ModelLoadError
+    from asyncinfer.model_source import resolve_model
+    from asyncinfer.models.encoder import is_encoder_dir
+
+    try:
+        path = resolve_model(model)
+    except ModelLoadError:  # no such model: the command says so in its own order (its input checked first)
+        return
+    if is_encoder_dir(path):
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--model {str(model)!r} is a sentence encoder, not a generator (a text generation "
+                           f"model): asyncinfer {args.command} needs a generator; asyncinfer embed takes encoders")
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("chat", "generate", "bench"):
+        _refuse_encoder(args)
     if args.command == "chat":
         from asyncinfer.commands.chat import run_chat
 

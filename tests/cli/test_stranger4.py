@@ -95,3 +95,20 @@ def test_plan_of_a_sentence_encoder_points_to_info(minilm_dir, capsys) -> None:
     assert capsys.readouterr().err == (f"asyncinfer: error: {str(minilm_dir)!r} is a sentence encoder: asyncinfer plan "
                                        "budgets generators (KV cache, batch, length); asyncinfer info prints an "
                                        "encoder's memory plan\n")
+
+
+@pytest.mark.parametrize("command", [["chat", "Hi", "--model"], ["generate", "--prompt", "Hi", "--model"],
+                                     ["bench", "--model"]])
+def test_a_sentence_encoder_is_refused_by_the_generating_commands(command, minilm_dir, monkeypatch, capsys) -> None:
+    """`asyncinfer chat --model all-MiniLM-L6-v2` loaded the encoder, then failed with the library's "no model
+    was named and this engine holds no generator to default to: add a generator with add_model()"."""
+    from asyncinfer import AsyncEngine, cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the encoder was loaded")
+
+    monkeypatch.setattr(AsyncEngine, "load", no_load)
+    assert cli.main([*command, str(minilm_dir)]) == 2
+    assert capsys.readouterr().err == (f"asyncinfer: error: --model {str(minilm_dir)!r} is a sentence encoder, not a "
+                                       f"generator (a text generation model): asyncinfer {command[0]} needs a "
+                                       "generator; asyncinfer embed takes encoders\n")
