@@ -297,6 +297,7 @@ class _Edits:
 
 def main() -> None:  # pragma: no cover - needs a Discord token and the network
     try:
+        import aiohttp  # discord.py's HTTP client
         import discord
     except ImportError:
         raise SystemExit("examples/discord_bot.py needs discord.py: pip install 'asyncinfer[discord]'") from None
@@ -328,7 +329,12 @@ def main() -> None:  # pragma: no cover - needs a Discord token and the network
 
     intents = discord.Intents.default()
     intents.message_content = True
-    Client(intents=intents).run(token)
+    try:
+        Client(intents=intents).run(token)
+    except discord.LoginFailure as exc:  # one line, not discord.py's traceback
+        raise SystemExit(f"Discord refused DISCORD_TOKEN ({exc}): copy the bot's token from the developer portal") from None
+    except aiohttp.ClientConnectionError as exc:
+        raise SystemExit(f"cannot reach Discord ({exc}): check the network") from None
 
 
 if __name__ == "__main__":

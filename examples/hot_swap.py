@@ -6,7 +6,8 @@
 A client keeps asking questions throughout. The new version loads in a worker
 thread while the old one keeps answering; requests admitted before the switch
 finish on the old version, later ones run on the new one, and the old version
-is dropped once its last request ends. No request fails.
+is dropped once its last request ends. No request fails, even when the swap does
+(a path that is no model): the old version serves on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import sys
 import time
 
-from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer import AsyncEngine, SamplingParams, SwapError
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 7 times 6?"]
 OPTIONS = {"max_model_len": 1024, "kv_cache_memory": 64 * 2**20}
@@ -44,10 +45,14 @@ async def main(target: str | None) -> None:
         await asyncio.sleep(2)
         show(engine, "before")
         start, served = time.perf_counter(), len(log)
-        info = await engine.swap_model(target)  # the clients keep being served meanwhile
-        print(f"swapped to v{info.version_id} ({info.source}) in {time.perf_counter() - start:.1f} s;"
-              f" {len(log) - served} requests finished while it loaded")
-        show(engine, "just after")
+        try:
+            info = await engine.swap_model(target)  # the clients keep being served meanwhile
+        except SwapError as exc:  # a path that is no model, say: the serving version was never touched
+            print(f"swap failed, the serving version goes on: {exc}")
+        else:
+            print(f"swapped to v{info.version_id} ({info.source}) in {time.perf_counter() - start:.1f} s;"
+                  f" {len(log) - served} requests finished while it loaded")
+            show(engine, "just after")
         await asyncio.sleep(2)
         stop.set()
         await asyncio.gather(*clients)

@@ -101,7 +101,10 @@ def main() -> None:
     p.add_argument("--bench", type=int, default=0, metavar="N", help="N concurrent requests, print figures, stop")
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
-    url = deploy(args)
+    try:
+        url = deploy(args)
+    except ConnectionError as exc:  # no Ray cluster at --address: one line, not Ray's traceback
+        p.exit(2, f"{p.prog}: error: cannot connect to Ray at --address {args.address}: {exc}\n")
     try:
         if args.bench:
             asyncio.run(bench(url, args.name, args.bench, args.max_tokens))

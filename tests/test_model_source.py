@@ -62,3 +62,17 @@ def test_a_wheel_without_the_model_leaves_no_cache_entry(not_installed, monkeypa
 def test_unknown_names_say_what_is_accepted():
     with pytest.raises(ModelLoadError, match="all-MiniLM-L6-v2"):
         model_source.resolve_model("no-such-model-name")
+
+
+def test_a_missing_asyncinfer_model_is_named_as_the_variable_s(tmp_path, monkeypatch, capsys) -> None:
+    """A stale ASYNCINFER_MODEL made every command without a model fail with "model path does not exist:
+    /old/path", a path the user never typed; the error now names the variable and how to go back."""
+    from asyncinfer.cli import main
+
+    missing = tmp_path / "old.gguf"
+    monkeypatch.setenv("ASYNCINFER_MODEL", str(missing))
+    with pytest.raises(ModelLoadError, match="ASYNCINFER_MODEL") as caught:
+        model_source.default_model_path()
+    assert str(missing) in str(caught.value) and "unset it for the default model" in str(caught.value)
+    assert main(["info"]) == 2  # planned from the config: the same words, on one line
+    assert capsys.readouterr().err == f"asyncinfer: error: {caught.value}\n"

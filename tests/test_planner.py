@@ -83,3 +83,17 @@ def test_parse_bytes() -> None:
     assert parse_bytes("512MiB") == 512 * MiB and parse_bytes("1.5G") == int(1.5 * GiB) and parse_bytes("1000") == 1000
     with pytest.raises(InvalidParameterError):
         parse_bytes("lots")
+
+
+def test_a_smaller_format_never_suggests_a_batch_or_length_of_zero(real_gguf) -> None:
+    config = read_model_config(real_gguf)
+    # int8 weights on a device where even q4_1's weights and the overhead leave no room for one request
+    none = plan_deployment(config, quantization="int8", device_memory=300 * MiB)
+    formats = [s for s in none.suggestions if s.startswith("--quantization")]
+    assert formats and all(s.endswith("not one request fits even with it") for s in formats)
+    # room for one shorter request but not for a batch at the full length: only the length is offered
+    some = plan_deployment(config, quantization="int8", device_memory=800 * MiB)
+    (q8,) = [s for s in some.suggestions if s.startswith("--quantization q8_0")]
+    assert "with it, max_model_len " in q8 and "batch 0" not in q8 and "max_model_len 0" not in q8
+    for plan in (none, some):
+        assert not any(" 0 at " in s or "max_model_len 0" in s for s in plan.suggestions)

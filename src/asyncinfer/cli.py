@@ -163,6 +163,13 @@ def _plan(args: argparse.Namespace) -> int:
     from asyncinfer.planner import parse_bytes, plan_deployment
 
     path = resolve_model(args.model_arg or args.model)
+    from asyncinfer.models.encoder import is_encoder_dir
+
+    if is_encoder_dir(path):  # the budget table is a generator's (KV cache, batch, length)
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"{str(args.model_arg or args.model)!r} is a sentence encoder: asyncinfer plan budgets "
+                           "generators (KV cache, batch, length); asyncinfer info prints an encoder's memory plan")
     plan = plan_deployment(
         read_model_config(path), model_name=path.name, batch=args.batch, seq_len=args.seq_len, device=args.device,
         dtype=args.dtype, quantization=_weight_format(args.quantization),
@@ -353,6 +360,8 @@ async def _embed(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
 
     options = {"device": args.device, "dtype": args.dtype}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
     async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
         (info,) = engine.model_info()
         if info.kind != "embed":
@@ -410,10 +419,28 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
+    _check_embedding_model(args, specs, plans)
     print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
                            metrics_keys=len(settings.metrics_keys)), flush=True)
     interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
+
+
+def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: list[Any]) -> None:
+    """``--embedding-model`` must name a sentence encoder, served under a name of its own: refused here, before
+    anything loads (a generator was loaded as a second chat model, and a clash of names failed the start-up
+    with a traceback after the first model had loaded)."""
+    if not args.embedding_model:
+        return
+    from asyncinfer import EmbeddingPlan
+    from asyncinfer.commands import CommandError
+
+    if not isinstance(plans[1], EmbeddingPlan):
+        raise CommandError(f"--embedding-model {args.embedding_model!r} is a generator (a text generation model), "
+                           "not a sentence encoder: give it a sentence encoder, e.g. all-MiniLM-L6-v2")
+    if specs[1].name == specs[0].name:
+        raise CommandError(f"--embedding-model {args.embedding_model!r} would be served as {specs[1].name!r}, the "
+                           "name of the model served: give that one another with --served-model-name")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -524,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
     embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
     embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("--threads", metavar="N", type=int, default=None,
+                       help="torch CPU threads (default: torch's setting, one per core; on a busy or shared machine, 1)")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
@@ -536,7 +565,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_encoder(args: argparse.Namespace) -> None:
+    """``chat``, ``generate`` and ``bench`` generate text: a sentence encoder given as their model is refused by
+    name before it loads (it loaded, then every request failed with the library's "no generator to default
+    to: add a generator with add_model()")."""
+    model = getattr(args, "model_arg", None) or args.model
+    if model is None:  # the default model (or ASYNCINFER_MODEL's, which the load names if it is no generator)
+        return
+    from asyncinfer.errors import ModelLoadError
+    from asyncinfer.model_source import resolve_model
+    from asyncinfer.models.encoder import is_encoder_dir
+
+    try:
+        path = resolve_model(model)
+    except ModelLoadError:  # no such model: the command says so in its own order (its input checked first)
+        return
+    if is_encoder_dir(path):
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--model {str(model)!r} is a sentence encoder, not a generator (a text generation "
+                           f"model): asyncinfer {args.command} needs a generator; asyncinfer embed takes encoders")
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("chat", "generate", "bench"):
+        _refuse_encoder(args)
     if args.command == "chat":
         from asyncinfer.commands.chat import run_chat
 
@@ -602,16 +655,21 @@ _PLAN_FLAGS = {
     "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
 }
 
+# ``asyncinfer embed``'s flags by the embedding model's option they set.
+_EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
+
 
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
-    if args is not None and args.command == "plan" and isinstance(exc, InvalidParameterError):
-        flag = _PLAN_FLAGS.get(exc.parameter)
+    if args is not None and args.command in ("plan", "embed") and isinstance(exc, InvalidParameterError):
+        flag = (_PLAN_FLAGS if args.command == "plan" else _EMBED_FLAGS).get(exc.parameter)
         if flag is None:
             return str(exc)
         value = exc.value
+        if value is None:  # a flag not given that the plan needs (--device-memory for cuda without CUDA here)
+            return f"{flag} is needed: {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
         return f"{flag} {shown} is invalid: allowed {exc.allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:

@@ -124,7 +124,8 @@ def _load(
     what: str | None,
 ) -> ModelVersion | EmbeddingBatcher:
     default = what is None and model is None  # named as the default model: the user never typed a name
-    what = what or (f"loading the default model ({DEFAULT_MODEL_NAME})" if default else f"loading {str(model)!r}")
+    named = os.environ.get("ASYNCINFER_MODEL") or DEFAULT_MODEL_NAME  # what model=None loads
+    what = what or (f"loading the default model ({named})" if default else f"loading {str(model)!r}")
     try:
         path = resolve_model(model)
     except ModelLoadError as exc:

@@ -77,7 +77,11 @@ def default_model_path(*, download: bool = True, quiet: bool = False) -> Path:
     """Path of the default model's GGUF file, fetching it once if it is not cached yet."""
     env = os.environ.get("ASYNCINFER_MODEL")
     if env:
-        return Path(env).expanduser()
+        path = Path(env).expanduser()
+        if not path.exists():  # named where it comes from: the user typed no path
+            raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; set that "
+                                 "to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
+        return path
     target = cache_dir() / "smollm2-135m-instruct" / DEFAULT_GGUF_NAME
     if target.is_file():
         return target

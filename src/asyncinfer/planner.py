@@ -253,7 +253,8 @@ def plan_deployment(
 def _measure(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise InvalidParameterError("device_memory", None, "a size (e.g. --device-memory 80GB): no CUDA here")
+            raise InvalidParameterError("device_memory", None, "a size such as 80GB for a CUDA plan (no CUDA device "
+                                                               "here to measure)")
         return int(torch.cuda.get_device_properties(0).total_memory), "CUDA device 0's total"
     from asyncinfer.memory import available_memory
 
@@ -266,6 +267,14 @@ def _replace(plan: DeploymentPlan, **changes: object) -> DeploymentPlan:
     return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
 
 
+def _with_it(plan: DeploymentPlan) -> str:
+    """What fits with a smaller format: a smaller batch, a shorter length, either, or not one request
+    (a batch or length of 0 is never offered)."""
+    options = ([f"batch {plan.max_batch} at {plan.seq_len} tokens"] if plan.max_batch >= 1 else []) + (
+        [f"max_model_len {plan.max_seq_len} at batch {plan.batch}"] if plan.max_seq_len >= 1 else [])
+    return "with it, " + " or ".join(options) if options else "not one request fits even with it"
+
+
 def _suggestions(plan: DeploymentPlan) -> list[str]:
     if plan.fits:
         return []
@@ -275,9 +284,7 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
             smaller = weight_bytes(plan.model_config, 4, method, default_skip(method))
             quantized = _replace(plan, weight_bytes=smaller)
             then = ("and the plan fits" if quantized.fits else
-                    f"not enough alone: {_size(-quantized.headroom_bytes)} short; with it, batch "
-                    f"{quantized.max_batch} at {plan.seq_len} tokens or max_model_len {quantized.max_seq_len} "
-                    f"at batch {plan.batch}")
+                    f"not enough alone: {_size(-quantized.headroom_bytes)} short; " + _with_it(quantized))
             out.append(f"--quantization {method}: weights {_size(plan.weight_bytes)} -> {_size(smaller)}, {then}")
     if plan.device == "cuda" and plan.dtype == torch.float32:
         out.append("--dtype bfloat16: half the weights and the KV cache")

@@ -191,3 +191,24 @@ def test_the_banner_says_when_structured_output_is_off(monkeypatch) -> None:
     monkeypatch.setattr(asyncinfer.grammar, "library_missing", lambda: "structured output needs llguidance: gone")
     assert structured_line() == ("  structured output: off (llguidance is not installed: pip install "
                                  "'asyncinfer[structured]'; such requests get a 501)")
+
+
+def test_the_embedding_model_must_be_an_encoder_of_its_own_name(tiny_models, minilm_dir, capsys, monkeypatch) -> None:
+    """A generator given to --embedding-model was loaded as a second chat model; one served under the main
+    model's name failed the start-up with a traceback (exit status 3) after the first model had loaded.
+    Both are refused in one line before anything loads."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(asyncinfer.server, "create_app", no_load)
+    generator = str(tiny_models["llama"][0])
+    assert cli.main(["serve", generator, "--port", "0", "--embedding-model", generator]) == 2
+    assert capsys.readouterr().err == (f"asyncinfer: error: --embedding-model {generator!r} is a generator (a text "
+                                       "generation model), not a sentence encoder: give it a sentence encoder, "
+                                       "e.g. all-MiniLM-L6-v2\n")
+    encoder = str(minilm_dir)
+    name = asyncinfer.server.ModelSpec.served_name(encoder)
+    assert cli.main(["serve", generator, "--port", "0", "--embedding-model", encoder,
+                     "--served-model-name", name]) == 2
+    assert capsys.readouterr().err.startswith(f"asyncinfer: error: --embedding-model {encoder!r} would be served as "
+                                              f"{name!r}, the name of the model served")

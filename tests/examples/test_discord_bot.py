@@ -332,3 +332,24 @@ async def test_stop_on_a_queued_message_keeps_the_order_of_the_rest(example) -> 
     engine.release("1/3")
     await asyncio.gather(*tasks)
     assert bot.histories[4] == turns(("ann: a", "re: a"), ("ann: c", "re: c"))
+
+
+@pytest.mark.parametrize("failure, said", [
+    ("login", "Discord refused DISCORD_TOKEN (Improper token has been passed.)"),
+    ("network", "cannot reach Discord (Cannot connect to host discord.com:443)"),
+])
+def test_a_bad_token_or_no_network_is_one_line_not_a_traceback(example, monkeypatch, failure, said) -> None:
+    discord = pytest.importorskip("discord")
+    aiohttp = pytest.importorskip("aiohttp")
+    error = (discord.LoginFailure("Improper token has been passed.") if failure == "login"
+             else aiohttp.ClientConnectionError("Cannot connect to host discord.com:443"))
+
+    def run(self, token, **kwargs):
+        raise error
+
+    monkeypatch.setattr(discord.Client, "run", run)
+    monkeypatch.setenv("DISCORD_TOKEN", "not-a-token")
+    monkeypatch.setattr("sys.argv", ["discord_bot.py"])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert str(exit_.value.code).startswith(said) and "\n" not in str(exit_.value.code)

@@ -122,3 +122,14 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+
+
+def test_serving_md_says_how_the_example_refuses_a_port_in_use() -> None:
+    """docs/serving.md named a helper (check_port_free) the example never calls: the example binds the
+    port itself and hands the socket to run_server."""
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    sentence = doc[doc.index("`examples/openai_server.py` names them"):][:400].split("\n\n")[0]
+    source = EXAMPLE.read_text()
+    for name in re.findall(r"`asyncinfer\.[\w.]+\.(\w+)`", sentence):
+        assert name in source, f"docs/serving.md says the example uses {name}"
+    assert "sock=" in sentence and "sock=sock" in source
