@@ -77,3 +77,38 @@ def test_a_character_split_by_a_long_run_of_skipped_tokens_is_still_whole(smol) 
         for skip in (True, False):
             text, _read, det = _stream(smol, ids, skip)
             assert text == det.text == smol.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+
+
+async def test_a_long_prompt_tokenized_off_the_loop_leaves_the_loop_free(real_gguf) -> None:
+    """The default model's tokenizer (a GGUF file's :class:`CachedTokenizer`) encoded with the library's ``encode``,
+    which holds the GIL while it works: a prompt of 600,000 characters (under the characters the default
+    ``max_model_len`` takes before tokenizing, 8192 x 81), tokenized in a worker thread so that the loop serves on,
+    held the loop (and the engine thread) for the whole encode, 0.4 s; one caller sending such prompts froze
+    everyone. It encodes as transformers' tokenizers do now, letting go of the GIL; the ids are the same."""
+    import asyncio
+    import time
+
+    from asyncinfer.models.loader import gguf_tokenizer
+    from asyncinfer.models.tokenizer import CachedTokenizer
+
+    tokenizer = gguf_tokenizer(real_gguf)
+    assert isinstance(tokenizer, CachedTokenizer)
+    text = "the cat sat on the mat, naïvely — 世界. " * 16000
+    assert tokenizer.encode(text[:5000]) == tokenizer.backend_tokenizer.encode(text[:5000]).ids
+    assert tokenizer(["a b", "c"])["input_ids"] == [tokenizer.encode("a b"), tokenizer.encode("c")]
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.002)
+            lags.append(time.perf_counter() - start - 0.002)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)
+    start = time.perf_counter()
+    ids = await asyncio.to_thread(tokenizer.encode, text)
+    took = time.perf_counter() - start
+    tick.cancel()
+    assert len(ids) > 100_000
+    assert max(lags) < max(0.5 * took, 0.05), (max(lags), took)  # before: the loop waited for all of it
