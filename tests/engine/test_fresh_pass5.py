@@ -112,3 +112,21 @@ async def test_a_long_prompt_tokenized_off_the_loop_leaves_the_loop_free(real_gg
     tick.cancel()
     assert len(ids) > 100_000
     assert max(lags) < max(0.5 * took, 0.05), (max(lags), took)  # before: the loop waited for all of it
+
+
+def test_a_spec_built_from_values_that_are_no_json_is_refused_by_name() -> None:
+    """``StructuredOutput.choice(["a", {}])`` raised a bare ``TypeError`` (unhashable type: 'dict') and
+    ``json_schema`` of a mapping that is no dict (``MappingProxyType``) json's ``TypeError``: each is an
+    ``InvalidParameterError`` on ``structured`` now, as every other bad spec is."""
+    from types import MappingProxyType
+
+    from asyncinfer.errors import InvalidParameterError
+    from asyncinfer.structured import StructuredOutput
+
+    for build in (lambda: StructuredOutput.choice(["a", {}]), lambda: StructuredOutput.choice([["a"], "b"]),
+                  lambda: StructuredOutput.json_schema(MappingProxyType({"type": "string"})),
+                  lambda: StructuredOutput.json_schema({"anyOf": [MappingProxyType({"type": "string"})]})):
+        with pytest.raises(InvalidParameterError) as info:
+            build()
+        assert info.value.parameter == "structured"
+    assert StructuredOutput.choice(("b", "a", "b")).value == ("b", "a")
