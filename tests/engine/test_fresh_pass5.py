@@ -130,3 +130,45 @@ def test_a_spec_built_from_values_that_are_no_json_is_refused_by_name() -> None:
             build()
         assert info.value.parameter == "structured"
     assert StructuredOutput.choice(("b", "a", "b")).value == ("b", "a")
+
+
+class _RaisingName(str):
+    """A model name whose ``__hash__`` and ``__eq__`` raise."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+
+async def test_a_model_name_whose_hash_raises_is_read_as_the_name_it_holds(tiny_models) -> None:
+    """Every call naming a model looked the name up as it came: a ``str`` subclass whose ``__hash__`` raised came
+    out of ``generate``, ``stream``, ``embed``, ``swap_model``, ``kv_stats``, ``get_tokenizer``, ``tokenize``,
+    ``check_admission``... as a bare ``RuntimeError``. The name is read as the plain ``str`` it holds, as
+    ``remove_model`` and ``add_model`` read it: the model it names answers, another is the typed refusal."""
+    from asyncinfer import AsyncEngine
+    from asyncinfer.errors import InvalidParameterError
+    from tests.helpers import ENGINE_BASE, greedy
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
+        named, other = _RaisingName("default"), _RaisingName("nope")
+        expected = await engine.generate([3, 4, 5], greedy(3))
+        assert (await engine.generate([3, 4, 5], greedy(3), model=named)).token_ids == expected.token_ids
+        assert [d async for d in engine.stream([3, 4, 5], greedy(3), model=named)][-1].finish_reason == "length"
+        assert engine.kv_stats(named) is not None and engine.step_stats(named) is not None
+        assert engine.get_tokenizer(named) is engine.get_tokenizer()
+        assert engine.tokenize([3, 4], model=named) == [3, 4]
+        engine.check_admission(1, model=named)
+        for call in (lambda: engine.kv_stats(other), lambda: engine.get_tokenizer(other),
+                     lambda: engine.tokenize([3], model=other), lambda: engine.check_admission(1, model=other),
+                     lambda: engine.embedding_stats(other)):
+            with pytest.raises(InvalidParameterError) as info:
+                call()
+            assert info.value.parameter == "model"
+        for call in (lambda: engine.generate([3], greedy(1), model=other), lambda: engine.embed("x", model=other),
+                     lambda: engine.swap_model(tiny_models["llama"][0], name=other, **ENGINE_BASE)):
+            with pytest.raises(InvalidParameterError) as info:
+                await call()
+            assert info.value.parameter in ("model", "name")
+        assert (await engine.generate([3, 4, 5], greedy(3))).token_ids == expected.token_ids
