@@ -194,6 +194,7 @@ class ModelCatalog:
 
     def tokenizer_of(self, name: str | None) -> Any:
         """The tokenizer of the model ``name``, generator or embedding model (None: the default generator)."""
+        name = plain_value(name)  # the plain str it holds, as _pick reads it
         if isinstance(name, str) and name in self.embedders:
             return self.embedders[name].batcher.encoder.tokenizer
         return current(self.generator(name)).tokenizer
@@ -272,7 +273,10 @@ def check_name(name: Any) -> str:
 
 
 def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str) -> _M:
-    """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise."""
+    """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise. ``name`` is looked up as
+    the plain ``str`` it holds (:func:`~asyncinfer.plain.plain_value`): a subclass's ``__hash__`` or ``__eq__`` that
+    raised came out of every call naming a model (``generate``, ``kv_stats``, ``get_tokenizer``, ...) as itself."""
+    name = plain_value(name)
     if name is None:
         if not models:
             article = "an" if kind[0] in "aeiou" else "a"

@@ -23,6 +23,13 @@ incrementally). The text is decoded from the *output ids alone*, so a leading
 space is kept or dropped exactly as ``decode(output_ids)`` does; the prompt is
 not used as left context.
 
+**A run that gives no text.** Tokens wait for their text only while they may still complete a
+character: more than :data:`MAX_WAITING_TOKENS` waiting (a run of special tokens the decode skips,
+or of bytes that are no UTF-8, which a caller can make a model write) are settled, so that a token's
+decode reads a window of a few tokens however long the run (each token used to decode the whole run
+again: a cost per token that grew with the reply, paid on the engine thread in every step its
+neighbours shared). The text is unchanged.
+
 **A character cut at the end.** When generation ends (``max_tokens``, a stop
 token, EOS, an abort) in the middle of a multi-byte character, its bytes can
 never be completed: :meth:`flush` drops them, so a reply never ends in U+FFFD.
@@ -60,6 +67,10 @@ from asyncinfer.sampling_params import SamplingParams
 __all__ = ["IncrementalDetokenizer", "StopMatcher"]
 
 _REPLACEMENT = "\ufffd"
+#: The most tokens that wait for their text (an incomplete character) before they are taken as a run that
+#: gives none (:meth:`IncrementalDetokenizer._settle_run`): a character is at most 4 bytes.
+MAX_WAITING_TOKENS = 16
+_CONTEXT_TOKENS = 4  # tokens of left context kept in the window after a run is settled
 
 
 class IncrementalDetokenizer:
@@ -91,9 +102,12 @@ class IncrementalDetokenizer:
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
         self._backend = _backend_tokenizer(tokenizer)
 
+        # the ids the offsets index: the output's, less a run of tokens that added no text (_settle_run)
+        self._window: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
+        self._prefix_text = ""  # decode(window[prefix_offset:read_offset])
+        self._held_replacements = 0  # U+FFFDs a settled run ended with (_settle_run): text once a character follows
         # The text is kept in pieces so that a long output costs O(1) per token:
         self._done: list[str] = []  # text already handed out
         self._pending = ""  # decoded text not handed out yet (held back)
@@ -132,7 +146,8 @@ class IncrementalDetokenizer:
         if self._finished:
             return "", self.stopped
         self.output_token_ids.append(token_id)
-        chunk = self._decode_new()
+        self._window.append(token_id)
+        chunk = self._after_held(self._decode_new())
         if chunk and self._append(chunk):
             return self._release(len(self._pending)), True
         return self._release(self._safe_end()), False
@@ -146,14 +161,15 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        if self._read_offset < len(self.output_token_ids):
-            new_text = self._decode(self.output_token_ids[self._prefix_offset :]).rstrip(_REPLACEMENT)
+        window = self._window
+        if self._read_offset < len(window):
+            new_text = self._decode(window[self._prefix_offset :]).rstrip(_REPLACEMENT)
             if len(new_text) > len(self._prefix_text):
                 chunk = new_text[len(self._prefix_text) :]
-                self._prefix_offset = self._read_offset = len(self.output_token_ids)
+                self._prefix_offset = self._read_offset = len(window)
                 self._prefix_text = ""
-                self._append(chunk)
-        return self._release(len(self._pending))
+                self._append(self._after_held(chunk))
+        return self._release(len(self._pending))  # U+FFFDs still held end the text: dropped with it
 
     # ------------------------------------------------------------------ internals
 
@@ -164,16 +180,65 @@ class IncrementalDetokenizer:
 
     def _decode_new(self) -> str:
         """Advance the offsets if the pending tokens decode to stable text; return it."""
-        ids = self.output_token_ids
+        ids = self._window
         prefix_text = self._prefix_text
         new_text = self._decode(ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""  # nothing new yet, or an incomplete multi-byte character
+            # nothing new yet, or an incomplete multi-byte character: the tokens wait, unless they are a run
+            # no character can take (_settle_run)
+            return "" if len(ids) - self._read_offset <= MAX_WAITING_TOKENS else self._settle_run(new_text)
         chunk = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         return chunk
+
+    def _settle_run(self, new_text: str) -> str:
+        """More than :data:`MAX_WAITING_TOKENS` tokens wait without text: more than any character needs (an
+        incomplete one ends in at most 3 bytes). They are a run that gives no text, such as special tokens
+        the decode skips, or that gives only U+FFFDs, such as bytes that are no UTF-8. Each token decoded the
+        whole run again: a reply of such tokens cost the engine thread time in the square of its length
+        (8,000 of them: 0.75 ms a token, 3.6 s in all). So the run is settled and the window is back to a few
+        tokens: tokens that add no text leave it (where the text without them is the same); then the text up
+        to the last token at which the decoded text splits cleanly (it is a prefix of the whole, and the tokens
+        after add characters: only the last character of a decode can still change) is settled, and its
+        trailing U+FFFDs are held, as a count, until a character follows (:meth:`_after_held`; :meth:`flush`
+        drops them, as a cut character). The text is the same as the whole decode's."""
+        ids, start, read = self._window, self._prefix_offset, self._read_offset
+        prefix_text = self._prefix_text
+        # waiting tokens that add no text (special tokens the decode skips) leave the window, where the text
+        # without them is the same
+        kept = [t for t in ids[read:] if self._decode([t])]
+        if len(kept) < len(ids) - read and self._decode(ids[start:read] + kept) == new_text:
+            ids[read:] = kept
+            if len(kept) <= MAX_WAITING_TOKENS:
+                return ""
+        split = None
+        for end in range(len(ids) - 1, max(read, len(ids) - 4), -1):
+            head = self._decode(ids[start:end])
+            if len(head) >= len(prefix_text) and len(new_text) > len(head) and new_text.startswith(head):
+                split = end, head
+                break
+        if split is None or not split[1].startswith(prefix_text):  # (never seen) settle all the run
+            split = len(ids), new_text if new_text.startswith(prefix_text) else prefix_text
+        end, head = split
+        self._prefix_offset = max(read, end - _CONTEXT_TOKENS)
+        self._read_offset = end
+        self._prefix_text = self._decode(ids[self._prefix_offset : end])
+        return head[len(prefix_text) :]
+
+    def _after_held(self, chunk: str) -> str:
+        """``chunk`` after the U+FFFDs held before it, holding those it ends with in turn: text that ends in
+        U+FFFD is shown only once a character follows (:meth:`_settle_run`), at a cost that does not grow with
+        the run."""
+        if not chunk:
+            return ""
+        text = chunk.rstrip(_REPLACEMENT)
+        if not text:
+            self._held_replacements += len(chunk)
+            return ""
+        held, self._held_replacements = self._held_replacements, len(chunk) - len(text)
+        return _REPLACEMENT * held + text if held else text
 
     def _append(self, chunk: str) -> bool:
         """Append ``chunk`` to the text; on a stop string, cut there and return True.

@@ -96,7 +96,11 @@ def _canonical_json(schema: object) -> str:
                                         "a JSON schema of dicts, lists, strings, numbers, booleans and None")
 
     check(schema, 0)
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:  # a mapping json cannot write (not a dict): a bare TypeError before
+        raise InvalidParameterError(_NAME, f"<a schema json cannot write: {exc}>",
+                                    "a JSON schema of dicts, lists, strings, numbers, booleans and None") from None
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,7 +204,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidParameterError(_NAME, choices, f"a list of 1 to {MAX_CHOICES} non-empty strings")
         if len(choices) > MAX_CHOICES:
             raise InvalidParameterError(_NAME, f"<{len(choices)} choices>", f"1 to {MAX_CHOICES} non-empty strings")
-        return cls(kind="choice", value=tuple(dict.fromkeys(choices)))
+        items = list(choices)
+        if not all(isinstance(c, str) for c in items):  # before they are hashed: a dict was a bare TypeError
+            raise InvalidParameterError(_NAME, items if len(items) <= 8 else f"<{len(items)} choices>",
+                                        f"1 to {MAX_CHOICES} non-empty strings")
+        return cls(kind="choice", value=tuple(dict.fromkeys(str.__str__(c) for c in items)))
 
     @classmethod
     def grammar(cls, grammar: str) -> StructuredOutput:

@@ -29,7 +29,7 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
-from asyncinfer.prompts import OFF_LOOP_CHARS, LoopShare, prompt_cost
+from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY, OFF_LOOP_CHARS, LoopShare, prompt_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer, single_header
@@ -239,9 +239,12 @@ class _OpenAI:
                     if not _PRIORITY.fullmatch(raw):  # not int()'s "+3", " 7 " or "1_000"
                         raise ValueError(raw)
                     priority = int(raw)
+                    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:  # the engine's range: refused here, by the
+                        raise ValueError(raw)  # header's name (the engine's error named a body field, `priority`)
                 except ValueError:
-                    raise APIError(400, f"The `{settings.priority_header}` header must be an integer, "
-                                        f"got {raw[:32]!r}.", code="invalid_priority") from None
+                    raise APIError(400, f"The `{settings.priority_header}` header must be an integer in "
+                                        f"[{MIN_PRIORITY}, {MAX_PRIORITY}], got {raw[:32]!r}.",
+                                   code="invalid_priority") from None
         if priority is None:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
