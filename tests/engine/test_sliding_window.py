@@ -144,13 +144,17 @@ def write_llama_gguf(hf: torch.nn.Module, path, window: int):
     return path
 
 
-async def test_a_windowed_llama_gguf_runs_the_kernel_step_within_the_window_only(tmp_path, monkeypatch) -> None:
+async def test_a_windowed_llama_gguf_decodes_past_its_window_on_the_kernel_step(tmp_path, monkeypatch) -> None:
+    """A Mistral-style GGUF (a window on every layer) in Q8_0: its decode steps run the kernels' one-call step
+    within the window and past it (each layer attends to its last TINY_WINDOW keys there, as transformers masks
+    them), and its greedy tokens are transformers' token for token."""
     assert kernels.available(), kernels.unavailable_reason()
     hf = reference("mistral_window")
     path = write_llama_gguf(hf, tmp_path / "mistral.gguf", TINY_WINDOW)
     engine = AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "max_num_batched_tokens": 16}, quantization="q8_0")
     decode = engine.core.runner.decode
     assert isinstance(decode, KernelDecode) and kernel_decode_blocker(decode.model) is None
+    assert [layer._args["window"] for layer in decode.stack.layers] == [TINY_WINDOW] * len(decode.stack.layers)
     kernel_contexts: list[int] = []
     run_step = decode.stack.decode_packed
 
@@ -161,12 +165,12 @@ async def test_a_windowed_llama_gguf_runs_the_kernel_step_within_the_window_only
     monkeypatch.setattr(decode.stack, "decode_packed", counted)
     prompts = [[5, 9, 14], random_prompts(1, seed=8, max_len=30, vocab=256)[0]]
     async with engine:
-        short = await engine.generate(prompts[0], greedy(12))  # contexts 4..15: the kernel up to the window
+        short = await engine.generate(prompts[0], greedy(3 * TINY_WINDOW))  # contexts 4 .. 3 windows
         both = await asyncio.gather(*(engine.generate(p, greedy(10)) for p in prompts))
-    assert short.token_ids == hf_greedy(hf, prompts[0], 12)
+    assert short.token_ids == hf_greedy(hf, prompts[0], 3 * TINY_WINDOW)
     for p, out in zip(prompts, both):
         assert out.token_ids == hf_greedy(hf, p, 10)
-    assert kernel_contexts and max(kernel_contexts) <= TINY_WINDOW
+    assert max(kernel_contexts) > 2 * TINY_WINDOW  # the kernel step ran past the window
 
 
 # ---- Gemma's chat turns ---------------------------------------------------------------------------

@@ -15,10 +15,9 @@ when the step computed them, each row's argmax (the greedy tokens). Two backends
   them, per projection; a fused projection may mix them, :class:`MixedBlockLinear`) on asyncinfer's kernels:
   it builds and owns one :class:`asyncinfer.kernels.DecodeStack`
   from the model's weights, and a step of decodes, each sampled, is one ``DecodeStack.decode_packed``
-  call (the step's integers in one list; logits and argmax from the same call). Any other step (a
-  prefill, a mixed step, an empty one, or, for a Llama-family model with a sliding window, a step with a
-  context longer than the window: that layer attends to the whole context on the kernel; a Gemma sliding
-  layer attends to its window there) runs the torch reference.
+  call (the step's integers in one list; logits and argmax from the same call); a sliding layer attends to
+  its window there (the kernels' layer's ``window``), in every family. Any other step (a prefill, a mixed
+  step, an empty one) runs the torch reference.
 
 :func:`select_decode_backend` makes the choice (``loading.build_core`` and ``quality.py`` call it); the
 attention backend goes with it: the block formats decode attention in asyncinfer's kernel
@@ -139,10 +138,6 @@ class KernelDecode(DecodeBackend):
             raise ValueError(f"KernelDecode cannot run this model: {why_not}")
         assert isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)) and isinstance(model.output_proj, BlockLinear)
         self._reference = TorchDecode(model, attention, device)
-        # Steps with a context past this many tokens run the reference (None: none do). The Llama families' layers
-        # attend to whole contexts on the kernel, so a windowed model's steps past its window run the reference;
-        # a Gemma layer's window is the kernel layer's own (each sliding layer attends to its last window keys).
-        self._window = model.config.sliding_window
         head = model.output_proj.kernel_weights()
         head = (head[0], head[1], model.output_proj.out_features)
         # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables). The
@@ -160,7 +155,6 @@ class KernelDecode(DecodeBackend):
             self._stack = kernels.DecodeStack(layers, model.norm.kernel_weight(), model.norm.eps, head,
                                               embed_scale=model.embed_scale(rows),
                                               logit_softcap=model.config.final_logit_softcapping)
-            self._window = None
             rotaries = (model.rotary,) if not local else (model.rotary, model.local_rotary)
         else:
             layers = [_decode_layer(layer) for layer in model.layers]
@@ -182,7 +176,7 @@ class KernelDecode(DecodeBackend):
         return self._embed
 
     def forward(self, step: StepBatch, kv_caches: list[KVCache]) -> ModelOutput:
-        if not step.sampled_decodes_only or (self._window is not None and max(step.context_lens) > self._window):
+        if not step.sampled_decodes_only:
             return self._reference.forward(step, kv_caches)
         # The step's integers in one list (ids, positions, slots, context lengths, block tables padded to
         # the widest): no per-step tensor or attention metadata (each torch op costs tens of microseconds
@@ -202,7 +196,8 @@ def _embedding_table(embedding: nn.Module) -> torch.Tensor | kernels.BlockTable:
 
 
 def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
-    """One decoder layer's weights as :class:`asyncinfer.kernels.DecodeLayer` holds them."""
+    """One decoder layer's weights as :class:`asyncinfer.kernels.DecodeLayer` holds them (a sliding layer's window
+    too: the kernel attends to its last ``window`` keys, as the reference's window masks them)."""
     attn, mlp = layer.attn, layer.mlp
     return kernels.DecodeLayer(
         norm1=layer.input_norm.weight.detach().float().contiguous(),
@@ -211,7 +206,7 @@ def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
         qkv=attn.qkv_proj.kernel_weights(), o=attn.o_proj.kernel_weights(),
         gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        intermediate_size=mlp.intermediate_size, scale=attn.scale,
+        intermediate_size=mlp.intermediate_size, scale=attn.scale, window=attn.window,
         **_qk_norms(attn.kernel_qk_norms()),
     )
 

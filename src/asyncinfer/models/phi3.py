@@ -13,7 +13,7 @@ which a token reads is :class:`asyncinfer.models.layers.RopeRows`' (a request pa
 computed again on the long factors, as transformers' Phi-3 ``generate()`` does; docs/models_and_embeddings.md).
 The window of a config's ``sliding_window`` always applies (the family's ``sliding_window``): every layer
 attends within it, at the model's full context. The kernels' one-call decode step runs Phi-3 as it runs
-Llama (a step with a context past the window runs the torch reference).
+Llama (its window the kernels' layer's, past the window too).
 """
 
 from __future__ import annotations
