@@ -54,6 +54,8 @@ WeightMap = tuple[tuple[str, str, str, str | None], ...]
 # Modules that define and register the built-in families, imported on first lookup.
 _BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.qwen3", "asyncinfer.models.phi3",
                     "asyncinfer.models.gemma")
+# The built-in families in the order they are listed (supported_architectures, error messages).
+_BUILTIN_ORDER = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 _FAMILIES: dict[str, ModelFamily] = {}  # family name -> family
 _NAMES: dict[str, ModelFamily] = {}  # family name or HF class name -> family
 
@@ -111,9 +113,12 @@ def register_model_family(family: ModelFamily) -> ModelFamily:
 
 
 def supported_architectures(*, gguf: bool = False) -> tuple[str, ...]:
-    """The family names, in registration order (only those loading from GGUF with ``gguf``)."""
+    """The family names (only those loading from GGUF with ``gguf``): the built-in ones in ``_BUILTIN_ORDER``
+    (whichever of their modules another import happened to load first), then the others in registration order."""
     _import_builtins()
-    return tuple(name for name, family in _FAMILIES.items() if family.gguf or not gguf)
+    rank = {name: i for i, name in enumerate(_BUILTIN_ORDER)}
+    names = sorted(_FAMILIES, key=lambda name: rank.get(name, len(rank)))  # stable: the others keep their order
+    return tuple(name for name in names if _FAMILIES[name].gguf or not gguf)
 
 
 def find_model_family(name: str | None) -> ModelFamily | None:
