@@ -311,8 +311,8 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
             raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
-        check_unicode(f"prompt[{i}]", role)
-        check_unicode(f"prompt[{i}]", content)
+        for text in (t for item in message.items() for t in item if isinstance(t, str)):
+            check_unicode(f"prompt[{i}]", text)  # role, content and any other key a template may render (name...)
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -324,6 +324,8 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
     # roles out of order, or any other error) means it refuses these messages, the caller's error.
     except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
+    if isinstance(text, str):  # what the template rendered of values no check above reads (a key's nested text)
+        check_unicode("prompt", text)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -259,5 +259,45 @@ def test_a_kernel_entry_reads_a_callers_containers_and_names_once(kernel_outcome
         assert outcome == {"returned": True}, f"{case}: {outcome}"
 
 
+# ----------------------------------------------------------------- chat messages
+def _word_tokenizer(template: str):
+    """A CachedTokenizer over a word-level vocabulary (no files), with ``template`` as its chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+
+    from asyncinfer.models.tokenizer import CachedTokenizer
+
+    backend = Tokenizer(WordLevel({"[UNK]": 0, "user": 1, "hi": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    backend.post_processor = TemplateProcessing(single="$A")
+    return CachedTokenizer(backend, {}, template)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "hi", "name": "\ud800"},
+    {"role": "assistant", "content": "hi", "reasoning": "\udc00"},
+    {"role": "user", "content": "hi", "\ud800": "x"},
+    {"role": "user", "content": "hi", "name": ["nested \ud800"]},
+])
+def test_a_lone_surrogate_in_any_key_a_template_renders_is_refused_by_name(message) -> None:
+    """A chat message's role and content were checked for lone surrogates, not its other keys: a template that
+    renders them (``name``, the reasoning Qwen3's renders) handed the tokenizer a text it cannot encode, and the call
+    failed with the tokenizers library's bare TypeError ("TextEncodeInput must be ...")."""
+    from types import SimpleNamespace
+
+    from asyncinfer.errors import InvalidParameterError
+    from asyncinfer.prompts import chat_token_ids, plain_prompt
+
+    template = ("{% for m in messages %}{% for k, v in m.items() %}{{ k }} {% if v is string %}{{ v }}{% else %}"
+                "{{ v | join(' ') }}{% endif %} {% endfor %}{% endfor %}")
+    version = SimpleNamespace(tokenizer=_word_tokenizer(template))
+    with pytest.raises(InvalidParameterError) as refused:
+        chat_token_ids(version, plain_prompt([message]))  # type: ignore[arg-type]
+    assert refused.value.parameter in ("prompt[0]", "prompt")
+    assert chat_token_ids(version, [{"role": "user", "content": "hi", "name": "hi"}])  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":
     _main()
