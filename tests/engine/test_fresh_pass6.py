@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -297,6 +297,49 @@ def test_a_lone_surrogate_in_any_key_a_template_renders_is_refused_by_name(messa
         chat_token_ids(version, plain_prompt([message]))  # type: ignore[arg-type]
     assert refused.value.parameter in ("prompt[0]", "prompt")
     assert chat_token_ids(version, [{"role": "user", "content": "hi", "name": "hi"}])  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- endless sequences
+class _Endless(Sequence):
+    """A sequence whose ``__getitem__`` never raises IndexError (and whose ``__len__`` says 1): read whole, it never
+    ends. It stops the test (RuntimeError) once read far past any limit, where the process would run out of memory."""
+
+    def __init__(self, item: object) -> None:
+        self.item = item
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if i > 200_000:
+            raise RuntimeError("read 200,000 items of an endless sequence")
+        return self.item
+
+
+@pytest.mark.parametrize("call", ["prompt of token ids", "chat prompt", "embed texts"])
+def test_an_endless_sequence_is_refused_by_name_after_a_bounded_read(monkeypatch, call) -> None:
+    """A prompt or embed() texts given as a sequence (not a list or a tuple) were read whole with ``list()`` on the
+    caller's loop: one whose ``__getitem__`` never raises IndexError held that loop, and every request it serves,
+    while the list grew until memory ran out. It is read up to MAX_SEQUENCE_ITEMS items, then refused by name."""
+    from asyncinfer import prompts
+    from asyncinfer.errors import InvalidParameterError
+
+    monkeypatch.setattr(prompts, "MAX_SEQUENCE_ITEMS", 1000, raising=False)
+    with pytest.raises(InvalidParameterError) as refused:
+        if call == "embed texts":
+            prompts.check_texts(_Endless("text"))
+        else:
+            prompts.plain_prompt(_Endless(5 if call == "prompt of token ids" else {"role": "user", "content": "hi"}))
+    assert refused.value.parameter == ("texts" if call == "embed texts" else "prompt")
+    assert prompts.plain_prompt(_Short()) == [1, 2, 3]
+
+
+class _Short(Sequence):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return [1, 2, 3][i]
 
 
 if __name__ == "__main__":
