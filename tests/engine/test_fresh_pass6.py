@@ -334,6 +334,16 @@ def test_an_endless_sequence_is_refused_by_name_after_a_bounded_read(monkeypatch
     assert prompts.plain_prompt(_Short()) == [1, 2, 3]
 
 
+def test_an_endless_sequence_of_choices_is_refused_by_name_after_a_bounded_read() -> None:
+    """``StructuredOutput.choice`` counted the choices by ``__len__`` (1 here), then read them whole: forever."""
+    from asyncinfer.errors import InvalidParameterError
+    from asyncinfer.structured import StructuredOutput
+
+    with pytest.raises(InvalidParameterError) as refused:
+        StructuredOutput.choice(_Endless("yes"))
+    assert refused.value.parameter == "structured"
+
+
 class _Short(Sequence):
     def __len__(self) -> int:
         return 3
