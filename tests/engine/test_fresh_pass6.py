@@ -204,6 +204,40 @@ def _activation_hash_raises() -> bool:
                        expected)
 
 
+class _OwnPointer(torch.Tensor):
+    """A tensor subclass whose ``data_ptr`` names another address."""
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return 16
+
+
+class _OwnShape(torch.Tensor):
+    """A tensor subclass that says it holds a million rows."""
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return torch.Size([1 << 20, *torch.Tensor.size(self)[1:]])
+
+
+class _Plain(torch.Tensor):
+    """A tensor subclass that changes nothing the kernels read."""
+
+
+def _gemm_of(x: torch.Tensor) -> bool:
+    from asyncinfer import kernels
+    from tests.models.kernel_cases import blocks
+
+    w = blocks(8, 64)
+    return torch.equal(kernels.gemm(x, w, "q4_1", 8), kernels.gemm(x.as_subclass(torch.Tensor), w, "q4_1", 8))
+
+
+def _stack_caches_of(cls: type) -> None:
+    from tests.models.kernel_cases import _packed, tables
+
+    caches = tables()[3]
+    _packed(kv_caches=[(k.as_subclass(cls), v) for k, v in caches])
+
+
 #: case -> (the call, what it must do: ("raises", error type name, a word its message names) or ("returns True",)).
 KERNEL_CASES: dict[str, tuple[Callable[[], object], tuple]] = {
     "kv_caches a list whose __len__ lies": (_kv_caches_len_lies, ("raises", "ValueError", "kv_caches")),
@@ -215,6 +249,16 @@ KERNEL_CASES: dict[str, tuple[Callable[[], object], tuple]] = {
     "gemm's format name that formats as another": (_gemm_format_formats_as_another, ("returns True",)),
     "a block table's format name that flips": (_block_table_format_flips, ("returns True",)),
     "an activation whose hash raises": (_activation_hash_raises, ("returns True",)),
+    "gemm's x a tensor subclass with its own data_ptr": (
+        lambda: _gemm_of(torch.randn(2, 64).as_subclass(_OwnPointer)), ("raises", "TypeError", "x")),
+    "gemm's x a tensor subclass with its own shape": (
+        lambda: _gemm_of(torch.randn(2, 64).as_subclass(_OwnShape)), ("raises", "TypeError", "x")),
+    "a stack's cache a tensor subclass with its own data_ptr": (
+        lambda: _stack_caches_of(_OwnPointer), ("raises", "TypeError", "kv_caches[0][0]")),
+    "gemm's x a tensor subclass that changes nothing": (
+        lambda: _gemm_of(torch.randn(2, 64).as_subclass(_Plain)), ("returns True",)),
+    "gemm's x an nn.Parameter": (
+        lambda: _gemm_of(torch.nn.Parameter(torch.randn(2, 64), requires_grad=False)), ("returns True",)),
 }
 
 
