@@ -16,6 +16,7 @@ rather than by the tokenizer. Everything is checked as :func:`plain_prompt` make
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,9 @@ MAX_CHAT_MESSAGES = 4096
 #: What one chat message (rendered by the template) or one embed() text costs to tokenize besides its
 #: characters, counted in characters of text (prompt_cost, texts_cost).
 ITEM_COST_CHARS = 64
+#: The most items a sequence other than a list or a tuple is read for (through its own ``__getitem__``, until it
+#: raises IndexError): more than any prompt's token ids, chat's messages or embed() call's texts.
+MAX_SEQUENCE_ITEMS = 2**22
 
 
 class LoopShare:
@@ -86,7 +90,7 @@ def plain_prompt(prompt: Any) -> Any:
     refuse them). The engine's calls do this first of all."""
     if isinstance(prompt, str):
         return plain_text(prompt)
-    items = plain_list(prompt)
+    items = plain_list(prompt, "prompt")
     if items is None:
         return prompt
     if len(items) <= MAX_CHAT_MESSAGES and items and isinstance(items[0], dict):
@@ -94,16 +98,22 @@ def plain_prompt(prompt: Any) -> Any:
     return items
 
 
-def plain_list(value: Any) -> list[Any] | None:
+def plain_list(value: Any, name: str = "prompt") -> list[Any] | None:
     """A list or tuple as a plain list of the items it holds (whatever a subclass's ``__iter__`` or
-    ``__len__`` says), another sequence as ``list(value)``; None for a ``str``, bytes, a range or a
-    value that is no sequence."""
+    ``__len__`` says), another sequence as the list of its first items, up to :data:`MAX_SEQUENCE_ITEMS` (one whose
+    ``__getitem__`` never raises IndexError is endless: read whole, it held the caller's loop, and every request on
+    it, while the list grew until memory ran out); None for a ``str``, bytes, a range or a value that is no
+    sequence. ``InvalidParameterError`` naming ``name`` for a sequence of more items."""
     if isinstance(value, list):
         return list(list.__iter__(value))
     if isinstance(value, tuple):
         return list(tuple.__iter__(value))
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, range)):
-        return list(value)
+        items = list(itertools.islice(value, MAX_SEQUENCE_ITEMS + 1))
+        if len(items) > MAX_SEQUENCE_ITEMS:
+            raise InvalidParameterError(name, f"<a {type(value).__name__} of more than {MAX_SEQUENCE_ITEMS} items>",
+                                        f"a sequence of at most {MAX_SEQUENCE_ITEMS} items")
+        return items
     return None
 
 
@@ -311,8 +321,8 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
             raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
-        check_unicode(f"prompt[{i}]", role)
-        check_unicode(f"prompt[{i}]", content)
+        for text in (t for item in message.items() for t in item if isinstance(t, str)):
+            check_unicode(f"prompt[{i}]", text)  # role, content and any other key a template may render (name...)
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -324,6 +334,8 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
     # roles out of order, or any other error) means it refuses these messages, the caller's error.
     except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
+    if isinstance(text, str):  # what the template rendered of values no check above reads (a key's nested text)
+        check_unicode("prompt", text)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -339,7 +351,7 @@ def check_texts(texts: Any) -> list[str]:
         texts = plain_text(texts)
         check_unicode("texts", texts)
         return [texts]
-    items = plain_list(texts)  # its real items, whatever a subclass's __len__ says
+    items = plain_list(texts, "texts")  # its real items, whatever a subclass's __len__ says
     if items is not None:
         texts = items
     if not isinstance(texts, list) or not texts or len(texts) > MAX_EMBED_TEXTS:

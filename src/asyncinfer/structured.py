@@ -13,6 +13,7 @@ the key of each model's cache of compiled grammars.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -202,9 +203,12 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         """Exactly one of ``choices`` (non-empty strings; duplicates are dropped, the order kept)."""
         if isinstance(choices, str) or not isinstance(choices, Sequence):
             raise InvalidParameterError(_NAME, choices, f"a list of 1 to {MAX_CHOICES} non-empty strings")
-        if len(choices) > MAX_CHOICES:
-            raise InvalidParameterError(_NAME, f"<{len(choices)} choices>", f"1 to {MAX_CHOICES} non-empty strings")
-        items = list(choices)
+        # the items it holds, up to one past the limit (a sequence whose __len__ lies, or whose __getitem__ never
+        # raises IndexError, was read whole: forever)
+        items = list(itertools.islice(choices, MAX_CHOICES + 1))
+        if len(items) > MAX_CHOICES:
+            raise InvalidParameterError(_NAME, f"<more than {MAX_CHOICES} choices>",
+                                        f"1 to {MAX_CHOICES} non-empty strings")
         if not all(isinstance(c, str) for c in items):  # before they are hashed: a dict was a bare TypeError
             raise InvalidParameterError(_NAME, items if len(items) <= 8 else f"<{len(items)} choices>",
                                         f"1 to {MAX_CHOICES} non-empty strings")

@@ -40,10 +40,31 @@ def tensor(name: str, t: object, dtype: torch.dtype | None = None, allowed: str 
     return memory(name, t)
 
 
+#: What the checks and the calls read of a tensor: a subclass that overrides any of them (or intercepts every method
+#: with ``__torch_function__``) may show the checks one tensor and hand the kernel another's pointer.
+_READ = ("data_ptr", "shape", "stride", "storage_offset", "untyped_storage", "element_size", "is_contiguous", "dim",
+         "numel", "dtype", "is_cpu", "layout", "is_nested", "is_neg", "is_conj", "device", "__torch_function__",
+         "__torch_dispatch__")
+
+
+@functools.cache
+def _reads_as_a_tensor(cls: type) -> bool:
+    """Whether tensors of ``cls`` answer what the checks read as torch.Tensor does (nn.Parameter does)."""
+    def owner(c: type, name: str) -> type | None:  # the class whose own definition of ``name`` ``c`` uses
+        return next((k for k in c.__mro__ if name in vars(k)), None)
+
+    return cls is torch.Tensor or cls is torch.nn.Parameter or all(
+        owner(cls, name) is owner(torch.Tensor, name) for name in _READ)
+
+
 def memory(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, once a strided CPU tensor's bytes are what the kernels read at its data pointer: TypeError
-    for a negated or conjugated view (the bit torch resolves lazily), ValueError when its storage does not
+    for a negated or conjugated view (the bit torch resolves lazily) or a tensor subclass that answers any of what the
+    checks read (``data_ptr``, ``shape``, ``stride``...) its own way; ValueError when its storage does not
     reach its last element (a storage freed or shrunk in place: ``untyped_storage().resize_(0)``)."""
+    if not _reads_as_a_tensor(type(t)):
+        raise TypeError(f"{name} is a {type(t).__name__}, a torch.Tensor subclass with its own data_ptr, shape, "
+                        f"stride or __torch_function__: pass a plain tensor ({name}.as_subclass(torch.Tensor))")
     if t.is_neg() or t.is_conj():
         raise TypeError(f"{name} is a lazily negated or conjugated view (is_neg() / is_conj()), whose memory "
                         f"holds other values; pass {name}.resolve_neg() / {name}.resolve_conj()")

@@ -14,8 +14,7 @@ import torch
 
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
-from asyncinfer.kernels.formats import LAYOUTS, BlockTable
-from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
+from asyncinfer.kernels.formats import LAYOUTS, BlockTable, format_name
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     EmbedTable,
@@ -67,29 +66,36 @@ class _Layer(ctypes.Structure):
                 ("act", ctypes.c_int32), ("rope", ctypes.c_int32), ("window", ctypes.c_int64)]
 
 
-def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, torch.Tensor | None]:
-    """A projection ``(format, blocks, bias or None)`` checked and as the kernel takes it: its parts and its
-    bias. ``format`` / ``blocks``: one format name and its blocks [rows, ...], or (a projection whose rows are
-    in several formats, e.g. q and k in Q4_K and v in Q6_K) a tuple of 1 to :data:`MAX_PARTS` names and a
-    tuple as long of blocks, whose row counts add up to ``rows``. TypeError / ValueError naming ``name``."""
+def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, tuple]:
+    """A projection ``(format, blocks, bias or None)`` checked and as the kernel takes it: its parts, and the
+    spec as the plain tuples and format names it holds (what the layer keeps: a tuple subclass's ``__iter__``,
+    ``__len__`` or ``__getitem__`` could show the checks one set of blocks and the layer another, a ``str``
+    subclass one format to the checks and another to the kernel). ``format`` / ``blocks``: one format name and its
+    blocks [rows, ...], or (a projection whose rows are in several formats, e.g. q and k in Q4_K and v in Q6_K) a
+    tuple of 1 to :data:`MAX_PARTS` names and a tuple as long of blocks, whose row counts add up to ``rows``.
+    TypeError / ValueError naming ``name``."""
+    spec = tuple(spec) if isinstance(spec, tuple) else spec  # the items it holds, read once
     if not isinstance(spec, tuple) or len(spec) != 3:
         raise TypeError(f"{name} must be a tuple (format, blocks, bias or None), got {type(spec).__name__}")
-    fmt, blocks, _ = spec
-    if isinstance(fmt, str):
+    fmt, blocks, bias = spec
+    single = isinstance(fmt, str)
+    if single:
         fmts, runs = (fmt,), (blocks,)
-    elif isinstance(fmt, tuple) and isinstance(blocks, tuple) and 1 <= len(fmt) == len(blocks) <= MAX_PARTS:
-        fmts, runs = fmt, blocks
+    elif isinstance(fmt, tuple) and isinstance(blocks, tuple):
+        fmts, runs = tuple(fmt), tuple(blocks)  # the names and blocks they hold
     else:
+        fmts = runs = ()
+    if not 1 <= len(fmts) == len(runs) <= MAX_PARTS:
         raise TypeError(f"{name}: the format must be a block format name (with one blocks tensor) or a tuple of 1 "
                         f"to {MAX_PARTS} names with a tuple as long of blocks tensors, got {type(fmt).__name__} and "
                         f"{type(blocks).__name__}")
     parts = _Parts()
     done = 0
+    fmts = tuple(format_name(f, f"{name if len(fmts) == 1 else f'{name}[{i}]'}'s format") for i, f in enumerate(fmts))
     for i, (f, b) in enumerate(zip(fmts, runs)):
         part = name if len(fmts) == 1 else f"{name}[{i}]"
         n = rows
         if len(fmts) > 1:  # each part's rows are its blocks' (checked against the total below)
-            _bytes_per_block(f, f"{part}'s format")
             tensor(part, b, torch.uint8, f"of {f} blocks")
             n = b.shape[0] if b.dim() == 2 else -1
         _check_blocks(b, f, n, k, part)
@@ -97,7 +103,7 @@ def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Part
         done += n
     if done != rows:
         raise ValueError(f"{name}: its parts hold {done} rows, the layer's shape needs {rows}")
-    return parts, spec[2]
+    return parts, (fmts[0], runs[0], bias) if single else (fmts, runs, bias)
 
 
 
@@ -160,6 +166,8 @@ class DecodeLayer:
             tensor(name, t, torch.float32, "[hidden]")
             if t.dim() != 1 or not t.is_contiguous() or t.shape != norm1.shape:
                 raise TypeError(f"{name} must be contiguous float32 [hidden] like norm1, got {tuple(t.shape)}")
+        if isinstance(activation, str):  # the plain str it holds: a subclass's __hash__ / __eq__ may lie or raise
+            activation = str.__str__(activation)
         if not isinstance(activation, str) or activation not in _ACTIVATION_CODES:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
         softcap = 0.0
@@ -179,10 +187,11 @@ class DecodeLayer:
                 if t.dim() != 1 or t.shape[0] != head_dim:
                     raise ValueError(f"{name} must be float32 [head_dim={head_dim}], got {tuple(t.shape)}")
         self._head_dim, self._kv_heads = head_dim, kv_heads
-        parts = {}
+        parts, specs = {}, {}
         for name, spec, n, k in (("qkv", qkv, q_size + 2 * kv_size, hidden), ("o", o, hidden, q_size),
                                  ("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
-            parts[name], bias = _projection_parts(name, spec, n, k)
+            parts[name], specs[name] = _projection_parts(name, spec, n, k)
+            bias = specs[name][2]
             if bias is not None and name != "qkv":
                 raise ValueError(f"{name} must have no bias (the kernel adds one to q/k/v only)")
             if bias is not None:
@@ -195,7 +204,7 @@ class DecodeLayer:
         q_norm, k_norm, post_norm1, post_norm2 = (None if t is None else t.detach().contiguous().clone()
                                                   for t in (q_norm, k_norm, post_norm1, post_norm2))
         qkv, o, gate_up, down = ((spec[0], _views(spec[1]), None if spec[2] is None else spec[2].detach().clone())
-                                 for spec in (qkv, o, gate_up, down))  # the parts' pointers: the same memory
+                                 for spec in specs.values())  # the parts' pointers: the same memory (as checked)
         # qkv / o / gate_up / down: (format, blocks, bias or None).
         self._args = {"norm1": norm1, "norm2": norm2, "eps": eps, "qkv": qkv, "o": o, "gate_up": gate_up,
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
@@ -368,12 +377,15 @@ class DecodeStack:
             if not 0.0 < softcap < 3.4e38:
                 raise ValueError(f"logit_softcap must be None or a positive finite float32, got {logit_softcap!r}")
         if head is not None:
+            head = tuple(head) if isinstance(head, tuple) else head  # the items it holds, read once
             if not isinstance(head, tuple) or len(head) != 3:
                 raise TypeError(f"head must be None or a tuple (format, blocks, out_features), got "
                                 f"{type(head).__name__}")
             fmt, blocks, out_features = head
-            size("head's out_features", out_features)
+            fmt = format_name(fmt, "head's format")  # the plain name: the kernel reads the blocks as this one
+            out_features = size("head's out_features", out_features)
             _check_blocks(blocks, fmt, out_features, hidden, "head")
+            head = (fmt, blocks, out_features)
         #: The layers and the head the kernel's pointers address (read-only: the array below is built from them).
         self._layers = tuple(layers)
         self._head = head if head is None else (head[0], head[1].detach(), head[2])
@@ -440,22 +452,27 @@ class DecodeStack:
         held = self._kv
         if not isinstance(kv_caches, (list, tuple)):
             raise TypeError(f"kv_caches must be a list of (k, v) pairs, got {type(kv_caches).__name__}")
-        if len(kv_caches) != len(self._layers):
-            raise ValueError(f"kv_caches: got {len(kv_caches)} kv caches for {len(self._layers)} layers")
+        # The pairs and tensors it holds, read once (a list subclass's __len__ or __iter__ may say otherwise: the
+        # kernel reads one K and one V pointer a layer from the array built of them).
+        pairs = list(kv_caches)
+        if len(pairs) != len(self._layers):
+            raise ValueError(f"kv_caches: got {len(pairs)} kv caches for {len(self._layers)} layers")
+        if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in pairs):
+            raise TypeError("kv_caches must hold one (k, v) pair per layer")
+        tensors = tuple(chain.from_iterable(pairs))
+        if len(tensors) != 2 * len(pairs):
+            raise TypeError("kv_caches must hold one (k, v) pair per layer")
         try:
-            same = held is not None and all(map(operator.is_, chain.from_iterable(kv_caches), held[0])) and (
+            same = held is not None and all(map(operator.is_, tensors, held[0])) and (
                 tuple(map(_data_ptr, held[0])) == held[1]) and held[0][0].shape == held[3]
         except (TypeError, IndexError, AttributeError, RuntimeError):
-            same = False  # not pairs of tensors: refused below
+            same = False  # not tensors: refused below
         if same:
             return held[2], held[0][0]  # type: ignore[index]
-        if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in kv_caches):
-            raise TypeError("kv_caches must hold one (k, v) pair per layer")
-        tensors = tuple(chain.from_iterable(kv_caches))
         for i, t in enumerate(tensors):
             tensor(f"kv_caches[{i // 2}][{i % 2}]", t, torch.float32)
         shape = tensors[0].shape
-        for layer, (k, v) in zip(self._layers, kv_caches):
+        for layer, k, v in zip(self._layers, tensors[0::2], tensors[1::2]):
             kv_shape = (layer._kv_heads, layer._head_dim)
             if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
                     and k.shape == v.shape == shape and k.dim() == 4 and tuple(k.shape[2:]) == kv_shape):
@@ -475,8 +492,10 @@ class DecodeStack:
         held = self._tables
         is_blocks = isinstance(embed, BlockTable)
         memory_ = embed.blocks if is_blocks else embed  # type: ignore[union-attr]
-        cos_t = cos_table if isinstance(cos_table, tuple) else (cos_table,)
-        sin_t = sin_table if isinstance(sin_table, tuple) else (sin_table,)
+        # the tables a tuple holds, read once (a subclass's __len__ may say otherwise: the kernel reads one pointer
+        # a rope table)
+        cos_t = tuple(cos_table) if isinstance(cos_table, tuple) else (cos_table,)
+        sin_t = tuple(sin_table) if isinstance(sin_table, tuple) else (sin_table,)
         try:
             key = (memory_.data_ptr(), *map(_data_ptr, cos_t), *map(_data_ptr, sin_t))
             layout = (memory_.shape, memory_.dtype, memory_.stride(), embed.fmt if is_blocks else None,  # type: ignore[union-attr]

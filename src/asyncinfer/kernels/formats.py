@@ -101,6 +101,17 @@ def bytes_per_block(fmt: str, what: str = "fmt") -> int:
     return BLOCK_FORMATS[fmt][1]
 
 
+def format_name(fmt: object, what: str = "fmt") -> str:
+    """``fmt`` as the plain ``str`` it holds, once it names a block format (errors as :func:`bytes_per_block`'s).
+    A ``str`` subclass's own ``__hash__``, ``__eq__`` or ``__format__`` could name one format to the checks and
+    another to the kernel, which would then read the blocks at another format's size: every entry that hands a
+    format to compiled code reads it through this first."""
+    if isinstance(fmt, str) and type(fmt) is not str:
+        fmt = str.__str__(fmt)
+    bytes_per_block(fmt, what)
+    return fmt  # type: ignore[return-value]
+
+
 def block_weights(fmt: str, what: str = "fmt") -> int:
     """Weights per block of ``fmt`` (32, or 256 for the k-quants); errors as :func:`bytes_per_block`'s."""
     bytes_per_block(fmt, what)
@@ -408,6 +419,7 @@ class BlockTable:
     __slots__ = ("_regrouped", "blocks", "fmt", "nbytes", "shape")
 
     def __init__(self, blocks: torch.Tensor, fmt: str, *, packed: bool = False) -> None:
+        fmt = format_name(fmt)
         size = bytes_per_block(fmt)
         _tensor("blocks", blocks, torch.uint8, f"of {fmt} blocks")
         if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.is_contiguous():

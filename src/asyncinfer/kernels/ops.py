@@ -21,7 +21,7 @@ from asyncinfer.kernels._checks import (
     size,
     tensor,
 )
-from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable
+from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable, format_name
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
@@ -73,6 +73,7 @@ def embed_table(table: object, hidden: int | None, scale: float = 1.0, name: str
     """
     if isinstance(table, BlockTable):
         fmt, blocks = table.fmt, table.blocks  # read once: the table's attributes as they are now
+        fmt = format_name(fmt, f"{name}'s format")
         size_ = _bytes_per_block(fmt, f"{name}'s format")
         tensor(f"{name}.blocks", blocks, torch.uint8, f"of {fmt} blocks")
         if blocks.dim() != 2 or blocks.shape[1] % size_ or not blocks.is_contiguous():
@@ -150,7 +151,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     memory cannot be allocated.
     """
     lib = _need()
-    _bytes_per_block(fmt)  # an unknown format named before the activations
+    fmt = format_name(fmt)  # an unknown format named before the activations
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "
