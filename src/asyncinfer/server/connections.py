@@ -55,6 +55,11 @@ MAX_HEADER_BYTES = 64 * 1024
 _HEAD_END = b"\r\n\r\n"
 
 
+def _head_error() -> APIError:
+    return APIError(431, f"The request's headers exceed {MAX_HEADER_BYTES} bytes.", type="invalid_request_error",
+                    code="headers_too_large")
+
+
 def _timeout_error(what: str, seconds: float) -> APIError:
     return APIError(408, f"The request's {what} did not arrive within this server's limit of {seconds:g} seconds.",
                     code="request_timeout")
@@ -83,6 +88,12 @@ class ConnectionGuard(asyncio.Protocol):
         self._head_bytes: int | None = 0  # bytes of the request head being received (None: its end was seen)
         self._head_tail = b""  # the last bytes seen of it, to find an end split across reads
         self._after_head = 0  # bytes since the head's end while its request is in flight (body, pipelined requests)
+        # The head being counted began when the previous request finished: the server may already have parsed it
+        # (a request pipelined behind that one, whose app starts a moment later), so the bytes counted may be its
+        # body. A head found too long then is refused only if no request has started by the loop's next turn.
+        self._head_after_finish = False
+        self._confirming = False  # that check is scheduled
+        self._starts = 0  # requests started on this connection
 
     # ------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,9 +113,12 @@ class ConnectionGuard(asyncio.Protocol):
         if self._in_flight == 0:
             self._partial = True
         if self._head_too_long(data):
-            self._refuse(APIError(431, f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
-                                  type="invalid_request_error", code="headers_too_large"))
-            return
+            if not self._head_after_finish:
+                self._refuse(_head_error())
+                return
+            if not self._confirming:
+                self._confirming = True
+                self._loop.call_soon(self._confirm_head_too_long, self._starts)
         token = _GUARD.set(self)  # the app's task, started in here once the headers are in, inherits it
         try:
             self._inner.data_received(data)
@@ -148,14 +162,24 @@ class ConnectionGuard(asyncio.Protocol):
     # ------------------------------------------------- told by RequestDeadlines
     def request_started(self) -> None:
         self._in_flight += 1
+        self._starts += 1
         self._partial = False
         self._disarm()
+        if self._head_bytes is not None:  # the server parsed a head whose end this count had not seen (see above)
+            self._head_bytes, self._head_tail, self._after_head = None, b"", 0
+        self._head_after_finish = False
 
     def request_finished(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
+            self._head_after_finish = True
             self._arm()
+
+    def _confirm_head_too_long(self, starts: int) -> None:
+        self._confirming = False
+        if self._starts == starts and not self._refused:  # no request started: it was a head, and too long
+            self._refuse(_head_error())
 
     # ---------------------------------------------------------------- inside
     def _head_too_long(self, data: bytes) -> bool:
