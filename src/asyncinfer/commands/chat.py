@@ -172,6 +172,13 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
 
     engine = await AsyncEngine.load(args.model, **options)
     async with engine:
+        tokenizer = engine.get_tokenizer()
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            from asyncinfer.commands import CommandError
+
+            # every message would be refused (it was reported as one that does not fit max_model_len)
+            raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
+                               f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
         session = ChatSession(engine, params, args.system, stats=args.stats)
         with _Interrupts() as interrupts:
             if args.prompt:

@@ -1,0 +1,34 @@
+"""A fifth stranger's first hour, bringing their own model: what failed or misled, each held to its fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def templateless_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """docs/formats.md's random-weight file: a vocabulary, but no chat template."""
+    pytest.importorskip("gguf")
+    path = tmp_path_factory.mktemp("stranger5") / "tiny.gguf"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_gguf.py"), str(path), "--shape", "tiny",
+                    "--type", "q8_0"], check=True, capture_output=True, timeout=300)
+    return path
+
+
+def test_chat_with_a_model_without_a_chat_template_says_so(templateless_gguf, capsys) -> None:
+    """``asyncinfer chat --model tiny.gguf "Hello there"`` said an 11-character message did not fit in
+    4088 tokens; the model has no chat template, which is what the user needs to know (and what to use)."""
+    from asyncinfer import cli
+
+    assert cli.main(["chat", "--model", str(templateless_gguf), "--threads", "1", "--max-tokens", "4",
+                     "Hello there"]) == 2
+    err = capsys.readouterr().err
+    assert "fits in" not in err
+    assert err == (f"asyncinfer: error: {str(templateless_gguf)!r} has no chat template, so chat cannot render "
+                   f"messages for it: send plain text with asyncinfer generate {templateless_gguf} --prompt TEXT\n")
