@@ -32,3 +32,22 @@ def test_chat_with_a_model_without_a_chat_template_says_so(templateless_gguf, ca
     assert "fits in" not in err
     assert err == (f"asyncinfer: error: {str(templateless_gguf)!r} has no chat template, so chat cannot render "
                    f"messages for it: send plain text with asyncinfer generate {templateless_gguf} --prompt TEXT\n")
+
+
+def test_chat_with_a_model_without_a_tokenizer_says_so(tmp_path, capsys) -> None:
+    """A Hugging Face directory of config.json and weights only: chat said the message did not fit, and the
+    first fix pointed to generate --prompt, which cannot encode text for it either."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncinfer import cli
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "bare")
+    capsys.readouterr()  # transformers' progress bar
+    assert cli.main(["chat", "--model", str(tmp_path / "bare"), "--threads", "1", "--max-tokens", "4", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: {str(tmp_path / 'bare')!r} has no tokenizer (no tokenizer files beside its weights, "
+        "or none in its GGUF file), so chat cannot encode messages for it\n")

@@ -177,6 +177,9 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
             from asyncinfer.commands import CommandError
 
             # every message would be refused (it was reported as one that does not fit max_model_len)
+            if tokenizer is None:
+                raise CommandError(f"{str(args.model)!r} has no tokenizer (no tokenizer files beside its weights, or "
+                                   "none in its GGUF file), so chat cannot encode messages for it")
             raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
                                f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
         session = ChatSession(engine, params, args.system, stats=args.stats)
