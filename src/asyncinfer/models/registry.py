@@ -54,6 +54,8 @@ WeightMap = tuple[tuple[str, str, str, str | None], ...]
 # Modules that define and register the built-in families, imported on first lookup.
 _BUILTIN_MODULES = ("asyncinfer.models.llama", "asyncinfer.models.qwen3", "asyncinfer.models.phi3",
                     "asyncinfer.models.gemma")
+#: The built-in families as listed (docs, errors), whichever of their modules was imported first.
+_BUILTIN_ORDER = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 _FAMILIES: dict[str, ModelFamily] = {}  # family name -> family
 _NAMES: dict[str, ModelFamily] = {}  # family name or HF class name -> family
 
@@ -111,9 +113,15 @@ def register_model_family(family: ModelFamily) -> ModelFamily:
 
 
 def supported_architectures(*, gguf: bool = False) -> tuple[str, ...]:
-    """The family names, in registration order (only those loading from GGUF with ``gguf``)."""
+    """The family names, the built-in ones in ``_BUILTIN_ORDER`` whichever module was imported
+    first, then the others in registration order (only those loading from GGUF with ``gguf``)."""
     _import_builtins()
-    return tuple(name for name, family in _FAMILIES.items() if family.gguf or not gguf)
+
+    def rank(family: ModelFamily) -> int:
+        return _BUILTIN_ORDER.index(family.name) if family.name in _BUILTIN_ORDER else len(_BUILTIN_ORDER)
+
+    families = sorted(_FAMILIES.values(), key=rank)  # stable: registration order within a module
+    return tuple(family.name for family in families if family.gguf or not gguf)
 
 
 def find_model_family(name: str | None) -> ModelFamily | None:
