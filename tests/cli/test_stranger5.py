@@ -51,3 +51,28 @@ def test_chat_with_a_model_without_a_tokenizer_says_so(tmp_path, capsys) -> None
     assert capsys.readouterr().err == (
         f"asyncinfer: error: {str(tmp_path / 'bare')!r} has no tokenizer (no tokenizer files beside its weights, "
         "or none in its GGUF file), so chat cannot encode messages for it\n")
+
+
+def test_a_file_inside_a_model_directory_names_the_directory(tmp_path, capsys) -> None:
+    """vLLM users point at a checkpoint's file (model.safetensors, config.json): 'is not a model' alone left
+    them guessing; the error names the directory that is one."""
+    from asyncinfer import cli
+
+    model = tmp_path / "mymodel"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    assert cli.main(["info", str(model / "model.safetensors")]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: {model / 'model.safetensors'} is not a model: expected a directory or a .gguf file; "
+        f"its directory {model} is a Hugging Face model directory: give that\n")
+
+
+def test_a_gguf_file_named_in_capitals_loads(templateless_gguf, tmp_path, capsys) -> None:
+    """``TINY.GGUF`` was 'not a model: expected a directory or a .gguf file' (chat's own check takes it)."""
+    from asyncinfer import cli
+
+    upper = tmp_path / "TINY.GGUF"
+    upper.symlink_to(templateless_gguf)
+    assert cli.main(["info", str(upper)]) == 0
+    assert "architecture: llama" in capsys.readouterr().out
