@@ -76,3 +76,14 @@ def test_a_gguf_file_named_in_capitals_loads(templateless_gguf, tmp_path, capsys
     upper.symlink_to(templateless_gguf)
     assert cli.main(["info", str(upper)]) == 0
     assert "architecture: llama" in capsys.readouterr().out
+
+
+def test_formats_md_lists_every_type_make_gguf_writes() -> None:
+    """docs/formats.md gave ``--type f16|q8_0|q4_0|q4_1``; the script also writes bf16."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stranger5_make_gguf", ROOT / "benchmarks" / "make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    docs = (ROOT / "docs" / "formats.md").read_text()
+    assert f"--type {'|'.join(make_gguf.TYPES)}`" in docs
