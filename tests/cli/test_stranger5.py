@@ -87,3 +87,12 @@ def test_formats_md_lists_every_type_make_gguf_writes() -> None:
     spec.loader.exec_module(make_gguf)
     docs = (ROOT / "docs" / "formats.md").read_text()
     assert f"--type {'|'.join(make_gguf.TYPES)}`" in docs
+
+
+def test_a_gguf_file_named_in_capitals_is_served_without_its_suffix() -> None:
+    """``asyncinfer serve TINY.GGUF`` served the model as ``TINY.GGUF``; ``tiny.gguf`` is served as ``tiny``."""
+    from asyncinfer.server import ModelSpec
+
+    assert ModelSpec.served_name("/models/TINY.GGUF") == "TINY"
+    assert ModelSpec.served_name("/models/tiny.gguf") == "tiny"
+    assert ModelSpec.served_name("/models/.gguf") == "/models/.gguf"
