@@ -96,3 +96,33 @@ def test_a_gguf_file_named_in_capitals_is_served_without_its_suffix() -> None:
     assert ModelSpec.served_name("/models/TINY.GGUF") == "TINY"
     assert ModelSpec.served_name("/models/tiny.gguf") == "tiny"
     assert ModelSpec.served_name("/models/.gguf") == "/models/.gguf"
+
+
+def test_chat_says_when_the_chat_template_refuses_the_system_message(tmp_path, capsys) -> None:
+    """Gemma's templates raise 'System role not supported': ``chat --system`` said the 2-character message
+    did not fit in 2045 tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncinfer import cli
+
+    tokenizers = pytest.importorskip("tokenizers")
+    torch.manual_seed(0)
+    model = tmp_path / "strict"
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(model)
+    capsys.readouterr()  # transformers' progress bar
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"<unk>": 26}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}')
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    assert cli.main(["chat", "--model", str(model), "--threads", "1", "--max-tokens", "2", "--system", "be brief",
+                     "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "fits in" not in err
+    assert err == ("asyncinfer: error: the model's chat template refuses this conversation (the --system message "
+                   "included): System role not supported\n")

@@ -101,6 +101,12 @@ class ChatSession:
         """``exc`` (about the rendered prompt or the history) as an error about the message the user typed."""
         if exc.parameter not in ("prompt", "messages"):  # e.g. "prompt[1]": a text that is not valid Unicode
             return InvalidParameterError("message", exc.value, exc.allowed)
+        if exc.value == "chat messages":  # the template raised (Gemma's: no system role): not a question of length
+            reason = exc.allowed.removeprefix("messages this model's chat template accepts (").removesuffix(")")
+            system = " (the --system message included)" if self.system else ""
+            return InvalidParameterError("message", f"<{len(text)} characters>", exc.allowed,
+                                         message=f"the model's chat template refuses this conversation{system}: "
+                                                 f"{reason}")
         system = ", with the system message," if self.system else ""
         max_model_len = self.engine.max_model_len
         fix = "shorten it, or raise --max-model-len or lower --max-tokens"
