@@ -144,6 +144,10 @@ def plan_kv_cache(
             f"({format_bytes(budget)} at {block_bytes} bytes/block), but one request of max_model_len="
             f"{max_model_len} needs {need_blocks} blocks ({format_bytes(need_blocks * block_bytes)}). "
             f"Raise kv_cache_memory / kv_cache_fraction or lower max_model_len."
+            + (f" Only {format_bytes(max(0, free_bytes - activation_reserve))} of the {format_bytes(free_bytes)} free "
+               f"after the weights is outside activation_reserve ({format_bytes(activation_reserve)}): lower "
+               "activation_reserve, or give kv_cache_memory."
+               if kv_cache_memory is None and free_bytes - activation_reserve < need_blocks * block_bytes else "")
         )
     return MemoryPlan(
         weight_bytes=weight_bytes,

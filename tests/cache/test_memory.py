@@ -61,6 +61,20 @@ def test_refuses_a_cache_that_cannot_hold_one_max_length_request_with_numbers() 
         plan(kv_cache_memory=20 * MiB)
 
 
+
+def test_a_cache_left_no_room_by_the_activation_reserve_names_the_reserve() -> None:
+    """100 MiB free for a model of 18 MiB: the 256 MiB activation reserve took all of it, and the error said
+    only 'Raise kv_cache_memory / kv_cache_fraction or lower max_model_len' (0 blocks: no length fits)."""
+    with pytest.raises(ConfigurationError) as info:
+        plan(free_bytes=100 * MiB, activation_reserve=256 * MiB, kv_cache_fraction=None, default_tokens=64)
+    assert str(info.value).endswith(
+        " Only 0.0 MiB of the 100.0 MiB free after the weights is outside activation_reserve (256.0 MiB): lower "
+        "activation_reserve, or give kv_cache_memory.")
+    with pytest.raises(ConfigurationError) as info:  # room beside the reserve: the usual advice alone
+        plan(free_bytes=10 * MiB, kv_cache_memory=15 * 2048, max_model_len=64)
+    assert "activation_reserve" not in str(info.value)
+
+
 def test_plan_memory_before_loading_from_a_model_config() -> None:
     gib = 1024**3
     p = plan_memory(SMOLLM2, available_bytes=4 * gib, dtype="float32", device="cpu", max_model_len=2048,

@@ -119,3 +119,17 @@ def test_a_gguf_of_an_unregistered_architecture_is_refused(tmp_path) -> None:
                        match=r"unsupported GGUF architecture 'falcon'; supported: llama, qwen2, qwen3, phi3, gemma2, "
                              r"gemma3$"):
         load_model(path, torch.float32, "cpu")
+
+
+def test_the_supported_list_does_not_depend_on_import_order() -> None:
+    """``asyncinfer info`` of a gpt_neox directory listed ``llama, qwen2, mistral, gemma2, gemma3, qwen3, phi3``
+    (the CLI had imported the Gemma module first), not the order the docs and ``asyncinfer plan`` give."""
+    import subprocess
+    import sys
+
+    code = ("import asyncinfer.models.gemma\n"
+            "from asyncinfer.models.registry import supported_architectures as s\n"
+            "print(s()); print(s(gguf=True))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.splitlines() == [str(("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")),
+                                        str(("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"))]

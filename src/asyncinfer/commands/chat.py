@@ -101,6 +101,12 @@ class ChatSession:
         """``exc`` (about the rendered prompt or the history) as an error about the message the user typed."""
         if exc.parameter not in ("prompt", "messages"):  # e.g. "prompt[1]": a text that is not valid Unicode
             return InvalidParameterError("message", exc.value, exc.allowed)
+        if exc.value == "chat messages":  # the template raised (Gemma's: no system role): not a question of length
+            reason = exc.allowed.removeprefix("messages this model's chat template accepts (").removesuffix(")")
+            system = " (the --system message included)" if self.system else ""
+            return InvalidParameterError("message", f"<{len(text)} characters>", exc.allowed,
+                                         message=f"the model's chat template refuses this conversation{system}: "
+                                                 f"{reason}")
         system = ", with the system message," if self.system else ""
         max_model_len = self.engine.max_model_len
         fix = "shorten it, or raise --max-model-len or lower --max-tokens"
@@ -172,6 +178,16 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
 
     engine = await AsyncEngine.load(args.model, **options)
     async with engine:
+        tokenizer = engine.get_tokenizer()
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            from asyncinfer.commands import CommandError
+
+            # every message would be refused (it was reported as one that does not fit max_model_len)
+            if tokenizer is None:
+                raise CommandError(f"{str(args.model)!r} has no tokenizer (no tokenizer files beside its weights, or "
+                                   "none in its GGUF file), so chat cannot encode messages for it")
+            raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
+                               f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
         session = ChatSession(engine, params, args.system, stats=args.stats)
         with _Interrupts() as interrupts:
             if args.prompt:

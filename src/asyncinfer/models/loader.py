@@ -198,8 +198,11 @@ def _model_location(path: str | Path) -> Path:
                 f"{'no' if not ggufs else 'several'} .gguf files"
             )
         path = ggufs[0]
-    if path.is_file() and path.suffix != ".gguf":
-        raise ModelLoadError(f"{path} is not a model: expected a directory or a .gguf file")
+    if path.is_file() and path.suffix.lower() != ".gguf":  # MODEL.GGUF is one too
+        hint = ""
+        if (path.parent / "config.json").is_file():  # a checkpoint's own file (model.safetensors, config.json)
+            hint = f"; its directory {path.parent} is a Hugging Face model directory: give that"
+        raise ModelLoadError(f"{path} is not a model: expected a directory or a .gguf file{hint}")
     return path
 
 

@@ -235,7 +235,9 @@ class ModelSpec:
         if model is None:
             return "SmolLM2-135M-Instruct"
         base = os.path.basename(os.path.normpath(model))
-        return base.removesuffix(".gguf") or model
+        if base.lower().endswith(".gguf"):  # MODEL.GGUF too, which loads as a GGUF file
+            base = base[: -len(".gguf")]
+        return base or model
 
 
 def model_specs(models: ModelSpec | Sequence[ModelSpec]) -> tuple[ModelSpec, ...]:
