@@ -32,6 +32,7 @@ they differ from the engine's: without `temperature` a request samples at 1.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
@@ -645,18 +646,22 @@ def _message_content(raw: msgspec.Raw, where: str) -> Any:
     return parts
 
 
+_UTF8_SLICE = 64 * 1024  # bytes of a raw value checked at a time (_check_utf8)
+
+
 def _check_utf8(raw: msgspec.Raw, where: str) -> None:
     """A 400 naming ``where`` when ``raw``'s text is not UTF-8. msgspec checks the UTF-8 of the strings it decodes
     only: an object's keys the decode skips unread (a message's ``name``, a content part's ``cache_control``) were
     never checked, and such a body was answered 200 where the same bytes in a field read were a 400."""
-    data = bytes(raw)
-    if data.isascii():
-        return
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"`{where}` is not valid JSON: invalid UTF-8 at byte {exc.start} of its text.",
-                       param=where) from None
+    # read in slices of the body's own memory, each decoded and dropped: a message of megabytes of ignored bulk is
+    # checked without a copy of it (tests/server/test_ignored_bulk.py holds the decode's memory to that)
+    view, decoder = memoryview(raw), codecs.getincrementaldecoder("utf-8")()
+    for start in range(0, len(view), _UTF8_SLICE):
+        try:
+            decoder.decode(view[start : start + _UTF8_SLICE], start + _UTF8_SLICE >= len(view))
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"`{where}` is not valid JSON: invalid UTF-8 at byte {start + exc.start} of its "
+                           "text.", param=where) from None
 
 
 def _content(content: Any, role: str, where: str) -> str:
