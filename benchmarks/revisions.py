@@ -81,7 +81,8 @@ REPEAT_MIN_PREFIX = 0.9
 
 
 def repeat_prefix(a: list[int], b: list[int]) -> float:
-    """The fraction of the longer of ``a`` and ``b`` that they share from the start."""
+    """The fraction of the longer of ``a`` and ``b`` that they share from the start (the child's own: the measured
+    revision's asyncinfer may predate ``asyncinfer.models.quality.common_prefix``, which the parent uses)."""
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return n / max(len(a), len(b), 1)
 

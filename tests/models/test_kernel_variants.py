@@ -196,6 +196,15 @@ def test_the_embedding_rows_are_dequantizes_bits_on_every_variant(isa) -> None:
             assert torch.equal(scaled.view(torch.int32), (whole[ids] * scale).view(torch.int32)), (isa, fmt)
 
 
+def paged_step(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's paged inputs over a cache of 8 blocks of 16: each token's block table (4 blocks), its context
+    length (1 to 63) and the slot of its new key (the last position of its context)."""
+    tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
+    lens = torch.randint(1, 64, (tokens,), generator=gen)
+    slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+    return tables, lens, slots
+
+
 def layer_and_inputs(fmt: str, tokens: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
@@ -212,9 +221,7 @@ def layer_and_inputs(fmt: str, tokens: int, seed: int):
     angles = torch.rand(64, head_dim // 2, generator=gen) * 6
     caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
                torch.randn(8, 16, kv_heads, head_dim, generator=gen))]
-    tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
-    lens = torch.randint(1, 64, (tokens,), generator=gen)
-    slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+    tables, lens, slots = paged_step(tokens, gen)
     return layer, angles.cos(), angles.sin(), caches, tables, lens, slots, gen
 
 
@@ -265,9 +272,7 @@ def test_a_layer_of_mixed_formats_equals_the_scalar_reference(isa, tokens) -> No
         caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
                    torch.randn(8, 16, kv_heads, head_dim, generator=gen))]
         angles = torch.rand(64, head_dim // 2, generator=gen) * 6
-        tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
-        lens = torch.randint(1, 64, (tokens,), generator=gen)
-        slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+        tables, lens, slots = paged_step(tokens, gen)
         positions = torch.randint(0, 64, (tokens,), generator=gen)
         embed = torch.randn(50, hidden, generator=gen)
         ids = torch.randint(0, 50, (tokens,), generator=gen)
@@ -311,9 +316,7 @@ def test_a_gemma_stack_equals_the_scalar_reference(isa, tokens) -> None:
         caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
                    torch.randn(8, 16, kv_heads, head_dim, generator=gen)) for _ in layers]
         angles = torch.rand(2, 64, head_dim // 2, generator=gen) * 6
-        tables = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
-        lens = torch.randint(1, 64, (tokens,), generator=gen)
-        slots = torch.stack([tables[t, (lens[t] - 1) // 16] * 16 + (lens[t] - 1) % 16 for t in range(tokens)])
+        tables, lens, slots = paged_step(tokens, gen)
         positions = torch.randint(0, 64, (tokens,), generator=gen)
         embed = torch.randn(50, hidden, generator=gen)
         ids = torch.randint(0, 50, (tokens,), generator=gen)
