@@ -80,12 +80,13 @@ async def test_a_gemma_gguf_in_blocks_decodes_on_the_kernel_step_and_matches(kin
     assert isinstance(embedding, BlockEmbedding) and embedding.shared and embedding.fmt == "q8_0"
     prompts = [[5, 9, 14], *random_prompts(2, seed=4, max_len=26, vocab=256)]
     layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(engine.core.runner.kv_caches)}
-    in_kernel: list[tuple[int, int]] = []  # (layer, longest context) of each decode attention the kernel ran
+    # (layer, longest context, window, softcap) of each decode attention the kernel ran in a mixed step
+    in_kernel: list[tuple[int, int, int | None, float | None]] = []
     attend = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention",
-                        lambda q, kc, vc, tables, lens, scale: in_kernel.append((layer_of[kc.data_ptr()],
-                                                                                 int(lens.max())))
-                        or attend(q, kc, vc, tables, lens, scale))
+                        lambda q, kc, vc, tables, lens, scale, **kw: in_kernel.append(
+                            (layer_of[kc.data_ptr()], int(lens.max()), kw.get("window"), kw.get("softcap")))
+                        or attend(q, kc, vc, tables, lens, scale, **kw))
     kernel_contexts: list[int] = []  # the context lengths of the steps the one-call kernel step ran
     run_step = decode.stack.decode_packed
 
@@ -102,11 +103,12 @@ async def test_a_gemma_gguf_in_blocks_decodes_on_the_kernel_step_and_matches(kin
     for p, n, out in zip(prompts[1:], [16, 12], both):
         assert out.token_ids == hf_greedy(hf, p, n)
     assert kernel_contexts and max(kernel_contexts) > 2 * TINY_WINDOW  # the sliding layers' windows in the kernel
-    # The reference's decode attention (the decodes of a mixed step): in the kernel where nothing is masked.
-    if kind == "gemma3":  # layers 0 and 2 slide, layer 1 attends to everything
-        assert all(ctx <= TINY_WINDOW for layer, ctx in in_kernel if layer != 1)  # past the window: masked torch
-    else:
-        assert in_kernel == []  # the reference's soft-capped scores never enter the attention kernel
+    # The decodes of a mixed step attend in the kernel too, past the window and with capped scores.
+    sliding = {layer for layer, _, window, _ in in_kernel if window is not None}
+    assert sliding == ({0, 2} if kind == "gemma3" else {0})  # gemma3: layers 0 and 2 slide; gemma2: the even ones
+    assert max(ctx for layer, ctx, window, _ in in_kernel if layer in sliding) > TINY_WINDOW
+    caps = {cap for *_, cap in in_kernel}
+    assert caps == ({None} if kind == "gemma3" else {hf.config.attn_logit_softcapping})
 
 
 def write_llama_gguf(hf: torch.nn.Module, path, window: int):

@@ -115,6 +115,10 @@ def _entries() -> dict:
         "decode_attention": (kernels.decode_attention, {
             "q": torch.randn(2, 2, 16), "k_cache": cache, "v_cache": cache.clone(),
             "block_tables": long(0, 1, 2, 3).view(2, 2), "context_lens": long(20, 3), "scale": 0.25}),
+        "decode_attention capped, windowed": (kernels.decode_attention, {
+            "q": torch.randn(2, 2, 16), "k_cache": cache, "v_cache": cache.clone(),
+            "block_tables": long(0, 1, 2, 3).view(2, 2), "context_lens": long(20, 3), "scale": 0.25,
+            "softcap": 30.0, "window": 4}),
         "argmax": (kernels.argmax, {"x": torch.randn(3, 10)}),
         "quantize": (kernels.quantize, {"weight": torch.randn(4, 64), "fmt": "q4_1"}),
         "dequantize": (kernels.dequantize, {"blocks": q_blocks, "fmt": "q8_0"}),

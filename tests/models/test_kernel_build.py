@@ -170,7 +170,7 @@ def test_allocation_failures_and_overflowing_sizes_raise_memory_error() -> None:
     ctx, tables = torch.tensor([1 << 61]), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(MemoryError, match="asyncinfer_decode_attention"):
         lib.asyncinfer_decode_attention(q.data_ptr(), q.data_ptr(), q.data_ptr(), tables.data_ptr(), 1,
-                                        ctx.data_ptr(), 1, 1, 1, 8, 16, 1.0, out.data_ptr(), 1)
+                                        ctx.data_ptr(), 1, 1, 1, 8, 16, 1.0, 0.0, 0, out.data_ptr(), 1)
     # A layer whose working memory overflows: -1 (DecodeLayer raises MemoryError for it), nothing touched.
     from asyncinfer.kernels.decoder import _Layer
 

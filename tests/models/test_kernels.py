@@ -158,6 +158,42 @@ def test_decode_attention_reads_the_paged_cache_in_place_like_sdpa(heads, kv_hea
         torch.testing.assert_close(out[s], ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap, window", [(None, 5), (2.5, None), (1.5, 17), (50.0, 1)])
+def test_decode_attention_caps_scores_and_keeps_to_its_window_like_the_masked_reference(softcap, window) -> None:
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, num_blocks, block_size = 8, 2, 32, 24, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    context = torch.tensor([1, 5, 16, 17, 40, 64])  # within, at and past the window, a window starting mid-block
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in range(6)])  # [6, 4]
+    q = torch.randn(6, heads, head_dim, generator=gen) * 2
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, context, 0.4, softcap=softcap, window=window)
+    for s, length in enumerate(context.tolist()):
+        first = max(0, length - window) if window else 0
+        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(first, length)]
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)  # [L, H, D]
+        values = v_cache.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys.double()) * 0.4  # [H, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), values.double())
+        # float32 sums in another order and the variants' tanh within 5 ulp: docs/formats.md's 1e-5 for attention
+        torch.testing.assert_close(out[s].double(), ref, atol=1e-5, rtol=1e-5)
+    uncapped = kernels.decode_attention(q, k_cache, v_cache, tables, context, 0.4)
+    assert not torch.equal(out, uncapped)  # the cap or the window changed the scores
+
+
+def test_decode_attention_names_a_softcap_or_window_out_of_range() -> None:
+    q, cache = torch.zeros(1, 2, 8), torch.zeros(2, 4, 1, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    for kwargs, error, name in (({"softcap": 0.0}, ValueError, "softcap"), ({"softcap": float("nan")}, ValueError,
+                                "softcap"), ({"softcap": "1"}, TypeError, "softcap"),
+                                ({"window": 0}, ValueError, "window"), ({"window": 1.5}, TypeError, "window"),
+                                ({"window": True}, TypeError, "window")):
+        with pytest.raises(error, match=name):
+            kernels.decode_attention(q, cache, cache, tables, lens, 1.0, **kwargs)
+
+
 def lossless_tiny(kind: str, path) -> None:
     """A tiny model whose projection weights are exactly Q4_1 values (its head: Q8_0), as a GGUF's are."""
     hf = tiny_hf_model(kind)

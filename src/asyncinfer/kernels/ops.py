@@ -222,11 +222,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, *, softcap: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context, read from the cache in place.
 
     q: float32 [S, H, D]; caches: float32 [blocks, block_size, KVH, D] (this step's K/V written);
     block_tables: int64 [S, >= ceil(context / block_size)]; context_lens: int64 [S]. Returns [S, H, D].
+    ``softcap``: None, or a positive finite cap: each score (scale included) becomes
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2). ``window``: None, or a positive int: a
+    context of L keys attends to its last ``min(L, window)`` keys, the query's own included (a sliding layer).
+    A ValueError names either outside those ranges.
 
     Raises TypeError naming the parameter for tensors not on the CPU, of another dtype or kind of shape
     (caches that differ, rows that disagree with q's S); ValueError for a head_dim that is not a positive
@@ -258,6 +263,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise TypeError(f"context_lens: decode_attention takes int64 context_lens [S={num_seqs}], got "
                         f"{tuple(context_lens.shape)}")
     scale = real("scale", scale)
+    cap = 0.0
+    if softcap is not None:
+        cap = real("softcap", softcap)
+        if not 0.0 < cap < 3.4e38:
+            raise ValueError(f"softcap must be None or a positive finite float32, got {softcap!r}")
+    window_keys = 0 if window is None else size("window", window, 1, 2**62)
     q = contiguous(q, "q")  # a view of q/k/v in the engine's layers
     context_lens = contiguous(context_lens, "context_lens")
     tables = block_tables if block_tables.is_contiguous() else contiguous(block_tables, "block_tables")
@@ -265,7 +276,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     lib.asyncinfer_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                      tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
-                                     head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+                                     head_dim, block_size, scale, cap, window_keys, out.data_ptr(),
+                                     torch.get_num_threads())
     return out
 
 

@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 29
+#define ASYNCINFER_KERNELS_VERSION 30
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -123,11 +123,13 @@ ASYNCINFER_API int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K);
 ASYNCINFER_API void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps,
                                         float *y, int threads);
 
-/* Returns 0 or -1. */
+/* softcap > 0: each score, scale included, capped to softcap * tanh(score / softcap) (0: not capped);
+ * window > 0: a context of L keys attends to its last min(L, window) keys (0: to all of them).
+ * Returns 0 or -1. */
 ASYNCINFER_API int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                                const int64_t *tables, int64_t ldt, const int64_t *ctx, int64_t S,
-                                               int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
-                                               int threads);
+                                               int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
+                                               float softcap, int64_t window, float *out, int threads);
 
 ASYNCINFER_API int asyncinfer_decode_layer(const layer_t *L, float *h, int64_t T, const float *cos, const float *sin,
                                            float *k_cache, float *v_cache, const int64_t *slots,

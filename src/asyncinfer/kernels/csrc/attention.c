@@ -5,9 +5,9 @@
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
  * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
- * softcap > 0 (ai_decode_attention only; Gemma 2): each score, scale included, becomes
+ * softcap > 0 (Gemma 2): each score, scale included, becomes
  * softcap * tanh(score / softcap) before the softmax, as transformers' eager attention caps it;
- * window > 0 (ai_decode_attention only; Gemma's sliding layers): a context of L keys attends to its last
+ * window > 0 (sliding layers): a context of L keys attends to its last
  * min(L, window) keys, L - window .. L - 1, as the torch reference's window masks them.
  * D must be a multiple of 8. The variants differ in the order of float32 sums and in exp (the AVX2
  * polynomial within 2 ulp of expf, the scalar reference expf itself).
@@ -182,6 +182,7 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
 
 int asyncinfer_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                                 int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D,
-                                int64_t BS, float scale, float *out, int threads) {
-    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, 0.0f, 0, out, threads);
+                                int64_t BS, float scale, float softcap, int64_t window, float *out, int threads) {
+    return ai_decode_attention(q, k_cache, v_cache, tables, ldt, ctx, S, H, KVH, D, BS, scale, softcap, window, out,
+                               threads);
 }

@@ -152,9 +152,17 @@ class SdpaBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if window is not None and window >= meta.max_context_len:
             window = None  # every context fits in the window: it hides nothing
-        if window is not None or softcap is not None:
-            return _masked_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         nd = meta.num_decodes
+        if window is not None or softcap is not None:
+            if not (self.decodes_in_kernel and nd):
+                return _masked_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+            # The decodes in the kernel, which caps and windows their scores itself; the chunks masked.
+            decoded = _kernel_decode_attention(q[:nd], k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+            if nd == meta.num_seqs:
+                return decoded
+            out = _masked_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, decodes=False)
+            out[:nd] = decoded
+            return out
         decode = _kernel_decode_attention if self.decodes_in_kernel else _decode_attention
         if nd == meta.num_seqs:
             return decode(q, k_cache, v_cache, meta, scale)
@@ -339,12 +347,15 @@ def _decode_attention(
 
 
 def _kernel_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata, scale: float,
+    *, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """:func:`_decode_attention` by asyncinfer's kernel: blocks read in place, no gather; [S, H, D] -> [S, H, D]."""
+    """:func:`_decode_attention` by asyncinfer's kernel: blocks read in place, no gather, scores capped at
+    ``softcap`` and each context's last ``window`` keys only when given; [S, H, D] -> [S, H, D]."""
     from asyncinfer import kernels
 
-    return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                    softcap=softcap, window=window)
 
 
 def _prefill_attention(
@@ -383,15 +394,16 @@ class _StepMasks:
     prefill: list[torch.Tensor]
 
 
-def _step_masks(meta: SdpaMetadata, window: int | None) -> _StepMasks:
-    """The step's masks for ``window`` (None: causal only), made once per step and window."""
+def _step_masks(meta: SdpaMetadata, window: int | None, decodes: bool = True) -> _StepMasks:
+    """The step's masks for ``window`` (None: causal only), made once per step and window; with
+    ``decodes=False`` (the decodes attend elsewhere) no decode mask is made."""
     masks = meta.window_masks.get(window)
-    if masks is not None:
+    nd = meta.num_decodes
+    if masks is not None and (masks.decode is not None or not (decodes and nd)):
         return masks
     device = meta.slot_mapping.device
     decode = None
-    nd = meta.num_decodes
-    if nd:
+    if nd and decodes:
         span = meta.decode_block_tables.shape[1] * meta.block_size
         pos = torch.arange(span, device=device)[None, :]  # [1, L]
         ctx = meta.decode_context_lens[:, None]  # [S, 1]; the query sits at ctx - 1
@@ -418,7 +430,7 @@ def _masked_forward(
 ) -> torch.Tensor:
     """:meth:`SdpaBackend.forward` for a layer with a window or soft-capped scores (k/v already written);
     with ``decodes=False`` the prefill chunks only, the decodes' rows left for the caller to fill."""
-    masks = _step_masks(meta, window)
+    masks = _step_masks(meta, window, decodes)
     out = torch.empty_like(q)  # [T, H, D]
     nd = meta.num_decodes
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
