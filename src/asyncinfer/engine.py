@@ -457,7 +457,8 @@ class AsyncEngine:
         (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
 
         Raises:
-            InvalidParameterError: ``steps`` < 1, or a profile is already running.
+            InvalidParameterError: ``steps`` outside [1, 10000] (the profiler holds every step's ops in memory
+                until it writes them), or a profile is already running.
             EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
         """
         self._check_running()

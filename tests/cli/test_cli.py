@@ -338,6 +338,8 @@ def test_bench_profile_writes_a_trace_and_the_top_ops(tiny_models, tmp_path, cap
     assert json.loads((where / "trace.json").read_text())["traceEvents"]
     assert "Self CPU" in (where / "top_ops.txt").read_text() and "Self CPU" in out
     assert cli.main(["bench", "--profile-steps", "0"]) == 2
+    assert cli.main(["bench", "--profile-steps", "10001"]) == 2  # refused before the benchmark, named
+    assert "--profile-steps" in capsys.readouterr().err
 
 
 def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, capsys) -> None:

@@ -65,8 +65,10 @@ async def test_profile_wraps_the_next_steps(tiny_models, tmp_path) -> None:
     with pytest.raises(EngineClosedError):
         await engine.profile(steps=2, path=str(tmp_path))
     async with engine:
-        with pytest.raises(InvalidParameterError):
-            await engine.profile(steps=0, path=str(tmp_path))
+        for bad in (0, 10_001, 10**12, True, 2.0):  # an unbounded profile would hold every step's ops forever
+            with pytest.raises(InvalidParameterError) as err:
+                await asyncio.wait_for(engine.profile(steps=bad, path=str(tmp_path)), 5)  # refused before a step
+            assert err.value.parameter == "steps" and "10000" in str(err.value)
         job = asyncio.ensure_future(engine.profile(steps=3, path=str(tmp_path / "prof")))
         result = await with_traffic(engine, job)
     assert result.steps == 3

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.metrics.profile import MAX_PROFILE_STEPS
 from asyncinfer.sampling_params import SamplingParams
 
 
@@ -66,6 +67,8 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     for name in ("num_requests", "input_len", "output_len", "profile_steps"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")
+    if args.profile_steps > MAX_PROFILE_STEPS:  # refused before the benchmark runs, not after it
+        raise InvalidParameterError("--profile-steps", args.profile_steps, f"an int in [1, {MAX_PROFILE_STEPS}]")
     rows, model_path, ours = asyncio.run(_bench_engine(args.model_arg or args.model, options, args, levels))
     if args.compare_transformers:
         rows += _bench_transformers(model_path, args, levels, ours)

@@ -93,11 +93,15 @@ def _write(profiler: Any, steps: int, path: Path, device: torch.device) -> Profi
     return ProfileResult(steps, trace, table_path, table)
 
 
+#: The most steps one profile records: the profiler keeps every op of every step in memory until it writes them.
+MAX_PROFILE_STEPS = 10_000
+
+
 async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.PathLike[str]) -> ProfileResult:
     """Arm a profile of the next ``steps`` steps, wait for them (``link``: the engine's
     :class:`~asyncinfer.engine_thread.ThreadLink`, which fails the wait if the engine stops), write the files."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InvalidParameterError("steps", steps, "an integer >= 1")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_PROFILE_STEPS:
+        raise InvalidParameterError("steps", steps, f"an integer in [1, {MAX_PROFILE_STEPS}]")
     if metrics.profiler is not None:
         raise InvalidParameterError("profile", "another profile", "one profile at a time")
     where = await anyio.to_thread.run_sync(_directory, path)  # a bad path fails now, not after the steps
