@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from asyncinfer.errors import InvalidParameterError
@@ -112,6 +114,47 @@ def test_repetition_penalty_equals_transformers_processor_batched():
         ids = torch.tensor([p + o])
         ref = RepetitionPenaltyLogitsProcessor(penalty=r)(ids, logits[i : i + 1].clone())
         torch.testing.assert_close(got[i : i + 1], torch.log_softmax(ref, -1))
+
+
+def penalized_reference(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Every row's penalties computed from scratch over its whole prompt and output, in float32 as transformers
+    and vLLM define them: repetition over each distinct token of prompt + output, then frequency and presence
+    over the output's counts."""
+    x = logits.clone()
+    vocab = x.shape[1]
+    for i, s in enumerate(states):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            for t in {t for t in s.prompt_token_ids if t < vocab} | set(s.output_token_ids):
+                v = x[i, t]
+                x[i, t] = v / torch.tensor(p.repetition_penalty) if v > 0 else v * torch.tensor(p.repetition_penalty)
+        for t in set(s.output_token_ids):
+            count = torch.tensor(float(s.output_token_ids.count(t)))
+            x[i, t] -= torch.tensor(p.frequency_penalty) * count + torch.tensor(p.presence_penalty)
+    return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vocab=st.integers(2, 40))
+def test_penalties_kept_up_to_date_step_by_step_equal_the_whole_history_computed_again(data, vocab) -> None:
+    """The sampler counts each request's tokens a step at a time (a step's cost does not grow with the output); its
+    penalized logits are at every step bit for bit those of the whole prompt and output counted afresh."""
+    sampler = Sampler(vocab, CPU)
+    tokens = st.integers(0, vocab - 1)
+    kinds = [{"repetition_penalty": 1.7}, {"frequency_penalty": 0.4, "presence_penalty": -0.3},
+             {"repetition_penalty": 0.6, "frequency_penalty": -1.25}, {"presence_penalty": 2.0}, {}]
+    states = [state(prompt=data.draw(st.lists(st.integers(0, vocab + 5), max_size=12)), **kw) for kw in kinds]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        for s in states:  # the engine appends each step's tokens (here 0 to 4 of them) to the shared list
+            s.output_token_ids.extend(data.draw(st.lists(tokens, max_size=4)))
+        logits = torch.randn(len(states), vocab, generator=gen) * 3
+        rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        got = logits.clone()
+        sampler._apply_penalties(got, rows, states)
+        assert torch.equal(got, penalized_reference(logits, states))
+    for s in states[:4]:
+        assert s._counts is not None and s._counts.counted == len(s.output_token_ids)  # counted once, as it grew
 
 
 def test_penalties_apply_to_greedy_choice():

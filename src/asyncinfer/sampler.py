@@ -92,8 +92,8 @@ class SamplingState:
     plain_greedy: bool = field(init=False, repr=False, default=False)
     #: ``params.stop_token_ids`` as a set, built once: a stop check per token that costs the same for any list.
     stop_token_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
-    # Unique prompt token ids on the sampler's device (repetition penalty only).
-    _prompt_ids: torch.Tensor | None = field(init=False, repr=False, default=None)
+    # The prompt's and the output's token ids and counts, kept up to date a step at a time (penalties only).
+    _counts: _TokenCounts | None = field(init=False, repr=False, default=None)
     # The columns min_tokens masks (EOS and stop token ids below the vocabulary), built once.
     _blocked: list[int] | None = field(init=False, repr=False, default=None)
 
@@ -102,6 +102,80 @@ class SamplingState:
         self.plain_greedy = (p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
                              and self.matcher is None)
         self.stop_token_ids = frozenset(p.stop_token_ids or ())
+
+
+class _TokenCounts:
+    """One request's token ids for its penalties, brought up to date with only the tokens sampled since the last
+    step (a step's cost for a request does not grow with its output):
+
+    - ``ids`` / ``counts``: each distinct output token once, with how often it occurs (frequency / presence);
+    - ``seen``: each distinct token of the prompt (within the vocabulary) and of the output once (repetition).
+
+    Tensors on the sampler's device, grown by doubling; ``sync`` reads the output past ``counted`` (the engine only
+    appends to it; :meth:`Sampler._counts` starts again from the prompt were it ever shorter)."""
+
+    def __init__(self, prompt: Sequence[int], dev: torch.device, vocab: int) -> None:
+        self.dev, self.vocab = dev, vocab
+        self.in_prompt = {t for t in prompt if 0 <= t < vocab}
+        self.slot: dict[int, int] = {}  # output token -> its index in ids / counts
+        self.counted = 0
+        self.n_ids = 0
+        self._ids = torch.empty(16, dtype=torch.long, device=dev)
+        self._counts = torch.zeros(16, dtype=torch.float32, device=dev)
+        first = sorted(self.in_prompt)
+        self.n_seen = len(first)
+        self._seen = torch.empty(max(16, 2 * self.n_seen), dtype=torch.long, device=dev)
+        self._seen[: self.n_seen] = torch.tensor(first, dtype=torch.long, device=dev)
+
+    @staticmethod
+    def _grown(buf: torch.Tensor, need: int, zero: bool) -> torch.Tensor:
+        if need <= buf.numel():
+            return buf
+        bigger = (torch.zeros if zero else torch.empty)(max(need, 2 * buf.numel()), dtype=buf.dtype, device=buf.device)
+        bigger[: buf.numel()] = buf
+        return bigger
+
+    def sync(self, output: Sequence[int]) -> None:
+        new = output[self.counted :]
+        if not new:
+            return
+        self.counted = len(output)
+        slots: list[int] = []
+        fresh: list[int] = []
+        unseen: list[int] = []
+        for t in new:
+            at = self.slot.get(t)
+            if at is None:
+                at = self.slot[t] = self.n_ids + len(fresh)
+                fresh.append(t)
+                if t not in self.in_prompt:
+                    unseen.append(t)
+            slots.append(at)
+        if fresh:
+            end = self.n_ids + len(fresh)
+            self._ids = self._grown(self._ids, end, zero=False)
+            self._counts = self._grown(self._counts, end, zero=True)
+            self._ids[self.n_ids : end] = torch.tensor(fresh, dtype=torch.long, device=self.dev)
+            self.n_ids = end
+        if unseen:
+            end = self.n_seen + len(unseen)
+            self._seen = self._grown(self._seen, end, zero=False)
+            self._seen[self.n_seen : end] = torch.tensor(unseen, dtype=torch.long, device=self.dev)
+            self.n_seen = end
+        index = torch.tensor(slots, dtype=torch.long, device=self.dev)
+        self._counts.index_add_(0, index, torch.ones(len(slots), dtype=torch.float32, device=self.dev))
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[: self.n_ids]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._counts[: self.n_ids]
+
+    @property
+    def seen(self) -> torch.Tensor:
+        return self._seen[: self.n_seen]
 
 
 @dataclass
@@ -293,53 +367,44 @@ class Sampler:
     def _apply_penalties(self, x: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         """Repetition, then frequency/presence penalties, in place on ``x``.
 
-        Sparse: only the (row, token) pairs that occur are gathered, changed and
-        written back, so the cost grows with the number of tokens, not rows * vocab.
-        A pair is encoded as one key ``row * vocab + token``.
+        Sparse: only the (row, token) pairs that occur are gathered, changed and written back, from each
+        request's :class:`_TokenCounts` (kept up to date with the step's new tokens only), so the cost grows
+        with the distinct tokens of the penalized rows, not rows * vocab, and nothing is sorted or rebuilt
+        from the whole output at every step.
         """
-        dev = x.device
-        vocab = x.shape[1]
-        flat: list[int] = []
-        row_of: list[int] = []
-        for i in rows:
-            out = states[i].output_token_ids
-            flat.extend(out)
-            row_of.extend([i] * len(out))
-        out_keys = torch.tensor(row_of, dtype=torch.long, device=dev) * vocab + torch.tensor(
-            flat, dtype=torch.long, device=dev
-        )
+        dev, vocab = x.device, x.shape[1]
+        counts = {i: self._counts(states[i], dev, vocab) for i in rows}
 
-        rep_rows = [i for i in rows if states[i].params.repetition_penalty != 1.0]
-        if rep_rows:
-            # Over prompt + output; rows without a repetition penalty divide by 1.0 (exact no-op).
-            parts = [out_keys] + [i * vocab + self._prompt_ids(states[i], dev, vocab) for i in rep_rows]
-            keys = torch.unique(torch.cat(parts))
-            r, t = keys // vocab, keys % vocab
+        rep_rows = [i for i in rows if states[i].params.repetition_penalty != 1.0 and counts[i].n_seen]
+        if rep_rows:  # over prompt + output, each distinct token once
+            r = torch.cat([torch.full((counts[i].n_seen,), i, dtype=torch.long, device=dev) for i in rep_rows])
+            t = torch.cat([counts[i].seen for i in rep_rows])
             penalty = self._per_row([s.params.repetition_penalty for s in states], dev)[r]
             vals = x[r, t]
             x[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
 
-        if flat and any(states[i].params.frequency_penalty or states[i].params.presence_penalty for i in rows):
-            keys, counts = torch.unique(out_keys, return_counts=True)
-            r, t = keys // vocab, keys % vocab
+        freq_rows = [i for i in rows if (states[i].params.frequency_penalty or states[i].params.presence_penalty)
+                     and counts[i].n_ids]
+        if freq_rows:
+            r = torch.cat([torch.full((counts[i].n_ids,), i, dtype=torch.long, device=dev) for i in freq_rows])
+            t = torch.cat([counts[i].ids for i in freq_rows])
+            occurrences = torch.cat([counts[i].counts for i in freq_rows])
             freq = self._per_row([s.params.frequency_penalty for s in states], dev)[r]
             pres = self._per_row([s.params.presence_penalty for s in states], dev)[r]
-            x[r, t] -= freq * counts.to(torch.float32) + pres
+            x[r, t] -= freq * occurrences + pres
 
     @staticmethod
     def _per_row(values: list[float], dev: torch.device) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=dev)
 
     @staticmethod
-    def _prompt_ids(state: SamplingState, dev: torch.device, vocab: int) -> torch.Tensor:
-        cached = state._prompt_ids
-        if cached is None or cached.device != dev:
-            t = torch.tensor(state.prompt_token_ids, dtype=torch.long, device=dev)
-            if t.numel():
-                t = torch.unique(t)
-                t = t[(t >= 0) & (t < vocab)]
-            cached = state._prompt_ids = t
-        return cached
+    def _counts(state: SamplingState, dev: torch.device, vocab: int) -> _TokenCounts:
+        counts = state._counts
+        if (counts is None or counts.dev != dev or counts.vocab != vocab
+                or len(state.output_token_ids) < counts.counted):  # the engine only appends; else count again
+            counts = state._counts = _TokenCounts(state.prompt_token_ids, dev, vocab)
+        counts.sync(state.output_token_ids)
+        return counts
 
     def _apply_min_tokens(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
         vocab = x.shape[1]
