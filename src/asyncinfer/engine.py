@@ -310,7 +310,9 @@ class AsyncEngine:
         With ``params.n > 1`` the samples' deltas interleave, told apart by
         ``delta.index``; each sample's last delta has ``finish_reason`` and the
         stream ends after all ``n`` have finished.
-        Breaking out of the loop or cancelling the consuming task aborts the request.
+        Cancelling the consuming task aborts the request, and so does breaking out of the loop once the
+        stream is closed: at once for a stream written in the ``async for`` line, but one kept in a variable
+        runs on until ``await stream.aclose()`` (or ``contextlib.aclosing``) or until nothing refers to it.
         Raises the same errors as :meth:`generate` at the call itself, before any delta
         (texts over 4096 characters, or past the loop's share of tokenizing in its current turn, tokenized
         off the loop, are length-checked at the first).
