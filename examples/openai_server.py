@@ -58,4 +58,6 @@ if __name__ == "__main__":
     except OSError as exc:
         parser.exit(2, f"{parser.prog}: error: cannot listen on {args.host}:{args.port} ({exc.strerror}): stop the "
                        "server there, or choose another --host / --port\n")
+    print(f"{parser.prog}: loading, then serving the OpenAI API at http://{args.host}:{sock.getsockname()[1]}/v1",
+          flush=True)  # uvicorn names no URL for a socket handed to it
     run_server(app, args.host, args.port, settings=settings, sock=sock)  # with the header deadline and connection cap

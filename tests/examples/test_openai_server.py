@@ -98,7 +98,7 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
     env = {**os.environ, "ASYNCINFER_MODEL": str(real_gguf),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -118,10 +118,12 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.communicate(timeout=60)
+            said, _ = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+    # uvicorn prints no "running on" line for a socket handed to it: the example names its URL itself.
+    assert said.startswith(f"openai_server.py: loading, then serving the OpenAI API at {url}/v1\n"), said
 
 
 def test_serving_md_says_how_the_example_refuses_a_port_in_use() -> None:
