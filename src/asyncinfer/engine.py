@@ -503,8 +503,8 @@ class AsyncEngine:
 
         ``mode="overlap"`` (default) needs the new version's weights, KV cache
         and activation reserve to fit beside the old one in the memory available
-        now (or ``available_bytes``). ``mode="drain"`` pauses admission (requests
-        wait), finishes (or with ``abort=True`` aborts) the old version's requests,
+        now (or ``available_bytes``). ``mode="drain"`` pauses admission from the
+        call on (requests sent meanwhile wait for the new version), finishes (or with ``abort=True`` aborts) the old version's requests,
         drops it, then loads the new one. A swap waits for a swap in progress.
 
         Raises:

@@ -236,6 +236,27 @@ async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expecte
     assert old_core() is None
 
 
+async def test_a_request_sent_once_a_drain_mode_swap_is_called_waits_for_the_new_version(tiny_models, expected) -> None:
+    """Admission paused only once the old version began to drain, after the new one's memory check (a worker
+    thread): a request sent meanwhile went to the old version, so with ``abort=True`` it was aborted with the
+    old version's requests, though docs/model_swaps.md says requests arriving during the swap wait."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    async with engine:
+        old = asyncio.create_task(engine.generate(PROMPTS[0], greedy(200)))
+        await asyncio.sleep(0.05)
+        swap = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0], mode="drain", abort=True))
+        await asyncio.sleep(0)  # the swap has begun: it is checking the new version's memory off the loop
+        new = asyncio.create_task(engine.generate(PROMPTS[1], greedy(MAX_TOKENS)))
+        await swap
+        assert (await old).finish_reason == "abort"
+        out = await new
+        assert (out.finish_reason, out.token_ids) == ("length", expected["qwen2"][1])
+        # A drain-mode swap refused by its memory check pauses nothing for good: requests are admitted again.
+        with pytest.raises(ConfigurationError):
+            await engine.swap_model(tiny_models["llama"][0], mode="drain", available_bytes=1 << 30, kv_cache_memory=1 << 40)
+        assert (await engine.generate(PROMPTS[2], greedy(MAX_TOKENS))).token_ids == expected["qwen2"][2]
+
+
 async def test_failed_drain_mode_swap_reloads_the_old_version(tiny_models, expected, tmp_path) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **ENGINE_BASE)
     bad = tmp_path / "bad-weights"
