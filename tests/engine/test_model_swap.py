@@ -284,3 +284,34 @@ async def test_swap_before_start_and_after_close(tiny_models, expected) -> None:
     assert out.token_ids == expected["qwen2"][5]
     with pytest.raises(EngineClosedError):
         await engine.swap_model(tiny_models["llama"][0])
+
+
+def test_after_a_drain_swap_whose_reload_failed_too_a_request_is_refused_not_spun_on(tiny_models, monkeypatch) -> None:
+    """docs/model_swaps.md: if the old version's reload fails too, no version serves and requests raise
+    EngineClosedError. The request's admission loop waited on an event already set (the swap's end): it spun
+    without yielding, and the event loop froze. Run on a thread of its own, so that a freeze fails the test."""
+    from asyncinfer import EngineClosedError, swaps
+
+    def no_load(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    async def main() -> str:
+        engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+        await engine.start()
+        monkeypatch.setattr(swaps, "load", no_load)
+        with pytest.raises(RuntimeError):
+            await engine.swap_model(tiny_models["qwen2"][0], mode="drain")
+        try:
+            await engine.generate(PROMPTS[0], greedy(4))
+        except EngineClosedError as exc:
+            return str(exc)
+        finally:
+            await engine.aclose(abort=True)
+        return "served"
+
+    said: list[str] = []
+    thread = threading.Thread(target=lambda: said.append(asyncio.run(main())), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the event loop froze: the request spun on the admission of a finished swap"
+    assert said and "no model version is serving" in said[0], said
