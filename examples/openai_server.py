@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.server import ModelSpec, ServerSettings, guard_app, openai_router, run_server
+from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, guard_app, openai_router, run_server
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -36,7 +36,9 @@ async def lifespan(app: FastAPI):
         yield
 
 
-settings = ServerSettings()  # keys, tenants, limits: docs/serving.md
+# The keys in ASYNCINFER_API_KEY, as `asyncinfer serve` reads them (ServerSettings() alone asks for none);
+# metrics keys, tenants, limits: docs/serving.md
+settings = ServerSettings(api_keys=api_keys_from_env())
 app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 app.include_router(openai_router(lambda: engine, settings))  # the engine of the moment: /v1/chat/completions, ...
 guard_app(app, settings)  # OpenAI errors on every route (404, 405, ...), request ids, the body deadline
@@ -58,4 +60,6 @@ if __name__ == "__main__":
     except OSError as exc:
         parser.exit(2, f"{parser.prog}: error: cannot listen on {args.host}:{args.port} ({exc.strerror}): stop the "
                        "server there, or choose another --host / --port\n")
+    # uvicorn names no URL for a socket handed to it: say where it will serve.
+    print(f"{parser.prog}: loading, then serving at http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     run_server(app, args.host, args.port, settings=settings, sock=sock)  # with the header deadline and connection cap

@@ -29,7 +29,7 @@ from asyncinfer import (
     SamplingParams,
     StructuredOutput,
 )
-from asyncinfer.grammar import apply_token_bitmask, bitmask_words
+from asyncinfer.grammar import GrammarMatcher, apply_token_bitmask, bitmask_words
 from asyncinfer.request import Request
 from asyncinfer.sampler import Sampler, SamplingState
 
@@ -117,6 +117,18 @@ def test_a_malformed_spec_names_the_field(make: Callable[[], object]) -> None:
     with pytest.raises(InvalidParameterError) as info:
         make()
     assert info.value.parameter == "structured"
+
+
+def test_a_spec_given_up_on_mid_way_names_the_output_position_and_the_token_id() -> None:
+    """The refusal said "it stopped at token 46880" for a reply's first token: a token id read as a position."""
+
+    class GaveUp:  # a matcher in the state the library leaves it in when it gives up
+        def get_error(self) -> str:
+            return "lexer error: too many expressions constructed <state>...</state>"
+
+    error = GrammarMatcher(GaveUp()).refusal(StructuredOutput.regex("a{1000}{1000}"), 46880, 1)
+    assert error.parameter == "structured"
+    assert "(it stopped at output token 1, token id 46880: lexer error: too many expressions constructed)" in str(error)
 
 
 def test_the_scheduler_sees_a_structured_request() -> None:

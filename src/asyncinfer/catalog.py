@@ -151,13 +151,22 @@ class ModelCatalog:
 
     async def admit(self, name: str | None, check_running: Any) -> ModelVersion:
         """The version a new request to generator ``name`` is bound to; waits while a
-        drain-mode swap has no version of it serving (requests wait, they do not fail)."""
+        drain-mode swap holds its admission, from the swap's call to the new version's switch
+        (requests wait, they do not fail). EngineClosedError where no version serves after it
+        (a drain-mode swap whose new version and reload both failed)."""
         while True:
             check_running()
             holder = self.generator(name)
-            if holder.current is not None:
-                return holder.current
-            await self.admission[holder].wait()
+            admission = self.admission[holder]
+            if admission.is_set():
+                return current(holder)
+            await admission.wait()
+
+    def serving(self, name: str | None) -> ModelVersion | None:
+        """The version a request to generator ``name`` would be bound to now; None while a drain-mode
+        swap holds its admission (or no version serves)."""
+        holder = self.generator(name)
+        return holder.current if self.admission[holder].is_set() else None
 
     def tokenize_now(self, name: str | None, prompt: Any) -> tuple[ModelVersion, list[int]] | None:
         """The serving version and the prompt's ids for it, when that takes no await: None
@@ -189,7 +198,7 @@ class ModelCatalog:
             if self.loop_share.take(prompt_cost(prompt)):
                 return version, prompt_token_ids(prompt, version)
             ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
-            if self.generator(name).current is version:
+            if self.serving(name) is version:
                 return version, ids
 
     def tokenizer_of(self, name: str | None) -> Any:

@@ -611,7 +611,7 @@ class _StepTokens:
             if not accepted:
                 spec = request.params.structured
                 assert spec is not None  # a matcher is made for a structured request only
-                self.fail(request, "its grammar", matcher.refusal(spec, token_id))
+                self.fail(request, "its grammar", matcher.refusal(spec, token_id, request.num_output_tokens))
                 request.status = RequestStatus.FINISHED_ABORTED  # apply_step hands it to finish_requests
                 return
         text, stop_hit = ("", False)

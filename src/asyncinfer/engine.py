@@ -310,7 +310,9 @@ class AsyncEngine:
         With ``params.n > 1`` the samples' deltas interleave, told apart by
         ``delta.index``; each sample's last delta has ``finish_reason`` and the
         stream ends after all ``n`` have finished.
-        Breaking out of the loop or cancelling the consuming task aborts the request.
+        Cancelling the consuming task aborts the request, and so does breaking out of the loop once the
+        stream is closed: at once for a stream written in the ``async for`` line, but one kept in a variable
+        runs on until ``await stream.aclose()`` (or ``contextlib.aclosing``) or until nothing refers to it.
         Raises the same errors as :meth:`generate` at the call itself, before any delta
         (texts over 4096 characters, or past the loop's share of tokenizing in its current turn, tokenized
         off the loop, are length-checked at the first).
@@ -502,8 +504,8 @@ class AsyncEngine:
 
         ``mode="overlap"`` (default) needs the new version's weights, KV cache
         and activation reserve to fit beside the old one in the memory available
-        now (or ``available_bytes``). ``mode="drain"`` pauses admission (requests
-        wait), finishes (or with ``abort=True`` aborts) the old version's requests,
+        now (or ``available_bytes``). ``mode="drain"`` pauses admission from the
+        call on (requests sent meanwhile wait for the new version), finishes (or with ``abort=True`` aborts) the old version's requests,
         drops it, then loads the new one. A swap waits for a swap in progress.
 
         Raises:

@@ -110,16 +110,17 @@ class GrammarMatcher:
         """The matcher's error ("" when none)."""
         return str(self._m.get_error())
 
-    def refusal(self, spec: StructuredOutput, token_id: int) -> InvalidParameterError:
+    def refusal(self, spec: StructuredOutput, token_id: int, position: int) -> InvalidParameterError:
         """The request's error when its grammar could not follow a token its own mask allowed: the library
         gave up on the spec mid-way (e.g. a regex whose lexer needs more states than the library's limits
-        allow), a fault of the spec, named as ``structured``; the library's reason without its state dump."""
+        allow), a fault of the spec, named as ``structured``; the library's reason without its state dump.
+        ``position`` is the token's place in the sample's output (1 for the first), ``token_id`` its id."""
         reason = self.error.split("<state>", 1)[0].strip() or "no reason given"
         if len(reason) > MAX_REASON_CHARS:
             reason = reason[:MAX_REASON_CHARS] + "..."
-        return InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} the grammar library can follow "
-                                                                 f"within its limits (it stopped at token {token_id}: "
-                                                                 f"{reason})")
+        allowed = (f"a {_WHAT[spec.kind]} the grammar library can follow within its limits (it stopped at output "
+                   f"token {position}, token id {token_id}: {reason})")
+        return InvalidParameterError("structured", _shown(spec), allowed)
 
 
 class CompiledGrammar:

@@ -169,7 +169,7 @@ class RequestIntake:
                 return version, ids, grammar
             grammar = await anyio.to_thread.run_sync(core.compile_grammar, spec, salt, limiter=self.compiles)
             check_running()
-            if self.models.generator(model).current is version:  # else a swap moved it on: bind again
+            if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
 
     def _refused(self, model: str | None, exc: Exception) -> None:

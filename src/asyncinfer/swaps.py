@@ -101,12 +101,18 @@ class ModelChanges:
             label = self.models.name_of(holder)
             merged = {**current(holder).options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read
-            await self._check_fits(model, merged, available, mode, current(holder).plan)
-            if mode == "overlap":
-                new = await self._load_version(model, merged)
-            else:
-                new = await self._reload_drained(holder, model, merged, abort)
-            await self.switch(new, holder)
+            admission = self.models.admission[holder]
+            if mode == "drain":  # from the call on, new requests wait for the new version (its checks included)
+                admission.clear()
+            try:
+                await self._check_fits(model, merged, available, mode, current(holder).plan)
+                if mode == "overlap":
+                    new = await self._load_version(model, merged)
+                else:
+                    new = await self._reload_drained(holder, model, merged, abort)
+                await self.switch(new, holder)
+            finally:
+                admission.set()
             return version_info(new, label, 0)
 
     async def _check_fits(
@@ -147,21 +153,16 @@ class ModelChanges:
     async def _reload_drained(
         self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool
     ) -> ModelVersion:
-        """Drain mode: pause admission, retire the serving version, then load the new one."""
+        """Drain mode (admission paused by the caller): retire the serving version, then load the new one."""
         old = current(holder)
-        admission = self.models.admission[holder]
-        admission.clear()
+        await self.retire(old, abort, holder)
         try:
-            await self.retire(old, abort, holder)
-            try:
-                return await self._load_version(model, options)
-            except BaseException:
-                # The old version is gone already: bring it back so the engine keeps serving.
-                back = await self._load_version(old.path, old.options)
-                await self.switch(back, holder)
-                raise
-        finally:
-            admission.set()
+            return await self._load_version(model, options)
+        except BaseException:
+            # The old version is gone already: bring it back so the engine keeps serving.
+            back = await self._load_version(old.path, old.options)
+            await self.switch(back, holder)
+            raise
 
     async def switch(self, version: ModelVersion, holder: ModelHolder) -> None:
         """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""

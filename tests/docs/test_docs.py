@@ -426,6 +426,18 @@ def test_the_readme_s_first_minute_says_threads_1_on_a_shared_machine() -> None:
     assert cli._engine_options(args) == {"num_threads": 1}
 
 
+def test_the_readme_says_how_to_run_the_examples_on_one_thread() -> None:
+    """The examples take no ``--threads`` flag, so "pass --threads 1" left no way to follow the advice with
+    them; the README names ``OMP_NUM_THREADS=1``, which torch reads when ``num_threads`` is None."""
+    first = (ROOT / "README.md").read_text(encoding="utf-8").split("**The first minute.**", 1)[1].split("\n## ", 1)[0]
+    assert "`OMP_NUM_THREADS=1 python examples/quickstart.py`" in " ".join(first.split())
+    assert "--threads" not in (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
+    code = "import torch; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "1"
+
+
 def test_getting_started_states_the_suite_s_measured_duration() -> None:
     """The full suite took about 27 minutes on 2 cores (the page said 8): the figure stated brackets it."""
     text = (ROOT / "docs" / "getting_started.md").read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,36 @@ async def test_cancel_break_and_abort_free_every_block(tiny_models) -> None:
             await asyncio.sleep(0.01)
         assert engine.kv_stats().used_blocks == 0
         assert engine.num_unfinished_requests == 0
+
+
+async def test_a_stream_kept_in_a_variable_and_left_by_break_is_aborted_by_aclose(tiny_models) -> None:
+    """``break`` closes an async generator only once nothing refers to it: the guide said "leaving the
+    async for early does the same" (aborts), which a stream kept in a variable did not do until closed.
+    ``aclose()`` and ``contextlib.aclosing`` abort it at once, as the guide and the docstring now say."""
+    import contextlib
+    import inspect
+
+    path, _ = tiny_models["llama"]
+    engine = AsyncEngine.from_pretrained(path, **ENGINE_BASE)
+    async with engine:
+        deltas = engine.stream(random_prompts(1)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in deltas:
+            break
+        await deltas.aclose()
+        async with contextlib.aclosing(engine.stream(random_prompts(1, 1)[0],
+                                                     SamplingParams(max_tokens=200, ignore_eos=True))) as more:
+            async for _ in more:
+                break
+        for _ in range(100):
+            if engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
+        assert engine.metrics.snapshot().models["default"].requests["abort"] == 2
+    doc = inspect.getdoc(AsyncEngine.stream)
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "asyncio.md").read_text(encoding="utf-8")
+    for text in (doc, guide):
+        assert "aclose()" in text and "contextlib.aclosing" in text, text
 
 
 async def test_stream_deltas_add_up_to_generate(tiny_models) -> None:

@@ -236,6 +236,27 @@ async def test_drain_mode_when_the_new_version_does_not_fit(tiny_models, expecte
     assert old_core() is None
 
 
+async def test_a_request_sent_once_a_drain_mode_swap_is_called_waits_for_the_new_version(tiny_models, expected) -> None:
+    """Admission paused only once the old version began to drain, after the new one's memory check (a worker
+    thread): a request sent meanwhile went to the old version, so with ``abort=True`` it was aborted with the
+    old version's requests, though docs/model_swaps.md says requests arriving during the swap wait."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    async with engine:
+        old = asyncio.create_task(engine.generate(PROMPTS[0], greedy(200)))
+        await asyncio.sleep(0.05)
+        swap = asyncio.create_task(engine.swap_model(tiny_models["qwen2"][0], mode="drain", abort=True))
+        await asyncio.sleep(0)  # the swap has begun: it is checking the new version's memory off the loop
+        new = asyncio.create_task(engine.generate(PROMPTS[1], greedy(MAX_TOKENS)))
+        await swap
+        assert (await old).finish_reason == "abort"
+        out = await new
+        assert (out.finish_reason, out.token_ids) == ("length", expected["qwen2"][1])
+        # A drain-mode swap refused by its memory check pauses nothing for good: requests are admitted again.
+        with pytest.raises(ConfigurationError):
+            await engine.swap_model(tiny_models["llama"][0], mode="drain", available_bytes=1 << 30, kv_cache_memory=1 << 40)
+        assert (await engine.generate(PROMPTS[2], greedy(MAX_TOKENS))).token_ids == expected["qwen2"][2]
+
+
 async def test_failed_drain_mode_swap_reloads_the_old_version(tiny_models, expected, tmp_path) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["qwen2"][0], **ENGINE_BASE)
     bad = tmp_path / "bad-weights"
@@ -263,3 +284,34 @@ async def test_swap_before_start_and_after_close(tiny_models, expected) -> None:
     assert out.token_ids == expected["qwen2"][5]
     with pytest.raises(EngineClosedError):
         await engine.swap_model(tiny_models["llama"][0])
+
+
+def test_after_a_drain_swap_whose_reload_failed_too_a_request_is_refused_not_spun_on(tiny_models, monkeypatch) -> None:
+    """docs/model_swaps.md: if the old version's reload fails too, no version serves and requests raise
+    EngineClosedError. The request's admission loop waited on an event already set (the swap's end): it spun
+    without yielding, and the event loop froze. Run on a thread of its own, so that a freeze fails the test."""
+    from asyncinfer import EngineClosedError, swaps
+
+    def no_load(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    async def main() -> str:
+        engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+        await engine.start()
+        monkeypatch.setattr(swaps, "load", no_load)
+        with pytest.raises(RuntimeError):
+            await engine.swap_model(tiny_models["qwen2"][0], mode="drain")
+        try:
+            await engine.generate(PROMPTS[0], greedy(4))
+        except EngineClosedError as exc:
+            return str(exc)
+        finally:
+            await engine.aclose(abort=True)
+        return "served"
+
+    said: list[str] = []
+    thread = threading.Thread(target=lambda: said.append(asyncio.run(main())), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the event loop froze: the request spun on the admission of a finished swap"
+    assert said and "no model version is serving" in said[0], said

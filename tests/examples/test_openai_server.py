@@ -95,10 +95,12 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "ASYNCINFER_MODEL": str(real_gguf),
+    # The key in ASYNCINFER_API_KEY is asked for, as by `asyncinfer serve` (the example's ServerSettings() served
+    # everyone, whatever the variable said).
+    env = {**os.environ, "ASYNCINFER_MODEL": str(real_gguf), "ASYNCINFER_API_KEY": "sk-example",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -110,7 +112,8 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
                     break
             time.sleep(0.2)
         name = readme_client_model()
-        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        assert httpx.get(url + "/v1/models").status_code == 401
+        with openai.OpenAI(base_url=url + "/v1", api_key="sk-example", max_retries=0) as client:
             assert [m.id for m in client.models.list().data] == [name]
             reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi!"}],
                                                    max_tokens=4)
@@ -118,10 +121,12 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.communicate(timeout=60)
+            said, _ = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+    # uvicorn prints no "running on" line for a socket handed to it: the example names its URL itself.
+    assert said.startswith(f"openai_server.py: loading, then serving at {url}/v1\n"), said
 
 
 def test_serving_md_says_how_the_example_refuses_a_port_in_use() -> None:

@@ -21,6 +21,7 @@ from asyncinfer.schedulers import (
     SchedulerConfig,
     available_schedulers,
     builtin_schedulers,
+    check_scheduler_options,
     create_scheduler,
     resolve_scheduler,
 )
@@ -72,6 +73,23 @@ def test_options_reach_the_constructor_and_are_checked() -> None:
         create_scheduler("length-bucket", cfg, kv(), {"bucket_edges": [64, 32]})
     with pytest.raises(InvalidParameterError, match="enable_chunked_prefill"):
         create_scheduler("pd-split", SchedulerConfig(enable_chunked_prefill=False), kv())
+
+
+def test_an_option_a_scheduler_does_not_take_is_refused_with_the_ones_it_does() -> None:
+    """The refusal said only "allowed keywords X accepts (got an unexpected keyword argument ...)": a plugin
+    author or an operator mistyping an option had to read the class to find its name."""
+
+    class Weighted(FIFOScheduler):
+        def __init__(self, config, kv, *, weights=None, floor: int = 1) -> None:
+            super().__init__(config, kv)
+
+    cases = [(Weighted, {"wieghts": {}}, "keywords Weighted accepts: weights, floor ("),
+             ("pd-split", {"bogus": 1}, "keywords PDSplitScheduler accepts: prefill_budget ("),
+             ("fifo", {"prefill_budget": 7}, "keywords FIFOScheduler accepts: none (")]
+    for spec, options, said in cases:
+        with pytest.raises(InvalidParameterError) as info:
+            check_scheduler_options(spec, options)
+        assert info.value.parameter == "scheduler_options" and info.value.allowed.startswith(said), info.value.allowed
 
 
 def test_engine_config_checks_scheduler_options() -> None:

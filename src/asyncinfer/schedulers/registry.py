@@ -122,8 +122,18 @@ def check_scheduler_options(spec: str | type[Scheduler], options: Mapping[str, A
     """
     cls = resolve_scheduler(spec)
     options = dict(options or {})
+    signature = inspect.signature(cls)
     try:
-        inspect.signature(cls).bind(None, None, **options)  # (config, kv, **options), as create_scheduler calls it
+        signature.bind(None, None, **options)  # (config, kv, **options), as create_scheduler calls it
     except TypeError as exc:
-        raise InvalidParameterError("scheduler_options", options, f"keywords {cls.__name__} accepts ({exc})") from exc
+        raise InvalidParameterError("scheduler_options", options,
+                                    f"keywords {cls.__name__} accepts: {_keywords(signature)} ({exc})") from exc
     return cls
+
+
+def _keywords(signature: inspect.Signature) -> str:
+    """The options a scheduler's constructor takes by keyword, beyond ``(config, kv)``, for an error message."""
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]  # config, kv
+    names = [p.name for p in params if p not in positional and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ", ".join(names) or "none"
