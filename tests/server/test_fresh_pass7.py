@@ -7,10 +7,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.server import router
+from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
+from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, decode_json, parse_chat, parse_completion
 from asyncinfer.server.streaming import MergedStreams
 
 from .test_loop_stays_free import WAIT, loop_thread
@@ -113,3 +116,30 @@ def test_many_short_texts_are_counted_off_the_loop(server, monkeypatch) -> None:
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["data"]) == 2048 and answer.json()["usage"]["prompt_tokens"] == 3 * 2048
     assert loop_thread(server) not in threads
+
+
+# `stream_options` was read for `include_usage is True` and nothing else: `{"include_usage": "yes"}` or a misspelt
+# `{"include_usgae": true}` was answered 200 without the usage the client asked for, where every other field the
+# server does not know is a 400 naming it (as `response_format`'s unknown keys are).
+@pytest.mark.parametrize(("options", "param"), [
+    ({"include_usage": "yes"}, "stream_options.include_usage"),
+    ({"include_usage": 1}, "stream_options.include_usage"),
+    ({"include_usgae": True}, "stream_options.include_usgae"),
+    ({"include_usage": True, "x" * 5000: 1}, "stream_options." + "x" * (MAX_SHOWN_NAME - len("stream_options."))),
+])
+@pytest.mark.parametrize("route", ["chat", "text"])
+def test_stream_options_unknown_or_mistyped_are_a_400_naming_them(route, options, param) -> None:
+    body = {"stream": True, "stream_options": options}
+    parse, body = ((parse_chat, {**body, "messages": [{"role": "user", "content": "hi"}]}) if route == "chat" else
+                   (parse_completion, {**body, "prompt": "hi"}))
+    with pytest.raises(APIError) as refused:
+        parse(decode_json(msgspec.json.encode(body), CHAT_BODY if route == "chat" else COMPLETION_BODY))
+    assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
+    assert len(refused.value.message) < 400
+
+
+def test_stream_options_as_openai_takes_them_are_read() -> None:
+    for options, usage in (({"include_usage": True}, True), ({"include_usage": False}, False),
+                           ({"include_usage": None}, False), ({}, False)):
+        body = {"stream": True, "stream_options": options, "prompt": "hi"}
+        assert parse_completion(decode_json(msgspec.json.encode(body), COMPLETION_BODY)).include_usage is usage

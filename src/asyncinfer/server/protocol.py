@@ -386,7 +386,15 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
     if options is not None:
         if not stream:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
-        include_usage = options.get("include_usage") is True
+        extra = sorted(set(options) - {"include_usage"})
+        if extra:
+            raise _bad(f"stream_options.{extra[0]}"[:MAX_SHOWN_NAME],
+                       f"Unrecognized argument in `stream_options`: {extra[0][:MAX_SHOWN_NAME]}")
+        include_usage = options.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise _bad("stream_options.include_usage", "`stream_options.include_usage` must be a boolean, got "
+                                                       f"{type(include_usage).__name__}.")
+        include_usage = include_usage is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
     common = {"model": model, "user": user, "stream": stream, "include_usage": include_usage, "priority": priority,
               "sampling": sampling, "max_tokens_field": "max_tokens", "structured_field": "structured"}
