@@ -13,7 +13,15 @@ import pytest
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.server import router
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
-from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, decode_json, parse_chat, parse_completion
+from asyncinfer.server.protocol import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    EMBEDDING_BODY,
+    decode_json,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
 from asyncinfer.server.streaming import MergedStreams
 
 from .test_loop_stays_free import WAIT, loop_thread
@@ -143,3 +151,35 @@ def test_stream_options_as_openai_takes_them_are_read() -> None:
                            ({"include_usage": None}, False), ({}, False)):
         body = {"stream": True, "stream_options": options, "prompt": "hi"}
         assert parse_completion(decode_json(msgspec.json.encode(body), COMPLETION_BODY)).include_usage is usage
+
+
+# A 400 for a field of the wrong type or value echoed the value whole (its repr): a megabyte string as a message's
+# `role`, a content part's `type`, `response_format.type`, a schema's or a tool's `name` or `encoding_format`, or
+# a list of a million items as `model` or `parallel_tool_calls`, came back as an error of megabytes (1.5x the body
+# for a list of short strings), where the engine's own errors, and an unknown model's name, are shown elided.
+BIG = "x" * 1_000_000
+MANY = ["x"] * 300_000
+MESSAGES = [{"role": "user", "content": "hi"}]
+ECHOES = [  # (route, body, param)
+    ("chat", {"model": MANY, "messages": MESSAGES}, "model"),
+    ("chat", {"messages": [{"role": BIG, "content": "hi"}]}, "messages.[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": BIG}]}]}, "messages.[0].content.[0]"),
+    ("chat", {"messages": MESSAGES, "response_format": {"type": BIG}}, "response_format.type"),
+    ("chat", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": BIG}}},
+     "response_format.json_schema.name"),
+    ("chat", {"messages": MESSAGES, "parallel_tool_calls": MANY}, "parallel_tool_calls"),
+    ("chat", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": BIG}}]},
+     "tools.[0].function.name"),
+    ("text", {"prompt": "hi", "user": MANY}, "user"),
+    ("embed", {"input": "hi", "encoding_format": BIG}, "encoding_format"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), ECHOES, ids=[e[2] for e in ECHOES])
+def test_a_refused_value_is_echoed_bounded(route, body, param) -> None:
+    parse, shape = {"chat": (parse_chat, CHAT_BODY), "text": (parse_completion, COMPLETION_BODY),
+                    "embed": (parse_embedding, EMBEDDING_BODY)}[route]
+    with pytest.raises(APIError) as refused:
+        parse(decode_json(msgspec.json.encode(body), shape))
+    assert (refused.value.status, refused.value.param) == (400, param), refused.value.message[:300]
+    assert len(refused.value.message) < 1000, refused.value.message[:300]
