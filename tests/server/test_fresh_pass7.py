@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,6 +56,35 @@ def test_a_stream_is_read_at_most_one_delta_ahead_of_its_reader() -> None:
 
     held = asyncio.run(main())
     assert max(held) <= 3, f"the streams were read {held} deltas ahead of a reader that took 2"
+
+
+def test_a_stream_closed_while_it_waits_for_its_reader_is_ended_at_once() -> None:
+    """Its request is aborted when the client goes, not when the garbage collector finds the stream."""
+    ended: list[int] = []
+
+    async def stream(index: int):
+        try:
+            for i in range(1000):
+                yield StreamDelta(f"r{index}", "x", [i])
+                await asyncio.sleep(0)
+        finally:
+            ended.append(index)
+
+    async def main() -> None:
+        merged = MergedStreams([stream(0), stream(1)])
+        await merged.prime()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        merged.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(ended) == [0, 1]  # (asyncio.run closes what is left when it ends: checked before)
+
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
 
 
 # An embeddings answer was built on the serving loop: its token count (2048 one-character texts cost 2048

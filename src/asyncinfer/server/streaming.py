@@ -89,6 +89,12 @@ class MergedStreams:
             self._queue.put_nowait((index, exc))
         else:
             self._queue.put_nowait((index, _END))
+        finally:
+            # cancelled while it waited for the reader (close(): the client is gone), the stream is still open: its
+            # request is aborted now, not whenever the garbage collector finalizes it
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
 
     async def _get(self) -> tuple[int, Any]:
         index, item = await self._queue.get()
