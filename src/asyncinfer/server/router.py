@@ -273,8 +273,10 @@ class _OpenAI:
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        # its ASCII digits, leading zeros dropped: the HTTP parser takes "000...02" (4,301 digits, past what int()
+        # reads: a ValueError, answered 500) as 2
+        declared = request.headers.get("content-length", "").lstrip("0")
+        if declared.isascii() and declared.isdigit() and (len(declared) > len(str(limit)) or int(declared) > limit):
             raise too_large
         chunks, size = [], 0
         try:
