@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 
+from asyncinfer import SamplingParams
+from asyncinfer.cache import KVCacheManager
+from asyncinfer.lab import TraceRequest, simulate
 from asyncinfer.outputs import StreamDelta
+from asyncinfer.request import Request
+from asyncinfer.schedulers import SchedulerConfig
 from asyncinfer.server import ModelSpec, create_app, router
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
 from asyncinfer.server.protocol import (
@@ -240,3 +247,31 @@ def test_a_content_length_of_many_leading_zeros_is_read_as_its_value(tiny_chat_m
             if status == b"400":
                 assert b"invalid_http_request" in answer
             assert b"x-request-id" in answer.lower()
+
+
+# The server heads a call's engine request id with its tenant (`<tenant>/<call id>`, the convention of the per-tenant
+# scheduler in examples/custom_scheduler.py) and leaves a call without one its bare call id (a key with no Tenant,
+# a request without the tenant header). The example read the part before the first "/" of such an id as its tenant:
+# the whole id, a tenant new with every call and never served, so each went before every real tenant, and a caller
+# with a plain key flooding the server starved them all (and each left an entry in the scheduler's usage for good).
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
+
+
+def test_calls_without_a_tenant_are_one_tenant_to_the_example_scheduler() -> None:
+    spec = importlib.util.spec_from_file_location("custom_scheduler_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers "fair-share"
+
+    def waits(name: str) -> dict[str, float]:
+        # tenant "acme" sends one; a caller without a tenant floods 40 calls, ids as the server makes them
+        trace = [TraceRequest("acme/0", 0.0, 64, 64)]
+        trace += [TraceRequest(router.new_request_id("cmpl"), 0.001, 64, 64) for _ in range(40)]
+        trace.append(TraceRequest("acme/1", 0.01, 64, 64))
+        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
+        return {r.id: r.wait for r in simulate(trace, name, config=config, num_blocks=512).records}
+
+    fair, fifo = waits("fair-share"), waits("fifo")
+    assert fair["acme/1"] < 0.2 * fifo["acme/1"], (fair["acme/1"], fifo["acme/1"])
+    sched = module.FairShareScheduler(SchedulerConfig(), KVCacheManager(8, 4))
+    bare = [Request(router.new_request_id("chatcmpl"), [1], SamplingParams(), arrival_time=0.0) for _ in range(2)]
+    assert sched.tenant(bare[0]) == sched.tenant(bare[1]) != sched.tenant(Request("acme/2", [1], SamplingParams(), arrival_time=0.0))
