@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import re
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from asyncinfer.lab import TraceRequest, simulate
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.request import Request
 from asyncinfer.schedulers import SchedulerConfig
-from asyncinfer.server import ModelSpec, create_app, router
+from asyncinfer.server import ModelSpec, ServerSettings, create_app, router
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
 from asyncinfer.server.protocol import (
     CHAT_BODY,
@@ -275,3 +277,32 @@ def test_calls_without_a_tenant_are_one_tenant_to_the_example_scheduler() -> Non
     sched = module.FairShareScheduler(SchedulerConfig(), KVCacheManager(8, 4))
     bare = [Request(router.new_request_id("chatcmpl"), [1], SamplingParams(), arrival_time=0.0) for _ in range(2)]
     assert sched.tenant(bare[0]) == sched.tenant(bare[1]) != sched.tenant(Request("acme/2", [1], SamplingParams(), arrival_time=0.0))
+
+
+# An answer sent before its request's body was all in (a 401 for a wrong key, a 413 for a body over the limit, a 415)
+# left the rest of that body, still arriving, to the connection guard as the next request's head: past 64 KiB of it
+# the guard wrote a second answer, "431 headers_too_large", for one request, and closed the connection, so a
+# request pipelined behind the body was never answered. The parser skips that body; the guard now counts it as what
+# follows a head (bounded as before), and the next request is served.
+@pytest.mark.parametrize("case", ["wrong key", "too large"])
+def test_an_answer_before_the_body_is_in_is_the_only_answer_and_the_connection_serves_on(tiny_chat_model, case) -> None:
+    settings = ServerSettings(api_keys=("sk-right",), max_body_bytes=256 * 1024)
+    key = "sk-wrong" if case == "wrong key" else "sk-right"
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (200_000 if case == "wrong key" else 400_000) + b'"}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    after = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), settings)
+    with LiveServer(app, settings) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head)
+            time.sleep(0.3)  # the answer goes before the body
+            for at in range(0, len(body), 16384):
+                sock.sendall(body[at:at + 16384])
+            sock.sendall(after)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+    assert statuses == [b"401" if case == "wrong key" else b"413", b"200"], answer[:2000]
