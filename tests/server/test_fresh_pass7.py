@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import re
@@ -23,6 +24,7 @@ from asyncinfer.outputs import StreamDelta
 from asyncinfer.request import Request
 from asyncinfer.schedulers import SchedulerConfig
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, router
+from asyncinfer.server.connections import MAX_HEADER_BYTES
 from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
 from asyncinfer.server.protocol import (
     CHAT_BODY,
@@ -306,3 +308,29 @@ def test_an_answer_before_the_body_is_in_is_the_only_answer_and_the_connection_s
                 answer += chunk
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
     assert statuses == [b"401" if case == "wrong key" else b"413", b"200"], answer[:2000]
+
+
+# With uvicorn's h11 parser (`http="h11"`, and "auto" where httptools is not installed) a request head over h11's own
+# buffer limit, 16 KiB, was refused as unparseable (400 invalid_http_request) before the connection guard's documented
+# limit of 64 KiB (MAX_HEADER_BYTES): a head of 16 to 64 KiB, served by httptools, was refused, and a longer one was
+# never the documented 431.
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+def test_a_head_up_to_the_documented_limit_is_served_by_either_parser(tiny_chat_model, http_parser) -> None:
+    pytest.importorskip(http_parser)
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app, http=http_parser) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        for size, status in ((40_000, b"200"), (MAX_HEADER_BYTES - 200, b"200"), (MAX_HEADER_BYTES + 10_000, b"431")):
+            head = f"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: {'p' * size}\r\nConnection: close\r\n\r\n".encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError):  # a refusal may close the connection before all is sent
+                    for at in range(0, len(head), 4096):  # as a slow link delivers it: a head read in several pieces
+                        sock.sendall(head[at:at + 4096])
+                        time.sleep(0.005)
+                answer = b""
+                with contextlib.suppress(OSError):
+                    while chunk := sock.recv(65536):
+                        answer += chunk
+            assert answer.split(b" ", 2)[1] == status, (size, answer[:300])
+            assert b"x-request-id" in answer.lower()
