@@ -286,8 +286,11 @@ def test_calls_without_a_tenant_are_one_tenant_to_the_example_scheduler() -> Non
 # the guard wrote a second answer, "431 headers_too_large", for one request, and closed the connection, so a
 # request pipelined behind the body was never answered. The parser skips that body; the guard now counts it as what
 # follows a head (bounded as before), and the next request is served.
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
 @pytest.mark.parametrize("case", ["wrong key", "too large"])
-def test_an_answer_before_the_body_is_in_is_the_only_answer_and_the_connection_serves_on(tiny_chat_model, case) -> None:
+def test_an_answer_before_the_body_is_in_is_the_only_answer_and_the_connection_serves_on(tiny_chat_model, case,
+                                                                                          http_parser) -> None:
+    pytest.importorskip(http_parser)
     settings = ServerSettings(api_keys=("sk-right",), max_body_bytes=256 * 1024)
     key = "sk-wrong" if case == "wrong key" else "sk-right"
     body = b'{"model": "tiny", "prompt": "' + b"x" * (200_000 if case == "wrong key" else 400_000) + b'"}'
@@ -295,7 +298,7 @@ def test_an_answer_before_the_body_is_in_is_the_only_answer_and_the_connection_s
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     after = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), settings)
-    with LiveServer(app, settings) as live:
+    with LiveServer(app, settings, http=http_parser) as live:
         port = int(live.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(head)
