@@ -337,3 +337,23 @@ def test_a_head_up_to_the_documented_limit_is_served_by_either_parser(tiny_chat_
                         answer += chunk
             assert answer.split(b" ", 2)[1] == status, (size, answer[:300])
             assert b"x-request-id" in answer.lower()
+
+
+# An assistant message's tool call of a `type` other than "function" (a "custom" tool's call, or any string) was
+# read as a function call all the same, where every other field the server cannot serve is a 400 naming it.
+def test_a_history_tool_call_of_another_type_is_a_400_naming_it() -> None:
+    def body(call_type):
+        call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+        if call_type is not None:
+            call["type"] = call_type
+        return msgspec.json.encode({"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": None, "tool_calls": [call]}]})
+
+    for call_type in ("custom", "y" * 100_000, 5):
+        with pytest.raises(APIError) as refused:
+            parse_chat(decode_json(body(call_type), CHAT_BODY))
+        assert (refused.value.status, refused.value.param) == (400, "messages.[1].tool_calls.[0].type")
+        assert len(refused.value.message) < 1000
+    for call_type in ("function", None):
+        history = parse_chat(decode_json(body(call_type), CHAT_BODY)).history
+        assert history[1]["tool_calls"][0]["type"] == "function"

@@ -286,6 +286,9 @@ def check_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise _bad(f"{at}.id", f"`{at}.id` must be a string.")
+        if call.get("type", "function") != "function":  # read as a function call whatever it named
+            raise _bad(f"{at}.type", f'`{at}.type` must be "function", got {shown(call["type"])}.',
+                       "unsupported_parameter")
         raw = function.get("arguments", "{}")
         try:
             arguments = json.loads(raw) if isinstance(raw, str) else raw
