@@ -1,7 +1,8 @@
 """A third-party scheduler: per-tenant fair share, in one file, used through the registry.
 
 A request's tenant is the part of its ``request_id`` before the first "/"
-(``engine.generate(prompt, request_id="acme/42")``). Each step the tenant that
+(``engine.generate(prompt, request_id="acme/42")``); requests whose id has no "/" are
+one tenant together, "". Each step the tenant that
 has been served the fewest tokens so far goes first, so one tenant flooding the
 engine cannot starve another. Run it:
 
@@ -41,7 +42,11 @@ class FairShareScheduler(Scheduler):
 
     @staticmethod
     def tenant(request: Request) -> str:
-        return request.request_id.split("/", 1)[0]
+        """The id's part before its first "/"; "" (one tenant) for every id without one: a request with no tenant,
+        such as the HTTP server's calls made with a key that has none. Read as a tenant of its own, each of them
+        would be new and never served, so would go before every real tenant (a flood of them starving all)."""
+        tenant, slash, _ = request.request_id.partition("/")
+        return tenant if slash else ""
 
     def share(self, request: Request) -> tuple[float, float]:
         tenant = self.tenant(request)

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, InvalidParameterError
 from asyncinfer.server.auth import bearer, is_v1
-from asyncinfer.server.connections import GuardedHTTP, RequestDeadlines
+from asyncinfer.server.connections import MAX_HEADER_BYTES, GuardedHTTP, RequestDeadlines
 from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
@@ -153,6 +153,9 @@ def server_config(app: Any, settings: ServerSettings | None = None, host: str = 
 
     settings = settings or ServerSettings()
     guarded = GuardedHTTP(settings, http)
+    # h11 buffers at most 16 KiB of an unfinished head by default, and refuses more as unparseable: a head the
+    # guard's limit (MAX_HEADER_BYTES) allows, and httptools serves, read in several pieces was a 400
+    uvicorn_options.setdefault("h11_max_incomplete_event_size", MAX_HEADER_BYTES)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded,  # type: ignore[arg-type]
                           **uvicorn_options)
 

@@ -169,11 +169,16 @@ class ConnectionGuard(asyncio.Protocol):
             self._head_bytes, self._head_tail, self._after_head = None, b"", 0
         self._head_after_finish = False
 
-    def request_finished(self) -> None:
+    def request_finished(self, body_pending: bool = False) -> None:
+        """``body_pending``: its app answered before its body was all read (a 401, a 413): what the client still
+        sends is that body, which the parser skips, not the next request's head."""
         self._in_flight -= 1
         if self._in_flight == 0:
-            self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
-            self._head_after_finish = True
+            if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
+                self._head_after_finish = False
+            else:
+                self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
+                self._head_after_finish = True
             self._arm()
 
     def _confirm_head_too_long(self, starts: int) -> None:
@@ -285,14 +290,14 @@ class RequestDeadlines:
         guard = _GUARD.get()
         if guard is not None:
             guard.request_started()
+        progress = _Progress(body_done=not _has_body(scope))
         try:
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, send, progress)
         finally:
             if guard is not None:
-                guard.request_finished()
+                guard.request_finished(body_pending=not progress.body_done)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        progress = _Progress(body_done=not _has_body(scope))
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, progress: _Progress) -> None:
 
         async def receive_() -> Message:
             message = await receive()

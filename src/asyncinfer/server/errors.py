@@ -28,6 +28,7 @@ from asyncinfer.errors import (
     ModelChangedError,
     RequestAbortedError,
     RequestFailedError,
+    _short_repr,
 )
 
 log = logging.getLogger("asyncinfer.server")
@@ -82,6 +83,12 @@ class APIError(Exception):
 
 
 MAX_SHOWN_NAME = 256  # characters of a client's model name echoed in an error
+
+
+def shown(value: object) -> str:
+    """A client's value as an error message echoes it: its ``repr``, elided past a few hundred characters (as
+    ``InvalidParameterError`` shows values), so a megabyte sent in a field is never answered back whole."""
+    return _short_repr(value)
 
 
 def not_found(model: str) -> APIError:

@@ -46,7 +46,7 @@ import msgspec
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.prompts import CHAT_ROLES, ROLE_AS_RENDERED
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError
+from asyncinfer.server.errors import MAX_SHOWN_NAME, APIError, shown
 from asyncinfer.server.tools import ToolFormat, ToolUse, check_tool_calls, hermes_messages, parse_tool_use
 from asyncinfer.structured import StructuredOutput
 
@@ -306,7 +306,7 @@ def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
 def _typed(fields: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
     value = fields.get(key)
     if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is int)):
-        raise _bad(key, f"`{key}` must be {what}, got {value!r}.")
+        raise _bad(key, f"`{key}` must be {what}, got {shown(value)}.")
     return value
 
 
@@ -386,7 +386,15 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
     if options is not None:
         if not stream:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
-        include_usage = options.get("include_usage") is True
+        extra = sorted(set(options) - {"include_usage"})
+        if extra:
+            raise _bad(f"stream_options.{extra[0]}"[:MAX_SHOWN_NAME],
+                       f"Unrecognized argument in `stream_options`: {extra[0][:MAX_SHOWN_NAME]}")
+        include_usage = options.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise _bad("stream_options.include_usage", "`stream_options.include_usage` must be a boolean, got "
+                                                       f"{type(include_usage).__name__}.")
+        include_usage = include_usage is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
     common = {"model": model, "user": user, "stream": stream, "include_usage": include_usage, "priority": priority,
               "sampling": sampling, "max_tokens_field": "max_tokens", "structured_field": "structured"}
@@ -412,7 +420,7 @@ def _spec(field: str, build: Any, value: Any) -> StructuredOutput:
     try:
         return build(value)  # type: ignore[no-any-return]
     except InvalidParameterError as exc:
-        raise _bad(field, f"`{field}` is invalid: {exc.value!r} (allowed: {exc.allowed}).") from None
+        raise _bad(field, f"`{field}` is invalid: {shown(exc.value)} (allowed: {exc.allowed}).") from None
 
 
 def _guided(field: str, value: Any) -> StructuredOutput:
@@ -444,7 +452,7 @@ def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
         return "response_format", StructuredOutput.json_object()
     if kind != "json_schema":
         raise _bad("response_format.type", '`response_format.type` must be "text", "json_object" or "json_schema", '
-                                           f"got {kind!r}.")
+                                           f"got {shown(kind)}.")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise _bad("response_format.json_schema", "`response_format.json_schema` must be an object with `name` and "
@@ -452,7 +460,7 @@ def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise _bad("response_format.json_schema.name", "`response_format.json_schema.name` must be 1 to 64 "
-                                                       f"letters, digits, '_' or '-', got {name!r}.")
+                                                       f"letters, digits, '_' or '-', got {shown(name)}.")
     for key, kinds, what in (("description", str, "a string"), ("strict", bool, "a boolean")):
         if spec.get(key) is not None and not isinstance(spec[key], kinds):
             raise _bad(f"response_format.json_schema.{key}", f"`response_format.json_schema.{key}` must be {what}.")
@@ -581,7 +589,7 @@ def chat_history(value: Any) -> list[dict[str, Any]]:
                         "content": _content(message.get("content"), role, where)})
             continue
         if role not in _ROLES:
-            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {role!r}.")
+            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {shown(role)}.")
         turn: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = check_tool_calls(message["tool_calls"], where)
@@ -679,7 +687,7 @@ def _content(content: Any, role: str, where: str) -> str:
                            f"{'nothing' if part.get('text') is None else type(part['text']).__name__}.")
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {kind!r}.",
+            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {shown(kind)}.",
                        "unsupported_parameter")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -758,7 +766,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     dimensions = _typed(fields, "dimensions", int, "an integer")
     fmt = fields.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise _bad("encoding_format", f"`encoding_format` must be 'float' or 'base64', got {fmt!r}.")
+        raise _bad("encoding_format", f"`encoding_format` must be 'float' or 'base64', got {shown(fmt)}.")
     value = fields.get("input")
     if value is None:
         raise _bad("input", "Missing required parameter: 'input'.")

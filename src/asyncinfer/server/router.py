@@ -29,7 +29,7 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
-from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY, OFF_LOOP_CHARS, LoopShare, prompt_cost
+from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY, OFF_LOOP_CHARS, LoopShare, prompt_cost, texts_cost
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer, single_header
@@ -61,6 +61,8 @@ _PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-
 #: How many times a chat is made again (its format chosen, its prompt rendered or counted) for a model swapped while
 #: it was made, before its ModelChangedError is answered (a 503 to retry).
 MAX_REBINDS = 3
+#: About the characters one float of an embedding takes in a JSON answer (its cost, as LoopShare counts it).
+_FLOAT_CHARS = 20
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
 
@@ -271,8 +273,10 @@ class _OpenAI:
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        # its ASCII digits, leading zeros dropped: the HTTP parser takes "000...02" (4,301 digits, past what int()
+        # reads: a ValueError, answered 500) as 2
+        declared = request.headers.get("content-length", "").lstrip("0")
+        if declared.isascii() and declared.isdigit() and (len(declared) > len(str(limit)) or int(declared) > limit):
             raise too_large
         chunks, size = [], 0
         try:
@@ -473,14 +477,18 @@ class _OpenAI:
                            param="dimensions")
         count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
-        counts = await self._off_loop_if_long(sum(map(len, body.texts)), lambda: count_tokens(body.texts))
+        counts = await self._off_loop_if_long(texts_cost(body.texts), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
-        data = [{"object": "embedding", "index": i,
-                 "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.base64 else row.tolist()}
-                for i, row in enumerate(rows)]
         tokens = sum(counts)
-        return _json({"object": "list", "data": data, "model": model,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+        def answer() -> Response:
+            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(row.astype("<f4").tobytes())
+                     .decode() if body.base64 else row.tolist()} for i, row in enumerate(rows)]
+            return _json({"object": "list", "data": data, "model": model,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        # 2048 vectors are millions of floats to write as JSON (tens of ms for a small model's, more for a wider
+        # one): in a worker thread past the loop's share, as a long logprobs answer is
+        return await self._off_loop_if_long(rows.size * _FLOAT_CHARS, answer)
 
 
 def _json(body: Any, status: int = 200) -> Response:

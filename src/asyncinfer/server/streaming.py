@@ -65,26 +65,46 @@ class MergedStreams:
     :meth:`prime` waits until each stream has produced its first delta and raises
     the first error; iterating then yields everything in arrival order;
     :meth:`close` cancels what is still running (which aborts those requests).
+
+    Each stream is read at most one delta ahead of the reader: the next is asked of it only once
+    the reader has taken the last. A reader that falls behind (a client reading its answer slowly)
+    so leaves the pieces in the engine's stream, which merges a sample's unread pieces into one,
+    instead of one queued object per token here, for as long as the client keeps the connection.
     """
 
     def __init__(self, streams: Sequence[AsyncIterator[StreamDelta]]) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._taken = [asyncio.Event() for _ in streams]  # per stream: the reader took its last item
         self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
         self._early: list[tuple[int, Any]] = []
 
     async def _pump(self, index: int, stream: AsyncIterator[StreamDelta]) -> None:
+        taken = self._taken[index]
         try:
             async for delta in stream:
+                taken.clear()
                 self._queue.put_nowait((index, delta))
+                await taken.wait()  # one delta of this stream waits here at a time; the engine merges the rest
         except Exception as exc:  # noqa: BLE001 - not swallowed: handed to the reader, which raises it
             self._queue.put_nowait((index, exc))
         else:
             self._queue.put_nowait((index, _END))
+        finally:
+            # cancelled while it waited for the reader (close(): the client is gone), the stream is still open: its
+            # request is aborted now, not whenever the garbage collector finalizes it
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def _get(self) -> tuple[int, Any]:
+        index, item = await self._queue.get()
+        self._taken[index].set()
+        return index, item
 
     async def prime(self) -> None:
         started: set[int] = set()
         while len(started) < len(self._tasks):
-            index, item = await self._queue.get()
+            index, item = await self._get()
             if isinstance(item, Exception):
                 raise item
             started.add(index)
@@ -99,7 +119,7 @@ class MergedStreams:
             else:
                 yield index, item
         while open_streams:
-            index, item = await self._queue.get()
+            index, item = await self._get()
             if isinstance(item, Exception):
                 raise item
             if item is _END:

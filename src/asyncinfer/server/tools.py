@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.server.errors import APIError
+from asyncinfer.server.errors import APIError, shown
 from asyncinfer.structured import StructuredOutput
 
 __all__ = ["HERMES", "CallStream", "CallStreamBase", "HermesFormat", "ReplyStream", "Tool", "ToolFormat", "ToolUse",
@@ -210,7 +210,7 @@ def parse_tool_use(tools: Any, tool_choice: Any, parallel: Any) -> ToolUse | Non
     """The body's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked; None when no tool may be
     called (no tools, or ``tool_choice: "none"``). A 400 naming the field for anything malformed."""
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", f"`parallel_tool_calls` must be a boolean, got {parallel!r}.")
+        raise _bad("parallel_tool_calls", f"`parallel_tool_calls` must be a boolean, got {shown(parallel)}.")
     if tools is None:
         tools = []
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
@@ -233,7 +233,7 @@ def _tool(tool: Any, where: str) -> Tool:
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _bad(f"{where}.function.name", f"`{where}.function.name` must be 1 to 64 letters, digits, '_' or '-', "
-                                             f"got {name!r}.")
+                                             f"got {shown(name)}.")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise _bad(f"{where}.function.description", f"`{where}.function.description` must be a string.")
@@ -286,6 +286,9 @@ def check_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise _bad(f"{at}.id", f"`{at}.id` must be a string.")
+        if call.get("type", "function") != "function":  # read as a function call whatever it named
+            raise _bad(f"{at}.type", f'`{at}.type` must be "function", got {shown(call["type"])}.',
+                       "unsupported_parameter")
         raw = function.get("arguments", "{}")
         try:
             arguments = json.loads(raw) if isinstance(raw, str) else raw
