@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -357,3 +358,39 @@ def test_a_history_tool_call_of_another_type_is_a_400_naming_it() -> None:
     for call_type in ("function", None):
         history = parse_chat(decode_json(body(call_type), CHAT_BODY)).history
         assert history[1]["tool_calls"][0]["type"] == "function"
+
+
+async def _big_answer(scope: dict, receive: Any, send: Any) -> None:
+    """An app whose every answer is 20 MiB in one body, as a non-streamed answer is sent."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await receive()
+    body = b"x" * (20 << 20)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_client_trickle_reading_a_large_answer_is_cut_off_after_send_timeout() -> None:
+    """A client that reads a large non-streamed answer a few bytes at a time keeps its send buffer full (a few bytes
+    read never let the buffer drain to where writing resumes): the connection is dropped after ``send_timeout``,
+    the answer freed, though the client reads all the while."""
+    settings = ServerSettings(header_timeout=2.0, send_timeout=1.0)
+    with LiveServer(_big_answer, settings) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((host, int(port)))
+        try:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            start = time.monotonic()
+            while time.monotonic() - start < 30 and (time.monotonic() - start < 0.5
+                                                     or live.server.server_state.connections):
+                time.sleep(0.25)
+                client.recv(64)  # a trickle: never an empty read, the server's data keeps coming
+            assert not live.server.server_state.connections, "the trickle reader still holds its connection"
+            assert time.monotonic() - start < 10
+        finally:
+            client.close()
