@@ -22,6 +22,7 @@ structured request first needs it. Three objects:
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import threading
@@ -123,6 +124,26 @@ class GrammarMatcher:
         return InvalidParameterError("structured", _shown(spec), allowed)
 
 
+_AT = re.compile(r"^at \d+\(\d+\): ")  # the place in the library's own grammar text, which the caller never wrote
+_EXCERPT = re.compile(r"^\s*\d+ \| ")  # the start of a quoted line of that grammar text
+
+
+def _reason(text: str) -> str:
+    """The library's reason for refusing a spec, as the caller can read it: without the place in and the quoted
+    lines of the grammar text the library wraps a spec in (``start: /.../``), cut to MAX_REASON_CHARS."""
+    lines = _AT.sub("", text.strip()).splitlines()
+    for i, line in enumerate(lines):
+        if _EXCERPT.match(line):
+            lines = lines[:i]
+            break
+    reason = "\n".join(lines).strip() or "no reason given"
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    # cut short, the quoted spec goes first: the last "error: ..." line (the regex parser's verdict) stays whole
+    verdict = next((line.strip() for line in reversed(lines) if line.startswith("error: ")), "")[:MAX_REASON_CHARS // 2]
+    return reason[: MAX_REASON_CHARS - len(verdict)] + "... " + verdict
+
+
 class CompiledGrammar:
     """A spec compiled for one vocabulary; :meth:`matcher` gives each sample its own state."""
 
@@ -203,12 +224,11 @@ class GrammarCompiler:
         except InvalidParameterError:
             raise
         except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
-            reason = str(exc).strip()[:MAX_REASON_CHARS]
             raise InvalidParameterError("structured", _shown(spec),
-                                        f"a {_WHAT[spec.kind]} llguidance accepts: {reason}") from None
+                                        f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
-                                                                    f"{matcher.get_error().strip()}")
+                                                                    f"{_reason(matcher.get_error())}")
         probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
         GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         if matcher.is_error() or not bool(probe.any()):
