@@ -414,7 +414,13 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     port = sock.getsockname()[1]  # --port 0: the free port taken
     model = args.model_arg or args.model
     options = _engine_options(args)
-    specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        from asyncinfer.commands import CommandError
+
+        raise CommandError("--served-model-name must be a non-empty name (leave it out to serve the model under "
+                           f"{ModelSpec.served_name(model)!r})")
+    name = args.served_model_name if args.served_model_name is not None else ModelSpec.served_name(model)
+    specs = [ModelSpec(model, name, options)]
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))

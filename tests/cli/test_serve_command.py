@@ -214,3 +214,15 @@ def test_the_embedding_model_must_be_an_encoder_of_its_own_name(tiny_models, min
                      "--served-model-name", name]) == 2
     assert capsys.readouterr().err.startswith(f"asyncinfer: error: --embedding-model {encoder!r} would be served as "
                                               f"{name!r}, the name of the model served")
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_an_empty_served_model_name_is_refused_not_replaced(tiny_models, monkeypatch, capsys, name) -> None:
+    """``--served-model-name ""`` served the model under its file's name, silently: a client asking for the name it
+    was given got a 404. Refused in one line before anything loads."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(asyncinfer.server, "create_app", no_load)
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--served-model-name", name]) == 2
+    assert capsys.readouterr().err.startswith("asyncinfer: error: --served-model-name must be a non-empty name")

@@ -20,6 +20,7 @@ import pytest
 
 from asyncinfer import SamplingParams
 from asyncinfer.cache import KVCacheManager
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.lab import TraceRequest, simulate
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.request import Request
@@ -394,3 +395,16 @@ def test_a_client_trickle_reading_a_large_answer_is_cut_off_after_send_timeout()
             assert time.monotonic() - start < 10
         finally:
             client.close()
+
+
+def test_model_specs_of_one_name_or_a_bad_name_are_refused_by_create_app(tiny_models) -> None:
+    """Two ModelSpecs of one name (or a name of 0 or 300 characters) failed the app's start-up, after the first model
+    had loaded; create_app refuses them, naming the field, before anything loads."""
+    path = str(tiny_models["llama"][0])
+    with pytest.raises(InvalidParameterError) as err:
+        create_app([ModelSpec(path, "a"), ModelSpec(path, "b"), ModelSpec(path, "a")])
+    assert err.value.parameter == "models" and err.value.value == "a"
+    for bad in ("", "x" * 300, 7):
+        with pytest.raises(InvalidParameterError) as err:
+            create_app([ModelSpec(path, "ok"), ModelSpec(path, bad)])
+        assert err.value.parameter == "models[1].name"

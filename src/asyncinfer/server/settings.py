@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncinfer.catalog import check_name
 from asyncinfer.errors import InvalidParameterError
 
 #: Environment variable with the accepted API keys, comma-separated (``--api-key`` adds to them).
@@ -244,4 +245,13 @@ def model_specs(models: ModelSpec | Sequence[ModelSpec]) -> tuple[ModelSpec, ...
     specs = (models,) if isinstance(models, ModelSpec) else tuple(models)
     if not specs or not all(isinstance(s, ModelSpec) for s in specs):
         raise InvalidParameterError("models", models, "an AsyncEngine, a ModelSpec or a non-empty list of ModelSpecs")
+    for i, spec in enumerate(specs):  # refused here, not when the app starts (after the first model has loaded)
+        try:
+            check_name(spec.name)
+        except InvalidParameterError as exc:
+            raise InvalidParameterError(f"models[{i}].name", exc.value, exc.allowed) from None
+    names = [spec.name for spec in specs]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise InvalidParameterError("models", twice, "ModelSpecs of distinct names (a request names its model by it)")
     return specs
