@@ -85,10 +85,11 @@ def replica_memory(url: str, replicas: set[str], tries: int = 50) -> dict[str, f
     return found
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--name", default="default")
+    p.add_argument("--name", default=None, help="the model's name in requests (default: as `asyncinfer serve` names it, "
+                                                 "SmolLM2-135M-Instruct for the default model, else the file's name)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--autoscale", default=None, metavar="MIN:MAX")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
@@ -100,7 +101,14 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--bench", type=int, default=0, metavar="N", help="N concurrent requests, print figures, stop")
     p.add_argument("--max-tokens", type=int, default=32)
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
+    if args.name is None:
+        args.name = ModelSpec.served_name(args.model)
     try:
         url = deploy(args)
     except ConnectionError as exc:  # no Ray cluster at --address: one line, not Ray's traceback

@@ -35,6 +35,32 @@ def test_ray_serve_without_a_cluster_at_address_is_one_line(monkeypatch, capsys)
                    "Could not find any running Ray instance.\n")
 
 
+def test_ray_serve_serves_the_model_under_the_name_serve_gives_it(monkeypatch, capsys) -> None:
+    """The example served the model as ``default`` while the README's client asks for SmolLM2-135M-Instruct (a 404);
+    without --name it now takes the name ``asyncinfer serve`` gives the same model."""
+    pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+    example = load_example("ray_serve")
+    deployed = []
+    monkeypatch.setattr(example.ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(example.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(example.serve, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(example, "openai_app", lambda spec, **kwargs: deployed.append(spec))
+
+    def stop(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(example.time, "sleep", stop)
+    monkeypatch.setattr(example.serve, "shutdown", lambda: None)
+    monkeypatch.setattr(example.ray, "shutdown", lambda: None)
+    for argv, name in ((["ray_serve.py"], "SmolLM2-135M-Instruct"), (["ray_serve.py", "--model", "/m/llama.gguf"], "llama"),
+                       (["ray_serve.py", "--name", "mine"], "mine")):
+        monkeypatch.setattr("sys.argv", argv)
+        example.main()
+        assert deployed.pop().name == name
+        assert f"serving {name} on " in capsys.readouterr().out
+
+
 def test_embed_takes_threads_as_the_readme_advises_on_a_shared_machine(minilm_dir, monkeypatch, capsys) -> None:
     """The README: "On a busy or shared machine, pass --threads 1"; ``asyncinfer embed`` refused the flag.
     Its errors name the flags (``--threads 0``, ``--dtype 'foo'``), not the options (``num_threads=0``)."""
