@@ -408,3 +408,18 @@ def test_model_specs_of_one_name_or_a_bad_name_are_refused_by_create_app(tiny_mo
         with pytest.raises(InvalidParameterError) as err:
             create_app([ModelSpec(path, "ok"), ModelSpec(path, bad)])
         assert err.value.parameter == "models[1].name"
+
+
+def test_a_model_chat_completions_will_refuse_is_named_at_start_up(tiny_models, tiny_chat_model, caplog) -> None:
+    """``asyncinfer serve`` of a model without a chat template said nothing of it: its banner is printed before the
+    model loads, and the first chat request learnt it from a 400. The app warns once the models are loaded."""
+    from fastapi.testclient import TestClient
+
+    caplog.set_level("WARNING", logger="asyncinfer.server.app")
+    app = create_app([ModelSpec(str(tiny_models["llama"][0]), "plain", TINY_OPTIONS),
+                      ModelSpec(str(tiny_chat_model), "chatty", TINY_OPTIONS)])
+    with TestClient(app):
+        pass
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncinfer.server.app"]
+    assert len(said) == 1 and said[0].startswith("model 'plain' has no ")
+    assert "/v1/chat/completions" in said[0]

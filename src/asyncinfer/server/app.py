@@ -10,6 +10,7 @@ connections behind the header deadline and the connection cap.
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,6 +30,8 @@ from asyncinfer.server.connections import MAX_HEADER_BYTES, GuardedHTTP, Request
 from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -89,6 +92,7 @@ def create_app(
         try:
             for spec in specs[1:]:
                 await engine.add_model(spec.name, spec.model, **spec.options)
+            _say_what_cannot_chat(engine)
             slot.engine = app.state.engine = engine
             yield
         finally:
@@ -100,6 +104,22 @@ def create_app(
     app.include_router(openai_router(slot, settings))
     guard_app(app, settings)
     return app
+
+
+def _say_what_cannot_chat(engine: AsyncEngine) -> None:
+    """A warning at start-up for each generator that chat completions will refuse (no chat template, or no
+    tokenizer): the banner of ``asyncinfer serve`` is printed before the models load, and their first chat
+    request would be the first to learn it."""
+    for info in engine.model_info():
+        if info.kind != "generate":
+            continue
+        tokenizer = engine.get_tokenizer(info.name)
+        if tokenizer is None:
+            log.warning("model %r has no tokenizer: /v1/chat/completions and text prompts are refused (400); "
+                        "/v1/completions takes token ids", info.name)
+        elif getattr(tokenizer, "chat_template", None) is None:
+            log.warning("model %r has no chat template: /v1/chat/completions is refused (400); /v1/completions "
+                        "takes its prompts as text", info.name)
 
 
 def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
