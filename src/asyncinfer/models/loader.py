@@ -612,10 +612,15 @@ def _stored_format(tensors: list[GGUFTensor]) -> str:
 
 
 def _check_block_count(reader: GGUFFile, arch: object, count: object) -> None:
-    """Refuse a block count (an int in the metadata) other than the layers the tensors hold: a model built
-    for a wrong count would be that count's size."""
-    if not isinstance(count, int) or isinstance(count, bool):
-        return  # absent or not an int: gguf_model_config says so
+    """Refuse a block count other than the layers the tensors hold: a model built for a wrong count would be that
+    count's size. The count is read as gguf_model_config reads it (``int()``: a string or a float of the metadata
+    too), so a Gemma file's per-layer pattern is never built for a count the tensors do not hold."""
+    if count is None:
+        return  # absent: gguf_model_config says so
+    try:
+        count = int(count)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return  # of no kind int() reads: gguf_model_config says so
     blocks = {int(m.group(1)) for t in reader.tensors if (m := _BLOCK_NAME.match(t.name))}
     held = max(blocks) + 1 if blocks else 0
     if count != held:
