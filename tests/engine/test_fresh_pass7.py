@@ -53,3 +53,68 @@ def test_a_block_count_that_is_no_int_is_checked_before_any_per_layer_work(tmp_p
                              **{"A.block_count": (value, getattr(gguf.GGUFValueType, vtype))})
     with pytest.raises(ModelLoadError, match=r"gemma2\.block_count = 10000000000, but its tensors hold 0 layer"):
         loader.gguf_config(GGUFFile(path))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "llama"])
+def test_a_config_json_layer_count_past_its_weights_is_refused_before_transformers_reads_it(
+        tmp_path, monkeypatch, model_type) -> None:
+    """A Hugging Face directory whose config.json said ``num_hidden_layers: 10000000000`` went to transformers'
+    ``AutoConfig`` as it was, and its Qwen2 and Gemma 2 config classes build ``layer_types``, one entry a layer:
+    minutes and all of the machine's memory (a MemoryError after 64 s under a 6 GiB limit) before anything
+    refused it. The count is now checked against the layers the shards' headers name, before transformers."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from asyncinfer.models.loader import open_checkpoint
+
+    config = {"model_type": model_type, "num_hidden_layers": 10**10, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 32,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({f"model.layers.{i}.input_layernorm.weight": torch.zeros(64) for i in range(2)},
+              str(tmp_path / "model.safetensors"))
+    read = transformers.AutoConfig.from_pretrained
+
+    def bounded(path, *args, **kwargs):
+        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        assert layers <= 2, f"transformers was handed a config of {layers} layers"
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", bounded)
+    with pytest.raises(ModelLoadError, match=r"num_hidden_layers = 10000000000, but its weights hold 2 layer"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    assert open_checkpoint(tmp_path).config.num_layers == 2  # a count the weights hold is read as before
+
+
+def test_a_layer_count_beside_unreadable_shards_is_bounded_by_their_bytes(tmp_path, monkeypatch) -> None:
+    """Shards whose headers cannot be read leave the count to the load (which names the config's own errors
+    first), but bounded by the bytes they could hold: a garbage shard beside 10**10 layers is refused before
+    transformers builds its list of one entry a layer; a count that fits is read (and its shard refused) as before."""
+    import json
+
+    import transformers
+
+    from asyncinfer.models.loader import open_checkpoint
+
+    config = {"model_type": "qwen2", "num_hidden_layers": 10**10, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32, "max_position_embeddings": 128,
+              "rms_norm_eps": 1e-5, "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 4096)
+    read = transformers.AutoConfig.from_pretrained
+
+    def bounded(path, *args, **kwargs):
+        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        assert layers <= 4096, f"transformers was handed a config of {layers} layers"
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", bounded)
+    with pytest.raises(ModelLoadError, match=r"num_hidden_layers = 10000000000 is more layers than its weights could "
+                                             r"hold \(4096 bytes of \*\.safetensors shards: at most 4096\)"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    assert open_checkpoint(tmp_path).config.num_layers == 2  # the shard is refused by the load, as before

@@ -56,7 +56,13 @@ import torch
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
-from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+from asyncinfer.models.checkpoint import (
+    iter_safetensors,
+    load_hf_tokenizer,
+    read_json,
+    safetensors_files,
+    tensor_names,
+)
 from asyncinfer.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -326,12 +332,45 @@ def _hf_model_config(path: Path) -> ModelConfig:
 
     # An architecture no family runs is refused from config.json's names, before transformers parses it
     # (which fails on model types it does not know without naming what runs here) and before any weight.
-    hf_config_family(read_json(path / "config.json"), path / "config.json")
+    raw = read_json(path / "config.json")
+    family = hf_config_family(raw, path / "config.json")
+    _check_hf_layer_count(path, raw, family.weight_map)  # before transformers builds anything one a layer
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     return ModelConfig.from_hf_config(hf_config)
+
+
+_MIN_LAYER_BYTES = 32  # a layer's tensors take at least one entry of a shard's header: more than 32 bytes of JSON
+_UNCOUNTED_LAYERS = 4096  # the count a directory whose shards are not read may still give (a config read for a plan)
+
+
+def _check_hf_layer_count(path: Path, raw: dict[str, Any], weight_map: Any) -> None:
+    """Refuse a config.json whose ``num_hidden_layers`` (an int) is more than the layers its shards hold (their
+    headers' tensor names), before transformers parses it: its config classes build a list of one entry a layer
+    (Gemma's and Qwen's ``layer_types``), so a count of 10**10 took all of the machine's memory. A directory
+    without shards (a config read for a memory plan) or with an unreadable one is left to the load, which refuses
+    it once the config itself has been read; its count is only bounded by the bytes its shards could hold (at
+    least :data:`_UNCOUNTED_LAYERS`)."""
+    count = raw.get("num_hidden_layers")
+    if not isinstance(count, int) or isinstance(count, bool):
+        return  # absent or no int: transformers and ModelConfig say so
+    prefixes = {row[0].split("{i}")[0] for row in weight_map if "{i}" in row[0]}
+    layer = re.compile("(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")
+    try:
+        held = max((int(m.group(1)) + 1 for name in tensor_names(safetensors_files(path))
+                    if (m := layer.match(name))), default=0)
+    except ModelLoadError:  # no shards, or one whose header is unreadable: the load refuses it, after the config's
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # own errors; the count is
+        most = max(size // _MIN_LAYER_BYTES, _UNCOUNTED_LAYERS)  # still bounded by the bytes the shards could hold
+        if count > most:
+            raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {count} is more layers than its "
+                                 f"weights could hold ({size} bytes of *.safetensors shards: at most {most})") from None
+        return
+    if count > held:
+        raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {count}, but its weights hold {held} "
+                             "layer(s)")
 
 
 def _load_hf_dir(
