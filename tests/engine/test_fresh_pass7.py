@@ -118,3 +118,32 @@ def test_a_layer_count_beside_unreadable_shards_is_bounded_by_their_bytes(tmp_pa
         open_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     assert open_checkpoint(tmp_path).config.num_layers == 2  # the shard is refused by the load, as before
+
+
+def test_an_encoder_config_with_more_layers_than_its_weights_is_refused_before_they_are_built(
+        tmp_path, monkeypatch, minilm_dir) -> None:
+    """An embedding model's config.json with ``num_hidden_layers: 10000000000`` built the encoder's layers (one
+    module each, on the meta device) until the memory ran out: no refusal within a minute under a 4 GB limit.
+    The count is now checked against the layers the shards' headers name before any is built."""
+    import json
+    import shutil
+
+    import torch
+
+    from asyncinfer.models import encoder
+
+    model = tmp_path / "minilm"
+    shutil.copytree(minilm_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**10}))
+    built = encoder.SentenceEncoder
+
+    def bounded(cfg):
+        assert cfg.num_layers <= 6, f"an encoder of {cfg.num_layers} layers was built"
+        return built(cfg)
+
+    monkeypatch.setattr(encoder, "SentenceEncoder", bounded)
+    with pytest.raises(ModelLoadError, match=r"num_hidden_layers = 10000000000, but its weights hold 6 layer"):
+        encoder.load_encoder(model, torch.float32, "cpu")
+    (model / "config.json").write_text(json.dumps(config))
+    assert encoder.load_encoder(model, torch.float32, "cpu").config.num_layers == 6  # as before

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
-from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+from asyncinfer.models.checkpoint import (
+    iter_safetensors,
+    load_hf_tokenizer,
+    read_json,
+    safetensors_files,
+    tensor_names,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -322,6 +329,9 @@ class LoadedEncoder:
         return self.encode_ids(self.tokenize(texts))
 
 
+_LAYER = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")  # a checkpoint tensor of layer N (parameter_name's)
+
+
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedEncoder:
     """Load a sentence encoder from a sentence-transformers / Hugging Face BERT directory."""
     path = Path(path)
@@ -334,11 +344,18 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
     if len(tokenizer) > cfg.vocab_size:
         raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but the encoder embeds only {cfg.vocab_size}")
+    files = safetensors_files(path)
+    # The layers are built one module each (on meta): a count the shards' headers do not hold is refused first
+    # (config.json's num_hidden_layers of 10**10 built modules until the memory ran out).
+    held = max((int(m.group(1)) + 1 for name in tensor_names(files) if (m := _LAYER.match(name))), default=0)
+    if cfg.num_layers > held:
+        raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {cfg.num_layers}, but its weights hold "
+                             f"{held} layer(s)")
     with torch.device("meta"):
         model = SentenceEncoder(cfg)
     params = dict(model.named_parameters())
     filled: dict[str, torch.Tensor] = {}
-    for ckpt_name, tensor in iter_safetensors(safetensors_files(path)):
+    for ckpt_name, tensor in iter_safetensors(files):
         name = parameter_name(ckpt_name)
         if name is None:
             continue
