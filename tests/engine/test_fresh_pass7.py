@@ -147,3 +147,39 @@ def test_an_encoder_config_with_more_layers_than_its_weights_is_refused_before_t
         encoder.load_encoder(model, torch.float32, "cpu")
     (model / "config.json").write_text(json.dumps(config))
     assert encoder.load_encoder(model, torch.float32, "cpu").config.num_layers == 6  # as before
+
+
+@pytest.mark.parametrize(("arch", "values", "message"), [
+    ("llama", {"A.attention.head_count": (0, "UINT32")}, r"llama\.attention\.head_count = 0 must be a positive int"),
+    ("gemma2", {"A.attention.scale": (0.0, "FLOAT32")}, r"gemma2\.attention\.scale = 0\.0 must be > 0"),
+    ("gemma2", {"A.attention.scale": (-0.25, "FLOAT32")}, r"gemma2\.attention\.scale = -0\.25 must be > 0"),
+], ids=["head-count-0", "scale-0", "scale-negative"])
+def test_a_gguf_size_that_divides_by_zero_is_refused_by_its_key(tmp_path, arch, values, message) -> None:
+    """A GGUF file with ``attention.head_count = 0`` (the head size's default divides by it) or a Gemma file with
+    ``attention.scale = 0`` raised a bare ZeroDivisionError from ``read_model_config`` and
+    ``AsyncEngine.plan_memory`` (the CLI's ``info``: "internal error"); a negative scale lost its sign. Each is
+    now a ModelLoadError naming the key."""
+    import gguf
+
+    from asyncinfer.memory import read_model_config
+
+    typed = {key: (value, getattr(gguf.GGUFValueType, kind)) for key, (value, kind) in values.items()}
+    path = _header_only_gguf(tmp_path / "sizes.gguf", arch, **typed)
+    with pytest.raises(ModelLoadError, match=message):
+        read_model_config(path)
+
+
+def test_an_encoder_config_with_no_heads_is_refused_by_name(tmp_path, minilm_dir) -> None:
+    """An embedding model's config.json with ``num_attention_heads: 0`` raised a bare ZeroDivisionError from
+    ``read_encoder_config`` (the encoder's config checks divided by it first); now a ModelLoadError naming it."""
+    import json
+    import shutil
+
+    from asyncinfer.models.encoder import read_encoder_config
+
+    model = tmp_path / "minilm"
+    shutil.copytree(minilm_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    with pytest.raises(ModelLoadError, match=r"num_heads=0 must be a positive int"):
+        read_encoder_config(model)

@@ -68,6 +68,11 @@ class EncoderConfig:
     max_seq_len: int = 512  # tokens read per text, [CLS] and [SEP] included; longer texts are truncated
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # num_heads=0: ZeroDivisionError
+                raise ModelLoadError(f"encoder config: {name}={value!r} must be a positive int")
         if self.architecture not in ENCODER_ARCHITECTURES:
             raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
         if self.hidden_act not in _ACTIVATIONS:

@@ -688,6 +688,8 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    if num_heads < 1:  # before the head size's default divides by it
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.head_count = {num_heads} must be a positive int")
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -766,6 +768,8 @@ def _gguf_gemma_fields(reader: GGUFFile, arch: str, family: str, num_layers: int
         return {}
     scale = _field(reader, f"{arch}.attention.scale", None)
     if scale is not None:
+        if not float(scale) > 0:  # 0 raised ZeroDivisionError; a negative one lost its sign
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.scale = {scale!r} must be > 0")
         scalar = float(scale) ** -2
     elif num_layers == _GEMMA_27B_LAYERS[family]:
         scalar = hidden / num_heads
