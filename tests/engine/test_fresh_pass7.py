@@ -183,3 +183,41 @@ def test_an_encoder_config_with_no_heads_is_refused_by_name(tmp_path, minilm_dir
     (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
     with pytest.raises(ModelLoadError, match=r"num_heads=0 must be a positive int"):
         read_encoder_config(model)
+
+
+def test_a_block_tensor_of_no_dimension_is_refused_at_parse(tmp_path) -> None:
+    """A Q4_0 tensor of no dimension holds one value, but its bytes were counted as none (the product of no
+    dimensions, divided by the 32 values of a block), so the reader took it; read as ``rope_freqs.weight`` (which
+    the config dequantizes before the tensor index is checked) it was a bare RuntimeError from torch ("shape '[]'
+    is invalid for input of size 0") out of ``read_model_config``. Its one value is not a whole block: refused."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    from asyncinfer.memory import read_model_config
+    from asyncinfer.models.gguf_file import GGUFFile
+
+    path = tmp_path / "rope.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    kind = gguf.GGUFValueType
+    for key, (value, vtype) in {"embedding_length": (64, kind.UINT32), "attention.head_count": (4, kind.UINT32),
+                                "feed_forward_length": (128, kind.UINT32), "context_length": (128, kind.UINT32),
+                                "attention.layer_norm_rms_epsilon": (1e-5, kind.FLOAT32),
+                                "block_count": (0, kind.UINT32), "vocab_size": (32, kind.UINT32)}.items():
+        writer.add_key_value(f"llama.{key}", value, vtype)
+    writer.add_tensor("rope_freqs.weight", np.zeros((1, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"rope_freqs.weight") + len("rope_freqs.weight")  # then n_dims (u32) and its dims (u64 each)
+    assert struct.unpack_from("<I", data, at)[0] == 2
+    data[at:at + 4 + 16] = struct.pack("<I", 0)  # no dimension
+    path.write_bytes(bytes(data))
+    message = r"'rope_freqs\.weight' \(q4_0\) has rows of 1 values, not a whole number of 32-value blocks"
+    with pytest.raises(ModelLoadError, match=message):
+        GGUFFile(path)
+    with pytest.raises(ModelLoadError, match=message):
+        read_model_config(path)
