@@ -221,3 +221,31 @@ def test_a_block_tensor_of_no_dimension_is_refused_at_parse(tmp_path) -> None:
         GGUFFile(path)
     with pytest.raises(ModelLoadError, match=message):
         read_model_config(path)
+
+
+class _AnyVersion(int):
+    """A version id equal to every other (``==`` and ``!=`` answer so whatever they are compared with)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+async def test_a_version_id_that_poses_as_any_version_is_read_as_the_int_it_holds(tiny_models) -> None:
+    """``generate(..., version_id=)`` pins a prompt to the version that made it; an ``int`` subclass whose ``!=``
+    said False passed the check for version 99 while version 0 served, and the request ran on a version that
+    never made its ids. The id is now read as the plain int it holds: ModelChangedError, nothing queued."""
+    from asyncinfer import AsyncEngine, ModelChangedError, SamplingParams
+
+    options = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu",
+               "block_size": 4}
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **options) as engine:
+        with pytest.raises(ModelChangedError, match="made for version 99 of the model, and version 0 serves it"):
+            await engine.generate([1, 2], SamplingParams(max_tokens=2), version_id=_AnyVersion(99))
+        out = await engine.generate([1, 2], SamplingParams(max_tokens=2), version_id=_AnyVersion(0))
+        assert out.finish_reason == "length"  # the version that serves: runs as before
+        assert engine.kv_stats().used_blocks == 0
