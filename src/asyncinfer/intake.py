@@ -31,6 +31,7 @@ import anyio
 from asyncinfer.catalog import ModelCatalog
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, ModelChangedError
 from asyncinfer.holder import ModelHolder, ModelVersion
+from asyncinfer.plain import plain_value
 from asyncinfer.prompts import (
     Prompt,
     check_prompt_len,
@@ -98,6 +99,7 @@ class RequestIntake:
             raise
         if version_id is None:
             return args
+        version_id = plain_value(version_id)  # the int it holds: a subclass's == and != may answer as any version
         if not isinstance(version_id, int) or isinstance(version_id, bool) or version_id < 0:
             exc = InvalidParameterError("version_id", version_id, "None or a model version's id (an int >= 0)")
             self._refused(model, exc)

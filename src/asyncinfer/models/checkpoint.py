@@ -99,6 +99,23 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
 
 
+def tensor_names(files: list[Path]) -> Iterator[str]:
+    """The names of the shards' tensors, read from their headers alone (no tensor is read).
+
+    Raises:
+        ModelLoadError: a corrupt or truncated shard.
+    """
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+        except Exception as exc:  # corrupt header, truncated file, ...
+            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+        yield from names
+
+
 def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files.
 

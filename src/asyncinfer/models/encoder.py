@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
-from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+from asyncinfer.models.checkpoint import (
+    iter_safetensors,
+    load_hf_tokenizer,
+    read_json,
+    safetensors_files,
+    tensor_names,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,6 +68,11 @@ class EncoderConfig:
     max_seq_len: int = 512  # tokens read per text, [CLS] and [SEP] included; longer texts are truncated
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # num_heads=0: ZeroDivisionError
+                raise ModelLoadError(f"encoder config: {name}={value!r} must be a positive int")
         if self.architecture not in ENCODER_ARCHITECTURES:
             raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
         if self.hidden_act not in _ACTIVATIONS:
@@ -322,6 +334,9 @@ class LoadedEncoder:
         return self.encode_ids(self.tokenize(texts))
 
 
+_LAYER = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")  # a checkpoint tensor of layer N (parameter_name's)
+
+
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedEncoder:
     """Load a sentence encoder from a sentence-transformers / Hugging Face BERT directory."""
     path = Path(path)
@@ -334,11 +349,18 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
     if len(tokenizer) > cfg.vocab_size:
         raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but the encoder embeds only {cfg.vocab_size}")
+    files = safetensors_files(path)
+    # The layers are built one module each (on meta): a count the shards' headers do not hold is refused first
+    # (config.json's num_hidden_layers of 10**10 built modules until the memory ran out).
+    held = max((int(m.group(1)) + 1 for name in tensor_names(files) if (m := _LAYER.match(name))), default=0)
+    if cfg.num_layers > held:
+        raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {cfg.num_layers}, but its weights hold "
+                             f"{held} layer(s)")
     with torch.device("meta"):
         model = SentenceEncoder(cfg)
     params = dict(model.named_parameters())
     filled: dict[str, torch.Tensor] = {}
-    for ckpt_name, tensor in iter_safetensors(safetensors_files(path)):
+    for ckpt_name, tensor in iter_safetensors(files):
         name = parameter_name(ckpt_name)
         if name is None:
             continue

@@ -209,9 +209,10 @@ class GGUFFile:
         tensors = []
         for name, dims, ggml_type, offset in infos:
             block, size = _block(ggml_type, name)
-            if dims and dims[0] % block:
+            row = dims[0] if dims else 1  # a tensor of no dimension holds one value (its bytes were counted as none)
+            if row % block:
                 raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} ({tensor_format(ggml_type)}) "
-                                     f"has rows of {dims[0]} values, not a whole number of {block}-value blocks")
+                                     f"has rows of {row} values, not a whole number of {block}-value blocks")
             nbytes = math.prod(dims) // block * size  # Python ints: no overflow, however large the counts
             start = data_start + offset
             if offset % alignment:

@@ -56,7 +56,13 @@ import torch
 from torch import nn
 
 from asyncinfer.errors import ModelLoadError
-from asyncinfer.models.checkpoint import iter_safetensors, load_hf_tokenizer, read_json, safetensors_files
+from asyncinfer.models.checkpoint import (
+    iter_safetensors,
+    load_hf_tokenizer,
+    read_json,
+    safetensors_files,
+    tensor_names,
+)
 from asyncinfer.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -326,12 +332,45 @@ def _hf_model_config(path: Path) -> ModelConfig:
 
     # An architecture no family runs is refused from config.json's names, before transformers parses it
     # (which fails on model types it does not know without naming what runs here) and before any weight.
-    hf_config_family(read_json(path / "config.json"), path / "config.json")
+    raw = read_json(path / "config.json")
+    family = hf_config_family(raw, path / "config.json")
+    _check_hf_layer_count(path, raw, family.weight_map)  # before transformers builds anything one a layer
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     return ModelConfig.from_hf_config(hf_config)
+
+
+_MIN_LAYER_BYTES = 32  # a layer's tensors take at least one entry of a shard's header: more than 32 bytes of JSON
+_UNCOUNTED_LAYERS = 4096  # the count a directory whose shards are not read may still give (a config read for a plan)
+
+
+def _check_hf_layer_count(path: Path, raw: dict[str, Any], weight_map: Any) -> None:
+    """Refuse a config.json whose ``num_hidden_layers`` (an int) is more than the layers its shards hold (their
+    headers' tensor names), before transformers parses it: its config classes build a list of one entry a layer
+    (Gemma's and Qwen's ``layer_types``), so a count of 10**10 took all of the machine's memory. A directory
+    without shards (a config read for a memory plan) or with an unreadable one is left to the load, which refuses
+    it once the config itself has been read; its count is only bounded by the bytes its shards could hold (at
+    least :data:`_UNCOUNTED_LAYERS`)."""
+    count = raw.get("num_hidden_layers")
+    if not isinstance(count, int) or isinstance(count, bool):
+        return  # absent or no int: transformers and ModelConfig say so
+    prefixes = {row[0].split("{i}")[0] for row in weight_map if "{i}" in row[0]}
+    layer = re.compile("(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")
+    try:
+        held = max((int(m.group(1)) + 1 for name in tensor_names(safetensors_files(path))
+                    if (m := layer.match(name))), default=0)
+    except ModelLoadError:  # no shards, or one whose header is unreadable: the load refuses it, after the config's
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # own errors; the count is
+        most = max(size // _MIN_LAYER_BYTES, _UNCOUNTED_LAYERS)  # still bounded by the bytes the shards could hold
+        if count > most:
+            raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {count} is more layers than its "
+                                 f"weights could hold ({size} bytes of *.safetensors shards: at most {most})") from None
+        return
+    if count > held:
+        raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers = {count}, but its weights hold {held} "
+                             "layer(s)")
 
 
 def _load_hf_dir(
@@ -612,10 +651,15 @@ def _stored_format(tensors: list[GGUFTensor]) -> str:
 
 
 def _check_block_count(reader: GGUFFile, arch: object, count: object) -> None:
-    """Refuse a block count (an int in the metadata) other than the layers the tensors hold: a model built
-    for a wrong count would be that count's size."""
-    if not isinstance(count, int) or isinstance(count, bool):
-        return  # absent or not an int: gguf_model_config says so
+    """Refuse a block count other than the layers the tensors hold: a model built for a wrong count would be that
+    count's size. The count is read as gguf_model_config reads it (``int()``: a string or a float of the metadata
+    too), so a Gemma file's per-layer pattern is never built for a count the tensors do not hold."""
+    if count is None:
+        return  # absent: gguf_model_config says so
+    try:
+        count = int(count)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return  # of no kind int() reads: gguf_model_config says so
     blocks = {int(m.group(1)) for t in reader.tensors if (m := _BLOCK_NAME.match(t.name))}
     held = max(blocks) + 1 if blocks else 0
     if count != held:
@@ -644,6 +688,8 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    if num_heads < 1:  # before the head size's default divides by it
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.head_count = {num_heads} must be a positive int")
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -722,6 +768,8 @@ def _gguf_gemma_fields(reader: GGUFFile, arch: str, family: str, num_layers: int
         return {}
     scale = _field(reader, f"{arch}.attention.scale", None)
     if scale is not None:
+        if not float(scale) > 0:  # 0 raised ZeroDivisionError; a negative one lost its sign
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.scale = {scale!r} must be > 0")
         scalar = float(scale) ** -2
     elif num_layers == _GEMMA_27B_LAYERS[family]:
         scalar = hidden / num_heads
