@@ -7,9 +7,12 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
+from asyncinfer.server.errors import APIError
+from asyncinfer.server.protocol import CHAT_BODY, decode_json, parse_chat
 
 from .conftest import TINY_OPTIONS, LiveServer
 
@@ -86,3 +89,15 @@ def test_a_connection_idle_after_a_refused_body_gets_no_second_answer(tiny_chat_
         assert time.monotonic() - start < 20
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
     assert statuses == [b"401" if case == "wrong key" else b"413"], answer[-600:]
+
+
+# A message's `role` that is a list or an object (unhashable) was looked up in the table of roles as it was: a
+# TypeError, answered 500 internal_error (and logged as a server fault) for a malformed body.
+@pytest.mark.parametrize("role", [[], ["user"], {}, {"a": 1}])
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_role_of_another_type_is_a_400_naming_it(role, at) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    messages[at] = {**messages[at], "role": role}
+    with pytest.raises(APIError) as refused:
+        parse_chat(decode_json(msgspec.json.encode({"messages": messages}), CHAT_BODY))
+    assert (refused.value.status, refused.value.param) == (400, f"messages.[{at}].role"), refused.value.message
