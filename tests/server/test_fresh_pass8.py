@@ -101,3 +101,33 @@ def test_a_role_of_another_type_is_a_400_naming_it(role, at) -> None:
     with pytest.raises(APIError) as refused:
         parse_chat(decode_json(msgspec.json.encode({"messages": messages}), CHAT_BODY))
     assert (refused.value.status, refused.value.param) == (400, f"messages.[{at}].role"), refused.value.message
+
+
+# uvicorn's httptools protocol tells only its newest request of a lost connection: a client that pipelined a
+# request behind one in flight and went away left the one in flight never told (its `http.disconnect` never came),
+# so it was generated to its end, stream or whole answer, for nobody, holding its KV blocks all the while; a caller
+# could so make the server do any amount of work without holding a single connection.
+LONG = 480  # tokens the tiny model would take about a second to decode, were it not aborted
+
+
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_with_a_request_pipelined_aborts_the_one_in_flight(tiny_chat_model, http_parser,
+                                                                         stream) -> None:
+    pytest.importorskip(http_parser)
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app, http=http_parser) as live:
+        first = msgspec.json.encode({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": LONG,
+                                     "ignore_eos": True, "stream": stream})
+        second = msgspec.json.encode({"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        pipelined = b"".join((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              f"Content-Length: {len(body)}\r\n\r\n").encode() + body for body in (first, second))
+        before = live.engine.step_stats("tiny").decode_tokens
+        with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(pipelined)
+            deadline = time.monotonic() + 30
+            while not live.engine.kv_stats("tiny").used_blocks:  # the first is under way
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        live.wait_idle()
+        assert live.engine.step_stats("tiny").decode_tokens - before < LONG // 2  # aborted, not run to its end

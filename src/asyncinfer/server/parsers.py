@@ -10,6 +10,7 @@ closes, as uvicorn closes it.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server.errors import APIError, new_request_id
@@ -39,8 +40,29 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpTools(HttpToolsProtocol):
+        """uvicorn's httptools protocol, its 400 in OpenAI's shape, and a lost connection told to every request
+        of it: uvicorn tells only its newest (a request pipelined behind the one in flight), so the one in flight
+        never heard of it and was answered to its end for nobody (its generation never aborted)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.unanswered: list[Any] = []  # the connection's requests (uvicorn's cycles) not yet answered
+
         def send_400_response(self, msg: str) -> None:
             _refuse(self.transport)
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self.unanswered = [c for c in self.unanswered if not c.response_complete]
+            if self.cycle is not None and not any(c is self.cycle for c in self.unanswered):
+                self.unanswered.append(self.cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            for cycle in self.unanswered:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
 
     return HttpTools
 
