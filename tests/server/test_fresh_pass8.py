@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
@@ -12,6 +13,7 @@ import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.errors import APIError
+from asyncinfer.server.parsers import MAX_PIPELINED
 from asyncinfer.server.protocol import CHAT_BODY, decode_json, parse_chat
 
 from .conftest import TINY_OPTIONS, LiveServer
@@ -131,3 +133,34 @@ def test_a_client_gone_with_a_request_pipelined_aborts_the_one_in_flight(tiny_ch
                 time.sleep(0.005)
         live.wait_idle()
         assert live.engine.step_stats("tiny").decode_tokens - before < LONG // 2  # aborted, not run to its end
+
+
+# uvicorn's httptools protocol parses every request a read holds and queues each one behind the request in flight,
+# and resumes reading whenever an answer is done: a client pipelining tiny requests (`GET /health`, 30 bytes each,
+# no key needed) while reading the answers had the server parse another read's worth (about 8,000 requests) per
+# request answered, each queued request kept (over a kilobyte each): its memory grew by hundreds of MiB a second and
+# every other caller's answers waited seconds behind the parsing. Past MAX_PIPELINED requests queued, what follows is
+# left unread and the connection closes once the queued ones are answered.
+def test_pipelined_requests_queued_behind_one_in_flight_are_bounded(tiny_chat_model) -> None:
+    pytest.importorskip("httptools")
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app, http="httptools") as live:
+        queued: list[int] = []
+
+        async def watch() -> None:  # the longest queue of any connection, while the flood lasts
+            while not done.is_set():
+                queued.append(max((len(getattr(p, "pipeline", ())) for p in live.server.server_state.connections),
+                                  default=0))
+                await asyncio.sleep(0.001)
+
+        done = threading.Event()
+        watching = asyncio.run_coroutine_threadsafe(watch(), live.engine.loop)
+        flood = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 20_000
+        answer = _exchange(int(live.url.rsplit(":", 1)[1]), [(flood[at:at + 65536], 0.0)
+                                                             for at in range(0, len(flood), 65536)])
+        done.set()
+        watching.result(30)
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+    assert set(statuses) == {b"200"}, set(statuses)  # answered in order, then closed: never a 400 out of turn
+    assert max(queued) <= MAX_PIPELINED, max(queued)
+    assert MAX_PIPELINED <= len(statuses) < 20_000
