@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import httpx
 import msgspec
 import pytest
 
@@ -164,3 +165,15 @@ def test_pipelined_requests_queued_behind_one_in_flight_are_bounded(tiny_chat_mo
     assert set(statuses) == {b"200"}, set(statuses)  # answered in order, then closed: never a 400 out of turn
     assert max(queued) <= MAX_PIPELINED, max(queued)
     assert MAX_PIPELINED <= len(statuses) < 20_000
+
+
+# A URL no route serves, or a method a route does not take, was echoed whole in its 404 or 405: a path of 60,000
+# characters came back in a 60 KB error, where every other value a client sends is echoed elided (pass 7).
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/" + "p" * 60_000, 404),
+                                                        ("POST", "/v1/models/" + "m" * 60_000, 405)])
+def test_an_unserved_url_is_echoed_bounded(tiny_chat_model, method, path, status) -> None:
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app) as live:
+        answer = httpx.request(method, live.url + path, timeout=30)
+    assert answer.status_code == status and "x-request-id" in answer.headers
+    assert len(answer.json()["error"]["message"]) < 1000, len(answer.text)
