@@ -177,3 +177,24 @@ def test_an_unserved_url_is_echoed_bounded(tiny_chat_model, method, path, status
         answer = httpx.request(method, live.url + path, timeout=30)
     assert answer.status_code == status and "x-request-id" in answer.headers
     assert len(answer.json()["error"]["message"]) < 1000, len(answer.text)
+
+
+# A whole chat answer with tools had every choice's reply read for its calls on the serving loop: up to 64 choices
+# of the context's length, hundreds of calls each (some 30 µs a call to read, check and write back: about a second
+# for one answer), while every other caller's stream waited. It is built in a worker thread, as a logprobs answer is.
+def test_a_whole_answer_with_tools_is_read_off_the_loop(server, monkeypatch) -> None:
+    from asyncinfer.server import responses
+
+    from .test_loop_stays_free import answered_while_held, loop_thread
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    def send() -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": tools, "n": 2,
+            "max_tokens": 4})
+
+    answer, threads = answered_while_held(server, monkeypatch, responses, "read_calls", send)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 2
+    assert loop_thread(server) not in threads
