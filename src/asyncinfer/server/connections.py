@@ -94,6 +94,10 @@ class ConnectionGuard(asyncio.Protocol):
         self._head_after_finish = False
         self._confirming = False  # that check is scheduled
         self._starts = 0  # requests started on this connection
+        # The rest of a body its request was answered before it was all in (a 401, a 413), which the parser skips:
+        # its bytes still to come (None: of a length not declared, until the next request starts), neither a head
+        # nor a request begun (they are counted in _after_head, under its bound).
+        self._skip: int | None = 0
 
     # ------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -110,9 +114,16 @@ class ConnectionGuard(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # drained while the refusal lingers
+        head = data
         if self._in_flight == 0:
-            self._partial = True
-        if self._head_too_long(data):
+            if self._skip != 0:
+                head = self._skipped(data)  # what follows the rest of a body its request was answered before
+                if self._after_head > self._after_head_limit:  # (that rest too is bounded)
+                    self._refuse(_head_error())
+                    return
+            if head:
+                self._partial = True
+        if head and self._head_too_long(head):
             if not self._head_after_finish:
                 self._refuse(_head_error())
                 return
@@ -165,17 +176,23 @@ class ConnectionGuard(asyncio.Protocol):
         self._starts += 1
         self._partial = False
         self._disarm()
-        if self._head_bytes is not None:  # the server parsed a head whose end this count had not seen (see above)
-            self._head_bytes, self._head_tail, self._after_head = None, b"", 0
+        if self._head_bytes is not None or self._skip != 0:  # the server parsed a head whose end this count had not
+            # seen (see above; or counted as the rest of a skipped body): its own bytes are counted from here
+            self._head_bytes, self._head_tail, self._after_head, self._skip = None, b"", 0, 0
         self._head_after_finish = False
 
-    def request_finished(self, body_pending: bool = False) -> None:
+    def request_finished(self, body_pending: bool = False, body_length: int | None = None) -> None:
         """``body_pending``: its app answered before its body was all read (a 401, a 413): what the client still
-        sends is that body, which the parser skips, not the next request's head."""
+        sends is that body, which the parser skips, not the next request's head (nor a request begun, which the
+        header deadline would answer 408), up to ``body_length``, its declared length (None: not declared, a
+        chunked body: until the next request starts)."""
         self._in_flight -= 1
         if self._in_flight == 0:
             if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
                 self._head_after_finish = False
+                self._skip = None if body_length is None else max(0, body_length - self._after_head)
+                if self._skip == 0:  # (all in meanwhile: what follows is a head)
+                    self._head_bytes, self._head_tail, self._after_head = 0, b"", 0
             else:
                 self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
                 self._head_after_finish = True
@@ -187,6 +204,25 @@ class ConnectionGuard(asyncio.Protocol):
             self._refuse(_head_error())
 
     # ---------------------------------------------------------------- inside
+    @property
+    def _after_head_limit(self) -> int:
+        return 2 * self._settings.max_body_bytes + MAX_HEADER_BYTES
+
+    def _skipped(self, data: bytes) -> bytes:
+        """``data`` less what is the rest of a skipped body (counted in ``_after_head``); past its end, the next
+        head is counted afresh."""
+        if self._skip == 0:
+            return data
+        if self._skip is None:  # a length not declared: all of it, until the next request starts
+            self._after_head += len(data)
+            return b""
+        body, data = data[:self._skip], data[self._skip:]
+        self._skip -= len(body)
+        self._after_head += len(body)
+        if self._skip == 0:
+            self._head_bytes, self._head_tail, self._after_head = 0, b"", 0
+        return data
+
     def _head_too_long(self, data: bytes) -> bool:
         """Count ``data`` into the request head until its end (an empty line) is seen; whether the head
         has passed :data:`MAX_HEADER_BYTES` without ending. Past its end, while its request is in flight, the
@@ -195,7 +231,7 @@ class ConnectionGuard(asyncio.Protocol):
         :data:`MAX_HEADER_BYTES` (a body over ``max_body_bytes`` is the app's 413 long before)."""
         if self._head_bytes is None:
             self._after_head += len(data)
-            return self._after_head > 2 * self._settings.max_body_bytes + MAX_HEADER_BYTES
+            return self._after_head > self._after_head_limit
         seen = self._head_tail + data
         end = seen.find(_HEAD_END)
         if end >= 0:
@@ -295,7 +331,7 @@ class RequestDeadlines:
             await self._serve(scope, receive, send, progress)
         finally:
             if guard is not None:
-                guard.request_finished(body_pending=not progress.body_done)
+                guard.request_finished(not progress.body_done, _declared_length(scope))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, progress: _Progress) -> None:
 
@@ -360,6 +396,20 @@ def _websocket_refusal(scope: Scope, send: Send) -> Send:
         await send(message)
 
     return send_
+
+
+def _declared_length(scope: Scope) -> int | None:
+    """The body's length as its ``Content-Length`` declares it (None: not declared, or a chunked body)."""
+    length = None
+    for name, value in scope.get("headers", ()):
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            digits = value.strip().lstrip(b"0") or b"0"  # (the parser reads leading zeros past int()'s digits)
+            if not digits.isdigit() or len(digits) > 30:
+                return None
+            length = int(digits)
+    return length
 
 
 def _has_body(scope: Scope) -> bool:

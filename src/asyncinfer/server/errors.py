@@ -186,16 +186,22 @@ def http_error(request: Request, exc: Exception) -> Response:
     request_id = new_request_id()
     status = exc.status_code
     headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
+    method, path = _elided(request.method), _elided(request.url.path)  # (a head may hold 64 KiB of either)
     if status == 404:
-        error = APIError(404, f"No route {request.method} {request.url.path} on this server.", code="unknown_url")
+        error = APIError(404, f"No route {method} {path} on this server.", code="unknown_url")
     elif status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
-        error = APIError(405, f"{request.method} is not allowed on {request.url.path}"
+        error = APIError(405, f"{method} is not allowed on {path}"
                               + (f": use {allowed}." if allowed else "."), code="method_not_allowed", headers=headers)
     else:
         error = APIError(status, str(exc.detail), type="invalid_request_error" if status < 500 else "server_error",
                          headers=headers)
     return error.response(request_id)
+
+
+def _elided(text: str) -> str:
+    """A method or a URL's path as an error echoes it: cut past ``MAX_SHOWN_NAME`` characters, with its length."""
+    return text if len(text) <= MAX_SHOWN_NAME else f"{text[:MAX_SHOWN_NAME]}... ({len(text)} characters)"
 
 
 def internal_error(request: Request, exc: Exception) -> Response:

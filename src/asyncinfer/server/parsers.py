@@ -10,11 +10,19 @@ closes, as uvicorn closes it.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server.errors import APIError, new_request_id
 
 HTTP_PROTOCOLS = ("auto", "h11", "httptools")
+#: Requests pipelined on one connection that may wait behind the one in flight (httptools; h11 reads one request at
+#: a time). Past them, what the client sends is left unread, and the connection closes once they are answered.
+MAX_PIPELINED = 32
+
+
+class _PipelineFull(Exception):
+    """Raised in the parser's callback to stop it: the request it was reading would queue past MAX_PIPELINED."""
 
 
 def http_protocol(name: str) -> type[asyncio.Protocol]:
@@ -39,8 +47,47 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpTools(HttpToolsProtocol):
+        """uvicorn's httptools protocol, its 400 in OpenAI's shape, and:
+
+        - a lost connection told to every request of it: uvicorn tells only its newest (a request pipelined
+          behind the one in flight), so the one in flight never heard of it and was answered to its end for
+          nobody (its generation never aborted);
+        - at most :data:`MAX_PIPELINED` requests queued behind the one in flight: uvicorn parsed and queued every
+          request of each read, and read again whenever an answer was done, so a client pipelining tiny requests
+          grew the queue by thousands per answer (memory, and parsing that held every other caller's answers).
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.unanswered: list[Any] = []  # the connection's requests (uvicorn's cycles) not yet answered
+            self.pipeline_full = False  # what follows the queued requests is left unread
+
+        def data_received(self, data: bytes) -> None:
+            if not self.pipeline_full:
+                super().data_received(data)
+
         def send_400_response(self, msg: str) -> None:
+            if self.pipeline_full:  # the parser stopped at _PipelineFull: nothing unparsable, nothing to answer
+                return
             _refuse(self.transport)
+
+        def on_headers_complete(self) -> None:
+            if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:
+                self.pipeline_full = True
+                self.flow.pause_reading()
+                self.pipeline[0][0].keep_alive = False  # the newest queued: its answer says close, then closes
+                raise _PipelineFull
+            super().on_headers_complete()
+            self.unanswered = [c for c in self.unanswered if not c.response_complete]
+            if self.cycle is not None and not any(c is self.cycle for c in self.unanswered):
+                self.unanswered.append(self.cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            for cycle in self.unanswered:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
 
     return HttpTools
 

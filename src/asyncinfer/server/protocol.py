@@ -588,7 +588,7 @@ def chat_history(value: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": message["tool_call_id"],
                         "content": _content(message.get("content"), role, where)})
             continue
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # (a list or an object is unhashable: no lookup)
             raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {shown(role)}.")
         turn: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
         if role == "assistant" and message.get("tool_calls") is not None:

@@ -497,9 +497,10 @@ def _json(body: Any, status: int = 200) -> Response:
 
 async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
     """A whole answer, ``build()`` as JSON. With logprobs it costs a tokenizer decode per token and per
-    alternative (seconds for a long answer with ``top_logprobs``): then it is built and encoded in a worker
-    thread, and the loop serves everyone else meanwhile."""
-    if not reply.want_logprobs:
+    alternative (seconds for a long answer with ``top_logprobs``), and with tools a read of every choice's reply
+    for its calls (up to 64 choices of hundreds of calls: about a second): then it is built and encoded in a
+    worker thread, and the loop serves everyone else meanwhile."""
+    if not reply.want_logprobs and reply.tools is None:
         return _json(build())
     body = await anyio.to_thread.run_sync(lambda: msgspec.json.encode(build()))
     return Response(body, 200, media_type="application/json")
