@@ -459,8 +459,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
-                   help="larger request bodies get a 413 before they are read (default: 4194304, 4 MiB)")
+    from asyncinfer.commands.engine_flags import read_size
+
+    p.add_argument("--max-body-bytes", type=read_size, default=4 * 1024 * 1024, metavar="SIZE",
+                   help="larger request bodies get a 413 before they are read: bytes or a size (64KiB, 8MiB) "
+                        "(default: 4194304, 4 MiB)")
     p.add_argument("--cache-isolation", default="off", choices=("off", "api-key", "header"),
                    help="share cached prompt prefixes only within one API key or one tenant header value "
                         "(default: off, shared by all)")

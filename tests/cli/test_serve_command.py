@@ -214,3 +214,19 @@ def test_the_embedding_model_must_be_an_encoder_of_its_own_name(tiny_models, min
                      "--served-model-name", name]) == 2
     assert capsys.readouterr().err.startswith(f"asyncinfer: error: --embedding-model {encoder!r} would be served as "
                                               f"{name!r}, the name of the model served")
+
+
+def test_max_body_bytes_takes_a_size_as_the_other_size_flags_do() -> None:
+    """``--max-body-bytes 8MiB`` reads as ``--kv-cache-memory 8MiB`` does (it was "invalid int value: '8MiB'")."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve", "--max-body-bytes", "8MiB"]).max_body_bytes == 8 * 1024 * 1024
+    assert parser.parse_args(["serve", "--max-body-bytes", "65536"]).max_body_bytes == 65536
+    assert parser.parse_args(["serve"]).max_body_bytes == 4 * 1024 * 1024
+
+
+def test_max_body_bytes_refuses_a_non_size_in_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--max-body-bytes", "lots", "--port", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes" in err and "'lots' is not a size" in err and err.count("\n") == 1, err
