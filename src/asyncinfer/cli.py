@@ -662,6 +662,15 @@ _PLAN_FLAGS = {
 _EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
 
 
+def _serve_terms(text: str) -> str:
+    """A serve setting's message in the command's terms: the API keys are ``--api-key`` (or the variable), not
+    the ``api_keys`` field (``tenants`` has no flag: on the command line the API keys are all there is)."""
+    import re
+
+    return re.sub(r"\bapi_keys(?: or tenants)?\b", "--api-key (or ASYNCINFER_API_KEY)", text).replace(
+        "no --api-key (or ASYNCINFER_API_KEY) are set", "no --api-key (or ASYNCINFER_API_KEY) is given")
+
+
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
@@ -690,7 +699,7 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
                 value = next((k for k in value if not (isinstance(k, str) and k)), value)
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
             shown = repr(value) if isinstance(value, str) else str(value)
-            return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+            return f"{flag} {_serve_terms(shown)} is invalid: allowed {_serve_terms(exc.allowed)}"
         return str(exc)
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))

@@ -230,3 +230,17 @@ def test_max_body_bytes_refuses_a_non_size_in_one_line(capsys) -> None:
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--max-body-bytes" in err and "'lots' is not a size" in err and err.count("\n") == 1, err
+
+
+def test_serve_setting_errors_name_flags_inside_the_message_too(capsys, monkeypatch) -> None:
+    """The allowed values and the shown value speak of ``--api-key``, not of the ``api_keys`` field (the line
+    said "allowed 'off' or 'header' when no api_keys are set", a name a command-line user never sees)."""
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
+    assert cli.main(["serve", "--port", "0", "--cache-isolation", "api-key"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("asyncinfer: error: --cache-isolation 'api-key' is invalid: allowed 'off' or 'header' when no "
+                   "--api-key (or ASYNCINFER_API_KEY) is given\n"), err
+    assert cli.main(["serve", "--port", "0", "--api-key", "k", "--metrics-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert "api_keys" not in err and "tenants" not in err and "--api-key" in err, err
