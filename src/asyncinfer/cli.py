@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
@@ -422,8 +424,35 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     _check_embedding_model(args, specs, plans)
     print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
                            metrics_keys=len(settings.metrics_keys)), flush=True)
-    interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
+    with _request_lines(args.log_level):
+        interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
+
+
+@contextlib.contextmanager
+def _request_lines(log_level: str) -> Iterator[None]:
+    """At ``--log-level info`` and below, each finished request's ``asyncinfer.requests`` line (tokens, time to
+    first token, latency; the texts at ``--log-request-text-rate``) goes to stderr beside uvicorn's lines, in
+    their format, while the server runs. The engine adds no handler of its own (docs/monitoring/README.md,
+    "Logging"), so without this the lines went nowhere."""
+    import logging
+
+    if log_level not in ("info", "debug", "trace"):
+        yield
+        return
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("asyncinfer.requests")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=None))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: list[Any]) -> None:

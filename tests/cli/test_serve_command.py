@@ -244,3 +244,26 @@ def test_serve_setting_errors_name_flags_inside_the_message_too(capsys, monkeypa
     assert cli.main(["serve", "--port", "0", "--api-key", "k", "--metrics-key", "k"]) == 2
     err = capsys.readouterr().err
     assert "api_keys" not in err and "tenants" not in err and "--api-key" in err, err
+
+
+@pytest.mark.parametrize(("level", "shown"), [(None, True), ("debug", True), ("warning", False)])
+def test_serve_prints_the_per_request_log_lines_at_info(level, shown, tiny_models, capsys, monkeypatch) -> None:
+    """The ``asyncinfer.requests`` line of each finished request (tokens, time to first token, latency, and the
+    texts at ``--log-request-text-rate``) is printed at ``--log-level info`` (the default) and below. Before,
+    serve configured no handler for it: ``--log-request-text-rate 1`` changed nothing anyone could see."""
+    import logging
+
+    def run_server(app, host, port, level, settings=None, sock=None):
+        logging.getLogger("asyncinfer.requests").info("request finished id=r-1 finish_reason=length")
+        return False
+
+    monkeypatch.setattr(asyncinfer.server, "run_server", run_server)
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    flags = [] if level is None else ["--log-level", level]
+    logger = logging.getLogger("asyncinfer.requests")
+    handlers, level = list(logger.handlers), logger.level
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", str(free_port()), "--max-model-len", "64",
+                     "--kv-cache-memory", "1MiB", "--device", "cpu", "--log-request-text-rate", "1", *flags]) == 0
+    err = capsys.readouterr().err
+    assert ("INFO:     request finished id=r-1 finish_reason=length\n" in err) is shown, err
+    assert (logger.handlers, logger.level) == (handlers, level)  # left as it was once the server stops
