@@ -400,7 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-                              max_connections=args.max_connections)
+                              max_connections=args.max_connections, tenants=dict(args.tenant))
     # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
     # in use, or taken by a second serve started a moment later, is refused at once.
     sock = listening_socket(args.host, args.port)
@@ -422,8 +422,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
     _check_embedding_model(args, specs, plans)
-    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
-                           metrics_keys=len(settings.metrics_keys)), flush=True)
+    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.accepted_keys),
+                           metrics_keys=len(settings.metrics_keys), tenants=len(settings.tenants)), flush=True)
     with _request_lines(args.log_level):
         interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
@@ -472,6 +472,28 @@ def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: li
                            "name of the model served: give that one another with --served-model-name")
 
 
+def _tenant(text: str) -> tuple[str, Any]:
+    """``--tenant KEY=NAME[:PRIORITY]``: the key (up to the last ``=``) and its ``Tenant``; the key is never
+    shown in an error (it is a secret), the name and the priority are."""
+    from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY
+    from asyncinfer.server import Tenant
+
+    key, sep, rest = text.rpartition("=")
+    if not sep or not key or not rest:
+        raise argparse.ArgumentTypeError("expected KEY=NAME[:PRIORITY], a non-empty key and tenant name")
+    name, colon, priority = rest.rpartition(":")
+    digits = priority.removeprefix("-")
+    if not colon or not name or not (digits.isascii() and digits.isdigit()):
+        name, priority = rest, "0"  # a name that holds a ':' of its own, without a priority
+    if not MIN_PRIORITY <= int(priority) <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"tenant {name!r}: priority {priority} is outside "
+                                         f"[{MIN_PRIORITY}, {MAX_PRIORITY}]")
+    try:
+        return key, Tenant(name, int(priority))
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(f"tenant {name[:40]!r}: {exc.allowed}") from None
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (same as --model; default: "
@@ -501,6 +523,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-key", action="append", default=[], metavar="KEY",
                    help="a key that may read /metrics, not an API key (repeatable; ASYNCINFER_METRICS_KEY adds "
                         "comma-separated ones); with API keys and none of these, /metrics is off (default: none)")
+    p.add_argument("--tenant", action="append", default=[], type=_tenant, metavar="KEY=NAME[:PRIORITY]",
+                   help="an API key whose requests are tenant NAME (the head of their engine request ids) at "
+                        "PRIORITY (an int, default 0; lower runs first with --scheduler aging-priority), with "
+                        "--tenant-from api-key; the key is accepted like an --api-key (repeatable; default: none)")
     p.add_argument("--tenant-from", default="api-key", choices=("api-key", "header", "request"),
                    help="where a request's tenant and priority come from: its API key, --tenant-header set by a "
                         "proxy you trust, or the body's user and priority fields (trusted clients only) "
@@ -692,12 +718,12 @@ _EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--thre
 
 
 def _serve_terms(text: str) -> str:
-    """A serve setting's message in the command's terms: the API keys are ``--api-key`` (or the variable), not
-    the ``api_keys`` field (``tenants`` has no flag: on the command line the API keys are all there is)."""
+    """A serve setting's message in the command's terms: the API keys are ``--api-key`` and ``--tenant`` (or
+    the variable), not the ``api_keys`` and ``tenants`` fields."""
     import re
 
-    return re.sub(r"\bapi_keys(?: or tenants)?\b", "--api-key (or ASYNCINFER_API_KEY)", text).replace(
-        "no --api-key (or ASYNCINFER_API_KEY) are set", "no --api-key (or ASYNCINFER_API_KEY) is given")
+    keys = "--api-key / --tenant (or ASYNCINFER_API_KEY)"
+    return re.sub(r"\bapi_keys(?: or tenants)?\b", keys, text).replace(f"no {keys} are set", f"no {keys} is given")
 
 
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:

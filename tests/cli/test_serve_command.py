@@ -240,7 +240,7 @@ def test_serve_setting_errors_name_flags_inside_the_message_too(capsys, monkeypa
     assert cli.main(["serve", "--port", "0", "--cache-isolation", "api-key"]) == 2
     err = capsys.readouterr().err
     assert err == ("asyncinfer: error: --cache-isolation 'api-key' is invalid: allowed 'off' or 'header' when no "
-                   "--api-key (or ASYNCINFER_API_KEY) is given\n"), err
+                   "--api-key / --tenant (or ASYNCINFER_API_KEY) is given\n"), err
     assert cli.main(["serve", "--port", "0", "--api-key", "k", "--metrics-key", "k"]) == 2
     err = capsys.readouterr().err
     assert "api_keys" not in err and "tenants" not in err and "--api-key" in err, err
@@ -267,3 +267,29 @@ def test_serve_prints_the_per_request_log_lines_at_info(level, shown, tiny_model
     err = capsys.readouterr().err
     assert ("INFO:     request finished id=r-1 finish_reason=length\n" in err) is shown, err
     assert (logger.handlers, logger.level) == (handlers, level)  # left as it was once the server stops
+
+
+def test_tenant_flag_gives_a_key_its_tenant_and_priority(tiny_models, capsys, monkeypatch) -> None:
+    """``--tenant KEY=NAME[:PRIORITY]`` is ``ServerSettings.tenants`` on the command line: with the default
+    ``--tenant-from api-key`` it was the only source of a tenant, and only Python could set it."""
+    from asyncinfer.server import Tenant
+
+    got = []
+    monkeypatch.setattr(asyncinfer.server, "run_server",
+                        lambda app, host, port, level, settings=None, sock=None: got.append(settings))
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", str(free_port()), "--max-model-len", "64",
+                     "--kv-cache-memory", "1MiB", "--device", "cpu", "--api-key", "sk-plain",
+                     "--tenant", "sk-acme=acme", "--tenant", "sk-vip=vip:-5", "--tenant", "sk-b64==team:a"]) == 0
+    (settings,) = got
+    assert settings.tenants == {"sk-acme": Tenant("acme"), "sk-vip": Tenant("vip", -5), "sk-b64=": Tenant("team:a")}
+    assert set(settings.accepted_keys) == {"sk-plain", "sk-acme", "sk-vip", "sk-b64="}
+    assert "  API keys: on (4 accepted, 3 with a tenant)" in capsys.readouterr().out.splitlines()
+    for bad in ("sk-x", "=acme", "sk-x=", "sk-x=acme:99999999999"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", "--port", "0", "--tenant", bad])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("asyncinfer: error: argument --tenant: ") and err.count("\n") == 1, err
+        assert bad.split("=")[0] not in err or not bad.split("=")[0], err  # the key is never echoed
