@@ -416,7 +416,18 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     port = sock.getsockname()[1]  # --port 0: the free port taken
     model = args.model_arg or args.model
     options = _engine_options(args)
-    specs = [ModelSpec(model, args.served_model_name or ModelSpec.served_name(model), options)]
+    name = args.served_model_name
+    if name is None:
+        name = ModelSpec.served_name(model)
+    else:  # refused here, before the load, rather than an empty name read as "not given"
+        from asyncinfer.catalog import check_name
+        from asyncinfer.commands import CommandError
+
+        try:
+            check_name(name)
+        except InvalidParameterError as exc:
+            raise CommandError(f"--served-model-name {name[:40]!r} is invalid: allowed {exc.allowed}") from None
+    specs = [ModelSpec(model, name, options)]
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))

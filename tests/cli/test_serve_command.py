@@ -293,3 +293,14 @@ def test_tenant_flag_gives_a_key_its_tenant_and_priority(tiny_models, capsys, mo
         err = capsys.readouterr().err
         assert err.startswith("asyncinfer: error: argument --tenant: ") and err.count("\n") == 1, err
         assert bad.split("=")[0] not in err or not bad.split("=")[0], err  # the key is never echoed
+
+
+def test_an_empty_served_model_name_is_refused_not_ignored(tmp_path, capsys, monkeypatch) -> None:
+    """``--served-model-name ''`` served the model under its default name, as if the flag were not given."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(AsyncEngine, "plan_memory", no_model)
+    assert cli.main(["serve", str(tmp_path / "m"), "--port", "0", "--served-model-name", ""]) == 2
+    assert capsys.readouterr().err == ("asyncinfer: error: --served-model-name '' is invalid: allowed a non-empty "
+                                       "string of at most 200 characters\n")
