@@ -97,3 +97,24 @@ def test_a_smaller_format_never_suggests_a_batch_or_length_of_zero(real_gguf) ->
     assert "with it, max_model_len " in q8 and "batch 0" not in q8 and "max_model_len 0" not in q8
     for plan in (none, some):
         assert not any(" 0 at " in s or "max_model_len 0" in s for s in plan.suggestions)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none", "int8"])
+def test_plan_prints_the_flags_that_serve_its_plan(tiny_models, quantization, capsys) -> None:
+    """``asyncinfer plan`` ends with the flags of ``asyncinfer serve`` (and the other commands) that load the plan:
+    before, it printed Python keyword arguments only, which an operator had to translate to flags."""
+    import shlex
+
+    from asyncinfer.cli import _engine_options, build_parser
+
+    path = str(tiny_models["llama"][0])
+    assert main(["plan", path, "--batch", "3", "--seq-len", "100", "--device-memory", "1GiB",
+                 "--quantization", quantization]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in lines if x.startswith("the same as flags: ")]
+    flags = shlex.split(line.removeprefix("the same as flags: "))
+    options = _engine_options(build_parser().parse_args(["serve", path, *flags]))
+    plan = plan_deployment(read_model_config(path), batch=3, seq_len=100, device_memory=1 * GiB,
+                           quantization=None if quantization == "none" else quantization)
+    assert {k: options[k] for k in plan.engine_options()} == plan.engine_options()
+    assert options["device"] == "cpu"

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
@@ -398,7 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-                              max_connections=args.max_connections)
+                              max_connections=args.max_connections, tenants=dict(args.tenant))
     # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
     # in use, or taken by a second serve started a moment later, is refused at once.
     sock = listening_socket(args.host, args.port)
@@ -414,22 +416,54 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     port = sock.getsockname()[1]  # --port 0: the free port taken
     model = args.model_arg or args.model
     options = _engine_options(args)
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    name = args.served_model_name
+    if name is None:
+        name = ModelSpec.served_name(model)
+    else:  # refused here, before the load, rather than an empty name read as "not given"
+        from asyncinfer.catalog import check_name
         from asyncinfer.commands import CommandError
 
-        raise CommandError("--served-model-name must be a non-empty name (leave it out to serve the model under "
-                           f"{ModelSpec.served_name(model)!r})")
-    name = args.served_model_name if args.served_model_name is not None else ModelSpec.served_name(model)
+        try:
+            check_name(name)
+        except InvalidParameterError as exc:
+            raise CommandError(f"--served-model-name {name[:40]!r} is invalid: allowed {exc.allowed}") from None
     specs = [ModelSpec(model, name, options)]
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
     _check_embedding_model(args, specs, plans)
-    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.api_keys),
-                           metrics_keys=len(settings.metrics_keys)), flush=True)
-    interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
+    print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.accepted_keys),
+                           metrics_keys=len(settings.metrics_keys), tenants=len(settings.tenants)), flush=True)
+    with _request_lines(args.log_level):
+        interrupted = run_server(create_app(specs, settings), args.host, port, args.log_level, settings, sock=sock)
     return 130 if interrupted else 0  # Ctrl-C ends it with 130, as every command
+
+
+@contextlib.contextmanager
+def _request_lines(log_level: str) -> Iterator[None]:
+    """At ``--log-level info`` and below, each finished request's ``asyncinfer.requests`` line (tokens, time to
+    first token, latency; the texts at ``--log-request-text-rate``) goes to stderr beside uvicorn's lines, in
+    their format, while the server runs. The engine adds no handler of its own (docs/monitoring/README.md,
+    "Logging"), so without this the lines went nowhere."""
+    import logging
+
+    if log_level not in ("info", "debug", "trace"):
+        yield
+        return
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("asyncinfer.requests")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=None))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: list[Any]) -> None:
@@ -449,6 +483,28 @@ def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: li
                            "name of the model served: give that one another with --served-model-name")
 
 
+def _tenant(text: str) -> tuple[str, Any]:
+    """``--tenant KEY=NAME[:PRIORITY]``: the key (up to the last ``=``) and its ``Tenant``; the key is never
+    shown in an error (it is a secret), the name and the priority are."""
+    from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY
+    from asyncinfer.server import Tenant
+
+    key, sep, rest = text.rpartition("=")
+    if not sep or not key or not rest:
+        raise argparse.ArgumentTypeError("expected KEY=NAME[:PRIORITY], a non-empty key and tenant name")
+    name, colon, priority = rest.rpartition(":")
+    digits = priority.removeprefix("-")
+    if not colon or not name or not (digits.isascii() and digits.isdigit()):
+        name, priority = rest, "0"  # a name that holds a ':' of its own, without a priority
+    if not MIN_PRIORITY <= int(priority) <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"tenant {name!r}: priority {priority} is outside "
+                                         f"[{MIN_PRIORITY}, {MAX_PRIORITY}]")
+    try:
+        return key, Tenant(name, int(priority))
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(f"tenant {name[:40]!r}: {exc.allowed}") from None
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (same as --model; default: "
@@ -465,8 +521,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
-                   help="larger request bodies get a 413 before they are read (default: 4194304, 4 MiB)")
+    from asyncinfer.commands.engine_flags import read_size
+
+    p.add_argument("--max-body-bytes", type=read_size, default=4 * 1024 * 1024, metavar="SIZE",
+                   help="larger request bodies get a 413 before they are read: bytes or a size (64KiB, 8MiB) "
+                        "(default: 4194304, 4 MiB)")
     p.add_argument("--cache-isolation", default="off", choices=("off", "api-key", "header"),
                    help="share cached prompt prefixes only within one API key or one tenant header value "
                         "(default: off, shared by all)")
@@ -475,6 +534,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-key", action="append", default=[], metavar="KEY",
                    help="a key that may read /metrics, not an API key (repeatable; ASYNCINFER_METRICS_KEY adds "
                         "comma-separated ones); with API keys and none of these, /metrics is off (default: none)")
+    p.add_argument("--tenant", action="append", default=[], type=_tenant, metavar="KEY=NAME[:PRIORITY]",
+                   help="an API key whose requests are tenant NAME (the head of their engine request ids) at "
+                        "PRIORITY (an int, default 0; lower runs first with --scheduler aging-priority), with "
+                        "--tenant-from api-key; the key is accepted like an --api-key (repeatable; default: none)")
     p.add_argument("--tenant-from", default="api-key", choices=("api-key", "header", "request"),
                    help="where a request's tenant and priority come from: its API key, --tenant-header set by a "
                         "proxy you trust, or the body's user and priority fields (trusted clients only) "
@@ -665,6 +728,15 @@ _PLAN_FLAGS = {
 _EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
 
 
+def _serve_terms(text: str) -> str:
+    """A serve setting's message in the command's terms: the API keys are ``--api-key`` and ``--tenant`` (or
+    the variable), not the ``api_keys`` and ``tenants`` fields."""
+    import re
+
+    keys = "--api-key / --tenant (or ASYNCINFER_API_KEY)"
+    return re.sub(r"\bapi_keys(?: or tenants)?\b", keys, text).replace(f"no {keys} are set", f"no {keys} is given")
+
+
 def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
@@ -693,7 +765,7 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
                 value = next((k for k in value if not (isinstance(k, str) and k)), value)
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
             shown = repr(value) if isinstance(value, str) else str(value)
-            return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+            return f"{flag} {_serve_terms(shown)} is invalid: allowed {_serve_terms(exc.allowed)}"
         return str(exc)
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))

@@ -115,6 +115,14 @@ class DeploymentPlan:
         return {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len, "block_size": self.block_size,
                 "dtype": _dtype(self.dtype), "quantization": self.quantization}
 
+    def flags(self) -> str:
+        """:meth:`engine_options` and the device as the flags of ``asyncinfer serve`` (and ``chat``, ``generate``,
+        ``bench``, ``info``), to paste after the command."""
+        options = self.engine_options()
+        return (f"--kv-cache-memory {options['kv_cache_memory']} --max-model-len {options['max_model_len']} "
+                f"--block-size {options['block_size']} --dtype {options['dtype']} "
+                f"--quantization {options['quantization'] or 'none'} --device {self.device}")
+
     def table(self) -> str:
         mc, spec = self.model_config, self.spec
         tokens = self.kv_blocks * self.block_size
@@ -151,6 +159,7 @@ class DeploymentPlan:
             + (" (the model's context)" if self.max_seq_len == mc.max_position_embeddings else ""),
             "engine options that load this plan (with device): "
             + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in self.engine_options().items()),
+            f"the same as flags: {self.flags()}",
         ]
         if not self.fits:
             lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]

@@ -216,13 +216,91 @@ def test_the_embedding_model_must_be_an_encoder_of_its_own_name(tiny_models, min
                                               f"{name!r}, the name of the model served")
 
 
-@pytest.mark.parametrize("name", ["", "   "])
-def test_an_empty_served_model_name_is_refused_not_replaced(tiny_models, monkeypatch, capsys, name) -> None:
-    """``--served-model-name ""`` served the model under its file's name, silently: a client asking for the name it
-    was given got a 404. Refused in one line before anything loads."""
-    def no_load(*args, **kwargs):
-        raise AssertionError("a model was loaded before the flags were checked")
+def test_max_body_bytes_takes_a_size_as_the_other_size_flags_do() -> None:
+    """``--max-body-bytes 8MiB`` reads as ``--kv-cache-memory 8MiB`` does (it was "invalid int value: '8MiB'")."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve", "--max-body-bytes", "8MiB"]).max_body_bytes == 8 * 1024 * 1024
+    assert parser.parse_args(["serve", "--max-body-bytes", "65536"]).max_body_bytes == 65536
+    assert parser.parse_args(["serve"]).max_body_bytes == 4 * 1024 * 1024
 
-    monkeypatch.setattr(asyncinfer.server, "create_app", no_load)
-    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--served-model-name", name]) == 2
-    assert capsys.readouterr().err.startswith("asyncinfer: error: --served-model-name must be a non-empty name")
+
+def test_max_body_bytes_refuses_a_non_size_in_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--max-body-bytes", "lots", "--port", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes" in err and "'lots' is not a size" in err and err.count("\n") == 1, err
+
+
+def test_serve_setting_errors_name_flags_inside_the_message_too(capsys, monkeypatch) -> None:
+    """The allowed values and the shown value speak of ``--api-key``, not of the ``api_keys`` field (the line
+    said "allowed 'off' or 'header' when no api_keys are set", a name a command-line user never sees)."""
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
+    assert cli.main(["serve", "--port", "0", "--cache-isolation", "api-key"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("asyncinfer: error: --cache-isolation 'api-key' is invalid: allowed 'off' or 'header' when no "
+                   "--api-key / --tenant (or ASYNCINFER_API_KEY) is given\n"), err
+    assert cli.main(["serve", "--port", "0", "--api-key", "k", "--metrics-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert "api_keys" not in err and "tenants" not in err and "--api-key" in err, err
+
+
+@pytest.mark.parametrize(("level", "shown"), [(None, True), ("debug", True), ("warning", False)])
+def test_serve_prints_the_per_request_log_lines_at_info(level, shown, tiny_models, capsys, monkeypatch) -> None:
+    """The ``asyncinfer.requests`` line of each finished request (tokens, time to first token, latency, and the
+    texts at ``--log-request-text-rate``) is printed at ``--log-level info`` (the default) and below. Before,
+    serve configured no handler for it: ``--log-request-text-rate 1`` changed nothing anyone could see."""
+    import logging
+
+    def run_server(app, host, port, level, settings=None, sock=None):
+        logging.getLogger("asyncinfer.requests").info("request finished id=r-1 finish_reason=length")
+        return False
+
+    monkeypatch.setattr(asyncinfer.server, "run_server", run_server)
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    flags = [] if level is None else ["--log-level", level]
+    logger = logging.getLogger("asyncinfer.requests")
+    handlers, level = list(logger.handlers), logger.level
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", str(free_port()), "--max-model-len", "64",
+                     "--kv-cache-memory", "1MiB", "--device", "cpu", "--log-request-text-rate", "1", *flags]) == 0
+    err = capsys.readouterr().err
+    assert ("INFO:     request finished id=r-1 finish_reason=length\n" in err) is shown, err
+    assert (logger.handlers, logger.level) == (handlers, level)  # left as it was once the server stops
+
+
+def test_tenant_flag_gives_a_key_its_tenant_and_priority(tiny_models, capsys, monkeypatch) -> None:
+    """``--tenant KEY=NAME[:PRIORITY]`` is ``ServerSettings.tenants`` on the command line: with the default
+    ``--tenant-from api-key`` it was the only source of a tenant, and only Python could set it."""
+    from asyncinfer.server import Tenant
+
+    got = []
+    monkeypatch.setattr(asyncinfer.server, "run_server",
+                        lambda app, host, port, level, settings=None, sock=None: got.append(settings))
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", str(free_port()), "--max-model-len", "64",
+                     "--kv-cache-memory", "1MiB", "--device", "cpu", "--api-key", "sk-plain",
+                     "--tenant", "sk-acme=acme", "--tenant", "sk-vip=vip:-5", "--tenant", "sk-b64==team:a"]) == 0
+    (settings,) = got
+    assert settings.tenants == {"sk-acme": Tenant("acme"), "sk-vip": Tenant("vip", -5), "sk-b64=": Tenant("team:a")}
+    assert set(settings.accepted_keys) == {"sk-plain", "sk-acme", "sk-vip", "sk-b64="}
+    assert "  API keys: on (4 accepted, 3 with a tenant)" in capsys.readouterr().out.splitlines()
+    for bad in ("sk-x", "=acme", "sk-x=", "sk-x=acme:99999999999"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", "--port", "0", "--tenant", bad])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("asyncinfer: error: argument --tenant: ") and err.count("\n") == 1, err
+        assert bad.split("=")[0] not in err or not bad.split("=")[0], err  # the key is never echoed
+
+
+def test_an_empty_served_model_name_is_refused_not_ignored(tmp_path, capsys, monkeypatch) -> None:
+    """``--served-model-name ''`` served the model under its default name, as if the flag were not given."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(AsyncEngine, "plan_memory", no_model)
+    assert cli.main(["serve", str(tmp_path / "m"), "--port", "0", "--served-model-name", ""]) == 2
+    assert capsys.readouterr().err == ("asyncinfer: error: --served-model-name '' is invalid: allowed a non-empty "
+                                       "string of at most 200 characters\n")

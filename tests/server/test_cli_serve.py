@@ -69,3 +69,68 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
 def test_serve_refuses_a_bad_model_in_one_line(capsys) -> None:
     assert cli.main(["serve", "/no/such/model"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_a_forced_quit_aborts_the_streams_and_closes_without_a_traceback(real_gguf) -> None:
+    """A second Ctrl-C while a stream runs (uvicorn's "CTRL+C to force quit") aborts it: the stream ends with
+    ``finish_reason`` ``abort`` and ``[DONE]``, the engine closes, and serve exits 130 without a traceback.
+    Before, uvicorn skipped the app's shutdown and the loop's close cancelled the request and the lifespan:
+    two tracebacks, the stream cut mid-body, the engine never closed."""
+    import json
+    import threading
+
+    port = free_port()
+    path = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("ASYNCINFER_API_KEY", None)
+    command = [sys.executable, "-m", "asyncinfer.cli", "serve", str(real_gguf), "--port", str(port), "--threads", "1",
+               "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--log-level", "warning"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    seen: list[dict] = []
+    ended: list[str] = []
+    first = threading.Event()
+
+    def read_stream() -> None:
+        body = {"prompt": "Once", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        ended.append("[DONE]")
+                    elif line.startswith("data: "):
+                        seen.append(json.loads(line[6:]))
+                        first.set()
+        except httpx.HTTPError as exc:
+            ended.append(repr(exc))
+        first.set()
+
+    reader = threading.Thread(target=read_stream)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "asyncinfer serve did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGINT)  # uvicorn waits for the stream, "(CTRL+C to force quit)"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        reader.join(60)
+    assert ended == ["[DONE]"], (ended, output)
+    assert seen[-1]["choices"][0]["finish_reason"] == "abort"
+    assert len(seen) < 900  # it was aborted, not run to its end
+    assert "Traceback" not in output, output
+    assert proc.returncode == 130, output

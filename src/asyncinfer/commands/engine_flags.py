@@ -67,6 +67,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)") from None
 
 
+#: The size reader of the size flags, for the commands' own flags that take a size too (serve's --max-body-bytes).
+read_size = _size
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

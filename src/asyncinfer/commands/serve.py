@@ -78,8 +78,9 @@ def url(host: str, port: int) -> str:
 
 
 def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str, port: int, api_keys: int,
-                     metrics_keys: int = 0) -> str:
+                     metrics_keys: int = 0, tenants: int = 0) -> str:
     """The lines ``asyncinfer serve`` prints before it loads: one model per spec, with its plan.
+    ``api_keys``: every accepted key, ``tenants`` of them with a tenant (``--tenant``).
     ``/metrics`` is listed only where it is served: without API keys, or with a metrics key."""
     from asyncinfer.memory import MemoryPlan, format_bytes
 
@@ -105,7 +106,8 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
         else:
             lines += [f"  embedding model {spec.name!r}: {path}", f"    {plan.describe()}"]
     lines.append(structured_line())
-    lines.append(f"  API keys: on ({api_keys} accepted)" if api_keys else
+    with_tenant = f", {tenants} with a tenant" if tenants else ""
+    lines.append(f"  API keys: on ({api_keys} accepted{with_tenant})" if api_keys else
                  "  API keys: off (anyone who reaches the port may call it; --api-key or ASYNCINFER_API_KEY)")
     if metrics_keys:
         lines.append(f"  /metrics: with a metrics key ({metrics_keys} accepted)")

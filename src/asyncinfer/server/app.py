@@ -187,9 +187,7 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     Ctrl-C (SIGINT; ``asyncinfer serve`` then exits 130). ``sock``: a socket already bound and
     listening on ``host:port`` (``asyncinfer.commands.serve.listening_socket``), served instead of
     one uvicorn binds after the app's start-up (the model's load)."""
-    import uvicorn
-
-    server = uvicorn.Server(server_config(app, settings, host, port, log_level))
+    server = _server_class()(server_config(app, settings, host, port, log_level))
     interrupted = False
     try:
         server.run(sockets=None if sock is None else [sock])
@@ -198,3 +196,36 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     if not server.started:
         raise SystemExit(130 if interrupted else 3)  # 3: uvicorn.run's status when the server could not start
     return interrupted
+
+
+#: Seconds a forced quit (a second Ctrl-C) gives the engine's close and the aborted requests' answers.
+FORCED_QUIT_GRACE = 5.0
+
+
+def _server_class() -> type[uvicorn.Server]:
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose forced quit (a second Ctrl-C while requests are in flight) ends them
+        cleanly: uvicorn skips the app's shutdown and leaves the requests running, so the loop's close
+        cancelled them and the lifespan, which printed two tracebacks and never closed the engine. Here the
+        lifespan's shutdown runs (the engine closes, aborting what is in flight, so each answer ends), and
+        what still runs after ``FORCED_QUIT_GRACE`` seconds is cancelled before the loop closes."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            if not self.force_exit:
+                return
+            try:
+                await asyncio.wait_for(self.lifespan.shutdown(), FORCED_QUIT_GRACE)
+            except asyncio.TimeoutError:
+                pass
+            tasks = set(self.server_state.tasks)
+            if tasks:
+                _done, pending = await asyncio.wait(tasks, timeout=FORCED_QUIT_GRACE)
+                for task in pending:
+                    task.cancel()
+
+    return Server
