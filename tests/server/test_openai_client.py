@@ -73,6 +73,7 @@ def test_stream_ends_with_done_on_the_wire(server) -> None:
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-accel-buffering"] == "no"  # a buffering proxy (nginx) passes each event on as it comes
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 

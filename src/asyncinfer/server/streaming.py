@@ -133,10 +133,12 @@ class MergedStreams:
 
 
 class EventStream(StreamingResponse):
-    """``text/event-stream`` whose ``on_close`` runs however the response ends (done, error, disconnect)."""
+    """``text/event-stream`` whose ``on_close`` runs however the response ends (done, error, disconnect); it asks
+    proxies not to buffer it (``x-accel-buffering: no``, which nginx obeys per response)."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
