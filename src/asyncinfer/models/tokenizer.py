@@ -26,6 +26,7 @@ Exactness, checked against transformers' own tokenizer from the same files (test
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -58,8 +59,17 @@ class CachedTokenizer:
         self.backend_tokenizer = backend
         self.special_tokens_map: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
-        # Compiled now, with the load, so that the first chat pays nothing more than the next.
-        self._template = None if chat_template is None else compile_chat_template(chat_template)
+        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template too long
+        # to compile (MAX_TEMPLATE_SOURCE_CHARS) fails each chat, not the load: the model serves text prompts.
+        self._template: Any = None
+        self._template_error: Exception | None = None
+        if chat_template is not None:
+            from asyncinfer.models.template_budget import ChatTemplateLimitError
+
+            try:
+                self._template = compile_chat_template(chat_template)
+            except ChatTemplateLimitError as exc:
+                self._template_error = exc
 
     # ---------------------------------------------------------------- special tokens
     def __getattr__(self, name: str) -> Any:
@@ -126,7 +136,10 @@ class CachedTokenizer:
             ValueError: the tokenizer has no chat template, or the conversation is empty.
             TypeError: a message that is not a mapping.
             jinja2.TemplateError: the template refuses the conversation (its ``raise_exception``).
+            ChatTemplateLimitError: the template went past a limit of its render budget (the module docstring).
         """
+        if self._template_error is not None:
+            raise type(self._template_error)(str(self._template_error))
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         if len(conversation) == 0:
@@ -149,11 +162,20 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def compile_chat_template(source: str) -> Any:
-    """``source`` compiled in the sandboxed environment described in the module docstring."""
+    """``source`` compiled in the sandboxed environment described in the module docstring, its ``render`` on the
+    budget of :mod:`asyncinfer.models.template_budget`.
+
+    Raises:
+        ChatTemplateLimitError: a source longer than ``MAX_TEMPLATE_SOURCE_CHARS``.
+        jinja2.TemplateSyntaxError: a source that is no template.
+    """
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from asyncinfer.models.template_budget import BudgetedEnvironment, check_source
+
+    check_source(source)
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (templates mark the assistant's text with it): its body."""
@@ -185,10 +207,6 @@ def compile_chat_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
     class Dict:
         """``dict(...)`` and ``dict.fromkeys(...)``, nothing else of the type."""
 
@@ -198,12 +216,53 @@ def compile_chat_template(source: str) -> Any:
         def fromkeys(self, *args: Any) -> dict[Any, Any]:
             return dict.fromkeys(*args)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=Dict(), namespace=Namespace)
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=_strftime_now, dict=Dict(), namespace=Namespace)
     return env.from_string(source)
+
+
+def _strftime_now(fmt: str) -> str:
+    from asyncinfer.models.template_budget import MAX_TEMPLATE_VALUE_CHARS, ChatTemplateLimitError
+
+    if isinstance(fmt, str) and len(fmt) * 16 > MAX_TEMPLATE_VALUE_CHARS:
+        raise ChatTemplateLimitError(f"the chat template would format a date with a format of {len(fmt)} characters")
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str) -> Any:
+    return compile_chat_template(source)
+
+
+def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
+                **kwargs: Any) -> str:
+    """``conversation`` rendered by ``tokenizer``'s chat template, as ``tokenizer.apply_chat_template(...,
+    tokenize=False)`` renders it, on the render budget (:mod:`asyncinfer.models.template_budget`), whatever
+    the tokenizer: a :class:`CachedTokenizer` renders it itself; a transformers tokenizer's template (the one
+    it would choose, ``get_chat_template``) is rendered here with the variables transformers gives it
+    (the messages as :meth:`CachedTokenizer.apply_chat_template` makes them, ``tools``, ``documents``,
+    ``add_generation_prompt``, its special tokens, then ``kwargs``).
+
+    Raises:
+        ValueError: no chat template, or an empty conversation.
+        ChatTemplateLimitError: the template went past a limit of the budget.
+        jinja2.TemplateError: the template refuses the conversation.
+    """
+    getter = getattr(tokenizer, "get_chat_template", None)
+    if isinstance(tokenizer, CachedTokenizer) or not callable(getter):  # ours, or a tokenizer of the caller's own
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, tools=tools, documents=documents, **kwargs)
+    source = getter(None, tools)
+    if not isinstance(source, str):
+        raise ValueError("this tokenizer has no chat template")  # noqa: TRY004 - transformers' error for it
+    if len(conversation) == 0:
+        raise ValueError("cannot apply the chat template to an empty conversation")
+    special = {name: value if isinstance(value, str) else str(value)
+               for name, value in dict(getattr(tokenizer, "special_tokens_map", None) or {}).items()}
+    return str(_compiled(source).render(messages=[_message(m) for m in conversation], tools=tools,
+                                        documents=documents, add_generation_prompt=add_generation_prompt,
+                                        **{**special, **kwargs}))
 
 
 def load_cached(directory: Path) -> CachedTokenizer | None:
