@@ -243,6 +243,7 @@ def _check_percent(fmt: str, args: Any) -> None:
 
 
 def _check_format(fmt: str, args: Any, kwargs: Mapping[str, Any]) -> None:
+    _charge(len(fmt))  # the sandbox's formatter goes through the fields in Python
     values = [*args, *kwargs.values()]
     try:
         fields = list(string.Formatter().parse(fmt))
@@ -337,15 +338,27 @@ _FILTER_CHECKS = {"center": _check_center, "indent": _check_indent, "wordwrap": 
                   "forceescape": _check_string, "safe": _check_string}
 
 
+# Filters (and tests) whose work on a string is a pass of C code: a unit for every 32 characters it reads. The
+# others (title, urlize, unique, sort, map...) go through a string a character or a word at a time in Python,
+# about a microsecond a character: 4 units a character. Each item of a list, tuple or dict read costs a unit.
+_FAST_ON_TEXT = frozenset({"length", "count", "string", "upper", "lower", "trim", "replace", "escape", "e",
+                           "forceescape", "safe", "first", "last", "center", "indent", "format", "capitalize",
+                           "list", "tojson", "default", "d", "reverse", "int", "float", "bool", "wordcount",
+                           "truncate", "join", "items", "abs", "round", "in", "eq", "equalto", "ne", "==", "!=",
+                           "defined", "undefined", "none", "mapping", "iterable", "sequence", "number",
+                           "integer", "true", "false", "sameas", "filter", "test"})
+
+
 def _wrap_filter(name: str, func: Any) -> Any:
     check = _FILTER_CHECKS.get(name)
     skip = 0 if _PassArg.from_obj(func) is None else 1
+    fast = name in _FAST_ON_TEXT
 
     @functools.wraps(func)  # keeps jinja_pass_arg: the filter gets what it got
     def budgeted(*args: Any, **kwargs: Any) -> Any:
         values = args[skip:]
-        _charge(1 + _reads(*values, *kwargs.values()) + sum(len(v) for v in values
-                                                            if isinstance(v, (list, tuple, dict))))
+        _charge(1 + sum((len(v) >> 5 if fast else 4 * len(v)) if isinstance(v, str) else _size(v) for v in values)
+                + _reads(*kwargs.values()))
         if name == "join" and values:  # its items as a counted list (what join reads), then its size
             args, kwargs = (*args[:skip], *_join_items(args[0] if skip else None, *values, **kwargs)), {}
             values = args[skip:]

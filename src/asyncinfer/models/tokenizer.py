@@ -22,6 +22,27 @@ Exactness, checked against transformers' own tokenizer from the same files (test
   ``tools``, ``documents``, ``add_generation_prompt`` and the named special tokens (``bos_token``,
   ``eos_token``, ...), which keyword arguments override. ``tokenize=True`` returns the ids of the rendered text
   encoded without special tokens (as a list, not transformers' dict).
+
+The render budget. A chat template is the model file's code, run by every chat request (in a worker thread
+shared with other work), so it renders on a budget (:mod:`asyncinfer.models.template_budget`), on this class and,
+through :func:`render_chat`, on transformers' tokenizers too (their template rendered here, with the variables
+transformers gives it: the same text). Past a limit the render stops with ``ChatTemplateLimitError`` (the engine
+reports it as an ``InvalidParameterError`` on the prompt, as any template failure; text prompts are served on):
+
+- ``MAX_TEMPLATE_WORK`` = 2**22 work units a render, plus ``TEMPLATE_WORK_PER_MESSAGE`` = 512 a message: a unit a
+  loop item, a call (macro, method, filter, test), a node of a body run again, 32 characters or items of a value
+  read (4 units a character for the filters that go through text in Python); 10**10 loop iterations stop
+  after ~1 s, while the largest chat the engine takes (4096 messages, 2 M characters) used at most 1.9 M units
+  with the templates in the tests (Mistral's) and 0.6 M with the default model's;
+- ``MAX_TEMPLATE_CHARS`` = 2**25 characters written (output, a macro's or a block's buffer) and built (strings of
+  operators, methods, filters) in a render (the largest chat above: 9 M);
+- ``MAX_TEMPLATE_VALUE_CHARS`` = 2**22 characters or items of one value, checked before it is built (``*``,
+  ``+``, ``~``, ``%``, ``format``, widths, counts and replacements of str methods and filters, a list written
+  out); ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
+- ``MAX_RENDERED_CHARS`` = 2**22 characters rendered (about a million tokens: more than a model takes);
+- ``MAX_TEMPLATE_SOURCE_CHARS`` = 2**18 characters of source (real templates: under 20,000), checked before
+  compiling: a longer one fails the model's chats, not its load; ``MAX_TEMPLATE_RANGE`` = 100,000 items of a
+  ``range`` (Jinja's own sandbox limit).
 """
 
 from __future__ import annotations
