@@ -57,8 +57,13 @@ HOSTILE = {
     "macro buffer": "{% macro m() %}{% for i in range(100000) %}{{ 'x' * 4000000 }}{% endfor %}{% endmacro %}"
                     "{{ m() | length }}",
     "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    # Work in Python a character at a time, on values within the size limits, again and again.
+    "urlize in a loop": "{% set s = 'ab ' * 1000000 %}{% for i in range(100) %}{{ s | urlize | length }}{% endfor %}",
+    "format fields in a loop": "{% set s = '{0}' * 1000000 %}{% for i in range(100) %}{{ s.format(1) | length }}"
+                               "{% endfor %}",
 }
-TIME_LIMIT_S = 30  # per render: a generous bound for "quickly" on a loaded 2-core machine (they take ~1 s at most)
+QUICK_S = 10  # per render: a generous bound for "quickly" on a loaded 2-core machine (they take 1.5 s at most)
+TIME_LIMIT_S = 30  # a render still running then is stopped (and fails the test)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 # Run in a child with its memory capped (a render that allocates gigabytes fails there, not on the machine) and an
@@ -151,7 +156,7 @@ def monkeypatch_module():
 @pytest.mark.parametrize("path", ["compile", "cached", "transformers"])
 def test_a_hostile_template_is_refused_quickly_with_a_typed_error(outcomes, name, path) -> None:
     outcome = outcomes[name, path]
-    assert outcome["seconds"] < TIME_LIMIT_S, outcome
+    assert outcome["seconds"] < QUICK_S, outcome
     if path == "compile":  # compile_chat_template(...).render(): the budget's own error, naming its limit
         assert outcome["error"] == "ChatTemplateLimitError", outcome
     else:  # a chat's messages on either tokenizer: InvalidParameterError on the prompt, as any template failure
@@ -269,6 +274,6 @@ async def test_an_engine_refuses_chats_on_a_hostile_template_and_serves_text(hos
             with pytest.raises(InvalidParameterError) as err:
                 await asyncio.wait_for(engine.generate(MESSAGES, SamplingParams(max_tokens=2)), TIME_LIMIT_S)
             assert err.value.parameter == "prompt" and "MAX_TEMPLATE_WORK" in str(err.value)
-            assert time.perf_counter() - start < TIME_LIMIT_S
+            assert time.perf_counter() - start < QUICK_S
         out = await engine.generate("Hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert len(out.token_ids) == 3
