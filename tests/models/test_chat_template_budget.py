@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+from asyncinfer.prompts import chat_token_ids
 from tests.models.test_tokenizer import TEMPLATE, write_tokenizer_gguf
 
 # Each refused quickly on either path (the 10**10 loop, the 10 GB string, the widths, the doublings...).
@@ -61,6 +63,11 @@ HOSTILE = {
     "urlize in a loop": "{% set s = 'ab ' * 1000000 %}{% for i in range(100) %}{{ s | urlize | length }}{% endfor %}",
     "format fields in a loop": "{% set s = '{0}' * 1000000 %}{% for i in range(100) %}{{ s.format(1) | length }}"
                                "{% endfor %}",
+    # A block's body run again through self (its nodes each time), and sums of lists (each addition a copy).
+    "block in a loop": "{% block b %}" + "{% if x %}{% endif %}" * 3000 + "{% endblock %}{% for i in range(100000) %}"
+                       "{% for j in range(100000) %}{{ self.b() }}{% endfor %}{% endfor %}",
+    "sum of lists": "{{ ([[1] * 4000000] * 100) | sum(start=[]) | length }}",
+    "sum of reversed lists": "{{ ([[1] * 4000000] * 100) | reverse | sum(start=[]) | length }}",
 }
 QUICK_S = 10  # per render: a generous bound for "quickly" on a loaded 2-core machine (they take 1.5 s at most)
 TIME_LIMIT_S = 30  # a render still running then is stopped (and fails the test)
@@ -179,6 +186,33 @@ def test_a_template_source_past_the_limit_fails_its_chats_not_the_load(template_
     with pytest.raises(ChatTemplateLimitError, match="MAX_TEMPLATE_SOURCE_CHARS"):
         huge.apply_chat_template(MESSAGES, tokenize=False)
     assert time.perf_counter() - start < 1
+
+
+def test_a_transformers_template_is_compiled_once_even_when_it_fails(template_gguf, monkeypatch) -> None:
+    """A template that does not compile fails each chat with what compiling it raised, compiled once (a long
+    template takes seconds to compile: not again for every chat)."""
+    from transformers import AutoTokenizer
+
+    import asyncinfer.models.tokenizer as tokenizer_module
+
+    compiled = []
+
+    def counting(source):
+        compiled.append(source)
+        return real(source)
+
+    real = tokenizer_module.compile_chat_template
+    monkeypatch.setattr(tokenizer_module, "compile_chat_template", counting)
+    reference = AutoTokenizer.from_pretrained(template_gguf.parent, gguf_file=template_gguf.name)
+    reference.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if %}"  # a syntax error
+    for _ in range(3):
+        with pytest.raises(ValueError, match="cannot be compiled"):
+            tokenizer_module.render_chat(reference, MESSAGES, add_generation_prompt=True)
+    reference.chat_template = "{{ 'x' * 10**10 }}{# another #}"
+    for _ in range(2):
+        with pytest.raises(InvalidParameterError, match="MAX_TEMPLATE_VALUE_CHARS"):
+            chat_token_ids(types.SimpleNamespace(tokenizer=reference), MESSAGES)
+    assert len(compiled) == 2
 
 
 # ------------------------------------------------------------------ real templates: as transformers renders them

@@ -323,6 +323,16 @@ def _check_filter_replace(s: Any, old: Any = "", new: Any = "", count: Any = Non
     _check_replace(s, old, new, -1 if count is None else count)
 
 
+def _check_sum(iterable: Any, attribute: Any = None, start: Any = 0) -> None:
+    """``sum`` of lists or strings: each addition copies what it has, so its work is the items times the size."""
+    if isinstance(start, (list, tuple, str)):
+        if attribute is not None:
+            _refuse("would sum sequences by an attribute (not counted: refused)")
+        total = len(start) + sum(_size(item) for item in iterable)
+        _check_value(total, "a sum of sequences")
+        _charge(len(iterable) * total >> 5)
+
+
 def _check_center(value: Any, width: Any = 80) -> None:
     _check_width(width, "a centred string")
 
@@ -332,7 +342,7 @@ def _check_string(value: Any, *_: Any, **__: Any) -> None:
 
 
 _FILTER_CHECKS = {"center": _check_center, "indent": _check_indent, "wordwrap": _check_wordwrap,
-                  "batch": _check_batch, "slice": _check_slice, "format": _check_filter_format,
+                  "batch": _check_batch, "slice": _check_slice, "format": _check_filter_format, "sum": _check_sum,
                   "join": _check_filter_join, "replace": _check_filter_replace, "string": _check_string,
                   "pprint": _check_string, "e": _check_string, "escape": _check_string,
                   "forceescape": _check_string, "safe": _check_string}
@@ -359,6 +369,9 @@ def _wrap_filter(name: str, func: Any) -> Any:
         values = args[skip:]
         _charge(1 + sum((len(v) >> 5 if fast else 4 * len(v)) if isinstance(v, str) else _size(v) for v in values)
                 + _reads(*kwargs.values()))
+        if name == "sum" and values and not isinstance(values[0], (list, tuple)):  # its items as a counted list
+            args = (*args[:skip], list(_Metered(values[0], 1)), *values[1:])
+            values = args[skip:]
         if name == "join" and values:  # its items as a counted list (what join reads), then its size
             args, kwargs = (*args[:skip], *_join_items(args[0] if skip else None, *values, **kwargs)), {}
             values = args[skip:]
@@ -495,7 +508,7 @@ class _Instrument(NodeTransformer):
             node.iter = _filter(node.iter, "_asyncinfer_each", per_item)
         return node
 
-    visit_For = visit_Macro = visit_CallBlock = _bodies
+    visit_For = visit_Macro = visit_CallBlock = visit_Block = _bodies
 
 
 class BudgetedEnvironment(ImmutableSandboxedEnvironment):

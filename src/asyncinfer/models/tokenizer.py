@@ -47,8 +47,8 @@ reports it as an ``InvalidParameterError`` on the prompt, as any template failur
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -250,9 +250,31 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
+_COMPILED: dict[str, Any] = {}  # a template source: its template, or the exception compiling it raised
+_COMPILED_MAX = 16
+_COMPILED_LOCK = threading.Lock()
+
+
 def _compiled(source: str) -> Any:
-    return compile_chat_template(source)
+    """``source`` compiled once (a failure too: compiling a long template costs seconds, not each chat's)."""
+    found = _COMPILED.get(source)
+    if found is None:
+        try:
+            found = compile_chat_template(source)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised again (as a new exception) at each use
+            found = exc
+        with _COMPILED_LOCK:
+            while len(_COMPILED) >= _COMPILED_MAX:
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[source] = found
+    if not isinstance(found, Exception):
+        return found
+    from asyncinfer.models.template_budget import ChatTemplateLimitError
+
+    # a new exception each time: threads may raise it at once
+    if isinstance(found, ChatTemplateLimitError):
+        raise ChatTemplateLimitError(str(found))
+    raise ValueError(f"the chat template cannot be compiled ({type(found).__name__}: {found})")
 
 
 def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
