@@ -67,14 +67,19 @@ HOSTILE = {
     "block in a loop": "{% block b %}" + "{% if x %}{% endif %}" * 3000 + "{% endblock %}{% for i in range(100000) %}"
                        "{% for j in range(100000) %}{{ self.b() }}{% endfor %}{% endfor %}",
     "sum of lists": "{{ ([[1] * 4000000] * 100) | sum(start=[]) | length }}",
+    # What a namespace or a list holds, written out or kept.
+    "namespace written out": "{% set s = 'x' * 4000000 %}{% set ns = namespace() %}"
+                             + "".join(f"{{% set ns.a{i} = s %}}" for i in range(300)) + "{{ ns }}",
+    "lists kept": "{% set ns = namespace(x=[]) %}{% for i in range(100) %}{% set ns.x = ns.x + [[1] * 4000000] %}"
+                  "{% endfor %}{{ ns.x | length }}",
     "sum of reversed lists": "{{ ([[1] * 4000000] * 100) | reverse | sum(start=[]) | length }}",
 }
 QUICK_S = 10  # per render: a generous bound for "quickly" on a loaded 2-core machine (they take 1.5 s at most)
 TIME_LIMIT_S = 30  # a render still running then is stopped (and fails the test)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
-# Run in a child with its memory capped (a render that allocates gigabytes fails there, not on the machine) and an
-# alarm per render (a render that hangs is stopped and reported, and the next one runs).
+# Run in a child with its memory capped (a render that allocates a gigabyte fails there, with MemoryError, not on the
+# machine) and an alarm per render (a render that hangs is stopped and reported, and the next one runs).
 _CHILD = r"""
 import json, resource, signal, sys, time, types
 from pathlib import Path
@@ -88,7 +93,7 @@ cached = gguf_tokenizer(gguf_path)
 assert isinstance(cached, CachedTokenizer)
 reference = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
-resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 30), resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # a render may hold < 1 GiB
 
 class Timeout(BaseException):
     pass

@@ -12,7 +12,8 @@ or ``2 ** 10 ** 8``. The environment here renders a template on a budget that ho
   size of the code it runs again (a loop body, a macro's body: every node of it), plus one unit for every 32
   characters or items of the values it reads (a comparison, a slice, a method's receiver and arguments);
 - *characters* (:data:`MAX_TEMPLATE_CHARS`): all the text the template writes, into its output or into a
-  macro's or a block's buffer, and every string its operators, methods and filters build;
+  macro's or a block's buffer, and every string its operators, methods and filters build (the items of a list
+  or dict they build count as characters): what a render may hold in memory;
 - *one value* (:data:`MAX_TEMPLATE_VALUE_CHARS` characters or items): checked *before* it is built, from
   the sizes of what builds it: ``*`` and ``+`` of strings and lists, ``~``, ``%`` and ``format`` (a width or
   precision over the limit is refused), the string methods that take a width, a count or a replacement
@@ -36,21 +37,21 @@ import functools
 import json
 import re
 import string
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import jinja2
 from jinja2 import nodes
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import _PassArg, pass_context
+from jinja2.utils import Namespace, _PassArg, pass_context
 from jinja2.visitor import NodeTransformer
 
 #: Work units of one render (a loop's item, a call, a node run again; see the module docstring).
 MAX_TEMPLATE_WORK = 1 << 22
 #: More work units for each message rendered (a template's work grows with the conversation).
 TEMPLATE_WORK_PER_MESSAGE = 512
-#: Characters one render may write and build in all (output, buffers, strings built).
+#: Characters one render may write and build in all (output, buffers, strings built; a list's or dict's items count).
 MAX_TEMPLATE_CHARS = 1 << 25
 #: Characters (or items) of one value a template builds: a string, a list.
 MAX_TEMPLATE_VALUE_CHARS = 1 << 22
@@ -100,7 +101,7 @@ def _charge(work: int, chars: int = 0) -> None:
         _refuse(f"ran past its budget of work (MAX_TEMPLATE_WORK = {MAX_TEMPLATE_WORK} units, plus "
                 f"{TEMPLATE_WORK_PER_MESSAGE} a message): a loop or a recursion too long")
     if budget.chars < 0:
-        _refuse(f"wrote or built more than MAX_TEMPLATE_CHARS = {MAX_TEMPLATE_CHARS} characters")
+        _refuse(f"wrote or built more than MAX_TEMPLATE_CHARS = {MAX_TEMPLATE_CHARS} characters (or items)")
 
 
 def _size(value: Any) -> int:
@@ -131,27 +132,29 @@ def _check_int(bits: int) -> None:
 
 def _text_size(value: Any, limit: int = MAX_TEMPLATE_VALUE_CHARS) -> int:
     """About how many characters ``str(value)`` writes (at least that many, past ``limit`` stops counting): a
-    list or dict is written with its items, each string quoted."""
+    list, dict, view or namespace is written with its items, each string quoted."""
     if isinstance(value, str):
         return len(value)
-    if not isinstance(value, (list, tuple, dict, set, frozenset)):
-        return 0  # a number, None, an undefined value or an object of the sandbox: a short text
     total, stack = 0, [value]
     while stack and total <= limit:
         item = stack.pop()
+        if isinstance(item, Namespace):
+            item = item._Namespace__attrs  # what its repr writes
         if isinstance(item, str):
             total += len(item) + 2
+        elif isinstance(item, (bytes, bytearray)):
+            total += 4 * len(item) + 3
         elif isinstance(item, Mapping):
             total += 2 + 2 * len(item)
             _charge(1 + len(item))
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
+        elif isinstance(item, Collection) and not isinstance(item, range):
             total += 2 + 2 * len(item)
             _charge(1 + len(item))
             stack.extend(item)
         else:
-            total += 8
+            total += 8  # a number, None, an undefined value, an object of the sandbox: a short text
     return total
 
 
@@ -165,9 +168,9 @@ def _built(result: Any) -> Any:
     if isinstance(result, str):
         _check_value(len(result), "a string")
         _charge(len(result) >> 5, len(result))
-    elif isinstance(result, _SIZED):
+    elif isinstance(result, _SIZED):  # its items count as characters: the memory a render holds
         _check_value(len(result), "a sequence")
-        _charge(len(result) >> 5)
+        _charge(len(result) >> 5, len(result))
     elif isinstance(result, Iterator):
         return _Metered(result, 1)
     return result

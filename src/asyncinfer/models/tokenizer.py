@@ -34,8 +34,8 @@ reports it as an ``InvalidParameterError`` on the prompt, as any template failur
   read (4 units a character for the filters that go through text in Python); 10**10 loop iterations stop
   after ~1 s, while the largest chat the engine takes (4096 messages, 2 M characters) used at most 1.9 M units
   with the templates in the tests (Mistral's) and 0.6 M with the default model's;
-- ``MAX_TEMPLATE_CHARS`` = 2**25 characters written (output, a macro's or a block's buffer) and built (strings of
-  operators, methods, filters) in a render (the largest chat above: 9 M);
+- ``MAX_TEMPLATE_CHARS`` = 2**25 characters written (output, a macro's or a block's buffer) and built (strings and
+  lists of operators, methods, filters: an item counts as a character) in a render (the largest chat above: 9 M);
 - ``MAX_TEMPLATE_VALUE_CHARS`` = 2**22 characters or items of one value, checked before it is built (``*``,
   ``+``, ``~``, ``%``, ``format``, widths, counts and replacements of str methods and filters, a list written
   out); ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
