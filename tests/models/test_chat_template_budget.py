@@ -316,3 +316,22 @@ async def test_an_engine_refuses_chats_on_a_hostile_template_and_serves_text(hos
             assert time.perf_counter() - start < QUICK_S
         out = await engine.generate("Hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert len(out.token_ids) == 3
+
+
+def test_the_servers_tools_chat_is_refused_on_a_hostile_template() -> None:
+    """The HTTP server renders a tools chat itself (``render_chat_text``): on the same budget."""
+    from asyncinfer.server.protocol import chat_history
+    from asyncinfer.server.tool_formats import Llama3JsonFormat, render_chat_text, tool_format
+    from asyncinfer.server.tools import parse_tool_use
+    from tests.server.test_tool_formats import BRIEF, LLAMA31_TEMPLATE, LLAMA_SPECIALS, ROLL, WEATHER, _tokenizer
+
+    spinning = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}" + LLAMA31_TEMPLATE
+    tokenizer = _tokenizer(LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", spinning)
+    fmt = tool_format(tokenizer)
+    assert isinstance(fmt, Llama3JsonFormat)
+    use = parse_tool_use([ROLL, WEATHER], "auto", None).bound(fmt)
+    start = time.perf_counter()
+    with pytest.raises(InvalidParameterError) as err:
+        render_chat_text(tokenizer, fmt, chat_history(BRIEF), use)
+    assert err.value.parameter == "prompt" and "MAX_TEMPLATE_WORK" in str(err.value)
+    assert time.perf_counter() - start < QUICK_S
