@@ -220,6 +220,16 @@ def test_a_transformers_template_is_compiled_once_even_when_it_fails(template_gg
     assert len(compiled) == 2
 
 
+def test_what_the_budget_lets_through() -> None:
+    """Within the limits a template renders: ranges (lazy: no memory), a loop cut short, values near the limit."""
+    from asyncinfer.models.tokenizer import compile_chat_template
+
+    loops = "{% for k in range(400) %}{% for i in range(100000) %}{% break %}{% endfor %}{% endfor %}ok"
+    assert compile_chat_template(loops).render(messages=[]) == "ok"
+    big = "{% set s = 'x' * 4000000 %}{{ (s ~ s[:100000]) | length }} {{ '%-10s|' % 'a' }}{{ '{:>5}'.format(7) }}"
+    assert compile_chat_template(big).render(messages=[]) == "4100000 a         |    7"
+
+
 # ------------------------------------------------------------------ real templates: as transformers renders them
 def _real_templates() -> dict[str, str]:
     from tests.engine.test_sliding_window import GEMMA_TEMPLATE

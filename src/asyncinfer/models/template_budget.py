@@ -168,7 +168,8 @@ def _built(result: Any) -> Any:
     if isinstance(result, str):
         _check_value(len(result), "a string")
         _charge(len(result) >> 5, len(result))
-    elif isinstance(result, _SIZED):  # its items count as characters: the memory a render holds
+    elif isinstance(result, _SIZED) and not isinstance(result, range):  # its items count as characters: the
+        # memory a render holds (a range holds none)
         _check_value(len(result), "a sequence")
         _charge(len(result) >> 5, len(result))
     elif isinstance(result, Iterator):
