@@ -328,10 +328,13 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
+    from asyncinfer.models.tokenizer import render_chat
+
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, rendered, add_generation_prompt=True)
     # The template is the model's code: whatever it raises (its own checks with jinja2's raise_exception, e.g.
-    # roles out of order, or any other error) means it refuses these messages, the caller's error.
+    # roles out of order, a limit of its render budget: ChatTemplateLimitError, or any other error) means it
+    # refuses these messages, the caller's error.
     except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
     if isinstance(text, str):  # what the template rendered of values no check above reads (a key's nested text)

@@ -22,11 +22,33 @@ Exactness, checked against transformers' own tokenizer from the same files (test
   ``tools``, ``documents``, ``add_generation_prompt`` and the named special tokens (``bos_token``,
   ``eos_token``, ...), which keyword arguments override. ``tokenize=True`` returns the ids of the rendered text
   encoded without special tokens (as a list, not transformers' dict).
+
+The render budget. A chat template is the model file's code, run by every chat request (in a worker thread
+shared with other work), so it renders on a budget (:mod:`asyncinfer.models.template_budget`), on this class and,
+through :func:`render_chat`, on transformers' tokenizers too (their template rendered here, with the variables
+transformers gives it: the same text). Past a limit the render stops with ``ChatTemplateLimitError`` (the engine
+reports it as an ``InvalidParameterError`` on the prompt, as any template failure; text prompts are served on):
+
+- ``MAX_TEMPLATE_WORK`` = 2**22 work units a render, plus ``TEMPLATE_WORK_PER_MESSAGE`` = 512 a message: a unit a
+  loop item, a call (macro, method, filter, test), a node of a body run again, 32 characters or items of a value
+  read (4 units a character for the filters that go through text in Python); 10**10 loop iterations stop
+  after ~1 s, while the largest chat the engine takes (4096 messages, 2 M characters) used at most 1.9 M units
+  with the templates in the tests (Mistral's) and 0.6 M with the default model's;
+- ``MAX_TEMPLATE_CHARS`` = 2**25 characters written (output, a macro's or a block's buffer) and built (strings and
+  lists of operators, methods, filters: an item counts as a character) in a render (the largest chat above: 9 M);
+- ``MAX_TEMPLATE_VALUE_CHARS`` = 2**22 characters or items of one value, checked before it is built (``*``,
+  ``+``, ``~``, ``%``, ``format``, widths, counts and replacements of str methods and filters, a list written
+  out); ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
+- ``MAX_RENDERED_CHARS`` = 2**22 characters rendered (about a million tokens: more than a model takes);
+- ``MAX_TEMPLATE_SOURCE_CHARS`` = 2**18 characters of source (real templates: under 20,000), checked before
+  compiling: a longer one fails the model's chats, not its load; ``MAX_TEMPLATE_RANGE`` = 100,000 items of a
+  ``range`` (Jinja's own sandbox limit).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -58,8 +80,17 @@ class CachedTokenizer:
         self.backend_tokenizer = backend
         self.special_tokens_map: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
-        # Compiled now, with the load, so that the first chat pays nothing more than the next.
-        self._template = None if chat_template is None else compile_chat_template(chat_template)
+        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template too long
+        # to compile (MAX_TEMPLATE_SOURCE_CHARS) fails each chat, not the load: the model serves text prompts.
+        self._template: Any = None
+        self._template_error: Exception | None = None
+        if chat_template is not None:
+            from asyncinfer.models.template_budget import ChatTemplateLimitError
+
+            try:
+                self._template = compile_chat_template(chat_template)
+            except ChatTemplateLimitError as exc:
+                self._template_error = exc
 
     # ---------------------------------------------------------------- special tokens
     def __getattr__(self, name: str) -> Any:
@@ -126,7 +157,10 @@ class CachedTokenizer:
             ValueError: the tokenizer has no chat template, or the conversation is empty.
             TypeError: a message that is not a mapping.
             jinja2.TemplateError: the template refuses the conversation (its ``raise_exception``).
+            ChatTemplateLimitError: the template went past a limit of its render budget (the module docstring).
         """
+        if self._template_error is not None:
+            raise type(self._template_error)(str(self._template_error))
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         if len(conversation) == 0:
@@ -149,11 +183,20 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def compile_chat_template(source: str) -> Any:
-    """``source`` compiled in the sandboxed environment described in the module docstring."""
+    """``source`` compiled in the sandboxed environment described in the module docstring, its ``render`` on the
+    budget of :mod:`asyncinfer.models.template_budget`.
+
+    Raises:
+        ChatTemplateLimitError: a source longer than ``MAX_TEMPLATE_SOURCE_CHARS``.
+        jinja2.TemplateSyntaxError: a source that is no template.
+    """
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from asyncinfer.models.template_budget import BudgetedEnvironment, check_source
+
+    check_source(source)
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (templates mark the assistant's text with it): its body."""
@@ -185,10 +228,6 @@ def compile_chat_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
     class Dict:
         """``dict(...)`` and ``dict.fromkeys(...)``, nothing else of the type."""
 
@@ -198,12 +237,75 @@ def compile_chat_template(source: str) -> Any:
         def fromkeys(self, *args: Any) -> dict[Any, Any]:
             return dict.fromkeys(*args)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=Dict(), namespace=Namespace)
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=_strftime_now, dict=Dict(), namespace=Namespace)
     return env.from_string(source)
+
+
+def _strftime_now(fmt: str) -> str:
+    from asyncinfer.models.template_budget import MAX_TEMPLATE_VALUE_CHARS, ChatTemplateLimitError
+
+    if isinstance(fmt, str) and len(fmt) * 16 > MAX_TEMPLATE_VALUE_CHARS:
+        raise ChatTemplateLimitError(f"the chat template would format a date with a format of {len(fmt)} characters")
+    return datetime.now().strftime(fmt)
+
+
+_COMPILED: dict[str, Any] = {}  # a template source: its template, or the exception compiling it raised
+_COMPILED_MAX = 16
+_COMPILED_LOCK = threading.Lock()
+
+
+def _compiled(source: str) -> Any:
+    """``source`` compiled once (a failure too: compiling a long template costs seconds, not each chat's)."""
+    found = _COMPILED.get(source)
+    if found is None:
+        try:
+            found = compile_chat_template(source)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised again (as a new exception) at each use
+            found = exc
+        with _COMPILED_LOCK:
+            while len(_COMPILED) >= _COMPILED_MAX:
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[source] = found
+    if not isinstance(found, Exception):
+        return found
+    from asyncinfer.models.template_budget import ChatTemplateLimitError
+
+    # a new exception each time: threads may raise it at once
+    if isinstance(found, ChatTemplateLimitError):
+        raise ChatTemplateLimitError(str(found))
+    raise ValueError(f"the chat template cannot be compiled ({type(found).__name__}: {found})")
+
+
+def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
+                **kwargs: Any) -> str:
+    """``conversation`` rendered by ``tokenizer``'s chat template, as ``tokenizer.apply_chat_template(...,
+    tokenize=False)`` renders it, on the render budget (:mod:`asyncinfer.models.template_budget`), whatever
+    the tokenizer: a :class:`CachedTokenizer` renders it itself; a transformers tokenizer's template (the one
+    it would choose, ``get_chat_template``) is rendered here with the variables transformers gives it
+    (the messages as :meth:`CachedTokenizer.apply_chat_template` makes them, ``tools``, ``documents``,
+    ``add_generation_prompt``, its special tokens, then ``kwargs``).
+
+    Raises:
+        ValueError: no chat template, or an empty conversation.
+        ChatTemplateLimitError: the template went past a limit of the budget.
+        jinja2.TemplateError: the template refuses the conversation.
+    """
+    getter = getattr(tokenizer, "get_chat_template", None)
+    if isinstance(tokenizer, CachedTokenizer) or not callable(getter):  # ours, or a tokenizer of the caller's own
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, tools=tools, documents=documents, **kwargs)
+    source = getter(None, tools)
+    if not isinstance(source, str):
+        raise ValueError("this tokenizer has no chat template")  # noqa: TRY004 - transformers' error for it
+    if len(conversation) == 0:
+        raise ValueError("cannot apply the chat template to an empty conversation")
+    special = {name: value if isinstance(value, str) else str(value)
+               for name, value in dict(getattr(tokenizer, "special_tokens_map", None) or {}).items()}
+    return str(_compiled(source).render(messages=[_message(m) for m in conversation], tools=tools,
+                                        documents=documents, add_generation_prompt=add_generation_prompt,
+                                        **{**special, **kwargs}))
 
 
 def load_cached(directory: Path) -> CachedTokenizer | None:

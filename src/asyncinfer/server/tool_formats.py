@@ -106,9 +106,11 @@ def render_chat_text(tokenizer: Any, fmt: ToolFormat, history: list[dict[str, An
     ``messages``) for what the template refuses and for text that is not valid Unicode."""
     if tokenizer is None or not isinstance(tokenizer.chat_template, str):
         raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+    from asyncinfer.models.tokenizer import render_chat
+
     try:
-        text = tokenizer.apply_chat_template(fmt.template_messages(history), tools=fmt.template_tools(use),
-                                             add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, fmt.template_messages(history), tools=fmt.template_tools(use),
+                           add_generation_prompt=True)  # on the render budget (models.template_budget)
     # The template is the model's code: whatever it raises (its own checks with jinja2's raise_exception, e.g.
     # roles out of order, or any other error) means it refuses these messages, the caller's error.
     except Exception as exc:  # noqa: BLE001 - see above
