@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import httpx
 import msgspec
+import pytest
 
 from asyncinfer.outputs import StreamDelta
+
+from .conftest import LiveServer
 
 # A stream's reader takes one delta of each sample at a time (pass 8): a client that reads its answer slowly leaves the
 # rest in the engine's stream, which merges them, so that the next delta holds everything generated meanwhile, up to
@@ -45,3 +48,25 @@ def test_a_long_streamed_delta_with_tools_is_read_off_the_loop(server, monkeypat
     calls = [c for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls", ())]
     assert len({c["index"] for c in calls}) == 200
     assert loop_thread(server) not in threads
+
+
+# Pass 8 cut the URL a 404 or a 405 echoes past 256 characters; the OpenAI 403 of a refused WebSocket handshake still
+# echoed its path whole (up to the WebSocket library's 8 KiB request line: 7,000 characters came back).
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+def test_a_refused_websocket_handshake_echoes_its_path_bounded(http_parser) -> None:
+    from fastapi import FastAPI
+
+    from asyncinfer.server import guard_app
+
+    from .test_fresh_pass8 import _exchange
+
+    pytest.importorskip(http_parser)
+    pytest.importorskip("websockets")  # uvicorn hands the upgrade to it (without one, it is plain HTTP)
+    handshake = (b"GET /v1/" + b"p" * 7_000 + b" HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    with LiveServer(guard_app(FastAPI()), http=http_parser) as live:
+        answer = _exchange(int(live.url.rsplit(":", 1)[1]), [(handshake, 0.5)])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"x-request-id" in head.lower(), head
+    error = msgspec.json.decode(body)["error"]
+    assert error["code"] == "websocket_refused" and len(error["message"]) < 1000, len(error["message"])

@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from asyncinfer.server.errors import APIError, new_request_id
+from asyncinfer.server.errors import APIError, elided, new_request_id
 from asyncinfer.server.settings import ServerSettings
 
 Scope = MutableMapping[str, Any]
@@ -383,7 +383,7 @@ def _websocket_refusal(scope: Scope, send: Send) -> Send:
     async def send_(message: Message) -> None:
         nonlocal accepted
         if message["type"] == "websocket.close" and not accepted:
-            error = APIError(403, f"The WebSocket handshake on {scope.get('path', '')} was refused: no route "
+            error = APIError(403, f"The WebSocket handshake on {elided(scope.get('path', ''))} was refused: no route "
                                   "of this server accepted it.", code="websocket_refused")
             body = msgspec.json.encode(error.body())
             await send({"type": "websocket.http.response.start", "status": error.status,
