@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 import pytest
+from fastapi import FastAPI, WebSocket
 
 from asyncinfer.outputs import StreamDelta
 
@@ -54,8 +55,6 @@ def test_a_long_streamed_delta_with_tools_is_read_off_the_loop(server, monkeypat
 # echoed its path whole (up to the WebSocket library's 8 KiB request line: 7,000 characters came back).
 @pytest.mark.parametrize("http_parser", ["h11", "httptools"])
 def test_a_refused_websocket_handshake_echoes_its_path_bounded(http_parser) -> None:
-    from fastapi import FastAPI
-
     from asyncinfer.server import guard_app
 
     from .test_fresh_pass8 import _exchange
@@ -70,3 +69,50 @@ def test_a_refused_websocket_handshake_echoes_its_path_bounded(http_parser) -> N
     assert head.startswith(b"HTTP/1.1 403") and b"x-request-id" in head.lower(), head
     error = msgspec.json.decode(body)["error"]
     assert error["code"] == "websocket_refused" and len(error["message"]) < 1000, len(error["message"])
+
+
+# A handshake the WebSocket library refuses itself, before any app runs (a missing Sec-WebSocket-Key, a request line or
+# headers past its limits: any request with `Upgrade: websocket` on any URL), was answered in the library's words: a
+# text/plain 400, 414 or 431 without an X-Request-Id.
+_UPGRADE = b"GET /v1/x HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+_KEY = b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+
+
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+@pytest.mark.parametrize(("handshake", "status"), [
+    (_UPGRADE + b"Sec-WebSocket-Version: 13\r\n\r\n", 400),
+    (_UPGRADE.replace(b"/v1/x", b"/v1/" + b"p" * 9000) + _KEY + b"\r\n", 414),
+    (_UPGRADE + b"a: b\r\n" * 300 + _KEY + b"\r\n", 431)], ids=["no key", "long line", "many headers"])
+def test_a_handshake_the_websocket_library_refuses_is_answered_in_openai_shape(http_parser, handshake, status) -> None:
+    from asyncinfer.server import guard_app
+
+    from .test_fresh_pass8 import _exchange
+
+    pytest.importorskip(http_parser)
+    pytest.importorskip("websockets")
+    with LiveServer(guard_app(FastAPI()), http=http_parser) as live:
+        answer = _exchange(int(live.url.rsplit(":", 1)[1]), [(handshake, 0.5)])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    assert b"content-type: application/json" in head.lower() and b"x-request-id: conn-" in head.lower(), head
+    error = msgspec.json.decode(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_websocket_handshake"), error
+
+
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+def test_an_accepted_websocket_still_talks(http_parser) -> None:
+    from asyncinfer.server import guard_app
+
+    pytest.importorskip(http_parser)
+    connect = pytest.importorskip("websockets.sync.client").connect
+    app = FastAPI()
+
+    @app.websocket("/echo")
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text((await socket.receive_text()) * 2)
+        await socket.close()
+
+    with LiveServer(guard_app(app), http=http_parser) as live, connect(live.url.replace("http", "ws") + "/echo") as ws:
+        ws.send("ab")
+        assert ws.recv(timeout=10) == "abab"
