@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import msgspec
 import pytest
@@ -116,3 +118,29 @@ def test_an_accepted_websocket_still_talks(http_parser) -> None:
     with LiveServer(guard_app(app), http=http_parser) as live, connect(live.url.replace("http", "ws") + "/echo") as ws:
         ws.send("ab")
         assert ws.recv(timeout=10) == "abab"
+
+
+# The connection guard's header deadline, armed when a connection opens, was never told of a WebSocket handshake (the
+# guard learns of HTTP requests only): header_timeout after it, it wrote its HTTP 408 into the accepted WebSocket's
+# frames (the client: "reserved bits must be 0") and closed it. A WebSocket is in flight for the guard while it lasts.
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+def test_an_accepted_websocket_outlives_the_header_deadline(http_parser) -> None:
+    from asyncinfer.server import ServerSettings, guard_app
+
+    pytest.importorskip(http_parser)
+    connect = pytest.importorskip("websockets.sync.client").connect
+    app = FastAPI()
+
+    @app.websocket("/echo")
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        while True:
+            await socket.send_text((await socket.receive_text()) * 2)
+
+    settings = ServerSettings(header_timeout=0.5)
+    with LiveServer(guard_app(app, settings), settings, http=http_parser) as live, \
+            connect(live.url.replace("http", "ws") + "/echo") as ws:
+        for _ in range(4):
+            ws.send("ab")
+            assert ws.recv(timeout=10) == "abab"
+            time.sleep(0.4)

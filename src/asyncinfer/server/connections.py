@@ -317,8 +317,17 @@ class RequestDeadlines:
         self.body_timeout = settings.body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
-            await self.app(scope, receive, _websocket_refusal(scope, send))
+        if scope["type"] == "websocket":  # in flight for the guard while it lasts: the header deadline is for heads (it
+            # wrote its 408 into an accepted WebSocket's frames, header_timeout after the handshake)
+            guard = _GUARD.get()
+            if guard is not None:
+                guard.request_started()
+            try:
+                refusing = "websocket.http.response" in scope.get("extensions", {})
+                await self.app(scope, receive, _websocket_refusal(scope, send) if refusing else send)
+            finally:
+                if guard is not None:
+                    guard.request_finished()
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
