@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -10,8 +11,9 @@ import pytest
 from fastapi import FastAPI, WebSocket
 
 from asyncinfer.outputs import StreamDelta
+from asyncinfer.server import ModelSpec, create_app
 
-from .conftest import LiveServer
+from .conftest import TINY_OPTIONS, LiveServer
 
 # A stream's reader takes one delta of each sample at a time (pass 8): a client that reads its answer slowly leaves the
 # rest in the engine's stream, which merges them, so that the next delta holds everything generated meanwhile, up to
@@ -144,3 +146,47 @@ def test_an_accepted_websocket_outlives_the_header_deadline(http_parser) -> None
             ws.send("ab")
             assert ws.recv(timeout=10) == "abab"
             time.sleep(0.4)
+
+
+# Under httptools, a WebSocket handshake pipelined behind a request in flight was handed the connection at once
+# (uvicorn switches the transport to the WebSocket protocol as soon as it parses the handshake): the request in flight
+# then never heard of the connection's end, and a whole answer was generated to its end for a client gone (the pass-8
+# fault, by another way). The handshake is left unread, as a request past MAX_PIPELINED.
+LONG = 480  # tokens the tiny model would take about a second to decode, were it not aborted
+_HANDSHAKE = _UPGRADE + _KEY + b"\r\n"
+
+
+def _long_request(stream: bool, max_tokens: int = LONG) -> bytes:
+    body = msgspec.json.encode({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": max_tokens,
+                                "ignore_eos": True, "stream": stream})
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_with_a_handshake_pipelined_aborts_the_request_in_flight(tiny_chat_model, http_parser,
+                                                                                stream) -> None:
+    pytest.importorskip(http_parser)
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app, http=http_parser) as live:
+        before = live.engine.step_stats("tiny").decode_tokens
+        with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(_long_request(stream) + _HANDSHAKE)
+            deadline = time.monotonic() + 30
+            while not live.engine.kv_stats("tiny").used_blocks:  # the first is under way
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        live.wait_idle()
+        assert live.engine.step_stats("tiny").decode_tokens - before < LONG // 2  # aborted, not run to its end
+
+
+@pytest.mark.parametrize("http_parser", ["h11", "httptools"])
+def test_the_request_before_a_pipelined_handshake_is_answered(tiny_chat_model, http_parser) -> None:
+    from .test_fresh_pass8 import _exchange
+
+    pytest.importorskip(http_parser)
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    with LiveServer(app, http=http_parser) as live:
+        answer = _exchange(int(live.url.rsplit(":", 1)[1]), [(_long_request(False, 4) + _HANDSHAKE, 0)])
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]

@@ -61,6 +61,8 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         - a lost connection told to every request of it: uvicorn tells only its newest (a request pipelined
           behind the one in flight), so the one in flight never heard of it and was answered to its end for
           nobody (its generation never aborted);
+        - a WebSocket handshake pipelined behind a request in flight left unread (uvicorn handed the connection to
+          the WebSocket at once, and the request in flight never heard of the connection's end);
         - at most :data:`MAX_PIPELINED` requests queued behind the one in flight: uvicorn parsed and queued every
           request of each read, and read again whenever an answer was done, so a client pipelining tiny requests
           grew the queue by thousands per answer (memory, and parsing that held every other caller's answers).
@@ -92,6 +94,18 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
             self.unanswered = [c for c in self.unanswered if not c.response_complete]
             if self.cycle is not None and not any(c is self.cycle for c in self.unanswered):
                 self.unanswered.append(self.cycle)
+
+        def handle_websocket_upgrade(self) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                # a handshake pipelined behind a request in flight: uvicorn handed the connection to the WebSocket
+                # then and there, and the request in flight never heard of its end (generated to its end for a
+                # client gone). Left unread instead, as a request past MAX_PIPELINED: the connection closes once
+                # the requests before it are answered.
+                self.pipeline_full = True
+                self.flow.pause_reading()
+                (self.pipeline[0][0] if self.pipeline else self.cycle).keep_alive = False
+                return
+            super().handle_websocket_upgrade()
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
