@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from asyncinfer.server.errors import APIError, new_request_id
+from asyncinfer.server.errors import APIError, elided, new_request_id
 from asyncinfer.server.settings import ServerSettings
 
 Scope = MutableMapping[str, Any]
@@ -317,8 +317,17 @@ class RequestDeadlines:
         self.body_timeout = settings.body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
-            await self.app(scope, receive, _websocket_refusal(scope, send))
+        if scope["type"] == "websocket":  # in flight for the guard while it lasts: the header deadline is for heads (it
+            # wrote its 408 into an accepted WebSocket's frames, header_timeout after the handshake)
+            guard = _GUARD.get()
+            if guard is not None:
+                guard.request_started()
+            try:
+                refusing = "websocket.http.response" in scope.get("extensions", {})
+                await self.app(scope, receive, _websocket_refusal(scope, send) if refusing else send)
+            finally:
+                if guard is not None:
+                    guard.request_finished()
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -383,7 +392,7 @@ def _websocket_refusal(scope: Scope, send: Send) -> Send:
     async def send_(message: Message) -> None:
         nonlocal accepted
         if message["type"] == "websocket.close" and not accepted:
-            error = APIError(403, f"The WebSocket handshake on {scope.get('path', '')} was refused: no route "
+            error = APIError(403, f"The WebSocket handshake on {elided(scope.get('path', ''))} was refused: no route "
                                   "of this server accepted it.", code="websocket_refused")
             body = msgspec.json.encode(error.body())
             await send({"type": "websocket.http.response.start", "status": error.status,

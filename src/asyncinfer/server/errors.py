@@ -186,7 +186,7 @@ def http_error(request: Request, exc: Exception) -> Response:
     request_id = new_request_id()
     status = exc.status_code
     headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
-    method, path = _elided(request.method), _elided(request.url.path)  # (a head may hold 64 KiB of either)
+    method, path = elided(request.method), elided(request.url.path)  # (a head may hold 64 KiB of either)
     if status == 404:
         error = APIError(404, f"No route {method} {path} on this server.", code="unknown_url")
     elif status == 405:
@@ -199,7 +199,7 @@ def http_error(request: Request, exc: Exception) -> Response:
     return error.response(request_id)
 
 
-def _elided(text: str) -> str:
+def elided(text: str) -> str:
     """A method or a URL's path as an error echoes it: cut past ``MAX_SHOWN_NAME`` characters, with its length."""
     return text if len(text) <= MAX_SHOWN_NAME else f"{text[:MAX_SHOWN_NAME]}... ({len(text)} characters)"
 

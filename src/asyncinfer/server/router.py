@@ -9,6 +9,7 @@ key, reads the body (bounded), parses it and calls the engine inside one
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import itertools
 import re
@@ -459,8 +460,13 @@ class _OpenAI:
                     yield await anyio.to_thread.run_sync(reply.delta_chunk, prompt_index * n + delta.index,
                                                          delta.text, delta.logprobs, delta.finish_reason)
                 elif delta.text or delta.finish_reason is not None:
-                    yield reply.delta_chunk(prompt_index * n + delta.index, delta.text, delta.logprobs,
-                                            delta.finish_reason)
+                    args = (prompt_index * n + delta.index, delta.text, delta.logprobs, delta.finish_reason)
+                    if reply.tools is None:
+                        yield reply.delta_chunk(*args)
+                    else:  # read for calls: a delta may hold all that was generated while the client read slowly
+                        # (the engine merges a sample's unread pieces), up to the context's length: read in a
+                        # worker thread past the loop's share, as a whole answer's calls are
+                        yield await self._off_loop_if_long(len(delta.text), functools.partial(reply.delta_chunk, *args))
             if reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
