@@ -49,6 +49,7 @@ from asyncinfer.detokenizer import IncrementalDetokenizer, StopMatcher
 from asyncinfer.errors import InvalidParameterError, RequestFailedError, exception_text
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import CoreOutput, Logprob
+from asyncinfer.plain import plain_value
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
@@ -280,8 +281,7 @@ class EngineCore:
         """
         started = time.perf_counter()
         self._batch = None
-        plan = self.scheduler.schedule()
-        misplanned = self._check_plan(plan)  # entries that break the contract: their requests fail alone
+        plan, misplanned = self._check_plan(self.scheduler.schedule())  # misplanned: their requests fail alone
         batch = scheduled(self.scheduler, plan)
         copies = self.kv.commit_step()
         self._batch = batch  # from here on a fault fails these requests
@@ -302,16 +302,21 @@ class EngineCore:
             self.on_step(batch, inputs, result, started)
         return misplanned + outputs
 
-    def _check_plan(self, plan: SchedulerOutput) -> list[CoreOutput]:
+    def _check_plan(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[CoreOutput]]:
         """Hold ``plan`` to the contract's rule for each scheduled request (docs/schedulers.md, invariant 2):
         one the scheduler holds, running, ``1 <= n <= its uncomputed tokens`` (an int), with its slots
         allocated. An entry that breaks it is logged and leaves the plan, and its request (all its samples)
         fails alone with :class:`RequestFailedError` (its blocks freed, a slot the step registered for it
         dropped from the prefix cache); an entry naming no request the scheduler holds just leaves the plan.
         So a plugin's wrong count for one request never fails the step, and so its neighbours, nor reaches
-        the forward pass. Returns the failed requests' final outputs."""
+        the forward pass. Returns the plan the step runs, a plain copy of the entries that hold (ids and
+        counts read as the plain ``str`` and ``int`` they hold, once: an ``int`` subclass whose comparisons
+        lie passed the range and ran its real count; the plugin's dict is not read again), and the failed
+        requests' final outputs."""
         sched = self.scheduler
-        entries = plan.num_scheduled_tokens
+        held = plan.num_scheduled_tokens
+        pairs = list(dict.items(held) if isinstance(held, dict) else held.items())
+        entries = {plain_value(rid): plain_value(n) for rid, n in pairs}
         faults: dict[str, tuple[Request, str]] = {}
         for rid, n in list(entries.items()):
             request = sched.requests.get(rid)
@@ -331,7 +336,7 @@ class EngineCore:
         if faults:  # its samples left with it
             for rid in [rid for rid in entries if rid not in sched.requests]:
                 del entries[rid]
-        return outputs
+        return SchedulerOutput(entries), outputs
 
     def _switch_rope(self, result: StepResult) -> None:
         """Preempt each request of a longrope model that has just grown past the model's original context: its K

@@ -1,0 +1,69 @@
+"""Adversarial pass 8 (in-process side): faults a hostile or careless caller, plugin or file could cause, found
+and fixed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncinfer import AsyncEngine, RequestFailedError, SamplingParams
+from asyncinfer.core import SchedulerPlanError
+from asyncinfer.schedulers import FIFOScheduler
+
+BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu", "block_size": 4}
+GOOD = [(29 * j) % 300 + 7 for j in range(9)]
+
+
+class _PosingCount(int):
+    """A token count that compares as within any range and adds as 1: it passes ``1 <= n <= uncomputed`` and the
+    slots check whatever it holds."""
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __add__(self, other: object) -> int:
+        return 1
+
+    __radd__ = __add__
+
+
+class _PosingPlan(FIFOScheduler):
+    """FIFO, but the request whose id starts with "bad" is planned 3 tokens more than it lacks, as a count that
+    poses as in range."""
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        out = super().schedule()
+        entries = out.num_scheduled_tokens
+        for rid, n in list(entries.items()):
+            if rid.startswith("bad"):
+                entries[rid] = _PosingCount(n + 3)
+        return out
+
+
+async def test_a_planned_count_that_poses_as_in_range_fails_its_request_alone(tiny_models, hf_greedy) -> None:
+    """The plan check read a plugin's count as it came: an ``int`` subclass whose comparisons said "in range"
+    (and whose sum said 1) passed ``1 <= n <= uncomputed`` and the slots check, and the forward pass ran its
+    real count (3 tokens past what the request had): the step raised, and every neighbour in it failed with
+    RequestFailedError. The plan is now read once, as the plain ids and ints it holds: that request fails alone
+    with a SchedulerPlanError, and no step fails."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 6)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    async with AsyncEngine.from_pretrained(path, **BASE, scheduler=_PosingPlan) as engine:
+        neighbours = [asyncio.create_task(engine.generate(GOOD, greedy)) for _ in range(2)]
+        bad = asyncio.create_task(engine.generate([5, 6, 7, 8, 9], greedy, request_id="bad"))
+        results = await asyncio.gather(*neighbours, bad, return_exceptions=True)
+        assert [getattr(r, "token_ids", r) for r in results[:2]] == [expected, expected]
+        assert isinstance(results[2], RequestFailedError) and "'bad'" in str(results[2])
+        assert isinstance(results[2].__cause__, SchedulerPlanError)
+        assert engine.step_stats().failed_steps == 0
+    assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
+
