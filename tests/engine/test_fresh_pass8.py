@@ -4,8 +4,13 @@ and fixed."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 
-from asyncinfer import AsyncEngine, RequestFailedError, SamplingParams
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError, RequestFailedError, SamplingParams
 from asyncinfer.core import SchedulerPlanError
 from asyncinfer.schedulers import FIFOScheduler
 
@@ -67,3 +72,31 @@ async def test_a_planned_count_that_poses_as_in_range_fails_its_request_alone(ti
         assert engine.step_stats().failed_steps == 0
     assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
 
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory) -> Path:
+    from tests.helpers import tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma2")
+    tiny_hf_model("gemma2", 2, vocab_size=320).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping", "rms_norm_eps"])
+@pytest.mark.parametrize("value", ["Infinity", "1e300", "1e-50"])
+def test_a_config_value_float32_cannot_hold_is_refused_by_name(tiny_gemma2, tmp_path, key, value) -> None:
+    """A config's soft-caps and eps were held to ``> 0`` only: ``Infinity`` (which Python's json reads) or
+    ``1e300`` loaded, became float32's inf, and every logit the model gave was NaN (its greedy reply token 0,
+    logprobs NaN); ``1e-50`` became 0. Each must now be a positive number float32 holds, refused by name at the
+    load."""
+    from asyncinfer.models.loader import read_model_config
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_gemma2, path)
+    config = json.loads((path / "config.json").read_text())
+    config[key] = "@value@"
+    (path / "config.json").write_text(json.dumps(config).replace('"@value@"', value))
+    with pytest.raises(ModelLoadError, match=rf"{key}=.* must be .*a positive number that float32 holds"):
+        read_model_config(path)
+    assert read_model_config(tiny_gemma2).attn_logit_softcapping == 2.0
