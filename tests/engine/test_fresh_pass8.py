@@ -100,3 +100,29 @@ def test_a_config_value_float32_cannot_hold_is_refused_by_name(tiny_gemma2, tmp_
     with pytest.raises(ModelLoadError, match=rf"{key}=.* must be .*a positive number that float32 holds"):
         read_model_config(path)
     assert read_model_config(tiny_gemma2).attn_logit_softcapping == 2.0
+
+
+async def test_two_profiles_asked_at_once_never_leave_one_waiting_forever(tiny_models, tmp_path) -> None:
+    """``profile()`` checked that no profile was armed, then checked its path in a worker thread, then armed its
+    own: two calls made together both passed the check, the second armed over the first, and the first waited
+    for steps that were never counted for it (until the engine stopped). The second is now refused, as a call
+    made while a profile runs is."""
+    from asyncinfer import InvalidParameterError
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE) as engine:
+        first = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "a"))
+        second = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "b"))
+
+        async def traffic() -> None:
+            while not (first.done() and second.done()):
+                await engine.generate(GOOD, SamplingParams(max_tokens=2, ignore_eos=True))
+
+        feeder = asyncio.ensure_future(traffic())
+        try:
+            done = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 20)
+        finally:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        refused = [r for r in done if isinstance(r, InvalidParameterError)]
+        assert len(refused) == 1 and refused[0].parameter == "profile"
+        assert [r.steps for r in done if not isinstance(r, BaseException)] == [2]

@@ -105,6 +105,8 @@ async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.Path
     if metrics.profiler is not None:
         raise InvalidParameterError("profile", "another profile", "one profile at a time")
     where = await anyio.to_thread.run_sync(_directory, path)  # a bad path fails now, not after the steps
+    if metrics.profiler is not None:  # armed by a call that started meanwhile: one profile at a time
+        raise InvalidParameterError("profile", "another profile", "one profile at a time")
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
     metrics.install_hooks()
