@@ -126,3 +126,47 @@ async def test_two_profiles_asked_at_once_never_leave_one_waiting_forever(tiny_m
         refused = [r for r in done if isinstance(r, InvalidParameterError)]
         assert len(refused) == 1 and refused[0].parameter == "profile"
         assert [r.steps for r in done if not isinstance(r, BaseException)] == [2]
+
+
+def _with_tokenizer(model_dir: Path, where: Path, *, far_word: bool, far_bos: bool) -> Path:
+    """``model_dir`` with a word-level tokenizer of 200 words ("w1" .. "w199") beside it: ``far_word`` adds a
+    word "far" of id 100000 (a sparse vocabulary of 201 tokens), ``far_bos`` a post-processor that puts a
+    "<s>" of id 100000 before every text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    shutil.copytree(model_dir, where)
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 200)}, **({"far": 100_000} if far_word else {})}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if far_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 100_000)])
+    tokenizer.save(str(where / "tokenizer.json"))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                             "unk_token": "[UNK]"}))
+    return where
+
+
+@pytest.mark.parametrize("kind", ["sparse vocabulary", "post-processor"])
+async def test_a_tokenizer_that_gives_ids_past_the_vocabulary_fails_no_step(tiny_models, tmp_path, kind) -> None:
+    """The load checks that the tokenizer holds no more tokens than the model embeds (``len(tokenizer)``); a
+    tokenizer file whose ids lie past its count (a word of id 100000 in a vocabulary of 201, or a post-processor
+    that adds one) passed, a text prompt encoded with that id reached the forward pass, and the step raised
+    IndexError: every neighbour batched with it failed, and three such prompts in a row would end the engine. A
+    text's ids are now held to the vocabulary at the call, as token ids are: InvalidParameterError on
+    ``prompt``, nothing queued."""
+    from asyncinfer import InvalidParameterError
+
+    path = _with_tokenizer(tiny_models["llama"][0], tmp_path / "model", far_word=kind == "sparse vocabulary",
+                           far_bos=kind == "post-processor")
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        neighbour = asyncio.ensure_future(engine.generate(GOOD, greedy))
+        with pytest.raises(InvalidParameterError, match="100000") as err:
+            await engine.generate("w1 far w2", greedy)
+        assert err.value.parameter == "prompt"
+        with pytest.raises(InvalidParameterError, match="100000"):
+            engine.tokenize("w1 far w2")
+        assert len((await neighbour).token_ids) == 4
+        if kind == "sparse vocabulary":
+            assert len((await engine.generate("w1 w2 w3", greedy)).token_ids) == 4
+        assert engine.step_stats().failed_steps == 0
