@@ -170,3 +170,24 @@ async def test_a_tokenizer_that_gives_ids_past_the_vocabulary_fails_no_step(tiny
         if kind == "sparse vocabulary":
             assert len((await engine.generate("w1 w2 w3", greedy)).token_ids) == 4
         assert engine.step_stats().failed_steps == 0
+
+
+async def test_an_encoder_tokenizer_that_gives_ids_past_the_vocabulary_fails_only_its_call(minilm_dir, tmp_path) -> None:
+    """The same for an embedding model: a tokenizer.json of as many tokens as the encoder embeds, one of them of
+    id 100000, passed the load's count check, and a text with that token failed the whole batch: every caller's
+    texts embedded with it (RequestAbortedError). The call's texts are now held to the vocabulary as they are
+    tokenized: that call is refused by name, its neighbours are embedded."""
+    from asyncinfer import InvalidParameterError
+
+    path = tmp_path / "encoder"
+    shutil.copytree(minilm_dir, path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    del vocab["[unused0]"]
+    vocab["zzzfar"] = 100_000
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    async with await AsyncEngine.load(path, device="cpu", dtype="float32") as engine:
+        good, bad = await asyncio.gather(engine.embed(["hello world"]), engine.embed(["hello zzzfar"]),
+                                         return_exceptions=True)
+        assert tuple(good.shape) == (1, 384)  # type: ignore[union-attr]
+        assert isinstance(bad, InvalidParameterError) and bad.parameter == "texts[0]" and "100000" in str(bad)
