@@ -191,3 +191,15 @@ async def test_an_encoder_tokenizer_that_gives_ids_past_the_vocabulary_fails_onl
                                          return_exceptions=True)
         assert tuple(good.shape) == (1, 384)  # type: ignore[union-attr]
         assert isinstance(bad, InvalidParameterError) and bad.parameter == "texts[0]" and "100000" in str(bad)
+
+
+async def test_a_profile_step_count_that_poses_as_in_range_is_refused(tiny_models, tmp_path) -> None:
+    """``profile(steps=)`` took an ``int`` subclass as it came: one holding 10**12 that compares as in range
+    passed the check, and the profile would have kept every step's ops in memory for as long as traffic came
+    (its own comparisons decide when it ends). It is read as the int it holds, and refused by name."""
+    from asyncinfer import InvalidParameterError
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE) as engine:
+        with pytest.raises(InvalidParameterError) as err:
+            await asyncio.wait_for(engine.profile(steps=_PosingCount(10**12), path=tmp_path), 5)
+        assert err.value.parameter == "steps" and err.value.value == 10**12
