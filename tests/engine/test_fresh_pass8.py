@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncinfer import AsyncEngine, ModelLoadError, RequestFailedError, SamplingParams
 from asyncinfer.core import SchedulerPlanError
@@ -203,3 +204,30 @@ async def test_a_profile_step_count_that_poses_as_in_range_is_refused(tiny_model
         with pytest.raises(InvalidParameterError) as err:
             await asyncio.wait_for(engine.profile(steps=_PosingCount(10**12), path=tmp_path), 5)
         assert err.value.parameter == "steps" and err.value.value == 10**12
+
+
+@pytest.mark.parametrize("where", ["decode_attention", "DecodeLayer", "DecodeStack"])
+def test_a_soft_cap_float32_rounds_to_zero_is_refused_by_name(where) -> None:
+    """The kernels' soft-caps were held to ``0 < cap < 3.4e38`` as Python floats: ``1e-46`` passed, reached the
+    kernels as the float32 0.0, which they read as no cap at all, and the scores ran uncapped (decode_attention
+    gave another output than the cap asked for, without a word). A cap float32 cannot hold is refused."""
+    from asyncinfer import kernels
+    from tests.models.kernel_cases import HIDDEN, VOCAB, blocks, layer_args
+
+    if where == "decode_attention":
+        q, cache = torch.randn(1, 2, 16), torch.randn(2, 4, 1, 16)
+        call = lambda cap: kernels.decode_attention(q, cache, cache.clone(), torch.tensor([[0, 1]]),  # noqa: E731
+                                                    torch.tensor([5]), 0.25, softcap=cap)
+        name = "softcap"
+    elif where == "DecodeLayer":
+        call = lambda cap: kernels.DecodeLayer(**layer_args(), attn_softcap=cap)  # noqa: E731
+        name = "attn_softcap"
+    else:
+        call = lambda cap: kernels.DecodeStack([kernels.DecodeLayer(**layer_args())], torch.ones(HIDDEN),  # noqa: E731
+                                               1e-5, ("q8_0", blocks(VOCAB, HIDDEN, "q8_0", 99), VOCAB),
+                                               logit_softcap=cap)
+        name = "logit_softcap"
+    call(1e-40)  # a subnormal float32 is a positive float32
+    for cap in (1e-46, 5e-324):
+        with pytest.raises(ValueError, match=f"{name} must be None or a positive finite float32"):
+            call(cap)
