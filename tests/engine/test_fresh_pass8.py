@@ -231,3 +231,44 @@ def test_a_soft_cap_float32_rounds_to_zero_is_refused_by_name(where) -> None:
     for cap in (1e-46, 5e-324):
         with pytest.raises(ValueError, match=f"{name} must be None or a positive finite float32"):
             call(cap)
+
+
+async def test_a_drain_swap_cancelled_in_its_drain_still_leaves_a_version_serving(tiny_models) -> None:
+    """A drain-mode ``swap_model`` stops binding requests to the serving version, waits for its requests to end,
+    then loads the new one. Cancelled while it waited (``asyncio.wait_for`` on the swap, a request in flight),
+    it left the model with no version at all: the old one drained and was dropped, no new one was loaded, and
+    every later request was refused with EngineClosedError ("a drain-mode swap is loading the next one"), for
+    good. Once it has begun to drain, the swap now runs to its end and then raises the cancellation."""
+    path = tiny_models["llama"][0]
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        long = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=100, ignore_eos=True)))
+        while engine.step_stats().steps < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.swap_model(path, mode="drain"), 0.05)
+        assert len((await long).token_ids) == 100
+        out = await asyncio.wait_for(engine.generate(GOOD, SamplingParams(max_tokens=3, ignore_eos=True)), 30)
+        assert len(out.token_ids) == 3
+        assert [info.state for info in engine.model_info()] == ["current"]
+
+
+async def test_a_removal_cancelled_in_its_drain_still_stops_the_model_being_stepped(tiny_models) -> None:
+    """``remove_model`` cancelled while the model's requests drained left its holder among those the engine
+    thread steps (the removal never told the thread), though the model was gone from the engine."""
+    path = tiny_models["llama"][0]
+    async with AsyncEngine.from_pretrained(path, **BASE) as engine:
+        await engine.add_model("second", path, **BASE)
+        long = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=100, ignore_eos=True),
+                                                     model="second"))
+        while engine.step_stats("second").steps < 2:
+            await asyncio.sleep(0.01)
+        holders = engine._link.thread._holders
+        assert len(holders) == 2
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.remove_model("second"), 0.05)
+        assert len((await long).token_ids) == 100
+        for _ in range(200):
+            if len(holders) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert len(holders) == 1
