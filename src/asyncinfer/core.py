@@ -414,17 +414,26 @@ class EngineCore:
     def _drop(self, request: Request) -> None:
         """Take a request out of the scheduler and free its blocks, wherever it is.
 
-        A scheduler whose ``abort_request`` raises is logged and survived: the request
-        leaves the base class's queues all the same (:meth:`_evict`).
+        A scheduler whose ``abort_request`` raises, or returns with the request still queued (an override that
+        does not call the base class's), is logged and survived: the request leaves the base class's queues all
+        the same (:meth:`_evict`). Left queued, it was scheduled again with its blocks freed: that step failed
+        for every request in it, and three such steps ended the engine.
         """
+        sched = self.scheduler
         try:
-            held = self.scheduler.abort_request(request.request_id) is not None
+            held = sched.abort_request(request.request_id) is not None
         except ENDS_ENGINE:
             raise
         except BaseException as exc:  # noqa: BLE001 - a plugin's fault for one request: that request only
-            _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in abort_request", request, exc)
+            _log_fault(f"the scheduler ({type(sched).__name__}) raised in abort_request", request, exc)
             self._evict(request)
             held = True
+        else:
+            if sched.requests.get(request.request_id) is request or request in sched.running or request in sched.waiting:
+                logger.error("the scheduler (%s) kept request %r queued after abort_request: taken out of its queues "
+                             "(the engine serves on)", type(sched).__name__, request.request_id)
+                self._evict(request)
+                held = True
         if not held:
             self.kv.free(request.request_id)  # a sample forked in a failed step: never handed to the scheduler
         if not request.status.finished:

@@ -272,3 +272,33 @@ async def test_a_removal_cancelled_in_its_drain_still_stops_the_model_being_step
                 break
             await asyncio.sleep(0.01)
         assert len(holders) == 1
+
+
+class _ForgetfulAbort(FIFOScheduler):
+    """FIFO whose ``abort_request`` override forgets to call the base class's: the request stays queued."""
+
+    def abort_request(self, request_id):  # type: ignore[no-untyped-def]
+        return None
+
+
+async def test_a_plugin_whose_abort_request_keeps_the_request_queued_ends_no_engine(tiny_models, hf_greedy) -> None:
+    """The engine freed a cancelled request's blocks after the plugin's ``abort_request``, trusting it had taken
+    the request out of its queues. One that did not (an override that forgot ``super()``) scheduled it again with
+    no blocks: the plan check failed it once more, but it stayed in the plan, the step raised IndexError for every
+    request in it, and after three such steps the engine was dead (EngineDeadError for everyone). The request is
+    now taken out of the base class's queues all the same (logged), and the engine serves on."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, GOOD, 30)
+    async with AsyncEngine.from_pretrained(path, **BASE, scheduler=_ForgetfulAbort) as engine:
+        neighbour = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=30, ignore_eos=True)))
+        for _ in range(4):
+            gone = asyncio.ensure_future(engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=100, ignore_eos=True)))
+            await asyncio.sleep(0.03)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+        assert (await neighbour).token_ids == expected
+        assert len((await engine.generate(GOOD, SamplingParams(max_tokens=3, ignore_eos=True))).token_ids) == 3
+        assert engine.step_stats().failed_steps == 0
+        sched = engine.core.scheduler
+        assert not sched.requests and not sched.running and not sched.waiting
+    assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
