@@ -54,7 +54,7 @@ from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
-from asyncinfer.step import ENDS_ENGINE, StepResult, apply_step, fork_samples, scheduled
+from asyncinfer.step import ENDS_ENGINE, SchedulerHookError, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
 
@@ -162,6 +162,9 @@ class EngineCore:
             if request.params.n > 1:
                 self._groups[request.request_id] = _Group(request.params.n, {0: request})
             self.scheduler.add_request(request)
+            if self.scheduler.requests.get(request.request_id) is not request:  # else it would wait forever
+                raise SchedulerHookError(f"add_request returned without adding {request.request_id!r} to the "
+                                         "scheduler's requests")
         except ENDS_ENGINE:
             raise
         except BaseException as exc:  # noqa: BLE001 - a plugin's fault fails this request only

@@ -302,3 +302,40 @@ async def test_a_plugin_whose_abort_request_keeps_the_request_queued_ends_no_eng
         sched = engine.core.scheduler
         assert not sched.requests and not sched.running and not sched.waiting
     assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
+
+
+def _dropping(hook: str) -> type[FIFOScheduler]:
+    """FIFO whose ``hook`` override returns without calling the base class's for a request whose prompt ends in 9
+    (``add_request``) or for every forked sample (``add_forked``)."""
+
+    class Dropping(FIFOScheduler):
+        def add_request(self, request):  # type: ignore[no-untyped-def]
+            if hook == "add_request" and request.prompt_token_ids[-1] == 9:
+                return None
+            return super().add_request(request)
+
+        def add_forked(self, request):  # type: ignore[no-untyped-def]
+            if hook == "add_forked":
+                return None
+            return super().add_forked(request)
+
+    return Dropping
+
+
+@pytest.mark.parametrize("hook", ["add_request", "add_forked"])
+async def test_a_plugin_hook_that_does_not_queue_its_request_leaves_no_caller_waiting(tiny_models, hook) -> None:
+    """A plugin whose ``add_request`` (or ``add_forked``) returned without adding the request (a forked sample) to
+    its ``requests`` left it in no queue: it never ran, the stall check saw nothing waiting, and the caller waited
+    forever. The engine now checks that the hook did add it, and fails that request alone (RequestFailedError,
+    the cause a SchedulerHookError naming the hook); the others are served."""
+    from asyncinfer.step import SchedulerHookError
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True, n=2 if hook == "add_forked" else 1)
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, scheduler=_dropping(hook)) as engine:
+        good = asyncio.ensure_future(engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=5, ignore_eos=True)))
+        with pytest.raises(RequestFailedError) as err:
+            await asyncio.wait_for(engine.generate([5, 6, 7, 9], params), 10)
+        assert isinstance(err.value.__cause__, SchedulerHookError) and hook in str(err.value.__cause__)
+        assert len((await good).token_ids) == 5
+        assert engine.step_stats().failed_steps == 0
+    assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
