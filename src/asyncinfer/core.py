@@ -49,11 +49,12 @@ from asyncinfer.detokenizer import IncrementalDetokenizer, StopMatcher
 from asyncinfer.errors import InvalidParameterError, RequestFailedError, exception_text
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.outputs import CoreOutput, Logprob
+from asyncinfer.plain import plain_value
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
 from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
-from asyncinfer.step import ENDS_ENGINE, StepResult, apply_step, fork_samples, scheduled
+from asyncinfer.step import ENDS_ENGINE, SchedulerHookError, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
 
@@ -161,6 +162,9 @@ class EngineCore:
             if request.params.n > 1:
                 self._groups[request.request_id] = _Group(request.params.n, {0: request})
             self.scheduler.add_request(request)
+            if self.scheduler.requests.get(request.request_id) is not request:  # else it would wait forever
+                raise SchedulerHookError(f"add_request returned without adding {request.request_id!r} to the "
+                                         "scheduler's requests")
         except ENDS_ENGINE:
             raise
         except BaseException as exc:  # noqa: BLE001 - a plugin's fault fails this request only
@@ -280,8 +284,7 @@ class EngineCore:
         """
         started = time.perf_counter()
         self._batch = None
-        plan = self.scheduler.schedule()
-        misplanned = self._check_plan(plan)  # entries that break the contract: their requests fail alone
+        plan, misplanned = self._check_plan(self.scheduler.schedule())  # misplanned: their requests fail alone
         batch = scheduled(self.scheduler, plan)
         copies = self.kv.commit_step()
         self._batch = batch  # from here on a fault fails these requests
@@ -302,16 +305,21 @@ class EngineCore:
             self.on_step(batch, inputs, result, started)
         return misplanned + outputs
 
-    def _check_plan(self, plan: SchedulerOutput) -> list[CoreOutput]:
+    def _check_plan(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[CoreOutput]]:
         """Hold ``plan`` to the contract's rule for each scheduled request (docs/schedulers.md, invariant 2):
         one the scheduler holds, running, ``1 <= n <= its uncomputed tokens`` (an int), with its slots
         allocated. An entry that breaks it is logged and leaves the plan, and its request (all its samples)
         fails alone with :class:`RequestFailedError` (its blocks freed, a slot the step registered for it
         dropped from the prefix cache); an entry naming no request the scheduler holds just leaves the plan.
         So a plugin's wrong count for one request never fails the step, and so its neighbours, nor reaches
-        the forward pass. Returns the failed requests' final outputs."""
+        the forward pass. Returns the plan the step runs, a plain copy of the entries that hold (ids and
+        counts read as the plain ``str`` and ``int`` they hold, once: an ``int`` subclass whose comparisons
+        lie passed the range and ran its real count; the plugin's dict is not read again), and the failed
+        requests' final outputs."""
         sched = self.scheduler
-        entries = plan.num_scheduled_tokens
+        held = plan.num_scheduled_tokens
+        pairs = list(dict.items(held) if isinstance(held, dict) else held.items())
+        entries = {plain_value(rid): plain_value(n) for rid, n in pairs}
         faults: dict[str, tuple[Request, str]] = {}
         for rid, n in list(entries.items()):
             request = sched.requests.get(rid)
@@ -331,7 +339,7 @@ class EngineCore:
         if faults:  # its samples left with it
             for rid in [rid for rid in entries if rid not in sched.requests]:
                 del entries[rid]
-        return outputs
+        return SchedulerOutput(entries), outputs
 
     def _switch_rope(self, result: StepResult) -> None:
         """Preempt each request of a longrope model that has just grown past the model's original context: its K
@@ -409,17 +417,26 @@ class EngineCore:
     def _drop(self, request: Request) -> None:
         """Take a request out of the scheduler and free its blocks, wherever it is.
 
-        A scheduler whose ``abort_request`` raises is logged and survived: the request
-        leaves the base class's queues all the same (:meth:`_evict`).
+        A scheduler whose ``abort_request`` raises, or returns with the request still queued (an override that
+        does not call the base class's), is logged and survived: the request leaves the base class's queues all
+        the same (:meth:`_evict`). Left queued, it was scheduled again with its blocks freed: that step failed
+        for every request in it, and three such steps ended the engine.
         """
+        sched = self.scheduler
         try:
-            held = self.scheduler.abort_request(request.request_id) is not None
+            held = sched.abort_request(request.request_id) is not None
         except ENDS_ENGINE:
             raise
         except BaseException as exc:  # noqa: BLE001 - a plugin's fault for one request: that request only
-            _log_fault(f"the scheduler ({type(self.scheduler).__name__}) raised in abort_request", request, exc)
+            _log_fault(f"the scheduler ({type(sched).__name__}) raised in abort_request", request, exc)
             self._evict(request)
             held = True
+        else:
+            if sched.requests.get(request.request_id) is request or request in sched.running or request in sched.waiting:
+                logger.error("the scheduler (%s) kept request %r queued after abort_request: taken out of its queues "
+                             "(the engine serves on)", type(sched).__name__, request.request_id)
+                self._evict(request)
+                held = True
         if not held:
             self.kv.free(request.request_id)  # a sample forked in a failed step: never handed to the scheduler
         if not request.status.finished:

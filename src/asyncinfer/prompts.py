@@ -283,9 +283,9 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         if not prompt:
             raise InvalidParameterError("prompt", prompt, "a non-empty string")
         check_unicode("prompt", prompt)
-        ids = list(_need_tokenizer(version, "a text prompt").encode(prompt))
+        ids = _in_vocabulary(list(_need_tokenizer(version, "a text prompt").encode(prompt)), version)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = chat_token_ids(version, prompt)  # type: ignore[arg-type]
+        ids = _in_vocabulary(chat_token_ids(version, prompt), version)  # type: ignore[arg-type]
     elif isinstance(prompt, Sequence) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -298,6 +298,18 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids")
     if not ids:
         raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
+    return ids
+
+
+def _in_vocabulary(ids: list[int], version: ModelVersion) -> list[int]:
+    """``ids`` the tokenizer made, refused unless each is an id of the model's vocabulary: a tokenizer file may
+    give ids past its own count (a sparse vocabulary, an added token's or a post-processor's id), which the
+    load's check of that count cannot see, and one such id failed the step of every request batched with it."""
+    vocab = version.model_config.vocab_size
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise InvalidParameterError("prompt", f"<a text its tokenizer encodes with id {bad}>",
+                                    f"a prompt whose tokens are ids of the model's vocabulary [0, {vocab - 1}]")
     return ids
 
 

@@ -149,11 +149,19 @@ def apply_step(
                 continue
             try:
                 scheduler.add_forked(request)
+                if scheduler.requests.get(request.request_id) is not request:  # it would never run, never end
+                    raise SchedulerHookError(f"add_forked returned without adding {request.request_id!r} to the "
+                                             "scheduler's requests")
             except ENDS_ENGINE:
                 raise
             except BaseException as exc:  # noqa: BLE001 - attributed to this sample (see isolate)
                 isolate(request, "add_forked", exc)
     return result
+
+
+class SchedulerHookError(RuntimeError):
+    """A scheduler's hook returned without doing what the contract asks of it for one request (``add_request`` or
+    ``add_forked`` that did not add it to ``requests``): the cause of that request's ``RequestFailedError``."""
 
 
 def _finish(scheduler: Scheduler, finished: list[Request], isolate: FaultSink | None) -> None:

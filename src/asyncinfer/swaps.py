@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import torch
@@ -33,6 +33,8 @@ from asyncinfer.memory import MemoryPlan
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
 from asyncinfer.plain import plain_value
+
+T = TypeVar("T")
 
 
 class ChangeObserver(Protocol):
@@ -108,9 +110,9 @@ class ModelChanges:
                 await self._check_fits(model, merged, available, mode, current(holder).plan)
                 if mode == "overlap":
                     new = await self._load_version(model, merged)
-                else:
-                    new = await self._reload_drained(holder, model, merged, abort)
-                await self.switch(new, holder)
+                    await self.switch(new, holder)
+                else:  # from the drain on, the model has no version until one is switched in: see it through
+                    new = await _to_the_end(self._drain_swap(holder, model, merged, abort))
             finally:
                 admission.set()
             return version_info(new, label, 0)
@@ -150,19 +152,22 @@ class ModelChanges:
             lambda: load(model, options, version_id=version_id, kind=kind, error=error, what=what)
         )
 
-    async def _reload_drained(
+    async def _drain_swap(
         self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool
     ) -> ModelVersion:
-        """Drain mode (admission paused by the caller): retire the serving version, then load the new one."""
+        """Drain mode (admission paused by the caller): retire the serving version, load the new one and switch
+        it in."""
         old = current(holder)
         await self.retire(old, abort, holder)
         try:
-            return await self._load_version(model, options)
+            new = await self._load_version(model, options)
         except BaseException:
             # The old version is gone already: bring it back so the engine keeps serving.
             back = await self._load_version(old.path, old.options)
             await self.switch(back, holder)
             raise
+        await self.switch(new, holder)
+        return new
 
     async def switch(self, version: ModelVersion, holder: ModelHolder) -> None:
         """Bind new requests to ``version`` and have the engine thread step it (at a step boundary)."""
@@ -261,12 +266,15 @@ class ModelChanges:
         models.admission.pop(holder).set()  # requests waiting for it now see it is gone
         models.removing[name] = holder
         try:
-            if holder.current is not None:
-                await self.retire(holder.current, abort, holder)
-            if self.link.started:
-                self.link.post(RemoveHolder(holder))
+            await _to_the_end(self._retire_holder(holder, abort))  # gone from the catalog: see it through
         finally:
             del models.removing[name]
+
+    async def _retire_holder(self, holder: ModelHolder, abort: bool) -> None:
+        if holder.current is not None:
+            await self.retire(holder.current, abort, holder)
+        if self.link.started:
+            self.link.post(RemoveHolder(holder))
 
     async def _remove_embedder(self, name: str, abort: bool) -> None:
         models = self.models
@@ -280,6 +288,27 @@ class ModelChanges:
                 await self.link.wait_for(entry.drained)
         finally:
             del models.removing[name]
+
+
+async def _to_the_end(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end even if the caller is cancelled meanwhile, then raise the cancellation (or
+    ``work``'s own error). For a change that, once begun, leaves a model with no version (a drain-mode swap
+    retiring the serving one) or half removed until it ends: cancelled in its drain (``asyncio.wait_for`` on
+    ``swap_model``), the swap left the model with no version at all, every later request refused with
+    EngineClosedError, and a removal never told the engine thread to stop stepping the model."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the work itself was cancelled (not the caller): its error
+                raise
+            cancelled = True  # the caller's: wait for the work first
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 def _check_available(available: Any) -> int | None:

@@ -12,6 +12,7 @@ lengths, slots, block ids)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import numbers
 import operator
@@ -95,6 +96,16 @@ def real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def softcap(name: str, value: object) -> float:
+    """A soft-cap (``cap * tanh(x / cap)``) as the float32 the kernels take: TypeError for anything but a real
+    number, ValueError naming ``name`` unless it stays positive and finite there (``1e-46`` passed ``> 0`` and
+    reached the kernels as 0.0, which they read as no cap at all)."""
+    cap = real(name, value)
+    if not (0.0 < cap < 3.4e38 and ctypes.c_float(cap).value > 0.0):
+        raise ValueError(f"{name} must be None or a positive finite float32, got {value!r}")
+    return cap
 
 
 def bounded(name: str, *factors: int, limit: int = MAX_BYTES) -> None:

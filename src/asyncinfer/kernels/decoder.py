@@ -14,6 +14,7 @@ import torch
 
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
+from asyncinfer.kernels._checks import softcap as _softcap
 from asyncinfer.kernels.formats import LAYOUTS, BlockTable, format_name
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
@@ -172,9 +173,7 @@ class DecodeLayer:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
         softcap = 0.0
         if attn_softcap is not None:
-            softcap = real("attn_softcap", attn_softcap)
-            if not 0.0 < softcap < 3.4e38:
-                raise ValueError(f"attn_softcap must be None or a positive finite float32, got {attn_softcap!r}")
+            softcap = _softcap("attn_softcap", attn_softcap)
         rope_table = size("rope_table", rope_table, 0, MAX_ROPE_TABLES - 1)
         window_keys = 0 if window is None else size("window", window, 1, 2**62)
         hidden = size("hidden (norm1's size)", norm1.shape[0])
@@ -373,9 +372,7 @@ class DecodeStack:
         scale = _embed_scale(embed_scale)
         softcap = 0.0
         if logit_softcap is not None:
-            softcap = real("logit_softcap", logit_softcap)
-            if not 0.0 < softcap < 3.4e38:
-                raise ValueError(f"logit_softcap must be None or a positive finite float32, got {logit_softcap!r}")
+            softcap = _softcap("logit_softcap", logit_softcap)
         if head is not None:
             head = tuple(head) if isinstance(head, tuple) else head  # the items it holds, read once
             if not isinstance(head, tuple) or len(head) != 3:

@@ -21,6 +21,7 @@ from asyncinfer.kernels._checks import (
     size,
     tensor,
 )
+from asyncinfer.kernels._checks import softcap as _softcap
 from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable, format_name
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
@@ -265,9 +266,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = real("scale", scale)
     cap = 0.0
     if softcap is not None:
-        cap = real("softcap", softcap)
-        if not 0.0 < cap < 3.4e38:
-            raise ValueError(f"softcap must be None or a positive finite float32, got {softcap!r}")
+        cap = _softcap("softcap", softcap)
     window_keys = 0 if window is None else size("window", window, 1, 2**62)
     q = contiguous(q, "q")  # a view of q/k/v in the engine's layers
     context_lens = contiguous(context_lens, "context_lens")

@@ -21,6 +21,7 @@ import anyio
 import torch
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.plain import plain_value
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,14 @@ MAX_PROFILE_STEPS = 10_000
 async def profile_steps(metrics: Any, link: Any, steps: int, path: str | os.PathLike[str]) -> ProfileResult:
     """Arm a profile of the next ``steps`` steps, wait for them (``link``: the engine's
     :class:`~asyncinfer.engine_thread.ThreadLink`, which fails the wait if the engine stops), write the files."""
+    steps = plain_value(steps)  # the int it holds: a subclass's comparisons may pose as in range
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_PROFILE_STEPS:
         raise InvalidParameterError("steps", steps, f"an integer in [1, {MAX_PROFILE_STEPS}]")
     if metrics.profiler is not None:
         raise InvalidParameterError("profile", "another profile", "one profile at a time")
     where = await anyio.to_thread.run_sync(_directory, path)  # a bad path fails now, not after the steps
+    if metrics.profiler is not None:  # armed by a call that started meanwhile: one profile at a time
+        raise InvalidParameterError("profile", "another profile", "one profile at a time")
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
     metrics.install_hooks()

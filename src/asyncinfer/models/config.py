@@ -10,6 +10,7 @@ Which architectures exist, and their quirks, is the registry's business
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,22 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq
 # Attention kinds a layer may have (``ModelConfig.layer_types``, Hugging Face's names).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+_POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
+
+
+def _positive_float32(value: object) -> bool:
+    """Whether ``value`` is a real number that stays positive and finite as the float32 the model computes in: a
+    soft-cap, eps or rope base of ``inf`` or ``1e300`` (a file may say so) made every logit NaN, and one below
+    float32's smallest (``1e-50``) divided by zero."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        as_float32 = ctypes.c_float(float(value)).value
+    except OverflowError:  # an int past float's range
+        return False
+    return 0.0 < as_float32 < math.inf
 
 
 @dataclass(frozen=True)
@@ -108,17 +125,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim={self.head_dim} must be even for rope")
-        if not self.rms_norm_eps > 0:
-            raise ModelLoadError(f"model config: rms_norm_eps={self.rms_norm_eps!r} must be > 0")
-        if not self.rope_theta > 0:
-            raise ModelLoadError(f"model config: rope_theta={self.rope_theta!r} must be > 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not _positive_float32(getattr(self, name)):
+                raise ModelLoadError(f"model config: {name}={getattr(self, name)!r} must be {_POSITIVE_FLOAT32}")
         _validate_rope_scaling(self.rope_scaling, self.head_dim)
         self._validate_window()
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "sliding_rope_theta"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ModelLoadError(f"model config: {name}={value!r} must be None or > 0")
+            if value is not None and not _positive_float32(value):
+                raise ModelLoadError(f"model config: {name}={value!r} must be None or {_POSITIVE_FLOAT32}")
         if not isinstance(self.eos_token_ids, tuple):
             raise ModelLoadError("model config: eos_token_ids must be a tuple of ints")
         for tok in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):

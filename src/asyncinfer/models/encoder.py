@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncinfer.errors import ModelLoadError
+from asyncinfer.errors import InvalidParameterError, ModelLoadError
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
@@ -314,7 +314,14 @@ class LoadedEncoder:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids per text, [CLS] ... [SEP], truncated to ``config.max_seq_len`` tokens."""
         enc = self.tokenizer(texts, truncation=True, max_length=self.config.max_seq_len, add_special_tokens=True)
-        return [list(ids) for ids in enc["input_ids"]]
+        batch = [list(ids) for ids in enc["input_ids"]]
+        vocab = self.config.vocab_size
+        for i, ids in enumerate(batch):  # a tokenizer file's ids may lie past its count, which the load checks
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise InvalidParameterError(f"texts[{i}]", f"<a text its tokenizer encodes with id {bad}>",
+                                            f"a text whose tokens are ids of the encoder's vocabulary [0, {vocab - 1}]")
+        return batch
 
     @torch.inference_mode()
     def encode_ids(self, batch: list[list[int]]) -> torch.Tensor:
