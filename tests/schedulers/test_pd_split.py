@@ -48,9 +48,10 @@ def test_inter_token_latency_stays_bounded_while_a_long_prompt_arrives(prefill_b
                          decode_keys=(DECODERS + 1) * pad(LONG_PROMPT + 4), prefill_keys=0)
     assert decoder_itl_max(split) <= max(cost.cost(prefilling), cost.cost(decoding)) + 1e-9
     assert decoder_itl_max(fifo) > 3 * decoder_itl_max(split)  # FIFO stalls them behind 1000-token chunks
-    # The long prompt is not starved, only spread over more steps.
+    # The long prompt is not starved, only spread over more steps: its first token comes within half again of
+    # FIFO's (a little earlier or later than FIFO's, as the step costs of the cost model have it).
     long_split, long_fifo = (next(r for r in res.records if r.id == "long") for res in (split, fifo))
-    assert long_split.finish is not None and long_split.ttft >= long_fifo.ttft
+    assert long_split.finish is not None and long_split.ttft <= 1.5 * long_fifo.ttft
 
 
 def test_with_nothing_decoding_prompts_use_the_whole_budget() -> None:
