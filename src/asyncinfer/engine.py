@@ -48,6 +48,7 @@ from asyncinfer.metrics.memory_report import memory_report
 from asyncinfer.metrics.profile import profile_steps
 from asyncinfer.models import ModelConfig
 from asyncinfer.outputs import CoreOutput, OutputAssembler, RequestOutput, StreamDelta, stream_delta
+from asyncinfer.plain import plain_value
 from asyncinfer.prompts import (
     LoopShare,
     Prompt,
@@ -363,6 +364,7 @@ class AsyncEngine:
         EngineOverloadedError when they do not fit beside the requests in flight now (retry later). Each
         request is still checked as it is submitted."""
         self._check_running()
+        count = plain_value(count)  # the number it holds: an int subclass's comparisons may lie
         check_int("count", count, 1, 2**31)
         self._intake.check_room(model, count)
 

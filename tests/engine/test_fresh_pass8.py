@@ -339,3 +339,16 @@ async def test_a_plugin_hook_that_does_not_queue_its_request_leaves_no_caller_wa
         assert len((await good).token_ids) == 5
         assert engine.step_stats().failed_steps == 0
     assert engine.kv_stats().used_blocks == 0 and engine.kv_manager.request_ids() == []
+
+
+async def test_an_admission_count_that_poses_as_in_range_is_read_as_the_int_it_holds(tiny_models) -> None:
+    """``check_admission(count=)`` compared an ``int`` subclass by its own methods: one holding 10**12 that
+    compares as in range passed, and the room check answered for a count nobody asked. It is read as the int it
+    holds, and refused by name."""
+    from asyncinfer import InvalidParameterError
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE) as engine:
+        with pytest.raises(InvalidParameterError) as err:
+            engine.check_admission(_PosingCount(10**12))
+        assert err.value.parameter == "count" and err.value.value == 10**12
+        engine.check_admission(1)  # room for one: no error

@@ -192,6 +192,9 @@ def test_decode_attention_names_a_softcap_or_window_out_of_range() -> None:
                                 ({"window": True}, TypeError, "window")):
         with pytest.raises(error, match=name):
             kernels.decode_attention(q, cache, cache, tables, lens, 1.0, **kwargs)
+    for scale in (float("nan"), float("inf"), -float("inf"), 1e39):  # every output NaN: refused by name
+        with pytest.raises(ValueError, match="scale"):
+            kernels.decode_attention(q, cache, cache, tables, lens, scale)
 
 
 def lossless_tiny(kind: str, path) -> None:

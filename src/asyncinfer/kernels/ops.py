@@ -235,7 +235,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     A ValueError names either outside those ranges.
 
     Raises TypeError naming the parameter for tensors not on the CPU, of another dtype or kind of shape
-    (caches that differ, rows that disagree with q's S); ValueError for a head_dim that is not a positive
+    (caches that differ, rows that disagree with q's S); ValueError for a scale that is not a finite float32, a
+    head_dim that is not a positive
     multiple of 8, a head, KV-head or block-size count of 0, heads not a multiple of the KV heads, or a
     table width times block size beyond 2**62; IndexError for a context length below 1 or beyond its
     table, or a block outside the caches.
@@ -264,6 +265,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise TypeError(f"context_lens: decode_attention takes int64 context_lens [S={num_seqs}], got "
                         f"{tuple(context_lens.shape)}")
     scale = real("scale", scale)
+    if not abs(scale) < 3.4e38:  # NaN, infinite or past float32: every score, and so every output, NaN
+        raise ValueError(f"scale must be a finite float32, got {scale!r}")
     cap = 0.0
     if softcap is not None:
         cap = _softcap("softcap", softcap)
