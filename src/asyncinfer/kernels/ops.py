@@ -236,9 +236,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Raises TypeError naming the parameter for tensors not on the CPU, of another dtype or kind of shape
     (caches that differ, rows that disagree with q's S); ValueError for a scale that is not a finite float32, a
-    head_dim that is not a positive
-    multiple of 8, a head, KV-head or block-size count of 0, heads not a multiple of the KV heads, or a
-    table width times block size beyond 2**62; IndexError for a context length below 1 or beyond its
+    head_dim that is not a positive multiple of 8, a head, KV-head or block-size count of 0, heads not a
+    multiple of the KV heads, or a table width times block size beyond 2**62; IndexError for a context length below 1 or beyond its
     table, or a block outside the caches.
     """
     lib = _need()
