@@ -25,6 +25,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(proc: subprocess.Popen, url: str) -> None:
+    """Until ``asyncinfer serve`` (``proc``) answers ``/health`` at ``url``; fails if it exits or takes 120 s."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "asyncinfer serve did not come up"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
 def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir) -> None:
     port = free_port()
     path = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
@@ -36,16 +49,7 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "asyncinfer serve did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         for key in ("from-env", "from-flag"):
             with openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0) as client:
                 assert {m.id for m in client.models.list().data} == {"tiny", minilm_dir.name}
@@ -108,16 +112,7 @@ def test_a_forced_quit_aborts_the_streams_and_closes_without_a_traceback(real_gg
 
     reader = threading.Thread(target=read_stream)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "asyncinfer serve did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         reader.start()
         assert first.wait(60)
         proc.send_signal(signal.SIGINT)  # uvicorn waits for the stream, "(CTRL+C to force quit)"

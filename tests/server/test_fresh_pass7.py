@@ -8,9 +8,7 @@ import gc
 import importlib.util
 import re
 import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from asyncinfer.server.protocol import (
 from asyncinfer.server.streaming import MergedStreams
 
 from .conftest import TINY_OPTIONS, LiveServer
-from .test_loop_stays_free import WAIT, loop_thread
+from .test_loop_stays_free import answered_while_held, loop_thread
 
 
 # A stream's reader that falls behind (a client reading its answer slowly, or not at all until send_timeout)
@@ -106,32 +104,6 @@ def test_a_stream_closed_while_it_waits_for_its_reader_is_ended_at_once() -> Non
 # characters by their length alone, within the loop's share, though the tokenizer's work is per text) and its
 # JSON, 2048 vectors written out as floats (tens of milliseconds for a 384-wide model, ten times that for a
 # 4096-wide one), held every other caller's stream for that long, per call.
-def _held_off_loop(server, monkeypatch, owner, name: str, wrap, send) -> tuple[httpx.Response, set[int]]:
-    """``send()``'s answer, with ``wrap(real, hold)`` in place of ``owner.name``: ``hold()`` waits, in whatever
-    thread calls it, until ``/health`` has answered (which it cannot while the loop is the one waiting)."""
-    started, health_done = threading.Event(), threading.Event()
-    threads: set[int] = set()
-
-    def hold() -> None:
-        threads.add(threading.get_ident())
-        started.set()
-        health_done.wait(WAIT)
-
-    monkeypatch.setattr(owner, name, wrap(getattr(owner, name), hold))
-    with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(send)
-        try:
-            assert started.wait(60), "the request never reached the step under test"
-            try:
-                health = httpx.get(server.url + "/health", timeout=WAIT / 2)
-            except httpx.TimeoutException:
-                pytest.fail("/health did not answer while an embeddings call's work was under way: it ran on the loop")
-        finally:
-            health_done.set()
-        assert health.status_code == 200
-        return answer.result(120), threads
-
-
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_an_embeddings_answer_is_built_off_the_loop(server, monkeypatch, encoding) -> None:
     def wrap(real, hold):
@@ -145,7 +117,7 @@ def test_an_embeddings_answer_is_built_off_the_loop(server, monkeypatch, encodin
         return httpx.post(server.url + "/v1/embeddings", timeout=120,
                           json={"model": "minilm", "input": ["hello", "world"], "encoding_format": encoding})
 
-    answer, threads = _held_off_loop(server, monkeypatch, router, "_json", wrap, send)
+    answer, threads = answered_while_held(server, monkeypatch, router, "_json", send, wrap)
     assert answer.status_code == 200, answer.text
     assert [d["index"] for d in answer.json()["data"]] == [0, 1]
     assert loop_thread(server) not in threads
@@ -165,7 +137,8 @@ def test_many_short_texts_are_counted_off_the_loop(server, monkeypatch) -> None:
     def send() -> httpx.Response:
         return httpx.post(server.url + "/v1/embeddings", json={"model": "minilm", "input": ["a"] * 2048}, timeout=120)
 
-    answer, threads = _held_off_loop(server, monkeypatch, router._engine, "embedding_token_counter", wrap, send)
+    answer, threads = answered_while_held(server, monkeypatch, router._engine, "embedding_token_counter", send,
+                                          wrap)
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["data"]) == 2048 and answer.json()["usage"]["prompt_tokens"] == 3 * 2048
     assert loop_thread(server) not in threads

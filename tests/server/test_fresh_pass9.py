@@ -103,21 +103,26 @@ def test_a_handshake_the_websocket_library_refuses_is_answered_in_openai_shape(h
     assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_websocket_handshake"), error
 
 
+def _echo_app() -> FastAPI:
+    """An app whose WebSocket route ``/echo`` answers every text with it twice, until the client goes."""
+    app = FastAPI()
+
+    @app.websocket("/echo")
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        while True:
+            await socket.send_text((await socket.receive_text()) * 2)
+
+    return app
+
+
 @pytest.mark.parametrize("http_parser", ["h11", "httptools"])
 def test_an_accepted_websocket_still_talks(http_parser) -> None:
     from asyncinfer.server import guard_app
 
     pytest.importorskip(http_parser)
     connect = pytest.importorskip("websockets.sync.client").connect
-    app = FastAPI()
-
-    @app.websocket("/echo")
-    async def echo(socket: WebSocket) -> None:
-        await socket.accept()
-        await socket.send_text((await socket.receive_text()) * 2)
-        await socket.close()
-
-    with LiveServer(guard_app(app), http=http_parser) as live, connect(live.url.replace("http", "ws") + "/echo") as ws:
+    with LiveServer(guard_app(_echo_app()), http=http_parser) as live, connect(live.url.replace("http", "ws") + "/echo") as ws:
         ws.send("ab")
         assert ws.recv(timeout=10) == "abab"
 
@@ -131,16 +136,8 @@ def test_an_accepted_websocket_outlives_the_header_deadline(http_parser) -> None
 
     pytest.importorskip(http_parser)
     connect = pytest.importorskip("websockets.sync.client").connect
-    app = FastAPI()
-
-    @app.websocket("/echo")
-    async def echo(socket: WebSocket) -> None:
-        await socket.accept()
-        while True:
-            await socket.send_text((await socket.receive_text()) * 2)
-
     settings = ServerSettings(header_timeout=0.5)
-    with LiveServer(guard_app(app, settings), settings, http=http_parser) as live, \
+    with LiveServer(guard_app(_echo_app(), settings), settings, http=http_parser) as live, \
             connect(live.url.replace("http", "ws") + "/echo") as ws:
         for _ in range(4):
             ws.send("ab")

@@ -29,21 +29,25 @@ def loop_thread(server) -> int:
     return server.call(ident())
 
 
-def answered_while_held(server, monkeypatch, owner, name: str, send) -> tuple[httpx.Response, set[int]]:
+def answered_while_held(server, monkeypatch, owner, name: str, send, wrap=None) -> tuple[httpx.Response, set[int]]:
     """Hold ``owner.name`` (a function or method of the HTTP layer) in whatever thread first calls it until
     ``/health`` has answered; ``send()`` makes the request that calls it. Returns that request's answer and
-    the threads ``owner.name`` ran in."""
+    the threads ``owner.name`` ran in. ``wrap(real, hold)``: what stands in for ``owner.name`` when the hold
+    belongs elsewhere than before the call (default: ``hold()``, then ``real``)."""
     real = getattr(owner, name)
     started, health_done = threading.Event(), threading.Event()
     threads: set[int] = set()
 
-    def held(*args, **kwargs):
+    def hold() -> None:
         threads.add(threading.get_ident())
         started.set()
         health_done.wait(WAIT)
+
+    def held(*args, **kwargs):
+        hold()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(owner, name, held)
+    monkeypatch.setattr(owner, name, held if wrap is None else wrap(real, hold))
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
         try:
