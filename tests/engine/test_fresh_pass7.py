@@ -29,6 +29,22 @@ def _header_only_gguf(path: Path, arch: str, **values) -> Path:
     return path
 
 
+def _transformers_reads_at_most(monkeypatch, layers: int) -> None:
+    """transformers' AutoConfig fails the test when handed a config.json of more than ``layers`` layers."""
+    import json
+
+    import transformers
+
+    read = transformers.AutoConfig.from_pretrained
+
+    def bounded(path, *args, **kwargs):
+        count = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        assert count <= layers, f"transformers was handed a config of {count} layers"
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", bounded)
+
+
 @pytest.mark.parametrize("count", [("10000000000", "STRING"), (1e10, "FLOAT64")], ids=["string", "float"])
 def test_a_block_count_that_is_no_int_is_checked_before_any_per_layer_work(tmp_path, monkeypatch, count) -> None:
     """``gguf_config`` checked ``<arch>.block_count`` against the layers the tensors hold only where it was an
@@ -65,7 +81,6 @@ def test_a_config_json_layer_count_past_its_weights_is_refused_before_transforme
     import json
 
     import torch
-    import transformers
     from safetensors.torch import save_file
 
     from asyncinfer.models.loader import open_checkpoint
@@ -76,14 +91,7 @@ def test_a_config_json_layer_count_past_its_weights_is_refused_before_transforme
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({f"model.layers.{i}.input_layernorm.weight": torch.zeros(64) for i in range(2)},
               str(tmp_path / "model.safetensors"))
-    read = transformers.AutoConfig.from_pretrained
-
-    def bounded(path, *args, **kwargs):
-        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-        assert layers <= 2, f"transformers was handed a config of {layers} layers"
-        return read(path, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", bounded)
+    _transformers_reads_at_most(monkeypatch, 2)
     with pytest.raises(ModelLoadError, match=r"num_hidden_layers = 10000000000, but its weights hold 2 layer"):
         open_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
@@ -96,8 +104,6 @@ def test_a_layer_count_beside_unreadable_shards_is_bounded_by_their_bytes(tmp_pa
     transformers builds its list of one entry a layer; a count that fits is read (and its shard refused) as before."""
     import json
 
-    import transformers
-
     from asyncinfer.models.loader import open_checkpoint
 
     config = {"model_type": "qwen2", "num_hidden_layers": 10**10, "hidden_size": 64, "intermediate_size": 128,
@@ -105,14 +111,7 @@ def test_a_layer_count_beside_unreadable_shards_is_bounded_by_their_bytes(tmp_pa
               "rms_norm_eps": 1e-5, "sliding_window": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 4096)
-    read = transformers.AutoConfig.from_pretrained
-
-    def bounded(path, *args, **kwargs):
-        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-        assert layers <= 4096, f"transformers was handed a config of {layers} layers"
-        return read(path, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", bounded)
+    _transformers_reads_at_most(monkeypatch, 4096)
     with pytest.raises(ModelLoadError, match=r"num_hidden_layers = 10000000000 is more layers than its weights could "
                                              r"hold \(4096 bytes of \*\.safetensors shards: at most 4096\)"):
         open_checkpoint(tmp_path)
