@@ -198,10 +198,46 @@ def prompt_chars(prompt: Any) -> int:
 def prompt_cost(prompt: Any) -> int:
     """What tokenizing ``prompt`` costs, in characters of text: its characters, plus
     :data:`ITEM_COST_CHARS` for each chat message (the template renders every one,
-    empty or not). Over :data:`OFF_LOOP_CHARS`, it is tokenized in a worker thread."""
+    empty or not). Over :data:`OFF_LOOP_CHARS`, it is tokenized in a worker thread.
+
+    A chat message's characters are those of every key and value it holds, not only its role and content: a
+    template may render any of them (a ``name``, a reasoning, tool calls), and the text it renders is tokenized
+    (a message with a ``name`` of a million characters, counted as its content alone, was rendered and tokenized
+    on the event loop: 1.2 s with every other caller waiting). A value that is no text, number, list or dict (an
+    object a template renders through its own ``__str__``) makes the chat cost more than the loop's share."""
     if is_chat(prompt):
-        return prompt_chars(prompt) + ITEM_COST_CHARS * len(prompt)
+        limit = OFF_LOOP_CHARS + 1
+        cost = ITEM_COST_CHARS * len(prompt)
+        for message in prompt:
+            if cost >= limit:
+                break
+            cost += _held_chars(message, limit - cost)
+        return cost
     return prompt_chars(prompt)
+
+
+def _held_chars(value: Any, limit: int) -> int:
+    """The characters of text ``value`` holds (a string, a number as written out, or the keys and values of the
+    lists, tuples and dicts nested in it, each item counting at least one), read as the built-in types hold them
+    and counted up to ``limit`` (reached at once by an object of another type: its text is unknown)."""
+    total = 0
+    stack = [value]
+    while stack and total < limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += max(str.__len__(item), 1)
+        elif isinstance(item, (list, tuple, dict)):
+            total += 1
+            items = (dict.items(item) if isinstance(item, dict)
+                     else list.__iter__(item) if isinstance(item, list) else tuple.__iter__(item))
+            stack.extend(itertools.islice(items, limit - total))  # never more than can be counted
+        elif item is None or isinstance(item, (bool, float)):
+            total += 24  # the longest a float is written out
+        elif isinstance(item, int):
+            total += int.bit_length(item) // 3 + 2  # at least its decimal digits and a sign
+        else:
+            return limit
+    return min(total, limit)
 
 
 def texts_cost(texts: Sequence[str]) -> int:

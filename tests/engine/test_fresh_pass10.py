@@ -1,0 +1,97 @@
+"""Adversarial pass 10 (in-process side): faults a hostile or careless caller sharing one engine could cause, found
+and fixed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, SamplingParams
+
+BASE = {
+    "kv_cache_memory": 4 * 1024 * 1024,
+    "max_model_len": 512,
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 4,
+    "num_threads": 1,
+}
+GOOD = [(29 * j) % 300 + 7 for j in range(9)]
+#: A chat template that renders each message's ``name`` and ``tool_calls`` besides its role and content, as many
+#: models' templates do.
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m.get('name', '') }} {{ m['content'] }}"
+    "{% for call in m.get('tool_calls', []) %} {{ call['arguments'] }}{% endfor %} {% endfor %}"
+)
+
+
+def _with_chat_tokenizer(model_dir: Path, where: Path) -> Path:
+    """``model_dir`` with a word-level tokenizer of 200 words ("w1" .. "w199") and :data:`TEMPLATE` beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(model_dir, where)
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 200)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(where / "tokenizer.json"))
+    (where / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]", "chat_template": TEMPLATE})
+    )
+    return where
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory) -> Path:
+    return _with_chat_tokenizer(tiny_models["llama"][0], tmp_path_factory.mktemp("chat") / "model")
+
+
+# ----------------------------------------------------------------- a chat's cost counts every key it holds
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "w1", "name": "w5" + " " * 5000 + "w6"},
+        {"role": "user", "content": "w1", "tool_calls": [{"arguments": "w5" + " " * 5000 + "w6"}]},
+    ],
+    ids=["name", "tool_calls"],
+)
+async def test_a_chat_whose_bulk_is_in_another_key_than_its_content_is_rendered_off_the_loop(
+    chat_model, monkeypatch, message
+) -> None:
+    """A chat's cost (what decides whether it is rendered and tokenized on the event loop) counted each message's
+    role and content only, but a template renders any key (a ``name``, tool calls): a message whose ``name`` held a
+    million characters was rendered and tokenized on the loop, every other caller waiting (1.2 s on the tiny
+    word-level tokenizer). Every key and value a message holds is counted now, nested ones too."""
+    from asyncinfer.models import tokenizer as tokenizer_module
+
+    rendered_on: list[threading.Thread] = []
+    render = tokenizer_module.render_chat
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rendered_on.append(threading.current_thread())
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module, "render_chat", spy)
+    async with await AsyncEngine.load(chat_model, **BASE) as engine:
+        out = await engine.generate([message], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2 and sorted(out.prompt_token_ids) == [0, 1, 5, 6]  # role (unknown), 3 words
+        assert rendered_on and threading.main_thread() not in rendered_on
+        rendered_on.clear()
+        small = {"role": "user", "content": "w1", "name": "w5", "tool_calls": [{"arguments": "w6"}]}
+        assert len((await engine.generate([small], SamplingParams(max_tokens=1))).token_ids) == 1
+        assert rendered_on == [threading.main_thread()]  # a small chat is still rendered on the loop
+
+
+def test_a_chats_cost_counts_every_key_nested_values_and_unknown_objects() -> None:
+    from asyncinfer.prompts import OFF_LOOP_CHARS, prompt_cost
+
+    plain = [{"role": "user", "content": "x" * 100}]
+    assert prompt_cost(plain) == 64 + 4 + 4 + 7 + 100 + 3  # a message, its keys and values, the dict, its 2 pairs
+    assert prompt_cost([{"role": "user", "content": "x", "name": "y" * 10_000}]) > OFF_LOOP_CHARS
+    assert prompt_cost([{"role": "user", "content": "x", "extra": [["y" * 3000], {"k": "z" * 3000}]}]) > OFF_LOOP_CHARS
+    assert prompt_cost([{"role": "user", "content": "x", "extra": object()}]) > OFF_LOOP_CHARS  # its text is unknown
+    endless = [{"role": "user", "content": "x", "extra": [""] * 10_000_000}]
+    assert prompt_cost(endless) == OFF_LOOP_CHARS + 1  # counted up to the limit, not read whole
