@@ -140,6 +140,9 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
+            # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
+            # never take the request, and its caller would wait for ever.
+            check_running()
             if args.version_id is not None:  # a swap may have come since the call
                 _check_version(args.version_id, version)
             check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary

@@ -3,6 +3,7 @@ and fixed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer import AsyncEngine, EngineClosedError, SamplingParams
 
 BASE = {
     "kv_cache_memory": 4 * 1024 * 1024,
@@ -95,3 +96,21 @@ def test_a_chats_cost_counts_every_key_nested_values_and_unknown_objects() -> No
     assert prompt_cost([{"role": "user", "content": "x", "extra": object()}]) > OFF_LOOP_CHARS  # its text is unknown
     endless = [{"role": "user", "content": "x", "extra": [""] * 10_000_000}]
     assert prompt_cost(endless) == OFF_LOOP_CHARS + 1  # counted up to the limit, not read whole
+
+
+# ----------------------------------------------------------------- closing while a prompt is made off the loop
+async def test_a_request_whose_prompt_is_made_off_the_loop_while_the_engine_closes_is_refused_not_left_waiting(
+    chat_model,
+) -> None:
+    """A prompt costlier than the loop's share is made (rendered, tokenized) in a worker thread; an ``aclose()``
+    meanwhile stopped the engine thread, and the request, bound and posted after it, was never taken by anyone:
+    its caller waited forever. The engine's state is checked again once the prompt is made: EngineClosedError."""
+    engine = await AsyncEngine.load(chat_model, **BASE)
+    await engine.start()
+    chat = [{"role": "user", "content": "w1"}] * 65  # 65 messages: past the loop's share, made off the loop
+    call = asyncio.ensure_future(engine.generate(chat, SamplingParams(max_tokens=3)))
+    await asyncio.sleep(0)  # the call is in its worker thread
+    await engine.aclose()
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(call, 10)
+    assert engine.num_unfinished_requests == 0
