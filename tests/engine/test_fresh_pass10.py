@@ -114,3 +114,18 @@ async def test_a_request_whose_prompt_is_made_off_the_loop_while_the_engine_clos
     with pytest.raises(EngineClosedError):
         await asyncio.wait_for(call, 10)
     assert engine.num_unfinished_requests == 0
+
+
+# ----------------------------------------------------------------- a profile asked as the engine closes
+async def test_a_profile_asked_as_the_engine_closes_is_refused_not_left_waiting(tiny_models, tmp_path) -> None:
+    """``profile()`` checks its path in a worker thread before it waits for the engine's steps; an ``aclose()``
+    meanwhile had already failed every waiter, and the profile's wait, begun after, waited forever for steps that
+    no thread would run. A wait begun once the thread has stopped fails at once: EngineClosedError."""
+    engine = await AsyncEngine.load(tiny_models["llama"][0], **BASE)
+    await engine.start()
+    call = asyncio.ensure_future(engine.profile(2, tmp_path / "profile"))
+    await asyncio.sleep(0)  # the call checks its path in a worker thread
+    await engine.aclose()
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(call, 10)
+    assert engine.metrics.profiler is None
