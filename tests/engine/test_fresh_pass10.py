@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer import AsyncEngine, EngineClosedError, SamplingParams
+from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
 
 BASE = {
     "kv_cache_memory": 4 * 1024 * 1024,
@@ -129,3 +129,19 @@ async def test_a_profile_asked_as_the_engine_closes_is_refused_not_left_waiting(
     with pytest.raises(EngineClosedError):
         await asyncio.wait_for(call, 10)
     assert engine.metrics.profiler is None
+
+
+# ----------------------------------------------------------------- more samples than can ever run together
+async def test_more_samples_than_max_num_seqs_are_refused_at_the_stream_call(tiny_models) -> None:
+    """``n`` past ``max_num_seqs`` was refused by the core only, once the request was posted: ``stream()`` took
+    the call and raised at its first delta (the docs promise a bad argument at the call, nothing queued). It is
+    refused at the call now, naming ``n`` and the limit; the engine ran no step for it."""
+    async with await AsyncEngine.load(tiny_models["llama"][0], **{**BASE, "max_num_seqs": 4}) as engine:
+        with pytest.raises(InvalidParameterError, match="max_num_seqs=4") as err:
+            engine.stream(GOOD, SamplingParams(n=5, max_tokens=2))
+        assert err.value.parameter == "n" and err.value.value == 5
+        with pytest.raises(InvalidParameterError, match="max_num_seqs=4"):
+            await engine.generate(GOOD, SamplingParams(n=5, max_tokens=2))
+        out = await engine.generate(GOOD, SamplingParams(n=4, max_tokens=2, temperature=1.0, seed=1))
+        assert [len(o.token_ids) for o in out.outputs] == [2, 2, 2, 2]
+        assert engine.step_stats().steps == 2  # the refused calls ran nothing
