@@ -272,7 +272,7 @@ class AsyncEngine:
 
         With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
         ``cache_salt``: requests share cached prefixes and compiled structured-output specs only within one
-        salt (e.g. a tenant).
+        salt (e.g. a tenant); at most 512 characters (the caches keep it after the request).
         Cancelling the awaiting task aborts the request (its blocks return at the next step
         boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
         ``model``: the generator's name (default: the first loaded). ``version_id``: the version of that

@@ -31,6 +31,9 @@ Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
 MAX_REQUEST_ID_CHARS = 512  # ids are kept per request and copied into every output
+#: The longest ``cache_salt``: the prefix cache keeps a request's salt in its first cached block (the root of its
+#: hash chain) and the grammar cache in its keys, after the request has ended, until they are evicted.
+MAX_CACHE_SALT_CHARS = 512
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # lower is more urgent; policies do float math on it
 OFF_LOOP_CHARS = 4096  # prompts costlier than this (prompt_cost) are tokenized in a worker thread, not on the loop
 #: The most messages a chat prompt may hold (refused before any is looked at).
@@ -138,8 +141,9 @@ def check_request_args(params: SamplingParams | None, priority: Any,
         params = plain_params(params)
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+        shown = cache_salt if not isinstance(cache_salt, str) else f"<{len(cache_salt)} chars>"
+        raise InvalidParameterError("cache_salt", shown, f"a string of at most {MAX_CACHE_SALT_CHARS} characters, or None")
     return params, priority, cache_salt
 
 

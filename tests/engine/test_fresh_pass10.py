@@ -183,3 +183,27 @@ def test_the_min_tokens_mask_reads_a_rows_stop_ids_once_not_at_every_step(monkey
     second = sampler(logits.clone(), states)
     assert not {2, *stops} & set(second.token_ids)
     assert read[0] <= 2 * 64  # the rows' temperatures and such, not 64 * 4097 ids
+
+
+# ----------------------------------------------------------------- a cache salt outlives its request
+async def test_a_cache_salt_is_held_to_a_length_as_the_prefix_cache_keeps_it_past_its_request(tiny_models) -> None:
+    """The prefix cache keeps a request's ``cache_salt`` in the root link of its first cached block, after the
+    request has ended, until the block is evicted (and the grammar cache keeps it in its keys): a caller sending
+    requests with distinct salts of 100 MB each grew the process by 100 MB a request, up to one per KV block, with
+    no request in flight. A salt is at most ``MAX_CACHE_SALT_CHARS`` (512) characters, refused by name beyond."""
+    from asyncinfer.prompts import MAX_CACHE_SALT_CHARS
+
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], **BASE) as engine:
+        with pytest.raises(InvalidParameterError, match="at most 512 characters") as err:
+            await engine.generate(GOOD, greedy, cache_salt="s" * 1_000_000)
+        assert err.value.parameter == "cache_salt" and err.value.value == "<1000000 chars>"
+        with pytest.raises(InvalidParameterError):
+            engine.stream(GOOD, greedy, cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1))
+        salt = "t" * MAX_CACHE_SALT_CHARS
+        first = await engine.generate(GOOD, greedy, cache_salt=salt)
+        assert engine.num_unfinished_requests == 0
+        kept = [b.parent for b in engine.kv_manager.pool.blocks if b.is_cached and isinstance(b.parent, tuple)]
+        assert any(salt in link for link in kept)  # what the limit bounds: the salt outlives its request
+        again = await engine.generate(GOOD, greedy, cache_salt=salt)
+        assert again.token_ids == first.token_ids and engine.kv_stats().prefix_hits > 0
