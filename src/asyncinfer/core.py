@@ -297,6 +297,7 @@ class EngineCore:
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
+        self._check_finished(result.finished)
         result.mask_seconds = tokens.mask_seconds
         self._switch_rope(result)
         self._count(result)
@@ -340,6 +341,20 @@ class EngineCore:
             for rid in [rid for rid in entries if rid not in sched.requests]:
                 del entries[rid]
         return SchedulerOutput(entries), outputs
+
+    def _check_finished(self, finished: list[Request]) -> None:
+        """Take out of the scheduler's base queues, and free the blocks of, every request of ``finished`` that the
+        scheduler still holds after ``finish_requests`` (an override that did not call the base class's for it):
+        logged, and the engine serves on. Left there, it held its blocks for good (a plugin that plans no finished
+        request never ran into it: the blocks of each such request leaked until none were left for anybody), kept
+        its id taken, and kept the engine thread stepping an engine with nothing to do."""
+        sched = self.scheduler
+        for request in finished:
+            rid = request.request_id
+            if sched.requests.get(rid) is request or request in sched.running or request in sched.waiting:
+                logger.error("the scheduler (%s) kept finished request %r after finish_requests: taken out of its "
+                             "queues and its blocks freed (the engine serves on)", type(sched).__name__, rid)
+                self._evict(request)
 
     def _switch_rope(self, result: StepResult) -> None:
         """Preempt each request of a longrope model that has just grown past the model's original context: its K

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
+from asyncinfer.schedulers import FIFOScheduler
 
 BASE = {
     "kv_cache_memory": 4 * 1024 * 1024,
@@ -207,3 +208,38 @@ async def test_a_cache_salt_is_held_to_a_length_as_the_prefix_cache_keeps_it_pas
         assert any(salt in link for link in kept)  # what the limit bounds: the salt outlives its request
         again = await engine.generate(GOOD, greedy, cache_salt=salt)
         assert again.token_ids == first.token_ids and engine.kv_stats().prefix_hits > 0
+
+
+# ----------------------------------------------------------------- a plugin that keeps its finished requests
+class _KeepsFinished(FIFOScheduler):
+    """FIFO whose ``finish_requests`` forgets the requests whose id starts with "bad" (an override without
+    ``super()`` for them), and whose plan leaves out requests that have finished."""
+
+    def finish_requests(self, requests):  # type: ignore[no-untyped-def]
+        super().finish_requests([r for r in requests if not r.request_id.startswith("bad")])
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        out = super().schedule()
+        for rid in [rid for rid in out.num_scheduled_tokens if self.requests[rid].status.finished]:
+            del out.num_scheduled_tokens[rid]
+        return out
+
+
+async def test_a_plugin_whose_finish_requests_keeps_a_request_leaks_no_block(tiny_models, caplog) -> None:
+    """A plugin's ``finish_requests`` that returned with a finished request still queued (an override without
+    ``super()``) left it there for good: its blocks were never freed (each such request leaked its own, until the
+    pool held none for anybody and the neighbours stalled), its id stayed taken (the same caller's next request
+    with it was refused), and the engine thread stepped an engine with nothing to do. The engine now takes such a
+    request out of the base queues and frees its blocks itself, logged, as it does for ``abort_request``."""
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], scheduler=_KeepsFinished, **BASE) as engine:
+        first = await engine.generate(GOOD, greedy, request_id="bad1")
+        assert len(first.token_ids) == 4
+        await asyncio.sleep(0.2)
+        assert engine.kv_stats().used_blocks == 0
+        assert not engine.core.scheduler.requests and not engine.core.scheduler.running
+        again = await asyncio.wait_for(engine.generate(GOOD, greedy, request_id="bad1"), 10)  # its id is free
+        assert again.token_ids == first.token_ids
+        assert (await engine.generate(GOOD, greedy)).token_ids == first.token_ids
+        assert engine.kv_stats().used_blocks == 0 and engine.step_stats().idle_steps == 0
+    assert "kept finished request 'bad1' after finish_requests" in caplog.text
