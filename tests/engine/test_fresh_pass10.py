@@ -7,9 +7,11 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
 from asyncinfer.schedulers import FIFOScheduler
@@ -243,3 +245,49 @@ async def test_a_plugin_whose_finish_requests_keeps_a_request_leaks_no_block(tin
         assert (await engine.generate(GOOD, greedy)).token_ids == first.token_ids
         assert engine.kv_stats().used_blocks == 0 and engine.step_stats().idle_steps == 0
     assert "kept finished request 'bad1' after finish_requests" in caplog.text
+
+
+# ----------------------------------------------------------------- a long text to embed is read only as far as it counts
+def test_a_long_text_to_embed_is_tokenized_only_as_far_as_its_first_tokens_reach(minilm_dir) -> None:
+    """The encoder's tokenizer truncates a text to ``max_seq_len`` tokens only once it has tokenized all of it: a
+    text of 24 M characters took 44 s of a worker thread and grew the process by 2.9 GB (120 times the text; a
+    few such calls ended the process, every caller with it). A text is read up to a word end past its first
+    ``max_seq_len`` tokens now, in windows of at most 512 characters a token, with the same tokens."""
+    from asyncinfer.models.encoder import READ_CHARS_PER_TOKEN, READ_WINDOWS, load_encoder
+
+    encoder = load_encoder(minilm_dir, device="cpu", dtype=torch.float32)
+    max_len = encoder.config.max_seq_len
+    last_window = READ_CHARS_PER_TOKEN * max_len * 2 ** (READ_WINDOWS - 1)
+    tokenizer = encoder.tokenizer
+
+    def whole(text: str) -> list[int]:
+        return list(tokenizer(text, truncation=True, max_length=max_len, add_special_tokens=True)["input_ids"])
+
+    same = [
+        "The quick brown fox jumps over the lazy dog. " * 2000,
+        "word   \n\t  " * 3000 + "last words here",
+        "naïve café, déjà vu! " * 3000,
+        "中文字符测试" * 30000,  # no space: cut at the window, each character a word
+        "abc,def;" * 40000,  # no space: cut at the window, far past the first tokens
+        "short text",
+    ]
+    for text in same:
+        assert encoder.tokenize([text]) == [whole(text)]
+    spaced = " " * 200_000 + "hello world"  # the documented limit: nothing past the last window is read
+    assert encoder.tokenize([spaced]) == [whole(spaced[:last_window])]
+
+    read: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(tokenizer, name)
+
+        def __call__(self, texts, *args, **kwargs):  # type: ignore[no-untyped-def]
+            read.append(sum(map(len, [texts] if isinstance(texts, str) else texts)))
+            return tokenizer(texts, *args, **kwargs)
+
+    encoder.tokenizer = Spy()  # type: ignore[assignment]
+    huge = "hello world " * 2_000_000  # 24 M characters
+    start = time.perf_counter()
+    assert encoder.tokenize([huge]) == [whole("hello world " * 1000)]
+    assert max(read) <= READ_CHARS_PER_TOKEN * max_len and time.perf_counter() - start < 5
