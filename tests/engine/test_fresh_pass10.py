@@ -291,3 +291,28 @@ def test_a_long_text_to_embed_is_tokenized_only_as_far_as_its_first_tokens_reach
     start = time.perf_counter()
     assert encoder.tokenize([huge]) == [whole("hello world " * 1000)]
     assert max(read) <= READ_CHARS_PER_TOKEN * max_len and time.perf_counter() - start < 5
+
+
+# ----------------------------------------------------------------- an abort of a request still being bound
+async def test_an_abort_of_a_request_waiting_to_be_bound_ends_it_as_an_abort(tiny_models) -> None:
+    """A request waits before the engine thread knows its id while its prompt is made off the loop, its grammar
+    compiled, or a drain-mode swap holds admission; ``abort(id)`` then went to the engine thread, which did not
+    know the id and ignored it, and the request ran to its end once bound. It ends as an abort now, its id free."""
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], **BASE) as engine:
+        old = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=60, ignore_eos=True)))
+        while engine.step_stats().steps == 0:
+            await asyncio.sleep(0.005)
+        swap = asyncio.ensure_future(engine.swap_model(tiny_models["llama"][0], mode="drain"))  # waits for `old`
+        while engine.model_info()[0].state != "draining":
+            await asyncio.sleep(0.005)
+        call = asyncio.ensure_future(engine.generate(GOOD, greedy, request_id="x"))
+        await asyncio.sleep(0.05)
+        assert not call.done() and engine.num_unfinished_requests == 1  # waiting for admission, not yet posted
+        engine.abort("x")
+        await swap
+        out = await asyncio.wait_for(call, 10)
+        assert out.finish_reason == "abort" and out.token_ids == []
+        assert len((await old).token_ids) == 60
+        assert len((await engine.generate(GOOD, greedy, request_id="x")).token_ids) == 20  # the id is free again
+        assert engine.kv_stats().used_blocks == 0
