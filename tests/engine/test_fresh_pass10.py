@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, SamplingParams
+from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError, RequestFailedError, SamplingParams
 from asyncinfer.schedulers import FIFOScheduler
 
 BASE = {
@@ -316,3 +316,45 @@ async def test_an_abort_of_a_request_waiting_to_be_bound_ends_it_as_an_abort(tin
         assert len((await old).token_ids) == 60
         assert len((await engine.generate(GOOD, greedy, request_id="x")).token_ids) == 20  # the id is free again
         assert engine.kv_stats().used_blocks == 0
+
+
+# ----------------------------------------------------------------- a plugin that drops a request from its queues
+class _Loses(FIFOScheduler):
+    """FIFO that drops the requests whose id starts with "bad" from its queues without ending them: while they wait,
+    and (a sample of an ``n > 1`` request too) once they have two tokens."""
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        for request in list(self.waiting):
+            if request.request_id.startswith("bad-waiting"):
+                self.waiting.remove(request)
+                del self.requests[request.request_id]
+        for request in list(self.running):
+            if request.request_id.startswith("bad-running") and request.num_output_tokens >= 2:
+                self.running.remove(request)
+                del self.requests[request.request_id]
+        return super().schedule()
+
+
+@pytest.mark.parametrize(("request_id", "n"), [("bad-waiting", 1), ("bad-running", 1), ("bad-running", 3)])
+async def test_a_request_a_plugin_drops_from_its_queues_fails_alone_and_leaves_nobody_waiting(
+    tiny_models, hf_greedy, request_id, n
+) -> None:
+    """A plugin that dropped a request from its queues (``requests``, ``waiting``, ``running``) without the engine
+    ending it left its caller waiting forever: the request never ran again and never ended, not even with
+    ``aclose(abort=True)`` (the engine ends the requests its scheduler holds), and a running one's blocks were
+    never freed. The engine keeps its own count of the requests it handed over and, when the scheduler holds
+    fewer, fails each one it lost alone (all its samples; RequestFailedError, the cause a SchedulerHookError),
+    its blocks freed; its neighbours are served."""
+    from asyncinfer.step import SchedulerHookError
+
+    model = tiny_models["llama"][1]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], scheduler=_Loses, **BASE) as engine:
+        neighbour = asyncio.ensure_future(engine.generate(GOOD, greedy))
+        params = greedy if n == 1 else SamplingParams(max_tokens=8, ignore_eos=True, n=n, temperature=1.0, seed=1)
+        with pytest.raises(RequestFailedError, match="dropped") as err:
+            await asyncio.wait_for(engine.generate(GOOD, params, request_id=request_id), 10)
+        assert isinstance(err.value.__cause__, SchedulerHookError)
+        assert (await neighbour).token_ids == hf_greedy(model, GOOD, 8)
+        assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
+        assert engine.step_stats().failed_steps == 0
