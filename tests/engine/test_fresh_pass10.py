@@ -358,3 +358,17 @@ async def test_a_request_a_plugin_drops_from_its_queues_fails_alone_and_leaves_n
         assert (await neighbour).token_ids == hf_greedy(model, GOOD, 8)
         assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
         assert engine.step_stats().failed_steps == 0
+
+
+async def test_the_servers_embedding_usage_count_reads_a_long_text_as_far_as_the_model_does(minilm_dir) -> None:
+    """The HTTP server counts an embedding call's tokens for ``usage`` with the model's tokenizer after the vectors
+    came back: it tokenized each text whole too (a body's 4 MiB text: about 7 s of a worker thread and 0.5 GB).
+    It reads each text as far as the model does now, with the same counts."""
+    from asyncinfer.server._engine import embedding_token_counter
+
+    async with await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32", num_threads=1) as engine:
+        count = embedding_token_counter(engine, "default")
+        assert count(["hello world", "hello world " * 1000]) == [4, 256]
+        start = time.perf_counter()
+        assert count(["hello world " * 200_000]) == [256]  # 2.4 M characters
+        assert time.perf_counter() - start < 1.0
