@@ -271,6 +271,17 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidParameterError("stop_token_ids", params.stop_token_ids, f"token ids in [0, {vocab_size - 1}]")
 
 
+#: Added to the refusal of a list of prompts (as a transformers pipeline takes them): each call is one prompt.
+_ONE_PROMPT_PER_CALL = ("; one prompt per call: for several, run the calls at once and the engine batches them "
+                        "(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))")
+
+
+def _several_prompts(prompt: object) -> bool:
+    """Whether ``prompt`` is a non-empty list or tuple of prompts: texts, or lists of chat messages or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(p, str) or (isinstance(p, (list, tuple)) and bool(p)) for p in prompt)
+
+
 def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     """A text, chat messages or token ids as the token ids the model reads.
 
@@ -295,7 +306,8 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         if bad is not None:
             raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
     else:
-        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids")
+        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids"
+                                    + _ONE_PROMPT_PER_CALL * _several_prompts(prompt))
     if not ids:
         raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
     return ids

@@ -3,9 +3,11 @@ something that cannot work (issue 25, "the first hour without a rough edge")."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from asyncinfer import AsyncEngine, EngineClosedError
+from asyncinfer import AsyncEngine, EngineClosedError, InvalidParameterError
 from tests.helpers import ENGINE_BASE, greedy
 
 
@@ -31,3 +33,21 @@ async def test_a_closed_engine_says_to_load_a_new_one_not_to_start_it_again(tiny
             pass
     assert str(restart.value).startswith("the engine cannot be started again (state: closed): an engine runs once")
     assert "load a new engine" in str(restart.value)
+
+
+@pytest.mark.parametrize("prompts", [["Hi", "Hello"], [[5, 6], [7, 8]], ([{"role": "user", "content": "Hi"}],)])
+async def test_a_list_of_prompts_is_told_one_prompt_per_call_and_how_to_send_several(tiny_models, prompts) -> None:
+    """A transformers pipeline takes a list of prompts; generate() takes one. The refusal says so, and how to
+    send several at once (concurrent calls, which the engine batches)."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    async with engine:
+        for call in (engine.generate, engine.count_tokens):
+            with pytest.raises(InvalidParameterError) as err:
+                result = call(prompts)
+                if inspect.iscoroutine(result):
+                    await result
+            assert err.value.parameter == "prompt"
+            assert "one prompt per call" in err.value.allowed and "asyncio.gather" in err.value.allowed
+        with pytest.raises(InvalidParameterError) as one:  # one malformed prompt gets no such advice
+            await engine.generate({"role": "user", "content": "Hi"})
+        assert "one prompt per call" not in str(one.value)
