@@ -271,6 +271,11 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidParameterError("stop_token_ids", params.stop_token_ids, f"token ids in [0, {vocab_size - 1}]")
 
 
+#: What a model without a chat template, or without a tokenizer, allows instead of chat messages (or text); the
+#: HTTP server answers a chat completion refused so with a message of its own, pointing to /v1/completions.
+NO_CHAT_TEMPLATE = "text or token ids: this model has no chat template"
+NO_TOKENIZER = "token ids: this model was loaded without a tokenizer"
+
 #: Added to the refusal of a list of prompts (as a transformers pipeline takes them): each call is one prompt.
 _ONE_PROMPT_PER_CALL = ("; one prompt per call: for several, run the calls at once and the engine batches them "
                         "(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))")
@@ -350,7 +355,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+        raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
     from asyncinfer.models.tokenizer import render_chat
 
@@ -368,7 +373,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:
     if version.tokenizer is None:
-        raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
+        raise InvalidParameterError("prompt", what, NO_TOKENIZER)
     return version.tokenizer
 
 
