@@ -72,6 +72,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineState", "Prompt"]
 
 
+#: What a closed engine's errors suggest: it never runs again (its thread and loop are gone), a new one does.
+_LOAD_ANOTHER = "load a new engine (await AsyncEngine.load(...) or AsyncEngine.from_pretrained(...))"
+
+
 class EngineState(enum.Enum):
     """The engine's lifecycle (``engine.state``); ``DEAD`` means the step loop broke."""
 
@@ -236,8 +240,12 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Start the engine thread, bound to the running event loop."""
+        if self._state is EngineState.RUNNING:
+            raise EngineClosedError("the engine is already running: it was started once ('async with engine:' or "
+                                    "'await engine.start()'), and serves on the event loop it was started on")
         if self._state is not EngineState.CREATED:
-            raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value})")
+            raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value}): an engine "
+                                    f"runs once; {_LOAD_ANOTHER}")
         callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
         thread = EngineThread(list(self._models.generators.values()), asyncio.get_running_loop(), callbacks)
         self._link.attach(thread)
@@ -610,9 +618,13 @@ class AsyncEngine:
         self._link.check_loop()
         if self._state is EngineState.DEAD:
             raise EngineDeadError("the engine's step loop failed") from self._dead_cause
-        if self._state is not EngineState.RUNNING:
-            raise EngineClosedError(f"the engine is {self._state.value}: use 'async with engine:' or "
+        if self._state is EngineState.CREATED:
+            raise EngineClosedError("the engine is not started yet: use 'async with engine:' or "
                                     "'await engine.start()'")
+        if self._state is EngineState.CLOSING:
+            raise EngineClosedError("the engine is closing: it takes no new requests")
+        if self._state is not EngineState.RUNNING:
+            raise EngineClosedError(f"the engine is closed and cannot be started again: {_LOAD_ANOTHER}")
 
     def _check_usable(self) -> None:
         """Model changes work before start (nothing races) and while running."""

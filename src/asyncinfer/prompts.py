@@ -311,6 +311,22 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidParameterError("stop_token_ids", params.stop_token_ids, f"token ids in [0, {vocab_size - 1}]")
 
 
+#: What a model without a chat template, or without a tokenizer, allows instead of chat messages (or text); the
+#: HTTP server answers a chat completion refused so with a message of its own, pointing to /v1/completions.
+NO_CHAT_TEMPLATE = "text or token ids: this model has no chat template"
+NO_TOKENIZER = "token ids: this model was loaded without a tokenizer"
+
+#: Added to the refusal of a list of prompts (as a transformers pipeline takes them): each call is one prompt.
+_ONE_PROMPT_PER_CALL = ("; one prompt per call: for several, run the calls at once and the engine batches them "
+                        "(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))")
+
+
+def _several_prompts(prompt: object) -> bool:
+    """Whether ``prompt`` is a non-empty list or tuple of prompts: texts, or lists of chat messages or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(p, str) or (isinstance(p, (list, tuple)) and bool(p)) for p in prompt)
+
+
 def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     """A text, chat messages or token ids as the token ids the model reads.
 
@@ -335,7 +351,8 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         if bad is not None:
             raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
     else:
-        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids")
+        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids"
+                                    + _ONE_PROMPT_PER_CALL * _several_prompts(prompt))
     if not ids:
         raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
     return ids
@@ -378,7 +395,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+        raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
     from asyncinfer.models.tokenizer import render_chat
 
@@ -396,7 +413,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:
     if version.tokenizer is None:
-        raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
+        raise InvalidParameterError("prompt", what, NO_TOKENIZER)
     return version.tokenizer
 
 
