@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.server.errors import APIError, elided, new_request_id
+from asyncinfer.server.parsers import UNREAD_BODY
 from asyncinfer.server.settings import ServerSettings
 
 Scope = MutableMapping[str, Any]
@@ -337,6 +338,10 @@ class RequestDeadlines:
             guard.request_started()
         progress = _Progress(body_done=not _has_body(scope))
         try:
+            if scope.get(UNREAD_BODY):  # the parser left its body unread (and closes the connection after it)
+                progress.body_done = True
+                await _send_error(send, _unread_body(scope))
+                return
             await self._serve(scope, receive, send, progress)
         finally:
             if guard is not None:
@@ -368,19 +373,28 @@ class RequestDeadlines:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 if not progress.started:
-                    await self._timed_out(send)
+                    await _send_error(send, _timeout_error("body", self.body_timeout))
                 return
             await task
         finally:
             task.cancel()
 
-    async def _timed_out(self, send: Send) -> None:
-        error = _timeout_error("body", self.body_timeout)
-        body = msgspec.json.encode(error.body())
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+
+async def _send_error(send: Send, error: APIError) -> None:
+    """``error`` as a request's whole answer, after which the connection closes."""
+    body = msgspec.json.encode(error.body())
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _unread_body(scope: Scope) -> APIError:
+    upgrade = next((value for name, value in scope.get("headers", ()) if name == b"upgrade"), b"")
+    shown = elided(upgrade.decode("latin-1"))
+    return APIError(400, f"The request asks to upgrade the connection (Upgrade: {shown}), which this server does not "
+                         "do, and its body is chunked, which it then does not read: send it without `Upgrade`, or "
+                         "with a `Content-Length`.", code="unsupported_upgrade")
 
 
 def _websocket_refusal(scope: Scope, send: Send) -> Send:

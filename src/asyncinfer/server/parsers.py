@@ -25,6 +25,11 @@ HTTP_PROTOCOLS = ("auto", "h11", "httptools")
 MAX_PIPELINED = 32
 
 
+#: The key of an ASGI scope whose request's body the server did not read (a chunked body of a request that asked for
+#: an upgrade, see ``HttpTools._not_upgraded``): its app is not run, and it is answered 400 ``unreadable_body``.
+UNREAD_BODY = "asyncinfer.unread_body"
+
+
 class _PipelineFull(Exception):
     """Raised in the parser's callback to stop it: the request it was reading would queue past MAX_PIPELINED."""
 
@@ -35,7 +40,7 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         raise InvalidParameterError("http", name, f"one of {HTTP_PROTOCOLS}")
     if name == "auto":
         try:
-            import httptools  # noqa: F401
+            import httptools
         except ImportError:
             name = "h11"
         else:
@@ -53,6 +58,8 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 _refuse(self.transport)
 
         return H11
+    import httptools
+    from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpTools(HttpToolsProtocol):
@@ -65,7 +72,9 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
           the WebSocket at once, and the request in flight never heard of the connection's end);
         - at most :data:`MAX_PIPELINED` requests queued behind the one in flight: uvicorn parsed and queued every
           request of each read, and read again whenever an answer was done, so a client pipelining tiny requests
-          grew the queue by thousands per answer (memory, and parsing that held every other caller's answers).
+          grew the queue by thousands per answer (memory, and parsing that held every other caller's answers);
+        - a request asking for an upgrade uvicorn does not make (``Upgrade: h2c``) read as plain HTTP, its body
+          included, and a ``CONNECT``'s bytes never parsed as requests (:meth:`_not_upgraded`).
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -74,10 +83,75 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
             self.unanswered: list[Any] = []  # the connection's requests (uvicorn's cycles) not yet answered
             self.pipeline_full = False  # what follows the queued requests is left unread
+            self.owed = 0  # bytes of a body the parser skipped (see _not_upgraded) still to come
+            self.owed_cycle: Any = None  # the request they are for
 
         def data_received(self, data: bytes) -> None:
-            if not self.pipeline_full:
-                super().data_received(data)
+            if self.pipeline_full:
+                return
+            if self.owed:  # the body of a request whose head asked for an upgrade, which the parser skipped
+                data = self._owed_body(data)
+                if not data:
+                    return
+            # uvicorn's, but for an upgrade it does not make (any but a WebSocket's), read as the plain request it is
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            except httptools.HttpParserUpgrade as upgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._not_upgraded(data[upgrade.args[0] :])
+
+        def _not_upgraded(self, rest: bytes) -> None:
+            """The request just parsed asked for an upgrade (``Upgrade`` and ``Connection: upgrade``, say ``h2c``),
+            or was a ``CONNECT``: the parser ended its message with its head, skipping its body, and stopped there,
+            ``rest`` (what followed in the same read) unparsed, as the other protocol's. uvicorn dropped ``rest``
+            and parsed the next read as a new request: the body of ``POST`` with ``Upgrade: h2c`` never reached its
+            app, a request pipelined behind it in the same read was never answered, and a body that came in a later
+            read was served as a request of its own (a request smuggled inside another's body, answered on a
+            connection a proxy may share). Here the request is what HTTP says it is when no upgrade is made: its
+            ``Content-Length`` body is its body, and what follows is parsed as the next request. A chunked body, or a
+            ``CONNECT`` (its tunnel's bytes), is left unread: the request is answered (a 400 for the body,
+            :data:`UNREAD_BODY`), then the connection closes."""
+            cycle = self.cycle
+            if cycle is None:
+                return
+            headers = cycle.scope["headers"]
+            length = next((value for name, value in headers if name == b"content-length"), b"0")
+            if cycle.scope["method"] == "CONNECT" or any(name == b"transfer-encoding" for name, _ in headers):
+                if cycle.scope["method"] != "CONNECT":
+                    cycle.scope[UNREAD_BODY] = True
+                self.pipeline_full = True  # nothing after it is read
+                self.flow.pause_reading()
+                cycle.keep_alive = False
+                return
+            self.owed = int(length)  # (digits only: the parser refused any other Content-Length)
+            if self.owed:
+                self.owed_cycle = cycle
+                cycle.more_body = True  # (the parser had ended the message; its app has not run since)
+                rest = self._owed_body(rest)
+            if rest:
+                self.data_received(rest)
+
+        def _owed_body(self, data: bytes) -> bytes:
+            """``data`` less what is owed to the body of the request :meth:`_not_upgraded` read, which goes to it as
+            the parser's ``on_body`` would give it."""
+            body, rest = data[: self.owed], data[self.owed :]
+            self.owed -= len(body)
+            cycle = self.owed_cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.body += body
+                cycle.more_body = self.owed > 0
+                if len(cycle.body) > HIGH_WATER_LIMIT:
+                    self.flow.pause_reading()
+                cycle.message_event.set()
+            if not self.owed:
+                self.owed_cycle = None
+            return rest
 
         def send_400_response(self, msg: str) -> None:
             if self.pipeline_full:  # the parser stopped at _PipelineFull: nothing unparsable, nothing to answer

@@ -1,0 +1,123 @@
+"""Adversarial pass 10 (a hostile tenant over HTTP): faults found on the HTTP side and fixed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from asyncinfer.server import ModelSpec, ServerSettings, create_app
+
+from .conftest import TINY_OPTIONS, LiveServer
+from .test_fresh_pass8 import _exchange
+
+COMPLETION = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+H2C = b"Upgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+
+
+def _post(body: bytes, key: str, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+def _statuses(answer: bytes) -> list[bytes]:
+    return re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+
+
+@pytest.fixture(params=["h11", "httptools"])
+def keyed(request, tiny_chat_model):
+    """A server with the key ``sk-right``, on each HTTP parser; yields its port and the parser."""
+    pytest.importorskip(request.param)
+    settings = ServerSettings(api_keys=("sk-right",))
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), settings)
+    with LiveServer(app, settings, http=request.param) as live:
+        yield int(live.url.rsplit(":", 1)[1]), request.param
+
+
+# httptools (uvicorn's parser wherever it is installed, so `asyncinfer serve`'s) takes a request with `Upgrade` and
+# `Connection: upgrade` (curl --http2 sends `Upgrade: h2c`) for a switch of protocol: the message ends with its head,
+# and the parser stops. uvicorn, which makes no such switch but a WebSocket's, dropped what followed in the same read
+# and parsed the next read as a new request. So a request hidden in the body of such a POST, sent a moment after its
+# head, was served as a request of its own (the POST made with a wrong key, the smuggled one with another's), and
+# one request on the wire had two answers: a proxy sharing the connection hands the second to the next caller.
+def test_a_request_inside_an_upgrade_requests_body_is_no_request(keyed) -> None:
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
+    request = _post(smuggled, "sk-wrong", H2C)
+    head = request[: -len(smuggled)]
+    answer = _exchange(
+        keyed[0],
+        [(head, 0.3), (smuggled, 0.5), (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0)],
+        timeout=20,
+    )
+    assert _statuses(answer) == [b"401", b"200"], answer  # was 401, 200 (the smuggled list of models), 200
+    assert b'"object":"list"' not in answer and answer.endswith(b'{"status":"ok"}')
+
+
+# Its own body never reached its app either (the app read an empty one: a 400 "not valid JSON" for a valid request),
+# and a request pipelined behind it in the same read was never answered, nor was one behind a GET asking for an upgrade.
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_a_request_asking_for_an_upgrade_is_served_as_plain_http_and_so_is_the_next(keyed, method) -> None:
+    first = (
+        _post(COMPLETION, "sk-right", H2C)
+        if method == "POST"
+        else b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n" + H2C + b"\r\n"
+    )
+    answer = _exchange(
+        keyed[0], [(first + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0)], timeout=20
+    )
+    assert _statuses(answer) == [b"200", b"200"], answer  # POST: was 400 "not valid JSON"; GET: the /health unanswered
+    assert (b'"object":"text_completion"' if method == "POST" else b'"object":"list"') in answer
+    assert answer.endswith(b'{"status":"ok"}')
+
+
+def test_an_upgrade_body_sent_in_pieces_is_read_whole(keyed) -> None:
+    request = _post(COMPLETION, "sk-right", H2C)
+    cut = len(request) - len(COMPLETION) // 2  # the head and half the body, then the rest
+    answer = _exchange(
+        keyed[0],
+        [
+            (request[:cut], 0.3),
+            (request[cut:], 0.3),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0),
+        ],
+        timeout=20,
+    )
+    assert _statuses(answer) == [b"200", b"200"], answer
+    assert b'"object":"text_completion"' in answer
+
+
+# A chunked body of such a request (which httptools skips unread) is refused by name, the connection then closed with
+# what followed it unread: never a 400 "not valid JSON" for a body the server did not read, nor a chunk served as a
+# request. (h11 reads such a body as HTTP says: there it is a 200.)
+def test_a_chunked_upgrade_body_is_refused_and_nothing_after_it_is_read(keyed) -> None:
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        b"sk-right\r\nTransfer-Encoding: chunked\r\n" + H2C + b"\r\n"
+    )
+    answer = _exchange(keyed[0], [(head, 0.3), (chunked, 0.3), (smuggled, 0.5)], timeout=20)
+    if keyed[1] == "h11":  # the body read, the next request served
+        assert _statuses(answer) == [b"200", b"200"], answer
+        assert b'"object":"text_completion"' in answer and b'"object":"list"' in answer
+        return
+    assert _statuses(answer) == [b"400"], answer  # was 400 "not valid JSON", then the models list for the chunk
+    assert b'"code":"unsupported_upgrade"' in answer and b"x-request-id: req-" in answer
+
+
+# A CONNECT is an upgrade to httptools too: its answer (405: no route takes it) went out, and the next read was parsed
+# as a request. Its tunnel's bytes are no requests: the connection closes after the answer, what followed unread.
+# (h11 reads on after a CONNECT it refused, as HTTP allows: the client may send no tunnel bytes before a 2xx.)
+def test_the_bytes_after_a_connect_are_never_served_as_requests(keyed) -> None:
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
+    connect = b"CONNECT /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
+    answer = _exchange(keyed[0], [(connect, 0.3), (smuggled, 0.5)], timeout=20)
+    assert _statuses(answer) == ([b"405"] if keyed[1] == "httptools" else [b"405", b"200"]), answer
