@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
@@ -121,3 +122,33 @@ def test_the_bytes_after_a_connect_are_never_served_as_requests(keyed) -> None:
     connect = b"CONNECT /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
     answer = _exchange(keyed[0], [(connect, 0.3), (smuggled, 0.5)], timeout=20)
     assert _statuses(answer) == ([b"405"] if keyed[1] == "httptools" else [b"405", b"200"]), answer
+
+
+# httptools takes a body of any transfer coding that ends in chunked (`Transfer-Encoding: gzip, chunked`) and hands
+# the app the chunks' bytes undecoded: a gzip body was answered "The request body is not valid JSON" (h11 refuses
+# such a request as unparsable). A transfer coding the server does not decode is now named in the refusal (RFC 9112:
+# 501), as a `Content-Encoding` is, and the connection serves on.
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate,chunked", b"x-custom , chunked"])
+def test_a_transfer_coding_other_than_chunked_is_refused_by_name(keyed, coding) -> None:
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        b"sk-right\r\nTransfer-Encoding: " + coding + b"\r\n\r\n" + chunked
+    )
+    answer = _exchange(keyed[0], [(request, 0.3), (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0)])
+    if keyed[1] == "h11":  # refused by the parser itself, the connection closed
+        assert _statuses(answer) == [b"400"] and b'"code":"invalid_http_request"' in answer, answer
+        return
+    assert _statuses(answer) == [b"501", b"200"], answer  # was 400 "The request body is not valid JSON"
+    error = msgspec.json.decode(answer.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1", 1)[0])["error"]
+    assert error["code"] == "unsupported_transfer_encoding" and coding.decode() in error["message"], error
+
+
+def test_a_chunked_body_is_read_as_before(keyed) -> None:
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        b"sk-right\r\nTransfer-Encoding: Chunked\r\nConnection: close\r\n\r\n" + chunked
+    )
+    answer = _exchange(keyed[0], [(request, 0)])
+    assert _statuses(answer) == [b"200"] and b'"object":"text_completion"' in answer, answer
