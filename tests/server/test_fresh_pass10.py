@@ -8,6 +8,8 @@ import msgspec
 import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
+from asyncinfer.server.errors import APIError
+from asyncinfer.server.protocol import COMPLETION_BODY, decode_json, parse_completion
 
 from .conftest import TINY_OPTIONS, LiveServer
 from .test_fresh_pass8 import _exchange
@@ -152,3 +154,19 @@ def test_a_chunked_body_is_read_as_before(keyed) -> None:
     )
     answer = _exchange(keyed[0], [(request, 0)])
     assert _statuses(answer) == [b"200"] and b'"object":"text_completion"' in answer, answer
+
+
+# `best_of` was compared with `n` as it came: `true` and `1.0` equal 1, so they passed as `best_of: 1` where every
+# other integer field refuses a boolean or a float by name.
+@pytest.mark.parametrize("value", ["true", "1.0", '"1"'])
+def test_best_of_of_another_type_is_a_400_naming_it(value) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "best_of": ' + value.encode() + b"}"
+    with pytest.raises(APIError) as refused:
+        parse_completion(decode_json(body, COMPLETION_BODY))
+    assert (refused.value.status, refused.value.param) == (400, "best_of")
+    assert "must be an integer" in refused.value.message
+
+
+def test_best_of_equal_to_n_is_still_accepted() -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "n": 2, "best_of": 2}'
+    assert parse_completion(decode_json(body, COMPLETION_BODY)).n == 2

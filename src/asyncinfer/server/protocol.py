@@ -717,7 +717,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     common = _common(fields)
     if "logprobs" in fields:
         common["sampling"]["logprobs"] = fields["logprobs"]
-    best_of = fields.get("best_of")
+    best_of = _typed(fields, "best_of", int, "an integer")
     if best_of is not None and best_of != common["sampling"].get("n", 1):
         raise _bad("best_of", "`best_of` is not supported by this server (only equal to `n`).", "unsupported_parameter")
     if "prompt" not in fields:
