@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import msgspec
 import pytest
@@ -170,3 +171,31 @@ def test_best_of_of_another_type_is_a_400_naming_it(value) -> None:
 def test_best_of_equal_to_n_is_still_accepted() -> None:
     body = b'{"model": "tiny", "prompt": "hi", "n": 2, "best_of": 2}'
     assert parse_completion(decode_json(body, COMPLETION_BODY)).n == 2
+
+
+# A request with `Expect: 100-continue` answered before its body was asked for (a 401, a 413 by its Content-Length) got
+# no `100 Continue`, so its client may send no body, as RFC 9110 allows; but the connection stayed open, waiting for
+# that body, and said nothing of it: a next request on it was read as the body, and never answered (the connection
+# closed header_timeout later). The answer now says `connection: close`, and the connection closes after it.
+def test_an_expect_100_request_answered_before_its_body_closes_its_connection(keyed) -> None:
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        b"sk-wrong\r\nExpect: 100-continue\r\nContent-Length: " + str(len(COMPLETION)).encode() + b"\r\n\r\n"
+    )
+    start = time.monotonic()
+    answer = _exchange(keyed[0], [(head, 0.5), (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 0)], timeout=20)
+    assert _statuses(answer) == [b"401"], answer
+    assert b"connection: close" in answer.lower() and b"100 Continue" not in answer
+    assert time.monotonic() - start < 5  # closed after the answer, not header_timeout (10 s) later
+
+
+def test_an_expect_100_request_that_reads_its_body_keeps_its_connection(keyed) -> None:
+    request = _post(COMPLETION, "sk-right", b"Expect: 100-continue\r\n")
+    head, body = request[: -len(COMPLETION)], COMPLETION
+    answer = _exchange(
+        keyed[0],
+        [(head, 0.5), (body, 0.5), (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0)],
+        timeout=20,
+    )
+    assert _statuses(answer) == [b"100", b"200", b"200"], answer
+    assert answer.endswith(b'{"status":"ok"}')

@@ -307,6 +307,7 @@ class GuardedHTTP:
 class _Progress:
     body_done: bool
     started: bool = False
+    asked: bool = False  # the app asked for the body (so a `100 Continue` went out, if the client expected one)
 
 
 class RequestDeadlines:
@@ -350,6 +351,7 @@ class RequestDeadlines:
     async def _serve(self, scope: Scope, receive: Receive, send: Send, progress: _Progress) -> None:
 
         async def receive_() -> Message:
+            progress.asked = True
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
                 progress.body_done = True  # the last piece, or the client is gone
@@ -360,7 +362,14 @@ class RequestDeadlines:
                 progress.started = True
                 headers = list(message.get("headers", ()))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    message = {**message, "headers": [*headers, (b"x-request-id", new_request_id().encode())]}
+                    headers.append((b"x-request-id", new_request_id().encode()))
+                if (not progress.asked and not progress.body_done and _expects_continue(scope)
+                        and not any(name.lower() == b"connection" for name, _ in headers)):
+                    # answered before its body was asked for: no `100 Continue` went out, so the client may send no
+                    # body (RFC 9110, 10.1.1), and the connection, waiting for it, would read its next request as
+                    # that body: it closes after this answer, and says so
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             await send(message)
 
         if progress.body_done:
@@ -433,6 +442,10 @@ def _declared_length(scope: Scope) -> int | None:
                 return None
             length = int(digits)
     return length
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.strip().lower() == b"100-continue" for name, value in scope.get("headers", ()))
 
 
 def _has_body(scope: Scope) -> bool:
