@@ -26,7 +26,7 @@ MAX_PIPELINED = 32
 
 
 #: The key of an ASGI scope whose request's body the server did not read (a chunked body of a request that asked for
-#: an upgrade, see ``HttpTools._not_upgraded``): its app is not run, and it is answered 400 ``unreadable_body``.
+#: an upgrade, see ``HttpTools._not_upgraded``): its app is not run, and it is answered 400 ``unsupported_upgrade``.
 UNREAD_BODY = "asyncinfer.unread_body"
 
 
@@ -87,26 +87,27 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
             self.owed_cycle: Any = None  # the request they are for
 
         def data_received(self, data: bytes) -> None:
-            if self.pipeline_full:
-                return
-            if self.owed:  # the body of a request whose head asked for an upgrade, which the parser skipped
-                data = self._owed_body(data)
-                if not data:
+            while data and not self.pipeline_full:
+                if self.owed:  # the body of a request whose head asked for an upgrade, which the parser skipped
+                    data = self._owed_body(data)
+                    if not data:
+                        return
+                # uvicorn's, but for an upgrade it does not make (any but a WebSocket's): read as the plain request it is
+                self._unset_keepalive_if_required()
+                try:
+                    self.parser.feed_data(data)
                     return
-            # uvicorn's, but for an upgrade it does not make (any but a WebSocket's), read as the plain request it is
-            self._unset_keepalive_if_required()
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
-            except httptools.HttpParserUpgrade as upgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._not_upgraded(data[upgrade.args[0] :])
+                except httptools.HttpParserError:
+                    self.logger.warning("Invalid HTTP request received.")
+                    self.send_400_response("Invalid HTTP request received.")
+                    return
+                except httptools.HttpParserUpgrade as upgrade:
+                    if self._should_upgrade():
+                        self.handle_websocket_upgrade()
+                        return
+                    data = self._not_upgraded(data[upgrade.args[0] :])
 
-        def _not_upgraded(self, rest: bytes) -> None:
+        def _not_upgraded(self, rest: bytes) -> bytes:
             """The request just parsed asked for an upgrade (``Upgrade`` and ``Connection: upgrade``, say ``h2c``),
             or was a ``CONNECT``: the parser ended its message with its head, skipping its body, and stopped there,
             ``rest`` (what followed in the same read) unparsed, as the other protocol's. uvicorn dropped ``rest``
@@ -114,12 +115,13 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
             app, a request pipelined behind it in the same read was never answered, and a body that came in a later
             read was served as a request of its own (a request smuggled inside another's body, answered on a
             connection a proxy may share). Here the request is what HTTP says it is when no upgrade is made: its
-            ``Content-Length`` body is its body, and what follows is parsed as the next request. A chunked body, or a
-            ``CONNECT`` (its tunnel's bytes), is left unread: the request is answered (a 400 for the body,
-            :data:`UNREAD_BODY`), then the connection closes."""
+            ``Content-Length`` body is its body, and what follows is parsed as the next request (returned: what of
+            ``rest`` is left to parse). A chunked body, or a ``CONNECT`` (its tunnel's bytes), is left unread with
+            all that follows: the request is answered (a 400 for the body, :data:`UNREAD_BODY`), then the connection
+            closes."""
             cycle = self.cycle
             if cycle is None:
-                return
+                return b""
             headers = cycle.scope["headers"]
             length = next((value for name, value in headers if name == b"content-length"), b"0")
             if cycle.scope["method"] == "CONNECT" or any(name == b"transfer-encoding" for name, _ in headers):
@@ -128,14 +130,12 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 self.pipeline_full = True  # nothing after it is read
                 self.flow.pause_reading()
                 cycle.keep_alive = False
-                return
+                return b""
             self.owed = int(length)  # (digits only: the parser refused any other Content-Length)
             if self.owed:
                 self.owed_cycle = cycle
                 cycle.more_body = True  # (the parser had ended the message; its app has not run since)
-                rest = self._owed_body(rest)
-            if rest:
-                self.data_received(rest)
+            return rest
 
         def _owed_body(self, data: bytes) -> bytes:
             """``data`` less what is owed to the body of the request :meth:`_not_upgraded` read, which goes to it as
