@@ -74,7 +74,9 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
           request of each read, and read again whenever an answer was done, so a client pipelining tiny requests
           grew the queue by thousands per answer (memory, and parsing that held every other caller's answers);
         - a request asking for an upgrade uvicorn does not make (``Upgrade: h2c``) read as plain HTTP, its body
-          included, and a ``CONNECT``'s bytes never parsed as requests (:meth:`_not_upgraded`).
+          included, and a ``CONNECT``'s bytes never parsed as requests (:meth:`_not_upgraded`);
+        - bytes it cannot parse, behind requests not yet answered, refused after their answers (uvicorn's 400 went
+          out at once, as the answer of the request in flight, which was never answered).
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -83,6 +85,7 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
             self.unanswered: list[Any] = []  # the connection's requests (uvicorn's cycles) not yet answered
             self.pipeline_full = False  # what follows the queued requests is left unread
+            self.refuse_pending = False  # unparsable bytes came behind requests in flight: a 400 after their answers
             self.owed = 0  # bytes of a body the parser skipped (see _not_upgraded) still to come
             self.owed_cycle: Any = None  # the request they are for
 
@@ -156,7 +159,21 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         def send_400_response(self, msg: str) -> None:
             if self.pipeline_full:  # the parser stopped at _PipelineFull: nothing unparsable, nothing to answer
                 return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # unparsable bytes behind requests not yet answered: they are answered first (the 400 went out at
+                # once, as the answer of the request in flight, which was never answered), then the 400, and the
+                # connection closes; nothing more is read meanwhile
+                self.pipeline_full = self.refuse_pending = True
+                self.flow.pause_reading()
+                return
             _refuse(self.transport)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.refuse_pending and not self.pipeline and self.cycle is not None and self.cycle.response_complete:
+                self.refuse_pending = False
+                if not self.transport.is_closing():
+                    _refuse(self.transport)
 
         def on_headers_complete(self) -> None:
             if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:
