@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import time
 
+import httpx
 import msgspec
 import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.errors import APIError
-from asyncinfer.server.protocol import COMPLETION_BODY, decode_json, parse_completion
+from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, decode_json, parse_chat, parse_completion
 
 from .conftest import TINY_OPTIONS, LiveServer
 from .test_fresh_pass8 import _exchange
@@ -212,3 +213,45 @@ def test_unparsable_bytes_behind_a_request_in_flight_are_refused_after_its_answe
     assert _statuses(answer) == [b"200", b"400"], answer  # httptools: was [400], the completion never answered
     first, second = answer.split(b"HTTP/1.1 400 ", 1)
     assert b'"object":"text_completion"' in first and b'"code":"invalid_http_request"' in second
+
+
+# The fields chat accepts and ignores (`store`, `service_tier`, `prompt_cache_key`, ...) are kept as their raw text and
+# never read, so bytes in them that are not UTF-8 were never checked: such a body was answered 200 where the same bytes
+# in any other field are a 400 naming it (docs/serving.md: "bytes that are not UTF-8 anywhere in it").
+@pytest.mark.parametrize("field", ["store", "service_tier", "prompt_cache_key", "reasoning_effort", "verbosity"])
+@pytest.mark.parametrize("value", [b'"\xff"', b'["ok", "\xc3"]', b'{"k": "\xed\xa0\x80"}'])
+def test_invalid_utf8_in_an_ignored_field_is_a_400_naming_it(field, value) -> None:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "' + field.encode() + b'": ' + value + b"}"
+    with pytest.raises(APIError) as refused:
+        parse_chat(decode_json(body, CHAT_BODY))
+    assert (refused.value.status, refused.value.param) == (400, field)
+    assert "invalid UTF-8" in refused.value.message
+
+
+def test_valid_text_in_an_ignored_field_is_still_ignored() -> None:
+    body = '{"messages": [{"role": "user", "content": "hi"}], "store": true, "service_tier": "é 🙂"}'.encode()
+    assert parse_chat(decode_json(body, CHAT_BODY)).messages == [{"role": "user", "content": "hi"}]
+
+
+# A key given twice is read as its last copy (as Python's json reads it), and the first copy of a field kept as raw text
+# (`messages`, `metadata`, a neutral or an ignored field) was dropped unread: its bytes, UTF-8 or not, never checked.
+_HI = b'"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1'
+FIRST_COPIES = [
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}], ' + _HI + b"}",
+    b'{"model": "tiny", ' + _HI + b', "metadata": {"a": "\xff"}, "metadata": null}',
+    b'{"model": "tiny", ' + _HI + b', "logit_bias": "\xff", "logit_bias": null}',
+]
+
+
+@pytest.mark.parametrize("body", FIRST_COPIES)
+def test_invalid_utf8_in_a_first_copy_of_a_key_is_a_400_over_http(server, body) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        answer = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 400, answer.text  # was 200
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and "UTF-8" in error["message"], error
+        assert answer.headers["x-request-id"].startswith("chatcmpl-")
+        ok = client.post(
+            "/v1/chat/completions", content=body.replace(b"\xff", b"x"), headers={"content-type": "application/json"}
+        )
+        assert ok.status_code == 200, ok.text

@@ -44,6 +44,7 @@ from asyncinfer.server.protocol import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    check_body_utf8,
     decode_json,
     parse_chat,
     parse_completion,
@@ -290,7 +291,12 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await self._off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+
+        def decoded() -> _B:
+            body = parse(decode_json(raw, shape))
+            check_body_utf8(raw)  # what no field's check read: the first copy of a key given twice
+            return body
+        return await self._off_loop_if_long(len(raw), decoded)
 
     async def _off_loop_if_long(self, chars: int, work: Callable[[], _B]) -> _B:
         """``work()`` (of cost ``chars``) on the loop when it fits what is left of this turn's share
