@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import httpx
@@ -255,3 +256,38 @@ def test_invalid_utf8_in_a_first_copy_of_a_key_is_a_400_over_http(server, body) 
             "/v1/chat/completions", content=body.replace(b"\xff", b"x"), headers={"content-type": "application/json"}
         )
         assert ok.status_code == 200, ok.text
+
+
+# uvicorn's h11 protocol (the parser wherever httptools is not installed: asyncinfer asks for plain uvicorn) handled every
+# h11 event of a read in one go, and a body sent in chunks of one byte is an event a byte, some 16 microseconds of
+# Python each: a megabyte of body held the loop for seconds at a time (2.9 s measured), every other caller's answers
+# waiting. It now handles H11_EVENTS_PER_TURN of them a turn.
+def test_a_body_in_one_byte_chunks_holds_the_loop_only_briefly_under_h11(tiny_chat_model) -> None:
+    app = create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))
+    payload = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": "' + b"u" * 400_000 + b'"}'
+    wire = b"".join(b"1\r\n" + payload[i : i + 1] + b"\r\n" for i in range(len(payload))) + b"0\r\n\r\n"
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    )
+    waits: list[float] = []
+    done = threading.Event()
+    with LiveServer(app, http="h11") as live:
+        port = int(live.url.rsplit(":", 1)[1])
+
+        def other_caller() -> None:
+            with httpx.Client(base_url=live.url, timeout=60) as client:
+                while not done.is_set():
+                    start = time.monotonic()
+                    assert client.get("/health").status_code == 200
+                    waits.append(time.monotonic() - start)
+                    time.sleep(0.005)
+
+        prober = threading.Thread(target=other_caller)
+        prober.start()
+        try:
+            answer = _exchange(port, [(head + b"Connection: close\r\n\r\n" + wire, 0)], timeout=60)
+        finally:
+            done.set()
+            prober.join()
+    assert _statuses(answer) == [b"200"], answer[:300]
+    assert len(waits) > 10 and max(waits) < 0.75, max(waits)  # was 2.9 s for a megabyte

@@ -25,6 +25,10 @@ HTTP_PROTOCOLS = ("auto", "h11", "httptools")
 MAX_PIPELINED = 32
 
 
+#: h11's events (a request's head, a piece of a chunked body) handled in one turn of the loop (h11 only: httptools
+#: parses in C, its callbacks a few times cheaper).
+H11_EVENTS_PER_TURN = 512
+
 #: The key of an ASGI scope whose request's body the server did not read (a chunked body of a request that asked for
 #: an upgrade, see ``HttpTools._not_upgraded``): its app is not run, and it is answered 400 ``unsupported_upgrade``.
 UNREAD_BODY = "asyncinfer.unread_body"
@@ -46,13 +50,47 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         else:
             name = "httptools"
     if name == "h11":
+        import h11
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
         class H11(H11Protocol):
+            """uvicorn's h11 protocol, its 400 in OpenAI's shape, handling at most :data:`H11_EVENTS_PER_TURN` of h11's
+            events (a request's head, a piece of its body) in one turn of the loop; the rest is handled in the next
+            turns. uvicorn handled all that one read held at once: a body sent in chunks of one byte is an event a
+            byte, each some 16 microseconds of Python, so a read of them held the loop (every other caller's answers)
+            for seconds."""
+
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 if self.ws_protocol_class is not None:
                     self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
+                self.events_left = H11_EVENTS_PER_TURN
+                self.more_events: asyncio.Handle | None = None  # the next turn's handling, when one is due
+                parse = self.conn.next_event
+
+                def next_event() -> Any:  # what uvicorn's handle_events reads the connection's events with
+                    if self.events_left <= 0:  # this turn's share handled: the rest in the next turn
+                        if self.more_events is None:
+                            self.more_events = self.loop.call_soon(self._handle_more_events)
+                        return h11.NEED_DATA
+                    self.events_left -= 1
+                    return parse()
+
+                self.conn.next_event = next_event  # type: ignore[method-assign]
+
+            def data_received(self, data: bytes) -> None:
+                self.events_left = H11_EVENTS_PER_TURN
+                super().data_received(data)
+
+            def on_response_complete(self) -> None:
+                self.events_left = H11_EVENTS_PER_TURN
+                super().on_response_complete()
+
+            def _handle_more_events(self) -> None:
+                self.more_events = None
+                if not self.transport.is_closing():
+                    self.events_left = H11_EVENTS_PER_TURN
+                    self.handle_events()
 
             def send_400_response(self, msg: str) -> None:
                 _refuse(self.transport)
