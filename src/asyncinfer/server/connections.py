@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.server.errors import APIError, elided, new_request_id
+from asyncinfer.server.parsers import UNREAD_BODY
 from asyncinfer.server.settings import ServerSettings
 
 Scope = MutableMapping[str, Any]
@@ -306,6 +307,7 @@ class GuardedHTTP:
 class _Progress:
     body_done: bool
     started: bool = False
+    asked: bool = False  # the app asked for the body (so a `100 Continue` went out, if the client expected one)
 
 
 class RequestDeadlines:
@@ -337,6 +339,10 @@ class RequestDeadlines:
             guard.request_started()
         progress = _Progress(body_done=not _has_body(scope))
         try:
+            if scope.get(UNREAD_BODY):  # the parser left its body unread (and closes the connection after it)
+                progress.body_done = True
+                await _send_error(send, _unread_body(scope))
+                return
             await self._serve(scope, receive, send, progress)
         finally:
             if guard is not None:
@@ -345,6 +351,7 @@ class RequestDeadlines:
     async def _serve(self, scope: Scope, receive: Receive, send: Send, progress: _Progress) -> None:
 
         async def receive_() -> Message:
+            progress.asked = True
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
                 progress.body_done = True  # the last piece, or the client is gone
@@ -355,7 +362,14 @@ class RequestDeadlines:
                 progress.started = True
                 headers = list(message.get("headers", ()))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    message = {**message, "headers": [*headers, (b"x-request-id", new_request_id().encode())]}
+                    headers.append((b"x-request-id", new_request_id().encode()))
+                if (not progress.asked and not progress.body_done and _expects_continue(scope)
+                        and not any(name.lower() == b"connection" for name, _ in headers)):
+                    # answered before its body was asked for: no `100 Continue` went out, so the client may send no
+                    # body (RFC 9110, 10.1.1), and the connection, waiting for it, would read its next request as
+                    # that body: it closes after this answer, and says so
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             await send(message)
 
         if progress.body_done:
@@ -368,19 +382,28 @@ class RequestDeadlines:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 if not progress.started:
-                    await self._timed_out(send)
+                    await _send_error(send, _timeout_error("body", self.body_timeout))
                 return
             await task
         finally:
             task.cancel()
 
-    async def _timed_out(self, send: Send) -> None:
-        error = _timeout_error("body", self.body_timeout)
-        body = msgspec.json.encode(error.body())
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+
+async def _send_error(send: Send, error: APIError) -> None:
+    """``error`` as a request's whole answer, after which the connection closes."""
+    body = msgspec.json.encode(error.body())
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _unread_body(scope: Scope) -> APIError:
+    upgrade = next((value for name, value in scope.get("headers", ()) if name == b"upgrade"), b"")
+    shown = elided(upgrade.decode("latin-1"))
+    return APIError(400, f"The request asks to upgrade the connection (Upgrade: {shown}), which this server does not "
+                         "do, and its body is chunked, which it then does not read: send it without `Upgrade`, or "
+                         "with a `Content-Length`.", code="unsupported_upgrade")
 
 
 def _websocket_refusal(scope: Scope, send: Send) -> Send:
@@ -419,6 +442,10 @@ def _declared_length(scope: Scope) -> int | None:
                 return None
             length = int(digits)
     return length
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.strip().lower() == b"100-continue" for name, value in scope.get("headers", ()))
 
 
 def _has_body(scope: Scope) -> bool:

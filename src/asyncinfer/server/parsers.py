@@ -25,6 +25,15 @@ HTTP_PROTOCOLS = ("auto", "h11", "httptools")
 MAX_PIPELINED = 32
 
 
+#: h11's events (a request's head, a piece of a chunked body) handled in one turn of the loop (h11 only: httptools
+#: parses in C, its callbacks a few times cheaper).
+H11_EVENTS_PER_TURN = 512
+
+#: The key of an ASGI scope whose request's body the server did not read (a chunked body of a request that asked for
+#: an upgrade, see ``HttpTools._not_upgraded``): its app is not run, and it is answered 400 ``unsupported_upgrade``.
+UNREAD_BODY = "asyncinfer.unread_body"
+
+
 class _PipelineFull(Exception):
     """Raised in the parser's callback to stop it: the request it was reading would queue past MAX_PIPELINED."""
 
@@ -35,24 +44,60 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         raise InvalidParameterError("http", name, f"one of {HTTP_PROTOCOLS}")
     if name == "auto":
         try:
-            import httptools  # noqa: F401
+            import httptools
         except ImportError:
             name = "h11"
         else:
             name = "httptools"
     if name == "h11":
+        import h11
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
         class H11(H11Protocol):
+            """uvicorn's h11 protocol, its 400 in OpenAI's shape, handling at most :data:`H11_EVENTS_PER_TURN` of h11's
+            events (a request's head, a piece of its body) in one turn of the loop; the rest is handled in the next
+            turns. uvicorn handled all that one read held at once: a body sent in chunks of one byte is an event a
+            byte, each some 16 microseconds of Python, so a read of them held the loop (every other caller's answers)
+            for seconds."""
+
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 if self.ws_protocol_class is not None:
                     self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
+                self.events_left = H11_EVENTS_PER_TURN
+                self.more_events: asyncio.Handle | None = None  # the next turn's handling, when one is due
+                parse = self.conn.next_event
+
+                def next_event() -> Any:  # what uvicorn's handle_events reads the connection's events with
+                    if self.events_left <= 0:  # this turn's share handled: the rest in the next turn
+                        if self.more_events is None:
+                            self.more_events = self.loop.call_soon(self._handle_more_events)
+                        return h11.NEED_DATA
+                    self.events_left -= 1
+                    return parse()
+
+                self.conn.next_event = next_event  # type: ignore[method-assign]
+
+            def data_received(self, data: bytes) -> None:
+                self.events_left = H11_EVENTS_PER_TURN
+                super().data_received(data)
+
+            def on_response_complete(self) -> None:
+                self.events_left = H11_EVENTS_PER_TURN
+                super().on_response_complete()
+
+            def _handle_more_events(self) -> None:
+                self.more_events = None
+                if not self.transport.is_closing():
+                    self.events_left = H11_EVENTS_PER_TURN
+                    self.handle_events()
 
             def send_400_response(self, msg: str) -> None:
                 _refuse(self.transport)
 
         return H11
+    import httptools
+    from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpTools(HttpToolsProtocol):
@@ -65,7 +110,11 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
           the WebSocket at once, and the request in flight never heard of the connection's end);
         - at most :data:`MAX_PIPELINED` requests queued behind the one in flight: uvicorn parsed and queued every
           request of each read, and read again whenever an answer was done, so a client pipelining tiny requests
-          grew the queue by thousands per answer (memory, and parsing that held every other caller's answers).
+          grew the queue by thousands per answer (memory, and parsing that held every other caller's answers);
+        - a request asking for an upgrade uvicorn does not make (``Upgrade: h2c``) read as plain HTTP, its body
+          included, and a ``CONNECT``'s bytes never parsed as requests (:meth:`_not_upgraded`);
+        - bytes it cannot parse, behind requests not yet answered, refused after their answers (uvicorn's 400 went
+          out at once, as the answer of the request in flight, which was never answered).
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -74,15 +123,95 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
             self.unanswered: list[Any] = []  # the connection's requests (uvicorn's cycles) not yet answered
             self.pipeline_full = False  # what follows the queued requests is left unread
+            self.refuse_pending = False  # unparsable bytes came behind requests in flight: a 400 after their answers
+            self.owed = 0  # bytes of a body the parser skipped (see _not_upgraded) still to come
+            self.owed_cycle: Any = None  # the request they are for
 
         def data_received(self, data: bytes) -> None:
-            if not self.pipeline_full:
-                super().data_received(data)
+            while data and not self.pipeline_full:
+                if self.owed:  # the body of a request whose head asked for an upgrade, which the parser skipped
+                    data = self._owed_body(data)
+                    if not data:
+                        return
+                # uvicorn's, but for an upgrade it does not make (any but a WebSocket's): read as the plain request it is
+                self._unset_keepalive_if_required()
+                try:
+                    self.parser.feed_data(data)
+                    return
+                except httptools.HttpParserError:
+                    self.logger.warning("Invalid HTTP request received.")
+                    self.send_400_response("Invalid HTTP request received.")
+                    return
+                except httptools.HttpParserUpgrade as upgrade:
+                    if self._should_upgrade():
+                        self.handle_websocket_upgrade()
+                        return
+                    data = self._not_upgraded(data[upgrade.args[0] :])
+
+        def _not_upgraded(self, rest: bytes) -> bytes:
+            """The request just parsed asked for an upgrade (``Upgrade`` and ``Connection: upgrade``, say ``h2c``),
+            or was a ``CONNECT``: the parser ended its message with its head, skipping its body, and stopped there,
+            ``rest`` (what followed in the same read) unparsed, as the other protocol's. uvicorn dropped ``rest``
+            and parsed the next read as a new request: the body of ``POST`` with ``Upgrade: h2c`` never reached its
+            app, a request pipelined behind it in the same read was never answered, and a body that came in a later
+            read was served as a request of its own (a request smuggled inside another's body, answered on a
+            connection a proxy may share). Here the request is what HTTP says it is when no upgrade is made: its
+            ``Content-Length`` body is its body, and what follows is parsed as the next request (returned: what of
+            ``rest`` is left to parse). A chunked body, or a ``CONNECT`` (its tunnel's bytes), is left unread with
+            all that follows: the request is answered (a 400 for the body, :data:`UNREAD_BODY`), then the connection
+            closes."""
+            cycle = self.cycle
+            if cycle is None:
+                return b""
+            headers = cycle.scope["headers"]
+            length = next((value for name, value in headers if name == b"content-length"), b"0")
+            if cycle.scope["method"] == "CONNECT" or any(name == b"transfer-encoding" for name, _ in headers):
+                if cycle.scope["method"] != "CONNECT":
+                    cycle.scope[UNREAD_BODY] = True
+                self.pipeline_full = True  # nothing after it is read
+                self.flow.pause_reading()
+                cycle.keep_alive = False
+                return b""
+            self.owed = int(length)  # (digits only: the parser refused any other Content-Length)
+            if self.owed:
+                self.owed_cycle = cycle
+                cycle.more_body = True  # (the parser had ended the message; its app has not run since)
+            return rest
+
+        def _owed_body(self, data: bytes) -> bytes:
+            """``data`` less what is owed to the body of the request :meth:`_not_upgraded` read, which goes to it as
+            the parser's ``on_body`` would give it."""
+            body, rest = data[: self.owed], data[self.owed :]
+            self.owed -= len(body)
+            cycle = self.owed_cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.body += body
+                cycle.more_body = self.owed > 0
+                if len(cycle.body) > HIGH_WATER_LIMIT:
+                    self.flow.pause_reading()
+                cycle.message_event.set()
+            if not self.owed:
+                self.owed_cycle = None
+            return rest
 
         def send_400_response(self, msg: str) -> None:
             if self.pipeline_full:  # the parser stopped at _PipelineFull: nothing unparsable, nothing to answer
                 return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # unparsable bytes behind requests not yet answered: they are answered first (the 400 went out at
+                # once, as the answer of the request in flight, which was never answered), then the 400, and the
+                # connection closes; nothing more is read meanwhile
+                self.pipeline_full = self.refuse_pending = True
+                self.flow.pause_reading()
+                return
             _refuse(self.transport)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.refuse_pending and not self.pipeline and self.cycle is not None and self.cycle.response_complete:
+                self.refuse_pending = False
+                if not self.transport.is_closing():
+                    _refuse(self.transport)
 
         def on_headers_complete(self) -> None:
             if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:

@@ -300,6 +300,8 @@ def _fields(body: Any, allowed: tuple[str, ...], ignored: tuple[str, ...] = (),
                 out[key] = value
         elif key not in ignored:
             raise _unrecognized(key)
+        elif isinstance(value, msgspec.Raw):  # ignored, never read: its UTF-8 is checked here, or never
+            _check_utf8(value, key)
     return out
 
 
@@ -657,10 +659,27 @@ def _message_content(raw: msgspec.Raw, where: str) -> Any:
 _UTF8_SLICE = 64 * 1024  # bytes of a raw value checked at a time (_check_utf8)
 
 
+def check_body_utf8(raw: bytes) -> None:
+    """A 400 when the body ``raw`` holds bytes that are not UTF-8 anywhere, once it was decoded and checked field by
+    field (each field's own check names it first): a key given twice is read as its last copy, and the first copy of
+    a field kept as raw text was dropped unread, its bytes never checked."""
+    at = _invalid_utf8_at(raw)
+    if at is not None:
+        raise APIError(400, f"The request body is not valid JSON: invalid UTF-8 at byte {at} (where no field read "
+                            "holds it: in the first copy of a key given twice, say, of which the last is read).")
+
+
 def _check_utf8(raw: msgspec.Raw, where: str) -> None:
     """A 400 naming ``where`` when ``raw``'s text is not UTF-8. msgspec checks the UTF-8 of the strings it decodes
     only: an object's keys the decode skips unread (a message's ``name``, a content part's ``cache_control``) were
     never checked, and such a body was answered 200 where the same bytes in a field read were a 400."""
+    at = _invalid_utf8_at(raw)
+    if at is not None:
+        raise APIError(400, f"`{where}` is not valid JSON: invalid UTF-8 at byte {at} of its text.", param=where)
+
+
+def _invalid_utf8_at(raw: bytes | msgspec.Raw) -> int | None:
+    """Where ``raw``'s text stops being UTF-8 (None: it is UTF-8 throughout)."""
     # read in slices of the body's own memory, each decoded and dropped: a message of megabytes of ignored bulk is
     # checked without a copy of it (tests/server/test_ignored_bulk.py holds the decode's memory to that)
     view, decoder = memoryview(raw), codecs.getincrementaldecoder("utf-8")()
@@ -668,8 +687,8 @@ def _check_utf8(raw: msgspec.Raw, where: str) -> None:
         try:
             decoder.decode(view[start : start + _UTF8_SLICE], start + _UTF8_SLICE >= len(view))
         except UnicodeDecodeError as exc:
-            raise APIError(400, f"`{where}` is not valid JSON: invalid UTF-8 at byte {start + exc.start} of its "
-                           "text.", param=where) from None
+            return start + exc.start
+    return None
 
 
 def _content(content: Any, role: str, where: str) -> str:
@@ -717,7 +736,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     common = _common(fields)
     if "logprobs" in fields:
         common["sampling"]["logprobs"] = fields["logprobs"]
-    best_of = fields.get("best_of")
+    best_of = _typed(fields, "best_of", int, "an integer")
     if best_of is not None and best_of != common["sampling"].get("n", 1):
         raise _bad("best_of", "`best_of` is not supported by this server (only equal to `n`).", "unsupported_parameter")
     if "prompt" not in fields:

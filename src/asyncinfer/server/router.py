@@ -44,6 +44,7 @@ from asyncinfer.server.protocol import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    check_body_utf8,
     decode_json,
     parse_chat,
     parse_completion,
@@ -271,6 +272,7 @@ class _OpenAI:
         if encoding is not None and encoding.strip().lower() != "identity":
             raise APIError(415, f"The request body must not be encoded: Content-Encoding {encoding[:100]!r} is not "
                                 "supported (send it as plain JSON).", code="unsupported_content_encoding")
+        _check_transfer_coding(request.headers.getlist("transfer-encoding"))
         limit = self.settings.max_body_bytes
         too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
                              code="request_too_large")
@@ -289,7 +291,12 @@ class _OpenAI:
         except ClientDisconnect:
             raise ClientGone from None
         raw = b"".join(chunks)
-        return await self._off_loop_if_long(len(raw), lambda: parse(decode_json(raw, shape)))
+
+        def decoded() -> _B:
+            body = parse(decode_json(raw, shape))
+            check_body_utf8(raw)  # what no field's check read: the first copy of a key given twice
+            return body
+        return await self._off_loop_if_long(len(raw), decoded)
 
     async def _off_loop_if_long(self, chars: int, work: Callable[[], _B]) -> _B:
         """``work()`` (of cost ``chars``) on the loop when it fits what is left of this turn's share
@@ -529,6 +536,17 @@ def _check_json_type(content_type: str | None) -> None:
         return
     raise APIError(415, f"The request body must be JSON (Content-Type: application/json, UTF-8), got Content-Type "
                         f"{content_type[:100]!r}.", code="unsupported_media_type")
+
+
+def _check_transfer_coding(values: list[str]) -> None:
+    """A 501 naming the codings of a body sent in any transfer coding but ``chunked`` alone: httptools takes any list
+    that ends in ``chunked`` (``gzip, chunked``) and hands on the chunks' bytes as they are, still in the others'
+    coding (h11 refuses such a request as unparsable)."""
+    codings = [c.strip().lower() for value in values for c in value.split(",")]
+    if values and codings != ["chunked"]:
+        shown = ", ".join(values)[:100]
+        raise APIError(501, f"The request body must not be transfer-coded but for `chunked`: Transfer-Encoding {shown!r} "
+                            "is not supported (send it as plain JSON).", code="unsupported_transfer_encoding")
 
 
 def _escape_tenant(name: str) -> str:
