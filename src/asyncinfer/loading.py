@@ -182,7 +182,7 @@ def load_generator(
         if config.torch_compile:
             ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)
         loaded = checkpoint.load(config.dtype, config.device, ops=ops, weight_format=WeightFormat(
-            config.quantization, config.quantization_skip, config.pack_weights))  # a GGUF's layers built as read
+            config.quantization, config.quantization_skip, config.pack_weights, config.activation_dtype))  # a GGUF's layers built as read
         check_tokenizer(loaded)
         plan, core = build_core(loaded, config, compile_seconds=compile_seconds)
         warm_up(core, config.stall_timeout)
@@ -243,7 +243,8 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         )
     if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
         if loaded.weight_format is None:  # not built in its format as it was read (a Hugging Face directory)
-            apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
+            apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights,
+                                activation_dtype=config.activation_dtype)
         _report_block_rounding(loaded.model, config.quantization)
         _report_block_embedding(loaded.model)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
