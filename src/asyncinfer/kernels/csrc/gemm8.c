@@ -329,14 +329,17 @@ static inline __attribute__((always_inline)) void row8_blocks(const int fmt, con
     }
     for (int64_t b0 = b_first; b0 < nb; b0 += 8) {
         const int64_t n = nb - b0 < 8 ? nb - b0 : 8;
-        float dw[8] = {0}, sc[MR8][8];
-        for (int64_t t = 0; t < n; t++) dw[t] = ai_half_to_float(block_d16(fmt, row, nb, b0 + t));
-        const __m256 dwv = _mm256_loadu_ps(dw);
+        float sc[MR8][8];
+        uint16_t h[8] = {0};
+        for (int64_t t = 0; t < n; t++) h[t] = block_d16(fmt, row, nb, b0 + t);
+        /* the eight scales in a register, not stored one by one and loaded as a vector (a stall on the stores) */
+        const __m256 dwv = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                                          (short)h[5], (short)h[6], (short)h[7]));
         for (int i = 0; i < ROWS; i++) {
             if (n == 8) {
                 _mm256_storeu_ps(sc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + (m0 + i) * nb + b0), dwv));
             } else {
-                for (int64_t t = 0; t < n; t++) sc[i][t] = a->d[(m0 + i) * nb + b0 + t] * dw[t];
+                for (int64_t t = 0; t < n; t++) sc[i][t] = a->d[(m0 + i) * nb + b0 + t] * ai_half_to_float(h[t]);
             }
             if (has_min8(fmt))
                 for (int64_t t = 0; t < n; t++) offset[i] += block_min(fmt, row, nb, b0 + t) * a->sum[(m0 + i) * nb + b0 + t];
@@ -503,22 +506,31 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
         off[i] = _mm256_setzero_ps();
     }
     for (int64_t b0 = 0; b0 < n16; b0 += 16) {
-        uint16_t dh[16];
-        if (q4_0) for (int t = 0; t < 16; t++) memcpy(dh + t, row + 18 * (b0 + t), 2);
-        else memcpy(dh, row + 2 * b0, 32);
+        /* the sixteen blocks' float16 scales, formed in registers (a vector load of values just stored one by one
+         * would wait for the stores to retire) */
+        __m256i dh;
+        if (q4_0) {
+            const uint8_t *p = row + 18 * b0;
+            dh = _mm256_setr_epi16(
+                (short)ai_u32_at(p), (short)ai_u32_at(p + 18), (short)ai_u32_at(p + 36), (short)ai_u32_at(p + 54),
+                (short)ai_u32_at(p + 72), (short)ai_u32_at(p + 90), (short)ai_u32_at(p + 108), (short)ai_u32_at(p + 126),
+                (short)ai_u32_at(p + 144), (short)ai_u32_at(p + 162), (short)ai_u32_at(p + 180), (short)ai_u32_at(p + 198),
+                (short)ai_u32_at(p + 216), (short)ai_u32_at(p + 234), (short)ai_u32_at(p + 252), (short)ai_u32_at(p + 270));
+        } else {
+            dh = _mm256_loadu_si256((const __m256i *)(row + 2 * b0));
+        }
+        const __m256 dw0 = _mm256_cvtph_ps(_mm256_castsi256_si128(dh)), dw1 = _mm256_cvtph_ps(_mm256_extracti128_si256(dh, 1));
         __m512 sc[MR8];
         __m512i corr[MR8];
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + b0;
-            float s16[16];
-            for (int h = 0; h < 16; h += 8) {
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + h)));
-                _mm256_storeu_ps(s16 + h, _mm256_mul_ps(_mm256_loadu_ps(a->d + at + h), dw));
-                if (q4_1)
+            const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw0);
+            const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at + 8), dw1);
+            sc[i] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(s0)), _mm256_castps_pd(s1), 1));
+            if (q4_1)
+                for (int h = 0; h < 16; h += 8)
                     off[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * nb + 2 * (b0 + h)))),
                                              _mm256_loadu_ps(a->sum + at + h), off[i]);
-            }
-            sc[i] = _mm512_loadu_ps(s16);
             /* Q4_0: 8 * (the block's sum of qx), a lane per block */
             corr[i] = q4_0 ? _mm512_madd_epi16(_mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(8))
                            : _mm512_setzero_si512();
