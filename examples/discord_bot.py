@@ -20,7 +20,10 @@ The bot answers every message that mentions it (and every message in a DM):
   twenty-sided dice plus 3") into a call of the ``roll_dice`` tool, its decoding
   constrained to the call's JSON schema (``StructuredOutput``, docs/structured_output.md)
   so the call always parses and its arguments are in range, and the bot runs the
-  tool: "🎲 2d20+3: 7 + 15 + 3 = 25". (Over HTTP, the same is ``tools`` with
+  tool: "🎲 2d20+3: 7 + 15 + 3 = 25". A valid call is not a right one: the default
+  135M model reads few such words right (it made "two twenty-sided dice plus 3"
+  2d2+3, and "2d6-1" 2d2+2); the constraint holds any model to the tool's schema,
+  a bigger one also reads the words. (Over HTTP, the same is ``tools`` with
   ``tool_choice``; docs/serving.md.) Rolls stay out of the history;
 - ``!reset`` forgets the channel's history: replies under way (or queued) still
   finish, but nothing of a message sent before the reset enters the new history;

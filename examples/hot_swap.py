@@ -3,7 +3,8 @@
     python examples/hot_swap.py                  # swap the default model to a fresh copy of itself
     python examples/hot_swap.py /path/to/model   # swap to another model (HF directory or .gguf)
 
-A client keeps asking questions throughout. The new version loads in a worker
+Three clients keep asking questions throughout (chat messages; plain text to a model
+without a chat template, such as a base model's GGUF file). The new version loads in a worker
 thread while the old one keeps answering; requests admitted before the switch
 finish on the old version, later ones run on the new one, and the old version
 is dropped once its last request ends. No request fails, even when the swap does
@@ -16,7 +17,7 @@ import asyncio
 import sys
 import time
 
-from asyncinfer import AsyncEngine, SamplingParams, SwapError
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, SwapError
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 7 times 6?"]
 OPTIONS = {"max_model_len": 1024, "kv_cache_memory": 64 * 2**20}
@@ -26,7 +27,12 @@ async def client(engine: AsyncEngine, stop: asyncio.Event, log: list[str]) -> No
     i = 0
     while not stop.is_set():
         q = QUESTIONS[i % len(QUESTIONS)]
-        out = await engine.generate([{"role": "user", "content": q}], SamplingParams(max_tokens=24))
+        try:
+            out = await engine.generate([{"role": "user", "content": q}], SamplingParams(max_tokens=24))
+        except InvalidParameterError as exc:  # a model without a chat template (a base model): ask in plain text
+            if exc.parameter != "prompt":
+                raise
+            out = await engine.generate(f"Question: {q}\nAnswer:", SamplingParams(max_tokens=24))
         log.append(f"{time.strftime('%H:%M:%S')} {out.finish_reason:6} {q} -> {out.text.strip()[:50]!r}")
         i += 1
 

@@ -17,7 +17,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.server import ModelSpec, ServerSettings, api_keys_from_env, guard_app, openai_router, run_server
+from asyncinfer.server import (
+    ModelSpec,
+    ServerSettings,
+    api_keys_from_env,
+    guard_app,
+    metrics_keys_from_env,
+    openai_router,
+    run_server,
+)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -36,9 +44,9 @@ async def lifespan(app: FastAPI):
         yield
 
 
-# The keys in ASYNCINFER_API_KEY, as `asyncinfer serve` reads them (ServerSettings() alone asks for none);
-# metrics keys, tenants, limits: docs/serving.md
-settings = ServerSettings(api_keys=api_keys_from_env())
+# The keys in ASYNCINFER_API_KEY and ASYNCINFER_METRICS_KEY (/metrics), as `asyncinfer serve` reads them
+# (ServerSettings() alone reads neither); tenants, limits: docs/serving.md
+settings = ServerSettings(api_keys=api_keys_from_env(), metrics_keys=metrics_keys_from_env())
 app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 app.include_router(openai_router(lambda: engine, settings))  # the engine of the moment: /v1/chat/completions, ...
 guard_app(app, settings)  # OpenAI errors on every route (404, 405, ...), request ids, the body deadline

@@ -21,8 +21,9 @@ ordinary request to the scheduler (id ``"<id>#<i>"``), running at once
 Faults, from the narrowest to the widest (docs/reliability.md, "Isolation"):
 
 - *Attributable to one request*: its detokenizer raising (the tokenizer's ``decode``
-  on its tokens), or a scheduler hook raising for it (``add_request``,
-  ``abort_request``, ``finish_requests``, ``add_forked``). That request (all its
+  on its tokens), a scheduler hook raising for it (``add_request``,
+  ``abort_request``, ``finish_requests``, ``add_forked``), or the scheduler dropping it
+  from its queues without the engine ending it (:meth:`EngineCore._lost`). That request (all its
   samples) fails alone with ``RequestFailedError`` (the cause chained), a hook's fault
   is logged, the engine removes the request from the base class's queues itself and
   frees its blocks; the step's other requests get their tokens as if nothing happened,
@@ -126,6 +127,9 @@ class EngineCore:
         self.grammars = grammars
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
+        # Every request (a sample) handed to the scheduler and not ended yet, by id: a plugin that drops one from its
+        # queues without the engine ending it is found at the next step (_lost), never left waiting.
+        self._held: dict[str, Request] = {}
         # The kinds of fault the scheduler's has_unfinished_requests raised, each logged once (asked every pass)
         self._unfinished_faults: set[type[BaseException]] = set()
         self._count_faults: set[type[BaseException]] = set()  # the same for num_running and num_waiting
@@ -161,6 +165,7 @@ class EngineCore:
             self._prepare(request)
             if request.params.n > 1:
                 self._groups[request.request_id] = _Group(request.params.n, {0: request})
+            self._held[request.request_id] = request
             self.scheduler.add_request(request)
             if self.scheduler.requests.get(request.request_id) is not request:  # else it would wait forever
                 raise SchedulerHookError(f"add_request returned without adding {request.request_id!r} to the "
@@ -247,7 +252,7 @@ class EngineCore:
         scheduler holds (``scheduler.requests``): its fault, asked by the engine thread's loop between steps,
         ended the engine for everyone (``EngineDeadError``)."""
         try:
-            return bool(self.scheduler.has_unfinished_requests())
+            return bool(self.scheduler.has_unfinished_requests()) or bool(self._held)
         except ENDS_ENGINE:
             raise
         except BaseException as exc:  # a plugin's fault: logged, and the engine serves on
@@ -256,7 +261,7 @@ class EngineCore:
                 logger.error("the scheduler (%s) raised in has_unfinished_requests: %s (answered from the requests "
                              "it holds; the engine serves on)", type(self.scheduler).__name__,
                              exception_text(exc), exc_info=exc)
-            return bool(self.scheduler.requests) or bool(self._groups)
+            return bool(self.scheduler.requests) or bool(self._groups) or bool(self._held)
 
     def queue_counts(self) -> tuple[int, int]:
         """``(running, waiting)`` as the scheduler counts them (``num_running``, ``num_waiting``). A plugin whose
@@ -284,7 +289,10 @@ class EngineCore:
         """
         started = time.perf_counter()
         self._batch = None
-        plan, misplanned = self._check_plan(self.scheduler.schedule())  # misplanned: their requests fail alone
+        planned = self.scheduler.schedule()
+        lost = self._lost()  # before the plan is read: their samples leave it
+        plan, misplanned = self._check_plan(planned, {out.request_id for out in lost})  # misplanned: fail alone
+        misplanned = lost + misplanned
         batch = scheduled(self.scheduler, plan)
         copies = self.kv.commit_step()
         self._batch = batch  # from here on a fault fails these requests
@@ -297,6 +305,7 @@ class EngineCore:
         inputs = self.runner.prepare(batch, {r.request_id: self.kv.block_table(r.request_id) for r, _ in batch})
         tokens = _StepTokens(self, inputs.sampled, self.runner.run(inputs))
         result = apply_step(self.scheduler, plan, tokens.sample, tokens.check_stop, isolate=tokens.hook_failed)
+        self._check_finished(result.finished)
         result.mask_seconds = tokens.mask_seconds
         self._switch_rope(result)
         self._count(result)
@@ -305,7 +314,7 @@ class EngineCore:
             self.on_step(batch, inputs, result, started)
         return misplanned + outputs
 
-    def _check_plan(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[CoreOutput]]:
+    def _check_plan(self, plan: SchedulerOutput, ended: set[str] = frozenset()) -> tuple[SchedulerOutput, list[CoreOutput]]:
         """Hold ``plan`` to the contract's rule for each scheduled request (docs/schedulers.md, invariant 2):
         one the scheduler holds, running, ``1 <= n <= its uncomputed tokens`` (an int), with its slots
         allocated. An entry that breaks it is logged and leaves the plan, and its request (all its samples)
@@ -323,6 +332,10 @@ class EngineCore:
         faults: dict[str, tuple[Request, str]] = {}
         for rid, n in list(entries.items()):
             request = sched.requests.get(rid)
+            if request is None and isinstance(rid, str) and (rid in ended or rid.rpartition("#")[0] in ended):
+                # a sample of a request failed as lost above: it left the scheduler with it
+                del entries[rid]
+                continue
             if request is None:
                 logger.error("the scheduler (%s) planned %r tokens for %r, a request it does not hold: left out",
                              type(sched).__name__, n, rid)
@@ -340,6 +353,43 @@ class EngineCore:
             for rid in [rid for rid in entries if rid not in sched.requests]:
                 del entries[rid]
         return SchedulerOutput(entries), outputs
+
+    def _lost(self) -> list[CoreOutput]:
+        """Fail every request the scheduler no longer holds although the engine never ended it (a plugin's
+        ``schedule`` or hook that dropped it from its queues): logged, its blocks freed, its whole request failed
+        with :class:`RequestFailedError` (a :class:`SchedulerHookError` as the cause). Such a request never ran
+        again and never ended: its caller waited forever, through ``aclose(abort=True)`` too. Costs a count
+        per step; the requests are compared one by one only when the counts differ."""
+        sched = self.scheduler
+        if len(self._held) == len(sched.requests):
+            return []
+        lost = [r for rid, r in self._held.items() if sched.requests.get(rid) is not r]
+        outputs: list[CoreOutput] = []
+        for request in lost:
+            if self._held.get(request.request_id) is not request:  # ended with a sample lost before it
+                continue
+            exc = SchedulerHookError(f"the scheduler ({type(sched).__name__}) dropped {request.request_id!r} from "
+                                     "its requests without the engine ending it")
+            _log_fault("its scheduler lost it", request, exc)
+            self._evict(request)
+            outputs += self._end(request.group_id, _failure(request.group_id, "its scheduler", exc), alone=request)
+        return outputs
+
+    def _check_finished(self, finished: list[Request]) -> None:
+        """Take out of the scheduler's base queues, and free the blocks of, every request of ``finished`` that the
+        scheduler still holds after ``finish_requests`` (an override that did not call the base class's for it):
+        logged, and the engine serves on. Left there, it held its blocks for good (a plugin that plans no finished
+        request never ran into it: the blocks of each such request leaked until none were left for anybody), kept
+        its id taken, and kept the engine thread stepping an engine with nothing to do."""
+        sched = self.scheduler
+        for request in finished:
+            rid = request.request_id
+            if self._held.get(rid) is request:
+                del self._held[rid]
+            if sched.requests.get(rid) is request or request in sched.running or request in sched.waiting:
+                logger.error("the scheduler (%s) kept finished request %r after finish_requests: taken out of its "
+                             "queues and its blocks freed (the engine serves on)", type(sched).__name__, rid)
+                self._evict(request)
 
     def _switch_rope(self, result: StepResult) -> None:
         """Preempt each request of a longrope model that has just grown past the model's original context: its K
@@ -423,6 +473,8 @@ class EngineCore:
         for every request in it, and three such steps ended the engine.
         """
         sched = self.scheduler
+        if self._held.get(request.request_id) is request:
+            del self._held[request.request_id]
         try:
             held = sched.abort_request(request.request_id) is not None
         except ENDS_ENGINE:
@@ -447,6 +499,8 @@ class EngineCore:
         what the engine does for a request whose own scheduler hook raised."""
         sched = self.scheduler
         rid = request.request_id
+        if self._held.get(rid) is request:
+            del self._held[rid]
         if sched.requests.get(rid) is request:
             del sched.requests[rid]
         for queue in (sched.running, sched.waiting):
@@ -495,6 +549,7 @@ class EngineCore:
             for child in fork_samples(self.kv, request):
                 self._prepare(child, stops)  # the samples share one stop matcher (it holds no state)
                 self._groups[request.request_id].members[child.index] = child
+                self._held[child.request_id] = child  # apply_step hands it to the scheduler (add_forked)
                 requests.append(child)
                 rows.append(row)
         return requests, rows

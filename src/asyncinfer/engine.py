@@ -72,6 +72,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineState", "Prompt"]
 
 
+#: What a closed engine's errors suggest: it never runs again (its thread and loop are gone), a new one does.
+_LOAD_ANOTHER = "load a new engine (await AsyncEngine.load(...) or AsyncEngine.from_pretrained(...))"
+
+
 class EngineState(enum.Enum):
     """The engine's lifecycle (``engine.state``); ``DEAD`` means the step loop broke."""
 
@@ -80,6 +84,16 @@ class EngineState(enum.Enum):
     CLOSING = "closing"
     CLOSED = "closed"
     DEAD = "dead"
+
+
+class _Binding:
+    """One generate() / stream() call while its request is bound (``AsyncEngine._bind``): whether
+    :meth:`AsyncEngine.abort` named its id meanwhile."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = False
 
 
 class AsyncEngine:
@@ -113,6 +127,7 @@ class AsyncEngine:
         self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device,
                                      observer=self.metrics)
         self._intake = RequestIntake(self._models, self._streams, observer=self.metrics)
+        self._binding: dict[str, list[_Binding]] = {}  # calls being bound, by request id (abort() marks them)
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -225,8 +240,12 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Start the engine thread, bound to the running event loop."""
+        if self._state is EngineState.RUNNING:
+            raise EngineClosedError("the engine is already running: it was started once ('async with engine:' or "
+                                    "'await engine.start()'), and serves on the event loop it was started on")
         if self._state is not EngineState.CREATED:
-            raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value})")
+            raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value}): an engine "
+                                    f"runs once; {_LOAD_ANOTHER}")
         callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
         thread = EngineThread(list(self._models.generators.values()), asyncio.get_running_loop(), callbacks)
         self._link.attach(thread)
@@ -272,7 +291,7 @@ class AsyncEngine:
 
         With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
         ``cache_salt``: requests share cached prefixes and compiled structured-output specs only within one
-        salt (e.g. a tenant).
+        salt (e.g. a tenant); at most 512 characters (the caches keep it after the request).
         Cancelling the awaiting task aborts the request (its blocks return at the next step
         boundary); one aborted with :meth:`abort` ends with ``finish_reason == "abort"``.
         ``model``: the generator's name (default: the first loaded). ``version_id``: the version of that
@@ -289,9 +308,9 @@ class AsyncEngine:
         prompt = plain_prompt(prompt)  # checked as what it holds, not as a subclass says
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
                                   version_id)
-        request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
+        request, version, holder, binding = await self._bind(prompt, args, model)
         result = OutputAssembler.for_request(request)
-        async for out in self._submit(request, version, holder):
+        async for out in self._submit(request, version, holder, binding):
             result.add(out)
         return result.result()
 
@@ -324,16 +343,36 @@ class AsyncEngine:
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
-        request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
-        async for out in self._submit(request, version, holder):
+        request, version, holder, binding = await self._bind(prompt, args, model)
+        async for out in self._submit(request, version, holder, binding):
             yield stream_delta(out)
 
+    async def _bind(self, prompt: Prompt, args: RequestArgs,
+                    model: str | None) -> tuple[Request, ModelVersion, ModelHolder, _Binding]:
+        """:meth:`RequestIntake.bind`, hearing meanwhile of an :meth:`abort` of its id: the request may wait there
+        (its prompt made off the loop, its grammar compiled, admission held by a drain-mode swap) before the engine
+        thread knows its id, and an abort then was ignored: the request ran to its end once bound."""
+        binding = _Binding()
+        waiting = self._binding.setdefault(args.request_id, [])
+        waiting.append(binding)
+        try:
+            request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
+        finally:
+            waiting.remove(binding)
+            if not waiting and self._binding.get(args.request_id) is waiting:
+                del self._binding[args.request_id]
+        return request, version, holder, binding
+
     def abort(self, request_id: str) -> None:
-        """Abort a request by id at the next step boundary (unknown or finished ids are ignored).
+        """Abort a request by id at the next step boundary (unknown or finished ids are ignored). A request still
+        being bound (its prompt made off the loop, its grammar compiled, or waiting for a drain-mode swap) ends as
+        an abort as soon as it is.
 
         Raises ``InvalidParameterError`` if ``request_id`` is not a non-empty string.
         """
         request_id = check_request_id(request_id)  # the plain str it holds: the engine thread hashes it
+        for binding in self._binding.get(request_id, ()):  # calls not yet bound: aborted once they are posted
+            binding.aborted = True
         if self._state in (EngineState.RUNNING, EngineState.CLOSING):
             self._post(AbortRequest(request_id))
 
@@ -374,12 +413,16 @@ class AsyncEngine:
         :meth:`tokenize`). Raises :class:`InvalidParameterError`."""
         return len(self.tokenize(prompt, model=model))
 
-    async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder) -> AsyncIterator[CoreOutput]:
-        """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away."""
+    async def _submit(self, request: Request, version: ModelVersion, holder: ModelHolder,
+                      binding: _Binding | None = None) -> AsyncIterator[CoreOutput]:
+        """Hand a request to ``version``'s core and yield its outputs; abort it if the consumer goes away, or at
+        once if :meth:`abort` named it while it was being bound (``binding``)."""
         # No await separates this from RequestIntake.bind, which bound the request
         # to ``version`` and tokenized and validated it with it.
         stream = self._streams.open(request.request_id, request.params.n, version.version_id, holder)
         self._post(AddRequest(version, request))
+        if binding is not None and binding.aborted:
+            self._post(AbortRequest(request.request_id))  # handled right after it is added: it ends as an abort
         done = 0
         try:
             while done < stream.n:
@@ -575,9 +618,13 @@ class AsyncEngine:
         self._link.check_loop()
         if self._state is EngineState.DEAD:
             raise EngineDeadError("the engine's step loop failed") from self._dead_cause
-        if self._state is not EngineState.RUNNING:
-            raise EngineClosedError(f"the engine is {self._state.value}: use 'async with engine:' or "
+        if self._state is EngineState.CREATED:
+            raise EngineClosedError("the engine is not started yet: use 'async with engine:' or "
                                     "'await engine.start()'")
+        if self._state is EngineState.CLOSING:
+            raise EngineClosedError("the engine is closing: it takes no new requests")
+        if self._state is not EngineState.RUNNING:
+            raise EngineClosedError(f"the engine is closed and cannot be started again: {_LOAD_ANOTHER}")
 
     def _check_usable(self) -> None:
         """Model changes work before start (nothing races) and while running."""

@@ -22,6 +22,7 @@ the thread waits for a command with a growing timeout
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -298,6 +299,7 @@ class ThreadLink:
     def __init__(self) -> None:
         self.thread: EngineThread | None = None
         self._waiters: set[asyncio.Future[None]] = set()
+        self._ended: BaseException | None = None  # what fail_waiters was given: the thread stopped or died
 
     def attach(self, thread: EngineThread) -> None:
         self.thread = thread
@@ -333,7 +335,11 @@ class ThreadLink:
         return resolve
 
     async def wait_for(self, future: asyncio.Future[None], command: Command | None = None) -> None:
-        """Post ``command`` (if any) and wait until the thread resolves ``future``."""
+        """Post ``command`` (if any) and wait until the thread resolves ``future``; once the thread has stopped or
+        died, fail at once with the error :meth:`fail_waiters` was given (a wait begun after it, by a call that
+        awaited something else first, such as ``profile()`` checking its path, waited for ever)."""
+        if self._ended is not None:
+            raise copy.copy(self._ended)
         self._waiters.add(future)
         try:
             if command is not None:
@@ -343,6 +349,8 @@ class ThreadLink:
             self._waiters.discard(future)
 
     def fail_waiters(self, exc: BaseException) -> None:
+        """The thread stopped or died: fail every wait, now and from now on, with ``exc``."""
+        self._ended = exc
         for waiter in list(self._waiters):
             if not waiter.done():
                 waiter.set_exception(exc)

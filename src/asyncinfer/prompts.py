@@ -31,6 +31,9 @@ Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
 MAX_REQUEST_ID_CHARS = 512  # ids are kept per request and copied into every output
+#: The longest ``cache_salt``: the prefix cache keeps a request's salt in its first cached block (the root of its
+#: hash chain) and the grammar cache in its keys, after the request has ended, until they are evicted.
+MAX_CACHE_SALT_CHARS = 512
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # lower is more urgent; policies do float math on it
 OFF_LOOP_CHARS = 4096  # prompts costlier than this (prompt_cost) are tokenized in a worker thread, not on the loop
 #: The most messages a chat prompt may hold (refused before any is looked at).
@@ -138,8 +141,9 @@ def check_request_args(params: SamplingParams | None, priority: Any,
         params = plain_params(params)
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidParameterError("priority", priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise InvalidParameterError("cache_salt", cache_salt, "a string or None")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+        shown = cache_salt if not isinstance(cache_salt, str) else f"<{len(cache_salt)} chars>"
+        raise InvalidParameterError("cache_salt", shown, f"a string of at most {MAX_CACHE_SALT_CHARS} characters, or None")
     return params, priority, cache_salt
 
 
@@ -198,10 +202,46 @@ def prompt_chars(prompt: Any) -> int:
 def prompt_cost(prompt: Any) -> int:
     """What tokenizing ``prompt`` costs, in characters of text: its characters, plus
     :data:`ITEM_COST_CHARS` for each chat message (the template renders every one,
-    empty or not). Over :data:`OFF_LOOP_CHARS`, it is tokenized in a worker thread."""
+    empty or not). Over :data:`OFF_LOOP_CHARS`, it is tokenized in a worker thread.
+
+    A chat message's characters are those of every key and value it holds, not only its role and content: a
+    template may render any of them (a ``name``, a reasoning, tool calls), and the text it renders is tokenized
+    (a message with a ``name`` of a million characters, counted as its content alone, was rendered and tokenized
+    on the event loop: 1.2 s with every other caller waiting). A value that is no text, number, list or dict (an
+    object a template renders through its own ``__str__``) makes the chat cost more than the loop's share."""
     if is_chat(prompt):
-        return prompt_chars(prompt) + ITEM_COST_CHARS * len(prompt)
+        limit = OFF_LOOP_CHARS + 1
+        cost = ITEM_COST_CHARS * len(prompt)
+        for message in prompt:
+            if cost >= limit:
+                break
+            cost += _held_chars(message, limit - cost)
+        return cost
     return prompt_chars(prompt)
+
+
+def _held_chars(value: Any, limit: int) -> int:
+    """The characters of text ``value`` holds (a string, a number as written out, or the keys and values of the
+    lists, tuples and dicts nested in it, each item counting at least one), read as the built-in types hold them
+    and counted up to ``limit`` (reached at once by an object of another type: its text is unknown)."""
+    total = 0
+    stack = [value]
+    while stack and total < limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += max(str.__len__(item), 1)
+        elif isinstance(item, (list, tuple, dict)):
+            total += 1
+            items = (dict.items(item) if isinstance(item, dict)
+                     else list.__iter__(item) if isinstance(item, list) else tuple.__iter__(item))
+            stack.extend(itertools.islice(items, limit - total))  # never more than can be counted
+        elif item is None or isinstance(item, (bool, float)):
+            total += 24  # the longest a float is written out
+        elif isinstance(item, int):
+            total += int.bit_length(item) // 3 + 2  # at least its decimal digits and a sign
+        else:
+            return limit
+    return min(total, limit)
 
 
 def texts_cost(texts: Sequence[str]) -> int:
@@ -271,6 +311,22 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidParameterError("stop_token_ids", params.stop_token_ids, f"token ids in [0, {vocab_size - 1}]")
 
 
+#: What a model without a chat template, or without a tokenizer, allows instead of chat messages (or text); the
+#: HTTP server answers a chat completion refused so with a message of its own, pointing to /v1/completions.
+NO_CHAT_TEMPLATE = "text or token ids: this model has no chat template"
+NO_TOKENIZER = "token ids: this model was loaded without a tokenizer"
+
+#: Added to the refusal of a list of prompts (as a transformers pipeline takes them): each call is one prompt.
+_ONE_PROMPT_PER_CALL = ("; one prompt per call: for several, run the calls at once and the engine batches them "
+                        "(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))")
+
+
+def _several_prompts(prompt: object) -> bool:
+    """Whether ``prompt`` is a non-empty list or tuple of prompts: texts, or lists of chat messages or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(p, str) or (isinstance(p, (list, tuple)) and bool(p)) for p in prompt)
+
+
 def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     """A text, chat messages or token ids as the token ids the model reads.
 
@@ -295,7 +351,8 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         if bad is not None:
             raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
     else:
-        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids")
+        raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids"
+                                    + _ONE_PROMPT_PER_CALL * _several_prompts(prompt))
     if not ids:
         raise InvalidParameterError("prompt", prompt, "a prompt of at least one token")
     return ids
@@ -338,7 +395,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+        raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
     from asyncinfer.models.tokenizer import render_chat
 
@@ -356,7 +413,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:
     if version.tokenizer is None:
-        raise InvalidParameterError("prompt", what, "token ids: this model was loaded without a tokenizer")
+        raise InvalidParameterError("prompt", what, NO_TOKENIZER)
     return version.tokenizer
 
 

@@ -137,7 +137,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             output text. bool, default True.
         min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens
             have been generated. int in [0, max_tokens].
-        n: parallel samples of the same prompt, int in [1, 64]. The prompt is
+        n: parallel samples of the same prompt, int in [1, 64], and at most the model's ``max_num_seqs``
+            (checked at the call: the samples run together). The prompt is
             computed once and its KV blocks are shared (copied on the first divergent
             write). With a ``seed``, sample ``i`` uses ``seed + i`` (mod 2**63), so it
             equals a lone request with that seed.

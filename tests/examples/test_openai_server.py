@@ -97,7 +97,10 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
         port = s.getsockname()[1]
     # The key in ASYNCINFER_API_KEY is asked for, as by `asyncinfer serve` (the example's ServerSettings() served
     # everyone, whatever the variable said).
+    # So is the metrics key in ASYNCINFER_METRICS_KEY: the example ignored it, while its /metrics refusal said to
+    # set it.
     env = {**os.environ, "ASYNCINFER_MODEL": str(real_gguf), "ASYNCINFER_API_KEY": "sk-example",
+           "ASYNCINFER_METRICS_KEY": "ops-example",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -113,6 +116,9 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
             time.sleep(0.2)
         name = readme_client_model()
         assert httpx.get(url + "/v1/models").status_code == 401
+        scraped = httpx.get(url + "/metrics", headers={"Authorization": "Bearer ops-example"})
+        assert scraped.status_code == 200 and "asyncinfer_requests_in_flight" in scraped.text, scraped.text
+        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-example"}).status_code == 401
         with openai.OpenAI(base_url=url + "/v1", api_key="sk-example", max_retries=0) as client:
             assert [m.id for m in client.models.list().data] == [name]
             reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi!"}],

@@ -200,13 +200,14 @@ def format_rows(rows: list[Row]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.0f}"
 
+    compared = any(r.same_tokens for r in rows)  # the last column only where a row compares tokens
     head = (f"{'system':<13}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'TPOT p50':>10}{'E2E p50':>10}{'E2E p99':>10}  same greedy tokens")
+            f"{'TPOT p50':>10}{'E2E p50':>10}{'E2E p99':>10}" + "  same greedy tokens" * compared)
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.system:<13}{r.concurrency:>5}{r.requests:>6}{r.output_tokens_per_s:>9.1f}"
                      f"{r.requests_per_s:>8.2f}{ms(r.ttft_p50):>10}{ms(r.ttft_p99):>10}{ms(r.tpot_p50):>10}"
-                     f"{ms(r.e2e_p50):>10}{ms(r.e2e_p99):>10}  {r.same_tokens}")
+                     f"{ms(r.e2e_p50):>10}{ms(r.e2e_p99):>10}" + f"  {r.same_tokens}".rstrip() * compared)
     note = "; transformers' rows: each request waits for its whole batch" if any(
         r.system == "transformers" for r in rows) else ""
     return "\n".join(lines) + f"\n(latencies in ms{note})"

@@ -30,8 +30,17 @@ from asyncinfer.errors import (
     RequestFailedError,
     _short_repr,
 )
+from asyncinfer.prompts import NO_CHAT_TEMPLATE, NO_TOKENIZER
 
 log = logging.getLogger("asyncinfer.server")
+
+#: A chat completion for a model that cannot render chat messages: why, and where its prompt goes instead.
+_NO_CHAT = {
+    NO_CHAT_TEMPLATE: "This model has no chat template, so chat messages cannot be rendered for it: send its "
+                      "prompt to /v1/completions as text.",
+    NO_TOKENIZER: "This model was loaded without a tokenizer, so chat messages cannot be rendered for it: send "
+                  "its prompt to /v1/completions as token ids.",
+}
 
 # The engine's hardening work adds this one (a bounded waiting queue); map it when it exists.
 _OVERLOADED: type[BaseException] | None = getattr(engine_errors, "EngineOverloadedError", None)
@@ -135,6 +144,8 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
                             code="not_implemented")
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
+        if exc.parameter == "prompt" and exc.allowed in _NO_CHAT:  # "messages=... allowed text" would misread
+            return APIError(400, _NO_CHAT[exc.allowed], param=rename("prompt"))
         code = "context_length_exceeded" if "max_model_len" in exc.allowed else None
         field = rename(exc.parameter)
         if exc.parameter == "max_tokens" and code is not None:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.prompts import check_unicode
+from asyncinfer.prompts import NO_CHAT_TEMPLATE, check_unicode
 from asyncinfer.server.tools import (
     HERMES,
     CallStreamBase,
@@ -105,7 +105,7 @@ def render_chat_text(tokenizer: Any, fmt: ToolFormat, history: list[dict[str, An
     ``use`` None), the generation prompt added. Raises :class:`InvalidParameterError` on ``prompt`` (the body's
     ``messages``) for what the template refuses and for text that is not valid Unicode."""
     if tokenizer is None or not isinstance(tokenizer.chat_template, str):
-        raise InvalidParameterError("prompt", "chat messages", "text or token ids: this model has no chat template")
+        raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
     from asyncinfer.models.tokenizer import render_chat
 
     try:
