@@ -247,6 +247,10 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
                                 activation_dtype=config.activation_dtype)
         _report_block_rounding(loaded.model, config.quantization)
         _report_block_embedding(loaded.model)
+    if config.activation_dtype != "int16" and not any(isinstance(m, BlockLinear) for m in loaded.model.modules()):
+        logger.warning("activation_dtype=%r has no effect: no projection is in a block format (quantization=%r); "
+                       "only asyncinfer's block-format kernels round activations (docs/formats.md)",
+                       config.activation_dtype, config.quantization)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))

@@ -170,3 +170,25 @@ async def test_the_engine_option_reaches_every_projection(tmp_path) -> None:
         assert engine.config.activation_dtype == "int8"
         out = await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
         assert len(out.token_ids) == 6
+
+
+async def test_int8_activations_without_a_block_format_say_they_do_nothing(tmp_path, caplog) -> None:
+    """float16 weights take no activation_dtype: the load says so once, naming the option and the format."""
+    import logging
+
+    from asyncinfer import AsyncEngine
+
+    lossless_tiny("llama", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="float16", num_threads=1)
+        async with engine:
+            pass
+    said = [r.getMessage() for r in caplog.records if "activation_dtype" in r.getMessage()]
+    assert said == ["activation_dtype='int8' has no effect: no projection is in a block format (quantization="
+                    "'float16'); only asyncinfer's block-format kernels round activations (docs/formats.md)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="q4_1", num_threads=1)
+        async with engine:
+            pass
+    assert not [r for r in caplog.records if "activation_dtype" in r.getMessage()]
