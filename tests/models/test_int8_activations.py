@@ -184,8 +184,8 @@ async def test_int8_activations_without_a_block_format_say_they_do_nothing(tmp_p
         async with engine:
             pass
     said = [r.getMessage() for r in caplog.records if "activation_dtype" in r.getMessage()]
-    assert said == ["activation_dtype='int8' has no effect: no projection is in a block format (quantization="
-                    "'float16'); only asyncinfer's block-format kernels round activations (docs/formats.md)"]
+    assert said == [("activation_dtype='int8' has no effect: no projection is in a block format (quantization="
+                     "'float16'); only asyncinfer's block-format kernels round activations (docs/formats.md)")]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncinfer"):
         engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="q4_1", num_threads=1)
