@@ -39,8 +39,8 @@ INT8_GATE = 0.85
 #: q8_0's gate: the issue's 0.97 for an int8 format (0.974 on the whole text, benchmarks/results/quality.json).
 Q8_0_GATE = 0.97
 #: activation_dtype="int8"'s gate on the file's own Q4_1 weights, read a token at a time (each step below
-#: PANEL_MIN_ROWS rows, where the activations are rounded): 0.927 measured (benchmarks/results/quality.json); the
-#: int16 default: 0.999 the same way.
+#: PANEL_MIN_ROWS rows, where the activations are rounded): 0.927 measured (benchmarks/results/quality_xeon.json); the
+#: int16 default: 1.000 the same way.
 INT8_ACTIVATIONS_GATE = 0.90
 
 
