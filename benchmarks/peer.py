@@ -25,6 +25,7 @@ start and the end).
 
     python benchmarks/make_gguf.py /tmp/llama-1b-q4_k_m.gguf --shape 1b --llama-quantize q4_k_m
     python benchmarks/peer.py --model /tmp/llama-1b-q4_k_m.gguf --json benchmarks/results/peer_1b_q4_k_m.json
+    python benchmarks/peer.py --model /tmp/llama-1b-q4_k_m.gguf --activation-dtype int8 --json ...
     python benchmarks/peer.py --model FILE --rounds 1 --num-requests 4 --max-new-tokens 8 --slots 4 \\
         --decode-tokens 8 --repeats 1 --probe-mib 64          # smoke test
 """
@@ -125,7 +126,7 @@ async def load_engine(path: Path, args: argparse.Namespace, max_len: int, prefix
     from asyncinfer import AsyncEngine
 
     options = {"num_threads": args.threads, "max_num_seqs": args.num_requests, "max_model_len": max_len,
-               "enable_prefix_caching": prefix_cache, "seed": args.seed}
+               "enable_prefix_caching": prefix_cache, "seed": args.seed, "activation_dtype": args.activation_dtype}
     # Room for every request at max_len, as llama.cpp has at 32 slots (one context of n_parallel * n_ctx_per_seq
     # tokens; twice this at 64, half at 16): without it the engine's default CPU budget holds
     # DEFAULT_KV_FULL_REQUESTS max-length requests and the rest of the requests wait for their turn.
@@ -251,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> None:
     one, many = r["one_request"], r["many"]
     ratios = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
-    print(f"model: {r['model']} ({r['model_mib']:.1f} MiB), {r['settings']['threads']} threads, commit {r['commit']}")
+    print(f"model: {r['model']} ({r['model_mib']:.1f} MiB), {r['settings']['threads']} threads, commit {r['commit']}, "
+          f"asyncinfer activation_dtype={r['settings'].get('activation_dtype', 'int16')}")
     print(f"read bandwidth probe: {r['read_bandwidth_gb_s']:.1f} GB/s; weight bytes per token "
           f"{r['weight_bytes_per_token'] / 2**20:.1f} MiB")
     print(f"one request ({len(one['rounds'])} paired rounds): asyncinfer {one['asyncinfer_median_tokens_per_s']:.1f} "
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--probe-repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--activation-dtype", choices=("int16", "int8"), default="int16",
+                   help="asyncinfer's activation_dtype (int8: llama.cpp's numerics, faster; docs/formats.md)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     for name in ("threads", "rounds", "decode_tokens", "repeats", "num_requests", "probe_mib", "probe_repeats"):

@@ -11,6 +11,10 @@ on a copy of the same loaded model:
     float32's and the mean common-prefix fraction; for the block formats also one prompt at a time
     (their kernels take another path below ``kernels.PANEL_MIN_ROWS`` rows);
 The block formats (``q8_0``, ``q4_1``) run on asyncinfer's kernels, decode attention included.
+    With ``activation_dtype="int8"`` rows too (the block formats' kernels rounding a step's activations to
+    int8, llama.cpp's numerics); for every block format also (a) read a token per step over the first
+    ``--step-tokens`` tokens ("top1_agreement_token_by_token"): the path a decode takes, where the
+    activations are rounded (a prefill chunk of PANEL_MIN_ROWS tokens or more multiplies float32 activations).
 (c) with ``--sensitivity``: int8's per-layer-kind sensitivity, (a) for int8 everywhere except
     one kind of projection, and for int8 on one kind only.
 
@@ -54,14 +58,16 @@ HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 PACK = can_pack(torch.device("cpu"), torch.float32)
 
-#: (name, quantization, quantization_skip, pack_weights).
-FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool], ...] = (
-    ("float32 packed (dtype='float32')", None, (), PACK),
-    ("float16 (CPU default without a block format)", "float16", (), PACK),
-    (f"int8, default skip {default_skip('int8')}", "int8", default_skip("int8"), PACK),
-    ("int8, no skip", "int8", (), PACK),
-    ("q8_0 (asyncinfer's kernels)", "q8_0", (), PACK),
-    ("q4_1, head q8_0 (this GGUF's default)", "q4_1", (), PACK),
+#: (name, quantization, quantization_skip, pack_weights, activation_dtype).
+FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool, str], ...] = (
+    ("float32 packed (dtype='float32')", None, (), PACK, "int16"),
+    ("float16 (CPU default without a block format)", "float16", (), PACK, "int16"),
+    (f"int8, default skip {default_skip('int8')}", "int8", default_skip("int8"), PACK, "int16"),
+    ("int8, no skip", "int8", (), PACK, "int16"),
+    ("q8_0 (asyncinfer's kernels)", "q8_0", (), PACK, "int16"),
+    ("q8_0, activation_dtype='int8'", "q8_0", (), PACK, "int8"),
+    ("q4_1, head q8_0 (this GGUF's default)", "q4_1", (), PACK, "int16"),
+    ("q4_1, activation_dtype='int8'", "q4_1", (), PACK, "int8"),
 )
 
 
@@ -84,7 +90,11 @@ def measure(model: torch.nn.Module, ref: dict[str, Any], args: argparse.Namespac
         identical, prefix = greedy_match(ref["greedy"], batched_greedy(model, ref["prompts"], args.tokens))
         row |= {"greedy_identical": round(identical, 4), "greedy_prefix": round(prefix, 4)}
         if any(isinstance(m, BlockLinear) for m in model.modules()):
-            # One prompt at a time too: below kernels.PANEL_MIN_ROWS rows the kernels round activations to int16.
+            # A token per step: below kernels.PANEL_MIN_ROWS rows the kernels round activations (int16 or int8).
+            n = args.step_tokens
+            row["top1_agreement_token_by_token"] = round(top1_agreement(ref["argmax"][:n], teacher_forced_argmax(
+                model, ref["text"][:n], 1)), 4)
+            # One prompt at a time too: below kernels.PANEL_MIN_ROWS rows the kernels round activations.
             alone = [batched_greedy(model, [p], args.tokens)[0] for p in ref["prompts"]]
             identical, prefix = greedy_match(ref["greedy"], alone)
             row |= {"greedy_identical_alone": round(identical, 4), "greedy_prefix_alone": round(prefix, 4)}
@@ -112,6 +122,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk of the teacher-forced text (tokens)")
+    ap.add_argument("--step-tokens", type=int, default=768,
+                    help="tokens of the text read one per step for the block formats (default 768)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -126,16 +138,17 @@ def main() -> None:
           f"{args.tokens} greedy tokens; reference: plain float32 (F.linear)")
     print(f"{'format':<46}{'top-1':>8}{'greedy same':>13}{'prefix':>8}{'weights MiB':>13}")
     rows = []
-    for name, method, skip, pack in FORMATS:
+    for name, method, skip, pack, act in FORMATS:
         if method in BLOCK_FORMATS and not kernels.available():
             print(f"{name:<46} not measured: {kernels.unavailable_reason()}")
             continue
         row = {"format": name, "quantization": method, "quantization_skip": list(skip), "pack_weights": pack,
-               "weight_bytes": weight_bytes(loaded.config, 4, method, skip)}
-        row |= measure(formatted(base, method, skip, pack=pack), ref, args, greedy=True)
+               "activation_dtype": act, "weight_bytes": weight_bytes(loaded.config, 4, method, skip)}
+        row |= measure(formatted(base, method, skip, pack=pack, activation_dtype=act), ref, args, greedy=True)
         rows.append(row)
         alone = (f"   (one prompt at a time: {row['greedy_identical_alone']:.2%} same, prefix "
-                 f"{row['greedy_prefix_alone']:.2%})" if "greedy_identical_alone" in row else "")
+                 f"{row['greedy_prefix_alone']:.2%}; top-1 a token a step {row['top1_agreement_token_by_token']:.2%})"
+                 if "greedy_identical_alone" in row else "")
         print(f"{name:<46}{row['top1_agreement']:>8.2%}{row['greedy_identical']:>13.2%}{row['greedy_prefix']:>8.2%}"
               f"{row['weight_bytes'] / 2**20:>13.1f}{alone}", flush=True)
     result: dict[str, Any] = {"formats": rows}
@@ -146,7 +159,7 @@ def main() -> None:
         result["meta"] = {"command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
                           "date": datetime.date.today().isoformat(), "machine": machine_info(),
                           "text_tokens": len(ref["text"]), "prompts": len(ref["prompts"]), "new_tokens": args.tokens,
-                          "chunk": args.chunk, "reference": "plain float32 (F.linear), same loaded weights"}
+                          "chunk": args.chunk, "step_tokens": args.step_tokens, "reference": "plain float32 (F.linear), same loaded weights"}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -195,3 +195,14 @@ def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library() -> None:
     speedups = lines[lines.index("speed-up, now over baseline (baseline time / now time)") + 2:]
     assert [line.split()[0] for line in speedups] == ["q4_1", "q4_k", "q5_k", "q6_k"]
     assert all(len(line.split()) == 3 and float(line.split()[1]) > 0 for line in speedups)
+
+
+def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_path) -> None:
+    out = tmp_path / "activation_dtype.json"
+    done = run_script("activation_dtype.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "1", "5",
+                      "--probe-mib", "16", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["tokens"]) for r in rows] == [(f, m) for f in ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+                                                         for m in (1, 5)]
+    assert all(r["int16_gb_s"] > 0 and r["int8_gb_s"] > 0 for r in rows)

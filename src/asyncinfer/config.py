@@ -17,6 +17,7 @@ import torch
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.quant import (
+    ACTIVATION_DTYPES,
     check_quantization,
     default_skip,
     format_dtype,
@@ -140,6 +141,12 @@ class EngineConfig:
       skips) into oneDNN's blocked layout at load: the same values, a faster CPU kernel. None
       (default): wherever possible (CPU, float32, torch built with oneDNN; never on CUDA);
       False: plain ``F.linear``; True: required (refused where it cannot run).
+    - ``activation_dtype``: how the block formats' kernels round a step's activations (steps of fewer
+      than 9 tokens: a single user's decode, a few users'), per run of 32 values: "int16" (default:
+      within float32's rounding of the exact product; greedy output equals float32's on the default
+      model) or "int8" (llama.cpp's numerics: the weights' bytes multiplied as they come, faster,
+      about 1% of a product's size off; docs/formats.md, "Activations", has its speed and its
+      quality gate). No effect on other weight formats or on larger steps (float32 there).
     - ``torch_compile``: compile the decoder's element-wise chains (RMSNorm, the rotary
       embedding, SwiGLU's ``silu(gate) * up``) with ``torch.compile`` at load (default off:
       measured slower for SmolLM2-135M on a 2-core CPU and on an H200; docs/formats.md). Needs
@@ -185,6 +192,7 @@ class EngineConfig:
     quantization: str | None = "auto"
     quantization_skip: tuple[str, ...] | None = None
     pack_weights: bool | None = None
+    activation_dtype: str = "int16"
     torch_compile: bool = False
     enable_prefix_caching: bool = True
     kv_watermark: float = 0.01
@@ -219,6 +227,8 @@ class EngineConfig:
         if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
             raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
         _check_weight_format(self)
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise InvalidParameterError("activation_dtype", self.activation_dtype, f"one of {list(ACTIVATION_DTYPES)}")
         opts = self.scheduler_options
         if opts is not None and not (isinstance(opts, dict) and all(isinstance(k, str) for k in opts)):
             raise InvalidParameterError("scheduler_options", opts, "a dict of keyword arguments, or None")

@@ -182,7 +182,7 @@ def load_generator(
         if config.torch_compile:
             ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)
         loaded = checkpoint.load(config.dtype, config.device, ops=ops, weight_format=WeightFormat(
-            config.quantization, config.quantization_skip, config.pack_weights))  # a GGUF's layers built as read
+            config.quantization, config.quantization_skip, config.pack_weights, config.activation_dtype))  # a GGUF's layers built as read
         check_tokenizer(loaded)
         plan, core = build_core(loaded, config, compile_seconds=compile_seconds)
         warm_up(core, config.stall_timeout)
@@ -243,9 +243,14 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         )
     if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
         if loaded.weight_format is None:  # not built in its format as it was read (a Hugging Face directory)
-            apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights)
+            apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights,
+                                activation_dtype=config.activation_dtype)
         _report_block_rounding(loaded.model, config.quantization)
         _report_block_embedding(loaded.model)
+    if config.activation_dtype != "int16" and not any(isinstance(m, BlockLinear) for m in loaded.model.modules()):
+        logger.warning("activation_dtype=%r has no effect: no projection is in a block format (quantization=%r); "
+                       "only asyncinfer's block-format kernels round activations (docs/formats.md)",
+                       config.activation_dtype, config.quantization)
     weights = weight_bytes(mc, config.dtype_bytes, config.quantization, config.quantization_skip, config.device)
     spec = KVCacheSpec.from_model_config(mc, block_size=config.block_size, dtype=config.dtype, device=config.device)
     plan = plan_for_engine(config, mc, spec, weight_bytes=weights, free_bytes=available_memory(config.device))

@@ -38,6 +38,7 @@ EVERY_FLAG: dict[str, tuple[list[str], object]] = {
     "quantization": (["--quantization", "none"], None),
     "quantization_skip": (["--quantization-skip", "down_proj,lm_head"], ("down_proj", "lm_head")),
     "pack_weights": (["--no-pack-weights"], False),
+    "activation_dtype": (["--activation-dtype", "int8"], "int8"),
     "torch_compile": (["--torch-compile"], True),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "kv_watermark": (["--kv-watermark", "0.05"], 0.05),

@@ -95,6 +95,10 @@ def test_the_start_names_the_default_model_s_file_and_format(real_gguf, capsys, 
 
     if kernels.auto_reason() is None:  # the file's own format where the kernels run (else float16)
         assert out[2].startswith("    weights: q4_1, 92.1 MiB (float32 on cpu)"), out[2]
+    assert cli.main(["serve", "--port", str(free_port()), "--max-model-len", "256", "--activation-dtype", "int8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    if kernels.auto_reason() is None:  # activation_dtype is named where a block format takes it
+        assert out[2].startswith("    weights: q4_1, int8 activations, 92.1 MiB (float32 on cpu)"), out[2]
 
 
 @pytest.mark.parametrize(("flags", "said"), [

@@ -4,7 +4,8 @@ variant is chosen (``ASYNCINFER_KERNEL_ISA``, in subprocesses).
 
 Tolerances (docs/formats.md, "Kernel variants"): the variants differ only in the order of float32 sums,
 fused or separate multiply-adds and exp's last bits; the int16 rounding of activations below
-PANEL_MIN_ROWS rows is part of the algorithm and the same in every variant. So the GEMM agrees within
+PANEL_MIN_ROWS rows is part of the algorithm and the same in every variant (so is activation_dtype="int8"'s
+int8 rounding, with its own layer tolerance below). So the GEMM agrees within
 1e-5 of the sum of |x| * |w| of each output, RMS norm and attention within 1e-5 relative, argmax exactly,
 a whole layer or decode step within 1e-3 of the largest |h| (a last-bit difference may flip one int16
 rounding of a later projection's input).
@@ -154,6 +155,35 @@ def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
+def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
+    """activation_dtype="int8" (csrc/gemm8.c): every variant rounds the activations to the same int8 values and
+    forms the same integer products; only the order of the float32 sums differs. Widths with a remainder past
+    the AVX-512 kernels' runs of 16 blocks (800 = 25 runs of 32) and without."""
+    runs_here(isa)
+    n = 37
+    for k in ((512, 1024) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800)):
+        w = random_blocks(fmt, n, k, seed=k)
+        dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
+        gen = torch.Generator().manual_seed(k)
+        bias = torch.randn(n, generator=gen)
+        for rows in (1, 2, 3, 4, 5, 8, 17):
+            x = torch.randn(rows, k, generator=gen)
+            x[0, 32:64] *= 1000
+            with on("scalar"):
+                ref = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8")
+            with on(isa):
+                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8")
+            bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
+            assert ((got - ref).abs() <= bound).all(), (isa, fmt, k, rows, (got - ref).abs().max().item())
+    nan = torch.randn(6, 512, generator=gen)
+    nan[2, 300] = float("inf")
+    with on(isa):
+        out = kernels.gemm(nan, random_blocks(fmt, n, 512, seed=1), fmt, n, activation_dtype="int8")
+    assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any()
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_rms_norm_attention_and_argmax_equal_the_scalar_reference(isa) -> None:
     runs_here(isa)
     gen = torch.Generator().manual_seed(7)
@@ -205,7 +235,7 @@ def paged_step(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.T
     return tables, lens, slots
 
 
-def layer_and_inputs(fmt: str, tokens: int, seed: int):
+def layer_and_inputs(fmt: str, tokens: int, seed: int, activation_dtype: str = "int16"):
     gen = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
 
@@ -217,7 +247,8 @@ def layer_and_inputs(fmt: str, tokens: int, seed: int):
         eps=1e-5, qkv=(fmt, proj((heads + 2 * kv_heads) * head_dim, hidden)[1],
                        torch.randn((heads + 2 * kv_heads) * head_dim, generator=gen)),
         o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=head_dim ** -0.5)
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, scale=head_dim ** -0.5,
+        activation_dtype=activation_dtype)
     angles = torch.rand(64, head_dim // 2, generator=gen) * 6
     caches = [(torch.randn(8, 16, kv_heads, head_dim, generator=gen),
                torch.randn(8, 16, kv_heads, head_dim, generator=gen))]
@@ -246,6 +277,27 @@ def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> 
         results[name] = (one, logits, caches[0][0].clone())
     for ref, got in zip(results["scalar"], results[isa]):
         assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (isa, tokens, (got - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_an_int8_activation_layer_equals_the_scalar_reference(isa, fmt) -> None:
+    """The one-call step with activation_dtype="int8" on every variant: within 2% of the largest |h| of the
+    scalar reference's (a last-bit difference of a float32 sum may move a later projection's input across an
+    int8 rounding step, 258 times int16's), and not the int16 layer's result."""
+    runs_here(isa)
+    results = {}
+    for name, dtype in (("scalar", "int8"), (isa, "int8"), ("int16", "int16")):
+        layer, cos, sin, caches, tables, lens, slots, gen = layer_and_inputs(fmt, 3, seed=11, activation_dtype=dtype)
+        assert layer.activation_dtype == dtype
+        h = torch.randn(3, 64, generator=gen)
+        positions = torch.randint(0, 64, (3,), generator=gen)
+        with on("scalar" if name == "int16" else name):
+            results[name] = layer(h.clone(), cos[positions].contiguous(), sin[positions].contiguous(), *caches[0],
+                                  slots, tables, lens).clone()
+    ref, got = results["scalar"], results[isa]
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max(), (isa, fmt, (got - ref).abs().max().item())
+    assert not torch.equal(results["int16"], ref)
 
 
 @pytest.mark.parametrize("isa", VARIANTS)

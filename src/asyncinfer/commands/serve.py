@@ -142,4 +142,7 @@ def weight_format(path: Path, options: dict[str, Any]) -> tuple[str, str, str]:
 
     config = for_model(EngineConfig.from_options(options), options, read_model_config(path), warn=False)
     dtype = str(config.dtype).removeprefix("torch.")
-    return dtype, str(config.device), config.quantization or f"{dtype} (the dtype)"
+    fmt = config.quantization or f"{dtype} (the dtype)"
+    if config.activation_dtype != "int16" and config.quantization not in (None, "float16", "bfloat16", "int8"):
+        fmt += f", {config.activation_dtype} activations"  # the block formats' kernels round them so
+    return dtype, str(config.device), fmt

@@ -41,10 +41,22 @@ from asyncinfer.kernels._build import (
     unavailable_reason,
 )
 from asyncinfer.kernels.decoder import MAX_PARTS, MAX_ROPE_TABLES, Activation, DecodeLayer, DecodeStack, RopeTables
-from asyncinfer.kernels.formats import BLOCK_FORMATS, QK, QK_K, BlockTable, dequantize, pack, quantize, unpack
+from asyncinfer.kernels.formats import (
+    ACTIVATION_DTYPES,
+    BLOCK_FORMATS,
+    QK,
+    QK_K,
+    BlockTable,
+    activation_dtype_flag,
+    dequantize,
+    pack,
+    quantize,
+    unpack,
+)
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
 
 __all__ = [
+    "ACTIVATION_DTYPES",
     "BLOCK_FORMATS",
     "MAX_PARTS",
     "MAX_ROPE_TABLES",
@@ -57,6 +69,7 @@ __all__ = [
     "DecodeStack",
     "KernelISAError",
     "RopeTables",
+    "activation_dtype_flag",
     "argmax",
     "argmax_takes",
     "auto_reason",

@@ -45,7 +45,7 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 30
+_VERSION = 31
 #: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
 #: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
 PANEL_MIN_ROWS = 9
@@ -363,6 +363,9 @@ def _configure(lib: ctypes.CDLL) -> None:
         fn.argtypes = [P, I64, I64, I64, P, I64, P, P, I64, INT, P]
         fn.restype = INT
         fn.errcheck = _raise_memory
+    lib.asyncinfer_gemm.argtypes = [INT, P, I64, I64, I64, P, I64, P, P, I64, INT, P]
+    lib.asyncinfer_gemm.restype = INT
+    lib.asyncinfer_gemm.errcheck = _raise_memory
     lib.asyncinfer_rms_norm.argtypes = [P, I64, I64, I64, P, F32, P, INT]
     lib.asyncinfer_rms_norm.restype = None
     lib.asyncinfer_decode_attention.argtypes = [P, P, P, P, I64, P, I64, I64, I64, I64, I64, F32, F32, I64, P, INT]

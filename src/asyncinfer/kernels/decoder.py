@@ -15,7 +15,7 @@ import torch
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
 from asyncinfer.kernels._checks import softcap as _softcap
-from asyncinfer.kernels.formats import LAYOUTS, BlockTable, format_name
+from asyncinfer.kernels.formats import LAYOUTS, BlockTable, activation_dtype_flag, format_name
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     EmbedTable,
@@ -67,13 +67,14 @@ class _Layer(ctypes.Structure):
                 ("act", ctypes.c_int32), ("rope", ctypes.c_int32), ("window", ctypes.c_int64)]
 
 
-def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Parts, tuple]:
+def _projection_parts(name: str, spec: object, rows: int, k: int, flag: int = 0) -> tuple[_Parts, tuple]:
     """A projection ``(format, blocks, bias or None)`` checked and as the kernel takes it: its parts, and the
     spec as the plain tuples and format names it holds (what the layer keeps: a tuple subclass's ``__iter__``,
     ``__len__`` or ``__getitem__`` could show the checks one set of blocks and the layer another, a ``str``
     subclass one format to the checks and another to the kernel). ``format`` / ``blocks``: one format name and its
     blocks [rows, ...], or (a projection whose rows are in several formats, e.g. q and k in Q4_K and v in Q6_K) a
     tuple of 1 to :data:`MAX_PARTS` names and a tuple as long of blocks, whose row counts add up to ``rows``.
+    ``flag``: put on every part's format code (:func:`~asyncinfer.kernels.formats.activation_dtype_flag`).
     TypeError / ValueError naming ``name``."""
     spec = tuple(spec) if isinstance(spec, tuple) else spec  # the items it holds, read once
     if not isinstance(spec, tuple) or len(spec) != 3:
@@ -100,7 +101,7 @@ def _projection_parts(name: str, spec: object, rows: int, k: int) -> tuple[_Part
             tensor(part, b, torch.uint8, f"of {f} blocks")
             n = b.shape[0] if b.dim() == 2 else -1
         _check_blocks(b, f, n, k, part)
-        parts[i] = _Part(b.data_ptr(), n, _FORMAT_CODES[f], 0)
+        parts[i] = _Part(b.data_ptr(), n, _FORMAT_CODES[f] | flag, 0)
         done += n
     if done != rows:
         raise ValueError(f"{name}: its parts hold {done} rows, the layer's shape needs {rows}")
@@ -140,6 +141,8 @@ class DecodeLayer:
     normalised values are multiplied by: a family's weight offset (Gemma's ``1 + w``) added by the caller.
     ``window``: None, or a positive int: each token attends to the last ``window`` keys of its context only (its
     own included; a sliding-window layer), as the torch reference's window masks them.
+    ``activation_dtype``: how the projections round a step's activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s
+    ``activation_dtype``; ValueError for another value).
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -152,7 +155,10 @@ class DecodeLayer:
                  intermediate_size: int, scale: float, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, post_norm1: torch.Tensor | None = None,
                  post_norm2: torch.Tensor | None = None, activation: Activation = "silu",
-                 attn_softcap: float | None = None, rope_table: int = 0, window: int | None = None) -> None:
+                 attn_softcap: float | None = None, rope_table: int = 0, window: int | None = None,
+                 activation_dtype: str = "int16") -> None:
+        flag = activation_dtype_flag(activation_dtype, "activation_dtype")
+        activation_dtype = "int8" if flag else "int16"
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -189,7 +195,7 @@ class DecodeLayer:
         parts, specs = {}, {}
         for name, spec, n, k in (("qkv", qkv, q_size + 2 * kv_size, hidden), ("o", o, hidden, q_size),
                                  ("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
-            parts[name], specs[name] = _projection_parts(name, spec, n, k)
+            parts[name], specs[name] = _projection_parts(name, spec, n, k, flag)
             bias = specs[name][2]
             if bias is not None and name != "qkv":
                 raise ValueError(f"{name} must have no bias (the kernel adds one to q/k/v only)")
@@ -209,7 +215,8 @@ class DecodeLayer:
                       "down": down, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                       "intermediate_size": intermediate_size, "scale": scale, "q_norm": q_norm, "k_norm": k_norm,
                       "post_norm1": post_norm1, "post_norm2": post_norm2, "activation": activation,
-                      "attn_softcap": attn_softcap, "rope_table": rope_table, "window": window}
+                      "attn_softcap": attn_softcap, "rope_table": rope_table, "window": window,
+                      "activation_dtype": activation_dtype}
         #: The most floats one token needs in any of the layer's buffers (bounds a step's working memory).
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
@@ -222,6 +229,11 @@ class DecodeLayer:
         #: None, or float64 [3] that each call adds its seconds to: projections, attention, the whole
         #: layer (set by a profiler, e.g. ``benchmarks/throughput.py --profile``; see :meth:`time_parts`).
         self.timing: torch.Tensor | None = None
+
+    @property
+    def activation_dtype(self) -> str:
+        """How the layer's projections round a step's activations (``"int16"`` or ``"int8"``)."""
+        return self._args["activation_dtype"]
 
     def time_parts(self, on: bool = True) -> None:
         """Start (zeroed) or stop adding up where this layer's calls spend their time."""
@@ -340,7 +352,8 @@ class DecodeStack:
     ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them); ``embed_scale``: what each embedding
     row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
     ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
-    each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping).
+    each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping);
+    ``activation_dtype``: how the head rounds its activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s).
 
     Rope tables: each call takes one cos and one sin table per rope table its layers read
     (:class:`DecodeLayer`'s ``rope_table``; :attr:`rope_tables` of them): a tensor each where every layer reads
@@ -349,7 +362,9 @@ class DecodeStack:
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
                  head: tuple[str, torch.Tensor, int] | None = None, *, embed_scale: float = 1.0,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None, activation_dtype: str = "int16") -> None:
+        self._head_flag = activation_dtype_flag(activation_dtype, "activation_dtype")
+        self._activation_dtype = "int8" if self._head_flag else "int16"
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
@@ -414,6 +429,11 @@ class DecodeStack:
         """None, or the output projection ``(format, blocks, out_features)`` (the blocks a view this stack holds)."""
         return self._head
 
+    @property
+    def activation_dtype(self) -> str:
+        """How the head rounds a step's activations (``"int16"`` or ``"int8"``)."""
+        return self._activation_dtype
+
     def time_parts(self, on: bool = True) -> None:
         """Start (zeroed) or stop adding up where the calls spend their time (all layers together)."""
         self.timing = torch.zeros(4, dtype=torch.float64) if on else None
@@ -423,7 +443,7 @@ class DecodeStack:
 
         return DecodeStack([copy.deepcopy(layer, memo) for layer in self._layers], copy.deepcopy(self._norm, memo),
                            self._eps, copy.deepcopy(self._head, memo), embed_scale=self._embed_scale,
-                           logit_softcap=self._logit_softcap)
+                           logit_softcap=self._logit_softcap, activation_dtype=self._activation_dtype)
 
     @property
     def rope_tables(self) -> int:
@@ -623,7 +643,7 @@ class DecodeStack:
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
             fmt, blocks, head_n = self._head  # type: ignore[misc]
-            out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt], head_n), torch.empty(num_tokens, head_n)
+            out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt] | self._head_flag, head_n), torch.empty(num_tokens, head_n)
         else:
             out, head, result = torch.empty(num_tokens, self._layers[0]._hidden), (None, 0, 0), None
         pointers, cache = self._cache_pointers(kv_caches)  # cache: layer 0's K [blocks, block size, KV heads, D]

@@ -112,6 +112,24 @@ def format_name(fmt: object, what: str = "fmt") -> str:
     return fmt  # type: ignore[return-value]
 
 
+#: How the block-format GEMMs round the activations below :data:`PANEL_MIN_ROWS` rows (a step of a few
+#: tokens), per run of 32: ``"int16"`` (the default: within float32's rounding of the exact product) or
+#: ``"int8"`` (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a
+#: product's size off; docs/formats.md, "Activations"). From ``PANEL_MIN_ROWS`` rows on, both take float32.
+ACTIVATION_DTYPES = ("int16", "int8")
+#: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
+_ACT8 = 0x40
+
+
+def activation_dtype_flag(activation_dtype: object, what: str = "activation_dtype") -> int:
+    """The flag :data:`ACTIVATION_DTYPES`' ``activation_dtype`` puts on a format code (0 for int16); ValueError naming
+    ``what`` and the allowed values for anything else."""
+    value = str.__str__(activation_dtype) if isinstance(activation_dtype, str) else None  # the plain str it holds
+    if value not in ACTIVATION_DTYPES:
+        raise ValueError(f"{what} must be one of {list(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
+    return _ACT8 if value == "int8" else 0
+
+
 def block_weights(fmt: str, what: str = "fmt") -> int:
     """Weights per block of ``fmt`` (32, or 256 for the k-quants); errors as :func:`bytes_per_block`'s."""
     bytes_per_block(fmt, what)

@@ -22,7 +22,7 @@ from asyncinfer.kernels._checks import (
     tensor,
 )
 from asyncinfer.kernels._checks import softcap as _softcap
-from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable, format_name
+from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable, activation_dtype_flag, format_name
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
@@ -134,7 +134,7 @@ def embed_rows(table: torch.Tensor | BlockTable, ids: torch.Tensor, scale: float
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, *, activation_dtype: str = "int16") -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (any of
     :data:`~asyncinfer.kernels.formats.BLOCK_FORMATS`) in the kernels' layout: ``packed = pack(quantize(W,
     fmt), fmt)`` (uint8 [out_features, K / weights per block * bytes per block], K a multiple of the block's
@@ -142,17 +142,19 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     it, has the same shape but is not this layout; the other formats' layout is ggml's); returns float32
     [M, out_features].
 
-    Activations: rounded per run of 32 to int16 below :data:`PANEL_MIN_ROWS` rows, float32 from it on.
-    Runs on torch's intra-op thread count.
+    Activations: rounded per run of 32 to int16 (``activation_dtype="int16"``) or int8 (``"int8"``, llama.cpp's
+    numerics, :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) below :data:`PANEL_MIN_ROWS` rows, float32 from it
+    on. Runs on torch's intra-op thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
     not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);
     ValueError for weights that disagree with ``fmt``, ``out_features`` or x's width, an ``out_features``
-    outside [0, 2**62], or sizes whose products pass 2**62 bytes; MemoryError when the output or working
-    memory cannot be allocated.
+    outside [0, 2**62], sizes whose products pass 2**62 bytes, or ``activation_dtype`` not one of ``ACTIVATION_DTYPES``;
+    MemoryError when the output or working memory cannot be allocated.
     """
     lib = _need()
     fmt = format_name(fmt)  # an unknown format named before the activations
+    flag = activation_dtype_flag(activation_dtype)
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "
@@ -175,10 +177,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     y = empty((rows, out_features), "x, out_features (gemm's output)")
     if rows:
         scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "x (gemm's working memory)", torch.uint8)
-        fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
-        fn(x.data_ptr(), rows, x.stride(0), k, packed.data_ptr(), out_features,
-           None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
-           scratch.data_ptr())
+        lib.asyncinfer_gemm(LAYOUTS[fmt].code | flag, x.data_ptr(), rows, x.stride(0), k, packed.data_ptr(),
+                            out_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+                            torch.get_num_threads(), scratch.data_ptr())
     return y
 
 

@@ -140,6 +140,8 @@ class KernelDecode(DecodeBackend):
         self._reference = TorchDecode(model, attention, device)
         head = model.output_proj.kernel_weights()
         head = (head[0], head[1], model.output_proj.out_features)
+        # How every projection rounds a step's activations: one choice per model, made when it was formatted.
+        act = model.output_proj.activation_dtype
         # The tables the kernel reads rows of (fixed once loaded: the loader computed the rope tables). The
         # embedding: a float32 table whose rows the kernel copies, or one kept in its file's blocks
         # (kernels.BlockTable), whose step rows the call dequantizes straight into the residual stream.
@@ -149,16 +151,17 @@ class KernelDecode(DecodeBackend):
         if isinstance(model, GemmaForCausalLM):
             # Gemma 3's sliding layers read the second rope table (their own base); Gemma 2 has one.
             local = model.local_layers if model.local_rotary is not None and any(model.local_layers) else ()
-            layers = [_gemma_decode_layer(layer, 1 if i < len(local) and local[i] else 0)
+            layers = [_gemma_decode_layer(layer, 1 if i < len(local) and local[i] else 0, act)
                       for i, layer in enumerate(model.layers)]
             rows = torch.float32 if isinstance(self._embed, kernels.BlockTable) else self._embed.dtype
             self._stack = kernels.DecodeStack(layers, model.norm.kernel_weight(), model.norm.eps, head,
                                               embed_scale=model.embed_scale(rows),
-                                              logit_softcap=model.config.final_logit_softcapping)
+                                              logit_softcap=model.config.final_logit_softcapping,
+                                              activation_dtype=act)
             rotaries = (model.rotary,) if not local else (model.rotary, model.local_rotary)
         else:
-            layers = [_decode_layer(layer) for layer in model.layers]
-            self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps, head)
+            layers = [_decode_layer(layer, act) for layer in model.layers]
+            self._stack = kernels.DecodeStack(layers, model.norm.weight, model.norm.eps, head, activation_dtype=act)
             rotaries = (model.rotary,)
         self._cos = rotaries[0].cos_cache if len(rotaries) == 1 else tuple(r.cos_cache for r in rotaries)
         self._sin = rotaries[0].sin_cache if len(rotaries) == 1 else tuple(r.sin_cache for r in rotaries)
@@ -195,9 +198,10 @@ def _embedding_table(embedding: nn.Module) -> torch.Tensor | kernels.BlockTable:
     return embedding.table if isinstance(embedding, BlockEmbedding) else embedding.weight
 
 
-def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
+def _decode_layer(layer: nn.Module, activation_dtype: str = "int16") -> kernels.DecodeLayer:
     """One decoder layer's weights as :class:`asyncinfer.kernels.DecodeLayer` holds them (a sliding layer's window
-    too: the kernel attends to its last ``window`` keys, as the reference's window masks them)."""
+    too: the kernel attends to its last ``window`` keys, as the reference's window masks them); its projections
+    round a step's activations as ``activation_dtype`` says (the model's :attr:`BlockLinear.activation_dtype`)."""
     attn, mlp = layer.attn, layer.mlp
     return kernels.DecodeLayer(
         norm1=layer.input_norm.weight.detach().float().contiguous(),
@@ -207,11 +211,11 @@ def _decode_layer(layer: nn.Module) -> kernels.DecodeLayer:
         gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         intermediate_size=mlp.intermediate_size, scale=attn.scale, window=attn.window,
-        **_qk_norms(attn.kernel_qk_norms()),
+        activation_dtype=activation_dtype, **_qk_norms(attn.kernel_qk_norms()),
     )
 
 
-def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int) -> kernels.DecodeLayer:
+def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int, activation_dtype: str = "int16") -> kernels.DecodeLayer:
     """A Gemma decoder layer as :class:`asyncinfer.kernels.DecodeLayer` holds it: its four norms (each weight with
     the config's offset added, :meth:`GemmaRMSNorm.kernel_weight`; ``norm2`` the pre-MLP norm), GeGLU, the
     layer's attention scale and soft-cap, Gemma 3's q/k norms, and ``rope_table``: 1 for a layer that rotates with
@@ -228,7 +232,8 @@ def _gemma_decode_layer(layer: GemmaDecoderLayer, rope_table: int) -> kernels.De
         gate_up=mlp.gate_up_proj.kernel_weights(), down=mlp.down_proj.kernel_weights(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         intermediate_size=mlp.intermediate_size, scale=attn.scale, activation="gelu_tanh",
-        attn_softcap=attn.softcap, rope_table=rope_table, window=attn.window, **qk_norms,
+        attn_softcap=attn.softcap, rope_table=rope_table, window=attn.window, activation_dtype=activation_dtype,
+        **qk_norms,
     )
 
 
@@ -306,6 +311,12 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
     head = model.output_proj
     if not isinstance(head, BlockLinear) or head.kernel_weights()[2] is not None:
         return "its output projection (lm_head) is not in a block format (quantization_skip)"
+    for i, layer in enumerate(model.layers):  # the kernels' step takes one activation_dtype for the whole model
+        for name, proj in (("attn.qkv_proj", layer.attn.qkv_proj), ("attn.o_proj", layer.attn.o_proj),
+                           ("mlp.gate_up_proj", layer.mlp.gate_up_proj), ("mlp.down_proj", layer.mlp.down_proj)):
+            if proj.activation_dtype != head.activation_dtype:
+                return (f"layers.{i}.{name} rounds activations to {proj.activation_dtype}, the output projection to "
+                        f"{head.activation_dtype} (the kernels' step takes one activation_dtype)")
     return None
 
 

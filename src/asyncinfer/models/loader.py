@@ -430,7 +430,7 @@ def _build_in_format(
     head = next(name for name, p in model.named_parameters() if p is model.lm_head_weight)  # family contract
     projections = _GGUFProjections(gguf, config, head, progress)
     apply_weight_format(model, weight_format.method, weight_format.skip, pack=weight_format.pack,
-                        source=projections)
+                        source=projections, activation_dtype=weight_format.activation_dtype)
     model = _materialise(config, _iter_gguf(gguf, config, dtype, skip=projections.consumed), "gguf", dtype, device,
                          adopt=True, progress=progress, ops=ops, model=model, done=len(projections.consumed))
     _trim_heap()

@@ -23,10 +23,12 @@ from asyncinfer.models.decode_backends import StepBatch, select_decode_backend
 from asyncinfer.models.quant import apply_weight_format
 
 
-def formatted(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False) -> nn.Module:
-    """A copy of float32 ``model`` with its projections in ``method``'s format (``model`` is left as it is)."""
+def formatted(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False,
+              activation_dtype: str = "int16") -> nn.Module:
+    """A copy of float32 ``model`` with its projections in ``method``'s format (``model`` is left as it is); a block
+    format's layers round a step's activations as ``activation_dtype`` says."""
     out = copy.deepcopy(model)
-    apply_weight_format(out, method, skip, pack=pack)
+    apply_weight_format(out, method, skip, pack=pack, activation_dtype=activation_dtype)
     return out
 
 

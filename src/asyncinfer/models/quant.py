@@ -33,6 +33,9 @@ The formats (values of the engine option ``quantization``):
   Q6_K; a projection whose input size is not a multiple of a k-quant's 256 takes llama.cpp's fallback
   (:data:`K_QUANT_FALLBACK`: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Their quantizer is a plain one
   (:func:`asyncinfer.kernels.quantize`): a GGUF file's own k-quant blocks are taken as they are.
+  Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): a step of
+  fewer than ``PANEL_MIN_ROWS`` tokens rounds its activations per run of 32 to int16 (the default) or to int8
+  (llama.cpp's numerics, faster), :attr:`BlockLinear.activation_dtype`.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
   Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with
@@ -103,6 +106,9 @@ DEFAULT_SKIP: dict[str | None, tuple[str, ...]] = {
     None: (), "float16": (), "bfloat16": (), "int8": ("down_proj", "lm_head"), **{fmt: () for fmt in BLOCK_FORMATS},
     NATIVE: (),
 }
+
+#: The values of ``activation_dtype`` (``EngineConfig``, :attr:`BlockLinear.activation_dtype`).
+ACTIVATION_DTYPES = kernels.ACTIVATION_DTYPES
 
 
 def _allowed(device_type: str) -> str:
@@ -295,14 +301,17 @@ class BlockLinear(FormatLinear):
 
     ``lossless``: whether the blocks rebuild exactly the float32 weights they were made from (true
     for weights a GGUF file held in the same format: the float32 model and this layer then multiply
-    by the same numbers).
+    by the same numbers). ``activation_dtype``: how a step of a few tokens rounds its activations, ``"int16"`` or
+    ``"int8"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction.
     """
 
     fmt = ""
     _CHUNK_ROWS = 4096
+    activation_dtype = "int16"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16") -> None:
         super().__init__()
+        self._set_activation_dtype(activation_dtype)
         w = weight.detach()
         out_features, in_features = w.shape
         packed, lossless = [], True
@@ -313,14 +322,18 @@ class BlockLinear(FormatLinear):
             packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
         self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
 
+    def _set_activation_dtype(self, activation_dtype: str) -> None:
+        self.activation_dtype = "int8" if kernels.activation_dtype_flag(activation_dtype) else "int16"
+
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16") -> BlockLinear:
         """The layer of ggml blocks in the class's format as a file stores them, uint8
         [out, in / per block * bytes per block] (e.g. a view of a GGUF file's memory map): repacked once into
         the kernels' layout (:func:`asyncinfer.kernels.pack`, a copy of the same size), never through
         float32; ``lossless``."""
         layer = cls.__new__(cls)
         FormatLinear.__init__(layer)
+        layer._set_activation_dtype(activation_dtype)
         per_block, size = kernels.BLOCK_FORMATS[cls.fmt]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
             raise ValueError(f"blocks: {cls.fmt} blocks are uint8 [out, a multiple of {size} bytes], got "
@@ -337,7 +350,8 @@ class BlockLinear(FormatLinear):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'})"
+        int8 = ", int8 activations" if self.activation_dtype == "int8" else ""
+        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'}{int8})"
 
     def kernel_weights(self) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         """``(format, blocks, float32 bias or None)``: this layer's weights as :func:`asyncinfer.kernels.gemm`
@@ -349,9 +363,10 @@ class BlockLinear(FormatLinear):
         x2 = x.reshape(-1, self.in_features)  # [T, in]
         if torch.autograd.profiler._is_profiler_enabled:  # named in traces like any torch op
             with torch.profiler.record_function(f"asyncinfer::gemm_{self.fmt}"):
-                out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias)
+                out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias,
+                                   activation_dtype=self.activation_dtype)
         else:
-            out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias)
+            out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias, activation_dtype=self.activation_dtype)
         return out.view(*lead, self.out_features)  # [..., out]
 
 
@@ -413,7 +428,7 @@ class MixedBlockLinear(FormatLinear):
 
     Raises:
         TypeError: a part that is not a :class:`BlockLinear`.
-        ValueError: no part, more than ``MAX_PARTS``, or parts of different input sizes.
+        ValueError: no part, more than ``MAX_PARTS``, or parts of different input sizes or ``activation_dtype``.
     """
 
     def __init__(self, parts: Iterable[BlockLinear]) -> None:
@@ -426,6 +441,8 @@ class MixedBlockLinear(FormatLinear):
                 raise TypeError(f"parts[{i}] must be a BlockLinear, got {type(part).__name__}")
             if part.in_features != parts[0].in_features:
                 raise ValueError(f"parts[{i}] takes {part.in_features} inputs, parts[0] {parts[0].in_features}")
+            if part.activation_dtype != parts[0].activation_dtype:
+                raise ValueError(f"parts[{i}] takes {part.activation_dtype} activations, parts[0] {parts[0].activation_dtype}")
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
@@ -441,6 +458,11 @@ class MixedBlockLinear(FormatLinear):
     @property
     def lossless(self) -> bool:
         return all(part.lossless for part in self.parts)
+
+    @property
+    def activation_dtype(self) -> str:
+        """The parts' :attr:`BlockLinear.activation_dtype` (one value: checked at construction)."""
+        return self.parts[0].activation_dtype
 
     def kernel_weights(self) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((format, ...), (blocks, ...), float32 bias or None)``: the parts' formats and blocks (the tensors
@@ -589,15 +611,17 @@ WeightSource = Callable[[str], StoredProjection]
 @dataclass(frozen=True)
 class WeightFormat:
     """A weight format as the engine applies it: ``method`` (a value of ``quantization``), the layer names
-    kept in float32 (``skip``) and whether float32 projections are packed for oneDNN (``pack``)."""
+    kept in float32 (``skip``), whether float32 projections are packed for oneDNN (``pack``) and how the block
+    formats round a step's activations (``activation_dtype``, :attr:`BlockLinear.activation_dtype`)."""
 
     method: str | None
     skip: tuple[str, ...] = ()
     pack: bool = False
+    activation_dtype: str = "int16"
 
 
 def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str] = (), *, pack: bool = False,
-                        source: WeightSource | None = None) -> int:
+                        source: WeightSource | None = None, activation_dtype: str = "int16") -> int:
     """Put ``model``'s projections (every ``nn.Linear`` and the LM head) in ``method``'s CPU format, in place.
 
     ``skip``: substrings of layer names kept in float32. ``pack``: float32 projections left (all of
@@ -614,12 +638,16 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     is read, not copied); its bytes are in the count. Without one (a float model) it stays a float table: it has
     no blocks to keep.
 
+    ``activation_dtype``: every block-format layer's :attr:`BlockLinear.activation_dtype` (ValueError for another value
+    than ``"int16"`` / ``"int8"``, before any layer is built).
+
     The one place a loaded model's modules are replaced: each ``nn.Linear`` in a format becomes that
     format's :class:`FormatLinear` on its parent (the same attribute), the embedding a :class:`BlockEmbedding`
     on its parent, and the output projection is handed to the model's own ``use_output_proj`` (part of the
     model family contract, see :mod:`asyncinfer.models.registry`).
     """
     skip = tuple(skip)
+    kernels.activation_dtype_flag(activation_dtype)  # a bad value named before any layer is built
     stored = dict(model.config.stored_formats)
     # The embeddings a file keeps in its blocks (decided while the model is whole: a tied head reads its table).
     embeddings = [] if source is None else _block_embeddings(model, method, skip)
@@ -637,8 +665,12 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     def build(job: tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]) -> FormatLinear:
         _, _, full, fmt, weight, bias = job
         if source is None:
-            return _mixed_from_floats(fmt, weight, bias) if mixed_parts(fmt) else _layer_class(fmt)(weight, bias)
-        return _from_source(fmt, source(full))
+            if mixed_parts(fmt):
+                return _mixed_from_floats(fmt, weight, bias, activation_dtype)
+            if fmt in BLOCK_FORMATS:
+                return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype)
+            return _layer_class(fmt)(weight, bias)
+        return _from_source(fmt, source(full), activation_dtype)
 
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
     # (fbgemm's float16 packing of SmolLM2-135M: 1.8 s alone, 1.2 s on two cores).
@@ -674,13 +706,13 @@ def _embedding_from_source(fmt: str, stored: StoredProjection, head: nn.Module |
         stored.release()
 
 
-def _from_source(fmt: str, stored: StoredProjection) -> FormatLinear:
+def _from_source(fmt: str, stored: StoredProjection, activation_dtype: str = "int16") -> FormatLinear:
     """``fmt``'s layer from a checkpoint's weights: from its blocks where the file stores them in ``fmt`` (a
     :class:`MixedBlockLinear` from each part's blocks for a :func:`mixed_format`), else from their float32 values;
     the source is released either way."""
     try:
         if fmt == stored.format and fmt in BLOCK_FORMATS:
-            return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias())
+            return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias(), activation_dtype=activation_dtype)
         parts = mixed_parts(fmt)
         if parts:
             if fmt != stored.format:
@@ -688,18 +720,22 @@ def _from_source(fmt: str, stored: StoredProjection) -> FormatLinear:
             bias = stored.bias()
             biases = [None] * len(parts) if bias is None else list(bias.split([rows for _, rows in parts]))
             # one part at a time: each part's blocks are read from the file and repacked, never through float32
-            return MixedBlockLinear(block_layer_class(part).from_blocks(stored.part_blocks(i), biases[i])
+            return MixedBlockLinear(block_layer_class(part).from_blocks(stored.part_blocks(i), biases[i],
+                                                                        activation_dtype=activation_dtype)
                                     for i, (part, _) in enumerate(parts))
+        if fmt in BLOCK_FORMATS:
+            return block_layer_class(fmt)(stored.floats(), stored.bias(), activation_dtype=activation_dtype)
         return _layer_class(fmt)(stored.floats(), stored.bias())
     finally:
         stored.release()
 
 
-def _mixed_from_floats(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> MixedBlockLinear:
+def _mixed_from_floats(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation_dtype: str = "int16") -> MixedBlockLinear:
     """A :func:`mixed_format`'s layer from float weights [out, in]: each part's rows in its own block format."""
     rows = [n for _, n in mixed_parts(fmt)]
     biases = [None] * len(rows) if bias is None else list(bias.detach().split(rows))
-    return MixedBlockLinear(block_layer_class(part)(w, b)
+    return MixedBlockLinear(block_layer_class(part)(w, b, activation_dtype=activation_dtype)
                             for (part, _), w, b in zip(mixed_parts(fmt), weight.detach().split(rows), biases))
 
 

@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 30
+#define ASYNCINFER_KERNELS_VERSION 31
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -48,6 +48,10 @@ extern "C" {
 #define ASYNCINFER_FMT_Q5_K 6
 #define ASYNCINFER_FMT_Q6_K 7
 #define ASYNCINFER_NUM_FMTS 8
+/* A flag on a format code (layer_t's parts, the head's format, asyncinfer_gemm's fmt): below
+ * ASYNCINFER_PANEL_MIN_ROWS activation rows, round the activations to int8 per block of 32 instead of int16
+ * (gemm8.c: llama.cpp's numerics, faster products); from it on, the float32 panel as without it. */
+#define ASYNCINFER_FMT_ACT8 0x40
 
 /* A projection is up to ASYNCINFER_MAX_PARTS runs of output rows, each in its own format (a fused q/k/v
  * whose tensors a file holds in different formats): part i's rows follow part i - 1's in the output. A
@@ -117,6 +121,10 @@ ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_1)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q4_k)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_k)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q6_k)
+/* The GEMM of any format code (ASYNCINFER_FMT_*, ASYNCINFER_FMT_ACT8 allowed): as the entries above; -2 for a
+ * code outside them. */
+ASYNCINFER_API int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w,
+                                   int64_t N, const float *bias, float *y, int64_t ldy, int threads, void *scratch);
 /* The scratch bytes a GEMM of M rows by K takes; -1 when that size would overflow. */
 ASYNCINFER_API int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K);
 

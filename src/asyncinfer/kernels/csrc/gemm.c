@@ -637,7 +637,38 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
  * The entry points: M < PANEL_MIN_ROWS through the row kernels, from it on through the panel. */
 #ifdef AI_AVX2
 #ifdef AI_AVX512
-#define QUANTIZE_ACTS quantize_acts_ref
+/* quantize_acts_ref's rounding, eight lanes at a time (the same int16 values: both round to nearest even; the
+ * block's sum is added in another order), stored in order. */
+static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                         v3 = _mm256_loadu_ps(xb + 24);
+            const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float absmax = _mm_cvtss_f32(mx);
+            const float total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+            /* the max above drops NaNs (their int16 values would be 0); the sum keeps them */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f);
+            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            /* packs works within 128-bit lanes: [q0 0-3, q1 0-3, q0 4-7, q1 4-7]; the permute restores order */
+            int16_t *q = a->q + m * K + b * QK;
+            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+        }
+    }
+}
+#define QUANTIZE_ACTS quantize_acts_avx512
 #else
 #define QUANTIZE_ACTS quantize_acts_avx2
 #endif
@@ -955,6 +986,8 @@ static GEMM_BLOCKS(ai_gemm_q6_k, ASYNCINFER_FMT_Q6_K)
 gemm_fn ai_gemm_of(int fmt) {
     static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_gemm_q4_1, ai_gemm_q8_0, ai_gemm_q4_0, ai_gemm_q5_0,
                                                        ai_gemm_q5_1, ai_gemm_q4_k, ai_gemm_q5_k, ai_gemm_q6_k};
+    if (fmt >= ASYNCINFER_FMT_ACT8 && fmt < ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS)
+        return ai_gemm8_of(fmt - ASYNCINFER_FMT_ACT8);
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
 }
 

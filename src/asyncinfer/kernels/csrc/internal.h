@@ -126,8 +126,11 @@ AI_HIDDEN int ai_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, co
                            const float *bias, float *y, int64_t ldy, int threads, void *scratch);
 AI_HIDDEN int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                            const float *bias, float *y, int64_t ldy, int threads, void *scratch);
-/* The GEMM of a format (ASYNCINFER_FMT_*), NULL for a code outside [0, ASYNCINFER_NUM_FMTS). */
+/* The GEMM of a format code (ASYNCINFER_FMT_*, with ASYNCINFER_FMT_ACT8 the int8-activation one), NULL for a
+ * code outside them. */
 AI_HIDDEN gemm_fn ai_gemm_of(int fmt);
+/* The int8-activation GEMM of a format (gemm8.c; fmt without ASYNCINFER_FMT_ACT8), NULL outside the table. */
+AI_HIDDEN gemm_fn ai_gemm8_of(int fmt);
 AI_HIDDEN int64_t ai_scratch_bytes(int64_t M, int64_t K);
 AI_HIDDEN void ai_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps, float *y,
                            int threads);

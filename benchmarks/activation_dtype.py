@@ -1,0 +1,97 @@
+"""The block formats' GEMMs with int16 against int8 activations (``activation_dtype``), at a model's real shapes,
+beside the machine's read bandwidth.
+
+One pass is one GEMM call per projection of ``--layers`` decoder layers (q, k, v, o, gate, up, down, each its
+own random matrix in the format, as ``kernels.pack`` lays it out; enough layers that the weights do not stay in
+cache), at M activation rows (a decode step of M tokens). The two activation dtypes are timed pass by pass,
+interleaved, and the best of ``--repeats`` kept, so a machine others load still gives a fair ratio. Printed per
+format and M: GB/s of weight bytes read with each, the ratio, and each rate as a share of the read probe (the
+best of five sums of a 1 GiB float32 buffer on the same threads).
+
+    python benchmarks/activation_dtype.py --shape 1b --threads 2 --json benchmarks/results/activation_dtype.json
+    python benchmarks/activation_dtype.py --shape tiny --repeats 2 --tokens 1     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine_info
+from kquant_rows import SHAPES, layer_matrices
+from peer import commit, read_bandwidth
+
+from asyncinfer import kernels
+from asyncinfer.kernels import _build
+from asyncinfer.kernels.formats import LAYOUTS
+
+FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--layers", type=int, default=2, help="layers of distinct weights per pass (default 2)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    ap.add_argument("--probe-mib", type=int, default=1024)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = _build.lib()
+    probe = read_bandwidth(args.probe_mib, 5)
+    print(f"kernels: {kernels.isa()}; {args.threads} threads; read probe {probe:.1f} GB/s; shape {args.shape}, "
+          f"{args.layers} layers a pass")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for fmt in args.formats:
+        mats = []
+        for _ in range(args.layers):
+            for n, k in layer_matrices(args.shape):
+                w = torch.randn(n, k, generator=gen) * 0.02
+                mats.append((kernels.pack(kernels.quantize(w, fmt), fmt), n, k))
+        nbytes = sum(p.numel() for p, _, _ in mats)
+        for m in args.tokens:
+            widths = {k for _, _, k in mats}
+            xs = {k: torch.randn(m, k, generator=gen) for k in widths}
+            scratch = {k: torch.empty(lib.asyncinfer_scratch_bytes(m, k), dtype=torch.uint8) for k in widths}
+            ys = {n: torch.empty(m, n) for _, n, _ in mats}
+            best = {dtype: float("inf") for dtype in kernels.ACTIVATION_DTYPES}
+            for _ in range(args.repeats):
+                for dtype in kernels.ACTIVATION_DTYPES:
+                    code = LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype)
+                    start = time.perf_counter()
+                    for packed, n, k in mats:
+                        lib.asyncinfer_gemm(code, xs[k].data_ptr(), m, k, k, packed.data_ptr(), n, None,
+                                            ys[n].data_ptr(), n, args.threads, scratch[k].data_ptr())
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+            rate = {dtype: nbytes / t / 1e9 for dtype, t in best.items()}
+            row = {"format": fmt, "tokens": m, "weight_bytes": nbytes,
+                   "int16_gb_s": round(rate["int16"], 2), "int8_gb_s": round(rate["int8"], 2),
+                   "int8_over_int16": round(best["int16"] / best["int8"], 3),
+                   "int16_of_probe": round(rate["int16"] / probe, 3), "int8_of_probe": round(rate["int8"] / probe, 3)}
+            rows.append(row)
+            print(f"{fmt:>5} M={m}: int16 {rate['int16']:5.1f} GB/s ({row['int16_of_probe']:.0%} of the probe), int8 "
+                  f"{rate['int8']:5.1f} GB/s ({row['int8_of_probe']:.0%}): int8 {row['int8_over_int16']:.2f}x",
+                  flush=True)
+    if args.json:
+        record = {"command": "python benchmarks/activation_dtype.py " + " ".join(sys.argv[1:]),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "commit": commit(), "kernels": kernels.isa(), "threads": args.threads, "read_probe_gb_s": probe,
+                  "machine": machine_info(), "rows": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

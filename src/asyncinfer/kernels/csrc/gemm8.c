@@ -1,0 +1,629 @@
+/* Block formats with 8-bit activations (format codes with ASYNCINFER_FMT_ACT8 set): below PANEL_MIN_ROWS
+ * activation rows, each block of 32 activations is rounded to int8 (x ~= dx * qx, |qx| <= 127, rounded to
+ * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
+ * bytes as they come (u8 quants times s8 activations: AVX2's maddubs, AVX-512 VNNI's dpbusd) instead of
+ * widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
+ * 32 activations (llama.cpp's k-quants take one per 256). From PANEL_MIN_ROWS rows on, the float32 panel runs,
+ * exactly as without the flag (gemm.c).
+ *
+ * The result, in every variant: per sub-block of 32 weights (the activations' blocks line up with them)
+ *
+ *   float(idot) * (dx * scale_j)   (+ min_j * the block's float32 sum of x),   summed in float32,
+ *
+ * idot the exact integer dot product of the sub-block's signed integer quants (blocks.h's q: Q6_K's scaled
+ * by its int8 scale of each 16) with qx. The SIMD builds take the quants unsigned (Q4_0's nibble, not
+ * nibble - 8) and subtract centre * (the sum of qx) from the integer, so idot is the same integer; they
+ * differ from the scalar reference only in the order of the float32 additions (tests bound it).
+ */
+#include "internal.h"
+#include "blocks.h"
+
+#define MR8 4 /* activation rows per pass over a weight row */
+/* Whether the format adds a min term (blocks.h's formats, and the regrouped Q4_1). */
+static inline int has_min8(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 || ai_fmt_has_min(fmt); }
+
+#ifndef PREFETCH8
+#define PREFETCH8 1024
+#endif
+
+/* Activations rounded per block (in order, every variant): q [M, K] int8, d and sum [M, K / 32] float32, isum
+ * [M, K / 16] int16 (the sum of each 16 of q). In the caller's scratch: ai_scratch8_bytes(M, K), never more
+ * than ai_scratch_bytes(M, K). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    float *sum;
+    int16_t *isum;
+} acts8;
+
+static acts8 acts8_in(void *scratch, int64_t M, int64_t K) {
+    acts8 a;
+    a.q = (int8_t *)scratch;
+    a.d = (float *)((char *)scratch + M * K); /* M * K is a multiple of 32: d stays aligned */
+    a.sum = a.d + M * (K / QK);
+    a.isum = (int16_t *)(a.sum + M * (K / QK));
+    return a;
+}
+
+/* Each block's scale dx, its float32 sum and its int8 values (quantize_acts8_ref's rounding: nearest even). */
+__attribute__((unused)) static void quantize_acts8_ref(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            float absmax = 0.0f, total = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                const float v = fabsf(xb[i]);
+                absmax = v > absmax ? v : absmax; /* drops NaNs; total keeps them */
+                total += xb[i];
+            }
+            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 127.0f : NAN;
+            const float inv = d > 0.0f ? 127.0f / absmax : 0.0f;
+            int8_t *q = a->q + m * K + b * QK;
+            int s0 = 0, s1 = 0;
+            for (int i = 0; i < QK; i++) {
+                q[i] = d > 0.0f ? (int8_t)lrintf(xb[i] * inv) : 0;
+                if (i < 16) s0 += q[i]; else s1 += q[i];
+            }
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+            a->isum[m * 2 * nb + 2 * b] = (int16_t)s0;
+            a->isum[m * 2 * nb + 2 * b + 1] = (int16_t)s1;
+        }
+    }
+}
+
+#ifdef AI_AVX2
+/* quantize_acts8_ref's values eight lanes at a time (the same rounding; the block's float sum added in another
+ * order). */
+static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                         v3 = _mm256_loadu_ps(xb + 24);
+            const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float absmax = _mm_cvtss_f32(mx);
+            const float total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+            /* the max above drops NaNs (their int values would be 0); the sum keeps them */
+            const float d = isfinite(total) && isfinite(absmax) ? absmax / 127.0f : NAN;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / absmax : 0.0f);
+            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            /* packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] words, then bytes; the permute restores order */
+            const __m256i w01 = _mm256_packs_epi32(q0, q1), w23 = _mm256_packs_epi32(q2, q3);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
+            _mm256_storeu_si256((__m256i *)(a->q + m * K + b * QK), bytes);
+            const __m256i h0 = _mm256_add_epi32(q0, q1), h1 = _mm256_add_epi32(q2, q3);
+            __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)),
+                                       _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1)));
+            s = _mm_hadd_epi32(s, s); /* lanes 0, 1: the two halves' sums */
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+            a->isum[m * 2 * nb + 2 * b] = (int16_t)_mm_cvtsi128_si32(s);
+            a->isum[m * 2 * nb + 2 * b + 1] = (int16_t)_mm_extract_epi32(s, 1);
+        }
+    }
+}
+#else
+#define quantize_acts8 quantize_acts8_ref
+#endif
+
+/* Sub-block j's 32 signed integer quants of the block at b in the kernels' layout of a row (the legacy Q4_1 /
+ * Q8_0 rows regrouped; the others ggml's blocks): blocks.h's q. */
+static inline void sub_quants8(int fmt, const uint8_t *row, int64_t nb, int64_t blk, int j, int16_t *q,
+                               float *scale, float *min) {
+    if (fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0) {
+        const int has_min = fmt == ASYNCINFER_FMT_Q4_1;
+        const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;
+        const uint8_t *qs = row + (has_min ? 4 : 2) * nb;
+        *scale = ai_half_to_float(d16[blk]);
+        *min = has_min ? ai_half_to_float(m16[blk]) : 0.0f;
+        for (int i = 0; i < 32; i++)
+            q[i] = has_min ? (int16_t)(i < 16 ? qs[16 * blk + i] & 0x0F : qs[16 * blk + i - 16] >> 4)
+                           : (int16_t)((const int8_t *)qs)[32 * blk + i];
+        return;
+    }
+    const uint8_t *p = row + blk * ai_fmt_bytes(fmt);
+    float sc[8], mn[8];
+    ai_block_scales(fmt, p, sc, mn);
+    *scale = sc[j];
+    *min = mn[j];
+    ai_sub_quants(fmt, p, j, q);
+}
+
+/* The scalar reference: one weight row against activation row m, the definition above term by term. */
+__attribute__((unused)) static float row8_ref(int fmt, const uint8_t *row, int64_t K, const acts8 *a, int64_t m) {
+    const int subs = ai_fmt_subs(fmt);
+    const int64_t nblk = K / ai_fmt_weights(fmt), nb = K / QK;
+    const int8_t *qx = a->q + m * K;
+    const float *dx = a->d + m * nb, *sx = a->sum + m * nb;
+    float acc = 0.0f, offset = 0.0f;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        for (int j = 0; j < subs; j++) {
+            const int64_t b = blk * subs + j;
+            int16_t q[32];
+            float scale, min;
+            sub_quants8(fmt, row, nb, blk, j, q, &scale, &min);
+            int64_t s = 0;
+            for (int i = 0; i < 32; i++) s += (int64_t)q[i] * qx[b * QK + i];
+            acc += (float)s * (dx[b] * scale);
+            if (has_min8(fmt)) offset += min * sx[b];
+        }
+    }
+    return acc + offset;
+}
+
+#ifdef AI_AVX2
+/* ------------------------------------------------------------------------------------------------
+ * AVX2 (and the AVX-512 build): a sub-block's 32 quants as unsigned bytes u in order, their products with 32
+ * int8 activations in eight int32 lanes (lane l: elements 4 l to 4 l + 3), the centre's term subtracted in
+ * lane 0. maddubs' pair sums stay within int16: u <= 63 (Q8_0: |q| <= 128) times |qx| <= 127, twice. */
+static inline __m256i dot_u8(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+static inline __m256i load_x(const acts8 *a, int64_t m, int64_t K, int64_t b) {
+    return _mm256_loadu_si256((const __m256i *)(a->q + m * K + b * QK));
+}
+
+static inline int isum32(const acts8 *a, int64_t m, int64_t K, int64_t b) {
+    const int16_t *s = a->isum + m * (K / 16) + 2 * b;
+    return (int)s[0] + (int)s[1];
+}
+
+/* Q4_K / Q5_K: bytes 32 p to 32 p + 31 of the nibbles hold sub-blocks 2 p (low nibbles) and 2 p + 1 (high), in
+ * order; Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]. */
+static inline __attribute__((always_inline)) void row8_q45_k(const int fmt, const uint8_t *row, int64_t K,
+                                                             const acts8 *a, int64_t m0, const int ROWS, float *out) {
+    const int five = fmt == ASYNCINFER_FMT_Q5_K;
+    const int64_t nblk = K / 256, bytes = ai_fmt_bytes(fmt), nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[MR8][2], off[MR8];
+    for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        uint64_t sc8, mn8;
+        ai_k_scales8(p + 4, &sc8, &mn8);
+        const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
+                                         _mm256_set1_ps(ai_half_at(p)));
+        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
+                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        float dsc[MR8][8];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            _mm256_storeu_ps(dsc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        }
+        const uint8_t *qs = p + (five ? 48 : 16);
+        const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int pr = 0; pr < 4; pr++) {
+            const int j0 = 2 * pr, j1 = 2 * pr + 1;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+            __m256i u0 = _mm256_and_si256(x, low4), u1 = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+            if (five) {
+                u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j0), one), 4));
+                u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j1), one), 4));
+            }
+            for (int i = 0; i < ROWS; i++) {
+                const __m256i s0 = dot_u8(u0, load_x(a, m0 + i, K, blk * 8 + j0));
+                const __m256i s1 = dot_u8(u1, load_x(a, m0 + i, K, blk * 8 + j1));
+                acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&dsc[i][j0]), acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(&dsc[i][j1]), acc[i][1]);
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
+}
+
+/* Q6_K: sub-block j = 4 n + k's 6-bit quants u (blocks.h) in order; the products' pair sums multiplied by the
+ * int8 scale of their half of 16 (madd: lanes 0-3 the first half, 4-7 the second), less 32 * (sc * the half's
+ * sum of qx), an integer per sub-block formed for the whole super-block at once. */
+static inline __attribute__((always_inline)) void row8_q6_k(const uint8_t *row, int64_t K, const acts8 *a,
+                                                            int64_t m0, const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    __m256 acc[MR8][2];
+    for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 210;
+        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 192, _MM_HINT_T0);
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
+        float dsc[MR8][8];
+        int32_t corr[MR8][8];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            _mm256_storeu_ps(dsc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + at), d));
+            const __m256i is = _mm256_loadu_si256((const __m256i *)(a->isum + (m0 + i) * (K / 16) + blk * 16));
+            _mm256_storeu_si256((__m256i *)corr[i], _mm256_slli_epi32(_mm256_madd_epi16(sc16, is), 5));
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
+                                  _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * n + k;
+                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
+                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
+                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
+                const __m256i u = _mm256_or_si256(lo, hi);
+                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+                for (int i = 0; i < ROWS; i++) {
+                    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, load_x(a, m0 + i, K, blk * 8 + j)), sv);
+                    s = _mm256_sub_epi32(s, _mm256_setr_epi32(corr[i][j], 0, 0, 0, 0, 0, 0, 0));
+                    acc[i][k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&dsc[i][j]), acc[i][k & 1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+/* The 32-weight formats, a block at a time: Q4_0, Q5_0, Q5_1 in ggml's blocks (the quants unsigned, Q4_0's and
+ * Q5_0's centre 8 / 16 subtracted as centre * the block's sum of qx), Q4_1 and Q8_0 in the regrouped rows (Q8_0's
+ * signed bytes: |q| times qx with q's sign). The scales dx * dw of eight blocks formed in one multiply. */
+static inline __attribute__((always_inline)) __m256i block_u8(const int fmt, const uint8_t *row, int64_t nb,
+                                                              int64_t b) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_1: return ai_nibbles32(row + 4 * nb + 16 * b);
+        case ASYNCINFER_FMT_Q8_0: return _mm256_loadu_si256((const __m256i *)(row + 2 * nb + 32 * b));
+        case ASYNCINFER_FMT_Q4_0: return ai_nibbles32(row + 18 * b + 2);
+        case ASYNCINFER_FMT_Q5_0: {
+            const uint8_t *p = row + 22 * b;
+            return _mm256_or_si256(ai_nibbles32(p + 6), ai_bits32(ai_u32_at(p + 2)));
+        }
+        default: { /* Q5_1 */
+            const uint8_t *p = row + 24 * b;
+            return _mm256_or_si256(ai_nibbles32(p + 8), ai_bits32(ai_u32_at(p + 4)));
+        }
+    }
+}
+
+/* The block's float16 scale (and min) at b. */
+static inline __attribute__((always_inline)) uint16_t block_d16(const int fmt, const uint8_t *row, int64_t nb,
+                                                               int64_t b) {
+    uint16_t h;
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_1:
+        case ASYNCINFER_FMT_Q8_0: return ((const uint16_t *)row)[b];
+        default: memcpy(&h, row + b * ai_fmt_bytes(fmt), 2); return h;
+    }
+}
+
+static inline __attribute__((always_inline)) float block_min(const int fmt, const uint8_t *row, int64_t nb, int64_t b) {
+    if (fmt == ASYNCINFER_FMT_Q4_1) return ai_half_to_float(((const uint16_t *)row)[nb + b]);
+    return ai_half_at(row + 24 * b + 2); /* Q5_1 */
+}
+
+static inline __attribute__((always_inline)) void row8_blocks(const int fmt, const uint8_t *row, int64_t K,
+                                                              const acts8 *a, int64_t m0, const int ROWS, float *out,
+                                                              int64_t b_first) {
+    const int64_t nb = K / QK;
+    const int centre = fmt == ASYNCINFER_FMT_Q4_0 ? 8 : fmt == ASYNCINFER_FMT_Q5_0 ? 16 : 0;
+    const int legacy = fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0;
+    const int64_t stride = legacy ? 0 : ai_fmt_bytes(fmt);
+    __m256 acc[MR8][2];
+    float offset[MR8];
+    for (int i = 0; i < MR8; i++) {
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        offset[i] = 0.0f;
+    }
+    for (int64_t b0 = b_first; b0 < nb; b0 += 8) {
+        const int64_t n = nb - b0 < 8 ? nb - b0 : 8;
+        float sc[MR8][8];
+        uint16_t h[8] = {0};
+        for (int64_t t = 0; t < n; t++) h[t] = block_d16(fmt, row, nb, b0 + t);
+        /* the eight scales in a register, not stored one by one and loaded as a vector (a stall on the stores) */
+        const __m256 dwv = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                                          (short)h[5], (short)h[6], (short)h[7]));
+        for (int i = 0; i < ROWS; i++) {
+            if (n == 8) {
+                _mm256_storeu_ps(sc[i], _mm256_mul_ps(_mm256_loadu_ps(a->d + (m0 + i) * nb + b0), dwv));
+            } else {
+                for (int64_t t = 0; t < n; t++) sc[i][t] = a->d[(m0 + i) * nb + b0 + t] * ai_half_to_float(h[t]);
+            }
+            if (has_min8(fmt))
+                for (int64_t t = 0; t < n; t++) offset[i] += block_min(fmt, row, nb, b0 + t) * a->sum[(m0 + i) * nb + b0 + t];
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t b = b0 + t;
+            if (!legacy) _mm_prefetch((const char *)row + b * stride + PREFETCH8, _MM_HINT_T0);
+            else _mm_prefetch((const char *)row + (fmt == ASYNCINFER_FMT_Q4_1 ? 4 * nb + 16 * b : 2 * nb + 32 * b) + PREFETCH8,
+                              _MM_HINT_T0);
+            const __m256i w = block_u8(fmt, row, nb, b);
+            const __m256i u = fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+            for (int i = 0; i < ROWS; i++) {
+                const __m256i x = load_x(a, m0 + i, K, b);
+                __m256i s = dot_u8(u, fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(x, w) : x);
+                if (centre) s = _mm256_sub_epi32(s, _mm256_setr_epi32(centre * isum32(a, m0 + i, K, b), 0, 0, 0, 0, 0, 0, 0));
+                acc[i][t & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&sc[i][t]), acc[i][t & 1]);
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + offset[i];
+}
+
+#ifdef AI_AVX512
+/* ---- AVX-512 BW: two sub-blocks (64 weights, 64 activations) per register; lanes 0-7 of the products the
+ * first sub-block's, 8-15 the second's; scales and corrections moved into those lanes by permutes. */
+static inline __m512i dot512_u8(__m512i u, __m512i x) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
+}
+
+/* Lanes 0-7: lane a of a vector; 8-15: lane b (an index for the 32-bit permutes). */
+static inline __m512i pair_idx(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
+}
+
+static inline __m512i load_x512(const acts8 *a, int64_t m, int64_t K, int64_t b) {
+    return _mm512_loadu_si512(a->q + m * K + b * QK);
+}
+
+/* The k-quants' sums of a row's accumulators: two float vectors, and Q4_K's minimum terms. */
+static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *row, int64_t K, const acts8 *a,
+                                                                int64_t m0, const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi64x(4), 1);
+    __m512 acc[MR8][2];
+    __m256 off[MR8];
+    for (int i = 0; i < MR8; i++) {
+        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        off[i] = _mm256_setzero_ps();
+    }
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 144;
+        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        uint64_t sc8, mn8;
+        ai_k_scales8(p + 4, &sc8, &mn8);
+        const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
+                                         _mm256_set1_ps(ai_half_at(p)));
+        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
+                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        __m512 dsc[MR8];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        }
+#pragma GCC unroll 4
+        for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles, bytes 0-31) and 2 pr + 1 (high, 32-63) */
+            const __m512i xw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * pr)));
+            const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(xw, shifts), low4);
+            const __m512i idx = pair_idx(2 * pr, 2 * pr + 1);
+            for (int i = 0; i < ROWS; i++) {
+                const __m512i s = dot512_u8(u, load_x512(a, m0 + i, K, blk * 8 + 2 * pr));
+                acc[i][pr & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dsc[i]), acc[i][pr & 1]);
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
+}
+
+/* Q6_K: sub-blocks j, j + 1 (j = 4 n + k, k = 0 or 2): their ql bytes are the 64 at 64 n (low nibbles for
+ * k = 0, high for k = 2), their bit pairs qh's 32 bytes at 128 + 32 n moved to bits 4-5 by a shift per half. */
+static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *row, int64_t K, const acts8 *a,
+                                                                int64_t m0, const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+    /* k = 0, 1: qh << 4, << 2; k = 2, 3: qh, qh >> 2 */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi64x(2), 1);
+    __m512 acc[MR8][2];
+    for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 210;
+        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH8 + 192, _MM_HINT_T0);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        const __m512i sc512 = _mm512_castsi256_si512(sc16);
+        const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
+        __m512 dsc[MR8];
+        __m512i corr[MR8];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), d));
+            const __m256i is = _mm256_loadu_si256((const __m256i *)(a->isum + (m0 + i) * (K / 16) + blk * 16));
+            corr[i] = _mm512_castsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(sc16, is), 5));
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m512i ql = _mm512_loadu_si512(p + 64 * n);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n)));
+#pragma GCC unroll 2
+            for (int k = 0; k < 4; k += 2) {
+                const int j = 4 * n + k;
+                const __m512i lo = _mm512_and_si512(k == 0 ? ql : _mm512_srli_epi16(ql, 4), low4);
+                const __m512i hi = _mm512_and_si512(k == 0 ? _mm512_sllv_epi64(qh, left) : _mm512_srlv_epi64(qh, right), two);
+                const __m512i u = _mm512_or_si512(lo, hi);
+                /* int16 lanes 8 h to 8 h + 7: the scale of half 2 j + h */
+                const __m512i sv = _mm512_permutexvar_epi16(
+                    _mm512_set_epi16(2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3,
+                                     2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2,
+                                     2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                     2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j),
+                    sc512);
+                const __m512i idx = pair_idx(j, j + 1);
+                for (int i = 0; i < ROWS; i++) {
+                    __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + j)), sv);
+                    s = _mm512_sub_epi32(s, _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i]));
+                    acc[i][k >> 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dsc[i]), acc[i][k >> 1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+
+/* Q4_0, Q4_1, Q8_0: sixteen blocks' scales (and Q4_0's centre terms, Q4_1's minimum terms) at a time, blocks in
+ * pairs; the blocks past the last sixteen through row8_blocks. */
+static inline __attribute__((always_inline)) __m512i pair_u8(const int fmt, const uint8_t *row, int64_t nb, int64_t b) {
+    if (fmt == ASYNCINFER_FMT_Q8_0) return _mm512_loadu_si512(row + 2 * nb + 32 * b);
+    /* 32 bytes: blocks b's and b + 1's 16 bytes of nibbles (Q4_1: contiguous; Q4_0: in ggml's blocks of 18); each
+     * block's low nibbles (its elements 0-15), then its high ones (16-31) */
+    const __m256i x = fmt == ASYNCINFER_FMT_Q4_1
+                          ? _mm256_loadu_si256((const __m256i *)(row + 4 * nb + 16 * b))
+                          : _mm256_loadu2_m128i((const __m128i *)(row + 18 * (b + 1) + 2), (const __m128i *)(row + 18 * b + 2));
+    const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                                     _mm512_castsi256_si512(hi));
+}
+
+static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt, const uint8_t *row, int64_t K,
+                                                                  const acts8 *a, int64_t m0, const int ROWS,
+                                                                  float *out) {
+    const int64_t nb = K / QK, n16 = nb / 16 * 16;
+    const int q8 = fmt == ASYNCINFER_FMT_Q8_0, q4_0 = fmt == ASYNCINFER_FMT_Q4_0, q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
+    __m512 acc[MR8][2];
+    __m256 off[MR8];
+    for (int i = 0; i < MR8; i++) {
+        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        off[i] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < n16; b0 += 16) {
+        /* the sixteen blocks' float16 scales, formed in registers (a vector load of values just stored one by one
+         * would wait for the stores to retire) */
+        __m256i dh;
+        if (q4_0) {
+            const uint8_t *p = row + 18 * b0;
+            dh = _mm256_setr_epi16(
+                (short)ai_u32_at(p), (short)ai_u32_at(p + 18), (short)ai_u32_at(p + 36), (short)ai_u32_at(p + 54),
+                (short)ai_u32_at(p + 72), (short)ai_u32_at(p + 90), (short)ai_u32_at(p + 108), (short)ai_u32_at(p + 126),
+                (short)ai_u32_at(p + 144), (short)ai_u32_at(p + 162), (short)ai_u32_at(p + 180), (short)ai_u32_at(p + 198),
+                (short)ai_u32_at(p + 216), (short)ai_u32_at(p + 234), (short)ai_u32_at(p + 252), (short)ai_u32_at(p + 270));
+        } else {
+            dh = _mm256_loadu_si256((const __m256i *)(row + 2 * b0));
+        }
+        const __m256 dw0 = _mm256_cvtph_ps(_mm256_castsi256_si128(dh)), dw1 = _mm256_cvtph_ps(_mm256_extracti128_si256(dh, 1));
+        __m512 sc[MR8];
+        __m512i corr[MR8];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + b0;
+            const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw0);
+            const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at + 8), dw1);
+            sc[i] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(s0)), _mm256_castps_pd(s1), 1));
+            if (q4_1)
+                for (int h = 0; h < 16; h += 8)
+                    off[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * nb + 2 * (b0 + h)))),
+                                             _mm256_loadu_ps(a->sum + at + h), off[i]);
+            /* Q4_0: 8 * (the block's sum of qx), a lane per block */
+            corr[i] = q4_0 ? _mm512_madd_epi16(_mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(8))
+                           : _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const int64_t b = b0 + 2 * t;
+            _mm_prefetch((const char *)row + (q4_0 ? 18 * b : q8 ? 2 * nb + 32 * b : 4 * nb + 16 * b) + PREFETCH8, _MM_HINT_T0);
+            const __m512i w = pair_u8(fmt, row, nb, b);
+            const __m512i u = q8 ? _mm512_abs_epi8(w) : w;
+            const __mmask64 neg = q8 ? _mm512_movepi8_mask(w) : 0;
+            const __m512i idx = pair_idx(2 * t, 2 * t + 1);
+            for (int i = 0; i < ROWS; i++) {
+                __m512i x = load_x512(a, m0 + i, K, b);
+                if (q8) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                __m512i s = dot512_u8(u, x);
+                if (q4_0) s = _mm512_sub_epi32(s, _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i]));
+                acc[i][t & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, sc[i]), acc[i][t & 1]);
+            }
+        }
+    }
+    float tail[MR8] = {0};
+    if (n16 < nb) row8_blocks(fmt, row, K, a, m0, ROWS, tail, n16);
+    for (int i = 0; i < ROWS; i++)
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]) + tail[i];
+}
+#endif /* AI_AVX512 */
+
+static inline __attribute__((always_inline)) void row8_of(const int fmt, const uint8_t *row, int64_t K, const acts8 *a,
+                                                          int64_t m0, const int ROWS, float *out) {
+#ifdef AI_AVX512
+    if (fmt == ASYNCINFER_FMT_Q4_K) return row8_q4_k_512(row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k_512(row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0)
+        return row8_blocks_512(fmt, row, K, a, m0, ROWS, out);
+#endif
+    if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row8_q45_k(fmt, row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k(row, K, a, m0, ROWS, out);
+    row8_blocks(fmt, row, K, a, m0, ROWS, out, 0);
+}
+
+#define ROWS8_CALL(FMT, row, K, a, m0, R, out) row8_of(FMT, row, K, a, m0, R, out)
+#else
+#define ROWS8_CALL(FMT, row, K, a, m0, R, out)                                                   \
+    do {                                                                                          \
+        for (int i_ = 0; i_ < (R); i_++) (out)[i_] = row8_ref(FMT, row, K, a, (m0) + i_);          \
+    } while (0)
+#endif
+
+#define GEMM8(NAME, FMT)                                                                          \
+    static int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+                    float *y, int64_t ldy, int threads, void *scratch) {                          \
+        if (M >= PANEL_MIN_ROWS) return ai_gemm_of(FMT)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch); \
+        const uint8_t *rows = (const uint8_t *)w;                                                 \
+        const int64_t row_bytes = K / ai_fmt_weights(FMT) * ai_fmt_bytes(FMT);                    \
+        acts8 a = acts8_in(scratch, M, K);                                                        \
+        quantize_acts8(x, M, ldx, K, &a);                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
+        for (int64_t n = 0; n < N; n++) {                                                         \
+            const uint8_t *row = rows + n * row_bytes;                                            \
+            const float bn = bias ? bias[n] : 0.0f;                                               \
+            for (int64_t m0 = 0; m0 < M; m0 += MR8) {                                             \
+                const int rows_now = (int)(M - m0 < MR8 ? M - m0 : MR8);                          \
+                float out[MR8];                                                                   \
+                switch (rows_now) {                                                               \
+                    case 1: ROWS8_CALL(FMT, row, K, &a, m0, 1, out); break;                       \
+                    case 2: ROWS8_CALL(FMT, row, K, &a, m0, 2, out); break;                       \
+                    case 3: ROWS8_CALL(FMT, row, K, &a, m0, 3, out); break;                       \
+                    default: ROWS8_CALL(FMT, row, K, &a, m0, 4, out); break;                      \
+                }                                                                                 \
+                for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;           \
+            }                                                                                     \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+GEMM8(ai_gemm8_q4_1, ASYNCINFER_FMT_Q4_1)
+GEMM8(ai_gemm8_q8_0, ASYNCINFER_FMT_Q8_0)
+GEMM8(ai_gemm8_q4_0, ASYNCINFER_FMT_Q4_0)
+GEMM8(ai_gemm8_q5_0, ASYNCINFER_FMT_Q5_0)
+GEMM8(ai_gemm8_q5_1, ASYNCINFER_FMT_Q5_1)
+GEMM8(ai_gemm8_q4_k, ASYNCINFER_FMT_Q4_K)
+GEMM8(ai_gemm8_q5_k, ASYNCINFER_FMT_Q5_K)
+GEMM8(ai_gemm8_q6_k, ASYNCINFER_FMT_Q6_K)
+
+gemm_fn ai_gemm8_of(int fmt) {
+    static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_gemm8_q4_1, ai_gemm8_q8_0, ai_gemm8_q4_0, ai_gemm8_q5_0,
+                                                       ai_gemm8_q5_1, ai_gemm8_q4_k, ai_gemm8_q5_k, ai_gemm8_q6_k};
+    return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
+}
+
+int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                    const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    const gemm_fn fn = ai_gemm_of(fmt);
+    return fn ? fn(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch) : ASYNCINFER_EINVAL;
+}

@@ -1,0 +1,194 @@
+"""``activation_dtype="int8"``: the block formats' GEMMs with activations rounded per run of 32 to int8
+(csrc/gemm8.c), from the kernel to the engine option.
+
+The kernel's definition, checked here against float64: below PANEL_MIN_ROWS rows each run of 32 activations x
+becomes dx * qx (dx = the run's largest |x| / 127, qx rounded to nearest even); a weight's part scale * q meets
+qx, a format's minimum meets the run's float32 sum of x. From PANEL_MIN_ROWS rows on the float32 panel runs, as
+with int16 activations. The variants against the scalar reference: tests/models/test_kernel_variants.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncinfer import InvalidParameterError, kernels
+from asyncinfer.config import EngineConfig
+from asyncinfer.models import load_model
+from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+from asyncinfer.models.decode_backends import KernelDecode, TorchDecode
+from asyncinfer.models.quant import BlockLinear, MixedBlockLinear, Q4_KLinear, Q6_KLinear, apply_weight_format
+from tests.helpers import PagedRunner
+from tests.models.test_kernels import lossless_tiny
+
+#: Where each format with a minimum keeps its quants in ggml's block (bytes from there to the block's end):
+#: zeroed, a block dequantizes to its minimums alone.
+QUANTS_FROM = {"q4_1": 4, "q5_1": 4, "q4_k": 16, "q5_k": 16}
+
+
+def weights(fmt: str, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random weights in ``fmt``: the kernels' blocks, their float64 values and their minimums' float64 values."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = kernels.quantize(torch.randn(rows, k, generator=gen) * 0.1, fmt)
+    dense = kernels.dequantize(blocks, fmt).double()
+    mins = torch.zeros_like(dense)
+    if fmt in QUANTS_FROM:
+        size = kernels.BLOCK_FORMATS[fmt][1]
+        zeroed = blocks.clone().view(rows, -1, size)
+        zeroed[:, :, QUANTS_FROM[fmt]:] = 0
+        mins = kernels.dequantize(zeroed.view(rows, -1), fmt).double()
+    return kernels.pack(blocks, fmt), dense, mins
+
+
+def int8_definition(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The kernel's result in float64: the int8-rounded activations times the weights less their minimums, plus
+    the float32 activations times the minimums."""
+    runs = x.reshape(x.shape[0], -1, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    scale = 127.0 / amax  # float32, as the kernel computes it
+    q = torch.where(amax > 0, (runs * torch.where(amax > 0, scale, 0)).round(), 0)  # round: to nearest even
+    rounded = (q.double() * (amax.double() / 127.0).float().double()).reshape(x.shape)
+    return rounded @ (dense - mins).T + x.double() @ mins.T
+
+
+@pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
+def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt) -> None:
+    """Every format, 1 to 8 rows (the row kernels, in groups of up to 4), widths with and without a remainder
+    of the AVX-512 kernels' 16 runs: within float32's rounding of the definition's sums; a row's result the
+    same alone and in a group; from PANEL_MIN_ROWS rows on, exactly the int16 option's result (the panel)."""
+    k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
+    for k in ((512, 1024) if k_quant else (512, 800)):
+        packed, dense, mins = weights(fmt, 45, k, seed=k)
+        gen = torch.Generator().manual_seed(k + 1)
+        bias = torch.randn(45, generator=gen)
+        for rows in (1, 2, 3, 4, 5, 8):
+            x = torch.randn(rows, k, generator=gen)
+            x[0, :32] *= 1000  # one run of large values: its own scale
+            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8")
+            ref = int8_definition(x, dense, mins) + bias.double()
+            bound = 1e-5 * (x.abs().double() @ dense.abs().T) + 1e-6
+            assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
+            alone = kernels.gemm(x[rows - 1:], packed, fmt, 45, bias, activation_dtype="int8")
+            assert torch.equal(out[rows - 1:], alone)
+        for rows in (kernels.PANEL_MIN_ROWS, 20):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8"),
+                               kernels.gemm(x, packed, fmt, 45, bias))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+def test_int8_activations_round_more_than_int16_and_keep_nans(fmt) -> None:
+    """int8 activations are a real change of numerics (about 1% of a product, against int16's 0.01%), and a
+    NaN activation makes its row NaN and only its row, as with int16."""
+    packed, dense, _ = weights(fmt, 64, 512, seed=9)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ dense.T
+    err = {dtype: ((kernels.gemm(x, packed, fmt, 64, activation_dtype=dtype).double() - exact).norm() / exact.norm()).item()
+           for dtype in kernels.ACTIVATION_DTYPES}
+    assert err["int16"] < 2e-4 and 1e-3 < err["int8"] < 3e-2, err
+    x[1, 100] = float("nan")
+    out = kernels.gemm(x, packed, fmt, 64, activation_dtype="int8")
+    assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+
+
+def test_a_bad_activation_dtype_is_refused_by_name_everywhere() -> None:
+    packed, _, _ = weights("q4_k", 8, 256, seed=1)
+    x = torch.randn(1, 256)
+    for bad in ("int4", "INT8", None, 8, ["int8"]):
+        with pytest.raises(ValueError, match=r"activation_dtype must be one of \['int16', 'int8'\]"):
+            kernels.gemm(x, packed, "q4_k", 8, activation_dtype=bad)
+        with pytest.raises(ValueError, match="activation_dtype must be one of"):
+            Q4_KLinear(torch.randn(8, 256), None, activation_dtype=bad)
+        with pytest.raises(InvalidParameterError, match="activation_dtype") as info:
+            EngineConfig(device="cpu", activation_dtype=bad)
+        assert info.value.parameter == "activation_dtype"
+
+    class Sneaky(str):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = str.__hash__
+
+    assert kernels.activation_dtype_flag(Sneaky("int16")) == 0  # the str it holds, not its __eq__
+    with pytest.raises(ValueError, match="activation_dtype"):
+        kernels.activation_dtype_flag(Sneaky("int4"))
+
+
+def test_a_mixed_projection_takes_one_activation_dtype() -> None:
+    w = torch.randn(16, 256)
+    with pytest.raises(ValueError, match="parts\\[1\\] takes int16 activations, parts\\[0\\] int8"):
+        MixedBlockLinear([Q4_KLinear(w, None, activation_dtype="int8"), Q6_KLinear(w, None)])
+    mixed = MixedBlockLinear([Q4_KLinear(w, None, activation_dtype="int8"), Q6_KLinear(w, None, activation_dtype="int8")])
+    assert mixed.activation_dtype == "int8" and "int8 activations" in mixed.kind
+
+
+def test_the_kernel_decode_step_takes_the_models_activation_dtype(tmp_path) -> None:
+    """A model formatted with int8 activations: every projection and the head hold it, and so do the kernels'
+    layers and head its one-call decode steps (KernelDecode) run; their logits are the op-by-op reference's
+    (TorchDecode, the same int8 GEMMs) within what a last bit's rounding flip moves, and not the int16 model's."""
+    lossless_tiny("qwen2", tmp_path)
+    cpu = torch.device("cpu")
+    models = {}
+    for dtype in kernels.ACTIVATION_DTYPES:
+        model = load_model(tmp_path, torch.float32, "cpu").model
+        apply_weight_format(model, "q4_1", activation_dtype=dtype)
+        layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+        assert layers and all(layer.activation_dtype == dtype for layer in layers)
+        models[dtype] = model
+    logits = {}
+    for dtype, model in models.items():
+        kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
+        fused, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)
+        work = [(1, list(range(3, 12))), (2, list(range(5, 9)))]
+        first = kernel.forward(fused.step_batch(work, last_only=True), fused.kv_caches)
+        reference.forward(plain.step_batch(work, last_only=True), plain.kv_caches)
+        last = first.logits.argmax(dim=-1).tolist()
+        for _ in range(4):
+            step = [(s, [t]) for s, t in zip((1, 2), last)]
+            a = kernel.forward(fused.step_batch(step), fused.kv_caches)
+            b = reference.forward(plain.step_batch(step), plain.kv_caches)
+            # the two paths' float32 sums differ in their last bits, and a last bit can move an activation across a
+            # rounding step: int8's steps are 258x int16's (measured: 1e-2 against 1e-4 of the logits' norm)
+            assert ((a.logits - b.logits).norm() / b.logits.norm()).item() < (3e-2 if dtype == "int8" else 1e-3)
+            assert a.greedy_ids == a.logits.argmax(dim=-1).tolist()
+            last = a.greedy_ids
+        stack = kernel.stack
+        assert stack.activation_dtype == dtype and all(layer.activation_dtype == dtype for layer in stack.layers)
+        logits[dtype] = a.logits
+    assert ((logits["int8"] - logits["int16"]).norm() / logits["int16"].norm()).item() > 1e-3
+    assert not torch.allclose(logits["int8"], logits["int16"], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="activation_dtype"):
+        apply_weight_format(load_model(tmp_path, torch.float32, "cpu").model, "q4_1", activation_dtype="int4")
+
+
+async def test_the_engine_option_reaches_every_projection(tmp_path) -> None:
+    from asyncinfer import AsyncEngine, SamplingParams
+
+    lossless_tiny("llama", tmp_path)
+    engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="q4_1", num_threads=1)
+    async with engine:
+        assert engine.config.activation_dtype == "int8"
+        out = await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert len(out.token_ids) == 6
+
+
+async def test_int8_activations_without_a_block_format_say_they_do_nothing(tmp_path, caplog) -> None:
+    """float16 weights take no activation_dtype: the load says so once, naming the option and the format."""
+    import logging
+
+    from asyncinfer import AsyncEngine
+
+    lossless_tiny("llama", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="float16", num_threads=1)
+        async with engine:
+            pass
+    said = [r.getMessage() for r in caplog.records if "activation_dtype" in r.getMessage()]
+    assert said == [("activation_dtype='int8' has no effect: no projection is in a block format (quantization="
+                     "'float16'); only asyncinfer's block-format kernels round activations (docs/formats.md)")]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = await AsyncEngine.load(str(tmp_path), activation_dtype="int8", quantization="q4_1", num_threads=1)
+        async with engine:
+            pass
+    assert not [r for r in caplog.records if "activation_dtype" in r.getMessage()]
