@@ -1,0 +1,49 @@
+"""Adversarial pass 11 (in-process side): faults a hostile or careless caller sharing one engine could cause, found
+and fixed."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+
+BASE = {
+    "kv_cache_memory": 4 * 1024 * 1024,
+    "max_model_len": 512,
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 4,
+    "num_threads": 1,
+}
+GOOD = [(29 * j) % 300 + 7 for j in range(9)]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models["llama"][0]
+
+
+@pytest.fixture
+async def engine(llama):
+    engine = await AsyncEngine.load(llama, **BASE)
+    async with engine:
+        yield engine
+
+
+# ----------------------------------------------------------------- a model reference of another type is named
+@pytest.mark.parametrize("model", [5, 3.5, b"/tmp/model", object()], ids=["int", "float", "bytes", "object"])
+async def test_a_model_that_is_not_a_path_or_a_name_is_an_invalid_parameter_at_every_entry(engine, model) -> None:
+    """``model=5`` (or bytes, a float, any object) reached ``Path(model)`` and raised Python's TypeError ("expected
+    str, bytes or os.PathLike object") from ``from_pretrained``, ``load``, ``plan_memory``, ``swap_model`` and
+    ``add_model``; it is an InvalidParameterError naming ``model`` now, and the engine serves on."""
+    for call in (lambda: AsyncEngine.from_pretrained(model, **BASE), lambda: AsyncEngine.plan_memory(model, **BASE)):
+        with pytest.raises(InvalidParameterError) as info:
+            call()
+        assert info.value.parameter == "model"
+    for entry in (AsyncEngine.load(model, **BASE), engine.swap_model(model), engine.add_model("other", model)):
+        with pytest.raises(InvalidParameterError) as info:
+            await entry
+        assert info.value.parameter == "model"
+    out = await engine.generate(GOOD, SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
+    assert [info.name for info in engine.model_info()] == ["default"]
