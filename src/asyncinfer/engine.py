@@ -505,7 +505,8 @@ class AsyncEngine:
 
         Raises:
             InvalidParameterError: ``steps`` outside [1, 10000] (the profiler holds every step's ops in memory
-                until it writes them), or a profile is already running.
+                until it writes them), a ``path`` that cannot be made a writable directory (a file, a NUL in it),
+                or a profile is already running.
             EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
         """
         self._check_running()

@@ -3,6 +3,8 @@ and fixed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
@@ -47,3 +49,20 @@ async def test_a_model_that_is_not_a_path_or_a_name_is_an_invalid_parameter_at_e
     out = await engine.generate(GOOD, SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3
     assert [info.name for info in engine.model_info()] == ["default"]
+
+
+# ----------------------------------------------------------------- profile(): a path with a NUL is named
+async def test_a_profile_path_with_a_nul_is_an_invalid_parameter_and_the_profile_slot_stays_free(
+    engine, tmp_path
+) -> None:
+    """``engine.profile(3, "dir\\0x")`` raised os's ValueError ("embedded null byte") from the directory check, not
+    the InvalidParameterError naming ``path`` that an uncreatable directory gets; a profile with a good path then
+    runs."""
+    with pytest.raises(InvalidParameterError) as info:
+        await engine.profile(3, str(tmp_path / "a\0b"))
+    assert info.value.parameter == "path"
+    assert "NUL" in info.value.allowed
+    traffic = asyncio.create_task(engine.generate(GOOD, SamplingParams(max_tokens=8)))
+    result = await asyncio.wait_for(engine.profile(2, tmp_path / "ok"), 60)
+    assert (tmp_path / "ok" / "trace.json").exists() and result is not None
+    await traffic
