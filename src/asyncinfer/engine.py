@@ -177,7 +177,8 @@ class AsyncEngine:
         embedding model gives an :class:`EmbeddingPlan` (weights + largest batch's activations).
 
         Raises:
-            InvalidParameterError: an unknown option or an out-of-range value.
+            InvalidParameterError: an unknown option or an out-of-range value (``available_bytes``: an ``int`` >= 0
+                or None, as ``swap_model`` and ``add_model`` take it).
             ModelLoadError: the model's config cannot be read.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
         """

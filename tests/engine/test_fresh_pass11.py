@@ -66,3 +66,28 @@ async def test_a_profile_path_with_a_nul_is_an_invalid_parameter_and_the_profile
     result = await asyncio.wait_for(engine.profile(2, tmp_path / "ok"), 60)
     assert (tmp_path / "ok" / "trace.json").exists() and result is not None
     await traffic
+
+
+# ----------------------------------------------------------------- plan_memory(): available_bytes is checked
+@pytest.mark.parametrize(
+    "available", [-1, True, 1.5, float("nan"), "1GiB"], ids=["negative", "bool", "float", "nan", "str"]
+)
+def test_plan_memory_names_a_bad_available_bytes_as_swap_model_does(llama, available) -> None:
+    """``AsyncEngine.plan_memory(model, available_bytes=-1)`` (or True, 1.5, NaN) was taken as a byte count and
+    reported a ConfigurationError "the weights need 0.4 MiB but -0.0 MiB (nan MiB) are available", where
+    ``swap_model``/``add_model`` refuse the same value as an InvalidParameterError naming ``available_bytes``; the
+    string crashed in the arithmetic. Every entry checks it alike now, ``asyncinfer.memory.plan_memory`` too."""
+    from asyncinfer.memory import plan_memory
+    from asyncinfer.model_source import resolve_model
+    from asyncinfer.models.loader import read_model_config
+
+    config = read_model_config(resolve_model(llama))
+    for call in (
+        lambda: AsyncEngine.plan_memory(llama, available_bytes=available, **BASE),
+        lambda: AsyncEngine.plan_memory(config, available_bytes=available, **BASE),
+        lambda: plan_memory(llama, available_bytes=available, **BASE),
+    ):
+        with pytest.raises(InvalidParameterError) as info:
+            call()
+        assert info.value.parameter == "available_bytes"
+    assert AsyncEngine.plan_memory(llama, available_bytes=2**34, **BASE).num_blocks > 0
