@@ -99,7 +99,7 @@ class ModelChanges:
         available = check_available_bytes(available)
         async with self.lock:
             self.check_usable()
-            holder = self.models.generator(name)
+            holder = self.models.generator(name, "name")  # swap_model's keyword is name, not model
             label = self.models.name_of(holder)
             merged = {**current(holder).options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read

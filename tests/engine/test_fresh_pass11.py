@@ -91,3 +91,17 @@ def test_plan_memory_names_a_bad_available_bytes_as_swap_model_does(llama, avail
             call()
         assert info.value.parameter == "available_bytes"
     assert AsyncEngine.plan_memory(llama, available_bytes=2**34, **BASE).num_blocks > 0
+
+
+# ----------------------------------------------------------------- swap_model(name=...) names name
+@pytest.mark.parametrize("name", ["nope", ""], ids=["unknown", "empty"])
+async def test_swap_model_names_its_name_keyword_for_a_name_that_is_no_generator(engine, llama, name) -> None:
+    """``swap_model(path, name="nope")`` raised an InvalidParameterError naming ``model='nope'``, a keyword the caller
+    did not pass with that value (``model`` was the path); it names ``name`` now, as ``remove_model`` does, and the
+    engine serves on."""
+    with pytest.raises(InvalidParameterError) as info:
+        await engine.swap_model(llama, name=name)
+    assert info.value.parameter == "name"
+    assert info.value.value == name
+    out = await engine.generate(GOOD, SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
