@@ -4,6 +4,7 @@ and fixed."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -103,5 +104,20 @@ async def test_swap_model_names_its_name_keyword_for_a_name_that_is_no_generator
         await engine.swap_model(llama, name=name)
     assert info.value.parameter == "name"
     assert info.value.value == name
+    out = await engine.generate(GOOD, SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
+
+
+class _BytesPath(os.PathLike):
+    def __fspath__(self) -> bytes:  # type: ignore[override]
+        return b"/tmp/asyncinfer-profile-bytes"
+
+
+async def test_a_profile_path_whose_fspath_is_bytes_is_an_invalid_parameter(engine) -> None:
+    """An ``os.PathLike`` whose ``__fspath__`` gives bytes passed the path check and raised pathlib's TypeError
+    ("argument should be a str object or an os.PathLike object returning str"); it is named as ``path`` now."""
+    with pytest.raises(InvalidParameterError) as info:
+        await engine.profile(2, _BytesPath())
+    assert info.value.parameter == "path"
     out = await engine.generate(GOOD, SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3

@@ -129,8 +129,8 @@ def _directory(path: str | os.PathLike[str]) -> Path:
     Raises:
         InvalidParameterError: an empty path, a file, one with a NUL, or one that cannot be created or written.
     """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise InvalidParameterError("path", path, "a non-empty directory path")
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+        raise InvalidParameterError("path", path, "a non-empty directory path")  # a path of bytes too: Path() refuses it
     where = Path(path)
     try:
         where.mkdir(parents=True, exist_ok=True)
