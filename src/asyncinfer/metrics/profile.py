@@ -127,16 +127,18 @@ def _directory(path: str | os.PathLike[str]) -> Path:
     """``path`` as a directory that exists and can be written (created if missing).
 
     Raises:
-        InvalidParameterError: an empty path, a file, or one that cannot be created or written.
+        InvalidParameterError: an empty path, a file, one with a NUL, or one that cannot be created or written.
     """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise InvalidParameterError("path", path, "a non-empty directory path")
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+        raise InvalidParameterError("path", path, "a non-empty directory path")  # a path of bytes too: Path() refuses it
     where = Path(path)
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         allowed = f"a directory that can be created ({exc.strerror})"
         raise InvalidParameterError("path", os.fspath(path), allowed) from None
+    except ValueError:  # a NUL in the path, which no file system takes (os's own ValueError before)
+        raise InvalidParameterError("path", os.fspath(path), "a directory path without NUL characters") from None
     if not os.access(where, os.W_OK | os.X_OK):
         raise InvalidParameterError("path", os.fspath(path), "a directory this process can write")
     return where
