@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import httpx
 import pytest
+
+from asyncinfer import swaps
+from asyncinfer.server import ModelSpec, create_app
+
+from .conftest import TINY_OPTIONS, LiveServer
 
 
 # A text prompt sent to /v1/completions for a model loaded without a tokenizer was answered with the chat's message:
@@ -26,3 +35,52 @@ def test_a_text_prompt_for_a_model_without_a_tokenizer_says_to_send_token_ids(se
             "code": None,
         }
     }
+
+
+# A request that names no model is the engine's default generator's (the first loaded). Between the versions of a
+# drain-mode swap of that model it is in no model_info() entry, and the router took the first generator it listed
+# instead: the request was answered by another model (its reply and its `model` field another's), where one naming
+# the default model is a 503 to retry. Now both are that 503; after the swap the default model answers again.
+def test_a_request_naming_no_model_is_not_served_by_another_while_the_default_one_is_swapped(
+    tiny_chat_model, monkeypatch
+) -> None:
+    release = threading.Event()
+    real_load = swaps.load
+
+    def held_load(*args, **kwargs):
+        assert release.wait(60)
+        return real_load(*args, **kwargs)
+
+    app = create_app(
+        [ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), ModelSpec(str(tiny_chat_model), "other", TINY_OPTIONS)]
+    )
+    chat = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        engine = live.engine
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == "tiny"
+        monkeypatch.setattr(swaps, "load", held_load)
+        assert engine.loop is not None
+        swap = asyncio.run_coroutine_threadsafe(
+            engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **TINY_OPTIONS), engine.loop
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while any(info.name == "tiny" for info in engine.model_info()):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            for stream in (False, True):
+                for r in (
+                    http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream}),
+                    http.post("/v1/chat/completions", json={**chat, "stream": stream}),
+                ):
+                    assert r.status_code == 503, r.text  # was 200, answered by "other"
+                    assert r.headers["retry-after"] == "1" and r.headers["x-request-id"]
+                    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("unavailable", "model")
+            assert (
+                http.post("/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 2}).status_code
+                == 200
+            )
+        finally:
+            release.set()
+        swap.result(60)
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == "tiny"

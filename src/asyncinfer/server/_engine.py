@@ -16,9 +16,10 @@ def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
     return engine.get_tokenizer(model)
 
 
-def between_versions(engine: AsyncEngine, model: str) -> bool:
-    """Whether ``model`` is a generator with no version serving now (a drain-mode swap is loading its next one):
-    it is in no ``model_info()`` entry then, but it is still served, and its requests are to come back shortly."""
+def between_versions(engine: AsyncEngine, model: str | None) -> bool:
+    """Whether ``model`` (None: the engine's default generator) is a generator with no version serving now (a
+    drain-mode swap is loading its next one): it is in no ``model_info()`` entry then, but it is still served, and
+    its requests are to come back shortly."""
     try:
         engine.get_tokenizer(model)
     except EngineClosedError:

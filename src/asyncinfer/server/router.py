@@ -319,6 +319,12 @@ class _OpenAI:
         """The model a body names (or the first of ``kind``); 404 when there is none by that name."""
         served = self._served()
         if requested is None:
+            # the engine's default generator (its first loaded) is in no model_info() entry between the versions of
+            # a drain-mode swap: the first generator listed then is another model, which must not answer for it
+            if kind == "generate" and _engine.between_versions(self.engine(), None):
+                raise APIError(503, "The default model is between versions (a drain-mode swap is loading the next "
+                                    "one): retry shortly, or name a model.", param="model", type="server_error",
+                               code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
                 raise APIError(404, f"This server has no {'embedding' if kind == 'embed' else 'generation'} model.",
