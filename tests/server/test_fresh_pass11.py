@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from asyncinfer import swaps
+from asyncinfer.core import EngineCore
 from asyncinfer.server import ModelSpec, create_app
 
 from .conftest import TINY_OPTIONS, LiveServer
@@ -84,3 +85,50 @@ def test_a_request_naming_no_model_is_not_served_by_another_while_the_default_on
             release.set()
         swap.result(60)
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == "tiny"
+
+
+# A model being removed stays in model_info() ("draining") until its last request ends, but the engine takes no new
+# request for it. /v1/models still listed it and /v1/models/<it> answered its card, while every request naming it was
+# a 404: a client picking a model from the list was sent to one that is gone. Now it is left out of both at once.
+def test_a_model_being_removed_is_not_listed_while_its_requests_are_refused(tiny_chat_model, monkeypatch) -> None:
+    go = threading.Event()
+    real_step = EngineCore.step
+
+    def held_step(self):  # each step slow until the test has looked: the request stays in flight meanwhile
+        go.wait(0.05)
+        return real_step(self)
+
+    app = create_app(
+        [ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), ModelSpec(str(tiny_chat_model), "other", TINY_OPTIONS)]
+    )
+    long = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}  # 20 s of steps
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        engine = live.engine
+        assert engine.loop is not None
+        monkeypatch.setattr(EngineCore, "step", held_step)
+        try:
+            held = threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": long})
+            held.start()
+            deadline = time.monotonic() + 30
+            while not engine.num_unfinished_requests:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            removal = asyncio.run_coroutine_threadsafe(engine.remove_model("tiny"), engine.loop)
+            while ("tiny", "draining") not in [(info.name, info.state) for info in engine.model_info()]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert [card["id"] for card in http.get("/v1/models").json()["data"]] == ["other"]  # was other, tiny
+            card = http.get("/v1/models/tiny")  # was a 200 with its card
+            assert card.status_code == 404 and card.json()["error"]["code"] == "model_not_found"
+            refused = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+            assert (
+                refused.json()["error"]["message"]
+                == card.json()["error"]["message"]
+                == ("The model `tiny` does not exist.")
+            )
+            assert not removal.done()
+        finally:
+            go.set()
+        held.join(60)
+        removal.result(60)

@@ -29,6 +29,18 @@ def between_versions(engine: AsyncEngine, model: str | None) -> bool:
     return False
 
 
+def serves(engine: AsyncEngine, model: str) -> bool:
+    """Whether the engine takes new requests for ``model`` (now, or once a drain-mode swap's next version serves):
+    False for a model being removed, which ``model_info()`` lists ("draining") until its last request ends."""
+    try:
+        engine.get_tokenizer(model)
+    except EngineClosedError:  # between versions: still served
+        return True
+    except InvalidParameterError:
+        return False
+    return True
+
+
 def _embedder_info(engine: AsyncEngine, model: str) -> ModelVersionInfo:
     return next(i for i in engine.model_info() if i.name == model and i.kind == "embed")
 

@@ -308,12 +308,14 @@ class _OpenAI:
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
-        """Each served name's info (its current version's while a swap drains the old one)."""
+        """Each served name's info (its current version's while a swap drains the old one). A model being removed
+        is left out: it stays in ``model_info()`` ("draining") until its last request ends, but takes no new one."""
+        engine = self.engine()
         named: dict[str, ModelVersionInfo] = {}
-        for info in self.engine().model_info():
+        for info in engine.model_info():
             if info.name not in named or info.state == "current":
                 named[info.name] = info
-        return named
+        return {name: info for name, info in named.items() if info.state == "current" or _engine.serves(engine, name)}
 
     def _pick(self, requested: str | None, kind: str) -> tuple[str, ModelVersionInfo]:
         """The model a body names (or the first of ``kind``); 404 when there is none by that name."""
