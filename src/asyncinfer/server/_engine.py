@@ -16,9 +16,10 @@ def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
     return engine.get_tokenizer(model)
 
 
-def between_versions(engine: AsyncEngine, model: str) -> bool:
-    """Whether ``model`` is a generator with no version serving now (a drain-mode swap is loading its next one):
-    it is in no ``model_info()`` entry then, but it is still served, and its requests are to come back shortly."""
+def between_versions(engine: AsyncEngine, model: str | None) -> bool:
+    """Whether ``model`` (None: the engine's default generator) is a generator with no version serving now (a
+    drain-mode swap is loading its next one): it is in no ``model_info()`` entry then, but it is still served, and
+    its requests are to come back shortly."""
     try:
         engine.get_tokenizer(model)
     except EngineClosedError:
@@ -26,6 +27,18 @@ def between_versions(engine: AsyncEngine, model: str) -> bool:
     except InvalidParameterError:
         return False
     return False
+
+
+def serves(engine: AsyncEngine, model: str) -> bool:
+    """Whether the engine takes new requests for ``model`` (now, or once a drain-mode swap's next version serves):
+    False for a model being removed, which ``model_info()`` lists ("draining") until its last request ends."""
+    try:
+        engine.get_tokenizer(model)
+    except EngineClosedError:  # between versions: still served
+        return True
+    except InvalidParameterError:
+        return False
+    return True
 
 
 def _embedder_info(engine: AsyncEngine, model: str) -> ModelVersionInfo:

@@ -42,6 +42,10 @@ _NO_CHAT = {
                   "its prompt to /v1/completions as token ids.",
 }
 
+#: A text prompt for a model without a tokenizer (on /v1/completions: the chat's message pointed to that very route).
+_NO_TEXT = ("This model was loaded without a tokenizer, so a text prompt cannot be encoded for it: send `prompt` as "
+            "token ids (a list of integers, or a list of such lists).")
+
 # The engine's hardening work adds this one (a bounded waiting queue); map it when it exists.
 _OVERLOADED: type[BaseException] | None = getattr(engine_errors, "EngineOverloadedError", None)
 
@@ -145,6 +149,8 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
         if exc.parameter == "prompt" and exc.allowed in _NO_CHAT:  # "messages=... allowed text" would misread
+            if exc.value != "chat messages":  # a completion's text prompt: it is already on /v1/completions
+                return APIError(400, _NO_TEXT, param=rename("prompt"))
             return APIError(400, _NO_CHAT[exc.allowed], param=rename("prompt"))
         code = "context_length_exceeded" if "max_model_len" in exc.allowed else None
         field = rename(exc.parameter)

@@ -308,17 +308,25 @@ class _OpenAI:
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
-        """Each served name's info (its current version's while a swap drains the old one)."""
+        """Each served name's info (its current version's while a swap drains the old one). A model being removed
+        is left out: it stays in ``model_info()`` ("draining") until its last request ends, but takes no new one."""
+        engine = self.engine()
         named: dict[str, ModelVersionInfo] = {}
-        for info in self.engine().model_info():
+        for info in engine.model_info():
             if info.name not in named or info.state == "current":
                 named[info.name] = info
-        return named
+        return {name: info for name, info in named.items() if info.state == "current" or _engine.serves(engine, name)}
 
     def _pick(self, requested: str | None, kind: str) -> tuple[str, ModelVersionInfo]:
         """The model a body names (or the first of ``kind``); 404 when there is none by that name."""
         served = self._served()
         if requested is None:
+            # the engine's default generator (its first loaded) is in no model_info() entry between the versions of
+            # a drain-mode swap: the first generator listed then is another model, which must not answer for it
+            if kind == "generate" and _engine.between_versions(self.engine(), None):
+                raise APIError(503, "The default model is between versions (a drain-mode swap is loading the next "
+                                    "one): retry shortly, or name a model.", param="model", type="server_error",
+                               code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
                 raise APIError(404, f"This server has no {'embedding' if kind == 'embed' else 'generation'} model.",
