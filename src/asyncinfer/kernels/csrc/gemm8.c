@@ -1,8 +1,8 @@
 /* Block formats with 8-bit activations (format codes with ASYNCINFER_FMT_ACT8 set): below PANEL_MIN_ROWS
  * activation rows, each block of 32 activations is rounded to int8 (x ~= dx * qx, |qx| <= 127, rounded to
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
- * bytes as they come (u8 quants times s8 activations: AVX2's maddubs, AVX-512 VNNI's dpbusd) instead of
- * widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
+ * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones; 256 bits a sub-block, the
+ * AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
  * 32 activations (llama.cpp's k-quants take one per 256). From PANEL_MIN_ROWS rows on, the float32 panel runs,
  * exactly as without the flag (gemm.c).
  *
