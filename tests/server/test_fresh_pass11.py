@@ -132,3 +132,14 @@ def test_a_model_being_removed_is_not_listed_while_its_requests_are_refused(tiny
             go.set()
         held.join(60)
         removal.result(60)
+
+
+# An empty string to embed was answered 200 with a vector of nothing but the special tokens; OpenAI refuses it.
+@pytest.mark.parametrize("given", ["", ["hello", ""], [""]])
+def test_an_empty_string_to_embed_is_a_400_naming_input(server, given) -> None:
+    answer = httpx.post(server.url + "/v1/embeddings", timeout=60, json={"model": "minilm", "input": given})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "input" and "empty string" in error["message"] and answer.headers["x-request-id"]
+    fine = httpx.post(server.url + "/v1/embeddings", timeout=60, json={"model": "minilm", "input": ["hello", " "]})
+    assert fine.status_code == 200 and len(fine.json()["data"]) == 2

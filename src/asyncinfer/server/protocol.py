@@ -795,4 +795,6 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     if not (isinstance(texts, list) and 0 < len(texts) <= MAX_EMBED_INPUTS
             and all(isinstance(t, str) for t in texts)):
         raise _bad("input", f"`input` must be a string or a list of 1 to {MAX_EMBED_INPUTS} strings.")
+    if any(t == "" for t in texts):  # as OpenAI's: an empty string has nothing to embed
+        raise _bad("input", "`input` cannot hold an empty string: every text to embed needs at least one character.")
     return EmbeddingRequest(model, list(texts), fmt == "base64", dimensions)
