@@ -219,6 +219,16 @@ static inline void ai_sub_words(int fmt, const uint8_t *blk, __m256i w[2]) {
 #endif
 }
 
+/* Q4_K / Q5_K: d * sc_j (returned) and -(dmin * m_j) (*minv) of the super-block at p, lane j sub-block j's. */
+static inline __m256 ai_k_scale_vectors(const uint8_t *p, __m256 *minv) {
+    uint64_t sc, mn;
+    ai_k_scales8(p + 4, &sc, &mn);
+    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+    *minv = _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
+    return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
+}
+
 /* Lane j of the 8 floats v in every lane. */
 static inline __m256 ai_lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
 
@@ -237,12 +247,8 @@ static inline __attribute__((always_inline)) void ai_rebuild_blocks_avx2(int fmt
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes;
         if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) {
-            uint64_t sc8, mn8;
-            ai_k_scales8(p + 4, &sc8, &mn8);
-            const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
-                                             _mm256_set1_ps(ai_half_at(p)));
-            const __m256 mnv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
-                                             _mm256_set1_ps(-ai_half_at(p + 2)));
+            __m256 mnv;
+            const __m256 scv = ai_k_scale_vectors(p, &mnv);
             const int five = fmt == ASYNCINFER_FMT_Q5_K;
             const uint8_t *qs = p + (five ? 48 : 16), *qh = p + 16;
             for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles) and 2 pr + 1 (high) */

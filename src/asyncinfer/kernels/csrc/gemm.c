@@ -58,15 +58,8 @@ __attribute__((unused)) static void quantize_acts_ref(const float *x, int64_t M,
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + b * QK;
-            float absmax = 0.0f, total = 0.0f;
-            for (int i = 0; i < QK; i++) {
-                const float v = fabsf(xb[i]);
-                absmax = v > absmax ? v : absmax; /* drops NaNs; total keeps them */
-                total += xb[i];
-            }
-            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too */
-            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
-            const float inv = d > 0.0f ? 32767.0f / absmax : 0.0f;
+            float d, inv, total;
+            ai_run_scale_ref(xb, 32767.0f, &d, &inv, &total);
             int16_t *q = a->q + m * K + b * QK;
             for (int i = 0; i < QK; i++) q[i] = d > 0.0f ? (int16_t)lrintf(xb[i] * inv) : 0;
             a->d[m * nb + b] = d;
@@ -641,28 +634,15 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
  * block's sum is added in another order), stored in order. */
 static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
     const int64_t nb = K / QK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * ldx + b * QK;
-            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                         v3 = _mm256_loadu_ps(xb + 24);
-            const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-            const float absmax = _mm_cvtss_f32(mx);
-            const float total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-            /* the max above drops NaNs (their int16 values would be 0); the sum keeps them */
-            const float d = isfinite(total) && isfinite(absmax) ? absmax / 32767.0f : NAN;
-            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 32767.0f / absmax : 0.0f);
-            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            __m256i q[4];
+            float total;
+            const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
             /* packs works within 128-bit lanes: [q0 0-3, q1 0-3, q0 4-7, q1 4-7]; the permute restores order */
-            int16_t *q = a->q + m * K + b * QK;
-            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
-            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
+            int16_t *out = a->q + m * K + b * QK;
+            _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
             a->d[m * nb + b] = d;
             a->sum[m * nb + b] = total;
         }
@@ -768,16 +748,6 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
  * Two accumulators a row (even and odd sub-blocks), so that consecutive multiply-adds do not wait on each
  * other; every row is summed in the same order whatever ROWS is. */
 
-/* Q4_K / Q5_K: d * sc_j (returned) and -(dmin * m_j) (*minv) of the block at p, lane j sub-block j's. */
-static inline __m256 kq_scales(const uint8_t *p, __m256 *minv) {
-    uint64_t sc, mn;
-    ai_k_scales8(p + 4, &sc, &mn);
-    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
-    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
-    *minv = _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
-    return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
-}
-
 /* The products' int32 lanes of w0 and w1 added into one vector: any lanes (one scale for all 32, KQ_ADD), or
  * lanes 0-3 from elements 0-15 and 4-7 from 16-31 (Q6_K's two scales, KQ_HALVES). In the AVX2 order each of
  * t0 / t1 already has elements below 16 in lanes 0-3, so adding keeps the halves apart; in order, t0 holds
@@ -826,7 +796,7 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
         _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
         __m256 minv;
-        const __m256 scv = kq_scales(p, &minv);
+        const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + blk * 8;

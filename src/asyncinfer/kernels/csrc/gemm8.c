@@ -51,15 +51,8 @@ __attribute__((unused)) static void quantize_acts8_ref(const float *x, int64_t M
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + b * QK;
-            float absmax = 0.0f, total = 0.0f;
-            for (int i = 0; i < QK; i++) {
-                const float v = fabsf(xb[i]);
-                absmax = v > absmax ? v : absmax; /* drops NaNs; total keeps them */
-                total += xb[i];
-            }
-            /* a NaN or infinite activation makes the block's scale NaN, so the result is NaN too */
-            const float d = isfinite(total) && isfinite(absmax) ? absmax / 127.0f : NAN;
-            const float inv = d > 0.0f ? 127.0f / absmax : 0.0f;
+            float d, inv, total;
+            ai_run_scale_ref(xb, 127.0f, &d, &inv, &total);
             int8_t *q = a->q + m * K + b * QK;
             int s0 = 0, s1 = 0;
             for (int i = 0; i < QK; i++) {
@@ -79,30 +72,17 @@ __attribute__((unused)) static void quantize_acts8_ref(const float *x, int64_t M
  * order). */
 static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
     const int64_t nb = K / QK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * ldx + b * QK;
-            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                         v3 = _mm256_loadu_ps(xb + 24);
-            const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-            const float absmax = _mm_cvtss_f32(mx);
-            const float total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-            /* the max above drops NaNs (their int values would be 0); the sum keeps them */
-            const float d = isfinite(total) && isfinite(absmax) ? absmax / 127.0f : NAN;
-            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / absmax : 0.0f);
-            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            __m256i q[4];
+            float total;
+            const float d = ai_round_run(x + m * ldx + b * QK, 127.0f, q, &total);
             /* packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] words, then bytes; the permute restores order */
-            const __m256i w01 = _mm256_packs_epi32(q0, q1), w23 = _mm256_packs_epi32(q2, q3);
+            const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
             const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
             _mm256_storeu_si256((__m256i *)(a->q + m * K + b * QK), bytes);
-            const __m256i h0 = _mm256_add_epi32(q0, q1), h1 = _mm256_add_epi32(q2, q3);
+            const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
             __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)),
                                        _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1)));
             s = _mm_hadd_epi32(s, s); /* lanes 0, 1: the two halves' sums */
@@ -194,12 +174,8 @@ static inline __attribute__((always_inline)) void row8_q45_k(const int fmt, cons
         _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
-        uint64_t sc8, mn8;
-        ai_k_scales8(p + 4, &sc8, &mn8);
-        const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
-                                         _mm256_set1_ps(ai_half_at(p)));
-        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
-                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        __m256 minv;
+        const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR8][8];
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + blk * 8;
@@ -395,12 +371,8 @@ static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *r
         _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
-        uint64_t sc8, mn8;
-        ai_k_scales8(p + 4, &sc8, &mn8);
-        const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))),
-                                         _mm256_set1_ps(ai_half_at(p)));
-        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
-                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        __m256 minv;
+        const __m256 scv = ai_k_scale_vectors(p, &minv);
         __m512 dsc[MR8];
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + blk * 8;

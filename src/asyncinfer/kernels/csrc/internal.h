@@ -152,12 +152,51 @@ AI_HIDDEN void ai_geglu(const float *g, const float *u, float *out, int64_t n);
 /* x[i] = cap * tanh(x[i] / cap) over n values (soft-capping); returns the largest result (-inf for n = 0). */
 AI_HIDDEN float ai_softcap(float *x, int64_t n, float cap);
 
+/* A run of 32 activations xb about to be rounded to integers within +-qmax (32767: int16, 127: int8): its float32
+ * sum in order, its scale (the largest |x| / qmax; NaN where a value is NaN or infinite, so the result is NaN
+ * too) and that scale's inverse (0 for a run of zeros or a NaN scale), the plain-C way (the scalar references'). */
+static inline void ai_run_scale_ref(const float *xb, float qmax, float *d, float *inv, float *total) {
+    float absmax = 0.0f, sum = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float v = fabsf(xb[i]);
+        absmax = v > absmax ? v : absmax; /* drops NaNs; the sum keeps them */
+        sum += xb[i];
+    }
+    *d = isfinite(sum) && isfinite(absmax) ? absmax / qmax : NAN;
+    *inv = *d > 0.0f ? qmax / absmax : 0.0f;
+    *total = sum;
+}
+
 #ifdef AI_AVX2
 static inline float ai_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* ai_run_scale_ref's scale and sum eight lanes at a time (the sum added in another order: (x0-7 + x8-15) +
+ * (x16-23 + x24-31)), and the run rounded to int32 in q[0..3] (elements 0-7, 8-15, ...; nearest even, as
+ * lrintf: the same integers as the reference). A NaN's lane is dropped by the max and rounds to a value the NaN
+ * scale makes irrelevant. */
+static inline float ai_round_run(const float *xb, float qmax, __m256i q[4], float *total) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+    mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+    const float absmax = _mm_cvtss_f32(mx);
+    *total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const float d = isfinite(*total) && isfinite(absmax) ? absmax / qmax : NAN;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? qmax / absmax : 0.0f); /* NaN d: zeros */
+    q[0] = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+    q[1] = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+    q[2] = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+    q[3] = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    return d;
 }
 
 /* e^x for 8 floats, within 2 ulp (Cody-Waite range reduction, Cephes' degree-5 polynomial); x is
