@@ -436,7 +436,7 @@ def test_the_environment_switch_forces_a_variant_or_names_the_allowed_values() -
         parts = [p.strip() for p in proc.stdout.split("|")]
         assert parts[:4] == ["True", "None", supported, "scalar"] and "'isa': 'scalar'" in parts[4], \
             proc.stdout + proc.stderr[-2000:]
-    hint = "(allowed values: scalar, avx2, avx512, case ignored; unset or empty: the best this CPU runs)"
+    hint = "(allowed values: scalar, avx2, avx512, avx512vnni, case ignored; unset or empty: the best this CPU runs)"
     bad = ["sse9"] + [isa for isa in ISAS if isa not in kernels.supported_isas()]  # and a variant this CPU lacks
     for value in bad:
         proc = run(code, **{ISA_ENV: value})
