@@ -10,11 +10,13 @@ int8 rounding, with its own layer tolerance below). So the GEMM agrees within
 a whole layer or decode step within 1e-3 of the largest |h| (a last-bit difference may flip one int16
 rounding of a later projection's input).
 
-The AVX-512 variant's code also runs where the CPU lacks AVX-512 ("avx512-emulated"): the same sources
-built with the AVX2 flags and ``-DASYNCINFER_EMULATE_AVX512``, which makes ``csrc/internal.h`` take the
-AVX-512 branch with its 512-bit intrinsics emulated by SIMDe's headers (``libsimde-dev``), compiled into a
-temporary directory and compared against the scalar reference by the same tests. Skipped where SIMDe's
-headers are missing, except under CI=true, where that fails (``.ci/run`` installs them).
+The AVX-512 variants' code also runs where the CPU lacks AVX-512 or VNNI ("avx512-emulated",
+"avx512vnni-emulated"): the same sources built with the AVX2 flags and ``-DASYNCINFER_EMULATE_AVX512`` (and
+``-DASYNCINFER_EMULATE_VNNI``), which make ``csrc/internal.h`` take the AVX-512 (VNNI) branch with its 512-bit
+and VNNI intrinsics emulated by SIMDe's headers (``libsimde-dev``), compiled into a temporary directory and
+compared against the scalar reference by the same tests. Skipped where SIMDe's headers are missing, except
+under CI=true, where that fails (``.ci/run`` installs them). The VNNI variant computes the same integers as the
+AVX-512 one with other instructions, so their GEMMs agree bit for bit (tested on every build this machine runs).
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ from asyncinfer import kernels
 from asyncinfer.kernels import _build
 from asyncinfer.kernels._variants import ISA_ENV, ISAS
 
-#: The AVX-512 variant's code with its 512-bit intrinsics emulated (on AVX2): tested beside the variants.
+#: The AVX-512 variants' code with their 512-bit intrinsics (and VNNI's) emulated (on AVX2): tested beside the
+#: variants, each with the flags of its build and the variant it reports itself as.
 EMULATED = "avx512-emulated"
-EMULATE_FLAGS = ("-DASYNCINFER_EMULATE_AVX512",)
-VARIANTS = (*ISAS, EMULATED)
+EMULATED_VNNI = "avx512vnni-emulated"
+EMULATIONS = {EMULATED: (("-DASYNCINFER_EMULATE_AVX512",), "avx512"),
+              EMULATED_VNNI: (("-DASYNCINFER_EMULATE_AVX512", "-DASYNCINFER_EMULATE_VNNI"), "avx512vnni")}
+VARIANTS = (*ISAS, *EMULATIONS)
 _emulated: dict[str, object] = {}
 
 
@@ -56,10 +61,11 @@ def has_simde(compiler: str) -> bool:
     return proc.returncode == 0
 
 
-def build_emulated_avx512(directory: Path) -> ctypes.CDLL:
-    """The AVX-512 variant's code built with the AVX2 flags and SIMDe's emulation, as the run-time build
-    builds a variant (its helpers, torch's OpenMP runtime), into ``directory``; checked to report itself as
-    the avx512 variant of this ABI version."""
+def build_emulated(name: str, directory: Path) -> ctypes.CDLL:
+    """An AVX-512 variant's code (``name``, a key of EMULATIONS) built with the AVX2 flags and SIMDe's
+    emulation, as the run-time build builds a variant (its helpers, torch's OpenMP runtime), into
+    ``directory``; checked to report itself as that variant of this ABI version."""
+    flags, reports = EMULATIONS[name]
     compiler = _build._compiler()
     assert compiler is not None  # the kernels were built (the fixture), so a compiler is there
     if not has_simde(compiler):
@@ -68,36 +74,37 @@ def build_emulated_avx512(directory: Path) -> ctypes.CDLL:
         if in_ci():
             pytest.fail(message + " (.ci/run installs them)")
         pytest.skip(message)
-    out = directory / "kernels-avx512-emulated.so"
+    out = directory / f"kernels-{name}.so"
+    (directory / name).mkdir(exist_ok=True)
     try:
-        _build._compile_and_link(compiler, "avx2", _build._sources(), directory, out, _build._torch_openmp(),
-                                 with_openmp=True, extra=EMULATE_FLAGS)
+        _build._compile_and_link(compiler, "avx2", _build._sources(), directory / name, out,
+                                 _build._torch_openmp(), with_openmp=True, extra=flags)
     except RuntimeError:  # a compiler without OpenMP: one thread
-        _build._compile_and_link(compiler, "avx2", _build._sources(), directory, out, None, with_openmp=False,
-                                 extra=EMULATE_FLAGS)
-    lib = _build._checked(ctypes.CDLL(str(out)), "avx512")
+        _build._compile_and_link(compiler, "avx2", _build._sources(), directory / name, out, None,
+                                 with_openmp=False, extra=flags)
+    lib = _build._checked(ctypes.CDLL(str(out)), reports)
     _build._configure(lib)
     assert lib.asyncinfer_panel_min_rows() == _build.PANEL_MIN_ROWS
     return lib
 
 
 def runs_here(isa: str) -> None:
-    if isa == EMULATED:
+    if isa in EMULATIONS:
         if "avx2" not in kernels.supported_isas():  # the emulation runs on AVX2 (and x86 only)
-            pytest.skip("the emulated AVX-512 build needs a CPU that runs the avx2 variant")
-        if "lib" not in _emulated:
-            _emulated["lib"] = build_emulated_avx512(_emulated["dir"])
+            pytest.skip(f"the {isa} build needs a CPU that runs the avx2 variant")
+        if isa not in _emulated:
+            _emulated[isa] = build_emulated(isa, _emulated["dir"])
         return
     if isa not in kernels.supported_isas():
         pytest.skip(f"this CPU does not run the {isa} variant")
 
 
 class on:
-    """The public functions on one variant's library (or the emulated AVX-512 build, once runs_here built
+    """The public functions on one variant's library (or an emulated AVX-512 build, once runs_here built
     it), for the length of a with block."""
 
     def __init__(self, isa: str) -> None:
-        self.lib = _emulated["lib"] if isa == EMULATED else _build.variant(isa)
+        self.lib = _emulated[isa] if isa in EMULATIONS else _build.variant(isa)
 
     def __enter__(self) -> None:
         self.saved, _build._lib = _build._lib, self.lib
@@ -181,6 +188,30 @@ def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     with on(isa):
         out = kernels.gemm(nan, random_blocks(fmt, n, 512, seed=1), fmt, n, activation_dtype="int8")
     assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any()
+
+
+@pytest.mark.parametrize(("vnni", "plain"), [("avx512vnni", "avx512"), (EMULATED_VNNI, EMULATED)])
+@pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
+def test_the_vnni_variant_equals_the_avx512_variant_bit_for_bit(vnni, plain, fmt) -> None:
+    """VNNI's fused dot products (vpdpbusd, vpdpwssd) form the same integers as AVX-512's multiply-add pairs and
+    the float32 work around them is the same: both activation dtypes, every row count, outliers that drive the
+    int8 and int16 products to their largest magnitudes."""
+    runs_here(plain)
+    runs_here(vnni)
+    n, k = 37, 1024
+    w = random_blocks(fmt, n, k, seed=11)
+    gen = torch.Generator().manual_seed(13)
+    bias = torch.randn(n, generator=gen)
+    for dtype in kernels.ACTIVATION_DTYPES:
+        for rows in (1, 2, 3, 4, 5, 8, 9):
+            x = torch.randn(rows, k, generator=gen)
+            x[0, 32:64] *= 1e4
+            x[-1, ::32] = 50.0  # one value a block at the block's largest magnitude
+            with on(plain):
+                want = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype)
+            with on(vnni):
+                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype)
+            assert torch.equal(got, want), (vnni, fmt, dtype, rows, (got - want).abs().max().item())
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -405,7 +436,7 @@ def test_the_environment_switch_forces_a_variant_or_names_the_allowed_values() -
         parts = [p.strip() for p in proc.stdout.split("|")]
         assert parts[:4] == ["True", "None", supported, "scalar"] and "'isa': 'scalar'" in parts[4], \
             proc.stdout + proc.stderr[-2000:]
-    hint = "(allowed values: scalar, avx2, avx512, case ignored; unset or empty: the best this CPU runs)"
+    hint = "(allowed values: scalar, avx2, avx512, avx512vnni, case ignored; unset or empty: the best this CPU runs)"
     bad = ["sse9"] + [isa for isa in ISAS if isa not in kernels.supported_isas()]  # and a variant this CPU lacks
     for value in bad:
         proc = run(code, **{ISA_ENV: value})

@@ -4,8 +4,8 @@ whole decoder layer and a whole decode step, argmax, the token embedding's rows 
 block formats (:func:`embed_rows`; the first step of :class:`DecodeStack`).
 
 The C sources (``csrc/``: ``asyncinfer_kernels.h`` carries the ABI) are built into one shared library per
-ISA variant: ``scalar`` (the plain-C reference, every machine), ``avx2`` (AVX2 + FMA + F16C) and ``avx512``
-(AVX-512 F/BW/VL), the x86 ones on x86 only. ``pip install`` builds them (``setup.py``); a checkout on
+ISA variant: ``scalar`` (the plain-C reference, every machine), ``avx2`` (AVX2 + FMA + F16C), ``avx512``
+(AVX-512 F/BW/VL) and ``avx512vnni`` (and AVX-512 VNNI), the x86 ones on x86 only. ``pip install`` builds them (``setup.py``); a checkout on
 ``PYTHONPATH`` builds them on first use with the system's C compiler into a private user cache
 (``<cache>/asyncinfer/kernels/``, or ``$ASYNCINFER_KERNEL_CACHE``). They are loaded with ctypes and share the
 OpenMP runtime torch has loaded. The variant is the best this CPU runs, or the one ``ASYNCINFER_KERNEL_ISA``

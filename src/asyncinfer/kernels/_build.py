@@ -45,7 +45,7 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 31
+_VERSION = 32
 #: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
 #: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
 PANEL_MIN_ROWS = 9
@@ -495,7 +495,7 @@ def loaded() -> bool:
 
 
 def isa() -> str:
-    """The variant the kernels run as here: ``"scalar"``, ``"avx2"`` or ``"avx512"``. RuntimeError naming
+    """The variant the kernels run as here: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512vnni"``. RuntimeError naming
     :func:`unavailable_reason` where they cannot run."""
     return _info_or_raise()["isa"]
 

@@ -1,6 +1,6 @@
 /* asyncinfer's CPU kernels: the ABI the Python side (kernels/_build.py, ops.py, decoder.py) binds with
  * ctypes. Every exported function, the layer_t struct and the ABI version are declared here and only
- * here; each ISA variant (scalar, avx2, avx512) is the same sources built with other flags, exporting
+ * here; each ISA variant (scalar, avx2, avx512, avx512vnni) is the same sources built with other flags, exporting
  * exactly these names.
  *
  * Error codes (int results): 0 success; -1 working memory could not be allocated or its size would
@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 31
+#define ASYNCINFER_KERNELS_VERSION 32
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -23,6 +23,7 @@
 #define ASYNCINFER_ISA_SCALAR 0
 #define ASYNCINFER_ISA_AVX2 1
 #define ASYNCINFER_ISA_AVX512 2
+#define ASYNCINFER_ISA_AVX512VNNI 3
 
 #define ASYNCINFER_ENOMEM (-1)
 /* Sizes a kernel cannot work with (a count of 0 it would divide by); the Python side refuses them first. */

@@ -731,8 +731,8 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
         ai_sub_words(fmt, p, w);
         for (int i = 0; i < ROWS; i++) {
             const int16_t *q = a->q + (m0 + i) * K + blk * QK;
-            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
-                                               _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(q + 16))));
+            const __m256i s = ai_dpwssd256(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)), w[1],
+                                           _mm256_loadu_si256((const __m256i *)(q + 16)));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[(m0 + i) * nb + blk] * scale[0]), acc[i]);
             if (ai_fmt_has_min(fmt)) offset[i] += min[0] * a->sum[(m0 + i) * nb + blk];
         }
@@ -748,14 +748,17 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
  * Two accumulators a row (even and odd sub-blocks), so that consecutive multiply-adds do not wait on each
  * other; every row is summed in the same order whatever ROWS is. */
 
-/* The products' int32 lanes of w0 and w1 added into one vector: any lanes (one scale for all 32, KQ_ADD), or
- * lanes 0-3 from elements 0-15 and 4-7 from 16-31 (Q6_K's two scales, KQ_HALVES). In the AVX2 order each of
- * t0 / t1 already has elements below 16 in lanes 0-3, so adding keeps the halves apart; in order, t0 holds
- * elements 0-15 and t1 16-31, whose 128-bit halves are summed into lanes 0-3 and 4-7. */
-#define KQ_ADD(t0, t1) _mm256_add_epi32((t0), (t1))
+/* The int32 lanes of w0 * x0 and w1 * x1 (madd's pair sums) added into one vector: any lanes (one scale for all
+ * 32, KQ_ADD; one fused instruction with VNNI), or lanes 0-3 from elements 0-15 and 4-7 from 16-31 (Q6_K's two
+ * scales, KQ_HALVES). In the AVX2 order each of the two products already has elements below 16 in lanes 0-3, so
+ * adding keeps the halves apart; in order, the first holds elements 0-15 and the second 16-31, whose 128-bit
+ * halves are summed into lanes 0-3 and 4-7. */
+#define KQ_ADD(w0, x0, w1, x1) ai_dpwssd256(_mm256_madd_epi16((w0), (x0)), (w1), (x1))
 #ifdef AI_AVX512
-#define KQ_HALVES(t0, t1) \
-    _mm256_add_epi32(_mm256_permute2x128_si256((t0), (t1), 0x20), _mm256_permute2x128_si256((t0), (t1), 0x31))
+#define KQ_HALVES(w0, x0, w1, x1) kq_halves(_mm256_madd_epi16((w0), (x0)), _mm256_madd_epi16((w1), (x1)))
+static inline __m256i kq_halves(__m256i t0, __m256i t1) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+}
 #else
 #define KQ_HALVES KQ_ADD
 #endif
@@ -767,8 +770,8 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
     do {                                                                                          \
         for (int i = 0; i < ROWS; i++) {                                                          \
             const int16_t *q = a->q + (m0 + i) * K + (blk * 8 + (j)) * QK;                        \
-            const __m256i s = COMBINE(_mm256_madd_epi16((w0), _mm256_loadu_si256((const __m256i *)q)), \
-                                      _mm256_madd_epi16((w1), _mm256_loadu_si256((const __m256i *)(q + 16)))); \
+            const __m256i s = COMBINE((w0), _mm256_loadu_si256((const __m256i *)q), (w1),         \
+                                      _mm256_loadu_si256((const __m256i *)(q + 16)));              \
             acc[i][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), SV, acc[i][slot]);              \
         }                                                                                         \
     } while (0)

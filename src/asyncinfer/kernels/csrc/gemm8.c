@@ -1,8 +1,8 @@
 /* Block formats with 8-bit activations (format codes with ASYNCINFER_FMT_ACT8 set): below PANEL_MIN_ROWS
  * activation rows, each block of 32 activations is rounded to int8 (x ~= dx * qx, |qx| <= 127, rounded to
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
- * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones; 256 bits a sub-block, the
- * AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
+ * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
+ * a sub-block, the AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
  * 32 activations (llama.cpp's k-quants take one per 256). From PANEL_MIN_ROWS rows on, the float32 panel runs,
  * exactly as without the flag (gemm.c).
  *
@@ -147,9 +147,7 @@ __attribute__((unused)) static float row8_ref(int fmt, const uint8_t *row, int64
  * AVX2 (and the AVX-512 build): a sub-block's 32 quants as unsigned bytes u in order, their products with 32
  * int8 activations in eight int32 lanes (lane l: elements 4 l to 4 l + 3), the centre's term subtracted in
  * lane 0. maddubs' pair sums stay within int16: u <= 63 (Q8_0: |q| <= 128) times |qx| <= 127, twice. */
-static inline __m256i dot_u8(__m256i u, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
+static inline __m256i dot_u8(__m256i u, __m256i x) { return ai_dpbusd256(_mm256_setzero_si256(), u, x); }
 
 static inline __m256i load_x(const acts8 *a, int64_t m, int64_t K, int64_t b) {
     return _mm256_loadu_si256((const __m256i *)(a->q + m * K + b * QK));
@@ -329,8 +327,10 @@ static inline __attribute__((always_inline)) void row8_blocks(const int fmt, con
             const __m256i u = fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(w, w) : w;
             for (int i = 0; i < ROWS; i++) {
                 const __m256i x = load_x(a, m0 + i, K, b);
-                __m256i s = dot_u8(u, fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(x, w) : x);
-                if (centre) s = _mm256_sub_epi32(s, _mm256_setr_epi32(centre * isum32(a, m0 + i, K, b), 0, 0, 0, 0, 0, 0, 0));
+                /* the centre's term starts lane 0 */
+                const __m256i c = centre ? _mm256_setr_epi32(-centre * isum32(a, m0 + i, K, b), 0, 0, 0, 0, 0, 0, 0)
+                                         : _mm256_setzero_si256();
+                const __m256i s = ai_dpbusd256(c, u, fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(x, w) : x);
                 acc[i][t & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&sc[i][t]), acc[i][t & 1]);
             }
         }
@@ -341,9 +341,7 @@ static inline __attribute__((always_inline)) void row8_blocks(const int fmt, con
 #ifdef AI_AVX512
 /* ---- AVX-512 BW: two sub-blocks (64 weights, 64 activations) per register; lanes 0-7 of the products the
  * first sub-block's, 8-15 the second's; scales and corrections moved into those lanes by permutes. */
-static inline __m512i dot512_u8(__m512i u, __m512i x) {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
-}
+static inline __m512i dot512_u8(__m512i u, __m512i x) { return ai_dpbusd512(_mm512_setzero_si512(), u, x); }
 
 /* Lanes 0-7: lane a of a vector; 8-15: lane b (an index for the 32-bit permutes). */
 static inline __m512i pair_idx(int a, int b) {
@@ -503,8 +501,8 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
                 for (int h = 0; h < 16; h += 8)
                     off[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * nb + 2 * (b0 + h)))),
                                              _mm256_loadu_ps(a->sum + at + h), off[i]);
-            /* Q4_0: 8 * (the block's sum of qx), a lane per block */
-            corr[i] = q4_0 ? _mm512_madd_epi16(_mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(8))
+            /* Q4_0: -8 * (the block's sum of qx), a lane per block */
+            corr[i] = q4_0 ? _mm512_madd_epi16(_mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(-8))
                            : _mm512_setzero_si512();
         }
 #pragma GCC unroll 8
@@ -518,8 +516,9 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
             for (int i = 0; i < ROWS; i++) {
                 __m512i x = load_x512(a, m0 + i, K, b);
                 if (q8) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-                __m512i s = dot512_u8(u, x);
-                if (q4_0) s = _mm512_sub_epi32(s, _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i]));
+                /* Q4_0's centre term starts lanes 0 and 8 */
+                const __m512i s = ai_dpbusd512(q4_0 ? _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i])
+                                                    : _mm512_setzero_si512(), u, x);
                 acc[i][t & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, sc[i]), acc[i][t & 1]);
             }
         }

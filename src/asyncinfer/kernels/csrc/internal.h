@@ -2,6 +2,8 @@
  * conversion, overflow-safe sizes and the internal entry points between files.
  *
  * Variants: every source is built once per ISA; the compiler's flags pick the code.
+ *   AI_VNNI:   AVX-512 VNNI on top of AI_AVX512: the integer dot products of the GEMM's rows fuse their
+ *              multiply and add (vpdpbusd, vpdpwssd); the same integers, so the same results as AI_AVX512
  *   AI_AVX512: AVX-512 F/BW/VL (+ AVX2, FMA, F16C): 512-bit hot loops of the GEMM, AVX2 elsewhere
  *   AI_AVX2:   AVX2 + FMA + F16C
  *   neither:   the scalar reference, plain C, every machine
@@ -54,11 +56,21 @@ static inline float ai_emulated_reduce_add_ps(__m512 v) {
 #define _mm512_cvtepi32_ps(v) ai_emulated_cvtepi32_ps(v)
 #define _mm512_reduce_add_ps(v) ai_emulated_reduce_add_ps(v)
 #define AI_AVX512 1
+#if defined(ASYNCINFER_EMULATE_VNNI) /* and the VNNI variant's code, through SIMDe's vpdpbusd / vpdpwssd */
+#define AI_VNNI 1
+#define AI_ISA ASYNCINFER_ISA_AVX512VNNI
+#else
 #define AI_ISA ASYNCINFER_ISA_AVX512
+#endif
 /* ---- end of the test-only emulation */
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AI_AVX512 1
+#if defined(__AVX512VNNI__)
+#define AI_VNNI 1
+#define AI_ISA ASYNCINFER_ISA_AVX512VNNI
+#else
 #define AI_ISA ASYNCINFER_ISA_AVX512
+#endif
 #else
 #define AI_ISA ASYNCINFER_ISA_AVX2
 #endif
@@ -168,6 +180,36 @@ static inline void ai_run_scale_ref(const float *xb, float qmax, float *d, float
 }
 
 #ifdef AI_AVX2
+/* Integer dot products added to acc, lane by lane: ai_dpbusd* the sums of four products of unsigned bytes u
+ * with signed bytes x (the callers keep each pair's sum within int16, where maddubs would saturate), ai_dpwssd256
+ * the sums of two products of int16 words (int32 arithmetic, wrapping as madd + add). VNNI's fused instruction,
+ * else the multiply-add pair and an add: the same integers either way. */
+static inline __m256i ai_dpbusd256(__m256i acc, __m256i u, __m256i x) {
+#ifdef AI_VNNI
+    return _mm256_dpbusd_epi32(acc, u, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i ai_dpwssd256(__m256i acc, __m256i w, __m256i x) {
+#ifdef AI_VNNI
+    return _mm256_dpwssd_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+#ifdef AI_AVX512
+static inline __m512i ai_dpbusd512(__m512i acc, __m512i u, __m512i x) {
+#ifdef AI_VNNI
+    return _mm512_dpbusd_epi32(acc, u, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+#endif
+
 static inline float ai_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -154,7 +154,9 @@ int asyncinfer_cpu_isas(void) {
     const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
     if (!(avx2 && fma && f16c)) return isas;
     isas |= 1 << ASYNCINFER_ISA_AVX2;
-    if (avx512f && avx512bw && avx512vl && (xcr0 & 0xE6) == 0xE6) isas |= 1 << ASYNCINFER_ISA_AVX512;
+    if (!(avx512f && avx512bw && avx512vl && (xcr0 & 0xE6) == 0xE6)) return isas;
+    isas |= 1 << ASYNCINFER_ISA_AVX512;
+    if ((c >> 11) & 1) isas |= 1 << ASYNCINFER_ISA_AVX512VNNI; /* AVX512_VNNI: vpdpbusd, vpdpwssd */
 #endif
     return isas;
 }
