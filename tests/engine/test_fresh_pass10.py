@@ -300,7 +300,8 @@ async def test_an_abort_of_a_request_waiting_to_be_bound_ends_it_as_an_abort(tin
     know the id and ignored it, and the request ran to its end once bound. It ends as an abort now, its id free."""
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)
     async with await AsyncEngine.load(tiny_models["llama"][0], **BASE) as engine:
-        old = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=60, ignore_eos=True)))
+        # `old` runs long enough (480 tokens, ~0.4 s on a fast machine) to be running still at the check below.
+        old = asyncio.ensure_future(engine.generate(GOOD, SamplingParams(max_tokens=480, ignore_eos=True)))
         while engine.step_stats().steps == 0:
             await asyncio.sleep(0.005)
         swap = asyncio.ensure_future(engine.swap_model(tiny_models["llama"][0], mode="drain"))  # waits for `old`
@@ -313,7 +314,7 @@ async def test_an_abort_of_a_request_waiting_to_be_bound_ends_it_as_an_abort(tin
         await swap
         out = await asyncio.wait_for(call, 10)
         assert out.finish_reason == "abort" and out.token_ids == []
-        assert len((await old).token_ids) == 60
+        assert len((await old).token_ids) == 480
         assert len((await engine.generate(GOOD, greedy, request_id="x")).token_ids) == 20  # the id is free again
         assert engine.kv_stats().used_blocks == 0
 
