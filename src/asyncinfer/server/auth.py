@@ -4,11 +4,12 @@ headers a decision reads, each given at most once."""
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.requests import Request
 
 from asyncinfer.server.errors import APIError, unauthorized
+from asyncinfer.server.settings import ServerSettings
 
 
 def bearer(request: Request, keys: Sequence[str], refuse: Callable[[bool], APIError] = unauthorized) -> str:
@@ -39,3 +40,22 @@ def single_header(request: Request, name: str) -> str | None:
 def is_v1(path: str) -> bool:
     """Whether ``path`` is under ``/v1``, where every answer, even "no such URL", needs an API key."""
     return path == "/v1" or path.startswith("/v1/")
+
+
+def require_api_key(settings: ServerSettings) -> Callable[[Request], Awaitable[str | None]]:
+    """A FastAPI dependency that asks a deployment's own routes for an API key, as the routes of
+    :func:`~asyncinfer.server.openai_router` ask for it under the same ``settings``:
+
+        @app.get("/haiku", dependencies=[Depends(require_api_key(settings))])
+
+    It returns the caller's key (``None`` on a server without keys, where everyone gets in; declare
+    ``key: str | None = Depends(require_api_key(settings))`` to read it). A missing or wrong key is the
+    routes' own 401, OpenAI's error body with an ``X-Request-Id``, answered by the handler
+    :func:`~asyncinfer.server.guard_app` installs (in an app without it, the refusal is a plain 500, never
+    the route)."""
+    keys = settings.accepted_keys
+
+    async def api_key(request: Request) -> str | None:
+        return bearer(request, keys) if keys else None
+
+    return api_key

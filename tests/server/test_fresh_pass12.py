@@ -1,0 +1,122 @@
+"""Adversarial pass 12 (a hostile caller over HTTP): faults found on the HTTP side and fixed."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI
+from starlette.requests import Request
+
+from asyncinfer import SamplingParams
+from asyncinfer.server import ModelSpec, ServerSettings, create_app, guard_app
+
+from .conftest import TINY_OPTIONS, LiveServer
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("key-one", "key-two")
+TEXT = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2}
+
+
+def _port(live: LiveServer) -> int:
+    return live.server.servers[0].sockets[0].getsockname()[1]
+
+
+def _statuses(answer: bytes) -> list[bytes]:
+    return re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+
+
+def _error_of(answer: bytes) -> tuple[dict[str, str], dict]:
+    """The headers and the error body of an answer that is one error."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in head.decode("latin-1").split("\r\n")[1:])
+    return headers, json.loads(body)["error"]
+
+
+# ---------------------------------------------------------------- a deployment's own routes
+# A deployment's own route next to the OpenAI router (examples/openai_server.py's /haiku) ran the engine for anyone:
+# the API key was checked by the router's routes only. `require_api_key(settings)` is the same check, as a FastAPI
+# dependency: the same 401 (OpenAI's body, an X-Request-Id) for a missing or wrong key.
+@pytest.fixture(scope="module")
+def own_route(tiny_models):
+    from asyncinfer.server import require_api_key
+
+    settings = ServerSettings(api_keys=KEYS)
+    app = create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)
+    calls: list[str | None] = []
+
+    @app.get("/mine")
+    async def mine(request: Request, key: str | None = Depends(require_api_key(settings))) -> dict:
+        calls.append(key)
+        out = await request.app.state.engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        return {"tokens": len(out.token_ids)}
+
+    with LiveServer(app, settings) as live:
+        yield live, calls
+
+
+def test_a_deployments_own_route_asks_for_the_key_as_the_routers_do(own_route) -> None:
+    live, calls = own_route
+    with httpx.Client(base_url=live.url, timeout=60) as http:
+        for headers, code in [({}, None), ({"authorization": "Bearer wrong"}, "invalid_api_key"),
+                              ({"authorization": "Basic key-one"}, None)]:
+            mine, router = http.get("/mine", headers=headers), http.get("/v1/models", headers=headers)
+            assert mine.status_code == router.status_code == 401, mine.text
+            assert mine.json() == router.json()
+            assert mine.json()["error"] == {"message": router.json()["error"]["message"],
+                                            "type": "invalid_request_error", "param": None, "code": code}
+            assert mine.headers["x-request-id"].startswith("req-")
+            assert mine.headers["content-type"] == "application/json"
+        assert calls == []  # the engine never ran for them
+        ok = http.get("/mine", headers={"authorization": "Bearer key-two"})
+        assert ok.status_code == 200 and ok.json() == {"tokens": 2}
+        assert calls == ["key-two"]  # the route reads which key called
+
+
+def test_without_keys_require_api_key_lets_everyone_in(tiny_models) -> None:
+    from fastapi.testclient import TestClient
+
+    from asyncinfer.server import require_api_key
+
+    settings = ServerSettings()
+    app = guard_app(FastAPI(), settings)
+
+    @app.get("/open")
+    async def open_route(key: str | None = Depends(require_api_key(settings))) -> dict:
+        return {"key": key}
+
+    with TestClient(app) as http:
+        assert http.get("/open", headers={"authorization": "Bearer anything"}).json() == {"key": None}
+
+
+def test_the_example_servers_own_route_asks_for_the_key(monkeypatch) -> None:
+    """examples/openai_server.py's /haiku, with ASYNCINFER_API_KEY set: a 401 without the key (it ran the engine)."""
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("ASYNCINFER_API_KEY", "sk-example")
+    monkeypatch.delenv("ASYNCINFER_METRICS_KEY", raising=False)
+    monkeypatch.setattr(sys, "argv", ["openai_server.py"])
+    example = runpy.run_path(str(ROOT / "examples" / "openai_server.py"), run_name="example")
+
+    prompts: list = []
+
+    class Engine:  # what the lifespan would load: the route's calls of it, recorded
+        async def generate(self, prompt, params):
+            prompts.append(prompt)
+            return type("Out", (), {"text": "an old pond"})()
+
+    example["haiku"].__globals__["engine"] = Engine()
+    http = TestClient(example["app"])  # not entered: no lifespan, no model
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = http.get("/haiku", headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.headers["x-request-id"]
+    assert prompts == []
+    r = http.get("/haiku", params={"topic": "rain"}, headers={"authorization": "Bearer sk-example"})
+    assert r.status_code == 200 and r.json() == {"haiku": "an old pond"}
+    assert prompts == [[{"role": "user", "content": "A haiku about rain."}]]
