@@ -120,3 +120,68 @@ def test_the_example_servers_own_route_asks_for_the_key(monkeypatch) -> None:
     r = http.get("/haiku", params={"topic": "rain"}, headers={"authorization": "Bearer sk-example"})
     assert r.status_code == 200 and r.json() == {"haiku": "an old pond"}
     assert prompts == [[{"role": "user", "content": "A haiku about rain."}]]
+
+
+# ---------------------------------------------------------------- duplicate headers
+# A header a decision reads, given twice, is a 400 `duplicate_header`. That check ran before the key's: a caller
+# without a key was told which headers the server reads (a 400 naming the tenant header, where the key's 401 was
+# due), and two wrong keys were a 400, not a 401. And it ran for the tenant header on every server and route, read
+# or not: a client (or a proxy) sending `X-Tenant-Id` twice to a server that never reads it was refused. Now the key
+# is checked first, and each header only where it is read.
+@pytest.fixture(scope="module")
+def trusting(tiny_models):
+    """A keyed server that takes its tenant and priority from a proxy's headers."""
+    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
+        yield live
+
+
+@pytest.mark.parametrize("copies", [
+    [("x-team", "vip"), ("X-Team", "bob")],
+    [("x-priority", "-9"), ("x-priority", "5")],
+    [("content-type", "application/json"), ("content-type", "text/plain")],
+    [("authorization", "Bearer wrong"), ("authorization", "Bearer also-wrong")],
+    [("authorization", "Bearer wrong"), ("authorization", "Basic key-one")],
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/nope"])
+def test_without_an_accepted_key_a_duplicate_header_is_a_401(trusting, copies, path) -> None:
+    """A caller without an accepted key learns nothing but the 401: not which headers the server reads."""
+    got_key = any(name == "authorization" and value.startswith("Bearer ") for name, value in copies)
+    with httpx.Client(base_url=trusting.url) as http:
+        r = http.post(path, headers=copies, content=json.dumps(TEXT))
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == ("invalid_api_key" if got_key else None)
+        assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("copies", [
+    [("authorization", "Bearer key-one"), ("x-team", "vip"), ("X-Team", "bob")],
+    [("authorization", "Bearer wrong"), ("authorization", "Bearer key-one")],
+])
+def test_with_an_accepted_key_a_duplicate_header_is_still_a_400(trusting, copies) -> None:
+    with httpx.Client(base_url=trusting.url) as http:
+        r = http.post("/v1/completions", headers=copies, content=json.dumps(TEXT))
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], copies[-1][0].lower() in r.json()["error"]["message"]) == (
+            "duplicate_header", True)
+
+
+def test_a_header_is_checked_only_where_it_is_read(server, trusting) -> None:
+    # the default settings read no tenant header: sent twice, it changes nothing
+    tenant_twice = [("x-tenant-id", "a"), ("x-tenant-id", "b")]
+    body = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", headers=tenant_twice, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    # nor an Authorization header on a server without keys
+    r = httpx.post(server.url + "/v1/completions", headers=[("authorization", "Bearer a"), ("authorization", "b")],
+                   json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    # a server that reads the tenant and priority headers reads them on generation routes only
+    key = [("authorization", "Bearer key-one")]
+    with httpx.Client(base_url=trusting.url, timeout=60) as http:
+        for extra in ([("x-team", "a"), ("x-team", "b")], [("x-priority", "1"), ("x-priority", "2")],
+                      [("x-team", "")]):
+            r = http.get("/v1/models", headers=key + extra)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "ids", r.text
+        r = http.get("/v1/models", headers=key + [("content-type", "a/b"), ("content-type", "c/d")])
+        assert r.status_code == 200, r.text  # no body read: its type is not read either

@@ -1,5 +1,5 @@
 """Who is calling: a request's bearer key, checked against the accepted keys in constant time, and the
-headers a decision reads, each given at most once."""
+headers a decision reads, each given at most once (checked after the key, and only where it is read)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,28 @@ from asyncinfer.server.settings import ServerSettings
 
 def bearer(request: Request, keys: Sequence[str], refuse: Callable[[bool], APIError] = unauthorized) -> str:
     """The request's bearer key if it is one of ``keys`` (each compared in constant time); otherwise
-    ``refuse(got_key)`` is raised (a 401; ``got_key``: whether a key was given at all)."""
-    scheme, _, token = (single_header(request, "authorization") or "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise refuse(False)
-    given = token.encode()
-    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
-    if not any(matches):
-        raise refuse(True)
-    return token
+    ``refuse(got_key)`` is raised (a 401; ``got_key``: whether a key was given at all).
+
+    Every copy of ``Authorization`` is checked, and a request that gives it more than once is the 400
+    ``duplicate_header`` (:func:`single_header`) only once one copy holds an accepted key: a caller
+    without one gets the 401 and learns nothing more (not which headers a decision reads)."""
+    values = request.headers.getlist("authorization")
+    accepted: str | None = None
+    got_key = False
+    for value in values:
+        scheme, _, token = value.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            continue
+        got_key = True
+        given = token.encode()
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+        if any(matches) and accepted is None:
+            accepted = token
+    if accepted is None:
+        raise refuse(got_key)
+    single_header(request, "authorization")
+    return accepted
 
 
 def single_header(request: Request, name: str) -> str | None:
