@@ -6,17 +6,20 @@ import json
 import re
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import Depends, FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from asyncinfer import SamplingParams
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, guard_app
 
 from .conftest import TINY_OPTIONS, LiveServer
+from .test_fresh_pass8 import _exchange
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("key-one", "key-two")
@@ -185,3 +188,79 @@ def test_a_header_is_checked_only_where_it_is_read(server, trusting) -> None:
             assert r.status_code == 200 and r.json()["data"][0]["id"] == "ids", r.text
         r = http.get("/v1/models", headers=key + [("content-type", "a/b"), ("content-type", "c/d")])
         assert r.status_code == 200, r.text  # no body read: its type is not read either
+
+
+# ---------------------------------------------------------------- request framing
+def _echo_app() -> tuple[FastAPI, list[bytes]]:
+    """A guarded app whose POST /echo answers the body it read; the bodies, recorded."""
+    bodies: list[bytes] = []
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> Response:
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # its connection closed: nobody reads an answer
+            return Response(status_code=499)
+        bodies.append(body)
+        return JSONResponse({"got": body.decode("latin-1")})
+
+    return guard_app(app), bodies
+
+
+SMUGGLED = b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
+CHUNKED_EMPTY = b"0\r\n\r\n"
+
+
+# A request with both Content-Length and Transfer-Encoding is framed two ways: a proxy that reads one and a server
+# that reads the other disagree on where it ends, and what one takes for its body the other serves as a request of its
+# own (smuggled past the proxy). httptools refuses such a request; h11 took it and read its chunks, serving it. Now both
+# refuse it with a 400 in OpenAI's shape, and the connection closes: nothing after its head is read.
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n",
+    b"Content-Length: %d\r\nTransfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\n",
+])
+def test_a_request_framed_by_both_content_length_and_transfer_encoding_is_refused(protocol, headers) -> None:
+    app, bodies = _echo_app()
+    body = CHUNKED_EMPTY + SMUGGLED  # chunked: an empty body, then a request; by its length: one body
+    raw = b"POST /echo HTTP/1.1\r\nHost: x\r\n" + headers % len(body) + b"\r\n" + body
+    with LiveServer(app, http=protocol) as live:
+        start = time.monotonic()
+        answer = _exchange(_port(live), [(raw, 0)], timeout=20)
+        assert time.monotonic() - start < 5  # refused, closed: not left to a timeout
+        assert _statuses(answer) == [b"400"], answer
+        headers_of, error = _error_of(answer)
+        assert headers_of["connection"] == "close" and headers_of["x-request-id"].startswith("conn-")
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_http_request", None)
+        assert bodies == []  # no app ran: neither the request nor the one in its body
+        assert httpx.post(live.url + "/echo", content=b"ok").json() == {"got": "ok"}  # the server serves on
+
+
+# A chunked body that is not valid chunked coding (a chunk size that is no hex number, a chunk longer than its size)
+# is refused by httptools' parser, but uvicorn's protocol took that for bytes behind a request in flight and kept the
+# connection, reading nothing more, until the request in flight (the very one whose body broke) was answered: its app
+# waited for the rest of its body until the body deadline (30 s), then a 408. Now the request is refused at once: a 400
+# in OpenAI's shape, the connection closed; one pipelined behind an answered request is refused after that answer.
+MALFORMED_CHUNKS = [b"zz\r\nhello\r\n0\r\n\r\n", b"5\r\nhelloXX\r\n0\r\n\r\n", b"-1\r\n\r\n"]
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+@pytest.mark.parametrize("chunks", MALFORMED_CHUNKS)
+def test_a_malformed_chunked_body_is_refused_at_once(protocol, chunks) -> None:
+    app, bodies = _echo_app()
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    good = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok"
+    with LiveServer(app, http=protocol) as live:
+        for pieces, statuses in [([(head + chunks, 0)], [b"400"]),
+                                 ([(head, 0.2), (chunks, 0)], [b"400"]),  # the body after the app has started
+                                 ([(good + head + chunks, 0)], [b"200", b"400"])]:  # pipelined behind a request
+            start = time.monotonic()
+            answer = _exchange(_port(live), pieces, timeout=20)
+            assert time.monotonic() - start < 5, (pieces, answer)  # the body deadline is 30 s
+            assert _statuses(answer) == statuses, answer
+            _headers, error = _error_of(answer[answer.rindex(b"HTTP/1.1 400"):])
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request")
+        assert bodies == [b"ok"]  # the good request only
+
