@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from asyncinfer import SamplingParams
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, guard_app
 
 from .conftest import TINY_OPTIONS, LiveServer
@@ -264,3 +265,34 @@ def test_a_malformed_chunked_body_is_refused_at_once(protocol, chunks) -> None:
             assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request")
         assert bodies == [b"ok"]  # the good request only
 
+
+# ---------------------------------------------------------------- Ray Serve's builder
+# `serve run asyncinfer.serve_ray:build model=... api_keys=sk-one,sk-two` gives every argument as text, and the builder
+# made a tuple of it: a key per character ("s", "k", "-", ...), so any one-character bearer token got in. Text is now
+# keys separated by commas (blank, or with an empty item, refused), as ASYNCINFER_API_KEY is read; a list (a config
+# file's YAML list) is taken as it is.
+def test_ray_serves_api_keys_text_is_split_on_commas() -> None:
+    pytest.importorskip("ray")
+    from asyncinfer.serve_ray import _server_settings
+
+    for given, keys in [("sk-one", ("sk-one",)), ("sk-one, sk-two", ("sk-one", "sk-two")), (" k1 ,k2 ", ("k1", "k2")),
+                        (["sk-one", "sk-two"], ("sk-one", "sk-two")), (("k",), ("k",)), ([], ()), (None, ())]:
+        settings = _server_settings({} if given is None else {"api_keys": given})
+        assert settings.api_keys == keys, given
+        assert settings.accepted_keys == keys
+    assert "s" not in _server_settings({"api_keys": "sk-one"}).accepted_keys
+    for bad in ("", " ", ",", "sk-one,,sk-two", "sk-one,", 7, ["sk-one", ""], ["sk-one", 3]):
+        with pytest.raises(InvalidParameterError) as refused:
+            _server_settings({"api_keys": bad})
+        assert refused.value.parameter == "api_keys", bad
+    assert _server_settings({"api_keys": "a,b", "cache_isolation": "api-key"}).cache_isolation == "api-key"
+
+
+def test_ray_serves_builder_refuses_api_keys_text_with_an_empty_key_before_deploying() -> None:
+    pytest.importorskip("ray")
+    from asyncinfer.serve_ray import build
+
+    for bad in ("sk-one,", ""):  # were the keys "s", "k", "-", "o", "n", "e", ","; and no key at all
+        with pytest.raises(InvalidParameterError) as refused:
+            build({"model": "/models/llama", "api_keys": bad})
+        assert refused.value.parameter == "api_keys"
