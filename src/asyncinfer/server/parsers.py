@@ -54,12 +54,12 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
         class H11(H11Protocol):
-            """uvicorn's h11 protocol, its 400 in OpenAI's shape (a request with both a ``Content-Length`` and a
-            ``Transfer-Encoding`` refused with it, which h11 read as chunked: see :func:`_framed_twice`), handling at most :data:`H11_EVENTS_PER_TURN` of h11's
+            """uvicorn's h11 protocol, its 400 in OpenAI's shape, handling at most :data:`H11_EVENTS_PER_TURN` of h11's
             events (a request's head, a piece of its body) in one turn of the loop; the rest is handled in the next
             turns. uvicorn handled all that one read held at once: a body sent in chunks of one byte is an event a
             byte, each some 16 microseconds of Python, so a read of them held the loop (every other caller's answers)
-            for seconds."""
+            for seconds. A request with both a ``Content-Length`` and a ``Transfer-Encoding``, which h11 reads as
+            chunked, is refused with that 400 before any app runs (:func:`_framed_twice`), as httptools refuses it."""
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
