@@ -14,7 +14,7 @@ import argparse
 import socket
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.server import (
@@ -24,6 +24,7 @@ from asyncinfer.server import (
     guard_app,
     metrics_keys_from_env,
     openai_router,
+    require_api_key,
     run_server,
 )
 
@@ -52,7 +53,8 @@ app.include_router(openai_router(lambda: engine, settings))  # the engine of the
 guard_app(app, settings)  # OpenAI errors on every route (404, 405, ...), request ids, the body deadline
 
 
-@app.get("/haiku")
+# Your own routes ask for the same key as the router's (a 401 in OpenAI's shape without it)
+@app.get("/haiku", dependencies=[Depends(require_api_key(settings))])
 async def haiku(topic: str = "autumn") -> dict:
     out = await engine.generate([{"role": "user", "content": f"A haiku about {topic}."}], SamplingParams(max_tokens=48))
     return {"haiku": out.text}

@@ -32,8 +32,9 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
-from asyncinfer.server.settings import model_specs
+from asyncinfer.server.settings import keys_from_text, model_specs
 
 __all__ = ["OpenAIReplica", "build", "openai_app"]
 
@@ -110,7 +111,9 @@ def build(args: Mapping[str, Any]) -> Application:
 
     ``args``: ``model``, ``name`` (default: the model's file name), ``options`` (engine
     options), ``embedding_model``, ``num_replicas``, ``autoscaling_config``,
-    ``ray_actor_options``, ``max_ongoing_requests``, ``api_keys``, ``cache_isolation``.
+    ``ray_actor_options``, ``max_ongoing_requests``, ``api_keys`` (a list of keys, as a config file's YAML
+    list gives it, or text of comma-separated keys, as ``serve run ... api_keys=sk-one,sk-two`` gives it),
+    ``cache_isolation``.
     Deployed from a config file, a later change of the deployment's ``user_config``
     alone (``{"model": ...}``) reconfigures the running replicas in place, rolling:
     each swaps its model hot (:meth:`~asyncinfer.AsyncEngine.swap_model`).
@@ -119,10 +122,27 @@ def build(args: Mapping[str, Any]) -> Application:
     specs = [ModelSpec(model, args.get("name") or ModelSpec.served_name(model), dict(args.get("options") or {}))]
     if args.get("embedding_model"):
         specs.append(ModelSpec(args["embedding_model"], ModelSpec.served_name(args["embedding_model"])))
-    settings = ServerSettings(api_keys=tuple(args.get("api_keys") or ()),
-                              cache_isolation=args.get("cache_isolation", "off"))
+    settings = _server_settings(args)
     kwargs = {key: args[key] for key in ("num_replicas", "autoscaling_config", "ray_actor_options",
                                           "max_ongoing_requests") if key in args}
     if isinstance(kwargs.get("num_replicas"), str) and kwargs["num_replicas"].isdigit():
         kwargs["num_replicas"] = int(kwargs["num_replicas"])
     return openai_app(specs, settings, **kwargs)
+
+
+def _server_settings(args: Mapping[str, Any]) -> ServerSettings:
+    """The :class:`ServerSettings` of :func:`build`'s ``args``: ``api_keys`` and ``cache_isolation``."""
+    return ServerSettings(api_keys=_api_keys(args.get("api_keys")), cache_isolation=args.get("cache_isolation", "off"))
+
+
+def _api_keys(value: Any) -> tuple[str, ...]:
+    """``api_keys`` as :func:`build` takes it: absent (``None``): no key; text: keys separated by commas (``serve
+    run`` gives every argument as text; it was read a character at a time, each character a key), blank or with an
+    empty item refused; a list (or another sequence) of keys, checked by :class:`ServerSettings`."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return keys_from_text("api_keys", value, "leave api_keys out to ask for none")
+    if not isinstance(value, Sequence):
+        raise InvalidParameterError("api_keys", value, "a list of keys, or text of comma-separated keys")
+    return tuple(value)

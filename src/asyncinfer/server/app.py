@@ -132,6 +132,8 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
       are a 401 first for a request without an accepted key: no route discovery without one;
     - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
       OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
+    - an :class:`APIError` a route of the app's own raises (the 401 of
+      :func:`~asyncinfer.server.require_api_key`, or one of its own) answered in that shape;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
       the connection closes;
     - no redirect for a trailing slash (``app.router.redirect_slashes`` off): Starlette's 307 to the
@@ -143,10 +145,18 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     app.router.redirect_slashes = False
     app.add_exception_handler(HTTPException, _keyed_http_errors(settings.accepted_keys))
+    app.add_exception_handler(APIError, _api_error)  # require_api_key's refusal, in a deployment's own routes
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(RequestDeadlines, settings=settings)
     return app
+
+
+def _api_error(request: Request, exc: Exception) -> Response:
+    """An :class:`APIError` raised outside the router's routes (by :func:`~asyncinfer.server.require_api_key`
+    in a route of the app's own), answered as the routes answer theirs."""
+    assert isinstance(exc, APIError)
+    return exc.response(new_request_id())
 
 
 def _keyed_http_errors(keys: tuple[str, ...]) -> Callable[[Request, Exception], Response]:

@@ -58,7 +58,8 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
             events (a request's head, a piece of its body) in one turn of the loop; the rest is handled in the next
             turns. uvicorn handled all that one read held at once: a body sent in chunks of one byte is an event a
             byte, each some 16 microseconds of Python, so a read of them held the loop (every other caller's answers)
-            for seconds."""
+            for seconds. A request with both a ``Content-Length`` and a ``Transfer-Encoding``, which h11 reads as
+            chunked, is refused with that 400 before any app runs (:func:`_framed_twice`), as httptools refuses it."""
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
@@ -66,6 +67,7 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                     self.ws_protocol_class = _openai_handshakes(self.ws_protocol_class)
                 self.events_left = H11_EVENTS_PER_TURN
                 self.more_events: asyncio.Handle | None = None  # the next turn's handling, when one is due
+                self.refusal: APIError | None = None  # why the next 400 refuses the request, when not the default
                 parse = self.conn.next_event
 
                 def next_event() -> Any:  # what uvicorn's handle_events reads the connection's events with
@@ -74,7 +76,13 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                             self.more_events = self.loop.call_soon(self._handle_more_events)
                         return h11.NEED_DATA
                     self.events_left -= 1
-                    return parse()
+                    event = parse()
+                    if isinstance(event, h11.Request) and _framed_twice(event.headers):
+                        # h11 reads such a body as chunked (RFC 9112 lets a server do so, if it closes after): refused
+                        # instead, before any app runs, as httptools refuses it
+                        self.refusal = _framing_error()
+                        raise h11.RemoteProtocolError("Content-Length and Transfer-Encoding", 400)
+                    return event
 
                 self.conn.next_event = next_event  # type: ignore[method-assign]
 
@@ -93,7 +101,8 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                     self.handle_events()
 
             def send_400_response(self, msg: str) -> None:
-                _refuse(self.transport)
+                body = self.refusal is None and self.conn.their_state is h11.SEND_BODY
+                _refuse(self.transport, _malformed_body_error() if body else self.refusal)
 
         return H11
     import httptools
@@ -114,7 +123,10 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         - a request asking for an upgrade uvicorn does not make (``Upgrade: h2c``) read as plain HTTP, its body
           included, and a ``CONNECT``'s bytes never parsed as requests (:meth:`_not_upgraded`);
         - bytes it cannot parse, behind requests not yet answered, refused after their answers (uvicorn's 400 went
-          out at once, as the answer of the request in flight, which was never answered).
+          out at once, as the answer of the request in flight, which was never answered);
+        - a request whose own body it cannot parse (malformed chunked coding) refused at once, or, queued behind
+          requests not yet answered, never run and refused after their answers (taken for bytes behind the request
+          in flight, it waited for the rest of its body until the body deadline: :meth:`_refuse_body`).
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -126,6 +138,7 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
             self.refuse_pending = False  # unparsable bytes came behind requests in flight: a 400 after their answers
             self.owed = 0  # bytes of a body the parser skipped (see _not_upgraded) still to come
             self.owed_cycle: Any = None  # the request they are for
+            self.refusal: APIError | None = None  # why the pending 400 refuses, when not the default
 
         def data_received(self, data: bytes) -> None:
             while data and not self.pipeline_full:
@@ -197,6 +210,9 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
         def send_400_response(self, msg: str) -> None:
             if self.pipeline_full:  # the parser stopped at _PipelineFull: nothing unparsable, nothing to answer
                 return
+            if self.cycle is not None and not self.cycle.response_complete and self.cycle.more_body:
+                self._refuse_body(self.cycle)  # its head is in and its message is not: it is its own body
+                return
             if self.cycle is not None and not self.cycle.response_complete:
                 # unparsable bytes behind requests not yet answered: they are answered first (the 400 went out at
                 # once, as the answer of the request in flight, which was never answered), then the 400, and the
@@ -206,12 +222,31 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
                 return
             _refuse(self.transport)
 
+        def _refuse_body(self, cycle: Any) -> None:
+            """``cycle``'s body is not valid chunked coding: it can never be read to its end. The request in
+            flight is refused now (a 400 and the connection closed; its app then reads a disconnect), or the
+            connection just closed if its answer has begun; one queued behind requests not yet answered is dropped
+            from the queue, never run, and refused once they are answered (nothing more is read meanwhile)."""
+            queued = next((i for i, (c, _app) in enumerate(self.pipeline) if c is cycle), None)
+            if queued is None:
+                if cycle.response_started:
+                    self.transport.close()
+                else:
+                    _refuse(self.transport, _malformed_body_error())
+                return
+            del self.pipeline[queued]
+            self.unanswered = [c for c in self.unanswered if c is not cycle]
+            self.refusal = _malformed_body_error()
+            self.pipeline_full = self.refuse_pending = True
+            self.flow.pause_reading()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.refuse_pending and not self.pipeline and self.cycle is not None and self.cycle.response_complete:
+            if (self.refuse_pending and not self.pipeline and self.cycle is not None
+                    and all(c.response_complete for c in self.unanswered)):
                 self.refuse_pending = False
                 if not self.transport.is_closing():
-                    _refuse(self.transport)
+                    _refuse(self.transport, self.refusal)
 
         def on_headers_complete(self) -> None:
             if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:
@@ -246,13 +281,32 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
     return HttpTools
 
 
-def _refuse(transport: asyncio.Transport) -> None:
+def _refuse(transport: asyncio.Transport, error: APIError | None = None) -> None:
     """What uvicorn's ``send_400_response`` does (its ``msg`` is always "Invalid HTTP request received."),
-    in OpenAI's shape."""
-    error = APIError(400, "The request is not valid HTTP/1.1: the server could not parse its request line or "
-                          "headers.", code="invalid_http_request")
+    in OpenAI's shape: ``error``, by default a request line or headers it could not parse."""
+    if error is None:
+        error = APIError(400, "The request is not valid HTTP/1.1: the server could not parse its request line or "
+                              "headers.", code="invalid_http_request")
     transport.write(error.raw_response(new_request_id("conn")))
     transport.close()
+
+
+def _framed_twice(headers: Any) -> bool:
+    """Whether a request's (lower-case) headers frame its body both by ``Content-Length`` and by
+    ``Transfer-Encoding``: a proxy that reads one and a server that reads the other disagree on where the body
+    ends, and what one takes for its body the other serves as a request of its own (request smuggling)."""
+    names = {bytes(name).lower() for name, _value in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+def _framing_error() -> APIError:
+    return APIError(400, "The request gives both a Content-Length and a Transfer-Encoding, so where its body ends is "
+                         "ambiguous (RFC 9112, 6.3): send one of them.", code="invalid_http_request")
+
+
+def _malformed_body_error() -> APIError:
+    return APIError(400, "The request's chunked body is not valid chunked coding (a chunk size that is no hexadecimal "
+                         "number, or a chunk not followed by CRLF): it cannot be read.", code="invalid_http_request")
 
 
 @functools.cache

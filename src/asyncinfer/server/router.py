@@ -123,17 +123,20 @@ class _OpenAI:
         # what this server decodes, renders and counts on the loop in one turn of it, all calls together
         # (as the engine's own share bounds its tokenizing): a burst of calls, each short, would hold it for their sum
         self.loop_share = LoopShare(OFF_LOOP_CHARS)
-        # the headers a decision reads: a request giving one of them twice is a 400 (auth.single_header)
-        self._single = ("authorization", "content-type", settings.tenant_header,
-                        *(() if settings.priority_header is None else (settings.priority_header,)))
+        # the headers a generation's decisions read besides the key and the body's type (the tenant header only where
+        # the settings read it): a request giving one of them twice is a 400 (auth.single_header), after the key
+        reads_tenant = settings.tenant_from == "header" or settings.cache_isolation == "header"
+        self._generation_headers = (*((settings.tenant_header,) if reads_tenant else ()),
+                                    *(() if settings.priority_header is None else (settings.priority_header,)))
 
     # ------------------------------------------------------------------ routes
     async def chat_completions(self, request: Request) -> Response:
-        return await self._call(request, "chatcmpl", parse_chat, self._chat, ChatRequest.rename, shape=CHAT_BODY)
+        return await self._call(request, "chatcmpl", parse_chat, self._chat, ChatRequest.rename, shape=CHAT_BODY,
+                                generation=True)
 
     async def completions(self, request: Request) -> Response:
         return await self._call(request, "cmpl", parse_completion, self._complete, CompletionRequest.rename,
-                                shape=COMPLETION_BODY)
+                                shape=COMPLETION_BODY, generation=True)
 
     async def embeddings(self, request: Request) -> Response:
         return await self._call(request, "embd", parse_embedding, self._embed, shape=EMBEDDING_BODY)
@@ -170,13 +173,18 @@ class _OpenAI:
         rename: Callable[[str], str] = lambda p: p,
         authorize: Callable[[Request], str | None] | None = None,
         shape: type[msgspec.Struct] | None = None,
+        generation: bool = False,
     ) -> Response:
+        """``generation``: the call generates, reading the tenant and priority headers (where the settings name
+        them) and the cache salt."""
         call_id = new_request_id(prefix)
         try:
-            for name in self._single:  # before any of them decides anything
+            key = (authorize or self._authorize)(request)  # first: a caller without a key learns only its 401
+            # each header read below, given once (before any of them decides anything); only those this call reads
+            for name in (*(("content-type",) if parse is not None else ()),
+                         *(self._generation_headers if generation else ())):
                 single_header(request, name)
-            key = (authorize or self._authorize)(request)
-            call = _Call(call_id, request, key, self._cache_salt(request, key))
+            call = _Call(call_id, request, key, self._cache_salt(request, key) if generation else None)
             body = await self._body(request, parse, shape) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)

@@ -22,16 +22,21 @@ TENANT_FROM = ("api-key", "header", "request")
 MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
-def _keys_from_env(name: str, environ: Mapping[str, str] | None) -> tuple[str, ...]:
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None:
-        return ()
+def keys_from_text(name: str, raw: str, unset: str = "unset it to ask for none") -> tuple[str, ...]:
+    """The keys in ``raw``, comma-separated, spaces around each dropped. Blank (``""``, spaces, commas only), or
+    with an empty item (``sk-x,,sk-y``, a trailing comma): ``InvalidParameterError`` naming ``name`` (``unset``
+    says how to ask for no key instead), so that a server meant to ask for keys never starts without them."""
     keys = tuple(key.strip() for key in raw.split(","))
     if not all(keys):  # set to nothing, or with a blank item ("sk-x,,sk-y"): not what someone meant to require
         shown = raw if not any(keys) else "<keys with an empty item between commas>"
         raise InvalidParameterError(name, shown, "comma-separated non-empty keys, no empty item between or "
-                                                 "after the commas (unset it to ask for none)")
+                                                 f"after the commas ({unset})")
     return keys
+
+
+def _keys_from_env(name: str, environ: Mapping[str, str] | None) -> tuple[str, ...]:
+    raw = (os.environ if environ is None else environ).get(name)
+    return () if raw is None else keys_from_text(name, raw)
 
 
 def api_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
