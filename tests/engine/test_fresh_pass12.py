@@ -87,3 +87,32 @@ async def test_remove_model_after_an_overlapping_swap_ends_the_old_versions_requ
         assert len(engine._link.thread._holders) == 1
         out = await asyncio.wait_for(engine.generate(GOOD, SamplingParams(max_tokens=3)), 30)
         assert len(out.token_ids) == 3
+
+
+# ----------------------------------------------------------------- `asyncinfer generate` goes through admission
+def test_the_generate_command_runs_through_the_engines_admission_control(llama, tmp_path, capsys) -> None:
+    """``asyncinfer generate`` runs its requests in-process through ``engine.generate``, so the engine's admission
+    limits hold for it as for the API: with ``--max-num-seqs 1 --max-waiting-requests 0`` the requests sent beside
+    the first one are refused. Such a refusal (``EngineOverloadedError``) used to end the whole job (exit status 2,
+    the request already running aborted); it is that request's ``error`` now, in the flags' terms, and the job goes
+    on (exit status 1). Within the limits every request runs."""
+    import json
+
+    from asyncinfer import cli
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7, 8], "id": f"q{i}"}) + "\n" for i in range(3)))
+    flags = ["--file", str(prompts), "--max-tokens", "4", "--ignore-eos", "--max-num-seqs", "1",
+             "--kv-cache-memory", "4MiB", "--threads", "1", "--dtype", "float32", "--no-progress"]
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", str(llama), *flags, "--max-waiting-requests", "0", "--output", str(out)]) == 1
+    first, *refused = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (first["id"], first["finish_reason"], first["completion_tokens"]) == ("q0", "length", 4)
+    assert [r["id"] for r in refused] == ["q1", "q2"]
+    for record in refused:
+        assert set(record) == {"id", "error"}
+        assert "(--max-num-seqs=1 + --max-waiting-requests=0)" in record["error"]
+    assert "1 of 3 requests done" in capsys.readouterr().err
+    assert cli.main(["generate", str(llama), *flags, "--max-waiting-requests", "2", "--output", str(out)]) == 0
+    done = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["completion_tokens"]) for r in done] == [("q0", 4), ("q1", 4), ("q2", 4)]
