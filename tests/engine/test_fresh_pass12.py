@@ -168,3 +168,115 @@ async def test_embedding_many_texts_never_holds_the_event_loop_for_their_tokeniz
         torch.testing.assert_close(vectors[:3], alone, atol=1e-5, rtol=1e-5)
         assert engine.embedding_stats().num_texts == 30003
     assert max(lags) < 0.15, f"the loop stalled {max(lags) * 1e3:.0f} ms"  # before: 0.48 s, the whole tokenizing
+
+
+# ----------------------------------------------------------------- a model config's sizes are bounded
+_HF_KEYS = ["hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"]
+
+
+@pytest.mark.parametrize("key", _HF_KEYS)
+def test_a_config_json_size_past_max_config_size_is_refused_naming_its_key_before_any_weight(
+        llama, tmp_path, monkeypatch, key) -> None:
+    """A config.json's sizes were taken whatever their size: ``hidden_size``, ``vocab_size``, ``head_dim``,
+    ``max_position_embeddings`` or ``sliding_window`` of 2**40 made a config that overflowed later (shapes, int32
+    indices, byte counts), and a head count failed inside transformers' own validator. Each is held to
+    ``MAX_CONFIG_SIZE`` (2**31 - 1) now: a ModelLoadError naming the key and the file, as the config is read,
+    before any weight."""
+    import json
+    import shutil
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models import loader
+    from asyncinfer.models.config import MAX_CONFIG_SIZE
+
+    assert MAX_CONFIG_SIZE == 2**31 - 1
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: MAX_CONFIG_SIZE + 1}))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(loader, "_materialise", no_weights)
+    for read in (lambda: loader.read_model_config(model), lambda: AsyncEngine.from_pretrained(model, **BASE)):
+        with pytest.raises(ModelLoadError) as info:
+            read()
+        assert f"config.json: {key} = {MAX_CONFIG_SIZE + 1}" in str(info.value)
+        if key == "num_hidden_layers":  # the layers the shards hold bound it more tightly (test_fresh_pass7.py)
+            assert "but its weights hold 2 layer(s)" in str(info.value)
+        else:
+            assert f"is larger than any model's (at most MAX_CONFIG_SIZE = {MAX_CONFIG_SIZE})" in str(info.value)
+
+
+def test_sizes_at_max_config_size_are_read_and_the_model_config_holds_the_bound_itself(llama, tmp_path) -> None:
+    """The bound itself is a size a config may give; past it, the ``ModelConfig`` every format is read into
+    refuses it too (an embedding model's ``EncoderConfig`` alike), naming the field."""
+    import dataclasses
+    import json
+    import shutil
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.config import MAX_CONFIG_SIZE
+    from asyncinfer.models.encoder import EncoderConfig
+    from asyncinfer.models.loader import read_model_config
+
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_CONFIG_SIZE}))
+    read = read_model_config(model)
+    assert read.max_position_embeddings == MAX_CONFIG_SIZE
+    for field in ("hidden_size", "vocab_size", "num_layers", "head_dim", "max_position_embeddings",
+                  "sliding_window"):
+        with pytest.raises(ModelLoadError, match=f"model config: {field} = {2**40} is larger than any model's"):
+            dataclasses.replace(read, **{field: 2**40})
+    with pytest.raises(ModelLoadError, match=f"encoder config: hidden_size = {2**40} is larger"):
+        EncoderConfig(architecture="bert", vocab_size=30, hidden_size=2**40, intermediate_size=64, num_layers=2,
+                      num_heads=4, max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12,
+                      hidden_act="gelu")
+
+
+def test_an_encoder_config_json_size_past_max_config_size_is_refused_naming_its_key(tiny_bert, tmp_path) -> None:
+    """An embedding model's config.json is held to the same bound, as it is read."""
+    import json
+    import shutil
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.encoder import read_encoder_config
+
+    model = tmp_path / "encoder"
+    shutil.copytree(tiny_bert, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**63}))
+    with pytest.raises(ModelLoadError, match=f"config.json: max_position_embeddings = {2**63} is larger"):
+        read_encoder_config(model)
+    with pytest.raises(ModelLoadError, match="max_position_embeddings"):
+        asyncio.run(AsyncEngine.load(model, num_threads=1))
+
+
+@pytest.mark.parametrize("key", ["context_length", "embedding_length", "feed_forward_length", "vocab_size",
+                                 "attention.head_count", "attention.key_length", "attention.sliding_window"])
+def test_a_gguf_header_size_past_max_config_size_is_refused_naming_its_key(tmp_path, key) -> None:
+    """A GGUF header's sizes (``<arch>.context_length`` of 2**40, ...) are held to ``MAX_CONFIG_SIZE`` as the header
+    is read, naming the metadata key, before its tensors or the other keys are looked at."""
+    import gguf
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.loader import read_model_config
+
+    kind = gguf.GGUFValueType
+    keys = {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128, "context_length": 128,
+            "block_count": 0, "vocab_size": 32, key: 2**40}
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, value in keys.items():
+        writer.add_key_value(f"llama.{name}", value, kind.UINT64)
+    writer.add_key_value("llama.attention.layer_norm_rms_epsilon", 1e-5, kind.FLOAT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=rf"metadata llama\.{key} = {2**40} is larger than any model's"):
+        read_model_config(path)

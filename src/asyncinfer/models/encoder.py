@@ -35,6 +35,7 @@ from asyncinfer.models.checkpoint import (
     safetensors_files,
     tensor_names,
 )
+from asyncinfer.models.config import check_config_size, check_config_sizes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,6 +74,8 @@ class EncoderConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # num_heads=0: ZeroDivisionError
                 raise ModelLoadError(f"encoder config: {name}={value!r} must be a positive int")
+            if name != "num_layers":  # held to the layers the shards hold (load_encoder)
+                check_config_size(name, value, "encoder config")
         if self.architecture not in ENCODER_ARCHITECTURES:
             raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
         if self.hidden_act not in _ACTIVATIONS:
@@ -124,6 +127,7 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     """The encoder's config from config.json and the sentence-transformers files beside it."""
     path = Path(path)
     raw = read_json(path / "config.json")
+    check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(path / "config.json"))  # before any is built from
     pooling, normalize = "mean", True
     pooling_file = _pooling_config_file(path)
     if pooling_file is not None:
@@ -159,6 +163,10 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
 
 
+# config.json's sizes held to MAX_CONFIG_SIZE as it is read; num_hidden_layers is held to the layers the shards
+# hold, a tighter bound, before any layer is built (load_encoder).
+_ENCODER_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                      "max_position_embeddings", "type_vocab_size")
 _POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
 
 
