@@ -355,7 +355,7 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", default=None, metavar="OUT",
                    help="time the real runner of --model, write a cost model JSON to OUT, and exit")
     p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating")
+    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -621,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
     embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
     embed.add_argument("--threads", metavar="N", type=int, default=None,
-                       help="torch CPU threads (default: torch's setting, one per core; on a busy or shared machine, 1)")
+                       help="torch CPU threads, 1 to 4096 (default: torch's setting, one per core; on a busy or shared "
+                       "machine, 1)")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",

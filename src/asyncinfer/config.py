@@ -81,6 +81,11 @@ def plain_fields(options: Any) -> None:
             object.__setattr__(options, f.name, plain)
 
 
+#: The most torch intra-op threads ``num_threads`` may ask for: OpenMP aborts the whole process (no exception to
+#: catch) when told to start a team far beyond any machine's cores (``num_threads=20000``).
+MAX_THREADS = 4096
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -115,7 +120,7 @@ class EngineConfig:
       model version), so unseeded samples differ from one engine, or one run, to the next; an int
       in [0, 2**63 - 1] makes them repeat for the same traffic in the same order. A request's own
       seed is reproducible either way.
-    - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
+    - ``num_threads``: torch intra-op threads for the CPU, 1..``MAX_THREADS`` (4096; default: leave torch's setting).
     - ``activation_reserve``: bytes kept free for activations when sizing the KV cache by fraction.
     - ``quantization``: the weight format of every projection and the LM head (docs/formats.md).
       "auto" (default): on a CPU with ``dtype`` "auto", the model's own block format, "q4_1" or
@@ -219,7 +224,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
-        check_int("num_threads", self.num_threads, 1, optional=True)
+        check_int("num_threads", self.num_threads, 1, MAX_THREADS, optional=True)
         check_int("activation_reserve", self.activation_reserve, 0)
         check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)
         check_int("max_consecutive_step_failures", self.max_consecutive_step_failures, 1)

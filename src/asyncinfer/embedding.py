@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.config import check_int, from_options, plain_fields, resolve_device, resolve_dtype
+from asyncinfer.config import MAX_THREADS, check_int, from_options, plain_fields, resolve_device, resolve_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import MiB
 from asyncinfer.models.encoder import EncoderConfig, LoadedEncoder
@@ -42,7 +42,7 @@ class EmbeddingConfig:
       (default 5; 0 = run whatever is queued at once).
     - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
       truncated as sentence-transformers does (default: the model's, 256 for MiniLM).
-    - ``num_threads``: torch intra-op threads for the CPU (default: leave torch's setting).
+    - ``num_threads``: torch intra-op threads for the CPU, 1..``MAX_THREADS`` (4096; default: leave torch's setting).
     """
 
     dtype: Any = "auto"
@@ -64,7 +64,7 @@ class EmbeddingConfig:
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
             raise InvalidParameterError("max_wait_ms", wait, "a number of milliseconds in [0, 1000]")
         check_int("max_seq_len", self.max_seq_len, 2, 8192, optional=True)
-        check_int("num_threads", self.num_threads, 1, 4096, optional=True)
+        check_int("num_threads", self.num_threads, 1, MAX_THREADS, optional=True)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EmbeddingConfig:

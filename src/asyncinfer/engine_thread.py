@@ -110,9 +110,13 @@ class AddHolder:
 
 @dataclass(frozen=True)
 class RemoveHolder:
-    """Stop stepping a removed generator (it holds no request any more)."""
+    """Retire every live version of a removed generator (the serving one and those still draining after an
+    overlapping swap; with ``abort``, end their requests now), stop stepping it once none is left, then call
+    ``done``."""
 
     holder: ModelHolder
+    abort: bool
+    done: Callable[[], Any]  # called on the engine thread once the holder is no longer stepped
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._removing: dict[ModelHolder, Callable[[], Any]] = {}  # removed holders still draining: their done
         self._idle_wait = 0.0  # the back-off while nothing can be scheduled (0: not backing off)
         self._thread = threading.Thread(target=self._run, name="asyncinfer-core", daemon=True)
 
@@ -191,6 +196,7 @@ class EngineThread:
         self._drain_inbox()
         for holder in self._holders:
             holder.retire_idle()
+        self._drop_removed()
         # At most one embedding batch per model between two generation steps.
         embed_wait = self._run_embedding_batches(flush=self._stopping)
         if not any(h.has_unfinished_requests() for h in self._holders):
@@ -252,8 +258,9 @@ class EngineThread:
                 return holder.drain(version, abort=abort)
             case AddHolder(holder):
                 self._holders.append(holder)
-            case RemoveHolder(holder):
-                self._holders.remove(holder)
+            case RemoveHolder(holder, abort, done):
+                self._removing[holder] = done
+                return holder.drain_all(abort=abort)
             case Stop(abort):
                 self._stopping = True
                 if abort:
@@ -261,6 +268,14 @@ class EngineThread:
                         self._fail_embeds(batcher, "the engine was closed with abort=True")
                     return [out for holder in self._holders for out in holder.abort_all()]
         return []
+
+    def _drop_removed(self) -> None:
+        """Stop stepping each removed holder whose last version has been dropped, and say so."""
+        for holder, done in list(self._removing.items()):
+            if not holder.live:
+                self._holders.remove(holder)
+                del self._removing[holder]
+                done()
 
     # ------------------------------------------------------------- embeddings
     def _run_embedding_batches(self, *, flush: bool) -> float | None:

@@ -142,6 +142,14 @@ class ModelHolder:
             return version.core.abort_all()
         return []
 
+    def drain_all(self, *, abort: bool) -> list[CoreOutput]:
+        """Mark every live version draining (the model is being removed): the serving one and any still draining
+        after an overlapping swap; with ``abort``, end all their requests now."""
+        outputs: list[CoreOutput] = []
+        for version in self.live:
+            outputs.extend(self.drain(version, abort=abort))
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return any(v.core is not None and v.core.has_unfinished_requests() for v in self.live)
 

@@ -271,10 +271,17 @@ class ModelChanges:
             del models.removing[name]
 
     async def _retire_holder(self, holder: ModelHolder, abort: bool) -> None:
-        if holder.current is not None:
-            await self.retire(holder.current, abort, holder)
-        if self.link.started:
-            self.link.post(RemoveHolder(holder))
+        """Retire every version of ``holder``, the serving one and those still draining after an overlapping swap
+        (retiring the serving one alone left the old versions' requests unstepped, their callers waiting for
+        ever), and wait until the engine thread no longer steps it."""
+        self.check_usable()
+        holder.current = None
+        if not self.link.started:  # no step loop yet: no version holds a request
+            holder.drain_all(abort=False)
+            holder.retire_idle()
+            return
+        removed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self.link.wait_for(removed, RemoveHolder(holder, abort, self.link.resolver(removed)))
 
     async def _remove_embedder(self, name: str, abort: bool) -> None:
         models = self.models

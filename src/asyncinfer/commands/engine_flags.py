@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.config import EngineConfig
+from asyncinfer.config import MAX_THREADS, EngineConfig
 from asyncinfer.errors import InvalidParameterError
 
 MiB = 1024**2
@@ -138,7 +138,7 @@ FLAGS: tuple[Flag, ...] = (
          "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
     Flag("seed", "--engine-seed", _or_none(_int), "seed of the engine's generator, used by requests that set no "
          "seed of their own (--seed)", "SEED", none="none: fresh entropy for each engine"),
-    Flag("num_threads", "--threads", _or_none(_int), "torch CPU threads", "N", none="none: torch's setting"),
+    Flag("num_threads", "--threads", _or_none(_int), f"torch CPU threads, 1 to {MAX_THREADS}", "N", none="none: torch's setting"),
     Flag("activation_reserve", "--activation-reserve", _size,
          "memory kept free for activations when the KV budget is a fraction: bytes or a size", "SIZE"),
     Flag("quantization", "--quantization", _or_none(str), "weight format (docs/formats.md): auto (on a CPU with "

@@ -19,7 +19,10 @@ Output: one line per request, in input order (``--output``, default stdout)::
     {"id": "q7", "text": "...", "finish_reason": "stop", "prompt_tokens": 9, "completion_tokens": 20}
 
 A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
-and the job goes on; the exit status is then 1.
+and the job goes on; the exit status is then 1. The requests go through the engine's own
+admission control, as an HTTP server's do: with ``--max-waiting-requests N``, a request sent
+while ``--max-num-seqs`` + N others are in flight is refused (its ``error`` says so), so keep
+``--concurrency`` within that sum to have every request run.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncinfer.commands import CommandError
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
 _REQUEST_KEYS = {"prompt", "messages", "id"}
@@ -215,8 +218,10 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
                 if len(result.outputs) > 1:
                     record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in result.outputs]
                 progress.done(record["completion_tokens"])
-            except InvalidParameterError as exc:  # this request only: the job goes on
-                record = {"id": job.id, "error": str(exc)}
+            except (InvalidParameterError, EngineOverloadedError) as exc:  # this request only: the job goes on
+                from asyncinfer.commands.engine_flags import in_flag_terms
+
+                record = {"id": job.id, "error": in_flag_terms(str(exc))}
                 failed += 1
                 progress.done(0)
         results[i] = record

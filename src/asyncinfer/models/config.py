@@ -27,6 +27,35 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
+#: The largest size a model's config may give (hidden_size, intermediate_size, vocab_size, layers, heads, head_dim,
+#: max_position_embeddings, sliding_window): int32's largest. Shapes, the kernels' int32 indices and the memory
+#: plan's byte counts are made from them; a larger one overflowed there, far from the file that said it, instead
+#: of being refused when the config is read, before any weight.
+MAX_CONFIG_SIZE = 2**31 - 1
+
+#: The size keys of a Hugging Face config.json (its own names; a multimodal config's ``text_config`` too).
+HF_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+
+
+def check_config_sizes(raw: Any, keys: tuple[str, ...], where: str) -> None:
+    """Refuse a size in config.json's ``raw`` dict (and its ``text_config``) past :data:`MAX_CONFIG_SIZE`, naming
+    the key and ``where`` (the file), before anything is built from it. Sizes of another type are left to the
+    checks that read them."""
+    for part, prefix in ((raw, ""), (raw.get("text_config") if isinstance(raw, dict) else None, "text_config.")):
+        if not isinstance(part, dict):
+            continue
+        for key in keys:
+            check_config_size(prefix + key, part.get(key), where)
+
+
+def check_config_size(name: str, value: object, where: str = "model config") -> None:
+    """Refuse one size past :data:`MAX_CONFIG_SIZE`, naming it (``name``: its key where it was read)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_CONFIG_SIZE:
+        raise ModelLoadError(f"{where}: {name} = {value} is larger than any model's (at most MAX_CONFIG_SIZE = "
+                             f"{MAX_CONFIG_SIZE})")
+
+
 _POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
 
 
@@ -118,6 +147,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelLoadError(f"model config: {name}={value!r} must be a positive int")
+            check_config_size(name, value)
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "
@@ -147,6 +177,7 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ModelLoadError(f"model config: sliding_window={window!r} must be None or a positive int")
+        check_config_size("sliding_window", window)
         if self.layer_types is None:
             return
         if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:

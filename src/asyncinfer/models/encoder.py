@@ -35,6 +35,7 @@ from asyncinfer.models.checkpoint import (
     safetensors_files,
     tensor_names,
 )
+from asyncinfer.models.config import check_config_size, check_config_sizes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,6 +74,8 @@ class EncoderConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # num_heads=0: ZeroDivisionError
                 raise ModelLoadError(f"encoder config: {name}={value!r} must be a positive int")
+            if name != "num_layers":  # held to the layers the shards hold (load_encoder)
+                check_config_size(name, value, "encoder config")
         if self.architecture not in ENCODER_ARCHITECTURES:
             raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
         if self.hidden_act not in _ACTIVATIONS:
@@ -124,6 +127,7 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     """The encoder's config from config.json and the sentence-transformers files beside it."""
     path = Path(path)
     raw = read_json(path / "config.json")
+    check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(path / "config.json"))  # before any is built from
     pooling, normalize = "mean", True
     pooling_file = _pooling_config_file(path)
     if pooling_file is not None:
@@ -159,6 +163,10 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
 
 
+# config.json's sizes held to MAX_CONFIG_SIZE as it is read; num_hidden_layers is held to the layers the shards
+# hold, a tighter bound, before any layer is built (load_encoder).
+_ENCODER_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                      "max_position_embeddings", "type_vocab_size")
 _POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
 
 
@@ -299,6 +307,25 @@ READ_WINDOWS = 6
 _WORD_END = re.compile(r"\S(?= )")
 
 
+#: Texts one tokenizer call is given (:func:`tokenize_texts`): a fast tokenizer encodes a batch with the GIL let go,
+#: but makes its results Python objects holding it, in one call that no other thread can interrupt; 10,000 texts
+#: held it 0.26 s (the event loop of an ``embed()`` call tokenized in a worker thread stalled as long). 64 texts
+#: hold it about 2 ms.
+TOKENIZE_CHUNK = 64
+
+
+def tokenize_texts(tokenizer: Any, texts: list[str], max_len: int) -> list[list[int]]:
+    """Token ids of each text, [CLS] ... [SEP], truncated to ``max_len`` tokens, each text read only as far as
+    that reaches (:func:`read_part`); ``tokenizer`` is called on :data:`TOKENIZE_CHUNK` texts at a time, so a
+    thread waiting for the GIL (the event loop) gets it between two calls."""
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        part = [read_part(tokenizer, text, max_len) for text in texts[start:start + TOKENIZE_CHUNK]]
+        enc = tokenizer(part, truncation=True, max_length=max_len, add_special_tokens=True)
+        ids.extend(list(row) for row in enc["input_ids"])
+    return ids
+
+
 def read_part(tokenizer: Any, text: str, max_len: int) -> str:
     """The start of ``text`` that an embedding of at most ``max_len`` tokens (``tokenizer``'s) reads: a prefix that
     ends where a word ends before a space (the tokenizers split words there, so its tokens are the whole text's
@@ -349,9 +376,7 @@ class LoadedEncoder:
         A long text is tokenized only as far as its first ``max_seq_len`` tokens reach (:func:`read_part`): the
         tokenizer truncates only once it has tokenized the whole text, and a text of 24 M characters took 44 s of
         a worker thread and 2.9 GB (120 times the text: a few times that ended the process)."""
-        texts = [read_part(self.tokenizer, text, self.config.max_seq_len) for text in texts]
-        enc = self.tokenizer(texts, truncation=True, max_length=self.config.max_seq_len, add_special_tokens=True)
-        batch = [list(ids) for ids in enc["input_ids"]]
+        batch = tokenize_texts(self.tokenizer, texts, self.config.max_seq_len)
         vocab = self.config.vocab_size
         for i, ids in enumerate(batch):  # a tokenizer file's ids may lie past its count, which the load checks
             if ids and not (0 <= min(ids) and max(ids) < vocab):

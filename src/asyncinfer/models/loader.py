@@ -65,8 +65,11 @@ from asyncinfer.models.checkpoint import (
 )
 from asyncinfer.models.config import (
     FULL_ATTENTION,
+    HF_SIZE_KEYS,
     SLIDING_ATTENTION,
     ModelConfig,
+    check_config_size,
+    check_config_sizes,
     hf_config_family,
     normalise_token_ids,
 )
@@ -335,6 +338,7 @@ def _hf_model_config(path: Path) -> ModelConfig:
     raw = read_json(path / "config.json")
     family = hf_config_family(raw, path / "config.json")
     _check_hf_layer_count(path, raw, family.weight_map)  # before transformers builds anything one a layer
+    check_config_sizes(raw, HF_SIZE_KEYS, str(path / "config.json"))  # before transformers or ModelConfig reads one
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
@@ -587,6 +591,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         ModelLoadError: naming the metadata key or the tensor.
     """
     arch = reader.fields.get("general.architecture")
+    for key in _GGUF_SIZE_KEYS:  # before anything is built from them
+        check_config_size(f"metadata {arch}.{key}", reader.fields.get(f"{arch}.{key}"), f"GGUF file {reader.path}")
     _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
     try:
         config = gguf_model_config(reader)
@@ -597,6 +603,11 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     projections = tuple((name, fmt) for name, fmt in stored if name not in embeddings)
     return replace(config, stored_formats=stored, native_format=_native_format(projections))
 
+
+#: The size keys of a GGUF header (after ``<arch>.``), each held to MAX_CONFIG_SIZE as the header is read.
+_GGUF_SIZE_KEYS = ("embedding_length", "feed_forward_length", "vocab_size", "block_count", "context_length",
+                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                   "attention.value_length", "rope.dimension_count", "attention.sliding_window")
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.")
 

@@ -8,7 +8,7 @@ from typing import Any
 from asyncinfer.engine import AsyncEngine
 from asyncinfer.errors import EngineClosedError, InvalidParameterError
 from asyncinfer.holder import ModelVersionInfo
-from asyncinfer.models.encoder import read_part
+from asyncinfer.models.encoder import tokenize_texts
 
 
 def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
@@ -53,9 +53,7 @@ def embedding_token_counter(engine: AsyncEngine, model: str) -> Callable[[list[s
     tokenizer = engine.get_tokenizer(model)
 
     def count(texts: list[str]) -> list[int]:  # each text read as far as the model reads it (all of it was 120x its size)
-        encoded = tokenizer([read_part(tokenizer, text, max_len) for text in texts], truncation=True,
-                            max_length=max_len, add_special_tokens=True)
-        return [len(ids) for ids in encoded["input_ids"]]
+        return [len(ids) for ids in tokenize_texts(tokenizer, texts, max_len)]  # a few texts a tokenizer call
     return count
 
 
