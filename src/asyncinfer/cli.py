@@ -54,17 +54,21 @@ def _defaults(cls: Any) -> dict[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.engine_flags import add_engine_flags
 
-    p.add_argument("--model", metavar="MODEL", default=None, help="HF model directory, .gguf file or known name "
-                                                 "(default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--model", "-m", metavar="MODEL", default=None,
+                   help="HF model directory, .gguf file, known name or a Hugging Face Hub id in the local HF cache "
+                        "(default: SmolLM2-135M-Instruct, fetched once)")
     add_engine_flags(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     defaults = _defaults(SamplingParams)
+    from asyncinfer.commands.foreign_flags import ALIASES
+
     for flag, field, kind, text in _SAMPLING_ARGS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
         metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
-        p.add_argument(flag, type=kind, default=None, dest=field, metavar=metavar, help=text + shown)
+        p.add_argument(flag, *ALIASES.get(flag, ()), type=kind, default=None, dest=field, metavar=metavar,
+                       help=text + shown)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
@@ -789,6 +793,10 @@ class _Parser(argparse.ArgumentParser):
     are of this class too (``add_subparsers`` makes them of the parser's class)."""
 
     def error(self, message: str) -> NoReturn:
+        import re
+
+        # a flag with aliases (--max-model-len/--ctx-size/-c) named by its own name, as its help and docs name it
+        message = re.sub(r"^argument (--[\w-]+)(?:/-[\w-]+)+:", r"argument \1:", message)
         self.exit(2, f"asyncinfer: error: {message}\n")
 
 
@@ -798,6 +806,16 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     does not know the subcommand's flags)."""
     import difflib
 
+    from asyncinfer.commands.foreign_flags import refusal
+
+    words = sys.argv[1:] if argv is None else argv
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    command = next((w for w in words if not w.startswith("-")), None)
+    if command in subparsers:  # vLLM's and llama.cpp's flags: refused with a hint before argparse reads them
+        known = [f for a in subparsers[command]._actions for f in a.option_strings]
+        refused = refusal(command, words[words.index(command) + 1:], known)
+        if refused is not None:
+            subparsers[command].exit(2, f"asyncinfer: error: {refused}\n")
     args, extra = parser.parse_known_args(argv)
     if not extra:
         return args

@@ -222,6 +222,11 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
+def known_name(text: str) -> bool:
+    """Whether ``text`` is one of the model names :func:`resolve_model` knows (any case)."""
+    return text.lower() in _DEFAULT_ALIASES + _MINILM_ALIASES
+
+
 _HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 
 
