@@ -516,7 +516,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_engine_args(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in requests and /v1/models (default: SmolLM2-135M-Instruct for the "
-                        "default model, else the file's or directory's name without .gguf)")
+                        "default model, a Hub id's whole id, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "

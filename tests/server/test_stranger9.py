@@ -48,3 +48,17 @@ def test_a_415_names_the_header_and_the_value_to_send(server) -> None:
         "The request body must be JSON: send the header `Content-Type: application/json` (UTF-8; curl: -H "
         "'Content-Type: application/json'), got Content-Type 'application/x-www-form-urlencoded'."
     )
+
+
+def test_a_hub_id_is_served_under_the_whole_id(tmp_path, monkeypatch) -> None:
+    """``asyncinfer serve Qwen/Qwen2.5-0.5B-Instruct`` (from the local Hugging Face cache) served it as
+    ``Qwen2.5-0.5B-Instruct``, and the clients written for vLLM, which ask for the whole id, got a 404."""
+    from asyncinfer.server import ModelSpec
+
+    monkeypatch.chdir(tmp_path)
+    assert ModelSpec.served_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert ModelSpec.served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"  # a known name
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").mkdir()
+    assert ModelSpec.served_name("models/tiny") == "tiny"  # a path here: its directory's name
+    assert ModelSpec.served_name("/abs/dir/m.gguf") == "m"
