@@ -182,3 +182,17 @@ def test_a_bad_value_of_a_flag_with_aliases_names_the_flag_once(capsys) -> None:
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert error_line(capsys) == message
+
+
+def test_a_text_file_of_prompts_given_to_generate_says_what_a_line_is(tmp_path, capsys) -> None:
+    """``--file prompts.txt`` (one plain prompt a line) said only "not JSON (Expecting value: ...)"."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Tell me a joke\nWhat is 2+2?\n", encoding="utf-8")
+    assert cli.main(["generate", "--file", str(prompts)]) == 2
+    assert error_line(capsys) == (
+        f"{prompts} line 1: not JSON (Expecting value: line 1 column 1 (char 0)): each line is a JSON object such "
+        'as {"prompt": "Tell me a joke"} (or a JSON string); plain prompts go on the command line as --prompt TEXT')
+    prompts.write_text('{"prompt": "x",}\n', encoding="utf-8")  # broken JSON: the parser's reason alone
+    assert cli.main(["generate", "--file", str(prompts)]) == 2
+    assert error_line(capsys) == (f"{prompts} line 1: not JSON (Expecting property name enclosed in double quotes: "
+                                  "line 1 column 16 (char 15))")

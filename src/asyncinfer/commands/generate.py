@@ -132,7 +132,10 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     try:
         item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
-        raise CommandError(f"{where}: not JSON ({exc})") from None
+        plain = not line.lstrip().startswith(("{", "[", '"'))  # a text file of prompts, one a line
+        hint = (": each line is a JSON object such as {\"prompt\": \"Tell me a joke\"} (or a JSON string); plain "
+                "prompts go on the command line as --prompt TEXT") if plain else ""
+        raise CommandError(f"{where}: not JSON ({exc}){hint}") from None
     if isinstance(item, str):
         item = {"prompt": item}
     if not isinstance(item, dict):
