@@ -38,25 +38,42 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "f16": torch.float16,
 }
+
+
+def spelled_dtype(dtype: object) -> object:
+    """A dtype's name as the engine reads it: any case, spaces around and ``torch.`` ("FP32", "BF16",
+    "torch.Float16") in lower case; anything else as given (``resolve_dtype`` refuses it)."""
+    if not isinstance(dtype, str):
+        return dtype
+    spelled = dtype.strip().lower()
+    return spelled if spelled == "auto" or spelled.removeprefix("torch.") in _DTYPES else dtype
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "'cpu', 'cuda', 'cuda:N' or 'auto'"
+    if isinstance(device, str) and device.strip().lower().split(":")[0] in ("gpu", "mps", "xpu", "hip", "rocm",
+                                                                           "metal", "vulkan", "opencl"):
+        allowed += " (a GPU is 'cuda', an NVIDIA GPU: asyncinfer runs on no other kind)"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'") from exc
+        raise InvalidParameterError("device", device, allowed) from exc
     if dev.type not in ("cpu", "cuda"):
-        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'")
+        raise InvalidParameterError("device", device, allowed)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", device, "'cpu' (no CUDA device is available here)")
     return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/"auto": float32 on CPUs (bf16 matmuls crawl without AVX-512/AMX), bf16 on CUDA."""
+    """``None``/"auto": float32 on CPUs (bf16 matmuls crawl without AVX-512/AMX), bf16 on CUDA; a name in any
+    case (:func:`spelled_dtype`)."""
+    dtype = spelled_dtype(dtype)  # type: ignore[assignment]
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -242,6 +259,7 @@ class EngineConfig:
         plain_fields(self)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", spelled_dtype(self.dtype))  # "AUTO" is "auto" to the format's choice too
         object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))
         object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
         check_int("block_size", self.block_size, 1, 256)
@@ -299,9 +317,9 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
     if spelled_quantization(options.get("quantization", "auto")) != "auto":
         return config
     native = model_config.native_format
-    fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
-    if warn and native is not None and fmt != native and config.device.type == "cpu" and options.get(
-            "dtype", "auto") in (None, "auto"):
+    dtype = spelled_dtype(options.get("dtype", "auto"))
+    fmt = resolve_quantization("auto", config.device, dtype, native)
+    if warn and native is not None and fmt != native and config.device.type == "cpu" and dtype in (None, "auto"):
         from asyncinfer import kernels
 
         logging.getLogger("asyncinfer").warning(
@@ -312,7 +330,7 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
     if fmt == config.quantization:
         return config
     return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),
-                               pack_weights=options.get("pack_weights"), dtype=options.get("dtype", "auto"))
+                               pack_weights=options.get("pack_weights"), dtype=dtype)
 
 
 def _check_weight_format(config: EngineConfig) -> None:

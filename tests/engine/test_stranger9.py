@@ -175,3 +175,39 @@ def test_a_missing_relative_path_is_still_named_as_a_path(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelLoadError, match=r"^model path 'models/x/y' does not exist"):
         model_source.resolve_model("models/x/y")
+
+
+# ------------------------------------------------------------------------- dtype and device as users spell them
+@pytest.mark.parametrize(("typed", "meant"), [("FP32", torch.float32), ("F32", torch.float32), (" Float32 ", torch.float32),
+                                               ("torch.Float32", torch.float32)])
+def test_a_dtype_in_any_case_is_taken(typed, meant) -> None:
+    """``--dtype FP32`` was refused while ``fp32`` was taken."""
+    assert EngineConfig(dtype=typed, quantization=None).dtype == meant
+
+
+def test_auto_in_capitals_still_picks_the_files_own_format(tiny_models) -> None:
+    """``dtype="AUTO"`` passed the dtype check but not the format's choice, which then fell back to float32
+    weights (513 MiB for the default model instead of its 92 MiB of Q4_1 blocks)."""
+    from asyncinfer.models.loader import read_model_config
+
+    mc = read_model_config(tiny_models["llama"][0])
+    upper = plan_deployment(mc, device="cpu", device_memory=8 * 2**30, dtype="AUTO")
+    lower = plan_deployment(mc, device="cpu", device_memory=8 * 2**30, dtype="auto")
+    assert (upper.quantization, upper.dtype) == (lower.quantization, lower.dtype)
+    assert config.for_model(EngineConfig(dtype="AUTO"), {"dtype": "AUTO"}, mc).quantization == \
+        config.for_model(EngineConfig(), {}, mc).quantization
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "GPU:0", "xpu"])
+def test_a_gpu_of_another_name_says_cuda(device) -> None:
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig(device=device)
+    assert caught.value.parameter == "device"
+    assert caught.value.allowed == ("'cpu', 'cuda', 'cuda:N' or 'auto' (a GPU is 'cuda', an NVIDIA GPU: asyncinfer "
+                                    "runs on no other kind)")
+
+
+def test_another_bad_device_gets_the_list_alone() -> None:
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig(device="tpu2")
+    assert caught.value.allowed == "'cpu', 'cuda', 'cuda:N' or 'auto'"
