@@ -8,7 +8,7 @@ import pytest
 
 from asyncinfer import cli
 from asyncinfer.commands import foreign_flags
-from asyncinfer.commands.chat import EMPTY_LINE, HELP, _session
+from asyncinfer.commands.chat import EMPTY_LINE, HELP, LEAVE_HINT, _session
 from asyncinfer.commands.engine_flags import FLAGS
 
 
@@ -196,3 +196,13 @@ def test_a_text_file_of_prompts_given_to_generate_says_what_a_line_is(tmp_path, 
     assert cli.main(["generate", "--file", str(prompts)]) == 2
     assert error_line(capsys) == (f"{prompts} line 1: not JSON (Expecting property name enclosed in double quotes: "
                                   "line 1 column 16 (char 15))")
+
+
+async def test_exit_without_the_slash_is_sent_then_says_how_to_leave(capsys) -> None:
+    """``exit`` (as in a shell or Python's REPL) went to the model, which answered it, and the session went on
+    with no word of /exit."""
+    session = _Session()
+    assert await _session(session, _Lines(["exit", "Quit", "exit the loop early", "/exit", "never read"]), None) == 0
+    assert session.sent == ["exit", "Quit", "exit the loop early"]
+    assert capsys.readouterr().err.splitlines() == [LEAVE_HINT, LEAVE_HINT]
+    assert LEAVE_HINT == "(that was sent as a message; to leave, type /exit or press Ctrl-D)"

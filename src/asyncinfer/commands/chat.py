@@ -3,7 +3,8 @@
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
 session goes on); at the prompt it says "stopping…" at once and leaves with status 130 (``/exit``, ``/quit``
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
-commands, and so does an empty line (nothing is sent). Any other line that starts with ``/`` gets a one-line hint and is not sent; a
+commands, and so does an empty line (nothing is sent); ``exit``, ``quit`` or ``bye`` typed without the ``/`` is sent
+as a message, then followed by how to leave. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
 message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
         "reply (at the prompt: leaves); a message that starts with / is sent as //...")
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
+#: Lines that are sent as messages but may have meant to leave (they get :data:`LEAVE_HINT` after the reply).
+LEAVE_WORDS = ("exit", "quit", "bye", "exit()", "quit()", ":q", "q")
+LEAVE_HINT = "(that was sent as a message; to leave, type /exit or press Ctrl-D)"
 #: The answer to an empty line at the prompt (nothing is sent to the model).
 EMPTY_LINE = f"(nothing sent: type a message, or a command: {HELP})"
 
@@ -246,6 +250,8 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
             await interrupts.run(session.reply(line))
         except InvalidParameterError as exc:
             print(f"asyncinfer: {exc}", file=sys.stderr)
+        if command.lower() in LEAVE_WORDS:  # sent, as any message; said how to leave, in case that was meant
+            print(LEAVE_HINT, file=sys.stderr)
 
 
 class PromptInterrupted(Exception):
