@@ -360,5 +360,35 @@ def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key, value in options.items():
         if key not in known:
-            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}")
+            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}{_other_tools_option(key, known)}")
     return cls(**options)
+
+
+#: Keywords of transformers, vLLM and llama-cpp-python, and what asyncinfer has for them.
+_OTHER_OPTIONS: dict[str, str] = {
+    "torch_dtype": "dtype", "n_ctx": "max_model_len", "max_seq_len": "max_model_len",
+    "context_length": "max_model_len", "max_position_embeddings": "max_model_len", "n_threads": "num_threads",
+    "threads": "num_threads", "gpu_memory_utilization": "kv_cache_fraction", "n_batch": "max_num_batched_tokens",
+    "max_batch_size": "max_num_seqs", "n_gpu_layers": "device", "device_map": "device", "load_in_4bit": "quantization",
+    "load_in_8bit": "quantization", "quantization_config": "quantization",
+}
+#: Keywords of other tools with nothing in asyncinfer to take them.
+_NO_OPTION: dict[str, str] = {
+    "tensor_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
+    "pipeline_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
+    "trust_remote_code": "asyncinfer runs no model code of its own (its own model classes only)",
+}
+
+
+def _other_tools_option(key: str, known: set[str]) -> str:
+    """The hint after an unknown option's list: the option asyncinfer has for another tool's keyword
+    (``torch_dtype`` -> ``dtype``), why there is none, or a close spelling."""
+    import difflib
+
+    mapped = _OTHER_OPTIONS.get(key)
+    if mapped in known:
+        return f"; {key} is another library's name: asyncinfer's is {mapped}"
+    if key in _NO_OPTION and "dtype" in known and "max_model_len" in known:
+        return f"; {key} has no asyncinfer option: {_NO_OPTION[key]}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""

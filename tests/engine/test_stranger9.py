@@ -211,3 +211,24 @@ def test_another_bad_device_gets_the_list_alone() -> None:
     with pytest.raises(InvalidParameterError) as caught:
         EngineConfig(device="tpu2")
     assert caught.value.allowed == "'cpu', 'cuda', 'cuda:N' or 'auto'"
+
+
+# ------------------------------------------------------------------------- other libraries' keywords
+@pytest.mark.parametrize(("key", "hint"), [
+    ("torch_dtype", "; torch_dtype is another library's name: asyncinfer's is dtype"),
+    ("n_ctx", "; n_ctx is another library's name: asyncinfer's is max_model_len"),
+    ("n_threads", "; n_threads is another library's name: asyncinfer's is num_threads"),
+    ("gpu_memory_utilization", "; gpu_memory_utilization is another library's name: asyncinfer's is kv_cache_fraction"),
+    ("tensor_parallel_size", ("; tensor_parallel_size has no asyncinfer option: asyncinfer runs a model on one device "
+                             "(replicas on several: docs/scale_out.md)")),
+    ("max_modle_len", "; did you mean max_model_len?"),
+    ("bogus", ""),
+])
+def test_an_unknown_option_from_another_library_names_asyncinfers(key, hint) -> None:
+    """``from_pretrained(path, torch_dtype=...)`` (transformers) or ``n_ctx=`` (llama-cpp-python) got the list of
+    27 options and no word of which one was meant."""
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig.from_options({key: 1})
+    assert caught.value.parameter == key
+    assert caught.value.allowed.startswith("a known option: ['activation_dtype', ")
+    assert caught.value.allowed.endswith("'torch_compile']" + hint)
