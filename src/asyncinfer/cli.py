@@ -797,7 +797,40 @@ class _Parser(argparse.ArgumentParser):
 
         # a flag with aliases (--max-model-len/--ctx-size/-c) named by its own name, as its help and docs name it
         message = re.sub(r"^argument (--[\w-]+)(?:/-[\w-]+)+:", r"argument \1:", message)
-        self.exit(2, f"asyncinfer: error: {message}\n")
+        self.exit(2, f"asyncinfer: error: {_command_hint(message)}\n")
+
+
+#: The commands, in --help's order (tests/cli/test_stranger9.py holds it to the parser's).
+COMMANDS = ("chat", "generate", "bench", "info", "plan", "embed", "lab", "serve")
+#: Other tools' commands (ollama's, vLLM's, llama.cpp's) and asyncinfer's for them.
+_OTHER_COMMANDS = {
+    "run": "chat (asyncinfer chat [--model MODEL] [PROMPT])", "completion": "generate",
+    "complete": "generate", "cli": "chat", "pull": "chat (the default model is fetched on first use; another is a "
+    "path, a .gguf file or a Hub id already in the local Hugging Face cache: huggingface-cli download OWNER/NAME)",
+    "list": "info (asyncinfer info [MODEL]: a model's shapes and memory plan)", "ls": "info", "show": "info",
+    "embeddings": "embed", "benchmark": "bench",
+}
+
+
+def _command_hint(message: str) -> str:
+    """argparse's message about the command, with the way on: with none, what the commands are and the first one
+    to try; with an unknown one, asyncinfer's for another tool's (ollama's ``run``, ``serve`` for ``server``) or
+    a close spelling."""
+    import difflib
+    import re
+
+    commands = ", ".join(COMMANDS)
+    if message == "the following arguments are required: COMMAND":
+        return (f"a command is needed: {commands} (asyncinfer --help says what each does; to start: asyncinfer chat "
+                "\"Hello!\")")
+    unknown = re.match(r"^argument COMMAND: invalid choice: '(.*)' \(choose from .*\)$", message)
+    if unknown is None:
+        return message
+    given = unknown.group(1)
+    other = _OTHER_COMMANDS.get(given.lower())
+    close = difflib.get_close_matches(given.lower(), commands.split(", "), n=1, cutoff=0.6)
+    hint = f"; for {given}, use asyncinfer {other}" if other else f"; did you mean {close[0]}?" if close else ""
+    return f"{given!r} is not a command of asyncinfer: the commands are {commands}{hint}"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -206,3 +206,28 @@ async def test_exit_without_the_slash_is_sent_then_says_how_to_leave(capsys) -> 
     assert session.sent == ["exit", "Quit", "exit the loop early"]
     assert capsys.readouterr().err.splitlines() == [LEAVE_HINT, LEAVE_HINT]
     assert LEAVE_HINT == "(that was sent as a message; to leave, type /exit or press Ctrl-D)"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], ('a command is needed: chat, generate, bench, info, plan, embed, lab, serve (asyncinfer --help says what each '
+         'does; to start: asyncinfer chat "Hello!")')),
+    (["server"], ("'server' is not a command of asyncinfer: the commands are chat, generate, bench, info, plan, embed, "
+                 "lab, serve; did you mean serve?")),
+    (["run", "hi"], ("'run' is not a command of asyncinfer: the commands are chat, generate, bench, info, plan, embed, "
+                    "lab, serve; for run, use asyncinfer chat (asyncinfer chat [--model MODEL] [PROMPT])")),
+    (["chta", "hi"], ("'chta' is not a command of asyncinfer: the commands are chat, generate, bench, info, plan, "
+                     "embed, lab, serve; did you mean chat?")),
+])
+def test_no_command_or_another_tools_command_says_the_way_on(capsys, argv, message) -> None:
+    """``asyncinfer`` alone said "the following arguments are required: COMMAND"; ``asyncinfer run`` (ollama's)
+    and ``asyncinfer server`` got argparse's list alone."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert error_line(capsys) == message
+
+
+def test_the_commands_named_in_errors_are_the_parsers() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert tuple(sub.choices) == cli.COMMANDS
