@@ -231,3 +231,26 @@ def test_the_commands_named_in_errors_are_the_parsers() -> None:
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert tuple(sub.choices) == cli.COMMANDS
+
+
+def test_sampling_flags_on_serve_say_that_requests_carry_them(no_load, capsys) -> None:
+    """``asyncinfer serve --temperature 0.7`` (vLLM users set defaults so) was "unrecognized", and ``--max-tokens``
+    got "did you mean --max-connections?"."""
+    for flag in ("--temperature", "--max-tokens", "--temp"):
+        with pytest.raises(SystemExit):
+            cli.main(["serve", flag, "1"])
+        assert error_line(capsys) == (
+            f"{flag} is not a flag of asyncinfer serve: it is a request's sampling parameter: over HTTP each request "
+            "sets its own in its body (max_tokens, temperature, top_p, stop, ...)")
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--top-p", "0.9"])
+    assert error_line(capsys) == ("--top-p is not a flag of asyncinfer info: it is a sampling flag of asyncinfer chat "
+                                  "and asyncinfer generate")
+
+
+def test_the_sampling_flags_refused_elsewhere_are_chats() -> None:
+    parser = cli.build_parser()
+    chat = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["chat"]
+    sampling = {f for a in chat._actions for f in a.option_strings if a.dest in
+                {field for _, field, _, _ in cli._SAMPLING_ARGS} | {"stop", "ignore_eos"}}
+    assert sampling - {"--seed"} == set(foreign_flags.SAMPLING_FLAGS)

@@ -67,6 +67,19 @@ _OTHER_COMMANDS: dict[str, str] = {
 }
 
 
+#: The sampling flags of chat and generate (tests/cli/test_stranger9.py holds them to the CLI's), refused on the
+#: other commands with where they belong.
+SAMPLING_FLAGS = ("--max-tokens", "--temperature", "--temp", "--top-p", "--top-k", "--min-p", "--repetition-penalty",
+                  "--presence-penalty", "--frequency-penalty", "--stop", "--ignore-eos")
+
+
+def _sampling_hint(command: str) -> str:
+    if command == "serve":
+        return ("a request's sampling parameter: over HTTP each request sets its own in its body (max_tokens, "
+                "temperature, top_p, stop, ...)")
+    return "a sampling flag of asyncinfer chat and asyncinfer generate"
+
+
 def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | None:
     """The error for the first flag of ``argv`` (up to ``--``) that is another tool's (or another command's)
     and not one of this command's ``known`` flags, else None: ``-ngl 99`` is "-ngl is not an asyncinfer flag
@@ -78,7 +91,8 @@ def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | No
         name = word.split("=", 1)[0]
         if not name.startswith("-") or name in own:
             continue
-        hint = REFUSED.get(name) or _OTHER_COMMANDS.get(name)
+        hint = REFUSED.get(name) or _OTHER_COMMANDS.get(name) or (
+            _sampling_hint(command) if name in SAMPLING_FLAGS else None)
         if hint is not None:
             return f"{name} is not a flag of asyncinfer {command}: it is {hint}"
     return None
