@@ -117,9 +117,19 @@ def test_the_check_reads_this_cpu() -> None:
 
 # ------------------------------------------------------------------------- a Hugging Face Hub id
 def _hub_cache(root: Path, repo_id: str, model_dir: Path, revision: str = "0123abcd") -> Path:
+    """``model_dir`` laid out as huggingface_hub caches it: the files in ``blobs/`` by their hash, the snapshot's
+    names symbolic links to them, ``refs/main`` naming the snapshot."""
+    import hashlib
+    import os
+
     repo = root / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / revision
-    shutil.copytree(model_dir, snapshot)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for item in model_dir.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(item.read_bytes()).hexdigest()
+        shutil.copy(item, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / item.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision + "\n", encoding="utf-8")
     return snapshot
