@@ -54,17 +54,21 @@ def _defaults(cls: Any) -> dict[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.engine_flags import add_engine_flags
 
-    p.add_argument("--model", metavar="MODEL", default=None, help="HF model directory, .gguf file or known name "
-                                                 "(default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--model", "-m", metavar="MODEL", default=None,
+                   help="HF model directory, .gguf file, known name or a Hugging Face Hub id in the local HF cache "
+                        "(default: SmolLM2-135M-Instruct, fetched once)")
     add_engine_flags(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     defaults = _defaults(SamplingParams)
+    from asyncinfer.commands.foreign_flags import ALIASES
+
     for flag, field, kind, text in _SAMPLING_ARGS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
         metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
-        p.add_argument(flag, type=kind, default=None, dest=field, metavar=metavar, help=text + shown)
+        p.add_argument(flag, *ALIASES.get(flag, ()), type=kind, default=None, dest=field, metavar=metavar,
+                       help=text + shown)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
@@ -512,7 +516,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_engine_args(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in requests and /v1/models (default: SmolLM2-135M-Instruct for the "
-                        "default model, else the file's or directory's name without .gguf)")
+                        "default model, a Hub id's whole id, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
@@ -790,7 +794,44 @@ class _Parser(argparse.ArgumentParser):
     are of this class too (``add_subparsers`` makes them of the parser's class)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"asyncinfer: error: {message}\n")
+        import re
+
+        # a flag with aliases (--max-model-len/--ctx-size/-c) named by its own name, as its help and docs name it
+        message = re.sub(r"^argument (--[\w-]+)(?:/-[\w-]+)+:", r"argument \1:", message)
+        self.exit(2, f"asyncinfer: error: {_command_hint(message)}\n")
+
+
+#: The commands, in --help's order (tests/cli/test_stranger9.py holds it to the parser's).
+COMMANDS = ("chat", "generate", "bench", "info", "plan", "embed", "lab", "serve")
+#: Other tools' commands (ollama's, vLLM's, llama.cpp's) and asyncinfer's for them.
+_OTHER_COMMANDS = {
+    "run": "chat (asyncinfer chat [--model MODEL] [PROMPT])", "completion": "generate",
+    "complete": "generate", "cli": "chat", "pull": "chat (the default model is fetched on first use; another is a "
+    "path, a .gguf file or a Hub id already in the local Hugging Face cache: huggingface-cli download OWNER/NAME)",
+    "list": "info (asyncinfer info [MODEL]: a model's shapes and memory plan)", "ls": "info", "show": "info",
+    "embeddings": "embed", "benchmark": "bench",
+}
+
+
+def _command_hint(message: str) -> str:
+    """argparse's message about the command, with the way on: with none, what the commands are and the first one
+    to try; with an unknown one, asyncinfer's for another tool's (ollama's ``run``, ``serve`` for ``server``) or
+    a close spelling."""
+    import difflib
+    import re
+
+    commands = ", ".join(COMMANDS)
+    if message == "the following arguments are required: COMMAND":
+        return (f"a command is needed: {commands} (asyncinfer --help says what each does; to start: asyncinfer chat "
+                "\"Hello!\")")
+    unknown = re.match(r"^argument COMMAND: invalid choice: '(.*)' \(choose from .*\)$", message)
+    if unknown is None:
+        return message
+    given = unknown.group(1)
+    other = _OTHER_COMMANDS.get(given.lower())
+    close = difflib.get_close_matches(given.lower(), commands.split(", "), n=1, cutoff=0.6)
+    hint = f"; for {given}, use asyncinfer {other}" if other else f"; did you mean {close[0]}?" if close else ""
+    return f"{given!r} is not a command of asyncinfer: the commands are {commands}{hint}"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -799,6 +840,16 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     does not know the subcommand's flags)."""
     import difflib
 
+    from asyncinfer.commands.foreign_flags import refusal
+
+    words = sys.argv[1:] if argv is None else argv
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    command = next((w for w in words if not w.startswith("-")), None)
+    if command in subparsers:  # vLLM's and llama.cpp's flags: refused with a hint before argparse reads them
+        known = [f for a in subparsers[command]._actions for f in a.option_strings]
+        refused = refusal(command, words[words.index(command) + 1:], known)
+        if refused is not None:
+            subparsers[command].exit(2, f"asyncinfer: error: {refused}\n")
     args, extra = parser.parse_known_args(argv)
     if not extra:
         return args

@@ -23,6 +23,7 @@ from asyncinfer.models.quant import (
     format_dtype,
     resolve_pack,
     resolve_quantization,
+    spelled_quantization,
 )
 from asyncinfer.plain import plain_value
 
@@ -37,25 +38,42 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "f16": torch.float16,
 }
+
+
+def spelled_dtype(dtype: object) -> object:
+    """A dtype's name as the engine reads it: any case, spaces around and ``torch.`` ("FP32", "BF16",
+    "torch.Float16") in lower case; anything else as given (``resolve_dtype`` refuses it)."""
+    if not isinstance(dtype, str):
+        return dtype
+    spelled = dtype.strip().lower()
+    return spelled if spelled == "auto" or spelled.removeprefix("torch.") in _DTYPES else dtype
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "'cpu', 'cuda', 'cuda:N' or 'auto'"
+    if isinstance(device, str) and device.strip().lower().split(":")[0] in ("gpu", "mps", "xpu", "hip", "rocm",
+                                                                           "metal", "vulkan", "opencl"):
+        allowed += " (a GPU is 'cuda', an NVIDIA GPU: asyncinfer runs on no other kind)"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'") from exc
+        raise InvalidParameterError("device", device, allowed) from exc
     if dev.type not in ("cpu", "cuda"):
-        raise InvalidParameterError("device", device, "'cpu', 'cuda', 'cuda:N' or 'auto'")
+        raise InvalidParameterError("device", device, allowed)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", device, "'cpu' (no CUDA device is available here)")
     return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/"auto": float32 on CPUs (bf16 matmuls crawl without AVX-512/AMX), bf16 on CUDA."""
+    """``None``/"auto": float32 on CPUs (bf16 matmuls crawl without AVX-512/AMX), bf16 on CUDA; a name in any
+    case (:func:`spelled_dtype`)."""
+    dtype = spelled_dtype(dtype)  # type: ignore[assignment]
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -66,6 +84,40 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise InvalidParameterError("dtype", dtype, "'auto', 'float32', 'float16', 'bfloat16' or the torch dtype")
+
+
+#: The half dtypes already warned about in this process (:func:`warn_slow_cpu_dtype`): each once.
+_WARNED_SLOW_DTYPES: set[torch.dtype] = set()
+
+
+def cpu_has_fast_matmul(dtype: torch.dtype) -> bool | None:
+    """Whether this CPU multiplies ``dtype`` (float16, bfloat16) matrices natively (oneDNN's check: AVX-512
+    BF16/AMX for bfloat16, AVX-512 FP16/AMX-FP16 for float16); None where torch cannot say."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return None
+    return True
+
+
+def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Warn (``logging.warning`` on "asyncinfer", once per dtype and process) when ``dtype`` is float16 or
+    bfloat16 on a CPU without native matrix kernels for it: every matmul is then emulated,
+    slower than float32 activations (measured: 1.4x per matmul on an AVX-512 CPU without FP16), and the weights
+    can be made as small with a weight format instead."""
+    if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16) or dtype in _WARNED_SLOW_DTYPES:
+        return
+    if cpu_has_fast_matmul(dtype) is not False:
+        return
+    _WARNED_SLOW_DTYPES.add(dtype)
+    name = str(dtype).removeprefix("torch.")
+    logging.getLogger("asyncinfer").warning(
+        "dtype=%s is slow on this CPU (it has no native %s matrix kernels, so each one is emulated): dtype='auto' "
+        "(--dtype auto: float32 activations, the weights kept small by quantization='auto', float16 or the GGUF "
+        "file's own blocks) is faster (docs/formats.md)", name, name)
 
 
 def plain_fields(options: Any) -> None:
@@ -212,6 +264,7 @@ class EngineConfig:
         plain_fields(self)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", spelled_dtype(self.dtype))  # "AUTO" is "auto" to the format's choice too
         object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))
         object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
         check_int("block_size", self.block_size, 1, 256)
@@ -232,6 +285,7 @@ class EngineConfig:
         if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
             raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
         _check_weight_format(self)
+        warn_slow_cpu_dtype(self.dtype, device)
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise InvalidParameterError("activation_dtype", self.activation_dtype, f"one of {list(ACTIVATION_DTYPES)}")
         opts = self.scheduler_options
@@ -265,12 +319,12 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
     config as resolved without the model otherwise. Options that name a format are kept as given.
     ``warn``: log that the file's own format was passed over because the kernels cannot run (False for a
     second resolution of the same load or plan, which has logged it already)."""
-    if options.get("quantization", "auto") != "auto":
+    if spelled_quantization(options.get("quantization", "auto")) != "auto":
         return config
     native = model_config.native_format
-    fmt = resolve_quantization("auto", config.device, options.get("dtype", "auto"), native)
-    if warn and native is not None and fmt != native and config.device.type == "cpu" and options.get(
-            "dtype", "auto") in (None, "auto"):
+    dtype = spelled_dtype(options.get("dtype", "auto"))
+    fmt = resolve_quantization("auto", config.device, dtype, native)
+    if warn and native is not None and fmt != native and config.device.type == "cpu" and dtype in (None, "auto"):
         from asyncinfer import kernels
 
         logging.getLogger("asyncinfer").warning(
@@ -281,7 +335,7 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
     if fmt == config.quantization:
         return config
     return dataclasses.replace(config, quantization=fmt, quantization_skip=options.get("quantization_skip"),
-                               pack_weights=options.get("pack_weights"), dtype=options.get("dtype", "auto"))
+                               pack_weights=options.get("pack_weights"), dtype=dtype)
 
 
 def _check_weight_format(config: EngineConfig) -> None:
@@ -311,5 +365,35 @@ def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key, value in options.items():
         if key not in known:
-            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}")
+            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}{_other_tools_option(key, known)}")
     return cls(**options)
+
+
+#: Keywords of transformers, vLLM and llama-cpp-python, and what asyncinfer has for them.
+_OTHER_OPTIONS: dict[str, str] = {
+    "torch_dtype": "dtype", "n_ctx": "max_model_len", "max_seq_len": "max_model_len",
+    "context_length": "max_model_len", "max_position_embeddings": "max_model_len", "n_threads": "num_threads",
+    "threads": "num_threads", "gpu_memory_utilization": "kv_cache_fraction", "n_batch": "max_num_batched_tokens",
+    "max_batch_size": "max_num_seqs", "n_gpu_layers": "device", "device_map": "device", "load_in_4bit": "quantization",
+    "load_in_8bit": "quantization", "quantization_config": "quantization",
+}
+#: Keywords of other tools with nothing in asyncinfer to take them.
+_NO_OPTION: dict[str, str] = {
+    "tensor_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
+    "pipeline_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
+    "trust_remote_code": "asyncinfer runs no model code of its own (its own model classes only)",
+}
+
+
+def _other_tools_option(key: str, known: set[str]) -> str:
+    """The hint after an unknown option's list: the option asyncinfer has for another tool's keyword
+    (``torch_dtype`` -> ``dtype``), why there is none, or a close spelling."""
+    import difflib
+
+    mapped = _OTHER_OPTIONS.get(key)
+    if mapped in known:
+        return f"; {key} is another library's name: asyncinfer's is {mapped}"
+    if key in _NO_OPTION and "dtype" in known and "max_model_len" in known:
+        return f"; {key} has no asyncinfer option: {_NO_OPTION[key]}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""

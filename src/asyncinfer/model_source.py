@@ -17,15 +17,23 @@ A GGUF file's tokenizer is built once and cached as ``tokenizer.json``
 (:func:`tokenizer_cache_dir`): next to the model for the default model, under
 ``<cache>/tokenizers/`` for any other file.
 
+A Hugging Face Hub id (``OWNER/NAME``, e.g. ``HuggingFaceTB/SmolLM2-360M-Instruct``) that is no path here
+is looked up in the local Hugging Face cache only (``HF_HUB_CACHE``, ``HF_HOME/hub`` or
+``~/.cache/huggingface/hub``: the snapshot of ``refs/main``, a directory with ``config.json`` or one ``.gguf``
+file); the Hub itself is never contacted, and a model not in the cache is refused with the command that
+fetches it (:func:`hub_cache_path`).
+
 Overrides: ``ASYNCINFER_MODEL`` (a model path used when ``model=None``) and
 ``ASYNCINFER_CACHE_DIR`` (where the downloaded models are cached).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,6 +211,8 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
             return default_model_path()
         if model.lower() in _MINILM_ALIASES:
             return minilm_model_path()
+    if not path.exists() and isinstance(model, str) and is_hub_id(model):
+        return hub_cache_path(model)
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist (expected a Hugging Face model directory "
@@ -210,3 +220,62 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
             f"'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted)"
         )
     return path
+
+
+def known_name(text: str) -> bool:
+    """Whether ``text`` is one of the model names :func:`resolve_model` knows (any case)."""
+    return text.lower() in _DEFAULT_ALIASES + _MINILM_ALIASES
+
+
+_HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` is shaped as a Hugging Face Hub model id, ``OWNER/NAME`` (no path of more parts, no
+    ``./``, ``~`` or absolute path, no ``..``)."""
+    owner, slash, name = text.partition("/")
+    return bool(slash) and "/" not in name and ".." not in text and all(
+        _HUB_PART.fullmatch(part) for part in (owner, name))
+
+
+def hub_cache_dir() -> Path:
+    """The local Hugging Face hub cache, as huggingface_hub finds it: ``HF_HUB_CACHE`` (or the older
+    ``HUGGINGFACE_HUB_CACHE``), else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``
+    (``$XDG_CACHE_HOME/huggingface/hub`` where that is set)."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "huggingface" / "hub"
+
+
+def hub_cache_path(repo_id: str) -> Path:
+    """The model of Hub id ``repo_id`` in the local Hugging Face cache (never the network): its snapshot of
+    ``refs/main``, else its newest snapshot; the snapshot directory when it has a ``config.json``, else its one
+    ``.gguf`` file. ModelLoadError saying how to fetch it when the cache has no such model."""
+    repo = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    candidates: list[Path] = []
+    with contextlib.suppress(OSError):
+        if ref.is_file():
+            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
+    with contextlib.suppress(OSError):
+        candidates += sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
+                             reverse=True)
+    for snapshot in candidates:
+        if (snapshot / "config.json").is_file():
+            return snapshot
+        ggufs = sorted(snapshot.glob("*.gguf")) if snapshot.is_dir() else []
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ModelLoadError(f"{repo_id!r} holds {len(ggufs)} .gguf files in the local Hugging Face cache "
+                                 f"({snapshot}): give the one to load as the model path, e.g. {str(ggufs[0])!r}")
+    raise ModelLoadError(
+        f"model {repo_id!r} is neither a path here nor in the local Hugging Face cache ({hub_cache_dir()}): "
+        f"asyncinfer never downloads from the Hub; fetch it once with `huggingface-cli download {repo_id}` "
+        f"(or `hf download {repo_id}`), then give the same id, or give a model directory or a .gguf file"
+    )

@@ -23,7 +23,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import blocks_for
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.config import resolve_dtype
+from asyncinfer.config import resolve_dtype, spelled_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
@@ -229,6 +229,7 @@ def plan_deployment(
     if device not in ("cpu", "cuda"):
         raise InvalidParameterError("device", device, "'cpu' or 'cuda'")
     target = torch.device(device)
+    dtype = spelled_dtype(dtype)  # type: ignore[assignment]
     quantization = resolve_quantization(quantization, target, dtype,  # "auto": the engine's own choice
                                         model_config.native_format)
     dtype = format_dtype(quantization, target, dtype)

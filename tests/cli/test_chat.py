@@ -231,8 +231,9 @@ def test_a_model_given_as_the_prompt_is_refused(tmp_path, capsys, monkeypatch) -
     for given in (str(gguf), str(hf)):
         assert cli.main(["chat", given]) == 2
         err = capsys.readouterr().err
-        assert err == (f"asyncinfer: error: {given!r} is a model, not a prompt: give it as --model "
-                       f"(asyncinfer chat --model {given} [PROMPT])\n")
+        assert err == (f"asyncinfer: error: {given!r} is a model, not a prompt (asyncinfer chat's argument is the "
+                       f"prompt): give it as --model (asyncinfer chat --model {given} [PROMPT]); to send it as the "
+                       "prompt, give --model too\n")
     # Words that are not a model: a prompt, a missing .gguf, a directory without config.json, a long text
     for prompt in ("hi", str(tmp_path / "none.gguf"), str(tmp_path), "x" * 5000):
         assert cli.main(["chat", "--model", str(hf), prompt]) == 1  # got as far as the load

@@ -125,7 +125,7 @@ def test_a_model_being_removed_is_not_listed_while_its_requests_are_refused(tiny
             assert (
                 refused.json()["error"]["message"]
                 == card.json()["error"]["message"]
-                == ("The model `tiny` does not exist.")
+                == ("The model `tiny` does not exist. This server serves: `other`.")
             )
             assert not removal.done()
         finally:

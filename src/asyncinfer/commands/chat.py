@@ -3,7 +3,8 @@
 In a session, Ctrl-C stops the reply being written (the request is aborted, the
 session goes on); at the prompt it says "stopping…" at once and leaves with status 130 (``/exit``, ``/quit``
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
-commands. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
+commands, and so does an empty line (nothing is sent); ``exit``, ``quit`` or ``bye`` typed without the ``/`` is sent
+as a message, then followed by how to leave. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
 message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
@@ -41,6 +42,11 @@ if TYPE_CHECKING:
 HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
         "reply (at the prompt: leaves); a message that starts with / is sent as //...")
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
+#: Lines that are sent as messages but may have meant to leave (they get :data:`LEAVE_HINT` after the reply).
+LEAVE_WORDS = ("exit", "quit", "bye", "exit()", "quit()", ":q", "q")
+LEAVE_HINT = "(that was sent as a message; to leave, type /exit or press Ctrl-D)"
+#: The answer to an empty line at the prompt (nothing is sent to the model).
+EMPTY_LINE = f"(nothing sent: type a message, or a command: {HELP})"
 
 
 def unknown_command(line: str) -> str:
@@ -61,23 +67,37 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
-    if args.prompt and _looks_like_a_model(args.prompt[0]):
+    if args.model is None and len(args.prompt) == 1 and _looks_like_a_model(args.prompt[0]):
         from asyncinfer.commands import CommandError
 
         # chat's positional is the prompt (every other command's is the model): a model file is a mistake
-        raise CommandError(f"{args.prompt[0]!r} is a model, not a prompt: give it as --model "
-                           f"(asyncinfer chat --model {args.prompt[0]} [PROMPT])")
+        raise CommandError(f"{args.prompt[0]!r} is a model, not a prompt (asyncinfer chat's argument is the "
+                           f"prompt): give it as --model (asyncinfer chat --model {args.prompt[0]} [PROMPT]); to "
+                           "send it as the prompt, give --model too")
     return asyncio.run(_main(args, options, params))
 
 
 def _looks_like_a_model(text: str) -> bool:
-    """Whether ``text`` names an existing model: a ``.gguf`` file, or a directory with a ``config.json``."""
+    """Whether ``text`` names a model rather than says something: an existing ``.gguf`` file or directory with a
+    ``config.json``, a word ending in ``.gguf`` (a model file mistyped or not there yet), one of the known names
+    (``SmolLM2-135M-Instruct``), or a Hugging Face Hub id (``OWNER/NAME`` with a ``-``, ``.`` or a digit in the
+    name, as model names have and words such as "and/or" do not)."""
+    from asyncinfer.model_source import is_hub_id, known_name
+
+    word = text.strip()
+    if not word or any(c.isspace() for c in word):
+        return False
+    if known_name(word) or word.lower().endswith(".gguf"):
+        return True
     try:
-        path = Path(text).expanduser()
-        return ((path.suffix.lower() == ".gguf" and path.is_file())
-                or (path.is_dir() and (path / "config.json").is_file()))
+        path = Path(word).expanduser()
+        if (path.suffix.lower() == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file()):
+            return True
     except (OSError, ValueError):  # a prompt too long for a file name, or with a NUL: no file
         return False
+    name = word.partition("/")[2]
+    return is_hub_id(word) and any(c.isalpha() for c in word.partition("/")[0]) and any(
+        c.isdigit() or c in "-." for c in name)
 
 
 class ChatSession:
@@ -223,11 +243,15 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         elif command.startswith("/"):  # a mistyped command (/rest, /exit now) is not sent to the model
             print(unknown_command(line), file=sys.stderr)
             continue
-        if command:
-            try:
-                await interrupts.run(session.reply(line))
-            except InvalidParameterError as exc:
-                print(f"asyncinfer: {exc}", file=sys.stderr)
+        if not command:  # an empty line is not sent: what can be typed instead
+            print(EMPTY_LINE, file=sys.stderr)
+            continue
+        try:
+            await interrupts.run(session.reply(line))
+        except InvalidParameterError as exc:
+            print(f"asyncinfer: {exc}", file=sys.stderr)
+        if command.lower() in LEAVE_WORDS:  # sent, as any message; said how to leave, in case that was meant
+            print(LEAVE_HINT, file=sys.stderr)
 
 
 class PromptInterrupted(Exception):

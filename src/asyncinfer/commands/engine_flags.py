@@ -199,17 +199,20 @@ def shown_default(flag: Flag, default: Any) -> str:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Every engine option as a flag, its help ending with the library's default; none is set unless given."""
+    from asyncinfer.commands.foreign_flags import ALIASES
+
     defaults = library_defaults()
     for flag in FLAGS:
         text = f"{flag.help} (default: {shown_default(flag, defaults[flag.field])})"
+        names = (flag.flag, *ALIASES.get(flag.flag, ()))  # -c / --ctx-size for --max-model-len, -t for --threads
         if flag.read is None:
-            parser.add_argument(flag.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 dest=flag.dest, help=text)
         elif flag.repeat:
-            parser.add_argument(flag.flag, action="append", type=flag.read, default=argparse.SUPPRESS,
+            parser.add_argument(*names, action="append", type=flag.read, default=argparse.SUPPRESS,
                                 dest=flag.dest, metavar=flag.metavar, help=text)
         else:
-            parser.add_argument(flag.flag, type=flag.read, default=argparse.SUPPRESS, dest=flag.dest,
+            parser.add_argument(*names, type=flag.read, default=argparse.SUPPRESS, dest=flag.dest,
                                 metavar=flag.metavar, help=text)
 
 

@@ -48,7 +48,8 @@ _REQUEST_KEYS = {"prompt", "messages", "id"}
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    source = p.add_mutually_exclusive_group(required=True)
+    # Not required in argparse's terms: run_generate says what is missing, and explains a prompt given as MODEL.
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above")
     p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
@@ -65,6 +66,7 @@ class Job:
 
 
 def run_generate(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    _check_source(args)
     if args.concurrency < 1:
         raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
     jobs = list(_jobs(args, params))
@@ -72,6 +74,45 @@ def run_generate(args: argparse.Namespace, options: dict[str, Any], params: Samp
         raise CommandError(f"{args.file}: no requests in it")
     with _open_output(args.output) as out:
         return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args))
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    """The prompts come from ``--prompt`` or ``--file``; a text given where the command takes its MODEL
+    (``asyncinfer generate "some text"``, as ``chat`` takes its prompt) is explained, not loaded as a model."""
+    given = args.model_arg
+    if given is not None and _reads_as_a_prompt(given):
+        shown = given if len(given) <= 60 else given[:57] + "..."
+        also = f" --model {args.model}" if args.model else ""
+        raise CommandError(f"{shown!r} was read as the model (asyncinfer generate's argument is the MODEL, a path "
+                           "or a name): give the prompt with --prompt, e.g. asyncinfer generate"
+                           f"{also} --prompt {_quoted(shown)} (or many in a JSONL file: --file FILE)")
+    if not args.prompt and args.file is None:
+        raise CommandError("asyncinfer generate needs its prompts: --prompt TEXT (repeatable) or --file FILE (JSONL, "
+                           "one request a line; '-' reads stdin)")
+
+
+def _reads_as_a_prompt(text: str) -> bool:
+    """Whether ``text``, given as the MODEL, is text and no model: not a path here, a known name or a Hub id, and
+    with a space in it or shaped as no path (no ``/``, no ``.suffix``: a mistyped ``./my-model`` is left to the
+    load's "does not exist")."""
+    from pathlib import Path
+
+    from asyncinfer.model_source import is_hub_id, known_name
+
+    if not any(c.isspace() for c in text) and ("/" in text or "\\" in text or Path(text).suffix):
+        return False
+    try:
+        if Path(text).expanduser().exists():
+            return False
+    except (OSError, ValueError):  # too long for a path, or a NUL in it: text
+        return True
+    return not (known_name(text) or is_hub_id(text) or text.lower().endswith(".gguf"))
+
+
+def _quoted(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
 
 
 def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
@@ -94,7 +135,10 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     try:
         item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
-        raise CommandError(f"{where}: not JSON ({exc})") from None
+        plain = not line.lstrip().startswith(("{", "[", '"'))  # a text file of prompts, one a line
+        hint = (": each line is a JSON object such as {\"prompt\": \"Tell me a joke\"} (or a JSON string); plain "
+                "prompts go on the command line as --prompt TEXT") if plain else ""
+        raise CommandError(f"{where}: not JSON ({exc}){hint}") from None
     if isinstance(item, str):
         item = {"prompt": item}
     if not isinstance(item, dict):

@@ -119,6 +119,60 @@ def _allowed(device_type: str) -> str:
             f"activations ('bfloat16' is a CUDA format)")
 
 
+#: What users type for a format asyncinfer does not have (llama.cpp's file types, other libraries' names), and
+#: the nearest format it has, with why: the hint of :func:`check_quantization`'s error.
+_NEAREST: dict[str, tuple[str, str]] = {
+    **{name: ("q4_k", ("llama.cpp's Q4_K_M/Q4_K_S mix Q4_K with Q6_K; q4_k is every projection in Q4_K, the head in "
+                      "Q6_K, and native keeps a Q4_K_M file's own mix"))
+       for name in ("q4_k_m", "q4_k_s", "q4_k_l", "q3_k", "q3_k_m", "q3_k_s", "q3_k_l", "q2_k", "q2_k_s")},
+    **{name: ("q5_k", ("llama.cpp's Q5_K_M/Q5_K_S mix Q5_K with Q6_K; q5_k is every projection in Q5_K, the head in "
+                      "Q6_K, and native keeps such a file's own mix"))
+       for name in ("q5_k_m", "q5_k_s")},
+    **{name: ("native", "a GGUF file's own formats are quantization='native' (or 'auto', the default, on a CPU)")
+       for name in ("gguf", "ggml", "file", "own", "original")},
+    **{name: ("q4_0", "4-bit weights are the block formats q4_0 / q4_1 / q4_k (asyncinfer's CPU kernels)")
+       for name in ("int4", "4bit", "4-bit", "q4", "nf4", "fp4", "awq", "gptq", "bnb", "bitsandbytes", "iq4_nl",
+                    "iq4_xs")},
+    **{name: ("q5_0", "5-bit weights are the block formats q5_0 / q5_1 / q5_k") for name in ("q5", "int5", "5bit")},
+    **{name: ("q8_0", "8-bit weights are q8_0 (llama.cpp's Q8_0 blocks) or int8 (per-channel)")
+       for name in ("q8", "8bit", "8-bit", "fp8", "f8", "float8")},
+    **{name: ("q6_k", "6-bit weights are q6_k") for name in ("q6", "6bit")},
+    **{name: ("float16", "16-bit float weights are float16 ('bfloat16' on CUDA)") for name in ("fp16", "f16", "half")},
+    **{name: ("bfloat16", "bfloat16 weights are 'bfloat16' (CUDA)") for name in ("bf16",)},
+    **{name: ("none", "float32 weights (the dtype's own) are quantization=None (--quantization none)")
+       for name in ("fp32", "f32", "float32", "float", "full", "no", "off", "false")},
+}
+
+
+def spelled_quantization(method: object) -> object:
+    """``method`` as the engine names its formats: a supported format or "auto" in any case and with spaces
+    around (``"Q4_1"``, ``" AUTO"``) in lower case, and ``"none"`` (any case) as None; anything else as given
+    (refused by :func:`check_quantization`, with the nearest format)."""
+    if not isinstance(method, str):
+        return method
+    spelled = method.strip().lower()
+    if spelled == "none":
+        return None
+    return spelled if spelled == "auto" or spelled in QUANTIZATION_METHODS else method
+
+
+def nearest_quantization(method: object) -> str:
+    """The hint that ends an unknown format's error: the nearest format there is ("; nearest: 'q4_k' (...)"),
+    or "" when nothing is near."""
+    import difflib
+
+    if not isinstance(method, str):
+        return ""
+    key = method.strip().lower().replace("-", "_").replace(" ", "")
+    if key.replace("_", "") in {k.replace("_", "") for k in _NEAREST}:
+        key = next(k for k in _NEAREST if k.replace("_", "") == key.replace("_", ""))
+    if key in _NEAREST:
+        fmt, why = _NEAREST[key]
+        return f"; nearest: {fmt!r} ({why})"
+    close = difflib.get_close_matches(key, (*QUANTIZATION_METHODS, "auto"), n=1, cutoff=0.6)
+    return f"; nearest: {close[0]!r}" if close else ""
+
+
 def fp16_weights_available() -> bool:
     """Whether fbgemm's float16-weight kernel runs here (x86 CPUs)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -130,7 +184,8 @@ def resolve_quantization(method: object, device: torch.device, dtype: object, na
     file's own block format, or "native" for a file of several formats: ``ModelConfig.native_format``) where asyncinfer's kernels run (a vectorised
     variant, or the scalar reference when ``ASYNCINFER_KERNEL_ISA`` asks for it: ``kernels.auto_reason()``),
     else "float16" where fbgemm runs; everywhere else None. Any other value is returned as is (validated
-    by :func:`check_quantization`)."""
+    by :func:`check_quantization`). The format's name is read in any case (:func:`spelled_quantization`)."""
+    method = spelled_quantization(method)
     if method != "auto":
         return method
     if device.type != "cpu" or dtype not in (None, "auto"):
@@ -158,7 +213,7 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
-        raise InvalidParameterError("quantization", method, _allowed(device.type))
+        raise InvalidParameterError("quantization", method, _allowed(device.type) + nearest_quantization(method))
     if device.type == "cuda":
         if method not in CUDA_FORMATS or dtype != getattr(torch, method):
             raise InvalidParameterError("quantization", method, _allowed("cuda") + f"; it must match dtype={dtype}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import http
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -104,9 +104,18 @@ def shown(value: object) -> str:
     return _short_repr(value)
 
 
-def not_found(model: str) -> APIError:
+MAX_LISTED_MODELS = 20  # served names a 404 lists (the rest are counted; GET /v1/models has them all)
+
+
+def not_found(model: str, served: Sequence[str] = ()) -> APIError:
+    """The 404 of a model this server does not serve, naming the ones it does (``served``, the names of
+    ``GET /v1/models``): a client that asked for ``gpt-4o`` or a Hub id learns what to ask for instead."""
     shown = model if len(model) <= MAX_SHOWN_NAME else f"{model[:MAX_SHOWN_NAME]}... ({len(model)} characters)"
-    return APIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+    names = ", ".join(f"`{name}`" for name in served[:MAX_LISTED_MODELS])
+    more = len(served) - MAX_LISTED_MODELS
+    names += f" and {more} more (GET /v1/models lists them)" if more > 0 else ""
+    listed = f" This server serves: {names}." if served else " This server serves no model now."
+    return APIError(404, f"The model `{shown}` does not exist.{listed}", param="model", code="model_not_found")
 
 
 def unauthorized(got_key: bool) -> APIError:

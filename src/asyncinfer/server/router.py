@@ -363,7 +363,7 @@ class _OpenAI:
             return APIError(503, f"The model `{model}` is between versions (a drain-mode swap is loading the next "
                                  "one): retry shortly.", param="model", type="server_error", code="unavailable",
                             headers={"retry-after": "1"})
-        return not_found(model)
+        return not_found(model, list(self._served()))
 
     def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
         card = {"id": info.name, "object": "model", "created": self.created, "owned_by": "asyncinfer",
@@ -550,8 +550,9 @@ def _check_json_type(content_type: str | None) -> None:
     charsets = [p.partition("=")[2].strip().strip('"') for p in params if p.partition("=")[0].strip() == "charset"]
     if media == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
         return
-    raise APIError(415, f"The request body must be JSON (Content-Type: application/json, UTF-8), got Content-Type "
-                        f"{content_type[:100]!r}.", code="unsupported_media_type")
+    raise APIError(415, f"The request body must be JSON: send the header `Content-Type: application/json` (UTF-8; "
+                        f"curl: -H 'Content-Type: application/json'), got Content-Type {content_type[:100]!r}.",
+                   code="unsupported_media_type")
 
 
 def _check_transfer_coding(values: list[str]) -> None:

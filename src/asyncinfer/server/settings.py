@@ -237,9 +237,14 @@ class ModelSpec:
 
     @staticmethod
     def served_name(model: str | None) -> str:
-        """The name a model is served under when none is given: its file or directory name."""
+        """The name a model is served under when none is given: its file or directory name; a Hugging Face Hub id
+        (read from the local Hugging Face cache) its whole id, as vLLM serves it and its clients ask for it."""
         if model is None:
             return "SmolLM2-135M-Instruct"
+        from asyncinfer.model_source import is_hub_id, known_name
+
+        if is_hub_id(model) and not known_name(model) and not os.path.exists(model):
+            return model
         base = os.path.basename(os.path.normpath(model))
         if base.lower().endswith(".gguf"):  # MODEL.GGUF too, which loads as a GGUF file
             base = base[: -len(".gguf")]
