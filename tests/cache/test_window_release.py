@@ -45,9 +45,12 @@ def decode(kv: KVCacheManager, request: Request, token: int = 7) -> None:
 @pytest.mark.parametrize(("kind", "window"), [
     ("mistral_window", TINY_WINDOW), ("qwen2_window_all", TINY_WINDOW), ("qwen2_window", None),
     ("qwen3_window", None), ("gemma2", None), ("gemma3", None), ("llama", None), ("mistral", None),
+    ("phi3", None),
 ])
 def test_kv_window_is_the_window_only_where_every_layer_slides(kind: str, window: int | None) -> None:
     assert ModelConfig.from_hf_config(tiny_hf_config(kind)).kv_window == window
+    if kind == "phi3":  # its window, when the config has one, applies to every layer
+        assert ModelConfig.from_hf_config(tiny_hf_config(kind, sliding_window=6)).kv_window == 6
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
@@ -100,6 +103,26 @@ def test_a_decode_holds_at_most_the_bound_and_reaches_it(bs: int) -> None:
         assert max(held) == bound, (window, bs)
         assert kv.stats().window_releases == kv.num_released_blocks("a") == max(0, r.num_computed_tokens - 1 - window
                                                                                  + 1) // bs
+
+
+def test_a_decode_at_the_window_edge_takes_the_block_it_gives_back() -> None:
+    """W = 5, 4-token blocks: the query at 8 starts a third block and reads 4..8, so block 0 goes back in the
+    same allocation; with no block free it is the one taken (the cost is net of what is given back)."""
+    kv = KVCacheManager(2, 4, watermark=0.0, sliding_window=5)
+    r = make("a", list(range(1, 9)))
+    prefill(kv, r)
+    first = kv.block_table("a")[0]
+    assert kv.num_free_blocks == 0
+    r.output_token_ids.append(7)
+    assert kv.num_blocks_needed("a", 9) == 0 and kv.can_allocate("a", 9)
+    assert kv.append_slots(r, 1)
+    assert kv.block_table("a") == [RELEASED_BLOCK, kv.block_table("a")[1], first]
+    assert kv.num_free_blocks == 0 and kv.stats().window_releases == 1
+    other = KVCacheManager(2, 4, watermark=0.0)  # without the window the same growth does not fit
+    s = make("a", list(range(1, 9)))
+    prefill(other, s)
+    s.output_token_ids.append(7)
+    assert other.num_blocks_needed("a", 9) == 1 and not other.append_slots(s, 1)
 
 
 def test_a_shared_block_stays_with_its_other_holder() -> None:

@@ -173,7 +173,7 @@ class ModelConfig:
 
         A KV block whose positions all lie before the last ``kv_window`` positions of a sequence is never
         read again by any layer, so the cache may give it back (``cache.KVCacheManager(sliding_window=)``):
-        Mistral and a Qwen2 whose every layer slides have one; Gemma 2/3 (full layers between the sliding
+        Mistral, Phi-3 with a window and a Qwen2 whose every layer slides have one; Gemma 2/3 (full layers between the sliding
         ones) and a model without a window have None.
         """
         if self.sliding_window is None:
