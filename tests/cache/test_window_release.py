@@ -105,6 +105,25 @@ def test_a_decode_holds_at_most_the_bound_and_reaches_it(bs: int) -> None:
                                                                                  + 1) // bs
 
 
+def test_a_step_of_n_tokens_holds_at_most_its_bound() -> None:
+    """A step computing n tokens from position c reads c - W + 1 .. c + n - 1: at most
+    ceil((W + n - 2) / block_size) + 1 blocks, reached for some c."""
+    for bs in (1, 3, 4, 16):
+        for window in (1, 2, 7, 8, 30):
+            for n in (1, 2, 5, 16):
+                held = []
+                for prompt in range(1, n + 1):  # steps start at every position c past the prompt
+                    kv = KVCacheManager(128, bs, watermark=0.0, sliding_window=window)
+                    r = make("a", [1] * prompt)
+                    prefill(kv, r)
+                    for _ in range(2 * (window + bs) + 2):
+                        r.output_token_ids.extend([7] * n)
+                        assert kv.append_slots(r, n)
+                        held.append(kv.num_held_blocks("a"))
+                        r.num_computed_tokens += n
+                assert max(held) == -(-(window + n - 2) // bs) + 1, (bs, window, n)
+
+
 def test_a_decode_at_the_window_edge_takes_the_block_it_gives_back() -> None:
     """W = 5, 4-token blocks: the query at 8 starts a third block and reads 4..8, so block 0 goes back in the
     same allocation; with no block free it is the one taken (the cost is net of what is given back)."""
