@@ -73,8 +73,8 @@ def tiny_hf_config(kind: str, **overrides: Any):
     Kinds: ``llama`` (untied head), ``llama3_rope``, ``linear_rope``, ``qwen3_yarn``, ``qwen2`` (tied head,
     q/k/v bias), ``mistral``, ``qwen3`` (per-head q/k norm, an explicit head_dim of 32: q/k/v
     wider than the hidden size), ``phi3`` (fused qkv and gate_up projections in the checkpoint); with a
-    sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window`` (every layer), ``qwen2_window`` and
-    ``qwen3_window`` (the second layer only), ``gemma2`` (layer 0 sliding, 1 full; a ``query_pre_attn_scalar`` that is not
+    sliding window of :data:`TINY_WINDOW` tokens: ``mistral_window`` and ``qwen2_window_all`` (every layer),
+    ``qwen2_window`` and ``qwen3_window`` (the second layer only), ``gemma2`` (layer 0 sliding, 1 full; a ``query_pre_attn_scalar`` that is not
     ``head_dim``; attention and final logits soft-capped low enough to bite) and ``gemma3`` (layers
     sliding, full, sliding; q/k norms; its own rope base on the sliding layers and linear rope scaling on
     the full one).
@@ -108,6 +108,9 @@ def tiny_hf_config(kind: str, **overrides: Any):
     if kind == "qwen2_window":
         return Qwen2Config(**fields, tie_word_embeddings=True, use_sliding_window=True, sliding_window=TINY_WINDOW,
                            max_window_layers=1)
+    if kind == "qwen2_window_all":
+        return Qwen2Config(**fields, tie_word_embeddings=True, use_sliding_window=True, sliding_window=TINY_WINDOW,
+                           max_window_layers=0)
     if kind == "gemma2":
         return Gemma2Config(**{"head_dim": 16, "pad_token_id": 0, **fields}, query_pre_attn_scalar=24,
                             sliding_window=TINY_WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=4.0)

@@ -265,6 +265,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     kv = KVCacheManager(
         plan.num_blocks, spec.block_size, watermark=config.kv_watermark,
         enable_prefix_caching=config.enable_prefix_caching, prefix_group=_prefix_group(runner),
+        sliding_window=mc.kv_window,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncinfer.cache import BlockPool, KVCacheManager, blocks_for
+from asyncinfer.cache import RELEASED_BLOCK, BlockPool, KVCacheManager, blocks_for
+from asyncinfer.request import Request
+from asyncinfer.sampling_params import SamplingParams
 
 
 def test_blocks_for() -> None:
@@ -116,3 +118,88 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowPoolMachine(RuleBasedStateMachine):
+    """The same under a sliding window (window and block size drawn per run): requests grow chunk by chunk and
+    give back the blocks wholly before their next query's window; an allocation of k blocks succeeds iff k are
+    free counting the ones it gives back first, a failed one changes nothing, and every block comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window, self.bs = 4, 4
+        self.kv = KVCacheManager(num_blocks=24, block_size=self.bs, watermark=0.0, sliding_window=self.window)
+        self.requests: dict[str, Request] = {}
+        self.dead: dict[str, int] = {}  # the blocks each table gave back at its latest allocation
+        self.released_by_the_freed = 0
+        self.next_id = 0
+
+    @initialize(window=st.integers(1, 12), bs=st.sampled_from([1, 2, 4, 8]))
+    def configure(self, window: int, bs: int) -> None:
+        self.window, self.bs = window, bs
+        self.kv = KVCacheManager(num_blocks=24, block_size=bs, watermark=0.0, sliding_window=window)
+
+    @rule(n=st.integers(1, 40))
+    def allocate(self, n: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(rid, [1] * n, SamplingParams(max_tokens=64), arrival_time=0.0)
+        free = self.kv.num_free_blocks
+        ok = self.kv.allocate(request, n)
+        assert ok == (blocks_for(n, self.bs) <= free)
+        if ok:
+            request.num_computed_tokens = n
+            self.requests[rid], self.dead[rid] = request, 0
+        else:
+            assert self.kv.num_free_blocks == free and self.kv.block_table(rid) == []
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), extra=st.integers(1, 12))
+    def grow(self, data: st.DataObject, extra: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        request = self.requests[rid]
+        start = request.num_computed_tokens
+        dead = max(0, start - self.window + 1) // self.bs
+        table = list(self.kv.block_table(rid))
+        given_back = len(table[self.dead[rid] : dead])  # nobody shares a block here
+        need = max(0, blocks_for(start + extra, self.bs) - len(table)) - given_back
+        free = self.kv.num_free_blocks
+        ok = self.kv.append_slots(request, extra)
+        assert ok == (need <= free), "k free blocks (with those given back) did not satisfy k"
+        if ok:
+            request.num_computed_tokens += extra
+            self.dead[rid] = max(self.dead[rid], dead)
+            assert self.kv.num_free_blocks == free - need
+        else:
+            assert self.kv.block_table(rid) == table and self.kv.num_free_blocks == free
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self.kv.free(rid)
+        self.released_by_the_freed += self.dead.pop(rid)
+        del self.requests[rid]
+
+    @invariant()
+    def books_balance(self) -> None:
+        owned = []
+        for rid, request in self.requests.items():
+            table = self.kv.block_table(rid)
+            dead = self.dead[rid]
+            assert self.kv.num_released_blocks(rid) == dead and table[:dead] == [RELEASED_BLOCK] * dead
+            assert len(table) == blocks_for(request.num_computed_tokens, self.bs)
+            owned += table[dead:]
+        assert len(owned) == len(set(owned)), "a block has two owners"
+        assert not any(self.kv.pool.is_free(b) for b in owned), "a block is free and owned"
+        assert len(owned) + self.kv.num_free_blocks == self.kv.num_blocks
+        assert self.kv.stats().window_releases == sum(self.dead.values()) + self.released_by_the_freed
+
+    def teardown(self) -> None:
+        for rid in list(self.requests):
+            self.kv.free(rid)
+        assert self.kv.num_free_blocks == self.kv.num_blocks
+
+
+TestWindowPoolMachine = WindowPoolMachine.TestCase
+TestWindowPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -10,15 +10,20 @@ reads its own identity" then catches any wrong prefix hit, any missing or
 misplaced copy, and any write into a block that somebody else still reads.
 The second machine runs the same rules with a hash that collides all the
 time, so only the verification of token ids and parent links keeps hits right.
+The third runs them with a sliding window (drawn per run): each allocation gives
+back the blocks wholly before the window of the request's next query, the
+positions still in the window must read their own identity, released entries
+hold :data:`RELEASED_BLOCK`, and the counts stay exact (a block given back counts
+as freed in the same allocation).
 """
 
 from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncinfer.cache import NO_HIT, KVCacheManager, blocks_for
+from asyncinfer.cache import NO_HIT, RELEASED_BLOCK, KVCacheManager, blocks_for
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.step import advance
@@ -39,10 +44,11 @@ def chunk(want: int, fraction: float) -> int:
 
 class ManagerMachine(RuleBasedStateMachine):
     hash_fn = staticmethod(hash)
+    window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, watermark=0.0, enable_prefix_caching=True, hash_fn=self.hash_fn)
+        self.kv = self._manager()
         self.live: dict[str, Request] = {}
         self.preempted: dict[str, Request] = {}
         self.freed: list[str] = []
@@ -50,6 +56,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.count = 0
 
     # ---------------------------------------------------------------- helpers
+    def _manager(self) -> KVCacheManager:
+        return KVCacheManager(NUM_BLOCKS, BS, watermark=0.0, enable_prefix_caching=True, hash_fn=self.hash_fn,
+                              sliding_window=self.window)
+
+    def _dead(self, start: int) -> int:
+        """Blocks wholly before the window of a query at ``start`` (the model's own count)."""
+        return 0 if self.window is None else max(0, start - self.window + 1) // BS
+
     def _request(self, tokens: list[int], salt: str | None) -> Request:
         self.count += 1
         return Request(f"r{self.count}", list(tokens), PARAMS, arrival_time=0.0, cache_salt=salt)
@@ -60,7 +74,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _snapshot(self) -> tuple:
         kv, pool = self.kv, self.kv.pool
-        tables = {rid: (list(kv.block_table(rid)), kv.num_slots(rid)) for rid in kv.request_ids()}
+        tables = {rid: (list(kv.block_table(rid)), kv.num_slots(rid), kv.num_released_blocks(rid))
+                  for rid in kv.request_ids()}
         blocks = [(b.ref_cnt, b.block_hash, b.token_ids, b.parent, b.prefix_id) for b in pool.blocks]
         return tables, pool.free_block_ids(), blocks, dict(kv._pending), list(kv._copies), kv.stats()
 
@@ -83,7 +98,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert hit.num_tokens % BS == 0 and hit.num_tokens < request.num_tokens
         start = hit.num_tokens
         n = chunk(request.num_tokens - start, fraction)
-        revived = sum(1 for b in hit.block_ids if self.kv.pool.blocks[b].ref_cnt == 0)
+        dead = min(self._dead(start), len(hit.block_ids))  # hit blocks before the window are never taken
+        revived = sum(1 for b in hit.block_ids[dead:] if self.kv.pool.blocks[b].ref_cnt == 0)
         need = blocks_for(start + n, BS) - len(hit.block_ids) + revived
         free = self.kv.num_free_blocks
         before = self._snapshot()
@@ -92,6 +108,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not ok:
             assert self._snapshot() == before, "a failed allocation changed the manager"
             return 0
+        assert self.kv.num_released_blocks(request.request_id) == dead
         request.num_computed_tokens = start
         return n
 
@@ -114,7 +131,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.live[a.request_id] = a
         hit = self.kv.lookup_prefix(b)
-        if self.hash_fn is hash:
+        if self.hash_fn is hash and self.window is None:  # a window leaves a hit's early blocks evictable
             assert hit.num_tokens == (b.num_tokens - 1) // BS * BS
         nb = self._admit(b, 1.0)
         if nb:
@@ -128,23 +145,33 @@ class ManagerMachine(RuleBasedStateMachine):
         request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         if request.num_computed_tokens == request.num_tokens:
             request.output_token_ids.append(token)
-        n = chunk(request.num_uncomputed_tokens, fraction)
-        table = self.kv.block_table(request.request_id)
-        slots = self.kv.num_slots(request.request_id)
+        self._grow(request, chunk(request.num_uncomputed_tokens, fraction))
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """``append_slots`` for ``n`` tokens, checked against the model's count, then the step that computes them."""
+        rid = request.request_id
+        table = list(self.kv.block_table(rid))
+        slots = self.kv.num_slots(rid)
+        released = self.kv.num_released_blocks(rid)
         total = request.num_computed_tokens + n
+        dead = self._dead(request.num_computed_tokens)
         copies = sum(
-            1 for i in range(slots // BS, min(len(table), blocks_for(total, BS)))
+            1 for i in range(max(slots // BS, dead), min(len(table), blocks_for(total, BS)))
             if self.kv.pool.blocks[table[i]].ref_cnt > 1
         )
-        need = max(0, blocks_for(total, BS) - len(table)) + copies
+        given_back = sum(1 for b in table[released:dead] if self.kv.pool.blocks[b].ref_cnt == 1)
+        need = max(0, blocks_for(total, BS) - len(table)) + copies - given_back
         free = self.kv.num_free_blocks
         before = self._snapshot()
         ok = self.kv.append_slots(request, n)
-        assert ok == (need <= free)
+        assert ok == (need <= free), "k free blocks (with those given back) must satisfy an allocation of k"
         if ok:
+            assert self.kv.num_released_blocks(rid) == max(released, min(dead, len(table)))
+            assert self.kv.num_free_blocks == free - need
             self._run([(request, n)])
         else:
             assert self._snapshot() == before, "a failed allocation changed the manager"
+        return ok
 
     @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.live.values()))
     @rule(data=st.data())
@@ -241,9 +268,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert set(kv.request_ids()) == set(self.live), "a table without a live request, or the reverse"
         owners = [0] * NUM_BLOCKS
         for rid in self.live:
+            released = kv.num_released_blocks(rid)
             table = kv.block_table(rid)
-            assert len(table) == len(set(table)), "a table holds a block twice"
-            for b in table:
+            assert table[:released] == [RELEASED_BLOCK] * released
+            held = table[released:]
+            assert len(held) == len(set(held)) == kv.num_held_blocks(rid), "a table holds a block twice"
+            for b in held:
                 owners[b] += 1
         for block in pool.blocks:
             assert block.ref_cnt == owners[block.block_id], "ref count differs from the live owners"
@@ -260,12 +290,14 @@ class ManagerMachine(RuleBasedStateMachine):
             slots = self.kv.num_slots(rid)
             assert slots == request.num_computed_tokens <= request.num_tokens
             assert len(self.kv.block_table(rid)) == blocks_for(slots, BS)
+            # Nothing the next query's window reads was given back.
+            assert self.kv.num_released_blocks(rid) <= self._dead(request.num_computed_tokens)
 
     @invariant()
     def every_computed_position_reads_its_own_kv(self) -> None:
         for rid, request in self.live.items():
             table = self.kv.block_table(rid)
-            for p in range(request.num_computed_tokens):
+            for p in range(self.kv.num_released_blocks(rid) * BS, request.num_computed_tokens):
                 assert self.phys[table[p // BS]][p % BS] == self._identity(request, p), (
                     f"{rid} position {p} reads another sequence's KV"
                 )
@@ -291,7 +323,36 @@ class CollidingHashMachine(ManagerMachine):
     hash_fn = staticmethod(lambda key: hash(key) & 3)
 
 
+class WindowMachine(ManagerMachine):
+    """The same rules with a sliding window: blocks wholly before it go back as requests grow."""
+
+    window = 5
+
+    @initialize(window=st.sampled_from([1, 3, 4, 5, 8]))
+    def pick_window(self, window: int) -> None:
+        self.window = window
+        self.kv = self._manager()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=12))
+    def decode(self, data: st.DataObject, tokens: list[int]) -> None:
+        """A request computes what it lacks, then decodes token by token: past the window it holds at most
+        ``ceil((W - 1) / BS) + 1`` blocks after each allocation."""
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        if request.num_uncomputed_tokens and not self._grow(request, request.num_uncomputed_tokens):
+            return
+        assert self.window is not None
+        bound = -(-(self.window - 1) // BS) + 1
+        for token in tokens:
+            request.output_token_ids.append(token)
+            if not self._grow(request, 1):
+                return
+            assert self.kv.num_held_blocks(request.request_id) <= bound
+
+
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
 TestCollidingHashMachine = CollidingHashMachine.TestCase
 TestCollidingHashMachine.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+TestWindowMachine = WindowMachine.TestCase
+TestWindowMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)

@@ -1,8 +1,9 @@
 """Sliding windows and the Gemma families through the public engine (issue 23, item 3).
 
-Each windowed tiny model (Mistral: every layer; Qwen2: its second layer; Gemma 2 and Gemma 3:
-alternating) serves prompts longer than its window, with a context of its own length, and its greedy
-tokens equal transformers' ``generate()`` on the torch reference decode and on the backend
+Each windowed tiny model (Mistral and ``qwen2_window_all``: every layer; Qwen2: its second layer; Gemma 2
+and Gemma 3: alternating) serves prompts longer than its window, with a context of its own length (the
+models whose every layer slides giving back the KV blocks before each request's window, the others none),
+and its greedy tokens equal transformers' ``generate()`` on the torch reference decode and on the backend
 ``select_decode_backend`` picks for a GGUF in Q8_0 blocks (Gemma: the kernels' one-call decode step at any
 context, its sliding layers' windows in the kernel; Mistral as a ``llama`` GGUF: the one-call step while
 every context fits in the window, the reference past it). Gemma's chat turns render through
@@ -34,7 +35,8 @@ from tests.helpers import (
     write_gemma_gguf,
 )
 
-WINDOWED = ["mistral_window", "qwen2_window", "gemma2", "gemma3"]
+WINDOWED = ["mistral_window", "qwen2_window_all", "qwen2_window", "gemma2", "gemma3"]
+EVERY_LAYER_SLIDES = {"mistral_window", "qwen2_window_all"}
 
 
 def reference(kind: str, seed: int = 5) -> torch.nn.Module:
@@ -64,6 +66,10 @@ async def test_greedy_tokens_past_the_window_equal_transformers(kind, tmp_path) 
     assert max(map(len, prompts)) > 3 * TINY_WINDOW
     for p, n, tokens in zip(prompts, lengths, got):
         assert tokens == hf_greedy(hf, p, n)
+    # Blocks wholly before a window went back while the requests decoded (prefix caching on: prompts[0]
+    # starts with prompts[1]), only where no layer attends to the whole context.
+    stats = engine.kv_stats()
+    assert (stats.window_releases > 0) == (kind in EVERY_LAYER_SLIDES) and stats.used_blocks == 0
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
@@ -173,6 +179,7 @@ async def test_a_windowed_llama_gguf_decodes_past_its_window_on_the_kernel_step(
     for p, out in zip(prompts, both):
         assert out.token_ids == hf_greedy(hf, p, 10)
     assert max(kernel_contexts) > 2 * TINY_WINDOW  # the kernel step ran past the window
+    assert engine.kv_stats().window_releases > 0  # its tables held released entries there
 
 
 # ---- Gemma's chat turns ---------------------------------------------------------------------------

@@ -5,7 +5,16 @@ the physical K/V tensors); it is not imported here.
 """
 
 from asyncinfer.cache.block_pool import BlockPool, KVBlock
-from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats, blocks_for
+from asyncinfer.cache.kv_manager import RELEASED_BLOCK, KVCacheManager, KVCacheStats, blocks_for
 from asyncinfer.cache.prefix import NO_HIT, PrefixHit
 
-__all__ = ["NO_HIT", "BlockPool", "KVBlock", "KVCacheManager", "KVCacheStats", "PrefixHit", "blocks_for"]
+__all__ = [
+    "NO_HIT",
+    "RELEASED_BLOCK",
+    "BlockPool",
+    "KVBlock",
+    "KVCacheManager",
+    "KVCacheStats",
+    "PrefixHit",
+    "blocks_for",
+]

@@ -24,6 +24,18 @@ A step that fails (the scheduler, the forward pass or the sampler raised) is
 undone with :meth:`KVCacheManager.discard_step` before its requests are freed:
 the blocks it was to compute leave the prefix cache (their contents were never,
 or only partly, written) and the copies it queued are dropped.
+
+Sliding windows (``sliding_window=W``, a model whose every layer attends within
+its last ``W`` positions: ``ModelConfig.kv_window``): a query at position ``p``
+reads the keys ``p - W + 1 .. p`` only, in every layer, so a block whose
+positions all lie before ``p - W + 1`` is never read again once the request's
+computed tokens reach ``p``. Each allocation for a request whose next query is
+at ``p`` (its ``num_computed_tokens``, or the prefix hit's length) gives such
+blocks back first: the table drops its reference (a block shared with another
+request stays with it; one nobody else holds goes back to the free queue,
+still cached if it was) and the entry becomes :data:`RELEASED_BLOCK`. Released
+entries are always the table's first ones. While a request decodes it then
+holds at most ``ceil((W - 1) / block_size) + 1`` blocks.
 """
 
 from __future__ import annotations
@@ -34,9 +46,18 @@ from typing import TYPE_CHECKING
 
 from asyncinfer.cache.block_pool import BlockPool
 from asyncinfer.cache.prefix import NO_HIT, HashFn, PrefixHit, block_tokens, chain_hash, root_hash, root_link
+from asyncinfer.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from asyncinfer.request import Request
+
+
+RELEASED_BLOCK = 0
+"""What a block table holds in place of a block given back because it lies wholly before the request's
+sliding window. A valid block id, so tables stay rectangular for the runner (which pads them with block 0
+too): attention reads its slots only under the window's mask, or not at all (the kernels start at the
+window). It is not held by the table: ``KVCacheManager.num_released_blocks`` says how many leading entries
+are released."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -54,6 +75,8 @@ class KVCacheStats:
     ``filled_slots`` those holding a token (a shared block counts once).
     Prefix cache: ``prefix_queries`` and ``prefix_hits`` count tokens of the
     requests admitted with caching on, and of those, the ones taken from the cache.
+    ``window_releases``: block references tables gave back because the blocks lay
+    wholly before their request's sliding window.
     """
 
     num_blocks: int
@@ -69,6 +92,7 @@ class KVCacheStats:
     prefix_hits: int = 0
     cow_copies: int = 0
     evictions: int = 0
+    window_releases: int = 0
 
     @property
     def waste(self) -> float:
@@ -89,6 +113,8 @@ class _Table:
 
     blocks: list[int]
     num_slots: int = 0
+    # The first `released` entries of `blocks` are RELEASED_BLOCK: given back, wholly before the window.
+    released: int = 0
     # The request whose tokens fill the table (None when only an id was given:
     # then its blocks are never registered in the prefix cache).
     request: Request | None = None
@@ -120,6 +146,12 @@ class KVCacheManager:
     only within one group and one cache salt (a longrope model's requests longer than its original context
     compute other K for the same tokens: ``loading.build_core`` groups them by
     :meth:`asyncinfer.models.layers.RopeRows.long`).
+
+    ``sliding_window``: None, or the window every layer of the model attends within (``ModelConfig.kv_window``):
+    blocks wholly before a request's window are given back as it grows (see the module docstring).
+
+    Raises:
+        InvalidParameterError: ``sliding_window`` that is not None or a positive int.
     """
 
     def __init__(
@@ -131,7 +163,12 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         hash_fn: HashFn = hash,
         prefix_group: Callable[[Request], Hashable] | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise InvalidParameterError("sliding_window", sliding_window, "None or an int >= 1")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -144,6 +181,7 @@ class KVCacheManager:
         # Requests share cached blocks only within one group (beside the salt): where the model computes other
         # K/V for the same tokens in different requests (a longrope model's long requests, models.layers.RopeRows).
         self.prefix_group = prefix_group
+        self.sliding_window = sliding_window
         self._tables: dict[str, _Table] = {}
         self._epoch = 0  # bumped by reset_prefix_cache: older tables stop registering
         self._pending: dict[int, str] = {}  # registered this step, not computed yet -> owner
@@ -155,6 +193,7 @@ class KVCacheManager:
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.num_cow_copies = 0
+        self.num_window_releases = 0  # block references given back for lying wholly before a window
 
     # ------------------------------------------------------------------ queries
     @property
@@ -167,8 +206,19 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids in order, its first :meth:`num_released_blocks` ones :data:`RELEASED_BLOCK`."""
         table = self._tables.get(request_id)
         return table.blocks if table is not None else []
+
+    def num_released_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table given back because they lie wholly before its window."""
+        table = self._tables.get(request_id)
+        return table.released if table is not None else 0
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request's table holds (its entries less the released ones)."""
+        table = self._tables.get(request_id)
+        return len(table.blocks) - table.released if table is not None else 0
 
     def num_slots(self, request_id: str) -> int:
         """Token slots the request has asked for (its table covers them)."""
@@ -185,10 +235,14 @@ class KVCacheManager:
         """Free blocks that growing the table to ``total_tokens`` slots would take.
 
         New blocks, plus copies of shared blocks the new slots fall in, plus
-        (for a new request with a prefix hit) cached blocks taken off the free queue.
+        (for a new request with a prefix hit) cached blocks taken off the free queue,
+        less the blocks the growth gives back to the free queue first (those wholly
+        before a sliding window that nobody else holds); never below 0.
         """
-        table = self._tables.get(_request_id(request))
-        return self._cost(table, total_tokens, prefix)
+        rid = _request_id(request)
+        table = self._tables.get(rid)
+        start = self._query_start(table, None if isinstance(request, str) else request, prefix)
+        return max(0, self._cost(table, total_tokens, prefix, start))
 
     def can_allocate(
         self,
@@ -200,6 +254,9 @@ class KVCacheManager:
     ) -> bool:
         """Whether :meth:`allocate_slots` would succeed (new requests respect the watermark)."""
         need = self.num_blocks_needed(request, total_tokens, prefix=prefix)
+        return self._fits(need, new_request)
+
+    def _fits(self, need: int, new_request: bool) -> bool:
         reserve = self.watermark_blocks if new_request else 0
         return need + reserve <= self.pool.num_free_blocks
 
@@ -270,7 +327,10 @@ class KVCacheManager:
         """Grow the request's table to cover ``total_tokens`` slots; ``False`` changes nothing.
 
         Given a :class:`Request` (rather than its id) the table can register its
-        full blocks in the prefix cache.
+        full blocks in the prefix cache. With a sliding window, blocks wholly before
+        the window of the request's next query (at its ``num_computed_tokens``, or
+        after the prefix hit) are given back first (a request known only by its id,
+        whose table was never given the request, gives nothing back).
         """
         rid = _request_id(request)
         req = None if isinstance(request, str) else request
@@ -279,13 +339,17 @@ class KVCacheManager:
             if table is not None or req is None:
                 raise ValueError(f"a prefix hit is for a request that holds no blocks ({rid!r} does)")
             self._check_fresh(prefix)
-        if not self.can_allocate(rid, total_tokens, new_request=new_request, prefix=prefix):
+        start = self._query_start(table, req, prefix)
+        if not self._fits(self._cost(table, total_tokens, prefix, start), new_request):
             return False
+        dead = self._dead_blocks(start)
         if table is None:
-            table = self._new_table(req, prefix or NO_HIT)
+            table = self._new_table(req, prefix or NO_HIT, dead)
             self._tables[rid] = table
-        elif req is not None and table.request is None:
-            table.request = req
+        else:
+            if req is not None and table.request is None:
+                table.request = req
+            self._release(table, dead)
         self._copy_on_write(table, total_tokens)
         missing = blocks_for(total_tokens, self.block_size) - len(table.blocks)
         if missing > 0:
@@ -313,11 +377,18 @@ class KVCacheManager:
         if not 0 <= num_tokens <= parent.num_slots:
             raise ValueError(f"num_tokens must be in [0, {parent.num_slots}], got {num_tokens}")
         blocks = parent.blocks[: blocks_for(num_tokens, self.block_size)]
-        self.pool.share(blocks)
+        released = min(parent.released, len(blocks))
+        if released > self._dead_blocks(num_tokens):
+            raise ValueError(
+                f"cannot fork {parent_id!r} at {num_tokens} tokens: blocks the window of a query there reads "
+                "were already given back"
+            )
+        self.pool.share(blocks[released:])
         full = num_tokens // self.block_size
         self._tables[child_id] = _Table(
             blocks=list(blocks),
             num_slots=num_tokens,
+            released=released,
             request=None if isinstance(child, str) else child,
             salt=parent.salt,
             epoch=parent.epoch,
@@ -336,7 +407,8 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             return
-        uncomputed = [b for b in table.blocks if self._pending.get(b) == request_id]
+        held = table.blocks[table.released :]
+        uncomputed = [b for b in held if self._pending.get(b) == request_id]
         shared = [b for b in uncomputed if self.pool.blocks[b].ref_cnt > 1]
         if shared:
             raise RuntimeError(
@@ -349,7 +421,7 @@ class KVCacheManager:
             self.pool.unregister(block_id)
         # Reverse order: a request's last blocks are the least likely to be
         # shared, so they should be the first ones reused (evicted).
-        self.pool.free(reversed(table.blocks))
+        self.pool.free(reversed(held))
 
     def preempt(self, request_id: str) -> None:
         """Free a running request's blocks so it can be recomputed later; counts one preemption."""
@@ -409,7 +481,8 @@ class KVCacheManager:
         fill: dict[int, int] = {}
         # list() first: the engine reads stats from another thread than the one stepping.
         for table in list(self._tables.values()):
-            for j, block_id in enumerate(table.blocks):
+            for j in range(table.released, len(table.blocks)):
+                block_id = table.blocks[j]
                 filled = min(bs, table.num_slots - j * bs)
                 if filled > fill.get(block_id, 0):
                     fill[block_id] = filled
@@ -428,36 +501,73 @@ class KVCacheManager:
             prefix_hits=self.num_prefix_hits,
             cow_copies=self.num_cow_copies,
             evictions=self.pool.num_evictions,
+            window_releases=self.num_window_releases,
         )
 
     # ----------------------------------------------------------------- helpers
-    def _cost(self, table: _Table | None, total_tokens: int, prefix: PrefixHit | None) -> int:
+    def _cost(self, table: _Table | None, total_tokens: int, prefix: PrefixHit | None, start: int | None) -> int:
+        """Net free blocks the growth takes: new blocks, copies and revived cached blocks, less the blocks it
+        gives back to the free queue first (wholly before the window of a query at ``start``, held by nobody
+        else). Negative when it gives back more than it takes."""
         blocks = self.pool.blocks
-        if table is None:
-            held: tuple[int, ...] | list[int] = prefix.block_ids if prefix else ()
-            revived = sum(1 for b in held if blocks[b].ref_cnt == 0)
-            return max(0, blocks_for(total_tokens, self.block_size) - len(held)) + revived
+        dead = self._dead_blocks(start)
         want = blocks_for(total_tokens, self.block_size)
+        if table is None:
+            hit: tuple[int, ...] = prefix.block_ids if prefix else ()
+            revived = sum(1 for b in hit[dead:] if blocks[b].ref_cnt == 0)
+            return max(0, want - len(hit)) + revived
         copies = 0
         if total_tokens > table.num_slots:
-            for i in range(table.num_slots // self.block_size, min(len(table.blocks), want)):
+            for i in range(max(table.num_slots // self.block_size, dead), min(len(table.blocks), want)):
                 if blocks[table.blocks[i]].ref_cnt > 1:
                     copies += 1
-        return max(0, want - len(table.blocks)) + copies
+        given_back = sum(1 for b in table.blocks[table.released : dead] if blocks[b].ref_cnt == 1)
+        return max(0, want - len(table.blocks)) + copies - given_back
+
+    def _query_start(self, table: _Table | None, request: Request | None, prefix: PrefixHit | None) -> int | None:
+        """The position of the request's next query: after the prefix hit, else its computed tokens (None for a
+        request known only by its id)."""
+        if prefix:
+            return prefix.num_tokens
+        if request is None and table is not None:
+            request = table.request
+        return None if request is None else request.num_computed_tokens
+
+    def _dead_blocks(self, start: int | None) -> int:
+        """Leading blocks wholly before the window of a query at ``start``: its keys are ``start - W + 1 ..``."""
+        if self.sliding_window is None or start is None:
+            return 0
+        return max(0, start - self.sliding_window + 1) // self.block_size
+
+    def _release(self, table: _Table, dead: int) -> None:
+        """Give back the table's blocks before entry ``dead`` (one reference each); their entries become
+        :data:`RELEASED_BLOCK`."""
+        end = min(dead, len(table.blocks))
+        if end <= table.released:
+            return
+        gone = table.blocks[table.released : end]
+        table.blocks[table.released : end] = [RELEASED_BLOCK] * len(gone)
+        table.released = end
+        self.num_window_releases += len(gone)
+        self.pool.free(reversed(gone))
 
     def _check_fresh(self, prefix: PrefixHit) -> None:
         for block_id, link in zip(prefix.block_ids, prefix.links):
             if self.pool.blocks[block_id].prefix_id != link:
                 raise ValueError("stale prefix hit: look it up again right before allocating")
 
-    def _new_table(self, request: Request | None, prefix: PrefixHit) -> _Table:
-        self.pool.share(prefix.block_ids)
+    def _new_table(self, request: Request | None, prefix: PrefixHit, dead: int) -> _Table:
+        """A table starting with the hit's blocks; those wholly before the window (the first ``dead``) are
+        never taken: their entries are released from the start."""
+        dead = min(dead, len(prefix.block_ids))
+        self.pool.share(prefix.block_ids[dead:])
         if request is not None and self.enable_prefix_caching:
             self.num_prefix_queries += request.num_tokens
             self.num_prefix_hits += prefix.num_tokens
         return _Table(
-            blocks=list(prefix.block_ids),
+            blocks=[RELEASED_BLOCK] * dead + list(prefix.block_ids[dead:]),
             num_slots=prefix.num_tokens,
+            released=dead,
             request=request,
             salt=None if request is None else self._root_key(request),
             epoch=self._epoch,
@@ -476,7 +586,8 @@ class KVCacheManager:
         if total_tokens <= table.num_slots:
             return
         bs = self.block_size
-        for i in range(table.num_slots // bs, min(len(table.blocks), blocks_for(total_tokens, bs))):
+        first = max(table.num_slots // bs, table.released)
+        for i in range(first, min(len(table.blocks), blocks_for(total_tokens, bs))):
             src = table.blocks[i]
             if self.pool.blocks[src].ref_cnt > 1:
                 taken = self.pool.allocate(1)
@@ -500,7 +611,7 @@ class KVCacheManager:
         for j in range(len(table.hashes), full):
             parent_link = table.links[j - 1] if j else root_link(table.salt)
             parent_hash = table.hashes[j - 1] if j else root_hash(table.salt, self.hash_fn)
-            if parent_link is None or parent_hash is None:
+            if parent_link is None or parent_hash is None or j < table.released:  # released: not ours to enter
                 table.hashes.append(None)
                 table.links.append(None)
                 continue

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("asyncinfer")
 
-_KV_COUNTERS = ("preemptions", "prefix_queries", "prefix_hits", "cow_copies", "evictions")
+_KV_COUNTERS = ("preemptions", "prefix_queries", "prefix_hits", "cow_copies", "evictions", "window_releases")
 
 
 class EngineView(Protocol):
@@ -372,7 +372,8 @@ class EngineMetrics:
             name=name, kind="generate", requests=dict(fig.requests), prompt_tokens=fig.prompt_tokens,
             generation_tokens=fig.generation_tokens, preemptions=kv_totals["preemptions"],
             prefix_cache_queried_tokens=kv_totals["prefix_queries"], prefix_cache_hit_tokens=kv_totals["prefix_hits"],
-            kv_cow_copies=kv_totals["cow_copies"], kv_evictions=kv_totals["evictions"], swaps=dict(fig.swaps),
+            kv_cow_copies=kv_totals["cow_copies"], kv_evictions=kv_totals["evictions"],
+            kv_window_releases=kv_totals["window_releases"], swaps=dict(fig.swaps),
             rejected=dict(fig.rejected), decode_bytes_read=fig.decode_bytes, decode_seconds=fig.decode_seconds,
             running=running, waiting=waiting, versions_live=len(live), last_decode_bandwidth=last,
             last_decode_bandwidth_utilization=None if last is None or not peak else min(1.0, last / peak),

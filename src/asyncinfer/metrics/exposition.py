@@ -37,6 +37,8 @@ COUNTERS: tuple[tuple[str, str, Read], ...] = (
     ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", lambda m: m.prefix_cache_hit_tokens),
     ("kv_cow_copies", "KV blocks copied on write", lambda m: m.kv_cow_copies),
     ("kv_evictions", "Cached prefix blocks evicted", lambda m: m.kv_evictions),
+    ("kv_window_releases", "KV blocks given back for lying wholly before a request's sliding window",
+     lambda m: m.kv_window_releases),
     ("decode_bytes_read", "Bytes decode-only steps read: weights plus the KV cache attended over",
      lambda m: m.decode_bytes_read),
     ("decode_step_seconds", "Seconds spent in decode-only steps", lambda m: m.decode_seconds),

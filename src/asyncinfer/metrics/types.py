@@ -107,6 +107,7 @@ class ModelMetrics:
     prefix_cache_hit_tokens: int = 0
     kv_cow_copies: int = 0
     kv_evictions: int = 0
+    kv_window_releases: int = 0
     swaps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SWAP_OUTCOMES, 0))
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     decode_bytes_read: int = 0

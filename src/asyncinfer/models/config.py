@@ -199,6 +199,21 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within, None where any layer attends to the whole context.
+
+        A KV block whose positions all lie before the last ``kv_window`` positions of a sequence is never
+        read again by any layer, so the cache may give it back (``cache.KVCacheManager(sliding_window=)``):
+        Mistral, Phi-3 with a window and a Qwen2 whose every layer slides have one; Gemma 2/3 (full layers between the sliding
+        ones) and a model without a window have None.
+        """
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and any(t != SLIDING_ATTENTION for t in self.layer_types):
+            return None
+        return self.sliding_window
+
+    @property
     def attention_scale(self) -> float:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma), else ``head_dim ** -0.5``."""
         scalar = self.query_pre_attn_scalar
