@@ -19,8 +19,12 @@ conftest files; plain code lives here.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import threading
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -499,3 +503,22 @@ class PosingFloat(_ComparesAs, float):
         number = super().__new__(cls, value)
         number.poses_as = poses_as
         return number
+
+
+@contextlib.asynccontextmanager
+async def loop_lags(period: float) -> AsyncIterator[list[float]]:
+    """How long the running loop is held while the block runs: a tick every ``period`` seconds, each late by the time
+    the loop was held, collected into the list it yields (read it after the block)."""
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(period)
+            lags.append(time.perf_counter() - start - period)
+
+    tick = asyncio.create_task(ticker())
+    try:
+        yield lags
+    finally:
+        tick.cancel()

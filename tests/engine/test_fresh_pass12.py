@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+from tests.helpers import loop_lags
 
 BASE = {
     "kv_cache_memory": 4 * 1024 * 1024,
@@ -143,8 +144,6 @@ async def test_embedding_many_texts_never_holds_the_event_loop_for_their_tokeniz
     event loop (every other caller) stalled for the whole batch: 0.26 s for 10,000 texts of MiniLM's tokenizer.
     The texts are tokenized :data:`~asyncinfer.models.encoder.TOKENIZE_CHUNK` (64) at a time now, the loop served
     between two calls; the vectors are those of one text at a time."""
-    import time
-
     from asyncinfer.models.encoder import TOKENIZE_CHUNK
 
     assert TOKENIZE_CHUNK == 64
@@ -152,18 +151,9 @@ async def test_embedding_many_texts_never_holds_the_event_loop_for_their_tokeniz
     options = {"num_threads": 1, "max_batch_size": 1024, "max_batch_tokens": 1 << 16, "max_wait_ms": 0}
     async with await AsyncEngine.load(tiny_bert, **options) as engine:
         alone = await engine.embed(texts[:3])
-        lags: list[float] = []
-
-        async def ticker() -> None:
-            while True:
-                start = time.perf_counter()
-                await asyncio.sleep(0.002)
-                lags.append(time.perf_counter() - start - 0.002)
-
-        tick = asyncio.create_task(ticker())
-        await asyncio.sleep(0.02)
-        vectors = await engine.embed(texts)
-        tick.cancel()
+        async with loop_lags(0.002) as lags:
+            await asyncio.sleep(0.02)
+            vectors = await engine.embed(texts)
         assert vectors.shape == (30000, 32)
         torch.testing.assert_close(vectors[:3], alone, atol=1e-5, rtol=1e-5)
         assert engine.embedding_stats().num_texts == 30003

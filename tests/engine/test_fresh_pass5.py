@@ -90,26 +90,18 @@ async def test_a_long_prompt_tokenized_off_the_loop_leaves_the_loop_free(real_gg
 
     from asyncinfer.models.loader import gguf_tokenizer
     from asyncinfer.models.tokenizer import CachedTokenizer
+    from tests.helpers import loop_lags
 
     tokenizer = gguf_tokenizer(real_gguf)
     assert isinstance(tokenizer, CachedTokenizer)
     text = "the cat sat on the mat, naïvely — 世界. " * 16000
     assert tokenizer.encode(text[:5000]) == tokenizer.backend_tokenizer.encode(text[:5000]).ids
     assert tokenizer(["a b", "c"])["input_ids"] == [tokenizer.encode("a b"), tokenizer.encode("c")]
-    lags: list[float] = []
-
-    async def ticker() -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(0.002)
-            lags.append(time.perf_counter() - start - 0.002)
-
-    tick = asyncio.create_task(ticker())
-    await asyncio.sleep(0.05)
-    start = time.perf_counter()
-    ids = await asyncio.to_thread(tokenizer.encode, text)
-    took = time.perf_counter() - start
-    tick.cancel()
+    async with loop_lags(0.002) as lags:
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        ids = await asyncio.to_thread(tokenizer.encode, text)
+        took = time.perf_counter() - start
     assert len(ids) > 100_000
     assert max(lags) < max(0.5 * took, 0.05), (max(lags), took)  # before: the loop waited for all of it
 

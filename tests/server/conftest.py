@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 # The tiny model's options in these tests: 512 KV blocks of 16 tokens, 512-token requests.
 TINY_OPTIONS = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 512, "dtype": "float32", "device": "cpu"}
+#: The API keys of the keyed servers the tests start (`trusting`, and the access tests' own).
+KEYS = ("key-one", "key-two")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -125,3 +127,11 @@ def server(tiny_chat_model, minilm_dir, tiny_models) -> Iterator[LiveServer]:
 def client(server) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_models):
+    """A keyed server that takes its tenant and priority from a proxy's headers."""
+    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
+        yield live

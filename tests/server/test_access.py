@@ -21,9 +21,8 @@ from asyncinfer.server import (
     metrics_keys_from_env,
 )
 
-from .conftest import TINY_OPTIONS, LiveServer
+from .conftest import KEYS, TINY_OPTIONS, LiveServer
 
-KEYS = ("key-one", "key-two")
 OPS = "ops-key"  # the operator's, for /metrics
 PROMPT = list(range(10, 50))  # 40 tokens: two full 16-token blocks the prefix cache can keep
 TEXT = {"model": "ids", "prompt": PROMPT, "max_tokens": 2}
@@ -300,14 +299,6 @@ def test_user_priorities_is_the_deprecated_name_of_tenant_priorities() -> None:
     assert "tenant_priorities" in str(caught[0].message)
     assert dict(settings.tenant_priorities) == {"batch": 5, "web": 0}
     assert settings == ServerSettings(tenant_priorities={"batch": 5, "web": 0})
-
-
-@pytest.fixture(scope="module")
-def trusting(tiny_models):
-    """A keyed server that takes its tenant and priority from a proxy's headers."""
-    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
-    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
-        yield live
 
 
 @pytest.mark.parametrize("copies", [

@@ -19,11 +19,10 @@ from asyncinfer import SamplingParams
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, guard_app
 
-from .conftest import TINY_OPTIONS, LiveServer
+from .conftest import KEYS, TINY_OPTIONS, LiveServer
 from .test_fresh_pass8 import _exchange
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = ("key-one", "key-two")
 TEXT = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2}
 
 
@@ -132,14 +131,6 @@ def test_the_example_servers_own_route_asks_for_the_key(monkeypatch) -> None:
 # due), and two wrong keys were a 400, not a 401. And it ran for the tenant header on every server and route, read
 # or not: a client (or a proxy) sending `X-Tenant-Id` twice to a server that never reads it was refused. Now the key
 # is checked first, and each header only where it is read.
-@pytest.fixture(scope="module")
-def trusting(tiny_models):
-    """A keyed server that takes its tenant and priority from a proxy's headers."""
-    settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
-    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
-        yield live
-
-
 @pytest.mark.parametrize("copies", [
     [("x-team", "vip"), ("X-Team", "bob")],
     [("x-priority", "-9"), ("x-priority", "5")],
