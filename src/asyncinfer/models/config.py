@@ -207,9 +207,7 @@ class ModelConfig:
         Mistral, Phi-3 with a window and a Qwen2 whose every layer slides have one; Gemma 2/3 (full layers between the sliding
         ones) and a model without a window have None.
         """
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is not None and any(t != SLIDING_ATTENTION for t in self.layer_types):
+        if any(self.layer_window(layer) is None for layer in range(self.num_layers)):
             return None
         return self.sliding_window
 
