@@ -72,12 +72,25 @@ def _shard_in(path: Path, index: Path, name: str) -> Path:
     Raises:
         ModelLoadError: naming the index and the shard name.
     """
-    rel = PurePath(name)
-    if not name or "\x00" in name or rel.is_absolute() or rel.drive or ".." in rel.parts:
+    if not name:
         raise ModelLoadError(f"cannot read {index}: weight shard {name!r} is not a file name inside {path} "
                              "(no absolute paths, '..' or devices)")
-    shard = path / rel
-    return shard
+    return path_inside(path, index, name, "weight shard", "file name")
+
+
+def path_inside(path: Path, listed_in: Path, name: object, what: str, kind: str = "path") -> Path:
+    """``path / name`` for a ``name`` that a file of the model (``listed_in``) gives, refused unless it is a
+    relative path inside the directory ``path`` (``""`` is the directory itself): a string without ``..``, a
+    NUL, a root or a drive. Decided from the name alone, so nothing outside ``path`` is opened or read.
+
+    Raises:
+        ModelLoadError: naming ``listed_in``, ``what`` the name is and the name.
+    """
+    rel = PurePath(name) if isinstance(name, str) and "\x00" not in name else None
+    if rel is None or rel.is_absolute() or rel.drive or ".." in rel.parts:
+        raise ModelLoadError(f"cannot read {listed_in}: {what} {name!r} is not a {kind} inside {path} "
+                             "(no absolute paths, '..' or devices)")
+    return path / rel
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

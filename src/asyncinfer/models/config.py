@@ -56,10 +56,10 @@ def check_config_size(name: str, value: object, where: str = "model config") -> 
                              f"{MAX_CONFIG_SIZE})")
 
 
-_POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
+POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
 
 
-def _positive_float32(value: object) -> bool:
+def positive_float32(value: object) -> bool:
     """Whether ``value`` is a real number that stays positive and finite as the float32 the model computes in: a
     soft-cap, eps or rope base of ``inf`` or ``1e300`` (a file may say so) made every logit NaN, and one below
     float32's smallest (``1e-50``) divided by zero."""
@@ -156,15 +156,15 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim={self.head_dim} must be even for rope")
         for name in ("rms_norm_eps", "rope_theta"):
-            if not _positive_float32(getattr(self, name)):
-                raise ModelLoadError(f"model config: {name}={getattr(self, name)!r} must be {_POSITIVE_FLOAT32}")
+            if not positive_float32(getattr(self, name)):
+                raise ModelLoadError(f"model config: {name}={getattr(self, name)!r} must be {POSITIVE_FLOAT32}")
         _validate_rope_scaling(self.rope_scaling, self.head_dim)
         self._validate_window()
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "sliding_rope_theta"):
             value = getattr(self, name)
-            if value is not None and not _positive_float32(value):
-                raise ModelLoadError(f"model config: {name}={value!r} must be None or {_POSITIVE_FLOAT32}")
+            if value is not None and not positive_float32(value):
+                raise ModelLoadError(f"model config: {name}={value!r} must be None or {POSITIVE_FLOAT32}")
         if not isinstance(self.eos_token_ids, tuple):
             raise ModelLoadError("model config: eos_token_ids must be a tuple of ints")
         for tok in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):

@@ -1,0 +1,186 @@
+"""Adversarial pass 13 (issue 25), in-process: the files of an embedding model.
+
+An embedding model's directory is read as sentence-transformers writes it (config.json, modules.json,
+1_Pooling/config.json, sentence_bert_config.json). A module's ``path`` in modules.json was followed wherever it
+led (``..``, an absolute path: a file outside the directory opened and read, its pooling taken), a file of
+another shape or a value of another type came out of ``plan_memory``, ``load`` and ``add_model`` as a bare
+``AttributeError``, ``TypeError``, ``ValueError`` or ``OverflowError``, and a negative ``layer_norm_eps`` loaded
+and made every embedding NaN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer.models import encoder as encoder_module
+from asyncinfer.models.encoder import EncoderConfig, read_encoder_config
+
+_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "a", "b", "the"]
+_OPTIONS = {"num_threads": 1, "max_wait_ms": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny_st(tmp_path_factory) -> Path:
+    """A random 2-layer BERT saved as sentence-transformers saves a model: modules.json, mean pooling in
+    1_Pooling, a Normalize module, sentence_bert_config.json."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny-st")
+    BertModel(cfg, add_pooling_layer=False).eval().save_pretrained(path, safe_serialization=True)
+    (path / "vocab.txt").write_text("\n".join(_VOCAB) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps(_modules("1_Pooling")))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(_pooling("mean")))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    return path
+
+
+def _modules(pooling_path: Any) -> list[dict[str, Any]]:
+    return [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": pooling_path, "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+
+
+def _pooling(mode: str) -> dict[str, Any]:
+    keys = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
+    return {"word_embedding_dimension": 32, **{key: m == mode for m, key in keys.items()}}
+
+
+def _variant(tiny_st: Path, where: Path, files: dict[str, Any]) -> Path:
+    """A copy of ``tiny_st`` with ``files`` (a name inside it -> JSON value, or raw text) written over."""
+    shutil.copytree(tiny_st, where)
+    for name, value in files.items():
+        (where / name).write_text(value if isinstance(value, str) else json.dumps(value))
+    return where
+
+
+def test_the_tiny_model_reads_as_sentence_transformers_wrote_it(tiny_st) -> None:
+    config = read_encoder_config(tiny_st)
+    assert (config.pooling, config.normalize, config.max_seq_len, config.layer_norm_eps) == ("mean", True, 32, 1e-12)
+
+
+@pytest.mark.parametrize("pooling_path", ["../outside", "{outside}", "1_Pooling/../../outside", "\x00"])
+def test_a_pooling_module_path_outside_the_directory_is_refused_and_nothing_there_is_read(
+        tiny_st, tmp_path, monkeypatch, pooling_path) -> None:
+    """modules.json's Pooling ``path`` was joined to the directory as it was: ``../outside`` or an absolute path
+    opened and read that directory's config.json (its CLS pooling was taken). Refused now by the name alone,
+    naming modules.json and the path, before any file outside the directory is read; at every entry."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps(_pooling("cls")))
+    pooling_path = pooling_path.format(outside=outside)
+    model = _variant(tiny_st, tmp_path / "model", {"modules.json": _modules(pooling_path)})
+    read: list[Path] = []
+    real_read_json = encoder_module.read_json
+
+    def spy(file: Path) -> Any:
+        read.append(Path(file))
+        return real_read_json(file)
+
+    monkeypatch.setattr(encoder_module, "read_json", spy)
+    with pytest.raises(ModelLoadError, match=r"modules\.json: the Pooling module's path .* is not a path inside"):
+        read_encoder_config(model)
+    with pytest.raises(ModelLoadError, match="the Pooling module's path"):
+        AsyncEngine.plan_memory(model, available_bytes=1 << 30, **_OPTIONS)
+    with pytest.raises(ModelLoadError, match="the Pooling module's path"):
+        asyncio.run(AsyncEngine.load(model, **_OPTIONS))
+    assert read and all(file.resolve().is_relative_to(model.resolve()) for file in read), read
+
+
+def test_a_pooling_module_path_inside_the_directory_is_still_followed(tiny_st, tmp_path) -> None:
+    model = _variant(tiny_st, tmp_path / "model", {"modules.json": _modules("pool/./cls")})
+    (model / "pool" / "cls").mkdir(parents=True)
+    (model / "pool" / "cls" / "config.json").write_text(json.dumps(_pooling("cls")))
+    assert read_encoder_config(model).pooling == "cls"
+
+
+_MALFORMED = [
+    ("modules.json", {"type": "x"}, "modules.json: a JSON list of modules"),
+    ("modules.json", "null", "modules.json: a JSON list of modules"),
+    ("modules.json", ["1_Pooling"], "modules.json: a JSON list of modules"),
+    ("modules.json", [{"type": 5}], "modules.json: a JSON list of modules"),
+    ("modules.json", _modules(5), "the Pooling module's path 5 is not a path inside"),
+    ("1_Pooling/config.json", [1], r"1_Pooling/config\.json: a JSON object was expected, not a list"),
+    ("sentence_bert_config.json", [1], r"sentence_bert_config\.json: a JSON object was expected"),
+    ("sentence_bert_config.json", {"max_seq_length": "abc"}, "max_seq_length = 'abc' must be an integer"),
+    ("sentence_bert_config.json", '{"max_seq_length": 1e400}', "max_seq_length = inf must be an integer"),
+    ("sentence_bert_config.json", {"max_seq_length": [32]}, r"max_seq_length = \[32\] must be an integer"),
+    ("config.json", "[1]", None),
+    ("config.json", {"model_type": "bert", "layer_norm_eps": "abc"}, "layer_norm_eps = 'abc' must be a positive"),
+    ("config.json", {"model_type": "bert", "max_position_embeddings": "x"},
+     "max_position_embeddings = 'x' must be an integer"),
+    ("config.json", {"model_type": "bert", "max_position_embeddings": 63.5},
+     "max_position_embeddings = 63.5 must be an integer"),
+    ("config.json", {"model_type": "bert", "vocab_size": [10]}, r"vocab_size = \[10\] must be an integer"),
+    ("config.json", {"model_type": "bert", "hidden_size": None}, "config.json lacks 'hidden_size'"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), _MALFORMED,
+                         ids=[f"{name}-{str(value)[:24]}" for name, value, _ in _MALFORMED])
+def test_a_sentence_transformers_file_of_another_shape_is_a_model_load_error_naming_it(
+        tiny_st, tmp_path, name, value, message) -> None:
+    """A file of another shape (a list for an object, ``null`` for modules) or a value of another type (text
+    for a number, a fraction for a size) was a bare AttributeError, TypeError, ValueError or OverflowError out
+    of ``plan_memory``, ``load`` and ``add_model``; a ModelLoadError naming the file and the key now."""
+    if name == "config.json" and isinstance(value, dict):
+        value = {**json.loads((tiny_st / "config.json").read_text()), **value}
+        value = {k: v for k, v in value.items() if v is not None}
+    model = _variant(tiny_st, tmp_path / "model", {name: value})
+    options: dict[str, Any] = _OPTIONS
+    if message is None:  # config.json no object: not an encoder, so read as a generator's, refused as one
+        message, options = r"config\.json: expected a JSON object, got list", {"num_threads": 1}
+    else:
+        with pytest.raises(ModelLoadError, match=message):
+            read_encoder_config(model)
+    with pytest.raises(ModelLoadError, match=message):
+        AsyncEngine.plan_memory(model, available_bytes=1 << 30, **options)
+    with pytest.raises(ModelLoadError, match=message):
+        asyncio.run(AsyncEngine.load(model, **options))
+
+
+async def test_add_model_names_the_file_of_another_shape_and_the_engine_serves_on(
+        tiny_st, tiny_models, tmp_path) -> None:
+    model = _variant(tiny_st, tmp_path / "model", {"sentence_bert_config.json": {"max_seq_length": "abc"}})
+    good = _variant(tiny_st, tmp_path / "good", {})
+    path, _ = tiny_models["llama"]
+    async with await AsyncEngine.load(path, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                                      max_model_len=64, num_threads=1) as engine:
+        with pytest.raises(ModelLoadError, match="max_seq_length = 'abc' must be an integer"):
+            await engine.add_model("bad", model, **_OPTIONS)
+        await engine.add_model("good", good, **_OPTIONS)
+        assert (await engine.embed("hello world", model="good")).shape == (1, 32)
+
+
+@pytest.mark.parametrize("eps", [-1.0, 0, float("inf"), 1e-50])
+def test_a_layer_norm_eps_that_is_not_positive_in_float32_is_refused_by_name(tiny_st, tmp_path, eps) -> None:
+    """A negative ``layer_norm_eps`` loaded, and every embedding the model made was NaN (over HTTP too); it is held
+    to what the generators' ``rms_norm_eps`` is held to: a positive number float32 holds."""
+    config = json.loads((tiny_st / "config.json").read_text())
+    model = _variant(tiny_st, tmp_path / "model", {"config.json": json.dumps({**config, "layer_norm_eps": eps})})
+    with pytest.raises(ModelLoadError, match="config.json: layer_norm_eps = .* must be a positive number that float32"):
+        asyncio.run(AsyncEngine.load(model, **_OPTIONS))
+    with pytest.raises(ModelLoadError, match="encoder config: layer_norm_eps=-1.0 must be a positive number"):
+        EncoderConfig(architecture="bert", vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=-1.0,
+                      hidden_act="gelu")
+
+
+async def test_an_embedding_model_with_its_own_eps_embeds_finite_unit_vectors(tiny_st, tmp_path) -> None:
+    config = json.loads((tiny_st / "config.json").read_text())
+    model = _variant(tiny_st, tmp_path / "model", {"config.json": json.dumps({**config, "layer_norm_eps": 1e-5})})
+    async with await AsyncEngine.load(model, **_OPTIONS) as engine:
+        vectors = await engine.embed(["hello world", "a b the"])
+    assert torch.isfinite(vectors).all() and torch.allclose(vectors.norm(dim=1), torch.ones(2), atol=1e-5)
