@@ -184,3 +184,84 @@ async def test_an_embedding_model_with_its_own_eps_embeds_finite_unit_vectors(ti
     async with await AsyncEngine.load(model, **_OPTIONS) as engine:
         vectors = await engine.embed(["hello world", "a b the"])
     assert torch.isfinite(vectors).all() and torch.allclose(vectors.norm(dim=1), torch.ones(2), atol=1e-5)
+
+
+# ---- a generator's rope scaling ----------------------------------------------------------------------------
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+_BAD_ROPE = [
+    ({"rope_type": "linear", "factor": 0.0}, "linear rope: factor must be a finite number > 0, got 0.0"),
+    ({"rope_type": "linear", "factor": -2.0}, "linear rope: factor must be a finite number > 0, got -2.0"),
+    ({"rope_type": "linear", "factor": "2"}, "linear rope: factor must be a finite number > 0, got '2'"),
+    ({**_LLAMA3, "factor": -8.0}, "llama3 rope: factor must be a finite number > 0, got -8.0"),
+    ({**_LLAMA3, "low_freq_factor": 0.0}, "llama3 rope: low_freq_factor must be a finite number > 0, got 0.0"),
+    ({**_LLAMA3, "original_max_position_embeddings": 0},
+     "llama3 rope: original_max_position_embeddings must be a finite number > 0, got 0"),
+]
+
+
+@pytest.mark.parametrize(("scaling", "message"), _BAD_ROPE, ids=[m.split(",")[0] for _, m in _BAD_ROPE])
+def test_a_rope_scaling_divisor_that_is_not_a_positive_number_is_refused_by_name(
+        tiny_models, tmp_path, scaling, message) -> None:
+    """A config.json whose linear rope ``factor`` was 0 loaded, and the model's logits were NaN from its second
+    position on (its reply a run of token 0 with NaN log-probabilities); a negative or text factor loaded too
+    (transformers only warns), and llama3's ``low_freq_factor`` of 0 was a bare 'float division by zero'. Each
+    divisor of the rope frequencies is held to a finite number > 0, as yarn's and longrope's already were."""
+    src, _ = tiny_models["llama"]
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    with pytest.raises(ModelLoadError, match=message):
+        asyncio.run(AsyncEngine.load(model, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                                     max_model_len=128, num_threads=1))
+
+
+def test_rope_scalings_with_positive_divisors_still_load(tiny_models, tmp_path) -> None:
+    from asyncinfer.memory import read_model_config
+
+    src, _ = tiny_models["llama"]
+    for i, scaling in enumerate(({"rope_type": "linear", "factor": 2}, _LLAMA3)):
+        model = tmp_path / f"model{i}"
+        shutil.copytree(src, model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+        assert read_model_config(model).rope_scaling["rope_type"] == scaling["rope_type"]
+
+
+@pytest.mark.parametrize(("factors", "linear", "message"), [
+    ([0.0] * 8, None, r"rope freq_factors\[0\] must be a finite number > 0, got 0.0"),
+    ([1.0] * 7 + [float("nan")], None, r"rope freq_factors\[7\] must be a finite number > 0, got nan"),
+    ([1.0] * 3 + [-1.0] * 5, None, r"rope freq_factors\[3\] must be a finite number > 0, got -1.0"),
+    (None, 0.0, "linear rope: factor must be a finite number > 0, got 0.0"),
+])
+def test_a_gguf_rope_divisor_that_is_not_a_positive_number_is_refused_by_name(tmp_path, factors, linear,
+                                                                             message) -> None:
+    """A GGUF file's ``rope_freqs.weight`` (Llama 3.1's per-frequency divisors) of zeros, NaN or negatives, or a
+    ``rope.scaling.factor`` of 0, was taken as it was (every logit NaN); refused as the header is read."""
+    import gguf
+    import numpy as np
+
+    from asyncinfer.memory import read_model_config
+
+    path = tmp_path / "rope.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    kind = gguf.GGUFValueType
+    for key, (value, vtype) in {"embedding_length": (64, kind.UINT32), "attention.head_count": (4, kind.UINT32),
+                                "feed_forward_length": (128, kind.UINT32), "context_length": (128, kind.UINT32),
+                                "attention.layer_norm_rms_epsilon": (1e-5, kind.FLOAT32),
+                                "block_count": (1, kind.UINT32), "vocab_size": (32, kind.UINT32)}.items():
+        writer.add_key_value(f"llama.{key}", value, vtype)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))  # the one layer block_count says
+    if linear is not None:
+        writer.add_key_value("llama.rope.scaling.type", "linear", kind.STRING)
+        writer.add_key_value("llama.rope.scaling.factor", linear, kind.FLOAT32)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=message):
+        read_model_config(path)

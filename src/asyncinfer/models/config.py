@@ -445,10 +445,20 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
     missing = [k for k in required if scaling.get(k) is None]
     if missing:
         raise ModelLoadError(f"rope type {rope_type!r} needs {', '.join(missing)} in rope_scaling")
-    if rope_type == "freq_factors" and len(scaling["factors"]) != head_dim // 2:
-        raise ModelLoadError(
-            f"rope freq_factors has {len(scaling['factors'])} entries, expected head_dim/2={head_dim // 2}"
-        )
+    if rope_type == "freq_factors":
+        factors = scaling["factors"]
+        if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
+            got = f"{len(factors)} entries" if isinstance(factors, (list, tuple)) else repr(factors)
+            raise ModelLoadError(f"rope freq_factors has {got}, expected head_dim/2={head_dim // 2}")
+        for i, factor in enumerate(factors):  # each divides a frequency: 0 made it inf, NaN every logit
+            if not _positive_number(factor):
+                raise ModelLoadError(f"rope freq_factors[{i}] must be a finite number > 0, got {factor!r}")
+    if rope_type in ("linear", "llama3"):
+        # each divides the frequencies or the context: 0 made every logit NaN, a negative or a text one
+        # rotated backwards or failed in the first step
+        for key in required:
+            if not _positive_number(scaling[key]):
+                raise ModelLoadError(f"{rope_type} rope: {key} must be a finite number > 0, got {scaling[key]!r}")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ModelLoadError("llama3 rope needs high_freq_factor > low_freq_factor")
     if rope_type == "yarn":
