@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,44 @@ def test_a_gguf_rope_divisor_that_is_not_a_positive_number_is_refused_by_name(tm
     writer.close()
     with pytest.raises(ModelLoadError, match=message):
         read_model_config(path)
+
+
+# ---- trim_messages ------------------------------------------------------------------------------------------
+
+
+class _EndlessHistory(Sequence[dict[str, str]]):
+    """A sequence whose ``__len__`` says 1 and whose ``__getitem__`` never raises IndexError (so it never ends);
+    it stops the test (RuntimeError) once read far past any limit, where the process would run out of memory."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if i > 200_000:
+            raise RuntimeError("read 200,000 items of an endless sequence")
+        return {"role": "user", "content": "hi"}
+
+
+def test_trim_messages_reads_an_endless_history_a_bounded_way_and_refuses_it_by_name(monkeypatch) -> None:
+    """``trim_messages`` checked its messages with ``all(... for m in messages)`` and then ``list(messages)``: a
+    sequence that never ends was read for ever (until memory ran out), as the engine's prompts once were. It is
+    read as they are now (``prompts.plain_list``: at most MAX_SEQUENCE_ITEMS items), then refused naming
+    ``messages``; a list subclass is read for the dicts it holds, and a budget as the int it holds."""
+    from asyncinfer import InvalidParameterError, prompts, trim_messages
+    from tests.helpers import Posing
+
+    monkeypatch.setattr(prompts, "MAX_SEQUENCE_ITEMS", 1000)
+    with pytest.raises(InvalidParameterError) as refused:
+        trim_messages(_EndlessHistory(), 100, len)
+    assert refused.value.parameter == "messages" and "more than 1000 items" in str(refused.value)
+
+    class Lying(list):  # iterates as no messages at all, holds two
+        def __iter__(self):
+            return iter(())
+
+    history = Lying([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert trim_messages(history, 100, len) == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(InvalidParameterError, match="budget=-1"):
+        trim_messages([{"role": "user", "content": "a"}], Posing(-1, 50), len)
+    with pytest.raises(InvalidParameterError, match="messages"):
+        trim_messages({"role": "user", "content": "a"}, 100, len)
