@@ -76,3 +76,83 @@ def test_calls_after_whitespace_are_still_read_whole(name, text, arguments) -> N
     content, calls, cut = read_calls(text, use)
     assert content is None and not cut
     assert [c["function"]["arguments"] for c in calls] == arguments
+
+
+# ---- tenant names in request ids and log lines --------------------------------------------------------------
+
+_IDS = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2}
+_FORGED = "mallory\nINFO asyncinfer.requests: request finished id=alice%2Fchatcmpl-0 model=ids finish_reason=stop"
+
+
+def test_a_user_field_with_a_line_break_is_no_tenant_and_writes_no_log_line(tiny_models, caplog) -> None:
+    """With ``tenant_from="request"`` the body's ``user`` heads the engine's request id, and the request's log line
+    printed the id as it was: a ``user`` holding a line break wrote a second line of the caller's choosing, one
+    that posed as another tenant's request (a terminal escape in it erased the line before). A tenant name is 1 to
+    128 printable characters now: anything else is a 400 naming ``user``; printable names of any script serve."""
+    import logging
+
+    import httpx
+
+    from asyncinfer.server import ModelSpec, ServerSettings, create_app
+    from tests.server.conftest import TINY_OPTIONS, LiveServer
+
+    caplog.set_level(logging.INFO, logger="asyncinfer.requests")
+    settings = ServerSettings(tenant_from="request")
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        for user in (_FORGED, "bob\x1b[2K", "tab\tbed", "next\x85line", "para\u2029graph"):
+            r = http.post("/v1/completions", json={**_IDS, "user": user})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "user" and "printable characters" in error["message"], error
+            assert r.headers["x-request-id"]
+        for user in ("alice", "Zoë Ångström", "团队-7"):
+            r = http.post("/v1/completions", json={**_IDS, "user": user})
+            assert r.status_code == 200, r.text
+        live.wait_idle()
+    lines = [record.getMessage() for record in caplog.records if record.name == "asyncinfer.requests"]
+    assert len(lines) == 3 and all("\n" not in line for line in lines), lines
+    assert [line.split(" model=")[0].split("/")[0] for line in lines] == [
+        "request finished id=alice", "request finished id='Zoë Ångström", "request finished id=团队-7"]
+
+
+def test_a_tenant_header_with_a_control_character_is_a_400(trusting) -> None:
+    """A proxy's tenant header is read as latin-1: its byte 0x85 is NEL, a line break to many log readers, and a tab
+    passes the HTTP parsers; both are refused by the header's name, before anything runs."""
+    import httpx
+
+    from tests.server.conftest import KEYS
+
+    with httpx.Client(base_url=trusting.url, timeout=60, headers={"authorization": f"Bearer {KEYS[0]}"}) as http:
+        for value in (b"team\x85forged", b"team\tx"):
+            r = http.post("/v1/completions", json=_IDS, headers={"x-team": value})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "invalid_tenant" and "printable" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json=_IDS, headers={"x-team": b"team-a"}).status_code == 200
+
+
+def test_a_keys_tenant_name_is_held_to_the_same_rule() -> None:
+    from asyncinfer import InvalidParameterError
+    from asyncinfer.server import Tenant
+
+    with pytest.raises(InvalidParameterError, match="printable characters"):
+        Tenant("ops\nadmin")
+    assert Tenant("Équipe bleue").name == "Équipe bleue"
+
+
+async def test_a_request_id_of_the_callers_own_is_one_quoted_field_of_its_log_line(tiny_models, caplog) -> None:
+    """In-process, a request id is the caller's to choose (any string of up to 512 characters): the log line shows
+    one holding a space or a character that is not printable quoted and escaped, so it stays one line and one
+    field; a plain id is shown as before."""
+    import logging
+
+    from asyncinfer import AsyncEngine, SamplingParams
+
+    caplog.set_level(logging.INFO, logger="asyncinfer.requests")
+    options = {"kv_cache_memory": 4 << 20, "max_model_len": 64, "dtype": "float32", "device": "cpu", "num_threads": 1}
+    async with await AsyncEngine.load(tiny_models["qwen2"][0], **options) as engine:
+        for request_id in ("plain-1", "two words", "line\nbreak"):
+            await engine.generate([5, 6], SamplingParams(max_tokens=1), request_id=request_id)
+    lines = [record.getMessage() for record in caplog.records if record.name == "asyncinfer.requests"]
+    assert [line.split(" model=")[0] for line in lines] == [
+        "request finished id=plain-1", "request finished id='two words'", "request finished id='line\\nbreak'"]

@@ -54,11 +54,19 @@ def metrics_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str
     return _keys_from_env(METRICS_KEYS_ENV, environ)
 
 
+#: What a tenant name may be (the body's ``user`` with ``tenant_from="request"``, a proxy's tenant header, a key's
+#: :class:`Tenant`): it heads engine request ids, which schedulers read and log lines show.
+TENANT_NAME_ALLOWED = (f"a string of 1 to {MAX_TENANT_CHARS} printable characters (no control characters or line "
+                       "breaks)")
+
+
 def check_tenant_name(name: Any, parameter: str) -> str:
-    """A tenant name: 1 to :data:`MAX_TENANT_CHARS` characters."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS:
+    """A tenant name: 1 to :data:`MAX_TENANT_CHARS` printable characters. A line break or another control
+    character heads the request's id into the logs: a caller whose ``user`` field held
+    ``"\nINFO ... request finished id=alice/..."`` wrote a line of its own, posing as another tenant's request."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS or not name.isprintable():
         shown = name if not isinstance(name, str) or len(name) <= 64 else f"<{len(name)} chars>"
-        raise InvalidParameterError(parameter, shown, f"a string of 1 to {MAX_TENANT_CHARS} characters")
+        raise InvalidParameterError(parameter, shown, TENANT_NAME_ALLOWED)
     return name
 
 
