@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer import AsyncEngine, ModelLoadError, SamplingParams
 from asyncinfer.models import encoder as encoder_module
 from asyncinfer.models.encoder import EncoderConfig, read_encoder_config
 
@@ -307,3 +307,33 @@ def test_trim_messages_reads_an_endless_history_a_bounded_way_and_refuses_it_by_
         trim_messages([{"role": "user", "content": "a"}], Posing(-1, 50), len)
     with pytest.raises(InvalidParameterError, match="messages"):
         trim_messages({"role": "user", "content": "a"}, 100, len)
+
+
+# ---- model names ----------------------------------------------------------------------------------------------
+
+
+async def test_a_model_name_with_a_lone_surrogate_is_refused_by_name_at_every_entry(tiny_models) -> None:
+    """A model's name is in every metric series' labels, the /v1/models answer and the log lines, each written as
+    UTF-8: ``add_model("a\\ud800b", ...)`` was taken, and from then on every /metrics scrape of the engine (every
+    model's figures) failed with a UnicodeEncodeError. Refused now as prompts with one are, naming ``name``;
+    the engine serves on, and its metrics are read."""
+    from asyncinfer import InvalidParameterError
+    from asyncinfer.metrics.exposition import exposition
+    from asyncinfer.server import ModelSpec, create_app
+
+    path, _ = tiny_models["qwen2"]
+    options = {"kv_cache_memory": 4 << 20, "max_model_len": 64, "dtype": "float32", "device": "cpu", "num_threads": 1}
+    bad = "team\ud800model"
+    with pytest.raises(InvalidParameterError, match="lone surrogate") as refused:
+        await AsyncEngine.load(path, name=bad, **options)
+    assert refused.value.parameter == "name"
+    with pytest.raises(InvalidParameterError, match="lone surrogate") as refused:
+        create_app(ModelSpec(str(path), bad, options))
+    assert refused.value.parameter == "models[0].name"
+    async with await AsyncEngine.load(path, name="ok", **options) as engine:
+        with pytest.raises(InvalidParameterError, match="lone surrogate") as refused:
+            await engine.add_model(bad, path, **options)
+        assert refused.value.parameter == "name" and [i.name for i in engine.model_info()] == ["ok"]
+        await engine.add_model('odd "name"\nwith a line break', path, **options)  # valid text: served and scraped
+        await engine.generate([1, 2], SamplingParams(max_tokens=2), model='odd "name"\nwith a line break')
+        assert b'model="odd \\"name\\"\\nwith a line break"' in exposition(engine)
