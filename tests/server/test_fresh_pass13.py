@@ -156,3 +156,47 @@ async def test_a_request_id_of_the_callers_own_is_one_quoted_field_of_its_log_li
     lines = [record.getMessage() for record in caplog.records if record.name == "asyncinfer.requests"]
     assert [line.split(" model=")[0] for line in lines] == [
         "request finished id=plain-1", "request finished id='two words'", "request finished id='line\\nbreak'"]
+
+
+# ---- ServerSettings.instance_id -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("instance", ["副本-1", "a\r\nset-cookie: x=1", " padded ", "", "x" * 257, 7])
+def test_an_instance_id_that_cannot_be_a_header_is_refused_by_name(instance) -> None:
+    """``instance_id`` is sent as a header on every answer: one of another alphabet was a 500 (or a dropped
+    connection) on every request the server answered, one holding a line break dropped them all."""
+    from asyncinfer import InvalidParameterError
+    from asyncinfer.server import ServerSettings
+
+    with pytest.raises(InvalidParameterError) as refused:
+        ServerSettings(instance_id=instance)
+    assert refused.value.parameter == "instance_id" and "printable ASCII" in refused.value.allowed
+
+
+def test_every_answer_names_the_instance_not_only_the_routes(tiny_models) -> None:
+    """docs/scale_out.md: every response carries ``X-Asyncinfer-Instance``. The router set it on its own routes'
+    answers only: a 404 of no route, a 405 of a wrong method or the guard's 413 came without it. Each carries it
+    once now."""
+    import httpx
+
+    from asyncinfer.server import ModelSpec, ServerSettings, create_app
+    from tests.server.conftest import TINY_OPTIONS, LiveServer
+
+    settings = ServerSettings(instance_id="replica-7", max_body_bytes=1024, api_keys=("k1",))
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        key = {"authorization": "Bearer k1"}
+        answers = [
+            http.get("/nowhere", headers=key),
+            http.delete("/v1/completions", headers=key),
+            http.post("/v1/completions", headers={**key, "content-type": "application/json"},
+                      content=b"{" + b" " * 4096 + b"}"),
+            http.get("/v1/models"),
+            http.get("/v1/models", headers=key),
+            http.post("/v1/completions", headers=key, json=_IDS),
+            http.get("/health"),
+        ]
+    assert [r.status_code for r in answers] == [404, 405, 413, 401, 200, 200, 200]
+    for r in answers:
+        assert r.headers.get_list("x-asyncinfer-instance") == ["replica-7"], (r.status_code, r.headers)
+        assert r.headers["x-request-id"]

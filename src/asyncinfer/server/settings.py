@@ -19,6 +19,7 @@ METRICS_KEYS_ENV = "ASYNCINFER_METRICS_KEY"
 
 CACHE_ISOLATION = ("off", "api-key", "header")
 TENANT_FROM = ("api-key", "header", "request")
+MAX_INSTANCE_ID_CHARS = 256  # ServerSettings.instance_id, a header's value
 MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
@@ -213,6 +214,15 @@ class ServerSettings:
         cap = self.max_connections
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidParameterError("max_connections", cap, "an int >= 1")
+        instance = self.instance_id
+        if instance is not None and not (isinstance(instance, str) and 0 < len(instance) <= MAX_INSTANCE_ID_CHARS
+                                         and instance.isascii() and instance.isprintable()
+                                         and instance == instance.strip()):
+            # a header value: one of another alphabet, or holding a line break, failed every answer of the server
+            raise InvalidParameterError("instance_id", instance if not isinstance(instance, str) or len(instance) <= 64
+                                        else f"<{len(instance)} chars>",
+                                        f"None or 1 to {MAX_INSTANCE_ID_CHARS} printable ASCII characters, without "
+                                        "spaces around them (it is sent as a header)")
 
     @property
     def accepted_keys(self) -> tuple[str, ...]:
