@@ -11,6 +11,7 @@ and made every embedding NaN.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from collections.abc import Sequence
@@ -337,3 +338,89 @@ async def test_a_model_name_with_a_lone_surrogate_is_refused_by_name_at_every_en
         await engine.add_model('odd "name"\nwith a line break', path, **options)  # valid text: served and scraped
         await engine.generate([1, 2], SamplingParams(max_tokens=2), model='odd "name"\nwith a line break')
         assert b'model="odd \\"name\\"\\nwith a line break"' in exposition(engine)
+
+
+# ---- model files that are no regular files -----------------------------------------------------------------
+
+
+def _linked_copy(src: Path, where: Path) -> Path:
+    where.mkdir()
+    for item in src.iterdir():
+        (where / item.name).symlink_to(item)
+    return where
+
+
+def _refusal_of(call: Any, pipe: Path) -> BaseException:
+    """What ``call()`` raises, run in a thread for at most 20 s; one still blocked on ``pipe`` then (opened for
+    reading, waiting for a writer) is let go (the pipe opened for writing, then closed: it reads its end), and the
+    test fails."""
+    import os
+    import threading
+
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(20)
+        pytest.fail(f"the load waited on the pipe {pipe.name} (it was opened and read)")
+    assert raised, "the load took the pipe"
+    return raised[0]
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
+def test_a_model_file_that_is_a_pipe_is_refused_before_it_is_opened(tiny_models, tmp_path, name) -> None:
+    """A model directory's file that is a named pipe (or leads to a device: /dev/zero was read until the machine's
+    memory ran out) was opened and read: the load waited for a writer for ever. Every metadata file the loaders
+    or transformers read is checked with ``stat`` first (a regular file, of a bounded size), refused by name."""
+    import os
+
+    src, _ = tiny_models["llama"]
+    model = _linked_copy(src, tmp_path / "model")
+    (model / "tokenizer_config.json").write_text("{}")  # a tokenizer file, so that the tokenizer is loaded
+    (model / "tokenizer.json").write_text("{}")
+    if (model / name).exists() or (model / name).is_symlink():
+        (model / name).unlink()
+    os.mkfifo(model / name)
+    refusal = _refusal_of(lambda: asyncio.run(AsyncEngine.load(model, dtype="float32", device="cpu", num_threads=1)),
+                          model / name)
+    assert isinstance(refusal, ModelLoadError) and f"{name}: it is not a regular file" in str(refusal), refusal
+
+
+def test_an_embedding_models_file_that_is_a_pipe_or_a_directory_is_refused(tiny_st, tmp_path) -> None:
+    import os
+
+    model = _variant(tiny_st, tmp_path / "model", {})
+    (model / "modules.json").unlink()
+    os.mkfifo(model / "modules.json")
+    refusal = _refusal_of(lambda: read_encoder_config(model), model / "modules.json")
+    assert isinstance(refusal, ModelLoadError) and "modules.json: it is not a regular file" in str(refusal), refusal
+    other = _variant(tiny_st, tmp_path / "other", {})
+    (other / "sentence_bert_config.json").unlink()
+    (other / "sentence_bert_config.json").mkdir()
+    with pytest.raises(ModelLoadError, match=r"sentence_bert_config\.json: it is not a regular file"):
+        read_encoder_config(other)
+
+
+def test_a_json_metadata_file_past_its_size_is_refused_unread(tiny_models, tmp_path) -> None:
+    """config.json of more than ``MAX_JSON_BYTES`` (64 MiB; a sparse file here, so nothing is written) is refused
+    by its size before it is read: it was read and parsed whole, however large."""
+    from asyncinfer.memory import read_model_config
+    from asyncinfer.models.checkpoint import MAX_JSON_BYTES
+
+    src, _ = tiny_models["llama"]
+    model = _linked_copy(src, tmp_path / "model")
+    (model / "config.json").unlink()
+    with open(model / "config.json", "wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)
+    with pytest.raises(ModelLoadError, match=f"config.json: it holds {MAX_JSON_BYTES + 1} bytes, more than"):
+        read_model_config(model)

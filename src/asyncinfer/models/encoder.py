@@ -16,7 +16,6 @@ what it was batched with (up to float rounding).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -117,11 +116,9 @@ class EncoderConfig:
 def is_encoder_dir(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a BERT-family encoder (by its config.json)."""
     config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return False
     try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        raw = read_json(config_file)
+    except ModelLoadError:  # absent, no regular file, too large or no JSON: the generator's load says which
         return False
     return isinstance(raw, dict) and raw.get("model_type") in ENCODER_ARCHITECTURES
 
