@@ -25,7 +25,14 @@ from asyncinfer.engine_thread import QueueEmbed
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, RequestAbortedError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo, VersionState
 from asyncinfer.plain import plain_value
-from asyncinfer.prompts import LoopShare, check_prompt_chars, prompt_cost, prompt_token_ids, texts_cost
+from asyncinfer.prompts import (
+    LoopShare,
+    check_prompt_chars,
+    check_unicode,
+    prompt_cost,
+    prompt_token_ids,
+    texts_cost,
+)
 
 _M = TypeVar("_M")
 
@@ -278,6 +285,9 @@ def check_name(name: Any) -> str:
     name = plain_value(name)
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidParameterError("name", name, "a non-empty string of at most 200 characters")
+    # valid Unicode: the name is in every metric series' labels, the /v1/models answer and the log lines, each
+    # written as UTF-8; one lone surrogate made every /metrics scrape of the engine a UnicodeEncodeError
+    check_unicode("name", name)
     return name
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.plain import plain_value
+from asyncinfer.prompts import plain_list
 
 __all__ = ["trim_messages"]
 
@@ -33,7 +35,8 @@ def trim_messages(
     ``count_tokens``: how many tokens a message list renders to, usually
     ``engine.count_tokens`` (the chat template applied, the generation prompt
     included). It is called O(log turns) times (a binary search), so a long
-    history costs a few renderings, not one per turn. ``messages`` is not changed.
+    history costs a few renderings, not one per turn. ``messages`` is not changed; a sequence other than a list
+    or tuple is read for at most ``prompts.MAX_SEQUENCE_ITEMS`` items, as the engine's calls read a prompt.
 
     Raises:
         InvalidParameterError: ``budget`` is not a positive int, ``messages`` is not a list of
@@ -41,13 +44,16 @@ def trim_messages(
             even the system messages and the last turn alone take more than ``budget`` tokens
             (``parameter`` is "messages"; ``allowed`` says how many tokens they take).
     """
+    budget = plain_value(budget)  # the int it holds: a subclass's comparisons may lie
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise InvalidParameterError("budget", budget, "an int >= 1 (tokens)")
-    if isinstance(messages, (str, bytes, bytearray, dict)) or not isinstance(messages, Sequence) or not all(
-        isinstance(m, dict) for m in messages
-    ):
-        raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
-    messages = list(messages)
+    # its items, read at most MAX_SEQUENCE_ITEMS deep: a sequence whose __getitem__ never raises IndexError was
+    # read for ever (and a list subclass is read for what it holds, not what its __iter__ says)
+    items = None if isinstance(messages, dict) else plain_list(messages, "messages")
+    if items is None or not all(isinstance(m, dict) for m in items):
+        shown = messages if items is None or len(items) <= 8 else f"<a {type(messages).__name__} of {len(items)} items>"
+        raise InvalidParameterError("messages", shown, "a list of {'role': ..., 'content': ...} dicts")
+    messages = items
     if not messages:
         raise InvalidParameterError("messages", messages, "at least one message")
     head = 0

@@ -8,6 +8,7 @@ encoder (:mod:`asyncinfer.models.encoder`). Every failure is a
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -19,17 +20,45 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Every file of a directory the tokenizer's loader (transformers) may read: each is checked before it runs.
+_TOKENIZER_READS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+#: The most bytes a model's JSON metadata file (config.json, generation_config.json, the safetensors index, the
+#: sentence-transformers files) may hold: a thousand times the largest real one.
+MAX_JSON_BYTES = 64 * 2**20
+#: The most bytes one of its tokenizer's files may hold (the largest real tokenizer.json are some tens of MiB).
+MAX_TOKENIZER_FILE_BYTES = 2**30
+
+
+def check_file(file: Path, limit: int) -> None:
+    """Refuse ``file`` unless it is a regular file of at most ``limit`` bytes, decided from ``stat`` alone (which
+    follows a symbolic link and opens nothing): a model file that leads to a device (``/dev/zero``) was read until
+    the machine's memory ran out, one that is a pipe waited for a writer for ever.
+
+    Raises:
+        ModelLoadError: naming the file.
+    """
+    try:
+        info = file.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelLoadError(f"cannot read {file}: it is not a regular file (a device, a pipe or a directory)")
+    if info.st_size > limit:
+        raise ModelLoadError(f"cannot read {file}: it holds {info.st_size} bytes, more than a model's file of its "
+                             f"kind may ({limit})")
 
 
 def read_json(file: Path) -> Any:
-    """The parsed contents of a JSON file.
+    """The parsed contents of a JSON file of at most :data:`MAX_JSON_BYTES` (:func:`check_file`).
 
     Raises:
-        ModelLoadError: the file cannot be read or is not JSON.
+        ModelLoadError: the file cannot be read, is no regular file, is larger, or is not JSON.
     """
+    check_file(file, MAX_JSON_BYTES)
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
         raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
@@ -72,12 +101,25 @@ def _shard_in(path: Path, index: Path, name: str) -> Path:
     Raises:
         ModelLoadError: naming the index and the shard name.
     """
-    rel = PurePath(name)
-    if not name or "\x00" in name or rel.is_absolute() or rel.drive or ".." in rel.parts:
+    if not name:
         raise ModelLoadError(f"cannot read {index}: weight shard {name!r} is not a file name inside {path} "
                              "(no absolute paths, '..' or devices)")
-    shard = path / rel
-    return shard
+    return path_inside(path, index, name, "weight shard", "file name")
+
+
+def path_inside(path: Path, listed_in: Path, name: object, what: str, kind: str = "path") -> Path:
+    """``path / name`` for a ``name`` that a file of the model (``listed_in``) gives, refused unless it is a
+    relative path inside the directory ``path`` (``""`` is the directory itself): a string without ``..``, a
+    NUL, a root or a drive. Decided from the name alone, so nothing outside ``path`` is opened or read.
+
+    Raises:
+        ModelLoadError: naming ``listed_in``, ``what`` the name is and the name.
+    """
+    rel = PurePath(name) if isinstance(name, str) and "\x00" not in name else None
+    if rel is None or rel.is_absolute() or rel.drive or ".." in rel.parts:
+        raise ModelLoadError(f"cannot read {listed_in}: {what} {name!r} is not a {kind} inside {path} "
+                             "(no absolute paths, '..' or devices)")
+    return path / rel
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,6 +166,9 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
+    for name in _TOKENIZER_READS:  # before transformers opens any of them
+        if (path / name).exists() or (path / name).is_symlink():
+            check_file(path / name, MAX_TOKENIZER_FILE_BYTES)
     from transformers import AutoTokenizer
 
     try:

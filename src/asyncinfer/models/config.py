@@ -56,10 +56,10 @@ def check_config_size(name: str, value: object, where: str = "model config") -> 
                              f"{MAX_CONFIG_SIZE})")
 
 
-_POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
+POSITIVE_FLOAT32 = "a positive number that float32 holds (> 0, finite, at most 3.4e38)"
 
 
-def _positive_float32(value: object) -> bool:
+def positive_float32(value: object) -> bool:
     """Whether ``value`` is a real number that stays positive and finite as the float32 the model computes in: a
     soft-cap, eps or rope base of ``inf`` or ``1e300`` (a file may say so) made every logit NaN, and one below
     float32's smallest (``1e-50``) divided by zero."""
@@ -156,15 +156,15 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim={self.head_dim} must be even for rope")
         for name in ("rms_norm_eps", "rope_theta"):
-            if not _positive_float32(getattr(self, name)):
-                raise ModelLoadError(f"model config: {name}={getattr(self, name)!r} must be {_POSITIVE_FLOAT32}")
+            if not positive_float32(getattr(self, name)):
+                raise ModelLoadError(f"model config: {name}={getattr(self, name)!r} must be {POSITIVE_FLOAT32}")
         _validate_rope_scaling(self.rope_scaling, self.head_dim)
         self._validate_window()
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "sliding_rope_theta"):
             value = getattr(self, name)
-            if value is not None and not _positive_float32(value):
-                raise ModelLoadError(f"model config: {name}={value!r} must be None or {_POSITIVE_FLOAT32}")
+            if value is not None and not positive_float32(value):
+                raise ModelLoadError(f"model config: {name}={value!r} must be None or {POSITIVE_FLOAT32}")
         if not isinstance(self.eos_token_ids, tuple):
             raise ModelLoadError("model config: eos_token_ids must be a tuple of ints")
         for tok in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -445,10 +445,20 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> Non
     missing = [k for k in required if scaling.get(k) is None]
     if missing:
         raise ModelLoadError(f"rope type {rope_type!r} needs {', '.join(missing)} in rope_scaling")
-    if rope_type == "freq_factors" and len(scaling["factors"]) != head_dim // 2:
-        raise ModelLoadError(
-            f"rope freq_factors has {len(scaling['factors'])} entries, expected head_dim/2={head_dim // 2}"
-        )
+    if rope_type == "freq_factors":
+        factors = scaling["factors"]
+        if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
+            got = f"{len(factors)} entries" if isinstance(factors, (list, tuple)) else repr(factors)
+            raise ModelLoadError(f"rope freq_factors has {got}, expected head_dim/2={head_dim // 2}")
+        for i, factor in enumerate(factors):  # each divides a frequency: 0 made it inf, NaN every logit
+            if not _positive_number(factor):
+                raise ModelLoadError(f"rope freq_factors[{i}] must be a finite number > 0, got {factor!r}")
+    if rope_type in ("linear", "llama3"):
+        # each divides the frequencies or the context: 0 made every logit NaN, a negative or a text one
+        # rotated backwards or failed in the first step
+        for key in required:
+            if not _positive_number(scaling[key]):
+                raise ModelLoadError(f"{rope_type} rope: {key} must be a finite number > 0, got {scaling[key]!r}")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ModelLoadError("llama3 rope needs high_freq_factor > low_freq_factor")
     if rope_type == "yarn":

@@ -16,7 +16,6 @@ what it was batched with (up to float rounding).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -31,11 +30,12 @@ from asyncinfer.errors import InvalidParameterError, ModelLoadError
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
+    path_inside,
     read_json,
     safetensors_files,
     tensor_names,
 )
-from asyncinfer.models.config import check_config_size, check_config_sizes
+from asyncinfer.models.config import POSITIVE_FLOAT32, check_config_size, check_config_sizes, positive_float32
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,6 +80,8 @@ class EncoderConfig:
             raise ModelLoadError(f"unsupported encoder architecture {self.architecture!r}; supported: bert")
         if self.hidden_act not in _ACTIVATIONS:
             raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}")
+        if not positive_float32(self.layer_norm_eps):  # a negative eps made every embedding NaN
+            raise ModelLoadError(f"encoder config: layer_norm_eps={self.layer_norm_eps!r} must be {POSITIVE_FLOAT32}")
         if self.pooling not in POOLING_MODES:
             raise ModelLoadError(f"unsupported pooling {self.pooling!r}; supported: {', '.join(POOLING_MODES)}")
         if self.hidden_size % self.num_heads:
@@ -114,68 +116,133 @@ class EncoderConfig:
 def is_encoder_dir(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a BERT-family encoder (by its config.json)."""
     config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return False
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+        raw = read_json(config_file)
+    except ModelLoadError:  # absent, no regular file, too large or no JSON: the generator's load says which
         return False
-    return raw.get("model_type") in ENCODER_ARCHITECTURES
+    return isinstance(raw, dict) and raw.get("model_type") in ENCODER_ARCHITECTURES
 
 
 def read_encoder_config(path: str | Path) -> EncoderConfig:
-    """The encoder's config from config.json and the sentence-transformers files beside it."""
+    """The encoder's config from config.json and the sentence-transformers files beside it.
+
+    Every file is read as the shape sentence-transformers writes (a JSON object; ``modules.json`` a list of
+    them) and every value as the type it holds there: anything else is a :class:`ModelLoadError` naming the
+    file and the key. A module's ``path`` in ``modules.json`` must lead inside the directory (no ``..``, no
+    absolute path): nothing outside it is opened.
+    """
     path = Path(path)
-    raw = read_json(path / "config.json")
-    check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(path / "config.json"))  # before any is built from
+    config_file = path / "config.json"
+    raw = _json_object(config_file)
+    check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(config_file))  # before any is built from
     pooling, normalize = "mean", True
-    pooling_file = _pooling_config_file(path)
+    modules = _modules(path)
+    pooling_file = _pooling_config_file(path, modules)
     if pooling_file is not None:
-        pool = read_json(pooling_file)
+        pool = _json_object(pooling_file)
         modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
         if len(modes) != 1:
             raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
         pooling = modes[0]
-        modules = read_json(path / "modules.json") if (path / "modules.json").exists() else []
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-    max_pos = int(raw.get("max_position_embeddings", 512))
+    max_pos = _int(config_file, raw, "max_position_embeddings", 512)
     max_seq_len = max_pos
     st_file = path / "sentence_bert_config.json"
     if st_file.exists():
-        max_seq_len = int(read_json(st_file).get("max_seq_length") or max_pos)
-    try:
-        return EncoderConfig(
-            architecture=str(raw.get("model_type")),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=int(raw["num_attention_heads"]),
-            max_position_embeddings=max_pos,
-            type_vocab_size=int(raw.get("type_vocab_size", 2)),
-            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-            hidden_act=str(raw.get("hidden_act", "gelu")),
-            pooling=pooling,
-            normalize=normalize,
-            max_seq_len=min(max_seq_len, max_pos),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
+        st = _json_object(st_file)
+        max_seq_len = _int_field(st_file, st, "max_seq_length", None) or max_pos
+    missing = next((key for key in _ENCODER_REQUIRED_KEYS if key not in raw), None)
+    if missing is not None:
+        raise ModelLoadError(f"{config_file} lacks {missing!r}")
+    return EncoderConfig(
+        architecture=str(raw.get("model_type")),
+        vocab_size=_int(config_file, raw, "vocab_size"),
+        hidden_size=_int(config_file, raw, "hidden_size"),
+        intermediate_size=_int(config_file, raw, "intermediate_size"),
+        num_layers=_int(config_file, raw, "num_hidden_layers"),
+        num_heads=_int(config_file, raw, "num_attention_heads"),
+        max_position_embeddings=max_pos,
+        type_vocab_size=_int(config_file, raw, "type_vocab_size", 2),
+        layer_norm_eps=_float_field(config_file, raw, "layer_norm_eps", 1e-12),
+        hidden_act=str(raw.get("hidden_act", "gelu")),
+        pooling=pooling,
+        normalize=normalize,
+        max_seq_len=min(max_seq_len, max_pos),
+    )
 
 
 # config.json's sizes held to MAX_CONFIG_SIZE as it is read; num_hidden_layers is held to the layers the shards
 # hold, a tighter bound, before any layer is built (load_encoder).
 _ENCODER_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                       "max_position_embeddings", "type_vocab_size")
+_ENCODER_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads")
 _POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
 
 
-def _pooling_config_file(path: Path) -> Path | None:
+def _json_object(file: Path) -> dict[str, Any]:
+    """``file`` read as the JSON object sentence-transformers and transformers write (ModelLoadError if not)."""
+    data = read_json(file)
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot read {file}: a JSON object was expected, not a {type(data).__name__}")
+    return data
+
+
+def _int_field(file: Path, data: dict[str, Any], key: str, default: int | None = 0) -> int | None:
+    """``data[key]`` as the int it holds (``default`` when absent or null); a value of another type (text, a
+    fraction, a list) is a ModelLoadError naming the file and the key."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{file}: {key} = {_shown(value)} must be an integer")
+    return value
+
+
+def _int(file: Path, data: dict[str, Any], key: str, default: int = 0) -> int:
+    """:func:`_int_field` of a key that is present (``_ENCODER_REQUIRED_KEYS``) or has a default."""
+    value = _int_field(file, data, key, default)
+    assert value is not None
+    return value
+
+
+def _float_field(file: Path, data: dict[str, Any], key: str, default: float) -> float:
+    """``data[key]`` as a positive float32 (``default`` when absent or null): an eps of another type, or one that
+    is not positive and finite in float32 (a negative one made every embedding NaN), is a ModelLoadError."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not positive_float32(value):
+        raise ModelLoadError(f"{file}: {key} = {_shown(value)} must be {POSITIVE_FLOAT32}")
+    return float(value)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _modules(path: Path) -> list[dict[str, Any]]:
+    """``modules.json``'s modules (none when it is absent), each a JSON object whose ``type`` (if any) is a
+    string; ModelLoadError naming the file otherwise."""
     modules_file = path / "modules.json"
-    if modules_file.exists():
-        for module in read_json(modules_file):
-            if str(module.get("type", "")).endswith("Pooling"):
-                return path / module.get("path", "") / "config.json"
+    if not modules_file.exists():
+        return []
+    modules = read_json(modules_file)
+    if not isinstance(modules, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("type", ""), str) for m in modules):
+        raise ModelLoadError(f"cannot read {modules_file}: a JSON list of modules (objects with a string 'type' "
+                             "and 'path') was expected")
+    return modules
+
+
+def _pooling_config_file(path: Path, modules: list[dict[str, Any]]) -> Path | None:
+    for module in modules:
+        if str(module.get("type", "")).endswith("Pooling"):
+            folder = path_inside(path, path / "modules.json", module.get("path", ""), "the Pooling module's path")
+            return folder / "config.json"
     default = path / "1_Pooling" / "config.json"
     return default if default.exists() else None
 

@@ -317,6 +317,10 @@ class RequestDeadlines:
     def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
         self.app = app
         self.body_timeout = settings.body_timeout
+        # ServerSettings.instance_id on every answer, the app's own (a 404 or 405 of no route) and this middleware's
+        # (a 408) too: the router alone set it, on its routes' answers
+        self.headers: tuple[tuple[bytes, bytes], ...] = (
+            () if settings.instance_id is None else ((b"x-asyncinfer-instance", settings.instance_id.encode()),))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":  # in flight for the guard while it lasts: the header deadline is for heads (it
@@ -341,7 +345,7 @@ class RequestDeadlines:
         try:
             if scope.get(UNREAD_BODY):  # the parser left its body unread (and closes the connection after it)
                 progress.body_done = True
-                await _send_error(send, _unread_body(scope))
+                await _send_error(send, _unread_body(scope), self.headers)
                 return
             await self._serve(scope, receive, send, progress)
         finally:
@@ -363,6 +367,9 @@ class RequestDeadlines:
                 headers = list(message.get("headers", ()))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", new_request_id().encode()))
+                for name, value in self.headers:
+                    if not any(have.lower() == name for have, _ in headers):
+                        headers.append((name, value))
                 if (not progress.asked and not progress.body_done and _expects_continue(scope)
                         and not any(name.lower() == b"connection" for name, _ in headers)):
                     # answered before its body was asked for: no `100 Continue` went out, so the client may send no
@@ -382,19 +389,19 @@ class RequestDeadlines:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 if not progress.started:
-                    await _send_error(send, _timeout_error("body", self.body_timeout))
+                    await _send_error(send, _timeout_error("body", self.body_timeout), self.headers)
                 return
             await task
         finally:
             task.cancel()
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    """``error`` as a request's whole answer, after which the connection closes."""
+async def _send_error(send: Send, error: APIError, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """``error`` as a request's whole answer, after which the connection closes; ``extra``: more headers."""
     body = msgspec.json.encode(error.body())
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"x-request-id", new_request_id().encode()), (b"connection", b"close")]})
+                            (b"x-request-id", new_request_id().encode()), (b"connection", b"close"), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 

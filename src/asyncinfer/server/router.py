@@ -262,11 +262,12 @@ class _OpenAI:
         return tenant, priority
 
     def _tenant_header(self, request: Request) -> str | None:
-        """The ``tenant_header`` value (None when absent); a 400 when it is empty or over MAX_TENANT_CHARS."""
+        """The ``tenant_header`` value (None when absent); a 400 when it is empty, over MAX_TENANT_CHARS or holds a
+        character that is not printable (a tab, or a byte 0x80-0x9F read as a C1 control character)."""
         tenant = request.headers.get(self.settings.tenant_header)
-        if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_CHARS:
+        if tenant is not None and (not 0 < len(tenant) <= MAX_TENANT_CHARS or not tenant.isprintable()):
             raise APIError(400, f"The `{self.settings.tenant_header}` header must be 1 to {MAX_TENANT_CHARS} "
-                                "characters.", code="invalid_tenant")
+                                "printable characters.", code="invalid_tenant")
         return tenant
 
     async def _body(self, request: Request, parse: Callable[[Any], _B], shape: type[msgspec.Struct] | None) -> _B:

@@ -19,6 +19,7 @@ METRICS_KEYS_ENV = "ASYNCINFER_METRICS_KEY"
 
 CACHE_ISOLATION = ("off", "api-key", "header")
 TENANT_FROM = ("api-key", "header", "request")
+MAX_INSTANCE_ID_CHARS = 256  # ServerSettings.instance_id, a header's value
 MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
@@ -54,11 +55,19 @@ def metrics_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str
     return _keys_from_env(METRICS_KEYS_ENV, environ)
 
 
+#: What a tenant name may be (the body's ``user`` with ``tenant_from="request"``, a proxy's tenant header, a key's
+#: :class:`Tenant`): it heads engine request ids, which schedulers read and log lines show.
+TENANT_NAME_ALLOWED = (f"a string of 1 to {MAX_TENANT_CHARS} printable characters (no control characters or line "
+                       "breaks)")
+
+
 def check_tenant_name(name: Any, parameter: str) -> str:
-    """A tenant name: 1 to :data:`MAX_TENANT_CHARS` characters."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS:
+    """A tenant name: 1 to :data:`MAX_TENANT_CHARS` printable characters. A line break or another control
+    character heads the request's id into the logs: a caller whose ``user`` field held
+    ``"\nINFO ... request finished id=alice/..."`` wrote a line of its own, posing as another tenant's request."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS or not name.isprintable():
         shown = name if not isinstance(name, str) or len(name) <= 64 else f"<{len(name)} chars>"
-        raise InvalidParameterError(parameter, shown, f"a string of 1 to {MAX_TENANT_CHARS} characters")
+        raise InvalidParameterError(parameter, shown, TENANT_NAME_ALLOWED)
     return name
 
 
@@ -205,6 +214,15 @@ class ServerSettings:
         cap = self.max_connections
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidParameterError("max_connections", cap, "an int >= 1")
+        instance = self.instance_id
+        if instance is not None and not (isinstance(instance, str) and 0 < len(instance) <= MAX_INSTANCE_ID_CHARS
+                                         and instance.isascii() and instance.isprintable()
+                                         and instance == instance.strip()):
+            # a header value: one of another alphabet, or holding a line break, failed every answer of the server
+            raise InvalidParameterError("instance_id", instance if not isinstance(instance, str) or len(instance) <= 64
+                                        else f"<{len(instance)} chars>",
+                                        f"None or 1 to {MAX_INSTANCE_ID_CHARS} printable ASCII characters, without "
+                                        "spaces around them (it is sent as a header)")
 
     @property
     def accepted_keys(self) -> tuple[str, ...]:
