@@ -406,15 +406,15 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     } while (0)
 
 /* The scales dx * dw of blocks b0 to b0 + n - 1 (n <= 16) per activation row, and (HAS_MIN) the offset
- * term m * (the block's sum of x) of those blocks added to off; DS / MS the fp16 scales / minimums of those
- * blocks, one after the other. */
-#define ROW512_SCALES(n, HAS_MIN, DS, MS)                                                         \
+ * term m * (the block's sum of x) of those blocks added to off. SCALES8(h, dw, mw) sets the __m256 dw / mw to the
+ * weight scales / minimums of blocks b0 + h to b0 + h + 7, SCALE1(j, dw, mw) the floats dw / mw to block
+ * b0 + j's (the tail of fewer than 16 blocks). */
+#define ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1)                                                \
     do {                                                                                          \
         if ((n) == 16) { /* 256 bits at a time (SIMDe's emulation has no 512-bit cvtph) */          \
             for (int h = 0; h < 16; h += 8) {                                                     \
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((DS) + h)));  \
-                const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((MS) + h))) \
-                                          : _mm256_setzero_ps();                                  \
+                __m256 dw, mw;                                                                    \
+                SCALES8(h, dw, mw);                                                               \
                 for (int i = 0; i < ROWS; i++) {                                                  \
                     const int64_t at = (m0 + i) * nb + b0 + h;                                    \
                     _mm256_storeu_ps(sc[i] + h, _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw));   \
@@ -424,11 +424,20 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         } else {                                                                                  \
             for (int i = 0; i < ROWS; i++)                                                        \
                 for (int64_t j = 0; j < (n); j++) {                                               \
-                    sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * ai_half_to_float((DS)[j]);          \
-                    if (HAS_MIN) tail[i] += ai_half_to_float((MS)[j]) * a->sum[(m0 + i) * nb + b0 + j]; \
+                    float dw, mw;                                                                 \
+                    SCALE1(j, dw, mw);                                                            \
+                    sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * dw;                                 \
+                    if (HAS_MIN) tail[i] += mw * a->sum[(m0 + i) * nb + b0 + j];                  \
                 }                                                                                 \
         }                                                                                         \
     } while (0)
+
+/* Q4_1 / Q8_0 rows: the scales (and minimums) are runs of fp16, eight loaded at a time (an unused minimum's load
+ * is dropped by the compiler). */
+#define PACKED_SCALES8(h, dw, mw)                                                                 \
+    (dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + b0 + (h)))),                    \
+     mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b0 + (h)))))
+#define PACKED_SCALE1(j, dw, mw) (dw = ai_half_to_float(d16[b0 + (j)]), mw = ai_half_to_float(m16[b0 + (j)]))
 
 #define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                            \
     static inline __attribute__((always_inline)) void NAME(                                       \
@@ -443,7 +452,7 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
         for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
             const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
-            ROW512_SCALES(n, HAS_MIN, d16 + b0, m16 + b0);                                                            \
+            ROW512_SCALES(n, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1);                             \
             int64_t b = b0;                                                                       \
             for (; b + 1 < b0 + n; b += 2) {                                                      \
                 ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
@@ -459,27 +468,48 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
 ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
 ROW512_KERNEL(row_q8_0, unpack512_q8_0, 32, 0)
 
+/* ggml's 32-weight blocks in place (Q4_0, Q5_0, Q5_1): the first four bytes of eight blocks `bytes` apart from p
+ * are each block's fp16 scale (bits 0-15) and Q5_1's minimum (bits 16-31); inserted into two vectors straight from
+ * memory (a run of small stores read back as one vector would wait for the stores: no store forwarding), their
+ * halves packed in order and widened to eight floats each (an unused minimum is dropped by the compiler). */
+static inline int32_t ggml_word(const uint8_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+static inline void ggml_scales8(const uint8_t *p, int64_t bytes, __m256 *dw, __m256 *mw) {
+    __m128i lo = _mm_cvtsi32_si128(ggml_word(p)), hi = _mm_cvtsi32_si128(ggml_word(p + 4 * bytes));
+    lo = _mm_insert_epi32(lo, ggml_word(p + bytes), 1);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 5 * bytes), 1);
+    lo = _mm_insert_epi32(lo, ggml_word(p + 2 * bytes), 2);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 6 * bytes), 2);
+    lo = _mm_insert_epi32(lo, ggml_word(p + 3 * bytes), 3);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 7 * bytes), 3);
+    const __m128i low16 = _mm_set1_epi32(0xFFFF);
+    *dw = _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(lo, low16), _mm_and_si128(hi, low16)));
+    *mw = _mm256_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(lo, 16), _mm_srli_epi32(hi, 16)));
+}
+#define GGML_SCALES8(h, dw, mw) ggml_scales8(row + (b0 + (h)) * bytes, bytes, &(dw), &(mw))
+#define GGML_SCALE1(j, dw, mw) (dw = ai_half_at(row + (b0 + (j)) * bytes), mw = ai_half_at(row + (b0 + (j)) * bytes + 2))
+
 /* Q4_0, Q5_0, Q5_1: ROW512_KERNEL's work on ggml's blocks in place (BYTES a block, its fp16 scale first and Q5_1's
- * minimum after it): each run of 16 blocks' scales (and minimums) copied out of the blocks first, then the same
- * products, slots and order of sums (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
+ * minimum after it): the same products, slots and order of sums, the scales of each run of 16 blocks gathered
+ * from the blocks (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
 #define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN)                                          \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
+        const int64_t bytes = BYTES;                                                              \
         __m512 acc[2 * MR];                                                                       \
         __m256 off[MR];                                                                           \
         float sc[MR][16], tail[MR];                                                               \
-        uint16_t d16[16], m16[16]; /* blocks b0 to b0 + 15's */                                   \
         for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
         for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
         for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
             const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
-            for (int64_t j = 0; j < n; j++) {                                                     \
-                memcpy(d16 + j, row + (b0 + j) * BYTES, 2);                                       \
-                if (HAS_MIN) memcpy(m16 + j, row + (b0 + j) * BYTES + 2, 2);                      \
-            }                                                                                     \
-            ROW512_SCALES(n, HAS_MIN, d16, m16);                                                  \
+            ROW512_SCALES(n, HAS_MIN, GGML_SCALES8, GGML_SCALE1);                                 \
             int64_t b = b0;                                                                       \
             for (; b + 1 < b0 + n; b += 2) {                                                      \
                 ROW512_BLOCK(b, 0, UNPACK, BYTES);                                                \
