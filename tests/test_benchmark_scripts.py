@@ -135,6 +135,25 @@ def _revisions_module():
     return module
 
 
+def test_a_workload_for_a_tokenizer_without_a_chat_template_is_the_plain_questions(monkeypatch) -> None:
+    """A random-weight file of make_gguf.py has a tokenizer but no chat template: its workload's prompts are the
+    questions encoded as plain text (special tokens included), not an error."""
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    assert spec is not None and spec.loader is not None
+    common = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_common", common)  # its dataclasses look their module up
+    spec.loader.exec_module(common)
+
+    class Plain:
+        chat_template = None
+
+        def __call__(self, text: str) -> dict[str, list[int]]:
+            return {"input_ids": [1, *map(ord, text)]}
+
+    workload = common.build_workload(Plain(), 3, seed=0, min_new_tokens=2, max_new_tokens=4)
+    assert [list(p) for p in workload.prompt_ids] == [[1, *map(ord, q)] for q in workload.questions]
+
+
 def test_the_revisions_abba_design_puts_each_revision_in_each_position_equally_often() -> None:
     revisions = _revisions_module()
     two_rounds = [revisions.round_order(r, "abba") for r in range(2)]
