@@ -126,7 +126,10 @@ class Workload:
 
 
 def render_chat_prompt(tokenizer: Any, question: str) -> list[int]:
-    """Token ids of one user turn rendered with the tokenizer's chat template (assistant turn opened)."""
+    """Token ids of one user turn rendered with the tokenizer's chat template (assistant turn opened); a tokenizer
+    without one (a random-weight file of ``make_gguf.py``) encodes the question as plain text, its BOS first."""
+    if tokenizer.chat_template is None:
+        return list(tokenizer(question)["input_ids"])
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
     )

@@ -1,4 +1,5 @@
-"""Speed of the block formats' row kernels per weight byte: the k-quants (Q4_K, Q5_K, Q6_K) against Q4_1.
+"""Speed of the block formats' row kernels per weight byte: the k-quants (Q4_K, Q5_K, Q6_K) against Q4_1 by
+default, any block format with ``--formats``.
 
 One GEMM call per projection of a decoder layer (q, k, v, o, gate, up, down, each its own matrix, random
 weights quantized by ``kernels.quantize`` and held as ``kernels.pack`` lays them out), over ``--layers``
@@ -10,10 +11,14 @@ fast per byte as a Q4_1 row).
 
 The GEMMs are called through ctypes as ``kernels.gemm`` calls them. ``--baseline LIB`` times another build of the kernels' library (say, the installed
 ``_kernels_avx2.so`` of an earlier revision, which must take the same weight layout and GEMM signature) on
-the same weights beside the one the package loads, and prints after / before per format and M.
+the same weights beside the one the package loads, and prints after / before per format and M. ``--json PATH``
+records every pass's time (the commit, machine and command with them) and, per library, format and M, the minimum,
+median and slowest pass; with a baseline, the per-pass ratio baseline time / now time (the two timed back to back
+in each pass) as its median and spread.
 
     python benchmarks/kquant_rows.py --shape 1b --threads 1
     python benchmarks/kquant_rows.py --shape 1b --baseline /path/to/old/_kernels_avx2.so
+    python benchmarks/kquant_rows.py --shape 1b --formats q4_0 q5_0 q5_1 --baseline OLD.so --json out.json
     python benchmarks/kquant_rows.py --shape 1b --clock cpu     # on a machine others load
     python benchmarks/kquant_rows.py --shape tiny --repeats 2     # a smoke run
 """
@@ -22,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import git_commit, machine_info, write_record
 
 from asyncinfer import kernels
 
@@ -40,6 +50,8 @@ SHAPES = {
     "3b": (3072, 8192, 3072, 1024),
 }
 FORMATS = ("q4_1", "q4_k", "q5_k", "q6_k")
+#: What ``--formats`` takes: every block format.
+CHOICES = tuple(kernels.BLOCK_FORMATS)
 
 
 def layer_matrices(shape: str) -> list[tuple[int, int]]:
@@ -67,7 +79,7 @@ def library_pass(lib: ctypes.CDLL, threads: int) -> Callable[[Weights, dict[int,
     whose cost would blur the smallest shapes)."""
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.asyncinfer_scratch_bytes.argtypes, lib.asyncinfer_scratch_bytes.restype = [I64, I64], I64
-    for fmt in FORMATS:
+    for fmt in CHOICES:
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
         fn.argtypes, fn.restype = [P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
     scratch: dict[tuple[int, int], torch.Tensor] = {}
@@ -94,8 +106,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=7, help="passes per format and M; the minimum is kept")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", choices=CHOICES, default=list(FORMATS))
     ap.add_argument("--baseline", type=Path, default=None, help="another build of the kernels' library to compare")
+    ap.add_argument("--json", type=Path, default=None, help="write every pass's time and the summaries here")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or this thread's CPU time (one thread only: the GEMMs then run on the calling "
                          "thread; steadier where other processes take the cores)")
@@ -114,6 +127,7 @@ def main() -> None:
         runners["baseline"] = library_pass(ctypes.CDLL(str(args.baseline)), args.threads)
     widths = sorted({k for _, k in layer_matrices(args.shape)})
     best: dict[tuple[str, str, int], float] = {}
+    passes: dict[tuple[str, str, int], list[float]] = {}
     with torch.inference_mode():
         for m in args.tokens:
             gen = torch.Generator().manual_seed(m)
@@ -129,6 +143,7 @@ def main() -> None:
                         elapsed = clock() - start
                         key = (name, fmt, m)
                         best[key] = min(best.get(key, elapsed), elapsed)
+                        passes.setdefault(key, []).append(elapsed)
     print(f"kernels {kernels.isa()}, shape {args.shape} x {args.layers} layers, {args.threads} thread(s), "
           f"min of {args.repeats} interleaved passes, {args.clock} time")
     for name in runners:
@@ -148,6 +163,41 @@ def main() -> None:
         for fmt in weights:
             print(f"{fmt:<8}" + "".join(f"{best['baseline', fmt, m] / best['now', fmt, m]:10.2f}"
                                         for m in args.tokens))
+    if args.json is not None:
+        write_record(args.json, record(args, weights, runners, passes))
+
+
+def record(args: argparse.Namespace, weights: dict[str, Weights], runners: dict[str, Callable[..., None]],
+           passes: dict[tuple[str, str, int], list[float]]) -> dict[str, object]:
+    """The JSON record: settings, machine, commit, and per library, format and M every pass's seconds with their
+    minimum, median and maximum (and GB/s of weights at the median); with a baseline, per format and M the ratios
+    baseline / now of each pass (timed back to back) and their median, minimum and maximum."""
+    rows = []
+    for (name, fmt, m), times in passes.items():
+        median = statistics.median(times)
+        rows.append({"library": name, "format": fmt, "tokens": m, "seconds": [round(t, 6) for t in times],
+                     "min_s": min(times), "median_s": median, "max_s": max(times),
+                     "median_gb_per_s": round(weights[fmt].nbytes / median / 1e9, 3)})
+    speedups = []
+    if "baseline" in runners:
+        for fmt in weights:
+            for m in args.tokens:
+                ratios = [b / n for b, n in zip(passes["baseline", fmt, m], passes["now", fmt, m])]
+                speedups.append({"format": fmt, "tokens": m, "ratios": [round(r, 4) for r in ratios],
+                                 "median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+                                 "max": round(max(ratios), 4)})
+    return {
+        "command": "python benchmarks/kquant_rows.py " + " ".join(sys.argv[1:]),
+        "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "load_average_after": os.getloadavg(),
+        "kernel_isa": kernels.isa(), "library": kernels.build_info()["path"],
+        "baseline": str(args.baseline) if args.baseline is not None else None,
+        "shape": args.shape, "layers": args.layers, "threads": args.threads, "clock": args.clock,
+        "repeats": args.repeats, "weight_bytes": {fmt: w.nbytes for fmt, w in weights.items()},
+        "what": "seconds of one pass of one GEMM call per projection over the layers, formats and libraries "
+                "interleaved pass by pass; speed-up = baseline seconds / now seconds of the same pass",
+        "passes": rows, "speedup_over_baseline": speedups,
+    }
 
 
 if __name__ == "__main__":

@@ -135,6 +135,25 @@ def _revisions_module():
     return module
 
 
+def test_a_workload_for_a_tokenizer_without_a_chat_template_is_the_plain_questions(monkeypatch) -> None:
+    """A random-weight file of make_gguf.py has a tokenizer but no chat template: its workload's prompts are the
+    questions encoded as plain text (special tokens included), not an error."""
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    assert spec is not None and spec.loader is not None
+    common = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_common", common)  # its dataclasses look their module up
+    spec.loader.exec_module(common)
+
+    class Plain:
+        chat_template = None
+
+        def __call__(self, text: str) -> dict[str, list[int]]:
+            return {"input_ids": [1, *map(ord, text)]}
+
+    workload = common.build_workload(Plain(), 3, seed=0, min_new_tokens=2, max_new_tokens=4)
+    assert [list(p) for p in workload.prompt_ids] == [[1, *map(ord, q)] for q in workload.questions]
+
+
 def test_the_revisions_abba_design_puts_each_revision_in_each_position_equally_often() -> None:
     revisions = _revisions_module()
     two_rounds = [revisions.round_order(r, "abba") for r in range(2)]
@@ -183,7 +202,7 @@ def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
                for row in result["rows"])
 
 
-def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library() -> None:
+def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library(tmp_path) -> None:
     from asyncinfer import kernels
 
     assert kernels.available(), kernels.unavailable_reason()
@@ -195,6 +214,20 @@ def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library() -> None:
     speedups = lines[lines.index("speed-up, now over baseline (baseline time / now time)") + 2:]
     assert [line.split()[0] for line in speedups] == ["q4_1", "q4_k", "q5_k", "q6_k"]
     assert all(len(line.split()) == 3 and float(line.split()[1]) > 0 for line in speedups)
+    # any block format, every pass recorded
+    out = tmp_path / "rows.json"
+    done = run_script("kquant_rows.py", "--shape", "tiny", "--layers", "1", "--repeats", "2", "--tokens", "1", "5",
+                      "--formats", "q4_0", "q5_0", "q5_1", "q8_0", "--baseline", kernels.build_info()["path"],
+                      "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    fmts = ["q4_1", "q4_0", "q5_0", "q5_1", "q8_0"]
+    assert sorted((r["library"], r["format"], r["tokens"]) for r in result["passes"]) == sorted(
+        (lib, fmt, m) for lib in ("now", "baseline") for fmt in fmts for m in (1, 5))
+    assert all(len(r["seconds"]) == 2 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in result["passes"])
+    assert [(r["format"], r["tokens"]) for r in result["speedup_over_baseline"]] == [(f, m) for f in fmts for m in (1, 5)]
+    assert all(len(r["ratios"]) == 2 and r["min"] <= r["median"] <= r["max"] for r in result["speedup_over_baseline"])
+    assert len(result["commit"]) == 40 and result["kernel_isa"] == kernels.isa()
 
 
 def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_path) -> None:

@@ -142,22 +142,31 @@ def test_the_variants_this_cpu_runs_are_named_and_one_is_chosen() -> None:
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
 def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
+    """Widths of whole runs of 16 blocks (the AVX-512 row kernels' scales are formed 16 blocks at a time: 512 = one
+    run, two k-quant super-blocks), with an odd remainder past them (800 = a run and 9 blocks) and of a remainder
+    alone (96 = 3 blocks). Below PANEL_MIN_ROWS rows each row's result is also the one it has alone, bit for bit:
+    every row is summed in the same order whatever the number of rows."""
     runs_here(isa)
-    n, k = 37, 512  # two k-quant super-blocks
-    w = random_blocks(fmt, n, k, seed=3)
-    dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
-    gen = torch.Generator().manual_seed(5)
-    bias = torch.randn(n, generator=gen)
-    for rows in (1, 2, 3, 4, 5, 8, 17, 40):
-        x = torch.randn(rows, k, generator=gen)
-        x[0, :32] *= 1000  # one block of large values: its int16 scale differs from the others'
-        with on("scalar"):
-            ref = kernels.gemm(x, w, fmt, n, bias)
-        with on(isa):
-            got = kernels.gemm(x, w, fmt, n, bias)
-        bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
-        assert ((got - ref).abs() <= bound).all(), (isa, fmt, rows, (got - ref).abs().max().item())
-        assert torch.allclose(ref, x @ dense.T + bias, rtol=1e-3, atol=1e-2 * x.abs().max().item())
+    n = 37
+    for k in ((512,) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800, 96)):
+        w = random_blocks(fmt, n, k, seed=3)
+        dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
+        gen = torch.Generator().manual_seed(5)
+        bias = torch.randn(n, generator=gen)
+        for rows in (1, 2, 3, 4, 5, 8, 17, 40):
+            x = torch.randn(rows, k, generator=gen)
+            x[0, :32] *= 1000  # one block of large values: its int16 scale differs from the others'
+            with on("scalar"):
+                ref = kernels.gemm(x, w, fmt, n, bias)
+            with on(isa):
+                got = kernels.gemm(x, w, fmt, n, bias)
+                alone = [kernels.gemm(x[r:r + 1], w, fmt, n, bias)[0] for r in range(rows)] \
+                    if rows < kernels.PANEL_MIN_ROWS else []
+            bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
+            assert ((got - ref).abs() <= bound).all(), (isa, fmt, k, rows, (got - ref).abs().max().item())
+            assert torch.allclose(ref, x @ dense.T + bias, rtol=1e-3, atol=1e-2 * x.abs().max().item())
+            for r, row in enumerate(alone):
+                assert torch.equal(got[r], row), (isa, fmt, k, rows, r)
     nan = torch.randn(6, k, generator=gen)
     nan[1, 7] = float("nan")
     with on(isa):

@@ -371,6 +371,23 @@ static inline __m512i unpack512_q4_1(const uint8_t *qs) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
+/* Q4_0, Q5_0, Q5_1 from a block's first byte (ggml's blocks as they are, blocks.h): the nibbles as Q4_1's, then
+ * Q4_0's centre taken off, or the fifth bits (bit i of qh: element i's, lane i's) applied through a mask
+ * register: Q5_1 adds 16 where the bit is set, Q5_0 (q = nibble + 16 bit - 16) takes 16 off where it is clear. */
+static inline __m512i unpack512_q4_0(const uint8_t *blk) {
+    return _mm512_sub_epi16(unpack512_q4_1(blk + 2), _mm512_set1_epi16(8));
+}
+
+static inline __m512i unpack512_q5_0(const uint8_t *blk) {
+    const __m512i w = unpack512_q4_1(blk + 6);
+    return _mm512_mask_add_epi16(w, (__mmask32)~ai_u32_at(blk + 2), w, _mm512_set1_epi16(-16));
+}
+
+static inline __m512i unpack512_q5_1(const uint8_t *blk) {
+    const __m512i w = unpack512_q4_1(blk + 8);
+    return _mm512_mask_add_epi16(w, (__mmask32)ai_u32_at(blk + 4), w, _mm512_set1_epi16(16));
+}
+
 static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
 }
@@ -389,14 +406,15 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     } while (0)
 
 /* The scales dx * dw of blocks b0 to b0 + n - 1 (n <= 16) per activation row, and (HAS_MIN) the offset
- * term m * (the block's sum of x) of those blocks added to off. */
-#define ROW512_SCALES(n, HAS_MIN)                                                                 \
+ * term m * (the block's sum of x) of those blocks added to off. SCALES8(h, dw, mw) sets the __m256 dw / mw to the
+ * weight scales / minimums of blocks b0 + h to b0 + h + 7, SCALE1(j, dw, mw) the floats dw / mw to block
+ * b0 + j's (the tail of fewer than 16 blocks). */
+#define ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1)                                                \
     do {                                                                                          \
         if ((n) == 16) { /* 256 bits at a time (SIMDe's emulation has no 512-bit cvtph) */          \
             for (int h = 0; h < 16; h += 8) {                                                     \
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + b0 + h))); \
-                const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b0 + h))) \
-                                          : _mm256_setzero_ps();                                  \
+                __m256 dw, mw;                                                                    \
+                SCALES8(h, dw, mw);                                                               \
                 for (int i = 0; i < ROWS; i++) {                                                  \
                     const int64_t at = (m0 + i) * nb + b0 + h;                                    \
                     _mm256_storeu_ps(sc[i] + h, _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw));   \
@@ -406,11 +424,20 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         } else {                                                                                  \
             for (int i = 0; i < ROWS; i++)                                                        \
                 for (int64_t j = 0; j < (n); j++) {                                               \
-                    sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * ai_half_to_float(d16[b0 + j]);      \
-                    if (HAS_MIN) tail[i] += ai_half_to_float(m16[b0 + j]) * a->sum[(m0 + i) * nb + b0 + j]; \
+                    float dw, mw;                                                                 \
+                    SCALE1(j, dw, mw);                                                            \
+                    sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * dw;                                 \
+                    if (HAS_MIN) tail[i] += mw * a->sum[(m0 + i) * nb + b0 + j];                  \
                 }                                                                                 \
         }                                                                                         \
     } while (0)
+
+/* Q4_1 / Q8_0 rows: the scales (and minimums) are runs of fp16, eight loaded at a time (an unused minimum's load
+ * is dropped by the compiler). */
+#define PACKED_SCALES8(h, dw, mw)                                                                 \
+    (dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + b0 + (h)))),                    \
+     mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b0 + (h)))))
+#define PACKED_SCALE1(j, dw, mw) (dw = ai_half_to_float(d16[b0 + (j)]), mw = ai_half_to_float(m16[b0 + (j)]))
 
 #define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                            \
     static inline __attribute__((always_inline)) void NAME(                                       \
@@ -425,7 +452,7 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
         for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
             const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
-            ROW512_SCALES(n, HAS_MIN);                                                            \
+            ROW512_SCALES(n, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1);                             \
             int64_t b = b0;                                                                       \
             for (; b + 1 < b0 + n; b += 2) {                                                      \
                 ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
@@ -440,6 +467,64 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
 
 ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
 ROW512_KERNEL(row_q8_0, unpack512_q8_0, 32, 0)
+
+/* ggml's 32-weight blocks in place (Q4_0, Q5_0, Q5_1): the first four bytes of eight blocks `bytes` apart from p
+ * are each block's fp16 scale (bits 0-15) and Q5_1's minimum (bits 16-31); inserted into two vectors straight from
+ * memory (a run of small stores read back as one vector would wait for the stores: no store forwarding), their
+ * halves packed in order and widened to eight floats each (an unused minimum is dropped by the compiler). */
+static inline int32_t ggml_word(const uint8_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+static inline void ggml_scales8(const uint8_t *p, int64_t bytes, __m256 *dw, __m256 *mw) {
+    __m128i lo = _mm_cvtsi32_si128(ggml_word(p)), hi = _mm_cvtsi32_si128(ggml_word(p + 4 * bytes));
+    lo = _mm_insert_epi32(lo, ggml_word(p + bytes), 1);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 5 * bytes), 1);
+    lo = _mm_insert_epi32(lo, ggml_word(p + 2 * bytes), 2);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 6 * bytes), 2);
+    lo = _mm_insert_epi32(lo, ggml_word(p + 3 * bytes), 3);
+    hi = _mm_insert_epi32(hi, ggml_word(p + 7 * bytes), 3);
+    const __m128i low16 = _mm_set1_epi32(0xFFFF);
+    *dw = _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(lo, low16), _mm_and_si128(hi, low16)));
+    *mw = _mm256_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(lo, 16), _mm_srli_epi32(hi, 16)));
+}
+#define GGML_SCALES8(h, dw, mw) ggml_scales8(row + (b0 + (h)) * bytes, bytes, &(dw), &(mw))
+#define GGML_SCALE1(j, dw, mw) (dw = ai_half_at(row + (b0 + (j)) * bytes), mw = ai_half_at(row + (b0 + (j)) * bytes + 2))
+
+/* Q4_0, Q5_0, Q5_1: ROW512_KERNEL's work on ggml's blocks in place (BYTES a block, its fp16 scale first and Q5_1's
+ * minimum after it): the same products, slots and order of sums, the scales of each run of 16 blocks gathered
+ * from the blocks (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
+#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN)                                          \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
+        float *out) {                                                                             \
+        const uint8_t *qs = row;                                                                  \
+        const int64_t bytes = BYTES;                                                              \
+        __m512 acc[2 * MR];                                                                       \
+        __m256 off[MR];                                                                           \
+        float sc[MR][16], tail[MR];                                                               \
+        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
+        for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
+            const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
+            ROW512_SCALES(n, HAS_MIN, GGML_SCALES8, GGML_SCALE1);                                 \
+            int64_t b = b0;                                                                       \
+            for (; b + 1 < b0 + n; b += 2) {                                                      \
+                ROW512_BLOCK(b, 0, UNPACK, BYTES);                                                \
+                ROW512_BLOCK(b + 1, 1, UNPACK, BYTES);                                            \
+            }                                                                                     \
+            if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, BYTES);                                    \
+        }                                                                                         \
+        for (int i = 0; i < ROWS; i++)                                                            \
+            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +            \
+                     (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);                             \
+    }
+
+ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0)
+ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0)
+ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1)
 #endif /* AI_AVX512 */
 
 /* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
@@ -709,10 +794,10 @@ GEMM(ai_gemm_q4_1, row_q4_1, row2_q4_1, ROW_BYTES_Q4_1, ASYNCINFER_FMT_Q4_1)
 GEMM(ai_gemm_q8_0, row_q8_0, row2_q8_0, ROW_BYTES_Q8_0, ASYNCINFER_FMT_Q8_0)
 #endif
 
-/* Q4_0, Q5_0, Q5_1: one weight row against ROWS (1 to MR, a constant at every call) activation rows, a block
- * at a time (ai_sub_words: its integer quants in the activations' order), scaled by dx * the block's scale,
- * plus the min's term per block in float32. One accumulator per row; every row is summed in the same order
- * whatever ROWS is. */
+/* Q4_0, Q5_0, Q5_1 in the AVX2 build (the AVX-512 build's: row512_q4_0 / row512_q5_0 / row512_q5_1): one weight
+ * row against ROWS (1 to MR, a constant at every call) activation rows, a block at a time (ai_sub_words: its
+ * integer quants in the activations' order), scaled by dx * the block's scale, plus the min's term per block in
+ * float32. One accumulator per row; every row is summed in the same order whatever ROWS is. */
 static inline __attribute__((always_inline)) void row_blocks(const int fmt, const uint8_t *row, int64_t K,
                                                              const acts *a, int64_t m0, const int ROWS, float *out) {
     const int64_t nb = K / QK, bytes = ai_fmt_bytes(fmt);
@@ -899,6 +984,11 @@ static inline __attribute__((always_inline)) void row_of(const int fmt, const ui
                                                          int64_t m0, const int ROWS, float *out) {
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row_q45_k(fmt, row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q6_K) return row_q6_k(row, K, a, m0, ROWS, out);
+#ifdef AI_AVX512
+    if (fmt == ASYNCINFER_FMT_Q4_0) return row512_q4_0(row, K / QK, a, m0, K, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q5_0) return row512_q5_0(row, K / QK, a, m0, K, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q5_1) return row512_q5_1(row, K / QK, a, m0, K, ROWS, out);
+#endif
     row_blocks(fmt, row, K, a, m0, ROWS, out);
 }
 
