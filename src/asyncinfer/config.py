@@ -198,12 +198,13 @@ class EngineConfig:
       skips) into oneDNN's blocked layout at load: the same values, a faster CPU kernel. None
       (default): wherever possible (CPU, float32, torch built with oneDNN; never on CUDA);
       False: plain ``F.linear``; True: required (refused where it cannot run).
-    - ``activation_dtype``: how the block formats' kernels round a step's activations (steps of fewer
-      than 9 tokens: a single user's decode, a few users'), per run of 32 values: "int16" (default:
-      within float32's rounding of the exact product; greedy output equals float32's on the default
-      model) or "int8" (llama.cpp's numerics: the weights' bytes multiplied as they come, faster,
-      about 1% of a product's size off; docs/formats.md, "Activations", has its speed and its
-      quality gate). No effect on other weight formats or on larger steps (float32 there).
+    - ``activation_dtype``: how the block formats' kernels round a step's activations, per run of 32
+      values: "int16" (default: in steps of fewer than 9 tokens, a single user's decode or a few
+      users'; within float32's rounding of the exact product; greedy output equals float32's on the
+      default model; larger steps multiply in float32) or "int8" (in every step, prefills and batched
+      decodes too: llama.cpp's numerics, the weights' bytes multiplied as they come, faster, about 1%
+      of a product's size off, a request's logits independent of its batch; docs/formats.md,
+      "Activations", has its speed and its quality gate). No effect on other weight formats.
     - ``torch_compile``: compile the decoder's element-wise chains (RMSNorm, the rotary
       embedding, SwiGLU's ``silu(gate) * up``) with ``torch.compile`` at load (default off:
       measured slower for SmolLM2-135M on a 2-core CPU and on an H200; docs/formats.md). Needs

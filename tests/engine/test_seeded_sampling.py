@@ -108,23 +108,34 @@ EXCEPTION_NEIGHBOURS = [[(41 * j + 7 * i) % 5000 + 200 for j in range(30 + i)] f
 LOGPROB_BOUND = 0.02
 
 
+async def exception_first_request(real_gguf, neighbours: list[list[int]], activation_dtype: str = "int16"):
+    """EXCEPTION_PROMPT's 24 greedy tokens and their logprobs, beside ``neighbours`` (all submitted at once)."""
+    engine = await AsyncEngine.load(real_gguf, num_threads=1, max_model_len=256, enable_prefix_caching=False,
+                                    max_num_seqs=16, activation_dtype=activation_dtype)
+    async with engine:
+        assert engine.config.quantization == "q4_1"  # the block kernels run this model
+        params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)
+        outs = await asyncio.gather(engine.generate(EXCEPTION_PROMPT, params),
+                                    *(engine.generate(p, params) for p in neighbours))
+        return outs[0]
+
+
 async def test_a_rows_logits_move_within_the_stated_bound_with_its_steps_row_count_on_the_block_kernels(
         real_gguf) -> None:
     from asyncinfer import kernels
 
-    async def first_request(neighbours: list[list[int]]):
-        engine = await AsyncEngine.load(real_gguf, num_threads=1, max_model_len=256, enable_prefix_caching=False,
-                                        max_num_seqs=16)
-        async with engine:
-            assert engine.config.quantization == "q4_1"  # the block kernels run this model
-            params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)
-            outs = await asyncio.gather(engine.generate(EXCEPTION_PROMPT, params),
-                                        *(engine.generate(p, params) for p in neighbours))
-            return outs[0]
-
     assert len(EXCEPTION_NEIGHBOURS) + 1 >= kernels.PANEL_MIN_ROWS  # batched decode steps take the float32 panel
-    alone = await first_request([])  # decode steps of one row: int16 activations
-    batched = await first_request(EXCEPTION_NEIGHBOURS)
+    alone = await exception_first_request(real_gguf, [])  # decode steps of one row: int16 activations
+    batched = await exception_first_request(real_gguf, EXCEPTION_NEIGHBOURS)
     assert alone.token_ids == batched.token_ids  # no near-tie in these 24 tokens
     moved = [abs(a.logprob - b.logprob) for a, b in zip(alone.logprobs, batched.logprobs)]
     assert 0.0 < max(moved) <= LOGPROB_BOUND  # the steps' paths differ, within the stated bound
+
+
+async def test_with_int8_activations_a_rows_logits_do_not_depend_on_its_batch(real_gguf) -> None:
+    """activation_dtype="int8" rounds every step's activations to int8, whatever its rows, and each row is summed
+    alone: the same request's logprobs alone and beside 11 others are equal to the last bit."""
+    alone = await exception_first_request(real_gguf, [], "int8")
+    batched = await exception_first_request(real_gguf, EXCEPTION_NEIGHBOURS, "int8")
+    assert alone.token_ids == batched.token_ids
+    assert [a.logprob for a in alone.logprobs] == [b.logprob for b in batched.logprobs]

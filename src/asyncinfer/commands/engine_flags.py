@@ -154,8 +154,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("pack_weights", "--pack-weights", None, "pack float32 projections for oneDNN at load "
          "(--no-pack-weights: plain F.linear)", none="wherever possible on a CPU"),
     Flag("activation_dtype", "--activation-dtype", str,
-         "how the block formats' kernels round a step's activations (steps under 9 tokens): int16 (within "
-         "float32's rounding) | int8 (llama.cpp's numerics: faster, not exact; docs/formats.md)", "DTYPE"),
+         "how the block formats' kernels round a step's activations: int16 (steps under 9 tokens; within "
+         "float32's rounding) | int8 (every step: llama.cpp's numerics, faster, not exact; docs/formats.md)", "DTYPE"),
     Flag("torch_compile", "--torch-compile", None,
          "compile the decoder's element-wise chains with torch.compile at load (docs/formats.md)"),
     Flag("enable_prefix_caching", "--enable-prefix-caching", None,

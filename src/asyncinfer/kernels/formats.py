@@ -112,10 +112,10 @@ def format_name(fmt: object, what: str = "fmt") -> str:
     return fmt  # type: ignore[return-value]
 
 
-#: How the block-format GEMMs round the activations below :data:`PANEL_MIN_ROWS` rows (a step of a few
-#: tokens), per run of 32: ``"int16"`` (the default: within float32's rounding of the exact product) or
-#: ``"int8"`` (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a
-#: product's size off; docs/formats.md, "Activations"). From ``PANEL_MIN_ROWS`` rows on, both take float32.
+#: How the block-format GEMMs round the activations, per run of 32: ``"int16"`` (the default: within float32's
+#: rounding of the exact product, below :data:`PANEL_MIN_ROWS` rows; float32 from it on) or ``"int8"``
+#: (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a product's size off,
+#: at every number of rows, a row's result independent of the batch; docs/formats.md, "Activations").
 ACTIVATION_DTYPES = ("int16", "int8")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
 _ACT8 = 0x40

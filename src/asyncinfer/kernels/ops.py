@@ -142,9 +142,10 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     it, has the same shape but is not this layout; the other formats' layout is ggml's); returns float32
     [M, out_features].
 
-    Activations: rounded per run of 32 to int16 (``activation_dtype="int16"``) or int8 (``"int8"``, llama.cpp's
-    numerics, :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) below :data:`PANEL_MIN_ROWS` rows, float32 from it
-    on. Runs on torch's intra-op thread count.
+    Activations: ``activation_dtype="int16"`` rounds them per run of 32 to int16 below :data:`PANEL_MIN_ROWS` rows
+    and takes them in float32 from it on; ``"int8"`` (llama.cpp's numerics,
+    :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows,
+    each row's result independent of the others. Runs on torch's intra-op thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
     not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);

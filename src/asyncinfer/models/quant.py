@@ -33,9 +33,10 @@ The formats (values of the engine option ``quantization``):
   Q6_K; a projection whose input size is not a multiple of a k-quant's 256 takes llama.cpp's fallback
   (:data:`K_QUANT_FALLBACK`: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Their quantizer is a plain one
   (:func:`asyncinfer.kernels.quantize`): a GGUF file's own k-quant blocks are taken as they are.
-  Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): a step of
-  fewer than ``PANEL_MIN_ROWS`` tokens rounds its activations per run of 32 to int16 (the default) or to int8
-  (llama.cpp's numerics, faster), :attr:`BlockLinear.activation_dtype`.
+  Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): int16
+  (the default) rounds a step of fewer than ``PANEL_MIN_ROWS`` tokens' activations per run of 32 and multiplies
+  bigger steps in float32; int8 (llama.cpp's numerics, faster) rounds every step's activations per run of 32,
+  :attr:`BlockLinear.activation_dtype`.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
   Without VNNI, fbgemm's AVX2 kernel adds pairs of uint8 x int8 products in int16 with

@@ -1,10 +1,11 @@
-/* Block formats with 8-bit activations (format codes with ASYNCINFER_FMT_ACT8 set): below PANEL_MIN_ROWS
+/* Block formats with 8-bit activations (format codes with ASYNCINFER_FMT_ACT8 set): at any number of
  * activation rows, each block of 32 activations is rounded to int8 (x ~= dx * qx, |qx| <= 127, rounded to
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
  * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
  * a sub-block, the AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
- * 32 activations (llama.cpp's k-quants take one per 256). From PANEL_MIN_ROWS rows on, the float32 panel runs,
- * exactly as without the flag (gemm.c).
+ * 32 activations (llama.cpp's k-quants take one per 256). Prefills and batched decodes too (not gemm.c's float32
+ * panel, which the int16 default takes from PANEL_MIN_ROWS rows on): the rows, faster per product than the
+ * panel's FMAs, and a row's result does not depend on the other rows of the call.
  *
  * The result, in every variant: per sub-block of 32 weights (the activations' blocks line up with them)
  *
@@ -551,28 +552,56 @@ static inline __attribute__((always_inline)) void row8_of(const int fmt, const u
     } while (0)
 #endif
 
+/* Activation rows a pass over the weights takes (a multiple of MR8): as many as keep their int8 values, scales
+ * and sums within PASS8_BYTES, which stay in a core's L2 cache while every weight row meets them; a batch of more
+ * rows reads the weights again for each pass. */
+#ifndef PASS8_BYTES
+#define PASS8_BYTES (768 * 1024)
+#endif
+static inline int64_t pass8_rows(int64_t K) {
+    const int64_t per_row = K + K / QK * 8 + K / 16 * 2, rows = PASS8_BYTES / (per_row > 0 ? per_row : 1) / MR8 * MR8;
+    return rows < 4 * MR8 ? 4 * MR8 : rows;
+}
+
+/* Activation rows [m0, m1) of x rounded into a (each row by itself: the same values whatever the batch). */
+static inline void quantize_rows8(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_t K, const acts8 *a) {
+    const int64_t nb = K / QK;
+    acts8 r = {a->q + m0 * K, a->d + m0 * nb, a->sum + m0 * nb, a->isum + m0 * (K / 16)};
+    quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
+}
+
+/* Every batch through the rows: each activation row's result is the same whatever the other rows are (its sums
+ * in one order, whatever ROWS), so a request's logits do not depend on its neighbours in a step. Batches of
+ * several passes: the rows rounded in parallel, then each pass meets every weight row. */
 #define GEMM8(NAME, FMT)                                                                          \
     static int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
                     float *y, int64_t ldy, int threads, void *scratch) {                          \
-        if (M >= PANEL_MIN_ROWS) return ai_gemm_of(FMT)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch); \
         const uint8_t *rows = (const uint8_t *)w;                                                 \
-        const int64_t row_bytes = K / ai_fmt_weights(FMT) * ai_fmt_bytes(FMT);                    \
+        const int64_t row_bytes = K / ai_fmt_weights(FMT) * ai_fmt_bytes(FMT), pass = pass8_rows(K); \
         acts8 a = acts8_in(scratch, M, K);                                                        \
-        quantize_acts8(x, M, ldx, K, &a);                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
-        for (int64_t n = 0; n < N; n++) {                                                         \
-            const uint8_t *row = rows + n * row_bytes;                                            \
-            const float bn = bias ? bias[n] : 0.0f;                                               \
-            for (int64_t m0 = 0; m0 < M; m0 += MR8) {                                             \
-                const int rows_now = (int)(M - m0 < MR8 ? M - m0 : MR8);                          \
-                float out[MR8];                                                                   \
-                switch (rows_now) {                                                               \
-                    case 1: ROWS8_CALL(FMT, row, K, &a, m0, 1, out); break;                       \
-                    case 2: ROWS8_CALL(FMT, row, K, &a, m0, 2, out); break;                       \
-                    case 3: ROWS8_CALL(FMT, row, K, &a, m0, 3, out); break;                       \
-                    default: ROWS8_CALL(FMT, row, K, &a, m0, 4, out); break;                      \
+        _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")      \
+        {                                                                                         \
+            _Pragma("omp for schedule(static)")                                                   \
+            for (int64_t m = 0; m < M; m += MR8) quantize_rows8(x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a); \
+        }                                                                                         \
+        _Pragma("omp parallel num_threads(threads) if(threads > 1)")                              \
+        for (int64_t p0 = 0; p0 < M; p0 += pass) {                                                \
+            const int64_t p1 = M - p0 < pass ? M : p0 + pass;                                     \
+            _Pragma("omp for schedule(static)")                                                   \
+            for (int64_t n = 0; n < N; n++) {                                                     \
+                const uint8_t *row = rows + n * row_bytes;                                        \
+                const float bn = bias ? bias[n] : 0.0f;                                           \
+                for (int64_t m0 = p0; m0 < p1; m0 += MR8) {                                       \
+                    const int rows_now = (int)(p1 - m0 < MR8 ? p1 - m0 : MR8);                    \
+                    float out[MR8];                                                               \
+                    switch (rows_now) {                                                           \
+                        case 1: ROWS8_CALL(FMT, row, K, &a, m0, 1, out); break;                   \
+                        case 2: ROWS8_CALL(FMT, row, K, &a, m0, 2, out); break;                   \
+                        case 3: ROWS8_CALL(FMT, row, K, &a, m0, 3, out); break;                   \
+                        default: ROWS8_CALL(FMT, row, K, &a, m0, 4, out); break;                  \
+                    }                                                                             \
+                    for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;       \
                 }                                                                                 \
-                for (int i = 0; i < rows_now; i++) y[(m0 + i) * ldy + n] = out[i] + bn;           \
             }                                                                                     \
         }                                                                                         \
         return 0;                                                                                 \
