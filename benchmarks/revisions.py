@@ -236,7 +236,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def engine_options(workload: Any, config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The same options for both revisions: the engine's default format for the model (``dtype="auto"``:
-    float32 activations), a KV cache for ``max_num_seqs`` requests of the longest length (no preemption)."""
+    float32 activations), a KV cache for ``max_num_seqs`` requests of the longest length (no preemption);
+    ``--activation-dtype``, when given, for both."""
     longest = max(workload.max_seq_len, len(workload.prompt_ids[0]) + args.decode_tokens)
     max_model_len = math.ceil((longest + 1) / BLOCK_SIZE) * BLOCK_SIZE
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -251,7 +252,7 @@ def engine_options(workload: Any, config: Any, args: argparse.Namespace) -> dict
         "kv_cache_memory": int(args.max_num_seqs * max_model_len * kv_bytes_per_token * 1.1) + 16 * 2**20,
         "num_threads": args.threads,
         "seed": args.seed,
-    }
+    } | ({"activation_dtype": args.activation_dtype} if args.activation_dtype else {})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -275,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="times the batched workload runs in each process (the fastest is kept)")
     p.add_argument("--model", help="a .gguf file or HF model directory (default: asyncinfer's default model)")
     p.add_argument("--threads", type=int, default=2, help="the engine's num_threads")
+    p.add_argument("--activation-dtype", choices=("int16", "int8"), default=None,
+                   help="the engines' activation_dtype, both revisions (default: the engine's own)")
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--min-new-tokens", type=int, default=16)
