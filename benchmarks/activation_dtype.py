@@ -9,7 +9,11 @@ format and M: GB/s of weight bytes read with each, the ratio, and each rate as a
 best of five sums of a 1 GiB float32 buffer on the same threads).
 
     python benchmarks/activation_dtype.py --shape 1b --threads 2 --json benchmarks/results/activation_dtype.json
+    python benchmarks/activation_dtype.py --shape 1b --threads 1 --clock cpu --tokens 16 32 64   # a loaded machine
     python benchmarks/activation_dtype.py --shape tiny --repeats 2 --tokens 1     # a smoke run
+
+From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the float32 panel and int8 the int8 rows in passes: the tokens
+16-128 compare the two paths of a prefill or a batched decode.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     ap.add_argument("--probe-mib", type=int, default=1024)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or the calling thread's CPU time (with --threads 1: others' load does not count)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times the calling thread: it needs --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     lib = _build.lib()
     probe = read_bandwidth(args.probe_mib, 5)
@@ -70,11 +79,11 @@ def main() -> None:
             for _ in range(args.repeats):
                 for dtype in kernels.ACTIVATION_DTYPES:
                     code = LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype)
-                    start = time.perf_counter()
+                    start = clock()
                     for packed, n, k in mats:
                         lib.asyncinfer_gemm(code, xs[k].data_ptr(), m, k, k, packed.data_ptr(), n, None,
                                             ys[n].data_ptr(), n, args.threads, scratch[k].data_ptr())
-                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+                    best[dtype] = min(best[dtype], clock() - start)
             rate = {dtype: nbytes / t / 1e9 for dtype, t in best.items()}
             row = {"format": fmt, "tokens": m, "weight_bytes": nbytes,
                    "int16_gb_s": round(rate["int16"], 2), "int8_gb_s": round(rate["int8"], 2),
@@ -87,7 +96,8 @@ def main() -> None:
     if args.json:
         record = {"command": "python benchmarks/activation_dtype.py " + " ".join(sys.argv[1:]),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "commit": commit(), "kernels": kernels.isa(), "threads": args.threads, "read_probe_gb_s": probe,
+                  "commit": commit(), "kernels": kernels.isa(), "threads": args.threads, "clock": args.clock,
+                  "read_probe_gb_s": probe,
                   "machine": machine_info(), "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
