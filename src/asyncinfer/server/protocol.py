@@ -591,14 +591,14 @@ def chat_history(value: Any) -> list[dict[str, Any]]:
                         "content": _content(message.get("content"), role, where)})
             continue
         if not isinstance(role, str) or role not in _ROLES:  # (a list or an object is unhashable: no lookup)
-            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {shown(role)}.")
+            raise _bad(f"{where}.role", f"`{where}.role` must be one of {shown(sorted([*_ROLES, 'tool']))}, got {shown(role)}.")
         turn: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = check_tool_calls(message["tool_calls"], where)
             if calls:
                 turn["tool_calls"] = calls
         elif message.get("tool_calls") is not None:
-            raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {role!r} ones.")
+            raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {shown(role)} ones.")
         out.append(turn)
     return out
 
@@ -785,7 +785,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     dimensions = _typed(fields, "dimensions", int, "an integer")
     fmt = fields.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise _bad("encoding_format", f"`encoding_format` must be 'float' or 'base64', got {shown(fmt)}.")
+        raise _bad("encoding_format", f'`encoding_format` must be "float" or "base64", got {shown(fmt)}.')
     value = fields.get("input")
     if value is None:
         raise _bad("input", "Missing required parameter: 'input'.")

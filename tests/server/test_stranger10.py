@@ -1,0 +1,75 @@
+"""A tenth stranger's first hour with the HTTP server: what misled, each held to its fix."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from asyncinfer.errors import InvalidParameterError
+from asyncinfer.server.errors import from_exception, json_terms, shown
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def _error(server, path: str, body: dict, status: int = 400) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize(("changes", "param", "message"), [
+    ({"seed": -5}, "seed", "seed=-5 is invalid: allowed null or an integer in [0, 9223372036854775807]"),
+    ({"stop": [None]}, "stop", "stop=[null] is invalid: allowed null, a non-empty string or a list of them"),
+    ({"max_tokens": "3"}, "max_tokens", 'max_tokens="3" is invalid: allowed an integer >= 1'),
+    ({"ignore_eos": "no"}, "ignore_eos", 'ignore_eos="no" is invalid: allowed a boolean (true or false)'),
+    ({"top_p": 0}, "top_p", "top_p=0 is invalid: allowed a number in (0, 1]"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs",
+     "top_logprobs=30 is invalid: allowed null or an integer in [0, 20]"),
+    ({"stream": "yes"}, "stream", '`stream` must be a boolean, got "yes".'),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages.[0].role",
+     '`messages.[0].role` must be one of ["assistant", "developer", "system", "tool", "user"], got "bot".'),
+])
+def test_a_400_speaks_json_not_python(server, changes, param, message) -> None:
+    """An HTTP client sent JSON, and the 400s answered in Python: ``allowed None or an int in [0, 2**63 - 1]``,
+    ``max_tokens='3'``, ``a bool (True or False)``, ``got 'yes'``. The value is echoed as the client wrote it and
+    the range is in JSON's words (null, true, an integer, the number itself)."""
+    error = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **changes})
+    assert (error["param"], error["message"]) == (param, message)
+
+
+def test_an_embeddings_encoding_format_is_named_in_json(server) -> None:
+    error = _error(server, "/v1/embeddings", {"model": "minilm", "input": "a", "encoding_format": "hex"})
+    assert error["message"] == '`encoding_format` must be "float" or "base64", got "hex".'
+
+
+def test_a_prompt_past_the_context_is_refused_in_openais_words(server) -> None:
+    """``messages='<9031 tokens>' is invalid: allowed at most max_model_len - 1 = 8191 tokens`` named an engine
+    option and quoted a placeholder as if it were the client's text; OpenAI says what the context is and by how
+    much the prompt is over it."""
+    error = _error(server, "/v1/completions", {"model": "tiny", "prompt": list(range(1, 601)), "max_tokens": 1})
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"] == (
+        "This model's maximum context length is 512 tokens (prompt and output together), and the prompt may take "
+        "at most 511 of them. However, your `prompt` resulted in 600 tokens. Please reduce the length of `prompt`.")
+    error = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert error["message"].startswith("This model's maximum context length is 512 tokens") and (
+        "However, your `messages` has 200004 characters, more than 511 tokens can hold.")  # roles counted in error["message"], error
+
+
+def test_shown_values_are_json_and_bounded() -> None:
+    assert shown(None) == "null" and shown(True) == "true" and shown("a\"b") == '"a\\"b"'
+    assert shown(float("inf")) == "Infinity" and shown(1e30) == "1e+30" and shown(7) == "7"
+    assert shown({"k": [1, None]}) == '{"k": [1, null]}'
+    long = shown("x" * 10_000)
+    assert long.endswith('..." (10000 characters)') and len(long) < 300
+    assert shown(list(range(1000))).endswith(", 31, ...]")
+    assert shown([[[[[[1]]]]]]) == "[[[[[...]]]]]"
+    assert json_terms("None or a list of ints >= 0") == "null or a list of integers >= 0"
+
+
+def test_an_engine_message_of_its_own_is_kept() -> None:
+    exc = InvalidParameterError("model", "x", "a served model", message="no model was named and none serves")
+    assert from_exception(exc, "req-1").message == "no model was named and none serves"
+    exc = InvalidParameterError("temperature", None, "a float", message="custom words")
+    assert from_exception(exc, "req-1").message == "custom words"
