@@ -41,7 +41,8 @@ _SAMPLING_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeats"),
     ("--presence-penalty", "presence_penalty", float, "in [-2, 2]"),
     ("--frequency-penalty", "frequency_penalty", float, "in [-2, 2]"),
-    ("--seed", "seed", int, "seed of the request's own generator"),
+    ("--seed", "seed", int, ("seed of the request's own generator (default: none: unseeded, drawn from the "
+                             "engine's generator, --engine-seed)")),
 )
 
 
@@ -65,11 +66,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.foreign_flags import ALIASES
 
     for flag, field, kind, text in _SAMPLING_ARGS:
-        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
+        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"  # (--seed says its own)
         metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
         p.add_argument(flag, *ALIASES.get(flag, ()), type=kind, default=None, dest=field, metavar=metavar,
                        help=text + shown)
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
 
@@ -190,12 +191,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL)")
-    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default 1)")
+    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default: 1)")
     p.add_argument("--seq-len", metavar="TOKENS", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
-                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
+                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16 (default: auto)")
     # No argparse choices: the planner checks the value against the engine's own list of formats
     # (models.quant.QUANTIZATION_METHODS), so plan takes every format the engine takes.
     p.add_argument("--quantization", default="auto", metavar="FORMAT",
@@ -203,13 +204,13 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "format where it has one, q4_1 for the default model, else float16 weights), none (the "
                         "dtype), or any format the engine's quantization option takes (docs/formats.md): on cpu "
                         "float16, int8, the block formats q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, or native; "
-                        "on cuda float16 or bfloat16 (the dtype)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
+                        "on cuda float16 or bfloat16 (the dtype) (default: auto)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default: cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
-    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size)")
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations)")
-    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits)")
+    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size) (default: 16)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations) (default: 1024)")
+    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits) (default: 128)")
 
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -329,37 +330,44 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
+    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id] (default: none: a synthetic trace, "
+                                                                           "--synthetic)")
     src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
-                     help="generate N requests (default 200)")
-    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
-    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed")
-    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
-    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
-    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
+                     help="generate N requests (default: 200)")
+    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
+    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed (default: 0)")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048) (default: 0.2)")
+    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels (default: 0,2,4)")
+    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL (default: none)")
     p.add_argument("--schedulers", metavar="NAMES", default=None,
                    help="comma-separated names (default: the built-ins, installed plugins and --plugin's names)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first, so that its @register_scheduler names exist (repeatable)")
+                   help="import MODULE first, so that its @register_scheduler names exist (repeatable; default: none)")
     p.add_argument("--list-schedulers", action="store_true", help="print the names --schedulers would default to")
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
-                   help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
+                   help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable; default: none)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096)
-    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16)
+    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096,
+                   help="KV blocks of the simulated engine (default: 4096)")
+    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16,
+                   help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
     # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
-    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512)
-    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096)
-    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
+    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16,
+                   help="requests per step (default: 16; the engine's is 128)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512,
+                   help="tokens per step (default: 512; the engine's is 1024)")
+    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096,
+                   help="prompt + output tokens per request (default: 4096)")
+    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds (default: 5.0)")
+    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds (default: 0.5)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file (default: none)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON (default: none)")
     p.add_argument("--calibrate", default=None, metavar="OUT",
-                   help="time the real runner of --model, write a cost model JSON to OUT, and exit")
+                   help="time the real runner of --model, write a cost model JSON to OUT, and exit (default: none: no "
+                        "calibration)")
     p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096")
+    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096 (default: none: torch's setting)")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -620,14 +628,16 @@ def build_parser() -> argparse.ArgumentParser:
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",
                            description="Embed texts with a sentence encoder and print their cosine similarities.",
                            formatter_class=_HelpFormatter)
-    embed.add_argument("texts", nargs="+", help="texts to embed")
-    embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
-    embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
-    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to embed, one or more")
+    embed.add_argument("--model", "-m", metavar="MODEL", default="all-MiniLM-L6-v2",
+                       help="sentence encoder (name or directory) (default: all-MiniLM-L6-v2)")
+    embed.add_argument("--dtype", metavar="DTYPE", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default: auto)")
+    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     embed.add_argument("--threads", metavar="N", type=int, default=None,
                        help="torch CPU threads, 1 to 4096 (default: torch's setting, one per core; on a busy or shared "
                        "machine, 1)")
-    embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed.add_argument("--json", action="store_true", help="print the vectors as JSON (default: a table)")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
                          formatter_class=_HelpFormatter)
@@ -834,6 +844,25 @@ def _command_hint(message: str) -> str:
     return f"{given!r} is not a command of asyncinfer: the commands are {commands}{hint}"
 
 
+def _flags_first(words: list[str], commands: dict[str, argparse.ArgumentParser]) -> str:
+    """The refusal of a command line that starts with a command's flag (llama.cpp's ``-m x.gguf -p hi``, or
+    ``asyncinfer -m x.gguf chat``): argparse read the flag's value as the command (``'x.gguf' is not a command``)."""
+    import shlex
+
+    command = next((w for w in words if w in commands), None)
+    if command is not None:
+        at = words.index(command)
+        fixed = shlex.join(["asyncinfer", command, *words[:at], *words[at + 1:]])
+        known = {f for a in commands[command]._actions for f in a.option_strings}
+        flag = words[0].split("=", 1)[0]
+        whose = f" ({flag} is a flag of asyncinfer {command}, not of asyncinfer)" if flag in known \
+            else f" (asyncinfer {command} --help lists its flags)"
+        return f"flags come after the command: {fixed}{whose}"
+    return (f"{words[0]} is not a flag of asyncinfer itself: a command comes first, then its flags "
+            f"({shlex.join(['asyncinfer', 'COMMAND', *words])}); the commands are {', '.join(COMMANDS)} "
+            "(asyncinfer --help says what each does; to start: asyncinfer chat \"Hello!\")")
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with a flag the command does not have named as its command's near flag:
     ``--maxtokens`` gets "did you mean --max-tokens?" (argparse leaves such flags to the top parser, which
@@ -844,6 +873,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
     words = sys.argv[1:] if argv is None else argv
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    own = [f for a in parser._actions for f in a.option_strings]  # --help, --version
+    if words and words[0].startswith("-") and words[0].split("=", 1)[0] not in own:
+        parser.exit(2, f"asyncinfer: error: {_flags_first(words, subparsers)}\n")
     command = next((w for w in words if not w.startswith("-")), None)
     if command in subparsers:  # vLLM's and llama.cpp's flags: refused with a hint before argparse reads them
         known = [f for a in subparsers[command]._actions for f in a.option_strings]

@@ -62,7 +62,7 @@ HISTORY_LENGTH = 1000  # lines kept
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session (the model is "
                                              "--model: a prompt that names a model file or directory is refused)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="a system message")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message (default: none)")
     p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
 
 

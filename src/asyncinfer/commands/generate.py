@@ -50,8 +50,8 @@ _REQUEST_KEYS = {"prompt", "messages", "id"}
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     # Not required in argparse's terms: run_generate says what is missing, and explains a prompt given as MODEL.
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
-    source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above")
+    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; this or --file is needed)")
+    source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above (this or --prompt is needed)")
     p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
     p.add_argument("--chat", action="store_true", help="send text prompts as a user message (chat template)")
     p.add_argument("--concurrency", metavar="N", type=int, default=64, help="requests in flight at most (default: 64)")

@@ -1,0 +1,96 @@
+"""A tenth stranger's first hour with the command line: what misled, each held to its fix."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from asyncinfer import cli
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _refusal(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+
+
+# ------------------------------------------------------------------------- flags before the command
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-m", "x.gguf", "chat"],
+     "flags come after the command: asyncinfer chat -m x.gguf (-m is a flag of asyncinfer chat, not of asyncinfer)"),
+    (["-t", "1", "chat", "hi there"],
+     "flags come after the command: asyncinfer chat -t 1 'hi there' (-t is a flag of asyncinfer chat, not of "
+     "asyncinfer)"),
+    (["--threads=1", "serve"],
+     "flags come after the command: asyncinfer serve --threads=1 (--threads is a flag of asyncinfer serve, not of "
+     "asyncinfer)"),
+    (["--foo", "bench"], "flags come after the command: asyncinfer bench --foo (asyncinfer bench --help lists its "
+                         "flags)"),
+    (["-m", "x.gguf", "-p", "hello", "-n", "32"],
+     "-m is not a flag of asyncinfer itself: a command comes first, then its flags (asyncinfer COMMAND -m x.gguf -p "
+     "hello -n 32); the commands are chat, generate, bench, info, plan, embed, lab, serve (asyncinfer --help says "
+     "what each does; to start: asyncinfer chat \"Hello!\")"),
+])
+def test_a_commands_flag_before_the_command_is_explained(capsys, argv, message) -> None:
+    """llama.cpp's ``llama-cli -m x.gguf -p hello``, typed as ``asyncinfer -m x.gguf chat``, was answered
+    "'x.gguf' is not a command of asyncinfer": argparse had read the flag's value as the command."""
+    assert _refusal(capsys, argv) == message
+
+
+def test_the_top_level_flags_still_work(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("asyncinfer ")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0 and "COMMAND" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- every flag's help and default
+def test_every_flag_of_every_command_has_help_that_states_its_default() -> None:
+    """The README: "``--help`` gives each flag's default". ``asyncinfer lab``'s ``--num-blocks``,
+    ``--block-size``, ``--max-num-seqs``, ``--max-num-batched-tokens`` and ``--max-model-len`` had no help at all,
+    and ``plan``, ``embed``, ``chat`` and ``bench`` had flags whose default was nowhere."""
+    missing = []
+    for name, parser in _commands().items():
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or not action.option_strings:
+                continue
+            if action.nargs == 0:  # an on/off switch: off unless given
+                if not action.help:
+                    missing.append(f"{name} {action.option_strings[0]}: no help")
+                continue
+            if not action.help or "default" not in action.help and "is needed" not in action.help:
+                missing.append(f"{name} {action.option_strings[0]}: {action.help!r}")
+    assert missing == []
+
+
+def test_the_defaults_the_help_states_are_the_parsers() -> None:
+    commands = _commands()
+    lab = commands["lab"].parse_args([])
+    assert (lab.num_blocks, lab.block_size, lab.max_num_seqs, lab.max_num_batched_tokens, lab.max_model_len) == (
+        4096, 16, 16, 512, 4096)
+    assert (lab.rate, lab.seed, lab.long_fraction, lab.priorities, lab.slo_ttft, lab.slo_tpot) == (
+        0.25, 0, 0.2, (0, 2, 4), 5.0, 0.5)
+    helps = {a.option_strings[0]: a.help for a in commands["lab"]._actions if a.option_strings}
+    assert helps["--num-blocks"].endswith("(default: 4096)") and helps["--rate"].endswith("(default: 0.25)")
+    plan = commands["plan"].parse_args([])
+    assert (plan.block_size, plan.max_num_batched_tokens, plan.max_num_seqs, plan.dtype) == (16, 1024, 128, "auto")
+    embed = commands["embed"].parse_args(["a"])
+    assert (embed.model, embed.dtype, embed.device) == ("all-MiniLM-L6-v2", "auto", "auto")
+    assert commands["embed"].parse_args(["-m", "x", "a"]).model == "x"  # -m, as on every other command
+
+
+def test_embed_without_texts_names_its_argument_as_its_help_does(capsys) -> None:
+    assert _refusal(capsys, ["embed"]) == "the following arguments are required: TEXT"
+    assert "TEXT [TEXT ...]" in _commands()["embed"].format_usage()
