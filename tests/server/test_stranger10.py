@@ -73,3 +73,25 @@ def test_an_engine_message_of_its_own_is_kept() -> None:
     assert from_exception(exc, "req-1").message == "no model was named and none serves"
     exc = InvalidParameterError("temperature", None, "a float", message="custom words")
     assert from_exception(exc, "req-1").message == "custom words"
+
+
+@pytest.mark.parametrize(("changes", "param", "message"), [
+    ({"guided_regex": "["}, "guided_regex", ("`guided_regex` is invalid: allowed a regular expression llguidance accepts: "
+                                            "invalid regex")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format.json_schema.schema",
+     "`response_format.json_schema.schema` is invalid: allowed a JSON schema llguidance accepts: Unsatisfiable schema"),
+])
+def test_a_spec_the_grammar_library_refuses_is_named_by_its_field_not_the_engines_summary(server, changes, param,
+                                                                                          message) -> None:
+    """``guided_regex='regex: ['`` echoed the engine's summary of the spec as if the client had sent it (and, in JSON,
+    a schema's every quote escaped): the field names what was sent, the library says what is wrong with it."""
+    error = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **changes})
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_a_spec_this_model_cannot_take_says_so_by_field() -> None:
+    exc = InvalidParameterError("structured", "regex: a+", "None: this model's tokenizer cannot be used for it (E)")
+    error = from_exception(exc, "req-1", lambda p: "guided_regex" if p == "structured" else p)
+    assert (error.status, error.param) == (400, "guided_regex")
+    assert error.message == "`guided_regex` cannot be used with this model: this model's tokenizer cannot be used for it (E)"

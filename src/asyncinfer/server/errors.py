@@ -155,6 +155,11 @@ def _invalid_message(field: str, exc: InvalidParameterError) -> str:
     where it names the body's field."""
     if field == exc.parameter and str(exc) != str(InvalidParameterError(exc.parameter, exc.value, exc.allowed)):
         return str(exc)  # its own words (it was given a message=), where they name the body's field
+    if exc.parameter == "structured":  # its value is the engine's summary of the spec ("regex: ..."), its range
+        # the grammar library's own words: the field names what the client sent
+        none, _, why = exc.allowed.partition("None: ")
+        return f"`{field}` cannot be used with this model: {why}" if not none and why else \
+            f"`{field}` is invalid: allowed {exc.allowed}"
     value = exc.value
     placeholder = isinstance(value, str) and value.startswith("<") and value.endswith(">") and " " in value
     # ``<9001 tokens>``: the engine's summary of a value too long to show, not the client's text
