@@ -95,3 +95,26 @@ def test_a_spec_this_model_cannot_take_says_so_by_field() -> None:
     error = from_exception(exc, "req-1", lambda p: "guided_regex" if p == "structured" else p)
     assert (error.status, error.param) == (400, "guided_regex")
     assert error.message == "`guided_regex` cannot be used with this model: this model's tokenizer cannot be used for it (E)"
+
+
+def test_vllms_min_tokens_and_stop_token_ids_are_served(server) -> None:
+    """A vLLM client's ``extra_body={"min_tokens": ..., "stop_token_ids": [...]}`` was a 400 "Unrecognized request
+    argument", though the engine has both (and docs/serving.md spoke of what ``min_tokens`` forbids)."""
+    body = {"model": "ids", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in plain["logprobs"]["tokens"]]
+    assert len(ids) == 6 and plain["finish_reason"] == "length"
+    stop = ids[2]
+    first = ids.index(stop)  # where that id first comes
+    stopped = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [stop]}, timeout=60).json()
+    got = [int(t.removeprefix("token_id:")) for t in stopped["choices"][0]["logprobs"]["tokens"]]
+    assert stopped["choices"][0]["finish_reason"] == "stop" and got == ids[:first + 1]
+    held = httpx.post(server.url + "/v1/completions",
+                      json={**body, "stop_token_ids": [stop], "min_tokens": 6}, timeout=60).json()["choices"][0]
+    assert held["finish_reason"] == "length" and len(held["logprobs"]["tokens"]) == 6
+    assert stop not in [int(t.removeprefix("token_id:")) for t in held["logprobs"]["tokens"]]  # masked until the 6th
+    error = _error(server, "/v1/completions", {**body, "min_tokens": 7})
+    assert (error["param"], error["message"]) == ("min_tokens", "min_tokens=7 is invalid: allowed an integer in [0, max_tokens=6]")
+    error = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "stop_token_ids": [-1]})
+    assert (error["param"], error["message"]) == (
+        "stop_token_ids", "stop_token_ids=[-1] is invalid: allowed null or a list of integers >= 0")

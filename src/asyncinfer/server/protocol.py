@@ -3,8 +3,8 @@
 A body is a JSON object. Its fields fall in four groups, per endpoint:
 
 - mapped: turned into :class:`SamplingParams` or the engine call's arguments;
-- asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-  ``priority``), sent by OpenAI clients through ``extra_body``;
+- asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+  ``stop_token_ids``, as vLLM names them, and ``priority``), sent by OpenAI clients through ``extra_body``;
 - ignored: OpenAI fields that change nothing here (``store``, ``metadata``, ...);
 - structured: chat's ``response_format`` and ``tools``/``tool_choice``/``parallel_tool_calls``
   (:mod:`asyncinfer.server.tools`), and vLLM's ``guided_json``, ``guided_regex``,
@@ -67,7 +67,7 @@ _TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 =
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-             "top_k", "min_p", "repetition_penalty", "ignore_eos")
+             "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
 _COMMON = ("model", "user", "stream", "stream_options", "priority", *_SAMPLING, *_GUIDED)
 
