@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
+from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
 # (flag, SamplingParams field, type, help)
@@ -97,7 +97,7 @@ def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingPara
         flag = flags.get(field)
         if flag is None or field not in given:
             raise
-        value, allowed = exc.value, exc.allowed
+        value, allowed = exc.value, range_in_words(exc.allowed, none=None)  # the flag takes no none: it is left out
         if field == "stop" and isinstance(value, list):  # the one bad --stop, not the list of them
             value = next((v for v in value if not (isinstance(v, str) and v)), value)
             allowed = "a non-empty string"
@@ -780,7 +780,8 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
                 value = next((k for k in value if not (isinstance(k, str) and k)), value)
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
             shown = repr(value) if isinstance(value, str) else str(value)
-            return f"{flag} {_serve_terms(shown)} is invalid: allowed {_serve_terms(exc.allowed)}"
+            allowed = range_in_words(_serve_terms(exc.allowed), none=None)
+            return f"{flag} {_serve_terms(shown)} is invalid: allowed {allowed}"
         return str(exc)
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))

@@ -94,3 +94,17 @@ def test_the_defaults_the_help_states_are_the_parsers() -> None:
 def test_embed_without_texts_names_its_argument_as_its_help_does(capsys) -> None:
     assert _refusal(capsys, ["embed"]) == "the following arguments are required: TEXT"
     assert "TEXT [TEXT ...]" in _commands()["embed"].format_usage()
+
+
+# ------------------------------------------------------------------------- sampling flags in the command line's words
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seed", "-1"], "--seed -1 is invalid: allowed an integer in [0, 9223372036854775807]"),
+    (["--top-k", "-5"], "--top-k -5 is invalid: allowed 0 or -1 (disabled), or an integer >= 1"),
+    (["--presence-penalty", "9"], "--presence-penalty 9.0 is invalid: allowed a number in [-2, 2]"),
+])
+def test_a_sampling_flags_range_is_in_the_command_lines_words(capsys, argv, message) -> None:
+    """``--seed -1`` said "allowed None or an int in [0, 2**63 - 1]": --seed takes no none (leaving it out is
+    none), and 2**63 - 1 is Python, not a number one types."""
+    assert cli.main(["chat", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"asyncinfer: error: {message}\n"

@@ -31,6 +31,7 @@ from asyncinfer.errors import (
     RequestAbortedError,
     RequestFailedError,
     _short_repr,
+    range_in_words,
 )
 from asyncinfer.prompts import NO_CHAT_TEMPLATE, NO_TOKENIZER
 
@@ -134,19 +135,10 @@ def _json_shown(value: object, level: int) -> str:
     return _short_repr(value)  # an int (whole, as JSON writes it), or what a route built itself
 
 
-#: The Python words of an ``InvalidParameterError``'s range, in the terms of a JSON body.
-_JSON_WORDS = ((re.compile(r"\bNone\b"), "null"), (re.compile(r"\bTrue\b"), "true"), (re.compile(r"\bFalse\b"), "false"),
-               (re.compile(r"\ba bool\b"), "a boolean"), (re.compile(r"\ban int\b"), "an integer"),
-               (re.compile(r"\bints\b"), "integers"), (re.compile(r"\ba float\b"), "a number"),
-               (re.compile(r"\b2\*\*63 - 1\b"), str(2**63 - 1)), (re.compile(r"\b2\*\*31 - 1\b"), str(2**31 - 1)))
-
-
 def json_terms(allowed: str) -> str:
     """An engine error's allowed range (``"None or an int in [0, 2**63 - 1]"``) as an HTTP client reads it
     (``"null or an integer in [0, 9223372036854775807]"``)."""
-    for pattern, word in _JSON_WORDS:
-        allowed = pattern.sub(word, allowed)
-    return allowed
+    return range_in_words(allowed, none="null")
 
 
 def _invalid_message(field: str, exc: InvalidParameterError) -> str:
