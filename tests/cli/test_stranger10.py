@@ -29,17 +29,17 @@ def _refusal(capsys, argv: list[str]) -> str:
     (["-m", "x.gguf", "chat"],
      "flags come after the command: asyncinfer chat -m x.gguf (-m is a flag of asyncinfer chat, not of asyncinfer)"),
     (["-t", "1", "chat", "hi there"],
-     "flags come after the command: asyncinfer chat -t 1 'hi there' (-t is a flag of asyncinfer chat, not of "
-     "asyncinfer)"),
+     ("flags come after the command: asyncinfer chat -t 1 'hi there' (-t is a flag of asyncinfer chat, not of "
+     "asyncinfer)")),
     (["--threads=1", "serve"],
-     "flags come after the command: asyncinfer serve --threads=1 (--threads is a flag of asyncinfer serve, not of "
-     "asyncinfer)"),
-    (["--foo", "bench"], "flags come after the command: asyncinfer bench --foo (asyncinfer bench --help lists its "
-                         "flags)"),
+     ("flags come after the command: asyncinfer serve --threads=1 (--threads is a flag of asyncinfer serve, not of "
+     "asyncinfer)")),
+    (["--foo", "bench"], ("flags come after the command: asyncinfer bench --foo (asyncinfer bench --help lists its "
+                         "flags)")),
     (["-m", "x.gguf", "-p", "hello", "-n", "32"],
-     "-m is not a flag of asyncinfer itself: a command comes first, then its flags (asyncinfer COMMAND -m x.gguf -p "
+     ("-m is not a flag of asyncinfer itself: a command comes first, then its flags (asyncinfer COMMAND -m x.gguf -p "
      "hello -n 32); the commands are chat, generate, bench, info, plan, embed, lab, serve (asyncinfer --help says "
-     "what each does; to start: asyncinfer chat \"Hello!\")"),
+     "what each does; to start: asyncinfer chat \"Hello!\")")),
 ])
 def test_a_commands_flag_before_the_command_is_explained(capsys, argv, message) -> None:
     """llama.cpp's ``llama-cli -m x.gguf -p hello``, typed as ``asyncinfer -m x.gguf chat``, was answered
