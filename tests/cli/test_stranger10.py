@@ -108,3 +108,16 @@ def test_a_sampling_flags_range_is_in_the_command_lines_words(capsys, argv, mess
     assert cli.main(["chat", "hi", *argv]) == 2
     err = capsys.readouterr().err
     assert err == f"asyncinfer: error: {message}\n"
+
+
+# ------------------------------------------------------------------------- generate --file -
+def test_a_bad_line_on_stdin_is_named_as_stdins(capsys, monkeypatch) -> None:
+    """``... | asyncinfer generate --file -`` said "- line 1: not JSON": the file's name, -, read as a stray dash."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("not json\n"))
+    assert cli.main(["generate", "--file", "-"]) == 2
+    assert capsys.readouterr().err.startswith("asyncinfer: error: stdin line 1: not JSON")
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n\n"))
+    assert cli.main(["generate", "--file", "-"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: stdin: no requests in it\n"

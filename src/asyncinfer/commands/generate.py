@@ -71,7 +71,7 @@ def run_generate(args: argparse.Namespace, options: dict[str, Any], params: Samp
         raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
     jobs = list(_jobs(args, params))
     if not jobs:
-        raise CommandError(f"{args.file}: no requests in it")
+        raise CommandError(f"{_source(args.file)}: no requests in it")
     with _open_output(args.output) as out:
         return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args))
 
@@ -127,11 +127,16 @@ def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
                     yield _job(line, number, params, args)
         except UnicodeDecodeError as exc:  # a ValueError, not an OSError: name the file here
             byte = exc.object[exc.start:exc.start + 1].hex()
-            raise CommandError(f"{args.file}: not UTF-8 text ({exc.reason} 0x{byte}); save it as UTF-8") from None
+            raise CommandError(f"{_source(args.file)}: not UTF-8 text ({exc.reason} 0x{byte}); save it as UTF-8") from None
+
+
+def _source(file: str) -> str:
+    """``--file`` as an error names it: ``-`` is the standard input, ``stdin``."""
+    return "stdin" if file == "-" else file
 
 
 def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespace) -> Job:
-    where = f"{args.file} line {number}"
+    where = f"{_source(args.file)} line {number}"
     try:
         item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
