@@ -118,3 +118,21 @@ def test_vllms_min_tokens_and_stop_token_ids_are_served(server) -> None:
     error = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "stop_token_ids": [-1]})
     assert (error["param"], error["message"]) == (
         "stop_token_ids", "stop_token_ids=[-1] is invalid: allowed null or a list of integers >= 0")
+
+
+def test_ollamas_routes_and_the_responses_api_get_a_404_that_says_what_to_call(server) -> None:
+    """An Ollama user's first ``curl /api/generate`` (and a new openai client's ``/v1/responses``) got "No route
+    POST /api/generate on this server." and nothing about where the API is."""
+    r = httpx.post(server.url + "/api/generate", json={"model": "tiny", "prompt": "Hi"}, timeout=60)
+    assert r.status_code == 404 and r.headers["x-request-id"]
+    assert r.json()["error"] == {
+        "message": "No route POST /api/generate on this server: it serves OpenAI's API under /v1, not Ollama's "
+                   "(/api/chat is POST /v1/chat/completions, /api/generate is POST /v1/completions, /api/tags is GET "
+                   "/v1/models, /api/embed is POST /v1/embeddings, /api/embeddings is POST /v1/embeddings).",
+        "type": "invalid_request_error", "param": None, "code": "unknown_url"}
+    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "Hi"}, timeout=60)
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == ("No route POST /v1/responses on this server: OpenAI's Responses API is not "
+                                            "served; send the conversation to POST /v1/chat/completions.")
+    r = httpx.get(server.url + "/nope", timeout=60)
+    assert r.json()["error"]["message"] == "No route GET /nope on this server."

@@ -290,7 +290,8 @@ def http_error(request: Request, exc: Exception) -> Response:
     headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
     method, path = elided(request.method), elided(request.url.path)  # (a head may hold 64 KiB of either)
     if status == 404:
-        error = APIError(404, f"No route {method} {path} on this server.", code="unknown_url")
+        error = APIError(404, f"No route {method} {path} on this server{_other_api(request.url.path)}.",
+                         code="unknown_url")
     elif status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
         error = APIError(405, f"{method} is not allowed on {path}"
@@ -299,6 +300,24 @@ def http_error(request: Request, exc: Exception) -> Response:
         error = APIError(status, str(exc.detail), type="invalid_request_error" if status < 500 else "server_error",
                          headers=headers)
     return error.response(request_id)
+
+
+#: Other servers' routes that clients of theirs call first, and this server's route for each.
+_OTHER_ROUTES = {
+    "/api/chat": "POST /v1/chat/completions", "/api/generate": "POST /v1/completions", "/api/tags": "GET /v1/models",
+    "/api/embed": "POST /v1/embeddings", "/api/embeddings": "POST /v1/embeddings",
+    "/v1/responses": "POST /v1/chat/completions",
+}
+
+
+def _other_api(path: str) -> str:
+    """For a URL of Ollama's API (``/api/...``) or OpenAI's Responses API, what this server serves instead."""
+    if path.startswith("/api/"):
+        mapped = ", ".join(f"{route} is {ours}" for route, ours in _OTHER_ROUTES.items() if route.startswith("/api/"))
+        return f": it serves OpenAI's API under /v1, not Ollama's ({mapped})"
+    if path.rstrip("/") == "/v1/responses":
+        return ": OpenAI's Responses API is not served; send the conversation to POST /v1/chat/completions"
+    return ""
 
 
 def elided(text: str) -> str:
