@@ -121,3 +121,58 @@ def test_a_bad_line_on_stdin_is_named_as_stdins(capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("\n\n"))
     assert cli.main(["generate", "--file", "-"]) == 2
     assert capsys.readouterr().err == "asyncinfer: error: stdin: no requests in it\n"
+
+
+# ------------------------------------------------------------------------- chat -c 64 without --max-tokens
+def test_a_context_under_the_default_max_tokens_says_the_default_is_what_does_not_fit() -> None:
+    """``asyncinfer chat -c 64 hi`` said "--max-tokens 128 is invalid" to a user who had typed no --max-tokens."""
+    import asyncio
+
+    from asyncinfer import SamplingParams
+    from asyncinfer.commands.chat import ChatSession
+    from asyncinfer.errors import InvalidParameterError
+
+    class Engine:
+        max_model_len = 64
+
+    session = ChatSession(Engine(), SamplingParams(), None, max_tokens_given=False)
+    with pytest.raises(InvalidParameterError) as err:
+        asyncio.run(session.reply("hi"))
+    assert str(err.value) == ("--max-tokens 128 (its default) is invalid: allowed less than --max-model-len (64); "
+                              "give --max-tokens under 64 or raise --max-model-len")
+
+
+def test_chat_tells_the_session_whether_max_tokens_was_given(monkeypatch) -> None:
+    from asyncinfer.commands import chat
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def session(*args, **kwargs):
+        seen.append(kwargs["max_tokens_given"])
+        raise Stop
+
+    class Engine:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        def get_tokenizer(self):
+            class Tokenizer:
+                chat_template = "{{ messages }}"
+            return Tokenizer()
+
+    async def load(*args, **kwargs):
+        return Engine()
+
+    import asyncinfer.engine
+
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", load)
+    monkeypatch.setattr(chat, "ChatSession", session)
+    for argv, given in ((["chat", "hi"], False), (["chat", "hi", "--max-tokens", "8"], True)):
+        assert cli.main(argv) == 1  # (Stop, as an internal error, once the session was made)
+        assert seen.pop() is given

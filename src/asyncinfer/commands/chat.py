@@ -104,9 +104,10 @@ class ChatSession:
     """A conversation with one engine: the history, and one reply at a time written to ``out``."""
 
     def __init__(self, engine: Any, params: SamplingParams, system: str | None, *, stats: bool = False,
-                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None, max_tokens_given: bool = True) -> None:
         self.engine = engine
         self.params = params
+        self.max_tokens_given = max_tokens_given  # False: params.max_tokens is --max-tokens' default
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict[str, str]] = list(self.system)
         self.stats = stats
@@ -158,10 +159,12 @@ class ChatSession:
         budget = self.engine.max_model_len - self.params.max_tokens
         if budget < 1:  # named by the flags the user can change
             limit, n = self.params.max_tokens, self.engine.max_model_len
+            default = "" if self.max_tokens_given else " (its default)"
+            fix = "lower --max-tokens" if self.max_tokens_given else f"give --max-tokens under {n}"
             raise InvalidParameterError(
                 "max_tokens", limit, f"less than --max-model-len ({n})",
-                message=f"--max-tokens {limit} is invalid: allowed less than --max-model-len ({n}); lower "
-                        f"--max-tokens or raise --max-model-len")
+                message=f"--max-tokens {limit}{default} is invalid: allowed less than --max-model-len ({n}); {fix} "
+                        f"or raise --max-model-len")
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
@@ -208,7 +211,8 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
                                    "none in its GGUF file), so chat cannot encode messages for it")
             raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
                                f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
-        session = ChatSession(engine, params, args.system, stats=args.stats)
+        session = ChatSession(engine, params, args.system, stats=args.stats,
+                              max_tokens_given=args.max_tokens is not None)
         with _Interrupts() as interrupts:
             if args.prompt:
                 return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130
