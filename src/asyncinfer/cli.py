@@ -672,6 +672,10 @@ def _refuse_encoder(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("bench", "info", "plan", "serve"):  # (generate checks it after its prompt-as-MODEL hint)
+        from asyncinfer.commands import check_one_model
+
+        check_one_model(args.command, args.model_arg, args.model)
     if args.command in ("chat", "generate", "bench"):
         _refuse_encoder(args)
     if args.command == "chat":

@@ -176,3 +176,24 @@ def test_chat_tells_the_session_whether_max_tokens_was_given(monkeypatch) -> Non
     for argv, given in ((["chat", "hi"], False), (["chat", "hi", "--max-tokens", "8"], True)):
         assert cli.main(argv) == 1  # (Stop, as an internal error, once the session was made)
         assert seen.pop() is given
+
+
+# ------------------------------------------------------------------------- the model given twice
+@pytest.mark.parametrize("argv", [["serve", "-m", "SmolLM2-135M-Instruct", "other"], ["info", "x", "-m", "y"],
+                                  ["plan", "a", "--model", "b"], ["bench", "a", "-m", "b"],
+                                  ["generate", "./a.gguf", "-m", "b", "--prompt", "hi"]])
+def test_a_model_given_as_the_argument_and_as_model_is_refused(capsys, argv) -> None:
+    """``asyncinfer serve -m SmolLM2-135M-Instruct other`` loaded ``other`` (the argument won, --model was dropped
+    without a word) and said "model path 'other' does not exist"."""
+    assert cli.main(argv) == 2
+    model_arg = next(w for w in argv[1:] if not w.startswith("-") and w not in ("b", "y", "SmolLM2-135M-Instruct"))
+    flag_value = argv[argv.index("-m" if "-m" in argv else "--model") + 1]
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: the model is given twice, as MODEL {model_arg!r} and as --model {flag_value!r}: give one "
+        f"(asyncinfer {argv[0]} MODEL or asyncinfer {argv[0]} --model MODEL)\n")
+
+
+def test_the_same_model_twice_is_one_model(tiny_models, capsys) -> None:
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["info", path, "--model", path]) == 0
+    assert capsys.readouterr().out.startswith("model: ")

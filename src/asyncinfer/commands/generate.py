@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from asyncinfer.commands import CommandError
+from asyncinfer.commands import CommandError, check_one_model
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
 from asyncinfer.sampling_params import SamplingParams
 
@@ -86,6 +86,7 @@ def _check_source(args: argparse.Namespace) -> None:
         raise CommandError(f"{shown!r} was read as the model (asyncinfer generate's argument is the MODEL, a path "
                            "or a name): give the prompt with --prompt, e.g. asyncinfer generate"
                            f"{also} --prompt {_quoted(shown)} (or many in a JSONL file: --file FILE)")
+    check_one_model("generate", given, args.model)
     if not args.prompt and args.file is None:
         raise CommandError("asyncinfer generate needs its prompts: --prompt TEXT (repeatable) or --file FILE (JSONL, "
                            "one request a line; '-' reads stdin)")
