@@ -914,6 +914,21 @@ def plain_text(text: str) -> str:
     return text.replace("``", "")
 
 
+#: The status of a command whose output's reader went away: a shell's for a process ended by SIGPIPE (128 + 13).
+BROKEN_PIPE_STATUS = 141
+
+
+def _output_closed() -> int:
+    """Leave quietly once standard output's reader has gone (``| head``): no error line, and standard output
+    pointed at the null device, so that the interpreter's last flush of it at exit cannot fail again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a replaced sys.stdout): nothing left to flush into a pipe
+        pass
+    return BROKEN_PIPE_STATUS
+
+
 def _debugging() -> bool:
     return os.environ.get("ASYNCINFER_DEBUG") == "1"
 
@@ -947,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except AsyncInferError as exc:
         return _user_error(_in_flags(exc, args))
+    except BrokenPipeError:  # the output's reader left (asyncinfer info | head -1): as other tools, quietly
+        return _output_closed()
     except OSError as exc:  # a file that cannot be read or written
         return _user_error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     except KeyboardInterrupt:  # the shell's prompt on a fresh line, no traceback

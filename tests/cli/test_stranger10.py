@@ -197,3 +197,21 @@ def test_the_same_model_twice_is_one_model(tiny_models, capsys) -> None:
     path = str(tiny_models["llama"][0])
     assert cli.main(["info", path, "--model", path]) == 0
     assert capsys.readouterr().out.startswith("model: ")
+
+
+# ------------------------------------------------------------------------- asyncinfer info | head -1
+def test_output_to_a_reader_that_left_ends_quietly(tiny_models) -> None:
+    """``asyncinfer info | head -1`` printed "asyncinfer: error: Broken pipe" and exited 2 once head had its line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinfer", "plan", str(tiny_models["llama"][0]), "--device-memory",
+                             "1GiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before a line is written
+    err = proc.stderr.read().decode()
+    assert (proc.wait(timeout=120), err) == (141, "")  # 128 + SIGPIPE, as a shell tool's
