@@ -136,3 +136,18 @@ def test_ollamas_routes_and_the_responses_api_get_a_404_that_says_what_to_call(s
                                             "served; send the conversation to POST /v1/chat/completions.")
     r = httpx.get(server.url + "/nope", timeout=60)
     assert r.json()["error"]["message"] == "No route GET /nope on this server."
+
+
+def test_a_client_whose_base_url_lacks_v1_is_told_where_the_api_is(server) -> None:
+    """``OpenAI(base_url="http://127.0.0.1:8000")`` (no /v1) posts to /chat/completions: the 404 said only "No
+    route POST /chat/completions on this server."; llama.cpp's /completion the same."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as bare, \
+            pytest.raises(openai.NotFoundError) as err:
+        bare.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert err.value.body["message"] == (
+        "No route POST /chat/completions on this server: the API is under /v1, at POST /v1/chat/completions (an "
+        "OpenAI client's base_url ends in /v1: http://HOST:PORT/v1).")
+    r = httpx.post(server.url + "/completion", json={"prompt": "Hi"}, timeout=60)
+    assert r.status_code == 404 and "at POST /v1/completions" in r.json()["error"]["message"]

@@ -317,7 +317,17 @@ def _other_api(path: str) -> str:
         return f": it serves OpenAI's API under /v1, not Ollama's ({mapped})"
     if path.rstrip("/") == "/v1/responses":
         return ": OpenAI's Responses API is not served; send the conversation to POST /v1/chat/completions"
+    if path.rstrip("/") in _UNDER_V1:  # an OpenAI client whose base_url lacks /v1, or llama.cpp's /completion
+        return (f": the API is under /v1, at {_UNDER_V1[path.rstrip('/')]} (an OpenAI client's base_url ends in /v1: "
+                "http://HOST:PORT/v1)")
     return ""
+
+
+#: Routes asked for without their /v1 (the base_url of an OpenAI client set to the bare server), or as llama.cpp's
+#: server names them, and this server's route.
+_UNDER_V1 = {"/chat/completions": "POST /v1/chat/completions", "/completions": "POST /v1/completions",
+             "/completion": "POST /v1/completions", "/embeddings": "POST /v1/embeddings",
+             "/models": "GET /v1/models"}
 
 
 def elided(text: str) -> str:
