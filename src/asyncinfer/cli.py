@@ -598,7 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with a model. In a session: /reset clears the history, /exit (or "
                                       "Ctrl-D) leaves, /help lists the commands, Ctrl-C stops the reply being "
                                       "written; a message that starts with / is typed with // (another line "
-                                      "starting with / is no message: it gets a hint).",
+                                      "starting with / is no message: it gets a hint); a message of several lines "
+                                      "goes between \"\"\" and \"\"\".",
                           formatter_class=_HelpFormatter)
     add_chat_args(chat)
     _add_engine_args(chat)

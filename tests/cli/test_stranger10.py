@@ -215,3 +215,59 @@ def test_output_to_a_reader_that_left_ends_quietly(tiny_models) -> None:
     proc.stdout.close()  # the reader leaves before a line is written
     err = proc.stderr.read().decode()
     assert (proc.wait(timeout=120), err) == (141, "")  # 128 + SIGPIPE, as a shell tool's
+
+
+# ------------------------------------------------------------------------- a message of several lines
+class _Lines:
+    """The prompt's lines, as ``_Interrupts`` reads them (with the prompt each was read at), then end of input."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = list(lines)
+        self.prompts: list[str] = []
+
+    async def read_line(self, prompt: str, editor: object) -> str | None:
+        self.prompts.append(prompt)
+        return self.lines.pop(0) if self.lines else None
+
+    async def run(self, coro) -> bool:
+        await coro
+        return True
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def reply(self, text: str) -> str:
+        self.sent.append(text)
+        return ""
+
+
+async def test_a_message_of_several_lines_goes_between_triple_quotes(capsys) -> None:
+    """Pasting "Summarize this:" and two lines of text sent three messages and got three replies (the first to
+    "Summarize this:" alone). Between \"\"\" and \"\"\" (Ollama's convention) the lines are one message."""
+    from asyncinfer.commands.chat import MORE_PROMPT, _session
+
+    session = _Session()
+    lines = _Lines(['"""Summarize this:', "The cat sat on the mat.", "", "It was happy.", '"""',
+                    '"""one line"""', '"""', "  indented", 'last"""', "plain", '""""""'])
+    assert await _session(session, lines, None) == 0
+    assert session.sent == ["Summarize this:\nThe cat sat on the mat.\n\nIt was happy.", "one line",
+                            "  indented\nlast", "plain"]
+    assert lines.prompts[:5] == ["> ", MORE_PROMPT, MORE_PROMPT, MORE_PROMPT, MORE_PROMPT]
+    assert capsys.readouterr().err.splitlines()[-1].startswith("(nothing sent: type a message")  # """""" is empty
+
+
+async def test_an_unclosed_message_is_not_sent(capsys) -> None:
+    from asyncinfer.commands.chat import _session
+
+    session = _Session()
+    assert await _session(session, _Lines(['"""', "never closed"]), None) == 0
+    assert session.sent == []
+    assert capsys.readouterr().err == '\n(nothing sent: the message was not closed with """)\n'
+
+
+def test_help_says_how_to_send_several_lines() -> None:
+    from asyncinfer.commands.chat import HELP
+
+    assert HELP.endswith('a message of several lines goes between """ and """')

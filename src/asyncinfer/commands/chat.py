@@ -5,7 +5,10 @@ session goes on); at the prompt it says "stopping…" at once and leaves with st
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
 commands, and so does an empty line (nothing is sent); ``exit``, ``quit`` or ``bye`` typed without the ``/`` is sent
 as a message, then followed by how to leave. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
-message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
+message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). A message of several
+lines (pasted text, code) goes between ``\"\"\"`` and ``\"\"\"``, as in Ollama: a line that starts with ``\"\"\"`` opens
+it, the lines after it (prompt ``...``) are part of it, and the line that ends with ``\"\"\"`` closes it; each line
+typed without them is a message of its own. The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
 ``InvalidParameterError`` on ``message`` and the session goes on.
@@ -40,7 +43,13 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
-        "reply (at the prompt: leaves); a message that starts with / is sent as //...")
+        "reply (at the prompt: leaves); a message that starts with / is sent as //...; a message of several lines "
+        "goes between \"\"\" and \"\"\"")
+#: What opens and closes a message of several lines (Ollama's convention): each line typed or pasted in between is
+#: part of one message, not a message of its own.
+MULTILINE = '"""'
+#: The prompt of the lines inside a message of several lines.
+MORE_PROMPT = "... "
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
 #: Lines that are sent as messages but may have meant to leave (they get :data:`LEAVE_HINT` after the reply).
 LEAVE_WORDS = ("exit", "quit", "bye", "exit()", "quit()", ":q", "q")
@@ -231,6 +240,19 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if line is None:  # Ctrl-D (end of input): the shell's prompt on a fresh line
             print(flush=True)
             return 0
+        if line.lstrip().startswith(MULTILINE):  # a message of several lines: read up to its closing """
+            try:
+                line = await _read_multiline(line.lstrip()[len(MULTILINE):], interrupts, editor)
+            except PromptInterrupted:
+                return 130
+            if line is None:  # Ctrl-D before the closing """: nothing sent
+                print("\n(nothing sent: the message was not closed with \"\"\")", file=sys.stderr, flush=True)
+                return 0
+            if not line.strip():
+                print(EMPTY_LINE, file=sys.stderr)
+                continue
+            await _send(session, interrupts, line)
+            continue
         command = line.strip()
         if command in ("/exit", "/quit"):
             return 0
@@ -250,12 +272,35 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if not command:  # an empty line is not sent: what can be typed instead
             print(EMPTY_LINE, file=sys.stderr)
             continue
-        try:
-            await interrupts.run(session.reply(line))
-        except InvalidParameterError as exc:
-            print(f"asyncinfer: {exc}", file=sys.stderr)
+        await _send(session, interrupts, line)
         if command.lower() in LEAVE_WORDS:  # sent, as any message; said how to leave, in case that was meant
             print(LEAVE_HINT, file=sys.stderr)
+
+
+async def _send(session: ChatSession, interrupts: _Interrupts, text: str) -> None:
+    try:
+        await interrupts.run(session.reply(text))
+    except InvalidParameterError as exc:
+        print(f"asyncinfer: {exc}", file=sys.stderr)
+
+
+async def _read_multiline(first: str, interrupts: _Interrupts, editor: LineEditor) -> str | None:
+    """The message of several lines whose opening ``\"\"\"`` line held ``first`` after the quotes: the lines up to
+    the one that ends with ``\"\"\"``, joined by newlines (the quotes dropped); None at end of input.
+
+    Raises:
+        PromptInterrupted: Ctrl-C while a line is read.
+    """
+    lines: list[str] = []
+    line: str | None = first
+    while line is not None:
+        closed = line.rstrip().endswith(MULTILINE) and (bool(lines) or line.strip() != "")  # (not the opening's)
+        if closed:
+            lines.append(line.rstrip()[:-len(MULTILINE)])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+        line = await interrupts.read_line(MORE_PROMPT, editor)
+    return None
 
 
 class PromptInterrupted(Exception):
