@@ -826,6 +826,7 @@ _OTHER_COMMANDS = {
     "path, a .gguf file or a Hub id already in the local Hugging Face cache: huggingface-cli download OWNER/NAME)",
     "list": "info (asyncinfer info [MODEL]: a model's shapes and memory plan)", "ls": "info", "show": "info",
     "embeddings": "embed", "benchmark": "bench",
+    "help": "--help (asyncinfer COMMAND --help for a command's flags)", "version": "--version",
 }
 
 

@@ -271,3 +271,14 @@ def test_help_says_how_to_send_several_lines() -> None:
     from asyncinfer.commands.chat import HELP
 
     assert HELP.endswith('a message of several lines goes between """ and """')
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["help"], "for help, use asyncinfer --help (asyncinfer COMMAND --help for a command's flags)"),
+    (["help", "chat"], "for help, use asyncinfer --help (asyncinfer COMMAND --help for a command's flags)"),
+    (["version"], "for version, use asyncinfer --version"),
+])
+def test_help_and_version_typed_as_commands_name_the_flags(capsys, argv, hint) -> None:
+    """``asyncinfer help`` and ``asyncinfer version`` (git's, ollama's habits) listed the commands, no word of
+    --help or --version."""
+    assert _refusal(capsys, argv).endswith(hint)
