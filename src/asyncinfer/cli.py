@@ -245,7 +245,12 @@ def _lab(args: argparse.Namespace) -> int:
               f"{model.meta['fit_mean_rel_error']:.1%}, max {model.meta['fit_max_rel_error']:.1%}")
         return 0
     if args.trace:
-        trace = lab.load_trace(args.trace)
+        try:
+            trace = lab.load_trace(args.trace)
+        except OSError as exc:  # named by its flag, as generate's --file
+            from asyncinfer.commands import CommandError
+
+            raise CommandError(f"--trace {args.trace}: {exc.strerror or exc}") from None
         source = args.trace
     else:
         trace = lab.synthetic_trace(args.synthetic, rate=args.rate, seed=args.seed,
@@ -259,7 +264,12 @@ def _lab(args: argparse.Namespace) -> int:
             print(name)
         return 0
     options = _parse_options(args.option)
-    cost = lab.load_cost_model(args.cost_model)
+    try:
+        cost = lab.load_cost_model(args.cost_model)
+    except OSError as exc:
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--cost-model {args.cost_model}: {exc.strerror or exc}") from None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len)
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
@@ -325,7 +335,10 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,2,4") from None
 
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
@@ -744,6 +757,12 @@ _PLAN_FLAGS = {
     "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
 }
 
+# ``asyncinfer lab``'s flags by the lab's parameter they set.
+_LAB_FLAGS = {
+    "rate": "--rate", "long_fraction": "--long-fraction", "num_requests": "--synthetic", "priorities": "--priorities",
+    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model",
+}
+
 # ``asyncinfer embed``'s flags by the embedding model's option they set.
 _EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
 
@@ -761,13 +780,16 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
-    if args is not None and args.command in ("plan", "embed") and isinstance(exc, InvalidParameterError):
-        flag = (_PLAN_FLAGS if args.command == "plan" else _EMBED_FLAGS).get(exc.parameter)
+    if args is not None and args.command in ("plan", "embed", "lab") and isinstance(exc, InvalidParameterError):
+        flag = {"plan": _PLAN_FLAGS, "embed": _EMBED_FLAGS, "lab": _LAB_FLAGS}[args.command].get(exc.parameter)
         if flag is None:
             return str(exc)
         value = exc.value
         if value is None:  # a flag not given that the plan needs (--device-memory for cuda without CUDA here)
             return f"{flag} is needed: {exc.allowed}"
+        if flag == "--trace" and isinstance(value, str) and value.rpartition(":")[2].isdigit():  # "t.jsonl:3"
+            path, _, line = value.rpartition(":")
+            return f"--trace {path} line {line}: expected {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
         return f"{flag} {shown} is invalid: allowed {exc.allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:

@@ -282,3 +282,38 @@ def test_help_and_version_typed_as_commands_name_the_flags(capsys, argv, hint) -
     """``asyncinfer help`` and ``asyncinfer version`` (git's, ollama's habits) listed the commands, no word of
     --help or --version."""
     assert _refusal(capsys, argv).endswith(hint)
+
+
+# ------------------------------------------------------------------------- lab's errors in its flags' terms
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rate", "0"], "--rate 0.0 is invalid: allowed requests per second > 0"),
+    (["--long-fraction", "2"], "--long-fraction 2.0 is invalid: allowed a fraction in [0, 1]"),
+    (["--schedulers", "fifo,nope"], ("--schedulers 'nope' is invalid: allowed one of ['aging-priority', 'fifo', "
+                                    "'length-bucket', 'pd-split'] or 'module:Class'")),
+    (["--priorities", "a,b"], "argument --priorities: 'a,b' is not a comma-separated list of integers, e.g. 0,2,4"),
+])
+def test_labs_errors_name_its_flags(capsys, argv, message) -> None:
+    """``asyncinfer lab --rate 0`` said "rate=0.0 is invalid", ``--schedulers fifo,nope`` "scheduler='nope'",
+    ``--priorities a,b`` "invalid _int_list value" (a function's name)."""
+    try:
+        status = cli.main(["lab", "--synthetic", "5", *argv])
+    except SystemExit as exited:  # argparse's own refusal
+        status = exited.code
+    assert status == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: {message}\n"
+
+
+def test_labs_files_are_named_by_their_flags(capsys, tmp_path) -> None:
+    """``--trace nope.jsonl`` said "No such file or directory: nope.jsonl", a bad line "trace='t.jsonl:1' ...
+    (KeyError('output_len'))"."""
+    assert cli.main(["lab", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: --trace {tmp_path / 'nope.jsonl'}: No such file or directory\n"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival": 0, "prompt_len": 10}\n', encoding="utf-8")
+    assert cli.main(["lab", "--trace", str(trace)]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: --trace {trace} line 1: expected a JSON object with arrival, prompt_len, output_len[, "
+        "priority, id] (no 'output_len')\n")
+    assert cli.main(["lab", "--synthetic", "5", "--cost-model", str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: --cost-model {tmp_path / 'nope.json'}: No such file or directory\n")
