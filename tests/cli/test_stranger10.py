@@ -317,3 +317,22 @@ def test_labs_files_are_named_by_their_flags(capsys, tmp_path) -> None:
     assert cli.main(["lab", "--synthetic", "5", "--cost-model", str(tmp_path / "nope.json")]) == 2
     assert capsys.readouterr().err == (
         f"asyncinfer: error: --cost-model {tmp_path / 'nope.json'}: No such file or directory\n")
+
+
+# ------------------------------------------------------------------------- the examples' --help
+@pytest.mark.parametrize("example", ["quickstart", "embeddings", "hot_swap", "structured_output"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_an_example_answers_help_with_its_usage_and_loads_nothing(example, flag) -> None:
+    """``python examples/quickstart.py --help`` loaded the model and asked it "--help"; ``hot_swap.py --help`` tried
+    to swap to a model named --help. (A model that does not exist is the default here: a load would fail.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "ASYNCINFER_MODEL": str(root / "no-such-model")}
+    done = subprocess.run([sys.executable, str(root / "examples" / f"{example}.py"), flag], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert f"python examples/{example}.py" in done.stdout  # the docstring's usage lines
