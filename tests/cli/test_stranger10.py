@@ -336,3 +336,24 @@ def test_an_example_answers_help_with_its_usage_and_loads_nothing(example, flag)
                           text=True, env=env, timeout=120, check=False)
     assert (done.returncode, done.stderr) == (0, "")
     assert f"python examples/{example}.py" in done.stdout  # the docstring's usage lines
+
+
+# ------------------------------------------------------------------------- more of vLLM's and llama.cpp's flags
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["serve", "--disable-log-requests"], ("vLLM's per-request logging switch; asyncinfer serve logs one line per "
+                                          "request at --log-level info (the default); --log-level warning leaves "
+                                          "them out")),
+    (["serve", "--allowed-origins", "*"], ("vLLM's CORS setting; asyncinfer serve sends no CORS headers: a browser "
+                                          "app reaches it through a proxy of the same origin, or one that adds them")),
+    (["serve", "--ssl-keyfile", "k.pem"], ("a TLS setting; asyncinfer serve speaks plain HTTP: put a proxy that "
+                                          "holds the certificate in front of it")),
+    (["chat", "--tokenizer", "t", "hi"], ("a tokenizer of one's own; asyncinfer uses the model's own (its files "
+                                         "beside the weights, or the GGUF file's)")),
+    (["serve", "--jinja"], ("llama.cpp's switch to the model's own chat template; asyncinfer always uses it; drop "
+                           "the flag")),
+    (["serve", "-cb"], "llama.cpp's continuous batching; asyncinfer always batches continuously; drop the flag"),
+])
+def test_more_foreign_flags_are_refused_with_what_to_do(capsys, argv, hint) -> None:
+    """``--disable-log-requests`` got "did you mean --max-waiting-requests?", ``--tokenizer`` "did you mean
+    --block-size?", ``--allowed-origins *`` the shell's expansion of * as unrecognized arguments."""
+    assert _refusal(capsys, argv) == f"{argv[1]} is not a flag of asyncinfer {argv[0]}: it is {hint}"
