@@ -358,3 +358,21 @@ def test_more_foreign_flags_are_refused_with_what_to_do(capsys, argv, hint) -> N
     """``--disable-log-requests`` got "did you mean --max-waiting-requests?", ``--tokenizer`` "did you mean
     --block-size?", ``--allowed-origins *`` the shell's expansion of * as unrecognized arguments."""
     assert _refusal(capsys, argv) == f"{argv[1]} is not a flag of asyncinfer {argv[0]}: it is {hint}"
+
+
+# ------------------------------------------------------------------------- a JSONL line's errors in JSON's words
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens=0 is invalid: allowed an integer >= 1"),
+    ('{"prompt": "x", "seed": -1}', "seed=-1 is invalid: allowed null or an integer in [0, 9223372036854775807]"),
+    ('{"prompt": "x", "stop": [null]}', "stop=[null] is invalid: allowed null, a non-empty string or a list of them"),
+    ('{"prompt": "x", "ignore_eos": "yes"}', 'ignore_eos="yes" is invalid: allowed a boolean (true or false)'),
+    ('{"prompt": "x", "id": false}', "'id' must be a string or an integer, not false"),
+    ('{"prompt": "x", "maxtokens": 3, "tmp": 1}', 'unknown key(s) "maxtokens", "tmp": the keys are prompt, messages'),
+])
+def test_a_jsonl_lines_values_are_shown_as_the_line_wrote_them(tmp_path, capsys, line, message) -> None:
+    """A JSONL file is JSON, and its errors answered in Python: ``'id' ... not True``, ``not None``, ``unknown key(s)
+    ['maxtokens']``, ``allowed None or an int in [0, 2**63 - 1]``."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n", encoding="utf-8")
+    assert cli.main(["generate", str(tmp_path / "no-model"), "--file", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"asyncinfer: error: {bad} line 1: {message}")

@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncinfer.commands import CommandError, check_one_model
-from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
 _REQUEST_KEYS = {"prompt", "messages", "id"}
@@ -152,14 +152,18 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
     unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
     if unknown:  # before the missing prompt: {"promt": "y"} is named by its misspelt key
-        raise CommandError(f"{where}: unknown key(s) {unknown}: the keys are prompt, messages, id and "
+        raise CommandError(f"{where}: unknown key(s) {', '.join(_shown(k) for k in unknown)}: the keys are prompt, "
+                           "messages, id and "
                            "SamplingParams' fields (max_tokens, temperature, stop, ...)")
     if ("prompt" in item) == ("messages" in item):
         raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
     try:
         line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
-    except InvalidParameterError as exc:
-        raise CommandError(f"{where}: {exc}") from None
+    except InvalidParameterError as exc:  # the line's value as the line wrote it, the range in JSON's words
+        plain = str(exc) == str(InvalidParameterError(exc.parameter, exc.value, exc.allowed))
+        text = (f"{exc.parameter}={_shown(exc.value, 240)} is invalid: allowed "
+                f"{range_in_words(exc.allowed, none='null')}") if plain else str(exc)
+        raise CommandError(f"{where}: {text}") from None
     if "messages" in item and not _is_chat(item["messages"]):
         raise CommandError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
                            f"dicts (strings), not {_shown(item['messages'])}")
@@ -191,7 +195,11 @@ def _is_chat(messages: Any) -> bool:
 
 
 def _shown(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """A line's value as the line wrote it, in JSON (``null``, ``true``, ``["a"]``), cut past ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # (what json.loads makes always dumps; a value of the engine's own may not)
+        text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
