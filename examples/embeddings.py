@@ -59,5 +59,8 @@ async def main(questions: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a question
+        print(__doc__)
+        sys.exit(0)
     default = ["When is the office closed?", "How do I change my password?", "Where can guests park?"]
     asyncio.run(main(sys.argv[1:] or default))

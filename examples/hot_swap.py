@@ -68,4 +68,7 @@ async def main(target: str | None) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a model to swap to
+        print(__doc__)
+        sys.exit(0)
     asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None))

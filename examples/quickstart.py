@@ -43,4 +43,7 @@ async def main(question: str | None) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a question
+        print(__doc__)
+        sys.exit(0)
     asyncio.run(main(" ".join(sys.argv[1:]) or None))

@@ -80,4 +80,7 @@ async def main(messages: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a message
+        print(__doc__)
+        sys.exit(0)
     asyncio.run(main(sys.argv[1:] or MESSAGES))

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
+from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
 # (flag, SamplingParams field, type, help)
@@ -41,7 +41,8 @@ _SAMPLING_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeats"),
     ("--presence-penalty", "presence_penalty", float, "in [-2, 2]"),
     ("--frequency-penalty", "frequency_penalty", float, "in [-2, 2]"),
-    ("--seed", "seed", int, "seed of the request's own generator"),
+    ("--seed", "seed", int, ("seed of the request's own generator (default: none: unseeded, drawn from the "
+                             "engine's generator, --engine-seed)")),
 )
 
 
@@ -65,11 +66,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.foreign_flags import ALIASES
 
     for flag, field, kind, text in _SAMPLING_ARGS:
-        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
+        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"  # (--seed says its own)
         metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
         p.add_argument(flag, *ALIASES.get(flag, ()), type=kind, default=None, dest=field, metavar=metavar,
                        help=text + shown)
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
 
 
@@ -96,7 +97,7 @@ def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingPara
         flag = flags.get(field)
         if flag is None or field not in given:
             raise
-        value, allowed = exc.value, exc.allowed
+        value, allowed = exc.value, range_in_words(exc.allowed, none=None)  # the flag takes no none: it is left out
         if field == "stop" and isinstance(value, list):  # the one bad --stop, not the list of them
             value = next((v for v in value if not (isinstance(v, str) and v)), value)
             allowed = "a non-empty string"
@@ -190,12 +191,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL)")
-    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default 1)")
+    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default: 1)")
     p.add_argument("--seq-len", metavar="TOKENS", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context)")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
-                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
+                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16 (default: auto)")
     # No argparse choices: the planner checks the value against the engine's own list of formats
     # (models.quant.QUANTIZATION_METHODS), so plan takes every format the engine takes.
     p.add_argument("--quantization", default="auto", metavar="FORMAT",
@@ -203,13 +204,13 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "format where it has one, q4_1 for the default model, else float16 weights), none (the "
                         "dtype), or any format the engine's quantization option takes (docs/formats.md): on cpu "
                         "float16, int8, the block formats q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, or native; "
-                        "on cuda float16 or bfloat16 (the dtype)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default cpu)")
+                        "on cuda float16 or bfloat16 (the dtype) (default: auto)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default: cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
-    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size)")
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations)")
-    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits)")
+    p.add_argument("--block-size", metavar="N", type=int, default=16, help="tokens per KV block (the engine's block_size) (default: 16)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=1024, help="tokens per step (for activations) (default: 1024)")
+    p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits) (default: 128)")
 
 
 def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -244,7 +245,12 @@ def _lab(args: argparse.Namespace) -> int:
               f"{model.meta['fit_mean_rel_error']:.1%}, max {model.meta['fit_max_rel_error']:.1%}")
         return 0
     if args.trace:
-        trace = lab.load_trace(args.trace)
+        try:
+            trace = lab.load_trace(args.trace)
+        except OSError as exc:  # named by its flag, as generate's --file
+            from asyncinfer.commands import CommandError
+
+            raise CommandError(f"--trace {args.trace}: {exc.strerror or exc}") from None
         source = args.trace
     else:
         trace = lab.synthetic_trace(args.synthetic, rate=args.rate, seed=args.seed,
@@ -258,7 +264,12 @@ def _lab(args: argparse.Namespace) -> int:
             print(name)
         return 0
     options = _parse_options(args.option)
-    cost = lab.load_cost_model(args.cost_model)
+    try:
+        cost = lab.load_cost_model(args.cost_model)
+    except OSError as exc:
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--cost-model {args.cost_model}: {exc.strerror or exc}") from None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len)
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
@@ -324,42 +335,52 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,2,4") from None
 
 
 def _add_lab_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id]")
+    src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id] (default: none: a synthetic trace, "
+                                                                           "--synthetic)")
     src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
-                     help="generate N requests (default 200)")
-    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson)")
-    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed")
-    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048)")
-    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels, e.g. 0,2,4")
-    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
+                     help="generate N requests (default: 200)")
+    p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
+    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed (default: 0)")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048) (default: 0.2)")
+    p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels (default: 0,2,4)")
+    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL (default: none)")
     p.add_argument("--schedulers", metavar="NAMES", default=None,
                    help="comma-separated names (default: the built-ins, installed plugins and --plugin's names)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first, so that its @register_scheduler names exist (repeatable)")
+                   help="import MODULE first, so that its @register_scheduler names exist (repeatable; default: none)")
     p.add_argument("--list-schedulers", action="store_true", help="print the names --schedulers would default to")
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
-                   help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable)")
+                   help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable; default: none)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096)
-    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16)
+    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096,
+                   help="KV blocks of the simulated engine (default: 4096)")
+    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16,
+                   help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
     # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
-    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512)
-    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096)
-    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON")
+    p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16,
+                   help="requests per step (default: 16; the engine's is 128)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512,
+                   help="tokens per step (default: 512; the engine's is 1024)")
+    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096,
+                   help="prompt + output tokens per request (default: 4096)")
+    p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds (default: 5.0)")
+    p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds (default: 0.5)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file (default: none)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON (default: none)")
     p.add_argument("--calibrate", default=None, metavar="OUT",
-                   help="time the real runner of --model, write a cost model JSON to OUT, and exit")
+                   help="time the real runner of --model, write a cost model JSON to OUT, and exit (default: none: no "
+                        "calibration)")
     p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096")
+    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096 (default: none: torch's setting)")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -590,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with a model. In a session: /reset clears the history, /exit (or "
                                       "Ctrl-D) leaves, /help lists the commands, Ctrl-C stops the reply being "
                                       "written; a message that starts with / is typed with // (another line "
-                                      "starting with / is no message: it gets a hint).",
+                                      "starting with / is no message: it gets a hint); a message of several lines "
+                                      "goes between \"\"\" and \"\"\".",
                           formatter_class=_HelpFormatter)
     add_chat_args(chat)
     _add_engine_args(chat)
@@ -620,14 +642,16 @@ def build_parser() -> argparse.ArgumentParser:
     embed = sub.add_parser("embed", help="embed texts with a sentence encoder and print their cosine similarities",
                            description="Embed texts with a sentence encoder and print their cosine similarities.",
                            formatter_class=_HelpFormatter)
-    embed.add_argument("texts", nargs="+", help="texts to embed")
-    embed.add_argument("--model", metavar="MODEL", default="all-MiniLM-L6-v2", help="sentence encoder (name or directory)")
-    embed.add_argument("--dtype", metavar="DTYPE", default="auto", help="auto | float32 | bfloat16 | float16")
-    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda")
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to embed, one or more")
+    embed.add_argument("--model", "-m", metavar="MODEL", default="all-MiniLM-L6-v2",
+                       help="sentence encoder (name or directory) (default: all-MiniLM-L6-v2)")
+    embed.add_argument("--dtype", metavar="DTYPE", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default: auto)")
+    embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     embed.add_argument("--threads", metavar="N", type=int, default=None,
                        help="torch CPU threads, 1 to 4096 (default: torch's setting, one per core; on a busy or shared "
                        "machine, 1)")
-    embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed.add_argument("--json", action="store_true", help="print the vectors as JSON (default: a table)")
     lab = sub.add_parser("lab", help="replay a request trace through schedulers in simulated time (no model)",
                          description="Replay a request trace through schedulers in simulated time (no model).",
                          formatter_class=_HelpFormatter)
@@ -662,6 +686,10 @@ def _refuse_encoder(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("bench", "info", "plan", "serve"):  # (generate checks it after its prompt-as-MODEL hint)
+        from asyncinfer.commands import check_one_model
+
+        check_one_model(args.command, args.model_arg, args.model)
     if args.command in ("chat", "generate", "bench"):
         _refuse_encoder(args)
     if args.command == "chat":
@@ -729,6 +757,12 @@ _PLAN_FLAGS = {
     "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
 }
 
+# ``asyncinfer lab``'s flags by the lab's parameter they set.
+_LAB_FLAGS = {
+    "rate": "--rate", "long_fraction": "--long-fraction", "num_requests": "--synthetic", "priorities": "--priorities",
+    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model",
+}
+
 # ``asyncinfer embed``'s flags by the embedding model's option they set.
 _EMBED_FLAGS = {"dtype": "--dtype", "device": "--device", "num_threads": "--threads"}
 
@@ -746,13 +780,16 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
-    if args is not None and args.command in ("plan", "embed") and isinstance(exc, InvalidParameterError):
-        flag = (_PLAN_FLAGS if args.command == "plan" else _EMBED_FLAGS).get(exc.parameter)
+    if args is not None and args.command in ("plan", "embed", "lab") and isinstance(exc, InvalidParameterError):
+        flag = {"plan": _PLAN_FLAGS, "embed": _EMBED_FLAGS, "lab": _LAB_FLAGS}[args.command].get(exc.parameter)
         if flag is None:
             return str(exc)
         value = exc.value
         if value is None:  # a flag not given that the plan needs (--device-memory for cuda without CUDA here)
             return f"{flag} is needed: {exc.allowed}"
+        if flag == "--trace" and isinstance(value, str) and value.rpartition(":")[2].isdigit():  # "t.jsonl:3"
+            path, _, line = value.rpartition(":")
+            return f"--trace {path} line {line}: expected {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
         return f"{flag} {shown} is invalid: allowed {exc.allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:
@@ -770,7 +807,8 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
                 value = next((k for k in value if not (isinstance(k, str) and k)), value)
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
             shown = repr(value) if isinstance(value, str) else str(value)
-            return f"{flag} {_serve_terms(shown)} is invalid: allowed {_serve_terms(exc.allowed)}"
+            allowed = range_in_words(_serve_terms(exc.allowed), none=None)
+            return f"{flag} {_serve_terms(shown)} is invalid: allowed {allowed}"
         return str(exc)
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))
@@ -810,6 +848,7 @@ _OTHER_COMMANDS = {
     "path, a .gguf file or a Hub id already in the local Hugging Face cache: huggingface-cli download OWNER/NAME)",
     "list": "info (asyncinfer info [MODEL]: a model's shapes and memory plan)", "ls": "info", "show": "info",
     "embeddings": "embed", "benchmark": "bench",
+    "help": "--help (asyncinfer COMMAND --help for a command's flags)", "version": "--version",
 }
 
 
@@ -834,6 +873,25 @@ def _command_hint(message: str) -> str:
     return f"{given!r} is not a command of asyncinfer: the commands are {commands}{hint}"
 
 
+def _flags_first(words: list[str], commands: dict[str, argparse.ArgumentParser]) -> str:
+    """The refusal of a command line that starts with a command's flag (llama.cpp's ``-m x.gguf -p hi``, or
+    ``asyncinfer -m x.gguf chat``): argparse read the flag's value as the command (``'x.gguf' is not a command``)."""
+    import shlex
+
+    command = next((w for w in words if w in commands), None)
+    if command is not None:
+        at = words.index(command)
+        fixed = shlex.join(["asyncinfer", command, *words[:at], *words[at + 1:]])
+        known = {f for a in commands[command]._actions for f in a.option_strings}
+        flag = words[0].split("=", 1)[0]
+        whose = f" ({flag} is a flag of asyncinfer {command}, not of asyncinfer)" if flag in known \
+            else f" (asyncinfer {command} --help lists its flags)"
+        return f"flags come after the command: {fixed}{whose}"
+    return (f"{words[0]} is not a flag of asyncinfer itself: a command comes first, then its flags "
+            f"({shlex.join(['asyncinfer', 'COMMAND', *words])}); the commands are {', '.join(COMMANDS)} "
+            "(asyncinfer --help says what each does; to start: asyncinfer chat \"Hello!\")")
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with a flag the command does not have named as its command's near flag:
     ``--maxtokens`` gets "did you mean --max-tokens?" (argparse leaves such flags to the top parser, which
@@ -844,6 +902,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
     words = sys.argv[1:] if argv is None else argv
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    own = [f for a in parser._actions for f in a.option_strings]  # --help, --version
+    if words and words[0].startswith("-") and words[0].split("=", 1)[0] not in own:
+        parser.exit(2, f"asyncinfer: error: {_flags_first(words, subparsers)}\n")
     command = next((w for w in words if not w.startswith("-")), None)
     if command in subparsers:  # vLLM's and llama.cpp's flags: refused with a hint before argparse reads them
         known = [f for a in subparsers[command]._actions for f in a.option_strings]
@@ -875,6 +936,21 @@ def plain_text(text: str) -> str:
 
     text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
     return text.replace("``", "")
+
+
+#: The status of a command whose output's reader went away: a shell's for a process ended by SIGPIPE (128 + 13).
+BROKEN_PIPE_STATUS = 141
+
+
+def _output_closed() -> int:
+    """Leave quietly once standard output's reader has gone (``| head``): no error line, and standard output
+    pointed at the null device, so that the interpreter's last flush of it at exit cannot fail again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a replaced sys.stdout): nothing left to flush into a pipe
+        pass
+    return BROKEN_PIPE_STATUS
 
 
 def _debugging() -> bool:
@@ -910,6 +986,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except AsyncInferError as exc:
         return _user_error(_in_flags(exc, args))
+    except BrokenPipeError:  # the output's reader left (asyncinfer info | head -1): as other tools, quietly
+        return _output_closed()
     except OSError as exc:  # a file that cannot be read or written
         return _user_error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     except KeyboardInterrupt:  # the shell's prompt on a fresh line, no traceback

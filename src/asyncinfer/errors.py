@@ -31,6 +31,7 @@ error, the second a bug or a resource failure worth paging someone for.
 
 from __future__ import annotations
 
+import re
 import reprlib
 
 
@@ -71,6 +72,27 @@ def _short_repr(value: object) -> str:
     list holding one long text many times) is shown elided, so building the message costs little
     (``InvalidParameterError.value`` keeps the value itself)."""
     return _SHOWN.repr(value)
+
+
+#: The Python words of an ``InvalidParameterError``'s range, and what a reader who does not write Python reads.
+_PYTHON_WORDS = ((re.compile(r"\bTrue\b"), "true"), (re.compile(r"\bFalse\b"), "false"),
+                 (re.compile(r"\ba bool\b"), "a boolean"), (re.compile(r"\ban int\b"), "an integer"),
+                 (re.compile(r"\bints\b"), "integers"), (re.compile(r"\ba float\b"), "a number"),
+                 (re.compile(r"\b2\*\*63 - 1\b"), str(2**63 - 1)), (re.compile(r"\b2\*\*31 - 1\b"), str(2**31 - 1)))
+
+
+def range_in_words(allowed: str, *, none: str | None) -> str:
+    """An ``InvalidParameterError``'s range (``"None or an int in [0, 2**63 - 1]"``) for a reader of a JSON body or
+    a command line: None as ``none`` says (``"null"`` in JSON; ``None`` drops it, for a flag that cannot be given
+    none: not giving it is none), ``an int`` / ``a float`` / ``a bool`` as ``an integer`` / ``a number`` /
+    ``a boolean``, true and false in lower case, and ``2**63 - 1`` as the number."""
+    if none is None:
+        allowed = re.sub(r"\bNone(?:,| or) ", "", allowed)
+    else:
+        allowed = re.sub(r"\bNone\b", none, allowed)
+    for pattern, word in _PYTHON_WORDS:
+        allowed = pattern.sub(word, allowed)
+    return allowed
 
 
 #: The most characters of an exception's message :func:`exception_text` keeps.

@@ -200,11 +200,11 @@ class RequestIntake:
         if count > limit:
             raise InvalidParameterError(
                 "prompt", f"<{count} prompts>",
-                f"at most {limit} prompts in one call: at most max_num_seqs={version.config.max_num_seqs} + "
+                f"at most {_counted(limit, 'prompt')} in one call: at most max_num_seqs={version.config.max_num_seqs} + "
                 f"max_waiting_requests={version.config.max_waiting_requests} requests may be in flight")
         if self.streams.count(holder) + count > limit:
             raise EngineOverloadedError(
-                f"model {self.models.name_of(holder)!r} has {limit} requests in flight "
+                f"model {self.models.name_of(holder)!r} has {_counted(limit, 'request')} in flight "
                 f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="
                 f"{version.config.max_waiting_requests}); retry later"
             )
@@ -228,3 +228,8 @@ def _check_version(version_id: int, serving: ModelVersion) -> None:
         raise ModelChangedError(f"the prompt was made for version {version_id} of the model, and version "
                                 f"{serving.version_id} serves it now (a swap_model came in between): make the "
                                 "prompt again with the serving version", version_id, serving.version_id)
+
+
+def _counted(n: int, noun: str) -> str:
+    """``1 request``, ``2 requests``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

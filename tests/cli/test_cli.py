@@ -71,9 +71,9 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch) -> None:
     bad = tmp_path / "bad.jsonl"
     for line, message in (('{"prompt": "x"}\nnot json\n', "line 2: not JSON"),
                           ('{"prompt": "x", "max_tokens": 0}\n', "line 1: max_tokens=0 is invalid"),
-                          ('{"prompt": "x", "maxtokens": 3}\n', "line 1: unknown key(s) ['maxtokens']"),
-                          ('{"promt": "y"}\n', "line 1: unknown key(s) ['promt']"),
-                          ('{"text": "x"}\n', "line 1: unknown key(s) ['text']: the keys are prompt, messages"),
+                          ('{"prompt": "x", "maxtokens": 3}\n', "line 1: unknown key(s) \"maxtokens\""),
+                          ('{"promt": "y"}\n', "line 1: unknown key(s) \"promt\""),
+                          ('{"text": "x"}\n', "line 1: unknown key(s) \"text\": the keys are prompt, messages"),
                           ('{"id": "x"}\n', "line 1: expected an object with 'prompt' or 'messages'")):
         bad.write_text(line)
         assert cli.main(["generate", "--file", str(bad)]) == 2
@@ -192,17 +192,17 @@ MESSAGES_ERROR = "'messages' must be a non-empty list of {\"role\": ..., \"conte
 
 @pytest.mark.parametrize("line, message", [
     ('{"messages": [], "max_tokens": 2}', f"line 1: {MESSAGES_ERROR}, not []"),
-    ('{"messages": "hello"}', f"line 1: {MESSAGES_ERROR}, not 'hello'"),
-    ('{"messages": ["hi"]}', f"line 1: {MESSAGES_ERROR}, not ['hi']"),
-    ('{"messages": [{"role": "user"}]}', f"line 1: {MESSAGES_ERROR}, not [{{'role': 'user'}}]"),
+    ('{"messages": "hello"}', f"line 1: {MESSAGES_ERROR}, not \"hello\""),
+    ('{"messages": ["hi"]}', f"line 1: {MESSAGES_ERROR}, not [\"hi\"]"),
+    ('{"messages": [{"role": "user"}]}', f"line 1: {MESSAGES_ERROR}, not [{{\"role\": \"user\"}}]"),
     ('{"messages": [{"role": "user", "content": 3}]}', "line 1: 'messages' must be"),
     ('{"prompt": "x", "id": NaN}', "line 1: not JSON (NaN is not a JSON number)"),
     ('{"prompt": "x", "id": -Infinity}', "line 1: not JSON (-Infinity is not a JSON number)"),
     ('{"prompt": "x", "id": 1e400}', "line 1: not JSON (1e400 is out of a float's range)"),
     ('{"prompt": "x", "id": 1.5}', "line 1: 'id' must be a string or an integer, not 1.5"),
-    ('{"prompt": "x", "id": true}', "line 1: 'id' must be a string or an integer, not True"),
-    ('{"prompt": "x", "id": null}', "line 1: 'id' must be a string or an integer, not None"),
-    ('{"prompt": "x", "id": ["a"]}', "line 1: 'id' must be a string or an integer, not ['a']"),
+    ('{"prompt": "x", "id": true}', "line 1: 'id' must be a string or an integer, not true"),
+    ('{"prompt": "x", "id": null}', "line 1: 'id' must be a string or an integer, not null"),
+    ('{"prompt": "x", "id": ["a"]}', "line 1: 'id' must be a string or an integer, not [\"a\"]"),
 ])
 def test_generate_refuses_a_bad_line_before_loading_the_model(line, message, tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
@@ -221,9 +221,9 @@ def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--max-tokens", "-3"], "--max-tokens -3 is invalid: allowed an int >= 1"),
-    (["--temperature", "-1"], "--temperature -1.0 is invalid: allowed a float in [0, 10000] (0 = greedy)"),
-    (["--top-p", "2"], "--top-p 2.0 is invalid: allowed a float in (0, 1]"),
+    (["--max-tokens", "-3"], "--max-tokens -3 is invalid: allowed an integer >= 1"),
+    (["--temperature", "-1"], "--temperature -1.0 is invalid: allowed a number in [0, 10000] (0 = greedy)"),
+    (["--top-p", "2"], "--top-p 2.0 is invalid: allowed a number in (0, 1]"),
     (["--stop", "a", "--stop", ""], "--stop '' is invalid: allowed a non-empty string"),
 ])
 def test_a_bad_sampling_flag_is_named_by_its_flag(command, flags, message, tmp_path, capsys) -> None:

@@ -178,7 +178,7 @@ def test_errors_name_the_flags_not_the_fields(tiny_models, capsys, monkeypatch) 
     assert cli.main(["serve", path, "--port", str(free_port()), "--api-key", ""]) == 2
     assert capsys.readouterr().err == "asyncinfer: error: --api-key '' is invalid: allowed a non-empty key\n"
     assert cli.main(["serve", path, "--port", str(free_port()), "--max-connections", "0"]) == 2
-    assert capsys.readouterr().err == "asyncinfer: error: --max-connections 0 is invalid: allowed an int >= 1\n"
+    assert capsys.readouterr().err == "asyncinfer: error: --max-connections 0 is invalid: allowed an integer >= 1\n"
     for command in (["serve", path, "--port", str(free_port())], ["chat", "--model", path, "hi"]):
         assert cli.main([*command, "--kv-cache-memory", "1KiB", "--device", "cpu"]) == 2
         err = capsys.readouterr().err

@@ -163,6 +163,6 @@ def test_lab_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_lab_command_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lab", "--synthetic", "5", "--schedulers", "nope", "--plot", ""]) == 2
-    assert "scheduler='nope'" in capsys.readouterr().err
+    assert "--schedulers 'nope' is invalid" in capsys.readouterr().err
     assert main(["lab", "--synthetic", "5", "--option", "pd-split", "--plot", ""]) == 2
     assert "--option" in capsys.readouterr().err

@@ -7,3 +7,11 @@ from asyncinfer.errors import AsyncInferError
 
 class CommandError(AsyncInferError):
     """A command's input cannot be used (a bad JSONL line, say); the message says where and why."""
+
+
+def check_one_model(command: str, model_arg: str | None, model: str | None) -> None:
+    """Refuse a model given both as the command's MODEL argument and as ``--model``, unless the same: one of them
+    was silently dropped (the argument won)."""
+    if model_arg is not None and model is not None and model_arg != model:
+        raise CommandError(f"the model is given twice, as MODEL {model_arg!r} and as --model {model!r}: give one "
+                           f"(asyncinfer {command} MODEL or asyncinfer {command} --model MODEL)")

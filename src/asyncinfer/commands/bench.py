@@ -36,11 +36,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", metavar="SEED", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate() on the same prompts (loads the model a second time)")
-    p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and latency into this PNG")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and latency into this PNG (default: none)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON (default: none)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the table, profile --profile-steps engine steps at the highest concurrency with "
-                        "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt")
+                        "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt (default: none: no profile)")
     p.add_argument("--profile-steps", metavar="N", type=int, default=20, help="steps to profile with --profile (default: 20)")
 
 

@@ -5,7 +5,10 @@ session goes on); at the prompt it says "stopping…" at once and leaves with st
 and Ctrl-D leave with 0). ``/reset`` forgets the conversation, ``/help`` lists the
 commands, and so does an empty line (nothing is sent); ``exit``, ``quit`` or ``bye`` typed without the ``/`` is sent
 as a message, then followed by how to leave. Any other line that starts with ``/`` gets a one-line hint and is not sent; a
-message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). The history is
+message that must start with ``/`` is typed with ``//`` (the first ``/`` is dropped). A message of several
+lines (pasted text, code) goes between ``\"\"\"`` and ``\"\"\"``, as in Ollama: a line that starts with ``\"\"\"`` opens
+it, the lines after it (prompt ``...``) are part of it, and the line that ends with ``\"\"\"`` closes it; each line
+typed without them is a message of its own. The history is
 trimmed to what fits ``max_model_len`` with room for ``max_tokens`` (oldest turns
 first); a message that cannot fit even alone is refused with an
 ``InvalidParameterError`` on ``message`` and the session goes on.
@@ -40,7 +43,13 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 HELP = ("/reset clears the history, /exit or /quit (or Ctrl-D) leaves, /help or /? shows this, Ctrl-C stops a "
-        "reply (at the prompt: leaves); a message that starts with / is sent as //...")
+        "reply (at the prompt: leaves); a message that starts with / is sent as //...; a message of several lines "
+        "goes between \"\"\" and \"\"\"")
+#: What opens and closes a message of several lines (Ollama's convention): each line typed or pasted in between is
+#: part of one message, not a message of its own.
+MULTILINE = '"""'
+#: The prompt of the lines inside a message of several lines.
+MORE_PROMPT = "... "
 COMMANDS = ("/reset", "/exit", "/quit", "/help", "/?")
 #: Lines that are sent as messages but may have meant to leave (they get :data:`LEAVE_HINT` after the reply).
 LEAVE_WORDS = ("exit", "quit", "bye", "exit()", "quit()", ":q", "q")
@@ -62,7 +71,7 @@ HISTORY_LENGTH = 1000  # lines kept
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="one-shot prompt; omit for an interactive session (the model is "
                                              "--model: a prompt that names a model file or directory is refused)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="a system message")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message (default: none)")
     p.add_argument("--stats", action="store_true", help="after each reply: tokens, time to first token, tokens/s")
 
 
@@ -104,9 +113,10 @@ class ChatSession:
     """A conversation with one engine: the history, and one reply at a time written to ``out``."""
 
     def __init__(self, engine: Any, params: SamplingParams, system: str | None, *, stats: bool = False,
-                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None, max_tokens_given: bool = True) -> None:
         self.engine = engine
         self.params = params
+        self.max_tokens_given = max_tokens_given  # False: params.max_tokens is --max-tokens' default
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict[str, str]] = list(self.system)
         self.stats = stats
@@ -158,10 +168,12 @@ class ChatSession:
         budget = self.engine.max_model_len - self.params.max_tokens
         if budget < 1:  # named by the flags the user can change
             limit, n = self.params.max_tokens, self.engine.max_model_len
+            default = "" if self.max_tokens_given else " (its default)"
+            fix = "lower --max-tokens" if self.max_tokens_given else f"give --max-tokens under {n}"
             raise InvalidParameterError(
                 "max_tokens", limit, f"less than --max-model-len ({n})",
-                message=f"--max-tokens {limit} is invalid: allowed less than --max-model-len ({n}); lower "
-                        f"--max-tokens or raise --max-model-len")
+                message=f"--max-tokens {limit}{default} is invalid: allowed less than --max-model-len ({n}); {fix} "
+                        f"or raise --max-model-len")
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
@@ -208,7 +220,8 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
                                    "none in its GGUF file), so chat cannot encode messages for it")
             raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
                                f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
-        session = ChatSession(engine, params, args.system, stats=args.stats)
+        session = ChatSession(engine, params, args.system, stats=args.stats,
+                              max_tokens_given=args.max_tokens is not None)
         with _Interrupts() as interrupts:
             if args.prompt:
                 return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130
@@ -227,6 +240,19 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if line is None:  # Ctrl-D (end of input): the shell's prompt on a fresh line
             print(flush=True)
             return 0
+        if line.lstrip().startswith(MULTILINE):  # a message of several lines: read up to its closing """
+            try:
+                line = await _read_multiline(line.lstrip()[len(MULTILINE):], interrupts, editor)
+            except PromptInterrupted:
+                return 130
+            if line is None:  # Ctrl-D before the closing """: nothing sent
+                print("\n(nothing sent: the message was not closed with \"\"\")", file=sys.stderr, flush=True)
+                return 0
+            if not line.strip():
+                print(EMPTY_LINE, file=sys.stderr)
+                continue
+            await _send(session, interrupts, line)
+            continue
         command = line.strip()
         if command in ("/exit", "/quit"):
             return 0
@@ -246,12 +272,35 @@ async def _session(session: ChatSession, interrupts: _Interrupts, editor: LineEd
         if not command:  # an empty line is not sent: what can be typed instead
             print(EMPTY_LINE, file=sys.stderr)
             continue
-        try:
-            await interrupts.run(session.reply(line))
-        except InvalidParameterError as exc:
-            print(f"asyncinfer: {exc}", file=sys.stderr)
+        await _send(session, interrupts, line)
         if command.lower() in LEAVE_WORDS:  # sent, as any message; said how to leave, in case that was meant
             print(LEAVE_HINT, file=sys.stderr)
+
+
+async def _send(session: ChatSession, interrupts: _Interrupts, text: str) -> None:
+    try:
+        await interrupts.run(session.reply(text))
+    except InvalidParameterError as exc:
+        print(f"asyncinfer: {exc}", file=sys.stderr)
+
+
+async def _read_multiline(first: str, interrupts: _Interrupts, editor: LineEditor) -> str | None:
+    """The message of several lines whose opening ``\"\"\"`` line held ``first`` after the quotes: the lines up to
+    the one that ends with ``\"\"\"``, joined by newlines (the quotes dropped); None at end of input.
+
+    Raises:
+        PromptInterrupted: Ctrl-C while a line is read.
+    """
+    lines: list[str] = []
+    line: str | None = first
+    while line is not None:
+        closed = line.rstrip().endswith(MULTILINE) and (bool(lines) or line.strip() != "")  # (not the opening's)
+        if closed:
+            lines.append(line.rstrip()[:-len(MULTILINE)])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+        line = await interrupts.read_line(MORE_PROMPT, editor)
+    return None
 
 
 class PromptInterrupted(Exception):

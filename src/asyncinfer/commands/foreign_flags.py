@@ -17,6 +17,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
 _GPU_LAYERS = ("llama.cpp's layers offloaded to the GPU; asyncinfer puts the whole model on one device: "
                "--device cuda (or cpu)")
 _PARALLEL = "vLLM's {}; asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)"
+_LOG_REQUESTS = ("vLLM's per-request logging switch; asyncinfer serve logs one line per request at --log-level info "
+                 "(the default); --log-level warning leaves them out")
+_CORS = ("vLLM's CORS setting; asyncinfer serve sends no CORS headers: a browser app reaches it through a proxy "
+         "of the same origin, or one that adds them")
+_TLS = "a TLS setting; asyncinfer serve speaks plain HTTP: put a proxy that holds the certificate in front of it"
 
 #: Other tools' flags asyncinfer has no equivalent for, each with what to do instead.
 REFUSED: dict[str, str] = {
@@ -52,6 +57,18 @@ REFUSED: dict[str, str] = {
     "-cnv": "llama.cpp's conversation mode; asyncinfer chat without a prompt is a session",
     "--system-prompt": "a system prompt; use asyncinfer chat --system TEXT",
     "-sys": "a system prompt; use asyncinfer chat --system TEXT",
+    "--disable-log-requests": _LOG_REQUESTS, "--enable-log-requests": _LOG_REQUESTS,
+    "--disable-log-stats": "vLLM's periodic stats line; asyncinfer prints none (its figures are on /metrics)",
+    "--uvicorn-log-level": "vLLM's uvicorn log level; use --log-level LEVEL",
+    "--allowed-origins": _CORS, "--allowed-methods": _CORS, "--allowed-headers": _CORS, "--allow-credentials": _CORS,
+    "--ssl-keyfile": _TLS, "--ssl-certfile": _TLS, "--ssl-ca-certs": _TLS,
+    "--swap-space": "vLLM's CPU swap for preempted requests; asyncinfer recomputes a preempted request's KV "
+                    "instead; drop the flag",
+    "--tokenizer": "a tokenizer of one's own; asyncinfer uses the model's own (its files beside the weights, or "
+                   "the GGUF file's)",
+    "--cont-batching": "llama.cpp's continuous batching; asyncinfer always batches continuously; drop the flag",
+    "-cb": "llama.cpp's continuous batching; asyncinfer always batches continuously; drop the flag",
+    "--jinja": "llama.cpp's switch to the model's own chat template; asyncinfer always uses it; drop the flag",
     "--n-ctx": "llama-cpp-python's context size; use --max-model-len TOKENS",
     "--ctx_size": "llama.cpp's context size; use --max-model-len TOKENS",
 }

@@ -40,8 +40,8 @@ from typing import Any, TextIO
 
 import msgspec
 
-from asyncinfer.commands import CommandError
-from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
+from asyncinfer.commands import CommandError, check_one_model
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
 _REQUEST_KEYS = {"prompt", "messages", "id"}
@@ -50,8 +50,8 @@ _REQUEST_KEYS = {"prompt", "messages", "id"}
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     # Not required in argparse's terms: run_generate says what is missing, and explains a prompt given as MODEL.
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
-    source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above")
+    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; this or --file is needed)")
+    source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above (this or --prompt is needed)")
     p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
     p.add_argument("--chat", action="store_true", help="send text prompts as a user message (chat template)")
     p.add_argument("--concurrency", metavar="N", type=int, default=64, help="requests in flight at most (default: 64)")
@@ -71,7 +71,7 @@ def run_generate(args: argparse.Namespace, options: dict[str, Any], params: Samp
         raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
     jobs = list(_jobs(args, params))
     if not jobs:
-        raise CommandError(f"{args.file}: no requests in it")
+        raise CommandError(f"{_source(args.file)}: no requests in it")
     with _open_output(args.output) as out:
         return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args))
 
@@ -86,6 +86,7 @@ def _check_source(args: argparse.Namespace) -> None:
         raise CommandError(f"{shown!r} was read as the model (asyncinfer generate's argument is the MODEL, a path "
                            "or a name): give the prompt with --prompt, e.g. asyncinfer generate"
                            f"{also} --prompt {_quoted(shown)} (or many in a JSONL file: --file FILE)")
+    check_one_model("generate", given, args.model)
     if not args.prompt and args.file is None:
         raise CommandError("asyncinfer generate needs its prompts: --prompt TEXT (repeatable) or --file FILE (JSONL, "
                            "one request a line; '-' reads stdin)")
@@ -127,11 +128,16 @@ def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
                     yield _job(line, number, params, args)
         except UnicodeDecodeError as exc:  # a ValueError, not an OSError: name the file here
             byte = exc.object[exc.start:exc.start + 1].hex()
-            raise CommandError(f"{args.file}: not UTF-8 text ({exc.reason} 0x{byte}); save it as UTF-8") from None
+            raise CommandError(f"{_source(args.file)}: not UTF-8 text ({exc.reason} 0x{byte}); save it as UTF-8") from None
+
+
+def _source(file: str) -> str:
+    """``--file`` as an error names it: ``-`` is the standard input, ``stdin``."""
+    return "stdin" if file == "-" else file
 
 
 def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespace) -> Job:
-    where = f"{args.file} line {number}"
+    where = f"{_source(args.file)} line {number}"
     try:
         item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
@@ -146,14 +152,18 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
     unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
     if unknown:  # before the missing prompt: {"promt": "y"} is named by its misspelt key
-        raise CommandError(f"{where}: unknown key(s) {unknown}: the keys are prompt, messages, id and "
+        raise CommandError(f"{where}: unknown key(s) {', '.join(_shown(k) for k in unknown)}: the keys are prompt, "
+                           "messages, id and "
                            "SamplingParams' fields (max_tokens, temperature, stop, ...)")
     if ("prompt" in item) == ("messages" in item):
         raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
     try:
         line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
-    except InvalidParameterError as exc:
-        raise CommandError(f"{where}: {exc}") from None
+    except InvalidParameterError as exc:  # the line's value as the line wrote it, the range in JSON's words
+        plain = str(exc) == str(InvalidParameterError(exc.parameter, exc.value, exc.allowed))
+        text = (f"{exc.parameter}={_shown(exc.value, 240)} is invalid: allowed "
+                f"{range_in_words(exc.allowed, none='null')}") if plain else str(exc)
+        raise CommandError(f"{where}: {text}") from None
     if "messages" in item and not _is_chat(item["messages"]):
         raise CommandError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
                            f"dicts (strings), not {_shown(item['messages'])}")
@@ -185,7 +195,11 @@ def _is_chat(messages: Any) -> bool:
 
 
 def _shown(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """A line's value as the line wrote it, in JSON (``null``, ``true``, ``["a"]``), cut past ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # (what json.loads makes always dumps; a value of the engine's own may not)
+        text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -64,8 +64,9 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                     )
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                why = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
                 raise InvalidParameterError("trace", f"{path}:{lineno}", f"a JSON object with arrival, prompt_len, "
-                                            f"output_len[, priority, id] ({exc!r})") from exc
+                                            f"output_len[, priority, id] ({why})") from exc
     if len({r.id for r in requests}) != len(requests):
         raise InvalidParameterError("trace", str(path), "unique request ids")
     return sorted(requests, key=lambda r: r.arrival)

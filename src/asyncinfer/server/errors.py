@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import http
 import logging
+import math
+import re
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -29,6 +31,7 @@ from asyncinfer.errors import (
     RequestAbortedError,
     RequestFailedError,
     _short_repr,
+    range_in_words,
 )
 from asyncinfer.prompts import NO_CHAT_TEMPLATE, NO_TOKENIZER
 
@@ -98,10 +101,80 @@ class APIError(Exception):
 MAX_SHOWN_NAME = 256  # characters of a client's model name echoed in an error
 
 
+#: How much of a client's value an error echoes: characters of a string, items of a list or object, levels of nesting.
+_SHOWN_CHARS, _SHOWN_ITEMS, _SHOWN_LEVELS = 240, 32, 4
+
+
 def shown(value: object) -> str:
-    """A client's value as an error message echoes it: its ``repr``, elided past a few hundred characters (as
-    ``InvalidParameterError`` shows values), so a megabyte sent in a field is never answered back whole."""
-    return _short_repr(value)
+    """A client's value as an error message echoes it: in JSON, as the client wrote it (``"yes"``, ``null``,
+    ``true``, never Python's ``'yes'``, ``None``, ``True``), elided past a few hundred characters (as
+    ``InvalidParameterError`` elides values), so a megabyte sent in a field is never answered back whole."""
+    return _json_shown(value, 0)
+
+
+def _json_shown(value: object, level: int) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        cut = value[:_SHOWN_CHARS]
+        text = msgspec.json.encode(cut).decode()
+        return text if cut == value else f"{text[:-1]}...\" ({len(value)} characters)"
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return repr(value)
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"  # as Python's json writes them
+    if isinstance(value, (list, tuple, dict)):
+        opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
+        if level >= _SHOWN_LEVELS:
+            return f"{opening}...{closing}" if value else f"{opening}{closing}"
+        items = list(value.items())[:_SHOWN_ITEMS] if isinstance(value, dict) else list(value[:_SHOWN_ITEMS])
+        shown_items = [f"{_json_shown(str(k), level + 1)}: {_json_shown(v, level + 1)}" for k, v in items] \
+            if isinstance(value, dict) else [_json_shown(v, level + 1) for v in items]
+        more = ", ..." if len(value) > _SHOWN_ITEMS else ""
+        return f"{opening}{', '.join(shown_items)}{more}{closing}"
+    return _short_repr(value)  # an int (whole, as JSON writes it), or what a route built itself
+
+
+def json_terms(allowed: str) -> str:
+    """An engine error's allowed range (``"None or an int in [0, 2**63 - 1]"``) as an HTTP client reads it
+    (``"null or an integer in [0, 9223372036854775807]"``)."""
+    return range_in_words(allowed, none="null")
+
+
+def _invalid_message(field: str, exc: InvalidParameterError) -> str:
+    """An ``InvalidParameterError``'s text for an HTTP client: its default form (``name=value is invalid: allowed
+    ...``) with the body's field, the value in JSON and the range in JSON's words; a message of its own as is
+    where it names the body's field."""
+    if field == exc.parameter and str(exc) != str(InvalidParameterError(exc.parameter, exc.value, exc.allowed)):
+        return str(exc)  # its own words (it was given a message=), where they name the body's field
+    if exc.parameter == "structured":  # its value is the engine's summary of the spec ("regex: ..."), its range
+        # the grammar library's own words: the field names what the client sent
+        none, _, why = exc.allowed.partition("None: ")
+        return f"`{field}` cannot be used with this model: {why}" if not none and why else \
+            f"`{field}` is invalid: allowed {exc.allowed}"
+    value = exc.value
+    placeholder = isinstance(value, str) and value.startswith("<") and value.endswith(">") and " " in value
+    # ``<9001 tokens>``: the engine's summary of a value too long to show, not the client's text
+    return f"{field}={value if placeholder else shown(value)} is invalid: allowed {json_terms(exc.allowed)}"
+
+
+_TOO_LONG = re.compile(r"^<(\d+) (tokens|characters)>$")
+_CONTEXT = re.compile(r"^at most max_model_len - 1 = (\d+) tokens")
+
+
+def _prompt_too_long(field: str, exc: InvalidParameterError) -> str | None:
+    """The engine's "prompt of max_model_len tokens or more" as OpenAI words it (``This model's maximum context
+    length is ...``), or None for another refusal of the prompt."""
+    size = _TOO_LONG.match(str(exc.value)) if isinstance(exc.value, str) else None
+    room = _CONTEXT.match(exc.allowed)
+    if size is None or room is None:
+        return None
+    context = int(room.group(1)) + 1
+    count, unit = int(size.group(1)), size.group(2)
+    got = (f"your `{field}` resulted in {count} tokens" if unit == "tokens" else
+           f"your `{field}` has {count} characters, more than {context - 1} tokens can hold")
+    return (f"This model's maximum context length is {context} tokens (prompt and output together), and the prompt "
+            f"may take at most {context - 1} of them. However, {got}. Please reduce the length of `{field}`.")
 
 
 MAX_LISTED_MODELS = 20  # served names a 404 lists (the rest are counted; GET /v1/models has them all)
@@ -165,9 +238,12 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         field = rename(exc.parameter)
         if exc.parameter == "max_tokens" and code is not None:
             return APIError(400, _no_room(field, exc), param=field, code=code)
-        # the message names the body's field too (chat's `top_logprobs` is the engine's `logprobs`)
-        message = str(exc) if field == exc.parameter else str(InvalidParameterError(field, exc.value, exc.allowed))
-        return APIError(400, message, param=field, code=code)
+        if exc.parameter == "prompt" and code is not None:
+            too_long = _prompt_too_long(field, exc)
+            if too_long is not None:
+                return APIError(400, too_long, param=field, code=code)
+        # the message names the body's field too (chat's `top_logprobs` is the engine's `logprobs`), in JSON's words
+        return APIError(400, _invalid_message(field, exc), param=field, code=code)
     if isinstance(exc, ModelChangedError):  # swapped again and again while the request was made: come back
         return APIError(503, f"The model changed while the request was prepared: {exc}", type="server_error",
                         code="unavailable", headers={"retry-after": "1"})
@@ -214,7 +290,8 @@ def http_error(request: Request, exc: Exception) -> Response:
     headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
     method, path = elided(request.method), elided(request.url.path)  # (a head may hold 64 KiB of either)
     if status == 404:
-        error = APIError(404, f"No route {method} {path} on this server.", code="unknown_url")
+        error = APIError(404, f"No route {method} {path} on this server{_other_api(request.url.path)}.",
+                         code="unknown_url")
     elif status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
         error = APIError(405, f"{method} is not allowed on {path}"
@@ -223,6 +300,34 @@ def http_error(request: Request, exc: Exception) -> Response:
         error = APIError(status, str(exc.detail), type="invalid_request_error" if status < 500 else "server_error",
                          headers=headers)
     return error.response(request_id)
+
+
+#: Other servers' routes that clients of theirs call first, and this server's route for each.
+_OTHER_ROUTES = {
+    "/api/chat": "POST /v1/chat/completions", "/api/generate": "POST /v1/completions", "/api/tags": "GET /v1/models",
+    "/api/embed": "POST /v1/embeddings", "/api/embeddings": "POST /v1/embeddings",
+    "/v1/responses": "POST /v1/chat/completions",
+}
+
+
+def _other_api(path: str) -> str:
+    """For a URL of Ollama's API (``/api/...``) or OpenAI's Responses API, what this server serves instead."""
+    if path.startswith("/api/"):
+        mapped = ", ".join(f"{route} is {ours}" for route, ours in _OTHER_ROUTES.items() if route.startswith("/api/"))
+        return f": it serves OpenAI's API under /v1, not Ollama's ({mapped})"
+    if path.rstrip("/") == "/v1/responses":
+        return ": OpenAI's Responses API is not served; send the conversation to POST /v1/chat/completions"
+    if path.rstrip("/") in _UNDER_V1:  # an OpenAI client whose base_url lacks /v1, or llama.cpp's /completion
+        return (f": the API is under /v1, at {_UNDER_V1[path.rstrip('/')]} (an OpenAI client's base_url ends in /v1: "
+                "http://HOST:PORT/v1)")
+    return ""
+
+
+#: Routes asked for without their /v1 (the base_url of an OpenAI client set to the bare server), or as llama.cpp's
+#: server names them, and this server's route.
+_UNDER_V1 = {"/chat/completions": "POST /v1/chat/completions", "/completions": "POST /v1/completions",
+             "/completion": "POST /v1/completions", "/embeddings": "POST /v1/embeddings",
+             "/models": "GET /v1/models"}
 
 
 def elided(text: str) -> str:

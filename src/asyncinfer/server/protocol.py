@@ -3,8 +3,8 @@
 A body is a JSON object. Its fields fall in four groups, per endpoint:
 
 - mapped: turned into :class:`SamplingParams` or the engine call's arguments;
-- asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-  ``priority``), sent by OpenAI clients through ``extra_body``;
+- asyncinfer's own (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+  ``stop_token_ids``, as vLLM names them, and ``priority``), sent by OpenAI clients through ``extra_body``;
 - ignored: OpenAI fields that change nothing here (``store``, ``metadata``, ...);
 - structured: chat's ``response_format`` and ``tools``/``tool_choice``/``parallel_tool_calls``
   (:mod:`asyncinfer.server.tools`), and vLLM's ``guided_json``, ``guided_regex``,
@@ -67,7 +67,7 @@ _TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 =
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-             "top_k", "min_p", "repetition_penalty", "ignore_eos")
+             "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
 _COMMON = ("model", "user", "stream", "stream_options", "priority", *_SAMPLING, *_GUIDED)
 
@@ -591,14 +591,14 @@ def chat_history(value: Any) -> list[dict[str, Any]]:
                         "content": _content(message.get("content"), role, where)})
             continue
         if not isinstance(role, str) or role not in _ROLES:  # (a list or an object is unhashable: no lookup)
-            raise _bad(f"{where}.role", f"`{where}.role` must be one of {sorted([*_ROLES, 'tool'])}, got {shown(role)}.")
+            raise _bad(f"{where}.role", f"`{where}.role` must be one of {shown(sorted([*_ROLES, 'tool']))}, got {shown(role)}.")
         turn: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = check_tool_calls(message["tool_calls"], where)
             if calls:
                 turn["tool_calls"] = calls
         elif message.get("tool_calls") is not None:
-            raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {role!r} ones.")
+            raise _bad(f"{where}.tool_calls", f"Only assistant messages carry `tool_calls`, not {shown(role)} ones.")
         out.append(turn)
     return out
 
@@ -785,7 +785,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     dimensions = _typed(fields, "dimensions", int, "an integer")
     fmt = fields.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise _bad("encoding_format", f"`encoding_format` must be 'float' or 'base64', got {shown(fmt)}.")
+        raise _bad("encoding_format", f'`encoding_format` must be "float" or "base64", got {shown(fmt)}.')
     value = fields.get("input")
     if value is None:
         raise _bad("input", "Missing required parameter: 'input'.")

@@ -219,7 +219,7 @@ def parse_tool_use(tools: Any, tool_choice: Any, parallel: Any) -> ToolUse | Non
     names = [t.name for t in checked]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
-        raise _bad("tools", f"`tools` names the function {duplicate!r} more than once.")
+        raise _bad("tools", f"`tools` names the function {shown(duplicate)} more than once.")
     choice = _choice(tool_choice, bool(checked), set(names))
     if choice == "none" or not checked:
         return None
@@ -263,8 +263,7 @@ def _choice(value: Any, have_tools: bool, names: set[str]) -> str:
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
         if not isinstance(name, str) or name not in names:  # (a list or an object is no name: unhashable too)
-            shown = repr(name) if len(repr(name)) <= 100 else repr(name)[:100] + "..."
-            raise _bad("tool_choice", f"`tool_choice` names the function {shown}, which is not in `tools`.")
+            raise _bad("tool_choice", f"`tool_choice` names the function {shown(name)}, which is not in `tools`.")
         return str(name)
     raise _bad("tool_choice", '`tool_choice` must be "none", "auto", "required" or '
                               '{"type": "function", "function": {"name": ...}}.')
