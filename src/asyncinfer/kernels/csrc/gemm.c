@@ -439,30 +439,35 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
      mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b0 + (h)))))
 #define PACKED_SCALE1(j, dw, mw) (dw = ai_half_to_float(d16[b0 + (j)]), mw = ai_half_to_float(m16[b0 + (j)]))
 
+/* A row's blocks from its stream qs (block b at b * QS_BYTES), the scales of each run of 16 blocks read by SCALES8 /
+ * SCALE1 (ROW512_SCALES): two accumulators a row, summed in the same order whatever ROWS is. */
+#define ROW512_BODY(UNPACK, QS_BYTES, HAS_MIN, SCALES8, SCALE1)                                   \
+    __m512 acc[2 * MR];                                                                           \
+    __m256 off[MR];                                                                               \
+    float sc[MR][16], tail[MR];                                                                   \
+    for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                                \
+    for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                    \
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                     \
+        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                            \
+        ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1);                                               \
+        int64_t b = b0;                                                                           \
+        for (; b + 1 < b0 + n; b += 2) {                                                          \
+            ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                                 \
+            ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                             \
+        }                                                                                         \
+        if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                     \
+    }                                                                                             \
+    for (int i = 0; i < ROWS; i++)                                                                \
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +                \
+                 (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);
+
 #define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                            \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
-        __m512 acc[2 * MR];                                                                       \
-        __m256 off[MR];                                                                           \
-        float sc[MR][16], tail[MR];                                                               \
-        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
-        for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
-        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
-            const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
-            ROW512_SCALES(n, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1);                             \
-            int64_t b = b0;                                                                       \
-            for (; b + 1 < b0 + n; b += 2) {                                                      \
-                ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
-                ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                         \
-            }                                                                                     \
-            if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                 \
-        }                                                                                         \
-        for (int i = 0; i < ROWS; i++)                                                            \
-            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +            \
-                     (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);                             \
+        ROW512_BODY(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1)                     \
     }
 
 ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
@@ -502,24 +507,7 @@ static inline void ggml_scales8(const uint8_t *p, int64_t bytes, __m256 *dw, __m
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
         const int64_t bytes = BYTES;                                                              \
-        __m512 acc[2 * MR];                                                                       \
-        __m256 off[MR];                                                                           \
-        float sc[MR][16], tail[MR];                                                               \
-        for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                            \
-        for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                \
-        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                 \
-            const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                        \
-            ROW512_SCALES(n, HAS_MIN, GGML_SCALES8, GGML_SCALE1);                                 \
-            int64_t b = b0;                                                                       \
-            for (; b + 1 < b0 + n; b += 2) {                                                      \
-                ROW512_BLOCK(b, 0, UNPACK, BYTES);                                                \
-                ROW512_BLOCK(b + 1, 1, UNPACK, BYTES);                                            \
-            }                                                                                     \
-            if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, BYTES);                                    \
-        }                                                                                         \
-        for (int i = 0; i < ROWS; i++)                                                            \
-            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +            \
-                     (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);                             \
+        ROW512_BODY(UNPACK, BYTES, HAS_MIN, GGML_SCALES8, GGML_SCALE1)                            \
     }
 
 ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0)
