@@ -53,3 +53,23 @@ def test_activation_dtype_still_refused(given: object) -> None:
     with pytest.raises(InvalidParameterError) as refused:
         EngineConfig(device="cpu", activation_dtype=given)
     assert refused.value.parameter == "activation_dtype"
+
+
+def test_generate_refuses_an_output_that_is_its_input(tiny_models, tmp_path, capsys) -> None:
+    """`generate --file p.jsonl --output p.jsonl` ran and replaced the prompts with the results."""
+    prompts = tmp_path / "p.jsonl"
+    text = '{"prompt": [1, 2, 3]}\n'
+    prompts.write_text(text, encoding="utf-8")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(prompts)
+    model = str(tiny_models["llama"][0])
+    for output in (str(prompts), str(link), f"{tmp_path}/./p.jsonl"):
+        assert main(["generate", model, "--file", str(prompts), "--output", output, "--max-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"asyncinfer: error: --output {output} is the --file it reads ({prompts}): writing the "
+                       "results there would replace the prompts; choose another --output\n")
+        assert prompts.read_text(encoding="utf-8") == text
+    # another file is written as before
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", model, "--file", str(prompts), "--output", str(out), "--max-tokens", "2"]) == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 1
