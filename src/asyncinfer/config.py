@@ -204,7 +204,7 @@ class EngineConfig:
       default model; larger steps multiply in float32) or "int8" (in every step, prefills and batched
       decodes too: llama.cpp's numerics, the weights' bytes multiplied as they come, faster, about 1%
       of a product's size off, a request's logits independent of its batch; docs/formats.md,
-      "Activations", has its speed and its quality gate). No effect on other weight formats.
+      "Activations", has its speed and its quality gate). Read in any case. No effect on other weight formats.
     - ``torch_compile``: compile the decoder's element-wise chains (RMSNorm, the rotary
       embedding, SwiGLU's ``silu(gate) * up``) with ``torch.compile`` at load (default off:
       measured slower for SmolLM2-135M on a 2-core CPU and on an H200; docs/formats.md). Needs
@@ -287,6 +287,8 @@ class EngineConfig:
             raise InvalidParameterError("stall_timeout", st, "a finite number of seconds > 0, or None")
         _check_weight_format(self)
         warn_slow_cpu_dtype(self.dtype, device)
+        if isinstance(self.activation_dtype, str) and self.activation_dtype.strip().lower() in ACTIVATION_DTYPES:
+            object.__setattr__(self, "activation_dtype", self.activation_dtype.strip().lower())  # any case, as formats
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise InvalidParameterError("activation_dtype", self.activation_dtype, f"one of {list(ACTIVATION_DTYPES)}")
         opts = self.scheduler_options

@@ -23,7 +23,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import blocks_for
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.config import resolve_dtype, spelled_dtype
+from asyncinfer.config import EngineConfig, resolve_dtype, spelled_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
@@ -112,8 +112,14 @@ class DeploymentPlan:
     def engine_options(self) -> dict[str, Any]:
         """Engine options under which the engine loads this plan's weights (its dtype and format) and
         allocates exactly its KV blocks (pass them with the plan's device)."""
-        return {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len, "block_size": self.block_size,
-                "dtype": _dtype(self.dtype), "quantization": self.quantization}
+        options: dict[str, Any] = {"kv_cache_memory": self.kv_bytes, "max_model_len": self.seq_len,
+                                   "block_size": self.block_size, "dtype": _dtype(self.dtype),
+                                   "quantization": self.quantization}
+        defaults = EngineConfig.__dataclass_fields__  # the step the activations were planned for, where not the default
+        for name, value in (("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens", self.max_num_batched_tokens)):
+            if value != defaults[name].default:
+                options[name] = value
+        return options
 
     def flags(self) -> str:
         """:meth:`engine_options` and the device as the flags of ``asyncinfer serve`` (and ``chat``, ``generate``,
@@ -121,7 +127,9 @@ class DeploymentPlan:
         options = self.engine_options()
         return (f"--kv-cache-memory {options['kv_cache_memory']} --max-model-len {options['max_model_len']} "
                 f"--block-size {options['block_size']} --dtype {options['dtype']} "
-                f"--quantization {options['quantization'] or 'none'} --device {self.device}")
+                f"--quantization {options['quantization'] or 'none'} --device {self.device}"
+                + "".join(f" --{name.replace('_', '-')} {options[name]}"
+                          for name in ("max_num_seqs", "max_num_batched_tokens") if name in options))
 
     def table(self) -> str:
         mc, spec = self.model_config, self.spec
@@ -161,6 +169,10 @@ class DeploymentPlan:
             + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in self.engine_options().items()),
             f"the same as flags: {self.flags()}",
         ]
+        if self.batch > self.max_num_seqs:
+            lines += ["", (f"note: at most max_num_seqs={self.max_num_seqs} requests run in one step, the other "
+                           f"{self.batch - self.max_num_seqs} wait; plan with --max-num-seqs {self.batch} to run all "
+                           f"{self.batch} at once")]
         if not self.fits:
             lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]
             lines += [f"  - {s}" for s in self.suggestions]

@@ -67,6 +67,7 @@ class Job:
 
 def run_generate(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
     _check_source(args)
+    _check_output_is_not_input(args.file, args.output)
     if args.concurrency < 1:
         raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
     jobs = list(_jobs(args, params))
@@ -90,6 +91,22 @@ def _check_source(args: argparse.Namespace) -> None:
     if not args.prompt and args.file is None:
         raise CommandError("asyncinfer generate needs its prompts: --prompt TEXT (repeatable) or --file FILE (JSONL, "
                            "one request a line; '-' reads stdin)")
+
+
+def _check_output_is_not_input(source: str | None, output: str) -> None:
+    """``--output`` naming the ``--file`` it reads (the same path, or a link to it) would replace the prompts with
+    the results: refused before anything is read or written."""
+    import os
+
+    if source in (None, "-") or output == "-":
+        return
+    try:
+        same = os.path.samefile(source, output)
+    except (OSError, ValueError):  # the output does not exist yet (or the input does not: --file says so)
+        return
+    if same:
+        raise CommandError(f"--output {output} is the --file it reads ({source}): writing the results there would "
+                           "replace the prompts; choose another --output")
 
 
 def _reads_as_a_prompt(text: str) -> bool:
