@@ -162,7 +162,9 @@ class DeploymentPlan:
         lines += [f"  {name:<20}{_size(value):>12}   {how}".rstrip() for name, value, how in rows]
         lines += [
             "",
-            f"largest batch at {self.seq_len} tokens: {self.max_batch}",
+            f"largest batch at {self.seq_len} tokens: {self.max_batch}"
+            + (f" (memory alone; one step runs at most max_num_seqs={self.max_num_seqs})"
+               if self.max_batch > self.max_num_seqs else ""),
             f"longest length at batch {self.batch}: {self.max_seq_len}"
             + (" (the model's context)" if self.max_seq_len == mc.max_position_embeddings else ""),
             "engine options that load this plan (with device): "

@@ -73,3 +73,13 @@ def test_generate_refuses_an_output_that_is_its_input(tiny_models, tmp_path, cap
     out = tmp_path / "out.jsonl"
     assert main(["generate", model, "--file", str(prompts), "--output", str(out), "--max-tokens", "2"]) == 0
     assert len(out.read_text(encoding="utf-8").splitlines()) == 1
+
+
+def test_plans_largest_batch_says_when_memory_allows_more_than_a_step_runs(tiny_models, capsys) -> None:
+    """`plan` printed "largest batch at N tokens: 547" from memory alone, above the 128 requests a step runs."""
+    path = str(tiny_models["llama"][0])
+    (line,) = [x for x in _plan_lines(capsys, path, "--max-num-seqs", "4") if x.startswith("largest batch at ")]
+    batch = int(line.split(": ")[1].split()[0])
+    assert batch > 4 and line.endswith("(memory alone; one step runs at most max_num_seqs=4)")
+    (line,) = [x for x in _plan_lines(capsys, path, "--max-num-seqs", "100000") if x.startswith("largest batch at ")]
+    assert line == f"largest batch at 100 tokens: {int(line.split(': ')[1])}"  # within the step: nothing added
