@@ -46,8 +46,9 @@ _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
 _VERSION = 32
-#: From this many activation rows on, the GEMM takes its float32 panel path (the C header's
-#: ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library).
+#: From this many activation rows on, the GEMM with int16 activations takes its float32 panel path (int8
+#: activations take their rows at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the
+#: loaded library).
 PANEL_MIN_ROWS = 9
 
 
