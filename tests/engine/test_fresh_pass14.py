@@ -1,0 +1,28 @@
+"""Adversarial pass 14 (issue 25), in-process: a model directory's safetensors index.
+
+An index whose ``weight_map`` holds a value that is not hashable (a list, an object) was refused with a bare
+``TypeError: unhashable type`` from ``load_model`` (the check that the values are strings ran after they were
+put in a set); it is a ModelLoadError naming the index, as a number or null already was.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.checkpoint import safetensors_files
+from asyncinfer.models.loader import load_model
+from tests.helpers import tiny_hf_config
+
+
+@pytest.mark.parametrize("value", [["model.safetensors"], {"file": "model.safetensors"}, 3, None])
+def test_an_index_whose_weight_map_holds_a_value_that_is_no_string_is_a_model_load_error(tmp_path, value) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": value}}))
+    with pytest.raises(ModelLoadError, match="'weight_map' values must be shard file names"):
+        safetensors_files(tmp_path)
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="'weight_map' values must be shard file names"):
+        load_model(tmp_path, torch.float32, "cpu")
