@@ -22,6 +22,7 @@ structured request first needs it. Three objects:
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -220,6 +221,7 @@ class GrammarCompiler:
         vocabulary = self._vocabulary(spec)
         try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
             grammar = _grammar_text(llguidance, spec)
+            _check_integer_bounds(spec, grammar)
             matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
         except InvalidParameterError:
             raise
@@ -251,6 +253,58 @@ class GrammarCompiler:
 
 _WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
          "choice": "list of choices", "grammar": "grammar"}
+
+
+#: A JSON schema's bound keywords: llguidance reads them as i64 for an integer range, and a bound of 2**63 or more
+#: in size saturates. Two near -2**63 crashed the whole process (a segmentation fault in the library's regex of the
+#: range: one caller's ``response_format`` took the server down), one above 2**63 - 1 let the range's text be
+#: 9223372036854775807, outside the schema.
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: The largest size a bound may have (exclusive): 2**63, as the float the library reads it as.
+MAX_SCHEMA_BOUND = float(2**63)
+
+
+def _check_integer_bounds(spec: StructuredOutput, grammar: str) -> None:
+    """Refuse a grammar whose JSON schemas (a json_schema spec's own, or a Lark grammar's ``%json {...}``) hold a
+    bound of size :data:`MAX_SCHEMA_BOUND` or more, before the library reads it (see :data:`_BOUND_KEYS`).
+
+    Raises:
+        InvalidParameterError: naming ``structured`` and the bound.
+    """
+    decoder = json.JSONDecoder()
+    starts = [0] if grammar.startswith("{") else []  # a JSON schema's grammar is itself JSON
+    at = grammar.find("%json")
+    while at >= 0:
+        brace = grammar.find("{", at)
+        if brace >= 0:
+            starts.append(brace)
+        at = grammar.find("%json", at + 5)
+    for start in starts:
+        try:
+            document, _ = decoder.raw_decode(grammar, start)
+        except (ValueError, RecursionError):  # not JSON (the library refuses it), or deeper than the library reads
+            continue
+        stack = [document]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if key in _BOUND_KEYS and isinstance(item, (int, float)) and not isinstance(item, bool) \
+                            and not _bound_fits(item):
+                        raise InvalidParameterError(
+                            "structured", _shown(spec),
+                            f"a {_WHAT[spec.kind]} whose bounds ({', '.join(_BOUND_KEYS)}) are under 2**63 "
+                            f"(9223372036854775808) in size, got {key} {item!r}")
+                    stack.append(item)
+            elif isinstance(value, list):
+                stack.extend(value)
+
+
+def _bound_fits(value: float) -> bool:
+    try:
+        return abs(float(value)) < MAX_SCHEMA_BOUND
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _shown(spec: StructuredOutput) -> str:

@@ -74,9 +74,9 @@ def safetensors_files(path: Path) -> list[Path]:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"cannot read {index}: no 'weight_map' object")
-        names = set(weight_map.values())
-        if not all(isinstance(name, str) for name in names):
+        if not all(isinstance(name, str) for name in weight_map.values()):  # before the set: a list is unhashable
             raise ModelLoadError(f"cannot read {index}: 'weight_map' values must be shard file names (strings)")
+        names = set(weight_map.values())
         files = [_shard_in(path, index, name) for name in sorted(names)]
     else:
         files = sorted(path.glob("*.safetensors"))

@@ -394,7 +394,7 @@ def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     generation = read_json(gen_file)
     try:
         extra = normalise_token_ids(generation.get("eos_token_id"))
-    except (AttributeError, ValueError, TypeError) as exc:  # not an object, or ids that are not ints
+    except (AttributeError, ValueError, TypeError, OverflowError) as exc:  # not an object, ids not ints (Infinity)
         raise ModelLoadError(f"cannot read {gen_file}: {exc}") from exc
     merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
     return replace(config, eos_token_ids=merged)
