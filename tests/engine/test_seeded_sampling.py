@@ -109,15 +109,19 @@ LOGPROB_BOUND = 0.02
 
 
 async def exception_first_request(real_gguf, neighbours: list[list[int]], activation_dtype: str = "int16"):
-    """EXCEPTION_PROMPT's 24 greedy tokens and their logprobs, beside ``neighbours`` (all submitted at once)."""
+    """EXCEPTION_PROMPT's 24 greedy tokens and their logprobs, beside ``neighbours`` (all submitted at once, the
+    neighbours first and every prompt within one step's token budget: whenever the steps start, the request's
+    prompt is prefilled whole and its decodes never share a step with a neighbour's prefill, whose step runs the
+    layers' other parts in torch instead of the kernels' one-call step, another float32 rounding)."""
     engine = await AsyncEngine.load(real_gguf, num_threads=1, max_model_len=256, enable_prefix_caching=False,
-                                    max_num_seqs=16, activation_dtype=activation_dtype)
+                                    max_num_seqs=16, max_num_batched_tokens=2048, activation_dtype=activation_dtype)
     async with engine:
         assert engine.config.quantization == "q4_1"  # the block kernels run this model
+        assert len(EXCEPTION_PROMPT) + sum(map(len, neighbours)) <= 2048
         params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)
-        outs = await asyncio.gather(engine.generate(EXCEPTION_PROMPT, params),
-                                    *(engine.generate(p, params) for p in neighbours))
-        return outs[0]
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in neighbours),
+                                    engine.generate(EXCEPTION_PROMPT, params))
+        return outs[-1]
 
 
 async def test_a_rows_logits_move_within_the_stated_bound_with_its_steps_row_count_on_the_block_kernels(
