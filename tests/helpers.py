@@ -232,6 +232,36 @@ def write_gemma_gguf(hf: torch.nn.Module, path: Path, *, q8: bool = False, vocab
     return path
 
 
+def llama_header_gguf(path: Path, block_count: int):
+    """A ``gguf.GGUFWriter`` at ``path`` holding a tiny Llama's header keys (hidden 64, 4 heads, intermediate 128,
+    context 128, vocabulary 32, ``block_count`` layers) and nothing else: tests add the keys and tensors they probe."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    kind = gguf.GGUFValueType
+    for key, (value, vtype) in {"embedding_length": (64, kind.UINT32), "attention.head_count": (4, kind.UINT32),
+                                "feed_forward_length": (128, kind.UINT32), "context_length": (128, kind.UINT32),
+                                "attention.layer_norm_rms_epsilon": (1e-5, kind.FLOAT32),
+                                "block_count": (block_count, kind.UINT32), "vocab_size": (32, kind.UINT32)}.items():
+        writer.add_key_value(f"llama.{key}", value, vtype)
+    return writer
+
+
+def save_tiny_bert(path: Path, vocab: list[str], *, pooling_layer: bool = False):
+    """A random 2-layer BERT (hidden 32, 4 heads, seed 0) and its WordPiece tokenizer over ``vocab`` saved in
+    ``path``; returns transformers' model."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    model = BertModel(cfg, add_pooling_layer=pooling_layer).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    return model
+
+
 def gguf_names(weight_map, num_layers: int) -> dict[str, str]:
     """HF checkpoint name -> GGUF tensor name, from a family's weight map, for ``num_layers`` layers."""
     names = {}

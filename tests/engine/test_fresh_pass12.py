@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
-from tests.helpers import loop_lags
+from tests.helpers import loop_lags, save_tiny_bert
 
 BASE = {
     "kv_cache_memory": 4 * 1024 * 1024,
@@ -126,15 +126,8 @@ _BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> str:
     """A random 2-layer BERT with its WordPiece tokenizer, saved as a sentence encoder's directory."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(_BERT_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64)
     path = tmp_path_factory.mktemp("tiny-bert")
-    BertModel(cfg, add_pooling_layer=False).eval().save_pretrained(path, safe_serialization=True)
-    (path / "vocab.txt").write_text("\n".join(_BERT_VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    save_tiny_bert(path, _BERT_VOCAB)
     return str(path)
 
 

@@ -24,6 +24,7 @@ import torch
 from asyncinfer import AsyncEngine, ModelLoadError, SamplingParams
 from asyncinfer.models import encoder as encoder_module
 from asyncinfer.models.encoder import EncoderConfig, read_encoder_config
+from tests.helpers import llama_header_gguf, save_tiny_bert
 
 _VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "a", "b", "the"]
 _OPTIONS = {"num_threads": 1, "max_wait_ms": 0}
@@ -33,15 +34,8 @@ _OPTIONS = {"num_threads": 1, "max_wait_ms": 0}
 def tiny_st(tmp_path_factory) -> Path:
     """A random 2-layer BERT saved as sentence-transformers saves a model: modules.json, mean pooling in
     1_Pooling, a Normalize module, sentence_bert_config.json."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64)
     path = tmp_path_factory.mktemp("tiny-st")
-    BertModel(cfg, add_pooling_layer=False).eval().save_pretrained(path, safe_serialization=True)
-    (path / "vocab.txt").write_text("\n".join(_VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    save_tiny_bert(path, _VOCAB)
     (path / "modules.json").write_text(json.dumps(_modules("1_Pooling")))
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps(_pooling("mean")))
@@ -248,13 +242,8 @@ def test_a_gguf_rope_divisor_that_is_not_a_positive_number_is_refused_by_name(tm
     from asyncinfer.memory import read_model_config
 
     path = tmp_path / "rope.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = llama_header_gguf(path, block_count=1)
     kind = gguf.GGUFValueType
-    for key, (value, vtype) in {"embedding_length": (64, kind.UINT32), "attention.head_count": (4, kind.UINT32),
-                                "feed_forward_length": (128, kind.UINT32), "context_length": (128, kind.UINT32),
-                                "attention.layer_norm_rms_epsilon": (1e-5, kind.FLOAT32),
-                                "block_count": (1, kind.UINT32), "vocab_size": (32, kind.UINT32)}.items():
-        writer.add_key_value(f"llama.{key}", value, vtype)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))  # the one layer block_count says
     if linear is not None:
         writer.add_key_value("llama.rope.scaling.type", "linear", kind.STRING)

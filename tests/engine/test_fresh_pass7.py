@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import ModelLoadError
+from tests.helpers import llama_header_gguf
 
 
 def _header_only_gguf(path: Path, arch: str, **values) -> Path:
@@ -198,13 +199,7 @@ def test_a_block_tensor_of_no_dimension_is_refused_at_parse(tmp_path) -> None:
     from asyncinfer.models.gguf_file import GGUFFile
 
     path = tmp_path / "rope.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    kind = gguf.GGUFValueType
-    for key, (value, vtype) in {"embedding_length": (64, kind.UINT32), "attention.head_count": (4, kind.UINT32),
-                                "feed_forward_length": (128, kind.UINT32), "context_length": (128, kind.UINT32),
-                                "attention.layer_norm_rms_epsilon": (1e-5, kind.FLOAT32),
-                                "block_count": (0, kind.UINT32), "vocab_size": (32, kind.UINT32)}.items():
-        writer.add_key_value(f"llama.{key}", value, vtype)
+    writer = llama_header_gguf(path, block_count=0)
     writer.add_tensor("rope_freqs.weight", np.zeros((1, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncinfer import ModelLoadError
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, parameter_name, read_encoder_config
+from tests.helpers import save_tiny_bert
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -33,17 +34,8 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory):
     """A random 2-layer BERT saved as a sentence-transformers directory, and transformers' model."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64)
-    model = BertModel(cfg, add_pooling_layer=True).eval()
     path = tmp_path_factory.mktemp("tiny-bert")
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
-    return path, model
+    return path, save_tiny_bert(path, VOCAB, pooling_layer=True)
 
 
 def _hf_states(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
