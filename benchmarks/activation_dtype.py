@@ -12,8 +12,9 @@ best of five sums of a 1 GiB float32 buffer on the same threads).
     python benchmarks/activation_dtype.py --shape 1b --threads 1 --clock cpu --tokens 16 32 64   # a loaded machine
     python benchmarks/activation_dtype.py --shape tiny --repeats 2 --tokens 1     # a smoke run
 
-From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the float32 panel and int8 the int8 rows in passes: the tokens
-16-128 compare the two paths of a prefill or a batched decode.
+From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the float32 panel and int8 the int8 rows in passes. Beside them, int8's
+tile (``kernels.gemm``'s ``int8_kernel="tile"``, the decoder layers' GEMM in prefills and mixed steps; the rows where
+the build has no tile): the tokens 16-128 compare the paths of a prefill or a batched decode.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def main() -> None:
             xs = {k: torch.randn(m, k, generator=gen) for k in widths}
             scratch = {k: torch.empty(lib.asyncinfer_scratch_bytes(m, k), dtype=torch.uint8) for k in widths}
             ys = {n: torch.empty(m, n) for _, n, _ in mats}
-            best = {dtype: float("inf") for dtype in kernels.ACTIVATION_DTYPES}
+            codes = {dtype: LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype) for dtype in kernels.ACTIVATION_DTYPES}
+            codes["int8_tile"] = codes["int8"] | kernels.int8_kernel_flag("tile")
+            best = {dtype: float("inf") for dtype in codes}
             for _ in range(args.repeats):
-                for dtype in kernels.ACTIVATION_DTYPES:
-                    code = LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype)
+                for dtype, code in codes.items():
                     start = clock()
                     for packed, n, k in mats:
                         lib.asyncinfer_gemm(code, xs[k].data_ptr(), m, k, k, packed.data_ptr(), n, None,
@@ -88,11 +90,15 @@ def main() -> None:
             row = {"format": fmt, "tokens": m, "weight_bytes": nbytes,
                    "int16_gb_s": round(rate["int16"], 2), "int8_gb_s": round(rate["int8"], 2),
                    "int8_over_int16": round(best["int16"] / best["int8"], 3),
-                   "int16_of_probe": round(rate["int16"] / probe, 3), "int8_of_probe": round(rate["int8"] / probe, 3)}
+                   "int16_of_probe": round(rate["int16"] / probe, 3), "int8_of_probe": round(rate["int8"] / probe, 3),
+                   "int8_tile_gb_s": round(rate["int8_tile"], 2),
+                   "int8_tile_over_int8": round(best["int8"] / best["int8_tile"], 3),
+                   "int8_tile_over_int16": round(best["int16"] / best["int8_tile"], 3)}
             rows.append(row)
             print(f"{fmt:>5} M={m}: int16 {rate['int16']:5.1f} GB/s ({row['int16_of_probe']:.0%} of the probe), int8 "
-                  f"{rate['int8']:5.1f} GB/s ({row['int8_of_probe']:.0%}): int8 {row['int8_over_int16']:.2f}x",
-                  flush=True)
+                  f"rows {rate['int8']:5.1f} GB/s ({row['int8_of_probe']:.0%}): {row['int8_over_int16']:.2f}x; int8 "
+                  f"tile {rate['int8_tile']:5.1f} GB/s: {row['int8_tile_over_int16']:.2f}x int16, "
+                  f"{row['int8_tile_over_int8']:.2f}x the rows", flush=True)
     if args.json:
         record = {"command": "python benchmarks/activation_dtype.py " + " ".join(sys.argv[1:]),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

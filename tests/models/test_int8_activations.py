@@ -51,13 +51,14 @@ def int8_definition(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor) ->
     return rounded @ (dense - mins).T + x.double() @ mins.T
 
 
+@pytest.mark.parametrize("kernel", kernels.INT8_KERNELS)
 @pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
-def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt) -> None:
+def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> None:
     """Every format, 1 to 8 rows (the row kernels, in groups of up to 4), widths with and without a remainder
     of the AVX-512 kernels' 16 runs: within float32's rounding of the definition's sums; a row's result the
     same alone and in a group. From PANEL_MIN_ROWS rows on the same definition (not the int16 option's float32
     panel), each row equal to itself alone, across passes over the weights too (1200 rows at K=512: over the
-    1116 rows of int8 values a pass holds)."""
+    1116 rows of int8 values a pass holds; the tile's pass holds 512). Both int8 GEMMs (``int8_kernel``)."""
     k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
     for k in ((512, 1024) if k_quant else (512, 800)):
         packed, dense, mins = weights(fmt, 45, k, seed=k)
@@ -66,22 +67,22 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt) -> None:
         for rows in (1, 2, 3, 4, 5, 8):
             x = torch.randn(rows, k, generator=gen)
             x[0, :32] *= 1000  # one run of large values: its own scale
-            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8")
+            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
             ref = int8_definition(x, dense, mins) + bias.double()
             bound = 1e-5 * (x.abs().double() @ dense.abs().T) + 1e-6
             assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
-            alone = kernels.gemm(x[rows - 1:], packed, fmt, 45, bias, activation_dtype="int8")
+            alone = kernels.gemm(x[rows - 1:], packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
             assert torch.equal(out[rows - 1:], alone)
         for rows in (kernels.PANEL_MIN_ROWS, 20) + ((1200,) if k == 512 else ()):
             x = torch.randn(rows, k, generator=gen)
             x[rows - 1, :32] *= 1000
-            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8")
+            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
             ref = int8_definition(x, dense, mins) + bias.double()
             bound = 1e-5 * (x.abs().double() @ dense.abs().T) + 1e-6
             assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
             assert not torch.equal(out, kernels.gemm(x, packed, fmt, 45, bias))  # not the float32 panel
             for i in (0, rows // 2, rows - 1):
-                assert torch.equal(out[i], kernels.gemm(x[i : i + 1], packed, fmt, 45, bias, activation_dtype="int8")[0])
+                assert torch.equal(out[i], kernels.gemm(x[i : i + 1], packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)[0])
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
@@ -123,6 +124,29 @@ def test_a_bad_activation_dtype_is_refused_by_name_everywhere() -> None:
     assert kernels.activation_dtype_flag(Sneaky("int16")) == 0  # the str it holds, not its __eq__
     with pytest.raises(ValueError, match="activation_dtype"):
         kernels.activation_dtype_flag(Sneaky("int4"))
+
+
+def test_the_layers_take_the_tile_and_the_output_projection_the_rows(tmp_path) -> None:
+    """A decoder layer's projections (q/k/v, o, gate/up, down) meet every token of a prefill: the tile; the output projection a row per
+    sampled request: the rows (kernels.INT8_KERNELS). A bad int8_kernel is refused by name, with int16 too."""
+    lossless_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_1", activation_dtype="int8")
+    head = model.output_proj
+    assert isinstance(head, BlockLinear) and head.int8_kernel == "rows"
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not head]
+    assert len(layers) == 4 * model.config.num_layers and all(m.int8_kernel == "tile" for m in layers)
+    packed, _, _ = weights("q4_k", 8, 256, seed=1)
+    x = torch.randn(40, 256)
+    for kernel in kernels.INT8_KERNELS:  # the layer's GEMM is kernels.gemm's of its kernel
+        layer = Q4_KLinear.from_blocks(kernels.unpack(packed, "q4_k"), None, activation_dtype="int8", int8_kernel=kernel)
+        assert torch.equal(layer(x), kernels.gemm(x, packed, "q4_k", 8, activation_dtype="int8", int8_kernel=kernel))
+    for bad in ("panel", "TILE", None, 1):
+        for dtype in kernels.ACTIVATION_DTYPES:
+            with pytest.raises(ValueError, match=r"int8_kernel must be one of \['rows', 'tile'\]"):
+                kernels.gemm(x, packed, "q4_k", 8, activation_dtype=dtype, int8_kernel=bad)
+        with pytest.raises(ValueError, match="int8_kernel must be one of"):
+            Q4_KLinear(torch.randn(8, 256), None, activation_dtype="int8", int8_kernel=bad)
 
 
 def test_a_mixed_projection_takes_one_activation_dtype() -> None:

@@ -23,6 +23,7 @@ instructions, so their GEMMs agree bit for bit (tested on every build this machi
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import subprocess
 import sys
@@ -178,29 +179,33 @@ def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
 @pytest.mark.parametrize("fmt", list(kernels.BLOCK_FORMATS))
 def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     """activation_dtype="int8" (csrc/gemm8.c): every variant rounds the activations to the same int8 values and
-    forms the same integer products; only the order of the float32 sums differs. Widths with a remainder past
-    the AVX-512 kernels' runs of 16 blocks (800 = 25 runs of 32) and without."""
+    forms the same integer products; only the order of the float32 sums differs. Both int8 GEMMs (the AVX-512
+    builds' tile; the rows, which the others take for it too). Widths with a remainder past the AVX-512 kernels'
+    runs of 16 blocks (800 = 25 runs of 32) and without; row counts below, at and past the tile's 16 and 32."""
     runs_here(isa)
     n = 37
-    for k in ((512, 1024) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800)):
+    for k, kernel in itertools.product((512, 1024) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800),
+                                       kernels.INT8_KERNELS):
         w = random_blocks(fmt, n, k, seed=k)
         dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
         gen = torch.Generator().manual_seed(k)
         bias = torch.randn(n, generator=gen)
-        for rows in (1, 2, 3, 4, 5, 8, 17):
+        for rows in (1, 2, 3, 4, 5, 8, 17, 33):
             x = torch.randn(rows, k, generator=gen)
             x[0, 32:64] *= 1000
             with on("scalar"):
-                ref = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8")
+                ref = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel)
             with on(isa):
-                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8")
+                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel)
             bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
-            assert ((got - ref).abs() <= bound).all(), (isa, fmt, k, rows, (got - ref).abs().max().item())
+            assert ((got - ref).abs() <= bound).all(), (isa, fmt, k, kernel, rows, (got - ref).abs().max().item())
     nan = torch.randn(6, 512, generator=gen)
     nan[2, 300] = float("inf")
-    with on(isa):
-        out = kernels.gemm(nan, random_blocks(fmt, n, 512, seed=1), fmt, n, activation_dtype="int8")
-    assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any()
+    for kernel in kernels.INT8_KERNELS:
+        with on(isa):
+            out = kernels.gemm(nan, random_blocks(fmt, n, 512, seed=1), fmt, n, activation_dtype="int8",
+                               int8_kernel=kernel)
+        assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any(), kernel
 
 
 @pytest.mark.parametrize(("vnni", "plain"), [("avx512vnni", "avx512"), (EMULATED_VNNI, EMULATED)])
@@ -215,16 +220,19 @@ def test_the_vnni_variant_equals_the_avx512_variant_bit_for_bit(vnni, plain, fmt
     w = random_blocks(fmt, n, k, seed=11)
     gen = torch.Generator().manual_seed(13)
     bias = torch.randn(n, generator=gen)
-    for dtype in kernels.ACTIVATION_DTYPES:
-        for rows in (1, 2, 3, 4, 5, 8, 9):
+    for dtype, kernel in (*((d, "rows") for d in kernels.ACTIVATION_DTYPES), ("int8", "tile")):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17):
             x = torch.randn(rows, k, generator=gen)
             x[0, 32:64] *= 1e4
             x[-1, ::32] = 50.0  # one value a block at the block's largest magnitude
             with on(plain):
-                want = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype)
+                want = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype, int8_kernel=kernel)
             with on(vnni):
-                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype)
-            assert torch.equal(got, want), (vnni, fmt, dtype, rows, (got - want).abs().max().item())
+                got = kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype, int8_kernel=kernel)
+            assert torch.equal(got, want), (vnni, fmt, dtype, kernel, rows, (got - want).abs().max().item())
+            if kernel == "tile" and rows == 17:  # the tile runs here: another order of sums than the rows'
+                with on(plain):
+                    assert not torch.equal(want, kernels.gemm(x, w, fmt, n, bias, activation_dtype=dtype))
 
 
 @pytest.mark.parametrize("isa", VARIANTS)

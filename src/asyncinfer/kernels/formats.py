@@ -119,6 +119,14 @@ def format_name(fmt: object, what: str = "fmt") -> str:
 ACTIVATION_DTYPES = ("int16", "int8")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
 _ACT8 = 0x40
+#: Which int8 GEMM :func:`asyncinfer.kernels.gemm` runs (``int8_kernel``): ``"rows"`` (each activation row against
+#: each weight row, the kernels' decode step's; fastest at a few rows) or ``"tile"`` (16 activation rows a
+#: register, where the build has it (AVX-512; the rows elsewhere): about 2x the rows' speed at 64 rows and more,
+#: a fifth of it at one row). Each gives a row the same result whatever the other rows; the two differ from each
+#: other in the order of float32 additions.
+INT8_KERNELS = ("rows", "tile")
+#: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_TILE8.
+_TILE8 = 0x80
 
 
 def activation_dtype_flag(activation_dtype: object, what: str = "activation_dtype") -> int:
@@ -128,6 +136,15 @@ def activation_dtype_flag(activation_dtype: object, what: str = "activation_dtyp
     if value not in ACTIVATION_DTYPES:
         raise ValueError(f"{what} must be one of {list(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
     return _ACT8 if value == "int8" else 0
+
+
+def int8_kernel_flag(int8_kernel: object, what: str = "int8_kernel") -> int:
+    """The flag :data:`INT8_KERNELS`' ``int8_kernel`` puts on an int8 format code (0 for the rows); ValueError naming
+    ``what`` and the allowed values for anything else."""
+    value = str.__str__(int8_kernel) if isinstance(int8_kernel, str) else None
+    if value not in INT8_KERNELS:
+        raise ValueError(f"{what} must be one of {list(INT8_KERNELS)}, got {int8_kernel!r}")
+    return _TILE8 if value == "tile" else 0
 
 
 def block_weights(fmt: str, what: str = "fmt") -> int:

@@ -22,7 +22,14 @@ from asyncinfer.kernels._checks import (
     tensor,
 )
 from asyncinfer.kernels._checks import softcap as _softcap
-from asyncinfer.kernels.formats import BLOCK_FORMATS, LAYOUTS, BlockTable, activation_dtype_flag, format_name
+from asyncinfer.kernels.formats import (
+    BLOCK_FORMATS,
+    LAYOUTS,
+    BlockTable,
+    activation_dtype_flag,
+    format_name,
+    int8_kernel_flag,
+)
 from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
@@ -134,7 +141,8 @@ def embed_rows(table: torch.Tensor | BlockTable, ids: torch.Tensor, scale: float
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
-         bias: torch.Tensor | None = None, *, activation_dtype: str = "int16") -> torch.Tensor:
+         bias: torch.Tensor | None = None, *, activation_dtype: str = "int16",
+         int8_kernel: str = "rows") -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (any of
     :data:`~asyncinfer.kernels.formats.BLOCK_FORMATS`) in the kernels' layout: ``packed = pack(quantize(W,
     fmt), fmt)`` (uint8 [out_features, K / weights per block * bytes per block], K a multiple of the block's
@@ -145,17 +153,24 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     Activations: ``activation_dtype="int16"`` rounds them per run of 32 to int16 below :data:`PANEL_MIN_ROWS` rows
     and takes them in float32 from it on; ``"int8"`` (llama.cpp's numerics,
     :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows,
-    each row's result independent of the others. Runs on torch's intra-op thread count.
+    each row's result independent of the others. With int8, ``int8_kernel``
+    (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
+    step's, fastest at a few rows) or ``"tile"`` (16 rows a register on the AVX-512 builds, the rows elsewhere:
+    about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. Runs on torch's intra-op
+    thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
     not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);
     ValueError for weights that disagree with ``fmt``, ``out_features`` or x's width, an ``out_features``
-    outside [0, 2**62], sizes whose products pass 2**62 bytes, or ``activation_dtype`` not one of ``ACTIVATION_DTYPES``;
+    outside [0, 2**62], sizes whose products pass 2**62 bytes, ``activation_dtype`` not one of ``ACTIVATION_DTYPES``
+    or ``int8_kernel`` not one of ``INT8_KERNELS``;
     MemoryError when the output or working memory cannot be allocated.
     """
     lib = _need()
     fmt = format_name(fmt)  # an unknown format named before the activations
     flag = activation_dtype_flag(activation_dtype)
+    tile = int8_kernel_flag(int8_kernel)
+    flag |= tile if flag else 0
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "

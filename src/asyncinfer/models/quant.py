@@ -358,16 +358,21 @@ class BlockLinear(FormatLinear):
     ``lossless``: whether the blocks rebuild exactly the float32 weights they were made from (true
     for weights a GGUF file held in the same format: the float32 model and this layer then multiply
     by the same numbers). ``activation_dtype``: how a step of a few tokens rounds its activations, ``"int16"`` or
-    ``"int8"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction.
+    ``"int8"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction; with int8,
+    ``int8_kernel`` (:data:`asyncinfer.kernels.INT8_KERNELS`): ``"tile"`` (default) for a decoder layer's
+    projection, which meets a prefill's every token, ``"rows"`` for the output projection, which meets a row per
+    sampled request.
     """
 
     fmt = ""
     _CHUNK_ROWS = 4096
     activation_dtype = "int16"
+    int8_kernel = "tile"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16") -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16",
+                 int8_kernel: str = "tile") -> None:
         super().__init__()
-        self._set_activation_dtype(activation_dtype)
+        self._set_activation_dtype(activation_dtype, int8_kernel)
         w = weight.detach()
         out_features, in_features = w.shape
         packed, lossless = [], True
@@ -378,18 +383,20 @@ class BlockLinear(FormatLinear):
             packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
         self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
 
-    def _set_activation_dtype(self, activation_dtype: str) -> None:
+    def _set_activation_dtype(self, activation_dtype: str, int8_kernel: str) -> None:
         self.activation_dtype = "int8" if kernels.activation_dtype_flag(activation_dtype) else "int16"
+        self.int8_kernel = "tile" if kernels.int8_kernel_flag(int8_kernel) else "rows"
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16") -> BlockLinear:
+    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16",
+                    int8_kernel: str = "tile") -> BlockLinear:
         """The layer of ggml blocks in the class's format as a file stores them, uint8
         [out, in / per block * bytes per block] (e.g. a view of a GGUF file's memory map): repacked once into
         the kernels' layout (:func:`asyncinfer.kernels.pack`, a copy of the same size), never through
         float32; ``lossless``."""
         layer = cls.__new__(cls)
         FormatLinear.__init__(layer)
-        layer._set_activation_dtype(activation_dtype)
+        layer._set_activation_dtype(activation_dtype, int8_kernel)
         per_block, size = kernels.BLOCK_FORMATS[cls.fmt]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
             raise ValueError(f"blocks: {cls.fmt} blocks are uint8 [out, a multiple of {size} bytes], got "
@@ -420,9 +427,10 @@ class BlockLinear(FormatLinear):
         if torch.autograd.profiler._is_profiler_enabled:  # named in traces like any torch op
             with torch.profiler.record_function(f"asyncinfer::gemm_{self.fmt}"):
                 out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias,
-                                   activation_dtype=self.activation_dtype)
+                                   activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel)
         else:
-            out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias, activation_dtype=self.activation_dtype)
+            out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias,
+                               activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel)
         return out.view(*lead, self.out_features)  # [..., out]
 
 
@@ -720,13 +728,14 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
 
     def build(job: tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]) -> FormatLinear:
         _, _, full, fmt, weight, bias = job
+        kernel = "rows" if full == "lm_head" else "tile"  # a row per sampled request, or every token of a prefill
         if source is None:
             if mixed_parts(fmt):
-                return _mixed_from_floats(fmt, weight, bias, activation_dtype)
+                return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
             if fmt in BLOCK_FORMATS:
-                return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype)
+                return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
             return _layer_class(fmt)(weight, bias)
-        return _from_source(fmt, source(full), activation_dtype)
+        return _from_source(fmt, source(full), activation_dtype, kernel)
 
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
     # (fbgemm's float16 packing of SmolLM2-135M: 1.8 s alone, 1.2 s on two cores).
@@ -762,13 +771,15 @@ def _embedding_from_source(fmt: str, stored: StoredProjection, head: nn.Module |
         stored.release()
 
 
-def _from_source(fmt: str, stored: StoredProjection, activation_dtype: str = "int16") -> FormatLinear:
+def _from_source(fmt: str, stored: StoredProjection, activation_dtype: str = "int16",
+                 int8_kernel: str = "tile") -> FormatLinear:
     """``fmt``'s layer from a checkpoint's weights: from its blocks where the file stores them in ``fmt`` (a
     :class:`MixedBlockLinear` from each part's blocks for a :func:`mixed_format`), else from their float32 values;
     the source is released either way."""
     try:
         if fmt == stored.format and fmt in BLOCK_FORMATS:
-            return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias(), activation_dtype=activation_dtype)
+            return block_layer_class(fmt).from_blocks(stored.blocks(), stored.bias(), activation_dtype=activation_dtype,
+                                                      int8_kernel=int8_kernel)
         parts = mixed_parts(fmt)
         if parts:
             if fmt != stored.format:
@@ -777,21 +788,23 @@ def _from_source(fmt: str, stored: StoredProjection, activation_dtype: str = "in
             biases = [None] * len(parts) if bias is None else list(bias.split([rows for _, rows in parts]))
             # one part at a time: each part's blocks are read from the file and repacked, never through float32
             return MixedBlockLinear(block_layer_class(part).from_blocks(stored.part_blocks(i), biases[i],
-                                                                        activation_dtype=activation_dtype)
+                                                                        activation_dtype=activation_dtype,
+                                                                        int8_kernel=int8_kernel)
                                     for i, (part, _) in enumerate(parts))
         if fmt in BLOCK_FORMATS:
-            return block_layer_class(fmt)(stored.floats(), stored.bias(), activation_dtype=activation_dtype)
+            return block_layer_class(fmt)(stored.floats(), stored.bias(), activation_dtype=activation_dtype,
+                                          int8_kernel=int8_kernel)
         return _layer_class(fmt)(stored.floats(), stored.bias())
     finally:
         stored.release()
 
 
 def _mixed_from_floats(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                       activation_dtype: str = "int16") -> MixedBlockLinear:
+                       activation_dtype: str = "int16", int8_kernel: str = "tile") -> MixedBlockLinear:
     """A :func:`mixed_format`'s layer from float weights [out, in]: each part's rows in its own block format."""
     rows = [n for _, n in mixed_parts(fmt)]
     biases = [None] * len(rows) if bias is None else list(bias.detach().split(rows))
-    return MixedBlockLinear(block_layer_class(part)(w, b, activation_dtype=activation_dtype)
+    return MixedBlockLinear(block_layer_class(part)(w, b, activation_dtype=activation_dtype, int8_kernel=int8_kernel)
                             for (part, _), w, b in zip(mixed_parts(fmt), weight.detach().split(rows), biases))
 
 

@@ -53,6 +53,9 @@ extern "C" {
  * ASYNCINFER_PANEL_MIN_ROWS activation rows, round the activations to int8 per block of 32 instead of int16
  * (gemm8.c: llama.cpp's numerics, faster products); from it on, the float32 panel as without it. */
 #define ASYNCINFER_FMT_ACT8 0x40
+/* A flag beside ASYNCINFER_FMT_ACT8 on asyncinfer_gemm's fmt: the int8 GEMM as a tile of 16 activation rows a
+ * register (gemm8.c), for many rows; the AVX-512 builds have it, the others take the rows without it. */
+#define ASYNCINFER_FMT_TILE8 0x80
 
 /* A projection is up to ASYNCINFER_MAX_PARTS runs of output rows, each in its own format (a fused q/k/v
  * whose tensors a file holds in different formats): part i's rows follow part i - 1's in the output. A
@@ -122,8 +125,8 @@ ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_1)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q4_k)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q5_k)
 ASYNCINFER_GEMM_DECL(asyncinfer_gemm_q6_k)
-/* The GEMM of any format code (ASYNCINFER_FMT_*, ASYNCINFER_FMT_ACT8 allowed): as the entries above; -2 for a
- * code outside them. */
+/* The GEMM of any format code (ASYNCINFER_FMT_*, ASYNCINFER_FMT_ACT8 allowed, and with it ASYNCINFER_FMT_TILE8):
+ * as the entries above; -2 for a code outside them. */
 ASYNCINFER_API int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w,
                                    int64_t N, const float *bias, float *y, int64_t ldy, int threads, void *scratch);
 /* The scratch bytes a GEMM of M rows by K takes; -1 when that size would overflow. */

@@ -622,8 +622,339 @@ gemm_fn ai_gemm8_of(int fmt) {
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
 }
 
+#ifdef AI_AVX512
+/* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
+ * 16 activation rows to a register. The decoder layers' projections take it in prefills and mixed steps
+ * (kernels.gemm's int8_kernel="tile"); the output projection (a row per sampled request) and the kernels'
+ * one-call decode step (decoder.c) keep the rows above. A pass of activation rows is rounded per row (quantize_acts8, as the rows
+ * do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit register
+ * (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of 16. A weight
+ * row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of each
+ * block of 32 and (Q6_K) the int8 scale of each 16; four consecutive bytes broadcast to every lane make one
+ * vpdpbusd with the group's register: lane r adds row r's four products. So every lane holds one (row, weight
+ * row) pair and a block's integer dot product needs no horizontal sum: per block of 32, for every lane,
+ *
+ *   idot = sum(u * qx) - centre * sum(qx)        (Q6_K: sc0 * (its first 16's) + sc1 * (its second 16's))
+ *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
+ *
+ * (Q8_0: u = q + 128, centre 128, on the VNNI build; the AVX-512 BW build's multiply-add pair would saturate
+ * there, so it takes |q| times qx with q's sign, centre 0: the same integer) blocks in order from acc = 0, then
+ * + bias: the same float32 operations for a row whatever its lane, its group
+ * or the batch, so a row's result does not depend on the other rows (the rows' property, in another order of
+ * additions than theirs). Eight vpdpbusd per block and row group a weight row, against the rows' one vpdpbusd,
+ * convert and fma per 32 (two sub-blocks a 512-bit register): far fewer instructions per product where many rows
+ * meet a weight row. */
+#define T8_COLS 4   /* weight rows a micro-kernel call takes */
+#define T8_GROUPS 2 /* groups of 16 activation rows a micro-kernel call takes */
+
+static inline int tile8_centre(int fmt) {
+    switch (fmt) {
+        case ASYNCINFER_FMT_Q4_0: return 8;
+        case ASYNCINFER_FMT_Q5_0: return 16;
+        case ASYNCINFER_FMT_Q6_K: return 32;
+#ifdef AI_VNNI
+        case ASYNCINFER_FMT_Q8_0: return 128;
+#endif
+        default: return 0;
+    }
+}
+
+/* A weight row unpacked: u [K] unsigned quants in order, s and mn [K / 32] (mn: the formats with a min), sc
+ * [K / 16] int32 (Q6_K's int8 scales). */
+typedef struct {
+    uint8_t *u;
+    float *s;
+    float *mn;
+    int32_t *sc;
+} wrow8;
+
+static inline int64_t tile8_wrow_bytes(int64_t K) { return K + K / QK * 8 + K / 16 * 4; }
+
+static inline wrow8 tile8_wrow_in(void *at, int64_t K) {
+    wrow8 r;
+    r.u = (uint8_t *)at;
+    r.s = (float *)(r.u + K); /* K is a multiple of 32: aligned to 4 */
+    r.mn = r.s + K / QK;
+    r.sc = (int32_t *)(r.mn + K / QK);
+    return r;
+}
+
+static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, const uint8_t *row, int64_t K,
+                                                               const wrow8 *r) {
+    const int64_t nb = K / QK;
+    if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) {
+        const int five = fmt == ASYNCINFER_FMT_Q5_K;
+        const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint8_t *p = row + blk * ai_fmt_bytes(fmt);
+            ai_block_scales(fmt, p, r->s + 8 * blk, r->mn + 8 * blk);
+            const uint8_t *qs = p + (five ? 48 : 16);
+            const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+            for (int pr = 0; pr < 4; pr++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+                __m256i u0 = _mm256_and_si256(x, low4), u1 = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+                if (five) {
+                    u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * pr), one), 4));
+                    u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * pr + 1), one), 4));
+                }
+                _mm256_storeu_si256((__m256i *)(r->u + 256 * blk + 64 * pr), u0);
+                _mm256_storeu_si256((__m256i *)(r->u + 256 * blk + 64 * pr + 32), u1);
+            }
+        }
+        return;
+    }
+    if (fmt == ASYNCINFER_FMT_Q6_K) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint8_t *p = row + blk * 210;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = ai_half_at(p + 208);
+            for (int j = 0; j < 8; j++) r->s[8 * blk + j] = d;
+            for (int j = 0; j < 16; j++) r->sc[16 * blk + j] = sc[j];
+            for (int n = 0; n < 2; n++) {
+                const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
+                                      _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
+                const __m256i H = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+                for (int k = 0; k < 4; k++) {
+                    const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
+                    const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
+                                                              : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
+                    _mm256_storeu_si256((__m256i *)(r->u + 256 * blk + 32 * (4 * n + k)), _mm256_or_si256(lo, hi));
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u = block_u8(fmt, row, nb, b);
+#ifdef AI_VNNI
+        if (fmt == ASYNCINFER_FMT_Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* q + 128 */
+#endif
+        _mm256_storeu_si256((__m256i *)(r->u + 32 * b), u);
+        r->s[b] = ai_half_to_float(block_d16(fmt, row, nb, b));
+        if (has_min8(fmt)) r->mn[b] = block_min(fmt, row, nb, b);
+    }
+}
+
+/* A pass's activation rows in groups of 16 (rows past the batch zeros): q [K / 4] registers of the 16 rows' four
+ * int8 values, d and sum [K / 32][16] float32, csum [K / 32][16] and isum [K / 16][16] int32 (centre * the
+ * block's sum of qx; the sum of each 16). */
+typedef struct {
+    int32_t *q;
+    float *d;
+    float *sum;
+    int32_t *csum;
+    int32_t *isum;
+} group8;
+
+static inline int64_t tile8_group_bytes(int64_t K) { return 16 * (K + K / QK * 12 + K / 16 * 4); }
+
+static inline group8 tile8_group_in(void *at, int64_t K) {
+    group8 g;
+    g.q = (int32_t *)at;
+    g.d = (float *)(g.q + 4 * K); /* 16 rows * K / 4 words */
+    g.sum = g.d + 16 * (K / QK);
+    g.csum = (int32_t *)(g.sum + 16 * (K / QK));
+    g.isum = g.csum + 16 * (K / QK);
+    return g;
+}
+
+static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int centre, const group8 *g) {
+    const int64_t nb = K / QK;
+    for (int r = 0; r < 16; r++) {
+        const int64_t m = m0 + r;
+        const int live = m < m1;
+        const int32_t *q = (const int32_t *)(a->q + m * K);
+        for (int64_t t = 0; t < K / 4; t++) {
+            int32_t v = 0;
+            if (live) memcpy(&v, q + t, 4);
+            g->q[t * 16 + r] = v;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const int s0 = live ? a->isum[m * 2 * nb + 2 * b] : 0, s1 = live ? a->isum[m * 2 * nb + 2 * b + 1] : 0;
+            g->d[b * 16 + r] = live ? a->d[m * nb + b] : 0.0f;
+            g->sum[b * 16 + r] = live ? a->sum[m * nb + b] : 0.0f;
+            g->csum[b * 16 + r] = centre * (s0 + s1);
+            g->isum[2 * b * 16 + r] = s0;
+            g->isum[(2 * b + 1) * 16 + r] = s1;
+        }
+    }
+}
+
+/* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. */
+static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, const int G, const int C,
+                                                               const group8 *gs, const wrow8 *w, int64_t K,
+                                                               __m512 out[T8_GROUPS][T8_COLS]) {
+    const int64_t nb = K / QK;
+    const int q6 = fmt == ASYNCINFER_FMT_Q6_K, centre = tile8_centre(fmt), min = has_min8(fmt);
+    __m512 f[T8_GROUPS][T8_COLS];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i idot[T8_GROUPS][T8_COLS];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) idot[g][c] = _mm512_setzero_si512();
+        for (int half = 0; half < (q6 ? 2 : 1); half++) {
+            __m512i acc[T8_GROUPS][T8_COLS];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_si512();
+            const int t0 = q6 ? 4 * half : 0, t1 = q6 ? t0 + 4 : 8;
+            for (int t = t0; t < t1; t++) {
+                __m512i xv[T8_GROUPS];
+                for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (8 * b + t) * 16);
+                for (int c = 0; c < C; c++) {
+                    int32_t word;
+                    memcpy(&word, w[c].u + 32 * b + 4 * t, 4);
+                    const __m512i wv = _mm512_set1_epi32(word);
+#ifndef AI_VNNI
+                    if (fmt == ASYNCINFER_FMT_Q8_0) { /* |q| times qx with q's sign: maddubs' pairs within int16 */
+                        const __mmask64 neg = _mm512_movepi8_mask(wv);
+                        const __m512i u = _mm512_abs_epi8(wv);
+                        for (int g = 0; g < G; g++)
+                            acc[g][c] = ai_dpbusd512(acc[g][c], u, _mm512_mask_sub_epi8(xv[g], neg, _mm512_setzero_si512(), xv[g]));
+                        continue;
+                    }
+#endif
+                    for (int g = 0; g < G; g++) acc[g][c] = ai_dpbusd512(acc[g][c], wv, xv[g]);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                if (q6) {
+                    const __m512i is = _mm512_slli_epi32(_mm512_loadu_si512(gs[g].isum + (2 * b + half) * 16), 5);
+                    for (int c = 0; c < C; c++) {
+                        const __m512i v = _mm512_mullo_epi32(_mm512_sub_epi32(acc[g][c], is),
+                                                             _mm512_set1_epi32(w[c].sc[2 * b + half]));
+                        idot[g][c] = half ? _mm512_add_epi32(idot[g][c], v) : v;
+                    }
+                } else {
+                    const __m512i cs = centre ? _mm512_loadu_si512(gs[g].csum + b * 16) : _mm512_setzero_si512();
+                    for (int c = 0; c < C; c++) idot[g][c] = centre ? _mm512_sub_epi32(acc[g][c], cs) : acc[g][c];
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 dx = _mm512_loadu_ps(gs[g].d + b * 16);
+            const __m512 xs = min ? _mm512_loadu_ps(gs[g].sum + b * 16) : _mm512_setzero_ps();
+            for (int c = 0; c < C; c++) {
+                f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]), _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[b])),
+                                          f[g][c]);
+                if (min) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[b]), xs, f[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) out[g][c] = f[g][c];
+}
+
+static inline __attribute__((always_inline)) void tile8_call(const int fmt, int G, int C, const group8 *gs,
+                                                             const wrow8 *w, int64_t K, __m512 out[T8_GROUPS][T8_COLS]) {
+#define T8_CASE(g_, c_) \
+    if (G == (g_) && C == (c_)) return tile8_kernel(fmt, g_, c_, gs, w, K, out)
+    T8_CASE(2, 4); T8_CASE(1, 4); T8_CASE(2, 3); T8_CASE(1, 3); T8_CASE(2, 2); T8_CASE(1, 2); T8_CASE(2, 1);
+    T8_CASE(1, 1);
+#undef T8_CASE
+}
+
+/* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their groups within PASS8_BYTES. */
+static inline int64_t tile8_pass_rows(int64_t K) {
+    const int64_t per = tile8_group_bytes(K) / 16 + K + K / QK * 8 + K / 16 * 2,
+                  rows = PASS8_BYTES / (per > 0 ? per : 1) / (16 * T8_GROUPS) * (16 * T8_GROUPS);
+    return rows < 16 * T8_GROUPS ? 16 * T8_GROUPS : rows;
+}
+
+static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
+                      const float *bias, float *y, int64_t ldy, int threads) {
+    const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
+    const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
+    const int64_t rows = M < pass ? M : pass, acts = rows * (K + K / QK * 8 + K / 16 * 2), gbytes = tile8_group_bytes(K),
+                  wbytes = T8_COLS * tile8_wrow_bytes(K);
+    const int nt = threads > 1 ? threads : 1;
+    char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 64));
+    if (!mem) return ASYNCINFER_ENOMEM;
+    char *gmem = mem + (acts + 63) / 64 * 64, *wmem = gmem + groups * gbytes;
+    const int centre = tile8_centre(fmt);
+    for (int64_t p0 = 0; p0 < M; p0 += pass) {
+        const int64_t p1 = M - p0 < pass ? M : p0 + pass, ng = (p1 - p0 + 15) / 16;
+        acts8 a = acts8_in(mem, p1 - p0, K);
+        _Pragma("omp parallel num_threads(nt) if(nt > 1 && p1 - p0 >= 16)")
+        {
+            _Pragma("omp for schedule(static)")
+            for (int64_t m = p0; m < p1; m += 4) {
+                acts8 at = a;
+                quantize_rows8(x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const group8 g = tile8_group_in(gmem + gi * gbytes, K);
+                tile8_group(&a, 16 * gi, p1 - p0, K, centre, &g);
+            }
+        }
+        _Pragma("omp parallel num_threads(nt) if(nt > 1)")
+        {
+            const int me = ai_thread_num();
+            wrow8 wr[T8_COLS];
+            for (int c = 0; c < T8_COLS; c++)
+                wr[c] = tile8_wrow_in(wmem + me * wbytes + c * tile8_wrow_bytes(K), K);
+            group8 gs[T8_GROUPS];
+            _Pragma("omp for schedule(static)")
+            for (int64_t n0 = 0; n0 < N; n0 += T8_COLS) {
+                const int C = (int)(N - n0 < T8_COLS ? N - n0 : T8_COLS);
+                for (int c = 0; c < C; c++) tile8_unpack(fmt, w + (n0 + c) * row_bytes, K, &wr[c]);
+                for (int64_t gi = 0; gi < ng; gi += T8_GROUPS) {
+                    const int G = (int)(ng - gi < T8_GROUPS ? ng - gi : T8_GROUPS);
+                    for (int g = 0; g < G; g++) gs[g] = tile8_group_in(gmem + (gi + g) * gbytes, K);
+                    __m512 out[T8_GROUPS][T8_COLS];
+                    tile8_call(fmt, G, C, gs, wr, K, out);
+                    for (int g = 0; g < G; g++) {
+                        float lanes[16];
+                        const int64_t r0 = p0 + 16 * (gi + g), live = p1 - r0 < 16 ? p1 - r0 : 16;
+                        for (int c = 0; c < C; c++) {
+                            _mm512_storeu_ps(lanes, out[g][c]);
+                            const float bn = bias ? bias[n0 + c] : 0.0f;
+                            for (int64_t r = 0; r < live; r++) y[(r0 + r) * ldy + n0 + c] = lanes[r] + bn;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(mem);
+    return 0;
+}
+
+#define TILE8(NAME, FMT)                                                                          \
+    static int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
+                    float *y, int64_t ldy, int threads, void *scratch) {                          \
+        (void)scratch;                                                                            \
+        return tile8_gemm(FMT, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads);       \
+    }
+TILE8(ai_tile8_q4_1, ASYNCINFER_FMT_Q4_1)
+TILE8(ai_tile8_q8_0, ASYNCINFER_FMT_Q8_0)
+TILE8(ai_tile8_q4_0, ASYNCINFER_FMT_Q4_0)
+TILE8(ai_tile8_q5_0, ASYNCINFER_FMT_Q5_0)
+TILE8(ai_tile8_q5_1, ASYNCINFER_FMT_Q5_1)
+TILE8(ai_tile8_q4_k, ASYNCINFER_FMT_Q4_K)
+TILE8(ai_tile8_q5_k, ASYNCINFER_FMT_Q5_K)
+TILE8(ai_tile8_q6_k, ASYNCINFER_FMT_Q6_K)
+
+static gemm_fn tile8_of(int fmt) {
+    static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_tile8_q4_1, ai_tile8_q8_0, ai_tile8_q4_0, ai_tile8_q5_0,
+                                                       ai_tile8_q5_1, ai_tile8_q4_k, ai_tile8_q5_k, ai_tile8_q6_k};
+    return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
+}
+#endif /* AI_AVX512 */
+
+/* kernels.gemm's entry: an int8-activation format with ASYNCINFER_FMT_TILE8 takes the tile where the build has
+ * one (AVX-512), the rows elsewhere; the other codes their GEMM. */
 int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    if (fmt >= ASYNCINFER_FMT_TILE8) {
+        fmt -= ASYNCINFER_FMT_TILE8;
+        if (fmt < ASYNCINFER_FMT_ACT8 || fmt >= ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;
+#ifdef AI_AVX512
+        return tile8_of(fmt - ASYNCINFER_FMT_ACT8)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+#endif
+    }
     const gemm_fn fn = ai_gemm_of(fmt);
     return fn ? fn(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch) : ASYNCINFER_EINVAL;
 }
