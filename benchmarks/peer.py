@@ -17,7 +17,10 @@ other, on the same number of threads, with every prompt given as the same token 
    then a distinct random tail, output lengths drawn in [``--min-new-tokens``, ``--max-new-tokens``],
    greedy, EOS ignored): asyncinfer with its prefix cache on and off, llama.cpp with every slot count of
    ``--slots`` (its parallel sequences: llama.cpp recomputes the shared prefix in every sequence) and its
-   best taken.
+   best taken;
+4. **prefill**: ``--prefill-rounds`` rounds, each a fresh random ``--prefill-tokens``-token prompt to its first
+   token (one engine of each, one slot, asyncinfer's prefix cache off, the order alternating between rounds):
+   prompt tokens / seconds of each, and the per-round ratios and their median.
 
 The JSON record names the commit, the machine, llama.cpp's version and build (``llama_print_system_info``)
 and every setting. Timings mean something only on a quiet machine (the load average is recorded at the
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         on_own_thread(single_peer.close)
     off = asyncio.run(asyncinfer_session(False, 0, None))
+    prefill = prefill_rounds(path, args, vocab) if args.prefill_rounds else None
 
     slots = {}
     for n in args.slots:
@@ -240,6 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "greedy_identical_requests_vs_llama_cpp": agree,
             "asyncinfer_cache_on_off_identical": sum(a == b for a, b in zip(on["tokens"], off["tokens"])),
         },
+        "prefill": prefill,
         "asyncinfer_load_s": on["load_s"],
         "asyncinfer_kv_tokens": on["kv_tokens"],
         "llama_cpp_kv_tokens_by_slots": {str(n): n * n_ctx for n in args.slots},
@@ -247,6 +252,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_end": os.getloadavg(),
     })
     return record
+
+
+def prefill_rounds(path: Path, args: argparse.Namespace, vocab: int | None) -> dict[str, Any]:
+    """Prompt tokens / second to the first token of a fresh random prompt, each engine, paired rounds."""
+    from llamacpp_peer import LlamaCppPeer
+
+    from asyncinfer import SamplingParams
+
+    n_ctx = args.prefill_tokens + 16
+    rng = random.Random(args.seed + 1)
+    prompts = [[rng.randrange(1, vocab or 2) for _ in range(args.prefill_tokens)] for _ in range(args.prefill_rounds + 1)]
+    say(f"prefill: loading both engines ({args.prefill_tokens}-token prompts)")
+    peer = on_own_thread(LlamaCppPeer, path, args.threads, 1, n_ctx)
+
+    async def session() -> list[dict[str, Any]]:
+        eng = await load_engine(path, args, n_ctx, False)
+        rounds = []
+        async with eng:
+            await eng.generate(prompts[0][:32], SamplingParams(max_tokens=1))  # warm-up
+            on_own_thread(peer.run, [prompts[0][:32]], [1])
+            for index, prompt in enumerate(prompts[1:]):
+                order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
+                rates = {}
+                for system in order:
+                    say(f"prefill, round {index + 1}/{args.prefill_rounds}: {system}")
+                    if system == "asyncinfer":
+                        start = time.perf_counter()
+                        await eng.generate(prompt, SamplingParams(max_tokens=1))
+                        rates[system] = len(prompt) / (time.perf_counter() - start)
+                    else:
+                        rates[system] = len(prompt) / (await asyncio.to_thread(on_own_thread, peer.run, [prompt], [1]))[1]
+                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
+        return rounds
+
+    try:
+        rounds = asyncio.run(session())
+    finally:
+        on_own_thread(peer.close)
+    return {"prompt_tokens": args.prefill_tokens, "rounds": rounds,
+            "asyncinfer_median_tokens_per_s": statistics.median(r["asyncinfer"] for r in rounds),
+            "llama_cpp_median_tokens_per_s": statistics.median(r["llama.cpp"] for r in rounds),
+            "median_ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
 def report(r: dict[str, Any]) -> None:
@@ -267,6 +314,11 @@ def report(r: dict[str, Any]) -> None:
           f"{many['llama_cpp_best_tokens_per_s']:.1f} at {many['llama_cpp_best_slots']} slots ("
           + ", ".join(f"{n}: {s['tokens_per_s']:.1f}" for n, s in many["llama_cpp_by_slots"].items())
           + f"); ratio {many['ratio_prefix_cache_on']:.2f}x (cache on), {many['ratio_prefix_cache_off']:.2f}x (off)")
+    pre = r.get("prefill")
+    if pre:
+        print(f"prefill ({pre['prompt_tokens']}-token prompts, {len(pre['rounds'])} paired rounds): asyncinfer "
+              f"{pre['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp {pre['llama_cpp_median_tokens_per_s']:.1f}; "
+              f"median {pre['median_ratio']:.2f}x (rounds " + ", ".join(f"{x['ratio']:.2f}" for x in pre["rounds"]) + ")")
     print(f"load average: {r['load_average_start']} at the start, {r['load_average_end']} at the end")
 
 
@@ -289,8 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--activation-dtype", choices=("int16", "int8"), default="int16",
                    help="asyncinfer's activation_dtype (int8: llama.cpp's numerics, faster; docs/formats.md)")
+    p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill rounds")
+    p.add_argument("--prefill-rounds", type=int, default=3, help="paired prefill rounds (0: none)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.prefill_tokens < 1 or args.prefill_rounds < 0:
+        p.error("--prefill-tokens must be at least 1 and --prefill-rounds at least 0")
     for name in ("threads", "rounds", "decode_tokens", "repeats", "num_requests", "probe_mib", "probe_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
