@@ -58,7 +58,7 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
     of the AVX-512 kernels' 16 runs: within float32's rounding of the definition's sums; a row's result the
     same alone and in a group. From PANEL_MIN_ROWS rows on the same definition (not the int16 option's float32
     panel), each row equal to itself alone, across passes over the weights too (1200 rows at K=512: over the
-    1116 rows of int8 values a pass holds; the tile's pass holds 512). Both int8 GEMMs (``int8_kernel``)."""
+    1116 rows of int8 values a pass holds; the tile's pass holds 1024). Both int8 GEMMs (``int8_kernel``)."""
     k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
     for k in ((512, 1024) if k_quant else (512, 800)):
         packed, dense, mins = weights(fmt, 45, k, seed=k)
