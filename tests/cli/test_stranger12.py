@@ -1,0 +1,62 @@
+"""A twelfth stranger's first hour with the command line: what misled, each held to its fix."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from asyncinfer import cli
+from asyncinfer.commands import foreign_flags
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _refusal(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+
+
+# ------------------------------------------------------------------------- the aliases, on every command
+def test_every_command_that_has_a_flag_takes_its_aliases() -> None:
+    """The README: "``-m`` = ``--model``, ``-t`` = ``--threads``, ``-c`` / ``--ctx-size`` = ``--max-model-len``".
+    ``asyncinfer plan -m x`` was "unrecognized arguments: -m" (``info -m x`` worked), ``embed -t 1`` was refused
+    (``chat -t 1`` worked), and ``lab``'s ``--model``, ``--threads`` and ``--max-model-len`` had none."""
+    missing = []
+    for name, parser in _commands().items():
+        flags = {f: a for a in parser._actions for f in a.option_strings}
+        for flag, aliases in foreign_flags.ALIASES.items():
+            if flag in flags:
+                missing += [f"{name} {alias}" for alias in aliases if flags.get(alias) is not flags[flag]]
+    assert missing == []
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["plan", "-m", "x.gguf"], "model", "x.gguf"),
+    (["embed", "-t", "1", "a text"], "threads", 1),
+    (["lab", "-c", "2048"], "max_model_len", 2048),
+    (["lab", "--calibrate", "out.json", "-m", "x.gguf", "-t", "2"], "threads", 2),
+])
+def test_the_aliases_set_the_flags_value(argv, field, value) -> None:
+    assert getattr(cli._parse(cli.build_parser(), argv), field) == value
+
+
+@pytest.mark.parametrize("flag", ["--max-model-len", "--ctx-size", "-c"])
+def test_plan_takes_the_engines_max_model_len_flag_for_its_seq_len(flag) -> None:
+    """``asyncinfer plan --max-model-len 1024`` (the flag ``info``, ``serve`` and the plan's own "the same as
+    flags" line use for it) was refused as "unrecognized arguments: --max-model-len; did you mean --model?"."""
+    assert cli._parse(cli.build_parser(), ["plan", flag, "1024"]).seq_len == 1024
+
+
+def test_a_bad_plan_length_names_the_flag(capsys, tiny_models) -> None:
+    """The planner's own check, reached through the alias: the message names the plan's flag."""
+    assert cli.main(["plan", str(tiny_models["llama"][0]), "-c", "513"]) == 2
+    assert capsys.readouterr().err == "asyncinfer: error: --seq-len 513 is invalid: allowed an integer >= 1 and <= 512\n"
