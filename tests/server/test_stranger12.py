@@ -1,0 +1,61 @@
+"""A twelfth stranger's first hour with the HTTP server: what misled, each held to its fix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from asyncinfer.server import ModelSpec, create_app
+from tests.server.conftest import TINY_OPTIONS, LiveServer
+
+EMBED_HOW = ("an embedding model: /v1/embeddings needs one, which the server's operator adds with `asyncinfer serve "
+             "--embedding-model all-MiniLM-L6-v2` (or a ModelSpec of a sentence encoder in create_app).")
+GENERATE_HOW = ("a generation model: the chat and completions routes need one, which the server's operator adds with "
+                "`asyncinfer serve MODEL` (or a ModelSpec of a generator in create_app).")
+
+
+@pytest.fixture(scope="module")
+def generator_only(tiny_models) -> Iterator[LiveServer]:
+    """As ``asyncinfer serve`` starts by default: one generator, no embedding model."""
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def encoder_only(minilm_dir) -> Iterator[LiveServer]:
+    with LiveServer(create_app(ModelSpec(str(minilm_dir), "minilm"))) as live:
+        yield live
+
+
+def _error(server: LiveServer, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 404 and r.headers["x-request-id"], r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    return error
+
+
+def test_embeddings_on_a_server_without_an_encoder_say_how_to_add_one(generator_only) -> None:
+    """A new user ran ``asyncinfer serve`` (no ``--embedding-model``), then the README's embeddings call: the
+    404 said "This server has no embedding model." (no model named) or "The model `all-MiniLM-L6-v2` does not
+    exist" (named), and nothing of the flag that serves one."""
+    error = _error(generator_only, "/v1/embeddings", {"input": "a text"})
+    assert error["message"] == f"This server has no {EMBED_HOW.removeprefix('an ')}"
+    error = _error(generator_only, "/v1/embeddings", {"input": "a text", "model": "all-MiniLM-L6-v2"})
+    assert error["message"] == ("The model `all-MiniLM-L6-v2` does not exist. This server serves: `ids`. None of them "
+                                f"is {EMBED_HOW}")
+
+
+def test_generation_on_a_server_of_encoders_only_says_how_to_add_a_generator(encoder_only) -> None:
+    error = _error(encoder_only, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert error["message"] == f"This server has no {GENERATE_HOW.removeprefix('a ')}"
+    error = _error(encoder_only, "/v1/completions", {"prompt": "Hi", "model": "gpt-4o"})
+    assert error["message"] == f"The model `gpt-4o` does not exist. This server serves: `minilm`. None of them is {GENERATE_HOW}"
+
+
+def test_an_unknown_model_beside_one_of_the_right_kind_is_the_plain_404(server) -> None:
+    """Where a model of the endpoint's kind is served, the 404 names the served models only, as before."""
+    error = _error(server, "/v1/embeddings", {"input": "a", "model": "nope"})
+    assert error["message"] == "The model `nope` does not exist. This server serves: `tiny`, `ids`, `minilm`."
