@@ -60,3 +60,46 @@ def test_a_bad_plan_length_names_the_flag(capsys, tiny_models) -> None:
     """The planner's own check, reached through the alias: the message names the plan's flag."""
     assert cli.main(["plan", str(tiny_models["llama"][0]), "-c", "513"]) == 2
     assert capsys.readouterr().err == "asyncinfer: error: --seq-len 513 is invalid: allowed an integer >= 1 and <= 512\n"
+
+
+# ------------------------------------------------------------------------- the Ray Serve example's flags
+def _ray_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "ray_serve.py"
+    spec = importlib.util.spec_from_file_location("ray_serve_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_flag_of_the_ray_example_says_what_it_does_and_its_default() -> None:
+    """``python examples/ray_serve.py --help`` listed ``--replicas``, ``--autoscale``, ``--cpus-per-replica``,
+    ``--max-model-len``, ``--host``, ``--port`` and ``--max-tokens`` with no word of what they do or their default."""
+    parser = _ray_example().parser()
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction) and "(default: " not in (a.help or "")]
+    assert bare == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--autoscale", "4"], ("argument --autoscale: '4' is not MIN:MAX, two replica counts with 0 <= MIN <= MAX and "
+                           "MAX >= 1 (e.g. 1:4)")),
+    (["--autoscale", "4:1"], ("argument --autoscale: '4:1' is not MIN:MAX, two replica counts with 0 <= MIN <= MAX "
+                             "and MAX >= 1 (e.g. 1:4)")),
+    (["--replicas", "0"], "argument --replicas: '0' is not above 0"),
+    (["--cpus-per-replica", "x"], "argument --cpus-per-replica: 'x' is not a number"),
+])
+def test_the_ray_examples_bad_flags_are_refused_before_ray_starts(capsys, argv, message) -> None:
+    """``--autoscale 4`` started Ray and Serve, then died with a ValueError traceback ("not enough values to
+    unpack"). The counts are held above 0 the same way."""
+    with pytest.raises(SystemExit) as exited:
+        _ray_example().parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].split(": error: ", 1)[1] == message
+
+
+def test_the_ray_examples_autoscale_bounds_are_read() -> None:
+    assert _ray_example().parser().parse_args(["--autoscale", "1:4"]).autoscale == (1, 4)
