@@ -103,3 +103,19 @@ def test_the_ray_examples_bad_flags_are_refused_before_ray_starts(capsys, argv, 
 
 def test_the_ray_examples_autoscale_bounds_are_read() -> None:
     assert _ray_example().parser().parse_args(["--autoscale", "1:4"]).autoscale == (1, 4)
+
+
+def test_every_flag_of_the_openai_server_example_says_its_default() -> None:
+    """``python examples/openai_server.py --help`` listed ``--host`` and ``--port`` with no word at all."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(root / "examples" / "openai_server.py"), "--help"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    flags = out.split("options:", 1)[1].replace("\n                       ", " ").split("\n  -")[1:]
+    assert [f.split()[0] for f in flags if "(default: " not in f] == ["h,"]  # --help alone
+    assert "address to listen on (default: 127.0.0.1, this machine only)" in " ".join(out.split())
