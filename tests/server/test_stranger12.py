@@ -59,3 +59,30 @@ def test_an_unknown_model_beside_one_of_the_right_kind_is_the_plain_404(server) 
     """Where a model of the endpoint's kind is served, the 404 names the served models only, as before."""
     error = _error(server, "/v1/embeddings", {"input": "a", "model": "nope"})
     assert error["message"] == "The model `nope` does not exist. This server serves: `tiny`, `ids`, `minilm`."
+
+
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models, GET /health and "
+          "GET /metrics (docs/serving.md)")
+
+
+@pytest.mark.parametrize("path", ["/", "/v1", "/v1/"])
+def test_the_servers_root_lists_its_routes(server, path) -> None:
+    """``asyncinfer serve`` prints ``serving the OpenAI API at http://127.0.0.1:8000/v1``; opened in a browser (or
+    curled), that URL and ``/`` said only "No route GET /v1 on this server."."""
+    r = httpx.get(server.url + path, timeout=60)
+    assert r.status_code == 404 and r.headers["x-request-id"].startswith("req-")
+    assert r.json()["error"] == {"message": f"No route GET {path} on this server: its routes are {ROUTES}.",
+                                 "type": "invalid_request_error", "param": None, "code": "unknown_url"}
+
+
+def test_the_model_lists_url_with_a_trailing_slash_is_no_model_named_nothing(server) -> None:
+    """``GET /v1/models/`` answered "The model `` does not exist.", a model of no name, where every other route's
+    URL with a trailing slash is the unknown-URL 404."""
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, server.url + "/v1/models/", timeout=60)
+        assert r.status_code == 404 and r.headers["x-request-id"]
+    error = httpx.get(server.url + "/v1/models/", timeout=60).json()["error"]
+    assert (error["message"], error["param"], error["code"]) == (
+        "No route /v1/models/ on this server: the list of models is GET /v1/models (no trailing slash), one model "
+        "GET /v1/models/NAME.", None, "unknown_url")
+    assert httpx.get(server.url + "/v1/models/minilm", timeout=60).json()["id"] == "minilm"

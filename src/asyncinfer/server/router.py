@@ -368,6 +368,9 @@ class _OpenAI:
         return requested, info
 
     async def _models(self, model: str | None = None) -> Response:
+        if model == "":  # /v1/models/: the list's URL with a trailing slash, as every other route's is (no redirect)
+            raise APIError(404, "No route /v1/models/ on this server: the list of models is GET /v1/models (no "
+                                "trailing slash), one model GET /v1/models/NAME.", code="unknown_url")
         cards = {name: self._card(info) for name, info in self._served().items()}
         if model is None:
             return _json({"object": "list", "data": list(cards.values())})
