@@ -119,3 +119,27 @@ def test_every_flag_of_the_openai_server_example_says_its_default() -> None:
     flags = out.split("options:", 1)[1].replace("\n                       ", " ").split("\n  -")[1:]
     assert [f.split()[0] for f in flags if "(default: " not in f] == ["h,"]  # --help alone
     assert "address to listen on (default: 127.0.0.1, this machine only)" in " ".join(out.split())
+
+
+# ------------------------------------------------------------------------- bench's lengths
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--input-len", "600", "--output-len", "2"],
+     ("--input-len 600 + --output-len 2 = 602 tokens per request, more than --max-model-len 512 (prompt + output, the "
+     "model's context): lower --input-len or --output-len")),
+    (["--input-len", "30", "--output-len", "3", "-c", "32"],
+     ("--input-len 30 + --output-len 3 = 33 tokens per request, more than --max-model-len 32 (prompt + output): lower "
+     "--input-len or --output-len (or raise --max-model-len, up to the model's context, 512)")),
+])
+def test_bench_lengths_past_max_model_len_are_refused_in_its_flags(tiny_models, capsys, flags, message) -> None:
+    """``asyncinfer bench --input-len 9000`` said "prompt='<9000 tokens>' is invalid: allowed at most max_model_len
+    - 1 = 8191 tokens", and ``--output-len`` past the rest a ``max_tokens`` error: neither is a flag of bench."""
+    argv = ["bench", str(tiny_models["llama"][0]), "--num-requests", "1", "--concurrency", "1", *flags]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: {message}\n"
+
+
+def test_bench_lengths_that_fill_max_model_len_exactly_run(tiny_models, capsys) -> None:
+    argv = ["bench", str(tiny_models["llama"][0]), "--num-requests", "1", "--concurrency", "1", "--input-len", "29",
+            "--output-len", "3", "-c", "32"]
+    assert cli.main(argv) == 0
+    assert "asyncinfer       1     1" in capsys.readouterr().out
