@@ -143,3 +143,22 @@ def test_bench_lengths_that_fill_max_model_len_exactly_run(tiny_models, capsys) 
             "--output-len", "3", "-c", "32"]
     assert cli.main(argv) == 0
     assert "asyncinfer       1     1" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- generate's refusals
+def test_generates_refusal_of_max_tokens_names_a_fix_a_job_can_use(tiny_models, tmp_path, capsys) -> None:
+    """A job line whose ``max_tokens`` passed the context got "... or SamplingParams(truncate_output_to_model_len=True)
+    to stop at --max-model-len", a Python call; a job says it in its line, where the key works."""
+    import json
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": [5, 6], "max_tokens": 40}\n'
+                       '{"prompt": [5, 6], "max_tokens": 40, "truncate_output_to_model_len": true}\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", str(tiny_models["llama"][0]), "--file", str(prompts), "--output", str(out), "-c", "20"]
+    assert cli.main(argv) == 1
+    refused, served = (json.loads(line) for line in out.read_text(encoding="utf-8").splitlines())
+    assert refused["error"] == (
+        "max_tokens=40 is invalid: allowed at most --max-model-len - prompt tokens = 20 - 2 = 18 (or shorten the "
+        "prompt, or a --file line's \"truncate_output_to_model_len\": true to stop at --max-model-len)")
+    assert (served["finish_reason"], served["completion_tokens"]) == ("length", 18)
