@@ -83,6 +83,6 @@ def test_the_model_lists_url_with_a_trailing_slash_is_no_model_named_nothing(ser
         assert r.status_code == 404 and r.headers["x-request-id"]
     error = httpx.get(server.url + "/v1/models/", timeout=60).json()["error"]
     assert (error["message"], error["param"], error["code"]) == (
-        "No route /v1/models/ on this server: the list of models is GET /v1/models (no trailing slash), one model "
-        "GET /v1/models/NAME.", None, "unknown_url")
+        ("No route /v1/models/ on this server: the list of models is GET /v1/models (no trailing slash), one model "
+        "GET /v1/models/NAME."), None, "unknown_url")
     assert httpx.get(server.url + "/v1/models/minilm", timeout=60).json()["id"] == "minilm"
