@@ -944,10 +944,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def plain_text(text: str) -> str:
-    """``text`` without reST's double backticks and roles (``:func:`f``` -> ``f``)."""
+    """``text`` without reST's double backticks, roles (``:func:`f``` -> ``f``) and literal-block markers (a
+    paragraph's closing ``::`` -> ``:``)."""
     import re
 
     text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = re.sub(r"(?<=\S)::$", ":", text, flags=re.MULTILINE)
     return text.replace("``", "")
 
 

@@ -162,3 +162,14 @@ def test_generates_refusal_of_max_tokens_names_a_fix_a_job_can_use(tiny_models, 
         "max_tokens=40 is invalid: allowed at most --max-model-len - prompt tokens = 20 - 2 = 18 (or shorten the "
         "prompt, or a --file line's \"truncate_output_to_model_len\": true to stop at --max-model-len)")
     assert (served["finish_reason"], served["completion_tokens"]) == ("length", 18)
+
+
+# ------------------------------------------------------------------------- reST in --help
+def test_no_help_shows_rest_literal_markers() -> None:
+    """``asyncinfer generate --help`` printed its docstring's "Input, one request a line (--file; - reads
+    stdin)::" and "Output: ... (--output, default stdout)::", reST's literal-block markers."""
+    texts = [cli.build_parser().format_help(), *(p.format_help() for p in _commands().values())]
+    assert [line for text in texts for line in text.splitlines() if line.rstrip().endswith("::")] == []
+    generate = _commands()["generate"].format_help()
+    assert "Input, one request a line (--file; - reads stdin):\n" in generate
+    assert cli.plain_text("a ``b`` c::\n\n    x :: y\n") == "a b c:\n\n    x :: y\n"
