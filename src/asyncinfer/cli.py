@@ -804,7 +804,12 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
             path, _, line = value.rpartition(":")
             return f"--trace {path} line {line}: expected {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
-        return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+        allowed = exc.allowed
+        if (args.command, exc.parameter) == ("plan", "quantization"):  # the flag takes none (the dtype), not None
+            import re
+
+            allowed = re.sub(r"\bNone\b", "none", allowed)
+        return f"{flag} {shown} is invalid: allowed {allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:
         return str(exc)
     from asyncinfer.commands.engine_flags import flag_error, in_flag_terms

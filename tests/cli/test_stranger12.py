@@ -173,3 +173,13 @@ def test_no_help_shows_rest_literal_markers() -> None:
     generate = _commands()["generate"].format_help()
     assert "Input, one request a line (--file; - reads stdin):\n" in generate
     assert cli.plain_text("a ``b`` c::\n\n    x :: y\n") == "a b c:\n\n    x :: y\n"
+
+
+# ------------------------------------------------------------------------- plan's none
+def test_plans_quantization_refusal_spells_none_as_the_flag_takes_it(tiny_models, capsys) -> None:
+    """``asyncinfer plan --quantization int4`` listed "allowed 'auto', None, 'float16', ...": the flag takes
+    ``none`` (``info --quantization int4`` already said so)."""
+    assert cli.main(["plan", str(tiny_models["llama"][0]), "--quantization", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncinfer: error: --quantization 'bfloat16' is invalid: allowed 'auto', none, 'float16', ")
+    assert "None" not in err
