@@ -86,3 +86,30 @@ def test_the_model_lists_url_with_a_trailing_slash_is_no_model_named_nothing(ser
         ("No route /v1/models/ on this server: the list of models is GET /v1/models (no trailing slash), one model "
         "GET /v1/models/NAME."), None, "unknown_url")
     assert httpx.get(server.url + "/v1/models/minilm", timeout=60).json()["id"] == "minilm"
+
+
+EMPTY = ("The request body is not valid JSON: it is empty. Send a JSON object, e.g. {\"messages\": [{\"role\": \"user\", "
+         "\"content\": \"Hi\"}]} (curl: -H 'Content-Type: application/json' -d '{...}').")
+BOM = ("The request body is not valid JSON: it begins with a UTF-8 byte-order mark (EF BB BF), which JSON does not "
+       "allow: send the text without it.")
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/chat/completions", b"", EMPTY),
+    ("/v1/completions", b"  \n", EMPTY),
+    ("/v1/embeddings", b"", EMPTY),
+    ("/v1/completions", b'\xef\xbb\xbf{"model": "tiny", "prompt": "a", "max_tokens": 1}', BOM),
+])
+def test_a_body_that_is_no_json_says_why_in_a_clients_words(server, path, body, message) -> None:
+    """``curl -X POST .../v1/chat/completions`` (no ``-d``) was answered "The request body is not valid JSON: Input
+    data was truncated", the decoder's words; a body a Windows tool wrote with a byte-order mark, "JSON is
+    malformed: invalid character (byte 0)"."""
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.headers["x-request-id"]
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+
+
+def test_other_malformed_json_keeps_the_decoders_words(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.json()["error"]["message"] == "The request body is not valid JSON: Input data was truncated"
