@@ -785,7 +785,13 @@ def _serve_terms(text: str) -> str:
     the variable), not the ``api_keys`` and ``tenants`` fields."""
     import re
 
+    from asyncinfer.server.settings import TENANTS_GIVEN
+
     keys = "--api-key / --tenant (or ASYNCINFER_API_KEY)"
+    for library, flags in ((TENANTS_GIVEN, "--tenant gives keys a tenant"), ("a key's Tenant", "a key's tenant"),
+                           ("give those keys as plain API keys, the priorities of tenant names as tenant_priorities",
+                            "give those keys as --api-key")):
+        text = text.replace(library, flags)
     return re.sub(r"\bapi_keys(?: or tenants)?\b", keys, text).replace(f"no {keys} are set", f"no {keys} is given")
 
 

@@ -113,3 +113,37 @@ def test_other_malformed_json_keeps_the_decoders_words(server) -> None:
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"},
                    timeout=60)
     assert r.json()["error"]["message"] == "The request body is not valid JSON: Input data was truncated"
+
+
+# ------------------------------------------------------------------------- tenants that would go unused
+@pytest.mark.parametrize("source", ["header", "request"])
+def test_keys_tenants_with_another_tenant_source_are_refused(source) -> None:
+    """``asyncinfer serve --tenant sk-acme=acme --tenant-from header`` served, its key accepted and its tenant and
+    priority never read: the header (or the body) named every request's tenant."""
+    from asyncinfer.errors import InvalidParameterError
+    from asyncinfer.server import ServerSettings, Tenant
+
+    with pytest.raises(InvalidParameterError) as refused:
+        ServerSettings(tenants={"sk-acme": Tenant("acme", priority=-5)}, tenant_from=source)
+    assert (refused.value.parameter, refused.value.value) == ("tenant_from", source)
+    assert str(refused.value) == (
+        f"tenant_from='{source}' is invalid: allowed 'api-key' when tenants give keys a Tenant (with 'header' or "
+        "'request' the tenant and priority come from the header or the body, and a key's Tenant would go unused: give "
+        "those keys as plain API keys, the priorities of tenant names as tenant_priorities)")
+    ServerSettings(api_keys=("sk-acme",), tenant_priorities={"acme": -5}, tenant_from=source)  # what to give instead
+    ServerSettings(tenants={"sk-acme": Tenant("acme", priority=-5)})  # the key's tenant, read
+
+
+def test_serve_says_it_in_its_flags(capsys, monkeypatch) -> None:
+    from asyncinfer import cli
+    from asyncinfer.commands import serve
+
+    def no_port(*_args: object) -> None:
+        raise AssertionError("the settings were taken: serve went on to listen")
+
+    monkeypatch.setattr(serve, "listening_socket", no_port)  # (cli imports it from there when it serves)
+    assert cli.main(["serve", "--port", "0", "--tenant", "sk-acme=acme", "--tenant-from", "header"]) == 2
+    assert capsys.readouterr().err == (
+        "asyncinfer: error: --tenant-from 'header' is invalid: allowed 'api-key' when --tenant gives keys a tenant "
+        "(with 'header' or 'request' the tenant and priority come from the header or the body, and a key's tenant "
+        "would go unused: give those keys as --api-key)\n")
