@@ -28,10 +28,10 @@ from asyncinfer.server import (
     run_server,
 )
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
 parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-parser.add_argument("--host", default="127.0.0.1")
-parser.add_argument("--port", type=int, default=8000)
+parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
 parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
 args = parser.parse_args()
 engine: AsyncEngine | None = None  # loaded in the lifespan

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import os
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -40,7 +41,7 @@ def deploy(args: argparse.Namespace) -> str:
                                              "kv_cache_memory": args.kv_cache_mib * 2**20})
     scaling = None
     if args.autoscale:
-        low, high = map(int, args.autoscale.split(":"))
+        low, high = args.autoscale
         scaling = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": 16}
     app = openai_app(spec, num_replicas=None if scaling else args.replicas, autoscaling_config=scaling,
                      ray_actor_options={"num_cpus": args.cpus_per_replica})
@@ -85,22 +86,52 @@ def replica_memory(url: str, replicas: set[str], tries: int = 50) -> dict[str, f
     return found
 
 
+def min_max(text: str) -> tuple[int, int]:
+    """``--autoscale MIN:MAX``: two replica counts, 0 <= MIN <= MAX, 1 <= MAX (Ray Serve's autoscaling bounds)."""
+    low, sep, high = text.partition(":")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()) or not 0 <= int(low) <= int(high) or int(high) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX, two replica counts with 0 <= MIN <= MAX and "
+                                         "MAX >= 1 (e.g. 1:4)")
+    return int(low), int(high)
+
+
+def positive(kind: type[int | float]) -> Callable[[str], int | float]:
+    """An argparse type: a number of ``kind`` above 0."""
+    def read(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
+        return value
+    return read
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--name", default=None, help="the model's name in requests (default: as `asyncinfer serve` names it, "
                                                  "SmolLM2-135M-Instruct for the default model, else the file's name)")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--autoscale", default=None, metavar="MIN:MAX")
-    p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per replica, MiB")
-    p.add_argument("--address", default=None, help="a running Ray cluster ('auto'); default: start one here")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--bench", type=int, default=0, metavar="N", help="N concurrent requests, print figures, stop")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--replicas", type=positive(int), default=2, metavar="N",
+                   help="replicas, one engine each (default: 2; --autoscale replaces it)")
+    p.add_argument("--autoscale", type=min_max, default=None, metavar="MIN:MAX",
+                   help="let Ray Serve scale the replicas between MIN and MAX (default: none: --replicas)")
+    p.add_argument("--cpus-per-replica", type=positive(float), default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each replica, also its torch threads (default: 1.0)")
+    p.add_argument("--max-model-len", type=positive(int), default=2048, metavar="TOKENS",
+                   help="prompt + output tokens per request (default: 2048)")
+    p.add_argument("--kv-cache-mib", type=positive(int), default=256, metavar="MIB",
+                   help="KV cache per replica, MiB (default: 256)")
+    p.add_argument("--address", default=None, help="a running Ray cluster ('auto') (default: start one here)")
+    p.add_argument("--num-cpus", type=positive(int), default=None, metavar="N",
+                   help="CPUs of the local Ray instance (default: every core here)")
+    p.add_argument("--host", default="127.0.0.1", help="address Ray Serve's proxy listens on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port Ray Serve's proxy listens on (default: 8000)")
+    p.add_argument("--bench", type=int, default=0, metavar="N",
+                   help="send N concurrent requests, print the figures, stop (default: 0: serve until Ctrl-C)")
+    p.add_argument("--max-tokens", type=positive(int), default=32, metavar="N",
+                   help="output tokens per --bench request (default: 32)")
     return p
 
 

@@ -55,10 +55,19 @@ def _defaults(cls: Any) -> dict[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from asyncinfer.commands.engine_flags import add_engine_flags
 
-    p.add_argument("--model", "-m", metavar="MODEL", default=None,
+    p.add_argument(*_names("--model"), metavar="MODEL", default=None,
                    help="HF model directory, .gguf file, known name or a Hugging Face Hub id in the local HF cache "
                         "(default: SmolLM2-135M-Instruct, fetched once)")
     add_engine_flags(p)
+
+
+def _names(flag: str) -> tuple[str, ...]:
+    """``flag`` and the other tools' flags that are its aliases on every command that has it (``-m`` for
+    ``--model``, ``-t`` for ``--threads``, ``-c`` / ``--ctx-size`` for ``--max-model-len``:
+    :data:`~asyncinfer.commands.foreign_flags.ALIASES`)."""
+    from asyncinfer.commands.foreign_flags import ALIASES
+
+    return (flag, *ALIASES.get(flag, ()))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -191,10 +200,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", metavar="MODEL", default=None, help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
+    p.add_argument(*_names("--model"), metavar="MODEL", default=None,
+                   help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
     p.add_argument("--batch", metavar="N", type=int, default=1, help="requests served at once (default: 1)")
-    p.add_argument("--seq-len", metavar="TOKENS", type=int, default=None,
-                   help="tokens per request, prompt + output (default: the model's context)")
+    # the engine's max_model_len in the plan it prints: the engine commands' flag for it is an alias
+    p.add_argument("--seq-len", *_names("--max-model-len"), metavar="TOKENS", type=int, default=None,
+                   help="tokens per request, prompt + output: the engine's --max-model-len (default: the model's "
+                        "context)")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16 (default: auto)")
     # No argparse choices: the planner checks the value against the engine's own list of formats
@@ -370,7 +382,7 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
                    help="requests per step (default: 16; the engine's is 128)")
     p.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int, default=512,
                    help="tokens per step (default: 512; the engine's is 1024)")
-    p.add_argument("--max-model-len", metavar="TOKENS", type=_positive_int, default=4096,
+    p.add_argument(*_names("--max-model-len"), metavar="TOKENS", type=_positive_int, default=4096,
                    help="prompt + output tokens per request (default: 4096)")
     p.add_argument("--slo-ttft", metavar="SECONDS", type=float, default=5.0, help="TTFT SLO in seconds (default: 5.0)")
     p.add_argument("--slo-tpot", metavar="SECONDS", type=float, default=0.5, help="TPOT SLO in seconds (default: 0.5)")
@@ -379,8 +391,9 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", default=None, metavar="OUT",
                    help="time the real runner of --model, write a cost model JSON to OUT, and exit (default: none: no "
                         "calibration)")
-    p.add_argument("--model", metavar="MODEL", default=None, help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096 (default: none: torch's setting)")
+    p.add_argument(*_names("--model"), metavar="MODEL", default=None,
+                   help="model to calibrate (default: SmolLM2-135M-Instruct)")
+    p.add_argument(*_names("--threads"), metavar="N", type=int, default=None, help="torch CPU threads while calibrating, 1 to 4096 (default: none: torch's setting)")
 
 
 async def _embed(args: argparse.Namespace) -> int:
@@ -643,12 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Embed texts with a sentence encoder and print their cosine similarities.",
                            formatter_class=_HelpFormatter)
     embed.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to embed, one or more")
-    embed.add_argument("--model", "-m", metavar="MODEL", default="all-MiniLM-L6-v2",
+    embed.add_argument(*_names("--model"), metavar="MODEL", default="all-MiniLM-L6-v2",
                        help="sentence encoder (name or directory) (default: all-MiniLM-L6-v2)")
     embed.add_argument("--dtype", metavar="DTYPE", default="auto",
                        help="auto | float32 | bfloat16 | float16 (default: auto)")
     embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-    embed.add_argument("--threads", metavar="N", type=int, default=None,
+    embed.add_argument(*_names("--threads"), metavar="N", type=int, default=None,
                        help="torch CPU threads, 1 to 4096 (default: torch's setting, one per core; on a busy or shared "
                        "machine, 1)")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON (default: a table)")
@@ -772,7 +785,13 @@ def _serve_terms(text: str) -> str:
     the variable), not the ``api_keys`` and ``tenants`` fields."""
     import re
 
+    from asyncinfer.server.settings import TENANTS_GIVEN
+
     keys = "--api-key / --tenant (or ASYNCINFER_API_KEY)"
+    for library, flags in ((TENANTS_GIVEN, "--tenant gives keys a tenant"), ("a key's Tenant", "a key's tenant"),
+                           ("give those keys as plain API keys, the priorities of tenant names as tenant_priorities",
+                            "give those keys as --api-key")):
+        text = text.replace(library, flags)
     return re.sub(r"\bapi_keys(?: or tenants)?\b", keys, text).replace(f"no {keys} are set", f"no {keys} is given")
 
 
@@ -791,7 +810,12 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
             path, _, line = value.rpartition(":")
             return f"--trace {path} line {line}: expected {exc.allowed}"
         shown = repr(value) if isinstance(value, str) else str(value)
-        return f"{flag} {shown} is invalid: allowed {exc.allowed}"
+        allowed = exc.allowed
+        if (args.command, exc.parameter) == ("plan", "quantization"):  # the flag takes none (the dtype), not None
+            import re
+
+            allowed = re.sub(r"\bNone\b", "none", allowed)
+        return f"{flag} {shown} is invalid: allowed {allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:
         return str(exc)
     from asyncinfer.commands.engine_flags import flag_error, in_flag_terms
@@ -931,10 +955,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def plain_text(text: str) -> str:
-    """``text`` without reST's double backticks and roles (``:func:`f``` -> ``f``)."""
+    """``text`` without reST's double backticks, roles (``:func:`f``` -> ``f``) and literal-block markers (a
+    paragraph's closing ``::`` -> ``:``)."""
     import re
 
     text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = re.sub(r"(?<=\S)::$", ":", text, flags=re.MULTILINE)
     return text.replace("``", "")
 
 

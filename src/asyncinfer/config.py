@@ -103,11 +103,19 @@ def cpu_has_fast_matmul(dtype: torch.dtype) -> bool | None:
     return True
 
 
-def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+#: What :func:`warn_slow_cpu_dtype` offers instead, for a generator: its weight formats keep the weights small.
+FASTER_FOR_A_GENERATOR = ("dtype='auto' (--dtype auto: float32 activations, the weights kept small by "
+                          "quantization='auto', float16 or the GGUF file's own blocks) is faster")
+#: ... and for a sentence encoder, which has no weight format: float32.
+FASTER_FOR_AN_ENCODER = "dtype='auto' (--dtype auto: float32 on a CPU) is faster"
+
+
+def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device, faster: str = FASTER_FOR_A_GENERATOR) -> None:
     """Warn (``logging.warning`` on "asyncinfer", once per dtype and process) when ``dtype`` is float16 or
     bfloat16 on a CPU without native matrix kernels for it: every matmul is then emulated,
     slower than float32 activations (measured: 1.4x per matmul on an AVX-512 CPU without FP16), and the weights
-    can be made as small with a weight format instead."""
+    can be made as small with a weight format instead. ``faster`` says what to use instead, for the kind of model
+    (an encoder has no weight format)."""
     if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16) or dtype in _WARNED_SLOW_DTYPES:
         return
     if cpu_has_fast_matmul(dtype) is not False:
@@ -115,9 +123,8 @@ def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
     _WARNED_SLOW_DTYPES.add(dtype)
     name = str(dtype).removeprefix("torch.")
     logging.getLogger("asyncinfer").warning(
-        "dtype=%s is slow on this CPU (it has no native %s matrix kernels, so each one is emulated): dtype='auto' "
-        "(--dtype auto: float32 activations, the weights kept small by quantization='auto', float16 or the GGUF "
-        "file's own blocks) is faster (docs/formats.md)", name, name)
+        "dtype=%s is slow on this CPU (it has no native %s matrix kernels, so each one is emulated): %s "
+        "(docs/formats.md)", name, name, faster)
 
 
 def plain_fields(options: Any) -> None:

@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from asyncinfer.config import MAX_THREADS, check_int, from_options, plain_fields, resolve_device, resolve_dtype
+from asyncinfer.config import (
+    FASTER_FOR_AN_ENCODER,
+    MAX_THREADS,
+    check_int,
+    from_options,
+    plain_fields,
+    resolve_device,
+    resolve_dtype,
+    warn_slow_cpu_dtype,
+)
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import MiB
 from asyncinfer.models.encoder import EncoderConfig, LoadedEncoder
@@ -58,6 +67,7 @@ class EmbeddingConfig:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        warn_slow_cpu_dtype(self.dtype, device, FASTER_FOR_AN_ENCODER)
         check_int("max_batch_size", self.max_batch_size, 1, 1024)
         check_int("max_batch_tokens", self.max_batch_tokens, 1, 1 << 20)
         wait = self.max_wait_ms

@@ -99,6 +99,23 @@ def _levels(given: list[str] | None) -> list[int]:
     return levels
 
 
+def _check_lengths(args: argparse.Namespace, max_model_len: int, context: int) -> None:
+    """Each request's --input-len prompt tokens plus --output-len output tokens within the engine's max_model_len
+    (``context``: the model's), said in the flags' terms (the engine's own refusal named ``prompt='<9000
+    tokens>'`` and ``max_tokens``, neither of them a flag of bench)."""
+    total = args.input_len + args.output_len
+    if total > max_model_len:
+        from asyncinfer.commands import CommandError
+
+        if max_model_len < context:
+            what, fix = "prompt + output", f" (or raise --max-model-len, up to the model's context, {context})"
+        else:
+            what, fix = "prompt + output, the model's context", ""
+        raise CommandError(f"--input-len {args.input_len} + --output-len {args.output_len} = {total} tokens per "
+                           f"request, more than --max-model-len {max_model_len} ({what}): lower --input-len or "
+                           f"--output-len{fix}")
+
+
 def _prompts(vocab_size: int, args: argparse.Namespace) -> list[list[int]]:
     rng = random.Random(args.seed)
     low = min(100, vocab_size // 2)  # clear of the special tokens most vocabularies start with
@@ -111,6 +128,8 @@ async def _bench_engine(
     from asyncinfer.engine import AsyncEngine
 
     engine = await AsyncEngine.load(model, **options)
+    (info,) = engine.model_info()
+    _check_lengths(args, info.memory_plan.max_model_len, engine.model_config.max_position_embeddings)
     prompts = _prompts(engine.model_config.vocab_size, args)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     rows: list[Row] = []

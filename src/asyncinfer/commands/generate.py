@@ -47,6 +47,11 @@ from asyncinfer.sampling_params import SamplingParams
 _REQUEST_KEYS = {"prompt", "messages", "id"}
 
 
+#: The engine's fix for a ``max_tokens`` past the context, a Python call, as a job says it: the key of a --file line.
+_TRUNCATE_IN_A_LINE = ("SamplingParams(truncate_output_to_model_len=True)",
+                       'a --file line\'s "truncate_output_to_model_len": true')
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     # Not required in argparse's terms: run_generate says what is missing, and explains a prompt given as MODEL.
     source = p.add_mutually_exclusive_group()
@@ -296,7 +301,7 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
             except (InvalidParameterError, EngineOverloadedError) as exc:  # this request only: the job goes on
                 from asyncinfer.commands.engine_flags import in_flag_terms
 
-                record = {"id": job.id, "error": in_flag_terms(str(exc))}
+                record = {"id": job.id, "error": in_flag_terms(str(exc)).replace(*_TRUNCATE_IN_A_LINE)}
                 failed += 1
                 progress.done(0)
         results[i] = record

@@ -315,12 +315,19 @@ def _other_api(path: str) -> str:
     if path.startswith("/api/"):
         mapped = ", ".join(f"{route} is {ours}" for route, ours in _OTHER_ROUTES.items() if route.startswith("/api/"))
         return f": it serves OpenAI's API under /v1, not Ollama's ({mapped})"
+    if path.rstrip("/") in ("", "/v1"):  # a browser, or a first curl, at the address serve printed
+        return f": its routes are {_ROUTES}"
     if path.rstrip("/") == "/v1/responses":
         return ": OpenAI's Responses API is not served; send the conversation to POST /v1/chat/completions"
     if path.rstrip("/") in _UNDER_V1:  # an OpenAI client whose base_url lacks /v1, or llama.cpp's /completion
         return (f": the API is under /v1, at {_UNDER_V1[path.rstrip('/')]} (an OpenAI client's base_url ends in /v1: "
                 "http://HOST:PORT/v1)")
     return ""
+
+
+#: The routes of :func:`~asyncinfer.server.router.openai_router`, as the 404 of ``/`` and ``/v1`` lists them.
+_ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models, GET /health and "
+           "GET /metrics (docs/serving.md)")
 
 
 #: Routes asked for without their /v1 (the base_url of an OpenAI client set to the bare server), or as llama.cpp's

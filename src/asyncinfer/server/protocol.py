@@ -196,13 +196,25 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
             raise APIError(400, f"`{field or 'the request body'}` holds an escaped lone surrogate (\\ud800 to "
                                 "\\udfff without its pair), which is not valid Unicode text.",
                            param=field or None) from None
-        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+        raise APIError(400, f"The request body is not valid JSON: {_decode_error_words(raw, exc)}") from None
     except RecursionError:
         raise _too_deep() from None
     if shape is not None:
         value = {f: v for f in value.__struct_fields__ if (v := getattr(value, f)) is not msgspec.UNSET}
     check_depth(value, MAX_JSON_DEPTH)
     return value
+
+
+def _decode_error_words(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """Why a body is not JSON, in a client's words where the decoder's would puzzle: an empty body (``curl -X POST``
+    without ``-d``) is "Input data was truncated" to msgspec, and a UTF-8 byte-order mark (as Windows tools write
+    it) an "invalid character (byte 0)"."""
+    if not raw.strip():
+        return ("it is empty. Send a JSON object, e.g. {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]} "
+                "(curl: -H 'Content-Type: application/json' -d '{...}').")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return "it begins with a UTF-8 byte-order mark (EF BB BF), which JSON does not allow: send the text without it."
+    return str(exc)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

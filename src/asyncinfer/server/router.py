@@ -67,6 +67,18 @@ MAX_REBINDS = 3
 _FLOAT_CHARS = 20
 CLIENT_CLOSED = 499  # nobody reads it: the client is gone (nginx's code, for the logs)
 
+#: The model an endpoint needs (its article, its kind's words) and how a server's operator adds one, for the 404 of
+#: a server that serves none of that kind (a client following a guide to /v1/embeddings met only "This server has
+#: no embedding model.", a model named there "does not exist", with no word of what would serve it).
+_NO_MODEL_OF = {
+    "embed": ("an", "embedding model", ("/v1/embeddings needs one, which the server's operator adds with "
+                                        "`asyncinfer serve --embedding-model all-MiniLM-L6-v2` (or a ModelSpec of a "
+                                        "sentence encoder in create_app).")),
+    "generate": ("a", "generation model", ("the chat and completions routes need one, which the server's operator "
+                                           "adds with `asyncinfer serve MODEL` (or a ModelSpec of a generator in "
+                                           "create_app).")),
+}
+
 
 def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> APIRouter:
     """The OpenAI-compatible routes over ``engine``, for ``app.include_router(...)``.
@@ -338,18 +350,27 @@ class _OpenAI:
                                code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
-                raise APIError(404, f"This server has no {'embedding' if kind == 'embed' else 'generation'} model.",
+                _article, noun, how = _NO_MODEL_OF[kind]
+                raise APIError(404, f"This server has no {noun}: {how}",
                                param="model", code="model_not_found")
             return found.name, found
         info = served.get(requested)
         if info is None:
-            raise self._absent(requested)
+            absent = self._absent(requested)
+            if absent.status == 404 and served and all(m.kind != kind for m in served.values()):
+                article, noun, how = _NO_MODEL_OF[kind]
+                raise APIError(404, f"{absent.message} None of them is {article} {noun}: {how}", param="model",
+                               code="model_not_found")
+            raise absent
         if info.kind != kind:
             use = "/v1/embeddings" if info.kind == "embed" else "/v1/chat/completions or /v1/completions"
             raise APIError(400, f"The model `{requested}` does not support this endpoint: use {use}.", param="model")
         return requested, info
 
     async def _models(self, model: str | None = None) -> Response:
+        if model == "":  # /v1/models/: the list's URL with a trailing slash, as every other route's is (no redirect)
+            raise APIError(404, "No route /v1/models/ on this server: the list of models is GET /v1/models (no "
+                                "trailing slash), one model GET /v1/models/NAME.", code="unknown_url")
         cards = {name: self._card(info) for name, info in self._served().items()}
         if model is None:
             return _json({"object": "list", "data": list(cards.values())})

@@ -55,6 +55,9 @@ def metrics_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str
     return _keys_from_env(METRICS_KEYS_ENV, environ)
 
 
+#: How a ``tenant_from`` refusal names ``tenants`` (``asyncinfer serve`` says it in its flag's words).
+TENANTS_GIVEN = "tenants give keys a Tenant"
+
 #: What a tenant name may be (the body's ``user`` with ``tenant_from="request"``, a proxy's tenant header, a key's
 #: :class:`Tenant`): it heads engine request ids, which schedulers read and log lines show.
 TENANT_NAME_ALLOWED = (f"a string of 1 to {MAX_TENANT_CHARS} printable characters (no control characters or line "
@@ -200,6 +203,12 @@ class ServerSettings:
             raise InvalidParameterError("cache_isolation", "api-key", "'off' or 'header' when no api_keys are set")
         if self.tenant_from not in TENANT_FROM:
             raise InvalidParameterError("tenant_from", self.tenant_from, f"one of {TENANT_FROM}")
+        if tenants and self.tenant_from != "api-key":  # a key's Tenant would be accepted, then never read
+            raise InvalidParameterError(
+                "tenant_from", self.tenant_from,
+                f"'api-key' when {TENANTS_GIVEN} (with 'header' or 'request' the tenant and priority come from the "
+                "header or the body, and a key's Tenant would go unused: give those keys as plain API keys, the "
+                "priorities of tenant names as tenant_priorities)")
         object.__setattr__(self, "tenant_header", _header("tenant_header", self.tenant_header))
         if self.priority_header is not None:
             object.__setattr__(self, "priority_header", _header("priority_header", self.priority_header))
