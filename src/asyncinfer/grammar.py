@@ -221,7 +221,7 @@ class GrammarCompiler:
         vocabulary = self._vocabulary(spec)
         try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
             grammar = _grammar_text(llguidance, spec)
-            _check_integer_bounds(spec, grammar)
+            _check_schemas(spec, grammar)
             matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
         except InvalidParameterError:
             raise
@@ -264,15 +264,38 @@ _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_SCHEMA_BOUND = float(2**63)
 
 
-def _check_integer_bounds(spec: StructuredOutput, grammar: str) -> None:
+#: The most distinct regular expressions (``pattern``s and ``format``s) a JSON schema may ask one value to match at
+#: once: a value's own, those its ``allOf`` items and ``$ref`` targets merge into it (and, for an object or an
+#: array, into each of its properties and items), and the most of any one ``anyOf``/``oneOf`` alternative.
+#: llguidance intersects them into one regular expression whose construction grows exponentially with their
+#: number, before any of its own limits apply: 20 took 1.4 s, 25 asked for gigabytes and the process aborted
+#: ("memory allocation of 8216641536 bytes failed", SIGABRT) — one caller's schema took the server down.
+#: The library itself gives up on 8 to 16 such patterns (``Unable to determine if regex is empty``).
+MAX_SCHEMA_PATTERNS = 8
+#: The most regular-expression intersections (``&``) a Lark grammar may hold, for the same reason.
+MAX_GRAMMAR_INTERSECTIONS = 8
+#: The most merged positions :func:`_schema_patterns` visits in one schema; past it the schema is refused.
+MAX_SCHEMA_MERGE_VISITS = 10_000
+
+
+def _check_schemas(spec: StructuredOutput, grammar: str) -> None:
     """Refuse a grammar whose JSON schemas (a json_schema spec's own, or a Lark grammar's ``%json {...}``) hold a
-    bound of size :data:`MAX_SCHEMA_BOUND` or more, before the library reads it (see :data:`_BOUND_KEYS`).
+    bound of size :data:`MAX_SCHEMA_BOUND` or more (see :data:`_BOUND_KEYS`), or ask one value to match more than
+    :data:`MAX_SCHEMA_PATTERNS` regular expressions, or a Lark grammar of more than
+    :data:`MAX_GRAMMAR_INTERSECTIONS` intersections, before the library reads it.
 
     Raises:
-        InvalidParameterError: naming ``structured`` and the bound.
+        InvalidParameterError: naming ``structured`` and what is past its bound.
     """
     decoder = json.JSONDecoder()
-    starts = [0] if grammar.startswith("{") else []  # a JSON schema's grammar is itself JSON
+    lark = not grammar.startswith("{")  # a JSON schema's and a regex's grammar is itself JSON, a Lark one is not
+    if lark:
+        count = _intersections(grammar)
+        if count > MAX_GRAMMAR_INTERSECTIONS:
+            raise InvalidParameterError("structured", _shown(spec),
+                                        f"a {_WHAT[spec.kind]} of at most {MAX_GRAMMAR_INTERSECTIONS} intersections "
+                                        f"(&) of regular expressions, got {count}")
+    starts = [] if lark else [0]
     at = grammar.find("%json")
     while at >= 0:
         brace = grammar.find("{", at)
@@ -284,20 +307,141 @@ def _check_integer_bounds(spec: StructuredOutput, grammar: str) -> None:
             document, _ = decoder.raw_decode(grammar, start)
         except (ValueError, RecursionError):  # not JSON (the library refuses it), or deeper than the library reads
             continue
-        stack = [document]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    if key in _BOUND_KEYS and isinstance(item, (int, float)) and not isinstance(item, bool) \
-                            and not _bound_fits(item):
-                        raise InvalidParameterError(
-                            "structured", _shown(spec),
-                            f"a {_WHAT[spec.kind]} whose bounds ({', '.join(_BOUND_KEYS)}) are under 2**63 "
-                            f"(9223372036854775808) in size, got {key} {item!r}")
-                    stack.append(item)
-            elif isinstance(value, list):
-                stack.extend(value)
+        _check_integer_bounds(spec, document)
+        schemas = [document]
+        if start == 0 and isinstance(document, dict) and isinstance(document.get("grammars"), list):
+            schemas = [g.get("json_schema") for g in document["grammars"] if isinstance(g, dict)]
+        for schema in schemas:
+            if isinstance(schema, dict):
+                count = _schema_patterns(schema)
+                if count > MAX_SCHEMA_PATTERNS:
+                    raise InvalidParameterError(
+                        "structured", _shown(spec),
+                        f"a {_WHAT[spec.kind]} that asks one value to match at most {MAX_SCHEMA_PATTERNS} regular "
+                        f"expressions (pattern, format) at once (merged by allOf and $ref), got {count}"
+                        if count <= MAX_SCHEMA_MERGE_VISITS else
+                        f"a {_WHAT[spec.kind]} whose merges (allOf, $ref) take at most {MAX_SCHEMA_MERGE_VISITS} "
+                        f"steps to check")
+
+
+def _intersections(lark: str) -> int:
+    """The ``&`` operators of a Lark grammar: those outside its string literals, regular expressions and comments."""
+    count = 0
+    i, n = 0, len(lark)
+    while i < n:
+        c = lark[i]
+        if c == "/" and lark.startswith("//", i):
+            end = lark.find("\n", i)
+            i = n if end < 0 else end
+        elif c in "\"/":
+            i += 1
+            while i < n and lark[i] != c and lark[i] != "\n":
+                i += 2 if lark[i] == "\\" else 1
+        elif c == "&":
+            count += 1
+        i += 1
+    return count
+
+
+def _resolve(root: dict, ref: str) -> object:
+    """The part of ``root`` a local ``$ref`` (``#``, ``#/$defs/name``, any JSON pointer) names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node: object = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _schema_patterns(root: dict) -> int:
+    """The most distinct regular expressions (``pattern``s and ``format``s) ``root`` asks any one value to match:
+    see :data:`MAX_SCHEMA_PATTERNS`. Past :data:`MAX_SCHEMA_MERGE_VISITS` merged positions, a count above it."""
+    seen: set[frozenset[int]] = set()
+    groups: list[list[object]] = [[root]]
+    worst = 0
+    while groups:
+        nodes = _merged(root, groups.pop())
+        key = frozenset(id(node) for node in nodes)
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(seen) > MAX_SCHEMA_MERGE_VISITS:
+            return MAX_SCHEMA_MERGE_VISITS + 1
+        count = len(_own_patterns(nodes))
+        children: dict[tuple[str, str], list[object]] = {}
+        for node in nodes:
+            for word in ("anyOf", "oneOf"):
+                alternatives = node.get(word)
+                if isinstance(alternatives, list) and alternatives:
+                    count += max(len(_own_patterns(_merged(root, [alt]))) for alt in alternatives)
+                    groups.extend([alt] for alt in alternatives)
+            for word in ("properties", "patternProperties"):
+                members = node.get(word)
+                if isinstance(members, dict):
+                    for name, child in members.items():
+                        children.setdefault((word, name), []).append(child)
+            for word in ("items", "additionalProperties", "contains"):
+                children.setdefault((word, ""), []).append(node.get(word))
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list):
+                for index, child in enumerate(prefix):
+                    children.setdefault(("prefixItems", str(index)), []).append(child)
+        worst = max(worst, count)
+        groups.extend(group for group in children.values() if any(isinstance(child, dict) for child in group))
+    return worst
+
+
+def _merged(root: dict, group: list[object]) -> list[dict]:
+    """The schemas that apply to one value: ``group``'s, and those their ``allOf`` items and ``$ref`` targets merge
+    in, each once."""
+    out: list[dict] = []
+    ids: set[int] = set()
+    stack = list(reversed(group))
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in ids:
+            continue
+        ids.add(id(node))
+        out.append(node)
+        items = node.get("allOf")
+        if isinstance(items, list):
+            stack.extend(items)
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            stack.append(_resolve(root, ref))
+    return out
+
+
+def _own_patterns(nodes: list[dict]) -> set[tuple[str, str]]:
+    return {(word, node[word]) for node in nodes for word in ("pattern", "format") if isinstance(node.get(word), str)}
+
+
+def _check_integer_bounds(spec: StructuredOutput, document: object) -> None:
+    """Refuse a JSON document holding a bound of size :data:`MAX_SCHEMA_BOUND` or more (see :data:`_BOUND_KEYS`).
+
+    Raises:
+        InvalidParameterError: naming ``structured`` and the bound.
+    """
+    stack = [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in _BOUND_KEYS and isinstance(item, (int, float)) and not isinstance(item, bool) \
+                        and not _bound_fits(item):
+                    raise InvalidParameterError(
+                        "structured", _shown(spec),
+                        f"a {_WHAT[spec.kind]} whose bounds ({', '.join(_BOUND_KEYS)}) are under 2**63 "
+                        f"(9223372036854775808) in size, got {key} {item!r}")
+                stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _bound_fits(value: float) -> bool:

@@ -1,0 +1,136 @@
+"""Adversarial pass 15 (issue 25): structured-output specs whose regular expressions llguidance
+intersects.
+
+llguidance builds one regular expression for the patterns a value must match at once (a JSON schema's ``allOf``
+items, ``$ref`` targets with their own ``pattern``, the ``properties``, ``items`` and ``additionalProperties``
+those merge; a Lark grammar's ``&``), and its construction grows exponentially with their number before any of
+the library's own limits apply: 20 patterns took 1.4 s, 25 asked for gigabytes and the process aborted
+(``memory allocation of 8216641536 bytes failed``, SIGABRT): one caller's ``response_format`` of about a kilobyte
+took the server and every other caller down. More than ``MAX_SCHEMA_PATTERNS`` = 8 such patterns on one value (or
+``MAX_GRAMMAR_INTERSECTIONS`` = 8 ``&`` in a grammar) are refused by ``structured`` before the library reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from asyncinfer.grammar import _intersections, _schema_patterns
+
+
+def _patterns(n: int, start: int = 0) -> list[dict]:
+    return [{"type": "string", "pattern": f"a{i}"} for i in range(start, start + n)]
+
+
+_CHAIN = {f"p{i}": {"$ref": f"#/$defs/p{i + 1}", "pattern": f"a{i}"} for i in range(29)}
+_CHAIN["p29"] = {"type": "string", "pattern": "a29"}
+_CRASHING = {
+    "all_of": {"allOf": _patterns(50)},
+    "refs": {"$defs": {f"p{i}": p for i, p in enumerate(_patterns(30))},
+             "allOf": [{"$ref": f"#/$defs/p{i}"} for i in range(30)]},
+    "ref_chain": {"$defs": _CHAIN, "$ref": "#/$defs/p0"},
+    "property": {"type": "object", "properties": {"k": {"type": "string", "pattern": "a"}},
+                 "allOf": [{"properties": {"k": p}} for p in _patterns(30)]},
+    "items": {"type": "array", "allOf": [{"items": p} for p in _patterns(30)]},
+    "additional": {"type": "object", "allOf": [{"additionalProperties": p} for p in _patterns(30)]},
+}
+_SPECS = {**{name: f"StructuredOutput.json_schema({json.dumps(s)!r})" for name, s in _CRASHING.items()},
+          "lark_and": "StructuredOutput.grammar('start: A\\nA: ' + ' & '.join('/.*a%d.*/' % i for i in range(30)))",
+          "lark_json": "StructuredOutput.grammar('start: x\\nx: %json ' + "
+                       f"{json.dumps(_CRASHING['all_of'])!r})"}
+_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 * 1024 ** 3, 3 * 1024 ** 3))
+from transformers import AutoTokenizer
+from asyncinfer import InvalidParameterError
+from asyncinfer.grammar import GrammarCompiler
+from asyncinfer.structured import StructuredOutput
+compiler = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 320, [2])
+try:
+    compiler.compile({spec})
+    print("compiled")
+except InvalidParameterError as exc:
+    print("refused", exc.parameter, exc)
+"""
+
+
+@pytest.mark.parametrize("name", list(_SPECS))
+def test_a_spec_intersecting_many_patterns_is_refused_before_the_grammar_library_reads_it(tiny_chat_model,
+                                                                                           name) -> None:
+    """Each spec is compiled in a child interpreter (under a 3 GiB address-space limit), as the engine compiles it:
+    before, each ended it with SIGABRT (``memory allocation ... failed``); now each is an InvalidParameterError on
+    ``structured`` naming the limit, at once."""
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(spec=_SPECS[name]), str(tiny_chat_model)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("refused structured "), done.stdout
+    if name == "lark_and":
+        assert "at most 8 intersections (&) of regular expressions, got 29" in done.stdout
+    else:
+        assert "to match at most 8 regular expressions (pattern, format) at once" in done.stdout, done.stdout
+
+
+def test_schemas_of_many_patterns_on_different_values_are_counted_per_value() -> None:
+    """Patterns on different properties, alternatives of an ``anyOf``, a recursive ``$ref`` and an ``allOf`` that
+    only wraps a ``$ref`` (pydantic's field description) are no intersection; patterns merged into one value are
+    counted each once, with its ``format``."""
+    fields = {f"f{i}": {"type": "string", "pattern": f"[0-9]{{{i + 1}}}"} for i in range(30)}
+    assert _schema_patterns({"type": "object", "properties": fields}) == 1
+    assert _schema_patterns({"$defs": {"A": {"type": "object", "properties": fields}}, "type": "object",
+                             "properties": {"a": {"allOf": [{"$ref": "#/$defs/A"}], "description": "x"}}}) == 1
+    assert _schema_patterns({"anyOf": _patterns(20)}) == 1
+    assert _schema_patterns({"$defs": {"n": {"type": "object", "properties": {
+        "v": {"type": "string", "pattern": "[a-z]+"}, "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}},
+        "$ref": "#/$defs/n"}) == 1
+    assert _schema_patterns({"allOf": [*_patterns(8), *_patterns(8), {"format": "email"}]}) == 9
+    assert _schema_patterns({"allOf": _patterns(3), "anyOf": [{"allOf": _patterns(4, 3)}, {"pattern": "b"}]}) == 7
+    assert _schema_patterns({"$defs": _CHAIN, "$ref": "#/$defs/p0"}) == 30
+
+
+def test_ampersands_in_literals_and_comments_are_no_intersection() -> None:
+    assert _intersections('start: A | "&&\\"&&" | /&&\\/&&/\nA: "a" // &&&&\nB: /x/ & /y/ &/z/') == 2
+
+
+@pytest.mark.parametrize("spec", [
+    ('StructuredOutput.json_schema({"allOf": [{"type": "string", "pattern": "^[a-z0-9]*" + str(i) + "[a-z0-9]*$"} '
+     'for i in range(5)]})'),
+    'StructuredOutput.grammar("start: A\\nA: " + " & ".join("/.*a%d.*/" % i for i in range(8)))',
+])
+def test_specs_within_the_limits_still_compile(tiny_chat_model, spec) -> None:
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(spec=spec), str(tiny_chat_model)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "compiled", done.stdout
+
+
+_SERVER_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 * 1024 ** 3, 3 * 1024 ** 3))
+import httpx
+from asyncinfer.server import ModelSpec, create_app
+from tests.server.conftest import TINY_OPTIONS, LiveServer
+chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+schema = {"type": "object", "properties": {"k": {"allOf": [{"type": "string", "pattern": "a%d" % i}
+                                                           for i in range(40)]}}, "required": ["k"]}
+with LiveServer(create_app(ModelSpec(sys.argv[1], "tiny", TINY_OPTIONS))) as live, \\
+        httpx.Client(base_url=live.url, timeout=60) as http:
+    r = http.post("/v1/chat/completions", json={
+        **chat, "response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}})
+    print(r.status_code, r.json()["error"]["param"], bool(r.headers.get("x-request-id")))
+    print(r.json()["error"]["message"])
+    print(http.post("/v1/chat/completions", json=chat).status_code)
+"""
+
+
+def test_over_http_a_schema_intersecting_many_patterns_is_a_400_and_the_server_serves_on(tiny_chat_model) -> None:
+    """The server runs in a child interpreter (3 GiB address space): before, the request aborted it."""
+    done = subprocess.run([sys.executable, "-c", _SERVER_CHILD, str(tiny_chat_model)], check=False,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    status, message, after = done.stdout.strip().splitlines()
+    assert status == "400 response_format.json_schema.schema True"
+    assert "at most 8 regular expressions (pattern, format) at once (merged by allOf and $ref), got 40" in message
+    assert after == "200"
