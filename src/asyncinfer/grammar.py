@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -344,12 +345,13 @@ def _intersections(lark: str) -> int:
 
 
 def _resolve(root: dict, ref: str) -> object:
-    """The part of ``root`` a local ``$ref`` (``#``, ``#/$defs/name``, any JSON pointer) names, or None."""
-    if not ref.startswith("#"):
+    """The part of ``root`` a ``$ref`` names when it is a local JSON pointer (``#``, ``#/$defs/name``, its parts
+    %-encoded or not), else None."""
+    if not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
         return None
     node: object = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
+    for part in ref[2:].split("/") if len(ref) > 1 else ():
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict):
             node = node.get(part)
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -359,27 +361,45 @@ def _resolve(root: dict, ref: str) -> object:
     return node
 
 
+_REF_KEYS = ("$ref", "$dynamicRef")
+
+
 def _schema_patterns(root: dict) -> int:
     """The most distinct regular expressions (``pattern``s and ``format``s) ``root`` asks any one value to match:
-    see :data:`MAX_SCHEMA_PATTERNS`. Past :data:`MAX_SCHEMA_MERGE_VISITS` merged positions, a count above it."""
+    see :data:`MAX_SCHEMA_PATTERNS`. A ``$ref`` that is no local JSON pointer (to an ``$anchor`` or an ``$id``,
+    which the library may follow) counts as merging every pattern the schema holds. Past
+    :data:`MAX_SCHEMA_MERGE_VISITS` merged positions, a count above it."""
+    everything: set[tuple[str, str]] = set()
+    stack: list[object] = [root]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            everything |= _own_patterns([value])
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
     seen: set[frozenset[int]] = set()
     groups: list[list[object]] = [[root]]
     worst = 0
     while groups:
-        nodes = _merged(root, groups.pop())
+        nodes, elsewhere = _merged(root, groups.pop())
         key = frozenset(id(node) for node in nodes)
         if key in seen:
             continue
         seen.add(key)
         if len(seen) > MAX_SCHEMA_MERGE_VISITS:
             return MAX_SCHEMA_MERGE_VISITS + 1
-        count = len(_own_patterns(nodes))
+        count = len(everything if elsewhere else _own_patterns(nodes))
         children: dict[tuple[str, str], list[object]] = {}
         for node in nodes:
             for word in ("anyOf", "oneOf"):
                 alternatives = node.get(word)
                 if isinstance(alternatives, list) and alternatives:
-                    count += max(len(_own_patterns(_merged(root, [alt]))) for alt in alternatives)
+                    most = 0  # each alternative is merged with the value's own: the costliest one counts
+                    for alternative in alternatives:
+                        merged, far = _merged(root, [alternative])
+                        most = max(most, len(everything if far else _own_patterns(merged)))
+                    count += most
                     groups.extend([alt] for alt in alternatives)
             for word in ("properties", "patternProperties"):
                 members = node.get(word)
@@ -397,11 +417,12 @@ def _schema_patterns(root: dict) -> int:
     return worst
 
 
-def _merged(root: dict, group: list[object]) -> list[dict]:
+def _merged(root: dict, group: list[object]) -> tuple[list[dict], bool]:
     """The schemas that apply to one value: ``group``'s, and those their ``allOf`` items and ``$ref`` targets merge
-    in, each once."""
+    in, each once; and whether a ``$ref`` among them is no local JSON pointer."""
     out: list[dict] = []
     ids: set[int] = set()
+    elsewhere = False
     stack = list(reversed(group))
     while stack:
         node = stack.pop()
@@ -412,10 +433,13 @@ def _merged(root: dict, group: list[object]) -> list[dict]:
         items = node.get("allOf")
         if isinstance(items, list):
             stack.extend(items)
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            stack.append(_resolve(root, ref))
-    return out
+        for word in _REF_KEYS:
+            ref = node.get(word)
+            if isinstance(ref, str):
+                target = _resolve(root, ref)
+                elsewhere = elsewhere or target is None
+                stack.append(target)
+    return out, elsewhere
 
 
 def _own_patterns(nodes: list[dict]) -> set[tuple[str, str]]:

@@ -32,6 +32,10 @@ _CRASHING = {
     "refs": {"$defs": {f"p{i}": p for i, p in enumerate(_patterns(30))},
              "allOf": [{"$ref": f"#/$defs/p{i}"} for i in range(30)]},
     "ref_chain": {"$defs": _CHAIN, "$ref": "#/$defs/p0"},
+    "anchors": {"$defs": {f"p{i}": {**p, "$anchor": f"p{i}"} for i, p in enumerate(_patterns(30))},
+                "allOf": [{"$ref": f"#p{i}"} for i in range(30)]},
+    "encoded_pointer": {"$defs": {f"p{i}": p for i, p in enumerate(_patterns(30))},
+                        "allOf": [{"$ref": f"#/%24defs/p{i}"} for i in range(30)]},
     "property": {"type": "object", "properties": {"k": {"type": "string", "pattern": "a"}},
                  "allOf": [{"properties": {"k": p}} for p in _patterns(30)]},
     "items": {"type": "array", "allOf": [{"items": p} for p in _patterns(30)]},
@@ -76,7 +80,7 @@ def test_a_spec_intersecting_many_patterns_is_refused_before_the_grammar_library
 def test_schemas_of_many_patterns_on_different_values_are_counted_per_value() -> None:
     """Patterns on different properties, alternatives of an ``anyOf``, a recursive ``$ref`` and an ``allOf`` that
     only wraps a ``$ref`` (pydantic's field description) are no intersection; patterns merged into one value are
-    counted each once, with its ``format``."""
+    counted each once, with its ``format``; of an ``anyOf`` merged into it, its costliest alternative."""
     fields = {f"f{i}": {"type": "string", "pattern": f"[0-9]{{{i + 1}}}"} for i in range(30)}
     assert _schema_patterns({"type": "object", "properties": fields}) == 1
     assert _schema_patterns({"$defs": {"A": {"type": "object", "properties": fields}}, "type": "object",
@@ -88,6 +92,9 @@ def test_schemas_of_many_patterns_on_different_values_are_counted_per_value() ->
     assert _schema_patterns({"allOf": [*_patterns(8), *_patterns(8), {"format": "email"}]}) == 9
     assert _schema_patterns({"allOf": _patterns(3), "anyOf": [{"allOf": _patterns(4, 3)}, {"pattern": "b"}]}) == 7
     assert _schema_patterns({"$defs": _CHAIN, "$ref": "#/$defs/p0"}) == 30
+    # a $ref that is no local JSON pointer (an $anchor, an $id) may name any part: it counts every pattern
+    assert _schema_patterns({"type": "object", "properties": fields, "$defs": {"s": {"$anchor": "s"}},
+                             "additionalProperties": {"$ref": "#s"}}) == 30
 
 
 def test_ampersands_in_literals_and_comments_are_no_intersection() -> None:
