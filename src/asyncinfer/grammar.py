@@ -275,8 +275,9 @@ MAX_SCHEMA_BOUND = float(2**63)
 MAX_SCHEMA_PATTERNS = 8
 #: The most regular-expression intersections (``&``) a Lark grammar may hold, for the same reason.
 MAX_GRAMMAR_INTERSECTIONS = 8
-#: The most merged positions :func:`_schema_patterns` visits in one schema; past it the schema is refused.
-MAX_SCHEMA_MERGE_VISITS = 10_000
+#: The most schema objects :func:`_schema_patterns` may visit (an object once for each value it is merged into);
+#: past it the schema is refused. Its walk is Python, holding the GIL: 100,000 visits take about 0.15 s.
+MAX_SCHEMA_MERGE_WORK = 100_000
 
 
 def _check_schemas(spec: StructuredOutput, grammar: str) -> None:
@@ -320,9 +321,9 @@ def _check_schemas(spec: StructuredOutput, grammar: str) -> None:
                         "structured", _shown(spec),
                         f"a {_WHAT[spec.kind]} that asks one value to match at most {MAX_SCHEMA_PATTERNS} regular "
                         f"expressions (pattern, format) at once (merged by allOf and $ref), got {count}"
-                        if count <= MAX_SCHEMA_MERGE_VISITS else
-                        f"a {_WHAT[spec.kind]} whose merges (allOf, $ref) take at most {MAX_SCHEMA_MERGE_VISITS} "
-                        f"steps to check")
+                        if count <= MAX_SCHEMA_MERGE_WORK else
+                        f"a {_WHAT[spec.kind]} whose merges (allOf, $ref) visit at most {MAX_SCHEMA_MERGE_WORK} "
+                        f"schema objects")
 
 
 def _intersections(lark: str) -> int:
@@ -368,7 +369,24 @@ def _schema_patterns(root: dict) -> int:
     """The most distinct regular expressions (``pattern``s and ``format``s) ``root`` asks any one value to match:
     see :data:`MAX_SCHEMA_PATTERNS`. A ``$ref`` that is no local JSON pointer (to an ``$anchor`` or an ``$id``,
     which the library may follow) counts as merging every pattern the schema holds. Past
-    :data:`MAX_SCHEMA_MERGE_VISITS` merged positions, a count above it."""
+    :data:`MAX_SCHEMA_MERGE_WORK` visits, a count above it."""
+    try:
+        return _count_patterns(root, [MAX_SCHEMA_MERGE_WORK])
+    except _TooComplex:
+        return MAX_SCHEMA_MERGE_WORK + 1
+
+
+class _TooComplex(Exception):
+    """The walk of :func:`_schema_patterns` went past :data:`MAX_SCHEMA_MERGE_WORK`."""
+
+
+def _spend(budget: list[int], units: int) -> None:
+    budget[0] -= units
+    if budget[0] < 0:
+        raise _TooComplex
+
+
+def _count_patterns(root: dict, budget: list[int]) -> int:
     everything: set[tuple[str, str]] = set()
     stack: list[object] = [root]
     while stack:
@@ -382,34 +400,35 @@ def _schema_patterns(root: dict) -> int:
     groups: list[list[object]] = [[root]]
     worst = 0
     while groups:
-        nodes, elsewhere = _merged(root, groups.pop())
+        nodes, elsewhere = _merged(root, groups.pop(), budget)
         key = frozenset(id(node) for node in nodes)
         if key in seen:
             continue
         seen.add(key)
-        if len(seen) > MAX_SCHEMA_MERGE_VISITS:
-            return MAX_SCHEMA_MERGE_VISITS + 1
         count = len(everything if elsewhere else _own_patterns(nodes))
         children: dict[tuple[str, str], list[object]] = {}
         for node in nodes:
             for word in ("anyOf", "oneOf"):
                 alternatives = node.get(word)
                 if isinstance(alternatives, list) and alternatives:
+                    _spend(budget, len(alternatives))
                     most = 0  # each alternative is merged with the value's own: the costliest one counts
                     for alternative in alternatives:
-                        merged, far = _merged(root, [alternative])
+                        merged, far = _merged(root, [alternative], budget)
                         most = max(most, len(everything if far else _own_patterns(merged)))
                     count += most
                     groups.extend([alt] for alt in alternatives)
             for word in ("properties", "patternProperties"):
                 members = node.get(word)
                 if isinstance(members, dict):
+                    _spend(budget, len(members))
                     for name, child in members.items():
                         children.setdefault((word, name), []).append(child)
             for word in ("items", "additionalProperties", "contains"):
                 children.setdefault((word, ""), []).append(node.get(word))
             prefix = node.get("prefixItems")
             if isinstance(prefix, list):
+                _spend(budget, len(prefix))
                 for index, child in enumerate(prefix):
                     children.setdefault(("prefixItems", str(index)), []).append(child)
         worst = max(worst, count)
@@ -417,7 +436,7 @@ def _schema_patterns(root: dict) -> int:
     return worst
 
 
-def _merged(root: dict, group: list[object]) -> tuple[list[dict], bool]:
+def _merged(root: dict, group: list[object], budget: list[int]) -> tuple[list[dict], bool]:
     """The schemas that apply to one value: ``group``'s, and those their ``allOf`` items and ``$ref`` targets merge
     in, each once; and whether a ``$ref`` among them is no local JSON pointer."""
     out: list[dict] = []
@@ -428,10 +447,12 @@ def _merged(root: dict, group: list[object]) -> tuple[list[dict], bool]:
         node = stack.pop()
         if not isinstance(node, dict) or id(node) in ids:
             continue
+        _spend(budget, 1)
         ids.add(id(node))
         out.append(node)
         items = node.get("allOf")
         if isinstance(items, list):
+            _spend(budget, len(items))
             stack.extend(items)
         for word in _REF_KEYS:
             ref = node.get(word)

@@ -141,3 +141,20 @@ def test_over_http_a_schema_intersecting_many_patterns_is_a_400_and_the_server_s
     assert status == "400 response_format.json_schema.schema True"
     assert "at most 8 regular expressions (pattern, format) at once (merged by allOf and $ref), got 40" in message
     assert after == "200"
+
+
+def test_the_merge_count_is_refused_past_its_work_bound_not_walked_for_seconds() -> None:
+    """A chain of definitions each merged into the next and into its own property makes the count visit each
+    definition once per value it reaches (quadratic): 700 of them, 60 kB of schema, took seconds of Python
+    under the GIL before the walk had a bound; past ``MAX_SCHEMA_MERGE_WORK`` it is refused as too costly."""
+    import time
+
+    from asyncinfer.grammar import MAX_SCHEMA_MERGE_WORK
+
+    chain = {"$defs": {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}],
+                                 "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(700)},
+             "$ref": "#/$defs/d0"}
+    assert len(json.dumps(chain, separators=(",", ":"))) < 65536
+    started = time.perf_counter()
+    assert _schema_patterns(chain) == MAX_SCHEMA_MERGE_WORK + 1
+    assert time.perf_counter() - started < 2.0
