@@ -280,6 +280,25 @@ MAX_GRAMMAR_INTERSECTIONS = 8
 MAX_SCHEMA_MERGE_WORK = 100_000
 
 
+def _check_no_options(spec: StructuredOutput) -> None:
+    """Refuse a JSON schema whose top level holds ``x-guidance``: llguidance reads its own options there, past
+    those the engine sets (:data:`_JSON_OPTIONS`), and ``lenient`` (ignore the keywords it cannot enforce) or a
+    ``whitespace_pattern`` (text of the caller's choosing between items) would let a reply break the schema, even
+    the JSON syntax, that the engine promises it keeps.
+
+    Raises:
+        InvalidParameterError: naming ``structured``.
+    """
+    try:
+        schema = json.loads(spec.value) if isinstance(spec.value, str) else None
+    except (ValueError, RecursionError):  # not a schema the library reads either: it refuses it
+        return
+    if isinstance(schema, dict) and "x-guidance" in schema:
+        raise InvalidParameterError("structured", _shown(spec),
+                                    "a JSON schema without llguidance's own options (a top-level 'x-guidance' key: "
+                                    "'lenient' or a 'whitespace_pattern' would let replies break the schema)")
+
+
 def _check_schemas(spec: StructuredOutput, grammar: str) -> None:
     """Refuse a grammar whose JSON schemas (a json_schema spec's own, or a Lark grammar's ``%json {...}``) hold a
     bound of size :data:`MAX_SCHEMA_BOUND` or more (see :data:`_BOUND_KEYS`), or ask one value to match more than
@@ -506,6 +525,7 @@ def _grammar_text(llguidance: Any, spec: StructuredOutput) -> str:
     M = llguidance.LLMatcher
     value = spec.value
     if spec.kind == "json_schema":
+        _check_no_options(spec)
         return M.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
     if spec.kind == "json_object":
         return M.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)

@@ -158,3 +158,39 @@ def test_the_merge_count_is_refused_past_its_work_bound_not_walked_for_seconds()
     started = time.perf_counter()
     assert _schema_patterns(chain) == MAX_SCHEMA_MERGE_WORK + 1
     assert time.perf_counter() - started < 2.0
+
+
+_X_GUIDANCE = """
+import json, sys
+from transformers import AutoTokenizer
+from asyncinfer import InvalidParameterError
+from asyncinfer.grammar import GrammarCompiler
+from asyncinfer.structured import StructuredOutput
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+compiler = GrammarCompiler(tokenizer, 320, [2])
+reply = tokenizer.encode('{X"a": 1}', add_special_tokens=False)
+for options in ({"whitespace_pattern": "X+"}, {"lenient": True}):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "x-guidance": options}
+    try:
+        matcher = compiler.compile(StructuredOutput.json_schema(schema)).matcher()
+        print("compiled", all(matcher.accept(t) for t in reply))
+    except InvalidParameterError as exc:
+        print("refused", exc.parameter, exc)
+nested = {"type": "object", "properties": {"x-guidance": {"type": "object", "x-guidance": {"lenient": True}}}}
+compiler.compile(StructuredOutput.json_schema(nested))
+print("nested compiled")
+"""
+
+
+def test_a_schema_with_the_librarys_own_options_is_refused(tiny_chat_model) -> None:
+    """A caller's ``"x-guidance": {"whitespace_pattern": "X+"}`` at a schema's top level let the reply
+    ``{X"a": 1}`` through, which is no JSON (and ``lenient`` made the library ignore keywords it cannot enforce,
+    which the engine refuses); only the top level is the library's: a property or a sub-schema of that name is
+    a schema's own."""
+    done = subprocess.run([sys.executable, "-c", _X_GUIDANCE, str(tiny_chat_model)], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3 and lines[2] == "nested compiled", lines
+    for line in lines[:2]:
+        assert line.startswith("refused structured ") and "a top-level 'x-guidance' key" in line, line
