@@ -224,16 +224,22 @@ class GrammarCompiler:
             grammar = _grammar_text(llguidance, spec)
             _check_schemas(spec, grammar)
             matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+            if not matcher.is_error():
+                probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+                GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         except InvalidParameterError:
             raise
         except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
             raise InvalidParameterError("structured", _shown(spec),
                                         f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
+        except BaseException as exc:
+            if not _native_panic(exc):
+                raise
+            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance can compile "
+                                                                    f"(it panicked: {_reason(str(exc))})") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{_reason(matcher.get_error())}")
-        probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
-        GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         if matcher.is_error() or not bool(probe.any()):
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} that some text satisfies")
         return CompiledGrammar(spec, matcher)
@@ -246,10 +252,21 @@ class GrammarCompiler:
                     self._vocab = _ll_tokenizer(self.tokenizer, self.vocab_size, list(self.eos_token_ids) or None)
                 except Exception as exc:  # noqa: BLE001 - e.g. a slow (Python) tokenizer: no structured output
                     self._vocab_error = f"{type(exc).__name__}: {exc}"
+                except BaseException as exc:  # a panic of the library's Rust code on the model's tokenizer file
+                    if not _native_panic(exc):
+                        raise
+                    self._vocab_error = f"the grammar library panicked reading it: {exc}"
             if self._vocab_error is not None:
                 raise InvalidParameterError("structured", _shown(spec),
                                             f"None: this model's tokenizer cannot be used for it ({self._vocab_error})")
             return self._vocab
+
+
+def _native_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a panic of a Rust library's code (pyo3's ``PanicException``, which derives from
+    ``BaseException`` only, so ``except Exception`` lets it through) rather than an exit, an interrupt or a
+    cancellation."""
+    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
 
 
 _WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",

@@ -194,3 +194,78 @@ def test_a_schema_with_the_librarys_own_options_is_refused(tiny_chat_model) -> N
     assert len(lines) == 3 and lines[2] == "nested compiled", lines
     for line in lines[:2]:
         assert line.startswith("refused structured ") and "a top-level 'x-guidance' key" in line, line
+
+
+def _panicking_tokenizer_model(tiny_chat_model, tmp_path):
+    """The tiny chat model with a byte-fallback decoder and a vocabulary entry ``<0xZZ>`` (no hex byte): the
+    grammar library's reader of the tokenizer panics on it (``ParseIntError``, pyo3's PanicException)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}
+    vocab = data["model"]["vocab"]
+    merged = {part for merge in data["model"]["merges"]
+              for a, b in [merge if isinstance(merge, list) else merge.split(" ")] for part in (a, b, a + b)}
+    free = [token for token in vocab if token not in merged and not token.startswith("<")]
+    vocab["<0xZZ>"] = vocab.pop(free[-1])
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    return model
+
+
+def test_a_tokenizer_the_grammar_library_panics_on_is_a_400_naming_the_field(tiny_chat_model, tmp_path) -> None:
+    """Before, each structured request raised the library's PanicException (a BaseException: past every
+    ``except Exception``), answered by the ASGI server as a plain-text 500 without X-Request-Id, the
+    vocabulary read (and the panic) again at each request. Now it is the field's 400, read once; the model
+    serves plain requests."""
+    import httpx
+
+    from asyncinfer.server import ModelSpec, create_app
+    from tests.server.conftest import TINY_OPTIONS, LiveServer
+
+    model = _panicking_tokenizer_model(tiny_chat_model, tmp_path)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with LiveServer(create_app(ModelSpec(str(model), "tiny", TINY_OPTIONS))) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        for _ in range(2):
+            r = http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "response_format" and "the grammar library panicked reading it" in error["message"]
+            assert r.headers["x-request-id"]
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_native_panic_in_any_call_is_answered_in_openais_shape(tiny_chat_model, tmp_path, monkeypatch) -> None:
+    """A panic of native code while a call is handled (here raised by the body's check) is a 500 in OpenAI's
+    error shape with the call's X-Request-Id, and the server serves on; before it went to the ASGI server."""
+    import httpx
+    import llguidance
+
+    from asyncinfer.server import ModelSpec, create_app
+    from asyncinfer.server import router as router_module
+    from tests.server.conftest import TINY_OPTIONS, LiveServer
+
+    bad = json.loads((_panicking_tokenizer_model(tiny_chat_model, tmp_path) / "tokenizer.json").read_text())
+    try:
+        llguidance.LLTokenizer(json.dumps(bad), n_vocab=320)
+    except BaseException as exc:  # noqa: BLE001 - the library's PanicException, whose class is nowhere to import
+        panic = exc
+    assert type(panic).__name__ == "PanicException" and not isinstance(panic, Exception)
+    parse = router_module.parse_chat
+    panicking = [True]
+
+    def panics(body):
+        if panicking.pop() if panicking else False:
+            raise type(panic)("native code panicked")
+        return parse(body)
+
+    monkeypatch.setattr(router_module, "parse_chat", panics)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with LiveServer(create_app(ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS))) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "server_error" and r.headers["x-request-id"].startswith("chatcmpl-")
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
