@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, is_native_panic
 from asyncinfer.structured import StructuredOutput
 
 __all__ = [
@@ -233,7 +233,7 @@ class GrammarCompiler:
             raise InvalidParameterError("structured", _shown(spec),
                                         f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
         except BaseException as exc:
-            if not _native_panic(exc):
+            if not is_native_panic(exc):
                 raise
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance can compile "
                                                                     f"(it panicked: {_reason(str(exc))})") from None
@@ -253,20 +253,13 @@ class GrammarCompiler:
                 except Exception as exc:  # noqa: BLE001 - e.g. a slow (Python) tokenizer: no structured output
                     self._vocab_error = f"{type(exc).__name__}: {exc}"
                 except BaseException as exc:  # a panic of the library's Rust code on the model's tokenizer file
-                    if not _native_panic(exc):
+                    if not is_native_panic(exc):
                         raise
                     self._vocab_error = f"the grammar library panicked reading it: {exc}"
             if self._vocab_error is not None:
                 raise InvalidParameterError("structured", _shown(spec),
                                             f"None: this model's tokenizer cannot be used for it ({self._vocab_error})")
             return self._vocab
-
-
-def _native_panic(exc: BaseException) -> bool:
-    """Whether ``exc`` is a panic of a Rust library's code (pyo3's ``PanicException``, which derives from
-    ``BaseException`` only, so ``except Exception`` lets it through) rather than an exit, an interrupt or a
-    cancellation."""
-    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
 
 
 _WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",

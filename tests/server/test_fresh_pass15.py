@@ -269,3 +269,40 @@ def test_a_native_panic_in_any_call_is_answered_in_openais_shape(tiny_chat_model
         assert r.status_code == 500, r.text
         assert r.json()["error"]["type"] == "server_error" and r.headers["x-request-id"].startswith("chatcmpl-")
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+_LOAD_CHILD = """
+import asyncio, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 * 1024 ** 3, 3 * 1024 ** 3))
+from asyncinfer import AsyncEngine, ModelLoadError
+from tests.server.conftest import TINY_OPTIONS
+async def main():
+    try:
+        await AsyncEngine.load(sys.argv[1], **TINY_OPTIONS)
+        print("loaded")
+    except ModelLoadError as exc:
+        print("refused", exc)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("charsmap", ["/////w==", "", "AAA="])
+def test_a_tokenizer_charsmap_that_declares_more_than_it_holds_is_a_model_load_error(tiny_chat_model, tmp_path,
+                                                                                     charsmap) -> None:
+    """A ``Precompiled`` normalizer whose charsmap declares a trie of 0xFFFFFFFF bytes made the tokenizers library
+    ask for 8 GiB while the tokenizer was loaded (SIGABRT, in a child under a 3 GiB limit here: a server swapping
+    to such a directory died); an empty or short one panicked (PanicException, past ``except Exception``). Each is
+    a ModelLoadError naming the file now, before the library reads it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Precompiled", "precompiled_charsmap": charsmap}]}
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    done = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(model)], check=False, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("refused "), done.stdout
+    assert "tokenizer.json's Precompiled normalizer has a precompiled_charsmap of" in done.stdout
