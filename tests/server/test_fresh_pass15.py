@@ -306,3 +306,28 @@ def test_a_tokenizer_charsmap_that_declares_more_than_it_holds_is_a_model_load_e
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith("refused "), done.stdout
     assert "tokenizer.json's Precompiled normalizer has a precompiled_charsmap of" in done.stdout
+
+
+async def test_a_prompt_its_tokenizer_panics_on_is_an_invalid_parameter_and_the_engine_serves_on(tiny_chat_model,
+                                                                                                  tmp_path) -> None:
+    """A charsmap that declares what it holds but points past its end loads, and the tokenizers library panics on
+    every text it normalizes: ``generate`` raised that PanicException (a BaseException, past the caller's
+    ``except Exception``); it is the prompt's InvalidParameterError now, and token-id prompts are served."""
+    import shutil
+
+    from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+    from tests.server.conftest import TINY_OPTIONS
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AAAAAAAAAAAAAAAA"}
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    engine = await AsyncEngine.load(str(model), **TINY_OPTIONS)
+    async with engine:
+        for prompt in ("hello", [{"role": "user", "content": "hi"}]):
+            with pytest.raises(InvalidParameterError, match="its tokenizer panicked on") as caught:
+                await engine.generate(prompt, SamplingParams(max_tokens=2))
+            assert caught.value.parameter == "prompt"
+        out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 2
