@@ -117,6 +117,13 @@ def exception_text(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
+def is_native_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a panic of a Rust library's code (pyo3's ``PanicException``: tokenizers, llguidance),
+    which derives from ``BaseException`` only, so ``except Exception`` lets it through; not an exit, an interrupt
+    or a cancellation."""
+    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
+
+
 class ModelLoadError(AsyncInferError):
     """The model could not be found, parsed or mapped onto the runner."""
 

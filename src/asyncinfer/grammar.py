@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, is_native_panic
 from asyncinfer.structured import StructuredOutput
 
 __all__ = [
@@ -221,18 +222,24 @@ class GrammarCompiler:
         vocabulary = self._vocabulary(spec)
         try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
             grammar = _grammar_text(llguidance, spec)
-            _check_integer_bounds(spec, grammar)
+            _check_schemas(spec, grammar)
             matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+            if not matcher.is_error():
+                probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+                GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         except InvalidParameterError:
             raise
         except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
             raise InvalidParameterError("structured", _shown(spec),
                                         f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
+        except BaseException as exc:
+            if not is_native_panic(exc):
+                raise
+            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance can compile "
+                                                                    f"(it panicked: {_reason(str(exc))})") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{_reason(matcher.get_error())}")
-        probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
-        GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         if matcher.is_error() or not bool(probe.any()):
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} that some text satisfies")
         return CompiledGrammar(spec, matcher)
@@ -245,6 +252,10 @@ class GrammarCompiler:
                     self._vocab = _ll_tokenizer(self.tokenizer, self.vocab_size, list(self.eos_token_ids) or None)
                 except Exception as exc:  # noqa: BLE001 - e.g. a slow (Python) tokenizer: no structured output
                     self._vocab_error = f"{type(exc).__name__}: {exc}"
+                except BaseException as exc:  # a panic of the library's Rust code on the model's tokenizer file
+                    if not is_native_panic(exc):
+                        raise
+                    self._vocab_error = f"the grammar library panicked reading it: {exc}"
             if self._vocab_error is not None:
                 raise InvalidParameterError("structured", _shown(spec),
                                             f"None: this model's tokenizer cannot be used for it ({self._vocab_error})")
@@ -264,15 +275,58 @@ _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_SCHEMA_BOUND = float(2**63)
 
 
-def _check_integer_bounds(spec: StructuredOutput, grammar: str) -> None:
-    """Refuse a grammar whose JSON schemas (a json_schema spec's own, or a Lark grammar's ``%json {...}``) hold a
-    bound of size :data:`MAX_SCHEMA_BOUND` or more, before the library reads it (see :data:`_BOUND_KEYS`).
+#: The most distinct regular expressions (``pattern``s and ``format``s) a JSON schema may ask one value to match at
+#: once: a value's own, those its ``allOf`` items and ``$ref`` targets merge into it (and, for an object or an
+#: array, into each of its properties and items), and the most of any one ``anyOf``/``oneOf`` alternative.
+#: llguidance intersects them into one regular expression whose construction grows exponentially with their
+#: number, before any of its own limits apply: 20 took 1.4 s, 25 asked for gigabytes and the process aborted
+#: ("memory allocation of 8216641536 bytes failed", SIGABRT) — one caller's schema took the server down.
+#: The library itself gives up on 8 to 16 such patterns (``Unable to determine if regex is empty``).
+MAX_SCHEMA_PATTERNS = 8
+#: The most regular-expression intersections (``&``) a Lark grammar may hold, for the same reason.
+MAX_GRAMMAR_INTERSECTIONS = 8
+#: The most schema objects :func:`_schema_patterns` may visit (an object once for each value it is merged into);
+#: past it the schema is refused. Its walk is Python, holding the GIL: 100,000 visits take about 0.15 s.
+MAX_SCHEMA_MERGE_WORK = 100_000
+
+
+def _check_no_options(spec: StructuredOutput) -> None:
+    """Refuse a JSON schema whose top level holds ``x-guidance``: llguidance reads its own options there, past
+    those the engine sets (:data:`_JSON_OPTIONS`), and ``lenient`` (ignore the keywords it cannot enforce) or a
+    ``whitespace_pattern`` (text of the caller's choosing between items) would let a reply break the schema, even
+    the JSON syntax, that the engine promises it keeps.
 
     Raises:
-        InvalidParameterError: naming ``structured`` and the bound.
+        InvalidParameterError: naming ``structured``.
+    """
+    try:
+        schema = json.loads(spec.value) if isinstance(spec.value, str) else None
+    except (ValueError, RecursionError):  # not a schema the library reads either: it refuses it
+        return
+    if isinstance(schema, dict) and "x-guidance" in schema:
+        raise InvalidParameterError("structured", _shown(spec),
+                                    "a JSON schema without llguidance's own options (a top-level 'x-guidance' key: "
+                                    "'lenient' or a 'whitespace_pattern' would let replies break the schema)")
+
+
+def _check_schemas(spec: StructuredOutput, grammar: str) -> None:
+    """Refuse a grammar whose JSON schemas (a json_schema spec's own, or a Lark grammar's ``%json {...}``) hold a
+    bound of size :data:`MAX_SCHEMA_BOUND` or more (see :data:`_BOUND_KEYS`), or ask one value to match more than
+    :data:`MAX_SCHEMA_PATTERNS` regular expressions, or a Lark grammar of more than
+    :data:`MAX_GRAMMAR_INTERSECTIONS` intersections, before the library reads it.
+
+    Raises:
+        InvalidParameterError: naming ``structured`` and what is past its bound.
     """
     decoder = json.JSONDecoder()
-    starts = [0] if grammar.startswith("{") else []  # a JSON schema's grammar is itself JSON
+    lark = not grammar.startswith("{")  # a JSON schema's and a regex's grammar is itself JSON, a Lark one is not
+    if lark:
+        count = _intersections(grammar)
+        if count > MAX_GRAMMAR_INTERSECTIONS:
+            raise InvalidParameterError("structured", _shown(spec),
+                                        f"a {_WHAT[spec.kind]} of at most {MAX_GRAMMAR_INTERSECTIONS} intersections "
+                                        f"(&) of regular expressions, got {count}")
+    starts = [] if lark else [0]
     at = grammar.find("%json")
     while at >= 0:
         brace = grammar.find("{", at)
@@ -284,20 +338,184 @@ def _check_integer_bounds(spec: StructuredOutput, grammar: str) -> None:
             document, _ = decoder.raw_decode(grammar, start)
         except (ValueError, RecursionError):  # not JSON (the library refuses it), or deeper than the library reads
             continue
-        stack = [document]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    if key in _BOUND_KEYS and isinstance(item, (int, float)) and not isinstance(item, bool) \
-                            and not _bound_fits(item):
-                        raise InvalidParameterError(
-                            "structured", _shown(spec),
-                            f"a {_WHAT[spec.kind]} whose bounds ({', '.join(_BOUND_KEYS)}) are under 2**63 "
-                            f"(9223372036854775808) in size, got {key} {item!r}")
-                    stack.append(item)
-            elif isinstance(value, list):
-                stack.extend(value)
+        _check_integer_bounds(spec, document)
+        schemas = [document]
+        if start == 0 and isinstance(document, dict) and isinstance(document.get("grammars"), list):
+            schemas = [g.get("json_schema") for g in document["grammars"] if isinstance(g, dict)]
+        for schema in schemas:
+            if isinstance(schema, dict):
+                count = _schema_patterns(schema)
+                if count > MAX_SCHEMA_PATTERNS:
+                    raise InvalidParameterError(
+                        "structured", _shown(spec),
+                        f"a {_WHAT[spec.kind]} that asks one value to match at most {MAX_SCHEMA_PATTERNS} regular "
+                        f"expressions (pattern, format) at once (merged by allOf and $ref), got {count}"
+                        if count <= MAX_SCHEMA_MERGE_WORK else
+                        f"a {_WHAT[spec.kind]} whose merges (allOf, $ref) visit at most {MAX_SCHEMA_MERGE_WORK} "
+                        f"schema objects")
+
+
+def _intersections(lark: str) -> int:
+    """The ``&`` operators of a Lark grammar: those outside its string literals, regular expressions and comments."""
+    count = 0
+    i, n = 0, len(lark)
+    while i < n:
+        c = lark[i]
+        if c == "/" and lark.startswith("//", i):
+            end = lark.find("\n", i)
+            i = n if end < 0 else end
+        elif c in "\"/":
+            i += 1
+            while i < n and lark[i] != c and lark[i] != "\n":
+                i += 2 if lark[i] == "\\" else 1
+        elif c == "&":
+            count += 1
+        i += 1
+    return count
+
+
+def _resolve(root: dict, ref: str) -> object:
+    """The part of ``root`` a ``$ref`` names when it is a local JSON pointer (``#``, ``#/$defs/name``, its parts
+    %-encoded or not), else None."""
+    if not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        return None
+    node: object = root
+    for part in ref[2:].split("/") if len(ref) > 1 else ():
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+_REF_KEYS = ("$ref", "$dynamicRef")
+
+
+def _schema_patterns(root: dict) -> int:
+    """The most distinct regular expressions (``pattern``s and ``format``s) ``root`` asks any one value to match:
+    see :data:`MAX_SCHEMA_PATTERNS`. A ``$ref`` that is no local JSON pointer (to an ``$anchor`` or an ``$id``,
+    which the library may follow) counts as merging every pattern the schema holds. Past
+    :data:`MAX_SCHEMA_MERGE_WORK` visits, a count above it."""
+    try:
+        return _count_patterns(root, [MAX_SCHEMA_MERGE_WORK])
+    except _TooComplex:
+        return MAX_SCHEMA_MERGE_WORK + 1
+
+
+class _TooComplex(Exception):
+    """The walk of :func:`_schema_patterns` went past :data:`MAX_SCHEMA_MERGE_WORK`."""
+
+
+def _spend(budget: list[int], units: int) -> None:
+    budget[0] -= units
+    if budget[0] < 0:
+        raise _TooComplex
+
+
+def _count_patterns(root: dict, budget: list[int]) -> int:
+    everything: set[tuple[str, str]] = set()
+    stack: list[object] = [root]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            everything |= _own_patterns([value])
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    seen: set[frozenset[int]] = set()
+    groups: list[list[object]] = [[root]]
+    worst = 0
+    while groups:
+        nodes, elsewhere = _merged(root, groups.pop(), budget)
+        key = frozenset(id(node) for node in nodes)
+        if key in seen:
+            continue
+        seen.add(key)
+        count = len(everything if elsewhere else _own_patterns(nodes))
+        children: dict[tuple[str, str], list[object]] = {}
+        for node in nodes:
+            for word in ("anyOf", "oneOf"):
+                alternatives = node.get(word)
+                if isinstance(alternatives, list) and alternatives:
+                    _spend(budget, len(alternatives))
+                    most = 0  # each alternative is merged with the value's own: the costliest one counts
+                    for alternative in alternatives:
+                        merged, far = _merged(root, [alternative], budget)
+                        most = max(most, len(everything if far else _own_patterns(merged)))
+                    count += most
+                    groups.extend([alt] for alt in alternatives)
+            for word in ("properties", "patternProperties"):
+                members = node.get(word)
+                if isinstance(members, dict):
+                    _spend(budget, len(members))
+                    for name, child in members.items():
+                        children.setdefault((word, name), []).append(child)
+            for word in ("items", "additionalProperties", "contains"):
+                children.setdefault((word, ""), []).append(node.get(word))
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list):
+                _spend(budget, len(prefix))
+                for index, child in enumerate(prefix):
+                    children.setdefault(("prefixItems", str(index)), []).append(child)
+        worst = max(worst, count)
+        groups.extend(group for group in children.values() if any(isinstance(child, dict) for child in group))
+    return worst
+
+
+def _merged(root: dict, group: list[object], budget: list[int]) -> tuple[list[dict], bool]:
+    """The schemas that apply to one value: ``group``'s, and those their ``allOf`` items and ``$ref`` targets merge
+    in, each once; and whether a ``$ref`` among them is no local JSON pointer."""
+    out: list[dict] = []
+    ids: set[int] = set()
+    elsewhere = False
+    stack = list(reversed(group))
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in ids:
+            continue
+        _spend(budget, 1)
+        ids.add(id(node))
+        out.append(node)
+        items = node.get("allOf")
+        if isinstance(items, list):
+            _spend(budget, len(items))
+            stack.extend(items)
+        for word in _REF_KEYS:
+            ref = node.get(word)
+            if isinstance(ref, str):
+                target = _resolve(root, ref)
+                elsewhere = elsewhere or target is None
+                stack.append(target)
+    return out, elsewhere
+
+
+def _own_patterns(nodes: list[dict]) -> set[tuple[str, str]]:
+    return {(word, node[word]) for node in nodes for word in ("pattern", "format") if isinstance(node.get(word), str)}
+
+
+def _check_integer_bounds(spec: StructuredOutput, document: object) -> None:
+    """Refuse a JSON document holding a bound of size :data:`MAX_SCHEMA_BOUND` or more (see :data:`_BOUND_KEYS`).
+
+    Raises:
+        InvalidParameterError: naming ``structured`` and the bound.
+    """
+    stack = [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in _BOUND_KEYS and isinstance(item, (int, float)) and not isinstance(item, bool) \
+                        and not _bound_fits(item):
+                    raise InvalidParameterError(
+                        "structured", _shown(spec),
+                        f"a {_WHAT[spec.kind]} whose bounds ({', '.join(_BOUND_KEYS)}) are under 2**63 "
+                        f"(9223372036854775808) in size, got {key} {item!r}")
+                stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _bound_fits(value: float) -> bool:
@@ -317,6 +535,7 @@ def _grammar_text(llguidance: Any, spec: StructuredOutput) -> str:
     M = llguidance.LLMatcher
     value = spec.value
     if spec.kind == "json_schema":
+        _check_no_options(spec)
         return M.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
     if spec.kind == "json_object":
         return M.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)

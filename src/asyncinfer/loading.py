@@ -211,7 +211,10 @@ def load_embedder(
     try:
         encoder = load_encoder(path, config.dtype, config.device)
         encoder.config = apply_max_seq_len(encoder.config, config)
-        encoder.encode(["warm-up"])
+        try:
+            encoder.encode(["warm-up"])
+        except InvalidParameterError as exc:  # its tokenizer cannot encode a plain word: the model files' fault
+            raise ValueError(f"its tokenizer cannot encode the warm-up text ({exc})") from None
     except InvalidParameterError:
         raise
     except Exception as exc:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, is_native_panic
 from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
@@ -339,7 +339,7 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         if not prompt:
             raise InvalidParameterError("prompt", prompt, "a non-empty string")
         check_unicode("prompt", prompt)
-        ids = _in_vocabulary(list(_need_tokenizer(version, "a text prompt").encode(prompt)), version)
+        ids = _in_vocabulary(_encode(_need_tokenizer(version, "a text prompt"), prompt), version)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = _in_vocabulary(chat_token_ids(version, prompt), version)  # type: ignore[arg-type]
     elif isinstance(prompt, Sequence) and prompt and all(
@@ -408,7 +408,21 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
         raise InvalidParameterError("prompt", "chat messages", f"messages this model's chat template accepts ({exc})")
     if isinstance(text, str):  # what the template rendered of values no check above reads (a key's nested text)
         check_unicode("prompt", text)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return _encode(tokenizer, text, add_special_tokens=False)
+
+
+def _encode(tokenizer: Any, text: str, **options: Any) -> list[int]:
+    """``tokenizer.encode(text, **options)`` as a list; a panic of the tokenizers library's Rust code on this text
+    (a tokenizer file it cannot follow: a ``Precompiled`` charsmap whose entries point past its end) is this
+    prompt's InvalidParameterError, not a ``PanicException``, which derives from ``BaseException`` only and went
+    past every ``except Exception`` of the caller's."""
+    try:
+        return list(tokenizer.encode(text, **options))
+    except BaseException as exc:
+        if not is_native_panic(exc):
+            raise
+        raise InvalidParameterError("prompt", f"<a text of {len(text)} characters its tokenizer panicked on: {exc}>",
+                                    "a prompt this model's tokenizer can encode") from None
 
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:

@@ -7,13 +7,15 @@ encoder (:mod:`asyncinfer.models.encoder`). Every failure is a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from asyncinfer.errors import ModelLoadError
+from asyncinfer.errors import ModelLoadError, is_native_panic
 
 if TYPE_CHECKING:
     import torch
@@ -169,9 +171,53 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     for name in _TOKENIZER_READS:  # before transformers opens any of them
         if (path / name).exists() or (path / name).is_symlink():
             check_file(path / name, MAX_TOKENIZER_FILE_BYTES)
+    _check_charsmaps(path / "tokenizer.json")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    except BaseException as exc:  # the tokenizers library's Rust code panicked on the file
+        if not is_native_panic(exc):
+            raise
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: "
+                             f"{exc}") from None
+
+
+def _check_charsmaps(file: Path) -> None:
+    """Refuse a ``tokenizer.json`` whose ``Precompiled`` normalizer's ``precompiled_charsmap`` declares a trie
+    larger than the charsmap holds, before the tokenizers library reads it: it allocates what the first 4 bytes
+    declare (``/////w==``: 0xFFFFFFFF, 8 GiB asked and the process aborted, one model directory taking down the
+    server that loads or swaps to it).
+
+    Raises:
+        ModelLoadError: naming the file.
+    """
+    if not file.is_file():
+        return
+    raw = file.read_bytes()
+    if b'"Precompiled"' not in raw:
+        return
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON: the library refuses it
+        return
+    stack: list[Any] = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            charsmap = value.get("precompiled_charsmap")
+            if value.get("type") == "Precompiled" and isinstance(charsmap, str):
+                try:
+                    blob = base64.b64decode(charsmap)
+                except (ValueError, binascii.Error):
+                    blob = b""
+                declared = int.from_bytes(blob[:4], "little") if len(blob) >= 4 else None
+                if declared is None or declared > len(blob) - 4:
+                    raise ModelLoadError(f"cannot load the tokenizer in {file.parent}: {file.name}'s Precompiled "
+                                         f"normalizer has a precompiled_charsmap of {len(blob)} bytes that declares "
+                                         f"a trie of {declared} bytes")
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncinfer.errors import InvalidParameterError, ModelLoadError
+from asyncinfer.errors import InvalidParameterError, ModelLoadError, is_native_panic
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
@@ -384,12 +384,23 @@ TOKENIZE_CHUNK = 64
 def tokenize_texts(tokenizer: Any, texts: list[str], max_len: int) -> list[list[int]]:
     """Token ids of each text, [CLS] ... [SEP], truncated to ``max_len`` tokens, each text read only as far as
     that reaches (:func:`read_part`); ``tokenizer`` is called on :data:`TOKENIZE_CHUNK` texts at a time, so a
-    thread waiting for the GIL (the event loop) gets it between two calls."""
+    thread waiting for the GIL (the event loop) gets it between two calls.
+
+    Raises:
+        InvalidParameterError: on ``texts``, where the tokenizers library panics on them (a tokenizer file it
+            cannot follow): its PanicException derives from ``BaseException`` only.
+    """
     ids: list[list[int]] = []
-    for start in range(0, len(texts), TOKENIZE_CHUNK):
-        part = [read_part(tokenizer, text, max_len) for text in texts[start:start + TOKENIZE_CHUNK]]
-        enc = tokenizer(part, truncation=True, max_length=max_len, add_special_tokens=True)
-        ids.extend(list(row) for row in enc["input_ids"])
+    try:
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            part = [read_part(tokenizer, text, max_len) for text in texts[start:start + TOKENIZE_CHUNK]]
+            enc = tokenizer(part, truncation=True, max_length=max_len, add_special_tokens=True)
+            ids.extend(list(row) for row in enc["input_ids"])
+    except BaseException as exc:
+        if not is_native_panic(exc):
+            raise
+        raise InvalidParameterError("texts", f"<{len(texts)} texts its tokenizer panicked on: {exc}>",
+                                    "texts this model's tokenizer can encode") from None
     return ids
 
 

@@ -8,6 +8,7 @@ key, reads the body (bounded), parses it and calls the engine inside one
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import hashlib
@@ -60,6 +61,8 @@ __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 _B = TypeVar("_B")
 EngineRef = AsyncEngine | Callable[[], AsyncEngine]
 _PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
+#: What a call lets through unanswered: an exit, an interrupt, a cancellation (every other exception is answered).
+_EXITS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
 #: How many times a chat is made again (its format chosen, its prompt rendered or counted) for a model swapped while
 #: it was made, before its ModelChangedError is answered (a 503 to retry).
 MAX_REBINDS = 3
@@ -203,7 +206,11 @@ class _OpenAI:
             response = await run(body, call)  # type: ignore[arg-type]
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
-        except Exception as exc:  # noqa: BLE001 - every call is answered: from_exception logs an unknown one, a 500
+        except _EXITS:
+            raise
+        # every call is answered: from_exception logs an unknown one, a 500; a native library's panic too (pyo3's
+        # PanicException derives from BaseException only: it went to the ASGI server, a plain-text 500)
+        except BaseException as exc:  # noqa: BLE001
             response = from_exception(exc, call_id, rename).response(call_id)
         response.headers.setdefault("x-request-id", call_id)
         return self._answer(request, response)
@@ -515,7 +522,9 @@ class _OpenAI:
             if reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
-        except Exception as exc:  # noqa: BLE001 - the 200 is gone: the error travels as an event, as OpenAI sends it
+        except _EXITS:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the 200 is gone: the error travels as an event, as OpenAI sends it
             yield sse(from_exception(exc, call.id, rename).body())
 
     # -------------------------------------------------------------- embeddings
