@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QUESTIONS, machine_info
+from common import QUESTIONS, git_commit, machine_info
 
 from asyncinfer import kernels
 from asyncinfer.model_source import resolve_model
@@ -158,7 +158,7 @@ def main() -> None:
         result["int8_sensitivity"] = sensitivity(base, ref, args)
     if args.json:
         result["meta"] = {"command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
-                          "date": datetime.date.today().isoformat(), "machine": machine_info(),
+                          "date": datetime.date.today().isoformat(), "commit": git_commit(), "machine": machine_info(),
                           "text_tokens": len(ref["text"]), "prompts": len(ref["prompts"]), "new_tokens": args.tokens,
                           "chunk": args.chunk, "step_tokens": args.step_tokens, "reference": "plain float32 (F.linear), same loaded weights"}
         args.json.parent.mkdir(parents=True, exist_ok=True)
