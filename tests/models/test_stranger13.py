@@ -1,0 +1,35 @@
+"""A thirteenth stranger's first hour with a model of their own: what misled, each held to its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.loader import read_model_config
+from tests.helpers import tiny_hf_config
+
+
+def _config_dir(tmp_path: Path, **changes: object) -> Path:
+    raw = {**tiny_hf_config("qwen3").to_dict(), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_a_model_type_transformers_does_not_know_is_an_unsupported_model_type(tmp_path: Path) -> None:
+    """A config.json whose ``architectures`` name a family that runs (Qwen3ForCausalLM) but whose ``model_type`` is
+    mistyped ("qwen9") was refused with transformers' "update Transformers with pip install --upgrade
+    transformers", advice that cannot make it load: it is an unsupported model_type, named with what runs."""
+    path = _config_dir(tmp_path, model_type="qwen9", architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ModelLoadError) as refused:
+        read_model_config(path)
+    assert str(refused.value) == (
+        "unsupported model_type 'qwen9' (architectures: Qwen3ForCausalLM): transformers has no config for it; "
+        "supported: llama, qwen2, mistral, qwen3, phi3, gemma2, gemma3 (config.json's model_type names one)")
+    assert "upgrade" not in str(refused.value)
+
+
+def test_a_known_model_type_still_reads(tmp_path: Path) -> None:
+    assert read_model_config(_config_dir(tmp_path, architectures=["Qwen3ForCausalLM"])).architecture == "qwen3"
