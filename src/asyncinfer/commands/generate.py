@@ -86,7 +86,8 @@ def _check_source(args: argparse.Namespace) -> None:
     """The prompts come from ``--prompt`` or ``--file``; a text given where the command takes its MODEL
     (``asyncinfer generate "some text"``, as ``chat`` takes its prompt) is explained, not loaded as a model."""
     given = args.model_arg
-    if given is not None and _reads_as_a_prompt(given):
+    prompts_given = bool(args.prompt) or args.file is not None  # then MODEL is a model: a missing one, "does not exist"
+    if given is not None and not prompts_given and _reads_as_a_prompt(given):
         shown = given if len(given) <= 60 else given[:57] + "..."
         also = f" --model {args.model}" if args.model else ""
         raise CommandError(f"{shown!r} was read as the model (asyncinfer generate's argument is the MODEL, a path "

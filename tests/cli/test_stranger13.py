@@ -1,0 +1,47 @@
+"""A thirteenth stranger's first hour with a model of their own on the command line: what misled, each held to
+its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import cli
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+
+
+@pytest.fixture
+def gguf_here(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory holding ``tiny.gguf`` (a file that is never read: every refusal here comes first)."""
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_missing_model_beside_prompts_is_not_taken_for_a_prompt(gguf_here: Path, capsys) -> None:
+    """``asyncinfer generate tiny_model --prompt hi`` (the file is tiny_model.gguf) said "'tiny_model' was read as the
+    model ... give the prompt with --prompt, e.g. asyncinfer generate --prompt tiny_model": the prompt was given, the
+    model path was mistyped. With --prompt or --file given, MODEL is a model, and a missing one "does not exist"."""
+    assert cli.main(["generate", "nothing_here", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert _error_line(capsys) == (
+        "loading 'nothing_here' failed: model path 'nothing_here' does not exist (expected a Hugging Face model "
+        "directory with config.json and *.safetensors, a .gguf file, or a known name: 'SmolLM2-135M-Instruct', "
+        "'all-MiniLM-L6-v2'; model hubs are not contacted)")
+
+
+@pytest.mark.parametrize("given", ["tiny", "tiny.GGUF", "./tiny"])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["info"], ["plan"]])
+def test_a_gguf_named_without_its_suffix_is_pointed_at(gguf_here: Path, capsys, given: str, command: list[str]) -> None:
+    """``asyncinfer info tiny`` beside ``tiny.gguf`` listed what a model may be; the file it meant was there."""
+    argv = [command[0], given, *command[1:]]
+    assert cli.main(argv) == 2
+    shown = str(Path(given))
+    near = str(Path(given).with_name("tiny.gguf"))
+    loading = f"loading {given!r} failed: " if command[0] == "generate" else ""
+    assert _error_line(capsys) == f"{loading}model path {shown!r} does not exist (did you mean {near!r}?)"
