@@ -45,3 +45,16 @@ def test_a_gguf_named_without_its_suffix_is_pointed_at(gguf_here: Path, capsys, 
     near = str(Path(given).with_name("tiny.gguf"))
     loading = f"loading {given!r} failed: " if command[0] == "generate" else ""
     assert _error_line(capsys) == f"{loading}model path {shown!r} does not exist (did you mean {near!r}?)"
+
+
+def test_serve_says_a_model_that_does_not_load_in_one_line(tmp_path: Path, capfd) -> None:
+    """``asyncinfer serve DIR`` whose directory has a config.json but no weights (or a truncated shard, or no
+    tokenizer.json) printed the load's whole traceback through uvicorn's lifespan and exited 3, where every other
+    command says its error in one line with status 2 (``asyncinfer --help``)."""
+    from tests.helpers import tiny_hf_config
+
+    tiny_hf_config("qwen3").save_pretrained(tmp_path)
+    assert cli.main(["serve", str(tmp_path), "--port", "0", "--log-level", "warning"]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"asyncinfer: error: loading {str(tmp_path)!r} failed: no *.safetensors weights in {tmp_path}"
