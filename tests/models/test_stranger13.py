@@ -33,3 +33,18 @@ def test_a_model_type_transformers_does_not_know_is_an_unsupported_model_type(tm
 
 def test_a_known_model_type_still_reads(tmp_path: Path) -> None:
     assert read_model_config(_config_dir(tmp_path, architectures=["Qwen3ForCausalLM"])).architecture == "qwen3"
+
+
+def test_tokenizer_files_without_a_vocabulary_say_what_is_missing_in_one_line(tmp_path: Path) -> None:
+    """A directory whose tokenizer.json was left behind (tokenizer_config.json copied alone) was refused with
+    transformers' five lines about slow tokenizers and sentencepiece: the file missing is the vocabulary."""
+    from asyncinfer.models.checkpoint import load_hf_tokenizer
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(ModelLoadError) as refused:
+        load_hf_tokenizer(tmp_path)
+    said = str(refused.value)
+    assert "\n" not in said
+    assert said.startswith(
+        f"cannot load the tokenizer in {tmp_path}: it holds tokenizer_config.json but no vocabulary (tokenizer.json, "
+        "tokenizer.model, vocab.json): copy the model's tokenizer files beside its config.json (transformers: "), said
