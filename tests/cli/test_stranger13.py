@@ -58,3 +58,42 @@ def test_serve_says_a_model_that_does_not_load_in_one_line(tmp_path: Path, capfd
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
     assert err.splitlines()[-1] == f"asyncinfer: error: loading {str(tmp_path)!r} failed: no *.safetensors weights in {tmp_path}"
+
+
+def _peer(monkeypatch):
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("peer_under_test", root / "benchmarks" / "peer.py")
+    assert spec is not None and spec.loader is not None
+    peer = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "peer_under_test", peer)
+    spec.loader.exec_module(peer)
+    return peer, root
+
+
+def test_the_peer_benchmark_s_documented_smoke_run_passes_its_own_checks(monkeypatch) -> None:
+    """benchmarks/README.md's smoke run of peer.py (``--max-new-tokens 8`` without ``--min-new-tokens``) stopped at
+    once: "need ... 1 <= --min-new-tokens <= --max-new-tokens", the default minimum being 32."""
+    import re
+    import shlex
+
+    peer, root = _peer(monkeypatch)
+    text = (root / "benchmarks" / "README.md").read_text()
+    (command,) = re.findall(r"A smoke run: `python benchmarks/peer\.py ([^`]*)`", text)
+    ran = []
+    monkeypatch.setattr(peer, "run", lambda args: ran.append(args) or {})
+    monkeypatch.setattr(peer, "report", lambda record: None)
+    assert peer.main(shlex.split(command.replace("FILE", "tiny.gguf"))) == 0
+    assert (ran[0].min_new_tokens, ran[0].max_new_tokens, ran[0].decode_tokens) == (4, 8, 8)
+
+
+def test_the_peer_benchmark_names_the_lengths_it_refuses(monkeypatch, capsys) -> None:
+    peer, _root = _peer(monkeypatch)
+    with pytest.raises(SystemExit):
+        peer.main(["--model", "tiny.gguf", "--max-new-tokens", "8"])
+    assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == (
+        "error: need 1 <= --min-new-tokens <= --max-new-tokens (given --min-new-tokens 32, "
+        "--max-new-tokens 8; the defaults are 32 and 128)")
