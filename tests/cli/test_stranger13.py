@@ -97,3 +97,33 @@ def test_the_peer_benchmark_names_the_lengths_it_refuses(monkeypatch, capsys) ->
     assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == (
         "error: need 1 <= --min-new-tokens <= --max-new-tokens (given --min-new-tokens 32, "
         "--max-new-tokens 8; the defaults are 32 and 128)")
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["chat", "tiny.gguf", "hi there"], "asyncinfer chat --model tiny.gguf 'hi there'"),
+    (["chat", "tiny.gguf", "hi", "there"], "asyncinfer chat --model tiny.gguf hi there"),
+    (["chat", "SmolLM2-135M-Instruct", "hi"], "asyncinfer chat --model SmolLM2-135M-Instruct hi"),
+])
+def test_chat_refuses_a_model_given_before_its_prompt(gguf_here: Path, capsys, monkeypatch, argv, said) -> None:
+    """``asyncinfer chat my.gguf "hi"`` (MODEL first, as serve and generate take it) loaded the default model and sent
+    it "my.gguf hi": only a one-word prompt that named a model was refused. The first of several words that surely
+    names one (a .gguf, a model directory, a known name) is refused the same way, before any load."""
+    import asyncinfer.engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", no_load)
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "from_pretrained", no_load)
+    assert cli.main(argv) == 2
+    assert _error_line(capsys) == (
+        f"{argv[1]!r} is a model, not a prompt (asyncinfer chat's argument is the prompt): give it as --model "
+        f"({said}); to send it as the prompt, give --model too")
+
+
+def test_chat_still_takes_a_sentence_that_starts_with_a_path_like_word(gguf_here: Path) -> None:
+    from asyncinfer.commands.chat import _names_a_model
+
+    assert not _names_a_model("TCP/IP-based")  # a Hub-id-shaped word starts sentences: only files and known names
+    assert not _names_a_model("tiny")  # no such file: tiny.gguf is the file
+    assert _names_a_model("tiny.gguf") and _names_a_model("./tiny.gguf")
