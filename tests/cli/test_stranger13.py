@@ -127,3 +127,30 @@ def test_chat_still_takes_a_sentence_that_starts_with_a_path_like_word(gguf_here
     assert not _names_a_model("TCP/IP-based")  # a Hub-id-shaped word starts sentences: only files and known names
     assert not _names_a_model("tiny")  # no such file: tiny.gguf is the file
     assert _names_a_model("tiny.gguf") and _names_a_model("./tiny.gguf")
+
+
+def test_generate_gives_the_token_ids_of_a_model_without_a_tokenizer(tmp_path: Path, capsys) -> None:
+    """A model without a tokenizer takes token-id prompts, and its output lines held ``"text": ""`` and the counts
+    only: what it generated was nowhere. Its lines carry ``token_ids`` (greedy: the same ids each run)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    model = tmp_path / "ids.gguf"
+    made = subprocess.run([sys.executable, str(root / "benchmarks" / "make_gguf.py"), str(model), "--shape", "tiny",
+                           "--vocab", "none", "--type", "q8_0", "--direct-blocks"], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0, made.stderr[-2000:]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt": [1, 2, 3], "max_tokens": 3}) + "\n")
+    runs = []
+    for _ in range(2):
+        assert cli.main(["generate", str(model), "--file", str(prompts), "--no-progress"]) == 0
+        (line,) = capsys.readouterr().out.splitlines()
+        runs.append(json.loads(line))
+    first = runs[0]
+    assert {k: first[k] for k in ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens")} == {
+        "id": 0, "text": "", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 3}
+    assert len(first["token_ids"]) == 3 and all(0 <= t < 1024 for t in first["token_ids"])
+    assert runs[1]["token_ids"] == first["token_ids"]
