@@ -48,3 +48,14 @@ def test_tokenizer_files_without_a_vocabulary_say_what_is_missing_in_one_line(tm
     assert said.startswith(
         f"cannot load the tokenizer in {tmp_path}: it holds tokenizer_config.json but no vocabulary (tokenizer.json, "
         "tokenizer.model, vocab.json): copy the model's tokenizer files beside its config.json (transformers: "), said
+
+
+def test_a_directory_of_several_gguf_files_names_them(tmp_path: Path) -> None:
+    """``asyncinfer info models/`` with two quantisations side by side said "no config.json and several .gguf
+    files", leaving the user to list the directory for the path to give."""
+    for name in ("b.Q8_0.gguf", "a.Q4_K_M.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError) as refused:
+        read_model_config(tmp_path)
+    assert str(refused.value) == (f"{tmp_path} is not a model directory: no config.json and 2 .gguf files; give one "
+                                  f"of them: {tmp_path / 'a.Q4_K_M.gguf'}, {tmp_path / 'b.Q8_0.gguf'}")

@@ -201,11 +201,12 @@ def _model_location(path: str | Path) -> Path:
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ModelLoadError(
-                f"{path} is not a model directory: no config.json and "
-                f"{'no' if not ggufs else 'several'} .gguf files"
-            )
+        if not ggufs:
+            raise ModelLoadError(f"{path} is not a model directory: no config.json and no .gguf files")
+        if len(ggufs) > 1:
+            shown = ", ".join(str(g) for g in ggufs[:4]) + (f", ... ({len(ggufs) - 4} more)" if len(ggufs) > 4 else "")
+            raise ModelLoadError(f"{path} is not a model directory: no config.json and {len(ggufs)} .gguf files; "
+                                 f"give one of them: {shown}")
         path = ggufs[0]
     if path.is_file() and path.suffix.lower() != ".gguf":  # MODEL.GGUF is one too
         hint = ""
