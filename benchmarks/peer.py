@@ -350,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("threads", "rounds", "decode_tokens", "repeats", "num_requests", "probe_mib", "probe_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 <= args.min_tail <= args.max_tail or not 1 <= args.min_new_tokens <= args.max_new_tokens:
-        p.error("need 0 <= --min-tail <= --max-tail and 1 <= --min-new-tokens <= --max-new-tokens")
+    if not 0 <= args.min_tail <= args.max_tail:
+        p.error(f"need 0 <= --min-tail <= --max-tail (given --min-tail {args.min_tail}, --max-tail {args.max_tail})")
+    if not 1 <= args.min_new_tokens <= args.max_new_tokens:
+        p.error(f"need 1 <= --min-new-tokens <= --max-new-tokens (given --min-new-tokens {args.min_new_tokens}, "
+                f"--max-new-tokens {args.max_new_tokens}; the defaults are 32 and 128)")
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the rate is (n - 1) / (T(n) - T(1)))")
     record = run(args)

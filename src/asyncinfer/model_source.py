@@ -214,12 +214,25 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     if not path.exists() and isinstance(model, str) and is_hub_id(model):
         return hub_cache_path(model)
     if not path.exists():
+        near = _near_gguf(path)
         raise ModelLoadError(
-            f"model path {str(path)!r} does not exist (expected a Hugging Face model directory "
-            "with config.json and *.safetensors, a .gguf file, or a known name: "
-            f"'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted)"
+            f"model path {str(path)!r} does not exist"
+            + (f" (did you mean {str(near)!r}?)" if near is not None else
+               " (expected a Hugging Face model directory with config.json and *.safetensors, a .gguf file, or a "
+               f"known name: 'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted)")
         )
     return path
+
+
+def _near_gguf(path: Path) -> Path | None:
+    """The GGUF file beside a missing model path that names it without its suffix or in another case
+    (``my-model`` or ``my-model.GGUF`` for ``my-model.gguf``), or None."""
+    stem = path.name[:-len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    try:
+        near = path.with_name(stem + ".gguf")
+        return near if near != path and near.is_file() else None
+    except (OSError, ValueError):  # no name to give a suffix, or one too long for a path
+        return None
 
 
 def known_name(text: str) -> bool:

@@ -76,14 +76,37 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
-    if args.model is None and len(args.prompt) == 1 and _looks_like_a_model(args.prompt[0]):
+    words = args.prompt
+    if args.model is None and words and (len(words) == 1 and _looks_like_a_model(words[0])
+                                         or len(words) > 1 and _names_a_model(words[0])):
+        import shlex
+
         from asyncinfer.commands import CommandError
 
-        # chat's positional is the prompt (every other command's is the model): a model file is a mistake
-        raise CommandError(f"{args.prompt[0]!r} is a model, not a prompt (asyncinfer chat's argument is the "
-                           f"prompt): give it as --model (asyncinfer chat --model {args.prompt[0]} [PROMPT]); to "
+        # chat's positional is the prompt (every other command's is the model): a model file is a mistake, first
+        # of several words too (``asyncinfer chat my.gguf "hi"``, as serve and generate take theirs)
+        rest = " ".join(shlex.quote(word) for word in words[1:]) or "[PROMPT]"
+        raise CommandError(f"{words[0]!r} is a model, not a prompt (asyncinfer chat's argument is the "
+                           f"prompt): give it as --model (asyncinfer chat --model {words[0]} {rest}); to "
                            "send it as the prompt, give --model too")
     return asyncio.run(_main(args, options, params))
+
+
+def _names_a_model(word: str) -> bool:
+    """Whether ``word``, the first of a prompt's several words, surely names a model: an existing ``.gguf`` file or
+    directory with a ``config.json``, a word ending in ``.gguf``, or a known name (not a Hub-id-shaped word, which a
+    sentence may start with)."""
+    from asyncinfer.model_source import known_name
+
+    if any(c.isspace() for c in word) or not word:
+        return False
+    if known_name(word) or word.lower().endswith(".gguf"):
+        return True
+    try:
+        path = Path(word).expanduser()
+        return (path.suffix.lower() == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file())
+    except (OSError, ValueError):  # too long for a file name, or with a NUL: no file
+        return False
 
 
 def _looks_like_a_model(text: str) -> bool:

@@ -18,6 +18,9 @@ Output: one line per request, in input order (``--output``, default stdout)::
 
     {"id": "q7", "text": "...", "finish_reason": "stop", "prompt_tokens": 9, "completion_tokens": 20}
 
+A model without a tokenizer (a GGUF file with no vocabulary, a directory without tokenizer files) takes
+token-id prompts only, and its lines add the output's ``"token_ids"`` (its ``text`` is empty).
+
 A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
 and the job goes on; the exit status is then 1. The requests go through the engine's own
 admission control, as an HTTP server's do: with ``--max-waiting-requests N``, a request sent
@@ -86,7 +89,8 @@ def _check_source(args: argparse.Namespace) -> None:
     """The prompts come from ``--prompt`` or ``--file``; a text given where the command takes its MODEL
     (``asyncinfer generate "some text"``, as ``chat`` takes its prompt) is explained, not loaded as a model."""
     given = args.model_arg
-    if given is not None and _reads_as_a_prompt(given):
+    prompts_given = bool(args.prompt) or args.file is not None  # then MODEL is a model: a missing one, "does not exist"
+    if given is not None and not prompts_given and _reads_as_a_prompt(given):
         shown = given if len(given) <= 60 else given[:57] + "..."
         also = f" --model {args.model}" if args.model else ""
         raise CommandError(f"{shown!r} was read as the model (asyncinfer generate's argument is the MODEL, a path "
@@ -282,6 +286,7 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
     from asyncinfer.engine import AsyncEngine
 
     engine = await AsyncEngine.load(model, **options)
+    ids_only = engine.get_tokenizer() is None  # no text to give: the output is its token ids
     results: list[dict[str, Any] | None] = [None] * len(jobs)
     written = failed = 0
     limit = asyncio.Semaphore(args.concurrency)
@@ -295,8 +300,12 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
                 record: dict[str, Any] = {"id": job.id, "text": result.text, "finish_reason": result.finish_reason,
                                           "prompt_tokens": len(result.prompt_token_ids),
                                           "completion_tokens": sum(len(o.token_ids) for o in result.outputs)}
+                if ids_only:
+                    record["token_ids"] = list(result.outputs[0].token_ids)
                 if len(result.outputs) > 1:
-                    record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in result.outputs]
+                    record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason,
+                                          **({"token_ids": list(o.token_ids)} if ids_only else {})}
+                                         for o in result.outputs]
                 progress.done(record["completion_tokens"])
             except (InvalidParameterError, EngineOverloadedError) as exc:  # this request only: the job goes on
                 from asyncinfer.commands.engine_flags import in_flag_terms

@@ -177,7 +177,13 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+        said = " ".join(str(exc).split())  # one line: transformers' messages run over several
+        vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
+        if not any((path / name).exists() for name in vocabulary):
+            present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
+            said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
+                    f"files beside its config.json (transformers: {said})")
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
     except BaseException as exc:  # the tokenizers library's Rust code panicked on the file
         if not is_native_panic(exc):
             raise

@@ -87,7 +87,7 @@ from asyncinfer.models.quant import (
     mixed_format,
     mixed_parts,
 )
-from asyncinfer.models.registry import model_family
+from asyncinfer.models.registry import model_family, supported_architectures
 from asyncinfer.models.tokenizer import CachedTokenizer, load_cached
 from asyncinfer.progress import TerminalProgress, say
 
@@ -201,11 +201,12 @@ def _model_location(path: str | Path) -> Path:
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ModelLoadError(
-                f"{path} is not a model directory: no config.json and "
-                f"{'no' if not ggufs else 'several'} .gguf files"
-            )
+        if not ggufs:
+            raise ModelLoadError(f"{path} is not a model directory: no config.json and no .gguf files")
+        if len(ggufs) > 1:
+            shown = ", ".join(str(g) for g in ggufs[:4]) + (f", ... ({len(ggufs) - 4} more)" if len(ggufs) > 4 else "")
+            raise ModelLoadError(f"{path} is not a model directory: no config.json and {len(ggufs)} .gguf files; "
+                                 f"give one of them: {shown}")
         path = ggufs[0]
     if path.is_file() and path.suffix.lower() != ".gguf":  # MODEL.GGUF is one too
         hint = ""
@@ -339,11 +340,28 @@ def _hf_model_config(path: Path) -> ModelConfig:
     family = hf_config_family(raw, path / "config.json")
     _check_hf_layer_count(path, raw, family.weight_map)  # before transformers builds anything one a layer
     check_config_sizes(raw, HF_SIZE_KEYS, str(path / "config.json"))  # before transformers or ModelConfig reads one
+    _check_model_type_known(raw)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     return ModelConfig.from_hf_config(hf_config)
+
+
+def _check_model_type_known(raw: dict[str, Any]) -> None:
+    """A config.json whose ``architectures`` name a family that runs here but whose ``model_type`` transformers does
+    not know (a typo, a renamed or custom type) is refused as an unsupported model_type, naming both and the
+    supported architectures, as any other architecture is: transformers' own refusal tells the user to upgrade
+    transformers, which would not make it load."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    architectures = raw.get("architectures")
+    named = f" (architectures: {', '.join(map(str, architectures))})" if isinstance(architectures, list) else ""
+    raise ModelLoadError(f"unsupported model_type {model_type!r}{named}: transformers has no config for it; "
+                         f"supported: {', '.join(supported_architectures())} (config.json's model_type names one)")
 
 
 _MIN_LAYER_BYTES = 32  # a layer's tensors take at least one entry of a shard's header: more than 32 bytes of JSON

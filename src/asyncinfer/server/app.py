@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncinfer.engine import AsyncEngine, EngineState
-from asyncinfer.errors import EngineClosedError, InvalidParameterError
+from asyncinfer.errors import AsyncInferError, EngineClosedError, InvalidParameterError
 from asyncinfer.server.auth import bearer, is_v1
 from asyncinfer.server.connections import MAX_HEADER_BYTES, GuardedHTTP, RequestDeadlines
 from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
@@ -197,15 +197,55 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     Ctrl-C (SIGINT; ``asyncinfer serve`` then exits 130). ``sock``: a socket already bound and
     listening on ``host:port`` (``asyncinfer.commands.serve.listening_socket``), served instead of
     one uvicorn binds after the app's start-up (the model's load)."""
-    server = _server_class()(server_config(app, settings, host, port, log_level))
+    startup = _StartupErrors(app)
+    server = _server_class()(server_config(startup, settings, host, port, log_level))
     interrupted = False
     try:
         server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raised the signal, as uvicorn.run swallows it
         interrupted = True
+    except SystemExit:  # uvicorn's own exit when the start-up failed
+        if startup.error is None:
+            raise
     if not server.started:
+        if startup.error is not None and not interrupted:
+            raise startup.error  # the typed error, once: asyncinfer serve says it in one line (status 2)
         raise SystemExit(130 if interrupted else 3)  # 3: uvicorn.run's status when the server could not start
     return interrupted
+
+
+class _StartupErrors:
+    """The app, whose start-up failing with a typed error (an :class:`AsyncInferError`: a model that does not
+    load, a bad option) is kept in ``error`` for :func:`run_server` to raise, rather than logged by uvicorn as
+    the lifespan's traceback; any other failure keeps its traceback (a fault, not the user's input)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.error: AsyncInferError | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        held: list[Any] = []
+
+        async def hold_failure(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                held.append(message)  # sent once the error is known: without the traceback when it is typed
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, hold_failure)
+        except AsyncInferError as exc:
+            if held:
+                self.error = exc
+                await send({**held[0], "message": ""})
+            raise
+        except BaseException:
+            for message in held:
+                await send(message)
+            raise
 
 
 #: Seconds a forced quit (a second Ctrl-C) gives the engine's close and the aborted requests' answers.
