@@ -773,7 +773,7 @@ _PLAN_FLAGS = {
 # ``asyncinfer lab``'s flags by the lab's parameter they set.
 _LAB_FLAGS = {
     "rate": "--rate", "long_fraction": "--long-fraction", "num_requests": "--synthetic", "priorities": "--priorities",
-    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model",
+    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model", "num_threads": "--threads",
 }
 
 # ``asyncinfer embed``'s flags by the embedding model's option they set.
