@@ -16,3 +16,22 @@ def test_labs_calibration_threads_are_named_by_their_flag(tmp_path, capsys, tiny
     assert status == 2 and not out.exists()
     assert capsys.readouterr().err == (f"asyncinfer: error: --threads {threads} is invalid: allowed an integer in "
                                        "[1, 4096]\n")
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["serve"], ["plan"], ["info"], ["embed", "hi"],
+                                  ["bench", "--num-requests", "1"], ["chat"]])
+def test_an_empty_model_flag_is_refused_by_its_flag(tmp_path, capsys, monkeypatch, tiny_models, argv) -> None:
+    """``-m "$MODEL"`` with the variable unset loaded the model of the working directory (``generate``, ``serve``,
+    ``plan``, ``embed``, ...), ``Path("")`` being ``.``: refused before anything loads."""
+    import shutil
+
+    shutil.copytree(tiny_models["llama"][0], tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = cli.main([argv[0], "-m", "", *argv[1:]])
+    except SystemExit as exited:
+        status = exited.code
+    assert status == 2
+    assert capsys.readouterr().err == ("asyncinfer: error: --model '' is invalid: allowed a model directory, a .gguf "
+                                       "file or a known name, not an empty string (leave --model out for the default "
+                                       "model; . is the working directory)\n")
