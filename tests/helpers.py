@@ -19,9 +19,13 @@ conftest files; plain code lives here.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import importlib.util
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -261,6 +265,71 @@ def save_tiny_bert(path: Path, vocab: list[str], *, pooling_layer: bool = False)
     BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
     return model
 
+
+
+#: The repository's root (the benchmarks and examples scripts are read from there).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(monkeypatch: Any, path: Path, name: str) -> Any:
+    """The module of a script that is not a package's (a benchmark, an example), imported from ``path`` as ``name``
+    with its folder on ``sys.path`` for its own imports, both undone by ``monkeypatch`` at the test's end."""
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cli_commands() -> dict[str, argparse.ArgumentParser]:
+    """``asyncinfer``'s subcommands' parsers by name."""
+    from asyncinfer import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def cli_refusal(capsys: Any, argv: list[str]) -> str:
+    """What ``asyncinfer argv`` says when it refuses them: exit status 2 and one line, no traceback; the line
+    without its ``asyncinfer: error:`` prefix."""
+    import pytest
+
+    from asyncinfer import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+
+
+_GRAMMAR_CHILD = """
+import resource, sys
+if sys.argv[2] != "0":
+    resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
+from transformers import AutoTokenizer
+from asyncinfer import InvalidParameterError
+from asyncinfer.grammar import GrammarCompiler
+from asyncinfer.structured import StructuredOutput
+compiler = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 320, [2])
+try:
+    compiler.compile({spec})
+    print("compiled")
+except InvalidParameterError as exc:
+    print("refused", exc.parameter, exc)
+"""
+
+
+def compile_in_child(model: Path, spec: str, *, address_space: int = 0) -> subprocess.CompletedProcess[str]:
+    """Compile ``spec`` (a Python expression of a ``StructuredOutput``) with the tokenizer of ``model`` in a child
+    interpreter, as the engine compiles it, under an address-space limit of ``address_space`` bytes (0: none): a
+    native crash ends the child, not the test. Its stdout is ``compiled`` or ``refused PARAMETER MESSAGE``."""
+    return subprocess.run([sys.executable, "-c", _GRAMMAR_CHILD.format(spec=spec), str(model), str(address_space)],
+                          check=False, capture_output=True, text=True, timeout=120)
 
 def gguf_names(weight_map, num_layers: int) -> dict[str, str]:
     """HF checkpoint name -> GGUF tensor name, from a family's weight map, for ``num_layers`` layers."""

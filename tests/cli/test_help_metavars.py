@@ -3,32 +3,25 @@ destination upper-cased: ``--dtype ENGINE_DTYPE``); ``asyncinfer plan`` counts r
 
 from __future__ import annotations
 
-import argparse
-
 from asyncinfer import cli
-
-
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
+from tests.helpers import cli_commands
 
 
 def test_every_flag_that_takes_a_value_has_a_readable_metavar() -> None:
     placeholders = []
-    for name, parser in _commands().items():
+    for name, parser in cli_commands().items():
         for action in parser._actions:
             if not action.option_strings or action.nargs == 0 or action.choices is not None:
                 continue  # on/off flags, and choices (shown as {a,b})
             if action.metavar is None:  # argparse would show the destination upper-cased
                 placeholders.append(f"{name} {action.option_strings[-1]} {action.dest.upper()}")
     assert placeholders == []
-    for name, parser in _commands().items():
+    for name, parser in cli_commands().items():
         assert "ENGINE_" not in parser.format_help(), name
 
 
 def test_the_engine_flags_metavars() -> None:
-    text = _commands()["serve"].format_help()
+    text = cli_commands()["serve"].format_help()
     for shown in ("--dtype DTYPE", "--block-size N", "--kv-watermark FRACTION",
                   "--max-consecutive-step-failures N", "--activation-reserve SIZE", "--scheduler NAME"):
         assert shown in text, shown

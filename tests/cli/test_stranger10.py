@@ -7,21 +7,7 @@ import argparse
 import pytest
 
 from asyncinfer import cli
-
-
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
-
-
-def _refusal(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exited:
-        cli.main(argv)
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+from tests.helpers import cli_commands, cli_refusal
 
 
 # ------------------------------------------------------------------------- flags before the command
@@ -44,7 +30,7 @@ def _refusal(capsys, argv: list[str]) -> str:
 def test_a_commands_flag_before_the_command_is_explained(capsys, argv, message) -> None:
     """llama.cpp's ``llama-cli -m x.gguf -p hello``, typed as ``asyncinfer -m x.gguf chat``, was answered
     "'x.gguf' is not a command of asyncinfer": argparse had read the flag's value as the command."""
-    assert _refusal(capsys, argv) == message
+    assert cli_refusal(capsys, argv) == message
 
 
 def test_the_top_level_flags_still_work(capsys) -> None:
@@ -62,7 +48,7 @@ def test_every_flag_of_every_command_has_help_that_states_its_default() -> None:
     ``--block-size``, ``--max-num-seqs``, ``--max-num-batched-tokens`` and ``--max-model-len`` had no help at all,
     and ``plan``, ``embed``, ``chat`` and ``bench`` had flags whose default was nowhere."""
     missing = []
-    for name, parser in _commands().items():
+    for name, parser in cli_commands().items():
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or not action.option_strings:
                 continue
@@ -76,7 +62,7 @@ def test_every_flag_of_every_command_has_help_that_states_its_default() -> None:
 
 
 def test_the_defaults_the_help_states_are_the_parsers() -> None:
-    commands = _commands()
+    commands = cli_commands()
     lab = commands["lab"].parse_args([])
     assert (lab.num_blocks, lab.block_size, lab.max_num_seqs, lab.max_num_batched_tokens, lab.max_model_len) == (
         4096, 16, 16, 512, 4096)
@@ -92,8 +78,8 @@ def test_the_defaults_the_help_states_are_the_parsers() -> None:
 
 
 def test_embed_without_texts_names_its_argument_as_its_help_does(capsys) -> None:
-    assert _refusal(capsys, ["embed"]) == "the following arguments are required: TEXT"
-    assert "TEXT [TEXT ...]" in _commands()["embed"].format_usage()
+    assert cli_refusal(capsys, ["embed"]) == "the following arguments are required: TEXT"
+    assert "TEXT [TEXT ...]" in cli_commands()["embed"].format_usage()
 
 
 # ------------------------------------------------------------------------- sampling flags in the command line's words
@@ -281,7 +267,7 @@ def test_help_says_how_to_send_several_lines() -> None:
 def test_help_and_version_typed_as_commands_name_the_flags(capsys, argv, hint) -> None:
     """``asyncinfer help`` and ``asyncinfer version`` (git's, ollama's habits) listed the commands, no word of
     --help or --version."""
-    assert _refusal(capsys, argv).endswith(hint)
+    assert cli_refusal(capsys, argv).endswith(hint)
 
 
 # ------------------------------------------------------------------------- lab's errors in its flags' terms
@@ -357,7 +343,7 @@ def test_an_example_answers_help_with_its_usage_and_loads_nothing(example, flag)
 def test_more_foreign_flags_are_refused_with_what_to_do(capsys, argv, hint) -> None:
     """``--disable-log-requests`` got "did you mean --max-waiting-requests?", ``--tokenizer`` "did you mean
     --block-size?", ``--allowed-origins *`` the shell's expansion of * as unrecognized arguments."""
-    assert _refusal(capsys, argv) == f"{argv[1]} is not a flag of asyncinfer {argv[0]}: it is {hint}"
+    assert cli_refusal(capsys, argv) == f"{argv[1]} is not a flag of asyncinfer {argv[0]}: it is {hint}"
 
 
 # ------------------------------------------------------------------------- a JSONL line's errors in JSON's words

@@ -8,21 +8,7 @@ import pytest
 
 from asyncinfer import cli
 from asyncinfer.commands import foreign_flags
-
-
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
-
-
-def _refusal(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exited:
-        cli.main(argv)
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.removeprefix("asyncinfer: error: ").rstrip("\n")
+from tests.helpers import cli_commands
 
 
 # ------------------------------------------------------------------------- the aliases, on every command
@@ -31,7 +17,7 @@ def test_every_command_that_has_a_flag_takes_its_aliases() -> None:
     ``asyncinfer plan -m x`` was "unrecognized arguments: -m" (``info -m x`` worked), ``embed -t 1`` was refused
     (``chat -t 1`` worked), and ``lab``'s ``--model``, ``--threads`` and ``--max-model-len`` had none."""
     missing = []
-    for name, parser in _commands().items():
+    for name, parser in cli_commands().items():
         flags = {f: a for a in parser._actions for f in a.option_strings}
         for flag, aliases in foreign_flags.ALIASES.items():
             if flag in flags:
@@ -168,9 +154,9 @@ def test_generates_refusal_of_max_tokens_names_a_fix_a_job_can_use(tiny_models, 
 def test_no_help_shows_rest_literal_markers() -> None:
     """``asyncinfer generate --help`` printed its docstring's "Input, one request a line (--file; - reads
     stdin)::" and "Output: ... (--output, default stdout)::", reST's literal-block markers."""
-    texts = [cli.build_parser().format_help(), *(p.format_help() for p in _commands().values())]
+    texts = [cli.build_parser().format_help(), *(p.format_help() for p in cli_commands().values())]
     assert [line for text in texts for line in text.splitlines() if line.rstrip().endswith("::")] == []
-    generate = _commands()["generate"].format_help()
+    generate = cli_commands()["generate"].format_help()
     assert "Input, one request a line (--file; - reads stdin):\n" in generate
     assert cli.plain_text("a ``b`` c::\n\n    x :: y\n") == "a b c:\n\n    x :: y\n"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import cli
+from tests.helpers import REPO_ROOT, load_script
 
 
 def _error_line(capsys) -> str:
@@ -61,17 +62,7 @@ def test_serve_says_a_model_that_does_not_load_in_one_line(tmp_path: Path, capfd
 
 
 def _peer(monkeypatch):
-    import importlib.util
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.syspath_prepend(str(root / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("peer_under_test", root / "benchmarks" / "peer.py")
-    assert spec is not None and spec.loader is not None
-    peer = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "peer_under_test", peer)
-    spec.loader.exec_module(peer)
-    return peer, root
+    return load_script(monkeypatch, REPO_ROOT / "benchmarks" / "peer.py", "peer_under_test"), REPO_ROOT
 
 
 def test_the_peer_benchmark_s_documented_smoke_run_passes_its_own_checks(monkeypatch) -> None:

@@ -3,24 +3,18 @@ fix."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 from asyncinfer import AsyncEngine
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _throughput(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("throughput_under_test", ROOT / "benchmarks" / "throughput.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "throughput_under_test", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(monkeypatch, ROOT / "benchmarks" / "throughput.py", "throughput_under_test")
 
 
 def test_the_throughput_benchmark_checks_an_embedding_kept_in_its_blocks(tmp_path: Path, monkeypatch) -> None:

@@ -11,10 +11,9 @@ and every other caller's stream down. A range above 2**63 - 1 compiled and const
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers import compile_in_child
 
 _CRASHING = '{"type": "integer", "minimum": -2e19, "maximum": -1e19}'
 _SPECS = {
@@ -30,19 +29,6 @@ _SPECS = {
     "property_named_minimum": 'StructuredOutput.json_schema({"type": "object", "properties": {"minimum": '
                               '{"type": "integer", "minimum": 3, "maximum": 4}}, "required": ["minimum"]})',
 }
-_CHILD = """
-import sys
-from transformers import AutoTokenizer
-from asyncinfer import InvalidParameterError
-from asyncinfer.grammar import GrammarCompiler
-from asyncinfer.structured import StructuredOutput
-compiler = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 320, [2])
-try:
-    compiler.compile({spec})
-    print("compiled")
-except InvalidParameterError as exc:
-    print("refused", exc.parameter, exc)
-"""
 
 
 @pytest.mark.parametrize("name", list(_SPECS))
@@ -50,8 +36,7 @@ def test_an_integer_bound_past_i64_is_refused_before_the_grammar_library_reads_i
     """Each spec is compiled in a child interpreter, as the engine compiles it: before, the crashing ones ended it
     with SIGSEGV (status -11) and ``saturated`` compiled; now each is an InvalidParameterError on ``structured``
     naming the bound, and bounds under 2**63 (or a property that is named ``minimum``) still compile."""
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(spec=_SPECS[name]), str(tiny_chat_model)],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = compile_in_child(tiny_chat_model, _SPECS[name])
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     if name in ("fits", "property_named_minimum"):
         assert done.stdout.strip() == "compiled", done.stdout

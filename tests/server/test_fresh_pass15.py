@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from asyncinfer.grammar import _intersections, _schema_patterns
+from tests.helpers import compile_in_child
 
 
 def _patterns(n: int, start: int = 0) -> list[dict]:
@@ -45,20 +46,6 @@ _SPECS = {**{name: f"StructuredOutput.json_schema({json.dumps(s)!r})" for name, 
           "lark_and": "StructuredOutput.grammar('start: A\\nA: ' + ' & '.join('/.*a%d.*/' % i for i in range(30)))",
           "lark_json": "StructuredOutput.grammar('start: x\\nx: %json ' + "
                        f"{json.dumps(_CRASHING['all_of'])!r})"}
-_CHILD = """
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (3 * 1024 ** 3, 3 * 1024 ** 3))
-from transformers import AutoTokenizer
-from asyncinfer import InvalidParameterError
-from asyncinfer.grammar import GrammarCompiler
-from asyncinfer.structured import StructuredOutput
-compiler = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 320, [2])
-try:
-    compiler.compile({spec})
-    print("compiled")
-except InvalidParameterError as exc:
-    print("refused", exc.parameter, exc)
-"""
 
 
 @pytest.mark.parametrize("name", list(_SPECS))
@@ -67,8 +54,7 @@ def test_a_spec_intersecting_many_patterns_is_refused_before_the_grammar_library
     """Each spec is compiled in a child interpreter (under a 3 GiB address-space limit), as the engine compiles it:
     before, each ended it with SIGABRT (``memory allocation ... failed``); now each is an InvalidParameterError on
     ``structured`` naming the limit, at once."""
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(spec=_SPECS[name]), str(tiny_chat_model)],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = compile_in_child(tiny_chat_model, _SPECS[name], address_space=3 * 1024 ** 3)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith("refused structured "), done.stdout
     if name == "lark_and":
@@ -107,8 +93,7 @@ def test_ampersands_in_literals_and_comments_are_no_intersection() -> None:
     'StructuredOutput.grammar("start: A\\nA: " + " & ".join("/.*a%d.*/" % i for i in range(8)))',
 ])
 def test_specs_within_the_limits_still_compile(tiny_chat_model, spec) -> None:
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(spec=spec), str(tiny_chat_model)],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = compile_in_child(tiny_chat_model, spec, address_space=3 * 1024 ** 3)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == "compiled", done.stdout
 
