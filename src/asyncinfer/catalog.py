@@ -148,9 +148,11 @@ class ModelCatalog:
     def add_embedder(self, entry: EmbeddingModel) -> None:
         self.embedders[entry.name] = entry
 
-    def generator(self, name: str | None, parameter: str = "model") -> ModelHolder:
-        """The generator named ``name`` (None: the default one); an error names ``parameter``, the caller's keyword."""
-        return _pick(self.generators, name, "generator", self.embedders, "an embedding model: use embed()", parameter)
+    def generator(self, name: str | None, parameter: str = "model",
+                  embedder_hint: str = "an embedding model: use embed()") -> ModelHolder:
+        """The generator named ``name`` (None: the default one); an error names ``parameter``, the caller's keyword,
+        and ``embedder_hint`` where ``name`` is an embedding model's."""
+        return _pick(self.generators, name, "generator", self.embedders, embedder_hint, parameter)
 
     def embedder(self, name: str | None) -> EmbeddingModel:
         """The embedding model named ``name`` (None: the default one)."""

@@ -225,9 +225,13 @@ def _check_samples(params: SamplingParams, version: ModelVersion) -> None:
 def _check_version(version_id: int, serving: ModelVersion) -> None:
     """:class:`ModelChangedError` unless ``serving`` is the version ``version_id`` a prompt was made for."""
     if serving.version_id != version_id:
+        # A newer id than the serving one was never this model's serving version (a typo, another model's id, a
+        # version still loading): no swap came in between, and the id to use is the serving one.
+        why = ("a swap_model came in between" if version_id < serving.version_id else
+               "no version of that id has served this model")
         raise ModelChangedError(f"the prompt was made for version {version_id} of the model, and version "
-                                f"{serving.version_id} serves it now (a swap_model came in between): make the "
-                                "prompt again with the serving version", version_id, serving.version_id)
+                                f"{serving.version_id} serves it now ({why}): make the prompt again with the serving "
+                                "version (model_info()'s version_id)", version_id, serving.version_id)
 
 
 def _counted(n: int, noun: str) -> str:

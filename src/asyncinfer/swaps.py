@@ -99,7 +99,9 @@ class ModelChanges:
         available = check_available_bytes(available)
         async with self.lock:
             self.check_usable()
-            holder = self.models.generator(name, "name")  # swap_model's keyword is name, not model
+            # swap_model's keyword is name, not model; an embedding model is replaced by remove_model + add_model
+            holder = self.models.generator(name, "name", "an embedding model, which swap_model does not replace: "
+                                                         "remove_model(name), then add_model(name, model)")
             label = self.models.name_of(holder)
             merged = {**current(holder).options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read

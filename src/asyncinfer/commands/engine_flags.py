@@ -226,8 +226,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     """``exc`` in the command line's terms when it is about an engine option given as a flag: the flag's
-    name, and ``none`` where the flag takes it (the library's message says None); else None."""
+    name, and ``none`` where the flag takes it (the library's message says None); a scheduler's own refusal of a
+    ``--scheduler-option`` it takes, as that flag; else None."""
     flag = BY_FIELD.get(exc.parameter)
+    plugin = given.get("scheduler_options") or {}
+    if flag is None and exc.parameter in plugin:  # the scheduler's own check of a --scheduler-option it takes
+        shown = f"{exc.parameter}={json.dumps(plugin[exc.parameter])}"  # as typed (VALUE read as JSON)
+        return f"{BY_FIELD['scheduler_options'].flag} {shown} is invalid: allowed {exc.allowed}"
     if flag is None or flag.field not in given:
         return None
     value = exc.value

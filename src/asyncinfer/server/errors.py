@@ -162,19 +162,22 @@ _TOO_LONG = re.compile(r"^<(\d+) (tokens|characters)>$")
 _CONTEXT = re.compile(r"^at most max_model_len - 1 = (\d+) tokens")
 
 
-def _prompt_too_long(field: str, exc: InvalidParameterError) -> str | None:
+def _prompt_too_long(field: str, exc: InvalidParameterError, also: Sequence[str] = ()) -> str | None:
     """The engine's "prompt of max_model_len tokens or more" as OpenAI words it (``This model's maximum context
-    length is ...``), or None for another refusal of the prompt."""
+    length is ...``), or None for another refusal of the prompt. ``also``: the other body fields rendered into the
+    prompt (a chat's ``tools``), named beside ``field`` as what to shorten."""
     size = _TOO_LONG.match(str(exc.value)) if isinstance(exc.value, str) else None
     room = _CONTEXT.match(exc.allowed)
     if size is None or room is None:
         return None
     context = int(room.group(1)) + 1
     count, unit = int(size.group(1)), size.group(2)
-    got = (f"your `{field}` resulted in {count} tokens" if unit == "tokens" else
-           f"your `{field}` has {count} characters, more than {context - 1} tokens can hold")
+    named = f"`{field}`" + "".join(f" and `{other}`" for other in also) + (" (rendered into the prompt)" if also else "")
+    got = (f"your {named} resulted in {count} tokens" if unit == "tokens" else
+           f"your {named} {'have' if also else 'has'} {count} characters, more than {context - 1} tokens can hold")
+    shorten = " or ".join(f"`{name}`" for name in (field, *also))
     return (f"This model's maximum context length is {context} tokens (prompt and output together), and the prompt "
-            f"may take at most {context - 1} of them. However, {got}. Please reduce the length of `{field}`.")
+            f"may take at most {context - 1} of them. However, {got}. Please reduce the length of {shorten}.")
 
 
 MAX_LISTED_MODELS = 20  # served names a 404 lists (the rest are counted; GET /v1/models has them all)
@@ -209,8 +212,11 @@ def metrics_unauthorized(got_key: bool) -> APIError:
     return APIError(401, message, code="invalid_api_key" if got_key else None)
 
 
-def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], str] = lambda p: p) -> APIError:
-    """The API error for ``exc``; ``rename`` maps an engine parameter name to the body's field."""
+def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], str] = lambda p: p,
+                   prompt_also: Sequence[str] = ()) -> APIError:
+    """The API error for ``exc``; ``rename`` maps an engine parameter name to the body's field; ``prompt_also``
+    names the body's other fields rendered into the prompt (a chat's ``tools``), which a too-long prompt's 400
+    names beside its own field."""
     if isinstance(exc, APIError):
         return exc
     if _OVERLOADED is not None and isinstance(exc, _OVERLOADED):
@@ -239,7 +245,7 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
         if exc.parameter == "max_tokens" and code is not None:
             return APIError(400, _no_room(field, exc), param=field, code=code)
         if exc.parameter == "prompt" and code is not None:
-            too_long = _prompt_too_long(field, exc)
+            too_long = _prompt_too_long(field, exc, prompt_also)
             if too_long is not None:
                 return APIError(400, too_long, param=field, code=code)
         # the message names the body's field too (chat's `top_logprobs` is the engine's `logprobs`), in JSON's words

@@ -512,6 +512,12 @@ class ChatRequest(_Common):
         return {"logprobs": "top_logprobs"}.get(parameter, parameter)
 
     @property
+    def prompt_also(self) -> tuple[str, ...]:
+        """The body's fields other than ``messages`` rendered into the prompt: ``tools`` where they are shown to
+        the model (not with ``tool_choice: "none"``)."""
+        return ("tools",) if self.tool_use is not None else ()
+
+    @property
     def has_tool_turns(self) -> bool:
         """The history holds an assistant's tool calls or a tool's result."""
         return any(m["role"] == "tool" or "tool_calls" in m for m in self.history)

@@ -193,6 +193,7 @@ class _OpenAI:
         """``generation``: the call generates, reading the tenant and priority headers (where the settings name
         them) and the cache salt."""
         call_id = new_request_id(prefix)
+        prompt_also: tuple[str, ...] = ()  # a chat's other fields in its prompt (its tools), for a too-long 400
         try:
             key = (authorize or self._authorize)(request)  # first: a caller without a key learns only its 401
             # each header read below, given once (before any of them decides anything); only those this call reads
@@ -203,6 +204,8 @@ class _OpenAI:
             body = await self._body(request, parse, shape) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
+            if isinstance(body, ChatRequest):
+                prompt_also = body.prompt_also
             response = await run(body, call)  # type: ignore[arg-type]
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
@@ -211,7 +214,7 @@ class _OpenAI:
         # every call is answered: from_exception logs an unknown one, a 500; a native library's panic too (pyo3's
         # PanicException derives from BaseException only: it went to the ASGI server, a plain-text 500)
         except BaseException as exc:  # noqa: BLE001
-            response = from_exception(exc, call_id, rename).response(call_id)
+            response = from_exception(exc, call_id, rename, prompt_also).response(call_id)
         response.headers.setdefault("x-request-id", call_id)
         return self._answer(request, response)
 
