@@ -755,7 +755,7 @@ def _kernel_setting_error(exc: BaseException) -> bool:
 #: ``asyncinfer serve``'s own flags, by the ServerSettings field (the ``parameter`` of its errors).
 _SERVE_FLAGS = {
     "api_keys": "--api-key", "metrics_keys": "--metrics-key", "max_body_bytes": "--max-body-bytes",
-    "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
+    "tenants": "--tenant", "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
     "priority_header": "--priority-header", "header_timeout": "--header-timeout", "body_timeout": "--body-timeout",
     "send_timeout": "--send-timeout", "max_connections": "--max-connections",
 }

@@ -190,6 +190,7 @@ class ServerSettings:
             isinstance(k, str) and k and isinstance(t, Tenant) for k, t in tenants.items()
         ):
             raise InvalidParameterError("tenants", tenants, "a mapping of non-empty API keys to Tenant(name, priority)")
+        _key_tuple("tenants", tuple(tenants))  # as api_keys: a key with spaces around it never matches a bearer token
         shared = set(self.metrics_keys) & (set(self.api_keys) | set(tenants))
         if shared:
             raise InvalidParameterError("metrics_keys", "<a key also in api_keys or tenants>",
