@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import msgspec
@@ -34,6 +36,18 @@ def wire_logprob(value: float) -> float:
     :data:`UNLIKELY_LOGPROB`, since JSON has no infinity (it would be written ``null``, which clients that
     read the field as a number refuse)."""
     return max(UNLIKELY_LOGPROB, value)  # NaN too: max keeps the first when nothing compares greater
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+@cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's characters -> the bytes they stand for (GPT-2's ``bytes_to_unicode``, inverted): printable
+    Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
 @dataclass
@@ -149,7 +163,25 @@ class Reply:
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(self.token_bytes(token_id, text))}
+
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The token's own UTF-8 bytes (OpenAI's ``bytes``, which a client joins to rebuild a character split over
+        several tokens). ``text``, the token decoded alone, holds them unless it is a piece of a character, which
+        decodes to U+FFFD: then its bytes are read from its vocabulary entry, a byte-level BPE piece (GPT-2's
+        byte-to-character table) or a byte-fallback piece (``<0xE2>``), and ``text``'s own bytes where it is
+        neither."""
+        if "\ufffd" not in text or self.tokenizer is None:
+            return text.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece:
+            byte = _BYTE_FALLBACK.fullmatch(piece)
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+            table = _byte_level_table()
+            if all(char in table for char in piece):
+                return bytes(table[char] for char in piece)
+        return text.encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """One token as text (``token_id:<id>`` for a model without a tokenizer)."""

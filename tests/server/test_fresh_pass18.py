@@ -1,0 +1,80 @@
+"""An eighteenth adversarial pass over the HTTP server: each finding held to its fix."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import httpx
+import pytest
+
+from asyncinfer.outputs import Logprob
+from asyncinfer.server.responses import Reply
+
+#: Characters of two, three and four UTF-8 bytes: the tiny model's byte-level BPE (trained on ASCII text) has no
+#: token for any of them, so each is written one byte-token at a time, and no such token decodes alone.
+WIDE = "é€😀"
+
+
+def _chat(live_url: str, stream: bool) -> tuple[str, list[dict]]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say it"}], "max_tokens": 40,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3, "guided_choice": [WIDE], "stream": stream}
+    with httpx.Client(base_url=live_url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"], choice["logprobs"]["content"]
+        text, tokens = "", []
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+                    tokens += (choice["logprobs"] or {}).get("content") or []
+        return text, tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_logprobs_bytes_are_the_tokens_own_bytes(server, stream) -> None:
+    """OpenAI's ``bytes`` of a chat logprob are the token's UTF-8 bytes, there so that a client can join the
+    tokens of a character split over several of them. Each was the bytes of the token decoded alone, which for a
+    piece of a character is U+FFFD: ``[239, 191, 189]``, whatever the token, so the joined bytes of a reply of
+    one emoji read three replacement characters. They are now the token's own bytes, for the chosen tokens and
+    their alternatives."""
+    pytest.importorskip("llguidance", reason="structured output needs asyncinfer[structured] (llguidance)")
+    text, tokens = _chat(server.url, stream)
+    assert text == WIDE
+    pieces = [t for t in tokens if t["token"] != "</s>"]  # the EOS that ends the reply is a token of no text
+    assert len(pieces) == 9  # one byte a token: 2 + 3 + 4
+    assert b"".join(bytes(t["bytes"]) for t in pieces) == WIDE.encode("utf-8")
+    assert all(t["token"] == "\ufffd" and len(t["bytes"]) == 1 for t in pieces)
+    for token in pieces:
+        for alternative in token["top_logprobs"]:
+            if alternative["token"] == "\ufffd":  # a byte of no character of its own
+                assert len(alternative["bytes"]) == 1 and alternative["bytes"][0] >= 0x80, alternative
+            else:
+                assert bytes(alternative["bytes"]) == alternative["token"].encode("utf-8")
+
+
+class _FallbackTokenizer:
+    """A SentencePiece-style vocabulary: ``▁hi`` and the byte-fallback pieces ``<0xE2>``, ``<0x82>``, ``<0xAC>``
+    (the three bytes of "€"), each of which decodes alone to U+FFFD."""
+
+    pieces: ClassVar[dict[int, str]] = {0: "▁hi", 1: "<0xE2>", 2: "<0x82>", 3: "<0xAC>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        (token_id,) = ids
+        return " hi" if token_id == 0 else "\ufffd"
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+
+def test_byte_fallback_pieces_give_their_byte() -> None:
+    reply = Reply(chat=True, id="chatcmpl-x", created=0, model="m", tokenizer=_FallbackTokenizer(), want_logprobs=True)
+    logprobs = [Logprob(i, -0.5, [(i, -0.5), (0, -1.0)]) for i in (0, 1, 2, 3)]
+    content = reply.choice(0, " hi€", logprobs, "stop")["logprobs"]["content"]
+    assert [t["bytes"] for t in content] == [[32, 104, 105], [0xE2], [0x82], [0xAC]]
+    assert b"".join(bytes(t["bytes"]) for t in content).decode("utf-8") == " hi€"
+    assert [[a["bytes"] for a in t["top_logprobs"]] for t in content] == [
+        [[32, 104, 105], [32, 104, 105]], [[0xE2], [32, 104, 105]], [[0x82], [32, 104, 105]], [[0xAC], [32, 104, 105]]]
