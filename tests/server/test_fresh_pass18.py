@@ -78,3 +78,18 @@ def test_byte_fallback_pieces_give_their_byte() -> None:
     assert b"".join(bytes(t["bytes"]) for t in content).decode("utf-8") == " hi€"
     assert [[a["bytes"] for a in t["top_logprobs"]] for t in content] == [
         [[32, 104, 105], [32, 104, 105]], [[0xE2], [32, 104, 105]], [[0x82], [32, 104, 105]], [[0xAC], [32, 104, 105]]]
+
+
+def test_the_default_models_vocabulary_gives_an_emojis_bytes_token_by_token(real_gguf) -> None:
+    """The default model's tokenizer (byte-level BPE, the GGUF file's cached tokenizer): every token of an emoji
+    and a CJK character that decodes alone to U+FFFD gives its own bytes, and the bytes of all of them join into
+    the text."""
+    from asyncinfer.models.loader import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(real_gguf)
+    text = "🦙 蜥蜴 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    reply = Reply(chat=True, id="chatcmpl-x", created=0, model="m", tokenizer=tokenizer, want_logprobs=True)
+    content = reply.choice(0, text, [Logprob(i, -1.0) for i in ids], "stop")["logprobs"]["content"]
+    assert any(t["token"] == "\ufffd" for t in content)  # the text is split inside characters
+    assert b"".join(bytes(t["bytes"]) for t in content) == text.encode("utf-8")
