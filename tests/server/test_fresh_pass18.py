@@ -10,6 +10,8 @@ import pytest
 
 from asyncinfer.outputs import Logprob
 from asyncinfer.server.responses import Reply
+from asyncinfer.server.tools import CallStream, parse_tool_use, read_calls
+from tests.helpers import gather_tool_deltas
 
 #: Characters of two, three and four UTF-8 bytes: the tiny model's byte-level BPE (trained on ASCII text) has no
 #: token for any of them, so each is written one byte-token at a time, and no such token decodes alone.
@@ -93,3 +95,40 @@ def test_the_default_models_vocabulary_gives_an_emojis_bytes_token_by_token(real
     content = reply.choice(0, text, [Logprob(i, -1.0) for i in ids], "stop")["logprobs"]["content"]
     assert any(t["token"] == "\ufffd" for t in content)  # the text is split inside characters
     assert b"".join(bytes(t["bytes"]) for t in content) == text.encode("utf-8")
+
+
+ROLL = {"type": "function", "function": {"name": "roll_dice", "parameters": {
+    "type": "object", "properties": {"count": {"type": "integer"}, "sides": {"type": "integer"}}}}}
+NEST = {"type": "function", "function": {"name": "nest", "parameters": {
+    "type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}}}
+DICE_CALL = '<tool_call>\n{"name": "roll_dice", "arguments": {"count": 2, "sides": 6}}\n</tool_call>'
+ARGS = '{"count": 2, "sides": 6}'
+
+
+@pytest.mark.parametrize("cut", range(1, len("}\n</tool_call>")))
+def test_a_reply_cut_after_a_constrained_calls_arguments_keeps_them_whole(cut) -> None:
+    """A reply cut (``max_tokens``, a stop string) after a forced call's arguments, inside the ``}\\n</tool_call>``
+    that closes the call, gave the call the closing's beginning as arguments (``{"city": "Paris"}}\\n</``, which
+    does not parse) and said it was cut inside the call. The arguments are whole: they are sent as written, and
+    the reply is not cut inside a call. Streamed in pieces of any size, the same."""
+    forced = parse_tool_use([ROLL, NEST], "required", None)
+    text = DICE_CALL[: DICE_CALL.index(ARGS) + len(ARGS) + cut]
+    content, calls, inside = read_calls(text, forced)
+    assert (content, [c["function"] for c in calls], inside) == (None, [{"name": "roll_dice", "arguments": ARGS}], False)
+    for size in (1, 2, 3, len(text)):
+        stream = CallStream(forced)
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
+        assert gather_tool_deltas(deltas)[1][0]["function"]["arguments"] == ARGS, size
+        assert not stream.in_call
+
+
+def test_a_reply_cut_at_its_arguments_own_brace_still_sends_it() -> None:
+    """The brace that may begin the call's closing is the arguments' own where they are not whole without it."""
+    forced = parse_tool_use([ROLL, NEST], "required", None)
+    head = '<tool_call>\n{"name": "nest", "arguments": '
+    _content, [call], inside = read_calls(head + '{"a": {"b": 1}', forced)  # the inner object's brace
+    assert (call["function"]["arguments"], inside) == ('{"a": {"b": 1}', True)
+    _content, [call], inside = read_calls(head + '{"a": {"b": 1}}', forced)  # the arguments' own last brace
+    assert (call["function"]["arguments"], inside) == ('{"a": {"b": 1}}', False)
+    _content, [call], inside = read_calls(head + '{"a": {"b": 1}}}\n</tool', forced)
+    assert (call["function"]["arguments"], inside) == ('{"a": {"b": 1}}', False)

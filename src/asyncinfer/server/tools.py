@@ -390,6 +390,15 @@ _HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 _END = "}\n" + CLOSE
 
 
+def _whole_json(text: str) -> bool:
+    """Whether ``text`` is one whole JSON value (a constrained call's arguments, written to their end)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
@@ -477,6 +486,7 @@ class CallStream(CallStreamBase):
         self._forced = use.forced
         self._buf = ""  # text received and not yet settled
         self._raw = ""  # everything from the first <tool_call> on (sent as content if that block is no call)
+        self._args = ""  # the arguments sent of the constrained call open now
 
     def _take(self, text: str) -> None:
         if self._phase != "content" and self._phase != "plain":
@@ -493,8 +503,12 @@ class CallStream(CallStreamBase):
                 out.append({"content": self._buf})
         elif self._phase == "block" and not self.called:  # a first block never closed: no call, all content
             out.append({"content": self._raw})
-        elif self._phase == "args" and self._buf:  # cut inside a constrained call: its arguments so far
-            out.append(self._arguments(self._buf))
+        elif self._phase == "args" and self._buf:  # held: a beginning of the call's closing "}\n</tool_call>"
+            if not _whole_json(self._args):  # the brace is the arguments' own (they end with it, or are cut)
+                out.append(self._arguments(self._buf))
+                self._args += self._buf
+            if _whole_json(self._args):  # cut after the arguments' end: the call is whole but for its closing
+                self._phase = "between"
         self._buf = ""
         return out
 
@@ -534,6 +548,7 @@ class CallStream(CallStreamBase):
                 piece, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             if piece:
                 out.append(self._arguments(piece))
+                self._args += piece
         else:  # over: nothing more is sent
             self._buf = ""
 
@@ -545,6 +560,7 @@ class CallStream(CallStreamBase):
                 out.append(self._open(header.group(1)))
                 self._buf = self._buf[header.end():]
                 self._phase = "args"
+                self._args = ""
                 return
         at = self._buf.find(CLOSE)
         if at < 0:
