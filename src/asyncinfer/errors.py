@@ -31,8 +31,10 @@ error, the second a bug or a resource failure worth paging someone for.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import reprlib
+from collections.abc import Callable, Iterator
 
 
 class AsyncInferError(Exception):
@@ -122,6 +124,18 @@ def is_native_panic(exc: BaseException) -> bool:
     which derives from ``BaseException`` only, so ``except Exception`` lets it through; not an exit, an interrupt
     or a cancellation."""
     return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
+
+
+@contextlib.contextmanager
+def native_panics_as(make_error: Callable[[BaseException], Exception]) -> Iterator[None]:
+    """Within the block, a panic of a Rust library's code (:func:`is_native_panic`) is raised as
+    ``make_error(panic)`` instead (the panic not chained: its message is all it holds); anything else passes."""
+    try:
+        yield
+    except BaseException as exc:
+        if not is_native_panic(exc):
+            raise
+        raise make_error(exc) from None
 
 
 class ModelLoadError(AsyncInferError):

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncinfer.errors import InvalidParameterError, is_native_panic
+from asyncinfer.errors import InvalidParameterError, is_native_panic, native_panics_as
 from asyncinfer.structured import StructuredOutput
 
 __all__ = [
@@ -220,23 +220,21 @@ class GrammarCompiler:
         import llguidance
 
         vocabulary = self._vocabulary(spec)
+        panicked = native_panics_as(lambda exc: InvalidParameterError(
+            "structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance can compile (it panicked: {_reason(str(exc))})"))
         try:  # the library refuses some specs by raising (a schema number past f64, NaN, a bare `true`, ...)
-            grammar = _grammar_text(llguidance, spec)
-            _check_schemas(spec, grammar)
-            matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
-            if not matcher.is_error():
-                probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
-                GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
+            with panicked:
+                grammar = _grammar_text(llguidance, spec)
+                _check_schemas(spec, grammar)
+                matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+                if not matcher.is_error():
+                    probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+                    GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         except InvalidParameterError:
             raise
         except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
             raise InvalidParameterError("structured", _shown(spec),
                                         f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
-        except BaseException as exc:
-            if not is_native_panic(exc):
-                raise
-            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance can compile "
-                                                                    f"(it panicked: {_reason(str(exc))})") from None
         if matcher.is_error():
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{_reason(matcher.get_error())}")

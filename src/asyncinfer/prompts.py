@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.errors import InvalidParameterError, is_native_panic
+from asyncinfer.errors import InvalidParameterError, native_panics_as
 from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
@@ -416,13 +416,10 @@ def _encode(tokenizer: Any, text: str, **options: Any) -> list[int]:
     (a tokenizer file it cannot follow: a ``Precompiled`` charsmap whose entries point past its end) is this
     prompt's InvalidParameterError, not a ``PanicException``, which derives from ``BaseException`` only and went
     past every ``except Exception`` of the caller's."""
-    try:
+    with native_panics_as(lambda exc: InvalidParameterError(
+            "prompt", f"<a text of {len(text)} characters its tokenizer panicked on: {exc}>",
+            "a prompt this model's tokenizer can encode")):
         return list(tokenizer.encode(text, **options))
-    except BaseException as exc:
-        if not is_native_panic(exc):
-            raise
-        raise InvalidParameterError("prompt", f"<a text of {len(text)} characters its tokenizer panicked on: {exc}>",
-                                    "a prompt this model's tokenizer can encode") from None
 
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:

@@ -12,6 +12,7 @@ from jinja2 import TemplateError
 
 import asyncinfer.server.errors as server_errors
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.errors import EngineOverloadedError
 from asyncinfer.schedulers import FIFOScheduler
 from asyncinfer.server import create_app
 from asyncinfer.server.errors import from_exception
@@ -221,15 +222,11 @@ def test_a_closed_engine_is_a_503_with_retry_after(tiny_chat_model) -> None:
 
 
 def test_an_overloaded_engine_is_a_503_with_retry_after(server, http, monkeypatch) -> None:
-    """The engine has no bounded queue yet: a stub stands in for its future EngineOverloadedError."""
-
-    class EngineOverloadedError(Exception):
-        retry_after = 2.4
+    """The engine's EngineOverloadedError (its bounded waiting queue full) is a 503 whose Retry-After is its hint."""
 
     async def overloaded(*args, **kwargs):
-        raise EngineOverloadedError("64 requests waiting")
+        raise EngineOverloadedError("64 requests waiting", retry_after=2.4)
 
-    monkeypatch.setattr(server_errors, "_OVERLOADED", EngineOverloadedError)
     monkeypatch.setattr(server.engine, "generate", overloaded)
     r = http.post("/v1/chat/completions", json=CHAT)
     check_error(r, 503, None, "overloaded")

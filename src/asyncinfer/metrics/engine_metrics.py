@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from asyncinfer.cache.kv_manager import KVCacheStats
+    from asyncinfer.config import EngineConfig
     from asyncinfer.embedding import EmbeddingStats
     from asyncinfer.holder import ModelVersion, ModelVersionInfo
     from asyncinfer.outputs import CoreOutput
@@ -109,12 +110,12 @@ class EngineMetrics:
     With ``enable_metrics=False`` nothing is recorded (the snapshot's gauges are still read).
     """
 
-    def __init__(self, engine: EngineView, config: Any, generators: list[tuple[str, ModelVersion]]) -> None:
+    def __init__(self, engine: EngineView, config: EngineConfig, generators: list[tuple[str, ModelVersion]]) -> None:
         """``engine``: what a snapshot reads (held weakly); ``config``: its ``EngineConfig``
         (``enable_metrics``, ``device``, ``memory_bandwidth``, ``log_request_text_rate``);
         ``generators``: the generator versions it serves now, as ``(model name, version)``."""
         self._engine = weakref.ref(engine)
-        self.enabled: bool = getattr(config, "enable_metrics", True)
+        self.enabled: bool = config.enable_metrics
         self.device: torch.device = config.device
         self._lock = threading.Lock()
         self._steps: deque[tuple[Any, ...]] = deque()
@@ -124,11 +125,11 @@ class EngineMetrics:
         self._unknown_rejected = dict.fromkeys(t.REJECT_REASONS, 0)
         self._unknown_swaps = dict.fromkeys(t.SWAP_OUTCOMES, 0)
         self._versions: dict[int, tuple[str, ModelVersion]] = {}  # live generator versions by id
-        self._requests = RequestTracker(getattr(config, "log_request_text_rate", 0.0), self._tokenizer_of)
+        self._requests = RequestTracker(config.log_request_text_rate, self._tokenizer_of)
         self._registry: CollectorRegistry | None = None
         self._nvml: Nvml | None = None
         self.profiler: StepProfiler | None = None  # armed by engine.profile(); ticked by the step hook
-        bandwidth = getattr(config, "memory_bandwidth", None)
+        bandwidth = config.memory_bandwidth
         if bandwidth is None and generators and self.enabled:
             # On a thread that ends with it: a copy on the caller's thread would leave it an OpenMP
             # team that slows every engine step (see asyncinfer.threads).

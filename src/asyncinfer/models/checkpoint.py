@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from asyncinfer.errors import ModelLoadError, is_native_panic
+from asyncinfer.errors import ModelLoadError, native_panics_as
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +175,11 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        with native_panics_as(lambda exc: ModelLoadError(
+                f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
+            return AutoTokenizer.from_pretrained(path)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         said = " ".join(str(exc).split())  # one line: transformers' messages run over several
         vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -184,11 +188,6 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
             said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
                     f"files beside its config.json (transformers: {said})")
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
-    except BaseException as exc:  # the tokenizers library's Rust code panicked on the file
-        if not is_native_panic(exc):
-            raise
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: "
-                             f"{exc}") from None
 
 
 def _check_charsmaps(file: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncinfer.errors import InvalidParameterError, ModelLoadError, is_native_panic
+from asyncinfer.errors import InvalidParameterError, ModelLoadError, native_panics_as
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
@@ -391,16 +391,12 @@ def tokenize_texts(tokenizer: Any, texts: list[str], max_len: int) -> list[list[
             cannot follow): its PanicException derives from ``BaseException`` only.
     """
     ids: list[list[int]] = []
-    try:
+    with native_panics_as(lambda exc: InvalidParameterError(
+            "texts", f"<{len(texts)} texts its tokenizer panicked on: {exc}>", "texts this model's tokenizer can encode")):
         for start in range(0, len(texts), TOKENIZE_CHUNK):
             part = [read_part(tokenizer, text, max_len) for text in texts[start:start + TOKENIZE_CHUNK]]
             enc = tokenizer(part, truncation=True, max_length=max_len, add_special_tokens=True)
             ids.extend(list(row) for row in enc["input_ids"])
-    except BaseException as exc:
-        if not is_native_panic(exc):
-            raise
-        raise InvalidParameterError("texts", f"<{len(texts)} texts its tokenizer panicked on: {exc}>",
-                                    "texts this model's tokenizer can encode") from None
     return ids
 
 

@@ -49,9 +49,6 @@ _NO_CHAT = {
 _NO_TEXT = ("This model was loaded without a tokenizer, so a text prompt cannot be encoded for it: send `prompt` as "
             "token ids (a list of integers, or a list of such lists).")
 
-# The engine's hardening work adds this one (a bounded waiting queue); map it when it exists.
-_OVERLOADED: type[BaseException] | None = getattr(engine_errors, "EngineOverloadedError", None)
-
 
 def new_request_id(prefix: str = "req") -> str:
     """A fresh id for one answer: ``<prefix>-<32 hex digits>``."""
@@ -219,8 +216,8 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
     names beside its own field."""
     if isinstance(exc, APIError):
         return exc
-    if _OVERLOADED is not None and isinstance(exc, _OVERLOADED):
-        retry = getattr(exc, "retry_after", None) or 1
+    if isinstance(exc, engine_errors.EngineOverloadedError):
+        retry = exc.retry_after or 1
         return APIError(503, f"The server is overloaded: {exc}", type="server_error", code="overloaded",
                         headers={"retry-after": str(max(1, round(retry)))})
     if isinstance(exc, RequestFailedError) and isinstance(exc.__cause__, InvalidParameterError):
