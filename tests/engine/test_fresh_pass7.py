@@ -153,7 +153,9 @@ def test_an_encoder_config_with_more_layers_than_its_weights_is_refused_before_t
     ("llama", {"A.attention.head_count": (0, "UINT32")}, r"llama\.attention\.head_count = 0 must be a positive int"),
     ("gemma2", {"A.attention.scale": (0.0, "FLOAT32")}, r"gemma2\.attention\.scale = 0\.0 must be > 0"),
     ("gemma2", {"A.attention.scale": (-0.25, "FLOAT32")}, r"gemma2\.attention\.scale = -0\.25 must be > 0"),
-], ids=["head-count-0", "scale-0", "scale-negative"])
+    ("llama", {"A.rope.dimension_count": (10**9, "UINT32")},
+     r"llama\.rope\.dimension_count = 1000000000 must be at most the head size \(16\)"),
+], ids=["head-count-0", "scale-0", "scale-negative", "rope-past-head"])
 def test_a_gguf_size_that_divides_by_zero_is_refused_by_its_key(tmp_path, arch, values, message) -> None:
     """A GGUF file with ``attention.head_count = 0`` (the head size's default divides by it) or a Gemma file with
     ``attention.scale = 0`` raised a bare ZeroDivisionError from ``read_model_config`` and

@@ -721,6 +721,9 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         raise ModelLoadError(f"GGUF metadata {arch}.attention.head_count = {num_heads} must be a positive int")
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim > head_dim:
+        raise ModelLoadError(f"GGUF metadata {arch}.rope.dimension_count = {rope_dim} must be at most the head size "
+                             f"({head_dim})")
     if rope_dim != head_dim:
         raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
     vocab = _field(reader, f"{arch}.vocab_size", None)
