@@ -6,6 +6,9 @@ import ctypes
 import functools
 import gc
 import os
+import signal
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +62,34 @@ def _release_memory_after_a_test_that_grew() -> Iterator[None]:
     yield
     if _rss_bytes() - before > RELEASE_AFTER_GROWTH:
         _release_memory()
+
+
+def _sigint_state() -> tuple[object, bool]:
+    """This thread's SIGINT disposition, and whether SIGINT is blocked (both pass to child processes)."""
+    return signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_a_shell_gives_it(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that left SIGINT ignored, handled elsewhere or blocked (a library's handler that outlived
+    it): put Python's own handler back, unblocked, with a warning naming the test. A child process inherits an
+    ignored or blocked SIGINT, and the tests that send a child Ctrl-C (tests/cli, tests/engine/test_threads.py)
+    waited for it in vain; a user's shell gives commands the default. Only in the main thread, where Python
+    handles signals, and where the run started with the default."""
+    if threading.current_thread() is not threading.main_thread() or _SIGINT_AT_START != (
+            signal.default_int_handler, False):
+        yield
+        return
+    yield
+    if _sigint_state() != _SIGINT_AT_START:
+        left = _sigint_state()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        warnings.warn(f"{request.node.nodeid} left SIGINT {left[0]!r}{' blocked' if left[1] else ''}: restored",
+                      stacklevel=1)
+
+
+_SIGINT_AT_START = _sigint_state()
 
 
 @pytest.fixture(scope="module", autouse=True)
