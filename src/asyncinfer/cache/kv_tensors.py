@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 
 import torch
 
@@ -15,7 +16,7 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int) -> list[tuple[torch.T
 
     Zeros rather than garbage: attention masks padded slots, and a masked
     probability of 0 times a garbage NaN would still be NaN. On the CPU the
-    zeros come from ``calloc`` (:func:`_lazy_zeros`): the pages are mapped zero
+    zeros are an anonymous mapping of their own (:func:`_lazy_zeros`): the pages are mapped zero
     by the kernel and take physical memory only when a block is first written,
     so start-up neither spends seconds filling gigabytes nor holds them.
     """
@@ -38,13 +39,16 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Its own anonymous mapping: pages the kernel guarantees to be zero, untouched until written (``torch.zeros``
     writes every byte), and handed back to the system when the tensor is freed. Not ``calloc``: glibc serves a
     request below its mmap threshold, which rises to 32 MiB once the process has freed a large block, from heap
-    memory it must clear, committing it all at once (a layer's K of the default model is 12 MiB). All-zero
-    bits are 0.0 in every float dtype.
+    memory it must clear, committing it all at once (a layer's K of the default model is 12 MiB). Private, not
+    mmap's default ``MAP_SHARED``: a process forked after the engine was built gets its pages copied on write,
+    never the parent's cache to write into and read. All-zero bits are 0.0 in every float dtype.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    if sys.platform == "win32":  # mmap there takes no flags (no private anonymous mapping): plain zeros
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
