@@ -325,10 +325,15 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 
     before = set(available_schedulers())
     for module in args.plugin:
+        if not module or module.startswith("."):
+            raise InvalidParameterError("--plugin", module, "an importable module (an absolute module name)")
         try:
             importlib.import_module(module)
         except ImportError as exc:
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
+        except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
+            raise InvalidParameterError(
+                "--plugin", module, f"an importable module (importing it raised {type(exc).__name__}: {exc})") from exc
     if args.schedulers:
         return [n.strip() for n in args.schedulers.split(",") if n.strip()]
     # A plugin's names: new since the import, or (when the module or another one registered the name

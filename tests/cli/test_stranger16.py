@@ -1,0 +1,83 @@
+"""A sixteenth stranger's first hour: a scheduler plugin of one's own (docs/schedulers.md, "Writing one"),
+each rough edge held to its fix."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import InvalidParameterError, cli
+from asyncinfer.schedulers import registry, resolve_scheduler
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.rstrip("\n")
+
+
+@pytest.fixture
+def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two plugin modules that fail as they are imported: one whose top level raises, one that does not parse."""
+    (tmp_path / "s16_raises.py").write_text('raise RuntimeError("no GPU here")\n')
+    (tmp_path / "s16_typo.py").write_text("def schedule(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+CASES = [
+    (":Policy", "an importable 'module:Class' (an absolute module and a class)"),
+    (".policies:Policy", "an importable 'module:Class' (an absolute module and a class)"),
+    ("s16_raises:", "an importable 'module:Class' (an absolute module and a class)"),
+    ("s16_raises:Policy", "an importable 'module:Class' (importing 's16_raises' raised RuntimeError: no GPU here)"),
+    ("s16_typo:Policy", ("an importable 'module:Class' (importing 's16_typo' raised SyntaxError: invalid syntax "
+                         "(s16_typo.py, line 1))")),
+]
+
+
+@pytest.mark.parametrize(("spec", "allowed"), CASES)
+def test_a_plugin_that_fails_to_import_is_a_typed_refusal(plugins: Path, spec: str, allowed: str) -> None:
+    """``scheduler=":Policy"`` raised ``ValueError: Empty module name``, ``".policies:Policy"`` a ``TypeError``, and
+    a plugin module whose own code failed as it was imported its own exception: none an asyncinfer error, and
+    the CLI called each an internal error of asyncinfer's. Each is the scheduler option's refusal, cause chained."""
+    with pytest.raises(InvalidParameterError) as info:
+        resolve_scheduler(spec)
+    assert (info.value.parameter, info.value.value) == ("scheduler", spec)
+    assert str(info.value) == f"scheduler={spec!r} is invalid: allowed {allowed}"
+    if "raised" in allowed:
+        assert info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(("spec", "allowed"), CASES)
+def test_the_cli_names_the_flag_not_an_internal_error(tiny_models, plugins: Path, capsys, spec: str,
+                                                      allowed: str) -> None:
+    path = str(tiny_models["llama"][0])
+    assert cli.main(["info", path, "--scheduler", spec]) == 2
+    assert _error_line(capsys) == f"asyncinfer: error: --scheduler {spec!r} is invalid: allowed {allowed}"
+
+
+@pytest.mark.parametrize(("module", "allowed"), [
+    ("s16_raises", "an importable module (importing it raised RuntimeError: no GPU here)"),
+    ("s16_typo", "an importable module (importing it raised SyntaxError: invalid syntax (s16_typo.py, line 1))"),
+    ("", "an importable module (an absolute module name)"),
+    (".policies", "an importable module (an absolute module name)"),
+])
+def test_lab_plugin_that_fails_to_import_names_the_flag(plugins: Path, capsys, module: str, allowed: str) -> None:
+    """``asyncinfer lab --plugin M``: a module that raised as it was imported, or an empty or relative name,
+    was ``asyncinfer: internal error: ...`` with status 1; it is the flag's refusal, status 2."""
+    assert cli.main(["lab", "--plugin", module, "--list-schedulers"]) == 2
+    assert _error_line(capsys) == f"asyncinfer: error: --plugin={module!r} is invalid: allowed {allowed}"
+
+
+def test_an_entry_point_that_fails_to_import_is_a_typed_refusal(plugins: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed package's entry point whose module raises as it loads: the scheduler option's refusal."""
+    broken = EntryPoint(name="s16-broken", value="s16_raises:Policy", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [broken] if group == registry.ENTRY_POINT_GROUP else [])
+    with pytest.raises(InvalidParameterError) as info:
+        resolve_scheduler("s16-broken")
+    assert str(info.value) == ("scheduler='s16-broken' is invalid: allowed an entry point that imports "
+                               "('s16_raises:Policy' raised RuntimeError: no GPU here)")
+    assert isinstance(info.value.__cause__, RuntimeError)
