@@ -23,6 +23,12 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Two plugin modules that fail as they are imported: one whose top level raises, one that does not parse."""
     (tmp_path / "s16_raises.py").write_text('raise RuntimeError("no GPU here")\n')
     (tmp_path / "s16_typo.py").write_text("def schedule(:\n")
+    (tmp_path / "s16_faulty.py").write_text(
+        "from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput\n\n\n"
+        "class Raises(FIFOScheduler):\n"
+        "    api_version = 1\n\n"
+        "    def schedule(self) -> SchedulerOutput:\n"
+        "        raise KeyError('budget')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
@@ -81,3 +87,21 @@ def test_an_entry_point_that_fails_to_import_is_a_typed_refusal(plugins: Path,
     assert str(info.value) == ("scheduler='s16-broken' is invalid: allowed an entry point that imports "
                                "('s16_raises:Policy' raised RuntimeError: no GPU here)")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_lab_names_a_schedule_that_raises_as_the_plugin_s_fault(plugins: Path, capsys) -> None:
+    """``asyncinfer lab --schedulers mymod:Raises``: a ``schedule()`` that raised was ``asyncinfer: internal error:
+    KeyError: 'budget'`` (status 1), while one that schedules nothing is the plugin's broken contract (status 2,
+    docs/schedulers.md, "Progress"). Both are the plugin's now."""
+    assert cli.main(["lab", "--schedulers", "s16_faulty:Raises", "--synthetic", "5"]) == 2
+    assert _error_line(capsys) == ("asyncinfer: error: scheduler Raises broke the scheduler contract "
+                                   "(docs/schedulers.md): at step 0 (0.000s): schedule() raised KeyError: 'budget'")
+
+
+def test_simulate_raises_contract_violation_with_the_cause(plugins: Path) -> None:
+    from asyncinfer.lab import ContractViolation, simulate, synthetic_trace
+
+    with pytest.raises(ContractViolation, match=r"^Raises at step 0 \(0\.000s\): schedule\(\) raised KeyError: "
+                                                r"'budget'$") as info:
+        simulate(synthetic_trace(3, seed=0), "s16_faulty:Raises")
+    assert isinstance(info.value.__cause__, KeyError)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
-from asyncinfer.errors import ConfigurationError, InvalidParameterError
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
 from asyncinfer.request import Request
@@ -135,7 +135,8 @@ def simulate(
     Raises:
         InvalidParameterError: a request longer than ``max_model_len``, or bad scheduler options.
         ConfigurationError: the cache cannot hold one ``max_model_len`` request.
-        ContractViolation: ``check`` found a broken invariant, or the replay made no progress.
+        ContractViolation: ``check`` found a broken invariant, the replay made no progress, or the
+            scheduler's ``schedule()`` raised (chained as the cause).
     """
     config = config or SchedulerConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=1024)
     if config.decode_padding is None:  # the policies see the padding the cost model counts
@@ -198,7 +199,11 @@ class _Replay:
 
     def step(self) -> None:
         sched = self.sched
-        plan = sched.schedule()
+        try:
+            plan = sched.schedule()
+        except Exception as exc:  # a plugin's bug: the contract says schedule() never raises (lack of memory included)
+            raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s): schedule() "
+                                    f"raised {exception_text(exc)}") from exc
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
         if self.check or plan.is_empty:
             check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")
