@@ -276,6 +276,10 @@ def _lab(args: argparse.Namespace) -> int:
             print(name)
         return 0
     options = _parse_options(args.option)
+    for name in options:  # an option for no policy run (a typo, or one left out of --schedulers) changed nothing
+        if name not in names:
+            item = next(i for i in args.option if i.partition("=")[0].rpartition(".")[0] == name)
+            raise InvalidParameterError("--option", item, f"NAME one of the schedulers run: {', '.join(names)}")
     try:
         cost = lab.load_cost_model(args.cost_model)
     except OSError as exc:

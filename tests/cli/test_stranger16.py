@@ -28,7 +28,13 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "class Raises(FIFOScheduler):\n"
         "    api_version = 1\n\n"
         "    def schedule(self) -> SchedulerOutput:\n"
-        "        raise KeyError('budget')\n")
+        "        raise KeyError('budget')\n\n\n"
+        "class Strict(FIFOScheduler):\n"
+        "    api_version = 1\n\n"
+        "    def __init__(self, config, kv, budget=4):\n"
+        "        super().__init__(config, kv)\n"
+        "        if budget < 1:\n"
+        "            raise ValueError('budget must be positive')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
@@ -105,3 +111,29 @@ def test_simulate_raises_contract_violation_with_the_cause(plugins: Path) -> Non
                                                 r"'budget'$") as info:
         simulate(synthetic_trace(3, seed=0), "s16_faulty:Raises")
     assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(("option", "schedulers"), [
+    ("pd_split.prefill_budget=64", "fifo, length-bucket, aging-priority, pd-split"),  # a typo of pd-split
+    ("pd-split.prefill_budget=64", "fifo"),  # a policy left out of --schedulers
+])
+def test_lab_refuses_an_option_for_no_policy_it_runs(capsys, option: str, schedulers: str) -> None:
+    """``asyncinfer lab --option pd_split.prefill_budget=64`` ran every policy with its defaults and printed the
+    table as if the option had applied: an option whose NAME is none of the policies run is refused."""
+    argv = ["lab", "--synthetic", "5", "--option", option]
+    if schedulers == "fifo":
+        argv += ["--schedulers", "fifo"]
+    assert cli.main(argv) == 2
+    assert _error_line(capsys) == (f"asyncinfer: error: --option={option!r} is invalid: allowed NAME one of the "
+                                   f"schedulers run: {schedulers}")
+
+
+def test_lab_names_a_constructor_that_refuses_with_its_own_error(plugins: Path, capsys) -> None:
+    """A plugin's constructor that refuses an option with a ``ValueError`` (not the contract's
+    ``InvalidParameterError``) was ``asyncinfer: internal error: ValueError: ...``; it is the plugin's fault."""
+    assert cli.main(["lab", "--schedulers", "s16_faulty:Strict", "--option", "s16_faulty:Strict.budget=0",
+                     "--synthetic", "5"]) == 2
+    assert _error_line(capsys) == (
+        "asyncinfer: error: scheduler Strict broke the scheduler contract (docs/schedulers.md): at construction: its "
+        "constructor raised ValueError: budget must be positive with options {'budget': 0} (a bad option is an "
+        "InvalidParameterError naming it)")
