@@ -276,6 +276,10 @@ def _lab(args: argparse.Namespace) -> int:
             print(name)
         return 0
     options = _parse_options(args.option)
+    for name in options:  # an option for no policy run (a typo, or one left out of --schedulers) changed nothing
+        if name not in names:
+            item = next(i for i in args.option if i.partition("=")[0].rpartition(".")[0] == name)
+            raise InvalidParameterError("--option", item, f"NAME one of the schedulers run: {', '.join(names)}")
     try:
         cost = lab.load_cost_model(args.cost_model)
     except OSError as exc:
@@ -325,10 +329,15 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 
     before = set(available_schedulers())
     for module in args.plugin:
+        if not module or module.startswith("."):
+            raise InvalidParameterError("--plugin", module, "an importable module (an absolute module name)")
         try:
             importlib.import_module(module)
         except ImportError as exc:
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
+        except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
+            raise InvalidParameterError(
+                "--plugin", module, f"an importable module (importing it raised {type(exc).__name__}: {exc})") from exc
     if args.schedulers:
         return [n.strip() for n in args.schedulers.split(",") if n.strip()]
     # A plugin's names: new since the import, or (when the module or another one registered the name

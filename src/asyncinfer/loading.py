@@ -20,9 +20,11 @@ anything is loaded.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from asyncinfer.embedding import (
     apply_max_seq_len,
     plan_embedding,
 )
-from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError, exception_text
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.holder import ModelVersion, idle_backoff
 from asyncinfer.memory import (
@@ -390,7 +392,15 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     wait = 0.0
     while core.has_unfinished_requests():
         ran = core.stats.steps
-        core.step()
+        try:
+            core.step()
+        except Exception as exc:
+            if not _raised_in(exc, type(core.scheduler)):
+                raise
+            raise RuntimeError(
+                f"the scheduler {type(core.scheduler).__name__} raised {exception_text(exc)} during warm-up, in its "
+                f"own code ({inspect.getsourcefile(type(core.scheduler))}): the load is refused "
+                f"(docs/schedulers.md, \"When it goes wrong\")") from exc
         if core.stats.steps > ran:
             stalled_since, wait = None, 0.0
             continue
@@ -406,6 +416,20 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     core.reset_prefix_cache()
     core.stats = StepStats()
     core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0
+
+
+def _raised_in(exc: BaseException, cls: type) -> bool:
+    """Whether ``exc`` was raised with a frame of ``cls``'s own source file on its stack (a scheduler plugin's
+    ``schedule()`` or a hook, not the model or the engine): the warm-up then names the plugin, whose error
+    read as the model file's (``loading 'model.gguf' failed: 'oops'``)."""
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:  # a class without a file (built in the REPL): nothing to name
+        return False
+    if source is None:
+        return False
+    target = os.path.realpath(source)
+    return any(os.path.realpath(frame.filename) == target for frame in traceback.extract_tb(exc.__traceback__))
 
 
 # ------------------------------------------------------------- before loading

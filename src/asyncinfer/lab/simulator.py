@@ -22,13 +22,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
-from asyncinfer.errors import ConfigurationError, InvalidParameterError
+from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
-from asyncinfer.schedulers.registry import create_scheduler
+from asyncinfer.schedulers.registry import create_scheduler, resolve_scheduler
 from asyncinfer.schedulers.testing import ContractViolation, check_schedule
 from asyncinfer.step import apply_step, scheduled
 
@@ -135,7 +135,9 @@ def simulate(
     Raises:
         InvalidParameterError: a request longer than ``max_model_len``, or bad scheduler options.
         ConfigurationError: the cache cannot hold one ``max_model_len`` request.
-        ContractViolation: ``check`` found a broken invariant, or the replay made no progress.
+        ContractViolation: ``check`` found a broken invariant, the replay made no progress, or the
+            scheduler's constructor (other than with an ``InvalidParameterError``) or ``schedule()`` raised
+            (chained as the cause).
     """
     config = config or SchedulerConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=1024)
     if config.decode_padding is None:  # the policies see the padding the cost model counts
@@ -148,7 +150,14 @@ def simulate(
         if t.prompt_len >= config.max_model_len:
             raise InvalidParameterError("trace", t.id, f"prompts shorter than max_model_len={config.max_model_len}")
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching)
-    sched = create_scheduler(scheduler, config, kv, options)
+    try:
+        sched = create_scheduler(scheduler, config, kv, options)
+    except AsyncInferError:
+        raise
+    except Exception as exc:  # the contract: a bad option is an InvalidParameterError naming it
+        raise ContractViolation(
+            f"{resolve_scheduler(scheduler).__name__} at construction: its constructor raised {exception_text(exc)} "
+            f"with options {dict(options or {})} (a bad option is an InvalidParameterError naming it)") from exc
     sim = _Replay(sched, cost_model, check)
     sched.clock = lambda: sim.now  # type: ignore[method-assign]
     pending = sorted(trace, key=lambda t: t.arrival)
@@ -198,7 +207,11 @@ class _Replay:
 
     def step(self) -> None:
         sched = self.sched
-        plan = sched.schedule()
+        try:
+            plan = sched.schedule()
+        except Exception as exc:  # a plugin's bug: the contract says schedule() never raises (lack of memory included)
+            raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s): schedule() "
+                                    f"raised {exception_text(exc)}") from exc
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
         if self.check or plan.is_empty:
             check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")

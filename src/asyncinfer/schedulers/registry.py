@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
@@ -63,6 +63,34 @@ def _import_path(path: str) -> object:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _import_plugin(spec: str) -> object:
+    """The class a ``'module:Class'`` spec names. A spec of no absolute module (``':X'``, ``'.rel:X'``) or no
+    class, and a module that fails as it is imported (its own ``SyntaxError``, or whatever its top level
+    raises), are the plugin's fault, refused as ``InvalidParameterError`` with the cause chained: they read
+    as the engine's own failure before."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or module_name.startswith(".") or not attr:
+        raise InvalidParameterError("scheduler", spec, "an importable 'module:Class' (an absolute module and a class)")
+    try:
+        return _import_path(spec)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidParameterError("scheduler", spec, f"an importable 'module:Class' ({exc})") from exc
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise InvalidParameterError(
+            "scheduler", spec,
+            f"an importable 'module:Class' (importing {module_name!r} raised {type(exc).__name__}: {exc})") from exc
+
+
+def _load_entry_point(spec: str, entry_point: EntryPoint) -> object:
+    """The object an installed package's entry point names; its failure to import is the package's fault."""
+    try:
+        return entry_point.load()
+    except Exception as exc:
+        raise InvalidParameterError(
+            "scheduler", spec,
+            f"an entry point that imports ({entry_point.value!r} raised {type(exc).__name__}: {exc})") from exc
+
+
 def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
     """Turn a ``scheduler=`` option into a :class:`Scheduler` subclass.
 
@@ -77,15 +105,12 @@ def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
     elif isinstance(spec, str) and spec in _BUILTIN:
         cls = _import_path(_BUILTIN[spec])
     elif isinstance(spec, str) and ":" in spec:
-        try:
-            cls = _import_path(spec)
-        except (ImportError, AttributeError) as exc:
-            raise InvalidParameterError("scheduler", spec, f"an importable 'module:Class' ({exc})") from exc
+        cls = _import_plugin(spec)
     elif isinstance(spec, str):
         matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
         if not matches:
             raise InvalidParameterError("scheduler", spec, f"one of {available_schedulers()} or 'module:Class'")
-        cls = matches[0].load()
+        cls = _load_entry_point(spec, matches[0])
     else:
         raise InvalidParameterError("scheduler", spec, "a name, a Scheduler subclass or 'module:Class'")
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):

@@ -1,0 +1,66 @@
+"""A sixteenth stranger's first scheduler plugin (docs/schedulers.md, "Writing one"): a ``schedule()`` that raises
+during the load's warm-up is named, not read as the model file's fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer.schedulers import FIFOScheduler, SchedulerOutput
+from tests.helpers import ENGINE_BASE
+
+
+class Raises(FIFOScheduler):
+    """A first plugin with a bug: a key its ``schedule()`` never set."""
+
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        raise KeyError("budget")
+
+
+class RaisesInABaseHelper(FIFOScheduler):
+    """A plugin whose bug surfaces inside a base-class helper it calls (its own frame is on the stack)."""
+
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.admit_waiting(list(self.waiting), "512", out)  # type: ignore[arg-type]  # a budget read as a string
+        return out
+
+
+def test_a_schedule_that_raises_during_warm_up_is_named(tiny_models) -> None:
+    """It was ``ModelLoadError: loading 'DIR' failed: 'budget'`` (the CLI: ``asyncinfer: error: loading
+    'tiny.gguf' failed: 'budget'``): nothing named the scheduler, and it read as the model's fault."""
+    path = tiny_models["llama"][0]
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, scheduler=Raises)
+    assert str(err.value) == (
+        f"loading {str(path)!r} failed: the scheduler Raises raised KeyError: 'budget' during warm-up, in its own "
+        f"code ({Path(__file__).resolve()}): the load is refused (docs/schedulers.md, \"When it goes wrong\")")
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert isinstance(err.value.__cause__.__cause__, KeyError)
+
+
+def test_a_fault_in_a_base_helper_the_plugin_called_is_the_plugin_s(tiny_models) -> None:
+    with pytest.raises(ModelLoadError, match=r"failed: the scheduler RaisesInABaseHelper raised TypeError: .* during "
+                                             r"warm-up, in its own code \(.*test_stranger16\.py\)"):
+        AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE, scheduler=RaisesInABaseHelper)
+
+
+def test_a_fault_outside_the_plugin_keeps_its_own_message(tiny_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attribution is by the plugin's own source on the stack: a fault of the model's forward pass during the
+    warm-up (a built-in scheduler, no plugin frame) reads as before."""
+    from asyncinfer.runner import ModelRunner
+
+    def broken_run(self: ModelRunner, inputs: object) -> None:
+        raise RuntimeError("forward exploded")
+
+    monkeypatch.setattr(ModelRunner, "run", broken_run)
+    path = tiny_models["llama"][0]
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE)
+    assert str(err.value) == f"loading {str(path)!r} failed: forward exploded"
