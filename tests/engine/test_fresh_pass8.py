@@ -113,6 +113,10 @@ async def test_two_profiles_asked_at_once_never_leave_one_waiting_forever(tiny_m
     async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE) as engine:
         first = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "a"))
         second = asyncio.ensure_future(engine.profile(steps=2, path=tmp_path / "b"))
+        # No traffic yet: the one armed waits for steps, so the other ends first, refused. (With traffic from the
+        # start, a loaded machine could finish the first's two steps before the second's check: both ran.)
+        ended, _ = await asyncio.wait({first, second}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        assert len(ended) == 1
 
         async def traffic() -> None:
             while not (first.done() and second.done()):
