@@ -69,9 +69,17 @@ def test_two_replicas_serve_and_answer_as_one_engine(ray_port, tiny_models) -> N
     app = openai_app(ModelSpec(str(llama), "tiny", OPTIONS), num_replicas=2, ray_actor_options={"num_cpus": 0.5})
     serve.run(app, name="asyncinfer", route_prefix="/")
     try:
-        answers = asyncio.run(ask_all(ray_port))
-        assert [tokens for tokens, _ in answers] == single_engine_tokens(llama)
-        assert len({replica for _, replica in answers}) == 2  # both replicas served
+        want = single_engine_tokens(llama)
+        served: set[str] = set()
+        # Both replicas serve: Ray's router picks among the replicas it has seen ready, so a round of 12 requests
+        # can all go to one on a loaded machine (seen with two test workers): a few rounds, each answer exact.
+        for _ in range(5):
+            answers = asyncio.run(ask_all(ray_port))
+            assert [tokens for tokens, _ in answers] == want
+            served |= {replica for _, replica in answers}
+            if len(served) == 2:
+                break
+        assert len(served) == 2  # both replicas served
     finally:
         serve.delete("asyncinfer")
 
