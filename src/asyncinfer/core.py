@@ -326,6 +326,9 @@ class EngineCore:
         lie passed the range and ran its real count; the plugin's dict is not read again), and the failed
         requests' final outputs."""
         sched = self.scheduler
+        if not isinstance(plan, SchedulerOutput):  # nothing of it can be read: the step fails, naming the plugin
+            raise TypeError(f"the scheduler {type(sched).__name__}'s schedule() returned {type(plan).__name__}, not "
+                            "a SchedulerOutput (docs/schedulers.md)")
         held = plan.num_scheduled_tokens
         pairs = list(dict.items(held) if isinstance(held, dict) else held.items())
         entries = {plain_value(rid): plain_value(n) for rid, n in pairs}

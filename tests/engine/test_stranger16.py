@@ -64,3 +64,22 @@ def test_a_fault_outside_the_plugin_keeps_its_own_message(tiny_models, monkeypat
     with pytest.raises(ModelLoadError) as err:
         AsyncEngine.from_pretrained(path, **ENGINE_BASE)
     assert str(err.value) == f"loading {str(path)!r} failed: forward exploded"
+
+
+class ReturnsADict(FIFOScheduler):
+    """A first plugin that returns its plan as a plain dict."""
+
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        return {"num_scheduled_tokens": {}}  # type: ignore[return-value]
+
+
+def test_a_schedule_that_returns_no_scheduler_output_is_named(tiny_models) -> None:
+    """It was ``loading 'DIR' failed: 'dict' object has no attribute 'num_scheduled_tokens'``: the engine's words
+    about a plugin's return value, naming neither."""
+    path = tiny_models["llama"][0]
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, scheduler=ReturnsADict)
+    assert str(err.value) == (f"loading {str(path)!r} failed: the scheduler ReturnsADict's schedule() returned dict, "
+                              "not a SchedulerOutput (docs/schedulers.md)")
