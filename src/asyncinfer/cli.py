@@ -225,14 +225,18 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits) (default: 128)")
 
 
-def _parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text) -> per-scheduler options."""
+def _parse_options(items: list[str], names: list[str]) -> dict[str, dict[str, Any]]:
+    """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text) -> per-scheduler options, NAME one of
+    ``names``, the policies run (an option for another, a typo or one left out of --schedulers, would change
+    nothing)."""
     options: dict[str, dict[str, Any]] = {}
     for item in items:
         target, sep, raw = item.partition("=")
         name, dot, key = target.rpartition(".")
         if not (sep and dot and name and key):
             raise InvalidParameterError("--option", item, "NAME.KEY=VALUE, e.g. pd-split.prefill_budget=64")
+        if name not in names:
+            raise InvalidParameterError("--option", item, f"NAME one of the schedulers run: {', '.join(names)}")
         try:
             value = json.loads(raw)
         except ValueError:
@@ -275,11 +279,7 @@ def _lab(args: argparse.Namespace) -> int:
         for name in names:
             print(name)
         return 0
-    options = _parse_options(args.option)
-    for name in options:  # an option for no policy run (a typo, or one left out of --schedulers) changed nothing
-        if name not in names:
-            item = next(i for i in args.option if i.partition("=")[0].rpartition(".")[0] == name)
-            raise InvalidParameterError("--option", item, f"NAME one of the schedulers run: {', '.join(names)}")
+    options = _parse_options(args.option, names)
     try:
         cost = lab.load_cost_model(args.cost_model)
     except OSError as exc:

@@ -395,12 +395,12 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
         try:
             core.step()
         except Exception as exc:
-            if not _raised_in(exc, type(core.scheduler)):
+            source = _raised_in(exc, type(core.scheduler))
+            if source is None:
                 raise
             raise RuntimeError(
                 f"the scheduler {type(core.scheduler).__name__} raised {exception_text(exc)} during warm-up, in its "
-                f"own code ({inspect.getsourcefile(type(core.scheduler))}): the load is refused "
-                f"(docs/schedulers.md, \"When it goes wrong\")") from exc
+                f"own code ({source}): the load is refused (docs/schedulers.md, \"When it goes wrong\")") from exc
         if core.stats.steps > ran:
             stalled_since, wait = None, 0.0
             continue
@@ -418,18 +418,19 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0
 
 
-def _raised_in(exc: BaseException, cls: type) -> bool:
-    """Whether ``exc`` was raised with a frame of ``cls``'s own source file on its stack (a scheduler plugin's
-    ``schedule()`` or a hook, not the model or the engine): the warm-up then names the plugin, whose error
-    read as the model file's (``loading 'model.gguf' failed: 'oops'``)."""
+def _raised_in(exc: BaseException, cls: type) -> str | None:
+    """``cls``'s own source file where ``exc`` was raised with a frame of it on its stack (a scheduler plugin's
+    ``schedule()`` or a hook, not the model or the engine), else None: the warm-up then names the plugin, whose
+    error read as the model file's (``loading 'model.gguf' failed: 'oops'``)."""
     try:
         source = inspect.getsourcefile(cls)
     except TypeError:  # a class without a file (built in the REPL): nothing to name
-        return False
+        return None
     if source is None:
-        return False
+        return None
     target = os.path.realpath(source)
-    return any(os.path.realpath(frame.filename) == target for frame in traceback.extract_tb(exc.__traceback__))
+    on_stack = any(os.path.realpath(frame.filename) == target for frame in traceback.extract_tb(exc.__traceback__))
+    return source if on_stack else None
 
 
 # ------------------------------------------------------------- before loading

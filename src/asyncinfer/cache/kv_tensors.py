@@ -44,9 +44,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     never the parent's cache to write into and read. All-zero bits are 0.0 in every float dtype.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    if sys.platform == "win32":  # mmap there takes no flags (no private anonymous mapping): plain zeros
+    if nbytes == 0 or sys.platform == "win32":  # (Windows' mmap takes no flags: no private anonymous mapping)
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8).view(dtype).view(shape)
 
