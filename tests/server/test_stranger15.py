@@ -62,3 +62,16 @@ def test_a_call_cut_at_its_arguments_last_brace_keeps_that_brace() -> None:
     inner = CALL[: len(CALL) - len(TAIL) - 1]  # cut before the arguments' own last brace
     _content, [call], cut = read_calls(inner, use)
     assert call["function"]["arguments"] == NESTED[:-1] and cut is True
+
+
+@pytest.mark.parametrize("tail", ["}\n</tool", "}", ""])
+def test_arguments_nested_past_the_json_parsers_depth_are_read_whole(tail) -> None:
+    """The closing's held brace was judged with json.loads, which raises RecursionError past ~1,000 levels of
+    nesting (a constrained reply may nest that far): the reply failed. Its brackets decide there."""
+    use = parse_tool_use([WEATHER], "required", None)
+    args = '{"city": ' + "[" * 3000 + '"a\\"]"' + "]" * 3000 + "}"
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + tail
+    _content, [call], cut = read_calls(text, use)
+    assert call["function"]["arguments"] == args and cut is False
+    _content, [call], cut = read_calls(text[:-len(tail) - 1] if tail else text[:-1], use)  # cut inside them
+    assert call["function"]["arguments"] == args[:-1] and cut is True

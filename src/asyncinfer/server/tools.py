@@ -396,7 +396,24 @@ def _whole_json(text: str) -> bool:
         json.loads(text)
     except ValueError:
         return False
+    except RecursionError:  # nested deeper than the parser goes (a constrained reply may nest that far)
+        return _closed(text)
     return True
+
+
+def _closed(text: str) -> bool:
+    """Whether a JSON value's text (a grammar's output: valid so far) has closed every bracket it opened."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+    return depth == 0 and not in_string
 
 
 def partial_tag(text: str, tag: str) -> int:
