@@ -42,7 +42,14 @@ from asyncinfer.embedding import (
     apply_max_seq_len,
     plan_embedding,
 )
-from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError, exception_text
+from asyncinfer.errors import (
+    AsyncInferError,
+    ConfigurationError,
+    InvalidParameterError,
+    ModelLoadError,
+    SwapError,
+    exception_text,
+)
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.holder import ModelVersion, idle_backoff
 from asyncinfer.memory import (
@@ -79,8 +86,8 @@ from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers.base import SchedulerConfig
-from asyncinfer.schedulers.registry import check_scheduler_options, create_scheduler
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
+from asyncinfer.schedulers.registry import check_scheduler_options, create_scheduler, resolve_scheduler
 from asyncinfer.threads import run_on_own_thread
 
 logger = logging.getLogger("asyncinfer")
@@ -282,7 +289,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     eos = default_eos_ids(mc.eos_token_ids, loaded.tokenizer)
     core = EngineCore(
         runner=runner,
-        scheduler=create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options),
+        scheduler=_create_scheduler(config, scheduler_config, kv),
         sampler=Sampler(mc.vocab_size, config.device, eos_token_ids=eos, seed=config.seed),
         tokenizer=loaded.tokenizer,
         eos_token_ids=eos,
@@ -290,6 +297,26 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
         grammars=None if loaded.tokenizer is None else GrammarCompiler(loaded.tokenizer, mc.vocab_size, eos),
     )
     return plan, core
+
+
+def _create_scheduler(config: EngineConfig, scheduler_config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
+    """The engine's scheduler; a plugin's constructor that refuses its options with its own error (a plain
+    ``ValueError``, not the contract's :class:`InvalidParameterError`) is the options' fault, named with the
+    class and its file, not the model file's (``loading 'model.gguf' failed: weight must be positive``)."""
+    try:
+        return create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options)
+    except AsyncInferError:
+        raise
+    except Exception as exc:
+        cls = resolve_scheduler(config.scheduler)
+        try:
+            source = inspect.getsourcefile(cls)
+        except TypeError:  # a class without a file (built in the REPL)
+            source = None
+        where = f"{cls.__module__}.{cls.__qualname__}" + (f" in {source}" if source else "")
+        raise InvalidParameterError(
+            "scheduler_options", dict(config.scheduler_options or {}),
+            f"options {cls.__name__} ({where}) accepts: its constructor raised {exception_text(exc)}") from exc
 
 
 def _prefix_group(runner: ModelRunner) -> Callable[[Request], Hashable] | None:

@@ -83,3 +83,35 @@ def test_a_schedule_that_returns_no_scheduler_output_is_named(tiny_models) -> No
         AsyncEngine.from_pretrained(path, **ENGINE_BASE, scheduler=ReturnsADict)
     assert str(err.value) == (f"loading {str(path)!r} failed: the scheduler ReturnsADict's schedule() returned dict, "
                               "not a SchedulerOutput (docs/schedulers.md)")
+
+
+class RefusesItsOption(FIFOScheduler):
+    """A plugin that checks its own option's value and raises a plain ValueError, as Python code does."""
+
+    api_version = 1
+
+    def __init__(self, config: object, kv: object, weight: float = 1.0) -> None:
+        if weight <= 0:
+            raise ValueError("weight must be positive")
+        super().__init__(config, kv)  # type: ignore[arg-type]
+
+
+def test_a_plugin_constructor_that_refuses_its_option_is_named(tiny_models) -> None:
+    """It was ``ModelLoadError: loading 'DIR' failed: weight must be positive``: neither the scheduler nor the
+    option named, and after the weights were read it read as the model's fault. Now the options' own typed error,
+    the class and its file named and the plugin's error chained."""
+    from asyncinfer import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError) as err:
+        AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE, scheduler=RefusesItsOption,
+                                    scheduler_options={"weight": -1})
+    assert err.value.parameter == "scheduler_options"
+    assert str(err.value) == (
+        "scheduler_options={'weight': -1} is invalid: allowed options RefusesItsOption "
+        f"({__name__}.RefusesItsOption in {__file__}) accepts: its constructor raised ValueError: weight must be "
+        "positive")
+    assert isinstance(err.value.__cause__, ValueError)
+    # the same class with a value it takes loads and serves
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE, scheduler=RefusesItsOption,
+                                         scheduler_options={"weight": 2.0})
+    assert type(engine.core.scheduler) is RefusesItsOption
