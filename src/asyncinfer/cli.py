@@ -822,6 +822,9 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         if flag == "--trace" and isinstance(value, str) and value.rpartition(":")[2].isdigit():  # "t.jsonl:3"
             path, _, line = value.rpartition(":")
             return f"--trace {path} line {line}: expected {exc.allowed}"
+        if flag == "--trace" and args.trace is not None and value != args.trace:  # a request of it (value: its id)
+            return (f"--trace {args.trace}: request {value!r} is invalid: allowed {exc.allowed} (--max-model-len sets "
+                    "the limit)")
         shown = repr(value) if isinstance(value, str) else str(value)
         allowed = exc.allowed
         if (args.command, exc.parameter) == ("plan", "quantization"):  # the flag takes none (the dtype), not None

@@ -137,3 +137,21 @@ def test_lab_names_a_constructor_that_refuses_with_its_own_error(plugins: Path, 
         "asyncinfer: error: scheduler Strict broke the scheduler contract (docs/schedulers.md): at construction: its "
         "constructor raised ValueError: budget must be positive with options {'budget': 0} (a bad option is an "
         "InvalidParameterError naming it)")
+
+
+def test_lab_names_the_trace_request_whose_prompt_is_too_long(tmp_path: Path, capsys) -> None:
+    """It was ``--trace 'r1' is invalid: allowed prompts shorter than max_model_len=4096``: the request's id read as
+    the flag's value, and nothing said how long the prompt was or which flag sets the limit."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "ok", "arrival": 0, "prompt_len": 10, "output_len": 4}\n'
+                     '{"id": "r1", "arrival": 1, "prompt_len": 5000, "output_len": 4}\n')
+    assert cli.main(["lab", "--trace", str(trace), "--schedulers", "fifo"]) == 2
+    assert _error_line(capsys) == (
+        f"asyncinfer: error: --trace {trace}: request 'r1' is invalid: allowed prompts shorter than "
+        "max_model_len=4096 (request 'r1' has prompt_len=5000) (--max-model-len sets the limit)")
+    assert cli.main(["lab", "--trace", str(trace), "--schedulers", "fifo", "--max-model-len", "8192",
+                     "--num-blocks", "1024"]) == 0
+    # a malformed line still reads as the file's line, and duplicate ids as the file
+    trace.write_text('{"id": "a", "arrival": 0, "prompt_len": 10, "output_len": 4}\n' * 2)
+    assert cli.main(["lab", "--trace", str(trace), "--schedulers", "fifo"]) == 2
+    assert _error_line(capsys) == f"asyncinfer: error: --trace {str(trace)!r} is invalid: allowed unique request ids"

@@ -148,7 +148,9 @@ def simulate(
                                  f"max_model_len={config.max_model_len} request")
     for t in trace:
         if t.prompt_len >= config.max_model_len:
-            raise InvalidParameterError("trace", t.id, f"prompts shorter than max_model_len={config.max_model_len}")
+            raise InvalidParameterError(
+                "trace", t.id, f"prompts shorter than max_model_len={config.max_model_len} (request {t.id!r} has "
+                f"prompt_len={t.prompt_len})")
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=enable_prefix_caching)
     try:
         sched = create_scheduler(scheduler, config, kv, options)
