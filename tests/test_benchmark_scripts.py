@@ -239,3 +239,34 @@ def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_pa
     assert [(r["format"], r["tokens"]) for r in rows] == [(f, m) for f in ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
                                                          for m in (1, 5)]
     assert all(r["int16_gb_s"] > 0 and r["int8_gb_s"] > 0 for r in rows)
+
+
+def test_the_int8_peak_benchmark_sets_the_tile_beside_the_peak_and_a_workload_s_floor(tmp_path) -> None:
+    from asyncinfer import kernels
+
+    model, peer, out = tmp_path / "tiny.gguf", tmp_path / "peer.json", tmp_path / "int8_peak.json"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", "--type", "q4_0")
+    assert made.returncode == 0, made.stderr[-3000:]
+    peer.write_text(json.dumps({  # the fields of a benchmarks/peer.py record the floor reads
+        "workload": {"num_requests": 4, "prompt_tokens": 100, "output_tokens": 20},
+        "many": {"llama_cpp_best_slots": 16, "llama_cpp_by_slots": {"16": {"wall_s": 3.0}},
+                 "asyncinfer_prefix_cache_off_tokens_per_s": 10.0}}))
+    done = run_script("int8_peak.py", "--shape", "tiny", "--formats", "q4_0", "q4_k", "--tokens", "16", "--repeats",
+                      "1", "--iterations", "100000", "--peer-json", str(peer), "--model", str(model), "--json", str(out))
+    if kernels.isa() not in ("avx512", "avx512vnni"):  # the tile runs on the AVX-512 builds only
+        assert done.returncode != 0 and f"this machine's is {kernels.isa()}" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    peak = result["peak"]["macs_per_s"]
+    assert peak > 0 and result["peak"]["best_chains"] in (8, 16, 24, 28)
+    assert [(r["format"], r["tokens"]) for r in result["tile"]] == [("q4_0", 16), ("q4_k", 16)]
+    assert all(r["share_of_peak"] == r["macs_per_s"] / peak for r in result["tile"])
+    floor = result["floor"]
+    layers, head = floor["macs_per_token"]["layers"], floor["macs_per_token"]["head"]
+    assert layers > head > 0  # the tiny shape's layers outweigh its head
+    assert floor["prefill_macs"] == 100 * layers + 4 * head and floor["decode_macs"] == 16 * (layers + head)
+    assert floor["floor_s"] == (floor["prefill_macs"] + floor["decode_macs"]) / (peak * 2)
+    assert floor["most_ahead_of_llama_cpp"] == 3.0 / floor["floor_s"]
+    assert floor["share_of_peak_the_target_needs"] == floor["floor_s"] / 1.5
+    assert floor["asyncinfer_cache_off_share_of_peak"] == floor["floor_s"] / 2.0
