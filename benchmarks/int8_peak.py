@@ -4,7 +4,7 @@ Three figures, each from this machine in one run:
 
 1. **the peak**: a C probe (compiled here with ``cc``) runs only 512-bit int8 multiply-adds, the instruction
    the tile is built on (``vpdpbusd`` on the ``avx512vnni`` build, the ``vpmaddubsw`` + ``vpmaddwd`` pair on
-   ``avx512``: 64 products either way), in 8 to 28 independent chains, and keeps the best: multiply-adds a
+   ``avx512``: 64 products either way), in 8 to 28 independent chains, three runs each, and keeps the best: multiply-adds a
    second on one core, timed on the thread's CPU clock (so another process's load does not count);
 2. **the tile**: ``kernels.gemm(..., activation_dtype="int8", int8_kernel="tile")`` over one decoder layer's
    projections of a real shape (q, k, v, o, gate, up, down), one thread, CPU clock, best of ``--repeats``, at
@@ -97,7 +97,8 @@ def probe_peak(isa: str, iterations: int) -> dict[str, Any]:
             exe = Path(tmp) / f"probe{chains}"
             subprocess.run([os.environ.get("CC", "cc"), "-O2", *ISA_FLAGS[isa], f"-DCHAINS={chains}",
                             f"-DITERATIONS={iterations}L", str(source), "-o", str(exe)], check=True)
-            seconds = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()[0])
+            seconds = min(float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()[0])
+                          for _ in range(3))  # the best of three runs
             rates[chains] = iterations * chains * 64 / seconds
     best = max(rates, key=rates.__getitem__)
     return {"instruction": "vpdpbusd" if isa == "avx512vnni" else "vpmaddubsw+vpmaddwd", "best_chains": best,
