@@ -57,3 +57,22 @@ def test_a_finite_cost_model_still_loads(tmp_path: Path) -> None:
     model = load_cost_model(path)
     assert model.coefficients == {"const": 0.001, "tokens": 0.0} and model.meta == {"model": "m"}
     assert math.isfinite(load_cost_model().coefficients["const"])
+
+
+def test_the_lab_command_names_the_trace_line_and_the_cost_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the CLI printed was ``asyncinfer: internal error: UnicodeDecodeError: ...`` (and the same for a cost
+    model that is not JSON), read as asyncinfer's own bug; now its one-line refusal, status 2."""
+    from asyncinfer import cli
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(GOOD_LINE + b"\xff\n")
+    assert cli.main(["lab", "--trace", str(trace)]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: --trace {trace} line 2: expected a JSON object with arrival, prompt_len, output_len[, "
+        "priority, id] (not UTF-8 text: byte 0xff at 0)\n")
+    cost = tmp_path / "cost.json"
+    cost.write_text("not json", encoding="utf-8")
+    assert cli.main(["lab", "--synthetic", "5", "--cost-model", str(cost)]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: --cost-model {str(cost)!r} is invalid: allowed a JSON object with a 'coefficients' "
+        "object (not JSON: Expecting value: line 1 column 1 (char 0))\n")
