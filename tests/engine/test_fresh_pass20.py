@@ -76,3 +76,23 @@ def test_the_lab_command_names_the_trace_line_and_the_cost_model(tmp_path: Path,
     assert capsys.readouterr().err == (
         f"asyncinfer: error: --cost-model {str(cost)!r} is invalid: allowed a JSON object with a 'coefficients' "
         "object (not JSON: Expecting value: line 1 column 1 (char 0))\n")
+
+
+@pytest.mark.parametrize(("flag", "value", "shown"), [("--slo-ttft", "nan", "nan"), ("--slo-tpot", "-1", "-1.0"),
+                                                      ("--slo-ttft", "0", "0.0")])
+def test_an_slo_that_no_request_can_meet_is_refused(capsys: pytest.CaptureFixture[str], flag: str, value: str,
+                                                    shown: str) -> None:
+    """``--slo-ttft nan`` or a bound <= 0 was taken, and every policy's row read "0%" met, as if all had failed."""
+    from asyncinfer import cli
+
+    assert cli.main(["lab", "--synthetic", "5", "--schedulers", "fifo", flag, value]) == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: {flag} {shown} is invalid: allowed seconds > 0 (inf: no bound)\n"
+
+
+def test_an_slo_of_inf_is_no_bound() -> None:
+    from asyncinfer.lab import Slo, simulate, summarize, synthetic_trace
+
+    records = simulate(synthetic_trace(5, seed=0), "fifo").records
+    assert summarize("fifo", records, Slo(ttft=math.inf, tpot=math.inf)).slo_attained == 1.0
+    with pytest.raises(InvalidParameterError, match="slo_ttft=nan"):
+        Slo(ttft=math.nan)
