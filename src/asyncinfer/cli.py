@@ -783,6 +783,7 @@ _PLAN_FLAGS = {
 _LAB_FLAGS = {
     "rate": "--rate", "long_fraction": "--long-fraction", "num_requests": "--synthetic", "priorities": "--priorities",
     "scheduler": "--schedulers", "trace": "--trace", "cost_model": "--cost-model", "num_threads": "--threads",
+    "slo_ttft": "--slo-ttft", "slo_tpot": "--slo-tpot",
 }
 
 # ``asyncinfer embed``'s flags by the embedding model's option they set.

@@ -20,6 +20,7 @@ machine the project was developed on ships as ``cost_models/smollm2-135m-cpu.jso
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -81,8 +82,9 @@ class StepCostModel:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise InvalidParameterError("coefficients", sorted(unknown), f"names among {FEATURES}")
-        if any(v < 0 for v in self.coefficients.values()):
-            raise InvalidParameterError("coefficients", self.coefficients, "non-negative numbers")
+        if any(not (math.isfinite(v) and v >= 0) for v in self.coefficients.values()):
+            # a NaN or infinite one made every figure of the lab's table nan or inf
+            raise InvalidParameterError("coefficients", self.coefficients, "non-negative finite numbers")
 
     def cost(self, shape: StepShape) -> float:
         return sum(self.coefficients.get(name, 0.0) * x for name, x in zip(FEATURES, shape.features()))
@@ -96,15 +98,28 @@ class StepCostModel:
 
 def load_cost_model(path: str | Path | None = None) -> StepCostModel:
     """A cost model JSON (``{"coefficients": {...}, ...}``); ``None``: the one shipped with asyncinfer."""
-    if path is None:
-        text = resources.files("asyncinfer.lab").joinpath("cost_models", DEFAULT_COST_MODEL).read_text("utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    data = json.loads(text)
+    allowed = "a JSON object with a 'coefficients' object"
+    try:
+        if path is None:
+            text = resources.files("asyncinfer.lab").joinpath("cost_models", DEFAULT_COST_MODEL).read_text("utf-8")
+        else:
+            text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as exc:  # (before ValueError: it is one)
+        raise InvalidParameterError("cost_model", str(path), f"{allowed} (the file is not UTF-8 text)") from exc
+    except ValueError as exc:
+        raise InvalidParameterError("cost_model", str(path), f"{allowed} (not JSON: {exc})") from exc
+    except RecursionError as exc:
+        raise InvalidParameterError("cost_model", str(path),
+                                    f"{allowed} (JSON nested deeper than Python's recursion limit)") from exc
     if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
-        raise InvalidParameterError("cost_model", str(path), "a JSON object with a 'coefficients' object")
+        raise InvalidParameterError("cost_model", str(path), allowed)
+    coefficients = data["coefficients"]
+    for name, value in coefficients.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidParameterError("coefficients", {name: value}, "numbers (seconds per unit of each feature)")
     meta = {k: v for k, v in data.items() if k != "coefficients"}
-    return StepCostModel({k: float(v) for k, v in data["coefficients"].items()}, meta)
+    return StepCostModel({k: float(v) for k, v in coefficients.items()}, meta)
 
 
 def fit_cost_model(

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.lab.simulator import RequestRecord
 
 
@@ -27,6 +28,12 @@ class Slo:
 
     ttft: float = 2.0
     tpot: float = 0.25
+
+    def __post_init__(self) -> None:
+        # A NaN or a bound <= 0 was taken, and the table said "0% met" for every policy, with no word of why.
+        for name, value in (("slo_ttft", self.ttft), ("slo_tpot", self.tpot)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidParameterError(name, value, "seconds > 0 (inf: no bound)")
 
     def met(self, r: RequestRecord) -> bool:
         tpot = r.tpot

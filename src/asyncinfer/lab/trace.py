@@ -48,11 +48,12 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         InvalidParameterError: a line that is not a valid request (the message names the line).
     """
     requests = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
+    with open(path, "rb") as fh:  # decoded line by line: a line that is not UTF-8 is refused by its number
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
+                line = raw.decode("utf-8")
                 row = json.loads(line)
                 requests.append(
                     TraceRequest(
@@ -63,13 +64,23 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                         priority=row.get("priority", 0),
                     )
                 )
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                why = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                # (a UnicodeDecodeError is a ValueError: the line is not UTF-8 text)
+                why = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else _why(exc)
                 raise InvalidParameterError("trace", f"{path}:{lineno}", f"a JSON object with arrival, prompt_len, "
                                             f"output_len[, priority, id] ({why})") from exc
     if len({r.id for r in requests}) != len(requests):
         raise InvalidParameterError("trace", str(path), "unique request ids")
     return sorted(requests, key=lambda r: r.arrival)
+
+
+def _why(exc: BaseException) -> str:
+    """What is wrong with a trace line that raised ``exc`` as it was read."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at {exc.start}"
+    if isinstance(exc, RecursionError):
+        return "JSON nested deeper than Python's recursion limit"
+    return str(exc)
 
 
 def save_trace(trace: Iterable[TraceRequest], path: str | Path) -> None:
