@@ -260,12 +260,18 @@ def _lab(args: argparse.Namespace) -> int:
         print(f"fit over {model.meta['fit_samples']} shapes: mean relative error "
               f"{model.meta['fit_mean_rel_error']:.1%}, max {model.meta['fit_max_rel_error']:.1%}")
         return 0
+    from asyncinfer.commands import CommandError
+
+    unused = [flag for flag, value in (("--model", args.model), ("--threads", args.threads)) if value is not None]
+    if unused:  # calibration's flags: the replay itself loads no model and runs no torch
+        raise CommandError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} used only with --calibrate "
+                           "(the lab replays the trace on a cost model and loads no model; --cost-model FILE picks "
+                           "one made by asyncinfer lab --calibrate FILE --model MODEL)")
+    slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
     if args.trace:
         try:
             trace = lab.load_trace(args.trace)
         except OSError as exc:  # named by its flag, as generate's --file
-            from asyncinfer.commands import CommandError
-
             raise CommandError(f"--trace {args.trace}: {exc.strerror or exc}") from None
         source = args.trace
     else:
@@ -283,17 +289,17 @@ def _lab(args: argparse.Namespace) -> int:
     try:
         cost = lab.load_cost_model(args.cost_model)
     except OSError as exc:
-        from asyncinfer.commands import CommandError
-
         raise CommandError(f"--cost-model {args.cost_model}: {exc.strerror or exc}") from None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len)
-    slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
     results, summaries = {}, []
     for name in names:
-        result = lab.simulate(trace, name, cost_model=cost, config=config, num_blocks=args.num_blocks,
-                              block_size=args.block_size, options=options.get(name),
-                              enable_prefix_caching=not args.no_prefix_caching)
+        try:
+            result = lab.simulate(trace, name, cost_model=cost, config=config, num_blocks=args.num_blocks,
+                                  block_size=args.block_size, options=options.get(name),
+                                  enable_prefix_caching=not args.no_prefix_caching)
+        except InvalidParameterError as exc:
+            raise _option_error(exc, name, options.get(name) or {}) from None
         results[name] = result.records
         summaries.append(lab.summarize(name, result.records, slo))
     print(f"trace: {source} ({len(trace)} requests, {sum(t.prompt_len for t in trace)} prompt and "
@@ -312,6 +318,20 @@ def _lab(args: argparse.Namespace) -> int:
         else:
             print("\nno plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     return 0
+
+
+def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any]) -> AsyncInferError:
+    """A scheduler's refusal of its ``--option`` values, named by the flag as typed (``--option
+    pd-split.prefill_budget=0``), as serve names ``--scheduler-option``; other errors pass unchanged."""
+    from asyncinfer.commands import CommandError
+
+    if exc.parameter in given:
+        return CommandError(f"--option {name}.{exc.parameter}={json.dumps(given[exc.parameter])} is invalid: "
+                            f"allowed {exc.allowed}")
+    if exc.parameter == "scheduler_options" and given:
+        typed = " ".join(f"--option {name}.{key}={json.dumps(value)}" for key, value in given.items())
+        return CommandError(f"{typed} is invalid: allowed {exc.allowed}")
+    return exc
 
 
 def _lab_schedulers(args: argparse.Namespace) -> list[str]:

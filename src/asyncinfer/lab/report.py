@@ -70,6 +70,8 @@ class PolicySummary:
 def summarize(policy: str, records: Sequence[RequestRecord], slo: Slo = Slo(),
               wait_known: bool = True) -> PolicySummary:
     """Figures of finished ``records``. ``wait_known=False`` (a real engine) uses TTFT for the wait."""
+    if not records:
+        raise InvalidParameterError("records", [], "at least one request's record")
     start = min(r.arrival for r in records)
     end = max(r.finish for r in records if r.finish is not None)
     makespan = end - start

@@ -146,6 +146,8 @@ def simulate(
     if blocks_for(config.max_model_len, block_size) > num_blocks:
         raise ConfigurationError(f"{num_blocks} blocks of {block_size} cannot hold one "
                                  f"max_model_len={config.max_model_len} request")
+    if not trace:
+        raise InvalidParameterError("trace", [], "at least one request")
     for t in trace:
         if t.prompt_len >= config.max_model_len:
             raise InvalidParameterError(

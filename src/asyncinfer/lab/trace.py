@@ -45,7 +45,8 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     """Read a JSONL trace, sorted by arrival (ties keep file order).
 
     Raises:
-        InvalidParameterError: a line that is not a valid request (the message names the line).
+        InvalidParameterError: a line that is not a valid request (the message names the line), a file
+            with no request, or two requests with one id.
     """
     requests = []
     with open(path, "rb") as fh:  # decoded line by line: a line that is not UTF-8 is refused by its number
@@ -55,6 +56,8 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             try:
                 line = raw.decode("utf-8")
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError(f"a JSON {type(row).__name__}, not an object")
                 requests.append(
                     TraceRequest(
                         id=str(row.get("id", f"r{lineno}")),
@@ -69,6 +72,8 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 why = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else _why(exc)
                 raise InvalidParameterError("trace", f"{path}:{lineno}", f"a JSON object with arrival, prompt_len, "
                                             f"output_len[, priority, id] ({why})") from exc
+    if not requests:  # nothing to replay: every figure would be undefined
+        raise InvalidParameterError("trace", str(path), "at least one request line (the file has none)")
     if len({r.id for r in requests}) != len(requests):
         raise InvalidParameterError("trace", str(path), "unique request ids")
     return sorted(requests, key=lambda r: r.arrival)
@@ -111,8 +116,8 @@ def synthetic_trace(
     """
     if num_requests < 1:
         raise InvalidParameterError("num_requests", num_requests, "an integer >= 1")
-    if not rate > 0:
-        raise InvalidParameterError("rate", rate, "requests per second > 0")
+    if not (rate > 0 and math.isfinite(rate)):
+        raise InvalidParameterError("rate", rate, "a finite number of requests per second > 0")
     if not 0.0 <= long_fraction <= 1.0:
         raise InvalidParameterError("long_fraction", long_fraction, "a fraction in [0, 1]")
     for name, (lo, hi) in (("short_prompt", short_prompt), ("long_prompt", long_prompt), ("output", output)):
