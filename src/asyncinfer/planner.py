@@ -237,7 +237,8 @@ def plan_deployment(
     """The budget table's numbers (see the module docstring); ``device_memory`` None: measured here.
 
     Raises:
-        InvalidParameterError: a bad count, device, dtype or quantization, ``seq_len`` beyond the
+        InvalidParameterError: a bad count (``max_num_seqs`` and ``max_num_batched_tokens`` in the engine's
+            ranges, which the plan's options must load with), device, dtype or quantization, ``seq_len`` beyond the
             model's context, or no ``device_memory`` for a CUDA plan on a machine without CUDA.
     """
     if device not in ("cpu", "cuda"):
@@ -253,7 +254,9 @@ def plan_deployment(
     skip = default_skip(quantization) if quantization_skip is None else tuple(quantization_skip)
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
-    for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256)):
+    for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256),
+                              ("max_num_seqs", max_num_seqs, 4096),  # the engine's own ranges (EngineConfig)
+                              ("max_num_batched_tokens", max_num_batched_tokens, None)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
             raise InvalidParameterError(name, value, f"an integer >= 1{'' if high is None else f' and <= {high}'}")
     source = "given"

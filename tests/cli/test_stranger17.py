@@ -87,3 +87,32 @@ def test_the_lab_still_runs_with_good_flags(tmp_path, capsys) -> None:
     assert (status, err) == (0, "")
     assert "SLO: TTFT <= 1.5s and TPOT <= 0.5s" in out
     assert [s["policy"] for s in json.loads(figures.read_text())["summaries"]] == ["fifo", "pd-split"]
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--max-num-seqs", "0"], "--max-num-seqs 0 is invalid: allowed an integer >= 1 and <= 4096"),
+    (["--max-num-seqs", "5000"], "--max-num-seqs 5000 is invalid: allowed an integer >= 1 and <= 4096"),
+    (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens -1 is invalid: allowed an integer >= 1"),
+])
+def test_plan_refuses_step_limits_the_engine_refuses(tiny_models, capsys, argv: list[str], error: str) -> None:
+    """``asyncinfer plan --max-num-seqs 0`` printed a plan, and as the flags that load it ``--max-num-seqs 0``,
+    which every engine command refuses (``--max-num-batched-tokens -1`` the same)."""
+    status = cli.main(["plan", str(tiny_models["llama"][0]), "--device-memory", "1GiB", *argv])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    assert captured.err == f"asyncinfer: error: {error}\n"
+
+
+def test_plan_deployment_checks_the_step_limits(tiny_models) -> None:
+    from asyncinfer.memory import read_model_config
+    from asyncinfer.planner import plan_deployment
+
+    config = read_model_config(tiny_models["llama"][0])
+    with pytest.raises(InvalidParameterError) as caught:
+        plan_deployment(config, max_num_seqs=True, device_memory=2**30)
+    assert caught.value.parameter == "max_num_seqs"
+    with pytest.raises(InvalidParameterError) as caught:
+        plan_deployment(config, max_num_batched_tokens=0, device_memory=2**30)
+    assert caught.value.parameter == "max_num_batched_tokens"
+    plan = plan_deployment(config, max_num_seqs=4096, max_num_batched_tokens=1, device_memory=2**30)
+    assert plan.engine_options()["max_num_seqs"] == 4096
