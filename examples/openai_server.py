@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer import AsyncEngine, AsyncInferError, SamplingParams
 from asyncinfer.server import (
     ModelSpec,
     ServerSettings,
@@ -34,6 +34,8 @@ parser.add_argument("--host", default="127.0.0.1", help="address to listen on (d
 parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
 parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
 args = parser.parse_args()
+if not 0 <= args.port <= 65535:  # socket.bind's own refusal is an OverflowError
+    parser.error(f"--port {args.port} is not a TCP port (0 to 65535)")
 engine: AsyncEngine | None = None  # loaded in the lifespan
 
 
@@ -72,4 +74,7 @@ if __name__ == "__main__":
                        "server there, or choose another --host / --port\n")
     # uvicorn names no URL for a socket handed to it: say where it will serve.
     print(f"{parser.prog}: loading, then serving at http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
-    run_server(app, args.host, args.port, settings=settings, sock=sock)  # with the header deadline and connection cap
+    try:
+        run_server(app, args.host, args.port, settings=settings, sock=sock)  # with the header deadline and connection cap
+    except AsyncInferError as exc:  # the model failed to load in the lifespan (a wrong --model): one line, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
