@@ -116,3 +116,29 @@ def test_plan_deployment_checks_the_step_limits(tiny_models) -> None:
     assert caught.value.parameter == "max_num_batched_tokens"
     plan = plan_deployment(config, max_num_seqs=4096, max_num_batched_tokens=1, device_memory=2**30)
     assert plan.engine_options()["max_num_seqs"] == 4096
+
+
+@pytest.mark.parametrize(("flag", "name", "error"), [
+    ("--json", "missing/figures.json", "--json {path}: No such file or directory (the directory {parent} does not exist)"),
+    ("--plot", "missing/figures.png", "--plot {path}: No such file or directory (the directory {parent} does not exist)"),
+    ("--plot", ".", "--plot {path}: Is a directory"),
+    ("--profile", "afile", ("--profile {path}: not a directory (a file is there; the profile writes DIR/trace.json "
+                            "and DIR/top_ops.txt)")),
+])
+def test_bench_refuses_an_unwritable_output_before_it_runs(tmp_path, capsys, monkeypatch, flag: str, name: str,
+                                                           error: str) -> None:
+    """``asyncinfer bench --json missing/figures.json`` ran every concurrency level (minutes) and then failed with
+    ``No such file or directory``; ``--profile FILE`` failed after the table as ``path='FILE' is invalid``."""
+    from asyncinfer.commands import bench
+
+    def no_run(*args, **kwargs):  # the benchmark must not start
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench, "_bench_engine", no_run)
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
+    path = str(tmp_path / name)
+    status = cli.main(["bench", "--num-requests", "1", "--concurrency", "1", flag, path])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    expected = error.format(path=path, parent=tmp_path / "missing")
+    assert captured.err == f"asyncinfer: error: {expected}\n"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +70,19 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
             raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")
     if args.profile_steps > MAX_PROFILE_STEPS:  # refused before the benchmark runs, not after it
         raise InvalidParameterError("--profile-steps", args.profile_steps, f"an int in [1, {MAX_PROFILE_STEPS}]")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_output_path(flag, path)
+    if args.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise InvalidParameterError("--plot", args.plot, "a run with matplotlib installed (pip install matplotlib)")
+    if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--profile {args.profile}: not a directory (a file is there; the profile writes "
+                           "DIR/trace.json and DIR/top_ops.txt)")
     rows, model_path, ours = asyncio.run(_bench_engine(args.model_arg or args.model, options, args, levels))
     if args.compare_transformers:
         rows += _bench_transformers(model_path, args, levels, ours)
@@ -83,6 +97,21 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         _plot(rows, args.plot)
         print(f"plot saved to {args.plot}")
     return 0
+
+
+def _check_output_path(flag: str, path: str) -> None:
+    """A ``--json`` / ``--plot`` path that cannot be written, refused before the benchmark runs (minutes), not
+    after it: its directory missing, not writable, or the path itself a directory."""
+    from asyncinfer.commands import CommandError
+
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise CommandError(f"{flag} {path}: Is a directory")
+    if not os.path.isdir(parent):
+        raise CommandError(f"{flag} {path}: No such file or directory (the directory {parent} does not exist)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"{flag} {path}: Permission denied (the directory {parent} is not writable)")
 
 
 def _levels(given: list[str] | None) -> list[int]:
