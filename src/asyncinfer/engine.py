@@ -383,6 +383,9 @@ class AsyncEngine:
         Messages too long to fit the generator's ``max_model_len`` whatever their tokens are refused by
         their characters first, untokenized (as :meth:`generate` refuses them)."""
         version = current(self._models.generator(model))
+        if isinstance(messages, (str, bytes)):  # iterated, a text read as messages 'h', 'i', ...: named whole
+            raise InvalidParameterError("prompt", messages, "a list of chat messages ({'role': ..., 'content': ...}); "
+                                        "tokenize() takes a text as it is")
         messages = plain_prompt(messages)
         check_prompt_chars(messages, version)
         return chat_token_ids(version, messages)
