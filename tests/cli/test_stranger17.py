@@ -142,3 +142,49 @@ def test_bench_refuses_an_unwritable_output_before_it_runs(tmp_path, capsys, mon
     assert (status, captured.out) == (2, "")
     expected = error.format(path=path, parent=tmp_path / "missing")
     assert captured.err == f"asyncinfer: error: {expected}\n"
+
+
+@pytest.mark.real_model
+def test_generate_writes_the_logprobs_a_line_asks_for(real_gguf, tmp_path, capsys) -> None:
+    """A ``--file`` line with ``"logprobs": 2`` was accepted (a SamplingParams field) and its output line had
+    no log-probabilities at all: they are written, per sample, as the engine returns them."""
+    import asyncio
+
+    from asyncinfer import AsyncEngine, RequestOutput, SamplingParams
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "The capital of France is", "logprobs": 2, "max_tokens": 3}\n'
+                     '{"prompt": "The capital of France is", "logprobs": 0, "max_tokens": 2, "n": 2, '
+                     '"temperature": 1, "seed": 3}\n'
+                     '{"prompt": "The capital of France is", "max_tokens": 2}\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    options = ["--threads", "1", "-c", "64", "--no-progress"]
+    assert cli.main(["generate", str(real_gguf), "--file", str(lines), "--output", str(out), *options]) == 0
+    capsys.readouterr()
+    first, second, third = (json.loads(line) for line in out.read_text(encoding="utf-8").splitlines())
+
+    async def reference() -> RequestOutput:
+        async with await AsyncEngine.load(real_gguf, num_threads=1, max_model_len=64) as engine:
+            return await engine.generate("The capital of France is", SamplingParams(max_tokens=3, logprobs=2))
+
+    greedy = asyncio.run(reference())
+    # The same tokens and alternatives; the values agree within batching's rounding (the job runs its lines
+    # together, the reference one at a time).
+    assert [lp["token_id"] for lp in first["logprobs"]] == greedy.token_ids
+    assert [[t for t, _ in lp["top"]] for lp in first["logprobs"]] == [[t for t, _ in lp.top] for lp in greedy.logprobs]
+    assert [lp["logprob"] for lp in first["logprobs"]] == pytest.approx([lp.logprob for lp in greedy.logprobs],
+                                                                         abs=1e-3)
+    assert len(first["logprobs"]) == 3 and all(len(lp["top"]) == 2 for lp in first["logprobs"])
+    assert second["completion_tokens"] == 4 and [len(o["logprobs"]) for o in second["outputs"]] == [2, 2]
+    assert second["logprobs"] == second["outputs"][0]["logprobs"]  # the line's own are its first sample's
+    assert all(lp["top"] == [] for o in second["outputs"] for lp in o["logprobs"])
+    assert "logprobs" not in third
+
+
+def test_generate_logprobs_are_strict_json() -> None:
+    from asyncinfer.commands.generate import _logprobs
+    from asyncinfer.outputs import Logprob
+
+    assert _logprobs([Logprob(5, -0.5, [(5, -0.5), (7, -math.inf)])]) == [
+        {"token_id": 5, "logprob": -0.5, "top": [[5, -0.5], [7, None]]}]
+    assert _logprobs(None) == []

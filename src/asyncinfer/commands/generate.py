@@ -20,6 +20,9 @@ Output: one line per request, in input order (``--output``, default stdout)::
 
 A model without a tokenizer (a GGUF file with no vocabulary, a directory without tokenizer files) takes
 token-id prompts only, and its lines add the output's ``"token_ids"`` (its ``text`` is empty).
+A line that asks for ``"logprobs": K`` gets ``"logprobs"``: per generated token
+``{"token_id": ..., "logprob": ..., "top": [[token_id, logprob], ...]}`` (K alternatives; with ``n`` > 1,
+each of ``"outputs"`` has its own).
 
 A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
 and the job goes on; the exit status is then 1. The requests go through the engine's own
@@ -282,6 +285,17 @@ class _Progress:
             self.bar.close()
 
 
+def _logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]]:
+    """A sample's ``Logprob``s as JSON: each generated token's id and log-probability and its ``top``
+    alternatives as ``[token_id, logprob]`` pairs; a log-probability of -inf (a token no sample could take)
+    is null, the output being strict JSON."""
+    def number(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
+    return [{"token_id": lp.token_id, "logprob": number(lp.logprob), "top": [[t, number(v)] for t, v in lp.top]}
+            for lp in logprobs or []]
+
+
 async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO, args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
 
@@ -300,11 +314,15 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
                 record: dict[str, Any] = {"id": job.id, "text": result.text, "finish_reason": result.finish_reason,
                                           "prompt_tokens": len(result.prompt_token_ids),
                                           "completion_tokens": sum(len(o.token_ids) for o in result.outputs)}
+                wants = job.params.logprobs is not None  # asked for on the line: written, not dropped
                 if ids_only:
                     record["token_ids"] = list(result.outputs[0].token_ids)
+                if wants:
+                    record["logprobs"] = _logprobs(result.outputs[0].logprobs)
                 if len(result.outputs) > 1:
                     record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason,
-                                          **({"token_ids": list(o.token_ids)} if ids_only else {})}
+                                          **({"token_ids": list(o.token_ids)} if ids_only else {}),
+                                          **({"logprobs": _logprobs(o.logprobs)} if wants else {})}
                                          for o in result.outputs]
                 progress.done(record["completion_tokens"])
             except (InvalidParameterError, EngineOverloadedError) as exc:  # this request only: the job goes on
