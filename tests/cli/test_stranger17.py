@@ -188,3 +188,18 @@ def test_generate_logprobs_are_strict_json() -> None:
     assert _logprobs([Logprob(5, -0.5, [(5, -0.5), (7, -math.inf)])]) == [
         {"token_id": 5, "logprob": -0.5, "top": [[5, -0.5], [7, None]]}]
     assert _logprobs(None) == []
+
+
+def test_generate_skips_a_byte_order_mark(tmp_path) -> None:
+    """A --file saved by a Windows editor (UTF-8 with a byte-order mark) failed on its first line with
+    ``not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig): ...)``, advice a user of the command cannot take."""
+    import argparse
+
+    from asyncinfer import SamplingParams
+    from asyncinfer.commands.generate import _jobs
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "id": "x"}\n{"prompt": "\xef\xbb\xbfb"}\n')
+    args = argparse.Namespace(prompt=None, file=str(path), chat=False)
+    jobs = list(_jobs(args, SamplingParams(max_tokens=2)))
+    assert [(job.id, job.prompt) for job in jobs] == [("x", "a"), (1, "\ufeffb")]  # inside a string: kept

@@ -7,7 +7,8 @@ Input, one request a line (``--file``; ``-`` reads stdin)::
     {"prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0.7}     # token ids; per-line sampling fields
 
 ``--prompt TEXT`` (repeatable) gives the prompts on the command line instead
-(``--chat`` sends texts as a user message). The file is UTF-8, each line strict JSON
+(``--chat`` sends texts as a user message). The file is UTF-8 (a byte-order mark at its start is
+skipped), each line strict JSON
 (no NaN or Infinity); ``messages`` is a non-empty list of ``{"role": ..., "content": ...}``
 dicts and ``id`` (default: the line's number, from 0) a string or an integer.
 Every line is checked before anything runs, so a bad line fails the job at once (exit
@@ -153,6 +154,8 @@ def _jobs(args: argparse.Namespace, params: SamplingParams) -> Iterator[Job]:
     with _open_input(args.file) as lines:
         try:
             for number, line in enumerate(lines, 1):
+                if number == 1:  # a byte-order mark, as Windows editors save UTF-8: not part of the JSON
+                    line = line.removeprefix("\ufeff")
                 if line.strip():
                     yield _job(line, number, params, args)
         except UnicodeDecodeError as exc:  # a ValueError, not an OSError: name the file here
