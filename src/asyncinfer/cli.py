@@ -495,10 +495,25 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         except InvalidParameterError as exc:
             raise CommandError(f"--served-model-name {name[:40]!r} is invalid: allowed {exc.allowed}") from None
     specs = [ModelSpec(model, name, options)]
+    if args.embedding_model is not None and not args.embedding_model.strip():  # --embedding-model "$UNSET"
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--embedding-model {args.embedding_model!r} is invalid: allowed a sentence encoder's "
+                           "name or directory, e.g. all-MiniLM-L6-v2, not an empty string (leave --embedding-model "
+                           "out to serve no embedding model)")
     if args.embedding_model:
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
-    plans = [AsyncEngine.plan_memory(spec.model, **spec.options) for spec in specs]  # a bad path or option: here
+    plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
+    if len(specs) > 1:
+        from asyncinfer.errors import ModelLoadError
+
+        try:
+            plans.append(AsyncEngine.plan_memory(specs[1].model, **specs[1].options))
+        except ModelLoadError as exc:  # named by its flag: the served model's own error reads the same
+            from asyncinfer.commands import CommandError
+
+            raise CommandError(f"--embedding-model {args.embedding_model!r}: {exc}") from None
     _check_embedding_model(args, specs, plans)
     print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.accepted_keys),
                            metrics_keys=len(settings.metrics_keys), tenants=len(settings.tenants)), flush=True)
