@@ -461,3 +461,38 @@ def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> 
         except SyntaxError:  # 'await' outside function
             firsts.append(match.start())
     assert firsts and note < min(firsts)
+
+
+def test_the_int8_peak_figures_in_the_docs_are_the_results_files() -> None:
+    """docs/formats.md and the README quote benchmarks/int8_peak.py's records: the figures equal the files."""
+    import json
+
+    runs = [json.loads((ROOT / "benchmarks" / "results" / f"int8_peak_{name}_epyc.json").read_text())
+            for name in ("q4_k_m", "q4_0")]
+    formats, readme = (ROOT / "docs" / "formats.md").read_text(), (ROOT / "README.md").read_text()
+    flat = " ".join(formats.split())
+
+    def pct(value: float) -> str:
+        return f"{round(value * 100)}%"
+
+    needs = [pct(r["floor"]["share_of_peak_the_target_needs"]) for r in runs]
+    ran = [pct(r["floor"]["asyncinfer_cache_off_share_of_peak"]) for r in runs]
+    assert f"{runs[0]['peak']['macs_per_s'] / 1e9:.1f} and {runs[1]['peak']['macs_per_s'] / 1e9:.1f} G" in flat
+    assert f"{runs[0]['floor']['floor_s']:.1f} s and {runs[1]['floor']['floor_s']:.1f} s" in flat
+    most = [f"{r['floor']['most_ahead_of_llama_cpp']:.2f}x" for r in runs]
+    assert f"{most[0]} (Q4_K_M) and {most[1]} (Q4_0)" in flat
+    assert f"{needs[0]} and {needs[1]} of the peak" in flat and f"{ran[0]} and {ran[1]} of the peak" in flat
+    assert f"{needs[0]} and {needs[1]} of one core's measured int8" in " ".join(readme.split())
+    assert all(r["commit"].startswith("045aa81") for r in runs) and "commit 045aa81" in flat
+    def span(formats: tuple[str, ...], rows: tuple[int, ...], key: str = "share_of_peak") -> tuple[float, float]:
+        values = [row[key] for r in runs for row in r["tile"] if row["format"] in formats and row["tokens"] in rows]
+        return min(values), max(values)
+
+    low, high = span(("q4_0", "q4_k"), (64, 128), "macs_per_s")
+    assert f"{low / 1e9:.0f}-{high / 1e9:.0f} G at 64-128 rows in Q4_0 and Q4_K" in flat
+    low, high = span(("q4_0", "q4_k"), (64, 128))
+    assert f"{pct(low)[:-1]}-{pct(high)} of its run's peak" in flat
+    low, high = span(("q6_k", "q8_0"), (64, 128))
+    assert f"Q6_K and Q8_0 {pct(low)[:-1]}-{pct(high)}" in flat
+    low, high = span(("q4_0", "q4_k", "q6_k", "q8_0"), (16,))
+    assert f"every format {pct(low)[:-1]}-{pct(high)} at 16 rows" in flat
