@@ -272,7 +272,7 @@ def test_help_and_version_typed_as_commands_name_the_flags(capsys, argv, hint) -
 
 # ------------------------------------------------------------------------- lab's errors in its flags' terms
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--rate", "0"], "--rate 0.0 is invalid: allowed requests per second > 0"),
+    (["--rate", "0"], "--rate 0.0 is invalid: allowed a finite number of requests per second > 0"),
     (["--long-fraction", "2"], "--long-fraction 2.0 is invalid: allowed a fraction in [0, 1]"),
     (["--schedulers", "fifo,nope"], "--schedulers 'nope' is invalid: allowed one of ['aging-priority', "),  # (then
     # the names registered in this process: a plugin another test imported among them)
