@@ -543,8 +543,10 @@ class _OpenAI:
             merged.close()
             raise
         def close() -> None:
-            merged.close()
-            call.give_back()
+            try:
+                merged.close()
+            finally:
+                call.give_back()
         return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens, rename), close,
                            {"x-request-id": call.id})
 
