@@ -8,6 +8,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app
@@ -119,3 +121,49 @@ def test_serve_names_the_flag(tiny_models, capsys, monkeypatch) -> None:
     path = str(tiny_models["llama"][0])
     assert cli.main(["serve", path, "--port", str(free_port()), "--max-requests-per-tenant", "0"]) == 2
     assert capsys.readouterr().err == "asyncinfer: error: --max-requests-per-tenant 0 is invalid: allowed an integer >= 1\n"
+
+
+_KINDS = ("whole", "stream", "dropped", "two_prompts", "too_long", "gone")
+
+
+def _call(live: LiveServer, kind: str) -> int:
+    """One call of ``kind`` by the greedy tenant: its status (0 for a client that went away)."""
+    with httpx.Client(base_url=live.url, timeout=120) as http:
+        if kind in ("stream", "dropped"):
+            with http.stream("POST", "/v1/completions", json={**SHORT, "max_tokens": 40, "stream": True},
+                             headers=_bearer(GREEDY)) as r:
+                for _ in r.iter_lines() if kind == "stream" else ():
+                    pass
+                return r.status_code
+        body = {"whole": SHORT, "two_prompts": {**SHORT, "prompt": [[5], [6]]}, "too_long": {**SHORT, "prompt": [5] * 600},
+                "gone": LONG}[kind]
+        try:
+            return http.post("/v1/completions", json=body, headers=_bearer(GREEDY),
+                             timeout=0.05 if kind == "gone" else 120).status_code
+        except httpx.TimeoutException:
+            return 0
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(_KINDS), min_size=1, max_size=6))
+def test_places_never_leak_whatever_the_calls(capped, kinds) -> None:
+    """Calls of every ending, sent together (so that some are refused with a 429 while others hold the places):
+    once they have all ended, the tenant has both its places again."""
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda k=k: statuses.append(_call(capped, k))) for k in kinds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert set(statuses) <= {0, 200, 400, 429}, statuses
+    capped.wait_idle(60)
+    deadline = time.monotonic() + 10
+    while True:  # a dropped call's answer ends a moment after its client has gone
+        threads, filled = _fill(capped, GREEDY, 3)
+        for thread in threads:
+            thread.join(120)
+        if sorted(filled) == [200, 200, 429] or time.monotonic() > deadline:
+            break
+        capped.wait_idle(60)
+    assert sorted(filled) == [200, 200, 429]
+    capped.wait_idle(60)
