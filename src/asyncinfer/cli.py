@@ -467,7 +467,8 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-                              max_connections=args.max_connections, tenants=dict(args.tenant))
+                              max_connections=args.max_connections, tenants=dict(args.tenant),
+                              max_requests_per_tenant=args.max_requests_per_tenant)
     # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
     # in use, or taken by a second serve started a moment later, is refused at once.
     sock = listening_socket(args.host, args.port)
@@ -636,6 +637,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "connection is closed and its requests aborted (default: 30)")
     p.add_argument("--max-connections", type=int, default=512, metavar="N",
                    help="open connections at most; one more is answered 503 (default: 512)")
+    p.add_argument("--max-requests-per-tenant", type=int, default=None, metavar="N",
+                   help="generation requests one tenant (or, without one, one API key) may have in flight; one more "
+                        "is answered 429 (default: no limit)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (default: info)")
 
@@ -802,6 +806,7 @@ _SERVE_FLAGS = {
     "tenants": "--tenant", "cache_isolation": "--cache-isolation", "tenant_header": "--tenant-header", "tenant_from": "--tenant-from",
     "priority_header": "--priority-header", "header_timeout": "--header-timeout", "body_timeout": "--body-timeout",
     "send_timeout": "--send-timeout", "max_connections": "--max-connections",
+    "max_requests_per_tenant": "--max-requests-per-tenant",
 }
 _KEY_FLAGS = ("api_keys", "metrics_keys")
 _ENGINE_COMMANDS = ("chat", "generate", "bench", "info", "serve")  # the commands with the engine flags  # repeatable: the error names the one bad key, not the list

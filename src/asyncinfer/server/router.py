@@ -17,7 +17,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -115,6 +115,12 @@ class _Call:
     request: Request
     key: str | None  # the API key it was made with (None when the server asks for none)
     cache_salt: str | None
+    #: what gives its tenant's places back (``max_requests_per_tenant``): at its answer's end, once
+    places: list[Callable[[], None]] = field(default_factory=list)
+
+    def give_back(self) -> None:
+        while self.places:
+            self.places.pop()()
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,8 @@ class _OpenAI:
         self.settings = settings
         self.created = int(time.time())
         self.answers: Counter[tuple[str, int]] = Counter()
+        # generation requests in flight by tenant (or key, without one), for ServerSettings.max_requests_per_tenant
+        self.in_flight: Counter[tuple[str, str | None]] = Counter()
         self.registry = metrics_registry(engine, self.answers)
         self.tool_formats = ToolFormats()  # each served model's tool format, chosen once per loaded version
         # what this server decodes, renders and counts on the loop in one turn of it, all calls together
@@ -193,6 +201,7 @@ class _OpenAI:
         """``generation``: the call generates, reading the tenant and priority headers (where the settings name
         them) and the cache salt."""
         call_id = new_request_id(prefix)
+        call: _Call | None = None
         prompt_also: tuple[str, ...] = ()  # a chat's other fields in its prompt (its tools), for a too-long 400
         try:
             key = (authorize or self._authorize)(request)  # first: a caller without a key learns only its 401
@@ -210,11 +219,15 @@ class _OpenAI:
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
         except _EXITS:
+            if call is not None:
+                call.give_back()
             raise
         # every call is answered: from_exception logs an unknown one, a 500; a native library's panic too (pyo3's
         # PanicException derives from BaseException only: it went to the ASGI server, a plain-text 500)
         except BaseException as exc:  # noqa: BLE001
             response = from_exception(exc, call_id, rename, prompt_also).response(call_id)
+        if call is not None and not isinstance(response, EventStream):  # a stream gives them back as it closes
+            call.give_back()
         response.headers.setdefault("x-request-id", call_id)
         return self._answer(request, response)
 
@@ -282,6 +295,34 @@ class _OpenAI:
         if priority is None:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
+
+    def _take_places(self, call: _Call, tenant: str | None, count: int) -> None:
+        """``count`` of the caller's places (``max_requests_per_tenant``; its tenant's, else its key's), held until
+        the call's answer ends (``call.give_back``): a 400 for more than the limit at once, a 429 past what is left.
+        A call takes them once (a chat made again for a swapped model keeps them)."""
+        limit = self.settings.max_requests_per_tenant
+        if limit is None or call.places:
+            return
+        if count > limit:
+            raise APIError(400, f"This call makes {count} requests (one a prompt), more than the {limit} this server "
+                                f"lets one tenant have in flight (max_requests_per_tenant={limit}).", param="prompt",
+                           code="tenant_requests_exceeded")
+        who = ("tenant", tenant) if tenant is not None else ("key", call.key)
+        held = self.in_flight[who]
+        if held + count > limit:
+            more = "" if count == 1 else f" and this call makes {count} more"
+            raise APIError(429, f"This tenant has {_requests(held)} in flight{more}, the most this server allows one "
+                                f"tenant (max_requests_per_tenant={limit}): retry when one has ended.",
+                           type="rate_limit_error", code="tenant_requests_exceeded", headers={"retry-after": "1"})
+        self.in_flight[who] = held + count
+
+        def give_back() -> None:
+            left = self.in_flight[who] - count
+            if left > 0:
+                self.in_flight[who] = left
+            else:
+                del self.in_flight[who]
+        call.places.append(give_back)
 
     def _tenant_header(self, request: Request) -> str | None:
         """The ``tenant_header`` value (None when absent); a 400 when it is empty, over MAX_TENANT_CHARS or holds a
@@ -415,6 +456,7 @@ class _OpenAI:
         reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage,
                       body.tool_use if isinstance(body, ChatRequest) else None)
         tenant, priority = self._identity(call, body)
+        self._take_places(call, tenant, count)
         # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
         # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
         # prefix. One id per prompt.
@@ -500,7 +542,12 @@ class _OpenAI:
         except BaseException:
             merged.close()
             raise
-        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens, rename), merged.close,
+        def close() -> None:
+            try:
+                merged.close()
+            finally:
+                call.give_back()
+        return EventStream(self._events(merged, reply, call, n, len(streams), prompt_tokens, rename), close,
                            {"x-request-id": call.id})
 
     async def _events(self, merged: MergedStreams, reply: Reply, call: _Call, n: int, num_prompts: int,
@@ -567,6 +614,11 @@ async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
         return _json(build())
     body = await anyio.to_thread.run_sync(lambda: msgspec.json.encode(build()))
     return Response(body, 200, media_type="application/json")
+
+
+def _requests(n: int) -> str:
+    """``1 request``, ``2 requests``."""
+    return f"{n} request" if n == 1 else f"{n} requests"
 
 
 def _tokens(outputs: Sequence[Any]) -> int:

@@ -151,6 +151,11 @@ class ServerSettings:
       (``asyncinfer serve``), the others in every app :func:`~asyncinfer.server.create_app`
       or :func:`~asyncinfer.server.guard_app` prepares.
 
+    - ``max_requests_per_tenant``: generation requests (prompts of chat and completions calls) one tenant may
+      have in flight; past it a call is a 429, so that no tenant takes every place of the engine's admission
+      control (``max_num_seqs + max_waiting_requests``). The tenant is the one ``tenant_from`` names; a call
+      without one counts as its API key's, and calls with neither share one count. ``None`` (default): no limit.
+
     - ``instance_id``: sent back in the ``X-Asyncinfer-Instance`` header of every response
       (the Ray Serve helper sets it to the replica's id).
     """
@@ -168,6 +173,7 @@ class ServerSettings:
     body_timeout: float = 30.0
     send_timeout: float = 30.0
     max_connections: int = 512
+    max_requests_per_tenant: int | None = None
     instance_id: str | None = None
     #: Deprecated name of ``tenant_priorities`` (it keyed priorities by the client's own ``user`` field);
     #: merged into ``tenant_priorities`` with a DeprecationWarning. Tenants now come from ``tenant_from``.
@@ -224,6 +230,9 @@ class ServerSettings:
         cap = self.max_connections
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidParameterError("max_connections", cap, "an int >= 1")
+        share = self.max_requests_per_tenant
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int) or share < 1):
+            raise InvalidParameterError("max_requests_per_tenant", share, "None or an int >= 1")
         instance = self.instance_id
         if instance is not None and not (isinstance(instance, str) and 0 < len(instance) <= MAX_INSTANCE_ID_CHARS
                                          and instance.isascii() and instance.isprintable()
