@@ -18,7 +18,7 @@ import functools
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import torch
@@ -266,6 +266,13 @@ class AsyncEngine:
             await anyio.to_thread.run_sync(self._link.thread.join)
         if self._state is not EngineState.DEAD:
             self._state = EngineState.CLOSED
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError("AsyncEngine is an asynchronous context manager: use 'async with engine:' inside an "
+                        "async function (or 'await engine.start()' and 'await engine.aclose()'), not 'with engine:'")
+
+    def __exit__(self, *exc_info: object) -> None:  # never reached: __enter__ raises; 'with' needs both
+        return None
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -1,0 +1,67 @@
+"""A newcomer's first hour with the Python API (stranger 18): each finding held to its fix."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncinfer import AsyncEngine, EngineState, SamplingParams, WrongEventLoopError
+
+
+def test_with_instead_of_async_with_says_async_with(tiny_models) -> None:
+    """``with engine:`` (``async`` forgotten) was Python's bare ``TypeError: 'AsyncEngine' object does
+    not support the context manager protocol``, which does not say the engine is an async one."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=64, num_threads=1)
+    with pytest.raises(TypeError) as caught, engine:
+        pass
+    assert str(caught.value) == (
+        "AsyncEngine is an asynchronous context manager: use 'async with engine:' inside an async function "
+        "(or 'await engine.start()' and 'await engine.aclose()'), not 'with engine:'")
+    assert engine.state is EngineState.CREATED  # nothing was started
+
+
+def test_a_call_after_the_starting_loop_closed_says_so(tiny_models) -> None:
+    """``asyncio.run(engine.start())`` then ``asyncio.run(engine.generate(...))``: the second call was told
+    to use ``asyncio.run_coroutine_threadsafe(..., engine.loop)``, a loop that has closed and runs nothing."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=64, num_threads=1)
+    asyncio.run(engine.start())
+    assert engine.loop is not None and engine.loop.is_closed()
+
+    async def use() -> None:
+        await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+
+    with pytest.raises(WrongEventLoopError) as caught:
+        asyncio.run(use())
+    assert str(caught.value) == (
+        "the event loop this engine was started on has closed (the asyncio.run() that started it has ended): an "
+        "engine serves on one loop for its whole life, so start and use it within one asyncio.run() (e.g. "
+        "'async with engine:' in your main()); 'await engine.aclose()' still frees it from here")
+
+    async def close() -> None:
+        await engine.aclose()
+
+    asyncio.run(close())  # as the message says
+    assert engine.state is EngineState.CLOSED
+
+
+def test_another_running_loop_keeps_its_thread_advice(tiny_models) -> None:
+    """A loop that still runs keeps the run_coroutine_threadsafe advice (the fix above is for closed loops)."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=64, num_threads=1)
+
+    async def main() -> None:
+        async with engine:
+            def other() -> BaseException | None:
+                try:
+                    asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)))
+                except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                    return exc
+                return None
+
+            exc = await asyncio.to_thread(other)
+            assert isinstance(exc, WrongEventLoopError)
+            assert "asyncio.run_coroutine_threadsafe(engine.generate(...), engine.loop)" in str(exc)
+            out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+            assert len(out.token_ids) == 2
+
+    asyncio.run(main())
