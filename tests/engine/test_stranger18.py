@@ -6,7 +6,14 @@ import asyncio
 
 import pytest
 
-from asyncinfer import AsyncEngine, EngineState, SamplingParams, WrongEventLoopError
+from asyncinfer import (
+    AsyncEngine,
+    EngineState,
+    InvalidParameterError,
+    SamplingParams,
+    WrongEventLoopError,
+    trim_messages,
+)
 
 
 def test_with_instead_of_async_with_says_async_with(tiny_models) -> None:
@@ -65,3 +72,46 @@ def test_another_running_loop_keeps_its_thread_advice(tiny_models) -> None:
             assert len(out.token_ids) == 2
 
     asyncio.run(main())
+
+
+HISTORY = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+           {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you"}]
+
+
+def test_trim_messages_refuses_engine_tokenize_for_count_tokens() -> None:
+    """``trim_messages(history, budget, engine.tokenize)`` (the ids, not their count) was Python's bare
+    ``TypeError: '>' not supported between instances of 'list' and 'int'``."""
+    def tokenize(messages: list[dict[str, str]]) -> list[int]:
+        return list(range(7 * len(messages)))
+
+    with pytest.raises(InvalidParameterError) as caught:
+        trim_messages(HISTORY, 40, tokenize)
+    assert caught.value.parameter == "count_tokens" and caught.value.value is tokenize
+    assert caught.value.allowed == ("a function of a message list that returns its token count (an int >= 0): "
+                                    "engine.count_tokens (it returned a list of 14 items; engine.tokenize returns "
+                                    "the ids themselves)")
+
+
+@pytest.mark.parametrize(("count_tokens", "returned"), [
+    (lambda messages: "3", "'3'"), (lambda messages: -3, "-3"), (lambda messages: 3.0, "3.0"),
+    (lambda messages: True, "True"), (lambda messages: None, "None"),
+])
+def test_trim_messages_refuses_a_count_that_is_not_a_count(count_tokens, returned) -> None:
+    """A string compared with Python's TypeError; a negative count or a float was taken as one."""
+    with pytest.raises(InvalidParameterError) as caught:
+        trim_messages(HISTORY, 40, count_tokens)
+    assert caught.value.parameter == "count_tokens"
+    assert caught.value.allowed.endswith(f"engine.count_tokens (it returned {returned})")
+
+
+def test_trim_messages_refuses_a_count_tokens_that_is_no_function() -> None:
+    with pytest.raises(InvalidParameterError) as caught:
+        trim_messages(HISTORY, 40, 40)
+    assert str(caught.value) == ("count_tokens=40 is invalid: allowed a function of a message list that returns its "
+                                 "token count (an int >= 0): engine.count_tokens")
+
+
+def test_trim_messages_still_trims_with_a_real_count() -> None:
+    words = lambda messages: sum(len(m["content"].split()) + 2 for m in messages)  # noqa: E731
+    assert trim_messages(HISTORY, 9, words) == [HISTORY[0], HISTORY[3]]
+    assert trim_messages(HISTORY, 100, words) == HISTORY
