@@ -115,3 +115,19 @@ def test_trim_messages_still_trims_with_a_real_count() -> None:
     words = lambda messages: sum(len(m["content"].split()) + 2 for m in messages)  # noqa: E731
     assert trim_messages(HISTORY, 9, words) == [HISTORY[0], HISTORY[3]]
     assert trim_messages(HISTORY, 100, words) == HISTORY
+
+
+def test_sampling_params_with_updates_is_the_documented_copy() -> None:
+    """docs/api.md names ``with_updates`` (a newcomer tried ``dataclasses.replace`` and setting a field)."""
+    params = SamplingParams(max_tokens=4, temperature=0.5, stop=["x"])
+    with pytest.raises(AttributeError, match="immutable type"):
+        params.max_tokens = 8
+    changed = params.with_updates(max_tokens=8)
+    assert (changed.max_tokens, changed.temperature, changed.stop, params.max_tokens) == (8, 0.5, ["x"], 4)
+    with pytest.raises(InvalidParameterError) as caught:
+        params.with_updates(max_new_tokens=8)
+    assert caught.value.parameter == "max_new_tokens" and caught.value.allowed.startswith(
+        "a SamplingParams field: max_tokens, temperature, ")
+    with pytest.raises(InvalidParameterError) as caught:
+        params.with_updates(max_tokens=0)
+    assert str(caught.value) == "max_tokens=0 is invalid: allowed an int >= 1"
