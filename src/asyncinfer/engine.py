@@ -38,7 +38,7 @@ from asyncinfer.engine_thread import (
     Stop,
     ThreadLink,
 )
-from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
+from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError, WrongEventLoopError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
@@ -247,8 +247,14 @@ class AsyncEngine:
         if self._state is not EngineState.CREATED:
             raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value}): an engine "
                                     f"runs once; {_LOAD_ANOTHER}")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, or anyio's trio backend: asyncio's bare "no running event loop" said nothing
+            raise WrongEventLoopError(
+                "the engine runs on asyncio only, and no asyncio event loop runs here (trio, or anyio's trio "
+                "backend?): run it on an asyncio loop in a thread of its own (docs/guides/trio.md)") from None
         callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
-        thread = EngineThread(list(self._models.generators.values()), asyncio.get_running_loop(), callbacks)
+        thread = EngineThread(list(self._models.generators.values()), loop, callbacks)
         self._link.attach(thread)
         self._state = EngineState.RUNNING
         thread.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import trio
 
 from asyncinfer import (
     AsyncEngine,
@@ -131,3 +132,26 @@ def test_sampling_params_with_updates_is_the_documented_copy() -> None:
     with pytest.raises(InvalidParameterError) as caught:
         params.with_updates(max_tokens=0)
     assert str(caught.value) == "max_tokens=0 is invalid: allowed an int >= 1"
+
+
+def test_start_under_trio_names_asyncio_and_the_guide(tiny_models) -> None:
+    """``async with engine:`` under trio was asyncio's bare ``RuntimeError: no running event loop``."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=64, num_threads=1)
+
+    async def main() -> None:
+        async with engine:
+            pass
+
+    with pytest.raises(WrongEventLoopError) as caught:
+        trio.run(main)
+    assert isinstance(caught.value, RuntimeError)  # still what asyncio raised
+    assert str(caught.value) == (
+        "the engine runs on asyncio only, and no asyncio event loop runs here (trio, or anyio's trio backend?): run "
+        "it on an asyncio loop in a thread of its own (docs/guides/trio.md)")
+    assert engine.state is EngineState.CREATED  # nothing started: it can still be started on asyncio
+
+    async def on_asyncio() -> list[int]:
+        async with engine:
+            return (await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))).token_ids
+
+    assert len(asyncio.run(on_asyncio())) == 2
