@@ -106,8 +106,11 @@ class AsyncEngine:
     loaded of each kind is the default.
     """
 
-    def __init__(self, *, config: EngineConfig, name: str = "default", version: ModelVersion | None = None,
-                 embedder: EmbeddingBatcher | None = None) -> None:
+    def __init__(self, *args: object, config: EngineConfig | None = None, name: str = "default",
+                 version: ModelVersion | None = None, embedder: EmbeddingBatcher | None = None) -> None:
+        if args or config is None:  # AsyncEngine("model") / AsyncEngine(): Python's message named only 'config'
+            raise TypeError("an AsyncEngine is built by AsyncEngine.from_pretrained(model, **options) or, in a "
+                            "coroutine, 'await AsyncEngine.load(model, **options)', not by AsyncEngine(...)")
         self.config = config
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
         loop_share = LoopShare()  # what this engine tokenizes on the loop in one turn of it, prompts and texts

@@ -155,3 +155,13 @@ def test_start_under_trio_names_asyncio_and_the_guide(tiny_models) -> None:
             return (await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))).token_ids
 
     assert len(asyncio.run(on_asyncio())) == 2
+
+
+@pytest.mark.parametrize("args", [(), ("SmolLM2-135M-Instruct",)])
+def test_constructing_an_engine_directly_names_from_pretrained(args) -> None:
+    """``AsyncEngine("SmolLM2-135M-Instruct")`` / ``AsyncEngine()`` were Python's ``takes 1 positional argument``
+    and ``missing 1 required keyword-only argument: 'config'``, naming neither from_pretrained nor load."""
+    with pytest.raises(TypeError) as caught:
+        AsyncEngine(*args)
+    assert str(caught.value) == ("an AsyncEngine is built by AsyncEngine.from_pretrained(model, **options) or, in a "
+                                 "coroutine, 'await AsyncEngine.load(model, **options)', not by AsyncEngine(...)")
