@@ -271,6 +271,10 @@ class AsyncEngine:
             self._state = EngineState.CLOSING
             self._models.open_all_admissions()  # requests waiting on a drain-mode swap now see it closing
             self._post(Stop(abort))
+        elif self._state is EngineState.CLOSING and abort:
+            # A drain under way (another aclose(), or one that wait_for timed out and cancelled): abort what it
+            # waits for. It used to wait for the drain, every request running to its max_tokens.
+            self._post(Stop(True))
         if self._link.thread is not None:
             await anyio.to_thread.run_sync(self._link.thread.join)
         if self._state is not EngineState.DEAD:

@@ -165,3 +165,24 @@ def test_constructing_an_engine_directly_names_from_pretrained(args) -> None:
         AsyncEngine(*args)
     assert str(caught.value) == ("an AsyncEngine is built by AsyncEngine.from_pretrained(model, **options) or, in a "
                                  "coroutine, 'await AsyncEngine.load(model, **options)', not by AsyncEngine(...)")
+
+
+def test_aclose_abort_during_a_drain_aborts_it(tiny_models) -> None:
+    """The shutdown pattern ``wait_for(engine.aclose(), timeout)``, then ``aclose(abort=True)`` on the timeout:
+    the second call waited for the drain (every request ran to its max_tokens) instead of aborting."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=512, num_threads=1)
+
+    async def main() -> tuple[str | None, int, EngineState]:
+        await engine.start()
+        long = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True)))
+        while not engine.step_stats().decode_tokens:  # decoding
+            await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.aclose(), 0.05)
+        assert engine.state is EngineState.CLOSING
+        await asyncio.wait_for(engine.aclose(abort=True), 30)
+        out = await long
+        return out.finish_reason, len(out.token_ids), engine.state
+
+    finish, tokens, state = asyncio.run(main())
+    assert finish == "abort" and tokens < 500 and state is EngineState.CLOSED
