@@ -9,6 +9,7 @@ import trio
 
 from asyncinfer import (
     AsyncEngine,
+    EngineConfig,
     EngineState,
     InvalidParameterError,
     SamplingParams,
@@ -186,3 +187,14 @@ def test_aclose_abort_during_a_drain_aborts_it(tiny_models) -> None:
 
     finish, tokens, state = asyncio.run(main())
     assert finish == "abort" and tokens < 500 and state is EngineState.CLOSED
+
+
+@pytest.mark.parametrize("keyword", ["config", "engine_config"])
+def test_an_engine_config_passed_as_a_keyword_says_options_are_keywords(tiny_models, keyword) -> None:
+    """``from_pretrained(model, config=EngineConfig(...))`` listed the known options and no more."""
+    with pytest.raises(InvalidParameterError) as caught:
+        AsyncEngine.from_pretrained(tiny_models["llama"][0], **{keyword: EngineConfig(max_model_len=64)})
+    assert caught.value.parameter == keyword
+    assert caught.value.allowed.endswith(
+        f"; {keyword} has no asyncinfer option: the options are keywords themselves: from_pretrained(model, "
+        "max_model_len=..., ...), or from_pretrained(model, **options) with a dict of them")
