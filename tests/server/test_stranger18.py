@@ -53,3 +53,32 @@ def test_build_takes_what_the_docs_show() -> None:
     config = app._bound_deployment._deployment_config
     assert (config.num_replicas, config.max_ongoing_requests) == (2, 32)
     build({"model": "all-MiniLM-L6-v2", "options": {"max_batch_size": 8}})
+
+
+def test_create_app_refuses_what_is_no_model_spec_by_name() -> None:
+    """``create_app(5)`` was Python's ``TypeError: 'int' object is not iterable``."""
+    from asyncinfer.server import create_app
+
+    with pytest.raises(InvalidParameterError) as caught:
+        create_app(5)
+    assert str(caught.value) == ("models=5 is invalid: allowed an AsyncEngine, a ModelSpec or a non-empty list of "
+                                 "ModelSpecs")
+
+
+def test_a_second_start_up_of_an_app_over_a_closed_engine_fails_loudly(tiny_models) -> None:
+    """The app closes the engine it started at shutdown; a second ``with TestClient(app)`` started up over the closed
+    engine and answered every request 503."""
+    from fastapi.testclient import TestClient
+
+    from asyncinfer import AsyncEngine, EngineClosedError
+    from asyncinfer.server import create_app
+
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], max_model_len=64, num_threads=1)
+    app = create_app(engine)
+    body = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 2}
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+    with pytest.raises(EngineClosedError) as caught, TestClient(app):
+        pass
+    assert str(caught.value).startswith("the engine given to create_app is closed (an app closes the engine it "
+                                        "started at shutdown, so a second start-up of the same app")
