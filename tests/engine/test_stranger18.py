@@ -198,3 +198,21 @@ def test_an_engine_config_passed_as_a_keyword_says_options_are_keywords(tiny_mod
     assert caught.value.allowed.endswith(
         f"; {keyword} has no asyncinfer option: the options are keywords themselves: from_pretrained(model, "
         "max_model_len=..., ...), or from_pretrained(model, **options) with a dict of them")
+
+
+@pytest.mark.real_model
+def test_min_tokens_defers_stop_strings_as_its_docstring_now_says(real_gguf) -> None:
+    """A stop string completed before ``min_tokens`` tokens is not matched later (the docstring named only EOS and
+    ``stop_token_ids``): greedy, the default model writes ' Paris.' in its first two tokens."""
+    engine = AsyncEngine.from_pretrained(real_gguf, max_model_len=128, num_threads=1)
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with engine:
+            outs = [await engine.generate("The capital of France is", SamplingParams(max_tokens=8, stop=".", **kw))
+                    for kw in ({}, {"min_tokens": 3})]
+        return [(out.text, out.finish_reason) for out in outs]
+
+    plain, deferred = asyncio.run(main())
+    assert plain == (" Paris", "stop")
+    assert deferred[1] == "length" and deferred[0].startswith(" Paris.")
+    assert "``stop`` strings are looked for only from then on" in SamplingParams.__doc__
