@@ -112,6 +112,10 @@ class ChatBot:
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         # Tokens of history a prompt may take: what leaves room for the longest reply.
         self.history_budget = history_budget or engine.max_model_len - self.params.max_tokens
+        if self.history_budget < 1:  # else every message was answered "too long for me"
+            raise InvalidParameterError("params.max_tokens", self.params.max_tokens,
+                                        f"less than the engine's max_model_len ({engine.max_model_len}), to leave "
+                                        "room for the history")
         self.histories: dict[Any, list[dict[str, str]]] = collections.defaultdict(list)
         self.in_flight: dict[Any, set[asyncio.Task[None]]] = collections.defaultdict(set)
         self.resets: dict[Any, int] = collections.defaultdict(int)  # !reset count per channel

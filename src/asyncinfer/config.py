@@ -392,6 +392,10 @@ _NO_OPTION: dict[str, str] = {
     "tensor_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
     "pipeline_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
     "trust_remote_code": "asyncinfer runs no model code of its own (its own model classes only)",
+    "config": "the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
+              "or from_pretrained(model, **options) with a dict of them",
+    "engine_config": "the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
+                     "or from_pretrained(model, **options) with a dict of them",
 }
 
 

@@ -18,7 +18,7 @@ import functools
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import torch
@@ -38,7 +38,7 @@ from asyncinfer.engine_thread import (
     Stop,
     ThreadLink,
 )
-from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError
+from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError, WrongEventLoopError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.intake import RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
@@ -106,8 +106,11 @@ class AsyncEngine:
     loaded of each kind is the default.
     """
 
-    def __init__(self, *, config: EngineConfig, name: str = "default", version: ModelVersion | None = None,
-                 embedder: EmbeddingBatcher | None = None) -> None:
+    def __init__(self, *args: object, config: EngineConfig | None = None, name: str = "default",
+                 version: ModelVersion | None = None, embedder: EmbeddingBatcher | None = None) -> None:
+        if args or config is None:  # AsyncEngine("model") / AsyncEngine(): Python's message named only 'config'
+            raise TypeError("an AsyncEngine is built by AsyncEngine.from_pretrained(model, **options) or, in a "
+                            "coroutine, 'await AsyncEngine.load(model, **options)', not by AsyncEngine(...)")
         self.config = config
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
         loop_share = LoopShare()  # what this engine tokenizes on the loop in one turn of it, prompts and texts
@@ -247,8 +250,14 @@ class AsyncEngine:
         if self._state is not EngineState.CREATED:
             raise EngineClosedError(f"the engine cannot be started again (state: {self._state.value}): an engine "
                                     f"runs once; {_LOAD_ANOTHER}")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, or anyio's trio backend: asyncio's bare "no running event loop" said nothing
+            raise WrongEventLoopError(
+                "the engine runs on asyncio only, and no asyncio event loop runs here (trio, or anyio's trio "
+                "backend?): run it on an asyncio loop in a thread of its own (docs/guides/trio.md)") from None
         callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
-        thread = EngineThread(list(self._models.generators.values()), asyncio.get_running_loop(), callbacks)
+        thread = EngineThread(list(self._models.generators.values()), loop, callbacks)
         self._link.attach(thread)
         self._state = EngineState.RUNNING
         thread.start()
@@ -262,10 +271,21 @@ class AsyncEngine:
             self._state = EngineState.CLOSING
             self._models.open_all_admissions()  # requests waiting on a drain-mode swap now see it closing
             self._post(Stop(abort))
+        elif self._state is EngineState.CLOSING and abort:
+            # A drain under way (another aclose(), or one that wait_for timed out and cancelled): abort what it
+            # waits for. It used to wait for the drain, every request running to its max_tokens.
+            self._post(Stop(True))
         if self._link.thread is not None:
             await anyio.to_thread.run_sync(self._link.thread.join)
         if self._state is not EngineState.DEAD:
             self._state = EngineState.CLOSED
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError("AsyncEngine is an asynchronous context manager: use 'async with engine:' inside an "
+                        "async function (or 'await engine.start()' and 'await engine.aclose()'), not 'with engine:'")
+
+    def __exit__(self, *exc_info: object) -> None:  # never reached: __enter__ raises; 'with' needs both
+        return None
 
     async def __aenter__(self) -> Self:
         await self.start()

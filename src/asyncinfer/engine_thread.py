@@ -331,6 +331,13 @@ class ThreadLink:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        if running is not self.thread.loop and self.thread.loop.is_closed():
+            raise WrongEventLoopError(
+                "the event loop this engine was started on has closed (the asyncio.run() that started it has "
+                "ended): an engine serves on one loop for its whole life, so start and use it within one "
+                "asyncio.run() (e.g. 'async with engine:' in your main()); 'await engine.aclose()' still frees it "
+                "from here"
+            )
         if running is not self.thread.loop:
             raise WrongEventLoopError(
                 "this engine is bound to the event loop it was started on; from another thread, use "

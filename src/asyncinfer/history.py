@@ -25,6 +25,22 @@ __all__ = ["trim_messages"]
 
 Message = dict[str, str]
 
+#: What ``trim_messages``' ``count_tokens`` must be.
+COUNT_TOKENS_ALLOWED = "a function of a message list that returns its token count (an int >= 0): engine.count_tokens"
+
+
+def _count(count_tokens: Callable[[list[Message]], int], messages: list[Message]) -> int:
+    """``count_tokens(messages)``, held to an int >= 0 (a list of ids, from ``engine.tokenize``, failed a comparison
+    with Python's bare ``TypeError: '>' not supported between instances of 'list' and 'int'``)."""
+    count = plain_value(count_tokens(messages))
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if isinstance(count, (list, tuple)):  # engine.tokenize passed for engine.count_tokens
+            shown = f"a {type(count).__name__} of {len(count)} items; engine.tokenize returns the ids themselves"
+        else:
+            shown = repr(count) if len(repr(count)) <= 80 else f"a {type(count).__name__}"
+        raise InvalidParameterError("count_tokens", count_tokens, f"{COUNT_TOKENS_ALLOWED} (it returned {shown})")
+    return count
+
 
 def trim_messages(
     messages: Sequence[Message], budget: int, count_tokens: Callable[[list[Message]], int]
@@ -42,7 +58,8 @@ def trim_messages(
         InvalidParameterError: ``budget`` is not a positive int, ``messages`` is not a list of
             message dicts (a string, say) or is empty, or
             even the system messages and the last turn alone take more than ``budget`` tokens
-            (``parameter`` is "messages"; ``allowed`` says how many tokens they take).
+            (``parameter`` is "messages"; ``allowed`` says how many tokens they take); ``count_tokens`` is not
+            callable, or returns anything but an int >= 0 (``engine.tokenize``, which returns the ids, say).
     """
     budget = plain_value(budget)  # the int it holds: a subclass's comparisons may lie
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -53,6 +70,8 @@ def trim_messages(
     if items is None or not all(isinstance(m, dict) for m in items):
         shown = messages if items is None or len(items) <= 8 else f"<a {type(messages).__name__} of {len(items)} items>"
         raise InvalidParameterError("messages", shown, "a list of {'role': ..., 'content': ...} dicts")
+    if not callable(count_tokens):
+        raise InvalidParameterError("count_tokens", count_tokens, COUNT_TOKENS_ALLOWED)
     messages = items
     if not messages:
         raise InvalidParameterError("messages", messages, "at least one message")
@@ -65,7 +84,7 @@ def trim_messages(
         starts.insert(0, 0)  # replies before the first user message form a turn of their own
     # Keeping turns from starts[k] on: fits(k) is monotonic (fewer turns, fewer tokens).
     lo, hi = 0, len(starts) - 1
-    need = count_tokens(system + rest[starts[hi]:])
+    need = _count(count_tokens, system + rest[starts[hi]:])
     if need > budget:
         raise InvalidParameterError(
             "messages", f"<{len(messages)} messages>",
@@ -73,7 +92,7 @@ def trim_messages(
         )
     while lo < hi:
         mid = (lo + hi) // 2
-        if count_tokens(system + rest[starts[mid]:]) <= budget:
+        if _count(count_tokens, system + rest[starts[mid]:]) <= budget:
             hi = mid
         else:
             lo = mid + 1

@@ -136,7 +136,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         skip_special_tokens: leave special tokens (e.g. ``<|im_end|>``) out of the
             output text. bool, default True.
         min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens
-            have been generated. int in [0, max_tokens].
+            have been generated, and ``stop`` strings are looked for only from then on: one
+            completed in the text before is not matched later (as vLLM). int in [0, max_tokens].
         n: parallel samples of the same prompt, int in [1, 64], and at most the model's ``max_num_seqs``
             (checked at the call: the samples run together). The prompt is
             computed once and its KV blocks are shared (copied on the first divergent

@@ -32,6 +32,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from asyncinfer.config import EngineConfig
+from asyncinfer.embedding import EmbeddingConfig
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from asyncinfer.server.settings import keys_from_text, model_specs
@@ -118,6 +120,7 @@ def build(args: Mapping[str, Any]) -> Application:
     alone (``{"model": ...}``) reconfigures the running replicas in place, rolling:
     each swaps its model hot (:meth:`~asyncinfer.AsyncEngine.swap_model`).
     """
+    _check_build_args(args)
     model = args.get("model")
     specs = [ModelSpec(model, args.get("name") or ModelSpec.served_name(model), dict(args.get("options") or {}))]
     if args.get("embedding_model"):
@@ -125,9 +128,48 @@ def build(args: Mapping[str, Any]) -> Application:
     settings = _server_settings(args)
     kwargs = {key: args[key] for key in ("num_replicas", "autoscaling_config", "ray_actor_options",
                                           "max_ongoing_requests") if key in args}
-    if isinstance(kwargs.get("num_replicas"), str) and kwargs["num_replicas"].isdigit():
-        kwargs["num_replicas"] = int(kwargs["num_replicas"])
+    for key in ("num_replicas", "max_ongoing_requests"):  # serve run gives text; checked above
+        if isinstance(kwargs.get(key), str) and kwargs[key].isdigit():
+            kwargs[key] = int(kwargs[key])
     return openai_app(specs, settings, **kwargs)
+
+
+#: The arguments :func:`build` takes (``serve run asyncinfer.serve_ray:build KEY=VALUE ...``, or a config file's ``args``).
+BUILD_ARGS = ("model", "name", "options", "embedding_model", "num_replicas", "autoscaling_config", "ray_actor_options",
+              "max_ongoing_requests", "api_keys", "cache_isolation")
+
+
+def _check_build_args(args: Mapping[str, Any]) -> None:
+    """Refuse, before anything is deployed, what :func:`build` would otherwise drop or hand on to fail elsewhere: an
+    argument it does not take (a typo such as ``num_replica=2`` served one replica), a mapping argument given as
+    text (Python's ``dictionary update sequence element`` error), an engine option of an unknown name in
+    ``options`` (it failed in every replica, in Ray's tracebacks), and a replica count that is not a count. Option
+    values are checked where the engine loads (a GPU option is valid on a replica's node, not on this one)."""
+    if not isinstance(args, Mapping):
+        raise InvalidParameterError("args", args, f"a mapping of build's arguments: {list(BUILD_ARGS)}")
+    for key, value in args.items():
+        if key not in BUILD_ARGS:
+            raise InvalidParameterError(key, value, f"an argument of asyncinfer.serve_ray:build: {list(BUILD_ARGS)} "
+                                        "(engine options go in options, a mapping)")
+    for key in ("options", "autoscaling_config", "ray_actor_options"):
+        value = args.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidParameterError(key, value, "a mapping, as a config file's YAML gives it (serve run's "
+                                        "KEY=VALUE arguments give text: use a config file for it)")
+    known = {field.name for config in (EngineConfig, EmbeddingConfig) for field in dataclasses.fields(config)}
+    for key, value in (args.get("options") or {}).items():
+        if key not in known:
+            raise InvalidParameterError(f"options.{key}", value, f"a known engine option (a generator's or an embedding model's): {sorted(known)}")
+    for key in ("num_replicas", "max_ongoing_requests"):
+        value = args.get(key)
+        if value is None or (key == "num_replicas" and value == "auto"):
+            continue
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            allowed = "an integer >= 1 (or its digits as text)" + (", or 'auto' with autoscaling_config"
+                                                                   if key == "num_replicas" else "")
+            raise InvalidParameterError(key, args[key], allowed)
 
 
 def _server_settings(args: Mapping[str, Any]) -> ServerSettings:

@@ -63,6 +63,41 @@ _PLAIN_KEYS = frozenset({*SPECIAL_TOKENS, "backend", "is_local", "local_files_on
 _FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"})
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, as templates name it
 
+#: transformers' tokenizer options that change what a call returns or how it renders, with their defaults:
+#: this class does the defaults only. Another value is refused, not ignored (``return_tensors="pt"`` gave a list,
+#: ``return_dict=True`` a list where a dict was read, ``continue_final_message=True`` a closed last message).
+_CALL_DEFAULTS: dict[str, Any] = {"return_tensors": None, "padding": False, "truncation": None, "max_length": None,
+                                  "pad_to_multiple_of": None, "return_attention_mask": None,
+                                  "return_token_type_ids": None, "return_offsets_mapping": False,
+                                  "return_overflowing_tokens": False, "return_special_tokens_mask": False,
+                                  "return_length": False, "stride": 0, "is_split_into_words": False,
+                                  "text_pair": None}
+_TEMPLATE_DEFAULTS: dict[str, Any] = {"return_tensors": None, "return_dict": False, "continue_final_message": False,
+                                      "padding": False, "truncation": False, "max_length": None,
+                                      "return_assistant_tokens_mask": False, "chat_template": None,
+                                      "tokenizer_kwargs": None}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` asks for what ``default`` does: itself, or "no" (None, False, 0, ``"do_not_pad"``)."""
+    if value is None or value is False or value is default:
+        return True
+    if isinstance(value, bool):
+        return value == default
+    return isinstance(value, (int, str)) and (value in (0, "do_not_pad") or value == default)
+
+
+def _transformers_options(call: str, given: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` less transformers' options of ``call`` left at their defaults; one set otherwise is refused."""
+    from asyncinfer.errors import InvalidParameterError
+
+    for name, value in given.items():
+        if name in defaults and not _is_default(value, defaults[name]):
+            raise InvalidParameterError(
+                name, value, f"{defaults[name]!r} (the default) in CachedTokenizer.{call}: a GGUF file's cached "
+                "tokenizer returns plain lists of ids and does the defaults of transformers' options only")
+    return {name: value for name, value in given.items() if name not in defaults}
+
 
 class CachedTokenizer:
     """The tokenizer of a GGUF file from its cache: ``tokenizers.Tokenizer`` plus the chat template.
@@ -137,7 +172,10 @@ class CachedTokenizer:
         worker thread so that the event loop serves on, held the loop, and the engine thread, for 0.4 s)."""
         return list(self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options: Any) -> dict[str, Any]:
+        """``{"input_ids": ids}`` (a list of lists for a list of texts). transformers' options that change the result
+        (``return_tensors``, ``padding``, ``truncation``, ...) are refused unless at their defaults."""
+        _transformers_options("__call__", options, _CALL_DEFAULTS)
         if isinstance(text, str):
             return {"input_ids": self.encode(text, add_special_tokens)}
         encodings = self.backend_tokenizer.encode_batch(list(text), add_special_tokens=add_special_tokens)
@@ -154,7 +192,9 @@ class CachedTokenizer:
         """The conversation rendered by the chat template (see the module docstring); its ids with ``tokenize``.
 
         Raises:
-            ValueError: the tokenizer has no chat template, or the conversation is empty.
+            ValueError: the tokenizer has no chat template, or the conversation is empty; an
+                InvalidParameterError (a ValueError) for one of transformers' options this class does not do
+                (``return_tensors``, ``return_dict``, ``continue_final_message``, ...) set to other than its default.
             TypeError: a message that is not a mapping.
             jinja2.TemplateError: the template refuses the conversation (its ``raise_exception``).
             ChatTemplateLimitError: the template went past a limit of its render budget (the module docstring).
@@ -165,6 +205,7 @@ class CachedTokenizer:
             raise ValueError("this tokenizer has no chat template")
         if len(conversation) == 0:
             raise ValueError("cannot apply the chat template to an empty conversation")
+        kwargs = _transformers_options("apply_chat_template", kwargs, _TEMPLATE_DEFAULTS)
         messages = [_message(m) for m in conversation]
         text = self._template.render(messages=messages, tools=tools, documents=documents,
                                      add_generation_prompt=add_generation_prompt,

@@ -31,10 +31,30 @@ _BUILTIN: dict[str, str] = {
 _REGISTERED: dict[str, type[Scheduler]] = {}
 
 
+#: The longest name :func:`register_scheduler` takes.
+MAX_SCHEDULER_NAME = 200
+
+
 def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]]:
-    """Class decorator that makes ``scheduler=name`` work in this process."""
+    """Class decorator that makes ``scheduler=name`` work in this process.
+
+    Registering a name again (a module or notebook cell run twice) replaces its class.
+
+    Raises:
+        InvalidParameterError: ``name`` is not a non-empty string of at most :data:`MAX_SCHEDULER_NAME`
+            characters, or is a built-in's (``"fifo"``, ...: it replaced that policy for every engine of the
+            process, and an int broke :func:`available_schedulers`); the decorated object is not a
+            :class:`Scheduler` subclass (it was refused only when an engine loaded it).
+    """
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_SCHEDULER_NAME:
+        raise InvalidParameterError("name", name, f"a non-empty string of at most {MAX_SCHEDULER_NAME} characters")
+    if name in _BUILTIN:
+        raise InvalidParameterError("name", name, f"a name that is not a built-in scheduler's ({list(_BUILTIN)})")
 
     def wrap(cls: type[Scheduler]) -> type[Scheduler]:
+        if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+            raise InvalidParameterError(
+                "scheduler", cls, f"a subclass of asyncinfer.schedulers.Scheduler (registering {name!r})")
         _REGISTERED[name] = cls
         return cls
 

@@ -82,6 +82,12 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if isinstance(engine_or_models, AsyncEngine):
             engine, owned = engine_or_models, engine_or_models.state is EngineState.CREATED
+            if engine.state in (EngineState.CLOSED, EngineState.DEAD):  # it served 503 to every request
+                raise EngineClosedError(
+                    f"the engine given to create_app is {engine.state.value} (an app closes the engine it started "
+                    "at shutdown, so a second start-up of the same app, a second 'with TestClient(app)' say, has none "
+                    "to serve): give create_app ModelSpecs, loaded at each start-up, or build the app with a new "
+                    "engine")
         else:
             first = specs[0]
             engine = await anyio.to_thread.run_sync(

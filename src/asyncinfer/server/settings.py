@@ -289,6 +289,8 @@ class ModelSpec:
 
 
 def model_specs(models: ModelSpec | Sequence[ModelSpec]) -> tuple[ModelSpec, ...]:
+    if not isinstance(models, (ModelSpec, Sequence)):  # tuple(5) was Python's "'int' object is not iterable"
+        raise InvalidParameterError("models", models, "an AsyncEngine, a ModelSpec or a non-empty list of ModelSpecs")
     specs = (models,) if isinstance(models, ModelSpec) else tuple(models)
     if not specs or not all(isinstance(s, ModelSpec) for s in specs):
         raise InvalidParameterError("models", models, "an AsyncEngine, a ModelSpec or a non-empty list of ModelSpecs")
