@@ -1,0 +1,41 @@
+"""A user's own GGUF file whose tokenizer cannot read text is named at load (stranger19).
+
+transformers builds a GGUF file's tokenizer by its architecture: a ``qwen2`` file holding a SentencePiece
+vocabulary (``benchmarks/make_gguf.py --arch qwen2`` writes one) gets a byte-level BPE that matches none of its
+tokens, so every text prompt reached the model as ``<s>`` alone, silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from asyncinfer import AsyncEngine
+from benchmarks.make_gguf import SHAPES, write
+
+TINY = dict(SHAPES["tiny"], hidden=128, intermediate=256, heads=4, kv_heads=2, vocab_size=320)
+
+
+def _load(path: Path) -> AsyncEngine:
+    return AsyncEngine.from_pretrained(path, kv_cache_memory=1 << 20, max_model_len=64, num_threads=1)
+
+
+def test_a_tokenizer_that_drops_text_is_named_at_load(tmp_path, caplog) -> None:
+    path = tmp_path / "qwen2_spm.gguf"
+    write(path, TINY, "qwen2", "q8_0", "q8_0", "spm", 0)
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = _load(path)
+    tokenizer = engine.get_tokenizer()
+    assert tokenizer.encode("hello world", add_special_tokens=False) == []  # what the warning is about
+    warnings = [r.getMessage() for r in caplog.records if "encodes the text 'hello world' to no token" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"gguf:{path}" in warnings[0] and "send token ids" in warnings[0]
+
+
+def test_a_tokenizer_that_reads_text_loads_without_the_warning(tmp_path, caplog) -> None:
+    path = tmp_path / "llama_spm.gguf"
+    write(path, TINY, "llama", "q8_0", "q8_0", "spm", 0)
+    with caplog.at_level(logging.WARNING, logger="asyncinfer"):
+        engine = _load(path)
+    assert len(engine.get_tokenizer().encode("hello world", add_special_tokens=False)) == 16  # its byte tokens
+    assert "to no token" not in caplog.text
