@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
+import torch
+
 from asyncinfer import AsyncEngine
 from benchmarks.make_gguf import SHAPES, write
 
@@ -39,3 +42,36 @@ def test_a_tokenizer_that_reads_text_loads_without_the_warning(tmp_path, caplog)
         engine = _load(path)
     assert len(engine.get_tokenizer().encode("hello world", add_special_tokens=False)) == 16  # its byte tokens
     assert "to no token" not in caplog.text
+
+
+def test_a_truncated_safetensors_shard_names_the_tensor_cut_short(tmp_path) -> None:
+    """safetensors itself says only "incomplete metadata, file not fully covered"; the refusal now says which
+    tensor runs past the end and where, as a truncated GGUF file's does."""
+    from safetensors.torch import save_file
+
+    from asyncinfer.errors import ModelLoadError
+    from asyncinfer.models.checkpoint import iter_safetensors, tensor_names
+
+    file = tmp_path / "model.safetensors"
+    save_file({"a.weight": torch.zeros(16, 16), "b.weight": torch.ones(16, 16)}, str(file))
+    whole = file.read_bytes()
+    header = 8 + int.from_bytes(whole[:8], "little")
+    file.write_bytes(whole[:header + 1024 + 100])  # a.weight whole (1024 bytes), b.weight cut after 100
+    expected = (f"tensor 'b.weight' runs past the end of the file (1024 bytes at {header + 1024}, the file has "
+                f"{header + 1124}): a truncated file")
+    with pytest.raises(ModelLoadError) as names:
+        list(tensor_names([file]))
+    with pytest.raises(ModelLoadError) as tensors:
+        list(iter_safetensors([file]))
+    for caught in (names, tensors):
+        assert str(caught.value) == f"cannot read weights from {file}: {expected} (an interrupted copy or download?)"
+
+
+def test_a_safetensors_file_without_a_readable_header_keeps_the_librarys_words(tmp_path) -> None:
+    from asyncinfer.errors import ModelLoadError
+    from asyncinfer.models.checkpoint import tensor_names
+
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="invalid header length|header too large|Error while deserializing"):
+        list(tensor_names([file]))
