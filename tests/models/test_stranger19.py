@@ -75,3 +75,30 @@ def test_a_safetensors_file_without_a_readable_header_keeps_the_librarys_words(t
     file.write_bytes(b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="invalid header length|header too large|Error while deserializing"):
         list(tensor_names([file]))
+
+
+def test_an_unsupported_gguf_architecture_is_named_before_its_layer_count_is_checked(tmp_path) -> None:
+    """A T5 file's layers are ``enc.blk.N`` / ``dec.blk.N``: the block-count check found none and refused with
+    "t5.block_count = 2, but its tensors hold 0 layer(s)" instead of naming the architecture."""
+    import gguf
+    import numpy as np
+
+    from asyncinfer.errors import ModelLoadError
+    from asyncinfer.models.loader import open_checkpoint
+    from asyncinfer.models.registry import supported_architectures
+
+    path = tmp_path / "t5.gguf"
+    writer = gguf.GGUFWriter(str(path), "t5")
+    writer.add_block_count(2)
+    writer.add_embedding_length(32)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 32), np.float32))
+    for i in range(2):
+        writer.add_tensor(f"enc.blk.{i}.attn_q.weight", np.zeros((32, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as caught:
+        open_checkpoint(path)
+    supported = ", ".join(supported_architectures(gguf=True))  # llama, qwen2, qwen3, phi3, gemma2, gemma3, ...
+    assert str(caught.value) == f"unsupported GGUF architecture 't5'; supported: {supported}"

@@ -609,6 +609,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         ModelLoadError: naming the metadata key or the tensor.
     """
     arch = reader.fields.get("general.architecture")
+    if isinstance(arch, str):  # an architecture no family runs is named first, before its metadata's checks
+        model_family(arch, what="GGUF architecture", gguf=True)
     for key in _GGUF_SIZE_KEYS:  # before anything is built from them
         check_config_size(f"metadata {arch}.{key}", reader.fields.get(f"{arch}.{key}"), f"GGUF file {reader.path}")
     _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
