@@ -102,3 +102,27 @@ def test_an_unsupported_gguf_architecture_is_named_before_its_layer_count_is_che
         open_checkpoint(path)
     supported = ", ".join(supported_architectures(gguf=True))  # llama, qwen2, qwen3, phi3, gemma2, gemma3, ...
     assert str(caught.value) == f"unsupported GGUF architecture 't5'; supported: {supported}"
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_a_prequantized_hf_checkpoint_is_refused_from_its_config(tmp_path, method) -> None:
+    """An AWQ (``qweight``/``qzeros``/``scales``) or FP8 (``weight_scale_inv``) checkpoint was refused only once its
+    weights were read, as a list of missing or unexpected tensors, and ``plan_memory`` planned it as float weights."""
+    import json
+
+    from asyncinfer.errors import ModelLoadError
+    from tests.helpers import tiny_hf_model
+
+    directory = tmp_path / method
+    tiny_hf_model("llama").save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (directory / "config.json").write_text(json.dumps(config))
+    expected = (f"{directory / 'config.json'}: a pre-quantized checkpoint (quantization_config.quant_method = "
+                f"'{method}') is not supported")
+    with pytest.raises(ModelLoadError) as planned:
+        AsyncEngine.plan_memory(directory)
+    with pytest.raises(ModelLoadError) as loaded:
+        _load(directory)
+    assert str(planned.value).startswith(expected)
+    assert expected in str(loaded.value) and "quantization=" in str(loaded.value)
