@@ -231,13 +231,30 @@ def load_embedder(
     return EmbeddingBatcher(encoder, config)
 
 
+TOKENIZER_PROBE_TEXT = "hello world"
+"""A plain text every working tokenizer encodes to at least one token (see :func:`check_tokenizer`)."""
+
+
 def check_tokenizer(loaded: LoadedModel) -> None:
-    """Reject a tokenizer that produces ids the model has no embedding for."""
+    """Reject a tokenizer that produces ids the model has no embedding for; warn about one that drops text.
+
+    A tokenizer that encodes :data:`TOKENIZER_PROBE_TEXT` to no token at all (its own special tokens left
+    out) would send every text prompt to the model as its special tokens alone: a vocabulary the
+    tokenizer's type cannot read (transformers builds a GGUF file's tokenizer by its architecture, so a
+    ``qwen2`` file with a SentencePiece vocabulary gets a byte-level BPE that matches none of its tokens).
+    The model still serves token-id prompts, so this is a warning, not a refusal."""
     tokenizer = loaded.tokenizer
     if tokenizer is not None and len(tokenizer) > loaded.config.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {loaded.config.vocab_size}"
         )
+    if tokenizer is not None and not tokenizer.encode(TOKENIZER_PROBE_TEXT, add_special_tokens=False):
+        logger.warning(
+            "the tokenizer of %s (%s) encodes the text %r to no token: every text prompt would reach the model as "
+            "its special tokens alone. Its vocabulary does not match its type (a GGUF file's tokenizer is built by "
+            "its architecture: tokenizer.ggml.model must be the one that architecture uses); send token ids, or "
+            "use a file whose tokenizer reads text (docs/models_and_embeddings.md)",
+            loaded.source, type(tokenizer).__name__, TOKENIZER_PROBE_TEXT)
 
 
 def build_core(loaded: LoadedModel, config: EngineConfig, *,

@@ -25,6 +25,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 #: Every file of a directory the tokenizer's loader (transformers) may read: each is checked before it runs.
 _TOKENIZER_READS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+#: The safetensors library's own bound on a file's header bytes.
+SAFETENSORS_MAX_HEADER = 100_000_000
 #: The most bytes a model's JSON metadata file (config.json, generation_config.json, the safetensors index, the
 #: sentence-transformers files) may hold: a thousand times the largest real one.
 MAX_JSON_BYTES = 64 * 2**20
@@ -140,7 +142,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         except ModelLoadError:
             raise
         except Exception as exc:  # corrupt header, truncated file, ...
-            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+            raise ModelLoadError(f"cannot read weights from {file}: {_past_the_end(file) or exc}") from exc
 
 
 def tensor_names(files: list[Path]) -> Iterator[str]:
@@ -156,8 +158,31 @@ def tensor_names(files: list[Path]) -> Iterator[str]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 names = list(f.keys())
         except Exception as exc:  # corrupt header, truncated file, ...
-            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+            raise ModelLoadError(f"cannot read weights from {file}: {_past_the_end(file) or exc}") from exc
         yield from names
+
+
+def _past_the_end(file: Path) -> str | None:
+    """Where a safetensors file the library refused is cut short: the first tensor (by offset) whose bytes run past
+    the end of the file, said as a GGUF file's is; None where the header itself cannot be read (the library's own
+    message then stands). The library says only "incomplete metadata, file not fully covered"."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= min(size - 8, SAFETENSORS_MAX_HEADER):
+                return None
+            header = json.loads(f.read(length))
+        data = size - 8 - length
+        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items()
+                       if name != "__metadata__" and isinstance(info, dict))
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return None
+    for start, end, name in spans:
+        if isinstance(start, int) and isinstance(end, int) and end > data:
+            return (f"tensor {name!r} runs past the end of the file ({end - start} bytes at {8 + length + start}, "
+                    f"the file has {size}): a truncated file (an interrupted copy or download?)")
+    return None
 
 
 def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:

@@ -338,6 +338,7 @@ def _hf_model_config(path: Path) -> ModelConfig:
     # (which fails on model types it does not know without naming what runs here) and before any weight.
     raw = read_json(path / "config.json")
     family = hf_config_family(raw, path / "config.json")
+    _check_not_prequantized(raw, path / "config.json")
     _check_hf_layer_count(path, raw, family.weight_map)  # before transformers builds anything one a layer
     check_config_sizes(raw, HF_SIZE_KEYS, str(path / "config.json"))  # before transformers or ModelConfig reads one
     _check_model_type_known(raw)
@@ -346,6 +347,23 @@ def _hf_model_config(path: Path) -> ModelConfig:
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     return ModelConfig.from_hf_config(hf_config)
+
+
+def _check_not_prequantized(raw: dict[str, Any], file: Path) -> None:
+    """A checkpoint quantized by another tool (config.json's ``quantization_config`` with a ``quant_method``: AWQ,
+    GPTQ, FP8, bitsandbytes, ...) stores its projections in that method's own tensors (``qweight``, ``scales``,
+    ``weight_scale_inv``, ...), which no family reads: refused by name from the config, before any weight is read
+    or any memory planned from float shapes. It was a list of missing or unexpected tensors once the weights were
+    read, and ``plan`` / ``info`` planned it as a float checkpoint."""
+    quantization = raw.get("quantization_config")
+    if not isinstance(quantization, dict) or "quant_method" not in quantization:
+        return
+    method = quantization["quant_method"]
+    raise ModelLoadError(
+        f"{file}: a pre-quantized checkpoint (quantization_config.quant_method = {method!r}) is not supported: its "
+        "weights are stored in that method's own tensors, which asyncinfer does not read; load the float checkpoint "
+        "(float16, bfloat16 or float32 weights) and pick a weight format with quantization= (e.g. 'q4_0', 'q4_k', "
+        "'q8_0'; docs/formats.md), or a GGUF file of the model")
 
 
 def _check_model_type_known(raw: dict[str, Any]) -> None:
@@ -609,6 +627,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         ModelLoadError: naming the metadata key or the tensor.
     """
     arch = reader.fields.get("general.architecture")
+    if isinstance(arch, str):  # an architecture no family runs is named first, before its metadata's checks
+        model_family(arch, what="GGUF architecture", gguf=True)
     for key in _GGUF_SIZE_KEYS:  # before anything is built from them
         check_config_size(f"metadata {arch}.{key}", reader.fields.get(f"{arch}.{key}"), f"GGUF file {reader.path}")
     _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
