@@ -38,7 +38,8 @@ reports it as an ``InvalidParameterError`` on the prompt, as any template failur
   lists of operators, methods, filters: an item counts as a character) in a render (the largest chat above: 9 M);
 - ``MAX_TEMPLATE_VALUE_CHARS`` = 2**22 characters or items of one value, checked before it is built (``*``,
   ``+``, ``~``, ``%``, ``format``, widths, counts and replacements of str methods and filters, a list written
-  out); ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
+  out; a value compared, sorted or hashed, a list, tuple or dict held in several places counted in each);
+  ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
 - ``MAX_RENDERED_CHARS`` = 2**22 characters rendered (about a million tokens: more than a model takes);
 - ``MAX_TEMPLATE_SOURCE_CHARS`` = 2**18 characters of source (real templates: under 20,000), checked before
   compiling: a longer one fails the model's chats, not its load; ``MAX_TEMPLATE_RANGE`` = 100,000 items of a

@@ -1,0 +1,90 @@
+"""Pass 22: a hostile model publisher's chat template against the render budget.
+
+A template can build a value that shares one list twice at each level (``[a, a]``): 40 levels are 80 items to build,
+but 2**40 to walk. Comparing, sorting or hashing such a value is one C-level operation that walks it whole, holding
+the GIL: every thread of the process, the event loop included, stood still for hours, out of reach of the budget
+(which counted a comparison by its operands' own lengths, 2 items). It is refused now, as any value past
+``MAX_TEMPLATE_VALUE_CHARS``, before the operation runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.models.template_budget import MAX_TEMPLATE_VALUE_CHARS, ChatTemplateLimitError
+from asyncinfer.models.tokenizer import compile_chat_template
+
+ROOT = Path(__file__).resolve().parents[2]
+LEVELS = 40  # 2**40 items to walk: hours of one C call
+DOUBLED = ("{% set ns = namespace(a=[], b=[], t=(), u=()) %}{% for i in range(" + str(LEVELS) + ") %}"
+           "{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, ns.b] %}"
+           "{% set ns.t = (ns.t, ns.t) %}{% set ns.u = (ns.u, ns.u) %}{% endfor %}")
+# Each walks both shared values whole (a comparison of equal structures, or a hash of nested tuples).
+WALKS = {
+    "==": "{{ ns.a == ns.b }}",
+    "<": "{{ ns.a < ns.b }}",
+    "in a list": "{{ ns.a in [ns.b] }}",
+    "not in a list": "{{ ns.a not in [ns.b] }}",
+    "eq test": "{{ ns.a is eq(ns.b) }}",
+    "in test": "{{ ns.a is in([ns.b]) }}",
+    "sort filter": "{{ [ns.a, ns.b] | sort | length }}",
+    "max filter": "{{ [ns.a, ns.b] | max | length }}",
+    "unique filter": "{{ [ns.t, ns.u] | unique | list | length }}",
+    "list.index": "{{ [ns.a, ns.b].index(ns.b) }}",
+    "list.count": "{{ [ns.a].count(ns.b) }}",
+    "tuple in a dict": "{{ ns.t in {} }}",
+    "tuple as a dict key": "{{ {ns.t: 1} | length }}",
+    "dict.get": "{{ {}.get(ns.t) }}",
+    "subscript": "{{ {'k': 1}[ns.t] }}",
+    "dict.fromkeys": "{{ dict.fromkeys([ns.t]) | length }}",
+}
+CHILD = r"""
+import sys, time
+from asyncinfer.models.tokenizer import compile_chat_template
+start = time.perf_counter()
+try:
+    compile_chat_template(sys.argv[1]).render(messages=[{"role": "user", "content": "hi"}])
+    print("rendered", time.perf_counter() - start)
+except BaseException as exc:
+    print(type(exc).__name__, time.perf_counter() - start, str(exc)[:300])
+"""
+CHILD_LIMIT_S = 60  # a walk of 2**40 items takes hours: a child still running then failed the test
+
+
+@pytest.mark.parametrize("name", list(WALKS))
+def test_a_value_sharing_itself_past_the_limit_is_not_compared_or_hashed(name) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD, DOUBLED + WALKS[name]], capture_output=True, text=True,
+                              env=env, timeout=CHILD_LIMIT_S, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: the render held its thread for over {CHILD_LIMIT_S} s")
+    kind, seconds, message = (done.stdout.strip().split(" ", 2) + ["", ""])[:3]
+    assert kind == "ChatTemplateLimitError", done.stdout + done.stderr[-2000:]
+    assert "MAX_TEMPLATE_VALUE_CHARS" in message and float(seconds) < 10
+
+
+def test_values_within_the_limit_are_compared_as_before() -> None:
+    small = DOUBLED.replace(str(LEVELS), "10")
+    out = compile_chat_template(small + "{{ ns.a == ns.b }} {{ ns.t in {ns.u: 1} }} {{ [ns.b, ns.a] | sort | length }}"
+                                "{{ ns.a != [] }}").render(messages=[])
+    assert out == "True True 2True"
+    # 2**21 leaves of one list are 2**22 - 1 items walked: within the limit; one level more is past it
+    assert 2 ** 22 - 1 <= MAX_TEMPLATE_VALUE_CHARS
+    assert compile_chat_template(DOUBLED.replace(str(LEVELS), "21") + "{{ ns.a == ns.b }}").render(messages=[]) == "True"
+    with pytest.raises(ChatTemplateLimitError, match="MAX_TEMPLATE_VALUE_CHARS"):
+        compile_chat_template(DOUBLED.replace(str(LEVELS), "22") + "{{ ns.a == ns.b }}").render(messages=[])
+
+
+def test_a_chats_messages_compare_as_before() -> None:
+    """Templates compare messages (``message == messages[-1]``, ``'content' in message``): a chat's whole history
+    is far within the limit."""
+    messages = [{"role": "user", "content": "x" * 100, "tool_calls": [{"function": {"name": "f", "arguments": {
+        "a": [1, 2, 3]}}}]} for _ in range(4096)]
+    source = ("{% for m in messages %}{% if m == messages[-1] and 'content' in m and m in messages[-2:] %}"
+              "{{ loop.index }}{% endif %}{% endfor %}")
+    assert compile_chat_template(source).render(messages=messages) == "".join(str(i) for i in range(1, 4097))
