@@ -152,13 +152,15 @@ def _unfolded(value: Any) -> int:
 
 
 def _check_walk(*values: Any) -> None:
-    """Refuse to compare, sort or hash a value that holds more than :data:`MAX_TEMPLATE_VALUE_CHARS` items
-    (:func:`_unfolded`): one C call, it holds the GIL, every thread of the process waiting, beyond any budget."""
+    """Refuse to read (compare, sort, hash, hand to a filter, test or method) a value that holds more than
+    :data:`MAX_TEMPLATE_VALUE_CHARS` items (:func:`_unfolded`): comparing or hashing it is one C call that walks it
+    whole, holding the GIL, every thread of the process waiting, beyond any budget."""
     for value in values:
         size = _unfolded(value)
         if size > MAX_TEMPLATE_VALUE_CHARS:
-            _refuse(f"would compare or hash a value holding more than {MAX_TEMPLATE_VALUE_CHARS} items, counted in "
-                    f"each place a shared list is held (at most MAX_TEMPLATE_VALUE_CHARS = {MAX_TEMPLATE_VALUE_CHARS})")
+            _refuse(f"would read a value holding more than {MAX_TEMPLATE_VALUE_CHARS} items (compare, sort, hash it or "
+                    "hand it to a filter, a test or a method), a list, tuple or dict held in several places counted "
+                    f"in each (at most MAX_TEMPLATE_VALUE_CHARS = {MAX_TEMPLATE_VALUE_CHARS})")
 
 
 def _check_value(size: int, what: str) -> None:
