@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,45 @@ def test_a_chats_messages_compare_as_before() -> None:
     source = ("{% for m in messages %}{% if m == messages[-1] and 'content' in m and m in messages[-2:] %}"
               "{{ loop.index }}{% endif %}{% endfor %}")
     assert compile_chat_template(source).render(messages=messages) == "".join(str(i) for i in range(1, 4097))
+
+
+# A template that does not compile: Jinja's syntax, and nesting past Python's recursion limit or its indentation.
+UNCOMPILABLE = {
+    "syntax": "{% if %}",
+    "nested parentheses": "{{ " + "(" * 100 + "1" + ")" * 100 + " }}",
+    "nested ifs": "{% if 1 %}" * 100 + "x" + "{% endif %}" * 100,
+}
+
+
+@pytest.mark.parametrize("name", list(UNCOMPILABLE))
+def test_a_gguf_template_that_does_not_compile_fails_its_chats_and_its_cached_tokenizer_loads(
+        name, tmp_path, monkeypatch) -> None:
+    """Such a template failed the cached tokenizer's construction: every load of the file took the cache for damaged,
+    warned and built the tokenizer again through transformers (~20 s for a real vocabulary), and got transformers'
+    tokenizer. The cache loads now, and each chat fails with what compiling the template raised."""
+    import transformers
+
+    from asyncinfer import InvalidParameterError
+    from asyncinfer.models.loader import gguf_tokenizer
+    from asyncinfer.models.tokenizer import CachedTokenizer
+    from asyncinfer.prompts import chat_token_ids
+    from tests.models.test_tokenizer import write_tokenizer_gguf
+
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(tmp_path / "bad.gguf", UNCOMPILABLE[name])
+    first = gguf_tokenizer(path)
+    assert isinstance(first, CachedTokenizer)
+
+    def built_again(*_: object, **__: object) -> None:
+        raise AssertionError("the tokenizer was built again")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", built_again)
+    again = gguf_tokenizer(path)
+    assert isinstance(again, CachedTokenizer)
+    assert again.encode("the capital", add_special_tokens=False) == first.encode("the capital", add_special_tokens=False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the chat template cannot be compiled"):
+            again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        with pytest.raises(InvalidParameterError, match="cannot be compiled") as err:
+            chat_token_ids(types.SimpleNamespace(tokenizer=again), [{"role": "user", "content": "hi"}])
+        assert err.value.parameter == "prompt"

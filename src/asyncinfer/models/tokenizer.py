@@ -116,17 +116,23 @@ class CachedTokenizer:
         self.backend_tokenizer = backend
         self.special_tokens_map: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
-        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template too long
-        # to compile (MAX_TEMPLATE_SOURCE_CHARS) fails each chat, not the load: the model serves text prompts.
+        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template that does
+        # not compile (too long: MAX_TEMPLATE_SOURCE_CHARS; no template; nested past Python's recursion limit or its
+        # indentation) fails each chat, not the load: the model serves text prompts. (Raised here, it made every load
+        # of the file take its cached tokenizer for damaged and build it again through transformers.)
         self._template: Any = None
         self._template_error: Exception | None = None
         if chat_template is not None:
+            from asyncinfer.errors import exception_text
             from asyncinfer.models.template_budget import ChatTemplateLimitError
 
             try:
                 self._template = compile_chat_template(chat_template)
             except ChatTemplateLimitError as exc:
                 self._template_error = exc
+            except Exception as exc:  # noqa: BLE001 - the file's template: whatever compiling it raised
+                self._template_error = ValueError(
+                    f"the chat template cannot be compiled ({type(exc).__name__}: {exception_text(exc)})")
 
     # ---------------------------------------------------------------- special tokens
     def __getattr__(self, name: str) -> Any:
@@ -193,7 +199,8 @@ class CachedTokenizer:
         """The conversation rendered by the chat template (see the module docstring); its ids with ``tokenize``.
 
         Raises:
-            ValueError: the tokenizer has no chat template, or the conversation is empty; an
+            ValueError: the tokenizer has no chat template, its template does not compile, or the conversation is
+                empty; an
                 InvalidParameterError (a ValueError) for one of transformers' options this class does not do
                 (``return_tensors``, ``return_dict``, ``continue_final_message``, ...) set to other than its default.
             TypeError: a message that is not a mapping.
