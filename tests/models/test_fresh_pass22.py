@@ -8,7 +8,9 @@ the GIL: every thread of the process, the event loop included, stood still for h
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -131,3 +133,53 @@ def test_a_gguf_template_that_does_not_compile_fails_its_chats_and_its_cached_to
         with pytest.raises(InvalidParameterError, match="cannot be compiled") as err:
             chat_token_ids(types.SimpleNamespace(tokenizer=again), [{"role": "user", "content": "hi"}])
         assert err.value.parameter == "prompt"
+
+
+@pytest.fixture
+def shared_list_chat_model(tiny_models, tmp_path) -> Path:
+    """The suite's tiny Llama with a transformers tokenizer whose chat template compares two lists doubled 30 times
+    (2**31 items to walk: half a minute of one C call holding the GIL, before the check)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    src, _ = tiny_models["llama"]
+    path = tmp_path / "shared-lists"
+    shutil.copytree(src, path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["Hello world, the quick brown fox."] * 10,
+                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = DOUBLED.replace(str(LEVELS), "30") + "{{ ns.a == ns.b }}{% for m in messages %}{{ m.content }}" \
+                                                              "{% endfor %}"
+    fast.save_pretrained(path)
+    return path
+
+
+async def test_a_model_whose_template_compares_shared_lists_fails_its_chats_and_its_neighbour_serves_on(
+        tiny_models, shared_list_chat_model) -> None:
+    """Beside a good model in one engine: the hostile model's chats fail at once (InvalidParameterError on the
+    prompt), its text prompts are served, and the event loop and the good model's requests never wait for it."""
+    from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
+    from tests.helpers import loop_lags
+
+    options = {"kv_cache_memory": 4 << 20, "max_model_len": 256, "dtype": "float32", "device": "cpu"}
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], name="good", **options)
+    async with engine:
+        await engine.add_model("hostile", shared_list_chat_model, **options)
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        alone = await engine.generate([1, 2, 3], greedy, model="good")
+        async with loop_lags(0.02) as lags:
+            good = asyncio.ensure_future(engine.generate([1, 2, 3], greedy, model="good"))
+            for _ in range(3):
+                with pytest.raises(InvalidParameterError, match="MAX_TEMPLATE_VALUE_CHARS") as err:
+                    await engine.generate([{"role": "user", "content": "Hello world"}], greedy, model="hostile")
+                assert err.value.parameter == "prompt"
+            beside = await good
+        assert beside.token_ids == alone.token_ids
+        assert max(lags, default=0.0) < 2.0, lags
+        text = await engine.generate("Hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                     model="hostile")
+        assert len(text.token_ids) == 3
