@@ -183,3 +183,39 @@ async def test_a_model_whose_template_compares_shared_lists_fails_its_chats_and_
         text = await engine.generate("Hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                                      model="hostile")
         assert len(text.token_ids) == 3
+
+
+def _with_arrays(base: Path, path: Path, arrays: dict[str, int]) -> Path:
+    """``base`` (a header without tensors) with metadata arrays of zero bytes (``{key: item count}``, GGUF type
+    UINT8) inserted first."""
+    import struct
+
+    data = base.read_bytes()
+    inserted = b"".join(struct.pack("<Q", len(key)) + key.encode() + struct.pack("<IIQ", 9, 0, count) + bytes(count)
+                        for key, count in arrays.items())
+    fields = struct.unpack_from("<Q", data, 16)[0]
+    path.write_bytes(data[:16] + struct.pack("<Q", fields + len(arrays)) + inserted + data[24:])
+    return path
+
+
+def test_gguf_metadata_arrays_past_max_metadata_items_are_refused_naming_the_key(tmp_path) -> None:
+    """A metadata array's items were each made a Python object as the header was read: 8.6 bytes of memory a byte
+    of file (a 100 MB array of one-byte items: 860 MB; a 4 GB one, 34 GB), before any check. Their count is held
+    to ``MAX_METADATA_ITEMS`` over the whole header, as it is read, naming the key that goes past it."""
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.gguf_file import MAX_METADATA_ITEMS, GGUFFile
+    from tests.helpers import llama_header_gguf
+
+    writer = llama_header_gguf(tmp_path / "base.gguf", 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    base = tmp_path / "base.gguf"
+    half = MAX_METADATA_ITEMS // 2
+    within = GGUFFile(_with_arrays(base, tmp_path / "within.gguf", {"a.first": half, "a.second": half}))
+    assert len(within.fields["a.first"]) == half and within.fields["llama.block_count"] == 0
+    for name, arrays, key in (("one", {"a.junk": MAX_METADATA_ITEMS + 1}, "a.junk"),
+                              ("two", {"a.first": half, "a.second": half + 1}, "a.second")):
+        with pytest.raises(ModelLoadError, match=rf"metadata '{key}'.*MAX_METADATA_ITEMS = {MAX_METADATA_ITEMS}"):
+            GGUFFile(_with_arrays(base, tmp_path / f"{name}.gguf", arrays))
