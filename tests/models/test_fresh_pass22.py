@@ -219,3 +219,37 @@ def test_gguf_metadata_arrays_past_max_metadata_items_are_refused_naming_the_key
                               ("two", {"a.first": half, "a.second": half + 1}, "a.second")):
         with pytest.raises(ModelLoadError, match=rf"metadata '{key}'.*MAX_METADATA_ITEMS = {MAX_METADATA_ITEMS}"):
             GGUFFile(_with_arrays(base, tmp_path / f"{name}.gguf", arrays))
+
+
+def test_gguf_merges_the_tokenizers_library_panics_on_are_a_model_load_error(tmp_path, monkeypatch) -> None:
+    """Merges whose pieces run into each other (``abc ab`` where no ``abcab`` is a token) make the tokenizers
+    library's Rust code panic as transformers builds the tokenizer: a ``PanicException``, a ``BaseException`` that
+    went past the load's ``except Exception`` and out of ``AsyncEngine.load``/``add_model`` as it was."""
+    import gguf
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.loader import gguf_tokenizer
+
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "merges.gguf"
+    tokens = ["<s>", "</s>", "a", "b", "c", "ab", "abc", "\u0120", *(f"t{i}" for i in range(24))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_token_merges(["a b", "ab c", "abc ab", "a bc"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"cannot build a tokenizer from GGUF file .*merges\.gguf.*panicked"):
+        gguf_tokenizer(path)
