@@ -13,7 +13,8 @@ this reader walks the same bytes with ``struct`` and takes ~0.1 s. The format
 The whole index is checked against the file's size before anything is allocated (counts that
 the bytes cannot hold, more than 4 dimensions, rows that are not whole blocks, offsets that are not
 aligned or run past the end, an alignment that is not a power of two, arrays nested past
-``_MAX_DEPTH``): every such file is a :class:`~asyncinfer.errors.ModelLoadError` naming the tensor or
+``_MAX_DEPTH``, metadata arrays of more than :data:`MAX_METADATA_ITEMS` items in all): every such file is a
+:class:`~asyncinfer.errors.ModelLoadError` naming the tensor or
 key, in microseconds per entry.
 
 The file is mapped copy-on-write (``MAP_PRIVATE``): a tensor can be used in place as a view
@@ -53,6 +54,10 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 _MAX_DEPTH = 4  # arrays of arrays: deeper nesting is refused (ggml writes one level)
+#: Items of the metadata's arrays, all together (a file's vocabulary, scores, token types and merges: about 800,000
+#: in the largest real files). Each item becomes a Python object as the header is read, 8 to 9 bytes of memory a byte
+#: of a one-byte array, so a count past this is refused, naming the key, before the array is read.
+MAX_METADATA_ITEMS = 1 << 23
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_DIM = 2**63 - 1  # a dimension's size: ggml's int64_t ne[] (and torch's)
 _MIN_FIELD_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
@@ -175,11 +180,12 @@ class GGUFFile:
                                      "corrupt)")
         pos = 24
         fields: dict[str, Any] = {}
+        items_left = [MAX_METADATA_ITEMS]
         for _ in range(n_fields):
             key, pos = _string(buf, pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             try:
-                fields[key], pos = _value(buf, pos, vtype, 0)
+                fields[key], pos = _value(buf, pos, vtype, 0, items_left)
             except (struct.error, ValueError) as exc:
                 raise ModelLoadError(f"cannot read GGUF file {self.path}: metadata {key!r}: {exc}") from exc
         infos = []
@@ -299,7 +305,9 @@ def _strings(buf: memoryview, pos: int, count: int) -> tuple[list[str], int]:
 _U64 = struct.Struct("<Q")
 
 
-def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]:
+def _value(buf: memoryview, pos: int, vtype: int, depth: int, items_left: list[int]) -> tuple[Any, int]:
+    """The value of type ``vtype`` at ``pos`` and the position after it; ``items_left[0]``: how many more array items
+    the header may hold (:data:`MAX_METADATA_ITEMS`), counted down."""
     if vtype == _STRING:
         return _string(buf, pos)
     if vtype in _SCALARS:
@@ -312,6 +320,10 @@ def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]
             raise ValueError(f"unknown array item type {item_type}")
         if count * _MIN_ITEM_BYTES[item_type] > len(buf) - pos:
             raise ValueError(f"an array of {count} items runs past the end of the file")
+        items_left[0] -= count
+        if items_left[0] < 0:
+            raise ValueError(f"an array of {count} items takes the header's arrays past MAX_METADATA_ITEMS = "
+                             f"{MAX_METADATA_ITEMS} items in all")
         if item_type in _NUMPY:
             dtype = np.dtype(_NUMPY[item_type]).newbyteorder("<")
             values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
@@ -322,7 +334,7 @@ def _value(buf: memoryview, pos: int, vtype: int, depth: int) -> tuple[Any, int]
             raise ValueError(f"arrays nested more than {_MAX_DEPTH} deep")
         items = []
         for _ in range(count):
-            item, pos = _value(buf, pos, item_type, depth + 1)
+            item, pos = _value(buf, pos, item_type, depth + 1, items_left)
             items.append(item)
         return items, pos
     raise ValueError(f"unknown metadata value type {vtype}")

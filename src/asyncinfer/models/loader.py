@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from asyncinfer.errors import ModelLoadError
+from asyncinfer.errors import ModelLoadError, native_panics_as
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
@@ -971,8 +971,14 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | CachedTokenizer:
     from transformers import AutoTokenizer
 
     say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
+    # A vocabulary the tokenizers library's Rust code cannot follow (merges whose pieces run into each other) makes it
+    # panic: a PanicException, a BaseException that every `except Exception` lets through.
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with native_panics_as(lambda panic: ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: the "
+                                                           f"tokenizers library panicked on its vocabulary ({panic})")):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {exc}") from exc
     if _save_tokenizer(tokenizer, cache, stamp):

@@ -19,8 +19,8 @@ or ``2 ** 10 ** 8``. The environment here renders a template on a budget that ho
   precision over the limit is refused), the string methods that take a width, a count or a replacement
   (``ljust``, ``rjust``, ``center``, ``zfill``, ``expandtabs``, ``replace``, ``join``, ``translate``),
   the filters that do (``center``, ``indent``, ``wordwrap``, ``format``, ``replace``, ``join``, ``batch``,
-  ``tojson``'s indent up to :data:`MAX_TOJSON_INDENT`), the text of a list or dict written out, and
-  integers of more than :data:`MAX_TEMPLATE_INT_BITS` bits (``**`` and ``*``);
+  ``tojson``'s indent up to :data:`MAX_TOJSON_INDENT`), the text of a list or dict written out, a value compared, sorted or hashed (a list, tuple
+  or dict held in several places counted in each: the one C call walks it whole), and integers of more than :data:`MAX_TEMPLATE_INT_BITS` bits (``**`` and ``*``);
 - *the output* (:data:`MAX_RENDERED_CHARS` characters), *the source* (:data:`MAX_TEMPLATE_SOURCE_CHARS`,
   checked before it is compiled) and ``range`` (:data:`MAX_TEMPLATE_RANGE` items, as Jinja's sandbox).
 
@@ -76,11 +76,13 @@ class ChatTemplateLimitError(RuntimeError):
 
 
 class _Budget:
-    __slots__ = ("chars", "work")
+    __slots__ = ("chars", "walked", "work")
 
     def __init__(self, work: int, chars: int) -> None:
         self.work = work
         self.chars = chars
+        # id of a list, tuple, dict or set read in this render: (the value, kept alive; the items it holds unfolded)
+        self.walked: dict[int, tuple[Any, int]] = {}
 
 
 _CURRENT: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("asyncinfer_template_budget",
@@ -111,6 +113,54 @@ def _size(value: Any) -> int:
 def _reads(*values: Any) -> int:
     """Work units for reading ``values``: one for every 32 characters or items."""
     return sum(_size(v) for v in values) >> 5
+
+
+_WALKED = (list, tuple, dict, set, frozenset)
+
+
+def _unfolded(value: Any) -> int:
+    """The items ``value`` holds, a list, tuple, dict or set held in several places counted in each (what Python's
+    comparisons and hashes walk: ``[a, a]`` built 40 times over is 2**41 items), counted up to past
+    :data:`MAX_TEMPLATE_VALUE_CHARS`. Each distinct container is read once a render (the sandbox is immutable: what
+    a render reads cannot change under it), a unit of work for it and each of its items."""
+    if not isinstance(value, _WALKED):
+        return 1
+    budget = _CURRENT.get()
+    walked: dict[int, tuple[Any, int]] = budget.walked if budget is not None else {}
+    found = walked.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
+    cap = MAX_TEMPLATE_VALUE_CHARS + 1
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        item, finished = stack.pop()
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        if finished:
+            total = 1
+            for child in children:
+                total += walked[id(child)][1] if isinstance(child, _WALKED) else 1
+            walked[id(item)] = (item, min(total, cap))
+            continue
+        seen = walked.get(id(item))
+        if seen is not None and seen[0] is item:
+            continue
+        walked[id(item)] = (item, 1)  # held inside itself (a cycle): Python's own recursion limit stops the walk
+        _charge(1 + len(children))
+        stack.append((item, True))
+        stack.extend((child, False) for child in children if isinstance(child, _WALKED))
+    return walked[id(value)][1]
+
+
+def _check_walk(*values: Any) -> None:
+    """Refuse to read (compare, sort, hash, hand to a filter, test or method) a value that holds more than
+    :data:`MAX_TEMPLATE_VALUE_CHARS` items (:func:`_unfolded`): comparing or hashing it is one C call that walks it
+    whole, holding the GIL, every thread of the process waiting, beyond any budget."""
+    for value in values:
+        size = _unfolded(value)
+        if size > MAX_TEMPLATE_VALUE_CHARS:
+            _refuse(f"would read a value holding more than {MAX_TEMPLATE_VALUE_CHARS} items (compare, sort, hash it or "
+                    "hand it to a filter, a test or a method), a list, tuple or dict held in several places counted "
+                    f"in each (at most MAX_TEMPLATE_VALUE_CHARS = {MAX_TEMPLATE_VALUE_CHARS})")
 
 
 def _check_value(size: int, what: str) -> None:
@@ -371,6 +421,7 @@ def _wrap_filter(name: str, func: Any) -> Any:
     @functools.wraps(func)  # keeps jinja_pass_arg: the filter gets what it got
     def budgeted(*args: Any, **kwargs: Any) -> Any:
         values = args[skip:]
+        _check_walk(*values, *kwargs.values())
         _charge(1 + sum((len(v) >> 5 if fast else 4 * len(v)) if isinstance(v, str) else _size(v) for v in values)
                 + _reads(*kwargs.values()))
         if name == "sum" and values and not isinstance(values[0], (list, tuple)):  # its items as a counted list
@@ -447,7 +498,8 @@ def _emit(_context: Any, value: Any) -> Any:
 
 @pass_context
 def _read(_context: Any, value: Any) -> Any:
-    """A value a comparison or a slice reads, counted by its size."""
+    """A value a comparison, a slice or a dict's key reads, counted by its size (compared or hashed whole)."""
+    _check_walk(value)
     _charge(_reads(value))
     return value
 
@@ -495,6 +547,12 @@ class _Instrument(NodeTransformer):
         node.expr = _filter(node.expr, "_asyncinfer_read")
         for operand in node.ops:
             operand.expr = _filter(operand.expr, "_asyncinfer_read")
+        return node
+
+    def visit_Dict(self, node: nodes.Dict) -> nodes.Node:
+        self.generic_visit(node)
+        for pair in node.items:
+            pair.key = _filter(pair.key, "_asyncinfer_read")  # hashed as the dict is built
         return node
 
     def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
@@ -547,6 +605,11 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         _charge(1 + _reads(left, right))
         return _built(super().call_binop(context, operator, left, right))
 
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        """``obj[argument]``: a key hashed (a dict's) or compared, its size checked first."""
+        _check_walk(argument)
+        return super().getitem(obj, argument)
+
     def wrap_str_format(self, value: Any) -> Any:
         """Jinja's sandboxed ``str.format`` and ``format_map`` (handed out with the method), widths checked."""
         wrapper = super().wrap_str_format(value)
@@ -564,6 +627,7 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         values = {k: v for k, v in kwargs.items() if not k.startswith("_")}  # not the loop's own variables
         receiver = getattr(obj, "__self__", None)
+        _check_walk(receiver, *args, *values.values())
         _charge(1 + _reads(receiver, *args, *values.values()))
         if isinstance(receiver, str):
             _check_str_method(receiver, getattr(obj, "__name__", ""), args, values)

@@ -38,7 +38,8 @@ reports it as an ``InvalidParameterError`` on the prompt, as any template failur
   lists of operators, methods, filters: an item counts as a character) in a render (the largest chat above: 9 M);
 - ``MAX_TEMPLATE_VALUE_CHARS`` = 2**22 characters or items of one value, checked before it is built (``*``,
   ``+``, ``~``, ``%``, ``format``, widths, counts and replacements of str methods and filters, a list written
-  out); ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
+  out; a value compared, sorted or hashed, a list, tuple or dict held in several places counted in each);
+  ``MAX_TEMPLATE_INT_BITS`` = 2**16 bits of an integer (``**``, ``*``); ``MAX_TOJSON_INDENT`` = 64;
 - ``MAX_RENDERED_CHARS`` = 2**22 characters rendered (about a million tokens: more than a model takes);
 - ``MAX_TEMPLATE_SOURCE_CHARS`` = 2**18 characters of source (real templates: under 20,000), checked before
   compiling: a longer one fails the model's chats, not its load; ``MAX_TEMPLATE_RANGE`` = 100,000 items of a
@@ -115,17 +116,23 @@ class CachedTokenizer:
         self.backend_tokenizer = backend
         self.special_tokens_map: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
-        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template too long
-        # to compile (MAX_TEMPLATE_SOURCE_CHARS) fails each chat, not the load: the model serves text prompts.
+        # Compiled now, with the load, so that the first chat pays nothing more than the next. A template that does
+        # not compile (too long: MAX_TEMPLATE_SOURCE_CHARS; no template; nested past Python's recursion limit or its
+        # indentation) fails each chat, not the load: the model serves text prompts. (Raised here, it made every load
+        # of the file take its cached tokenizer for damaged and build it again through transformers.)
         self._template: Any = None
         self._template_error: Exception | None = None
         if chat_template is not None:
+            from asyncinfer.errors import exception_text
             from asyncinfer.models.template_budget import ChatTemplateLimitError
 
             try:
                 self._template = compile_chat_template(chat_template)
             except ChatTemplateLimitError as exc:
                 self._template_error = exc
+            except Exception as exc:  # noqa: BLE001 - the file's template: whatever compiling it raised
+                self._template_error = ValueError(
+                    f"the chat template cannot be compiled ({type(exc).__name__}: {exception_text(exc)})")
 
     # ---------------------------------------------------------------- special tokens
     def __getattr__(self, name: str) -> Any:
@@ -192,7 +199,8 @@ class CachedTokenizer:
         """The conversation rendered by the chat template (see the module docstring); its ids with ``tokenize``.
 
         Raises:
-            ValueError: the tokenizer has no chat template, or the conversation is empty; an
+            ValueError: the tokenizer has no chat template, its template does not compile, or the conversation is
+                empty; an
                 InvalidParameterError (a ValueError) for one of transformers' options this class does not do
                 (``return_tensors``, ``return_dict``, ``continue_final_message``, ...) set to other than its default.
             TypeError: a message that is not a mapping.
