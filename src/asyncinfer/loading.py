@@ -49,6 +49,7 @@ from asyncinfer.errors import (
     ModelLoadError,
     SwapError,
     exception_text,
+    is_native_panic,
 )
 from asyncinfer.grammar import GrammarCompiler
 from asyncinfer.holder import ModelVersion, idle_backoff
@@ -248,13 +249,25 @@ def check_tokenizer(loaded: LoadedModel) -> None:
         raise ModelLoadError(
             f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {loaded.config.vocab_size}"
         )
-    if tokenizer is not None and not tokenizer.encode(TOKENIZER_PROBE_TEXT, add_special_tokens=False):
+    if tokenizer is not None and _encodes_nothing(tokenizer):
         logger.warning(
             "the tokenizer of %s (%s) encodes the text %r to no token: every text prompt would reach the model as "
             "its special tokens alone. Its vocabulary does not match its type (a GGUF file's tokenizer is built by "
             "its architecture: tokenizer.ggml.model must be the one that architecture uses); send token ids, or "
             "use a file whose tokenizer reads text (docs/models_and_embeddings.md)",
             loaded.source, type(tokenizer).__name__, TOKENIZER_PROBE_TEXT)
+
+
+def _encodes_nothing(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` encodes :data:`TOKENIZER_PROBE_TEXT` to no token. A tokenizer that fails on the text
+    (raises, or its Rust code panics) is not this case: each text request then fails with the prompt's own typed
+    error, and the model still serves token ids (tests/server/test_fresh_pass15.py)."""
+    try:
+        return not tokenizer.encode(TOKENIZER_PROBE_TEXT, add_special_tokens=False)
+    except BaseException as exc:
+        if isinstance(exc, Exception) or is_native_panic(exc):
+            return False
+        raise
 
 
 def build_core(loaded: LoadedModel, config: EngineConfig, *,
