@@ -63,10 +63,14 @@ async def test_a_profile_path_with_a_nul_is_an_invalid_parameter_and_the_profile
         await engine.profile(3, str(tmp_path / "a\0b"))
     assert info.value.parameter == "path"
     assert "NUL" in info.value.allowed
-    traffic = asyncio.create_task(engine.generate(GOOD, SamplingParams(max_tokens=8)))
-    result = await asyncio.wait_for(engine.profile(2, tmp_path / "ok"), 60)
+    # a profile waits for the engine's next steps: traffic until it has them (one short request could end while
+    # the profile's directory check runs in a thread, and the profile would then wait on an idle engine)
+    profile = asyncio.create_task(engine.profile(2, tmp_path / "ok"))
+    deadline = asyncio.get_running_loop().time() + 60
+    while not profile.done() and asyncio.get_running_loop().time() < deadline:
+        await engine.generate(GOOD, SamplingParams(max_tokens=2))
+    result = await asyncio.wait_for(profile, 1)
     assert (tmp_path / "ok" / "trace.json").exists() and result is not None
-    await traffic
 
 
 # ----------------------------------------------------------------- plan_memory(): available_bytes is checked
