@@ -621,3 +621,24 @@ async def loop_lags(period: float) -> AsyncIterator[list[float]]:
         yield lags
     finally:
         tick.cancel()
+
+
+def with_chat_template(model_dir: Path, target: Path, chat_template: str) -> Path:
+    """A copy of the tiny model ``model_dir`` at ``target`` with a small transformers BPE tokenizer (byte level,
+    ``<unk>``/``<s>``/``</s>``) whose chat template is ``chat_template``: a model file's template under test."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(model_dir, target)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["Hello world, the quick brown fox."] * 10,
+                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(target)
+    return target

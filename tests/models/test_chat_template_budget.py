@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -294,24 +293,9 @@ SPINNING = ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{
 @pytest.fixture
 def hostile_chat_model(tiny_models, tmp_path) -> Path:
     """The suite's tiny Llama with a transformers tokenizer whose chat template spins."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.helpers import with_chat_template
 
-    src, _ = tiny_models["llama"]
-    path = tmp_path / "hostile"
-    path.mkdir()
-    for item in src.iterdir():
-        shutil.copy(item, path / item.name)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["Hello world, the quick brown fox."] * 10,
-                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
-                                                show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = SPINNING
-    fast.save_pretrained(path)
-    return path
+    return with_chat_template(tiny_models["llama"][0], tmp_path / "hostile", SPINNING)
 
 
 async def test_an_engine_refuses_chats_on_a_hostile_template_and_serves_text(hostile_chat_model) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -139,23 +138,10 @@ def test_a_gguf_template_that_does_not_compile_fails_its_chats_and_its_cached_to
 def shared_list_chat_model(tiny_models, tmp_path) -> Path:
     """The suite's tiny Llama with a transformers tokenizer whose chat template compares two lists doubled 30 times
     (2**31 items to walk: half a minute of one C call holding the GIL, before the check)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.helpers import with_chat_template
 
-    src, _ = tiny_models["llama"]
-    path = tmp_path / "shared-lists"
-    shutil.copytree(src, path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["Hello world, the quick brown fox."] * 10,
-                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
-                                                show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = DOUBLED.replace(str(LEVELS), "30") + "{{ ns.a == ns.b }}{% for m in messages %}{{ m.content }}" \
-                                                              "{% endfor %}"
-    fast.save_pretrained(path)
-    return path
+    template = DOUBLED.replace(str(LEVELS), "30") + "{{ ns.a == ns.b }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    return with_chat_template(tiny_models["llama"][0], tmp_path / "shared-lists", template)
 
 
 async def test_a_model_whose_template_compares_shared_lists_fails_its_chats_and_its_neighbour_serves_on(
