@@ -339,10 +339,7 @@ def _create_scheduler(config: EngineConfig, scheduler_config: SchedulerConfig, k
         raise
     except Exception as exc:
         cls = resolve_scheduler(config.scheduler)
-        try:
-            source = inspect.getsourcefile(cls)
-        except TypeError:  # a class without a file (built in the REPL)
-            source = None
+        source = _source_file(cls)
         where = f"{cls.__module__}.{cls.__qualname__}" + (f" in {source}" if source else "")
         raise InvalidParameterError(
             "scheduler_options", dict(config.scheduler_options or {}),
@@ -479,15 +476,20 @@ def _raised_in(exc: BaseException, cls: type) -> str | None:
     """``cls``'s own source file where ``exc`` was raised with a frame of it on its stack (a scheduler plugin's
     ``schedule()`` or a hook, not the model or the engine), else None: the warm-up then names the plugin, whose
     error read as the model file's (``loading 'model.gguf' failed: 'oops'``)."""
-    try:
-        source = inspect.getsourcefile(cls)
-    except TypeError:  # a class without a file (built in the REPL): nothing to name
-        return None
+    source = _source_file(cls)
     if source is None:
         return None
     target = os.path.realpath(source)
     on_stack = any(os.path.realpath(frame.filename) == target for frame in traceback.extract_tb(exc.__traceback__))
     return source if on_stack else None
+
+
+def _source_file(cls: type) -> str | None:
+    """The file a scheduler class was defined in, None for one without a file (built in the REPL)."""
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:
+        return None
 
 
 # ------------------------------------------------------------- before loading
