@@ -144,6 +144,9 @@ def plain_fields(options: Any) -> None:
 #: catch) when told to start a team far beyond any machine's cores (``num_threads=20000``).
 MAX_THREADS = 4096
 
+#: The most requests one step may hold (``max_num_seqs``).
+MAX_NUM_SEQS = 4096
+
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
     if value is None and optional:
@@ -281,7 +284,7 @@ class EngineConfig:
         bad_frac = isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95
         if frac is not None and bad_frac:
             raise InvalidParameterError("kv_cache_fraction", frac, "a number in (0, 0.95], or None (from the workload)")
-        check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
@@ -387,15 +390,16 @@ _OTHER_OPTIONS: dict[str, str] = {
     "max_batch_size": "max_num_seqs", "n_gpu_layers": "device", "device_map": "device", "load_in_4bit": "quantization",
     "load_in_8bit": "quantization", "quantization_config": "quantization",
 }
+#: What a caller who passed the options as one object (``config=EngineConfig(...)``) is told.
+_OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
+                         "or from_pretrained(model, **options) with a dict of them")
 #: Keywords of other tools with nothing in asyncinfer to take them.
 _NO_OPTION: dict[str, str] = {
     "tensor_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
     "pipeline_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",
     "trust_remote_code": "asyncinfer runs no model code of its own (its own model classes only)",
-    "config": "the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
-              "or from_pretrained(model, **options) with a dict of them",
-    "engine_config": "the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
-                     "or from_pretrained(model, **options) with a dict of them",
+    "config": _OPTIONS_ARE_KEYWORDS,
+    "engine_config": _OPTIONS_ARE_KEYWORDS,
 }
 
 

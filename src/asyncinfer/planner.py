@@ -23,7 +23,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import blocks_for
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.config import EngineConfig, resolve_dtype, spelled_dtype
+from asyncinfer.config import MAX_NUM_SEQS, EngineConfig, resolve_dtype, spelled_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
@@ -255,7 +255,7 @@ def plan_deployment(
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
     for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256),
-                              ("max_num_seqs", max_num_seqs, 4096),  # the engine's own ranges (EngineConfig)
+                              ("max_num_seqs", max_num_seqs, MAX_NUM_SEQS),  # the engine's own ranges (EngineConfig)
                               ("max_num_batched_tokens", max_num_batched_tokens, None)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
             raise InvalidParameterError(name, value, f"an integer >= 1{'' if high is None else f' and <= {high}'}")
