@@ -19,8 +19,9 @@ or ``2 ** 10 ** 8``. The environment here renders a template on a budget that ho
   precision over the limit is refused), the string methods that take a width, a count or a replacement
   (``ljust``, ``rjust``, ``center``, ``zfill``, ``expandtabs``, ``replace``, ``join``, ``translate``),
   the filters that do (``center``, ``indent``, ``wordwrap``, ``format``, ``replace``, ``join``, ``batch``,
-  ``tojson``'s indent up to :data:`MAX_TOJSON_INDENT`), the text of a list or dict written out, a value compared, sorted or hashed (a list, tuple
-  or dict held in several places counted in each: the one C call walks it whole), and integers of more than :data:`MAX_TEMPLATE_INT_BITS` bits (``**`` and ``*``);
+  ``tojson``'s indent up to :data:`MAX_TOJSON_INDENT`), the text of a list or dict written out, a value
+  compared, sorted or hashed (a list, tuple or dict held in several places counted in each: the one C call
+  walks it whole), and integers of more than :data:`MAX_TEMPLATE_INT_BITS` bits (``**`` and ``*``);
 - *the output* (:data:`MAX_RENDERED_CHARS` characters), *the source* (:data:`MAX_TEMPLATE_SOURCE_CHARS`,
   checked before it is compiled) and ``range`` (:data:`MAX_TEMPLATE_RANGE` items, as Jinja's sandbox).
 
