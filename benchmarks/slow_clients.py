@@ -5,11 +5,14 @@ body (``--mode body``), one byte every ``--interval`` seconds, for ever, until t
 it; meanwhile one ordinary ``GET /health`` is timed. A server with a header and a body deadline
 (``asyncinfer serve --header-timeout --body-timeout``) closes every one of them on time, with a
 408, and still answers; one over its ``--max-connections`` answers the surplus 503 at once. A
-server without them holds every connection until ``--give-up``.
+server without them holds every connection until ``--give-up``. On a server with API keys, give one
+(``--api-key``): without it every request is refused (401) as soon as its headers are in, and ``--mode
+body`` would measure that refusal, not the body deadline.
 
     asyncinfer serve --header-timeout 2 --body-timeout 2 &
     python benchmarks/slow_clients.py --url http://127.0.0.1:8000 --connections 300 --mode headers
     python benchmarks/slow_clients.py --connections 300 --mode body --json slow.json
+    python benchmarks/slow_clients.py --connections 300 --mode body --api-key "$KEY"   # a server with keys
 
 It prints how many the server closed, how soon, and with which status; ``--json`` writes that
 too. It exits 1 when a connection outlived ``--give-up`` or the ordinary request was not
@@ -72,8 +75,10 @@ async def dribble(host: str, port: int, at_once: bytes, slowly: bytes, interval:
     return Outcome(time.monotonic() - start if closed else None, bytes(answer))
 
 
-async def ordinary_request(host: str, port: int, timeout: float) -> float | None:
-    """Seconds a plain ``GET /health`` takes while the slow connections are held (None: no answer)."""
+async def ordinary_request(host: str, port: int, timeout: float) -> tuple[float | None, int | None]:
+    """A plain ``GET /health`` while the slow connections are held: its seconds (None: not answered 200) and
+    the status it was answered (None: no answer; a 503 where the slow connections took every place of the
+    server's ``--max-connections``)."""
     start = time.monotonic()
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
@@ -81,14 +86,17 @@ async def ordinary_request(host: str, port: int, timeout: float) -> float | None
         answer = await asyncio.wait_for(reader.read(65536), timeout)
         writer.close()
     except (OSError, asyncio.TimeoutError):
-        return None
-    return time.monotonic() - start if answer.startswith(b"HTTP/1.1 200") else None
+        return None, None
+    status = Outcome(None, answer).status
+    return (time.monotonic() - start if status == 200 else None), status
 
 
 async def run(args: argparse.Namespace) -> dict:
     url = urllib.parse.urlsplit(args.url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     head = HEAD.format(host=host).encode()
+    if args.api_key is not None:
+        head += f"Authorization: Bearer {args.api_key}\r\n".encode()
     if args.mode == "headers":
         at_once, slowly = b"", head + b"X-Padding: " + b"a" * 8192
     else:
@@ -96,7 +104,7 @@ async def run(args: argparse.Namespace) -> dict:
     crowd = asyncio.gather(*(dribble(host, port, at_once, slowly, args.interval, args.give_up)
                              for _ in range(args.connections)))
     await asyncio.sleep(min(1.0, args.give_up / 4))  # they are all dribbling now
-    meanwhile = await ordinary_request(host, port, args.give_up)
+    meanwhile, meanwhile_status = await ordinary_request(host, port, args.give_up)
     outcomes = await crowd
     closed = [o.closed_after for o in outcomes if o.closed_after is not None]
     statuses: dict[str, int] = {}
@@ -107,7 +115,7 @@ async def run(args: argparse.Namespace) -> dict:
         "give_up": args.give_up, "closed": len(closed), "held_until_give_up": args.connections - len(closed),
         "closed_after_s": {"min": min(closed), "median": statistics.median(closed), "max": max(closed)}
         if closed else None,
-        "statuses": statuses, "ordinary_request_s": meanwhile,
+        "statuses": statuses, "ordinary_request_s": meanwhile, "ordinary_request_status": meanwhile_status,
         "outcomes": [{"closed_after": o.closed_after, "status": o.status} for o in outcomes] if args.every else None,
     }
 
@@ -121,15 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between two bytes (default 0.1)")
     parser.add_argument("--give-up", type=float, default=60.0,
                         help="seconds after which a connection still open counts as held (default 60)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="the server's API key, sent with each slow request (a server with keys refuses a "
+                             "request without one as soon as its headers are in)")
     parser.add_argument("--every", action="store_true", help="list every connection's outcome in --json")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
+    if args.api_key is not None and (not args.api_key or not args.api_key.isprintable() or args.api_key != args.api_key.strip()):
+        parser.error("--api-key must be a non-empty key of printable characters without spaces around it")
     result = asyncio.run(run(args))
     times = result["closed_after_s"]
     print(f"{result['closed']} of {args.connections} connections closed by the server"
           + (f" after {times['min']:.2f}-{times['max']:.2f} s (median {times['median']:.2f})" if times else ""))
+    meanwhile, status = result["ordinary_request_s"], result["ordinary_request_status"]
     print(f"statuses: {result['statuses']}; an ordinary request meanwhile: "
-          + ("no answer" if result["ordinary_request_s"] is None else f"{result['ordinary_request_s']:.3f} s"))
+          + (f"{meanwhile:.3f} s" if meanwhile is not None else "no answer" if status is None
+             else f"answered {status}" + (" (the connection cap: --connections over the server's --max-connections)"
+                                          if status == 503 else "")))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
