@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
@@ -43,7 +44,7 @@ def test_slow_bodies_with_the_servers_key_reach_the_body_deadline(keyed, tmp_pat
 
 
 def test_slow_bodies_without_a_key_are_refused_401_and_the_docstring_says_to_give_one(keyed, tmp_path) -> None:
-    done, result = slow_clients(keyed.url, tmp_path, "--connections", "4", "--mode", "body")
+    _, result = slow_clients(keyed.url, tmp_path, "--connections", "4", "--mode", "body")
     assert result["statuses"] == {"401": 4}
     assert "--api-key" in (ROOT / "benchmarks" / "slow_clients.py").read_text().split('"""')[1]
 
@@ -62,3 +63,40 @@ def test_an_api_key_with_spaces_around_it_is_refused_by_its_flag(tmp_path) -> No
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "--api-key must be a non-empty key of printable characters without spaces around it" in done.stderr
+
+
+def metric_lines(live: LiveServer, metrics_key: str) -> dict[str, float]:
+    text = httpx.get(live.url + "/metrics", headers={"authorization": f"Bearer {metrics_key}"}).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("asyncinfer_http_responses_total{", "asyncinfer_rejected_requests_total{"))}
+
+
+def test_refusals_before_the_engine_are_counted_by_status_as_the_monitoring_readme_says(tiny_models) -> None:
+    """docs/monitoring/README.md: a tenant's 429, a key's 401 and a body's 413 are in asyncinfer_http_responses_total
+    (by status) and not in asyncinfer_rejected_requests_total; the dashboard charts them."""
+    settings = ServerSettings(api_keys=(KEY,), metrics_keys=("ops",), max_requests_per_tenant=1, max_body_bytes=4096)
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings),
+                    settings) as live:
+        auth = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body, headers=auth) as held:
+                assert held.status_code == 200
+                refused = http.post("/v1/completions", json={**body, "stream": False}, headers=auth)
+                assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_requests_exceeded"
+                held.read()
+            assert http.post("/v1/completions", json=body, headers={"authorization": "Bearer nope"}).status_code == 401
+            big = http.post("/v1/completions", content=b"x" * 8192, headers={**auth, "content-type": "application/json"})
+            assert big.status_code == 413
+        lines = metric_lines(live, "ops")
+    assert lines['asyncinfer_http_responses_total{route="/v1/completions",status="429"}'] == 1.0
+    assert lines['asyncinfer_http_responses_total{route="/v1/completions",status="401"}'] == 1.0
+    assert lines['asyncinfer_http_responses_total{route="/v1/completions",status="413"}'] == 1.0
+    assert lines['asyncinfer_rejected_requests_total{model="ids",reason="invalid"}'] == 0.0
+    assert lines['asyncinfer_rejected_requests_total{model="ids",reason="overloaded"}'] == 0.0
+    readme = (ROOT / "docs" / "monitoring" / "README.md").read_text()
+    assert "| `asyncinfer_http_responses_total` | counter | route, status |" in readme
+    dashboard = json.loads((ROOT / "docs" / "monitoring" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert ('sum by (route, status) (rate(asyncinfer_http_responses_total{status=~"401|429|503"}[$__rate_interval]))'
+            in exprs)
