@@ -537,6 +537,10 @@ def generator_shortfall(
     config = EngineConfig.from_options(options)
     try:
         path = resolve_model(model)
+        if is_encoder_dir(path):  # its config reads as an unsupported model_type, as if the file were broken
+            raise ModelLoadError("it is a sentence encoder (an embedding model), not a generator: serve it beside the "
+                                 "generators with add_model(name, model) (swap_model replaces a generator with a "
+                                 "generator)")
         avail = (available_memory(config.device) if available is None else available) + freed
         plan = plan_memory(path, available_bytes=avail, **options)
     except ConfigurationError as exc:
