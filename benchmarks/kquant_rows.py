@@ -19,6 +19,7 @@ in each pass) as its median and spread.
     python benchmarks/kquant_rows.py --shape 1b --threads 1
     python benchmarks/kquant_rows.py --shape 1b --baseline /path/to/old/_kernels_avx2.so
     python benchmarks/kquant_rows.py --shape 1b --formats q4_0 q5_0 q5_1 --baseline OLD.so --json out.json
+    python benchmarks/kquant_rows.py --shape 1b --activation-dtype int8 --baseline OLD.so   # the int8 rows
     python benchmarks/kquant_rows.py --shape 1b --clock cpu     # on a machine others load
     python benchmarks/kquant_rows.py --shape tiny --repeats 2     # a smoke run
 """
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_commit, machine_info, write_record
 
 from asyncinfer import kernels
+from asyncinfer.kernels.formats import ACTIVATION_DTYPES, LAYOUTS, activation_dtype_flag
 
 #: (hidden, intermediate, q heads * head dim, kv heads * head dim) per shape.
 SHAPES = {
@@ -74,27 +76,33 @@ class Weights:
         self.nbytes = sum(p.numel() for p, _, _ in self.mats)
 
 
-def library_pass(lib: ctypes.CDLL, threads: int) -> Callable[[Weights, dict[int, torch.Tensor]], None]:
+def library_pass(lib: ctypes.CDLL, threads: int, activation_dtype: str = "int16"
+                 ) -> Callable[[Weights, dict[int, torch.Tensor]], None]:
     """A pass through a library's GEMM entries, called as ``kernels.gemm`` calls them (without its checks,
-    whose cost would blur the smallest shapes)."""
+    whose cost would blur the smallest shapes): ``asyncinfer_gemm_<format>`` for int16 activations, and
+    ``asyncinfer_gemm`` with the format's code and ``activation_dtype``'s flag for the others."""
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.asyncinfer_scratch_bytes.argtypes, lib.asyncinfer_scratch_bytes.restype = [I64, I64], I64
     for fmt in CHOICES:
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
         fn.argtypes, fn.restype = [P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
+    lib.asyncinfer_gemm.argtypes, lib.asyncinfer_gemm.restype = [INT, P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
+    flag = activation_dtype_flag(activation_dtype)
     scratch: dict[tuple[int, int], torch.Tensor] = {}
 
     def run(weights: Weights, xs: dict[int, torch.Tensor]) -> None:
         fn = getattr(lib, f"asyncinfer_gemm_{weights.fmt}")
+        code = LAYOUTS[weights.fmt].code | flag
         for packed, n, k in weights.mats:
             x = xs[k]
             m = x.shape[0]
             if (m, k) not in scratch:
                 scratch[m, k] = torch.empty(lib.asyncinfer_scratch_bytes(m, k), dtype=torch.uint8)
             y = torch.empty(m, n)
-            if fn(x.data_ptr(), m, k, k, packed.data_ptr(), n, None, y.data_ptr(), n, threads,
-                  scratch[m, k].data_ptr()):
-                raise RuntimeError(f"the baseline's {weights.fmt} GEMM failed")
+            args = (x.data_ptr(), m, k, k, packed.data_ptr(), n, None, y.data_ptr(), n, threads,
+                    scratch[m, k].data_ptr())
+            if (lib.asyncinfer_gemm(code, *args) if flag else fn(*args)):
+                raise RuntimeError(f"the {weights.fmt} GEMM failed")
 
     return run
 
@@ -107,6 +115,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="passes per format and M; the minimum is kept")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--formats", nargs="+", choices=CHOICES, default=list(FORMATS))
+    ap.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default="int16",
+                    help="how the GEMMs round the activations (EngineConfig's activation_dtype; default int16)")
     ap.add_argument("--baseline", type=Path, default=None, help="another build of the kernels' library to compare")
     ap.add_argument("--json", type=Path, default=None, help="write every pass's time and the summaries here")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -122,9 +132,9 @@ def main() -> None:
     fmts = list(dict.fromkeys(["q4_1", *args.formats]))  # Q4_1: the per-byte yardstick
     weights = {fmt: Weights(fmt, args.shape, args.layers, seed=1) for fmt in fmts}
     now = ctypes.CDLL(kernels.build_info()["path"])  # the library the package loaded
-    runners = {"now": library_pass(now, args.threads)}
+    runners = {"now": library_pass(now, args.threads, args.activation_dtype)}
     if args.baseline is not None:
-        runners["baseline"] = library_pass(ctypes.CDLL(str(args.baseline)), args.threads)
+        runners["baseline"] = library_pass(ctypes.CDLL(str(args.baseline)), args.threads, args.activation_dtype)
     widths = sorted({k for _, k in layer_matrices(args.shape)})
     best: dict[tuple[str, str, int], float] = {}
     passes: dict[tuple[str, str, int], list[float]] = {}
@@ -145,7 +155,7 @@ def main() -> None:
                         best[key] = min(best.get(key, elapsed), elapsed)
                         passes.setdefault(key, []).append(elapsed)
     print(f"kernels {kernels.isa()}, shape {args.shape} x {args.layers} layers, {args.threads} thread(s), "
-          f"min of {args.repeats} interleaved passes, {args.clock} time")
+          f"min of {args.repeats} interleaved passes, {args.clock} time, {args.activation_dtype} activations")
     for name in runners:
         print(f"\n[{name}]  ms per pass / GB/s of weights / per byte vs q4_1")
         print(f"{'format':<8}{'MB':>8}" + "".join(f"{'M=' + str(m):>24}" for m in args.tokens))
@@ -193,6 +203,7 @@ def record(args: argparse.Namespace, weights: dict[str, Weights], runners: dict[
         "kernel_isa": kernels.isa(), "library": kernels.build_info()["path"],
         "baseline": str(args.baseline) if args.baseline is not None else None,
         "shape": args.shape, "layers": args.layers, "threads": args.threads, "clock": args.clock,
+        "activation_dtype": args.activation_dtype,
         "repeats": args.repeats, "weight_bytes": {fmt: w.nbytes for fmt, w in weights.items()},
         "what": "seconds of one pass of one GEMM call per projection over the layers, formats and libraries "
                 "interleaved pass by pass; speed-up = baseline seconds / now seconds of the same pass",

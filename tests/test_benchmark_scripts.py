@@ -228,6 +228,19 @@ def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library(tmp_path) -> N
     assert [(r["format"], r["tokens"]) for r in result["speedup_over_baseline"]] == [(f, m) for f in fmts for m in (1, 5)]
     assert all(len(r["ratios"]) == 2 and r["min"] <= r["median"] <= r["max"] for r in result["speedup_over_baseline"])
     assert len(result["commit"]) == 40 and result["kernel_isa"] == kernels.isa()
+    assert result["activation_dtype"] == "int16"
+    # the int8 rows (asyncinfer_gemm with the format's code and the int8 flag), beside the same baseline
+    done = run_script("kquant_rows.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "1", "5",
+                      "--formats", "q4_k", "q8_0", "--activation-dtype", "int8", "--baseline",
+                      kernels.build_info()["path"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "int8 activations" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["activation_dtype"] == "int8"
+    assert [(r["format"], r["tokens"]) for r in result["speedup_over_baseline"]] == [
+        (f, m) for f in ("q4_1", "q4_k", "q8_0") for m in (1, 5)]
+    refused = run_script("kquant_rows.py", "--shape", "tiny", "--activation-dtype", "int4")
+    assert refused.returncode == 2 and "--activation-dtype: invalid choice: 'int4'" in refused.stderr
 
 
 def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_path) -> None:

@@ -463,6 +463,36 @@ def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> 
     assert firsts and note < min(firsts)
 
 
+def test_the_prefetch_table_in_the_docs_is_the_results_files() -> None:
+    """docs/formats.md's "Prefetch distance" table and its ranges quote benchmarks/kquant_rows.py's two records
+    (the median per-pass speed-up over the baseline library): every cell, and the ranges in csrc/internal.h."""
+    import json
+
+    order = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+    runs = {dtype: json.loads((ROOT / "benchmarks" / "results" / f"prefetch_rows_{dtype}_epyc.json").read_text())
+            for dtype in ("int8", "int16")}
+    medians = {(dtype, r["format"], r["tokens"]): r["median"] for dtype, run in runs.items()
+               for r in run["speedup_over_baseline"]}
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    section = formats[formats.index("**Prefetch distance.**"):formats.index("**Speed of the scalar reference**")]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0].isdigit():
+            table[int(cells[0])] = cells[1:]
+    assert sorted(table) == [1, 4, 32]
+    for rows, cells in table.items():
+        assert cells == [f"{medians[dtype, fmt, rows]:.2f}x" for dtype in ("int8", "int16") for fmt in order]
+    assert all(run["commit"].startswith("f4a26da") and run["activation_dtype"] == dtype
+               for dtype, run in runs.items()) and "commit f4a26da" in section
+    header = " ".join((ROOT / "src" / "asyncinfer" / "kernels" / "csrc" / "internal.h").read_text().split())
+    one = {dtype: [medians[dtype, fmt, 1] for fmt in order] for dtype in runs}
+    assert (f"{min(one['int8']):.2f}-{max(one['int8']):.2f}x faster with int8 activations and "
+            f"{min(one['int16']):.2f}-{max(one['int16']):.2f}x with int16") in header
+    thirty_two = [medians[dtype, fmt, 32] for dtype in runs for fmt in order]
+    assert f"32 rows, bound by arithmetic, {min(thirty_two):.2f}-{max(thirty_two):.2f}x" in header
+
+
 def test_the_int8_peak_figures_in_the_docs_are_the_results_files() -> None:
     """docs/formats.md and the README quote benchmarks/int8_peak.py's records: the figures equal the files."""
     import json

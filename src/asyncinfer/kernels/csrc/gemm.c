@@ -28,9 +28,7 @@
 
 #define MR 4  /* activation rows per pass over a weight row */
 #define TN 12 /* weight rows per panel */
-#ifndef PREFETCH
-#define PREFETCH 1024 /* bytes ahead in the weight stream (a thread's rows are contiguous) */
-#endif
+#define PREFETCH AI_PREFETCH_BYTES
 #define ROW_BYTES_Q4_1 20
 #define ROW_BYTES_Q8_0 34
 

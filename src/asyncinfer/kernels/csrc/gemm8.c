@@ -23,9 +23,7 @@
 /* Whether the format adds a min term (blocks.h's formats, and the regrouped Q4_1). */
 static inline int has_min8(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 || ai_fmt_has_min(fmt); }
 
-#ifndef PREFETCH8
-#define PREFETCH8 1024
-#endif
+#define PREFETCH8 AI_PREFETCH_BYTES
 
 /* Activations rounded per block (in order, every variant): q [M, K] int8, d and sum [M, K / 32] float32, isum
  * [M, K / 16] int16 (the sum of each 16 of q). In the caller's scratch: ai_scratch8_bytes(M, K), never more
