@@ -44,7 +44,9 @@ Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
   logits *after* penalties and the min_tokens mask but *before* temperature and
   top-k/top-p/min-p filtering, i.e. the model's distribution as adjusted by the
   request's logit processors, independent of how it is sampled. The sampled
-  token's logprob is always returned, plus the ``logprobs`` most likely tokens.
+  token's logprob is always returned, plus the ``logprobs`` most likely tokens, equal logprobs
+  ordered by token id (a grammar's forbidden tokens are all ``-inf``: the lowest ids among them), so
+  a row's alternatives never depend on its neighbours' ``logprobs``.
 
 The sampler never modifies the ``logits`` tensor it is given.
 """
@@ -494,6 +496,34 @@ class Sampler:
         return x.masked_fill_(probs < m_t[:, None] * top, _NEG_INF)
 
     @staticmethod
+    def _top_alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Each row's ``k`` most likely tokens, ``(id, logprob)`` by logprob and, among equal ones, by id.
+
+        ``torch.topk`` orders ties as its kernel meets them, which depends on ``k`` (the largest ``logprobs``
+        of the step's rows) and on the rows: a structured row's forbidden tokens are all ``-inf``, and the
+        alternatives it reported among them changed with a neighbour's ``logprobs``. Each row's list is a
+        prefix of one total order (logprob descending, id ascending), so it depends on the row alone.
+        """
+        vals, idx = torch.topk(logp, k, dim=-1)
+        kth = vals[:, -1:]
+        equal = logp == kth
+        # Rows where more columns equal the k-th value than topk kept: take the lowest ids among them.
+        cut = (equal.sum(dim=1) > (vals == kth).sum(dim=1)).nonzero().flatten()
+        ties: dict[int, list[int]] = {}
+        if cut.numel():
+            cols = torch.arange(logp.shape[1], dtype=torch.float64, device=logp.device)
+            _, lowest = torch.topk(torch.where(equal[cut], -cols, -torch.inf), k, dim=-1)
+            ties = dict(zip(cut.tolist(), lowest.tolist()))
+        rows: list[list[tuple[int, float]]] = []
+        for j, (vs, ids, last) in enumerate(zip(vals.tolist(), idx.tolist(), kth[:, 0].tolist())):
+            if j not in ties:  # every column of the k-th value is in: only their order to fix
+                rows.append([(t, v) for v, t in sorted(zip(vs, ids), key=lambda p: (-p[0], p[1]))])
+                continue
+            above = sorted(((v, t) for v, t in zip(vs, ids) if v > last), key=lambda p: (-p[0], p[1]))
+            rows.append([(t, v) for v, t in above] + [(t, last) for t in ties[j][:k - len(above)]])
+        return rows
+
+    @staticmethod
     def _with_logprobs(
         tokens: torch.Tensor, logp: torch.Tensor, lp_rows: list[int], states: Sequence[SamplingState]
     ) -> SamplerOutput:
@@ -504,12 +534,10 @@ class Sampler:
         top_n = min(max(states[i].params.logprobs or 0 for i in lp_rows), logp.shape[1])
         token_list = tokens.tolist()
         chosen_list = chosen.tolist()
-        if top_n > 0:
-            vals, idx = torch.topk(logp, top_n, dim=-1)
-            vals_list, idx_list = vals.tolist(), idx.tolist()
+        tops = Sampler._top_alternatives(logp, top_n) if top_n > 0 else []
         out: list[TokenLogprobs | None] = [None] * n
         for j, i in enumerate(lp_rows):
             want = states[i].params.logprobs or 0
-            top = list(zip(idx_list[j][:want], vals_list[j][:want])) if top_n > 0 and want else []
+            top = tops[j][:want] if want else []
             out[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen_list[j], top=top)
         return SamplerOutput(token_list, out)
