@@ -90,3 +90,175 @@ def test_seeded_structured_samples_with_logprobs_and_stops_are_the_same_alone_ba
                 [(lp.token_id, [t for t, _ in lp.top]) for lp in want], kind
             # the logprobs are the same up to float32 rounding (a prefill cut into other chunks sums in another order)
             assert [lp.logprob for lp in sample.logprobs] == pytest.approx([lp.logprob for lp in want], abs=1e-5), kind
+
+
+# ---- any combination of parameters fails or serves its own request only ----------------------------------------
+
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Coroutine, Iterator  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from asyncinfer.errors import AsyncInferError  # noqa: E402
+
+NEIGHBOUR = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+NEIGHBOUR_PROMPT = [7, 8, 9, 10, 11, 12]
+
+
+class LoopEngine:
+    """An engine on an event loop of its own thread (one engine thread in all), for examples that share it."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(engine.start())
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.call(self.engine.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_chat_model: Path) -> Iterator[tuple[LoopEngine, list[int], list[Any]]]:
+    engine = LoopEngine(AsyncEngine.from_pretrained(tiny_chat_model, **{**SMALL, "kv_cache_memory": TIGHT_KV},
+                                                    max_num_batched_tokens=24, max_num_seqs=12))
+    alone = engine.call(engine.engine.generate(NEIGHBOUR_PROMPT, NEIGHBOUR))
+    yield engine, alone.token_ids, alone.logprobs
+    engine.close()
+
+
+hostile_params = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(1, 40),
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e4]),
+    "top_k": st.sampled_from([-1, 0, 1, 5, 10_000]),
+    "top_p": st.sampled_from([1e-9, 0.3, 1.0]),
+    "min_p": st.sampled_from([0.0, 0.5, 1.0]),
+    "repetition_penalty": st.sampled_from([0.01, 1.0, 100.0]),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    "stop": st.one_of(st.none(), st.lists(st.sampled_from(["a", "e", " ", "\ufffd", "is", "x" * 50]), min_size=1,
+                                          max_size=4)),
+    "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 319), max_size=8)),
+    "ignore_eos": st.booleans(),
+    "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "n": st.integers(1, 12),
+    "truncate_output_to_model_len": st.booleans(),
+    "structured": st.one_of(st.none(), st.sampled_from([*SPECS.values(), StructuredOutput.regex("(a)?"),
+                                                        StructuredOutput.regex(r"a{0,3}"),
+                                                        StructuredOutput.json_object()])),
+})
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kw=hostile_params, min_tokens=st.integers(0, 40), prompt=st.sampled_from(
+    [PROMPT, "hi", [3] * 100, list(range(3, 60)), [2, 2, 2]]), stream=st.booleans())
+def test_any_combination_of_parameters_serves_or_fails_its_own_request_only(shared, kw, min_tokens, prompt,
+                                                                             stream) -> None:
+    """Random parameters within their ranges (structured specs with n > 1, seeds, logprobs, stops,
+    min_tokens, extreme filters and penalties, a prompt that fills the context) beside a greedy neighbour on
+    40 KV blocks: the request serves (every sample at most ``max_tokens``, ``n`` samples) or raises a typed
+    error, the neighbour's tokens and logprobs are what it gets alone, and nothing is left behind."""
+    engine, alone_tokens, alone_logprobs = shared
+    kw.setdefault("max_tokens", 16)
+    try:
+        params = SamplingParams(**kw, min_tokens=min(min_tokens, kw["max_tokens"]))
+    except AsyncInferError:
+        return
+
+    async def run() -> tuple[Any, Any]:
+        neighbour = asyncio.ensure_future(engine.engine.generate(NEIGHBOUR_PROMPT, NEIGHBOUR))
+        try:
+            if stream:
+                pieces: dict[int, list[int]] = {}
+                async for delta in engine.engine.stream(prompt, params):
+                    pieces.setdefault(delta.index, []).extend(delta.token_ids)
+                mine: Any = pieces
+            else:
+                mine = await engine.engine.generate(prompt, params)
+        except AsyncInferError as exc:
+            mine = exc
+        return mine, await neighbour
+
+    mine, neighbour = engine.call(run())
+    assert neighbour.token_ids == alone_tokens
+    assert [[t for t, _ in lp.top] for lp in neighbour.logprobs] == [[t for t, _ in lp.top] for lp in alone_logprobs]
+    if not isinstance(mine, AsyncInferError):
+        outs = list(mine.values()) if stream else [o.token_ids for o in mine.outputs]
+        assert len(outs) <= params.n and all(len(o) <= params.max_tokens for o in outs)
+        if not stream:
+            assert len(outs) == params.n
+    assert engine.engine.num_unfinished_requests == 0
+    assert engine.engine.kv_stats().used_blocks == 0
+
+
+# ---- over HTTP: whole = streamed for constrained, seeded n > 1 with logprobs and stops ------------------------
+
+import json  # noqa: E402
+
+import httpx  # noqa: E402
+
+HTTP_CONSTRAINTS = [
+    {"guided_regex": r"[a-z ]{4,30}\.", "stop": ["o"]},
+    {"guided_choice": ["Paris", "London", "Rome is far", "no"]},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}},
+    {"guided_grammar": 'start: "x" ("y" | "zz")* "."'},
+]
+
+
+def _chat_choices(url: str, extra: dict[str, Any], stream: bool) -> list[tuple[str, str | None, list[Any]]]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 1.3, "seed": 99, "n": 3, "logprobs": True, "top_logprobs": 3,
+            "stream": stream, **extra}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+    if not stream:
+        return [(c["message"]["content"], c["finish_reason"],
+                 [(t["token"], [a["token"] for a in t["top_logprobs"]]) for t in c["logprobs"]["content"]])
+                for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    got: dict[int, list[Any]] = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                entry = got.setdefault(c["index"], ["", None, []])
+                entry[0] += c["delta"].get("content") or ""
+                entry[1] = c["finish_reason"] or entry[1]
+                entry[2] += [(t["token"], [a["token"] for a in t["top_logprobs"]])
+                             for t in (c["logprobs"] or {}).get("content") or []]
+    return [tuple(got[i]) for i in sorted(got)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("extra", HTTP_CONSTRAINTS, ids=["regex+stop", "choice", "json_schema", "lark"])
+def test_a_constrained_seeded_n3_chat_streams_what_it_answers_whole(server, extra) -> None:
+    """The same seeded ``n = 3`` constrained chat, with logprobs (alternatives at OpenAI's -9999) and a stop
+    string, gives each choice the same content, finish reason and alternatives whole and streamed, the second
+    time while another caller's constrained requests asking 20 alternatives share its steps (its -9999
+    alternatives changed with them: the other caller's ``top_logprobs`` showed in this caller's answer)."""
+    async def noise() -> None:
+        engine = server.engine
+        constrained = StructuredOutput.regex("(x|y)+")  # a grammar of its own, 20 alternatives asked
+        await asyncio.gather(*(engine.generate([5 + i] * 9, SamplingParams(max_tokens=200, logprobs=20,
+                                                                          structured=constrained))
+                               for i in range(4)))
+
+    whole = _chat_choices(server.url, extra, stream=False)
+    busy = asyncio.run_coroutine_threadsafe(noise(), server.engine.loop)
+    while not server.engine.num_unfinished_requests:
+        time.sleep(0.001)
+    streamed = _chat_choices(server.url, extra, stream=True)
+    assert not busy.done()  # the other caller's requests shared its steps
+    busy.result(60)
+    assert len(whole) == 3 and streamed == whole
+    assert len({w[0] for w in whole}) > 1 or "guided_choice" in extra  # the seeds matter
