@@ -502,25 +502,39 @@ class Sampler:
         ``torch.topk`` orders ties as its kernel meets them, which depends on ``k`` (the largest ``logprobs``
         of the step's rows) and on the rows: a structured row's forbidden tokens are all ``-inf``, and the
         alternatives it reported among them changed with a neighbour's ``logprobs``. Each row's list is a
-        prefix of one total order (logprob descending, id ascending), so it depends on the row alone.
+        prefix of one total order (logprob descending, id ascending), so it depends on the row alone. One more
+        column than asked shows where the k-th value's ties go past the cut; a cut among ``-inf`` ties (a
+        grammar's forbidden tokens) takes the lowest ids outside the row's finite ones, with no pass over the
+        vocabulary; only a cut among equal finite values (rare) looks at the whole row.
         """
-        vals, idx = torch.topk(logp, k, dim=-1)
-        kth = vals[:, -1:]
-        equal = logp == kth
-        # Rows where more columns equal the k-th value than topk kept: take the lowest ids among them.
-        cut = (equal.sum(dim=1) > (vals == kth).sum(dim=1)).nonzero().flatten()
-        ties: dict[int, list[int]] = {}
-        if cut.numel():
-            cols = torch.arange(logp.shape[1], dtype=torch.float64, device=logp.device)
-            _, lowest = torch.topk(torch.where(equal[cut], -cols, -torch.inf), k, dim=-1)
-            ties = dict(zip(cut.tolist(), lowest.tolist()))
+        vocab = logp.shape[1]
+        vals, idx = torch.topk(logp, min(k + 1, vocab), dim=-1)
+        vals_list, idx_list = vals.tolist(), idx.tolist()
         rows: list[list[tuple[int, float]]] = []
-        for j, (vs, ids, last) in enumerate(zip(vals.tolist(), idx.tolist(), kth[:, 0].tolist())):
-            if j not in ties:  # every column of the k-th value is in: only their order to fix
-                rows.append([(t, v) for v, t in sorted(zip(vs, ids), key=lambda p: (-p[0], p[1]))])
+        finite_cuts: list[int] = []
+        for j, (vs, ids) in enumerate(zip(vals_list, idx_list)):
+            last = vs[k - 1]
+            ordered = sorted(zip(vs[:k], ids[:k]), key=lambda p: (-p[0], p[1]))
+            if len(vs) == k or vs[k] != last:  # every column of the k-th value is in: only their order to fix
+                rows.append([(t, v) for v, t in ordered])
                 continue
-            above = sorted(((v, t) for v, t in zip(vs, ids) if v > last), key=lambda p: (-p[0], p[1]))
-            rows.append([(t, v) for v, t in above] + [(t, last) for t in ties[j][:k - len(above)]])
+            above = [(t, v) for v, t in ordered if v > last]
+            if last == -torch.inf:
+                taken = {t for t, _ in above}
+                lowest = (t for t in range(vocab) if t not in taken)
+                rows.append(above + [(next(lowest), last) for _ in range(k - len(above))])
+            else:
+                rows.append(above)
+                finite_cuts.append(j)
+        if finite_cuts:
+            cut = torch.tensor(finite_cuts, dtype=torch.long, device=logp.device)
+            part = logp[cut]
+            equal = part == vals[cut, k - 1:k]
+            key = torch.arange(vocab, 0, -1, dtype=torch.int64, device=logp.device)  # the lowest id, the largest key
+            _, lowest_ids = torch.topk(equal * key, k, dim=-1)
+            for j, ids in zip(finite_cuts, lowest_ids.tolist()):
+                last = vals_list[j][k - 1]
+                rows[j] += [(t, last) for t in ids[:k - len(rows[j])]]
         return rows
 
     @staticmethod
