@@ -262,3 +262,102 @@ def test_a_constrained_seeded_n3_chat_streams_what_it_answers_whole(server, extr
     busy.result(60)
     assert len(whole) == 3 and streamed == whole
     assert len({w[0] for w in whole}) > 1 or "guided_choice" in extra  # the seeds matter
+
+
+# ---- a tenant's places come back however its calls end ----------------------------------------------------------
+
+import contextlib  # noqa: E402
+import socket  # noqa: E402
+
+from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app  # noqa: E402
+
+from .conftest import LiveServer  # noqa: E402
+
+CHAOS_KEY = "sk-chaos"
+
+
+def _raw(port: int, body: dict[str, Any], *, route: str = "/v1/completions", cut: int | None = None,
+         read: int = 0, pipeline: int = 1) -> None:
+    """Send ``body`` (``pipeline`` times on one connection; only ``cut`` bytes of it when given), read ``read``
+    bytes of the answer, then close the connection."""
+    data = json.dumps(body).encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CHAOS_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    wire = (head + data) * pipeline
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(wire if cut is None else wire[:cut])
+        got = b""
+        while len(got) < read:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+
+
+LONG_STREAM = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}
+ACTIONS: dict[str, Any] = {
+    "stream, gone after its first bytes": lambda port: _raw(port, LONG_STREAM, read=1),
+    "whole, gone before the answer": lambda port: _raw(port, {**LONG_STREAM, "stream": False}),
+    "body cut short": lambda port: _raw(port, LONG_STREAM, cut=150),
+    "two prompts, n=2, gone": lambda port: _raw(port, {**LONG_STREAM, "prompt": [[5, 6], [7, 8]], "n": 2}, read=1),
+    "pipelined, gone": lambda port: _raw(port, LONG_STREAM, pipeline=3, read=1),
+    "a bad parameter": lambda port: _raw(port, {**LONG_STREAM, "temperature": 9}, read=1),
+    "a spec the library refuses": lambda port: _raw(port, {**LONG_STREAM, "guided_regex": "(("}, read=1),
+    "a chat gone while its grammar compiles": lambda port: _raw(
+        port, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+               "guided_json": {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}}},
+        route="/v1/chat/completions"),
+    "a stream read whole": lambda port: _raw(port, {**LONG_STREAM, "max_tokens": 3}, read=10**9),
+}
+
+
+@pytest.fixture(scope="module")
+def chaotic(tiny_chat_model: Path) -> Iterator[LiveServer]:
+    settings = ServerSettings(tenants={CHAOS_KEY: Tenant("chaos")}, max_requests_per_tenant=4)
+    options = {**TINY_OPTIONS, "max_num_seqs": 2}  # two seats: long calls hold the engine, the others wait
+    with LiveServer(create_app(ModelSpec(str(tiny_chat_model), "tiny", options), settings)) as live:
+        yield live
+
+
+def _places_left(live: LiveServer) -> int:
+    """How many places the tenant can take now: long calls sent on connections held open, one at a time, until
+    one is refused (a 429) or 5 are in flight; then the connections close (their calls aborted)."""
+    port = int(live.url.rsplit(":", 1)[1])
+    body = json.dumps({**LONG_STREAM, "stream": False, "max_tokens": 500}).encode()
+    wire = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CHAOS_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    with contextlib.ExitStack() as stack:
+        for opened in range(5):
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+            sock.sendall(wire)
+            deadline = time.monotonic() + 30
+            while live.engine.num_unfinished_requests <= opened:  # in the engine (one seat: it waits there)
+                sock.setblocking(False)
+                try:
+                    answer = sock.recv(65536)
+                except BlockingIOError:
+                    answer = b""
+                sock.setblocking(True)
+                if answer:
+                    assert answer.startswith(b"HTTP/1.1 429 "), answer
+                    return opened
+                assert time.monotonic() < deadline, "a call neither ran nor was refused"
+                time.sleep(0.005)
+    return 5
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.sampled_from(sorted(ACTIONS)), min_size=1, max_size=6))
+def test_a_tenants_places_come_back_however_its_calls_end(chaotic, plan) -> None:
+    """A tenant's calls that end every way a client can make them end (gone mid-stream, before a whole answer,
+    in the middle of its body, with pipelined calls behind, refused, gone while its grammar compiles), several at
+    once: once the engine is idle, the tenant holds no place and may again have its 4 requests in flight."""
+    port = int(chaotic.url.rsplit(":", 1)[1])
+    threads = [threading.Thread(target=ACTIONS[name], args=(port,)) for name in plan]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    chaotic.wait_idle(60)
+    assert _places_left(chaotic) == 4
+    chaotic.wait_idle(60)
