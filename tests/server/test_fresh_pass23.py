@@ -361,3 +361,79 @@ def test_a_tenants_places_come_back_however_its_calls_end(chaotic, plan) -> None
     chaotic.wait_idle(60)
     assert _places_left(chaotic) == 4
     chaotic.wait_idle(60)
+
+
+# ---- what the router reads or makes with a tokenizer belongs to the version that runs the request ----------------
+
+SWAP_OPTIONS = {"max_model_len": 256, "kv_cache_memory": 32 * 2**20}
+
+
+def _swap_before_the_first_call(live: LiveServer, model: Path, method: str) -> list[dict[str, Any]]:
+    """Make the engine's ``method`` (generate or stream) swap the model for ``model`` (another tokenizer and
+    vocabulary) at its first call, before the request is bound: a swap landing between the router's reading
+    of the serving version and the engine's binding. Returns the keywords of each call."""
+    engine = live.engine
+    real = getattr(engine, method)
+    calls: list[dict[str, Any]] = []
+
+    async def swapped_generate(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        if len(calls) == 1:
+            await engine.swap_model(str(model), **SWAP_OPTIONS)
+        return await real(*args, **kwargs)
+
+    async def swapped_stream(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        if len(calls) == 1:
+            await engine.swap_model(str(model), **SWAP_OPTIONS)
+        async for delta in real(*args, **kwargs):
+            yield delta
+
+    setattr(engine, method, swapped_generate if method == "generate" else swapped_stream)
+    return calls
+
+
+def _sse(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("case", ["completion logprobs", "chat logprobs", "completion stream usage"])
+def test_a_swap_before_the_request_is_bound_runs_it_with_the_tokenizer_the_router_used(tiny_chat_model, real_gguf,
+                                                                                      case) -> None:
+    """The router reads the serving version's tokenizer to decode logprobs (and, for a stream's usage, to count a
+    completion's prompt) before the engine binds the request; a swap that landed in between ran the request on
+    the new version while the answer read its tokens with the old tokenizer: `"w122"` came with the tokens
+    `["\\ufffd", "=", ">", ">"]` (and a stream's prompt ids, made by the old tokenizer, ran on the new model).
+    Such calls are pinned to the version read, and made again for the new one."""
+    with LiveServer(create_app(ModelSpec(str(tiny_chat_model), "m", TINY_OPTIONS))) as live:
+        with httpx.Client(base_url=live.url, timeout=120) as http:
+            if case == "completion logprobs":
+                calls = _swap_before_the_first_call(live, real_gguf, "generate")
+                r = http.post("/v1/completions", json={"model": "m", "prompt": "The capital of France is",
+                                                       "max_tokens": 6, "temperature": 0, "logprobs": 2})
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                tokens, text = choice["logprobs"]["tokens"], choice["text"]
+            elif case == "chat logprobs":
+                calls = _swap_before_the_first_call(live, real_gguf, "generate")
+                r = http.post("/v1/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                tokens, text = [t["token"] for t in choice["logprobs"]["content"]], choice["message"]["content"]
+            else:
+                calls = _swap_before_the_first_call(live, real_gguf, "stream")
+                r = http.post("/v1/completions", json={"model": "m", "prompt": "The capital of France is",
+                                                       "max_tokens": 6, "temperature": 0, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+                assert r.status_code == 200, r.text
+                chunks = _sse(r.text)
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+                ids = live.engine.get_tokenizer("m")("The capital of France is")["input_ids"]
+                assert chunks[-1]["usage"]["prompt_tokens"] == len(ids)  # counted by the version that ran it
+                alone = live.call(live.engine.generate(ids, SamplingParams(max_tokens=6)))
+                tokens = [alone.text]  # and run with its own ids: the new model's greedy reply to them
+        assert live.engine.model_info()[0].source.endswith(".gguf")
+        assert "".join(tokens) == text and text  # the new model's tokens, read by its own tokenizer
+        assert len(calls) == 2 and calls[0]["version_id"] != calls[1]["version_id"]  # made again for the new one
