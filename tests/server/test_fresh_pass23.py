@@ -397,7 +397,8 @@ def _sse(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize("case", ["completion logprobs", "chat logprobs", "completion stream usage"])
+@pytest.mark.parametrize("case", ["completion logprobs", "two prompts logprobs", "chat logprobs",
+                                  "completion stream usage"])
 def test_a_swap_before_the_request_is_bound_runs_it_with_the_tokenizer_the_router_used(tiny_chat_model, real_gguf,
                                                                                       case) -> None:
     """The router reads the serving version's tokenizer to decode logprobs (and, for a stream's usage, to count a
@@ -414,6 +415,16 @@ def test_a_swap_before_the_request_is_bound_runs_it_with_the_tokenizer_the_route
                 assert r.status_code == 200, r.text
                 choice = r.json()["choices"][0]
                 tokens, text = choice["logprobs"]["tokens"], choice["text"]
+            elif case == "two prompts logprobs":  # the first bound before the swap, the other after it
+                calls = _swap_before_the_first_call(live, real_gguf, "generate")
+                r = http.post("/v1/completions", json={"model": "m", "prompt": ["The capital of France is", "Hi"],
+                                                       "max_tokens": 6, "temperature": 0, "logprobs": 2})
+                assert r.status_code == 200, r.text
+                choices = r.json()["choices"]
+                tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+                text = "".join(c["text"] for c in choices)
+                assert len(calls) == 4
+                calls = [calls[0], calls[2]]
             elif case == "chat logprobs":
                 calls = _swap_before_the_first_call(live, real_gguf, "generate")
                 r = http.post("/v1/chat/completions", json={
