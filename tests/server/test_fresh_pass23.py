@@ -162,13 +162,13 @@ hostile_params = st.fixed_dictionaries({}, optional={
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kw=hostile_params, min_tokens=st.integers(0, 40), prompt=st.sampled_from(
-    [PROMPT, "hi", [3] * 100, list(range(3, 60)), [2, 2, 2]]), stream=st.booleans())
-def test_any_combination_of_parameters_serves_or_fails_its_own_request_only(shared, kw, min_tokens, prompt,
-                                                                             stream) -> None:
+    [PROMPT, "hi", [3] * 100, list(range(3, 60)), [2, 2, 2]]))
+def test_any_combination_of_parameters_serves_or_fails_its_own_request_only(shared, kw, min_tokens, prompt) -> None:
     """Random parameters within their ranges (structured specs with n > 1, seeds, logprobs, stops,
     min_tokens, extreme filters and penalties, a prompt that fills the context) beside a greedy neighbour on
-    40 KV blocks: the request serves (every sample at most ``max_tokens``, ``n`` samples) or raises a typed
-    error, the neighbour's tokens and logprobs are what it gets alone, and nothing is left behind."""
+    40 KV blocks: the request serves (``n`` samples of at most ``max_tokens``) or raises a typed error, streamed
+    as whole (each sample's tokens, text and finish reason, where its sampling is seeded or greedy), the
+    neighbour's tokens and logprobs are what it gets alone, and nothing is left behind."""
     engine, alone_tokens, alone_logprobs = shared
     kw.setdefault("max_tokens", 16)
     try:
@@ -176,28 +176,37 @@ def test_any_combination_of_parameters_serves_or_fails_its_own_request_only(shar
     except AsyncInferError:
         return
 
-    async def run() -> tuple[Any, Any]:
-        neighbour = asyncio.ensure_future(engine.engine.generate(NEIGHBOUR_PROMPT, NEIGHBOUR))
+    async def whole() -> Any:
         try:
-            if stream:
-                pieces: dict[int, list[int]] = {}
-                async for delta in engine.engine.stream(prompt, params):
-                    pieces.setdefault(delta.index, []).extend(delta.token_ids)
-                mine: Any = pieces
-            else:
-                mine = await engine.engine.generate(prompt, params)
+            out = await engine.engine.generate(prompt, params)
         except AsyncInferError as exc:
-            mine = exc
-        return mine, await neighbour
+            return type(exc)
+        return {o.index: (o.token_ids, o.text, o.finish_reason) for o in out.outputs}
 
-    mine, neighbour = engine.call(run())
+    async def streamed() -> Any:
+        pieces: dict[int, tuple[list[int], str, str | None]] = {}
+        try:
+            async for delta in engine.engine.stream(prompt, params):
+                tokens, text, _ = pieces.get(delta.index, ([], "", None))
+                pieces[delta.index] = (tokens + delta.token_ids, text + delta.text, delta.finish_reason)
+        except AsyncInferError as exc:
+            return type(exc)
+        return pieces
+
+    async def run() -> tuple[Any, Any, Any]:
+        neighbour = asyncio.ensure_future(engine.engine.generate(NEIGHBOUR_PROMPT, NEIGHBOUR))
+        mine = await whole()
+        return mine, await streamed(), await neighbour
+
+    mine, mine_streamed, neighbour = engine.call(run())
     assert neighbour.token_ids == alone_tokens
     assert [[t for t, _ in lp.top] for lp in neighbour.logprobs] == [[t for t, _ in lp.top] for lp in alone_logprobs]
-    if not isinstance(mine, AsyncInferError):
-        outs = list(mine.values()) if stream else [o.token_ids for o in mine.outputs]
-        assert len(outs) <= params.n and all(len(o) <= params.max_tokens for o in outs)
-        if not stream:
-            assert len(outs) == params.n
+    if isinstance(mine, dict):
+        assert sorted(mine) == list(range(params.n)) and all(len(t) <= params.max_tokens for t, _, _ in mine.values())
+        if params.greedy or params.seed is not None:
+            assert mine_streamed == mine
+    else:
+        assert mine_streamed is mine  # the same typed refusal
     assert engine.engine.num_unfinished_requests == 0
     assert engine.engine.kv_stats().used_blocks == 0
 
