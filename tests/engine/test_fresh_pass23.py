@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncinfer.sampler import Sampler, SamplingState
 from asyncinfer.sampling_params import SamplingParams
@@ -51,3 +53,24 @@ def test_equal_finite_logprobs_are_ordered_by_id_and_cut_at_the_lowest_ids() -> 
     state = SamplingState(params=SamplingParams(logprobs=4), prompt_token_ids=[1])
     top = Sampler(VOCAB, torch.device("cpu"))(logits, [state]).logprobs[0].top
     assert [t for t, _ in top] == [7, 100, 250, 9]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([float("-inf"), -3.0, -1.0, 0.0, 0.5, 2.0]), min_size=24, max_size=24),
+                     min_size=1, max_size=4),
+       k=st.integers(1, 24), more=st.integers(0, 24))
+def test_a_rows_alternatives_are_the_first_of_one_order_whatever_k_and_its_neighbours(rows, k, more) -> None:
+    """Logits made of few values (ties everywhere, ``-inf`` included): each row's ``k`` alternatives are the first
+    ``k`` of its tokens sorted by logprob, then id, alone or beside other rows, and with a larger ``k`` asked."""
+    logits = torch.tensor(rows)
+    if torch.isinf(logits).all(dim=1).any():
+        return  # no distribution to take logprobs of
+    logp = torch.log_softmax(logits, dim=-1)
+    big = min(k + more, logits.shape[1])
+    together = Sampler._top_alternatives(logp, big)
+    for r in range(len(rows)):
+        values = logp[r].tolist()
+        expected = sorted(range(len(values)), key=lambda t: (-values[t], t))[:k]
+        assert [t for t, _ in Sampler._top_alternatives(logp[r:r + 1], k)[0]] == expected
+        assert [t for t, _ in together[r][:k]] == expected
+        assert [v for _, v in together[r][:k]] == [values[t] for t in expected]
