@@ -44,7 +44,9 @@ Pipeline for a batch (row ``i`` belongs to ``states[i]``)::
   logits *after* penalties and the min_tokens mask but *before* temperature and
   top-k/top-p/min-p filtering, i.e. the model's distribution as adjusted by the
   request's logit processors, independent of how it is sampled. The sampled
-  token's logprob is always returned, plus the ``logprobs`` most likely tokens.
+  token's logprob is always returned, plus the ``logprobs`` most likely tokens, equal logprobs
+  ordered by token id (a grammar's forbidden tokens are all ``-inf``: the lowest ids among them), so
+  a row's alternatives never depend on its neighbours' ``logprobs``.
 
 The sampler never modifies the ``logits`` tensor it is given.
 """
@@ -494,6 +496,48 @@ class Sampler:
         return x.masked_fill_(probs < m_t[:, None] * top, _NEG_INF)
 
     @staticmethod
+    def _top_alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Each row's ``k`` most likely tokens, ``(id, logprob)`` by logprob and, among equal ones, by id.
+
+        ``torch.topk`` orders ties as its kernel meets them, which depends on ``k`` (the largest ``logprobs``
+        of the step's rows) and on the rows: a structured row's forbidden tokens are all ``-inf``, and the
+        alternatives it reported among them changed with a neighbour's ``logprobs``. Each row's list is a
+        prefix of one total order (logprob descending, id ascending), so it depends on the row alone. One more
+        column than asked shows where the k-th value's ties go past the cut; a cut among ``-inf`` ties (a
+        grammar's forbidden tokens) takes the lowest ids outside the row's finite ones, with no pass over the
+        vocabulary; only a cut among equal finite values (rare) looks at the whole row.
+        """
+        vocab = logp.shape[1]
+        vals, idx = torch.topk(logp, min(k + 1, vocab), dim=-1)
+        vals_list, idx_list = vals.tolist(), idx.tolist()
+        rows: list[list[tuple[int, float]]] = []
+        finite_cuts: list[int] = []
+        for j, (vs, ids) in enumerate(zip(vals_list, idx_list)):
+            last = vs[k - 1]
+            ordered = sorted(zip(vs[:k], ids[:k]), key=lambda p: (-p[0], p[1]))
+            if len(vs) == k or vs[k] != last:  # every column of the k-th value is in: only their order to fix
+                rows.append([(t, v) for v, t in ordered])
+                continue
+            above = [(t, v) for v, t in ordered if v > last]
+            if last == -torch.inf:
+                taken = {t for t, _ in above}
+                lowest = (t for t in range(vocab) if t not in taken)
+                rows.append(above + [(next(lowest), last) for _ in range(k - len(above))])
+            else:
+                rows.append(above)
+                finite_cuts.append(j)
+        if finite_cuts:
+            cut = torch.tensor(finite_cuts, dtype=torch.long, device=logp.device)
+            part = logp[cut]
+            equal = part == vals[cut, k - 1:k]
+            key = torch.arange(vocab, 0, -1, dtype=torch.int64, device=logp.device)  # the lowest id, the largest key
+            _, lowest_ids = torch.topk(equal * key, k, dim=-1)
+            for j, ids in zip(finite_cuts, lowest_ids.tolist()):
+                last = vals_list[j][k - 1]
+                rows[j] += [(t, last) for t in ids[:k - len(rows[j])]]
+        return rows
+
+    @staticmethod
     def _with_logprobs(
         tokens: torch.Tensor, logp: torch.Tensor, lp_rows: list[int], states: Sequence[SamplingState]
     ) -> SamplerOutput:
@@ -504,12 +548,10 @@ class Sampler:
         top_n = min(max(states[i].params.logprobs or 0 for i in lp_rows), logp.shape[1])
         token_list = tokens.tolist()
         chosen_list = chosen.tolist()
-        if top_n > 0:
-            vals, idx = torch.topk(logp, top_n, dim=-1)
-            vals_list, idx_list = vals.tolist(), idx.tolist()
+        tops = Sampler._top_alternatives(logp, top_n) if top_n > 0 else []
         out: list[TokenLogprobs | None] = [None] * n
         for j, i in enumerate(lp_rows):
             want = states[i].params.logprobs or 0
-            top = list(zip(idx_list[j][:want], vals_list[j][:want])) if top_n > 0 and want else []
+            top = tops[j][:want] if want else []
             out[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen_list[j], top=top)
         return SamplerOutput(token_list, out)

@@ -63,8 +63,9 @@ EngineRef = AsyncEngine | Callable[[], AsyncEngine]
 _PRIORITY = re.compile(r"-?[0-9]+")  # a priority header's value: an optional "-" and ASCII digits
 #: What a call lets through unanswered: an exit, an interrupt, a cancellation (every other exception is answered).
 _EXITS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
-#: How many times a chat is made again (its format chosen, its prompt rendered or counted) for a model swapped while
-#: it was made, before its ModelChangedError is answered (a 503 to retry).
+#: How many times a chat is made again (its format chosen, its prompt rendered or counted) or a completion (its prompts
+#: counted, or its logprobs to be read with the version's tokenizer) for a model swapped while it was made, before its
+#: ModelChangedError is answered (a 503 to retry).
 MAX_REBINDS = 3
 #: About the characters one float of an embedding takes in a JSON answer (its cost, as LoopShare counts it).
 _FLOAT_CHARS = 20
@@ -131,6 +132,12 @@ class _Generation:
     reply: Reply
     args: dict[str, Any]  # generate()/stream() keywords: priority, cache_salt, model
     ids: list[str]  # the engine's request ids, one per prompt
+    version_id: int  # the model's version whose tokenizer ``reply`` decodes logprobs with
+
+    def pin(self) -> None:
+        """Run on the version ``version_id`` only (its tokenizer made what the router hands the engine, or reads
+        what the engine gives back): a swap that lands first is :class:`ModelChangedError`, nothing queued."""
+        self.args["version_id"] = self.version_id
 
 
 class _OpenAI:
@@ -446,8 +453,13 @@ class _OpenAI:
         return card
 
     # -------------------------------------------------------------- generation
-    def _generation(self, body: ChatRequest | CompletionRequest, call: _Call, chat: bool, count: int) -> _Generation:
-        """What a generation call needs: its model, parameters, reply builder, engine arguments and ids."""
+    def _generation(self, body: ChatRequest | CompletionRequest, call: _Call, chat: bool, count: int,
+                    attempt: int = 1) -> _Generation:
+        """What a generation call needs: its model, parameters, reply builder, engine arguments and ids (``attempt``:
+        made again after a swap; its ids are new, since requests of the earlier attempt may still hold theirs).
+        With logprobs, the reply decodes their tokens with the serving version's tokenizer, and the call is pinned
+        to that version: a swap that landed before the request was bound ran it on the new version, whose token
+        ids the old tokenizer read as other tokens (``tests/server/test_fresh_pass23.py``)."""
         engine = self.engine()
         model, info = self._pick(body.model, "generate")
         params = body.sampling_params(info.memory_plan.max_model_len)
@@ -461,19 +473,24 @@ class _OpenAI:
         # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
         # prefix. One id per prompt.
         base = f"{_escape_tenant(tenant)}/{call.id}" if tenant is not None else call.id
+        if attempt > 1:
+            base = f"{base}.{attempt}"
         ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
-        return _Generation(engine, model, params, reply,
-                           {"priority": priority, "cache_salt": call.cache_salt, "model": model}, ids)
+        g = _Generation(engine, model, params, reply, {"priority": priority, "cache_salt": call.cache_salt,
+                                                       "model": model}, ids, info.version_id)
+        if want_logprobs:
+            g.pin()
+        return g
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
         for attempt in itertools.count(1):
             try:
-                return await self._chat_on_one_version(body, call)
+                return await self._chat_on_one_version(body, call, attempt)
             except ModelChangedError:  # a swap came while it was rendered: rendered again for the new version
                 if attempt == MAX_REBINDS:
                     raise
 
-    async def _chat_on_one_version(self, body: ChatRequest, call: _Call) -> Response:
+    async def _chat_on_one_version(self, body: ChatRequest, call: _Call, attempt: int) -> Response:
         """``_chat`` with what the router makes for the model's current version (the tool format, a prompt it
         renders or counts) pinned to that version: a swap that lands meanwhile is :class:`ModelChangedError`,
         nothing queued."""
@@ -481,13 +498,13 @@ class _OpenAI:
         model, info = self._pick(body.model, "generate")
         fmt = self.tool_formats.of(model, info.version_id, lambda: _engine.generator_tokenizer(engine, model))
         body = body.in_format(fmt)  # its tools bound to the model's format, a forced call in its syntax
-        g = self._generation(body, call, True, 1)
+        g = self._generation(body, call, True, 1, attempt)
         prompt: Any = body.messages
         rendered = fmt.renders_history and (body.tool_use is not None or body.has_tool_turns)
         counted = body.stream and body.include_usage and not rendered
         if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
             # tokenizer): run by it, or made again
-            g.args["version_id"] = info.version_id
+            g.pin()
         if rendered:
             # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
@@ -507,7 +524,17 @@ class _OpenAI:
                                   body.field)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
-        g = self._generation(body, call, False, len(body.prompts))
+        for attempt in itertools.count(1):
+            try:
+                return await self._complete_on_one_version(body, call, attempt)
+            except ModelChangedError:  # a swap came before its requests were bound: made again for the new version
+                if attempt == MAX_REBINDS:
+                    raise
+
+    async def _complete_on_one_version(self, body: CompletionRequest, call: _Call, attempt: int) -> Response:
+        """``_complete`` pinned to the model's current version where the router reads or makes tokens with its
+        tokenizer (logprobs; the prompts it counts for a stream's usage)."""
+        g = self._generation(body, call, False, len(body.prompts), attempt)
         n = g.params.n
         if len(body.prompts) > 1:  # refused whole (400: never fits; 503: not now), never half queued then aborted
             g.engine.check_admission(len(body.prompts), model=g.model)
@@ -522,7 +549,9 @@ class _OpenAI:
         prompts = body.prompts
         if body.include_usage:  # count the prompts here (too long ones refused by characters first), and
             # hand the engine the very ids counted: all in one worker thread when their texts together are long
-            # (256 short prompts, one at a time on the loop, would hold it for their sum)
+            # (256 short prompts, one at a time on the loop, would hold it for their sum); those ids are the
+            # serving version's, run by it or made again (a swap while they were made ran them on the new one)
+            g.pin()
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             texts = sum(len(p) for p in prompts if isinstance(p, str))
             prompts = await self._off_loop_if_long(texts, lambda: [
