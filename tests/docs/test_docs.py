@@ -463,6 +463,50 @@ def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> 
     assert firsts and note < min(firsts)
 
 
+def test_the_peer_table_after_the_prefetch_change_is_the_results_files() -> None:
+    """docs/formats.md's table of benchmarks/peer.py's four runs at the 8,192-byte prefetch distance, every cell, and
+    the README's sentence on them, equal the four records."""
+    import json
+
+    names = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+    runs = {name: json.loads((ROOT / "benchmarks" / "results" / f"peer_1b_{f}_int8_prefetch_epyc.json").read_text())
+            for name, f in names.items()}
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    section = formats[formats.index("- With the row kernels' prefetch distance at 8,192 bytes"):
+                      formats.index("**How far these products allow**")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] in names:
+            rows[cells[0]] = cells[1:]
+    assert sorted(rows) == sorted(names)
+    for name, r in runs.items():
+        one, many, fill = r["one_request"], r["many"], r["prefill"]
+        assert rows[name] == [
+            f"{r['read_bandwidth_gb_s']:.1f} GB/s",
+            (f"{one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f}, "
+            f"**{one['median_ratio']:.2f}x**"),
+            f"{one['asyncinfer_bandwidth_use']:.1%} / {one['llama_cpp_bandwidth_use']:.1%}",
+            (f"{fill['asyncinfer_median_tokens_per_s']:.1f} vs {fill['llama_cpp_median_tokens_per_s']:.1f}, "
+            f"{fill['median_ratio']:.2f}x"),
+            f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_on']:.2f}x**",
+            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_off']:.2f}x**",
+            f"{many['llama_cpp_best_tokens_per_s']:.1f}"]
+        assert r["commit"].startswith("7ab418c") and many["llama_cpp_best_slots"] == 16
+    assert "at commit 7ab418c" in " ".join(section.split())
+    met = [name for name, r in runs.items() if r["one_request"]["asyncinfer_bandwidth_use"] >= 0.85]
+    assert met == ["Q4_1"] and "is met in Q4_1 only" in section
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    ratios = ", ".join(f"{runs[n]['one_request']['median_ratio']:.2f}x" for n in names)
+    assert f"one request decodes at {ratios} llama.cpp's rate" in readme
+    shares = ", ".join(f"{runs[n]['one_request']['asyncinfer_bandwidth_use']:.1%}" for n in names)
+    assert f"({shares} of the run's read probe" in readme
+    on = ", ".join(f"{runs[n]['many']['ratio_prefix_cache_on']:.2f}x" for n in names)
+    off = ", ".join(f"{runs[n]['many']['ratio_prefix_cache_off']:.2f}x" for n in names)
+    assert f"32 requests run at {on} llama.cpp's best slot count with the prefix cache" in readme
+    assert f"{off} without it" in readme.replace("**", "")
+
+
 def test_the_prefetch_table_in_the_docs_is_the_results_files() -> None:
     """docs/formats.md's "Prefetch distance" table and its ranges quote benchmarks/kquant_rows.py's two records
     (the median per-pass speed-up over the baseline library): every cell, and the ranges in csrc/internal.h."""
