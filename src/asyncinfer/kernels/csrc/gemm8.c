@@ -342,6 +342,10 @@ static inline __attribute__((always_inline)) void row8_blocks(const int fmt, con
  * first sub-block's, 8-15 the second's; scales and corrections moved into those lanes by permutes. */
 static inline __m512i dot512_u8(__m512i u, __m512i x) { return ai_dpbusd512(_mm512_setzero_si512(), u, x); }
 
+/* Q4_0: words 9 t (t = 0-7) of two registers of 64 bytes each (128 bytes from the 18-byte blocks' start), their
+ * scales, in words 0-7 (indices 32 on: the second register). */
+static const int16_t Q4_0_SCALE_WORDS[32] __attribute__((aligned(64))) = {0, 9, 18, 27, 36, 45, 54, 63};
+
 /* Lanes 0-7: lane a of a vector; 8-15: lane b (an index for the 32-bit permutes). */
 static inline __m512i pair_idx(int a, int b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
@@ -468,29 +472,28 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
                                                                   float *out) {
     const int64_t nb = K / QK, n16 = nb / 16 * 16;
     const int q8 = fmt == ASYNCINFER_FMT_Q8_0, q4_0 = fmt == ASYNCINFER_FMT_Q4_0, q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
-    __m512 acc[MR8][2];
+    __m512 acc[MR8][2], centre[MR8];
     __m256 off[MR8];
     for (int i = 0; i < MR8; i++) {
-        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        acc[i][0] = acc[i][1] = centre[i] = _mm512_setzero_ps();
         off[i] = _mm256_setzero_ps();
     }
     for (int64_t b0 = 0; b0 < n16; b0 += 16) {
         /* the sixteen blocks' float16 scales, formed in registers (a vector load of values just stored one by one
          * would wait for the stores to retire) */
         __m256i dh;
-        if (q4_0) {
+        if (q4_0) { /* block t's scale is 16-bit word 9 t of the 18-byte blocks: eight blocks' in two registers, picked
+                     * out by one word permute (not sixteen scalar loads and inserts) */
             const uint8_t *p = row + 18 * b0;
-            dh = _mm256_setr_epi16(
-                (short)ai_u32_at(p), (short)ai_u32_at(p + 18), (short)ai_u32_at(p + 36), (short)ai_u32_at(p + 54),
-                (short)ai_u32_at(p + 72), (short)ai_u32_at(p + 90), (short)ai_u32_at(p + 108), (short)ai_u32_at(p + 126),
-                (short)ai_u32_at(p + 144), (short)ai_u32_at(p + 162), (short)ai_u32_at(p + 180), (short)ai_u32_at(p + 198),
-                (short)ai_u32_at(p + 216), (short)ai_u32_at(p + 234), (short)ai_u32_at(p + 252), (short)ai_u32_at(p + 270));
+            const __m512i pick = _mm512_loadu_si512(Q4_0_SCALE_WORDS);
+            const __m512i d0 = _mm512_permutex2var_epi16(_mm512_loadu_si512(p), pick, _mm512_loadu_si512(p + 64));
+            const __m512i d1 = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 144), pick, _mm512_loadu_si512(p + 208));
+            dh = _mm256_set_m128i(_mm512_castsi512_si128(d1), _mm512_castsi512_si128(d0));
         } else {
             dh = _mm256_loadu_si256((const __m256i *)(row + 2 * b0));
         }
         const __m256 dw0 = _mm256_cvtph_ps(_mm256_castsi256_si128(dh)), dw1 = _mm256_cvtph_ps(_mm256_extracti128_si256(dh, 1));
         __m512 sc[MR8];
-        __m512i corr[MR8];
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + b0;
             const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw0);
@@ -500,9 +503,13 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
                 for (int h = 0; h < 16; h += 8)
                     off[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * nb + 2 * (b0 + h)))),
                                              _mm256_loadu_ps(a->sum + at + h), off[i]);
-            /* Q4_0: -8 * (the block's sum of qx), a lane per block */
-            corr[i] = q4_0 ? _mm512_madd_epi16(_mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(-8))
-                           : _mm512_setzero_si512();
+            /* Q4_0: -8 * (the block's sum of qx), a lane per block, times the block's scale (the quants' products
+             * taken unsigned), added once for the sixteen blocks */
+            if (q4_0)
+                centre[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(
+                                                _mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0),
+                                                _mm512_set1_epi16(-8))),
+                                            sc[i], centre[i]);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
@@ -515,9 +522,7 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
             for (int i = 0; i < ROWS; i++) {
                 __m512i x = load_x512(a, m0 + i, K, b);
                 if (q8) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-                /* Q4_0's centre term starts lanes 0 and 8 */
-                const __m512i s = ai_dpbusd512(q4_0 ? _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i])
-                                                    : _mm512_setzero_si512(), u, x);
+                const __m512i s = ai_dpbusd512(_mm512_setzero_si512(), u, x);
                 acc[i][t & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, sc[i]), acc[i][t & 1]);
             }
         }
@@ -525,7 +530,8 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
     float tail[MR8] = {0};
     if (n16 < nb) row8_blocks(fmt, row, K, a, m0, ROWS, tail, n16);
     for (int i = 0; i < ROWS; i++)
-        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]) + tail[i];
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), centre[i])) + ai_hsum256(off[i])
+                 + tail[i];
 }
 #endif /* AI_AVX512 */
 
