@@ -537,6 +537,19 @@ def test_the_prefetch_table_in_the_docs_is_the_results_files() -> None:
     assert f"32 rows, bound by arithmetic, {min(thirty_two):.2f}-{max(thirty_two):.2f}x" in header
 
 
+def test_the_q4_0_int8_rows_figures_in_the_docs_are_the_results_file() -> None:
+    """docs/formats.md's "Q4_0's int8 rows" speed-ups are benchmarks/results/q4_0_int8_rows_epyc.json's medians."""
+    import json
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "q4_0_int8_rows_epyc.json").read_text())
+    median = {(r["format"], r["tokens"]): r["median"] for r in run["speedup_over_baseline"]}
+    flat = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    assert (f"**{median['q4_0', 1]:.2f}x at one row**, {median['q4_0', 4]:.2f}x at 4 and {median['q4_0', 32]:.2f}x "
+            f"at 32; Q4_1, whose code did not change, {median['q4_1', 1]:.2f}x, {median['q4_1', 4]:.2f}x and "
+            f"{median['q4_1', 32]:.2f}x") in flat
+    assert run["commit"].startswith("bad0d0d") and run["activation_dtype"] == "int8" and "commit bad0d0d" in flat
+
+
 def test_the_int8_peak_figures_in_the_docs_are_the_results_files() -> None:
     """docs/formats.md and the README quote benchmarks/int8_peak.py's records: the figures equal the files."""
     import json
