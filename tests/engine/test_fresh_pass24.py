@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +104,74 @@ async def test_seeded_sampling_with_every_option_depends_on_the_request_only(tin
                 assert [key((await t).outputs[0]) for t in singles] == [alone[(option, i)] for i in (2, 0, 1)], option
             stats = engine.step_stats()
         assert stats.preemptions > 0, caching
+
+
+#: Text options (a tokenizer's model): stop strings, kept in the text, only after min_tokens, special tokens kept,
+#: truncated to the model's length; each with logprobs.
+TEXT_OPTIONS: dict[str, dict[str, object]] = {
+    "stop": {"stop": ["t4", "5 t", "9"]},
+    "stop_kept": {"stop": ["t4", "5 t"], "include_stop_str_in_output": True},
+    "stop_after_min_tokens": {"stop": ["t4", "5 t", "t1"], "min_tokens": 8},
+    "special_tokens_kept": {"skip_special_tokens": False, "stop": ["t6"]},
+    "truncated": {"truncate_output_to_model_len": True, "presence_penalty": 1.0},
+}
+TEXT_PROMPT = "hello world t1 t2"
+
+
+def text_seeded(option: str, seed: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=40, temperature=1.0, seed=seed, n=n, logprobs=2,
+                          **TEXT_OPTIONS[option])  # type: ignore[arg-type]
+
+
+def text_key(out) -> tuple[object, ...]:
+    return tuple(out.token_ids), out.text, out.finish_reason, out.stop_reason
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make_gguf's tiny float16 file: random weights, a vocabulary of its own and a tokenizer."""
+    model = tmp_path_factory.mktemp("pass24") / "tiny.gguf"
+    made = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "benchmarks" / "make_gguf.py"),
+                           str(model), "--shape", "tiny", "--type", "f16"], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return model
+
+
+async def test_seeded_sampling_with_stop_strings_and_text_options_depends_on_the_request_only(tiny_gguf: Path) -> None:
+    """The same on make_gguf's tiny file (its own vocabulary, a tokenizer): stop strings, kept or not, looked for
+    after min_tokens, special tokens in the text, truncation: tokens, text, finish and stop reasons."""
+    model = tiny_gguf
+    options = {"max_model_len": 128, "num_threads": 1, "block_size": 4}
+    alone: dict[tuple[str, int], tuple[object, ...]] = {}
+    async with await AsyncEngine.load(model, **options, kv_cache_memory=4 * 2**20) as engine:
+        for option in TEXT_OPTIONS:
+            for i in range(3):
+                alone[option, i] = text_key((await engine.generate(TEXT_PROMPT, text_seeded(option, 100 + i))).outputs[0])
+    assert {alone[o, i][2] for o in TEXT_OPTIONS for i in range(3)} == {"stop", "length"}
+    rng = random.Random(1)
+    async with await AsyncEngine.load(model, **options, kv_cache_memory=40 * 4 * 2 * 2 * 4 * 64 * 4,
+                                      max_num_batched_tokens=20, max_num_seqs=8) as engine:
+        async def neighbours() -> None:
+            tasks = []
+            for _ in range(6):
+                prompt = " ".join(f"t{rng.randrange(900)}" for _ in range(rng.randrange(2, 6)))
+                params = SamplingParams(max_tokens=rng.randrange(5, 40), temperature=rng.choice([0.0, 1.2]),
+                                        n=rng.choice([1, 2]), stop=["t3"], ignore_eos=True)
+                tasks.append(asyncio.create_task(engine.generate(prompt, params)))
+                await asyncio.sleep(rng.random() * 0.003)
+            await asyncio.gather(*tasks)
+
+        for option in TEXT_OPTIONS:
+            traffic = asyncio.create_task(neighbours())
+            await asyncio.sleep(0.002)
+            group = asyncio.create_task(engine.generate(TEXT_PROMPT, text_seeded(option, 100, n=3)))
+            singles = [asyncio.create_task(engine.generate(TEXT_PROMPT, text_seeded(option, 100 + i)))
+                       for i in range(3)]
+            await traffic
+            assert [text_key(o) for o in (await group).outputs] == [alone[option, i] for i in range(3)], option
+            assert [text_key((await t).outputs[0]) for t in singles] == [alone[option, i] for i in range(3)], option
+        assert engine.step_stats().preemptions > 0 and engine.kv_stats().prefix_hits > 0
 
 
 # ---- consumers that misbehave ----------------------------------------------------------------------------------
