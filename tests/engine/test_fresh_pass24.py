@@ -152,7 +152,7 @@ async def test_seeded_sampling_with_stop_strings_and_text_options_depends_on_the
                 alone[option, i] = text_key((await engine.generate(TEXT_PROMPT, text_seeded(option, 100 + i))).outputs[0])
     assert {alone[o, i][2] for o in TEXT_OPTIONS for i in range(3)} == {"stop", "length"}
     rng = random.Random(1)
-    async with await AsyncEngine.load(model, **options, kv_cache_memory=40 * 4 * 2 * 2 * 4 * 64 * 4,
+    async with await AsyncEngine.load(model, **options, kv_cache_memory=36 * 8192,  # 36 blocks of 4 tokens
                                       max_num_batched_tokens=20, max_num_seqs=8) as engine:
         async def neighbours() -> None:
             tasks = []
