@@ -389,7 +389,7 @@ class EngineCore:
             rid = request.request_id
             if self._held.get(rid) is request:
                 del self._held[rid]
-            if sched.requests.get(rid) is request or request in sched.running or request in sched.waiting:
+            if self._still_queued(request):
                 logger.error("the scheduler (%s) kept finished request %r after finish_requests: taken out of its "
                              "queues and its blocks freed (the engine serves on)", type(sched).__name__, rid)
                 self._evict(request)
@@ -487,7 +487,7 @@ class EngineCore:
             self._evict(request)
             held = True
         else:
-            if sched.requests.get(request.request_id) is request or request in sched.running or request in sched.waiting:
+            if self._still_queued(request):
                 logger.error("the scheduler (%s) kept request %r queued after abort_request: taken out of its queues "
                              "(the engine serves on)", type(sched).__name__, request.request_id)
                 self._evict(request)
@@ -496,6 +496,20 @@ class EngineCore:
             self.kv.free(request.request_id)  # a sample forked in a failed step: never handed to the scheduler
         if not request.status.finished:
             request.status = RequestStatus.FINISHED_ABORTED
+
+    def _still_queued(self, request: Request) -> bool:
+        """Whether the scheduler still holds ``request`` (in ``requests``, ``running`` or ``waiting``) after a hook
+        that should have let it go. ``waiting`` may hold any number of requests (one caller may queue thousands),
+        so it is scanned only when the base queues' counts no longer add up to ``requests``': a request left in it
+        alone makes them differ. Scanned at every abort and finish, 20,000 waiting requests cancelled together held
+        the engine thread, and every running neighbour's stream, for 6.7 s, and each finishing request cost every
+        step a pass over the queue."""
+        sched = self.scheduler
+        if sched.requests.get(request.request_id) is request or request in sched.running:
+            return True
+        if len(sched.running) + len(sched.waiting) == len(sched.requests):
+            return False
+        return request in sched.waiting
 
     def _evict(self, request: Request) -> None:
         """Remove ``request`` from the scheduler's base queues and free its blocks, without its hooks:
