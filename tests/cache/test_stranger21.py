@@ -39,3 +39,18 @@ async def test_four_full_length_requests_run_together_without_a_preemption(tiny_
         assert [len(o.token_ids) for o in outs] == [29] * 4
         assert [o.metrics.num_preemptions for o in outs] == [0] * 4
         assert engine.kv_stats().preemptions == 0
+
+
+def test_explicit_kv_cache_memory_is_held_to_the_memory_free_after_the_weights(real_gguf) -> None:
+    # docs/memory.md: the activation reserve is not taken out of an explicit budget; past the free memory it is refused.
+    import pytest
+
+    from asyncinfer import ConfigurationError
+    from asyncinfer.memory import MiB
+
+    plan = plan_memory(real_gguf, available_bytes=1 * GiB, device="cpu", kv_cache_memory=931 * MiB)
+    assert plan.num_blocks == 931 * MiB // 737_280 == 1324
+    with pytest.raises(ConfigurationError) as err:
+        plan_memory(real_gguf, available_bytes=1 * GiB, device="cpu", kv_cache_memory=932 * MiB)
+    assert str(err.value) == ("kv_cache_memory=977272832 bytes (932.0 MiB) exceeds the 931.9 MiB free after loading "
+                              "92.1 MiB of weights; lower kv_cache_memory")
