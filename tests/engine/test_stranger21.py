@@ -61,3 +61,30 @@ async def test_an_id_in_flight_keeps_the_plain_refusal(tiny_models) -> None:
         assert str(err.value) == "request_id='job-2' is invalid: allowed an id not used by a request in flight"
         gate.set()
         assert len((await task).token_ids) == 3
+
+
+def test_embedding_plan_counts_the_largest_batch_max_batch_tokens_lets_run(minilm_dir) -> None:
+    from asyncinfer.models.encoder import read_encoder_config
+
+    cfg = read_encoder_config(minilm_dir)
+    # The defaults, 32 texts and 2048 slots: at most 8 texts of 256 tokens run together (it planned 32 x 256).
+    plan = AsyncEngine.plan_memory(minilm_dir, dtype="float32", device="cpu")
+    assert plan.largest_batch == (8, 256)
+    assert plan.activation_bytes == cfg.activation_bytes(8, 256, 4) == 84 * 2**20
+    assert (plan.max_batch_size, plan.max_seq_len) == (32, 256)
+    assert plan.describe() == "weights 86.1 MiB, activations 84.0 MiB (batch 8 x 256 tokens)"
+    # Slots for every text of the batch: the options' whole product, as before.
+    wide = AsyncEngine.plan_memory(minilm_dir, dtype="float32", device="cpu", max_batch_tokens=8192)
+    assert wide.largest_batch == (32, 256) and wide.activation_bytes == 336 * 2**20
+    # One slot: a text still runs, alone.
+    assert AsyncEngine.plan_memory(minilm_dir, dtype="float32", device="cpu", max_batch_tokens=1).largest_batch == (1, 256)
+
+
+async def test_the_batcher_runs_no_batch_larger_than_the_plan(minilm_dir) -> None:
+    engine = await AsyncEngine.load(minilm_dir, dtype="float32", device="cpu", max_wait_ms=0)
+    (info,) = engine.model_info()
+    async with engine:
+        await engine.embed(["word " * 300] * 20)  # truncated to 256 tokens each
+        stats = engine.embedding_stats()
+    assert max(stats.batch_sizes) == info.memory_plan.largest_batch[0] == 8
+    assert sum(size * count for size, count in stats.batch_sizes.items()) == 20
