@@ -168,7 +168,7 @@ class EngineConfig:
     - ``kv_cache_memory``: KV budget in bytes; overrides ``kv_cache_fraction``.
     - ``kv_cache_fraction``: KV budget as a fraction of free memory after the weights
       (available RAM on CPU, free device memory on CUDA), in (0, 0.95]. None (default):
-      on CPU, room for ``min(max_num_seqs, 4)`` requests of ``max_model_len`` tokens, at
+      on CPU, room for ``min(max_num_seqs, 4)`` requests of ``max_model_len`` tokens (each in whole blocks), at
       most 25 % of the free memory; on CUDA, 25 % of the free memory (see ``memory.py``).
     - ``max_num_seqs``: requests in one step (1..4096).
     - ``max_num_batched_tokens``: tokens in one step (>= 1; chunked prefill splits longer prompts).

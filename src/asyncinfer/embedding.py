@@ -98,33 +98,55 @@ def apply_max_seq_len(encoder_config: EncoderConfig, config: EmbeddingConfig) ->
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
-    """Memory of an embedding model: its weights plus the activations of its largest batch."""
+    """Memory of an embedding model: its weights plus the activations of its largest batch.
+
+    ``max_batch_size`` and ``max_seq_len`` are the options; the largest batch the batcher can run is
+    ``largest_batch`` (texts, tokens each): at most ``max_batch_size`` texts in ``max_batch_tokens`` padded
+    slots, or one text of ``max_seq_len`` alone, the one whose activations are the most."""
 
     weight_bytes: int
     activation_bytes: int
     max_batch_size: int
     max_seq_len: int
+    largest_batch: tuple[int, int] | None = None
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.activation_bytes
 
     def describe(self) -> str:
+        texts, tokens = self.largest_batch or (self.max_batch_size, self.max_seq_len)
         return (
             f"weights {self.weight_bytes / MiB:.1f} MiB, activations {self.activation_bytes / MiB:.1f} MiB "
-            f"(batch {self.max_batch_size} x {self.max_seq_len} tokens)"
+            f"(batch {texts} x {tokens} tokens)"
         )
+
+
+def largest_batch(cfg: EncoderConfig, config: EmbeddingConfig, dtype_bytes: int) -> tuple[int, int]:
+    """The batch (texts, tokens each) of the most activation memory the batcher can form: at most
+    ``max_batch_size`` texts whose padded slots fit ``max_batch_tokens``, or one text alone (up to the model's
+    ``max_seq_len``)."""
+    best = (1, cfg.max_seq_len)
+    most = -1
+    for tokens in range(1, cfg.max_seq_len + 1):
+        texts = min(config.max_batch_size, max(1, config.max_batch_tokens // tokens))
+        nbytes = cfg.activation_bytes(texts, tokens, dtype_bytes)
+        if nbytes >= most:
+            best, most = (texts, tokens), nbytes
+    return best
 
 
 def plan_embedding(encoder_config: EncoderConfig, config: EmbeddingConfig) -> EmbeddingPlan:
     """The memory an embedding model needs, from its config alone (before loading)."""
     cfg = apply_max_seq_len(encoder_config, config)
     nbytes = config.dtype_bytes
+    texts, tokens = largest_batch(cfg, config, nbytes)
     return EmbeddingPlan(
         weight_bytes=cfg.num_params * nbytes,
-        activation_bytes=cfg.activation_bytes(config.max_batch_size, cfg.max_seq_len, nbytes),
+        activation_bytes=cfg.activation_bytes(texts, tokens, nbytes),
         max_batch_size=config.max_batch_size,
         max_seq_len=cfg.max_seq_len,
+        largest_batch=(texts, tokens),
     )
 
 

@@ -12,6 +12,7 @@ live in one process (one per Ray Serve replica, say).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -365,8 +366,11 @@ class AsyncEngine:
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
         request, version, holder, binding = await self._bind(prompt, args, model)
-        async for out in self._submit(request, version, holder, binding):
-            yield stream_delta(out)
+        # Closed with this generator: `await stream.aclose()` posts the abort before it returns (an inner generator
+        # left to the garbage collector was closed a loop iteration later, its id not yet marked as being aborted).
+        async with contextlib.aclosing(self._submit(request, version, holder, binding)) as outputs:
+            async for out in outputs:
+                yield stream_delta(out)
 
     async def _bind(self, prompt: Prompt, args: RequestArgs,
                     model: str | None) -> tuple[Request, ModelVersion, ModelHolder, _Binding]:

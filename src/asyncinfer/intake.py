@@ -211,7 +211,11 @@ class RequestIntake:
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         if not self.streams.is_free(request_id, n):
-            raise InvalidParameterError("request_id", request_id, "an id not used by a request in flight")
+            allowed = "an id not used by a request in flight"
+            if self.streams.is_abandoned(request_id):
+                allowed += (" (a request with this id was cancelled and is still being aborted: its id is free once the "
+                            "engine has stopped it, at its next step)")
+            raise InvalidParameterError("request_id", request_id, allowed)
 
 
 def _check_samples(params: SamplingParams, version: ModelVersion) -> None:

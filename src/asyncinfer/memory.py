@@ -9,7 +9,7 @@ budget is, in this order:
   (available RAM on CPU, free device memory on CUDA) minus an activation reserve;
 - by default, sized from the workload on the CPU: room for
   ``min(max_num_seqs, DEFAULT_KV_FULL_REQUESTS)`` requests of ``max_model_len``
-  tokens (:func:`default_kv_tokens`), never more than :data:`DEFAULT_KV_FRACTION`
+  tokens, each in whole blocks (:func:`default_kv_tokens`), never more than :data:`DEFAULT_KV_FRACTION`
   of the free memory; on CUDA (memory that serves nothing else) that fraction.
 
 Before anything is loaded, :func:`check_weights_fit` refuses weights larger
@@ -181,10 +181,13 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 def default_kv_tokens(config: EngineConfig, max_model_len: int) -> int | None:
     """The default KV capacity in tokens: ``min(max_num_seqs, DEFAULT_KV_FULL_REQUESTS)`` requests of
-    ``max_model_len`` on the CPU; None on CUDA (the default fraction of free device memory)."""
+    ``max_model_len`` on the CPU, each rounded up to whole blocks (a request of 100 tokens holds 7 blocks of
+    16, so 4 of them need 28 blocks, not the 25 that 400 tokens fill); None on CUDA (the default fraction of
+    free device memory)."""
     if config.device.type != "cpu":
         return None
-    return min(config.max_num_seqs, DEFAULT_KV_FULL_REQUESTS) * max_model_len
+    per_request = -(-max_model_len // config.block_size) * config.block_size
+    return min(config.max_num_seqs, DEFAULT_KV_FULL_REQUESTS) * per_request
 
 
 def plan_for_engine(

@@ -97,6 +97,11 @@ class StreamTable:
         """Whether no sample id of a request ``request_id`` with ``n`` samples is in flight."""
         return not any(rid in self._ids for rid in sample_ids(request_id, n))
 
+    def is_abandoned(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held by a request whose consumer went away, its abort not yet confirmed."""
+        stream = self._streams.get(request_id)
+        return stream is not None and stream.abandoned
+
     def open(self, request_id: str, n: int, version_id: int, owner: object) -> RequestStream:
         stream = RequestStream(n, sample_ids(request_id, n), version_id, owner)
         self._streams[request_id] = stream
