@@ -507,6 +507,29 @@ def test_the_peer_table_after_the_prefetch_change_is_the_results_files() -> None
     assert f"{off} without it" in readme.replace("**", "")
 
 
+def test_the_q4_0_peer_rerun_in_the_docs_is_the_results_file() -> None:
+    """docs/formats.md's paragraph on Q4_0 again after its int8 rows' change quotes its peer.py record, the prefill
+    that is behind llama.cpp included."""
+    import json
+
+    r = json.loads((ROOT / "benchmarks" / "results" / "peer_1b_q4_0_int8_rows_epyc.json").read_text())
+    one, many, fill = r["one_request"], r["many"], r["prefill"]
+    flat = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    rounds = ", ".join(f"{x['ratio']:.2f}" for x in fill["rounds"])
+    for quoted in (
+            f"same command at commit {r['commit'][:7]}",
+            (f"one request {one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f} "
+            f"tok/s, **{one['median_ratio']:.2f}x** ({one['asyncinfer_bandwidth_use']:.1%} / "
+            f"{one['llama_cpp_bandwidth_use']:.1%} of a probe that read {r['read_bandwidth_gb_s']:.1f} GB/s"),
+            f"**{many['ratio_prefix_cache_on']:.2f}x / {many['ratio_prefix_cache_off']:.2f}x**",
+            (f"prefills at **{fill['median_ratio']:.2f}x** llama.cpp's rate ({fill['asyncinfer_median_tokens_per_s']:.1f} "
+            f"vs {fill['llama_cpp_median_tokens_per_s']:.1f} tok/s; rounds {rounds}): **behind** in this run")):
+        assert quoted in flat, quoted
+    assert fill["median_ratio"] < 1
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"(a later Q4_0 run: {fill['median_ratio']:.2f}x, **behind**)" in readme
+
+
 def test_the_prefetch_table_in_the_docs_is_the_results_files() -> None:
     """docs/formats.md's "Prefetch distance" table and its ranges quote benchmarks/kquant_rows.py's two records
     (the median per-pass speed-up over the baseline library): every cell, and the ranges in csrc/internal.h."""
