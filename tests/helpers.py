@@ -28,11 +28,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import gguf
+import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -642,3 +643,41 @@ def with_chat_template(model_dir: Path, target: Path, chat_template: str) -> Pat
     fast.chat_template = chat_template
     fast.save_pretrained(target)
     return target
+
+
+class AllowTokens:
+    """A grammar matcher (the sampler's ``fill``) that allows a fixed set of tokens at every position."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bits = np.zeros(bitmask.shape[1] * 32, dtype=np.bool_)
+        bits[self.tokens] = True
+        bitmask[row] = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
+
+
+class EngineOnLoop:
+    """One engine on an event loop of its own thread, for tests (Hypothesis's included) that submit to it from
+    theirs."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(engine.start())
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 600) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def generate_all(self, jobs: list[tuple[Any, SamplingParams]]) -> list[Any]:
+        async def run() -> list[Any]:
+            return list(await asyncio.gather(*(self.engine.generate(p, sp) for p, sp in jobs)))
+        return self.call(run())
+
+    def close(self) -> None:
+        self.call(self.engine.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()

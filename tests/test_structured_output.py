@@ -12,11 +12,10 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -32,6 +31,7 @@ from asyncinfer import (
 from asyncinfer.grammar import GrammarMatcher, apply_token_bitmask, bitmask_words
 from asyncinfer.request import Request
 from asyncinfer.sampler import Sampler, SamplingState
+from tests.helpers import AllowTokens, EngineOnLoop
 
 llguidance = pytest.importorskip("llguidance", reason="structured output needs asyncinfer[structured] (llguidance)")
 
@@ -152,20 +152,8 @@ def test_apply_token_bitmask_blocks_exactly_the_zero_bits(rows: int, vocab: int)
     assert torch.equal(logits, expected)
 
 
-class Allow:
-    """A matcher whose grammar allows a fixed set of tokens at every position."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        bits = np.zeros(bitmask.shape[1] * 32, dtype=np.bool_)
-        bits[self.tokens] = True
-        bitmask[row] = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
-
-
 def shaped_state(tokens: list[int], **kw: Any) -> SamplingState:
-    matcher: Any = Allow(tokens)
+    matcher: Any = AllowTokens(tokens)
     return SamplingState(params=SamplingParams(**kw), prompt_token_ids=[1], matcher=matcher)
 
 
@@ -210,36 +198,11 @@ def test_sampled_structured_rows_draw_only_allowed_tokens_with_logprobs_of_the_m
 # --------------------------------------------------------------------------- the real model
 
 
-class Served:
-    """One engine on its own event loop thread, for tests (Hypothesis's included) that submit to it."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(engine.start())
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 600) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def generate_all(self, jobs: list[tuple[Any, SamplingParams]]) -> list[RequestOutput]:
-        async def run() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(self.engine.generate(p, sp) for p, sp in jobs)))
-        return self.call(run())
-
-    def close(self) -> None:
-        self.call(self.engine.aclose())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
-def served(real_gguf) -> Iterator[Served]:
+def served(real_gguf) -> Iterator[EngineOnLoop]:
     # A KV cache sized for the work, not the default: 32 replies of about 100 tokens at once (192 blocks of 16).
     block = AsyncEngine.plan_memory(real_gguf, max_model_len=512).block_bytes
-    s = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=512, max_num_seqs=32, seed=0,
+    s = EngineOnLoop(AsyncEngine.from_pretrained(real_gguf, max_model_len=512, max_num_seqs=32, seed=0,
                                            kv_cache_memory=192 * block))
     yield s
     s.close()
@@ -254,7 +217,7 @@ pytestmark_real = pytest.mark.real_model
 
 
 @pytestmark_real
-def test_greedy_and_sampled_json_parses_and_validates(served: Served) -> None:
+def test_greedy_and_sampled_json_parses_and_validates(served: EngineOnLoop) -> None:
     jobs = []
     for name, schema in SCHEMAS.items():
         spec = StructuredOutput.json_schema(schema)
@@ -272,7 +235,7 @@ def test_greedy_and_sampled_json_parses_and_validates(served: Served) -> None:
 
 
 @pytestmark_real
-def test_regex_choice_and_grammar_outputs_match(served: Served) -> None:
+def test_regex_choice_and_grammar_outputs_match(served: EngineOnLoop) -> None:
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     date = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
     moods = ["positive", "negative", "neutral"]
@@ -301,7 +264,7 @@ def test_regex_choice_and_grammar_outputs_match(served: Served) -> None:
 
 
 @pytestmark_real
-def test_each_of_n_samples_follows_its_own_grammar(served: Served) -> None:
+def test_each_of_n_samples_follows_its_own_grammar(served: EngineOnLoop) -> None:
     spec = StructuredOutput.json_schema(PERSON)
     [out] = served.generate_all([(chat(PROMPTS["person"]),
                                   SamplingParams(n=4, max_tokens=120, temperature=1.2, seed=5, structured=spec))])
@@ -316,7 +279,7 @@ def test_each_of_n_samples_follows_its_own_grammar(served: Served) -> None:
 
 
 @pytestmark_real
-def test_a_reply_cut_by_max_tokens_says_length_and_stop_strings_still_stop(served: Served) -> None:
+def test_a_reply_cut_by_max_tokens_says_length_and_stop_strings_still_stop(served: EngineOnLoop) -> None:
     spec = StructuredOutput.json_schema(ORDER)
     full, cut, stopped = served.generate_all([
         (chat(PROMPTS["order"]), SamplingParams(max_tokens=200, structured=spec)),
@@ -332,7 +295,7 @@ def test_a_reply_cut_by_max_tokens_says_length_and_stop_strings_still_stop(serve
 
 
 @pytestmark_real
-def test_an_invalid_spec_is_refused_before_queueing_and_the_engine_serves_on(served: Served) -> None:
+def test_an_invalid_spec_is_refused_before_queueing_and_the_engine_serves_on(served: EngineOnLoop) -> None:
     engine = served.engine
     bad = [StructuredOutput.regex("a("), StructuredOutput.json_schema({"type": "nonsense"}),
            StructuredOutput.json_schema({"type": "string", "minLength": 5, "maxLength": 2}),
@@ -363,7 +326,7 @@ def test_an_invalid_spec_is_refused_before_queueing_and_the_engine_serves_on(ser
 
 
 @pytestmark_real
-def test_unconstrained_neighbours_get_the_tokens_they_get_alone(served: Served) -> None:
+def test_unconstrained_neighbours_get_the_tokens_they_get_alone(served: EngineOnLoop) -> None:
     plain = [(chat("Write a haiku about rain."), SamplingParams(max_tokens=24, ignore_eos=True)),
              (chat("Name three rivers."), SamplingParams(max_tokens=24, temperature=0.9, seed=4, ignore_eos=True)),
              (chat("What is 2 + 2?"), SamplingParams(max_tokens=24, logprobs=2, ignore_eos=True))]
@@ -378,7 +341,7 @@ def test_unconstrained_neighbours_get_the_tokens_they_get_alone(served: Served) 
 
 
 @pytestmark_real
-def test_grammars_compile_once_per_spec_and_steps_record_their_mask_time(served: Served) -> None:
+def test_grammars_compile_once_per_spec_and_steps_record_their_mask_time(served: EngineOnLoop) -> None:
     engine = served.engine
     spec = StructuredOutput.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                          "required": ["ok"], "additionalProperties": False})
@@ -398,7 +361,7 @@ def test_grammars_compile_once_per_spec_and_steps_record_their_mask_time(served:
 
 
 @pytestmark_real
-def test_a_profile_shows_the_mask_work(served: Served, tmp_path) -> None:
+def test_a_profile_shows_the_mask_work(served: EngineOnLoop, tmp_path) -> None:
     engine = served.engine
     spec = StructuredOutput.choice(["alpha", "beta", "gamma"])
 
@@ -414,7 +377,7 @@ def test_a_profile_shows_the_mask_work(served: Served, tmp_path) -> None:
 
 
 @pytestmark_real
-def test_compiles_queue_in_a_pool_of_their_own_and_leave_the_shared_one_free(served: Served) -> None:
+def test_compiles_queue_in_a_pool_of_their_own_and_leave_the_shared_one_free(served: EngineOnLoop) -> None:
     """One caller's many uncached specs each held a thread of anyio's shared pool (40) while compiling, so
     everyone's off-loop work (a long prompt's tokenizing, a large body's decoding) waited behind them, and
     as many compiles as were sent ran at once on the machine's cores. Now at most
@@ -468,7 +431,7 @@ def test_compiles_queue_in_a_pool_of_their_own_and_leave_the_shared_one_free(ser
     assert [bool(re.fullmatch(p, out.text)) for p, out in zip(patterns, outs)] == [True] * len(patterns)
 
 
-def test_grammars_compile_in_a_worker_thread(served: Served) -> None:
+def test_grammars_compile_in_a_worker_thread(served: EngineOnLoop) -> None:
     grammars = served.engine.core.grammars
     assert grammars is not None
     threads: list[threading.Thread] = []
@@ -501,7 +464,7 @@ def test_greedy_equals_transformers_with_the_same_mask_step_by_step(real_gguf, r
              "regex": (StructuredOutput.regex(r"[A-Z][a-z]+ (is|was) \d{1,3}"),
                        llguidance.LLMatcher.grammar_from_regex(r"[A-Z][a-z]+ (is|was) \d{1,3}"))}
     block = AsyncEngine.plan_memory(real_gguf, dtype="float32", max_model_len=256).block_bytes
-    s = Served(AsyncEngine.from_pretrained(real_gguf, dtype="float32", max_model_len=256,
+    s = EngineOnLoop(AsyncEngine.from_pretrained(real_gguf, dtype="float32", max_model_len=256,
                                            kv_cache_memory=32 * block))  # two replies of up to 256 tokens
     try:
         prompt = s.engine.tokenize(chat(PROMPTS["person"]))
@@ -538,7 +501,7 @@ def test_the_mask_follows_preemption_and_prefix_cache_hits(real_gguf) -> None:
             for i in range(4)]
 
     def run(**options: Any) -> tuple[list[RequestOutput], Any, Any]:
-        s = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=256, **options))
+        s = EngineOnLoop(AsyncEngine.from_pretrained(real_gguf, max_model_len=256, **options))
         try:
             outs = s.generate_all(jobs)
             again = s.generate_all(jobs[:1])  # its prompt's blocks are cached now
@@ -639,7 +602,7 @@ def test_generated_schemas_greedy_and_sampled_outputs_validate(real_gguf) -> Non
                                             structured=spec)))
     # 64 replies at once of up to ~40 prompt and 128 output tokens: 11 blocks of 16 each (~0.5 GB of float32 KV).
     block = AsyncEngine.plan_memory(real_gguf, max_model_len=256).block_bytes
-    served = Served(AsyncEngine.from_pretrained(real_gguf, max_model_len=256, max_num_seqs=64, seed=0,
+    served = EngineOnLoop(AsyncEngine.from_pretrained(real_gguf, max_model_len=256, max_num_seqs=64, seed=0,
                                                 kv_cache_memory=64 * 11 * block))
     try:
         outs = served.generate_all(jobs)

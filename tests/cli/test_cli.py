@@ -386,7 +386,10 @@ def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
     """SIGINT during the imports (torch's: seconds), the parser's construction or the job (it waits
     for its input's end): status 130, nothing on stdout, at most one line on stderr, no traceback."""
     start = ["-m", "asyncinfer"] if how == "python -m" else [str(console_script(tmp_path))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    # faulthandler: a process still running long after the signal is sent SIGABRT, and its threads' stacks say where
+    # it waits
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONFAULTHANDLER": "1"}
     for delay in (0.3, 0.6, 1.0, 1.5, 2.5, 4.0):
         read, write = os.pipe()  # the job's stdin, held open: it waits
         try:
@@ -394,7 +397,12 @@ def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
             time.sleep(delay)
             proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=120)
+            try:
+                out, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                err = proc.communicate(timeout=60)[1]
+                pytest.fail(f"still running 120 s after SIGINT at {delay} s; its stacks:\n{err[-8000:]}")
         finally:
             os.close(read)
             os.close(write)

@@ -4,31 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncinfer.sampler import Sampler, SamplingState
 from asyncinfer.sampling_params import SamplingParams
+from tests.helpers import AllowTokens
 
 VOCAB = 320
 
 
-class Allow:
-    """A grammar matcher that allows a fixed set of tokens at every position."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        bits = np.zeros(bitmask.shape[1] * 32, dtype=np.bool_)
-        bits[self.tokens] = True
-        bitmask[row] = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
-
-
 def structured(logprobs: int) -> SamplingState:
-    matcher: Any = Allow([93])
+    matcher: Any = AllowTokens([93])
     return SamplingState(params=SamplingParams(logprobs=logprobs), prompt_token_ids=[1], matcher=matcher)
 
 

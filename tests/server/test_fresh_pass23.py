@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from asyncinfer import AsyncEngine, SamplingParams, StructuredOutput
+from tests.helpers import EngineOnLoop
 
 from .conftest import TINY_OPTIONS
 
@@ -96,7 +97,7 @@ def test_seeded_structured_samples_with_logprobs_and_stops_are_the_same_alone_ba
 
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Coroutine, Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -107,28 +108,9 @@ NEIGHBOUR = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
 NEIGHBOUR_PROMPT = [7, 8, 9, 10, 11, 12]
 
 
-class LoopEngine:
-    """An engine on an event loop of its own thread (one engine thread in all), for examples that share it."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(engine.start())
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.call(self.engine.aclose())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def shared(tiny_chat_model: Path) -> Iterator[tuple[LoopEngine, list[int], list[Any]]]:
-    engine = LoopEngine(AsyncEngine.from_pretrained(tiny_chat_model, **{**SMALL, "kv_cache_memory": TIGHT_KV},
+def shared(tiny_chat_model: Path) -> Iterator[tuple[EngineOnLoop, list[int], list[Any]]]:
+    engine = EngineOnLoop(AsyncEngine.from_pretrained(tiny_chat_model, **{**SMALL, "kv_cache_memory": TIGHT_KV},
                                                     max_num_batched_tokens=24, max_num_seqs=12))
     alone = engine.call(engine.engine.generate(NEIGHBOUR_PROMPT, NEIGHBOUR))
     yield engine, alone.token_ids, alone.logprobs
