@@ -482,13 +482,20 @@ class _OpenAI:
             g.pin()
         return g
 
-    async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+    @staticmethod
+    async def _on_one_version(make: Callable[[int], Awaitable[Response]]) -> Response:
+        """``make(attempt)``, made again for the new version when a model swap lands while it is made (its
+        :class:`ModelChangedError`), up to :data:`MAX_REBINDS` times before that error is answered."""
         for attempt in itertools.count(1):
             try:
-                return await self._chat_on_one_version(body, call, attempt)
-            except ModelChangedError:  # a swap came while it was rendered: rendered again for the new version
+                return await make(attempt)
+            except ModelChangedError:
                 if attempt == MAX_REBINDS:
                     raise
+
+    async def _chat(self, body: ChatRequest, call: _Call) -> Response:
+        # a swap came while it was rendered: rendered again for the new version
+        return await self._on_one_version(lambda attempt: self._chat_on_one_version(body, call, attempt))
 
     async def _chat_on_one_version(self, body: ChatRequest, call: _Call, attempt: int) -> Response:
         """``_chat`` with what the router makes for the model's current version (the tool format, a prompt it
@@ -524,12 +531,8 @@ class _OpenAI:
                                   body.field)
 
     async def _complete(self, body: CompletionRequest, call: _Call) -> Response:
-        for attempt in itertools.count(1):
-            try:
-                return await self._complete_on_one_version(body, call, attempt)
-            except ModelChangedError:  # a swap came before its requests were bound: made again for the new version
-                if attempt == MAX_REBINDS:
-                    raise
+        # a swap came before its requests were bound: made again for the new version
+        return await self._on_one_version(lambda attempt: self._complete_on_one_version(body, call, attempt))
 
     async def _complete_on_one_version(self, body: CompletionRequest, call: _Call, attempt: int) -> Response:
         """``_complete`` pinned to the model's current version where the router reads or makes tokens with its
