@@ -7,12 +7,15 @@ write it, so both read the bytes users download). Both engines run in this proce
 other, on the same number of threads, with every prompt given as the same token ids:
 
 1. **read bandwidth**: the best of ``--probe-repeats`` sums of a 1 GiB float32 buffer on ``--threads``
-   threads (torch), GB/s: what a step that reads every weight once can at best reach;
+   threads (torch), GB/s: what a step that reads every weight once can at best reach. Taken at the start,
+   and again just before and just after each one-request round: a virtual machine's bandwidth wanders over
+   minutes (this one's probe has read 37-75 GB/s in runs hours apart), so each round is held against the
+   faster of its own two probes (the stricter bound);
 2. **one request**: ``--rounds`` rounds, each one request's decode rate in asyncinfer then llama.cpp (the
    order alternating between rounds), both as ``(n - 1) / (T(n) - T(1))`` (the prompt's time cancelled
    out); the per-round ratios and their median, and each engine's **bandwidth use**: weight bytes read per
    token (every tensor of the file but the token embedding, which a step gathers a few rows of, unless
-   the head is tied to it) x tok/s / the probe;
+   the head is tied to it) x tok/s / the round's probe, the median over the rounds;
 3. **many requests**: ``--num-requests`` requests at t=0 (a shared ``--shared-prefix``-token system prompt,
    then a distinct random tail, output lengths drawn in [``--min-new-tokens``, ``--max-new-tokens``],
    greedy, EOS ignored): asyncinfer with its prefix cache on and off, llama.cpp with every slot count of
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     say(f"read bandwidth probe ({args.probe_mib} MiB, {args.threads} threads)")
     probe = on_own_thread(read_bandwidth, args.probe_mib, args.probe_repeats)
     per_token = weight_bytes_per_token(path)
-    record["read_bandwidth_gb_s"], record["weight_bytes_per_token"] = probe, per_token
+    record["read_bandwidth_start_gb_s"], record["weight_bytes_per_token"] = probe, per_token
 
     vocab: int | None = None  # the workload's token ids are drawn from the vocabulary the first engine reports
     prompts: list[list[int]] = []
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for index in range(single_rounds):
                 order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
                 rates = {}
+                probes = [await asyncio.to_thread(on_own_thread, read_bandwidth, args.probe_mib, args.probe_repeats)]
                 for system in order:
                     say(f"one request, round {index + 1}/{single_rounds}: {system}")
                     if system == "asyncinfer":
@@ -189,7 +193,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         rates[system] = (await asyncio.to_thread(on_own_thread, peer_single.single_decode_rate,
                                                                  prompts[0], args.decode_tokens, args.repeats)
                                          )["decode_tokens_per_s"]
-                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
+                probes.append(await asyncio.to_thread(on_own_thread, read_bandwidth, args.probe_mib, args.probe_repeats))
+                bound = max(probes)
+                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"],
+                               "probe_gb_s": probes, **{f"{name}_bandwidth_use": rates[system] * per_token / 1e9 / bound
+                                                        for name, system in (("asyncinfer", "asyncinfer"),
+                                                                             ("llama_cpp", "llama.cpp"))}})
             say(f"{args.num_requests} requests, asyncinfer, prefix cache {'on' if prefix_cache else 'off'}")
             wall, tokens = await _generate_all(eng, prompts, lengths)
         out.update({"rounds": rounds, "many_wall_s": wall, "many_tokens_per_s": sum(lengths) / wall,
@@ -226,8 +235,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp_median_tokens_per_s": statistics.median(r["llama.cpp"] for r in rounds),
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
     }
-    for system, key in (("asyncinfer", "asyncinfer_median_tokens_per_s"), ("llama_cpp", "llama_cpp_median_tokens_per_s")):
-        single[f"{system}_bandwidth_use"] = single[key] * per_token / 1e9 / probe
+    for system in ("asyncinfer", "llama_cpp"):
+        single[f"{system}_bandwidth_use"] = statistics.median(r[f"{system}_bandwidth_use"] for r in rounds)
+    # the bound the uses were taken against: the median of the rounds' probes (each round's faster one)
+    record["read_bandwidth_gb_s"] = statistics.median(max(r["probe_gb_s"]) for r in rounds)
     agree = sum(a == b for a, b in zip(on["tokens"], slots[best]["tokens"]))
     record.update({
         "workload": {"num_requests": len(prompts), "shared_prefix": args.shared_prefix,
@@ -301,7 +312,8 @@ def report(r: dict[str, Any]) -> None:
     ratios = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
     print(f"model: {r['model']} ({r['model_mib']:.1f} MiB), {r['settings']['threads']} threads, commit {r['commit']}, "
           f"asyncinfer activation_dtype={r['settings'].get('activation_dtype', 'int16')}")
-    print(f"read bandwidth probe: {r['read_bandwidth_gb_s']:.1f} GB/s; weight bytes per token "
+    print(f"read bandwidth probe: {r['read_bandwidth_gb_s']:.1f} GB/s (the rounds' median; "
+          f"{r['read_bandwidth_start_gb_s']:.1f} at the start); weight bytes per token "
           f"{r['weight_bytes_per_token'] / 2**20:.1f} MiB")
     print(f"one request ({len(one['rounds'])} paired rounds): asyncinfer {one['asyncinfer_median_tokens_per_s']:.1f} "
           f"tok/s ({one['asyncinfer_bandwidth_use']:.0%} of the probe), llama.cpp "

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,6 +100,15 @@ def test_the_peer_benchmark_runs_both_engines_or_says_llama_cpp_is_missing(tmp_p
     assert set(result["many"]["llama_cpp_by_slots"]) == {"1", "3"} and result["workload"]["num_requests"] == 3
     assert result["many"]["asyncinfer_cache_on_off_identical"] == 3  # the prefix cache changes no token
     assert result["llama_cpp"]["system_info"] and result["weight_bytes_per_token"] > 0
+    # each round held against the faster of its own two probes (before and after it), the median over the rounds
+    one, per_token = result["one_request"], result["weight_bytes_per_token"]
+    for r in one["rounds"]:
+        assert len(r["probe_gb_s"]) == 2 and min(r["probe_gb_s"]) > 0
+        assert r["asyncinfer_bandwidth_use"] == pytest.approx(r["asyncinfer"] * per_token / 1e9 / max(r["probe_gb_s"]))
+    assert one["llama_cpp_bandwidth_use"] == pytest.approx(statistics.median(r["llama_cpp_bandwidth_use"]
+                                                                             for r in one["rounds"]))
+    assert result["read_bandwidth_gb_s"] == pytest.approx(statistics.median(max(r["probe_gb_s"]) for r in one["rounds"]))
+    assert result["read_bandwidth_start_gb_s"] > 0
 
 
 def test_the_structured_masks_benchmark_runs(real_gguf, tmp_path) -> None:
