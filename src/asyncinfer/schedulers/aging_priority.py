@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.base import SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.ordered import OrderedScheduler
 
 
 def _check_seconds(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -17,7 +19,7 @@ def _check_seconds(name: str, value: object, *, allow_none: bool = False) -> Non
         raise InvalidParameterError(name, value, "a finite number > 0" + (" or None" if allow_none else ""))
 
 
-class AgingPriorityScheduler(Scheduler):
+class AgingPriorityScheduler(OrderedScheduler):
     """Lower ``priority`` = more urgent; waiting earns one level per ``aging_interval`` seconds.
 
     A request's effective priority is ``priority - (now - arrival_time) / aging_interval``.
@@ -36,6 +38,10 @@ class AgingPriorityScheduler(Scheduler):
     ``preempt_margin`` levels; otherwise it waits and nothing less urgent is
     admitted past it. When a running request needs a block, the least urgent
     running request is the one preempted.
+
+    The waiting queue is kept in that order as requests arrive (and come back from preemption), so a step reads
+    it from its head, as far as it admits, never ranking every waiting request: a queue of 20,000 costs a step no
+    more than a queue of 10.
 
     Options:
         aging_interval: seconds of waiting worth one priority level (default 10.0);
@@ -65,6 +71,7 @@ class AgingPriorityScheduler(Scheduler):
         self.preempt_urgent = preempt
         self.preempt_margin = float(preempt_margin)
         self.starvation_free = aging_interval is not None
+        self._stop_waiting = False
 
     def effective_priority(self, request: Request, now: float) -> float:
         if self.aging_interval is None:
@@ -75,6 +82,19 @@ class AgingPriorityScheduler(Scheduler):
         """Sort key: most urgent first, ties in arrival order."""
         return (self.effective_priority(request, now), request.arrival_time)
 
+    def order_key(self, request: Request) -> tuple[float, float]:
+        """The order :meth:`rank` gives at every moment, as a key that does not change while a request waits:
+        ``arrival_time + priority * aging_interval`` (strict priority: ``priority``), ties in arrival order."""
+        if self.aging_interval is None:
+            return (float(request.priority), request.arrival_time)
+        return (request.arrival_time + request.priority * self.aging_interval, request.arrival_time)
+
+    def lane_of(self, request: Request) -> int:
+        return 0  # one lane: order_key orders every waiting request
+
+    def key_of(self, request: Request) -> tuple[float, float]:
+        return self.order_key(request)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = self.clock()
@@ -83,7 +103,7 @@ class AgingPriorityScheduler(Scheduler):
         # a decode is cheap, and skipping it stalls a stream for a whole step.
         decodes = {r.request_id for r in self.running if r.is_decode}
         admitting = True
-        for request in sorted([*self.running, *self.waiting], key=lambda r: self.rank(r, now)):
+        for request in self._in_order():
             if budget <= 0:
                 break
             rid = request.request_id
@@ -105,7 +125,30 @@ class AgingPriorityScheduler(Scheduler):
                 budget -= n
                 # The most urgent waiting request that does not fit is not overtaken.
                 admitting = n > 0
+            if not admitting:
+                self._stop_waiting = True
         return out
+
+    def _in_order(self) -> Iterator[Request]:
+        """Running and waiting requests together in order_key's order (the running ones sorted each step, the
+        waiting ones read from their lane's head); once the step stops admitting (``_stop_waiting``), only the
+        running ones are still met. On equal keys a running request comes first."""
+        running = sorted(self.running, key=self.order_key)
+        waiting = self.live(self.lanes().get(0, []))
+        self._stop_waiting = False
+        head = next(waiting, None)
+        r = 0
+        while r < len(running) or head is not None:
+            if head is not None and self._stop_waiting:
+                head = None
+                continue
+            if head is not None and (r == len(running) or head[0] < self.order_key(running[r])):
+                request = head[2]
+                head = next(waiting, None)
+            else:
+                request = running[r]
+                r += 1
+            yield request
 
     def _least_urgent_idle(self, out: SchedulerOutput, now: float) -> Request | None:
         """The least urgent running request not scheduled yet this step."""

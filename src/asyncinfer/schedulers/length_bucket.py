@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.base import SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.ordered import Entry, OrderedScheduler
 
 _LENGTHS = ("total", "prompt", "output")
+#: The lane of preempted requests (buckets are 0, 1, ...).
+_PREEMPTED = -1
 
 
-class LengthBucketScheduler(Scheduler):
+class LengthBucketScheduler(OrderedScheduler):
     """Groups requests by length: shortest bucket admitted first, short and long decodes in turns.
 
     Admission: a request's length is known before it runs only as its prompt
@@ -35,6 +40,9 @@ class LengthBucketScheduler(Scheduler):
     in arrival order; the head of that order is never overtaken. A resting
     decode group runs the next step. Running requests are otherwise served, and
     preempted (youngest first), as FIFO does. Ignores ``priority``.
+
+    Each bucket's waiting requests are kept in arrival order as they arrive, so a step reads the order from the
+    buckets' heads as far as it admits, never sorting every waiting request.
 
     Options:
         bucket_edges: ascending bucket upper bounds in tokens
@@ -92,9 +100,34 @@ class LengthBucketScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.schedule_running(out, self.config.max_num_batched_tokens, skip=self._resting_decodes())
         if not out.preempted:
-            now = self.clock()
-            self.admit_waiting(sorted(self.waiting, key=lambda r: self._order(r, now)), budget, out)
+            self.admit_waiting(self._waiting_order(self.clock()), budget, out)
         return out
+
+    def lane_of(self, request: Request) -> int:
+        return _PREEMPTED if request.status is RequestStatus.PREEMPTED else self.bucket_of(request)
+
+    def key_of(self, request: Request) -> float:
+        return request.arrival_time
+
+    def _waiting_order(self, now: float) -> Iterator[Request]:
+        """The waiting requests in admission order, read lazily: first the preempted ones and those that waited
+        ``max_wait`` (each bucket's head, in arrival order; on equal times preempted ones first, as at the waiting
+        queue's head), then each bucket from the shortest, in arrival order."""
+        lanes = self.lanes()
+        buckets = sorted(b for b in lanes if b != _PREEMPTED)
+
+        def aged(lane: Iterable[Entry]) -> Iterator[Entry]:
+            for entry in lane:
+                if not now - entry[0] >= self.max_wait:
+                    return
+                yield entry
+
+        def young(lane: Iterable[Entry]) -> Iterator[Entry]:
+            return (entry for entry in lane if not now - entry[0] >= self.max_wait)
+
+        first = heapq.merge(self.live(lanes.get(_PREEMPTED, [])), *(aged(self.live(lanes[b])) for b in buckets))
+        for entry in itertools.chain(first, *(young(self.live(lanes[b])) for b in buckets)):
+            yield entry[2]
 
     def _resting_decodes(self) -> set[str]:
         """Decodes that sit this step out so that short and long contexts take turns.
@@ -126,8 +159,3 @@ class LengthBucketScheduler(Scheduler):
             return 0, 0
         splits = ((whole - pad(contexts[:i], bs) - pad(contexts[i:], bs), i) for i in range(1, len(contexts)))
         return max(splits, default=(0, 0))
-
-    def _order(self, request: Request, now: float) -> tuple[int, int, float]:
-        if request.status is RequestStatus.PREEMPTED or now - request.arrival_time >= self.max_wait:
-            return (0, 0, request.arrival_time)
-        return (1, self.bucket_of(request), request.arrival_time)
