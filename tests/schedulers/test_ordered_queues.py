@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from asyncinfer.cache import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers import AgingPriorityScheduler, LengthBucketScheduler, SchedulerConfig
+from asyncinfer.schedulers import AgingPriorityScheduler, LengthBucketScheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.step import apply_step
 
 
@@ -73,7 +73,11 @@ def _pair(policy: str, interval: float | None, preempt: bool, blocks: int) -> li
        blocks=st.integers(6, 24), policy=st.sampled_from(["aging-priority", "length-bucket"]))
 def test_the_ordered_queue_plans_every_step_as_ranking_every_request_did(ops, interval, preempt, blocks,
                                                                            policy) -> None:
-    scheds = _pair(policy, interval, preempt, blocks)
+    _drive(_pair(policy, interval, preempt, blocks), ops)
+
+
+def _drive(scheds: list, ops: list) -> None:
+    """Apply ``ops`` to every scheduler of ``scheds`` alike; every step's plan and both queues must agree."""
     now = [0.0]
     for sched in scheds:
         sched.clock = lambda: now[0]
@@ -101,6 +105,41 @@ def test_the_ordered_queue_plans_every_step_as_ranking_every_request_did(ops, in
         mine, theirs = scheds
         assert [r.request_id for r in mine.waiting] == [r.request_id for r in theirs.waiting]
         assert [r.request_id for r in mine.running] == [r.request_id for r in theirs.running]
+
+
+def _docs_ordered_plugin(monkeypatch) -> type:
+    """docs/schedulers.md's OrderedScheduler example, run as written (its registration left out)."""
+    import re
+    from pathlib import Path
+
+    import asyncinfer.schedulers
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "schedulers.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "(OrderedScheduler)" in b)
+    monkeypatch.setattr(asyncinfer.schedulers, "register_scheduler", lambda name: (lambda cls: cls))
+    namespace: dict = {}
+    exec(block, namespace)  # noqa: S102 -- the docs' own example, from this repository
+    return namespace["ShortestFirstOrdered"]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(ops=OPS, blocks=st.integers(6, 24))
+def test_the_docs_ordered_plugin_admits_as_sorting_the_queue_does(monkeypatch, ops, blocks) -> None:
+    """The docs' shortest-first policy on OrderedScheduler plans every step as the same policy sorting
+    ``self.waiting`` at every step (the docs' first example) does."""
+    plugin = _docs_ordered_plugin(monkeypatch)
+
+    class Sorting(plugin):  # type: ignore[misc, valid-type]
+        def schedule(self):  # type: ignore[no-untyped-def]
+            out = SchedulerOutput()
+            budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+            if not out.preempted:
+                self.admit_waiting(sorted(self.waiting, key=self.key_of), budget, out)
+            return out
+
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64)
+    _drive([cls(config, KVCacheManager(blocks, 4)) for cls in (plugin, Sorting)], ops)
 
 
 class CountingRanks(AgingPriorityScheduler):

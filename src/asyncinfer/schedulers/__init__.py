@@ -4,6 +4,7 @@ from asyncinfer.schedulers.aging_priority import AgingPriorityScheduler
 from asyncinfer.schedulers.base import SCHEDULER_API_VERSION, Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.schedulers.fifo import FIFOScheduler
 from asyncinfer.schedulers.length_bucket import LengthBucketScheduler
+from asyncinfer.schedulers.ordered import OrderedScheduler
 from asyncinfer.schedulers.pd_split import PDSplitScheduler
 from asyncinfer.schedulers.registry import (
     ENTRY_POINT_GROUP,
@@ -22,6 +23,7 @@ __all__ = [
     "AgingPriorityScheduler",
     "FIFOScheduler",
     "LengthBucketScheduler",
+    "OrderedScheduler",
     "PDSplitScheduler",
     "Scheduler",
     "SchedulerConfig",

@@ -134,7 +134,7 @@ class AgingPriorityScheduler(OrderedScheduler):
         waiting ones read from their lane's head); once the step stops admitting (``_stop_waiting``), only the
         running ones are still met. On equal keys a running request comes first."""
         running = sorted(self.running, key=self.order_key)
-        waiting = self.live(self.lanes().get(0, []))
+        waiting = self.live(self.lanes().get(0, ()))
         self._stop_waiting = False
         head = next(waiting, None)
         r = 0

@@ -1,4 +1,6 @@
-"""A waiting queue kept in a policy's order as requests join it, read from the head.
+"""A waiting queue kept in a policy's order as requests join it, read from the head (for plugins too: a policy
+whose order is a key fixed while a request waits subclasses :class:`OrderedScheduler`, names the key, and reads
+:meth:`OrderedScheduler.waiting_in`; docs/schedulers.md, "Writing one").
 
 A policy that sorted every waiting request at every step paid for the whole queue on every step, and so on every
 running request's tokens (1-1.5 us a waiting request in Python: one caller's 20,000 queued requests took a
@@ -100,6 +102,10 @@ class OrderedScheduler(Scheduler):
                 del lane[:head]
                 self._size -= head
         return self._lanes
+
+    def waiting_in(self, lane: Hashable) -> Iterator[Request]:
+        """The requests still waiting in ``lane``, in order, read lazily from its head (nothing if it is empty)."""
+        return (entry[2] for entry in self.live(self.lanes().get(lane, ())))
 
     def live(self, entries: Iterable[Entry]) -> Iterator[Entry]:
         """The entries of ``entries`` whose requests still wait (checked as each is reached)."""
