@@ -33,10 +33,11 @@ def one_thread():
 
 
 def step_cost(params: list[SamplingParams], steps: int = 15) -> float:
-    """The median CPU time of one sampler call for these rows (a greedy neighbour's first)."""
+    """The median CPU time of one sampler call for these rows (a greedy neighbour's first), on logits as peaked as
+    a model's (the 1024 most likely of 49,152 tokens hold 99.9% of the mass)."""
     sampler = Sampler(VOCAB, "cpu", (0,), seed=0)
     states = [SamplingState(p, [1, 2, 3]) for p in [SamplingParams(max_tokens=64), *params]]
-    logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(0)) * 6
     spent = []
     for _ in range(steps + 2):
         start = time.thread_time()
@@ -48,10 +49,12 @@ def step_cost(params: list[SamplingParams], steps: int = 15) -> float:
 
 
 @pytest.mark.parametrize("filters", [{"top_k": 50}, {"top_k": 40, "top_p": 0.9}, {"top_k": SELECT_MAX_K},
-                                     {"top_k": 40_000}, {"top_k": 20, "top_p": 0.95, "min_p": 0.05}])
-def test_a_top_k_row_costs_about_what_any_sampled_row_does(one_thread, filters) -> None:
+                                     {"top_k": 40_000}, {"top_k": 20, "top_p": 0.95, "min_p": 0.05},
+                                     {"top_p": 0.95}, {"top_p": 0.9, "min_p": 0.1}])
+def test_a_top_k_or_top_p_row_costs_about_what_any_sampled_row_does(one_thread, filters) -> None:
     """Beside a greedy neighbour, a sampled row's step (its noise draw over the vocabulary: about 1.5 ms of
-    49,152 columns here) and the same row with ``top_k``: 3.6 to 4 times as long when each sorted the whole row."""
+    49,152 columns here) and the same row with ``top_k`` or ``top_p``: 3.6 to 4 times as long when each sorted
+    the whole row."""
     plain = SamplingParams(temperature=1.0, seed=1, max_tokens=64)
     costs = {}
     for name, rows in (("plain", [plain]), ("filtered", [plain.with_updates(**filters)])):
