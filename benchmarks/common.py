@@ -304,7 +304,7 @@ def kernels_info() -> dict[str, str] | None:
     return {"isa": info["isa"], "source": info["source"]}
 
 
-def tiny_model(directory: Path) -> Path:
+def tiny_model(directory: Path, max_position_embeddings: int = 512) -> Path:
     """A 2-layer random Llama checkpoint (the test suite's shape, no tokenizer: prompts are ids),
     saved as safetensors in ``directory``: a model whose steps cost milliseconds, for bookkeeping benchmarks."""
     import torch
@@ -312,7 +312,7 @@ def tiny_model(directory: Path) -> Path:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                          tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
     return directory

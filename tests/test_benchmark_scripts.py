@@ -295,3 +295,15 @@ def test_the_int8_peak_benchmark_sets_the_tile_beside_the_peak_and_a_workload_s_
     assert floor["most_ahead_of_llama_cpp"] == 3.0 / floor["floor_s"]
     assert floor["share_of_peak_the_target_needs"] == floor["floor_s"] / 1.5
     assert floor["asyncinfer_cache_off_share_of_peak"] == floor["floor_s"] / 2.0
+
+
+def test_the_waiting_queue_benchmark_times_a_neighbour_beside_each_queue_length(tmp_path) -> None:
+    out = tmp_path / "waiting_queue.json"
+    done = run_script("waiting_queue.py", "--waiting", "0", "300", "--policies", "fifo", "aging-priority",
+                      "--rounds", "1", "--window", "0.2", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = json.loads(out.read_text())["neighbour_tpot_ms"]
+    assert set(table) == {"fifo", "aging-priority"} and all(set(t) == {"0", "300"} for t in table.values())
+    assert all(v["tpot_ms"] > 0 for t in table.values() for v in t.values())
+    refused = run_script("waiting_queue.py", "--window", "0")
+    assert refused.returncode == 2 and "--window must be > 0" in refused.stderr

@@ -606,3 +606,24 @@ def test_the_int8_peak_figures_in_the_docs_are_the_results_files() -> None:
     assert f"Q6_K and Q8_0 {pct(low)[:-1]}-{pct(high)}" in flat
     low, high = span(("q4_0", "q4_k", "q6_k", "q8_0"), (16,))
     assert f"every format {pct(low)[:-1]}-{pct(high)} at 16 rows" in flat
+
+
+def test_the_waiting_queue_figures_in_reliability_are_the_results_files() -> None:
+    """docs/reliability.md's neighbour times beside a long waiting queue, before and after the ordered queues,
+    equal benchmarks/waiting_queue.py's two records (and the before record is of the commit it names)."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    before = json.loads((results / "waiting_queue_before_91c5f3a.json").read_text())["neighbour_tpot_ms"]
+    after_record = json.loads((results / "waiting_queue.json").read_text())
+    after = after_record["neighbour_tpot_ms"]
+    assert json.loads((results / "waiting_queue_before_91c5f3a.json").read_text())["commit"].startswith("91c5f3a")
+    flat = " ".join((ROOT / "docs" / "reliability.md").read_text().split())
+
+    def row(table: dict, policy: str) -> str:
+        return " / ".join(f"{table[policy][n]['tpot_ms']:.2f}" for n in ("0", "5000", "20000")) + " ms"
+
+    assert (f"`aging-priority` {row(before, 'aging-priority')}, `length-bucket` {row(before, 'length-bucket')}. "
+            f"After it: {row(after, 'aging-priority')} and {row(after, 'length-bucket')}, with `fifo` at "
+            f"{row(after, 'fifo')} in the same run") in flat
+    assert after_record["settings"]["rounds"] == 3 and "median of 3 rounds" in flat
