@@ -238,8 +238,8 @@ def _tool(tool: Any, where: str) -> Tool:
     if description is not None and not isinstance(description, str):
         raise _bad(f"{where}.function.description", f"`{where}.function.description` must be a string.")
     parameters = function.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
+    if parameters is None:  # OpenAI's "empty parameter list": no argument at all, not any object the model writes
+        parameters = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(parameters, dict):
         raise _bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema (an object).")
     strict = function.get("strict")
@@ -281,7 +281,7 @@ def check_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise _bad(at, f'`{at}` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                           '"arguments": ...}}}}.')
+                           '"arguments": ...}}.')
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise _bad(f"{at}.id", f"`{at}.id` must be a string.")

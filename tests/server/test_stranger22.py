@@ -1,0 +1,66 @@
+"""A porter's first hour (stranger22): an application moved from OpenAI's API to ``asyncinfer serve`` with the
+official ``openai`` client, each call it made tried; what answered otherwise than OpenAI documents, held to its fix.
+
+- A function tool without ``parameters`` is, in OpenAI's words, "a function with an empty parameter list". It was
+  read as any object: a forced call of the default model's ``get_time`` wrote ``{"time": "2023-01-`` until
+  ``max_tokens`` (``finish_reason`` ``"length"``, arguments that do not parse).
+- ``stream_options.include_obfuscation`` (OpenAI's, a boolean) was a 400 "Unrecognized argument" even as
+  ``false``, which is what this server does (its chunks carry no ``obfuscation`` padding).
+- A 501 (no grammar library; a transfer coding other than ``chunked``) was retried by the openai client, as it
+  retries every 5xx: three requests and their backoff for an answer no retry changes. It now says
+  ``x-should-retry: false``, which the client obeys.
+- Messages in Python's words, where docs/serving.md says they speak JSON: ``include_usage`` "must be a boolean, got
+  str", a part's text "got int", a part that is no object "Only text content parts are supported, got "int""; and
+  a tool call's shape written with two braces too many.
+"""
+
+from __future__ import annotations
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from asyncinfer.server import ModelSpec, create_app
+from asyncinfer.server.tools import parse_tool_use
+
+from .conftest import LiveServer
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "What time is it?"}], "max_tokens": 4}
+NOW = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}  # no `parameters`
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def smol(real_gguf):
+    app = create_app(ModelSpec(str(real_gguf), "smol", {"max_model_len": 1024, "kv_cache_memory": 64 * 1024 * 1024}))
+    with LiveServer(app) as live, openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ a tool without parameters
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_tool_without_parameters_is_called_with_none(smol, choice) -> None:
+    reply = smol.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "What time is it?"}], tools=[NOW], tool_choice=choice,
+        parallel_tool_calls=False, temperature=0, max_tokens=30)
+    (call,) = reply.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", "{}")
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_without_parameters_takes_no_argument() -> None:
+    """The schema its calls are held to admits the empty object only; one with ``parameters`` keeps them."""
+    use = parse_tool_use([NOW], "required", False)
+    arguments = use.tools[0].call_schema()["properties"]["arguments"]
+    jsonschema.validate({}, arguments)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"type": "object"}, arguments)
+    zone = {"type": "object", "properties": {"zone": {"type": "string"}}}
+    use = parse_tool_use([{"type": "function", "function": {"name": "get_time", "parameters": zone}}], "auto", True)
+    assert use.tools[0].parameters == zone
