@@ -64,3 +64,62 @@ def test_a_tool_without_parameters_takes_no_argument() -> None:
     zone = {"type": "object", "properties": {"zone": {"type": "string"}}}
     use = parse_tool_use([{"type": "function", "function": {"name": "get_time", "parameters": zone}}], "auto", True)
     assert use.tools[0].parameters == zone
+
+
+# ------------------------------------------------------------------ stream_options.include_obfuscation
+@pytest.mark.parametrize("value", [False, None])
+def test_include_obfuscation_off_is_served(client, value) -> None:
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": value}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert all(getattr(c, "obfuscation", None) is None for c in chunks)
+
+
+def test_include_obfuscation_on_is_refused_by_name(client, http) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, stream=True,
+                                       stream_options={"include_obfuscation": True})
+    assert (caught.value.param, caught.value.code) == ("stream_options.include_obfuscation", "unsupported_parameter")
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stream": True,
+                                           "stream_options": {"include_obfuscation": "no"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == '`stream_options.include_obfuscation` must be a boolean, got "no".'
+
+
+def test_other_stream_options_are_still_refused(http) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_tokens": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_tokens"
+
+
+# ------------------------------------------------------------------ JSON's words
+@pytest.mark.parametrize(("messages", "param", "message"), [
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.[0].content.[0].text",
+     "`messages.[0].content.[0].text` must be a string (the part's text), got 5."),
+    ([{"role": "user", "content": [5]}], "messages.[0].content.[0]",
+     '`messages.[0].content.[0]` must be a content part, {"type": "text", "text": ...}, got 5.'),
+    ([{"role": "user", "content": ["hi"]}], "messages.[0].content.[0]",
+     '`messages.[0].content.[0]` must be a content part, {"type": "text", "text": ...}, got "hi".'),
+    ([{"role": "assistant", "content": None, "tool_calls": [5]}], "messages.[0].tool_calls.[0]",
+     ('`messages.[0].tool_calls.[0]` must be {"id": ..., "type": "function", "function": {"name": ..., '
+      '"arguments": ...}}.')),
+])
+def test_a_bad_message_is_named_in_json(http, messages, param, message) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["message"], error["code"]) == (param, message, None)
+
+
+def test_an_unsupported_part_is_still_named_by_its_type(http) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]})
+    error = r.json()["error"]
+    assert (r.status_code, error["code"]) == (400, "unsupported_parameter")
+    assert error["message"] == 'Only text content parts are supported, got "image_url".'
+
+
+def test_include_usage_that_is_no_boolean_is_shown_as_sent(http) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == '`stream_options.include_usage` must be a boolean, got "yes".'

@@ -403,15 +403,19 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
     if options is not None:
         if not stream:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
-        extra = sorted(set(options) - {"include_usage"})
+        extra = sorted(set(options) - {"include_usage", "include_obfuscation"})
         if extra:
             raise _bad(f"stream_options.{extra[0]}"[:MAX_SHOWN_NAME],
                        f"Unrecognized argument in `stream_options`: {extra[0][:MAX_SHOWN_NAME]}")
-        include_usage = options.get("include_usage")
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage", "`stream_options.include_usage` must be a boolean, got "
-                                                       f"{type(include_usage).__name__}.")
-        include_usage = include_usage is True
+        for key in ("include_usage", "include_obfuscation"):
+            if options.get(key) is not None and not isinstance(options[key], bool):
+                raise _bad(f"stream_options.{key}", f"`stream_options.{key}` must be a boolean, got "
+                                                    f"{shown(options[key])}.")
+        if options.get("include_obfuscation") is True:  # OpenAI's padding of each chunk against size side channels
+            raise _bad("stream_options.include_obfuscation", "`stream_options.include_obfuscation` is not supported by "
+                       "this server (accepted: null or false): its chunks carry no `obfuscation` field.",
+                       "unsupported_parameter")
+        include_usage = options.get("include_usage") is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
     common = {"model": model, "user": user, "stream": stream, "include_usage": include_usage, "priority": priority,
               "sampling": sampling, "max_tokens_field": "max_tokens", "structured_field": "structured"}
@@ -721,13 +725,15 @@ def _content(content: Any, role: str, where: str) -> str:
         raise _bad(f"{where}.content", f"`{where}.content` must be a string or a list of content parts.")
     texts = []
     for j, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+        if not isinstance(part, dict):
+            at = f"{where}.content.[{j}]"
+            raise _bad(at, f'`{at}` must be a content part, {{"type": "text", "text": ...}}, got {shown(part)}.')
+        if part.get("type") == "text" and not isinstance(part.get("text"), str):
             at = f"{where}.content.[{j}].text"
             raise _bad(at, f"`{at}` must be a string (the part's text), got "
-                           f"{'nothing' if part.get('text') is None else type(part['text']).__name__}.")
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {shown(kind)}.",
+                           f"{'nothing' if part.get('text') is None else shown(part['text'])}.")
+        if part.get("type") != "text":
+            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {shown(part.get('type'))}.",
                        "unsupported_parameter")
         texts.append(part["text"])
     return "\n".join(texts)
