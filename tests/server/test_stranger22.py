@@ -16,6 +16,9 @@ official ``openai`` client, each call it made tried; what answered otherwise tha
 
 from __future__ import annotations
 
+import json
+import socket
+
 import httpx
 import jsonschema
 import openai
@@ -90,6 +93,46 @@ def test_include_obfuscation_on_is_refused_by_name(client, http) -> None:
 def test_other_stream_options_are_still_refused(http) -> None:
     r = http.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_tokens": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_tokens"
+
+
+# ------------------------------------------------------------------ a 501 is not retried
+def test_a_501_tells_the_client_not_to_retry(server, monkeypatch) -> None:
+    import asyncinfer.grammar
+
+    monkeypatch.setattr(asyncinfer.grammar, "library_missing",
+                        lambda: "structured output needs llguidance (pip install 'asyncinfer[structured]'): gone")
+    sent = []
+    hooks = {"request": [sent.append]}
+    retrying = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=2,
+                             http_client=openai.DefaultHttpxClient(event_hooks=hooks))
+    with retrying, pytest.raises(openai.InternalServerError) as caught:
+        retrying.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4,
+                                         response_format={"type": "json_object"})
+    assert caught.value.status_code == 501 and caught.value.code == "not_implemented"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert len(sent) == 1  # was 3: the client retried it twice
+
+
+def test_a_transfer_coding_501_says_not_to_retry(server) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n"
+               + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    if head.startswith(b"http/1.1 400"):  # h11 refuses the coding in its parser, before the app
+        pytest.skip("this server's parser refuses the coding itself")
+    assert head.startswith(b"http/1.1 501") and b"\r\nx-should-retry: false" in head, answer
+
+
+def test_retryable_errors_do_not_say_so(http) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "temperature": 3})
+    assert r.status_code == 400 and "x-should-retry" not in r.headers
 
 
 # ------------------------------------------------------------------ JSON's words
