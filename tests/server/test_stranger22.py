@@ -4,6 +4,10 @@ official ``openai`` client, each call it made tried; what answered otherwise tha
 - A function tool without ``parameters`` is, in OpenAI's words, "a function with an empty parameter list". It was
   read as any object: a forced call of the default model's ``get_time`` wrote ``{"time": "2023-01-`` until
   ``max_tokens`` (``finish_reason`` ``"length"``, arguments that do not parse).
+- A forced reply (``tool_choice`` ``"required"`` or named) cut before its first call's name was whole (``max_tokens``
+  of a few tokens, ``stop=["\\n"]``) answered the grammar's opening as the content: ``"<tool_call>\\n{\"name"``, no
+  call. Its content is null now, whole and streamed (a stream opened with ``content: ""``, gathered as ``""`` where
+  the whole answer said null).
 - ``stream_options.include_obfuscation`` (OpenAI's, a boolean) was a 400 "Unrecognized argument" even as
   ``false``, which is what this server does (its chunks carry no ``obfuscation`` padding).
 - A 501 (no grammar library; a transfer coding other than ``chunked``) was retried by the openai client, as it
@@ -23,6 +27,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.tools import parse_tool_use
@@ -67,6 +72,53 @@ def test_a_tool_without_parameters_takes_no_argument() -> None:
     zone = {"type": "object", "properties": {"zone": {"type": "string"}}}
     use = parse_tool_use([{"type": "function", "function": {"name": "get_time", "parameters": zone}}], "auto", True)
     assert use.tools[0].parameters == zone
+
+
+# ------------------------------------------------------------------ a forced reply cut before its call
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+FORCED = {"model": "smol", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+
+
+def _gathered(chunks) -> tuple[str | None, list[str], str | None]:
+    """A stream's content (None where no chunk had any, not even ``""``), calls' names and finish_reason."""
+    pieces, names, finish = [], [], None
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        pieces.append(choice.delta.content)
+        names += [call.function.name for call in choice.delta.tool_calls or [] if call.function.name]
+        finish = choice.finish_reason or finish
+    content = None if all(p is None for p in pieces) else "".join(p or "" for p in pieces)
+    return content, names, finish
+
+
+@pytest.mark.parametrize("cut", [{"max_tokens": 1}, {"max_tokens": 4}, {"max_tokens": 8}, {"stop": ["\n"]}])
+def test_a_forced_reply_cut_before_its_call_has_no_content(smol, cut) -> None:
+    """The grammar's opening (``<tool_call>\n{"name``) was the answer's content, streamed and whole."""
+    whole = smol.chat.completions.create(**FORCED, **cut).choices[0]
+    assert (whole.message.content, whole.message.tool_calls) == (None, None)
+    assert whole.finish_reason == ("stop" if "stop" in cut else "length")
+    assert _gathered(smol.chat.completions.create(**FORCED, **cut, stream=True)) == (None, [], whole.finish_reason)
+
+
+def test_a_forced_call_streams_as_its_whole_answer(smol) -> None:
+    """Null content both ways (a stream opened with ``content: ""``, which the client kept as the content)."""
+    whole = smol.chat.completions.create(**FORCED, max_tokens=40).choices[0]
+    state = ChatCompletionStreamState()
+    for chunk in smol.chat.completions.create(**FORCED, max_tokens=40, stream=True):
+        state.handle_chunk(chunk)
+    gathered = state.get_final_completion().choices[0]
+    assert whole.finish_reason == gathered.finish_reason == "tool_calls"
+    assert gathered.message.content is None is whole.message.content
+    assert [c.function.arguments for c in gathered.message.tool_calls] == ['{"city": "Paris"}']
+
+
+def test_an_auto_reply_keeps_its_text(smol) -> None:
+    reply = smol.chat.completions.create(**{**FORCED, "tool_choice": "auto"}, max_tokens=4).choices[0]
+    assert reply.message.content and reply.message.tool_calls is None
+    first = next(iter(smol.chat.completions.create(**{**FORCED, "tool_choice": "auto"}, max_tokens=4, stream=True)))
+    assert first.choices[0].delta.content == ""
 
 
 # ------------------------------------------------------------------ stream_options.include_obfuscation

@@ -352,7 +352,8 @@ def _call(block: str, names: set[str]) -> dict[str, Any] | None:
 
 
 def split_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]]]:
-    """A reply's content (the text before its first call; None if only whitespace) and its tool calls.
+    """A reply's content (the text before its first call; None if only whitespace, or if the reply was forced)
+    and its tool calls.
 
     Exactly what :class:`CallStream` sends for the same text, gathered: ``<tool_call>`` blocks from the
     first one on are read in order; if the first is not a call of an offered tool with an object of
@@ -379,8 +380,8 @@ def read_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]
                 calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
             else:
                 calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
-    if not calls:
-        return text, [], False
+    if not calls:  # a forced reply cut before its first call opened holds nothing but the grammar's opening
+        return (None if use.forced else text), [], False
     return (content if content.strip() else None), calls, stream.in_call
 
 
@@ -458,6 +459,8 @@ class CallStreamBase(ABC):
         out = self._held()
         if self._phase != "args":  # (a call cut short stays `in_call`)
             self._phase = "over"
+        if self.use.forced and not self.called:  # cut before its first call's name: the grammar's opening, no text
+            out = [delta for delta in out if "content" not in delta]
         return out
 
     @abstractmethod
