@@ -31,7 +31,7 @@ CASES = [
     ("chat", {"temperature": -1}, 400, "temperature", None),
     ("chat", {"temperature": 2.5}, 400, "temperature", None),  # OpenAI's range, [0, 2], over HTTP
     ("text", {"temperature": 3}, 400, "temperature", None),
-    ("chat", {"top_p": 0}, 400, "top_p", None),
+    ("chat", {"top_p": -0.5}, 400, "top_p", None),
     ("chat", {"n": 0}, 400, "n", None),
     ("chat", {"max_tokens": 0}, 400, "max_tokens", None),
     ("chat", {"max_completion_tokens": 0}, 400, "max_completion_tokens", None),

@@ -8,6 +8,8 @@ official ``openai`` client, each call it made tried; what answered otherwise tha
   of a few tokens, ``stop=["\\n"]``) answered the grammar's opening as the content: ``"<tool_call>\\n{\"name"``, no
   call. Its content is null now, whole and streamed (a stream opened with ``content: ""``, gathered as ``""`` where
   the whole answer said null).
+- ``top_p: 0``, in OpenAI's range ([0, 1]), was a 400 "allowed a number in (0, 1]" (the Python API's range);
+  it keeps the most likely token alone now, as the sampler does with the smallest mass.
 - ``stream_options.include_obfuscation`` (OpenAI's, a boolean) was a 400 "Unrecognized argument" even as
   ``false``, which is what this server does (its chunks carry no ``obfuscation`` padding).
 - A 501 (no grammar library; a transfer coding other than ``chunked``) was retried by the openai client, as it
@@ -119,6 +121,23 @@ def test_an_auto_reply_keeps_its_text(smol) -> None:
     assert reply.message.content and reply.message.tool_calls is None
     first = next(iter(smol.chat.completions.create(**{**FORCED, "tool_choice": "auto"}, max_tokens=4, stream=True)))
     assert first.choices[0].delta.content == ""
+
+
+# ------------------------------------------------------------------ top_p in OpenAI's range
+def test_top_p_zero_keeps_the_most_likely_token(client) -> None:
+    """OpenAI takes ``top_p`` in [0, 1]; 0 was a 400 here. It samples from the most likely token alone: greedy."""
+    greedy = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=12, temperature=0)
+    for seed in range(3):
+        got = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=12, top_p=0,
+                                             temperature=1.5, seed=seed, n=2)
+        assert [c.message.content for c in got.choices] == [greedy.choices[0].message.content] * 2
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True, "0"])
+def test_top_p_outside_openais_range_says_it(http, value) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "top_p": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    assert "allowed a number in [0, 1] (OpenAI's range" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------ stream_options.include_obfuscation

@@ -35,6 +35,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -64,6 +65,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
 _TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)"
+#: ``top_p`` over HTTP is OpenAI's [0, 1]; SamplingParams takes (0, 1]. 0 keeps the most likely token only, as the
+#: smallest positive mass does (the sampler always keeps the first token: tests/server/test_stranger22.py).
+_TOP_P_RANGE = "a number in [0, 1] (OpenAI's range; 0 = the most likely token only)"
+_SMALLEST_TOP_P = math.ulp(0.0)
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -345,6 +350,8 @@ class _Common:
         own default is greedy); without a token limit it has the endpoint's default (:meth:`default_limit`),
         cut where prompt + output reach the model's context length."""
         kw = {"temperature": DEFAULT_TEMPERATURE, **self.sampling}
+        if kw.get("top_p") == 0 and not isinstance(kw["top_p"], bool):
+            kw["top_p"] = _SMALLEST_TOP_P
         if "max_tokens" not in kw:
             kw.update(max_tokens=self.default_limit(max_model_len), truncate_output_to_model_len=True)
         try:
@@ -354,6 +361,8 @@ class _Common:
                 raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
             if exc.parameter == "temperature":  # the HTTP range, not the Python API's (a negative one too)
                 raise InvalidParameterError("temperature", exc.value, _TEMPERATURE_RANGE) from None
+            if exc.parameter == "top_p":  # the HTTP range: 0 too
+                raise InvalidParameterError("top_p", exc.value, _TOP_P_RANGE) from None
             raise
         if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
             raise InvalidParameterError("temperature", kw["temperature"], _TEMPERATURE_RANGE)
