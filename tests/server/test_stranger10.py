@@ -22,7 +22,8 @@ def _error(server, path: str, body: dict, status: int = 400) -> dict:
     ({"stop": [None]}, "stop", "stop=[null] is invalid: allowed null, a non-empty string or a list of them"),
     ({"max_tokens": "3"}, "max_tokens", 'max_tokens="3" is invalid: allowed an integer >= 1'),
     ({"ignore_eos": "no"}, "ignore_eos", 'ignore_eos="no" is invalid: allowed a boolean (true or false)'),
-    ({"top_p": 0}, "top_p", "top_p=0 is invalid: allowed a number in (0, 1]"),
+    ({"top_p": 1.5}, "top_p", ("top_p=1.5 is invalid: allowed a number in [0, 1] (OpenAI's range; 0 = the most "
+                              "likely token only)")),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs",
      "top_logprobs=30 is invalid: allowed null or an integer in [0, 20]"),
     ({"stream": "yes"}, "stream", '`stream` must be a boolean, got "yes".'),

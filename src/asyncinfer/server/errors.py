@@ -50,6 +50,11 @@ _NO_TEXT = ("This model was loaded without a tokenizer, so a text prompt cannot 
             "token ids (a list of integers, or a list of such lists).")
 
 
+#: The header that tells OpenAI's clients not to retry an answer (they retry every 5xx, and 408, 409 and 429, unless
+#: it says ``false``): a 501 is this server's lack, which no retry mends.
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def new_request_id(prefix: str = "req") -> str:
     """A fresh id for one answer: ``<prefix>-<32 hex digits>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -230,7 +235,7 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
             return APIError(501, f"`{field}` cannot be served here: this server has no structured output "
                                  "(its grammar library, llguidance, is not installed: pip install "
                                  "'asyncinfer[structured]').", type="server_error", param=field,
-                            code="not_implemented")
+                            code="not_implemented", headers=NO_RETRY)
         if exc.parameter == "model":
             return APIError(404, str(exc), param="model", code="model_not_found")
         if exc.parameter == "prompt" and exc.allowed in _NO_CHAT:  # "messages=... allowed text" would misread

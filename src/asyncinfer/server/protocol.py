@@ -35,6 +35,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -64,6 +65,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a body without `temperature` (its clients expect sampling)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; SamplingParams (the Python API) takes up to 1e4
 _TEMPERATURE_RANGE = f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range; 0 = greedy)"
+#: ``top_p`` over HTTP is OpenAI's [0, 1]; SamplingParams takes (0, 1]. 0 keeps the most likely token only, as the
+#: smallest positive mass does (the sampler always keeps the first token: tests/server/test_stranger22.py).
+_TOP_P_RANGE = "a number in [0, 1] (OpenAI's range; 0 = the most likely token only)"
+_SMALLEST_TOP_P = math.ulp(0.0)
 
 # SamplingParams fields a body may set under the same name.
 _SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -345,6 +350,8 @@ class _Common:
         own default is greedy); without a token limit it has the endpoint's default (:meth:`default_limit`),
         cut where prompt + output reach the model's context length."""
         kw = {"temperature": DEFAULT_TEMPERATURE, **self.sampling}
+        if kw.get("top_p") == 0 and not isinstance(kw["top_p"], bool):
+            kw["top_p"] = _SMALLEST_TOP_P
         if "max_tokens" not in kw:
             kw.update(max_tokens=self.default_limit(max_model_len), truncate_output_to_model_len=True)
         try:
@@ -354,6 +361,8 @@ class _Common:
                 raise InvalidParameterError(self.max_tokens_field, exc.value, exc.allowed) from None
             if exc.parameter == "temperature":  # the HTTP range, not the Python API's (a negative one too)
                 raise InvalidParameterError("temperature", exc.value, _TEMPERATURE_RANGE) from None
+            if exc.parameter == "top_p":  # the HTTP range: 0 too
+                raise InvalidParameterError("top_p", exc.value, _TOP_P_RANGE) from None
             raise
         if params.temperature > MAX_TEMPERATURE:  # a number by now: SamplingParams checked its type
             raise InvalidParameterError("temperature", kw["temperature"], _TEMPERATURE_RANGE)
@@ -403,15 +412,19 @@ def _common(fields: dict[str, Any]) -> dict[str, Any]:
     if options is not None:
         if not stream:
             raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
-        extra = sorted(set(options) - {"include_usage"})
+        extra = sorted(set(options) - {"include_usage", "include_obfuscation"})
         if extra:
             raise _bad(f"stream_options.{extra[0]}"[:MAX_SHOWN_NAME],
                        f"Unrecognized argument in `stream_options`: {extra[0][:MAX_SHOWN_NAME]}")
-        include_usage = options.get("include_usage")
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage", "`stream_options.include_usage` must be a boolean, got "
-                                                       f"{type(include_usage).__name__}.")
-        include_usage = include_usage is True
+        for key in ("include_usage", "include_obfuscation"):
+            if options.get(key) is not None and not isinstance(options[key], bool):
+                raise _bad(f"stream_options.{key}", f"`stream_options.{key}` must be a boolean, got "
+                                                    f"{shown(options[key])}.")
+        if options.get("include_obfuscation") is True:  # OpenAI's padding of each chunk against size side channels
+            raise _bad("stream_options.include_obfuscation", "`stream_options.include_obfuscation` is not supported by "
+                       "this server (accepted: null or false): its chunks carry no `obfuscation` field.",
+                       "unsupported_parameter")
+        include_usage = options.get("include_usage") is True
     sampling = {k: fields[k] for k in _SAMPLING if k in fields}
     common = {"model": model, "user": user, "stream": stream, "include_usage": include_usage, "priority": priority,
               "sampling": sampling, "max_tokens_field": "max_tokens", "structured_field": "structured"}
@@ -721,13 +734,15 @@ def _content(content: Any, role: str, where: str) -> str:
         raise _bad(f"{where}.content", f"`{where}.content` must be a string or a list of content parts.")
     texts = []
     for j, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+        if not isinstance(part, dict):
+            at = f"{where}.content.[{j}]"
+            raise _bad(at, f'`{at}` must be a content part, {{"type": "text", "text": ...}}, got {shown(part)}.')
+        if part.get("type") == "text" and not isinstance(part.get("text"), str):
             at = f"{where}.content.[{j}].text"
             raise _bad(at, f"`{at}` must be a string (the part's text), got "
-                           f"{'nothing' if part.get('text') is None else type(part['text']).__name__}.")
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {shown(kind)}.",
+                           f"{'nothing' if part.get('text') is None else shown(part['text'])}.")
+        if part.get("type") != "text":
+            raise _bad(f"{where}.content.[{j}]", f"Only text content parts are supported, got {shown(part.get('type'))}.",
                        "unsupported_parameter")
         texts.append(part["text"])
     return "\n".join(texts)

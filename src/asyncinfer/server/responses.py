@@ -75,6 +75,8 @@ class Reply:
                 if calls:
                     body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish_reason = "tool_calls" if finish_reason == "stop" and not cut else finish_reason
+                else:  # the text, or None: a forced reply cut before its call's name (`<tool_call>\n{"na`)
+                    body["message"]["content"] = content
         else:
             body["text"] = text
         body["logprobs"] = self._logprobs(index, logprobs, text_start=0) if self.want_logprobs else None
@@ -95,8 +97,10 @@ class Reply:
         return sse(body)
 
     def role_chunk(self, n: int) -> bytes:
-        """Chat streams open with the assistant role, one choice per sample."""
-        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        """Chat streams open with the assistant role, one choice per sample (a forced tool call's content is null,
+        as its whole answer's: the reply is the calls)."""
+        content = None if self.tools is not None and self.tools.forced else ""
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                             "finish_reason": None} for i in range(n)])
 
     def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None) -> bytes:

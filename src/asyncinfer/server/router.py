@@ -35,7 +35,14 @@ from asyncinfer.prompts import MAX_PRIORITY, MIN_PRIORITY, OFF_LOOP_CHARS, LoopS
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.server import _engine
 from asyncinfer.server.auth import bearer, single_header
-from asyncinfer.server.errors import APIError, from_exception, metrics_unauthorized, new_request_id, not_found
+from asyncinfer.server.errors import (
+    NO_RETRY,
+    APIError,
+    from_exception,
+    metrics_unauthorized,
+    new_request_id,
+    not_found,
+)
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
     CHAT_BODY,
@@ -681,7 +688,8 @@ def _check_transfer_coding(values: list[str]) -> None:
     if values and codings != ["chunked"]:
         shown = ", ".join(values)[:100]
         raise APIError(501, f"The request body must not be transfer-coded but for `chunked`: Transfer-Encoding {shown!r} "
-                            "is not supported (send it as plain JSON).", code="unsupported_transfer_encoding")
+                            "is not supported (send it as plain JSON).", code="unsupported_transfer_encoding",
+                       headers=NO_RETRY)
 
 
 def _escape_tenant(name: str) -> str:

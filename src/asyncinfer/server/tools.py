@@ -238,8 +238,8 @@ def _tool(tool: Any, where: str) -> Tool:
     if description is not None and not isinstance(description, str):
         raise _bad(f"{where}.function.description", f"`{where}.function.description` must be a string.")
     parameters = function.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
+    if parameters is None:  # OpenAI's "empty parameter list": no argument at all, not any object the model writes
+        parameters = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(parameters, dict):
         raise _bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema (an object).")
     strict = function.get("strict")
@@ -281,7 +281,7 @@ def check_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise _bad(at, f'`{at}` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                           '"arguments": ...}}}}.')
+                           '"arguments": ...}}.')
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise _bad(f"{at}.id", f"`{at}.id` must be a string.")
@@ -352,7 +352,8 @@ def _call(block: str, names: set[str]) -> dict[str, Any] | None:
 
 
 def split_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]]]:
-    """A reply's content (the text before its first call; None if only whitespace) and its tool calls.
+    """A reply's content (the text before its first call; None if only whitespace, or if the reply was forced)
+    and its tool calls.
 
     Exactly what :class:`CallStream` sends for the same text, gathered: ``<tool_call>`` blocks from the
     first one on are read in order; if the first is not a call of an offered tool with an object of
@@ -379,8 +380,8 @@ def read_calls(text: str, use: ToolUse) -> tuple[str | None, list[dict[str, Any]
                 calls.append({"id": part["id"], "type": part["type"], "function": dict(part["function"])})
             else:
                 calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
-    if not calls:
-        return text, [], False
+    if not calls:  # a forced reply cut before its first call opened holds nothing but the grammar's opening
+        return (None if use.forced else text), [], False
     return (content if content.strip() else None), calls, stream.in_call
 
 
@@ -458,6 +459,8 @@ class CallStreamBase(ABC):
         out = self._held()
         if self._phase != "args":  # (a call cut short stays `in_call`)
             self._phase = "over"
+        if self.use.forced and not self.called:  # cut before its first call's name: the grammar's opening, no text
+            out = [delta for delta in out if "content" not in delta]
         return out
 
     @abstractmethod
