@@ -627,3 +627,55 @@ def test_the_waiting_queue_figures_in_reliability_are_the_results_files() -> Non
             f"After it: {row(after, 'aging-priority')} and {row(after, 'length-bucket')}, with `fifo` at "
             f"{row(after, 'fifo')} in the same run") in flat
     assert after_record["settings"]["rounds"] == 3 and "median of 3 rounds" in flat
+
+
+def test_the_round_probe_peer_table_is_the_results_files() -> None:
+    """docs/formats.md's table of benchmarks/peer.py's four runs with a probe per round, every cell, what it says is
+    behind, and the README's sentence on them, equal the four records."""
+    import json
+
+    names = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+    runs = {name: json.loads((ROOT / "benchmarks" / "results" / f"peer_1b_{f}_int8_round_probe_epyc.json").read_text())
+            for name, f in names.items()}
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    start = formats.index("- **Each round against its own probe.**")
+    section = formats[start:formats.index("**Quality**", start)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] in names:
+            rows[cells[0]] = cells[1:]
+    assert sorted(rows) == sorted(names)
+    for name, r in runs.items():
+        one, many, fill = r["one_request"], r["many"], r["prefill"]
+        assert len(one["rounds"]) == 5 and all(len(x["probe_gb_s"]) == 2 for x in one["rounds"])
+        assert rows[name] == [
+            f"{r['read_bandwidth_gb_s']:.1f} GB/s",
+            (f"{one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f}, "
+             f"**{one['median_ratio']:.2f}x**"),
+            f"{one['asyncinfer_bandwidth_use']:.1%} / {one['llama_cpp_bandwidth_use']:.1%}",
+            (f"{fill['asyncinfer_median_tokens_per_s']:.1f} vs {fill['llama_cpp_median_tokens_per_s']:.1f}, "
+             f"{fill['median_ratio']:.2f}x"),
+            f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_on']:.2f}x**",
+            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_off']:.2f}x**",
+            f"{many['llama_cpp_best_tokens_per_s']:.1f}"]
+        assert r["commit"].startswith("b15f72a") and many["llama_cpp_best_slots"] == 16
+    flat = " ".join(section.split())
+    assert "at commit b15f72a" in flat
+    best = max(r["one_request"]["asyncinfer_bandwidth_use"] for r in runs.values())
+    assert f"reaches no more than {best:.0%} of the probe in any format" in flat and best < 0.85
+    short = [n for n, r in runs.items() if r["many"]["ratio_prefix_cache_off"] < 2]
+    assert short == ["Q4_K_M", "Q4_0"] and all(r["many"]["ratio_prefix_cache_on"] >= 2 for r in runs.values())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    one = ", ".join(f"{runs[n]['one_request']['median_ratio']:.2f}x" for n in names)
+    shares = ", ".join(f"{runs[n]['one_request']['asyncinfer_bandwidth_use']:.1%}" for n in names)
+    assert f"one request {one} llama.cpp's rate at {shares} of the probe" in readme
+    on = ", ".join(f"{runs[n]['many']['ratio_prefix_cache_on']:.2f}x" for n in names)
+    off = ", ".join(f"{runs[n]['many']['ratio_prefix_cache_off']:.2f}x" for n in names)
+    assert f"32 requests {on} with the cache and {off} without it" in readme.replace("**", "")
+    # docs/reliability.md prices a prefill chunk with the Q4_K_M run's prefill and one-request rates
+    q4_k_m = runs["Q4_K_M"]
+    reliability = " ".join((ROOT / "docs" / "reliability.md").read_text().split())
+    rate, step = q4_k_m["prefill"]["asyncinfer_median_tokens_per_s"], 1 / q4_k_m["one_request"]["asyncinfer_median_tokens_per_s"]
+    assert (f"prefills {rate:.1f} prompt tokens a second on two threads of this machine, so a 1,024-token chunk takes "
+            f"about {1024 / rate:.0f} s, against the {step * 1e3:.0f} ms of a step of one decode") in reliability
