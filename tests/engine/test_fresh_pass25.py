@@ -59,7 +59,8 @@ def test_a_top_k_or_top_p_row_costs_about_what_any_sampled_row_does(one_thread, 
     costs = {}
     for name, rows in (("plain", [plain]), ("filtered", [plain.with_updates(**filters)])):
         costs[name] = min(step_cost(rows) for _ in range(3))  # the least disturbed of three runs
-    assert costs["filtered"] < 2.2 * costs["plain"], costs
+    # 1 to 1.5 times now, 3.5 to 4.1 when sorted: the bound sits between, with room for a loaded machine's noise
+    assert costs["filtered"] < 2.8 * costs["plain"], costs
 
 
 def reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
