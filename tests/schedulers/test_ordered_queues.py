@@ -212,3 +212,27 @@ def test_length_bucket_with_twenty_thousand_waiting_sorts_none_of_them() -> None
         sched.kv.commit_step()
         apply_step(sched, plan, 7)
         assert CountingBuckets.calls <= 4, CountingBuckets.calls
+
+
+def test_the_lanes_keep_no_finished_request_once_the_queue_is_empty() -> None:
+    """Entries of admitted requests are dropped lazily; once nothing waits, a step's read leaves no entry (and so no
+    reference to a finished request's tokens) behind."""
+    import gc
+    import weakref
+
+    sched = AgingPriorityScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                                   KVCacheManager(64, 4))
+    sched.clock = lambda: 0.0
+    refs = []
+    for i in range(40):
+        request = Request(f"r{i}", [5] * 4, SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=i * 0.01)
+        refs.append(weakref.ref(request))
+        sched.add_request(request)
+        del request
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        sched.kv.commit_step()
+        apply_step(sched, plan, 7)
+    sched.schedule()  # an idle step reads the (empty) queue
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []

@@ -82,7 +82,7 @@ class OrderedScheduler(Scheduler):
     # ------------------------------------------------------------------ reading
     def lanes(self) -> dict[Hashable, list[Entry]]:
         """The lanes, brought up to date (the preempted requests in; stale entries trimmed from the heads, or
-        everywhere once they are half of all): read each with :meth:`live`."""
+        everywhere once they are half of all, and all of them when nothing waits): read each with :meth:`live`."""
         for request in self._returning:
             if self.requests.get(request.request_id) is request and request.status is RequestStatus.PREEMPTED:
                 self._enter(request, front=True)
@@ -90,6 +90,9 @@ class OrderedScheduler(Scheduler):
         live = self._live
         if len(live) != len(self.waiting):
             self._rebuild()
+        elif not live:  # nothing waits: no entry (nor the request it holds) outlives the queue
+            self._lanes.clear()
+            self._size = 0
         elif self._size > 2 * len(live) + 64:
             for lane in self._lanes.values():
                 lane[:] = [e for e in lane if live.get(e[2].request_id) == e[1]]
