@@ -21,8 +21,9 @@ import itertools
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
+from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 
 #: One lane's entry: (the request's key, its entry number, the request). Entry numbers are unique: they break ties
 #: in the order requests joined, preempted ones (negative, each below the last) ahead of the rest, as at the head
@@ -33,8 +34,10 @@ Entry = tuple[Any, int, Request]
 class OrderedScheduler(Scheduler):
     """A scheduler whose waiting requests are also held in sorted lanes (:meth:`lane_of`, :meth:`key_of`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        # The base's signature, not (*args, **kwargs): a subclass without an __init__ of its own is checked by it,
+        # so an option it does not take is refused before the weights are read (check_scheduler_options).
+        super().__init__(config, kv)
         self._lanes: dict[Hashable, list[Entry]] = {}
         self._live: dict[str, int] = {}  # each waiting request's entry number
         self._returning: list[Request] = []  # preempted this step: they join at the next read

@@ -44,7 +44,8 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
         InvalidParameterError: ``name`` is not a non-empty string of at most :data:`MAX_SCHEDULER_NAME`
             characters, or is a built-in's (``"fifo"``, ...: it replaced that policy for every engine of the
             process, and an int broke :func:`available_schedulers`); the decorated object is not a
-            :class:`Scheduler` subclass (it was refused only when an engine loaded it).
+            :class:`Scheduler` subclass (it was refused only when an engine loaded it), or is one that leaves
+            abstract methods undefined (``schedule``, or :class:`OrderedScheduler`'s ``lane_of``/``key_of``).
     """
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_SCHEDULER_NAME:
         raise InvalidParameterError("name", name, f"a non-empty string of at most {MAX_SCHEDULER_NAME} characters")
@@ -55,10 +56,21 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
         if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
             raise InvalidParameterError(
                 "scheduler", cls, f"a subclass of asyncinfer.schedulers.Scheduler (registering {name!r})")
+        _refuse_abstract(cls, cls, f" (registering {name!r})")
         _REGISTERED[name] = cls
         return cls
 
     return wrap
+
+
+def _refuse_abstract(cls: type[Scheduler], spec: object, suffix: str = "") -> None:
+    """A class with abstract methods left undefined could not be built: refused as the ``scheduler``, naming the
+    methods (it was refused only once the engine had read the weights, as ``scheduler_options={}``)."""
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise InvalidParameterError(
+            "scheduler", spec, f"a Scheduler subclass that defines {', '.join(missing)} ({cls.__name__} leaves "
+            f"{'it' if len(missing) == 1 else 'them'} abstract){suffix}")
 
 
 def registered_schedulers() -> dict[str, type[Scheduler]]:
@@ -116,7 +128,7 @@ def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
 
     Raises:
         InvalidParameterError: unknown name, unimportable path, not a Scheduler
-            subclass, or a plugin written for a newer contract than this engine's.
+            subclass, one with abstract methods left undefined, or a plugin written for a newer contract than this engine's.
     """
     if isinstance(spec, type):
         cls: object = spec
@@ -135,6 +147,7 @@ def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
         raise InvalidParameterError("scheduler", spec, "a name, a Scheduler subclass or 'module:Class'")
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         raise InvalidParameterError("scheduler", spec, "a subclass of asyncinfer.schedulers.Scheduler")
+    _refuse_abstract(cls, spec)
     if cls.api_version > SCHEDULER_API_VERSION:
         raise InvalidParameterError(
             "scheduler", spec, f"a plugin for scheduler API <= {SCHEDULER_API_VERSION} (it needs {cls.api_version})"
