@@ -66,7 +66,7 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
 def _refuse_abstract(cls: type[Scheduler], spec: object, suffix: str = "") -> None:
     """A class with abstract methods left undefined could not be built: refused as the ``scheduler``, naming the
     methods (it was refused only once the engine had read the weights, as ``scheduler_options={}``)."""
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    missing = sorted(cls.__abstractmethods__)  # Scheduler is an ABC: every subclass has the set
     if missing:
         raise InvalidParameterError(
             "scheduler", spec, f"a Scheduler subclass that defines {', '.join(missing)} ({cls.__name__} leaves "
