@@ -681,3 +681,19 @@ class EngineOnLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
+
+
+def warpers_kept(row: torch.Tensor, params: SamplingParams) -> set[int]:
+    """The columns of one row of logits that transformers' TopK / TopP / MinP warpers keep for ``params`` (the
+    sampler's filters' reference)."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = row[None].clone()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(top_k=params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=params.top_p)(ids, scores)
+    if params.min_p > 0.0:
+        scores = MinPLogitsWarper(min_p=params.min_p)(ids, scores)
+    return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())

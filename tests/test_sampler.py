@@ -6,11 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.sampler import Sampler, SamplerOutput, SamplingState, TokenLogprobs
 from asyncinfer.sampling_params import SamplingParams
+from tests.helpers import warpers_kept
 
 CPU = torch.device("cpu")
 
@@ -171,18 +172,6 @@ def _kept(x: torch.Tensor) -> set[int]:
     return set(torch.nonzero(torch.isfinite(x)).flatten().tolist())
 
 
-def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
-    scores = row[None].clone()
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    if p.top_k > 0:
-        scores = TopKLogitsWarper(top_k=p.top_k)(ids, scores)
-    if p.top_p < 1.0:
-        scores = TopPLogitsWarper(top_p=p.top_p)(ids, scores)
-    if p.min_p > 0.0:
-        scores = MinPLogitsWarper(min_p=p.min_p)(ids, scores)
-    return _kept(scores[0])
-
-
 FILTERS = [
     {"top_k": 5},
     {"top_k": 1},
@@ -206,7 +195,7 @@ def test_filters_keep_the_same_sets_as_transformers_warpers(seed):
     params = [SamplingParams(temperature=1.0, **f) for f in FILTERS]
     filtered = Sampler._filter(logits.clone(), params)
     for i, p in enumerate(params):
-        assert _kept(filtered[i]) == _reference_kept(logits[i], p), FILTERS[i]
+        assert _kept(filtered[i]) == warpers_kept(logits[i], p), FILTERS[i]
         kept = torch.isfinite(filtered[i])
         torch.testing.assert_close(filtered[i][kept], logits[i][kept])  # survivors untouched
     # each filter alone on the whole batch takes the min_p-only / unsorted paths too
@@ -214,7 +203,7 @@ def test_filters_keep_the_same_sets_as_transformers_warpers(seed):
         ps = [SamplingParams(temperature=1.0, **f)] * len(FILTERS)
         filtered = Sampler._filter(logits.clone(), ps)
         for i in range(len(FILTERS)):
-            assert _kept(filtered[i]) == _reference_kept(logits[i], ps[i])
+            assert _kept(filtered[i]) == warpers_kept(logits[i], ps[i])
 
 
 def test_sampled_tokens_respect_top_k():

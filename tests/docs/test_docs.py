@@ -463,6 +463,32 @@ def test_the_readme_says_its_top_level_awaits_run_inside_an_async_function() -> 
     assert firsts and note < min(firsts)
 
 
+def _table_rows(section: str, names: dict[str, str]) -> dict[str, list[str]]:
+    """A markdown table's cells after the first, by the first cell, for the rows named in ``names`` (all of them)."""
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] in names:
+            rows[cells[0]] = cells[1:]
+    assert sorted(rows) == sorted(names)
+    return rows
+
+
+def _peer_cells(r: dict) -> list[str]:
+    """docs/formats.md's cells of a peer.py record: probe, one request, its shares, prefill, 32 requests on / off, llama.cpp."""
+    one, many, fill = r["one_request"], r["many"], r["prefill"]
+    return [
+        f"{r['read_bandwidth_gb_s']:.1f} GB/s",
+        (f"{one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f}, "
+         f"**{one['median_ratio']:.2f}x**"),
+        f"{one['asyncinfer_bandwidth_use']:.1%} / {one['llama_cpp_bandwidth_use']:.1%}",
+        (f"{fill['asyncinfer_median_tokens_per_s']:.1f} vs {fill['llama_cpp_median_tokens_per_s']:.1f}, "
+         f"{fill['median_ratio']:.2f}x"),
+        f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_on']:.2f}x**",
+        f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_off']:.2f}x**",
+        f"{many['llama_cpp_best_tokens_per_s']:.1f}"]
+
+
 def test_the_peer_table_after_the_prefetch_change_is_the_results_files() -> None:
     """docs/formats.md's table of benchmarks/peer.py's four runs at the 8,192-byte prefetch distance, every cell, and
     the README's sentence on them, equal the four records."""
@@ -474,25 +500,10 @@ def test_the_peer_table_after_the_prefetch_change_is_the_results_files() -> None
     formats = (ROOT / "docs" / "formats.md").read_text()
     section = formats[formats.index("- With the row kernels' prefetch distance at 8,192 bytes"):
                       formats.index("**How far these products allow**")]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] in names:
-            rows[cells[0]] = cells[1:]
-    assert sorted(rows) == sorted(names)
+    rows = _table_rows(section, names)
     for name, r in runs.items():
-        one, many, fill = r["one_request"], r["many"], r["prefill"]
-        assert rows[name] == [
-            f"{r['read_bandwidth_gb_s']:.1f} GB/s",
-            (f"{one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f}, "
-            f"**{one['median_ratio']:.2f}x**"),
-            f"{one['asyncinfer_bandwidth_use']:.1%} / {one['llama_cpp_bandwidth_use']:.1%}",
-            (f"{fill['asyncinfer_median_tokens_per_s']:.1f} vs {fill['llama_cpp_median_tokens_per_s']:.1f}, "
-            f"{fill['median_ratio']:.2f}x"),
-            f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_on']:.2f}x**",
-            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_off']:.2f}x**",
-            f"{many['llama_cpp_best_tokens_per_s']:.1f}"]
-        assert r["commit"].startswith("7ab418c") and many["llama_cpp_best_slots"] == 16
+        assert rows[name] == _peer_cells(r)
+        assert r["commit"].startswith("7ab418c") and r["many"]["llama_cpp_best_slots"] == 16
     assert "at commit 7ab418c" in " ".join(section.split())
     met = [name for name, r in runs.items() if r["one_request"]["asyncinfer_bandwidth_use"] >= 0.85]
     assert met == ["Q4_1"] and "is met in Q4_1 only" in section
@@ -640,26 +651,12 @@ def test_the_round_probe_peer_table_is_the_results_files() -> None:
     formats = (ROOT / "docs" / "formats.md").read_text()
     start = formats.index("- **Each round against its own probe.**")
     section = formats[start:formats.index("**Quality**", start)]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] in names:
-            rows[cells[0]] = cells[1:]
-    assert sorted(rows) == sorted(names)
+    rows = _table_rows(section, names)
     for name, r in runs.items():
-        one, many, fill = r["one_request"], r["many"], r["prefill"]
+        one = r["one_request"]
         assert len(one["rounds"]) == 5 and all(len(x["probe_gb_s"]) == 2 for x in one["rounds"])
-        assert rows[name] == [
-            f"{r['read_bandwidth_gb_s']:.1f} GB/s",
-            (f"{one['asyncinfer_median_tokens_per_s']:.1f} vs {one['llama_cpp_median_tokens_per_s']:.1f}, "
-             f"**{one['median_ratio']:.2f}x**"),
-            f"{one['asyncinfer_bandwidth_use']:.1%} / {one['llama_cpp_bandwidth_use']:.1%}",
-            (f"{fill['asyncinfer_median_tokens_per_s']:.1f} vs {fill['llama_cpp_median_tokens_per_s']:.1f}, "
-             f"{fill['median_ratio']:.2f}x"),
-            f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_on']:.2f}x**",
-            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}, **{many['ratio_prefix_cache_off']:.2f}x**",
-            f"{many['llama_cpp_best_tokens_per_s']:.1f}"]
-        assert r["commit"].startswith("b15f72a") and many["llama_cpp_best_slots"] == 16
+        assert rows[name] == _peer_cells(r)
+        assert r["commit"].startswith("b15f72a") and r["many"]["llama_cpp_best_slots"] == 16
     flat = " ".join(section.split())
     assert "at commit b15f72a" in flat
     best = max(r["one_request"]["asyncinfer_bandwidth_use"] for r in runs.values())

@@ -16,10 +16,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from asyncinfer.sampler import SELECT_MAX_K, Sampler, SamplingState
 from asyncinfer.sampling_params import SamplingParams
+from tests.helpers import warpers_kept
 
 VOCAB = 49152  # the default model's
 
@@ -63,18 +63,6 @@ def test_a_top_k_or_top_p_row_costs_about_what_any_sampled_row_does(one_thread, 
     assert costs["filtered"] < 2.8 * costs["plain"], costs
 
 
-def reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
-    scores = row[None].clone()
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    if p.top_k > 0:
-        scores = TopKLogitsWarper(top_k=p.top_k)(ids, scores)
-    if p.top_p < 1.0:
-        scores = TopPLogitsWarper(top_p=p.top_p)(ids, scores)
-    if p.min_p > 0.0:
-        scores = MinPLogitsWarper(min_p=p.min_p)(ids, scores)
-    return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
-
-
 ROW = st.fixed_dictionaries({
     "top_k": st.sampled_from([0, 1, 2, 5, 30, 63, 64, 65, 200, 2000, 2047]),
     "top_p": st.sampled_from([1.0, 0.999, 0.95, 0.5, 0.1, 1e-6]),
@@ -111,7 +99,7 @@ def check_rows(rows: list[dict], seed: int, vocab: int) -> None:
     for i, p in enumerate(params):
         kept = torch.isfinite(batch[i])
         if not rows[i]["ties"]:  # (among equal values at the cut, transformers keeps them all, the sampler k)
-            assert set(torch.nonzero(kept).flatten().tolist()) == reference_kept(logits[i], p), rows[i]
+            assert set(torch.nonzero(kept).flatten().tolist()) == warpers_kept(logits[i], p), rows[i]
         assert torch.equal(batch[i][kept], logits[i][kept])  # survivors untouched
         alone = Sampler._filter(logits[i:i + 1].clone(), [p])
         assert torch.equal(alone[0], batch[i])

@@ -18,13 +18,8 @@ class Other(FIFOScheduler):
 
 
 @pytest.fixture(autouse=True)
-def _forget_registrations():
-    from asyncinfer.schedulers import registry
-
-    before = dict(registry._REGISTERED)
-    yield
-    registry._REGISTERED.clear()
-    registry._REGISTERED.update(before)
+def _forget_registrations(forget_registrations):
+    """Every test here registers schedulers: conftest's forget_registrations undoes them."""
 
 
 def test_a_built_in_name_is_not_replaced() -> None:

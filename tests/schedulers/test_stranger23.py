@@ -37,13 +37,8 @@ class NoSchedule(Scheduler):
 
 
 @pytest.fixture(autouse=True)
-def _forget_registrations():
-    from asyncinfer.schedulers import registry
-
-    before = dict(registry._REGISTERED)
-    yield
-    registry._REGISTERED.clear()
-    registry._REGISTERED.update(before)
+def _forget_registrations(forget_registrations):
+    """Every test here registers schedulers: conftest's forget_registrations undoes them."""
 
 
 @pytest.mark.parametrize(("cls", "missing"), [(NoKey, "key_of"), (NoSchedule, "schedule")])
