@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waiting", type=int, nargs="+", default=[0, 5000, 20000], help="queue lengths to measure")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--window", type=float, default=1.0, help="seconds the neighbour's tokens are counted")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    p.add_argument("--json", type=Path, help="write the record (commit, settings, every round) here")
     args = p.parse_args(argv)
     if not args.window > 0 or args.rounds < 1 or any(n < 0 for n in args.waiting):
         p.error("--window must be > 0, --rounds at least 1, --waiting at least 0")
