@@ -24,6 +24,10 @@ token-id prompts only, and its lines add the output's ``"token_ids"`` (its ``tex
 A line that asks for ``"logprobs": K`` gets ``"logprobs"``: per generated token
 ``{"token_id": ..., "logprob": ..., "top": [[token_id, logprob], ...]}`` (K alternatives; with ``n`` > 1,
 each of ``"outputs"`` has its own).
+A line's ``"structured"`` constrains its output, as ``SamplingParams(structured=...)`` does, written as an
+object of one key named after ``StructuredOutput``'s constructor: ``{"json_schema": {...}}``,
+``{"json_object": true}``, ``{"regex": "[0-9]+"}``, ``{"choice": ["yes", "no"]}`` or ``{"grammar": "root ::= ..."}``
+(it needs ``asyncinfer[structured]``).
 
 A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
 and the job goes on; the exit status is then 1. The requests go through the engine's own
@@ -50,6 +54,7 @@ import msgspec
 from asyncinfer.commands import CommandError, check_one_model
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.structured import StructuredOutput
 
 _REQUEST_KEYS = {"prompt", "messages", "id"}
 
@@ -189,6 +194,8 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
                            "SamplingParams' fields (max_tokens, temperature, stop, ...)")
     if ("prompt" in item) == ("messages" in item):
         raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
+    if overrides.get("structured") is not None:
+        overrides["structured"] = _structured(overrides["structured"], where)
     try:
         line_params = SamplingParams(**{**msgspec.structs.asdict(params), **overrides})
     except InvalidParameterError as exc:  # the line's value as the line wrote it, the range in JSON's words
@@ -206,6 +213,30 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     return Job(request_id, prompt, line_params)
+
+
+#: A line's ``"structured"`` object: its one key, the ``StructuredOutput`` constructor it names.
+_STRUCTURED_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _structured(value: Any, where: str) -> StructuredOutput:
+    """A line's ``"structured"``, ``{"regex": "[0-9]+"}`` say, as the ``StructuredOutput`` it names: JSON cannot
+    hold the Python object that ``SamplingParams.structured`` takes (every object was refused, naming Python's
+    constructors)."""
+    form = ('an object of one key: {"json_schema": {...}}, {"json_object": true}, {"regex": "..."}, '
+            '{"choice": ["...", ...]} or {"grammar": "..."}')
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED_KEYS:
+        raise CommandError(f"{where}: structured={_shown(value)} is invalid: allowed null or {form}")
+    ((kind, spec),) = value.items()
+    if kind == "json_object":
+        if spec is not True:
+            raise CommandError(f"{where}: structured={_shown(value)} is invalid: allowed {{\"json_object\": true}}")
+        return StructuredOutput.json_object()
+    try:
+        return getattr(StructuredOutput, kind)(spec)
+    except InvalidParameterError as exc:
+        raise CommandError(f"{where}: structured.{kind}={_shown(exc.value, 240)} is invalid: allowed "
+                           f"{range_in_words(exc.allowed, none='null')}") from None
 
 
 def _no_constant(name: str) -> Any:
