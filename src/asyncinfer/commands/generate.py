@@ -216,7 +216,8 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
 
 
 #: A line's ``"structured"`` object: its one key, the ``StructuredOutput`` constructor it names.
-_STRUCTURED_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_STRUCTURED = {"json_schema": StructuredOutput.json_schema, "json_object": StructuredOutput.json_object,
+               "regex": StructuredOutput.regex, "choice": StructuredOutput.choice, "grammar": StructuredOutput.grammar}
 
 
 def _structured(value: Any, where: str) -> StructuredOutput:
@@ -225,7 +226,7 @@ def _structured(value: Any, where: str) -> StructuredOutput:
     constructors)."""
     form = ('an object of one key: {"json_schema": {...}}, {"json_object": true}, {"regex": "..."}, '
             '{"choice": ["...", ...]} or {"grammar": "..."}')
-    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED_KEYS:
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED:
         raise CommandError(f"{where}: structured={_shown(value)} is invalid: allowed null or {form}")
     ((kind, spec),) = value.items()
     if kind == "json_object":
@@ -233,7 +234,7 @@ def _structured(value: Any, where: str) -> StructuredOutput:
             raise CommandError(f"{where}: structured={_shown(value)} is invalid: allowed {{\"json_object\": true}}")
         return StructuredOutput.json_object()
     try:
-        return getattr(StructuredOutput, kind)(spec)
+        return _STRUCTURED[kind](spec)
     except InvalidParameterError as exc:
         raise CommandError(f"{where}: structured.{kind}={_shown(exc.value, 240)} is invalid: allowed "
                            f"{range_in_words(exc.allowed, none='null')}") from None
