@@ -520,6 +520,11 @@ def plan_model_memory(
     return plan_memory(path, available_bytes=available_bytes, **options)
 
 
+#: Memory enough for any plan: what :func:`generator_shortfall` plans with to tell options a model cannot run
+#: with from a lack of memory.
+UNBOUNDED_MEMORY = 1 << 60
+
+
 def generator_shortfall(
     model: ModelRef,
     options: dict[str, Any],
@@ -545,6 +550,11 @@ def generator_shortfall(
         plan = plan_memory(path, available_bytes=avail, **options)
     except ConfigurationError as exc:
         reason = str(exc).removeprefix("the model does not fit: ")
+        try:  # an option the model cannot run with (a KV cache too small for one request) is no lack of memory
+            plan_memory(path, available_bytes=UNBOUNDED_MEMORY, **options)
+        except ConfigurationError as unbounded:
+            if str(unbounded) == str(exc):
+                return f"the new model cannot run with these options, whatever memory is free: {reason}"
         return f"the new model does not fit beside {beside}: {reason}"
     except ModelLoadError as exc:
         raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc

@@ -137,6 +137,8 @@ class ModelChanges:
         if shortfall is not None and drained is None:
             raise ConfigurationError(f"{shortfall} (swap with mode='drain', which frees the old one first, fits)")
         if drained is not None:
+            if drained.startswith("the new model cannot run with these options"):
+                drained += " (the options not given to swap_model are the serving version's)"
             raise ConfigurationError(drained)
 
     async def _load_version(self, model: ModelRef, options: dict[str, Any]) -> ModelVersion:
