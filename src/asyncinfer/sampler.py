@@ -472,13 +472,10 @@ class Sampler:
         dev = x.device
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         need_m = any(p.min_p > 0.0 for p in params)
-        picked = [i for i, (k, p) in enumerate(zip(ks, params)) if k <= SELECT_MAX_K and k < vocab]
+        picked = [i for i, k in enumerate(ks) if k <= SELECT_MAX_K and k < vocab]
         by_kth = [i for i, (k, p) in enumerate(zip(ks, params)) if SELECT_MAX_K < k < vocab and p.top_p >= 1.0]
-        if len(picked) + len(by_kth) < len(params):
-            chosen = set(picked) | set(by_kth)
-            sorted_rows = [i for i, p in enumerate(params) if i not in chosen and p.top_p < 1.0]
-        else:
-            sorted_rows = []
+        chosen = set(picked) | set(by_kth)
+        sorted_rows = [i for i, p in enumerate(params) if i not in chosen and p.top_p < 1.0]
         if not (picked or by_kth or sorted_rows):
             return Sampler._min_p(x, params) if need_m else x
         out = x
@@ -515,12 +512,17 @@ class Sampler:
                 p_t = torch.tensor([float(params[i].top_p) if params[i].top_p < 1.0 else float("inf")
                                     for i in group], dtype=torch.float32, device=dev)
                 probs = sorted_x.softmax(dim=-1)
-                before = probs.cumsum(dim=-1) - probs
-                remove = before >= p_t[:, None]
-                remove[:, 0] = False
-                sorted_x.masked_fill_(remove, _NEG_INF)
+                Sampler._cut_nucleus(sorted_x, probs.cumsum(dim=-1) - probs, p_t)
             out[rows] = torch.full_like(part, _NEG_INF).scatter_(1, order, sorted_x)
         return Sampler._min_p(out, params) if need_m else out
+
+    @staticmethod
+    def _cut_nucleus(sorted_x: torch.Tensor, before: torch.Tensor, p_t: torch.Tensor) -> None:
+        """Remove (-inf, in place) each token of rows sorted most likely first whose mass ``before`` it reaches the
+        row's ``top_p``; the first token always stays."""
+        remove = before >= p_t[:, None]
+        remove[:, 0] = False
+        sorted_x.masked_fill_(remove, _NEG_INF)
 
     @staticmethod
     def _small_nuclei(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> list[int]:
@@ -539,9 +541,7 @@ class Sampler:
         fits = (cum[:, -1] >= p_t).tolist()  # what follows the candidates has at least this much before it
         if not any(fits):
             return rows
-        remove = (cum - probs) >= p_t[:, None]
-        remove[:, 0] = False
-        cand_x.masked_fill_(remove, _NEG_INF)
+        Sampler._cut_nucleus(cand_x, cum - probs, p_t)
         done = [j for j, fit in enumerate(fits) if fit]
         pick = Sampler._index(done, dev)
         x[Sampler._index([rows[j] for j in done], dev)] = torch.full_like(part[pick], _NEG_INF).scatter_(
