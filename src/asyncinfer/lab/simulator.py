@@ -174,7 +174,12 @@ def simulate(
         if len(sim.steps) >= max_steps:
             raise ContractViolation(f"no end after {max_steps} steps")
         while i < len(pending) and pending[i].arrival <= sim.now:
-            sched.add_request(_make_request(pending[i], i))
+            try:
+                sched.add_request(_make_request(pending[i], i))
+            except Exception as exc:  # a plugin's hook (OrderedScheduler's key_of, say), as schedule() below
+                raise ContractViolation(
+                    f"{type(sched).__name__} at step {len(sim.steps)} ({sim.now:.3f}s): add_request({pending[i].id!r}) "
+                    f"raised {exception_text(exc)}") from exc
             i += 1
         if not sched.has_unfinished_requests():
             sim.now = pending[i].arrival

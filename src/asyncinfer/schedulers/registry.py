@@ -164,10 +164,23 @@ def create_scheduler(
     """Build the scheduler ``spec`` names with its ``options`` (the engine's ``scheduler_options``).
 
     Raises:
-        InvalidParameterError: as :func:`resolve_scheduler`, or an option the class does not take.
+        InvalidParameterError: as :func:`resolve_scheduler`, an option the class does not take, or a constructor
+            that returned without calling ``Scheduler.__init__`` (the queues every hook reads were never made:
+            the first request failed with ``AttributeError: ... no attribute 'requests'``, blamed on the model's
+            load by the engine and on asyncinfer by the lab).
     """
     cls = check_scheduler_options(spec, options)
-    return cls(config, kv, **dict(options or {}))
+    scheduler = cls(config, kv, **dict(options or {}))
+    missing = [name for name in _BASE_STATE if not hasattr(scheduler, name)]
+    if missing:
+        raise InvalidParameterError(
+            "scheduler", spec, f"a class whose constructor calls super().__init__(config, kv) ({cls.__name__}'s "
+            f"returned without it: no {', '.join(missing)})")
+    return scheduler
+
+
+# What Scheduler.__init__ sets, and every hook and helper of the base class reads.
+_BASE_STATE = ("config", "kv", "waiting", "running", "requests")
 
 
 def check_scheduler_options(spec: str | type[Scheduler], options: Mapping[str, Any] | None = None) -> type[Scheduler]:
