@@ -132,8 +132,9 @@ _EXCERPT = re.compile(r"^\s*\d+ \| ")  # the start of a quoted line of that gram
 
 def _reason(text: str) -> str:
     """The library's reason for refusing a spec, as the caller can read it: without the place in and the quoted
-    lines of the grammar text the library wraps a spec in (``start: /.../``), cut to MAX_REASON_CHARS."""
-    lines = _AT.sub("", text.strip()).splitlines()
+    lines of the grammar text the library wraps a spec in (``start: /.../``) and without a matcher's state dump
+    (``<state>`` and its parser's statistics, dozens of lines), cut to MAX_REASON_CHARS."""
+    lines = _AT.sub("", text.split("<state>", 1)[0].strip()).splitlines()  # not the matcher's state dump
     for i, line in enumerate(lines):
         if _EXCERPT.match(line):
             lines = lines[:i]
@@ -227,7 +228,8 @@ class GrammarCompiler:
                 grammar = _grammar_text(llguidance, spec)
                 _check_schemas(spec, grammar)
                 matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
-                if not matcher.is_error():
+                refused = matcher.is_error()
+                if not refused:
                     probe = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
                     GrammarMatcher(matcher).fill(probe, 0)  # also builds the lexer's first states, off the engine thread
         except InvalidParameterError:
@@ -235,9 +237,12 @@ class GrammarCompiler:
         except ValueError as exc:  # (UnicodeEncodeError too: a text holding a lone surrogate)
             raise InvalidParameterError("structured", _shown(spec),
                                         f"a {_WHAT[spec.kind]} llguidance accepts: {_reason(str(exc))}") from None
-        if matcher.is_error():
+        if refused:
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} llguidance accepts: "
                                                                     f"{_reason(matcher.get_error())}")
+        if matcher.is_error():  # compiled, but its first mask found no text to start with (a $ref loop, say)
+            raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} that some text satisfies "
+                                                                    f"(llguidance: {_reason(matcher.get_error())})")
         if matcher.is_error() or not bool(probe.any()):
             raise InvalidParameterError("structured", _shown(spec), f"a {_WHAT[spec.kind]} that some text satisfies")
         return CompiledGrammar(spec, matcher)
