@@ -118,3 +118,14 @@ def test_the_documented_examples_still_build() -> None:
     assert isinstance(create_scheduler(ShortestFirstOrdered, SchedulerConfig(), KVCacheManager(8, 4)),
                       ShortestFirstOrdered)
     assert create_scheduler(Weighted, SchedulerConfig(), KVCacheManager(8, 4), {"weight": 3}).weight == 3
+
+
+def test_the_conformance_suite_no_longer_asks_about_super_init(plugin: str) -> None:
+    """Its hint for a hook that raises asked "does its __init__ call super().__init__(config, kv)?", which the
+    construction now answers; for a misspelt attribute in ``key_of`` the question sent the reader astray."""
+    from asyncinfer.conformance import ContractViolation, check_scheduler
+
+    with pytest.raises(ContractViolation) as info:
+        check_scheduler(f"{plugin}:Misspelt", engine=False)
+    assert str(info.value) == ("Misspelt failed while scheduling: AttributeError: 'Request' object has no attribute "
+                               "'prompt_len' (do its methods keep the base class's signatures?)")

@@ -351,9 +351,9 @@ def check_rules(
                 for seed in seeds for lim in limits for samples in (False, True)]
         check_no_starvation(scheduler, options)
     except (AttributeError, TypeError) as exc:  # a broken class, not a broken rule: name it all the same
-        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)} (does its "
-                                "__init__ call super().__init__(config, kv)? do its methods keep the base "
-                                "class's signatures?)") from exc
+        # (a constructor without super().__init__(config, kv) is refused when built: create_scheduler)
+        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)} (do its methods "
+                                "keep the base class's signatures?)") from exc
     return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
                              sum(r.aborted for r in runs), None)
 
