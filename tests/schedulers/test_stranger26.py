@@ -46,6 +46,13 @@ class Misspelt(OrderedScheduler):  # the docs' shortest-first-ordered with a wro
         if not out.preempted:
             self.admit_waiting(self.waiting_in(0), budget, out)
         return out
+
+
+class Counting(FIFOScheduler):  # counts what finished, in a counter it never made
+    def finish_requests(self, requests):
+        for _ in requests:
+            self.finished += 1
+        super().finish_requests(requests)
 '''
 
 
@@ -129,3 +136,13 @@ def test_the_conformance_suite_no_longer_asks_about_super_init(plugin: str) -> N
         check_scheduler(f"{plugin}:Misspelt", engine=False)
     assert str(info.value) == ("Misspelt failed while scheduling: AttributeError: 'Request' object has no attribute "
                                "'prompt_len' (do its methods keep the base class's signatures?)")
+
+
+def test_lab_names_a_finish_requests_that_raises_as_the_plugin_s_fault(plugin: str, capsys) -> None:
+    """The hooks the step's outputs call (``finish_requests``, ``add_forked``) were outside the guard too."""
+    assert cli.main(["lab", "--schedulers", f"{plugin}:Counting", "--synthetic", "5"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("asyncinfer: error: scheduler Counting broke the scheduler contract (docs/schedulers.md): "
+                           "at step "), line
+    assert line.endswith("applying the step (its finish_requests and add_forked hooks) raised AttributeError: "
+                         "'Counting' object has no attribute 'finished'"), line

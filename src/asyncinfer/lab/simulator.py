@@ -234,7 +234,11 @@ class _Replay:
             record = self.records[request.request_id]
             if record.first_scheduled is None:
                 record.first_scheduled = start
-        result = apply_step(sched, plan, 0)
+        try:
+            result = apply_step(sched, plan, 0)
+        except Exception as exc:  # a plugin's hook (finish_requests, add_forked), as schedule() above
+            raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({start:.3f}s): applying the "
+                                    f"step (its finish_requests and add_forked hooks) raised {exception_text(exc)}") from exc
         for request, _ in result.sampled:
             self.records[request.request_id].token_times.append(self.now)
         for request in result.finished:
