@@ -1,15 +1,24 @@
 """pass29: a hostile tenant's costly features (structured output, logprobs, ``n``, stop lists, seeds) on a shared
 server. What broke: a completions stream's ``text_offset`` counted from the text streamed so far, which a piece of
 a character or a possible stop string holds back (and a stop string's tokens never add to), while the whole answer
-counted its tokens' own characters, so the same seeded request's logprobs differed streamed and whole."""
+counted its tokens' own characters, so the same seeded request's logprobs differed streamed and whole. And one
+request's grammar, within the size limits, whose rules nest through one another, took the whole server down: the
+grammar library walks rules recursively as it builds them and ran past the compiling thread's 8 MiB stack (a
+segfault), so specs are compiled on a thread of a larger stack (``grammar.COMPILE_STACK_BYTES``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+import asyncinfer
 
 # Seeded completions whose samples draw pieces of characters ("\ufffd" tokens) or stop at a stop string: found by
 # a randomized comparison of whole and streamed answers on the tiny model (temperature 2 draws bytes freely).
@@ -52,3 +61,49 @@ def test_text_offsets_are_the_same_streamed_and_whole(server, body):
         assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
         assert streamed[choice["index"]]["tokens"] == tokens
         assert streamed[choice["index"]]["text_offset"] == offsets
+
+
+#: Compiles the grammar of 1,300 rules (57 KB, within ``MAX_SPEC_CHARS``) for the tiny chat model's vocabulary in a
+#: child interpreter, from a thread of the default stack, as the engine's compile workers are: the child died of a
+#: segfault (the test process would have too), with the default stacks of the main thread and of worker threads.
+_COMPILE = """
+import sys, threading
+from transformers import AutoTokenizer
+from asyncinfer import InvalidParameterError, StructuredOutput
+from asyncinfer.grammar import GrammarCompiler
+n = 1300
+grammar = "root ::= " + " | ".join(f"r{i}" for i in range(n)) + "\\n" + "\\n".join(
+    f'r{i} ::= "z{i}" ( "a" | "b" r{(i + 1) % n} )?' for i in range(n))
+compiler = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 320, [2])
+def compile():
+    try:
+        compiler.compile(StructuredOutput.grammar(grammar))
+        print("compiled")
+    except InvalidParameterError as exc:
+        print("refused", exc.param)
+thread = threading.Thread(target=compile)
+thread.start()
+thread.join()
+"""
+
+
+def test_a_grammar_of_rules_nested_through_each_other_does_not_crash_the_process(tiny_chat_model):
+    pytest.importorskip("llguidance", reason="structured output needs asyncinfer[structured] (llguidance)")
+    src = str(Path(asyncinfer.__file__).parents[1])  # this checkout's package, whatever the child's path holds
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-c", _COMPILE, str(tiny_chat_model)], check=False,
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout.split()[0] in ("compiled", "refused")
+
+
+def test_the_server_serves_on_after_such_a_grammar(server):
+    n = 1300
+    grammar = "root ::= " + " | ".join(f"r{i}" for i in range(n)) + "\n" + "\n".join(
+        f'r{i} ::= "z{i}" ( "a" | "b" r{(i + 1) % n} )?' for i in range(n))
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        reply = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                   "guided_grammar": grammar})
+        assert reply.status_code in (200, 400) and "x-request-id" in reply.headers
+        assert http.get("/health").status_code == 200
