@@ -160,6 +160,41 @@ class CompiledGrammar:
         return GrammarMatcher(self._template.deep_copy())
 
 
+#: The stack of the thread a spec is compiled on. llguidance walks a grammar's rules recursively as it builds it,
+#: and a grammar within the size limits whose rules nest through one another (1,300 rules of ``r{i} ::= "z{i}"
+#: ( "a" | "b" r{i+1} )?``, 57 KB) ran past a thread's default 8 MiB and took the process down with a segfault:
+#: every model and every caller's request, at one request. Reserved address space, not memory: pages are used as
+#: the walk touches them.
+COMPILE_STACK_BYTES = 512 * 1024 * 1024
+_stack_size_lock = threading.Lock()
+
+
+def _on_compile_stack(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a thread of its own with a :data:`COMPILE_STACK_BYTES` stack; its result, or its exception.
+    (``threading.stack_size`` is the process's setting for threads started after it: set and restored under a lock,
+    around this thread's start only.)"""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, re-raised there
+            error.append(exc)
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="asyncinfer-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 class GrammarCompiler:
     """Compiles specs for one model's vocabulary, with a bounded LRU cache (thread-safe).
 
@@ -204,7 +239,7 @@ class GrammarCompiler:
         found = self.cached(spec, namespace)
         if found is not None:
             return found
-        compiled = self._compile(spec)
+        compiled = _on_compile_stack(self._compile, spec)
         key = (namespace, spec)
         with self._lock:
             self._cache[key] = compiled

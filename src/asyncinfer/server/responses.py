@@ -62,7 +62,7 @@ class Reply:
     want_logprobs: bool
     include_usage: bool = False
     tools: ToolUse | None = None  # chat with tools: replies are parsed for tool calls
-    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters streamed so far
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: its streamed tokens' characters so far
     _calls: dict[int, ReplyStream] = field(default_factory=dict)  # per choice, with tools: its text's split
 
     # ----------------------------------------------------------- whole results
@@ -79,7 +79,7 @@ class Reply:
                     body["message"]["content"] = content
         else:
             body["text"] = text
-        body["logprobs"] = self._logprobs(index, logprobs, text_start=0) if self.want_logprobs else None
+        body["logprobs"] = self._logprobs(index, logprobs) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
         return body
 
@@ -104,21 +104,19 @@ class Reply:
                             "finish_reason": None} for i in range(n)])
 
     def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None) -> bytes:
-        start = self._offsets.get(index, 0)
-        self._offsets[index] = start + len(text)
         if self.chat and self.tools is not None:
-            return self._tool_chunks(self.tools, index, text, logprobs, finish_reason, start)
+            return self._tool_chunks(self.tools, index, text, logprobs, finish_reason)
         body: dict[str, Any] = {"index": index}
         if self.chat:
             body["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             body["text"] = text
-        body["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
+        body["logprobs"] = self._logprobs(index, logprobs or [], streamed=True) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
         return self.chunk([body])
 
     def _tool_chunks(self, tools: ToolUse, index: int, text: str, logprobs: list[Logprob] | None,
-                     finish_reason: str | None, start: int) -> bytes:
+                     finish_reason: str | None) -> bytes:
         """A chat choice with tools: its content and calls as the format's stream splits them
         (:meth:`ToolUse.stream`), one chunk per delta, the last carrying the logprobs and the finish_reason."""
         stream = self._calls.get(index)
@@ -137,7 +135,7 @@ class Reply:
         chunks = [self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
                   for delta in deltas[:-1]]
         last: dict[str, Any] = {"index": index, "delta": deltas[-1]}
-        last["logprobs"] = self._logprobs(index, logprobs or [], start) if self.want_logprobs else None
+        last["logprobs"] = self._logprobs(index, logprobs or [], streamed=True) if self.want_logprobs else None
         last["finish_reason"] = finish_reason
         return b"".join([*chunks, self.chunk([last])])
 
@@ -147,7 +145,12 @@ class Reply:
                     "usage": usage(prompt_tokens, completion_tokens)})
 
     # ---------------------------------------------------------------- logprobs
-    def _logprobs(self, index: int, logprobs: Sequence[Logprob] | None, text_start: int) -> dict[str, Any]:
+    def _logprobs(self, index: int, logprobs: Sequence[Logprob] | None, streamed: bool = False) -> dict[str, Any]:
+        """Legacy ``text_offset``s count the characters of the choice's tokens before each one, as its ``tokens``
+        read them (single-token decodes), from its first token on, in a stream (``streamed``, the count carried
+        from chunk to chunk) as in a whole answer: the same offsets either way. (A stream counted from the text
+        streamed so far, which a piece of a character or a possible stop string holds back and a stop string's
+        tokens never add to, so a chunk's offsets and the whole answer's parted at the first such token.)"""
         logprobs = logprobs or []
         if self.chat:
             return {"content": [
@@ -156,10 +159,12 @@ class Reply:
                 for lp in logprobs
             ]}
         tokens = [self.token_text(lp.token_id) for lp in logprobs]
-        offsets, at = [], text_start
+        offsets, at = [], self._offsets.get(index, 0) if streamed else 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
+        if streamed:
+            self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [wire_logprob(lp.logprob) for lp in logprobs],
                 "top_logprobs": [{self.token_text(tid): wire_logprob(value) for tid, value in lp.top}
                                  for lp in logprobs],
