@@ -22,6 +22,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# How often a caller waiting for its call looks for a Ctrl-C that reached another thread (seconds).
+_SIGNAL_POLL_S = 0.1
+
 
 def on_own_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` on a new thread that ends with the call; its result, or its exception.
@@ -62,13 +65,18 @@ def run_on_own_thread(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: 
             done.set()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
     try:
-        done.wait()  # not thread.join(): a join interrupted by Ctrl-C marks a running thread as ended
+        thread.start()
+        # Not thread.join(): a join interrupted by Ctrl-C marks a running thread as ended. Not an untimed
+        # wait either: the kernel may hand SIGINT to any of the process's threads (the call's, torch's), and
+        # then Python's handler is only flagged; the main thread, asleep in an untimed wait, would not run it
+        # until the call had ended. A timed wait returns to Python often enough to see it.
+        while not done.wait(_SIGNAL_POLL_S):
+            pass
     except KeyboardInterrupt:
         # Ctrl-C: interrupt the call as well, and wait until it has unwound; a thread still in
         # torch's code while the interpreter exits can abort the process.
-        if not done.is_set():
+        if not done.is_set() and thread.is_alive():
             _raise_in(thread, KeyboardInterrupt)
         _wait_uninterrupted(done, thread)
         raise

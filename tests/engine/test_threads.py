@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,21 @@ def test_ctrl_c_interrupts_the_call_and_waits_for_it() -> None:
     out, err = child.communicate(timeout=30)
     assert child.returncode == 0, err
     assert out.strip() == "['interrupted'] ['MainThread']"
+
+
+# The kernel hands a process-directed SIGINT to whichever thread can take it: under load, sometimes the call's
+# thread. Python only flags it there; the waiting caller must still see it (an untimed wait slept through it, and
+# the call ran to its end: the suite's flaky Ctrl-C test). The signal is sent to the call's own thread here.
+INTERRUPT_ON_THE_CALLS_THREAD = INTERRUPT.replace(
+    'print("started", flush=True)',
+    'signal.pthread_kill(threading.get_ident(), signal.SIGINT); print("started", flush=True)').replace(
+    "import threading, time", "import signal, threading, time")
+
+
+def test_ctrl_c_that_reaches_the_calls_thread_interrupts_the_call() -> None:
+    assert "pthread_kill" in INTERRUPT_ON_THE_CALLS_THREAD
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", INTERRUPT_ON_THE_CALLS_THREAD], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.split("\n", 1)[1].strip() == "['interrupted'] ['MainThread']"
+    assert time.monotonic() - started < 25  # the call's loop alone runs 30 s
