@@ -26,6 +26,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -525,6 +526,18 @@ def plan_model_memory(
 UNBOUNDED_MEMORY = 1 << 60
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Why a generator cannot be placed: ``reason``, with the fix; ``any_memory``: its options cannot run
+    whatever memory is free (a KV cache smaller than one request), so freeing memory would not help."""
+
+    reason: str
+    any_memory: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 def generator_shortfall(
     model: ModelRef,
     options: dict[str, Any],
@@ -532,7 +545,7 @@ def generator_shortfall(
     beside: str,
     error: type[ModelLoadError] = SwapError,
     freed: int = 0,
-) -> str | None:
+) -> Shortfall | None:
     """Why the generator cannot be placed beside ``beside``, with the fix, or None when it fits.
 
     Reads only the model's config, so a missing or unreadable model fails
@@ -554,13 +567,14 @@ def generator_shortfall(
             plan_memory(path, available_bytes=UNBOUNDED_MEMORY, **options)
         except ConfigurationError as unbounded:
             if str(unbounded) == str(exc):
-                return f"the new model cannot run with these options, whatever memory is free: {reason}"
-        return f"the new model does not fit beside {beside}: {reason}"
+                return Shortfall(f"the new model cannot run with these options, whatever memory is free: {reason}",
+                                 any_memory=True)
+        return Shortfall(f"the new model does not fit beside {beside}: {reason}")
     except ModelLoadError as exc:
         raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc
     need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
     if need > avail:
-        return (
+        return Shortfall(
             f"the new model does not fit beside {beside}: weights {plan.weight_bytes / MiB:.1f} MiB"
             f" + KV cache {plan.kv_bytes / MiB:.1f} MiB + activation reserve {plan.activation_reserve / MiB:.1f} MiB"
             f" = {need / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now;"

@@ -137,9 +137,9 @@ class ModelChanges:
         if shortfall is not None and drained is None:
             raise ConfigurationError(f"{shortfall} (swap with mode='drain', which frees the old one first, fits)")
         if drained is not None:
-            if drained.startswith("the new model cannot run with these options"):
-                drained += " (the options not given to swap_model are the serving version's)"
-            raise ConfigurationError(drained)
+            if drained.any_memory:
+                raise ConfigurationError(f"{drained} (the options not given to swap_model are the serving version's)")
+            raise ConfigurationError(str(drained))
 
     async def _load_version(self, model: ModelRef, options: dict[str, Any]) -> ModelVersion:
         """Load a generator version in a worker thread (a failure is a :class:`SwapError`)."""
@@ -235,7 +235,7 @@ class ModelChanges:
             generator_shortfall, path, options, available, "the loaded models", ModelLoadError
         )
         if shortfall is not None:
-            raise ConfigurationError(shortfall)
+            raise ConfigurationError(str(shortfall))
         version = await self._load(path, options, "generate", ModelLoadError, label)
         assert isinstance(version, ModelVersion)
         holder = ModelHolder(version)
