@@ -66,9 +66,11 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
-    """GeGLU's activation: ``gelu_tanh(gate) * up`` for gate_up [T, 2 * I] (rows [gate; up]) -> [T, I]."""
+    """GeGLU's activation: ``gelu_tanh(gate) * up`` for gate_up [T, 2 * I] (rows [gate; up]) -> [T, I]. The
+    product is taken in place in the gelu's new tensor: one new [T, I] tensor, not two (each costs its page
+    faults in a long prefill chunk; see :func:`asyncinfer.models.layers.silu_mul`)."""
     gate, up = gate_up.split(intermediate_size, dim=-1)  # [T, I] each
-    return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -31,7 +31,7 @@ from torch import nn
 
 from asyncinfer.errors import ConfigurationError
 from asyncinfer.models.config import ModelConfig
-from asyncinfer.models.layers import ElementwiseOps, apply_rope, rms_norm, silu_mul
+from asyncinfer.models.layers import ElementwiseOps, apply_rope, rms_norm, silu_mul_new
 
 logger = logging.getLogger("asyncinfer")
 
@@ -46,7 +46,7 @@ def compile_elementwise_ops(config: ModelConfig, device: torch.device,
     """
     ops = ElementwiseOps(rms_norm=torch.compile(rms_norm, dynamic=True),
                          apply_rope=torch.compile(apply_rope, dynamic=True),
-                         silu_mul=torch.compile(silu_mul, dynamic=True))
+                         silu_mul=torch.compile(silu_mul_new, dynamic=True))
     start = time.perf_counter()
     try:
         _warm_up(ops, config, device, dtype)
