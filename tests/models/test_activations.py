@@ -44,3 +44,27 @@ def test_the_mlp_gives_the_out_of_place_result() -> None:
     x = torch.randn(40, 64)
     with torch.inference_mode():
         assert torch.equal(mlp(x), new(x))
+
+
+@pytest.mark.parametrize("activation_dtype", ["int16", "int8"])
+def test_a_long_step_runs_the_mlp_on_slices_of_rows_with_the_same_result(activation_dtype: str) -> None:
+    from asyncinfer.models import layers
+    from asyncinfer.models.quant import Q4_0Linear, Q8_0Linear
+
+    hidden, inter, rows = 256, 4096, 600  # gate_up of 600 rows: 18.75 MiB, past MLP_SLICE_BYTES
+    assert rows * 2 * inter * 4 > layers.MLP_SLICE_BYTES
+    torch.manual_seed(1)
+    mlp = SwiGLUMLP(hidden, inter)
+    mlp.gate_up_proj = Q4_0Linear(torch.randn(2 * inter, hidden) / 16, None, activation_dtype=activation_dtype)
+    mlp.down_proj = Q8_0Linear(torch.randn(hidden, inter) / 64, None, activation_dtype=activation_dtype)
+    x = torch.randn(rows, hidden)
+    seen: list[int] = []
+    whole = mlp._rows(x)
+    mlp.gate_up_proj.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    with torch.inference_mode():
+        sliced = mlp(x)
+    assert seen == [300, 300]  # two slices, the product of each under MLP_SLICE_BYTES
+    assert torch.equal(sliced, whole)
+    seen.clear()
+    mlp(x[: layers.MLP_SLICE_MIN_ROWS * 2 - 1])  # too few rows to slice: one call
+    assert seen == [layers.MLP_SLICE_MIN_ROWS * 2 - 1]

@@ -315,10 +315,22 @@ class ElementwiseOps:
 EAGER_OPS = ElementwiseOps()
 
 
+#: On a CPU, the most bytes of gate_up product an MLP makes at once: a step of more rows (a long prefill chunk) runs
+#: its MLP on slices of rows. A larger product is served by the C library as fresh pages from the kernel at every
+#: layer (glibc maps blocks of 32 MiB and more anew each time), and their page faults cost more than the memory
+#: holds: at a 1B model's 1,024-token chunk, 64 MiB a layer, ~270,000 faults and 0.6 s a chunk (one thread).
+MLP_SLICE_BYTES = 16 * 2**20
+#: The fewest rows of a slice (beyond PANEL_MIN_ROWS = 9, so that a slice takes the same kernels as the whole).
+MLP_SLICE_MIN_ROWS = 64
+
+
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
-    ``act``, fixed at construction: :func:`silu_mul` or its compiled form (``ElementwiseOps.silu_mul``)."""
+    ``act``, fixed at construction: :func:`silu_mul` or its compiled form (``ElementwiseOps.silu_mul``).
+    On a CPU a step whose gate_up product would pass :data:`MLP_SLICE_BYTES` runs on slices of its rows: the same
+    result to the last bit with the kernels' block formats, whose GEMMs take each row alone (torch's float GEMM may
+    round a row differently at another row count, as at any other batch)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: ActFn = silu_mul) -> None:
         super().__init__()
@@ -333,5 +345,13 @@ class SwiGLUMLP(nn.Module):
         return self._act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        product = rows * 2 * self.intermediate_size * 4  # float32 gate_up
+        if x.device.type != "cpu" or product <= MLP_SLICE_BYTES or rows < 2 * MLP_SLICE_MIN_ROWS:
+            return self._rows(x)  # [T, hidden]
+        slices = min(-(-product // MLP_SLICE_BYTES), rows // MLP_SLICE_MIN_ROWS)
+        return torch.cat([self._rows(part) for part in x.tensor_split(slices)])  # [T, hidden]
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
         return self.down_proj(self._act(gate_up, self.intermediate_size))  # [T, hidden]
