@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ METRICS_KEYS_ENV = "ASYNCINFER_METRICS_KEY"
 CACHE_ISOLATION = ("off", "api-key", "header")
 TENANT_FROM = ("api-key", "header", "request")
 MAX_INSTANCE_ID_CHARS = 256  # ServerSettings.instance_id, a header's value
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: what a field name may hold
 MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
@@ -250,8 +252,13 @@ class ServerSettings:
 
 
 def _header(name: str, header: Any) -> str:
-    if not isinstance(header, str) or not header.strip() or header.strip().lower() == "authorization":
-        raise InvalidParameterError(name, header, "a header name other than authorization")
+    # An HTTP field name is a token (RFC 9110): one with a space, a ':' ("X-Tenant-Id:", as a curl -H line writes
+    # it) or a letter of another alphabet is never in a request, so every request read as having no tenant or
+    # priority, and cache_isolation="header" put every caller in one shared namespace.
+    if (not isinstance(header, str) or not HEADER_NAME.fullmatch(header.strip())
+            or header.strip().lower() == "authorization"):
+        raise InvalidParameterError(name, header, "a header name other than authorization: ASCII letters, digits "
+                                                  "and !#$%&'*+-.^_`|~, without ':' or spaces (e.g. x-tenant-id)")
     return header.strip().lower()
 
 
