@@ -136,7 +136,9 @@ class ServerSettings:
       only requests with the same ``tenant_header`` value (set it in a proxy you trust;
       requests without it share one pool). Shared prefix caching lets one caller measure,
       by time to first token, whether another sent a prompt; isolation closes that.
-    - ``tenant_header``: the header read by ``cache_isolation="header"`` and ``tenant_from="header"``.
+    - ``tenant_header``: the header read by ``cache_isolation="header"`` and ``tenant_from="header"``. It and
+      ``priority_header`` are header names a request can carry (RFC 9110 tokens, not ``authorization``); another
+      is an :class:`~asyncinfer.errors.InvalidParameterError`.
 
     Limits (a slow or greedy client cannot hold the server):
 
