@@ -7,6 +7,10 @@
 - One key given two tenants (``--tenant sk-a=acme --tenant sk-a=globex``, a key pasted twice) was served as the last
   one, silently: one tenant's callers ran as the other. ``asyncinfer serve`` refuses it, naming the tenants, never
   the key.
+- An API key (``--api-key``, ``ASYNCINFER_API_KEY``, ``--tenant``, ``--metrics-key``) holding a character that is not
+  printable ASCII (``sk\u2011abc``, a non-breaking hyphen pasted from a page) was accepted, but no client can present
+  it (the openai package refuses a non-ASCII header; curl's UTF-8 bytes are read as Latin-1): every call was a 401
+  "Incorrect API key provided". It is refused at start, never shown.
 """
 
 from __future__ import annotations
@@ -53,3 +57,20 @@ def _tenant(name: str):
     from asyncinfer.server import Tenant
 
     return Tenant(name)
+
+
+@pytest.mark.parametrize("key", ["sk\u2011abc", "sk-caf\u00e9", "sk\nx", "sk\tx"])
+def test_a_key_no_client_can_send_is_refused_and_never_shown(key) -> None:
+    from asyncinfer.server import Tenant
+
+    for field, value in (("api_keys", (key,)), ("metrics_keys", (key,)), ("tenants", {key: Tenant("acme")})):
+        with pytest.raises(InvalidParameterError) as err:
+            ServerSettings(**{field: value})
+        assert err.value.parameter == field and "printable ASCII" in err.value.allowed and key not in str(err.value)
+
+
+def test_serve_refuses_such_a_key_variable_before_anything_loads(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("ASYNCINFER_API_KEY", "sk\u2011abc")
+    assert cli.main(["serve", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "printable ASCII" in err and "sk\u2011abc" not in err and "does not exist" not in err

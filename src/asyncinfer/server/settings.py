@@ -269,6 +269,13 @@ def _key_tuple(name: str, keys: Any) -> tuple[str, ...]:
         raise InvalidParameterError(name, keys, "a sequence of non-empty strings")
     if any(k != k.strip() for k in keys):
         raise InvalidParameterError(name, "<a key with spaces around it>", "keys without leading or trailing spaces")
+    if not all(k.isascii() and k.isprintable() for k in keys):
+        # A client sends a header in ASCII (the openai package's httpx refuses anything else; curl sends UTF-8,
+        # which the server reads as Latin-1): such a key ("sk\u2011..." with a non-breaking hyphen pasted from a
+        # page, a line break) matched no request, and every call was a 401 "Incorrect API key provided".
+        raise InvalidParameterError(name, "<a key with a character that is not printable ASCII>",
+                                    "keys of printable ASCII characters (a client sends them in an Authorization "
+                                    "header, which no other character reaches the server in)")
     return tuple(keys)
 
 
