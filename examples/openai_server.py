@@ -51,7 +51,7 @@ async def lifespan(app: FastAPI):
 # (ServerSettings() alone reads neither); tenants, limits: docs/serving.md
 try:
     settings = ServerSettings(api_keys=api_keys_from_env(), metrics_keys=metrics_keys_from_env())
-except AsyncInferError as exc:  # a key variable set wrong (blank, an empty item): one line, not a traceback
+except AsyncInferError as exc:  # a blank or malformed key variable (ASYNCINFER_API_KEY=" "): one line, not a traceback
     parser.exit(2, f"{parser.prog}: error: {exc}\n")
 app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 app.include_router(openai_router(lambda: engine, settings))  # the engine of the moment: /v1/chat/completions, ...

@@ -467,7 +467,7 @@ def _serve(args: argparse.Namespace) -> int:
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
                               priority_header=args.priority_header, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-                              max_connections=args.max_connections, tenants=dict(args.tenant),
+                              max_connections=args.max_connections, tenants=_tenants(args.tenant),
                               max_requests_per_tenant=args.max_requests_per_tenant)
     # Bound and listening before anything is loaded, held through the load and served by uvicorn: a port
     # in use, or taken by a second serve started a moment later, is refused at once.
@@ -564,6 +564,22 @@ def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: li
     if specs[1].name == specs[0].name:
         raise CommandError(f"--embedding-model {args.embedding_model!r} would be served as {specs[1].name!r}, the "
                            "name of the model served: give that one another with --served-model-name")
+
+
+def _tenants(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The ``--tenant`` flags as ``ServerSettings.tenants``. A key given two tenants is refused: the last one was
+    kept silently, so one tenant's callers were served as the other (its priority, its places, its request ids);
+    the error names the tenants, never the key (a secret)."""
+    from asyncinfer.commands import CommandError
+
+    tenants: dict[str, Any] = {}
+    for key, tenant in pairs:
+        first = tenants.setdefault(key, tenant)
+        if first != tenant:
+            raise CommandError(f"--tenant gives one key two tenants, {first.name}:{first.priority} and "
+                               f"{tenant.name}:{tenant.priority}: a key is one tenant's (give each tenant a key "
+                               "of its own)")
+    return tenants
 
 
 def _tenant(text: str) -> tuple[str, Any]:

@@ -77,6 +77,13 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
     words = args.prompt
+    if words and not " ".join(words).strip():
+        from asyncinfer.commands import CommandError
+
+        # ``asyncinfer chat "$PROMPT"`` with the variable unset or blank: the model was loaded and answered nothing
+        # with a reply of its own, where a session's empty line sends nothing
+        raise CommandError(f"the prompt {' '.join(words)!r} is empty (an unset variable?): give the message, or "
+                           "omit the prompt for an interactive session")
     if args.model is None and words and (len(words) == 1 and _looks_like_a_model(words[0])
                                          or len(words) > 1 and _names_a_model(words[0])):
         import shlex

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ METRICS_KEYS_ENV = "ASYNCINFER_METRICS_KEY"
 CACHE_ISOLATION = ("off", "api-key", "header")
 TENANT_FROM = ("api-key", "header", "request")
 MAX_INSTANCE_ID_CHARS = 256  # ServerSettings.instance_id, a header's value
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: what a field name may hold
 MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
@@ -134,7 +136,9 @@ class ServerSettings:
       only requests with the same ``tenant_header`` value (set it in a proxy you trust;
       requests without it share one pool). Shared prefix caching lets one caller measure,
       by time to first token, whether another sent a prompt; isolation closes that.
-    - ``tenant_header``: the header read by ``cache_isolation="header"`` and ``tenant_from="header"``.
+    - ``tenant_header``: the header read by ``cache_isolation="header"`` and ``tenant_from="header"``. It and
+      ``priority_header`` are header names a request can carry (RFC 9110 tokens, not ``authorization``); another
+      is an :class:`~asyncinfer.errors.InvalidParameterError`.
 
     Limits (a slow or greedy client cannot hold the server):
 
@@ -250,8 +254,13 @@ class ServerSettings:
 
 
 def _header(name: str, header: Any) -> str:
-    if not isinstance(header, str) or not header.strip() or header.strip().lower() == "authorization":
-        raise InvalidParameterError(name, header, "a header name other than authorization")
+    # An HTTP field name is a token (RFC 9110): one with a space, a ':' ("X-Tenant-Id:", as a curl -H line writes
+    # it) or a letter of another alphabet is never in a request, so every request read as having no tenant or
+    # priority, and cache_isolation="header" put every caller in one shared namespace.
+    if (not isinstance(header, str) or not HEADER_NAME.fullmatch(header.strip())
+            or header.strip().lower() == "authorization"):
+        raise InvalidParameterError(name, header, "a header name other than authorization: ASCII letters, digits "
+                                                  "and !#$%&'*+-.^_`|~, without ':' or spaces (e.g. x-tenant-id)")
     return header.strip().lower()
 
 
@@ -260,6 +269,13 @@ def _key_tuple(name: str, keys: Any) -> tuple[str, ...]:
         raise InvalidParameterError(name, keys, "a sequence of non-empty strings")
     if any(k != k.strip() for k in keys):
         raise InvalidParameterError(name, "<a key with spaces around it>", "keys without leading or trailing spaces")
+    if not all(k.isascii() and k.isprintable() for k in keys):
+        # A client sends a header in ASCII (the openai package's httpx refuses anything else; curl sends UTF-8,
+        # which the server reads as Latin-1): such a key ("sk\u2011..." with a non-breaking hyphen pasted from a
+        # page, a line break) matched no request, and every call was a 401 "Incorrect API key provided".
+        raise InvalidParameterError(name, "<a key with a character that is not printable ASCII>",
+                                    "keys of printable ASCII characters (a client sends them in an Authorization "
+                                    "header, which no other character reaches the server in)")
     return tuple(keys)
 
 
