@@ -302,7 +302,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     decode = select_decode_backend(loaded.model, mc, config.device)  # the one choice of how the model runs
     if (config.quantization in BLOCK_FORMATS or config.quantization == NATIVE) and not isinstance(decode, KernelDecode):
         logger.info("quantization=%r: decode steps run op by op, not in one kernel call: %s", config.quantization,
-                    kernel_decode_blocker(loaded.model))
+                    kernel_decode_blocker(loaded.model, tuple(config.quantization_skip or ())))
     runner = ModelRunner(loaded.model, mc, spec, num_blocks=plan.num_blocks, decode=decode,
                          compile_seconds=compile_seconds)
     kv = KVCacheManager(

@@ -41,7 +41,7 @@ from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaForCausalLM, GemmaRMSNorm
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncinfer.models.quant import BlockEmbedding, BlockLinear, MixedBlockLinear
+from asyncinfer.models.quant import BLOCK_FORMATS, BlockEmbedding, BlockLinear, MixedBlockLinear, mixed_parts
 from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -278,8 +278,26 @@ def _layer_norms_blocker(i: int, layer: nn.Module) -> str | None:
     return None
 
 
-def kernel_decode_blocker(model: nn.Module) -> str | None:
-    """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not."""
+def _not_in_blocks(model: nn.Module, name: str, proj: nn.Module, skip: tuple[str, ...] | None) -> str:
+    """Why projection ``name`` of ``model`` is not in a block format: ``skip`` (the load's ``quantization_skip``;
+    None where unknown) naming it, its file's format where no kernel takes it, or its input size."""
+    if skip is not None and any(s and s in name for s in skip):
+        return "quantization_skip names it"
+    stored = dict(getattr(model.config, "stored_formats", ())).get(name)
+    if stored is not None:
+        parts = [part for part, _ in mixed_parts(stored)] or [stored]
+        if any(part not in BLOCK_FORMATS for part in parts):
+            return f"its file stores it as {'+'.join(parts)}, which no kernel takes"
+    in_features = getattr(proj, "in_features", 0)
+    if in_features and in_features % min(size for size, _ in kernels.BLOCK_FORMATS.values()):
+        return f"its input size, {in_features}, is not a whole number of blocks"
+    return "quantization_skip names it" if skip is not None else "quantization_skip"
+
+
+def kernel_decode_blocker(model: nn.Module, skip: tuple[str, ...] | None = None) -> str | None:
+    """None when ``model`` can run steps of decodes as one kernel call (:class:`KernelDecode`), else why not.
+    ``skip``: the ``quantization_skip`` it was loaded with, where known, to tell it from the other reasons a
+    projection is not in a block format (its file's format, its input size)."""
     if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)):
         return (f"{type(model).__name__} is neither a Llama-family nor a Gemma model (the kernels' decode step runs "
                 "those layers only)")
@@ -299,7 +317,8 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
                        "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
         for name, proj in projections.items():
             if not isinstance(proj, (BlockLinear, MixedBlockLinear)):
-                return f"layers.{i}.{name} is not in a block format (quantization_skip)"
+                return (f"layers.{i}.{name} is not in a block format "
+                        f"({_not_in_blocks(model, f'layers.{i}.{name}', proj, skip)})")
             if name != "attn.qkv_proj" and proj.kernel_weights()[2] is not None:
                 return f"layers.{i}.{name} has a bias (the kernel adds one to q/k/v only)"
     if not isinstance(model.norm, GemmaRMSNorm if isinstance(model, GemmaForCausalLM) else RMSNorm):
@@ -309,8 +328,10 @@ def kernel_decode_blocker(model: nn.Module) -> str | None:
         return "its sliding layers' rope tables have another number of rows than its full layers' (the kernel " \
                "reads one position a token from each)"
     head = model.output_proj
-    if not isinstance(head, BlockLinear) or head.kernel_weights()[2] is not None:
-        return "its output projection (lm_head) is not in a block format (quantization_skip)"
+    if not isinstance(head, BlockLinear):
+        return f"its output projection (lm_head) is not in a block format ({_not_in_blocks(model, 'lm_head', head, skip)})"
+    if head.kernel_weights()[2] is not None:
+        return "its output projection (lm_head) has a bias (the kernel adds one to q/k/v only)"
     for i, layer in enumerate(model.layers):  # the kernels' step takes one activation_dtype for the whole model
         for name, proj in (("attn.qkv_proj", layer.attn.qkv_proj), ("attn.o_proj", layer.attn.o_proj),
                            ("mlp.gate_up_proj", layer.mlp.gate_up_proj), ("mlp.down_proj", layer.mlp.down_proj)):
