@@ -6,7 +6,7 @@ on a copy of the same loaded model:
 (a) teacher-forced top-1 agreement with plain float32 over a held-out text
     (``benchmarks/data/heldout.txt``, plain English prose written for this project), read in
     prefill chunks of ``--chunk`` tokens;
-(b) greedy decoding of ``--prompts`` chat prompts (chat template applied) for ``--tokens`` new
+(b) greedy decoding of ``--prompts`` chat prompts (chat template applied; plain text without one) for ``--tokens`` new
     tokens, prompts decoded together: the fraction of prompts whose tokens are all identical to
     float32's and the mean common-prefix fraction; for the block formats also one prompt at a time
     (their kernels take another path below ``kernels.PANEL_MIN_ROWS`` rows);
@@ -73,13 +73,38 @@ FORMATS: tuple[tuple[str, str | None, tuple[str, ...], bool, str], ...] = (
 
 
 def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    """The first ``n`` benchmark questions, each as a one-turn chat with the generation prompt."""
+    """The first ``n`` benchmark questions, each as a one-turn chat with the generation prompt; for a model without
+    a chat template (a base model's GGUF, a file written by make_gguf.py), each question as plain text (said once on
+    stdout)."""
     out = []
     for question in QUESTIONS[:n]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                 tokenize=False)
+        except ValueError as exc:  # no chat template, or one that does not compile: the questions as plain text
+            if not out:
+                print(f"[quality] no chat template to apply ({exc}): the prompts are the questions as plain text")
+            return [tokenizer.encode(q, add_special_tokens=True) for q in QUESTIONS[:n]]
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
+
+
+def reference_inputs(tokenizer: Any, model: str, n: int, context: int) -> dict[str, Any]:
+    """The held-out text's tokens (its first ``context``, the model's context length, where it holds more) and the
+    prompts; SystemExit with the reason where the model's tokenizer cannot give them (it has none, or it encodes the
+    text to almost nothing)."""
+    if tokenizer is None:
+        raise SystemExit(f"quality.py: {model} has no tokenizer; the held-out text and the prompts are text, so it "
+                         "needs a model with one (tokenizer files beside its weights, or a GGUF file's vocabulary)")
+    text = tokenizer.encode(HELDOUT.read_text(), add_special_tokens=False)
+    if len(text) < 2:
+        raise SystemExit(f"quality.py: {model}'s tokenizer encodes the held-out text ({HELDOUT.name}) to "
+                         f"{len(text)} token(s): it reads none of this text (the load's log says why)")
+    if len(text) > context:
+        print(f"[quality] the held-out text is {len(text)} tokens, the model's context {context}: reading its first "
+              f"{context}")
+        text = text[:context]
+    return {"text": text, "prompts": chat_prompts(tokenizer, n)}
 
 
 def measure(model: torch.nn.Module, ref: dict[str, Any], args: argparse.Namespace, greedy: bool) -> dict[str, Any]:
@@ -132,7 +157,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model(args.model), torch.float32, torch.device("cpu"))
     base, tok = loaded.model, loaded.tokenizer
-    ref = {"text": tok.encode(HELDOUT.read_text(), add_special_tokens=False), "prompts": chat_prompts(tok, args.prompts)}
+    ref = reference_inputs(tok, args.model or "the default model", args.prompts, base.config.max_position_embeddings)
     ref["argmax"] = teacher_forced_argmax(base, ref["text"], args.chunk)
     ref["greedy"] = batched_greedy(base, ref["prompts"], args.tokens)
     print(f"held-out text: {len(ref['text'])} tokens, chunks of {args.chunk}; {len(ref['prompts'])} chat prompts x "
