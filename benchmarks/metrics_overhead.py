@@ -96,8 +96,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         model = tiny_model(Path(tempfile.mkdtemp(prefix="asyncinfer-tiny-")))
     options = {"dtype": "float32", "device": "cpu", "max_model_len": args.max_model_len, "memory_bandwidth": 1e10,
                "kv_cache_memory": args.kv_cache_memory, "num_threads": args.threads}
-    on = AsyncEngine.from_pretrained(model, **options, enable_metrics=True)
-    off = AsyncEngine.from_pretrained(model, **options, enable_metrics=False)
+    on = await AsyncEngine.load(model, **options, enable_metrics=True)  # off the loop (from_pretrained warned)
+    off = await AsyncEngine.load(model, **options, enable_metrics=False)
     rng = random.Random(args.seed)
     vocab = on.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, args.max_prompt))] for _ in range(args.requests)]

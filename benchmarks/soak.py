@@ -127,7 +127,7 @@ async def soak(model: Any, *, requests: int, concurrency: int, seed: int = 0, wa
     rng = random.Random(seed)
     opts = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_memory": 8 * MiB,
             "memory_bandwidth": 1e10, **(options or {})}
-    engine = AsyncEngine.from_pretrained(model, **opts)
+    engine = await AsyncEngine.load(model, **opts)  # off the loop, as the engine asks (from_pretrained warned)
     start = time.perf_counter()
     async with engine:
         await traffic(engine, warmup, concurrency, rng, model, swap_at=warmup // 2)
