@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError
 from asyncinfer.lab import (
     RequestRecord,
     Slo,
@@ -94,7 +95,7 @@ async def replay(engine: AsyncEngine, trace: list[TraceRequest], seed: int = 0) 
 async def run_real(model: str | None, policy: str, trace: list[TraceRequest], engine_options: dict[str, Any]
                    ) -> tuple[list[RequestRecord], int, int]:
     """The replay's records, the number of KV blocks, and the preemptions the engine counted."""
-    engine = AsyncEngine.from_pretrained(model, scheduler=policy, **engine_options)
+    engine = await AsyncEngine.load(model, scheduler=policy, **engine_options)  # off the loop (from_pretrained warned)
     async with engine:
         await engine.generate([100, 101, 102], SamplingParams(max_tokens=2))  # warm-up, outside the clock
         records = await replay(engine, trace)
@@ -158,6 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from asyncinfer.lab import load_trace
 
     trace = load_trace(args.trace) if args.trace else default_trace(args.requests, args.rate, args.seed)
+    longest = max(trace, key=lambda t: t.prompt_len, default=None)
+    if longest is not None and longest.prompt_len >= args.max_model_len:
+        raise SystemExit(f"scheduler_lab.py: request {longest.id!r} of the trace has a {longest.prompt_len}-token "
+                         f"prompt, which --max-model-len {args.max_model_len} does not hold (prompts must be shorter): "
+                         "raise --max-model-len (up to the model's context) or give a --trace of shorter prompts")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     engine_options = {"device": "cpu", "dtype": "float32", "num_threads": args.threads,
                       "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
@@ -179,7 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sim_scaled: dict[float, dict[str, Any]] = {}
     for policy in policies:
         t0 = time.perf_counter()
-        records, num_blocks, preemptions = asyncio.run(run_real(args.model, policy, trace, engine_options))
+        try:
+            records, num_blocks, preemptions = asyncio.run(run_real(args.model, policy, trace, engine_options))
+        except (ConfigurationError, InvalidParameterError, ModelLoadError) as exc:  # the model or the options
+            raise SystemExit(f"scheduler_lab.py: {exc}") from None
         real[policy] = dataclasses.replace(summarize(policy, records, slo, wait_known=False), preemptions=preemptions)
         sim[policy] = summarize(policy, simulate(trace, policy, cost_model=cost, config=config, num_blocks=num_blocks,
                                                  block_size=16).records, slo)
