@@ -1,0 +1,127 @@
+"""pass31: a final adversarial pass in-process, on a model directory's files.
+
+A ``tokenizer.json`` whose normalizer writes more than it reads (``Replace`` steps in a ``Sequence``, each writing
+1,000 ``a`` for every ``a``) loaded, and the first chat request (its template writes ``assistant``) made the tokenizers
+library ask for 4 GiB and the process aborted: one request took the engine and every neighbour down (and a text of
+``OFF_LOOP_CHARS`` characters, tokenized on the event loop, became a million times that). A normalizer or decoder that
+can multiply a text by more than ``MAX_TEXT_GROWTH`` is now a ModelLoadError naming the file, before the library reads
+it; real tokenizers (Llama's ``Prepend`` and ``Replace``, T5's regular expression) load as before.
+
+A ``tokenizer_config.json`` whose ``model_max_length`` is not a number (``"x"``) loaded, and every text or chat request
+then raised transformers' bare ``TypeError`` from ``generate()`` (it compares each encoded text's length with it); it is
+a ModelLoadError naming the key now.
+
+A ``model.safetensors`` whose header is JSON nested deeper than Python's reader goes (or a JSON list) made
+``plan_memory`` raise a bare ``RecursionError`` (``AttributeError``), from the look for a truncated file that follows
+the library's refusal; the library's own refusal, a ModelLoadError, stands now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import struct
+
+import pytest
+
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.errors import AsyncInferError, ModelLoadError
+from asyncinfer.models.checkpoint import MAX_TEXT_GROWTH, load_hf_tokenizer
+
+OPTIONS = {"max_model_len": 128, "dtype": "float32", "device": "cpu", "num_threads": 1,
+           "kv_cache_memory": 1024 * 1024}
+
+
+@pytest.fixture()
+def chat_dir(tiny_models, tmp_path):
+    """The suite's tiny Llama with a small word-level tokenizer (ids below its vocabulary) and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"][0], path)
+    words = ["<unk>", "<s>", "</s>", "a", "hi", "user", "assistant", "hello", "world", "▁", "▁a"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+    fast.save_pretrained(path)
+    return path
+
+
+def _set_normalizer(path, normalizer, part="normalizer"):
+    data = json.loads((path / "tokenizer.json").read_text())
+    data[part] = normalizer
+    (path / "tokenizer.json").write_text(json.dumps(data))
+
+
+def _replace(pattern, content, kind="String"):
+    return {"type": "Replace", "pattern": {kind: pattern}, "content": content}
+
+
+@pytest.mark.parametrize("normalizer", [
+    {"type": "Sequence", "normalizers": [_replace("a", "a" * 1000)] * 3},
+    _replace("a", "a" * (MAX_TEXT_GROWTH + 1)),
+    _replace(".", "b" * MAX_TEXT_GROWTH, kind="Regex"),
+    {"type": "Sequence", "normalizers": [{"type": "Sequence", "normalizers": [_replace("a", "aaaa")] * 2}] * 2},
+    {"type": "Prepend", "prepend": "x" * MAX_TEXT_GROWTH},
+])
+def test_a_normalizer_that_multiplies_a_text_is_refused_before_the_library_reads_it(chat_dir, normalizer) -> None:
+    _set_normalizer(chat_dir, normalizer)
+    with pytest.raises(ModelLoadError, match=f"tokenizer.json's normalizer can multiply a text's characters by more "
+                                             f"than {MAX_TEXT_GROWTH}"):
+        load_hf_tokenizer(chat_dir)
+    with pytest.raises(ModelLoadError, match="tokenizer.json's normalizer"):
+        AsyncEngine.from_pretrained(str(chat_dir), **OPTIONS)
+
+
+def test_a_decoder_that_multiplies_a_text_is_refused(chat_dir) -> None:
+    _set_normalizer(chat_dir, {"type": "Sequence", "decoders": [_replace("a", "a" * 1000)] * 3}, part="decoder")
+    with pytest.raises(ModelLoadError, match="tokenizer.json's decoder can multiply"):
+        load_hf_tokenizer(chat_dir)
+
+
+@pytest.mark.parametrize("normalizer", [
+    {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, _replace(" ", "▁")]},  # Llama 2's
+    {"type": "Sequence", "normalizers": [{"type": "NFKC"}, _replace(" {2,}", " ", kind="Regex")]},  # T5's kind
+    _replace("aaaa", "a" * (4 * MAX_TEXT_GROWTH)),
+])
+def test_real_normalizers_load_and_serve(chat_dir, normalizer) -> None:
+    _set_normalizer(chat_dir, normalizer)
+    assert load_hf_tokenizer(chat_dir) is not None
+
+    async def chat():
+        async with await AsyncEngine.load(str(chat_dir), **OPTIONS) as engine:
+            out = await engine.generate([{"role": "user", "content": "a hi"}], SamplingParams(max_tokens=8))
+            return out.outputs[0].finish_reason, engine.kv_stats().used_blocks
+
+    assert asyncio.run(chat()) == ("length", 0)
+
+
+@pytest.mark.parametrize("value", ["x", [512], {"n": 1}])
+def test_a_model_max_length_that_is_no_number_is_a_model_load_error(chat_dir, value) -> None:
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    config["model_max_length"] = value
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="its model_max_length is .*, not a number"):
+        load_hf_tokenizer(chat_dir)
+
+    async def load_and_chat():
+        async with await AsyncEngine.load(str(chat_dir), **OPTIONS) as engine:
+            await engine.generate([{"role": "user", "content": "hi"}])
+
+    with pytest.raises(ModelLoadError, match="model_max_length"):
+        asyncio.run(load_and_chat())
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000 + b"]" * 100_000, b"[1, 2]", b'"text"'])
+def test_a_safetensors_header_that_is_no_object_is_a_model_load_error(chat_dir, header) -> None:
+    header += b" " * (-len(header) % 8)
+    (chat_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    try:
+        AsyncEngine.plan_memory(str(chat_dir), **OPTIONS)  # planned from config.json alone, or refused by name
+    except AsyncInferError as exc:
+        assert isinstance(exc, ModelLoadError) and "model.safetensors" in str(exc)
+    with pytest.raises(ModelLoadError, match="cannot read weights from .*model.safetensors"):
+        AsyncEngine.from_pretrained(str(chat_dir), **OPTIONS)
