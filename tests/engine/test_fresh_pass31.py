@@ -14,6 +14,11 @@ a ModelLoadError naming the key now.
 A ``model.safetensors`` whose header is JSON nested deeper than Python's reader goes (or a JSON list) made
 ``plan_memory`` raise a bare ``RecursionError`` (``AttributeError``), from the look for a truncated file that follows
 the library's refusal; the library's own refusal, a ModelLoadError, stands now.
+
+A ``model`` argument that names no path was refused by ``plan_memory`` as an InvalidParameterError on ``model``,
+but ``from_pretrained``/``load`` formatted it first (an object whose ``__str__`` raises: that error, bare), and an
+``os.PathLike`` whose ``__fspath__`` returns a number or raises came out of every call (``add_model`` and
+``swap_model`` too) as a bare ``TypeError`` or the object's own error. Each is the InvalidParameterError now.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import struct
 import pytest
 
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.errors import AsyncInferError, ModelLoadError
+from asyncinfer.errors import AsyncInferError, InvalidParameterError, ModelLoadError
 from asyncinfer.models.checkpoint import MAX_TEXT_GROWTH, load_hf_tokenizer
 
 OPTIONS = {"max_model_len": 128, "dtype": "float32", "device": "cpu", "num_threads": 1,
@@ -125,3 +130,43 @@ def test_a_safetensors_header_that_is_no_object_is_a_model_load_error(chat_dir, 
         assert isinstance(exc, ModelLoadError) and "model.safetensors" in str(exc)
     with pytest.raises(ModelLoadError, match="cannot read weights from .*model.safetensors"):
         AsyncEngine.from_pretrained(str(chat_dir), **OPTIONS)
+
+
+class _RaisingStr:
+    """An object whose ``__str__`` (and ``repr``) raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str of a caller's object")
+
+    __repr__ = __str__
+
+
+class _PathOfNumber:
+    """An ``os.PathLike`` whose ``__fspath__`` returns a number (Python's own ``TypeError`` from ``os.fspath``)."""
+
+    def __fspath__(self):
+        return 5
+
+
+class _RaisingPath:
+    def __fspath__(self):
+        raise RuntimeError("fspath of a caller's object")
+
+
+@pytest.mark.parametrize("model", [_RaisingStr(), _PathOfNumber(), _RaisingPath()], ids=lambda m: type(m).__name__)
+def test_a_model_argument_that_names_no_path_is_refused_by_name_by_every_call(tiny_models, model) -> None:
+    with pytest.raises(InvalidParameterError) as plan:
+        AsyncEngine.plan_memory(model)
+    with pytest.raises(InvalidParameterError) as load:
+        AsyncEngine.from_pretrained(model, **OPTIONS)
+    assert plan.value.parameter == load.value.parameter == "model"
+
+    async def add_and_swap():
+        async with await AsyncEngine.load(str(tiny_models["llama"][0]), **OPTIONS) as engine:
+            for call in (engine.add_model("second", model, **OPTIONS), engine.swap_model(model, **OPTIONS)):
+                with pytest.raises(InvalidParameterError) as refused:
+                    await call
+                assert refused.value.parameter == "model"
+            return [info.name for info in engine.model_info()], engine.kv_stats().used_blocks
+
+    assert asyncio.run(add_and_swap()) == (["default"], 0)
