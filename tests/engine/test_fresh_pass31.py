@@ -19,6 +19,10 @@ A ``model`` argument that names no path was refused by ``plan_memory`` as an Inv
 but ``from_pretrained``/``load`` formatted it first (an object whose ``__str__`` raises: that error, bare), and an
 ``os.PathLike`` whose ``__fspath__`` returns a number or raises came out of every call (``add_model`` and
 ``swap_model`` too) as a bare ``TypeError`` or the object's own error. Each is the InvalidParameterError now.
+
+``engine.apply_chat_template(None)`` (or a number, an object, a generator) iterated what it was given: a bare
+``TypeError`` (or the generator's own error), where ``generate()`` and the docs' "a list of chat messages" name
+``prompt``. It is the InvalidParameterError on ``prompt`` now.
 """
 
 from __future__ import annotations
@@ -170,3 +174,21 @@ def test_a_model_argument_that_names_no_path_is_refused_by_name_by_every_call(ti
             return [info.name for info in engine.model_info()], engine.kv_stats().used_blocks
 
     assert asyncio.run(add_and_swap()) == (["default"], 0)
+
+
+def _messages_then_raise():
+    yield {"role": "user", "content": "hi"}
+    raise RuntimeError("a generator of the caller's")
+
+
+@pytest.mark.parametrize("messages", [None, 5, _RaisingStr(), _messages_then_raise(), {"role": "user"}.values()],
+                         ids=["None", "int", "object", "generator", "dict_values"])
+def test_apply_chat_template_refuses_what_is_no_list_of_messages_by_name(chat_dir, messages) -> None:
+    async def render():
+        async with await AsyncEngine.load(str(chat_dir), **OPTIONS) as engine:
+            with pytest.raises(InvalidParameterError) as refused:
+                engine.apply_chat_template(messages)
+            assert refused.value.parameter == "prompt"
+            return engine.apply_chat_template(({"role": "user", "content": "hi"},))  # a tuple is a list of messages
+
+    assert asyncio.run(render())
