@@ -264,7 +264,14 @@ class AsyncEngine:
         thread.start()
 
     async def aclose(self, *, abort: bool = False) -> None:
-        """Stop accepting requests, let in-flight ones finish (or abort them), stop the thread."""
+        """Stop accepting requests, let in-flight ones finish (or abort them), stop the thread.
+
+        Raises:
+            InvalidParameterError: ``abort`` that is no bool (the engine thread read it: an object whose
+                ``__bool__`` raised ended the step loop, every request failing with EngineDeadError).
+        """
+        if not isinstance(abort, bool):
+            raise InvalidParameterError("abort", abort, "True or False")
         if self._state in (EngineState.CREATED, EngineState.CLOSED):
             self._state = EngineState.CLOSED
             return

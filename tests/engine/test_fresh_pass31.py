@@ -23,6 +23,11 @@ but ``from_pretrained``/``load`` formatted it first (an object whose ``__str__``
 ``engine.apply_chat_template(None)`` (or a number, an object, a generator) iterated what it was given: a bare
 ``TypeError`` (or the generator's own error), where ``generate()`` and the docs' "a list of chat messages" name
 ``prompt``. It is the InvalidParameterError on ``prompt`` now.
+
+``engine.aclose(abort=...)`` handed its ``abort`` to the engine thread as it came: an object whose ``__bool__`` raises
+ended the step loop there (the engine dead, every request in flight failing with EngineDeadError), and ``"yes"`` or
+``1`` were taken for True, where ``swap_model`` and ``remove_model`` refuse an ``abort`` that is no bool. It is an
+InvalidParameterError on ``abort`` now, before anything changes.
 """
 
 from __future__ import annotations
@@ -192,3 +197,26 @@ def test_apply_chat_template_refuses_what_is_no_list_of_messages_by_name(chat_di
             return engine.apply_chat_template(({"role": "user", "content": "hi"},))  # a tuple is a list of messages
 
     assert asyncio.run(render())
+
+
+class _RaisingBool:
+    def __bool__(self) -> bool:
+        raise RuntimeError("bool of a caller's object")
+
+
+@pytest.mark.parametrize("abort", [_RaisingBool(), "yes", 1, None], ids=["raising-bool", "str", "int", "None"])
+def test_aclose_refuses_an_abort_that_is_no_bool_before_the_engine_thread_reads_it(chat_dir, abort) -> None:
+    async def close():
+        engine = await AsyncEngine.load(str(chat_dir), **OPTIONS)
+        await engine.start()
+        requests = [asyncio.create_task(engine.generate([5, 6], SamplingParams(max_tokens=40, ignore_eos=True)))
+                    for _ in range(3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidParameterError) as refused:
+            await engine.aclose(abort=abort)
+        assert refused.value.parameter == "abort"
+        done = await asyncio.gather(*requests)  # served on, to their end
+        await engine.aclose()
+        return [out.outputs[0].finish_reason for out in done], engine.state.name
+
+    assert asyncio.run(close()) == (["length"] * 3, "CLOSED")
