@@ -264,7 +264,14 @@ class AsyncEngine:
         thread.start()
 
     async def aclose(self, *, abort: bool = False) -> None:
-        """Stop accepting requests, let in-flight ones finish (or abort them), stop the thread."""
+        """Stop accepting requests, let in-flight ones finish (or abort them), stop the thread.
+
+        Raises:
+            InvalidParameterError: ``abort`` that is no bool (the engine thread read it: an object whose
+                ``__bool__`` raised ended the step loop, every request failing with EngineDeadError).
+        """
+        if not isinstance(abort, bool):
+            raise InvalidParameterError("abort", abort, "True or False")
         if self._state in (EngineState.CREATED, EngineState.CLOSED):
             self._state = EngineState.CLOSED
             return
@@ -411,6 +418,8 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", messages, "a list of chat messages ({'role': ..., 'content': ...}); "
                                         "tokenize() takes a text as it is")
         messages = plain_prompt(messages)
+        if not isinstance(messages, list):  # None, a number, a generator, another object: iterated, a bare error
+            raise InvalidParameterError("prompt", messages, "a list of chat messages ({'role': ..., 'content': ...})")
         check_prompt_chars(messages, version)
         return chat_token_ids(version, messages)
 

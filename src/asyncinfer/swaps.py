@@ -30,7 +30,7 @@ from asyncinfer.loading import (
     load,
 )
 from asyncinfer.memory import MemoryPlan, check_available_bytes
-from asyncinfer.model_source import resolve_model
+from asyncinfer.model_source import model_text, resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
 from asyncinfer.plain import plain_value
 
@@ -209,7 +209,7 @@ class ModelChanges:
             name = self.models.check_free(name)
             path = await anyio.to_thread.run_sync(resolve_model, model)
             options = {"device": self.device, **options}
-            label = f"loading {str(model)!r} as model {name!r}"
+            label = f"loading {model_text(model)!r} as model {name!r}"
             if await anyio.to_thread.run_sync(is_encoder_dir, path):
                 return await self._add_embedder(name, path, options, available, label)
             return await self._add_generator(name, path, options, available, label)

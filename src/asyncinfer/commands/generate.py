@@ -177,11 +177,16 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     where = f"{_source(args.file)} line {number}"
     try:
         item = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:  # nested deeper than Python's reader goes (a traceback-free "internal error" before)
+        raise CommandError(f"{where}: not JSON that can be read (arrays or objects nested too deeply)") from None
     except ValueError as exc:
         plain = not line.lstrip().startswith(("{", "[", '"'))  # a text file of prompts, one a line
         hint = (": each line is a JSON object such as {\"prompt\": \"Tell me a joke\"} (or a JSON string); plain "
                 "prompts go on the command line as --prompt TEXT") if plain else ""
-        raise CommandError(f"{where}: not JSON ({exc}){hint}") from None
+        said = str(exc)
+        if "integer string conversion" in said:  # Python's own advice (sys.set_int_max_str_digits) is not the user's
+            said = f"a number of more than {sys.get_int_max_str_digits()} digits"
+        raise CommandError(f"{where}: not JSON ({said}){hint}") from None
     if isinstance(item, str):
         item = {"prompt": item}
     if not isinstance(item, dict):

@@ -32,6 +32,9 @@ SAFETENSORS_MAX_HEADER = 100_000_000
 MAX_JSON_BYTES = 64 * 2**20
 #: The most bytes one of its tokenizer's files may hold (the largest real tokenizer.json are some tens of MiB).
 MAX_TOKENIZER_FILE_BYTES = 2**30
+#: The most a ``tokenizer.json``'s normalizer (or decoder) may multiply a text's characters by, bounded from its
+#: ``Replace`` and ``Prepend`` steps (:func:`_check_text_growth`); real tokenizers' bound is 2 at most.
+MAX_TEXT_GROWTH = 32
 
 
 def check_file(file: Path, limit: int) -> None:
@@ -176,7 +179,7 @@ def _past_the_end(file: Path) -> str | None:
         data = size - 8 - length
         spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items()
                        if name != "__metadata__" and isinstance(info, dict))
-    except (OSError, ValueError, TypeError, KeyError, IndexError):
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None
     for start, end, name in spans:
         if isinstance(start, int) and isinstance(end, int) and end > data:
@@ -197,12 +200,13 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
         if (path / name).exists() or (path / name).is_symlink():
             check_file(path / name, MAX_TOKENIZER_FILE_BYTES)
     _check_charsmaps(path / "tokenizer.json")
+    _check_text_growth(path / "tokenizer.json")
     from transformers import AutoTokenizer
 
     try:
         with native_panics_as(lambda exc: ModelLoadError(
                 f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
-            return AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -213,6 +217,66 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
             said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
                     f"files beside its config.json (transformers: {said})")
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
+    limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
+                             f"(tokenizer_config.json)")
+    return tokenizer
+
+
+def _check_text_growth(file: Path) -> None:
+    """Refuse a ``tokenizer.json`` whose normalizer or decoder can multiply a text's characters by more than
+    :data:`MAX_TEXT_GROWTH`, before the tokenizers library reads it. Its ``Replace`` steps put their ``content``
+    for each match of their pattern (a regular expression's match can be one character, or none: a bound of
+    ``len(content) + 1`` a character; a plain string's ``len(content) / len(pattern)``), ``Prepend`` its text
+    before each piece, and a ``Sequence`` multiplies its steps' growths: three steps that wrote 1,000 ``a`` for
+    each ``a`` made a chat's ``assistant`` a text of 10**9 characters, and the process aborted asking for 4 GiB
+    (every text of up to ``OFF_LOOP_CHARS`` characters is tokenized on the event loop, too).
+
+    Raises:
+        ModelLoadError: naming the file and the step.
+    """
+    if not file.is_file():
+        return
+    raw = file.read_bytes()
+    if b'"Replace"' not in raw and b'"Prepend"' not in raw:
+        return
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON: the library refuses it
+        return
+    if not isinstance(data, dict):
+        return
+    for part in ("normalizer", "decoder"):
+        growth, stack = 1, [data.get(part)]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, dict):
+                stack.extend(value.values())
+                step = _step_growth(value)
+                growth *= step
+                if growth > MAX_TEXT_GROWTH:
+                    raise ModelLoadError(
+                        f"cannot load the tokenizer in {file.parent}: {file.name}'s {part} can multiply a text's "
+                        f"characters by more than {MAX_TEXT_GROWTH} (its {value.get('type')} step alone by up to "
+                        f"{step}): every prompt would be tokenized at that size")
+
+
+def _step_growth(step: dict[str, Any]) -> int:
+    """The most one ``Replace`` or ``Prepend`` step of a tokenizer.json multiplies a text's characters by (1 for
+    any other step, and for values the library refuses anyway)."""
+    kind = step.get("type")
+    if kind == "Prepend" and isinstance(step.get("prepend"), str):
+        return 1 + len(step["prepend"])  # a piece of one character gains the whole prefix
+    content, pattern = step.get("content"), step.get("pattern")
+    if kind != "Replace" or not isinstance(content, str) or not isinstance(pattern, dict):
+        return 1
+    string = pattern.get("String")
+    if isinstance(string, str) and string:
+        return max(1, -(-len(content) // len(string)))
+    return 1 + len(content)  # a regular expression: a match of one character, or an empty one before each
 
 
 def _check_charsmaps(file: Path) -> None:
