@@ -41,7 +41,14 @@ from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaForCausalLM, GemmaRMSNorm
 from asyncinfer.models.layers import RMSNorm
 from asyncinfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncinfer.models.quant import BLOCK_FORMATS, BlockEmbedding, BlockLinear, MixedBlockLinear, mixed_parts
+from asyncinfer.models.quant import (
+    BLOCK_FORMATS,
+    BlockEmbedding,
+    BlockLinear,
+    FormatLinear,
+    MixedBlockLinear,
+    mixed_parts,
+)
 from asyncinfer.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -278,17 +285,18 @@ def _layer_norms_blocker(i: int, layer: nn.Module) -> str | None:
     return None
 
 
-def _not_in_blocks(model: nn.Module, name: str, proj: nn.Module, skip: tuple[str, ...] | None) -> str:
+def _not_in_blocks(model: LlamaForCausalLM | GemmaForCausalLM, name: str, proj: nn.Module,
+                   skip: tuple[str, ...] | None) -> str:
     """Why projection ``name`` of ``model`` is not in a block format: ``skip`` (the load's ``quantization_skip``;
     None where unknown) naming it, its file's format where no kernel takes it, or its input size."""
     if skip is not None and any(s and s in name for s in skip):
         return "quantization_skip names it"
-    stored = dict(getattr(model.config, "stored_formats", ())).get(name)
+    stored = dict(model.config.stored_formats).get(name)
     if stored is not None:
         parts = [part for part, _ in mixed_parts(stored)] or [stored]
         if any(part not in BLOCK_FORMATS for part in parts):
             return f"its file stores it as {'+'.join(parts)}, which no kernel takes"
-    in_features = getattr(proj, "in_features", 0)
+    in_features = proj.in_features if isinstance(proj, (nn.Linear, FormatLinear)) else 0
     if in_features and in_features % min(size for size, _ in kernels.BLOCK_FORMATS.values()):
         return f"its input size, {in_features}, is not a whole number of blocks"
     return "quantization_skip names it" if skip is not None else "quantization_skip"
