@@ -13,8 +13,7 @@ import threading
 
 import pytest
 
-from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
-from asyncinfer import catalog
+from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams, catalog
 
 OPTIONS = {"max_model_len": 2048, "num_threads": 1, "kv_cache_memory": 96 * 2**20}
 
