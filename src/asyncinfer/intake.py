@@ -155,6 +155,10 @@ class RequestIntake:
             request.grammar = grammar
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
+            if isinstance(exc, InvalidParameterError) and exc.parameter == "model" and exc.value is not None:
+                # The call found it loaded: remove_model came while its prompt was made off the loop, its grammar
+                # compiled or a drain-mode swap held its admission (the refusal read as if it had never been loaded).
+                raise InvalidParameterError("model", exc.value, "a loaded generator (it was removed meanwhile)") from None
             raise
         if self._observer is not None:
             self._observer.track(request, version.version_id)
