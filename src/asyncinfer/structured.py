@@ -76,25 +76,47 @@ def _load_json(text: str) -> object:
 
 
 def _canonical_json(schema: object) -> str:
-    """``schema`` as compact JSON (its keys in their order); refuses anything JSON cannot hold exactly."""
+    """``schema`` as compact JSON (its keys in their order); refuses anything JSON cannot hold exactly.
+
+    The walk counts the characters the JSON will have at least (each key and string with its quotes, a
+    container's brackets and commas, a number's first digit) and refuses a schema past ``MAX_SPEC_CHARS`` as soon
+    as it gets there: one over HTTP can fill a 4 MiB body, and ``json.dumps`` writing it whole only to measure it
+    held the GIL, and so the server's event loop and every other caller's stream, 0.3 s in one piece
+    (``tests/server/test_fresh_pass32.py``)."""
+    size = 0
+
+    def grow(chars: int) -> None:
+        nonlocal size
+        size += chars
+        if size > MAX_SPEC_CHARS:
+            raise InvalidParameterError(_NAME, f"<JSON schema of more than {MAX_SPEC_CHARS} characters>",
+                                        f"at most {MAX_SPEC_CHARS} characters")
 
     def check(value: object, depth: int) -> None:
         if depth > 64:
             raise InvalidParameterError(_NAME, "<a schema nested deeper than 64 levels>", "a JSON schema (a dict)")
         if isinstance(value, Mapping):
+            grow(1)  # "{", and a "," or "}" after each item below ("{}" for none: 2 >= 1)
             for key, item in value.items():
                 if not isinstance(key, str):
                     raise InvalidParameterError(_NAME, f"<a schema key {key!r}>",
                                                 "a JSON schema whose keys are strings")
+                grow(str.__len__(key) + 4)  # its quotes, ":" and what follows the item
                 check(item, depth + 1)
         elif isinstance(value, (list, tuple)):
+            grow(1)
             for item in value:
+                grow(1)
                 check(item, depth + 1)
+        elif isinstance(value, str):
+            grow(str.__len__(value) + 2)
         elif isinstance(value, float) and not math.isfinite(value):
             raise InvalidParameterError(_NAME, f"<a schema holding {value!r}>", "a JSON schema of finite numbers")
-        elif not (value is None or isinstance(value, (str, int, float, bool))):
+        elif not (value is None or isinstance(value, (int, float, bool))):
             raise InvalidParameterError(_NAME, f"<a schema holding a {type(value).__name__}>",
                                         "a JSON schema of dicts, lists, strings, numbers, booleans and None")
+        else:
+            grow(1)
 
     check(schema, 0)
     try:

@@ -115,6 +115,23 @@ def openai_router(engine: EngineRef, settings: ServerSettings | None = None) -> 
     return router
 
 
+class _Failed:
+    """What :func:`_outcome` hands back for a call that raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _outcome(work: Callable[[], _B]) -> _B | _Failed:
+    """``work()``, or what it raised as a :class:`_Failed` (in a worker thread)."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - raised again on the loop by the caller
+        return _Failed(exc)
+
+
 @dataclass(frozen=True)
 class _Call:
     """One HTTP call: its id (also the engine's request id), the raw request, who made it."""
@@ -390,7 +407,19 @@ class _OpenAI:
         thread: a long input, or a short one that comes after others in the same turn."""
         if self.loop_share.take(chars):
             return work()
-        return await anyio.to_thread.run_sync(work)
+        # the worker hands back its error as a value: raised through the thread's future, the error's traceback held
+        # the frame awaiting that future, which holds the future, which holds the error, a cycle only a full garbage
+        # collection frees, and with it all the error's frames held (a refused 4 MiB body: 50 MB each, kept until
+        # then; tests/server/test_fresh_pass32.py)
+        outcome = await anyio.to_thread.run_sync(_outcome, work)
+        if isinstance(outcome, _Failed):
+            error = outcome.error
+            del outcome
+            try:
+                raise error
+            finally:
+                del error
+        return outcome
 
     # ------------------------------------------------------------------ models
     def _served(self) -> dict[str, ModelVersionInfo]:
