@@ -34,8 +34,8 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     Computed in gate_up's gate half, which it overwrites (the MLP's own product, read once), and returned
     as a view of it (rows ``2 * I`` apart): the same values as ``F.silu(gate) * up``, without two new
     [T, I] tensors. On a CPU each new tensor of a long prefill chunk is fresh pages from the kernel
-    (a 1B model's 1,024-token chunk: 32 MiB each), and their page faults cost more than the arithmetic:
-    about 40 ms a layer, against 8 ms in place (one thread).
+    (a 1B model's 1,024-token chunk: 32 MiB each), whose page faults cost more than the arithmetic
+    (docs/formats.md, "A long prefill chunk's fresh memory").
     """
     gate, up = gate_up.split(intermediate_size, dim=-1)  # [T, I] each, views
     return F.silu(gate, inplace=True).mul_(up)  # [T, I], a view of gate_up
@@ -317,8 +317,8 @@ EAGER_OPS = ElementwiseOps()
 
 #: On a CPU, the most bytes of gate_up product an MLP makes at once: a step of more rows (a long prefill chunk) runs
 #: its MLP on slices of rows. A larger product is served by the C library as fresh pages from the kernel at every
-#: layer (glibc maps blocks of 32 MiB and more anew each time), and their page faults cost more than the memory
-#: holds: at a 1B model's 1,024-token chunk, 64 MiB a layer, ~270,000 faults and 0.6 s a chunk (one thread).
+#: layer (glibc maps blocks of 32 MiB and more anew each time), whose page faults cost more than the arithmetic
+#: (a 1B model's 1,024-token chunk: 64 MiB a layer; docs/formats.md, "A long prefill chunk's fresh memory").
 MLP_SLICE_BYTES = 16 * 2**20
 #: The fewest rows of a slice (beyond PANEL_MIN_ROWS = 9, so that a slice takes the same kernels as the whole).
 MLP_SLICE_MIN_ROWS = 64
