@@ -38,6 +38,8 @@ CASES = {
                                                         "max_tokens": 4}, 400),
     "a streamed prompt past max_model_len": ("/v1/completions", {"model": "tiny2", "prompt": [LONG[:3000]] * 64,
                                                                  "max_tokens": 4, "stream": True}, 400),
+    "a streamed long text past max_model_len (refused at its first delta)": ("/v1/completions", {
+        "model": "tiny2", "prompt": LONG[:6000], "max_tokens": 4, "stream": True}, 400),
     "max_tokens past the room left": ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": LONG[:1500]}], "max_tokens": 500}, 400),
 }
