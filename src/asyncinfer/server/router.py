@@ -377,19 +377,22 @@ class _OpenAI:
                                 "supported (send it as plain JSON).", code="unsupported_content_encoding")
         _check_transfer_coding(request.headers.getlist("transfer-encoding"))
         limit = self.settings.max_body_bytes
-        too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
-                             code="request_too_large")
+        # made as raised, never a local: a local error's traceback holds the frame that holds it (and the chunks read
+        # so far, up to the limit), a cycle only a full garbage collection frees (tests/server/test_fresh_pass33.py)
+        def too_large() -> APIError:
+            return APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                            code="request_too_large")
         # its ASCII digits, leading zeros dropped: the HTTP parser takes "000...02" (4,301 digits, past what int()
         # reads: a ValueError, answered 500) as 2
         declared = request.headers.get("content-length", "").lstrip("0")
         if declared.isascii() and declared.isdigit() and (len(declared) > len(str(limit)) or int(declared) > limit):
-            raise too_large
+            raise too_large()
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise too_large
+                    raise too_large()
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone from None
@@ -455,7 +458,11 @@ class _OpenAI:
                 article, noun, how = _NO_MODEL_OF[kind]
                 raise APIError(404, f"{absent.message} None of them is {article} {noun}: {how}", param="model",
                                code="model_not_found")
-            raise absent
+            try:  # held by no local as raised: its traceback holds this frame (and the frames of the call above, its
+                # body), a cycle only a full garbage collection frees (tests/server/test_fresh_pass33.py)
+                raise absent
+            finally:
+                del absent
         if info.kind != kind:
             use = "/v1/embeddings" if info.kind == "embed" else "/v1/chat/completions or /v1/completions"
             raise APIError(400, f"The model `{requested}` does not support this endpoint: use {use}.", param="model")

@@ -41,7 +41,11 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
         for task in (work, watch):
             task.cancel()
     if work.done() and not work.cancelled():
-        return work.result()
+        try:
+            return work.result()
+        finally:  # its error, raised here, holds this frame in its traceback: a frame holding the task that holds
+            # the error is a cycle, and the call's frames above (its body) with it, until a full garbage collection
+            del work, watch
     await asyncio.gather(work, return_exceptions=True)  # its abort is posted before we answer
     raise ClientGone
 
@@ -54,6 +58,7 @@ async def gather_all(awaitables: Sequence[Awaitable[T]]) -> list[T]:
     finally:
         for task in tasks:
             task.cancel()
+        del tasks  # as in unless_disconnected: a failed task's error, raised here, would hold this frame holding it
 
 
 _END = object()
@@ -106,7 +111,10 @@ class MergedStreams:
         while len(started) < len(self._tasks):
             index, item = await self._get()
             if isinstance(item, Exception):
-                raise item
+                try:  # held by no local as raised (a cycle through this frame, as unless_disconnected's)
+                    raise item
+                finally:
+                    del item
             started.add(index)
             self._early.append((index, item))
 
@@ -121,7 +129,10 @@ class MergedStreams:
         while open_streams:
             index, item = await self._get()
             if isinstance(item, Exception):
-                raise item
+                try:  # as in prime
+                    raise item
+                finally:
+                    del item
             if item is _END:
                 open_streams -= 1
             else:
