@@ -36,3 +36,11 @@ def test_lab_synthetic_trace_stays_within_max_model_len(tmp_path: Path, capsys) 
     assert lab.synthetic_trace(200, seed=0) == lab.synthetic_trace(200, seed=0, max_prompt_len=4095)
     with pytest.raises(InvalidParameterError, match="max_prompt_len"):
         lab.synthetic_trace(3, max_prompt_len=0)
+
+
+def test_bench_profile_steps_without_profile_is_refused(capsys) -> None:
+    """``asyncinfer bench --profile-steps 5`` ran the whole benchmark and profiled nothing, saying nothing: the
+    flag is read only with --profile DIR (as lab's --model only with --calibrate)."""
+    assert cli.main(["bench", "--threads", "1", "--profile-steps", "5"]) == 2
+    assert _error_line(capsys) == ("asyncinfer: error: --profile-steps is used only with --profile DIR (where the "
+                                   "profile is written)")
