@@ -44,3 +44,13 @@ def test_bench_profile_steps_without_profile_is_refused(capsys) -> None:
     assert cli.main(["bench", "--threads", "1", "--profile-steps", "5"]) == 2
     assert _error_line(capsys) == ("asyncinfer: error: --profile-steps is used only with --profile DIR (where the "
                                    "profile is written)")
+
+
+def test_info_names_the_flags_a_sentence_encoder_takes(minilm_dir: Path, capsys) -> None:
+    """``asyncinfer info --model all-MiniLM-L6-v2 --max-model-len 100`` answered with the library's option names,
+    ``allowed an embedding-model option: ['device', ..., 'max_seq_len', ...]; did you mean max_seq_len?``: no
+    command has a --max-seq-len flag, so the advice could not be followed."""
+    assert cli.main(["info", "--threads", "1", "--model", str(minilm_dir), "--max-model-len", "100"]) == 2
+    assert _error_line(capsys) == (
+        "asyncinfer: error: --max-model-len 100 is invalid: allowed a flag a sentence encoder takes (--dtype, "
+        "--device, --threads); --max-model-len is a text generator's")
