@@ -275,8 +275,13 @@ def _lab(args: argparse.Namespace) -> int:
             raise CommandError(f"--trace {args.trace}: {exc.strerror or exc}") from None
         source = args.trace
     else:
-        trace = lab.synthetic_trace(args.synthetic, rate=args.rate, seed=args.seed,
-                                    long_fraction=args.long_fraction, priorities=args.priorities)
+        if args.max_model_len < 2:  # a prompt of one token and one output token
+            raise CommandError(f"--max-model-len {args.max_model_len} is invalid: allowed an integer >= 2 (a "
+                               "synthetic request's prompt and output)")
+        # prompts within --max-model-len (the replay refuses longer ones): `lab --max-model-len 1024` drew long
+        # prompts up to 2048 tokens and was refused as "--trace 'r15' is invalid" with no --trace given
+        trace = lab.synthetic_trace(args.synthetic, rate=args.rate, seed=args.seed, long_fraction=args.long_fraction,
+                                    priorities=args.priorities, max_prompt_len=args.max_model_len - 1)
         source = f"synthetic: {args.synthetic} requests, {args.rate}/s, seed {args.seed}"
     if args.save_trace:
         lab.save_trace(trace, args.save_trace)
@@ -390,7 +395,8 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
                      help="generate N requests (default: 200)")
     p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
     p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed (default: 0)")
-    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048) (default: 0.2)")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048 tokens; synthetic prompts stay "
+                        "below --max-model-len) (default: 0.2)")
     p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels (default: 0,2,4)")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL (default: none)")
     p.add_argument("--schedulers", metavar="NAMES", default=None,

@@ -42,6 +42,18 @@ def _count(count_tokens: Callable[[list[Message]], int], messages: list[Message]
     return count
 
 
+def _fits(count_tokens: Callable[[list[Message]], int], messages: list[Message], budget: int) -> bool:
+    """Whether ``messages`` take at most ``budget`` tokens; a list that ``engine.count_tokens`` refuses by its size
+    alone (more characters or messages than any prompt may have) does not fit: old turns of a history kept
+    whole, a pasted log of a megabyte say, made trim_messages raise instead of dropping them."""
+    try:
+        return _count(count_tokens, messages) <= budget
+    except InvalidParameterError as exc:
+        if getattr(exc, "too_long", False):  # prompts.too_long
+            return False
+        raise
+
+
 def trim_messages(
     messages: Sequence[Message], budget: int, count_tokens: Callable[[list[Message]], int]
 ) -> list[Message]:
@@ -51,7 +63,8 @@ def trim_messages(
     ``count_tokens``: how many tokens a message list renders to, usually
     ``engine.count_tokens`` (the chat template applied, the generation prompt
     included). It is called O(log turns) times (a binary search), so a long
-    history costs a few renderings, not one per turn. ``messages`` is not changed; a sequence other than a list
+    history costs a few renderings, not one per turn; a list it refuses by its size alone (``engine.count_tokens``
+    on more characters or messages than any prompt may have) is over the budget. ``messages`` is not changed; a sequence other than a list
     or tuple is read for at most ``prompts.MAX_SEQUENCE_ITEMS`` items, as the engine's calls read a prompt.
 
     Raises:
@@ -92,7 +105,7 @@ def trim_messages(
         )
     while lo < hi:
         mid = (lo + hi) // 2
-        if _count(count_tokens, system + rest[starts[mid]:]) <= budget:
+        if _fits(count_tokens, system + rest[starts[mid]:], budget):
             hi = mid
         else:
             lo = mid + 1

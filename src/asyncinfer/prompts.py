@@ -249,10 +249,19 @@ def texts_cost(texts: Sequence[str]) -> int:
     return sum(map(len, texts)) + ITEM_COST_CHARS * len(texts)
 
 
+def too_long(value: str, allowed: str) -> InvalidParameterError:
+    """The refusal of a prompt by its size alone (:func:`check_chat_size`, :func:`check_prompt_chars`), before any
+    token is counted, marked ``too_long``: :func:`asyncinfer.history.trim_messages` reads it from
+    ``count_tokens`` as over any budget."""
+    exc = InvalidParameterError("prompt", value, allowed)
+    exc.too_long = True  # type: ignore[attr-defined]
+    return exc
+
+
 def check_chat_size(prompt: Any) -> None:
     """Refuse a chat of more than :data:`MAX_CHAT_MESSAGES` messages before looking at any of them."""
     if is_chat(prompt) and len(prompt) > MAX_CHAT_MESSAGES:
-        raise InvalidParameterError("prompt", f"<{len(prompt)} chat messages>", f"at most {MAX_CHAT_MESSAGES} chat messages")
+        raise too_long(f"<{len(prompt)} chat messages>", f"at most {MAX_CHAT_MESSAGES} chat messages")
 
 
 def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
@@ -266,15 +275,15 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
     check_chat_size(prompt)
     if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and not is_chat(prompt):
         if len(prompt) >= version.max_model_len:
-            raise InvalidParameterError(
-                "prompt", f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens"
+            raise too_long(
+                f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens"
             )
         return
     chars = prompt_chars(prompt)
     limit = version.max_model_len * version.max_token_chars
     if chars > limit:
-        raise InvalidParameterError(
-            "prompt", f"<{chars} characters>",
+        raise too_long(
+            f"<{chars} characters>",
             f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
         )
 

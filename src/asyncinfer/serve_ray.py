@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -151,6 +152,11 @@ def _check_build_args(args: Mapping[str, Any]) -> None:
         if key not in BUILD_ARGS:
             raise InvalidParameterError(key, value, f"an argument of asyncinfer.serve_ray:build: {list(BUILD_ARGS)} "
                                         "(engine options go in options, a mapping)")
+    for key in ("model", "name", "embedding_model"):  # `embedding_model: 5` in YAML raised a bare AttributeError
+        value = args.get(key)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise InvalidParameterError(key, value, "the name the model is served as (text)" if key == "name"
+                                        else "a model path or a known name (text)")
     for key in ("options", "autoscaling_config", "ray_actor_options"):
         value = args.get(key)
         if value is not None and not isinstance(value, Mapping):

@@ -27,6 +27,9 @@ from asyncinfer.errors import InvalidParameterError
 from asyncinfer.metrics.profile import MAX_PROFILE_STEPS
 from asyncinfer.sampling_params import SamplingParams
 
+#: Steps --profile profiles unless --profile-steps says.
+PROFILE_STEPS = 20
+
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", metavar="N", type=int, default=16, help="requests per concurrency level (default: 16)")
@@ -42,7 +45,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the table, profile --profile-steps engine steps at the highest concurrency with "
                         "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt (default: none: no profile)")
-    p.add_argument("--profile-steps", metavar="N", type=int, default=20, help="steps to profile with --profile (default: 20)")
+    p.add_argument("--profile-steps", metavar="N", type=int, default=None,
+                   help=f"steps to profile with --profile (default: {PROFILE_STEPS})")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,12 @@ class Row:
 
 def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     levels = _levels(args.concurrency)
+    if args.profile_steps is not None and args.profile is None:  # it was ignored: no profile, and nothing said
+        from asyncinfer.commands import CommandError
+
+        raise CommandError("--profile-steps is used only with --profile DIR (where the profile is written)")
+    if args.profile_steps is None:
+        args.profile_steps = PROFILE_STEPS
     for name in ("num_requests", "input_len", "output_len", "profile_steps"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")

@@ -242,6 +242,13 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
         allowed = re.sub(r"^keywords \w+ accepts", f"keywords scheduler {scheduler} takes", exc.allowed)
         return f"{flag.flag} {shown} is invalid: allowed {allowed}"
     shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
+    if exc.allowed.startswith("an embedding-model option"):  # a generator's flag given for a sentence encoder
+        # the library's list of option names, "did you mean max_seq_len?" included, named no flag this command has
+        from asyncinfer.embedding import EmbeddingConfig
+
+        takes = [BY_FIELD[f.name].flag for f in dataclasses.fields(EmbeddingConfig) if f.name in BY_FIELD]
+        return (f"{flag.flag} {shown} is invalid: allowed a flag a sentence encoder takes ({', '.join(takes)}); "
+                f"{flag.flag} is a text generator's")
     allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
     return f"{flag.flag} {shown} is invalid: allowed {allowed}"
 

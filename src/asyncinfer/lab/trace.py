@@ -107,12 +107,15 @@ def synthetic_trace(
     long_fraction: float = 0.2,
     output: tuple[int, int] = (8, 256),
     priorities: Sequence[int] = (0, 2, 4),
+    max_prompt_len: int | None = None,
 ) -> list[TraceRequest]:
     """A mixed-length trace: Poisson arrivals at ``rate`` requests/s.
 
     Prompts are log-uniform in ``short_prompt``, or in ``long_prompt`` with
     probability ``long_fraction``; output lengths log-uniform in ``output``;
     priorities drawn uniformly from ``priorities``. Same seed, same trace.
+    ``max_prompt_len`` caps both prompt ranges (the replay refuses a prompt of
+    ``max_model_len`` tokens or more: pass ``max_model_len - 1``).
     """
     if num_requests < 1:
         raise InvalidParameterError("num_requests", num_requests, "an integer >= 1")
@@ -125,6 +128,11 @@ def synthetic_trace(
             raise InvalidParameterError(name, (lo, hi), "a range (lo, hi) with 1 <= lo <= hi")
     if not priorities:
         raise InvalidParameterError("priorities", priorities, "at least one priority level")
+    if max_prompt_len is not None:
+        if not (isinstance(max_prompt_len, int) and max_prompt_len >= 1):
+            raise InvalidParameterError("max_prompt_len", max_prompt_len, "an integer >= 1")
+        short_prompt = (min(short_prompt[0], max_prompt_len), min(short_prompt[1], max_prompt_len))
+        long_prompt = (min(long_prompt[0], max_prompt_len), min(long_prompt[1], max_prompt_len))
     rng = random.Random(seed)
     t = 0.0
     out = []
