@@ -56,6 +56,15 @@ class InvalidParameterError(AsyncInferError, ValueError):
         super().__init__(message or f"{parameter}={_short_repr(value)} is invalid: allowed {allowed}")
 
 
+class PromptTooLongError(InvalidParameterError):
+    """A prompt refused by its size alone (more characters, token ids or chat messages than any prompt of the model
+    may have), before any token is counted; an :class:`InvalidParameterError` on ``prompt``.
+    :func:`asyncinfer.trim_messages` reads it from ``count_tokens`` as over any budget."""
+
+    def __init__(self, value: object, allowed: str) -> None:
+        super().__init__("prompt", value, allowed)
+
+
 def _bounded_repr() -> reprlib.Repr:
     shown = reprlib.Repr()
     shown.maxlevel = 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, PromptTooLongError
 from asyncinfer.plain import plain_value
 from asyncinfer.prompts import plain_list
 
@@ -48,10 +48,8 @@ def _fits(count_tokens: Callable[[list[Message]], int], messages: list[Message],
     whole, a pasted log of a megabyte say, made trim_messages raise instead of dropping them."""
     try:
         return _count(count_tokens, messages) <= budget
-    except InvalidParameterError as exc:
-        if getattr(exc, "too_long", False):  # prompts.too_long
-            return False
-        raise
+    except PromptTooLongError:
+        return False
 
 
 def trim_messages(

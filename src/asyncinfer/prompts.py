@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.errors import InvalidParameterError, native_panics_as
+from asyncinfer.errors import InvalidParameterError, PromptTooLongError, native_panics_as
 from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
@@ -249,13 +249,10 @@ def texts_cost(texts: Sequence[str]) -> int:
     return sum(map(len, texts)) + ITEM_COST_CHARS * len(texts)
 
 
-def too_long(value: str, allowed: str) -> InvalidParameterError:
+def too_long(value: str, allowed: str) -> PromptTooLongError:
     """The refusal of a prompt by its size alone (:func:`check_chat_size`, :func:`check_prompt_chars`), before any
-    token is counted, marked ``too_long``: :func:`asyncinfer.history.trim_messages` reads it from
-    ``count_tokens`` as over any budget."""
-    exc = InvalidParameterError("prompt", value, allowed)
-    exc.too_long = True  # type: ignore[attr-defined]
-    return exc
+    token is counted: :func:`asyncinfer.history.trim_messages` reads it from ``count_tokens`` as over any budget."""
+    return PromptTooLongError(value, allowed)
 
 
 def check_chat_size(prompt: Any) -> None:
