@@ -100,3 +100,85 @@ def test_a_head_too_long_on_a_new_connection_is_refused_at_once(loop: asyncio.Ab
     guard, transport, inner = guarded(loop)
     guard.data_received(b"GET /health HTTP/1.1\r\n" + b"X-Pad: " + b"a" * (MAX_HEADER_BYTES + 10))
     assert b" 431 " in transport.written and inner.received == 0
+
+
+def test_a_refused_body_whose_rest_and_next_request_came_in_before_its_app_returned_is_not_a_431(
+        loop: asyncio.AbstractEventLoop) -> None:
+    """A body past the limit is answered 413 before it is all read; the client sent its rest, read the 413 and sent
+    its next request (head and a large body) before the refused request's app returned: the bytes past the declared
+    body are that request, not the rest of a skipped body nor a head begun afresh (found as a 431 for the second of
+    two bodies past the limit sent one after the other on one kept-alive connection)."""
+    guard, transport, inner = guarded(loop)
+    first = b"{" * (ServerSettings().max_body_bytes + 100_000)
+    guard.data_received(HEAD % len(first) + first[:1000])
+    guard.request_started()
+    guard.data_received(first[1000:])  # all of it, while the app answers 413 without reading it
+    second = b"[" * 3_000_000
+    guard.data_received(HEAD % len(second) + second[:1000])  # the next request, queued by the server
+    guard.request_finished(True, len(first))  # the refused request's app returns, its body unread
+    guard.data_received(second[1000:])  # the second's body, before its app's first step
+    guard.request_started()  # ... which comes now
+    loop.run_until_complete(asyncio.sleep(0))
+    assert transport.written == b"" and not transport.closed
+    guard.request_finished()
+    assert inner.received == 2 * len(HEAD % 0) + len(str(len(first))) + len(str(len(second))) - 2 + len(first) + len(second)
+
+
+def test_a_head_too_long_after_a_refused_body_is_still_a_431(loop: asyncio.AbstractEventLoop) -> None:
+    guard, transport, _ = guarded(loop)
+    first = b"{" * 1000
+    guard.data_received(HEAD % len(first) + first)
+    guard.request_started()
+    guard.request_finished(True, len(first))  # answered before its body was read; all of it is in
+    guard.data_received(b"GET /health HTTP/1.1\r\n" + b"X-Pad: " + b"a" * (MAX_HEADER_BYTES + 10))  # no end
+    loop.run_until_complete(asyncio.sleep(0))  # no request started: it was a head
+    assert b" 431 " in transport.written and b"headers_too_large" in transport.written
+
+
+def test_a_request_started_before_the_refused_one_before_it_returned_counts_its_own_body_only(
+        loop: asyncio.AbstractEventLoop) -> None:
+    """The same two bodies, the server starting the second request's app (queued behind the first) before the first's
+    app has returned: the second's body is counted from its start, not on top of the first's."""
+    guard, transport, inner = guarded(loop)
+    limit = ServerSettings().max_body_bytes
+    first = b"{" * (limit + 100_000)
+    guard.data_received(HEAD % len(first) + first[:1000])
+    guard.request_started()
+    guard.data_received(first[1000:])
+    second = b"[" * (limit + 100_000)
+    guard.data_received(HEAD % len(second) + second[:1000])
+    guard.request_started()  # the second's app starts ...
+    guard.request_finished(True, len(first))  # ... before the first's returns
+    for at in range(1000, len(second), 65536):
+        guard.data_received(second[at:at + 65536])
+    loop.run_until_complete(asyncio.sleep(0))
+    assert transport.written == b"" and not transport.closed
+    guard.request_finished(True, len(second))  # (answered 413 by its app)
+    assert inner.received == 2 * len(HEAD % len(first)) + len(first) + len(second)
+
+
+def test_three_bodies_past_the_limit_whose_requests_overlap_their_predecessors_are_each_answered_by_the_app(
+        loop: asyncio.AbstractEventLoop) -> None:
+    """The second request's head and first bytes came in before the first's app returned (so this count gave them to
+    the first), then the second was answered before its body was read: the rest the guard skips for it is longer than
+    what is left of it, and runs into the third request's head; the third's body, counted as a head, is refused only
+    if the server starts no request (it parsed the third's head in the same read, and starts it a turn later)."""
+    guard, transport, inner = guarded(loop)
+    limit = ServerSettings().max_body_bytes
+    body = b"{" * (limit + 100_000)
+    head = HEAD % len(body)
+    guard.data_received(head + body[:1000])
+    guard.request_started()
+    guard.data_received(body[1000:] + head + body[:200_000])  # the first's rest, the second's head and start
+    guard.request_finished(True, len(body))  # the first's app returns: all of its body is in
+    guard.request_started()  # the second's app starts
+    guard.data_received(body[200_000:limit + 1000])
+    guard.request_finished(True, len(body))  # answered 413
+    guard.data_received(body[limit + 1000:] + head + body[:300_000])  # its rest, the third's head and start
+    loop.call_soon(guard.request_started)  # the task the server created as it parsed the third's head
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.run_until_complete(asyncio.sleep(0))
+    guard.data_received(body[300_000:])
+    assert transport.written == b"" and not transport.closed
+    guard.request_finished(True, len(body))
+    assert inner.received == 3 * (len(head) + len(body))

@@ -76,11 +76,9 @@ def test_a_refused_body_is_freed_with_its_answer(live, case: str) -> None:
     its error is answered, for each tenant."""
     path, body, status = CASES[case]
     raw = json.dumps(body).encode()
-    # a connection of its own for each body past the limit: the unread rests of two such bodies, one after the other
-    # on one kept-alive connection, count together against the connection guard's bound (2 x max_body_bytes + 64 KiB)
-    # and the second is answered 431 (left as found: a smaller retry there is served, tests/server/test_fresh_pass8.py)
-    limits = httpx.Limits(max_keepalive_connections=0) if status == 413 else httpx.Limits()
-    with httpx.Client(base_url=live.url, timeout=60, limits=limits) as http:
+    # one kept-alive connection for all: each body past the limit is answered 413, the one after the other too
+    # (tests/server/test_connection_guard.py has the orders in which they reach the connection guard)
+    with httpx.Client(base_url=live.url, timeout=60) as http:
         def send(headers: dict[str, str]) -> None:
             response = http.post(path, content=raw, headers={**headers, "Content-Type": "application/json"})
             assert response.status_code == status, response.text[:300]

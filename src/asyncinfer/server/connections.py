@@ -89,9 +89,10 @@ class ConnectionGuard(asyncio.Protocol):
         self._head_bytes: int | None = 0  # bytes of the request head being received (None: its end was seen)
         self._head_tail = b""  # the last bytes seen of it, to find an end split across reads
         self._after_head = 0  # bytes since the head's end while its request is in flight (body, pipelined requests)
-        # The head being counted began when the previous request finished: the server may already have parsed it
-        # (a request pipelined behind that one, whose app starts a moment later), so the bytes counted may be its
-        # body. A head found too long then is refused only if no request has started by the loop's next turn.
+        # The head being counted began when the previous request finished (or the rest of its body): the server may
+        # already have parsed it (a request pipelined behind that one, whose app starts a moment later), so the bytes
+        # counted may be its body. A head found too long then is refused only if no request has started two turns of
+        # the loop later.
         self._head_after_finish = False
         self._confirming = False  # that check is scheduled
         self._starts = 0  # requests started on this connection
@@ -180,6 +181,8 @@ class ConnectionGuard(asyncio.Protocol):
         if self._head_bytes is not None or self._skip != 0:  # the server parsed a head whose end this count had not
             # seen (see above; or counted as the rest of a skipped body): its own bytes are counted from here
             self._head_bytes, self._head_tail, self._after_head, self._skip = None, b"", 0, 0
+        elif self._in_flight > 1:  # the server started it, queued behind a request whose app has not returned yet
+            self._after_head = 0  # (whose body, read or skipped, was all before this one's head): counted from here
         self._head_after_finish = False
 
     def request_finished(self, body_pending: bool = False, body_length: int | None = None) -> None:
@@ -189,17 +192,25 @@ class ConnectionGuard(asyncio.Protocol):
         chunked body: until the next request starts)."""
         self._in_flight -= 1
         if self._in_flight == 0:
+            # What follows may not be where this count puts it: the server may have parsed the next request's head
+            # already (its body is what comes now), or this request's body may have begun before its app started
+            # (bytes this count gave the one before): a head found too long from here waits for the next turns.
+            self._head_after_finish = True
             if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
-                self._head_after_finish = False
                 self._skip = None if body_length is None else max(0, body_length - self._after_head)
-                if self._skip == 0:  # (all in meanwhile: what follows is a head)
+                if self._skip == 0:  # (all in meanwhile)
                     self._head_bytes, self._head_tail, self._after_head = 0, b"", 0
             else:
                 self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
-                self._head_after_finish = True
             self._arm()
 
-    def _confirm_head_too_long(self, starts: int) -> None:
+    def _confirm_head_too_long(self, starts: int, turns: int = 2) -> None:
+        """Refuse the head found too long unless a request has started since: ``turns`` turns of the loop later
+        (the server creates a request's task as it parses its head, in the same ``data_received`` that found the
+        head too long: the task's first step comes one turn after this check was scheduled)."""
+        if turns > 1:
+            self._loop.call_soon(self._confirm_head_too_long, starts, turns - 1)
+            return
         self._confirming = False
         if self._starts == starts and not self._refused:  # no request started: it was a head, and too long
             self._refuse(_head_error())
