@@ -386,3 +386,25 @@ async def test_the_engine_stamps_the_first_schedule_and_the_queue_time_is_read_f
         assert m.queue_time.count == 1 and m.queue_time.sum == request.scheduled_time - request.arrival_time
     else:
         assert m.queue_time.count == 0
+
+
+async def test_the_waiting_gauge_counts_requests_and_may_read_above_max_waiting_requests(tiny_models) -> None:
+    """docs/monitoring/README.md: the running and waiting gauges count requests (one of n samples takes n of the
+    max_num_seqs places), while admission bounds the requests in flight to max_num_seqs + max_waiting_requests: the
+    waiting gauge reads above max_waiting_requests when fewer than max_num_seqs requests can run."""
+    path = tiny_models["llama"][0]
+    engine = AsyncEngine.from_pretrained(path, **OPTIONS, max_num_seqs=2, max_waiting_requests=1)
+    async with engine:
+        params = SamplingParams(max_tokens=200, n=2, temperature=1.0, seed=1, ignore_eos=True)
+        tasks = [asyncio.ensure_future(engine.generate(ids(4, start=5 + i), params)) for i in range(3)]
+        while engine.num_unfinished_requests < 3:
+            await asyncio.sleep(0.001)
+        with pytest.raises(EngineOverloadedError):
+            await engine.generate(ids(4), SamplingParams(max_tokens=2))
+        model = engine.metrics.snapshot().models["default"]
+        while model.running == 0:  # (the engine's first step)
+            await asyncio.sleep(0.001)
+            model = engine.metrics.snapshot().models["default"]
+        assert (model.running, model.waiting) == (1, 2)  # two samples fill max_num_seqs=2; 2 > max_waiting_requests
+        assert engine.metrics.snapshot().requests_in_flight == 3
+        await asyncio.gather(*tasks)
