@@ -307,6 +307,7 @@ def check_request_id(request_id: Any) -> str:
     if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
         shown = request_id if not isinstance(request_id, str) or len(request_id) <= 64 else f"<{len(request_id)} chars>"
         raise InvalidParameterError("request_id", shown, f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters")
+    check_unicode("request_id", request_id)  # (written into logs and answers as UTF-8)
     return request_id
 
 
