@@ -23,3 +23,18 @@ def test_a_huge_value_is_shown_elided_and_kept_whole(value: object) -> None:
     assert time.process_time() - start < 0.5  # the whole repr would be 100 MB for the list
     assert len(str(err)) < 10_000 and "..." in str(err)
     assert err.value is value and err.parameter == "prompt"
+
+
+def test_an_unknown_option_is_typed_with_the_options_it_was_meant_for() -> None:
+    """engine_flags tells a generator's flag given for a sentence encoder by the error's type and its ``options``
+    (it read the prefix of the error's ``allowed`` text)."""
+    from asyncinfer.config import EngineConfig, UnknownOptionError
+    from asyncinfer.embedding import EmbeddingConfig
+
+    with pytest.raises(UnknownOptionError) as caught:
+        EmbeddingConfig.from_options({"max_model_len": 64})
+    assert caught.value.options is EmbeddingConfig and caught.value.parameter == "max_model_len"
+    assert isinstance(caught.value, InvalidParameterError)
+    with pytest.raises(UnknownOptionError) as caught:
+        EngineConfig.from_options({"n_ctx": 64})
+    assert caught.value.options is EngineConfig and "max_model_len" in str(caught.value)

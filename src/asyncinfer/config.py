@@ -372,13 +372,22 @@ def _check_metrics_options(config: EngineConfig) -> None:
         raise InvalidParameterError("log_request_text_rate", rate, "a fraction in [0, 1]")
 
 
+class UnknownOptionError(InvalidParameterError):
+    """A keyword that the options dataclass ``options`` (:class:`EngineConfig`, an embedding model's config) has no
+    field for: an :class:`InvalidParameterError` naming it, which says which options were meant."""
+
+    def __init__(self, parameter: str, value: object, allowed: str, options: type) -> None:
+        super().__init__(parameter, value, allowed)
+        self.options = options
+
+
 def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
     """Build the options dataclass ``cls`` from keywords; an unknown one raises
-    :class:`InvalidParameterError` naming it and listing ``allowed`` ones."""
+    :class:`UnknownOptionError` naming it and listing ``allowed`` ones."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key, value in options.items():
         if key not in known:
-            raise InvalidParameterError(key, value, f"{allowed}: {sorted(known)}{_other_tools_option(key, known)}")
+            raise UnknownOptionError(key, value, f"{allowed}: {sorted(known)}{_other_tools_option(key, known)}", cls)
     return cls(**options)
 
 

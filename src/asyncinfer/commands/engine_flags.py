@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.config import MAX_THREADS, EngineConfig
+from asyncinfer.config import MAX_THREADS, EngineConfig, UnknownOptionError
 from asyncinfer.errors import InvalidParameterError
 
 MiB = 1024**2
@@ -242,10 +242,10 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
         allowed = re.sub(r"^keywords \w+ accepts", f"keywords scheduler {scheduler} takes", exc.allowed)
         return f"{flag.flag} {shown} is invalid: allowed {allowed}"
     shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
-    if exc.allowed.startswith("an embedding-model option"):  # a generator's flag given for a sentence encoder
-        # the library's list of option names, "did you mean max_seq_len?" included, named no flag this command has
-        from asyncinfer.embedding import EmbeddingConfig
+    from asyncinfer.embedding import EmbeddingConfig
 
+    if isinstance(exc, UnknownOptionError) and exc.options is EmbeddingConfig:  # a generator's flag for an encoder
+        # the library's list of option names, "did you mean max_seq_len?" included, named no flag this command has
         takes = [BY_FIELD[f.name].flag for f in dataclasses.fields(EmbeddingConfig) if f.name in BY_FIELD]
         return (f"{flag.flag} {shown} is invalid: allowed a flag a sentence encoder takes ({', '.join(takes)}); "
                 f"{flag.flag} is a text generator's")
