@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from asyncinfer import kernels
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, ModelLoadError
 from asyncinfer.models.meta import build_on_meta
 
 if TYPE_CHECKING:
@@ -730,10 +730,13 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
         _, _, full, fmt, weight, bias = job
         kernel = "rows" if full == "lm_head" else "tile"  # a row per sampled request, or every token of a prefill
         if source is None:
-            if mixed_parts(fmt):
-                return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
-            if fmt in BLOCK_FORMATS:
-                return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
+            try:
+                if mixed_parts(fmt):
+                    return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
+                if fmt in BLOCK_FORMATS:
+                    return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
+            except ValueError as exc:  # weights no block of the format can hold (a NaN, past float16's range)
+                raise ModelLoadError(f"{full}.weight cannot be quantized to {fmt}: {exc}") from None
             return _layer_class(fmt)(weight, bias)
         return _from_source(fmt, source(full), activation_dtype, kernel)
 
