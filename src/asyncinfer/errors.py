@@ -57,9 +57,10 @@ class InvalidParameterError(AsyncInferError, ValueError):
 
 
 class PromptTooLongError(InvalidParameterError):
-    """A prompt refused by its size alone (more characters, token ids or chat messages than any prompt of the model
-    may have), before any token is counted; an :class:`InvalidParameterError` on ``prompt``.
-    :func:`asyncinfer.trim_messages` reads it from ``count_tokens`` as over any budget."""
+    """A prompt too long for the model: ``max_model_len`` tokens or more once tokenized, or refused by its size alone
+    (more characters, token ids or chat messages than any prompt of the model may have) before any token is counted;
+    an :class:`InvalidParameterError` on ``prompt``. :func:`asyncinfer.trim_messages` reads it from ``count_tokens``
+    as over any budget."""
 
     def __init__(self, value: object, allowed: str) -> None:
         super().__init__("prompt", value, allowed)

@@ -168,12 +168,11 @@ def make_request(
 
 
 def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: SamplingParams | None = None) -> None:
-    """Refuse a prompt that leaves no room to generate and, as vLLM's server does, a prompt plus
-    ``params.max_tokens`` over ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
+    """Refuse a prompt that leaves no room to generate (a :class:`PromptTooLongError`, as a prompt refused by its
+    size before tokenizing is) and, as vLLM's server does, a prompt plus ``params.max_tokens`` over
+    ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
     if len(prompt_ids) >= max_model_len:
-        raise InvalidParameterError(
-            "prompt", f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens"
-        )
+        raise PromptTooLongError(f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens")
     room = max_model_len - len(prompt_ids)
     if params is not None and params.max_tokens > room and not params.truncate_output_to_model_len:
         raise InvalidParameterError(
