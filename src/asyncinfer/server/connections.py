@@ -13,6 +13,9 @@ everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close 
   ends as on a disconnect, its requests aborted. A client that asks for a stream and never reads it
   would otherwise hold its connection, and its requests' places in the engine, for ever.
 - ``max_connections``: the guard answers a connection over the cap with a 503 and closes it.
+- ``MAX_HEADER_BYTES``: the guard answers 431 to a head that passes it unended; :class:`RequestDeadlines` to a
+  request whose head, parsed whole, passes it (one that came in a single read, after an earlier request on its
+  connection, which the guard leaves to the server: it may be a body the server read as a request's).
 - ``body_timeout``: :class:`RequestDeadlines`, an ASGI middleware, answers 408 and closes
   the connection when a request's body is not all in within the limit of its headers
   (unless the answer has begun: a 401 sent before the body was read, say).
@@ -354,6 +357,12 @@ class RequestDeadlines:
             guard.request_started()
         progress = _Progress(body_done=not _has_body(scope))
         try:
+            if _head_size(scope) > MAX_HEADER_BYTES:  # a head the guard's count let through: after a request on its
+                # connection, a head found too long is refused only if no request starts (it may be a body the server
+                # read as a request's, whose head it had parsed); a too-long head that arrives whole starts one
+                progress.body_done = True  # (unread: the connection closes after this answer)
+                await _send_error(send, _head_error(), self.headers)
+                return
             if scope.get(UNREAD_BODY):  # the parser left its body unread (and closes the connection after it)
                 progress.body_done = True
                 await _send_error(send, _unread_body(scope), self.headers)
@@ -446,6 +455,14 @@ def _websocket_refusal(scope: Scope, send: Send) -> Send:
         await send(message)
 
     return send_
+
+
+def _head_size(scope: Scope) -> int:
+    """The bytes of the request's head as its scope has them (its request line and headers, without the optional
+    whitespace a client may add: at most what came on the wire)."""
+    query = scope.get("query_string", b"")
+    line = len(scope.get("method", "")) + len(scope.get("raw_path") or b"") + (len(query) + 1 if query else 0) + 12
+    return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ())) + 2
 
 
 def _declared_length(scope: Scope) -> int | None:
