@@ -27,7 +27,14 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import AsyncInferError, EngineClosedError, InvalidParameterError
 from asyncinfer.server.auth import bearer, is_v1
 from asyncinfer.server.connections import MAX_HEADER_BYTES, GuardedHTTP, RequestDeadlines
-from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
+from asyncinfer.server.errors import (
+    APIError,
+    from_exception,
+    http_error,
+    internal_error,
+    new_request_id,
+    validation_error,
+)
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
 
@@ -139,7 +146,9 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
       OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
     - an :class:`APIError` a route of the app's own raises (the 401 of
-      :func:`~asyncinfer.server.require_api_key`, or one of its own) answered in that shape;
+      :func:`~asyncinfer.server.require_api_key`, or one of its own) answered in that shape, and so is an
+      :class:`~asyncinfer.AsyncInferError` it lets through from the engine (a prompt too long: 400; overloaded:
+      503), without uvicorn's "Exception in ASGI application" traceback for a client's bad request;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
       the connection closes;
     - no redirect for a trailing slash (``app.router.redirect_slashes`` off): Starlette's 307 to the
@@ -152,6 +161,10 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     app.router.redirect_slashes = False
     app.add_exception_handler(HTTPException, _keyed_http_errors(settings.accepted_keys))
     app.add_exception_handler(APIError, _api_error)  # require_api_key's refusal, in a deployment's own routes
+    # An engine error in a deployment's own route (a prompt too long, an overloaded engine), answered as the router's
+    # routes answer it: Starlette runs the handler of `Exception` in its outermost middleware and raises the
+    # exception again, so uvicorn logged every such 400 or 503 as "Exception in ASGI application" with its traceback
+    app.add_exception_handler(AsyncInferError, _engine_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(RequestDeadlines, settings=settings)
@@ -163,6 +176,14 @@ def _api_error(request: Request, exc: Exception) -> Response:
     in a route of the app's own), answered as the routes answer theirs."""
     assert isinstance(exc, APIError)
     return exc.response(new_request_id())
+
+
+def _engine_error(request: Request, exc: Exception) -> Response:
+    """An :class:`AsyncInferError` raised in a route of the app's own, answered in OpenAI's shape as the router's
+    routes answer theirs (a 400 naming the parameter, a 503 with ``Retry-After``, ...); logged only where it is a
+    fault of the server (a 500: a dead engine, a failed request)."""
+    request_id = new_request_id()
+    return from_exception(exc, request_id).response(request_id)
 
 
 def _keyed_http_errors(keys: tuple[str, ...]) -> Callable[[Request, Exception], Response]:
