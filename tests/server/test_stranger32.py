@@ -7,16 +7,20 @@ was answered right, a 400 ``context_length_exceeded``, and an overloaded engine 
 middleware and then raises the exception again, so uvicorn logged each client's bad request as
 ``ERROR: Exception in ASGI application`` with the whole traceback, as it logs a crash, and FastAPI's
 ``TestClient`` (docs/guides/fastapi.md: how to test such an app) raised the ``PromptTooLongError`` in the test
-instead of giving the 400. An asyncinfer error is now answered by a handler of its own, as the router's routes
-answer theirs: logged only where it is a fault of the server (a 500).
+instead of giving the 400. ``guard_app``'s middleware now answers an asyncinfer error that comes before the answer
+started as the router's routes answer theirs, logged only where it is a fault of the server (a 500); one raised
+mid-stream goes on up as itself (a handler of ``AsyncInferError`` would have made it Starlette's "Caught handled
+exception, but response already started").
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import runpy
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -100,3 +104,39 @@ def test_a_bad_request_in_an_own_route_logs_no_traceback(example, caplog) -> Non
             assert errors[0].exc_info is not None and errors[0].exc_info[0] is EngineDeadError
     finally:
         uvicorn_log.removeHandler(caplog.handler)
+
+
+def test_an_engine_error_once_the_answer_started_stays_the_route_s_fault(caplog) -> None:
+    """An own streaming route whose engine error comes after its first chunk: nothing more can be answered, and the
+    log shows that error itself (not Starlette's "Caught handled exception, but response already started")."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from asyncinfer.server import guard_app
+
+    app = FastAPI()
+
+    @app.get("/story")
+    async def story() -> StreamingResponse:
+        async def text():
+            yield "Once"
+            raise PromptTooLongError("<9000 tokens>", "at most max_model_len - 1 = 8191 tokens")
+
+        return StreamingResponse(text(), media_type="text/plain")
+
+    guard_app(app)
+    live = LiveServer(app)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with live, caplog.at_level(logging.INFO):
+            with pytest.raises(http.client.IncompleteRead):
+                urllib.request.urlopen(f"{live.url}/story", timeout=30).read()
+            deadline = time.monotonic() + 10
+            while not any(r.levelno >= logging.ERROR for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert errors[0].exc_info[0] is PromptTooLongError, errors[0].exc_info

@@ -161,14 +161,45 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     app.router.redirect_slashes = False
     app.add_exception_handler(HTTPException, _keyed_http_errors(settings.accepted_keys))
     app.add_exception_handler(APIError, _api_error)  # require_api_key's refusal, in a deployment's own routes
-    # An engine error in a deployment's own route (a prompt too long, an overloaded engine), answered as the router's
-    # routes answer it: Starlette runs the handler of `Exception` in its outermost middleware and raises the
-    # exception again, so uvicorn logged every such 400 or 503 as "Exception in ASGI application" with its traceback
-    app.add_exception_handler(AsyncInferError, _engine_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
+    # An engine error in a deployment's own route (a prompt too long, an overloaded engine), answered as the router's
+    # routes answer it: the handler of `Exception` above answers it too, but Starlette runs that one in its outermost
+    # middleware and raises the exception again, so uvicorn logged each such 400 or 503 as "Exception in ASGI
+    # application" with its traceback (and a handler of AsyncInferError's would wrap one raised mid-stream in
+    # Starlette's "Caught handled exception, but response already started")
+    app.add_middleware(_EngineErrorAnswers)
     app.add_middleware(RequestDeadlines, settings=settings)
     return app
+
+
+class _EngineErrorAnswers:
+    """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through, before its answer
+    started, answered in OpenAI's shape as the router's routes answer it (a 400 naming the parameter, a 503 with
+    ``Retry-After``, ...), logged only where it is a fault of the server (a 500: a dead engine, a failed request);
+    one raised once the answer has started goes on up, as any fault does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except AsyncInferError as exc:
+            if started:
+                raise
+            request_id = new_request_id()
+            await from_exception(exc, request_id).response(request_id)(scope, receive, send)
 
 
 def _api_error(request: Request, exc: Exception) -> Response:
@@ -176,14 +207,6 @@ def _api_error(request: Request, exc: Exception) -> Response:
     in a route of the app's own), answered as the routes answer theirs."""
     assert isinstance(exc, APIError)
     return exc.response(new_request_id())
-
-
-def _engine_error(request: Request, exc: Exception) -> Response:
-    """An :class:`AsyncInferError` raised in a route of the app's own, answered in OpenAI's shape as the router's
-    routes answer theirs (a 400 naming the parameter, a 503 with ``Retry-After``, ...); logged only where it is a
-    fault of the server (a 500: a dead engine, a failed request)."""
-    request_id = new_request_id()
-    return from_exception(exc, request_id).response(request_id)
 
 
 def _keyed_http_errors(keys: tuple[str, ...]) -> Callable[[Request, Exception], Response]:
