@@ -155,7 +155,7 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
       URL without it answered before any key was checked, with a ``Location`` built from the
       ``Host`` header; ``/v1/chat/completions/`` is an unknown URL like any other.
 
-    Call it before the app serves (it adds a middleware). Returns ``app``.
+    Call it before the app serves (it adds middlewares). Returns ``app``.
     """
     settings = settings or ServerSettings()
     app.router.redirect_slashes = False
