@@ -8,6 +8,8 @@ The model is served under the name ``asyncinfer serve`` gives it: SmolLM2-135M-I
 default model, else its file's or directory's name (``--served-model-name`` chooses another).
 As docs/guides/fastapi.md advises, the model loads in the lifespan with ``await AsyncEngine.load()``
 (off the event loop), and only public names are used (docs/api.md, docs/serving.md).
+``uvicorn openai_server:app`` (from examples/) serves it too, with the default model and without
+``run_server``'s header deadline and connection cap (docs/serving.md, "Limits").
 """
 
 import argparse
@@ -33,7 +35,7 @@ parser.add_argument("--model", default=None, help="HF directory or .gguf (defaul
 parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
 parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
 parser.add_argument("--served-model-name", default=None, help="its name in requests (default: as asyncinfer serve)")
-args = parser.parse_args()
+args = parser.parse_args(None if __name__ == "__main__" else [])  # `uvicorn openai_server:app`: its argv is uvicorn's
 if not 0 <= args.port <= 65535:  # socket.bind's own refusal is an OverflowError
     parser.error(f"--port {args.port} is not a TCP port (0 to 65535)")
 engine: AsyncEngine | None = None  # loaded in the lifespan

@@ -27,7 +27,14 @@ from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import AsyncInferError, EngineClosedError, InvalidParameterError
 from asyncinfer.server.auth import bearer, is_v1
 from asyncinfer.server.connections import MAX_HEADER_BYTES, GuardedHTTP, RequestDeadlines
-from asyncinfer.server.errors import APIError, http_error, internal_error, new_request_id, validation_error
+from asyncinfer.server.errors import (
+    APIError,
+    from_exception,
+    http_error,
+    internal_error,
+    new_request_id,
+    validation_error,
+)
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
 
@@ -139,14 +146,16 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     - an ``X-Request-Id`` on every answer, and a refused WebSocket handshake answered as an
       OpenAI 403 ``websocket_refused`` rather than uvicorn's empty one;
     - an :class:`APIError` a route of the app's own raises (the 401 of
-      :func:`~asyncinfer.server.require_api_key`, or one of its own) answered in that shape;
+      :func:`~asyncinfer.server.require_api_key`, or one of its own) answered in that shape, and so is an
+      :class:`~asyncinfer.AsyncInferError` it lets through from the engine (a prompt too long: 400; overloaded:
+      503), without uvicorn's "Exception in ASGI application" traceback for a client's bad request;
     - ``settings.body_timeout``: a body not all in that long after its headers is a 408 and
       the connection closes;
     - no redirect for a trailing slash (``app.router.redirect_slashes`` off): Starlette's 307 to the
       URL without it answered before any key was checked, with a ``Location`` built from the
       ``Host`` header; ``/v1/chat/completions/`` is an unknown URL like any other.
 
-    Call it before the app serves (it adds a middleware). Returns ``app``.
+    Call it before the app serves (it adds middlewares). Returns ``app``.
     """
     settings = settings or ServerSettings()
     app.router.redirect_slashes = False
@@ -154,8 +163,43 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)  # require_api_key's refusal, in a deployment's own routes
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
+    # An engine error in a deployment's own route (a prompt too long, an overloaded engine), answered as the router's
+    # routes answer it: the handler of `Exception` above answers it too, but Starlette runs that one in its outermost
+    # middleware and raises the exception again, so uvicorn logged each such 400 or 503 as "Exception in ASGI
+    # application" with its traceback (and a handler of AsyncInferError's would wrap one raised mid-stream in
+    # Starlette's "Caught handled exception, but response already started")
+    app.add_middleware(_EngineErrorAnswers)
     app.add_middleware(RequestDeadlines, settings=settings)
     return app
+
+
+class _EngineErrorAnswers:
+    """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through, before its answer
+    started, answered in OpenAI's shape as the router's routes answer it (a 400 naming the parameter, a 503 with
+    ``Retry-After``, ...), logged only where it is a fault of the server (a 500: a dead engine, a failed request);
+    one raised once the answer has started goes on up, as any fault does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except AsyncInferError as exc:
+            if started:
+                raise
+            request_id = new_request_id()
+            await from_exception(exc, request_id).response(request_id)(scope, receive, send)
 
 
 def _api_error(request: Request, exc: Exception) -> Response:
