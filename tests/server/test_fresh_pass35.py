@@ -7,6 +7,11 @@ head of 70 KB on the wire, 40 KB of it spaces before a header's value, was answe
 and served as its second. The guard now tells the middleware when the bytes it found too long began as a request's
 head does, and the request started from them is answered 431 ``headers_too_large``; a body that passed the count as
 the "next head" (the case the guard waits for) is still read as a body.
+
+And a request pipelined behind another, only its first bytes sent, was closed as an idle connection when the header
+deadline passed, without the 408 a request begun alone gets: those bytes came while the first was in flight, and the
+guard counted them as that request's. Bytes past its declared body (more than the CRLF some clients add) are a
+request begun now.
 """
 
 from __future__ import annotations
@@ -108,3 +113,43 @@ def test_the_guard_tells_a_too_long_head_from_a_body_by_its_start(start: bytes) 
             assert guard.request_started() is is_head  # the request those bytes start, or the one they are the body of
     finally:
         loop.close()
+
+
+def test_a_pipelined_request_whose_head_is_not_all_in_gets_its_408(tiny_models) -> None:
+    """A request sent behind another in one write, only its first bytes: the connection was closed as an idle one
+    when the header deadline passed, with no answer, where a request begun alone gets its 408."""
+    from asyncinfer.server import ServerSettings
+
+    settings = ServerSettings(header_timeout=1.0)
+    app = create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)
+    body = b'{"model": "ids", "prompt": [1, 2, 3], "max_tokens": 2}'
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    for parser in ("httptools", "h11"):
+        with LiveServer(app, settings, http=parser) as live:
+            port = int(live.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(request + b"POST /v1/com")
+                answer = _until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            assert b"HTTP/1.1 408" in answer and b'"code":"request_timeout"' in answer, answer[-300:]
+            with socket.create_connection(("127.0.0.1", port)) as sock:  # a request then nothing: closed, no 408
+                sock.sendall(request)
+                answer = _until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 200") and b"408" not in answer, answer[-300:]
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    sock.settimeout(0.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            piece = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+        if not piece:
+            break
+        data += piece
+    return data
