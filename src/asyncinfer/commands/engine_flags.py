@@ -238,17 +238,20 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     value = exc.value
     if flag.field == "scheduler_options" and isinstance(value, dict):  # as typed (KEY=VALUE), not a Python dict
         shown = " ".join(f"{key}={json.dumps(v)}" for key, v in value.items())
-        scheduler = given.get("scheduler") or "fifo"
-        allowed = re.sub(r"^keywords \w+ accepts", f"keywords scheduler {scheduler} takes", exc.allowed)
-        return f"{flag.flag} {shown} is invalid: allowed {allowed}"
-    shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
+    else:
+        shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
     from asyncinfer.embedding import EmbeddingConfig
 
     if isinstance(exc, UnknownOptionError) and exc.options is EmbeddingConfig:  # a generator's flag for an encoder
         # the library's list of option names, "did you mean max_seq_len?" included, named no flag this command has
+        # (--scheduler-option too: an encoder has no scheduler)
         takes = [BY_FIELD[f.name].flag for f in dataclasses.fields(EmbeddingConfig) if f.name in BY_FIELD]
         return (f"{flag.flag} {shown} is invalid: allowed a flag a sentence encoder takes ({', '.join(takes)}); "
                 f"{flag.flag} is a text generator's")
+    if flag.field == "scheduler_options" and isinstance(value, dict):
+        scheduler = given.get("scheduler") or "fifo"
+        allowed = re.sub(r"^keywords \w+ accepts", f"keywords scheduler {scheduler} takes", exc.allowed)
+        return f"{flag.flag} {shown} is invalid: allowed {allowed}"
     allowed = re.sub(r"\bNone\b", "none", exc.allowed) if flag.takes_none else exc.allowed
     return f"{flag.flag} {shown} is invalid: allowed {allowed}"
 

@@ -338,6 +338,9 @@ class Int8DynamicLinear(FormatLinear):
         super().__init__()
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
+        if w.numel() and not bool(torch.isfinite(w).all()):  # (torch's own refusal names no weight nor value)
+            raise ValueError(f"weight: int8 scales each row by its largest |w|, so the weights must be finite; got a "
+                             f"largest |w| of {float(w.abs().amax()):g}")
         scale = (w.abs().amax(dim=1) / INT8_WEIGHT_MAX).clamp_min(1e-12)  # [out]
         zero = torch.zeros(w.shape[0], dtype=torch.long)  # [out]
         with warnings.catch_warnings():  # torch flags its quantized-tensor API as deprecated
@@ -735,9 +738,10 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
                     return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
                 if fmt in BLOCK_FORMATS:
                     return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
-            except ValueError as exc:  # weights no block of the format can hold (a NaN, past float16's range)
+                return _layer_class(fmt)(weight, bias)
+            except ValueError as exc:  # weights no block of the format can hold (a NaN, past float16's range; int8:
+                # a NaN or an inf)
                 raise ModelLoadError(f"{full}.weight cannot be quantized to {fmt}: {exc}") from None
-            return _layer_class(fmt)(weight, bias)
         return _from_source(fmt, source(full), activation_dtype, kernel)
 
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load

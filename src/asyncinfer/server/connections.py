@@ -15,7 +15,8 @@ everyone else. Three limits of :class:`~asyncinfer.server.ServerSettings` close 
 - ``max_connections``: the guard answers a connection over the cap with a 503 and closes it.
 - ``MAX_HEADER_BYTES``: the guard answers 431 to a head that passes it unended; :class:`RequestDeadlines` to a
   request whose head, parsed whole, passes it (one that came in a single read, after an earlier request on its
-  connection, which the guard leaves to the server: it may be a body the server read as a request's).
+  connection, which the guard leaves to the server: it may be a body the server read as a request's; the guard tells
+  the middleware when the bytes it found too long began as a head does, the whitespace its scope drops counted).
 - ``body_timeout``: :class:`RequestDeadlines`, an ASGI middleware, answers 408 and closes
   the connection when a request's body is not all in within the limit of its headers
   (unless the answer has begun: a 401 sent before the body was read, say).
@@ -33,6 +34,7 @@ task inherits it.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -57,6 +59,10 @@ GRACE_SECONDS = 0.05  # a deadline is checked twice this far apart: bytes that c
 #: the connection closed (the body has its own limit, ServerSettings.max_body_bytes).
 MAX_HEADER_BYTES = 64 * 1024
 _HEAD_END = b"\r\n\r\n"
+#: How a request's head begins (after the empty lines a server ignores before one): a method, a space and a target
+#: (a path, ``*``, or a scheme or host and a colon)
+_REQUEST_LINE = re.compile(rb"(?:\r?\n)*[!#$%&'*+.^_`|~0-9A-Za-z-]+ (?:/|\*|[A-Za-z0-9][A-Za-z0-9+.-]*:)")
+_HEAD_START_BYTES = 64  # bytes of a head kept to tell it from a body
 
 
 def _head_error() -> APIError:
@@ -91,6 +97,7 @@ class ConnectionGuard(asyncio.Protocol):
         self._inner_open = False  # the inner protocol was told of the connection (so it must hear of its end)
         self._head_bytes: int | None = 0  # bytes of the request head being received (None: its end was seen)
         self._head_tail = b""  # the last bytes seen of it, to find an end split across reads
+        self._head_start = b""  # the first bytes of it (up to _HEAD_START_BYTES), to tell a head from a body
         self._after_head = 0  # bytes since the head's end while its request is in flight (body, pipelined requests)
         # The head being counted began when the previous request finished (or the rest of its body): the server may
         # already have parsed it (a request pipelined behind that one, whose app starts a moment later), so the bytes
@@ -128,6 +135,8 @@ class ConnectionGuard(asyncio.Protocol):
                     return
             if head:
                 self._partial = True
+        if head and self._head_bytes is not None and len(self._head_start) < _HEAD_START_BYTES:
+            self._head_start += head[:_HEAD_START_BYTES - len(self._head_start)]
         if head and self._head_too_long(head):
             if not self._head_after_finish:
                 self._refuse(_head_error())
@@ -176,7 +185,12 @@ class ConnectionGuard(asyncio.Protocol):
             self._transport.abort()
 
     # ------------------------------------------------- told by RequestDeadlines
-    def request_started(self) -> None:
+    def request_started(self) -> bool:
+        """Whether the request starting is refused for its head: one this count found too long after a request
+        finished (see above), which a request started in that time may not be, but is when those bytes began as a
+        head does (its length on the wire, the optional whitespace around its header values included, which its
+        scope does not keep)."""
+        too_long = self._confirming and _REQUEST_LINE.match(self._head_start) is not None
         self._in_flight += 1
         self._starts += 1
         self._partial = False
@@ -184,9 +198,11 @@ class ConnectionGuard(asyncio.Protocol):
         if self._head_bytes is not None or self._skip != 0:  # the server parsed a head whose end this count had not
             # seen (see above; or counted as the rest of a skipped body): its own bytes are counted from here
             self._head_bytes, self._head_tail, self._after_head, self._skip = None, b"", 0, 0
+            self._head_start = b""
         elif self._in_flight > 1:  # the server started it, queued behind a request whose app has not returned yet
             self._after_head = 0  # (whose body, read or skipped, was all before this one's head): counted from here
         self._head_after_finish = False
+        return too_long
 
     def request_finished(self, body_pending: bool = False, body_length: int | None = None) -> None:
         """``body_pending``: its app answered before its body was all read (a 401, a 413): what the client still
@@ -199,12 +215,16 @@ class ConnectionGuard(asyncio.Protocol):
             # already (its body is what comes now), or this request's body may have begun before its app started
             # (bytes this count gave the one before): a head found too long from here waits for the next turns.
             self._head_after_finish = True
+            if not body_pending and self._head_bytes is None and body_length is not None:
+                # bytes past its body came before it ended: the next request begun (pipelined, its head not all in;
+                # not the CRLF some clients send after a body, which a server ignores before a request line)
+                self._partial = self._after_head > body_length + 2
             if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
                 self._skip = None if body_length is None else max(0, body_length - self._after_head)
                 if self._skip == 0:  # (all in meanwhile)
-                    self._head_bytes, self._head_tail, self._after_head = 0, b"", 0
-            else:
-                self._head_bytes, self._head_tail, self._after_head = 0, b"", 0  # the next head is counted afresh
+                    self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
+            else:  # the next head is counted afresh
+                self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
             self._arm()
 
     def _confirm_head_too_long(self, starts: int, turns: int = 2) -> None:
@@ -235,7 +255,7 @@ class ConnectionGuard(asyncio.Protocol):
         self._skip -= len(body)
         self._after_head += len(body)
         if self._skip == 0:
-            self._head_bytes, self._head_tail, self._after_head = 0, b"", 0
+            self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
         return data
 
     def _head_too_long(self, data: bytes) -> bool:
@@ -353,13 +373,13 @@ class RequestDeadlines:
             await self.app(scope, receive, send)
             return
         guard = _GUARD.get()
-        if guard is not None:
-            guard.request_started()
+        head_too_long = guard is not None and guard.request_started()
         progress = _Progress(body_done=not _has_body(scope))
         try:
-            if _head_size(scope) > MAX_HEADER_BYTES:  # a head the guard's count let through: after a request on its
-                # connection, a head found too long is refused only if no request starts (it may be a body the server
-                # read as a request's, whose head it had parsed); a too-long head that arrives whole starts one
+            if head_too_long or _head_size(scope) > MAX_HEADER_BYTES:  # a head the guard's count let through: after a
+                # request on its connection, a head found too long is refused only if no request starts (it may be a
+                # body the server read as a request's, whose head it had parsed); a too-long head that arrives whole
+                # starts one (the guard knows it by its start; its scope's size, without the whitespace, is the floor)
                 progress.body_done = True  # (unread: the connection closes after this answer)
                 await _send_error(send, _head_error(), self.headers)
                 return
