@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,8 @@ from asyncinfer import swaps
 from asyncinfer.server import ModelSpec, create_app
 
 from .conftest import TINY_OPTIONS, LiveServer
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 # While a drain-mode swap loads the default model's next version, a request naming no model is a 503 whose message
@@ -57,3 +61,31 @@ def test_the_503_of_a_drain_swap_names_only_models_that_would_answer(tiny_chat_m
         assert message.endswith("retry shortly, or name another generator: `other`."), message
     else:
         assert message.endswith("retry shortly."), message
+
+
+# docs/serving.md said `asyncinfer serve` writes, at --log-level info, "an access line and an asyncinfer.requests line
+# per request". An operator reading the log found none for embeddings calls or refused requests, and three for one
+# call of three prompts. The docs now say which requests have the line; this checks that they say what it does.
+def test_the_request_log_lines_are_what_the_docs_say(server, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="asyncinfer.requests")
+
+    def lines() -> list[str]:
+        out = [r.getMessage() for r in caplog.records if r.name == "asyncinfer.requests"]
+        caplog.clear()
+        return out
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        lines()
+        two = http.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        assert two.status_code == 200 and len(two.json()["choices"]) == 4
+        assert len(logged := lines()) == 2 and all(line.startswith("request finished") for line in logged), logged
+        assert http.post("/v1/embeddings", json={"model": "minilm", "input": ["a", "b"]}).status_code == 200
+        refused = http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 10**6})
+        assert refused.status_code == 400
+        assert lines() == []
+    serving = " ".join((DOCS / "serving.md").read_text().split())
+    assert ("an access line per answered request, and an `asyncinfer.requests` line per generation request the engine "
+            "ran (one per prompt of a call, its `n` samples in one; none for an embeddings call or a request refused "
+            "before it was queued") in serving
+    monitoring = " ".join((DOCS / "monitoring" / "README.md").read_text().split())
+    assert "one line per finished generation request (one per prompt of a call, its `n` samples in one;" in monitoring
