@@ -89,3 +89,29 @@ def test_the_request_log_lines_are_what_the_docs_say(server, caplog) -> None:
             "before it was queued") in serving
     monitoring = " ".join((DOCS / "monitoring" / "README.md").read_text().split())
     assert "one line per finished generation request (one per prompt of a call, its `n` samples in one;" in monitoring
+
+
+# `asyncinfer serve --no-enable-metrics` listed /metrics at start and served it, every counter and histogram at 0 for
+# ever: after requests were answered, asyncinfer_requests_total and asyncinfer_generation_tokens_total still read 0.0,
+# a server answering nobody to Prometheus and to the dashboard (and no request ever an error). Those families now carry
+# no sample (no data), the gauges read live as before, and the start-up lines say that the engine's figures are off.
+def test_metrics_off_leaves_counters_without_samples_rather_than_zeros(tiny_chat_model) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncinfer.commands.serve import describe_serving
+
+    spec = ModelSpec(str(tiny_chat_model), "tiny", {**TINY_OPTIONS, "enable_metrics": False})
+    with LiveServer(create_app([spec])) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        text = http.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("asyncinfer_requests", "asyncinfer_generation_tokens", "asyncinfer_time_to_first_token_seconds"):
+        assert name in families and families[name].samples == [], families[name].samples  # were 0.0 samples
+    assert [s.value for s in families["asyncinfer_requests_in_flight"].samples] == [0.0]
+    assert families["asyncinfer_kv_blocks"].samples and families["asyncinfer_prefix_cache_queried_tokens"].samples
+    answers = {(s.labels["route"], s.labels["status"]) for s in families["asyncinfer_http_responses"].samples}
+    assert ("/v1/completions", "200") in answers
+    lines = describe_serving([spec], [], host="127.0.0.1", port=8000, api_keys=0).splitlines()
+    assert lines[-1].startswith("  engine metrics: off (--no-enable-metrics: /metrics has gauges and HTTP answers")
+    on = ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS)
+    assert "engine metrics" not in describe_serving([on], [], host="127.0.0.1", port=8000, api_keys=0)
