@@ -113,6 +113,9 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
         lines.append(f"  /metrics: with a metrics key ({metrics_keys} accepted)")
     elif not metrics_on:
         lines.append("  /metrics: off (API keys are on and no --metrics-key names an operator's key)")
+    if metrics_on and specs and dict(specs[0].options).get("enable_metrics") is False:  # the engine's option: its first
+        lines.append("  engine metrics: off (--no-enable-metrics: /metrics has gauges and HTTP answers, no request, "
+                     "token or latency figures)")
     return "\n".join(lines)
 
 

@@ -47,6 +47,8 @@ COUNTERS: tuple[tuple[str, str, Read], ...] = (
     ("embedding_batches", "Embedding forward passes", lambda m: m.embedding_batches),
     ("embedding_tokens", "Real tokens embedded", lambda m: m.embedding_tokens),
 )
+#: The counters the metrics record themselves (nothing with ``enable_metrics=False``); the others are read live.
+RECORDED = frozenset({"prompt_tokens", "generation_tokens", "decode_bytes_read", "decode_step_seconds"})
 LABELLED_COUNTERS: tuple[tuple[str, str, str, Read], ...] = (
     ("requests", "Finished requests by finish reason", "finish_reason", lambda m: m.requests),
     ("swaps", "Model swaps by outcome (ok, refused, failed)", "outcome", lambda m: m.swaps),
@@ -117,14 +119,17 @@ class SnapshotCollector:
         snap = self._metrics.snapshot()
         generators = [m for m in snap.models.values() if m.kind == "generate"]
         embedders = [m for m in snap.models.values() if m.kind == "embed"]
+        # With enable_metrics=False the figures the metrics record are described without a sample (no data), not as
+        # zeros that read as a server answering nobody; those read live (gauges, KV and embedding counts) stay.
+        recorded = generators if self._metrics.enabled else []
         for name, doc, read in COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])
-            for m in embedders if name.startswith("embedding_") else generators:
+            for m in embedders if name.startswith("embedding_") else recorded if name in RECORDED else generators:
                 family.add_metric([m.name], float(read(m)))
             yield family
         for name, doc, label, read in LABELLED_COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model", label])
-            for m in generators:
+            for m in recorded:
                 for key, value in read(m).items():
                     family.add_metric([m.name, key], float(value))
             unknown = UNKNOWN_MODEL_COUNTS.get(name)
@@ -142,7 +147,7 @@ class SnapshotCollector:
             yield family
         for name, doc, read in HISTOGRAMS:
             family = HistogramMetricFamily(PREFIX + name, doc, labels=["model"])
-            for m in generators:
+            for m in recorded:
                 hist: HistogramSnapshot | None = read(m)
                 if hist is not None:
                     buckets = [(_le(b), float(c)) for b, c in hist.cumulative()]

@@ -442,8 +442,11 @@ class _OpenAI:
             # the engine's default generator (its first loaded) is in no model_info() entry between the versions of
             # a drain-mode swap: the first generator listed then is another model, which must not answer for it
             if kind == "generate" and _engine.between_versions(self.engine(), None):
+                # a hint only where another generator would answer (an embedding model is a 400 on this route)
+                others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate")
+                hint = f", or name another generator: {others}" if others else ""
                 raise APIError(503, "The default model is between versions (a drain-mode swap is loading the next "
-                                    "one): retry shortly, or name a model.", param="model", type="server_error",
+                                    f"one): retry shortly{hint}.", param="model", type="server_error",
                                code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
