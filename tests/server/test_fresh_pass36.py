@@ -6,6 +6,9 @@ head, and a body of more than ``MAX_HEADER_BYTES`` that came in one read with it
 ``headers_too_large`` under h11, which reads such a head and served the same request as a connection's second (its
 head counted afresh from the request's start). The guard now ends a head at an empty line of either kind; httptools,
 which refuses bare LFs, answers its own 400, and a head that is too long is still a 431 whatever its line ends.
+
+And pass35's 408 for a request pipelined behind another, only its first bytes sent, held only behind a request whose
+app read its body: behind one answered with its body unread (a 404, a 405), the connection was closed as idle.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ def live(request) -> Iterator[LiveServer]:
         yield server
 
 
-def _answer(sock: socket.socket) -> bytes:
-    """What the server sends until it closes the connection or is quiet for a second."""
+def _answer(sock: socket.socket, quiet: float = 1.0) -> bytes:
+    """What the server sends until it closes the connection or is quiet for ``quiet`` seconds."""
     data = b""
-    sock.settimeout(1.0)
+    sock.settimeout(quiet)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -87,3 +90,32 @@ def test_a_head_too_long_is_a_431_whatever_its_line_ends(live, eol) -> None:
     head = b"GET /echo HTTP/1.1" + eol + b"Host: x" + eol + b"X-Fill: " + b"a" * (MAX_HEADER_BYTES + 1) + eol + eol
     answer = _send(live, head)
     assert answer.startswith(b"HTTP/1.1 431") and b'"code":"headers_too_large"' in answer, answer[:300]
+
+
+def test_a_request_pipelined_behind_one_answered_unread_gets_its_408() -> None:
+    """pass35 gave a request pipelined behind another, only its first bytes sent, the 408 a request begun alone gets
+    when the header deadline passes; behind a request answered without its body read (a 404, a 405: no route read
+    it), whose body was all in, the connection was still closed as an idle one, with no answer. A whole request
+    behind it is served, and a connection left idle after it closed with no 408."""
+    from asyncinfer.server import ServerSettings
+
+    app = FastAPI()
+
+    @app.get("/hi")
+    async def hi() -> PlainTextResponse:
+        return PlainTextResponse("hi")
+
+    settings = ServerSettings(header_timeout=1.0)
+    guard_app(app, settings)
+    unread = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+    for parser in ("httptools", "h11"):
+        with LiveServer(app, settings, http=parser) as live:
+            port = int(live.url.rsplit(":", 1)[1])
+            for behind, statuses in ((b"GET /h", [b"404", b"408"]), (b"GET /hi HTTP/1.1\r\nHost: x\r\n\r\n", [b"404", b"200"]),
+                                     (b"", [b"404"])):
+                with socket.create_connection(("127.0.0.1", port)) as sock:
+                    sock.sendall(unread + behind)
+                    answer = _answer(sock, quiet=2.5)
+                assert re.findall(rb"HTTP/1\.1 (\d+)", answer) == statuses, (parser, behind, answer[-300:])
+                if b"408" in statuses:
+                    assert b'"code":"request_timeout"' in answer

@@ -222,7 +222,8 @@ class ConnectionGuard(asyncio.Protocol):
                 self._partial = self._after_head > body_length + 2
             if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
                 self._skip = None if body_length is None else max(0, body_length - self._after_head)
-                if self._skip == 0:  # (all in meanwhile)
+                if self._skip == 0:  # (all in meanwhile; and past it, as above, the next request begun)
+                    self._partial = self._after_head > (body_length or 0) + 2
                     self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
             else:  # the next head is counted afresh
                 self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
