@@ -58,7 +58,8 @@ GRACE_SECONDS = 0.05  # a deadline is checked twice this far apart: bytes that c
 #: A request's head (request line and headers) may take this many bytes; a longer one is answered 431 and
 #: the connection closed (the body has its own limit, ServerSettings.max_body_bytes).
 MAX_HEADER_BYTES = 64 * 1024
-_HEAD_END = b"\r\n\r\n"
+#: How a head ends: an empty line, its line ends CRLF or the bare LF a parser may take for one (h11 does; RFC 9112, 2.2)
+_HEAD_ENDS = (b"\n\r\n", b"\n\n")
 #: How a request's head begins (after the empty lines a server ignores before one): a method, a space and a target
 #: (a path, ``*``, or a scheme or host and a colon)
 _REQUEST_LINE = re.compile(rb"(?:\r?\n)*[!#$%&'*+.^_`|~0-9A-Za-z-]+ (?:/|\*|[A-Za-z0-9][A-Za-z0-9+.-]*:)")
@@ -221,7 +222,8 @@ class ConnectionGuard(asyncio.Protocol):
                 self._partial = self._after_head > body_length + 2
             if body_pending and self._head_bytes is None:  # counted on as bytes after its head, under their bound
                 self._skip = None if body_length is None else max(0, body_length - self._after_head)
-                if self._skip == 0:  # (all in meanwhile)
+                if self._skip == 0:  # (all in meanwhile; and past it, as above, the next request begun)
+                    self._partial = self._after_head > (body_length or 0) + 2
                     self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
             else:  # the next head is counted afresh
                 self._head_bytes, self._head_tail, self._after_head, self._head_start = 0, b"", 0, b""
@@ -268,11 +270,11 @@ class ConnectionGuard(asyncio.Protocol):
             self._after_head += len(data)
             return self._after_head > self._after_head_limit
         seen = self._head_tail + data
-        end = seen.find(_HEAD_END)
+        end = _head_end(seen)
         if end >= 0:
-            total = (self._head_bytes or 0) - len(self._head_tail) + end + len(_HEAD_END)
+            total = (self._head_bytes or 0) - len(self._head_tail) + end
             self._head_bytes = None  # the rest is body (or the next pipelined request), counted in _after_head
-            self._after_head = len(seen) - end - len(_HEAD_END)
+            self._after_head = len(seen) - end
             return total > MAX_HEADER_BYTES
         self._head_bytes = (self._head_bytes or 0) + len(data)
         self._head_tail = seen[-3:]
@@ -313,6 +315,13 @@ class ConnectionGuard(asyncio.Protocol):
             self._loop.call_later(LINGER_SECONDS, transport.close)
         else:
             transport.close()
+
+
+def _head_end(data: bytes) -> int:
+    """Where the first head end in ``data`` ends (an empty line, CRLF or bare LF: a head sent with bare LFs, which
+    h11 serves, was counted on into its body and answered 431 when that passed MAX_HEADER_BYTES); -1: none."""
+    ends = [at + len(end) for end in _HEAD_ENDS if (at := data.find(end)) >= 0]
+    return min(ends, default=-1)
 
 
 class GuardedHTTP:
