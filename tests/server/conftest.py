@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -135,3 +136,23 @@ def trusting(tiny_models):
     settings = ServerSettings(api_keys=KEYS, tenant_from="header", tenant_header="X-Team", priority_header="X-Priority")
     with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
         yield live
+
+
+def raw_answer(sock: socket.socket, quiet: float = 1.0) -> bytes:
+    """What a server sends on a raw socket until it closes the connection (``<closed>`` appended) or resets it
+    (``<reset>``: h11's own 400 closes with the rest of a head unread), or is quiet for ``quiet`` seconds (at most 10
+    seconds in all)."""
+    data = b""
+    sock.settimeout(quiet)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            piece = sock.recv(65536)
+        except TimeoutError:
+            break
+        except ConnectionResetError:
+            return data + b"<reset>"
+        if not piece:
+            return data + b"<closed>"
+        data += piece
+    return data

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.connections import MAX_HEADER_BYTES
 
-from .conftest import TINY_OPTIONS, LiveServer
+from .conftest import TINY_OPTIONS, LiveServer, raw_answer
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
@@ -40,32 +39,14 @@ def _head(size: int) -> bytes:
     return head
 
 
-def _answer(sock: socket.socket) -> bytes:
-    """What the server sends until it closes the connection or is quiet for a second."""
-    data = b""
-    sock.settimeout(1.0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            piece = sock.recv(65536)
-        except TimeoutError:
-            break
-        except ConnectionResetError:  # (h11's own 400 closes with the rest of the head unread)
-            return data + b"<reset>"
-        if not piece:
-            return data + b"<closed>"
-        data += piece
-    return data
-
-
 def _after_a_request(live: LiveServer, head: bytes) -> bytes:
     port = int(live.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = _answer(sock)
+        first = raw_answer(sock)
         assert first.startswith(b"HTTP/1.1 200") and b"<closed>" not in first
         sock.sendall(head)  # one write: the server reads the head whole, in one piece
-        return _answer(sock)
+        return raw_answer(sock)
 
 
 @pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1, 100 * 1024, 200 * 1024])

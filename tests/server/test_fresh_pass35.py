@@ -27,7 +27,7 @@ import pytest
 from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.connections import MAX_HEADER_BYTES
 
-from .conftest import TINY_OPTIONS, LiveServer
+from .conftest import TINY_OPTIONS, LiveServer, raw_answer
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
@@ -48,33 +48,15 @@ def _padded_head(size: int) -> bytes:
     return head
 
 
-def _answer(sock: socket.socket) -> bytes:
-    """What the server sends until it closes the connection or is quiet for a second."""
-    data = b""
-    sock.settimeout(1.0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            piece = sock.recv(65536)
-        except TimeoutError:
-            break
-        except ConnectionResetError:
-            return data + b"<reset>"
-        if not piece:
-            return data + b"<closed>"
-        data += piece
-    return data
-
-
 def _send(live: LiveServer, head: bytes, *, later: bool) -> bytes:
     port = int(live.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         if later:
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            first = _answer(sock)
+            first = raw_answer(sock)
             assert first.startswith(b"HTTP/1.1 200") and b"<closed>" not in first
         sock.sendall(head)  # one write: the server reads the head whole, in one piece
-        return _answer(sock)
+        return raw_answer(sock)
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first", "later"])

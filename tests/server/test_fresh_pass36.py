@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +24,7 @@ from fastapi.responses import PlainTextResponse
 from asyncinfer.server import guard_app
 from asyncinfer.server.connections import MAX_HEADER_BYTES
 
-from .conftest import LiveServer
+from .conftest import LiveServer, raw_answer
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
@@ -42,29 +41,11 @@ def live(request) -> Iterator[LiveServer]:
         yield server
 
 
-def _answer(sock: socket.socket, quiet: float = 1.0) -> bytes:
-    """What the server sends until it closes the connection or is quiet for ``quiet`` seconds."""
-    data = b""
-    sock.settimeout(quiet)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            piece = sock.recv(65536)
-        except TimeoutError:
-            break
-        except ConnectionResetError:
-            return data + b"<reset>"
-        if not piece:
-            return data + b"<closed>"
-        data += piece
-    return data
-
-
 def _send(live: LiveServer, data: bytes) -> bytes:
     port = int(live.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(data)  # one write: the head and its body come in one read
-        return _answer(sock)
+        return raw_answer(sock)
 
 
 BODY = b"x" * (MAX_HEADER_BYTES + 40_000)
@@ -115,7 +96,7 @@ def test_a_request_pipelined_behind_one_answered_unread_gets_its_408() -> None:
                                      (b"", [b"404"])):
                 with socket.create_connection(("127.0.0.1", port)) as sock:
                     sock.sendall(unread + behind)
-                    answer = _answer(sock, quiet=2.5)
+                    answer = raw_answer(sock, quiet=2.5)
                 assert re.findall(rb"HTTP/1\.1 (\d+)", answer) == statuses, (parser, behind, answer[-300:])
                 if b"408" in statuses:
                     assert b'"code":"request_timeout"' in answer
