@@ -138,6 +138,17 @@ def trusting(tiny_models):
         yield live
 
 
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def per_parser(tiny_models, request) -> Iterator[LiveServer]:
+    """A server of a tiny token-id model behind each of uvicorn's HTTP/1.1 parsers (``.parser`` names it): the
+    raw-socket tests of the request-head limit (test_fresh_pass34, test_fresh_pass35)."""
+    app = create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))
+    with LiveServer(app, http=request.param) as server:
+        server.parser = request.param  # type: ignore[attr-defined]
+        yield server
+
+
 def raw_answer(sock: socket.socket, quiet: float = 1.0) -> bytes:
     """What a server sends on a raw socket until it closes the connection (``<closed>`` appended) or resets it
     (``<reset>``: h11's own 400 closes with the rest of a head unread), or is quiet for ``quiet`` seconds (at most 10

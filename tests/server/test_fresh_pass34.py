@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator
 
 import pytest
 
-from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.connections import MAX_HEADER_BYTES
 
-from .conftest import TINY_OPTIONS, LiveServer, raw_answer
-
-
-@pytest.fixture(scope="module", params=["httptools", "h11"])
-def live(tiny_models, request) -> Iterator[LiveServer]:
-    app = create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))
-    with LiveServer(app, http=request.param) as server:
-        server.parser = request.param
-        yield server
+from .conftest import LiveServer, raw_answer
 
 
 def _head(size: int) -> bytes:
@@ -50,9 +40,9 @@ def _after_a_request(live: LiveServer, head: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1, 100 * 1024, 200 * 1024])
-def test_a_head_past_the_limit_after_a_request_is_a_431(live, size) -> None:
-    answer = _after_a_request(live, _head(size))
-    if live.parser == "h11" and answer.startswith(b"HTTP/1.1 400"):  # h11 refuses itself a head past
+def test_a_head_past_the_limit_after_a_request_is_a_431(per_parser, size) -> None:
+    answer = _after_a_request(per_parser, _head(size))
+    if per_parser.parser == "h11" and answer.startswith(b"HTTP/1.1 400"):  # h11 refuses itself a head past
         assert b'"code":"invalid_http_request"' in answer  # its buffer (the limit) that came in pieces
         return
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
@@ -60,7 +50,7 @@ def test_a_head_past_the_limit_after_a_request_is_a_431(live, size) -> None:
     assert re.search(rb"(?i)x-request-id: \S+", answer) and answer.endswith(b"<closed>")
 
 
-def test_a_head_at_the_limit_after_a_request_is_served(live) -> None:
-    answer = _after_a_request(live, _head(MAX_HEADER_BYTES))
+def test_a_head_at_the_limit_after_a_request_is_served(per_parser) -> None:
+    answer = _after_a_request(per_parser, _head(MAX_HEADER_BYTES))
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
     assert b"<closed>" not in answer

@@ -20,7 +20,6 @@ import asyncio
 import re
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -28,14 +27,6 @@ from asyncinfer.server import ModelSpec, create_app
 from asyncinfer.server.connections import MAX_HEADER_BYTES
 
 from .conftest import TINY_OPTIONS, LiveServer, raw_answer
-
-
-@pytest.fixture(scope="module", params=["httptools", "h11"])
-def live(tiny_models, request) -> Iterator[LiveServer]:
-    app = create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))
-    with LiveServer(app, http=request.param) as server:
-        server.parser = request.param
-        yield server
 
 
 def _padded_head(size: int) -> bytes:
@@ -61,9 +52,9 @@ def _send(live: LiveServer, head: bytes, *, later: bool) -> bytes:
 
 @pytest.mark.parametrize("later", [False, True], ids=["first", "later"])
 @pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1, 70_000, 200 * 1024])
-def test_a_head_past_the_limit_with_whitespace_is_a_431_on_any_request(live, size, later) -> None:
-    answer = _send(live, _padded_head(size), later=later)
-    if live.parser == "h11" and answer.startswith(b"HTTP/1.1 400"):  # h11 refuses itself a head past its buffer
+def test_a_head_past_the_limit_with_whitespace_is_a_431_on_any_request(per_parser, size, later) -> None:
+    answer = _send(per_parser, _padded_head(size), later=later)
+    if per_parser.parser == "h11" and answer.startswith(b"HTTP/1.1 400"):  # h11 refuses itself a head past its buffer
         assert b'"code":"invalid_http_request"' in answer  # (the limit) that came in pieces
         return
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
@@ -72,8 +63,8 @@ def test_a_head_past_the_limit_with_whitespace_is_a_431_on_any_request(live, siz
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first", "later"])
-def test_a_padded_head_at_the_limit_is_served(live, later) -> None:
-    answer = _send(live, _padded_head(MAX_HEADER_BYTES), later=later)
+def test_a_padded_head_at_the_limit_is_served(per_parser, later) -> None:
+    answer = _send(per_parser, _padded_head(MAX_HEADER_BYTES), later=later)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
     assert b"<closed>" not in answer
 
