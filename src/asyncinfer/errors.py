@@ -66,6 +66,20 @@ class PromptTooLongError(InvalidParameterError):
         super().__init__("prompt", value, allowed)
 
 
+def check_unicode(parameter: str, text: str, what: str = "text") -> None:
+    """Refuse a text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``): no tokenizer, grammar
+    library or UTF-8 writer can take it. ``parameter`` names it in the error, ``what`` the kind of text."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameterError(
+            parameter, f"<a {what} with the lone surrogate {text[exc.start]!r} at index {exc.start}>",
+            "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)",
+        ) from None
+
+
 def _bounded_repr() -> reprlib.Repr:
     shown = reprlib.Repr()
     shown.maxlevel = 4

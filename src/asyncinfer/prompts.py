@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.errors import InvalidParameterError, PromptTooLongError, native_panics_as
+from asyncinfer.errors import InvalidParameterError, PromptTooLongError, check_unicode, native_panics_as
 from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
@@ -282,20 +282,6 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
             f"<{chars} characters>",
             f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
         )
-
-
-def check_unicode(parameter: str, text: str) -> None:
-    """Refuse a text that is not valid Unicode (a lone surrogate such as ``"\ud800"``): no
-    tokenizer can encode it. ``parameter`` names it in the error."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidParameterError(
-            parameter, f"<a text with the lone surrogate {text[exc.start]!r} at index {exc.start}>",
-            "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)",
-        ) from None
 
 
 def check_request_id(request_id: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, check_unicode
 from asyncinfer.plain import plain_value
 from asyncinfer.structured import StructuredOutput
 
@@ -237,13 +237,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                     raise InvalidParameterError("stop", _shown(stop), "None, a non-empty string or a list of them")
                 items[i] = s = str.__str__(s)
                 chars += len(s)
-                if not s.isascii():  # a lone surrogate ("\ud800") is in no text a model writes: it could never stop
-                    try:
-                        s.encode("utf-8")
-                    except UnicodeEncodeError as exc:
-                        raise InvalidParameterError(
-                            "stop", f"<a string with the lone surrogate {s[exc.start]!r} at index {exc.start}>",
-                            "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)") from None
+                check_unicode("stop", s, "string")  # a lone surrogate is in no text a model writes: it could never stop
             if chars > MAX_STOP_CHARS:
                 raise InvalidParameterError("stop", f"<{len(items)} strings, {chars} characters>", _STOP_ALLOWED)
             msgspec.structs.force_setattr(self, "stop", items[0] if isinstance(stop, str) else items)

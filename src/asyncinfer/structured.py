@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, check_unicode
 from asyncinfer.plain import plain_value
 
 __all__ = ["MAX_CHOICES", "MAX_SPEC_CHARS", "StructuredKind", "StructuredOutput"]
@@ -49,18 +49,6 @@ def _plain(value: object) -> object:
 
 def _too_long(what: str, chars: int) -> InvalidParameterError:
     return InvalidParameterError(_NAME, f"<{what} of {chars} characters>", f"at most {MAX_SPEC_CHARS} characters")
-
-
-def _check_unicode(what: str, text: str) -> None:
-    """Refuse a text holding a lone surrogate (``"\\ud800"``): no grammar library can read it."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidParameterError(_NAME, f"<a {what} with the lone surrogate {text[exc.start]!r} at index "
-                                           f"{exc.start}>",
-                                    "valid Unicode text (no lone surrogates, U+D800 to U+DFFF)") from None
 
 
 def _load_json(text: str) -> object:
@@ -174,7 +162,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             if chars > MAX_SPEC_CHARS:
                 raise _too_long("choices", chars)
             for c in value:
-                _check_unicode("choice", c)
+                check_unicode(_NAME, c, "choice")
             return
         if not isinstance(value, str):
             raise InvalidParameterError(_NAME, value, f"a string for kind={kind!r}")
@@ -186,7 +174,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidParameterError(_NAME, value, f"a non-empty {_WHAT[kind]}")
         if len(value) > MAX_SPEC_CHARS:
             raise _too_long(_WHAT[kind], len(value))
-        _check_unicode(_WHAT[kind], value)
+        check_unicode(_NAME, value, _WHAT[kind])
         if kind == "json_schema":
             schema = _load_json(value)
             if not isinstance(schema, (dict, bool)):
