@@ -3,7 +3,7 @@
 A subclass of ``int``, ``float`` or ``str`` may answer comparisons, ``__len__``, ``__hash__`` or ``__eq__``
 with anything: checked as it comes, it passes a range it is outside of, and kept, its methods run later on the
 engine thread. :func:`plain_value` reads the value through the built-in type's own method, so every check and
-every table sees what the value really holds.
+every table sees what the value really holds. :func:`logged` shows such a value in a log line.
 """
 
 from __future__ import annotations
@@ -22,4 +22,13 @@ def plain_value(value: Any) -> Any:
         return float.__float__(value)
     if isinstance(value, str):
         return str.__str__(value)
+    return value
+
+
+def logged(value: Any) -> Any:
+    """``value`` as a log line shows it: a text holding a space, a line break or another character that is not
+    printable (or an empty one) as its ``repr``, quoted and escaped, so that a name or id a caller chose cannot end
+    the line and write another one, posing as another request's; anything else as it is."""
+    if isinstance(value, str) and (not value.isprintable() or " " in value or not value):
+        return repr(value)
     return value

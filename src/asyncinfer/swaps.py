@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -32,9 +34,13 @@ from asyncinfer.loading import (
 from asyncinfer.memory import MemoryPlan, check_available_bytes
 from asyncinfer.model_source import model_text, resolve_model
 from asyncinfer.models.encoder import is_encoder_dir
-from asyncinfer.plain import plain_value
+from asyncinfer.plain import logged, plain_value
 
 T = TypeVar("T")
+
+#: One INFO line per model change that took effect, one WARNING per swap or add that failed to load (none for a
+#: call refused before anything was read): docs/monitoring/README.md, "Logging".
+logger = logging.getLogger("asyncinfer.models")
 
 
 class ChangeObserver(Protocol):
@@ -72,15 +78,21 @@ class ModelChanges:
     ) -> ModelVersionInfo:
         """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, or it
         does not fit) or failed (the new version did not load; the old one serves)."""
+        start = time.monotonic()
         try:
             info = await self._swap(model, name, mode, abort, available, options)
         except (InvalidParameterError, ConfigurationError):
             self._swapped(name, "refused")
             raise
-        except Exception:
+        except Exception as exc:
             self._swapped(name, "failed")
+            logger.warning("model swap failed model=%s mode=%s source=%s after_s=%.2f error=%s message=%s",
+                           "<default>" if name is None else logged(name), mode, logged(model_text(model)),
+                           time.monotonic() - start, type(exc).__name__, logged(str(exc)))
             raise
         self._swapped(info.name, "ok")
+        logger.info("model swapped model=%s version=%d mode=%s source=%s took_s=%.2f", logged(info.name),
+                    info.version_id, mode, logged(info.source), time.monotonic() - start)
         return info
 
     def _swapped(self, name: str | None, outcome: str) -> None:
@@ -203,6 +215,18 @@ class ModelChanges:
 
     # --------------------------------------------------------------------- add
     async def add(self, name: str, model: ModelRef, available: int | None, options: dict[str, Any]) -> ModelVersionInfo:
+        start = time.monotonic()
+        try:
+            info = await self._add(name, model, available, options)
+        except ModelLoadError as exc:
+            logger.warning("model add failed model=%s source=%s after_s=%.2f error=%s message=%s", logged(str(name)),
+                           logged(model_text(model)), time.monotonic() - start, type(exc).__name__, logged(str(exc)))
+            raise
+        logger.info("model added model=%s kind=%s version=%d source=%s took_s=%.2f", logged(info.name), info.kind,
+                    info.version_id, logged(info.source), time.monotonic() - start)
+        return info
+
+    async def _add(self, name: str, model: ModelRef, available: int | None, options: dict[str, Any]) -> ModelVersionInfo:
         available = check_available_bytes(available)
         async with self.lock:
             self.check_usable()
@@ -263,6 +287,7 @@ class ModelChanges:
             else:
                 raise InvalidParameterError("name", name, f"a loaded model: {self.models.loaded_names()}")
             await anyio.to_thread.run_sync(gc.collect)
+        logger.info("model removed model=%s abort=%s", logged(name), abort)
 
     async def _remove_generator(self, name: str, abort: bool) -> None:
         models = self.models
@@ -320,4 +345,3 @@ async def _to_the_end(work: Coroutine[Any, Any, T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
-

@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncinfer.plain import logged
+
 if TYPE_CHECKING:
     from asyncinfer.outputs import CoreOutput
     from asyncinfer.request import Request
@@ -132,15 +134,6 @@ class RequestTracker:
                                max(0.0, live.finish - live.arrival), text)
 
 
-def _logged(value: object) -> object:
-    """``value`` as the line shows it: a text holding a space, a line break or another character that is not
-    printable as its ``repr`` (quoted and escaped), so that an id the caller chose cannot end the line and write
-    another one, posing as another request's."""
-    if isinstance(value, str) and (not value.isprintable() or " " in value or not value):
-        return repr(value)
-    return value
-
-
 def log_finished(done: FinishedRequest) -> None:
     """The request's structured INFO line (``extra={"asyncinfer_request": {...}}`` for JSON formatters).
 
@@ -153,7 +146,7 @@ def log_finished(done: FinishedRequest) -> None:
         "prompt_tokens": done.prompt_len, "output_tokens": done.output_len,
         "ttft_s": None if done.ttft is None else round(done.ttft, 4), "latency_s": round(done.latency, 4),
     }
-    line = " ".join(f"{k}={_logged(v)}" for k, v in fields.items())
+    line = " ".join(f"{k}={logged(v)}" for k, v in fields.items())
     if done.text is not None:
         fields["prompt_text"], fields["output_text"] = done.text
         line += f" prompt_text={done.text[0]!r} output_text={done.text[1]!r}"
