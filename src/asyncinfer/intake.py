@@ -210,7 +210,7 @@ class RequestIntake:
             raise EngineOverloadedError(
                 f"model {self.models.name_of(holder)!r} has {_counted(limit, 'request')} in flight "
                 f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="
-                f"{version.config.max_waiting_requests}); retry later"
+                f"{version.config.max_waiting_requests}); retry later."
             )
 
     def _check_id_free(self, request_id: str, n: int) -> None:

@@ -25,7 +25,7 @@ async def test_a_limit_of_one_is_counted_in_the_singular(tiny_models) -> None:
         with pytest.raises(EngineOverloadedError) as full:
             await engine.generate([5, 6, 8], SamplingParams(max_tokens=2))
         assert str(full.value) == ("model 'default' has 1 request in flight (max_num_seqs=1 + max_waiting_requests=0); "
-                                   "retry later")
+                                   "retry later.")
         await busy
     async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, max_num_seqs=2,
                                            max_waiting_requests=1) as engine:

@@ -342,7 +342,8 @@ class _OpenAI:
         held = self.in_flight[who]
         if held + count > limit:
             more = "" if count == 1 else f" and this call makes {count} more"
-            raise APIError(429, f"This tenant has {_requests(held)} in flight{more}, the most this server allows one "
+            holder = "This tenant" if tenant is not None else "This API key (which has no tenant)"
+            raise APIError(429, f"{holder} has {_requests(held)} in flight{more}, the most this server allows one "
                                 f"tenant (max_requests_per_tenant={limit}): retry when one has ended.",
                            type="rate_limit_error", code="tenant_requests_exceeded", headers={"retry-after": "1"})
         self.in_flight[who] = held + count
