@@ -1,6 +1,6 @@
-"""A float checkpoint whose weights no block of the asked format can hold (a NaN, a value past float16's range) is a
-ModelLoadError naming the weight (it said only "weight: q4_1 stores its scales ...", which of the model's hundreds of
-weights left to the reader)."""
+"""A float checkpoint whose weights the asked format cannot hold (a NaN, an inf, a value past float16's range) is a
+ModelLoadError naming the weight: a block format said only "weight: q4_1 stores its scales ...", which of the model's
+hundreds of weights left to the reader, and float16 packed the NaN or the inf (every output it fed NaN) silently."""
 
 from __future__ import annotations
 
@@ -8,15 +8,42 @@ import pytest
 import torch
 
 from asyncinfer import AsyncEngine, ModelLoadError
-from tests.helpers import tiny_hf_model
+from tests.helpers import tiny_hf_model, write_gemma_gguf
+
+KV = {"max_model_len": 64, "kv_cache_memory": 1 << 22}
 
 
-@pytest.mark.parametrize(("quantization", "value"), [("q4_1", float("nan")), ("q8_0", 1e6), ("q4_0", float("inf"))])
+@pytest.mark.parametrize(("quantization", "value"), [
+    ("q4_1", float("nan")), ("q8_0", 1e6), ("q4_0", float("inf")),
+    ("float16", float("nan")), ("float16", 1e6), ("float16", float("-inf")), ("int8", float("inf")),
+])
 async def test_a_weight_no_block_can_hold_is_refused_naming_it(tmp_path, quantization: str, value: float) -> None:
     model = tiny_hf_model("llama")
     with torch.no_grad():
         model.model.layers[1].self_attn.o_proj.weight[3, 5] = value
     model.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as caught:
-        await AsyncEngine.load(tmp_path, quantization=quantization, max_model_len=64, kv_cache_memory=1 << 22)
+        await AsyncEngine.load(tmp_path, quantization=quantization, **KV)
     assert f"layers.1.attn.o_proj.weight cannot be quantized to {quantization}" in str(caught.value)  # (its name here)
+
+
+@pytest.mark.parametrize("quantization", ["float16", "q8_0"])
+async def test_a_gguf_float_tensor_the_format_cannot_hold_is_refused_naming_it(tmp_path, quantization: str) -> None:
+    """The same from a GGUF file's float32 tensor, built a tensor at a time from the file."""
+    model = tiny_hf_model("gemma2")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[1, 2] = float("nan")
+    path = write_gemma_gguf(model, tmp_path / "nan.gguf")
+    with pytest.raises(ModelLoadError) as caught:
+        await AsyncEngine.load(path, quantization=quantization, **KV)
+    assert f"layers.0.mlp.down_proj.weight cannot be quantized to {quantization}" in str(caught.value)
+
+
+async def test_float16_takes_its_largest_value(tmp_path) -> None:
+    """65504 is float16's largest finite value: a weight of exactly that loads."""
+    model = tiny_hf_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[3, 5] = 65504.0
+    model.save_pretrained(tmp_path)
+    async with await AsyncEngine.load(tmp_path, quantization="float16", **KV) as engine:
+        assert engine.config.quantization == "float16"

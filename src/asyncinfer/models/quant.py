@@ -310,6 +310,10 @@ def packed_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+#: float16's largest finite value (65504): a float weight past it is refused, not stored as an inf.
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
 class Fp16Linear(FormatLinear):
     """float16 weights (fbgemm's packed fp16 matrix), float32 activations and accumulation."""
 
@@ -318,7 +322,12 @@ class Fp16Linear(FormatLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), _float_bias(bias))
+        w = weight.detach().float()
+        largest = float(w.abs().amax()) if w.numel() else 0.0
+        if not largest <= FLOAT16_MAX:  # (a NaN too): fbgemm would pack an inf or a NaN, and every output it feeds
+            raise ValueError(f"weight: float16 holds magnitudes up to {FLOAT16_MAX:g} and no NaN; got a largest |w| "
+                             f"of {largest:g}")
+        self._packed = torch.ops.quantized.linear_prepack_fp16(w, _float_bias(bias))
         self.nbytes = linear_bytes("float16", self.out_features, self.in_features, bias=bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -732,17 +741,16 @@ def apply_weight_format(model: nn.Module, method: str | None, skip: Iterable[str
     def build(job: tuple[nn.Module | None, str, str, str, torch.Tensor, torch.Tensor | None]) -> FormatLinear:
         _, _, full, fmt, weight, bias = job
         kernel = "rows" if full == "lm_head" else "tile"  # a row per sampled request, or every token of a prefill
-        if source is None:
-            try:
-                if mixed_parts(fmt):
-                    return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
-                if fmt in BLOCK_FORMATS:
-                    return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
-                return _layer_class(fmt)(weight, bias)
-            except ValueError as exc:  # weights no block of the format can hold (a NaN, past float16's range; int8:
-                # a NaN or an inf)
-                raise ModelLoadError(f"{full}.weight cannot be quantized to {fmt}: {exc}") from None
-        return _from_source(fmt, source(full), activation_dtype, kernel)
+        try:
+            if source is not None:
+                return _from_source(fmt, source(full), activation_dtype, kernel)
+            if mixed_parts(fmt):
+                return _mixed_from_floats(fmt, weight, bias, activation_dtype, kernel)
+            if fmt in BLOCK_FORMATS:
+                return block_layer_class(fmt)(weight, bias, activation_dtype=activation_dtype, int8_kernel=kernel)
+            return _layer_class(fmt)(weight, bias)
+        except ValueError as exc:  # weights the format cannot hold (a NaN or an inf; past float16's range)
+            raise ModelLoadError(f"{full}.weight cannot be quantized to {fmt}: {exc}") from None
 
     # The kernels' packing runs single-threaded and outside the GIL: one layer per core at load
     # (fbgemm's float16 packing of SmolLM2-135M: 1.8 s alone, 1.2 s on two cores).
