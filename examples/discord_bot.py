@@ -312,7 +312,7 @@ def main() -> None:  # pragma: no cover - needs a Discord token and the network
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model path or name (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args()
-    token = os.environ.get("DISCORD_TOKEN")
+    token = os.environ.get("DISCORD_TOKEN", "").strip()  # (a token copied with a space or a line break around it)
     if not token:
         raise SystemExit("set DISCORD_TOKEN to the bot's token")
 

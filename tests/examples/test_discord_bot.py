@@ -353,3 +353,23 @@ def test_a_bad_token_or_no_network_is_one_line_not_a_traceback(example, monkeypa
     with pytest.raises(SystemExit) as exit_:
         example.main()
     assert str(exit_.value.code).startswith(said) and "\n" not in str(exit_.value.code)
+
+
+@pytest.mark.parametrize("token", [None, "", " ", "\n"])
+def test_no_token_is_refused_before_the_model_loads(example, monkeypatch, token) -> None:
+    """No token, or one of blanks only (a copy gone wrong), is refused at once: a blank one was sent to Discord after
+    the model had loaded."""
+    discord = pytest.importorskip("discord")
+
+    def run(self, token, **kwargs):
+        raise AssertionError("reached Discord")
+
+    monkeypatch.setattr(discord.Client, "run", run)
+    if token is None:
+        monkeypatch.delenv("DISCORD_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("DISCORD_TOKEN", token)
+    monkeypatch.setattr("sys.argv", ["discord_bot.py"])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == "set DISCORD_TOKEN to the bot's token"
