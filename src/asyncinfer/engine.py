@@ -372,7 +372,15 @@ class AsyncEngine:
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
-        request, version, holder, binding = await self._bind(prompt, args, model)
+        try:
+            request, version, holder, binding = await self._bind(prompt, args, model)
+        except EngineClosedError as exc:
+            if self._state in (EngineState.CLOSING, EngineState.CLOSED):  # made while it ran, first read after
+                raise EngineClosedError(
+                    f"the engine was {self._state.value} at this stream's first read: a stream sends its request "
+                    "when it is first read, so read it before the engine closes (inside 'async with engine:')"
+                ) from exc
+            raise
         # Closed with this generator: `await stream.aclose()` posts the abort before it returns (an inner generator
         # left to the garbage collector was closed a loop iteration later, its id not yet marked as being aborted).
         async with contextlib.aclosing(self._submit(request, version, holder, binding)) as outputs:
