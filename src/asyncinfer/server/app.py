@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,11 @@ from asyncinfer.server.errors import (
 )
 from asyncinfer.server.router import openai_router
 from asyncinfer.server.settings import ModelSpec, ServerSettings, model_specs
+
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup as _Group
+else:  # anyio's dependency on Python 3.10
+    from exceptiongroup import BaseExceptionGroup as _Group
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +180,8 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
 
 
 class _EngineErrorAnswers:
-    """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through, before its answer
-    started, answered in OpenAI's shape as the router's routes answer it (a 400 naming the parameter, a 503 with
+    """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through (or an exception group of
+    nothing else, from the route's task group: its first), before its answer started, answered in OpenAI's shape as the router's routes answer it (a 400 naming the parameter, a 503 with
     ``Retry-After``, ...), logged only where it is a fault of the server (a 500: a dead engine, a failed request);
     one raised once the answer has started goes on up, as any fault does."""
 
@@ -195,11 +201,23 @@ class _EngineErrorAnswers:
 
         try:
             await self.app(scope, receive, send_)
-        except AsyncInferError as exc:
-            if started:
+        except Exception as exc:
+            error = _engine_error(exc)
+            if started or error is None:
                 raise
             request_id = new_request_id()
-            await from_exception(exc, request_id).response(request_id)(scope, receive, send)
+            await from_exception(error, request_id).response(request_id)(scope, receive, send)
+
+
+def _engine_error(exc: BaseException) -> AsyncInferError | None:
+    """The :class:`AsyncInferError` ``exc`` is, or the first of an exception group (a route's task group) that holds
+    nothing else; None for anything else (a fault, answered as one)."""
+    if isinstance(exc, AsyncInferError):
+        return exc
+    if not isinstance(exc, _Group):
+        return None
+    errors = [_engine_error(e) for e in exc.exceptions]
+    return errors[0] if errors and all(errors) else None
 
 
 def _api_error(request: Request, exc: Exception) -> Response:

@@ -1,0 +1,74 @@
+"""A deployment's own route that calls the engine from a task group (``asyncio.TaskGroup``, anyio's, ``gather`` in
+one): an engine refusal comes out wrapped in an exception group, which ``guard_app`` let through as a crash, a 500
+logged as "Exception in ASGI application". A group of nothing but asyncinfer errors is answered as its first is
+(a 400 naming the parameter); a group holding any other fault is still a fault."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import pytest
+
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
+from asyncinfer.server import app as server_app
+from asyncinfer.server import guard_app
+
+from .conftest import LiveServer
+
+
+def _app(errors: list[BaseException]):
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/both")
+    async def both() -> dict[str, str]:
+        async def fail(exc: BaseException) -> None:
+            raise exc
+
+        async with anyio.create_task_group() as group:
+            for exc in errors:
+                group.start_soon(fail, exc)
+        return {"ok": "yes"}
+
+    return guard_app(app)
+
+
+@pytest.mark.parametrize(("errors", "status", "param"), [
+    ([InvalidParameterError("max_tokens", 0, "an int >= 1")], 400, "max_tokens"),
+    ([InvalidParameterError("temperature", -1, "a float >= 0"), InvalidParameterError("top_p", 2, "(0, 1]")], 400,
+     "temperature"),
+    ([EngineOverloadedError("model 'default' has 4 requests in flight; retry later.", retry_after=2.0)], 503, None),
+])
+def test_a_group_of_engine_errors_is_answered_as_its_first(errors, status, param) -> None:
+    from fastapi.testclient import TestClient
+
+    r = TestClient(_app(errors)).get("/both")
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param and r.headers["x-request-id"]
+
+
+def test_a_group_with_another_fault_is_a_fault() -> None:
+    from fastapi.testclient import TestClient
+
+    app = _app([InvalidParameterError("max_tokens", 0, "an int >= 1"), RuntimeError("a bug")])
+    with pytest.raises(Exception) as caught:  # TestClient raises what the app raises: the group itself
+        TestClient(app).get("/both")
+    assert isinstance(caught.value, server_app._Group)
+    assert sorted(type(e).__name__ for e in caught.value.exceptions) == ["InvalidParameterError", "RuntimeError"]
+
+
+def test_under_uvicorn_a_group_of_refusals_logs_no_error(caplog) -> None:
+    live = LiveServer(_app([InvalidParameterError("max_tokens", 0, "an int >= 1")]))
+    uvicorn_log = logging.getLogger("uvicorn.error")  # where uvicorn logs "Exception in ASGI application"
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        import httpx
+
+        with live, caplog.at_level(logging.INFO):
+            r = httpx.get(f"{live.url}/both", timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
