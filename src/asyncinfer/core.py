@@ -207,8 +207,7 @@ class EngineCore:
 
     def _prepare(self, request: Request, stops: StopMatcher | None = None) -> None:
         """Give ``request`` its sampling state and detokenizer (``stops``: its stop strings'
-        matcher, when its parent's is shared; else the one built when it was bound, ``request.stops``, or
-        without one (a request made elsewhere) built here from its parameters)."""
+        matcher, when its parent's is shared; else built here from its parameters)."""
         request.sampling_state = SamplingState(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
@@ -218,8 +217,7 @@ class EngineCore:
         )
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params,
-                stops=stops if stops is not None else request.stops,
+                self.tokenizer, request.prompt_token_ids, request.params, stops=stops
             )
 
     def abort_request(self, request_id: str) -> list[CoreOutput]:

@@ -39,7 +39,7 @@ character is U+FFFD itself loses it too: the decoded text cannot tell the two ap
 **Stop strings.** Text that could still be the beginning of a stop string (a
 suffix of at most ``max(len(stop)) - 1`` characters that is a prefix of one of
 them) is held back, so a partial stop string is never shown. The stop strings are
-one :class:`StopMatcher` (an Aho-Corasick automaton, built once per request as it is bound, off the engine thread, and
+one :class:`StopMatcher` (an Aho-Corasick automaton, built once per request and
 shared by its ``n`` samples): each new character of text is one transition
 (amortised), and the automaton's state is the longest suffix of the text that
 could start a stop string, so neither the search nor the hold-back looks at the

@@ -12,11 +12,7 @@ the version's cache, or in a worker thread (never on the loop), so that a spec t
 grammar library refuses is an :class:`InvalidParameterError` before anything is queued. At most
 :data:`MAX_CONCURRENT_COMPILES` compiles run at once per engine, in threads of their own limiter: a
 caller sending many costly specs queues behind itself, and never holds the worker threads (anyio's
-shared pool) that other callers' tokenizing and body decoding use. A request's stop strings become
-their automaton (:class:`~asyncinfer.detokenizer.StopMatcher`) in ``bind`` too, never on the engine
-thread, where building one for a long list took as long as a decode step of every request there: on
-the loop up to :data:`STOPS_ON_LOOP_CHARS` characters, longer lists in a worker thread of their own
-limiter, one at a time.
+shared pool) that other callers' tokenizing and body decoding use.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -33,7 +29,6 @@ from typing import Any, Protocol
 import anyio
 
 from asyncinfer.catalog import ModelCatalog
-from asyncinfer.detokenizer import StopMatcher
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, ModelChangedError
 from asyncinfer.holder import ModelHolder, ModelVersion
 from asyncinfer.plain import plain_value
@@ -73,10 +68,6 @@ class IntakeObserver(Protocol):
 #: Grammar compiles (cache misses) running at once in one engine; the others wait their turn.
 MAX_CONCURRENT_COMPILES = 2
 
-#: Stop strings of at most this many characters together become their automaton on the loop (~0.1 ms);
-#: longer lists (up to ``sampling_params.MAX_STOP_CHARS``, ~10 ms) in a worker thread.
-STOPS_ON_LOOP_CHARS = 256
-
 
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
@@ -87,7 +78,6 @@ class RequestIntake:
         self._observer = observer
         self._ids = itertools.count()
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
-        self.stop_builds = anyio.CapacityLimiter(1)  # long stop lists' automata, one at a time
 
     def check(
         self,
@@ -151,7 +141,6 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
-            stops = await self._stop_matcher(args.params, version)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
             check_running()
@@ -164,7 +153,6 @@ class RequestIntake:
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
                                    version.max_model_len)
             request.grammar = grammar
-            request.stops = stops
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
             if isinstance(exc, InvalidParameterError) and exc.parameter == "model" and exc.value is not None:
@@ -194,16 +182,6 @@ class RequestIntake:
             check_running()
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
-
-    async def _stop_matcher(self, params: SamplingParams, version: ModelVersion) -> StopMatcher | None:
-        """The automaton of ``params``' stop strings, built off the engine thread; None without any, or for a model
-        without a tokenizer (no text to match them in)."""
-        strings = params.stop_strings
-        if not strings or version.core is None or version.core.tokenizer is None:
-            return None
-        if sum(map(len, strings)) <= STOPS_ON_LOOP_CHARS:
-            return StopMatcher(strings)
-        return await anyio.to_thread.run_sync(StopMatcher, strings, limiter=self.stop_builds)
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

@@ -64,10 +64,6 @@ class Request:
     # A structured request's grammar compiled for its model (asyncinfer.grammar.CompiledGrammar), set when it
     # is bound to the model (off the event loop); each sample gets its own matcher from it. None otherwise.
     grammar: Any = None
-    # Its stop strings' automaton (asyncinfer.detokenizer.StopMatcher), built when it is bound to the model (off
-    # the engine thread) and shared by its samples; None without stop strings (or for a request made elsewhere,
-    # whose detokenizer builds it).
-    stops: Any = None
     # Samples 1 .. n-1 not forked from this one yet: the driver forks them when it has
     # computed its prompt (asyncinfer.step.fork_samples). ``n - 1`` for a request as added.
     num_unforked_samples: int = field(init=False)
