@@ -181,9 +181,10 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
 
 class _EngineErrorAnswers:
     """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through (or an exception group of
-    nothing else, from the route's task group: its first), before its answer started, answered in OpenAI's shape as the router's routes answer it (a 400 naming the parameter, a 503 with
-    ``Retry-After``, ...), logged only where it is a fault of the server (a 500: a dead engine, a failed request);
-    one raised once the answer has started goes on up, as any fault does."""
+    nothing else, from the route's task group: its first), before its answer started, answered in OpenAI's shape as
+    the router's routes answer it (a 400 naming the parameter, a 503 with ``Retry-After``, ...), logged only where it
+    is a fault of the server (a 500: a dead engine, a failed request); one raised once the answer has started goes
+    on up, as any fault does."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
