@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from asyncinfer import grammar
+from asyncinfer import cli, grammar
 from asyncinfer.commands import serve
 
 
@@ -29,3 +29,17 @@ def test_ctrl_c_while_serve_imports_the_grammar_library_is_not_lost(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         serve.structured_line()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("flag", ["--chat-template", "--chat-template-file"])
+def test_chat_template_flags_from_llama_cpp_are_explained(flag: str, capsys) -> None:
+    """A file without a chat template (make_gguf.py's) is refused by ``chat``; a llama.cpp user's next try,
+    ``--chat-template-file t.jinja`` (llama-server's), was argparse's bare "unrecognized arguments" while
+    ``--chat-template`` had a hint, which named no way on for such a file."""
+    with pytest.raises(SystemExit) as exited:  # argparse's exit, before anything loads
+        cli.main(["chat", "--model", "x.gguf", flag, "t.jinja", "hi"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{flag} is not a flag of asyncinfer chat" in err and "the model's own" in err
+    assert "asyncinfer generate MODEL --prompt TEXT" in err
