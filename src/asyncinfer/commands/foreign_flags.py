@@ -21,6 +21,8 @@ _LOG_REQUESTS = ("vLLM's per-request logging switch; asyncinfer serve logs one l
                  "(the default); --log-level warning leaves them out")
 _CORS = ("vLLM's CORS setting; asyncinfer serve sends no CORS headers: a browser app reaches it through a proxy "
          "of the same origin, or one that adds them")
+_CHAT_TEMPLATE = ("a chat template of one's own; asyncinfer uses the model's own (a model without one takes plain "
+                  "text: asyncinfer generate MODEL --prompt TEXT)")
 _TLS = "a TLS setting; asyncinfer serve speaks plain HTTP: put a proxy that holds the certificate in front of it"
 
 #: Other tools' flags asyncinfer has no equivalent for, each with what to do instead.
@@ -50,7 +52,7 @@ REFUSED: dict[str, str] = {
     "--download-dir": "vLLM's download directory; asyncinfer never downloads a model but the default one "
                       "(ASYNCINFER_CACHE_DIR says where); a Hub id is read from the local Hugging Face cache "
                       "(HF_HUB_CACHE)",
-    "--chat-template": "a chat template of one's own; asyncinfer uses the model's own",
+    "--chat-template": _CHAT_TEMPLATE, "--chat-template-file": _CHAT_TEMPLATE,
     "--interactive": "llama.cpp's interactive mode; asyncinfer chat without a prompt is a session",
     "-i": "llama.cpp's interactive mode; asyncinfer chat without a prompt is a session",
     "--conversation": "llama.cpp's conversation mode; asyncinfer chat without a prompt is a session",

@@ -121,10 +121,16 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
 
 def structured_line() -> str:
     """Whether structured output (``response_format``, ``guided_*``, constrained tool calls) can run here:
-    it needs the grammar library, llguidance; without it such requests get a 501 ``not_implemented``."""
+    it needs the grammar library, llguidance; without it such requests get a 501 ``not_implemented``.
+
+    Its import (transformers, seconds) holds Ctrl-C back until it is done: a ``KeyboardInterrupt`` raised in
+    one of its modules' finalizers (``regex``'s) is swallowed there, and the server went on to serve.
+    """
+    from asyncinfer._interrupts import deferred_interrupts
     from asyncinfer.grammar import library_missing
 
-    missing = library_missing()
+    with deferred_interrupts():
+        missing = library_missing()
     if missing is None:
         return "  structured output: on (llguidance)"
     return ("  structured output: off (llguidance is not installed: pip install 'asyncinfer[structured]'; "
