@@ -42,4 +42,4 @@ def test_chat_template_flags_from_llama_cpp_are_explained(flag: str, capsys) -> 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{flag} is not a flag of asyncinfer chat" in err and "the model's own" in err
-    assert "asyncinfer generate MODEL --prompt TEXT" in err
+    assert "asyncinfer generate --model MODEL --prompt TEXT" in err

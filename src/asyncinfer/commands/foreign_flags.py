@@ -22,7 +22,7 @@ _LOG_REQUESTS = ("vLLM's per-request logging switch; asyncinfer serve logs one l
 _CORS = ("vLLM's CORS setting; asyncinfer serve sends no CORS headers: a browser app reaches it through a proxy "
          "of the same origin, or one that adds them")
 _CHAT_TEMPLATE = ("a chat template of one's own; asyncinfer uses the model's own (a model without one takes plain "
-                  "text: asyncinfer generate MODEL --prompt TEXT)")
+                  "text: asyncinfer generate --model MODEL --prompt TEXT)")
 _TLS = "a TLS setting; asyncinfer serve speaks plain HTTP: put a proxy that holds the certificate in front of it"
 
 #: Other tools' flags asyncinfer has no equivalent for, each with what to do instead.
