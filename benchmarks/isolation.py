@@ -12,10 +12,14 @@ with each companion, in interleaved rounds:
   step (``min_tokens = max_tokens``);
 - ``chats`` (a model with a chat template): beside ``plain``, a caller sending chats of
   ``MAX_CHAT_MESSAGES`` empty messages (templated off the loop, then refused for length) and
-  of 100,000 (refused before any work), back to back.
+  of 100,000 (refused before any work), back to back;
+- ``stop_flood``: beside ``plain``, a caller sending requests of one token, 16 at a time, back to back, each
+  with a stop list of its own at both limits (a new automaton to build for every request, on the engine
+  thread: docs/reliability.md's limits table says what it costs).
 
 Reported per case: the median TPOT over rounds, its ratio to ``plain`` (the fraction a request
-at the limits adds beyond an ordinary one), and the event loop's lag (a 5 ms ticker's worst
+at the limits adds beyond an ordinary one), the neighbour's whole stream time (its first delta to its last;
+what a flood shows, since it adds to some gaps), and the event loop's lag (a 5 ms ticker's worst
 overshoot). ``--tiny`` runs a tiny random Llama whose core is given a tokenizer of one
 character per id (it has none), so stop strings run; it has no chat template.
 
@@ -59,21 +63,34 @@ class CharTokenizer:
         return "".join(chr(0x4E00 + i) for i in ids)
 
 
-def hostile_stops(sample: str) -> list[str]:
+def hostile_stops(sample: str, variant: int = 0) -> list[str]:
     """The longest stop list the limits allow; each string starts like ``sample`` (a live candidate
-    at every token) and ends in a character no model writes, so none ever completes."""
+    at every token) and ends in a character no model writes, so none ever completes. Each ``variant``
+    is a list of its own (its own automaton)."""
     length = MAX_STOP_CHARS // MAX_STOP_STRINGS
-    head = (sample * length)[: length - 2]
-    return [head + chr(0xE000 + i // 64) + chr(0xE000 + i % 64) for i in range(MAX_STOP_STRINGS)]
+    head = (sample * length)[: length - 3]
+    tag = chr(0xE000 + 4096 + variant % 2048)
+    return [head + tag + chr(0xE000 + i // 64) + chr(0xE000 + i % 64) for i in range(MAX_STOP_STRINGS)]
 
 
-async def neighbour_tpot(engine: AsyncEngine, prompt: Any, tokens: int) -> float:
-    """The median gap (seconds) between the neighbour's deltas."""
+async def neighbour_stream(engine: AsyncEngine, prompt: Any, tokens: int) -> tuple[float, float]:
+    """The median gap (seconds) between the neighbour's deltas, and its first delta to its last."""
     stamps = []
     async for _ in engine.stream(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
         stamps.append(time.perf_counter())
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return statistics.median(gaps)
+    return statistics.median(gaps), stamps[-1] - stamps[0]
+
+
+async def stop_flood(engine: AsyncEngine, stop: asyncio.Event, prompt: Any, sample: str) -> int:
+    """Send one-token requests, 16 at a time, each with a stop list of its own at the limits, until ``stop``;
+    returns how many were sent."""
+    sent = 0
+    while not stop.is_set():
+        batch = [SamplingParams(max_tokens=1, stop=hostile_stops(sample, sent + i)) for i in range(16)]
+        await asyncio.gather(*(engine.generate(prompt, params) for params in batch))
+        sent += len(batch)
+    return sent
 
 
 async def chat_flood(engine: AsyncEngine, stop: asyncio.Event) -> int:
@@ -114,14 +131,16 @@ async def one_case(engine: AsyncEngine, case: str, prompt: Any, companion: Any, 
         await asyncio.sleep(0.05)  # it runs before the neighbour starts, and after it ends
     if case == "chats":
         side.append(asyncio.create_task(chat_flood(engine, stop)))
-    tpot = await neighbour_tpot(engine, prompt, tokens)
+    if case == "stop_flood":
+        side.append(asyncio.create_task(stop_flood(engine, stop, companion, stops[0][:4])))
+    tpot, stream_s = await neighbour_stream(engine, prompt, tokens)
     stop.set()
     for task in side:
         task.cancel()
     await asyncio.gather(*side, return_exceptions=True)
     ticking = False
     await tick
-    return {"tpot_s": tpot, "loop_lag_s": lag}
+    return {"tpot_s": tpot, "stream_s": stream_s, "loop_lag_s": lag}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,25 +163,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         prompt: Any = [(13 * j) % 300 + 3 for j in range(20)]
         companion: Any = [(29 * j) % 300 + 7 for j in range(20)]
         sample = CharTokenizer().decode([5, 6, 7])
-        cases = ["alone", "plain", "stops"]
+        cases = ["alone", "plain", "stops", "stop_flood"]
     else:
         prompt = "Write a long story about a lighthouse keeper."
         companion = "Write a long story about a sailor."
         sample = " the"
-        cases = ["alone", "plain", "stops", "chats"]
+        cases = ["alone", "plain", "stops", "chats", "stop_flood"]
     stops = hostile_stops(sample)
     rounds: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
     async with engine:
-        await neighbour_tpot(engine, prompt, 4)  # warm
+        await neighbour_stream(engine, prompt, 4)  # warm
         for _ in range(args.rounds):
             for case in cases:
                 rounds[case].append(await one_case(engine, case, prompt, companion, args.tokens, stops))
     median = {case: statistics.median(r["tpot_s"] for r in rs) for case, rs in rounds.items()}
+    stream = {case: statistics.median(r["stream_s"] for r in rs) for case, rs in rounds.items()}
     return {
         "model": "tiny" if args.tiny else str(args.model or "SmolLM2-135M-Instruct"),
         "rounds": rounds,
         "median_tpot_s": median,
         "over_plain": {case: median[case] / median["plain"] for case in cases},
+        "median_stream_s": stream,
         "max_loop_lag_s": {case: max(r["loop_lag_s"] for r in rs) for case, rs in rounds.items()},
         "limits": {"MAX_STOP_STRINGS": MAX_STOP_STRINGS, "MAX_STOP_CHARS": MAX_STOP_CHARS,
                    "MAX_STOP_TOKEN_IDS": MAX_STOP_TOKEN_IDS, "MAX_CHAT_MESSAGES": MAX_CHAT_MESSAGES},
@@ -173,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = asyncio.run(run(args))
     for case, tpot in result["median_tpot_s"].items():
-        print(f"{case:6s} neighbour TPOT {tpot * 1e3:8.2f} ms  x{result['over_plain'][case]:.3f} of plain  "
+        print(f"{case:10s} neighbour TPOT {tpot * 1e3:8.2f} ms  x{result['over_plain'][case]:.3f} of plain  "
+              f"stream {result['median_stream_s'][case]:.2f} s  "
               f"loop lag max {result['max_loop_lag_s'][case] * 1e3:.1f} ms")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,12 @@ grammar library refuses is an :class:`InvalidParameterError` before anything is 
 caller sending many costly specs queues behind itself, and never holds the worker threads (anyio's
 shared pool) that other callers' tokenizing and body decoding use.
 
+A request whose stop strings come to more than :data:`STOP_BUILD_FREE_CHARS` characters waits its turn in ``bind``
+(:data:`STOP_BUILD_CHARS_PER_S`): the engine thread builds each request's stop automaton (~12 ms for a list at
+both limits), so a flood of such requests, each with a list of its own, held every neighbour's tokens for as long
+as their automata took (a decode step of the default model per request). Now such lists reach the engine thread
+at a bounded rate, about 2% of its time; the flood waits, not its neighbours. Shorter lists never wait.
+
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
 """
@@ -21,6 +27,8 @@ every refusal and of every request bound; it never changes what the intake does.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,7 +49,7 @@ from asyncinfer.prompts import (
     make_request,
 )
 from asyncinfer.request import Request
-from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.sampling_params import MAX_STOP_CHARS, SamplingParams
 from asyncinfer.streams import StreamTable
 
 
@@ -68,6 +76,12 @@ class IntakeObserver(Protocol):
 #: Grammar compiles (cache misses) running at once in one engine; the others wait their turn.
 MAX_CONCURRENT_COMPILES = 2
 
+#: Stop lists of at most this many characters together (~0.1 ms of automaton to build) never wait their turn.
+STOP_BUILD_FREE_CHARS = 256
+#: Characters of longer stop lists an engine admits a second (a token bucket that holds two lists at the limits,
+#: ``sampling_params.MAX_STOP_CHARS`` each): what the engine thread spends building their automata stays near 2%.
+STOP_BUILD_CHARS_PER_S = 32768
+
 
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
@@ -78,6 +92,7 @@ class RequestIntake:
         self._observer = observer
         self._ids = itertools.count()
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
+        self._stop_clock = -math.inf  # when the long stop lists admitted so far will have been built, at the rate
 
     def check(
         self,
@@ -140,6 +155,7 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
+            await self._stop_turn(args.params)
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
@@ -182,6 +198,25 @@ class RequestIntake:
             check_running()
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
+
+    async def _stop_turn(self, params: SamplingParams) -> None:
+        """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters, until the lists before it have been
+        admitted at :data:`STOP_BUILD_CHARS_PER_S` (first come, first served; at once while the bucket holds it)."""
+        chars = sum(map(len, params.stop_strings))
+        if chars <= STOP_BUILD_FREE_CHARS:
+            return
+        now = time.monotonic()
+        burst = 2 * MAX_STOP_CHARS / STOP_BUILD_CHARS_PER_S
+        cost = chars / STOP_BUILD_CHARS_PER_S
+        self._stop_clock = turn = max(self._stop_clock, now - burst) + cost
+        if turn <= now:
+            return
+        try:
+            await anyio.sleep(turn - now)
+        except BaseException:
+            if self._stop_clock == turn:  # the last in line gave up its turn: the next one need not wait for it
+                self._stop_clock -= cost
+            raise
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

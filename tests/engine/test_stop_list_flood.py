@@ -1,0 +1,85 @@
+"""A flood of requests each with a long stop list of its own (pass37): the engine thread builds each request's stop
+automaton (~12 ms for a list at both limits), so the flood held every neighbour's tokens for as long as its automata
+took. Long lists now reach the engine at a bounded rate (intake.STOP_BUILD_CHARS_PER_S, a token bucket of two lists
+at the limits): the flood waits its turn, short lists never wait, and a waiter that gives up frees its turn."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import asyncinfer.detokenizer
+import asyncinfer.intake
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.intake import STOP_BUILD_FREE_CHARS
+from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tests.helpers import ENGINE_BASE
+
+RATE = 16 * MAX_STOP_CHARS  # chars a second here: a list at the limits every 1/16 s after the burst of two
+
+
+class CharTokenizer:
+    """Each token id decodes to a character of its own (the tiny model has no tokenizer)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def long_stops(variant: int) -> list[str]:
+    """A list at both limits, of its own (each needs its own automaton)."""
+    length = MAX_STOP_CHARS // MAX_STOP_STRINGS
+    return [chr(0xE000 + variant) + f"{i:0{length - 1}d}" for i in range(MAX_STOP_STRINGS)]
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[tuple[float, int]]:
+    """When each stop automaton was built on the engine thread, and of how many characters."""
+    seen: list[tuple[float, int]] = []
+    real = asyncinfer.detokenizer.StopMatcher.__init__
+
+    def init(self, strings):
+        real(self, strings)
+        if threading.current_thread().name == "asyncinfer-core":
+            seen.append((time.monotonic(), sum(map(len, strings))))
+
+    monkeypatch.setattr(asyncinfer.detokenizer.StopMatcher, "__init__", init)
+    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", RATE)
+    return seen
+
+
+async def test_long_stop_lists_reach_the_engine_at_a_bounded_rate(tiny_models, builds) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    engine.core.tokenizer = CharTokenizer()
+    async with engine:
+        start = time.monotonic()
+        flood = [asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=long_stops(i))))
+                 for i in range(8)]
+        await asyncio.sleep(0.01)
+        short = await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=["x" * STOP_BUILD_FREE_CHARS]))
+        short_done = time.monotonic() - start
+        await asyncio.gather(*flood)
+    assert short.outputs[0].finish_reason == "length"
+    long_builds = [t - start for t, chars in builds if chars == MAX_STOP_CHARS]
+    assert len(long_builds) == 8
+    # Two at once (the bucket), then one every 1/16 s: the eighth not before 6/16 s (a little slack for the clock).
+    assert long_builds[-1] >= 6 / 16 - 0.02, long_builds
+    assert short_done < long_builds[-1]  # the short list did not queue behind the flood
+
+
+async def test_a_waiter_that_gives_up_frees_its_turn(tiny_models, builds) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    engine.core.tokenizer = CharTokenizer()
+    async with engine:
+        params = [SamplingParams(max_tokens=1, stop=long_stops(i)) for i in range(4)]
+        await asyncio.gather(*(engine.generate([5, 6, 7], p) for p in params[:2]))  # the bucket's two
+        waiting = asyncio.ensure_future(engine.generate([5, 6, 7], params[2]))  # a turn 1/16 s away
+        await asyncio.sleep(0.005)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        start = time.monotonic()
+        await engine.generate([5, 6, 7], params[3])  # takes the freed turn, not the one after it
+        assert time.monotonic() - start < 1.5 / 16
