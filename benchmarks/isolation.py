@@ -33,12 +33,15 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import git_commit, machine_info
 
 from asyncinfer import AsyncEngine, InvalidParameterError, SamplingParams
 from asyncinfer.prompts import MAX_CHAT_MESSAGES
@@ -143,7 +146,7 @@ async def one_case(engine: AsyncEngine, case: str, prompt: Any, companion: Any, 
     return {"tpot_s": tpot, "stream_s": stream_s, "loop_lag_s": lag}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, argv_used: list[str] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {"max_model_len": 1024}
     if args.threads:
         options["num_threads"] = args.threads
@@ -179,6 +182,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     median = {case: statistics.median(r["tpot_s"] for r in rs) for case, rs in rounds.items()}
     stream = {case: statistics.median(r["stream_s"] for r in rs) for case, rs in rounds.items()}
     return {
+        "command": " ".join(["python", "benchmarks/isolation.py", *(argv_used or [])]),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_end": list(os.getloadavg()),
+        "machine": machine_info(),
         "model": "tiny" if args.tiny else str(args.model or "SmolLM2-135M-Instruct"),
         "rounds": rounds,
         "median_tpot_s": median,
@@ -191,8 +199,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    result = asyncio.run(run(args))
+    result = asyncio.run(run(args, argv))
     for case, tpot in result["median_tpot_s"].items():
         print(f"{case:10s} neighbour TPOT {tpot * 1e3:8.2f} ms  x{result['over_plain'][case]:.3f} of plain  "
               f"stream {result['median_stream_s'][case]:.2f} s  "
