@@ -14,11 +14,15 @@ grammar library refuses is an :class:`InvalidParameterError` before anything is 
 caller sending many costly specs queues behind itself, and never holds the worker threads (anyio's
 shared pool) that other callers' tokenizing and body decoding use.
 
-A request whose stop strings come to more than :data:`STOP_BUILD_FREE_CHARS` characters waits its turn in ``bind``
-(:data:`STOP_BUILD_CHARS_PER_S`): the engine thread builds each request's stop automaton (~12 ms for a list at
-both limits), so a flood of such requests, each with a list of its own, held every neighbour's tokens for as long
-as their automata took (a decode step of the default model per request). Now such lists reach the engine thread
-at a bounded rate, about 2% of its time; the flood waits, not its neighbours. Shorter lists never wait.
+Two kinds of request wait their turn in ``bind`` (:class:`Turns`, a token bucket each, first come, first served),
+so that a flood of them waits instead of its neighbours: a request whose stop strings come to more than
+:data:`STOP_BUILD_FREE_CHARS` characters (the engine thread builds each request's stop automaton, ~12 ms for a
+list at both limits, and such a flood, each request with a list of its own, held every neighbour's tokens for as
+long as their automata took: a decode step of the default model per request), at :data:`STOP_BUILD_CHARS_PER_S`;
+and a chat of more than :data:`CHAT_FREE_MESSAGES` messages (templated in a worker thread, ~30 us a message in
+Jinja, holding the interpreter's lock against the engine thread and the loop meanwhile: a flood of 4096-message
+chats, each refused for its length once rendered, made a neighbour's tokens 1.5-2.3x slower), at
+:data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -41,11 +45,13 @@ from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, Mode
 from asyncinfer.holder import ModelHolder, ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.prompts import (
+    MAX_CHAT_MESSAGES,
     Prompt,
     check_prompt_len,
     check_request_args,
     check_request_id,
     check_stop_token_ids,
+    is_chat,
     make_request,
 )
 from asyncinfer.request import Request
@@ -81,6 +87,35 @@ STOP_BUILD_FREE_CHARS = 256
 #: Characters of longer stop lists an engine admits a second (a token bucket that holds two lists at the limits,
 #: ``sampling_params.MAX_STOP_CHARS`` each): what the engine thread spends building their automata stays near 2%.
 STOP_BUILD_CHARS_PER_S = 32768
+#: Chats of at most this many messages (~10 ms of template) never wait their turn.
+CHAT_FREE_MESSAGES = 256
+#: Messages of longer chats an engine admits a second (a token bucket that holds two chats at the limit,
+#: ``prompts.MAX_CHAT_MESSAGES`` each): their templating takes about 6% of one core.
+CHAT_MESSAGES_PER_S = 2048
+
+
+class Turns:
+    """A token bucket in virtual time: :meth:`wait` for ``amount`` returns once the amounts before it have passed at
+    ``rate`` a second, at once while the bucket (``burst``) holds it; a waiter that gives up (cancelled) as the last
+    in line gives its turn back."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = -math.inf  # when the amounts admitted so far will have passed, at the rate
+
+    async def wait(self, amount: float) -> None:
+        now = time.monotonic()
+        cost = amount / self.rate
+        self._clock = turn = max(self._clock, now - self.burst / self.rate) + cost
+        if turn <= now:
+            return
+        try:
+            await anyio.sleep(turn - now)
+        except BaseException:
+            if self._clock == turn:  # the last in line gave up its turn: the next one need not wait for it
+                self._clock -= cost
+            raise
 
 
 class RequestIntake:
@@ -92,7 +127,8 @@ class RequestIntake:
         self._observer = observer
         self._ids = itertools.count()
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
-        self._stop_clock = -math.inf  # when the long stop lists admitted so far will have been built, at the rate
+        self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)
+        self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)
 
     def check(
         self,
@@ -155,7 +191,7 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
-            await self._stop_turn(args.params)
+            await self._take_turns(prompt, args.params)
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
@@ -199,24 +235,14 @@ class RequestIntake:
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
 
-    async def _stop_turn(self, params: SamplingParams) -> None:
-        """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters, until the lists before it have been
-        admitted at :data:`STOP_BUILD_CHARS_PER_S` (first come, first served; at once while the bucket holds it)."""
+    async def _take_turns(self, prompt: Prompt, params: SamplingParams) -> None:
+        """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters or a chat over
+        :data:`CHAT_FREE_MESSAGES` messages, for its turn (the module's docstring)."""
         chars = sum(map(len, params.stop_strings))
-        if chars <= STOP_BUILD_FREE_CHARS:
-            return
-        now = time.monotonic()
-        burst = 2 * MAX_STOP_CHARS / STOP_BUILD_CHARS_PER_S
-        cost = chars / STOP_BUILD_CHARS_PER_S
-        self._stop_clock = turn = max(self._stop_clock, now - burst) + cost
-        if turn <= now:
-            return
-        try:
-            await anyio.sleep(turn - now)
-        except BaseException:
-            if self._stop_clock == turn:  # the last in line gave up its turn: the next one need not wait for it
-                self._stop_clock -= cost
-            raise
+        if chars > STOP_BUILD_FREE_CHARS:
+            await self._stop_turns.wait(chars)
+        if is_chat(prompt) and len(prompt) > CHAT_FREE_MESSAGES:
+            await self._chat_turns.wait(len(prompt))
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

@@ -14,7 +14,7 @@ import pytest
 import asyncinfer.detokenizer
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
-from asyncinfer.intake import STOP_BUILD_FREE_CHARS
+from asyncinfer.intake import STOP_BUILD_FREE_CHARS, Turns
 from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.helpers import ENGINE_BASE
 
@@ -69,17 +69,17 @@ async def test_long_stop_lists_reach_the_engine_at_a_bounded_rate(tiny_models, b
     assert short_done < long_builds[-1]  # the short list did not queue behind the flood
 
 
-async def test_a_waiter_that_gives_up_frees_its_turn(tiny_models, builds) -> None:
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
-    engine.core.tokenizer = CharTokenizer()
-    async with engine:
-        params = [SamplingParams(max_tokens=1, stop=long_stops(i)) for i in range(4)]
-        await asyncio.gather(*(engine.generate([5, 6, 7], p) for p in params[:2]))  # the bucket's two
-        waiting = asyncio.ensure_future(engine.generate([5, 6, 7], params[2]))  # a turn 1/16 s away
-        await asyncio.sleep(0.005)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        start = time.monotonic()
-        await engine.generate([5, 6, 7], params[3])  # takes the freed turn, not the one after it
-        assert time.monotonic() - start < 1.5 / 16
+async def test_a_waiter_that_gives_up_frees_its_turn() -> None:
+    """intake.Turns at one unit a second with room for one: the second waiter's turn is a second away; cancelled,
+    the third takes that turn (about a second), not the one after it (two)."""
+    turns = Turns(rate=1.0, burst=1.0)
+    start = time.monotonic()
+    await turns.wait(1)
+    assert time.monotonic() - start < 0.2  # the bucket held it
+    second = asyncio.ensure_future(turns.wait(1))
+    await asyncio.sleep(0.05)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await turns.wait(1)
+    assert 0.8 < time.monotonic() - start < 1.5
