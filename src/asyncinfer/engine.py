@@ -372,10 +372,13 @@ class AsyncEngine:
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:
+        # Read first once the engine was closing or closed (made while it ran); not one that it closed while it was
+        # bound (its prompt made off the loop, its turn awaited, ...), which was read in time (pass38).
+        read_late = self._state in (EngineState.CLOSING, EngineState.CLOSED)
         try:
             request, version, holder, binding = await self._bind(prompt, args, model)
         except EngineClosedError as exc:
-            if self._state in (EngineState.CLOSING, EngineState.CLOSED):  # made while it ran, first read after
+            if read_late:
                 raise EngineClosedError(
                     f"the engine was {self._state.value} at this stream's first read: a stream sends its request "
                     "when it is first read, so read it before the engine closes (inside 'async with engine:')"

@@ -94,24 +94,30 @@ CHAT_FREE_MESSAGES = 256
 CHAT_MESSAGES_PER_S = 2048
 
 
+#: How often a waiter for its turn looks whether it may still wait (the engine closed: it stops at once).
+TURN_CHECK_S = 0.25
+
+
 class Turns:
     """A token bucket in virtual time: :meth:`wait` for ``amount`` returns once the amounts before it have passed at
-    ``rate`` a second, at once while the bucket (``burst``) holds it; a waiter that gives up (cancelled) as the last
-    in line gives its turn back."""
+    ``rate`` a second, at once while the bucket (``burst``) holds it; a waiter that gives up (cancelled, or ``check``
+    raising: the engine closed) as the last in line gives its turn back."""
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate = rate
         self.burst = burst
         self._clock = -math.inf  # when the amounts admitted so far will have passed, at the rate
 
-    async def wait(self, amount: float) -> None:
+    async def wait(self, amount: float, check: Callable[[], None] = lambda: None) -> None:
+        """Wait for the turn of ``amount``, calling ``check`` every :data:`TURN_CHECK_S` meanwhile (what it raises
+        ends the wait)."""
         now = time.monotonic()
         cost = amount / self.rate
         self._clock = turn = max(self._clock, now - self.burst / self.rate) + cost
-        if turn <= now:
-            return
         try:
-            await anyio.sleep(turn - now)
+            while (left := turn - time.monotonic()) > 0:
+                await anyio.sleep(min(left, TURN_CHECK_S))
+                check()
         except BaseException:
             if self._clock == turn:  # the last in line gave up its turn: the next one need not wait for it
                 self._clock -= cost
@@ -191,7 +197,7 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await."""
         try:
-            await self._take_turns(prompt, args.params)
+            await self._take_turns(prompt, args.params, check_running)
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
@@ -235,14 +241,15 @@ class RequestIntake:
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
 
-    async def _take_turns(self, prompt: Prompt, params: SamplingParams) -> None:
+    async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None]) -> None:
         """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters or a chat over
-        :data:`CHAT_FREE_MESSAGES` messages, for its turn (the module's docstring)."""
+        :data:`CHAT_FREE_MESSAGES` messages, for its turn (the module's docstring); the engine closing meanwhile ends
+        the wait (``check_running`` raises)."""
         chars = sum(map(len, params.stop_strings))
         if chars > STOP_BUILD_FREE_CHARS:
-            await self._stop_turns.wait(chars)
+            await self._stop_turns.wait(chars, check_running)
         if is_chat(prompt) and len(prompt) > CHAT_FREE_MESSAGES:
-            await self._chat_turns.wait(len(prompt))
+            await self._chat_turns.wait(len(prompt), check_running)
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:
