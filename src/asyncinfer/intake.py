@@ -133,8 +133,8 @@ class RequestIntake:
         self._observer = observer
         self._ids = itertools.count()
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
-        self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)
-        self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)
+        self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)  # the rates as set now (a deployment
+        self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # may raise them before making engines)
 
     def check(
         self,

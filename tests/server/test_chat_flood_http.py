@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-import asyncinfer.server.router
+import asyncinfer.intake
 from asyncinfer.intake import CHAT_FREE_MESSAGES
 from asyncinfer.prompts import MAX_CHAT_MESSAGES
 from asyncinfer.server import ModelSpec, create_app
@@ -23,7 +23,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 
 @pytest.fixture
 def live(tmp_path, monkeypatch):
-    monkeypatch.setattr(asyncinfer.server.router, "CHAT_MESSAGES_PER_S", 1.0)  # past its bucket, a long chat waits
+    monkeypatch.setattr(asyncinfer.intake, "CHAT_MESSAGES_PER_S", 1.0)  # past its bucket, a long chat waits
     plain = tmp_path / "plain"
     tiny_hf_model("llama", vocab_size=320, max_position_embeddings=2 * MAX_CHAT_MESSAGES).save_pretrained(plain)
     model = with_chat_template(plain, tmp_path / "chat", TEMPLATE)

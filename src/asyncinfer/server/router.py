@@ -26,11 +26,11 @@ from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from asyncinfer import intake
 from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
-from asyncinfer.intake import CHAT_FREE_MESSAGES, CHAT_MESSAGES_PER_S, Turns
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import (
     MAX_CHAT_MESSAGES,
@@ -188,7 +188,7 @@ class _OpenAI:
         self.loop_share = LoopShare(OFF_LOOP_CHARS)
         # the long chats this server renders itself (a tools chat, a stream's usage count) take their turns here, as
         # the engine's take theirs in its intake (asyncinfer.intake): a flood of them waits, not its neighbours
-        self.chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)
+        self.chat_turns = intake.Turns(intake.CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # the rate as set now
         # the headers a generation's decisions read besides the key and the body's type (the tenant header only where
         # the settings read it): a request giving one of them twice is a 400 (auth.single_header), after the key
         reads_tenant = settings.tenant_from == "header" or settings.cache_isolation == "header"
@@ -571,7 +571,7 @@ class _OpenAI:
         if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
             # tokenizer): run by it, or made again
             g.pin()
-        if (rendered or counted) and len(body.messages) > CHAT_FREE_MESSAGES:
+        if (rendered or counted) and len(body.messages) > intake.CHAT_FREE_MESSAGES:
             # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait
             await unless_disconnected(call.request, self.chat_turns.wait(len(body.messages)))
         if rendered:
