@@ -12,13 +12,18 @@ starvation-free.
 from __future__ import annotations
 
 import importlib.util
+from collections import defaultdict, deque
+from itertools import zip_longest
 from pathlib import Path
 
 import pytest
 
+from asyncinfer import SamplingParams
 from asyncinfer.cache import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
-from asyncinfer.schedulers import SchedulerConfig
+from asyncinfer.request import Request
+from asyncinfer.schedulers import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.step import apply_step
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
 
@@ -47,10 +52,6 @@ def test_the_example_takes_positive_weights(example, weights) -> None:
 
 def test_a_zero_weight_no_longer_fails_every_tenant(example) -> None:
     """Driven without a model: the zero weight's ``schedule()`` raised ZeroDivisionError with "acme" queued."""
-    from asyncinfer import SamplingParams
-    from asyncinfer.request import Request
-    from asyncinfer.step import apply_step
-
     try:
         sched = example.FairShareScheduler(SchedulerConfig(max_model_len=64), KVCacheManager(32, 4),
                                            weights={"acme": 0})
@@ -60,3 +61,69 @@ def test_a_zero_weight_no_longer_fails_every_tenant(example) -> None:
         sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=0.0))
     apply_step(sched, sched.schedule(), 0)  # raised ZeroDivisionError: every held request failed
     pytest.fail("the zero weight was taken")
+
+
+class PerUserQueues(Scheduler):
+    """A stranger's first fair share: a queue per user beside the base ``waiting``, one admission per user in
+    turn, through ``admit_waiting``; the base ``abort_request`` is not overridden, so the own queues keep a
+    request cancelled while it waits."""
+
+    api_version = 1
+    uses_priority = False
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.queues: dict[str, deque[Request]] = defaultdict(deque)
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.queues[request.request_id.partition("/")[0]].append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            order = [r for group in zip_longest(*self.queues.values()) for r in group if r is not None]
+            self.admit_waiting(order, budget, out)
+            for queue in self.queues.values():
+                while queue and queue[0].request_id in out.num_scheduled_tokens:
+                    queue.popleft()
+        return out
+
+
+def per_user_load() -> tuple[PerUserQueues, KVCacheManager]:
+    kv = KVCacheManager(32, 4)
+    sched = PerUserQueues(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv)
+    for i in range(3):
+        for user in ("alice", "bob"):
+            sched.add_request(Request(f"{user}/{i}", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=0.0))
+    return sched, kv
+
+
+def test_a_request_cancelled_in_a_plugin_s_own_queue_fails_nobody_else() -> None:
+    """bob/0 is cancelled while it waits: the base ``abort_request`` drops it from ``requests`` and ``waiting``,
+    the plugin's own queue keeps it. ``admit`` allocated its blocks and then raised ``ValueError: Request(...) not
+    in list`` from ``waiting.remove``: the step failed, and with it every request of every user the scheduler held
+    (the engine: alice's ``RequestFailedError``), and the aborted request's blocks were never freed (``memory_report``:
+    1/32 blocks held with no request in flight)."""
+    sched, kv = per_user_load()
+    sched.abort_request("bob/0")
+    done: set[str] = set()
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        plan = sched.schedule()
+        assert "bob/0" not in plan.num_scheduled_tokens
+        for finished in apply_step(sched, plan, 0).finished:
+            done.add(finished.request_id)
+    assert done == {"alice/0", "alice/1", "alice/2", "bob/1", "bob/2"}
+    assert kv.num_free_blocks == 32  # every block back, the aborted request's too
+
+
+def test_admit_refuses_a_request_that_does_not_wait_before_taking_blocks() -> None:
+    sched, kv = per_user_load()
+    gone = sched.abort_request("bob/0")
+    with pytest.raises(ValueError, match=r"'bob/0', which does not wait .*aborted or finished"):
+        sched.admit(gone, 64, SchedulerOutput())
+    assert kv.num_free_blocks == 32 and kv.block_table("bob/0") == []
+    assert not sched.is_waiting(gone) and sched.is_waiting(sched.requests["alice/0"])
