@@ -11,18 +11,20 @@ starvation-free.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections import defaultdict, deque
 from itertools import zip_longest
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from asyncinfer import SamplingParams
+from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.cache import KVCacheManager
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, RequestFailedError
 from asyncinfer.request import Request
-from asyncinfer.schedulers import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers import FIFOScheduler, Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.step import apply_step
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_scheduler.py"
@@ -127,3 +129,52 @@ def test_admit_refuses_a_request_that_does_not_wait_before_taking_blocks() -> No
         sched.admit(gone, 64, SchedulerOutput())
     assert kv.num_free_blocks == 32 and kv.block_table("bob/0") == []
     assert not sched.is_waiting(gone) and sched.is_waiting(sched.requests["alice/0"])
+
+
+class AllocatesForAGhost(FIFOScheduler):
+    """Takes blocks for a request it no longer holds (kept in a list of its own after its abort), then raises."""
+
+    api_version = 1
+    built: ClassVar[list[AllocatesForAGhost]] = []
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.gone: list[Request] = []
+        self.raised = False
+        AllocatesForAGhost.built.append(self)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = super().abort_request(request_id)
+        if request is not None:
+            self.gone.append(request)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        if self.gone and not self.raised:
+            self.raised = True
+            stale = self.gone.pop()
+            self.kv.allocate_slots(stale.request_id, stale.num_tokens, new_request=True)
+            raise RuntimeError("a bug after the allocation")
+        return super().schedule()
+
+
+async def test_blocks_taken_for_a_request_the_scheduler_does_not_hold_are_freed_when_schedule_raises(
+        tiny_llama: Path) -> None:
+    """The engine failed the requests the scheduler held (documented) and freed their blocks; the blocks taken
+    for the aborted id stayed allocated for good, nothing would end that id (a pool of 32 blocks lost 1 a time)."""
+    engine = await AsyncEngine.load(tiny_llama, scheduler=AllocatesForAGhost, num_threads=1, max_num_seqs=1,
+                                    max_model_len=512)
+    async with engine:
+        params = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+        first = asyncio.create_task(engine.generate([5, 6, 7], params, request_id="alice/0"))
+        waiting = asyncio.create_task(engine.generate([8, 9, 10], params, request_id="bob/0"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        results = await asyncio.gather(first, waiting, return_exceptions=True)
+        assert isinstance(results[0], RequestFailedError)  # running when schedule() raised: documented
+        assert isinstance(results[1], asyncio.CancelledError)
+        out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id="carol/0")
+        assert out.finish_reason == "length"  # the engine serves on
+        kv = AllocatesForAGhost.built[-1].kv
+        assert kv.request_ids() == []
+        assert kv.num_free_blocks == kv.num_blocks
