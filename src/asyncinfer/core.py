@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +330,10 @@ class EngineCore:
             raise TypeError(f"the scheduler {type(sched).__name__}'s schedule() returned {type(plan).__name__}, not "
                             "a SchedulerOutput (docs/schedulers.md)")
         held = plan.num_scheduled_tokens
+        if not isinstance(held, Mapping):  # read as one, it failed as the engine's own AttributeError
+            raise TypeError(f"the scheduler {type(sched).__name__}'s schedule() returned a SchedulerOutput whose "
+                            f"num_scheduled_tokens is {type(held).__name__}, not a dict of request ids to token "
+                            "counts (docs/schedulers.md)")
         pairs = list(dict.items(held) if isinstance(held, dict) else held.items())
         entries = {plain_value(rid): plain_value(n) for rid, n in pairs}
         faults: dict[str, tuple[Request, str]] = {}

@@ -178,3 +178,28 @@ async def test_blocks_taken_for_a_request_the_scheduler_does_not_hold_are_freed_
         kv = AllocatesForAGhost.built[-1].kv
         assert kv.request_ids() == []
         assert kv.num_free_blocks == kv.num_blocks
+
+
+class PairsNotADict(FIFOScheduler):
+    """Returns its plan's counts as a list of pairs (after the load's warm-up)."""
+
+    api_version = 1
+    steps = 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        PairsNotADict.steps += 1
+        if PairsNotADict.steps > 3:
+            out.num_scheduled_tokens = list(out.num_scheduled_tokens.items())
+        return out
+
+
+async def test_a_plan_whose_counts_are_no_dict_is_named(tiny_llama: Path) -> None:
+    """It failed as the engine's own words: ``the scheduler (PairsNotADict) raised AttributeError: 'list' object has
+    no attribute 'items'``, though the plugin raised nothing (docs/schedulers.md names a plan that is no
+    ``SchedulerOutput`` as such; a ``SchedulerOutput`` holding no dict was not)."""
+    engine = await AsyncEngine.load(tiny_llama, scheduler=PairsNotADict, num_threads=1, max_model_len=128)
+    async with engine:
+        with pytest.raises(RequestFailedError, match="num_scheduled_tokens is list, not a dict") as info:
+            await engine.generate([5, 6, 7], SamplingParams(max_tokens=4))
+    assert isinstance(info.value.__cause__, TypeError)
