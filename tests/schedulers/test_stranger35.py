@@ -203,3 +203,18 @@ async def test_a_plan_whose_counts_are_no_dict_is_named(tiny_llama: Path) -> Non
         with pytest.raises(RequestFailedError, match="num_scheduled_tokens is list, not a dict") as info:
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=4))
     assert isinstance(info.value.__cause__, TypeError)
+
+
+@pytest.mark.parametrize(("name", "options", "parameter"), [
+    ("aging-priority", {"preempt_margin": float("nan")}, "preempt_margin"),
+    ("length-bucket", {"max_wait": float("inf")}, "max_wait"),
+])
+def test_a_priority_scheme_s_option_that_breaks_its_promise_is_refused(name, options, parameter) -> None:
+    """``--scheduler-option preempt_margin=NaN`` (JSON reads it) was taken as "a number >= 0" and silently turned
+    urgent preemption off; ``max_wait=Infinity`` left length-bucket without the bound it declares
+    (``starvation_free``): a long request waited forever behind a stream of short ones."""
+    from asyncinfer.schedulers import resolve_scheduler
+
+    with pytest.raises(InvalidParameterError) as info:
+        resolve_scheduler(name)(SchedulerConfig(), KVCacheManager(8, 4), **options)
+    assert info.value.parameter == parameter
