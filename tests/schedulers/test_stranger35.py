@@ -218,3 +218,18 @@ def test_a_priority_scheme_s_option_that_breaks_its_promise_is_refused(name, opt
     with pytest.raises(InvalidParameterError) as info:
         resolve_scheduler(name)(SchedulerConfig(), KVCacheManager(8, 4), **options)
     assert info.value.parameter == parameter
+
+
+@pytest.mark.parametrize(("spec", "meant"), [
+    ("examples/custom_scheduler.py:FairShareScheduler", "examples.custom_scheduler:FairShareScheduler"),
+    ("./fair.py:Fair", "fair:Fair"),
+    ("fair.py:Fair", "fair:Fair"),
+])
+def test_a_file_path_as_the_scheduler_is_named_as_one(spec, meant) -> None:
+    """``asyncinfer serve --scheduler examples/custom_scheduler.py:FairShareScheduler`` (the path a shell completes)
+    said ``No module named 'examples/custom_scheduler'``, and ``./fair.py:Fair`` "an absolute module and a class"."""
+    from asyncinfer.schedulers import resolve_scheduler
+
+    with pytest.raises(InvalidParameterError, match="not a file's path") as info:
+        resolve_scheduler(spec)
+    assert f"(here {meant}," in str(info.value)
