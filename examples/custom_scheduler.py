@@ -17,9 +17,11 @@ Packaged, it would name itself in its ``pyproject.toml``::
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import defaultdict
 
 from asyncinfer.cache import KVCacheManager
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request
 from asyncinfer.schedulers import Scheduler, SchedulerConfig, SchedulerOutput, register_scheduler
 
@@ -37,7 +39,16 @@ class FairShareScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, weights: dict[str, float] | None = None):
         super().__init__(config, kv)
-        self.weights = dict(weights or {})  # a tenant with weight 2 may use twice the tokens
+        # A tenant with weight 2 may use twice the tokens. Checked here, as every option should be: a weight of 0
+        # made schedule() divide by zero (every request it held failed, then the engine), a negative, NaN or
+        # infinite one put its tenant first for good (starving the others) or made the order meaningless.
+        weights = {} if weights is None else weights
+        if not isinstance(weights, dict) or not all(
+            isinstance(t, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+            for t, w in weights.items()
+        ):
+            raise InvalidParameterError("weights", weights, "a dict of tenant names to finite numbers > 0, or None")
+        self.weights = dict(weights)
         self.usage: dict[str, float] = defaultdict(float)
 
     @staticmethod

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +330,10 @@ class EngineCore:
             raise TypeError(f"the scheduler {type(sched).__name__}'s schedule() returned {type(plan).__name__}, not "
                             "a SchedulerOutput (docs/schedulers.md)")
         held = plan.num_scheduled_tokens
+        if not isinstance(held, Mapping):  # read as one, it failed as the engine's own AttributeError
+            raise TypeError(f"the scheduler {type(sched).__name__}'s schedule() returned a SchedulerOutput whose "
+                            f"num_scheduled_tokens is {type(held).__name__}, not a dict of request ids to token "
+                            "counts (docs/schedulers.md)")
         pairs = list(dict.items(held) if isinstance(held, dict) else held.items())
         entries = {plain_value(rid): plain_value(n) for rid, n in pairs}
         faults: dict[str, tuple[Request, str]] = {}
@@ -427,8 +431,8 @@ class EngineCore:
         A fault after ``schedule`` returned (the copies, the forward pass, the sampler,
         the update) fails every user request with a sample in the step's batch, all
         its samples. A fault in ``schedule`` fails every request the scheduler holds:
-        its queues may be half updated. Each failed sample ends with
-        ``finish_reason="abort"`` and a :class:`RequestFailedError` whose cause is
+        its queues may be half updated (blocks it left allocated for an id it does not hold are freed).
+        Each failed sample ends with ``finish_reason="abort"`` and a :class:`RequestFailedError` whose cause is
         ``exc``; the requests' blocks are freed, and the prefix-cache entries and
         copy-on-write copies of the step are dropped (:meth:`KVCacheManager.discard_step`).
         Requests the step did not run carry on.
@@ -438,7 +442,9 @@ class EngineCore:
         self.kv.discard_step(committed=batch is not None)
         if batch is None:
             where = f"the scheduler ({type(self.scheduler).__name__})"
-            return self.fail_all(lambda request_id: _failure(request_id, where, exc))
+            outputs = self.fail_all(lambda request_id: _failure(request_id, where, exc))
+            self._free_strays()
+            return outputs
         victims = {request.group_id: request for request, _ in batch}
         return [
             out for request_id, request in victims.items()
@@ -446,6 +452,17 @@ class EngineCore:
         ]
 
     # ----------------------------------------------------------------- helpers
+    def _free_strays(self) -> None:
+        """Free the blocks of every id that holds a block table but no request of the scheduler (logged): a
+        ``schedule()`` that raised after allocating for a request it no longer held (one a queue of its own kept
+        after it was aborted) left them allocated for good, as nothing would ever end that id."""
+        held = self.scheduler.requests
+        for rid in self.kv.request_ids():
+            if rid not in held:
+                logger.error("the scheduler (%s) left blocks allocated for %r, a request it does not hold: freed",
+                             type(self.scheduler).__name__, rid)
+                self.kv.free(rid)
+
     def _end(self, request_id: str, error: BaseException | None = None, alone: Request | None = None) -> list[CoreOutput]:
         """End every unfinished sample of the user's request ``request_id``, each with one final output.
 

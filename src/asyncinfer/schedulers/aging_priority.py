@@ -65,7 +65,7 @@ class AgingPriorityScheduler(OrderedScheduler):
         _check_seconds("aging_interval", aging_interval, allow_none=True)
         if not isinstance(preempt, bool):
             raise InvalidParameterError("preempt", preempt, "True or False")
-        if isinstance(preempt_margin, bool) or not isinstance(preempt_margin, (int, float)) or preempt_margin < 0:
+        if isinstance(preempt_margin, bool) or not isinstance(preempt_margin, (int, float)) or not preempt_margin >= 0:
             raise InvalidParameterError("preempt_margin", preempt_margin, "a number >= 0")
         self.aging_interval = None if aging_interval is None else float(aging_interval)
         self.preempt_urgent = preempt

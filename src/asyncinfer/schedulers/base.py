@@ -98,6 +98,9 @@ from asyncinfer.request import Request, RequestStatus
 #: registry refuses one written for a newer contract than this engine speaks.
 SCHEDULER_API_VERSION = 1
 
+#: The statuses of a request in ``waiting``: never started, or preempted.
+WAITING_STATUSES = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED})
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -200,6 +203,11 @@ class Scheduler(abc.ABC):
         """Pick this step's work (see the module docstring for the contract)."""
 
     # ----------------------------------------------------------------- helpers
+    def is_waiting(self, request: Request) -> bool:
+        """Whether ``request`` waits in this scheduler now (held in ``requests`` and not started, or preempted):
+        false for one aborted or finished since (``abort_request`` and ``finish_requests`` drop it), or running."""
+        return request.status in WAITING_STATUSES and self.requests.get(request.request_id) is request
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -278,11 +286,16 @@ class Scheduler(abc.ABC):
         """Admit waiting requests in ``order`` while budget, ``max_num_seqs`` and blocks allow.
 
         Stops at the first that does not fit: a request behind it would take the
-        memory (or the seats) it waits for. Returns the budget left.
+        memory (or the seats) it waits for. Passes over a request that no longer waits
+        (:meth:`is_waiting`): a queue of the policy's own may still hold one aborted, finished
+        or admitted since, and one user's cancelled request must not fail the step for
+        everybody. Returns the budget left.
         """
         for request in order:
             if budget <= 0:
                 break
+            if not self.is_waiting(request):
+                continue
             n = self.admit(request, budget, out)
             if n == 0:
                 break
@@ -299,8 +312,17 @@ class Scheduler(abc.ABC):
         (the request shares the cached ones). Keeps the watermark back while
         others run, and ``max_num_seqs`` for all its samples (:meth:`has_seats`);
         moves the request from waiting to running and records it in ``out``.
-        Returns the tokens scheduled, or 0 with nothing changed.
+        Returns the tokens scheduled, or 0 with nothing changed. A request that does not
+        wait here (:meth:`is_waiting`) is a ``ValueError`` naming it, raised before any
+        block is allocated (it was raised after: its blocks were never freed).
         """
+        if not self.is_waiting(request):
+            held = self.requests.get(request.request_id) is request
+            raise ValueError(
+                f"admit() was given request {request.request_id!r}, which does not wait in this scheduler "
+                f"(status {request.status.value}" + ("" if held else ", no longer held: aborted or finished")
+                + "): a queue of the policy's own still holds it; admit_waiting() passes such requests over"
+            )
         if not self.has_seats(request):
             return 0
         reserve = bool(self.running)

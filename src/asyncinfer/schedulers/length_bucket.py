@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from asyncinfer.cache.kv_manager import KVCacheManager
@@ -71,8 +72,9 @@ class LengthBucketScheduler(OrderedScheduler):
         edges = list(bucket_edges)
         if not edges or any(not isinstance(e, int) or e < 1 for e in edges) or edges != sorted(set(edges)):
             raise InvalidParameterError("bucket_edges", bucket_edges, "strictly increasing positive integers")
-        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not max_wait > 0:
-            raise InvalidParameterError("max_wait", max_wait, "a number of seconds > 0")
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 < max_wait < math.inf:
+            # an infinite one never served a request in arrival order: no bound, under starvation_free = True
+            raise InvalidParameterError("max_wait", max_wait, "a finite number of seconds > 0")
         if by not in _LENGTHS:
             raise InvalidParameterError("by", by, f"one of {_LENGTHS}")
         if split_padding is not None and (isinstance(split_padding, bool) or not isinstance(split_padding, int)

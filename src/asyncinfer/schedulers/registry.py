@@ -95,17 +95,30 @@ def _import_path(path: str) -> object:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _file_path(spec: str, module_name: str, attr: str) -> InvalidParameterError:
+    """The refusal of a spec that names a file (``plugins/fair.py:Fair``): it read as ``No module named
+    'plugins/fair'``; the dotted name it means is shown."""
+    parts = [p for p in module_name.removesuffix(".py").replace("\\", "/").split("/") if p not in ("", ".")]
+    where = parts[0] if len(parts) > 1 else "it"
+    return InvalidParameterError("scheduler", spec, f"an importable 'module:Class': a module's dotted name, not a "
+                                 f"file's path (here {'.'.join(parts)}:{attr}, run from the directory that holds {where})")
+
+
 def _import_plugin(spec: str) -> object:
     """The class a ``'module:Class'`` spec names. A spec of no absolute module (``':X'``, ``'.rel:X'``) or no
     class, and a module that fails as it is imported (its own ``SyntaxError``, or whatever its top level
     raises), are the plugin's fault, refused as ``InvalidParameterError`` with the cause chained: they read
     as the engine's own failure before."""
     module_name, _, attr = spec.partition(":")
+    if attr and ("/" in module_name or "\\" in module_name):  # a file's path, as a shell completes it
+        raise _file_path(spec, module_name, attr)
     if not module_name or module_name.startswith(".") or not attr:
         raise InvalidParameterError("scheduler", spec, "an importable 'module:Class' (an absolute module and a class)")
     try:
         return _import_path(spec)
     except (ImportError, AttributeError) as exc:
+        if isinstance(exc, ImportError) and module_name.endswith(".py"):  # "myplug.py:Class": no such package
+            raise _file_path(spec, module_name, attr) from exc
         raise InvalidParameterError("scheduler", spec, f"an importable 'module:Class' ({exc})") from exc
     except Exception as exc:  # the module's own code failed while it was imported
         raise InvalidParameterError(
