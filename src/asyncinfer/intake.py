@@ -101,7 +101,9 @@ TURN_CHECK_S = 0.25
 class Turns:
     """A token bucket in virtual time: :meth:`wait` for ``amount`` returns once the amounts before it have passed at
     ``rate`` a second, at once while the bucket (``burst``) holds it; a waiter that gives up (cancelled, or ``check``
-    raising: the engine closed) as the last in line gives its turn back."""
+    raising: the engine closed) gives its turn back wherever it stands in line: the next to come may take it, those
+    behind it keep theirs (given back only by the last in line, a caller keeping two waiting and giving up the
+    earlier as it sent the next moved the clock a turn on each time, nothing admitted: others' turns hours away)."""
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate = rate
@@ -119,8 +121,7 @@ class Turns:
                 await anyio.sleep(min(left, TURN_CHECK_S))
                 check()
         except BaseException:
-            if self._clock == turn:  # the last in line gave up its turn: the next one need not wait for it
-                self._clock -= cost
+            self._clock -= cost  # its turn, never taken, is free for the next to come
             raise
 
 
