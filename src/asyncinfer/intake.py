@@ -125,6 +125,11 @@ class Turns:
             raise
 
 
+class AbortedWhileWaiting(Exception):
+    """Raised by :meth:`RequestIntake.bind` when the request was aborted (``aborted()`` came true) while it waited
+    its turn: nothing was made for it (its turn given back), nothing posted; it ends as an abort at once."""
+
+
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
 
@@ -194,11 +199,13 @@ class RequestIntake:
         return RequestArgs(params, request_id, priority, cache_salt, early)
 
     async def bind(
-        self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None]
+        self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None],
+        aborted: Callable[[], bool] = lambda: False,
     ) -> tuple[Request, ModelVersion, ModelHolder]:
-        """The request, the version it is bound to and its generator; post it before the next await."""
+        """The request, the version it is bound to and its generator; post it before the next await.
+        :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn."""
         try:
-            await self._take_turns(prompt, args.params, check_running)
+            await self._take_turns(prompt, args.params, check_running, aborted)
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
@@ -242,15 +249,23 @@ class RequestIntake:
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
 
-    async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None]) -> None:
+    async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None],
+                          aborted: Callable[[], bool]) -> None:
         """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters or a chat over
         :data:`CHAT_FREE_MESSAGES` messages, for its turn (the module's docstring); the engine closing meanwhile ends
-        the wait (``check_running`` raises)."""
+        the wait (``check_running`` raises), and so does an abort of the request (:class:`AbortedWhileWaiting`: it
+        waited its whole turn, under a flood minutes, to end as an abort; pass39)."""
+
+        def check() -> None:
+            check_running()
+            if aborted():
+                raise AbortedWhileWaiting
+
         chars = sum(map(len, params.stop_strings))
         if chars > STOP_BUILD_FREE_CHARS:
-            await self._stop_turns.wait(chars, check_running)
+            await self._stop_turns.wait(chars, check)
         if is_chat(prompt) and len(prompt) > CHAT_FREE_MESSAGES:
-            await self._chat_turns.wait(len(prompt), check_running)
+            await self._chat_turns.wait(len(prompt), check)
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

@@ -72,3 +72,32 @@ async def test_a_caller_giving_up_its_waits_does_not_push_others_long_lists_away
         out = await asyncio.wait_for(engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=_stops(99))), 4)
         assert time.monotonic() - start < 2.0
         assert out.outputs[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("how", ["generate", "stream"])
+async def test_an_abort_ends_a_request_waiting_its_turn_at_once(tiny_models, monkeypatch, how) -> None:
+    """abort(id) of a request waiting its turn (a list at the limit, twenty seconds a turn here): it waited its whole
+    turn (minutes under a flood) and only then ended as an abort. It ends as one within a check (0.25 s), n samples
+    each (nothing generated; its prompt's ids if they were made at the call)."""
+    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
+        for i in range(2):  # the bucket's two
+            await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=_stops(i)))
+        params = SamplingParams(max_tokens=1, n=2, stop=_stops(5))
+        if how == "generate":
+            waiter = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
+        else:
+            async def read() -> list:
+                return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
+            waiter = asyncio.ensure_future(read())
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        engine.abort("victim")
+        got = await asyncio.wait_for(waiter, 5)
+        assert time.monotonic() - start < 1.0
+        if how == "generate":
+            assert [c.finish_reason for c in got.outputs] == ["abort", "abort"]
+            assert got.prompt_token_ids == [5, 6, 7] and got.outputs[0].token_ids == []
+        else:
+            assert sorted((d.index, d.finish_reason) for d in got) == [(0, "abort"), (1, "abort")]
+        assert engine.num_unfinished_requests == 0
