@@ -19,10 +19,10 @@ so that a flood of them waits instead of its neighbours: a request whose stop st
 :data:`STOP_BUILD_FREE_CHARS` characters (the engine thread builds each request's stop automaton, ~12 ms for a
 list at both limits, and such a flood, each request with a list of its own, held every neighbour's tokens for as
 long as their automata took: a decode step of the default model per request), at :data:`STOP_BUILD_CHARS_PER_S`;
-and a chat of more than :data:`CHAT_FREE_MESSAGES` messages (templated in a worker thread, ~30 us a message in
-Jinja, holding the interpreter's lock against the engine thread and the loop meanwhile: a flood of 4096-message
-chats, each refused for its length once rendered, made a neighbour's tokens 1.5-2.3x slower), at
-:data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
+and a chat of more than :data:`CHAT_FREE_MESSAGES` messages and tool calls together (:func:`chat_turn_size`;
+templated in a worker thread, ~30 us a message in Jinja, holding the interpreter's lock against the engine thread
+and the loop meanwhile: a flood of 4096-message chats, each refused for its length once rendered, made a
+neighbour's tokens 1.5-2.3x slower), at :data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -92,6 +92,20 @@ CHAT_FREE_MESSAGES = 256
 #: Messages of longer chats an engine admits a second (a token bucket that holds two chats at the limit,
 #: ``prompts.MAX_CHAT_MESSAGES`` each): their templating takes about 6% of one core.
 CHAT_MESSAGES_PER_S = 2048
+
+
+def chat_turn_size(messages: Any) -> int:
+    """What a chat's turn counts: its messages, and the tool calls its assistant messages hold (a template renders
+    each call as it renders a message: one message of 30,000 calls took 2.6 s of Mistral's template, a turn's
+    worth of 5,000 messages, and took no turn; pass39). 0 for a prompt that is not a chat."""
+    if not is_chat(messages):
+        return 0
+    calls = 0
+    for message in messages:
+        tool_calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(tool_calls, (list, tuple)):
+            calls += len(tool_calls)
+    return len(messages) + calls
 
 
 #: How often a waiter for its turn looks whether it may still wait (the engine closed: it stops at once).
@@ -264,8 +278,9 @@ class RequestIntake:
         chars = sum(map(len, params.stop_strings))
         if chars > STOP_BUILD_FREE_CHARS:
             await self._stop_turns.wait(chars, check)
-        if is_chat(prompt) and len(prompt) > CHAT_FREE_MESSAGES:
-            await self._chat_turns.wait(len(prompt), check)
+        size = chat_turn_size(prompt)
+        if size > CHAT_FREE_MESSAGES:
+            await self._chat_turns.wait(size, check)
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

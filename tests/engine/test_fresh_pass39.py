@@ -101,3 +101,48 @@ async def test_an_abort_ends_a_request_waiting_its_turn_at_once(tiny_models, mon
         else:
             assert sorted((d.index, d.finish_reason) for d in got) == [(0, "abort"), (1, "abort")]
         assert engine.num_unfinished_requests == 0
+
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from tests.helpers import tiny_hf_model, with_chat_template
+
+    plain = tmp_path_factory.mktemp("plain39") / "m"
+    tiny_hf_model("llama", vocab_size=320).save_pretrained(plain)
+    return with_chat_template(plain, tmp_path_factory.mktemp("chat39") / "m", TEMPLATE)
+
+
+def test_a_chats_turn_counts_the_tool_calls_it_holds() -> None:
+    from asyncinfer.intake import chat_turn_size
+
+    call = {"id": "a1B2c3D4e", "type": "function", "function": {"name": "f", "arguments": {}}}
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call] * 300},
+            {"role": "user", "content": "go"}]
+    assert chat_turn_size(chat) == 303
+    assert chat_turn_size(tuple(chat)) == 303 and chat_turn_size("text") == 0 and chat_turn_size([5, 6]) == 0
+
+
+async def test_a_short_chat_of_many_tool_calls_waits_its_turn(chat_model, monkeypatch) -> None:
+    """Three messages, the assistant's holding more tool calls than the bucket's two chats at the limit: a template
+    renders every call (30,000 of them, 2.6 s of Mistral's), and such a chat took no turn at all. It waits its turn
+    as a chat of as many messages does; a chat of three plain messages still never waits."""
+    monkeypatch.setattr(asyncinfer.intake, "CHAT_MESSAGES_PER_S", 1.0)  # past the bucket, a turn is hours away
+    from asyncinfer.prompts import MAX_CHAT_MESSAGES
+
+    call = {"id": "a1B2c3D4e", "type": "function", "function": {"name": "f", "arguments": {}}}
+    many = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call] * (2 * MAX_CHAT_MESSAGES + 100)},
+            {"role": "user", "content": "go"}]
+    options = {**ENGINE_BASE, "max_model_len": 256}
+    async with AsyncEngine.from_pretrained(chat_model, **options) as engine:
+        waiter = asyncio.ensure_future(engine.generate(many, SamplingParams(max_tokens=1)))
+        await asyncio.sleep(0.5)
+        plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                 {"role": "user", "content": "go"}]
+        out = await asyncio.wait_for(engine.generate(plain, SamplingParams(max_tokens=1, ignore_eos=True)), 30)
+        assert len(out.outputs[0].token_ids) == 1
+        assert not waiter.done(), "a chat of thousands of tool calls took no turn"
+        await _give_up(waiter)
