@@ -18,6 +18,7 @@ import enum
 import functools
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -41,7 +42,7 @@ from asyncinfer.engine_thread import (
 )
 from asyncinfer.errors import EngineClosedError, EngineDeadError, InvalidParameterError, WrongEventLoopError
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
-from asyncinfer.intake import RequestArgs, RequestIntake
+from asyncinfer.intake import AbortedWhileWaiting, RequestArgs, RequestIntake
 from asyncinfer.loading import ModelRef, load, plan_model_memory
 from asyncinfer.memory import MemoryPlan
 from asyncinfer.metrics import EngineMetrics, MemoryReport, ProfileResult
@@ -95,6 +96,21 @@ class _Binding:
 
     def __init__(self) -> None:
         self.aborted = False
+
+
+def _aborted_output(request_id: str, index: int) -> CoreOutput:
+    """The end of a sample whose request was aborted before it was bound (nothing generated)."""
+    return CoreOutput(request_id, [], "", finish_reason="abort", finish_time=time.time(), index=index)
+
+
+def _aborted_unbound(args: RequestArgs) -> OutputAssembler:
+    """The result of a request aborted while it waited its turn: its prompt's ids if they were made at the call
+    (else none: its prompt was never made), every sample ended as an abort with nothing generated."""
+    ids = list(args.early[1]) if args.early is not None else []
+    result = OutputAssembler(args.request_id, ids, time.time(), args.params.n, args.params.logprobs is not None)
+    for i in range(args.params.n):
+        result.add(_aborted_output(args.request_id, i))
+    return result
 
 
 class AsyncEngine:
@@ -337,7 +353,10 @@ class AsyncEngine:
         prompt = plain_prompt(prompt)  # checked as what it holds, not as a subclass says
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
                                   version_id)
-        request, version, holder, binding = await self._bind(prompt, args, model)
+        try:
+            request, version, holder, binding = await self._bind(prompt, args, model)
+        except AbortedWhileWaiting:
+            return _aborted_unbound(args).result()
         result = OutputAssembler.for_request(request)
         async for out in self._submit(request, version, holder, binding):
             result.add(out)
@@ -384,6 +403,10 @@ class AsyncEngine:
                     "when it is first read, so read it before the engine closes (inside 'async with engine:')"
                 ) from exc
             raise
+        except AbortedWhileWaiting:
+            for i in range(args.params.n):
+                yield stream_delta(_aborted_output(args.request_id, i))
+            return
         # Closed with this generator: `await stream.aclose()` posts the abort before it returns (an inner generator
         # left to the garbage collector was closed a loop iteration later, its id not yet marked as being aborted).
         async with contextlib.aclosing(self._submit(request, version, holder, binding)) as outputs:
@@ -399,7 +422,8 @@ class AsyncEngine:
         waiting = self._binding.setdefault(args.request_id, [])
         waiting.append(binding)
         try:
-            request, version, holder = await self._intake.bind(prompt, args, model, self._check_running)
+            request, version, holder = await self._intake.bind(prompt, args, model, self._check_running,
+                                                               lambda: binding.aborted)
         finally:
             waiting.remove(binding)
             if not waiting and self._binding.get(args.request_id) is waiting:
@@ -409,7 +433,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id at the next step boundary (unknown or finished ids are ignored). A request still
         being bound (its prompt made off the loop, its grammar compiled, or waiting for a drain-mode swap) ends as
-        an abort as soon as it is.
+        an abort as soon as it is; one waiting its turn (a long stop list or chat) ends as one within 0.25 s.
 
         Raises ``InvalidParameterError`` if ``request_id`` is not a non-empty string.
         """

@@ -19,10 +19,10 @@ so that a flood of them waits instead of its neighbours: a request whose stop st
 :data:`STOP_BUILD_FREE_CHARS` characters (the engine thread builds each request's stop automaton, ~12 ms for a
 list at both limits, and such a flood, each request with a list of its own, held every neighbour's tokens for as
 long as their automata took: a decode step of the default model per request), at :data:`STOP_BUILD_CHARS_PER_S`;
-and a chat of more than :data:`CHAT_FREE_MESSAGES` messages (templated in a worker thread, ~30 us a message in
-Jinja, holding the interpreter's lock against the engine thread and the loop meanwhile: a flood of 4096-message
-chats, each refused for its length once rendered, made a neighbour's tokens 1.5-2.3x slower), at
-:data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
+and a chat of more than :data:`CHAT_FREE_MESSAGES` messages and tool calls together (:func:`chat_turn_size`;
+templated in a worker thread, ~30 us a message in Jinja, holding the interpreter's lock against the engine thread
+and the loop meanwhile: a flood of 4096-message chats, each refused for its length once rendered, made a
+neighbour's tokens 1.5-2.3x slower), at :data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
 
 An :class:`IntakeObserver` (``engine.metrics``), handed in at construction, hears of
 every refusal and of every request bound; it never changes what the intake does.
@@ -94,6 +94,20 @@ CHAT_FREE_MESSAGES = 256
 CHAT_MESSAGES_PER_S = 2048
 
 
+def chat_turn_size(messages: Any) -> int:
+    """What a chat's turn counts: its messages, and the tool calls its assistant messages hold (a template renders
+    each call as it renders a message: one message of 30,000 calls took 2.6 s of Mistral's template, a turn's
+    worth of 5,000 messages, and took no turn; pass39). 0 for a prompt that is not a chat."""
+    if not is_chat(messages):
+        return 0
+    calls = 0
+    for message in messages:
+        tool_calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(tool_calls, (list, tuple)):
+            calls += len(tool_calls)
+    return len(messages) + calls
+
+
 #: How often a waiter for its turn looks whether it may still wait (the engine closed: it stops at once).
 TURN_CHECK_S = 0.25
 
@@ -101,7 +115,9 @@ TURN_CHECK_S = 0.25
 class Turns:
     """A token bucket in virtual time: :meth:`wait` for ``amount`` returns once the amounts before it have passed at
     ``rate`` a second, at once while the bucket (``burst``) holds it; a waiter that gives up (cancelled, or ``check``
-    raising: the engine closed) as the last in line gives its turn back."""
+    raising: the engine closed) gives its turn back wherever it stands in line: the next to come may take it, those
+    behind it keep theirs (given back only by the last in line, a caller keeping two waiting and giving up the
+    earlier as it sent the next moved the clock a turn on each time, nothing admitted: others' turns hours away)."""
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate = rate
@@ -119,9 +135,13 @@ class Turns:
                 await anyio.sleep(min(left, TURN_CHECK_S))
                 check()
         except BaseException:
-            if self._clock == turn:  # the last in line gave up its turn: the next one need not wait for it
-                self._clock -= cost
+            self._clock -= cost  # its turn, never taken, is free for the next to come
             raise
+
+
+class AbortedWhileWaiting(Exception):
+    """Raised by :meth:`RequestIntake.bind` when the request was aborted (``aborted()`` came true) while it waited
+    its turn: nothing was made for it (its turn given back), nothing posted; it ends as an abort at once."""
 
 
 class RequestIntake:
@@ -193,11 +213,13 @@ class RequestIntake:
         return RequestArgs(params, request_id, priority, cache_salt, early)
 
     async def bind(
-        self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None]
+        self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None],
+        aborted: Callable[[], bool] = lambda: False,
     ) -> tuple[Request, ModelVersion, ModelHolder]:
-        """The request, the version it is bound to and its generator; post it before the next await."""
+        """The request, the version it is bound to and its generator; post it before the next await.
+        :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn."""
         try:
-            await self._take_turns(prompt, args.params, check_running)
+            await self._take_turns(prompt, args.params, check_running, aborted)
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.
@@ -241,15 +263,24 @@ class RequestIntake:
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
 
-    async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None]) -> None:
+    async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None],
+                          aborted: Callable[[], bool]) -> None:
         """Wait, for a stop list over :data:`STOP_BUILD_FREE_CHARS` characters or a chat over
         :data:`CHAT_FREE_MESSAGES` messages, for its turn (the module's docstring); the engine closing meanwhile ends
-        the wait (``check_running`` raises)."""
+        the wait (``check_running`` raises), and so does an abort of the request (:class:`AbortedWhileWaiting`: it
+        waited its whole turn, under a flood minutes, to end as an abort; pass39)."""
+
+        def check() -> None:
+            check_running()
+            if aborted():
+                raise AbortedWhileWaiting
+
         chars = sum(map(len, params.stop_strings))
         if chars > STOP_BUILD_FREE_CHARS:
-            await self._stop_turns.wait(chars, check_running)
-        if is_chat(prompt) and len(prompt) > CHAT_FREE_MESSAGES:
-            await self._chat_turns.wait(len(prompt), check_running)
+            await self._stop_turns.wait(chars, check)
+        size = chat_turn_size(prompt)
+        if size > CHAT_FREE_MESSAGES:
+            await self._chat_turns.wait(size, check)
 
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:

@@ -571,9 +571,11 @@ class _OpenAI:
         if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
             # tokenizer): run by it, or made again
             g.pin()
-        if (rendered or counted) and len(body.messages) > intake.CHAT_FREE_MESSAGES:
+        # its messages and the tool calls they hold (the history's: the template renders each)
+        size = intake.chat_turn_size(body.history) if rendered else intake.chat_turn_size(body.messages)
+        if (rendered or counted) and size > intake.CHAT_FREE_MESSAGES:
             # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait
-            await unless_disconnected(call.request, self.chat_turns.wait(len(body.messages)))
+            await unless_disconnected(call.request, self.chat_turns.wait(size))
         if rendered:
             # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
