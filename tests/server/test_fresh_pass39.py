@@ -10,6 +10,7 @@ import asyncio
 import httpx
 import pytest
 
+import asyncinfer.intake
 import asyncinfer.server.router
 from asyncinfer.prompts import MAX_CHAT_MESSAGES
 from asyncinfer.server import ModelSpec, create_app
@@ -37,7 +38,7 @@ def rendered(monkeypatch) -> list[int]:
 
 @pytest.fixture
 def live(tmp_path, monkeypatch, rendered):
-    monkeypatch.setattr(asyncinfer.server.router, "CHAT_MESSAGES_PER_S", 1.0)  # past its bucket, a turn is hours away
+    monkeypatch.setattr(asyncinfer.intake, "CHAT_MESSAGES_PER_S", 1.0)  # past its bucket, a turn is hours away
     model = tiny_hf_model("mistral", 2, vocab_size=VOCAB, max_position_embeddings=4096)
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path, safe_serialization=True)
