@@ -467,6 +467,15 @@ class AsyncEngine:
         check_prompt_chars(prompt, version)
         return prompt_token_ids(prompt, version)
 
+    def check_prompt_size(self, prompt: Prompt, *, model: str | None = None) -> None:
+        """Refuse, untokenized, a prompt (a text, chat messages or token ids) too long to fit a generator's
+        ``max_model_len`` whatever its tokens are: more characters than that many tokens can hold, more token ids,
+        or more chat messages than any prompt may have, as :meth:`generate` refuses it at its call. For a caller
+        that renders or tokenizes a prompt itself (the HTTP server's tools chats), before that work. Raises
+        :class:`PromptTooLongError` (an :class:`InvalidParameterError`)."""
+        version = current(self._models.generator(model))
+        check_prompt_chars(plain_prompt(prompt), version)
+
     def check_admission(self, count: int, *, model: str | None = None) -> None:
         """Whether ``count`` requests submitted now would all be admitted by the engine's admission control
         (``max_waiting_requests``; nothing to check without it): for a caller about to submit several prompts

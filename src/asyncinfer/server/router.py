@@ -571,13 +571,16 @@ class _OpenAI:
         if rendered or counted or body.tool_use is not None:  # made for this version (its format, template or
             # tokenizer): run by it, or made again
             g.pin()
+        if rendered or counted:  # rendered here (a tools chat: the family's template describes the tools and renders
+            # the calls and results; a stream's prompt count) once the messages' characters alone could fit, before
+            # its turn: a tools chat of megabytes was rendered and tokenized whole, seconds, to be refused (pass39)
+            g.engine.check_prompt_size(body.messages, model=g.model)
         # its messages and the tool calls they hold (the history's: the template renders each)
         size = intake.chat_turn_size(body.history) if rendered else intake.chat_turn_size(body.messages)
         if (rendered or counted) and size > intake.CHAT_FREE_MESSAGES:
             # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait
             await unless_disconnected(call.request, self.chat_turns.wait(size))
         if rendered:
-            # the family's template describes the tools and renders the calls and results: rendered here
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
                 tokenizer, fmt, body.history, body.tool_use))
