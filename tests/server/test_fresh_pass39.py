@@ -19,6 +19,7 @@ from tests.server.test_tool_formats import MISTRAL_SPECIALS, MISTRAL_TEMPLATE, O
 
 from .conftest import LiveServer
 
+LONG_CONTEXT = 65536
 CALL = {"id": "a1B2c3D4e", "type": "function", "function": {"name": "roll_dice", "arguments": "{}"}}
 
 
@@ -39,11 +40,13 @@ def rendered(monkeypatch) -> list[int]:
 @pytest.fixture
 def live(tmp_path, monkeypatch, rendered):
     monkeypatch.setattr(asyncinfer.intake, "CHAT_MESSAGES_PER_S", 1.0)  # past its bucket, a turn is hours away
-    model = tiny_hf_model("mistral", 2, vocab_size=VOCAB, max_position_embeddings=4096)
+    # a context whose characters hold the chat of thousands of calls, so that it is not refused by its size at once
+    model = tiny_hf_model("mistral", 2, vocab_size=VOCAB, max_position_embeddings=LONG_CONTEXT)
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path, safe_serialization=True)
     _tokenizer(MISTRAL_SPECIALS, "<s>", "</s>", MISTRAL_TEMPLATE).save_pretrained(tmp_path)
-    with LiveServer(create_app(ModelSpec(str(tmp_path), "mistral", OPTIONS))) as server:
+    options = {**OPTIONS, "max_model_len": LONG_CONTEXT, "kv_cache_memory": 64 << 20}
+    with LiveServer(create_app(ModelSpec(str(tmp_path), "mistral", options))) as server:
         yield server
 
 
