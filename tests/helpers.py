@@ -51,7 +51,7 @@ from asyncinfer.lab import StepCostModel
 from asyncinfer.models import AttentionBackend, LlamaForCausalLM, ModelConfig, select_attention_backend
 from asyncinfer.models.decode_backends import StepBatch
 from asyncinfer.request import Request, RequestStatus
-from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from asyncinfer.schedulers import FIFOScheduler, Scheduler
 from asyncinfer.step import apply_step
 
@@ -697,3 +697,18 @@ def warpers_kept(row: torch.Tensor, params: SamplingParams) -> set[int]:
     if params.min_p > 0.0:
         scores = MinPLogitsWarper(min_p=params.min_p)(ids, scores)
     return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
+
+
+class CharTokenizer:
+    """Each token id decodes to a character of its own (``chr(0x4E00 + id)``): for a tiny model, which has no
+    tokenizer, given as ``engine.core.tokenizer`` so that stop strings and text run."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def long_stops(variant: int) -> list[str]:
+    """A stop list at both limits (``MAX_STOP_STRINGS`` strings, ``MAX_STOP_CHARS`` characters), of its own for each
+    ``variant`` (each needs its own automaton)."""
+    length = MAX_STOP_CHARS // MAX_STOP_STRINGS
+    return [chr(0xE000 + variant) + f"{i:0{length - 1}d}" for i in range(MAX_STOP_STRINGS)]

@@ -6,16 +6,10 @@ from __future__ import annotations
 import asyncinfer.core as core_module
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.request import Request
+from tests.helpers import CharTokenizer
 
 BASE = {"kv_cache_memory": 4 * 1024 * 1024, "max_model_len": 128, "dtype": "float32", "device": "cpu"}
 PROMPT = [5, 17, 99, 3, 250, 42, 8]
-
-
-class CharTokenizer:
-    """Each token id decodes to a character of its own, so text and ids correspond one to one."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
 
 
 def test_an_abort_delivers_the_text_its_detokenizer_held_back(tiny_models, hf_greedy) -> None:

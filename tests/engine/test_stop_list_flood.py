@@ -15,23 +15,13 @@ import asyncinfer.detokenizer
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.intake import STOP_BUILD_FREE_CHARS, Turns
-from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.helpers import ENGINE_BASE
+from asyncinfer.sampling_params import MAX_STOP_CHARS
+from tests.helpers import ENGINE_BASE, CharTokenizer, long_stops
 
 RATE = 16 * MAX_STOP_CHARS  # chars a second here: a list at the limits every 1/16 s after the burst of two
 
 
-class CharTokenizer:
-    """Each token id decodes to a character of its own (the tiny model has no tokenizer)."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
-
-
-def long_stops(variant: int) -> list[str]:
-    """A list at both limits, of its own (each needs its own automaton)."""
-    length = MAX_STOP_CHARS // MAX_STOP_STRINGS
-    return [chr(0xE000 + variant) + f"{i:0{length - 1}d}" for i in range(MAX_STOP_STRINGS)]
 
 
 @pytest.fixture

@@ -13,20 +13,7 @@ import pytest
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, EngineClosedError, SamplingParams
 from asyncinfer.intake import TURN_CHECK_S
-from asyncinfer.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.helpers import ENGINE_BASE
-
-
-class CharTokenizer:
-    """Each token id decodes to a character of its own (the tiny model has no tokenizer)."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
-
-
-def long_stops(variant: int) -> list[str]:
-    length = MAX_STOP_CHARS // MAX_STOP_STRINGS
-    return [chr(0xE000 + variant) + f"{i:0{length - 1}d}" for i in range(MAX_STOP_STRINGS)]
+from tests.helpers import ENGINE_BASE, CharTokenizer, long_stops
 
 
 async def test_a_stream_waiting_its_turn_when_the_engine_closes_fails_at_once_and_plainly(tiny_models,
