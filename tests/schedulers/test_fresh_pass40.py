@@ -1,0 +1,106 @@
+"""pass40 scratch: plugins with queues of their own under aborts, n > 1, prefix hits, preemption and raising steps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict, deque
+from itertools import zip_longest
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from asyncinfer import AsyncEngine, SamplingParams
+from asyncinfer.cache import KVCacheManager
+from asyncinfer.errors import RequestFailedError
+from asyncinfer.request import Request, RequestStatus
+from asyncinfer.schedulers import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+class OwnQueues(Scheduler):
+    api_version = 1
+    uses_priority = False
+    built: ClassVar[list[OwnQueues]] = []
+    raise_every = 0
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.queues: dict[str, deque[Request]] = defaultdict(deque)
+        self.steps = 0
+        OwnQueues.built.append(self)
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.queues[request.request_id.partition("/")[0]].append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        self.steps += 1
+        out = SchedulerOutput()
+        budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            again = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
+            order = again + [r for group in zip_longest(*self.queues.values()) for r in group if r is not None]
+            self.admit_waiting(order, budget, out)
+            for queue in self.queues.values():
+                while queue and not self.is_waiting(queue[0]):
+                    queue.popleft()
+        if self.raise_every and self.steps % self.raise_every == 0:
+            raise RuntimeError("a bug in the plugin")
+        return out
+
+
+class RaisingOwnQueues(OwnQueues):
+    raise_every = 7
+
+
+@pytest.mark.parametrize("policy", [OwnQueues, RaisingOwnQueues])
+async def test_random_load_leaks_nothing(tiny_llama: Path, policy) -> None:
+    rng = random.Random(40)
+    engine = await AsyncEngine.load(tiny_llama, scheduler=policy, num_threads=1, max_num_seqs=6, max_model_len=128,
+                                    kv_cache_memory=96 * 1024, dtype="float32", device="cpu")
+    kv = policy.built[-1].kv
+    base = [rng.randrange(3, 200) for _ in range(40)]
+    outcomes: dict[str, str] = {}
+
+    async def one(i: int) -> None:
+        user = rng.choice(["alice", "bob", "carol"])
+        rid = f"{user}/{i % 9}"  # ids reused
+        n = rng.choice([1, 1, 2, 3])
+        prompt = base[: rng.randrange(8, 40)] + [rng.randrange(3, 200) for _ in range(rng.randrange(0, 5))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), n=n, temperature=0.8, seed=i, ignore_eos=True,
+                                logprobs=rng.choice([None, 2]))
+        task = asyncio.ensure_future(engine.generate(prompt, params, request_id=f"{rid}.{i}"))
+        how = rng.random()
+        if how < 0.25:
+            await asyncio.sleep(rng.random() * 0.05)
+            task.cancel()
+        elif how < 0.4:
+            await asyncio.sleep(rng.random() * 0.05)
+            engine.abort(f"{rid}.{i}")
+        try:
+            out = await task
+            outcomes[f"{i}"] = ",".join(sorted({c.finish_reason or "?" for c in out.outputs}))
+        except asyncio.CancelledError:
+            outcomes[f"{i}"] = "cancelled"
+        except RequestFailedError as exc:
+            outcomes[f"{i}"] = f"failed {exc.__cause__!r}"
+
+    async with engine:
+        start = kv.num_free_blocks
+        for wave in range(6):
+            await asyncio.gather(*(one(wave * 30 + j) for j in range(30)))
+            assert engine.state.value == "running"
+        await asyncio.sleep(0.2)
+        report = engine.memory_report()
+        counts = defaultdict(int)
+        for v in outcomes.values():
+            counts[v.split(" ")[0]] += 1
+        print(dict(counts), kv.num_free_blocks, kv.num_blocks, start, report)
+        assert kv.request_ids() == []
+        assert kv.num_free_blocks == start
+        if policy is OwnQueues:
+            assert not any(v.startswith("failed") for v in outcomes.values()), outcomes
+        out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id="dave/0")
+        assert out.finish_reason == "length"
+
