@@ -1,4 +1,7 @@
-"""pass40 scratch: plugins with queues of their own under aborts, n > 1, prefix hits, preemption and raising steps."""
+"""A plugin keeping per-user queues of its own (the base ``abort_request``, so its queues keep cancelled and aborted
+requests) under random load: cancels and aborts at any point, reused ids, n > 1, shared prefixes, a pool of 12
+blocks (preemption). Every block comes back, no other request fails, and with a ``schedule()`` that raises every
+7th step (the failed steps' requests fail, as documented) the engine serves on with nothing leaked (pass40)."""
 
 from __future__ import annotations
 
@@ -93,10 +96,8 @@ async def test_random_load_leaks_nothing(tiny_llama: Path, policy) -> None:
             assert engine.state.value == "running"
         await asyncio.sleep(0.2)
         report = engine.memory_report()
-        counts = defaultdict(int)
-        for v in outcomes.values():
-            counts[v.split(" ")[0]] += 1
-        print(dict(counts), kv.num_free_blocks, kv.num_blocks, start, report)
+        assert report.models[0].used_blocks == 0 and report.requests_in_flight == 0, report
+        assert engine.metrics.snapshot().models["default"].preemptions > 0
         assert kv.request_ids() == []
         assert kv.num_free_blocks == start
         if policy is OwnQueues:
