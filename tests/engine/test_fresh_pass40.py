@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
+
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.sampling_params import MAX_STOP_CHARS
@@ -23,7 +25,8 @@ def _requests(engine: AsyncEngine) -> dict[str, int]:
     return dict(engine.metrics.snapshot().models["default"].requests)
 
 
-async def test_an_abort_while_waiting_its_turn_is_counted_and_logged(tiny_models, monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("how", ["generate", "stream"])
+async def test_an_abort_while_waiting_its_turn_is_counted_and_logged(tiny_models, monkeypatch, caplog, how) -> None:
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)  # 20 s a turn
     async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
         for i in range(2):  # the bucket's two
@@ -31,11 +34,17 @@ async def test_an_abort_while_waiting_its_turn_is_counted_and_logged(tiny_models
         before = _requests(engine)
         caplog.set_level(logging.INFO, logger="asyncinfer.requests")
         params = SamplingParams(max_tokens=4, n=2, stop=_stops(5))
-        waiter = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
+        if how == "generate":
+            waiter = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
+        else:
+            async def read() -> list:
+                return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
+            waiter = asyncio.ensure_future(read())
         await asyncio.sleep(0.1)
         engine.abort("victim")
         out = await asyncio.wait_for(waiter, 5)
-        assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+        ends = [c.finish_reason for c in out.outputs] if how == "generate" else [d.finish_reason for d in out]
+        assert ends == ["abort", "abort"]
         after = _requests(engine)
         assert after["abort"] == before["abort"] + 1, (before, after)
         assert {k: v for k, v in after.items() if k != "abort"} == {k: v for k, v in before.items() if k != "abort"}
