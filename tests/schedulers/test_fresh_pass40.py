@@ -105,3 +105,62 @@ async def test_random_load_leaks_nothing(tiny_llama: Path, policy) -> None:
         out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id="dave/0")
         assert out.finish_reason == "length"
 
+
+
+class OwnAdmission(Scheduler):
+    """Admits from a queue of its own with the ``allocate_new`` helper, moving each request to ``running`` itself
+    (``allocate_new`` does not move it); the base ``abort_request``, so its queue keeps a cancelled request."""
+
+    api_version = 1
+    uses_priority = False
+    built: ClassVar[list[OwnAdmission]] = []
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.mine: deque[Request] = deque()
+        OwnAdmission.built.append(self)
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.mine.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+        while self.mine and budget > 0 and not out.preempted:
+            request = self.mine[0]
+            if not self.has_seats(request):
+                break
+            n = self.allocate_new(request, budget, reserve=bool(self.running))
+            if n == 0:
+                break
+            self.mine.popleft()
+            if request in self.waiting:
+                self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+        return out
+
+
+async def test_a_policy_admitting_with_allocate_new_never_runs_a_cancelled_request(tiny_llama: Path) -> None:
+    """A policy admitting with ``allocate_new`` (docs/memory.md names it beside ``admit``) from a queue of its own
+    took blocks for a request cancelled while it waited and, moving it to ``running`` itself, kept it there for
+    good: its blocks never came back and, with ``max_num_seqs=1``, nobody ever ran again (the engine logged "planned
+    3 tokens for 'bob/0', a request it does not hold" at every step, 2,266 lines in 10 s, the next caller waiting
+    for ever). The engine takes such a request out of the base queues and frees its blocks; nobody fails."""
+    engine = await AsyncEngine.load(tiny_llama, scheduler=OwnAdmission, num_threads=1, max_num_seqs=1,
+                                    max_model_len=512)
+    async with engine:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        first = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="alice/0"))
+        second = asyncio.ensure_future(engine.generate([8, 9, 10], params, request_id="bob/0"))
+        await asyncio.sleep(0.05)
+        second.cancel()
+        assert (await first).outputs[0].finish_reason == "length"
+        out = await asyncio.wait_for(engine.generate([5, 6], SamplingParams(max_tokens=2), request_id="carol/0"), 10)
+        assert out.outputs[0].finish_reason == "length"  # it waited for ever behind the cancelled request
+        kv = OwnAdmission.built[-1].kv
+        assert kv.request_ids() == [] and kv.num_free_blocks == kv.num_blocks
+        assert OwnAdmission.built[-1].running == []
