@@ -347,6 +347,7 @@ class EngineCore:
                 logger.error("the scheduler (%s) planned %r tokens for %r, a request it does not hold: left out",
                              type(sched).__name__, n, rid)
                 del entries[rid]
+                self._drop_ghost(rid)
                 continue
             fault = self._plan_fault(request, n)
             if fault is not None:
@@ -452,6 +453,23 @@ class EngineCore:
         ]
 
     # ----------------------------------------------------------------- helpers
+    def _drop_ghost(self, rid: Any) -> None:
+        """Take out of the scheduler's base queues every request of id ``rid``, which it planned but does not hold,
+        and free that id's blocks (logged): a policy admitting from a queue of its own with ``allocate_new`` took
+        blocks for a request cancelled while it waited and moved it to ``running`` itself; left there, it was
+        planned at every step and never ran, its blocks and seats taken for good (with ``max_num_seqs`` taken,
+        nobody else ever ran; pass40). Only on this fault's path: the queues are scanned."""
+        sched = self.scheduler
+        for queue in (sched.running, sched.waiting):
+            for ghost in [r for r in queue if getattr(r, "request_id", None) == rid]:
+                queue.remove(ghost)
+        if isinstance(rid, str) and self.kv.block_table(rid):
+            try:
+                self.kv.free(rid)
+            except RuntimeError as exc:  # a request admitted after it in this step shares its new blocks
+                logger.error("the scheduler (%s) left blocks allocated for %r, a request it does not hold: %s",
+                             type(sched).__name__, rid, exc)
+
     def _free_strays(self) -> None:
         """Free the blocks of every id that holds a block table but no request of the scheduler (logged): a
         ``schedule()`` that raised after allocating for a request it no longer held (one a queue of its own kept

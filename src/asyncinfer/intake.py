@@ -78,6 +78,10 @@ class IntakeObserver(Protocol):
 
     def track(self, request: Request, version_id: int) -> None: ...  # bound; posted before the next await
 
+    # aborted while it waited its turn: ended with no request made, as an abort (counted and logged as one)
+    def count_aborted_waiting(self, model: str | None, request_id: str, n: int, prompt_len: int,
+                              arrival: float) -> None: ...
+
 
 #: Grammar compiles (cache misses) running at once in one engine; the others wait their turn.
 MAX_CONCURRENT_COMPILES = 2
@@ -218,8 +222,18 @@ class RequestIntake:
     ) -> tuple[Request, ModelVersion, ModelHolder]:
         """The request, the version it is bound to and its generator; post it before the next await.
         :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn."""
+        arrival = time.time()
         try:
-            await self._take_turns(prompt, args.params, check_running, aborted)
+            try:
+                await self._take_turns(prompt, args.params, check_running, aborted)
+            except AbortedWhileWaiting:
+                # it ends as an abort with nothing made for it: counted and logged as the abort it would have been
+                # once bound (it was, before the wait ended at the abort)
+                if self._observer is not None:
+                    self._observer.count_aborted_waiting(model if isinstance(model, str) else None, args.request_id,
+                                                         args.params.n, len(args.early[1]) if args.early else 0,
+                                                         arrival)
+                raise
             version, ids, grammar = await self._bind(prompt, args, model, check_running)
             # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
             # never take the request, and its caller would wait for ever.

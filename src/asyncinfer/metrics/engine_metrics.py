@@ -286,6 +286,22 @@ class EngineMetrics:
                 counts = self._model(label).rejected if label is not None else self._unknown_rejected
                 counts[reason] += 1
 
+    def count_aborted_waiting(self, model: str | None, request_id: str, n: int, prompt_len: int,
+                              arrival: float) -> None:
+        """A request aborted while it waited its turn (``intake.Turns``): never posted, it ends as an abort all the
+        same, counted in ``requests`` and logged as any other (it was not: a wait cut short by ``abort()`` left no
+        trace, where the same abort a moment later, once it was bound, was counted)."""
+        if not self.enabled:
+            return
+        label = self._label(model)
+        if label is None:
+            return
+        done = FinishedRequest(label, request_id, "abort", prompt_len, 0, None, None,
+                               max(0.0, time.time() - arrival))
+        with self._lock:
+            self._count_finished(self._model(label), done)
+        log_finished(done)
+
     def count_swap(self, model: str | None, outcome: str) -> None:
         """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused or failed."""
         if self.enabled:
