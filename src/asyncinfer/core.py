@@ -461,7 +461,7 @@ class EngineCore:
         nobody else ever ran; pass40). Only on this fault's path: the queues are scanned."""
         sched = self.scheduler
         for queue in (sched.running, sched.waiting):
-            for ghost in [r for r in queue if getattr(r, "request_id", None) == rid]:
+            for ghost in [r for r in queue if isinstance(r, Request) and r.request_id == rid]:
                 queue.remove(ghost)
         if isinstance(rid, str) and self.kv.block_table(rid):
             try:
