@@ -455,31 +455,36 @@ class EngineCore:
     # ----------------------------------------------------------------- helpers
     def _drop_ghost(self, rid: Any) -> None:
         """Take out of the scheduler's base queues every request of id ``rid``, which it planned but does not hold,
-        and free that id's blocks (logged): a policy admitting from a queue of its own with ``allocate_new`` took
-        blocks for a request cancelled while it waited and moved it to ``running`` itself; left there, it was
-        planned at every step and never ran, its blocks and seats taken for good (with ``max_num_seqs`` taken,
-        nobody else ever ran; pass40). Only on this fault's path: the queues are scanned."""
+        and free that id's blocks (:meth:`_free_stray`): a policy admitting from a queue of its own with
+        ``allocate_new`` took blocks for a request cancelled while it waited and moved it to ``running`` itself; left
+        there, it was planned at every step and never ran, its blocks and seats taken for good (with
+        ``max_num_seqs`` taken, nobody else ever ran; pass40). Only on this fault's path: the queues are scanned."""
         sched = self.scheduler
         for queue in (sched.running, sched.waiting):
             for ghost in [r for r in queue if isinstance(r, Request) and r.request_id == rid]:
                 queue.remove(ghost)
         if isinstance(rid, str) and self.kv.block_table(rid):
-            try:
-                self.kv.free(rid)
-            except RuntimeError as exc:  # a request admitted after it in this step shares its new blocks
-                logger.error("the scheduler (%s) left blocks allocated for %r, a request it does not hold: %s",
-                             type(sched).__name__, rid, exc)
+            self._free_stray(rid)
 
     def _free_strays(self) -> None:
-        """Free the blocks of every id that holds a block table but no request of the scheduler (logged): a
-        ``schedule()`` that raised after allocating for a request it no longer held (one a queue of its own kept
+        """Free the blocks of every id that holds a block table but no request of the scheduler (:meth:`_free_stray`):
+        a ``schedule()`` that raised after allocating for a request it no longer held (one a queue of its own kept
         after it was aborted) left them allocated for good, as nothing would ever end that id."""
         held = self.scheduler.requests
         for rid in self.kv.request_ids():
             if rid not in held:
-                logger.error("the scheduler (%s) left blocks allocated for %r, a request it does not hold: freed",
-                             type(self.scheduler).__name__, rid)
-                self.kv.free(rid)
+                self._free_stray(rid)
+
+    def _free_stray(self, rid: str) -> None:
+        """Free the blocks of ``rid``, an id the scheduler does not hold, and log it; blocks another request admitted
+        after it in this step shares cannot be freed (``KVCacheManager.free`` raises): logged as such."""
+        try:
+            self.kv.free(rid)
+            outcome = "freed"
+        except RuntimeError as exc:
+            outcome = f"not freed: {exc}"
+        logger.error("the scheduler (%s) left blocks allocated for %r, a request it does not hold: %s",
+                     type(self.scheduler).__name__, rid, outcome)
 
     def _end(self, request_id: str, error: BaseException | None = None, alone: Request | None = None) -> list[CoreOutput]:
         """End every unfinished sample of the user's request ``request_id``, each with one final output.
