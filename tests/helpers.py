@@ -712,3 +712,22 @@ def long_stops(variant: int) -> list[str]:
     ``variant`` (each needs its own automaton)."""
     length = MAX_STOP_CHARS // MAX_STOP_STRINGS
     return [chr(0xE000 + variant) + f"{i:0{length - 1}d}" for i in range(MAX_STOP_STRINGS)]
+
+
+
+async def fill_stop_turns(engine: Any, stops: Any) -> None:
+    """Take the stop-list bucket's two turns (``intake.Turns``: two lists at the limit, ``stops(0)`` and
+    ``stops(1)``), so that the next long list waits its turn."""
+    for i in range(2):
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=stops(i)))
+
+
+def send_victim(engine: Any, params: SamplingParams, how: str) -> asyncio.Future:
+    """Request ``"victim"`` of ``params``, sent by ``how``: ``"generate"``, the future of its result; ``"stream"``,
+    of its deltas, read to the end."""
+    if how == "generate":
+        return asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
+
+    async def read() -> list:
+        return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
+    return asyncio.ensure_future(read())

@@ -16,7 +16,7 @@ import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.intake import Turns
 from asyncinfer.sampling_params import MAX_STOP_CHARS
-from tests.helpers import ENGINE_BASE
+from tests.helpers import ENGINE_BASE, fill_stop_turns, send_victim
 
 ROUNDS = 10
 
@@ -81,15 +81,9 @@ async def test_an_abort_ends_a_request_waiting_its_turn_at_once(tiny_models, mon
     each (nothing generated; its prompt's ids if they were made at the call)."""
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)
     async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
-        for i in range(2):  # the bucket's two
-            await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=_stops(i)))
+        await fill_stop_turns(engine, _stops)
         params = SamplingParams(max_tokens=1, n=2, stop=_stops(5))
-        if how == "generate":
-            waiter = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
-        else:
-            async def read() -> list:
-                return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
-            waiter = asyncio.ensure_future(read())
+        waiter = send_victim(engine, params, how)
         await asyncio.sleep(0.1)
         start = time.monotonic()
         engine.abort("victim")

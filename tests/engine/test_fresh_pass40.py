@@ -14,7 +14,7 @@ import pytest
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.sampling_params import MAX_STOP_CHARS
-from tests.helpers import ENGINE_BASE
+from tests.helpers import ENGINE_BASE, fill_stop_turns, send_victim
 
 
 def _stops(variant: int) -> list[str]:
@@ -29,17 +29,11 @@ def _requests(engine: AsyncEngine) -> dict[str, int]:
 async def test_an_abort_while_waiting_its_turn_is_counted_and_logged(tiny_models, monkeypatch, caplog, how) -> None:
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)  # 20 s a turn
     async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
-        for i in range(2):  # the bucket's two
-            await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=_stops(i)))
+        await fill_stop_turns(engine, _stops)
         before = _requests(engine)
         caplog.set_level(logging.INFO, logger="asyncinfer.requests")
         params = SamplingParams(max_tokens=4, n=2, stop=_stops(5))
-        if how == "generate":
-            waiter = asyncio.ensure_future(engine.generate([5, 6, 7], params, request_id="victim"))
-        else:
-            async def read() -> list:
-                return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
-            waiter = asyncio.ensure_future(read())
+        waiter = send_victim(engine, params, how)
         await asyncio.sleep(0.1)
         engine.abort("victim")
         out = await asyncio.wait_for(waiter, 5)
