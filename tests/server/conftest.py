@@ -8,6 +8,7 @@ template, so text and chat requests work without the real model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import threading
@@ -20,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from asyncinfer import AsyncEngine
+from asyncinfer import AsyncEngine, swaps
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_config
 
 if TYPE_CHECKING:
@@ -167,3 +168,32 @@ def raw_answer(sock: socket.socket, quiet: float = 1.0) -> bytes:
             return data + b"<closed>"
         data += piece
     return data
+
+
+@contextlib.contextmanager
+def held_drain_swap(live: LiveServer, model: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A drain-mode swap of the served model ``name`` to ``model``, held in its load: yields once ``name`` has left
+    ``model_info()`` (between versions: no version serves it); on leaving, the load goes on and the swap is seen
+    through (its result awaited unless the body raised)."""
+    release = threading.Event()
+    real_load = swaps.load
+
+    def held_load(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(60)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(swaps, "load", held_load)
+    engine = live.engine
+    assert engine.loop is not None
+    swap = asyncio.run_coroutine_threadsafe(
+        engine.swap_model(str(model), name=name, mode="drain", **TINY_OPTIONS), engine.loop
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while any(info.name == name for info in engine.model_info()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        yield
+    finally:
+        release.set()
+    swap.result(60)

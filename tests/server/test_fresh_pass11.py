@@ -9,11 +9,10 @@ import time
 import httpx
 import pytest
 
-from asyncinfer import swaps
 from asyncinfer.core import EngineCore
 from asyncinfer.server import ModelSpec, create_app
 
-from .conftest import TINY_OPTIONS, LiveServer
+from .conftest import TINY_OPTIONS, LiveServer, held_drain_swap
 
 
 # A text prompt sent to /v1/completions for a model loaded without a tokenizer was answered with the chat's message:
@@ -45,30 +44,13 @@ def test_a_text_prompt_for_a_model_without_a_tokenizer_says_to_send_token_ids(se
 def test_a_request_naming_no_model_is_not_served_by_another_while_the_default_one_is_swapped(
     tiny_chat_model, monkeypatch
 ) -> None:
-    release = threading.Event()
-    real_load = swaps.load
-
-    def held_load(*args, **kwargs):
-        assert release.wait(60)
-        return real_load(*args, **kwargs)
-
     app = create_app(
         [ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS), ModelSpec(str(tiny_chat_model), "other", TINY_OPTIONS)]
     )
     chat = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
-        engine = live.engine
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == "tiny"
-        monkeypatch.setattr(swaps, "load", held_load)
-        assert engine.loop is not None
-        swap = asyncio.run_coroutine_threadsafe(
-            engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **TINY_OPTIONS), engine.loop
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while any(info.name == "tiny" for info in engine.model_info()):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+        with held_drain_swap(live, tiny_chat_model, "tiny", monkeypatch):
             for stream in (False, True):
                 for r in (
                     http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream}),
@@ -81,9 +63,6 @@ def test_a_request_naming_no_model_is_not_served_by_another_while_the_default_on
                 http.post("/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 2}).status_code
                 == 200
             )
-        finally:
-            release.set()
-        swap.result(60)
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == "tiny"
 
 
