@@ -1,7 +1,8 @@
 """A deployment's own route that calls the engine from a task group (``asyncio.TaskGroup``, anyio's, ``gather`` in
 one): an engine refusal comes out wrapped in an exception group, which ``guard_app`` let through as a crash, a 500
-logged as "Exception in ASGI application". A group of nothing but asyncinfer errors is answered as its first is
-(a 400 naming the parameter); a group holding any other fault is still a fault."""
+logged as "Exception in ASGI application". A group of nothing but asyncinfer errors is answered as its most severe
+member is (the highest status; the first of equals, such as a 400 naming the parameter), whatever order its tasks
+failed in; a group holding any other fault is still a fault."""
 
 from __future__ import annotations
 
@@ -41,12 +42,28 @@ def _app(errors: list[BaseException]):
      "temperature"),
     ([EngineOverloadedError("model 'default' has 4 requests in flight; retry later.", retry_after=2.0)], 503, None),
 ])
-def test_a_group_of_engine_errors_is_answered_as_its_first(errors, status, param) -> None:
+def test_a_group_of_engine_errors_is_answered_as_its_most_severe(errors, status, param) -> None:
     from fastapi.testclient import TestClient
 
     r = TestClient(_app(errors)).get("/both")
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param and r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("overload_first", [True, False])
+def test_the_answer_does_not_depend_on_which_task_failed_first(overload_first) -> None:
+    """A refusal of the caller's input (400) beside the engine's overload (503), in either order, and nested one
+    group down: the server's 503 with its Retry-After, never a 400 that tells the client its input was at fault
+    because its task happened to fail first."""
+    from fastapi.testclient import TestClient
+
+    overloaded = EngineOverloadedError("model 'default' has 4 requests in flight; retry later.", retry_after=2.0)
+    refused = InvalidParameterError("max_tokens", 0, "an int >= 1")
+    errors: list[BaseException] = [overloaded, refused] if overload_first else [refused, overloaded]
+    for app in (_app(errors), _app([refused, server_app._Group("inner", errors)])):
+        r = TestClient(app).get("/both")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "2"
 
 
 def test_a_group_with_another_fault_is_a_fault() -> None:

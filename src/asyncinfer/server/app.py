@@ -203,22 +203,25 @@ class _EngineErrorAnswers:
         try:
             await self.app(scope, receive, send_)
         except Exception as exc:
-            error = _engine_error(exc)
+            request_id = new_request_id()
+            error = _engine_error(exc, request_id)
             if started or error is None:
                 raise
-            request_id = new_request_id()
-            await from_exception(error, request_id).response(request_id)(scope, receive, send)
+            await error.response(request_id)(scope, receive, send)
 
 
-def _engine_error(exc: BaseException) -> AsyncInferError | None:
-    """The :class:`AsyncInferError` ``exc`` is, or the first of an exception group (a route's task group) that holds
-    nothing else; None for anything else (a fault, answered as one)."""
+def _engine_error(exc: BaseException, request_id: str) -> APIError | None:
+    """The answer to ``exc``: an :class:`AsyncInferError`'s, or for an exception group (a route's task group) that
+    holds nothing else, its most severe member's (the highest status; the first of equals), whatever order the
+    group's tasks failed in; None for anything else (a fault, answered as one)."""
     if isinstance(exc, AsyncInferError):
-        return exc
+        return from_exception(exc, request_id)
     if not isinstance(exc, _Group):
         return None
-    errors = [_engine_error(e) for e in exc.exceptions]
-    return errors[0] if errors and all(errors) else None
+    answers = [_engine_error(e, request_id) for e in exc.exceptions]
+    if not answers or not all(answers):
+        return None
+    return max(answers, key=lambda answer: answer.status)  # type: ignore[union-attr]
 
 
 def _api_error(request: Request, exc: Exception) -> Response:
