@@ -327,10 +327,14 @@ def test_quantize_refuses_weights_whose_scales_overflow_float16(fmt: str, bad: f
     per = formats.BLOCK_FORMATS[fmt][0]
     weight = torch.zeros(2, per)
     weight[1, 3] = bad
-    with pytest.raises(ValueError, match=r"weight: .*\|w\| <= 65504"):
+    with pytest.raises(ValueError, match=r"weight: .*\|w\| < 65520"):
         formats.quantize(weight, fmt)
-    weight[1, 3] = 65504.0  # the largest finite float16 still round-trips to finite weights
-    assert torch.isfinite(formats.dequantize(formats.quantize(weight, fmt), fmt)).all()
+    for edge in (65504.0, 65519.0, -65519.0):  # float16's largest value, and the last ones that round to it
+        weight[1, 3] = edge
+        assert torch.isfinite(formats.dequantize(formats.quantize(weight, fmt), fmt)).all()
+    weight[1, 3] = 65520.0  # rounds to an infinity
+    with pytest.raises(ValueError, match=r"weight: .*\|w\| < 65520"):
+        formats.quantize(weight, fmt)
 
 
 @pytest.mark.parametrize("fmt", list(formats.LAYOUTS))

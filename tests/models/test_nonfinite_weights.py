@@ -47,3 +47,21 @@ async def test_float16_takes_its_largest_value(tmp_path) -> None:
     model.save_pretrained(tmp_path)
     async with await AsyncEngine.load(tmp_path, quantization="float16", **KV) as engine:
         assert engine.config.quantization == "float16"
+
+
+@pytest.mark.parametrize("quantization", ["float16", "q8_0", "q4_1"])
+async def test_a_weight_that_rounds_to_65504_loads_and_one_that_rounds_to_inf_does_not(tmp_path, quantization) -> None:
+    """float16 rounds to nearest: 65519 is stored as 65504, its nearest float16 (no infinity to fear), so it loads;
+    65520 rounds to an infinity and is refused, naming the weight."""
+    for value, loads in ((65519.0, True), (-65519.0, True), (65520.0, False)):
+        model = tiny_hf_model("llama")
+        with torch.no_grad():
+            model.model.layers[1].self_attn.o_proj.weight[3, 5] = value
+        path = tmp_path / f"{quantization}_{value:g}"
+        model.save_pretrained(path)
+        if loads:
+            async with await AsyncEngine.load(path, quantization=quantization, **KV) as engine:
+                assert engine.config.quantization == quantization
+        else:
+            with pytest.raises(ModelLoadError, match="layers.1.attn.o_proj.weight cannot be quantized"):
+                await AsyncEngine.load(path, quantization=quantization, **KV)

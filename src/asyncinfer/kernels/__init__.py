@@ -44,6 +44,7 @@ from asyncinfer.kernels.decoder import MAX_PARTS, MAX_ROPE_TABLES, Activation, D
 from asyncinfer.kernels.formats import (
     ACTIVATION_DTYPES,
     BLOCK_FORMATS,
+    F16_ROUNDS_TO_INF,
     INT8_KERNELS,
     QK,
     QK_K,
@@ -60,6 +61,7 @@ from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed
 __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK_FORMATS",
+    "F16_ROUNDS_TO_INF",
     "INT8_KERNELS",
     "MAX_PARTS",
     "MAX_ROPE_TABLES",

@@ -237,8 +237,11 @@ def _quantize_k(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     return d16, dmin16, sc, mn, q
 
 
-#: float16's largest finite value, the bound on the weights :func:`quantize` takes (its scales are float16).
+#: float16's largest finite value.
 F16_MAX = 65504.0
+#: The magnitude from which float16 rounds to an infinity (to nearest, ties to even): the weights :func:`quantize` and
+#: the float16 format take are below it (a weight in (65504, 65520) is stored as 65504, its nearest float16).
+F16_ROUNDS_TO_INF = 65520.0
 
 
 @_allocating("weight")
@@ -275,9 +278,10 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         return torch.empty(n, k // per * bytes_per_block(fmt), dtype=torch.uint8)
     w = weight.detach().float().reshape(n, k // per, per)  # [N, B, weights]
     largest = float(w.abs().amax())
-    if not largest <= F16_MAX:  # NaN compares false too
+    if not largest < F16_ROUNDS_TO_INF:  # NaN compares false too
         raise ValueError(f"weight: {fmt} stores its scales and minimums in float16, so the weights must be finite "
-                         f"with |w| <= {F16_MAX:g}; got a largest |w| of {largest:g}")
+                         f"with |w| < {F16_ROUNDS_TO_INF:g} (float16's largest value is {F16_MAX:g}); got a largest "
+                         f"|w| of {largest:g}")
     if fmt in ("q4_1", "q5_1"):
         levels = 15 if fmt == "q4_1" else 31
         lo = w.amin(dim=-1, keepdim=True)  # [N, B, 1]

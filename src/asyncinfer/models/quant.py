@@ -310,7 +310,8 @@ def packed_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-#: float16's largest finite value (65504): a float weight past it is refused, not stored as an inf.
+#: float16's largest finite value (65504): a float weight that rounds past it (|w| >= 65520) is refused, not stored as
+#: an inf; one in (65504, 65520) is stored as 65504, the float16 it rounds to.
 FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
@@ -324,9 +325,11 @@ class Fp16Linear(FormatLinear):
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
         largest = float(w.abs().amax()) if w.numel() else 0.0
-        if not largest <= FLOAT16_MAX:  # (a NaN too): fbgemm would pack an inf or a NaN, and every output it feeds
+        if not largest < kernels.F16_ROUNDS_TO_INF:  # (a NaN too): fbgemm would pack an inf or a NaN, and every output it feeds
             raise ValueError(f"weight: float16 holds magnitudes up to {FLOAT16_MAX:g} and no NaN; got a largest |w| "
-                             f"of {largest:g}")
+                             f"of {largest:g}, which rounds to an infinity")
+        if largest > FLOAT16_MAX:  # rounds to 65504: stored so, without the packer's warning that it saturated
+            w = w.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, _float_bias(bias))
         self.nbytes = linear_bytes("float16", self.out_features, self.in_features, bias=bias is not None)
 
