@@ -159,6 +159,10 @@ class RequestIntake:
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
         self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)  # the rates as set now (a deployment
         self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # may raise them before making engines)
+        # Requests in bind (waiting their turn, tokenized or compiled off the loop), by generator: in flight for
+        # admission control as much as those already posted, so that a flood waiting its turns is refused at once
+        # past the limit rather than after its wait.
+        self._binding: dict[ModelHolder, int] = {}
 
     def check(
         self,
@@ -223,7 +227,9 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await.
         :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn."""
         arrival = time.time()
+        counted: ModelHolder | None = None
         try:
+            counted = self._count_binding(model)
             try:
                 await self._take_turns(prompt, args.params, check_running, aborted)
             except AbortedWhileWaiting:
@@ -243,6 +249,8 @@ class RequestIntake:
             check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
             _check_samples(args.params, version)  # and max_num_seqs
             self._check_id_free(args.request_id, args.params.n)
+            self._uncount_binding(counted)  # from here on it is counted by its stream, opened with no await between
+            counted = None
             self._check_load(model)
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
                                    version.max_model_len)
@@ -254,6 +262,8 @@ class RequestIntake:
                 # compiled or a drain-mode swap held its admission (the refusal read as if it had never been loaded).
                 raise InvalidParameterError("model", exc.value, "a loaded generator (it was removed meanwhile)") from None
             raise
+        finally:
+            self._uncount_binding(counted)
         if self._observer is not None:
             self._observer.track(request, version.version_id)
         return request, version, self.models.generator(model)
@@ -307,6 +317,17 @@ class RequestIntake:
         succeed), EngineOverloadedError when they do not fit beside the requests in flight now."""
         self._check_load(model, count)
 
+    def _count_binding(self, model: str | None) -> ModelHolder:
+        holder = self.models.generator(model)
+        self._binding[holder] = self._binding.get(holder, 0) + 1
+        return holder
+
+    def _uncount_binding(self, holder: ModelHolder | None) -> None:
+        if holder is not None:
+            left = self._binding.pop(holder) - 1
+            if left:
+                self._binding[holder] = left
+
     def _check_load(self, model: str | None, count: int = 1) -> None:
         """Admission control: refuse at once past ``max_num_seqs + max_waiting_requests`` in flight."""
         holder = self.models.generator(model)
@@ -319,7 +340,7 @@ class RequestIntake:
                 "prompt", f"<{count} prompts>",
                 f"at most {_counted(limit, 'prompt')} in one call: at most max_num_seqs={version.config.max_num_seqs} + "
                 f"max_waiting_requests={version.config.max_waiting_requests} requests may be in flight")
-        if self.streams.count(holder) + count > limit:
+        if self.streams.count(holder) + self._binding.get(holder, 0) + count > limit:
             raise EngineOverloadedError(
                 f"model {self.models.name_of(holder)!r} has {_counted(limit, 'request')} in flight "
                 f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="
