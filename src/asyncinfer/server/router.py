@@ -578,7 +578,9 @@ class _OpenAI:
         # its messages and the tool calls they hold (the history's: the template renders each)
         size = intake.chat_turn_size(body.history) if rendered else intake.chat_turn_size(body.messages)
         if (rendered or counted) and size > intake.CHAT_FREE_MESSAGES:
-            # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait
+            # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait; refused
+            # before it when the engine is full now (admission control), not after the wait
+            g.engine.check_admission(1, model=g.model)
             await unless_disconnected(call.request, self.chat_turns.wait(size))
         if rendered:
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
