@@ -28,7 +28,10 @@ def plain_value(value: Any) -> Any:
 def logged(value: Any) -> Any:
     """``value`` as a log line shows it: a text holding a space, a line break or another character that is not
     printable (or an empty one) as its ``repr``, quoted and escaped, so that a name or id a caller chose cannot end
-    the line and write another one, posing as another request's; anything else as it is."""
+    the line and write another one, posing as another request's; anything else as it is. Read as the plain value it
+    holds (:func:`plain_value`): a subclass's own ``isprintable``, ``in`` or ``__str__`` passed a line break as a
+    clean text, and ``%s`` wrote what its ``__str__`` chose (pass41)."""
+    value = plain_value(value)
     if isinstance(value, str) and (not value.isprintable() or " " in value or not value):
         return repr(value)
     return value

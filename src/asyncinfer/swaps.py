@@ -78,6 +78,9 @@ class ModelChanges:
     ) -> ModelVersionInfo:
         """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, or it
         does not fit) or failed (the new version did not load; the old one serves)."""
+        # read as the texts they hold: a subclass whose == answers True passed the mode check, ran as whichever mode
+        # it was compared with first, and was written into the log line as its __str__ chose (pass41)
+        mode, name = plain_value(mode), plain_value(name)
         start = time.monotonic()
         try:
             info = await self._swap(model, name, mode, abort, available, options)
@@ -87,12 +90,12 @@ class ModelChanges:
         except Exception as exc:
             self._swapped(name, "failed")
             logger.warning("model swap failed model=%s mode=%s source=%s after_s=%.2f error=%s message=%s",
-                           "<default>" if name is None else logged(name), mode, logged(model_text(model)),
+                           "<default>" if name is None else logged(name), logged(mode), logged(model_text(model)),
                            time.monotonic() - start, type(exc).__name__, logged(str(exc)))
             raise
         self._swapped(info.name, "ok")
         logger.info("model swapped model=%s version=%d mode=%s source=%s took_s=%.2f", logged(info.name),
-                    info.version_id, mode, logged(info.source), time.monotonic() - start)
+                    info.version_id, logged(mode), logged(info.source), time.monotonic() - start)
         return info
 
     def _swapped(self, name: str | None, outcome: str) -> None:
