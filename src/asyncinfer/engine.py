@@ -19,7 +19,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
@@ -487,6 +487,17 @@ class AsyncEngine:
         count = plain_value(count)  # the number it holds: an int subclass's comparisons may lie
         check_int("count", count, 1, 2**31)
         self._intake.check_room(model, count)
+
+    @contextlib.contextmanager
+    def taking_in(self, *, model: str | None = None) -> Iterator[None]:
+        """A place for one request the caller makes before submitting it (waiting a line of its own, rendering its
+        prompt): refused at once as ``check_admission(1)`` refuses it, and counted in flight by admission control
+        (``max_waiting_requests``) until the block ends, as a request waiting its turn inside the engine is; submit
+        the request once the block has ended (it is checked again then). The HTTP server holds one for each long
+        chat waiting its turn in its own line and rendered there."""
+        self._check_running()
+        with self._intake.taking_in(model):
+            yield
 
     def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:
         """How many tokens ``prompt`` (a text, chat messages or token ids) takes, exactly as

@@ -30,11 +30,12 @@ every refusal and of every request bound; it never changes what the intake does.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -316,6 +317,19 @@ class RequestIntake:
         InvalidParameterError on ``prompt`` when ``count`` exceeds what may ever be in flight (no retry can
         succeed), EngineOverloadedError when they do not fit beside the requests in flight now."""
         self._check_load(model, count)
+
+    @contextlib.contextmanager
+    def taking_in(self, model: str | None) -> Iterator[None]:
+        """One request its caller makes before submitting it (waiting a line of its own, rendering its prompt):
+        refused at once as :meth:`check_room` refuses one, then in flight for admission control until the block
+        ends, as one waiting its turn in :meth:`bind` is (the HTTP server's long chats, in its own line: not
+        counted, any number of them waited there while the engine was empty, each refused only after its wait)."""
+        self._check_load(model)
+        holder = self._count_binding(model)
+        try:
+            yield
+        finally:
+            self._uncount_binding(holder)
 
     def _count_binding(self, model: str | None) -> ModelHolder:
         holder = self.models.generator(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -577,24 +578,25 @@ class _OpenAI:
             g.engine.check_prompt_size(body.messages, model=g.model)
         # its messages and the tool calls they hold (the history's: the template renders each)
         size = intake.chat_turn_size(body.history) if rendered else intake.chat_turn_size(body.messages)
-        if (rendered or counted) and size > intake.CHAT_FREE_MESSAGES:
-            # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait; refused
-            # before it when the engine is full now (admission control), not after the wait
-            g.engine.check_admission(1, model=g.model)
-            await unless_disconnected(call.request, self.chat_turns.wait(size))
-        if rendered:
-            tokenizer = _engine.generator_tokenizer(g.engine, g.model)
-            prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
-                tokenizer, fmt, body.history, body.tool_use))
+        waits = (rendered or counted) and size > intake.CHAT_FREE_MESSAGES
+        # a long chat takes a place of the engine's admission control (refused at once when it is full, not after
+        # the wait) and holds it while it waits and is rendered: any number of them waited here uncounted
+        with g.engine.taking_in(model=g.model) if waits else contextlib.nullcontext():
+            if waits:  # rendered here, so the engine takes no turn for it; a client gone meanwhile ends the wait
+                await unless_disconnected(call.request, self.chat_turns.wait(size))
+            if rendered:
+                tokenizer = _engine.generator_tokenizer(g.engine, g.model)
+                prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
+                    tokenizer, fmt, body.history, body.tool_use))
+            elif counted:  # a stream's deltas carry no prompt count: render the template once, here
+                prompt = await self._off_loop_if_long(prompt_cost(body.messages),
+                                                 lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         if not body.stream:
             out = await unless_disconnected(
                 call.request, g.engine.generate(prompt, g.params, request_id=g.ids[0], **g.args))
             return await _whole(g.reply, lambda: g.reply.completion(
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
-        if counted:  # a stream's deltas carry no prompt count: render the template once, here
-            prompt = await self._off_loop_if_long(prompt_cost(body.messages),
-                                             lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
         return await self._stream(call, g.reply, [stream], g.params.n, len(prompt) if body.include_usage else 0,
                                   body.field)
