@@ -230,6 +230,9 @@ class RequestIntake:
         arrival = time.time()
         counted: ModelHolder | None = None
         try:
+            # checked again as it is counted: a stream is checked at its call but bound when first read, and streams
+            # made together, none counted yet, then read together, all waited their turns past the limit
+            self._check_load(model)
             counted = self._count_binding(model)
             try:
                 await self._take_turns(prompt, args.params, check_running, aborted)

@@ -11,13 +11,15 @@ into the line as its ``__str__`` chose. Both are now read as the built-in ``str`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
-from asyncinfer import AsyncEngine, SwapError
+import asyncinfer.intake
+from asyncinfer import AsyncEngine, EngineOverloadedError, SamplingParams, SwapError
 from asyncinfer.plain import logged
-from tests.helpers import ENGINE_BASE
+from tests.helpers import ENGINE_BASE, CharTokenizer, fill_stop_turns, long_stops
 
 FORGED = "x\nasyncinfer.models model removed model=chat abort=True"
 
@@ -70,3 +72,31 @@ async def test_a_posing_mode_or_name_writes_no_line_of_its_own(tiny_models, tmp_
     assert swapped.startswith("model swapped model=chat version=1 mode=overlap source=")
     assert failed.startswith("model swap failed model=chat mode=overlap source=")
     assert all("\n" not in line and "abort=True" not in line for line in (swapped, failed))
+
+
+async def test_streams_read_after_their_call_wait_their_turns_within_the_limit(tiny_models, monkeypatch) -> None:
+    """A stream is checked at its call but sends its request (and waits its turn) when first read: streams made
+    together, each passing the check while none was counted, then read together, all waited their turns counted
+    in flight, past ``max_num_seqs + max_waiting_requests`` (each past the limit refused only after its wait).
+    A stream past the limit at its first read is refused then, at once."""
+    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", 4096)  # a list at the limits every 4 s
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **{**ENGINE_BASE, "max_num_seqs": 2,
+                                                                      "max_waiting_requests": 2})
+    engine.core.tokenizer = CharTokenizer()
+    async with engine:
+        await fill_stop_turns(engine, long_stops)
+        streams = [engine.stream([5, 6, 7], SamplingParams(max_tokens=1, stop=long_stops(2 + i))) for i in range(6)]
+
+        async def first(stream) -> object:
+            return await anext(stream)
+
+        reads = [asyncio.ensure_future(first(s)) for s in streams]
+        await asyncio.sleep(0.3)
+        refused = [r for r in reads if r.done() and isinstance(r.exception(), EngineOverloadedError)]
+        assert len(refused) == 2 and not any(r.done() for r in reads if r not in refused)
+        for r in reads:
+            r.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        engine.check_admission(4)  # nothing is counted any more
