@@ -16,11 +16,11 @@ shared pool) that other callers' tokenizing and body decoding use.
 
 Two kinds of request wait their turn in ``bind`` (:class:`Turns`, a token bucket each, first come, first served),
 so that a flood of them waits instead of its neighbours: a request whose stop strings come to more than
-:data:`STOP_BUILD_FREE_CHARS` characters (the engine thread builds each request's stop automaton, ~12 ms for a
+:data:`STOP_BUILD_FREE_CHARS` characters (the engine thread builds each request's stop automaton, 11 ms of CPU for a
 list at both limits, and such a flood, each request with a list of its own, held every neighbour's tokens for as
 long as their automata took: a decode step of the default model per request), at :data:`STOP_BUILD_CHARS_PER_S`;
 and a chat of more than :data:`CHAT_FREE_MESSAGES` messages and tool calls together (:func:`chat_turn_size`;
-templated in a worker thread, ~30 us a message in Jinja, holding the interpreter's lock against the engine thread
+templated in a worker thread, ~23 us of CPU a message, holding the interpreter's lock against the engine thread
 and the loop meanwhile: a flood of 4096-message chats, each refused for its length once rendered, made a
 neighbour's tokens 1.5-2.3x slower), at :data:`CHAT_MESSAGES_PER_S`. Shorter lists and chats never wait.
 
@@ -87,15 +87,16 @@ class IntakeObserver(Protocol):
 #: Grammar compiles (cache misses) running at once in one engine; the others wait their turn.
 MAX_CONCURRENT_COMPILES = 2
 
-#: Stop lists of at most this many characters together (~0.1 ms of automaton to build) never wait their turn.
+#: Stop lists of at most this many characters together (0.1 ms of automaton to build: benchmarks/intake_costs.py)
+#: never wait their turn.
 STOP_BUILD_FREE_CHARS = 256
 #: Characters of longer stop lists an engine admits a second (a token bucket that holds two lists at the limits,
 #: ``sampling_params.MAX_STOP_CHARS`` each): what the engine thread spends building their automata stays near 2%.
 STOP_BUILD_CHARS_PER_S = 32768
-#: Chats of at most this many messages (~10 ms of template) never wait their turn.
+#: Chats of at most this many messages (~6 ms of template) never wait their turn.
 CHAT_FREE_MESSAGES = 256
 #: Messages of longer chats an engine admits a second (a token bucket that holds two chats at the limit,
-#: ``prompts.MAX_CHAT_MESSAGES`` each): their templating takes about 6% of one core.
+#: ``prompts.MAX_CHAT_MESSAGES`` each): their templating takes about 5% of one core (benchmarks/intake_costs.py).
 CHAT_MESSAGES_PER_S = 2048
 
 
