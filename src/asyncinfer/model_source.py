@@ -243,7 +243,20 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
         if model.lower() in _MINILM_ALIASES:
             return minilm_model_path()
     if not path.exists() and isinstance(model, str) and is_hub_id(model):
-        return hub_cache_path(model)
+        try:
+            return hub_cache_path(model)
+        except ModelLoadError:
+            # `models/my.gguf` or `models/llama` is shaped as a Hub id too: where it reads as a path here (a .gguf
+            # name, its first part a directory here, a .gguf file beside it), the path is what is missing.
+            if not (path.name.lower().endswith(".gguf") or path.parent.is_dir() or _near_gguf(path) is not None):
+                raise
+        near = _near_gguf(path)
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist"
+            + (f" (did you mean {str(near)!r}?)" if near is not None else
+               f" (nor is {model!r} a Hugging Face Hub id in the local cache, {hub_cache_dir()}; expected a model "
+               f"directory with config.json and *.safetensors, a .gguf file, or a known name)")
+        )
     if not path.exists():
         near = _near_gguf(path)
         raise ModelLoadError(

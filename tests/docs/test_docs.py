@@ -137,8 +137,8 @@ class Servers:
     """``asyncinfer serve`` processes of the real model, one per (served name, key), started on demand.
 
     Their context is ``SERVER_MAX_MODEL_LEN`` tokens: the pages' requests are short chats, and one without
-    ``max_tokens`` (README.md's and docs/serving.md's ``"Hi"``) samples at temperature 1 until the EOS token or
-    the end of the context, so the context bounds how long it may run."""
+    ``max_tokens`` samples at temperature 1 until the EOS token or the end of the context, so the context bounds
+    how long it may run (the pages' chats send ``max_tokens``: tests/docs/test_stranger36.py)."""
 
     def __init__(self, model: Path, env: dict[str, str]) -> None:
         self.model, self.env = model, env

@@ -16,6 +16,15 @@ def generator_tokenizer(engine: AsyncEngine, model: str) -> Any:
     return engine.get_tokenizer(model)
 
 
+def without_tokenizer(engine: AsyncEngine, model: str) -> bool:
+    """Whether generator ``model`` serves without a tokenizer (its completions carry token ids, their text is
+    empty); False while no version of it serves (a drain-mode swap loading the next)."""
+    try:
+        return engine.get_tokenizer(model) is None
+    except EngineClosedError:
+        return False
+
+
 def between_versions(engine: AsyncEngine, model: str | None) -> bool:
     """Whether ``model`` (None: the engine's default generator) is a generator with no version serving now (a
     drain-mode swap is loading its next one): it is in no ``model_info()`` entry then, but it is still served, and

@@ -62,11 +62,13 @@ class Reply:
     want_logprobs: bool
     include_usage: bool = False
     tools: ToolUse | None = None  # chat with tools: replies are parsed for tool calls
+    token_ids: bool = False  # a model without a tokenizer: its text is empty, each choice carries its `token_ids`
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: its streamed tokens' characters so far
     _calls: dict[int, ReplyStream] = field(default_factory=dict)  # per choice, with tools: its text's split
 
     # ----------------------------------------------------------- whole results
-    def choice(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str) -> dict[str, Any]:
+    def choice(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str,
+               token_ids: Sequence[int] = ()) -> dict[str, Any]:
         body: dict[str, Any] = {"index": index}
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
@@ -79,6 +81,8 @@ class Reply:
                     body["message"]["content"] = content
         else:
             body["text"] = text
+            if self.token_ids:
+                body["token_ids"] = list(token_ids)
         body["logprobs"] = self._logprobs(index, logprobs) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
         return body
@@ -103,7 +107,8 @@ class Reply:
         return self.chunk([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                             "finish_reason": None} for i in range(n)])
 
-    def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None) -> bytes:
+    def delta_chunk(self, index: int, text: str, logprobs: list[Logprob] | None, finish_reason: str | None,
+                    token_ids: Sequence[int] = ()) -> bytes:
         if self.chat and self.tools is not None:
             return self._tool_chunks(self.tools, index, text, logprobs, finish_reason)
         body: dict[str, Any] = {"index": index}
@@ -111,6 +116,8 @@ class Reply:
             body["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             body["text"] = text
+            if self.token_ids:
+                body["token_ids"] = list(token_ids)
         body["logprobs"] = self._logprobs(index, logprobs or [], streamed=True) if self.want_logprobs else None
         body["finish_reason"] = finish_reason
         return self.chunk([body])

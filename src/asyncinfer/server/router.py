@@ -526,7 +526,8 @@ class _OpenAI:
         want_logprobs = params.logprobs is not None
         tokenizer = _engine.generator_tokenizer(engine, model) if want_logprobs else None
         reply = Reply(chat, call.id, int(time.time()), model, tokenizer, want_logprobs, body.include_usage,
-                      body.tool_use if isinstance(body, ChatRequest) else None)
+                      body.tool_use if isinstance(body, ChatRequest) else None,
+                      token_ids=not chat and _engine.without_tokenizer(engine, model))
         tenant, priority = self._identity(call, body)
         self._take_places(call, tenant, count)
         # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
@@ -617,7 +618,7 @@ class _OpenAI:
                 [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
             return await _whole(g.reply, lambda: g.reply.completion(
-                [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason)
+                [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason, c.token_ids)
                  for i, out in enumerate(outs) for c in out.outputs],
                 prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
         prompts = body.prompts
@@ -663,9 +664,11 @@ class _OpenAI:
                 completion_tokens += len(delta.token_ids)
                 if reply.want_logprobs and delta.logprobs:  # a tokenizer decode per token and alternative
                     yield await anyio.to_thread.run_sync(reply.delta_chunk, prompt_index * n + delta.index,
-                                                         delta.text, delta.logprobs, delta.finish_reason)
-                elif delta.text or delta.finish_reason is not None:
-                    args = (prompt_index * n + delta.index, delta.text, delta.logprobs, delta.finish_reason)
+                                                         delta.text, delta.logprobs, delta.finish_reason,
+                                                         delta.token_ids)
+                elif delta.text or delta.finish_reason is not None or (reply.token_ids and delta.token_ids):
+                    args = (prompt_index * n + delta.index, delta.text, delta.logprobs, delta.finish_reason,
+                            delta.token_ids)
                     if reply.tools is None:
                         yield reply.delta_chunk(*args)
                     else:  # read for calls: a delta may hold all that was generated while the client read slowly

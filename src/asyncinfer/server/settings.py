@@ -291,10 +291,15 @@ class ModelSpec:
     @staticmethod
     def served_name(model: str | None) -> str:
         """The name a model is served under when none is given: its file or directory name; a Hugging Face Hub id
-        (read from the local Hugging Face cache) its whole id, as vLLM serves it and its clients ask for it."""
+        (read from the local Hugging Face cache) its whole id, as vLLM serves it and its clients ask for it. None (the
+        default model) is SmolLM2-135M-Instruct, or where ``ASYNCINFER_MODEL`` names another model, that one's name."""
+        from asyncinfer.model_source import DEFAULT_GGUF_NAME, is_hub_id, known_name
+
         if model is None:
+            env = os.environ.get("ASYNCINFER_MODEL", "").strip()
+            if env and os.path.basename(os.path.normpath(os.path.expanduser(env))) != DEFAULT_GGUF_NAME:
+                return ModelSpec.served_name(os.path.expanduser(env))  # the model loaded, not SmolLM2's name
             return "SmolLM2-135M-Instruct"
-        from asyncinfer.model_source import is_hub_id, known_name
 
         if is_hub_id(model) and not known_name(model) and not os.path.exists(model):
             return model
