@@ -1,4 +1,4 @@
-"""pass42: admission control's count of the requests being taken in.
+"""pass42: admission control during a drain-mode swap, and float16's refusal message.
 
 A drain-mode swap, between the old version's retirement and the new one's switch, leaves its model with no version:
 admission control (``max_waiting_requests``) read its bound from the serving version and checked nothing then. Every
@@ -56,3 +56,23 @@ async def test_a_drain_swaps_load_keeps_the_bound(tiny_models, monkeypatch) -> N
         assert [len(o.token_ids) for o in outs] == [2, 2]
         engine.check_admission(2)
 
+
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (float("nan"), "got a NaN"),
+    (float("inf"), "got a largest |w| of inf"),
+    (65520.0, "got a largest |w| of 65520, which rounds to an infinity"),
+])
+def test_float16s_refusal_says_what_the_weight_holds(value, says) -> None:
+    """float16's refusal of a weight (e568c40) said of every refused weight that it "rounds to an infinity": a NaN
+    too, which rounds to nothing."""
+    import torch
+
+    from asyncinfer.models.quant import Fp16Linear
+
+    weight = torch.zeros(8, 8)
+    weight[1, 2] = value
+    with pytest.raises(ValueError) as caught:
+        Fp16Linear(weight, None)
+    assert str(caught.value).endswith(says), str(caught.value)
