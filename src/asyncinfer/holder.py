@@ -121,11 +121,24 @@ class ModelHolder:
     """The versions of one engine's model (see the module docstring for who touches what)."""
 
     def __init__(self, first: ModelVersion) -> None:
-        self.current: ModelVersion | None = first
+        self._current: ModelVersion | None = first
+        #: The options of the version that serves, or of the last one that did while none does (a drain-mode swap
+        #: loading the next one): admission control's bound (``max_waiting_requests``) holds then too.
+        self.config: EngineConfig = first.config
         self.live: list[ModelVersion] = [first]
         # Engine thread: whether the last step() ran (or failed) anything; False when every
         # core with requests scheduled nothing, and the thread should back off.
         self.progressed = False
+
+    @property
+    def current(self) -> ModelVersion | None:
+        return self._current
+
+    @current.setter
+    def current(self, version: ModelVersion | None) -> None:
+        self._current = version
+        if version is not None:
+            self.config = version.config
 
     # ------------------------------------------------------------ engine thread
     def switch(self, version: ModelVersion) -> None:

@@ -349,20 +349,22 @@ class RequestIntake:
     def _check_load(self, model: str | None, count: int = 1) -> None:
         """Admission control: refuse at once past ``max_num_seqs + max_waiting_requests`` in flight."""
         holder = self.models.generator(model)
-        version = holder.current
-        if version is None or version.config.max_waiting_requests is None:
+        # the serving version's bound, or while a drain-mode swap loads the next one, the last one's: with none
+        # serving nothing was checked, and every request of the load waited, those past the bound refused after it
+        config = holder.config
+        if config.max_waiting_requests is None:
             return
-        limit = version.config.max_num_seqs + version.config.max_waiting_requests
+        limit = config.max_num_seqs + config.max_waiting_requests
         if count > limit:
             raise InvalidParameterError(
                 "prompt", f"<{count} prompts>",
-                f"at most {_counted(limit, 'prompt')} in one call: at most max_num_seqs={version.config.max_num_seqs} + "
-                f"max_waiting_requests={version.config.max_waiting_requests} requests may be in flight")
+                f"at most {_counted(limit, 'prompt')} in one call: at most max_num_seqs={config.max_num_seqs} + "
+                f"max_waiting_requests={config.max_waiting_requests} requests may be in flight")
         if self.streams.count(holder) + self._binding.get(holder, 0) + count > limit:
             raise EngineOverloadedError(
                 f"model {self.models.name_of(holder)!r} has {_counted(limit, 'request')} in flight "
-                f"(max_num_seqs={version.config.max_num_seqs} + max_waiting_requests="
-                f"{version.config.max_waiting_requests}); retry later."
+                f"(max_num_seqs={config.max_num_seqs} + max_waiting_requests="
+                f"{config.max_waiting_requests}); retry later."
             )
 
     def _check_id_free(self, request_id: str, n: int) -> None:

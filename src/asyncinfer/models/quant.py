@@ -65,6 +65,7 @@ copy; :func:`embedding_formats`), instead of a float32 table of vocab x hidden x
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -326,8 +327,9 @@ class Fp16Linear(FormatLinear):
         w = weight.detach().float()
         largest = float(w.abs().amax()) if w.numel() else 0.0
         if not largest < kernels.F16_ROUNDS_TO_INF:  # (a NaN too): fbgemm would pack an inf or a NaN, and every output it feeds
-            raise ValueError(f"weight: float16 holds magnitudes up to {FLOAT16_MAX:g} and no NaN; got a largest |w| "
-                             f"of {largest:g}, which rounds to an infinity")
+            got = ("a NaN" if math.isnan(largest) else f"a largest |w| of {largest:g}"
+                   + ("" if math.isinf(largest) else ", which rounds to an infinity"))  # a NaN rounds to no infinity
+            raise ValueError(f"weight: float16 holds magnitudes up to {FLOAT16_MAX:g} and no NaN; got {got}")
         if largest > FLOAT16_MAX:  # rounds to 65504: stored so, without the packer's warning that it saturated
             w = w.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, _float_bias(bias))

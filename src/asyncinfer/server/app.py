@@ -181,7 +181,7 @@ def guard_app(app: FastAPI, settings: ServerSettings | None = None) -> FastAPI:
 
 class _EngineErrorAnswers:
     """ASGI middleware: an :class:`AsyncInferError` a route of the app's own lets through (or an exception group of
-    nothing else, from the route's task group: its first), before its answer started, answered in OpenAI's shape as
+    nothing else, from the route's task group: its most severe), before its answer started, answered in OpenAI's shape as
     the router's routes answer it (a 400 naming the parameter, a 503 with ``Retry-After``, ...), logged only where it
     is a fault of the server (a 500: a dead engine, a failed request); one raised once the answer has started goes
     on up, as any fault does."""
@@ -203,25 +203,27 @@ class _EngineErrorAnswers:
         try:
             await self.app(scope, receive, send_)
         except Exception as exc:
-            request_id = new_request_id()
-            error = _engine_error(exc, request_id)
-            if started or error is None:
+            # told apart before any answer is made: making one logs a 500-class member, and a fault raised on (a
+            # group holding a bug, or an answer already begun) was logged again as itself, under another id
+            if started or not _engine_errors_only(exc):
                 raise
-            await error.response(request_id)(scope, receive, send)
+            request_id = new_request_id()
+            await _engine_error(exc, request_id).response(request_id)(scope, receive, send)
 
 
-def _engine_error(exc: BaseException, request_id: str) -> APIError | None:
-    """The answer to ``exc``: an :class:`AsyncInferError`'s, or for an exception group (a route's task group) that
-    holds nothing else, its most severe member's (the highest status; the first of equals), whatever order the
-    group's tasks failed in; None for anything else (a fault, answered as one)."""
+def _engine_errors_only(exc: BaseException) -> bool:
+    """Whether ``exc`` is an :class:`AsyncInferError`, or an exception group (a route's task group) of nothing else."""
     if isinstance(exc, AsyncInferError):
-        return from_exception(exc, request_id)
-    if not isinstance(exc, _Group):
-        return None
-    answers = [_engine_error(e, request_id) for e in exc.exceptions]
-    if not answers or not all(answers):
-        return None
-    return max(answers, key=lambda answer: answer.status)  # type: ignore[union-attr]
+        return True
+    return isinstance(exc, _Group) and bool(exc.exceptions) and all(map(_engine_errors_only, exc.exceptions))
+
+
+def _engine_error(exc: BaseException, request_id: str) -> APIError:
+    """The answer to ``exc`` (:func:`_engine_errors_only`): an :class:`AsyncInferError`'s, or for an exception group,
+    its most severe member's (the highest status; the first of equals), whatever order the group's tasks failed in."""
+    if isinstance(exc, _Group):
+        return max((_engine_error(e, request_id) for e in exc.exceptions), key=lambda answer: answer.status)
+    return from_exception(exc, request_id)
 
 
 def _api_error(request: Request, exc: Exception) -> Response:
