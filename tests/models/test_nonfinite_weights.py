@@ -65,3 +65,22 @@ async def test_a_weight_that_rounds_to_65504_loads_and_one_that_rounds_to_inf_do
         else:
             with pytest.raises(ModelLoadError, match="layers.1.attn.o_proj.weight cannot be quantized"):
                 await AsyncEngine.load(path, quantization=quantization, **KV)
+
+
+async def test_dtype_float16_refuses_a_weight_it_would_turn_into_an_infinity(tmp_path) -> None:
+    """``dtype="float16"`` (the model's float weights converted, not a weight format): a weight of 1e5 became an inf
+    without a word, and every answer NaN logprobs and token 0 repeated (pass42). Refused, naming the tensor; a weight
+    that rounds to 65504 still loads, and bfloat16 takes the 1e5."""
+    model = tiny_hf_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[2, 3] = 1e5
+    model.save_pretrained(tmp_path / "big")
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.down_proj.weight'.*float16 cannot hold"):
+        await AsyncEngine.load(tmp_path / "big", dtype="float16", **KV)
+    async with await AsyncEngine.load(tmp_path / "big", dtype="bfloat16", **KV) as engine:
+        assert engine.config.dtype == torch.bfloat16
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[2, 3] = 65519.0
+    model.save_pretrained(tmp_path / "edge")
+    async with await AsyncEngine.load(tmp_path / "edge", dtype="float16", **KV) as engine:
+        assert engine.config.dtype == torch.float16

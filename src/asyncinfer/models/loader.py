@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncinfer import kernels
 from asyncinfer.errors import ModelLoadError, native_panics_as
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
@@ -299,6 +300,7 @@ def _materialise(
                 if target.param not in state:
                     state[target.param] = torch.empty(shape, dtype=dtype, device=device)
                 dest = state[target.param]
+                _check_fits(name, tensor, dest.dtype)
                 _copy(dest if target.rows is None else dest[target.rows], tensor)
             seen.add(name)
             if progress is not None:
@@ -312,6 +314,19 @@ def _materialise(
     model.requires_grad_(False)
     model.init_buffers(device)  # non-persistent buffers: computed, not loaded
     return model.eval()
+
+
+def _check_fits(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse, naming it, a float tensor holding a value that ``dtype`` float16 rounds to an infinity (|w| >= 65520):
+    converted, it became an inf without a word, and every output it fed NaN (``quantization="float16"`` refused it)."""
+    if dtype != torch.float16 or tensor.dtype == torch.float16 or not tensor.is_floating_point() or not tensor.numel():
+        return
+    low, high = torch.aminmax(tensor)  # no copy of the tensor
+    largest = max(-float(low), float(high))
+    if largest >= kernels.F16_ROUNDS_TO_INF:
+        raise ModelLoadError(f"tensor {name!r} holds a value of magnitude {largest:g}, which float16 cannot hold "
+                             f"(dtype='float16' rounds |w| >= {kernels.F16_ROUNDS_TO_INF:g} to an infinity); "
+                             f"load it with dtype='bfloat16' or 'float32'")
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
