@@ -715,6 +715,35 @@ def long_stops(variant: int) -> list[str]:
 
 
 
+def hold_swap_loads(monkeypatch: Any, timeout: float = 60.0) -> threading.Event:
+    """Hold every swap's (or add's) model load (``swaps.load``) until the returned event is set (each load asserts it
+    is set within ``timeout`` seconds): a drain-mode swap held between its versions, none serving."""
+    from asyncinfer import swaps
+
+    release = threading.Event()
+    real_load = swaps.load
+
+    def held_load(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(timeout)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(swaps, "load", held_load)
+    return release
+
+
+def slow_stop_turns_engine(path: Any, monkeypatch: Any) -> Any:
+    """An engine over the tiny model at ``path`` with four places (``max_num_seqs`` 2 + ``max_waiting_requests`` 2),
+    whose stop-list line admits a list at the limits every 4 s (``intake.STOP_BUILD_CHARS_PER_S`` at 4096, set with
+    ``monkeypatch`` before it is made), given a :class:`CharTokenizer`: for the tests of requests waiting their turn."""
+    import asyncinfer.intake
+    from asyncinfer import AsyncEngine
+
+    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", 4096)
+    engine = AsyncEngine.from_pretrained(path, **{**ENGINE_BASE, "max_num_seqs": 2, "max_waiting_requests": 2})
+    engine.core.tokenizer = CharTokenizer()
+    return engine
+
+
 async def fill_stop_turns(engine: Any, stops: Any) -> None:
     """Take the stop-list bucket's two turns (``intake.Turns``: two lists at the limit, ``stops(0)`` and
     ``stops(1)``), so that the next long list waits its turn."""

@@ -16,10 +16,9 @@ import logging
 
 import pytest
 
-import asyncinfer.intake
 from asyncinfer import AsyncEngine, EngineOverloadedError, SamplingParams, SwapError
 from asyncinfer.plain import logged
-from tests.helpers import ENGINE_BASE, CharTokenizer, fill_stop_turns, long_stops
+from tests.helpers import ENGINE_BASE, fill_stop_turns, long_stops, slow_stop_turns_engine
 
 FORGED = "x\nasyncinfer.models model removed model=chat abort=True"
 
@@ -79,10 +78,7 @@ async def test_streams_read_after_their_call_wait_their_turns_within_the_limit(t
     together, each passing the check while none was counted, then read together, all waited their turns counted
     in flight, past ``max_num_seqs + max_waiting_requests`` (each past the limit refused only after its wait).
     A stream past the limit at its first read is refused then, at once."""
-    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", 4096)  # a list at the limits every 4 s
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **{**ENGINE_BASE, "max_num_seqs": 2,
-                                                                      "max_waiting_requests": 2})
-    engine.core.tokenizer = CharTokenizer()
+    engine = slow_stop_turns_engine(tiny_models["llama"][0], monkeypatch)  # 4 places; a long list every 4 s
     async with engine:
         await fill_stop_turns(engine, long_stops)
         streams = [engine.stream([5, 6, 7], SamplingParams(max_tokens=1, stop=long_stops(2 + i))) for i in range(6)]

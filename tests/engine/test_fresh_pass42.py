@@ -12,27 +12,18 @@ version that last served, while none does: the call past it is refused at once, 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from typing import Any
 
 import pytest
 
-from asyncinfer import AsyncEngine, EngineOverloadedError, SamplingParams, swaps
-from tests.helpers import ENGINE_BASE
+from asyncinfer import AsyncEngine, EngineOverloadedError, SamplingParams
+from tests.helpers import ENGINE_BASE, hold_swap_loads
 
 LIMITED = {**ENGINE_BASE, "max_num_seqs": 1, "max_waiting_requests": 1}  # two places
 
 
 async def test_a_drain_swaps_load_keeps_the_bound(tiny_models, monkeypatch) -> None:
-    release = threading.Event()
-    real_load = swaps.load
-
-    def held_load(*args: Any, **kwargs: Any) -> Any:
-        assert release.wait(20)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(swaps, "load", held_load)
+    release = hold_swap_loads(monkeypatch, 20)
     path = tiny_models["llama"][0]
     async with await AsyncEngine.load(path, **LIMITED) as engine:
         swap = asyncio.ensure_future(engine.swap_model(path, mode="drain"))

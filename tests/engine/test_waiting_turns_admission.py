@@ -11,16 +11,12 @@ import time
 
 import pytest
 
-import asyncinfer.intake
-from asyncinfer import AsyncEngine, EngineOverloadedError, SamplingParams
-from tests.helpers import ENGINE_BASE, CharTokenizer, fill_stop_turns, long_stops
+from asyncinfer import EngineOverloadedError, SamplingParams
+from tests.helpers import fill_stop_turns, long_stops, slow_stop_turns_engine
 
 
 async def test_a_flood_waiting_its_turns_counts_toward_the_limit(tiny_models, monkeypatch) -> None:
-    monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", 4096)  # a list at the limits every 4 s
-    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **{**ENGINE_BASE, "max_num_seqs": 2,
-                                                                      "max_waiting_requests": 2})
-    engine.core.tokenizer = CharTokenizer()
+    engine = slow_stop_turns_engine(tiny_models["llama"][0], monkeypatch)  # 4 places; a long list every 4 s
     async with engine:
         await fill_stop_turns(engine, long_stops)
         waiters = [asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=long_stops(2 + i))))

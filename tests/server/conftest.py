@@ -21,8 +21,9 @@ import openai
 import pytest
 import uvicorn
 
-from asyncinfer import AsyncEngine, swaps
+from asyncinfer import AsyncEngine
 from asyncinfer.server import ModelSpec, ServerSettings, create_app, server_config
+from tests.helpers import hold_swap_loads
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
@@ -175,14 +176,7 @@ def held_drain_swap(live: LiveServer, model: Path, name: str, monkeypatch: pytes
     """A drain-mode swap of the served model ``name`` to ``model``, held in its load: yields once ``name`` has left
     ``model_info()`` (between versions: no version serves it); on leaving, the load goes on and the swap is seen
     through (its result awaited unless the body raised)."""
-    release = threading.Event()
-    real_load = swaps.load
-
-    def held_load(*args: Any, **kwargs: Any) -> Any:
-        assert release.wait(60)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(swaps, "load", held_load)
+    release = hold_swap_loads(monkeypatch)
     engine = live.engine
     assert engine.loop is not None
     swap = asyncio.run_coroutine_threadsafe(
@@ -197,3 +191,36 @@ def held_drain_swap(live: LiveServer, model: Path, name: str, monkeypatch: pytes
     finally:
         release.set()
     swap.result(60)
+
+
+def own_routes_app(errors: list[BaseException]) -> Any:
+    """A deployment's own app behind ``guard_app``: ``GET /group`` runs one task a member of ``errors`` in a task
+    group, each raising its error (what a route calling the engine from a task group lets through); ``GET /stream``
+    starts a streamed answer, then raises ``errors[0]`` (a fault once the answer has begun)."""
+    import anyio
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from asyncinfer.server import guard_app
+
+    app = FastAPI()
+
+    @app.get("/group")
+    async def group() -> dict[str, str]:
+        async def fail(exc: BaseException) -> None:
+            raise exc
+
+        async with anyio.create_task_group() as tasks:
+            for exc in errors:
+                tasks.start_soon(fail, exc)
+        return {"ok": "yes"}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def body():
+            yield b"one\n"
+            raise errors[0]
+
+        return StreamingResponse(body())
+
+    return guard_app(app)

@@ -4,17 +4,16 @@ refusal names its field. Each case here was a fault on main before it was fixed.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
 
-from asyncinfer import swaps
 from asyncinfer.server import create_app
 from asyncinfer.server.errors import APIError
 from asyncinfer.server.protocol import CHAT_BODY, COMPLETION_BODY, EMBEDDING_BODY, decode_json
 from asyncinfer.server.settings import ModelSpec
+from tests.helpers import hold_swap_loads
 
 from .conftest import TINY_OPTIONS, LiveServer
 
@@ -68,19 +67,12 @@ def test_a_lone_surrogate_over_http_is_a_400_naming_its_field(server) -> None:
 # model_info() entry, and the router answered its requests 404 "does not exist" (and /v1/models/<it> 404),
 # though it is still served: docs/serving.md promises a 503 + Retry-After there. Now it is that 503.
 def test_a_model_between_versions_of_a_drain_swap_is_a_503_to_retry_not_a_404(tiny_chat_model, monkeypatch) -> None:
-    release = threading.Event()
-    real_load = swaps.load
-
-    def held_load(*args, **kwargs):
-        assert release.wait(60)
-        return real_load(*args, **kwargs)
-
     app = create_app([ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS),
                       ModelSpec(str(tiny_chat_model), "other", TINY_OPTIONS)])
     body = {"prompt": "hi", "max_tokens": 2}
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         engine = live.engine
-        monkeypatch.setattr(swaps, "load", held_load)
+        release = hold_swap_loads(monkeypatch)
         assert engine.loop is not None
         swap = asyncio.run_coroutine_threadsafe(
             engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **TINY_OPTIONS), engine.loop)

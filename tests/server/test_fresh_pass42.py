@@ -12,37 +12,9 @@ from __future__ import annotations
 
 import logging
 
-import anyio
-
 from asyncinfer.errors import InvalidParameterError, RequestFailedError
-from asyncinfer.server import guard_app
 
-
-def _app(errors: list[BaseException]):
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-
-    @app.get("/group")
-    async def group() -> dict[str, str]:
-        async def fail(exc: BaseException) -> None:
-            raise exc
-
-        async with anyio.create_task_group() as tasks:
-            for exc in errors:
-                tasks.start_soon(fail, exc)
-        return {"ok": "yes"}
-
-    @app.get("/stream")
-    async def stream() -> StreamingResponse:
-        async def body():
-            yield b"one\n"
-            raise errors[0]
-
-        return StreamingResponse(body())
-
-    return guard_app(app)
+from .conftest import own_routes_app
 
 
 def _failed_lines(caplog) -> list[str]:
@@ -52,7 +24,7 @@ def _failed_lines(caplog) -> list[str]:
 def test_a_group_holding_a_bug_is_logged_once_under_its_answers_id(caplog) -> None:
     from fastapi.testclient import TestClient
 
-    app = _app([RequestFailedError("the step failed"), RuntimeError("a bug")])
+    app = own_routes_app([RequestFailedError("the step failed"), RuntimeError("a bug")])
     with caplog.at_level(logging.INFO):
         r = TestClient(app, raise_server_exceptions=False).get("/group")
     assert r.status_code == 500
@@ -62,7 +34,7 @@ def test_a_group_holding_a_bug_is_logged_once_under_its_answers_id(caplog) -> No
 def test_an_engine_fault_after_the_answer_began_is_logged_once(caplog) -> None:
     from fastapi.testclient import TestClient
 
-    app = _app([RequestFailedError("the step failed")])
+    app = own_routes_app([RequestFailedError("the step failed")])
     with caplog.at_level(logging.INFO):
         try:
             TestClient(app).get("/stream")
@@ -74,5 +46,5 @@ def test_an_engine_fault_after_the_answer_began_is_logged_once(caplog) -> None:
 def test_a_group_of_refusals_is_still_answered() -> None:
     from fastapi.testclient import TestClient
 
-    r = TestClient(_app([InvalidParameterError("max_tokens", 0, "an int >= 1")])).get("/group")
+    r = TestClient(own_routes_app([InvalidParameterError("max_tokens", 0, "an int >= 1")])).get("/group")
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -8,32 +8,12 @@ from __future__ import annotations
 
 import logging
 
-import anyio
 import pytest
 
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError
 from asyncinfer.server import app as server_app
-from asyncinfer.server import guard_app
 
-from .conftest import LiveServer
-
-
-def _app(errors: list[BaseException]):
-    from fastapi import FastAPI
-
-    app = FastAPI()
-
-    @app.get("/both")
-    async def both() -> dict[str, str]:
-        async def fail(exc: BaseException) -> None:
-            raise exc
-
-        async with anyio.create_task_group() as group:
-            for exc in errors:
-                group.start_soon(fail, exc)
-        return {"ok": "yes"}
-
-    return guard_app(app)
+from .conftest import LiveServer, own_routes_app
 
 
 @pytest.mark.parametrize(("errors", "status", "param"), [
@@ -45,7 +25,7 @@ def _app(errors: list[BaseException]):
 def test_a_group_of_engine_errors_is_answered_as_its_most_severe(errors, status, param) -> None:
     from fastapi.testclient import TestClient
 
-    r = TestClient(_app(errors)).get("/both")
+    r = TestClient(own_routes_app(errors)).get("/group")
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param and r.headers["x-request-id"]
 
@@ -60,8 +40,8 @@ def test_the_answer_does_not_depend_on_which_task_failed_first(overload_first) -
     overloaded = EngineOverloadedError("model 'default' has 4 requests in flight; retry later.", retry_after=2.0)
     refused = InvalidParameterError("max_tokens", 0, "an int >= 1")
     errors: list[BaseException] = [overloaded, refused] if overload_first else [refused, overloaded]
-    for app in (_app(errors), _app([refused, server_app._Group("inner", errors)])):
-        r = TestClient(app).get("/both")
+    for app in (own_routes_app(errors), own_routes_app([refused, server_app._Group("inner", errors)])):
+        r = TestClient(app).get("/group")
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "2"
 
@@ -69,22 +49,22 @@ def test_the_answer_does_not_depend_on_which_task_failed_first(overload_first) -
 def test_a_group_with_another_fault_is_a_fault() -> None:
     from fastapi.testclient import TestClient
 
-    app = _app([InvalidParameterError("max_tokens", 0, "an int >= 1"), RuntimeError("a bug")])
+    app = own_routes_app([InvalidParameterError("max_tokens", 0, "an int >= 1"), RuntimeError("a bug")])
     with pytest.raises(Exception) as caught:  # TestClient raises what the app raises: the group itself
-        TestClient(app).get("/both")
+        TestClient(app).get("/group")
     assert isinstance(caught.value, server_app._Group)
     assert sorted(type(e).__name__ for e in caught.value.exceptions) == ["InvalidParameterError", "RuntimeError"]
 
 
 def test_under_uvicorn_a_group_of_refusals_logs_no_error(caplog) -> None:
-    live = LiveServer(_app([InvalidParameterError("max_tokens", 0, "an int >= 1")]))
+    live = LiveServer(own_routes_app([InvalidParameterError("max_tokens", 0, "an int >= 1")]))
     uvicorn_log = logging.getLogger("uvicorn.error")  # where uvicorn logs "Exception in ASGI application"
     uvicorn_log.addHandler(caplog.handler)
     try:
         import httpx
 
         with live, caplog.at_level(logging.INFO):
-            r = httpx.get(f"{live.url}/both", timeout=30)
+            r = httpx.get(f"{live.url}/group", timeout=30)
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
             assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
     finally:
