@@ -3,9 +3,10 @@
 ``Path.expanduser()`` raises ``RuntimeError("Could not determine home directory.")`` for ``~NAME`` where no user
 NAME exists, where ``os.path.expanduser`` leaves it as it is. A model path mistyped without its slash
 (``--model ~models/my.gguf`` for ``~/models/my.gguf``) was "asyncinfer: internal error: RuntimeError" from chat,
-generate, info and serve, a RuntimeError traceback from the benchmark scripts (and ``AsyncEngine.load`` raised it, not a ``ModelLoadError``); and so was a prompt of one
-word that starts with ``~`` (``asyncinfer chat "~hey"``, read for whether it names a model file). Such a path is
-now what it says, a path that does not exist, and such a prompt a prompt.
+generate, info and serve, a RuntimeError traceback from the benchmark scripts (and ``AsyncEngine.load`` raised it,
+not a ``ModelLoadError``); and so was a prompt of one word that starts with ``~`` (``asyncinfer chat "~hey"``, read
+for whether it names a model file). Such a path is now what it says, a path that does not exist, and such a prompt
+a prompt.
 """
 
 from __future__ import annotations
