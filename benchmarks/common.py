@@ -158,7 +158,7 @@ def build_workload(
 def resolve_model_path(model: str | None) -> Path:
     """``--model`` if given, else asyncinfer's default model (fetched and cached on first use)."""
     if model:
-        path = Path(model).expanduser()
+        path = Path(os.path.expanduser(model))  # "~typo/x" left as typed (Path.expanduser raises)
         if not path.exists():
             raise SystemExit(f"--model {model!r} does not exist")
         return path

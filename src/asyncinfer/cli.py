@@ -492,7 +492,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     options = _engine_options(args)
     name = args.served_model_name
     if name is None:
-        name = ModelSpec.served_name(model)
+        name = _path_name(ModelSpec.served_name(model), "the model", "--served-model-name")
     else:  # refused here, before the load, rather than an empty name read as "not given"
         from asyncinfer.catalog import check_name
         from asyncinfer.commands import CommandError
@@ -509,7 +509,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
                            "name or directory, e.g. all-MiniLM-L6-v2, not an empty string (leave --embedding-model "
                            "out to serve no embedding model)")
     if args.embedding_model:
-        specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
+        specs.append(ModelSpec(args.embedding_model, _path_name(ModelSpec.served_name(args.embedding_model),
+                                                                f"--embedding-model {args.embedding_model[:40]!r}"),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
     if len(specs) > 1:
@@ -553,6 +554,21 @@ def _request_lines(log_level: str) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def _path_name(name: str, what: str, flag: str | None = None) -> str:
+    """``name``, the one a model is served under after its path, checked here: a file or directory name past 200
+    characters (or not UTF-8) was refused by create_app, after the plan was printed, as ``models[0].name``, a name
+    nobody gave."""
+    from asyncinfer.catalog import check_name
+    from asyncinfer.commands import CommandError
+
+    try:
+        return check_name(name)
+    except InvalidParameterError as exc:
+        shown = repr(name[:40]) + ("..." if len(name) > 40 else "")
+        raise CommandError(f"{what} would be served as {shown}, its file or directory name, which is invalid: allowed "
+                           f"{exc.allowed}; " + (f"name it with {flag}" if flag else "link it under a valid name")) from None
 
 
 def _check_embedding_model(args: argparse.Namespace, specs: list[Any], plans: list[Any]) -> None:

@@ -60,7 +60,7 @@ def cache_dir() -> Path:
     """The user cache directory for asyncinfer (``ASYNCINFER_CACHE_DIR`` overrides it)."""
     env = os.environ.get("ASYNCINFER_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return Path(os.path.expanduser(env))
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("asyncinfer"))
@@ -85,7 +85,7 @@ def default_model_path(*, download: bool = True, quiet: bool = False) -> Path:
     """Path of the default model's GGUF file, fetching it once if it is not cached yet."""
     env = os.environ.get("ASYNCINFER_MODEL")
     if env:
-        path = Path(env).expanduser()
+        path = Path(os.path.expanduser(env))
         if not path.exists():  # named where it comes from: the user typed no path
             raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; set that "
                                  "to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
@@ -236,7 +236,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     if not os.fspath(model).strip():
         raise InvalidParameterError("model", os.fspath(model), "a model directory, a .gguf file or a known name, not "
                                     "an empty string (None for the default model; '.' for the working directory)")
-    path = Path(model).expanduser()
+    path = Path(os.path.expanduser(model))
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:
             return default_model_path()
@@ -301,11 +301,11 @@ def hub_cache_dir() -> Path:
     (``$XDG_CACHE_HOME/huggingface/hub`` where that is set)."""
     for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(variable):
-            return Path(os.environ[variable]).expanduser()
+            return Path(os.path.expanduser(os.environ[variable]))
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+        return Path(os.path.expanduser(os.environ["HF_HOME"])) / "hub"
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "huggingface" / "hub"
+    return Path(os.path.expanduser(cache)) / "huggingface" / "hub"
 
 
 def hub_cache_path(repo_id: str) -> Path:

@@ -110,7 +110,7 @@ def _names_a_model(word: str) -> bool:
     if known_name(word) or word.lower().endswith(".gguf"):
         return True
     try:
-        path = Path(word).expanduser()
+        path = Path(os.path.expanduser(word))
         return (path.suffix.lower() == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file())
     except (OSError, ValueError):  # too long for a file name, or with a NUL: no file
         return False
@@ -129,7 +129,7 @@ def _looks_like_a_model(text: str) -> bool:
     if known_name(word) or word.lower().endswith(".gguf"):
         return True
     try:
-        path = Path(word).expanduser()
+        path = Path(os.path.expanduser(word))
         if (path.suffix.lower() == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file()):
             return True
     except (OSError, ValueError):  # a prompt too long for a file name, or with a NUL: no file
@@ -342,7 +342,7 @@ def history_path(environ: Mapping[str, str] | None = None) -> Path | None:
     ``$XDG_STATE_HOME/asyncinfer/chat_history`` (``~/.local/state`` when the variable is unset)."""
     env = os.environ if environ is None else environ
     if HISTORY_ENV in env:
-        return Path(env[HISTORY_ENV]).expanduser() if env[HISTORY_ENV] else None
+        return Path(os.path.expanduser(env[HISTORY_ENV])) if env[HISTORY_ENV] else None
     state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "asyncinfer" / "chat_history"
 

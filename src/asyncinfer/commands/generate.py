@@ -131,6 +131,7 @@ def _reads_as_a_prompt(text: str) -> bool:
     """Whether ``text``, given as the MODEL, is text and no model: not a path here, a known name or a Hub id, and
     with a space in it or shaped as no path (no ``/``, no ``.suffix``: a mistyped ``./my-model`` is left to the
     load's "does not exist")."""
+    import os
     from pathlib import Path
 
     from asyncinfer.model_source import is_hub_id, known_name
@@ -138,7 +139,7 @@ def _reads_as_a_prompt(text: str) -> bool:
     if not any(c.isspace() for c in text) and ("/" in text or "\\" in text or Path(text).suffix):
         return False
     try:
-        if Path(text).expanduser().exists():
+        if Path(os.path.expanduser(text)).exists():
             return False
     except (OSError, ValueError):  # too long for a path, or a NUL in it: text
         return True

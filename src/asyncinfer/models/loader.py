@@ -197,7 +197,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 def _model_location(path: str | Path) -> Path:
     """The ``.gguf`` file or HF directory that ``path`` names; ``ModelLoadError`` if it is neither."""
-    path = Path(path).expanduser()
+    path = Path(os.path.expanduser(path))
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():

@@ -303,7 +303,8 @@ class ModelSpec:
 
         if is_hub_id(model) and not known_name(model) and not os.path.exists(model):
             return model
-        base = os.path.basename(os.path.normpath(model))
+        # the directory's own name for `.`, `..` or `models/..` (`serve .` in a model's directory served it as ".")
+        base = os.path.basename(os.path.abspath(os.path.expanduser(model)))
         if base.lower().endswith(".gguf"):  # MODEL.GGUF too, which loads as a GGUF file
             base = base[: -len(".gguf")]
         return base or model
