@@ -378,10 +378,15 @@ class RequestIntake:
 
 def _check_samples(params: SamplingParams, version: ModelVersion) -> None:
     """``n`` samples run together: more than ``max_num_seqs`` never could. Checked at the call, as the core checks
-    it again (it refused them only once posted: ``stream()`` raised at its first delta, not at the call)."""
+    it again (it refused them only once posted: ``stream()`` raised at its first delta, not at the call). And stop
+    strings need the model's tokenizer (pass43)."""
     max_seqs = version.config.max_num_seqs
     if params.n > max_seqs:
         raise InvalidParameterError("n", params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
+    if params.stop_strings and version.core is not None and version.core.tokenizer is None:
+        # no text is made to match them in: they were ignored without a word, every answer running to max_tokens
+        raise InvalidParameterError("stop", params.stop_strings[0], "no stop strings: this model has no tokenizer, "
+                                    "so its answers have no text to match them in (stop_token_ids stop on token ids)")
 
 
 def _check_version(version_id: int, serving: ModelVersion) -> None:
