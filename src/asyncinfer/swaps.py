@@ -259,7 +259,7 @@ class ModelChanges:
         config = EmbeddingConfig.from_options(options)
         shortfall = await anyio.to_thread.run_sync(embedder_shortfall_at, path, config, available)
         if shortfall is not None:
-            raise ConfigurationError(shortfall + " Lower max_batch_size / max_seq_len.")
+            raise ConfigurationError(shortfall)
         batcher = await self._load(path, options, "embed", ModelLoadError, label)
         assert isinstance(batcher, EmbeddingBatcher)
         self.check_usable()

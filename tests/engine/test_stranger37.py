@@ -52,3 +52,32 @@ async def test_a_swap_on_a_closed_engine_is_refused_without_a_warning(tiny_model
             await engine.swap_model(path, mode=mode)
     assert _lines(caplog) == []  # was: WARNING model swap failed ... error=EngineClosedError, like no add_model
     assert engine.metrics.snapshot().models["default"].swaps == {"ok": 0, "refused": 2, "failed": 0}
+
+
+# docs/memory.md: plan_memory plans "before loading anything". For a sentence encoder that did not fit it said "the
+# embedding model does not fit beside the loaded models" (nothing was loaded), with no word of what to lower; and
+# add_model's refusal ended "Lower max_batch_size / max_seq_len.", where all-MiniLM-L6-v2's largest batch under the
+# defaults is 8 texts of 256 tokens, bounded by max_batch_tokens (2048 slots), so max_batch_size=9 (from 32) was
+# refused again with the same numbers. The refusal now names the limits that make its largest batch.
+async def test_an_embedding_model_that_does_not_fit_names_what_to_lower(tiny_models, minilm_dir):
+    from asyncinfer import ConfigurationError
+
+    plan = AsyncEngine.plan_memory(minilm_dir)
+    texts, tokens = plan.largest_batch
+    assert texts < plan.max_batch_size == 32 and tokens == plan.max_seq_len  # max_batch_tokens bounds the batch
+    short = plan.total_bytes - 1
+    with pytest.raises(ConfigurationError) as alone:
+        AsyncEngine.plan_memory(minilm_dir, available_bytes=short)
+    assert "beside the loaded models" not in str(alone.value)  # nothing is loaded before a plan
+    assert str(alone.value).startswith("the embedding model does not fit: ")
+    assert str(alone.value).endswith("; lower max_batch_tokens / max_seq_len.")
+    AsyncEngine.plan_memory(minilm_dir, available_bytes=short, max_batch_tokens=1024)  # what it names fits
+    with pytest.raises(ConfigurationError, match=r"its weights alone need [0-9.]+ MiB"):
+        AsyncEngine.plan_memory(minilm_dir, available_bytes=plan.weight_bytes)
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    async with engine:
+        with pytest.raises(ConfigurationError) as beside:
+            await engine.add_model("emb", minilm_dir, available_bytes=short, max_batch_size=texts + 1)
+        assert str(beside.value).startswith("the embedding model does not fit beside the loaded models: ")
+        assert "max_batch_size" not in str(beside.value)  # was: "Lower max_batch_size / max_seq_len."
+        await engine.add_model("emb", minilm_dir, available_bytes=short, max_batch_tokens=1024)
