@@ -172,9 +172,13 @@ class DeploymentPlan:
             f"the same as flags: {self.flags()}",
         ]
         if self.batch > self.max_num_seqs:
+            # a --max-num-seqs past the engine's own limit was offered, which the plan (and the engine) refuse
+            most = min(self.batch, MAX_NUM_SEQS)
+            advice = (f"plan with --max-num-seqs {most} to run {'all ' if most == self.batch else ''}{most} at once"
+                      + ("" if most == self.batch else " (the engine's most)")
+                      if most > self.max_num_seqs else f"{MAX_NUM_SEQS} is the engine's most")
             lines += ["", (f"note: at most max_num_seqs={self.max_num_seqs} requests run in one step, the other "
-                           f"{self.batch - self.max_num_seqs} wait; plan with --max-num-seqs {self.batch} to run all "
-                           f"{self.batch} at once")]
+                           f"{self.batch - self.max_num_seqs} wait; {advice}")]
         if not self.fits:
             lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]
             lines += [f"  - {s}" for s in self.suggestions]

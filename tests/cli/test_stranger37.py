@@ -21,3 +21,17 @@ def test_plan_refuses_a_length_the_engine_refuses(capsys: pytest.CaptureFixture[
     assert cli.main(["plan", "--seq-len", "2", "--device-memory", "8GiB"]) == 0
     out = capsys.readouterr().out
     assert "--max-model-len 2 " in out
+
+
+def test_plan_never_offers_a_max_num_seqs_past_the_engine_s(capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncinfer plan --batch 5000`` noted "plan with --max-num-seqs 5000 to run all 5000 at once", a flag the
+    plan itself (and the engine) refuses: at most 4096."""
+    assert cli.main(["plan", "--batch", "5000", "--seq-len", "64", "--device-memory", "64GiB"]) == 0
+    note = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1]
+    assert note == ("note: at most max_num_seqs=128 requests run in one step, the other 4872 wait; plan with "
+                    "--max-num-seqs 4096 to run 4096 at once (the engine's most)")
+    assert cli.main(["plan", "--batch", "5000", "--seq-len", "64", "--max-num-seqs", "5000"]) == 2
+    assert "--max-num-seqs 5000 is invalid: allowed an integer >= 1 and <= 4096" in capsys.readouterr().err
+    assert cli.main(["plan", "--batch", "5000", "--seq-len", "64", "--device-memory", "64GiB",
+                     "--max-num-seqs", "4096"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").endswith("the other 904 wait; 4096 is the engine's most")
