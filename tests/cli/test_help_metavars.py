@@ -32,5 +32,5 @@ def test_plan_counts_one_request_in_the_singular(tiny_models, capsys) -> None:
     cli.main(["plan", path, "--batch", "1", "--seq-len", "64", "--device-memory", "1GiB"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].endswith(": 1 request x 64 tokens"), lines[1]
-    cli.main(["plan", path, "--batch", "3", "--seq-len", "1", "--device-memory", "1GiB"])
-    assert capsys.readouterr().out.splitlines()[1].endswith(": 3 requests x 1 token")
+    cli.main(["plan", path, "--batch", "3", "--seq-len", "2", "--device-memory", "1GiB"])  # the engine's shortest
+    assert capsys.readouterr().out.splitlines()[1].endswith(": 3 requests x 2 tokens")

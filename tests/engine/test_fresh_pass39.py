@@ -16,7 +16,7 @@ import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.intake import Turns
 from asyncinfer.sampling_params import MAX_STOP_CHARS
-from tests.helpers import ENGINE_BASE, fill_stop_turns, send_victim
+from tests.helpers import ENGINE_BASE, CharTokenizer, fill_stop_turns, send_victim
 
 ROUNDS = 10
 
@@ -53,7 +53,9 @@ async def test_a_caller_giving_up_its_waits_does_not_push_others_long_lists_away
     """A list at the limit is one turn a second here; a caller keeps two such requests waiting and gives up the
     earlier each time (ten rounds). Another caller's long list then waits about a turn, not ten."""
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS)
-    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    engine.core.tokenizer = CharTokenizer()  # stop strings need a tokenizer (a model without one refuses them)
+    async with engine:
         for i in range(2):  # the bucket's two
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=1, stop=_stops(i)))
 
@@ -80,7 +82,9 @@ async def test_an_abort_ends_a_request_waiting_its_turn_at_once(tiny_models, mon
     turn (minutes under a flood) and only then ended as an abort. It ends as one within a check (0.25 s), n samples
     each (nothing generated; its prompt's ids if they were made at the call)."""
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)
-    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    engine.core.tokenizer = CharTokenizer()  # stop strings need a tokenizer (a model without one refuses them)
+    async with engine:
         await fill_stop_turns(engine, _stops)
         params = SamplingParams(max_tokens=1, n=2, stop=_stops(5))
         waiter = send_victim(engine, params, how)

@@ -14,7 +14,7 @@ import pytest
 import asyncinfer.intake
 from asyncinfer import AsyncEngine, SamplingParams
 from asyncinfer.sampling_params import MAX_STOP_CHARS
-from tests.helpers import ENGINE_BASE, fill_stop_turns, send_victim
+from tests.helpers import ENGINE_BASE, CharTokenizer, fill_stop_turns, send_victim
 
 
 def _stops(variant: int) -> list[str]:
@@ -28,7 +28,9 @@ def _requests(engine: AsyncEngine) -> dict[str, int]:
 @pytest.mark.parametrize("how", ["generate", "stream"])
 async def test_an_abort_while_waiting_its_turn_is_counted_and_logged(tiny_models, monkeypatch, caplog, how) -> None:
     monkeypatch.setattr(asyncinfer.intake, "STOP_BUILD_CHARS_PER_S", MAX_STOP_CHARS / 20)  # 20 s a turn
-    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE) as engine:
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
+    engine.core.tokenizer = CharTokenizer()  # stop strings need a tokenizer (a model without one refuses them)
+    async with engine:
         await fill_stop_turns(engine, _stops)
         before = _requests(engine)
         caplog.set_level(logging.INFO, logger="asyncinfer.requests")
