@@ -1,0 +1,62 @@
+"""A stranger's first hour (stranger38): a model file of one's own, its name typed in another case.
+
+docs/api.md: "a missing path is a ``ModelLoadError`` (one that names a ``.gguf`` file beside it without its suffix,
+or in another case, asks "did you mean 'my-model.gguf'?")". Only the suffix's case was looked at: GGUF files are
+named in mixed case (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``SmolLM2-135M-Instruct.Q4_1.gguf``), and the name typed
+in lower case (``asyncinfer chat -m llama-3.2-1b-instruct-q4_k_m.gguf``) was refused with the list of what a
+model may be, as if nothing were there. The one ``.gguf`` file or directory beside it whose name differs only in
+case is pointed at now.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError, cli
+
+FILE = "Llama-3.2-1B-Instruct-Q4_K_M.gguf"
+
+
+@pytest.fixture
+def models_here(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory holding a mixed-case GGUF file (never read: every refusal comes first) and a model
+    directory ``MyModel``."""
+    (tmp_path / FILE).write_bytes(b"GGUF")
+    (tmp_path / "MyModel").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("given", "near"), [
+    ("llama-3.2-1b-instruct-q4_k_m.gguf", FILE),
+    ("llama-3.2-1b-instruct-q4_k_m", FILE),
+    ("LLAMA-3.2-1B-INSTRUCT-Q4_K_M.GGUF", FILE),
+    ("mymodel", "MyModel"),
+])
+def test_a_name_in_another_case_is_pointed_at(models_here: Path, given: str, near: str) -> None:
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(given, num_threads=1)
+    assert str(err.value) == f"loading {given!r} failed: model path {given!r} does not exist (did you mean {near!r}?)"
+
+
+def test_the_command_line_says_it_in_one_line(models_here: Path, capsys) -> None:
+    assert cli.main(["info", "llama-3.2-1b-instruct-q4_k_m.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("asyncinfer: error: model path 'llama-3.2-1b-instruct-q4_k_m.gguf' does not exist "
+                   f"(did you mean {FILE!r}?)\n")
+
+
+def test_two_names_in_other_cases_point_at_neither(models_here: Path) -> None:
+    (models_here / "llama-3.2-1B-instruct-Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained("LLAMA-3.2-1B-INSTRUCT-Q4_K_M.gguf", num_threads=1)
+    assert "did you mean" not in str(err.value) and "expected a Hugging Face model directory" in str(err.value)
+
+
+def test_a_plain_file_in_another_case_is_no_model_to_point_at(models_here: Path) -> None:
+    (models_here / "Notes.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained("notes.txt", num_threads=1)
+    assert "did you mean" not in str(err.value)
