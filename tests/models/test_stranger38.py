@@ -6,6 +6,10 @@ named in mixed case (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``SmolLM2-135M-Instr
 in lower case (``asyncinfer chat -m llama-3.2-1b-instruct-q4_k_m.gguf``) was refused with the list of what a
 model may be, as if nothing were there. The one ``.gguf`` file or directory beside it whose name differs only in
 case is pointed at now.
+
+And a Hugging Face directory of the older kind, ``config.json`` and ``pytorch_model.bin`` (PyTorch's pickle format,
+which the loader never reads), was refused as ``no *.safetensors weights in DIR``, as if it held no weights at all:
+the refusal names the pickle file now, says why it is not read and what to do.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import AsyncEngine, ModelLoadError, cli
+from tests.helpers import tiny_hf_config
 
 FILE = "Llama-3.2-1B-Instruct-Q4_K_M.gguf"
 
@@ -60,3 +65,26 @@ def test_a_plain_file_in_another_case_is_no_model_to_point_at(models_here: Path)
     with pytest.raises(ModelLoadError) as err:
         AsyncEngine.from_pretrained("notes.txt", num_threads=1)
     assert "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize("names", [["pytorch_model.bin"], ["pytorch_model-00001-of-00002.bin",
+                                                           "pytorch_model-00002-of-00002.bin"]])
+def test_pickle_weights_are_named_in_the_refusal(tmp_path: Path, names: list[str]) -> None:
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    for name in names:
+        (tmp_path / name).write_bytes(b"never read")
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(tmp_path, num_threads=1)
+    more = " and more" if len(names) > 1 else ""
+    assert str(err.value) == (
+        f"loading {str(tmp_path)!r} failed: no *.safetensors weights in {tmp_path} ({names[0]}{more}: PyTorch pickle "
+        "weights, which asyncinfer does not read, since loading a pickle can run any code: save the model as "
+        "safetensors once, as transformers' save_pretrained writes it)")
+
+
+def test_a_training_run_s_files_are_no_weights_to_name(tmp_path: Path) -> None:
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    (tmp_path / "training_args.bin").write_bytes(b"never read")
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(tmp_path, num_threads=1)
+    assert str(err.value) == f"loading {str(tmp_path)!r} failed: no *.safetensors weights in {tmp_path}"
