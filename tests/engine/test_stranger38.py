@@ -10,6 +10,12 @@ abruptly`` (the pool broken for every other task in it), a Ray task's or replica
 ``UnserializableException: Failed to deserialize exception`` (docs/scale_out.md: each replica embeds an engine and
 checks its options as it loads), and ``copy.copy`` of such an error raised ``TypeError``. Every asyncinfer error
 pickles and copies as itself now, its attributes included.
+
+And ``trim_messages(history, budget, engine.count_tokens)`` (the docs' answer to a ``PromptTooLongError``) on a
+history whose system prompt or last turn alone is longer than any prompt of the model may be (a pasted log as the
+last message) raised ``count_tokens``' own ``PromptTooLongError`` naming ``prompt``, a parameter trim_messages
+does not have, where its docstring promises an ``InvalidParameterError`` on ``messages``, as for a system prompt
+and last turn over the budget by their tokens. It is that refusal now, the count's error chained.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from asyncinfer import (
     ModelLoadError,
     PromptTooLongError,
     SamplingParams,
+    trim_messages,
 )
 from asyncinfer.config import UnknownOptionError
 
@@ -69,3 +76,16 @@ async def test_an_engine_prompt_too_long_error_pickles_with_its_numbers(real_ggu
     again = pickle.loads(pickle.dumps(err.value))
     assert isinstance(again, PromptTooLongError) and again.parameter == "prompt"
     assert again.allowed == err.value.allowed == "at most max_model_len - 1 = 63 tokens"
+
+
+async def test_trim_messages_names_messages_when_the_last_turn_is_refused_by_its_size(real_gguf) -> None:
+    async with await AsyncEngine.load(real_gguf, max_model_len=64, device="cpu", num_threads=1) as engine:
+        for history in ([{"role": "system", "content": "x" * 10_000}, {"role": "user", "content": "hi"}],
+                        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                         {"role": "user", "content": "x" * 10_000}]):
+            with pytest.raises(InvalidParameterError) as err:
+                trim_messages(history, 48, engine.count_tokens)
+            assert not isinstance(err.value, PromptTooLongError) and err.value.parameter == "messages"
+            assert err.value.allowed.startswith("a system prompt and last turn within 48 tokens (they are longer than "
+                                                "any prompt of the model may be: at most max_model_len - 1 = 63 tokens")
+            assert isinstance(err.value.__cause__, PromptTooLongError)
