@@ -87,8 +87,10 @@ def default_model_path(*, download: bool = True, quiet: bool = False) -> Path:
     if env:
         path = Path(os.path.expanduser(env))
         if not path.exists():  # named where it comes from: the user typed no path
-            raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; set that "
-                                 "to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
+            near = _near_gguf(path)
+            raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; "
+                                 + (f"did you mean {str(near)!r}? " if near is not None else "")
+                                 + "set that to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
         return path
     target = cache_dir() / "smollm2-135m-instruct" / DEFAULT_GGUF_NAME
     if target.is_file():

@@ -5,7 +5,7 @@ or in another case, asks "did you mean 'my-model.gguf'?")". Only the suffix's ca
 named in mixed case (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``SmolLM2-135M-Instruct.Q4_1.gguf``), and the name typed
 in lower case (``asyncinfer chat -m llama-3.2-1b-instruct-q4_k_m.gguf``) was refused with the list of what a
 model may be, as if nothing were there. The one ``.gguf`` file or directory beside it whose name differs only in
-case is pointed at now.
+case is pointed at now, also where ``ASYNCINFER_MODEL`` names it.
 
 And a Hugging Face directory of the older kind, ``config.json`` and ``pytorch_model.bin`` (PyTorch's pickle format,
 which the loader never reads), was refused as ``no *.safetensors weights in DIR``, as if it held no weights at all:
@@ -44,6 +44,17 @@ def test_a_name_in_another_case_is_pointed_at(models_here: Path, given: str, nea
     with pytest.raises(ModelLoadError) as err:
         AsyncEngine.from_pretrained(given, num_threads=1)
     assert str(err.value) == f"loading {given!r} failed: model path {given!r} does not exist (did you mean {near!r}?)"
+
+
+@pytest.mark.parametrize("given", ["llama-3.2-1b-instruct-q4_k_m.gguf", "Llama-3.2-1B-Instruct-Q4_K_M"])
+def test_asyncinfer_model_in_another_case_or_without_its_suffix_is_pointed_at(models_here: Path, monkeypatch,
+                                                                              given: str) -> None:
+    monkeypatch.setenv("ASYNCINFER_MODEL", given)
+    with pytest.raises(ModelLoadError) as err:
+        AsyncEngine.from_pretrained(num_threads=1)
+    assert str(err.value).endswith(f"model path {given!r} does not exist (it is ASYNCINFER_MODEL's; did you mean "
+                                   f"{FILE!r}? set that to a model path, or unset it for the default model, "
+                                   "SmolLM2-135M-Instruct)")
 
 
 def test_the_command_line_says_it_in_one_line(models_here: Path, capsys) -> None:
