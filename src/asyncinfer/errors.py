@@ -4,6 +4,7 @@ The tree::
 
     AsyncInferError
     ├── InvalidParameterError (also ValueError)   bad user input; names the parameter and the range
+    │   └── PromptTooLongError                    a prompt too long for the model's max_model_len
     ├── ModelLoadError                            a model path, file or its weights could not be used
     │   └── SwapError                             swap_model could not load, check or warm up the new
     │                                             version; the old version keeps serving
@@ -38,7 +39,16 @@ from collections.abc import Callable, Iterator
 
 
 class AsyncInferError(Exception):
-    """Base class of every asyncinfer error."""
+    """Base class of every asyncinfer error.
+
+    Each pickles and copies as itself, its attributes included (``.parameter``, ``.retry_after``, ...): an error
+    raised in another process (a ``ProcessPoolExecutor`` worker, a Ray task or replica) reaches its caller as the
+    same type. Python's own rebuilding calls the class with ``args`` (the message alone), which the errors whose
+    constructor takes more (``InvalidParameterError(parameter, value, allowed)``) refuse: the caller's unpickling
+    failed, and a process pool counted its worker as broken."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return BaseException.__new__, (type(self), *self.args), self.__dict__ or None
 
 
 class InvalidParameterError(AsyncInferError, ValueError):

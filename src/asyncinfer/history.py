@@ -69,7 +69,8 @@ def trim_messages(
         InvalidParameterError: ``budget`` is not a positive int, ``messages`` is not a list of
             message dicts (a string, say) or is empty, or
             even the system messages and the last turn alone take more than ``budget`` tokens
-            (``parameter`` is "messages"; ``allowed`` says how many tokens they take); ``count_tokens`` is not
+            (``parameter`` is "messages"; ``allowed`` says how many tokens they take, or that ``count_tokens`` refused
+            them by their size alone, longer than any prompt may be); ``count_tokens`` is not
             callable, or returns anything but an int >= 0 (``engine.tokenize``, which returns the ids, say).
     """
     budget = plain_value(budget)  # the int it holds: a subclass's comparisons may lie
@@ -95,7 +96,14 @@ def trim_messages(
         starts.insert(0, 0)  # replies before the first user message form a turn of their own
     # Keeping turns from starts[k] on: fits(k) is monotonic (fewer turns, fewer tokens).
     lo, hi = 0, len(starts) - 1
-    need = _count(count_tokens, system + rest[starts[hi]:])
+    try:
+        need = _count(count_tokens, system + rest[starts[hi]:])
+    except PromptTooLongError as exc:  # the system messages and last turn, refused by their size alone
+        raise InvalidParameterError(
+            "messages", f"<{len(messages)} messages>",
+            f"a system prompt and last turn within {budget} tokens (they are longer than any prompt of the model "
+            f"may be: {exc.allowed})",
+        ) from exc
     if need > budget:
         raise InvalidParameterError(
             "messages", f"<{len(messages)} messages>",

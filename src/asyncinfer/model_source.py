@@ -87,8 +87,10 @@ def default_model_path(*, download: bool = True, quiet: bool = False) -> Path:
     if env:
         path = Path(os.path.expanduser(env))
         if not path.exists():  # named where it comes from: the user typed no path
-            raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; set that "
-                                 "to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
+            near = _near_gguf(path)
+            raise ModelLoadError(f"model path {str(path)!r} does not exist (it is ASYNCINFER_MODEL's; "
+                                 + (f"did you mean {str(near)!r}? " if near is not None else "")
+                                 + "set that to a model path, or unset it for the default model, SmolLM2-135M-Instruct)")
         return path
     target = cache_dir() / "smollm2-135m-instruct" / DEFAULT_GGUF_NAME
     if target.is_file():
@@ -269,13 +271,21 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
 
 
 def _near_gguf(path: Path) -> Path | None:
-    """The GGUF file beside a missing model path that names it without its suffix or in another case
-    (``my-model`` or ``my-model.GGUF`` for ``my-model.gguf``), or None."""
+    """The GGUF file (or model directory) beside a missing model path that names it without its suffix or in another
+    case (``my-model``, ``my-model.GGUF`` or ``My-Model.gguf`` for ``my-model.gguf``; ``llama-3.2-1b-instruct-q4_k_m``
+    for ``Llama-3.2-1B-Instruct-Q4_K_M.gguf``), or None: the one entry of its directory that does, where there is
+    exactly one."""
     stem = path.name[:-len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
     try:
         near = path.with_name(stem + ".gguf")
-        return near if near != path and near.is_file() else None
-    except (OSError, ValueError):  # no name to give a suffix, or one too long for a path
+        if near != path and near.is_file():
+            return near
+        wanted = {path.name.lower(), near.name.lower()}
+        with os.scandir(path.parent) as entries:
+            found = [path.with_name(entry.name) for entry in entries if entry.name.lower() in wanted
+                     and (entry.is_dir() or entry.name.lower().endswith(".gguf") and entry.is_file())]
+        return found[0] if len(found) == 1 else None
+    except (OSError, ValueError):  # no name to give a suffix, one too long for a path, or no directory to list
         return None
 
 

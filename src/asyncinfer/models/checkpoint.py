@@ -69,6 +69,12 @@ def read_json(file: Path) -> Any:
         raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
+#: A model's weight files in PyTorch's pickle format (``torch.save``: transformers' older ``pytorch_model.bin`` and its
+#: shards, Meta's ``consolidated.00.pth``), which are never read: a directory holding no safetensors is refused naming
+#: them (a training run's ``training_args.bin`` or ``optimizer.pt`` are no weights of the model).
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "model*.bin", "model*.pt", "model*.pth", "consolidated*.pth")
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The ``*.safetensors`` shards of the directory ``path``, as its index lists them (if it has one).
 
@@ -88,7 +94,11 @@ def safetensors_files(path: Path) -> list[Path]:
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path}")
+        pickled = sorted({f.name for pattern in PICKLE_WEIGHTS for f in path.glob(pattern)})
+        raise ModelLoadError(f"no *.safetensors weights in {path}" + (
+            f" ({pickled[0]}{' and more' if len(pickled) > 1 else ''}: PyTorch pickle weights, which asyncinfer does "
+            "not read, since loading a pickle can run any code: save the model as safetensors once, as transformers' "
+            "save_pretrained writes it)" if pickled else ""))
     for f in files:
         if not f.exists():
             raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
