@@ -492,7 +492,9 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     options = _engine_options(args)
     name = args.served_model_name
     if name is None:
-        name = _path_name(ModelSpec.served_name(model), "the model", "--served-model-name")
+        # named where it came from: with no MODEL, the model ASYNCINFER_MODEL names (the user typed no path)
+        what = "ASYNCINFER_MODEL's model" if model is None and os.environ.get("ASYNCINFER_MODEL", "").strip() else "the model"
+        name = _path_name(ModelSpec.served_name(model), what, "--served-model-name")
     else:  # refused here, before the load, rather than an empty name read as "not given"
         from asyncinfer.catalog import check_name
         from asyncinfer.commands import CommandError
