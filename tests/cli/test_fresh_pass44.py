@@ -9,6 +9,8 @@ refused the same way, before anything is planned or loaded.
 ``serve`` refuses a model whose file or directory name is no valid model name before the plan, "naming where the name
 came from" (pass43); with no MODEL, the model ``ASYNCINFER_MODEL`` names, the message said "the model would be served
 as ..." with no word of the variable, the only place the user had named it. It says ``ASYNCINFER_MODEL's model``.
+And that check came before the plan had found the model: a mistyped path past 200 characters in its last part was
+refused as a name to choose with ``--served-model-name``, not as the path that does not exist.
 """
 
 from __future__ import annotations
@@ -53,3 +55,14 @@ def test_asyncinfer_model_with_an_invalid_file_name_is_named(tmp_path, tiny_mode
     assert "--served-model-name" in err
     assert cli.main(["serve", str(path), "--port", "0", "--threads", "1"]) == 2  # a MODEL typed: "the model"
     assert capsys.readouterr().err.startswith("asyncinfer: error: the model would be served as 'mmm")
+
+
+def test_a_mistyped_long_path_is_a_path_that_does_not_exist_not_a_name_to_give(tmp_path, capsys) -> None:
+    """A path past 200 characters in its last part that does not exist (a typo; a sentence given as MODEL) was
+    refused as a name to choose with --served-model-name, which then met "does not exist"; the name is checked once
+    the plan has found the model."""
+    missing = tmp_path / ("x" * 220)
+    assert cli.main(["serve", str(missing), "--port", "0", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"asyncinfer: error: model path '{missing}' does not exist"), err
+    assert "--served-model-name" not in err
