@@ -491,8 +491,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     model = args.model_arg or args.model
     options = _engine_options(args)
     name = args.served_model_name
-    if name is None:
-        name = _path_name(ModelSpec.served_name(model), "the model", "--served-model-name")
+    if name is None:  # checked once the plan has found the model (below): a path that does not exist says so
+        name = ModelSpec.served_name(model)
     else:  # refused here, before the load, rather than an empty name read as "not given"
         from asyncinfer.catalog import check_name
         from asyncinfer.commands import CommandError
@@ -509,8 +509,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
                            "name or directory, e.g. all-MiniLM-L6-v2, not an empty string (leave --embedding-model "
                            "out to serve no embedding model)")
     if args.embedding_model:
-        specs.append(ModelSpec(args.embedding_model, _path_name(ModelSpec.served_name(args.embedding_model),
-                                                                f"--embedding-model {args.embedding_model[:40]!r}"),
+        specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
                                {"device": options["device"]} if "device" in options else {}))
     plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
     if len(specs) > 1:
@@ -522,6 +521,14 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
             from asyncinfer.commands import CommandError
 
             raise CommandError(f"--embedding-model {args.embedding_model!r}: {exc}") from None
+    # The names taken from the paths, checked now that the plans found the models, before anything is printed: a
+    # mistyped path past 200 characters was refused as a name to give with --served-model-name, then "does not exist"
+    if args.served_model_name is None:
+        # named where it came from: with no MODEL, the model ASYNCINFER_MODEL names (the user typed no path)
+        what = "ASYNCINFER_MODEL's model" if model is None and os.environ.get("ASYNCINFER_MODEL", "").strip() else "the model"
+        _path_name(specs[0].name, what, "--served-model-name")
+    if len(specs) > 1:
+        _path_name(specs[1].name, f"--embedding-model {args.embedding_model[:40]!r}")
     _check_embedding_model(args, specs, plans)
     print(describe_serving(specs, plans, host=args.host, port=port, api_keys=len(settings.accepted_keys),
                            metrics_keys=len(settings.metrics_keys), tenants=len(settings.tenants)), flush=True)

@@ -11,7 +11,11 @@ class CommandError(AsyncInferError):
 
 def check_one_model(command: str, model_arg: str | None, model: str | None) -> None:
     """Refuse a model given both as the command's MODEL argument and as ``--model``, unless the same: one of them
-    was silently dropped (the argument won)."""
+    was silently dropped (the argument won). An empty MODEL (``asyncinfer serve "$MODEL_DIR"``, the variable unset)
+    is refused as ``--model ''`` is: it was read as no MODEL, and the default model was loaded and served instead."""
+    if model_arg is not None and not model_arg.strip():
+        raise CommandError(f"MODEL {model_arg!r} is invalid: allowed a model directory, a .gguf file or a known name, "
+                           "not an empty string (leave MODEL out for the default model; . is the working directory)")
     if model_arg is not None and model is not None and model_arg != model:
         raise CommandError(f"the model is given twice, as MODEL {model_arg!r} and as --model {model!r}: give one "
                            f"(asyncinfer {command} MODEL or asyncinfer {command} --model MODEL)")
