@@ -1,0 +1,55 @@
+"""A stranger's first hour (stranger39): Hugging Face directories of one's own, a config with a rope type
+asyncinfer does not implement.
+
+docs/models_and_embeddings.md: "Any other type is refused at load with a ``ModelLoadError`` naming it". The
+refusal listed what is supported as ``default, linear, llama3, yarn, longrope, freq_factors``: ``freq_factors``
+is the GGUF reader's own name for a file's ``rope_freqs`` tensor, not a rope type of transformers. A user who
+took the list at its word and wrote ``"rope_type": "freq_factors"`` into config.json got a model that
+asyncinfer loaded and ran (transformers cannot: ``KeyError: 'freq_factors'``). A config.json's refusal lists the
+types a config may name now, and ``freq_factors`` there is refused like any other unknown type.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError, cli
+from asyncinfer.memory import read_model_config
+from tests.helpers import tiny_hf_config
+
+OPTIONS = {"device": "cpu", "num_threads": 1}
+
+
+def _model_dir(tmp_path: Path, rope_scaling: dict) -> Path:
+    """A config.json naming ``rope_scaling`` and weights no reader can parse: every refusal comes first."""
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": rope_scaling}))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    return tmp_path
+
+
+def test_an_unknown_rope_type_lists_only_the_types_a_config_may_name(tmp_path, capsys) -> None:
+    model = _model_dir(tmp_path, {"rope_type": "longrope_v9", "factor": 2.0})
+    with pytest.raises(ModelLoadError) as refused:
+        AsyncEngine.from_pretrained(model, **OPTIONS)
+    assert "unsupported rope type 'longrope_v9'; supported: default, linear, llama3, yarn, longrope" in str(refused.value)
+    assert "freq_factors" not in str(refused.value)
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'longrope_v9'") as planned:
+        read_model_config(model)
+    assert "freq_factors" not in str(planned.value)
+    assert cli.main(["info", str(model)]) != 0
+    assert "freq_factors" not in capsys.readouterr().err
+
+
+def test_the_gguf_readers_own_rope_type_in_a_config_json_is_refused(tmp_path) -> None:
+    """transformers has no ``freq_factors`` rope type (its model fails to build): asyncinfer refuses it too,
+    before any weight is read, rather than running what no reference runs."""
+    model = _model_dir(tmp_path, {"rope_type": "freq_factors", "factors": [1.0] * 8})
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'freq_factors'; supported: default, linear"):
+        AsyncEngine.from_pretrained(model, **OPTIONS)
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'freq_factors'"):
+        read_model_config(model)
