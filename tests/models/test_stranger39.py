@@ -7,6 +7,9 @@ is the GGUF reader's own name for a file's ``rope_freqs`` tensor, not a rope typ
 took the list at its word and wrote ``"rope_type": "freq_factors"`` into config.json got a model that
 asyncinfer loaded and ran (transformers cannot: ``KeyError: 'freq_factors'``). A config.json's refusal lists the
 types a config may name now, and ``freq_factors`` there is refused like any other unknown type.
+
+And a download whose vocabulary is ``tokenizer.model`` alone was refused with transformers' "`tiktoken` is
+required to read a `tiktoken` file": the package it needs is sentencepiece, which the refusal names now.
 """
 
 from __future__ import annotations
@@ -53,3 +56,21 @@ def test_the_gguf_readers_own_rope_type_in_a_config_json_is_refused(tmp_path) ->
         AsyncEngine.from_pretrained(model, **OPTIONS)
     with pytest.raises(ModelLoadError, match="unsupported rope type 'freq_factors'"):
         read_model_config(model)
+
+
+def test_a_sentencepiece_only_tokenizer_without_the_package_names_the_package(tmp_path, monkeypatch) -> None:
+    """A download whose vocabulary is ``tokenizer.model`` alone (no ``tokenizer.json``: older Llama / Mistral
+    uploads): transformers needs the sentencepiece package (not a dependency) to read it, falls back to reading
+    it as a tiktoken file, and said only "`tiktoken` is required to read a `tiktoken` file", which sent the user
+    to install the wrong package. The refusal names the file, the package and the other way out."""
+    from asyncinfer.models import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_has_sentencepiece", lambda: False, raising=False)
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    (tmp_path / "tokenizer.model").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ModelLoadError) as refused:
+        checkpoint.load_hf_tokenizer(tmp_path)
+    said = str(refused.value)
+    assert "its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json" in said
+    assert "pip install sentencepiece" in said and "copy the model's tokenizer.json" in said

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import json
 import stat
 from collections.abc import Iterator
@@ -198,6 +199,11 @@ def _past_the_end(file: Path) -> str | None:
     return None
 
 
+def _has_sentencepiece() -> bool:
+    """Whether the sentencepiece package (which transformers needs to read a ``tokenizer.model``) is installed."""
+    return importlib.util.find_spec("sentencepiece") is not None
+
+
 def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files.
 
@@ -226,6 +232,11 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
             present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
             said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
                     f"files beside its config.json (transformers: {said})")
+        elif (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
+            # transformers then tries the file as tiktoken's and says that tiktoken is missing
+            said = ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
+                    "reads only with the sentencepiece package: pip install sentencepiece, or copy the model's "
+                    f"tokenizer.json beside its config.json (transformers: {said})")
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
     limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
