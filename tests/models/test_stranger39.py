@@ -10,18 +10,28 @@ types a config may name now, and ``freq_factors`` there is refused like any othe
 
 And a download whose vocabulary is ``tokenizer.model`` alone was refused with transformers' "`tiktoken` is
 required to read a `tiktoken` file": the package it needs is sentencepiece, which the refusal names now.
+
+And a directory without an index read every ``*.safetensors`` file in it, a later file's tensor silently replacing
+an earlier one's of the same name: ``model.safetensors`` beside an older copy or another run's weights generated
+with whichever sorted last, and beside a PEFT ``adapter_model.safetensors`` was refused for its LoRA tensors.
+transformers reads ``model.safetensors`` alone there; so does asyncinfer now, and a tensor that two weight files
+hold is refused naming both.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from asyncinfer import AsyncEngine, ModelLoadError, cli
+from asyncinfer import AsyncEngine, ModelLoadError, SamplingParams, cli
 from asyncinfer.memory import read_model_config
-from tests.helpers import tiny_hf_config
+from tests.helpers import tiny_hf_config, tiny_hf_model
 
 OPTIONS = {"device": "cpu", "num_threads": 1}
 
@@ -74,3 +84,35 @@ def test_a_sentencepiece_only_tokenizer_without_the_package_names_the_package(tm
     said = str(refused.value)
     assert "its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json" in said
     assert "pip install sentencepiece" in said and "copy the model's tokenizer.json" in said
+
+
+def _greedy(model: Path) -> list[int]:
+    async def run() -> list[int]:
+        async with await AsyncEngine.load(model, quantization=None, **OPTIONS) as engine:
+            out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))
+            return list(out.token_ids)
+
+    return asyncio.run(run())
+
+
+def _save(model, file: Path) -> None:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(file), metadata={"format": "pt"})
+
+
+def test_model_safetensors_is_the_model_beside_other_weight_files(tmp_path) -> None:
+    clean, cluttered = tmp_path / "clean", tmp_path / "cluttered"
+    tiny_hf_model("llama").save_pretrained(clean)
+    expected = _greedy(clean)
+    shutil.copytree(clean, cluttered)
+    _save(tiny_hf_model("llama", seed=5), cluttered / "z-older-run.safetensors")  # same names, other weights
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)},
+              str(cluttered / "adapter_model.safetensors"), metadata={"format": "pt"})
+    assert _greedy(cluttered) == expected
+
+
+def test_a_tensor_in_two_weight_files_is_refused_naming_both(tmp_path) -> None:
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    _save(tiny_hf_model("llama"), tmp_path / "a.safetensors")
+    _save(tiny_hf_model("llama", seed=5), tmp_path / "b.safetensors")
+    with pytest.raises(ModelLoadError, match=r"tensor '[^']+' is in two weight files, a.safetensors and b.safetensors"):
+        AsyncEngine.from_pretrained(tmp_path, **OPTIONS)
