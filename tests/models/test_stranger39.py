@@ -16,6 +16,9 @@ an earlier one's of the same name: ``model.safetensors`` beside an older copy or
 with whichever sorted last, and beside a PEFT ``adapter_model.safetensors`` was refused for its LoRA tensors.
 transformers reads ``model.safetensors`` alone there; so does asyncinfer now, and a tensor that two weight files
 hold is refused naming both.
+
+And a Hub id typed in another case than the local cache holds it (``me/Tiny`` for ``me/tiny``) was told to download
+the model again; the cached spelling is named now.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from safetensors.torch import save_file
 
 from asyncinfer import AsyncEngine, ModelLoadError, SamplingParams, cli
 from asyncinfer.memory import read_model_config
+from asyncinfer.model_source import resolve_model
 from tests.helpers import tiny_hf_config, tiny_hf_model
 
 OPTIONS = {"device": "cpu", "num_threads": 1}
@@ -116,3 +120,25 @@ def test_a_tensor_in_two_weight_files_is_refused_naming_both(tmp_path) -> None:
     _save(tiny_hf_model("llama", seed=5), tmp_path / "b.safetensors")
     with pytest.raises(ModelLoadError, match=r"tensor '[^']+' is in two weight files, a.safetensors and b.safetensors"):
         AsyncEngine.from_pretrained(tmp_path, **OPTIONS)
+
+
+def test_a_hub_id_cached_in_another_case_is_pointed_at(tmp_path, monkeypatch, capsys) -> None:
+    """``asyncinfer chat --model me/Tiny`` with ``me/tiny`` in the local Hugging Face cache (the Hub reads ids in any
+    case; its cache keeps the spelling a model was fetched under) was told to fetch it with ``huggingface-cli
+    download me/Tiny``: a second download of a model already there. The cached spelling is named now."""
+    snapshot = tmp_path / "hub" / "models--me--tiny" / "snapshots" / "abc123"
+    tiny_hf_config("llama").save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--me--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--me--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    for typed in ("me/Tiny", "ME/TINY"):
+        with pytest.raises(ModelLoadError, match=f"model '{typed}' is not in the local Hugging Face cache .*, "
+                                                 "but 'me/tiny' is: .*did you mean 'me/tiny'\\?") as refused:
+            resolve_model(typed)
+        assert "huggingface-cli download" not in str(refused.value)
+    assert cli.main(["info", "me/TINY"]) != 0
+    assert "did you mean 'me/tiny'?" in capsys.readouterr().err
+    assert resolve_model("me/tiny") == snapshot
+    with pytest.raises(ModelLoadError, match="fetch it once with `huggingface-cli download me/other`"):
+        resolve_model("me/other")
