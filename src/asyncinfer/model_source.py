@@ -318,6 +318,17 @@ def hub_cache_dir() -> Path:
     return Path(os.path.expanduser(cache)) / "huggingface" / "hub"
 
 
+def _hub_cache_other_case(repo_id: str) -> str | None:
+    """The Hub id of a model in the local cache whose id differs from ``repo_id`` only in case (the Hub reads ids in
+    any case; its cache keeps the spelling a model was fetched under), else None."""
+    wanted = f"models--{repo_id.replace('/', '--')}"
+    with contextlib.suppress(OSError):
+        for entry in sorted(hub_cache_dir().iterdir()):
+            if entry.name.casefold() == wanted.casefold() and entry.name != wanted and (entry / "snapshots").is_dir():
+                return entry.name.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
 def hub_cache_path(repo_id: str) -> Path:
     """The model of Hub id ``repo_id`` in the local Hugging Face cache (never the network): its snapshot of
     ``refs/main``, else its newest snapshot; the snapshot directory when it has a ``config.json``, else its one
@@ -341,6 +352,11 @@ def hub_cache_path(repo_id: str) -> Path:
         if ggufs:
             raise ModelLoadError(f"{repo_id!r} holds {len(ggufs)} .gguf files in the local Hugging Face cache "
                                  f"({snapshot}): give the one to load as the model path, e.g. {str(ggufs[0])!r}")
+    near = _hub_cache_other_case(repo_id)
+    if near is not None:
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}), but {near!r} is: the "
+            f"cache names a model as it was fetched, in that case; did you mean {near!r}?")
     raise ModelLoadError(
         f"model {repo_id!r} is neither a path here nor in the local Hugging Face cache ({hub_cache_dir()}): "
         f"asyncinfer never downloads from the Hub; fetch it once with `huggingface-cli download {repo_id}` "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import json
 import stat
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+SAFETENSORS_WEIGHTS = "model.safetensors"  # transformers' name for an unsharded checkpoint
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Every file of a directory the tokenizer's loader (transformers) may read: each is checked before it runs.
 _TOKENIZER_READS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -76,7 +78,9 @@ PICKLE_WEIGHTS = ("pytorch_model*.bin", "model*.bin", "model*.pt", "model*.pth",
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The ``*.safetensors`` shards of the directory ``path``, as its index lists them (if it has one).
+    """The ``*.safetensors`` shards of the directory ``path``, as its index lists them (if it has one); without an
+    index, ``model.safetensors`` where there is one (as transformers reads it: another file beside it, a PEFT
+    ``adapter_model.safetensors`` or an older copy, is not the model's), else every ``*.safetensors`` file.
 
     Raises:
         ModelLoadError: an unreadable index, no shard at all, or a listed shard that is missing.
@@ -91,6 +95,8 @@ def safetensors_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"cannot read {index}: 'weight_map' values must be shard file names (strings)")
         names = set(weight_map.values())
         files = [_shard_in(path, index, name) for name in sorted(names)]
+    elif (path / SAFETENSORS_WEIGHTS).exists() or (path / SAFETENSORS_WEIGHTS).is_symlink():
+        files = [path / SAFETENSORS_WEIGHTS]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -143,14 +149,21 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, CPU tensor)`` for every tensor of the shards, one at a time (memory-mapped).
 
     Raises:
-        ModelLoadError: a corrupt or truncated shard.
+        ModelLoadError: a corrupt or truncated shard, or a tensor that two shards hold (which one is the model's
+            cannot be told: the later one silently replaced the earlier).
     """
     from safetensors import safe_open
 
+    held: dict[str, Path] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
                 for name in f.keys():  # noqa: SIM118 - a safetensors file handle, not a dict: it has no __iter__
+                    if name in held:
+                        raise ModelLoadError(f"tensor {name!r} is in two weight files, {held[name].name} and "
+                                             f"{file.name} (in {file.parent}): remove the one that is not the "
+                                             "model's, or list the shards in model.safetensors.index.json")
+                    held[name] = file
                     yield name, f.get_tensor(name)
         except ModelLoadError:
             raise
@@ -198,6 +211,11 @@ def _past_the_end(file: Path) -> str | None:
     return None
 
 
+def _has_sentencepiece() -> bool:
+    """Whether the sentencepiece package (which transformers needs to read a ``tokenizer.model``) is installed."""
+    return importlib.util.find_spec("sentencepiece") is not None
+
+
 def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files.
 
@@ -226,6 +244,11 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
             present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
             said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
                     f"files beside its config.json (transformers: {said})")
+        elif (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
+            # transformers then tries the file as tiktoken's and says that tiktoken is missing
+            said = ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
+                    "reads only with the sentencepiece package: pip install sentencepiece, or copy the model's "
+                    f"tokenizer.json beside its config.json (transformers: {said})")
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
     limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):

@@ -22,6 +22,8 @@ from asyncinfer.models.registry import ModelFamily, find_model_family, model_fam
 # "freq_factors" carries explicit per-frequency divisors (GGUF's rope_freqs tensor); "longrope" (Phi-3's, "su"
 # in older configs) two sets of them, short and long, chosen per request (asyncinfer.models.layers.RopeRows).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
+# Those a config.json may name: "freq_factors" is the GGUF reader's own (transformers has no such rope type).
+HF_ROPE_TYPES = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "freq_factors")
 # Attention kinds a layer may have (``ModelConfig.layer_types``, Hugging Face's names).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -324,10 +326,8 @@ def _hf_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     rope_type = "longrope" if rope_type == "su" else rope_type
     if rope_type == "default":
         return theta, None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+    if rope_type not in HF_ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope type {rope_type!r}; supported: {', '.join(HF_ROPE_TYPES)}")
     if rope_type in ("yarn", "longrope"):
         # As transformers reads it: the config's own original_max_position_embeddings takes priority (Phi-3 keeps
         # it beside rope_scaling), else rope_scaling's, else (longrope) the model's context.
