@@ -55,19 +55,29 @@ class AsyncInferError(Exception):
 
     def __reduce__(self) -> tuple[object, ...]:
         state = {key: _picklable(value) for key, value in self.__dict__.items()}
-        return BaseException.__new__, (type(self), *map(_picklable, self.args)), state or None
+        return _rebuilt, (type(self), *map(_picklable, self.args)), state or None
 
     def __copy__(self) -> AsyncInferError:
-        again = BaseException.__new__(type(self), *self.args)
+        again = _rebuilt(type(self), *self.args)
         again.__dict__.update(self.__dict__)
         return again
 
     def __deepcopy__(self, memo: dict[int, object]) -> AsyncInferError:
-        again = BaseException.__new__(type(self))
+        again = _rebuilt(type(self))
         memo[id(self)] = again  # an attribute holding the error itself
         again.args = tuple(_deep(value, memo) for value in self.args)
         again.__dict__.update({key: _deep(value, memo) for key, value in self.__dict__.items()})
         return again
+
+
+def _rebuilt(cls: type[AsyncInferError], *args: object) -> AsyncInferError:
+    """An error of ``cls`` holding ``args``, its ``__init__`` not called (it may take more than ``args``), built as
+    ``BaseException.__new__`` builds it; by the class's own ``__new__`` where that refuses (a subclass that is also
+    an ``OSError``, ``class Missing(ModelLoadError, FileNotFoundError)``, is built by ``OSError.__new__`` only)."""
+    try:
+        return BaseException.__new__(cls, *args)
+    except TypeError:
+        return cls.__new__(cls, *args)
 
 
 def _deep(value: object, memo: dict[int, object]) -> object:

@@ -61,3 +61,16 @@ def test_an_error_holding_itself_rebuilds() -> None:
     assert again.held[0] is again
     deep = copy.deepcopy(error)
     assert deep.held[0] is deep
+
+
+class Missing(ModelLoadError, FileNotFoundError):
+    """An error class of a user's own, also an OSError."""
+
+
+@pytest.mark.parametrize("rebuild", [lambda e: pickle.loads(pickle.dumps(e)), copy.copy, copy.deepcopy],
+                         ids=["pickle", "copy", "deepcopy"])
+def test_an_error_class_that_is_also_an_oserror_rebuilds(rebuild) -> None:
+    error = Missing("model path 'x' does not exist")
+    error.path = "x"
+    again = rebuild(error)
+    assert type(again) is Missing and str(again) == str(error) and again.path == "x"
