@@ -33,8 +33,11 @@ error, the second a bug or a resource failure worth paging someone for.
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import re
 import reprlib
+import threading
 from collections.abc import Callable, Iterator
 
 
@@ -45,10 +48,64 @@ class AsyncInferError(Exception):
     raised in another process (a ``ProcessPoolExecutor`` worker, a Ray task or replica) reaches its caller as the
     same type. Python's own rebuilding calls the class with ``args`` (the message alone), which the errors whose
     constructor takes more (``InvalidParameterError(parameter, value, allowed)``) refuse: the caller's unpickling
-    failed, and a process pool counted its worker as broken."""
+    failed, and a process pool counted its worker as broken. An attribute that pickle cannot write (the generator
+    given as ``stop``, say, in ``InvalidParameterError.value``) goes as its repr: the error would not go at all, and
+    the caller got pickle's ``TypeError`` in its place. A copy keeps every attribute itself (a deep copy shares one
+    that has no copy)."""
 
     def __reduce__(self) -> tuple[object, ...]:
-        return BaseException.__new__, (type(self), *self.args), self.__dict__ or None
+        state = {key: _picklable(value) for key, value in self.__dict__.items()}
+        return _rebuilt, (type(self), *map(_picklable, self.args)), state or None
+
+    def __copy__(self) -> AsyncInferError:
+        again = _rebuilt(type(self), *self.args)
+        again.__dict__.update(self.__dict__)
+        return again
+
+    def __deepcopy__(self, memo: dict[int, object]) -> AsyncInferError:
+        again = _rebuilt(type(self))
+        memo[id(self)] = again  # an attribute holding the error itself
+        again.args = tuple(_deep(value, memo) for value in self.args)
+        again.__dict__.update({key: _deep(value, memo) for key, value in self.__dict__.items()})
+        return again
+
+
+def _rebuilt(cls: type[AsyncInferError], *args: object) -> AsyncInferError:
+    """An error of ``cls`` holding ``args``, its ``__init__`` not called (it may take more than ``args``), built as
+    ``BaseException.__new__`` builds it; by the class's own ``__new__`` where that refuses (a subclass that is also
+    an ``OSError``, ``class Missing(ModelLoadError, FileNotFoundError)``, is built by ``OSError.__new__`` only)."""
+    try:
+        return BaseException.__new__(cls, *args)
+    except TypeError:
+        return cls.__new__(cls, *args)
+
+
+def _deep(value: object, memo: dict[int, object]) -> object:
+    """A deep copy of ``value``, or ``value`` itself where it has none (a generator, a lock)."""
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # noqa: BLE001 - whatever deepcopy refuses
+        return value
+
+
+#: Values pickle always writes, not tried first (a long prompt is not written twice).
+_PLAIN = (str, bytes, int, float, bool, type(None))
+_trying = threading.local()
+
+
+def _picklable(value: object) -> object:
+    """``value`` itself where pickle can write it, else its bounded repr (for an error's ``__reduce__``). Tried
+    once: an error held in a value being tried keeps its own values as they are, the outer try covers them."""
+    if type(value) in _PLAIN or getattr(_trying, "on", False):
+        return value
+    _trying.on = True
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickle refuses (a generator, a lock, a local class)
+        return _short_repr(value)
+    finally:
+        _trying.on = False
+    return value
 
 
 class InvalidParameterError(AsyncInferError, ValueError):
