@@ -58,6 +58,10 @@ async def test_memory_report_tells_held_blocks_from_cached_ones(tiny_models) -> 
     assert after.cached_free_blocks >= 5  # the prompt's full blocks stay cached: a cache, not a leak
     assert idle.process_rss_bytes > 0 and idle.allocated_bytes is None
     assert "KV pool" in idle.describe() and "RSS" in idle.describe()
+    # one request in the singular (it said "1 requests in flight": stranger37's left item)
+    assert busy.describe().splitlines()[0].startswith("device cpu, 1 request in flight, process RSS ")
+    assert busy.describe().splitlines()[1].endswith(", 1 request in flight")
+    assert idle.describe().splitlines()[0].startswith("device cpu, 0 requests in flight, ")
 
 
 async def test_profile_wraps_the_next_steps(tiny_models, tmp_path) -> None:

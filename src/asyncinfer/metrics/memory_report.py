@@ -53,7 +53,7 @@ class MemoryReport:
         return sum(m.used_blocks for m in self.models if m.requests_in_flight == 0)
 
     def describe(self) -> str:
-        lines = [(f"device {self.device}, {self.requests_in_flight} requests in flight, "
+        lines = [(f"device {self.device}, {_in_flight(self.requests_in_flight)}, "
                   f"process RSS {self.process_rss_bytes / MiB:.1f} MiB")]
         if self.allocated_bytes is not None:
             lines.append(f"torch CUDA allocator: {self.allocated_bytes / MiB:.1f} MiB allocated, "
@@ -63,8 +63,13 @@ class MemoryReport:
             if m.kind == "generate":
                 line += (f", KV pool {m.kv_bytes / MiB:.1f} MiB: {m.used_blocks}/{m.num_blocks} blocks held, "
                          f"{m.cached_free_blocks} free blocks caching prefixes")
-            lines.append(line + f", {m.requests_in_flight} requests in flight")
+            lines.append(line + f", {_in_flight(m.requests_in_flight)}")
         return "\n".join(lines)
+
+
+def _in_flight(count: int) -> str:
+    """``1 request in flight``, ``2 requests in flight``."""
+    return f"{count} request{'' if count == 1 else 's'} in flight"
 
 
 def memory_report(engine: Any, live_versions: list[tuple[str, Any]]) -> MemoryReport:
