@@ -215,7 +215,7 @@ class RequestIntake:
         serving = self.models.generator(model).current
         if serving is not None:
             check_stop_token_ids(params, serving.model_config.vocab_size)
-            _check_samples(params, serving)
+            _check_runnable(params, serving)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len, params)
@@ -229,33 +229,30 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await.
         :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn."""
         arrival = time.time()
-        counted: ModelHolder | None = None
         try:
-            # checked again as it is counted: a stream is checked at its call but bound when first read, and streams
-            # made together, none counted yet, then read together, all waited their turns past the limit
-            self._check_load(model)
-            counted = self._count_binding(model)
-            try:
-                await self._take_turns(prompt, args.params, check_running, aborted)
-            except AbortedWhileWaiting:
-                # it ends as an abort with nothing made for it: counted and logged as the abort it would have been
-                # once bound (it was, before the wait ended at the abort)
-                if self._observer is not None:
-                    self._observer.count_aborted_waiting(model if isinstance(model, str) else None, args.request_id,
-                                                         args.params.n, len(args.early[1]) if args.early else 0,
-                                                         arrival)
-                raise
-            version, ids, grammar = await self._bind(prompt, args, model, check_running)
-            # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
-            # never take the request, and its caller would wait for ever.
-            check_running()
-            if args.version_id is not None:  # a swap may have come since the call
-                _check_version(args.version_id, version)
-            check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
-            _check_samples(args.params, version)  # and max_num_seqs
-            self._check_id_free(args.request_id, args.params.n)
-            self._uncount_binding(counted)  # from here on it is counted by its stream, opened with no await between
-            counted = None
+            # a place taken as it is checked again: a stream is checked at its call but bound when first read, and
+            # streams made together, none counted yet, then read together, all waited their turns past the limit
+            with self.taking_in(model):
+                try:
+                    await self._take_turns(prompt, args.params, check_running, aborted)
+                except AbortedWhileWaiting:
+                    # it ends as an abort with nothing made for it: counted and logged as the abort it would have
+                    # been once bound (it was, before the wait ended at the abort)
+                    if self._observer is not None:
+                        self._observer.count_aborted_waiting(model if isinstance(model, str) else None,
+                                                             args.request_id, args.params.n,
+                                                             len(args.early[1]) if args.early else 0, arrival)
+                    raise
+                version, ids, grammar = await self._bind(prompt, args, model, check_running)
+                # The engine may have been closed (or died) while the prompt was made off the loop: its thread would
+                # never take the request, and its caller would wait for ever.
+                check_running()
+                if args.version_id is not None:  # a swap may have come since the call
+                    _check_version(args.version_id, version)
+                check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
+                _check_runnable(args.params, version)  # and max_num_seqs, and the tokenizer
+                self._check_id_free(args.request_id, args.params.n)
+            # its place given back: from here on it is counted by its stream, opened with no await between
             self._check_load(model)
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
                                    version.max_model_len)
@@ -267,8 +264,6 @@ class RequestIntake:
                 # compiled or a drain-mode swap held its admission (the refusal read as if it had never been loaded).
                 raise InvalidParameterError("model", exc.value, "a loaded generator (it was removed meanwhile)") from None
             raise
-        finally:
-            self._uncount_binding(counted)
         if self._observer is not None:
             self._observer.track(request, version.version_id)
         return request, version, self.models.generator(model)
@@ -324,24 +319,16 @@ class RequestIntake:
 
     @contextlib.contextmanager
     def taking_in(self, model: str | None) -> Iterator[None]:
-        """One request its caller makes before submitting it (waiting a line of its own, rendering its prompt):
-        refused at once as :meth:`check_room` refuses one, then in flight for admission control until the block
-        ends, as one waiting its turn in :meth:`bind` is (the HTTP server's long chats, in its own line: not
-        counted, any number of them waited there while the engine was empty, each refused only after its wait)."""
+        """One request being taken in (waiting its turn, its prompt made, in :meth:`bind`; or a caller's own line and
+        render before it submits, the HTTP server's long chats): refused at once as :meth:`check_room` refuses one,
+        then in flight for admission control until the block ends (uncounted, any number of them waited while the
+        engine was empty, each refused only after its wait)."""
         self._check_load(model)
-        holder = self._count_binding(model)
+        holder = self.models.generator(model)
+        self._binding[holder] = self._binding.get(holder, 0) + 1
         try:
             yield
         finally:
-            self._uncount_binding(holder)
-
-    def _count_binding(self, model: str | None) -> ModelHolder:
-        holder = self.models.generator(model)
-        self._binding[holder] = self._binding.get(holder, 0) + 1
-        return holder
-
-    def _uncount_binding(self, holder: ModelHolder | None) -> None:
-        if holder is not None:
             left = self._binding.pop(holder) - 1
             if left:
                 self._binding[holder] = left
@@ -376,10 +363,10 @@ class RequestIntake:
             raise InvalidParameterError("request_id", request_id, allowed)
 
 
-def _check_samples(params: SamplingParams, version: ModelVersion) -> None:
-    """``n`` samples run together: more than ``max_num_seqs`` never could. Checked at the call, as the core checks
-    it again (it refused them only once posted: ``stream()`` raised at its first delta, not at the call). And stop
-    strings need the model's tokenizer (pass43)."""
+def _check_runnable(params: SamplingParams, version: ModelVersion) -> None:
+    """What ``version`` could never run, checked at the call: ``n`` samples run together, so more than
+    ``max_num_seqs`` never could (the core checks it again; it refused them only once posted: ``stream()`` raised at
+    its first delta, not at the call); stop strings need the model's tokenizer (pass43)."""
     max_seqs = version.config.max_num_seqs
     if params.n > max_seqs:
         raise InvalidParameterError("n", params.n, f"at most max_num_seqs={max_seqs} (samples run together)")
