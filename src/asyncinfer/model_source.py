@@ -244,29 +244,25 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
             return default_model_path()
         if model.lower() in _MINILM_ALIASES:
             return minilm_model_path()
-    if not path.exists() and isinstance(model, str) and is_hub_id(model):
-        try:
-            return hub_cache_path(model)
-        except ModelLoadError:
-            # `models/my.gguf` or `models/llama` is shaped as a Hub id too: where it reads as a path here (a .gguf
-            # name, its first part a directory here, a .gguf file beside it), the path is what is missing.
-            if not (path.name.lower().endswith(".gguf") or path.parent.is_dir() or _near_gguf(path) is not None):
-                raise
-        near = _near_gguf(path)
-        raise ModelLoadError(
-            f"model path {str(path)!r} does not exist"
-            + (f" (did you mean {str(near)!r}?)" if near is not None else
-               f" (nor is {model!r} a Hugging Face Hub id in the local cache, {hub_cache_dir()}; expected a model "
-               f"directory with config.json and *.safetensors, a .gguf file, or a known name)")
-        )
     if not path.exists():
-        near = _near_gguf(path)
-        raise ModelLoadError(
-            f"model path {str(path)!r} does not exist"
-            + (f" (did you mean {str(near)!r}?)" if near is not None else
-               " (expected a Hugging Face model directory with config.json and *.safetensors, a .gguf file, or a "
-               f"known name: 'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted)")
-        )
+        hub_shaped = isinstance(model, str) and is_hub_id(model)
+        if hub_shaped:
+            try:
+                return hub_cache_path(os.fspath(model))
+            except ModelLoadError:
+                # `models/my.gguf` or `models/llama` is shaped as a Hub id too: where it reads as a path here (a .gguf
+                # name, its first part a directory here, a .gguf file beside it), the path is what is missing.
+                near = _near_gguf(path)
+                if not (path.name.lower().endswith(".gguf") or path.parent.is_dir() or near is not None):
+                    raise
+        else:
+            near = _near_gguf(path)
+        expected = (f"nor is {model!r} a Hugging Face Hub id in the local cache, {hub_cache_dir()}; expected a model "
+                    "directory with config.json and *.safetensors, a .gguf file, or a known name" if hub_shaped else
+                    "expected a Hugging Face model directory with config.json and *.safetensors, a .gguf file, or a "
+                    f"known name: 'SmolLM2-135M-Instruct', '{MINILM_NAME}'; model hubs are not contacted")
+        raise ModelLoadError(f"model path {str(path)!r} does not exist ("
+                             + (f"did you mean {str(near)!r}?" if near is not None else expected) + ")")
     return path
 
 
