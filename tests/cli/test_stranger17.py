@@ -170,11 +170,13 @@ def test_generate_writes_the_logprobs_a_line_asks_for(real_gguf, tmp_path, capsy
 
     greedy = asyncio.run(reference())
     # The same tokens and alternatives; the values agree within batching's rounding (the job runs its lines
-    # together, the reference one at a time).
+    # together, the reference one at a time: their prefills take the block kernels' float32 panel where the
+    # reference's, under PANEL_MIN_ROWS rows, rounds its activations to int16; the log-probabilities differ by up to
+    # ~1e-3 with the CPU's kernel variant, 1.02e-3 seen on an AVX-512 VNNI Xeon).
     assert [lp["token_id"] for lp in first["logprobs"]] == greedy.token_ids
     assert [[t for t, _ in lp["top"]] for lp in first["logprobs"]] == [[t for t, _ in lp.top] for lp in greedy.logprobs]
     assert [lp["logprob"] for lp in first["logprobs"]] == pytest.approx([lp.logprob for lp in greedy.logprobs],
-                                                                         abs=1e-3)
+                                                                         abs=5e-3)
     assert len(first["logprobs"]) == 3 and all(len(lp["top"]) == 2 for lp in first["logprobs"])
     assert second["completion_tokens"] == 4 and [len(o["logprobs"]) for o in second["outputs"]] == [2, 2]
     assert second["logprobs"] == second["outputs"][0]["logprobs"]  # the line's own are its first sample's
