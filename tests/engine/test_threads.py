@@ -161,8 +161,14 @@ def test_num_threads_still_applies_on_the_callers_thread(tiny_models) -> None:
         torch.set_num_threads(before)
 
 
-# Ctrl-C while the caller waits: the call is interrupted too and unwinds before the caller raises.
+# Ctrl-C while the caller waits: the call is interrupted too and unwinds before the caller raises. The child takes
+# SIGINT as a terminal's shell gives it (Python's handler, unblocked): a suite started in the background of a
+# non-interactive shell has it ignored, and a child inherits that (Python then installs no handler, and the Ctrl-C
+# the test sends was lost: the call ran its 30 s).
 INTERRUPT = textwrap.dedent("""
+    import signal as _signal
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [_signal.SIGINT])
     import threading, time
     from asyncinfer import on_own_thread
     seen = []
