@@ -66,3 +66,36 @@ def test_a_plan_that_breaks_the_contract_during_warm_up_fails_the_load(tiny_mode
         f"loading {str(path)!r} failed: the scheduler PlansZero failed the warm-up request: request 'warm-up' failed: "
         "its scheduler's plan raised SchedulerPlanError: the scheduler (PlansZero) planned 0 tokens for 'warm-up'")
     assert isinstance(err.value.__cause__.__cause__.__cause__, SchedulerPlanError)
+
+
+class PlansAStranger(FIFOScheduler):
+    """A plan that names, at every step, an id the scheduler never held."""
+
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        out.num_scheduled_tokens["nobody"] = 1
+        return out
+
+
+def test_a_stray_id_planned_at_every_step_is_logged_once(tiny_models, caplog: pytest.LogCaptureFixture) -> None:
+    """It was one ERROR line per step (a server's log flooded for as long as the plugin ran); the entry still
+    leaves every plan, and the requests run."""
+    import asyncio
+    import logging
+
+    from asyncinfer import SamplingParams
+
+    async def run() -> list[str]:
+        engine = await AsyncEngine.load(tiny_models["llama"][0], **ENGINE_BASE, scheduler=PlansAStranger)
+        async with engine:
+            outs = await asyncio.gather(*(engine.generate([5 + i, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+                                          for i in range(3)))
+        return [out.finish_reason for out in outs]
+
+    with caplog.at_level(logging.ERROR, logger="asyncinfer"):
+        assert asyncio.run(run()) == ["length"] * 3
+    lines = [r.getMessage() for r in caplog.records if "a request it does not hold" in r.getMessage()]
+    once = "the scheduler (PlansAStranger) planned 1 tokens for 'nobody', a request it does not hold: left out"
+    assert lines == [f"{once} (logged once for this id)"]
