@@ -63,6 +63,9 @@ logger = logging.getLogger("asyncinfer")
 class SchedulerPlanError(RuntimeError):
     """A scheduler's plan broke the contract for one request: the cause of that request's ``RequestFailedError``."""
 
+#: How many ids of requests a scheduler planned but does not hold are remembered as logged (logged once each).
+MAX_GHOSTS_LOGGED = 1024
+
 #: How many recent steps :attr:`StepStats.batch_sizes` keeps.
 BATCH_SIZE_HISTORY = 1024
 
@@ -130,6 +133,7 @@ class EngineCore:
         # Every request (a sample) handed to the scheduler and not ended yet, by id: a plugin that drops one from its
         # queues without the engine ending it is found at the next step (_lost), never left waiting.
         self._held: dict[str, Request] = {}
+        self._ghosts_logged: set[Any] = set()  # ids planned but not held, logged once each (_check_plan)
         # The kinds of fault the scheduler's has_unfinished_requests raised, each logged once (asked every pass)
         self._unfinished_faults: set[type[BaseException]] = set()
         self._count_faults: set[type[BaseException]] = set()  # the same for num_running and num_waiting
@@ -344,8 +348,14 @@ class EngineCore:
                 del entries[rid]
                 continue
             if request is None:
-                logger.error("the scheduler (%s) planned %r tokens for %r, a request it does not hold: left out",
-                             type(sched).__name__, n, rid)
+                # Once per id: a plugin that plans the same stray id at every step logged an ERROR line per step.
+                level = logging.DEBUG if rid in self._ghosts_logged else logging.ERROR
+                if len(self._ghosts_logged) >= MAX_GHOSTS_LOGGED:
+                    self._ghosts_logged.clear()
+                self._ghosts_logged.add(rid)  # a key of the plan's dict: hashable
+                logger.log(level, "the scheduler (%s) planned %r tokens for %r, a request it does not hold: left out"
+                           "%s", type(sched).__name__, n, rid,
+                           "" if level == logging.DEBUG else " (logged once for this id)")
                 del entries[rid]
                 self._drop_ghost(rid)
                 continue

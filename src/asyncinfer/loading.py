@@ -84,6 +84,7 @@ from asyncinfer.models.quant import (
     weight_bytes,
 )
 from asyncinfer.models.torch_compile import compile_elementwise_ops
+from asyncinfer.outputs import CoreOutput
 from asyncinfer.request import Request
 from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
@@ -446,13 +447,13 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     """
     limit = WARM_UP_STALL_LIMIT if stall_timeout is None else stall_timeout
     request = Request("warm-up", [0], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=time.time())
-    core.add_request(request)
+    _check_warm_up_outputs(core, core.add_request(request))
     stalled_since: float | None = None
     wait = 0.0
     while core.has_unfinished_requests():
         ran = core.stats.steps
         try:
-            core.step()
+            outputs = core.step()
         except Exception as exc:
             source = _raised_in(exc, type(core.scheduler))
             if source is None:
@@ -460,6 +461,7 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
             raise RuntimeError(
                 f"the scheduler {type(core.scheduler).__name__} raised {exception_text(exc)} during warm-up, in its "
                 f"own code ({source}): the load is refused (docs/schedulers.md, \"When it goes wrong\")") from exc
+        _check_warm_up_outputs(core, outputs)
         if core.stats.steps > ran:
             stalled_since, wait = None, 0.0
             continue
@@ -475,6 +477,21 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     core.reset_prefix_cache()
     core.stats = StepStats()
     core.kv.num_prefix_queries = core.kv.num_prefix_hits = 0
+
+
+def _check_warm_up_outputs(core: EngineCore, outputs: list[CoreOutput]) -> None:
+    """Refuse the load when the warm-up request failed: a hook of the scheduler that raised (``add_request``,
+    ``finish_requests``, ...) or a plan that broke the contract fails that request alone, not the step, so the
+    warm-up ran to its end and the load succeeded with a scheduler that failed every request sent to it."""
+    for output in outputs:
+        if output.error is None:
+            continue
+        cause = output.error.__cause__ if output.error.__cause__ is not None else output.error
+        source = _raised_in(cause, type(core.scheduler))
+        where = f", in its own code ({source})" if source is not None else ""
+        raise RuntimeError(
+            f"the scheduler {type(core.scheduler).__name__} failed the warm-up request{where}: {output.error} "
+            f"(the load is refused; docs/schedulers.md, \"When it goes wrong\")") from output.error
 
 
 def _raised_in(exc: BaseException, cls: type) -> str | None:

@@ -29,7 +29,8 @@ object of one key named after ``StructuredOutput``'s constructor: ``{"json_schem
 ``{"json_object": true}``, ``{"regex": "[0-9]+"}``, ``{"choice": ["yes", "no"]}`` or ``{"grammar": "root ::= ..."}``
 (it needs ``asyncinfer[structured]``).
 
-A request the engine refuses (e.g. too long) gets ``{"id": ..., "error": "..."}``
+A request the engine refuses (e.g. too long), or fails alone while it runs (a structured
+constraint past the grammar library's limits), gets ``{"id": ..., "error": "..."}``
 and the job goes on; the exit status is then 1. The requests go through the engine's own
 admission control, as an HTTP server's do: with ``--max-waiting-requests N``, a request sent
 while ``--max-num-seqs`` + N others are in flight is refused (its ``error`` says so), so keep
@@ -52,7 +53,7 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncinfer.commands import CommandError, check_one_model
-from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, range_in_words
+from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.structured import StructuredOutput
 
@@ -366,7 +367,7 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
                                           **({"logprobs": _logprobs(o.logprobs)} if wants else {})}
                                          for o in result.outputs]
                 progress.done(record["completion_tokens"])
-            except (InvalidParameterError, EngineOverloadedError) as exc:  # this request only: the job goes on
+            except (InvalidParameterError, EngineOverloadedError, RequestFailedError) as exc:  # this request only
                 from asyncinfer.commands.engine_flags import in_flag_terms
 
                 record = {"id": job.id, "error": in_flag_terms(str(exc)).replace(*_TRUNCATE_IN_A_LINE)}
@@ -386,6 +387,6 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
         progress.close()
     elapsed = time.perf_counter() - progress.start
     print(f"{len(jobs) - failed} of {len(jobs)} requests done in {elapsed:.1f} s, {progress.tokens} output tokens "
-          f"({progress.rate:.1f} tokens/s)" + (f"; {failed} refused (see their 'error')" if failed else ""),
+          f"({progress.rate:.1f} tokens/s)" + (f"; {failed} refused or failed (see their 'error')" if failed else ""),
           file=sys.stderr)
     return 1 if failed else 0
