@@ -683,8 +683,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=512, metavar="N",
                    help="open connections at most; one more is answered 503 (default: 512)")
     p.add_argument("--max-requests-per-tenant", type=int, default=None, metavar="N",
-                   help="generation requests one tenant (or, without one, one API key) may have in flight; one more "
-                        "is answered 429 (default: no limit)")
+                   help="generation requests one tenant (or, without one, one API key) may have in flight, each of "
+                        "a prompt's n samples counted; one more is answered 429 (default: no limit)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (default: info)")
 

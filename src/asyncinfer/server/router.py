@@ -340,16 +340,22 @@ class _OpenAI:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
 
-    def _take_places(self, call: _Call, tenant: str | None, count: int) -> None:
-        """``count`` of the caller's places (``max_requests_per_tenant``; its tenant's, else its key's), held until
-        the call's answer ends (``call.give_back``): a 400 for more than the limit at once, a 429 past what is left.
-        A call takes them once (a chat made again for a swapped model keeps them)."""
+    def _take_places(self, call: _Call, tenant: str | None, prompts: int, n: int = 1) -> None:
+        """The caller's places (``max_requests_per_tenant``; its tenant's, else its key's) for ``prompts`` prompts of
+        ``n`` samples each, one place a sample (each takes a seat of ``max_num_seqs`` as it runs: counted a prompt,
+        ``n=4`` let a tenant limited to 1 hold four seats), held until the call's answer ends (``call.give_back``): a
+        400 for more than the limit at once, a 429 past what is left. A call takes them once (a chat made again for
+        a swapped model keeps them)."""
         limit = self.settings.max_requests_per_tenant
         if limit is None or call.places:
             return
+        count = prompts * n
         if count > limit:
-            raise APIError(400, f"This call makes {count} requests (one a prompt), more than the {limit} this server "
-                                f"lets one tenant have in flight (max_requests_per_tenant={limit}).", param="prompt",
+            makes = (f"{count} requests (one a prompt)" if n == 1 else
+                     f"{count} requests ({prompts} prompt{'s' if prompts > 1 else ''} of n={n} samples, one a sample)")
+            raise APIError(400, f"This call makes {makes}, more than the {limit} this server lets one tenant have in "
+                                f"flight (max_requests_per_tenant={limit}).",
+                           param="prompt" if prompts > limit else "n",
                            code="tenant_requests_exceeded")
         who = ("tenant", tenant) if tenant is not None else ("key", call.key)
         held = self.in_flight[who]
@@ -529,7 +535,7 @@ class _OpenAI:
                       body.tool_use if isinstance(body, ChatRequest) else None,
                       token_ids=not chat and _engine.without_tokenizer(engine, model))
         tenant, priority = self._identity(call, body)
-        self._take_places(call, tenant, count)
+        self._take_places(call, tenant, count, params.n)
         # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
         # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
         # prefix. One id per prompt.

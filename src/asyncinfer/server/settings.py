@@ -155,8 +155,8 @@ class ServerSettings:
       (``asyncinfer serve``), the others in every app :func:`~asyncinfer.server.create_app`
       or :func:`~asyncinfer.server.guard_app` prepares.
 
-    - ``max_requests_per_tenant``: generation requests (prompts of chat and completions calls) one tenant may
-      have in flight; past it a call is a 429, so that no tenant takes every place of the engine's admission
+    - ``max_requests_per_tenant``: generation requests (prompts of chat and completions calls, each of their
+      ``n`` samples counted: every sample holds a seat of ``max_num_seqs``) one tenant may have in flight; past it a call is a 429, so that no tenant takes every place of the engine's admission
       control (``max_num_seqs + max_waiting_requests``). The tenant is the one ``tenant_from`` names; a call
       without one counts as its API key's, and calls with neither share one count. ``None`` (default): no limit.
 
