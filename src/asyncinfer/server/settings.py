@@ -156,9 +156,10 @@ class ServerSettings:
       or :func:`~asyncinfer.server.guard_app` prepares.
 
     - ``max_requests_per_tenant``: generation requests (prompts of chat and completions calls, each of their
-      ``n`` samples counted: every sample holds a seat of ``max_num_seqs``) one tenant may have in flight; past it a call is a 429, so that no tenant takes every place of the engine's admission
-      control (``max_num_seqs + max_waiting_requests``). The tenant is the one ``tenant_from`` names; a call
-      without one counts as its API key's, and calls with neither share one count. ``None`` (default): no limit.
+      ``n`` samples counted: every sample holds a seat of ``max_num_seqs``) one tenant may have in flight; past
+      it a call is a 429, so that no tenant takes every place of the engine's admission control
+      (``max_num_seqs + max_waiting_requests``). The tenant is the one ``tenant_from`` names; a call without one
+      counts as its API key's, and calls with neither share one count. ``None`` (default): no limit.
 
     - ``instance_id``: sent back in the ``X-Asyncinfer-Instance`` header of every response
       (the Ray Serve helper sets it to the replica's id).
