@@ -363,8 +363,17 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
         except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
             raise InvalidParameterError(
                 "--plugin", module, f"an importable module (importing it raised {type(exc).__name__}: {exc})") from exc
-    if args.schedulers:
-        return [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    if args.schedulers is not None:  # given: an empty list, or a name twice, runs nothing the user asked for
+        names = [n.strip() for n in args.schedulers.split(",")]
+        if not all(names):
+            raise InvalidParameterError("scheduler", args.schedulers,
+                                        "a comma-separated list of scheduler names, none empty (--list-schedulers "
+                                        "prints them)")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise InvalidParameterError("scheduler", args.schedulers,
+                                        f"each scheduler named once ({', '.join(map(repr, twice))} twice)")
+        return names
     # A plugin's names: new since the import, or (when the module or another one registered the name
     # earlier in this process) those whose class the plugin module defines.
     own = {name for name, cls in registered_schedulers().items()

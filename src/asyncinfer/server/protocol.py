@@ -485,8 +485,8 @@ def _response_format(value: Any) -> tuple[str, StructuredOutput] | None:
                                            f"got {shown(kind)}.")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad("response_format.json_schema", "`response_format.json_schema` must be an object with `name` and "
-                                                  "`schema`.")
+        raise _bad("response_format.json_schema", "`response_format.json_schema` must be an object with a `name` "
+                                                  "(and a `schema`, a JSON schema; without one, any JSON object).")
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise _bad("response_format.json_schema.name", "`response_format.json_schema.name` must be 1 to 64 "
