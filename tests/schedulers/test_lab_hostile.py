@@ -1,8 +1,9 @@
 """``asyncinfer lab`` with hostile plugins: a scheduler whose ``has_unfinished_requests()`` raises, or answers False
 while requests it was given have not finished, is reported as its broken contract, naming it (it was an internal
 error, ``IndexError: list index out of range`` past the trace's last arrival, or ``scheduler 222 broke the scheduler
-contract: blocks not returned at the end``: the count read as the scheduler's name); so are a replay that never ends
-and blocks a plugin never gave back."""
+contract: blocks not returned at the end``: the count read as the scheduler's name); so are a replay that never ends,
+blocks a plugin never gave back, a plan whose ``num_scheduled_tokens`` is no dict and a ``num_running`` that raises
+(each was an internal error, status 1)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ class KeepsABlock(FIFOScheduler):
         return super().schedule()
 
 
+class PlansAList(FIFOScheduler):
+    """Hands back its plan's entries as a list of pairs (the engine refuses such a plan naming the plugin)."""
+
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        out.num_scheduled_tokens = list(out.num_scheduled_tokens.items())  # type: ignore[assignment]
+        return out
+
+
+class CountRaises(FIFOScheduler):
+    api_version = 1
+
+    @property
+    def num_running(self) -> int:
+        raise RuntimeError("count?")
+
+
 CONTRACT = "asyncinfer: error: scheduler {} broke the scheduler contract (docs/schedulers.md): {}"
 
 
@@ -57,8 +77,11 @@ CONTRACT = "asyncinfer: error: scheduler {} broke the scheduler contract (docs/s
                 "unfinished: 'r0'"),
     (BusyRaises, "at step 0 (0.000s): has_unfinished_requests() raised RuntimeError: busy?"),
     (ForgetsRunning, "at step 1 (0.322s): invariant 5 (nothing lost): has_unfinished_requests() answered False with 1 "
-                     "unfinished: 'r0'")])
-def test_a_plugin_that_hides_its_requests_broke_the_contract(cls: type, said: str,
+                     "unfinished: 'r0'"),
+    (PlansAList, "at step 0 (0.000s): schedule() returned a SchedulerOutput whose num_scheduled_tokens is list, not a "
+                 "dict of request ids to token counts"),
+    (CountRaises, "at step 0 (0.000s): reading its plan and queues raised RuntimeError: count?")])
+def test_a_hostile_plugin_broke_the_contract(cls: type, said: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lab", "--synthetic", "20", "--seed", "0", "--schedulers", f"{HERE}:{cls.__name__}",
                  "--plot", ""]) == 2

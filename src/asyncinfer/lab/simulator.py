@@ -27,7 +27,7 @@ from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.schedulers.registry import create_scheduler, resolve_scheduler
 from asyncinfer.schedulers.testing import ContractViolation, check_schedule
 from asyncinfer.step import apply_step, scheduled
@@ -246,8 +246,14 @@ class _Replay:
             raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s): schedule() "
                                     f"raised {exception_text(exc)}") from exc
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
-        if self.check or plan.is_empty:
-            check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")
+        where = f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)"
+        if self.check or not isinstance(plan, SchedulerOutput) or plan.is_empty:
+            try:
+                check_schedule(sched, plan, where)
+            except ContractViolation:
+                raise
+            except Exception as exc:  # what the check reads is the plugin's (num_running, its queues): its fault
+                raise ContractViolation(f"{where}: reading its plan and queues raised {exception_text(exc)}") from exc
         batch = scheduled(sched, plan)
         shape = StepShape.from_batch(((r.num_computed_tokens, n, r.num_tokens) for r, n in batch), sched.kv.block_size)
         # The real context of the batched decode attention (one-token queries), beside shape.decode_keys.
