@@ -39,8 +39,8 @@ class RaisesInDecode(FIFOScheduler):
 
 
 @pytest.mark.parametrize(("cls", "said"), [
-    (ZeroInDecode, "the scheduler ZeroInDecode failed the warm-up request: request 'warm-up' failed: its scheduler's "
-                   "plan raised SchedulerPlanError: the scheduler (ZeroInDecode) planned 0 tokens for 'warm-up'"),
+    (ZeroInDecode, ("the scheduler ZeroInDecode failed the warm-up request: request 'warm-up' failed: its scheduler's "
+                   "plan raised SchedulerPlanError: the scheduler (ZeroInDecode) planned 0 tokens for 'warm-up'")),
     (RaisesInDecode, "the scheduler RaisesInDecode raised KeyError: 'decode' during warm-up, in its own code")])
 def test_a_fault_at_decode_only_fails_the_load(tiny_models, cls: type, said: str) -> None:
     path = tiny_models["llama"][0]

@@ -73,13 +73,13 @@ CONTRACT = "asyncinfer: error: scheduler {} broke the scheduler contract (docs/s
 
 
 @pytest.mark.parametrize(("cls", "said"), [
-    (NeverBusy, "at step 0 (0.000s): invariant 5 (nothing lost): has_unfinished_requests() answered False with 1 "
-                "unfinished: 'r0'"),
+    (NeverBusy, ("at step 0 (0.000s): invariant 5 (nothing lost): has_unfinished_requests() answered False with 1 "
+                "unfinished: 'r0'")),
     (BusyRaises, "at step 0 (0.000s): has_unfinished_requests() raised RuntimeError: busy?"),
-    (ForgetsRunning, "at step 1 (0.322s): invariant 5 (nothing lost): has_unfinished_requests() answered False with 1 "
-                     "unfinished: 'r0'"),
-    (PlansAList, "at step 0 (0.000s): schedule() returned a SchedulerOutput whose num_scheduled_tokens is list, not a "
-                 "dict of request ids to token counts"),
+    (ForgetsRunning, ("at step 1 (0.322s): invariant 5 (nothing lost): has_unfinished_requests() answered False with 1 "
+                     "unfinished: 'r0'")),
+    (PlansAList, ("at step 0 (0.000s): schedule() returned a SchedulerOutput whose num_scheduled_tokens is list, not a "
+                 "dict of request ids to token counts")),
     (CountRaises, "at step 0 (0.000s): reading its plan and queues raised RuntimeError: count?")])
 def test_a_hostile_plugin_broke_the_contract(cls: type, said: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
