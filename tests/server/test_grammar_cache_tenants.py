@@ -82,3 +82,47 @@ def test_a_tenant_sending_a_caches_worth_of_specs_evicts_its_own(tiny_chat_model
     # the flood's own: its latest, up to what the cache holds beside the victim's
     assert compiler.cached(StructuredOutput.regex(f"a{2 * compiler.cache_size - 1}[0-9]+"), "tenant:flood")
     assert compiler.cached(StructuredOutput.regex("a0[0-9]+"), "tenant:flood") is None
+
+
+def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, monkeypatch) -> None:
+    """A tenant (``cache_salt``) compiles one spec at a time: its specs queued ahead of another tenant's took every
+    place (``MAX_CONCURRENT_COMPILES``), and six GBNF grammars of 1,500 rules kept a regular expression, 6 ms alone,
+    waiting 4.5 s. Here the flood's compiles block until the other tenant's has run."""
+    import asyncio
+    import threading
+
+    from asyncinfer import AsyncEngine, SamplingParams
+    from asyncinfer.intake import MAX_CONCURRENT_COMPILES
+    from tests.helpers import ENGINE_BASE
+
+    flood = [StructuredOutput.regex(f"f{i}[a-z]+") for i in range(MAX_CONCURRENT_COMPILES + 2)]
+    release = threading.Event()
+    started: list[StructuredOutput] = []
+    compile_spec = GrammarCompiler._compile
+
+    def held(self: GrammarCompiler, spec: StructuredOutput):  # type: ignore[no-untyped-def]
+        started.append(spec)
+        if spec in flood:
+            assert release.wait(20), "the other tenant's compile never ran"
+        return compile_spec(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", held)
+
+    async def run() -> list[str]:
+        engine = await AsyncEngine.load(tiny_chat_model, **ENGINE_BASE)
+        async with engine:
+            params = [SamplingParams(max_tokens=2, structured=spec) for spec in flood]
+            waiting = [asyncio.ensure_future(engine.generate("hi", p, cache_salt="tenant:flood")) for p in params]
+            while not started:
+                await asyncio.sleep(0.01)
+            mine = await engine.generate("hi", SamplingParams(max_tokens=2, structured=StructuredOutput.regex(
+                "[a-z]{2,5}")), cache_salt="tenant:victim")  # hung here: every place held by the flood
+            assert len(started) == 2 and started[0] in flood  # the flood's first, then the victim's
+            release.set()
+            outs = await asyncio.gather(*waiting)
+        return [mine.outputs[0].finish_reason, *(out.outputs[0].finish_reason for out in outs)]
+
+    try:
+        assert asyncio.run(run()) == ["length"] * (len(flood) + 1)
+    finally:
+        release.set()
