@@ -441,12 +441,16 @@ WARM_UP_STALL_LIMIT = 30.0
 def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     """Run one tiny greedy request through a fresh core, then clear what it left behind.
 
+    The request asks two tokens, so the scheduler plans a prefill and then a decode: with one token it ended at its
+    first step, and a plugin whose plan broke the contract (or whose hook raised) only for a request in decode passed
+    the warm-up, its load succeeding with a scheduler that failed every request of more than one token.
+
     A scheduler that schedules nothing for ``stall_timeout`` seconds (``WARM_UP_STALL_LIMIT`` when None)
     while the request waits fails the warm-up with a ``RuntimeError`` naming it, as the engine thread
     would fail the request with ``RequestStalledError``: the load then raises, it never hangs.
     """
     limit = WARM_UP_STALL_LIMIT if stall_timeout is None else stall_timeout
-    request = Request("warm-up", [0], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=time.time())
+    request = Request("warm-up", [0], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=time.time())
     _check_warm_up_outputs(core, core.add_request(request))
     stalled_since: float | None = None
     wait = 0.0

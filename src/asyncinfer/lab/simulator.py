@@ -27,7 +27,7 @@ from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.schedulers.registry import create_scheduler, resolve_scheduler
 from asyncinfer.schedulers.testing import ContractViolation, check_schedule
 from asyncinfer.step import apply_step, scheduled
@@ -169,10 +169,31 @@ def simulate(
     if len(records) != len(pending):
         raise InvalidParameterError("trace", "ids", "unique request ids")
     sim.records = records
+    name = type(sched).__name__  # every ContractViolation's text starts with it (the CLI reads it from there)
+    added: list[RequestRecord] = []
+
+    def unfinished() -> bool:
+        """The plugin's ``has_unfinished_requests()``, held to the requests it was given: one that raised, or
+        answered False while some had not finished, ended the replay with an internal error (an IndexError past
+        the trace's last arrival) or a count of blocks not returned, named as no scheduler's fault."""
+        try:
+            busy = bool(sched.has_unfinished_requests())
+        except Exception as exc:
+            raise ContractViolation(f"{name} at step {len(sim.steps)} ({sim.now:.3f}s): has_unfinished_requests() "
+                                    f"raised {exception_text(exc)}") from exc
+        if not busy:
+            left = [r.id for r in added if r.finish is None]
+            if left:
+                shown = ", ".join(map(repr, left[:5])) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+                raise ContractViolation(f"{name} at step {len(sim.steps)} ({sim.now:.3f}s): invariant 5 (nothing "
+                                        f"lost): has_unfinished_requests() answered False with {len(left)} "
+                                        f"unfinished: {shown}")
+        return busy
+
     i = 0
-    while i < len(pending) or sched.has_unfinished_requests():
+    while i < len(pending) or unfinished():
         if len(sim.steps) >= max_steps:
-            raise ContractViolation(f"no end after {max_steps} steps")
+            raise ContractViolation(f"{name}: invariant 3 (progress): no end after {max_steps} steps")
         while i < len(pending) and pending[i].arrival <= sim.now:
             try:
                 sched.add_request(_make_request(pending[i], i))
@@ -180,15 +201,18 @@ def simulate(
                 raise ContractViolation(
                     f"{type(sched).__name__} at step {len(sim.steps)} ({sim.now:.3f}s): add_request({pending[i].id!r}) "
                     f"raised {exception_text(exc)}") from exc
+            added.append(records[pending[i].id])
             i += 1
-        if not sched.has_unfinished_requests():
+        if not unfinished():
             sim.now = pending[i].arrival
             continue
         sim.step()
-    if check and kv.num_free_blocks != kv.num_blocks:
-        raise ContractViolation(f"{kv.num_blocks - kv.num_free_blocks} blocks not returned at the end")
-    name = scheduler if isinstance(scheduler, str) else scheduler.__name__
-    return SimResult(name, list(records.values()), sim.steps)
+    kept = kv.num_blocks - kv.num_free_blocks
+    if check and kept:
+        raise ContractViolation(f"{name}: invariant 5 (nothing lost): {kept} block{'s' if kept > 1 else ''} not "
+                                "returned at the end")
+    return SimResult(scheduler if isinstance(scheduler, str) else scheduler.__name__, list(records.values()),
+                     sim.steps)
 
 
 def _make_request(t: TraceRequest, index: int) -> Request:
@@ -222,8 +246,14 @@ class _Replay:
             raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s): schedule() "
                                     f"raised {exception_text(exc)}") from exc
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
-        if self.check or plan.is_empty:
-            check_schedule(sched, plan, f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)")
+        where = f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s)"
+        if self.check or not isinstance(plan, SchedulerOutput) or plan.is_empty:
+            try:
+                check_schedule(sched, plan, where)
+            except ContractViolation:
+                raise
+            except Exception as exc:  # what the check reads is the plugin's (num_running, its queues): its fault
+                raise ContractViolation(f"{where}: reading its plan and queues raised {exception_text(exc)}") from exc
         batch = scheduled(sched, plan)
         shape = StepShape.from_batch(((r.num_computed_tokens, n, r.num_tokens) for r, n in batch), sched.kv.block_size)
         # The real context of the batched decode attention (one-token queries), beside shape.decode_keys.

@@ -102,6 +102,9 @@ def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> 
     where = where or type(sched).__name__
     if not isinstance(plan, SchedulerOutput):
         raise ContractViolation(f"{where}: schedule() returned {type(plan).__name__}, not a SchedulerOutput")
+    if not isinstance(plan.num_scheduled_tokens, Mapping):  # as the engine refuses it (read as one: AttributeError)
+        raise ContractViolation(f"{where}: schedule() returned a SchedulerOutput whose num_scheduled_tokens is "
+                                f"{type(plan.num_scheduled_tokens).__name__}, not a dict of request ids to token counts")
     cfg = sched.config
     scheduled = plan.num_scheduled_tokens
     if plan.total_tokens > cfg.max_num_batched_tokens:
