@@ -278,12 +278,12 @@ def test_help_and_version_typed_as_commands_name_the_flags(capsys, argv, hint) -
     # the names registered in this process: a plugin another test imported among them)
     (["--priorities", "a,b"], "argument --priorities: 'a,b' is not a comma-separated list of integers, e.g. 0,2,4"),
     # an empty list ran every scheduler, a name given twice ran twice: neither is what was asked for
-    (["--schedulers", ""], "--schedulers '' is invalid: allowed a comma-separated list of scheduler names, none empty "
-                           "(--list-schedulers prints them)"),
-    (["--schedulers", "fifo,,aging-priority"], "--schedulers 'fifo,,aging-priority' is invalid: allowed a "
-                                               "comma-separated list of scheduler names, none empty"),
-    (["--schedulers", "fifo, fifo"], "--schedulers 'fifo, fifo' is invalid: allowed each scheduler named once ('fifo' "
-                                     "twice)"),
+    (["--schedulers", ""], ("--schedulers '' is invalid: allowed a comma-separated list of scheduler names, none "
+                            "empty (--list-schedulers prints them)")),
+    (["--schedulers", "fifo,,aging-priority"], ("--schedulers 'fifo,,aging-priority' is invalid: allowed a "
+                                                "comma-separated list of scheduler names, none empty")),
+    (["--schedulers", "fifo, fifo"], ("--schedulers 'fifo, fifo' is invalid: allowed each scheduler named once "
+                                      "('fifo' twice)")),
 ])
 def test_labs_errors_name_its_flags(capsys, argv, message) -> None:
     """``asyncinfer lab --rate 0`` said "rate=0.0 is invalid", ``--schedulers fifo,nope`` "scheduler='nope'",
