@@ -2,8 +2,8 @@
 while requests it was given have not finished, is reported as its broken contract, naming it (it was an internal
 error, ``IndexError: list index out of range`` past the trace's last arrival, or ``scheduler 222 broke the scheduler
 contract: blocks not returned at the end``: the count read as the scheduler's name); so are a replay that never ends,
-blocks a plugin never gave back, a plan whose ``num_scheduled_tokens`` is no dict and a ``num_running`` that raises
-(each was an internal error, status 1)."""
+blocks a plugin never gave back, a plan whose ``num_scheduled_tokens`` is no dict, a ``num_running`` that raises and
+a ``clock`` the lab cannot set (each was an internal error, status 1)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,16 @@ class CountRaises(FIFOScheduler):
         raise RuntimeError("count?")
 
 
+class ClockProp(FIFOScheduler):
+    """Its clock a read-only property (wall time whatever the lab asks): the lab's simulated time cannot be set."""
+
+    api_version = 1
+
+    @property
+    def clock(self):  # type: ignore[override]
+        return lambda: 0.0
+
+
 CONTRACT = "asyncinfer: error: scheduler {} broke the scheduler contract (docs/schedulers.md): {}"
 
 
@@ -80,7 +90,11 @@ CONTRACT = "asyncinfer: error: scheduler {} broke the scheduler contract (docs/s
                      "unfinished: 'r0'")),
     (PlansAList, ("at step 0 (0.000s): schedule() returned a SchedulerOutput whose num_scheduled_tokens is list, not a "
                  "dict of request ids to token counts")),
-    (CountRaises, "at step 0 (0.000s): reading its plan and queues raised RuntimeError: count?")])
+    (CountRaises, "at step 0 (0.000s): reading its plan and queues raised RuntimeError: count?"),
+    # was "asyncinfer: internal error: AttributeError: property 'clock' of 'ClockProp' object has no setter"
+    (ClockProp, ("its clock cannot be set (AttributeError: property 'clock' of 'ClockProp' object has no setter); the "
+                 "lab replaces Scheduler.clock with simulated time, so a plugin reads the clock through it and leaves "
+                 "it assignable (docs/schedulers.md)"))])
 def test_a_hostile_plugin_broke_the_contract(cls: type, said: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lab", "--synthetic", "20", "--seed", "0", "--schedulers", f"{HERE}:{cls.__name__}",

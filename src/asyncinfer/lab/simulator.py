@@ -163,7 +163,13 @@ def simulate(
             f"{resolve_scheduler(scheduler).__name__} at construction: its constructor raised {exception_text(exc)} "
             f"with options {dict(options or {})} (a bad option is an InvalidParameterError naming it)") from exc
     sim = _Replay(sched, cost_model, check)
-    sched.clock = lambda: sim.now  # type: ignore[method-assign]
+    try:
+        sched.clock = lambda: sim.now  # type: ignore[method-assign]
+    except Exception as exc:  # a read-only property of the plugin's (AttributeError), or its own __setattr__
+        raise ContractViolation(
+            f"{type(sched).__name__}: its clock cannot be set ({exception_text(exc)}); the lab replaces "
+            "Scheduler.clock with simulated time, so a plugin reads the clock through it and leaves it assignable "
+            "(docs/schedulers.md)") from exc
     pending = sorted(trace, key=lambda t: t.arrival)
     records = {t.id: RequestRecord(t.id, t.arrival, t.prompt_len, t.output_len, t.priority) for t in pending}
     if len(records) != len(pending):
