@@ -21,12 +21,17 @@ from collections.abc import Callable
 
 import httpx
 import openai
-import ray
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 
-from asyncinfer.serve_ray import openai_app
 from asyncinfer.server import ModelSpec
+
+try:
+    import ray
+    from ray import serve
+
+    from asyncinfer.serve_ray import openai_app
+except ImportError:
+    raise SystemExit("examples/ray_serve.py needs Ray Serve: pip install 'asyncinfer[ray]'") from None
 
 
 def deploy(args: argparse.Namespace) -> str:

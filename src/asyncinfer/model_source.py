@@ -225,8 +225,12 @@ def model_text(model: object) -> str | None:
     return str.__str__(text) if isinstance(text, str) else None
 
 
+_SOURCE_PREFIX = re.compile(r"(gguf|safetensors):(?!//)")
+
+
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """``None`` -> the default model; a known name (see the module docstring) -> its files;
+    """``None`` -> the default model; a known name (see the module docstring) -> its files; a loaded version's
+    ``source`` (``"gguf:<file>"``, ``"safetensors:<dir>"``, as ``model_info()`` reports it) -> that file or directory;
     otherwise the given path, which must exist. InvalidParameterError naming ``model`` for anything but None, a
     ``str`` or an ``os.PathLike`` of a ``str`` (a number, bytes, an object: Python's TypeError before), and for an
     empty or blank one (``Path("")`` is the working directory: ``--model "$UNSET"`` loaded whatever model lay there)."""
@@ -239,6 +243,11 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
         raise InvalidParameterError("model", os.fspath(model), "a model directory, a .gguf file or a known name, not "
                                     "an empty string (None for the default model; '.' for the working directory)")
     path = Path(os.path.expanduser(model))
+    if not path.exists() and isinstance(model, str):
+        source = _SOURCE_PREFIX.match(model)
+        if source is not None:  # a version's `source` ("gguf:<file>"), as model_info() reports it: its files
+            path = Path(os.path.expanduser(model[source.end():]))
+            model = model[source.end():]
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:
             return default_model_path()

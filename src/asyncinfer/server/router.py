@@ -462,8 +462,10 @@ class _OpenAI:
             # the engine's default generator (its first loaded) is in no model_info() entry between the versions of
             # a drain-mode swap: the first generator listed then is another model, which must not answer for it
             if kind == "generate" and _engine.between_versions(self.engine(), None):
-                # a hint only where another generator would answer (an embedding model is a 400 on this route)
-                others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate")
+                # a hint only where another generator would answer (an embedding model is a 400 on this route; the
+                # default model's old version, listed "draining" while the swap waits for its requests, is no other)
+                others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate"
+                                   and not _engine.between_versions(self.engine(), name))
                 hint = f", or name another generator: {others}" if others else ""
                 raise APIError(503, "The default model is between versions (a drain-mode swap is loading the next "
                                     f"one): retry shortly{hint}.", param="model", type="server_error",

@@ -1,0 +1,35 @@
+"""A version's ``source``, as ``model_info()`` reports it, names a model that loads and swaps (a rollback to it).
+
+It read ``"gguf:<file>"`` / ``"safetensors:<dir>"``, which ``swap_model`` and ``from_pretrained`` refused as a missing
+path, so an admin route swapping back to ``engine.model_info()[0].source`` got a ``SwapError``."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer.model_source import resolve_model
+from tests.helpers import ENGINE_BASE, greedy
+
+
+async def test_a_version_source_swaps_back_to_that_model(tiny_models) -> None:
+    llama, qwen2 = tiny_models["llama"][0], tiny_models["qwen2"][0]
+    async with AsyncEngine.from_pretrained(llama, **ENGINE_BASE) as engine:
+        first = engine.model_info()[0].source
+        assert first.startswith("safetensors:")
+        before = await engine.generate([1, 2, 3], greedy(8))
+        await engine.swap_model(qwen2)
+        info = await engine.swap_model(first)          # back to the first version's model
+        assert info.source == first
+        after = await engine.generate([1, 2, 3], greedy(8))
+        assert after.token_ids == before.token_ids
+
+
+def test_sources_resolve_to_their_files_and_a_missing_one_names_the_path(tiny_models, tmp_path) -> None:
+    directory = tiny_models["llama"][0]
+    assert resolve_model(f"safetensors:{directory}") == directory
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(f"gguf:{gguf}") == gguf
+    with pytest.raises(ModelLoadError, match=repr(str(tmp_path / "gone.gguf"))):
+        resolve_model(f"gguf:{tmp_path / 'gone.gguf'}")
