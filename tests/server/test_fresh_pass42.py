@@ -48,3 +48,21 @@ def test_a_group_of_refusals_is_still_answered() -> None:
 
     r = TestClient(own_routes_app([InvalidParameterError("max_tokens", 0, "an int >= 1")])).get("/group")
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_swap_error_from_an_own_route_keeps_its_paths_to_the_log(caplog) -> None:
+    """docs/model_swaps.md: a ``SwapError`` a deployment's admin route lets through is a 500 ``internal_error`` whose
+    body does not carry its reason (the server's paths), and the reason is in the server's log under the answer's id."""
+    from fastapi.testclient import TestClient
+
+    from asyncinfer.errors import SwapError
+
+    app = own_routes_app([SwapError("loading '/srv/models/v3' failed: model path '/srv/models/v3' does not exist")])
+    with caplog.at_level(logging.INFO):
+        r = TestClient(app, raise_server_exceptions=False).get("/group")
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error") and "/srv" not in error["message"]
+    assert _failed_lines(caplog) == [f"request {r.headers['x-request-id']} failed"]
+    [record] = [rec for rec in caplog.records if rec.getMessage().startswith("request ")]
+    assert record.exc_info is not None and "/srv/models/v3" in str(record.exc_info[1])
