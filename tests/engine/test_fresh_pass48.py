@@ -1,0 +1,62 @@
+"""Hostile model files: a GGUF header's sizes that pass their bounds but that no memory holds are refused before the
+load allocates them."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, ConfigurationError
+from asyncinfer.models.layers import rope_table_bytes
+from asyncinfer.models.loader import read_model_config
+from benchmarks.make_gguf import SHAPES, write
+
+TINY = dict(SHAPES["tiny"], hidden=64, intermediate=128, heads=4, kv_heads=2, vocab_size=300, layers=1)
+
+
+def gguf_with_context(path: Path, context: int) -> Path:
+    """A tiny random Llama GGUF (with its vocabulary) whose header's ``llama.context_length`` (a u32) is ``context``."""
+    write(path, TINY, "llama", "q8_0", "q8_0", "spm", 0)
+    data = bytearray(path.read_bytes())
+    key = b"llama.context_length"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, 4096)  # UINT32, make_gguf's context
+    struct.pack_into("<I", data, at + 4, context)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_context_whose_rope_tables_no_memory_holds_is_refused_before_the_load_allocates_them(tmp_path) -> None:
+    """A header's ``context_length`` of 2**31 - 1 (within MAX_CONFIG_SIZE) made the load build rope tables of a row a
+    position whatever ``max_model_len`` is: 16 GiB of positions, then 64 GiB tables, for this 100 KB file, the process killed for memory or a
+    RuntimeError from the allocator. The plan counts the tables beside the weights and refuses, naming the key."""
+    path = gguf_with_context(tmp_path / "long.gguf", 2**31 - 1)
+    config = read_model_config(path)
+    assert config.max_position_embeddings == 2**31 - 1
+    assert rope_table_bytes(config) == 4 * (2**31 - 1) * 8 * 4 + 12 * (2**31 - 1)  # head_dim 16: 8 angles a row
+    with pytest.raises(ConfigurationError, match=r"rope tables, a row for each of its max_position_embeddings = "
+                                                 r"2147483647 positions, need 280\.0 GiB beside 0\.1 MiB of weights, but 8\.0 GiB are available"):
+        AsyncEngine.plan_memory(str(path), max_model_len=64, available_bytes=2**33)
+    with pytest.raises(ConfigurationError, match="max_position_embeddings = 2147483647"):
+        asyncio.run(AsyncEngine.load(str(path), max_model_len=64, num_threads=1))
+
+
+def test_a_context_whose_rope_tables_fit_plans_and_loads_as_before(tmp_path) -> None:
+    path = gguf_with_context(tmp_path / "short.gguf", 4096)
+    config = read_model_config(path)
+    assert rope_table_bytes(config) == 4 * 4096 * 8 * 4 + 12 * 4096
+    AsyncEngine.plan_memory(str(path), max_model_len=64, available_bytes=2**33)
+
+    async def main() -> list[int]:
+        engine = await AsyncEngine.load(str(path), max_model_len=64, num_threads=1)
+        try:
+            rotary = engine.core.runner.model.rotary  # the tables the plan counted
+            assert rotary.cos_cache.nbytes + rotary.sin_cache.nbytes == rope_table_bytes(config) // 2 - 6 * 4096
+            return [len(engine.tokenizer.encode("hello"))]
+        finally:
+            await engine.aclose()
+
+    assert asyncio.run(main())[0] > 0
