@@ -60,3 +60,31 @@ def test_a_context_whose_rope_tables_fit_plans_and_loads_as_before(tmp_path) -> 
             await engine.aclose()
 
     assert asyncio.run(main())[0] > 0
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused_before_the_tokenizer_is_built(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """200,000 tokens beside 300 embedding rows: transformers built the tokenizer (10 s and 580 MB here; minutes
+    and GBs at the header's 8 million items) before the count was compared. The header's distinct tokens are."""
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models import loader
+    from benchmarks import make_gguf
+
+    def vocabulary(writer, size: int) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+                               *(f"\u2581t{i}" for i in range(200_000))])
+        writer.add_token_scores([0.0] * 200_259)
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * 200_000)
+
+    monkeypatch.setattr(make_gguf, "add_spm_vocab", vocabulary)
+    path = tmp_path / "wide.gguf"
+    write(path, TINY, "llama", "q8_0", "q8_0", "spm", 0)
+
+    def never(path: Path):
+        raise AssertionError(f"the tokenizer of {path} was built")
+
+    monkeypatch.setattr(loader, "gguf_tokenizer", never)
+    with pytest.raises(ModelLoadError, match=r"the tokenizer has 200259 tokens \(GGUF metadata tokenizer\.ggml\.tokens "
+                                             r"of .*wide\.gguf\) but the model embeds only 300$"):
+        asyncio.run(AsyncEngine.load(str(path), max_model_len=64, num_threads=1))
