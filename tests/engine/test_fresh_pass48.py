@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncinfer import AsyncEngine, ConfigurationError
 from asyncinfer.models.layers import rope_table_bytes
@@ -88,3 +89,33 @@ def test_a_vocabulary_larger_than_the_embedding_is_refused_before_the_tokenizer_
     with pytest.raises(ModelLoadError, match=r"the tokenizer has 200259 tokens \(GGUF metadata tokenizer\.ggml\.tokens "
                                              r"of .*wide\.gguf\) but the model embeds only 300$"):
         asyncio.run(AsyncEngine.load(str(path), max_model_len=64, num_threads=1))
+
+
+@pytest.mark.parametrize(("field", "value", "told"), [
+    ("dtype", "F16", "of shape [256, 64] and dtype F16 needs 32768 bytes, but its data_offsets [0, 65536] hold 65536"),
+    ("shape", [2**31, 0], ("of shape [2147483648, 0] and dtype F32 needs 0 bytes, but its data_offsets [0, 65536] "
+                           "hold 65536")),
+    ("data_offsets", [0, 0], "of shape [256, 64] and dtype F32 needs 65536 bytes, but its data_offsets [0, 0] hold 0"),
+])
+def test_a_safetensors_tensor_whose_shape_and_dtype_disagree_with_its_offsets_is_named(tmp_path, field, value,
+                                                                                      told) -> None:
+    """The library refuses such a header saying only "invalid shape, data type, or offset for tensor", naming none:
+    the refusal names the tensor and the numbers that disagree."""
+    import json
+
+    from asyncinfer import ModelLoadError
+    from asyncinfer.models.loader import open_checkpoint
+    from tests.helpers import tiny_hf_model
+
+    model = tmp_path / "m"
+    tiny_hf_model("llama").save_pretrained(model, safe_serialization=True)
+    raw = (model / "model.safetensors").read_bytes()
+    length = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8 : 8 + length])
+    assert header["lm_head.weight"] == {"dtype": "F32", "shape": [256, 64], "data_offsets": [0, 65536]}
+    header["lm_head.weight"][field] = value
+    text = json.dumps(header).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor 'lm_head\.weight' "
+                                             + told.replace("[", r"\[").replace("]", r"\]")):
+        open_checkpoint(model).load(torch.float32, "cpu", lambda done, total: None)
