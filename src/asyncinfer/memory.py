@@ -35,6 +35,7 @@ import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
+from asyncinfer.models.layers import rope_table_bytes
 from asyncinfer.models.quant import default_skip, smaller_cpu_formats, weight_bytes
 
 if TYPE_CHECKING:
@@ -212,6 +213,24 @@ def plan_for_engine(
     )
 
 
+def check_rope_fits(model_config: ModelConfig, config: EngineConfig, weights: int, available: int) -> None:
+    """Refuse, before loading, a model whose rope tables (a row a position of its context,
+    :func:`~asyncinfer.models.layers.rope_table_bytes`) do not fit beside its weights: a context length that no
+    memory holds (a header's 2**31 - 1) was only found as the tables were allocated, tens of GB at once.
+
+    Raises:
+        ConfigurationError: ``weights`` and the tables' peak past ``available``, naming ``max_position_embeddings``.
+    """
+    rope = rope_table_bytes(model_config)
+    if weights + rope <= available:
+        return
+    raise ConfigurationError(
+        f"the model does not fit: its rope tables, a row for each of its max_position_embeddings = "
+        f"{model_config.max_position_embeddings} positions, need {format_bytes(rope)} beside "
+        f"{format_bytes(weights)} of weights, but {format_bytes(available)} are available on {config.device} "
+        "(whatever max_model_len the engine runs with); a model with a shorter context would fit")
+
+
 def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: int, available: int) -> None:
     """Refuse, before loading, weights larger than the memory available.
 
@@ -300,6 +319,7 @@ def plan_resolved(model_config: ModelConfig, config: EngineConfig, available_byt
     if available_bytes is None:
         available_bytes = available_memory(config.device)
     check_weights_fit(model_config, config, weights, available_bytes)
+    check_rope_fits(model_config, config, weights, available_bytes)
     free_bytes = max(0, available_bytes - weights)
     spec = KVCacheSpec.from_model_config(model_config, block_size=config.block_size, dtype=config.dtype,
                                          device=config.device)

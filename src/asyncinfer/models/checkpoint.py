@@ -11,6 +11,7 @@ import base64
 import binascii
 import importlib.util
 import json
+import math
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePath
@@ -188,10 +189,19 @@ def tensor_names(files: list[Path]) -> Iterator[str]:
         yield from names
 
 
+#: Bytes an element of each safetensors dtype takes (the whole-byte ones: a tensor of another dtype is left to the
+#: library's own message).
+_SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E4M3FN": 1, "F8_E8M0": 1,
+                            "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8,
+                            "I64": 8, "U64": 8}
+
+
 def _past_the_end(file: Path) -> str | None:
-    """Where a safetensors file the library refused is cut short: the first tensor (by offset) whose bytes run past
-    the end of the file, said as a GGUF file's is; None where the header itself cannot be read (the library's own
-    message then stands). The library says only "incomplete metadata, file not fully covered"."""
+    """Which tensor of a safetensors file the library refused is at fault, read from its header: the first tensor (by
+    offset) whose bytes run past the end of the file (a file cut short), said as a GGUF file's is, else the first whose
+    shape and dtype need other bytes than its ``data_offsets`` hold; None where the header itself cannot be read or
+    no tensor is found at fault (the library's own message then stands). The library says only "incomplete metadata,
+    file not fully covered" and "invalid shape, data type, or offset for tensor", naming none."""
     try:
         size = file.stat().st_size
         with file.open("rb") as f:
@@ -200,14 +210,22 @@ def _past_the_end(file: Path) -> str | None:
                 return None
             header = json.loads(f.read(length))
         data = size - 8 - length
-        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items()
-                       if name != "__metadata__" and isinstance(info, dict))
+        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name, info.get("shape"), info.get("dtype"))
+                       for name, info in header.items() if name != "__metadata__" and isinstance(info, dict))
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None
-    for start, end, name in spans:
+    for start, end, name, _shape, _dtype in spans:
         if isinstance(start, int) and isinstance(end, int) and end > data:
             return (f"tensor {name!r} runs past the end of the file ({end - start} bytes at {8 + length + start}, "
                     f"the file has {size}): a truncated file (an interrupted copy or download?)")
+    for start, end, name, shape, dtype in spans:
+        if (not isinstance(start, int) or not isinstance(end, int) or not isinstance(shape, list)
+                or not all(isinstance(d, int) and d >= 0 for d in shape) or dtype not in _SAFETENSORS_DTYPE_BYTES):
+            continue
+        need = math.prod(shape) * _SAFETENSORS_DTYPE_BYTES[dtype]
+        if need != end - start:
+            return (f"tensor {name!r} of shape {shape} and dtype {dtype} needs {need} bytes, but its data_offsets "
+                    f"[{start}, {end}] hold {end - start}")
     return None
 
 

@@ -230,6 +230,17 @@ class RopeRows:
         rows.extend(range(cut, end))
 
 
+def rope_table_bytes(config: ModelConfig) -> int:
+    """The bytes that building ``config``'s model's rope tables takes at its peak, from the config alone: the float32
+    cos and sin tables of every :class:`RotaryEmbedding` it holds (Gemma 3: a second one for its sliding layers), the
+    angles and the positions they are computed from. A row a position up to ``max_position_embeddings``, whatever
+    ``max_model_len`` the engine runs with."""
+    rows = RopeRows.of(config)
+    table = rows.num_rows * (config.head_dim // 2) * 4
+    tables = 2 if config.sliding_rope_theta is not None else 1
+    return (2 * tables + 2) * table + 12 * rows.max_positions
+
+
 def rope_angles(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """The angle of every row of the rope tables, ``position * inv_freq`` float32 [RopeRows.of(config).num_rows,
     head_dim / 2], laid out as :class:`RopeRows` says."""

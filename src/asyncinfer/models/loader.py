@@ -468,11 +468,29 @@ def _load_gguf(
     # A GGUF without tokenizer metadata (e.g. a test file) loads with tokenizer None.
     if "tokenizer.ggml.model" not in gguf.fields:
         return LoadedModel(weights(), config, None, source, weight_format)
+    _check_vocabulary_fits(gguf, config)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
         tokenizer = pool.submit(gguf_tokenizer, gguf.path)
         model = weights()
         return LoadedModel(model, config, tokenizer.result(), source, weight_format)
+
+
+def _check_vocabulary_fits(gguf: GGUFFile, config: ModelConfig) -> None:
+    """Refuse, before the tokenizer is built, a vocabulary of more distinct tokens than the model embeds: the
+    tokenizer it builds would hold at least as many, and :func:`asyncinfer.loading.check_tokenizer` refuses it then.
+    Built first, a header's 8 million tokens took minutes of transformers' conversion and GBs of memory to be refused.
+
+    Raises:
+        ModelLoadError: naming ``tokenizer.ggml.tokens``, its count and the model's ``vocab_size``.
+    """
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or len(tokens) <= config.vocab_size:
+        return
+    distinct = len({token for token in tokens if isinstance(token, str)})
+    if distinct > config.vocab_size:
+        raise ModelLoadError(f"the tokenizer has {distinct} tokens (GGUF metadata tokenizer.ggml.tokens of "
+                             f"{gguf.path}) but the model embeds only {config.vocab_size}")
 
 
 def _build_in_format(
