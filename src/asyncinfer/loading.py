@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import time
 import traceback
@@ -450,7 +451,9 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
     would fail the request with ``RequestStalledError``: the load then raises, it never hangs.
     """
     limit = WARM_UP_STALL_LIMIT if stall_timeout is None else stall_timeout
-    request = Request("warm-up", [0], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=time.time())
+    # with the sampled tokens' log-probabilities: a model whose logits are not finite is refused (_check_warm_up_outputs)
+    request = Request("warm-up", [0], SamplingParams(max_tokens=2, ignore_eos=True, logprobs=0),
+                      arrival_time=time.time())
     _check_warm_up_outputs(core, core.add_request(request))
     stalled_since: float | None = None
     wait = 0.0
@@ -486,8 +489,16 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
 def _check_warm_up_outputs(core: EngineCore, outputs: list[CoreOutput]) -> None:
     """Refuse the load when the warm-up request failed: a hook of the scheduler that raised (``add_request``,
     ``finish_requests``, ...) or a plan that broke the contract fails that request alone, not the step, so the
-    warm-up ran to its end and the load succeeded with a scheduler that failed every request sent to it."""
+    warm-up ran to its end and the load succeeded with a scheduler that failed every request sent to it. And when
+    a token's log-probability is not finite: NaN or infinite logits, from weights that hold such values (a tensor's
+    bytes corrupted: every request then generated token 0 to its length, without a word)."""
     for output in outputs:
+        for logprob in output.logprobs or ():
+            if not math.isfinite(logprob.logprob):
+                raise RuntimeError(
+                    f"the model's logits are not finite at warm-up (the log-probability of its first tokens is "
+                    f"{logprob.logprob}): its weights hold NaN or infinite values (a corrupt file?); the load is "
+                    "refused")
         if output.error is None:
             continue
         cause = output.error.__cause__ if output.error.__cause__ is not None else output.error
