@@ -433,7 +433,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id at the next step boundary (unknown or finished ids are ignored). A request still
         being bound (its prompt made off the loop, its grammar compiled, or waiting for a drain-mode swap) ends as
-        an abort as soon as it is; one waiting its turn (a long stop list or chat) ends as one within 0.25 s.
+        an abort as soon as it is (one waiting for its grammar's compile, without it compiled); one waiting its turn
+        (a long stop list or chat) ends as one within 0.25 s.
 
         Raises ``InvalidParameterError`` if ``request_id`` is not a non-empty string.
         """

@@ -126,3 +126,66 @@ def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, mo
         assert asyncio.run(run()) == ["length"] * (len(flood) + 1)
     finally:
         release.set()
+
+
+def _queued_compiles(tiny_chat_model, monkeypatch, then: str) -> tuple[list[StructuredOutput], list[object]]:
+    """Four specs of one tenant, the first's compile held while the other three wait their turn; ``then`` the three
+    are aborted by id ("abort") or the engine is closed ("close") before the first's compile goes on. The specs
+    whose compile ran, and what each call ended with."""
+    import asyncio
+    import threading
+
+    from asyncinfer import AsyncEngine, SamplingParams
+    from tests.helpers import ENGINE_BASE
+
+    specs = [StructuredOutput.regex(f"q{i}[a-z]+") for i in range(4)]
+    release = threading.Event()
+    started: list[StructuredOutput] = []
+    compile_spec = GrammarCompiler._compile
+
+    def held(self: GrammarCompiler, spec: StructuredOutput):  # type: ignore[no-untyped-def]
+        started.append(spec)
+        assert release.wait(20), "never released"
+        return compile_spec(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", held)
+
+    async def run() -> list[object]:
+        engine = await AsyncEngine.load(tiny_chat_model, **ENGINE_BASE)
+        await engine.start()
+        try:
+            calls = [asyncio.ensure_future(engine.generate("hi", SamplingParams(max_tokens=2, structured=spec),
+                                                           request_id=f"q{i}", cache_salt="tenant:a"))
+                     for i, spec in enumerate(specs)]
+            while not started:
+                await asyncio.sleep(0.01)
+            if then == "abort":
+                for i in range(1, 4):
+                    engine.abort(f"q{i}")
+            else:
+                await engine.aclose(abort=True)
+            release.set()
+            ends = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            release.set()
+            await engine.aclose(abort=True)
+        return [type(end).__name__ if isinstance(end, BaseException) else end.outputs[0].finish_reason  # type: ignore[union-attr]
+                for end in ends]
+
+    return started, asyncio.run(run())
+
+
+def test_aborted_requests_waiting_their_compile_turn_are_not_compiled(tiny_chat_model, monkeypatch) -> None:
+    """A request aborted while it waits its tenant's compile turn ends as an abort without its spec compiled: each
+    was compiled in its turn after the abort (five aborted 1.5 s grammars held the tenant's next request 7.5 s)."""
+    started, ends = _queued_compiles(tiny_chat_model, monkeypatch, "abort")
+    assert ends == ["length", "abort", "abort", "abort"]
+    assert started == [StructuredOutput.regex("q0[a-z]+")]
+
+
+def test_a_closed_engines_queued_compiles_are_not_run(tiny_chat_model, monkeypatch) -> None:
+    """The engine closed while a tenant's requests wait their compile turn: they end with EngineClosedError without
+    their specs compiled (each was compiled in turn after the close, its call waiting for it)."""
+    started, ends = _queued_compiles(tiny_chat_model, monkeypatch, "close")
+    assert ends == ["EngineClosedError"] * 4
+    assert started == [StructuredOutput.regex("q0[a-z]+")]
