@@ -230,7 +230,8 @@ _SOURCE_PREFIX = re.compile(r"(gguf|safetensors):(?!//)")
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """``None`` -> the default model; a known name (see the module docstring) -> its files; a loaded version's
-    ``source`` (``"gguf:<file>"``, ``"safetensors:<dir>"``, as ``model_info()`` reports it) -> that file or directory;
+    ``source`` (``"gguf:<file>"``, ``"safetensors:<dir>"``, as ``model_info()`` reports it) -> that file or directory
+    (a path only; naming nothing, an InvalidParameterError);
     otherwise the given path, which must exist. InvalidParameterError naming ``model`` for anything but None, a
     ``str`` or an ``os.PathLike`` of a ``str`` (a number, bytes, an object: Python's TypeError before), and for an
     empty or blank one (``Path("")`` is the working directory: ``--model "$UNSET"`` loaded whatever model lay there)."""
@@ -246,8 +247,14 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     if not path.exists() and isinstance(model, str):
         source = _SOURCE_PREFIX.match(model)
         if source is not None:  # a version's `source` ("gguf:<file>"), as model_info() reports it: its files
-            path = Path(os.path.expanduser(model[source.end():]))
-            model = model[source.end():]
+            rest = model[source.end():]
+            if not rest.strip():  # Path("") is the working directory: "gguf:$UNSET" loaded whatever model lay there
+                raise InvalidParameterError("model", model, f"a {source.group(1)} source names its file or directory "
+                                            f"after '{source.group(1)}:' (as model_info() reports it), not nothing")
+            path = Path(os.path.expanduser(rest))
+            if not path.exists():  # a path, never a known name or a Hub id
+                raise ModelLoadError(f"model path {str(path)!r} does not exist (from the source {model!r})")
+            return path
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:
             return default_model_path()

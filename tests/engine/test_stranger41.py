@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer import AsyncEngine, InvalidParameterError, ModelLoadError
 from asyncinfer.model_source import resolve_model
 from tests.helpers import ENGINE_BASE, greedy
 
@@ -33,3 +33,21 @@ def test_sources_resolve_to_their_files_and_a_missing_one_names_the_path(tiny_mo
     assert resolve_model(f"gguf:{gguf}") == gguf
     with pytest.raises(ModelLoadError, match=repr(str(tmp_path / "gone.gguf"))):
         resolve_model(f"gguf:{tmp_path / 'gone.gguf'}")
+
+
+@pytest.mark.parametrize("model", ["gguf:", "safetensors:", "gguf:  "])
+def test_a_source_naming_nothing_is_refused_not_the_working_directory(model, tiny_models, monkeypatch) -> None:
+    """``Path("")`` is the working directory: ``--model "gguf:$UNSET"`` resolved to it and loaded whatever model lay
+    there (the plain empty string was refused for that reason)."""
+    monkeypatch.chdir(tiny_models["llama"][0])  # a model directory: it loaded
+    with pytest.raises(InvalidParameterError, match="model") as raised:
+        resolve_model(model)
+    assert raised.value.parameter == "model"
+
+
+def test_a_source_is_a_path_never_a_known_name(tmp_path, monkeypatch) -> None:
+    """``gguf:<x>`` names a file: ``gguf:SmolLM2-135M-Instruct`` (no such file here) is a missing path, not the
+    default model's safetensors directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match="'SmolLM2-135M-Instruct' does not exist"):
+        resolve_model("gguf:SmolLM2-135M-Instruct")
