@@ -128,10 +128,11 @@ def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, mo
         release.set()
 
 
-def _queued_compiles(tiny_chat_model, monkeypatch, then: str) -> tuple[list[StructuredOutput], list[object]]:
-    """Four specs of one tenant, the first's compile held while the other three wait their turn; ``then`` the three
-    are aborted by id ("abort") or the engine is closed ("close") before the first's compile goes on. The specs
-    whose compile ran, and what each call ended with."""
+def _queued_compiles(tiny_chat_model, monkeypatch, then: str, salt: str | None = "tenant:a",
+                     running: int = 1) -> tuple[list[StructuredOutput], list[object]]:
+    """Four specs of one tenant (``salt``), the first ``running`` compiles held while the others wait their turn
+    (or a place); ``then`` the others are aborted by id ("abort") or the engine is closed ("close") before the held
+    compiles go on. The specs whose compile ran, and what each call ended with."""
     import asyncio
     import threading
 
@@ -155,12 +156,12 @@ def _queued_compiles(tiny_chat_model, monkeypatch, then: str) -> tuple[list[Stru
         await engine.start()
         try:
             calls = [asyncio.ensure_future(engine.generate("hi", SamplingParams(max_tokens=2, structured=spec),
-                                                           request_id=f"q{i}", cache_salt="tenant:a"))
+                                                           request_id=f"q{i}", cache_salt=salt))
                      for i, spec in enumerate(specs)]
-            while not started:
+            while len(started) < running:
                 await asyncio.sleep(0.01)
             if then == "abort":
-                for i in range(1, 4):
+                for i in range(running, 4):
                     engine.abort(f"q{i}")
             else:
                 await engine.aclose(abort=True)
@@ -189,3 +190,13 @@ def test_a_closed_engines_queued_compiles_are_not_run(tiny_chat_model, monkeypat
     started, ends = _queued_compiles(tiny_chat_model, monkeypatch, "close")
     assert ends == ["EngineClosedError"] * 4
     assert started == [StructuredOutput.regex("q0[a-z]+")]
+
+
+def test_aborted_requests_waiting_for_a_compile_place_are_not_compiled(tiny_chat_model, monkeypatch) -> None:
+    """Without a salt, requests wait for one of the engine's places: one aborted meanwhile is not compiled either."""
+    from asyncinfer.intake import MAX_CONCURRENT_COMPILES
+
+    started, ends = _queued_compiles(tiny_chat_model, monkeypatch, "abort", None, MAX_CONCURRENT_COMPILES)
+    assert ends == ["length"] * MAX_CONCURRENT_COMPILES + ["abort"] * (4 - MAX_CONCURRENT_COMPILES)
+    assert sorted(map(repr, started)) == sorted(repr(StructuredOutput.regex(f"q{i}[a-z]+"))
+                                                for i in range(MAX_CONCURRENT_COMPILES))
