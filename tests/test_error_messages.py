@@ -38,3 +38,26 @@ def test_an_unknown_option_is_typed_with_the_options_it_was_meant_for() -> None:
     with pytest.raises(UnknownOptionError) as caught:
         EngineConfig.from_options({"n_ctx": 64})
     assert caught.value.options is EngineConfig and "max_model_len" in str(caught.value)
+
+
+@pytest.mark.parametrize("options", [None, [("dtype", "float32")], "dtype=float32"])
+def test_options_that_are_no_dict_are_an_invalid_parameter_error(options: object) -> None:
+    """``from_options(None)`` or a list of pairs raised a bare ``AttributeError`` ('list' object has no
+    attribute 'items'); docs/api.md promises an ``InvalidParameterError``."""
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.embedding import EmbeddingConfig
+
+    for cls in (EngineConfig, EmbeddingConfig):
+        with pytest.raises(InvalidParameterError) as caught:
+            cls.from_options(options)  # type: ignore[arg-type]
+        assert caught.value.parameter == "options" and caught.value.value is options
+        assert "a dict of option names" in str(caught.value)
+
+
+def test_the_commands_engine_seed_flag_as_a_keyword_names_the_option() -> None:
+    """``--engine-seed`` is the option ``seed``; ``engine_seed=`` was refused listing every option with no hint."""
+    from asyncinfer.config import EngineConfig, UnknownOptionError
+
+    with pytest.raises(UnknownOptionError) as caught:
+        EngineConfig.from_options({"engine_seed": 3})
+    assert str(caught.value).endswith("; engine_seed is the commands' --engine-seed: its option is seed")

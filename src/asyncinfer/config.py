@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -384,6 +385,9 @@ class UnknownOptionError(InvalidParameterError):
 def from_options(cls: type[_T], options: dict[str, Any], allowed: str) -> _T:
     """Build the options dataclass ``cls`` from keywords; an unknown one raises
     :class:`UnknownOptionError` naming it and listing ``allowed`` ones."""
+    if not isinstance(options, Mapping):  # a list or None raised AttributeError: 'list' object has no attribute 'items'
+        raise InvalidParameterError("options", options, "a dict of option names to their values (the keywords "
+                                    "from_pretrained takes)")
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key, value in options.items():
         if key not in known:
@@ -399,6 +403,9 @@ _OTHER_OPTIONS: dict[str, str] = {
     "max_batch_size": "max_num_seqs", "n_gpu_layers": "device", "device_map": "device", "load_in_4bit": "quantization",
     "load_in_8bit": "quantization", "quantization_config": "quantization",
 }
+#: The commands' flags named otherwise than their option, as a keyword (``--engine-seed`` is ``seed``: the commands'
+#: ``--seed`` is a request's).
+_FLAG_OPTIONS: dict[str, str] = {"engine_seed": "seed"}
 #: What a caller who passed the options as one object (``config=EngineConfig(...)``) is told.
 _OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
                          "or from_pretrained(model, **options) with a dict of them")
@@ -417,6 +424,9 @@ def _other_tools_option(key: str, known: set[str]) -> str:
     (``torch_dtype`` -> ``dtype``), why there is none, or a close spelling."""
     import difflib
 
+    flag_option = _FLAG_OPTIONS.get(key)
+    if flag_option in known:
+        return f"; {key} is the commands' --{key.replace('_', '-')}: its option is {flag_option}"
     mapped = _OTHER_OPTIONS.get(key)
     if mapped in known:
         return f"; {key} is another library's name: asyncinfer's is {mapped}"

@@ -592,17 +592,24 @@ class AsyncEngine:
         return memory_report(self, self.metrics.live_versions())
 
     async def profile(self, steps: int = 10, path: str | os.PathLike[str] = "asyncinfer-profile") -> ProfileResult:
-        """Run the next ``steps`` engine steps (of any model) under ``torch.profiler``, then write
-        ``path``/trace.json (a Chrome trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt
-        (the ops by self time). Waits until that many steps have run: send traffic meanwhile.
+        """Run the next ``steps`` generation steps (of any generator, with the engine thread's work between
+        them, embedding batches included) under ``torch.profiler``, then write ``path``/trace.json (a Chrome
+        trace: chrome://tracing or Perfetto) and ``path``/top_ops.txt (the ops by self time). Waits until that
+        many steps have run: send traffic meanwhile.
 
         Raises:
             InvalidParameterError: ``steps`` outside [1, 10000] (the profiler holds every step's ops in memory
                 until it writes them), a ``path`` that cannot be made a writable directory (a file, a NUL in it),
-                or a profile is already running.
+                a profile is already running, or the engine holds no generator (an embedding batch is no
+                step: the call waited for ever).
             EngineClosedError / EngineDeadError: the engine is not running (or stops meanwhile).
         """
         self._check_running()
+        if not self.metrics.live_versions():
+            raise InvalidParameterError(
+                "steps", steps, "generation steps", message="profile() counts generation steps, and this engine "
+                "holds no generator (an embedding batch is no step, so the call would wait for ever): add a "
+                "generator with add_model() first")
         return await profile_steps(self.metrics, self._link, steps, path)
 
     def model_info(self) -> list[ModelVersionInfo]:

@@ -116,3 +116,17 @@ async def test_a_bad_path_is_refused_before_any_step(tiny_models, tmp_path) -> N
             assert err.value.parameter == "path"
         job = asyncio.ensure_future(engine.profile(steps=1, path=tmp_path / "ok"))  # nothing was left armed
         assert (await with_traffic(engine, job)).trace_path == tmp_path / "ok" / "trace.json"
+
+
+async def test_a_profile_of_an_engine_without_a_generator_is_refused(minilm_dir, tiny_models, tmp_path) -> None:
+    """Only a generator's steps tick a profile: on an engine of embedding models alone ``profile()`` waited
+    for ever, embeddings served or not. It is refused now; once a generator is added, it profiles."""
+    async with AsyncEngine.from_pretrained(minilm_dir, max_wait_ms=0) as engine:
+        with pytest.raises(InvalidParameterError, match="holds no generator") as caught:
+            await asyncio.wait_for(engine.profile(steps=1, path=tmp_path / "p"), 30)
+        assert caught.value.parameter == "steps" and caught.value.value == 1
+        assert not (tmp_path / "p").exists()  # refused before the directory was made
+        await engine.add_model("gen", tiny_models["llama"][0], **OPTIONS)
+        job = asyncio.ensure_future(engine.profile(steps=1, path=tmp_path / "p"))
+        result = await with_traffic(engine, job)
+        assert (tmp_path / "p" / "trace.json").exists() and result.table
