@@ -5,23 +5,36 @@ more samples than the limit is a 400 naming ``n``; samples in flight hold their 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 
+from asyncinfer.schedulers import FIFOScheduler
+from asyncinfer.schedulers.base import SchedulerOutput
 from asyncinfer.server import ModelSpec, ServerSettings, create_app
 from tests.server.conftest import TINY_OPTIONS, LiveServer
 
 KEY = "sk-samples"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-LONG = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 1, "seed": 1,
-        "stream": True}
+LONG = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "temperature": 1, "seed": 1}
+HOLD = threading.Event()
+
+
+class Holding(FIFOScheduler):
+    """Schedules nothing while ``HOLD`` is set: a call's samples stay in flight (a long answer of the tiny model could
+    end before the next call was sent)."""
+
+    def schedule(self) -> SchedulerOutput:
+        return SchedulerOutput() if HOLD.is_set() else super().schedule()
 SHORT = {"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def limited(tiny_models):
     settings = ServerSettings(api_keys=(KEY,), max_requests_per_tenant=2)
-    options = dict(TINY_OPTIONS, max_num_seqs=4, max_waiting_requests=4)
+    options = dict(TINY_OPTIONS, max_num_seqs=4, max_waiting_requests=4, scheduler=Holding)
     with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", options), settings)) as live:
         yield live
 
@@ -45,12 +58,28 @@ def test_more_samples_than_the_limit_is_a_400_naming_n(limited) -> None:
 
 
 def test_samples_in_flight_hold_their_places(limited) -> None:
-    with httpx.Client(base_url=limited.url, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={**LONG, "n": 2}, headers=HEADERS) as held:
-            assert held.status_code == 200
-            next(held.iter_lines())  # both samples are running
+    done: list[httpx.Response] = []
+
+    def hold() -> None:
+        with httpx.Client(base_url=limited.url, timeout=120) as http:
+            done.append(http.post("/v1/completions", json={**LONG, "n": 2}, headers=HEADERS))
+
+    HOLD.set()
+    holder = threading.Thread(target=hold)
+    try:
+        holder.start()
+        deadline = time.monotonic() + 30
+        while limited.engine.num_unfinished_requests < 1:  # its places are taken before it is submitted
+            assert time.monotonic() < deadline and not done, "the held call neither ran nor was refused"
+            time.sleep(0.002)
+        with httpx.Client(base_url=limited.url, timeout=120) as http:
             refused = http.post("/v1/completions", json=SHORT, headers=HEADERS)
-        limited.wait_idle(60)  # the stream's client went: its samples ended, their places given back
+    finally:
+        HOLD.clear()
+        holder.join(120)
+    assert done[0].status_code == 200 and len(done[0].json()["choices"]) == 2
+    limited.wait_idle(60)  # its answer ended: its places given back
+    with httpx.Client(base_url=limited.url, timeout=120) as http:
         after = http.post("/v1/completions", json=SHORT, headers=HEADERS)
     assert refused.status_code == 429, refused.text  # was 200: the two samples counted as one request
     assert refused.json()["error"]["message"] == (
