@@ -403,7 +403,7 @@ class RequestIntake:
 def _check_runnable(params: SamplingParams, version: ModelVersion) -> None:
     """What ``version`` could never run, checked at the call: ``n`` samples run together, so more than
     ``max_num_seqs`` never could (the core checks it again; it refused them only once posted: ``stream()`` raised at
-    its first delta, not at the call); stop strings need the model's tokenizer (pass43)."""
+    its first delta, not at the call); stop strings need the model's tokenizer (no text is made to match them in)."""
     max_seqs = version.config.max_num_seqs
     if params.n > max_seqs:
         raise InvalidParameterError("n", params.n, f"at most max_num_seqs={max_seqs} (samples run together)")

@@ -169,7 +169,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         except ModelLoadError:
             raise
         except Exception as exc:  # corrupt header, truncated file, ...
-            raise ModelLoadError(f"cannot read weights from {file}: {_past_the_end(file) or exc}") from exc
+            raise ModelLoadError(f"cannot read weights from {file}: {_tensor_at_fault(file) or exc}") from exc
 
 
 def tensor_names(files: list[Path]) -> Iterator[str]:
@@ -185,7 +185,7 @@ def tensor_names(files: list[Path]) -> Iterator[str]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 names = list(f.keys())
         except Exception as exc:  # corrupt header, truncated file, ...
-            raise ModelLoadError(f"cannot read weights from {file}: {_past_the_end(file) or exc}") from exc
+            raise ModelLoadError(f"cannot read weights from {file}: {_tensor_at_fault(file) or exc}") from exc
         yield from names
 
 
@@ -196,7 +196,7 @@ _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3"
                             "I64": 8, "U64": 8}
 
 
-def _past_the_end(file: Path) -> str | None:
+def _tensor_at_fault(file: Path) -> str | None:
     """Which tensor of a safetensors file the library refused is at fault, read from its header: the first tensor (by
     offset) whose bytes run past the end of the file (a file cut short), said as a GGUF file's is, else the first whose
     shape and dtype need other bytes than its ``data_offsets`` hold; None where the header itself cannot be read or
