@@ -129,6 +129,8 @@ def batch_cost(engine: AsyncEngine, name: str, sizes: list[int]) -> list[dict[st
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     first, *rest = args.settings
     device = {"device": args.device, "dtype": args.dtype}
+    if args.max_busy_share is not None:
+        device["max_busy_share"] = args.max_busy_share
     engine = await AsyncEngine.load(args.model, name=first, num_threads=args.threads, **device, **SETTINGS[first])
     rows: list[dict[str, Any]] = []
     print("one forward pass (before the engine starts):")
@@ -193,6 +195,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on CUDA), float32, ...")
     parser.add_argument("--with-generator", type=int, default=0, metavar="N",
                         help="keep N chat streams of the default generator running in the same engine")
+    parser.add_argument("--max-busy-share", type=float, default=None, metavar="S",
+                        help="each setting's max_busy_share (default: the engine's, 0.2; 1 = a batch between every two "
+                        "generation steps, the behaviour before the option existed)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
     args = parser.parse_args()
     print(f"embedding benchmark: {args.model}, settings {args.settings}, clients {args.concurrency}")

@@ -9,12 +9,14 @@ milliseconds of latency for a batch that costs little more than one text).
 
 Batches run on the engine thread between generation steps, so an embedding
 model and a generator share the device without competing for its cores; while
-a generator is busy, a ready batch waits at most for the step in progress.
+a generator is busy, a ready batch waits at most for the step in progress, and
+the batches take no more than ``max_busy_share`` of the thread's time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -49,6 +51,11 @@ class EmbeddingConfig:
       engine, so this bounds what a flood of long texts adds to every generated token's wait.
     - ``max_wait_ms``: how long the oldest waiting text may wait for more, in [0, 1000]
       (default 5; 0 = run whatever is queued at once).
+    - ``max_busy_share``: while a generator has requests, the largest share of the engine thread's time this
+      model's batches take, in (0, 1] (default 0.2): after a batch of ``t`` seconds the next one waits for
+      ``t * (1 - share) / share`` seconds of other work, so a flood of embeddings slows a stream's tokens by at
+      most ``1 / (1 - share)`` on average (1.25x), while any one token still waits for at most one batch.
+      1 = a batch between every two steps, as soon as one is due. With no generator busy, batches run at once.
     - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
       truncated as sentence-transformers does (default: the model's, 256 for MiniLM).
     - ``num_threads``: torch intra-op threads for the CPU, 1..``MAX_THREADS`` (4096; default: leave torch's setting).
@@ -59,6 +66,7 @@ class EmbeddingConfig:
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
     max_wait_ms: float = 5.0
+    max_busy_share: float = 0.2
     max_seq_len: int | None = None
     num_threads: int | None = None
 
@@ -73,6 +81,9 @@ class EmbeddingConfig:
         wait = self.max_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
             raise InvalidParameterError("max_wait_ms", wait, "a number of milliseconds in [0, 1000]")
+        share = self.max_busy_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise InvalidParameterError("max_busy_share", share, "a fraction of the engine thread's time in (0, 1]")
         check_int("max_seq_len", self.max_seq_len, 2, 8192, optional=True)
         check_int("num_threads", self.num_threads, 1, MAX_THREADS, optional=True)
 
@@ -194,6 +205,8 @@ class EmbeddingBatcher:
     returns the calls it completed. Taking the calls in turn keeps one caller's many
     texts from holding the others back: a call of 2048 long texts shares every batch
     with the calls queued behind it, rather than running its 64 batches first.
+    ``busy_wait`` says how long a due batch must wait while generators are busy, so
+    that the batches keep to ``max_busy_share`` of the engine thread's time.
     """
 
     def __init__(
@@ -211,6 +224,7 @@ class EmbeddingBatcher:
         self._sizes: Counter[int] = Counter()
         self._tokens = 0
         self._padded = 0
+        self._paced_until = -math.inf  # beside busy generators, no batch before this (max_busy_share)
         self._snapshot = self._stats()  # what other threads read: replaced whole, never mutated
 
     def add(self, call: EmbedCall) -> None:
@@ -235,6 +249,16 @@ class EmbeddingBatcher:
             return 0.0
         waited = self._clock() - self._queue[0][0].arrival
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
+
+    def busy_wait(self) -> float:
+        """Seconds until a batch may run beside busy generators: 0 once the last batch's time has been
+        matched by ``(1 - max_busy_share) / max_busy_share`` times as much of other work."""
+        return max(0.0, self._paced_until - self._clock())
+
+    def _pace(self, started: float) -> None:
+        now = self._clock()
+        share = self.config.max_busy_share
+        self._paced_until = now + (now - started) * (1.0 - share) / share
 
     def _next_batch(self) -> list[tuple[EmbedCall, int]]:
         """Up to ``max_batch_size`` texts in ``max_batch_tokens`` padded slots (at least one text), one of each
@@ -268,14 +292,17 @@ class EmbeddingBatcher:
         if not batch:
             return []
         ids = [call.ids[i] for call, i in batch]
+        started = self._clock()
         try:
             vectors = self.encoder.encode_ids(ids)
         except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the engine keeps serving
+            self._pace(started)
             failed = list(dict.fromkeys(call for call, _ in batch))
             for call in failed:
                 call.error = exc
                 call.cancelled = True  # its texts still queued are skipped
             return failed
+        self._pace(started)
         self._batches += 1
         self._texts += len(batch)
         self._sizes[len(batch)] += 1

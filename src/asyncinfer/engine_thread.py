@@ -197,9 +197,10 @@ class EngineThread:
         for holder in self._holders:
             holder.retire_idle()
         self._drop_removed()
-        # At most one embedding batch per model between two generation steps.
-        embed_wait = self._run_embedding_batches(flush=self._stopping)
-        if not any(h.has_unfinished_requests() for h in self._holders):
+        busy = any(h.has_unfinished_requests() for h in self._holders)
+        # At most one embedding batch per model between two generation steps, within its share when busy.
+        embed_wait = self._run_embedding_batches(flush=self._stopping, busy=busy)
+        if not busy:
             if embed_wait is not None:  # texts wait for more to batch with
                 if embed_wait > 0:
                     self._wake.wait(embed_wait)
@@ -278,12 +279,15 @@ class EngineThread:
                 done()
 
     # ------------------------------------------------------------- embeddings
-    def _run_embedding_batches(self, *, flush: bool) -> float | None:
-        """Run each embedding model's batch that is due (all that wait, when ``flush``);
-        seconds until the next one is due, or None when no text waits."""
+    def _run_embedding_batches(self, *, flush: bool, busy: bool) -> float | None:
+        """Run each embedding model's batch that is due (all that wait, when ``flush``); while generators are
+        ``busy``, only a batch its model's ``max_busy_share`` allows. Seconds until the next one is due, or None
+        when no text waits."""
         soonest: float | None = None
         for batcher in list(self._batchers):
             wait = batcher.wait_time()
+            if wait == 0 and busy and not flush:
+                wait = batcher.busy_wait()
             if wait is not None and (wait == 0 or flush):
                 for call in batcher.run_batch():
                     self.to_loop(self.callbacks.embed_done, call, call.error or call.stacked())
