@@ -74,6 +74,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineState", "Prompt"]
 
 
+#: Why an engine cannot start (or be called) where no asyncio loop runs.
+_NO_ASYNCIO_LOOP = ("the engine runs on asyncio only, and no asyncio event loop runs here (trio, or anyio's trio "
+                    "backend?): run it on an asyncio loop in a thread of its own (docs/guides/trio.md)")
 #: What a closed engine's errors suggest: it never runs again (its thread and loop are gone), a new one does.
 _LOAD_ANOTHER = "load a new engine (await AsyncEngine.load(...) or AsyncEngine.from_pretrained(...))"
 
@@ -270,9 +273,7 @@ class AsyncEngine:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, or anyio's trio backend: asyncio's bare "no running event loop" said nothing
-            raise WrongEventLoopError(
-                "the engine runs on asyncio only, and no asyncio event loop runs here (trio, or anyio's trio "
-                "backend?): run it on an asyncio loop in a thread of its own (docs/guides/trio.md)") from None
+            raise WrongEventLoopError(_NO_ASYNCIO_LOOP) from None
         callbacks = LoopCallbacks(self._streams.dispatch, self._embed_calls.resolve, self._on_stopped, self._on_failed)
         thread = EngineThread(list(self._models.generators.values()), loop, callbacks)
         self._link.attach(thread)
@@ -720,6 +721,10 @@ class AsyncEngine:
         if self._state is EngineState.DEAD:
             raise EngineDeadError("the engine's step loop failed") from self._dead_cause
         if self._state is EngineState.CREATED:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # under trio "use 'async with engine:'" led to start()'s refusal: say it here
+                raise WrongEventLoopError(_NO_ASYNCIO_LOOP) from None
             raise EngineClosedError("the engine is not started yet: use 'async with engine:' or "
                                     "'await engine.start()'")
         if self._state is EngineState.CLOSING:
