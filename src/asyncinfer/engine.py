@@ -260,6 +260,9 @@ class AsyncEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
+        """Requests handed to the engine thread and not yet finished, of every generator (a request of
+        ``n`` samples once); a call still being taken in (waiting its turn, tokenized or compiled off the
+        loop) is not one yet, though admission control counts it."""
         return len(self._streams)
 
     async def start(self) -> None:
