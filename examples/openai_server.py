@@ -38,13 +38,17 @@ parser.add_argument("--served-model-name", default=None, help="its name in reque
 args = parser.parse_args(None if __name__ == "__main__" else [])  # `uvicorn openai_server:app`: its argv is uvicorn's
 if not 0 <= args.port <= 65535:  # socket.bind's own refusal is an OverflowError
     parser.error(f"--port {args.port} is not a TCP port (0 to 65535)")
+if args.served_model_name is not None and not 0 < len(args.served_model_name) <= 200:  # "$UNSET" is not "not given"
+    parser.error(f"--served-model-name {args.served_model_name[:40]!r} is invalid: allowed a non-empty string of at "
+                 "most 200 characters")
 engine: AsyncEngine | None = None  # loaded in the lifespan
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     global engine
-    engine = await AsyncEngine.load(args.model, name=args.served_model_name or ModelSpec.served_name(args.model))
+    name = ModelSpec.served_name(args.model) if args.served_model_name is None else args.served_model_name
+    engine = await AsyncEngine.load(args.model, name=name)
     async with engine:  # started on uvicorn's loop; in-flight requests finish at shutdown
         yield
 

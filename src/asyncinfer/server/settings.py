@@ -96,7 +96,7 @@ class Tenant:
 
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise InvalidParameterError(name, value, "a number of seconds > 0")
+        raise InvalidParameterError(name, value, "a finite number of seconds > 0")
     return float(value)
 
 
