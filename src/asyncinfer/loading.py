@@ -60,6 +60,7 @@ from asyncinfer.memory import (
     MiB,
     available_memory,
     check_available_bytes,
+    check_batched_tokens,
     plan_for_engine,
     plan_memory,
     plan_resolved,
@@ -91,7 +92,12 @@ from asyncinfer.runner import ModelRunner
 from asyncinfer.sampler import Sampler
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig
-from asyncinfer.schedulers.registry import check_scheduler_options, create_scheduler, resolve_scheduler
+from asyncinfer.schedulers.registry import (
+    builtin_schedulers,
+    check_scheduler_options,
+    create_scheduler,
+    resolve_scheduler,
+)
 from asyncinfer.threads import run_on_own_thread
 
 logger = logging.getLogger("asyncinfer")
@@ -195,7 +201,7 @@ def load_generator(
     try:
         checkpoint = open_checkpoint(path)
         config = for_model(config, options, checkpoint.config)  # "auto": the file's own format where it runs
-        plan_resolved(checkpoint.config, config)  # refused before any weight is read
+        check_builtin_scheduler(config, plan_resolved(checkpoint.config, config))  # refused before any weight is read
         ops, compile_seconds = EAGER_OPS, None  # the element-wise functions the model is built with
         if config.torch_compile:
             ops, compile_seconds = compile_elementwise_ops(checkpoint.config, config.device, config.dtype)
@@ -285,12 +291,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *,
     element-wise functions (``torch_compile=True``), reported by ``model_info()``."""
     mc = loaded.config
     max_model_len = resolve_max_model_len(config, mc)
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        raise InvalidParameterError(
-            "max_num_batched_tokens",
-            config.max_num_batched_tokens,
-            f">= max_model_len ({max_model_len}) when enable_chunked_prefill=False",
-        )
+    check_batched_tokens(config, max_model_len)
     if config.device.type == "cpu":  # on CUDA the formats are dtypes: the weights are loaded in it
         if loaded.weight_format is None:  # not built in its format as it was read (a Hugging Face directory)
             apply_weight_format(loaded.model, config.quantization, config.quantization_skip, pack=config.pack_weights,
@@ -554,7 +555,29 @@ def plan_model_memory(
         return plan
     config = EngineConfig.from_options(options)
     check_scheduler_options(config.scheduler, config.scheduler_options)  # as load() does, before any weight
-    return plan_memory(path, available_bytes=available_bytes, **options)
+    plan = plan_memory(path, available_bytes=available_bytes, **options)
+    check_builtin_scheduler(config, plan)
+    return plan
+
+
+def check_builtin_scheduler(config: EngineConfig, plan: MemoryPlan) -> None:
+    """Build a built-in scheduler once with the plan's figures, before any weight is read, so that an option value
+    it refuses (pd-split's ``prefill_budget="x"``) is refused with the plan (``asyncinfer serve`` prints it before
+    loading), not after the load. A plugin's constructor runs at the load only: it may do more than check.
+
+    Raises:
+        InvalidParameterError: the scheduler's constructor refused an option.
+    """
+    if not isinstance(config.scheduler, str) or config.scheduler not in builtin_schedulers():
+        return
+    kv = KVCacheManager(max(1, min(plan.num_blocks, 1024)), plan.block_size)  # its size is no option's concern
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=plan.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+    )
+    create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options)
 
 
 #: Memory enough for any plan: what :func:`generator_shortfall` plans with to tell options a model cannot run

@@ -323,4 +323,22 @@ def plan_resolved(model_config: ModelConfig, config: EngineConfig, available_byt
     free_bytes = max(0, available_bytes - weights)
     spec = KVCacheSpec.from_model_config(model_config, block_size=config.block_size, dtype=config.dtype,
                                          device=config.device)
-    return plan_for_engine(config, model_config, spec, weight_bytes=weights, free_bytes=free_bytes)
+    plan = plan_for_engine(config, model_config, spec, weight_bytes=weights, free_bytes=free_bytes)
+    check_batched_tokens(config, plan.max_model_len)
+    return plan
+
+
+def check_batched_tokens(config: EngineConfig, max_model_len: int) -> None:
+    """Refuse a step budget that cannot hold a whole prompt when prompts are not split into chunks: checked with
+    the plan (``asyncinfer serve`` prints it before loading), so the refusal comes before any weight is read.
+
+    Raises:
+        InvalidParameterError: ``max_num_batched_tokens`` below ``max_model_len`` with chunked prefill off.
+    """
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise InvalidParameterError(
+            "max_num_batched_tokens",
+            config.max_num_batched_tokens,
+            f">= max_model_len ({max_model_len}) while chunked prefill is off (a prompt must fit one step); or "
+            "leave chunked prefill on",
+        )
