@@ -517,19 +517,30 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         raise CommandError(f"--embedding-model {args.embedding_model!r} is invalid: allowed a sentence encoder's "
                            "name or directory, e.g. all-MiniLM-L6-v2, not an empty string (leave --embedding-model "
                            "out to serve no embedding model)")
+    embedding_options = dict(args.embedding_option)
+    if embedding_options and not args.embedding_model:
+        from asyncinfer.commands import CommandError
+
+        raise CommandError("--embedding-option sets an option of --embedding-model's sentence encoder: give "
+                           "--embedding-model too")
     if args.embedding_model:
+        device = {"device": options["device"]} if "device" in options else {}
         specs.append(ModelSpec(args.embedding_model, ModelSpec.served_name(args.embedding_model),
-                               {"device": options["device"]} if "device" in options else {}))
+                               {**device, **embedding_options}))
     plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
     if len(specs) > 1:
+        from asyncinfer.commands import CommandError
         from asyncinfer.errors import ModelLoadError
 
         try:
             plans.append(AsyncEngine.plan_memory(specs[1].model, **specs[1].options))
         except ModelLoadError as exc:  # named by its flag: the served model's own error reads the same
-            from asyncinfer.commands import CommandError
-
             raise CommandError(f"--embedding-model {args.embedding_model!r}: {exc}") from None
+        except InvalidParameterError as exc:
+            if exc.parameter not in embedding_options:
+                raise
+            shown = f"{exc.parameter}={json.dumps(embedding_options[exc.parameter])}"  # as typed
+            raise CommandError(f"--embedding-option {shown} is invalid: allowed {exc.allowed}") from None
     # The names taken from the paths, checked now that the plans found the models, before anything is printed: a
     # mistyped path past 200 characters was refused as a name to give with --served-model-name, then "does not exist"
     if args.served_model_name is None:
@@ -643,6 +654,8 @@ def _tenant(text: str) -> tuple[str, Any]:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from asyncinfer.commands.engine_flags import key_value, read_size
+
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (same as --model; default: "
                         "SmolLM2-135M-Instruct, fetched once)")
@@ -652,14 +665,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default model, a Hub id's whole id, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
+    p.add_argument("--embedding-option", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                   help="an option of --embedding-model's, VALUE read as JSON (repeatable): max_batch_size, "
+                        "max_batch_tokens, max_wait_ms, max_busy_share, max_seq_len, dtype, num_threads "
+                        "(docs/models_and_embeddings.md; default: none, the encoder's defaults)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
                                                        "(default: 127.0.0.1, this machine only)")
     p.add_argument("--port", metavar="PORT", type=int, default=8000, help="TCP port to listen on (default: 8000)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
-    from asyncinfer.commands.engine_flags import read_size
-
     p.add_argument("--max-body-bytes", type=read_size, default=4 * 1024 * 1024, metavar="SIZE",
                    help="larger request bodies get a 413 before they are read: bytes or a size (64KiB, 8MiB) "
                         "(default: 4194304, 4 MiB)")

@@ -104,7 +104,8 @@ def _or_none(read: Callable[[str], Any]) -> _OrNone:
     return _OrNone(read)
 
 
-def _key_value(item: str) -> tuple[str, Any]:
+def key_value(item: str) -> tuple[str, Any]:
+    """A ``KEY=VALUE`` flag's pair, VALUE read as JSON where it is JSON (else the text)."""
     key, sep, raw = item.partition("=")
     if not (sep and key):
         raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. prefill_budget=64)")
@@ -134,7 +135,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enable_chunked_prefill", "--enable-chunked-prefill", None, "split prompts longer than a step's budget"),
     Flag("scheduler", "--scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name | "
          "module:Class (docs/schedulers.md)", "NAME"),
-    Flag("scheduler_options", "--scheduler-option", _key_value, "a keyword of the scheduler, VALUE read as JSON "
+    Flag("scheduler_options", "--scheduler-option", key_value, "a keyword of the scheduler, VALUE read as JSON "
          "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
     Flag("seed", "--engine-seed", _or_none(_int), "seed of the engine's generator, used by requests that set no "
          "seed of their own (--seed)", "SEED", none="none: fresh entropy for each engine"),

@@ -1,0 +1,44 @@
+"""``asyncinfer serve --embedding-option KEY=VALUE``: the sentence encoder's options (max_busy_share, max_batch_size...)
+reach the served model, and a bad one is refused by that flag before anything loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import asyncinfer.server
+from asyncinfer import cli
+
+
+def test_the_options_reach_the_encoder_s_spec(tiny_models, minilm_dir, capsys, monkeypatch) -> None:
+    made: list[Any] = []
+    real = asyncinfer.server.create_app
+    monkeypatch.setattr(asyncinfer.server, "create_app", lambda specs, settings: made.append(specs) or real(specs, settings))
+    monkeypatch.setattr(asyncinfer.server, "run_server", lambda *args, **kwargs: None)
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--embedding-model", str(minilm_dir),
+                     "--embedding-option", "max_busy_share=0.5", "--embedding-option", "max_batch_size=8"]) == 0
+    [specs] = made
+    assert dict(specs[1].options) == {"max_busy_share": 0.5, "max_batch_size": 8}
+    assert "embedding model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--embedding-option", "max_busy_share=5"],
+     "--embedding-option max_busy_share=5 is invalid: allowed a fraction of the engine thread's time in (0, 1]"),
+    (["--embedding-option", "max_wait_ms=\"x\""],
+     "--embedding-option max_wait_ms=\"x\" is invalid: allowed a number of milliseconds in [0, 1000]"),
+    (["--embedding-option", "nope=1"], "--embedding-option nope=1 is invalid: allowed an embedding-model option: "),
+])
+def test_a_bad_option_is_refused_by_the_flag(tiny_models, minilm_dir, capsys, flags, error) -> None:
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--embedding-model", str(minilm_dir),
+                     *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("asyncinfer: error: " + error) and err.count("\n") == 1, err
+
+
+def test_an_option_without_an_embedding_model_is_refused(tiny_models, capsys) -> None:
+    assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--embedding-option",
+                     "max_busy_share=0.5"]) == 2
+    assert capsys.readouterr().err == ("asyncinfer: error: --embedding-option sets an option of --embedding-model's "
+                                       "sentence encoder: give --embedding-model too\n")
