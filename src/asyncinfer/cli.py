@@ -339,6 +339,15 @@ def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any]) 
     return exc
 
 
+def _plugin_file_path(module: str) -> InvalidParameterError:
+    """The refusal of a ``--plugin`` that names a file (``examples/custom_scheduler.py``), with the dotted name
+    it means: it read as ``No module named 'examples/custom_scheduler'``."""
+    parts = [p for p in module.removesuffix(".py").replace("\\", "/").split("/") if p not in ("", ".")]
+    where = parts[0] if len(parts) > 1 else "it"
+    return InvalidParameterError("--plugin", module, f"an importable module: a module's dotted name, not a file's "
+                                 f"path (here {'.'.join(parts)}, run from the directory that holds {where})")
+
+
 def _lab_schedulers(args: argparse.Namespace) -> list[str]:
     """The policies to compare: --schedulers, else the built-ins, the installed entry points and the
     names that the --plugin modules registered with @register_scheduler."""
@@ -354,11 +363,15 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 
     before = set(available_schedulers())
     for module in args.plugin:
+        if "/" in module or "\\" in module:  # a file's path, as a shell completes it: it read as no module
+            raise _plugin_file_path(module)
         if not module or module.startswith("."):
             raise InvalidParameterError("--plugin", module, "an importable module (an absolute module name)")
         try:
             importlib.import_module(module)
         except ImportError as exc:
+            if module.endswith(".py"):  # "policies.py": no such package
+                raise _plugin_file_path(module) from exc
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
         except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
             raise InvalidParameterError(
