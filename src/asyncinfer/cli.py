@@ -267,6 +267,11 @@ def _lab(args: argparse.Namespace) -> int:
         raise CommandError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} used only with --calibrate "
                            "(the lab replays the trace on a cost model and loads no model; --cost-model FILE picks "
                            "one made by asyncinfer lab --calibrate FILE --model MODEL)")
+    needed = -(-args.max_model_len // args.block_size)
+    if needed > args.num_blocks:  # checked before the trace is read or saved, in the flags' terms
+        raise CommandError(f"--num-blocks {args.num_blocks} is invalid: allowed at least {needed}, the blocks of "
+                           f"--block-size {args.block_size} tokens that one --max-model-len {args.max_model_len} "
+                           "request needs (or lower --max-model-len)")
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
     if args.trace:
         try:

@@ -28,3 +28,19 @@ def test_lab_plugin_given_as_a_file_names_the_dotted_module(capsys, module: str,
     assert _error_line(capsys) == (
         f"asyncinfer: error: --plugin={module!r} is invalid: allowed an importable module: a module's dotted name, "
         f"not a file's path (here {dotted}, run from the directory that holds {where})")
+
+
+def test_lab_num_blocks_too_few_for_one_request_names_the_flags(capsys, tmp_path) -> None:
+    """``asyncinfer lab --num-blocks 1`` said ``1 blocks of 16 cannot hold one max_model_len=4096 request``, no flag
+    named, after writing the ``--save-trace`` file; it is refused in the flags' terms before anything is written."""
+    saved = tmp_path / "t.jsonl"
+    assert cli.main(["lab", "--synthetic", "5", "--num-blocks", "255", "--save-trace", str(saved)]) == 2
+    assert _error_line(capsys) == (
+        "asyncinfer: error: --num-blocks 255 is invalid: allowed at least 256, the blocks of --block-size 16 tokens "
+        "that one --max-model-len 4096 request needs (or lower --max-model-len)")
+    assert not saved.exists()
+    assert cli.main(["lab", "--synthetic", "5", "--num-blocks", "8", "--block-size", "4", "--max-model-len", "33"]) == 2
+    assert _error_line(capsys).endswith("--num-blocks 8 is invalid: allowed at least 9, the blocks of --block-size 4 "
+                                        "tokens that one --max-model-len 33 request needs (or lower --max-model-len)")
+    assert cli.main(["lab", "--synthetic", "5", "--num-blocks", "9", "--block-size", "4", "--max-model-len", "33",
+                     "--schedulers", "fifo"]) == 0
