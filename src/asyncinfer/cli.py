@@ -476,14 +476,23 @@ async def _embed(args: argparse.Namespace) -> int:
         print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))
         return 0
     print(f"model: {info.source} ({vectors.shape[1]} dimensions)")
-    width = max(len(t) for t in args.texts[:20])
-    print("cosine similarity:")
+    labels = [_text_label(text) for text in args.texts]
+    width = max(len(label) for label in labels)
     similarity = vectors @ vectors.T if vectors.shape[0] > 1 else None
-    for i, text in enumerate(args.texts):
+    print("embedding (one text: no similarity to show):" if similarity is None else "cosine similarity:")
+    for i, label in enumerate(labels):
         head = " ".join(f"{v:+.3f}" for v in vectors[i, :4].tolist())
         row = "" if similarity is None else "  " + " ".join(f"{x:5.2f}" for x in similarity[i].tolist())
-        print(f"  {text[:60]:<{min(width, 60)}}  [{head} ...]{row}")
+        print(f"  {label:<{width}}  [{head} ...]{row}")
     return 0
+
+
+def _text_label(text: str) -> str:
+    """A text as one row's label of ``asyncinfer embed``'s table: as typed, cut to 60 characters, or quoted where
+    it would not read as itself on one line (empty, blank at an end, a line break or a tab: an empty text's row had
+    no label, and a text of two lines broke the table)."""
+    shown = text if text and text.isprintable() and text.strip() == text else repr(text)
+    return shown if len(shown) <= 60 else shown[:59] + "…"
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -44,3 +44,26 @@ def test_lab_num_blocks_too_few_for_one_request_names_the_flags(capsys, tmp_path
                                         "tokens that one --max-model-len 33 request needs (or lower --max-model-len)")
     assert cli.main(["lab", "--synthetic", "5", "--num-blocks", "9", "--block-size", "4", "--max-model-len", "33",
                      "--schedulers", "fifo"]) == 0
+
+
+def test_embed_one_text_says_there_is_no_similarity_to_show(minilm_dir, capsys) -> None:
+    """``asyncinfer embed "a"`` printed the header ``cosine similarity:`` over a row with no similarity."""
+    assert cli.main(["embed", "--model", str(minilm_dir), "--device", "cpu", "--threads", "1", "a"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "embedding (one text: no similarity to show):"
+    assert len(lines) == 3 and lines[2].startswith("  a  [") and lines[2].endswith(" ...]")
+
+
+def test_embed_labels_every_text_on_one_line(minilm_dir, capsys) -> None:
+    """An empty text's row had no label, and a text with a line break broke the table in two rows; such texts are
+    quoted, and a long one is cut to 60 characters with an ellipsis."""
+    texts = ["", "two\nlines", " pad", "x" * 80, "b"]
+    assert cli.main(["embed", "--model", str(minilm_dir), "--device", "cpu", "--threads", "1", *texts]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "cosine similarity:"
+    rows = lines[2:]
+    assert len(rows) == len(texts)
+    labels = [row[2:].split("  [", 1)[0].rstrip() for row in rows]
+    assert labels == ["''", "'two\\nlines'", "' pad'", "x" * 59 + "…", "b"]
+    assert len({row.index("[") for row in rows}) == 1   # one column for the vectors
+    assert all(row.endswith("1.00") or " 1.00 " in row for row in rows)
