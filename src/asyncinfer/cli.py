@@ -267,6 +267,11 @@ def _lab(args: argparse.Namespace) -> int:
         raise CommandError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} used only with --calibrate "
                            "(the lab replays the trace on a cost model and loads no model; --cost-model FILE picks "
                            "one made by asyncinfer lab --calibrate FILE --model MODEL)")
+    needed = -(-args.max_model_len // args.block_size)
+    if needed > args.num_blocks:  # checked before the trace is read or saved, in the flags' terms
+        raise CommandError(f"--num-blocks {args.num_blocks} is invalid: allowed at least {needed}, the blocks of "
+                           f"--block-size {args.block_size} tokens that one --max-model-len {args.max_model_len} "
+                           "request needs (or lower --max-model-len)")
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
     if args.trace:
         try:
@@ -339,6 +344,15 @@ def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any]) 
     return exc
 
 
+def _plugin_file_path(module: str) -> InvalidParameterError:
+    """The refusal of a ``--plugin`` that names a file (``examples/custom_scheduler.py``), with the dotted name
+    it means: it read as ``No module named 'examples/custom_scheduler'``."""
+    parts = [p for p in module.removesuffix(".py").replace("\\", "/").split("/") if p not in ("", ".")]
+    where = parts[0] if len(parts) > 1 else "it"
+    return InvalidParameterError("--plugin", module, f"an importable module: a module's dotted name, not a file's "
+                                 f"path (here {'.'.join(parts)}, run from the directory that holds {where})")
+
+
 def _lab_schedulers(args: argparse.Namespace) -> list[str]:
     """The policies to compare: --schedulers, else the built-ins, the installed entry points and the
     names that the --plugin modules registered with @register_scheduler."""
@@ -354,11 +368,15 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 
     before = set(available_schedulers())
     for module in args.plugin:
+        if "/" in module or "\\" in module:  # a file's path, as a shell completes it: it read as no module
+            raise _plugin_file_path(module)
         if not module or module.startswith("."):
             raise InvalidParameterError("--plugin", module, "an importable module (an absolute module name)")
         try:
             importlib.import_module(module)
         except ImportError as exc:
+            if module.endswith(".py"):  # "policies.py": no such package
+                raise _plugin_file_path(module) from exc
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
         except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
             raise InvalidParameterError(
@@ -458,14 +476,23 @@ async def _embed(args: argparse.Namespace) -> int:
         print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))
         return 0
     print(f"model: {info.source} ({vectors.shape[1]} dimensions)")
-    width = max(len(t) for t in args.texts[:20])
-    print("cosine similarity:")
+    labels = [_text_label(text) for text in args.texts]
+    width = max(len(label) for label in labels)
     similarity = vectors @ vectors.T if vectors.shape[0] > 1 else None
-    for i, text in enumerate(args.texts):
+    print("embedding (one text: no similarity to show):" if similarity is None else "cosine similarity:")
+    for i, label in enumerate(labels):
         head = " ".join(f"{v:+.3f}" for v in vectors[i, :4].tolist())
         row = "" if similarity is None else "  " + " ".join(f"{x:5.2f}" for x in similarity[i].tolist())
-        print(f"  {text[:60]:<{min(width, 60)}}  [{head} ...]{row}")
+        print(f"  {label:<{width}}  [{head} ...]{row}")
     return 0
+
+
+def _text_label(text: str) -> str:
+    """A text as one row's label of ``asyncinfer embed``'s table: as typed, cut to 60 characters, or quoted where
+    it would not read as itself on one line (empty, blank at an end, a line break or a tab: an empty text's row had
+    no label, and a text of two lines broke the table)."""
+    shown = text if text and text.isprintable() and text.strip() == text else repr(text)
+    return shown if len(shown) <= 60 else shown[:59] + "…"
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -57,7 +57,8 @@ class EmbeddingConfig:
       most ``1 / (1 - share)`` on average (1.25x), while any one token still waits for at most one batch.
       1 = a batch between every two steps, as soon as one is due. With no generator busy, batches run at once.
     - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
-      truncated as sentence-transformers does (default: the model's, 256 for MiniLM).
+      truncated as sentence-transformers does (default: the model's, 256 for MiniLM). 2 to the model's
+      positions (512 for MiniLM), and at most 8192 whatever the model.
     - ``num_threads``: torch intra-op threads for the CPU, 1..``MAX_THREADS`` (4096; default: leave torch's setting).
     """
 

@@ -90,6 +90,17 @@ def available_schedulers() -> list[str]:
     return sorted(names)
 
 
+def _did_you_mean(spec: str, names: list[str]) -> str:
+    """The hint for a scheduler name that is none of ``names``: the one it spells in another case or with ``_``
+    for ``-`` (``"length_bucket"``, ``"FIFO"``), else the closest (``"pd-splt"``), else nothing."""
+    import difflib
+
+    normal = {name.lower().replace("_", "-"): name for name in names}
+    typed = spec.strip().lower().replace("_", "-")
+    near = normal.get(typed) or next(iter(difflib.get_close_matches(typed, sorted(normal), n=1, cutoff=0.75)), None)
+    return f"; did you mean {normal.get(near, near)!r}?" if near else ""
+
+
 def _import_path(path: str) -> object:
     module_name, _, attr = path.partition(":")
     return getattr(importlib.import_module(module_name), attr)
@@ -154,7 +165,8 @@ def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:
     elif isinstance(spec, str):
         matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
         if not matches:
-            raise InvalidParameterError("scheduler", spec, f"one of {available_schedulers()} or 'module:Class'")
+            names = available_schedulers()
+            raise InvalidParameterError("scheduler", spec, f"one of {names} or 'module:Class'{_did_you_mean(spec, names)}")
         cls = _load_entry_point(spec, matches[0])
     else:
         raise InvalidParameterError("scheduler", spec, "a name, a Scheduler subclass or 'module:Class'")

@@ -490,7 +490,11 @@ class _OpenAI:
                 del absent
         if info.kind != kind:
             use = "/v1/embeddings" if info.kind == "embed" else "/v1/chat/completions or /v1/completions"
-            raise APIError(400, f"The model `{requested}` does not support this endpoint: use {use}.", param="model")
+            message = f"The model `{requested}` does not support this endpoint: use {use}."
+            if all(m.kind != kind for m in served.values()):  # and no model here does: say how one is added
+                _article, noun, how = _NO_MODEL_OF[kind]
+                message += f" This server has no {noun}: {how}"
+            raise APIError(400, message, param="model")
         return requested, info
 
     async def _models(self, model: str | None = None) -> Response:
