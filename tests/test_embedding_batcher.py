@@ -162,3 +162,17 @@ def test_an_encoder_failure_fails_the_batchs_calls_only() -> None:
     assert a.error is boom and a.cancelled and b.error is boom
     assert batcher.run_batch() == [c] and c.error is None
     assert batcher.wait_time() is None
+
+
+def test_the_rest_of_a_call_whose_texts_have_run_does_not_wait_for_company() -> None:
+    """A call of 33 texts at max_batch_size=32 ran its first 32 at once and its last one only after max_wait_ms
+    (a second at max_wait_ms=1000), though that call had waited for company already."""
+    batcher, encoder, clock = make(max_batch_size=4, max_wait_ms=1000)
+    done: list[EmbedCall] = []
+    batcher.add(call([1, 2, 3, 4, 5], arrival=0.0, done=done))
+    assert batcher.wait_time() == 0.0  # a full batch
+    assert batcher.run_batch() == []
+    assert batcher.wait_time() == 0.0  # its fifth text: at once, not in a second
+    assert len(batcher.run_batch()) == 1 and len(encoder.batches) == 2
+    batcher.add(call([6], arrival=clock.now, done=done))
+    assert batcher.wait_time() == pytest.approx(1.0)  # a new call still waits for company

@@ -248,6 +248,8 @@ class EmbeddingBatcher:
             return None
         if self._waiting >= self.config.max_batch_size:
             return 0.0
+        if any(done for _, done in self._queue):  # the rest of a call some of whose texts ran: it waited once
+            return 0.0
         waited = self._clock() - self._queue[0][0].arrival
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
