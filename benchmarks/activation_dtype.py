@@ -1,5 +1,5 @@
-"""The block formats' GEMMs with int16 against int8 activations (``activation_dtype``), at a model's real shapes,
-beside the machine's read bandwidth.
+"""The block formats' GEMMs with int16, int8 and bfloat16 activations (``activation_dtype``), at a model's real
+shapes, beside the machine's read bandwidth.
 
 One pass is one GEMM call per projection of ``--layers`` decoder layers (q, k, v, o, gate, up, down, each its
 own random matrix in the format, as ``kernels.pack`` lays it out; enough layers that the weights do not stay in
@@ -14,7 +14,10 @@ best of five sums of a 1 GiB float32 buffer on the same threads).
 
 From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the float32 panel and int8 the int8 rows in passes. Beside them, int8's
 tile (``kernels.gemm``'s ``int8_kernel="tile"``, the decoder layers' GEMM in prefills and mixed steps; the rows where
-the build has no tile): the tokens 16-128 compare the paths of a prefill or a batched decode.
+the build has no tile): the tokens 16-128 compare the paths of a prefill or a batched decode. And bfloat16
+(``kernels.gemm``'s ``activation_dtype="bfloat16"``, called through ``kernels.gemm``: from ``BF16_MIN_ROWS`` rows on
+the weights rebuilt as bfloat16 a slice at a time and multiplied by torch in bfloat16; int16's rows below it):
+fast where the CPU has AMX or AVX-512 BF16, emulated elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,15 +80,19 @@ def main() -> None:
             xs = {k: torch.randn(m, k, generator=gen) for k in widths}
             scratch = {k: torch.empty(lib.asyncinfer_scratch_bytes(m, k), dtype=torch.uint8) for k in widths}
             ys = {n: torch.empty(m, n) for _, n, _ in mats}
-            codes = {dtype: LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype) for dtype in kernels.ACTIVATION_DTYPES}
+            codes = {dtype: LAYOUTS[fmt].code | kernels.activation_dtype_flag(dtype) for dtype in ("int16", "int8")}
             codes["int8_tile"] = codes["int8"] | kernels.int8_kernel_flag("tile")
+            codes["bfloat16"] = None  # through kernels.gemm (its product is torch's)
             best = {dtype: float("inf") for dtype in codes}
             for _ in range(args.repeats):
                 for dtype, code in codes.items():
                     start = clock()
                     for packed, n, k in mats:
-                        lib.asyncinfer_gemm(code, xs[k].data_ptr(), m, k, k, packed.data_ptr(), n, None,
-                                            ys[n].data_ptr(), n, args.threads, scratch[k].data_ptr())
+                        if code is None:
+                            kernels.gemm(xs[k], packed, fmt, n, activation_dtype=dtype)
+                        else:
+                            lib.asyncinfer_gemm(code, xs[k].data_ptr(), m, k, k, packed.data_ptr(), n, None,
+                                                ys[n].data_ptr(), n, args.threads, scratch[k].data_ptr())
                     best[dtype] = min(best[dtype], clock() - start)
             rate = {dtype: nbytes / t / 1e9 for dtype, t in best.items()}
             row = {"format": fmt, "tokens": m, "weight_bytes": nbytes,
@@ -93,17 +101,23 @@ def main() -> None:
                    "int16_of_probe": round(rate["int16"] / probe, 3), "int8_of_probe": round(rate["int8"] / probe, 3),
                    "int8_tile_gb_s": round(rate["int8_tile"], 2),
                    "int8_tile_over_int8": round(best["int8"] / best["int8_tile"], 3),
-                   "int8_tile_over_int16": round(best["int16"] / best["int8_tile"], 3)}
+                   "int8_tile_over_int16": round(best["int16"] / best["int8_tile"], 3),
+                   "bf16_gb_s": round(rate["bfloat16"], 2),
+                   "bf16_over_int16": round(best["int16"] / best["bfloat16"], 3),
+                   "bf16_over_int8_tile": round(best["int8_tile"] / best["bfloat16"], 3),
+                   "load_average_1min": round(os.getloadavg()[0], 2)}
             rows.append(row)
             print(f"{fmt:>5} M={m}: int16 {rate['int16']:5.1f} GB/s ({row['int16_of_probe']:.0%} of the probe), int8 "
                   f"rows {rate['int8']:5.1f} GB/s ({row['int8_of_probe']:.0%}): {row['int8_over_int16']:.2f}x; int8 "
                   f"tile {rate['int8_tile']:5.1f} GB/s: {row['int8_tile_over_int16']:.2f}x int16, "
-                  f"{row['int8_tile_over_int8']:.2f}x the rows", flush=True)
+                  f"{row['int8_tile_over_int8']:.2f}x the rows; bfloat16 {rate['bfloat16']:5.1f} GB/s: "
+                  f"{row['bf16_over_int16']:.2f}x int16, {row['bf16_over_int8_tile']:.2f}x the int8 tile (load average "
+                  f"{row['load_average_1min']})", flush=True)
     if args.json:
         record = {"command": "python benchmarks/activation_dtype.py " + " ".join(sys.argv[1:]),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "commit": commit(), "kernels": kernels.isa(), "threads": args.threads, "clock": args.clock,
-                  "read_probe_gb_s": probe,
+                  "read_probe_gb_s": probe, "bf16_min_rows": kernels.BF16_MIN_ROWS,
                   "machine": machine_info(), "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")

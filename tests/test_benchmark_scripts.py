@@ -263,7 +263,7 @@ def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_pa
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["tokens"]) for r in rows] == [(f, m) for f in ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
                                                          for m in (1, 5)]
-    assert all(r["int16_gb_s"] > 0 and r["int8_gb_s"] > 0 for r in rows)
+    assert all(r["int16_gb_s"] > 0 and r["int8_gb_s"] > 0 and r["bf16_gb_s"] > 0 for r in rows)
 
 
 def test_the_int8_peak_benchmark_sets_the_tile_beside_the_peak_and_a_workload_s_floor(tmp_path) -> None:

@@ -128,6 +128,23 @@ def warn_slow_cpu_dtype(dtype: torch.dtype, device: torch.device, faster: str = 
         "(docs/formats.md)", name, name, faster)
 
 
+#: Whether :func:`warn_slow_bf16_activations` has warned in this process.
+_WARNED_SLOW_BF16_ACTIVATIONS: list[bool] = []
+
+
+def warn_slow_bf16_activations(activation_dtype: str, device: torch.device) -> None:
+    """Warn (``logging.warning`` on "asyncinfer", once per process) when ``activation_dtype`` is "bfloat16" on a CPU
+    without native bfloat16 matrix kernels (as :func:`warn_slow_cpu_dtype` decides): the block formats' bigger
+    steps then multiply in emulated bfloat16, slower than the default's float32 panel."""
+    if (activation_dtype != "bfloat16" or device.type != "cpu" or _WARNED_SLOW_BF16_ACTIVATIONS
+            or cpu_has_fast_matmul(torch.bfloat16) is not False):
+        return
+    _WARNED_SLOW_BF16_ACTIVATIONS.append(True)
+    logging.getLogger("asyncinfer").warning(
+        "activation_dtype='bfloat16' is slow on this CPU (it has no native bfloat16 matrix kernels, so each product "
+        "is emulated): activation_dtype='int8' (or the default 'int16') is faster (docs/formats.md)")
+
+
 def plain_fields(options: Any) -> None:
     """Make each ``int``, ``float`` and ``str`` field of the frozen options dataclass ``options`` the plain
     value it holds (of a subclass too; never a ``bool``), before its checks run: an ``int`` subclass whose
@@ -215,7 +232,12 @@ class EngineConfig:
       default model; larger steps multiply in float32) or "int8" (in every step, prefills and batched
       decodes too: llama.cpp's numerics, the weights' bytes multiplied as they come, faster, about 1%
       of a product's size off, a request's logits independent of its batch; docs/formats.md,
-      "Activations", has its speed and its quality gate). Read in any case. No effect on other weight formats.
+      "Activations", has its speed and its quality gate) or "bfloat16" (int16's in steps of fewer than 9
+      tokens; bigger steps, prefills, multiply the weights rebuilt as bfloat16 by the activations rounded to
+      bfloat16, in torch: on CPUs with AMX about 2x the int8 tile's speed from 128 tokens, slower than it below
+      about 32; emulated and slow on CPUs without AMX or AVX-512 BF16, where a warning says so; docs/formats.md,
+      "Batched steps"). Read in any case. No effect on
+      other weight formats.
     - ``torch_compile``: compile the decoder's element-wise chains (RMSNorm, the rotary
       embedding, SwiGLU's ``silu(gate) * up``) with ``torch.compile`` at load (default off:
       measured slower for SmolLM2-135M on a 2-core CPU and on an H200; docs/formats.md). Needs
@@ -302,6 +324,7 @@ class EngineConfig:
             object.__setattr__(self, "activation_dtype", self.activation_dtype.strip().lower())  # any case, as formats
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise InvalidParameterError("activation_dtype", self.activation_dtype, f"one of {list(ACTIVATION_DTYPES)}")
+        warn_slow_bf16_activations(self.activation_dtype, device)
         opts = self.scheduler_options
         if opts is not None and not (isinstance(opts, dict) and all(isinstance(k, str) for k in opts)):
             raise InvalidParameterError("scheduler_options", opts, "a dict of keyword arguments, or None")

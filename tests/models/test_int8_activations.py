@@ -104,7 +104,7 @@ def test_a_bad_activation_dtype_is_refused_by_name_everywhere() -> None:
     packed, _, _ = weights("q4_k", 8, 256, seed=1)
     x = torch.randn(1, 256)
     for bad in ("int4", "INT8", None, 8, ["int8"]):
-        with pytest.raises(ValueError, match=r"activation_dtype must be one of \['int16', 'int8'\]"):
+        with pytest.raises(ValueError, match=r"activation_dtype must be one of \['int16', 'int8', 'bfloat16'\]"):
             kernels.gemm(x, packed, "q4_k", 8, activation_dtype=bad)
         with pytest.raises(ValueError, match="activation_dtype must be one of"):
             Q4_KLinear(torch.randn(8, 256), None, activation_dtype=bad)

@@ -259,6 +259,24 @@ def test_rms_norm_attention_and_argmax_equal_the_scalar_reference(isa) -> None:
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_the_bf16_weight_rows_are_torchs_rounding_of_the_blocks_on_every_variant(isa) -> None:
+    """activation_dtype="bfloat16"'s weight rows (asyncinfer_dequantize_bf16: the float32 rebuild then a rounding in
+    the scalar and AVX2 builds, straight to bfloat16 in the AVX-512 ones, with AVX-512 BF16's conversion where the
+    CPU has it, integer rounding in the emulated build): each format's product equals torch's bfloat16 product of
+    the blocks' values rounded by torch, bit for bit (the same product on the same bfloat16 numbers)."""
+    runs_here(isa)
+    gen = torch.Generator().manual_seed(17)
+    for fmt in kernels.BLOCK_FORMATS:
+        k = 1024 if kernels.BLOCK_FORMATS[fmt][0] == 256 else 800
+        blocks = kernels.quantize(torch.randn(45, k, generator=gen) * 0.1, fmt)
+        x = torch.randn(kernels.BF16_MIN_ROWS + 11, k, generator=gen)
+        want = torch.mm(kernels.dequantize(blocks, fmt).bfloat16(), x.bfloat16().t()).float().t()
+        with on(isa):
+            got = kernels.gemm(x, kernels.pack(blocks, fmt), fmt, 45, activation_dtype="bfloat16")
+        assert torch.equal(got, want), (isa, fmt)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_the_embedding_rows_are_dequantizes_bits_on_every_variant(isa) -> None:
     """kernels.embed_rows (the decode stack's first step) gives, on every variant, bit for bit the float32 values
     of ``dequantize`` for every block format, in ggml's order and the kernels' layout, and times a scale the

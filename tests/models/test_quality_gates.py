@@ -42,6 +42,10 @@ Q8_0_GATE = 0.97
 #: PANEL_MIN_ROWS rows, where the activations are rounded): 0.927 measured (benchmarks/results/quality_xeon.json); the
 #: int16 default: 1.000 the same way.
 INT8_ACTIVATIONS_GATE = 0.90
+#: activation_dtype="bfloat16"'s gate on the file's own Q4_1 weights, the text read in prefill chunks of 256 tokens
+#: (each step from BF16_MIN_ROWS rows multiplies in bfloat16): 0.983 measured on an AMX Xeon (docs/formats.md,
+#: "Batched steps"); the int16 default: 1.000 the same way.
+BF16_ACTIVATIONS_GATE = 0.97
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +113,11 @@ def test_int8_activations_teacher_forced_top1_agreement_a_token_at_a_time(refere
     int8 = formatted(reference["model"], "q4_1", activation_dtype="int8")
     agreement = top1_agreement(teacher_forced_reference, teacher_forced_argmax(int8, reference["text"], chunk=1))
     assert INT8_ACTIVATIONS_GATE <= agreement < 0.99, agreement  # a real change of numerics, within its gate
+
+
+def test_bf16_activations_teacher_forced_top1_agreement_in_prefill_chunks(reference, teacher_forced_reference) -> None:
+    """activation_dtype="bfloat16" on the file's Q4_1 blocks: the held-out text read in prefill chunks of 256 tokens,
+    the steps bfloat16 multiplies (a token a step would take int16's rows)."""
+    bf16 = formatted(reference["model"], "q4_1", activation_dtype="bfloat16")
+    agreement = top1_agreement(teacher_forced_reference, teacher_forced_argmax(bf16, reference["text"]))
+    assert BF16_ACTIVATIONS_GATE <= agreement < 1.0, agreement  # a real change of numerics, within its gate

@@ -156,7 +156,8 @@ FLAGS: tuple[Flag, ...] = (
          "(--no-pack-weights: plain F.linear)", none="wherever possible on a CPU"),
     Flag("activation_dtype", "--activation-dtype", str,
          "how the block formats' kernels round a step's activations: int16 (steps under 9 tokens; within "
-         "float32's rounding) | int8 (every step: llama.cpp's numerics, faster, not exact; docs/formats.md)", "DTYPE"),
+         "float32's rounding) | int8 (every step: llama.cpp's numerics, faster, not exact) | bfloat16 (steps of 9 "
+         "tokens or more in bfloat16: prefills, on CPUs with AMX / AVX-512 BF16; docs/formats.md)", "DTYPE"),
     Flag("torch_compile", "--torch-compile", None,
          "compile the decoder's element-wise chains with torch.compile at load (docs/formats.md)"),
     Flag("enable_prefix_caching", "--enable-prefix-caching", None,

@@ -30,6 +30,7 @@ the kernels, bit for bit the same values.
 from __future__ import annotations
 
 from asyncinfer.kernels._build import (
+    BF16_MIN_ROWS,
     PANEL_MIN_ROWS,
     KernelISAError,
     auto_reason,
@@ -50,6 +51,7 @@ from asyncinfer.kernels.formats import (
     QK_K,
     BlockTable,
     activation_dtype_flag,
+    activation_dtype_name,
     dequantize,
     int8_kernel_flag,
     pack,
@@ -60,6 +62,7 @@ from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed
 
 __all__ = [
     "ACTIVATION_DTYPES",
+    "BF16_MIN_ROWS",
     "BLOCK_FORMATS",
     "F16_ROUNDS_TO_INF",
     "INT8_KERNELS",
@@ -75,6 +78,7 @@ __all__ = [
     "KernelISAError",
     "RopeTables",
     "activation_dtype_flag",
+    "activation_dtype_name",
     "argmax",
     "argmax_takes",
     "auto_reason",

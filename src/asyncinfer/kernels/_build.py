@@ -45,11 +45,17 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 32
+_VERSION = 33
 #: From this many activation rows on, the GEMM with int16 activations takes its float32 panel path (int8
 #: activations take their rows at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the
 #: loaded library).
 PANEL_MIN_ROWS = 9
+#: From this many activation rows on, the GEMM with ``activation_dtype="bfloat16"`` rebuilds the weights as
+#: bfloat16 (``asyncinfer_dequantize_bf16``, a slice of rows at a time) and multiplies them by torch in bfloat16;
+#: below it, int16's rows (a decode step keeps its speed). The panel's own threshold, as measured on an AMX Xeon
+#: (one thread over a 1B layer): at 8 rows bfloat16 takes 1.2-1.5x the int16 rows' time, from 9 rows, where int16
+#: takes its float32 panel, 0.84-0.97x the panel's (docs/formats.md, "Batched steps").
+BF16_MIN_ROWS = 9
 
 
 class KernelISAError(ValueError):
@@ -383,6 +389,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.asyncinfer_argmax.restype = None
     lib.asyncinfer_check_paged.argtypes = [P, I64, P, P, I64, I64, I64]
     lib.asyncinfer_check_paged.restype = INT
+    lib.asyncinfer_dequantize_bf16.argtypes = [INT, P, I64, I64, P, I64, INT]
+    lib.asyncinfer_dequantize_bf16.restype = INT
     lib.asyncinfer_scratch_bytes.argtypes = [I64, I64]
     lib.asyncinfer_scratch_bytes.restype = I64
     lib.asyncinfer_scratch_bytes.errcheck = _scratch_size

@@ -15,7 +15,7 @@ import torch
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
 from asyncinfer.kernels._checks import softcap as _softcap
-from asyncinfer.kernels.formats import LAYOUTS, BlockTable, activation_dtype_flag, format_name
+from asyncinfer.kernels.formats import LAYOUTS, BlockTable, activation_dtype_flag, activation_dtype_name, format_name
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     EmbedTable,
@@ -142,7 +142,8 @@ class DecodeLayer:
     ``window``: None, or a positive int: each token attends to the last ``window`` keys of its context only (its
     own included; a sliding-window layer), as the torch reference's window masks them.
     ``activation_dtype``: how the projections round a step's activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s
-    ``activation_dtype``; ValueError for another value).
+    ``activation_dtype``); ``"bfloat16"`` is taken as int16 (:func:`gemm` multiplies in bfloat16 only from
+    ``BF16_MIN_ROWS`` rows on, a prefill's, which the layer's kernel does not run); ValueError for another value.
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -157,8 +158,8 @@ class DecodeLayer:
                  post_norm2: torch.Tensor | None = None, activation: Activation = "silu",
                  attn_softcap: float | None = None, rope_table: int = 0, window: int | None = None,
                  activation_dtype: str = "int16") -> None:
-        flag = activation_dtype_flag(activation_dtype, "activation_dtype")
-        activation_dtype = "int8" if flag else "int16"
+        activation_dtype = activation_dtype_name(activation_dtype, "activation_dtype")
+        flag = activation_dtype_flag(activation_dtype)
         heads, kv_heads = size("num_heads", num_heads), size("num_kv_heads", num_kv_heads)
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
@@ -232,7 +233,8 @@ class DecodeLayer:
 
     @property
     def activation_dtype(self) -> str:
-        """How the layer's projections round a step's activations (``"int16"`` or ``"int8"``)."""
+        """How the layer's projections round a step's activations (``"int16"``, ``"int8"``, or ``"bfloat16"``: int16's
+        here)."""
         return self._args["activation_dtype"]
 
     def time_parts(self, on: bool = True) -> None:
@@ -353,7 +355,8 @@ class DecodeStack:
     row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
     ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
     each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping);
-    ``activation_dtype``: how the head rounds its activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s).
+    ``activation_dtype``: how the head rounds its activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s;
+    ``"bfloat16"`` taken as int16, as :class:`DecodeLayer` takes it).
 
     Rope tables: each call takes one cos and one sin table per rope table its layers read
     (:class:`DecodeLayer`'s ``rope_table``; :attr:`rope_tables` of them): a tensor each where every layer reads
@@ -363,8 +366,8 @@ class DecodeStack:
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float,
                  head: tuple[str, torch.Tensor, int] | None = None, *, embed_scale: float = 1.0,
                  logit_softcap: float | None = None, activation_dtype: str = "int16") -> None:
-        self._head_flag = activation_dtype_flag(activation_dtype, "activation_dtype")
-        self._activation_dtype = "int8" if self._head_flag else "int16"
+        self._activation_dtype = activation_dtype_name(activation_dtype, "activation_dtype")
+        self._head_flag = activation_dtype_flag(self._activation_dtype)
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
@@ -431,7 +434,7 @@ class DecodeStack:
 
     @property
     def activation_dtype(self) -> str:
-        """How the head rounds a step's activations (``"int16"`` or ``"int8"``)."""
+        """How the head rounds a step's activations (``"int16"``, ``"int8"``, or ``"bfloat16"``: int16's here)."""
         return self._activation_dtype
 
     def time_parts(self, on: bool = True) -> None:

@@ -113,10 +113,13 @@ def format_name(fmt: object, what: str = "fmt") -> str:
 
 
 #: How the block-format GEMMs round the activations, per run of 32: ``"int16"`` (the default: within float32's
-#: rounding of the exact product, below :data:`PANEL_MIN_ROWS` rows; float32 from it on) or ``"int8"``
+#: rounding of the exact product, below :data:`PANEL_MIN_ROWS` rows; float32 from it on), ``"int8"``
 #: (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a product's size off,
-#: at every number of rows, a row's result independent of the batch; docs/formats.md, "Activations").
-ACTIVATION_DTYPES = ("int16", "int8")
+#: at every number of rows, a row's result independent of the batch; docs/formats.md, "Activations") or
+#: ``"bfloat16"`` (int16's below :data:`BF16_MIN_ROWS` rows; from it on the weights rebuilt as bfloat16 per call and
+#: multiplied by torch in bfloat16: fast on CPUs with AMX / AVX-512 BF16, slow elsewhere; docs/formats.md,
+#: "Batched steps").
+ACTIVATION_DTYPES = ("int16", "int8", "bfloat16")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
 _ACT8 = 0x40
 #: Which int8 GEMM :func:`asyncinfer.kernels.gemm` runs (``int8_kernel``): ``"rows"`` (each activation row against
@@ -129,13 +132,20 @@ INT8_KERNELS = ("rows", "tile")
 _TILE8 = 0x80
 
 
-def activation_dtype_flag(activation_dtype: object, what: str = "activation_dtype") -> int:
-    """The flag :data:`ACTIVATION_DTYPES`' ``activation_dtype`` puts on a format code (0 for int16); ValueError naming
-    ``what`` and the allowed values for anything else."""
+def activation_dtype_name(activation_dtype: object, what: str = "activation_dtype") -> str:
+    """``activation_dtype`` as the plain ``str`` it holds, once it is one of :data:`ACTIVATION_DTYPES`; ValueError
+    naming ``what`` and the allowed values for anything else."""
     value = str.__str__(activation_dtype) if isinstance(activation_dtype, str) else None  # the plain str it holds
     if value not in ACTIVATION_DTYPES:
         raise ValueError(f"{what} must be one of {list(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
-    return _ACT8 if value == "int8" else 0
+    return value
+
+
+def activation_dtype_flag(activation_dtype: object, what: str = "activation_dtype") -> int:
+    """The flag :data:`ACTIVATION_DTYPES`' ``activation_dtype`` puts on a format code in the kernels: 0 for int16 and
+    for bfloat16 (whose steps the kernels take are int16's: below ``BF16_MIN_ROWS`` rows); ValueError naming
+    ``what`` and the allowed values for anything else."""
+    return _ACT8 if activation_dtype_name(activation_dtype, what) == "int8" else 0
 
 
 def int8_kernel_flag(int8_kernel: object, what: str = "int8_kernel") -> int:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from asyncinfer.kernels._build import BF16_MIN_ROWS
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import (
     MAX_BYTES,
@@ -27,6 +28,7 @@ from asyncinfer.kernels.formats import (
     LAYOUTS,
     BlockTable,
     activation_dtype_flag,
+    activation_dtype_name,
     format_name,
     int8_kernel_flag,
 )
@@ -34,6 +36,10 @@ from asyncinfer.kernels.formats import bytes_per_block as _bytes_per_block
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 
 _MAX_FLOATS = MAX_BYTES // 4
+#: The bytes of bfloat16 weight rows a bfloat16 step rebuilds at a time (:func:`gemm`): the call's one scratch,
+#: reused slice after slice (never a copy of the whole matrix). 8 MiB measured fastest on an AMX Xeon: smaller
+#: slices make more, less efficient products; from about 32 MiB the allocator maps fresh pages every call.
+_BF16_SLICE_BYTES = 8 << 20
 #: embed_t's format codes besides the block formats' (asyncinfer_kernels.h): the flag of a Q4_1 / Q8_0 table in
 #: the kernels' layout, and a float32 table.
 _EMBED_PACKED = 0x100
@@ -153,7 +159,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     Activations: ``activation_dtype="int16"`` rounds them per run of 32 to int16 below :data:`PANEL_MIN_ROWS` rows
     and takes them in float32 from it on; ``"int8"`` (llama.cpp's numerics,
     :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows,
-    each row's result independent of the others. With int8, ``int8_kernel``
+    each row's result independent of the others; ``"bfloat16"``: int16's below :data:`BF16_MIN_ROWS` rows, and
+    from it on the weights rebuilt as bfloat16 (the blocks' values, each rounded once to nearest even), a slice of
+    rows at a time into one scratch, and multiplied by torch in bfloat16 (x rounded to bfloat16, products summed
+    in float32 by oneDNN, each sum rounded once to bfloat16: torch's bfloat16 product), returned as float32
+    (+ bias in float32); fast where the CPU has AMX or AVX-512 BF16, emulated and slow elsewhere. With int8,
+    ``int8_kernel``
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's, fastest at a few rows) or ``"tile"`` (16 rows a register on the AVX-512 builds, the rows elsewhere:
     about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. Runs on torch's intra-op
@@ -168,7 +179,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     """
     lib = _need()
     fmt = format_name(fmt)  # an unknown format named before the activations
-    flag = activation_dtype_flag(activation_dtype)
+    dtype = activation_dtype_name(activation_dtype)
+    flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
     flag |= tile if flag else 0
     tensor("x", x)
@@ -190,6 +202,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
             bias = bias.float().contiguous()
     if x.stride(-1) != 1:
         x = contiguous(x, "x")
+    if dtype == "bfloat16" and rows >= BF16_MIN_ROWS:
+        return _gemm_bf16(lib, x, packed, fmt, out_features, bias)
     y = empty((rows, out_features), "x, out_features (gemm's output)")
     if rows:
         scratch = empty((lib.asyncinfer_scratch_bytes(rows, k),), "x (gemm's working memory)", torch.uint8)
@@ -198,6 +212,30 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
                             torch.get_num_threads(), scratch.data_ptr())
     return y
 
+
+def _gemm_bf16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gemm`'s bfloat16 step (its inputs checked): the weights rebuilt as bfloat16 a slice of rows at a time
+    (``asyncinfer_dequantize_bf16``) into one scratch of at most :data:`_BF16_SLICE_BYTES`, each slice's product
+    with x by torch in bfloat16 (oneDNN: AMX / AVX-512 BF16 where the CPU has them)."""
+    rows, k = x.shape
+    yt = empty((n, rows), "x, out_features (gemm's output)")  # the output transposed: each slice a run of its rows
+    if k == 0:
+        yt.zero_()
+    else:
+        per = max(1, min(n, _BF16_SLICE_BYTES // (2 * k)))
+        w = empty((per, k), "packed (gemm's bfloat16 weight rows)", torch.bfloat16)
+        xt = x.to(torch.bfloat16).t()  # [K, M]
+        code, row_bytes, base, threads = LAYOUTS[fmt].code, packed.shape[1], packed.data_ptr(), torch.get_num_threads()
+        for n0 in range(0, n, per):
+            rows_now = min(per, n - n0)
+            _check(lib.asyncinfer_dequantize_bf16(code, base + n0 * row_bytes, rows_now, k, w.data_ptr(), k, threads),
+                   "gemm")
+            yt[n0:n0 + rows_now] = torch.mm(w[:rows_now], xt)
+    y = contiguous(yt.t(), "x, out_features (gemm's output)")
+    if bias is not None:
+        y += bias
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,7 +35,8 @@ The formats (values of the engine option ``quantization``):
   (:func:`asyncinfer.kernels.quantize`): a GGUF file's own k-quant blocks are taken as they are.
   Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): int16
   (the default) rounds a step of fewer than ``PANEL_MIN_ROWS`` tokens' activations per run of 32 and multiplies
-  bigger steps in float32; int8 (llama.cpp's numerics, faster) rounds every step's activations per run of 32,
+  bigger steps in float32; int8 (llama.cpp's numerics, faster) rounds every step's activations per run of 32;
+  bfloat16 is int16 below ``BF16_MIN_ROWS`` tokens and multiplies bigger steps in bfloat16 (AMX CPUs),
   :attr:`BlockLinear.activation_dtype`.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).
@@ -374,8 +375,8 @@ class BlockLinear(FormatLinear):
 
     ``lossless``: whether the blocks rebuild exactly the float32 weights they were made from (true
     for weights a GGUF file held in the same format: the float32 model and this layer then multiply
-    by the same numbers). ``activation_dtype``: how a step of a few tokens rounds its activations, ``"int16"`` or
-    ``"int8"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction; with int8,
+    by the same numbers). ``activation_dtype``: how a step rounds its activations, ``"int16"``, ``"int8"`` or
+    ``"bfloat16"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction; with int8,
     ``int8_kernel`` (:data:`asyncinfer.kernels.INT8_KERNELS`): ``"tile"`` (default) for a decoder layer's
     projection, which meets a prefill's every token, ``"rows"`` for the output projection, which meets a row per
     sampled request.
@@ -401,7 +402,7 @@ class BlockLinear(FormatLinear):
         self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
 
     def _set_activation_dtype(self, activation_dtype: str, int8_kernel: str) -> None:
-        self.activation_dtype = "int8" if kernels.activation_dtype_flag(activation_dtype) else "int16"
+        self.activation_dtype = kernels.activation_dtype_name(activation_dtype)
         self.int8_kernel = "tile" if kernels.int8_kernel_flag(int8_kernel) else "rows"
 
     @classmethod
@@ -430,8 +431,8 @@ class BlockLinear(FormatLinear):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        int8 = ", int8 activations" if self.activation_dtype == "int8" else ""
-        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'}{int8})"
+        act = f", {self.activation_dtype} activations" if self.activation_dtype != "int16" else ""
+        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'}{act})"
 
     def kernel_weights(self) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         """``(format, blocks, float32 bias or None)``: this layer's weights as :func:`asyncinfer.kernels.gemm`

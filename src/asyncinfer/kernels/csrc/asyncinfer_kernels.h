@@ -13,7 +13,7 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 32
+#define ASYNCINFER_KERNELS_VERSION 33
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
@@ -131,6 +131,12 @@ ASYNCINFER_API int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t l
                                    int64_t N, const float *bias, float *y, int64_t ldy, int threads, void *scratch);
 /* The scratch bytes a GEMM of M rows by K takes; -1 when that size would overflow. */
 ASYNCINFER_API int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K);
+/* out[N, K] (row stride ldo, in uint16 elements) = rows 0..N-1 of W[N, K] (fmt's blocks in the kernels' layout,
+ * ASYNCINFER_FMT_* without flags) as bfloat16 bits: each weight ggml's float32 value rounded once to nearest even
+ * (a NaN stays a NaN): what asyncinfer.kernels.gemm's bfloat16 steps multiply by. Returns 0, -1, or -2 for a
+ * format code outside them, K not a whole number of blocks or ldo < K. */
+ASYNCINFER_API int asyncinfer_dequantize_bf16(int fmt, const void *w, int64_t N, int64_t K, uint16_t *out, int64_t ldo,
+                                              int threads);
 
 ASYNCINFER_API void asyncinfer_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps,
                                         float *y, int threads);

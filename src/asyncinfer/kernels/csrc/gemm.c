@@ -1077,3 +1077,185 @@ EXPORT_GEMM(asyncinfer_gemm_q5_k, ai_gemm_q5_k)
 EXPORT_GEMM(asyncinfer_gemm_q6_k, ai_gemm_q6_k)
 
 int64_t asyncinfer_scratch_bytes(int64_t M, int64_t K) { return ai_scratch_bytes(M, K); }
+
+/* ------------------------------------------------------------------------------------------------
+ * Weight rows rebuilt as bfloat16 (asyncinfer_dequantize_bf16): each row rebuilt in float32 as the panel does
+ * (the blocks' exact values), then each value rounded once to bfloat16, to nearest even (torch's conversion:
+ * every NaN becomes 0x7FC0). */
+
+#ifndef AI_AVX512
+/* One float32's bfloat16 bits. */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void bf16_row(const float *w, int64_t K, uint16_t *out) {
+    int64_t k = 0;
+#ifdef AI_AVX2
+    const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7FC0);
+    for (; k + 16 <= K; k += 16) {
+        __m256i h[2];
+        for (int i = 0; i < 2; i++) {
+            const __m256 v = _mm256_loadu_ps(w + k + 8 * i);
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+            h[i] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        }
+        /* packus works within 128-bit lanes; the permute restores the order */
+        _mm256_storeu_si256((__m256i *)(out + k), _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8));
+    }
+#endif
+    for (; k < K; k++) out[k] = bf16_bits(w[k]);
+}
+#endif
+
+#ifdef AI_AVX512
+/* The AVX-512 build: the weights straight to bfloat16, 32 at a time, without a float32 row between. Where the
+ * CPU has AVX-512 BF16 (chosen at run time), its conversion instruction rounds them (to nearest even, as
+ * bf16x16; the weights are never float32 subnormals, which it would flush: every one is zero or at least
+ * 2**-24 in size); elsewhere the integer form below. */
+
+/* bf16_bits of 16 floats. */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    return _mm512_cvtepi32_epi16(
+        _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
+}
+
+/* 16 int8 quants q times sc (plus mn where the format has a min; one rounding, as the float32 rebuild). */
+static inline __attribute__((always_inline)) __m512 bf16_values(__m128i q, float sc, float mn, int has_min) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    return has_min ? _mm512_fmadd_ps(_mm512_set1_ps(sc), v, _mm512_set1_ps(mn)) : _mm512_mul_ps(_mm512_set1_ps(sc), v);
+}
+
+/* One row's weights, 32 at a time: a (elements 0-15) and b (16-31) stored through STORE32(a, b, out). */
+#define REBUILD_BF16_BODY(STORE32)                                                                           \
+    const __m256i low4 = _mm256_set1_epi8(0x0F);                                                              \
+    if (fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0) { /* the kernels' layout: d[nb], m[nb], q */  \
+        const int64_t nb = K / QK;                                                                            \
+        const int has_min = fmt == ASYNCINFER_FMT_Q4_1;                                                       \
+        const uint8_t *qs = row + (has_min ? 4 : 2) * nb;                                                     \
+        for (int64_t b = 0; b < nb; b++, out += QK) {                                                         \
+            const float d = ai_half_at(row + 2 * b), m = has_min ? ai_half_at(row + 2 * (nb + b)) : 0.0f;     \
+            const __m256i q = has_min ? ai_nibbles32(qs + 16 * b)                                             \
+                                      : _mm256_loadu_si256((const __m256i *)(qs + 32 * b));                   \
+            STORE32(bf16_values(_mm256_castsi256_si128(q), d, m, has_min),                                    \
+                    bf16_values(_mm256_extracti128_si256(q, 1), d, m, has_min), out);                         \
+        }                                                                                                     \
+        return;                                                                                               \
+    }                                                                                                         \
+    const int64_t nblk = K / ai_fmt_weights(fmt), bytes = ai_fmt_bytes(fmt);                                  \
+    for (int64_t blk = 0; blk < nblk; blk++) {                                                                \
+        const uint8_t *p = row + blk * bytes;                                                                 \
+        float scale[8], min[8];                                                                               \
+        ai_block_scales(fmt, p, scale, min);                                                                  \
+        if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) {                                       \
+            const int five = fmt == ASYNCINFER_FMT_Q5_K;                                                      \
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));                                 \
+            for (int j = 0; j < 8; j++, out += 32) {                                                          \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (j >> 1))); \
+                __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, low4);                   \
+                if (five) /* bit j of qh[i] as bit 4 */                                                       \
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(                                \
+                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1)), 4));                \
+                STORE32(bf16_values(_mm256_castsi256_si128(q), scale[j], min[j], 1),                          \
+                        bf16_values(_mm256_extracti128_si256(q, 1), scale[j], min[j], 1), out);               \
+            }                                                                                                 \
+        } else if (fmt == ASYNCINFER_FMT_Q6_K) {                                                              \
+            const int8_t *sc = (const int8_t *)(p + 192);                                                     \
+            for (int j = 0; j < 8; j++, out += 32) { /* sub-block j = 4 n + k */                              \
+                const int n = j >> 2, k = j & 3;                                                              \
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32 * (k & 1)));           \
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));                    \
+                const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(4 * (k >> 1))), low4); \
+                const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * k)),            \
+                                                    _mm256_set1_epi8(3));                                     \
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),              \
+                                                  _mm256_set1_epi8(32));                                      \
+                /* d * sc is exact (11 by 8 bits), and so is its product with q (6 more bits) */              \
+                STORE32(bf16_values(_mm256_castsi256_si128(q), scale[0] * (float)sc[2 * j], 0.0f, 0),         \
+                        bf16_values(_mm256_extracti128_si256(q, 1), scale[0] * (float)sc[2 * j + 1], 0.0f, 0), out); \
+            }                                                                                                 \
+        } else { /* Q4_0, Q5_0, Q5_1 */                                                                       \
+            const __m256i q = ai_sub_bytes(fmt, p);                                                           \
+            const int has_min = ai_fmt_has_min(fmt);                                                          \
+            STORE32(bf16_values(_mm256_castsi256_si128(q), scale[0], min[0], has_min),                        \
+                    bf16_values(_mm256_extracti128_si256(q, 1), scale[0], min[0], has_min), out);             \
+            out += 32;                                                                                        \
+        }                                                                                                     \
+    }
+
+#define STORE32_INT(a, b, out)                                                                               \
+    do {                                                                                                      \
+        _mm256_storeu_si256((__m256i *)(out), bf16x16(a));                                                    \
+        _mm256_storeu_si256((__m256i *)((out) + 16), bf16x16(b));                                             \
+    } while (0)
+
+static void rebuild_bf16_row(int fmt, const uint8_t *row, int64_t K, uint16_t *out) { REBUILD_BF16_BODY(STORE32_INT) }
+
+#if !defined(ASYNCINFER_EMULATE_AVX512)
+#define AI_NATIVE_BF16 1
+#define STORE32_BF16(a, b, out) _mm512_storeu_si512((void *)(out), (__m512i)_mm512_cvtne2ps_pbh((b), (a)))
+__attribute__((target("avx512bf16"))) static void rebuild_bf16_row_native(int fmt, const uint8_t *row, int64_t K,
+                                                                          uint16_t *out) {
+    REBUILD_BF16_BODY(STORE32_BF16)
+}
+#endif
+#endif
+
+#ifndef AI_AVX512
+/* One weight row in float32, ggml's values (the panel's rebuild, or the reference's in the scalar build). */
+static void rebuild_any(int fmt, const uint8_t *row, int64_t K, float *out) {
+    const int legacy = fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0;
+#ifdef AI_AVX2
+    if (legacy)
+        rebuild_row(row, K / QK, fmt == ASYNCINFER_FMT_Q4_1, out);
+    else
+        rebuild_blocks_row(fmt, row, K, out);
+#else
+    if (legacy)
+        rebuild_row_ref(row, K / QK, fmt == ASYNCINFER_FMT_Q4_1, out);
+    else
+        ai_rebuild_blocks(fmt, row, K, out);
+#endif
+}
+#endif
+
+int asyncinfer_dequantize_bf16(int fmt, const void *w, int64_t N, int64_t K, uint16_t *out, int64_t ldo,
+                               int threads) {
+    if (fmt < 0 || fmt >= ASYNCINFER_NUM_FMTS || N < 0 || K < 0 || K % ai_fmt_weights(fmt) || ldo < K)
+        return ASYNCINFER_EINVAL;
+    if (N == 0 || K == 0) return 0;
+    const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt);
+    const uint8_t *rows = (const uint8_t *)w;
+#ifdef AI_AVX512
+#ifdef AI_NATIVE_BF16
+    if (__builtin_cpu_supports("avx512bf16")) {
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+        for (int64_t n = 0; n < N; n++) rebuild_bf16_row_native(fmt, rows + n * row_bytes, K, out + n * ldo);
+        return 0;
+    }
+#endif
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+    for (int64_t n = 0; n < N; n++) rebuild_bf16_row(fmt, rows + n * row_bytes, K, out + n * ldo);
+    return 0;
+#else
+    float *buf = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), K * (int64_t)sizeof(float));
+    if (!buf) return ASYNCINFER_ENOMEM;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+    for (int64_t n = 0; n < N; n++) {
+        float *f = buf + (int64_t)ai_thread_num() * K;
+        rebuild_any(fmt, rows + n * row_bytes, K, f);
+        bf16_row(f, K, out + n * ldo);
+    }
+    free(buf);
+    return 0;
+#endif
+}

@@ -53,8 +53,26 @@ static inline float ai_emulated_reduce_add_ps(__m512 v) {
     for (int i = 0; i < 4; i++) q[i] = h[i] + h[4 + i];
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
+/* ... nor _mm512_cvtepi8_epi32 / _mm512_cvtepi32_epi16 (gemm.c's bfloat16 rows): lane by lane, sign-extended and
+ * truncated as the instructions do. */
+static inline __m512i ai_emulated_cvtepi8_epi32(__m128i v) {
+    int8_t in[16];
+    int32_t out[16];
+    _mm_storeu_si128((__m128i *)in, v);
+    for (int i = 0; i < 16; i++) out[i] = in[i];
+    return _mm512_loadu_si512(out);
+}
+static inline __m256i ai_emulated_cvtepi32_epi16(__m512i v) {
+    int32_t in[16];
+    int16_t out[16];
+    _mm512_storeu_si512(in, v);
+    for (int i = 0; i < 16; i++) out[i] = (int16_t)in[i];
+    return _mm256_loadu_si256((const __m256i *)out);
+}
 #define _mm512_cvtepi32_ps(v) ai_emulated_cvtepi32_ps(v)
 #define _mm512_reduce_add_ps(v) ai_emulated_reduce_add_ps(v)
+#define _mm512_cvtepi8_epi32(v) ai_emulated_cvtepi8_epi32(v)
+#define _mm512_cvtepi32_epi16(v) ai_emulated_cvtepi32_epi16(v)
 #define AI_AVX512 1
 #if defined(ASYNCINFER_EMULATE_VNNI) /* and the VNNI variant's code, through SIMDe's vpdpbusd / vpdpwssd */
 #define AI_VNNI 1
