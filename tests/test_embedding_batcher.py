@@ -176,3 +176,22 @@ def test_the_rest_of_a_call_whose_texts_have_run_does_not_wait_for_company() -> 
     assert len(batcher.run_batch()) == 1 and len(encoder.batches) == 2
     batcher.add(call([6], arrival=clock.now, done=done))
     assert batcher.wait_time() == pytest.approx(1.0)  # a new call still waits for company
+
+
+def test_the_turns_go_on_across_batches_so_many_calls_cannot_hold_back_a_later_one() -> None:
+    """Each batch started again from the oldest call: a caller with max_batch_size calls of many texts queued
+    (8 calls of long texts fill 2048 slots) held another caller's one-text call until one of them had finished,
+    51 batches here. Now a call that gave a text goes to the back, and the later call rides in the second batch."""
+    batcher, encoder, _ = make(max_batch_size=4, max_wait_ms=0)
+    floods = [EmbedCall([[7] * 10] * 50, 0.0) for _ in range(4)]
+    for flood in floods:
+        batcher.add(flood)
+    late = EmbedCall([[9]], 0.001)
+    batcher.add(late)
+    assert batcher.run_batch() == []
+    assert batcher.run_batch() == [late]
+    assert encoder.batches[1][0] == [9]
+    while batcher.wait_time() is not None:
+        batcher.run_batch()
+    assert all(flood.remaining == 0 for flood in floods)
+    assert sum(map(len, encoder.batches)) == 4 * 50 + 1

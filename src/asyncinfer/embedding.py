@@ -217,7 +217,7 @@ class EmbeddingBatcher:
         self.config = config
         self.plan = plan_embedding(encoder.config, config)
         self._clock = clock
-        self._queue: deque[list[Any]] = deque()  # [call, index of its next text], oldest call first
+        self._queue: deque[list[Any]] = deque()  # [call, index of its next text], in the order of their turns
         self._waiting = 0  # texts of the queued calls not run yet
         self._calls = 0
         self._texts = 0
@@ -250,7 +250,7 @@ class EmbeddingBatcher:
             return 0.0
         if any(done for _, done in self._queue):  # the rest of a call some of whose texts ran: it waited once
             return 0.0
-        waited = self._clock() - self._queue[0][0].arrival
+        waited = self._clock() - min(call.arrival for call, _ in self._queue)  # the turns reorder the queue
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
     def busy_wait(self) -> float:
@@ -265,25 +265,25 @@ class EmbeddingBatcher:
 
     def _next_batch(self) -> list[tuple[EmbedCall, int]]:
         """Up to ``max_batch_size`` texts in ``max_batch_tokens`` padded slots (at least one text), one of each
-        waiting call in turn, oldest call first; taken off the queue."""
+        waiting call in turn, oldest call first, the turns going on from where the last batch stopped (each call
+        that gave a text goes to the back); taken off the queue."""
         self._drop_cancelled()
         size, slots = self.config.max_batch_size, self.config.max_batch_tokens
         batch: list[tuple[EmbedCall, int]] = []
         longest = 0
         while self._queue and len(batch) < size:
-            for entry in list(self._queue):
-                call, i = entry
-                length = max(longest, len(call.ids[i]))
-                if batch and length * (len(batch) + 1) > slots:
-                    return batch
-                batch.append((call, i))
-                longest = length
-                self._waiting -= 1
-                entry[1] += 1
-                if entry[1] == len(call.ids):
-                    self._queue.remove(entry)
-                if len(batch) == size:
-                    break
+            entry = self._queue[0]
+            call, i = entry
+            length = max(longest, len(call.ids[i]))
+            if batch and length * (len(batch) + 1) > slots:
+                return batch  # this call stays first: the next batch starts with it
+            self._queue.popleft()
+            batch.append((call, i))
+            longest = length
+            self._waiting -= 1
+            entry[1] += 1
+            if entry[1] < len(call.ids):
+                self._queue.append(entry)  # its next text waits for every other call's turn
         return batch
 
     def run_batch(self) -> list[EmbedCall]:
