@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--probe-repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--activation-dtype", choices=("int16", "int8"), default="int16",
-                   help="asyncinfer's activation_dtype (int8: llama.cpp's numerics, faster; docs/formats.md)")
+    p.add_argument("--activation-dtype", choices=("int16", "int8", "bfloat16"), default="int16",
+                   help="asyncinfer's activation_dtype (int8: llama.cpp's numerics, faster; bfloat16: prefills in "
+                        "bfloat16, fast with AMX; docs/formats.md)")
     p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill rounds")
     p.add_argument("--prefill-rounds", type=int, default=3, help="paired prefill rounds (0: none)")
     p.add_argument("--json", type=Path)
