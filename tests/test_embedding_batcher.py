@@ -195,3 +195,40 @@ def test_the_turns_go_on_across_batches_so_many_calls_cannot_hold_back_a_later_o
         batcher.run_batch()
     assert all(flood.remaining == 0 for flood in floods)
     assert sum(map(len, encoder.batches)) == 4 * 50 + 1
+
+
+def test_the_turns_go_tenant_by_tenant_so_many_calls_of_one_tenant_cannot_hold_back_another() -> None:
+    """The turns went call by call: a tenant with 500 calls queued had 500 places in every round to another
+    tenant's one (over HTTP, another API key's one-text call waited about 500 / 8 batches behind a key's 500
+    concurrent calls of long texts). Now each waiting tenant gives one text in turn, and its calls take its
+    turns in turn: the other tenant's call rides in the first batch."""
+    batcher, encoder, _ = make(max_batch_size=4, max_wait_ms=0)
+    floods = [EmbedCall([[7] * 10] * 3, 0.0, tenant="a") for _ in range(500)]
+    for flood in floods:
+        batcher.add(flood)
+    late = EmbedCall([[9]], 0.001, tenant="b")
+    batcher.add(late)
+    assert batcher.run_batch() == [late]
+    assert encoder.batches[0] == [[7] * 10, [9], [7] * 10, [7] * 10]
+    while batcher.wait_time() is not None:
+        batcher.run_batch()
+    assert all(flood.remaining == 0 for flood in floods) and sum(map(len, encoder.batches)) == 500 * 3 + 1
+
+
+def test_each_tenants_calls_take_its_turns_in_turn_carried_over_between_batches() -> None:
+    batcher, encoder, _ = make(max_batch_size=4, max_wait_ms=0)
+    a1, a2, a3 = (EmbedCall([[10 + c, i] for i in range(3)], 0.0, tenant="a") for c in range(3))
+    b1, b2 = EmbedCall([[20, 0], [20, 1]], 0.0, tenant="b"), EmbedCall([[21, 0]], 0.0, tenant="b")
+    none = EmbedCall([[30, 0]], 0.0)  # the calls without a tenant are one tenant of their own
+    for c in (a1, a2, a3, b1, b2, none):
+        batcher.add(c)
+    assert batcher.run_batch() == [none]
+    assert batcher.run_batch() == [b2, b1]
+    assert batcher.run_batch() == [a1, a2]
+    assert batcher.run_batch() == [a3]
+    assert encoder.batches == [
+        [[10, 0], [20, 0], [30, 0], [11, 0]],  # a, b, none, then a again (its second call)
+        [[21, 0], [12, 0], [20, 1], [10, 1]],  # from where the turns stopped: b (its second call), a (its third)...
+        [[11, 1], [12, 1], [10, 2], [11, 2]],  # only a is left: its calls take every turn, in turn
+        [[12, 2]],
+    ]

@@ -78,9 +78,10 @@ class EmbedCalls:
         return future
 
     async def submit(
-        self, entry: EmbeddingModel, texts: list[str], post: Callable[[Any], None], still_ok: Callable[[], None]
+        self, entry: EmbeddingModel, texts: list[str], post: Callable[[Any], None], still_ok: Callable[[], None],
+        tenant: str | None = None,
     ) -> torch.Tensor:
-        """Tokenize ``texts`` (off the loop when long), queue them on ``entry`` and await the vectors.
+        """Tokenize ``texts`` (off the loop when long), queue them on ``entry`` for ``tenant`` and await the vectors.
 
         ``still_ok`` raises if the engine or the model went away while tokenizing off the loop.
         """
@@ -90,7 +91,7 @@ class EmbedCalls:
             still_ok()
         else:
             ids = tokenize(texts)
-        call = EmbedCall(ids, time.monotonic())
+        call = EmbedCall(ids, time.monotonic(), tenant)
         future = self.open(entry, call)
         post(QueueEmbed(entry.batcher, call))
         try:

@@ -168,6 +168,7 @@ class EmbedCall:
 
     ids: list[list[int]]
     arrival: float  # time.monotonic() when it was submitted
+    tenant: str | None = None  # whom it is for: the batcher's turns go tenant by tenant (None: one group of its own)
     results: list[torch.Tensor | None] = field(default_factory=list)
     remaining: int = 0
     cancelled: bool = False  # set by the event loop when the caller went away; its texts are skipped
@@ -202,10 +203,13 @@ class EmbeddingBatcher:
 
     ``add`` queues a call's texts; ``wait_time`` says how long until a batch is
     due; ``run_batch`` embeds up to ``max_batch_size`` texts and ``max_batch_tokens``
-    token slots, one text of each waiting call in turn (the oldest call first), and
-    returns the calls it completed. Taking the calls in turn keeps one caller's many
-    texts from holding the others back: a call of 2048 long texts shares every batch
-    with the calls queued behind it, rather than running its 64 batches first.
+    token slots, one text of each waiting tenant in turn (the first to queue first),
+    that tenant's calls taking its turns in turn (the oldest call first), and returns
+    the calls it completed. Taking the calls in turn keeps one caller's many texts
+    from holding the others back: a call of 2048 long texts shares every batch with
+    the calls queued behind it, rather than running its 64 batches first. Taking the
+    tenants in turn does the same for many calls: a tenant with 500 calls waiting
+    gets one text in a round, as a tenant with one call does, rather than 500.
     ``busy_wait`` says how long a due batch must wait while generators are busy, so
     that the batches keep to ``max_busy_share`` of the engine thread's time.
     """
@@ -217,7 +221,9 @@ class EmbeddingBatcher:
         self.config = config
         self.plan = plan_embedding(encoder.config, config)
         self._clock = clock
-        self._queue: deque[list[Any]] = deque()  # [call, index of its next text], in the order of their turns
+        # [call, index of its next text] by tenant, each tenant's calls in the order of their turns within its own
+        self._queues: dict[str | None, deque[list[Any]]] = {}
+        self._turns: deque[str | None] = deque()  # the tenants with calls queued, in the order of their turns
         self._waiting = 0  # texts of the queued calls not run yet
         self._calls = 0
         self._texts = 0
@@ -231,26 +237,40 @@ class EmbeddingBatcher:
     def add(self, call: EmbedCall) -> None:
         self._calls += 1
         if call.ids:
-            self._queue.append([call, 0])
+            queue = self._queues.get(call.tenant)
+            if queue is None:  # a tenant with nothing queued: its turn comes after those of the tenants waiting
+                queue = self._queues[call.tenant] = deque()
+                self._turns.append(call.tenant)
+            queue.append([call, 0])
             self._waiting += len(call.ids)
         self._snapshot = self._stats()
 
+    def _entries(self) -> list[list[Any]]:
+        """Every queued [call, index of its next text], all tenants'."""
+        return [entry for queue in self._queues.values() for entry in queue]
+
     def _drop_cancelled(self) -> None:
-        if any(call.cancelled for call, _ in self._queue):
-            for entry in [e for e in self._queue if e[0].cancelled]:
-                self._queue.remove(entry)
-                self._waiting -= len(entry[0].ids) - entry[1]
+        if any(call.cancelled for call, _ in self._entries()):
+            for tenant in list(self._turns):
+                queue = self._queues[tenant]
+                for entry in [e for e in queue if e[0].cancelled]:
+                    queue.remove(entry)
+                    self._waiting -= len(entry[0].ids) - entry[1]
+                if not queue:
+                    del self._queues[tenant]
+                    self._turns.remove(tenant)
 
     def wait_time(self) -> float | None:
         """Seconds until a batch is due: None when nothing waits, 0 when one is due now."""
         self._drop_cancelled()
-        if not self._queue:
+        entries = self._entries()
+        if not entries:
             return None
         if self._waiting >= self.config.max_batch_size:
             return 0.0
-        if any(done for _, done in self._queue):  # the rest of a call some of whose texts ran: it waited once
+        if any(done for _, done in entries):  # the rest of a call some of whose texts ran: it waited once
             return 0.0
-        waited = self._clock() - min(call.arrival for call, _ in self._queue)  # the turns reorder the queue
+        waited = self._clock() - min(call.arrival for call, _ in entries)  # the turns reorder the queue
         return max(0.0, self.config.max_wait_ms / 1000.0 - waited)
 
     def busy_wait(self) -> float:
@@ -265,25 +285,33 @@ class EmbeddingBatcher:
 
     def _next_batch(self) -> list[tuple[EmbedCall, int]]:
         """Up to ``max_batch_size`` texts in ``max_batch_tokens`` padded slots (at least one text), one of each
-        waiting call in turn, oldest call first, the turns going on from where the last batch stopped (each call
-        that gave a text goes to the back); taken off the queue."""
+        waiting tenant in turn, the tenant's text from its calls in turn (oldest call first), the turns going on
+        from where the last batch stopped (each tenant that gave a text goes to the back, and so does its call
+        within the tenant's own queue); taken off the queue."""
         self._drop_cancelled()
         size, slots = self.config.max_batch_size, self.config.max_batch_tokens
         batch: list[tuple[EmbedCall, int]] = []
         longest = 0
-        while self._queue and len(batch) < size:
-            entry = self._queue[0]
+        while self._turns and len(batch) < size:
+            tenant = self._turns[0]
+            queue = self._queues[tenant]
+            entry = queue[0]
             call, i = entry
             length = max(longest, len(call.ids[i]))
             if batch and length * (len(batch) + 1) > slots:
-                return batch  # this call stays first: the next batch starts with it
-            self._queue.popleft()
+                return batch  # this tenant and call stay first: the next batch starts with them
+            self._turns.popleft()
+            queue.popleft()
             batch.append((call, i))
             longest = length
             self._waiting -= 1
             entry[1] += 1
             if entry[1] < len(call.ids):
-                self._queue.append(entry)  # its next text waits for every other call's turn
+                queue.append(entry)  # its next text waits for its tenant's other calls' turns
+            if queue:
+                self._turns.append(tenant)  # its next text waits for every other tenant's turn
+            else:
+                del self._queues[tenant]
         return batch
 
     def run_batch(self) -> list[EmbedCall]:
@@ -322,8 +350,9 @@ class EmbeddingBatcher:
 
     def take_all(self) -> list[EmbedCall]:
         """Empty the queue; the distinct calls that were waiting (to fail them)."""
-        calls = [call for call, _ in self._queue if not call.cancelled]
-        self._queue.clear()
+        calls = [call for call, _ in self._entries() if not call.cancelled]
+        self._queues.clear()
+        self._turns.clear()
         self._waiting = 0
         return calls
 

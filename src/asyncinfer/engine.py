@@ -57,6 +57,7 @@ from asyncinfer.prompts import (
     chat_token_ids,
     check_prompt_chars,
     check_request_id,
+    check_tenant,
     check_texts,
     plain_prompt,
     prompt_token_ids,
@@ -545,25 +546,31 @@ class AsyncEngine:
             self._streams.release(request_id, stream)
 
     # -------------------------------------------------------------- embeddings
-    async def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> torch.Tensor:
+    async def embed(
+        self, texts: str | Sequence[str], *, model: str | None = None, tenant: str | None = None
+    ) -> torch.Tensor:
         """Sentence embeddings of ``texts``: a float32 CPU tensor ``[len(texts), dim]``.
 
         Rows are unit-length when the model normalises (sentence-transformers' Normalize module;
         all-MiniLM-L6-v2 does). A single string gives one row. Texts over the model's ``max_seq_len``
         tokens are truncated, as sentence-transformers does. Concurrent calls' texts are batched
         together (:class:`~asyncinfer.embedding.EmbeddingConfig`: ``max_batch_size``, ``max_wait_ms``).
-        ``model``: the embedding model's name (default: the first loaded). Cancelling the awaiting
-        task drops the call's texts still queued.
+        ``model``: the embedding model's name (default: the first loaded). ``tenant``: whom the call is
+        for (1 to 128 printable characters): the batches take one text of each waiting tenant in turn,
+        each tenant's calls taking its turns in turn, so a tenant with many calls queued gets no more of
+        every batch than one with a single call (None: all calls without a tenant are one tenant).
+        Cancelling the awaiting task drops the call's texts still queued.
 
         Raises:
-            InvalidParameterError: bad ``texts`` or ``model`` (nothing was queued).
+            InvalidParameterError: bad ``texts``, ``model`` or ``tenant`` (nothing was queued).
             RequestAbortedError: the call was aborted (remove_model or aclose with abort=True),
                 or the encoder raised on its batch (the cause is chained; the engine keeps serving).
             EngineClosedError / EngineDeadError: the engine is not running.
         """
         self._check_running()
         entry = self._models.embedder(model)
-        return await self._embed_calls.submit(entry, check_texts(texts), self._post, self._embedder_still(entry))
+        checked, group = check_texts(texts), check_tenant(tenant)
+        return await self._embed_calls.submit(entry, checked, self._post, self._embedder_still(entry), group)
 
     def _embedder_still(self, entry: EmbeddingModel) -> Callable[[], None]:
         """A check that the engine runs and ``entry`` is still loaded (after an await)."""

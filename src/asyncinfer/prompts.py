@@ -30,6 +30,8 @@ from asyncinfer.sampling_params import SamplingParams, plain_params
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 MAX_EMBED_TEXTS = 65536
+#: The longest tenant name (``embed(tenant=...)``, and the server's tenants, whose names head its request ids).
+MAX_TENANT_CHARS = 128
 MAX_REQUEST_ID_CHARS = 512  # ids are kept per request and copied into every output
 #: The longest ``cache_salt``: the prefix cache keeps a request's salt in its first cached block (the root of its
 #: hash chain) and the grammar cache in its keys, after the request has ended, until they are evicted.
@@ -418,6 +420,20 @@ def _need_tokenizer(version: ModelVersion, what: str) -> Any:
     if version.tokenizer is None:
         raise InvalidParameterError("prompt", what, NO_TOKENIZER)
     return version.tokenizer
+
+
+def check_tenant(tenant: Any) -> str | None:
+    """``embed()``'s ``tenant``: None, or the plain ``str`` it holds, 1 to :data:`MAX_TENANT_CHARS` printable
+    characters (as the server holds its tenants' names). The engine keeps it while the call's texts wait, a key
+    of the batcher's turns: a subclass's own ``__hash__`` or ``__eq__`` would run on the engine thread."""
+    if tenant is None:
+        return None
+    name = plain_value(tenant)
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS or not name.isprintable():
+        shown = name if not isinstance(name, str) or len(name) <= 64 else f"<{len(name)} chars>"
+        raise InvalidParameterError("tenant", shown, f"None or a string of 1 to {MAX_TENANT_CHARS} printable "
+                                                     "characters")
+    return name
 
 
 def check_texts(texts: Any) -> list[str]:

@@ -353,3 +353,39 @@ async def test_an_embedding_only_engine_can_add_a_generator(tiny_models, minilm_
         assert out.token_ids == reference["qwen2"][3]
         assert_same_vectors(vec, solo_vectors[5:6])
         assert [(i.name, i.kind) for i in engine.model_info()] == [("gen", "generate"), ("emb", "embed")]
+
+
+async def test_one_tenants_many_embed_calls_do_not_hold_back_anothers(minilm_dir, solo_vectors):
+    """The batches took one text of each waiting call in turn: a tenant with 40 calls queued had 40 places in a
+    round to another tenant's one, whose call ran in the eleventh batch of four. Now the turns go tenant by tenant
+    (``embed(tenant=...)``): the other tenant's call rides in the first batch."""
+    text = TEXTS[0]  # 9 tokens ([CLS] the cat sat on the mat . [SEP]): four fill 36 token slots
+    # no batch is due before a second has passed, by when every call below is queued
+    engine = AsyncEngine.from_pretrained(minilm_dir, max_batch_size=64, max_wait_ms=1000, max_batch_tokens=36)
+    async with engine:
+        finished: list[str] = []
+
+        async def embed(name: str, tenant: str | None) -> torch.Tensor:
+            vectors = await engine.embed(text, tenant=tenant)
+            finished.append(name)
+            return vectors
+
+        calls = [embed(f"a{i}", "a") for i in range(40)] + [embed("b", "b")]
+        vectors = await asyncio.gather(*calls)
+        assert finished[:4] == ["a0", "b", "a1", "a2"]  # the first batch: a's turn, b's, then a's calls in turn
+        stats = engine.embedding_stats()
+        assert (stats.num_calls, stats.num_texts, stats.batch_sizes) == (41, 41, {1: 1, 4: 10})
+        assert_same_vectors(torch.cat(vectors), solo_vectors[:1].expand(41, -1))
+
+
+@pytest.mark.parametrize(("bad", "shown"), [(5, 5), ("", ""), ("x" * 129, "<129 chars>"), ("a\nb", "a\nb"),
+                                            (b"acme", b"acme")])
+async def test_embed_refuses_a_bad_tenant_by_name(minilm_dir, bad, shown):
+    engine = AsyncEngine.from_pretrained(minilm_dir)
+    async with engine:
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.embed("hello", tenant=bad)
+        assert (err.value.parameter, err.value.value) == ("tenant", shown)
+        assert "None or a string of 1 to 128 printable characters" in str(err.value)
+        assert engine.embedding_stats().num_calls == 0
+        assert (await engine.embed("hello", tenant="x" * 128)).shape == (1, 384)

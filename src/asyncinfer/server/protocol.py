@@ -812,12 +812,13 @@ class EmbeddingRequest:
     texts: list[str]
     base64: bool
     dimensions: int | None
+    user: str | None = None  # the tenant where ServerSettings.tenant_from="request"
 
 
 def parse_embedding(body: Any) -> EmbeddingRequest:
     fields = _fields(body, _EMBEDDING)
     model = _typed(fields, "model", str, "a string")
-    _typed(fields, "user", str, "a string")
+    user = _typed(fields, "user", str, "a string")
     dimensions = _typed(fields, "dimensions", int, "an integer")
     fmt = fields.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -833,4 +834,4 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         raise _bad("input", f"`input` must be a string or a list of 1 to {MAX_EMBED_INPUTS} strings.")
     if any(t == "" for t in texts):  # as OpenAI's: an empty string has nothing to embed
         raise _bad("input", "`input` cannot hold an empty string: every text to embed needs at least one character.")
-    return EmbeddingRequest(model, list(texts), fmt == "base64", dimensions)
+    return EmbeddingRequest(model, list(texts), fmt == "base64", dimensions, user)

@@ -314,15 +314,11 @@ class _OpenAI:
         owner = settings.tenants.get(call.key) if settings.tenant_from == "api-key" and call.key else None
         priority: int | None = None
         if settings.tenant_from == "request":
-            tenant = None if body.user is None else check_tenant_name(body.user, "user")
             priority = body.priority
         elif body.priority is not None:
             raise APIError(400, "This server sets request priorities by its own policy: `priority` is not "
                                 "accepted in requests.", param="priority", code="unsupported_parameter")
-        elif settings.tenant_from == "api-key":
-            tenant = None if owner is None else owner.name
-        else:
-            tenant = self._tenant_header(call.request)
+        tenant = self._tenant(call, body.user)
         if priority is None and settings.priority_header is not None:
             raw = call.request.headers.get(settings.priority_header)
             if raw is not None:
@@ -339,6 +335,29 @@ class _OpenAI:
         if priority is None:
             priority = owner.priority if owner is not None else settings.tenant_priorities.get(tenant or "", 0)
         return tenant, priority
+
+    def _tenant(self, call: _Call, user: str | None) -> str | None:
+        """The call's tenant by the deployment's policy (``ServerSettings.tenant_from``): its key's ``Tenant``, the
+        tenant header, or (only where the deployment trusts its callers) the body's ``user``; None without one."""
+        settings = self.settings
+        if settings.tenant_from == "request":
+            return None if user is None else check_tenant_name(user, "user")
+        if settings.tenant_from == "api-key":
+            owner = settings.tenants.get(call.key) if call.key else None
+            return None if owner is None else owner.name
+        return self._tenant_header(call.request)
+
+    def _embedding_tenant(self, call: _Call, user: str | None) -> str | None:
+        """Whom an embedding call's texts are batched as (``AsyncEngine.embed``'s ``tenant``: the batches take the
+        tenants in turn): its tenant, else its API key, as ``max_requests_per_tenant`` counts a generation's places.
+        A key is named by its hash (``key:<sha256>``, never the key itself); without either, the call is in the one
+        group of all such calls."""
+        if self.settings.tenant_from == "header":
+            single_header(call.request, self.settings.tenant_header)  # a 400 when given twice, as for a generation
+        tenant = self._tenant(call, user)
+        if tenant is not None or call.key is None:
+            return tenant
+        return "key:" + hashlib.sha256(call.key.encode()).hexdigest()
 
     def _take_places(self, call: _Call, tenant: str | None, prompts: int, n: int = 1) -> None:
         """The caller's places (``max_requests_per_tenant``; its tenant's, else its key's) for ``prompts`` prompts of
@@ -703,8 +722,9 @@ class _OpenAI:
         if body.dimensions is not None and body.dimensions != dimension:
             raise APIError(400, f"`dimensions` must be {dimension} for `{model}` (it cannot shorten its vectors).",
                            param="dimensions")
+        tenant = self._embedding_tenant(call, body.user)
         count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
-        vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model))
+        vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model, tenant=tenant))
         counts = await self._off_loop_if_long(texts_cost(body.texts), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         tokens = sum(counts)

@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncinfer.catalog import check_name
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.prompts import MAX_TENANT_CHARS  # a tenant's name (and the OpenAI ``user``): heads the request ids
 
 #: Environment variable with the accepted API keys, comma-separated (``--api-key`` adds to them).
 API_KEYS_ENV = "ASYNCINFER_API_KEY"
@@ -22,7 +23,6 @@ CACHE_ISOLATION = ("off", "api-key", "header")
 TENANT_FROM = ("api-key", "header", "request")
 MAX_INSTANCE_ID_CHARS = 256  # ServerSettings.instance_id, a header's value
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: what a field name may hold
-MAX_TENANT_CHARS = 128  # a tenant's name (and the OpenAI ``user`` field): it heads the engine's request ids
 
 
 def keys_from_text(name: str, raw: str, unset: str = "unset it to ask for none") -> tuple[str, ...]:

@@ -1,0 +1,70 @@
+"""``/v1/embeddings`` calls are batched by tenant: the router hands ``AsyncEngine.embed`` the call's tenant, the
+one ``tenant_from`` names (else its API key's own group), so one key's flood of calls takes one text in every
+round of the batches, as another key's single call does. The router passed no tenant: key A's 500 concurrent calls
+of long texts held key B's one-text call for about 500 / 8 batches."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+
+from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app
+
+from .conftest import LiveServer
+
+
+def key_group(key: str) -> str:
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenants_seen(settings: ServerSettings, minilm_dir, calls) -> list:
+    """The ``tenant`` the engine's ``embed`` got for each (headers, body changes) call; a refused call records
+    its 400's param and code."""
+    got: list = []
+    with LiveServer(create_app(ModelSpec(str(minilm_dir), "minilm"), settings), settings) as live, \
+            httpx.Client(base_url=live.url) as http:
+        real = live.engine.embed
+
+        async def spy(texts, *, model=None, tenant=None):
+            got.append(tenant)
+            return await real(texts, model=model, tenant=tenant)
+
+        live.engine.embed = spy  # type: ignore[method-assign]
+        for headers, extra in calls:
+            r = http.post("/v1/embeddings", headers=headers, json={"model": "minilm", "input": "hello", **extra})
+            if r.status_code == 400:
+                got.append(("400", r.json()["error"]["param"], r.json()["error"]["code"]))
+            else:
+                assert r.status_code == 200, r.text
+                assert len(r.json()["data"][0]["embedding"]) == 384
+    return got
+
+
+def test_each_key_is_its_own_group_and_a_keys_tenant_names_it(minilm_dir) -> None:
+    """The brief's deployment (``--api-key A --api-key B --tenant-from api-key``): each key's calls are one group,
+    named by the key's hash (never the key); a key's ``Tenant`` names its group; the body's ``user`` changes nothing."""
+    settings = ServerSettings(api_keys=("sk-a", "sk-b"),
+                              tenants={"sk-acme": Tenant("acme"), "sk-acme2": Tenant("acme")})
+    a, b = {"authorization": "Bearer sk-a"}, {"authorization": "Bearer sk-b"}
+    acme, acme2 = {"authorization": "Bearer sk-acme"}, {"authorization": "Bearer sk-acme2"}
+    got = tenants_seen(settings, minilm_dir, [(a, {}), (b, {}), (a, {"user": "acme"}), (acme, {}), (acme2, {})])
+    assert got == [key_group("sk-a"), key_group("sk-b"), key_group("sk-a"), "acme", "acme"]
+    assert key_group("sk-a") != key_group("sk-b") and all("sk-" not in name for name in got)
+
+
+def test_without_keys_every_call_is_one_group(minilm_dir) -> None:
+    assert tenants_seen(ServerSettings(), minilm_dir, [({}, {}), ({}, {"user": "bob"})]) == [None, None]
+
+
+def test_a_trusted_header_or_body_names_the_tenant(minilm_dir) -> None:
+    settings = ServerSettings(tenant_from="header", tenant_header="X-Team")
+    calls = [({"x-team": "vip"}, {}), ({}, {}), ({"x-team": "bob"}, {"user": "vip"}), ({"x-team": ""}, {}),
+             (httpx.Headers([("x-team", "vip"), ("x-team", "bob")]), {})]
+    assert tenants_seen(settings, minilm_dir, calls) == [
+        "vip", None, "bob", ("400", None, "invalid_tenant"), ("400", None, "duplicate_header")]
+    settings = ServerSettings(tenant_from="request")
+    calls = [({}, {"user": "bob"}), ({}, {}), ({"x-tenant-id": "vip"}, {"user": "a/b"}), ({}, {"user": "u" * 129}),
+             ({}, {"user": "a\nb"})]
+    assert tenants_seen(settings, minilm_dir, calls) == [
+        "bob", None, "a/b", ("400", "user", None), ("400", "user", None)]
