@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.5, 0.2], metavar="S")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=64, help="tokens the neighbour streams")
+    p.add_argument("--tokens", type=int, default=256, help="tokens the neighbour streams (long enough for a few "
+                   "of the flood's batches at the smallest share)")
     p.add_argument("--flooders", type=int, default=6, help="callers sending embed() calls back to back")
     p.add_argument("--texts", type=int, default=256, help="texts in each flood call")
     p.add_argument("--threads", type=int, default=None, help="torch threads (num_threads)")
@@ -125,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
               f"   {s['max_gap_ms']:8.1f} ms   {s['texts_per_s']:8.1f}")
     if args.json:
         record = {"command": " ".join(["python", "benchmarks/embedding_share.py", *(argv or sys.argv[1:])]),
-                  "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), "settings": vars(args),
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
+                  "settings": {**vars(args), "json": str(args.json)}, "load_average": os.getloadavg(),
                   "machine": machine_info(), **result}
-        record["settings"]["json"] = str(args.json)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
 
