@@ -53,8 +53,9 @@ class EmbeddingConfig:
       (default 5; 0 = run whatever is queued at once).
     - ``max_busy_share``: while a generator has requests, the largest share of the engine thread's time this
       model's batches take, in (0, 1] (default 0.2): after a batch of ``t`` seconds the next one waits for
-      ``t * (1 - share) / share`` seconds of other work, so a flood of embeddings slows a stream's tokens by at
-      most ``1 / (1 - share)`` on average (1.25x), while any one token still waits for at most one batch.
+      ``t * (1 - share) / share`` seconds of other work, so a flood's batches slow a stream's tokens by
+      ``1 / (1 - share)`` on average (1.25x; 1.31x measured with the flood's tokenizing and answers,
+      docs/models_and_embeddings.md), while any one token still waits for at most one batch.
       1 = a batch between every two steps, as soon as one is due. With no generator busy, batches run at once.
     - ``max_seq_len``: tokens read per text, [CLS]/[SEP] included; longer texts are
       truncated as sentence-transformers does (default: the model's, 256 for MiniLM). 2 to the model's
