@@ -650,7 +650,7 @@ def test_the_round_probe_peer_table_is_the_results_files() -> None:
             for name, f in names.items()}
     formats = (ROOT / "docs" / "formats.md").read_text()
     start = formats.index("- **Each round against its own probe.**")
-    section = formats[start:formats.index("**Quality**", start)]
+    section = formats[start:formats.index("- **A long prefill chunk's fresh memory.**", start)]  # its bullet only
     rows = _table_rows(section, names)
     for name, r in runs.items():
         one = r["one_request"]
@@ -676,3 +676,28 @@ def test_the_round_probe_peer_table_is_the_results_files() -> None:
     rate, step = q4_k_m["prefill"]["asyncinfer_median_tokens_per_s"], 1 / q4_k_m["one_request"]["asyncinfer_median_tokens_per_s"]
     assert (f"prefills {rate:.1f} prompt tokens a second on two threads of this machine, so a 1,024-token chunk takes "
             f"about {1024 / rate:.0f} s, against the {step * 1e3:.0f} ms of a step of one decode") in reliability
+
+
+def test_the_bfloat16_peer_table_is_the_results_files() -> None:
+    """docs/formats.md's table of benchmarks/peer.py's three runs with activation_dtype="bfloat16" on the AMX Xeon,
+    every cell, what it says is met and behind, and the README's sentence on them, equal the three records."""
+    import json
+
+    names = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0", "Q8_0": "q8_0"}
+    runs = {name: json.loads((ROOT / "benchmarks" / "results" / f"peer_1b_{f}_bf16_xeon.json").read_text())
+            for name, f in names.items()}
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    start = formats.index("- **bfloat16 against llama.cpp, end to end**")
+    section = formats[start:formats.index("**Quality**", start)]
+    rows = _table_rows(section, names)
+    for name, r in runs.items():
+        assert rows[name] == _peer_cells(r)
+        assert r["commit"].startswith("e658e9a") and r["settings"]["activation_dtype"] == "bfloat16"
+    flat = " ".join(section.split())
+    off = [r["many"]["ratio_prefix_cache_off"] for r in runs.values()]
+    assert min(off) >= 2 and f"run at **{min(off):.2f}x-{max(off):.2f}x**" in flat
+    shares = [r["one_request"]["asyncinfer_bandwidth_use"] for r in runs.values()]
+    assert max(shares) < 0.85 and f"one request reads {min(shares) * 100:.0f}-{max(shares):.0%} of the probe" in flat
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"**{off[0]:.2f}x (Q4_K_M), {off[1]:.2f}x (Q4_0) and {off[2]:.2f}x (Q8_0)** llama.cpp's best slot count"
+            in readme)

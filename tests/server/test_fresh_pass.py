@@ -128,8 +128,8 @@ def test_an_embedding_model_removed_as_its_call_ends_still_answers_the_call(mini
         real_embed = engine.embed
         expected = sum(len(ids) for ids in engine.get_tokenizer("minilm")(["a text", "another"])["input_ids"])
 
-        async def embed_then_removed(texts, *, model=None):
-            vectors = await real_embed(texts, model=model)
+        async def embed_then_removed(texts, *, model=None, tenant=None):
+            vectors = await real_embed(texts, model=model, tenant=tenant)
             await engine.remove_model("leaving")  # its calls are done: it goes before the route counts
             return vectors
 
