@@ -224,3 +224,17 @@ def own_routes_app(errors: list[BaseException]) -> Any:
         return StreamingResponse(body())
 
     return guard_app(app)
+
+
+@pytest.fixture(scope="module")
+def generator_only(tiny_models) -> Iterator[LiveServer]:
+    """As ``asyncinfer serve`` starts by default: one generator (the tiny Qwen2, "ids"), no embedding model."""
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def encoder_only(minilm_dir) -> Iterator[LiveServer]:
+    """A server of one sentence encoder ("minilm") and no generator."""
+    with LiveServer(create_app(ModelSpec(str(minilm_dir), "minilm"))) as live:
+        yield live

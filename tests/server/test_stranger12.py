@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
-from asyncinfer.server import ModelSpec, create_app
-from tests.server.conftest import TINY_OPTIONS, LiveServer
+from tests.server.conftest import LiveServer
 
 EMBED_HOW = ("an embedding model: /v1/embeddings needs one, which the server's operator adds with `asyncinfer serve "
              "--embedding-model all-MiniLM-L6-v2` (or a ModelSpec of a sentence encoder in create_app).")
 GENERATE_HOW = ("a generation model: the chat and completions routes need one, which the server's operator adds with "
                 "`asyncinfer serve MODEL` (or a ModelSpec of a generator in create_app).")
-
-
-@pytest.fixture(scope="module")
-def generator_only(tiny_models) -> Iterator[LiveServer]:
-    """As ``asyncinfer serve`` starts by default: one generator, no embedding model."""
-    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS))) as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def encoder_only(minilm_dir) -> Iterator[LiveServer]:
-    with LiveServer(create_app(ModelSpec(str(minilm_dir), "minilm"))) as live:
-        yield live
 
 
 def _error(server: LiveServer, path: str, body: dict) -> dict:
