@@ -18,6 +18,10 @@ def key_group(key: str) -> str:
     return "key:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+def tenant_group(name: str) -> str:
+    return "tenant:" + hashlib.sha256(name.encode()).hexdigest()
+
+
 def tenants_seen(settings: ServerSettings, minilm_dir, calls) -> list:
     """The ``tenant`` the engine's ``embed`` got for each (headers, body changes) call; a refused call records
     its 400's param and code."""
@@ -49,7 +53,7 @@ def test_each_key_is_its_own_group_and_a_keys_tenant_names_it(minilm_dir) -> Non
     a, b = {"authorization": "Bearer sk-a"}, {"authorization": "Bearer sk-b"}
     acme, acme2 = {"authorization": "Bearer sk-acme"}, {"authorization": "Bearer sk-acme2"}
     got = tenants_seen(settings, minilm_dir, [(a, {}), (b, {}), (a, {"user": "acme"}), (acme, {}), (acme2, {})])
-    assert got == [key_group("sk-a"), key_group("sk-b"), key_group("sk-a"), "acme", "acme"]
+    assert got == [key_group("sk-a"), key_group("sk-b"), key_group("sk-a"), tenant_group("acme"), tenant_group("acme")]
     assert key_group("sk-a") != key_group("sk-b") and all("sk-" not in name for name in got)
 
 
@@ -62,9 +66,22 @@ def test_a_trusted_header_or_body_names_the_tenant(minilm_dir) -> None:
     calls = [({"x-team": "vip"}, {}), ({}, {}), ({"x-team": "bob"}, {"user": "vip"}), ({"x-team": ""}, {}),
              (httpx.Headers([("x-team", "vip"), ("x-team", "bob")]), {})]
     assert tenants_seen(settings, minilm_dir, calls) == [
-        "vip", None, "bob", ("400", None, "invalid_tenant"), ("400", None, "duplicate_header")]
+        tenant_group("vip"), None, tenant_group("bob"), ("400", None, "invalid_tenant"), ("400", None, "duplicate_header")]
     settings = ServerSettings(tenant_from="request")
     calls = [({}, {"user": "bob"}), ({}, {}), ({"x-tenant-id": "vip"}, {"user": "a/b"}), ({}, {"user": "u" * 129}),
              ({}, {"user": "a\nb"})]
     assert tenants_seen(settings, minilm_dir, calls) == [
-        "bob", None, "a/b", ("400", "user", None), ("400", "user", None)]
+        tenant_group("bob"), None, tenant_group("a/b"), ("400", "user", None), ("400", "user", None)]
+
+
+def test_a_tenant_named_as_a_keys_group_is_not_in_it(minilm_dir) -> None:
+    """A tenant whose name is ``key:<sha256 of a key>`` (a trusted header's or body's, or a key's ``Tenant``) is
+    not batched with that key's calls: tenants and keys are named in two spaces. Names went to the engine as they
+    were, so such a tenant joined the key's group and took its turns."""
+    posing = key_group("sk-a")
+    settings = ServerSettings(api_keys=("sk-a",), tenant_from="header", tenant_header="X-Team")
+    a = {"authorization": "Bearer sk-a"}
+    got = tenants_seen(settings, minilm_dir, [(a, {}), ({**a, "x-team": posing}, {})])
+    assert got == [key_group("sk-a"), tenant_group(posing)] and got[0] != got[1]
+    settings = ServerSettings(tenant_from="request")
+    assert tenants_seen(settings, minilm_dir, [({}, {"user": posing})]) == [tenant_group(posing)]

@@ -350,13 +350,16 @@ class _OpenAI:
     def _embedding_tenant(self, call: _Call, user: str | None) -> str | None:
         """Whom an embedding call's texts are batched as (``AsyncEngine.embed``'s ``tenant``: the batches take the
         tenants in turn): its tenant, else its API key, as ``max_requests_per_tenant`` counts a generation's places.
-        A key is named by its hash (``key:<sha256>``, never the key itself); without either, the call is in the one
-        group of all such calls."""
+        Both are named by a hash, in two spaces that cannot meet (``tenant:<sha256 of the name>``,
+        ``key:<sha256 of the key>``; never the key itself): a tenant named ``key:<a key's hash>`` joined that key's
+        group when names went as they were. Without either, the call is in the one group of all such calls."""
         if self.settings.tenant_from == "header":
             single_header(call.request, self.settings.tenant_header)  # a 400 when given twice, as for a generation
         tenant = self._tenant(call, user)
-        if tenant is not None or call.key is None:
-            return tenant
+        if tenant is not None:
+            return "tenant:" + hashlib.sha256(tenant.encode()).hexdigest()
+        if call.key is None:
+            return None
         return "key:" + hashlib.sha256(call.key.encode()).hexdigest()
 
     def _take_places(self, call: _Call, tenant: str | None, prompts: int, n: int = 1) -> None:
