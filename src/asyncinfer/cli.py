@@ -464,13 +464,16 @@ async def _embed(args: argparse.Namespace) -> int:
     options = {"device": args.device, "dtype": args.dtype}
     if args.threads is not None:
         options["num_threads"] = args.threads
+    from asyncinfer import EmbeddingPlan
+
+    # What the model is, from its config, before any weight is read: a generator was loaded whole, then refused
+    if not isinstance(AsyncEngine.plan_memory(args.model, **options), EmbeddingPlan):
+        from asyncinfer.commands import CommandError
+
+        raise CommandError(f"--model {args.model!r} is a generator (a text generation model), not a sentence "
+                           "encoder: give --model a sentence encoder, e.g. all-MiniLM-L6-v2 (the default)")
     async with await AsyncEngine.load(args.model, name="embed", **options) as engine:
         (info,) = engine.model_info()
-        if info.kind != "embed":
-            from asyncinfer.commands import CommandError
-
-            raise CommandError(f"--model {args.model!r} is a generator (a text generation model), not a sentence "
-                               "encoder: give --model a sentence encoder, e.g. all-MiniLM-L6-v2 (the default)")
         vectors = await engine.embed(args.texts)
     if args.json:
         print(json.dumps({"model": info.source, "texts": args.texts, "embeddings": vectors.tolist()}))

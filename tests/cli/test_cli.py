@@ -245,7 +245,12 @@ def test_bench_concurrency_is_repeatable() -> None:
     assert levels("--concurrency", "4,1", "--concurrency", "1,8") == [4, 1, 8]
 
 
-def test_embed_given_a_generator_names_the_flag(tiny_models, capsys) -> None:
+def test_embed_given_a_generator_names_the_flag(tiny_models, capsys, monkeypatch) -> None:
+    """Refused from the model's config, before any weight is read (the generator was loaded whole, then refused)."""
+    async def no_load(*args, **kwargs):
+        raise AssertionError("the generator was loaded before it was refused")
+
+    monkeypatch.setattr(AsyncEngine, "load", no_load)
     path = str(tiny_models["llama"][0])
     assert cli.main(["embed", "--model", path, "--device", "cpu", "hi"]) == 2
     assert one_line_error(capsys) == (f"asyncinfer: error: --model {path!r} is a generator (a text generation "
