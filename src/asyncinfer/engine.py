@@ -627,9 +627,14 @@ class AsyncEngine:
         """The live models and versions: name, kind, id, source, state, requests in flight, memory plan.
 
         Generators first, in load order (live versions oldest first), then embedding models. An old
-        version, or a model being removed, is ``"draining"`` until its last request has ended.
+        version, or a model being removed, is ``"draining"`` until its last request has ended. Once the
+        engine is closed (or its step loop has broken) every entry's state is ``"closed"`` (or ``"dead"``):
+        none takes requests, and the entries say what was loaded.
         """
-        return self._models.infos(self._streams.in_flight)
+        infos = self._models.infos(self._streams.in_flight)
+        if self._state in (EngineState.CLOSED, EngineState.DEAD):  # "current" said it still served
+            infos = [dataclasses.replace(info, state=self._state.value) for info in infos]
+        return infos
 
     def reset_prefix_cache(self) -> None:
         """Forget every generator's cached prompt prefixes, at the next step boundary: requests

@@ -189,6 +189,7 @@ async def test_faults_on_consecutive_steps_kill_the_engine_and_every_waiter_hear
         assert isinstance(dead, EngineDeadError) and "2 consecutive steps" in str(dead)
         assert isinstance(dead.__cause__, Injected)
         assert engine.state is EngineState.DEAD
+        assert [info.state for info in engine.model_info()] == ["dead"]  # it said "current"
         with pytest.raises(EngineDeadError):
             await engine.generate(OTHER, greedy(4))
     assert engine.state is EngineState.DEAD
@@ -239,3 +240,11 @@ async def test_a_plan_naming_an_unknown_request_leaves_it_out(tiny_models, hf_gr
         assert (await engine.generate(PROMPT, greedy(4))).token_ids == hf_greedy(hf, PROMPT, 4)
         assert engine.step_stats().failed_steps == 0
     assert engine.kv_stats().used_blocks == 0
+
+
+async def test_model_info_after_close_says_closed(tiny_models) -> None:
+    """After ``aclose()`` no version takes requests: model_info said each was still ``"current"``."""
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    async with engine:
+        assert [(info.state, info.version_id) for info in engine.model_info()] == [("current", 0)]
+    assert [(info.state, info.version_id) for info in engine.model_info()] == [("closed", 0)]
