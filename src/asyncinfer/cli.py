@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from asyncinfer.commands import flag_value
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
@@ -110,7 +111,7 @@ def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingPara
         if field == "stop" and isinstance(value, list):  # the one bad --stop, not the list of them
             value = next((v for v in value if not (isinstance(v, str) and v)), value)
             allowed = "a non-empty string"
-        shown = repr(value) if isinstance(value, str) else str(value)
+        shown = flag_value(value)
         which = f" (occurrence {int(index.rstrip(']')) + 1})" if index.rstrip("]").isdigit() else ""
         raise InvalidParameterError(flag, value, allowed,
                                     message=f"{flag} {shown}{which} is invalid: allowed {allowed}") from None
@@ -965,7 +966,7 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         if flag == "--trace" and args.trace is not None and value != args.trace:  # a request of it (value: its id)
             return (f"--trace {args.trace}: request {value!r} is invalid: allowed {exc.allowed} (--max-model-len sets "
                     "the limit)")
-        shown = repr(value) if isinstance(value, str) else str(value)
+        shown = flag_value(value)
         allowed = exc.allowed
         if (args.command, exc.parameter) == ("plan", "quantization"):  # the flag takes none (the dtype), not None
             import re
@@ -986,7 +987,7 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
             if exc.parameter in _KEY_FLAGS and isinstance(value, tuple):
                 value = next((k for k in value if not (isinstance(k, str) and k)), value)
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
-            shown = repr(value) if isinstance(value, str) else str(value)
+            shown = flag_value(value)
             allowed = range_in_words(_serve_terms(exc.allowed), none=None)
             return f"{flag} {_serve_terms(shown)} is invalid: allowed {allowed}"
         return str(exc)

@@ -224,8 +224,8 @@ def test_generate_refuses_a_file_that_is_not_utf8(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-tokens", "-3"], "--max-tokens -3 is invalid: allowed an integer >= 1"),
-    (["--temperature", "-1"], "--temperature -1.0 is invalid: allowed a number in [0, 10000] (0 = greedy)"),
-    (["--top-p", "2"], "--top-p 2.0 is invalid: allowed a number in (0, 1]"),
+    (["--temperature", "-1"], "--temperature -1 is invalid: allowed a number in [0, 10000] (0 = greedy)"),
+    (["--top-p", "2"], "--top-p 2 is invalid: allowed a number in (0, 1]"),
     (["--stop", "a", "--stop", ""], "--stop '' is invalid: allowed a non-empty string"),
 ])
 def test_a_bad_sampling_flag_is_named_by_its_flag(command, flags, message, tmp_path, capsys) -> None:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from asyncinfer.errors import AsyncInferError
 
 
 class CommandError(AsyncInferError):
     """A command's input cannot be used (a bad JSONL line, say); the message says where and why."""
+
+
+def flag_value(value: Any) -> str:
+    """A flag's value in a refusal, as it would be typed: a string quoted, a whole number without argparse's
+    ``.0`` (``--header-timeout 0`` was refused as ``--header-timeout 0.0``), other numbers as Python writes them."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return str(value)
 
 
 def check_one_model(command: str, model_arg: str | None, model: str | None) -> None:

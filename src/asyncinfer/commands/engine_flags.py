@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.commands import flag_value
 from asyncinfer.config import MAX_THREADS, EngineConfig, UnknownOptionError
 from asyncinfer.errors import InvalidParameterError
 
@@ -241,7 +242,7 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     if flag.field == "scheduler_options" and isinstance(value, dict):  # as typed (KEY=VALUE), not a Python dict
         shown = " ".join(f"{key}={json.dumps(v)}" for key, v in value.items())
     else:
-        shown = "none" if value is None else repr(value) if isinstance(value, str) else str(value)
+        shown = "none" if value is None else flag_value(value)
     from asyncinfer.embedding import EmbeddingConfig
 
     if isinstance(exc, UnknownOptionError) and exc.options is EmbeddingConfig:  # a generator's flag for an encoder
