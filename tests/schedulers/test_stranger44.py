@@ -37,3 +37,33 @@ def test_the_commands_say_it_in_their_flags_terms(capsys) -> None:
     err = capsys.readouterr().err
     assert err == (f"asyncinfer: error: --schedulers 'pd_split' is invalid: allowed one of {available_schedulers()} or "
                    "'module:Class'; did you mean 'pd-split'?\n")
+
+
+def _refusing_class():
+    """A plugin whose constructor refuses an option with a plain ValueError, not the contract's InvalidParameterError."""
+    from asyncinfer.schedulers.fifo import FIFOScheduler
+
+    class Picky(FIFOScheduler):
+        def __init__(self, config, kv, weight: int = 1) -> None:
+            if weight <= 0:
+                raise ValueError("weight must be positive")
+            super().__init__(config, kv)
+
+    return Picky
+
+
+def test_the_conformance_suite_names_a_constructor_that_refuses_with_its_own_error() -> None:
+    """``check_scheduler(Picky, {"weight": -1})`` let the plugin's ValueError through as raised, unlike the lab
+    (a broken contract, its error chained) and the engine (the options' InvalidParameterError)."""
+    from asyncinfer.conformance import check_scheduler
+    from asyncinfer.schedulers.testing import ContractViolation
+
+    picky = _refusing_class()
+    with pytest.raises(ContractViolation) as info:
+        check_scheduler(picky, {"weight": -1}, engine=False)
+    assert str(info.value) == ("Picky cannot be constructed as the engine constructs it (scheduler(config, kv, "
+                               "**options)): its constructor raised ValueError: weight must be positive with options "
+                               "{'weight': -1} (a bad option is an InvalidParameterError naming it)")
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(InvalidParameterError):  # an option it does not take: named by the registry, as before
+        check_scheduler(picky, {"wieght": 1}, engine=False)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
-from asyncinfer.errors import exception_text
+from asyncinfer.errors import AsyncInferError, exception_text
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
@@ -262,10 +262,14 @@ def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = No
     """The class's ``uses_priority`` and ``starvation_free`` are declared as bools; returns the class."""
     try:
         cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
-    except (AttributeError, TypeError) as exc:  # e.g. a subclass whose __init__ skips super().__init__
+    except AsyncInferError:  # a bad spec or option, named (InvalidParameterError)
+        raise
+    except Exception as exc:  # e.g. a plain ValueError for an option: it went through as the plugin raised it
         name = getattr(scheduler, "__name__", scheduler)
         raise ContractViolation(f"{name} cannot be constructed as the engine constructs it "
-                                f"(scheduler(config, kv, **options)): {exception_text(exc)}") from exc
+                                f"(scheduler(config, kv, **options)): its constructor raised {exception_text(exc)} "
+                                f"with options {dict(options or {})} (a bad option is an InvalidParameterError "
+                                "naming it)") from exc
     for flag in ("uses_priority", "starvation_free"):
         if not isinstance(getattr(cls, flag, None), bool):
             raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
