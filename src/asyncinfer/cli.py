@@ -313,8 +313,11 @@ def _lab(args: argparse.Namespace) -> int:
             raise _option_error(exc, name, options.get(name) or {}) from None
         results[name] = result.records
         summaries.append(lab.summarize(name, result.records, slo))
+    asked, produced = sum(t.output_len for t in trace), max(s.output_tokens for s in summaries)
+    cut = (f"; {produced} produced: each request ends at --max-model-len {args.max_model_len}"
+           if produced < asked else "")  # the figures are of the shorter outputs
     print(f"trace: {source} ({len(trace)} requests, {sum(t.prompt_len for t in trace)} prompt and "
-          f"{sum(t.output_len for t in trace)} output tokens)")
+          f"{asked} output tokens{cut})")
     print(f"cost model: {args.cost_model or 'shipped'} ({cost.meta.get('model', '?')}, "
           f"{cost.meta.get('cpu', '?')}); {args.num_blocks} blocks x {args.block_size}, "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")

@@ -67,3 +67,23 @@ def test_the_conformance_suite_names_a_constructor_that_refuses_with_its_own_err
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(InvalidParameterError):  # an option it does not take: named by the registry, as before
         check_scheduler(picky, {"wieght": 1}, engine=False)
+
+
+def test_the_lab_shows_no_tpot_as_a_dash_and_says_why(capsys, tmp_path) -> None:
+    """``lab --synthetic 5 --max-model-len 10``: every request ends after one token, so there is no TPOT. The
+    table printed ``nan``, the JSON file ``NaN`` (not JSON), and the trace line the trace's 476 output tokens as if
+    they were produced."""
+    import json
+
+    out_file = tmp_path / "lab.json"
+    assert cli.main(["lab", "--synthetic", "5", "--max-model-len", "10", "--schedulers", "fifo",
+                     "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    assert "(5 requests, 45 prompt and 476 output tokens; 5 produced: each request ends at --max-model-len 10)" in out
+    row = next(line for line in out.splitlines() if line.startswith("fifo"))
+    assert row.split()[4:6] == ["-", "-"]  # TPOT p50, p99
+    assert out.rstrip().endswith("TPOT -: no request produced two or more output tokens (TPOT is the time per token "
+                                 "after the first)")
+    summary = json.loads(out_file.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert summary["summaries"][0]["tpot_p50"] is None and summary["summaries"][0]["output_tokens"] == 5

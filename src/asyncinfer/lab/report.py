@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,7 +65,9 @@ class PolicySummary:
     preemptions: int
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The figures; one with nothing to measure it by (NaN: TPOT where no request had two tokens) is None,
+        JSON's null (``json.dump`` wrote ``NaN``, which strict JSON readers refuse)."""
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(self).items()}
 
 
 def summarize(policy: str, records: Sequence[RequestRecord], slo: Slo = Slo(),
@@ -123,15 +126,26 @@ _COLUMNS = (
 )
 
 
+_NONE = "-"
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
 def format_table(summaries: Sequence[PolicySummary]) -> str:
-    """A fixed-width table, one row per policy (times in seconds)."""
+    """A fixed-width table, one row per policy (times in seconds); ``-`` where there was nothing to measure (TPOT
+    with no request of two or more output tokens), and a line under the table saying so."""
     rows = [[h for h, _, _ in _COLUMNS]]
-    for s in summaries:
-        rows.append([fmt.format(getattr(s, attr)) for _, attr, fmt in _COLUMNS])
+    for s in summaries:  # "-" for a figure with nothing to measure it by (it printed "nan")
+        rows.append([_NONE if _is_nan(v := getattr(s, attr)) else fmt.format(v) for _, attr, fmt in _COLUMNS])
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    if any(_is_nan(s.tpot_p50) for s in summaries):
+        lines.append("TPOT -: no request produced two or more output tokens (TPOT is the time per token after the "
+                     "first)")
     return "\n".join(lines)
 
 
