@@ -336,6 +336,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         model: str | None = None,
         version_id: int | None = None,
+        tenant: str | None = None,
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
 
@@ -348,6 +349,9 @@ class AsyncEngine:
         model the prompt was made for (token ids its tokenizer or chat template made; :meth:`model_info`'s
         ``version_id``): if a swap replaced it before the request is bound, the request is refused with
         ModelChangedError rather than run by a version whose tokenizer never made those ids.
+        ``tenant``: whom the request is for (None, or 1 to 128 printable characters): a structured request's
+        grammar compile waits for that tenant's other compiles (else its ``cache_salt``'s), never ahead of
+        other tenants' (docs/reliability.md); it changes nothing else.
 
         Raises (docs/reliability.md): InvalidParameterError (bad prompt or parameters; nothing
         was queued), EngineOverloadedError (``max_waiting_requests``), ModelChangedError (``version_id``
@@ -357,7 +361,7 @@ class AsyncEngine:
         """
         prompt = plain_prompt(prompt)  # checked as what it holds, not as a subclass says
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
-                                  version_id)
+                                  version_id, tenant)
         try:
             request, version, holder, binding = await self._bind(prompt, args, model)
         except AbortedWhileWaiting:
@@ -377,6 +381,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         model: str | None = None,
         version_id: int | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield :class:`StreamDelta` pieces as tokens are generated; the last has ``finish_reason``.
 
@@ -386,13 +391,13 @@ class AsyncEngine:
         Cancelling the consuming task aborts the request, and so does breaking out of the loop once the
         stream is closed: at once for a stream written in the ``async for`` line, but one kept in a variable
         runs on until ``await stream.aclose()`` (or ``contextlib.aclosing``) or until nothing refers to it.
-        Raises the same errors as :meth:`generate` at the call itself, before any delta
+        The keywords are :meth:`generate`'s. Raises the same errors as :meth:`generate` at the call itself, before any delta
         (texts over 4096 characters, or past the loop's share of tokenizing in its current turn, tokenized
         off the loop, are length-checked at the first).
         """
         prompt = plain_prompt(prompt)
         args = self._intake.check(prompt, params, request_id, priority, cache_salt, model, self._check_running,
-                                  version_id)
+                                  version_id, tenant)
         return self._stream(prompt, args, model)
 
     async def _stream(self, prompt: Prompt, args: RequestArgs, model: str | None) -> AsyncIterator[StreamDelta]:

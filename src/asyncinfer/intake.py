@@ -11,8 +11,8 @@ request being posted to the engine thread. A structured request's grammar
 the version's cache, or in a worker thread (never on the loop), so that a spec the
 grammar library refuses is an :class:`InvalidParameterError` before anything is queued. At most
 :data:`MAX_CONCURRENT_COMPILES` compiles run at once per engine, in threads of their own limiter, and one
-at a time per ``cache_salt``: a caller sending many costly specs queues behind itself, holds one of those places
-at most, and never holds the worker threads (anyio's shared pool) that other callers' tokenizing and body
+at a time per ``tenant`` (else per ``cache_salt``): a caller sending many costly specs queues behind itself, holds
+one of those places at most, and never holds the worker threads (anyio's shared pool) that other callers' tokenizing and body
 decoding use.
 
 Two kinds of request wait their turn in ``bind`` (:class:`Turns`, a token bucket each, first come, first served),
@@ -53,6 +53,7 @@ from asyncinfer.prompts import (
     check_request_args,
     check_request_id,
     check_stop_token_ids,
+    check_tenant,
     is_chat,
     make_request,
 )
@@ -71,6 +72,7 @@ class RequestArgs:
     cache_salt: str | None
     early: tuple[ModelVersion, list[int]] | None
     version_id: int | None = None  # the version of the model the prompt was made for (None: any)
+    tenant: str | None = None  # whom it is for: its structured-output compile takes that tenant's turns
 
 
 class IntakeObserver(Protocol):
@@ -160,9 +162,10 @@ class RequestIntake:
         self._observer = observer
         self._ids = itertools.count()
         self.compiles = anyio.CapacityLimiter(MAX_CONCURRENT_COMPILES)  # not anyio's shared pool
-        # per cache_salt (a tenant), one compile at a time in self.compiles, with how many hold or await it (dropped
-        # at 0): a tenant's costly specs queue behind each other, not ahead of every other tenant's (_compile_turn)
-        self._salt_compiles: dict[str, tuple[anyio.Lock, list[int]]] = {}
+        # per tenant (else per cache_salt), one compile at a time in self.compiles, with how many hold or await it
+        # (dropped at 0): a tenant's costly specs queue behind each other, not ahead of every other tenant's
+        # (_compile_turn)
+        self._salt_compiles: dict[tuple[str, str], tuple[anyio.Lock, list[int]]] = {}
         self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)  # the rates as set now (a deployment
         self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # may raise them before making engines)
         # Requests in bind (waiting their turn, tokenized or compiled off the loop), by generator: in flight for
@@ -180,11 +183,14 @@ class RequestIntake:
         model: str | None,
         check_running: Callable[[], None],
         version_id: int | None = None,
+        tenant: str | None = None,
     ) -> RequestArgs:
         """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error, or
         :class:`ModelChangedError` when ``version_id`` names a version of ``model`` that no longer serves)."""
         try:
             args = self._check(prompt, params, request_id, priority, cache_salt, model, check_running)
+            if tenant is not None:
+                args = replace(args, tenant=check_tenant(tenant))
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
             raise
@@ -295,7 +301,7 @@ class RequestIntake:
             grammar = core.grammars.cached(spec, salt) if core.grammars is not None else None
             if grammar is not None:
                 return version, ids, grammar
-            async with self._compile_turn(salt):
+            async with self._compile_turn(args.tenant, salt):
                 check_running()  # it may have waited its tenant's other compiles
                 if aborted():
                     raise AbortedWhileWaiting
@@ -305,16 +311,18 @@ class RequestIntake:
                 return version, ids, grammar
 
     @contextlib.asynccontextmanager
-    async def _compile_turn(self, salt: str | None) -> AsyncIterator[None]:
-        """A request with a ``cache_salt`` compiles its spec once no other request of that salt is compiling: the
-        engine's :data:`MAX_CONCURRENT_COMPILES` places are taken in turn, first come first served, and one tenant's
-        many costly specs held them all (six GBNF grammars of 1,500 rules kept another tenant's regular expression,
-        6 ms alone, waiting 4.5 s). Requests without a salt share one namespace, as in the grammar cache, and take
-        the places as they come."""
-        if salt is None:
+    async def _compile_turn(self, tenant: str | None, salt: str | None) -> AsyncIterator[None]:
+        """A request with a ``tenant`` (else a ``cache_salt``) compiles its spec once no other request of that tenant
+        (salt) is compiling: the engine's :data:`MAX_CONCURRENT_COMPILES` places are taken in turn, first come first
+        served, and one tenant's many costly specs held them all (six GBNF grammars of 1,500 rules kept another
+        tenant's regular expression, 6 ms alone, waiting 4.5 s). The tenant goes first: a server shares cached
+        prefixes (no salt) unless told otherwise, and its callers all took the places as they came. Requests with
+        neither take the places as they come."""
+        key = ("tenant", tenant) if tenant is not None else ("salt", salt) if salt is not None else None
+        if key is None:
             yield
             return
-        lock, users = self._salt_compiles.setdefault(salt, (anyio.Lock(), [0]))
+        lock, users = self._salt_compiles.setdefault(key, (anyio.Lock(), [0]))
         users[0] += 1
         try:
             async with lock:
@@ -322,7 +330,7 @@ class RequestIntake:
         finally:
             users[0] -= 1
             if not users[0]:
-                del self._salt_compiles[salt]
+                del self._salt_compiles[key]
 
     async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None],
                           aborted: Callable[[], bool]) -> None:

@@ -85,3 +85,31 @@ def test_a_tenant_named_as_a_keys_group_is_not_in_it(minilm_dir) -> None:
     assert got == [key_group("sk-a"), tenant_group(posing)] and got[0] != got[1]
     settings = ServerSettings(tenant_from="request")
     assert tenants_seen(settings, minilm_dir, [({}, {"user": posing})]) == [tenant_group(posing)]
+
+
+def test_a_generation_call_names_its_group_as_an_embedding_call_does(tiny_models) -> None:
+    """``engine.generate``/``stream`` get the call's group as ``tenant`` (its grammar compile takes that group's
+    turns): with the server's default ``cache_isolation="off"`` no call had a salt, so every caller's structured
+    requests took the compile places as they came, and one key's costly specs held them all."""
+    from .conftest import TINY_OPTIONS
+
+    settings = ServerSettings(api_keys=("sk-a", "sk-b"), tenants={"sk-acme": Tenant("acme")})
+    got: list = []
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings),
+                    settings) as live, httpx.Client(base_url=live.url) as http:
+        real_generate, real_stream = live.engine.generate, live.engine.stream
+
+        async def generate(*args, **kwargs):
+            got.append(kwargs["tenant"])
+            return await real_generate(*args, **kwargs)
+
+        def stream(*args, **kwargs):
+            got.append(kwargs["tenant"])
+            return real_stream(*args, **kwargs)
+
+        live.engine.generate, live.engine.stream = generate, stream  # type: ignore[method-assign]
+        for key, extra in (("sk-a", {}), ("sk-b", {"stream": True}), ("sk-acme", {}), ("sk-a", {"user": "acme"})):
+            r = http.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
+                          json={"model": "ids", "prompt": [5, 6, 7], "max_tokens": 2, **extra})
+            assert r.status_code == 200, r.text
+    assert got == [key_group("sk-a"), key_group("sk-b"), tenant_group("acme"), key_group("sk-a")]

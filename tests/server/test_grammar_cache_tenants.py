@@ -84,10 +84,12 @@ def test_a_tenant_sending_a_caches_worth_of_specs_evicts_its_own(tiny_chat_model
     assert compiler.cached(StructuredOutput.regex("a0[0-9]+"), "tenant:flood") is None
 
 
-def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, monkeypatch) -> None:
-    """A tenant (``cache_salt``) compiles one spec at a time: its specs queued ahead of another tenant's took every
-    place (``MAX_CONCURRENT_COMPILES``), and six GBNF grammars of 1,500 rules kept a regular expression, 6 ms alone,
-    waiting 4.5 s. Here the flood's compiles block until the other tenant's has run."""
+@pytest.mark.parametrize("who", ["cache_salt", "tenant", "tenant, one salt"])
+def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, monkeypatch, who: str) -> None:
+    """A tenant (``tenant=``, else ``cache_salt``) compiles one spec at a time: its specs queued ahead of another
+    tenant's took every place (``MAX_CONCURRENT_COMPILES``), and six GBNF grammars of 1,500 rules kept a regular
+    expression, 6 ms alone, waiting 4.5 s. Here the flood's compiles block until the other tenant's has run. Tenants
+    sharing cached prefixes (one salt, or none: a server's default) took the places as they came, until ``tenant``."""
     import asyncio
     import threading
 
@@ -112,11 +114,16 @@ def test_one_tenants_compiles_hold_one_of_the_engines_places(tiny_chat_model, mo
         engine = await AsyncEngine.load(tiny_chat_model, **ENGINE_BASE)
         async with engine:
             params = [SamplingParams(max_tokens=2, structured=spec) for spec in flood]
-            waiting = [asyncio.ensure_future(engine.generate("hi", p, cache_salt="tenant:flood")) for p in params]
+            flooding, victim = {
+                "cache_salt": ({"cache_salt": "tenant:flood"}, {"cache_salt": "tenant:victim"}),
+                "tenant": ({"tenant": "flood"}, {"tenant": "victim"}),
+                "tenant, one salt": ({"tenant": "flood", "cache_salt": "all"}, {"tenant": "victim", "cache_salt": "all"}),
+            }[who]
+            waiting = [asyncio.ensure_future(engine.generate("hi", p, **flooding)) for p in params]
             while not started:
                 await asyncio.sleep(0.01)
             mine = await engine.generate("hi", SamplingParams(max_tokens=2, structured=StructuredOutput.regex(
-                "[a-z]{2,5}")), cache_salt="tenant:victim")  # hung here: every place held by the flood
+                "[a-z]{2,5}")), **victim)  # hung here: every place held by the flood
             assert len(started) == 2 and started[0] in flood  # the flood's first, then the victim's
             release.set()
             outs = await asyncio.gather(*waiting)

@@ -349,18 +349,11 @@ class _OpenAI:
 
     def _embedding_tenant(self, call: _Call, user: str | None) -> str | None:
         """Whom an embedding call's texts are batched as (``AsyncEngine.embed``'s ``tenant``: the batches take the
-        tenants in turn): its tenant, else its API key, as ``max_requests_per_tenant`` counts a generation's places.
-        Both are named by a hash, in two spaces that cannot meet (``tenant:<sha256 of the name>``,
-        ``key:<sha256 of the key>``; never the key itself): a tenant named ``key:<a key's hash>`` joined that key's
-        group when names went as they were. Without either, the call is in the one group of all such calls."""
+        tenants in turn): its tenant, else its API key (:func:`_group`), as ``max_requests_per_tenant`` counts a
+        generation's places."""
         if self.settings.tenant_from == "header":
             single_header(call.request, self.settings.tenant_header)  # a 400 when given twice, as for a generation
-        tenant = self._tenant(call, user)
-        if tenant is not None:
-            return "tenant:" + hashlib.sha256(tenant.encode()).hexdigest()
-        if call.key is None:
-            return None
-        return "key:" + hashlib.sha256(call.key.encode()).hexdigest()
+        return _group(self._tenant(call, user), call.key)
 
     def _take_places(self, call: _Call, tenant: str | None, prompts: int, n: int = 1) -> None:
         """The caller's places (``max_requests_per_tenant``; its tenant's, else its key's) for ``prompts`` prompts of
@@ -571,8 +564,9 @@ class _OpenAI:
         if attempt > 1:
             base = f"{base}.{attempt}"
         ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
-        g = _Generation(engine, model, params, reply, {"priority": priority, "cache_salt": call.cache_salt,
-                                                       "model": model}, ids, info.version_id)
+        # the engine's ``tenant`` (whose turns a structured request's grammar compile takes), as an embedding's
+        args = {"priority": priority, "cache_salt": call.cache_salt, "model": model, "tenant": _group(tenant, call.key)}
+        g = _Generation(engine, model, params, reply, args, ids, info.version_id)
         if want_logprobs:
             g.pin()
         return g
@@ -792,6 +786,19 @@ def _check_transfer_coding(values: list[str]) -> None:
         raise APIError(501, f"The request body must not be transfer-coded but for `chunked`: Transfer-Encoding {shown!r} "
                             "is not supported (send it as plain JSON).", code="unsupported_transfer_encoding",
                        headers=NO_RETRY)
+
+
+def _group(tenant: str | None, key: str | None) -> str | None:
+    """Whom a call is for, as the engine's ``tenant`` keywords take it (``generate``/``stream``: whose turns its
+    grammar compile takes; ``embed``: whose turns its texts take in the batches): its tenant, else its API key, both
+    named by a hash, in two spaces that cannot meet (``tenant:<sha256 of the name>``, ``key:<sha256 of the key>``;
+    never the key itself): a tenant named ``key:<a key's hash>`` joined that key's group when names went as they
+    were. None without either: the one group of all such calls."""
+    if tenant is not None:
+        return "tenant:" + hashlib.sha256(tenant.encode()).hexdigest()
+    if key is None:
+        return None
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def _escape_tenant(name: str) -> str:
