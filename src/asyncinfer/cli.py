@@ -985,6 +985,10 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         if worded is not None:
             return worded
         flag = _SERVE_FLAGS.get(exc.parameter) if args.command == "serve" else None
+        if flag is not None and exc.parameter == "metrics_keys" and not args.metrics_key:
+            from asyncinfer.server.settings import METRICS_KEYS_ENV
+
+            flag = f"{METRICS_KEYS_ENV}="  # every metrics key came from the variable: no --metrics-key was given
         if flag is not None:
             value = exc.value
             if exc.parameter in _KEY_FLAGS and isinstance(value, tuple):
@@ -992,7 +996,7 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
                 return f"{flag} {value!r} is invalid: allowed a non-empty key"
             shown = flag_value(value)
             allowed = range_in_words(_serve_terms(exc.allowed), none=None)
-            return f"{flag} {_serve_terms(shown)} is invalid: allowed {allowed}"
+            return f"{flag}{'' if flag.endswith('=') else ' '}{_serve_terms(shown)} is invalid: allowed {allowed}"
         return str(exc)
     if isinstance(exc, ConfigurationError):
         return in_flag_terms(str(exc))

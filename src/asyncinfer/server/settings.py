@@ -28,12 +28,14 @@ HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: wh
 def keys_from_text(name: str, raw: str, unset: str = "unset it to ask for none") -> tuple[str, ...]:
     """The keys in ``raw``, comma-separated, spaces around each dropped. Blank (``""``, spaces, commas only), or
     with an empty item (``sk-x,,sk-y``, a trailing comma): ``InvalidParameterError`` naming ``name`` (``unset``
-    says how to ask for no key instead), so that a server meant to ask for keys never starts without them."""
+    says how to ask for no key instead), so that a server meant to ask for keys never starts without them; so is
+    a key holding a character that is not printable ASCII, which no client can send (never shown)."""
     keys = tuple(key.strip() for key in raw.split(","))
     if not all(keys):  # set to nothing, or with a blank item ("sk-x,,sk-y"): not what someone meant to require
         shown = raw if not any(keys) else "<keys with an empty item between commas>"
         raise InvalidParameterError(name, shown, "comma-separated non-empty keys, no empty item between or "
                                                  f"after the commas ({unset})")
+    _check_sendable(name, keys)  # named here: refused later, as api_keys, it read as a key given by a flag or in code
     return keys
 
 
@@ -46,8 +48,9 @@ def api_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ..
     """The keys in ``ASYNCINFER_API_KEY`` (comma-separated, spaces around each dropped).
 
     Unset: no key. Set but blank (``""``, spaces, commas only), or with an empty item
-    (``sk-x,,sk-y``, a trailing comma): ``InvalidParameterError``, so a server meant to ask for
-    keys never starts without the keys someone meant.
+    (``sk-x,,sk-y``, a trailing comma), or with a key holding a character that is not printable ASCII:
+    ``InvalidParameterError`` naming the variable, so a server meant to ask for keys never starts
+    without the keys someone meant.
     """
     return _keys_from_env(API_KEYS_ENV, environ)
 
@@ -270,6 +273,11 @@ def _key_tuple(name: str, keys: Any) -> tuple[str, ...]:
         raise InvalidParameterError(name, keys, "a sequence of non-empty strings")
     if any(k != k.strip() for k in keys):
         raise InvalidParameterError(name, "<a key with spaces around it>", "keys without leading or trailing spaces")
+    _check_sendable(name, keys)
+    return tuple(keys)
+
+
+def _check_sendable(name: str, keys: Sequence[str]) -> None:
     if not all(k.isascii() and k.isprintable() for k in keys):
         # A client sends a header in ASCII (the openai package's httpx refuses anything else; curl sends UTF-8,
         # which the server reads as Latin-1): such a key ("sk\u2011..." with a non-breaking hyphen pasted from a
@@ -277,7 +285,6 @@ def _key_tuple(name: str, keys: Any) -> tuple[str, ...]:
         raise InvalidParameterError(name, "<a key with a character that is not printable ASCII>",
                                     "keys of printable ASCII characters (a client sends them in an Authorization "
                                     "header, which no other character reaches the server in)")
-    return tuple(keys)
 
 
 @dataclass(frozen=True)
