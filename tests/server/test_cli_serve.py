@@ -70,6 +70,30 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
     assert proc.returncode == 130, output  # Ctrl-C ends serve with 130, as the README says of every command
 
 
+def test_serve_started_with_sigint_ignored_still_ends_130_on_sigint(tiny_chat_model) -> None:
+    """A serve started where SIGINT is ignored (``cmd &`` in a shell without job control, ``nohup``) and stopped
+    with ``kill -INT`` shut down as one stopped by Ctrl-C, but exited 0: uvicorn re-raises the signal for Python's
+    KeyboardInterrupt, which an ignored SIGINT never becomes."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("ASYNCINFER_API_KEY", None)
+    command = [sys.executable, "-m", "asyncinfer.cli", "serve", str(tiny_chat_model), "--host", "127.0.0.1",
+               "--port", str(port), "--max-model-len", "512", "--kv-cache-memory", str(4 * 1024 * 1024),
+               "--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]  # SIGINT ignored, as the exec'd serve starts
+    proc = subprocess.Popen(ignoring, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_serving(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 130, output
+
+
 def test_serve_refuses_a_bad_model_in_one_line(capsys) -> None:
     assert cli.main(["serve", "/no/such/model"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -11,6 +11,7 @@ connections behind the header deadline and the connection cap.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -281,6 +282,7 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     except SystemExit:  # uvicorn's own exit when the start-up failed
         if startup.error is None:
             raise
+    interrupted = interrupted or server.interrupted  # type: ignore[attr-defined]
     if not server.started:
         if startup.error is not None and not interrupted:
             raise startup.error  # the typed error, once: asyncinfer serve says it in one line (status 2)
@@ -337,6 +339,16 @@ def _server_class() -> type[uvicorn.Server]:
         cancelled them and the lifespan, which printed two tracebacks and never closed the engine. Here the
         lifespan's shutdown runs (the engine closes, aborting what is in flight, so each answer ends), and
         what still runs after ``FORCED_QUIT_GRACE`` seconds is cancelled before the loop closes."""
+
+        interrupted = False  # a SIGINT came: Ctrl-C, or kill -INT
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn re-raises the signal once shut down, for Python's KeyboardInterrupt, which never comes where
+            # SIGINT was ignored when the process started (a job started with & where a shell has no job control,
+            # nohup): `kill -INT` then ended it with status 0, not 130
+            if sig == signal.SIGINT:
+                self.interrupted = True
+            super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             await super().shutdown(sockets)
