@@ -72,25 +72,42 @@ def test_the_model_lists_url_with_a_trailing_slash_is_no_model_named_nothing(ser
     assert httpx.get(server.url + "/v1/models/minilm", timeout=60).json()["id"] == "minilm"
 
 
-EMPTY = ("The request body is not valid JSON: it is empty. Send a JSON object, e.g. {\"messages\": [{\"role\": \"user\", "
-         "\"content\": \"Hi\"}]} (curl: -H 'Content-Type: application/json' -d '{...}').")
+def _empty(example: str) -> str:
+    return (f"The request body is not valid JSON: it is empty. Send a JSON object, e.g. {example} (curl: -H "
+            "'Content-Type: application/json' -d '{...}').")
+
+
+CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "Hi"}]}'
+COMPLETION_EXAMPLE = '{"prompt": "Hi"}'
+EMBEDDING_EXAMPLE = '{"input": "Hi"}'
 BOM = ("The request body is not valid JSON: it begins with a UTF-8 byte-order mark (EF BB BF), which JSON does not "
        "allow: send the text without it.")
 
 
 @pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/chat/completions", b"", EMPTY),
-    ("/v1/completions", b"  \n", EMPTY),
-    ("/v1/embeddings", b"", EMPTY),
+    ("/v1/chat/completions", b"", _empty(CHAT_EXAMPLE)),
+    ("/v1/completions", b"  \n", _empty(COMPLETION_EXAMPLE)),
+    ("/v1/embeddings", b"", _empty(EMBEDDING_EXAMPLE)),
     ("/v1/completions", b'\xef\xbb\xbf{"model": "tiny", "prompt": "a", "max_tokens": 1}', BOM),
 ])
 def test_a_body_that_is_no_json_says_why_in_a_clients_words(server, path, body, message) -> None:
     """``curl -X POST .../v1/chat/completions`` (no ``-d``) was answered "The request body is not valid JSON: Input
     data was truncated", the decoder's words; a body a Windows tool wrote with a byte-order mark, "JSON is
-    malformed: invalid character (byte 0)"."""
+    malformed: invalid character (byte 0)". An empty body's example is one its route takes: every route showed a
+    chat's ``messages``, which /v1/embeddings and /v1/completions refuse as an unrecognized field."""
     r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.headers["x-request-id"]
     assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+
+
+@pytest.mark.parametrize(("path", "example"), [
+    ("/v1/chat/completions", CHAT_EXAMPLE), ("/v1/completions", COMPLETION_EXAMPLE),
+    ("/v1/embeddings", EMBEDDING_EXAMPLE),
+])
+def test_an_empty_bodys_example_is_served_by_its_route(server, path, example) -> None:
+    """The body an empty body's 400 shows is answered 200 by its route (the server's default models)."""
+    r = httpx.post(server.url + path, content=example, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_other_malformed_json_keeps_the_decoders_words(server) -> None:

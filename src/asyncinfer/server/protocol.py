@@ -137,6 +137,12 @@ def _bad(param: str, message: str, code: str | None = None) -> APIError:
 CHAT_BODY = _shape("ChatBody", _CHAT, ("messages", *_CHAT_IGNORED, *_CHAT_NEUTRAL))
 COMPLETION_BODY = _shape("CompletionBody", _COMPLETION, tuple(_COMPLETION_NEUTRAL))
 EMBEDDING_BODY = _shape("EmbeddingBody", _EMBEDDING, ())
+#: The smallest body each endpoint's shape takes, as an empty body's 400 shows it.
+_EXAMPLE_BODIES: dict[type[msgspec.Struct] | None, str] = {
+    CHAT_BODY: '{"messages": [{"role": "user", "content": "Hi"}]}',
+    COMPLETION_BODY: '{"prompt": "Hi"}',
+    EMBEDDING_BODY: '{"input": "Hi"}',
+}
 _UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.DOTALL)
 
 
@@ -201,7 +207,7 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
             raise APIError(400, f"`{field or 'the request body'}` holds an escaped lone surrogate (\\ud800 to "
                                 "\\udfff without its pair), which is not valid Unicode text.",
                            param=field or None) from None
-        raise APIError(400, f"The request body is not valid JSON: {_decode_error_words(raw, exc)}") from None
+        raise APIError(400, f"The request body is not valid JSON: {_decode_error_words(raw, exc, shape)}") from None
     except RecursionError:
         raise _too_deep() from None
     if shape is not None:
@@ -210,12 +216,14 @@ def decode_json(raw: bytes, shape: type[msgspec.Struct] | None = None) -> Any:
     return value
 
 
-def _decode_error_words(raw: bytes, exc: msgspec.DecodeError) -> str:
+def _decode_error_words(raw: bytes, exc: msgspec.DecodeError, shape: type[msgspec.Struct] | None = None) -> str:
     """Why a body is not JSON, in a client's words where the decoder's would puzzle: an empty body (``curl -X POST``
-    without ``-d``) is "Input data was truncated" to msgspec, and a UTF-8 byte-order mark (as Windows tools write
-    it) or UTF-16 text (PowerShell's Out-File) an "invalid character (byte 0)"."""
+    without ``-d``) is "Input data was truncated" to msgspec (the example it is shown is one its endpoint takes,
+    ``shape``'s: a chat's messages, sent to /v1/embeddings, were refused as an unrecognized field), and a UTF-8
+    byte-order mark (as Windows tools write it) or UTF-16 text (PowerShell's Out-File) an "invalid character (byte
+    0)"."""
     if not raw.strip():
-        return ("it is empty. Send a JSON object, e.g. {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]} "
+        return (f"it is empty. Send a JSON object, e.g. {_EXAMPLE_BODIES.get(shape, _EXAMPLE_BODIES[CHAT_BODY])} "
                 "(curl: -H 'Content-Type: application/json' -d '{...}').")
     if raw.startswith(b"\xef\xbb\xbf"):
         return "it begins with a UTF-8 byte-order mark (EF BB BF), which JSON does not allow: send the text without it."
