@@ -43,7 +43,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "off": {"max_batch_size": 1},  # every call alone: no batching
     "on": {"max_batch_size": 32, "max_wait_ms": 5.0},  # the default: wait up to 5 ms for up to 32 texts
     "on-nowait": {"max_batch_size": 32, "max_wait_ms": 0.0},  # take whatever is queued, never wait
+    # batched as "on", each text in a pass of its own: its vector depends on it alone (not run by default)
+    "invariant": {"max_batch_size": 32, "max_wait_ms": 5.0, "batch_invariant": True},
 }
+DEFAULT_SETTINGS = ["off", "on", "on-nowait"]
 
 
 class Background:
@@ -189,7 +192,8 @@ def main() -> None:
     parser.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (name or directory)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=256, help="calls per level and setting (at least 8 x C)")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS),
+                        help=f"batching settings to compare (default: {' '.join(DEFAULT_SETTINGS)})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on CUDA), float32, ...")

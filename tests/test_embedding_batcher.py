@@ -23,8 +23,12 @@ class FakeEncoder:
 
     def __init__(self) -> None:
         self.batches: list[list[list[int]]] = []
+        self.fail_next: Exception | None = None  # raised by the next batch, once
 
     def encode_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
         self.batches.append(batch)
         out = torch.zeros(len(batch), CFG.hidden_size)
         for row, ids in enumerate(batch):
@@ -135,7 +139,8 @@ def test_cancelled_calls_are_skipped_and_take_all_returns_the_waiting_ones() -> 
 
 def test_options_are_checked_by_name() -> None:
     for bad in ({"max_batch_size": 0}, {"max_batch_size": True}, {"max_wait_ms": -1}, {"max_wait_ms": 2000},
-                {"max_seq_len": 1}, {"num_threads": 0}, {"max_batch_tokens": 0}, {"max_batch_tokens": 1.5}):
+                {"max_seq_len": 1}, {"num_threads": 0}, {"max_batch_tokens": 0}, {"max_batch_tokens": 1.5},
+                {"batch_invariant": "yes"}, {"batch_invariant": 1}):
         with pytest.raises(InvalidParameterError) as err:
             EmbeddingConfig(device="cpu", **bad)
         assert err.value.parameter == next(iter(bad))
@@ -150,14 +155,7 @@ def test_an_encoder_failure_fails_the_batchs_calls_only() -> None:
     a, b, c = call([1, 2, 3], 0.0, done), call([4], 0.0, done), call([5], 0.0, done)
     for x in (a, b, c):
         batcher.add(x)
-    boom = RuntimeError("out of memory")
-    real = encoder.encode_ids
-
-    def fail_once(batch):
-        encoder.encode_ids = real
-        raise boom
-
-    encoder.encode_ids = fail_once
+    boom = encoder.fail_next = RuntimeError("out of memory")
     assert batcher.run_batch() == [a, b]  # a's first text and b's: both fail, a's other texts are dropped
     assert a.error is boom and a.cancelled and b.error is boom
     assert batcher.run_batch() == [c] and c.error is None

@@ -61,6 +61,11 @@ class EmbeddingConfig:
       truncated as sentence-transformers does (default: the model's, 256 for MiniLM). 2 to the model's
       positions (512 for MiniLM), and at most 8192 whatever the model.
     - ``num_threads``: torch intra-op threads for the CPU, 1..``MAX_THREADS`` (4096; default: leave torch's setting).
+    - ``batch_invariant``: compute each text of a batch alone, at its own length, so that its vector depends on
+      the text only, bit for bit, never on what shared its batch (default False: a batch's texts run together,
+      and a text's vector moves in its last bits, about 1e-7, with the others' count and lengths, which a caller
+      can read from its own vectors as it can read the batches' timing). Costs batching's speed-up (
+      docs/models_and_embeddings.md).
     """
 
     dtype: Any = "auto"
@@ -71,6 +76,7 @@ class EmbeddingConfig:
     max_busy_share: float = 0.2
     max_seq_len: int | None = None
     num_threads: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         plain_fields(self)
@@ -88,6 +94,8 @@ class EmbeddingConfig:
             raise InvalidParameterError("max_busy_share", share, "a fraction of the engine thread's time in (0, 1]")
         check_int("max_seq_len", self.max_seq_len, 2, 8192, optional=True)
         check_int("num_threads", self.num_threads, 1, MAX_THREADS, optional=True)
+        if not isinstance(self.batch_invariant, bool):
+            raise InvalidParameterError("batch_invariant", self.batch_invariant, "True or False")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EmbeddingConfig:
@@ -326,7 +334,8 @@ class EmbeddingBatcher:
         ids = [call.ids[i] for call, i in batch]
         started = self._clock()
         try:
-            vectors = self.encoder.encode_ids(ids)
+            # each text alone (batch_invariant: its vector depends on it only), or the batch's texts in one pass
+            vectors = self.encoder.encode_each(ids) if self.config.batch_invariant else self.encoder.encode_ids(ids)
         except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the engine keeps serving
             self._pace(started)
             failed = list(dict.fromkeys(call for call, _ in batch))

@@ -472,6 +472,12 @@ class LoadedEncoder:
         out = self.model(input_ids.to(self.device), mask.to(self.device))
         return out.float().cpu()
 
+    def encode_each(self, batch: list[list[int]]) -> torch.Tensor:
+        """As :meth:`encode_ids`, each text in a pass of its own, unpadded: a text's vector is then a function of
+        the text alone, bit for bit (in one pass, the matrix products' blocking follows the batch's token count, and
+        the attention's and the pooling's sums its longest text)."""
+        return torch.cat([self.encode_ids([ids]) for ids in batch])
+
     def encode(self, texts: list[str]) -> torch.Tensor:
         """Tokenize and embed ``texts`` in one batch (no engine, no batching across calls)."""
         return self.encode_ids(self.tokenize(texts))

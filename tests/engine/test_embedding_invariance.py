@@ -1,0 +1,38 @@
+"""``batch_invariant=True``: a text's vector depends on the text alone, bit for bit, whatever shares its batch.
+In one pass of the whole batch, the matrix products' blocking follows the batch's token count and the attention's
+and pooling's sums its longest text, so a vector moved in its last bits (about 1e-7) with its neighbours' count and
+lengths: a caller could read from its own vectors that other callers' texts were batched with it, and how long."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from asyncinfer import AsyncEngine
+
+MINE = "The quick brown fox jumps over the lazy dog."
+OTHERS = ["hi", "a somewhat longer sentence about the weather in spring and the flowers that come with it " * 3,
+          "one two three", "x " * 100]
+
+
+async def vectors(minilm_dir, batch_invariant: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``MINE`` alone, then batched with each mix of others (in one call, and beside other tenants' calls)."""
+    engine = await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32", batch_invariant=batch_invariant,
+                                    max_wait_ms=50)
+    async with engine:
+        alone = (await engine.embed(MINE))[0]
+        mixed = [(await engine.embed([*OTHERS[:k], MINE]))[-1] for k in range(1, len(OTHERS) + 1)]
+        calls = [engine.embed(MINE, tenant="me"), *(engine.embed(text, tenant=f"t{i}") for i, text in enumerate(OTHERS))]
+        mixed.append((await asyncio.gather(*calls))[0][0])
+        assert engine.embedding_stats().num_batches < 1 + len(OTHERS) + 1 + len(OTHERS)  # the last calls shared one
+    return alone, mixed
+
+
+def test_a_batch_invariant_encoders_vector_is_the_texts_alone(minilm_dir) -> None:
+    alone, mixed = asyncio.run(vectors(minilm_dir, batch_invariant=True))
+    assert all(torch.equal(vector, alone) for vector in mixed)
+    batched_alone, batched = asyncio.run(vectors(minilm_dir, batch_invariant=False))
+    assert torch.equal(batched_alone, alone)  # one text alone: the same pass either way
+    for vector in batched:  # batched, the same up to float rounding
+        torch.testing.assert_close(vector, alone, rtol=0, atol=1e-5)
