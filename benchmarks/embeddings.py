@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -35,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QUESTIONS, machine_info, percentile
+from common import QUESTIONS, git_commit, machine_info, percentile
 
 from asyncinfer import AsyncEngine, on_own_thread
 
@@ -210,7 +211,9 @@ def main() -> None:
     print(table(rows, args.settings))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine_info(), "settings": SETTINGS, "batch_cost": costs, "rows": rows}
+        payload = {"command": " ".join(["python", *sys.argv]), "commit": git_commit(),
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": os.getloadavg(),
+                   "machine": machine_info(), "settings": SETTINGS, "batch_cost": costs, "rows": rows}
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"\nwritten to {args.json}")
 
