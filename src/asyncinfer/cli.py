@@ -574,7 +574,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
             if exc.parameter not in embedding_options:
                 raise
             shown = f"{exc.parameter}={json.dumps(embedding_options[exc.parameter])}"  # as typed
-            raise CommandError(f"--embedding-option {shown} is invalid: allowed {exc.allowed}") from None
+            allowed = exc.allowed.replace("True or False", "true or false")  # VALUE is JSON
+            raise CommandError(f"--embedding-option {shown} is invalid: allowed {allowed}") from None
     # The names taken from the paths, checked now that the plans found the models, before anything is printed: a
     # mistyped path past 200 characters was refused as a name to give with --served-model-name, then "does not exist"
     if args.served_model_name is None:

@@ -29,6 +29,8 @@ def test_the_options_reach_the_encoder_s_spec(tiny_models, minilm_dir, capsys, m
     (["--embedding-option", "max_wait_ms=\"x\""],
      "--embedding-option max_wait_ms=\"x\" is invalid: allowed a number of milliseconds in [0, 1000]"),
     (["--embedding-option", "nope=1"], "--embedding-option nope=1 is invalid: allowed an embedding-model option: "),
+    (["--embedding-option", "batch_invariant=1"],  # in JSON's words, as VALUE is read
+     "--embedding-option batch_invariant=1 is invalid: allowed true or false"),
 ])
 def test_a_bad_option_is_refused_by_the_flag(tiny_models, minilm_dir, capsys, flags, error) -> None:
     assert cli.main(["serve", str(tiny_models["llama"][0]), "--port", "0", "--embedding-model", str(minilm_dir),
