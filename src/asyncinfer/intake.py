@@ -165,7 +165,7 @@ class RequestIntake:
         # per tenant (else per cache_salt), one compile at a time in self.compiles, with how many hold or await it
         # (dropped at 0): a tenant's costly specs queue behind each other, not ahead of every other tenant's
         # (_compile_turn)
-        self._salt_compiles: dict[tuple[str, str], tuple[anyio.Lock, list[int]]] = {}
+        self._compile_turns: dict[tuple[str, str], tuple[anyio.Lock, list[int]]] = {}
         self._stop_turns = Turns(STOP_BUILD_CHARS_PER_S, 2 * MAX_STOP_CHARS)  # the rates as set now (a deployment
         self._chat_turns = Turns(CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # may raise them before making engines)
         # Requests in bind (waiting their turn, tokenized or compiled off the loop), by generator: in flight for
@@ -322,7 +322,7 @@ class RequestIntake:
         if key is None:
             yield
             return
-        lock, users = self._salt_compiles.setdefault(key, (anyio.Lock(), [0]))
+        lock, users = self._compile_turns.setdefault(key, (anyio.Lock(), [0]))
         users[0] += 1
         try:
             async with lock:
@@ -330,7 +330,7 @@ class RequestIntake:
         finally:
             users[0] -= 1
             if not users[0]:
-                del self._salt_compiles[key]
+                del self._compile_turns[key]
 
     async def _take_turns(self, prompt: Prompt, params: SamplingParams, check_running: Callable[[], None],
                           aborted: Callable[[], bool]) -> None:
