@@ -35,6 +35,9 @@ class FakeEncoder:
             out[row, 0], out[row, 1] = ids[0], len(ids)
         return out
 
+    def encode_each(self, batch: list[list[int]]) -> torch.Tensor:
+        return torch.cat([self.encode_ids([ids]) for ids in batch])
+
 
 class Clock:
     def __init__(self) -> None:
@@ -44,11 +47,11 @@ class Clock:
         return self.now
 
 
-def make(max_batch_size: int = 4, max_wait_ms: float = 5.0,
-         max_batch_tokens: int = 2048) -> tuple[EmbeddingBatcher, FakeEncoder, Clock]:
+def make(max_batch_size: int = 4, max_wait_ms: float = 5.0, max_batch_tokens: int = 2048,
+         batch_invariant: bool = False) -> tuple[EmbeddingBatcher, FakeEncoder, Clock]:
     encoder, clock = FakeEncoder(), Clock()
     config = EmbeddingConfig(device="cpu", max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                             max_batch_tokens=max_batch_tokens)
+                             max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)
     return EmbeddingBatcher(encoder, config, clock), encoder, clock  # type: ignore[arg-type]
 
 
@@ -93,6 +96,17 @@ def test_waiting_calls_take_turns_and_a_call_completes_with_its_last_text() -> N
     assert stats.num_tokens == 2 + 3 + 4 + 5 + 1 + 2
     assert stats.num_padded_tokens == 3 * 3 + 3 * 5
     assert stats.mean_batch_size == 3.0
+
+
+def test_a_batch_invariant_batch_counts_no_padding() -> None:
+    """``batch_invariant=True`` runs each text of a batch in a pass of its own, unpadded: the stats' computed tokens
+    are the real ones (they counted every text at the batch's longest, padding that never ran: 3 * 5 for 1 + 2 + 5)."""
+    batcher, encoder, _ = make(max_batch_size=3, max_wait_ms=0, batch_invariant=True)
+    batcher.add(call([10, 11, 14], arrival=0.0, done=[]))
+    assert len(batcher.run_batch()) == 1
+    assert encoder.batches == [[[10]], [[11, 11]], [[14] * 5]]  # each text alone
+    stats = batcher.stats()
+    assert (stats.num_tokens, stats.num_padded_tokens) == (8, 8)
 
 
 def test_a_flood_of_long_texts_neither_holds_back_other_calls_nor_outgrows_the_token_slots() -> None:

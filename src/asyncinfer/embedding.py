@@ -200,7 +200,7 @@ class EmbeddingStats:
     num_batches: int
     batch_sizes: dict[int, int]  # batch size -> how many batches had it
     num_tokens: int  # real tokens embedded
-    num_padded_tokens: int  # tokens computed, padding included
+    num_padded_tokens: int  # tokens computed, padding included (none with batch_invariant: num_tokens)
 
     @property
     def mean_batch_size(self) -> float:
@@ -348,7 +348,8 @@ class EmbeddingBatcher:
         self._texts += len(batch)
         self._sizes[len(batch)] += 1
         self._tokens += sum(len(x) for x in ids)
-        self._padded += len(ids) * max(len(x) for x in ids)
+        # what ran: each text at its own length (batch_invariant), else every text at the batch's longest
+        self._padded += sum(len(x) for x in ids) if self.config.batch_invariant else len(ids) * max(len(x) for x in ids)
         self._snapshot = self._stats()
         done: list[EmbedCall] = []
         for row, (call, i) in enumerate(batch):
