@@ -207,3 +207,66 @@ def test_aborted_requests_waiting_for_a_compile_place_are_not_compiled(tiny_chat
     assert ends == ["length"] * MAX_CONCURRENT_COMPILES + ["abort"] * (4 - MAX_CONCURRENT_COMPILES)
     assert sorted(map(repr, started)) == sorted(repr(StructuredOutput.regex(f"q{i}[a-z]+"))
                                                 for i in range(MAX_CONCURRENT_COMPILES))
+
+
+def test_a_cancelled_call_holds_its_compiles_place_until_the_compile_ends(tiny_chat_model, monkeypatch) -> None:
+    """A call cancelled while its spec compiles (``asyncio`` cancel, as ``wait_for`` or a client's disconnect does)
+    ends once the compile has, holding its tenant's turn and its place till then: it ended at once, its compile ran
+    on in its thread without either, so a caller that cancelled each costly spec as it began ran any number of
+    compiles at once (five held here, the engine's limit two)."""
+    import asyncio
+    import threading
+
+    from asyncinfer import AsyncEngine, SamplingParams
+    from tests.helpers import ENGINE_BASE
+
+    release = threading.Event()
+    running: list[StructuredOutput] = []
+    most = [0]
+    compile_spec = GrammarCompiler._compile
+
+    def held(self: GrammarCompiler, spec: StructuredOutput):  # type: ignore[no-untyped-def]
+        running.append(spec)
+        most[0] = max(most[0], len(running))
+        try:
+            assert release.wait(20), "never released"
+            return compile_spec(self, spec)
+        finally:
+            running.remove(spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", held)
+
+    def call(engine: AsyncEngine, i: int) -> asyncio.Future:
+        return asyncio.ensure_future(engine.generate(
+            "hi", SamplingParams(max_tokens=2, structured=StructuredOutput.regex(f"c{i}[a-z]+")), tenant="flood"))
+
+    async def run() -> list[object]:
+        engine = await AsyncEngine.load(tiny_chat_model, **ENGINE_BASE)
+        async with engine:
+            first = call(engine, 0)
+            while not running:
+                await asyncio.sleep(0.01)
+            first.cancel()
+            done, _ = await asyncio.wait({first}, timeout=0.5)
+            ended_early = bool(done)
+            places = engine._intake.compiles.borrowed_tokens
+            rest = [call(engine, i) for i in range(1, 5)]
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+            waiting = len(running)
+            for late in rest[:3]:
+                late.cancel()  # waiting their tenant's turn: they end at once, never compiled
+            done, _ = await asyncio.wait(set(rest[:3]), timeout=5)
+            assert len(done) == 3 and len(running) == 1
+            release.set()
+            ends = await asyncio.gather(first, *rest, return_exceptions=True)
+            assert engine._intake.compiles.borrowed_tokens == 0 and not engine._intake._compile_turns
+        return [ended_early, places, waiting, most[0],
+                *(type(end).__name__ if isinstance(end, BaseException) else end.outputs[0].finish_reason  # type: ignore[union-attr]
+                  for end in ends)]
+
+    try:
+        assert asyncio.run(run()) == [False, 1, 1, 1, "CancelledError", "CancelledError", "CancelledError",
+                                      "CancelledError", "length"]
+    finally:
+        release.set()
