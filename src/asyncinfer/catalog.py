@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
 import torch
 
 from asyncinfer.core import EngineCore
@@ -33,6 +32,7 @@ from asyncinfer.prompts import (
     prompt_token_ids,
     texts_cost,
 )
+from asyncinfer.threads import run_sync_to_end
 
 _M = TypeVar("_M")
 
@@ -87,7 +87,7 @@ class EmbedCalls:
         """
         tokenize = entry.batcher.encoder.tokenize
         if not self.loop_share.take(texts_cost(texts)):
-            ids = await anyio.to_thread.run_sync(tokenize, texts)
+            ids = await run_sync_to_end(tokenize, texts)  # a cancel waits for it: its worker thread is held
             still_ok()
         else:
             ids = tokenize(texts)
@@ -207,7 +207,7 @@ class ModelCatalog:
             check_prompt_chars(prompt, version)
             if self.loop_share.take(prompt_cost(prompt)):
                 return version, prompt_token_ids(prompt, version)
-            ids = await anyio.to_thread.run_sync(prompt_token_ids, prompt, version)
+            ids = await run_sync_to_end(prompt_token_ids, prompt, version)  # a cancel waits for it
             if self.serving(name) is version:
                 return version, ids
 

@@ -12,7 +12,8 @@ the version's cache, or in a worker thread (never on the loop), so that a spec t
 grammar library refuses is an :class:`InvalidParameterError` before anything is queued. At most
 :data:`MAX_CONCURRENT_COMPILES` compiles run at once per engine, in threads of their own limiter, and one
 at a time per ``tenant`` (else per ``cache_salt``): a caller sending many costly specs queues behind itself, holds
-one of those places at most (a caller cancelled while its spec compiles ends when the compile does: :meth:`RequestIntake._compile`),
+one of those places at most (a caller cancelled while its spec compiles ends when the compile does:
+:func:`asyncinfer.threads.run_sync_to_end`),
 and never holds the worker threads (anyio's shared pool) that other callers' tokenizing and body decoding use.
 
 Two kinds of request wait their turn in ``bind`` (:class:`Turns`, a token bucket each, first come, first served),
@@ -31,11 +32,9 @@ every refusal and of every request bound; it never changes what the intake does.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import math
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -62,6 +61,7 @@ from asyncinfer.prompts import (
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import MAX_STOP_CHARS, SamplingParams
 from asyncinfer.streams import StreamTable
+from asyncinfer.threads import run_sync_to_end
 
 
 @dataclass(frozen=True)
@@ -153,29 +153,6 @@ class Turns:
 class AbortedWhileWaiting(Exception):
     """Raised by :meth:`RequestIntake.bind` when the request was aborted (``aborted()`` came true) while it waited
     its turn: nothing was made for it (its turn given back), nothing posted; it ends as an abort at once."""
-
-
-class _CompileGate:
-    """Whether a compile began in its worker thread (:meth:`begin`) or its caller left before it did (:meth:`end`):
-    exactly one of them wins."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._state = "waiting"
-
-    def begin(self) -> bool:
-        """In the worker thread: True if the compile may run (its caller has not left)."""
-        with self._lock:
-            if self._state == "waiting":
-                self._state = "running"
-            return self._state == "running"
-
-    def end(self) -> bool:
-        """On the loop, the caller cancelled: True if the compile has begun (the caller waits for it)."""
-        with self._lock:
-            if self._state == "waiting":
-                self._state = "left"
-            return self._state == "running"
 
 
 class RequestIntake:
@@ -310,8 +287,8 @@ class RequestIntake:
         compiled: each of a tenant's queued specs was compiled in turn after its abort or the engine's close (five
         aborted 1.5 s grammars held the tenant's next request 7.5 s)."""
 
-        def compile_spec(core: Any, spec: Any, salt: str | None, gate: _CompileGate) -> Any:  # in a worker thread,
-            if aborted() or not gate.begin():  # given a place; a flag's read: the abort may come while it waits for one
+        def compile_spec(core: Any, spec: Any, salt: str | None) -> Any:  # in a worker thread, given a place
+            if aborted():  # a flag's read: the abort may come while it waits for a place
                 raise AbortedWhileWaiting
             return core.compile_grammar(spec, salt)
 
@@ -330,34 +307,11 @@ class RequestIntake:
                 check_running()  # it may have waited its tenant's other compiles
                 if aborted():
                     raise AbortedWhileWaiting
-                grammar = await self._compile(compile_spec, core, spec, salt)
+                # a cancel while it compiles waits for the compile: its place and its tenant's turn held till then
+                grammar = await run_sync_to_end(compile_spec, core, spec, salt, limiter=self.compiles)
             check_running()
             if self.models.serving(model) is version:  # else a swap moved it on (or holds admission): bind again
                 return version, ids, grammar
-
-    async def _compile(self, compile_spec: Callable[..., Any], core: Any, spec: Any, salt: str | None) -> Any:
-        """``compile_spec(core, spec, salt, gate)`` in a worker thread given one of :attr:`compiles`' places, which it
-        holds until it returns. A cancel of the caller (``asyncio``'s, as ``wait_for`` or a client's disconnect
-        sends) while the compile runs is raised once it has ended, the caller's tenant turn held till then; before
-        it began, at once, nothing compiled. anyio's ``run_sync`` waits for its thread under its own cancel scopes
-        only: an ``asyncio`` cancel ended the call at once, its place and turn given back while its compile ran on,
-        so a caller cancelling each costly spec as it began ran any number of compiles at once."""
-        gate = _CompileGate()
-        work = asyncio.ensure_future(anyio.to_thread.run_sync(compile_spec, core, spec, salt, gate,
-                                                              limiter=self.compiles))
-        cancelled = False
-        while not work.done():
-            try:
-                await asyncio.wait({work})
-            except asyncio.CancelledError:
-                if not gate.end():  # it never began, and now never will: nothing runs without its place
-                    work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, not logged
-                    work.cancel()
-                    raise
-                cancelled = True  # it runs: the cancel waits for it
-        if cancelled:
-            raise asyncio.CancelledError
-        return work.result()
 
     @contextlib.asynccontextmanager
     async def _compile_turn(self, tenant: str | None, salt: str | None) -> AsyncIterator[None]:

@@ -11,14 +11,19 @@ request and 1.34x at 16 (``benchmarks/threads.py``; docs/formats.md, "Threads an
 
 So loading (weights, packing, warm-up) runs on a thread of its own that ends with the
 load, and its team ends with it; the engine thread is then the only one with a team.
+
+And a caller's work in a worker thread holds its place until it ends: :func:`run_sync_to_end`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import anyio
 
 T = TypeVar("T")
 
@@ -110,3 +115,61 @@ def _wait_uninterrupted(done: threading.Event, thread: threading.Thread) -> None
             done.wait(0.05)
         except KeyboardInterrupt:
             continue
+
+
+class _NeverRan(Exception):
+    """The worker thread's answer to a caller that left before its work began."""
+
+
+class _Gate:
+    """Whether the work began in its worker thread (:meth:`begin`) or its caller left before it did (:meth:`leave`):
+    exactly one of them wins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "waiting"
+
+    def begin(self) -> bool:
+        """In the worker thread: True if the work may run (its caller has not left)."""
+        with self._lock:
+            if self._state == "waiting":
+                self._state = "running"
+            return self._state == "running"
+
+    def leave(self) -> bool:
+        """On the loop, the caller cancelled: True if the work has begun (the caller waits for it)."""
+        with self._lock:
+            if self._state == "waiting":
+                self._state = "left"
+            return self._state == "running"
+
+
+async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.CapacityLimiter | None = None) -> T:
+    """``fn(*args)`` in a worker thread (one of ``limiter``'s places, else anyio's shared pool), on an asyncio
+    loop. A cancel of the caller while ``fn`` runs (asyncio's, as ``wait_for`` or a client's disconnect sends) is
+    raised once ``fn`` has returned, the caller holding its place (and whatever it holds: a turn) till then;
+    before ``fn`` began, at once, and ``fn`` never runs. anyio's ``run_sync`` waits for its thread under anyio's
+    own cancel scopes only: an asyncio cancel ended the call at once while its work ran on, its place given back,
+    so a caller cancelling each costly call as it began (a grammar's compile, a long text's tokenizing) ran any
+    number of them at once."""
+    gate = _Gate()
+
+    def guarded() -> T:
+        if not gate.begin():
+            raise _NeverRan
+        return fn(*args)
+
+    work = asyncio.ensure_future(anyio.to_thread.run_sync(guarded, limiter=limiter))
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            if not gate.leave():  # it never began, and now never will
+                work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, not logged
+                work.cancel()
+                raise
+            cancelled = True  # it runs: the cancel waits for it
+    if cancelled:
+        raise asyncio.CancelledError
+    return work.result()

@@ -216,3 +216,111 @@ def test_ctrl_c_that_reaches_the_calls_thread_interrupts_the_call() -> None:
                          timeout=60, check=True).stdout
     assert out.split("\n", 1)[1].strip() == "['interrupted'] ['MainThread']"
     assert time.monotonic() - started < 25  # the call's loop alone runs 30 s
+
+
+def _cancelled_while(started: threading.Event, release: threading.Event, call) -> tuple[bool, str]:
+    """``call()`` as a task, cancelled once ``started`` is set (its work running in a worker thread): whether it
+    had ended 0.3 s after the cancel, with its work still held, and how it ended once ``release`` let the work go."""
+    import asyncio
+
+    async def run() -> tuple[bool, str]:
+        task = asyncio.ensure_future(call())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=0.3)
+        release.set()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return bool(done), "cancelled"
+        return bool(done), "returned"
+
+    try:
+        return asyncio.run(run())
+    finally:
+        release.set()
+
+
+def test_run_sync_to_end_holds_its_caller_until_the_work_ends_and_runs_nothing_once_left() -> None:
+    """An asyncio cancel of a caller whose work runs in a worker thread is raised once the work has returned (the
+    caller holds its place till then); one that comes before the work began ends the caller at once, the work
+    never run. With anyio's ``run_sync`` the caller ended at once and its work ran on, its place given back."""
+    import asyncio
+
+    import anyio
+
+    from asyncinfer.threads import run_sync_to_end
+
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def work(name: str) -> str:
+        ran.append(name)
+        started.set()
+        assert release.wait(10)
+        return name
+
+    limiter = anyio.CapacityLimiter(1)
+    assert _cancelled_while(started, release, lambda: run_sync_to_end(work, "a", limiter=limiter)) == (False, "cancelled")
+    assert ran == ["a"] and limiter.borrowed_tokens == 0
+
+    async def queued() -> list[object]:  # the second waits for the one place, is cancelled, and never runs
+        started.clear()
+        release.clear()
+        first = asyncio.ensure_future(run_sync_to_end(work, "b", limiter=limiter))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(run_sync_to_end(work, "c", limiter=limiter))
+        await asyncio.sleep(0.05)
+        second.cancel()
+        done, _ = await asyncio.wait({second}, timeout=0.3)
+        assert done, "a caller that left before its work began waited"
+        release.set()
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    ends = asyncio.run(queued())
+    assert ends[0] == "b" and isinstance(ends[1], asyncio.CancelledError)
+    assert ran == ["a", "b"] and limiter.borrowed_tokens == 0
+    assert asyncio.run(run_sync_to_end(work, "d")) == "d"  # anyio's shared pool
+
+
+def test_a_call_cancelled_while_its_texts_are_tokenized_waits_for_the_tokenizing(minilm_dir, monkeypatch) -> None:
+    """``embed()`` of texts long enough to be tokenized off the loop, cancelled while the tokenizer runs, ends once
+    it has: it ended at once, the tokenizing running on in a worker thread that nothing held (a 3.2 MB call of
+    short texts is 2.7 s of it), so a caller cancelling each such call ran any number at once."""
+    import asyncio
+
+    from asyncinfer.models.encoder import LoadedEncoder
+
+    started, release = threading.Event(), threading.Event()
+    tokenize = LoadedEncoder.tokenize
+
+    def held(self, texts):  # type: ignore[no-untyped-def]
+        started.set()
+        assert release.wait(10)
+        return tokenize(self, texts)
+
+    async def run() -> tuple[bool, bool, str]:
+        engine = await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32")
+        monkeypatch.setattr(LoadedEncoder, "tokenize", held)  # after the load's warm-up
+        async with engine:
+            task = asyncio.ensure_future(engine.embed(["word " * 2000] * 8))  # 80,000 characters: off the loop
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.3)
+            release.set()
+            try:
+                await task
+                end = "returned"
+            except asyncio.CancelledError:
+                end = "cancelled"
+            monkeypatch.setattr(LoadedEncoder, "tokenize", tokenize)
+            vectors = await engine.embed("still serving")
+        return bool(done), vectors.shape == (1, 384), end
+
+    try:
+        assert asyncio.run(run()) == (False, True, "cancelled")
+    finally:
+        release.set()
