@@ -72,6 +72,7 @@ from asyncinfer.server.responses import SSE_DONE, Reply, sse
 from asyncinfer.server.settings import MAX_TENANT_CHARS, ServerSettings, check_tenant_name
 from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
 from asyncinfer.server.tool_formats import ToolFormats, render_chat
+from asyncinfer.threads import run_sync_to_end
 
 __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 
@@ -449,7 +450,7 @@ class _OpenAI:
         # the frame awaiting that future, which holds the future, which holds the error, a cycle only a full garbage
         # collection frees, and with it all the error's frames held (a refused 4 MiB body: 50 MB each, kept until
         # then; tests/server/test_fresh_pass32.py)
-        outcome = await anyio.to_thread.run_sync(_outcome, work)
+        outcome = await run_sync_to_end(_outcome, work)  # a client gone meanwhile: its thread held till the work ends
         if isinstance(outcome, _Failed):
             error = outcome.error
             del outcome
@@ -747,7 +748,7 @@ async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
     worker thread, and the loop serves everyone else meanwhile."""
     if not reply.want_logprobs and reply.tools is None:
         return _json(build())
-    body = await anyio.to_thread.run_sync(lambda: msgspec.json.encode(build()))
+    body = await run_sync_to_end(lambda: msgspec.json.encode(build()))
     return Response(body, 200, media_type="application/json")
 
 
