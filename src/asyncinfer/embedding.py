@@ -351,7 +351,8 @@ class EmbeddingBatcher:
         self._texts += len(batch)
         self._sizes[len(batch)] += 1
         self._tokens += sum(len(x) for x in ids)
-        self._padded += len(ids) * max(len(x) for x in ids)
+        # tokens computed: each text at its own length alone (batch_invariant), else the batch padded to its longest
+        self._padded += sum(len(x) for x in ids) if self.config.batch_invariant else len(ids) * max(len(x) for x in ids)
         self._snapshot = self._stats()
         done: list[EmbedCall] = []
         for row, (call, i) in enumerate(batch):

@@ -51,3 +51,17 @@ def test_a_batch_invariant_encoders_plan_counts_one_text_a_pass(minilm_dir) -> N
     big = {"max_batch_size": 1024, "max_batch_tokens": 2**20, "max_seq_len": 512}
     wide = AsyncEngine.plan_memory(minilm_dir, dtype="float32", batch_invariant=True, available_bytes=2**30, **big)
     assert wide.largest_batch == (1, 512) and wide.total_bytes < 2**30
+
+
+def test_a_batch_invariant_encoder_counts_no_padding(minilm_dir) -> None:
+    """Each text runs alone at its own length, so the tokens computed are the real ones: ``num_padded_tokens``
+    counted each batch as padded to its longest text (here 14 tokens, 22 'padded', for no padding computed)."""
+    async def stats(batch_invariant: bool):
+        engine = await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32", batch_invariant=batch_invariant)
+        async with engine:
+            await engine.embed(["hi", "a somewhat longer sentence about the weather in spring"])
+            return engine.embedding_stats()
+    invariant, batched = asyncio.run(stats(True)), asyncio.run(stats(False))
+    assert invariant.num_batches == batched.num_batches == 1 and invariant.num_tokens == batched.num_tokens
+    assert invariant.num_padded_tokens == invariant.num_tokens
+    assert batched.num_padded_tokens == 2 * 11 > batched.num_tokens  # 'hi' padded to the other's 11 tokens
