@@ -688,8 +688,15 @@ def _tenant(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"tenant {name[:40]!r}: {exc.allowed}") from None
 
 
+def _embedding_option(item: str) -> tuple[str, Any]:
+    """``--embedding-option``'s pair, its example one of an encoder's options (not a scheduler's)."""
+    from asyncinfer.commands.engine_flags import key_value
+
+    return key_value(item, example="max_batch_size=64")
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from asyncinfer.commands.engine_flags import key_value, read_size
+    from asyncinfer.commands.engine_flags import read_size
 
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (same as --model; default: "
@@ -700,7 +707,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default model, a Hub id's whole id, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
-    p.add_argument("--embedding-option", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+    p.add_argument("--embedding-option", action="append", default=[], type=_embedding_option, metavar="KEY=VALUE",
                    help="an option of --embedding-model's, VALUE read as JSON (repeatable): max_batch_size, "
                         "max_batch_tokens, max_wait_ms, max_busy_share, max_seq_len, batch_invariant, dtype, num_threads "
                         "(docs/models_and_embeddings.md; default: none, the encoder's defaults)")

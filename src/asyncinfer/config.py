@@ -430,7 +430,7 @@ _OTHER_OPTIONS: dict[str, str] = {
 #: ``--seed`` is a request's).
 _FLAG_OPTIONS: dict[str, str] = {"engine_seed": "seed"}
 #: What a caller who passed the options as one object (``config=EngineConfig(...)``) is told.
-_OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves: from_pretrained(model, max_model_len=..., ...), "
+_OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves: from_pretrained(model, {example}=..., ...), "
                          "or from_pretrained(model, **options) with a dict of them")
 #: Keywords of other tools with nothing in asyncinfer to take them.
 _NO_OPTION: dict[str, str] = {
@@ -453,7 +453,8 @@ def _other_tools_option(key: str, known: set[str]) -> str:
     mapped = _OTHER_OPTIONS.get(key)
     if mapped in known:
         return f"; {key} is another library's name: asyncinfer's is {mapped}"
-    if key in _NO_OPTION and "dtype" in known and "max_model_len" in known:
-        return f"; {key} has no asyncinfer option: {_NO_OPTION[key]}"
+    if key in _NO_OPTION:  # a generator's options or an embedding model's: the example is one of them
+        example = "max_model_len" if "max_model_len" in known else "max_seq_len" if "max_seq_len" in known else "dtype"
+        return f"; {key} has no asyncinfer option: {_NO_OPTION[key].format(example=example)}"
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
     return f"; did you mean {close[0]}?" if close else ""

@@ -123,7 +123,8 @@ class EmbeddingPlan:
 
     ``max_batch_size`` and ``max_seq_len`` are the options; the largest batch the batcher can run is
     ``largest_batch`` (texts, tokens each): at most ``max_batch_size`` texts in ``max_batch_tokens`` padded
-    slots, or one text of ``max_seq_len`` alone, the one whose activations are the most."""
+    slots, or one text of ``max_seq_len`` alone, the one whose activations are the most (with ``batch_invariant``,
+    whose passes hold one text each, always the latter)."""
 
     weight_bytes: int
     activation_bytes: int
@@ -146,8 +147,10 @@ class EmbeddingPlan:
 def largest_batch(cfg: EncoderConfig, config: EmbeddingConfig, dtype_bytes: int) -> tuple[int, int]:
     """The batch (texts, tokens each) of the most activation memory the batcher can form: at most
     ``max_batch_size`` texts whose padded slots fit ``max_batch_tokens``, or one text alone (up to the model's
-    ``max_seq_len``)."""
+    ``max_seq_len``). With ``batch_invariant`` every pass holds one text, so its largest is one of ``max_seq_len``."""
     best = (1, cfg.max_seq_len)
+    if config.batch_invariant:
+        return best
     most = -1
     for tokens in range(1, cfg.max_seq_len + 1):
         texts = min(config.max_batch_size, max(1, config.max_batch_tokens // tokens))

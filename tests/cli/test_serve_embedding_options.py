@@ -44,3 +44,21 @@ def test_an_option_without_an_embedding_model_is_refused(tiny_models, capsys) ->
                      "max_busy_share=0.5"]) == 2
     assert capsys.readouterr().err == ("asyncinfer: error: --embedding-option sets an option of --embedding-model's "
                                        "sentence encoder: give --embedding-model too\n")
+
+
+def test_an_option_without_a_value_is_shown_an_encoder_s_example(capsys) -> None:
+    """``--embedding-option max_batch_size`` (no ``=VALUE``) was told to write ``prefill_budget=64``, a scheduler's
+    option, which that flag then refuses as no embedding-model option; the example is now one of an encoder's."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--port", "0", "--embedding-model", "all-MiniLM-L6-v2", "--embedding-option", "max_batch_size"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "asyncinfer: error: argument --embedding-option: 'max_batch_size' is not KEY=VALUE (e.g. max_batch_size=64)")
+
+
+def test_a_scheduler_option_without_a_value_keeps_its_scheduler_example(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--port", "0", "--scheduler-option", "prefill_budget"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "asyncinfer: error: argument --scheduler-option: 'prefill_budget' is not KEY=VALUE (e.g. prefill_budget=64)")

@@ -36,3 +36,32 @@ def test_a_batch_invariant_encoders_vector_is_the_texts_alone(minilm_dir) -> Non
     assert torch.equal(batched_alone, alone)  # one text alone: the same pass either way
     for vector in batched:  # batched, the same up to float rounding
         torch.testing.assert_close(vector, alone, rtol=0, atol=1e-5)
+
+
+def test_a_batch_invariant_encoders_plan_counts_one_text_a_pass(minilm_dir) -> None:
+    """Its passes hold one text each, so its largest is one text of ``max_seq_len``: the plan counted the batched
+    encoder's (8 texts of 256 tokens, 84.0 MiB), and refused, as not fitting, options whose batches it never runs
+    (1024 texts of 512 tokens: 33 GiB of activations counted, 21 MiB used)."""
+    batched = AsyncEngine.plan_memory(minilm_dir, dtype="float32")
+    plan = AsyncEngine.plan_memory(minilm_dir, dtype="float32", batch_invariant=True)
+    one = AsyncEngine.plan_memory(minilm_dir, dtype="float32", max_batch_size=1)
+    assert batched.largest_batch == (8, 256)
+    assert plan.largest_batch == (1, 256) and plan.activation_bytes == one.activation_bytes
+    assert plan.describe() == "weights 86.1 MiB, activations 10.5 MiB (batch 1 x 256 tokens)"
+    big = {"max_batch_size": 1024, "max_batch_tokens": 2**20, "max_seq_len": 512}
+    wide = AsyncEngine.plan_memory(minilm_dir, dtype="float32", batch_invariant=True, available_bytes=2**30, **big)
+    assert wide.largest_batch == (1, 512) and wide.total_bytes < 2**30
+
+
+def test_a_batch_invariant_encoder_counts_no_padding(minilm_dir) -> None:
+    """Each text runs alone at its own length, so the tokens computed are the real ones: ``num_padded_tokens``
+    counted each batch as padded to its longest text (here 14 tokens, 22 'padded', for no padding computed)."""
+    async def stats(batch_invariant: bool):
+        engine = await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32", batch_invariant=batch_invariant)
+        async with engine:
+            await engine.embed(["hi", "a somewhat longer sentence about the weather in spring"])
+            return engine.embedding_stats()
+    invariant, batched = asyncio.run(stats(True)), asyncio.run(stats(False))
+    assert invariant.num_batches == batched.num_batches == 1 and invariant.num_tokens == batched.num_tokens
+    assert invariant.num_padded_tokens == invariant.num_tokens
+    assert batched.num_padded_tokens == 2 * 11 > batched.num_tokens  # 'hi' padded to the other's 11 tokens

@@ -9,6 +9,7 @@ import trio
 
 from asyncinfer import (
     AsyncEngine,
+    EmbeddingConfig,
     EngineConfig,
     EngineState,
     InvalidParameterError,
@@ -198,6 +199,20 @@ def test_an_engine_config_passed_as_a_keyword_says_options_are_keywords(tiny_mod
     assert caught.value.allowed.endswith(
         f"; {keyword} has no asyncinfer option: the options are keywords themselves: from_pretrained(model, "
         "max_model_len=..., ...), or from_pretrained(model, **options) with a dict of them")
+
+
+@pytest.mark.parametrize(("keyword", "hint"), [
+    ("config", ("the options are keywords themselves: from_pretrained(model, max_seq_len=..., ...), or "
+                "from_pretrained(model, **options) with a dict of them")),
+    ("trust_remote_code", "asyncinfer runs no model code of its own (its own model classes only)"),
+])
+def test_an_embedding_model_s_config_passed_as_a_keyword_says_options_are_keywords(minilm_dir, keyword, hint) -> None:
+    """``add_model(name, encoder, config=EmbeddingConfig(...))`` (or ``plan_memory``, ``from_pretrained``) listed the
+    known options and no more: the hint was given for a generator's options only, and names an encoder's option."""
+    with pytest.raises(InvalidParameterError) as caught:
+        AsyncEngine.plan_memory(minilm_dir, **{keyword: EmbeddingConfig(max_seq_len=64)})
+    assert caught.value.parameter == keyword
+    assert caught.value.allowed.endswith(f"; {keyword} has no asyncinfer option: {hint}")
 
 
 @pytest.mark.real_model

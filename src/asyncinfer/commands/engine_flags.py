@@ -105,11 +105,12 @@ def _or_none(read: Callable[[str], Any]) -> _OrNone:
     return _OrNone(read)
 
 
-def key_value(item: str) -> tuple[str, Any]:
-    """A ``KEY=VALUE`` flag's pair, VALUE read as JSON where it is JSON (else the text)."""
+def key_value(item: str, example: str = "prefill_budget=64") -> tuple[str, Any]:
+    """A ``KEY=VALUE`` flag's pair, VALUE read as JSON where it is JSON (else the text); ``example`` is a pair the
+    flag takes, shown when ``item`` is not one (a scheduler's option by default)."""
     key, sep, raw = item.partition("=")
     if not (sep and key):
-        raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. prefill_budget=64)")
+        raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. {example})")
     try:
         return key, json.loads(raw)
     except ValueError:
