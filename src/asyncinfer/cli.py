@@ -709,7 +709,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
     p.add_argument("--embedding-option", action="append", default=[], type=_embedding_option, metavar="KEY=VALUE",
                    help="an option of --embedding-model's, VALUE read as JSON (repeatable): max_batch_size, "
-                        "max_batch_tokens, max_wait_ms, max_busy_share, max_seq_len, batch_invariant, dtype, num_threads "
+                        "max_batch_tokens, max_wait_ms, max_busy_share, max_seq_len, batch_invariant, dtype, device, num_threads "
                         "(docs/models_and_embeddings.md; default: none, the encoder's defaults)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
                                                        "(default: 127.0.0.1, this machine only)")

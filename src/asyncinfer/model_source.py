@@ -226,6 +226,7 @@ def model_text(model: object) -> str | None:
 
 
 _SOURCE_PREFIX = re.compile(r"(gguf|safetensors):(?!//)")
+_SOURCE_NAMES = {"gguf": "a .gguf file", "safetensors": "a model directory"}
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
@@ -254,6 +255,11 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
             path = Path(os.path.expanduser(rest))
             if not path.exists():  # a path, never a known name or a Hub id
                 raise ModelLoadError(f"model path {str(path)!r} does not exist (from the source {model!r})")
+            kind, other = source.group(1), {"gguf": "safetensors", "safetensors": "gguf"}[source.group(1)]
+            if path.is_dir() == (kind == "gguf"):  # "gguf:<a directory>" loaded the directory's model, whatever it was
+                what = "a directory" if path.is_dir() else "a file"
+                raise InvalidParameterError("model", model, f"a {kind} source naming {_SOURCE_NAMES[kind]}, not {what} "
+                                            f"(give '{other}:{rest}' or the path alone)")
             return path
     if not path.exists() and isinstance(model, str):
         if model.lower() in _DEFAULT_ALIASES:

@@ -35,6 +35,21 @@ def test_sources_resolve_to_their_files_and_a_missing_one_names_the_path(tiny_mo
         resolve_model(f"gguf:{tmp_path / 'gone.gguf'}")
 
 
+def test_a_source_whose_prefix_names_the_other_kind_is_refused(tiny_models, tmp_path) -> None:
+    """``gguf:<a model directory>`` loaded the directory's safetensors model, and ``safetensors:<a .gguf file>`` the
+    file: a mistyped prefix went unnoticed, the model loaded as the other kind."""
+    directory = tiny_models["llama"][0]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model, allowed in ((f"gguf:{directory}", (f"a gguf source naming a .gguf file, not a directory (give "
+                                                 f"'safetensors:{directory}' or the path alone)")),
+                           (f"safetensors:{gguf}", (f"a safetensors source naming a model directory, not a file (give "
+                                                   f"'gguf:{gguf}' or the path alone)"))):
+        with pytest.raises(InvalidParameterError) as raised:
+            resolve_model(model)
+        assert (raised.value.parameter, raised.value.allowed) == ("model", allowed)
+
+
 @pytest.mark.parametrize("model", ["gguf:", "safetensors:", "gguf:  "])
 def test_a_source_naming_nothing_is_refused_not_the_working_directory(model, tiny_models, monkeypatch) -> None:
     """``Path("")`` is the working directory: ``--model "gguf:$UNSET"`` resolved to it and loaded whatever model lay
