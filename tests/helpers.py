@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import importlib.util
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -760,3 +761,15 @@ def send_victim(engine: Any, params: SamplingParams, how: str) -> asyncio.Future
     async def read() -> list:
         return [d async for d in engine.stream([5, 6, 7], params, request_id="victim")]
     return asyncio.ensure_future(read())
+
+
+def interrupt(proc: subprocess.Popen) -> str:
+    """Ctrl-C (SIGINT) to a server started with its output piped, and what it printed once it exited (killed
+    past 60 s)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return output

@@ -218,28 +218,23 @@ def test_ctrl_c_that_reaches_the_calls_thread_interrupts_the_call() -> None:
     assert time.monotonic() - started < 25  # the call's loop alone runs 30 s
 
 
-def _cancelled_while(started: threading.Event, release: threading.Event, call) -> tuple[bool, str]:
-    """``call()`` as a task, cancelled once ``started`` is set (its work running in a worker thread): whether it
-    had ended 0.3 s after the cancel, with its work still held, and how it ended once ``release`` let the work go."""
+async def _cancel_while_running(started: threading.Event, release: threading.Event, work) -> tuple[bool, str]:
+    """The awaitable ``work`` as a task, cancelled once ``started`` is set (its work running in a worker thread):
+    whether it had ended 0.3 s after the cancel, its work still held, and how it ended once ``release`` let the
+    work go."""
     import asyncio
 
-    async def run() -> tuple[bool, str]:
-        task = asyncio.ensure_future(call())
-        while not started.is_set():
-            await asyncio.sleep(0.01)
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=0.3)
-        release.set()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return bool(done), "cancelled"
-        return bool(done), "returned"
-
+    task = asyncio.ensure_future(work)
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=0.3)
+    release.set()
     try:
-        return asyncio.run(run())
-    finally:
-        release.set()
+        await task
+    except asyncio.CancelledError:
+        return bool(done), "cancelled"
+    return bool(done), "returned"
 
 
 def test_run_sync_to_end_holds_its_caller_until_the_work_ends_and_runs_nothing_once_left() -> None:
@@ -262,7 +257,11 @@ def test_run_sync_to_end_holds_its_caller_until_the_work_ends_and_runs_nothing_o
         return name
 
     limiter = anyio.CapacityLimiter(1)
-    assert _cancelled_while(started, release, lambda: run_sync_to_end(work, "a", limiter=limiter)) == (False, "cancelled")
+    try:
+        ended = asyncio.run(_cancel_while_running(started, release, run_sync_to_end(work, "a", limiter=limiter)))
+    finally:
+        release.set()
+    assert ended == (False, "cancelled")
     assert ran == ["a"] and limiter.borrowed_tokens == 0
 
     async def queued() -> list[object]:  # the second waits for the one place, is cancelled, and never runs
@@ -305,20 +304,11 @@ def test_a_call_cancelled_while_its_texts_are_tokenized_waits_for_the_tokenizing
         engine = await AsyncEngine.load(minilm_dir, device="cpu", dtype="float32")
         monkeypatch.setattr(LoadedEncoder, "tokenize", held)  # after the load's warm-up
         async with engine:
-            task = asyncio.ensure_future(engine.embed(["word " * 2000] * 8))  # 80,000 characters: off the loop
-            while not started.is_set():
-                await asyncio.sleep(0.01)
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=0.3)
-            release.set()
-            try:
-                await task
-                end = "returned"
-            except asyncio.CancelledError:
-                end = "cancelled"
+            # 80,000 characters: tokenized off the loop
+            done, end = await _cancel_while_running(started, release, engine.embed(["word " * 2000] * 8))
             monkeypatch.setattr(LoadedEncoder, "tokenize", tokenize)
             vectors = await engine.embed("still serving")
-        return bool(done), vectors.shape == (1, 384), end
+        return done, vectors.shape == (1, 384), end
 
     try:
         assert asyncio.run(run()) == (False, True, "cancelled")

@@ -7,7 +7,6 @@ import ast
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer.server import ModelSpec
+from tests.helpers import interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "openai_server.py"
@@ -125,12 +125,7 @@ def test_the_example_serves_the_default_model_under_the_readme_s_name(real_gguf)
                                                    max_tokens=4)
             assert reply.model == name and reply.usage.completion_tokens >= 1
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            said, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        said = interrupt(proc)
     # uvicorn prints no "running on" line for a socket handed to it: the example names its URL itself.
     assert said.startswith(f"openai_server.py: loading, then serving at {url}/v1\n"), said
 

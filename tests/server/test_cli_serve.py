@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from asyncinfer import cli
+from tests.helpers import interrupt
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -61,12 +62,7 @@ def test_serve_runs_the_openai_api_until_interrupted(tiny_chat_model, minilm_dir
               pytest.raises(openai.AuthenticationError)):
             client.models.list()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            output, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        output = interrupt(proc)
     assert proc.returncode == 130, output  # Ctrl-C ends serve with 130, as the README says of every command
 
 
@@ -85,12 +81,7 @@ def test_serve_started_with_sigint_ignored_still_ends_130_on_sigint(tiny_chat_mo
     try:
         wait_until_serving(proc, f"http://127.0.0.1:{port}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            output, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        output = interrupt(proc)
     assert proc.returncode == 130, output
 
 
