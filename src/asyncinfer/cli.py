@@ -247,6 +247,8 @@ def _parse_options(items: list[str], names: list[str]) -> dict[str, dict[str, An
 
 
 def _lab(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from asyncinfer import lab
     from asyncinfer.schedulers import SchedulerConfig
 
@@ -261,7 +263,7 @@ def _lab(args: argparse.Namespace) -> int:
         print(f"fit over {model.meta['fit_samples']} shapes: mean relative error "
               f"{model.meta['fit_mean_rel_error']:.1%}, max {model.meta['fit_max_rel_error']:.1%}")
         return 0
-    from asyncinfer.commands import CommandError
+    from asyncinfer.commands import CommandError, check_output_path, plot_path
 
     unused = [flag for flag, value in (("--model", args.model), ("--threads", args.threads)) if value is not None]
     if unused:  # calibration's flags: the replay itself loads no model and runs no torch
@@ -274,6 +276,11 @@ def _lab(args: argparse.Namespace) -> int:
                            f"--block-size {args.block_size} tokens that one --max-model-len {args.max_model_len} "
                            "request needs (or lower --max-model-len)")
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
+    # the outputs' paths checked before the replay runs, not once it is over
+    if args.json:  # an empty --json or --plot writes nothing
+        check_output_path("--json", args.json)
+    if args.plot and importlib.util.find_spec("matplotlib") is not None:  # else: "no plot", below
+        args.plot = plot_path(args.plot)
     if args.trace:
         try:
             trace = lab.load_trace(args.trace)

@@ -88,6 +88,25 @@ def test_bad_files_are_refused_with_the_reason(tmp_path, synthetic) -> None:
         GGUFFile(tmp_path / "empty.gguf")
 
 
+
+@pytest.mark.parametrize("version", [1, 4, 9])
+def test_a_gguf_version_other_than_2_or_3_is_refused_from_its_header(tmp_path, synthetic, capsys, version) -> None:
+    """A later version's header is laid out as this reader cannot know (v1's counts are 32-bit): it was read as
+    v3's, so `plan` and `info` planned a version-9 file and only the tokenizer's reader refused it at load."""
+    from asyncinfer import cli
+
+    data = bytearray(synthetic.read_bytes())
+    data[4:8] = version.to_bytes(4, "little")
+    path = tmp_path / f"v{version}.gguf"
+    path.write_bytes(bytes(data))
+    expected = f"cannot read GGUF file {path}: GGUF version {version} is not supported (this reader reads versions 2 and 3)"
+    with pytest.raises(ModelLoadError) as refused:
+        GGUFFile(path)
+    assert str(refused.value) == expected
+    for command in ("plan", "info"):
+        assert cli.main([command, str(path)]) == 2
+        assert capsys.readouterr().err == f"asyncinfer: error: {expected}\n"
+
 def test_building_a_model_on_meta_neither_initialises_nor_imports_dynamo() -> None:
     """Random init on meta imports torch._dynamo (seconds); build_on_meta skips it, in its thread only."""
     code = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from asyncinfer.errors import AsyncInferError
@@ -32,3 +33,35 @@ def check_one_model(command: str, model_arg: str | None, model: str | None) -> N
     if model_arg is not None and model is not None and model_arg != model:
         raise CommandError(f"the model is given twice, as MODEL {model_arg!r} and as --model {model!r}: give one "
                            f"(asyncinfer {command} MODEL or asyncinfer {command} --model MODEL)")
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """A ``--json`` / ``--plot`` path that cannot be written, refused before the command runs (minutes), not
+    after it: its directory missing, not writable, or the path itself a directory."""
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise CommandError(f"{flag} {path}: Is a directory")
+    if not os.path.isdir(parent):
+        raise CommandError(f"{flag} {path}: No such file or directory (the directory {parent} does not exist)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"{flag} {path}: Permission denied (the directory {parent} is not writable)")
+
+
+def plot_path(path: str) -> str:
+    """The file ``--plot PATH`` writes, checked before the command runs: PATH where its suffix names a format
+    matplotlib writes (``.png``, ``.svg``, ``.pdf``, ...), ``PATH.png`` where it has none (matplotlib's own
+    default, which the command then names); another suffix (``out.txt``) is refused naming ``--plot`` and the
+    formats (matplotlib refused it only once the run was over). Needs matplotlib installed."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    check_output_path("--plot", path)
+    suffix = os.path.splitext(path)[1]
+    if not suffix:
+        path += ".png"
+    elif suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        formats = ", ".join(f".{ext}" for ext in sorted(FigureCanvasBase.get_supported_filetypes()))
+        raise CommandError(f"--plot {flag_value(path)} is invalid: allowed a file name ending in a format matplotlib "
+                           f"writes: {formats}")
+    check_output_path("--plot", path)
+    return path

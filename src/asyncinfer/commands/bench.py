@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncinfer.commands import check_output_path, plot_path
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.metrics.profile import MAX_PROFILE_STEPS
 from asyncinfer.sampling_params import SamplingParams
@@ -80,14 +81,14 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
             raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")
     if args.profile_steps > MAX_PROFILE_STEPS:  # refused before the benchmark runs, not after it
         raise InvalidParameterError("--profile-steps", args.profile_steps, f"an int in [1, {MAX_PROFILE_STEPS}]")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            _check_output_path(flag, path)
+    if args.json is not None:
+        check_output_path("--json", args.json)
     if args.plot is not None:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise InvalidParameterError("--plot", args.plot, "a run with matplotlib installed (pip install matplotlib)")
+        args.plot = plot_path(args.plot)
     if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
         from asyncinfer.commands import CommandError
 
@@ -107,21 +108,6 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         _plot(rows, args.plot)
         print(f"plot saved to {args.plot}")
     return 0
-
-
-def _check_output_path(flag: str, path: str) -> None:
-    """A ``--json`` / ``--plot`` path that cannot be written, refused before the benchmark runs (minutes), not
-    after it: its directory missing, not writable, or the path itself a directory."""
-    from asyncinfer.commands import CommandError
-
-    target = os.path.abspath(path)
-    parent = os.path.dirname(target)
-    if os.path.isdir(target):
-        raise CommandError(f"{flag} {path}: Is a directory")
-    if not os.path.isdir(parent):
-        raise CommandError(f"{flag} {path}: No such file or directory (the directory {parent} does not exist)")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CommandError(f"{flag} {path}: Permission denied (the directory {parent} is not writable)")
 
 
 def _levels(given: list[str] | None) -> list[int]:

@@ -46,6 +46,7 @@ from asyncinfer.errors import ModelLoadError
 from asyncinfer.kernels.formats import READ_LAYOUTS
 
 _MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # the versions whose header layout this reader parses (llama.cpp writes 3)
 _DEFAULT_ALIGNMENT = 32
 
 # Metadata value types: struct format of the scalar ones; 8 = string, 9 = array.
@@ -170,8 +171,11 @@ class GGUFFile:
         version, n_tensors, n_fields = struct.unpack_from("<IQQ", buf, 4)
         if version > 0xFFFF:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: big-endian GGUF files are not supported")
-        if version < 2:
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: GGUF version {version} is not supported")
+        if version not in _VERSIONS:
+            # Another version lays its header out otherwise (v1's 32-bit counts; a later one's unknown): its
+            # fields, read as v3's, would be garbage, so it is refused here, as llama.cpp refuses it.
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: GGUF version {version} is not supported "
+                                 f"(this reader reads versions {' and '.join(map(str, _VERSIONS))})")
         for what, count, least in (("tensor count", n_tensors, _MIN_TENSOR_BYTES),
                                    ("metadata count", n_fields, _MIN_FIELD_BYTES)):
             if count * least > len(buf):
