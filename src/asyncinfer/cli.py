@@ -253,7 +253,10 @@ def _lab(args: argparse.Namespace) -> int:
     from asyncinfer.schedulers import SchedulerConfig
 
     if args.calibrate:
+        from asyncinfer.commands import check_output_path
         from asyncinfer.commands.calibrate import calibrate
+
+        check_output_path("--calibrate", args.calibrate)  # before the calibration's minutes, not after them
 
         command = f"asyncinfer lab --calibrate {args.calibrate}" + (f" --model {args.model}" if args.model else "")
         command += f" --threads {args.threads}" if args.threads else ""
@@ -967,6 +970,10 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
     """The error's message in the flags' terms: an engine option, a serve setting or a plan parameter given
     as a flag is named by it (``--api-key ''``, not ``api_keys=('',)``; ``--batch 0``, not ``batch=0``),
     and a ConfigurationError's text names the engine options by their flags."""
+    if (isinstance(exc, InvalidParameterError) and exc.parameter.startswith("-")
+            and str(exc) == str(InvalidParameterError(exc.parameter, exc.value, exc.allowed))):
+        # a command's own check of its flag, as every other refusal reads (not "--concurrency=0 ... an int >= 1")
+        return f"{exc.parameter} {flag_value(exc.value)} is invalid: allowed {range_in_words(exc.allowed, none=None)}"
     if (args is not None and isinstance(exc, InvalidParameterError) and exc.parameter == "model"
             and isinstance(exc.value, str) and not exc.value.strip()):  # -m "$UNSET": resolve_model's refusal
         return (f"--model {exc.value!r} is invalid: allowed a model directory, a .gguf file or a known name, not an "

@@ -372,7 +372,7 @@ def test_lab_writes_no_png_unless_asked_and_sees_plugins(tmp_path, monkeypatch, 
     assert cli.main(["lab", "--plugin", "my_policies", "--list-schedulers"]) == 0
     assert "fair-share" in capsys.readouterr().out.split()
     assert cli.main(["lab", "--plugin", "no_such_module"]) == 2
-    assert "--plugin='no_such_module'" in one_line_error(capsys)
+    assert "--plugin 'no_such_module'" in one_line_error(capsys)
 
 
 def console_script(tmp_path: Path) -> Path:

@@ -80,7 +80,7 @@ def test_lab_plugin_that_fails_to_import_names_the_flag(plugins: Path, capsys, m
     """``asyncinfer lab --plugin M``: a module that raised as it was imported, or an empty or relative name,
     was ``asyncinfer: internal error: ...`` with status 1; it is the flag's refusal, status 2."""
     assert cli.main(["lab", "--plugin", module, "--list-schedulers"]) == 2
-    assert _error_line(capsys) == f"asyncinfer: error: --plugin={module!r} is invalid: allowed {allowed}"
+    assert _error_line(capsys) == f"asyncinfer: error: --plugin {module!r} is invalid: allowed {allowed}"
 
 
 def test_an_entry_point_that_fails_to_import_is_a_typed_refusal(plugins: Path,
@@ -124,7 +124,7 @@ def test_lab_refuses_an_option_for_no_policy_it_runs(capsys, option: str, schedu
     if schedulers == "fifo":
         argv += ["--schedulers", "fifo"]
     assert cli.main(argv) == 2
-    assert _error_line(capsys) == (f"asyncinfer: error: --option={option!r} is invalid: allowed NAME one of the "
+    assert _error_line(capsys) == (f"asyncinfer: error: --option {option!r} is invalid: allowed NAME one of the "
                                    f"schedulers run: {schedulers}")
 
 

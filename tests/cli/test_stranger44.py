@@ -26,7 +26,7 @@ def test_lab_plugin_given_as_a_file_names_the_dotted_module(capsys, module: str,
     ``--scheduler`` given a file's path shows the dotted name it means."""
     assert cli.main(["lab", "--plugin", module, "--list-schedulers"]) == 2
     assert _error_line(capsys) == (
-        f"asyncinfer: error: --plugin={module!r} is invalid: allowed an importable module: a module's dotted name, "
+        f"asyncinfer: error: --plugin {module!r} is invalid: allowed an importable module: a module's dotted name, "
         f"not a file's path (here {dotted}, run from the directory that holds {where})")
 
 

@@ -7,9 +7,14 @@ import pytest
 
 from asyncinfer import cli
 
-FORMATS = ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, .webp"
-
 pytest.importorskip("matplotlib")
+
+from matplotlib.backend_bases import FigureCanvasBase
+
+# what the installed matplotlib writes (".avif, .eps, ..., .png, ..., .svg, ..." with 3.10): the list depends on
+# its version, which a fresh install may move
+FORMATS = ", ".join(f".{ext}" for ext in sorted(FigureCanvasBase.get_supported_filetypes()))
+assert {".png", ".svg", ".pdf"} <= set(FORMATS.split(", "))
 
 
 def test_bench_refuses_a_plot_format_matplotlib_cannot_write_before_it_runs(tmp_path, capsys, monkeypatch) -> None:
@@ -53,3 +58,31 @@ def test_lab_names_the_file_a_plot_without_a_suffix_is_written_to(tmp_path, caps
     assert cli.main(["lab", "--synthetic", "20", "--plot", str(tmp_path / "figures")]) == 0
     assert capsys.readouterr().out.endswith(f"plot saved to {tmp_path / 'figures.png'}\n")
     assert [p.name for p in tmp_path.iterdir()] == ["figures.png"]
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["bench", "--num-requests", "0"], "--num-requests 0 is invalid: allowed an integer >= 1"),
+    (["generate", "--prompt", "hi", "--concurrency", "0"], "--concurrency 0 is invalid: allowed an integer >= 1"),
+    (["bench", "--concurrency", "1,,4"],  # the empty entry was dropped unsaid: levels 1 and 4 ran
+     "--concurrency '1,,4' is invalid: allowed comma-separated integers >= 1, e.g. 1,4,16"),
+])
+def test_a_commands_own_flag_checks_read_as_every_other_refusal(argv, error, capsys) -> None:
+    """``bench --num-requests 0`` said ``--num-requests=0 is invalid: allowed an int >= 1``, where every other
+    refusal reads ``--max-tokens 0 is invalid: allowed an integer >= 1``."""
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: {error}\n"
+
+
+def test_lab_calibrate_into_a_missing_directory_is_refused_before_calibrating(tmp_path, capsys, monkeypatch) -> None:
+    """``lab --calibrate /nonexist/cm.json`` calibrated for seconds, then failed with ``No such file or directory``
+    naming no flag."""
+    from asyncinfer.commands import calibrate
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the calibration ran")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_run)
+    path = tmp_path / "gone" / "cm.json"
+    assert cli.main(["lab", "--calibrate", str(path)]) == 2
+    assert capsys.readouterr().err == (f"asyncinfer: error: --calibrate {path}: No such file or directory (the "
+                                       f"directory {path.parent} does not exist)\n")

@@ -114,8 +114,8 @@ def _levels(given: list[str] | None) -> list[int]:
     """The concurrency levels of every ``--concurrency`` (each comma-separated), in order, each once."""
     levels: list[int] = []
     for text in given or ["1,4,16"]:
-        try:
-            these = [int(x) for x in text.split(",") if x.strip()]
+        try:  # every entry a number: "1,,4" ran levels 1 and 4, the empty one dropped unsaid
+            these = [int(x) for x in text.split(",")]
         except ValueError:
             these = []
         if not these or min(these) < 1:
