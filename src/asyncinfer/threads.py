@@ -160,16 +160,21 @@ async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.Ca
         return fn(*args)
 
     work = asyncio.ensure_future(anyio.to_thread.run_sync(guarded, limiter=limiter))
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.wait({work})
-        except asyncio.CancelledError:
-            if not gate.leave():  # it never began, and now never will
-                work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, not logged
-                work.cancel()
-                raise
-            cancelled = True  # it runs: the cancel waits for it
-    if cancelled:
-        raise asyncio.CancelledError
+    try:
+        await asyncio.wait({work})
+    except asyncio.CancelledError:
+        if not gate.leave():  # it never began, and now never will
+            work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, not logged
+            work.cancel()
+            raise
+        # It runs: the cancel waits for it, then is raised as it came (anyio's cancel scope, move_on_after or
+        # fail_after, knows its own by it and ends there). Shielded meanwhile: such a scope sends its cancel again
+        # at every turn of the loop while a task stays in it, and caught each time the loop spun till the work's end.
+        with anyio.CancelScope(shield=True):
+            while not work.done():
+                try:
+                    await asyncio.wait({work})
+                except asyncio.CancelledError:  # another asyncio cancel: the one raised is the first
+                    continue
+        raise
     return work.result()

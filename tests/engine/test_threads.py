@@ -284,6 +284,59 @@ def test_run_sync_to_end_holds_its_caller_until_the_work_ends_and_runs_nothing_o
     assert asyncio.run(run_sync_to_end(work, "d")) == "d"  # anyio's shared pool
 
 
+def test_run_sync_to_end_under_an_anyio_cancel_scope_waits_once_and_ends_in_the_scope() -> None:
+    """anyio's ``move_on_after`` (a cancel scope) over work that runs: the caller waits for the work, woken once by
+    the cancel, and the scope ends it there. The scope sends its cancel again at every turn of the loop while the
+    task stays in it: the caller, catching each, was woken thousands of times (the loop spinning at 100% CPU till the
+    work's end), and the cancel it raised last, a new one, was not the scope's: it went through ``move_on_after``."""
+    import asyncio
+    import types
+
+    import anyio
+
+    from asyncinfer.threads import run_sync_to_end
+
+    started, release = threading.Event(), threading.Event()
+
+    def work() -> str:
+        started.set()
+        assert release.wait(10)
+        return "done"
+
+    @types.coroutine
+    def counting(coro, throws):  # type: ignore[no-untyped-def]  # the awaitable, counting what is thrown into it
+        it, value, error = coro.__await__(), None, None
+        while True:
+            try:
+                sent = it.send(value) if error is None else it.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                value = yield sent
+            except BaseException as exc:  # noqa: BLE001 - passed on to the awaitable
+                throws.append(type(exc))
+                error = exc
+
+    async def run() -> tuple[bool, list[type], int]:
+        throws: list[type] = []
+        timer = threading.Timer(0.3, release.set)  # the work ends 0.3 s after it began, whatever the caller does
+
+        def timed() -> str:
+            timer.start()
+            return work()
+
+        with anyio.move_on_after(0.05) as scope:  # cancelled while the work runs
+            await counting(run_sync_to_end(timed), throws)
+        timer.join()
+        return scope.cancelled_caught and started.is_set(), throws[:3], len(throws)
+
+    try:
+        assert asyncio.run(run()) == (True, [asyncio.CancelledError], 1)
+    finally:
+        release.set()
+
+
 def test_a_call_cancelled_while_its_texts_are_tokenized_waits_for_the_tokenizing(minilm_dir, monkeypatch) -> None:
     """``embed()`` of texts long enough to be tokenized off the loop, cancelled while the tokenizer runs, ends once
     it has: it ended at once, the tokenizing running on in a worker thread that nothing held (a 3.2 MB call of
