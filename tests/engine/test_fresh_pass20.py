@@ -78,8 +78,8 @@ def test_the_lab_command_names_the_trace_line_and_the_cost_model(tmp_path: Path,
         "object (not JSON: Expecting value: line 1 column 1 (char 0))\n")
 
 
-@pytest.mark.parametrize(("flag", "value", "shown"), [("--slo-ttft", "nan", "nan"), ("--slo-tpot", "-1", "-1.0"),
-                                                      ("--slo-ttft", "0", "0.0")])
+@pytest.mark.parametrize(("flag", "value", "shown"), [("--slo-ttft", "nan", "nan"), ("--slo-tpot", "-1", "-1"),
+                                                      ("--slo-ttft", "0", "0"), ("--slo-tpot", "-0.5", "-0.5")])
 def test_an_slo_that_no_request_can_meet_is_refused(capsys: pytest.CaptureFixture[str], flag: str, value: str,
                                                     shown: str) -> None:
     """``--slo-ttft nan`` or a bound <= 0 was taken, and every policy's row read "0%" met, as if all had failed."""
