@@ -34,6 +34,20 @@ def test_chat_with_a_model_without_a_chat_template_says_so(templateless_gguf, ca
                    f"messages for it: send plain text with asyncinfer generate {templateless_gguf} --prompt TEXT\n")
 
 
+def test_generate_chat_with_a_model_without_a_chat_template_is_refused_once(templateless_gguf, capsys) -> None:
+    """``asyncinfer generate tiny.gguf --chat --prompt hi`` loaded the model, then failed every prompt on its own
+    (``prompt='chat messages' is invalid``, exit status 1): refused once, as chat refuses it, with the fix."""
+    from asyncinfer import cli
+
+    assert cli.main(["generate", str(templateless_gguf), "--chat", "--threads", "1", "--max-tokens", "4",
+                     "--prompt", "hi", "--prompt", "there"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"asyncinfer: error: {str(templateless_gguf)!r} has no chat template, so generate --chat "
+                            f"cannot render messages for it: send plain text with asyncinfer generate "
+                            f"{templateless_gguf} --prompt TEXT\n")
+
+
 def test_chat_with_a_model_without_a_tokenizer_says_so(tmp_path, capsys) -> None:
     """A Hugging Face directory of config.json and weights only: chat said the message did not fit, and the
     first fix pointed to generate --prompt, which cannot encode text for it either."""

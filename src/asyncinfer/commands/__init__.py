@@ -23,6 +23,18 @@ def flag_value(value: Any) -> str:
     return str(value)
 
 
+def check_chats_render(tokenizer: Any, model: Any, command: str) -> None:
+    """Refuse, once the model is loaded, a command that sends chat messages to a model that cannot render them
+    (no tokenizer, or no chat template): every message would be refused, one by one (``chat`` reported each as
+    not fitting max_model_len; ``generate --chat`` failed every line, exit status 1)."""
+    if tokenizer is None:
+        raise CommandError(f"{str(model)!r} has no tokenizer (no tokenizer files beside its weights, or none in its "
+                           f"GGUF file), so {command} cannot encode messages for it")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise CommandError(f"{str(model)!r} has no chat template, so {command} cannot render messages for it: "
+                           f"send plain text with asyncinfer generate {model} --prompt TEXT")
+
+
 def check_one_model(command: str, model_arg: str | None, model: str | None) -> None:
     """Refuse a model given both as the command's MODEL argument and as ``--model``, unless the same: one of them
     was silently dropped (the argument won). An empty MODEL (``asyncinfer serve "$MODEL_DIR"``, the variable unset)

@@ -35,6 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
+from asyncinfer.commands import check_chats_render
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.history import trim_messages
 from asyncinfer.sampling_params import SamplingParams
@@ -240,16 +241,7 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
 
     engine = await AsyncEngine.load(args.model, **options)
     async with engine:
-        tokenizer = engine.get_tokenizer()
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            from asyncinfer.commands import CommandError
-
-            # every message would be refused (it was reported as one that does not fit max_model_len)
-            if tokenizer is None:
-                raise CommandError(f"{str(args.model)!r} has no tokenizer (no tokenizer files beside its weights, or "
-                                   "none in its GGUF file), so chat cannot encode messages for it")
-            raise CommandError(f"{str(args.model)!r} has no chat template, so chat cannot render messages for it: "
-                               f"send plain text with asyncinfer generate {args.model} --prompt TEXT")
+        check_chats_render(engine.get_tokenizer(), args.model, "chat")
         session = ChatSession(engine, params, args.system, stats=args.stats,
                               max_tokens_given=args.max_tokens is not None)
         with _Interrupts() as interrupts:

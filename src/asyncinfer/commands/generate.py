@@ -52,7 +52,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from asyncinfer.commands import CommandError, check_one_model
+from asyncinfer.commands import CommandError, check_chats_render, check_one_model
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.structured import StructuredOutput
@@ -342,6 +342,8 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
     from asyncinfer.engine import AsyncEngine
 
     engine = await AsyncEngine.load(model, **options)
+    if args.chat:  # every line a chat: refused once, not line by line
+        check_chats_render(engine.get_tokenizer(), model, "generate --chat")
     ids_only = engine.get_tokenizer() is None  # no text to give: the output is its token ids
     results: list[dict[str, Any] | None] = [None] * len(jobs)
     written = failed = 0
