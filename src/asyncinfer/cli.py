@@ -584,7 +584,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
             if exc.parameter not in embedding_options:
                 raise
             shown = f"{exc.parameter}={json.dumps(embedding_options[exc.parameter])}"  # as typed
-            allowed = exc.allowed.replace("True or False", "true or false")  # VALUE is JSON
+            allowed = range_in_words(exc.allowed, none="null")  # VALUE is JSON: its words (true, null, an integer)
             raise CommandError(f"--embedding-option {shown} is invalid: allowed {allowed}") from None
     # The names taken from the paths, checked now that the plans found the models, before anything is printed: a
     # mistyped path past 200 characters was refused as a name to give with --served-model-name, then "does not exist"
