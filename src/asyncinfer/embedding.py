@@ -350,9 +350,10 @@ class EmbeddingBatcher:
         self._batches += 1
         self._texts += len(batch)
         self._sizes[len(batch)] += 1
-        self._tokens += sum(len(x) for x in ids)
+        tokens = sum(len(x) for x in ids)
+        self._tokens += tokens
         # what ran: each text at its own length (batch_invariant), else every text at the batch's longest
-        self._padded += sum(len(x) for x in ids) if self.config.batch_invariant else len(ids) * max(len(x) for x in ids)
+        self._padded += tokens if self.config.batch_invariant else len(ids) * max(len(x) for x in ids)
         self._snapshot = self._stats()
         done: list[EmbedCall] = []
         for row, (call, i) in enumerate(batch):

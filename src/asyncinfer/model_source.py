@@ -255,7 +255,8 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
             path = Path(os.path.expanduser(rest))
             if not path.exists():  # a path, never a known name or a Hub id
                 raise ModelLoadError(f"model path {str(path)!r} does not exist (from the source {model!r})")
-            kind, other = source.group(1), {"gguf": "safetensors", "safetensors": "gguf"}[source.group(1)]
+            kind = source.group(1)
+            other = "safetensors" if kind == "gguf" else "gguf"
             if path.is_dir() == (kind == "gguf"):  # "gguf:<a directory>" loaded the directory's model, whatever it was
                 what = "a directory" if path.is_dir() else "a file"
                 raise InvalidParameterError("model", model, f"a {kind} source naming {_SOURCE_NAMES[kind]}, not {what} "
