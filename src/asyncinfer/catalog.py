@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ from asyncinfer.prompts import (
     prompt_token_ids,
     texts_cost,
 )
-from asyncinfer.threads import run_sync_to_end
+from asyncinfer.threads import WorkShares
 
 _M = TypeVar("_M")
 
@@ -64,9 +64,10 @@ class EmbeddingModel:
 class EmbedCalls:
     """The ``embed()`` calls in flight, each with the future its caller awaits."""
 
-    def __init__(self, loop_share: LoopShare | None = None) -> None:
+    def __init__(self, loop_share: LoopShare | None = None, work_shares: WorkShares | None = None) -> None:
         self._calls: dict[EmbedCall, tuple[EmbeddingModel, asyncio.Future[torch.Tensor]]] = {}
         self.loop_share = loop_share or LoopShare()  # the engine's tokenizing on the loop, per turn
+        self.work_shares = work_shares or WorkShares()  # and off it: each tenant's few worker threads
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -87,7 +88,8 @@ class EmbedCalls:
         """
         tokenize = entry.batcher.encoder.tokenize
         if not self.loop_share.take(texts_cost(texts)):
-            ids = await run_sync_to_end(tokenize, texts)  # a cancel waits for it: its worker thread is held
+            # a cancel waits for it: its worker thread is held; one of its tenant's threads
+            ids = await self.work_shares.run(None if tenant is None else ("tenant", tenant), tokenize, texts)
             still_ok()
         else:
             ids = tokenize(texts)
@@ -132,8 +134,9 @@ class EmbedCalls:
 class ModelCatalog:
     """Named generators and embedding models, in load order."""
 
-    def __init__(self, loop_share: LoopShare | None = None) -> None:
+    def __init__(self, loop_share: LoopShare | None = None, work_shares: WorkShares | None = None) -> None:
         self.loop_share = loop_share or LoopShare()  # the engine's tokenizing on the loop, per turn
+        self.work_shares = work_shares or WorkShares()  # and off it: each tenant's few worker threads
         self.generators: dict[str, ModelHolder] = {}
         self.embedders: dict[str, EmbeddingModel] = {}
         self.removing: dict[str, ModelHolder | EmbeddingModel] = {}
@@ -192,12 +195,14 @@ class ModelCatalog:
         return version, prompt_token_ids(prompt, version)
 
     async def bind_prompt(
-        self, name: str | None, prompt: Any, check_running: Any, early: tuple[ModelVersion, list[int]] | None = None
+        self, name: str | None, prompt: Any, check_running: Any, early: tuple[ModelVersion, list[int]] | None = None,
+        party: Hashable | None = None,
     ) -> tuple[ModelVersion, list[int]]:
         """The version a new request is bound to, and its prompt's token ids for that version.
 
         ``early``: ids computed at the call, reused if their version still serves.
-        Long texts are tokenized off the loop; if a swap moved the generator to
+        Long texts are tokenized off the loop, in one of ``party``'s worker threads
+        (:class:`~asyncinfer.threads.WorkShares`; None: anyio's pool as it comes); if a swap moved the generator to
         another version meanwhile, the prompt is tokenized again for that one.
         """
         while True:
@@ -207,7 +212,7 @@ class ModelCatalog:
             check_prompt_chars(prompt, version)
             if self.loop_share.take(prompt_cost(prompt)):
                 return version, prompt_token_ids(prompt, version)
-            ids = await run_sync_to_end(prompt_token_ids, prompt, version)  # a cancel waits for it
+            ids = await self.work_shares.run(party, prompt_token_ids, prompt, version)  # a cancel waits for it
             if self.serving(name) is version:
                 return version, ids
 

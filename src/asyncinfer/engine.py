@@ -66,6 +66,7 @@ from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.streams import RequestStream, StreamTable
 from asyncinfer.swaps import ModelChanges
+from asyncinfer.threads import WorkShares
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -135,7 +136,8 @@ class AsyncEngine:
         self.config = config
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
         loop_share = LoopShare()  # what this engine tokenizes on the loop in one turn of it, prompts and texts
-        self._models = ModelCatalog(loop_share)
+        work_shares = WorkShares()  # and the worker threads of what it tokenizes off the loop, by tenant
+        self._models = ModelCatalog(loop_share, work_shares)
         if version is not None:
             self._models.add_generator(name, ModelHolder(version))
         if embedder is not None:
@@ -146,7 +148,7 @@ class AsyncEngine:
         # engine.metrics observes: the engine hands each part that feeds it its observer.
         self.metrics = EngineMetrics(self, config, generators)
         self._streams = StreamTable(observer=self.metrics)
-        self._embed_calls = EmbedCalls(loop_share)
+        self._embed_calls = EmbedCalls(loop_share, work_shares)
         self._link = ThreadLink()
         self._changes = ModelChanges(self._models, self._link, self._version_ids, self._check_usable, config.device,
                                      observer=self.metrics)

@@ -294,7 +294,10 @@ class RequestIntake:
 
         spec = args.params.structured
         while True:
-            version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early)
+            # a long prompt tokenized in one of its tenant's (salt's) worker threads, as its spec compiles in its turn
+            party = ("tenant", args.tenant) if args.tenant is not None else \
+                ("salt", args.cache_salt) if args.cache_salt is not None else None
+            version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early, party)
             if spec is None:
                 return version, ids, None
             core = version.core

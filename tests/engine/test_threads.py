@@ -367,3 +367,44 @@ def test_a_call_cancelled_while_its_texts_are_tokenized_waits_for_the_tokenizing
         assert asyncio.run(run()) == (False, True, "cancelled")
     finally:
         release.set()
+
+
+def test_work_shares_give_each_party_its_few_threads_and_the_others_theirs() -> None:
+    """One party's many calls run ``per_party`` at a time, the rest waiting in order; another party's call runs at
+    once beside them, in a pool the first party's calls would otherwise fill; a call cancelled while it waits for a
+    place never runs; a party's entry goes with its last call."""
+    import asyncio
+
+    import anyio
+
+    from asyncinfer.threads import WORK_THREADS_PER_PARTY, WorkShares
+
+    release = threading.Event()
+    ran: list[str] = []
+
+    def held(name: str) -> str:
+        ran.append(name)
+        assert release.wait(10)
+        return name
+
+    async def scenario() -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = WORK_THREADS_PER_PARTY + 1  # a small pool
+        shares = WorkShares()
+        flood = [asyncio.ensure_future(shares.run("a", held, f"a{i}")) for i in range(6)]
+        while shares.running("a") < WORK_THREADS_PER_PARTY:
+            await asyncio.sleep(0.01)
+        # the other party's call: it finds a thread though "a" has six calls to make
+        assert await asyncio.wait_for(shares.run("b", str.upper, "b"), 5) == "B"
+        assert shares.running("a") == WORK_THREADS_PER_PARTY and ran == ["a0", "a1"]
+        flood[5].cancel()  # waiting for a place: it ends, and never runs
+        await asyncio.wait({flood[5]}, timeout=1)
+        assert flood[5].cancelled()
+        assert await asyncio.wait_for(shares.run(None, str.lower, "N"), 5) == "n"  # no party: the pool as it comes
+        release.set()
+        assert await asyncio.gather(*flood[:5]) == ["a0", "a1", "a2", "a3", "a4"]
+        assert sorted(ran) == ["a0", "a1", "a2", "a3", "a4"] and len(shares) == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()

@@ -17,11 +17,10 @@ import itertools
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
 from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
@@ -72,7 +71,7 @@ from asyncinfer.server.responses import SSE_DONE, Reply, sse
 from asyncinfer.server.settings import MAX_TENANT_CHARS, ServerSettings, check_tenant_name
 from asyncinfer.server.streaming import ClientGone, EventStream, MergedStreams, gather_all, unless_disconnected
 from asyncinfer.server.tool_formats import ToolFormats, render_chat
-from asyncinfer.threads import run_sync_to_end
+from asyncinfer.threads import WorkShares
 
 __all__ = ["MAX_JSON_DEPTH", "decode_json", "openai_router"]
 
@@ -151,6 +150,9 @@ class _Call:
     request: Request
     key: str | None  # the API key it was made with (None when the server asks for none)
     cache_salt: str | None
+    #: whose worker threads its off-loop work takes (:class:`~asyncinfer.threads.WorkShares`): its key's tenant, a
+    #: trusted tenant header's, else its key's (the body's ``user`` is read only after the body's decoding)
+    party: Hashable = None
     #: what gives its tenant's places back (``max_requests_per_tenant``): at its answer's end, once
     places: list[Callable[[], None]] = field(default_factory=list)
 
@@ -188,6 +190,8 @@ class _OpenAI:
         # what this server decodes, renders and counts on the loop in one turn of it, all calls together
         # (as the engine's own share bounds its tokenizing): a burst of calls, each short, would hold it for their sum
         self.loop_share = LoopShare(OFF_LOOP_CHARS)
+        # the worker threads of that work past the share: each tenant's (key's) few at once, the rest in turn
+        self.work_shares = WorkShares()
         # the long chats this server renders itself (a tools chat, a stream's usage count) take their turns here, as
         # the engine's take theirs in its intake (asyncinfer.intake): a flood of them waits, not its neighbours
         self.chat_turns = intake.Turns(intake.CHAT_MESSAGES_PER_S, 2 * MAX_CHAT_MESSAGES)  # the rate as set now
@@ -254,8 +258,9 @@ class _OpenAI:
             for name in (*(("content-type",) if parse is not None else ()),
                          *(self._generation_headers if generation else ())):
                 single_header(request, name)
-            call = _Call(call_id, request, key, self._cache_salt(request, key) if generation else None)
-            body = await self._body(request, parse, shape) if parse is not None else None
+            call = _Call(call_id, request, key, self._cache_salt(request, key) if generation else None,
+                         self._party(request, key))
+            body = await self._body(request, parse, shape, call.party) if parse is not None else None
             if isinstance(body, (ChatRequest, CompletionRequest)):
                 rename = body.field  # names its own token-limit field (max_tokens or max_completion_tokens)
             if isinstance(body, ChatRequest):
@@ -391,6 +396,20 @@ class _OpenAI:
                 del self.in_flight[who]
         call.places.append(give_back)
 
+    def _party(self, request: Request, key: str | None) -> Hashable:
+        """Whose worker threads a call's off-loop work takes, known before its body is read (``_Call.party``): its
+        key's tenant (``tenant_from="api-key"``), the tenant header where the deployment trusts it (a header to be
+        refused later counts as none), else its key."""
+        settings = self.settings
+        tenant: str | None = None
+        if settings.tenant_from == "api-key":
+            owner = settings.tenants.get(key) if key else None
+            tenant = None if owner is None else owner.name
+        elif settings.tenant_from == "header":
+            named = request.headers.get(settings.tenant_header)
+            tenant = named if named is not None and 0 < len(named) <= MAX_TENANT_CHARS else None
+        return ("tenant", tenant) if tenant is not None else ("key", key)
+
     def _tenant_header(self, request: Request) -> str | None:
         """The ``tenant_header`` value (None when absent); a 400 when it is empty, over MAX_TENANT_CHARS or holds a
         character that is not printable (a tab, or a byte 0x80-0x9F read as a C1 control character)."""
@@ -400,7 +419,8 @@ class _OpenAI:
                                 "printable characters.", code="invalid_tenant")
         return tenant
 
-    async def _body(self, request: Request, parse: Callable[[Any], _B], shape: type[msgspec.Struct] | None) -> _B:
+    async def _body(self, request: Request, parse: Callable[[Any], _B], shape: type[msgspec.Struct] | None,
+                    party: Hashable = None) -> _B:
         """The body, read (refused with a 413 once it grows past ``max_body_bytes``), decoded as JSON into
         ``shape`` (its endpoint's fields, :func:`~asyncinfer.server.protocol.decode_json`: bulk in fields the
         server ignores is skipped, never built) and checked by ``parse``; a body over ``OFF_LOOP_CHARS`` bytes is decoded and checked in a worker
@@ -438,19 +458,21 @@ class _OpenAI:
             body = parse(decode_json(raw, shape))
             check_body_utf8(raw)  # what no field's check read: the first copy of a key given twice
             return body
-        return await self._off_loop_if_long(len(raw), decoded)
+        return await self._off_loop_if_long(party, len(raw), decoded)
 
-    async def _off_loop_if_long(self, chars: int, work: Callable[[], _B]) -> _B:
+    async def _off_loop_if_long(self, party: Hashable, chars: int, work: Callable[[], _B]) -> _B:
         """``work()`` (of cost ``chars``) on the loop when it fits what is left of this turn's share
         (:class:`~asyncinfer.prompts.LoopShare`, ``OFF_LOOP_CHARS`` for all calls together), else in a worker
-        thread: a long input, or a short one that comes after others in the same turn."""
+        thread, one of ``party``'s (:class:`~asyncinfer.threads.WorkShares`): a long input, or a short one that comes
+        after others in the same turn."""
         if self.loop_share.take(chars):
             return work()
         # the worker hands back its error as a value: raised through the thread's future, the error's traceback held
         # the frame awaiting that future, which holds the future, which holds the error, a cycle only a full garbage
         # collection frees, and with it all the error's frames held (a refused 4 MiB body: 50 MB each, kept until
         # then; tests/server/test_fresh_pass32.py)
-        outcome = await run_sync_to_end(_outcome, work)  # a client gone meanwhile: its thread held till the work ends
+        # a client gone meanwhile: its thread held till the work ends
+        outcome = await self.work_shares.run(party, _outcome, work)
         if isinstance(outcome, _Failed):
             error = outcome.error
             del outcome
@@ -616,15 +638,15 @@ class _OpenAI:
                 await unless_disconnected(call.request, self.chat_turns.wait(size))
             if rendered:
                 tokenizer = _engine.generator_tokenizer(g.engine, g.model)
-                prompt = await self._off_loop_if_long(prompt_cost(body.messages), lambda: render_chat(
+                prompt = await self._off_loop_if_long(call.party, prompt_cost(body.messages), lambda: render_chat(
                     tokenizer, fmt, body.history, body.tool_use))
             elif counted:  # a stream's deltas carry no prompt count: render the template once, here
-                prompt = await self._off_loop_if_long(prompt_cost(body.messages),
+                prompt = await self._off_loop_if_long(call.party, prompt_cost(body.messages),
                                                  lambda: g.engine.apply_chat_template(body.messages, model=g.model))
         if not body.stream:
             out = await unless_disconnected(
                 call.request, g.engine.generate(prompt, g.params, request_id=g.ids[0], **g.args))
-            return await _whole(g.reply, lambda: g.reply.completion(
+            return await self._whole(call, g.reply, lambda: g.reply.completion(
                 [g.reply.choice(c.index, c.text, c.logprobs, c.finish_reason) for c in out.outputs],
                 len(out.prompt_token_ids), _tokens(out.outputs)))
         stream = g.engine.stream(prompt, g.params, request_id=g.ids[0], **g.args)
@@ -646,7 +668,7 @@ class _OpenAI:
             outs = await unless_disconnected(call.request, gather_all(
                 [g.engine.generate(p, g.params, request_id=rid, **g.args) for p, rid in zip(body.prompts, g.ids)]))
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
-            return await _whole(g.reply, lambda: g.reply.completion(
+            return await self._whole(call, g.reply, lambda: g.reply.completion(
                 [g.reply.choice(i * n + c.index, c.text, c.logprobs, c.finish_reason, c.token_ids)
                  for i, out in enumerate(outs) for c in out.outputs],
                 prompt_tokens, sum(_tokens(out.outputs) for out in outs)))
@@ -658,7 +680,7 @@ class _OpenAI:
             g.pin()
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             texts = sum(len(p) for p in prompts if isinstance(p, str))
-            prompts = await self._off_loop_if_long(texts, lambda: [
+            prompts = await self._off_loop_if_long(call.party, texts, lambda: [
                 p if isinstance(p, list) or tokenizer is None else g.engine.tokenize(p, model=g.model)
                 for p in body.prompts])
         streams = [g.engine.stream(p, g.params, request_id=rid, **g.args) for p, rid in zip(prompts, g.ids)]
@@ -692,9 +714,9 @@ class _OpenAI:
             async for prompt_index, delta in merged:
                 completion_tokens += len(delta.token_ids)
                 if reply.want_logprobs and delta.logprobs:  # a tokenizer decode per token and alternative
-                    yield await anyio.to_thread.run_sync(reply.delta_chunk, prompt_index * n + delta.index,
-                                                         delta.text, delta.logprobs, delta.finish_reason,
-                                                         delta.token_ids)
+                    yield await self.work_shares.run(call.party, reply.delta_chunk, prompt_index * n + delta.index,
+                                                     delta.text, delta.logprobs, delta.finish_reason,
+                                                     delta.token_ids)
                 elif delta.text or delta.finish_reason is not None or (reply.token_ids and delta.token_ids):
                     args = (prompt_index * n + delta.index, delta.text, delta.logprobs, delta.finish_reason,
                             delta.token_ids)
@@ -703,7 +725,8 @@ class _OpenAI:
                     else:  # read for calls: a delta may hold all that was generated while the client read slowly
                         # (the engine merges a sample's unread pieces), up to the context's length: read in a
                         # worker thread past the loop's share, as a whole answer's calls are
-                        yield await self._off_loop_if_long(len(delta.text), functools.partial(reply.delta_chunk, *args))
+                        yield await self._off_loop_if_long(call.party, len(delta.text),
+                                                            functools.partial(reply.delta_chunk, *args))
             if reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, completion_tokens)
             yield SSE_DONE
@@ -711,6 +734,16 @@ class _OpenAI:
             raise
         except BaseException as exc:  # noqa: BLE001 - the 200 is gone: the error travels as an event, as OpenAI sends it
             yield sse(from_exception(exc, call.id, rename).body())
+
+    async def _whole(self, call: _Call, reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
+        """A whole answer, ``build()`` as JSON. With logprobs it costs a tokenizer decode per token and per
+        alternative (seconds for a long answer with ``top_logprobs``), and with tools a read of every choice's reply
+        for its calls (up to 64 choices of hundreds of calls: about a second): then it is built and encoded in one of
+        the caller's worker threads, and the loop serves everyone else meanwhile."""
+        if not reply.want_logprobs and reply.tools is None:
+            return _json(build())
+        body = await self.work_shares.run(call.party, lambda: msgspec.json.encode(build()))
+        return Response(body, 200, media_type="application/json")
 
     # -------------------------------------------------------------- embeddings
     async def _embed(self, body: EmbeddingRequest, call: _Call) -> Response:
@@ -723,7 +756,7 @@ class _OpenAI:
         tenant = self._embedding_tenant(call, body.user)
         count_tokens = _engine.embedding_token_counter(engine, model)  # before the await: the model may go meanwhile
         vectors = await unless_disconnected(call.request, engine.embed(body.texts, model=model, tenant=tenant))
-        counts = await self._off_loop_if_long(texts_cost(body.texts), lambda: count_tokens(body.texts))
+        counts = await self._off_loop_if_long(call.party, texts_cost(body.texts), lambda: count_tokens(body.texts))
         rows = vectors.numpy()
         tokens = sum(counts)
 
@@ -734,22 +767,11 @@ class _OpenAI:
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
         # 2048 vectors are millions of floats to write as JSON (tens of ms for a small model's, more for a wider
         # one): in a worker thread past the loop's share, as a long logprobs answer is
-        return await self._off_loop_if_long(rows.size * _FLOAT_CHARS, answer)
+        return await self._off_loop_if_long(call.party, rows.size * _FLOAT_CHARS, answer)
 
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
-
-
-async def _whole(reply: Reply, build: Callable[[], dict[str, Any]]) -> Response:
-    """A whole answer, ``build()`` as JSON. With logprobs it costs a tokenizer decode per token and per
-    alternative (seconds for a long answer with ``top_logprobs``), and with tools a read of every choice's reply
-    for its calls (up to 64 choices of hundreds of calls: about a second): then it is built and encoded in a
-    worker thread, and the loop serves everyone else meanwhile."""
-    if not reply.want_logprobs and reply.tools is None:
-        return _json(build())
-    body = await run_sync_to_end(lambda: msgspec.json.encode(build()))
-    return Response(body, 200, media_type="application/json")
 
 
 def _requests(n: int) -> str:
@@ -759,8 +781,6 @@ def _requests(n: int) -> str:
 
 def _tokens(outputs: Sequence[Any]) -> int:
     return sum(len(c.token_ids) for c in outputs)
-
-
 
 
 def _check_json_type(content_type: str | None) -> None:
