@@ -62,3 +62,19 @@ def test_a_scheduler_option_without_a_value_keeps_its_scheduler_example(capsys) 
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "asyncinfer: error: argument --scheduler-option: 'prefill_budget' is not KEY=VALUE (e.g. prefill_budget=64)")
+
+
+@pytest.mark.parametrize("flag", ["--embedding-option", "--scheduler-option"])
+def test_a_number_past_a_floats_range_is_refused_and_nan_is_text(flag, capsys) -> None:
+    """``max_wait_ms=1e400``: Python's JSON reads it as inf, and the option's refusal showed ``Infinity``, a value
+    nobody typed (and NaN or Infinity, which JSON has not, were read as numbers): a number past a float's range is
+    refused by the flag as typed, and NaN/Infinity are VALUE's text."""
+    from asyncinfer.commands.engine_flags import key_value
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--port", "0", "--embedding-model", "all-MiniLM-L6-v2", flag, "x=[1, 1e400]"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"asyncinfer: error: argument {flag}: x=1e400: the number is past a float's range (at most about 1.8e308)")
+    assert [key_value(f"x={text}") for text in ("NaN", "-Infinity", "1e308")] == [
+        ("x", "NaN"), ("x", "-Infinity"), ("x", 1e308)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,8 +112,19 @@ def key_value(item: str, example: str = "prefill_budget=64") -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not (sep and key):
         raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. {example})")
+
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):  # 1e400: Python's JSON reads it as inf, which was passed on as Infinity
+            raise argparse.ArgumentTypeError(f"{key}={number[:40]}: the number is past a float's range (at most "
+                                             f"about 1.8e308)")
+        return value
+
+    def not_json(constant: str) -> Any:
+        raise ValueError(constant)  # NaN, Infinity: Python's JSON reads them, JSON has none: the text
+
     try:
-        return key, json.loads(raw)
+        return key, json.loads(raw, parse_float=finite, parse_constant=not_json)
     except ValueError:
         return key, raw
 
