@@ -175,10 +175,11 @@ class ModelChanges:
         return loaded
 
     async def _load(
-        self, model: ModelRef, options: dict[str, Any], kind: str, error: type[ModelLoadError], what: str
+        self, model: ModelRef, options: dict[str, Any], kind: str, error: type[ModelLoadError], what: str,
+        version_id: int | None = None,
     ) -> ModelVersion | EmbeddingBatcher:
-        """:func:`~asyncinfer.loading.load` in a worker thread, with the next version id."""
-        version_id = next(self.version_ids)
+        """:func:`~asyncinfer.loading.load` in a worker thread, with ``version_id`` (else the next version id)."""
+        version_id = next(self.version_ids) if version_id is None else version_id
         return await anyio.to_thread.run_sync(
             lambda: load(model, options, version_id=version_id, kind=kind, error=error, what=what)
         )
@@ -260,10 +261,11 @@ class ModelChanges:
         shortfall = await anyio.to_thread.run_sync(embedder_shortfall_at, path, config, available)
         if shortfall is not None:
             raise ConfigurationError(shortfall)
-        batcher = await self._load(path, options, "embed", ModelLoadError, label)
+        version_id = next(self.version_ids)  # one id, the load's and the entry's: two left a gap in the numbers
+        batcher = await self._load(path, options, "embed", ModelLoadError, label, version_id)
         assert isinstance(batcher, EmbeddingBatcher)
         self.check_usable()
-        entry = EmbeddingModel(name, next(self.version_ids), batcher)
+        entry = EmbeddingModel(name, version_id, batcher)
         self.models.add_embedder(entry)
         return entry.info(draining=False)
 
