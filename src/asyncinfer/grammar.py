@@ -64,6 +64,26 @@ def library_missing() -> str | None:
     return None
 
 
+def schema_refusal(schema: Any) -> str | None:
+    """llguidance's reason for refusing the JSON schema ``schema`` on its own (no JSON satisfies it, say), or None when
+    it takes it (or is not installed). For naming the part of a refused spec that is at fault (a tool's parameters);
+    blocking, on a stack of its own as a compile is."""
+    if library_missing() is not None:
+        return None
+    import llguidance
+
+    def check() -> str:
+        matcher = llguidance.LLMatcher
+        try:
+            grammar = matcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        except ValueError as exc:
+            return str(exc)
+        return str(matcher.validate_grammar(grammar))
+
+    reason = _on_compile_stack(check)
+    return _reason(reason) if reason else None
+
+
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one row's bitmask: bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
     return (vocab_size + 31) // 32

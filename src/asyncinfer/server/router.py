@@ -29,7 +29,7 @@ from starlette.responses import Response
 from asyncinfer import intake
 from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.engine import AsyncEngine, EngineState
-from asyncinfer.errors import EngineClosedError, ModelChangedError
+from asyncinfer.errors import EngineClosedError, InvalidParameterError, ModelChangedError
 from asyncinfer.holder import ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import (
@@ -51,6 +51,7 @@ from asyncinfer.server.errors import (
     metrics_unauthorized,
     new_request_id,
     not_found,
+    shown,
 )
 from asyncinfer.server.metrics import exposition, metrics_registry
 from asyncinfer.server.protocol import (
@@ -607,7 +608,17 @@ class _OpenAI:
 
     async def _chat(self, body: ChatRequest, call: _Call) -> Response:
         # a swap came while it was rendered: rendered again for the new version
-        return await self._on_one_version(lambda attempt: self._chat_on_one_version(body, call, attempt))
+        try:
+            return await self._on_one_version(lambda attempt: self._chat_on_one_version(body, call, attempt))
+        except InvalidParameterError as exc:
+            if exc.parameter == "structured" and body.structured_field == "tools" and body.tool_use is not None:
+                # the calls' grammar was refused: llguidance's words name its parts (`arguments`), not the tool
+                refused = await self.work_shares.run(call.party, body.tool_use.refused_tool)
+                if refused is not None:
+                    name, reason = refused
+                    raise APIError(400, f"`tools`: the `parameters` of function {shown(name)} are refused: {reason}. "
+                                        "Give a JSON schema that some arguments satisfy.", param="tools") from None
+            raise
 
     async def _chat_on_one_version(self, body: ChatRequest, call: _Call, attempt: int) -> Response:
         """``_chat`` with what the router makes for the model's current version (the tool format, a prompt it

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from asyncinfer.errors import InvalidParameterError
+from asyncinfer.grammar import schema_refusal
 from asyncinfer.server.errors import APIError, shown
 from asyncinfer.structured import StructuredOutput
 
@@ -139,6 +140,15 @@ class ToolUse:
 
     def names(self) -> set[str]:
         return {t.name for t in self.offered}
+
+    def refused_tool(self) -> tuple[str, str] | None:
+        """The first offered tool whose ``parameters`` llguidance refuses on their own (no arguments satisfy them, say),
+        with its reason; None when each is taken alone. Blocking: a compile's work for each tool."""
+        for tool in self.offered:
+            reason = schema_refusal(tool.parameters)
+            if reason is not None:
+                return tool.name, reason
+        return None
 
 
 class ReplyStream(Protocol):
