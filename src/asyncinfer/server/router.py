@@ -407,8 +407,12 @@ class _OpenAI:
             owner = settings.tenants.get(key) if key else None
             tenant = None if owner is None else owner.name
         elif settings.tenant_from == "header":
-            named = request.headers.get(settings.tenant_header)
-            tenant = named if named is not None and 0 < len(named) <= MAX_TENANT_CHARS else None
+            # one copy, as the call's checks will take it: of two, the first may be a client's own, sent ahead of the
+            # copy a proxy appends (an embeddings call, whose check comes after its body, decoded the body, up to
+            # max_body_bytes, in the threads of the tenant its caller named, then was refused)
+            named = request.headers.getlist(settings.tenant_header)
+            tenant = named[0] if len(named) == 1 and 0 < len(named[0]) <= MAX_TENANT_CHARS \
+                and named[0].isprintable() else None
         return ("tenant", tenant) if tenant is not None else ("key", key)
 
     def _tenant_header(self, request: Request) -> str | None:
