@@ -75,6 +75,20 @@ def test_a_number_past_a_floats_range_is_refused_and_nan_is_text(flag, capsys) -
         cli.main(["serve", "--port", "0", "--embedding-model", "all-MiniLM-L6-v2", flag, "x=[1, 1e400]"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"asyncinfer: error: argument {flag}: x=1e400: the number is past a float's range (at most about 1.8e308)")
-    assert [key_value(f"x={text}") for text in ("NaN", "-Infinity", "1e308")] == [
-        ("x", "NaN"), ("x", "-Infinity"), ("x", 1e308)]
+        f"asyncinfer: error: argument {flag}: x=1e400: the number is past a float's range (a nonzero magnitude from "
+        f"about 4.9e-324 to 1.8e308)")
+    assert [key_value(f"x={text}") for text in ("NaN", "-Infinity", "1e308", "0.0e-400", "-0.0", "5e-324")] == [
+        ("x", "NaN"), ("x", "-Infinity"), ("x", 1e308), ("x", 0.0), ("x", -0.0), ("x", 5e-324)]
+
+
+@pytest.mark.parametrize("flag", ["--embedding-option", "--scheduler-option"])
+@pytest.mark.parametrize("number", ["1e-400", "-2.5E-999"])
+def test_a_nonzero_number_below_a_floats_range_is_refused_as_typed(flag, number, capsys) -> None:
+    """``max_batch_size=1e-400``: Python's JSON reads it as 0.0, passed on as 0 and refused as
+    ``max_batch_size=0.0 is invalid``, a value nobody typed."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--port", "0", "--embedding-model", "all-MiniLM-L6-v2", flag, f"max_batch_size={number}"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"asyncinfer: error: argument {flag}: max_batch_size={number}: the number is past a float's range (a nonzero "
+        f"magnitude from about 4.9e-324 to 1.8e308)")

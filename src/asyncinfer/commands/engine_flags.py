@@ -115,9 +115,12 @@ def key_value(item: str, example: str = "prefill_budget=64") -> tuple[str, Any]:
 
     def finite(number: str) -> float:
         value = float(number)
-        if not math.isfinite(value):  # 1e400: Python's JSON reads it as inf, which was passed on as Infinity
-            raise argparse.ArgumentTypeError(f"{key}={number[:40]}: the number is past a float's range (at most "
-                                             f"about 1.8e308)")
+        # 1e400: Python's JSON reads it as inf, which was passed on as Infinity; 1e-400 as 0.0, passed on as 0 and
+        # refused as 0.0 (max_batch_size=0.0 is invalid), a value nobody typed
+        underflow = value == 0 and any(digit in "123456789" for digit in number.lower().partition("e")[0])
+        if not math.isfinite(value) or underflow:
+            raise argparse.ArgumentTypeError(f"{key}={number[:40]}: the number is past a float's range (a nonzero "
+                                             f"magnitude from about 4.9e-324 to 1.8e308)")
         return value
 
     def not_json(constant: str) -> Any:
