@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -28,8 +29,19 @@ import anyio
 
 T = TypeVar("T")
 
-#: The worker threads one party's work (a tenant's, a key's) takes at once (:class:`WorkShares`).
-WORK_THREADS_PER_PARTY = 2
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may run on
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 2
+
+
+#: The worker threads one party's work (a tenant's, a key's) takes at once (:class:`WorkShares`): half the CPUs this
+#: process may use, at least 2 (tokenizing lets go of the interpreter's lock: one call's many long prompts run faster
+#: on more threads, where there are the cores for them).
+WORK_THREADS_PER_PARTY = max(2, _cpus() // 2)
 
 # How often a caller waiting for its call looks for a Ctrl-C that reached another thread (seconds).
 _SIGNAL_POLL_S = 0.1
@@ -191,7 +203,8 @@ class WorkShares:
     another's one call waiting behind forty (0.14 s became 2.5-7 s on two cores). A party's entry lives while one of
     its calls does."""
 
-    def __init__(self, per_party: int = WORK_THREADS_PER_PARTY) -> None:
+    def __init__(self, per_party: int | None = None) -> None:
+        per_party = WORK_THREADS_PER_PARTY if per_party is None else per_party  # the module's, read when made
         if per_party < 1:
             raise ValueError(f"per_party must be >= 1, not {per_party}")
         self.per_party = per_party

@@ -40,3 +40,27 @@ def test_a_refused_tenant_header_takes_no_tenants_threads(tiny_models, monkeypat
     assert answer.status_code == 400, answer.text  # (an embeddings call to a generator: refused for that first)
     assert all(party == ("key", "sk-a") for party in parties), parties
     assert parties or route == "/v1/completions"  # (a generation's duplicate is refused before its body is read)
+
+
+@pytest.mark.parametrize(("settings", "headers", "party"), [
+    (ServerSettings(), [], None),  # no keys: nobody to tell apart, the pool as the work comes
+    (ServerSettings(tenant_from="header", tenant_header="X-Team"), [("X-Team", "t")], ("tenant", "t")),
+    (ServerSettings(api_keys=("sk-a",)), [("authorization", "Bearer sk-a")], ("key", "sk-a")),
+], ids=["keyless", "keyless-tenant", "key"])
+def test_a_call_without_a_key_or_tenant_takes_the_pool(tiny_models, monkeypatch, settings, headers, party) -> None:
+    """On a server without API keys every caller was one party of two threads: two callers' long logprobs answers
+    held every other caller's large body."""
+    parties = []
+    real = threads.WorkShares.run
+
+    async def recorded(self, party, fn, /, *args):
+        parties.append(party)
+        return await real(self, party, fn, *args)
+
+    monkeypatch.setattr(threads.WorkShares, "run", recorded)
+    body = '{"model":"ids","prompt":[1,2,3],"max_tokens":1}' + PAD
+    with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live:
+        answer = httpx.post(live.url + "/v1/completions", content=body.encode(), timeout=60,
+                            headers=[("content-type", "application/json"), *headers])
+    assert answer.status_code == 200, answer.text
+    assert parties[:1] == [party], parties  # the body's decoding

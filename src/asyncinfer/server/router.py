@@ -400,7 +400,9 @@ class _OpenAI:
     def _party(self, request: Request, key: str | None) -> Hashable:
         """Whose worker threads a call's off-loop work takes, known before its body is read (``_Call.party``): its
         key's tenant (``tenant_from="api-key"``), the tenant header where the deployment trusts it (a header to be
-        refused later counts as none), else its key."""
+        refused later counts as none), else its key; with neither (a server without API keys), None: anyio's pool as
+        the work comes, there being nobody to tell apart (one share for all held every caller's body behind two
+        callers' long logprobs answers)."""
         settings = self.settings
         tenant: str | None = None
         if settings.tenant_from == "api-key":
@@ -413,7 +415,9 @@ class _OpenAI:
             named = request.headers.getlist(settings.tenant_header)
             tenant = named[0] if len(named) == 1 and 0 < len(named[0]) <= MAX_TENANT_CHARS \
                 and named[0].isprintable() else None
-        return ("tenant", tenant) if tenant is not None else ("key", key)
+        if tenant is not None:
+            return ("tenant", tenant)
+        return None if key is None else ("key", key)
 
     def _tenant_header(self, request: Request) -> str | None:
         """The ``tenant_header`` value (None when absent); a 400 when it is empty, over MAX_TENANT_CHARS or holds a
