@@ -348,12 +348,13 @@ def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any]) 
     """A scheduler's refusal of its ``--option`` values, named by the flag as typed (``--option
     pd-split.prefill_budget=0``), as serve names ``--scheduler-option``; other errors pass unchanged."""
     from asyncinfer.commands import CommandError
+    from asyncinfer.commands.engine_flags import as_typed
 
     if exc.parameter in given:
-        return CommandError(f"--option {name}.{exc.parameter}={json.dumps(given[exc.parameter])} is invalid: "
+        return CommandError(f"--option {name}.{exc.parameter}={as_typed(given[exc.parameter])} is invalid: "
                             f"allowed {exc.allowed}")
     if exc.parameter == "scheduler_options" and given:
-        typed = " ".join(f"--option {name}.{key}={json.dumps(value)}" for key, value in given.items())
+        typed = " ".join(f"--option {name}.{key}={as_typed(value)}" for key, value in given.items())
         return CommandError(f"{typed} is invalid: allowed {exc.allowed}")
     return exc
 
@@ -574,6 +575,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
     if len(specs) > 1:
         from asyncinfer.commands import CommandError
+        from asyncinfer.commands.engine_flags import as_typed
         from asyncinfer.errors import ModelLoadError
 
         try:
@@ -583,7 +585,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         except InvalidParameterError as exc:
             if exc.parameter not in embedding_options:
                 raise
-            shown = f"{exc.parameter}={json.dumps(embedding_options[exc.parameter])}"  # as typed
+            shown = f"{exc.parameter}={as_typed(embedding_options[exc.parameter])}"  # as typed
             allowed = range_in_words(exc.allowed, none="null")  # VALUE is JSON: its words (true, null, an integer)
             raise CommandError(f"--embedding-option {shown} is invalid: allowed {allowed}") from None
     # The names taken from the paths, checked now that the plans found the models, before anything is printed: a

@@ -92,3 +92,14 @@ def test_a_nonzero_number_below_a_floats_range_is_refused_as_typed(flag, number,
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"asyncinfer: error: argument {flag}: max_batch_size={number}: the number is past a float's range (a nonzero "
         f"magnitude from about 4.9e-324 to 1.8e308)")
+
+
+def test_a_long_value_is_shown_cut_with_its_length(capsys) -> None:
+    """A refused VALUE of 501 digits was shown whole (one of 5,000 made a 5,000-character error line)."""
+    digits = "1" + "0" * 500
+    assert cli.main(["serve", "--port", "0", "--scheduler", "fifo", "--scheduler-option",
+                     f"prefill_budget={digits}"]) == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"asyncinfer: error: --scheduler-option prefill_budget={digits[:100]}...(501 characters) "
+                           "is invalid: allowed "), line
+    assert len(line) < 400

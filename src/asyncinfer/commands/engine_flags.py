@@ -243,6 +243,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+#: The characters of a KEY=VALUE flag's VALUE a refusal shows; a longer one is cut, its length said.
+MAX_SHOWN_VALUE_CHARS = 200
+
+
+def as_typed(value: Any) -> str:
+    """A KEY=VALUE flag's VALUE as typed (as JSON reads it back), for a refusal: cut past
+    :data:`MAX_SHOWN_VALUE_CHARS` (a number of 5,000 digits made a refusal of 5,000 characters)."""
+    text = json.dumps(value)
+    if len(text) <= MAX_SHOWN_VALUE_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_VALUE_CHARS // 2]}...({len(text)} characters)"
+
+
 def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     """``exc`` in the command line's terms when it is about an engine option given as a flag: the flag's
     name, and ``none`` where the flag takes it (the library's message says None); a scheduler's own refusal of a
@@ -250,13 +263,13 @@ def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
     flag = BY_FIELD.get(exc.parameter)
     plugin = given.get("scheduler_options") or {}
     if flag is None and exc.parameter in plugin:  # the scheduler's own check of a --scheduler-option it takes
-        shown = f"{exc.parameter}={json.dumps(plugin[exc.parameter])}"  # as typed (VALUE read as JSON)
+        shown = f"{exc.parameter}={as_typed(plugin[exc.parameter])}"  # as typed (VALUE read as JSON)
         return f"{BY_FIELD['scheduler_options'].flag} {shown} is invalid: allowed {exc.allowed}"
     if flag is None or flag.field not in given:
         return None
     value = exc.value
     if flag.field == "scheduler_options" and isinstance(value, dict):  # as typed (KEY=VALUE), not a Python dict
-        shown = " ".join(f"{key}={json.dumps(v)}" for key, v in value.items())
+        shown = " ".join(f"{key}={as_typed(v)}" for key, v in value.items())
     else:
         shown = "none" if value is None else flag_value(value)
     from asyncinfer.embedding import EmbeddingConfig
