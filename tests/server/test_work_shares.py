@@ -15,8 +15,8 @@ import anyio
 import httpx
 import pytest
 
-from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app, router
 from asyncinfer.prompts import OFF_LOOP_CHARS
+from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app, router
 from asyncinfer.threads import WORK_THREADS_PER_PARTY
 
 from .conftest import TINY_OPTIONS, LiveServer
