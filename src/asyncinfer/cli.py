@@ -708,7 +708,7 @@ def _embedding_option(item: str) -> tuple[str, Any]:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from asyncinfer.commands.engine_flags import read_size
+    from asyncinfer.commands.engine_flags import KeyValues, read_size
 
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (same as --model; default: "
@@ -719,8 +719,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default model, a Hub id's whole id, else the file's or directory's name without .gguf)")
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
                    help="also serve this sentence encoder on /v1/embeddings, e.g. all-MiniLM-L6-v2 (default: none)")
-    p.add_argument("--embedding-option", action="append", default=[], type=_embedding_option, metavar="KEY=VALUE",
-                   help="an option of --embedding-model's, VALUE read as JSON (repeatable): max_batch_size, "
+    p.add_argument("--embedding-option", action=KeyValues, default=[], type=_embedding_option, metavar="KEY=VALUE",
+                   help="an option of --embedding-model's, VALUE read as JSON (repeatable, each KEY once): max_batch_size, "
                         "max_batch_tokens, max_wait_ms, max_busy_share, max_seq_len, batch_invariant, dtype, device, num_threads "
                         "(docs/models_and_embeddings.md; default: none, the encoder's defaults)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "

@@ -132,6 +132,20 @@ def key_value(item: str, example: str = "prefill_budget=64") -> tuple[str, Any]:
         return key, raw
 
 
+class KeyValues(argparse.Action):
+    """A repeatable ``KEY=VALUE`` flag (``type`` reads each pair): its pairs in the order given, each KEY once. A KEY
+    given twice is refused by the flag, naming it: the pairs became a dict, which kept the last value silently
+    (``--scheduler-option prefill_budget=0 --scheduler-option prefill_budget=64`` ran with 64, unchecked 0)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        pairs = list(getattr(namespace, self.dest, None) or ())
+        key = values[0]
+        if any(seen == key for seen, _ in pairs):
+            raise argparse.ArgumentError(self, f"{key} is given twice: give each KEY once")
+        setattr(namespace, self.dest, [*pairs, values])
+
+
 #: Every field of EngineConfig, as a flag (tests/cli/test_engine_flags.py checks that none is missing).
 FLAGS: tuple[Flag, ...] = (
     Flag("dtype", "--dtype", str, "weights, activations and KV cache dtype: auto (float32 on a CPU, bfloat16 on "
@@ -153,7 +167,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("scheduler", "--scheduler", str, "fifo | length-bucket | aging-priority | pd-split | a plugin's name | "
          "module:Class (docs/schedulers.md)", "NAME"),
     Flag("scheduler_options", "--scheduler-option", key_value, "a keyword of the scheduler, VALUE read as JSON "
-         "(repeatable), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
+         "(repeatable, each KEY once), e.g. prefill_budget=64 for pd-split", "KEY=VALUE", repeat=True),
     Flag("seed", "--engine-seed", _or_none(_int), "seed of the engine's generator, used by requests that set no "
          "seed of their own (--seed)", "SEED", none="none: fresh entropy for each engine"),
     Flag("num_threads", "--threads", _or_none(_int), f"torch CPU threads, 1 to {MAX_THREADS}", "N", none="none: torch's setting"),
@@ -228,7 +242,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 dest=flag.dest, help=text)
         elif flag.repeat:
-            parser.add_argument(*names, action="append", type=flag.read, default=argparse.SUPPRESS,
+            parser.add_argument(*names, action=KeyValues, type=flag.read, default=argparse.SUPPRESS,
                                 dest=flag.dest, metavar=flag.metavar, help=text)
         else:
             parser.add_argument(*names, type=flag.read, default=argparse.SUPPRESS, dest=flag.dest,
