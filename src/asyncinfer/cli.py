@@ -226,11 +226,15 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="requests per step (for the logits) (default: 128)")
 
 
-def _parse_options(items: list[str], names: list[str]) -> dict[str, dict[str, Any]]:
-    """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text) -> per-scheduler options, NAME one of
-    ``names``, the policies run (an option for another, a typo or one left out of --schedulers, would change
-    nothing)."""
+def _parse_options(items: list[str], names: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """``NAME.KEY=VALUE`` pairs (VALUE read as JSON, else kept as text, as ``--scheduler-option`` reads it:
+    :func:`~asyncinfer.commands.engine_flags.read_value`) -> per-scheduler options, NAME one of ``names``, the
+    policies run (an option for another, a typo or one left out of --schedulers, would change nothing), each
+    NAME.KEY once; and each VALUE as typed, for a refusal."""
+    from asyncinfer.commands.engine_flags import FLOAT_RANGE, read_value
+
     options: dict[str, dict[str, Any]] = {}
+    typed: dict[str, dict[str, str]] = {}
     for item in items:
         target, sep, raw = item.partition("=")
         name, dot, key = target.rpartition(".")
@@ -238,12 +242,15 @@ def _parse_options(items: list[str], names: list[str]) -> dict[str, dict[str, An
             raise InvalidParameterError("--option", item, "NAME.KEY=VALUE, e.g. pd-split.prefill_budget=64")
         if name not in names:
             raise InvalidParameterError("--option", item, f"NAME one of the schedulers run: {', '.join(names)}")
+        if key in options.get(name, {}):  # the last one was kept silently, the first never checked
+            raise InvalidParameterError("--option", item, f"each NAME.KEY once ({target} is given twice)")
         try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
+            value = read_value(key, raw)
+        except argparse.ArgumentTypeError:
+            raise InvalidParameterError("--option", item, f"a VALUE whose numbers are 0 or of {FLOAT_RANGE}") from None
         options.setdefault(name, {})[key] = value
-    return options
+        typed.setdefault(name, {})[key] = raw
+    return options, typed
 
 
 def _lab(args: argparse.Namespace) -> int:
@@ -306,7 +313,7 @@ def _lab(args: argparse.Namespace) -> int:
         for name in names:
             print(name)
         return 0
-    options = _parse_options(args.option, names)
+    options, typed = _parse_options(args.option, names)
     try:
         cost = lab.load_cost_model(args.cost_model)
     except OSError as exc:
@@ -320,7 +327,7 @@ def _lab(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, options=options.get(name),
                                   enable_prefix_caching=not args.no_prefix_caching)
         except InvalidParameterError as exc:
-            raise _option_error(exc, name, options.get(name) or {}) from None
+            raise _option_error(exc, name, options.get(name) or {}, typed.get(name) or {}) from None
         results[name] = result.records
         summaries.append(lab.summarize(name, result.records, slo))
     asked, produced = sum(t.output_len for t in trace), max(s.output_tokens for s in summaries)
@@ -344,18 +351,19 @@ def _lab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any]) -> AsyncInferError:
+def _option_error(exc: InvalidParameterError, name: str, given: dict[str, Any],
+                  typed: dict[str, str]) -> AsyncInferError:
     """A scheduler's refusal of its ``--option`` values, named by the flag as typed (``--option
     pd-split.prefill_budget=0``), as serve names ``--scheduler-option``; other errors pass unchanged."""
     from asyncinfer.commands import CommandError
     from asyncinfer.commands.engine_flags import as_typed
 
     if exc.parameter in given:
-        return CommandError(f"--option {name}.{exc.parameter}={as_typed(given[exc.parameter])} is invalid: "
-                            f"allowed {exc.allowed}")
+        value = as_typed(given[exc.parameter], typed.get(exc.parameter))
+        return CommandError(f"--option {name}.{exc.parameter}={value} is invalid: allowed {exc.allowed}")
     if exc.parameter == "scheduler_options" and given:
-        typed = " ".join(f"--option {name}.{key}={as_typed(value)}" for key, value in given.items())
-        return CommandError(f"{typed} is invalid: allowed {exc.allowed}")
+        shown = " ".join(f"--option {name}.{key}={as_typed(value, typed.get(key))}" for key, value in given.items())
+        return CommandError(f"{shown} is invalid: allowed {exc.allowed}")
     return exc
 
 
@@ -575,7 +583,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
     plans = [AsyncEngine.plan_memory(specs[0].model, **specs[0].options)]  # a bad path or option: here
     if len(specs) > 1:
         from asyncinfer.commands import CommandError
-        from asyncinfer.commands.engine_flags import as_typed
+        from asyncinfer.commands.engine_flags import as_typed, typed_texts
         from asyncinfer.errors import ModelLoadError
 
         try:
@@ -585,7 +593,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket, settings: Any) -> i
         except InvalidParameterError as exc:
             if exc.parameter not in embedding_options:
                 raise
-            shown = f"{exc.parameter}={as_typed(embedding_options[exc.parameter])}"  # as typed
+            typed = typed_texts(args.embedding_option).get(exc.parameter)
+            shown = f"{exc.parameter}={as_typed(embedding_options[exc.parameter], typed)}"  # as typed
             allowed = range_in_words(exc.allowed, none="null")  # VALUE is JSON: its words (true, null, an integer)
             raise CommandError(f"--embedding-option {shown} is invalid: allowed {allowed}") from None
     # The names taken from the paths, checked now that the plans found the models, before anything is printed: a
@@ -1002,10 +1011,10 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         return f"{flag} {shown} is invalid: allowed {allowed}"
     if args is None or args.command not in _ENGINE_COMMANDS:
         return str(exc)
-    from asyncinfer.commands.engine_flags import flag_error, in_flag_terms
+    from asyncinfer.commands.engine_flags import flag_error, in_flag_terms, typed_scheduler_options
 
     if isinstance(exc, InvalidParameterError):
-        worded = flag_error(exc, _engine_options(args))
+        worded = flag_error(exc, _engine_options(args), typed_scheduler_options(args))
         if worded is not None:
             return worded
         flag = _SERVE_FLAGS.get(exc.parameter) if args.command == "serve" else None

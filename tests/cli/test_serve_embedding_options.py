@@ -103,3 +103,33 @@ def test_a_long_value_is_shown_cut_with_its_length(capsys) -> None:
     assert line.startswith(f"asyncinfer: error: --scheduler-option prefill_budget={digits[:100]}...(501 characters) "
                            "is invalid: allowed "), line
     assert len(line) < 400
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["serve", "--port", "0", "--scheduler", "pd-split", "--scheduler-option", "prefill_budget=1e3"],
+     "--scheduler-option prefill_budget=1e3 is invalid: allowed an integer >= 1"),
+    (["serve", "--port", "0", "--embedding-model", "all-MiniLM-L6-v2", "--embedding-option", "max_wait_ms=1e4"],
+     "--embedding-option max_wait_ms=1e4 is invalid: allowed a number of milliseconds in [0, 1000]"),
+    (["lab", "--option", "pd-split.prefill_budget=1e3"],
+     "--option pd-split.prefill_budget=1e3 is invalid: allowed an integer >= 1"),
+], ids=["scheduler-option", "embedding-option", "lab"])
+def test_a_refused_value_is_shown_as_typed(argv, error, capsys) -> None:
+    """``1e3`` was shown as JSON read it, ``1000.0``, a value nobody typed."""
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "asyncinfer: error: " + error
+
+
+@pytest.mark.parametrize(("options", "error"), [
+    (["pd-split.prefill_budget=1e400"], "--option 'pd-split.prefill_budget=1e400' is invalid: allowed a VALUE whose "
+     "numbers are 0 or of a nonzero magnitude from about 4.9e-324 to 1.8e308"),
+    (["pd-split.prefill_budget=64", "pd-split.prefill_budget=0"], "--option 'pd-split.prefill_budget=0' is invalid: "
+     "allowed each NAME.KEY once (pd-split.prefill_budget is given twice)"),
+    (["pd-split.prefill_budget=NaN"], "--option pd-split.prefill_budget=NaN is invalid: allowed an integer >= 1"),
+], ids=["past-a-float", "twice", "nan-is-text"])
+def test_the_labs_options_are_read_as_the_scheduler_option_is(options, error, capsys) -> None:
+    """``lab --option``: 1e400 ran as inf (shown as Infinity), a NAME.KEY given twice kept the last silently."""
+    argv = ["lab"]
+    for option in options:
+        argv += ["--option", option]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "asyncinfer: error: " + error

@@ -16,7 +16,7 @@ from asyncinfer import AsyncEngine, InvalidParameterError, cli
      ("asyncinfer: error: --max-num-batched-tokens 64 is invalid: allowed >= max_model_len (128) while chunked "
       "prefill is off (a prompt must fit one step); or leave chunked prefill on\n")),
     (["--scheduler", "pd-split", "--scheduler-option", "prefill_budget=x"],
-     "asyncinfer: error: --scheduler-option prefill_budget=\"x\" is invalid: allowed an integer >= 1\n"),
+     "asyncinfer: error: --scheduler-option prefill_budget=x is invalid: allowed an integer >= 1\n"),
     (["--scheduler", "aging-priority", "--scheduler-option", "preempt=3"],
      "asyncinfer: error: --scheduler-option preempt=3 is invalid: allowed True or False\n"),
 ])

@@ -14,7 +14,7 @@ def _error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize(("typed", "shown", "allowed"), [
-    ("prefill_budget=x", 'prefill_budget="x"', "an integer >= 1"),
+    ("prefill_budget=x", "prefill_budget=x", "an integer >= 1"),  # as typed (it showed JSON's "x")
     ("prefill_budget=0", "prefill_budget=0", "an integer >= 1"),
 ])
 def test_a_scheduler_s_own_refusal_names_the_flag(tiny_models, capsys, typed: str, shown: str, allowed: str) -> None:

@@ -22,11 +22,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncinfer.commands import flag_value
 from asyncinfer.config import MAX_THREADS, EngineConfig, UnknownOptionError
 from asyncinfer.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 MiB = 1024**2
 
@@ -106,30 +109,56 @@ def _or_none(read: Callable[[str], Any]) -> _OrNone:
     return _OrNone(read)
 
 
-def key_value(item: str, example: str = "prefill_budget=64") -> tuple[str, Any]:
-    """A ``KEY=VALUE`` flag's pair, VALUE read as JSON where it is JSON (else the text); ``example`` is a pair the
-    flag takes, shown when ``item`` is not one (a scheduler's option by default)."""
-    key, sep, raw = item.partition("=")
-    if not (sep and key):
-        raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. {example})")
+class Pair(tuple):  # type: ignore[type-arg]
+    """A ``KEY=VALUE`` flag's ``(key, value)``, VALUE's text as typed beside it (``typed``): a refusal shows what was
+    typed (``1e3``), not what JSON made of it (``1000.0``)."""
+
+    typed: str
+
+    def __new__(cls, key: str, value: Any, typed: str) -> Self:
+        pair = super().__new__(cls, (key, value))
+        pair.typed = typed
+        return pair
+
+
+#: The numbers a KEY=VALUE flag's VALUE may hold (what a float holds, 0 aside).
+FLOAT_RANGE = "a nonzero magnitude from about 4.9e-324 to 1.8e308"
+
+
+def read_value(key: str, raw: str) -> Any:
+    """A ``KEY=VALUE`` flag's VALUE, read as JSON where it is JSON (else the text). A number past a float's range is
+    refused (``argparse.ArgumentTypeError``), as typed: Python's JSON reads ``1e400`` as inf (passed on, shown as
+    Infinity) and ``1e-400`` as 0.0 (refused as ``0.0 is invalid``, a value nobody typed); NaN and Infinity, which JSON
+    has not, are text."""
 
     def finite(number: str) -> float:
         value = float(number)
-        # 1e400: Python's JSON reads it as inf, which was passed on as Infinity; 1e-400 as 0.0, passed on as 0 and
-        # refused as 0.0 (max_batch_size=0.0 is invalid), a value nobody typed
         underflow = value == 0 and any(digit in "123456789" for digit in number.lower().partition("e")[0])
         if not math.isfinite(value) or underflow:
-            raise argparse.ArgumentTypeError(f"{key}={number[:40]}: the number is past a float's range (a nonzero "
-                                             f"magnitude from about 4.9e-324 to 1.8e308)")
+            raise argparse.ArgumentTypeError(f"{key}={number[:40]}: the number is past a float's range ({FLOAT_RANGE})")
         return value
 
     def not_json(constant: str) -> Any:
         raise ValueError(constant)  # NaN, Infinity: Python's JSON reads them, JSON has none: the text
 
     try:
-        return key, json.loads(raw, parse_float=finite, parse_constant=not_json)
+        return json.loads(raw, parse_float=finite, parse_constant=not_json)
     except ValueError:
-        return key, raw
+        return raw
+
+
+def key_value(item: str, example: str = "prefill_budget=64") -> Pair:
+    """A ``KEY=VALUE`` flag's pair (:func:`read_value`); ``example`` is a pair the flag takes, shown when ``item`` is
+    not one (a scheduler's option by default)."""
+    key, sep, raw = item.partition("=")
+    if not (sep and key):
+        raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE (e.g. {example})")
+    return Pair(key, read_value(key, raw), raw)
+
+
+def typed_texts(pairs: Any) -> dict[str, str]:
+    """Each KEY's VALUE as typed, of a repeatable ``KEY=VALUE`` flag's pairs (:class:`Pair`)."""
+    return {pair[0]: pair.typed for pair in pairs if isinstance(pair, Pair)}
 
 
 class KeyValues(argparse.Action):
@@ -261,29 +290,36 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 MAX_SHOWN_VALUE_CHARS = 200
 
 
-def as_typed(value: Any) -> str:
-    """A KEY=VALUE flag's VALUE as typed (as JSON reads it back), for a refusal: cut past
+def as_typed(value: Any, typed: str | None = None) -> str:
+    """A KEY=VALUE flag's VALUE for a refusal: its text as ``typed`` (else as JSON writes ``value``), cut past
     :data:`MAX_SHOWN_VALUE_CHARS` (a number of 5,000 digits made a refusal of 5,000 characters)."""
-    text = json.dumps(value)
+    text = json.dumps(value) if typed is None else typed
     if len(text) <= MAX_SHOWN_VALUE_CHARS:
         return text
     return f"{text[:MAX_SHOWN_VALUE_CHARS // 2]}...({len(text)} characters)"
 
 
-def flag_error(exc: InvalidParameterError, given: dict[str, Any]) -> str | None:
+def typed_scheduler_options(args: argparse.Namespace) -> dict[str, str]:
+    """Each ``--scheduler-option`` KEY's VALUE as typed (none given: empty)."""
+    return typed_texts(vars(args).get(BY_FIELD["scheduler_options"].dest, ()))
+
+
+def flag_error(exc: InvalidParameterError, given: dict[str, Any], typed: dict[str, str] | None = None) -> str | None:
     """``exc`` in the command line's terms when it is about an engine option given as a flag: the flag's
     name, and ``none`` where the flag takes it (the library's message says None); a scheduler's own refusal of a
-    ``--scheduler-option`` it takes, as that flag; else None."""
+    ``--scheduler-option`` it takes, as that flag (its VALUE as ``typed``, :func:`typed_scheduler_options`); else
+    None."""
+    typed = typed or {}
     flag = BY_FIELD.get(exc.parameter)
     plugin = given.get("scheduler_options") or {}
     if flag is None and exc.parameter in plugin:  # the scheduler's own check of a --scheduler-option it takes
-        shown = f"{exc.parameter}={as_typed(plugin[exc.parameter])}"  # as typed (VALUE read as JSON)
+        shown = f"{exc.parameter}={as_typed(plugin[exc.parameter], typed.get(exc.parameter))}"
         return f"{BY_FIELD['scheduler_options'].flag} {shown} is invalid: allowed {exc.allowed}"
     if flag is None or flag.field not in given:
         return None
     value = exc.value
     if flag.field == "scheduler_options" and isinstance(value, dict):  # as typed (KEY=VALUE), not a Python dict
-        shown = " ".join(f"{key}={as_typed(v)}" for key, v in value.items())
+        shown = " ".join(f"{key}={as_typed(v, typed.get(key))}" for key, v in value.items())
     else:
         shown = "none" if value is None else flag_value(value)
     from asyncinfer.embedding import EmbeddingConfig
