@@ -430,8 +430,9 @@ _OTHER_OPTIONS: dict[str, str] = {
 #: ``--seed`` is a request's).
 _FLAG_OPTIONS: dict[str, str] = {"engine_seed": "seed"}
 #: What a caller who passed the options as one object (``config=EngineConfig(...)``) is told.
-_OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves: from_pretrained(model, {example}=..., ...), "
-                         "or from_pretrained(model, **options) with a dict of them")
+_OPTIONS_ARE_KEYWORDS = ("the options are keywords themselves, of every call that takes them (from_pretrained, "
+                         "load, plan_memory, swap_model, add_model): from_pretrained(model, {example}=..., ...), or "
+                         "from_pretrained(model, **options) with a dict of them")
 #: Keywords of other tools with nothing in asyncinfer to take them.
 _NO_OPTION: dict[str, str] = {
     "tensor_parallel_size": "asyncinfer runs a model on one device (replicas on several: docs/scale_out.md)",

@@ -197,12 +197,14 @@ def test_an_engine_config_passed_as_a_keyword_says_options_are_keywords(tiny_mod
         AsyncEngine.from_pretrained(tiny_models["llama"][0], **{keyword: EngineConfig(max_model_len=64)})
     assert caught.value.parameter == keyword
     assert caught.value.allowed.endswith(
-        f"; {keyword} has no asyncinfer option: the options are keywords themselves: from_pretrained(model, "
-        "max_model_len=..., ...), or from_pretrained(model, **options) with a dict of them")
+        f"; {keyword} has no asyncinfer option: the options are keywords themselves, of every call that takes them "
+        "(from_pretrained, load, plan_memory, swap_model, add_model): from_pretrained(model, max_model_len=..., ...), "
+        "or from_pretrained(model, **options) with a dict of them")
 
 
 @pytest.mark.parametrize(("keyword", "hint"), [
-    ("config", ("the options are keywords themselves: from_pretrained(model, max_seq_len=..., ...), or "
+    ("config", ("the options are keywords themselves, of every call that takes them (from_pretrained, load, "
+                "plan_memory, swap_model, add_model): from_pretrained(model, max_seq_len=..., ...), or "
                 "from_pretrained(model, **options) with a dict of them")),
     ("trust_remote_code", "asyncinfer runs no model code of its own (its own model classes only)"),
 ])
