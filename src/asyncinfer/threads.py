@@ -19,6 +19,7 @@ takes at most a few worker threads at once: :class:`WorkShares`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import os
 import threading
@@ -30,12 +31,56 @@ import anyio
 T = TypeVar("T")
 
 
-
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))  # the CPUs this process may run on
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 2
+
+
+#: How much lower than the process's the OS priority of the threads that run :class:`WorkShares`' work is (Unix
+#: ``nice``; 0: the same). The engine thread decodes in parallel regions its worker threads finish together: a
+#: flood's bodies decoded and prompts tokenized beside it, at its priority, left those workers waiting their turn
+#: at every region (a neighbour's time per token went from 7 ms to 330-460 ms; ``benchmarks/body_flood.py``). Read
+#: when the first such thread starts (:func:`close_work_executor`).
+WORK_THREAD_NICE = 10
+
+#: The threads that run :class:`WorkShares`' work, all callers' together.
+MAX_WORK_THREADS = 40
+
+_work_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_work_executor_lock = threading.Lock()
+
+
+def _lower_priority() -> None:
+    """This thread's OS priority, :data:`WORK_THREAD_NICE` below its creator's (Linux sets it per thread; where the
+    OS cannot, it stays)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORK_THREAD_NICE))
+    except (AttributeError, OSError):  # not Unix, or not allowed
+        pass
+
+
+def work_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads for :class:`WorkShares`' work (:data:`MAX_WORK_THREADS`, at :data:`WORK_THREAD_NICE`),
+    made at first use."""
+    global _work_executor
+    with _work_executor_lock:
+        if _work_executor is None:
+            _work_executor = concurrent.futures.ThreadPoolExecutor(
+                MAX_WORK_THREADS, thread_name_prefix="asyncinfer-work", initializer=_lower_priority)
+        return _work_executor
+
+
+def close_work_executor() -> None:
+    """Let the work threads end once their work has (the next use makes new ones, with :data:`MAX_WORK_THREADS` and
+    :data:`WORK_THREAD_NICE` as they are then)."""
+    global _work_executor
+    with _work_executor_lock:
+        executor, _work_executor = _work_executor, None
+    if executor is not None:
+        executor.shutdown(wait=False)
 
 
 #: The worker threads one party's work (a tenant's, a key's) takes at once (:class:`WorkShares`): half the CPUs this
@@ -160,9 +205,10 @@ class _Gate:
             return self._state == "running"
 
 
-async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.CapacityLimiter | None = None) -> T:
-    """``fn(*args)`` in a worker thread (one of ``limiter``'s places, else anyio's shared pool), on an asyncio
-    loop. A cancel of the caller while ``fn`` runs (asyncio's, as ``wait_for`` or a client's disconnect sends) is
+async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.CapacityLimiter | None = None,
+                          executor: concurrent.futures.Executor | None = None) -> T:
+    """``fn(*args)`` in a worker thread (one of ``executor``'s, else one of ``limiter``'s places, else anyio's shared
+    pool), on an asyncio loop. A cancel of the caller while ``fn`` runs (asyncio's, as ``wait_for`` or a client's disconnect sends) is
     raised once ``fn`` has returned, the caller holding its place (and whatever it holds: a turn) till then;
     before ``fn`` began, at once, and ``fn`` never runs. anyio's ``run_sync`` waits for its thread under anyio's
     own cancel scopes only: an asyncio cancel ended the call at once while its work ran on, its place given back,
@@ -175,7 +221,10 @@ async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.Ca
             raise _NeverRan
         return fn(*args)
 
-    work = asyncio.ensure_future(anyio.to_thread.run_sync(guarded, limiter=limiter))
+    if executor is not None:  # the caller's context, as anyio hands it to its threads
+        work = asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, guarded)
+    else:
+        work = asyncio.ensure_future(anyio.to_thread.run_sync(guarded, limiter=limiter))
     try:
         await asyncio.wait({work})
     except asyncio.CancelledError:
@@ -198,10 +247,10 @@ async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.Ca
 
 class WorkShares:
     """Worker threads by party: each party's calls of :meth:`run` take at most ``per_party`` threads at once, the
-    rest waiting their turn in order. Without it all shared anyio's pool of 40, first come first served: one
-    caller's flood of large bodies (each decoded in a thread, the interpreter's lock held for most of it) left
-    another's one call waiting behind forty (0.14 s became 2.5-7 s on two cores). A party's entry lives while one of
-    its calls does."""
+    rest waiting their turn in order, in the process's work threads (:func:`work_executor`, below the engine's OS
+    priority). Without it all shared anyio's pool of 40, first come first served: one caller's flood of large bodies
+    (each decoded in a thread, the interpreter's lock held for most of it) left another's one call waiting behind
+    forty. A party's entry lives while one of its calls does."""
 
     def __init__(self, per_party: int | None = None) -> None:
         per_party = WORK_THREADS_PER_PARTY if per_party is None else per_party  # the module's, read when made
@@ -220,10 +269,10 @@ class WorkShares:
         return 0 if entry is None else int(entry[0].borrowed_tokens)
 
     async def run(self, party: Hashable | None, fn: Callable[..., T], /, *args: Any) -> T:
-        """``fn(*args)`` as :func:`run_sync_to_end` runs it, once one of ``party``'s places is free (None: no party,
-        anyio's shared pool as it comes). A cancel while it waits for a place ends the call, ``fn`` never run."""
+        """``fn(*args)`` as :func:`run_sync_to_end` runs it, in a work thread once one of ``party``'s places is free
+        (None: no party, a work thread as they come). A cancel while it waits for a place ends the call, ``fn`` never run."""
         if party is None:
-            return await run_sync_to_end(fn, *args)
+            return await run_sync_to_end(fn, *args, executor=work_executor())
         entry = self._parties.get(party)
         if entry is None:
             entry = self._parties[party] = (anyio.CapacityLimiter(self.per_party), [0])
@@ -233,7 +282,7 @@ class WorkShares:
         try:
             await limiter.acquire_on_behalf_of(token)
             try:
-                return await run_sync_to_end(fn, *args)
+                return await run_sync_to_end(fn, *args, executor=work_executor())
             finally:
                 limiter.release_on_behalf_of(token)
         finally:

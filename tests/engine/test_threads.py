@@ -369,15 +369,18 @@ def test_a_call_cancelled_while_its_texts_are_tokenized_waits_for_the_tokenizing
         release.set()
 
 
-def test_work_shares_give_each_party_its_few_threads_and_the_others_theirs() -> None:
+def test_work_shares_give_each_party_its_few_threads_and_the_others_theirs(monkeypatch) -> None:
     """One party's many calls run ``per_party`` at a time, the rest waiting in order; another party's call runs at
     once beside them, in a pool the first party's calls would otherwise fill; a call cancelled while it waits for a
     place never runs; a party's entry goes with its last call."""
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
-    import anyio
-
+    from asyncinfer import threads
     from asyncinfer.threads import WORK_THREADS_PER_PARTY, WorkShares
+
+    small = ThreadPoolExecutor(WORK_THREADS_PER_PARTY + 1)  # a small pool of work threads
+    monkeypatch.setattr(threads, "_work_executor", small)
 
     release = threading.Event()
     ran: list[str] = []
@@ -388,7 +391,6 @@ def test_work_shares_give_each_party_its_few_threads_and_the_others_theirs() -> 
         return name
 
     async def scenario() -> None:
-        anyio.to_thread.current_default_thread_limiter().total_tokens = WORK_THREADS_PER_PARTY + 1  # a small pool
         shares = WorkShares()
         flood = [asyncio.ensure_future(shares.run("a", held, f"a{i}")) for i in range(6)]
         while shares.running("a") < WORK_THREADS_PER_PARTY:
@@ -408,3 +410,25 @@ def test_work_shares_give_each_party_its_few_threads_and_the_others_theirs() -> 
         asyncio.run(scenario())
     finally:
         release.set()
+        small.shutdown()
+
+
+def test_work_threads_run_below_the_engines_os_priority() -> None:
+    """The work threads (a flood's bodies decoded, its prompts tokenized) run ``WORK_THREAD_NICE`` below the process's
+    priority: at the same priority they took the CPU from the engine thread's parallel regions, whose workers then
+    waited their turn at every region (a neighbour's time per token 7 ms -> hundreds of ms)."""
+    import asyncio
+    import os
+
+    from asyncinfer.threads import WORK_THREAD_NICE, WorkShares
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def both() -> list[int]:
+        shares = WorkShares()
+        return [await shares.run("a", priority), await shares.run(None, priority)]
+
+    base = priority()
+    assert asyncio.run(both()) == [min(19, base + WORK_THREAD_NICE)] * 2
+    assert priority() == base

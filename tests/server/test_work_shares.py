@@ -1,6 +1,6 @@
 """One caller's off-loop work takes its few worker threads, never the pool: a key's (tenant's) large bodies are
 decoded, and an engine tenant's long prompts tokenized, at most ``WORK_THREADS_PER_PARTY`` at once, the rest in turn,
-and another caller's work runs beside them. All shared anyio's one pool, first come first served: a flood of large
+and another caller's work runs beside them. All shared one pool, first come first served: a flood of large
 bodies from one key (each decoded in a thread) made another key's plain calls wait behind it (0.14 s became
 2.5-7 s on two cores). The pool is made small here so that a flood fills it at once."""
 
@@ -11,10 +11,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import anyio
 import httpx
 import pytest
 
+from asyncinfer import threads
 from asyncinfer.prompts import OFF_LOOP_CHARS
 from asyncinfer.server import ModelSpec, ServerSettings, Tenant, create_app, router
 from asyncinfer.threads import WORK_THREADS_PER_PARTY
@@ -41,13 +41,10 @@ def test_one_keys_flood_of_large_bodies_leaves_another_key_a_thread(tiny_models,
         return real(raw, shape)
 
     monkeypatch.setattr(router, "decode_json", held)
+    monkeypatch.setattr(threads, "_work_executor", ThreadPoolExecutor(POOL))  # a small pool of work threads
     with LiveServer(create_app(ModelSpec(str(tiny_models["qwen2"][0]), "ids", TINY_OPTIONS), settings)) as live, \
             ThreadPoolExecutor(FLOOD) as pool:
 
-        async def small_pool() -> None:
-            anyio.to_thread.current_default_thread_limiter().total_tokens = POOL
-
-        live.call(small_pool())
 
         def send(key: str, prompt: str) -> httpx.Response:
             return httpx.post(live.url + "/v1/completions", timeout=60, content=(
@@ -84,13 +81,13 @@ def test_an_engine_tenants_long_prompts_take_its_threads_not_the_pool(tiny_chat_
         return real(prompt, version)
 
     monkeypatch.setattr(catalog, "prompt_token_ids", held)
+    # room for the tenant's and the salt's shares and one more
+    monkeypatch.setattr(threads, "_work_executor", ThreadPoolExecutor(2 * WORK_THREADS_PER_PARTY + 1))
     monkeypatch.setattr(catalog, "prompt_cost", lambda prompt: OFF_LOOP_CHARS + 1)  # each tokenized off the loop
     long = "Hello world! " * 10
     params = SamplingParams(max_tokens=2, temperature=0)
 
     async def scenario() -> None:
-        # room for the tenant's and the salt's shares and one more
-        anyio.to_thread.current_default_thread_limiter().total_tokens = 2 * WORK_THREADS_PER_PARTY + 1
         async with await AsyncEngine.load(str(tiny_chat_model), **TINY_OPTIONS) as engine:
             flood = [asyncio.ensure_future(engine.generate(long + "HOLD", params, tenant="a")) for _ in range(FLOOD)]
             salted = [asyncio.ensure_future(engine.generate(long + "HOLD", params, cache_salt="s")) for _ in range(2)]
