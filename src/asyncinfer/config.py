@@ -162,6 +162,11 @@ def plain_fields(options: Any) -> None:
 #: catch) when told to start a team far beyond any machine's cores (``num_threads=20000``).
 MAX_THREADS = 4096
 
+#: The most bytes a byte-count option (``kv_cache_memory``, ``activation_reserve``, ``available_bytes``) may hold: a
+#: torch size's range (int64). A larger int failed the plan with ``OverflowError`` (its float division overflowed), not
+#: an error naming it.
+MAX_BYTES = 2**63 - 1
+
 #: The most requests one step may hold (``max_num_seqs``).
 MAX_NUM_SEQS = 4096
 
@@ -302,7 +307,7 @@ class EngineConfig:
         object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))
         object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
         check_int("block_size", self.block_size, 1, 256)
-        check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        check_int("kv_cache_memory", self.kv_cache_memory, 1, MAX_BYTES, optional=True)
         frac = self.kv_cache_fraction
         bad_frac = isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95
         if frac is not None and bad_frac:
@@ -312,7 +317,7 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
         check_int("num_threads", self.num_threads, 1, MAX_THREADS, optional=True)
-        check_int("activation_reserve", self.activation_reserve, 0)
+        check_int("activation_reserve", self.activation_reserve, 0, MAX_BYTES)
         check_int("max_waiting_requests", self.max_waiting_requests, 0, optional=True)
         check_int("max_consecutive_step_failures", self.max_consecutive_step_failures, 1)
         st = self.stall_timeout

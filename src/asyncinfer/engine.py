@@ -203,7 +203,7 @@ class AsyncEngine:
         embedding model gives an :class:`EmbeddingPlan` (weights + largest batch's activations).
 
         Raises:
-            InvalidParameterError: an unknown option or an out-of-range value (``available_bytes``: an ``int`` >= 0
+            InvalidParameterError: an unknown option or an out-of-range value (``available_bytes``: an ``int`` in [0, 2**63 - 1]
                 or None, as ``swap_model`` and ``add_model`` take it).
             ModelLoadError: the model's config cannot be read.
             ConfigurationError: the KV cache cannot hold one ``max_model_len`` request.

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncinfer.cache.spec import KVCacheSpec
+from asyncinfer.config import MAX_BYTES
 from asyncinfer.errors import ConfigurationError, InvalidParameterError
 from asyncinfer.models.layers import rope_table_bytes
 from asyncinfer.models.quant import default_skip, smaller_cpu_formats, weight_bytes
@@ -267,8 +268,9 @@ def check_available_bytes(available: Any) -> int | None:
     from asyncinfer.plain import plain_value
 
     available = plain_value(available)
-    if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0):
-        raise InvalidParameterError("available_bytes", available, "a byte count >= 0, or None")
+    if available is not None and (isinstance(available, bool) or not isinstance(available, int) or available < 0
+                                  or available > MAX_BYTES):
+        raise InvalidParameterError("available_bytes", available, f"a byte count in [0, {MAX_BYTES}], or None")
     return available
 
 
