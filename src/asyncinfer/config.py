@@ -62,7 +62,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         allowed += " (a GPU is 'cuda', an NVIDIA GPU: asyncinfer runs on no other kind)"
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:  # ValueError: an index past a C long (10**400)
         raise InvalidParameterError("device", device, allowed) from exc
     if dev.type not in ("cpu", "cuda"):
         raise InvalidParameterError("device", device, allowed)
