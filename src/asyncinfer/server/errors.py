@@ -14,6 +14,7 @@ import http
 import logging
 import math
 import re
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -134,7 +135,13 @@ def _json_shown(value: object, level: int) -> str:
             if isinstance(value, dict) else [_json_shown(v, level + 1) for v in items]
         more = ", ..." if len(value) > _SHOWN_ITEMS else ""
         return f"{opening}{', '.join(shown_items)}{more}{closing}"
-    return _short_repr(value)  # an int (whole, as JSON writes it), or what a route built itself
+    if isinstance(value, int):  # as JSON writes it, cut as a text is (4,000 digits were echoed whole)
+        try:
+            text = str(value)
+        except ValueError:  # past the interpreter's limit on an int's digits
+            return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+        return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} digits)"
+    return _short_repr(value)  # what a route built itself
 
 
 def json_terms(allowed: str) -> str:
@@ -271,7 +278,7 @@ def _no_room(field: str, exc: InvalidParameterError) -> str:
     """The engine's "prompt + max_tokens over max_model_len" in the terms of an HTTP body (the engine's
     own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
     room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
-    return (f"`{field}` is {exc.value!r}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
+    return (f"`{field}` is {shown(exc.value)}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
             f"shorten the prompt, or leave `{field}` out (the output then stops where the context ends).")
 
 
