@@ -120,10 +120,10 @@ def test_a_refused_value_is_shown_as_typed(argv, error, capsys) -> None:
 
 
 @pytest.mark.parametrize(("options", "error"), [
-    (["pd-split.prefill_budget=1e400"], "--option 'pd-split.prefill_budget=1e400' is invalid: allowed a VALUE whose "
-     "numbers are 0 or of a nonzero magnitude from about 4.9e-324 to 1.8e308"),
-    (["pd-split.prefill_budget=64", "pd-split.prefill_budget=0"], "--option 'pd-split.prefill_budget=0' is invalid: "
-     "allowed each NAME.KEY once (pd-split.prefill_budget is given twice)"),
+    (["pd-split.prefill_budget=1e400"], ("--option 'pd-split.prefill_budget=1e400' is invalid: allowed a VALUE whose "
+     "numbers are 0 or of a nonzero magnitude from about 4.9e-324 to 1.8e308")),
+    (["pd-split.prefill_budget=64", "pd-split.prefill_budget=0"], ("--option 'pd-split.prefill_budget=0' is invalid: "
+     "allowed each NAME.KEY once (pd-split.prefill_budget is given twice)")),
     (["pd-split.prefill_budget=NaN"], "--option pd-split.prefill_budget=NaN is invalid: allowed an integer >= 1"),
 ], ids=["past-a-float", "twice", "nan-is-text"])
 def test_the_labs_options_are_read_as_the_scheduler_option_is(options, error, capsys) -> None:
