@@ -25,7 +25,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from asyncinfer.commands import flag_value
@@ -281,6 +281,10 @@ def _lab(args: argparse.Namespace) -> int:
                            "(the lab replays the trace on a cost model and loads no model; --cost-model FILE picks "
                            "one made by asyncinfer lab --calibrate FILE --model MODEL)")
     needed = -(-args.max_model_len // args.block_size)
+    if needed > LAB_MAX_BLOCKS:  # no --num-blocks holds it: the flag to change is --max-model-len
+        raise CommandError(f"--max-model-len {args.max_model_len} is invalid: allowed at most "
+                           f"{LAB_MAX_BLOCKS * args.block_size}, the tokens of --num-blocks' largest, {LAB_MAX_BLOCKS} "
+                           f"blocks of --block-size {args.block_size}")
     if needed > args.num_blocks:  # checked before the trace is read or saved, in the flags' terms
         raise CommandError(f"--num-blocks {args.num_blocks} is invalid: allowed at least {needed}, the blocks of "
                            f"--block-size {args.block_size} tokens that one --max-model-len {args.max_model_len} "
@@ -424,10 +428,32 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse's own message named this function: "invalid _positive_int value: 'abc'"
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
     return value
+
+
+# The lab builds a real KVCacheManager: a Python object per block (about 200 bytes), so 2**20 blocks hold 256 MiB
+# of the machine's memory; --num-blocks 1000000000 asked for some 200 GB and died of MemoryError (or of the OOM
+# killer). 2**20 blocks of 16 tokens are 16M tokens of KV cache, more than any one device holds for a model.
+LAB_MAX_BLOCKS = 2**20
+
+
+def _ranged_int(low: int, high: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer in [{low}, {high}]{what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]{what}")
+        return value
+
+    return parse
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -457,10 +483,10 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable; default: none)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", metavar="N", type=_positive_int, default=4096,
-                   help="KV blocks of the simulated engine (default: 4096)")
-    p.add_argument("--block-size", metavar="N", type=_positive_int, default=16,
-                   help="tokens per KV block (default: 16)")
+    p.add_argument("--num-blocks", metavar="N", type=_ranged_int(1, LAB_MAX_BLOCKS, ""), default=4096,
+                   help=f"KV blocks of the simulated engine, 1 to {LAB_MAX_BLOCKS} (default: 4096)")
+    p.add_argument("--block-size", metavar="N", type=_ranged_int(1, 256, " (the engine's block_size)"), default=16,
+                   help="tokens per KV block, 1 to 256 as the engine's block_size (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="simulate the engine with prefix caching off")
     # Limits that suit the shipped CPU cost model (a 64-request decode step costs seconds there).
     p.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=16,
