@@ -440,6 +440,8 @@ def _positive_int(text: str) -> int:
 # The lab builds a real KVCacheManager: a Python object per block (about 200 bytes), so 2**20 blocks hold 256 MiB
 # of the machine's memory; --num-blocks 1000000000 asked for some 200 GB and died of MemoryError (or of the OOM
 # killer). 2**20 blocks of 16 tokens are 16M tokens of KV cache, more than any one device holds for a model.
+# lab.simulate's own bound (asyncinfer.lab.simulator.MAX_SIM_BLOCKS, for a caller in Python too; not imported: the
+# command line loads the lab only when it runs it).
 LAB_MAX_BLOCKS = 2**20
 
 

@@ -171,6 +171,10 @@ MAX_BYTES = 2**63 - 1
 MAX_NUM_SEQS = 4096
 
 
+#: The most tokens a KV block holds (``block_size``).
+MAX_BLOCK_SIZE = 256
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -306,7 +310,7 @@ class EngineConfig:
         object.__setattr__(self, "dtype", spelled_dtype(self.dtype))  # "AUTO" is "auto" to the format's choice too
         object.__setattr__(self, "quantization", resolve_quantization(self.quantization, device, self.dtype))
         object.__setattr__(self, "dtype", resolve_dtype(format_dtype(self.quantization, device, self.dtype), device))
-        check_int("block_size", self.block_size, 1, 256)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("kv_cache_memory", self.kv_cache_memory, 1, MAX_BYTES, optional=True)
         frac = self.kv_cache_fraction
         bad_frac = isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 0.95

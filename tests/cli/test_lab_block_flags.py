@@ -36,3 +36,20 @@ def test_lab_runs_at_the_largest_block_size_and_count(capsys) -> None:
     assert cli.main(["lab", "--synthetic", "3", "--schedulers", "fifo", "--block-size", "256",
                      "--num-blocks", "16", "--max-model-len", "4096"]) == 0
     assert "16 blocks x 256" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("keyword", "value", "allowed"), [
+    ("num_blocks", 10**9, "an integer in [1, 1048576]"),
+    ("num_blocks", 0, "an integer in [1, 1048576]"),
+    ("block_size", 10**8, "an integer in [1, 256]"),
+])
+def test_lab_simulate_takes_the_flags_ranges_in_python_too(keyword, value, allowed) -> None:
+    """``lab.simulate(num_blocks=10**9)`` built a block object each (some 200 GB) before anything was checked."""
+    from asyncinfer import InvalidParameterError, lab
+    from asyncinfer.lab.simulator import MAX_SIM_BLOCKS
+
+    assert MAX_SIM_BLOCKS == cli.LAB_MAX_BLOCKS
+    trace = lab.synthetic_trace(4, seed=0)
+    with pytest.raises(InvalidParameterError) as refused:
+        lab.simulate(trace, "fifo", **{keyword: value})
+    assert (refused.value.parameter, refused.value.value, refused.value.allowed) == (keyword, value, allowed)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager, blocks_for
+from asyncinfer.config import MAX_BLOCK_SIZE, check_int
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text
 from asyncinfer.lab.cost import StepCostModel, StepShape, load_cost_model
 from asyncinfer.lab.trace import TraceRequest
@@ -111,6 +112,10 @@ class SimResult:
         return max(r.finish for r in self.records if r.finish is not None) - start
 
 
+#: The most KV blocks a simulated cache holds (about 256 MiB of the lab's block objects; 16M tokens of 16-token blocks).
+MAX_SIM_BLOCKS = 2**20
+
+
 def simulate(
     trace: Sequence[TraceRequest],
     scheduler: str | type[Scheduler] = "fifo",
@@ -133,12 +138,16 @@ def simulate(
     without ``decode_padding`` gets the one the cost model counts (SDPA's).
 
     Raises:
-        InvalidParameterError: a request longer than ``max_model_len``, or bad scheduler options.
+        InvalidParameterError: a request longer than ``max_model_len``, bad scheduler options, ``num_blocks``
+            outside 1 to :data:`MAX_SIM_BLOCKS` or ``block_size`` outside the engine's 1 to 256.
         ConfigurationError: the cache cannot hold one ``max_model_len`` request.
         ContractViolation: ``check`` found a broken invariant, the replay made no progress, or the
             scheduler's constructor (other than with an ``InvalidParameterError``) or ``schedule()`` raised
             (chained as the cause).
     """
+    # the cache is a Python object a block: a billion blocks were 200 GB, killed by the OOM killer
+    check_int("num_blocks", num_blocks, 1, MAX_SIM_BLOCKS)
+    check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)  # the engine's range
     config = config or SchedulerConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=1024)
     if config.decode_padding is None:  # the policies see the padding the cost model counts
         config = replace(config, decode_padding=StepShape.decode_padding)
