@@ -17,6 +17,12 @@ Three settings, a fresh server each, in interleaved rounds:
 The victim streams its answer: its time to the first token, its time per token after it, and its whole call.
 
     python benchmarks/body_flood.py --json benchmarks/results/body_flood.json
+    TOKENIZERS_PARALLELISM=false python benchmarks/body_flood.py --settings served same_priority \
+        --json benchmarks/results/body_flood_serial_tokenizer.json
+
+The tokenizers' own pool of threads (``encode_batch``'s parallelism, at the process's priority and in no tenant's
+share) tokenizes a flood's texts beside the engine unless ``TOKENIZERS_PARALLELISM=false``; the second run measures
+that deployment.
 """
 
 from __future__ import annotations
@@ -173,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         record = {"command": "python benchmarks/body_flood.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
                   "settings": vars(args) | {"json": str(args.json)}, "load_average_start": load_start,
-                  "load_average_end": os.getloadavg(), "rounds": rounds, "summary": summary}
+                  "load_average_end": os.getloadavg(), "rounds": rounds, "summary": summary,
+                  # the tokenizers' own thread pool (Rust's rayon, at the process's priority), on unless set "false"
+                  "environment": {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM")}}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

@@ -40,9 +40,10 @@ def _cpus() -> int:
 
 #: How much lower than the process's the OS priority of the threads that run :class:`WorkShares`' work is (Unix
 #: ``nice``; 0: the same). The engine thread decodes in parallel regions its worker threads finish together: a
-#: flood's bodies decoded and prompts tokenized beside it, at its priority, left those workers waiting their turn
-#: at every region (a neighbour's time per token went from 7 ms to 330-460 ms; ``benchmarks/body_flood.py``). Read
-#: when the first such thread starts (:func:`close_work_executor`).
+#: flood's texts tokenized beside it, at its priority, left those workers waiting their turn at every region (a
+#: neighbour's call 7.4 s under a flood at the same priority, 2.5 s below it, 0.09 s alone, with the tokenizers'
+#: own pool off; ``benchmarks/body_flood.py``, docs/reliability.md). Read when the first such thread starts
+#: (:func:`close_work_executor`).
 WORK_THREAD_NICE = 10
 
 #: The threads that run :class:`WorkShares`' work, all callers' together.
