@@ -202,7 +202,7 @@ class ModelCatalog:
 
         ``early``: ids computed at the call, reused if their version still serves.
         Long texts are tokenized off the loop, in one of ``party``'s worker threads
-        (:class:`~asyncinfer.threads.WorkShares`; None: anyio's pool as it comes); if a swap moved the generator to
+        (:class:`~asyncinfer.threads.WorkShares`; None: a work thread as they come); if a swap moved the generator to
         another version meanwhile, the prompt is tokenized again for that one.
         """
         while True:

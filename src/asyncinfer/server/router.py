@@ -400,8 +400,8 @@ class _OpenAI:
     def _party(self, request: Request, key: str | None) -> Hashable:
         """Whose worker threads a call's off-loop work takes, known before its body is read (``_Call.party``): its
         key's tenant (``tenant_from="api-key"``), the tenant header where the deployment trusts it (a header to be
-        refused later counts as none), else its key; with neither (a server without API keys), None: anyio's pool as
-        the work comes, there being nobody to tell apart (one share for all held every caller's body behind two
+        refused later counts as none), else its key; with neither (a server without API keys), None: the work threads
+        as the work comes, there being nobody to tell apart (one share for all held every caller's body behind two
         callers' long logprobs answers)."""
         settings = self.settings
         tenant: str | None = None
@@ -621,7 +621,10 @@ class _OpenAI:
         except InvalidParameterError as exc:
             if exc.parameter == "structured" and body.structured_field == "tools" and body.tool_use is not None:
                 # the calls' grammar was refused: llguidance's words name its parts (`arguments`), not the tool
-                refused = await self.work_shares.run(call.party, body.tool_use.refused_tool)
+                try:
+                    refused = await self.work_shares.run(call.party, body.tool_use.refused_tool)
+                except Exception:  # noqa: BLE001 - naming the tool is a courtesy: the grammar's own refusal stands
+                    refused = None
                 if refused is not None:
                     name, reason = refused
                     raise APIError(400, f"`tools`: the `parameters` of function {shown(name)} are refused: {reason}. "
