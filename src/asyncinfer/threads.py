@@ -206,6 +206,45 @@ class _Gate:
             return self._state == "running"
 
 
+def _in_executor(executor: concurrent.futures.Executor, fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn()`` in one of ``executor``'s threads, in the caller's context (as anyio hands it to its threads): a future
+    of the loop's own, given the outcome and holding it alone. An error ``fn`` returns as a value keeps its frames,
+    and theirs the worker's that called them: nothing there may lead back to the future that holds that value, or
+    the two are a cycle, freed only by a full garbage collection (a refused 4 MiB body's error and its frames;
+    tests/server/test_fresh_pass32.py). So not ``run_in_executor`` (its chained futures refer to each other), and the
+    worker is handed a box it empties."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    queued = executor.submit(_run_boxed, [loop, done, contextvars.copy_context(), fn])  # its own result: None
+    done.add_done_callback(lambda future: future.cancelled() and queued.cancel())
+    return done
+
+
+def _run_boxed(box: list[Any]) -> None:
+    """In a worker thread: ``box`` = [loop, future, context, fn]; the future given ``fn``'s outcome on its loop. The
+    box is emptied first and the frame's names dropped after, so the frame holds nothing of the call."""
+    loop, done, context, fn = box
+    box.clear()
+    try:
+        outcome: tuple[bool, Any] = (True, context.run(fn))
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        outcome = (False, exc)
+    try:
+        loop.call_soon_threadsafe(_settle, done, outcome)
+    except RuntimeError:  # the loop has closed: nobody waits
+        pass
+    del loop, done, context, fn, outcome
+
+
+def _settle(done: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if not done.done():  # a caller that left before the call began has cancelled it
+        ok, value = outcome
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+
 async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.CapacityLimiter | None = None,
                           executor: concurrent.futures.Executor | None = None) -> T:
     """``fn(*args)`` in a worker thread (one of ``executor``'s, else one of ``limiter``'s places, else anyio's shared
@@ -222,8 +261,8 @@ async def run_sync_to_end(fn: Callable[..., T], /, *args: Any, limiter: anyio.Ca
             raise _NeverRan
         return fn(*args)
 
-    if executor is not None:  # the caller's context, as anyio hands it to its threads
-        work = asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, guarded)
+    if executor is not None:
+        work = _in_executor(executor, guarded)
     else:
         work = asyncio.ensure_future(anyio.to_thread.run_sync(guarded, limiter=limiter))
     try:
