@@ -155,6 +155,12 @@ class AbortedWhileWaiting(Exception):
     its turn: nothing was made for it (its turn given back), nothing posted; it ends as an abort at once."""
 
 
+def _party(tenant: str | None, salt: str | None) -> tuple[str, str] | None:
+    """Whom a request's costly work (its long prompt's tokenizing, its spec's compile) takes turns as: its tenant,
+    else its cache salt, else nobody (it takes what comes)."""
+    return ("tenant", tenant) if tenant is not None else ("salt", salt) if salt is not None else None
+
+
 class RequestIntake:
     """Checks and binds new requests for one engine (loop side)."""
 
@@ -293,10 +299,9 @@ class RequestIntake:
             return core.compile_grammar(spec, salt)
 
         spec = args.params.structured
+        # a long prompt tokenized in one of its tenant's (salt's) worker threads, as its spec compiles in its turn
+        party = _party(args.tenant, args.cache_salt)
         while True:
-            # a long prompt tokenized in one of its tenant's (salt's) worker threads, as its spec compiles in its turn
-            party = ("tenant", args.tenant) if args.tenant is not None else \
-                ("salt", args.cache_salt) if args.cache_salt is not None else None
             version, ids = await self.models.bind_prompt(model, prompt, check_running, args.early, party)
             if spec is None:
                 return version, ids, None
@@ -306,7 +311,7 @@ class RequestIntake:
             grammar = core.grammars.cached(spec, salt) if core.grammars is not None else None
             if grammar is not None:
                 return version, ids, grammar
-            async with self._compile_turn(args.tenant, salt):
+            async with self._compile_turn(party):
                 check_running()  # it may have waited its tenant's other compiles
                 if aborted():
                     raise AbortedWhileWaiting
@@ -317,14 +322,13 @@ class RequestIntake:
                 return version, ids, grammar
 
     @contextlib.asynccontextmanager
-    async def _compile_turn(self, tenant: str | None, salt: str | None) -> AsyncIterator[None]:
-        """A request with a ``tenant`` (else a ``cache_salt``) compiles its spec once no other request of that tenant
-        (salt) is compiling: the engine's :data:`MAX_CONCURRENT_COMPILES` places are taken in turn, first come first
+    async def _compile_turn(self, key: tuple[str, str] | None) -> AsyncIterator[None]:
+        """A request with a ``tenant`` (else a ``cache_salt``; :func:`_party`'s ``key``) compiles its spec once no
+        other request of that tenant (salt) is compiling: the engine's :data:`MAX_CONCURRENT_COMPILES` places are taken in turn, first come first
         served, and one tenant's many costly specs held them all (six GBNF grammars of 1,500 rules kept another
         tenant's regular expression, 6 ms alone, waiting 4.5 s). The tenant goes first: a server shares cached
         prefixes (no salt) unless told otherwise, and its callers all took the places as they came. Requests with
         neither take the places as they come."""
-        key = ("tenant", tenant) if tenant is not None else ("salt", salt) if salt is not None else None
         if key is None:
             yield
             return
