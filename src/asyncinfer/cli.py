@@ -427,16 +427,6 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
     return builtin_schedulers() + sorted(plugins - set(builtin_schedulers()))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:  # argparse's own message named this function: "invalid _positive_int value: 'abc'"
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
 # The lab builds a real KVCacheManager: a Python object per block (about 200 bytes), so 2**20 blocks hold 256 MiB
 # of the machine's memory; --num-blocks 1000000000 asked for some 200 GB and died of MemoryError (or of the OOM
 # killer). 2**20 blocks of 16 tokens are 16M tokens of KV cache, more than any one device holds for a model.
@@ -445,17 +435,24 @@ def _positive_int(text: str) -> int:
 LAB_MAX_BLOCKS = 2**20
 
 
-def _ranged_int(low: int, high: int, what: str) -> Callable[[str], int]:
+def _ranged_int(low: int, high: int | None = None, what: str = "") -> Callable[[str], int]:
+    """A flag's integer in [``low``, ``high``] (no ``high``: >= ``low``), refused naming the range (argparse's own
+    message named the parsing function: "invalid _positive_int value: 'abc'")."""
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer in [{low}, {high}]{what}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]{what}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer {bounds}{what}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not {bounds}{what}")
         return value
 
     return parse
+
+
+_positive_int = _ranged_int(1)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -485,7 +482,7 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a scheduler option, e.g. pd-split.prefill_budget=64 (repeatable; default: none)")
     p.add_argument("--cost-model", default=None, metavar="FILE", help="cost model JSON (default: the shipped one)")
-    p.add_argument("--num-blocks", metavar="N", type=_ranged_int(1, LAB_MAX_BLOCKS, ""), default=4096,
+    p.add_argument("--num-blocks", metavar="N", type=_ranged_int(1, LAB_MAX_BLOCKS), default=4096,
                    help=f"KV blocks of the simulated engine, 1 to {LAB_MAX_BLOCKS} (default: 4096)")
     p.add_argument("--block-size", metavar="N", type=_ranged_int(1, 256, " (the engine's block_size)"), default=16,
                    help="tokens per KV block, 1 to 256 as the engine's block_size (default: 16)")
