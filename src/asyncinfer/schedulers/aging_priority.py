@@ -9,25 +9,14 @@ from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers.base import SchedulerConfig, SchedulerOutput
-from asyncinfer.schedulers.ordered import OrderedScheduler
-
-
-def _as_float(name: str, value: object, allowed: str) -> float:
-    """``value`` as a float; an int past a float's range (``10**400``) is refused naming ``name``: its ``OverflowError``
-    failed the load as the model file's fault ("loading 'model.gguf' failed: int too large to convert to float")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParameterError(name, value, allowed)
-    try:
-        return float(value)
-    except OverflowError:
-        raise InvalidParameterError(name, value, f"{allowed}, within a float's range (about 1.8e308)") from None
+from asyncinfer.schedulers.ordered import OrderedScheduler, option_float
 
 
 def _check_seconds(name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     allowed = "a finite number > 0" + (" or None" if allow_none else "")
-    seconds = _as_float(name, value, allowed)
+    seconds = option_float(name, value, allowed)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise InvalidParameterError(name, value, allowed)
 
@@ -78,7 +67,7 @@ class AgingPriorityScheduler(OrderedScheduler):
         _check_seconds("aging_interval", aging_interval, allow_none=True)
         if not isinstance(preempt, bool):
             raise InvalidParameterError("preempt", preempt, "True or False")
-        if not _as_float("preempt_margin", preempt_margin, "a number >= 0") >= 0:
+        if not option_float("preempt_margin", preempt_margin, "a number >= 0") >= 0:
             raise InvalidParameterError("preempt_margin", preempt_margin, "a number >= 0")
         self.aging_interval = None if aging_interval is None else float(aging_interval)
         self.preempt_urgent = preempt

@@ -6,16 +6,13 @@ import bisect
 import heapq
 import itertools
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers.base import SchedulerConfig, SchedulerOutput
-from asyncinfer.schedulers.ordered import Entry, OrderedScheduler
-
-_MAX_FLOAT = sys.float_info.max
+from asyncinfer.schedulers.ordered import Entry, OrderedScheduler, option_float
 
 _LENGTHS = ("total", "prompt", "output")
 #: The lane of preempted requests (buckets are 0, 1, ...).
@@ -75,11 +72,7 @@ class LengthBucketScheduler(OrderedScheduler):
         edges = list(bucket_edges)
         if not edges or any(not isinstance(e, int) or e < 1 for e in edges) or edges != sorted(set(edges)):
             raise InvalidParameterError("bucket_edges", bucket_edges, "strictly increasing positive integers")
-        if isinstance(max_wait, int) and not isinstance(max_wait, bool) and max_wait > _MAX_FLOAT:
-            # float() of 10**400 raised OverflowError: the load failed as the model file's fault
-            raise InvalidParameterError("max_wait", max_wait, "a finite number of seconds > 0, within a float's range "
-                                                              "(about 1.8e308)")
-        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 < max_wait < math.inf:
+        if not 0 < option_float("max_wait", max_wait, "a finite number of seconds > 0") < math.inf:
             # an infinite one never served a request in arrival order: no bound, under starvation_free = True
             raise InvalidParameterError("max_wait", max_wait, "a finite number of seconds > 0")
         if by not in _LENGTHS:

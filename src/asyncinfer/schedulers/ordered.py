@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
+from asyncinfer.errors import InvalidParameterError
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -29,6 +30,18 @@ from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutp
 #: in the order requests joined, preempted ones (negative, each below the last) ahead of the rest, as at the head
 #: of ``waiting``.
 Entry = tuple[Any, int, Request]
+
+
+def option_float(name: str, value: object, allowed: str) -> float:
+    """A built-in policy's number option ``value`` as a float; not a number, or an int past a float's range
+    (``10**400``), is refused naming ``name``: float()'s ``OverflowError`` failed the load as the model file's fault
+    ("loading 'model.gguf' failed: int too large to convert to float")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameterError(name, value, allowed)
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidParameterError(name, value, f"{allowed}, within a float's range (about 1.8e308)") from None
 
 
 class OrderedScheduler(Scheduler):
