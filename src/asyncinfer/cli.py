@@ -433,6 +433,8 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
 # lab.simulate's own bound (asyncinfer.lab.simulator.MAX_SIM_BLOCKS, for a caller in Python too; not imported: the
 # command line loads the lab only when it runs it).
 LAB_MAX_BLOCKS = 2**20
+# A trace's requests likewise (asyncinfer.lab.trace.MAX_TRACE_REQUESTS): --synthetic 100000000 was some 46 GB.
+LAB_MAX_REQUESTS = 10**6
 
 
 def _ranged_int(low: int, high: int | None = None, what: str = "") -> Callable[[str], int]:
@@ -466,8 +468,8 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="JSONL", default=None, help="JSONL trace: arrival, prompt_len, output_len[, priority, id] (default: none: a synthetic trace, "
                                                                            "--synthetic)")
-    src.add_argument("--synthetic", type=_positive_int, default=200, metavar="N",
-                     help="generate N requests (default: 200)")
+    src.add_argument("--synthetic", type=_ranged_int(1, LAB_MAX_REQUESTS), default=200, metavar="N",
+                     help=f"generate N requests, at most {LAB_MAX_REQUESTS} (default: 200)")
     p.add_argument("--rate", metavar="PER_S", type=float, default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
     p.add_argument("--seed", metavar="SEED", type=int, default=0, help="synthetic trace seed (default: 0)")
     p.add_argument("--long-fraction", metavar="FRACTION", type=float, default=0.2, help="synthetic share of long prompts (512-2048 tokens; synthetic prompts stay "

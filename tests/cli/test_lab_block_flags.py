@@ -16,7 +16,7 @@ from asyncinfer import cli
     (["--num-blocks", "abc"], "argument --num-blocks: 'abc' is not an integer in [1, 1048576]"),
     (["--block-size", "257"], "argument --block-size: 257 is not in [1, 256] (the engine's block_size)"),
     (["--block-size", "1e3"], "argument --block-size: '1e3' is not an integer in [1, 256] (the engine's block_size)"),
-    (["--synthetic", "x"], "argument --synthetic: 'x' is not an integer >= 1"),
+    (["--synthetic", "x"], "argument --synthetic: 'x' is not an integer in [1, 1000000]"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: 'many' is not an integer >= 1"),
     (["--max-model-len", "99999999999999999999"], ("--max-model-len 99999999999999999999 is invalid: allowed at most "
      "16777216, the tokens of --num-blocks' largest, 1048576 blocks of --block-size 16")),

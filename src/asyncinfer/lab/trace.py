@@ -17,7 +17,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from asyncinfer.config import check_int
 from asyncinfer.errors import InvalidParameterError
+
+#: The most requests a trace holds (about 500 MB of the lab's request and record objects, hours of replay): a
+#: synthetic trace of 100,000,000 requests was some 46 GB of Python objects, killed by the OOM killer.
+MAX_TRACE_REQUESTS = 10**6
 
 
 @dataclass(frozen=True)
@@ -46,13 +51,16 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
     Raises:
         InvalidParameterError: a line that is not a valid request (the message names the line), a file
-            with no request, or two requests with one id.
+            with no request or more than :data:`MAX_TRACE_REQUESTS`, or two requests with one id.
     """
-    requests = []
+    requests: list[TraceRequest] = []
     with open(path, "rb") as fh:  # decoded line by line: a line that is not UTF-8 is refused by its number
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
+            if len(requests) == MAX_TRACE_REQUESTS:  # refused before its lines fill the memory
+                raise InvalidParameterError("trace", str(path), f"at most {MAX_TRACE_REQUESTS} request lines "
+                                            f"(line {lineno} is one more)")
             try:
                 line = raw.decode("utf-8")
                 row = json.loads(line)
@@ -116,9 +124,12 @@ def synthetic_trace(
     priorities drawn uniformly from ``priorities``. Same seed, same trace.
     ``max_prompt_len`` caps both prompt ranges (the replay refuses a prompt of
     ``max_model_len`` tokens or more: pass ``max_model_len - 1``).
+
+    Raises:
+        InvalidParameterError: ``num_requests`` outside 1 to :data:`MAX_TRACE_REQUESTS`, or a bad range, rate or
+            fraction (named).
     """
-    if num_requests < 1:
-        raise InvalidParameterError("num_requests", num_requests, "an integer >= 1")
+    check_int("num_requests", num_requests, 1, MAX_TRACE_REQUESTS)
     if not (rate > 0 and math.isfinite(rate)):
         raise InvalidParameterError("rate", rate, "a finite number of requests per second > 0")
     if not 0.0 <= long_fraction <= 1.0:
