@@ -350,9 +350,13 @@ class _OpenAI:
         if settings.tenant_from == "request":
             return None if user is None else check_tenant_name(user, "user")
         if settings.tenant_from == "api-key":
-            owner = settings.tenants.get(call.key) if call.key else None
-            return None if owner is None else owner.name
+            return self._key_tenant(call.key)
         return self._tenant_header(call.request)
+
+    def _key_tenant(self, key: str | None) -> str | None:
+        """The tenant that API key ``key`` belongs to (``ServerSettings.tenants``); None for no key or one without."""
+        owner = self.settings.tenants.get(key) if key else None
+        return None if owner is None else owner.name
 
     def _embedding_tenant(self, call: _Call, user: str | None) -> str | None:
         """Whom an embedding call's texts are batched as (``AsyncEngine.embed``'s ``tenant``: the batches take the
@@ -406,8 +410,7 @@ class _OpenAI:
         settings = self.settings
         tenant: str | None = None
         if settings.tenant_from == "api-key":
-            owner = settings.tenants.get(key) if key else None
-            tenant = None if owner is None else owner.name
+            tenant = self._key_tenant(key)
         elif settings.tenant_from == "header":
             # one copy, as the call's checks will take it: of two, the first may be a client's own, sent ahead of the
             # copy a proxy appends (an embeddings call, whose check comes after its body, decoded the body, up to
