@@ -119,6 +119,19 @@ def test_a_malformed_spec_names_the_field(make: Callable[[], object]) -> None:
     assert info.value.parameter == "structured"
 
 
+@pytest.mark.parametrize("schema", [
+    json.loads('{"items": ' * 70 + "{}" + "}" * 70),  # a dict, 70 levels deep
+    '{"items": ' * 70 + "{}" + "}" * 70,  # its JSON text, short enough to read
+])
+def test_a_schema_nested_too_deep_is_refused_for_its_depth(schema: object) -> None:
+    """A dict nested past 64 levels was refused as "allowed: a JSON schema (a dict)": it was one already,
+    and the message did not say what to change."""
+    with pytest.raises(InvalidParameterError) as info:
+        StructuredOutput.json_schema(schema)
+    assert info.value.parameter == "structured"
+    assert str(info.value).endswith("is invalid: allowed a JSON schema nested at most 64 levels")
+
+
 def test_a_spec_given_up_on_mid_way_names_the_output_position_and_the_token_id() -> None:
     """The refusal said "it stopped at token 46880" for a reply's first token: a token id read as a position."""
 

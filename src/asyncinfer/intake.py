@@ -229,11 +229,13 @@ class RequestIntake:
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)
-        self._check_load(model)
         serving = self.models.generator(model).current
         if serving is not None:
             check_stop_token_ids(params, serving.model_config.vocab_size)
             _check_runnable(params, serving)
+        # after what no retry could pass (a 400), before the prompt is tokenized: checked first, an `n` over
+        # max_num_seqs was refused as overloaded (a 503 with Retry-After) whenever the engine was full
+        self._check_load(model)
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len, params)

@@ -82,7 +82,8 @@ def _canonical_json(schema: object) -> str:
 
     def check(value: object, depth: int) -> None:
         if depth > 64:
-            raise InvalidParameterError(_NAME, "<a schema nested deeper than 64 levels>", "a JSON schema (a dict)")
+            raise InvalidParameterError(_NAME, "<a schema nested deeper than 64 levels>",
+                                        "a JSON schema nested at most 64 levels")
         if isinstance(value, Mapping):
             grow(1)  # "{", and a "," or "}" after each item below ("{}" for none: 2 >= 1)
             for key, item in value.items():

@@ -410,3 +410,32 @@ async def test_the_waiting_gauge_may_read_above_max_waiting_requests(tiny_models
             await asyncio.sleep(0.001)
         assert any(running >= 1 and waiting == 2 for running, waiting in seen), seen
         await asyncio.gather(*tasks)
+
+
+async def test_kv_counters_do_not_drop_while_a_swapped_out_version_is_freed(tiny_models) -> None:
+    """The holder drops a version's core, then calls its retirement back; freeing that core (its weights, its
+    KV tensors) let a scrape in between, which counted the version neither as live (no core) nor as retired:
+    asyncinfer_prefix_cache_queried_tokens_total and the other KV counters fell back to the new version's,
+    then rose again (a counter reset, to Prometheus)."""
+    path = tiny_models["llama"][0]
+    engine = AsyncEngine.from_pretrained(path, **OPTIONS)
+    async with engine:
+        await engine.generate(ids(20), SamplingParams(max_tokens=4, ignore_eos=True))
+        await engine.generate(ids(20), SamplingParams(max_tokens=4, ignore_eos=True, n=2))
+        before = engine.metrics.snapshot().models["default"]
+        assert before.prefix_cache_queried_tokens > 0 and before.kv_cow_copies > 0
+        [(_, old)] = engine.metrics.live_versions()
+        seen: list[tuple[bool, int, int]] = []
+
+        def freed(version) -> None:  # called back first: the core is gone, the version not yet retired
+            snap = engine.metrics.snapshot().models["default"]
+            seen.append((version.core is None, snap.prefix_cache_queried_tokens, snap.kv_cow_copies))
+
+        old.on_retired.insert(0, freed)
+        await engine.swap_model(path)
+        while any(version is old for _, version in engine.metrics.live_versions()):  # retired after `freed`
+            await asyncio.sleep(0.01)
+        after = engine.metrics.snapshot().models["default"]
+    assert seen == [(True, before.prefix_cache_queried_tokens, before.kv_cow_copies)]
+    assert (after.prefix_cache_queried_tokens, after.kv_cow_copies) == (before.prefix_cache_queried_tokens,
+                                                                       before.kv_cow_copies)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from asyncinfer.cache.kv_manager import KVCacheStats
+    from asyncinfer.cache.kv_manager import KVCacheManager, KVCacheStats
     from asyncinfer.config import EngineConfig
     from asyncinfer.embedding import EmbeddingStats
     from asyncinfer.holder import ModelVersion, ModelVersionInfo
@@ -125,6 +125,10 @@ class EngineMetrics:
         self._unknown_rejected = dict.fromkeys(t.REJECT_REASONS, 0)
         self._unknown_swaps = dict.fromkeys(t.SWAP_OUTCOMES, 0)
         self._versions: dict[int, tuple[str, ModelVersion]] = {}  # live generator versions by id
+        # The KV cache of each version in ``_versions``, kept till its counters join ``retired_kv`` (under the
+        # lock, as it leaves ``_versions``): the holder drops a version's core before it calls its retirement
+        # back, and freeing that core lets a scrape run while the version has no core and no retired counts.
+        self._version_kv: dict[int, KVCacheManager] = {}
         self._requests = RequestTracker(config.log_request_text_rate, self._tokenizer_of)
         self._registry: CollectorRegistry | None = None
         self._nvml: Nvml | None = None
@@ -147,6 +151,7 @@ class EngineMetrics:
             return
         with self._lock:  # the engine thread drops retired versions from the table
             self._versions[version.version_id] = (name, version)
+            self._version_kv[version.version_id] = core.kv
             self._model(name)
         kv = core.kv
 
@@ -157,6 +162,7 @@ class EngineMetrics:
                 for key in _KV_COUNTERS:
                     base[key] += getattr(stats, key)
                 self._versions.pop(version.version_id, None)
+                self._version_kv.pop(version.version_id, None)
 
         version.on_retired.append(retired)
         if self.enabled or self.profiler is not None:
@@ -367,15 +373,17 @@ class EngineMetrics:
         )
 
     def _model_snapshot(self, name: str, fig: _ModelFigures, engine: EngineView | None) -> t.ModelMetrics:
-        live = [v for n, v in self._versions.values() if n == name and v.core is not None]
+        versions = [(vid, v) for vid, (n, v) in self._versions.items() if n == name]
         kv_totals = dict(fig.retired_kv)
+        for vid, _ in versions:  # a version being dropped (its core gone, not yet retired) still counts here
+            stats = self._version_kv[vid].stats()
+            for key in _KV_COUNTERS:
+                kv_totals[key] += getattr(stats, key)
+        live = [v for _, v in versions if v.core is not None]
         running = waiting = 0
         for version in live:
             core = version.core
             assert core is not None
-            stats = core.kv.stats()
-            for key in _KV_COUNTERS:
-                kv_totals[key] += getattr(stats, key)
             counts = core.queue_counts()  # a plugin's counts, or its queues' when they raise
             running += counts[0]
             waiting += counts[1]
