@@ -524,7 +524,8 @@ def test_debug_shows_the_traceback_on_every_error_path(tmp_path, capsys, monkeyp
 @pytest.mark.parametrize(("argv", "message"), [
     (["chat", "--kv-cache-memory", "12XB", "hi"],
      "argument --kv-cache-memory: '12XB' is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)"),
-    (["chat", "--temperature", "abc", "hi"], "argument --temperature: invalid float value: 'abc'"),
+    (["chat", "--temperature", "abc", "hi"], ("argument --temperature: 'abc' is not a number: allowed a number in [0, 10000] "
+                                              "(0 = greedy)")),
     (["chat", "--maxtokens", "3", "hi"], "unrecognized arguments: --maxtokens; did you mean --max-tokens?"),
     (["serve", "--max-conections", "3"], "unrecognized arguments: --max-conections; did you mean --max-connections?"),
     (["info", "--xyzzy"], "unrecognized arguments: --xyzzy (asyncinfer info --help lists the flags)"),
