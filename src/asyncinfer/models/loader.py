@@ -469,6 +469,7 @@ def _load_gguf(
     if "tokenizer.ggml.model" not in gguf.fields:
         return LoadedModel(weights(), config, None, source, weight_format)
     _check_vocabulary_fits(gguf, config)
+    _check_tokenizer_metadata(gguf)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
         tokenizer = pool.submit(gguf_tokenizer, gguf.path)
@@ -491,6 +492,41 @@ def _check_vocabulary_fits(gguf: GGUFFile, config: ModelConfig) -> None:
     if distinct > config.vocab_size:
         raise ModelLoadError(f"the tokenizer has {distinct} tokens (GGUF metadata tokenizer.ggml.tokens of "
                              f"{gguf.path}) but the model embeds only {config.vocab_size}")
+
+
+# The special tokens transformers' GGUF conversion looks up in the vocabulary by id (``tokens[id]``).
+_GGUF_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _check_tokenizer_metadata(gguf: GGUFFile) -> None:
+    """Refuse, before the tokenizer is built, the tokenizer metadata that transformers' conversion cannot follow: no
+    vocabulary (or one that is not strings), merges that are not two pieces parted by a space, a bos, eos, unknown or
+    padding token id that is not an index of the vocabulary. Built first, such a file failed seconds later with
+    transformers' own words ("list index out of range"), naming neither the key nor the value.
+
+    Raises:
+        ModelLoadError: naming the key (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` or the special id's),
+            the value at fault and the file.
+    """
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(token, str) for token in tokens):
+        what = "empty" if tokens == [] else "absent" if tokens is None else "not a list of strings"
+        raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.tokens is {what}; a tokenizer needs a "
+                             "vocabulary of at least one token")
+    merges = gguf.fields.get("tokenizer.ggml.merges")
+    if merges is not None:
+        bad = next((merge for merge in merges if not isinstance(merge, str) or merge.count(" ") != 1), None) \
+            if isinstance(merges, list) else merges
+        if bad is not None:
+            raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.merges holds {bad!r:.80}; each "
+                                 "merge must be a string of two pieces parted by one space")
+    for key in _GGUF_SPECIAL_IDS:
+        token_id = gguf.fields.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < len(tokens)):
+            raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.{key} = {token_id!r:.80} is not a "
+                                 f"token of its vocabulary (an integer in [0, {len(tokens) - 1}], tokenizer.ggml.tokens "
+                                 f"holds {len(tokens)})")
 
 
 def _build_in_format(
