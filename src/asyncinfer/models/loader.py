@@ -699,7 +699,10 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     if isinstance(arch, str):  # an architecture no family runs is named first, before its metadata's checks
         model_family(arch, what="GGUF architecture", gguf=True)
     for key in _GGUF_SIZE_KEYS:  # before anything is built from them
+        _check_number(reader, f"{arch}.{key}", int)
         check_config_size(f"metadata {arch}.{key}", reader.fields.get(f"{arch}.{key}"), f"GGUF file {reader.path}")
+    for key in _GGUF_REAL_KEYS:
+        _check_number(reader, f"{arch}.{key}", (int, float))
     _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
     try:
         config = gguf_model_config(reader)
@@ -715,6 +718,19 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 _GGUF_SIZE_KEYS = ("embedding_length", "feed_forward_length", "vocab_size", "block_count", "context_length",
                    "attention.head_count", "attention.head_count_kv", "attention.key_length",
                    "attention.value_length", "rope.dimension_count", "attention.sliding_window")
+#: The real-number keys of a GGUF header (after ``<arch>.``), each a GGUF integer or float where given.
+_GGUF_REAL_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
+                   "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _check_number(reader: GGUFFile, key: str, kinds: type | tuple[type, ...]) -> None:
+    """Refuse a metadata value of another type than ``kinds`` (a bool is none), naming the key: read with ``int()`` or
+    ``float()``, a string ``"8192"`` passed as the number it spells and a float ``8192.7`` as its integer part."""
+    value = reader.fields.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+        wanted = "an integer" if kinds is int else "a number"
+        raise ModelLoadError(f"GGUF file {reader.path}: metadata {key} = {value!r:.80} is not {wanted} (a "
+                             f"{type(value).__name__})")
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.")
 
