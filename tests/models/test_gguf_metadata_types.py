@@ -54,3 +54,19 @@ def test_the_header_numbers_of_their_own_types_read_as_before(tmp_path, monkeypa
     path = tiny_gguf(tmp_path, monkeypatch, "add_context_length", 4096, kinds().UINT64)
     config = read_model_config(path)
     assert (config.max_position_embeddings, config.num_layers, config.rope_theta) == (4096, 1, 10000.0)
+
+
+async def test_add_model_names_the_refused_file_as_the_text_it_was_given(tiny_models, tmp_path, monkeypatch) -> None:
+    """add_model resolved the caller's string to a Path before the check, and the refusal showed its repr:
+    "cannot load PosixPath('/.../tiny.gguf')"."""
+    from asyncinfer import AsyncEngine
+
+    bad = tiny_gguf(tmp_path, monkeypatch, "add_context_length", "4096", kinds().STRING)
+    engine = await AsyncEngine.load(tiny_models["llama"][0], kv_cache_memory=4 * 1024 * 1024, max_model_len=256,
+                                    dtype="float32", device="cpu")
+    async with engine:
+        with pytest.raises(ModelLoadError) as caught:
+            await engine.add_model("second", str(bad))
+        assert str(caught.value) == (f"cannot load {str(bad)!r}: GGUF file {bad}: metadata llama.context_length = "
+                                     "'4096' is not an integer (a str); the serving models are untouched")
+        assert [info.name for info in engine.model_info()] == ["default"]
