@@ -630,7 +630,7 @@ def generator_shortfall(
                                  any_memory=True)
         return Shortfall(f"the new model does not fit beside {beside}: {reason}")
     except ModelLoadError as exc:
-        raise error(f"cannot load {model!r}: {exc}; the serving models are untouched") from exc
+        raise error(f"cannot load {model_text(model)!r}: {exc}; the serving models are untouched") from exc
     need = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
     if need > avail:
         return Shortfall(

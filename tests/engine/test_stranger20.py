@@ -18,7 +18,7 @@ async def test_swapping_a_generator_to_a_sentence_encoder_says_it_is_one(tiny_mo
         with pytest.raises(SwapError) as caught:
             await engine.swap_model(minilm_dir, mode=mode)
         assert str(caught.value) == (
-            f"cannot load {minilm_dir!r}: it is a sentence encoder (an embedding model), not a generator: serve it "
+            f"cannot load {str(minilm_dir)!r}: it is a sentence encoder (an embedding model), not a generator: serve it "
             "beside the generators with add_model(name, model) (swap_model replaces a generator with a generator); "
             "the serving models are untouched")
         assert [v.version_id for v in engine.model_info()] == [0]

@@ -469,6 +469,7 @@ def _load_gguf(
     if "tokenizer.ggml.model" not in gguf.fields:
         return LoadedModel(weights(), config, None, source, weight_format)
     _check_vocabulary_fits(gguf, config)
+    _check_tokenizer_metadata(gguf)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
         tokenizer = pool.submit(gguf_tokenizer, gguf.path)
@@ -491,6 +492,41 @@ def _check_vocabulary_fits(gguf: GGUFFile, config: ModelConfig) -> None:
     if distinct > config.vocab_size:
         raise ModelLoadError(f"the tokenizer has {distinct} tokens (GGUF metadata tokenizer.ggml.tokens of "
                              f"{gguf.path}) but the model embeds only {config.vocab_size}")
+
+
+# The special tokens transformers' GGUF conversion looks up in the vocabulary by id (``tokens[id]``).
+_GGUF_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _check_tokenizer_metadata(gguf: GGUFFile) -> None:
+    """Refuse, before the tokenizer is built, the tokenizer metadata that transformers' conversion cannot follow: no
+    vocabulary (or one that is not strings), merges that are not two pieces parted by a space, a bos, eos, unknown or
+    padding token id that is not an index of the vocabulary. Built first, such a file failed seconds later with
+    transformers' own words ("list index out of range"), naming neither the key nor the value.
+
+    Raises:
+        ModelLoadError: naming the key (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` or the special id's),
+            the value at fault and the file.
+    """
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(token, str) for token in tokens):
+        what = "empty" if tokens == [] else "absent" if tokens is None else "not a list of strings"
+        raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.tokens is {what}; a tokenizer needs a "
+                             "vocabulary of at least one token")
+    merges = gguf.fields.get("tokenizer.ggml.merges")
+    if merges is not None:
+        bad = next((merge for merge in merges if not isinstance(merge, str) or merge.count(" ") != 1), None) \
+            if isinstance(merges, list) else merges
+        if bad is not None:
+            raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.merges holds {bad!r:.80}; each "
+                                 "merge must be a string of two pieces parted by one space")
+    for key in _GGUF_SPECIAL_IDS:
+        token_id = gguf.fields.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < len(tokens)):
+            raise ModelLoadError(f"GGUF file {gguf.path}: metadata tokenizer.ggml.{key} = {token_id!r:.80} is not a "
+                                 f"token of its vocabulary (an integer in [0, {len(tokens) - 1}], tokenizer.ggml.tokens "
+                                 f"holds {len(tokens)})")
 
 
 def _build_in_format(
@@ -663,7 +699,10 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     if isinstance(arch, str):  # an architecture no family runs is named first, before its metadata's checks
         model_family(arch, what="GGUF architecture", gguf=True)
     for key in _GGUF_SIZE_KEYS:  # before anything is built from them
+        _check_number(reader, f"{arch}.{key}", int)
         check_config_size(f"metadata {arch}.{key}", reader.fields.get(f"{arch}.{key}"), f"GGUF file {reader.path}")
+    for key in _GGUF_REAL_KEYS:
+        _check_number(reader, f"{arch}.{key}", (int, float))
     _check_block_count(reader, arch, reader.fields.get(f"{arch}.block_count"))  # before any per-layer work
     try:
         config = gguf_model_config(reader)
@@ -679,6 +718,19 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 _GGUF_SIZE_KEYS = ("embedding_length", "feed_forward_length", "vocab_size", "block_count", "context_length",
                    "attention.head_count", "attention.head_count_kv", "attention.key_length",
                    "attention.value_length", "rope.dimension_count", "attention.sliding_window")
+#: The real-number keys of a GGUF header (after ``<arch>.``), each a GGUF integer or float where given.
+_GGUF_REAL_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
+                   "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _check_number(reader: GGUFFile, key: str, kinds: type | tuple[type, ...]) -> None:
+    """Refuse a metadata value of another type than ``kinds`` (a bool is none), naming the key: read with ``int()`` or
+    ``float()``, a string ``"8192"`` passed as the number it spells and a float ``8192.7`` as its integer part."""
+    value = reader.fields.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+        wanted = "an integer" if kinds is int else "a number"
+        raise ModelLoadError(f"GGUF file {reader.path}: metadata {key} = {value!r:.80} is not {wanted} (a "
+                             f"{type(value).__name__})")
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.")
 
