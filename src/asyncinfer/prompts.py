@@ -388,10 +388,11 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
             check_unicode(f"prompt[{i}]", text)  # role, content and any other key a template may render (name...)
         if role not in CHAT_ROLES:
             raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
-    if getattr(tokenizer, "chat_template", None) is None:
+    from asyncinfer.models.tokenizer import chat_template_of, render_chat
+
+    if chat_template_of(tokenizer) is None:
         raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
     rendered = [{**m, "role": ROLE_AS_RENDERED[m["role"]]} if m["role"] in ROLE_AS_RENDERED else m for m in messages]
-    from asyncinfer.models.tokenizer import render_chat
 
     try:
         text = render_chat(tokenizer, rendered, add_generation_prompt=True)

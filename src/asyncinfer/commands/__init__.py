@@ -30,7 +30,9 @@ def check_chats_render(tokenizer: Any, model: Any, command: str) -> None:
     if tokenizer is None:
         raise CommandError(f"{str(model)!r} has no tokenizer (no tokenizer files beside its weights, or none in its "
                            f"GGUF file), so {command} cannot encode messages for it")
-    if getattr(tokenizer, "chat_template", None) is None:
+    from asyncinfer.models.tokenizer import chat_template_of
+
+    if chat_template_of(tokenizer) is None:
         raise CommandError(f"{str(model)!r} has no chat template, so {command} cannot render messages for it: "
                            f"send plain text with asyncinfer generate {model} --prompt TEXT")
 

@@ -231,6 +231,14 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
     return plain
 
 
+def chat_template_of(tokenizer: Any) -> str | None:
+    """``tokenizer``'s chat template, or None where it has none to render: no tokenizer, no template, several named
+    ones, or a template of nothing but whitespace (a file's ``tokenizer.chat_template = ""`` rendered every chat
+    as no text, refused as "a prompt of at least one token", naming nothing of the template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
 def compile_chat_template(source: str) -> Any:
     """``source`` compiled in the sandboxed environment described in the module docstring, its ``render`` on the
     budget of :mod:`asyncinfer.models.template_budget`.

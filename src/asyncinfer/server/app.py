@@ -130,6 +130,8 @@ def _say_what_cannot_chat(engine: AsyncEngine) -> None:
     """A warning at start-up for each generator that chat completions will refuse (no chat template, or no
     tokenizer): the banner of ``asyncinfer serve`` is printed before the models load, and their first chat
     request would be the first to learn it."""
+    from asyncinfer.models.tokenizer import chat_template_of
+
     for info in engine.model_info():
         if info.kind != "generate":
             continue
@@ -137,7 +139,7 @@ def _say_what_cannot_chat(engine: AsyncEngine) -> None:
         if tokenizer is None:
             log.warning("model %r has no tokenizer: /v1/chat/completions and text prompts are refused (400); "
                         "/v1/completions takes token ids", info.name)
-        elif getattr(tokenizer, "chat_template", None) is None:
+        elif chat_template_of(tokenizer) is None:
             log.warning("model %r has no chat template: /v1/chat/completions is refused (400); /v1/completions "
                         "takes its prompts as text", info.name)
 

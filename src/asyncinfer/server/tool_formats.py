@@ -65,8 +65,10 @@ _WHITESPACE = " \t\r\n"
 
 def tool_format(tokenizer: Any) -> ToolFormat:
     """The tool format of a model with ``tokenizer`` (None: a model without one), from its chat template."""
-    template = None if tokenizer is None else tokenizer.chat_template
-    if not isinstance(template, str):
+    from asyncinfer.models.tokenizer import chat_template_of
+
+    template = chat_template_of(tokenizer)
+    if template is None:
         return HERMES
     if MISTRAL_MARKER in template and "[AVAILABLE_TOOLS]" in template:
         marker = _single_token(tokenizer, MISTRAL_MARKER)
@@ -104,9 +106,10 @@ def render_chat_text(tokenizer: Any, fmt: ToolFormat, history: list[dict[str, An
     template reads it (:meth:`ToolFormat.template_messages`), the offered tools as its ``tools`` (none with
     ``use`` None), the generation prompt added. Raises :class:`InvalidParameterError` on ``prompt`` (the body's
     ``messages``) for what the template refuses and for text that is not valid Unicode."""
-    if tokenizer is None or not isinstance(tokenizer.chat_template, str):
+    from asyncinfer.models.tokenizer import chat_template_of, render_chat
+
+    if chat_template_of(tokenizer) is None:
         raise InvalidParameterError("prompt", "chat messages", NO_CHAT_TEMPLATE)
-    from asyncinfer.models.tokenizer import render_chat
 
     try:
         text = render_chat(tokenizer, fmt.template_messages(history), tools=fmt.template_tools(use),
