@@ -831,6 +831,15 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
                              f"({head_dim})")
     if rope_dim != head_dim:
         raise ModelLoadError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
+    value_dim = _field(reader, f"{arch}.attention.value_length", None)
+    if value_dim is not None and int(value_dim) != head_dim:  # the attention reads values as wide as keys
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.value_length = {value_dim} differs from the key head size "
+                             f"({head_dim}, {arch}.attention.key_length or embedding_length / head_count): value heads "
+                             "of another width are not supported")
+    experts = _field(reader, f"{arch}.expert_count", None)
+    if isinstance(experts, int) and experts > 0:  # (a dense file may say 0) its feed-forwards would be read as one
+        raise ModelLoadError(f"GGUF metadata {arch}.expert_count = {experts}: mixture-of-experts models are not "
+                             "supported (asyncinfer runs dense feed-forward layers)")
     vocab = _field(reader, f"{arch}.vocab_size", None)
     if vocab is None:
         vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else len(
