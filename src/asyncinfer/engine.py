@@ -133,7 +133,7 @@ class AsyncEngine:
         if args or config is None:  # AsyncEngine("model") / AsyncEngine(): Python's message named only 'config'
             raise TypeError("an AsyncEngine is built by AsyncEngine.from_pretrained(model, **options) or, in a "
                             "coroutine, 'await AsyncEngine.load(model, **options)', not by AsyncEngine(...)")
-        self.config = config
+        self._config = config  # the first load's options (of an embedding-only engine: its dtype, device, threads)
         self._version_ids = itertools.count(1 if version is None else version.version_id + 1)
         loop_share = LoopShare()  # what this engine tokenizes on the loop in one turn of it, prompts and texts
         work_shares = WorkShares()  # and the worker threads of what it tokenizes off the loop, by tenant
@@ -218,6 +218,14 @@ class AsyncEngine:
     @property
     def _version(self) -> ModelVersion:  # the default generator's current version
         return current(self._models.generator(None))
+
+    @property
+    def config(self) -> EngineConfig:
+        """The options of the default generator's serving version, as :meth:`swap_model` last set them (the options
+        it was not given carry over); an engine without a generator: the options it was built with."""
+        if not self._models.generators:
+            return self._config
+        return self._models.generator(None).config
 
     @property
     def max_model_len(self) -> int:
