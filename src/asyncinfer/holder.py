@@ -125,6 +125,8 @@ class ModelHolder:
         #: The options of the version that serves, or of the last one that did while none does (a drain-mode swap
         #: loading the next one): admission control's bound (``max_waiting_requests``) holds then too.
         self.config: EngineConfig = first.config
+        #: The ids of every version that has served this model (ModelChangedError blames a swap only for one of them).
+        self.served: set[int] = {first.version_id}
         self.live: list[ModelVersion] = [first]
         # Engine thread: whether the last step() ran (or failed) anything; False when every
         # core with requests scheduled nothing, and the thread should back off.
@@ -139,6 +141,7 @@ class ModelHolder:
         self._current = version
         if version is not None:
             self.config = version.config
+            self.served.add(version.version_id)
 
     # ------------------------------------------------------------ engine thread
     def switch(self, version: ModelVersion) -> None:

@@ -209,9 +209,9 @@ class RequestIntake:
             exc = InvalidParameterError("version_id", version_id, "None or a model version's id (an int >= 0)")
             self._refused(model, exc)
             raise exc
-        serving = self.models.generator(model).current
-        if serving is not None:
-            _check_version(version_id, serving)
+        holder = self.models.generator(model)
+        if holder.current is not None:
+            _check_version(version_id, holder.current, holder.served)
         return replace(args, version_id=version_id)
 
     def _check(
@@ -268,7 +268,7 @@ class RequestIntake:
                 # never take the request, and its caller would wait for ever.
                 check_running()
                 if args.version_id is not None:  # a swap may have come since the call
-                    _check_version(args.version_id, version)
+                    _check_version(args.version_id, version, self.models.generator(model).served)
                 check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
                 _check_runnable(args.params, version)  # and max_num_seqs, and the tokenizer
                 self._check_id_free(args.request_id, args.params.n)
@@ -433,12 +433,13 @@ def _check_runnable(params: SamplingParams, version: ModelVersion) -> None:
                                     "so its answers have no text to match them in (stop_token_ids stop on token ids)")
 
 
-def _check_version(version_id: int, serving: ModelVersion) -> None:
-    """:class:`ModelChangedError` unless ``serving`` is the version ``version_id`` a prompt was made for."""
+def _check_version(version_id: int, serving: ModelVersion, served: set[int]) -> None:
+    """:class:`ModelChangedError` unless ``serving`` is the version ``version_id`` a prompt was made for; ``served``
+    holds the ids of the model's versions that have served it."""
     if serving.version_id != version_id:
-        # A newer id than the serving one was never this model's serving version (a typo, another model's id, a
-        # version still loading): no swap came in between, and the id to use is the serving one.
-        why = ("a swap_model came in between" if version_id < serving.version_id else
+        # An id that never served this model (a typo, another model's version, a version still loading): no swap
+        # came in between, and the id to use is the serving one. Ids are the engine's, shared by all its models.
+        why = ("a swap_model came in between" if version_id in served else
                "no version of that id has served this model")
         raise ModelChangedError(f"the prompt was made for version {version_id} of the model, and version "
                                 f"{serving.version_id} serves it now ({why}): make the prompt again with the serving "

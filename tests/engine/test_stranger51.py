@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncinfer import AsyncEngine
+from asyncinfer import AsyncEngine, ModelChangedError, SamplingParams
 
 OPTIONS = {"device": "cpu", "dtype": "float32", "num_threads": 1, "kv_cache_memory": 1 << 20}
+P = SamplingParams(max_tokens=2)
 
 
 async def test_config_follows_the_default_generators_serving_version(tiny_models) -> None:
@@ -29,3 +30,25 @@ async def test_config_follows_the_default_generators_serving_version(tiny_models
         assert (engine.config.max_model_len, engine.config.max_num_seqs) == (64, 5)
         with pytest.raises(AttributeError):
             engine.config = engine.config  # type: ignore[misc]
+
+
+async def test_a_version_id_of_another_model_is_not_blamed_on_a_swap(tiny_models) -> None:
+    """Version ids are the engine's, shared by its models: another model's id is older than a swapped model's serving
+    one, and was blamed on 'a swap_model came in between' (for a model never swapped too)."""
+    path, _ = tiny_models["llama"]
+    engine = await AsyncEngine.load(path, max_model_len=64, **OPTIONS)
+    async with engine:
+        second = await engine.add_model("second", path, max_model_len=64, **OPTIONS)  # version 1
+        swapped = await engine.swap_model(path)  # the default's version 2
+        for model, version_id, serving in ((None, second.version_id, swapped.version_id), ("second", 0, 1)):
+            for call in ("generate", "stream"):
+                with pytest.raises(ModelChangedError) as err:
+                    if call == "generate":
+                        await engine.generate([1, 2], P, version_id=version_id, model=model)
+                    else:
+                        [d async for d in engine.stream([1, 2], P, version_id=version_id, model=model)]
+                assert (err.value.version_id, err.value.serving) == (version_id, serving)
+                assert "(no version of that id has served this model)" in str(err.value)
+        with pytest.raises(ModelChangedError) as err:  # the default's own old version: a swap came in between
+            await engine.generate([1, 2], P, version_id=0)
+        assert "(a swap_model came in between)" in str(err.value)
