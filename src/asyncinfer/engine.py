@@ -474,8 +474,10 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", messages, "a list of chat messages ({'role': ..., 'content': ...}); "
                                         "tokenize() takes a text as it is")
         messages = plain_prompt(messages)
-        if not isinstance(messages, list):  # None, a number, a generator, another object: iterated, a bare error
-            raise InvalidParameterError("prompt", messages, "a list of chat messages ({'role': ..., 'content': ...})")
+        if not isinstance(messages, list) or not messages:  # None, a number, a generator, another object: iterated,
+            # a bare error; [] reached the template, refused as the value 'chat messages'
+            raise InvalidParameterError("prompt", messages, "a non-empty list of chat messages "
+                                        "({'role': ..., 'content': ...})")
         check_prompt_chars(messages, version)
         return chat_token_ids(version, messages)
 

@@ -199,6 +199,19 @@ def test_apply_chat_template_refuses_what_is_no_list_of_messages_by_name(chat_di
     assert asyncio.run(render())
 
 
+def test_apply_chat_template_refuses_no_messages_as_generate_does(chat_dir) -> None:
+    """``apply_chat_template([])`` reached the template and was refused showing the value 'chat messages'."""
+    async def render():
+        async with await AsyncEngine.load(str(chat_dir), **OPTIONS) as engine:
+            for empty in ([], ()):
+                with pytest.raises(InvalidParameterError) as refused:
+                    engine.apply_chat_template(empty)
+                assert (refused.value.parameter, refused.value.value) == ("prompt", [])
+                assert refused.value.allowed == "a non-empty list of chat messages ({'role': ..., 'content': ...})"
+
+    asyncio.run(render())
+
+
 class _RaisingBool:
     def __bool__(self) -> bool:
         raise RuntimeError("bool of a caller's object")
