@@ -50,6 +50,7 @@ from asyncinfer.plain import plain_value
 from asyncinfer.prompts import (
     MAX_CHAT_MESSAGES,
     Prompt,
+    check_prompt_chars,
     check_prompt_len,
     check_request_args,
     check_request_id,
@@ -196,23 +197,18 @@ class RequestIntake:
         """Every check that needs no await; raises :class:`InvalidParameterError` (or the engine's state error, or
         :class:`ModelChangedError` when ``version_id`` names a version of ``model`` that no longer serves)."""
         try:
-            args = self._check(prompt, params, request_id, priority, cache_salt, model, check_running)
-            if tenant is not None:
-                args = replace(args, tenant=check_tenant(tenant))
+            # the tenant and version_id before the load, as every check no retry could pass: checked after it,
+            # a bad one was refused as overloaded (a 503 with Retry-After) whenever the engine was full
+            tenant = check_tenant(tenant)
+            if version_id is not None:
+                version_id = plain_value(version_id)  # the int it holds: a subclass's == and != may answer as any version
+                if not isinstance(version_id, int) or isinstance(version_id, bool) or version_id < 0:
+                    raise InvalidParameterError("version_id", version_id, "None or a model version's id (an int >= 0)")
+            args = self._check(prompt, params, request_id, priority, cache_salt, model, check_running, version_id)
         except (InvalidParameterError, EngineOverloadedError) as exc:
             self._refused(model, exc)
             raise
-        if version_id is None:
-            return args
-        version_id = plain_value(version_id)  # the int it holds: a subclass's == and != may answer as any version
-        if not isinstance(version_id, int) or isinstance(version_id, bool) or version_id < 0:
-            exc = InvalidParameterError("version_id", version_id, "None or a model version's id (an int >= 0)")
-            self._refused(model, exc)
-            raise exc
-        holder = self.models.generator(model)
-        if holder.current is not None:
-            _check_version(version_id, holder.current, holder.served)
-        return replace(args, version_id=version_id)
+        return replace(args, tenant=tenant, version_id=version_id)
 
     def _check(
         self,
@@ -223,22 +219,37 @@ class RequestIntake:
         cache_salt: str | None,
         model: str | None,
         check_running: Callable[[], None],
+        version_id: int | None = None,
     ) -> RequestArgs:
         check_running()
         params, priority, cache_salt = check_request_args(params, priority, cache_salt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)
-        serving = self.models.generator(model).current
+        holder = self.models.generator(model)
+        serving = holder.current
         if serving is not None:
             check_stop_token_ids(params, serving.model_config.vocab_size)
             _check_runnable(params, serving)
+            if version_id is not None:
+                _check_version(version_id, serving, holder.served)
+        # Token ids (or what is no text nor chat) are checked whole before the load, as their length is (no
+        # tokenizing either way); a text waits till past the load to be tokenized, its size bound checked before.
+        early = None
+        if serving is not None and not isinstance(prompt, str) and not is_chat(prompt):
+            early = self.models.tokenize_now(model, prompt)
+            if early is not None:
+                check_prompt_len(early[1], early[0].max_model_len, params)
+        elif serving is not None:
+            check_prompt_chars(prompt, serving)
         # after what no retry could pass (a 400), before the prompt is tokenized: checked first, an `n` over
-        # max_num_seqs was refused as overloaded (a 503 with Retry-After) whenever the engine was full
+        # max_num_seqs (a bad tenant, a prompt past max_model_len, a token id past the vocabulary) was refused as
+        # overloaded (a 503 with Retry-After) whenever the engine was full
         self._check_load(model)
-        early = self.models.tokenize_now(model, prompt)
-        if early is not None:
-            check_prompt_len(early[1], early[0].max_model_len, params)
+        if early is None:
+            early = self.models.tokenize_now(model, prompt)
+            if early is not None:
+                check_prompt_len(early[1], early[0].max_model_len, params)
         self._check_id_free(request_id, params.n)
         return RequestArgs(params, request_id, priority, cache_salt, early)
 
