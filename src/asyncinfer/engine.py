@@ -56,6 +56,7 @@ from asyncinfer.prompts import (
     Prompt,
     chat_token_ids,
     check_prompt_chars,
+    check_request_args,
     check_request_id,
     check_tenant,
     check_texts,
@@ -498,6 +499,17 @@ class AsyncEngine:
         :class:`PromptTooLongError` (an :class:`InvalidParameterError`)."""
         version = current(self._models.generator(model))
         check_prompt_chars(plain_prompt(prompt), version)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str | None = None) -> None:
+        """Refuse now what :meth:`generate` would refuse whatever the engine's load: ``params`` the generator cannot
+        run (``n`` past ``max_num_seqs``, a stop token id past its vocabulary, stop strings without a tokenizer), a
+        prompt of token ids that does not fit or holds an id past the vocabulary, a text or chat too long by its
+        characters alone (a text is not tokenized here). For a caller that takes places of its own before it submits
+        (the HTTP server's per-tenant limit), so that a request no retry can run is its 400, not a 429 or 503. Nothing
+        is admitted or held; :meth:`generate` checks it all again. Raises :class:`InvalidParameterError`."""
+        self._check_running()
+        params, _, _ = check_request_args(params, 0, None)
+        self._intake.check_valid(plain_prompt(prompt), params, model)
 
     def check_admission(self, count: int, *, model: str | None = None) -> None:
         """Whether ``count`` requests submitted now would all be admitted by the engine's admission control

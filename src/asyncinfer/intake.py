@@ -226,22 +226,7 @@ class RequestIntake:
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request_id = check_request_id(request_id)
-        holder = self.models.generator(model)
-        serving = holder.current
-        if serving is not None:
-            check_stop_token_ids(params, serving.model_config.vocab_size)
-            _check_runnable(params, serving)
-            if version_id is not None:
-                _check_version(version_id, serving, holder.served)
-        # Token ids (or what is no text nor chat) are checked whole before the load, as their length is (no
-        # tokenizing either way); a text waits till past the load to be tokenized, its size bound checked before.
-        early = None
-        if serving is not None and not isinstance(prompt, str) and not is_chat(prompt):
-            early = self.models.tokenize_now(model, prompt)
-            if early is not None:
-                check_prompt_len(early[1], early[0].max_model_len, params)
-        elif serving is not None:
-            check_prompt_chars(prompt, serving)
+        early = self.check_valid(prompt, params, model, version_id)
         # after what no retry could pass (a 400), before the prompt is tokenized: checked first, an `n` over
         # max_num_seqs (a bad tenant, a prompt past max_model_len, a token id past the vocabulary) was refused as
         # overloaded (a 503 with Retry-After) whenever the engine was full
@@ -252,6 +237,29 @@ class RequestIntake:
                 check_prompt_len(early[1], early[0].max_model_len, params)
         self._check_id_free(request_id, params.n)
         return RequestArgs(params, request_id, priority, cache_salt, early)
+
+    def check_valid(self, prompt: Prompt, params: SamplingParams, model: str | None,
+                    version_id: int | None = None) -> tuple[ModelVersion, list[int]] | None:
+        """Every check of a request that no retry could pass (its 400), none of its load (a 503) nor of its id:
+        ``params`` against the serving version (stop token ids in its vocabulary, ``n`` within ``max_num_seqs``, stop
+        strings with a tokenizer, ``version_id``), a prompt of token ids whole, and a text or chat by its size alone
+        (a text is tokenized only once the load admits it). The token-id prompt's (version, ids), else None."""
+        holder = self.models.generator(model)
+        serving = holder.current
+        if serving is None:
+            return None
+        check_stop_token_ids(params, serving.model_config.vocab_size)
+        _check_runnable(params, serving)
+        if version_id is not None:
+            _check_version(version_id, serving, holder.served)
+        if isinstance(prompt, str) or is_chat(prompt):
+            check_prompt_chars(prompt, serving)
+            return None
+        # token ids (or what is no text nor chat, refused here): checked whole, as their length is (no tokenizing)
+        early = self.models.tokenize_now(model, prompt)
+        if early is not None:
+            check_prompt_len(early[1], early[0].max_model_len, params)
+        return early
 
     async def bind(
         self, prompt: Prompt, args: RequestArgs, model: str | None, check_running: Callable[[], None],

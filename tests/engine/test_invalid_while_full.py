@@ -53,3 +53,30 @@ async def test_a_good_request_is_still_refused_as_overloaded_while_the_engine_is
         await busy
         out = await engine.generate([5, 6], SamplingParams(max_tokens=2), tenant="t")
     assert len(out.outputs[0].token_ids) == 2
+
+
+async def test_check_request_refuses_what_generate_would_whatever_the_load(tiny_models) -> None:
+    """``check_request`` runs the checks no retry could pass, and admits nothing: for a caller counting places of
+    its own (the HTTP server's per-tenant limit) before it submits."""
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, max_num_seqs=1,
+                                           max_waiting_requests=0) as engine:
+        busy = asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0)
+        cases = [
+            ([5, 10**7], None, InvalidParameterError, "prompt"),
+            (list(range(5, 205)), None, PromptTooLongError, "prompt"),
+            ([5, 6], SamplingParams(max_tokens=2, stop_token_ids=[10**7]), InvalidParameterError, "stop_token_ids"),
+            ([5, 6], SamplingParams(max_tokens=2, n=2, temperature=1.0), InvalidParameterError, "n"),
+            ("x" * 10**6, None, PromptTooLongError, "prompt"),
+            ([5, 6], "greedy", InvalidParameterError, "params"),
+        ]
+        for prompt, params, error, parameter in cases:
+            with pytest.raises(error) as err:
+                engine.check_request(prompt, params)
+            assert err.value.parameter == parameter
+        engine.check_request([5, 6], SamplingParams(max_tokens=2))  # the engine is full: no matter here
+        engine.check_request("hello")
+        assert engine.num_unfinished_requests == 1
+        rejected = engine.metrics.snapshot().models["default"].rejected
+        await busy
+    assert rejected == {"invalid": 0, "overloaded": 0}  # nothing was submitted

@@ -167,3 +167,25 @@ def test_places_never_leak_whatever_the_calls(capped, kinds) -> None:
         capped.wait_idle(60)
     assert sorted(filled) == [200, 200, 429]
     capped.wait_idle(60)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**SHORT, "prompt": [5, 10**6]}, "prompt"),  # a token id past the vocabulary
+    ({**SHORT, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({**SHORT, "n": 2, "temperature": 1.0}, "n"),  # past max_num_seqs=1: its samples never run together
+    ({**SHORT, "prompt": [5] * 600}, "prompt"),  # past max_model_len
+], ids=["token_id", "stop_token_id", "n", "too_long"])
+def test_a_tenant_at_its_limit_gets_its_invalid_request_refused_as_invalid(capped, body, param) -> None:
+    """A request no retry can run is a 400 naming its field even while its tenant holds all its places: the places
+    were counted first, so each was a 429 with Retry-After, and a client retried what could never run."""
+    threads, statuses = _fill(capped, GREEDY, 2)
+    with httpx.Client(base_url=capped.url, timeout=120) as http:
+        refused = http.post("/v1/completions", json=body, headers=_bearer(GREEDY))
+    for thread in threads:
+        thread.join(120)
+    assert statuses == [200, 200]
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert "retry-after" not in refused.headers
+    capped.wait_idle(60)

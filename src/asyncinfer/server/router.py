@@ -591,6 +591,11 @@ class _OpenAI:
                       body.tool_use if isinstance(body, ChatRequest) else None,
                       token_ids=not chat and _engine.without_tokenizer(engine, model))
         tenant, priority = self._identity(call, body)
+        if self.settings.max_requests_per_tenant is not None and not call.places:
+            # what no retry could run is its 400 before the tenant's places are counted (a tenant at its limit got a
+            # 429 with Retry-After for a token id past the vocabulary, a stop token id past it, an n past max_num_seqs)
+            for prompt in (body.messages,) if isinstance(body, ChatRequest) else body.prompts:
+                engine.check_request(prompt, params, model=model)
         self._take_places(call, tenant, count, params.n)
         # With a tenant, request ids are ``<tenant>/<call id>``: the convention that per-tenant schedulers
         # read (examples/custom_scheduler.py), the name escaped so that distinct tenants never share a
