@@ -59,6 +59,33 @@ def _bad(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+#: keywords whose value is JSON data, not a schema (a ``$ref`` key in them is no reference)
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+#: keywords whose value maps names to schemas (a name there, ``$ref`` or ``const``, is no keyword)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str, names: bool = False) -> Any:
+    """``schema`` (or, with ``names``, a map of names to schemas) with each local JSON-pointer reference (``$ref``
+    or ``$dynamicRef`` of ``#`` or ``#/...``) moved under the pointer ``base``, for the schema placed there in a
+    larger one; data (``const``, ``enum``, ...) and other references (``$anchor`` names, URIs) as they were."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if names:
+            out[key] = _rebased(value, base)
+        elif key in ("$ref", "$dynamicRef") and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = f"#{base}{value[1:]}"
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base, key in _SCHEMA_MAPS)
+    return out
+
+
 @dataclass(frozen=True)
 class Tool:
     """One function tool: its name, description and JSON-schema parameters."""
@@ -74,10 +101,14 @@ class Tool:
         function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
-    def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
+    def call_schema(self, arguments: str = "arguments", at: str = "") -> dict[str, Any]:
         """The JSON schema of one call of this tool: ``{"name": <its name>, <arguments>: <its parameters>}``
-        (the key of the arguments is the format's: ``arguments``, or Llama's ``parameters``)."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, arguments: self.parameters},
+        (the key of the arguments is the format's: ``arguments``, or Llama's ``parameters``), placed at the JSON
+        pointer ``at`` of the schema it is part of: the parameters' local ``$ref``s (``#/$defs/...``, as pydantic
+        writes them) are rebased to where the parameters now lie (they named the whole call's root, and were
+        refused as 'Pointer does not exist')."""
+        parameters = _rebased(self.parameters, f"{at}/properties/{arguments}")
+        return {"type": "object", "properties": {"name": {"const": self.name}, arguments: parameters},
                 "required": ["name", arguments], "additionalProperties": False}
 
 
@@ -133,7 +164,8 @@ class ToolUse:
         """The JSON schema of one call of an offered tool, its arguments under the key ``arguments``, written
         as a constrained call is (one line, json.dumps's separators)."""
         offered = self.offered
-        schemas = [t.call_schema(arguments) for t in offered]
+        schemas = ([offered[0].call_schema(arguments)] if len(offered) == 1 else
+                   [t.call_schema(arguments, f"/anyOf/{i}") for i, t in enumerate(offered)])
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema["x-guidance"] = _JSON_STYLE
         return schema
