@@ -54,6 +54,7 @@ from asyncinfer.prompts import (
     check_prompt_len,
     check_request_args,
     check_request_id,
+    check_room_for_max_tokens,
     check_stop_token_ids,
     check_tenant,
     is_chat,
@@ -242,8 +243,8 @@ class RequestIntake:
                     version_id: int | None = None) -> tuple[ModelVersion, list[int]] | None:
         """Every check of a request that no retry could pass (its 400), none of its load (a 503) nor of its id:
         ``params`` against the serving version (stop token ids in its vocabulary, ``n`` within ``max_num_seqs``, stop
-        strings with a tokenizer, ``version_id``), a prompt of token ids whole, and a text or chat by its size alone
-        (a text is tokenized only once the load admits it). The token-id prompt's (version, ids), else None."""
+        strings with a tokenizer, ``version_id``), a prompt of token ids whole, and a text or chat by its size alone and
+        by a ``max_tokens`` no prompt leaves room for (a text is tokenized only once the load admits it). The token-id prompt's (version, ids), else None."""
         holder = self.models.generator(model)
         serving = holder.current
         if serving is None:
@@ -254,6 +255,9 @@ class RequestIntake:
             _check_version(version_id, serving, holder.served)
         if isinstance(prompt, str) or is_chat(prompt):
             check_prompt_chars(prompt, serving)
+            # a max_tokens that no prompt leaves room for: refused once tokenized, past the load (a 503 when full,
+            # and over HTTP a 429 at the tenant's limit) though no retry could run it
+            check_room_for_max_tokens(serving.max_model_len, params)
             return None
         # token ids (or what is no text nor chat, refused here): checked whole, as their length is (no tokenizing)
         early = self.models.tokenize_now(model, prompt)

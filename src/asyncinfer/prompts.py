@@ -184,6 +184,19 @@ def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: Sampling
         )
 
 
+def check_room_for_max_tokens(max_model_len: int, params: SamplingParams) -> None:
+    """Refuse, before any prompt is tokenized, a ``params.max_tokens`` that no prompt leaves room for (a prompt takes
+    one token at least, so ``max_model_len - 1`` is the most), as :func:`check_prompt_len` would refuse it once the
+    prompt is tokenized (unless ``params.truncate_output_to_model_len``)."""
+    room = max_model_len - 1
+    if params.max_tokens > room and not params.truncate_output_to_model_len:
+        raise InvalidParameterError(
+            "max_tokens", params.max_tokens,
+            f"at most max_model_len - 1 = {room} (a prompt takes one token at least; or "
+            "SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)",
+        )
+
+
 def is_chat(prompt: Any) -> bool:
     """Whether ``prompt`` is (meant as) chat messages: a non-empty list whose first item is a dict."""
     return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray, range))

@@ -75,8 +75,38 @@ async def test_check_request_refuses_what_generate_would_whatever_the_load(tiny_
                 engine.check_request(prompt, params)
             assert err.value.parameter == parameter
         engine.check_request([5, 6], SamplingParams(max_tokens=2))  # the engine is full: no matter here
-        engine.check_request("hello")
+        engine.check_request("hello", SamplingParams(max_tokens=2))
         assert engine.num_unfinished_requests == 1
         rejected = engine.metrics.snapshot().models["default"].rejected
         await busy
     assert rejected == {"invalid": 0, "overloaded": 0}  # nothing was submitted
+
+
+async def test_a_max_tokens_no_prompt_leaves_room_for_is_invalid_while_the_engine_is_full(tiny_models) -> None:
+    """A text or chat asking ``max_tokens >= max_model_len``: no prompt (one token at least) leaves room for it, but
+    a text is tokenized only once admitted, so a full engine refused it as :class:`EngineOverloadedError` (503 with
+    Retry-After, and over HTTP a 429 at the tenant's limit) and ``check_request`` let it by; with
+    ``truncate_output_to_model_len`` it is a request that may run later."""
+    from asyncinfer import EngineOverloadedError
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE, max_num_seqs=1,
+                                           max_waiting_requests=0) as engine:
+        busy = asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0)
+        chat = [{"role": "user", "content": "hi"}]
+        for prompt in ("hello", chat):
+            for max_tokens in (128, 10**6):
+                params = SamplingParams(max_tokens=max_tokens)
+                with pytest.raises(InvalidParameterError) as err:
+                    engine.check_request(prompt, params)
+                assert (err.value.parameter, err.value.value) == ("max_tokens", max_tokens)
+                assert err.value.allowed.startswith("at most max_model_len - 1 = 127 (")
+                with pytest.raises(InvalidParameterError) as err:
+                    await engine.generate(prompt, params)
+                assert err.value.parameter == "max_tokens"
+        engine.check_request("hello", SamplingParams(max_tokens=127))  # fits a one-token prompt: may run later
+        with pytest.raises(EngineOverloadedError):
+            await engine.generate("hello", SamplingParams(max_tokens=128, truncate_output_to_model_len=True))
+        rejected = engine.metrics.snapshot().models["default"].rejected
+        await busy
+    assert rejected == {"invalid": 4, "overloaded": 1}
