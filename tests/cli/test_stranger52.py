@@ -62,3 +62,16 @@ def test_plan_deployment_refuses_a_device_memory_past_any_budget(tiny_models) ->
         plan_deployment(config, device_memory=10**400)
     assert (caught.value.parameter, caught.value.allowed) == ("device_memory", f"a byte count in [0, {MAX_BYTES}]")
     assert plan_deployment(config, batch=MAX_BYTES, max_num_batched_tokens=MAX_BYTES, device_memory=MAX_BYTES).fits is False
+
+
+@pytest.mark.parametrize(("flag", "value", "instead"), [
+    ("--trace", "", "a synthetic trace"), ("--cost-model", "", "the shipped one"), ("--cost-model", " ", "the shipped one"),
+])
+def test_lab_refuses_an_empty_file_to_read(flag, value, instead, capsys) -> None:
+    """``asyncinfer lab --trace ''`` (an unset shell variable, say) replayed a synthetic trace as if no --trace were
+    given, exit status 0; ``--cost-model ''`` said ``--cost-model : Is a directory``."""
+    status = cli.main(["lab", flag, value, "--schedulers", "fifo"])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    assert captured.err == (f"asyncinfer: error: {flag} {value!r} is invalid: allowed a file's path "
+                            f"(leave {flag} out for {instead})\n")
