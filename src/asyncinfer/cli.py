@@ -292,6 +292,12 @@ def _lab(args: argparse.Namespace) -> int:
                            f"--block-size {args.block_size} tokens that one --max-model-len {args.max_model_len} "
                            "request needs (or lower --max-model-len)")
     slo = lab.Slo(ttft=args.slo_ttft, tpot=args.slo_tpot)
+    # an empty file to read is no file: --trace '' replayed a synthetic trace as if --trace were left out, and
+    # --cost-model '' read the working directory ("Is a directory")
+    for flag, value, instead in (("--trace", args.trace, "a synthetic trace"),
+                                 ("--cost-model", args.cost_model, "the shipped one")):
+        if value is not None and not value.strip():
+            raise CommandError(f"{flag} {value!r} is invalid: allowed a file's path (leave {flag} out for {instead})")
     # the outputs' paths checked before the replay runs, not once it is over
     if args.json:  # an empty --json or --plot writes nothing
         check_output_path("--json", args.json)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
 
 from asyncinfer.cache.kv_manager import blocks_for
 from asyncinfer.cache.spec import KVCacheSpec
-from asyncinfer.config import MAX_NUM_SEQS, EngineConfig, resolve_dtype, spelled_dtype
+from asyncinfer.config import MAX_BYTES, MAX_NUM_SEQS, EngineConfig, resolve_dtype, spelled_dtype
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
@@ -45,12 +46,17 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": MiB, "mib": Mi
 
 
 def parse_bytes(text: str) -> int:
-    """``"24GiB"``, ``"24GB"`` (10^9), ``"512MiB"``, ``"1.5T"`` (binary) or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """``"24GiB"``, ``"24GB"`` (10^9), ``"512MiB"``, ``"1.5T"`` (binary) or a plain byte count, at most
+    ``MAX_BYTES`` (2**63 - 1), read exactly: a count is the integer written, not its nearest float (which
+    turned 99999999999999999999999 into 99999999999999991611392, and a count of 400 digits into infinity)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text) if len(text) <= 64 else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise InvalidParameterError("device memory", text, "a size such as 24GiB, 80GB, 512MiB or a byte count")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(Fraction(match.group(1)) * _UNITS[unit])
+    if size > MAX_BYTES:
+        raise InvalidParameterError("device memory", text, f"a size of at most {MAX_BYTES} bytes (2**63 - 1)")
+    return size
 
 
 @dataclass(frozen=True)
@@ -259,15 +265,19 @@ def plan_deployment(
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
     # the engine's own ranges (EngineConfig): the plan's options must load; a seq_len of 1 is a max_model_len the
-    # engine refuses (a prompt token and an output token), which the plan printed as flags to start it with
-    for name, value, low, high in (("batch", batch, 1, None), ("seq_len", seq_len, 2, context),
+    # engine refuses (a prompt token and an output token), which the plan printed as flags to start it with; a batch
+    # or step of more than MAX_BYTES (2**63 - 1) tokens or requests is more than any KV budget holds, and its bytes
+    # overflowed the table's float sizes (an OverflowError, not a refusal)
+    for name, value, low, high in (("batch", batch, 1, MAX_BYTES), ("seq_len", seq_len, 2, context),
                                    ("block_size", block_size, 1, 256), ("max_num_seqs", max_num_seqs, 1, MAX_NUM_SEQS),
-                                   ("max_num_batched_tokens", max_num_batched_tokens, 1, None)):
+                                   ("max_num_batched_tokens", max_num_batched_tokens, 1, MAX_BYTES)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
             raise InvalidParameterError(name, value, f"an integer >= {low}{'' if high is None else f' and <= {high}'}")
     source = "given"
     if device_memory is None:
         device_memory, source = _measure(target)
+    elif isinstance(device_memory, bool) or not isinstance(device_memory, int) or not 0 <= device_memory <= MAX_BYTES:
+        raise InvalidParameterError("device_memory", device_memory, f"a byte count in [0, {MAX_BYTES}]")
     spec = KVCacheSpec.from_model_config(model_config, block_size=block_size, dtype=resolved, device=target)
     nbytes = spec.dtype_bytes
     plan = DeploymentPlan(

@@ -523,7 +523,7 @@ def test_debug_shows_the_traceback_on_every_error_path(tmp_path, capsys, monkeyp
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["chat", "--kv-cache-memory", "12XB", "hi"],
-     "argument --kv-cache-memory: '12XB' is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)"),
+     "argument --kv-cache-memory: '12XB' is not a size (a byte count up to 2**63 - 1, or e.g. 512MiB, 2GiB, 4GB)"),
     (["chat", "--temperature", "abc", "hi"], ("argument --temperature: 'abc' is not a number: allowed a number in [0, 10000] "
                                               "(0 = greedy)")),
     (["chat", "--maxtokens", "3", "hi"], "unrecognized arguments: --maxtokens; did you mean --max-tokens?"),

@@ -93,7 +93,7 @@ def test_the_lab_still_runs_with_good_flags(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(("argv", "error"), [
     (["--max-num-seqs", "0"], "--max-num-seqs 0 is invalid: allowed an integer >= 1 and <= 4096"),
     (["--max-num-seqs", "5000"], "--max-num-seqs 5000 is invalid: allowed an integer >= 1 and <= 4096"),
-    (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens -1 is invalid: allowed an integer >= 1"),
+    (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens -1 is invalid: allowed an integer >= 1 and <= 9223372036854775807"),
 ])
 def test_plan_refuses_step_limits_the_engine_refuses(tiny_models, capsys, argv: list[str], error: str) -> None:
     """``asyncinfer plan --max-num-seqs 0`` printed a plan, and as the flags that load it ``--max-num-seqs 0``,

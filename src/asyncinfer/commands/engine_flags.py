@@ -69,7 +69,8 @@ def _size(text: str) -> int:
     try:
         return parse_bytes(text)
     except InvalidParameterError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (a byte count, or e.g. 512MiB, 2GiB, 4GB)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (a byte count up to 2**63 - 1, or e.g. 512MiB, "
+                                         "2GiB, 4GB)") from None
 
 
 #: The size reader of the size flags, for the commands' own flags that take a size too (serve's --max-body-bytes).
