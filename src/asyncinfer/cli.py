@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from asyncinfer.commands import flag_value
+from asyncinfer.commands import flag_value, read_number
 from asyncinfer.errors import AsyncInferError, ConfigurationError, InvalidParameterError, exception_text, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     for flag, field, kind, text in _SAMPLING_ARGS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"  # (--seed says its own)
         metavar = "SEED" if field == "seed" else "N" if kind is int else "NUMBER"
-        p.add_argument(flag, *ALIASES.get(flag, ()), type=_number(kind, _sampling_range(field)), default=None,
+        p.add_argument(flag, *ALIASES.get(flag, ()), type=read_number(kind, _sampling_range(field)), default=None,
                        dest=field, metavar=metavar,
                        help=text + shown)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable; default: none)")
@@ -204,10 +204,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
     p.add_argument(*_names("--model"), metavar="MODEL", default=None,
                    help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
-    p.add_argument("--batch", metavar="N", type=_number(int, "an integer >= 1"), default=1, help="requests served at once (default: 1)")
+    p.add_argument("--batch", metavar="N", type=read_number(int, "an integer >= 1"), default=1, help="requests served at once (default: 1)")
     # the engine's max_model_len in the plan it prints: the engine commands' flag for it is an alias
     p.add_argument("--seq-len", *_names("--max-model-len"), metavar="TOKENS",
-                   type=_number(int, "an integer >= 2, at most the model's context"), default=None,
+                   type=read_number(int, "an integer >= 2, at most the model's context"), default=None,
                    help="tokens per request, prompt + output: the engine's --max-model-len (default: the model's "
                         "context)")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
@@ -223,9 +223,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the target device (default: cpu)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="e.g. 24GiB or 80GB (default: measured here: available RAM, or the CUDA device's total)")
-    p.add_argument("--block-size", metavar="N", type=_number(int, "an integer in [1, 256]"), default=16, help="tokens per KV block (the engine's block_size) (default: 16)")
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=_number(int, "an integer >= 1"), default=1024, help="tokens per step (for activations) (default: 1024)")
-    p.add_argument("--max-num-seqs", metavar="N", type=_number(int, "an integer in [1, 4096]"), default=128, help="requests per step (for the logits) (default: 128)")
+    p.add_argument("--block-size", metavar="N", type=read_number(int, "an integer in [1, 256]"), default=16, help="tokens per KV block (the engine's block_size) (default: 16)")
+    p.add_argument("--max-num-batched-tokens", metavar="N", type=read_number(int, "an integer >= 1"), default=1024, help="tokens per step (for activations) (default: 1024)")
+    p.add_argument("--max-num-seqs", metavar="N", type=read_number(int, "an integer in [1, 4096]"), default=128, help="requests per step (for the logits) (default: 128)")
 
 
 def _parse_options(items: list[str], names: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
@@ -465,22 +465,6 @@ def _ranged_int(low: int, high: int | None = None, what: str = "") -> Callable[[
 _positive_int = _ranged_int(1)
 
 
-def _number(kind: type[int | float], allowed: str | Callable[[], str]) -> Callable[[str], Any]:
-    """A flag's ``kind`` of number whose range the command checks after parsing; text that is no such number is
-    refused saying what the flag takes (argparse's own message was "invalid int value: 'abc'", no range).
-    ``allowed``: the range in words, or a function that reads it from the library that checks it."""
-    what = "an integer" if kind is int else "a number"
-
-    def parse(text: str) -> int | float:
-        try:
-            return kind(text)
-        except ValueError:
-            words = allowed if isinstance(allowed, str) else allowed()
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}: allowed {words}") from None
-
-    return parse
-
-
 def _sampling_range(field: str) -> Callable[[], str]:
     """The range of SamplingParams' ``field`` in the flags' words, read from SamplingParams' refusal of a value
     that is no number (one source for the range)."""
@@ -508,9 +492,9 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
                                                                            "--synthetic)")
     src.add_argument("--synthetic", type=_ranged_int(1, LAB_MAX_REQUESTS), default=200, metavar="N",
                      help=f"generate N requests, at most {LAB_MAX_REQUESTS} (default: 200)")
-    p.add_argument("--rate", metavar="PER_S", type=_number(float, "a finite number of requests per second > 0"), default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
-    p.add_argument("--seed", metavar="SEED", type=_number(int, "any integer"), default=0, help="synthetic trace seed (default: 0)")
-    p.add_argument("--long-fraction", metavar="FRACTION", type=_number(float, "a fraction in [0, 1]"), default=0.2, help="synthetic share of long prompts (512-2048 tokens; synthetic prompts stay "
+    p.add_argument("--rate", metavar="PER_S", type=read_number(float, "a finite number of requests per second > 0"), default=0.25, help="synthetic arrivals per second (Poisson) (default: 0.25)")
+    p.add_argument("--seed", metavar="SEED", type=read_number(int, "any integer"), default=0, help="synthetic trace seed (default: 0)")
+    p.add_argument("--long-fraction", metavar="FRACTION", type=read_number(float, "a fraction in [0, 1]"), default=0.2, help="synthetic share of long prompts (512-2048 tokens; synthetic prompts stay "
                         "below --max-model-len) (default: 0.2)")
     p.add_argument("--priorities", metavar="LIST", type=_int_list, default=(0, 2, 4), help="synthetic priority levels (default: 0,2,4)")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL (default: none)")
@@ -534,8 +518,8 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (default: 512; the engine's is 1024)")
     p.add_argument(*_names("--max-model-len"), metavar="TOKENS", type=_positive_int, default=4096,
                    help="prompt + output tokens per request (default: 4096)")
-    p.add_argument("--slo-ttft", metavar="SECONDS", type=_number(float, "seconds > 0 (inf: no bound)"), default=5.0, help="TTFT SLO in seconds (default: 5.0)")
-    p.add_argument("--slo-tpot", metavar="SECONDS", type=_number(float, "seconds > 0 (inf: no bound)"), default=0.5, help="TPOT SLO in seconds (default: 0.5)")
+    p.add_argument("--slo-ttft", metavar="SECONDS", type=read_number(float, "seconds > 0 (inf: no bound)"), default=5.0, help="TTFT SLO in seconds (default: 5.0)")
+    p.add_argument("--slo-tpot", metavar="SECONDS", type=read_number(float, "seconds > 0 (inf: no bound)"), default=0.5, help="TPOT SLO in seconds (default: 0.5)")
     p.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures into this PNG file (default: none)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the per-policy figures as JSON (default: none)")
     p.add_argument("--calibrate", default=None, metavar="OUT",
@@ -543,7 +527,7 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
                         "calibration)")
     p.add_argument(*_names("--model"), metavar="MODEL", default=None,
                    help="model to calibrate (default: SmolLM2-135M-Instruct)")
-    p.add_argument(*_names("--threads"), metavar="N", type=_number(int, "an integer in [1, 4096]"), default=None,
+    p.add_argument(*_names("--threads"), metavar="N", type=read_number(int, "an integer in [1, 4096]"), default=None,
                    help="torch CPU threads while calibrating, 1 to 4096 (default: none: torch's setting)")
 
 
@@ -800,7 +784,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(docs/models_and_embeddings.md; default: none, the encoder's defaults)")
     p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
                                                        "(default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", metavar="PORT", type=_number(int, "a TCP port (0 to 65535)"), default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--port", metavar="PORT", type=read_number(int, "a TCP port (0 to 65535)"), default=8000, help="TCP port to listen on (default: 8000)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted bearer key (repeatable; ASYNCINFER_API_KEY adds comma-separated ones; "
                         "default: none, anyone who reaches the port may call it)")
@@ -826,16 +810,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority-header", default=None, metavar="HEADER",
                    help="a header, set by a proxy you trust, carrying each request's integer priority "
                         "(default: none)")
-    p.add_argument("--header-timeout", type=_number(float, "a finite number of seconds > 0"), default=10.0, metavar="SECONDS",
+    p.add_argument("--header-timeout", type=read_number(float, "a finite number of seconds > 0"), default=10.0, metavar="SECONDS",
                    help="seconds a connection has to send a request's headers (default: 10)")
-    p.add_argument("--body-timeout", type=_number(float, "a finite number of seconds > 0"), default=30.0, metavar="SECONDS",
+    p.add_argument("--body-timeout", type=read_number(float, "a finite number of seconds > 0"), default=30.0, metavar="SECONDS",
                    help="seconds a request has to send its body once its headers are in (default: 30)")
-    p.add_argument("--send-timeout", type=_number(float, "a finite number of seconds > 0"), default=30.0, metavar="SECONDS",
+    p.add_argument("--send-timeout", type=read_number(float, "a finite number of seconds > 0"), default=30.0, metavar="SECONDS",
                    help="seconds an answer may wait for its client to read it (a full send buffer) before the "
                         "connection is closed and its requests aborted (default: 30)")
-    p.add_argument("--max-connections", type=_number(int, "an integer >= 1"), default=512, metavar="N",
+    p.add_argument("--max-connections", type=read_number(int, "an integer >= 1"), default=512, metavar="N",
                    help="open connections at most; one more is answered 503 (default: 512)")
-    p.add_argument("--max-requests-per-tenant", type=_number(int, "an integer >= 1"), default=None, metavar="N",
+    p.add_argument("--max-requests-per-tenant", type=read_number(int, "an integer >= 1"), default=None, metavar="N",
                    help="generation requests one tenant (or, without one, one API key) may have in flight, each of "
                         "a prompt's n samples counted; one more is answered 429 (default: no limit)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -907,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--dtype", metavar="DTYPE", default="auto",
                        help="auto | float32 | bfloat16 | float16 (default: auto)")
     embed.add_argument("--device", metavar="DEVICE", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-    embed.add_argument(*_names("--threads"), metavar="N", type=_number(int, "an integer in [1, 4096]"), default=None,
+    embed.add_argument(*_names("--threads"), metavar="N", type=read_number(int, "an integer in [1, 4096]"), default=None,
                        help="torch CPU threads, 1 to 4096 (default: torch's setting, one per core; on a busy or shared "
                        "machine, 1)")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON (default: a table)")

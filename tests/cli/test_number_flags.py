@@ -41,10 +41,35 @@ def test_a_flag_value_that_is_no_number_is_refused_with_the_flags_range(capsys, 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--port", "70000"], "--port 70000 is not a TCP port (0 to 65535)"),
-    (["plan", "--batch", "0"], "--batch 0 is invalid: allowed an integer >= 1"),
+    (["plan", "--batch", "0"], "--batch 0 is invalid: allowed an integer >= 1 and <= 9223372036854775807"),
     (["chat", "--top-p", "2", "hi"], "--top-p 2 is invalid: allowed a number in (0, 1]"),
 ])
 def test_a_number_out_of_range_is_refused_as_before(capsys, argv, message) -> None:
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    assert status == 2
+    assert capsys.readouterr().err.endswith(f"asyncinfer: error: {message}\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--num-requests", "100000000000"], ("--num-requests 100000000000 is invalid: allowed an integer in "
+                                                  "[1, 100000]")),
+    (["bench", "--concurrency", "1,1000000"], ("--concurrency '1,1000000' is invalid: allowed comma-separated "
+                                               "integers in [1, 100000], e.g. 1,4,16")),
+    (["bench", "--num-requests", "many"], ("argument --num-requests: 'many' is not an integer: allowed an integer "
+                                           "in [1, 100000]")),
+    (["bench", "--output-len", "x"], "argument --output-len: 'x' is not an integer: allowed an integer >= 1"),
+    (["generate", "--prompt", "hi", "--concurrency", "x"], ("argument --concurrency: 'x' is not an integer: "
+                                                            "allowed an integer >= 1")),
+])
+def test_bench_takes_at_most_its_cap_of_requests(capsys, argv, message) -> None:
+    """``bench --num-requests 100000000000`` made its prompts first: past 2.9 GB in 25 s, bound for the OOM
+    killer. A run takes at most ``BENCH_MAX_REQUESTS`` requests, and a concurrency level no higher."""
+    from asyncinfer.commands.bench import BENCH_MAX_REQUESTS
+
+    assert BENCH_MAX_REQUESTS == 100_000
     try:
         status = cli.main(argv)
     except SystemExit as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.errors import AsyncInferError
@@ -21,6 +23,22 @@ def flag_value(value: Any) -> str:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e16:
         return str(int(value))
     return str(value)
+
+
+def read_number(kind: type[int | float], allowed: str | Callable[[], str]) -> Callable[[str], Any]:
+    """An argparse reader of a flag's ``kind`` of number whose range the command checks after parsing; text that is
+    no such number is refused saying what the flag takes (argparse's own message was "invalid int value: 'abc'",
+    no range). ``allowed``: the range in words, or a function that reads it from the library that checks it."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> int | float:
+        try:
+            return kind(text)
+        except ValueError:
+            words = allowed if isinstance(allowed, str) else allowed()
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}: allowed {words}") from None
+
+    return parse
 
 
 def check_chats_render(tokenizer: Any, model: Any, command: str) -> None:

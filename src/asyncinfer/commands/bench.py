@@ -23,22 +23,28 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncinfer.commands import check_output_path, plot_path
+from asyncinfer.commands import check_output_path, plot_path, read_number
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.metrics.profile import MAX_PROFILE_STEPS
 from asyncinfer.sampling_params import SamplingParams
 
 #: Steps --profile profiles unless --profile-steps says.
 PROFILE_STEPS = 20
+#: The most requests (and the highest concurrency level) a run takes: its prompts are made before it starts, a list
+#: of --input-len ints each (--num-requests 100000000000 grew past 2.9 GB in 25 s, bound for the OOM killer).
+BENCH_MAX_REQUESTS = 100_000
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", metavar="N", type=int, default=16, help="requests per concurrency level (default: 16)")
-    p.add_argument("--input-len", metavar="TOKENS", type=int, default=128, help="prompt tokens per request (default: 128)")
-    p.add_argument("--output-len", metavar="TOKENS", type=int, default=32, help="output tokens per request (default: 32)")
+    p.add_argument("--num-requests", metavar="N", type=read_number(int, f"an integer in [1, {BENCH_MAX_REQUESTS}]"),
+                   default=16, help=f"requests per concurrency level, at most {BENCH_MAX_REQUESTS} (default: 16)")
+    p.add_argument("--input-len", metavar="TOKENS", type=read_number(int, "an integer >= 1"), default=128,
+                   help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", metavar="TOKENS", type=read_number(int, "an integer >= 1"), default=32,
+                   help="output tokens per request (default: 32)")
     p.add_argument("--concurrency", metavar="N", action="append", default=None,
                    help="comma-separated levels; repeatable, the levels of every occurrence run (default: 1,4,16)")
-    p.add_argument("--seed", metavar="SEED", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
+    p.add_argument("--seed", metavar="SEED", type=read_number(int, "an integer"), default=0, help="seed of the synthetic prompts (default: 0)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate() on the same prompts (loads the model a second time)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and latency into this PNG (default: none)")
@@ -46,7 +52,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the table, profile --profile-steps engine steps at the highest concurrency with "
                         "engine.profile(): DIR/trace.json (Chrome trace) and DIR/top_ops.txt (default: none: no profile)")
-    p.add_argument("--profile-steps", metavar="N", type=int, default=None,
+    p.add_argument("--profile-steps", metavar="N", type=read_number(int, f"an integer in [1, {MAX_PROFILE_STEPS}]"),
+                   default=None,
                    help=f"steps to profile with --profile (default: {PROFILE_STEPS})")
 
 
@@ -79,6 +86,8 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     for name in ("num_requests", "input_len", "output_len", "profile_steps"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')}", getattr(args, name), "an int >= 1")
+    if args.num_requests > BENCH_MAX_REQUESTS:  # its prompts are made before the run
+        raise InvalidParameterError("--num-requests", args.num_requests, f"an int in [1, {BENCH_MAX_REQUESTS}]")
     if args.profile_steps > MAX_PROFILE_STEPS:  # refused before the benchmark runs, not after it
         raise InvalidParameterError("--profile-steps", args.profile_steps, f"an int in [1, {MAX_PROFILE_STEPS}]")
     if args.json is not None:
@@ -118,8 +127,9 @@ def _levels(given: list[str] | None) -> list[int]:
             these = [int(x) for x in text.split(",")]
         except ValueError:
             these = []
-        if not these or min(these) < 1:
-            raise InvalidParameterError("--concurrency", text, "comma-separated ints >= 1, e.g. 1,4,16")
+        if not these or min(these) < 1 or max(these) > BENCH_MAX_REQUESTS:
+            raise InvalidParameterError("--concurrency", text, f"comma-separated ints in [1, {BENCH_MAX_REQUESTS}], "
+                                        "e.g. 1,4,16")
         levels += [c for c in these if c not in levels]
     return levels
 

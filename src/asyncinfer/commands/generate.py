@@ -52,7 +52,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from asyncinfer.commands import CommandError, check_chats_render, check_one_model
+from asyncinfer.commands import CommandError, check_chats_render, check_one_model, read_number
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError, range_in_words
 from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.structured import StructuredOutput
@@ -72,7 +72,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--file", metavar="JSONL", help="one request a line ('-': stdin); see the format above (this or --prompt is needed)")
     p.add_argument("--output", "-o", default="-", metavar="JSONL", help="where the results go (default: stdout)")
     p.add_argument("--chat", action="store_true", help="send text prompts as a user message (chat template)")
-    p.add_argument("--concurrency", metavar="N", type=int, default=64, help="requests in flight at most (default: 64)")
+    p.add_argument("--concurrency", metavar="N", type=read_number(int, "an integer >= 1"), default=64, help="requests in flight at most (default: 64)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway without a terminal)")
 
 
