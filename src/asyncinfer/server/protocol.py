@@ -823,6 +823,11 @@ class EmbeddingRequest:
     user: str | None = None  # the tenant where ServerSettings.tenant_from="request"
 
 
+def _token_id(value: Any) -> bool:
+    """Whether ``value`` is written as a token id (an integer; JSON's ``true`` is no id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_embedding(body: Any) -> EmbeddingRequest:
     fields = _fields(body, _EMBEDDING)
     model = _typed(fields, "model", str, "a string")
@@ -835,7 +840,8 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     if value is None:
         raise _bad("input", "Missing required parameter: 'input'.")
     texts = [value] if isinstance(value, str) else value
-    if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
+    if isinstance(texts, list) and texts and (all(_token_id(t) for t in texts) or all(
+            isinstance(t, list) and all(_token_id(i) for i in t) for t in texts)):
         raise _bad("input", "Token-id input is not supported by this server: send the text.", "unsupported_parameter")
     if not (isinstance(texts, list) and 0 < len(texts) <= MAX_EMBED_INPUTS
             and all(isinstance(t, str) for t in texts)):
