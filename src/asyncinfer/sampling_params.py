@@ -142,7 +142,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (checked at the call: the samples run together). The prompt is
             computed once and its KV blocks are shared (copied on the first divergent
             write). With a ``seed``, sample ``i`` uses ``seed + i`` (mod 2**63), so it
-            equals a lone request with that seed.
+            equals a lone request with that seed. Greedy (``temperature=0``, the default)
+            picks the same tokens for every sample, so ``n > 1`` without a ``temperature``
+            returns ``n`` copies of one answer: set ``temperature`` (e.g. ``1.0``, which an
+            OpenAI request without ``temperature`` samples at) for different samples.
         truncate_output_to_model_len: what happens when the prompt's tokens plus
             ``max_tokens`` exceed the engine's ``max_model_len``. False (default): the
             request is refused with ``InvalidParameterError`` on ``max_tokens``, as vLLM's
