@@ -8,6 +8,17 @@ import pytest
 from asyncinfer import cli
 
 
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """``argv`` ends with status 2 (argparse's refusals exit, the commands' own return it) and ``message``."""
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"asyncinfer: error: {message}\n"), err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--port", "abc"], "argument --port: 'abc' is not an integer: allowed a TCP port (0 to 65535)"),
     (["serve", "--max-connections", "many"], ("argument --max-connections: 'many' is not an integer: allowed an "
@@ -32,11 +43,7 @@ from asyncinfer import cli
     (["chat", "--top-p", "most", "hi"], "argument --top-p: 'most' is not a number: allowed a number in (0, 1]"),
 ])
 def test_a_flag_value_that_is_no_number_is_refused_with_the_flags_range(capsys, argv, message) -> None:
-    with pytest.raises(SystemExit) as exited:
-        cli.main(argv)
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.endswith(f"asyncinfer: error: {message}\n"), err
+    refused(capsys, argv, message)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -45,12 +52,7 @@ def test_a_flag_value_that_is_no_number_is_refused_with_the_flags_range(capsys, 
     (["chat", "--top-p", "2", "hi"], "--top-p 2 is invalid: allowed a number in (0, 1]"),
 ])
 def test_a_number_out_of_range_is_refused_as_before(capsys, argv, message) -> None:
-    try:
-        status = cli.main(argv)
-    except SystemExit as exc:
-        status = exc.code
-    assert status == 2
-    assert capsys.readouterr().err.endswith(f"asyncinfer: error: {message}\n")
+    refused(capsys, argv, message)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -70,9 +72,4 @@ def test_bench_takes_at_most_its_cap_of_requests(capsys, argv, message) -> None:
     from asyncinfer.commands.bench import BENCH_MAX_REQUESTS
 
     assert BENCH_MAX_REQUESTS == 100_000
-    try:
-        status = cli.main(argv)
-    except SystemExit as exc:
-        status = exc.code
-    assert status == 2
-    assert capsys.readouterr().err.endswith(f"asyncinfer: error: {message}\n")
+    refused(capsys, argv, message)
