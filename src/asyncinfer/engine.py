@@ -505,9 +505,9 @@ class AsyncEngine:
         run (``n`` past ``max_num_seqs``, a stop token id past its vocabulary, stop strings without a tokenizer), a
         prompt of token ids that does not fit or holds an id past the vocabulary, a text or chat too long by its
         characters alone or asking a ``max_tokens`` no prompt leaves room for (``max_model_len`` or more; a text is
-        not tokenized here). For a caller that takes places of its own before it submits
-        (the HTTP server's per-tenant limit), so that a request no retry can run is its 400, not a 429 or 503. Nothing
-        is admitted or held; :meth:`generate` checks it all again. Raises :class:`InvalidParameterError`."""
+        not tokenized here). For a caller that takes places of its own before it submits (the HTTP server's
+        per-tenant limit), so that a request no retry can run is its 400, not a 429 or 503. Nothing is admitted or
+        held; :meth:`generate` checks it all again. Raises :class:`InvalidParameterError`."""
         self._check_running()
         params, _, _ = check_request_args(params, 0, None)
         self._intake.check_valid(plain_prompt(prompt), params, model)

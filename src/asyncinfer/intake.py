@@ -244,7 +244,8 @@ class RequestIntake:
         """Every check of a request that no retry could pass (its 400), none of its load (a 503) nor of its id:
         ``params`` against the serving version (stop token ids in its vocabulary, ``n`` within ``max_num_seqs``, stop
         strings with a tokenizer, ``version_id``), a prompt of token ids whole, and a text or chat by its size alone and
-        by a ``max_tokens`` no prompt leaves room for (a text is tokenized only once the load admits it). The token-id prompt's (version, ids), else None."""
+        by a ``max_tokens`` no prompt leaves room for (a text is tokenized only once the load admits it). The token-id
+        prompt's (version, ids), else None."""
         holder = self.models.generator(model)
         serving = holder.current
         if serving is None:
