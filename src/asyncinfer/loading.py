@@ -98,6 +98,7 @@ from asyncinfer.schedulers.registry import (
     create_scheduler,
     resolve_scheduler,
 )
+from asyncinfer.step import ENDS_ENGINE
 from asyncinfer.threads import run_on_own_thread
 
 logger = logging.getLogger("asyncinfer")
@@ -343,9 +344,9 @@ def _create_scheduler(config: EngineConfig, scheduler_config: SchedulerConfig, k
     class and its file, not the model file's (``loading 'model.gguf' failed: weight must be positive``)."""
     try:
         return create_scheduler(config.scheduler, scheduler_config, kv, config.scheduler_options)
-    except AsyncInferError:
+    except (AsyncInferError, *ENDS_ENGINE):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # a plugin's own BaseException subclass (or CancelledError) is its fault too
         cls = resolve_scheduler(config.scheduler)
         source = _source_file(cls)
         where = f"{cls.__module__}.{cls.__qualname__}" + (f" in {source}" if source else "")
@@ -462,7 +463,9 @@ def warm_up(core: EngineCore, stall_timeout: float | None = None) -> None:
         ran = core.stats.steps
         try:
             outputs = core.step()
-        except Exception as exc:
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # a plugin's BaseException subclass (or CancelledError) escaped the load bare
             source = _raised_in(exc, type(core.scheduler))
             if source is None:
                 raise

@@ -115,3 +115,38 @@ def test_a_plugin_constructor_that_refuses_its_option_is_named(tiny_models) -> N
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE, scheduler=RefusesItsOption,
                                          scheduler_options={"weight": 2.0})
     assert type(engine.core.scheduler) is RefusesItsOption
+
+
+class PluginStop(BaseException):
+    """A plugin's own BaseException subclass (neither SystemExit nor KeyboardInterrupt)."""
+
+
+class StopsInWarmUp(FIFOScheduler):
+    api_version = 1
+
+    def schedule(self) -> SchedulerOutput:
+        raise PluginStop("warm")
+
+
+class StopsInItsConstructor(FIFOScheduler):
+    api_version = 1
+
+    def __init__(self, config, kv, *, x: int = 0) -> None:
+        super().__init__(config, kv)  # type: ignore[arg-type]
+        raise PluginStop("ctor")
+
+
+def test_a_plugins_base_exception_in_the_load_is_named_as_its_exception_is(tiny_models) -> None:
+    """A ``BaseException`` subclass of the plugin's own from ``schedule()`` in the warm-up, or from its constructor,
+    escaped ``load`` bare (the CLI: a traceback), where a ``KeyError`` or ``ValueError`` is named: they are the
+    plugin's faults as any exception but SystemExit and KeyboardInterrupt is."""
+    from asyncinfer import InvalidParameterError
+
+    path = tiny_models["llama"][0]
+    with pytest.raises(ModelLoadError, match="the scheduler StopsInWarmUp raised PluginStop: warm during warm-up"):
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, scheduler=StopsInWarmUp)
+    with pytest.raises(InvalidParameterError) as err:
+        AsyncEngine.from_pretrained(path, **ENGINE_BASE, scheduler=StopsInItsConstructor, scheduler_options={"x": 1})
+    assert err.value.parameter == "scheduler_options"
+    assert str(err.value).endswith("accepts: its constructor raised PluginStop: ctor")
+    assert isinstance(err.value.__cause__, PluginStop)
