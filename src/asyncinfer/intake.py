@@ -232,10 +232,8 @@ class RequestIntake:
         # max_num_seqs (a bad tenant, a prompt past max_model_len, a token id past the vocabulary) was refused as
         # overloaded (a 503 with Retry-After) whenever the engine was full
         self._check_load(model)
-        if early is None:
-            early = self.models.tokenize_now(model, prompt)
-            if early is not None:
-                check_prompt_len(early[1], early[0].max_model_len, params)
+        if early is None and (isinstance(prompt, str) or is_chat(prompt)):
+            early = self._tokenize_now(prompt, params, model)  # token ids deferred by the loop's share stay so
         self._check_id_free(request_id, params.n)
         return RequestArgs(params, request_id, priority, cache_salt, early)
 
@@ -261,6 +259,12 @@ class RequestIntake:
             check_room_for_max_tokens(serving.max_model_len, params)
             return None
         # token ids (or what is no text nor chat, refused here): checked whole, as their length is (no tokenizing)
+        return self._tokenize_now(prompt, params, model)
+
+    def _tokenize_now(self, prompt: Prompt, params: SamplingParams,
+                      model: str | None) -> tuple[ModelVersion, list[int]] | None:
+        """The serving version and the prompt's ids when they take no await (:meth:`ModelCatalog.tokenize_now`),
+        checked against its ``max_model_len`` and ``params.max_tokens``; None when deferred."""
         early = self.models.tokenize_now(model, prompt)
         if early is not None:
             check_prompt_len(early[1], early[0].max_model_len, params)

@@ -175,26 +175,31 @@ def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: Sampling
     ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
     if len(prompt_ids) >= max_model_len:
         raise PromptTooLongError(f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens")
-    room = max_model_len - len(prompt_ids)
-    if params is not None and params.max_tokens > room and not params.truncate_output_to_model_len:
-        raise InvalidParameterError(
-            "max_tokens", params.max_tokens,
-            f"at most max_model_len - prompt tokens = {max_model_len} - {len(prompt_ids)} = {room} (or shorten"
-            " the prompt, or SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)",
-        )
+    if params is not None:
+        _check_max_tokens(params, max_model_len, len(prompt_ids))
 
 
 def check_room_for_max_tokens(max_model_len: int, params: SamplingParams) -> None:
     """Refuse, before any prompt is tokenized, a ``params.max_tokens`` that no prompt leaves room for (a prompt takes
     one token at least, so ``max_model_len - 1`` is the most), as :func:`check_prompt_len` would refuse it once the
     prompt is tokenized (unless ``params.truncate_output_to_model_len``)."""
-    room = max_model_len - 1
-    if params.max_tokens > room and not params.truncate_output_to_model_len:
-        raise InvalidParameterError(
-            "max_tokens", params.max_tokens,
-            f"at most max_model_len - 1 = {room} (a prompt takes one token at least; or "
-            "SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)",
-        )
+    _check_max_tokens(params, max_model_len, None)
+
+
+def _check_max_tokens(params: SamplingParams, max_model_len: int, prompt_len: int | None) -> None:
+    """The one ``max_tokens`` rule: at most the room a prompt of ``prompt_len`` tokens leaves (None: not tokenized
+    yet, one token at least)."""
+    room = max_model_len - (1 if prompt_len is None else prompt_len)
+    if params.max_tokens <= room or params.truncate_output_to_model_len:
+        return
+    if prompt_len is None:
+        allowed = f"at most max_model_len - 1 = {room} (a prompt takes one token at least; or "
+    else:
+        allowed = (f"at most max_model_len - prompt tokens = {max_model_len} - {prompt_len} = {room} (or shorten"
+                   " the prompt, or ")
+    raise InvalidParameterError(
+        "max_tokens", params.max_tokens,
+        allowed + "SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)")
 
 
 def is_chat(prompt: Any) -> bool:
