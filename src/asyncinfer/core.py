@@ -54,7 +54,7 @@ from asyncinfer.plain import plain_value
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
-from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
+from asyncinfer.schedulers.base import Scheduler, SchedulerOutput, count_type_fault
 from asyncinfer.step import ENDS_ENGINE, SchedulerHookError, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
@@ -424,8 +424,9 @@ class EngineCore:
     def _plan_fault(self, request: Request, n: object) -> str | None:
         """What is wrong with a plan's entry of ``n`` tokens for ``request`` (None: nothing)."""
         rid = request.request_id
-        if not isinstance(n, int) or isinstance(n, bool):
-            return f"{n!r} tokens for {rid!r} (not an int)"
+        fault = count_type_fault(rid, n)
+        if fault is not None:
+            return fault
         if request.status is not RequestStatus.RUNNING:
             return f"{n} tokens for {rid!r}, which is {request.status.value}, not running"
         uncomputed = request.num_tokens - request.num_computed_tokens
