@@ -400,6 +400,7 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
         builtin_schedulers,
         registered_schedulers,
     )
+    from asyncinfer.step import ENDS_ENGINE
 
     before = set(available_schedulers())
     for module in args.plugin:
@@ -413,9 +414,12 @@ def _lab_schedulers(args: argparse.Namespace) -> list[str]:
             if module.endswith(".py"):  # "policies.py": no such package
                 raise _plugin_file_path(module) from exc
             raise InvalidParameterError("--plugin", module, f"an importable module ({exc})") from exc
-        except Exception as exc:  # the plugin's own code failed as it was imported: its fault, not asyncinfer's
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # the plugin's own code failed as it was imported: its fault
+            # (a class of its own deriving from BaseException, or asyncio.CancelledError, too: it was a traceback)
             raise InvalidParameterError(
-                "--plugin", module, f"an importable module (importing it raised {type(exc).__name__}: {exc})") from exc
+                "--plugin", module, f"an importable module (importing it raised {exception_text(exc)})") from exc
     if args.schedulers is not None:  # given: an empty list, or a name twice, runs nothing the user asked for
         names = [n.strip() for n in args.schedulers.split(",")]
         if not all(names):

@@ -54,7 +54,7 @@ from asyncinfer.plain import plain_value
 from asyncinfer.request import Request, RequestStatus, sample_id
 from asyncinfer.runner import ModelOutput, ModelRunner
 from asyncinfer.sampler import Sampler, SamplingState, TokenLogprobs
-from asyncinfer.schedulers.base import Scheduler, SchedulerOutput
+from asyncinfer.schedulers.base import Scheduler, SchedulerOutput, count_type_fault
 from asyncinfer.step import ENDS_ENGINE, SchedulerHookError, StepResult, apply_step, fork_samples, scheduled
 
 logger = logging.getLogger("asyncinfer")
@@ -294,7 +294,7 @@ class EngineCore:
         started = time.perf_counter()
         self._batch = None
         planned = self.scheduler.schedule()
-        lost = self._lost()  # before the plan is read: their samples leave it
+        lost = self._lost(planned)  # before the plan is read: their samples leave it
         plan, misplanned = self._check_plan(planned, {out.request_id for out in lost})  # misplanned: fail alone
         misplanned = lost + misplanned
         batch = scheduled(self.scheduler, plan)
@@ -372,26 +372,44 @@ class EngineCore:
                 del entries[rid]
         return SchedulerOutput(entries), outputs
 
-    def _lost(self) -> list[CoreOutput]:
-        """Fail every request the scheduler no longer holds although the engine never ended it (a plugin's
-        ``schedule`` or hook that dropped it from its queues): logged, its blocks freed, its whole request failed
-        with :class:`RequestFailedError` (a :class:`SchedulerHookError` as the cause). Such a request never ran
-        again and never ended: its caller waited forever, through ``aclose(abort=True)`` too. Costs a count
-        per step; the requests are compared one by one only when the counts differ."""
+    def _lost(self, planned: object = None) -> list[CoreOutput]:
+        """Fail every request the engine handed to the scheduler and never ended that the scheduler lost: one it
+        dropped from ``requests``, or one it keeps in ``requests`` but in neither ``running`` nor ``waiting`` and
+        does not schedule in ``planned`` (a plugin's ``schedule`` or hook that dropped it from a queue; invariant 5).
+        Each is logged, its blocks freed, its whole request failed with :class:`RequestFailedError` (a
+        :class:`SchedulerHookError` naming the scheduler as the cause). Such a request never ran again and never
+        ended: its caller waited forever (or until the stall timeout), through ``aclose(abort=True)`` too. Costs
+        two counts per step (the requests handed over against ``requests``, and ``running`` plus ``waiting``
+        against ``requests``); the requests are compared one by one only when a count differs."""
         sched = self.scheduler
-        if len(self._held) == len(sched.requests):
-            return []
-        lost = [r for rid, r in self._held.items() if sched.requests.get(rid) is not r]
+        lost = [r for rid, r in self._held.items() if sched.requests.get(rid) is not r] \
+            if len(self._held) != len(sched.requests) else []
+        unqueued = self._unqueued(planned)
         outputs: list[CoreOutput] = []
-        for request in lost:
+        for request, what in [*((r, "its requests") for r in lost), *((r, "its queues") for r in unqueued)]:
             if self._held.get(request.request_id) is not request:  # ended with a sample lost before it
                 continue
             exc = SchedulerHookError(f"the scheduler ({type(sched).__name__}) dropped {request.request_id!r} from "
-                                     "its requests without the engine ending it")
+                                     f"{what} without the engine ending it")
             _log_fault("its scheduler lost it", request, exc)
             self._evict(request)
             outputs += self._end(request.group_id, _failure(request.group_id, "its scheduler", exc), alone=request)
         return outputs
+
+    def _unqueued(self, planned: object) -> list[Request]:
+        """The requests the engine holds that the scheduler keeps in ``requests`` but in neither ``running`` nor
+        ``waiting``, and does not schedule in ``planned``: in no queue it reports, none of them would ever be
+        scheduled. Only when ``running`` and ``waiting`` together count other than ``requests`` (a request in
+        neither makes them differ unless another is in both, which the conformance suite refuses)."""
+        sched = self.scheduler
+        if len(sched.running) + len(sched.waiting) == len(sched.requests):
+            return []
+        queued = {id(r) for r in sched.running}
+        queued.update(id(r) for r in sched.waiting)
+        plan = planned.num_scheduled_tokens if isinstance(planned, SchedulerOutput) else None
+        scheduled = plan if isinstance(plan, dict) else {}
+        return [r for rid, r in self._held.items()
+                if id(r) not in queued and sched.requests.get(rid) is r and not dict.__contains__(scheduled, rid)]
 
     def _check_finished(self, finished: list[Request]) -> None:
         """Take out of the scheduler's base queues, and free the blocks of, every request of ``finished`` that the
@@ -424,8 +442,9 @@ class EngineCore:
     def _plan_fault(self, request: Request, n: object) -> str | None:
         """What is wrong with a plan's entry of ``n`` tokens for ``request`` (None: nothing)."""
         rid = request.request_id
-        if not isinstance(n, int) or isinstance(n, bool):
-            return f"{n!r} tokens for {rid!r} (not an int)"
+        fault = count_type_fault(rid, n)
+        if fault is not None:
+            return fault
         if request.status is not RequestStatus.RUNNING:
             return f"{n} tokens for {rid!r}, which is {request.status.value}, not running"
         uncomputed = request.num_tokens - request.num_computed_tokens

@@ -361,6 +361,36 @@ async def test_a_request_a_plugin_drops_from_its_queues_fails_alone_and_leaves_n
         assert engine.step_stats().failed_steps == 0
 
 
+class _Unqueues(FIFOScheduler):
+    """FIFO that drops the requests whose id starts with "bad" from ``waiting`` but keeps them in ``requests``."""
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        for request in list(self.waiting):
+            if request.request_id.startswith("bad"):
+                self.waiting.remove(request)
+        return super().schedule()
+
+
+async def test_a_request_a_plugin_keeps_in_requests_but_in_no_queue_fails_alone_at_once(tiny_models, hf_greedy) -> None:
+    """A plugin that dropped a request from ``waiting`` but kept it in ``requests`` was not found (the engine only
+    counted ``requests``): never scheduled again, the request waited until the stall timeout, or forever without
+    one, while its neighbours ran. The engine now finds a request in ``requests`` but in neither ``running`` nor
+    ``waiting`` (and not scheduled) at the step it goes missing, and fails it alone like any other plugin fault:
+    RequestFailedError whose cause is a SchedulerHookError naming the plugin."""
+    from asyncinfer.step import SchedulerHookError
+
+    model = tiny_models["llama"][1]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], scheduler=_Unqueues, **BASE) as engine:
+        neighbour = asyncio.ensure_future(engine.generate(GOOD, greedy))
+        with pytest.raises(RequestFailedError, match=r"_Unqueues\) dropped 'bad' from its queues") as err:
+            await asyncio.wait_for(engine.generate(GOOD, greedy, request_id="bad"), 10)
+        assert isinstance(err.value.__cause__, SchedulerHookError)
+        assert (await neighbour).token_ids == hf_greedy(model, GOOD, 8)
+        assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
+        assert engine.step_stats().failed_steps == 0
+
+
 async def test_the_servers_embedding_usage_count_reads_a_long_text_as_far_as_the_model_does(minilm_dir) -> None:
     """The HTTP server counts an embedding call's tokens for ``usage`` with the model's tokenizer after the vectors
     came back: it tokenized each text whole too (a body's 4 MiB text: about 7 s of a worker thread and 0.5 GB).

@@ -31,7 +31,7 @@ from asyncinfer.sampling_params import SamplingParams
 from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncinfer.schedulers.registry import create_scheduler, resolve_scheduler
 from asyncinfer.schedulers.testing import ContractViolation, check_schedule
-from asyncinfer.step import apply_step, scheduled
+from asyncinfer.step import ENDS_ENGINE, apply_step, scheduled
 
 
 @dataclass
@@ -167,14 +167,18 @@ def simulate(
         sched = create_scheduler(scheduler, config, kv, options)
     except AsyncInferError:
         raise
-    except Exception as exc:  # the contract: a bad option is an InvalidParameterError naming it
+    except ENDS_ENGINE:
+        raise
+    except BaseException as exc:  # the contract: a bad option is an InvalidParameterError naming it
         raise ContractViolation(
             f"{resolve_scheduler(scheduler).__name__} at construction: its constructor raised {exception_text(exc)} "
             f"with options {dict(options or {})} (a bad option is an InvalidParameterError naming it)") from exc
     sim = _Replay(sched, cost_model, check)
     try:
         sched.clock = lambda: sim.now  # type: ignore[method-assign]
-    except Exception as exc:  # a read-only property of the plugin's (AttributeError), or its own __setattr__
+    except ENDS_ENGINE:
+        raise
+    except BaseException as exc:  # a read-only property of the plugin's (AttributeError), or its own __setattr__
         raise ContractViolation(
             f"{type(sched).__name__}: its clock cannot be set ({exception_text(exc)}); the lab replaces "
             "Scheduler.clock with simulated time, so a plugin reads the clock through it and leaves it assignable "
@@ -193,7 +197,9 @@ def simulate(
         the trace's last arrival) or a count of blocks not returned, named as no scheduler's fault."""
         try:
             busy = bool(sched.has_unfinished_requests())
-        except Exception as exc:
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:
             raise ContractViolation(f"{name} at step {len(sim.steps)} ({sim.now:.3f}s): has_unfinished_requests() "
                                     f"raised {exception_text(exc)}") from exc
         if not busy:
@@ -212,7 +218,9 @@ def simulate(
         while i < len(pending) and pending[i].arrival <= sim.now:
             try:
                 sched.add_request(_make_request(pending[i], i))
-            except Exception as exc:  # a plugin's hook (OrderedScheduler's key_of, say), as schedule() below
+            except ENDS_ENGINE:
+                raise
+            except BaseException as exc:  # a plugin's hook (OrderedScheduler's key_of, say), as schedule() below
                 raise ContractViolation(
                     f"{type(sched).__name__} at step {len(sim.steps)} ({sim.now:.3f}s): add_request({pending[i].id!r}) "
                     f"raised {exception_text(exc)}") from exc
@@ -257,7 +265,9 @@ class _Replay:
         sched = self.sched
         try:
             plan = sched.schedule()
-        except Exception as exc:  # a plugin's bug: the contract says schedule() never raises (lack of memory included)
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # a plugin's bug: the contract says schedule() never raises (lack of memory included)
             raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({self.now:.3f}s): schedule() "
                                     f"raised {exception_text(exc)}") from exc
         sched.kv.commit_step()  # as the core does: this step's blocks now count as computed
@@ -267,7 +277,9 @@ class _Replay:
                 check_schedule(sched, plan, where)
             except ContractViolation:
                 raise
-            except Exception as exc:  # what the check reads is the plugin's (num_running, its queues): its fault
+            except ENDS_ENGINE:
+                raise
+            except BaseException as exc:  # what the check reads is the plugin's (num_running, its queues): its fault
                 raise ContractViolation(f"{where}: reading its plan and queues raised {exception_text(exc)}") from exc
         batch = scheduled(sched, plan)
         shape = StepShape.from_batch(((r.num_computed_tokens, n, r.num_tokens) for r, n in batch), sched.kv.block_size)
@@ -281,7 +293,9 @@ class _Replay:
                 record.first_scheduled = start
         try:
             result = apply_step(sched, plan, 0)
-        except Exception as exc:  # a plugin's hook (finish_requests, add_forked), as schedule() above
+        except ENDS_ENGINE:
+            raise
+        except BaseException as exc:  # a plugin's hook (finish_requests, add_forked), as schedule() above
             raise ContractViolation(f"{type(sched).__name__} at step {len(self.steps)} ({start:.3f}s): applying the "
                                     f"step (its finish_requests and add_forked hooks) raised {exception_text(exc)}") from exc
         for request, _ in result.sampled:

@@ -141,6 +141,16 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
+def count_type_fault(request_id: object, n: object) -> str | None:
+    """What is wrong with the type of a plan's count ``n`` for ``request_id`` (None: an ``int``, of a subclass
+    too, read as the plain int it holds). A ``bool`` (``True`` is no count of 1) or any other type is refused by
+    its type, naming the id and the value: the one rule the engine holds every plan to and the conformance
+    suite's :func:`~asyncinfer.schedulers.testing.check_schedule` checks."""
+    if isinstance(n, int) and not isinstance(n, bool):
+        return None
+    return f"{n!r} tokens for {request_id!r} (a {type(n).__name__}, not an int)"
+
+
 class Scheduler(abc.ABC):
     """Base class: queues, bookkeeping and preemption; subclasses write :meth:`schedule`."""
 

@@ -16,8 +16,9 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from asyncinfer.cache.kv_manager import KVCacheManager
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, exception_text
 from asyncinfer.schedulers.base import SCHEDULER_API_VERSION, Scheduler, SchedulerConfig
+from asyncinfer.step import ENDS_ENGINE
 
 ENTRY_POINT_GROUP = "asyncinfer.schedulers"
 
@@ -131,20 +132,25 @@ def _import_plugin(spec: str) -> object:
         if isinstance(exc, ImportError) and module_name.endswith(".py"):  # "myplug.py:Class": no such package
             raise _file_path(spec, module_name, attr) from exc
         raise InvalidParameterError("scheduler", spec, f"an importable 'module:Class' ({exc})") from exc
-    except Exception as exc:  # the module's own code failed while it was imported
+    except ENDS_ENGINE:
+        raise
+    except BaseException as exc:  # the module's own code failed while it was imported (a class of
+        # its own deriving from BaseException, or asyncio.CancelledError, too: it went through bare, a traceback)
         raise InvalidParameterError(
             "scheduler", spec,
-            f"an importable 'module:Class' (importing {module_name!r} raised {type(exc).__name__}: {exc})") from exc
+            f"an importable 'module:Class' (importing {module_name!r} raised {exception_text(exc)})") from exc
 
 
 def _load_entry_point(spec: str, entry_point: EntryPoint) -> object:
     """The object an installed package's entry point names; its failure to import is the package's fault."""
     try:
         return entry_point.load()
-    except Exception as exc:
+    except ENDS_ENGINE:
+        raise
+    except BaseException as exc:  # as _import_plugin
         raise InvalidParameterError(
             "scheduler", spec,
-            f"an entry point that imports ({entry_point.value!r} raised {type(exc).__name__}: {exc})") from exc
+            f"an entry point that imports ({entry_point.value!r} raised {exception_text(exc)})") from exc
 
 
 def resolve_scheduler(spec: str | type[Scheduler]) -> type[Scheduler]:

@@ -52,9 +52,9 @@ from asyncinfer.cache.kv_manager import KVCacheManager
 from asyncinfer.errors import AsyncInferError, exception_text
 from asyncinfer.request import Request, RequestStatus
 from asyncinfer.sampling_params import SamplingParams
-from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncinfer.schedulers.base import Scheduler, SchedulerConfig, SchedulerOutput, count_type_fault
 from asyncinfer.schedulers.registry import create_scheduler
-from asyncinfer.step import apply_step, fork_samples
+from asyncinfer.step import ENDS_ENGINE, apply_step, fork_samples
 
 __all__ = [
     "LIMITS",
@@ -106,9 +106,15 @@ def check_schedule(sched: Scheduler, plan: SchedulerOutput, where: str = "") -> 
         raise ContractViolation(f"{where}: schedule() returned a SchedulerOutput whose num_scheduled_tokens is "
                                 f"{type(plan.num_scheduled_tokens).__name__}, not a dict of request ids to token counts")
     cfg = sched.config
-    scheduled = plan.num_scheduled_tokens
-    if plan.total_tokens > cfg.max_num_batched_tokens:
-        raise ContractViolation(f"{where}: {_rule(1)}{plan.total_tokens} tokens > max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    scheduled = {}
+    for rid, n in plan.num_scheduled_tokens.items():  # counts by type first (the engine's rule), then as plain ints
+        fault = count_type_fault(rid, n)
+        if fault is not None:
+            raise ContractViolation(f"{where}: {_rule(2)}{fault}")
+        scheduled[rid] = int.__index__(n)  # an int subclass is held to the int it holds, as the engine reads it
+    total = sum(scheduled.values())
+    if total > cfg.max_num_batched_tokens:
+        raise ContractViolation(f"{where}: {_rule(1)}{total} tokens > max_num_batched_tokens={cfg.max_num_batched_tokens}")
     if len(scheduled) > cfg.max_num_seqs or sched.num_running > cfg.max_num_seqs:
         raise ContractViolation(f"{where}: {_rule(1)}more than max_num_seqs={cfg.max_num_seqs} requests")
     running = {r.request_id for r in sched.running}
@@ -191,7 +197,7 @@ def drive_random_load(
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, watermark=0.05, enable_prefix_caching=samples)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
-    sched = create_scheduler(scheduler, config, kv, options)
+    sched = _construct(scheduler, config, kv, options)
     clock = sched.clock = _SimClock()
     arrivals = sorted((rng.randrange(60), i) for i in range(num_requests))
     added: list[Request] = []
@@ -258,18 +264,27 @@ def drive_random_load(
     return LoadReport(step, preempted, aborted, len(ended) - aborted, len(forks), kv.num_prefix_hits)
 
 
-def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None) -> type[Scheduler]:
-    """The class's ``uses_priority`` and ``starvation_free`` are declared as bools; returns the class."""
+def _construct(scheduler: SchedulerSpec, config: SchedulerConfig, kv: KVCacheManager,
+               options: Mapping[str, Any] | None) -> Scheduler:
+    """``create_scheduler`` as every check calls it: a bad spec or option is the registry's
+    :class:`InvalidParameterError`; anything else the constructor raises (any ``BaseException`` but
+    :data:`~asyncinfer.step.ENDS_ENGINE`'s, a class of the plugin's own or ``asyncio.CancelledError`` included)
+    is the plugin's fault, a :class:`ContractViolation` naming it (it went through bare, as the plugin raised it)."""
     try:
-        cls = type(create_scheduler(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
-    except AsyncInferError:  # a bad spec or option, named (InvalidParameterError)
+        return create_scheduler(scheduler, config, kv, options)
+    except (AsyncInferError, *ENDS_ENGINE):  # a bad spec or option, named (InvalidParameterError); or the process ends
         raise
-    except Exception as exc:  # e.g. a plain ValueError for an option: it went through as the plugin raised it
+    except BaseException as exc:  # e.g. a plain ValueError for an option: the plugin's fault
         name = getattr(scheduler, "__name__", scheduler)
         raise ContractViolation(f"{name} cannot be constructed as the engine constructs it "
                                 f"(scheduler(config, kv, **options)): its constructor raised {exception_text(exc)} "
                                 f"with options {dict(options or {})} (a bad option is an InvalidParameterError "
                                 "naming it)") from exc
+
+
+def check_flags(scheduler: SchedulerSpec, options: Mapping[str, Any] | None = None) -> type[Scheduler]:
+    """The class's ``uses_priority`` and ``starvation_free`` are declared as bools; returns the class."""
+    cls = type(_construct(scheduler, SchedulerConfig(), KVCacheManager(8, 4), options))
     for flag in ("uses_priority", "starvation_free"):
         if not isinstance(getattr(cls, flag, None), bool):
             raise ContractViolation(f"{cls.__name__}.{flag} must be declared True or False")
@@ -294,7 +309,7 @@ def check_no_starvation(
     for victim_priority, others in ((3, 0), (0, 3)):
         kv = KVCacheManager(4096, 4, watermark=0.0)
         config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
-        sched = create_scheduler(scheduler, config, kv, options)
+        sched = _construct(scheduler, config, kv, options)
         if not sched.starvation_free:
             return None
         clock = sched.clock = _SimClock()
@@ -357,10 +372,12 @@ def check_rules(
         runs = [drive_random_load(scheduler, seed, lim, options, samples=samples)
                 for seed in seeds for lim in limits for samples in (False, True)]
         check_no_starvation(scheduler, options)
-    except (AttributeError, TypeError) as exc:  # a broken class, not a broken rule: name it all the same
+    except (ContractViolation, AsyncInferError, *ENDS_ENGINE):
+        raise
+    except BaseException as exc:  # the plugin's own fault in a hook: named as its, never bare
         # (a constructor without super().__init__(config, kv) is refused when built: create_scheduler)
-        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)} (do its methods "
-                                "keep the base class's signatures?)") from exc
+        hint = " (do its methods keep the base class's signatures?)" if isinstance(exc, (AttributeError, TypeError)) else ""
+        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)}{hint}") from exc
     return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
                              sum(r.aborted for r in runs), None)
 
