@@ -42,3 +42,17 @@ async def test_a_carried_max_model_len_past_the_new_context_names_where_it_came_
         assert str(given.value) == "max_model_len=300 is invalid: allowed at most the model's context length 256"
         info = await engine.swap_model(str(narrow), mode=mode, max_model_len=200)
         assert engine.max_model_len == 200 and info.source == f"safetensors:{narrow}"
+
+
+def test_weights_a_rounding_away_from_fitting_show_their_exact_bytes(two_contexts) -> None:
+    """Weights of 1.02 MiB against 1 MiB available read 'its weights need 1.0 MiB ... but 1.0 MiB are
+    available': the refusal showed no shortfall at all."""
+    from asyncinfer import ConfigurationError
+
+    wide, _ = two_contexts
+    weights = AsyncEngine.plan_memory(str(wide), quantization=None).weight_bytes
+    with pytest.raises(ConfigurationError) as info:
+        AsyncEngine.plan_memory(str(wide), quantization=None, available_bytes=weights - 1)
+    assert str(info.value).startswith(
+        f"the model does not fit: its weights need {weights / 2**20:.1f} MiB ({weights:,} bytes) (float32) but "
+        f"{weights / 2**20:.1f} MiB ({weights - 1:,} bytes) are available on cpu; try ")
