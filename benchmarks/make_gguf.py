@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in SHAPES["tiny"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"override the shape's {key}")
     args = p.parse_args(argv)
-    shape = {key: getattr(args, key) or value for key, value in SHAPES[args.shape].items()}
+    given = {key: getattr(args, key) for key in SHAPES[args.shape]}
+    shape = {key: value if given[key] is None else given[key] for key, value in SHAPES[args.shape].items()}
     for key, value in shape.items():
         if value <= 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {value}")

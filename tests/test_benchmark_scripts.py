@@ -307,3 +307,13 @@ def test_the_waiting_queue_benchmark_times_a_neighbour_beside_each_queue_length(
     assert all(v["tpot_ms"] > 0 for t in table.values() for v in t.values())
     refused = run_script("waiting_queue.py", "--window", "0")
     assert refused.returncode == 2 and "--window must be > 0" in refused.stderr
+
+
+@pytest.mark.parametrize("flag", ["--hidden", "--layers", "--intermediate", "--heads", "--kv-heads", "--vocab-size"])
+def test_make_gguf_refuses_a_shape_override_of_zero(tmp_path, flag) -> None:
+    """An override of 0 is refused as any non-positive one: it was read as 'not given' and the shape's own
+    value written (``--layers 0`` made the 2-layer tiny file, exit status 0)."""
+    model = tmp_path / "zero.gguf"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", flag, "0", timeout=60)
+    assert made.returncode == 1 and made.stderr.strip() == f"{flag} must be positive, got 0", made.stderr
+    assert not model.exists()

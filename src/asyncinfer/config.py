@@ -20,10 +20,10 @@ from asyncinfer.models.config import ModelConfig
 from asyncinfer.models.quant import (
     ACTIVATION_DTYPES,
     check_quantization,
-    default_skip,
     format_dtype,
     resolve_pack,
     resolve_quantization,
+    resolve_skip,
     spelled_quantization,
 )
 from asyncinfer.plain import plain_value
@@ -387,10 +387,7 @@ def for_model(config: EngineConfig, options: dict[str, Any], model_config: Model
 def _check_weight_format(config: EngineConfig) -> None:
     """Validate ``quantization`` and resolve ``quantization_skip`` (None: the format's) and ``pack_weights``."""
     check_quantization(config.quantization, config.device, config.dtype)
-    skip = default_skip(config.quantization) if config.quantization_skip is None else config.quantization_skip
-    if isinstance(skip, str) or not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
-        raise InvalidParameterError("quantization_skip", skip, "a tuple of layer-name substrings, or None")
-    object.__setattr__(config, "quantization_skip", tuple(skip))
+    object.__setattr__(config, "quantization_skip", resolve_skip(config.quantization, config.quantization_skip))
     object.__setattr__(config, "pack_weights", resolve_pack(config.pack_weights, config.device, config.dtype))
 
 

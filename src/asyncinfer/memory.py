@@ -57,6 +57,15 @@ def format_bytes(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
+def format_bytes_apart(need: int, have: int) -> tuple[str, str]:
+    """Two sizes as :func:`format_bytes` writes them, with their exact byte counts where its rounding would
+    write them alike ("1.0 MiB ... but 1.0 MiB are available" read as no shortfall)."""
+    shown = format_bytes(need), format_bytes(have)
+    if shown[0] != shown[1]:
+        return shown
+    return f"{shown[0]} ({need:,} bytes)", f"{shown[1]} ({have:,} bytes)"
+
+
 def available_memory(device: torch.device) -> int:
     """Bytes that can still be allocated on ``device`` without evicting anything."""
     if device.type == "cuda":
@@ -255,9 +264,10 @@ def check_weights_fit(model_config: ModelConfig, config: EngineConfig, weights: 
             if smaller + config.activation_reserve <= available:
                 fixes.append(f"quantization='{method}' ({format_bytes(smaller)} of weights)")
     fixes.append("a smaller model")
+    need, have = format_bytes_apart(weights, available)
     raise ConfigurationError(
-        f"the model does not fit: its weights need {format_bytes(weights)} ({dtype}) but "
-        f"{format_bytes(available)} are available on {config.device}; try {' or '.join(fixes)}"
+        f"the model does not fit: its weights need {need} ({dtype}) but "
+        f"{have} are available on {config.device}; try {' or '.join(fixes)}"
     )
 
 

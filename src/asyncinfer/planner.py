@@ -33,6 +33,7 @@ from asyncinfer.models.quant import (
     default_skip,
     format_dtype,
     resolve_quantization,
+    resolve_skip,
     smaller_cpu_formats,
     weight_bytes,
 )
@@ -261,7 +262,7 @@ def plan_deployment(
     resolved = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype in (None, "auto") else (
         resolve_dtype(dtype, torch.device("cpu")))
     check_quantization(quantization, target, resolved)
-    skip = default_skip(quantization) if quantization_skip is None else tuple(quantization_skip)
+    skip = resolve_skip(quantization, quantization_skip)
     context = model_config.max_position_embeddings
     seq_len = context if seq_len is None else seq_len
     # the engine's own ranges (EngineConfig): the plan's options must load; a seq_len of 1 is a max_model_len the

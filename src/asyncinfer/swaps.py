@@ -136,7 +136,14 @@ class ModelChanges:
             if mode == "drain":  # from the call on, new requests wait for the new version (its checks included)
                 admission.clear()
             try:
-                await self._check_fits(model, merged, available, mode, current(holder).plan)
+                try:
+                    await self._check_fits(model, merged, available, mode, current(holder).plan)
+                except InvalidParameterError as exc:  # an option the caller did not give: say where it came from
+                    if exc.parameter not in current(holder).options or exc.parameter in options:
+                        raise
+                    raise InvalidParameterError(exc.parameter, exc.value, exc.allowed, message=(
+                        f"{exc} ({exc.parameter} is the serving version's, carried over: pass {exc.parameter}= to "
+                        "swap_model for the new model)")) from exc
                 if mode == "overlap":
                     new = await self._load_version(model, merged)
                     await self.switch(new, holder)

@@ -134,8 +134,9 @@ def test_the_conformance_suite_no_longer_asks_about_super_init(plugin: str) -> N
 
     with pytest.raises(ContractViolation) as info:
         check_scheduler(f"{plugin}:Misspelt", engine=False)
-    assert str(info.value) == ("Misspelt failed while scheduling: AttributeError: 'Request' object has no attribute "
-                               "'prompt_len' (do its methods keep the base class's signatures?)")
+    assert str(info.value) == (f"{plugin}:Misspelt (seed 0, limits num_blocks=256, block_size=4, max_num_seqs=8, "
+                               "max_num_batched_tokens=64) step 2: add_request('a/5') raised AttributeError: 'Request' "
+                               "object has no attribute 'prompt_len' (do its methods keep the base class's signatures?)")
 
 
 def test_lab_names_a_finish_requests_that_raises_as_the_plugin_s_fault(plugin: str, capsys) -> None:

@@ -242,6 +242,21 @@ def default_skip(method: str | None) -> tuple[str, ...]:
     return DEFAULT_SKIP.get(method, ())
 
 
+def resolve_skip(method: str | None, skip: object) -> tuple[str, ...]:
+    """``quantization_skip`` as a tuple: None is the format's own (:func:`default_skip`).
+
+    Raises:
+        InvalidParameterError: not a tuple or list of non-empty strings (an empty one is a substring of every
+            layer's name: it kept every projection in float32).
+    """
+    if skip is None:
+        return default_skip(method)
+    if (isinstance(skip, str) or not isinstance(skip, (tuple, list))
+            or not all(isinstance(s, str) and s.strip() for s in skip)):
+        raise InvalidParameterError("quantization_skip", skip, "a tuple of non-empty layer-name substrings, or None")
+    return tuple(skip)
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether float32 weights can be packed for oneDNN here: a CPU, float32, torch built with oneDNN."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()

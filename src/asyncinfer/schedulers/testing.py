@@ -85,6 +85,13 @@ def limits_text(limits: tuple[int, int, int, int]) -> str:
     return ", ".join(f"{name}={value}" for name, value in zip(LIMIT_NAMES, limits))
 
 
+def _hint(exc: BaseException) -> str:
+    """What a plugin's AttributeError or TypeError usually means."""
+    if isinstance(exc, (AttributeError, TypeError)):
+        return " (do its methods keep the base class's signatures?)"
+    return ""
+
+
 def _rule(number: int) -> str:
     return f"invariant {number} ({INVARIANTS[number]}): "
 
@@ -206,6 +213,15 @@ def drive_random_load(
     forks: list[Request] = []
     preempted = aborted = step = 0
 
+    def call(what: str, method: Any, *args: Any) -> Any:
+        """One call into the scheduler; its own exception is named with the seed, limits and step that replay it."""
+        try:
+            return method(*args)
+        except (ContractViolation, *ENDS_ENGINE):
+            raise
+        except BaseException as exc:  # a class of the plugin's own or asyncio.CancelledError included
+            raise ContractViolation(f"{where} step {step}: {what} raised {exception_text(exc)}{_hint(exc)}") from exc
+
     def sample(caught_up: list[Request]) -> list[tuple[Request, int]]:
         pairs = []
         for request in caught_up:
@@ -226,10 +242,10 @@ def drive_random_load(
                                     n=rng.choice([1, 1, 2, 3]) if samples else 1)
             added.append(Request(f"{rng.choice('ab')}/{i}", prompt, params, arrival_time=clock.now,
                                  priority=rng.randrange(4)))
-            sched.add_request(added[-1])
+            call(f"add_request({added[-1].request_id!r})", sched.add_request, added[-1])
         if sched.requests and rng.random() < 0.04:
             victim = rng.choice(sorted(sched.requests))
-            if sched.abort_request(victim).status is not RequestStatus.FINISHED_ABORTED:
+            if call(f"abort_request({victim!r})", sched.abort_request, victim).status is not RequestStatus.FINISHED_ABORTED:
                 raise ContractViolation(f"{where}: {_rule(5)}abort_request({victim!r}) did not mark it aborted")
             ended[victim] = "abort"
             aborted += 1
@@ -237,11 +253,12 @@ def drive_random_load(
         clock.now += 0.05
         if not sched.has_unfinished_requests():
             continue
-        plan = sched.schedule()
+        plan = call("schedule()", sched.schedule)
         kv.commit_step()
         check_schedule(sched, plan, f"{where} step {step}")
         preempted += len(plan.preempted)
-        for request in apply_step(sched, plan, sample).finished:
+        for request in call("applying the step (finish_requests, add_forked)", apply_step, sched, plan,
+                            sample).finished:
             if request.num_output_tokens != request.params.max_tokens:
                 raise ContractViolation(f"{where}: {_rule(2)}{request.request_id} finished with "
                                         f"{request.num_output_tokens} of {request.params.max_tokens} tokens")
@@ -376,8 +393,7 @@ def check_rules(
         raise
     except BaseException as exc:  # the plugin's own fault in a hook: named as its, never bare
         # (a constructor without super().__init__(config, kv) is refused when built: create_scheduler)
-        hint = " (do its methods keep the base class's signatures?)" if isinstance(exc, (AttributeError, TypeError)) else ""
-        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)}{hint}") from exc
+        raise ContractViolation(f"{cls.__name__} failed while scheduling: {exception_text(exc)}{_hint(exc)}") from exc
     return ConformanceReport(cls.__name__, len(runs), sum(r.steps for r in runs), sum(r.preempted for r in runs),
                              sum(r.aborted for r in runs), None)
 
