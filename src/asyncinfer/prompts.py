@@ -359,9 +359,9 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     ):
         ids = [plain_value(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameterError("prompt", bad, f"token ids in [0, {vocab - 1}]")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:  # the id and where it is: the id alone read as if it were the whole prompt
+            raise InvalidParameterError("prompt", f"<token id {ids[bad]} at index {bad}>", f"token ids in [0, {vocab - 1}]")
     else:
         raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids"
                                     + _ONE_PROMPT_PER_CALL * _several_prompts(prompt))

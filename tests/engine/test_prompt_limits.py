@@ -92,3 +92,13 @@ async def test_chat_roles_are_the_server_s_and_developer_renders_as_system(real_
         assert chat_history(as_developer) == as_system  # the server's rendering: the same
         assert engine.apply_chat_template([{"role": "tool", "content": "4"}])  # a role both accept
     assert set(CHAT_ROLES) == {"system", "developer", "user", "assistant", "tool"}
+
+
+async def test_a_token_id_past_the_vocabulary_is_named_with_its_index(real_gguf) -> None:
+    async with await AsyncEngine.load(real_gguf, max_model_len=256) as engine:
+        vocab = engine.model_config.vocab_size
+        with pytest.raises(InvalidParameterError) as err:
+            await engine.generate([5, 6, vocab + 7], ONE)
+        assert err.value.parameter == "prompt"
+        # the id and its place, not the id alone as if it were the prompt ("prompt=49159 is invalid")
+        assert str(err.value).startswith(f"prompt='<token id {vocab + 7} at index 2>' is invalid: allowed token ids in [0, {vocab - 1}]")
