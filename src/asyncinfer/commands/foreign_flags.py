@@ -99,6 +99,20 @@ def _sampling_hint(command: str) -> str:
     return "a sampling flag of asyncinfer chat and asyncinfer generate"
 
 
+def _samples_hint(command: str, name: str) -> str:
+    what = ("OpenAI's samples of one prompt, n" if name == "--n" else
+            "vLLM's best_of (candidates of which the n best are returned); asyncinfer returns every sample it makes, n")
+    if command == "serve":
+        return f"{what}, which serve's requests set in their body (\"n\": 2, with a temperature)"
+    return (f"{what}, which a line of asyncinfer generate --file sets ({{\"prompt\": \"...\", \"n\": 2, "
+            "\"temperature\": 0.8}: greedy, the default, gives n copies of one answer)")
+
+
+#: Flags for samples of one prompt (OpenAI's and vLLM's request fields), refused on every command with where the
+#: number goes: argparse read ``--n`` as an abbreviation, "ambiguous option: --n could match --no-progress, ...".
+SAMPLES_FLAGS = ("--n", "--best-of")
+
+
 def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | None:
     """The error for the first flag of ``argv`` (up to ``--``) that is another tool's (or another command's)
     and not one of this command's ``known`` flags, else None: ``-ngl 99`` is "-ngl is not an asyncinfer flag
@@ -111,7 +125,8 @@ def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | No
         if not name.startswith("-") or name in own:
             continue
         hint = REFUSED.get(name) or _OTHER_COMMANDS.get(name) or (
-            _sampling_hint(command) if name in SAMPLING_FLAGS else None)
+            _sampling_hint(command) if name in SAMPLING_FLAGS else
+            _samples_hint(command, name) if name in SAMPLES_FLAGS else None)
         if hint is not None:
             return f"{name} is not a flag of asyncinfer {command}: it is {hint}"
     return None
