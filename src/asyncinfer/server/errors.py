@@ -278,8 +278,20 @@ def _no_room(field: str, exc: InvalidParameterError) -> str:
     """The engine's "prompt + max_tokens over max_model_len" in the terms of an HTTP body (the engine's
     own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
     room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
+    leave = f"leave `{field}` out (the output then stops where the context ends)."
+    untokenized = _NO_PROMPT_ROOM.match(room)
+    if untokenized is not None:
+        # checked before the prompt was tokenized: max_model_len - 1 is what a one-token prompt leaves, not this
+        # prompt (its max_tokens of that size was the next 400, naming the prompt's own room)
+        context = int(untokenized.group(1)) + 1
+        return (f"`{field}` is {shown(exc.value)}, but the context is {context} tokens (max_model_len), prompt and "
+                f"output together: a prompt of one token leaves room for {context - 1} at most, a longer one less. "
+                f"Lower `{field}` to at most {context} less the prompt's tokens, shorten the prompt, or " + leave)
     return (f"`{field}` is {shown(exc.value)}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
-            f"shorten the prompt, or leave `{field}` out (the output then stops where the context ends).")
+            f"shorten the prompt, or " + leave)
+
+
+_NO_PROMPT_ROOM = re.compile(r"^at most max_model_len - 1 = (\d+)$")
 
 
 def _grammar_library_missing() -> bool:
