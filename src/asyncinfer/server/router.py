@@ -387,8 +387,10 @@ class _OpenAI:
         held = self.in_flight[who]
         if held + count > limit:
             more = "" if count == 1 else f" and this call makes {count} more"
-            holder = "This tenant" if tenant is not None else "This API key (which has no tenant)"
-            raise APIError(429, f"{holder} has {_requests(held)} in flight{more}, the most this server allows one "
+            # a call with neither tenant nor key (a server without API keys) shares one count with all such calls
+            holder = ("This tenant has" if tenant is not None else "This API key (which has no tenant) has"
+                      if call.key is not None else "Calls without a tenant or an API key, which share one count, have")
+            raise APIError(429, f"{holder} {_requests(held)} in flight{more}, the most this server allows one "
                                 f"tenant (max_requests_per_tenant={limit}): retry when one has ended.",
                            type="rate_limit_error", code="tenant_requests_exceeded", headers={"retry-after": "1"})
         self.in_flight[who] = held + count
