@@ -110,6 +110,11 @@ def _check_source(args: argparse.Namespace) -> None:
     if not args.prompt and args.file is None:
         raise CommandError("asyncinfer generate needs its prompts: --prompt TEXT (repeatable) or --file FILE (JSONL, "
                            "one request a line; '-' reads stdin)")
+    empty = [i for i, text in enumerate(args.prompt or (), 1) if not text]
+    if empty:
+        # ``--prompt "$PROMPT"`` with the variable unset: the model was loaded to refuse it as the job's one error
+        which = "--prompt ''" if len(args.prompt) == 1 else f"--prompt number {empty[0]} of {len(args.prompt)}"
+        raise CommandError(f"{which} is empty (an unset variable?): give the text of each prompt")
 
 
 def _check_output_is_not_input(source: str | None, output: str) -> None:

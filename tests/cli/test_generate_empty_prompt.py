@@ -1,0 +1,32 @@
+"""``asyncinfer generate --prompt "$PROMPT"`` with the variable unset: the model was loaded, the engine refused the
+empty prompt as the job's one error line and the job ended with status 1; chat refuses its empty prompt before
+loading anything, and so does generate now, naming the --prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer import cli
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Any model load fails the test: every refusal here comes before one."""
+    import asyncinfer.engine
+
+    async def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", load)
+    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "from_pretrained", load)
+
+
+@pytest.mark.parametrize(("argv", "which"), [
+    (["generate", "--prompt", ""], "--prompt ''"),
+    (["generate", "--prompt", "hi", "--prompt", "", "--chat"], "--prompt number 2 of 2"),
+])
+def test_an_empty_prompt_is_refused_before_the_load(no_load, capsys, argv, which) -> None:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"asyncinfer: error: {which} is empty (an unset variable?): give the text of each prompt\n"
