@@ -538,6 +538,13 @@ def _add_lab_args(p: argparse.ArgumentParser) -> None:
 async def _embed(args: argparse.Namespace) -> int:
     from asyncinfer.engine import AsyncEngine
 
+    empty = [i for i, text in enumerate(args.texts, 1) if not text]
+    if empty:  # ``asyncinfer embed "$TEXT"`` with the variable unset: the encoder was loaded to embed nothing
+        from asyncinfer.commands import CommandError
+
+        which = "the text ''" if len(args.texts) == 1 else f"text number {empty[0]} of {len(args.texts)}"
+        raise CommandError(f"{which} is empty (an unset variable?): give each text to embed")
+
     options = {"device": args.device, "dtype": args.dtype}
     if args.threads is not None:
         options["num_threads"] = args.threads

@@ -1,6 +1,6 @@
 """``asyncinfer generate --prompt "$PROMPT"`` with the variable unset: the model was loaded, the engine refused the
 empty prompt as the job's one error line and the job ended with status 1; chat refuses its empty prompt before
-loading anything, and so does generate now, naming the --prompt."""
+loading anything, and so do generate and embed now, naming the --prompt or the text."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def test_an_empty_prompt_is_refused_before_the_load(no_load, capsys, argv, which
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"asyncinfer: error: {which} is empty (an unset variable?): give the text of each prompt\n"
+
+
+@pytest.mark.parametrize(("argv", "which"), [
+    (["embed", ""], "the text ''"),
+    (["embed", "a text", ""], "text number 2 of 2"),
+])
+def test_an_empty_text_to_embed_is_refused_before_the_load(no_load, capsys, argv, which) -> None:
+    """``asyncinfer embed "$TEXT"`` with the variable unset loaded the encoder and printed the embedding of ''
+    (status 0), where /v1/embeddings refuses an empty text."""
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"asyncinfer: error: {which} is empty (an unset variable?): give each text to embed\n"
