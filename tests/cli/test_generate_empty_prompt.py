@@ -43,3 +43,13 @@ def test_an_empty_text_to_embed_is_refused_before_the_load(no_load, capsys, argv
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"asyncinfer: error: {which} is empty (an unset variable?): give each text to embed\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--file", ""], "--file '' is invalid: allowed a file's path, or '-' for stdin"),
+    (["generate", "--prompt", "hi", "--output", ""], "--output '' is invalid: allowed a file's path, or '-' for stdout"),
+])
+def test_an_empty_path_is_refused_naming_its_flag(no_load, capsys, argv, message) -> None:
+    """``--file "$IN"`` or ``--output "$OUT"`` with the variable unset read "--file : No such file or directory"."""
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"asyncinfer: error: {message}\n"

@@ -84,6 +84,10 @@ class Job:
 
 
 def run_generate(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> int:
+    # an empty path is no file (an unset variable): it read "--file : No such file or directory"
+    for flag, value, std in (("--file", args.file, "stdin"), ("--output", args.output, "stdout")):
+        if value is not None and not value.strip():
+            raise CommandError(f"{flag} {value!r} is invalid: allowed a file's path, or '-' for {std}")
     _check_source(args)
     _check_output_is_not_input(args.file, args.output)
     if args.concurrency < 1:
