@@ -62,7 +62,7 @@ from asyncinfer.prompts import (
 )
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import MAX_STOP_CHARS, SamplingParams
-from asyncinfer.streams import StreamTable
+from asyncinfer.streams import StreamTable, sample_ids
 from asyncinfer.threads import run_sync_to_end
 
 
@@ -182,6 +182,10 @@ class RequestIntake:
         # admission control as much as those already posted, so that a flood waiting its turns is refused at once
         # past the limit rather than after its wait.
         self._binding: dict[ModelHolder, int] = {}
+        # The sample ids of the requests in bind: held from the start of their bind, so that a later call with the
+        # same id is refused at its call (or a stream at its first read), not bound ahead of the earlier one while
+        # that one waits (its compile, its turn, a drain-mode swap), which was then refused for the later one's id.
+        self._binding_ids: set[str] = set()
 
     def check(
         self,
@@ -277,7 +281,11 @@ class RequestIntake:
         """The request, the version it is bound to and its generator; post it before the next await.
         :class:`AbortedWhileWaiting` when ``aborted()`` comes true while it waits its turn (or its compile's)."""
         arrival = time.time()
+        held: tuple[str, ...] = ()
         try:
+            self._check_id_free(args.request_id, args.params.n)  # a stream's second read, or another call of its id
+            held = sample_ids(args.request_id, args.params.n)
+            self._binding_ids.update(held)
             # a place taken as it is checked again: a stream is checked at its call but bound when first read, and
             # streams made together, none counted yet, then read together, all waited their turns past the limit
             with self.taking_in(model):
@@ -299,7 +307,7 @@ class RequestIntake:
                     _check_version(args.version_id, version, self.models.generator(model).served)
                 check_stop_token_ids(args.params, version.model_config.vocab_size)  # a swap may have changed the vocabulary
                 _check_runnable(args.params, version)  # and max_num_seqs, and the tokenizer
-                self._check_id_free(args.request_id, args.params.n)
+                self._check_id_free(args.request_id, args.params.n, binding=False)
             # its place given back: from here on it is counted by its stream, opened with no await between
             self._check_load(model)
             request = make_request(ids, args.params, args.request_id, args.priority, args.cache_salt,
@@ -312,6 +320,8 @@ class RequestIntake:
                 # compiled or a drain-mode swap held its admission (the refusal read as if it had never been loaded).
                 raise InvalidParameterError("model", exc.value, "a loaded generator (it was removed meanwhile)") from None
             raise
+        finally:  # bound (its stream opens before the next await, holding the ids from there) or refused
+            self._binding_ids.difference_update(held)
         if self._observer is not None:
             self._observer.track(request, version.version_id)
         return request, version, self.models.generator(model)
@@ -439,8 +449,10 @@ class RequestIntake:
                 f"{config.max_waiting_requests}); retry later."
             )
 
-    def _check_id_free(self, request_id: str, n: int) -> None:
-        if not self.streams.is_free(request_id, n):
+    def _check_id_free(self, request_id: str, n: int, *, binding: bool = True) -> None:
+        """Refuse an id held by a request in flight, or (``binding``) by a call still being bound."""
+        held = binding and not self._binding_ids.isdisjoint(sample_ids(request_id, n))
+        if held or not self.streams.is_free(request_id, n):
             allowed = "an id not used by a request in flight"
             if self.streams.is_abandoned(request_id):
                 allowed += (" (a request with this id was cancelled and is still being aborted: its id is free once the "

@@ -188,3 +188,40 @@ async def test_a_request_id_is_bounded_in_length(tiny_models) -> None:
             await engine.generate(PROMPT, greedy(2), request_id="x" * 513)
         assert err.value.parameter == "request_id" and err.value.value == "<513 chars>"
         assert (await engine.generate(PROMPT, greedy(2), request_id="x" * 512)).finish_reason == "length"
+
+
+async def test_an_id_is_held_while_its_call_is_bound_not_taken_by_a_later_call(tiny_models, hf_greedy) -> None:
+    """A call waits before the engine thread knows its id (a drain-mode swap holds admission here; a grammar's
+    compile or a turn the same way). A later call with the same id passed the check at its call, was bound first
+    when it waited less, and the earlier call was refused for its own id once bound. The later call is refused at
+    its call now (a stream made before the earlier one was read, at its first read), and the earlier one runs."""
+    path, hf = tiny_models["llama"]
+    expected = hf_greedy(hf, PROMPT, 20)
+    taken = "request_id='x' is invalid: allowed an id not used by a request in flight"
+    async with await AsyncEngine.load(path, **BASE) as engine:
+        old = asyncio.ensure_future(engine.generate(PROMPT, greedy(240)))
+        while engine.step_stats().steps == 0:
+            await asyncio.sleep(0.005)
+        swap = asyncio.ensure_future(engine.swap_model(path, mode="drain"))  # waits for `old`
+        while engine.model_info()[0].state != "draining":
+            await asyncio.sleep(0.005)
+        early = engine.stream(PROMPT, greedy(3), request_id="x")  # checked now, bound when first read
+        first = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, n=2),
+                                                      request_id="x"))
+        await asyncio.sleep(0.05)
+        assert not first.done() and engine.num_unfinished_requests == 1  # waiting for admission, not yet posted
+        with pytest.raises(InvalidParameterError) as err:
+            engine.stream(PROMPT, greedy(3), request_id="x")
+        assert str(err.value) == taken
+        with pytest.raises(InvalidParameterError) as err:  # the id of its second sample
+            engine.stream(PROMPT, greedy(3), request_id="x#1")
+        assert str(err.value) == "request_id='x#1' is invalid: allowed an id not used by a request in flight"
+        with pytest.raises(InvalidParameterError) as err:
+            await early.__anext__()
+        assert str(err.value) == taken
+        await swap
+        out = await asyncio.wait_for(first, 30)
+        assert [o.token_ids for o in out.outputs] == [expected, expected]
+        await old
+        assert len((await engine.generate(PROMPT, greedy(20), request_id="x")).token_ids) == 20  # free again
+        assert engine.kv_stats().used_blocks == 0
