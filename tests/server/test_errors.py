@@ -325,6 +325,19 @@ def test_edges_name_what_the_client_sent_and_echo_it_bounded(http) -> None:
     assert http.post("/v1/completions", json=TEXT, headers={"content-encoding": "identity"}).status_code == 200
 
 
+def test_a_content_encoding_given_twice_is_read_whole(http) -> None:
+    """Two ``Content-Encoding`` lines are one list (RFC 9110): ``identity`` then ``gzip`` is a gzip body, the 415
+    naming both (the first line alone was read, and the body answered as malformed JSON)."""
+    body = json.dumps(TEXT).encode()
+    for lines in ((("content-encoding", "identity"), ("content-encoding", "gzip")),
+                  (("content-encoding", "gzip"), ("content-encoding", "identity"))):
+        r = http.post("/v1/completions", content=body, headers=[("content-type", "application/json"), *lines])
+        message = check_error(r, 415, None, "unsupported_content_encoding")["message"]
+        assert ", ".join(value for _, value in lines) in message
+    twice = [("content-type", "application/json"), ("content-encoding", "identity"), ("content-encoding", "Identity")]
+    assert http.post("/v1/completions", content=body, headers=twice).status_code == 200
+
+
 def test_a_long_user_is_accepted_where_it_names_no_one(http) -> None:
     """By default ``user`` is OpenAI's end-user label and changes nothing: any length is fine."""
     for user in ("u" * 5000, "a/b", "a%2Fb"):

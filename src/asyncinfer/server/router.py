@@ -441,8 +441,11 @@ class _OpenAI:
         thread (a few MiB of JSON, or thousands of messages, would hold the loop for everyone). A body
         declared as anything but JSON is a 415, unread."""
         _check_json_type(request.headers.get("content-type"))
-        encoding = request.headers.get("content-encoding")
-        if encoding is not None and encoding.strip().lower() != "identity":
+        # every copy of the header, as one list (RFC 9110): the first alone was read, so `identity` then `gzip` was
+        # read as plain and the gzip bytes answered as malformed JSON
+        codings = request.headers.getlist("content-encoding")
+        if codings and any(c.strip().lower() != "identity" for value in codings for c in value.split(",")):
+            encoding = ", ".join(codings)
             raise APIError(415, f"The request body must not be encoded: Content-Encoding {encoding[:100]!r} is not "
                                 "supported (send it as plain JSON).", code="unsupported_content_encoding")
         _check_transfer_coding(request.headers.getlist("transfer-encoding"))
