@@ -63,6 +63,9 @@ _REQUEST_KEYS = {"prompt", "messages", "id"}
 #: The engine's fix for a ``max_tokens`` past the context, a Python call, as a job says it: the key of a --file line.
 _TRUNCATE_IN_A_LINE = ("SamplingParams(truncate_output_to_model_len=True)",
                        'a --file line\'s "truncate_output_to_model_len": true')
+#: The same fix for a --prompt job, which sets no line's keys: the flags it has.
+_TRUNCATE_BY_FLAGS = ("SamplingParams(truncate_output_to_model_len=True) to stop at --max-model-len",
+                      "lower --max-tokens, or raise --max-model-len")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +95,7 @@ def run_generate(args: argparse.Namespace, options: dict[str, Any], params: Samp
     _check_output_is_not_input(args.file, args.output)
     if args.concurrency < 1:
         raise InvalidParameterError("--concurrency", args.concurrency, "an int >= 1")
+    _check_room(args, options, params)
     jobs = list(_jobs(args, params))
     if not jobs:
         raise CommandError(f"{_source(args.file)}: no requests in it")
@@ -119,6 +123,18 @@ def _check_source(args: argparse.Namespace) -> None:
         # ``--prompt "$PROMPT"`` with the variable unset: the model was loaded to refuse it as the job's one error
         which = "--prompt ''" if len(args.prompt) == 1 else f"--prompt number {empty[0]} of {len(args.prompt)}"
         raise CommandError(f"{which} is empty (an unset variable?): give the text of each prompt")
+
+
+def _check_room(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> None:
+    """``--prompt`` jobs whose ``--max-tokens`` no prompt leaves room for in a given ``--max-model-len`` (a prompt
+    takes one token at least): refused before the model loads, as ``chat`` refuses them, in the flags' terms (the
+    model was loaded to refuse each prompt, suggesting a --file line's key that a --prompt job has no way to set).
+    A --file line sets its own ``max_tokens``: checked per line, once loaded."""
+    context = options.get("max_model_len")
+    if not args.prompt or context is None or params.truncate_output_to_model_len or params.max_tokens < context:
+        return
+    raise CommandError(f"--max-tokens {params.max_tokens} is invalid: allowed less than --max-model-len ({context}), "
+                       "a prompt takes one token at least; lower --max-tokens or raise --max-model-len")
 
 
 def _check_output_is_not_input(source: str | None, output: str) -> None:
@@ -381,7 +397,8 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
             except (InvalidParameterError, EngineOverloadedError, RequestFailedError) as exc:  # this request only
                 from asyncinfer.commands.engine_flags import in_flag_terms
 
-                record = {"id": job.id, "error": in_flag_terms(str(exc)).replace(*_TRUNCATE_IN_A_LINE)}
+                fix = _TRUNCATE_IN_A_LINE if args.file is not None else _TRUNCATE_BY_FLAGS
+                record = {"id": job.id, "error": in_flag_terms(str(exc)).replace(*fix)}
                 failed += 1
                 progress.done(0)
         results[i] = record

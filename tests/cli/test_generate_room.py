@@ -1,0 +1,39 @@
+"""``asyncinfer generate -c 64 --max-tokens 70 --prompt hi`` loaded the model to refuse the prompt as the job's one
+error line, whose fix named a --file line's "truncate_output_to_model_len" that a --prompt job cannot set; chat
+refuses the same flags before loading. Now refused before the load in the flags' terms, and a --prompt job's
+per-prompt refusal (a prompt too long for its --max-tokens) names the flags it has."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncinfer import cli
+from tests.cli.test_generate_empty_prompt import no_load  # noqa: F401 (a fixture)
+
+
+@pytest.mark.parametrize("max_tokens", ["64", "70"])
+def test_max_tokens_no_prompt_leaves_room_for_is_refused_before_the_load(no_load, capsys, max_tokens) -> None:  # noqa: F811
+    assert cli.main(["generate", "-c", "64", "--max-tokens", max_tokens, "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"asyncinfer: error: --max-tokens {max_tokens} is invalid: allowed less than --max-model-len "
+                            "(64), a prompt takes one token at least; lower --max-tokens or raise --max-model-len\n")
+
+
+@pytest.mark.real_model
+def test_a_prompt_job_s_refusal_names_its_flags_a_file_line_its_keys(real_gguf, tmp_path) -> None:
+    long = "hello " * 30  # 31 tokens: 64 - 31 = 33 left, under --max-tokens 60
+    out = tmp_path / "out.jsonl"
+    common = ["generate", str(real_gguf), "-c", "64", "--max-tokens", "60", "--no-progress", "-o", str(out)]
+    assert cli.main([*common, "--prompt", long]) == 1
+    error = json.loads(out.read_text())["error"]
+    assert error == ("max_tokens=60 is invalid: allowed at most --max-model-len - prompt tokens = 64 - 31 = 33 "
+                     "(or shorten the prompt, or lower --max-tokens, or raise --max-model-len)")
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text(json.dumps({"prompt": long}) + "\n")
+    assert cli.main([*common, "--file", str(lines)]) == 1
+    error = json.loads(out.read_text())["error"]
+    assert error.endswith('(or shorten the prompt, or a --file line\'s "truncate_output_to_model_len": true to stop at '
+                          "--max-model-len)")
