@@ -294,3 +294,18 @@ def test_a_body_in_one_byte_chunks_holds_the_loop_only_briefly_under_h11(tiny_ch
             ticking.result(10)
     assert _statuses(answer) == [b"200"], answer[:300]
     assert len(lags) > 10 and max(lags) < 0.25, (len(lags), max(lags))  # was 2.9 s for a megabyte
+
+
+# The authority form proxy clients send (`CONNECT host:port`): httptools refuses it in its parser, before any route
+# is looked at (the 400 invalid_http_request in OpenAI's shape, the connection closed, the tunnel's bytes unread);
+# h11 hands it to the app, which names no route for it (404), and reads on (no 2xx: no tunnel).
+def test_a_connect_in_authority_form_is_answered_in_openai_s_shape(keyed) -> None:
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-right\r\n\r\n"
+    connect = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
+    answer = _exchange(keyed[0], [(connect, 0.3), (smuggled, 0.5)], timeout=20)
+    if keyed[1] == "h11":
+        assert _statuses(answer) == [b"404", b"200"], answer
+        assert b'"type":"invalid_request_error"' in answer and b"x-request-id: req-" in answer, answer
+        return
+    assert _statuses(answer) == [b"400"], answer
+    assert b'"code":"invalid_http_request"' in answer and b"x-request-id: " in answer, answer
