@@ -309,3 +309,10 @@ def test_a_connect_in_authority_form_is_answered_in_openai_s_shape(keyed) -> Non
         return
     assert _statuses(answer) == [b"400"], answer
     assert b'"code":"invalid_http_request"' in answer and b"x-request-id: " in answer, answer
+
+
+# `OPTIONS *` (the server-wide form) names the target as sent: its 404 read "No route OPTIONS /* on this server".
+def test_the_asterisk_form_is_named_as_sent(keyed) -> None:
+    answer = _exchange(keyed[0], [(b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 0.3)], timeout=20)
+    assert _statuses(answer) == [b"404"], answer
+    assert b"No route OPTIONS * on this server" in answer and b"x-request-id: req-" in answer, answer

@@ -315,7 +315,8 @@ def http_error(request: Request, exc: Exception) -> Response:
     request_id = new_request_id()
     status = exc.status_code
     headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() in ("allow", "retry-after")}
-    method, path = elided(request.method), elided(request.url.path)  # (a head may hold 64 KiB of either)
+    # the path as sent (the URL's path reads "OPTIONS *" as "/*"); a head may hold 64 KiB of either
+    method, path = elided(request.method), elided(request.scope.get("path") or request.url.path)
     if status == 404:
         error = APIError(404, f"No route {method} {path} on this server{_other_api(request.url.path)}.",
                          code="unknown_url")
