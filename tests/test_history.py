@@ -47,6 +47,14 @@ def test_replies_before_the_first_user_message_are_a_turn_of_their_own() -> None
     assert trim_messages(history, words(TURNS), words) == TURNS
 
 
+def test_a_system_message_after_the_first_turn_goes_with_its_turn() -> None:
+    """Only the leading system messages are always kept (docs/api.md): a later one is part of the turn it follows."""
+    late = msg("system", 3, "late")
+    history = [SYSTEM, TURNS[0], TURNS[1], late, TURNS[2], TURNS[3], TURNS[4]]
+    assert trim_messages(history, words([SYSTEM, *TURNS[2:]]), words) == [SYSTEM, *TURNS[2:]]
+    assert trim_messages(history, words(history), words) == history
+
+
 def test_refusals_name_the_parameter() -> None:
     with pytest.raises(InvalidParameterError) as err:
         trim_messages([SYSTEM, *TURNS], 11, words)  # system 5 + last turn 7 = 12

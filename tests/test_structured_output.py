@@ -132,6 +132,17 @@ def test_a_schema_nested_too_deep_is_refused_for_its_depth(schema: object) -> No
     assert str(info.value).endswith("is invalid: allowed a JSON schema nested at most 64 levels")
 
 
+@pytest.mark.parametrize("text", ["5", "[1]", "true", '"a string"'])
+def test_a_schema_text_that_is_no_json_object_is_named_as_given(text: str) -> None:
+    """json_schema('5') read 'structured=5 is invalid': the parsed value, as if an int had been passed."""
+    with pytest.raises(InvalidParameterError) as info:
+        StructuredOutput.json_schema(text)
+    assert info.value.parameter == "structured"
+    assert info.value.value == text
+    assert str(info.value) == (f"structured={text!r} is invalid: allowed a JSON schema (a dict, or its JSON text: "
+                               "a JSON object)")
+
+
 def test_a_spec_given_up_on_mid_way_names_the_output_position_and_the_token_id() -> None:
     """The refusal said "it stopped at token 46880" for a reply's first token: a token id read as a position."""
 

@@ -189,7 +189,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(schema, str):
             if len(schema) > MAX_SPEC_CHARS:
                 raise _too_long("JSON schema", len(schema))
-            schema = _load_json(schema)
+            text, schema = schema, _load_json(schema)
+            if not isinstance(schema, Mapping):  # named as given: '5' parsed would read as an int passed
+                raise InvalidParameterError(_NAME, text[:200],
+                                            "a JSON schema (a dict, or its JSON text: a JSON object)")
         if not isinstance(schema, Mapping):
             raise InvalidParameterError(_NAME, schema, "a JSON schema (a dict, or its JSON text)")
         text = _canonical_json(schema)
