@@ -153,8 +153,9 @@ class MetricsSnapshot:
     (or the ``memory_bandwidth`` option); None for an engine without a generator. The
     ``device_*`` figures are CUDA's (None on a CPU); ``device_utilization`` needs
     ``nvidia-ml-py``. ``unknown_model_rejected`` (by reason) and ``unknown_model_swaps`` (by
-    outcome) count the calls that named a model the engine does not hold (or named none on an
-    engine without a generator): they belong to no model, so no entry of ``models`` is made for
+    outcome) count the generation requests (``generate``, ``stream``) and swaps that named a model the engine
+    does not hold (or named none on an engine without a generator; a refused ``embed()`` call is counted in no
+    metric): they belong to no model, so no entry of ``models`` is made for
     them (/metrics renders them with the fixed label ``model=""``).
     """
 
