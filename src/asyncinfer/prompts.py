@@ -360,8 +360,10 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
         ids = [plain_value(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:  # the id and where it is: the id alone read as if it were the whole prompt
-            raise InvalidParameterError("prompt", f"<token id {ids[bad]} at index {bad}>", f"token ids in [0, {vocab - 1}]")
+        if bad is not None:  # the id and where it is: "prompt=49159 is invalid" read as if it were the whole prompt
+            allowed = f"token ids in [0, {vocab - 1}]"
+            raise InvalidParameterError("prompt", ids[bad], allowed,
+                                        message=f"prompt token id {ids[bad]} (at index {bad}) is invalid: allowed {allowed}")
     else:
         raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of token ids"
                                     + _ONE_PROMPT_PER_CALL * _several_prompts(prompt))

@@ -99,6 +99,6 @@ async def test_a_token_id_past_the_vocabulary_is_named_with_its_index(real_gguf)
         vocab = engine.model_config.vocab_size
         with pytest.raises(InvalidParameterError) as err:
             await engine.generate([5, 6, vocab + 7], ONE)
-        assert err.value.parameter == "prompt"
+        assert err.value.parameter == "prompt" and err.value.value == vocab + 7
         # the id and its place, not the id alone as if it were the prompt ("prompt=49159 is invalid")
-        assert str(err.value).startswith(f"prompt='<token id {vocab + 7} at index 2>' is invalid: allowed token ids in [0, {vocab - 1}]")
+        assert str(err.value) == f"prompt token id {vocab + 7} (at index 2) is invalid: allowed token ids in [0, {vocab - 1}]"
