@@ -9,18 +9,6 @@ import pytest
 from asyncinfer import cli
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Any model load fails the test: every refusal here comes before one."""
-    import asyncinfer.engine
-
-    async def load(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", load)
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "from_pretrained", load)
-
-
 @pytest.mark.parametrize(("argv", "which"), [
     (["generate", "--prompt", ""], "--prompt ''"),
     (["generate", "--prompt", "hi", "--prompt", "", "--chat"], "--prompt number 2 of 2"),

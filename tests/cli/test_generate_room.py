@@ -10,11 +10,10 @@ import json
 import pytest
 
 from asyncinfer import cli
-from tests.cli.test_generate_empty_prompt import no_load  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("max_tokens", ["64", "70"])
-def test_max_tokens_no_prompt_leaves_room_for_is_refused_before_the_load(no_load, capsys, max_tokens) -> None:  # noqa: F811
+def test_max_tokens_no_prompt_leaves_room_for_is_refused_before_the_load(no_load, capsys, max_tokens) -> None:
     assert cli.main(["generate", "-c", "64", "--max-tokens", max_tokens, "--prompt", "hi"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

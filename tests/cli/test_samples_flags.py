@@ -12,18 +12,6 @@ _FILE_LINE = ("a line of asyncinfer generate --file sets ({\"prompt\": \"...\", 
               "greedy, the default, gives n copies of one answer)")
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Any model load fails the test: every refusal here comes before one."""
-    import asyncinfer.engine
-
-    async def load(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", load)
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "from_pretrained", load)
-
-
 @pytest.mark.parametrize(("argv", "message"), [
     (["generate", "--prompt", "hi", "--n", "2"],
      f"--n is not a flag of asyncinfer generate: it is OpenAI's samples of one prompt, n, which {_FILE_LINE}"),

@@ -12,18 +12,6 @@ from asyncinfer.commands.chat import EMPTY_LINE, HELP, LEAVE_HINT, _session
 from asyncinfer.commands.engine_flags import FLAGS
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Any model load fails the test: every refusal here comes before one."""
-    import asyncinfer.engine
-
-    async def load(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "load", load)
-    monkeypatch.setattr(asyncinfer.engine.AsyncEngine, "from_pretrained", load)
-
-
 def error_line(capsys) -> str:
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
