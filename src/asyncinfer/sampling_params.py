@@ -17,7 +17,8 @@ from asyncinfer.errors import InvalidParameterError, check_unicode
 from asyncinfer.plain import plain_value
 from asyncinfer.structured import StructuredOutput
 
-__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams", "plain_params"]
+__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SamplingParams", "UnknownSamplingFieldError",
+           "plain_params"]
 
 _MAX_SEED = 2**63 - 1
 # Sampling runs in float32: logits are divided by the temperature and scaled by the
@@ -92,7 +93,66 @@ def _check_bool(name: str, value: object) -> None:
         raise InvalidParameterError(name, value, "a bool (True or False)")
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+#: Other libraries' keywords for a request's sampling, and the field asyncinfer has for them.
+_OTHER_FIELDS: dict[str, tuple[str, str]] = {
+    "max_new_tokens": ("transformers'", "max_tokens"), "n_predict": ("llama.cpp's", "max_tokens"),
+    "max_completion_tokens": ("OpenAI's", "max_tokens"), "min_new_tokens": ("transformers'", "min_tokens"),
+    "num_return_sequences": ("transformers'", "n"), "repeat_penalty": ("llama.cpp's", "repetition_penalty"),
+    "top_logprobs": ("OpenAI's", "logprobs"), "stop_sequences": ("another library's", "stop"),
+    "response_format": ("OpenAI's", "structured"), "guided_json": ("vLLM's", "structured"),
+    "guided_regex": ("vLLM's", "structured"), "guided_choice": ("vLLM's", "structured"),
+    "guided_grammar": ("vLLM's", "structured"),
+}
+#: Other libraries' keywords with no field of their own here, and what asyncinfer does instead.
+_NO_FIELD: dict[str, str] = {
+    "do_sample": "sampling is on where temperature > 0 (greedy, temperature=0, is the default)",
+}
+
+
+class UnknownSamplingFieldError(InvalidParameterError, TypeError):
+    """A keyword :class:`SamplingParams` has no field for (another library's name such as transformers'
+    ``max_new_tokens``, or a misspelling): an :class:`~asyncinfer.errors.InvalidParameterError` naming it, the
+    fields and the one meant; also a ``TypeError``, Python's error for an unexpected keyword."""
+
+
+def field_hint(name: str, known: tuple[str, ...] | None = None) -> str:
+    """What a caller who gave ``name``, a keyword :class:`SamplingParams` has no field for, most likely meant: the
+    field for another library's keyword (``max_new_tokens is transformers' name: asyncinfer's is max_tokens``),
+    what stands in for one with none, or a close spelling among ``known`` (the fields by default); "" if none."""
+    import difflib
+
+    if name in _OTHER_FIELDS:
+        library, field = _OTHER_FIELDS[name]
+        return f"{name} is {library} name: asyncinfer's is {field}"
+    if name in _NO_FIELD:
+        return f"{name} has no SamplingParams field: {_NO_FIELD[name]}"
+    close = difflib.get_close_matches(name, known or SamplingParams.__struct_fields__, n=1, cutoff=0.75)
+    return f"did you mean {close[0]}?" if close else ""
+
+
+def unknown_field(name: str, value: object) -> UnknownSamplingFieldError:
+    """The error for a keyword ``name`` that :class:`SamplingParams` has no field for, with the hint that fits."""
+    hint = field_hint(name)
+    return UnknownSamplingFieldError(name, value, f"a SamplingParams field: {', '.join(SamplingParams.__struct_fields__)}"
+                                     + (f"; {hint}" if hint else ""))
+
+
+class _SamplingParamsMeta(type(msgspec.Struct)):  # type: ignore[misc]
+    """Builds :class:`SamplingParams`: a keyword it has no field for is :class:`UnknownSamplingFieldError` with a
+    hint (msgspec's own ``TypeError`` read only "Unexpected keyword argument 'max_new_tokens'")."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except TypeError:
+            fields = cls.__struct_fields__
+            for name, value in kwargs.items():
+                if name not in fields:
+                    raise unknown_field(name, value) from None
+            raise
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, metaclass=_SamplingParamsMeta):
     """How to pick tokens for one request, and when to stop.
 
     All fields are keyword-only and validated at construction.
@@ -314,7 +374,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         fields = self.__struct_fields__
         for name, value in changes.items():
             if name not in fields:
-                raise InvalidParameterError(name, value, f"a SamplingParams field: {', '.join(fields)}")
+                raise unknown_field(name, value)
         return msgspec.structs.replace(self, **changes)
 
 

@@ -54,10 +54,16 @@ import msgspec
 
 from asyncinfer.commands import CommandError, check_chats_render, check_one_model, read_number
 from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError, range_in_words
-from asyncinfer.sampling_params import SamplingParams
+from asyncinfer.sampling_params import SamplingParams, field_hint
 from asyncinfer.structured import StructuredOutput
 
 _REQUEST_KEYS = {"prompt", "messages", "id"}
+
+
+def _key_hint(key: str) -> str:
+    """What a line's unknown ``key`` most likely meant: the field for another library's name (``max_new_tokens``:
+    ``max_tokens``) or a close spelling of a key a line takes; "" if none."""
+    return field_hint(key, (*sorted(_REQUEST_KEYS), *SamplingParams.__struct_fields__))
 
 
 #: The engine's fix for a ``max_tokens`` past the context, a Python call, as a job says it: the key of a --file line.
@@ -223,7 +229,8 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     if unknown:  # before the missing prompt: {"promt": "y"} is named by its misspelt key
         raise CommandError(f"{where}: unknown key(s) {', '.join(_shown(k) for k in unknown)}: the keys are prompt, "
                            "messages, id and "
-                           "SamplingParams' fields (max_tokens, temperature, stop, ...)")
+                           "SamplingParams' fields (max_tokens, temperature, stop, ...)"
+                           + "".join(f"; {hint}" for hint in map(_key_hint, unknown) if hint))
     if ("prompt" in item) == ("messages" in item):
         raise CommandError(f"{where}: expected an object with 'prompt' or 'messages' (one of them)")
     if overrides.get("structured") is not None:
