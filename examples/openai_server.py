@@ -2,7 +2,7 @@
 
     python examples/openai_server.py --host 127.0.0.1 --port 8000      # the default model; --model PATH for another
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
-        -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+        -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
 
 The model is served under the name ``asyncinfer serve`` gives it: SmolLM2-135M-Instruct for the
 default model, else its file's or directory's name (``--served-model-name`` chooses another).
