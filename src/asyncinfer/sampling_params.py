@@ -112,7 +112,8 @@ _NO_FIELD: dict[str, str] = {
 class UnknownSamplingFieldError(InvalidParameterError, TypeError):
     """A keyword :class:`SamplingParams` has no field for (another library's name such as transformers'
     ``max_new_tokens``, or a misspelling): an :class:`~asyncinfer.errors.InvalidParameterError` naming it, the
-    fields and the one meant; also a ``TypeError``, Python's error for an unexpected keyword."""
+    fields and the one meant; also a ``TypeError``, Python's error for an unexpected keyword. Positional arguments
+    (``SamplingParams(16)``: its fields are keywords only) are refused with it too, naming the fields."""
 
 
 def field_hint(name: str, known: tuple[str, ...] | None = None) -> str:
@@ -146,6 +147,13 @@ class _SamplingParamsMeta(type(msgspec.Struct)):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         except TypeError:
             fields = cls.__struct_fields__
+            if args:  # SamplingParams(16): msgspec's "Extra positional arguments provided" named no keyword
+                raise UnknownSamplingFieldError(
+                    "SamplingParams", args, "keyword arguments only",
+                    message=f"SamplingParams takes keyword arguments only, not {len(args)} positional "
+                            f"({', '.join(map(repr, args[:3]))}{', ...' if len(args) > 3 else ''}): e.g. "
+                            "SamplingParams(max_tokens=16, temperature=0.7); its fields: " + ", ".join(fields),
+                ) from None
             for name, value in kwargs.items():
                 if name not in fields:
                     raise unknown_field(name, value) from None

@@ -53,8 +53,15 @@ def test_known_keywords_and_bad_values_are_as_before() -> None:
     with pytest.raises(InvalidParameterError) as caught:
         SamplingParams(max_tokens=0)
     assert type(caught.value) is InvalidParameterError
-    with pytest.raises(TypeError, match="Extra positional arguments"):
+
+
+def test_positional_arguments_are_refused_naming_the_keywords() -> None:
+    """``SamplingParams(16)`` was msgspec's bare "Extra positional arguments provided", naming no keyword."""
+    with pytest.raises(UnknownSamplingFieldError) as caught:
         SamplingParams(16)
+    assert isinstance(caught.value, TypeError)
+    assert str(caught.value) == ("SamplingParams takes keyword arguments only, not 1 positional (16): e.g. "
+                                 f"SamplingParams(max_tokens=16, temperature=0.7); its fields: {FIELDS}")
 
 
 @pytest.mark.parametrize(("line", "said"), [
