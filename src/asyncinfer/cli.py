@@ -591,6 +591,12 @@ def _serve(args: argparse.Namespace) -> int:
         from asyncinfer.commands import CommandError
 
         raise CommandError(f"{exc.name} is missing: pip install 'asyncinfer[server]'") from exc
+    for flag, variable, keys in (("--api-key", "ASYNCINFER_API_KEY", args.api_key),
+                                 ("--metrics-key", "ASYNCINFER_METRICS_KEY", args.metrics_key)):
+        for key in keys:  # "sk-x,sk-y" was one key, sk-x and sk-y each a 401, where the variable splits it
+            if "," in key:
+                raise InvalidParameterError(flag, "<a key with a comma>", f"one key per {flag} without commas: repeat "
+                                            f"{flag} for each key ({variable} takes them comma-separated)")
     settings = ServerSettings(api_keys=(*api_keys_from_env(), *args.api_key), max_body_bytes=args.max_body_bytes,
                               cache_isolation=args.cache_isolation, tenant_header=args.tenant_header,
                               metrics_keys=(*metrics_keys_from_env(), *args.metrics_key), tenant_from=args.tenant_from,
