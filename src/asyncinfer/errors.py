@@ -4,7 +4,9 @@ The tree::
 
     AsyncInferError
     ├── InvalidParameterError (also ValueError)   bad user input; names the parameter and the range
-    │   └── PromptTooLongError                    a prompt too long for the model's max_model_len
+    │   ├── PromptTooLongError                    a prompt too long for the model's max_model_len
+    │   └── MaxTokensOverContextError             max_tokens past the room the prompt leaves in
+    │                                             max_model_len
     ├── ModelLoadError                            a model path, file or its weights could not be used
     │   └── SwapError                             swap_model could not load, check or warm up the new
     │                                             version; the old version keeps serving
@@ -129,8 +131,29 @@ class PromptTooLongError(InvalidParameterError):
     an :class:`InvalidParameterError` on ``prompt``. :func:`asyncinfer.trim_messages` reads it from ``count_tokens``
     as over any budget."""
 
-    def __init__(self, value: object, allowed: str) -> None:
+    def __init__(self, value: object, allowed: str, *, max_model_len: int | None = None,
+                 prompt_tokens: int | None = None, prompt_chars: int | None = None) -> None:
         super().__init__("prompt", value, allowed)
+        #: The model's context, where the prompt was refused against it (None: refused by another limit, the count
+        #: of chat messages).
+        self.max_model_len = max_model_len
+        #: The prompt's tokens (or token ids), where it was refused by them.
+        self.prompt_tokens = prompt_tokens
+        #: The prompt's characters, where it was refused by them before tokenizing (more than any
+        #: ``max_model_len - 1`` tokens of the vocabulary can hold).
+        self.prompt_chars = prompt_chars
+
+
+class MaxTokensOverContextError(InvalidParameterError):
+    """``max_tokens`` past the room the prompt leaves in the model's ``max_model_len`` (prompt and output together),
+    an :class:`InvalidParameterError` on ``max_tokens``: checked before the prompt is tokenized against the room a
+    one-token prompt leaves (``prompt_tokens`` None), then against the prompt's own."""
+
+    def __init__(self, value: object, allowed: str, *, max_model_len: int, prompt_tokens: int | None) -> None:
+        super().__init__("max_tokens", value, allowed)
+        self.max_model_len = max_model_len
+        #: The prompt's tokens; None where it was refused before the prompt was tokenized.
+        self.prompt_tokens = prompt_tokens
 
 
 def check_unicode(parameter: str, text: str, what: str = "text") -> None:

@@ -21,7 +21,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.errors import InvalidParameterError, PromptTooLongError, check_unicode, native_panics_as
+from asyncinfer.errors import (
+    InvalidParameterError,
+    MaxTokensOverContextError,
+    PromptTooLongError,
+    check_unicode,
+    native_panics_as,
+)
 from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
@@ -174,7 +180,8 @@ def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: Sampling
     size before tokenizing is) and, as vLLM's server does, a prompt plus ``params.max_tokens`` over
     ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
     if len(prompt_ids) >= max_model_len:
-        raise PromptTooLongError(f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens")
+        raise PromptTooLongError(f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens",
+                                 max_model_len=max_model_len, prompt_tokens=len(prompt_ids))
     if params is not None:
         _check_max_tokens(params, max_model_len, len(prompt_ids))
 
@@ -197,9 +204,9 @@ def _check_max_tokens(params: SamplingParams, max_model_len: int, prompt_len: in
     else:
         allowed = (f"at most max_model_len - prompt tokens = {max_model_len} - {prompt_len} = {room} (or shorten"
                    " the prompt, or ")
-    raise InvalidParameterError(
-        "max_tokens", params.max_tokens,
-        allowed + "SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)")
+    raise MaxTokensOverContextError(
+        params.max_tokens, allowed + "SamplingParams(truncate_output_to_model_len=True) to stop at max_model_len)",
+        max_model_len=max_model_len, prompt_tokens=prompt_len)
 
 
 def is_chat(prompt: Any) -> bool:
@@ -268,10 +275,11 @@ def texts_cost(texts: Sequence[str]) -> int:
     return sum(map(len, texts)) + ITEM_COST_CHARS * len(texts)
 
 
-def too_long(value: str, allowed: str) -> PromptTooLongError:
+def too_long(value: str, allowed: str, **sizes: int) -> PromptTooLongError:
     """The refusal of a prompt by its size alone (:func:`check_chat_size`, :func:`check_prompt_chars`), before any
-    token is counted: :func:`asyncinfer.history.trim_messages` reads it from ``count_tokens`` as over any budget."""
-    return PromptTooLongError(value, allowed)
+    token is counted: :func:`asyncinfer.history.trim_messages` reads it from ``count_tokens`` as over any budget.
+    ``sizes``: :class:`PromptTooLongError`'s ``max_model_len``, ``prompt_tokens`` or ``prompt_chars``."""
+    return PromptTooLongError(value, allowed, **sizes)
 
 
 def check_chat_size(prompt: Any) -> None:
@@ -292,7 +300,8 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
     if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and not is_chat(prompt):
         if len(prompt) >= version.max_model_len:
             raise too_long(
-                f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens"
+                f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens",
+                max_model_len=version.max_model_len, prompt_tokens=len(prompt),
             )
         return
     chars = prompt_chars(prompt)
@@ -301,6 +310,7 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
         raise too_long(
             f"<{chars} characters>",
             f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
+            max_model_len=version.max_model_len, prompt_chars=chars,
         )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import http
 import logging
 import math
-import re
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,7 +27,9 @@ from asyncinfer.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidParameterError,
+    MaxTokensOverContextError,
     ModelChangedError,
+    PromptTooLongError,
     RequestAbortedError,
     RequestFailedError,
     _short_repr,
@@ -167,23 +168,22 @@ def _invalid_message(field: str, exc: InvalidParameterError) -> str:
     return f"{field}={value if placeholder else shown(value)} is invalid: allowed {json_terms(exc.allowed)}"
 
 
-_TOO_LONG = re.compile(r"^<(\d+) (tokens|characters)>$")
-_CONTEXT = re.compile(r"^at most max_model_len - 1 = (\d+) tokens")
-
-
 def _prompt_too_long(field: str, exc: InvalidParameterError, also: Sequence[str] = ()) -> str | None:
     """The engine's "prompt of max_model_len tokens or more" as OpenAI words it (``This model's maximum context
-    length is ...``), or None for another refusal of the prompt. ``also``: the other body fields rendered into the
-    prompt (a chat's ``tools``), named beside ``field`` as what to shorten."""
-    size = _TOO_LONG.match(str(exc.value)) if isinstance(exc.value, str) else None
-    room = _CONTEXT.match(exc.allowed)
-    if size is None or room is None:
+    length is ...``), or None for another refusal of the prompt (one without its sizes: the count of chat messages,
+    or a route's own). ``also``: the other body fields rendered into the prompt (a chat's ``tools``), named beside
+    ``field`` as what to shorten."""
+    if not isinstance(exc, PromptTooLongError) or exc.max_model_len is None:
         return None
-    context = int(room.group(1)) + 1
-    count, unit = int(size.group(1)), size.group(2)
+    context = exc.max_model_len
     named = f"`{field}`" + "".join(f" and `{other}`" for other in also) + (" (rendered into the prompt)" if also else "")
-    got = (f"your {named} resulted in {count} tokens" if unit == "tokens" else
-           f"your {named} {'have' if also else 'has'} {count} characters, more than {context - 1} tokens can hold")
+    if exc.prompt_tokens is not None:
+        got = f"your {named} resulted in {exc.prompt_tokens} tokens"
+    elif exc.prompt_chars is not None:
+        got = (f"your {named} {'have' if also else 'has'} {exc.prompt_chars} characters, more than {context - 1} "
+               "tokens can hold")
+    else:
+        return None
     shorten = " or ".join(f"`{name}`" for name in (field, *also))
     return (f"This model's maximum context length is {context} tokens (prompt and output together), and the prompt "
             f"may take at most {context - 1} of them. However, {got}. Please reduce the length of {shorten}.")
@@ -249,7 +249,10 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
             if exc.value != "chat messages":  # a completion's text prompt: it is already on /v1/completions
                 return APIError(400, _NO_TEXT, param=rename("prompt"))
             return APIError(400, _NO_CHAT[exc.allowed], param=rename("prompt"))
-        code = "context_length_exceeded" if "max_model_len" in exc.allowed else None
+        against_context = isinstance(exc, MaxTokensOverContextError) or (
+            isinstance(exc, PromptTooLongError) and exc.max_model_len is not None)
+        # a route's own error in the engine's words (its range naming max_model_len) is one too
+        code = "context_length_exceeded" if against_context or "max_model_len" in exc.allowed else None
         field = rename(exc.parameter)
         if exc.parameter == "max_tokens" and code is not None:
             return APIError(400, _no_room(field, exc), param=field, code=code)
@@ -277,21 +280,17 @@ def from_exception(exc: BaseException, request_id: str, rename: Callable[[str], 
 def _no_room(field: str, exc: InvalidParameterError) -> str:
     """The engine's "prompt + max_tokens over max_model_len" in the terms of an HTTP body (the engine's
     own message suggests a ``SamplingParams`` option, which an HTTP client cannot set)."""
-    room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
     leave = f"leave `{field}` out (the output then stops where the context ends)."
-    untokenized = _NO_PROMPT_ROOM.match(room)
-    if untokenized is not None:
+    if isinstance(exc, MaxTokensOverContextError) and exc.prompt_tokens is None:
         # checked before the prompt was tokenized: max_model_len - 1 is what a one-token prompt leaves, not this
         # prompt (its max_tokens of that size was the next 400, naming the prompt's own room)
-        context = int(untokenized.group(1)) + 1
+        context = exc.max_model_len
         return (f"`{field}` is {shown(exc.value)}, but the context is {context} tokens (max_model_len), prompt and "
                 f"output together: a prompt of one token leaves room for {context - 1} at most, a longer one less. "
                 f"Lower `{field}` to at most {context} less the prompt's tokens, shorten the prompt, or " + leave)
+    room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
     return (f"`{field}` is {shown(exc.value)}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
             f"shorten the prompt, or " + leave)
-
-
-_NO_PROMPT_ROOM = re.compile(r"^at most max_model_len - 1 = (\d+)$")
 
 
 def _grammar_library_missing() -> bool:
