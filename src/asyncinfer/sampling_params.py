@@ -132,7 +132,14 @@ def field_hint(name: str, known: tuple[str, ...] | None = None) -> str:
 
 
 def unknown_field(name: str, value: object) -> UnknownSamplingFieldError:
-    """The error for a keyword ``name`` that :class:`SamplingParams` has no field for, with the hint that fits."""
+    """The error for a keyword ``name`` that :class:`SamplingParams` has no field for, with the hint that fits. Read
+    as the plain text it holds (a ``str`` subclass's is kept as a plain ``str``); a name that is not valid Unicode (a
+    lone surrogate) is named with it escaped, so the message can be written and logged."""
+    name = plain_value(name)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")
     hint = field_hint(name)
     return UnknownSamplingFieldError(name, value, f"a SamplingParams field: {', '.join(SamplingParams.__struct_fields__)}"
                                      + (f"; {hint}" if hint else ""))

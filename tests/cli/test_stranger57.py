@@ -76,3 +76,21 @@ def test_a_generate_line_s_unknown_key_names_the_key_meant(line, said, tmp_path,
     path.write_text(line + "\n")
     assert cli.main(["generate", "--file", str(path)]) == 2
     assert capsys.readouterr().err == f"asyncinfer: error: {path} line 1: {said}\n"
+
+
+class _Name(str):
+    """A keyword name of a ``str`` subclass: the error holds the plain text."""
+
+
+def test_an_odd_keyword_name_is_named_in_a_message_that_can_be_written() -> None:
+    """pass66: a lone surrogate as the name made a message no UTF-8 stream or log could write."""
+    with pytest.raises(UnknownSamplingFieldError) as caught:
+        SamplingParams(**{"\ud800x": 1})
+    assert caught.value.parameter == "\\ud800x"
+    str(caught.value).encode("utf-8")  # writable, the surrogate escaped
+    for make in (lambda: SamplingParams(**{_Name("temprature"): 1.0}),
+                 lambda: SamplingParams().with_updates(**{_Name("temprature"): 1.0})):
+        with pytest.raises(UnknownSamplingFieldError) as caught:
+            make()
+        assert type(caught.value.parameter) is str and caught.value.parameter == "temprature"
+        assert str(caught.value).endswith("did you mean temperature?")
