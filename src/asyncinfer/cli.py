@@ -199,6 +199,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+class _SpelledAs(argparse.Action):
+    """A flag with aliases that keeps, beside its value, the spelling typed (``DEST_flag``), for its refusal to
+    name: ``plan -c 100000`` is refused as ``-c 100000``, not as ``--seq-len``, a flag the user never typed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string or self.option_strings[0])
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
@@ -206,10 +216,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
     p.add_argument("--batch", metavar="N", type=read_number(int, "an integer >= 1"), default=1, help="requests served at once (default: 1)")
     # the engine's max_model_len in the plan it prints: the engine commands' flag for it is an alias
-    p.add_argument("--seq-len", *_names("--max-model-len"), metavar="TOKENS",
+    p.add_argument("--seq-len", *_names("--max-model-len"), metavar="TOKENS", action=_SpelledAs,
                    type=read_number(int, "an integer >= 2, at most the model's context"), default=None,
                    help="tokens per request, prompt + output: the engine's --max-model-len (default: the model's "
                         "context)")
+    p.set_defaults(seq_len_flag="--seq-len")
     p.add_argument("--dtype", metavar="DTYPE", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16 (default: auto)")
     # No argparse choices: the planner checks the value against the engine's own list of formats
@@ -1060,6 +1071,8 @@ def _in_flags(exc: AsyncInferError, args: argparse.Namespace | None) -> str:
         flag = {"plan": _PLAN_FLAGS, "embed": _EMBED_FLAGS, "lab": _LAB_FLAGS}[args.command].get(exc.parameter)
         if flag is None:
             return str(exc)
+        if flag == "--seq-len":
+            flag = args.seq_len_flag  # as typed: --max-model-len, -c, --ctx-size
         value = exc.value
         if value is None:  # a flag not given that the plan needs (--device-memory for cuda without CUDA here)
             return f"{flag} is needed: {exc.allowed}"

@@ -469,6 +469,10 @@ def test_plan_takes_every_format_the_engine_takes(tiny_models, capsys) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch 0 is invalid: allowed an integer >= 1"),
     (["--seq-len", "100000"], "--seq-len 100000 is invalid: allowed an integer >= 2 and <= 512"),
+    # the engine's flag and its aliases, as typed (stranger60: --max-model-len was refused as --seq-len)
+    (["--max-model-len", "100000"], "--max-model-len 100000 is invalid: allowed an integer >= 2 and <= 512"),
+    (["-c", "100000"], "-c 100000 is invalid: allowed an integer >= 2 and <= 512"),
+    (["--ctx-size", "600", "--seq-len", "100000"], "--seq-len 100000 is invalid"),  # the last one given
     (["--device-memory", "lots"], "--device-memory 'lots' is invalid: allowed a size such as 24GiB"),
     (["--block-size", "0"], "--block-size 0 is invalid"),
 ])
