@@ -351,7 +351,9 @@ class AsyncEngine:
     ) -> RequestOutput:
         """Run one request to its end and return the whole result.
 
-        With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
+        ``params`` None: :class:`SamplingParams`' defaults (greedy, 128 tokens), cut where the prompt and output
+        reach ``max_model_len`` (``truncate_output_to_model_len=True``), so a short context does not refuse the
+        default's 128. With ``params.n > 1``, ``outputs`` holds every sample (the flat fields are sample 0's).
         ``cache_salt``: requests share cached prefixes and compiled structured-output specs only within one
         salt (e.g. a tenant); at most 512 characters (the caches keep it after the request).
         Cancelling the awaiting task aborts the request (its blocks return at the next step

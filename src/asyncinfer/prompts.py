@@ -134,15 +134,21 @@ def _plain_message(message: Any) -> Any:
     return {plain_text(k): plain_text(v) for k, v in dict.items(message)}
 
 
+#: The parameters of a request given none: ``SamplingParams()``'s defaults, cut at the model's context.
+DEFAULT_PARAMS = SamplingParams(truncate_output_to_model_len=True)
+
+
 def check_request_args(params: SamplingParams | None, priority: Any,
                        cache_salt: Any) -> tuple[SamplingParams, int, str | None]:
-    """The request's parameters, checked as they hold now (``None`` params: the defaults), its priority as the
+    """The request's parameters, checked as they hold now (``None`` params: the defaults, their ``max_tokens`` cut
+    where the context ends, as the HTTP server's default is: a caller who chose no limit is not refused for the
+    default's 128 tokens on a short ``max_model_len``), its priority as the
     plain ``int`` and its cache salt as the plain ``str`` they hold (:func:`~asyncinfer.plain.plain_value`): the
     engine thread compares the one and hashes the other, and a subclass's own methods would run there (a salt
     whose ``__hash__`` raised failed its neighbours' step)."""
     priority, cache_salt = plain_value(priority), plain_value(cache_salt)
     if params is None:
-        params = SamplingParams()
+        params = DEFAULT_PARAMS
     elif not isinstance(params, SamplingParams):
         raise InvalidParameterError("params", params, "a SamplingParams instance or None")
     else:  # checked again as what it holds now (a subclass, a stop list grown since): the request's own copy
