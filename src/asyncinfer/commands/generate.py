@@ -10,7 +10,7 @@ Input, one request a line (``--file``; ``-`` reads stdin)::
 (``--chat`` sends texts as a user message). The file is UTF-8 (a byte-order mark at its start is
 skipped), each line strict JSON
 (no NaN or Infinity); ``messages`` is a non-empty list of ``{"role": ..., "content": ...}``
-dicts and ``id`` (default: the line's number, from 0) a string or an integer.
+dicts and ``id`` (default: the line's number, from 0) a string (valid Unicode) or an integer.
 Every line is checked before anything runs, so a bad line fails the job at once (exit
 status 2), naming its line number. All requests are submitted together (at most
 ``--concurrency`` in flight) and the engine batches them.
@@ -53,7 +53,13 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncinfer.commands import CommandError, check_chats_render, check_one_model, read_number
-from asyncinfer.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError, range_in_words
+from asyncinfer.errors import (
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestFailedError,
+    check_unicode,
+    range_in_words,
+)
 from asyncinfer.sampling_params import SamplingParams, field_hint
 from asyncinfer.structured import StructuredOutput
 
@@ -248,6 +254,11 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
     request_id = item.get("id", number - 1)
     if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
         raise CommandError(f"{where}: 'id' must be a string or an integer, not {_shown(request_id)}")
+    if isinstance(request_id, str):  # written back in the line's output, which cannot hold a lone surrogate
+        try:
+            check_unicode("id", request_id, "string")
+        except InvalidParameterError as exc:
+            raise CommandError(f"{where}: 'id' must be valid Unicode, not {exc.value}") from None
     prompt = item["messages"] if "messages" in item else item["prompt"]
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -318,6 +329,8 @@ def _open_input(name: str) -> Iterator[TextIO]:
 @contextlib.contextmanager
 def _open_output(name: str) -> Iterator[TextIO]:
     if name == "-":
+        if sys.stdout is None:  # started with it closed (>&-): refused before the load, not once every request ran
+            raise CommandError("--output -: standard output is closed: give --output FILE")
         yield sys.stdout
     else:
         with _opened("--output", name, "w") as fh:
