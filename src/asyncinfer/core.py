@@ -59,6 +59,10 @@ from asyncinfer.step import ENDS_ENGINE, SchedulerHookError, StepResult, apply_s
 
 logger = logging.getLogger("asyncinfer")
 
+#: How often the scheduler's queues are compared request by request even when their counts agree (_unqueued): a
+#: request a plugin dropped from them while it put another in both is found within this many seconds.
+QUEUE_SCAN_SECONDS = 1.0
+
 
 class SchedulerPlanError(RuntimeError):
     """A scheduler's plan broke the contract for one request: the cause of that request's ``RequestFailedError``."""
@@ -133,6 +137,7 @@ class EngineCore:
         # Every request (a sample) handed to the scheduler and not ended yet, by id: a plugin that drops one from its
         # queues without the engine ending it is found at the next step (_lost), never left waiting.
         self._held: dict[str, Request] = {}
+        self._next_queue_scan = 0.0  # time.monotonic() from which _unqueued compares the queues one by one again
         self._ghosts_logged: set[Any] = set()  # ids planned but not held, logged once each (_check_plan)
         # The kinds of fault the scheduler's has_unfinished_requests raised, each logged once (asked every pass)
         self._unfinished_faults: set[type[BaseException]] = set()
@@ -380,7 +385,8 @@ class EngineCore:
         :class:`SchedulerHookError` naming the scheduler as the cause). Such a request never ran again and never
         ended: its caller waited forever (or until the stall timeout), through ``aclose(abort=True)`` too. Costs
         two counts per step (the requests handed over against ``requests``, and ``running`` plus ``waiting``
-        against ``requests``); the requests are compared one by one only when a count differs."""
+        against ``requests``); the requests are compared one by one when a count differs, and the queues once every
+        :data:`QUEUE_SCAN_SECONDS` (a request dropped while another is in two queues keeps the counts equal)."""
         sched = self.scheduler
         lost = [r for rid, r in self._held.items() if sched.requests.get(rid) is not r] \
             if len(self._held) != len(sched.requests) else []
@@ -400,16 +406,40 @@ class EngineCore:
         """The requests the engine holds that the scheduler keeps in ``requests`` but in neither ``running`` nor
         ``waiting``, and does not schedule in ``planned``: in no queue it reports, none of them would ever be
         scheduled. Only when ``running`` and ``waiting`` together count other than ``requests`` (a request in
-        neither makes them differ unless another is in both, which the conformance suite refuses)."""
+        neither makes them differ unless another is in both, which the conformance suite refuses), and once every
+        :data:`QUEUE_SCAN_SECONDS` whatever the counts: a plugin that put one request in both queues while it dropped
+        another (the counts equal) left that one waiting behind everybody's traffic, for ever while the engine was
+        busy (the stall timeout only runs when nothing is planned)."""
         sched = self.scheduler
-        if len(sched.running) + len(sched.waiting) == len(sched.requests):
+        now = time.monotonic()
+        if len(sched.running) + len(sched.waiting) == len(sched.requests) and now < self._next_queue_scan:
             return []
+        self._next_queue_scan = now + QUEUE_SCAN_SECONDS
+        self._drop_stale()
         queued = {id(r) for r in sched.running}
         queued.update(id(r) for r in sched.waiting)
         plan = planned.num_scheduled_tokens if isinstance(planned, SchedulerOutput) else None
         scheduled = plan if isinstance(plan, dict) else {}
         return [r for rid, r in self._held.items()
                 if id(r) not in queued and sched.requests.get(rid) is r and not dict.__contains__(scheduled, rid)]
+
+    def _drop_stale(self) -> None:
+        """Take out of ``running`` and ``waiting`` every entry that is no request the engine holds (one that has
+        ended, kept there a second time by a plugin that put it in both queues): left there, the scheduler had
+        unfinished requests for ever, so the engine thread never went idle and ``aclose()`` never returned.
+        Logged; the engine serves on."""
+        sched = self.scheduler
+        for queue in (sched.running, sched.waiting):
+            stale = [r for r in queue if not isinstance(r, Request) or self._held.get(r.request_id) is not r]
+            if not stale:
+                continue
+            logger.error("the scheduler (%s) kept %d entries in its queues that are no request the engine holds (ended "
+                         "ones, or a second copy of one): taken out (the engine serves on)",
+                         type(sched).__name__, len(stale))
+            gone = {id(r) for r in stale}
+            kept = [r for r in queue if id(r) not in gone]
+            queue.clear()  # a list or a deque: both
+            queue.extend(kept)
 
     def _check_finished(self, finished: list[Request]) -> None:
         """Take out of the scheduler's base queues, and free the blocks of, every request of ``finished`` that the

@@ -391,6 +391,47 @@ async def test_a_request_a_plugin_keeps_in_requests_but_in_no_queue_fails_alone_
         assert engine.step_stats().failed_steps == 0
 
 
+class _HidesBehindATwin(FIFOScheduler):
+    """FIFO that, once a request whose id starts with "bad" waits while another runs, overwrites its place in
+    ``waiting`` with the running one: the request is in no queue, the running one in both, the counts equal."""
+
+    hid = False
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        if not self.hid and self.running:
+            for i, request in enumerate(self.waiting):
+                if request.request_id.startswith("bad"):
+                    self.waiting[i] = self.running[0]
+                    self.hid = True
+                    break
+        return super().schedule()
+
+
+async def test_a_request_hidden_behind_a_twin_in_two_queues_fails_alone(tiny_models, hf_greedy) -> None:
+    """pass68: a plugin that dropped a request from its queues while it put a running one in both kept the counts
+    equal, which was all the engine compared: the dropped one was never found, waiting behind everybody's traffic
+    (for ever while the engine stayed busy; the stall timeout runs only when nothing is planned). The queues are
+    compared one by one once a second whatever the counts: it fails alone, its neighbour exact; and the copy of the
+    neighbour left in ``waiting`` once it ended (which kept the engine busy for good: ``aclose()`` never returned)
+    is taken out by the same scan."""
+    from asyncinfer.step import SchedulerHookError
+
+    model = tiny_models["llama"][1]
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    async with await AsyncEngine.load(tiny_models["llama"][0], scheduler=_HidesBehindATwin,
+                                      **{**BASE, "max_num_seqs": 1}) as engine:
+        neighbour = asyncio.ensure_future(engine.generate(GOOD, long))
+        while engine.num_unfinished_requests < 1:
+            await asyncio.sleep(0.001)
+        started = time.monotonic()
+        with pytest.raises(RequestFailedError, match=r"_HidesBehindATwin\) dropped 'bad' from its queues") as err:
+            await asyncio.wait_for(engine.generate(GOOD, SamplingParams(max_tokens=4), request_id="bad"), 15)
+        assert time.monotonic() - started < 6  # the scan's second, and a loaded machine's steps
+        assert isinstance(err.value.__cause__, SchedulerHookError)
+        assert (await neighbour).token_ids == hf_greedy(model, GOOD, 200)
+        assert engine.num_unfinished_requests == 0 and engine.kv_stats().used_blocks == 0
+
+
 async def test_the_servers_embedding_usage_count_reads_a_long_text_as_far_as_the_model_does(minilm_dir) -> None:
     """The HTTP server counts an embedding call's tokens for ``usage`` with the model's tokenizer after the vectors
     came back: it tokenized each text whole too (a body's 4 MiB text: about 7 s of a worker thread and 0.5 GB).
