@@ -37,7 +37,7 @@ _SAMPLING_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-tokens", "max_tokens", int, "most tokens to generate"),
     ("--temperature", "temperature", float, "0 = greedy"),
     ("--top-p", "top_p", float, "nucleus sampling mass, in (0, 1]"),
-    ("--top-k", "top_k", int, "keep the k most likely tokens (0: off)"),
+    ("--top-k", "top_k", int, "keep the k most likely tokens (0 or -1: off)"),
     ("--min-p", "min_p", float, "drop tokens below min_p x the top probability"),
     ("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeats"),
     ("--presence-penalty", "presence_penalty", float, "in [-2, 2]"),
@@ -312,6 +312,8 @@ def _lab(args: argparse.Namespace) -> int:
     # the outputs' paths checked before the replay runs, not once it is over
     if args.json:  # an empty --json or --plot writes nothing
         check_output_path("--json", args.json)
+    if args.save_trace:
+        check_output_path("--save-trace", args.save_trace)
     if args.plot and importlib.util.find_spec("matplotlib") is not None:  # else: "no plot", below
         args.plot = plot_path(args.plot)
     if args.trace:
@@ -330,7 +332,10 @@ def _lab(args: argparse.Namespace) -> int:
                                     priorities=args.priorities, max_prompt_len=args.max_model_len - 1)
         source = f"synthetic: {args.synthetic} requests, {args.rate}/s, seed {args.seed}"
     if args.save_trace:
-        lab.save_trace(trace, args.save_trace)
+        try:
+            lab.save_trace(trace, args.save_trace)
+        except OSError as exc:  # named by its flag, as --trace is (the disk full, say)
+            raise CommandError(f"--save-trace {args.save_trace}: {exc.strerror or exc}") from None
     names = _lab_schedulers(args)
     if args.list_schedulers:
         for name in names:

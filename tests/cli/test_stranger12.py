@@ -43,9 +43,10 @@ def test_plan_takes_the_engines_max_model_len_flag_for_its_seq_len(flag) -> None
 
 
 def test_a_bad_plan_length_names_the_flag(capsys, tiny_models) -> None:
-    """The planner's own check, reached through the alias: the message names the plan's flag."""
+    """The planner's own check, reached through the alias: the message names the flag as typed (stranger60:
+    ``--max-model-len`` refused as ``--seq-len``, a flag the user never typed)."""
     assert cli.main(["plan", str(tiny_models["llama"][0]), "-c", "513"]) == 2
-    assert capsys.readouterr().err == "asyncinfer: error: --seq-len 513 is invalid: allowed an integer >= 2 and <= 512\n"
+    assert capsys.readouterr().err == "asyncinfer: error: -c 513 is invalid: allowed an integer >= 2 and <= 512\n"
 
 
 # ------------------------------------------------------------------------- the Ray Serve example's flags

@@ -165,7 +165,7 @@ async def test_an_empty_line_lists_the_commands_and_sends_nothing(capsys) -> Non
 
 
 def test_a_bad_value_of_a_flag_with_aliases_names_the_flag_once(capsys) -> None:
-    for argv, message in ((["info", "-c", "x"], "argument --max-model-len: 'x' is not an integer"),
+    for argv, message in ((["info", "-c", "x"], "argument --max-model-len: 'x' is not an integer: allowed an integer >= 2"),
                           (["chat", "--temp", "hot", "hi"], ("argument --temperature: 'hot' is not a number: allowed a number in "
                                                              "[0, 10000] (0 = greedy)"))):
         with pytest.raises(SystemExit):

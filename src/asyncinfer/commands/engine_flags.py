@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncinfer.commands import flag_value
 from asyncinfer.config import MAX_THREADS, EngineConfig, UnknownOptionError
-from asyncinfer.errors import InvalidParameterError
+from asyncinfer.errors import InvalidParameterError, range_in_words
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
@@ -108,6 +108,38 @@ class _OrNone:
 
 def _or_none(read: Callable[[str], Any]) -> _OrNone:
     return _OrNone(read)
+
+
+class _Ranged:
+    """A number flag's reader whose refusal of text that is no number says the option's range, read from
+    EngineConfig's own refusal of a value that is no number (one source for the range): argparse's message was
+    "argument --max-model-len: 'abc' is not an integer", no range, where the sampling flags' said theirs."""
+
+    def __init__(self, read: Callable[[str], Any], name: str, field: str, none: bool) -> None:
+        self.read, self.field, self.none = read, field, none
+        self.__name__ = name  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return self.read(text)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}: allowed {self.allowed()}") from None
+
+    def allowed(self) -> str:
+        try:
+            EngineConfig(**{self.field: object()})
+        except InvalidParameterError as exc:
+            return range_in_words(exc.allowed, none="none" if self.none else None)
+        raise AssertionError(f"EngineConfig took {self.field}=object()")
+
+
+def _reader(flag: Flag) -> Callable[[str], Any] | None:
+    """The flag's argparse reader: a number's refusal says the range (:class:`_Ranged`)."""
+    read = flag.read
+    inner = read.read if isinstance(read, _OrNone) else read
+    if inner is _int or inner is _float:
+        return _Ranged(read, inner.__name__, flag.field, isinstance(read, _OrNone))
+    return read
 
 
 class Pair(tuple):  # type: ignore[type-arg]
@@ -275,7 +307,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*names, action=KeyValues, type=flag.read, default=argparse.SUPPRESS,
                                 dest=flag.dest, metavar=flag.metavar, help=text)
         else:
-            parser.add_argument(*names, type=flag.read, default=argparse.SUPPRESS, dest=flag.dest,
+            parser.add_argument(*names, type=_reader(flag), default=argparse.SUPPRESS, dest=flag.dest,
                                 metavar=flag.metavar, help=text)
 
 

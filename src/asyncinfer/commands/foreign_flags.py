@@ -113,6 +113,23 @@ def _samples_hint(command: str, name: str) -> str:
 SAMPLES_FLAGS = ("--n", "--best-of")
 
 
+_ENGINE_HINT = "an engine option, a flag of the commands that load the engine (asyncinfer chat, generate, bench, info, serve)"
+
+
+def _engine_flag_names() -> set[str]:
+    """Every engine option's flag (its aliases and a switch's ``--no-`` form too), refused on the commands that
+    load no engine (plan, embed, lab) with where it belongs: ``plan --scheduler fifo`` was argparse's "did you
+    mean --seq-len?". Read when a flag is none of the command's (engine_flags imports the library)."""
+    from asyncinfer.commands.engine_flags import FLAGS
+
+    names: set[str] = set()
+    for flag in FLAGS:
+        names.update((flag.flag, *ALIASES.get(flag.flag, ())))
+        if flag.read is None:  # a switch: argparse's BooleanOptionalAction adds its --no- form
+            names.add("--no-" + flag.flag.removeprefix("--"))
+    return names
+
+
 def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | None:
     """The error for the first flag of ``argv`` (up to ``--``) that is another tool's (or another command's)
     and not one of this command's ``known`` flags, else None: ``-ngl 99`` is "-ngl is not an asyncinfer flag
@@ -126,7 +143,8 @@ def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | No
             continue
         hint = REFUSED.get(name) or _OTHER_COMMANDS.get(name) or (
             _sampling_hint(command) if name in SAMPLING_FLAGS else
-            _samples_hint(command, name) if name in SAMPLES_FLAGS else None)
+            _samples_hint(command, name) if name in SAMPLES_FLAGS else
+            _ENGINE_HINT if name in _engine_flag_names() else None)
         if hint is not None:
             return f"{name} is not a flag of asyncinfer {command}: it is {hint}"
     return None

@@ -260,6 +260,7 @@ def _job(line: str, number: int, params: SamplingParams, args: argparse.Namespac
         except InvalidParameterError as exc:
             raise CommandError(f"{where}: 'id' must be valid Unicode, not {exc.value}") from None
     prompt = item["messages"] if "messages" in item else item["prompt"]
+    _check_prompt(prompt, "messages" if "messages" in item else "prompt", where)
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     return Job(request_id, prompt, line_params)
@@ -300,6 +301,24 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):  # 1e400: a finite JSON number that no float holds
         raise ValueError(f"{text} is out of a float's range")
     return value
+
+
+def _check_prompt(prompt: Any, key: str, where: str) -> None:
+    """A line's prompt as the engine takes one, whatever the model: a non-empty text, a non-empty list of token ids
+    (integers >= 0) or chat messages, each text valid Unicode; refused with the line's number before the load (the
+    model's own limits, an id past its vocabulary or a prompt past its context, stay a request's error)."""
+    token_ids = isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not token_ids and not _is_chat(prompt):
+        raise CommandError(f"{where}: '{key}' must be a non-empty string, a non-empty list of token ids (integers "
+                           f">= 0) or a list of chat messages, not {_shown(prompt)}")
+    texts = [prompt] if isinstance(prompt, str) else [] if token_ids else [
+        text for m in prompt for text in (m["role"], m["content"])]
+    for text in texts:
+        try:
+            check_unicode(key, text)
+        except InvalidParameterError as exc:
+            raise CommandError(f"{where}: '{key}' must be valid Unicode, not {exc.value}") from None
 
 
 def _is_chat(messages: Any) -> bool:
