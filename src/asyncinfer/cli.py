@@ -199,6 +199,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _engine_flag_names() -> set[str]:
+    """The engine options' flags (imported when asked: engine_flags imports the library)."""
+    from asyncinfer.commands.engine_flags import flag_names
+
+    return flag_names()
+
+
 class _SpelledAs(argparse.Action):
     """A flag with aliases that keeps, beside its value, the spelling typed (``DEST_flag``), for its refusal to
     name: ``plan -c 100000`` is refused as ``-c 100000``, not as ``--seq-len``, a flag the user never typed."""
@@ -1214,7 +1221,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     command = next((w for w in words if not w.startswith("-")), None)
     if command in subparsers:  # vLLM's and llama.cpp's flags: refused with a hint before argparse reads them
         known = [f for a in subparsers[command]._actions for f in a.option_strings]
-        refused = refusal(command, words[words.index(command) + 1:], known)
+        refused = refusal(command, words[words.index(command) + 1:], known, _engine_flag_names)
         if refused is not None:
             subparsers[command].exit(2, f"asyncinfer: error: {refused}\n")
     args, extra = parser.parse_known_args(argv)

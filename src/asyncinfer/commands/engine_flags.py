@@ -311,6 +311,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                 metavar=flag.metavar, help=text)
 
 
+def flag_names() -> set[str]:
+    """Every engine option's flag: its aliases and a switch's ``--no-`` form too."""
+    from asyncinfer.commands.foreign_flags import ALIASES
+
+    names: set[str] = set()
+    for flag in FLAGS:
+        names.update((flag.flag, *ALIASES.get(flag.flag, ())))
+        if flag.read is None:  # a switch: argparse's BooleanOptionalAction adds its --no- form
+            names.add("--no-" + flag.flag.removeprefix("--"))
+    return names
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line, as ``from_pretrained`` keywords."""
     options = {flag.field: getattr(args, flag.dest) for flag in FLAGS if hasattr(args, flag.dest)}

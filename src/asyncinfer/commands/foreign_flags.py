@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 #: Other tools' flags that mean what an asyncinfer flag means: (asyncinfer's flag, its aliases).
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -116,24 +116,14 @@ SAMPLES_FLAGS = ("--n", "--best-of")
 _ENGINE_HINT = "an engine option, a flag of the commands that load the engine (asyncinfer chat, generate, bench, info, serve)"
 
 
-def _engine_flag_names() -> set[str]:
-    """Every engine option's flag (its aliases and a switch's ``--no-`` form too), refused on the commands that
-    load no engine (plan, embed, lab) with where it belongs: ``plan --scheduler fifo`` was argparse's "did you
-    mean --seq-len?". Read when a flag is none of the command's (engine_flags imports the library)."""
-    from asyncinfer.commands.engine_flags import FLAGS
-
-    names: set[str] = set()
-    for flag in FLAGS:
-        names.update((flag.flag, *ALIASES.get(flag.flag, ())))
-        if flag.read is None:  # a switch: argparse's BooleanOptionalAction adds its --no- form
-            names.add("--no-" + flag.flag.removeprefix("--"))
-    return names
-
-
-def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | None:
+def refusal(command: str, argv: Iterable[str], known: Iterable[str],
+            engine_flags: Callable[[], Collection[str]] = frozenset) -> str | None:
     """The error for the first flag of ``argv`` (up to ``--``) that is another tool's (or another command's)
     and not one of this command's ``known`` flags, else None: ``-ngl 99`` is "-ngl is not an asyncinfer flag
-    (llama.cpp's layers offloaded to the GPU: ...)"."""
+    (llama.cpp's layers offloaded to the GPU: ...)". ``engine_flags``: the engine options' flags, read only when a
+    flag is none of the command's (:func:`asyncinfer.commands.engine_flags.flag_names`, which imports the library),
+    refused on the commands that load no engine (plan, embed, lab) with where they belong: ``plan --scheduler fifo``
+    was argparse's "did you mean --seq-len?"."""
     own = set(known)
     for word in argv:
         if word == "--":
@@ -144,7 +134,7 @@ def refusal(command: str, argv: Iterable[str], known: Iterable[str]) -> str | No
         hint = REFUSED.get(name) or _OTHER_COMMANDS.get(name) or (
             _sampling_hint(command) if name in SAMPLING_FLAGS else
             _samples_hint(command, name) if name in SAMPLES_FLAGS else
-            _ENGINE_HINT if name in _engine_flag_names() else None)
+            _ENGINE_HINT if name in engine_flags() else None)
         if hint is not None:
             return f"{name} is not a flag of asyncinfer {command}: it is {hint}"
     return None
