@@ -310,9 +310,10 @@ def chaotic(tiny_chat_model: Path) -> Iterator[LiveServer]:
         yield live
 
 
-def _places_left(live: LiveServer) -> int:
+def _places_left(live: LiveServer) -> int | None:
     """How many places the tenant can take now: long calls sent on connections held open, one at a time, until
-    one is refused (a 429) or 5 are in flight; then the connections close (their calls aborted)."""
+    one is refused (a 429) or 5 are in flight; then the connections close (their calls aborted). None where one of
+    them ran to its end meanwhile (its place back, so no count)."""
     port = int(live.url.rsplit(":", 1)[1])
     body = json.dumps({**LONG_STREAM, "stream": False, "max_tokens": 500}).encode()
     wire = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CHAOS_KEY}\r\n"
@@ -329,6 +330,8 @@ def _places_left(live: LiveServer) -> int:
                 except BlockingIOError:
                     answer = b""
                 sock.setblocking(True)
+                if answer.startswith(b"HTTP/1.1 200 "):  # a long call ran to its end (a fast machine): its place
+                    return None  # came back meanwhile, so this count is no count: the caller probes again
                 if answer:
                     assert answer.startswith(b"HTTP/1.1 429 "), answer
                     return opened
@@ -350,8 +353,12 @@ def test_a_tenants_places_come_back_however_its_calls_end(chaotic, plan) -> None
     for thread in threads:
         thread.join(60)
     chaotic.wait_idle(60)
-    assert _places_left(chaotic) == 4
-    chaotic.wait_idle(60)
+    for _ in range(3):
+        left = _places_left(chaotic)
+        chaotic.wait_idle(60)
+        if left is not None:
+            break
+    assert left == 4
 
 
 # ---- what the router reads or makes with a tokenizer belongs to the version that runs the request ----------------
