@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncinfer.errors import (
     InvalidParameterError,
@@ -28,10 +28,12 @@ from asyncinfer.errors import (
     check_unicode,
     native_panics_as,
 )
-from asyncinfer.holder import ModelVersion
 from asyncinfer.plain import plain_value
 from asyncinfer.request import Request
 from asyncinfer.sampling_params import SamplingParams, plain_params
+
+if TYPE_CHECKING:  # (the model-free checks, used before any model is loaded, import no torch)
+    from asyncinfer.holder import ModelVersion
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -186,8 +188,7 @@ def check_prompt_len(prompt_ids: list[int], max_model_len: int, params: Sampling
     size before tokenizing is) and, as vLLM's server does, a prompt plus ``params.max_tokens`` over
     ``max_model_len`` (unless ``params.truncate_output_to_model_len``)."""
     if len(prompt_ids) >= max_model_len:
-        raise PromptTooLongError(f"<{len(prompt_ids)} tokens>", f"at most max_model_len - 1 = {max_model_len - 1} tokens",
-                                 max_model_len=max_model_len, prompt_tokens=len(prompt_ids))
+        raise past_context(max_model_len, prompt_tokens=len(prompt_ids))
     if params is not None:
         _check_max_tokens(params, max_model_len, len(prompt_ids))
 
@@ -288,6 +289,19 @@ def too_long(value: str, allowed: str, **sizes: int) -> PromptTooLongError:
     return PromptTooLongError(value, allowed, **sizes)
 
 
+def past_context(max_model_len: int, *, prompt_tokens: int | None = None, prompt_chars: int | None = None,
+                 chars_limit: int | None = None) -> PromptTooLongError:
+    """The one refusal of a prompt that leaves no room to generate in ``max_model_len``: ``prompt_tokens`` of them
+    (counted or a list of ids), or ``prompt_chars`` characters of text, more than ``chars_limit`` (what
+    ``max_model_len`` tokens of the vocabulary can hold), refused before tokenizing."""
+    allowed = f"at most max_model_len - 1 = {max_model_len - 1} tokens"
+    if prompt_tokens is not None:
+        return too_long(f"<{prompt_tokens} tokens>", allowed, max_model_len=max_model_len, prompt_tokens=prompt_tokens)
+    assert prompt_chars is not None and chars_limit is not None
+    return too_long(f"<{prompt_chars} characters>", f"{allowed} (no text over {chars_limit} characters fits)",
+                    max_model_len=max_model_len, prompt_chars=prompt_chars)
+
+
 def check_chat_size(prompt: Any) -> None:
     """Refuse a chat of more than :data:`MAX_CHAT_MESSAGES` messages before looking at any of them."""
     if is_chat(prompt) and len(prompt) > MAX_CHAT_MESSAGES:
@@ -305,19 +319,12 @@ def check_prompt_chars(prompt: Any, version: ModelVersion) -> None:
     check_chat_size(prompt)
     if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and not is_chat(prompt):
         if len(prompt) >= version.max_model_len:
-            raise too_long(
-                f"<{len(prompt)} tokens>", f"at most max_model_len - 1 = {version.max_model_len - 1} tokens",
-                max_model_len=version.max_model_len, prompt_tokens=len(prompt),
-            )
+            raise past_context(version.max_model_len, prompt_tokens=len(prompt))
         return
     chars = prompt_chars(prompt)
     limit = version.max_model_len * version.max_token_chars
     if chars > limit:
-        raise too_long(
-            f"<{chars} characters>",
-            f"at most max_model_len - 1 = {version.max_model_len - 1} tokens (no text over {limit} characters fits)",
-            max_model_len=version.max_model_len, prompt_chars=chars,
-        )
+        raise past_context(version.max_model_len, prompt_chars=chars, chars_limit=limit)
 
 
 def check_request_id(request_id: Any) -> str:
@@ -349,6 +356,44 @@ _ONE_PROMPT_PER_CALL = ("; one prompt per call: for several, run the calls at on
                         "(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))")
 
 
+def prompt_kind(prompt: Any) -> str | None:
+    """What ``prompt`` is by its shape alone, whatever the model (the engine's reading, and ``generate --file``'s
+    before any model is loaded): ``"text"`` (a str), ``"chat"`` (a non-empty sequence of dicts), ``"ids"`` (a
+    non-empty sequence of ints, bools not counted) or None (no prompt: bytes, a range, an empty list, a mix)."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (bytes, bytearray, range)) or not isinstance(prompt, Sequence) or not prompt:
+        return None
+    if all(isinstance(m, dict) for m in prompt):
+        return "chat"
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "ids"
+    return None
+
+
+def check_text_prompt(text: str) -> None:
+    """A text prompt's rules that need no model: not empty, valid Unicode."""
+    if not text:
+        raise InvalidParameterError("prompt", text, "a non-empty string")
+    check_unicode("prompt", text)
+
+
+def check_messages(messages: Sequence[Any]) -> None:
+    """Chat messages' rules that need no model: at most :data:`MAX_CHAT_MESSAGES`, each a dict with string
+    ``role`` (one of :data:`CHAT_ROLES`) and ``content``, every text it holds valid Unicode."""
+    check_chat_size(messages)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
+        for text in (t for item in message.items() for t in item if isinstance(t, str)):
+            check_unicode(f"prompt[{i}]", text)  # role, content and any other key a template may render (name...)
+        if role not in CHAT_ROLES:
+            raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
+
+
 def _several_prompts(prompt: object) -> bool:
     """Whether ``prompt`` is a non-empty list or tuple of prompts: texts, or lists of chat messages or token ids."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
@@ -363,16 +408,13 @@ def prompt_token_ids(prompt: Prompt, version: ModelVersion) -> list[int]:
     if isinstance(prompt, (bytes, bytearray, range)):
         raise InvalidParameterError("prompt", prompt, "a str, a list of chat messages or a list of token ids")
     check_chat_size(prompt)
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidParameterError("prompt", prompt, "a non-empty string")
-        check_unicode("prompt", prompt)
+    kind = prompt_kind(prompt)
+    if kind == "text":
+        check_text_prompt(prompt)  # type: ignore[arg-type]
         ids = _in_vocabulary(_encode(_need_tokenizer(version, "a text prompt"), prompt), version)
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+    elif kind == "chat":
         ids = _in_vocabulary(chat_token_ids(version, prompt), version)  # type: ignore[arg-type]
-    elif isinstance(prompt, Sequence) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
+    elif kind == "ids":
         ids = [plain_value(t) for t in prompt]  # the numbers they hold: an int subclass's comparisons may lie
         vocab = version.model_config.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
@@ -413,17 +455,7 @@ def chat_token_ids(version: ModelVersion, messages: Sequence[dict[str, str]]) ->
     before the template runs.
     """
     tokenizer = _need_tokenizer(version, "chat messages")
-    check_chat_size(messages)
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidParameterError(f"prompt[{i}]", message, "a dict with string 'role' and 'content'")
-        for text in (t for item in message.items() for t in item if isinstance(t, str)):
-            check_unicode(f"prompt[{i}]", text)  # role, content and any other key a template may render (name...)
-        if role not in CHAT_ROLES:
-            raise InvalidParameterError(f"prompt[{i}].role", role, f"one of {', '.join(map(repr, CHAT_ROLES))}")
+    check_messages(messages)
     from asyncinfer.models.tokenizer import chat_template_of, render_chat
 
     if chat_template_of(tokenizer) is None:

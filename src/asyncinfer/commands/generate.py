@@ -60,6 +60,7 @@ from asyncinfer.errors import (
     check_unicode,
     range_in_words,
 )
+from asyncinfer.prompts import check_messages, check_text_prompt, prompt_kind
 from asyncinfer.sampling_params import SamplingParams, field_hint
 from asyncinfer.structured import StructuredOutput
 
@@ -304,21 +305,23 @@ def _finite_float(text: str) -> float:
 
 
 def _check_prompt(prompt: Any, key: str, where: str) -> None:
-    """A line's prompt as the engine takes one, whatever the model: a non-empty text, a non-empty list of token ids
-    (integers >= 0) or chat messages, each text valid Unicode; refused with the line's number before the load (the
-    model's own limits, an id past its vocabulary or a prompt past its context, stay a request's error)."""
-    token_ids = isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not token_ids and not _is_chat(prompt):
+    """A line's prompt by the engine's own rules that need no model (``prompts.prompt_kind``, its text's and chat
+    messages' checks), plus token ids >= 0: refused with the line's number before the load (the model's own limits,
+    an id past its vocabulary or a prompt past its context, stay a request's error)."""
+    kind = prompt_kind(prompt)
+    if kind is None or (kind == "text" and not prompt) or (kind == "ids" and min(prompt) < 0):
         raise CommandError(f"{where}: '{key}' must be a non-empty string, a non-empty list of token ids (integers "
                            f">= 0) or a list of chat messages, not {_shown(prompt)}")
-    texts = [prompt] if isinstance(prompt, str) else [] if token_ids else [
-        text for m in prompt for text in (m["role"], m["content"])]
-    for text in texts:
-        try:
-            check_unicode(key, text)
-        except InvalidParameterError as exc:
+    try:
+        if kind == "text":
+            check_text_prompt(prompt)
+        elif kind == "chat":
+            check_messages(prompt)
+    except InvalidParameterError as exc:
+        if exc.allowed.startswith("valid Unicode"):
             raise CommandError(f"{where}: '{key}' must be valid Unicode, not {exc.value}") from None
+        item = exc.parameter.removeprefix("prompt")  # "[2].role"
+        raise CommandError(f"{where}: {key}{item}={_shown(exc.value)} is invalid: allowed {exc.allowed}") from None
 
 
 def _is_chat(messages: Any) -> bool:

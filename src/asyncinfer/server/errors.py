@@ -288,7 +288,10 @@ def _no_room(field: str, exc: InvalidParameterError) -> str:
         return (f"`{field}` is {shown(exc.value)}, but the context is {context} tokens (max_model_len), prompt and "
                 f"output together: a prompt of one token leaves room for {context - 1} at most, a longer one less. "
                 f"Lower `{field}` to at most {context} less the prompt's tokens, shorten the prompt, or " + leave)
-    room = exc.allowed.split(" (", 1)[0]  # "at most max_model_len - prompt tokens = 512 - 500 = 12"
+    if not isinstance(exc, MaxTokensOverContextError):  # a route's own error in the engine's words: as it is
+        return _invalid_message(field, exc)
+    context, prompt = exc.max_model_len, exc.prompt_tokens
+    room = f"at most max_model_len - prompt tokens = {context} - {prompt} = {context - prompt}"
     return (f"`{field}` is {shown(exc.value)}, but the prompt leaves room for {room} tokens. Lower `{field}`, "
             f"shorten the prompt, or " + leave)
 
