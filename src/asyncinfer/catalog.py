@@ -282,7 +282,7 @@ def current(holder: ModelHolder) -> ModelVersion:
     """The version new requests to ``holder`` are bound to."""
     version = holder.current
     if version is None:
-        raise EngineClosedError("no model version is serving (a drain-mode swap is loading the next one)")
+        raise EngineClosedError(f"no model version is serving ({holder.vacancy})")
     return version
 
 

@@ -117,6 +117,10 @@ class ModelVersion:
         return self._max_token_chars
 
 
+#: :attr:`ModelHolder.vacancy` while a drain-mode swap loads the next version.
+LOADING_NEXT = "a drain-mode swap is loading the next one"
+
+
 class ModelHolder:
     """The versions of one engine's model (see the module docstring for who touches what)."""
 
@@ -128,6 +132,9 @@ class ModelHolder:
         #: The ids of every version that has served this model (ModelChangedError blames a swap only for one of them).
         self.served: set[int] = {first.version_id}
         self.live: list[ModelVersion] = [first]
+        #: Why no version serves while ``current`` is None (the EngineClosedError's words): a drain-mode swap loading
+        #: the next one, or, once its new version and the reload of the old one both failed, how to load one again.
+        self.vacancy = LOADING_NEXT
         # Engine thread: whether the last step() ran (or failed) anything; False when every
         # core with requests scheduled nothing, and the thread should back off.
         self.progressed = False
@@ -139,6 +146,7 @@ class ModelHolder:
     @current.setter
     def current(self, version: ModelVersion | None) -> None:
         self._current = version
+        self.vacancy = LOADING_NEXT
         if version is not None:
             self.config = version.config
             self.served.add(version.version_id)

@@ -84,13 +84,26 @@ class ModelChanges:
         self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
     ) -> ModelVersionInfo:
         """Swap, and tell the observer the outcome: ok, refused (nothing changed: a bad argument, it does not
-        fit, or the engine is not running) or failed (the new version did not load; the old one serves)."""
+        fit, or the engine is not running), failed (the new version did not load; the old one serves) or cancelled
+        (the caller was cancelled before the new version served; the old one serves)."""
         # read as the texts they hold: a subclass whose == answers True passed the mode check, ran as whichever mode
         # it was compared with first, and was written into the log line as its __str__ chose (pass41)
         mode, name = plain_value(mode), plain_value(name)
         start = time.monotonic()
+        switched: list[tuple[ModelVersion, str]] = []  # the new version and its name, once it serves
         try:
-            info = await self._swap(model, name, mode, abort, available, options)
+            info = await self._swap(model, name, mode, abort, available, options, switched)
+        except asyncio.CancelledError:
+            # the caller gave up (asyncio.wait_for, a task cancelled): counted and written as what happened, a
+            # change that took effect (a drain runs to its end) or none
+            if switched:
+                self._took_effect(version_info(*switched[0], 0), mode, start)
+            else:
+                self._swapped(name, "cancelled")
+                logger.info("model swap cancelled model=%s mode=%s source=%s after_s=%.2f",
+                            logged(self._shown_name(name)), logged(mode), logged(model_text(model)),
+                            time.monotonic() - start)
+            raise
         except (InvalidParameterError, ConfigurationError, EngineClosedError, EngineDeadError):
             # a closed or dead engine loads nothing: no model failed, so no "failed" count to alert on and no line,
             # as add_model writes none (its "model swap failed ... error=EngineClosedError" named no model's fault)
@@ -98,24 +111,30 @@ class ModelChanges:
             raise
         except Exception as exc:
             self._swapped(name, "failed")
-            # the generator swapped, by the name the metrics count it under (it said model=<default> for a swap
-            # naming none, where the docs' line, the INFO line and asyncinfer_swaps_total say model=default)
-            shown = name if name is not None else next(iter(self.models.generators), "<default>")
             logger.warning("model swap failed model=%s mode=%s source=%s after_s=%.2f error=%s message=%s",
-                           logged(shown), logged(mode), logged(model_text(model)),
+                           logged(self._shown_name(name)), logged(mode), logged(model_text(model)),
                            time.monotonic() - start, type(exc).__name__, logged(str(exc)))
             raise
+        self._took_effect(info, mode, start)
+        return info
+
+    def _shown_name(self, name: str | None) -> str:
+        """The generator swapped, by the name the metrics count it under (it said model=<default> for a swap
+        naming none, where the docs' line, the INFO line and asyncinfer_swaps_total say model=default)."""
+        return name if name is not None else next(iter(self.models.generators), "<default>")
+
+    def _took_effect(self, info: ModelVersionInfo, mode: str, start: float) -> None:
         self._swapped(info.name, "ok")
         logger.info("model swapped model=%s version=%d mode=%s source=%s took_s=%.2f", logged(info.name),
                     info.version_id, logged(mode), logged(info.source), time.monotonic() - start)
-        return info
 
     def _swapped(self, name: str | None, outcome: str) -> None:
         if self.observer is not None:
             self.observer.count_swap(name, outcome)
 
     async def _swap(
-        self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any]
+        self, model: ModelRef, name: str | None, mode: str, abort: bool, available: int | None, options: dict[str, Any],
+        switched: list[tuple[ModelVersion, str]],
     ) -> ModelVersionInfo:
         if mode not in ("overlap", "drain"):
             raise InvalidParameterError("mode", mode, "'overlap' or 'drain'")
@@ -146,9 +165,11 @@ class ModelChanges:
                         "swap_model for the new model)")) from exc
                 if mode == "overlap":
                     new = await self._load_version(model, merged)
+                    # from the switch's first line on, new requests bind to it: a cancellation in its wait is late
+                    switched.append((new, label))
                     await self.switch(new, holder)
                 else:  # from the drain on, the model has no version until one is switched in: see it through
-                    new = await _to_the_end(self._drain_swap(holder, model, merged, abort))
+                    new = await _to_the_end(self._drain_swap(holder, model, merged, abort, label, switched))
             finally:
                 admission.set()
             return version_info(new, label, 0)
@@ -192,19 +213,26 @@ class ModelChanges:
         )
 
     async def _drain_swap(
-        self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool
+        self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool, label: str,
+        switched: list[tuple[ModelVersion, str]],
     ) -> ModelVersion:
         """Drain mode (admission paused by the caller): retire the serving version, load the new one and switch
-        it in."""
+        it in (its info put in ``switched``, what a cancelled caller's count reads)."""
         old = current(holder)
         await self.retire(old, abort, holder)
         try:
             new = await self._load_version(model, options)
         except BaseException:
             # The old version is gone already: bring it back so the engine keeps serving.
-            back = await self._load_version(old.path, old.options)
+            try:
+                back = await self._load_version(old.path, old.options)
+            except BaseException:
+                holder.vacancy = (f"a drain-mode swap failed to load its new version and the reload of the old one "
+                                  f"failed too: remove_model({label!r}), then add_model({label!r}, model) loads one")
+                raise
             await self.switch(back, holder)
             raise
+        switched.append((new, label))
         await self.switch(new, holder)
         return new
 

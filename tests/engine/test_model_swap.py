@@ -315,3 +315,34 @@ def test_after_a_drain_swap_whose_reload_failed_too_a_request_is_refused_not_spu
     thread.join(60)
     assert not thread.is_alive(), "the event loop froze: the request spun on the admission of a finished swap"
     assert said and "no model version is serving" in said[0], said
+
+
+async def test_after_a_drain_swap_whose_reload_failed_too_the_error_says_how_to_load_one(tiny_models, expected,
+                                                                                        monkeypatch) -> None:
+    """pass69: the refusal then said "(a drain-mode swap is loading the next one)" while nothing loaded, and every
+    later swap_model was refused so: it names what happened and the calls that load a model again, which do."""
+    from asyncinfer import EngineClosedError, swaps
+
+    real_load = swaps.load
+    failures = iter(range(2))
+
+    def failing_twice(*args, **kwargs):
+        if next(failures, None) is not None:
+            raise SwapError("out of memory")
+        return real_load(*args, **kwargs)
+
+    llama, qwen2 = tiny_models["llama"][0], tiny_models["qwen2"][0]
+    async with AsyncEngine.from_pretrained(llama, **ENGINE_BASE) as engine:
+        monkeypatch.setattr(swaps, "load", failing_twice)
+        with pytest.raises(SwapError):
+            await engine.swap_model(qwen2, mode="drain")
+        said = ("no model version is serving (a drain-mode swap failed to load its new version and the reload of "
+                "the old one failed too: remove_model('default'), then add_model('default', model) loads one)")
+        for call in (engine.generate(PROMPTS[0], greedy(4)), engine.swap_model(qwen2)):
+            with pytest.raises(EngineClosedError) as refused:
+                await call
+            assert str(refused.value) == said
+        await engine.remove_model("default")
+        await engine.add_model("default", llama)
+        out = await engine.generate(PROMPTS[0], greedy(MAX_TOKENS))
+    assert out.token_ids == expected["llama"][0]

@@ -21,6 +21,7 @@ from asyncinfer import (
 )
 from asyncinfer.metrics import EngineObservability, asgi_app
 from asyncinfer.metrics.exposition import exposition, metric_names
+from asyncinfer.metrics.types import SWAP_OUTCOMES
 from asyncinfer.request import Request
 from asyncinfer.schedulers import FIFOScheduler
 from tests.helpers import SMOLLM2, loaded_bytes
@@ -79,7 +80,7 @@ async def test_a_known_workload_counts_exactly(tiny_models) -> None:
     finished = [*outs, stop, after]
     assert m.generation_tokens == sum(o.num_output_tokens for o in finished) + aborted_tokens
     assert m.prompt_tokens == sum(len(o.prompt_token_ids) for o in finished) + 9
-    assert m.swaps == {"ok": 1, "refused": 1, "failed": 1}
+    assert m.swaps == {"ok": 1, "refused": 1, "failed": 1, "cancelled": 0}
     assert m.rejected == {"invalid": 1, "overloaded": 1}
     assert m.ttft.count == m.e2e_latency.count == m.prompt_len.count == 6
     assert m.tpot.count == 5 + (aborted_tokens >= 2)  # the abort lands at a step boundary: 1 or 2 tokens
@@ -124,7 +125,7 @@ async def test_a_call_naming_an_unknown_model_makes_no_series_of_it(tiny_models)
              if dict(labels).get("model", "default") != "default"}
     assert other.keys() == {("asyncinfer_rejected_requests_total", (("model", ""), ("reason", r))) for r in
                             ("invalid", "overloaded")} | {("asyncinfer_swaps_total", (("model", ""), ("outcome", o)))
-                                                          for o in ("ok", "refused", "failed")}
+                                                          for o in SWAP_OUTCOMES}
     assert other[("asyncinfer_rejected_requests_total", (("model", ""), ("reason", "invalid")))] == 2
 
 

@@ -309,7 +309,7 @@ class EngineMetrics:
         log_finished(done)
 
     def count_swap(self, model: str | None, outcome: str) -> None:
-        """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused or failed."""
+        """A ``swap_model`` of generator ``model`` (None: the default) ended: ok, refused, failed or cancelled."""
         if self.enabled:
             label = self._label(model)
             with self._lock:

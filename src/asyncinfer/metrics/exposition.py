@@ -51,7 +51,7 @@ COUNTERS: tuple[tuple[str, str, Read], ...] = (
 RECORDED = frozenset({"prompt_tokens", "generation_tokens", "decode_bytes_read", "decode_step_seconds"})
 LABELLED_COUNTERS: tuple[tuple[str, str, str, Read], ...] = (
     ("requests", "Finished requests by finish reason", "finish_reason", lambda m: m.requests),
-    ("swaps", "Model swaps by outcome (ok, refused, failed)", "outcome", lambda m: m.swaps),
+    ("swaps", "Model swaps by outcome (ok, refused, failed, cancelled)", "outcome", lambda m: m.swaps),
     ("rejected_requests", "Requests refused at admission by reason (invalid, overloaded)", "reason",
      lambda m: m.rejected),
 )

@@ -23,7 +23,7 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131072
 SEQ_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-SWAP_OUTCOMES = ("ok", "refused", "failed")
+SWAP_OUTCOMES = ("ok", "refused", "failed", "cancelled")
 REJECT_REASONS = ("invalid", "overloaded")
 
 
