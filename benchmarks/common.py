@@ -256,17 +256,8 @@ def machine_info() -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "os_cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -274,6 +265,18 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernels": kernels_info(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's, else what the platform module says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:

@@ -51,6 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_model, git_commit
+
 HERE = Path(__file__).resolve().parents[1]
 PROMPT = "What is the capital of France?"
 TARGETS = {"load_s": 5.0, "peak_rss_mib": 1536.0}
@@ -318,8 +322,9 @@ def main() -> int:
         record = {
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                        "loadavg_start": started, "loadavg_end": loadavg()},
+            "commit": git_commit(),
+            "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
+                        "platform": platform.platform(), "loadavg_start": started, "loadavg_end": loadavg()},
             "base": args.base_label or (str(args.base) if args.base else None),
             "model": str(model_file), "model_mib": file_mib, "memory_bound": memory,
             "llama_cpp": peer_missing or "measured",
