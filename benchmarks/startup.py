@@ -224,7 +224,7 @@ def run_cold(tree: Path) -> dict[str, Any]:
         target = Path(cache) / model.parent.name / model.name
         target.parent.mkdir()
         target.symlink_to(model)
-        wall, rss, out = spawn([sys.executable, "-c", LOAD], env_for(tree, ASYNCINFER_CACHE_DIR=cache))
+        wall, rss, out = spawn([sys.executable, "-c", LOAD, ""], env_for(tree, ASYNCINFER_CACHE_DIR=cache))
     record = json.loads(out.strip().splitlines()[-1])
     return {**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])}
 
