@@ -268,15 +268,10 @@ def machine_info() -> dict[str, Any]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo's, else what the platform module says)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (the package's own reading, which ``asyncinfer calibrate`` records too)."""
+    from asyncinfer.lab.calibrate import cpu_name
+
+    return cpu_name()
 
 
 def git_commit() -> str:

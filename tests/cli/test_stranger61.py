@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from asyncinfer import cli
+from asyncinfer.prompts import CHAT_ROLES
 
 
 def error_line(capsys) -> str:
@@ -29,6 +30,11 @@ SURROGATE = "must be valid Unicode, not <a text with the lone surrogate"
     ('{"prompt": [1, true]}', f"{NO_PROMPT}, not [1, true]"),
     ('{"prompt": "a\\ud800"}', f"'prompt' {SURROGATE} '\\ud800' at index 1>"),
     ('{"messages": [{"role": "user", "content": "\\udc00"}]}', f"'messages' {SURROGATE} '\\udc00' at index 0>"),
+    # by the engine's own rules (prompts.check_messages), not a copy: the copy let a role no model takes run
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
+     f'messages[1].role="bot" is invalid: allowed one of {", ".join(map(repr, CHAT_ROLES))}'),
+    ('{"prompt": [{"role": "user", "content": "hi"}, {"role": "user"}]}',
+     "prompt[1]={\"role\": \"user\"} is invalid: allowed a dict with string 'role' and 'content'"),
 ])
 def test_a_line_whose_prompt_no_model_takes_fails_the_job_before_the_load(line, said, tmp_path, no_load,
                                                                           capsys) -> None:

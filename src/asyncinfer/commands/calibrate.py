@@ -15,7 +15,6 @@ It builds an engine, so it lives here, above the engine; the lab only reads the 
 from __future__ import annotations
 
 import datetime
-import platform
 import random
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ import torch
 
 from asyncinfer.cache.kv_manager import blocks_for
 from asyncinfer.engine import AsyncEngine
-from asyncinfer.lab.calibrate import Case, default_cases
+from asyncinfer.lab.calibrate import Case, cpu_name, default_cases
 from asyncinfer.lab.cost import StepCostModel, StepShape, fit_cost_model
 from asyncinfer.request import Request
 from asyncinfer.sampler import SamplingState
@@ -86,7 +85,7 @@ def calibrate(model: str | None = None, *, repeats: int = 3, command: str = "", 
         "block_size": engine.config.block_size,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "date": datetime.date.today().isoformat(),
         "command": command,
     }
@@ -95,12 +94,3 @@ def calibrate(model: str | None = None, *, repeats: int = 3, command: str = "", 
     return StepCostModel(fitted.coefficients, {**fitted.meta, "samples": samples})
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

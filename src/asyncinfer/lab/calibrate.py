@@ -9,6 +9,7 @@ lab never imports the engine (importing them from here still works, with a ``Dep
 from __future__ import annotations
 
 import importlib
+import platform
 import warnings
 from typing import Any
 
@@ -52,3 +53,16 @@ def __getattr__(name: str) -> Any:
                       DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module("asyncinfer.commands.calibrate"), name)
     raise AttributeError(f"module 'asyncinfer.lab.calibrate' has no attribute {name!r}")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's, else what the platform module says), for a calibration's or a
+    benchmark's record."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
