@@ -221,7 +221,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
     p.add_argument(*_names("--model"), metavar="MODEL", default=None,
                    help="the model (same as MODEL; default: SmolLM2-135M-Instruct)")
-    p.add_argument("--batch", metavar="N", type=read_number(int, "an integer >= 1"), default=1, help="requests served at once (default: 1)")
+    p.add_argument("--batch", metavar="N", type=read_number(int, "an integer >= 1"), default=1,
+                   help="requests served at once, each of --seq-len tokens (default: 1; an engine given no KV budget "
+                        "holds min(--max-num-seqs, 4) of them: asyncinfer info shows its plan)")
     # the engine's max_model_len in the plan it prints: the engine commands' flag for it is an alias
     p.add_argument("--seq-len", *_names("--max-model-len"), metavar="TOKENS", action=_SpelledAs,
                    type=read_number(int, "an integer >= 2, at most the model's context"), default=None,
