@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncinfer.errors import ModelLoadError, native_panics_as
 
 if TYPE_CHECKING:
@@ -234,17 +236,20 @@ def _has_sentencepiece() -> bool:
     return importlib.util.find_spec("sentencepiece") is not None
 
 
-def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files.
+def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files. With ``vocab_size``
+    (the model's embeddings), a ``tokenizer.json`` of more tokens is refused before it is built.
 
     Raises:
-        ModelLoadError: tokenizer files that transformers cannot load.
+        ModelLoadError: tokenizer files that transformers cannot load, or more tokens than ``vocab_size``.
     """
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
     for name in _TOKENIZER_READS:  # before transformers opens any of them
         if (path / name).exists() or (path / name).is_symlink():
             check_file(path / name, MAX_TOKENIZER_FILE_BYTES)
+    if vocab_size is not None:
+        _check_vocabulary_fits(path / "tokenizer.json", vocab_size)
     _check_charsmaps(path / "tokenizer.json")
     _check_text_growth(path / "tokenizer.json")
     from transformers import AutoTokenizer
@@ -273,6 +278,64 @@ def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
                              f"(tokenizer_config.json)")
     return tokenizer
+
+
+#: The most bytes of JSON a ``tokenizer.json``'s vocabulary (or its merges) may take for each token the model
+#: embeds before its tokens are counted (real files take some 15 to 40 a token).
+MAX_VOCAB_BYTES_PER_TOKEN = 512
+
+
+class _AddedToken(msgspec.Struct):
+    content: str
+
+
+class _TokenizerModel(msgspec.Struct):
+    vocab: msgspec.Raw = msgspec.Raw(b"null")
+    merges: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _TokenizerFile(msgspec.Struct):
+    """The parts of a ``tokenizer.json`` that its count of tokens is read from (the rest skipped unread)."""
+
+    added_tokens: list[_AddedToken] = []
+    model: _TokenizerModel | None = None
+
+
+def _check_vocabulary_fits(file: Path, vocab_size: int) -> None:
+    """Refuse, before the tokenizers library and transformers build it, a ``tokenizer.json`` of more distinct tokens
+    (its vocabulary and its added tokens) than the model embeds: :func:`asyncinfer.loading.check_tokenizer` refuses
+    it once built, but built first, 600,000 added tokens took 25 s and 2 GB (each is a Python object in transformers),
+    and a file at the size limit would take some 20 GB. Its vocabulary and merges are counted only within
+    :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token, so the count's own memory stays in proportion to the model.
+
+    Raises:
+        ModelLoadError: naming the file, the count and the model's ``vocab_size``.
+    """
+    if not file.is_file():
+        return
+    try:
+        data = msgspec.json.decode(file.read_bytes(), type=_TokenizerFile)
+    except (msgspec.DecodeError, RecursionError):  # not JSON, or not of this shape: the library says what
+        return
+    model = data.model or _TokenizerModel()
+    bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
+    for part in ("vocab", "merges"):
+        raw = getattr(model, part)
+        if len(raw) > bound:
+            raise ModelLoadError(f"cannot load the tokenizer in {file.parent}: {file.name}'s model.{part} takes "
+                                 f"{len(raw)} bytes, more than {bound} ({MAX_VOCAB_BYTES_PER_TOKEN} a token of the "
+                                 f"model's vocab_size {vocab_size}, and 1 MiB)")
+    try:
+        vocab = msgspec.json.decode(model.vocab)
+    except msgspec.DecodeError:
+        return
+    # BPE, WordPiece and WordLevel: {token: id}; Unigram: [[token, score], ...]
+    tokens = set(vocab) if isinstance(vocab, dict) else {
+        t[0] for t in vocab if isinstance(t, list) and t and isinstance(t[0], str)} if isinstance(vocab, list) else set()
+    tokens.update(added.content for added in data.added_tokens)
+    if len(tokens) > vocab_size:
+        raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens ({file.name} of {file.parent}: its vocabulary "
+                             f"and added tokens) but the model embeds only {vocab_size}")
 
 
 def _check_text_growth(file: Path) -> None:

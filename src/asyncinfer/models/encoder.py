@@ -493,7 +493,7 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         raise ModelLoadError(f"an encoder model must be a directory with config.json and *.safetensors: {path}")
     device = torch.device(device)
     cfg = read_encoder_config(path)
-    tokenizer = load_hf_tokenizer(path)
+    tokenizer = load_hf_tokenizer(path, cfg.vocab_size)
     if tokenizer is None:
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
     if len(tokenizer) > cfg.vocab_size:

@@ -434,7 +434,7 @@ def _load_hf_dir(
 ) -> LoadedModel:
     model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
                          ops=ops)
-    return LoadedModel(model, config, load_hf_tokenizer(path), f"safetensors:{path.resolve()}")
+    return LoadedModel(model, config, load_hf_tokenizer(path, config.vocab_size), f"safetensors:{path.resolve()}")
 
 
 def _merge_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:

@@ -1,0 +1,69 @@
+"""A model directory's ``tokenizer.json`` of more tokens than the model embeds is refused before it is built
+(pass70): the refusal came only once transformers had built it, and 600,000 added tokens in an 82 MB file took
+25 s and 2 GB to be refused (a file at the 1 GiB limit some 20 GB: a swap to it could take the server down)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer.models.checkpoint import MAX_VOCAB_BYTES_PER_TOKEN, load_hf_tokenizer
+
+VOCAB = 320  # tiny_models' vocab_size
+
+
+def model_dir(tiny_models, where: Path, tokens: list[str], added: int = 0) -> Path:
+    """tiny_models' llama weights beside a WordLevel tokenizer of ``tokens`` and ``added`` added tokens."""
+    where.mkdir()
+    src = tiny_models["llama"][0]
+    for item in src.iterdir():
+        (where / item.name).symlink_to(item)
+    tokenizer = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=tokens[0]))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(where / "tokenizer.json"))
+    if added:
+        data = json.loads((where / "tokenizer.json").read_text())
+        data["added_tokens"] = [{"id": len(tokens) + i, "content": f"<x{i}>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True} for i in range(added)]
+        (where / "tokenizer.json").write_text(json.dumps(data))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return where
+
+
+@pytest.fixture
+def never_built(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was built before its size was checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+
+
+def words(n: int, width: int = 1) -> list[str]:
+    return [f"w{i}".ljust(width, "x") for i in range(n)]
+
+
+def test_a_tokenizer_within_the_vocabulary_loads(tiny_models, tmp_path) -> None:
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB - 20), added=20)
+    assert len(load_hf_tokenizer(path, VOCAB)) == VOCAB
+
+
+def test_added_tokens_past_the_vocabulary_are_refused_before_the_build(tiny_models, tmp_path, never_built) -> None:
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB), added=100_000)
+    with pytest.raises(ModelLoadError) as refused:
+        AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", num_threads=1)
+    assert str(refused.value).endswith(f"the tokenizer has {VOCAB + 100_000} tokens (tokenizer.json of {path}: its "
+                                       f"vocabulary and added tokens) but the model embeds only {VOCAB}")
+
+
+def test_a_vocabulary_past_its_bytes_a_token_is_refused_unread(tiny_models, tmp_path, never_built) -> None:
+    bound = VOCAB * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB // 2, width=bound // (VOCAB // 2) + 1))
+    with pytest.raises(ModelLoadError, match=rf"tokenizer\.json's model\.vocab takes \d+ bytes, more than {bound} "):
+        load_hf_tokenizer(path, VOCAB)
