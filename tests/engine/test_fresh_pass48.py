@@ -82,7 +82,7 @@ def test_a_vocabulary_larger_than_the_embedding_is_refused_before_the_tokenizer_
     path = tmp_path / "wide.gguf"
     write(path, TINY, "llama", "q8_0", "q8_0", "spm", 0)
 
-    def never(path: Path):
+    def never(path: Path, header: object = None):
         raise AssertionError(f"the tokenizer of {path} was built")
 
     monkeypatch.setattr(loader, "gguf_tokenizer", never)

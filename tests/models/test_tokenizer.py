@@ -170,3 +170,23 @@ def test_another_configuration_loads_through_transformers(template_gguf) -> None
     assert not isinstance(tokenizer, CachedTokenizer) and type(tokenizer).__module__.startswith("transformers")
     (cache / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     assert load_cached(cache) is None
+
+
+def test_a_file_rewritten_at_the_same_size_and_time_gets_its_own_tokenizer(template_gguf) -> None:
+    """pass70: the cache's stamp was the file's path, size and modification time, so a file rewritten with other
+    metadata of the same size, its time kept (``cp -p``, ``rsync -a``, an archive), kept its old chat template and
+    vocabulary. The stamp holds a digest of the header (the metadata the tokenizer is built from) too."""
+    import os
+
+    first = gguf_tokenizer(template_gguf)
+    said = first.apply_chat_template(CONVERSATIONS[0], tokenize=False)
+    info = template_gguf.stat()
+    other = TEMPLATE.replace("<start_of_turn>", "<START_OF_TURN>")
+    assert len(other) == len(TEMPLATE) and other != TEMPLATE
+    write_tokenizer_gguf(template_gguf.with_name("other.gguf"), other).replace(template_gguf)
+    os.utime(template_gguf, ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = template_gguf.stat()
+    assert (after.st_size, after.st_mtime_ns) == (info.st_size, info.st_mtime_ns)
+    again = gguf_tokenizer(template_gguf)
+    assert again.apply_chat_template(CONVERSATIONS[0], tokenize=False) == said.replace(
+        "<start_of_turn>", "<START_OF_TURN>")

@@ -53,6 +53,21 @@ def test_the_cache_lives_next_to_the_default_model_and_elsewhere_never_beside_a_
     assert model_source.tokenizer_cache_dir(tmp_path / "other" / "mine.gguf") != where  # keyed by the path
 
 
+class _Header:
+    """Stands for a parsed GGUF header (these files are no GGUF): its digest is the file's bytes'."""
+
+    def __init__(self, path: Path) -> None:
+        self.data = Path(path).read_bytes()
+
+    def header_digest(self) -> str:
+        return self.data.hex()
+
+
+@pytest.fixture
+def fake_headers(monkeypatch) -> None:
+    monkeypatch.setattr(loader, "GGUFFile", _Header)
+
+
 class _Built:
     """Stands for a transformers tokenizer: save_pretrained writes a file, from_pretrained reads it back."""
 
@@ -67,7 +82,7 @@ class _Built:
         return cls(json.loads((Path(path) / "tokenizer.json").read_text())["word"])
 
 
-def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch) -> None:
+def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch, fake_headers) -> None:
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = tmp_path / "cache" / "m" / "m.gguf"
     gguf_path.parent.mkdir(parents=True)
@@ -92,7 +107,8 @@ def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypat
     assert not [p for p in cache.parent.iterdir() if p.name.startswith(".tokenizer-")]  # no staging left behind
 
 
-def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeypatch, caplog) -> None:
+def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeypatch, caplog,
+                                                               fake_headers) -> None:
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache").write_text("a file where the cache directory should be")
     gguf_path = tmp_path / "m.gguf"

@@ -32,6 +32,7 @@ turned 0.6 s of dequantisation into 26 s, while numpy's single thread never wait
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 import struct
@@ -210,6 +211,7 @@ class GGUFFile:
                 raise ModelLoadError(f"cannot read GGUF file {self.path}: tensor {name!r} appears twice")
             names.add(name)
             infos.append((name, dims, ggml_type, offset))
+        self.header_end = pos  # the metadata and the tensor index end here (header_digest)
         alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (
                 alignment - 1):
@@ -235,6 +237,11 @@ class GGUFFile:
                 )
             tensors.append(GGUFTensor(name, tuple(int(d) for d in reversed(dims)), ggml_type, start, nbytes))
         return fields, tensors
+
+    def header_digest(self) -> str:
+        """A digest of the header's bytes (metadata and tensor index): what a cache built from the metadata (the
+        tokenizer) is stamped with, as a file rewritten with other metadata at the same size and time differs."""
+        return hashlib.blake2b(self._map[: self.header_end], digest_size=16).hexdigest()
 
     # ------------------------------------------------------------------ tensors
     def raw(self, tensor: GGUFTensor) -> np.ndarray:

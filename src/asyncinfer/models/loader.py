@@ -472,7 +472,7 @@ def _load_gguf(
     _check_tokenizer_metadata(gguf)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
-        tokenizer = pool.submit(gguf_tokenizer, gguf.path)
+        tokenizer = pool.submit(gguf_tokenizer, gguf.path, gguf)
         model = weights()
         return LoadedModel(model, config, tokenizer.result(), source, weight_format)
 
@@ -1039,14 +1039,16 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 _STAMP = "asyncinfer-tokenizer.json"
 
 
-def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | CachedTokenizer:
+def gguf_tokenizer(path: Path, header: GGUFFile | None = None) -> PreTrainedTokenizerBase | CachedTokenizer:
     """The tokenizer of a GGUF file: built by transformers from the metadata once, then cached.
 
     Building it (transformers parses the whole GGUF again and converts the
     vocabulary) takes ~20 s on a 2-core CPU; the cached ``tokenizer.json`` loads in
     well under a second. The cache is a directory next to the default model (see
     :func:`asyncinfer.model_source.tokenizer_cache_dir`), stamped with the file's size
-    and modification time and the transformers version; a stale or unreadable one
+    and modification time, a digest of its header (the metadata the tokenizer is built from: a file rewritten at
+    the same size and time, by ``cp -p`` or ``rsync -a``, kept its old tokenizer and chat template) and the
+    transformers version; a stale or unreadable one
     is rebuilt, and a cache that cannot be written only costs the next load the build again.
     The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers`` library
     and the chat template, without importing transformers) where its configuration is the plain one
@@ -1058,7 +1060,7 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | CachedTokenizer:
     from asyncinfer.model_source import tokenizer_cache_dir
 
     cache = tokenizer_cache_dir(path)
-    stamp = _tokenizer_stamp(path)
+    stamp = _tokenizer_stamp(path, header if header is not None else GGUFFile(path))
     cached = _cached_tokenizer(cache, stamp)
     if cached is not None:
         return cached
@@ -1080,9 +1082,10 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | CachedTokenizer:
     return tokenizer
 
 
-def _tokenizer_stamp(path: Path) -> dict[str, Any]:
+def _tokenizer_stamp(path: Path, header: GGUFFile) -> dict[str, Any]:
     info = path.stat()
     return {"gguf": str(path.resolve()), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
+            "header": header.header_digest(),
             "transformers": importlib.metadata.version("transformers")}  # (importing it costs ~1 s of CPU)
 
 
