@@ -118,3 +118,32 @@ def test_plan_prints_the_flags_that_serve_its_plan(tiny_models, quantization, ca
                            quantization=None if quantization == "none" else quantization)
     assert {k: options[k] for k in plan.engine_options()} == plan.engine_options()
     assert options["device"] == "cpu"
+
+
+def test_the_rope_tables_count_whatever_the_length(tiny_models, tmp_path) -> None:
+    """pass70: a config's max_position_embeddings of 2**31 - 1 makes rope tables of 280 GiB, which every load refuses
+    (models.layers.rope_table_bytes); the plan left them out, called a 4096-token deployment a fit with 21 GiB to
+    spare and suggested a max_model_len of 30 million."""
+    import json
+    import shutil
+
+    from asyncinfer import ConfigurationError
+    from asyncinfer.models.layers import rope_table_bytes
+
+    path = tmp_path / "huge"
+    shutil.copytree(tiny_models["llama"][0], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**31 - 1}))
+    model_config = read_model_config(path)
+    plan = plan_deployment(model_config, seq_len=4096, device_memory=24 * GiB)
+    assert plan.rope_bytes == rope_table_bytes(model_config) > 250 * GiB
+    assert not plan.fits and plan.max_batch == 0 and plan.max_seq_len == 0
+    assert not any(s.startswith(("max_model_len", "batch")) for s in plan.suggestions)
+    assert plan.suggestions[-1] == ("a model with a shorter context: its rope tables alone need 280.00 GiB, a row "
+                                    "for each of its 2147483647 positions (max_position_embeddings), whatever "
+                                    "max_model_len")
+    with pytest.raises(ConfigurationError, match="its rope tables"):
+        AsyncEngine.plan_memory(path, max_model_len=4096, available_bytes=24 * GiB)
+    small = plan_deployment(read_model_config(tiny_models["llama"][0]), device_memory=24 * GiB)
+    assert small.rope_bytes == rope_table_bytes(small.model_config) and small.total_bytes == (
+        small.weight_bytes + small.rope_bytes + small.kv_bytes + small.activation_bytes + small.overhead_bytes)

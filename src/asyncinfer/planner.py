@@ -28,6 +28,7 @@ from asyncinfer.config import MAX_BYTES, MAX_NUM_SEQS, EngineConfig, resolve_dty
 from asyncinfer.errors import InvalidParameterError
 from asyncinfer.memory import GiB, MiB
 from asyncinfer.models.config import ModelConfig
+from asyncinfer.models.layers import rope_table_bytes
 from asyncinfer.models.quant import (
     check_quantization,
     default_skip,
@@ -77,6 +78,9 @@ class DeploymentPlan:
     kv_blocks: int
     activation_bytes: int
     overhead_bytes: int
+    #: The rope tables at their peak (``models.layers.rope_table_bytes``): a row a position of the model's context,
+    #: whatever ``seq_len`` (a header's context of 2**31 - 1 needs 280 GiB, which the plan called a fit).
+    rope_bytes: int
     device_memory: int
     device_memory_source: str  # "given" or how it was measured
     max_num_batched_tokens: int
@@ -89,7 +93,7 @@ class DeploymentPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.overhead_bytes
+        return self.weight_bytes + self.rope_bytes + self.kv_bytes + self.activation_bytes + self.overhead_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -145,6 +149,8 @@ class DeploymentPlan:
         rows = [
             ("weights", self.weight_bytes, f"from the config's shapes in {_dtype(self.dtype)}"
              + (f", {self.quantization} projections" if self.quantization and self.device == "cpu" else "")),
+            ("rope tables", self.rope_bytes,
+             f"float32 cos and sin, a row for each of the model's {mc.max_position_embeddings} positions, at their peak"),
             ("KV cache", self.kv_bytes,
              (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head dim x "
               f"{spec.dtype_bytes} bytes x {tokens} tokens ({self.batch} x {self.seq_len}, in "
@@ -196,7 +202,7 @@ def max_batch(plan: DeploymentPlan, seq_len: int) -> int:
     """Requests of ``seq_len`` tokens that fit beside the weights, the fixed activations and the overhead."""
     if seq_len < 1:
         return 0
-    fixed = plan.weight_bytes + plan.overhead_bytes + _fixed_activations(plan)
+    fixed = plan.weight_bytes + plan.rope_bytes + plan.overhead_bytes + _fixed_activations(plan)
     per_request = blocks_for(seq_len, plan.block_size) * plan.spec.block_bytes + _gather_bytes(plan.spec, seq_len)
     return max(0, (plan.device_memory - fixed) // per_request)
 
@@ -286,6 +292,7 @@ def plan_deployment(
         batch=batch, seq_len=seq_len, block_size=block_size, spec=spec,
         weight_bytes=weight_bytes(model_config, nbytes, quantization, skip, target),
         kv_blocks=batch * blocks_for(seq_len, block_size), activation_bytes=0, overhead_bytes=OVERHEAD_BYTES[device],
+        rope_bytes=rope_table_bytes(model_config),
         device_memory=device_memory, device_memory_source=source,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
     )
@@ -338,4 +345,8 @@ def _suggestions(plan: DeploymentPlan) -> list[str]:
         out.append(f"batch {plan.max_batch} (the largest at {plan.seq_len} tokens)")
     if plan.max_batch < 1 and plan.max_seq_len < 2:
         out.append("a device with more memory, or a smaller model: not one request fits")
+    if plan.rope_bytes > plan.device_memory // 2:
+        out.append(f"a model with a shorter context: its rope tables alone need {_size(plan.rope_bytes)}, a row for "
+                   f"each of its {plan.model_config.max_position_embeddings} positions (max_position_embeddings), "
+                   "whatever max_model_len")
     return out
