@@ -155,7 +155,11 @@ def test_an_encoder_config_with_more_layers_than_its_weights_is_refused_before_t
     ("gemma2", {"A.attention.scale": (-0.25, "FLOAT32")}, r"gemma2\.attention\.scale = -0\.25 must be > 0"),
     ("llama", {"A.rope.dimension_count": (10**9, "UINT32")},
      r"llama\.rope\.dimension_count = 1000000000 must be at most the head size \(16\)"),
-], ids=["head-count-0", "scale-0", "scale-negative", "rope-past-head"])
+    # pass70: said "partial rotary embeddings (rope dim 64 < head dim 82)", a head size rounded down
+    ("llama", {"A.attention.head_count": (7, "UINT32")},
+     (r"llama\.embedding_length = 64 is not a multiple of llama\.attention\.head_count = 7 \(and no "
+     r"llama\.attention\.key_length says the head size\)$")),
+], ids=["head-count-0", "scale-0", "scale-negative", "rope-past-head", "heads-not-dividing"])
 def test_a_gguf_size_that_divides_by_zero_is_refused_by_its_key(tmp_path, arch, values, message) -> None:
     """A GGUF file with ``attention.head_count = 0`` (the head size's default divides by it) or a Gemma file with
     ``attention.scale = 0`` raised a bare ZeroDivisionError from ``read_model_config`` and

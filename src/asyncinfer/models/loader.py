@@ -824,7 +824,12 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     if num_heads < 1:  # before the head size's default divides by it
         raise ModelLoadError(f"GGUF metadata {arch}.attention.head_count = {num_heads} must be a positive int")
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    key_length = _field(reader, f"{arch}.attention.key_length", None)
+    if key_length is None and hidden % num_heads:  # the head size is then embedding_length / head_count, whole
+        raise ModelLoadError(f"GGUF metadata {arch}.embedding_length = {hidden} is not a multiple of "
+                             f"{arch}.attention.head_count = {num_heads} (and no {arch}.attention.key_length says "
+                             "the head size)")
+    head_dim = int(key_length if key_length is not None else hidden // num_heads)
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim > head_dim:
         raise ModelLoadError(f"GGUF metadata {arch}.rope.dimension_count = {rope_dim} must be at most the head size "
