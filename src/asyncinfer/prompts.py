@@ -160,6 +160,8 @@ def check_request_args(params: SamplingParams | None, priority: Any,
     if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
         shown = cache_salt if not isinstance(cache_salt, str) else f"<{len(cache_salt)} chars>"
         raise InvalidParameterError("cache_salt", shown, f"a string of at most {MAX_CACHE_SALT_CHARS} characters, or None")
+    if cache_salt is not None:  # as every other text a caller gives (a tenant, a request id, a prompt)
+        check_unicode("cache_salt", cache_salt)
     return params, priority, cache_salt
 
 
