@@ -42,10 +42,16 @@ MAX_TOKENIZER_FILE_BYTES = 2**30
 MAX_TEXT_GROWTH = 32
 
 
+#: The kernel's pseudo-files, regular files to ``stat`` whose size says nothing of what a read gives (``/proc/kmsg``
+#: waits for the kernel's next message): a model file that leads there is refused unread.
+_KERNEL_FILES = (Path("/proc"), Path("/sys"))
+
+
 def check_file(file: Path, limit: int) -> None:
-    """Refuse ``file`` unless it is a regular file of at most ``limit`` bytes, decided from ``stat`` alone (which
-    follows a symbolic link and opens nothing): a model file that leads to a device (``/dev/zero``) was read until
-    the machine's memory ran out, one that is a pipe waited for a writer for ever.
+    """Refuse ``file`` unless it is a regular file of at most ``limit`` bytes outside the kernel's pseudo-files
+    (``/proc``, ``/sys``), decided from ``stat`` and the resolved path alone (which follow a symbolic link and open
+    nothing): a model file that leads to a device (``/dev/zero``) was read until the machine's memory ran out, one
+    that is a pipe waited for a writer for ever.
 
     Raises:
         ModelLoadError: naming the file.
@@ -56,6 +62,9 @@ def check_file(file: Path, limit: int) -> None:
         raise ModelLoadError(f"cannot read {file}: {exc}") from exc
     if not stat.S_ISREG(info.st_mode):
         raise ModelLoadError(f"cannot read {file}: it is not a regular file (a device, a pipe or a directory)")
+    real = file.resolve()
+    if any(real.is_relative_to(root) for root in _KERNEL_FILES):  # sized 0 whatever they hold; some block a read
+        raise ModelLoadError(f"cannot read {file}: it is the kernel's file {real}, not a model's")
     if info.st_size > limit:
         raise ModelLoadError(f"cannot read {file}: it holds {info.st_size} bytes, more than a model's file of its "
                              f"kind may ({limit})")
@@ -113,6 +122,7 @@ def safetensors_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
         if not f.is_file():
             raise ModelLoadError(f"weight shard {f} is not a regular file")
+        check_file(f, 2**63 - 1)  # any size; not the kernel's files (their headers are read before the map)
     return files
 
 

@@ -1,0 +1,29 @@
+"""A model file that leads into the kernel's pseudo-files (``/proc``, ``/sys``) is refused unread (pass70): they are
+regular files to ``stat`` of size 0 whatever a read gives, and some wait for ever (``/proc/kmsg`` waits for the
+kernel's next message), so a ``config.json`` linked there could hang a load or a swap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncinfer import AsyncEngine, ModelLoadError
+
+
+@pytest.mark.parametrize(("name", "target"), [("config.json", "/proc/self/status"),
+                                              ("tokenizer.json", "/proc/version"),
+                                              ("model.safetensors", "/sys/kernel/mm/transparent_hugepage/enabled")])
+def test_a_model_file_into_the_kernels_files_is_refused_by_name(tiny_models, tmp_path, name, target) -> None:
+    if not Path(target).exists():
+        target = "/proc/self/status"  # (a machine without that sysfs file: the same rule)
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (model / item.name).symlink_to(item)
+    if name == "tokenizer.json":
+        (model / "tokenizer_config.json").write_text("{}")
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(target)
+    with pytest.raises(ModelLoadError, match=rf"cannot read {model / name}: it is the kernel's file "):
+        AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)
