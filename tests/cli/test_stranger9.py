@@ -88,6 +88,8 @@ def test_the_equivalent_flags_are_aliases() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["chat", "-ngl", "99", "hi"], ("-ngl is not a flag of asyncinfer chat: it is llama.cpp's layers offloaded to the "
                                    "GPU; asyncinfer puts the whole model on one device: --device cuda (or cpu)")),
+    (["info", "--ngl", "10"], ("--ngl is not a flag of asyncinfer info: it is llama.cpp's layers offloaded to the "
+                               "GPU; asyncinfer puts the whole model on one device: --device cuda (or cpu)")),
     (["serve", "--n-gpu-layers=99"], ("--n-gpu-layers is not a flag of asyncinfer serve: it is llama.cpp's layers "
                                      "offloaded to the GPU; asyncinfer puts the whole model on one device: --device "
                                      "cuda (or cpu)")),

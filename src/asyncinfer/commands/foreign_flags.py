@@ -27,7 +27,7 @@ _TLS = "a TLS setting; asyncinfer serve speaks plain HTTP: put a proxy that hold
 
 #: Other tools' flags asyncinfer has no equivalent for, each with what to do instead.
 REFUSED: dict[str, str] = {
-    "--n-gpu-layers": _GPU_LAYERS, "-ngl": _GPU_LAYERS, "--gpu-layers": _GPU_LAYERS,
+    "--n-gpu-layers": _GPU_LAYERS, "-ngl": _GPU_LAYERS, "--ngl": _GPU_LAYERS, "--gpu-layers": _GPU_LAYERS,
     "--tensor-parallel-size": _PARALLEL.format("tensor parallelism"), "-tp": _PARALLEL.format("tensor parallelism"),
     "--pipeline-parallel-size": _PARALLEL.format("pipeline parallelism"),
     "-pp": _PARALLEL.format("pipeline parallelism"),
