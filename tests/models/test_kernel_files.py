@@ -27,3 +27,28 @@ def test_a_model_file_into_the_kernels_files_is_refused_by_name(tiny_models, tmp
     (model / name).symlink_to(target)
     with pytest.raises(ModelLoadError, match=rf"cannot read {model / name}: it is the kernel's file "):
         AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)
+
+
+@pytest.mark.parametrize("target", ["/proc/version", "fifo"])
+def test_an_additional_chat_template_is_checked_as_every_tokenizer_file(tiny_models, tmp_path, target) -> None:
+    """pass71: transformers reads every file of additional_chat_templates/, which no check looked at: one linked to
+    /proc/kmsg hung the load (and a swap to it) for ever."""
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "tokenizer_config.json").write_text("{}")
+    templates = model / "additional_chat_templates"
+    templates.mkdir()
+    (templates / "fine.jinja").write_text("{{ messages }}")
+    evil = templates / "evil.jinja"
+    if target == "fifo":
+        os.mkfifo(evil)
+        said = "it is not a regular file"
+    else:
+        evil.symlink_to(target)
+        said = "it is the kernel's file"
+    with pytest.raises(ModelLoadError, match=rf"cannot read {evil}: {said}"):
+        AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)

@@ -55,11 +55,41 @@ def test_a_tokenizer_within_the_vocabulary_loads(tiny_models, tmp_path) -> None:
 
 
 def test_added_tokens_past_the_vocabulary_are_refused_before_the_build(tiny_models, tmp_path, never_built) -> None:
-    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB), added=100_000)
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB), added=2_000)
     with pytest.raises(ModelLoadError) as refused:
         AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", num_threads=1)
-    assert str(refused.value).endswith(f"the tokenizer has {VOCAB + 100_000} tokens (tokenizer.json of {path}: its "
-                                       f"vocabulary and added tokens) but the model embeds only {VOCAB}")
+    assert str(refused.value).endswith(f"the tokenizer has {VOCAB + 2_000} tokens (counted in tokenizer.json, "
+                                       f"tokenizer_config.json of {path}) but the model embeds only {VOCAB}")
+
+
+@pytest.mark.parametrize("where", ["added_tokens.json", "tokenizer_config.json"])
+def test_tokens_added_by_the_other_files_count_too(tiny_models, tmp_path, never_built, where) -> None:
+    """pass71: the count read tokenizer.json alone; 600,000 tokens in added_tokens.json were built (25 s, 1.7 GB)."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    added = {f"<y{i}>": VOCAB + i for i in range(10_000)}
+    if where == "added_tokens.json":
+        (path / where).write_text(json.dumps(added))
+    else:
+        decoder = {str(i): {"content": t, "special": True} for t, i in added.items()}
+        (path / where).write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                              "added_tokens_decoder": decoder}))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 10_000} tokens \(counted in .*{where}"):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_list_past_its_bytes_a_token_is_refused_before_it_is_decoded(tiny_models, tmp_path, never_built) -> None:
+    """pass71: added_tokens were decoded whole, 6x the file's bytes, whatever the model's size."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    data = json.loads((path / "tokenizer.json").read_text())
+    data["added_tokens"] = [{"id": 0, "content": "a"}] * 200_000
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json's added_tokens takes \d+ bytes, more than "):
+        load_hf_tokenizer(path, VOCAB)
+    (path / "added_tokens.json").write_text(json.dumps({f"<z{i}>": i for i in range(100_000)}))
+    data["added_tokens"] = []
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=r"added_tokens\.json takes \d+ bytes, more than "):
+        load_hf_tokenizer(path, VOCAB)
 
 
 def test_a_vocabulary_past_its_bytes_a_token_is_refused_unread(tiny_models, tmp_path, never_built) -> None:

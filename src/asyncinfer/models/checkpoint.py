@@ -255,11 +255,10 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     """
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
-    for name in _TOKENIZER_READS:  # before transformers opens any of them
-        if (path / name).exists() or (path / name).is_symlink():
-            check_file(path / name, MAX_TOKENIZER_FILE_BYTES)
+    for file in _tokenizer_reads(path):  # before transformers opens any of them
+        check_file(file, MAX_TOKENIZER_FILE_BYTES)
     if vocab_size is not None:
-        _check_vocabulary_fits(path / "tokenizer.json", vocab_size)
+        _check_vocabulary_fits(path, vocab_size)
     _check_charsmaps(path / "tokenizer.json")
     _check_text_growth(path / "tokenizer.json")
     from transformers import AutoTokenizer
@@ -290,8 +289,20 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     return tokenizer
 
 
-#: The most bytes of JSON a ``tokenizer.json``'s vocabulary (or its merges) may take for each token the model
-#: embeds before its tokens are counted (real files take some 15 to 40 a token).
+def _tokenizer_reads(path: Path) -> list[Path]:
+    """The files of the directory ``path`` that transformers may open to build its tokenizer: the known names, and
+    every entry of ``additional_chat_templates/`` (each read as a template: one linked to ``/proc/kmsg`` hung a
+    load for ever)."""
+    files = [path / name for name in _TOKENIZER_READS if (path / name).exists() or (path / name).is_symlink()]
+    templates = path / "additional_chat_templates"
+    if templates.is_dir():
+        files += sorted(templates.iterdir())
+    return files
+
+
+#: The most bytes of JSON a tokenizer's token lists (a ``tokenizer.json``'s vocabulary, merges and added tokens, an
+#: ``added_tokens.json``, a ``tokenizer_config.json``'s ``added_tokens_decoder``, a ``vocab.json``) may take for each
+#: token the model embeds before their tokens are counted (real files take some 15 to 150 a token).
 MAX_VOCAB_BYTES_PER_TOKEN = 512
 
 
@@ -307,45 +318,84 @@ class _TokenizerModel(msgspec.Struct):
 class _TokenizerFile(msgspec.Struct):
     """The parts of a ``tokenizer.json`` that its count of tokens is read from (the rest skipped unread)."""
 
-    added_tokens: list[_AddedToken] = []
+    added_tokens: msgspec.Raw = msgspec.Raw(b"null")
     model: _TokenizerModel | None = None
 
 
-def _check_vocabulary_fits(file: Path, vocab_size: int) -> None:
-    """Refuse, before the tokenizers library and transformers build it, a ``tokenizer.json`` of more distinct tokens
-    (its vocabulary and its added tokens) than the model embeds: :func:`asyncinfer.loading.check_tokenizer` refuses
-    it once built, but built first, 600,000 added tokens took 25 s and 2 GB (each is a Python object in transformers),
-    and a file at the size limit would take some 20 GB. Its vocabulary and merges are counted only within
-    :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token, so the count's own memory stays in proportion to the model.
+class _TokenizerConfig(msgspec.Struct):
+    """The part of a ``tokenizer_config.json`` that adds tokens (the rest skipped unread)."""
+
+    added_tokens_decoder: msgspec.Raw = msgspec.Raw(b"null")
+
+
+def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
+    """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
+    model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
+    and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder``, ``vocab.json``):
+    :func:`asyncinfer.loading.check_tokenizer` refuses it once built, but built first, 600,000 added tokens took 25 s
+    and 2 GB (each is a Python object in transformers), and a file at the size limit would take some 20 GB. Each
+    list is decoded only within :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token (and 1 MiB), so the count's own
+    memory stays in proportion to the model.
 
     Raises:
-        ModelLoadError: naming the file, the count and the model's ``vocab_size``.
+        ModelLoadError: naming the file and list at fault, or the count and the model's ``vocab_size``.
     """
-    if not file.is_file():
-        return
-    try:
-        data = msgspec.json.decode(file.read_bytes(), type=_TokenizerFile)
-    except (msgspec.DecodeError, RecursionError):  # not JSON, or not of this shape: the library says what
-        return
-    model = data.model or _TokenizerModel()
     bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
-    for part in ("vocab", "merges"):
-        raw = getattr(model, part)
-        if len(raw) > bound:
-            raise ModelLoadError(f"cannot load the tokenizer in {file.parent}: {file.name}'s model.{part} takes "
-                                 f"{len(raw)} bytes, more than {bound} ({MAX_VOCAB_BYTES_PER_TOKEN} a token of the "
-                                 f"model's vocab_size {vocab_size}, and 1 MiB)")
-    try:
-        vocab = msgspec.json.decode(model.vocab)
-    except msgspec.DecodeError:
-        return
-    # BPE, WordPiece and WordLevel: {token: id}; Unigram: [[token, score], ...]
-    tokens = set(vocab) if isinstance(vocab, dict) else {
-        t[0] for t in vocab if isinstance(t, list) and t and isinstance(t[0], str)} if isinstance(vocab, list) else set()
-    tokens.update(added.content for added in data.added_tokens)
+    lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
+    for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig)):
+        if (path / name).is_file():
+            try:
+                data = msgspec.json.decode((path / name).read_bytes(), type=shape)
+            except (msgspec.DecodeError, RecursionError):  # not JSON, or not of this shape: the library says what
+                continue
+            if isinstance(data, _TokenizerFile):
+                model = data.model or _TokenizerModel()
+                lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
+                          (f"{name}'s added_tokens", data.added_tokens)]
+            else:
+                lists.append((f"{name}'s added_tokens_decoder", data.added_tokens_decoder))
+    for name in ("added_tokens.json", "vocab.json"):
+        if (path / name).is_file():
+            size = (path / name).stat().st_size
+            _check_list_size(path, name, size, bound, vocab_size)  # before it is read
+            lists.append((name, msgspec.Raw((path / name).read_bytes())))
+    tokens: set[str] = set()
+    for where, raw in lists:
+        _check_list_size(path, where, len(raw), bound, vocab_size)
+        if not where.endswith("merges"):
+            tokens |= _tokens_in(raw)
     if len(tokens) > vocab_size:
-        raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens ({file.name} of {file.parent}: its vocabulary "
-                             f"and added tokens) but the model embeds only {vocab_size}")
+        files = ", ".join(dict.fromkeys(where.split("'s ")[0] for where, _ in lists))
+        raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens (counted in {files} of {path}) but the model "
+                             f"embeds only {vocab_size}")
+
+
+def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: int) -> None:
+    if size > bound:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {where} takes {size} bytes, more than {bound} "
+                             f"({MAX_VOCAB_BYTES_PER_TOKEN} a token of the model's vocab_size {vocab_size}, and 1 MiB)")
+
+
+def _tokens_in(raw: msgspec.Raw) -> set[str]:
+    """The tokens a JSON token list names: ``{token: id}`` (a vocabulary, ``added_tokens.json``), ``{id: {"content":
+    token}}`` (``added_tokens_decoder``), ``[{"content": token}]`` (added tokens) or ``[[token, score]]`` (Unigram);
+    none for anything else (the library refuses it)."""
+    try:
+        value = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return set()
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    tokens = set()
+    for key, item in items:
+        if isinstance(item, dict):
+            content = item.get("content")
+            if isinstance(content, str):
+                tokens.add(content)
+        elif isinstance(item, list) and item and isinstance(item[0], str):
+            tokens.add(item[0])
+        elif isinstance(key, str):
+            tokens.add(key)
+    return tokens
 
 
 def _check_text_growth(file: Path) -> None:
