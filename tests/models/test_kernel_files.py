@@ -52,3 +52,16 @@ def test_an_additional_chat_template_is_checked_as_every_tokenizer_file(tiny_mod
         said = "it is the kernel's file"
     with pytest.raises(ModelLoadError, match=rf"cannot read {evil}: {said}"):
         AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)
+
+
+def test_any_file_beside_the_tokenizer_is_checked_too(tiny_models, tmp_path) -> None:
+    """transformers opens names of its own beyond the ones asyncinfer knows (a Mistral ``tekken.json``...): a file of
+    the model's directory that leads to the kernel's files is refused whatever its name."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "tokenizer_config.json").write_text("{}")
+    (model / "tekken.json").symlink_to("/proc/version")
+    with pytest.raises(ModelLoadError, match=rf"cannot read {model / 'tekken.json'}: it is the kernel's file "):
+        AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)

@@ -257,6 +257,9 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         return None
     for file in _tokenizer_reads(path):  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
+    for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
+        if not entry.is_dir():
+            check_file(entry, 2**63 - 1)
     if vocab_size is not None:
         _check_vocabulary_fits(path, vocab_size)
     _check_charsmaps(path / "tokenizer.json")
