@@ -36,3 +36,23 @@ def test_a_prompt_job_s_refusal_names_its_flags_a_file_line_its_keys(real_gguf, 
     error = json.loads(out.read_text())["error"]
     assert error.endswith('(or shorten the prompt, or a --file line\'s "truncate_output_to_model_len": true to stop at '
                           "--max-model-len)")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_without_max_model_len_the_models_context_refuses_it_before_any_prompt_runs(real_gguf, tmp_path, capsys,
+                                                                                    command) -> None:
+    """stranger64: with no --max-model-len, ``generate --prompt x --max-tokens 8192`` loaded, ran the prompt and wrote
+    it as the job's one error line (exit 1), where ``chat`` refused the same flags (exit 2); and both said "raise
+    --max-model-len", already the model's whole context. Both now refuse it once the model's context is known,
+    before any prompt runs, saying what bounds it."""
+    out = tmp_path / "out.jsonl"
+    argv = (["generate", str(real_gguf), "--prompt", "x", "-o", str(out), "--no-progress"] if command == "generate"
+            else ["chat", "--model", str(real_gguf), "x"])
+    assert cli.main([*argv, "--max-tokens", "8192", "--threads", "1"]) == 2
+    captured = capsys.readouterr()
+    assert not out.exists() or out.read_text() == ""
+    said = ("--max-tokens 8192 is invalid: allowed less than the model's context (8192 tokens, the default "
+            "--max-model-len)")
+    assert captured.err.startswith(f"asyncinfer: error: {said}") and "raise --max-model-len" not in captured.err
+    assert captured.err.count("\n") == 1

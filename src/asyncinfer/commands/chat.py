@@ -144,10 +144,12 @@ class ChatSession:
     """A conversation with one engine: the history, and one reply at a time written to ``out``."""
 
     def __init__(self, engine: Any, params: SamplingParams, system: str | None, *, stats: bool = False,
-                 out: TextIO | None = None, err: TextIO | None = None, max_tokens_given: bool = True) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None, max_tokens_given: bool = True,
+                 context_given: bool = True) -> None:
         self.engine = engine
         self.params = params
         self.max_tokens_given = max_tokens_given  # False: params.max_tokens is --max-tokens' default
+        self.context_given = context_given  # False: max_model_len is the model's whole context (no --max-model-len)
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict[str, str]] = list(self.system)
         self.stats = stats
@@ -201,10 +203,12 @@ class ChatSession:
             limit, n = self.params.max_tokens, self.engine.max_model_len
             default = "" if self.max_tokens_given else " (its default)"
             fix = "lower --max-tokens" if self.max_tokens_given else f"give --max-tokens under {n}"
+            bound = f"--max-model-len ({n})" if self.context_given else f"the model's context ({n} tokens, the " \
+                "default --max-model-len)"
             raise InvalidParameterError(
-                "max_tokens", limit, f"less than --max-model-len ({n})",
-                message=f"--max-tokens {limit}{default} is invalid: allowed less than --max-model-len ({n}); {fix} "
-                        f"or raise --max-model-len")
+                "max_tokens", limit, f"less than {bound}",
+                message=f"--max-tokens {limit}{default} is invalid: allowed less than {bound}; {fix}"
+                        + (" or raise --max-model-len" if self.context_given else ""))
         self.history.append({"role": "user", "content": text})
         try:
             self.history = trim_messages(self.history, budget, self.engine.count_tokens)
@@ -243,7 +247,8 @@ async def _main(args: argparse.Namespace, options: dict[str, Any], params: Sampl
     async with engine:
         check_chats_render(engine.get_tokenizer(), args.model, "chat")
         session = ChatSession(engine, params, args.system, stats=args.stats,
-                              max_tokens_given=args.max_tokens is not None)
+                              max_tokens_given=args.max_tokens is not None,
+                              context_given=options.get("max_model_len") is not None)
         with _Interrupts() as interrupts:
             if args.prompt:
                 return 0 if await interrupts.run(session.reply(" ".join(args.prompt))) else 130

@@ -113,7 +113,7 @@ def run_generate(args: argparse.Namespace, options: dict[str, Any], params: Samp
     if not jobs:
         raise CommandError(f"{_source(args.file)}: no requests in it")
     with _open_output(args.output) as out:
-        return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args))
+        return asyncio.run(_run(args.model_arg or args.model, options, jobs, out, args, params))
 
 
 def _check_source(args: argparse.Namespace) -> None:
@@ -138,16 +138,23 @@ def _check_source(args: argparse.Namespace) -> None:
         raise CommandError(f"{which} is empty (an unset variable?): give the text of each prompt")
 
 
-def _check_room(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams) -> None:
-    """``--prompt`` jobs whose ``--max-tokens`` no prompt leaves room for in a given ``--max-model-len`` (a prompt
-    takes one token at least): refused before the model loads, as ``chat`` refuses them, in the flags' terms (the
-    model was loaded to refuse each prompt, suggesting a --file line's key that a --prompt job has no way to set).
-    A --file line sets its own ``max_tokens``: checked per line, once loaded."""
-    context = options.get("max_model_len")
+def _check_room(args: argparse.Namespace, options: dict[str, Any], params: SamplingParams,
+                loaded_context: int | None = None) -> None:
+    """``--prompt`` jobs whose ``--max-tokens`` no prompt leaves room for in ``--max-model-len`` (a prompt takes one
+    token at least): refused before the model loads where the flag is given, else once it has loaded (its context
+    is then the model's, ``loaded_context``) and before any prompt runs, as ``chat`` refuses them, in the flags'
+    terms (the model was loaded to refuse each prompt, suggesting a --file line's key that a --prompt job has no way
+    to set; a job of the model's context ran and failed each prompt with exit status 1). A --file line sets its own
+    ``max_tokens``: checked per line, once loaded."""
+    given = options.get("max_model_len")
+    context = given if given is not None else loaded_context
     if not args.prompt or context is None or params.truncate_output_to_model_len or params.max_tokens < context:
         return
-    raise CommandError(f"--max-tokens {params.max_tokens} is invalid: allowed less than --max-model-len ({context}), "
-                       "a prompt takes one token at least; lower --max-tokens or raise --max-model-len")
+    if given is not None:
+        raise CommandError(f"--max-tokens {params.max_tokens} is invalid: allowed less than --max-model-len "
+                           f"({context}), a prompt takes one token at least; lower --max-tokens or raise --max-model-len")
+    raise CommandError(f"--max-tokens {params.max_tokens} is invalid: allowed less than the model's context ({context} "
+                       "tokens, the default --max-model-len), a prompt takes one token at least; lower --max-tokens")
 
 
 def _check_output_is_not_input(source: str | None, output: str) -> None:
@@ -405,10 +412,16 @@ def _logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]]:
             for lp in logprobs or []]
 
 
-async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO, args: argparse.Namespace) -> int:
+async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO, args: argparse.Namespace,
+               params: SamplingParams) -> int:
     from asyncinfer.engine import AsyncEngine
 
     engine = await AsyncEngine.load(model, **options)
+    try:
+        _check_room(args, options, params, engine.max_model_len)  # the model's own context, where no flag gave one
+    except CommandError:
+        await engine.aclose()
+        raise
     if args.chat:  # every line a chat: refused once, not line by line
         check_chats_render(engine.get_tokenizer(), model, "generate --chat")
     ids_only = engine.get_tokenizer() is None  # no text to give: the output is its token ids
