@@ -29,7 +29,9 @@ SURROGATE = "must be valid Unicode, not <a text with the lone surrogate"
     ('{"prompt": [1, -2]}', f"{NO_PROMPT}, not [1, -2]"),
     ('{"prompt": [1, true]}', f"{NO_PROMPT}, not [1, true]"),
     ('{"prompt": "a\\ud800"}', f"'prompt' {SURROGATE} '\\ud800' at index 1>"),
-    ('{"messages": [{"role": "user", "content": "\\udc00"}]}', f"'messages' {SURROGATE} '\\udc00' at index 0>"),
+    ('{"messages": [{"role": "user", "content": "\\udc00"}]}', f"'messages[0]' {SURROGATE} '\\udc00' at index 0>"),
+    ('{"messages": [{"role": "user", "content": "hi", "name": "\\ud800"}]}',
+     f"'messages[0]' {SURROGATE} '\\ud800' at index 0>"),
     # by the engine's own rules (prompts.check_messages), not a copy: the copy let a role no model takes run
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
      f'messages[1].role="bot" is invalid: allowed one of {", ".join(map(repr, CHAT_ROLES))}'),

@@ -325,9 +325,9 @@ def _check_prompt(prompt: Any, key: str, where: str) -> None:
         elif kind == "chat":
             check_messages(prompt)
     except InvalidParameterError as exc:
-        if exc.allowed.startswith("valid Unicode"):
-            raise CommandError(f"{where}: '{key}' must be valid Unicode, not {exc.value}") from None
         item = exc.parameter.removeprefix("prompt")  # "[2].role"
+        if exc.allowed.startswith("valid Unicode"):  # (a message's: any of its texts, its name's too)
+            raise CommandError(f"{where}: '{key}{item}' must be valid Unicode, not {exc.value}") from None
         raise CommandError(f"{where}: {key}{item}={_shown(exc.value)} is invalid: allowed {exc.allowed}") from None
 
 
