@@ -247,8 +247,9 @@ def _has_sentencepiece() -> bool:
 
 
 def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTokenizerBase | None:
-    """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files. With ``vocab_size``
-    (the model's embeddings), a ``tokenizer.json`` of more tokens is refused before it is built.
+    """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files. Every file of the
+    directory is checked first (:func:`check_file`); with ``vocab_size`` (the model's embeddings), a tokenizer of
+    more tokens is refused before it is built (:func:`_check_vocabulary_fits`).
 
     Raises:
         ModelLoadError: tokenizer files that transformers cannot load, or more tokens than ``vocab_size``.
