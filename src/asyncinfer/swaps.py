@@ -149,16 +149,22 @@ class ModelChanges:
             holder = self.models.generator(name, "name", "an embedding model, which swap_model does not replace: "
                                                          "remove_model(name), then add_model(name, model)")
             label = self.models.name_of(holder)
-            merged = {**current(holder).options, **options}
+            serving = current(holder)
+            merged = {**serving.options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read
             admission = self.models.admission[holder]
-            if mode == "drain":  # from the call on, new requests wait for the new version (its checks included)
+            drained = False  # whether the drain began (from then on, only a switch gives the model a version)
+            if mode == "drain":
+                # From the call on, new requests wait for the new version (its checks included), and no version
+                # serves: the HTTP server answers them 503 (come back) from here, not from the drain's start (a
+                # request sent during the checks waited for the whole swap: docs/model_swaps.md).
                 admission.clear()
+                holder.current = None
             try:
                 try:
-                    await self._check_fits(model, merged, available, mode, current(holder).plan)
+                    await self._check_fits(model, merged, available, mode, serving.plan)
                 except InvalidParameterError as exc:  # an option the caller did not give: say where it came from
-                    if exc.parameter not in current(holder).options or exc.parameter in options:
+                    if exc.parameter not in serving.options or exc.parameter in options:
                         raise
                     raise InvalidParameterError(exc.parameter, exc.value, exc.allowed, message=(
                         f"{exc} ({exc.parameter} is the serving version's, carried over: pass {exc.parameter}= to "
@@ -169,8 +175,11 @@ class ModelChanges:
                     switched.append((new, label))
                     await self.switch(new, holder)
                 else:  # from the drain on, the model has no version until one is switched in: see it through
-                    new = await _to_the_end(self._drain_swap(holder, model, merged, abort, label, switched))
+                    drained = True
+                    new = await _to_the_end(self._drain_swap(holder, serving, model, merged, abort, label, switched))
             finally:
+                if mode == "drain" and not drained:  # refused (or cancelled) before the drain: the old one serves on
+                    holder.current = serving
                 admission.set()
             return version_info(new, label, 0)
 
@@ -213,12 +222,12 @@ class ModelChanges:
         )
 
     async def _drain_swap(
-        self, holder: ModelHolder, model: ModelRef, options: dict[str, Any], abort: bool, label: str,
-        switched: list[tuple[ModelVersion, str]],
+        self, holder: ModelHolder, old: ModelVersion, model: ModelRef, options: dict[str, Any], abort: bool,
+        label: str, switched: list[tuple[ModelVersion, str]],
     ) -> ModelVersion:
-        """Drain mode (admission paused by the caller): retire the serving version, load the new one and switch
-        it in (its info put in ``switched``, what a cancelled caller's count reads)."""
-        old = current(holder)
+        """Drain mode (admission paused and ``holder.current`` cleared by the caller): retire ``old``, the version
+        that served, load the new one and switch it in (its info put in ``switched``, what a cancelled caller's count
+        reads)."""
         await self.retire(old, abort, holder)
         try:
             new = await self._load_version(model, options)

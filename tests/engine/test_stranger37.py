@@ -36,7 +36,7 @@ async def test_a_failed_swap_naming_no_model_logs_the_generator_it_swapped(tiny_
     assert level == logging.WARNING
     assert line.startswith(f"model swap failed model={name} mode=overlap source="), line  # was model=<default>
     assert "error=SwapError" in line
-    assert swaps == {"ok": 0, "refused": 0, "failed": 1}
+    assert swaps == {"ok": 0, "refused": 0, "failed": 1, "cancelled": 0}
 
 
 async def test_a_swap_on_a_closed_engine_is_refused_without_a_warning(tiny_models, caplog):
@@ -51,7 +51,7 @@ async def test_a_swap_on_a_closed_engine_is_refused_without_a_warning(tiny_model
         with pytest.raises(EngineClosedError):
             await engine.swap_model(path, mode=mode)
     assert _lines(caplog) == []  # was: WARNING model swap failed ... error=EngineClosedError, like no add_model
-    assert engine.metrics.snapshot().models["default"].swaps == {"ok": 0, "refused": 2, "failed": 0}
+    assert engine.metrics.snapshot().models["default"].swaps == {"ok": 0, "refused": 2, "failed": 0, "cancelled": 0}
 
 
 # docs/memory.md: plan_memory plans "before loading anything". For a sentence encoder that did not fit it said "the

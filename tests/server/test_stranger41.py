@@ -55,7 +55,8 @@ def test_a_drain_swap_waiting_on_old_requests_names_not_the_model_itself(tiny_ch
         swap = asyncio.run_coroutine_threadsafe(
             engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **options), engine.loop)
         try:
-            while not between_versions(engine):  # admission paused: the swap waits for the first request
+            # admission paused from the call on; the drain begun once the old version is listed draining
+            while not between_versions(engine) or [i.state for i in engine.model_info()] != ["draining"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})

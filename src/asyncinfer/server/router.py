@@ -531,6 +531,10 @@ class _OpenAI:
                 raise APIError(404, f"This server has no {noun}: {how}",
                                param="model", code="model_not_found")
             return found.name, found
+        if kind == "generate" and _engine.between_versions(self.engine(), requested):
+            # listed still (its old version drains, or the swap checks the new one), but no version takes requests
+            # until the new one serves: come back, not held for the whole swap (docs/model_swaps.md)
+            raise self._absent(requested)
         info = served.get(requested)
         if info is None:
             absent = self._absent(requested)
