@@ -97,3 +97,30 @@ def test_a_vocabulary_past_its_bytes_a_token_is_refused_unread(tiny_models, tmp_
     path = model_dir(tiny_models, tmp_path / "m", words(VOCAB // 2, width=bound // (VOCAB // 2) + 1))
     with pytest.raises(ModelLoadError, match=rf"tokenizer\.json's model\.vocab takes \d+ bytes, more than {bound} "):
         load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize(("where", "key"), [("tokenizer_config.json", "additional_special_tokens"),
+                                            ("tokenizer_config.json", "extra_special_tokens"),
+                                            ("special_tokens_map.json", "additional_special_tokens")])
+def test_special_tokens_count_too(tiny_models, tmp_path, never_built, where, key) -> None:
+    """pass72: additional_special_tokens were counted nowhere: 80,000 of them took 30 s to be refused once built, and
+    300,000 (a file of 3.6 MB) more than 300 s."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    tokens = [f"<s{i}>" for i in range(5_000)]
+    value = {f"t{i}": t for i, t in enumerate(tokens)} if key == "extra_special_tokens" else tokens
+    base = json.loads((path / where).read_text()) if (path / where).exists() else {}
+    (path / where).write_text(json.dumps({**base, key: value}))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 5_000} tokens \(counted in .*{where}"):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_link_to_nothing_or_a_socket_beside_the_tokenizer_is_left_alone(tiny_models, tmp_path) -> None:
+    """pass72: the check of every file beside the tokenizer refused a Hugging Face snapshot whose README blob was
+    deleted (a link to nothing) and a lock socket, which transformers never reads and loads beside."""
+    import socket
+
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "README.md").symlink_to(tmp_path / "deleted-blob")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path / ".lock"))
+        assert len(load_hf_tokenizer(path, VOCAB)) == VOCAB

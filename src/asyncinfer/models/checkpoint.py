@@ -259,8 +259,7 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     for file in _tokenizer_reads(path):  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
     for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
-        if not entry.is_dir():
-            check_file(entry, 2**63 - 1)
+        _check_not_blocking(entry)
     if vocab_size is not None:
         _check_vocabulary_fits(path, vocab_size)
     _check_charsmaps(path / "tokenizer.json")
@@ -291,6 +290,18 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
                              f"(tokenizer_config.json)")
     return tokenizer
+
+
+def _check_not_blocking(entry: Path) -> None:
+    """Refuse an entry of a model's directory that a read could block on or never end: a pipe, a device, the
+    kernel's files. Anything else is left to whoever reads it (a directory, a socket, a link to nothing: a Hugging
+    Face snapshot whose README blob was deleted loads as transformers loads it)."""
+    try:
+        mode = entry.stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISREG(mode):
+        check_file(entry, 2**63 - 1)
 
 
 def _tokenizer_reads(path: Path) -> list[Path]:
@@ -327,15 +338,19 @@ class _TokenizerFile(msgspec.Struct):
 
 
 class _TokenizerConfig(msgspec.Struct):
-    """The part of a ``tokenizer_config.json`` that adds tokens (the rest skipped unread)."""
+    """The parts of a ``tokenizer_config.json`` (or a ``special_tokens_map.json``) that add tokens (the rest skipped
+    unread)."""
 
     added_tokens_decoder: msgspec.Raw = msgspec.Raw(b"null")
+    additional_special_tokens: msgspec.Raw = msgspec.Raw(b"null")
+    extra_special_tokens: msgspec.Raw = msgspec.Raw(b"null")
 
 
 def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
-    and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder``, ``vocab.json``):
+    and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
+    and ``special_tokens_map.json``'s, ``vocab.json``):
     :func:`asyncinfer.loading.check_tokenizer` refuses it once built, but built first, 600,000 added tokens took 25 s
     and 2 GB (each is a Python object in transformers), and a file at the size limit would take some 20 GB. Each
     list is decoded only within :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token (and 1 MiB), so the count's own
@@ -346,7 +361,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
     """
     bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
     lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
-    for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig)):
+    for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
+                        ("special_tokens_map.json", _TokenizerConfig)):
         if (path / name).is_file():
             try:
                 data = msgspec.json.decode((path / name).read_bytes(), type=shape)
@@ -357,7 +373,7 @@ def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
                 lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
                           (f"{name}'s added_tokens", data.added_tokens)]
             else:
-                lists.append((f"{name}'s added_tokens_decoder", data.added_tokens_decoder))
+                lists += [(f"{name}'s {part}", getattr(data, part)) for part in _TokenizerConfig.__struct_fields__]
     for name in ("added_tokens.json", "vocab.json"):
         if (path / name).is_file():
             size = (path / name).stat().st_size
@@ -382,8 +398,8 @@ def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: 
 
 def _tokens_in(raw: msgspec.Raw) -> set[str]:
     """The tokens a JSON token list names: ``{token: id}`` (a vocabulary, ``added_tokens.json``), ``{id: {"content":
-    token}}`` (``added_tokens_decoder``), ``[{"content": token}]`` (added tokens) or ``[[token, score]]`` (Unigram);
-    none for anything else (the library refuses it)."""
+    token}}`` (``added_tokens_decoder``), ``[{"content": token}]`` (added tokens), ``[[token, score]]`` (Unigram),
+    ``[token]`` or ``{name: token}`` (special tokens); none for anything else (the library refuses it)."""
     try:
         value = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -391,7 +407,9 @@ def _tokens_in(raw: msgspec.Raw) -> set[str]:
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     tokens = set()
     for key, item in items:
-        if isinstance(item, dict):
+        if isinstance(item, str):
+            tokens.add(item)
+        elif isinstance(item, dict):
             content = item.get("content")
             if isinstance(content, str):
                 tokens.add(content)
