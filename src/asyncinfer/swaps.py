@@ -153,7 +153,7 @@ class ModelChanges:
             merged = {**serving.options, **options}
             EngineConfig.from_options(merged)  # bad options fail before anything is read
             admission = self.models.admission[holder]
-            drained = False  # whether the drain began (from then on, only a switch gives the model a version)
+            drain_began: list[bool] = []  # set once the drain begins (then only a switch gives the model a version)
             if mode == "drain":
                 # From the call on, new requests wait for the new version (its checks included), and no version
                 # serves: the HTTP server answers them 503 (come back) from here, not from the drain's start (a
@@ -175,10 +175,11 @@ class ModelChanges:
                     switched.append((new, label))
                     await self.switch(new, holder)
                 else:  # from the drain on, the model has no version until one is switched in: see it through
-                    drained = True
-                    new = await _to_the_end(self._drain_swap(holder, serving, model, merged, abort, label, switched))
+                    new = await _to_the_end(self._drain_swap(holder, serving, model, merged, abort, label, switched,
+                                                             drain_began))
             finally:
-                if mode == "drain" and not drained:  # refused (or cancelled) before the drain: the old one serves on
+                if mode == "drain" and not drain_began:  # refused, cancelled or closed before the drain: the old one
+                    # serves on (or, the engine closed, answers kv_stats() and its tokenizer as a closed engine's does)
                     holder.current = serving
                 admission.set()
             return version_info(new, label, 0)
@@ -223,11 +224,14 @@ class ModelChanges:
 
     async def _drain_swap(
         self, holder: ModelHolder, old: ModelVersion, model: ModelRef, options: dict[str, Any], abort: bool,
-        label: str, switched: list[tuple[ModelVersion, str]],
+        label: str, switched: list[tuple[ModelVersion, str]], drain_began: list[bool],
     ) -> ModelVersion:
         """Drain mode (admission paused and ``holder.current`` cleared by the caller): retire ``old``, the version
         that served, load the new one and switch it in (its info put in ``switched``, what a cancelled caller's count
-        reads)."""
+        reads; ``drain_began`` marked once the engine takes the drain, so that a swap refused before it gives the
+        model its version back)."""
+        self.check_usable()  # (the engine may have closed since the checks: then nothing drains)
+        drain_began.append(True)
         await self.retire(old, abort, holder)
         try:
             new = await self._load_version(model, options)

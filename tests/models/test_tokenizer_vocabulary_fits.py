@@ -124,3 +124,22 @@ def test_a_link_to_nothing_or_a_socket_beside_the_tokenizer_is_left_alone(tiny_m
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(path / ".lock"))
         assert len(load_hf_tokenizer(path, VOCAB)) == VOCAB
+
+
+@pytest.mark.parametrize(("where", "odd"), [("tokenizer_config.json", "NaN"), ("special_tokens_map.json", "-Infinity"),
+                                            ("tokenizer_config.json", '"\\ud800"'), ("added_tokens.json", "NaN")])
+def test_a_file_msgspec_refuses_but_transformers_reads_is_counted_too(tiny_models, tmp_path, never_built, where,
+                                                                      odd) -> None:
+    """pass73: a NaN, an Infinity or a lone surrogate's escape anywhere in the file made msgspec refuse it and the
+    count skip it, while Python's json (transformers') read it: the build ran in full (80,000 special tokens: 38 s)."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    tokens = [f"<s{i}>" for i in range(5_000)]
+    if where == "added_tokens.json":
+        body = json.dumps({t: VOCAB + i for i, t in enumerate(tokens)})
+    else:
+        base = json.loads((path / where).read_text()) if (path / where).exists() else {}
+        body = json.dumps({**base, "additional_special_tokens": tokens})
+    (path / where).write_text(body[:-1] + f', "x": {odd}}}')
+    counted = VOCAB + 5_000 + (where == "added_tokens.json")  # ("x" is a token's name there)
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {counted} tokens "):
+        load_hf_tokenizer(path, VOCAB)

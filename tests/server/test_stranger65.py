@@ -50,6 +50,10 @@ def test_a_request_sent_during_a_drain_swaps_checks_is_a_503_at_once(tiny_chat_m
             r = http.post("/v1/completions", json=BODY)
             assert r.status_code == 503 and time.monotonic() - started < 5, r.text
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "unavailable"
+            # pass73: the models routes follow (they listed it and answered 200 while its completions were 503s)
+            assert http.get("/v1/models").json()["data"] == []
+            card = http.get("/v1/models/tiny")
+            assert card.status_code == 503 and card.json()["error"]["code"] == "unavailable", card.text
         finally:
             release.set()
         swap.result(60)
@@ -73,3 +77,27 @@ def test_a_drain_swap_refused_at_its_checks_leaves_the_old_version_serving(tiny_
             pass
         assert http.post("/v1/completions", json=BODY).status_code == 200
         assert [i.version_id for i in engine.model_info()] == before
+
+
+async def test_a_close_during_a_drain_swaps_checks_gives_the_model_its_version_back(tiny_chat_model,
+                                                                                    monkeypatch) -> None:
+    """pass73: aclose() during the checks refused the drain before it began, but the model was left with no version:
+    after the close kv_stats() and its tokenizer said a swap was loading, where a plain close keeps them working."""
+    from asyncinfer import AsyncEngine, EngineClosedError
+
+    engine = AsyncEngine.from_pretrained(tiny_chat_model, **TINY_OPTIONS)
+    await engine.start()
+    entered, release = hold_checks(monkeypatch)
+    swap = asyncio.ensure_future(engine.swap_model(str(tiny_chat_model), mode="drain", **TINY_OPTIONS))
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(engine.aclose())
+    await asyncio.sleep(0.1)
+    release.set()
+    try:
+        await swap
+        raise AssertionError("the swap was not refused")
+    except EngineClosedError:
+        pass
+    await closing
+    assert engine.kv_stats() is not None and engine.get_tokenizer() is not None

@@ -361,12 +361,17 @@ def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
     """
     bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
     lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
+    tokens: set[str] = set()
     for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
                         ("special_tokens_map.json", _TokenizerConfig)):
         if (path / name).is_file():
+            raw_file = (path / name).read_bytes()
             try:
-                data = msgspec.json.decode((path / name).read_bytes(), type=shape)
-            except (msgspec.DecodeError, RecursionError):  # not JSON, or not of this shape: the library says what
+                data = msgspec.json.decode(raw_file, type=shape)
+            except (msgspec.DecodeError, RecursionError):
+                # what msgspec refuses, Python's json (transformers') may read (NaN, Infinity, a lone surrogate's
+                # escape): read so, the whole file held to the bound, else the count skipped what the build then read
+                tokens |= _tokens_read_as_transformers_does(path, name, raw_file, shape, bound, vocab_size)
                 continue
             if isinstance(data, _TokenizerFile):
                 model = data.model or _TokenizerModel()
@@ -379,7 +384,6 @@ def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
             size = (path / name).stat().st_size
             _check_list_size(path, name, size, bound, vocab_size)  # before it is read
             lists.append((name, msgspec.Raw((path / name).read_bytes())))
-    tokens: set[str] = set()
     for where, raw in lists:
         _check_list_size(path, where, len(raw), bound, vocab_size)
         if not where.endswith("merges"):
@@ -396,14 +400,40 @@ def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: 
                              f"({MAX_VOCAB_BYTES_PER_TOKEN} a token of the model's vocab_size {vocab_size}, and 1 MiB)")
 
 
-def _tokens_in(raw: msgspec.Raw) -> set[str]:
-    """The tokens a JSON token list names: ``{token: id}`` (a vocabulary, ``added_tokens.json``), ``{id: {"content":
-    token}}`` (``added_tokens_decoder``), ``[{"content": token}]`` (added tokens), ``[[token, score]]`` (Unigram),
-    ``[token]`` or ``{name: token}`` (special tokens); none for anything else (the library refuses it)."""
+def _tokens_read_as_transformers_does(path: Path, name: str, raw: bytes, shape: type, bound: int,
+                                      vocab_size: int) -> set[str]:
+    """The tokens of a file msgspec refused, read with Python's json as transformers reads it (none where that
+    refuses it too: the library then says what), the whole file held to ``bound``."""
+    _check_list_size(path, name, len(raw), bound, vocab_size)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return set()
+    if not isinstance(value, dict):
+        return set()
+    parts: list[Any] = [value.get(part) for part in _TokenizerConfig.__struct_fields__]
+    if shape is _TokenizerFile:
+        model = value.get("model")
+        parts = [value.get("added_tokens"), model.get("vocab") if isinstance(model, dict) else None]
+    return set().union(*(_tokens_of(part) for part in parts))
+
+
+def _tokens_in(raw: msgspec.Raw | bytes) -> set[str]:
+    """:func:`_tokens_of` a JSON token list (read as transformers reads it where msgspec refuses it)."""
     try:
         value = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError):
-        return set()
+        try:
+            value = json.loads(bytes(raw))
+        except (ValueError, RecursionError):
+            return set()
+    return _tokens_of(value)
+
+
+def _tokens_of(value: Any) -> set[str]:
+    """The tokens a token list names: ``{token: id}`` (a vocabulary, ``added_tokens.json``), ``{id: {"content":
+    token}}`` (``added_tokens_decoder``), ``[{"content": token}]`` (added tokens), ``[[token, score]]`` (Unigram),
+    ``[token]`` or ``{name: token}`` (special tokens); none for anything else (the library refuses it)."""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     tokens = set()
     for key, item in items:

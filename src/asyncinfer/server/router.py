@@ -508,7 +508,12 @@ class _OpenAI:
         for info in engine.model_info():
             if info.name not in named or info.state == "current":
                 named[info.name] = info
-        return {name: info for name, info in named.items() if info.state == "current" or _engine.serves(engine, name)}
+        # a generator between the versions of a drain-mode swap (from its call on) is left out, as its requests are
+        # answered 503 then: its old version, still listed "current" during the swap's checks or "draining" while it
+        # ends its requests, takes no new one (GET /v1/models/<it> is that 503 too; serving.md)
+        return {name: info for name, info in named.items()
+                if (info.state == "current" or _engine.serves(engine, name))
+                and not (info.kind == "generate" and _engine.between_versions(engine, name))}
 
     def _pick(self, requested: str | None, kind: str) -> tuple[str, ModelVersionInfo]:
         """The model a body names (or the first of ``kind``); 404 when there is none by that name."""
