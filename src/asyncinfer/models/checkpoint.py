@@ -42,6 +42,8 @@ MAX_TOKENIZER_FILE_BYTES = 2**30
 MAX_TEXT_GROWTH = 32
 
 
+#: The bound :func:`check_file` is given for a file of any size (one whose kind is all it checks).
+ANY_SIZE = 2**63 - 1
 #: The kernel's pseudo-files, regular files to ``stat`` whose size says nothing of what a read gives (``/proc/kmsg``
 #: waits for the kernel's next message): a model file that leads there is refused unread.
 _KERNEL_FILES = (Path("/proc"), Path("/sys"))
@@ -122,7 +124,7 @@ def safetensors_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"weight shard {f} listed in the index does not exist")
         if not f.is_file():
             raise ModelLoadError(f"weight shard {f} is not a regular file")
-        check_file(f, 2**63 - 1)  # any size; not the kernel's files (their headers are read before the map)
+        check_file(f, ANY_SIZE)  # any size; not the kernel's files (their headers are read before the map)
     return files
 
 
@@ -256,14 +258,17 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     """
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
-    for file in _tokenizer_reads(path):  # before transformers opens any of them
+    reads = _tokenizer_reads(path)
+    for file in reads:  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
     for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
-        _check_not_blocking(entry)
+        if entry not in reads:
+            _check_not_blocking(entry)
+    tokenizer_json = _TokenizerJson(path / "tokenizer.json")  # read once, for the three checks below
     if vocab_size is not None:
-        _check_vocabulary_fits(path, vocab_size)
-    _check_charsmaps(path / "tokenizer.json")
-    _check_text_growth(path / "tokenizer.json")
+        _check_vocabulary_fits(path, vocab_size, tokenizer_json)
+    _check_charsmaps(tokenizer_json)
+    _check_text_growth(tokenizer_json)
     from transformers import AutoTokenizer
 
     try:
@@ -292,6 +297,31 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     return tokenizer
 
 
+class _TokenizerJson:
+    """A directory's ``tokenizer.json`` as the checks before the build read it: its bytes (None where there is no such
+    regular file) read once, and parsed with Python's json (as the tokenizers library reads it) once, on first need."""
+
+    _UNPARSED: Any = object()
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.raw = file.read_bytes() if file.is_file() else None
+        self._value: Any = self._UNPARSED
+
+    def holds(self, marker: bytes) -> bool:
+        """Whether its bytes hold ``marker`` (a step's type: only then is it parsed)."""
+        return self.raw is not None and marker in self.raw
+
+    def parsed(self) -> dict[str, Any] | None:
+        """Its JSON object; None where it is none (the library then refuses it and says why)."""
+        if self._value is self._UNPARSED:
+            try:
+                self._value = json.loads(self.raw) if self.raw is not None else None
+            except (ValueError, RecursionError):
+                self._value = None
+        return self._value if isinstance(self._value, dict) else None
+
+
 def _check_not_blocking(entry: Path) -> None:
     """Refuse an entry of a model's directory that a read could block on or never end: a pipe, a device, the
     kernel's files. Anything else is left to whoever reads it (a directory, a socket, a link to nothing: a Hugging
@@ -301,7 +331,7 @@ def _check_not_blocking(entry: Path) -> None:
     except OSError:
         return
     if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISREG(mode):
-        check_file(entry, 2**63 - 1)
+        check_file(entry, ANY_SIZE)
 
 
 def _tokenizer_reads(path: Path) -> list[Path]:
@@ -346,7 +376,7 @@ class _TokenizerConfig(msgspec.Struct):
     extra_special_tokens: msgspec.Raw = msgspec.Raw(b"null")
 
 
-def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
+def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _TokenizerJson) -> None:
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
     and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
@@ -364,8 +394,9 @@ def _check_vocabulary_fits(path: Path, vocab_size: int) -> None:
     tokens: set[str] = set()
     for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
                         ("special_tokens_map.json", _TokenizerConfig)):
-        if (path / name).is_file():
-            raw_file = (path / name).read_bytes()
+        raw_file = tokenizer_json.raw if name == "tokenizer.json" else (
+            (path / name).read_bytes() if (path / name).is_file() else None)
+        if raw_file is not None:
             try:
                 data = msgspec.json.decode(raw_file, type=shape)
             except (msgspec.DecodeError, RecursionError):
@@ -450,7 +481,7 @@ def _tokens_of(value: Any) -> set[str]:
     return tokens
 
 
-def _check_text_growth(file: Path) -> None:
+def _check_text_growth(tokenizer_json: _TokenizerJson) -> None:
     """Refuse a ``tokenizer.json`` whose normalizer or decoder can multiply a text's characters by more than
     :data:`MAX_TEXT_GROWTH`, before the tokenizers library reads it. Its ``Replace`` steps put their ``content``
     for each match of their pattern (a regular expression's match can be one character, or none: a bound of
@@ -462,17 +493,12 @@ def _check_text_growth(file: Path) -> None:
     Raises:
         ModelLoadError: naming the file and the step.
     """
-    if not file.is_file():
+    if not tokenizer_json.holds(b'"Replace"') and not tokenizer_json.holds(b'"Prepend"'):
         return
-    raw = file.read_bytes()
-    if b'"Replace"' not in raw and b'"Prepend"' not in raw:
+    data = tokenizer_json.parsed()
+    if data is None:  # not a JSON object: the library refuses it
         return
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON: the library refuses it
-        return
-    if not isinstance(data, dict):
-        return
+    file = tokenizer_json.file
     for part in ("normalizer", "decoder"):
         growth, stack = 1, [data.get(part)]
         while stack:
@@ -505,7 +531,7 @@ def _step_growth(step: dict[str, Any]) -> int:
     return 1 + len(content)  # a regular expression: a match of one character, or an empty one before each
 
 
-def _check_charsmaps(file: Path) -> None:
+def _check_charsmaps(tokenizer_json: _TokenizerJson) -> None:
     """Refuse a ``tokenizer.json`` whose ``Precompiled`` normalizer's ``precompiled_charsmap`` declares a trie
     larger than the charsmap holds, before the tokenizers library reads it: it allocates what the first 4 bytes
     declare (``/////w==``: 0xFFFFFFFF, 8 GiB asked and the process aborted, one model directory taking down the
@@ -514,15 +540,10 @@ def _check_charsmaps(file: Path) -> None:
     Raises:
         ModelLoadError: naming the file.
     """
-    if not file.is_file():
+    data = tokenizer_json.parsed() if tokenizer_json.holds(b'"Precompiled"') else None
+    if data is None:  # none, or not a JSON object: the library refuses it
         return
-    raw = file.read_bytes()
-    if b'"Precompiled"' not in raw:
-        return
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON: the library refuses it
-        return
+    file = tokenizer_json.file
     stack: list[Any] = [data]
     while stack:
         value = stack.pop()
