@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import AsyncEngine, ModelLoadError
+from asyncinfer.models.checkpoint import load_hf_tokenizer
 
 
 @pytest.mark.parametrize(("name", "target"), [("config.json", "/proc/self/status"),
@@ -65,3 +66,27 @@ def test_any_file_beside_the_tokenizer_is_checked_too(tiny_models, tmp_path) -> 
     (model / "tekken.json").symlink_to("/proc/version")
     with pytest.raises(ModelLoadError, match=rf"cannot read {model / 'tekken.json'}: it is the kernel's file "):
         AsyncEngine.from_pretrained(model, dtype="float32", device="cpu", num_threads=1)
+
+
+def test_entries_of_additional_chat_templates_transformers_skips_are_left_alone(tiny_models, tmp_path) -> None:
+    """pass74: every entry of additional_chat_templates/ was held to be a readable file, where transformers reads its
+    regular ``*.jinja`` files alone: a leftover folder or a link to a deleted blob there (or a ``chat_template.jinja``
+    linked to nothing) refused a model transformers loads."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (model / item.name).symlink_to(item)
+    Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    templates = model / "additional_chat_templates"
+    templates.mkdir()
+    (templates / "tool.jinja").write_text("{{ messages }}")
+    (templates / "old").mkdir()
+    (templates / "README.md").symlink_to(tmp_path / "deleted-blob")
+    (templates / "gone.jinja").symlink_to(tmp_path / "deleted-blob")
+    (model / "chat_template.jinja").symlink_to(tmp_path / "deleted-blob")
+    tokenizer = load_hf_tokenizer(model, 320)
+    assert list(tokenizer.chat_template) == ["tool"]

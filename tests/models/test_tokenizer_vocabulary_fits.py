@@ -143,3 +143,89 @@ def test_a_file_msgspec_refuses_but_transformers_reads_is_counted_too(tiny_model
     counted = VOCAB + 5_000 + (where == "added_tokens.json")  # ("x" is a token's name there)
     with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {counted} tokens "):
         load_hf_tokenizer(path, VOCAB)
+
+
+def bert_dir(tiny_models, where: Path, lines: list[str]) -> Path:
+    """tiny_models' llama weights beside a slow BertTokenizer's ``vocab.txt`` of ``lines`` (no tokenizer.json:
+    transformers builds its tokenizer from the text file)."""
+    where.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (where / item.name).symlink_to(item)
+    (where / "vocab.txt").write_text("".join(f"{line}\n" for line in lines))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    return where
+
+
+def test_a_vocab_txt_within_the_vocabulary_loads(tiny_models, tmp_path) -> None:
+    lines = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words(VOCAB - 5)]
+    assert len(load_hf_tokenizer(bert_dir(tiny_models, tmp_path / "m", lines), VOCAB)) == VOCAB
+
+
+def test_a_vocab_txt_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built) -> None:
+    """pass74: vocab.txt was counted nowhere: one of 6,000,000 lines was built (7 s, 1.3 GB) before its size was
+    refused, and one at the 1 GiB limit would take some 20 GB."""
+    path = bert_dir(tiny_models, tmp_path / "m", ["[UNK]", *words(VOCAB + 99)])
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 100} tokens \(counted in "
+                                             rf"tokenizer_config\.json, vocab\.txt of "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_the_lines_of_a_vocab_txt_are_its_tokens() -> None:
+    from asyncinfer.models.checkpoint import _lines_of
+
+    assert _lines_of(b"a\nb\r\nc\rd\n") == {"a", "b", "c", "d"}
+    assert _lines_of(b"a\na\n\n b") == {"a", "", " b"}  # a repeated line is one token; an empty line is one
+
+
+@pytest.mark.parametrize("name", ["merges.txt", "vocab.txt", "tokenizer.model", "spiece.model"])
+def test_a_slow_tokenizers_file_past_its_bytes_a_token_is_refused_unread(tiny_models, tmp_path, never_built,
+                                                                        name) -> None:
+    """pass74: a merges.txt of 5,000,000 merges for a vocabulary of three tokens loaded (3.4 s, 950 MB): the slow
+    tokenizers' files are held to the bytes a token the JSON lists are."""
+    bound = VOCAB * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    with (path / name).open("wb") as f:
+        f.truncate(bound + 1)  # sparse: nothing is written
+    with pytest.raises(ModelLoadError, match=rf": {name} takes {bound + 1} bytes, more than {bound} "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def sentencepiece_model(pieces: int) -> bytes:
+    """A SentencePiece ``ModelProto`` of ``pieces`` pieces, written by transformers' own protobuf schema."""
+    from transformers.utils import sentencepiece_model_pb2_new as schema
+
+    model = schema.ModelProto()
+    for i in range(pieces):
+        piece = model.pieces.add()
+        piece.piece, piece.score = f"\u2581p{i}", -float(i)
+    model.trainer_spec.model_type, model.trainer_spec.vocab_size = 2, pieces
+    model.normalizer_spec.name = "identity"
+    return model.SerializeToString()
+
+
+def test_a_sentencepiece_models_pieces_are_counted() -> None:
+    from asyncinfer.models.checkpoint import _sentencepiece_pieces
+
+    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=10_000) == 1_000
+    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=300) == 300  # no further than the bound needs
+    assert _sentencepiece_pieces(sentencepiece_model(10)[:-3], stop=100) is None  # cut within a field
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "spiece.model", "sentencepiece.bpe.model"])
+def test_a_sentencepiece_model_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built,
+                                                                               name) -> None:
+    path = tmp_path / "m"
+    path.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (path / item.name).symlink_to(item)
+    (path / name).write_bytes(sentencepiece_model(VOCAB + 1))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has more than {VOCAB} tokens \(SentencePiece pieces "
+                                             rf"in {name} of "):
+        load_hf_tokenizer(path, VOCAB)
+    (path / name).write_bytes(sentencepiece_model(VOCAB))  # one that fits is left to transformers
+    (path / "tokenizer.json").write_text("{}")  # ...and beside a tokenizer.json, never read: not counted
+    (path / name).write_bytes(sentencepiece_model(VOCAB + 1))
+    from asyncinfer.models.checkpoint import _check_vocabulary_fits, _TokenizerJson
+
+    _check_vocabulary_fits(path, VOCAB, _TokenizerJson(path / "tokenizer.json"))

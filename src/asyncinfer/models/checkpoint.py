@@ -336,12 +336,17 @@ def _check_not_blocking(entry: Path) -> None:
 
 def _tokenizer_reads(path: Path) -> list[Path]:
     """The files of the directory ``path`` that transformers may open to build its tokenizer: the known names, and
-    every entry of ``additional_chat_templates/`` (each read as a template: one linked to ``/proc/kmsg`` hung a
-    load for ever)."""
-    files = [path / name for name in _TOKENIZER_READS if (path / name).exists() or (path / name).is_symlink()]
+    the templates of ``additional_chat_templates/`` (each ``*.jinja`` file there is read: one linked to
+    ``/proc/kmsg`` hung a load for ever; its other entries are checked as the directory's are). A name that leads
+    to nothing (a link to a deleted blob) is no file transformers reads."""
+    files = [path / name for name in _TOKENIZER_READS if (path / name).exists()]
     templates = path / "additional_chat_templates"
     if templates.is_dir():
-        files += sorted(templates.iterdir())
+        for entry in sorted(templates.iterdir()):
+            if entry.name.endswith(".jinja") and entry.is_file():
+                files.append(entry)
+            else:
+                _check_not_blocking(entry)
     return files
 
 
@@ -380,7 +385,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
     and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
-    and ``special_tokens_map.json``'s, ``vocab.json``):
+    and ``special_tokens_map.json``'s, ``vocab.json``, ``vocab.txt``, and a SentencePiece model's pieces where no
+    ``tokenizer.json`` is; ``merges.txt`` held to the same bytes a token):
     :func:`asyncinfer.loading.check_tokenizer` refuses it once built, but built first, 600,000 added tokens took 25 s
     and 2 GB (each is a Python object in transformers), and a file at the size limit would take some 20 GB. Each
     list is decoded only within :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token (and 1 MiB), so the count's own
@@ -392,11 +398,13 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
     lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
     tokens: set[str] = set()
+    counted: list[str] = []  # the files read, for the refusal
     for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
                         ("special_tokens_map.json", _TokenizerConfig)):
         raw_file = tokenizer_json.raw if name == "tokenizer.json" else (
             (path / name).read_bytes() if (path / name).is_file() else None)
         if raw_file is not None:
+            counted.append(name)
             try:
                 data = msgspec.json.decode(raw_file, type=shape)
             except (msgspec.DecodeError, RecursionError):
@@ -410,19 +418,92 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
                           (f"{name}'s added_tokens", data.added_tokens)]
             else:
                 lists += [(f"{name}'s {part}", getattr(data, part)) for part in _TokenizerConfig.__struct_fields__]
+    for name in _VOCABULARY_FILES:  # each held to the bound before it is read, or before transformers reads it
+        if (path / name).is_file():
+            _check_list_size(path, name, (path / name).stat().st_size, bound, vocab_size)
     for name in ("added_tokens.json", "vocab.json"):
         if (path / name).is_file():
-            size = (path / name).stat().st_size
-            _check_list_size(path, name, size, bound, vocab_size)  # before it is read
             lists.append((name, msgspec.Raw((path / name).read_bytes())))
+            counted.append(name)
+    if (path / "vocab.txt").is_file():  # WordPiece's, a token a line
+        counted.append("vocab.txt")
+        tokens |= _lines_of((path / "vocab.txt").read_bytes())
+    if tokenizer_json.raw is None:  # a SentencePiece model is converted (read) only where no tokenizer.json is
+        for name in _SENTENCEPIECE_FILES:
+            if (path / name).is_file():
+                pieces = _sentencepiece_pieces((path / name).read_bytes(), stop=vocab_size + 1)
+                if pieces is not None and pieces > vocab_size:
+                    raise ModelLoadError(f"the tokenizer has more than {vocab_size} tokens (SentencePiece pieces in "
+                                         f"{name} of {path}) but the model embeds only {vocab_size}")
     for where, raw in lists:
         _check_list_size(path, where, len(raw), bound, vocab_size)
         if not where.endswith("merges"):
             tokens |= _tokens_in(raw)
     if len(tokens) > vocab_size:
-        files = ", ".join(dict.fromkeys(where.split("'s ")[0] for where, _ in lists))
-        raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens (counted in {files} of {path}) but the model "
-                             f"embeds only {vocab_size}")
+        raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens (counted in {', '.join(counted)} of {path}) but "
+                             f"the model embeds only {vocab_size}")
+
+
+#: A SentencePiece model's names in a directory (transformers converts one to its tokenizer where no tokenizer.json is).
+_SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+#: The files of token lists a slow tokenizer reads (or transformers converts from), each held to
+#: :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token of the model's before anything reads it: a ``vocab.txt`` of
+#: 6,000,000 lines, a ``merges.txt`` of 5,000,000, were built in full.
+_VOCABULARY_FILES = ("added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FILES)
+
+
+def _lines_of(raw: bytes) -> set[str]:
+    """The tokens of a ``vocab.txt``: its lines, read as transformers reads them (text mode: any of ``\\n``,
+    ``\\r\\n`` and ``\\r`` ends one)."""
+    text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    if lines[-1] == "":  # after the last line's end
+        lines.pop()
+    return set(lines)
+
+
+def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
+    """The protocol buffers varint at ``at`` and the offset after it; None where ``raw`` ends within it."""
+    value = shift = 0
+    while at < len(raw) and shift < 64:
+        byte = raw[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return None
+
+
+def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
+    """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
+    counted up to ``stop``; None where ``raw`` is no protocol buffers message (tiktoken's ``tokenizer.model`` is
+    text: the library reads it so, or refuses it)."""
+    pieces, at = 0, 0
+    while at < len(raw) and pieces < stop:
+        key = _varint(raw, at)
+        if key is None:
+            return None
+        tag, at = key
+        wire = tag & 7
+        if wire == 0:
+            skipped = _varint(raw, at)
+            if skipped is None:
+                return None
+            at = skipped[1]
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        elif wire == 2:
+            length = _varint(raw, at)
+            if length is None:
+                return None
+            at = length[1] + length[0]
+            pieces += tag >> 3 == 1
+        else:  # groups, or no wire type at all
+            return None
+        if at > len(raw):
+            return None
+    return pieces
 
 
 def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: int) -> None:
