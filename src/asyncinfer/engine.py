@@ -511,8 +511,9 @@ class AsyncEngine:
         per-tenant limit), so that a request no retry can run is its 400, not a 429 or 503. Nothing is admitted or
         held; :meth:`generate` checks it all again. Raises :class:`InvalidParameterError`."""
         self._check_running()
-        params, _, _ = check_request_args(params, 0, None)
-        self._intake.check_valid(plain_prompt(prompt), params, model)
+        with self._intake.counting_refusals(model):
+            params, _, _ = check_request_args(params, 0, None)
+            self._intake.check_valid(plain_prompt(prompt), params, model)
 
     def check_admission(self, count: int, *, model: str | None = None) -> None:
         """Whether ``count`` requests submitted now would all be admitted by the engine's admission control
@@ -524,7 +525,8 @@ class AsyncEngine:
         self._check_running()
         count = plain_value(count)  # the number it holds: an int subclass's comparisons may lie
         check_int("count", count, 1, 2**31)
-        self._intake.check_room(model, count)
+        with self._intake.counting_refusals(model):  # once for the call, however many prompts it holds
+            self._intake.check_room(model, count)
 
     @contextlib.contextmanager
     def taking_in(self, *, model: str | None = None) -> Iterator[None]:
@@ -534,7 +536,9 @@ class AsyncEngine:
         the request once the block has ended (it is checked again then). The HTTP server holds one for each long
         chat waiting its turn in its own line and rendered there."""
         self._check_running()
-        with self._intake.taking_in(model):
+        with contextlib.ExitStack() as place:
+            with self._intake.counting_refusals(model):  # a refusal counted; what the caller's block raises is its own
+                place.enter_context(self._intake.taking_in(model))
             yield
 
     def count_tokens(self, prompt: Prompt, *, model: str | None = None) -> int:

@@ -117,8 +117,8 @@ class ModelVersion:
         return self._max_token_chars
 
 
-#: :attr:`ModelHolder.vacancy` while a drain-mode swap loads the next version.
-LOADING_NEXT = "a drain-mode swap is loading the next one"
+#: :attr:`ModelHolder.vacancy` from a drain-mode swap's call until its next version serves.
+LOADING_NEXT = "a drain-mode swap lets the old version's requests finish, then loads the next"
 
 
 class ModelHolder:

@@ -401,6 +401,17 @@ class RequestIntake:
         if size > CHAT_FREE_MESSAGES:
             await self._chat_turns.wait(size, check)
 
+    @contextlib.contextmanager
+    def counting_refusals(self, model: str | None) -> Iterator[None]:
+        """Count a refusal raised in the block (:class:`InvalidParameterError`, :class:`EngineOverloadedError`) as
+        :meth:`check` counts its own, by ``model``: for the engine's checks a caller makes before it submits
+        (``check_request``, ``check_admission``, ``taking_in``), once a call."""
+        try:
+            yield
+        except (InvalidParameterError, EngineOverloadedError) as exc:
+            self._refused(model, exc)
+            raise
+
     def _refused(self, model: str | None, exc: Exception) -> None:
         if self._observer is not None:
             reason = "overloaded" if isinstance(exc, EngineOverloadedError) else "invalid"

@@ -33,6 +33,9 @@ def test_the_503_of_a_drain_swap_names_only_models_that_would_answer(tiny_chat_m
     assert r.headers["retry-after"] == "1"
     message = r.json()["error"]["message"]
     assert "between versions" in message and "name a model" not in message  # was: "..., or name a model."
+    # stranger67: it said the swap was loading the next version, most of the wait being the old one's requests
+    assert "(a drain-mode swap lets the old version's requests finish, then loads the next)" in message
+    assert named.json()["error"]["message"].startswith("The model `tiny` is between versions (a drain-mode swap lets ")
     if other:
         assert message.endswith("retry shortly, or name another generator: `other`."), message
     else:

@@ -527,8 +527,8 @@ class _OpenAI:
                 others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate"
                                    and not _engine.between_versions(self.engine(), name))
                 hint = f", or name another generator: {others}" if others else ""
-                raise APIError(503, "The default model is between versions (a drain-mode swap is loading the next "
-                                    f"one): retry shortly{hint}.", param="model", type="server_error",
+                raise APIError(503, "The default model is between versions (a drain-mode swap lets the old "
+                                    f"version's requests finish, then loads the next): retry shortly{hint}.", param="model", type="server_error",
                                code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
@@ -576,8 +576,8 @@ class _OpenAI:
         """A model no ``model_info()`` entry names: a 503 to come back shortly while it is between versions of a
         drain-mode swap (it is still served: a 404 told clients it was gone), else a 404."""
         if _engine.between_versions(self.engine(), model):
-            return APIError(503, f"The model `{model}` is between versions (a drain-mode swap is loading the next "
-                                 "one): retry shortly.", param="model", type="server_error", code="unavailable",
+            return APIError(503, f"The model `{model}` is between versions (a drain-mode swap lets the old "
+                                 "version's requests finish, then loads the next): retry shortly.", param="model", type="server_error", code="unavailable",
                             headers={"retry-after": "1"})
         return not_found(model, list(self._served()))
 
