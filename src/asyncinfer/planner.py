@@ -9,8 +9,10 @@ prints, the engine allocates exactly the plan's blocks (``tests/test_planner.py`
 
 The other rows are estimates, labelled so: the activations of one step (the hidden
 states and MLP of ``max_num_batched_tokens`` tokens, the logits of ``max_num_seqs``
-rows, and one layer's K/V gathered for the batched decode attention) and a fixed
-framework overhead (torch and Python on a CPU, the CUDA context on a GPU).
+rows, one layer's K/V gathered for the batched decode attention and, repeated to the query
+heads, for a prefill chunk at the full length) and a fixed framework overhead (torch, Python, the
+tokenizer and ``asyncinfer serve``'s HTTP server on a CPU, the CUDA context on a GPU).
+``benchmarks/plan_check.py`` measures the peak of the engine and of the server against the total.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from asyncinfer.models.quant import (
     weight_bytes,
 )
 
-#: Framework overhead estimates: torch + Python + tokenizer on a CPU (measured RSS of an idle
-#: process that imported asyncinfer, rounded up), CUDA context + cuBLAS workspace on a GPU.
-OVERHEAD_BYTES = {"cpu": 384 * MiB, "cuda": 768 * MiB}
+#: Framework overhead estimates: torch + Python + the tokenizer and what a load keeps beside the weights on a CPU,
+#: with room for ``asyncinfer serve``'s HTTP stack (``benchmarks/plan_check.py`` measures the peak of both against
+#: the plan's total: at 384 MiB the engine's peak was 1-3% over it, the server's 5-9%), CUDA context + cuBLAS
+#: workspace on a GPU.
+OVERHEAD_BYTES = {"cpu": 448 * MiB, "cuda": 768 * MiB}
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": MiB, "mib": MiB, "mb": 1000**2,
           "g": GiB, "gib": GiB, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
@@ -157,9 +161,9 @@ class DeploymentPlan:
               f"{self.block_size}-token blocks)")),
             ("activations", self.activation_bytes,
              (f"estimate: a step of {self.max_num_batched_tokens} tokens, {self.max_num_seqs} rows of logits, "
-              "one layer's K/V gathered for decode")),
+              "one layer's K/V gathered for decode and for a prefill chunk's query heads")),
             ("framework overhead", self.overhead_bytes,
-             "estimate: torch and Python" if self.device == "cpu" else "estimate: CUDA context and workspaces"),
+             "estimate: torch, Python, the tokenizer, the HTTP server" if self.device == "cpu" else "estimate: CUDA context and workspaces"),
             ("total", self.total_bytes, ""),
             ("headroom", self.headroom_bytes,
              f"{_size(self.device_memory)} {self.device} memory ({self.device_memory_source}) - total"),
@@ -202,7 +206,8 @@ def max_batch(plan: DeploymentPlan, seq_len: int) -> int:
     """Requests of ``seq_len`` tokens that fit beside the weights, the fixed activations and the overhead."""
     if seq_len < 1:
         return 0
-    fixed = plan.weight_bytes + plan.rope_bytes + plan.overhead_bytes + _fixed_activations(plan)
+    fixed = plan.weight_bytes + plan.rope_bytes + plan.overhead_bytes + _fixed_activations(plan) + _prefill_bytes(
+        plan, seq_len)
     per_request = blocks_for(seq_len, plan.block_size) * plan.spec.block_bytes + _gather_bytes(plan.spec, seq_len)
     return max(0, (plan.device_memory - fixed) // per_request)
 
@@ -214,6 +219,13 @@ def _fixed_activations(plan: DeploymentPlan) -> int:
     per_token = nbytes * (4 * mc.hidden_size + 3 * mc.intermediate_size + (mc.num_heads + 2 * mc.num_kv_heads)
                           * mc.head_dim)
     return plan.max_num_batched_tokens * per_token + 2 * 4 * plan.max_num_seqs * mc.vocab_size
+
+
+def _prefill_bytes(plan: DeploymentPlan, seq_len: int) -> int:
+    """A prefill chunk's attention at the end of a ``seq_len``-token prompt: one layer's K and V of the whole
+    context, repeated to the query heads (the peak grew with the length by about this, beyond the rest)."""
+    mc = plan.model_config
+    return 2 * mc.num_heads * mc.head_dim * plan.spec.dtype_bytes * seq_len
 
 
 def _gather_bytes(spec: KVCacheSpec, seq_len: int) -> int:
@@ -296,7 +308,7 @@ def plan_deployment(
         device_memory=device_memory, device_memory_source=source,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
     )
-    activations = _fixed_activations(plan) + batch * _gather_bytes(spec, seq_len)
+    activations = _fixed_activations(plan) + _prefill_bytes(plan, seq_len) + batch * _gather_bytes(spec, seq_len)
     plan = _replace(plan, activation_bytes=activations)
     return _replace(plan, suggestions=tuple(_suggestions(plan)))
 
