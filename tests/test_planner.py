@@ -29,14 +29,14 @@ def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantizatio
 
 def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
     config = read_model_config(tiny_models["llama"][0])
-    plan = plan_deployment(config, batch=4, seq_len=256, dtype="float32", device_memory=464 * MiB)
+    plan = plan_deployment(config, batch=4, seq_len=256, dtype="float32", device_memory=496 * MiB)
     assert plan.fits
-    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, dtype="float32", device_memory=464 * MiB)
-    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, dtype="float32", device_memory=464 * MiB)
+    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, dtype="float32", device_memory=496 * MiB)
+    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, dtype="float32", device_memory=496 * MiB)
     assert at_limit.fits and not beyond.fits
-    tight = plan_deployment(config, batch=1000, seq_len=512, dtype="float32", device_memory=464 * MiB)
+    tight = plan_deployment(config, batch=1000, seq_len=512, dtype="float32", device_memory=496 * MiB)
     assert not tight.fits and 0 < tight.max_seq_len < 512
-    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, dtype="float32", device_memory=464 * MiB).fits
+    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, dtype="float32", device_memory=496 * MiB).fits
     assert any("max_model_len" in s for s in tight.suggestions)
     assert any(s.startswith("--quantization float16: weights") for s in tight.suggestions)
     (int8,) = [s for s in tight.suggestions if s.startswith("--quantization int8")]
