@@ -229,3 +229,26 @@ def test_a_sentencepiece_model_past_the_vocabulary_is_refused_before_the_build(t
     from asyncinfer.models.checkpoint import _check_vocabulary_fits, _TokenizerJson
 
     _check_vocabulary_fits(path, VOCAB, _TokenizerJson(path / "tokenizer.json"))
+
+
+def test_a_gpt2_vocab_json_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built) -> None:
+    path = tmp_path / "m"
+    path.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        (path / item.name).symlink_to(item)
+    (path / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(words(VOCAB + 50))}))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 50} tokens \(counted in "
+                                             rf"tokenizer_config\.json, vocab\.json of "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_slow_vocabulary_beside_a_tokenizer_json_is_not_counted(tiny_models, tmp_path) -> None:
+    """transformers builds from tokenizer.json where there is one, never reading vocab.txt or vocab.json then: a
+    BERT directory whose tokenizer.json renamed a token (30,523 distinct tokens counted over both files, for 30,522
+    embedded) was refused, as were a leftover vocab.json's."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "vocab.txt").write_text("".join(f"{t}\n" for t in ["renamed", *words(VOCAB)[1:]]))
+    (path / "vocab.json").write_text(json.dumps({f"other{i}": i for i in range(VOCAB)}))
+    assert len(load_hf_tokenizer(path, VOCAB)) == VOCAB

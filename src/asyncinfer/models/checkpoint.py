@@ -385,8 +385,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
     and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
-    and ``special_tokens_map.json``'s, ``vocab.json``, ``vocab.txt``, and a SentencePiece model's pieces where no
-    ``tokenizer.json`` is; ``merges.txt`` held to the same bytes a token):
+    and ``special_tokens_map.json``'s; where no ``tokenizer.json`` is, ``vocab.json``, ``vocab.txt`` and a
+    SentencePiece model's pieces, which transformers reads then only; ``merges.txt`` held to the same bytes a token):
     :func:`asyncinfer.loading.check_tokenizer` refuses it once built, but built first, 600,000 added tokens took 25 s
     and 2 GB (each is a Python object in transformers), and a file at the size limit would take some 20 GB. Each
     list is decoded only within :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token (and 1 MiB), so the count's own
@@ -421,14 +421,17 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     for name in _VOCABULARY_FILES:  # each held to the bound before it is read, or before transformers reads it
         if (path / name).is_file():
             _check_list_size(path, name, (path / name).stat().st_size, bound, vocab_size)
-    for name in ("added_tokens.json", "vocab.json"):
+    # a slow tokenizer's vocabulary (vocab.json, vocab.txt, a SentencePiece model) is read only where no
+    # tokenizer.json is: beside one, a BERT's vocab.txt that its tokenizer.json was edited past refused a valid load
+    slow = tokenizer_json.raw is None
+    for name in ("added_tokens.json", "vocab.json") if slow else ("added_tokens.json",):
         if (path / name).is_file():
             lists.append((name, msgspec.Raw((path / name).read_bytes())))
             counted.append(name)
-    if (path / "vocab.txt").is_file():  # WordPiece's, a token a line
+    if slow and (path / "vocab.txt").is_file():  # WordPiece's, a token a line
         counted.append("vocab.txt")
         tokens |= _lines_of((path / "vocab.txt").read_bytes())
-    if tokenizer_json.raw is None:  # a SentencePiece model is converted (read) only where no tokenizer.json is
+    if slow:
         for name in _SENTENCEPIECE_FILES:
             if (path / name).is_file():
                 pieces = _sentencepiece_pieces((path / name).read_bytes(), stop=vocab_size + 1)
