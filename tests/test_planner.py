@@ -29,14 +29,14 @@ def test_plan_equals_the_engines_allocation_and_weights(tiny_models, quantizatio
 
 def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
     config = read_model_config(tiny_models["llama"][0])
-    plan = plan_deployment(config, batch=4, seq_len=256, dtype="float32", device_memory=496 * MiB)
+    plan = plan_deployment(config, batch=4, seq_len=256, dtype="float32", device_memory=528 * MiB)
     assert plan.fits
-    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, dtype="float32", device_memory=496 * MiB)
-    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, dtype="float32", device_memory=496 * MiB)
+    at_limit = plan_deployment(config, batch=plan.max_batch, seq_len=256, dtype="float32", device_memory=528 * MiB)
+    beyond = plan_deployment(config, batch=plan.max_batch + 1, seq_len=256, dtype="float32", device_memory=528 * MiB)
     assert at_limit.fits and not beyond.fits
-    tight = plan_deployment(config, batch=1000, seq_len=512, dtype="float32", device_memory=496 * MiB)
+    tight = plan_deployment(config, batch=1000, seq_len=512, dtype="float32", device_memory=528 * MiB)
     assert not tight.fits and 0 < tight.max_seq_len < 512
-    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, dtype="float32", device_memory=496 * MiB).fits
+    assert plan_deployment(config, batch=1000, seq_len=tight.max_seq_len, dtype="float32", device_memory=528 * MiB).fits
     assert any("max_model_len" in s for s in tight.suggestions)
     assert any(s.startswith("--quantization float16: weights") for s in tight.suggestions)
     (int8,) = [s for s in tight.suggestions if s.startswith("--quantization int8")]
@@ -45,15 +45,15 @@ def test_largest_batch_and_longest_length_are_the_limits(tiny_models) -> None:
 
 def test_a_format_is_said_to_fit_only_when_it_does(real_gguf) -> None:
     config = read_model_config(real_gguf)
-    fp32 = plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=946 * MiB)
+    fp32 = plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=978 * MiB)
     assert not fp32.fits
     (int8,) = [s for s in fp32.suggestions if s.startswith("--quantization int8")]
     assert int8 == "--quantization int8: weights 513.1 MiB -> 285.8 MiB, and the plan fits"
-    assert plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=946 * MiB,
+    assert plan_deployment(config, batch=1, seq_len=256, dtype="float32", device_memory=978 * MiB,
                            quantization="int8").fits
     # The defaults (dtype and quantization "auto") plan the engine's own CPU default for this file: its own
     # Q4_1 blocks (ModelConfig.native_format); a config without one gets float16 weights.
-    default = plan_deployment(config, batch=1, seq_len=256, device_memory=946 * MiB)
+    default = plan_deployment(config, batch=1, seq_len=256, device_memory=978 * MiB)
     assert config.native_format == "q4_1"
     assert default.quantization == "q4_1" and default.dtype == torch.float32 and default.fits
     # Q4_1 projections and the Q8_0 head, which is also the embedding (its blocks read for the lookups): no
@@ -61,7 +61,7 @@ def test_a_format_is_said_to_fit_only_when_it_does(real_gguf) -> None:
     assert default.suggestions == () and default.weight_bytes == 209_822_976 - 113_246_208 == 96_576_768
     assert default.weight_bytes < fp32.weight_bytes
     plain = plan_deployment(dataclasses.replace(config, native_format=None), batch=1, seq_len=256,
-                            device_memory=946 * MiB)
+                            device_memory=978 * MiB)
     assert plain.quantization == "float16" and plain.weight_bytes == 382_346_496
 
 
