@@ -509,7 +509,9 @@ class AsyncEngine:
         characters alone or asking a ``max_tokens`` no prompt leaves room for (``max_model_len`` or more; a text is
         not tokenized here). For a caller that takes places of its own before it submits (the HTTP server's
         per-tenant limit), so that a request no retry can run is its 400, not a 429 or 503. Nothing is admitted or
-        held; :meth:`generate` checks it all again. Raises :class:`InvalidParameterError`."""
+        held; :meth:`generate` checks it all again. A refusal counts in the metrics' rejected requests, as
+        :meth:`generate`'s does (so do :meth:`check_admission`'s, once a call, and :meth:`taking_in`'s). Raises
+        :class:`InvalidParameterError`."""
         self._check_running()
         with self._intake.counting_refusals(model):
             params, _, _ = check_request_args(params, 0, None)

@@ -480,8 +480,9 @@ def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
 
 def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
-    counted up to ``stop``; None where ``raw`` is no protocol buffers message (tiktoken's ``tokenizer.model`` is
-    text: the library reads it so, or refuses it)."""
+    counted up to ``stop``; None where ``raw`` ends within a field or uses no wire type (tiktoken's
+    ``tokenizer.model`` is text, which the library reads so: such text comes out as None or a count of few pieces,
+    left to the library either way)."""
     pieces, at = 0, 0
     while at < len(raw) and pieces < stop:
         key = _varint(raw, at)
@@ -501,7 +502,8 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
             if length is None:
                 return None
             at = length[1] + length[0]
-            pieces += tag >> 3 == 1
+            if tag >> 3 == 1:
+                pieces += 1
         else:  # groups, or no wire type at all
             return None
         if at > len(raw):
