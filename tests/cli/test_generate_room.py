@@ -56,3 +56,17 @@ def test_without_max_model_len_the_models_context_refuses_it_before_any_prompt_r
             "--max-model-len)")
     assert captured.err.startswith(f"asyncinfer: error: {said}") and "raise --max-model-len" not in captured.err
     assert captured.err.count("\n") == 1
+
+
+@pytest.mark.real_model
+def test_without_max_model_len_a_prompt_jobs_refusal_says_none_is_left_to_raise(real_gguf, tmp_path) -> None:
+    """With no --max-model-len the model's whole context is in use: a prompt too long for its --max-tokens was told
+    to "raise --max-model-len" all the same."""
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", str(real_gguf), "--max-tokens", "100", "--no-progress", "-o", str(out), "--threads", "1",
+            "--prompt", "hello " * 8150]
+    assert cli.main(argv) == 1
+    error = json.loads(out.read_text())["error"]
+    assert error.startswith("max_tokens=100 is invalid: allowed at most --max-model-len - prompt tokens = 8192 - ")
+    assert error.endswith("(or shorten the prompt, or lower --max-tokens (--max-model-len is the model's whole "
+                          "context already))")

@@ -79,6 +79,9 @@ _TRUNCATE_IN_A_LINE = ("SamplingParams(truncate_output_to_model_len=True)",
 #: The same fix for a --prompt job, which sets no line's keys: the flags it has.
 _TRUNCATE_BY_FLAGS = ("SamplingParams(truncate_output_to_model_len=True) to stop at --max-model-len",
                       "lower --max-tokens, or raise --max-model-len")
+#: The same where no --max-model-len was given: the model's whole context is in use, none to raise it to.
+_TRUNCATE_AT_THE_MODELS_CONTEXT = (_TRUNCATE_BY_FLAGS[0],
+                                   "lower --max-tokens (--max-model-len is the model's whole context already)")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -452,7 +455,8 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
             except (InvalidParameterError, EngineOverloadedError, RequestFailedError) as exc:  # this request only
                 from asyncinfer.commands.engine_flags import in_flag_terms
 
-                fix = _TRUNCATE_IN_A_LINE if args.file is not None else _TRUNCATE_BY_FLAGS
+                fix = (_TRUNCATE_IN_A_LINE if args.file is not None else _TRUNCATE_BY_FLAGS
+                       if options.get("max_model_len") is not None else _TRUNCATE_AT_THE_MODELS_CONTEXT)
                 record = {"id": job.id, "error": in_flag_terms(str(exc)).replace(*fix)}
                 failed += 1
                 progress.done(0)
