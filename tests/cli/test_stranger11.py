@@ -82,6 +82,6 @@ def test_plans_largest_batch_says_when_memory_allows_more_than_a_step_runs(tiny_
     batch = int(line.split(": ")[1].split()[0])
     assert batch > 4 and line.endswith("(memory alone; one step runs at most max_num_seqs=4)")
     # the engine's most max_num_seqs (4096), in memory that holds fewer requests (a later --device-memory wins)
-    lines = _plan_lines(capsys, path, "--max-num-seqs", "4096", "--device-memory", "512MiB")
+    lines = _plan_lines(capsys, path, "--max-num-seqs", "4096", "--device-memory", "640MiB")
     (line,) = [x for x in lines if x.startswith("largest batch at ")]
     assert line == f"largest batch at 100 tokens: {int(line.split(': ')[1])}"  # within the step: nothing added
