@@ -385,8 +385,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
     and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
-    and ``special_tokens_map.json``'s; where no ``tokenizer.json`` is, ``vocab.json``, ``vocab.txt`` and a
-    SentencePiece model's pieces, which transformers reads then only; ``merges.txt`` held to the same bytes a token):
+    and ``special_tokens_map.json``'s; a slow tokenizer's own files are held each to the model's vocabulary by
+    :func:`_check_vocabulary_file`, not merged into the count, as a fast tokenizer never reads them):
     :func:`asyncinfer.loading.check_tokenizer` refuses it once built, but built first, 600,000 added tokens took 25 s
     and 2 GB (each is a Python object in transformers), and a file at the size limit would take some 20 GB. Each
     list is decoded only within :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token (and 1 MiB), so the count's own
@@ -418,26 +418,12 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
                           (f"{name}'s added_tokens", data.added_tokens)]
             else:
                 lists += [(f"{name}'s {part}", getattr(data, part)) for part in _TokenizerConfig.__struct_fields__]
-    for name in _VOCABULARY_FILES:  # each held to the bound before it is read, or before transformers reads it
-        if (path / name).is_file():
-            _check_list_size(path, name, (path / name).stat().st_size, bound, vocab_size)
-    # a slow tokenizer's vocabulary (vocab.json, vocab.txt, a SentencePiece model) is read only where no
-    # tokenizer.json is: beside one, a BERT's vocab.txt that its tokenizer.json was edited past refused a valid load
-    slow = tokenizer_json.raw is None
-    for name in ("added_tokens.json", "vocab.json") if slow else ("added_tokens.json",):
-        if (path / name).is_file():
-            lists.append((name, msgspec.Raw((path / name).read_bytes())))
-            counted.append(name)
-    if slow and (path / "vocab.txt").is_file():  # WordPiece's, a token a line
-        counted.append("vocab.txt")
-        tokens |= _lines_of((path / "vocab.txt").read_bytes())
-    if slow:
-        for name in _SENTENCEPIECE_FILES:
-            if (path / name).is_file():
-                pieces = _sentencepiece_pieces((path / name).read_bytes(), stop=vocab_size + 1)
-                if pieces is not None and pieces > vocab_size:
-                    raise ModelLoadError(f"the tokenizer has more than {vocab_size} tokens (SentencePiece pieces in "
-                                         f"{name} of {path}) but the model embeds only {vocab_size}")
+    if (path / "added_tokens.json").is_file():  # merged into the vocabulary whatever builds it
+        _check_list_size(path, "added_tokens.json", (path / "added_tokens.json").stat().st_size, bound, vocab_size)
+        lists.append(("added_tokens.json", msgspec.Raw((path / "added_tokens.json").read_bytes())))
+        counted.append("added_tokens.json")
+    for name in _vocabulary_files(path):  # a slow tokenizer's own files, each within the model's vocabulary
+        _check_vocabulary_file(path, name, bound, vocab_size)
     for where, raw in lists:
         _check_list_size(path, where, len(raw), bound, vocab_size)
         if not where.endswith("merges"):
@@ -449,20 +435,81 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
 
 #: A SentencePiece model's names in a directory (transformers converts one to its tokenizer where no tokenizer.json is).
 _SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-#: The files of token lists a slow tokenizer reads (or transformers converts from), each held to
-#: :data:`MAX_VOCAB_BYTES_PER_TOKEN` bytes a token of the model's before anything reads it: a ``vocab.txt`` of
-#: 6,000,000 lines, a ``merges.txt`` of 5,000,000, were built in full.
-_VOCABULARY_FILES = ("added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FILES)
+#: The files of token lists (or merges) the slow tokenizers of transformers read under their usual names; the class
+#: a directory names adds its own (:func:`_vocabulary_files`).
+_VOCABULARY_FILES = ("vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FILES)
+#: The entries a slow tokenizer's file may hold beyond the model's ``vocab_size`` (a header line, a few specials).
+VOCABULARY_FILE_SLACK = 256
 
 
-def _lines_of(raw: bytes) -> set[str]:
-    """The tokens of a ``vocab.txt``: its lines, read as transformers reads them (text mode: any of ``\\n``,
-    ``\\r\\n`` and ``\\r`` ends one)."""
-    text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-    lines = text.split("\n")
-    if lines[-1] == "":  # after the last line's end
-        lines.pop()
-    return set(lines)
+class _TokenizerClass(msgspec.Struct):
+    tokenizer_class: Any = None
+    model_type: Any = None
+
+
+def _vocabulary_files(path: Path) -> list[str]:
+    """The names of the files a slow tokenizer of ``path`` reads its tokens or merges from, present there: the usual
+    names, and those the tokenizer's class declares (``vocab_files_names``: ProphetNet's ``prophetnet.tokenizer``,
+    PhoBERT's ``bpe.codes``...), the class named by ``tokenizer_config.json`` or else by ``config.json``'s model type
+    as transformers picks it."""
+    names = list(_VOCABULARY_FILES)
+    found = _tokenizer_class(path)
+    if found is not None:
+        names += [name for name in found.vocab_files_names.values()
+                  if isinstance(name, str) and name != "tokenizer.json" and name not in names]
+    return [name for name in names if "/" not in name and (path / name).is_file()]
+
+
+def _tokenizer_class(path: Path) -> Any:
+    """The tokenizer class transformers would build for ``path`` (None where none is named or known)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    name = None
+    for file, key in (("tokenizer_config.json", "tokenizer_class"), ("config.json", "model_type")):
+        if (path / file).is_file():
+            try:
+                value = getattr(msgspec.json.decode((path / file).read_bytes(), type=_TokenizerClass), key)
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if isinstance(value, str) and value:
+                mapped = value if key == "tokenizer_class" else TOKENIZER_MAPPING_NAMES.get(value)
+                name = mapped[0] if isinstance(mapped, tuple) else mapped
+                if name:
+                    break
+    if not isinstance(name, str):
+        return None
+    try:
+        return tokenizer_class_from_name(name) or tokenizer_class_from_name(name.removesuffix("Fast"))
+    except Exception:  # noqa: BLE001 - a name transformers cannot import (a missing optional package): its own load says so
+        return None
+
+
+def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -> None:
+    """Refuse a slow tokenizer's file of more entries than the model embeds (and :data:`VOCABULARY_FILE_SLACK`)
+    before a tokenizer reads it: its bytes first (:data:`MAX_VOCAB_BYTES_PER_TOKEN` a token), then its entries, a
+    JSON file's tokens, a SentencePiece model's pieces, else a text file's lines (a token or a merge a line). A
+    ``vocab.txt`` of 6,000,000 lines, a ``merges.txt`` (or PhoBERT's ``bpe.codes``) of 5,000,000, a
+    ``prophetnet.tokenizer`` of 3,000,000 were built in full; a tokenizer.json beside them does not keep the slow
+    classes (BertJapanese's) from reading them.
+
+    Raises:
+        ModelLoadError: naming the file and its entries.
+    """
+    file = path / name
+    _check_list_size(path, name, file.stat().st_size, bound, vocab_size)
+    raw = file.read_bytes()
+    limit = vocab_size + VOCABULARY_FILE_SLACK
+    if name.endswith(".json"):
+        entries, kind = len(_tokens_in(raw)), "tokens"
+    else:
+        pieces = _sentencepiece_pieces(raw, stop=limit + 1) if name.endswith(".model") else None
+        if pieces:
+            entries, kind = pieces, "SentencePiece pieces"
+        else:
+            entries, kind = raw.count(b"\n") + (not raw.endswith(b"\n") and bool(raw)), "lines"
+    if entries > limit:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
+                             f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
 
 
 def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
@@ -504,7 +551,9 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
             at = length[1] + length[0]
             if tag >> 3 == 1:
                 pieces += 1
-        else:  # groups, or no wire type at all
+        elif wire in (3, 4):  # a group's start or end: its fields are read as they come
+            continue
+        else:  # no wire type at all
             return None
         if at > len(raw):
             return None
