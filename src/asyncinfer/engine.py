@@ -498,9 +498,11 @@ class AsyncEngine:
         ``max_model_len`` whatever its tokens are: more characters than that many tokens can hold, more token ids,
         or more chat messages than any prompt may have, as :meth:`generate` refuses it at its call. For a caller
         that renders or tokenizes a prompt itself (the HTTP server's tools chats), before that work. Raises
-        :class:`PromptTooLongError` (an :class:`InvalidParameterError`)."""
-        version = current(self._models.generator(model))
-        check_prompt_chars(plain_prompt(prompt), version)
+        :class:`PromptTooLongError` (an :class:`InvalidParameterError`), counted in the metrics' rejected requests as
+        :meth:`generate`'s refusal is."""
+        with self._intake.counting_refusals(model):
+            version = current(self._models.generator(model))
+            check_prompt_chars(plain_prompt(prompt), version)
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str | None = None) -> None:
         """Refuse now what :meth:`generate` would refuse whatever the engine's load: ``params`` the generator cannot

@@ -45,3 +45,16 @@ async def test_the_checks_a_caller_makes_before_it_submits_count_their_refusals(
             raise ValueError("the caller's own")  # what the block raises is no refusal
         engine.check_admission(2)
         assert rejected() == {"invalid": 2, "overloaded": 2}
+
+
+async def test_check_prompt_size_counts_its_refusal_too(tiny_models) -> None:
+    """pass75: ``check_prompt_size`` (the server's check of a streamed chat with usage, of a tools chat, and of a
+    streamed completion with usage) refused without counting: the same prompt through ``generate`` counted."""
+    from asyncinfer import PromptTooLongError
+
+    async with AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE) as engine:
+        with pytest.raises(PromptTooLongError):
+            engine.check_prompt_size(list(range(5, 505)))
+        assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 1, "overloaded": 0}
+        engine.check_prompt_size([5, 6])
+        assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 1, "overloaded": 0}

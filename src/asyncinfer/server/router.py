@@ -722,6 +722,8 @@ class _OpenAI:
             # (256 short prompts, one at a time on the loop, would hold it for their sum); those ids are the
             # serving version's, run by it or made again (a swap while they were made ran them on the new one)
             g.pin()
+            for prompt in body.prompts:  # the engine's refusal, counted as generate's, before any is tokenized here
+                g.engine.check_prompt_size(prompt, model=g.model)
             tokenizer = _engine.generator_tokenizer(g.engine, g.model)
             texts = sum(len(p) for p in prompts if isinstance(p, str))
             prompts = await self._off_loop_if_long(call.party, texts, lambda: [
