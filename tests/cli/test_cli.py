@@ -264,6 +264,14 @@ def test_info_plans_from_the_config(tiny_models, capsys) -> None:
     out = capsys.readouterr().out
     plan = AsyncEngine.plan_memory(path, max_model_len=64, kv_cache_memory=1 << 20)
     assert f"memory plan: {plan.describe()}" in out and "no weight read" in out
+    # stranger68: "needs X in all" left out torch and Python, 25-33% under the peak measured at the same flags
+    from asyncinfer.memory import format_bytes
+    from asyncinfer.planner import OVERHEAD_BYTES
+
+    engine_bytes = plan.weight_bytes + plan.kv_bytes + plan.activation_reserve
+    assert (f"needs {format_bytes(engine_bytes + OVERHEAD_BYTES['cpu'])} in all: {format_bytes(engine_bytes)} for the "
+            f"weights, KV cache and activation reserve, and an estimated {format_bytes(OVERHEAD_BYTES['cpu'])} for "
+            "torch, Python, the tokenizer and a server") in out, out
     assert "architecture: llama, 2 layers, hidden 64, heads 4/2 kv, vocab 320, context 512" in out
     assert "dtype float32 on cpu, weight format: float16" in out  # the CPU default for a safetensors model
     from asyncinfer import kernels
