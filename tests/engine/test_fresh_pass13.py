@@ -413,3 +413,30 @@ def test_a_json_metadata_file_past_its_size_is_refused_unread(tiny_models, tmp_p
         f.truncate(MAX_JSON_BYTES + 1)
     with pytest.raises(ModelLoadError, match=f"config.json: it holds {MAX_JSON_BYTES + 1} bytes, more than"):
         read_model_config(model)
+
+
+@pytest.mark.parametrize(("kind", "freqs", "said"), [("yarn", False, "'yarn'"),
+                                                    ("linear", True, "'linear' with a rope_freqs.weight tensor")])
+def test_an_unsupported_gguf_rope_scaling_names_the_types_a_gguf_may_have(tmp_path, kind, freqs, said) -> None:
+    """stranger68: ``unsupported GGUF rope scaling 'yarn'`` named none of the types the docs say it names."""
+    import gguf
+    import numpy as np
+
+    from asyncinfer.memory import read_model_config
+
+    path = tmp_path / "rope.gguf"
+    writer = llama_header_gguf(path, block_count=1)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.add_key_value("llama.rope.scaling.type", kind, gguf.GGUFValueType.STRING)
+    writer.add_key_value("llama.rope.scaling.factor", 2.0, gguf.GGUFValueType.FLOAT32)
+    if freqs:
+        writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as refused:
+        read_model_config(path)
+    assert str(refused.value) == (f"unsupported GGUF rope scaling {said}: a GGUF's llama.rope.scaling.type may be none, "
+                                  "linear (without rope_freqs.weight), or longrope (Phi-3's factor tensors); Llama "
+                                  "3.1's scaling is its rope_freqs.weight tensor with no type")

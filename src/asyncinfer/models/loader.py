@@ -956,7 +956,10 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any], hea
         return _gguf_longrope(reader, arch, tensors, kind, head_dim)
     has_factors = "rope_freqs.weight" in tensors
     if kind not in ("none", "linear") or (kind == "linear" and has_factors):
-        raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")
+        said = "'linear' with a rope_freqs.weight tensor" if kind == "linear" else repr(kind)
+        raise ModelLoadError(f"unsupported GGUF rope scaling {said}: a GGUF's {arch}.rope.scaling.type may be none, "
+                             "linear (without rope_freqs.weight), or longrope (Phi-3's factor tensors); Llama 3.1's "
+                             "scaling is its rope_freqs.weight tensor with no type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     if has_factors:
