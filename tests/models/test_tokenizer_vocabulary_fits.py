@@ -272,3 +272,67 @@ def test_slow_vocabularies_are_each_held_to_the_model_not_merged_into_the_count(
     (path / "vocab.txt").write_text("".join(f"{t}\n" for t in ["renamed", *words(VOCAB)[1:]]))
     (path / "vocab.json").write_text(json.dumps({f"other{i}": i for i in range(VOCAB)}))
     assert len(load_hf_tokenizer(path, VOCAB)) == VOCAB
+
+
+@pytest.mark.parametrize("form", ["keys", "model_specific_special_tokens"])
+def test_special_tokens_of_keys_of_their_own_count_too(tiny_models, tmp_path, never_built, form) -> None:
+    """pass76: every ``*_token`` key of tokenizer_config.json (and ``model_specific_special_tokens``'s) is a special
+    token of transformers': 50,000 of them were built in 20 s (100,000: 108 s) before their count was refused."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    keys = {f"k{i}_token": f"<t{i}>" for i in range(2_000)}
+    body = keys if form == "keys" else {"model_specific_special_tokens": keys}
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **body}))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 2_000} tokens "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json with a NaN"])
+def test_the_class_is_found_where_transformers_finds_it(tiny_models, tmp_path, never_built, where) -> None:
+    """pass76: the class named by config.json's tokenizer_class, or by a tokenizer_config.json msgspec refuses (a NaN
+    Python's json reads), was not looked up: its prophetnet.tokenizer of 1,500,000 lines was built (4.5 s, 1 GB)."""
+    path = tmp_path / "m"
+    path.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        if item.name != "config.json":
+            (path / item.name).symlink_to(item)
+    config = json.loads((tiny_models["llama"][0] / "config.json").read_text())
+    if where == "config.json":
+        (path / "config.json").write_text(json.dumps({**config, "tokenizer_class": "ProphetNetTokenizer"}))
+        (path / "tokenizer_config.json").write_text('{"tokenizer_class": null}')
+    else:
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "tokenizer_config.json").write_text('{"tokenizer_class": "ProphetNetTokenizer", "x": NaN}')
+    (path / "prophetnet.tokenizer").write_text("".join(f"t{i}\n" for i in range(VOCAB + VOCABULARY_FILE_SLACK + 1)))
+    with pytest.raises(ModelLoadError, match=r": prophetnet\.tokenizer holds "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_lone_carriage_return_ends_a_line_as_python_reads_it(tiny_models, tmp_path, never_built) -> None:
+    """pass76: lines split by a lone \\r counted as one (bytes.count(b"\\n")), where the slow tokenizers' readlines
+    split them: 150,000 of them were built."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ProphetNetTokenizer"}))
+    lines = VOCAB + VOCABULARY_FILE_SLACK + 1
+    (path / "prophetnet.tokenizer").write_bytes(b"\r".join(f"t{i}".encode() for i in range(lines)) + b"\r\n")
+    with pytest.raises(ModelLoadError, match=rf": prophetnet\.tokenizer holds {lines} lines, "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_the_sentencepiece_walk_gives_up_past_a_models_fields() -> None:
+    """pass76: 16 MB of one-byte empty groups took 8 s to walk; a model holds its pieces and a few fields more."""
+    import time
+
+    from asyncinfer.models.checkpoint import _sentencepiece_pieces
+
+    start = time.perf_counter()
+    assert _sentencepiece_pieces(b"\x0b" * 2_000_000, stop=300) is None
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_class_name_that_is_no_tokenizer_is_left_to_transformers(tiny_models, tmp_path) -> None:
+    """pass76: a tokenizer_class of AutoModel raised a bare AttributeError inside the count (no vocab_files_names)."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "AutoModel"}))
+    with pytest.raises(ModelLoadError) as refused:
+        load_hf_tokenizer(path, VOCAB)
+    assert "vocab_files_names" not in str(refused.value)

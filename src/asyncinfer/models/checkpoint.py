@@ -405,24 +405,24 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
             (path / name).read_bytes() if (path / name).is_file() else None)
         if raw_file is not None:
             counted.append(name)
+            if shape is _TokenizerConfig:  # its special tokens are any key of its own (*_token): read whole
+                tokens |= _tokens_read_as_transformers_does(path, name, raw_file, shape, bound, vocab_size)
+                continue
             try:
-                data = msgspec.json.decode(raw_file, type=shape)
+                data = msgspec.json.decode(raw_file, type=_TokenizerFile)
             except (msgspec.DecodeError, RecursionError):
                 # what msgspec refuses, Python's json (transformers') may read (NaN, Infinity, a lone surrogate's
                 # escape): read so, the whole file held to the bound, else the count skipped what the build then read
                 tokens |= _tokens_read_as_transformers_does(path, name, raw_file, shape, bound, vocab_size)
                 continue
-            if isinstance(data, _TokenizerFile):
-                model = data.model or _TokenizerModel()
-                lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
-                          (f"{name}'s added_tokens", data.added_tokens)]
-            else:
-                lists += [(f"{name}'s {part}", getattr(data, part)) for part in _TokenizerConfig.__struct_fields__]
+            model = data.model or _TokenizerModel()
+            lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
+                      (f"{name}'s added_tokens", data.added_tokens)]
     if (path / "added_tokens.json").is_file():  # merged into the vocabulary whatever builds it
         _check_list_size(path, "added_tokens.json", (path / "added_tokens.json").stat().st_size, bound, vocab_size)
         lists.append(("added_tokens.json", msgspec.Raw((path / "added_tokens.json").read_bytes())))
         counted.append("added_tokens.json")
-    for name in _vocabulary_files(path):  # a slow tokenizer's own files, each within the model's vocabulary
+    for name in _vocabulary_files(path, bound):  # a slow tokenizer's own files, each within the model's vocabulary
         _check_vocabulary_file(path, name, bound, vocab_size)
     for where, raw in lists:
         _check_list_size(path, where, len(raw), bound, vocab_size)
@@ -442,46 +442,50 @@ _VOCABULARY_FILES = ("vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FI
 VOCABULARY_FILE_SLACK = 256
 
 
-class _TokenizerClass(msgspec.Struct):
-    tokenizer_class: Any = None
-    model_type: Any = None
-
-
-def _vocabulary_files(path: Path) -> list[str]:
+def _vocabulary_files(path: Path, bound: int) -> list[str]:
     """The names of the files a slow tokenizer of ``path`` reads its tokens or merges from, present there: the usual
     names, and those the tokenizer's class declares (``vocab_files_names``: ProphetNet's ``prophetnet.tokenizer``,
-    PhoBERT's ``bpe.codes``...), the class named by ``tokenizer_config.json`` or else by ``config.json``'s model type
-    as transformers picks it."""
+    PhoBERT's ``bpe.codes``...), the class transformers picks: ``tokenizer_config.json``'s ``tokenizer_class``, else
+    ``config.json``'s, else the tokenizer of ``config.json``'s ``model_type``."""
     names = list(_VOCABULARY_FILES)
-    found = _tokenizer_class(path)
+    found = _tokenizer_class(path, bound)
     if found is not None:
         names += [name for name in found.vocab_files_names.values()
                   if isinstance(name, str) and name != "tokenizer.json" and name not in names]
     return [name for name in names if "/" not in name and (path / name).is_file()]
 
 
-def _tokenizer_class(path: Path) -> Any:
-    """The tokenizer class transformers would build for ``path`` (None where none is named or known)."""
+def _tokenizer_class(path: Path, bound: int) -> Any:
+    """The tokenizer class transformers would build for ``path`` (None where none is named or known); the two files
+    read with Python's json, as transformers reads them (msgspec refuses a NaN that json takes), each within
+    ``bound`` bytes (config.json within :data:`MAX_JSON_BYTES`, as its loader reads it)."""
+    from transformers import PreTrainedTokenizerBase
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    name = None
-    for file, key in (("tokenizer_config.json", "tokenizer_class"), ("config.json", "model_type")):
-        if (path / file).is_file():
-            try:
-                value = getattr(msgspec.json.decode((path / file).read_bytes(), type=_TokenizerClass), key)
-            except (msgspec.DecodeError, RecursionError):
-                continue
-            if isinstance(value, str) and value:
-                mapped = value if key == "tokenizer_class" else TOKENIZER_MAPPING_NAMES.get(value)
-                name = mapped[0] if isinstance(mapped, tuple) else mapped
-                if name:
-                    break
-    if not isinstance(name, str):
-        return None
-    try:
-        return tokenizer_class_from_name(name) or tokenizer_class_from_name(name.removesuffix("Fast"))
-    except Exception:  # noqa: BLE001 - a name transformers cannot import (a missing optional package): its own load says so
-        return None
+    def read(name: str, limit: int) -> dict[str, Any]:
+        file = path / name
+        if not file.is_file() or file.stat().st_size > limit:  # past its bound, refused where it is read
+            return {}
+        try:
+            value = json.loads(file.read_bytes())
+        except (ValueError, RecursionError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    tokenizer_config, config = read("tokenizer_config.json", bound), read("config.json", MAX_JSON_BYTES)
+    model_type = config.get("model_type")
+    mapped = TOKENIZER_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    for name in (tokenizer_config.get("tokenizer_class"), config.get("tokenizer_class"),
+                 mapped[0] if isinstance(mapped, tuple) else mapped):
+        if not isinstance(name, str) or not name:
+            continue
+        try:
+            found = tokenizer_class_from_name(name) or tokenizer_class_from_name(name.removesuffix("Fast"))
+        except Exception:  # noqa: BLE001 - a name transformers cannot import (a missing optional package): its own load says so
+            found = None
+        if isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase):  # not AutoModel, AutoConfig...
+            return found
+    return None
 
 
 def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -> None:
@@ -506,7 +510,9 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
         if pieces:
             entries, kind = pieces, "SentencePiece pieces"
         else:
-            entries, kind = raw.count(b"\n") + (not raw.endswith(b"\n") and bool(raw)), "lines"
+            # a line ends at \n, \r\n or a lone \r, as Python's text mode reads it (readlines)
+            breaks = raw.count(b"\n") + raw.count(b"\r") - raw.count(b"\r\n")
+            entries, kind = breaks + (bool(raw) and not raw.endswith((b"\n", b"\r"))), "lines"
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
@@ -525,13 +531,21 @@ def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
     return None
 
 
+#: The fields a SentencePiece model may hold beside its pieces (its specs, their groups) before the walk gives up.
+_MORE_FIELDS = 4096
+
+
 def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
-    counted up to ``stop``; None where ``raw`` ends within a field or uses no wire type (tiktoken's
+    counted up to ``stop``; None where ``raw`` ends within a field, uses no wire type, or holds more fields than
+    ``stop`` and :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's
     ``tokenizer.model`` is text, which the library reads so: such text comes out as None or a count of few pieces,
     left to the library either way)."""
-    pieces, at = 0, 0
+    pieces, at, fields = 0, 0, 0
     while at < len(raw) and pieces < stop:
+        fields += 1
+        if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
+            return None
         key = _varint(raw, at)
         if key is None:
             return None
@@ -568,8 +582,11 @@ def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: 
 
 def _tokens_read_as_transformers_does(path: Path, name: str, raw: bytes, shape: type, bound: int,
                                       vocab_size: int) -> set[str]:
-    """The tokens of a file msgspec refused, read with Python's json as transformers reads it (none where that
-    refuses it too: the library then says what), the whole file held to ``bound``."""
+    """The tokens of a file read with Python's json as transformers reads it (none where that refuses it too: the
+    library then says what), the whole file held to ``bound``: a ``tokenizer.json`` msgspec refused, and every
+    ``tokenizer_config.json`` and ``special_tokens_map.json``, whose special tokens are its lists and any key of its
+    own named ``*_token`` (and ``model_specific_special_tokens``'s): 50,000 such keys were built, in 20 s, before
+    their count was refused."""
     _check_list_size(path, name, len(raw), bound, vocab_size)
     try:
         value = json.loads(raw)
@@ -578,6 +595,7 @@ def _tokens_read_as_transformers_does(path: Path, name: str, raw: bytes, shape: 
     if not isinstance(value, dict):
         return set()
     parts: list[Any] = [value.get(part) for part in _TokenizerConfig.__struct_fields__]
+    parts += [[item for key, item in value.items() if key.endswith("_token")], value.get("model_specific_special_tokens")]
     if shape is _TokenizerFile:
         model = value.get("model")
         parts = [value.get("added_tokens"), model.get("vocab") if isinstance(model, dict) else None]
