@@ -61,6 +61,7 @@ from asyncinfer.prompts import (
     check_tenant,
     check_texts,
     plain_prompt,
+    prompt_kind,
     prompt_token_ids,
 )
 from asyncinfer.request import Request
@@ -500,9 +501,14 @@ class AsyncEngine:
         that renders or tokenizes a prompt itself (the HTTP server's tools chats), before that work. Raises
         :class:`PromptTooLongError` (an :class:`InvalidParameterError`), counted in the metrics' rejected requests as
         :meth:`generate`'s refusal is."""
+        self._check_running()
         with self._intake.counting_refusals(model):
             version = current(self._models.generator(model))
-            check_prompt_chars(plain_prompt(prompt), version)
+            prompt = plain_prompt(prompt)
+            check_prompt_chars(prompt, version)
+            if prompt_kind(prompt) is None:  # a number, None, bytes: what generate refuses as no prompt (pass76)
+                raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of "
+                                            "token ids")
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str | None = None) -> None:
         """Refuse now what :meth:`generate` would refuse whatever the engine's load: ``params`` the generator cannot

@@ -58,3 +58,19 @@ async def test_check_prompt_size_counts_its_refusal_too(tiny_models) -> None:
         assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 1, "overloaded": 0}
         engine.check_prompt_size([5, 6])
         assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 1, "overloaded": 0}
+
+
+async def test_check_prompt_size_refuses_no_prompt_and_a_closed_engine(tiny_models) -> None:
+    """pass76: ``check_prompt_size(12345)`` and ``(None)`` returned as if they fitted, and a closed engine counted a
+    refusal where ``check_request`` said it was closed."""
+    from asyncinfer import EngineClosedError
+
+    engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
+    async with engine:
+        for prompt in (12345, None, b"hi", []):
+            with pytest.raises(InvalidParameterError) as err:
+                engine.check_prompt_size(prompt)
+            assert err.value.parameter == "prompt"
+        assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 4, "overloaded": 0}
+    with pytest.raises(EngineClosedError):
+        engine.check_prompt_size(list(range(5, 505)))
