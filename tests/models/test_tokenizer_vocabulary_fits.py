@@ -336,3 +336,42 @@ def test_a_class_name_that_is_no_tokenizer_is_left_to_transformers(tiny_models, 
     with pytest.raises(ModelLoadError) as refused:
         load_hf_tokenizer(path, VOCAB)
     assert "vocab_files_names" not in str(refused.value)
+
+
+@pytest.mark.parametrize("fault", ["charsmap", "tokens"])
+def test_the_fast_tokenizer_file_transformers_picks_is_the_one_checked(tiny_models, tmp_path, never_built,
+                                                                       fault) -> None:
+    """pass77: tokenizer_config.json's fast_tokenizer_files makes transformers build from, say, tokenizer.4.0.json
+    beside a harmless tokenizer.json, and the checks read tokenizer.json alone: a charsmap declaring 4 GiB aborted the
+    process, and 2,000,000 tokens were built (4 s, 1.4 GB) before their refusal."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    data = json.loads((path / "tokenizer.json").read_text())
+    if fault == "charsmap":
+        data["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "/////w=="}
+        said = r"tokenizer\.4\.0\.json's Precompiled normalizer has a precompiled_charsmap of 4 bytes that declares"
+    else:
+        data["added_tokens"] = [{"id": VOCAB + i, "content": f"<x{i}>", "special": True} for i in range(1_000)]
+        said = rf"^the tokenizer has {VOCAB + 1_000} tokens \(counted in tokenizer\.4\.0\.json, "
+    (path / "tokenizer.4.0.json").write_text(json.dumps(data))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "fast_tokenizer_files": ["tokenizer.4.0.json"]}))
+    with pytest.raises(ModelLoadError, match=said):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_fast_tokenizer_file_out_of_the_directory_is_refused(tiny_models, tmp_path, never_built) -> None:
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": ["../tokenizer.4.0.json"]}))
+    with pytest.raises(ModelLoadError, match=r"fast_tokenizer_files picks '\.\./tokenizer\.4\.0\.json', which is no "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_every_line_end_str_splitlines_knows_ends_a_line(tiny_models, tmp_path, never_built) -> None:
+    """pass77: ESM's tokenizer reads vocab.txt with str.splitlines, which ends lines at \\x1c and more: 250,000
+    tokens split by \\x1c counted one line and were built."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "EsmTokenizer"}))
+    lines = VOCAB + VOCABULARY_FILE_SLACK + 1
+    (path / "vocab.txt").write_text("\x1c".join(f"t{i}" for i in range(lines)), newline="")
+    with pytest.raises(ModelLoadError, match=rf": vocab\.txt holds {lines} lines, "):
+        load_hf_tokenizer(path, VOCAB)

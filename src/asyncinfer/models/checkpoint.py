@@ -264,7 +264,10 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
         if entry not in reads:
             _check_not_blocking(entry)
-    tokenizer_json = _TokenizerJson(path / "tokenizer.json")  # read once, for the three checks below
+    fast = _fast_tokenizer_file(path)
+    if (path / fast).exists():
+        check_file(path / fast, MAX_TOKENIZER_FILE_BYTES)
+    tokenizer_json = _TokenizerJson(path / fast)  # read once, for the three checks below
     if vocab_size is not None:
         _check_vocabulary_fits(path, vocab_size, tokenizer_json)
     _check_charsmaps(tokenizer_json)
@@ -295,6 +298,33 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
                              f"(tokenizer_config.json)")
     return tokenizer
+
+
+def _fast_tokenizer_file(path: Path) -> str:
+    """The name of the fast tokenizer's file transformers builds from in ``path``: ``tokenizer.json``, or the one
+    ``tokenizer_config.json``'s ``fast_tokenizer_files`` picks for this version of transformers (a
+    ``tokenizer.4.0.json`` beside a harmless ``tokenizer.json`` was built unchecked: its charsmap aborted the
+    process). Raises :class:`ModelLoadError` for a name that leads out of the directory."""
+    config = path / "tokenizer_config.json"
+    if not config.is_file() or config.stat().st_size > MAX_JSON_BYTES:  # past it, refused where it is read
+        return "tokenizer.json"
+    try:
+        value = json.loads(config.read_bytes())
+    except (ValueError, RecursionError):
+        return "tokenizer.json"
+    files = value.get("fast_tokenizer_files") if isinstance(value, dict) else None
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return "tokenizer.json"  # none, or what transformers refuses itself
+    from transformers.tokenization_utils_base import get_fast_tokenizer_file
+
+    try:
+        name = get_fast_tokenizer_file(files)
+    except Exception:  # noqa: BLE001 - a version transformers cannot parse: its own load says so
+        return "tokenizer.json"
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: tokenizer_config.json's fast_tokenizer_files "
+                             f"picks {name!r}, which is no file of the directory")
+    return name
 
 
 class _TokenizerJson:
@@ -401,7 +431,9 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     counted: list[str] = []  # the files read, for the refusal
     for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
                         ("special_tokens_map.json", _TokenizerConfig)):
-        raw_file = tokenizer_json.raw if name == "tokenizer.json" else (
+        if name == "tokenizer.json":
+            name = tokenizer_json.file.name  # the one transformers builds from (fast_tokenizer_files)
+        raw_file = tokenizer_json.raw if shape is _TokenizerFile else (
             (path / name).read_bytes() if (path / name).is_file() else None)
         if raw_file is not None:
             counted.append(name)
@@ -510,12 +542,23 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
         if pieces:
             entries, kind = pieces, "SentencePiece pieces"
         else:
-            # a line ends at \n, \r\n or a lone \r, as Python's text mode reads it (readlines)
-            breaks = raw.count(b"\n") + raw.count(b"\r") - raw.count(b"\r\n")
-            entries, kind = breaks + (bool(raw) and not raw.endswith((b"\n", b"\r"))), "lines"
+            entries, kind = _lines_in(raw), "lines"
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
+
+
+#: What ends a line for ``str.splitlines`` (which some slow tokenizers read their files with: ESM's), a superset of
+#: what text mode's ``readlines`` ends one at (``\n``, ``\r\n``, a lone ``\r``).
+_LINE_ENDS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+def _lines_in(raw: bytes) -> int:
+    """The lines of a text file as the readers that split it most read it (``str.splitlines``), counted without
+    making them: a file of 250,000 tokens split by ``\x1c`` counted one line and was built in full."""
+    text = raw.decode("utf-8", errors="replace")
+    ends = sum(text.count(end) for end in _LINE_ENDS) - text.count("\r\n")
+    return ends + (bool(text) and not text.endswith(_LINE_ENDS))
 
 
 def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
