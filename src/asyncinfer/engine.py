@@ -59,6 +59,7 @@ from asyncinfer.prompts import (
     check_request_args,
     check_request_id,
     check_tenant,
+    check_text_prompt,
     check_texts,
     plain_prompt,
     prompt_kind,
@@ -506,9 +507,12 @@ class AsyncEngine:
             version = current(self._models.generator(model))
             prompt = plain_prompt(prompt)
             check_prompt_chars(prompt, version)
-            if prompt_kind(prompt) is None:  # a number, None, bytes: what generate refuses as no prompt (pass76)
+            kind = prompt_kind(prompt)
+            if kind is None:  # a number, None, bytes: what generate refuses as no prompt (pass76)
                 raise InvalidParameterError("prompt", prompt, "a non-empty string, list of chat messages or list of "
                                             "token ids")
+            if kind == "text":  # "" and a lone surrogate, as generate refuses them (pass77)
+                check_text_prompt(prompt)
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str | None = None) -> None:
         """Refuse now what :meth:`generate` would refuse whatever the engine's load: ``params`` the generator cannot

@@ -67,10 +67,10 @@ async def test_check_prompt_size_refuses_no_prompt_and_a_closed_engine(tiny_mode
 
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **BASE)
     async with engine:
-        for prompt in (12345, None, b"hi", []):
+        for prompt in (12345, None, b"hi", [], ""):  # pass77: "" passed, and a streamed completion's went uncounted
             with pytest.raises(InvalidParameterError) as err:
                 engine.check_prompt_size(prompt)
             assert err.value.parameter == "prompt"
-        assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 4, "overloaded": 0}
+        assert engine.metrics.snapshot().models["default"].rejected == {"invalid": 5, "overloaded": 0}
     with pytest.raises(EngineClosedError):
         engine.check_prompt_size(list(range(5, 505)))
