@@ -66,13 +66,22 @@ def test_token_states_match_transformers_bert_with_padding(tiny_bert) -> None:
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
-def test_pooling_modes_match_a_manual_pooling_of_transformers_states(tiny_bert, tmp_path, pooling) -> None:
+@pytest.mark.parametrize("form", ["keys", "sentence-transformers"])
+def test_pooling_modes_match_a_manual_pooling_of_transformers_states(tiny_bert, tmp_path, pooling, form) -> None:
+    """Both forms of the Pooling module's config: a boolean key a mode, and the ``pooling_mode`` the installed
+    sentence-transformers writes (stranger70: an encoder it saved was refused, "got []")."""
     src, hf = tiny_bert
     path = tmp_path / "st"
     shutil.copytree(src, path)
     (path / "1_Pooling").mkdir()
     keys = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({k: k == keys[pooling] for k in keys.values()}))
+    if form == "keys":
+        pool = {k: k == keys[pooling] for k in keys.values()}
+    else:
+        from sentence_transformers.models import Pooling
+
+        pool = Pooling(hf.config.hidden_size, pooling_mode=pooling).get_config_dict()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pool))
     (path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -166,3 +175,18 @@ def test_minilm_matches_sentence_transformers(minilm_dir: Path, st_reference: to
     assert F.cosine_similarity(solo, st_reference, dim=-1).min().item() >= 1 - 1e-5
     # The truncated text read exactly max_seq_len tokens.
     assert len(enc.tokenize([SENTENCES[-1]])[0]) == 256
+
+
+def test_a_pooling_mode_it_does_not_run_is_refused_by_name(tiny_bert, tmp_path) -> None:
+    src, _ = tiny_bert
+    path = tmp_path / "st"
+    shutil.copytree(src, path)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32, "pooling_mode": "lasttoken"}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    with pytest.raises(ModelLoadError, match=r"config\.json: pooling_mode 'lasttoken' is not supported: one of mean, "
+                                             r"cls, max$"):
+        load_encoder(path, torch.float32, "cpu")

@@ -140,9 +140,16 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     pooling_file = _pooling_config_file(path, modules)
     if pooling_file is not None:
         pool = _json_object(pooling_file)
-        modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
-        if len(modes) != 1:
-            raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
+        if "pooling_mode" in pool:  # sentence-transformers 6's form: a mode's name (or a list of them)
+            mode = pool["pooling_mode"]
+            modes = mode if isinstance(mode, list) else [mode]
+            if len(modes) != 1 or modes[0] not in POOLING_MODES:
+                raise ModelLoadError(f"{pooling_file}: pooling_mode {mode!r} is not supported: one of "
+                                     f"{', '.join(POOLING_MODES)}")
+        else:  # the earlier form: a boolean key a mode
+            modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
+            if len(modes) != 1:
+                raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
         pooling = modes[0]
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     max_pos = _int(config_file, raw, "max_position_embeddings", 512)
