@@ -38,6 +38,15 @@ def model_dir(tiny_models, where: Path, tokens: list[str], added: int = 0) -> Pa
     return where
 
 
+def weights_dir(tiny_models, where: Path, but: str | None = None) -> Path:
+    """tiny_models' llama files (but ``but``) linked into ``where``, no tokenizer beside them."""
+    where.mkdir()
+    for item in tiny_models["llama"][0].iterdir():
+        if item.name != but:
+            (where / item.name).symlink_to(item)
+    return where
+
+
 @pytest.fixture
 def never_built(monkeypatch) -> None:
     def refuse(*args, **kwargs):
@@ -188,11 +197,7 @@ def test_the_files_a_slow_tokenizers_class_names_are_held_to_the_vocabulary(tiny
 
 
 def test_a_slow_tokenizers_class_comes_from_the_model_type_too(tiny_models, tmp_path, never_built) -> None:
-    path = tmp_path / "m"
-    path.mkdir()
-    for item in tiny_models["llama"][0].iterdir():
-        if item.name != "config.json":
-            (path / item.name).symlink_to(item)
+    path = weights_dir(tiny_models, tmp_path / "m", but="config.json")
     config = json.loads((tiny_models["llama"][0] / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "prophetnet"}))
     (path / "tokenizer_config.json").write_text("{}")
@@ -241,10 +246,7 @@ def test_a_sentencepiece_models_pieces_are_counted() -> None:
 @pytest.mark.parametrize("group", [False, True])
 def test_a_sentencepiece_model_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built,
                                                                                name, group) -> None:
-    path = tmp_path / "m"
-    path.mkdir()
-    for item in tiny_models["llama"][0].iterdir():
-        (path / item.name).symlink_to(item)
+    path = weights_dir(tiny_models, tmp_path / "m")
     too_many = VOCAB + VOCABULARY_FILE_SLACK + 1
     (path / name).write_bytes(sentencepiece_model(too_many, group))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
@@ -253,10 +255,7 @@ def test_a_sentencepiece_model_past_the_vocabulary_is_refused_before_the_build(t
 
 
 def test_a_gpt2_vocab_json_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built) -> None:
-    path = tmp_path / "m"
-    path.mkdir()
-    for item in tiny_models["llama"][0].iterdir():
-        (path / item.name).symlink_to(item)
+    path = weights_dir(tiny_models, tmp_path / "m")
     (path / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(words(VOCAB + VOCABULARY_FILE_SLACK + 1))}))
     (path / "merges.txt").write_text("#version: 0.2\n")
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
@@ -290,11 +289,7 @@ def test_special_tokens_of_keys_of_their_own_count_too(tiny_models, tmp_path, ne
 def test_the_class_is_found_where_transformers_finds_it(tiny_models, tmp_path, never_built, where) -> None:
     """pass76: the class named by config.json's tokenizer_class, or by a tokenizer_config.json msgspec refuses (a NaN
     Python's json reads), was not looked up: its prophetnet.tokenizer of 1,500,000 lines was built (4.5 s, 1 GB)."""
-    path = tmp_path / "m"
-    path.mkdir()
-    for item in tiny_models["llama"][0].iterdir():
-        if item.name != "config.json":
-            (path / item.name).symlink_to(item)
+    path = weights_dir(tiny_models, tmp_path / "m", but="config.json")
     config = json.loads((tiny_models["llama"][0] / "config.json").read_text())
     if where == "config.json":
         (path / "config.json").write_text(json.dumps({**config, "tokenizer_class": "ProphetNetTokenizer"}))
