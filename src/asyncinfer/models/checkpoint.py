@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import importlib.util
 import json
 import math
@@ -264,12 +265,13 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
         if entry not in reads:
             _check_not_blocking(entry)
-    fast = _fast_tokenizer_file(path)
+    config = _JsonFile(path / "tokenizer_config.json")  # read once: the fast file's name, the class, special tokens
+    fast = _fast_tokenizer_file(path, config)
     if (path / fast).exists():
         check_file(path / fast, MAX_TOKENIZER_FILE_BYTES)
-    tokenizer_json = _TokenizerJson(path / fast)  # read once, for the three checks below
+    tokenizer_json = _JsonFile(path / fast)  # read once, for the three checks below
     if vocab_size is not None:
-        _check_vocabulary_fits(path, vocab_size, tokenizer_json)
+        _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
     _check_charsmaps(tokenizer_json)
     _check_text_growth(tokenizer_json)
     from transformers import AutoTokenizer
@@ -300,19 +302,16 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     return tokenizer
 
 
-def _fast_tokenizer_file(path: Path) -> str:
+def _fast_tokenizer_file(path: Path, config: _JsonFile) -> str:
     """The name of the fast tokenizer's file transformers builds from in ``path``: ``tokenizer.json``, or the one
     ``tokenizer_config.json``'s ``fast_tokenizer_files`` picks for this version of transformers (a
     ``tokenizer.4.0.json`` beside a harmless ``tokenizer.json`` was built unchecked: its charsmap aborted the
-    process). Raises :class:`ModelLoadError` for a name that leads out of the directory."""
-    config = path / "tokenizer_config.json"
-    if not config.is_file() or config.stat().st_size > MAX_JSON_BYTES:  # past it, refused where it is read
+    process), ``config`` being its ``tokenizer_config.json``. Raises :class:`ModelLoadError` for a name that leads
+    out of the directory."""
+    if config.size is None or config.size > MAX_JSON_BYTES:  # past it, refused where it is read
         return "tokenizer.json"
-    try:
-        value = json.loads(config.read_bytes())
-    except (ValueError, RecursionError):
-        return "tokenizer.json"
-    files = value.get("fast_tokenizer_files") if isinstance(value, dict) else None
+    value = config.parsed()
+    files = value.get("fast_tokenizer_files") if value is not None else None
     if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
         return "tokenizer.json"  # none, or what transformers refuses itself
     from transformers.tokenization_utils_base import get_fast_tokenizer_file
@@ -327,28 +326,32 @@ def _fast_tokenizer_file(path: Path) -> str:
     return name
 
 
-class _TokenizerJson:
-    """A directory's ``tokenizer.json`` as the checks before the build read it: its bytes (None where there is no such
-    regular file) read once, and parsed with Python's json (as the tokenizers library reads it) once, on first need."""
-
-    _UNPARSED: Any = object()
+class _JsonFile:
+    """One of the tokenizer's JSON files (its ``tokenizer.json``, ``tokenizer_config.json``...) as the checks before
+    the build read it: its size from ``stat`` (None where there is no such regular file), its bytes read once, on
+    first need, and parsed once with Python's json, as transformers and the tokenizers library read it."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
-        self.raw = file.read_bytes() if file.is_file() else None
-        self._value: Any = self._UNPARSED
+        self.size = file.stat().st_size if file.is_file() else None
+
+    @functools.cached_property
+    def raw(self) -> bytes | None:
+        return self.file.read_bytes() if self.size is not None else None
 
     def holds(self, marker: bytes) -> bool:
         """Whether its bytes hold ``marker`` (a step's type: only then is it parsed)."""
         return self.raw is not None and marker in self.raw
 
+    @functools.cached_property
+    def _value(self) -> Any:
+        try:
+            return json.loads(self.raw) if self.raw is not None else None
+        except (ValueError, RecursionError):
+            return None
+
     def parsed(self) -> dict[str, Any] | None:
         """Its JSON object; None where it is none (the library then refuses it and says why)."""
-        if self._value is self._UNPARSED:
-            try:
-                self._value = json.loads(self.raw) if self.raw is not None else None
-            except (ValueError, RecursionError):
-                self._value = None
         return self._value if isinstance(self._value, dict) else None
 
 
@@ -402,16 +405,12 @@ class _TokenizerFile(msgspec.Struct):
     model: _TokenizerModel | None = None
 
 
-class _TokenizerConfig(msgspec.Struct):
-    """The parts of a ``tokenizer_config.json`` (or a ``special_tokens_map.json``) that add tokens (the rest skipped
-    unread)."""
-
-    added_tokens_decoder: msgspec.Raw = msgspec.Raw(b"null")
-    additional_special_tokens: msgspec.Raw = msgspec.Raw(b"null")
-    extra_special_tokens: msgspec.Raw = msgspec.Raw(b"null")
+#: The token lists of a ``tokenizer_config.json`` (or a ``special_tokens_map.json``) beside its ``*_token`` keys.
+_SPECIAL_TOKEN_LISTS = ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens",
+                        "model_specific_special_tokens")
 
 
-def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _TokenizerJson) -> None:
+def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _JsonFile, config: _JsonFile) -> None:
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
     and added tokens, ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and special tokens
@@ -429,32 +428,31 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _Tokeniz
     lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
     tokens: set[str] = set()
     counted: list[str] = []  # the files read, for the refusal
-    for name, shape in (("tokenizer.json", _TokenizerFile), ("tokenizer_config.json", _TokenizerConfig),
-                        ("special_tokens_map.json", _TokenizerConfig)):
-        if name == "tokenizer.json":
-            name = tokenizer_json.file.name  # the one transformers builds from (fast_tokenizer_files)
-        raw_file = tokenizer_json.raw if shape is _TokenizerFile else (
-            (path / name).read_bytes() if (path / name).is_file() else None)
-        if raw_file is not None:
-            counted.append(name)
-            if shape is _TokenizerConfig:  # its special tokens are any key of its own (*_token): read whole
-                tokens |= _tokens_read_as_transformers_does(path, name, raw_file, shape, bound, vocab_size)
-                continue
-            try:
-                data = msgspec.json.decode(raw_file, type=_TokenizerFile)
-            except (msgspec.DecodeError, RecursionError):
-                # what msgspec refuses, Python's json (transformers') may read (NaN, Infinity, a lone surrogate's
-                # escape): read so, the whole file held to the bound, else the count skipped what the build then read
-                tokens |= _tokens_read_as_transformers_does(path, name, raw_file, shape, bound, vocab_size)
-                continue
-            model = data.model or _TokenizerModel()
-            lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
-                      (f"{name}'s added_tokens", data.added_tokens)]
+    # the fast tokenizer's file (the one transformers builds from), then the two whose special tokens are any key of
+    # their own (*_token): read whole
+    for doc, fast in ((tokenizer_json, True), (config, False), (_JsonFile(path / "special_tokens_map.json"), False)):
+        if doc.size is None:
+            continue
+        name = doc.file.name
+        counted.append(name)
+        if not fast:
+            tokens |= _tokens_read_as_transformers_does(path, doc, fast, bound, vocab_size)
+            continue
+        try:
+            data = msgspec.json.decode(doc.raw, type=_TokenizerFile)
+        except (msgspec.DecodeError, RecursionError):
+            # what msgspec refuses, Python's json (transformers') may read (NaN, Infinity, a lone surrogate's
+            # escape): read so, the whole file held to the bound, else the count skipped what the build then read
+            tokens |= _tokens_read_as_transformers_does(path, doc, fast, bound, vocab_size)
+            continue
+        model = data.model or _TokenizerModel()
+        lists += [(f"{name}'s model.vocab", model.vocab), (f"{name}'s model.merges", model.merges),
+                  (f"{name}'s added_tokens", data.added_tokens)]
     if (path / "added_tokens.json").is_file():  # merged into the vocabulary whatever builds it
         _check_list_size(path, "added_tokens.json", (path / "added_tokens.json").stat().st_size, bound, vocab_size)
         lists.append(("added_tokens.json", msgspec.Raw((path / "added_tokens.json").read_bytes())))
         counted.append("added_tokens.json")
-    for name in _vocabulary_files(path, bound):  # a slow tokenizer's own files, each within the model's vocabulary
+    for name in _vocabulary_files(path, bound, config):  # a slow tokenizer's own files, each within the model's vocabulary
         _check_vocabulary_file(path, name, bound, vocab_size)
     for where, raw in lists:
         _check_list_size(path, where, len(raw), bound, vocab_size)
@@ -474,40 +472,35 @@ _VOCABULARY_FILES = ("vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FI
 VOCABULARY_FILE_SLACK = 256
 
 
-def _vocabulary_files(path: Path, bound: int) -> list[str]:
+def _vocabulary_files(path: Path, bound: int, config: _JsonFile) -> list[str]:
     """The names of the files a slow tokenizer of ``path`` reads its tokens or merges from, present there: the usual
     names, and those the tokenizer's class declares (``vocab_files_names``: ProphetNet's ``prophetnet.tokenizer``,
     PhoBERT's ``bpe.codes``...), the class transformers picks: ``tokenizer_config.json``'s ``tokenizer_class``, else
     ``config.json``'s, else the tokenizer of ``config.json``'s ``model_type``."""
     names = list(_VOCABULARY_FILES)
-    found = _tokenizer_class(path, bound)
+    found = _tokenizer_class(path, bound, config)
     if found is not None:
         names += [name for name in found.vocab_files_names.values()
                   if isinstance(name, str) and name != "tokenizer.json" and name not in names]
     return [name for name in names if "/" not in name and (path / name).is_file()]
 
 
-def _tokenizer_class(path: Path, bound: int) -> Any:
-    """The tokenizer class transformers would build for ``path`` (None where none is named or known); the two files
-    read with Python's json, as transformers reads them (msgspec refuses a NaN that json takes), each within
-    ``bound`` bytes (config.json within :data:`MAX_JSON_BYTES`, as its loader reads it)."""
+def _tokenizer_class(path: Path, bound: int, config: _JsonFile) -> Any:
+    """The tokenizer class transformers would build for ``path`` (None where none is named or known), from its
+    ``tokenizer_config.json`` (``config``, within ``bound`` bytes) and its ``config.json`` (within
+    :data:`MAX_JSON_BYTES`, as its loader reads it), both read with Python's json, as transformers reads them
+    (msgspec refuses a NaN that json takes)."""
     from transformers import PreTrainedTokenizerBase
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    def read(name: str, limit: int) -> dict[str, Any]:
-        file = path / name
-        if not file.is_file() or file.stat().st_size > limit:  # past its bound, refused where it is read
-            return {}
-        try:
-            value = json.loads(file.read_bytes())
-        except (ValueError, RecursionError):
-            return {}
-        return value if isinstance(value, dict) else {}
+    def within(doc: _JsonFile, limit: int) -> dict[str, Any]:  # past its bound, refused where it is read
+        return (doc.parsed() if doc.size is not None and doc.size <= limit else None) or {}
 
-    tokenizer_config, config = read("tokenizer_config.json", bound), read("config.json", MAX_JSON_BYTES)
-    model_type = config.get("model_type")
+    tokenizer_config = within(config, bound)
+    model_config = within(_JsonFile(path / "config.json"), MAX_JSON_BYTES)
+    model_type = model_config.get("model_type")
     mapped = TOKENIZER_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
-    for name in (tokenizer_config.get("tokenizer_class"), config.get("tokenizer_class"),
+    for name in (tokenizer_config.get("tokenizer_class"), model_config.get("tokenizer_class"),
                  mapped[0] if isinstance(mapped, tuple) else mapped):
         if not isinstance(name, str) or not name:
             continue
@@ -623,23 +616,19 @@ def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: 
                              f"({MAX_VOCAB_BYTES_PER_TOKEN} a token of the model's vocab_size {vocab_size}, and 1 MiB)")
 
 
-def _tokens_read_as_transformers_does(path: Path, name: str, raw: bytes, shape: type, bound: int,
-                                      vocab_size: int) -> set[str]:
+def _tokens_read_as_transformers_does(path: Path, doc: _JsonFile, fast: bool, bound: int, vocab_size: int) -> set[str]:
     """The tokens of a file read with Python's json as transformers reads it (none where that refuses it too: the
     library then says what), the whole file held to ``bound``: a ``tokenizer.json`` msgspec refused, and every
     ``tokenizer_config.json`` and ``special_tokens_map.json``, whose special tokens are its lists and any key of its
     own named ``*_token`` (and ``model_specific_special_tokens``'s): 50,000 such keys were built, in 20 s, before
     their count was refused."""
-    _check_list_size(path, name, len(raw), bound, vocab_size)
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
+    _check_list_size(path, doc.file.name, doc.size or 0, bound, vocab_size)
+    value = doc.parsed()
+    if value is None:
         return set()
-    if not isinstance(value, dict):
-        return set()
-    parts: list[Any] = [value.get(part) for part in _TokenizerConfig.__struct_fields__]
-    parts += [[item for key, item in value.items() if key.endswith("_token")], value.get("model_specific_special_tokens")]
-    if shape is _TokenizerFile:
+    parts: list[Any] = [value.get(part) for part in _SPECIAL_TOKEN_LISTS]
+    parts.append([item for key, item in value.items() if key.endswith("_token")])
+    if fast:
         model = value.get("model")
         parts = [value.get("added_tokens"), model.get("vocab") if isinstance(model, dict) else None]
     return set().union(*(_tokens_of(part) for part in parts))
@@ -677,7 +666,7 @@ def _tokens_of(value: Any) -> set[str]:
     return tokens
 
 
-def _check_text_growth(tokenizer_json: _TokenizerJson) -> None:
+def _check_text_growth(tokenizer_json: _JsonFile) -> None:
     """Refuse a ``tokenizer.json`` whose normalizer or decoder can multiply a text's characters by more than
     :data:`MAX_TEXT_GROWTH`, before the tokenizers library reads it. Its ``Replace`` steps put their ``content``
     for each match of their pattern (a regular expression's match can be one character, or none: a bound of
@@ -727,7 +716,7 @@ def _step_growth(step: dict[str, Any]) -> int:
     return 1 + len(content)  # a regular expression: a match of one character, or an empty one before each
 
 
-def _check_charsmaps(tokenizer_json: _TokenizerJson) -> None:
+def _check_charsmaps(tokenizer_json: _JsonFile) -> None:
     """Refuse a ``tokenizer.json`` whose ``Precompiled`` normalizer's ``precompiled_charsmap`` declares a trie
     larger than the charsmap holds, before the tokenizers library reads it: it allocates what the first 4 bytes
     declare (``/////w==``: 0xFFFFFFFF, 8 GiB asked and the process aborted, one model directory taking down the
