@@ -30,7 +30,7 @@ from asyncinfer import intake
 from asyncinfer.embedding import EmbeddingPlan
 from asyncinfer.engine import AsyncEngine, EngineState
 from asyncinfer.errors import EngineClosedError, InvalidParameterError, ModelChangedError
-from asyncinfer.holder import ModelVersionInfo
+from asyncinfer.holder import LOADING_NEXT, ModelVersionInfo
 from asyncinfer.outputs import StreamDelta
 from asyncinfer.prompts import (
     MAX_CHAT_MESSAGES,
@@ -527,9 +527,8 @@ class _OpenAI:
                 others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate"
                                    and not _engine.between_versions(self.engine(), name))
                 hint = f", or name another generator: {others}" if others else ""
-                raise APIError(503, "The default model is between versions (a drain-mode swap lets the old "
-                                    f"version's requests finish, then loads the next): retry shortly{hint}.", param="model", type="server_error",
-                               code="unavailable", headers={"retry-after": "1"})
+                raise APIError(503, f"The default model is between versions ({LOADING_NEXT}): retry shortly{hint}.",
+                               param="model", type="server_error", code="unavailable", headers={"retry-after": "1"})
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
                 _article, noun, how = _NO_MODEL_OF[kind]
@@ -576,9 +575,8 @@ class _OpenAI:
         """A model no ``model_info()`` entry names: a 503 to come back shortly while it is between versions of a
         drain-mode swap (it is still served: a 404 told clients it was gone), else a 404."""
         if _engine.between_versions(self.engine(), model):
-            return APIError(503, f"The model `{model}` is between versions (a drain-mode swap lets the old "
-                                 "version's requests finish, then loads the next): retry shortly.", param="model", type="server_error", code="unavailable",
-                            headers={"retry-after": "1"})
+            return APIError(503, f"The model `{model}` is between versions ({LOADING_NEXT}): retry shortly.",
+                            param="model", type="server_error", code="unavailable", headers={"retry-after": "1"})
         return not_found(model, list(self._served()))
 
     def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
