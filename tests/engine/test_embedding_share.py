@@ -20,6 +20,7 @@ from tests.helpers import ENGINE_BASE
 from tests.test_embedding_batcher import CFG, Clock
 
 LONG_TEXT = " ".join(f"word{i} river mountain" for i in range(200))  # past MiniLM's 256 tokens
+SHORT_TEXT = "river mountain"
 NEIGHBOUR_TOKENS = 48
 
 
@@ -60,15 +61,16 @@ def test_max_busy_share_is_a_fraction_in_0_1(bad: object) -> None:
     assert err.value.parameter == "max_busy_share" and "(0, 1]" in str(err.value)
 
 
-async def _batches_during_a_stream(engine: AsyncEngine) -> tuple[int, int]:
-    """Start a flood of embedding calls, then stream a neighbour; the embedding batches run between the
-    neighbour's first and last token, and the neighbour's token count. The flood completes afterwards."""
+async def _batches_during_a_stream(engine: AsyncEngine, text: str = LONG_TEXT, per_call: int = 32) -> tuple[int, int]:
+    """Start a flood of embedding calls (four callers, each with a call of ``per_call`` copies of ``text`` at a
+    time), then stream a neighbour; the embedding batches run between the neighbour's first and last token, and
+    the neighbour's token count. The flood completes afterwards."""
     stop = asyncio.Event()
 
     async def flood() -> int:
         done = 0
         while not stop.is_set():
-            await engine.embed([LONG_TEXT] * 32, model="emb")
+            await engine.embed([text] * per_call, model="emb")
             done += 1
         return done
 
@@ -102,6 +104,11 @@ async def test_an_embedding_flood_takes_its_share_not_a_batch_per_token(tiny_mod
 async def test_a_share_of_1_runs_a_batch_between_every_two_steps(tiny_models, minilm_dir) -> None:
     engine = AsyncEngine.from_pretrained(tiny_models["llama"][0], **ENGINE_BASE)
     async with engine:
-        await engine.add_model("emb", minilm_dir, max_wait_ms=0, num_threads=1, max_busy_share=1.0)
-        batches, tokens = await _batches_during_a_stream(engine)
+        # One short text a batch, four calls of 64 queued: 256 batches a round, far more than the stream's steps.
+        # (The calls share the batches in turn, so all four end together; while their callers queue the next
+        # ones the queue is empty and steps run without batches. A round shorter than the stream, as with four
+        # calls of 32 long texts, 16 batches, left a stream of 48 tokens with as few as 12 on a loaded machine.)
+        await engine.add_model("emb", minilm_dir, max_wait_ms=0, num_threads=1, max_busy_share=1.0, max_batch_size=1)
+        batches, tokens = await _batches_during_a_stream(engine, SHORT_TEXT, per_call=64)
+        assert tokens == NEIGHBOUR_TOKENS
         assert batches >= tokens // 2, (batches, tokens)
