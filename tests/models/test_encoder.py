@@ -177,6 +177,43 @@ def test_minilm_matches_sentence_transformers(minilm_dir: Path, st_reference: to
     assert len(enc.tokenize([SENTENCES[-1]])[0]) == 256
 
 
+LEGACY_CASES = [{}, {"pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False},
+                {"pooling_mode_mean_tokens": True, "pooling_mode_weightedmean_tokens": True},
+                {"pooling_mode_cls_token": True, "pooling_mode_lasttoken": True},
+                {"pooling_mode_lasttoken": True}, {"pooling_mode_mean_sqrt_len_tokens": 1},
+                {"pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}]
+
+
+@pytest.mark.parametrize("legacy", LEGACY_CASES)
+def test_the_earlier_pooling_keys_are_read_as_sentence_transformers_reads_them(tiny_bert, tmp_path, legacy) -> None:
+    """pass78: two keys on (mean and weightedmean, whose vectors sentence-transformers joins side by side) loaded as
+    mean alone, the keys it did not know ignored; all off (sentence-transformers' mean) was refused. The mode
+    sentence-transformers makes of the keys is the one run, or the load is refused naming the keys."""
+    import warnings
+
+    from sentence_transformers.models import Pooling
+
+    src, hf = tiny_bert
+    path = tmp_path / "st"
+    shutil.copytree(src, path)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **legacy}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mode = Pooling(hf.config.hidden_size, **legacy).pooling_mode
+    if mode in ("mean", "cls", "max"):
+        assert read_encoder_config(path).pooling == mode
+    else:
+        on = " and ".join(key for key, value in legacy.items() if value)
+        with pytest.raises(ModelLoadError, match=rf"config\.json: {on} on: pooling .* not supported: one of mean, "
+                                                 r"cls, max$"):
+            read_encoder_config(path)
+
+
 def test_a_pooling_mode_it_does_not_run_is_refused_by_name(tiny_bert, tmp_path) -> None:
     src, _ = tiny_bert
     path = tmp_path / "st"

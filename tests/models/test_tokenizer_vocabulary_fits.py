@@ -333,12 +333,14 @@ def test_a_class_name_that_is_no_tokenizer_is_left_to_transformers(tiny_models, 
     assert "vocab_files_names" not in str(refused.value)
 
 
+@pytest.mark.parametrize("form", [list, dict.fromkeys])
 @pytest.mark.parametrize("fault", ["charsmap", "tokens"])
 def test_the_fast_tokenizer_file_transformers_picks_is_the_one_checked(tiny_models, tmp_path, never_built,
-                                                                       fault) -> None:
+                                                                       fault, form) -> None:
     """pass77: tokenizer_config.json's fast_tokenizer_files makes transformers build from, say, tokenizer.4.0.json
     beside a harmless tokenizer.json, and the checks read tokenizer.json alone: a charsmap declaring 4 GiB aborted the
-    process, and 2,000,000 tokens were built (4 s, 1.4 GB) before their refusal."""
+    process, and 2,000,000 tokens were built (4 s, 1.4 GB) before their refusal. pass78: given as a JSON object
+    (whose keys transformers takes as the names), the file went unchecked and 300,000 tokens were built."""
     path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
     data = json.loads((path / "tokenizer.json").read_text())
     if fault == "charsmap":
@@ -349,15 +351,36 @@ def test_the_fast_tokenizer_file_transformers_picks_is_the_one_checked(tiny_mode
         said = rf"^the tokenizer has {VOCAB + 1_000} tokens \(counted in tokenizer\.4\.0\.json, "
     (path / "tokenizer.4.0.json").write_text(json.dumps(data))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                            "fast_tokenizer_files": ["tokenizer.4.0.json"]}))
+                                                            "fast_tokenizer_files": form(["tokenizer.4.0.json"])}))
     with pytest.raises(ModelLoadError, match=said):
         load_hf_tokenizer(path, VOCAB)
 
 
-def test_a_fast_tokenizer_file_out_of_the_directory_is_refused(tiny_models, tmp_path, never_built) -> None:
+@pytest.mark.parametrize("form", [list, dict.fromkeys])
+def test_a_fast_tokenizer_file_out_of_the_directory_is_refused(tiny_models, tmp_path, never_built, form) -> None:
     path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
-    (path / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": ["../tokenizer.4.0.json"]}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": form(["../tokenizer.4.0.json"])}))
     with pytest.raises(ModelLoadError, match=r"fast_tokenizer_files picks '\.\./tokenizer\.4\.0\.json', which is no "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_large_tokenizer_config_still_has_its_fast_tokenizer_file_checked(tiny_models, tmp_path, never_built) -> None:
+    """pass78: past 64 MiB, tokenizer_config.json's fast_tokenizer_files went unread, so the file it named went
+    unchecked, while a model of over 129,024 tokens lets its token lists (and so the config) take more: 300,000 tokens
+    were built for a model of 150,000. Such a config is read for the name; one past what the model's token lists may
+    take is refused before transformers reads it whole."""
+    vocab = 150_000
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    data = json.loads((path / "tokenizer.json").read_text())
+    data["added_tokens"] = [{"id": VOCAB + i, "content": f"<x{i}>", "special": True} for i in range(vocab)]
+    (path / "tokenizer.4.0.json").write_text(json.dumps(data))
+    config = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "fast_tokenizer_files": ["tokenizer.4.0.json"]})
+    (path / "tokenizer_config.json").write_text(config + " " * (65 * 2**20))
+    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + vocab} tokens \(counted in "
+                                             r"tokenizer\.4\.0\.json, "):
+        load_hf_tokenizer(path, vocab)
+    with pytest.raises(ModelLoadError, match=rf"tokenizer_config\.json is {len(config) + 65 * 2**20} bytes, more than "
+                                             rf"the {64 * 2**20} that a tokenizer's settings for this model may take$"):
         load_hf_tokenizer(path, VOCAB)
 
 

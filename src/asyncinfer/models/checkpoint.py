@@ -266,7 +266,9 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         if entry not in reads:
             _check_not_blocking(entry)
     config = _JsonFile(path / "tokenizer_config.json")  # read once: the fast file's name, the class, special tokens
-    fast = _fast_tokenizer_file(path, config)
+    # transformers reads tokenizer_config.json whole: within what its token lists may take for this model
+    limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
+    fast = _fast_tokenizer_file(path, config, limit)
     if (path / fast).exists():
         check_file(path / fast, MAX_TOKENIZER_FILE_BYTES)
     tokenizer_json = _JsonFile(path / fast)  # read once, for the three checks below
@@ -302,23 +304,29 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     return tokenizer
 
 
-def _fast_tokenizer_file(path: Path, config: _JsonFile) -> str:
+def _fast_tokenizer_file(path: Path, config: _JsonFile, limit: int) -> str:
     """The name of the fast tokenizer's file transformers builds from in ``path``: ``tokenizer.json``, or the one
     ``tokenizer_config.json``'s ``fast_tokenizer_files`` picks for this version of transformers (a
     ``tokenizer.4.0.json`` beside a harmless ``tokenizer.json`` was built unchecked: its charsmap aborted the
-    process), ``config`` being its ``tokenizer_config.json``. Raises :class:`ModelLoadError` for a name that leads
-    out of the directory."""
-    if config.size is None or config.size > MAX_JSON_BYTES:  # past it, refused where it is read
-        return "tokenizer.json"
+    process), ``config`` being its ``tokenizer_config.json``, which transformers reads whole: held to ``limit``
+    bytes here (past it the name went unread, and the file it named unchecked). The value is given to transformers'
+    own choice as transformers gives it, whatever its type (a JSON object's keys are its names; what the choice
+    cannot read fails transformers' load the same way).
+
+    Raises:
+        ModelLoadError: a ``tokenizer_config.json`` past ``limit``, or a name that leads out of the directory.
+    """
+    if config.size is not None and config.size > limit:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: tokenizer_config.json is {config.size} bytes, "
+                             f"more than the {limit} that a tokenizer's settings for this model may take")
     value = config.parsed()
-    files = value.get("fast_tokenizer_files") if value is not None else None
-    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
-        return "tokenizer.json"  # none, or what transformers refuses itself
+    if value is None or "fast_tokenizer_files" not in value:
+        return "tokenizer.json"
     from transformers.tokenization_utils_base import get_fast_tokenizer_file
 
     try:
-        name = get_fast_tokenizer_file(files)
-    except Exception:  # noqa: BLE001 - a version transformers cannot parse: its own load says so
+        name = get_fast_tokenizer_file(value["fast_tokenizer_files"])
+    except Exception:  # noqa: BLE001 - what transformers cannot parse: its own load fails the same way
         return "tokenizer.json"
     if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: tokenizer_config.json's fast_tokenizer_files "
@@ -410,6 +418,11 @@ _SPECIAL_TOKEN_LISTS = ("added_tokens_decoder", "additional_special_tokens", "ex
                         "model_specific_special_tokens")
 
 
+def _token_bytes_bound(vocab_size: int) -> int:
+    """The bytes a list of tokens (or a file of them) may take for a model of ``vocab_size`` tokens."""
+    return vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
+
+
 def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _JsonFile, config: _JsonFile) -> None:
     """Refuse, before the tokenizers library and transformers build it, a tokenizer of more distinct tokens than the
     model embeds, counted over every file transformers merges into its vocabulary (``tokenizer.json``'s vocabulary
@@ -424,7 +437,7 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _JsonFil
     Raises:
         ModelLoadError: naming the file and list at fault, or the count and the model's ``vocab_size``.
     """
-    bound = vocab_size * MAX_VOCAB_BYTES_PER_TOKEN + 2**20
+    bound = _token_bytes_bound(vocab_size)
     lists: list[tuple[str, msgspec.Raw]] = []  # (where, its JSON)
     tokens: set[str] = set()
     counted: list[str] = []  # the files read, for the refusal

@@ -146,10 +146,15 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
             if len(modes) != 1 or modes[0] not in POOLING_MODES:
                 raise ModelLoadError(f"{pooling_file}: pooling_mode {mode!r} is not supported: one of "
                                      f"{', '.join(POOLING_MODES)}")
-        else:  # the earlier form: a boolean key a mode
-            modes = [m for m in POOLING_MODES if pool.get(_POOLING_KEYS[m])]
-            if len(modes) != 1:
-                raise ModelLoadError(f"{pooling_file}: exactly one of mean/cls/max pooling must be on, got {modes}")
+        else:  # the earlier form, read as sentence-transformers reads it: every mode whose key is on, mean if none
+            modes = [m for key, m in _POOLING_KEYS.items() if pool.get(key)] or ["mean"]
+            if len(modes) != 1 or modes[0] not in POOLING_MODES:
+                keys = " and ".join(key for key, m in _POOLING_KEYS.items() if m in modes)
+                what = (f"pooling {modes[0]!r} is" if len(modes) == 1 else
+                        f"pooling {' + '.join(modes)} (the modes' vectors side by side, as sentence-transformers "
+                        f"joins them) is")
+                raise ModelLoadError(f"{pooling_file}: {keys} on: {what} not supported: one of "
+                                     f"{', '.join(POOLING_MODES)}")
         pooling = modes[0]
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     max_pos = _int(config_file, raw, "max_position_embeddings", 512)
@@ -184,7 +189,10 @@ _ENCODER_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_att
                       "max_position_embeddings", "type_vocab_size")
 _ENCODER_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                           "num_attention_heads")
-_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
+#: The earlier form's keys and the modes they turn on: every key sentence-transformers reads, in its order.
+_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 
 
 def _json_object(file: Path) -> dict[str, Any]:
