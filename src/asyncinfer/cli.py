@@ -598,7 +598,8 @@ async def _embed(args: argparse.Namespace) -> int:
     print(f"model: {info.source} ({vectors.shape[1]} dimensions)")
     labels = [_text_label(text) for text in args.texts]
     width = max(len(label) for label in labels)
-    similarity = vectors @ vectors.T if vectors.shape[0] > 1 else None
+    unit = vectors / vectors.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # a model without Normalize: any length
+    similarity = unit @ unit.T if vectors.shape[0] > 1 else None
     print("embedding (one text: no similarity to show):" if similarity is None else "cosine similarity:")
     for i, label in enumerate(labels):
         head = " ".join(f"{v:+.3f}" for v in vectors[i, :4].tolist())

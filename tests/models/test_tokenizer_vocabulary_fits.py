@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -392,4 +393,47 @@ def test_every_line_end_str_splitlines_knows_ends_a_line(tiny_models, tmp_path, 
     lines = VOCAB + VOCABULARY_FILE_SLACK + 1
     (path / "vocab.txt").write_text("\x1c".join(f"t{i}" for i in range(lines)), newline="")
     with pytest.raises(ModelLoadError, match=rf": vocab\.txt holds {lines} lines, "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def tekken_dir(tiny_models, where: Path, tokens: int, fillers: int | None = None) -> Path:
+    """tiny_models' llama weights beside a Mistral tekken.json of the 256 bytes and ``tokens`` more, one special token
+    and (``fillers``) a default_num_special_tokens; no tokenizer.json, so transformers builds from tekken.json."""
+    path = model_dir(tiny_models, where, words(VOCAB))
+    (path / "tokenizer.json").unlink()
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode()} for i in range(256)]
+    vocab += [{"rank": 256 + i, "token_bytes": base64.b64encode(i.to_bytes(3, "big")).decode()} for i in range(tokens)]
+    config = {"pattern": r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+", "default_vocab_size": None}
+    if fillers is not None:
+        config["default_num_special_tokens"] = fillers
+    (path / "tekken.json").write_text(json.dumps({"config": config, "vocab": vocab, "special_tokens": [
+        {"rank": 0, "token_str": "<unk>", "is_control": True}]}))
+    return path
+
+
+def test_a_tekken_json_within_the_vocabulary_loads(tiny_models, tmp_path) -> None:
+    tokenizer = load_hf_tokenizer(tekken_dir(tiny_models, tmp_path / "m", 10, fillers=4), VOCAB)
+    assert tokenizer is not None and len(tokenizer) == 256 + 10 + 4
+
+
+@pytest.mark.parametrize(("tokens", "fillers"), [(0, 1_000_000), (VOCAB, None)])
+def test_a_tekken_json_past_the_vocabulary_is_refused_before_the_build(tiny_models, tmp_path, never_built, tokens,
+                                                                      fillers) -> None:
+    """pass79: where the fast tokenizer's file is missing, transformers builds from a tekken.json it finds, which no
+    check read: its default_num_special_tokens of 1,000,000 (a file of 10 KB) were built in 27 s and 1.9 GB, and more
+    aborted the process."""
+    path = tekken_dir(tiny_models, tmp_path / "m", tokens, fillers)
+    want = 256 + tokens + (fillers or 1)
+    with pytest.raises(ModelLoadError, match=rf"tekken\.json holds {want} tokens \(its vocabulary and special tokens\), "
+                                             rf"more than the model's vocab_size {VOCAB} \(and {VOCABULARY_FILE_SLACK}\) "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["tiktoken.model", "tokenizer.model."])
+def test_the_other_files_transformers_falls_back_to_are_held_to_the_vocabulary(tiny_models, tmp_path, never_built,
+                                                                              name) -> None:
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    lines = VOCAB + VOCABULARY_FILE_SLACK + 1
+    (path / name).write_text("".join(f"{base64.b64encode(str(i).encode()).decode()} {i}\n" for i in range(lines)))
+    with pytest.raises(ModelLoadError, match=rf"{re.escape(name)} holds {lines} lines, more than"):
         load_hf_tokenizer(path, VOCAB)

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePath
@@ -481,6 +482,9 @@ _SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.mo
 #: The files of token lists (or merges) the slow tokenizers of transformers read under their usual names; the class
 #: a directory names adds its own (:func:`_vocabulary_files`).
 _VOCABULARY_FILES = ("vocab.json", "vocab.txt", "merges.txt", *_SENTENCEPIECE_FILES)
+#: The files transformers builds a tokenizer from where the fast tokenizer's file is missing (it searches the directory
+#: for these names): Mistral's ``tekken.json``, a ``tiktoken.model``, a ``tokenizer.model`` with dots after its name.
+_FALLBACK_VOCABULARY = re.compile(r"tekken\.json|tiktoken\.model|tokenizer\.model\.+")
 #: The entries a slow tokenizer's file may hold beyond the model's ``vocab_size`` (a header line, a few specials).
 VOCABULARY_FILE_SLACK = 256
 
@@ -495,6 +499,8 @@ def _vocabulary_files(path: Path, bound: int, config: _JsonFile) -> list[str]:
     if found is not None:
         names += [name for name in found.vocab_files_names.values()
                   if isinstance(name, str) and name != "tokenizer.json" and name not in names]
+    names += sorted(entry.name for entry in path.iterdir()
+                    if _FALLBACK_VOCABULARY.fullmatch(entry.name) and entry.name not in names)
     return [name for name in names if "/" not in name and (path / name).is_file()]
 
 
@@ -541,7 +547,9 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     _check_list_size(path, name, file.stat().st_size, bound, vocab_size)
     raw = file.read_bytes()
     limit = vocab_size + VOCABULARY_FILE_SLACK
-    if name.endswith(".json"):
+    if name == "tekken.json":
+        entries, kind = _tekken_tokens(raw), "tokens (its vocabulary and special tokens)"
+    elif name.endswith(".json"):
         entries, kind = len(_tokens_in(raw)), "tokens"
     else:
         pieces = _sentencepiece_pieces(raw, stop=limit + 1) if name.endswith(".model") else None
@@ -552,6 +560,24 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
+
+
+def _tekken_tokens(raw: bytes) -> int:
+    """The tokens transformers builds from a Mistral ``tekken.json`` (its ``MistralConverter``): the special tokens,
+    padded with fillers to the config's ``default_num_special_tokens`` (a number, not a list: a file of 10 KB
+    declared a million), and the vocabulary, cut to the config's ``default_vocab_size`` less them. What the converter
+    cannot read counts nothing: its own build then fails before it makes a token."""
+    try:
+        data = json.loads(raw)
+        config, vocab = data["config"], data["vocab"]
+        specials = len(data.get("special_tokens") or [])
+        declared = config.get("default_num_special_tokens")
+        num_special = declared if isinstance(declared, int) and not isinstance(declared, bool) else specials
+        size = config.get("default_vocab_size")
+        kept = len(vocab) if size is None else len(vocab[:size - num_special]) if isinstance(size, int) else 0
+        return kept + max(specials, num_special)
+    except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
+        return 0
 
 
 #: What ends a line for ``str.splitlines`` (which some slow tokenizers read their files with: ESM's), a superset of

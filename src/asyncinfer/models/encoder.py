@@ -137,6 +137,13 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(config_file))  # before any is built from
     pooling, normalize = "mean", True
     modules = _modules(path)
+    for module in modules:  # what else sentence-transformers would apply to every vector, the vectors would lack
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _MODULE_KINDS:
+            raise ModelLoadError(f"{path / 'modules.json'}: module {module.get('name', module.get('idx'))!r} of type "
+                                 f"{module.get('type')!r} is not supported: asyncinfer runs "
+                                 f"{', '.join(_MODULE_KINDS)} modules, and sentence-transformers would apply this "
+                                 "one to every vector")
     pooling_file = _pooling_config_file(path, modules)
     if pooling_file is not None:
         pool = _json_object(pooling_file)
@@ -158,11 +165,10 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         pooling = modes[0]
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     max_pos = _int(config_file, raw, "max_position_embeddings", 512)
-    max_seq_len = max_pos
     st_file = path / "sentence_bert_config.json"
-    if st_file.exists():
-        st = _json_object(st_file)
-        max_seq_len = _int_field(st_file, st, "max_seq_length", None) or max_pos
+    given = _int_field(st_file, _json_object(st_file), "max_seq_length", None) if st_file.exists() else None
+    # none given there: the tokenizer's limit, as sentence-transformers takes it (version 6 saves it there)
+    max_seq_len = given or min(max_pos, _tokenizer_max_length(path) or max_pos)
     missing = next((key for key in _ENCODER_REQUIRED_KEYS if key not in raw), None)
     if missing is not None:
         raise ModelLoadError(f"{config_file} lacks {missing!r}")
@@ -189,6 +195,8 @@ _ENCODER_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_att
                       "max_position_embeddings", "type_vocab_size")
 _ENCODER_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                           "num_attention_heads")
+#: The sentence-transformers modules the encoder runs (a module's type, past its package path).
+_MODULE_KINDS = ("Transformer", "Pooling", "Normalize")
 #: The earlier form's keys and the modes they turn on: every key sentence-transformers reads, in its order.
 _POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -254,12 +262,25 @@ def _modules(path: Path) -> list[dict[str, Any]]:
 
 
 def _pooling_config_file(path: Path, modules: list[dict[str, Any]]) -> Path | None:
+    """The Pooling module's config file that ``modules.json`` names; None without one (sentence-transformers then
+    pools by the mean, whatever a ``1_Pooling`` folder says)."""
     for module in modules:
         if str(module.get("type", "")).endswith("Pooling"):
             folder = path_inside(path, path / "modules.json", module.get("path", ""), "the Pooling module's path")
             return folder / "config.json"
-    default = path / "1_Pooling" / "config.json"
-    return default if default.exists() else None
+    return None
+
+
+def _tokenizer_max_length(path: Path) -> int | None:
+    """``tokenizer_config.json``'s ``model_max_length`` (the tokens the tokenizer truncates a text to) where it is a
+    whole number of at least 2; None otherwise (transformers then takes no limit)."""
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    value = _json_object(file).get("model_max_length")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 2:
+        return None
+    return int(value)
 
 
 # ---------------------------------------------------------------------------- the network

@@ -1,0 +1,98 @@
+"""An encoder directory is read as sentence-transformers reads it (pass79, stranger72): a module it would apply to
+every vector (Dense) is refused, not skipped; without modules.json a ``1_Pooling`` folder is not read; the length a
+text is cut to is the tokenizer's ``model_max_length`` where ``sentence_bert_config.json`` sets none (version 6
+saves it there); ``asyncinfer embed`` prints cosines whatever the vectors' length."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncinfer import ModelLoadError, cli
+from asyncinfer.models.encoder import load_encoder, read_encoder_config
+from tests.helpers import save_tiny_bert
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *[f"w{i}" for i in range(60)]]
+TEXTS = [" ".join(f"w{i % 60}" for i in range(100)), "w1 w2 w3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-bert")
+    save_tiny_bert(path, VOCAB)
+    return path
+
+
+def st_dir(src: Path, where: Path, modules: list[str], pooling: str = "mean") -> Path:
+    """A copy of ``src`` with modules.json listing ``modules`` (sentence-transformers' types, by kind)."""
+    shutil.copytree(src, where)
+    folders = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize", "Dense": "2_Dense"}
+    (where / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": folders[kind], "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(modules)]))
+    (where / "1_Pooling").mkdir()
+    (where / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32, "pooling_mode": pooling}))
+    return where
+
+
+def st_vectors(path: Path) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = SentenceTransformer(str(path), device="cpu")
+    return torch.tensor(model.encode(TEXTS, batch_size=2))
+
+
+def test_a_dense_module_is_refused_not_skipped(tiny_bert, tmp_path) -> None:
+    """pass79: LaBSE's layout (Pooling, Dense, Normalize) loaded with the Dense module skipped: vectors of the right
+    size at a cosine of -0.02 to 0.14 from the model's."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Pooling", "Dense", "Normalize"])
+    with pytest.raises(ModelLoadError, match=r"modules\.json: module '2' of type 'sentence_transformers\.models\.Dense' "
+                                             r"is not supported: asyncinfer runs Transformer, Pooling, Normalize "
+                                             r"modules, and sentence-transformers would apply this one to every vector$"):
+        read_encoder_config(path)
+
+
+def test_without_modules_json_a_pooling_folder_is_not_read(tiny_bert, tmp_path) -> None:
+    """pass79: sentence-transformers pools a directory without modules.json by the mean; a 1_Pooling folder saying
+    cls was followed (a cosine of 0.5-0.7 from sentence-transformers' vectors)."""
+    path = st_dir(tiny_bert, tmp_path / "st", [], pooling="cls")
+    (path / "modules.json").unlink()
+    encoder = load_encoder(path, torch.float32, "cpu")
+    assert encoder.config.pooling == "mean"
+    cosine = F.cosine_similarity(encoder.encode(TEXTS), st_vectors(path), dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5, cosine
+
+
+def test_the_tokenizers_max_length_cuts_texts_where_sentence_bert_config_sets_none(tiny_bert, tmp_path) -> None:
+    """stranger72: sentence-transformers 6 saves max_seq_length as the tokenizer's model_max_length; the encoder read
+    the model's positions (64 here) and its vectors of texts past the limit drifted (cosine 0.997)."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Pooling", "Normalize"])
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 16}))
+    encoder = load_encoder(path, torch.float32, "cpu")
+    assert encoder.config.max_seq_len == 16
+    cosine = F.cosine_similarity(encoder.encode(TEXTS), st_vectors(path), dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5, cosine
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))  # set there: it wins
+    assert read_encoder_config(path).max_seq_len == 32
+
+
+def test_embed_prints_cosines_of_vectors_of_any_length(tiny_bert, tmp_path, capsys) -> None:
+    """stranger72: without a Normalize module the printed "cosine similarity" was the dot product (38.95)."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Pooling"])
+    assert cli.main(["embed", "--model", str(path), "--threads", "1", *TEXTS]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "..." in line]
+    values = [[float(x) for x in re.findall(r"[-+]?\d+\.\d+", row.split("...]")[1])] for row in rows]
+    vectors = st_vectors(path)
+    want = F.cosine_similarity(vectors[:, None], vectors[None], dim=-1)
+    assert values[0][0] == values[1][1] == 1.0
+    assert torch.allclose(torch.tensor(values), want, atol=0.006), (values, want)
