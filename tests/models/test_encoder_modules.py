@@ -72,6 +72,20 @@ def test_without_modules_json_a_pooling_folder_is_not_read(tiny_bert, tmp_path) 
     assert cosine.min().item() >= 1 - 1e-5, cosine
 
 
+def test_without_modules_json_sentence_bert_config_is_not_read(tiny_bert, tmp_path) -> None:
+    """pass80: without modules.json sentence-transformers builds a plain Transformer, which cuts texts at the
+    tokenizer's limit; the encoder read sentence_bert_config.json's (a cosine of 0.89 on a text between the two)."""
+    path = st_dir(tiny_bert, tmp_path / "st", [])
+    (path / "modules.json").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 40}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    encoder = load_encoder(path, torch.float32, "cpu")
+    assert encoder.config.max_seq_len == 40
+    cosine = F.cosine_similarity(encoder.encode(TEXTS), st_vectors(path), dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5, cosine
+
+
 def test_the_tokenizers_max_length_cuts_texts_where_sentence_bert_config_sets_none(tiny_bert, tmp_path) -> None:
     """stranger72: sentence-transformers 6 saves max_seq_length as the tokenizer's model_max_length; the encoder read
     the model's positions (64 here) and its vectors of texts past the limit drifted (cosine 0.997)."""

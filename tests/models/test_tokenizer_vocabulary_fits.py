@@ -16,7 +16,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from asyncinfer import AsyncEngine, ModelLoadError
-from asyncinfer.models.checkpoint import MAX_VOCAB_BYTES_PER_TOKEN, VOCABULARY_FILE_SLACK, load_hf_tokenizer
+from asyncinfer.models.checkpoint import (
+    MAX_VOCAB_BYTES_PER_TOKEN,
+    TEKKEN_SPLIT_WORK,
+    VOCABULARY_FILE_SLACK,
+    load_hf_tokenizer,
+)
 
 VOCAB = 320  # tiny_models' vocab_size
 
@@ -436,4 +441,20 @@ def test_the_other_files_transformers_falls_back_to_are_held_to_the_vocabulary(t
     lines = VOCAB + VOCABULARY_FILE_SLACK + 1
     (path / name).write_text("".join(f"{base64.b64encode(str(i).encode()).decode()} {i}\n" for i in range(lines)))
     with pytest.raises(ModelLoadError, match=rf"{re.escape(name)} holds {lines} lines, more than"):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_tekken_json_whose_merges_would_take_the_square_of_its_lengths_is_refused(tiny_models, tmp_path,
+                                                                                   never_built) -> None:
+    """pass80: transformers derives a tekken.json's merges by splitting each token at every byte: the tokens a, aa,
+    ... up to 1,200 a's (a file of 1 MB, far within the count) took 35 s and 3 GiB. The sum of the squared lengths
+    is held to TEKKEN_SPLIT_WORK a token of the model's vocabulary."""
+    path = tekken_dir(tiny_models, tmp_path / "m", 0, fillers=4)
+    data = json.loads((path / "tekken.json").read_text())
+    longest = 100  # 256 + 99 tokens, within the count of 320 + 256; squares ~ 100**3 / 3 > 320 * 1024
+    data["vocab"] += [{"rank": 255 + n, "token_bytes": base64.b64encode(b"a" * n).decode()} for n in range(2, longest + 1)]
+    (path / "tekken.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=rf"tekken\.json's tokens' byte lengths, squared, sum to \d+, more than "
+                                             rf"{VOCAB * TEKKEN_SPLIT_WORK} \({TEKKEN_SPLIT_WORK} a token of the model's "
+                                             rf"vocab_size {VOCAB}\): transformers derives its merges by splitting"):
         load_hf_tokenizer(path, VOCAB)

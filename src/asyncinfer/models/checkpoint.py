@@ -548,7 +548,13 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     raw = file.read_bytes()
     limit = vocab_size + VOCABULARY_FILE_SLACK
     if name == "tekken.json":
-        entries, kind = _tekken_tokens(raw), "tokens (its vocabulary and special tokens)"
+        entries, squares = _tekken_vocabulary(raw)
+        kind = "tokens (its vocabulary and special tokens)"
+        if squares > vocab_size * TEKKEN_SPLIT_WORK:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {name}'s tokens' byte lengths, squared, sum to "
+                                 f"{squares}, more than {vocab_size * TEKKEN_SPLIT_WORK} ({TEKKEN_SPLIT_WORK} a token of "
+                                 f"the model's vocab_size {vocab_size}): transformers derives its merges by splitting "
+                                 "every token at every byte")
     elif name.endswith(".json"):
         entries, kind = len(_tokens_in(raw)), "tokens"
     else:
@@ -562,11 +568,19 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
 
 
-def _tekken_tokens(raw: bytes) -> int:
+#: A tekken.json's merges are derived from its vocabulary, each token split at every byte, so their time and memory
+#: grow with the squares of the tokens' lengths (the tokens a, aa, ... up to 1,200 a's, a file of 1 MB, took 35 s
+#: and 3 GiB): the sum of those squares is held to this much a token of the model's vocabulary (a real one sums to
+#: some tens).
+TEKKEN_SPLIT_WORK = 1024
+
+
+def _tekken_vocabulary(raw: bytes) -> tuple[int, int]:
     """The tokens transformers builds from a Mistral ``tekken.json`` (its ``MistralConverter``): the special tokens,
     padded with fillers to the config's ``default_num_special_tokens`` (a number, not a list: a file of 10 KB
-    declared a million), and the vocabulary, cut to the config's ``default_vocab_size`` less them. What the converter
-    cannot read counts nothing: its own build then fails before it makes a token."""
+    declared a million), and the vocabulary, cut to the config's ``default_vocab_size`` less them; and the sum of the
+    squares of the kept tokens' byte lengths (the work of deriving their merges). What the converter cannot read
+    counts nothing: its own build then fails before it makes a token."""
     try:
         data = json.loads(raw)
         config, vocab = data["config"], data["vocab"]
@@ -574,10 +588,12 @@ def _tekken_tokens(raw: bytes) -> int:
         declared = config.get("default_num_special_tokens")
         num_special = declared if isinstance(declared, int) and not isinstance(declared, bool) else specials
         size = config.get("default_vocab_size")
-        kept = len(vocab) if size is None else len(vocab[:size - num_special]) if isinstance(size, int) else 0
-        return kept + max(specials, num_special)
+        kept = vocab if size is None else vocab[:size - num_special] if isinstance(size, int) else []
+        squares = sum((len(entry["token_bytes"]) * 3 // 4) ** 2 for entry in kept  # base64: 4 characters, 3 bytes
+                      if isinstance(entry, dict) and isinstance(entry.get("token_bytes"), str))
+        return len(kept) + max(specials, num_special), squares
     except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
-        return 0
+        return 0, 0
 
 
 #: What ends a line for ``str.splitlines`` (which some slow tokenizers read their files with: ESM's), a superset of

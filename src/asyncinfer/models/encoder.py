@@ -165,8 +165,10 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         pooling = modes[0]
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     max_pos = _int(config_file, raw, "max_position_embeddings", 512)
+    # sentence_bert_config.json is the Transformer module's config: read with modules.json, as sentence-transformers
+    # reads it (without one it builds a plain Transformer)
     st_file = path / "sentence_bert_config.json"
-    given = _int_field(st_file, _json_object(st_file), "max_seq_length", None) if st_file.exists() else None
+    given = _int_field(st_file, _json_object(st_file), "max_seq_length", None) if modules and st_file.exists() else None
     # none given there: the tokenizer's limit, as sentence-transformers takes it (version 6 saves it there)
     max_seq_len = given or min(max_pos, _tokenizer_max_length(path) or max_pos)
     missing = next((key for key in _ENCODER_REQUIRED_KEYS if key not in raw), None)
