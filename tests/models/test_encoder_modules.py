@@ -61,6 +61,13 @@ def test_a_dense_module_is_refused_not_skipped(tiny_bert, tmp_path) -> None:
         read_encoder_config(path)
 
 
+def test_modules_without_a_pooling_module_are_refused(tiny_bert, tmp_path) -> None:
+    """pass81: a modules.json of a Transformer alone (token vectors, no sentence's) was pooled by the mean."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Normalize"])
+    with pytest.raises(ModelLoadError, match=r"modules\.json lists no Pooling module: asyncinfer embeds sentences"):
+        read_encoder_config(path)
+
+
 def test_without_modules_json_a_pooling_folder_is_not_read(tiny_bert, tmp_path) -> None:
     """pass79: sentence-transformers pools a directory without modules.json by the mean; a 1_Pooling folder saying
     cls was followed (a cosine of 0.5-0.7 from sentence-transformers' vectors)."""

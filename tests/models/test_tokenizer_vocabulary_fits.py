@@ -18,8 +18,9 @@ from tokenizers.pre_tokenizers import Whitespace
 from asyncinfer import AsyncEngine, ModelLoadError
 from asyncinfer.models.checkpoint import (
     MAX_VOCAB_BYTES_PER_TOKEN,
-    TEKKEN_SPLIT_WORK,
+    MERGE_SPLIT_WORK,
     VOCABULARY_FILE_SLACK,
+    _sentencepiece_pieces,
     load_hf_tokenizer,
 )
 
@@ -242,9 +243,9 @@ def sentencepiece_model(pieces: int, group: bool = False) -> bytes:
 def test_a_sentencepiece_models_pieces_are_counted() -> None:
     from asyncinfer.models.checkpoint import _sentencepiece_pieces
 
-    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=10_000) == 1_000
-    assert _sentencepiece_pieces(sentencepiece_model(1_000, group=True), stop=10_000) == 1_000  # pass75: was None
-    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=300) == 300  # no further than the bound needs
+    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=10_000)[0] == 1_000
+    assert _sentencepiece_pieces(sentencepiece_model(1_000, group=True), stop=10_000)[0] == 1_000  # pass75: was None
+    assert _sentencepiece_pieces(sentencepiece_model(1_000), stop=300)[0] == 300  # no further than the bound needs
     assert _sentencepiece_pieces(sentencepiece_model(10)[:-3], stop=100) is None  # cut within a field
 
 
@@ -448,13 +449,39 @@ def test_a_tekken_json_whose_merges_would_take_the_square_of_its_lengths_is_refu
                                                                                    never_built) -> None:
     """pass80: transformers derives a tekken.json's merges by splitting each token at every byte: the tokens a, aa,
     ... up to 1,200 a's (a file of 1 MB, far within the count) took 35 s and 3 GiB. The sum of the squared lengths
-    is held to TEKKEN_SPLIT_WORK a token of the model's vocabulary."""
+    is held to MERGE_SPLIT_WORK a token of the model's vocabulary."""
     path = tekken_dir(tiny_models, tmp_path / "m", 0, fillers=4)
     data = json.loads((path / "tekken.json").read_text())
     longest = 100  # 256 + 99 tokens, within the count of 320 + 256; squares ~ 100**3 / 3 > 320 * 1024
     data["vocab"] += [{"rank": 255 + n, "token_bytes": base64.b64encode(b"a" * n).decode()} for n in range(2, longest + 1)]
     (path / "tekken.json").write_text(json.dumps(data))
     with pytest.raises(ModelLoadError, match=rf"tekken\.json's tokens' byte lengths, squared, sum to \d+, more than "
-                                             rf"{VOCAB * TEKKEN_SPLIT_WORK} \({TEKKEN_SPLIT_WORK} a token of the model's "
-                                             rf"vocab_size {VOCAB}\): transformers derives its merges by splitting"):
+                                             rf"{VOCAB * MERGE_SPLIT_WORK} \({MERGE_SPLIT_WORK} a token of the model's "
+                                             rf"vocab_size {VOCAB}\): transformers derives a tokenizer's merges from such a file by splitting"):
+        load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "tiktoken.model"])
+def test_a_sentencepiece_or_tiktoken_file_whose_merges_would_take_the_square_of_its_lengths_is_refused(
+        tiny_models, tmp_path, never_built, name) -> None:
+    """pass81: transformers derives the merges of a SentencePiece BPE model and of a tiktoken file as it does a
+    tekken.json's: the pieces a, aa, ... up to 1,200 a's (736 KB) took 6.9 s and 1.7 GB with sentencepiece installed,
+    the same tiktoken.model 48 s and 2.4 GB."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer.json").unlink()
+    runs = [b"a" * k for k in range(1, 121)]  # 120 tokens, within the count; squares ~ 120**3 / 3 > 320 * 1024
+    if name == "tokenizer.model":
+        from transformers.utils import sentencepiece_model_pb2_new as schema
+
+        model = schema.ModelProto()
+        for run in runs:
+            piece = model.pieces.add()
+            piece.piece, piece.score = run.decode(), 0.0
+        model.trainer_spec.model_type, model.trainer_spec.vocab_size = 2, len(runs)
+        (path / name).write_bytes(model.SerializeToString())
+        assert _sentencepiece_pieces(model.SerializeToString(), stop=1_000) == (120, sum(len(r) ** 2 for r in runs))
+    else:
+        (path / name).write_text("".join(f"{base64.b64encode(run).decode()} {i}\n" for i, run in enumerate(runs)))
+    with pytest.raises(ModelLoadError, match=rf"{re.escape(name)}'s tokens' byte lengths, squared, sum to \d+, more than "
+                                             rf"{VOCAB * MERGE_SPLIT_WORK} "):
         load_hf_tokenizer(path, VOCAB)

@@ -547,32 +547,36 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     _check_list_size(path, name, file.stat().st_size, bound, vocab_size)
     raw = file.read_bytes()
     limit = vocab_size + VOCABULARY_FILE_SLACK
+    squares = 0  # the work of deriving merges from the file (MERGE_SPLIT_WORK), where a converter derives them
     if name == "tekken.json":
         entries, squares = _tekken_vocabulary(raw)
         kind = "tokens (its vocabulary and special tokens)"
-        if squares > vocab_size * TEKKEN_SPLIT_WORK:
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {name}'s tokens' byte lengths, squared, sum to "
-                                 f"{squares}, more than {vocab_size * TEKKEN_SPLIT_WORK} ({TEKKEN_SPLIT_WORK} a token of "
-                                 f"the model's vocab_size {vocab_size}): transformers derives its merges by splitting "
-                                 "every token at every byte")
     elif name.endswith(".json"):
         entries, kind = len(_tokens_in(raw)), "tokens"
     else:
-        pieces = _sentencepiece_pieces(raw, stop=limit + 1) if name.endswith(".model") else None
-        if pieces:
-            entries, kind = pieces, "SentencePiece pieces"
+        walked = _sentencepiece_pieces(raw, stop=limit + 1) if name.endswith(".model") else None
+        if walked and walked[0]:
+            (entries, squares), kind = walked, "SentencePiece pieces"
         else:
             entries, kind = _lines_in(raw), "lines"
+            if name.endswith(".model"):  # tiktoken's text: a token (base64) and its rank a line
+                squares = sum((len(line.split(maxsplit=1)[0]) * 3 // 4) ** 2 for line in raw.splitlines() if line.strip())
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
+    if squares > vocab_size * MERGE_SPLIT_WORK:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {name}'s tokens' byte lengths, squared, sum to "
+                             f"{squares}, more than {vocab_size * MERGE_SPLIT_WORK} ({MERGE_SPLIT_WORK} a token of the "
+                             f"model's vocab_size {vocab_size}): transformers derives a tokenizer's merges from such a "
+                             "file by splitting every token at every byte")
 
 
-#: A tekken.json's merges are derived from its vocabulary, each token split at every byte, so their time and memory
-#: grow with the squares of the tokens' lengths (the tokens a, aa, ... up to 1,200 a's, a file of 1 MB, took 35 s
-#: and 3 GiB): the sum of those squares is held to this much a token of the model's vocabulary (a real one sums to
-#: some tens).
-TEKKEN_SPLIT_WORK = 1024
+#: The merges of a tekken.json, a SentencePiece model or a tiktoken file are derived from its vocabulary, each token
+#: split at every byte, so their time and memory grow with the squares of the tokens' lengths (the tokens a, aa, ...
+#: up to 1,200 a's, a file of 1 MB, took 35 s and 3 GiB as a tekken.json, 48 s and 2.4 GB as a tiktoken.model): the
+#: sum of those squares (of a SentencePiece piece's whole entry, a few bytes more than its text) is held to this much
+#: a token of the model's vocabulary (a real vocabulary's comes to some hundreds).
+MERGE_SPLIT_WORK = 1024
 
 
 def _tekken_vocabulary(raw: bytes) -> tuple[int, int]:
@@ -626,13 +630,14 @@ def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
 _MORE_FIELDS = 4096
 
 
-def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
+def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
-    counted up to ``stop``; None where ``raw`` ends within a field, uses no wire type, or holds more fields than
+    counted up to ``stop``, and the sum of the squares of their texts' lengths (a piece's first field, its text, as
+    the library writes it; else the whole entry's); None where ``raw`` ends within a field, uses no wire type, or holds more fields than
     ``stop`` and :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's
     ``tokenizer.model`` is text, which the library reads so: such text comes out as None or a count of few pieces,
     left to the library either way)."""
-    pieces, at, fields = 0, 0, 0
+    pieces, squares, at, fields = 0, 0, 0, 0
     while at < len(raw) and pieces < stop:
         fields += 1
         if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
@@ -653,16 +658,18 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> int | None:
             length = _varint(raw, at)
             if length is None:
                 return None
-            at = length[1] + length[0]
+            start, at = length[1], length[1] + length[0]
             if tag >> 3 == 1:
                 pieces += 1
+                text = _varint(raw, start + 1) if start < len(raw) and raw[start] == 0x0A else None
+                squares += min(text[0] if text is not None else length[0], length[0]) ** 2
         elif wire in (3, 4):  # a group's start or end: its fields are read as they come
             continue
         else:  # no wire type at all
             return None
         if at > len(raw):
             return None
-    return pieces
+    return pieces, squares
 
 
 def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: int) -> None:

@@ -145,6 +145,9 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
                                  f"{', '.join(_MODULE_KINDS)} modules, and sentence-transformers would apply this "
                                  "one to every vector")
     pooling_file = _pooling_config_file(path, modules)
+    if modules and pooling_file is None:  # sentence-transformers would give the tokens' vectors, no sentence's
+        raise ModelLoadError(f"{path / 'modules.json'} lists no Pooling module: asyncinfer embeds sentences (a "
+                             "Transformer, then a Pooling module, then optionally Normalize)")
     if pooling_file is not None:
         pool = _json_object(pooling_file)
         if "pooling_mode" in pool:  # sentence-transformers 6's form: a mode's name (or a list of them)
