@@ -821,18 +821,10 @@ static inline __attribute__((always_inline)) void row_blocks(const int fmt, cons
 
 /* The int32 lanes of w0 * x0 and w1 * x1 (madd's pair sums) added into one vector: any lanes (one scale for all
  * 32, KQ_ADD; one fused instruction with VNNI), or lanes 0-3 from elements 0-15 and 4-7 from 16-31 (Q6_K's two
- * scales, KQ_HALVES). In the AVX2 order each of the two products already has elements below 16 in lanes 0-3, so
- * adding keeps the halves apart; in order, the first holds elements 0-15 and the second 16-31, whose 128-bit
- * halves are summed into lanes 0-3 and 4-7. */
+ * scales, KQ_HALVES: the AVX2 build's, whose order puts elements below 16 in lanes 0-3 of each of the two
+ * products already, so adding keeps the halves apart). */
 #define KQ_ADD(w0, x0, w1, x1) ai_dpwssd256(_mm256_madd_epi16((w0), (x0)), (w1), (x1))
-#ifdef AI_AVX512
-#define KQ_HALVES(w0, x0, w1, x1) kq_halves(_mm256_madd_epi16((w0), (x0)), _mm256_madd_epi16((w1), (x1)))
-static inline __m256i kq_halves(__m256i t0, __m256i t1) {
-    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
-}
-#else
 #define KQ_HALVES KQ_ADD
-#endif
 
 /* One sub-block's integer dot product against ROWS activation rows, scaled and added: w0 / w1 its quants (see
  * above), COMBINE KQ_ADD or KQ_HALVES, SV (an expression of the activation row i) dx times the sub-block's
@@ -916,10 +908,11 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
     for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
 }
 
-/* Q6_K: sub-block j = 4 n + k's quants (blocks.h: low or high nibbles of ql, a bit pair of qh) made and
- * centred as bytes, then widened to 16-bit lanes (AVX2: even and odd words; AVX-512: in order); its two int8
- * scales (one per half of 16) multiply, in float32, the lanes of the integer sums that hold each half
- * (KQ_HALVES: 0-3 and 4-7). */
+#ifndef AI_AVX512
+/* Q6_K (the AVX2 build; the AVX-512 builds' row512_q6_k is below): sub-block j = 4 n + k's quants (blocks.h: low or
+ * high nibbles of ql, a bit pair of qh) made and centred as bytes, then widened to 16-bit lanes (even and odd
+ * words); its two int8 scales (one per half of 16) multiply, in float32, the lanes of the integer sums that hold
+ * each half (KQ_HALVES: 0-3 and 4-7). */
 static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, int64_t K, const acts *a, int64_t m0,
                                                            const int ROWS, float *out) {
     const int64_t nblk = K / 256, nb = K / QK;
@@ -948,12 +941,7 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
                 const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
                                                           : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
                 const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), centre);
-#ifdef AI_AVX512
-                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
-                const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-#else
                 const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), w1 = _mm256_srai_epi16(v, 8);
-#endif
                 /* lanes 0-3: d * scales[2 j], 4-7: d * scales[2 j + 1] (half_sc[n]'s lanes 2 k and 2 k + 1) */
                 const __m256 sv = _mm256_permutevar8x32_ps(
                     half_sc[n], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1));
@@ -965,15 +953,69 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
     for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
+#else /* AI_AVX512 */
+/* Q6_K in 512-bit registers (AVX-512 builds): sub-block j's quants made and centred as bytes (as row_q6_k),
+ * widened to 32 words in order, which meet the activations (in order in these builds) in one multiply-add of
+ * pairs; its sixteen int32 sums hold elements 0-15 in lanes 0-7 and 16-31 in lanes 8-15, which d times int8 scales
+ * 2 j and 2 j + 1 multiply (the block's sixteen scales formed once, the pair for j moved into place). The 256-bit
+ * rows needed two products and two cross-lane permutes to sum each half. Two accumulators a row (even and odd
+ * sub-blocks), summed in the same order whatever ROWS is. (Q4_K / Q5_K written so ran 0.75-0.93x their 256-bit
+ * rows on the Xeon of docs/formats.md: they have no permutes to save, and 512-bit multiplies issue at half the
+ * 256-bit rate there.) */
+static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row, int64_t K, const acts *a,
+                                                              int64_t m0, const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
+    __m512 acc[2 * MR];
+    for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 210;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 192, _MM_HINT_T0);
+        const __m512 half_sc = _mm512_mul_ps(_mm512_set1_ps(ai_half_at(p + 208)),
+                                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
+                                  _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * n + k;
+                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
+                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
+                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_sub_epi8(_mm256_or_si256(lo, hi), centre));
+                const __m512 sv = _mm512_permutexvar_ps(
+                    _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
+                                      2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
+                    half_sc);
+                for (int i = 0; i < ROWS; i++) {
+                    const __m512i s = _mm512_madd_epi16(w, _mm512_loadu_si512(a->q + (m0 + i) * K + (blk * 8 + j) * QK));
+                    acc[2 * i + (k & 1)] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(a->d[(m0 + i) * nb + blk * 8 + j])),
+                        acc[2 * i + (k & 1)]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
+}
+#endif /* AI_AVX512 */
+
 /* The row kernel of a format (a constant at every call). */
 static inline __attribute__((always_inline)) void row_of(const int fmt, const uint8_t *row, int64_t K, const acts *a,
                                                          int64_t m0, const int ROWS, float *out) {
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row_q45_k(fmt, row, K, a, m0, ROWS, out);
-    if (fmt == ASYNCINFER_FMT_Q6_K) return row_q6_k(row, K, a, m0, ROWS, out);
 #ifdef AI_AVX512
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row512_q6_k(row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q4_0) return row512_q4_0(row, K / QK, a, m0, K, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q5_0) return row512_q5_0(row, K / QK, a, m0, K, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q5_1) return row512_q5_1(row, K / QK, a, m0, K, ROWS, out);
+#else
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row_q6_k(row, K, a, m0, ROWS, out);
 #endif
     row_blocks(fmt, row, K, a, m0, ROWS, out);
 }
