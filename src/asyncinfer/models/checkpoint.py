@@ -574,8 +574,8 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
 #: The merges of a tekken.json, a SentencePiece model or a tiktoken file are derived from its vocabulary, each token
 #: split at every byte, so their time and memory grow with the squares of the tokens' lengths (the tokens a, aa, ...
 #: up to 1,200 a's, a file of 1 MB, took 35 s and 3 GiB as a tekken.json, 48 s and 2.4 GB as a tiktoken.model): the
-#: sum of those squares (of a SentencePiece piece's whole entry, a few bytes more than its text) is held to this much
-#: a token of the model's vocabulary (a real vocabulary's comes to some hundreds).
+#: sum of those squares is held to this much a token of the model's vocabulary (a real vocabulary's comes to some
+#: tens a token).
 MERGE_SPLIT_WORK = 1024
 
 
@@ -633,8 +633,8 @@ _MORE_FIELDS = 4096
 def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
     counted up to ``stop``, and the sum of the squares of their texts' lengths (a piece's first field, its text, as
-    the library writes it; else the whole entry's); None where ``raw`` ends within a field, uses no wire type, or holds more fields than
-    ``stop`` and :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's
+    the library writes it; else the whole entry's: :data:`MERGE_SPLIT_WORK`); None where ``raw`` ends within a field,
+    uses no wire type, or holds more fields than ``stop`` and :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's
     ``tokenizer.model`` is text, which the library reads so: such text comes out as None or a count of few pieces,
     left to the library either way)."""
     pieces, squares, at, fields = 0, 0, 0, 0
