@@ -61,10 +61,16 @@ def test_a_dense_module_is_refused_not_skipped(tiny_bert, tmp_path) -> None:
         read_encoder_config(path)
 
 
-def test_modules_without_a_pooling_module_are_refused(tiny_bert, tmp_path) -> None:
-    """pass81: a modules.json of a Transformer alone (token vectors, no sentence's) was pooled by the mean."""
-    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Normalize"])
-    with pytest.raises(ModelLoadError, match=r"modules\.json lists no Pooling module: asyncinfer embeds sentences"):
+@pytest.mark.parametrize("modules", [["Transformer", "Normalize"], ["Transformer", "Pooling", "Pooling"],
+                                     ["Transformer", "Normalize", "Pooling"], ["Pooling", "Transformer"]])
+def test_modules_other_than_transformer_pooling_normalize_in_order_are_refused(tiny_bert, tmp_path, modules) -> None:
+    """pass81: a Transformer alone (token vectors, no sentence's) was pooled by the mean; pass82: a second Pooling
+    module (sentence-transformers' last decides) was skipped for the first, and a Normalize before the Pooling
+    normalised the sentence's vector, which sentence-transformers leaves at its length."""
+    path = st_dir(tiny_bert, tmp_path / "st", modules)
+    with pytest.raises(ModelLoadError, match=rf"modules\.json lists the modules {', '.join(modules)}: asyncinfer "
+                                             r"embeds sentences as Transformer, Pooling and optionally Normalize, in "
+                                             r"that order$"):
         read_encoder_config(path)
 
 

@@ -564,18 +564,25 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
+    _check_split_work(path, name, squares, vocab_size)
+
+
+def _check_split_work(path: Path, where: str, squares: int, vocab_size: int) -> None:
+    """Refuse a vocabulary (named by ``where``) whose tokens' squared byte lengths sum to more than
+    :data:`MERGE_SPLIT_WORK` a token of the model's."""
     if squares > vocab_size * MERGE_SPLIT_WORK:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {name}'s tokens' byte lengths, squared, sum to "
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {where}'s tokens' byte lengths, squared, sum to "
                              f"{squares}, more than {vocab_size * MERGE_SPLIT_WORK} ({MERGE_SPLIT_WORK} a token of the "
                              f"model's vocab_size {vocab_size}): transformers derives a tokenizer's merges from such a "
-                             "file by splitting every token at every byte")
+                             "vocabulary by splitting every token at every byte")
 
 
-#: The merges of a tekken.json, a SentencePiece model or a tiktoken file are derived from its vocabulary, each token
-#: split at every byte, so their time and memory grow with the squares of the tokens' lengths (the tokens a, aa, ...
-#: up to 1,200 a's, a file of 1 MB, took 35 s and 3 GiB as a tekken.json, 48 s and 2.4 GB as a tiktoken.model): the
-#: sum of those squares is held to this much a token of the model's vocabulary (a real vocabulary's comes to some
-#: tens a token).
+#: The merges of a tekken.json, a SentencePiece model, a tiktoken file or a ``vocab`` given in tokenizer_config.json
+#: are derived from its vocabulary, each token split at every byte, so their time and memory grow with the squares of
+#: the tokens' lengths (the tokens a, aa, ... up to 1,200 a's, a file of 1 MB, took 35 s and 3 GiB as a tekken.json,
+#: 48 s and 2.4 GB as a tiktoken.model): the sum of those squares (a SentencePiece piece's: its whole entry's, a few
+#: bytes more than its text) is held to this much a token of the model's vocabulary (a real vocabulary's comes to
+#: some hundreds a token at most).
 MERGE_SPLIT_WORK = 1024
 
 
@@ -632,11 +639,11 @@ _MORE_FIELDS = 4096
 
 def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
-    counted up to ``stop``, and the sum of the squares of their texts' lengths (a piece's first field, its text, as
-    the library writes it; else the whole entry's: :data:`MERGE_SPLIT_WORK`); None where ``raw`` ends within a field,
-    uses no wire type, or holds more fields than ``stop`` and :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's
-    ``tokenizer.model`` is text, which the library reads so: such text comes out as None or a count of few pieces,
-    left to the library either way)."""
+    counted up to ``stop``, and the sum of the squares of their entries' lengths, each a bound on its text's (a
+    piece whose text field was written twice, short then long, is read with the last: :data:`MERGE_SPLIT_WORK`);
+    None where ``raw`` ends within a field, uses no wire type, or holds more fields than ``stop`` and
+    :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's ``tokenizer.model`` is text, which
+    the library reads so: such text comes out as None or a count of few pieces, left to the library either way)."""
     pieces, squares, at, fields = 0, 0, 0, 0
     while at < len(raw) and pieces < stop:
         fields += 1
@@ -658,11 +665,10 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
             length = _varint(raw, at)
             if length is None:
                 return None
-            start, at = length[1], length[1] + length[0]
+            at = length[1] + length[0]
             if tag >> 3 == 1:
                 pieces += 1
-                text = _varint(raw, start + 1) if start < len(raw) and raw[start] == 0x0A else None
-                squares += min(text[0] if text is not None else length[0], length[0]) ** 2
+                squares += length[0] ** 2  # bounds its text, whichever of its fields the library keeps
         elif wire in (3, 4):  # a group's start or end: its fields are read as they come
             continue
         else:  # no wire type at all
@@ -690,6 +696,10 @@ def _tokens_read_as_transformers_does(path: Path, doc: _JsonFile, fast: bool, bo
         return set()
     parts: list[Any] = [value.get(part) for part in _SPECIAL_TOKEN_LISTS]
     parts.append([item for key, item in value.items() if key.endswith("_token")])
+    if not fast and "vocab" in value:  # given to the tokenizer's class, which derives merges from it where none are
+        vocab = _tokens_of(value["vocab"])
+        _check_split_work(path, f"{doc.file.name}'s vocab", sum(len(t.encode()) ** 2 for t in vocab), vocab_size)
+        parts.append(list(vocab))
     if fast:
         model = value.get("model")
         parts = [value.get("added_tokens"), model.get("vocab") if isinstance(model, dict) else None]

@@ -144,10 +144,13 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
                                  f"{module.get('type')!r} is not supported: asyncinfer runs "
                                  f"{', '.join(_MODULE_KINDS)} modules, and sentence-transformers would apply this "
                                  "one to every vector")
+    kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
+    if modules and kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        # sentence-transformers runs the modules in order: no Pooling gives the tokens' vectors, a second one
+        # pools again, a Normalize before the Pooling leaves the sentence's vector at its length
+        raise ModelLoadError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}: asyncinfer embeds "
+                             "sentences as Transformer, Pooling and optionally Normalize, in that order")
     pooling_file = _pooling_config_file(path, modules)
-    if modules and pooling_file is None:  # sentence-transformers would give the tokens' vectors, no sentence's
-        raise ModelLoadError(f"{path / 'modules.json'} lists no Pooling module: asyncinfer embeds sentences (a "
-                             "Transformer, then a Pooling module, then optionally Normalize)")
     if pooling_file is not None:
         pool = _json_object(pooling_file)
         if "pooling_mode" in pool:  # sentence-transformers 6's form: a mode's name (or a list of them)
