@@ -229,6 +229,16 @@ static inline __m256 ai_k_scale_vectors(const uint8_t *p, __m256 *minv) {
     return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
 }
 
+/* Q6_K: the 6-bit quants (0-63, uncentred) of sub-block j = 4 n + k of a super-block, as 32 bytes in order, from
+ * its half n's 64 bytes of low nibbles L[0], L[1] (ql) and 32 bytes of high bit pairs H (qh): the low nibbles of
+ * L[k & 1] for k < 2, its high nibbles after, and bit pair k of H above them. */
+static inline __attribute__((always_inline)) __m256i ai_q6k_quants(const __m256i L[2], __m256i H, int k) {
+    const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k) : k == 2 ? H : _mm256_srli_epi16(H, 2),
+                                        _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(lo, hi);
+}
+
 /* Lane j of the 8 floats v in every lane. */
 static inline __m256 ai_lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
 

@@ -916,7 +916,7 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
 static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, int64_t K, const acts *a, int64_t m0,
                                                            const int ROWS, float *out) {
     const int64_t nblk = K / 256, nb = K / QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
+    const __m256i centre = _mm256_set1_epi8(32);
     __m256 acc[MR][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
@@ -937,10 +937,7 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const int j = 4 * n + k;
-                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
-                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
-                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
-                const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), centre);
+                const __m256i v = _mm256_sub_epi8(ai_q6k_quants(L, H, k), centre);
                 const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), w1 = _mm256_srai_epi16(v, 8);
                 /* lanes 0-3: d * scales[2 j], 4-7: d * scales[2 j + 1] (half_sc[n]'s lanes 2 k and 2 k + 1) */
                 const __m256 sv = _mm256_permutevar8x32_ps(
@@ -965,7 +962,7 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
 static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row, int64_t K, const acts *a,
                                                               int64_t m0, const int ROWS, float *out) {
     const int64_t nblk = K / 256, nb = K / QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
+    const __m256i centre = _mm256_set1_epi8(32);
     __m512 acc[2 * MR];
     for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
@@ -984,10 +981,7 @@ static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const int j = 4 * n + k;
-                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
-                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
-                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
-                const __m512i w = _mm512_cvtepi8_epi16(_mm256_sub_epi8(_mm256_or_si256(lo, hi), centre));
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_sub_epi8(ai_q6k_quants(L, H, k), centre));
                 const __m512 sv = _mm512_permutexvar_ps(
                     _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
                                       2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),

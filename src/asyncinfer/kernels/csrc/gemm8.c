@@ -201,13 +201,12 @@ static inline __attribute__((always_inline)) void row8_q45_k(const int fmt, cons
     for (int i = 0; i < ROWS; i++) out[i] = ai_hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
 }
 
-/* Q6_K: sub-block j = 4 n + k's 6-bit quants u (blocks.h) in order; the products' pair sums multiplied by the
+/* Q6_K: sub-block j = 4 n + k's 6-bit quants u (ai_q6k_quants) in order; the products' pair sums multiplied by the
  * int8 scale of their half of 16 (madd: lanes 0-3 the first half, 4-7 the second), less 32 * (sc * the half's
  * sum of qx), an integer per sub-block formed for the whole super-block at once. */
 static inline __attribute__((always_inline)) void row8_q6_k(const uint8_t *row, int64_t K, const acts8 *a,
                                                             int64_t m0, const int ROWS, float *out) {
     const int64_t nblk = K / 256, nb = K / QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
     __m256 acc[MR8][2];
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
@@ -235,10 +234,7 @@ static inline __attribute__((always_inline)) void row8_q6_k(const uint8_t *row, 
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const int j = 4 * n + k;
-                const __m256i lo = _mm256_and_si256(k < 2 ? L[k & 1] : _mm256_srli_epi16(L[k & 1], 4), low4);
-                const __m256i hi = _mm256_and_si256(k < 2 ? _mm256_slli_epi16(H, 4 - 2 * k)
-                                                          : k == 2 ? H : _mm256_srli_epi16(H, 2), two);
-                const __m256i u = _mm256_or_si256(lo, hi);
+                const __m256i u = ai_q6k_quants(L, H, k);
                 const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
                 for (int i = 0; i < ROWS; i++) {
                     __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, load_x(a, m0 + i, K, blk * 8 + j)), sv);
