@@ -123,3 +123,18 @@ def test_embed_prints_cosines_of_vectors_of_any_length(tiny_bert, tmp_path, caps
     want = F.cosine_similarity(vectors[:, None], vectors[None], dim=-1)
     assert values[0][0] == values[1][1] == 1.0
     assert torch.allclose(torch.tensor(values), want, atol=0.006), (values, want)
+
+
+def test_a_transformer_module_read_from_a_folder_or_two_modules_of_one_name_are_refused(tiny_bert, tmp_path) -> None:
+    """pass83: sentence-transformers loads the Transformer from its module's path (the encoder read the directory's
+    own weights: a cosine of -0.1 from sentence-transformers' vectors), and keeps the last of two modules of one name
+    (the encoder served a directory sentence-transformers cannot run)."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Pooling", "Normalize"])
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps([{**modules[0], "path": "0_Transformer"}, *modules[1:]]))
+    with pytest.raises(ModelLoadError, match=r"modules\.json: the Transformer module reads from '0_Transformer': "
+                                             r"asyncinfer reads the encoder from the directory itself"):
+        read_encoder_config(path)
+    (path / "modules.json").write_text(json.dumps([*modules[:2], {**modules[2], "name": "1"}]))
+    with pytest.raises(ModelLoadError, match=r"modules\.json names two modules alike: \['0', '1', '1'\]$"):
+        read_encoder_config(path)

@@ -20,6 +20,7 @@ from asyncinfer.models.checkpoint import (
     MAX_VOCAB_BYTES_PER_TOKEN,
     MERGE_SPLIT_WORK,
     VOCABULARY_FILE_SLACK,
+    _FieldsPastModel,
     _sentencepiece_pieces,
     load_hf_tokenizer,
 )
@@ -327,7 +328,8 @@ def test_the_sentencepiece_walk_gives_up_past_a_models_fields() -> None:
     from asyncinfer.models.checkpoint import _sentencepiece_pieces
 
     start = time.perf_counter()
-    assert _sentencepiece_pieces(b"\x0b" * 2_000_000, stop=300) is None
+    with pytest.raises(_FieldsPastModel):  # refused by its caller: no model of 300 pieces has so many fields
+        _sentencepiece_pieces(b"\x0b" * 2_000_000, stop=300)
     assert time.perf_counter() - start < 1.0
 
 
@@ -518,5 +520,26 @@ def test_a_vocab_given_in_tokenizer_config_is_counted_and_held(tiny_models, tmp_
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", "vocab": vocab}))
     said = (rf"^the tokenizer has {VOCAB + 10} tokens \(counted in tokenizer_config\.json" if fault == "count" else
             r"tokenizer_config\.json's vocab's tokens' byte lengths, squared, sum to \d+, more than ")
+    with pytest.raises(ModelLoadError, match=said):
+        load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("trick", ["protobuf prefix", "unknown fields"])
+def test_a_model_file_is_held_by_both_readings(tiny_models, tmp_path, never_built, trick) -> None:
+    """pass83: a .model file was read as a SentencePiece model wherever the walk found a piece, else as lines: a
+    tiktoken text behind two bytes of one empty piece (which tiktoken skips) counted 1 piece and was built, 1,200 a's
+    in 42 s and 2.5 GB; a SentencePiece model behind 40,000 unknown fields gave the walk up, and the lines' reading
+    let its merges abort the process."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer.json").unlink()
+    runs = [b"a" * k for k in range(1, 121)]
+    if trick == "protobuf prefix":
+        rest = b"\x00" + b"".join(base64.b64encode(run) + f" {i}\n".encode() for i, run in enumerate(runs))
+        raw = b"\n\x00" + b"\x12" + bytes([len(rest) & 0x7F | 0x80, len(rest) >> 7 & 0x7F | 0x80, len(rest) >> 14]) + rest
+        said = r"tokenizer\.model's tokens' byte lengths, squared, sum to \d+, more than "
+    else:
+        raw = b"\x98\x06\x20" * 40_000 + sentencepiece_model(10)
+        said = r"tokenizer\.model holds more than \d+ fields, more than a SentencePiece model of the model's vocab_size has"
+    (path / "tokenizer.model").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=said):
         load_hf_tokenizer(path, VOCAB)

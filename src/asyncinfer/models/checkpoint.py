@@ -554,13 +554,17 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
     elif name.endswith(".json"):
         entries, kind = len(_tokens_in(raw)), "tokens"
     else:
-        walked = _sentencepiece_pieces(raw, stop=limit + 1) if name.endswith(".model") else None
-        if walked and walked[0]:
-            (entries, squares), kind = walked, "SentencePiece pieces"
-        else:
-            entries, kind = _lines_in(raw), "lines"
-            if name.endswith(".model"):  # tiktoken's text: a token (base64) and its rank a line
-                squares = sum((len(line.split(maxsplit=1)[0]) * 3 // 4) ** 2 for line in raw.splitlines() if line.strip())
+        entries, kind = _lines_in(raw), "lines"
+        if name.endswith(".model"):  # read as both readers may: SentencePiece's pieces, tiktoken's lines
+            try:
+                walked = _sentencepiece_pieces(raw, stop=limit + 1)
+            except _FieldsPastModel as past:
+                raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds more than {past.args[0] - 1} "
+                                     "fields, more than a SentencePiece model of the model's vocab_size has") from None
+            lines, squares = _tiktoken_lines(raw)
+            if walked and walked[0]:  # the more of the two readings, each for both measures
+                entries, kind = max((walked[0], "SentencePiece pieces"), (lines, "lines of a token and its rank"))
+                squares = max(squares, walked[1])
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
                              f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
@@ -584,6 +588,18 @@ def _check_split_work(path: Path, where: str, squares: int, vocab_size: int) -> 
 #: bytes more than its text) is held to this much a token of the model's vocabulary (a real vocabulary's comes to
 #: some hundreds a token at most).
 MERGE_SPLIT_WORK = 1024
+
+
+def _tiktoken_lines(raw: bytes) -> tuple[int, int]:
+    """The lines of ``raw`` tiktoken's reader takes as a token (base64) and its rank (two words), and the sum of the
+    squares of those tokens' byte lengths."""
+    lines = squares = 0
+    for line in raw.splitlines():
+        words = line.split()
+        if len(words) == 2:
+            lines += 1
+            squares += (len(words[0]) * 3 // 4) ** 2  # base64: 4 characters, 3 bytes
+    return lines, squares
 
 
 def _tekken_vocabulary(raw: bytes) -> tuple[int, int]:
@@ -637,18 +653,23 @@ def _varint(raw: bytes, at: int) -> tuple[int, int] | None:
 _MORE_FIELDS = 4096
 
 
+class _FieldsPastModel(ValueError):
+    """A SentencePiece model's walk met more fields than a model of the pieces it may hold has."""
+
+
 def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
     """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
     counted up to ``stop``, and the sum of the squares of their entries' lengths, each a bound on its text's (a
     piece whose text field was written twice, short then long, is read with the last: :data:`MERGE_SPLIT_WORK`);
-    None where ``raw`` ends within a field, uses no wire type, or holds more fields than ``stop`` and
-    :data:`_MORE_FIELDS` (16 MB of one-byte groups took 8 s to walk) (tiktoken's ``tokenizer.model`` is text, which
-    the library reads so: such text comes out as None or a count of few pieces, left to the library either way)."""
+    None where ``raw`` ends within a field or uses no wire type (tiktoken's ``tokenizer.model`` is text, which the
+    library reads so: such text comes out as None or a count of few pieces). Raises :class:`_FieldsPastModel` past
+    ``stop`` and :data:`_MORE_FIELDS` fields, which no model of ``stop`` pieces holds (16 MB of one-byte groups took
+    8 s to walk; 40,000 unknown fields before a model's pieces hid them, and their merges aborted the process)."""
     pieces, squares, at, fields = 0, 0, 0, 0
     while at < len(raw) and pieces < stop:
         fields += 1
         if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
-            return None
+            raise _FieldsPastModel(fields)
         key = _varint(raw, at)
         if key is None:
             return None

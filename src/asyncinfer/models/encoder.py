@@ -150,6 +150,12 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         # pools again, a Normalize before the Pooling leaves the sentence's vector at its length
         raise ModelLoadError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}: asyncinfer embeds "
                              "sentences as Transformer, Pooling and optionally Normalize, in that order")
+    if modules and str(modules[0].get("path", "")) not in ("", "."):  # sentence-transformers loads it from there
+        raise ModelLoadError(f"{path / 'modules.json'}: the Transformer module reads from {modules[0].get('path')!r}: "
+                             "asyncinfer reads the encoder from the directory itself (a path of '')")
+    names = [module.get("name") for module in modules]
+    if len(set(map(str, names))) != len(names):  # sentence-transformers keeps the last module of a name
+        raise ModelLoadError(f"{path / 'modules.json'} names two modules alike: {names}")
     pooling_file = _pooling_config_file(path, modules)
     if pooling_file is not None:
         pool = _json_object(pooling_file)
