@@ -138,3 +138,29 @@ def test_a_transformer_module_read_from_a_folder_or_two_modules_of_one_name_are_
     (path / "modules.json").write_text(json.dumps([*modules[:2], {**modules[2], "name": "1"}]))
     with pytest.raises(ModelLoadError, match=r"modules\.json names two modules alike: \['0', '1', '1'\]$"):
         read_encoder_config(path)
+
+
+def test_do_lower_case_lowercases_as_sentence_transformers_does(tmp_path) -> None:
+    """pass84: sentence_bert_config.json's do_lower_case was not read, and a cased vocabulary's vectors differed from
+    sentence-transformers' (cosine 0.92-0.95)."""
+    cased = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Hello", "hello", "World", "world", "The", "the", "Cat", "cat"]
+    src = tmp_path / "bert"
+    src.mkdir()
+    save_tiny_bert(src, cased)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "do_lower_case": False}))
+    path = st_dir(src, tmp_path / "st", ["Transformer", "Pooling"])
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": True}))
+    encoder = load_encoder(path, torch.float32, "cpu")
+    texts = ["Hello World", "The Cat"]
+    assert encoder.tokenize(texts) == encoder.tokenize([t.lower() for t in texts])
+    from sentence_transformers import SentenceTransformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch.tensor(SentenceTransformer(str(path), device="cpu").encode(texts))
+    cosine = F.cosine_similarity(encoder.encode(texts), want, dim=-1)
+    assert cosine.min().item() >= 1 - 1e-5, cosine
+    (path / "sentence_bert_config.json").write_text(json.dumps({"do_lower_case": "yes"}))
+    with pytest.raises(ModelLoadError, match=r"do_lower_case = 'yes' must be true or false$"):
+        read_encoder_config(path)

@@ -91,7 +91,10 @@ def test_tokens_added_by_the_other_files_count_too(tiny_models, tmp_path, never_
         decoder = {str(i): {"content": t, "special": True} for t, i in added.items()}
         (path / where).write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                               "added_tokens_decoder": decoder}))
-    with pytest.raises(ModelLoadError, match=rf"^the tokenizer has {VOCAB + 10_000} tokens \(counted in .*{where}"):
+    # added_tokens_decoder's ids past the vocabulary are refused first (pass84), its tokens counted otherwise
+    said = (rf"^the tokenizer has {VOCAB + 10_000} tokens \(counted in .*{where}" if where == "added_tokens.json" else
+            rf"added_tokens_decoder holds the id '{VOCAB}', not one of the model's")
+    with pytest.raises(ModelLoadError, match=said):
         load_hf_tokenizer(path, VOCAB)
 
 
@@ -542,4 +545,15 @@ def test_a_model_file_is_held_by_both_readings(tiny_models, tmp_path, never_buil
         said = r"tokenizer\.model holds more than \d+ fields, more than a SentencePiece model of the model's vocab_size has"
     (path / "tokenizer.model").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=said):
+        load_hf_tokenizer(path, VOCAB)
+
+
+def test_an_added_token_id_past_the_vocabulary_is_refused(tiny_models, tmp_path, never_built) -> None:
+    """pass84: a tiktoken file's conversion fills every id up to added_tokens_decoder's last with a placeholder: one
+    entry of id 500,000 (a config of 120 bytes) built 500,001 tokens in 14 s and 1 GB, 3,000,000 aborted the process."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "added_tokens_decoder": {"500000": {"content": "<|x|>"}}}))
+    with pytest.raises(ModelLoadError, match=rf"tokenizer_config\.json's added_tokens_decoder holds the id '500000', not "
+                                             rf"one of the model's 0\.\.{VOCAB - 1} \(the tokenizer would make tokens up "):
         load_hf_tokenizer(path, VOCAB)

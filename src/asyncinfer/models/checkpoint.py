@@ -717,6 +717,13 @@ def _tokens_read_as_transformers_does(path: Path, doc: _JsonFile, fast: bool, bo
         return set()
     parts: list[Any] = [value.get(part) for part in _SPECIAL_TOKEN_LISTS]
     parts.append([item for key, item in value.items() if key.endswith("_token")])
+    decoder = value.get("added_tokens_decoder")
+    if not fast and isinstance(decoder, dict):  # {id: token}: a tiktoken file's conversion fills every id up to the last
+        past = [key for key in decoder if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size]
+        if past:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {doc.file.name}'s added_tokens_decoder holds "
+                                 f"the id {past[0]!r}, not one of the model's 0..{vocab_size - 1} (the tokenizer would "
+                                 "make tokens up to it)")
     if not fast and "vocab" in value:  # given to the tokenizer's class, which derives merges from it where none are
         vocab = _tokens_of(value["vocab"])
         _check_split_work(path, f"{doc.file.name}'s vocab", sum(len(t.encode()) ** 2 for t in vocab), vocab_size)

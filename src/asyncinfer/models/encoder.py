@@ -67,6 +67,7 @@ class EncoderConfig:
     pooling: str = "mean"
     normalize: bool = True
     max_seq_len: int = 512  # tokens read per text, [CLS] and [SEP] included; longer texts are truncated
+    lower_case: bool = False  # sentence_bert_config.json's do_lower_case: texts lowercased before the tokenizer's own
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -180,7 +181,11 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     # sentence_bert_config.json is the Transformer module's config: read with modules.json, as sentence-transformers
     # reads it (without one it builds a plain Transformer)
     st_file = path / "sentence_bert_config.json"
-    given = _int_field(st_file, _json_object(st_file), "max_seq_length", None) if modules and st_file.exists() else None
+    st = _json_object(st_file) if modules and st_file.exists() else {}
+    given = _int_field(st_file, st, "max_seq_length", None)
+    lower_case = st.get("do_lower_case", False)
+    if not isinstance(lower_case, bool):
+        raise ModelLoadError(f"{st_file}: do_lower_case = {lower_case!r} must be true or false")
     # none given there: the tokenizer's limit, as sentence-transformers takes it (version 6 saves it there)
     max_seq_len = given or min(max_pos, _tokenizer_max_length(path) or max_pos)
     missing = next((key for key in _ENCODER_REQUIRED_KEYS if key not in raw), None)
@@ -200,6 +205,7 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
         pooling=pooling,
         normalize=normalize,
         max_seq_len=min(max_seq_len, max_pos),
+        lower_case=lower_case,
     )
 
 
@@ -548,6 +554,18 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
     if len(tokenizer) > cfg.vocab_size:
         raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but the encoder embeds only {cfg.vocab_size}")
+    if cfg.lower_case and not tokenizer.is_fast:
+        raise ModelLoadError(f"{path / 'sentence_bert_config.json'}: do_lower_case needs a fast tokenizer (a "
+                             "tokenizer.json), whose normalizer takes the lowercasing")
+    if cfg.lower_case:  # as sentence-transformers does: a Lowercase step before the tokenizer's own normalizer
+        from tokenizers.normalizers import Lowercase
+        from tokenizers.normalizers import Sequence as Normalizers
+
+        backend = tokenizer.backend_tokenizer
+        steps = list(backend.normalizer) if isinstance(backend.normalizer, Normalizers) else \
+            [backend.normalizer] if backend.normalizer is not None else []
+        if not any(isinstance(step, Lowercase) for step in steps):
+            backend.normalizer = Normalizers([Lowercase(), *steps])
     files = safetensors_files(path)
     # The layers are built one module each (on meta): a count the shards' headers do not hold is refused first
     # (config.json's num_hidden_layers of 10**10 built modules until the memory ran out).
