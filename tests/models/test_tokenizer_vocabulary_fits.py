@@ -484,7 +484,7 @@ def test_a_sentencepiece_or_tiktoken_file_whose_merges_would_take_the_square_of_
             piece.piece, piece.score = run.decode(), 0.0
         model.trainer_spec.model_type, model.trainer_spec.vocab_size = 2, len(runs)
         (path / name).write_bytes(model.SerializeToString())
-        pieces, squares = _sentencepiece_pieces(model.SerializeToString(), stop=1_000)
+        pieces, squares, _ = _sentencepiece_pieces(model.SerializeToString(), stop=1_000)
         assert pieces == 120 and squares >= sum(len(r) ** 2 for r in runs)  # each piece's whole entry: its text and more
     else:
         (path / name).write_text("".join(f"{base64.b64encode(run).decode()} {i}\n" for i, run in enumerate(runs)))
@@ -556,4 +556,31 @@ def test_an_added_token_id_past_the_vocabulary_is_refused(tiny_models, tmp_path,
                                                             "added_tokens_decoder": {"500000": {"content": "<|x|>"}}}))
     with pytest.raises(ModelLoadError, match=rf"tokenizer_config\.json's added_tokens_decoder holds the id '500000', not "
                                              rf"one of the model's 0\.\.{VOCAB - 1} \(the tokenizer would make tokens up "):
+        load_hf_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "spiece.model"])
+def test_a_sentencepiece_models_charsmap_is_checked_as_a_tokenizer_jsons(tiny_models, tmp_path, never_built,
+                                                                        name) -> None:
+    """pass85: a SentencePiece model's normalizer_spec.precompiled_charsmap goes to the same Precompiled normalizer
+    without a tokenizer.json, unchecked: 0xFFFFFFFF declared, 8 GiB asked and the process aborted (a serving engine
+    swapping to it too). pass85 (b): an added_tokens_decoder key of a digit that is no ASCII one raised a bare
+    ValueError."""
+    from transformers.utils import sentencepiece_model_pb2_new as schema
+
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer.json").unlink()
+    model = schema.ModelProto()
+    for text in ("<unk>", "a", "b"):
+        model.pieces.add().piece = text
+    model.normalizer_spec.name = "nmt_nfkc"
+    model.normalizer_spec.precompiled_charsmap = bytes.fromhex("ffffffff00000000")
+    (path / name).write_bytes(model.SerializeToString())
+    assert _sentencepiece_pieces(model.SerializeToString(), stop=100).charsmaps == (bytes.fromhex("ffffffff00000000"),)
+    with pytest.raises(ModelLoadError, match=rf"{re.escape(name)}'s Precompiled normalizer has a precompiled_charsmap of 8 "
+                                             r"bytes that declares a trie of 4294967295 bytes$"):
+        load_hf_tokenizer(path, VOCAB)
+    (path / name).unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"\u00b2": {"content": "x"}}}))
+    with pytest.raises(ModelLoadError, match=r"added_tokens_decoder holds the id '\u00b2', not one of the model's"):
         load_hf_tokenizer(path, VOCAB)

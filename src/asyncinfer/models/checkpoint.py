@@ -17,7 +17,7 @@ import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -562,6 +562,9 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
                 raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds more than {past.args[0] - 1} "
                                      "fields, more than a SentencePiece model of the model's vocab_size has") from None
             lines, squares = _tiktoken_lines(raw)
+            for blob in walked.charsmaps if walked else ():  # an empty one is the identity: none to read
+                if blob:
+                    _check_charsmap(file, blob)
             if walked and walked[0]:  # the more of the two readings, each for both measures
                 entries, kind = max((walked[0], "SentencePiece pieces"), (lines, "lines of a token and its rank"))
                 squares = max(squares, walked[1])
@@ -657,46 +660,79 @@ class _FieldsPastModel(ValueError):
     """A SentencePiece model's walk met more fields than a model of the pieces it may hold has."""
 
 
-def _sentencepiece_pieces(raw: bytes, stop: int) -> tuple[int, int] | None:
-    """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
-    counted up to ``stop``, and the sum of the squares of their entries' lengths, each a bound on its text's (a
-    piece whose text field was written twice, short then long, is read with the last: :data:`MERGE_SPLIT_WORK`);
-    None where ``raw`` ends within a field or uses no wire type (tiktoken's ``tokenizer.model`` is text, which the
-    library reads so: such text comes out as None or a count of few pieces). Raises :class:`_FieldsPastModel` past
-    ``stop`` and :data:`_MORE_FIELDS` fields, which no model of ``stop`` pieces holds (16 MB of one-byte groups took
-    8 s to walk; 40,000 unknown fields before a model's pieces hid them, and their merges aborted the process)."""
-    pieces, squares, at, fields = 0, 0, 0, 0
-    while at < len(raw) and pieces < stop:
-        fields += 1
-        if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
-            raise _FieldsPastModel(fields)
+class _PieceWalk(NamedTuple):
+    """What :func:`_sentencepiece_pieces` read of a SentencePiece model."""
+
+    pieces: int
+    squares: int  # the sum of the squares of the pieces' entries' lengths (MERGE_SPLIT_WORK)
+    charsmaps: tuple[bytes, ...] = ()  # its normalizer's and denormalizer's precompiled_charsmap, each as written
+
+
+def _proto_fields(raw: bytes, at: int, end: int) -> Iterator[tuple[int, int, int] | None]:
+    """The fields of the protocol buffers message in ``raw[at:end]``, in order: (its number, the start and end of its
+    payload) for a length-delimited field, (its number, -1, -1) for another (a group's start and end are fields of no
+    payload, their fields read as they come); None, and no more, where the bytes end within a field or use no wire
+    type."""
+    while at < end:
         key = _varint(raw, at)
         if key is None:
-            return None
+            yield None
+            return
         tag, at = key
-        wire = tag & 7
+        wire, start, stop = tag & 7, -1, -1
         if wire == 0:
             skipped = _varint(raw, at)
             if skipped is None:
-                return None
+                yield None
+                return
             at = skipped[1]
         elif wire in (1, 5):
             at += 8 if wire == 1 else 4
         elif wire == 2:
             length = _varint(raw, at)
             if length is None:
-                return None
-            at = length[1] + length[0]
-            if tag >> 3 == 1:
-                pieces += 1
-                squares += length[0] ** 2  # bounds its text, whichever of its fields the library keeps
-        elif wire in (3, 4):  # a group's start or end: its fields are read as they come
-            continue
-        else:  # no wire type at all
+                yield None
+                return
+            start, at = length[1], length[1] + length[0]
+            stop = at
+        elif wire not in (3, 4):  # no wire type at all
+            yield None
+            return
+        if at > end:
+            yield None
+            return
+        yield tag >> 3, start, stop
+
+
+def _sentencepiece_pieces(raw: bytes, stop: int) -> _PieceWalk | None:
+    """How many pieces a SentencePiece model (a ``ModelProto`` message, whose field 1 repeats its pieces) holds,
+    counted up to ``stop``, and the sum of the squares of their entries' lengths, each a bound on its text's (a
+    piece whose text field was written twice, short then long, is read with the last: :data:`MERGE_SPLIT_WORK`);
+    its normalizer's and denormalizer's (fields 3 and 5) precompiled charsmaps (their field 2). None where ``raw``
+    ends within a field or uses no wire type (tiktoken's ``tokenizer.model`` is text, which the library reads so:
+    such text comes out as None or a count of few pieces). Raises :class:`_FieldsPastModel` past ``stop`` and
+    :data:`_MORE_FIELDS` fields, which no model of ``stop`` pieces holds (16 MB of one-byte groups took 8 s to walk;
+    40,000 unknown fields before a model's pieces hid them, and their merges aborted the process)."""
+    pieces = squares = 0
+    charsmaps: list[bytes] = []
+    for fields, field in enumerate(_proto_fields(raw, 0, len(raw)), start=1):
+        if field is None:
             return None
-        if at > len(raw):
-            return None
-    return pieces, squares
+        if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
+            raise _FieldsPastModel(fields)
+        number, start, end = field
+        if number == 1 and start >= 0:
+            pieces += 1
+            squares += (end - start) ** 2  # bounds its text, whichever of its fields the library keeps
+            if pieces >= stop:
+                break
+        elif number in (3, 5) and start >= 0:
+            for spec in _proto_fields(raw, start, end):
+                if spec is None:
+                    break
+                if spec[0] == 2 and spec[1] >= 0:
+                    charsmaps.append(raw[spec[1]:spec[2]])
+    return _PieceWalk(pieces, squares, tuple(charsmaps))
 
 
 def _check_list_size(path: Path, where: str, size: int, bound: int, vocab_size: int) -> None:
@@ -719,7 +755,8 @@ def _tokens_read_as_transformers_does(path: Path, doc: _JsonFile, fast: bool, bo
     parts.append([item for key, item in value.items() if key.endswith("_token")])
     decoder = value.get("added_tokens_decoder")
     if not fast and isinstance(decoder, dict):  # {id: token}: a tiktoken file's conversion fills every id up to the last
-        past = [key for key in decoder if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size]
+        past = [key for key in decoder
+                if not (key.isascii() and key.lstrip("-").isdigit()) or not 0 <= int(key) < vocab_size]
         if past:
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {doc.file.name}'s added_tokens_decoder holds "
                                  f"the id {past[0]!r}, not one of the model's 0..{vocab_size - 1} (the tokenizer would "
@@ -816,6 +853,14 @@ def _step_growth(step: dict[str, Any]) -> int:
     return 1 + len(content)  # a regular expression: a match of one character, or an empty one before each
 
 
+def _check_charsmap(file: Path, blob: bytes) -> None:
+    """Refuse a ``precompiled_charsmap`` (of ``file``) that declares a trie larger than it holds (:func:`_check_charsmaps`)."""
+    declared = int.from_bytes(blob[:4], "little") if len(blob) >= 4 else None
+    if declared is None or declared > len(blob) - 4:
+        raise ModelLoadError(f"cannot load the tokenizer in {file.parent}: {file.name}'s Precompiled normalizer has a "
+                             f"precompiled_charsmap of {len(blob)} bytes that declares a trie of {declared} bytes")
+
+
 def _check_charsmaps(tokenizer_json: _JsonFile) -> None:
     """Refuse a ``tokenizer.json`` whose ``Precompiled`` normalizer's ``precompiled_charsmap`` declares a trie
     larger than the charsmap holds, before the tokenizers library reads it: it allocates what the first 4 bytes
@@ -839,11 +884,7 @@ def _check_charsmaps(tokenizer_json: _JsonFile) -> None:
                     blob = base64.b64decode(charsmap)
                 except (ValueError, binascii.Error):
                     blob = b""
-                declared = int.from_bytes(blob[:4], "little") if len(blob) >= 4 else None
-                if declared is None or declared > len(blob) - 4:
-                    raise ModelLoadError(f"cannot load the tokenizer in {file.parent}: {file.name}'s Precompiled "
-                                         f"normalizer has a precompiled_charsmap of {len(blob)} bytes that declares "
-                                         f"a trie of {declared} bytes")
+                _check_charsmap(file, blob)
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
