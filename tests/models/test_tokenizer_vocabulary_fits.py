@@ -333,6 +333,8 @@ def test_the_sentencepiece_walk_gives_up_past_a_models_fields() -> None:
     start = time.perf_counter()
     with pytest.raises(_FieldsPastModel):  # refused by its caller: no model of 300 pieces has so many fields
         _sentencepiece_pieces(b"\x0b" * 2_000_000, stop=300)
+    with pytest.raises(_FieldsPastModel):  # and within a normalizer spec, whose charsmap the walk looks for
+        _sentencepiece_pieces(b"\x1a\x80\x89\x7a" + b"\x0b" * 2_000_000, stop=300)
     assert time.perf_counter() - start < 1.0
 
 

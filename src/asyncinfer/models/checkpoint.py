@@ -713,13 +713,20 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> _PieceWalk | None:
     such text comes out as None or a count of few pieces). Raises :class:`_FieldsPastModel` past ``stop`` and
     :data:`_MORE_FIELDS` fields, which no model of ``stop`` pieces holds (16 MB of one-byte groups took 8 s to walk;
     40,000 unknown fields before a model's pieces hid them, and their merges aborted the process)."""
-    pieces = squares = 0
+    pieces = squares = fields = 0
     charsmaps: list[bytes] = []
-    for fields, field in enumerate(_proto_fields(raw, 0, len(raw)), start=1):
+
+    def counted(walk: Iterator[tuple[int, int, int] | None]) -> Iterator[tuple[int, int, int] | None]:
+        nonlocal fields
+        for field in walk:
+            fields += 1  # a spec's fields too: the walk is bounded whatever holds them
+            if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
+                raise _FieldsPastModel(fields)
+            yield field
+
+    for field in counted(_proto_fields(raw, 0, len(raw))):
         if field is None:
             return None
-        if fields > stop + _MORE_FIELDS:  # a real model's fields are its pieces and a few more: no model's
-            raise _FieldsPastModel(fields)
         number, start, end = field
         if number == 1 and start >= 0:
             pieces += 1
@@ -727,7 +734,7 @@ def _sentencepiece_pieces(raw: bytes, stop: int) -> _PieceWalk | None:
             if pieces >= stop:
                 break
         elif number in (3, 5) and start >= 0:
-            for spec in _proto_fields(raw, start, end):
+            for spec in counted(_proto_fields(raw, start, end)):
                 if spec is None:
                     break
                 if spec[0] == 2 and spec[1] >= 0:
