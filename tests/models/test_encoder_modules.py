@@ -51,6 +51,15 @@ def st_vectors(path: Path) -> torch.Tensor:
     return torch.tensor(model.encode(TEXTS, batch_size=2))
 
 
+def test_another_packages_module_of_a_known_name_is_refused(tiny_bert, tmp_path) -> None:
+    """pass86: types were matched by their last name: my_pkg.Pooling passed as sentence-transformers' Pooling."""
+    path = st_dir(tiny_bert, tmp_path / "st", ["Transformer", "Pooling"])
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps([modules[0], {**modules[1], "type": "my_pkg.Pooling"}]))
+    with pytest.raises(ModelLoadError, match=r"module '1' of type 'my_pkg\.Pooling' is not supported"):
+        read_encoder_config(path)
+
+
 def test_a_dense_module_is_refused_not_skipped(tiny_bert, tmp_path) -> None:
     """pass79: LaBSE's layout (Pooling, Dense, Normalize) loaded with the Dense module skipped: vectors of the right
     size at a cosine of -0.02 to 0.14 from the model's."""

@@ -769,7 +769,8 @@ def _tokens_read_as_transformers_does(path: Path, doc: _JsonFile, fast: bool, bo
                                  f"the id {past[0]!r}, not one of the model's 0..{vocab_size - 1} (the tokenizer would "
                                  "make tokens up to it)")
     if not fast and "vocab" in value:  # given to the tokenizer's class, which derives merges from it where none are
-        vocab = _tokens_of(value["vocab"])
+        given = value["vocab"]  # {token: anything}, whose keys are split for merges, or [token or [token, score]]
+        vocab = set(given) if isinstance(given, dict) else _tokens_of(given)
         _check_split_work(path, f"{doc.file.name}'s vocab", sum(len(t.encode()) ** 2 for t in vocab), vocab_size)
         parts.append(list(vocab))
     if fast:

@@ -140,7 +140,8 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     modules = _modules(path)
     for module in modules:  # what else sentence-transformers would apply to every vector, the vectors would lack
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        if kind not in _MODULE_KINDS:
+        # sentence-transformers' own classes only: another package's Pooling is that package's code
+        if kind not in _MODULE_KINDS or not str(module.get("type", "")).startswith("sentence_transformers."):
             raise ModelLoadError(f"{path / 'modules.json'}: module {module.get('name', module.get('idx'))!r} of type "
                                  f"{module.get('type')!r} is not supported: asyncinfer runs "
                                  f"{', '.join(_MODULE_KINDS)} modules, and sentence-transformers would apply this "
