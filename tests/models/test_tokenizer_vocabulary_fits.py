@@ -590,3 +590,15 @@ def test_a_sentencepiece_models_charsmap_is_checked_as_a_tokenizer_jsons(tiny_mo
     (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"\u00b2": {"content": "x"}}}))
     with pytest.raises(ModelLoadError, match=r"added_tokens_decoder holds the id '\u00b2', not one of the model's"):
         load_hf_tokenizer(path, VOCAB)
+
+
+def test_a_gguf_file_named_in_tokenizer_config_is_refused(tiny_models, tmp_path, never_built) -> None:
+    """pass87: transformers builds the tokenizer from tokenizer_config.json's gguf_file, a path it opens relative to
+    the directory (.. included), with no check: 1,000,000 tokens of a GGUF outside the directory were built (8.5 s,
+    1 GB) before their refusal."""
+    path = model_dir(tiny_models, tmp_path / "m", words(VOCAB))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "gguf_file": "../big.gguf"}))
+    with pytest.raises(ModelLoadError, match=r"tokenizer_config\.json names a gguf_file \('\.\./big\.gguf'\): load the "
+                                             r"GGUF file itself as the model"):
+        load_hf_tokenizer(path, VOCAB)

@@ -321,6 +321,10 @@ def _fast_tokenizer_file(path: Path, config: _JsonFile, limit: int) -> str:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: tokenizer_config.json is {config.size} bytes, "
                              f"more than the {limit} that a tokenizer's settings for this model may take")
     value = config.parsed()
+    if value is not None and "gguf_file" in value:  # transformers would build the tokenizer from that file, unchecked
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: tokenizer_config.json names a gguf_file "
+                             f"({value['gguf_file']!r}): load the GGUF file itself as the model, whose tokenizer "
+                             "asyncinfer reads from it")
     if value is None or "fast_tokenizer_files" not in value:
         return "tokenizer.json"
     from transformers.tokenization_utils_base import get_fast_tokenizer_file
