@@ -138,15 +138,14 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
     check_config_sizes(raw, _ENCODER_SIZE_KEYS, str(config_file))  # before any is built from
     pooling, normalize = "mean", True
     modules = _modules(path)
-    for module in modules:  # what else sentence-transformers would apply to every vector, the vectors would lack
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+    kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]  # a type's class name
+    for module, kind in zip(modules, kinds, strict=True):  # what else sentence-transformers would apply to every vector
         # sentence-transformers' own classes only: another package's Pooling is that package's code
         if kind not in _MODULE_KINDS or not str(module.get("type", "")).startswith("sentence_transformers."):
             raise ModelLoadError(f"{path / 'modules.json'}: module {module.get('name', module.get('idx'))!r} of type "
                                  f"{module.get('type')!r} is not supported: asyncinfer runs "
                                  f"{', '.join(_MODULE_KINDS)} modules, and sentence-transformers would apply this "
                                  "one to every vector")
-    kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
     if modules and kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
         # sentence-transformers runs the modules in order: no Pooling gives the tokens' vectors, a second one
         # pools again, a Normalize before the Pooling leaves the sentence's vector at its length
@@ -177,7 +176,7 @@ def read_encoder_config(path: str | Path) -> EncoderConfig:
                 raise ModelLoadError(f"{pooling_file}: {keys} on: {what} not supported: one of "
                                      f"{', '.join(POOLING_MODES)}")
         pooling = modes[0]
-        normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+        normalize = "Normalize" in kinds
     max_pos = _int(config_file, raw, "max_position_embeddings", 512)
     # sentence_bert_config.json is the Transformer module's config: read with modules.json, as sentence-transformers
     # reads it (without one it builds a plain Transformer)
