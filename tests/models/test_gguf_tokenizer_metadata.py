@@ -42,7 +42,7 @@ def tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **change: Any) ->
     path = tmp_path / "tiny.gguf"
     write(path, TINY, "llama", "q8_0", "q8_0", "spm", 0)
 
-    def never(path: Path, header: object = None) -> None:
+    def never(path: Path, header: object = None, vocab_size: int | None = None) -> None:
         raise AssertionError(f"the tokenizer of {path} was built")
 
     monkeypatch.setattr(loader, "gguf_tokenizer", never)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncinfer import model_source
-from asyncinfer.models import loader
+from asyncinfer.models import loader, tokenizer_build
 from asyncinfer.models.loader import gguf_tokenizer
 from asyncinfer.models.tokenizer import CachedTokenizer
 
@@ -82,20 +82,33 @@ class _Built:
         return cls(json.loads((Path(path) / "tokenizer.json").read_text())["word"])
 
 
+def _bounded_builds(monkeypatch, builds: list[Path]) -> None:
+    """The bounded build (a separate process, :mod:`asyncinfer.models.tokenizer_build`) stood for in this one: it
+    counts the builds and saves a :class:`_Built` where it is asked to."""
+
+    def check_build(source, *, vocab_size, gguf_file=None, save_to=None, bounds=None):
+        builds.append(Path(source) / gguf_file)
+        if save_to is not None:
+            _Built(f"build {len(builds)}").save_pretrained(save_to)
+        return tokenizer_build.BuildReport(tokens=1, tokenizer_class=f"{_Built.__module__}.{_Built.__qualname__}")
+
+    monkeypatch.setattr(tokenizer_build, "check_build", check_build)
+
+
 def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch, fake_headers) -> None:
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = tmp_path / "cache" / "m" / "m.gguf"
     gguf_path.parent.mkdir(parents=True)
     gguf_path.write_bytes(b"first")
     builds: list[Path] = []
-
-    def build(directory, gguf_file):
-        builds.append(Path(directory) / gguf_file)
-        return _Built(f"build {len(builds)}")
+    _bounded_builds(monkeypatch, builds)
 
     import transformers
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", build)
+    def never(*args, **kwargs):
+        raise AssertionError("built in the serving process, though the bounded build wrote the cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
     assert gguf_tokenizer(gguf_path).word == "build 1"
     cache = gguf_path.with_name("m.tokenizer")
     stamp = json.loads((cache / "asyncinfer-tokenizer.json").read_text())
@@ -113,9 +126,12 @@ def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeyp
     (tmp_path / "cache").write_text("a file where the cache directory should be")
     gguf_path = tmp_path / "m.gguf"
     gguf_path.write_bytes(b"x")
+    builds: list[Path] = []
+    _bounded_builds(monkeypatch, builds)
     import transformers
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d, gguf_file: _Built("fresh"))
-    assert gguf_tokenizer(gguf_path).word == "fresh"
+    assert gguf_tokenizer(gguf_path).word == "fresh"  # built here, after the bounded build (nothing to save it in)
+    assert builds == [gguf_path]
     assert "could not cache the tokenizer" in caplog.text
     assert loader._cached_tokenizer(tmp_path / "nowhere", {}) is None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from asyncinfer.errors import ModelLoadError, native_panics_as
+from asyncinfer.models import tokenizer_build
 
 if TYPE_CHECKING:
     import torch
@@ -260,6 +261,7 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     """
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
+    tokenizer_build.prepare()  # the bounded build's helper starts (importing transformers) while the files are checked
     reads = _tokenizer_reads(path)
     for file in reads:  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
@@ -277,8 +279,17 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
     _check_charsmaps(tokenizer_json)
     _check_text_growth(tokenizer_json)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # (imported here while the helper imports it too)
 
+    # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
+    # in proportion to the model, and its tokens counted, before this process builds it
+    try:
+        tokenizer_build.check_build(path, vocab_size=vocab_size)
+    except tokenizer_build.BuildFailed as exc:
+        if exc.panicked:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: "
+                                 f"{exc.said}") from None
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, exc.said)}") from None
     try:
         with native_panics_as(lambda exc: ModelLoadError(
                 f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
@@ -287,22 +298,28 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         raise
     except Exception as exc:
         said = " ".join(str(exc).split())  # one line: transformers' messages run over several
-        vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
-        if not any((path / name).exists() for name in vocabulary):
-            present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
-            said = (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
-                    f"files beside its config.json (transformers: {said})")
-        elif (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
-            # transformers then tries the file as tiktoken's and says that tiktoken is missing
-            said = ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
-                    "reads only with the sentencepiece package: pip install sentencepiece, or copy the model's "
-                    f"tokenizer.json beside its config.json (transformers: {said})")
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {said}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, said)}") from exc
     limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
                              f"(tokenizer_config.json)")
     return tokenizer
+
+
+def _build_failure(path: Path, said: str) -> str:
+    """Why transformers could not build the tokenizer of ``path`` (its message ``said``), with what to do where the
+    directory shows it."""
+    vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any((path / name).exists() for name in vocabulary):
+        present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
+        return (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
+                f"files beside its config.json (transformers: {said})")
+    if (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
+        # transformers then tries the file as tiktoken's and says that tiktoken is missing
+        return ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
+                "reads only with the sentencepiece package: pip install sentencepiece, or copy the model's "
+                f"tokenizer.json beside its config.json (transformers: {said})")
+    return said
 
 
 def _fast_tokenizer_file(path: Path, config: _JsonFile, limit: int) -> str:

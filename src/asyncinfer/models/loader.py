@@ -57,6 +57,7 @@ from torch import nn
 
 from asyncinfer import kernels
 from asyncinfer.errors import ModelLoadError, native_panics_as
+from asyncinfer.models import tokenizer_build
 from asyncinfer.models.checkpoint import (
     iter_safetensors,
     load_hf_tokenizer,
@@ -432,6 +433,7 @@ def _load_hf_dir(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
     ops: ElementwiseOps,
 ) -> LoadedModel:
+    tokenizer_build.prepare()  # the bounded build's helper imports transformers while the weights load
     model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
                          ops=ops)
     return LoadedModel(model, config, load_hf_tokenizer(path, config.vocab_size), f"safetensors:{path.resolve()}")
@@ -472,7 +474,7 @@ def _load_gguf(
     _check_tokenizer_metadata(gguf)
     # The tokenizer (mostly Python) loads while the weights (torch ops, which drop the GIL) dequantise.
     with ThreadPoolExecutor(1, thread_name_prefix="asyncinfer-tokenizer") as pool:
-        tokenizer = pool.submit(gguf_tokenizer, gguf.path, gguf)
+        tokenizer = pool.submit(gguf_tokenizer, gguf.path, gguf, config.vocab_size)
         model = weights()
         return LoadedModel(model, config, tokenizer.result(), source, weight_format)
 
@@ -1047,23 +1049,26 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 _STAMP = "asyncinfer-tokenizer.json"
 
 
-def gguf_tokenizer(path: Path, header: GGUFFile | None = None) -> PreTrainedTokenizerBase | CachedTokenizer:
+def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
+                   vocab_size: int | None = None) -> PreTrainedTokenizerBase | CachedTokenizer:
     """The tokenizer of a GGUF file: built by transformers from the metadata once, then cached.
 
     Building it (transformers parses the whole GGUF again and converts the
-    vocabulary) takes ~20 s on a 2-core CPU; the cached ``tokenizer.json`` loads in
+    vocabulary) takes ~5-20 s on a 2-core CPU; the cached ``tokenizer.json`` loads in
     well under a second. The cache is a directory next to the default model (see
     :func:`asyncinfer.model_source.tokenizer_cache_dir`), stamped with the file's size
     and modification time, a digest of its header (the metadata the tokenizer is built from: a file rewritten at
     the same size and time, by ``cp -p`` or ``rsync -a``, kept its old tokenizer and chat template) and the
-    transformers version; a stale or unreadable one
-    is rebuilt, and a cache that cannot be written only costs the next load the build again.
-    The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers`` library
-    and the chat template, without importing transformers) where its configuration is the plain one
+    transformers version; a stale or unreadable one is rebuilt. The build runs in a separate process bounded in
+    memory and CPU time in proportion to ``vocab_size`` (:mod:`asyncinfer.models.tokenizer_build`), which saves the
+    cache; where the cache cannot be written, this process builds the tokenizer itself after that bounded build
+    succeeded. The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers``
+    library and the chat template, without importing transformers) where its configuration is the plain one
     transformers writes for a GGUF vocabulary, else as the transformers class that built it.
 
     Raises:
-        ModelLoadError: transformers cannot build a tokenizer from the file.
+        ModelLoadError: transformers cannot build a tokenizer from the file, or its build exceeds its bounds or
+            holds more tokens than ``vocab_size``.
     """
     from asyncinfer.model_source import tokenizer_cache_dir
 
@@ -1072,9 +1077,23 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None) -> PreTrainedToke
     cached = _cached_tokenizer(cache, stamp)
     if cached is not None:
         return cached
-    from transformers import AutoTokenizer
-
     say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
+    staged = _staging_dir(cache)
+    try:
+        report = tokenizer_build.check_build(path.parent, gguf_file=path.name, vocab_size=vocab_size, save_to=staged)
+    except tokenizer_build.BuildFailed as exc:
+        _discard(staged)
+        said = f"the tokenizers library panicked on its vocabulary ({exc.said})" if exc.panicked else exc.said
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {said}") from None
+    except BaseException:
+        _discard(staged)
+        raise
+    if staged is not None and _commit_cache(staged, cache, stamp, report.tokenizer_class):
+        cached = _cached_tokenizer(cache, stamp)
+        if cached is not None:
+            return cached
+    from transformers import AutoTokenizer  # no cache: built here too, as the bounded build did
+
     # A vocabulary the tokenizers library's Rust code cannot follow (merges whose pieces run into each other) makes it
     # panic: a PanicException, a BaseException that every `except Exception` lets through.
     try:
@@ -1121,19 +1140,44 @@ def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizer
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict[str, Any]) -> bool:
     """Write the cache atomically (a half-written directory is never read); whether it was written (a failure
     is only logged)."""
-    staged: Path | None = None
+    staged = _staging_dir(cache)
+    if staged is None:
+        return False
+    try:
+        tokenizer.save_pretrained(staged)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
+        _discard(staged)
+        return False
+    cls = type(tokenizer)
+    return _commit_cache(staged, cache, stamp, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _staging_dir(cache: Path) -> Path | None:
+    """A new empty directory beside ``cache`` to write it in; None (logged) where none can be made."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.parent))
-        tokenizer.save_pretrained(staged)
-        cls = type(tokenizer)
-        (staged / _STAMP).write_text(json.dumps({**stamp, "class": f"{cls.__module__}.{cls.__qualname__}"}))
+        return Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.parent))
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
+        return None
+
+
+def _commit_cache(staged: Path, cache: Path, stamp: dict[str, Any], tokenizer_class: str) -> bool:
+    """Stamp the tokenizer saved in ``staged`` and put it in ``cache``'s place at once; whether it was (a failure is
+    only logged, and the staged directory removed)."""
+    try:
+        (staged / _STAMP).write_text(json.dumps({**stamp, "class": tokenizer_class}))
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(staged, cache)
         return True
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
-        if staged is not None:
-            shutil.rmtree(staged, ignore_errors=True)
+        _discard(staged)
         return False
+
+
+def _discard(staged: Path | None) -> None:
+    if staged is not None:
+        shutil.rmtree(staged, ignore_errors=True)

@@ -1,0 +1,419 @@
+"""A tokenizer's first build from a model's files, run in a separate process bounded in memory and CPU time.
+
+transformers (and the tokenizers library under it) builds a tokenizer from whatever a model directory or a GGUF
+file holds: a vocabulary, merges, added tokens, normalizer tables, a SentencePiece or tiktoken file to convert.
+The checks of :mod:`asyncinfer.models.checkpoint` refuse, before anything is built, what is known to cost more than
+the model warrants; this module bounds the rest. The build is first made by a child process that may take at most
+:func:`build_bounds`'s memory and CPU time (a limit on its heap, ``RLIMIT_DATA``, and on its CPU seconds,
+``RLIMIT_CPU``, with a wall-clock limit above them); it reports the number of tokens it built (refused when the
+model embeds fewer) and, for a GGUF file, saves the tokenizer for the serving process to load. The serving process
+builds a directory's tokenizer itself only after the child built the same files within those bounds.
+
+The child is forked from a helper process that has imported transformers once (a fork costs milliseconds, the
+import ~3 s); the helper is started on first use (or ahead of it, by :func:`prepare`), serves one build at a time,
+and ends after :data:`IDLE_SECONDS` without one, or with the process that started it. Where ``fork`` does not exist
+(Windows) each build starts a helper of its own. The memory limit is enforced where the kernel enforces
+``RLIMIT_DATA`` (Linux); elsewhere only the time limits hold.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from asyncinfer.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+#: The memory a build may take, beyond the helper's own, whatever the model (MiB).
+BASE_MEMORY_MIB = 1024
+#: ... and per token of the model's vocabulary (KiB): 262,144 tokens (Gemma 3) may take 3 GiB in all.
+MEMORY_KIB_PER_TOKEN = 8
+#: The CPU seconds a build may take whatever the model (SmolLM2's GGUF vocabulary of 49,152 tokens takes ~5 s here).
+BASE_CPU_SECONDS = 60.0
+#: ... and per token of the model's vocabulary (ms): 262,144 tokens may take 322 s.
+CPU_MS_PER_TOKEN = 1.0
+#: The wall-clock time a build may take, as a multiple of its CPU time (a loaded machine shares its cores).
+WALL_PER_CPU = 3.0
+#: The seconds the helper process waits for the next build before it ends (its ~300 MiB are then given back).
+IDLE_SECONDS = 120.0
+#: The most characters of a failed build's message (or its stderr) passed on.
+MESSAGE_CHARS = 2000
+
+_VOCABULARY_WHEN_UNKNOWN = 262_144  # the bounds of a build whose model's vocabulary size is not known
+
+
+@dataclass(frozen=True)
+class BuildBounds:
+    """What one tokenizer build may take: heap bytes beyond the helper's own, CPU seconds, wall-clock seconds."""
+
+    memory_bytes: int
+    cpu_seconds: float
+    wall_seconds: float
+
+
+def build_bounds(vocab_size: int | None) -> BuildBounds:
+    """The bounds of a build for a model that embeds ``vocab_size`` tokens (the largest usual vocabulary's when
+    None): in proportion to it, so that a real tokenizer builds well within them and a file that claims far more
+    than its model fails early."""
+    tokens = _VOCABULARY_WHEN_UNKNOWN if vocab_size is None else max(0, vocab_size)
+    cpu = BASE_CPU_SECONDS + tokens * CPU_MS_PER_TOKEN / 1000
+    return BuildBounds(memory_bytes=BASE_MEMORY_MIB * 2**20 + tokens * MEMORY_KIB_PER_TOKEN * 2**10,
+                       cpu_seconds=cpu, wall_seconds=cpu * WALL_PER_CPU + 30)
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What the bounded build made: its number of tokens (``len(tokenizer)``) and its class's qualified name."""
+
+    tokens: int
+    tokenizer_class: str
+
+
+def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None = None,
+                save_to: Path | None = None, bounds: BuildBounds | None = None) -> BuildReport:
+    """Build the tokenizer of ``source`` (a directory; with ``gguf_file``, the GGUF file of that name in it) in a
+    child process within ``bounds`` (:func:`build_bounds` of ``vocab_size`` by default), and refuse it when it fails,
+    exceeds them, or holds more tokens than ``vocab_size``. With ``save_to`` (an empty directory), the child saves the
+    tokenizer there (``save_pretrained``).
+
+    Raises:
+        ModelLoadError: the build failed (transformers' message), ran out of memory or time, or made more tokens than
+            the model embeds; each names ``source`` and, for a limit, its value.
+    """
+    where = source / gguf_file if gguf_file is not None else source
+    bounds = bounds if bounds is not None else build_bounds(vocab_size)
+    request = {"source": str(source), "gguf_file": gguf_file, "save_to": None if save_to is None else str(save_to),
+               "memory_bytes": bounds.memory_bytes, "cpu_seconds": bounds.cpu_seconds,
+               "wall_seconds": bounds.wall_seconds}
+    answer = _HELPER.build(request, bounds.wall_seconds + 60)
+    if answer.get("ok"):
+        report = BuildReport(tokens=int(answer["tokens"]), tokenizer_class=str(answer["class"]))
+        if vocab_size is not None and report.tokens > vocab_size:
+            raise ModelLoadError(f"the tokenizer of {where} has {report.tokens} tokens (built in a separate process, "
+                                 f"refused before this one builds it) but the model embeds only {vocab_size}")
+        return report
+    reason, message = answer.get("reason"), str(answer.get("message", ""))[:MESSAGE_CHARS]
+    if reason == "memory":
+        raise ModelLoadError(
+            f"building the tokenizer of {where} took more than {bounds.memory_bytes // 2**20} MiB, the most a "
+            f"tokenizer of {_a_model(vocab_size)} may take (built in a separate process, which ran out of it: "
+            f"{message})")
+    if reason == "time":
+        raise ModelLoadError(
+            f"building the tokenizer of {where} took more than {message}, the most a tokenizer of {_a_model(vocab_size)} "
+            f"may take ({_seconds(bounds.cpu_seconds)} of CPU, {_seconds(bounds.wall_seconds)} in all; built in a separate "
+            f"process, which was stopped)")
+    if reason == "helper":
+        raise ModelLoadError(f"cannot build the tokenizer of {where}: the process that builds it failed: {message}")
+    raise BuildFailed(where, message, panicked=reason == "panic")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:g} s"
+
+
+def _a_model(vocab_size: int | None) -> str:
+    return f"a model of {vocab_size} tokens" if vocab_size is not None else "a model of unknown vocabulary size"
+
+
+class BuildFailed(ModelLoadError):
+    """transformers could not build the tokenizer (its message, on one line, is :attr:`said`); the caller words the
+    refusal (it knows which files the directory lacks)."""
+
+    def __init__(self, where: Path, said: str, *, panicked: bool) -> None:
+        self.said = said
+        self.panicked = panicked
+        super().__init__(f"cannot load the tokenizer of {where}: "
+                         + (f"the tokenizers library panicked reading it: {said}" if panicked else said))
+
+
+def stop_helper() -> None:
+    """End the helper process now (it ends by itself after :data:`IDLE_SECONDS` without a build, or with this
+    process); the next build starts another."""
+    _HELPER.stop()
+
+
+def prepare() -> None:
+    """Start the helper process now (where ``fork`` exists), so that its import of transformers overlaps the work
+    that comes before the build (reading the weights); a no-op while one runs."""
+    _HELPER.start()
+
+
+# ---- the serving process's side: one helper at a time ----------------------------------------------------------
+
+_FORKS = os.name == "posix" and sys.platform != "emscripten"
+
+
+class _Helper:
+    """The helper process: started on demand, restarted when it has ended, one request at a time (the lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
+
+    def start(self) -> None:
+        if not _FORKS:
+            return  # each build starts its own (below)
+        with self._lock:
+            self._ensure()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _ensure(self) -> subprocess.Popen[bytes]:
+        if self._process is not None and self._process.poll() is None:
+            return self._process
+        self._stop()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the helper's, held while it runs
+        code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                "from asyncinfer.models.tokenizer_build import serve; serve(fork=sys.argv[2] == 'fork')")
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(sys.path), "fork" if _FORKS else "once"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, close_fds=True)
+        return self._process
+
+    def _stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                process.wait(5)
+            for pipe in (process.stdin, process.stdout):
+                with contextlib.suppress(OSError):
+                    if pipe is not None:
+                        pipe.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+    def _said(self) -> str:
+        """The end of the helper's stderr (why it ended)."""
+        if self._stderr is None:
+            return ""
+        try:
+            self._stderr.seek(0, os.SEEK_END)
+            size = self._stderr.tell()
+            self._stderr.seek(max(0, size - MESSAGE_CHARS))
+            return " ".join(self._stderr.read().decode("utf-8", "replace").split())
+        except OSError:
+            return ""
+
+    def build(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        with self._lock:
+            for attempt in (1, 2):
+                process = self._ensure()
+                answer = self._ask(process, request, timeout)
+                if answer is not None:
+                    if not _FORKS:
+                        self._stop()
+                    return answer
+                try:
+                    ended: int | None = process.wait(2)
+                except subprocess.TimeoutExpired:
+                    ended = None
+                said = self._said()
+                self._stop()
+                if ended is None:
+                    return {"ok": False, "reason": "helper", "message": f"it did not answer within {timeout:.0f} s"}
+                if ended != 0 or attempt == 2:  # (an idle helper ends with 0, maybe just now: a second one is started)
+                    return {"ok": False, "reason": "helper",
+                            "message": f"it ended (exit status {ended}){': ' + said if said else ''}"}
+            raise AssertionError("unreachable")
+
+    @staticmethod
+    def _ask(process: subprocess.Popen[bytes], request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Send the request, wait for the answer line: None when the helper ended (or stopped answering)."""
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(json.dumps(request).encode() + b"\n")
+            process.stdin.flush()
+        except OSError:
+            return None
+        line = _read_line(process.stdout.fileno(), timeout)
+        if not line:
+            return None
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return None
+        return answer if isinstance(answer, dict) else None
+
+
+def _read_line(fd: int, timeout: float) -> bytes:
+    """One line from ``fd`` within ``timeout`` seconds (empty at its end or past the time)."""
+    data = bytearray()
+    deadline = time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b""
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b""
+        data += chunk
+    return bytes(data)
+
+
+_HELPER = _Helper()
+atexit.register(_HELPER.stop)  # (it would end by itself, at its stdin's end: this is sooner)
+
+
+# ---- the helper process -------------------------------------------------------------------------------------------
+
+
+def serve(*, fork: bool = True) -> None:
+    """The helper's loop: import transformers once, then for each request line on stdin fork a child that builds
+    the tokenizer within its limits, and answer one JSON line on stdout; end at stdin's end or after
+    :data:`IDLE_SECONDS` without a request. Without ``fork``, build the one request in this process, within its
+    limits, and end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the serving process's; this one ends with its stdin
+    import warnings
+
+    import transformers  # noqa: F401 - imported once, before the forks
+    from transformers import AutoTokenizer  # noqa: F401
+
+    warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)  # its one thread forks
+    stdin, stdout = sys.stdin.buffer.fileno(), sys.stdout.buffer
+    while True:
+        line = _read_line(stdin, IDLE_SECONDS)
+        if not line:
+            return
+        try:
+            request = json.loads(line)
+            if fork:
+                answer = _build_in_child(request)
+            else:
+                _limit(int(request["memory_bytes"]), float(request["cpu_seconds"]))
+                answer = _build(request)
+        except Exception as exc:  # noqa: BLE001 - answered, never a silent end
+            answer = {"ok": False, "reason": "helper", "message": f"{type(exc).__name__}: {exc}"}
+        stdout.write(json.dumps(answer).encode() + b"\n")
+        stdout.flush()
+        if not fork:
+            return
+
+
+def _build_in_child(request: dict[str, Any]) -> dict[str, Any]:
+    """Fork a child that builds within the request's limits; its answer, or why it gave none."""
+    with tempfile.TemporaryFile() as stderr:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            status = 1
+            try:
+                os.close(read)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                os.dup2(devnull, 0)
+                os.dup2(devnull, 1)
+                os.dup2(stderr.fileno(), 2)
+                _limit(int(request["memory_bytes"]), float(request["cpu_seconds"]))
+                answer = _build(request)
+                with os.fdopen(write, "wb") as out:
+                    out.write(json.dumps(answer).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        wall = float(request["wall_seconds"])
+        data, timed_out = _child_answer(read, wall)
+        if timed_out:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _, status, usage = os.wait4(pid, 0)
+        stderr.seek(0, os.SEEK_END)
+        stderr.seek(max(0, stderr.tell() - MESSAGE_CHARS))
+        said = " ".join(stderr.read().decode("utf-8", "replace").split())
+    if timed_out:
+        return {"ok": False, "reason": "time", "message": _seconds(wall)}
+    cpu = float(request["cpu_seconds"])
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
+        if usage.ru_utime + usage.ru_stime >= cpu:
+            return {"ok": False, "reason": "time", "message": f"{_seconds(cpu)} of CPU"}
+        if os.WTERMSIG(status) == signal.SIGKILL:  # not by its limits: the system's out-of-memory killer
+            return {"ok": False, "reason": "memory", "message": "it was killed by the system (signal SIGKILL)"}
+    if data:
+        try:
+            answer = json.loads(data)
+            if isinstance(answer, dict):
+                return answer
+        except ValueError:
+            pass
+    how = (f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
+           else f"exit status {os.WEXITSTATUS(status)}")
+    # a Rust allocation past the heap's limit aborts the process ("memory allocation of N bytes failed")
+    reason = "memory" if "memory allocation" in said or "MemoryError" in said else "helper"
+    return {"ok": False, "reason": reason, "message": f"it ended by {how}{': ' + said if said else ''}"}
+
+
+def _child_answer(read: int, wall: float) -> tuple[bytes, bool]:
+    """What the child wrote on the pipe ``read`` until it closed it; and whether ``wall`` seconds passed first."""
+    data = bytearray()
+    deadline = time.monotonic() + wall
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                return bytes(data), True
+            chunk = pipe.read(65536)
+            if not chunk:
+                return bytes(data), False
+            data += chunk
+
+
+def _limit(memory_bytes: int, cpu_seconds: float) -> None:
+    """The child's limits: its heap may grow by ``memory_bytes`` (``RLIMIT_DATA``), its CPU time ``cpu_seconds``."""
+    try:
+        import resource
+    except ImportError:  # (Windows) the time limits only: the serving process stops a helper that does not answer
+        return
+    used = 0
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as status:
+        for row in status:
+            if row.startswith("VmData:"):
+                used = int(row.split()[1]) * 1024
+    for which, value in ((resource.RLIMIT_DATA, used + memory_bytes), (resource.RLIMIT_CPU, int(cpu_seconds) + 1)):
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(which, (value, hard))
+
+
+def _build(request: dict[str, Any]) -> dict[str, Any]:
+    """Build the tokenizer the request names (and save it where it says): the answer."""
+    from transformers import AutoTokenizer
+
+    from asyncinfer.errors import is_native_panic
+
+    try:
+        source, gguf_file = request["source"], request.get("gguf_file")
+        if gguf_file is not None:
+            tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        if request.get("save_to"):
+            tokenizer.save_pretrained(request["save_to"])
+        cls = type(tokenizer)
+        return {"ok": True, "tokens": len(tokenizer), "class": f"{cls.__module__}.{cls.__qualname__}"}
+    except MemoryError:
+        return {"ok": False, "reason": "memory", "message": "MemoryError"}
+    except BaseException as exc:  # noqa: BLE001 - a Rust panic is a BaseException
+        message = " ".join(str(exc).split())[:MESSAGE_CHARS]
+        return {"ok": False, "reason": "panic" if is_native_panic(exc) else "error", "message": message}
