@@ -4,8 +4,15 @@ builds anything."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -124,13 +131,13 @@ def test_transformers_refusal_is_passed_on_with_the_directorys_hint(tmp_path, ne
 def test_a_helper_that_ended_is_started_again(tmp_path) -> None:
     path = word_level(tmp_path / "t", 10)
     assert check_build(path, vocab_size=11).tokens == 11
-    helper = tokenizer_build._HELPER._process
-    assert helper is not None
-    helper.kill()
-    helper.wait()
+    helpers = tokenizer_build._HELPERS.processes()
+    assert len(helpers) == 1
+    helpers[0].kill()
+    helpers[0].wait()
     assert check_build(path, vocab_size=11).tokens == 11
     tokenizer_build.stop_helper()
-    assert tokenizer_build._HELPER._process is None
+    assert tokenizer_build._HELPERS.processes() == []
     assert check_build(path, vocab_size=11).tokens == 11
 
 
@@ -140,9 +147,112 @@ def test_without_fork_each_build_has_a_helper_of_its_own(tmp_path, monkeypatch) 
     monkeypatch.setattr(tokenizer_build, "_FORKS", False)
     path = word_level(tmp_path / "t", 20_000)
     assert check_build(path, vocab_size=20_001).tokens == 20_001
-    assert tokenizer_build._HELPER._process is None
+    assert tokenizer_build._HELPERS.processes() == []
     with pytest.raises(ModelLoadError, match="took more than 1 MiB"):
         check_build(path, vocab_size=20_001, bounds=BuildBounds(memory_bytes=2**20, cpu_seconds=60, wall_seconds=200))
+
+
+def test_a_long_build_holds_up_no_other_build(tmp_path) -> None:
+    """Each build takes an idle helper or starts one: a tokenizer that takes its whole bounds (here 300,000 added
+    tokens, seconds of CPU) never delays another model's (one build at a time held them all up to its limits)."""
+    slow = word_level(tmp_path / "slow", 10, added=300_000)
+    quick = word_level(tmp_path / "quick", 10)
+    check_build(quick, vocab_size=11)  # a helper idle
+    ended: dict[str, float] = {}
+
+    def build(name: str, path: Path) -> None:
+        with contextlib.suppress(ModelLoadError):
+            check_build(path, vocab_size=None, bounds=BuildBounds(memory_bytes=2**31, cpu_seconds=30,
+                                                                  wall_seconds=60))
+        ended[name] = time.monotonic()
+
+    long = threading.Thread(target=build, args=("slow", slow))
+    long.start()
+    time.sleep(0.5)  # the slow one has the idle helper
+    build("quick", quick)
+    assert "slow" not in ended  # the quick one, in a helper of its own, ended first
+    tokenizer_build.stop_helper()  # the slow build ends with its helper
+    long.join(30)
+    assert not long.is_alive() and ended["slow"] > ended["quick"]
+
+
+_INTERRUPTED = """
+import sys, time, json
+from pathlib import Path
+from asyncinfer.models import tokenizer_build
+tokenizer_build.prepare()
+print(json.dumps([p.pid for p in tokenizer_build._HELPERS.processes()]), flush=True)
+tokenizer_build.check_build(Path(sys.argv[1]), vocab_size=None)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
+def test_a_serving_process_that_ends_mid_build_takes_its_helper_and_build_with_it(tmp_path, how) -> None:
+    """Ctrl-C (or a kill) during a build: the helper and the build it forked end too (the build ignored Ctrl-C and
+    outlived its serving process, up to its CPU limit, writing the GGUF cache's staging directory after it was
+    removed)."""
+    slow = word_level(tmp_path / "slow", 10, added=600_000)
+    root = Path(__file__).resolve().parents[2]
+    serving = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(slow)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])})
+    assert serving.stdout is not None
+    (helper,) = json.loads(serving.stdout.readline())
+    deadline = time.monotonic() + 60
+    while len(_group(helper)) < 2:  # the build forked
+        assert time.monotonic() < deadline and serving.poll() is None
+        time.sleep(0.1)
+    serving.send_signal(how)
+    serving.wait(30)
+    deadline = time.monotonic() + 15
+    while _group(helper):
+        assert time.monotonic() < deadline, f"left running: {_group(helper)}"
+        time.sleep(0.1)
+
+
+def _group(leader: int) -> list[int]:
+    """The live processes of the process group ``leader`` leads (zombies left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == leader and fields[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+def test_a_verdict_is_kept_for_the_same_files(tmp_path, monkeypatch) -> None:
+    """A directory whose files (every one but its weights, byte for byte) were built within their bounds before, for
+    the same vocab_size, is not built again; a byte changed, at the same size and time, is."""
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = word_level(tmp_path / "t", 10)
+    (path / "model.safetensors").write_bytes(b"weights")
+    builds: list[Path] = []
+    real = tokenizer_build.check_build
+
+    def counted(source, **kwargs):
+        builds.append(source)
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(tokenizer_build, "check_build", counted)
+    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
+    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
+    (path / "model.safetensors").write_bytes(b"other weights")
+    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
+    assert len(builds) == 1
+    tokenizer_build.check_build_once(path, vocab_size=12)  # another model's vocabulary: its own bounds
+    assert len(builds) == 2
+    config = path / "tokenizer_config.json"
+    info = config.stat()
+    config.write_text(config.read_text().replace("PreTrainedTokenizerFast", "PreTrainedTokenizerFasT"))
+    os.utime(config, ns=(info.st_atime_ns, info.st_mtime_ns))
+    tokenizer_build.check_build_once(path, vocab_size=11)
+    assert len(builds) == 3
+    (path / "notes.txt").write_text("any file transformers might read")
+    tokenizer_build.check_build_once(path, vocab_size=11)
+    assert len(builds) == 4
+    tokenizer_build.check_build_once(path, vocab_size=11)
+    assert len(builds) == 4
 
 
 def test_a_gguf_tokenizer_is_built_and_cached_by_the_bounded_build(tmp_path, monkeypatch) -> None:
@@ -165,8 +275,19 @@ def test_the_helper_ends_with_the_process_that_started_it(tmp_path) -> None:
     """It reads its requests from this process: at that pipe's end (this process gone) it ends."""
     path = word_level(tmp_path / "t", 10)
     check_build(path, vocab_size=11)
-    helper = tokenizer_build._HELPER._process
-    assert helper is not None and helper.stdin is not None
+    (helper,) = tokenizer_build._HELPERS.processes()
+    assert helper.stdin is not None
     helper.stdin.close()  # as this process's end closes it
     assert helper.wait(30) == 0
     tokenizer_build.stop_helper()
+
+
+def test_a_directory_without_a_tokenizer_starts_no_helper(tiny_models, tmp_path) -> None:
+    from asyncinfer import AsyncEngine
+    from tests.models.test_tokenizer_vocabulary_fits import weights_dir
+
+    tokenizer_build.stop_helper()
+    path = weights_dir(tiny_models, tmp_path / "m")
+    engine = AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", num_threads=1)
+    assert engine.get_tokenizer() is None
+    assert tokenizer_build._HELPERS.processes() == []

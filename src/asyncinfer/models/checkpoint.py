@@ -251,15 +251,23 @@ def _has_sentencepiece() -> bool:
     return importlib.util.find_spec("sentencepiece") is not None
 
 
+def has_tokenizer_files(path: Path) -> bool:
+    """Whether the directory ``path`` holds a tokenizer's files (else it loads without one)."""
+    return any((path / name).exists() for name in TOKENIZER_FILES)
+
+
 def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTokenizerBase | None:
     """The tokenizer saved in the directory ``path``; None when it holds no tokenizer files. Every file of the
     directory is checked first (:func:`check_file`); with ``vocab_size`` (the model's embeddings), a tokenizer of
-    more tokens is refused before it is built (:func:`_check_vocabulary_fits`).
+    more tokens is refused before it is built (:func:`_check_vocabulary_fits`); then it is built in a separate
+    process bounded in memory and time (:func:`asyncinfer.models.tokenizer_build.check_build`), and here only once
+    that build succeeded within the model's vocabulary.
 
     Raises:
-        ModelLoadError: tokenizer files that transformers cannot load, or more tokens than ``vocab_size``.
+        ModelLoadError: tokenizer files that transformers cannot load, a build past its bounds, or more tokens than
+            ``vocab_size``.
     """
-    if not any((path / name).exists() for name in TOKENIZER_FILES):
+    if not has_tokenizer_files(path):
         return None
     tokenizer_build.prepare()  # the bounded build's helper starts (importing transformers) while the files are checked
     reads = _tokenizer_reads(path)
@@ -284,7 +292,7 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
     # in proportion to the model, and its tokens counted, before this process builds it
     try:
-        tokenizer_build.check_build(path, vocab_size=vocab_size)
+        tokenizer_build.check_build_once(path, vocab_size=vocab_size)
     except tokenizer_build.BuildFailed as exc:
         if exc.panicked:
             raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: "

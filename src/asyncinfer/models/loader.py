@@ -59,6 +59,7 @@ from asyncinfer import kernels
 from asyncinfer.errors import ModelLoadError, native_panics_as
 from asyncinfer.models import tokenizer_build
 from asyncinfer.models.checkpoint import (
+    has_tokenizer_files,
     iter_safetensors,
     load_hf_tokenizer,
     read_json,
@@ -433,7 +434,8 @@ def _load_hf_dir(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
     ops: ElementwiseOps,
 ) -> LoadedModel:
-    tokenizer_build.prepare()  # the bounded build's helper imports transformers while the weights load
+    if has_tokenizer_files(path):
+        tokenizer_build.prepare()  # the bounded build's helper imports transformers while the weights load
     model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
                          ops=ops)
     return LoadedModel(model, config, load_hf_tokenizer(path, config.vocab_size), f"safetensors:{path.resolve()}")

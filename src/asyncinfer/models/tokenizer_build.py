@@ -99,7 +99,7 @@ def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None =
     request = {"source": str(source), "gguf_file": gguf_file, "save_to": None if save_to is None else str(save_to),
                "memory_bytes": bounds.memory_bytes, "cpu_seconds": bounds.cpu_seconds,
                "wall_seconds": bounds.wall_seconds}
-    answer = _HELPER.build(request, bounds.wall_seconds + 60)
+    answer = _HELPERS.build(request, bounds.wall_seconds + 60)
     if answer.get("ok"):
         report = BuildReport(tokens=int(answer["tokens"]), tokenizer_class=str(answer["class"]))
         if vocab_size is not None and report.tokens > vocab_size:
@@ -141,112 +141,151 @@ class BuildFailed(ModelLoadError):
                          + (f"the tokenizers library panicked reading it: {said}" if panicked else said))
 
 
+#: How many verdicts :func:`check_build_once` keeps (the oldest are removed past it).
+KEPT_VERDICTS = 256
+#: A directory's files never read as the tokenizer's, left out of its digest (weights, by their suffixes).
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz")
+_DIGEST_CHUNK = 2**20
+
+
+def check_build_once(source: Path, *, vocab_size: int | None) -> BuildReport:
+    """:func:`check_build` of the directory ``source``, once for the same files: its verdict is kept (in the user
+    cache's ``tokenizers/verdicts/``) under a digest of every file of the directory that is not a weight file (and of
+    ``additional_chat_templates/``), whole, with ``vocab_size`` and transformers' version; a directory whose files
+    are those of a verdict is not built again (a load saves the helper's start, some 3 s). Where the verdict cannot
+    be kept, the next load builds again.
+
+    Raises:
+        ModelLoadError: as :func:`check_build`.
+    """
+    import hashlib
+    import importlib.metadata
+
+    from asyncinfer.model_source import cache_dir
+
+    key = hashlib.sha256(json.dumps([_files_digest(source), vocab_size,
+                                     importlib.metadata.version("transformers")]).encode()).hexdigest()
+    verdicts = cache_dir() / "tokenizers" / "verdicts"
+    record = verdicts / f"{key[:32]}.json"
+    try:
+        known = json.loads(record.read_bytes())
+        return BuildReport(tokens=int(known["tokens"]), tokenizer_class=str(known["class"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    report = check_build(source, vocab_size=vocab_size)
+    try:
+        verdicts.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=verdicts, prefix=".verdict-", delete=False) as staged:
+            json.dump({"tokens": report.tokens, "class": report.tokenizer_class}, staged)
+        os.replace(staged.name, record)
+        kept = sorted(verdicts.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns)
+        for old in kept[:-KEPT_VERDICTS]:
+            old.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("could not keep the tokenizer's verdict in %s: %s", verdicts, exc)
+    return report
+
+
+def _files_digest(source: Path) -> str:
+    """A digest of the names and bytes of every regular file in ``source`` (and ``additional_chat_templates/``)
+    but its weight files: what transformers may build a tokenizer from."""
+    import hashlib
+    import stat
+
+    digest = hashlib.blake2b(digest_size=32)
+    for folder in (source, source / "additional_chat_templates"):
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.name.endswith(_NOT_TOKENIZER) or not stat.S_ISREG(entry.stat().st_mode):
+                    continue
+                content = hashlib.blake2b(digest_size=32)
+                size = 0
+                with open(entry, "rb") as fh:
+                    while chunk := fh.read(_DIGEST_CHUNK):
+                        content.update(chunk)
+                        size += len(chunk)
+                line = [str(entry.relative_to(source)), size, content.hexdigest()]
+            except OSError:
+                line = [str(entry.relative_to(source)), "unreadable"]
+            digest.update(json.dumps(line).encode() + b"\n")  # one JSON line a file: no two directories alike
+    return digest.hexdigest()
+
+
 def stop_helper() -> None:
     """End the helper process now (it ends by itself after :data:`IDLE_SECONDS` without a build, or with this
     process); the next build starts another."""
-    _HELPER.stop()
+    _HELPERS.stop()
 
 
 def prepare() -> None:
     """Start the helper process now (where ``fork`` exists), so that its import of transformers overlaps the work
-    that comes before the build (reading the weights); a no-op while one runs."""
-    _HELPER.start()
+    that comes before the build (reading the weights); a no-op while an idle one runs."""
+    _HELPERS.start()
 
 
-# ---- the serving process's side: one helper at a time ----------------------------------------------------------
+# ---- the serving process's side: helpers, one build each at a time ----------------------------------------------
 
 _FORKS = os.name == "posix" and sys.platform != "emscripten"
 
 
 class _Helper:
-    """The helper process: started on demand, restarted when it has ended, one request at a time (the lock)."""
+    """One helper process, in a process group of its own (a Ctrl-C at the terminal is the serving process's to
+    handle; stopping the helper kills the group, its build with it): one request at a time."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._stderr: IO[bytes] | None = None
+        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - the helper's, held while it runs
+        code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                "from asyncinfer.models.tokenizer_build import serve; "
+                "serve(fork=sys.argv[2] == 'fork', parent=int(sys.argv[3]))")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(sys.path), "fork" if _FORKS else "once", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, close_fds=True,
+                start_new_session=_FORKS)
+        except BaseException:
+            self.stderr.close()
+            raise
 
-    def start(self) -> None:
-        if not _FORKS:
-            return  # each build starts its own (below)
-        with self._lock:
-            self._ensure()
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def stop(self) -> None:
-        with self._lock:
-            self._stop()
-
-    def _ensure(self) -> subprocess.Popen[bytes]:
-        if self._process is not None and self._process.poll() is None:
-            return self._process
-        self._stop()
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the helper's, held while it runs
-        code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-                "from asyncinfer.models.tokenizer_build import serve; serve(fork=sys.argv[2] == 'fork')")
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", code, json.dumps(sys.path), "fork" if _FORKS else "once"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, close_fds=True)
-        return self._process
-
-    def _stop(self) -> None:
-        process, self._process = self._process, None
-        if process is not None:
+        """Kill the helper and whatever build it runs (its process group), and reap it."""
+        with contextlib.suppress(OSError):
+            if _FORKS:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            else:
+                self.process.kill()
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.process.wait(5)
+        for pipe in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError):
-                process.kill()
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                process.wait(5)
-            for pipe in (process.stdin, process.stdout):
-                with contextlib.suppress(OSError):
-                    if pipe is not None:
-                        pipe.close()
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
+                if pipe is not None:
+                    pipe.close()
+        self.stderr.close()
 
-    def _said(self) -> str:
+    def said(self) -> str:
         """The end of the helper's stderr (why it ended)."""
-        if self._stderr is None:
-            return ""
         try:
-            self._stderr.seek(0, os.SEEK_END)
-            size = self._stderr.tell()
-            self._stderr.seek(max(0, size - MESSAGE_CHARS))
-            return " ".join(self._stderr.read().decode("utf-8", "replace").split())
-        except OSError:
+            self.stderr.seek(0, os.SEEK_END)
+            self.stderr.seek(max(0, self.stderr.tell() - MESSAGE_CHARS))
+            return " ".join(self.stderr.read().decode("utf-8", "replace").split())
+        except (OSError, ValueError):
             return ""
 
-    def build(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        with self._lock:
-            for attempt in (1, 2):
-                process = self._ensure()
-                answer = self._ask(process, request, timeout)
-                if answer is not None:
-                    if not _FORKS:
-                        self._stop()
-                    return answer
-                try:
-                    ended: int | None = process.wait(2)
-                except subprocess.TimeoutExpired:
-                    ended = None
-                said = self._said()
-                self._stop()
-                if ended is None:
-                    return {"ok": False, "reason": "helper", "message": f"it did not answer within {timeout:.0f} s"}
-                if ended != 0 or attempt == 2:  # (an idle helper ends with 0, maybe just now: a second one is started)
-                    return {"ok": False, "reason": "helper",
-                            "message": f"it ended (exit status {ended}){': ' + said if said else ''}"}
-            raise AssertionError("unreachable")
-
-    @staticmethod
-    def _ask(process: subprocess.Popen[bytes], request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         """Send the request, wait for the answer line: None when the helper ended (or stopped answering)."""
-        assert process.stdin is not None and process.stdout is not None
+        assert self.process.stdin is not None and self.process.stdout is not None
         try:
-            process.stdin.write(json.dumps(request).encode() + b"\n")
-            process.stdin.flush()
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
         except OSError:
             return None
-        line = _read_line(process.stdout.fileno(), timeout)
+        line = _read_line(self.process.stdout.fileno(), timeout)
         if not line:
             return None
         try:
@@ -254,6 +293,95 @@ class _Helper:
         except ValueError:
             return None
         return answer if isinstance(answer, dict) else None
+
+
+class _Helpers:
+    """The helpers of this process: each build takes an idle one, or starts one (so that a long build never holds
+    up another model's load); a helper goes back to the idle ones after its build, and ends by itself after
+    :data:`IDLE_SECONDS` without one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held only to take or give back a helper, never during a build
+        self._idle: list[_Helper] = []
+        self._all: set[_Helper] = set()
+
+    def _take(self) -> _Helper:
+        with self._lock:
+            while self._idle:
+                helper = self._idle.pop()
+                if helper.alive():
+                    return helper
+                self._forget(helper)
+        helper = _Helper()
+        with self._lock:
+            self._all.add(helper)
+        return helper
+
+    def _give_back(self, helper: _Helper) -> None:
+        with self._lock:
+            if _FORKS and helper.alive() and helper in self._all:
+                self._idle.append(helper)
+                return
+        self._end(helper)
+
+    def _forget(self, helper: _Helper) -> None:  # (under the lock)
+        self._all.discard(helper)
+        helper.stop()
+
+    def _end(self, helper: _Helper) -> None:
+        with self._lock:
+            self._all.discard(helper)
+        helper.stop()
+
+    def start(self) -> None:
+        """One idle helper at least (where ``fork`` exists)."""
+        if not _FORKS:
+            return  # each build starts its own
+        with self._lock:
+            if any(helper.alive() for helper in self._idle):
+                return
+        helper = _Helper()
+        with self._lock:
+            self._all.add(helper)
+            self._idle.append(helper)
+
+    def stop(self) -> None:
+        """End every helper, and the builds they run."""
+        with self._lock:
+            helpers, self._idle, self._all = list(self._all), [], set()
+        for helper in helpers:
+            helper.stop()
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        with self._lock:
+            return [helper.process for helper in self._all]
+
+    def build(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        for attempt in (1, 2):
+            try:
+                helper = self._take()
+            except OSError as exc:
+                return {"ok": False, "reason": "helper", "message": f"it could not be started: {exc}"}
+            try:
+                answer = helper.ask(request, timeout)
+            except BaseException:  # (Ctrl-C): the build is abandoned, and its helper with it
+                self._end(helper)
+                raise
+            if answer is not None:
+                self._give_back(helper)
+                return answer
+            try:
+                ended: int | None = helper.process.wait(2)
+            except subprocess.TimeoutExpired:
+                ended = None
+            said = helper.said()
+            self._end(helper)
+            if ended is None:
+                return {"ok": False, "reason": "helper", "message": f"it did not answer within {timeout:.0f} s"}
+            if ended != 0 or attempt == 2:  # (an idle helper ends with 0, maybe just now: another one is started)
+                return {"ok": False, "reason": "helper",
+                        "message": f"it ended (exit status {ended}){': ' + said if said else ''}"}
+        raise AssertionError("unreachable")
 
 
 def _read_line(fd: int, timeout: float) -> bytes:
@@ -271,19 +399,20 @@ def _read_line(fd: int, timeout: float) -> bytes:
     return bytes(data)
 
 
-_HELPER = _Helper()
-atexit.register(_HELPER.stop)  # (it would end by itself, at its stdin's end: this is sooner)
+_HELPERS = _Helpers()
+atexit.register(_HELPERS.stop)  # (it would end by itself, at its stdin's end: this is sooner)
 
 
 # ---- the helper process -------------------------------------------------------------------------------------------
 
 
-def serve(*, fork: bool = True) -> None:
+def serve(*, fork: bool = True, parent: int = 0) -> None:
     """The helper's loop: import transformers once, then for each request line on stdin fork a child that builds
-    the tokenizer within its limits, and answer one JSON line on stdout; end at stdin's end or after
-    :data:`IDLE_SECONDS` without a request. Without ``fork``, build the one request in this process, within its
-    limits, and end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the serving process's; this one ends with its stdin
+    the tokenizer within its limits, and answer one JSON line on stdout; end at stdin's end (the serving process,
+    ``parent``, has ended or given it up: a build under way is killed then) or after :data:`IDLE_SECONDS` without a
+    request. Without ``fork``, build the one request in this process, within its limits, and end."""
+    if parent and os.getppid() != parent:
+        return  # the serving process ended while this one started
     import warnings
 
     import transformers  # noqa: F401 - imported once, before the forks
@@ -298,7 +427,7 @@ def serve(*, fork: bool = True) -> None:
         try:
             request = json.loads(line)
             if fork:
-                answer = _build_in_child(request)
+                answer = _build_in_child(request, stdin)
             else:
                 _limit(int(request["memory_bytes"]), float(request["cpu_seconds"]))
                 answer = _build(request)
@@ -310,14 +439,18 @@ def serve(*, fork: bool = True) -> None:
             return
 
 
-def _build_in_child(request: dict[str, Any]) -> dict[str, Any]:
-    """Fork a child that builds within the request's limits; its answer, or why it gave none."""
+def _build_in_child(request: dict[str, Any], stdin: int) -> dict[str, Any]:
+    """Fork a child that builds within the request's limits; its answer, or why it gave none. The child ends with
+    this process (Linux: its parent-death signal); at ``stdin``'s end (the serving process gone) it is killed, and
+    this process ends."""
+    helper = os.getpid()
     with tempfile.TemporaryFile() as stderr:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
             status = 1
             try:
+                _die_with(helper)
                 os.close(read)
                 devnull = os.open(os.devnull, os.O_RDWR)
                 os.dup2(devnull, 0)
@@ -332,11 +465,13 @@ def _build_in_child(request: dict[str, Any]) -> dict[str, Any]:
                 os._exit(status)
         os.close(write)
         wall = float(request["wall_seconds"])
-        data, timed_out = _child_answer(read, wall)
-        if timed_out:
+        data, timed_out, orphaned = _child_answer(read, wall, stdin)
+        if timed_out or orphaned:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         _, status, usage = os.wait4(pid, 0)
+        if orphaned:
+            os._exit(0)
         stderr.seek(0, os.SEEK_END)
         stderr.seek(max(0, stderr.tell() - MESSAGE_CHARS))
         said = " ".join(stderr.read().decode("utf-8", "replace").split())
@@ -362,19 +497,35 @@ def _build_in_child(request: dict[str, Any]) -> dict[str, Any]:
     return {"ok": False, "reason": reason, "message": f"it ended by {how}{': ' + said if said else ''}"}
 
 
-def _child_answer(read: int, wall: float) -> tuple[bytes, bool]:
-    """What the child wrote on the pipe ``read`` until it closed it; and whether ``wall`` seconds passed first."""
+def _child_answer(read: int, wall: float, stdin: int) -> tuple[bytes, bool, bool]:
+    """What the child wrote on the pipe ``read`` until it closed it; whether ``wall`` seconds passed first; and
+    whether ``stdin`` came to its end first (the serving process sends nothing more while a build runs)."""
     data = bytearray()
     deadline = time.monotonic() + wall
     with os.fdopen(read, "rb", buffering=0) as pipe:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([pipe], [], [], left)[0]:
-                return bytes(data), True
+            ready = select.select([pipe, stdin], [], [], left)[0] if left > 0 else []
+            if not ready:
+                return bytes(data), True, False
+            if stdin in ready:
+                return bytes(data), False, True
             chunk = pipe.read(65536)
             if not chunk:
-                return bytes(data), False
+                return bytes(data), False, False
             data += chunk
+
+
+def _die_with(parent: int) -> None:
+    """This process is killed when ``parent`` ends (Linux's parent-death signal); it ends now if that has
+    happened."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _limit(memory_bytes: int, cpu_seconds: float) -> None:
