@@ -489,7 +489,10 @@ def _encode(tokenizer: Any, text: str, **options: Any) -> list[int]:
 
 def _need_tokenizer(version: ModelVersion, what: str) -> Any:
     if version.tokenizer is None:
-        raise InvalidParameterError("prompt", what, NO_TOKENIZER)
+        verb = "rendered" if what == "chat messages" else "encoded"
+        raise InvalidParameterError("prompt", what, NO_TOKENIZER, message=(
+            f"prompt: this model was loaded without a tokenizer, so {what} cannot be {verb} for it: send the prompt "
+            "as token ids (a list of integers)"))
     return version.tokenizer
 
 

@@ -67,6 +67,38 @@ def test_chat_with_a_model_without_a_tokenizer_says_so(tmp_path, capsys) -> None
         "or none in its GGUF file), so chat cannot encode messages for it\n")
 
 
+def test_generate_text_with_a_model_without_a_tokenizer_says_how_to_give_ids(tmp_path, capsys) -> None:
+    """``generate --prompt TEXT`` on such a model failed each line with "prompt='a text prompt' is invalid: allowed
+    token ids: ..." (exit status 1), never saying how to give ids (stranger79): refused once, with the form of a line
+    that runs; a file of text and id lines runs its id lines, each text line refused in words that say what to send."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncinfer import cli
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "bare")
+    capsys.readouterr()  # transformers' progress bar
+    bare = str(tmp_path / "bare")
+    assert cli.main(["generate", bare, "--threads", "1", "--max-tokens", "2", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncinfer: error: {bare!r} has no tokenizer (no tokenizer files beside its weights, or none in its GGUF "
+        'file), so generate cannot encode text prompts for it: give each prompt as token ids, a --file line such as '
+        '{"prompt": [1, 2, 3]}\n')
+    lines = tmp_path / "mixed.jsonl"
+    lines.write_text('{"prompt": "hi"}\n{"prompt": [1, 2, 3]}\n')
+    assert cli.main(["generate", bare, "--threads", "1", "--max-tokens", "2", "--file", str(lines),
+                     "--no-progress"]) == 1
+    text, ids = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert text["error"] == ("prompt: this model was loaded without a tokenizer, so a text prompt cannot be encoded "
+                             "for it: send the prompt as token ids (a list of integers)")
+    assert len(ids["token_ids"]) == 2
+
+
 def test_a_file_inside_a_model_directory_names_the_directory(tmp_path, capsys) -> None:
     """vLLM users point at a checkpoint's file (model.safetensors, config.json): 'is not a model' alone left
     them guessing; the error names the directory that is one."""

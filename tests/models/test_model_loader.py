@@ -53,6 +53,19 @@ def test_loaded_model_state(tmp_path):
     assert loaded.model.compute_logits(torch.zeros(3, 64, dtype=torch.bfloat16)).dtype == torch.float32
 
 
+def test_a_config_whose_sizes_are_not_its_weights_says_where_the_sizes_came_from(tmp_path):
+    """A vocab_size edited in config.json: the shape refusal named the tensor only, not config.json (stranger79)."""
+    _save(tiny_hf_model("llama"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rows = config["vocab_size"]
+    config["vocab_size"] = rows - 20
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=re.escape(
+            f"has shape ({rows}, 64), expected ({rows - 20}, 64) (for parameter 'lm_head.weight', from "
+            "config.json's sizes: do they belong to these weights?)")):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
 def test_missing_path_raises(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nope", torch.float32, "cpu")

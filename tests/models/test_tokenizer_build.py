@@ -86,7 +86,9 @@ def test_more_tokens_than_the_model_embeds_are_refused_before_this_process_build
     with pytest.raises(ModelLoadError) as refused:
         load_hf_tokenizer(path, vocab)
     assert str(refused.value) == (f"the tokenizer of {path} has {vocab + 100} tokens (built in a separate process, "
-                                  f"refused before this one builds it) but the model embeds only {vocab}")
+                                  f"refused before this one builds it) but the model embeds only {vocab}: is it "
+                                  "another model's tokenizer? Copy this model's own tokenizer files beside its "
+                                  "config.json")
 
 
 def test_a_build_past_its_memory_is_stopped_and_the_next_one_builds(tmp_path) -> None:
@@ -124,7 +126,7 @@ def test_transformers_refusal_is_passed_on_with_the_directorys_hint(tmp_path, ne
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     with pytest.raises(ModelLoadError, match=r"^cannot load the tokenizer in .*/m: it holds tokenizer_config.json but "
                                              r"no vocabulary \(tokenizer.json, tokenizer.model, vocab.json\): copy "
-                                             r"the model's tokenizer files beside its config.json \(transformers: "):
+                                             r"the model's tokenizer files beside its config.json$"):
         load_hf_tokenizer(path, 100)
 
 

@@ -77,7 +77,9 @@ def test_added_tokens_past_the_vocabulary_are_refused_before_the_build(tiny_mode
     with pytest.raises(ModelLoadError) as refused:
         AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", num_threads=1)
     assert str(refused.value).endswith(f"the tokenizer has {VOCAB + 2_000} tokens (counted in tokenizer.json, "
-                                       f"tokenizer_config.json of {path}) but the model embeds only {VOCAB}")
+                                       f"tokenizer_config.json of {path}) but the model embeds only {VOCAB}: is it "
+                                       "another model's tokenizer? Copy this model's own tokenizer files beside its "
+                                       "config.json")
 
 
 @pytest.mark.parametrize("where", ["added_tokens.json", "tokenizer_config.json"])
@@ -188,7 +190,9 @@ def test_a_vocab_txt_past_the_vocabulary_is_refused_before_the_build(tiny_models
     path = bert_dir(tiny_models, tmp_path / "m", ["[UNK]", *words(VOCAB + VOCABULARY_FILE_SLACK)])
     with pytest.raises(ModelLoadError, match=rf"^cannot load the tokenizer in .*: vocab\.txt holds "
                                              rf"{VOCAB + VOCABULARY_FILE_SLACK + 1} lines, more than the model's "
-                                             rf"vocab_size {VOCAB} \(and {VOCABULARY_FILE_SLACK}\) allows$"):
+                                             rf"vocab_size {VOCAB} \(and {VOCABULARY_FILE_SLACK} more, for a header "
+                                             rf"and special tokens\) allows: is it another model's\? Copy this "
+                                             rf"model's own tokenizer files, or remove it$"):
         load_hf_tokenizer(path, VOCAB)
 
 
@@ -438,7 +442,7 @@ def test_a_tekken_json_past_the_vocabulary_is_refused_before_the_build(tiny_mode
     path = tekken_dir(tiny_models, tmp_path / "m", tokens, fillers)
     want = 256 + tokens + (fillers or 1)
     with pytest.raises(ModelLoadError, match=rf"tekken\.json holds {want} tokens \(its vocabulary and special tokens\), "
-                                             rf"more than the model's vocab_size {VOCAB} \(and {VOCABULARY_FILE_SLACK}\) "):
+                                             rf"more than the model's vocab_size {VOCAB} \(and {VOCABULARY_FILE_SLACK} more"):
         load_hf_tokenizer(path, VOCAB)
 
 

@@ -428,6 +428,11 @@ async def _run(model: Any, options: dict[str, Any], jobs: list[Job], out: TextIO
     if args.chat:  # every line a chat: refused once, not line by line
         check_chats_render(engine.get_tokenizer(), model, "generate --chat")
     ids_only = engine.get_tokenizer() is None  # no text to give: the output is its token ids
+    if ids_only and all(isinstance(job.prompt, str) for job in jobs):  # refused once, not line by line
+        await engine.aclose()
+        raise CommandError(f"{str(model)!r} has no tokenizer (no tokenizer files beside its weights, or none in its "
+                           "GGUF file), so generate cannot encode text prompts for it: give each prompt as token "
+                           'ids, a --file line such as {"prompt": [1, 2, 3]}')
     results: list[dict[str, Any] | None] = [None] * len(jobs)
     written = failed = 0
     limit = asyncio.Semaphore(args.concurrency)

@@ -320,8 +320,9 @@ def _build_failure(path: Path, said: str) -> str:
     vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any((path / name).exists() for name in vocabulary):
         present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
+        # (transformers' own words then advise installing sentencepiece or tiktoken, which would not help)
         return (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
-                f"files beside its config.json (transformers: {said})")
+                "files beside its config.json")
     if (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
         # transformers then tries the file as tiktoken's and says that tiktoken is missing
         return ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
@@ -503,7 +504,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _JsonFil
             tokens |= _tokens_in(raw)
     if len(tokens) > vocab_size:
         raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens (counted in {', '.join(counted)} of {path}) but "
-                             f"the model embeds only {vocab_size}")
+                             f"the model embeds only {vocab_size}: is it another model's tokenizer? Copy this model's own tokenizer "
+                             "files beside its config.json")
 
 
 #: A SentencePiece model's names in a directory (transformers converts one to its tokenizer where no tokenizer.json is).
@@ -599,7 +601,9 @@ def _check_vocabulary_file(path: Path, name: str, bound: int, vocab_size: int) -
                 squares = max(squares, walked[1])
     if entries > limit:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {name} holds {entries} {kind}, more than the "
-                             f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK}) allows")
+                             f"model's vocab_size {vocab_size} (and {VOCABULARY_FILE_SLACK} more, for a header and "
+                             "special tokens) allows: is it another model's? Copy this model's own tokenizer files, "
+                             "or remove it")
     _check_split_work(path, name, squares, vocab_size)
 
 

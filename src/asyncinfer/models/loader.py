@@ -292,9 +292,10 @@ def _materialise(
             shape = params[target.param].shape
             expected = tuple(shape) if target.rows is None else (target.rows.stop - target.rows.start, *shape[1:])
             if tuple(tensor.shape) != expected:
+                sizes = "config.json's sizes" if fmt == "hf" else "the GGUF header's sizes"
                 raise ModelLoadError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} "
-                    f"(for parameter {target.param!r})"
+                    f"(for parameter {target.param!r}, from {sizes}: do they belong to these weights?)"
                 )
             if adopt and target.rows is None and tensor.dtype == dtype and tensor.device == device:
                 state[target.param] = tensor

@@ -104,7 +104,9 @@ def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None =
         report = BuildReport(tokens=int(answer["tokens"]), tokenizer_class=str(answer["class"]))
         if vocab_size is not None and report.tokens > vocab_size:
             raise ModelLoadError(f"the tokenizer of {where} has {report.tokens} tokens (built in a separate process, "
-                                 f"refused before this one builds it) but the model embeds only {vocab_size}")
+                                 f"refused before this one builds it) but the model embeds only {vocab_size}"
+                                 + ("" if gguf_file is not None else ": is it another model's tokenizer? Copy this "
+                                    "model's own tokenizer files beside its config.json"))
         return report
     reason, message = answer.get("reason"), str(answer.get("message", ""))[:MESSAGE_CHARS]
     if reason == "memory":
