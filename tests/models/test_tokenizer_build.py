@@ -224,8 +224,8 @@ def _group(leader: int) -> list[int]:
 
 
 def test_a_verdict_is_kept_for_the_same_files(tmp_path, monkeypatch) -> None:
-    """A directory whose files (every one but its weights, byte for byte) were built within their bounds before, for
-    the same vocab_size, is not built again; a byte changed, at the same size and time, is."""
+    """A directory whose files (byte for byte) were built within their bounds before, for the same vocab_size, is not
+    built again; a byte changed, at the same size and time, is, and so is a file added."""
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     path = word_level(tmp_path / "t", 10)
     (path / "model.safetensors").write_bytes(b"weights")
@@ -237,9 +237,6 @@ def test_a_verdict_is_kept_for_the_same_files(tmp_path, monkeypatch) -> None:
         return real(source, **kwargs)
 
     monkeypatch.setattr(tokenizer_build, "check_build", counted)
-    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
-    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
-    (path / "model.safetensors").write_bytes(b"other weights")
     assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
     assert len(builds) == 1
     tokenizer_build.check_build_once(path, vocab_size=12)  # another model's vocabulary: its own bounds
@@ -293,3 +290,126 @@ def test_a_directory_without_a_tokenizer_starts_no_helper(tiny_models, tmp_path)
     engine = AsyncEngine.from_pretrained(path, dtype="float32", device="cpu", num_threads=1)
     assert engine.get_tokenizer() is None
     assert tokenizer_build._HELPERS.processes() == []
+
+
+def test_a_gguf_files_tokenizer_is_its_own_whatever_lies_beside_it(tmp_path, monkeypatch) -> None:
+    """transformers took a tokenizer.json (and tokenizer_config.json) beside the GGUF file over its vocabulary,
+    unchecked: a normalizer that multiplied texts aborted the process at the first prompt (pass89). Both the bounded
+    build and this process's own (where no cache can be written) build from the file alone."""
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    clean = write_tokenizer_gguf((tmp_path / "clean").mkdir() or tmp_path / "clean" / "t.gguf", "{{ 'x' }}")
+    reference = transformers.AutoTokenizer.from_pretrained(clean.parent, gguf_file="t.gguf")
+    beside = word_level(tmp_path / "beside", 3)  # a tokenizer.json and tokenizer_config.json of 4 tokens
+    path = write_tokenizer_gguf(beside / "t.gguf", "{{ 'x' }}")
+    built = gguf_tokenizer(path, vocab_size=100)
+    assert isinstance(built, CachedTokenizer) and built.get_vocab() == reference.get_vocab()
+    (tmp_path / "cache").rename(tmp_path / "old")
+    (tmp_path / "cache").write_text("a file where the cache directory should be")  # built here too
+    built = gguf_tokenizer(path, vocab_size=100)
+    assert not isinstance(built, CachedTokenizer) and built.get_vocab() == reference.get_vocab()
+
+
+def test_a_killed_loads_staging_directory_is_removed_by_a_later_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(tmp_path / "t.gguf", "{{ 'x' }}")
+    staging = tmp_path / "cache" / "tokenizers"
+    staging.mkdir(parents=True)
+    (staging / ".tokenizer-left").mkdir()
+    os.utime(staging / ".tokenizer-left", (time.time() - 7200, time.time() - 7200))
+    (staging / ".tokenizer-now").mkdir()  # another load's, under way
+    gguf_tokenizer(path, vocab_size=100)
+    assert sorted(entry.name for entry in staging.iterdir() if entry.name.startswith(".")) == [".tokenizer-now"]
+
+
+def test_every_file_counts_in_a_directorys_digest_whatever_its_name(tmp_path, monkeypatch) -> None:
+    """A tokenizer file transformers picks by a name ending as a weight file's (``fast_tokenizer_files``:
+    ``tokenizer.4.0.json.bin``) was left out of the digest: changed, it was built here unbounded (pass89). Every file
+    counts now, the large ones (weights) by their size, inode and change time rather than read whole."""
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = word_level(tmp_path / "t", 10)
+    (path / "tokenizer.4.0.json.bin").write_text("first")
+    first = tokenizer_build._files_digest(path)
+    (path / "tokenizer.4.0.json.bin").write_text("other")
+    assert tokenizer_build._files_digest(path) != first
+    monkeypatch.setattr(tokenizer_build, "DIGEST_BYTES", 4)  # the file is a large one now
+    second = tokenizer_build._files_digest(path)
+    assert tokenizer_build._files_digest(path) == second
+    info = (path / "tokenizer.4.0.json.bin").stat()
+    (path / "tokenizer.4.0.json.bin").write_text("third")
+    os.utime(path / "tokenizer.4.0.json.bin", ns=(info.st_atime_ns, info.st_mtime_ns))  # same size and time
+    assert tokenizer_build._files_digest(path) != second  # (its change time moved)
+
+
+def test_a_directory_with_a_verdict_starts_no_helper(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = word_level(tmp_path / "t", 10)
+    assert len(load_hf_tokenizer(path, 11)) == 11
+    tokenizer_build.stop_helper()
+    assert len(load_hf_tokenizer(path, 11)) == 11
+    assert tokenizer_build._HELPERS.processes() == []
+
+
+def test_past_max_helpers_a_build_waits_for_a_free_one(tmp_path, monkeypatch) -> None:
+    tokenizer_build.stop_helper()
+    monkeypatch.setattr(tokenizer_build, "MAX_HELPERS", 1)
+    slow = word_level(tmp_path / "slow", 10, added=300_000)
+    quick = word_level(tmp_path / "quick", 10)
+    ended: dict[str, float] = {}
+    most = 0
+
+    def build(name: str, path: Path, cpu: float) -> None:
+        with contextlib.suppress(ModelLoadError):
+            check_build(path, vocab_size=None, bounds=BuildBounds(memory_bytes=2**31, cpu_seconds=cpu,
+                                                                  wall_seconds=60))
+        ended[name] = time.monotonic()
+
+    threads = [threading.Thread(target=build, args=("slow", slow, 1.5))]
+    threads[0].start()
+    while not tokenizer_build._HELPERS.processes():
+        time.sleep(0.05)
+    threads.append(threading.Thread(target=build, args=("quick", quick, 60)))
+    threads[1].start()
+    while any(thread.is_alive() for thread in threads):
+        most = max(most, len(tokenizer_build._HELPERS.processes()))
+        time.sleep(0.05)
+    assert most == 1 and ended["quick"] > ended["slow"]
+
+
+_CONCURRENT = """
+import sys, threading
+from pathlib import Path
+from asyncinfer.models.checkpoint import load_hf_tokenizer
+failed = []
+def load():
+    try:
+        load_hf_tokenizer(Path(sys.argv[1]), 11)
+    except BaseException as exc:
+        failed.append(repr(exc))
+threads = [threading.Thread(target=load) for _ in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(failed)
+"""
+
+
+def test_tokenizers_load_in_several_threads_at_once(tmp_path) -> None:
+    """transformers imported by several threads at once failed some (``ImportError: cannot import name
+    'PreTrainedTokenizerBase'``, pass89): imported under a lock."""
+    path = word_level(tmp_path / "t", 10)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT, str(path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
+                               "ASYNCINFER_CACHE_DIR": str(tmp_path / "cache")}, check=False)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+def test_a_json_file_transformers_cannot_read_is_named(tmp_path) -> None:
+    """Python's JSON error ("Expecting property name ...: line 1 column 2") named no file (stranger80)."""
+    path = word_level(tmp_path / "t", 10)
+    (path / "tokenizer_config.json").write_text("{bad")
+    with pytest.raises(ModelLoadError, match=r"^cannot load the tokenizer in .*/t: tokenizer_config\.json is not valid "
+                                             r"JSON: Expecting property name enclosed in double quotes: line 1 "
+                                             r"column 2 \(char 1\)$"):
+        load_hf_tokenizer(path, 11)

@@ -23,6 +23,7 @@ import msgspec
 
 from asyncinfer.errors import ModelLoadError, native_panics_as
 from asyncinfer.models import tokenizer_build
+from asyncinfer.models.hf_imports import transformers_imports
 
 if TYPE_CHECKING:
     import torch
@@ -269,7 +270,8 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     """
     if not has_tokenizer_files(path):
         return None
-    tokenizer_build.prepare()  # the bounded build's helper starts (importing transformers) while the files are checked
+    # the bounded build's helper starts (importing transformers) while the files are checked, unless no build is due
+    tokenizer_build.prepare(path, vocab_size)
     reads = _tokenizer_reads(path)
     for file in reads:  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
@@ -287,7 +289,7 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
         _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
     _check_charsmaps(tokenizer_json)
     _check_text_growth(tokenizer_json)
-    from transformers import AutoTokenizer  # (imported here while the helper imports it too)
+    auto = tokenizer_build.auto_tokenizer()  # (imported here while the helper imports it too)
 
     # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
     # in proportion to the model, and its tokens counted, before this process builds it
@@ -301,7 +303,7 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     try:
         with native_panics_as(lambda exc: ModelLoadError(
                 f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = auto.from_pretrained(path)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -323,12 +325,41 @@ def _build_failure(path: Path, said: str) -> str:
         # (transformers' own words then advise installing sentencepiece or tiktoken, which would not help)
         return (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
                 "files beside its config.json")
+    if _JSON_ERROR.search(said):  # Python's JSON error names no file: the one that gives it
+        broken = _json_file_at_fault(path, said)
+        if broken is not None:
+            return f"{broken} is not valid JSON: {said}"
     if (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists() and not _has_sentencepiece():
         # transformers then tries the file as tiktoken's and says that tiktoken is missing
         return ("its vocabulary is tokenizer.model (SentencePiece's) without a tokenizer.json, which transformers "
                 "reads only with the sentencepiece package: pip install sentencepiece, or copy the model's "
                 f"tokenizer.json beside its config.json (transformers: {said})")
     return said
+
+
+_JSON_ERROR = re.compile(r"line \d+ column \d+ \(char \d+\)")
+
+
+def _json_file_at_fault(path: Path, said: str) -> str | None:
+    """The name of the JSON file of ``path`` that Python's reader refuses as ``said`` (else the first it refuses):
+    the files transformers reads for a tokenizer first (each checked by :func:`check_file` before the build)."""
+    first = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+             "chat_template.json", "vocab.json", "config.json")
+    names = [*first, *sorted(entry.name for entry in path.glob("*.json") if entry.name not in first)]
+    refused: list[str] = []
+    for name in names:
+        file = path / name
+        try:
+            if not file.is_file() or file.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+                continue
+            json.loads(file.read_bytes())
+        except ValueError as exc:
+            if str(exc) in said:
+                return name
+            refused.append(name)
+        except (OSError, RecursionError):
+            continue
+    return refused[0] if refused else None
 
 
 def _fast_tokenizer_file(path: Path, config: _JsonFile, limit: int) -> str:
@@ -540,8 +571,9 @@ def _tokenizer_class(path: Path, bound: int, config: _JsonFile) -> Any:
     ``tokenizer_config.json`` (``config``, within ``bound`` bytes) and its ``config.json`` (within
     :data:`MAX_JSON_BYTES`, as its loader reads it), both read with Python's json, as transformers reads them
     (msgspec refuses a NaN that json takes)."""
-    from transformers import PreTrainedTokenizerBase
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    with transformers_imports():
+        from transformers import PreTrainedTokenizerBase
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     def within(doc: _JsonFile, limit: int) -> dict[str, Any]:  # past its bound, refused where it is read
         return (doc.parsed() if doc.size is not None and doc.size <= limit else None) or {}

@@ -34,6 +34,7 @@ and gate/up land in row slices of the fused params.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import importlib.metadata
@@ -44,6 +45,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +79,7 @@ from asyncinfer.models.config import (
     normalise_token_ids,
 )
 from asyncinfer.models.gguf_file import GGUFFile, GGUFTensor
+from asyncinfer.models.hf_imports import transformers_imports
 from asyncinfer.models.layers import EAGER_OPS, ElementwiseOps
 from asyncinfer.models.meta import build_on_meta
 from asyncinfer.models.quant import (
@@ -350,7 +353,8 @@ def _preview(names: list[str], limit: int = 8) -> str:
 
 
 def _hf_model_config(path: Path) -> ModelConfig:
-    from transformers import AutoConfig
+    with transformers_imports():
+        from transformers import AutoConfig
 
     # An architecture no family runs is refused from config.json's names, before transformers parses it
     # (which fails on model types it does not know without naming what runs here) and before any weight.
@@ -389,7 +393,8 @@ def _check_model_type_known(raw: dict[str, Any]) -> None:
     not know (a typo, a renamed or custom type) is refused as an unsupported model_type, naming both and the
     supported architectures, as any other architecture is: transformers' own refusal tells the user to upgrade
     transformers, which would not make it load."""
-    from transformers import CONFIG_MAPPING
+    with transformers_imports():
+        from transformers import CONFIG_MAPPING
 
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
@@ -435,8 +440,8 @@ def _load_hf_dir(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
     ops: ElementwiseOps,
 ) -> LoadedModel:
-    if has_tokenizer_files(path):
-        tokenizer_build.prepare()  # the bounded build's helper imports transformers while the weights load
+    if has_tokenizer_files(path):  # the bounded build's helper imports transformers while the weights load
+        tokenizer_build.prepare(path, config.vocab_size)
     model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
                          ops=ops)
     return LoadedModel(model, config, load_hf_tokenizer(path, config.vocab_size), f"safetensors:{path.resolve()}")
@@ -1095,14 +1100,14 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
         cached = _cached_tokenizer(cache, stamp)
         if cached is not None:
             return cached
-    from transformers import AutoTokenizer  # no cache: built here too, as the bounded build did
+    auto = tokenizer_build.auto_tokenizer()  # no cache: built here too, as the bounded build did
 
     # A vocabulary the tokenizers library's Rust code cannot follow (merges whose pieces run into each other) makes it
     # panic: a PanicException, a BaseException that every `except Exception` lets through.
     try:
         with native_panics_as(lambda panic: ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: the "
                                                            f"tokenizers library panicked on its vocabulary ({panic})")):
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = tokenizer_build.gguf_only(path, auto)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -1156,10 +1161,19 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict
     return _commit_cache(staged, cache, stamp, f"{cls.__module__}.{cls.__qualname__}")
 
 
+#: A staging directory older than this is one a load left when its process was killed: removed by the next.
+_STALE_STAGING_S = 3600
+
+
 def _staging_dir(cache: Path) -> Path | None:
-    """A new empty directory beside ``cache`` to write it in; None (logged) where none can be made."""
+    """A new empty directory beside ``cache`` to write it in (staging directories an hour old, which killed loads
+    left, removed first); None (logged) where none can be made."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
+        for left in cache.parent.glob(".tokenizer-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - left.stat().st_mtime > _STALE_STAGING_S:
+                    shutil.rmtree(left, ignore_errors=True)
         return Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.parent))
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", cache, exc)

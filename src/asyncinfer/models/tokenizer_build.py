@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncinfer.errors import ModelLoadError
+from asyncinfer.models.hf_imports import transformers_imports
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ CPU_MS_PER_TOKEN = 1.0
 WALL_PER_CPU = 3.0
 #: The seconds the helper process waits for the next build before it ends (its ~300 MiB are then given back).
 IDLE_SECONDS = 120.0
+#: The most helper processes at once (each ~300 MiB, and its build's bounds): more builds at once wait for one.
+MAX_HELPERS = 4
 #: The most characters of a failed build's message (or its stderr) passed on.
 MESSAGE_CHARS = 2000
 
@@ -145,36 +148,28 @@ class BuildFailed(ModelLoadError):
 
 #: How many verdicts :func:`check_build_once` keeps (the oldest are removed past it).
 KEPT_VERDICTS = 256
-#: A directory's files never read as the tokenizer's, left out of its digest (weights, by their suffixes).
-_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz")
+#: A directory's files up to this size enter its digest by their bytes; larger ones (weights, whatever their names)
+#: by their size, inode and change time (``st_ctime_ns``, which every write and every ``touch`` moves).
+DIGEST_BYTES = 64 * 2**20
 _DIGEST_CHUNK = 2**20
 
 
 def check_build_once(source: Path, *, vocab_size: int | None) -> BuildReport:
     """:func:`check_build` of the directory ``source``, once for the same files: its verdict is kept (in the user
-    cache's ``tokenizers/verdicts/``) under a digest of every file of the directory that is not a weight file (and of
-    ``additional_chat_templates/``), whole, with ``vocab_size`` and transformers' version; a directory whose files
-    are those of a verdict is not built again (a load saves the helper's start, some 3 s). Where the verdict cannot
-    be kept, the next load builds again.
+    cache's ``tokenizers/verdicts/``, the last :data:`KEPT_VERDICTS`) under a digest of every file of the directory
+    (and of ``additional_chat_templates/``; :func:`_files_digest`), ``vocab_size`` and transformers' version; a
+    directory whose files are those of a verdict is not built in a separate process again (nor is a helper started
+    for it). Where the verdict cannot be kept, the next load builds again.
 
     Raises:
         ModelLoadError: as :func:`check_build`.
     """
-    import hashlib
-    import importlib.metadata
-
-    from asyncinfer.model_source import cache_dir
-
-    key = hashlib.sha256(json.dumps([_files_digest(source), vocab_size,
-                                     importlib.metadata.version("transformers")]).encode()).hexdigest()
-    verdicts = cache_dir() / "tokenizers" / "verdicts"
-    record = verdicts / f"{key[:32]}.json"
-    try:
-        known = json.loads(record.read_bytes())
-        return BuildReport(tokens=int(known["tokens"]), tokenizer_class=str(known["class"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    record = _verdict_file(source, vocab_size)
+    known = _known_verdict(record)
+    if known is not None:
+        return known
     report = check_build(source, vocab_size=vocab_size)
+    verdicts = record.parent
     try:
         verdicts.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=verdicts, prefix=".verdict-", delete=False) as staged:
@@ -188,9 +183,30 @@ def check_build_once(source: Path, *, vocab_size: int | None) -> BuildReport:
     return report
 
 
+def _verdict_file(source: Path, vocab_size: int | None) -> Path:
+    import hashlib
+    import importlib.metadata
+
+    from asyncinfer.model_source import cache_dir
+
+    key = hashlib.sha256(json.dumps([_files_digest(source), vocab_size,
+                                     importlib.metadata.version("transformers")]).encode()).hexdigest()
+    return cache_dir() / "tokenizers" / "verdicts" / f"{key[:32]}.json"
+
+
+def _known_verdict(record: Path) -> BuildReport | None:
+    try:
+        known = json.loads(record.read_bytes())
+        return BuildReport(tokens=int(known["tokens"]), tokenizer_class=str(known["class"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _files_digest(source: Path) -> str:
-    """A digest of the names and bytes of every regular file in ``source`` (and ``additional_chat_templates/``)
-    but its weight files: what transformers may build a tokenizer from."""
+    """A digest of every regular file in ``source`` (and ``additional_chat_templates/``), whatever its name (a
+    name transformers takes for a tokenizer's file may end as a weight file's does): up to :data:`DIGEST_BYTES`
+    by its bytes, beyond by its size, device, inode and change time (a weight file is not read whole at each
+    load)."""
     import hashlib
     import stat
 
@@ -201,32 +217,59 @@ def _files_digest(source: Path) -> str:
         except OSError:
             continue
         for entry in entries:
+            name = str(entry.relative_to(source))
             try:
-                if entry.name.endswith(_NOT_TOKENIZER) or not stat.S_ISREG(entry.stat().st_mode):
+                info = entry.stat()
+                if not stat.S_ISREG(info.st_mode):
                     continue
-                content = hashlib.blake2b(digest_size=32)
-                size = 0
-                with open(entry, "rb") as fh:
-                    while chunk := fh.read(_DIGEST_CHUNK):
-                        content.update(chunk)
-                        size += len(chunk)
-                line = [str(entry.relative_to(source)), size, content.hexdigest()]
+                if info.st_size > DIGEST_BYTES:
+                    line: list[Any] = [name, "stat", info.st_size, info.st_dev, info.st_ino, info.st_ctime_ns,
+                                       info.st_mtime_ns]
+                else:
+                    content = hashlib.blake2b(digest_size=32)
+                    size = 0
+                    with open(entry, "rb") as fh:
+                        while chunk := fh.read(_DIGEST_CHUNK):
+                            content.update(chunk)
+                            size += len(chunk)
+                    line = [name, size, content.hexdigest()]
             except OSError:
-                line = [str(entry.relative_to(source)), "unreadable"]
+                line = [name, "unreadable"]
             digest.update(json.dumps(line).encode() + b"\n")  # one JSON line a file: no two directories alike
     return digest.hexdigest()
 
 
 def stop_helper() -> None:
-    """End the helper process now (it ends by itself after :data:`IDLE_SECONDS` without a build, or with this
-    process); the next build starts another."""
+    """End the helper processes now (each ends by itself after :data:`IDLE_SECONDS` without a build, or with this
+    process), and the builds they run; the next build starts another."""
     _HELPERS.stop()
 
 
-def prepare() -> None:
-    """Start the helper process now (where ``fork`` exists), so that its import of transformers overlaps the work
-    that comes before the build (reading the weights); a no-op while an idle one runs."""
+def prepare(source: Path | None = None, vocab_size: int | None = None) -> None:
+    """Start a helper process now (where ``fork`` exists), so that its import of transformers overlaps the work
+    that comes before the build (reading the weights); a no-op while an idle one runs, or where the directory
+    ``source`` has a verdict for ``vocab_size`` (no build will be needed)."""
+    if source is not None and _known_verdict(_verdict_file(source, vocab_size)) is not None:
+        return
     _HELPERS.start()
+
+
+def gguf_only(path: Path, auto: Any) -> Any:
+    """The tokenizer transformers' ``auto`` (``AutoTokenizer``) builds from the GGUF file ``path``'s metadata alone:
+    from a directory of its own that holds only a link to it (beside the file, transformers takes a
+    ``tokenizer.json`` and ``tokenizer_config.json`` of the directory over the file's vocabulary, unchecked)."""
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-gguf-") as alone:
+        os.symlink(os.path.abspath(path), os.path.join(alone, path.name))
+        return auto.from_pretrained(alone, gguf_file=path.name)
+
+
+def auto_tokenizer() -> Any:
+    """transformers' ``AutoTokenizer``, imported under :func:`~asyncinfer.models.hf_imports.transformers_imports`'s
+    lock (two models loading at once in threads of their own)."""
+    with transformers_imports():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
 
 
 # ---- the serving process's side: helpers, one build each at a time ----------------------------------------------
@@ -239,6 +282,8 @@ class _Helper:
     handle; stopping the helper kills the group, its build with it): one request at a time."""
 
     def __init__(self) -> None:
+        self._stopping = threading.Lock()
+        self._stopped = False
         self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - the helper's, held while it runs
         code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
                 "from asyncinfer.models.tokenizer_build import serve; "
@@ -256,19 +301,26 @@ class _Helper:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        """Kill the helper and whatever build it runs (its process group), and reap it."""
-        with contextlib.suppress(OSError):
-            if _FORKS:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            else:
-                self.process.kill()
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            self.process.wait(5)
-        for pipe in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
-                if pipe is not None:
-                    pipe.close()
-        self.stderr.close()
+        """Kill the helper and whatever build it runs (its process group), and reap it; once (a build's thread and
+        :func:`stop_helper` may both stop it)."""
+        with self._stopping:
+            if self._stopped:
+                return
+            self._stopped = True
+            # (its process group's id is its pid, which no other process can take before it is reaped here)
+            if self.process.poll() is None:
+                with contextlib.suppress(OSError):
+                    if _FORKS:
+                        os.killpg(self.process.pid, signal.SIGKILL)
+                    else:
+                        self.process.kill()
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                self.process.wait(5)
+            for pipe in (self.process.stdin, self.process.stdout):
+                with contextlib.suppress(OSError):
+                    if pipe is not None:
+                        pipe.close()
+            self.stderr.close()
 
     def said(self) -> str:
         """The end of the helper's stderr (why it ended)."""
@@ -287,7 +339,10 @@ class _Helper:
             self.process.stdin.flush()
         except OSError:
             return None
-        line = _read_line(self.process.stdout.fileno(), timeout)
+        try:
+            line = _read_line(self.process.stdout.fileno(), timeout)
+        except (OSError, ValueError):  # stopped meanwhile (stop_helper): its pipe closed
+            return None
         if not line:
             return None
         try:
@@ -299,22 +354,34 @@ class _Helper:
 
 class _Helpers:
     """The helpers of this process: each build takes an idle one, or starts one (so that a long build never holds
-    up another model's load); a helper goes back to the idle ones after its build, and ends by itself after
-    :data:`IDLE_SECONDS` without one."""
+    up another model's load), up to :data:`MAX_HELPERS` at once (past them a build waits for one to be free); a
+    helper goes back to the idle ones after its build, and ends by itself after :data:`IDLE_SECONDS` without one."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # held only to take or give back a helper, never during a build
+        self._lock = threading.Condition()  # held only to take or give back a helper, never during a build
         self._idle: list[_Helper] = []
         self._all: set[_Helper] = set()
+        self._starting = 0  # helpers being started (counted against MAX_HELPERS)
 
     def _take(self) -> _Helper:
         with self._lock:
-            while self._idle:
-                helper = self._idle.pop()
-                if helper.alive():
-                    return helper
-                self._forget(helper)
-        helper = _Helper()
+            while True:
+                while self._idle:
+                    helper = self._idle.pop()
+                    if helper.alive():
+                        return helper
+                    self._all.discard(helper)
+                    helper.stop()
+                if len(self._all) + self._starting < MAX_HELPERS:
+                    self._starting += 1
+                    break
+                self._lock.wait()
+        try:
+            helper = _Helper()
+        finally:
+            with self._lock:
+                self._starting -= 1
+                self._lock.notify_all()
         with self._lock:
             self._all.add(helper)
         return helper
@@ -323,40 +390,55 @@ class _Helpers:
         with self._lock:
             if _FORKS and helper.alive() and helper in self._all:
                 self._idle.append(helper)
+                self._lock.notify_all()
                 return
         self._end(helper)
-
-    def _forget(self, helper: _Helper) -> None:  # (under the lock)
-        self._all.discard(helper)
-        helper.stop()
 
     def _end(self, helper: _Helper) -> None:
         with self._lock:
             self._all.discard(helper)
+            self._lock.notify_all()
         helper.stop()
 
     def start(self) -> None:
-        """One idle helper at least (where ``fork`` exists)."""
+        """One idle helper at least (where ``fork`` exists, and below :data:`MAX_HELPERS`)."""
         if not _FORKS:
             return  # each build starts its own
         with self._lock:
-            if any(helper.alive() for helper in self._idle):
+            if any(helper.alive() for helper in self._idle) or len(self._all) + self._starting >= MAX_HELPERS:
                 return
-        helper = _Helper()
+            self._starting += 1
+        try:
+            helper = _Helper()
+        finally:
+            with self._lock:
+                self._starting -= 1
+                self._lock.notify_all()
         with self._lock:
             self._all.add(helper)
             self._idle.append(helper)
+            self._lock.notify_all()
 
     def stop(self) -> None:
         """End every helper, and the builds they run."""
         with self._lock:
             helpers, self._idle, self._all = list(self._all), [], set()
+            self._lock.notify_all()
         for helper in helpers:
             helper.stop()
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The helper processes running now (those that ended, idle, are let go)."""
         with self._lock:
-            return [helper.process for helper in self._all]
+            ended = [helper for helper in self._all if not helper.alive()]
+            for helper in ended:
+                self._all.discard(helper)
+                if helper in self._idle:
+                    self._idle.remove(helper)
+            running = [helper.process for helper in self._all]
+        for helper in ended:
+            helper.stop()
+        return running
 
     def build(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         for attempt in (1, 2):
@@ -558,7 +640,7 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
     try:
         source, gguf_file = request["source"], request.get("gguf_file")
         if gguf_file is not None:
-            tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+            tokenizer = gguf_only(Path(source) / gguf_file, AutoTokenizer)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source)
         if request.get("save_to"):
