@@ -227,3 +227,26 @@ def test_a_pooling_mode_it_does_not_run_is_refused_by_name(tiny_bert, tmp_path) 
     with pytest.raises(ModelLoadError, match=r"config\.json: pooling_mode 'lasttoken' is not supported: one of mean, "
                                              r"cls, max$"):
         load_encoder(path, torch.float32, "cpu")
+
+
+def test_a_vocab_size_its_weights_do_not_hold_is_refused_before_the_tokenizer_is_built(tiny_bert, tmp_path,
+                                                                                      monkeypatch) -> None:
+    """The tokenizer's bounded build takes its bounds from vocab_size: config.json's 2**31 - 1 gave it 16 TiB and 25
+    days of CPU before any weight was read (pass90). The word embeddings' rows are read from the headers first."""
+    from asyncinfer.models import tokenizer_build
+    from asyncinfer.models.encoder import load_encoder
+
+    path = tmp_path / "wide"
+    shutil.copytree(tiny_bert[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["vocab_size"] = 2**31 - 1
+    (path / "config.json").write_text(json.dumps(config))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the tokenizer was built")
+
+    monkeypatch.setattr(tokenizer_build, "check_build", never)
+    with pytest.raises(ModelLoadError, match=rf"^checkpoint tensor 'embeddings\.word_embeddings\.weight' has shape "
+                                             rf"\(64, 32\), the encoder expects \({2**31 - 1}, 32\) \(config\.json's "
+                                             rf"vocab_size and hidden_size\)$"):
+        load_encoder(path, torch.float32, "cpu")

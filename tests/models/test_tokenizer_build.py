@@ -11,6 +11,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -413,3 +414,53 @@ def test_a_json_file_transformers_cannot_read_is_named(tmp_path) -> None:
                                              r"JSON: Expecting property name enclosed in double quotes: line 1 "
                                              r"column 2 \(char 1\)$"):
         load_hf_tokenizer(path, 11)
+
+
+def test_a_link_to_a_kernels_file_is_refused_not_read(tmp_path) -> None:
+    """The digest read every small file before the checks that refuse the kernel's files: a link to
+    /proc/self/pagemap (which says 0 bytes and reads hundreds of GiB) hung the load (pass90). A file is read no
+    further than its size, and one of size 0 is not opened."""
+    path = word_level(tmp_path / "t", 10)
+    (path / "notes.txt").symlink_to("/proc/self/pagemap")
+    done: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_hf_tokenizer(path, 11)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            done.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the load hung"
+    assert isinstance(done[0], ModelLoadError) and "it is the kernel's file /proc/" in str(done[0]), done
+
+
+def test_the_files_built_here_are_those_the_bounded_build_saw(tmp_path, monkeypatch) -> None:
+    """A tokenizer.json swapped in the directory after the bounded build was built here, unbounded (pass90): both
+    builds read one private copy of the files."""
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = word_level(tmp_path / "t", 10)
+    swapped = word_level(tmp_path / "other", 10, added=5)
+    real = tokenizer_build.check_build_once
+
+    def then_swap(source, **kwargs):
+        report = real(source, **kwargs)
+        (path / "tokenizer.json").write_bytes((swapped / "tokenizer.json").read_bytes())
+        return report
+
+    monkeypatch.setattr(tokenizer_build, "check_build_once", then_swap)
+    tokenizer = load_hf_tokenizer(path, 11)
+    assert len(tokenizer) == 11 and tokenizer.name_or_path == str(path)
+    assert not list(Path(tempfile.gettempdir()).glob(f"asyncinfer-tokenizer-*/{path.name}"))  # the copy is gone
+
+
+def test_private_directories_a_killed_process_left_are_removed(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "asyncinfer-gguf-left").mkdir()
+    old = time.time() - tokenizer_build.STALE_DIR_HOURS * 3600 - 60
+    os.utime(tmp_path / "asyncinfer-gguf-left", (old, old))
+    (tmp_path / "asyncinfer-gguf-now").mkdir()  # another process's, under way
+    made = tokenizer_build.fresh_dir("asyncinfer-gguf-")
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == sorted(["asyncinfer-gguf-now", made.name])

@@ -207,6 +207,24 @@ def tensor_names(files: list[Path]) -> Iterator[str]:
         yield from names
 
 
+def tensor_shape(files: list[Path], name: str) -> list[int] | None:
+    """The shape of the shards' tensor ``name``, read from their headers alone; None where none holds it.
+
+    Raises:
+        ModelLoadError: a corrupt or truncated shard.
+    """
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                if name in f.keys():  # noqa: SIM118 - a safetensors file handle, not a dict
+                    return list(f.get_slice(name).get_shape())
+        except Exception as exc:  # corrupt header, truncated file, ...
+            raise ModelLoadError(f"cannot read weights from {file}: {_tensor_at_fault(file) or exc}") from exc
+    return None
+
+
 #: Bytes an element of each safetensors dtype takes (the whole-byte ones: a tensor of another dtype is left to the
 #: library's own message).
 _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E4M3FN": 1, "F8_E8M0": 1,
@@ -262,7 +280,8 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     directory is checked first (:func:`check_file`); with ``vocab_size`` (the model's embeddings), a tokenizer of
     more tokens is refused before it is built (:func:`_check_vocabulary_fits`); then it is built in a separate
     process bounded in memory and time (:func:`asyncinfer.models.tokenizer_build.check_build`), and here only once
-    that build succeeded within the model's vocabulary.
+    that build succeeded within the model's vocabulary, both from one private copy of the directory's files
+    (:func:`asyncinfer.models.tokenizer_build.private_copy`).
 
     Raises:
         ModelLoadError: tokenizer files that transformers cannot load, a build past its bounds, or more tokens than
@@ -292,23 +311,26 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     auto = tokenizer_build.auto_tokenizer()  # (imported here while the helper imports it too)
 
     # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
-    # in proportion to the model, and its tokens counted, before this process builds it
-    try:
-        tokenizer_build.check_build_once(path, vocab_size=vocab_size)
-    except tokenizer_build.BuildFailed as exc:
-        if exc.panicked:
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: "
-                                 f"{exc.said}") from None
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, exc.said)}") from None
-    try:
-        with native_panics_as(lambda exc: ModelLoadError(
-                f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
-            tokenizer = auto.from_pretrained(path)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        said = " ".join(str(exc).split())  # one line: transformers' messages run over several
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, said)}") from exc
+    # in proportion to the model, and its tokens counted, before this process builds it; both from one private copy
+    # of the files (a file swapped in the directory after the bounded build would be built here unbounded)
+    with tokenizer_build.private_copy(path) as copy:
+        try:
+            tokenizer_build.check_build_once(copy.path, vocab_size=vocab_size, digest=copy.digest, shown=path)
+        except tokenizer_build.BuildFailed as exc:
+            if exc.panicked:
+                raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading "
+                                     f"it: {exc.said}") from None
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, exc.said)}") from None
+        try:
+            with native_panics_as(lambda exc: ModelLoadError(
+                    f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
+                tokenizer = auto.from_pretrained(copy.path)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            said = " ".join(str(exc).replace(str(copy.path), str(path)).split())  # one line, the user's path
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, said)}") from exc
+    tokenizer.name_or_path = str(path)  # (built from the copy, gone now)
     limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "

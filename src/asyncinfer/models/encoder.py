@@ -34,6 +34,7 @@ from asyncinfer.models.checkpoint import (
     read_json,
     safetensors_files,
     tensor_names,
+    tensor_shape,
 )
 from asyncinfer.models.config import POSITIVE_FLOAT32, check_config_size, check_config_sizes, positive_float32
 
@@ -549,6 +550,17 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
         raise ModelLoadError(f"an encoder model must be a directory with config.json and *.safetensors: {path}")
     device = torch.device(device)
     cfg = read_encoder_config(path)
+    files = safetensors_files(path)
+    # the tokenizer's bounds follow vocab_size: held to the word embeddings' rows first (from the headers alone), or
+    # config.json's word sets them (2**31 - 1 gave a build 16 TiB and 25 days of CPU, before any weight was read)
+    names = [name for name in tensor_names(files) if name.removeprefix("bert.") == "embeddings.word_embeddings.weight"]
+    if not names:
+        raise ModelLoadError(f"the checkpoint in {path} lacks the encoder's word embeddings "
+                             "(embeddings.word_embeddings.weight)")
+    shape = tuple(tensor_shape(files, names[0]) or ())
+    if shape != (cfg.vocab_size, cfg.hidden_size):
+        raise ModelLoadError(f"checkpoint tensor {names[0]!r} has shape {shape}, the encoder expects "
+                             f"{(cfg.vocab_size, cfg.hidden_size)} (config.json's vocab_size and hidden_size)")
     tokenizer = load_hf_tokenizer(path, cfg.vocab_size)
     if tokenizer is None:
         raise ModelLoadError(f"no tokenizer files in {path}: an embedding model needs its tokenizer")
@@ -566,7 +578,6 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device | st
             [backend.normalizer] if backend.normalizer is not None else []
         if not any(isinstance(step, Lowercase) for step in steps):
             backend.normalizer = Normalizers([Lowercase(), *steps])
-    files = safetensors_files(path)
     # The layers are built one module each (on meta): a count the shards' headers do not hold is refused first
     # (config.json's num_hidden_layers of 10**10 built modules until the memory ran out).
     held = max((int(m.group(1)) + 1 for name in tensor_names(files) if (m := _LAYER.match(name))), default=0)

@@ -24,12 +24,14 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -87,7 +89,7 @@ class BuildReport:
 
 
 def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None = None,
-                save_to: Path | None = None, bounds: BuildBounds | None = None) -> BuildReport:
+                save_to: Path | None = None, bounds: BuildBounds | None = None, shown: Path | None = None) -> BuildReport:
     """Build the tokenizer of ``source`` (a directory; with ``gguf_file``, the GGUF file of that name in it) in a
     child process within ``bounds`` (:func:`build_bounds` of ``vocab_size`` by default), and refuse it when it fails,
     exceeds them, or holds more tokens than ``vocab_size``. With ``save_to`` (an empty directory), the child saves the
@@ -95,9 +97,10 @@ def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None =
 
     Raises:
         ModelLoadError: the build failed (transformers' message), ran out of memory or time, or made more tokens than
-            the model embeds; each names ``source`` and, for a limit, its value.
+            the model embeds; each names ``source`` (``shown`` where given: the directory ``source`` is a private
+            copy of, :func:`private_copy`) and, for a limit, its value.
     """
-    where = source / gguf_file if gguf_file is not None else source
+    where = shown if shown is not None else source / gguf_file if gguf_file is not None else source
     bounds = bounds if bounds is not None else build_bounds(vocab_size)
     request = {"source": str(source), "gguf_file": gguf_file, "save_to": None if save_to is None else str(save_to),
                "memory_bytes": bounds.memory_bytes, "cpu_seconds": bounds.cpu_seconds,
@@ -112,6 +115,8 @@ def check_build(source: Path, *, vocab_size: int | None, gguf_file: str | None =
                                     "model's own tokenizer files beside its config.json"))
         return report
     reason, message = answer.get("reason"), str(answer.get("message", ""))[:MESSAGE_CHARS]
+    if shown is not None:
+        message = message.replace(str(source), str(shown))
     if reason == "memory":
         raise ModelLoadError(
             f"building the tokenizer of {where} took more than {bounds.memory_bytes // 2**20} MiB, the most a "
@@ -154,21 +159,22 @@ DIGEST_BYTES = 64 * 2**20
 _DIGEST_CHUNK = 2**20
 
 
-def check_build_once(source: Path, *, vocab_size: int | None) -> BuildReport:
+def check_build_once(source: Path, *, vocab_size: int | None, digest: str | None = None,
+                     shown: Path | None = None) -> BuildReport:
     """:func:`check_build` of the directory ``source``, once for the same files: its verdict is kept (in the user
     cache's ``tokenizers/verdicts/``, the last :data:`KEPT_VERDICTS`) under a digest of every file of the directory
-    (and of ``additional_chat_templates/``; :func:`_files_digest`), ``vocab_size`` and transformers' version; a
+    (``digest``, else :func:`_files_digest`'s), ``vocab_size`` and transformers' and tokenizers' versions; a
     directory whose files are those of a verdict is not built in a separate process again (nor is a helper started
     for it). Where the verdict cannot be kept, the next load builds again.
 
     Raises:
         ModelLoadError: as :func:`check_build`.
     """
-    record = _verdict_file(source, vocab_size)
+    record = _verdict_file(source, vocab_size, digest)
     known = _known_verdict(record)
     if known is not None:
         return known
-    report = check_build(source, vocab_size=vocab_size)
+    report = check_build(source, vocab_size=vocab_size, shown=shown)
     verdicts = record.parent
     try:
         verdicts.mkdir(parents=True, exist_ok=True)
@@ -178,19 +184,25 @@ def check_build_once(source: Path, *, vocab_size: int | None) -> BuildReport:
         kept = sorted(verdicts.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns)
         for old in kept[:-KEPT_VERDICTS]:
             old.unlink(missing_ok=True)
+        _remove_stale(verdicts, ".verdict-", 3600)  # (a write that failed half-way)
     except OSError as exc:
         logger.warning("could not keep the tokenizer's verdict in %s: %s", verdicts, exc)
     return report
 
 
-def _verdict_file(source: Path, vocab_size: int | None) -> Path:
+#: Part of every verdict's key: a new value when what a verdict stands for changes (the bounds, the checks).
+VERDICT_FORMAT = 1
+
+
+def _verdict_file(source: Path, vocab_size: int | None, digest: str | None = None) -> Path:
     import hashlib
     import importlib.metadata
 
     from asyncinfer.model_source import cache_dir
 
-    key = hashlib.sha256(json.dumps([_files_digest(source), vocab_size,
-                                     importlib.metadata.version("transformers")]).encode()).hexdigest()
+    versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")]
+    key = hashlib.sha256(json.dumps([VERDICT_FORMAT, digest if digest is not None else _files_digest(source),
+                                     vocab_size, versions]).encode()).hexdigest()
     return cache_dir() / "tokenizers" / "verdicts" / f"{key[:32]}.json"
 
 
@@ -202,11 +214,12 @@ def _known_verdict(record: Path) -> BuildReport | None:
         return None
 
 
-def _files_digest(source: Path) -> str:
+def _files_digest(source: Path, into: Path | None = None) -> str:
     """A digest of every regular file in ``source`` (and ``additional_chat_templates/``), whatever its name (a
     name transformers takes for a tokenizer's file may end as a weight file's does): up to :data:`DIGEST_BYTES`
-    by its bytes, beyond by its size, device, inode and change time (a weight file is not read whole at each
-    load)."""
+    by its bytes (never more than its size says: a kernel's file, which says 0, is not read), beyond by its size,
+    device, inode and change time (a weight file is not read whole at each load). With ``into`` (an empty
+    directory), the bytes read are written there under the same names, the larger files linked."""
     import hashlib
     import stat
 
@@ -218,25 +231,79 @@ def _files_digest(source: Path) -> str:
             continue
         for entry in entries:
             name = str(entry.relative_to(source))
+            target = into / name if into is not None else None
             try:
                 info = entry.stat()
                 if not stat.S_ISREG(info.st_mode):
                     continue
+                if target is not None:
+                    target.parent.mkdir(exist_ok=True)
                 if info.st_size > DIGEST_BYTES:
                     line: list[Any] = [name, "stat", info.st_size, info.st_dev, info.st_ino, info.st_ctime_ns,
                                        info.st_mtime_ns]
+                    if target is not None:
+                        os.symlink(entry.resolve(), target)
+                elif info.st_size == 0:  # not opened (a kernel's file says 0, and some wait on a read)
+                    line = [name, 0, hashlib.blake2b(digest_size=32).hexdigest()]
+                    if target is not None:
+                        target.touch(exist_ok=False)
                 else:
                     content = hashlib.blake2b(digest_size=32)
                     size = 0
-                    with open(entry, "rb") as fh:
-                        while chunk := fh.read(_DIGEST_CHUNK):
+                    with open(entry, "rb") as fh, (open(target, "xb") if target is not None
+                                                   else contextlib.nullcontext()) as out:
+                        while size < info.st_size and (chunk := fh.read(min(_DIGEST_CHUNK, info.st_size - size))):
                             content.update(chunk)
                             size += len(chunk)
+                            if out is not None:
+                                out.write(chunk)
                     line = [name, size, content.hexdigest()]
             except OSError:
                 line = [name, "unreadable"]
             digest.update(json.dumps(line).encode() + b"\n")  # one JSON line a file: no two directories alike
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class PrivateCopy:
+    """A directory's files copied (:func:`private_copy`): where, and the digest of what was copied."""
+
+    path: Path
+    digest: str
+
+
+@contextlib.contextmanager
+def private_copy(source: Path) -> Iterator[PrivateCopy]:
+    """A copy of the directory ``source``'s files (its files up to :data:`DIGEST_BYTES`, the larger linked), private
+    to this process and removed after the block: a tokenizer built from it, first bounded then here, is built from the
+    same bytes both times and the verdict kept is theirs (a file swapped in the directory after the bounded build
+    was built here unbounded)."""
+    root = fresh_dir("asyncinfer-tokenizer-")
+    try:
+        yield PrivateCopy(root, _files_digest(source, into=root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+#: A private directory older than this (hours) is one a killed process left: removed by the next one made.
+STALE_DIR_HOURS = 6
+
+
+def fresh_dir(prefix: str) -> Path:
+    """A new private directory in the system's temporary directory (those of ``prefix`` that killed processes left,
+    :data:`STALE_DIR_HOURS` old, removed first)."""
+    _remove_stale(Path(tempfile.gettempdir()), prefix, STALE_DIR_HOURS * 3600)
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def _remove_stale(folder: Path, prefix: str, seconds: float) -> None:
+    for left in folder.glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - left.lstat().st_mtime > seconds:
+                if left.is_dir() and not left.is_symlink():
+                    shutil.rmtree(left, ignore_errors=True)
+                else:
+                    left.unlink()
 
 
 def stop_helper() -> None:
@@ -258,9 +325,12 @@ def gguf_only(path: Path, auto: Any) -> Any:
     """The tokenizer transformers' ``auto`` (``AutoTokenizer``) builds from the GGUF file ``path``'s metadata alone:
     from a directory of its own that holds only a link to it (beside the file, transformers takes a
     ``tokenizer.json`` and ``tokenizer_config.json`` of the directory over the file's vocabulary, unchecked)."""
-    with tempfile.TemporaryDirectory(prefix="asyncinfer-gguf-") as alone:
-        os.symlink(os.path.abspath(path), os.path.join(alone, path.name))
+    alone = fresh_dir("asyncinfer-gguf-")
+    try:
+        os.symlink(os.path.abspath(path), alone / path.name)
         return auto.from_pretrained(alone, gguf_file=path.name)
+    finally:
+        shutil.rmtree(alone, ignore_errors=True)
 
 
 def auto_tokenizer() -> Any:
