@@ -6,13 +6,16 @@ The checks of :mod:`asyncinfer.models.checkpoint` refuse, before anything is bui
 the model warrants; this module bounds the rest. The build is first made by a child process that may take at most
 :func:`build_bounds`'s memory and CPU time (a limit on its heap, ``RLIMIT_DATA``, and on its CPU seconds,
 ``RLIMIT_CPU``, with a wall-clock limit above them); it reports the number of tokens it built (refused when the
-model embeds fewer) and, for a GGUF file, saves the tokenizer for the serving process to load. The serving process
-builds a directory's tokenizer itself only after the child built the same files within those bounds.
+model embeds fewer) and, for a GGUF file, saves the tokenizer for the serving process to load (built from the
+file's metadata alone, :func:`gguf_only`). The serving process builds a directory's tokenizer itself only after the
+child built the same files within those bounds: both build from one private copy of them (:func:`private_copy`),
+and the verdict is kept for the same files (:func:`check_build_once`).
 
 The child is forked from a helper process that has imported transformers once (a fork costs milliseconds, the
-import ~3 s); the helper is started on first use (or ahead of it, by :func:`prepare`), serves one build at a time,
-and ends after :data:`IDLE_SECONDS` without one, or with the process that started it. Where ``fork`` does not exist
-(Windows) each build starts a helper of its own. The memory limit is enforced where the kernel enforces
+import ~3 s), in a process group of its own; a helper is started on first use (or ahead of it, by :func:`prepare`),
+serves one build at a time (a build takes an idle helper or starts one, up to :data:`MAX_HELPERS`), and ends after
+:data:`IDLE_SECONDS` without one, or with the process that started it, its build with it. Where ``fork`` does not
+exist (Windows) each build starts a helper of its own. The memory limit is enforced where the kernel enforces
 ``RLIMIT_DATA`` (Linux); elsewhere only the time limits hold.
 """
 
@@ -446,14 +449,23 @@ class _Helpers:
                     self._starting += 1
                     break
                 self._lock.wait()
+        return self._new(idle=False)
+
+    def _new(self, *, idle: bool) -> _Helper:
+        """Start a helper, whose place the caller counted in ``_starting`` (under the lock)."""
         try:
             helper = _Helper()
-        finally:
+        except BaseException:
             with self._lock:
                 self._starting -= 1
                 self._lock.notify_all()
+            raise
         with self._lock:
+            self._starting -= 1
             self._all.add(helper)
+            if idle:
+                self._idle.append(helper)
+            self._lock.notify_all()
         return helper
 
     def _give_back(self, helper: _Helper) -> None:
@@ -478,16 +490,8 @@ class _Helpers:
             if any(helper.alive() for helper in self._idle) or len(self._all) + self._starting >= MAX_HELPERS:
                 return
             self._starting += 1
-        try:
-            helper = _Helper()
-        finally:
-            with self._lock:
-                self._starting -= 1
-                self._lock.notify_all()
-        with self._lock:
-            self._all.add(helper)
-            self._idle.append(helper)
-            self._lock.notify_all()
+        with contextlib.suppress(OSError):  # (the build that needs one says why none starts)
+            self._new(idle=True)
 
     def stop(self) -> None:
         """End every helper, and the builds they run."""
