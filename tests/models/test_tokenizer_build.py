@@ -225,11 +225,10 @@ def _group(leader: int) -> list[int]:
 
 
 def test_a_verdict_is_kept_for_the_same_files(tmp_path, monkeypatch) -> None:
-    """A directory whose files (byte for byte) were built within their bounds before, for the same vocab_size, is not
-    built again; a byte changed, at the same size and time, is, and so is a file added."""
+    """Files (byte for byte) built within their bounds before, for the same vocab_size, are not built again; another
+    vocab_size, a byte changed or a file added that a tokenizer may be built from, are."""
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     path = word_level(tmp_path / "t", 10)
-    (path / "model.safetensors").write_bytes(b"weights")
     builds: list[Path] = []
     real = tokenizer_build.check_build
 
@@ -238,37 +237,24 @@ def test_a_verdict_is_kept_for_the_same_files(tmp_path, monkeypatch) -> None:
         return real(source, **kwargs)
 
     monkeypatch.setattr(tokenizer_build, "check_build", counted)
-    assert tokenizer_build.check_build_once(path, vocab_size=11).tokens == 11
+    for _ in range(2):
+        assert len(load_hf_tokenizer(path, 11)) == 11
     assert len(builds) == 1
-    tokenizer_build.check_build_once(path, vocab_size=12)  # another model's vocabulary: its own bounds
+    load_hf_tokenizer(path, 12)  # another model's vocabulary: its own bounds
     assert len(builds) == 2
     config = path / "tokenizer_config.json"
     info = config.stat()
     config.write_text(config.read_text().replace("PreTrainedTokenizerFast", "PreTrainedTokenizerFasT"))
     os.utime(config, ns=(info.st_atime_ns, info.st_mtime_ns))
-    tokenizer_build.check_build_once(path, vocab_size=11)
+    with contextlib.suppress(ModelLoadError):
+        load_hf_tokenizer(path, 11)
     assert len(builds) == 3
-    (path / "notes.txt").write_text("any file transformers might read")
-    tokenizer_build.check_build_once(path, vocab_size=11)
+    config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (path / "special_tokens_map.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    load_hf_tokenizer(path, 11)
     assert len(builds) == 4
-    tokenizer_build.check_build_once(path, vocab_size=11)
+    load_hf_tokenizer(path, 11)
     assert len(builds) == 4
-
-
-def test_a_gguf_tokenizer_is_built_and_cached_by_the_bounded_build(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tokenizer_gguf(tmp_path / "t.gguf", "{{ messages[0]['content'] }}")
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
-    never_built_here(monkeypatch)
-    tokenizer = gguf_tokenizer(path, vocab_size=100)
-    assert isinstance(tokenizer, CachedTokenizer)  # the cache the bounded build wrote, loaded without transformers
-    for text in ("What is the capital of France?", " and Italy", "hi ok"):
-        assert tokenizer.encode(text) == reference.encode(text)
-    with pytest.raises(ModelLoadError, match=r"^the tokenizer of .*t2\.gguf has \d+ tokens \(built in a separate "
-                                             r"process, refused before this one builds it\) but the model embeds "
-                                             r"only 10$"):
-        gguf_tokenizer(write_tokenizer_gguf(tmp_path / "t2.gguf", "x"), vocab_size=10)
-    assert not [entry for entry in (tmp_path / "cache" / "tokenizers").iterdir() if entry.name.startswith(".")]
 
 
 def test_the_helper_ends_with_the_process_that_started_it(tmp_path) -> None:
@@ -305,9 +291,9 @@ def test_a_gguf_files_tokenizer_is_its_own_whatever_lies_beside_it(tmp_path, mon
     built = gguf_tokenizer(path, vocab_size=100)
     assert isinstance(built, CachedTokenizer) and built.get_vocab() == reference.get_vocab()
     (tmp_path / "cache").rename(tmp_path / "old")
-    (tmp_path / "cache").write_text("a file where the cache directory should be")  # built here too
+    (tmp_path / "cache").write_text("a file where the cache directory should be")  # saved in a private directory
     built = gguf_tokenizer(path, vocab_size=100)
-    assert not isinstance(built, CachedTokenizer) and built.get_vocab() == reference.get_vocab()
+    assert built.get_vocab() == reference.get_vocab()
 
 
 def test_a_killed_loads_staging_directory_is_removed_by_a_later_one(tmp_path, monkeypatch) -> None:
@@ -322,23 +308,36 @@ def test_a_killed_loads_staging_directory_is_removed_by_a_later_one(tmp_path, mo
     assert sorted(entry.name for entry in staging.iterdir() if entry.name.startswith(".")) == [".tokenizer-now"]
 
 
-def test_every_file_counts_in_a_directorys_digest_whatever_its_name(tmp_path, monkeypatch) -> None:
+def test_a_tokenizer_file_named_as_weights_are_is_copied_and_counts(tmp_path, monkeypatch) -> None:
     """A tokenizer file transformers picks by a name ending as a weight file's (``fast_tokenizer_files``:
-    ``tokenizer.4.0.json.bin``) was left out of the digest: changed, it was built here unbounded (pass89). Every file
-    counts now, the large ones (weights) by their size, inode and change time rather than read whole."""
+    ``tokenizer.4.0.json.bin``) was left out of the digest: changed, it was built here unbounded (pass89). The copy
+    holds every file a tokenizer may be built from, whatever its name, and its bytes key the verdict."""
     monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
     path = word_level(tmp_path / "t", 10)
-    (path / "tokenizer.4.0.json.bin").write_text("first")
-    first = tokenizer_build._files_digest(path)
-    (path / "tokenizer.4.0.json.bin").write_text("other")
-    assert tokenizer_build._files_digest(path) != first
-    monkeypatch.setattr(tokenizer_build, "DIGEST_BYTES", 4)  # the file is a large one now
-    second = tokenizer_build._files_digest(path)
-    assert tokenizer_build._files_digest(path) == second
-    info = (path / "tokenizer.4.0.json.bin").stat()
-    (path / "tokenizer.4.0.json.bin").write_text("third")
-    os.utime(path / "tokenizer.4.0.json.bin", ns=(info.st_atime_ns, info.st_mtime_ns))  # same size and time
-    assert tokenizer_build._files_digest(path) != second  # (its change time moved)
+    (path / "tokenizer.json").rename(path / "tokenizer.4.0.json.bin")
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "fast_tokenizer_files": ["tokenizer.4.0.json.bin"]}))
+    (path / "tokenizer.json").write_text((path / "tokenizer.4.0.json.bin").read_text())
+    (path / "model.safetensors").write_bytes(b"weights, not copied")
+    builds: list[Path] = []
+    real = tokenizer_build.check_build
+
+    def counted(source, **kwargs):
+        builds.append(source)
+        assert sorted(entry.name for entry in source.iterdir()) == [
+            "tokenizer.4.0.json.bin", "tokenizer.json", "tokenizer_config.json"]
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(tokenizer_build, "check_build", counted)
+    assert len(load_hf_tokenizer(path, 11)) == 11
+    assert len(load_hf_tokenizer(path, 11)) == 11 and len(builds) == 1  # the verdict kept
+    (path / "model.safetensors").write_bytes(b"other weights, no matter")
+    assert len(load_hf_tokenizer(path, 11)) == 11 and len(builds) == 1
+    chosen = path / "tokenizer.4.0.json.bin"
+    info = chosen.stat()
+    chosen.write_text(chosen.read_text().replace('"w1"', '"x1"'))
+    os.utime(chosen, ns=(info.st_atime_ns, info.st_mtime_ns))  # same size and time, other bytes
+    assert len(load_hf_tokenizer(path, 11)) == 11 and len(builds) == 2
 
 
 def test_a_directory_with_a_verdict_starts_no_helper(tmp_path, monkeypatch) -> None:
@@ -464,3 +463,28 @@ def test_private_directories_a_killed_process_left_are_removed(tmp_path, monkeyp
     (tmp_path / "asyncinfer-gguf-now").mkdir()  # another process's, under way
     made = tokenizer_build.fresh_dir("asyncinfer-gguf-")
     assert sorted(entry.name for entry in tmp_path.iterdir()) == sorted(["asyncinfer-gguf-now", made.name])
+
+
+_NO_ROOM = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+from asyncinfer.models.checkpoint import load_hf_tokenizer
+try:
+    load_hf_tokenizer(Path(sys.argv[1]), 5001)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_private_copy_that_cannot_be_written_says_so(tmp_path) -> None:
+    """A copy cut short (no room left, here a 64 KiB limit on a file's size) was built half-written and refused as
+    JSON that does not parse, naming no cause (pass91)."""
+    path = word_level(tmp_path / "t", 5000)  # a tokenizer.json of some 80 KB
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _NO_ROOM, str(path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
+                               "ASYNCINFER_CACHE_DIR": str(tmp_path / "cache")}, check=False)
+    said = done.stdout.strip()
+    assert said.startswith(f"ModelLoadError cannot copy {path}/tokenizer.json to a private directory ("), said
+    assert "to build the tokenizer from: [Errno 27] File too large" in said and "TMPDIR" in said, said

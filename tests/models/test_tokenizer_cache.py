@@ -130,8 +130,12 @@ def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeyp
     _bounded_builds(monkeypatch, builds)
     import transformers
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d, gguf_file: _Built("fresh"))
-    assert gguf_tokenizer(gguf_path).word == "fresh"  # built here, after the bounded build (nothing to save it in)
+    def never(*args, **kwargs):
+        raise AssertionError("built in the serving process")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    # the bounded build saved it in a private directory, read back from there (and removed)
+    assert gguf_tokenizer(gguf_path).word == "build 1"
     assert builds == [gguf_path]
     assert "could not cache the tokenizer" in caplog.text
     assert loader._cached_tokenizer(tmp_path / "nowhere", {}) is None

@@ -289,53 +289,78 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     """
     if not has_tokenizer_files(path):
         return None
-    # the bounded build's helper starts (importing transformers) while the files are checked, unless no build is due
-    tokenizer_build.prepare(path, vocab_size)
     reads = _tokenizer_reads(path)
     for file in reads:  # before transformers opens any of them
         check_file(file, MAX_TOKENIZER_FILE_BYTES)
     for entry in path.iterdir():  # transformers looks for more names than these (tekken.json...): none may block
         if entry not in reads:
             _check_not_blocking(entry)
-    config = _JsonFile(path / "tokenizer_config.json")  # read once: the fast file's name, the class, special tokens
-    # transformers reads tokenizer_config.json whole: within what its token lists may take for this model
-    limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
-    fast = _fast_tokenizer_file(path, config, limit)
-    if (path / fast).exists():
-        check_file(path / fast, MAX_TOKENIZER_FILE_BYTES)
-    tokenizer_json = _JsonFile(path / fast)  # read once, for the three checks below
-    if vocab_size is not None:
-        _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
-    _check_charsmaps(tokenizer_json)
-    _check_text_growth(tokenizer_json)
-    auto = tokenizer_build.auto_tokenizer()  # (imported here while the helper imports it too)
-
-    # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
-    # in proportion to the model, and its tokens counted, before this process builds it; both from one private copy
-    # of the files (a file swapped in the directory after the bounded build would be built here unbounded)
-    with tokenizer_build.private_copy(path) as copy:
+    # Every check below and both builds read one private copy of the files a tokenizer may be built from (a file
+    # swapped in the directory between them was built unchecked and unbounded); messages name the directory.
+    names = _tokenizer_file_names(path, reads, vocab_size)
+    with tokenizer_build.private_copy(path, names, MAX_TOKENIZER_FILE_BYTES) as copy:
         try:
-            tokenizer_build.check_build_once(copy.path, vocab_size=vocab_size, digest=copy.digest, shown=path)
-        except tokenizer_build.BuildFailed as exc:
-            if exc.panicked:
-                raise ModelLoadError(f"cannot load the tokenizer in {path}: the tokenizers library panicked reading "
-                                     f"it: {exc.said}") from None
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, exc.said)}") from None
-        try:
-            with native_panics_as(lambda exc: ModelLoadError(
-                    f"cannot load the tokenizer in {path}: the tokenizers library panicked reading it: {exc}")):
-                tokenizer = auto.from_pretrained(copy.path)
-        except ModelLoadError:
-            raise
-        except Exception as exc:
-            said = " ".join(str(exc).replace(str(copy.path), str(path)).split())  # one line, the user's path
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {_build_failure(path, said)}") from exc
+            tokenizer = _checked_build(copy, vocab_size, path)
+        except ModelLoadError as exc:
+            said = str(exc).replace(str(copy.path), str(path))
+            if said == str(exc):
+                raise
+            raise ModelLoadError(said) from exc.__cause__
     tokenizer.name_or_path = str(path)  # (built from the copy, gone now)
     limit = tokenizer.model_max_length  # compared with every encoded text's length by transformers
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: its model_max_length is {limit!r}, not a number "
                              f"(tokenizer_config.json)")
     return tokenizer
+
+
+def _tokenizer_file_names(path: Path, reads: list[Path], vocab_size: int | None) -> list[str]:
+    """The names (relative to ``path``) of the files a tokenizer of ``path`` may be built from: those
+    :func:`_tokenizer_reads` found, ``config.json``, every file named ``tokenizer*``, the fast tokenizer's file
+    ``tokenizer_config.json`` picks, and a slow tokenizer's own files (:func:`_vocabulary_files`). What transformers
+    would read beyond them is absent from the copy, for both builds alike."""
+    config = _JsonFile(path / "tokenizer_config.json")
+    limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
+    bound = _token_bytes_bound(vocab_size) if vocab_size is not None else MAX_JSON_BYTES
+    names = [str(file.relative_to(path)) for file in reads]
+    names += ["config.json", _fast_tokenizer_file(path, config, limit), *_vocabulary_files(path, bound, config)]
+    names += [entry.name for entry in path.iterdir() if entry.name.startswith("tokenizer")]
+    return names
+
+
+def _checked_build(copy: tokenizer_build.PrivateCopy, vocab_size: int | None, shown: Path) -> PreTrainedTokenizerBase:
+    """The checks before the build, the bounded build, then this process's build, all of the private ``copy`` of the
+    directory ``shown``'s tokenizer files (see :func:`load_hf_tokenizer`)."""
+    path = copy.path
+    config = _JsonFile(path / "tokenizer_config.json")  # read once: the fast file's name, the class, special tokens
+    # transformers reads tokenizer_config.json whole: within what its token lists may take for this model
+    limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
+    tokenizer_json = _JsonFile(path / _fast_tokenizer_file(path, config, limit))  # read once, for three checks
+    if vocab_size is not None:
+        _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
+    _check_charsmaps(tokenizer_json)
+    _check_text_growth(tokenizer_json)
+    # what the checks above cannot foresee is bounded: built first in a separate process, within memory and CPU time
+    # in proportion to the model, and its tokens counted, before this process builds it
+    if not tokenizer_build.has_verdict(copy, vocab_size):
+        tokenizer_build.prepare()  # its helper imports transformers while this process does
+    auto = tokenizer_build.auto_tokenizer()
+    try:
+        tokenizer_build.check_build_once(copy, vocab_size=vocab_size, shown=shown)
+    except tokenizer_build.BuildFailed as exc:
+        if exc.panicked:
+            raise ModelLoadError(f"cannot load the tokenizer in {shown}: the tokenizers library panicked reading "
+                                 f"it: {exc.said}") from None
+        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, exc.said)}") from None
+    try:
+        with native_panics_as(lambda exc: ModelLoadError(
+                f"cannot load the tokenizer in {shown}: the tokenizers library panicked reading it: {exc}")):
+            return auto.from_pretrained(path)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        said = " ".join(str(exc).replace(str(path), str(shown)).split())  # one line, the user's path
+        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, said)}") from exc
 
 
 def _build_failure(path: Path, said: str) -> str:

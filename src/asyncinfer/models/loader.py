@@ -58,10 +58,9 @@ import torch
 from torch import nn
 
 from asyncinfer import kernels
-from asyncinfer.errors import ModelLoadError, native_panics_as
+from asyncinfer.errors import ModelLoadError
 from asyncinfer.models import tokenizer_build
 from asyncinfer.models.checkpoint import (
-    has_tokenizer_files,
     iter_safetensors,
     load_hf_tokenizer,
     read_json,
@@ -440,8 +439,6 @@ def _load_hf_dir(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: Progress | None,
     ops: ElementwiseOps,
 ) -> LoadedModel:
-    if has_tokenizer_files(path):  # the bounded build's helper imports transformers while the weights load
-        tokenizer_build.prepare(path, config.vocab_size)
     model = _materialise(config, iter_safetensors(safetensors_files(path)), "hf", dtype, device, progress=progress,
                          ops=ops)
     return LoadedModel(model, config, load_hf_tokenizer(path, config.vocab_size), f"safetensors:{path.resolve()}")
@@ -1068,9 +1065,9 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
     and modification time, a digest of its header (the metadata the tokenizer is built from: a file rewritten at
     the same size and time, by ``cp -p`` or ``rsync -a``, kept its old tokenizer and chat template) and the
     transformers version; a stale or unreadable one is rebuilt. The build runs in a separate process bounded in
-    memory and CPU time in proportion to ``vocab_size`` (:mod:`asyncinfer.models.tokenizer_build`), which saves the
-    cache; where the cache cannot be written, this process builds the tokenizer itself after that bounded build
-    succeeded. The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers``
+    memory and CPU time in proportion to ``vocab_size`` (:mod:`asyncinfer.models.tokenizer_build`), from the file's
+    metadata alone, and saves the cache (where the cache cannot be written, a private directory this load reads the
+    tokenizer from and removes): this process never builds it from the file. The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers``
     library and the chat template, without importing transformers) where its configuration is the plain one
     transformers writes for a GGUF vocabulary, else as the transformers class that built it.
 
@@ -1086,35 +1083,29 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
     if cached is not None:
         return cached
     say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
-    staged = _staging_dir(cache)
+    # the bounded build saves the tokenizer where the cache is staged, or (no cache can be written) in a private
+    # directory this load reads it from: this process never builds it from the file itself
+    staged = _staging_dir(cache) or tokenizer_build.fresh_dir("asyncinfer-gguf-tokenizer-")
     try:
         report = tokenizer_build.check_build(path.parent, gguf_file=path.name, vocab_size=vocab_size, save_to=staged)
+        stamped = {**stamp, "class": report.tokenizer_class}
+        if staged.parent == cache.parent and _commit_cache(staged, cache, stamped):
+            loaded = _cached_tokenizer(cache, stamp)
+        else:
+            (staged / _STAMP).write_text(json.dumps(stamped))
+            loaded = _cached_tokenizer(staged, stamp)
     except tokenizer_build.BuildFailed as exc:
-        _discard(staged)
         said = f"the tokenizers library panicked on its vocabulary ({exc.said})" if exc.panicked else exc.said
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {said}") from None
-    except BaseException:
-        _discard(staged)
-        raise
-    if staged is not None and _commit_cache(staged, cache, stamp, report.tokenizer_class):
-        cached = _cached_tokenizer(cache, stamp)
-        if cached is not None:
-            return cached
-    auto = tokenizer_build.auto_tokenizer()  # no cache: built here too, as the bounded build did
-
-    # A vocabulary the tokenizers library's Rust code cannot follow (merges whose pieces run into each other) makes it
-    # panic: a PanicException, a BaseException that every `except Exception` lets through.
-    try:
-        with native_panics_as(lambda panic: ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: the "
-                                                           f"tokenizers library panicked on its vocabulary ({panic})")):
-            tokenizer = tokenizer_build.gguf_only(path, auto)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {exc}") from exc
-    if _save_tokenizer(tokenizer, cache, stamp):
-        return _cached_tokenizer(cache, stamp) or tokenizer  # the class every later load gets
-    return tokenizer
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the tokenizer built from GGUF file {path} (saved in {staged}): "
+                             f"{exc}") from exc
+    finally:
+        _discard(staged)  # (moved into the cache's place where it could be)
+    if loaded is None:
+        raise ModelLoadError(f"cannot load the tokenizer built from GGUF file {path}: its saved files ({cache}) "
+                             "could not be read back")
+    return loaded
 
 
 def _tokenizer_stamp(path: Path, header: GGUFFile) -> dict[str, Any]:
@@ -1145,22 +1136,6 @@ def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizer
         return None
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: Path, stamp: dict[str, Any]) -> bool:
-    """Write the cache atomically (a half-written directory is never read); whether it was written (a failure
-    is only logged)."""
-    staged = _staging_dir(cache)
-    if staged is None:
-        return False
-    try:
-        tokenizer.save_pretrained(staged)
-    except OSError as exc:
-        logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
-        _discard(staged)
-        return False
-    cls = type(tokenizer)
-    return _commit_cache(staged, cache, stamp, f"{cls.__module__}.{cls.__qualname__}")
-
-
 #: A staging directory older than this is one a load left when its process was killed: removed by the next.
 _STALE_STAGING_S = 3600
 
@@ -1180,18 +1155,17 @@ def _staging_dir(cache: Path) -> Path | None:
         return None
 
 
-def _commit_cache(staged: Path, cache: Path, stamp: dict[str, Any], tokenizer_class: str) -> bool:
-    """Stamp the tokenizer saved in ``staged`` and put it in ``cache``'s place at once; whether it was (a failure is
-    only logged, and the staged directory removed)."""
+def _commit_cache(staged: Path, cache: Path, stamped: dict[str, Any]) -> bool:
+    """Stamp the tokenizer saved in ``staged`` (``stamped``: the stamp and its class) and put it in ``cache``'s place
+    at once; whether it was (a failure is only logged: the staged directory is left for the caller to read)."""
     try:
-        (staged / _STAMP).write_text(json.dumps({**stamp, "class": tokenizer_class}))
+        (staged / _STAMP).write_text(json.dumps(stamped))
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(staged, cache)
         return True
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
-        _discard(staged)
         return False
 
 

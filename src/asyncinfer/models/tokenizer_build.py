@@ -156,28 +156,24 @@ class BuildFailed(ModelLoadError):
 
 #: How many verdicts :func:`check_build_once` keeps (the oldest are removed past it).
 KEPT_VERDICTS = 256
-#: A directory's files up to this size enter its digest by their bytes; larger ones (weights, whatever their names)
-#: by their size, inode and change time (``st_ctime_ns``, which every write and every ``touch`` moves).
-DIGEST_BYTES = 64 * 2**20
-_DIGEST_CHUNK = 2**20
+_COPY_CHUNK = 2**20
 
 
-def check_build_once(source: Path, *, vocab_size: int | None, digest: str | None = None,
-                     shown: Path | None = None) -> BuildReport:
-    """:func:`check_build` of the directory ``source``, once for the same files: its verdict is kept (in the user
-    cache's ``tokenizers/verdicts/``, the last :data:`KEPT_VERDICTS`) under a digest of every file of the directory
-    (``digest``, else :func:`_files_digest`'s), ``vocab_size`` and transformers' and tokenizers' versions; a
-    directory whose files are those of a verdict is not built in a separate process again (nor is a helper started
-    for it). Where the verdict cannot be kept, the next load builds again.
+def check_build_once(source: PrivateCopy, *, vocab_size: int | None, shown: Path | None = None) -> BuildReport:
+    """:func:`check_build` of a private copy of a directory's tokenizer files (:func:`private_copy`), once for the
+    same files: its verdict is kept (in the user cache's ``tokenizers/verdicts/``, the last :data:`KEPT_VERDICTS`)
+    under the copy's digest, ``vocab_size`` and transformers' and tokenizers' versions; files of a verdict are not
+    built in a separate process again (nor is a helper started for them). Where the verdict cannot be kept, the
+    next load builds again.
 
     Raises:
         ModelLoadError: as :func:`check_build`.
     """
-    record = _verdict_file(source, vocab_size, digest)
+    record = _verdict_file(source.digest, vocab_size)
     known = _known_verdict(record)
     if known is not None:
         return known
-    report = check_build(source, vocab_size=vocab_size, shown=shown)
+    report = check_build(source.path, vocab_size=vocab_size, shown=shown)
     verdicts = record.parent
     try:
         verdicts.mkdir(parents=True, exist_ok=True)
@@ -193,19 +189,23 @@ def check_build_once(source: Path, *, vocab_size: int | None, digest: str | None
     return report
 
 
+def has_verdict(source: PrivateCopy, vocab_size: int | None) -> bool:
+    """Whether :func:`check_build_once` of these files will find its verdict kept (no build, no helper)."""
+    return _known_verdict(_verdict_file(source.digest, vocab_size)) is not None
+
+
 #: Part of every verdict's key: a new value when what a verdict stands for changes (the bounds, the checks).
-VERDICT_FORMAT = 1
+VERDICT_FORMAT = 2
 
 
-def _verdict_file(source: Path, vocab_size: int | None, digest: str | None = None) -> Path:
+def _verdict_file(digest: str, vocab_size: int | None) -> Path:
     import hashlib
     import importlib.metadata
 
     from asyncinfer.model_source import cache_dir
 
     versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")]
-    key = hashlib.sha256(json.dumps([VERDICT_FORMAT, digest if digest is not None else _files_digest(source),
-                                     vocab_size, versions]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([VERDICT_FORMAT, digest, vocab_size, versions]).encode()).hexdigest()
     return cache_dir() / "tokenizers" / "verdicts" / f"{key[:32]}.json"
 
 
@@ -217,75 +217,88 @@ def _known_verdict(record: Path) -> BuildReport | None:
         return None
 
 
-def _files_digest(source: Path, into: Path | None = None) -> str:
-    """A digest of every regular file in ``source`` (and ``additional_chat_templates/``), whatever its name (a
-    name transformers takes for a tokenizer's file may end as a weight file's does): up to :data:`DIGEST_BYTES`
-    by its bytes (never more than its size says: a kernel's file, which says 0, is not read), beyond by its size,
-    device, inode and change time (a weight file is not read whole at each load). With ``into`` (an empty
-    directory), the bytes read are written there under the same names, the larger files linked."""
-    import hashlib
-    import stat
-
-    digest = hashlib.blake2b(digest_size=32)
-    for folder in (source, source / "additional_chat_templates"):
-        try:
-            entries = sorted(folder.iterdir())
-        except OSError:
-            continue
-        for entry in entries:
-            name = str(entry.relative_to(source))
-            target = into / name if into is not None else None
-            try:
-                info = entry.stat()
-                if not stat.S_ISREG(info.st_mode):
-                    continue
-                if target is not None:
-                    target.parent.mkdir(exist_ok=True)
-                if info.st_size > DIGEST_BYTES:
-                    line: list[Any] = [name, "stat", info.st_size, info.st_dev, info.st_ino, info.st_ctime_ns,
-                                       info.st_mtime_ns]
-                    if target is not None:
-                        os.symlink(entry.resolve(), target)
-                elif info.st_size == 0:  # not opened (a kernel's file says 0, and some wait on a read)
-                    line = [name, 0, hashlib.blake2b(digest_size=32).hexdigest()]
-                    if target is not None:
-                        target.touch(exist_ok=False)
-                else:
-                    content = hashlib.blake2b(digest_size=32)
-                    size = 0
-                    with open(entry, "rb") as fh, (open(target, "xb") if target is not None
-                                                   else contextlib.nullcontext()) as out:
-                        while size < info.st_size and (chunk := fh.read(min(_DIGEST_CHUNK, info.st_size - size))):
-                            content.update(chunk)
-                            size += len(chunk)
-                            if out is not None:
-                                out.write(chunk)
-                    line = [name, size, content.hexdigest()]
-            except OSError:
-                line = [name, "unreadable"]
-            digest.update(json.dumps(line).encode() + b"\n")  # one JSON line a file: no two directories alike
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class PrivateCopy:
-    """A directory's files copied (:func:`private_copy`): where, and the digest of what was copied."""
+    """A directory's tokenizer files copied (:func:`private_copy`): where, and the digest of what was copied."""
 
     path: Path
     digest: str
 
 
 @contextlib.contextmanager
-def private_copy(source: Path) -> Iterator[PrivateCopy]:
-    """A copy of the directory ``source``'s files (its files up to :data:`DIGEST_BYTES`, the larger linked), private
-    to this process and removed after the block: a tokenizer built from it, first bounded then here, is built from the
-    same bytes both times and the verdict kept is theirs (a file swapped in the directory after the bounded build
-    was built here unbounded)."""
+def private_copy(source: Path, names: list[str], limit: int) -> Iterator[PrivateCopy]:
+    """A copy of the files ``names`` (relative paths) of the directory ``source`` that are regular files there, each
+    of at most ``limit`` bytes, private to this process and removed after the block: every check of a tokenizer's
+    files and both its builds (bounded, then in this process) read the same bytes (a file swapped in the directory
+    between them was built unchecked, unbounded); the digest of the names and bytes copied keys the verdict. A file
+    is read no further than its size says (a kernel's file, which says 0, is not opened: the caller refuses those
+    first).
+
+    Raises:
+        ModelLoadError: a file past ``limit``, one that cannot be read, or a copy that cannot be written (naming the
+            temporary directory: a full disk).
+    """
+    import hashlib
+    import stat
+
     root = fresh_dir("asyncinfer-tokenizer-")
     try:
-        yield PrivateCopy(root, _files_digest(source, into=root))
+        digest = hashlib.blake2b(digest_size=32)
+        for name in sorted(set(names)):
+            entry, target = source / name, root / name
+            try:
+                info = entry.stat()
+            except OSError:
+                continue  # (no such file: none is copied)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            if info.st_size > limit:
+                raise ModelLoadError(f"{entry} holds {info.st_size} bytes, more than a tokenizer's file may ({limit})")
+            content = hashlib.blake2b(digest_size=32)
+            size = 0
+            with contextlib.ExitStack() as files:
+                try:
+                    target.parent.mkdir(exist_ok=True)
+                    out = files.enter_context(open(target, "xb", buffering=0))  # (a full disk fails the write)
+                    source_file = files.enter_context(open(entry, "rb")) if info.st_size else None
+                except OSError as exc:
+                    raise _copy_error(entry, root, exc) from exc
+                # (not opened at size 0: a kernel's file says 0, and some wait on a read)
+                while source_file is not None and size < info.st_size:
+                    try:
+                        chunk = source_file.read(min(_COPY_CHUNK, info.st_size - size))
+                    except OSError as exc:
+                        raise ModelLoadError(f"cannot read {entry}: {exc}") from exc
+                    if not chunk:
+                        break
+                    content.update(chunk)
+                    try:
+                        _write_all(out, chunk)
+                    except OSError as exc:
+                        raise _copy_error(entry, root, exc, writing=True) from exc
+                    size += len(chunk)
+            digest.update(json.dumps([name, size, content.hexdigest()]).encode() + b"\n")  # one JSON line a file
+        yield PrivateCopy(root, digest.hexdigest())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _write_all(out: IO[bytes], chunk: bytes) -> None:
+    """Write all of ``chunk`` to the unbuffered ``out`` (a write past a file-size limit, or a disk's end, writes
+    part of it; the next one fails)."""
+    view = memoryview(chunk)
+    while view:
+        written = out.write(view)
+        if not written:
+            raise OSError(28, "No space left on device")
+        view = view[written:]
+
+
+def _copy_error(entry: Path, root: Path, exc: OSError, *, writing: bool = False) -> ModelLoadError:
+    if writing or (exc.filename is not None and str(exc.filename).startswith(str(root))):
+        return ModelLoadError(f"cannot copy {entry} to a private directory ({root}) to build the tokenizer from: "
+                              f"{exc} (the system's temporary directory: TMPDIR chooses another)")
+    return ModelLoadError(f"cannot read {entry}: {exc}")
 
 
 #: A private directory older than this (hours) is one a killed process left: removed by the next one made.
@@ -315,12 +328,9 @@ def stop_helper() -> None:
     _HELPERS.stop()
 
 
-def prepare(source: Path | None = None, vocab_size: int | None = None) -> None:
-    """Start a helper process now (where ``fork`` exists), so that its import of transformers overlaps the work
-    that comes before the build (reading the weights); a no-op while an idle one runs, or where the directory
-    ``source`` has a verdict for ``vocab_size`` (no build will be needed)."""
-    if source is not None and _known_verdict(_verdict_file(source, vocab_size)) is not None:
-        return
+def prepare() -> None:
+    """Start a helper process now (where ``fork`` exists), so that its import of transformers overlaps this
+    process's; a no-op while an idle one runs."""
     _HELPERS.start()
 
 
