@@ -488,3 +488,38 @@ def test_a_private_copy_that_cannot_be_written_says_so(tmp_path) -> None:
     said = done.stdout.strip()
     assert said.startswith(f"ModelLoadError cannot copy {path}/tokenizer.json to a private directory ("), said
     assert "to build the tokenizer from: [Errno 27] File too large" in said and "TMPDIR" in said, said
+
+
+def test_only_the_files_a_tokenizer_is_built_from_are_copied_and_within_a_total(tmp_path) -> None:
+    """Every file named ``tokenizer*`` was copied, each up to 1 GiB: three sparse 300 MB files (3 MB on disk) wrote
+    900 MiB to the temporary directory at each load (pass92). The copy holds what a tokenizer is built from, their
+    sizes summed against one limit before anything is copied."""
+    path = word_level(tmp_path / "t", 10)
+    with open(path / "tokenizer_backup.bin", "wb") as sparse:
+        sparse.truncate(300 * 2**20)
+    assert len(load_hf_tokenizer(path, 11)) == 11
+    names = ["tokenizer.json", "tokenizer_config.json"]
+    with tokenizer_build.private_copy(path, names, 2**20) as copy:
+        assert sorted(entry.name for entry in copy.path.iterdir()) == names
+    total = sum((path / name).stat().st_size for name in names)
+    refused = rf"^the tokenizer's files in .*/t take {total} bytes together \(tokenizer\.json, tokenizer_config\.json\), more than a tokenizer may \({total - 1}\)$"
+    with pytest.raises(ModelLoadError, match=refused), tokenizer_build.private_copy(path, names, total - 1):
+        pass
+
+
+def test_the_helper_imports_nothing_from_the_working_directory(tmp_path) -> None:
+    """The helper ran ``python -c`` with the working directory first on its path: a json.py there ran in it, and
+    every tokenizer load failed (pass92)."""
+    path = word_level(tmp_path / "t", 10)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "json.py").write_text('raise SystemExit("the working directory\'s json.py ran")\n')
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.path.remove('') if '' in sys.path else None\n"
+            "from pathlib import Path\nfrom asyncinfer.models.checkpoint import load_hf_tokenizer\n"
+            "print(len(load_hf_tokenizer(Path(sys.argv[1]), 11)))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          cwd=here, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
+                               "ASYNCINFER_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.stdout.strip() == "11", done.stdout + done.stderr[-2000:]

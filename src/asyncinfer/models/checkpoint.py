@@ -316,15 +316,15 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
 
 def _tokenizer_file_names(path: Path, reads: list[Path], vocab_size: int | None) -> list[str]:
     """The names (relative to ``path``) of the files a tokenizer of ``path`` may be built from: those
-    :func:`_tokenizer_reads` found, ``config.json``, every file named ``tokenizer*``, the fast tokenizer's file
-    ``tokenizer_config.json`` picks, and a slow tokenizer's own files (:func:`_vocabulary_files`). What transformers
+    :func:`_tokenizer_reads` found, ``config.json``, the fast tokenizer's file ``tokenizer_config.json`` picks, and a
+    slow tokenizer's own files (:func:`_vocabulary_files`: the usual names, its class's, and the files transformers
+    falls back to: ``tekken.json``, ``tiktoken.model``, ``tokenizer.model.``). What transformers
     would read beyond them is absent from the copy, for both builds alike."""
     config = _JsonFile(path / "tokenizer_config.json")
     limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
     bound = _token_bytes_bound(vocab_size) if vocab_size is not None else MAX_JSON_BYTES
     names = [str(file.relative_to(path)) for file in reads]
     names += ["config.json", _fast_tokenizer_file(path, config, limit), *_vocabulary_files(path, bound, config)]
-    names += [entry.name for entry in path.iterdir() if entry.name.startswith("tokenizer")]
     return names
 
 

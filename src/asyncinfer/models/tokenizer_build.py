@@ -227,40 +227,45 @@ class PrivateCopy:
 
 @contextlib.contextmanager
 def private_copy(source: Path, names: list[str], limit: int) -> Iterator[PrivateCopy]:
-    """A copy of the files ``names`` (relative paths) of the directory ``source`` that are regular files there, each
-    of at most ``limit`` bytes, private to this process and removed after the block: every check of a tokenizer's
+    """A copy of the files ``names`` (relative paths) of the directory ``source`` that are regular files there, of at
+    most ``limit`` bytes together (their sizes, sparse or not, summed before anything is copied), private to this
+    process and removed after the block: every check of a tokenizer's
     files and both its builds (bounded, then in this process) read the same bytes (a file swapped in the directory
     between them was built unchecked, unbounded); the digest of the names and bytes copied keys the verdict. A file
     is read no further than its size says (a kernel's file, which says 0, is not opened: the caller refuses those
     first).
 
     Raises:
-        ModelLoadError: a file past ``limit``, one that cannot be read, or a copy that cannot be written (naming the
-            temporary directory: a full disk).
+        ModelLoadError: files past ``limit`` together, one that cannot be read, or a copy that cannot be written
+            (naming the temporary directory: a full disk).
     """
     import hashlib
     import stat
 
+    files: list[tuple[str, os.stat_result]] = []
+    for name in sorted(set(names)):
+        try:
+            info = (source / name).stat()
+        except OSError:
+            continue  # (no such file: none is copied)
+        if stat.S_ISREG(info.st_mode):
+            files.append((name, info))
+    total = sum(info.st_size for _, info in files)
+    if total > limit:
+        raise ModelLoadError(f"the tokenizer's files in {source} take {total} bytes together "
+                             f"({', '.join(name for name, _ in files)}), more than a tokenizer may ({limit})")
     root = fresh_dir("asyncinfer-tokenizer-")
     try:
         digest = hashlib.blake2b(digest_size=32)
-        for name in sorted(set(names)):
+        for name, info in files:
             entry, target = source / name, root / name
-            try:
-                info = entry.stat()
-            except OSError:
-                continue  # (no such file: none is copied)
-            if not stat.S_ISREG(info.st_mode):
-                continue
-            if info.st_size > limit:
-                raise ModelLoadError(f"{entry} holds {info.st_size} bytes, more than a tokenizer's file may ({limit})")
             content = hashlib.blake2b(digest_size=32)
             size = 0
-            with contextlib.ExitStack() as files:
+            with contextlib.ExitStack() as held:
                 try:
-                    target.parent.mkdir(exist_ok=True)
-                    out = files.enter_context(open(target, "xb", buffering=0))  # (a full disk fails the write)
-                    source_file = files.enter_context(open(entry, "rb")) if info.st_size else None
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    out = held.enter_context(open(target, "xb", buffering=0))  # (a full disk fails the write)
+                    source_file = held.enter_context(open(entry, "rb")) if info.st_size else None
                 except OSError as exc:
                     raise _copy_error(entry, root, exc) from exc
                 # (not opened at size 0: a kernel's file says 0, and some wait on a read)
@@ -302,7 +307,7 @@ def _copy_error(entry: Path, root: Path, exc: OSError, *, writing: bool = False)
 
 
 #: A private directory older than this (hours) is one a killed process left: removed by the next one made.
-STALE_DIR_HOURS = 6
+STALE_DIR_HOURS = 1
 
 
 def fresh_dir(prefix: str) -> Path:
@@ -372,8 +377,13 @@ class _Helper:
                 "from asyncinfer.models.tokenizer_build import serve; "
                 "serve(fork=sys.argv[2] == 'fork', parent=int(sys.argv[3]))")
         try:
+            if not sys.executable:
+                raise OSError("this Python cannot start another (sys.executable is empty: an embedded interpreter)")
             self.process = subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(sys.path), "fork" if _FORKS else "once", str(os.getpid())],
+                # -I: nothing of the working directory (a json.py there ran first) nor PYTHON* variables: the
+                # serving process's sys.path is given whole
+                [sys.executable, "-I", "-c", code, json.dumps(sys.path), "fork" if _FORKS else "once",
+                 str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, close_fds=True,
                 start_new_session=_FORKS)
         except BaseException:
