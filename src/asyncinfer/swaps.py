@@ -235,14 +235,21 @@ class ModelChanges:
         await self.retire(old, abort, holder)
         try:
             new = await self._load_version(model, options)
-        except BaseException:
+        except BaseException as failed:
             # The old version is gone already: bring it back so the engine keeps serving.
             try:
                 back = await self._load_version(old.path, old.options)
-            except BaseException:
+            except BaseException as reload_failed:
                 holder.vacancy = (f"a drain-mode swap failed to load its new version and the reload of the old one "
                                   f"failed too: remove_model({label!r}), then add_model({label!r}, model) loads one")
-                raise
+                # the operator's line: the WARNING that follows ("model swap failed") says why the new version did
+                # not load, and reads as if the old one served on (it said only why the reload failed, as if that
+                # were the new version's fault)
+                logger.error("model has no version serving model=%s source=%s error=%s message=%s (a drain-mode "
+                             "swap's new version failed to load and so did the reload of the old one: remove_model, "
+                             "then add_model loads one)", logged(label), logged(model_text(old.path)),
+                             type(reload_failed).__name__, logged(str(reload_failed)))
+                raise failed from reload_failed
             await self.switch(back, holder)
             raise
         switched.append((new, label))

@@ -17,7 +17,7 @@ def test_every_alert_has_a_case_that_fires_it() -> None:
     alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
     tests = yaml.safe_load((MONITORING / "alerts_test.yml").read_text())
     fired = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"] if case["exp_alerts"]}
-    assert len(alerts) == 8
+    assert len(alerts) == 9  # AsyncInferModelNotServing the ninth (stranger83)
     assert fired == alerts, sorted(alerts - fired)
 
 

@@ -94,3 +94,42 @@ def test_metrics_off_leaves_counters_without_samples_rather_than_zeros(tiny_chat
     assert lines[-1].startswith("  engine metrics: off (--no-enable-metrics: /metrics has gauges and HTTP answers")
     on = ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS)
     assert "engine metrics" not in describe_serving([on], [], host="127.0.0.1", port=8000, api_keys=0)
+
+
+# stranger83: a drain-mode swap whose new version failed to load, and whose reload of the old version failed too (its
+# directory overwritten in place by the deploy), left the model with no version: over HTTP every request was still the
+# "between versions ... retry shortly" 503 with Retry-After: 1 (3,714 of them in 8 s), and the log had only the swap's
+# WARNING, which reads as if the old version served on. The 503 now says no version serves and how one is loaded,
+# without Retry-After and with x-should-retry: false; an ERROR line says so.
+def test_a_model_left_without_a_version_is_not_answered_retry_shortly(tiny_chat_model, monkeypatch, caplog) -> None:
+    import asyncio
+
+    from asyncinfer import swaps
+
+    def no_load(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    app = create_app([ModelSpec(str(tiny_chat_model), "tiny", TINY_OPTIONS)])
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        engine = live.engine
+        assert engine.loop is not None
+        monkeypatch.setattr(swaps, "load", no_load)
+        swap = asyncio.run_coroutine_threadsafe(
+            engine.swap_model(str(tiny_chat_model), name="tiny", mode="drain", **TINY_OPTIONS), engine.loop)
+        with caplog.at_level(logging.WARNING, logger="asyncinfer"), pytest.raises(RuntimeError):
+            swap.result(60)
+        answers = [http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+                   http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                   http.get("/v1/models/tiny")]
+    for r, named in zip(answers, ("The default model", "The model `tiny`", "The model `tiny`")):
+        assert r.status_code == 503, r.text
+        assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
+        error = r.json()["error"]
+        assert error["code"] == "model_not_serving" and error["param"] == "model"
+        assert error["message"] == (
+            f"{named} has no version serving: a drain-mode swap failed to load its new version and the reload of "
+            "the old one failed too: remove_model('tiny'), then add_model('tiny', model) loads one; a retry gets "
+            "this answer until one is loaded."), error
+    errors = [record for record in caplog.records if record.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].getMessage().startswith(
+        "model has no version serving model=tiny source="), [record.getMessage() for record in caplog.records]

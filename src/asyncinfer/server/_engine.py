@@ -38,6 +38,18 @@ def between_versions(engine: AsyncEngine, model: str | None) -> bool:
     return False
 
 
+def vacancy(engine: AsyncEngine, model: str | None) -> str | None:
+    """Why generator ``model`` (None: the default one) has no version serving now (the engine's words), or None
+    while one serves (or it is no generator of the engine)."""
+    try:
+        engine.get_tokenizer(model)
+    except EngineClosedError as exc:
+        return str(exc)
+    except InvalidParameterError:
+        return None
+    return None
+
+
 def serves(engine: AsyncEngine, model: str) -> bool:
     """Whether the engine takes new requests for ``model`` (now, or once a drain-mode swap's next version serves):
     False for a model being removed, which ``model_info()`` lists ("draining") until its last request ends."""

@@ -527,8 +527,7 @@ class _OpenAI:
                 others = ", ".join(f"`{name}`" for name, info in served.items() if info.kind == "generate"
                                    and not _engine.between_versions(self.engine(), name))
                 hint = f", or name another generator: {others}" if others else ""
-                raise APIError(503, f"The default model is between versions ({LOADING_NEXT}): retry shortly{hint}.",
-                               param="model", type="server_error", code="unavailable", headers={"retry-after": "1"})
+                raise self._unserved(None, hint)
             found = next((info for info in served.values() if info.kind == kind), None)
             if found is None:
                 _article, noun, how = _NO_MODEL_OF[kind]
@@ -575,9 +574,22 @@ class _OpenAI:
         """A model no ``model_info()`` entry names: a 503 to come back shortly while it is between versions of a
         drain-mode swap (it is still served: a 404 told clients it was gone), else a 404."""
         if _engine.between_versions(self.engine(), model):
-            return APIError(503, f"The model `{model}` is between versions ({LOADING_NEXT}): retry shortly.",
-                            param="model", type="server_error", code="unavailable", headers={"retry-after": "1"})
+            return self._unserved(model)
         return not_found(model, list(self._served()))
+
+    def _unserved(self, model: str | None, hint: str = "") -> APIError:
+        """The 503 for a generator with no version serving: between the versions of a drain-mode swap, to retry
+        shortly; or left without one (the swap's new version and the reload of its old one both failed), which no
+        retry mends until an operator loads one: said so, without Retry-After (clients retried it for ever)."""
+        named = "The default model" if model is None else f"The model `{model}`"
+        why = _engine.vacancy(self.engine(), model) or ""
+        if not why or LOADING_NEXT in why:
+            return APIError(503, f"{named} is between versions ({LOADING_NEXT}): retry shortly{hint}.",
+                            param="model", type="server_error", code="unavailable", headers={"retry-after": "1"})
+        why = why.removeprefix("no model version is serving (").removesuffix(")")
+        return APIError(503, f"{named} has no version serving: {why}; a retry gets this answer until one is "
+                             f"loaded{hint}.", param="model", type="server_error", code="model_not_serving",
+                        headers=NO_RETRY)
 
     def _card(self, info: ModelVersionInfo) -> dict[str, Any]:
         card = {"id": info.name, "object": "model", "created": self.created, "owned_by": "asyncinfer",
