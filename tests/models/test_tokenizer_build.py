@@ -523,3 +523,16 @@ def test_the_helper_imports_nothing_from_the_working_directory(tmp_path) -> None
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
                                "ASYNCINFER_CACHE_DIR": str(tmp_path / "cache")})
     assert done.stdout.strip() == "11", done.stdout + done.stderr[-2000:]
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_named(tmp_path) -> None:
+    """The tokenizers library's refusal ("data did not match any variant of untagged enum ModelUntagged at line 1
+    column N") named no file and said nothing to do (stranger84)."""
+    path = word_level(tmp_path / "t", 10)
+    data = json.loads((path / "tokenizer.json").read_text())
+    data["model"]["type"] = "Foo"
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=r"^cannot load the tokenizer in .*/t: tokenizer\.json is not a tokenizer "
+                                             r"the tokenizers library can read \(.* at line 1 column \d+\): copy the "
+                                             r"model's own tokenizer files beside its config\.json$"):
+        load_hf_tokenizer(path, 11)

@@ -139,3 +139,20 @@ def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeyp
     assert builds == [gguf_path]
     assert "could not cache the tokenizer" in caplog.text
     assert loader._cached_tokenizer(tmp_path / "nowhere", {}) is None
+
+
+def test_the_cached_tokenizers_are_held_to_the_most_recently_used(tmp_path, monkeypatch) -> None:
+    """One cache a GGUF file's path, never removed: 255 directories (117 MB) piled up here from temporary paths
+    (pass93). Past KEPT_TOKENIZER_CACHES, the least recently used go."""
+    from tests.models.test_tokenizer import write_tokenizer_gguf
+
+    monkeypatch.setenv("ASYNCINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "KEPT_TOKENIZER_CACHES", 2)
+    files = [write_tokenizer_gguf(tmp_path / f"m{i}.gguf", "{{ 'x' }}") for i in range(3)]
+    caches = [model_source.tokenizer_cache_dir(file) for file in files]
+    gguf_tokenizer(files[0])
+    gguf_tokenizer(files[1])
+    gguf_tokenizer(files[0])  # a cache hit: used last
+    gguf_tokenizer(files[2])
+    assert (caches[0].exists(), caches[1].exists(), caches[2].exists()) == (True, False, True)
+    assert (tmp_path / "cache" / "tokenizers" / "verdicts").exists() is False  # (no directory's verdicts here)

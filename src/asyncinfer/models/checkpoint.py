@@ -335,7 +335,8 @@ def _checked_build(copy: tokenizer_build.PrivateCopy, vocab_size: int | None, sh
     config = _JsonFile(path / "tokenizer_config.json")  # read once: the fast file's name, the class, special tokens
     # transformers reads tokenizer_config.json whole: within what its token lists may take for this model
     limit = max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)) if vocab_size is not None else MAX_JSON_BYTES
-    tokenizer_json = _JsonFile(path / _fast_tokenizer_file(path, config, limit))  # read once, for three checks
+    fast = _fast_tokenizer_file(path, config, limit)
+    tokenizer_json = _JsonFile(path / fast)  # read once, for the three checks below
     if vocab_size is not None:
         _check_vocabulary_fits(path, vocab_size, tokenizer_json, config)
     _check_charsmaps(tokenizer_json)
@@ -351,7 +352,7 @@ def _checked_build(copy: tokenizer_build.PrivateCopy, vocab_size: int | None, sh
         if exc.panicked:
             raise ModelLoadError(f"cannot load the tokenizer in {shown}: the tokenizers library panicked reading "
                                  f"it: {exc.said}") from None
-        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, exc.said)}") from None
+        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, exc.said, fast)}") from None
     try:
         with native_panics_as(lambda exc: ModelLoadError(
                 f"cannot load the tokenizer in {shown}: the tokenizers library panicked reading it: {exc}")):
@@ -360,17 +361,25 @@ def _checked_build(copy: tokenizer_build.PrivateCopy, vocab_size: int | None, sh
         raise
     except Exception as exc:
         said = " ".join(str(exc).replace(str(path), str(shown)).split())  # one line, the user's path
-        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, said)}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer in {shown}: {_build_failure(path, said, fast)}") from exc
 
 
-def _build_failure(path: Path, said: str) -> str:
-    """Why transformers could not build the tokenizer of ``path`` (its message ``said``), with what to do where the
-    directory shows it."""
+#: The tokenizers library's refusal of a JSON file it reads (serde's words: "data did not match any variant of
+#: untagged enum ModelUntagged at line 1 column 5384"), which names no file.
+_SERDE_ERROR = re.compile(r" at line \d+ column \d+$")
+
+
+def _build_failure(path: Path, said: str, fast: str = "tokenizer.json") -> str:
+    """Why transformers could not build the tokenizer of ``path`` (its message ``said``; ``fast``: the fast tokenizer's
+    file it builds from), with what to do where the directory shows it."""
     vocabulary = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any((path / name).exists() for name in vocabulary):
         present = ", ".join(name for name in TOKENIZER_FILES if (path / name).exists())
         # (transformers' own words then advise installing sentencepiece or tiktoken, which would not help)
         return (f"it holds {present} but no vocabulary ({', '.join(vocabulary)}): copy the model's tokenizer "
+                "files beside its config.json")
+    if _SERDE_ERROR.search(said) and (path / fast).is_file():  # the tokenizers library read the fast file
+        return (f"{fast} is not a tokenizer the tokenizers library can read ({said}): copy the model's own tokenizer "
                 "files beside its config.json")
     if _JSON_ERROR.search(said):  # Python's JSON error names no file: the one that gives it
         broken = _json_file_at_fault(path, said)

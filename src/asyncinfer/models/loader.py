@@ -1081,6 +1081,8 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
     stamp = _tokenizer_stamp(path, header if header is not None else GGUFFile(path))
     cached = _cached_tokenizer(cache, stamp)
     if cached is not None:
+        with contextlib.suppress(OSError):  # used now: the last to be pruned (_prune_caches)
+            os.utime(cache / _STAMP)
         return cached
     say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
     # the bounded build saves the tokenizer where the cache is staged, or (no cache can be written) in a private
@@ -1091,6 +1093,7 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
         stamped = {**stamp, "class": report.tokenizer_class}
         if staged.parent == cache.parent and _commit_cache(staged, cache, stamped):
             loaded = _cached_tokenizer(cache, stamp)
+            _prune_caches(cache.parent, keep=cache)
         else:
             (staged / _STAMP).write_text(json.dumps(stamped))
             loaded = _cached_tokenizer(staged, stamp)
@@ -1134,6 +1137,25 @@ def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizer
     except Exception as exc:  # noqa: BLE001 - a damaged cache can fail in any way: rebuild it
         logger.warning("the cached tokenizer in %s cannot be loaded (%s); rebuilding it", cache, exc)
         return None
+
+
+#: How many GGUF files' cached tokenizers the cache directory's ``tokenizers/`` keeps (each some MB, one per file's
+#: path: the least recently used are removed past it; a file moved or loaded from another path builds its own).
+KEPT_TOKENIZER_CACHES = 64
+
+
+def _prune_caches(folder: Path, keep: Path) -> None:
+    """Remove the cached tokenizers of ``folder`` (``<cache>/tokenizers/``: each a directory with its stamp) past
+    the :data:`KEPT_TOKENIZER_CACHES` most recently used, never ``keep`` (failures are only logged)."""
+    try:
+        caches = [entry for entry in folder.iterdir()
+                  if not entry.name.startswith(".") and (entry / _STAMP).is_file() and entry != keep]
+        caches.sort(key=lambda entry: (entry / _STAMP).stat().st_mtime_ns, reverse=True)
+    except OSError as exc:
+        logger.warning("could not prune the cached tokenizers in %s: %s", folder, exc)
+        return
+    for old in caches[KEPT_TOKENIZER_CACHES - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 #: A staging directory older than this is one a load left when its process was killed: removed by the next.
