@@ -498,11 +498,20 @@ def test_only_the_files_a_tokenizer_is_built_from_are_copied_and_within_a_total(
     with open(path / "tokenizer_backup.bin", "wb") as sparse:
         sparse.truncate(300 * 2**20)
     assert len(load_hf_tokenizer(path, 11)) == 11
+    with open(path / "vocab.txt", "wb") as sparse:  # a slow tokenizer's file: copied, but held to the vocabulary
+        sparse.truncate(300 * 2**20)
+    with pytest.raises(ModelLoadError, match=r"^the tokenizer's files in .*/t take \d+ bytes together, more than a "
+                                             r"tokenizer of this model may \(268435456: 4 times the larger of 64 MiB "
+                                             r"and 512 bytes a token of the model's vocab_size 11 and 1 MiB\); the "
+                                             r"largest is vocab\.txt, 314572800 bytes"):
+        load_hf_tokenizer(path, 11)  # (pass94: a sparse file the checks refuse was first written out whole)
+    (path / "vocab.txt").unlink()
     names = ["tokenizer.json", "tokenizer_config.json"]
     with tokenizer_build.private_copy(path, names, 2**20) as copy:
         assert sorted(entry.name for entry in copy.path.iterdir()) == names
     total = sum((path / name).stat().st_size for name in names)
-    refused = rf"^the tokenizer's files in .*/t take {total} bytes together \(tokenizer\.json, tokenizer_config\.json\), more than a tokenizer may \({total - 1}\)$"
+    refused = (rf"^the tokenizer's files in .*/t take {total} bytes together, more than a tokenizer of this model may "
+               rf"\({total - 1}\); the largest is tokenizer\.json, \d+ bytes \(before anything is copied or read\)$")
     with pytest.raises(ModelLoadError, match=refused), tokenizer_build.private_copy(path, names, total - 1):
         pass
 
@@ -536,3 +545,44 @@ def test_a_tokenizer_json_the_library_cannot_read_is_named(tmp_path) -> None:
                                              r"the tokenizers library can read \(.* at line 1 column \d+\): copy the "
                                              r"model's own tokenizer files beside its config\.json$"):
         load_hf_tokenizer(path, 11)
+
+
+def test_a_helper_that_ends_idle_is_reaped_at_once(tmp_path) -> None:
+    """A helper that ended after its idle time stayed a defunct child of the serving process until the next build
+    (stranger85): a thread of its own reaps it (here it is ended by a kill, as its idle end would)."""
+    tokenizer_build.stop_helper()
+    check_build(word_level(tmp_path / "t", 10), vocab_size=11)
+    (helper,) = tokenizer_build._HELPERS.processes()
+    os.kill(helper.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{helper.pid}").exists():
+        assert time.monotonic() < deadline, (Path(f"/proc/{helper.pid}/stat").read_text())
+        time.sleep(0.05)
+
+
+def test_a_keyboard_interrupt_in_the_loaders_thread_ends_the_build_at_once(tmp_path) -> None:
+    """Ctrl-C during a load raises KeyboardInterrupt in the loader's thread, which lands between bytecodes: the thread
+    waited in one select() for the build's answer, up to its wall-clock limit (pass94). It waits in short polls."""
+    import ctypes
+
+    slow = word_level(tmp_path / "slow", 10, added=600_000)
+    tokenizer_build.prepare()
+    ended: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            check_build(slow, vocab_size=None, bounds=BuildBounds(memory_bytes=2**31, cpu_seconds=60, wall_seconds=120))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            ended.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(len(_group(process.pid)) > 1 for process in tokenizer_build._HELPERS.processes()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)  # the build forked
+    asked = time.monotonic()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+    thread.join(10)
+    assert not thread.is_alive() and isinstance(ended[0], KeyboardInterrupt)
+    assert time.monotonic() - asked < 5

@@ -298,7 +298,12 @@ def load_hf_tokenizer(path: Path, vocab_size: int | None = None) -> PreTrainedTo
     # Every check below and both builds read one private copy of the files a tokenizer may be built from (a file
     # swapped in the directory between them was built unchecked and unbounded); messages name the directory.
     names = _tokenizer_file_names(path, reads, vocab_size)
-    with tokenizer_build.private_copy(path, names, MAX_TOKENIZER_FILE_BYTES) as copy:
+    if vocab_size is None:
+        limit, said = MAX_TOKENIZER_FILE_BYTES, "the most for a model of unknown vocabulary size"
+    else:  # (a sparse file costs nothing where it lies, and was written out whole before its check refused it)
+        limit = min(MAX_TOKENIZER_FILE_BYTES, 4 * max(MAX_JSON_BYTES, _token_bytes_bound(vocab_size)))
+        said = f"4 times the larger of 64 MiB and 512 bytes a token of the model's vocab_size {vocab_size} and 1 MiB"
+    with tokenizer_build.private_copy(path, names, limit, said) as copy:
         try:
             tokenizer = _checked_build(copy, vocab_size, path)
         except ModelLoadError as exc:
@@ -591,8 +596,8 @@ def _check_vocabulary_fits(path: Path, vocab_size: int, tokenizer_json: _JsonFil
             tokens |= _tokens_in(raw)
     if len(tokens) > vocab_size:
         raise ModelLoadError(f"the tokenizer has {len(tokens)} tokens (counted in {', '.join(counted)} of {path}) but "
-                             f"the model embeds only {vocab_size}: is it another model's tokenizer? Copy this model's own tokenizer "
-                             "files beside its config.json")
+                             f"the model embeds only {vocab_size}: is it another model's tokenizer? Copy this model's "
+                             "own tokenizer files beside its config.json")
 
 
 #: A SentencePiece model's names in a directory (transformers converts one to its tokenizer where no tokenizer.json is).

@@ -1067,8 +1067,9 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
     transformers version; a stale or unreadable one is rebuilt. The build runs in a separate process bounded in
     memory and CPU time in proportion to ``vocab_size`` (:mod:`asyncinfer.models.tokenizer_build`), from the file's
     metadata alone, and saves the cache (where the cache cannot be written, a private directory this load reads the
-    tokenizer from and removes): this process never builds it from the file. The cache loads as a :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers``
-    library and the chat template, without importing transformers) where its configuration is the plain one
+    tokenizer from and removes): this process never builds it from the file. The cache loads as a
+    :class:`~asyncinfer.models.tokenizer.CachedTokenizer` (the ``tokenizers`` library and the chat template,
+    without importing transformers) where its configuration is the plain one
     transformers writes for a GGUF vocabulary, else as the transformers class that built it.
 
     Raises:

@@ -226,7 +226,7 @@ class PrivateCopy:
 
 
 @contextlib.contextmanager
-def private_copy(source: Path, names: list[str], limit: int) -> Iterator[PrivateCopy]:
+def private_copy(source: Path, names: list[str], limit: int, limit_said: str = "") -> Iterator[PrivateCopy]:
     """A copy of the files ``names`` (relative paths) of the directory ``source`` that are regular files there, of at
     most ``limit`` bytes together (their sizes, sparse or not, summed before anything is copied), private to this
     process and removed after the block: every check of a tokenizer's
@@ -252,8 +252,10 @@ def private_copy(source: Path, names: list[str], limit: int) -> Iterator[Private
             files.append((name, info))
     total = sum(info.st_size for _, info in files)
     if total > limit:
-        raise ModelLoadError(f"the tokenizer's files in {source} take {total} bytes together "
-                             f"({', '.join(name for name, _ in files)}), more than a tokenizer may ({limit})")
+        largest, info = max(files, key=lambda item: item[1].st_size)
+        raise ModelLoadError(f"the tokenizer's files in {source} take {total} bytes together, more than a tokenizer "
+                             f"of this model may ({limit}{': ' + limit_said if limit_said else ''}); the largest is {largest}, {info.st_size} "
+                             "bytes (before anything is copied or read)")
     root = fresh_dir("asyncinfer-tokenizer-")
     try:
         digest = hashlib.blake2b(digest_size=32)
@@ -471,8 +473,24 @@ class _Helpers:
                 self._lock.wait()
         return self._new(idle=False)
 
+    def _reap(self, helper: _Helper) -> None:
+        """Wait for ``helper`` to end (after :data:`IDLE_SECONDS` idle, or stopped), then let it go: reaped at once,
+        never a defunct child of the serving process until the next build."""
+        with contextlib.suppress(Exception):
+            helper.process.wait()
+        with self._lock:
+            busy = helper in self._all and helper not in self._idle  # its build's thread lets it go, and says why
+            if not busy:
+                self._all.discard(helper)
+                if helper in self._idle:
+                    self._idle.remove(helper)
+                self._lock.notify_all()
+        if not busy:
+            helper.stop()
+
     def _new(self, *, idle: bool) -> _Helper:
-        """Start a helper, whose place the caller counted in ``_starting`` (under the lock)."""
+        """Start a helper, whose place the caller counted in ``_starting`` (under the lock), and the thread that reaps
+        it when it ends."""
         try:
             helper = _Helper()
         except BaseException:
@@ -486,6 +504,7 @@ class _Helpers:
             if idle:
                 self._idle.append(helper)
             self._lock.notify_all()
+        threading.Thread(target=self._reap, args=(helper,), name="asyncinfer-tokenizer-helper", daemon=True).start()
         return helper
 
     def _give_back(self, helper: _Helper) -> None:
@@ -562,14 +581,21 @@ class _Helpers:
         raise AssertionError("unreachable")
 
 
+#: The longest one wait on a pipe blocks: a KeyboardInterrupt raised in a loader's thread (Ctrl-C during a load, which
+#: lands between bytecodes) is taken within it, not when the build ends (up to its wall-clock limit).
+_POLL_SECONDS = 0.2
+
+
 def _read_line(fd: int, timeout: float) -> bytes:
     """One line from ``fd`` within ``timeout`` seconds (empty at its end or past the time)."""
     data = bytearray()
     deadline = time.monotonic() + timeout
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0:
             return b""
+        if not select.select([fd], [], [], min(left, _POLL_SECONDS))[0]:
+            continue
         chunk = os.read(fd, 65536)
         if not chunk:
             return b""
