@@ -157,8 +157,21 @@ def run_on_own_thread(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: 
     return result.pop()
 
 
+#: Held while a thread is started from code that may run on an own thread (:func:`start_thread`): a thread not yet
+#: running carries its creator's id, so an exception raised "in" the creator landed in it too, killed it before it
+#: said it had started, and the creator waited in ``Thread.start()`` for ever (Ctrl-C during a load hung it: pass95).
+_STARTING = threading.Lock()
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """``thread.start()``, never at the moment :func:`_raise_in` raises in the thread that starts it."""
+    with _STARTING:
+        thread.start()
+
+
 def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:
-    """Raise ``exc_type`` in ``thread`` at its next Python instruction (CPython; elsewhere nothing)."""
+    """Raise ``exc_type`` in ``thread`` at its next Python instruction (CPython; elsewhere nothing); never while a
+    thread is being started (:func:`start_thread`)."""
     try:
         import ctypes
 
@@ -166,7 +179,8 @@ def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:
     except (ImportError, AttributeError):  # not CPython: the call runs to its end
         return
     if thread.ident is not None:
-        set_async_exc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type))
+        with _STARTING:
+            set_async_exc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type))
 
 
 def _wait_uninterrupted(done: threading.Event, thread: threading.Thread) -> None:

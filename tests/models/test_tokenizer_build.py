@@ -586,3 +586,63 @@ def test_a_keyboard_interrupt_in_the_loaders_thread_ends_the_build_at_once(tmp_p
     thread.join(10)
     assert not thread.is_alive() and isinstance(ended[0], KeyboardInterrupt)
     assert time.monotonic() - asked < 5
+
+
+def test_a_keyboard_interrupt_while_waiting_for_a_free_helper_lands_at_once(tmp_path, monkeypatch) -> None:
+    """Past MAX_HELPERS a build waited on a condition with no timeout: Ctrl-C in its thread landed only when a helper
+    was freed, up to another build's wall-clock limit (pass95)."""
+    from asyncinfer import threads
+
+    tokenizer_build.stop_helper()
+    monkeypatch.setattr(tokenizer_build, "MAX_HELPERS", 1)
+    slow = word_level(tmp_path / "slow", 10, added=600_000)
+    quick = word_level(tmp_path / "quick", 10)
+    def hold() -> None:
+        with contextlib.suppress(ModelLoadError):  # (ended by stop_helper below)
+            check_build(slow, vocab_size=None, bounds=BuildBounds(memory_bytes=2**31, cpu_seconds=60, wall_seconds=120))
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    while not tokenizer_build._HELPERS.processes():
+        time.sleep(0.05)
+    ended: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            check_build(quick, vocab_size=11)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            ended.append(exc)
+
+    thread = threading.Thread(target=waiting, daemon=True)
+    thread.start()
+    time.sleep(1)  # waiting for the one helper
+    asked = time.monotonic()
+    threads._raise_in(thread, KeyboardInterrupt)
+    thread.join(10)
+    assert not thread.is_alive() and isinstance(ended[0], KeyboardInterrupt)
+    assert time.monotonic() - asked < 5
+    tokenizer_build.stop_helper()
+    holder.join(30)
+
+
+def test_an_interrupt_is_never_raised_while_a_thread_is_being_started() -> None:
+    """A thread not yet running carries its creator's id: an exception raised in the creator then killed the new
+    thread before it said it had started, and the creator waited in Thread.start() for ever (a Ctrl-C as a load started
+    a helper's reaper thread hung the process: pass95). Raising waits for a start in progress."""
+    from asyncinfer import threads
+
+    def sleep() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            time.sleep(0.5)
+            time.sleep(0.5)
+
+    target = threading.Thread(target=sleep, daemon=True)
+    target.start()
+    raised = threading.Event()
+    with threads._STARTING:  # a start in progress
+        raiser = threading.Thread(target=lambda: (threads._raise_in(target, KeyboardInterrupt), raised.set()),
+                                  daemon=True)
+        raiser.start()
+        assert not raised.wait(0.3)
+    assert raised.wait(5)
+    target.join(5)

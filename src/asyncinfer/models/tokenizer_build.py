@@ -41,6 +41,7 @@ from typing import IO, Any
 
 from asyncinfer.errors import ModelLoadError
 from asyncinfer.models.hf_imports import transformers_imports
+from asyncinfer.threads import start_thread
 
 logger = logging.getLogger(__name__)
 
@@ -470,7 +471,7 @@ class _Helpers:
                 if len(self._all) + self._starting < MAX_HELPERS:
                     self._starting += 1
                     break
-                self._lock.wait()
+                self._lock.wait(_POLL_SECONDS)  # (a KeyboardInterrupt in this thread lands between the waits)
         return self._new(idle=False)
 
     def _reap(self, helper: _Helper) -> None:
@@ -504,7 +505,8 @@ class _Helpers:
             if idle:
                 self._idle.append(helper)
             self._lock.notify_all()
-        threading.Thread(target=self._reap, args=(helper,), name="asyncinfer-tokenizer-helper", daemon=True).start()
+        start_thread(threading.Thread(target=self._reap, args=(helper,), name="asyncinfer-tokenizer-helper",
+                                      daemon=True))
         return helper
 
     def _give_back(self, helper: _Helper) -> None:
