@@ -84,7 +84,13 @@ class _Built:
 
 def _bounded_builds(monkeypatch, builds: list[Path]) -> None:
     """The bounded build (a separate process, :mod:`asyncinfer.models.tokenizer_build`) stood for in this one: it
-    counts the builds and saves a :class:`_Built` where it is asked to."""
+    counts the builds and saves a :class:`_Built` where it is asked to; a build in this process fails the test."""
+    import transformers
+
+    def never(*args, **kwargs):
+        raise AssertionError("built in the serving process, though the bounded build saved the tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
 
     def check_build(source, *, vocab_size, gguf_file=None, save_to=None, bounds=None):
         builds.append(Path(source) / gguf_file)
@@ -102,13 +108,6 @@ def test_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path, monkeypat
     gguf_path.write_bytes(b"first")
     builds: list[Path] = []
     _bounded_builds(monkeypatch, builds)
-
-    import transformers
-
-    def never(*args, **kwargs):
-        raise AssertionError("built in the serving process, though the bounded build wrote the cache")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
     assert gguf_tokenizer(gguf_path).word == "build 1"
     cache = gguf_path.with_name("m.tokenizer")
     stamp = json.loads((cache / "asyncinfer-tokenizer.json").read_text())
@@ -128,12 +127,6 @@ def test_a_cache_that_cannot_be_written_costs_only_the_rebuild(tmp_path, monkeyp
     gguf_path.write_bytes(b"x")
     builds: list[Path] = []
     _bounded_builds(monkeypatch, builds)
-    import transformers
-
-    def never(*args, **kwargs):
-        raise AssertionError("built in the serving process")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
     # the bounded build saved it in a private directory, read back from there (and removed)
     assert gguf_tokenizer(gguf_path).word == "build 1"
     assert builds == [gguf_path]

@@ -45,7 +45,6 @@ import re
 import shutil
 import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -1168,10 +1167,7 @@ def _staging_dir(cache: Path) -> Path | None:
     left, removed first); None (logged) where none can be made."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        for left in cache.parent.glob(".tokenizer-*"):
-            with contextlib.suppress(OSError):
-                if time.time() - left.stat().st_mtime > _STALE_STAGING_S:
-                    shutil.rmtree(left, ignore_errors=True)
+        tokenizer_build.remove_stale(cache.parent, ".tokenizer-", _STALE_STAGING_S)
         return Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.parent))
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", cache, exc)

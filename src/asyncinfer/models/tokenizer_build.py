@@ -184,7 +184,7 @@ def check_build_once(source: PrivateCopy, *, vocab_size: int | None, shown: Path
         kept = sorted(verdicts.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns)
         for old in kept[:-KEPT_VERDICTS]:
             old.unlink(missing_ok=True)
-        _remove_stale(verdicts, ".verdict-", 3600)  # (a write that failed half-way)
+        remove_stale(verdicts, ".verdict-", 3600)  # (a write that failed half-way)
     except OSError as exc:
         logger.warning("could not keep the tokenizer's verdict in %s: %s", verdicts, exc)
     return report
@@ -316,11 +316,12 @@ STALE_DIR_HOURS = 1
 def fresh_dir(prefix: str) -> Path:
     """A new private directory in the system's temporary directory (those of ``prefix`` that killed processes left,
     :data:`STALE_DIR_HOURS` old, removed first)."""
-    _remove_stale(Path(tempfile.gettempdir()), prefix, STALE_DIR_HOURS * 3600)
+    remove_stale(Path(tempfile.gettempdir()), prefix, STALE_DIR_HOURS * 3600)
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def _remove_stale(folder: Path, prefix: str, seconds: float) -> None:
+def remove_stale(folder: Path, prefix: str, seconds: float) -> None:
+    """Remove the entries of ``folder`` named ``prefix*`` left more than ``seconds`` ago (by killed processes)."""
     for left in folder.glob(f"{prefix}*"):
         with contextlib.suppress(OSError):
             if time.time() - left.lstat().st_mtime > seconds:
