@@ -28,7 +28,11 @@ Then one ``breakdown`` process times the phases of a load one after the other, i
 processes the CPU seconds are the figure to compare: torch's and the kernels' OpenMP threads spin
 while they wait for a core, which inflates the wall time and, less, the CPU time of the steps), and one
 ``cold`` process loads with an empty tokenizer cache (the first run after install,
-model file already downloaded). Medians are reported; ``--json`` writes every run.
+model file already downloaded). With the default model, ``directory`` loads a model directory (a small random-weight
+Llama with the default model's tokenizer: 49,152 tokens) twice in one fresh cache, in two processes: the first load
+builds its tokenizer in a bounded child of a helper process it starts (docs/models_and_embeddings.md), the second
+finds the verdict kept and starts none; their difference is what the bounded build costs a first load. Medians are
+reported; ``--json`` writes every run.
 
     python benchmarks/startup.py --rounds 5 --json benchmarks/results/startup.json
     git archive 8ecfba9 | tar -x -C /tmp/before          # the tree before the start-up work
@@ -229,6 +233,49 @@ def run_cold(tree: Path) -> dict[str, Any]:
     return {**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])}
 
 
+TINY_LLAMA = """
+import sys
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=int(sys.argv[2]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+"""
+
+
+def run_directory(tree: Path, rounds: int) -> dict[str, Any]:
+    """A model directory's first load (its tokenizer built in a bounded child of a helper started for it) and its
+    second (the verdict kept: no helper), each in a fresh process, ``rounds`` times in a fresh cache each."""
+    sys.path.insert(0, str(tree / "src"))
+    from asyncinfer.model_source import default_model_path, tokenizer_cache_dir
+    from asyncinfer.models.loader import gguf_tokenizer
+
+    gguf = default_model_path()
+    tokenizer = gguf_tokenizer(gguf)
+    firsts, seconds = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        model = Path(scratch) / "model"
+        model.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            source = tokenizer_cache_dir(gguf) / name
+            if source.exists():
+                (model / name).write_bytes(source.read_bytes())
+        spawn([sys.executable, "-c", TINY_LLAMA, str(model), str(len(tokenizer))], dict(os.environ))
+        for i in range(rounds):
+            cache = Path(scratch) / f"cache{i}"
+            cache.mkdir()
+            for runs in (firsts, seconds):
+                wall, rss, out = spawn([sys.executable, "-c", LOAD, str(model)],
+                                       env_for(tree, ASYNCINFER_CACHE_DIR=str(cache)))
+                record = json.loads(out.strip().splitlines()[-1])
+                runs.append({**record, "process_s": wall, "peak_rss_mib": max(rss, record["peak_rss_mib"])})
+            print(f"directory round {i + 1}: first load {firsts[-1]['load_s']:.2f} s, second "
+                  f"{seconds[-1]['load_s']:.2f} s", flush=True)
+    return {"vocab_size": len(tokenizer), "first": firsts, "second": seconds,
+            "first_median": medians(firsts), "second_median": medians(seconds),
+            "bounded_build_s": statistics.median(f["load_s"] for f in firsts)
+            - statistics.median(s["load_s"] for s in seconds)}
+
+
 def _context_tokens(runs: dict[str, list[dict[str, Any]]]) -> int:
     """llama.cpp's context: as many tokens as asyncinfer's KV cache holds."""
     return int(runs["load"][0]["kv_tokens"]) if runs["load"] else 4096
@@ -290,6 +337,7 @@ def main() -> int:
                   f"peak RSS {result['peak_rss_mib']:.0f} MiB", flush=True)
     breakdown = run_breakdown(head)
     cold = run_cold(head) if MODEL == "" else None
+    directory = run_directory(head, max(1, min(args.rounds, 3))) if MODEL == "" else None
     summary = {name: medians(r) for name, r in runs.items() if r}
     met = {k: summary["load"][k] <= limit for k, limit in TARGETS.items()}
     memory = bound(summary["load"], file_mib)
@@ -303,6 +351,11 @@ def main() -> int:
     if cold is not None:
         print(f"\nfirst load with an empty tokenizer cache: load {cold['load_s']:.2f} s, "
               f"peak RSS {cold['peak_rss_mib']:.0f} MiB")
+    if directory is not None:
+        print(f"\na model directory ({directory['vocab_size']} tokens), median load: first "
+              f"{directory['first_median']['load_s']:.2f} s (its tokenizer built in a bounded child of a helper "
+              f"started for it), second {directory['second_median']['load_s']:.2f} s (verdict kept, no helper): the "
+              f"bounded build adds {directory['bounded_build_s']:.2f} s to a first load")
     print(f"\nmemory bound (peak RSS above the imports' <= file {file_mib:.0f} + KV {summary['load']['kv_mib']:.0f} "
           f"+ {BOUND_MIB:.0f} MiB = {memory['limit_above_baseline_mib']:.0f} MiB): "
           f"{memory['peak_above_baseline_mib']:.0f} MiB, {'met' if memory['met'] else 'NOT met'}; whole process "
@@ -330,6 +383,7 @@ def main() -> int:
             "llama_cpp": peer_missing or "measured",
             "targets": TARGETS, "targets_met": met,
             "medians": summary, "runs": runs, "breakdown": breakdown, "cold_tokenizer_cache": cold,
+            "directory_first_and_second_load": directory,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -61,7 +61,8 @@ def test_the_start_says_what_it_serves(tiny_models, capsys, monkeypatch) -> None
         f"  model 'tiny': {path}",
         f"    weights: float16, {format_bytes(plan.weight_bytes)} (float32 on cpu)",
         "    context: 64 tokens per request (prompt + output)",
-        f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} blocks of 16)",
+        (f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} blocks of 16), "
+         "memory committed as it is used"),
         "    scheduler: pd-split {'prefill_budget': 32}",
         "  structured output: on (llguidance)",  # llguidance is installed here ([dev])
         "  API keys: on (2 accepted)",

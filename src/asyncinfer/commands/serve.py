@@ -100,7 +100,7 @@ def describe_serving(specs: Sequence[Served], plans: Sequence[Any], *, host: str
                 f"    weights: {fmt}, {format_bytes(plan.weight_bytes)} ({dtype} on {device})",
                 f"    context: {plan.max_model_len} tokens per request (prompt + output)",
                 (f"    KV cache: {format_bytes(plan.kv_bytes)}, {plan.kv_token_capacity} tokens ({plan.num_blocks} "
-                 f"blocks of {plan.block_size})"),
+                 f"blocks of {plan.block_size})" + (", memory committed as it is used" if device == "cpu" else "")),
                 f"    scheduler: {scheduler}" + (f" {extra}" if extra else ""),
             ]
         else:
