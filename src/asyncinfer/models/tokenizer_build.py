@@ -12,7 +12,7 @@ child built the same files within those bounds: both build from one private copy
 and the verdict is kept for the same files (:func:`check_build_once`).
 
 The child is forked from a helper process that has imported transformers once (a fork costs milliseconds, the
-import ~3 s), in a process group of its own; a helper is started on first use (or ahead of it, by :func:`prepare`),
+import seconds), in a process group of its own; a helper is started on first use (or ahead of it, by :func:`prepare`),
 serves one build at a time (a build takes an idle helper or starts one, up to :data:`MAX_HELPERS`), and ends after
 :data:`IDLE_SECONDS` without one, or with the process that started it, its build with it. Where ``fork`` does not
 exist (Windows) each build starts a helper of its own. The memory limit is enforced where the kernel enforces
