@@ -201,6 +201,20 @@ def test_the_embedding_step_benchmark_runs(real_gguf, tmp_path) -> None:
     assert "blocks/float32" in done.stdout and "memory" not in result
 
 
+def test_the_decode_split_benchmark_parts_a_step_into_the_kernels_parts(tmp_path) -> None:
+    model, out = tmp_path / "tiny-q4_0.gguf", tmp_path / "split.json"
+    made = run_script("make_gguf.py", str(model), "--shape", "tiny", "--type", "q4_0")
+    assert made.returncode == 0, made.stderr[-3000:]
+    done = run_script("decode_split.py", str(model), "--threads", "1", "--steps", "4", "--rounds", "2", "--probe-mib",
+                      "16", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 2 and all(r["steps"] == 4 for r in result["rounds"])
+    summary = result["summary"]
+    assert 0 < summary["projections_ms"] < summary["step_ms"] and 0 < summary["projections_share"] < 1
+    assert summary["weight_bytes_per_token"] > 0 and summary["probe_gb_s"] > 0
+
+
 def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
     """On a CPU the kernel runs in Triton's interpreter (the script sets TRITON_INTERPRET in its own process)."""
     out = tmp_path / "paged_decode.json"

@@ -1,0 +1,83 @@
+"""Where one request's decode step goes, on a model whose steps run on asyncinfer's kernels (the block formats):
+the layers' projections, attention, the rest of the layers (norms, rope, residuals, the threads' barriers) and
+the LM head, as the kernels add up their own time (``DecodeStack.time_parts``), against the step timed around
+``core.step()``. With the weight bytes a step reads (``peer.weight_bytes_per_token``) and a read-bandwidth
+probe (``peer.read_bandwidth``), it says what share of the probe the projections alone read at: the bound on
+what any change outside the row kernels can gain.
+
+    python benchmarks/make_gguf.py /tmp/llama-1b-q4_0.gguf --shape 1b --type q4_0
+    python benchmarks/decode_split.py /tmp/llama-1b-q4_0.gguf --threads 2 --json benchmarks/results/decode_split_1b_q4_0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import git_commit, machine_info, write_record
+from peer import read_bandwidth, weight_bytes_per_token
+from throughput import fused_layer_split
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path, help="a GGUF file in a block format")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="measurements (the median is reported)")
+    p.add_argument("--probe-mib", type=int, default=1024)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from asyncinfer import AsyncEngine, SamplingParams
+    from asyncinfer.request import Request
+
+    engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024)
+    core = engine.core
+    steps_needed = 8 + args.rounds * args.steps
+    core.add_request(Request(request_id="split", prompt_token_ids=list(range(300, 332)),
+                             params=SamplingParams(max_tokens=steps_needed, ignore_eos=True), arrival_time=time.time()))
+    for _ in range(8):  # the prompt, then a few plain decode steps
+        core.step()
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):
+        split = fused_layer_split(core, args.steps)
+        if split is None:
+            raise SystemExit(f"{args.model}: its decode steps do not run on asyncinfer's kernels (not a block format)")
+        rounds.append(split)
+    probe = read_bandwidth(args.probe_mib, 3)
+    per_token = weight_bytes_per_token(args.model)
+    step = statistics.median(r["step_s"] for r in rounds)
+    projections = statistics.median(r["layer_projections_s"] + r["head_s"] for r in rounds)
+    summary = {
+        "step_ms": step * 1e3, "tokens_per_s": 1 / step,
+        "projections_ms": projections * 1e3,
+        "attention_ms": statistics.median(r["attention_s"] for r in rounds) * 1e3,
+        "projections_share": projections / step,
+        "weight_bytes_per_token": per_token, "probe_gb_s": probe,
+        "step_of_probe": per_token / step / 1e9 / probe,
+        "projections_of_probe": per_token / projections / 1e9 / probe,
+    }
+    print(f"{args.model.name}, {args.threads} threads: step {summary['step_ms']:.2f} ms ({summary['tokens_per_s']:.1f} "
+          f"tok/s), projections {summary['projections_ms']:.2f} ms ({summary['projections_share']:.1%} of it), "
+          f"attention {summary['attention_ms']:.2f} ms")
+    print(f"weights {per_token / 1e6:.1f} MB a token; read probe {probe:.1f} GB/s: the step reads at "
+          f"{summary['step_of_probe']:.0%} of it, the projections alone at {summary['projections_of_probe']:.0%}")
+    if args.json:
+        write_record(args.json, {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": git_commit(),
+                                 "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+                                 "summary": summary, "rounds": rounds})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
