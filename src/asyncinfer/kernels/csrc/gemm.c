@@ -390,6 +390,30 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
 }
 
+/* Two blocks' nibbles at once, from their 32 bytes (lo: block b's 16 bytes, hi: block b + 1's): one widening and
+ * one mask and shift for both, then each block's low and high nibbles brought together by a permutation. The same
+ * values as unpack512_q4_1 of each block (the same products follow, bit for bit), in fewer instructions: the 4-bit
+ * rows are bound by the instructions per block, not by memory (docs/formats.md). */
+static inline void unpack512_q4_pair(__m256i bytes, __m512i *w0, __m512i *w1) {
+    const __m512i b = _mm512_cvtepu8_epi16(bytes);
+    const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(b, 4);
+    /* lo's lower 256 bits, then hi's: block b's 32 values in order; the upper halves: block b + 1's */
+    *w0 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), hi);
+    *w1 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4), hi);
+}
+
+/* Q4_1's regrouped quants (16 bytes a block, back to back) and Q4_0's blocks in place (18 bytes, quants after the
+ * scale), two blocks from qs + b * QS_BYTES: the values unpack512_q4_1 / unpack512_q4_0 give each. */
+#define PAIR512_Q4_1(qs, b, w0, w1) \
+    unpack512_q4_pair(_mm256_loadu_si256((const __m256i *)((qs) + (b) * 16)), &(w0), &(w1))
+#define PAIR512_Q4_0(qs, b, w0, w1)                                                                                 \
+    do {                                                                                                          \
+        unpack512_q4_pair(_mm256_loadu2_m128i((const __m128i *)((qs) + ((b) + 1) * 18 + 2),                      \
+                                              (const __m128i *)((qs) + (b) * 18 + 2)), &(w0), &(w1));             \
+        (w0) = _mm512_sub_epi16((w0), _mm512_set1_epi16(8));                                                      \
+        (w1) = _mm512_sub_epi16((w1), _mm512_set1_epi16(8));                                                      \
+    } while (0)
+
 /* Block b's product with activation row m0 + i, its scale dx * dw read from sc (formed sixteen blocks at a
  * time, so no scalar conversion or multiply sits in the loop). */
 #define ROW512_BLOCK(b, slot, UNPACK, QS_BYTES)                                                   \
@@ -400,6 +424,22 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
             const __m512i s = _mm512_madd_epi16(w, _mm512_loadu_si512(a->q + (m0 + i) * K + (b) * QK)); \
             acc[2 * i + (slot)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sc[i][(b) - b0]), \
                                                   acc[2 * i + (slot)]);                           \
+        }                                                                                         \
+    } while (0)
+
+/* Blocks b and b + 1 as ROW512_BLOCK makes them (slots 0 and 1), their weights unpacked together by PAIR. */
+#define ROW512_PAIR(b, PAIR, QS_BYTES)                                                            \
+    do {                                                                                          \
+        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        __m512i w0, w1;                                                                           \
+        PAIR(qs, b, w0, w1);                                                                      \
+        for (int i = 0; i < ROWS; i++) {                                                          \
+            const int16_t *xq = a->q + (m0 + i) * K + (b) * QK;                                   \
+            const __m512i s0 = _mm512_madd_epi16(w0, _mm512_loadu_si512(xq));                    \
+            const __m512i s1 = _mm512_madd_epi16(w1, _mm512_loadu_si512(xq + QK));               \
+            acc[2 * i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(sc[i][(b) - b0]), acc[2 * i]); \
+            acc[2 * i + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(sc[i][(b) + 1 - b0]),       \
+                                             acc[2 * i + 1]);                                     \
         }                                                                                         \
     } while (0)
 
@@ -439,7 +479,8 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
 
 /* A row's blocks from its stream qs (block b at b * QS_BYTES), the scales of each run of 16 blocks read by SCALES8 /
  * SCALE1 (ROW512_SCALES): two accumulators a row, summed in the same order whatever ROWS is. */
-#define ROW512_BODY(UNPACK, QS_BYTES, HAS_MIN, SCALES8, SCALE1)                                   \
+/* With PAIRED, blocks two at a time, unpacked together by PAIR (ROW512_PAIR): the same products and sums. */
+#define ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, SCALES8, SCALE1, PAIRED, PAIR)                \
     __m512 acc[2 * MR];                                                                           \
     __m256 off[MR];                                                                               \
     float sc[MR][16], tail[MR];                                                                   \
@@ -450,8 +491,12 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1);                                               \
         int64_t b = b0;                                                                           \
         for (; b + 1 < b0 + n; b += 2) {                                                          \
-            ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                                 \
-            ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                             \
+            if (PAIRED) {                                                                         \
+                ROW512_PAIR(b, PAIR, QS_BYTES);                                                   \
+            } else {                                                                              \
+                ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
+                ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                         \
+            }                                                                                     \
         }                                                                                         \
         if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                     \
     }                                                                                             \
@@ -459,17 +504,17 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
         out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +                \
                  (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);
 
-#define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN)                                            \
+#define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN, PAIRED, PAIR)                             \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
-        ROW512_BODY(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1)                     \
+        ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1, PAIRED, PAIR) \
     }
 
-ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1)
-ROW512_KERNEL(row_q8_0, unpack512_q8_0, 32, 0)
+ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1, 1, PAIR512_Q4_1)
+ROW512_KERNEL(row_q8_0, unpack512_q8_0, 32, 0, 0, PAIR512_Q4_1)
 
 /* ggml's 32-weight blocks in place (Q4_0, Q5_0, Q5_1): the first four bytes of eight blocks `bytes` apart from p
  * are each block's fp16 scale (bits 0-15) and Q5_1's minimum (bits 16-31); inserted into two vectors straight from
@@ -499,18 +544,18 @@ static inline void ggml_scales8(const uint8_t *p, int64_t bytes, __m256 *dw, __m
 /* Q4_0, Q5_0, Q5_1: ROW512_KERNEL's work on ggml's blocks in place (BYTES a block, its fp16 scale first and Q5_1's
  * minimum after it): the same products, slots and order of sums, the scales of each run of 16 blocks gathered
  * from the blocks (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
-#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN)                                          \
+#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN, PAIRED, PAIR)                           \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
         const int64_t bytes = BYTES;                                                              \
-        ROW512_BODY(UNPACK, BYTES, HAS_MIN, GGML_SCALES8, GGML_SCALE1)                            \
+        ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, GGML_SCALES8, GGML_SCALE1, PAIRED, PAIR)       \
     }
 
-ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0)
-ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0)
-ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1)
+ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0, 1, PAIR512_Q4_0)
+ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0)
+ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0)
 #endif /* AI_AVX512 */
 
 /* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in

@@ -69,7 +69,16 @@ static inline __m256i ai_emulated_cvtepi32_epi16(__m512i v) {
     for (int i = 0; i < 16; i++) out[i] = (int16_t)in[i];
     return _mm256_loadu_si256((const __m256i *)out);
 }
+/* ... nor _mm512_cvtepu8_epi16 (gemm.c's 4-bit pairs): lane by lane, zero-extended. */
+static inline __m512i ai_emulated_cvtepu8_epi16(__m256i v) {
+    uint8_t in[32];
+    int16_t out[32];
+    _mm256_storeu_si256((__m256i *)in, v);
+    for (int i = 0; i < 32; i++) out[i] = in[i];
+    return _mm512_loadu_si512(out);
+}
 #define _mm512_cvtepi32_ps(v) ai_emulated_cvtepi32_ps(v)
+#define _mm512_cvtepu8_epi16(v) ai_emulated_cvtepu8_epi16(v)
 #define _mm512_reduce_add_ps(v) ai_emulated_reduce_add_ps(v)
 #define _mm512_cvtepi8_epi32(v) ai_emulated_cvtepi8_epi32(v)
 #define _mm512_cvtepi32_epi16(v) ai_emulated_cvtepi32_epi16(v)
