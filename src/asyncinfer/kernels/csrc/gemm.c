@@ -539,23 +539,33 @@ static inline void ggml_scales8(const uint8_t *p, int64_t bytes, __m256 *dw, __m
     *mw = _mm256_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(lo, 16), _mm_srli_epi32(hi, 16)));
 }
 #define GGML_SCALES8(h, dw, mw) ggml_scales8(row + (b0 + (h)) * bytes, bytes, &(dw), &(mw))
+/* Q4_0's eight scales from its 18-byte blocks (nine 16-bit words each: block j's scale is word 9 j) in two 64-byte
+ * loads and one word permutation, where ggml_scales8 reads them one at a time: the 128 bytes lie within the eight
+ * blocks' 144. */
+static inline __m256 q4_0_scales8(const uint8_t *p) {
+    static const int16_t words[32] = {0, 9, 18, 27, 36, 45, 54, 63};
+    const __m512i w = _mm512_permutex2var_epi16(_mm512_loadu_si512(p), _mm512_loadu_si512(words),
+                                                _mm512_loadu_si512(p + 64));
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(w));
+}
+#define Q4_0_SCALES8(h, dw, mw) (dw = q4_0_scales8(row + (b0 + (h)) * 18), mw = dw)
 #define GGML_SCALE1(j, dw, mw) (dw = ai_half_at(row + (b0 + (j)) * bytes), mw = ai_half_at(row + (b0 + (j)) * bytes + 2))
 
 /* Q4_0, Q5_0, Q5_1: ROW512_KERNEL's work on ggml's blocks in place (BYTES a block, its fp16 scale first and Q5_1's
  * minimum after it): the same products, slots and order of sums, the scales of each run of 16 blocks gathered
  * from the blocks (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
-#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN, PAIRED, PAIR)                           \
+#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN, PAIRED, PAIR, SCALES8)                  \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
         const int64_t bytes = BYTES;                                                              \
-        ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, GGML_SCALES8, GGML_SCALE1, PAIRED, PAIR)       \
+        ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, SCALES8, GGML_SCALE1, PAIRED, PAIR)            \
     }
 
-ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0, 1, PAIR512_Q4_0)
-ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0)
-ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0)
+ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0, 1, PAIR512_Q4_0, Q4_0_SCALES8)
+ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0, GGML_SCALES8)
+ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0, GGML_SCALES8)
 #endif /* AI_AVX512 */
 
 /* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
