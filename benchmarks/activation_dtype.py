@@ -12,7 +12,8 @@ best of five sums of a 1 GiB float32 buffer on the same threads).
     python benchmarks/activation_dtype.py --shape 1b --threads 1 --clock cpu --tokens 16 32 64   # a loaded machine
     python benchmarks/activation_dtype.py --shape tiny --repeats 2 --tokens 1     # a smoke run
 
-From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the float32 panel and int8 the int8 rows in passes. Beside them, int8's
+From ``PANEL_MIN_ROWS`` (9) rows on, int16 is the int16 tile (AVX-512 variants) or the float32 panel (avx2, scalar:
+``kernels.int16_batched()``) and int8 the int8 rows in passes. Beside them, int8's
 tile (``kernels.gemm``'s ``int8_kernel="tile"``, the decoder layers' GEMM in prefills and mixed steps; the rows where
 the build has no tile): the tokens 16-128 compare the paths of a prefill or a batched decode. And bfloat16
 (``kernels.gemm``'s ``activation_dtype="bfloat16"``, called through ``kernels.gemm``: from ``BF16_MIN_ROWS`` rows on

@@ -15,7 +15,8 @@ The block formats (``q8_0``, ``q4_1``) run on asyncinfer's kernels, decode atten
     int8, llama.cpp's numerics); for every block format also (a) read a token per step over the first
     ``--step-tokens`` tokens ("top1_agreement_token_by_token"): the path a decode takes, where the
     activations are rounded with int16 (a prefill chunk of PANEL_MIN_ROWS tokens or more multiplies float32
-    activations with int16; int8 rounds every step).
+    activations with int16 in the avx2 and scalar kernel variants, int16 ones in the AVX-512 variants; int8 rounds
+    every step).
 (c) with ``--sensitivity``: int8's per-layer-kind sensitivity, (a) for int8 everywhere except
     one kind of projection, and for int8 on one kind only.
 

@@ -135,7 +135,7 @@ _WARNED_SLOW_BF16_ACTIVATIONS: list[bool] = []
 def warn_slow_bf16_activations(activation_dtype: str, device: torch.device) -> None:
     """Warn (``logging.warning`` on "asyncinfer", once per process) when ``activation_dtype`` is "bfloat16" on a CPU
     without native bfloat16 matrix kernels (as :func:`warn_slow_cpu_dtype` decides): the block formats' bigger
-    steps then multiply in emulated bfloat16, slower than the default's float32 panel."""
+    steps then multiply in emulated bfloat16, slower than the default int16's."""
     if (activation_dtype != "bfloat16" or device.type != "cpu" or _WARNED_SLOW_BF16_ACTIVATIONS
             or cpu_has_fast_matmul(torch.bfloat16) is not False):
         return

@@ -100,8 +100,9 @@ async def test_unseeded_sampling_draws_fresh_entropy_per_engine_unless_the_engin
 
 # The documented exception (docs/reliability.md, "Seeded sampling depends on the request only"): on the
 # kernels' block formats a step of fewer than kernels.PANEL_MIN_ROWS rows rounds each block of 32 activations to
-# int16, a step of more multiplies in float32, so a row's logits move in their last digits with the number of
-# rows its decode steps hold. Measured here on the default model (Q4_1), greedy, the prefix cache off.
+# int16 in the row kernels, a step of more multiplies in float32 (the avx2 and scalar variants' panel) or sums the
+# same int16 products in another order (the AVX-512 variants' int16 tile), so a row's logits move in their last
+# digits with the number of rows its decode steps hold. Measured here on the default model (Q4_1), greedy, the prefix cache off.
 EXCEPTION_PROMPT = [(37 * j) % 5000 + 100 for j in range(40)]
 EXCEPTION_NEIGHBOURS = [[(41 * j + 7 * i) % 5000 + 200 for j in range(30 + i)] for i in range(11)]
 #: The bound docs/reliability.md states for a chosen token's logprob between the two paths.
@@ -128,7 +129,7 @@ async def test_a_rows_logits_move_within_the_stated_bound_with_its_steps_row_cou
         real_gguf) -> None:
     from asyncinfer import kernels
 
-    assert len(EXCEPTION_NEIGHBOURS) + 1 >= kernels.PANEL_MIN_ROWS  # batched decode steps take the float32 panel
+    assert len(EXCEPTION_NEIGHBOURS) + 1 >= kernels.PANEL_MIN_ROWS  # batched decode steps: the panel or the tile
     alone = await exception_first_request(real_gguf, [])  # decode steps of one row: int16 activations
     batched = await exception_first_request(real_gguf, EXCEPTION_NEIGHBOURS)
     assert alone.token_ids == batched.token_ids  # no near-tie in these 24 tokens

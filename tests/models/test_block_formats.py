@@ -147,8 +147,9 @@ def test_the_k_quants_plain_quantizer_stays_within_its_stated_error(fmt) -> None
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 33])
 def test_gemm_equals_float64_within_its_activation_rounding(fmt, rows) -> None:
     """Below PANEL_MIN_ROWS rows activations are rounded per run of 32 to int16 (a relative error of the
-    result between 1e-6 and 2e-4); from it on they stay float32 (below 1e-6). A row's result never depends
-    on the other rows of a call on the same side of that count."""
+    result between 1e-6 and 2e-4); from it on the AVX-512 variants keep that rounding (their int16 tile), the
+    others keep them float32 (below 1e-6: the panel). A row's result never depends on the other rows of a call
+    on the same side of that count."""
     layout = formats.LAYOUTS[fmt]
     k = 768 if layout.weights == 256 else 576
     gen = torch.Generator().manual_seed(rows)
@@ -166,7 +167,10 @@ def test_gemm_equals_float64_within_its_activation_rounding(fmt, rows) -> None:
         assert 1e-6 < error < 2e-4, error
         assert torch.equal(out[0], kernels.gemm(x[:1], packed, fmt, 70, bias)[0])
     else:
-        assert error < 1e-6, error
+        if kernels.int16_batched() == "tile":  # the AVX-512 variants: int16 activations here too
+            assert 1e-6 < error < 2e-4, error
+        else:  # the float32 panel
+            assert error < 1e-6, error
         first = kernels.PANEL_MIN_ROWS
         assert torch.equal(out[:first], kernels.gemm(x[:first], packed, fmt, 70, bias))
     assert kernels.gemm(x[:0], packed, fmt, 70).shape == (0, 70)

@@ -146,23 +146,31 @@ def test_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     """Widths of whole runs of 16 blocks (the AVX-512 row kernels' scales are formed 16 blocks at a time: 512 = one
     run, two k-quant super-blocks), with an odd remainder past them (800 = a run and 9 blocks) and of a remainder
     alone (96 = 3 blocks). Below PANEL_MIN_ROWS rows each row's result is also the one it has alone, bit for bit:
-    every row is summed in the same order whatever the number of rows."""
+    every row is summed in the same order whatever the number of rows. From it on the AVX-512 variants' int16
+    tile keeps the rows' int16 rounding: held to the scalar reference's rows (each row alone there), and each
+    row's result is the one it has in a batch of PANEL_MIN_ROWS rows, bit for bit."""
     runs_here(isa)
+    tile = isa in kernels.INT16_TILE_ISAS or isa in EMULATIONS
     n = 37
     for k in ((512,) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800, 96)):
         w = random_blocks(fmt, n, k, seed=3)
         dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
         gen = torch.Generator().manual_seed(5)
         bias = torch.randn(n, generator=gen)
-        for rows in (1, 2, 3, 4, 5, 8, 17, 40):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
             x = torch.randn(rows, k, generator=gen)
             x[0, :32] *= 1000  # one block of large values: its int16 scale differs from the others'
+            batched = rows >= kernels.PANEL_MIN_ROWS
             with on("scalar"):
-                ref = kernels.gemm(x, w, fmt, n, bias)
+                ref = torch.stack([kernels.gemm(x[r:r + 1], w, fmt, n, bias)[0] for r in range(rows)]) \
+                    if batched and tile else kernels.gemm(x, w, fmt, n, bias)
             with on(isa):
                 got = kernels.gemm(x, w, fmt, n, bias)
                 alone = [kernels.gemm(x[r:r + 1], w, fmt, n, bias)[0] for r in range(rows)] \
-                    if rows < kernels.PANEL_MIN_ROWS else []
+                    if not batched else []
+                if batched and tile:
+                    first = kernels.gemm(x[-kernels.PANEL_MIN_ROWS:], w, fmt, n, bias)
+                    assert torch.equal(got[-kernels.PANEL_MIN_ROWS:], first), (isa, fmt, k, rows)
             bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
             assert ((got - ref).abs() <= bound).all(), (isa, fmt, k, rows, (got - ref).abs().max().item())
             assert torch.allclose(ref, x @ dense.T + bias, rtol=1e-3, atol=1e-2 * x.abs().max().item())

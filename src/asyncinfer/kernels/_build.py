@@ -46,16 +46,21 @@ _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
 _VERSION = 33
-#: From this many activation rows on, the GEMM with int16 activations takes its float32 panel path (int8
-#: activations take their rows at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the
-#: loaded library).
+#: From this many activation rows on, the GEMM with int16 activations takes its batched path: the int16 tile in
+#: the AVX-512 variants, the float32 panel in the others (:func:`int16_batched`); int8 activations take their rows
+#: at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library.
 PANEL_MIN_ROWS = 9
 #: From this many activation rows on, the GEMM with ``activation_dtype="bfloat16"`` rebuilds the weights as
 #: bfloat16 (``asyncinfer_dequantize_bf16``, a slice of rows at a time) and multiplies them by torch in bfloat16;
 #: below it, int16's rows (a decode step keeps its speed). The panel's own threshold, as measured on an AMX Xeon
-#: (one thread over a 1B layer): at 8 rows bfloat16 takes 1.2-1.5x the int16 rows' time, from 9 rows, where int16
-#: takes its float32 panel, 0.84-0.97x the panel's (docs/formats.md, "Batched steps").
+#: (one thread over a 1B layer): at 8 rows bfloat16 takes 1.2-1.5x the int16 rows' time, from 9 rows 0.84-0.97x
+#: the float32 panel's, which int16 took there before the AVX-512 variants' int16 tile (docs/formats.md,
+#: "Batched steps").
 BF16_MIN_ROWS = 9
+#: The variants whose int16 GEMM keeps int16 activations from PANEL_MIN_ROWS rows on (the int16 tile: each block
+#: of 32 rounded and multiplied exactly in integers as below that count, sixteen rows a 512-bit register); the
+#: others (scalar, avx2) multiply float32 activations by the weights rebuilt in float32 there (the panel).
+INT16_TILE_ISAS = ("avx512", "avx512vnni")
 
 
 class KernelISAError(ValueError):
@@ -507,6 +512,14 @@ def isa() -> str:
     """The variant the kernels run as here: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512vnni"``. RuntimeError naming
     :func:`unavailable_reason` where they cannot run."""
     return _info_or_raise()["isa"]
+
+
+def int16_batched() -> str:
+    """How the loaded variant's int16 GEMM (the default ``activation_dtype``) multiplies from
+    :data:`PANEL_MIN_ROWS` rows on: ``"tile"`` (int16 activations, the rows' numerics: the AVX-512 variants,
+    :data:`INT16_TILE_ISAS`) or ``"panel"`` (float32 activations: scalar, avx2). RuntimeError naming
+    :func:`unavailable_reason` where the kernels cannot run."""
+    return "tile" if isa() in INT16_TILE_ISAS else "panel"
 
 
 def supported_isas() -> tuple[str, ...]:

@@ -113,7 +113,8 @@ def format_name(fmt: object, what: str = "fmt") -> str:
 
 
 #: How the block-format GEMMs round the activations, per run of 32: ``"int16"`` (the default: within float32's
-#: rounding of the exact product, below :data:`PANEL_MIN_ROWS` rows; float32 from it on), ``"int8"``
+#: rounding of the exact product; from :data:`PANEL_MIN_ROWS` rows on float32 in the avx2 and scalar variants,
+#: :func:`~asyncinfer.kernels.int16_batched`), ``"int8"``
 #: (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a product's size off,
 #: at every number of rows, a row's result independent of the batch; docs/formats.md, "Activations") or
 #: ``"bfloat16"`` (int16's below :data:`BF16_MIN_ROWS` rows; from it on the weights rebuilt as bfloat16 per call and

@@ -34,8 +34,8 @@ The formats (values of the engine option ``quantization``):
   (:data:`K_QUANT_FALLBACK`: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Their quantizer is a plain one
   (:func:`asyncinfer.kernels.quantize`): a GGUF file's own k-quant blocks are taken as they are.
   Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): int16
-  (the default) rounds a step of fewer than ``PANEL_MIN_ROWS`` tokens' activations per run of 32 and multiplies
-  bigger steps in float32; int8 (llama.cpp's numerics, faster) rounds every step's activations per run of 32;
+  (the default) rounds a step's activations per run of 32 (a step of ``PANEL_MIN_ROWS`` tokens or more: in the
+  AVX-512 kernel variants; the others multiply bigger steps in float32); int8 (llama.cpp's numerics, faster) rounds every step's activations per run of 32;
   bfloat16 is int16 below ``BF16_MIN_ROWS`` tokens and multiplies bigger steps in bfloat16 (AMX CPUs),
   :attr:`BlockLinear.activation_dtype`.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in

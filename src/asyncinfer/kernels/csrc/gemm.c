@@ -18,10 +18,12 @@
  *     each block's integer dot product is exact, scaled by dx * dw in float32 and summed; Q4_1 adds
  *     sum over blocks of m * (the block's float32 sum of x); the other formats the same per sub-block of
  *     32 (dw its scale, m its min), the sub-blocks of 32 lining up with the activations' blocks;
- *   - from PANEL_MIN_ROWS rows on, the weights are rebuilt in float32 (the blocks' exact values) and
- *     each output is one float32 sum over k in order.
- * The variants differ only in the order of float32 additions (and Q4_1's d * q + m being fused or not),
- * which the tests bound against the scalar reference (docs/formats.md, "Kernel variants").
+ *   - from PANEL_MIN_ROWS rows on (prefills, batched decodes), in the scalar and AVX2 variants the weights are
+ *     rebuilt in float32 (the blocks' exact values) and each output is one float32 sum over k in order (the
+ *     panel); in the AVX-512 variants the same int16 rounding and exact integer products as below it, sixteen
+ *     activation rows a register (gemm8.c's int16 tile), about twice the panel's speed there.
+ * Beyond that, the variants differ only in the order of float32 additions (and Q4_1's d * q + m being fused or
+ * not), which the tests bound against the scalar reference (docs/formats.md, "Kernel variants").
  */
 #include "internal.h"
 #include "blocks.h"
@@ -568,7 +570,9 @@ ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0, GGML_SCA
 ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0, GGML_SCALES8)
 #endif /* AI_AVX512 */
 
-/* Batches of PANEL_MIN_ROWS activation rows or more: each thread rebuilds TN weight rows at a time in
+#ifndef AI_AVX512
+/* Batches of PANEL_MIN_ROWS activation rows or more in the AVX2 build (the AVX-512 builds take the int16 tile,
+ * gemm8.c): each thread rebuilds TN weight rows at a time in
  * float32 (the blocks' exact values) and multiplies them by the float32 activations (not rounded;
  * packed per tile, see pack_acts) in register tiles of 6 weight rows x 16 tokens (12 rows x 8 for the
  * last 8 or fewer): one weight broadcast and one FMA per 8 products, no horizontal sums. The rebuild
@@ -660,27 +664,6 @@ static void pack_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t
         }                                                                                         \
     } while (0)
 
-#ifdef AI_AVX512
-/* A 16-token tile in one 512-bit register: 12 panel rows at once, one accumulator each. Each output is the
- * same in-order chain of FMAs over k as PANEL_TILE's, so the result equals the AVX2 variant's bit for bit. */
-#define PANEL_TILE512(J0)                                                                         \
-    do {                                                                                          \
-        __m512 acc[TN];                                                                           \
-        for (int j = 0; j < TN; j++) acc[j] = _mm512_setzero_ps();                                \
-        const float *xc = xt + m0 * K, *pw = panel + (J0) * K;                                    \
-        for (int64_t k = 0; k < K; k++, xc += 16) {                                               \
-            const __m512 xv = _mm512_loadu_ps(xc);                                                \
-            for (int j = 0; j < TN; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(pw[j * K + k]), xv, acc[j]); \
-        }                                                                                         \
-        float o[TN][16];                                                                          \
-        for (int j = 0; j < TN; j++) _mm512_storeu_ps(o[j], acc[j]);                              \
-        for (int64_t j = 0; j < TN && (J0) + j < nr; j++) {                                       \
-            const int64_t n = n0 + (J0) + j;                                                      \
-            const float bn = bias ? bias[n] : 0.0f;                                               \
-            for (int64_t i = 0; i < 16 && m0 + i < M; i++) y[(m0 + i) * ldy + n] = o[j][i] + bn;  \
-        }                                                                                         \
-    } while (0)
-#endif
 
 /* Tokens per pass over the weights: their packed activations (at most this many bytes) stay in a
  * core's L2 cache while every weight row passes; a bigger batch takes several passes, each
@@ -733,12 +716,8 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
                 for (int64_t r = nr; r < TN; r++) memset(panel + r * K, 0, sizeof(float) * (size_t)K);
                 for (int64_t m0 = p0; m0 < p1; m0 += 16) {
                     if (tile_width(m0, Mp) == 16) {
-#ifdef AI_AVX512
-                        PANEL_TILE512(0);
-#else
                         PANEL_TILE(6, 2, 0);
                         if (nr > 6) PANEL_TILE(6, 2, 6);
-#endif
                     } else {
                         PANEL_TILE(12, 1, 0);
                     }
@@ -749,11 +728,13 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
     free(panels);
     return 0;
 }
+#endif /* !AI_AVX512 */
 
 #endif /* AI_AVX2 */
 
 /* ------------------------------------------------------------------------------------------------
- * The entry points: M < PANEL_MIN_ROWS through the row kernels, from it on through the panel. */
+ * The entry points: M < PANEL_MIN_ROWS through the row kernels, from it on through BATCHED (the AVX-512
+ * builds' int16 tile, the AVX2 build's panel). */
 #ifdef AI_AVX2
 #ifdef AI_AVX512
 /* quantize_acts_ref's rounding, eight lanes at a time (the same int16 values: both round to nearest even; the
@@ -775,8 +756,19 @@ static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t
     }
 }
 #define QUANTIZE_ACTS quantize_acts_avx512
+
+void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *q, float *d, float *sum) {
+    acts a = {q, d, sum};
+    quantize_acts_avx512(x, M, ldx, K, &a);
+}
+/* From PANEL_MIN_ROWS rows on: the int16 tile (gemm8.c; it allocates its own working memory). */
+#define BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch) \
+    ((void)(scratch), ai_tile16_gemm(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads))
 #else
 #define QUANTIZE_ACTS quantize_acts_avx2
+/* From PANEL_MIN_ROWS rows on: the float32 panel. */
+#define BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch) \
+    gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch)
 #endif
 
 #define GEMM(NAME, ROW, ROW2, ROW_BYTES, FMT)                                                     \
@@ -785,7 +777,7 @@ static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t
         const int64_t nb = K / QK;                                                                \
         const uint8_t *rows = (const uint8_t *)w;                                                 \
         if (M >= PANEL_MIN_ROWS)                                                                  \
-            return gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch);  \
+            return BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch);            \
         acts a = acts_in(scratch, M, K);                                                          \
         QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
         if (M == 1 && ROW2_PAIRS) { /* pairs of weight rows; an odd last row through ROW */       \
@@ -1075,7 +1067,7 @@ static inline __attribute__((always_inline)) void row_of(const int fmt, const ui
         const uint8_t *rows = (const uint8_t *)w;                                                 \
         const int64_t row_bytes = K / ai_fmt_weights(FMT) * ai_fmt_bytes(FMT);                    \
         if (M >= PANEL_MIN_ROWS)                                                                  \
-            return gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch);  \
+            return BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch);            \
         acts a = acts_in(scratch, M, K);                                                          \
         QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \

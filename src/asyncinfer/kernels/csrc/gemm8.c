@@ -3,9 +3,8 @@
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
  * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
  * a sub-block, the AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
- * 32 activations (llama.cpp's k-quants take one per 256). Prefills and batched decodes too (not gemm.c's float32
- * panel, which the int16 default takes from PANEL_MIN_ROWS rows on): the rows, faster per product than the
- * panel's FMAs, and a row's result does not depend on the other rows of the call.
+ * 32 activations (llama.cpp's k-quants take one per 256). Prefills and batched decodes too: the rows (or the
+ * tile below), and a row's result does not depend on the other rows of the call.
  *
  * The result, in every variant: per sub-block of 32 weights (the activations' blocks line up with them)
  *
@@ -15,6 +14,9 @@
  * by its int8 scale of each 16) with qx. The SIMD builds take the quants unsigned (Q4_0's nibble, not
  * nibble - 8) and subtract centre * (the sum of qx) from the integer, so idot is the same integer; they
  * differ from the scalar reference only in the order of the float32 additions (tests bound it).
+ *
+ * The AVX-512 builds' int16 tile (tile16_gemm, at the end) shares the int8 tile's weight unpacking and layout: the
+ * int16 default's GEMM from PANEL_MIN_ROWS rows on there (gemm.c's BATCHED).
  */
 #include "internal.h"
 #include "blocks.h"
@@ -846,13 +848,13 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
         for (int c = 0; c < C; c++) out[g][c] = f[g][c];
 }
 
-static inline __attribute__((always_inline)) void tile8_call(const int fmt, int G, int C, const group8 *gs,
+/* Every weight row of the tile at once (a tile of fewer, the last of a call, computes the others on stale rows and
+ * drops them): two micro-kernels a format, one or two groups, where each (G, C) of its own would multiply the
+ * compile time of the SIMDe-emulated builds. */
+static inline __attribute__((always_inline)) void tile8_call(const int fmt, int G, const group8 *gs,
                                                              const wrow8 *w, int64_t K, __m512 out[T8_GROUPS][T8_COLS]) {
-#define T8_CASE(g_, c_) \
-    if (G == (g_) && C == (c_)) return tile8_kernel(fmt, g_, c_, gs, w, K, out)
-    T8_CASE(2, 4); T8_CASE(1, 4); T8_CASE(2, 3); T8_CASE(1, 3); T8_CASE(2, 2); T8_CASE(1, 2); T8_CASE(2, 1);
-    T8_CASE(1, 1);
-#undef T8_CASE
+    if (G == 2) return tile8_kernel(fmt, 2, T8_COLS, gs, w, K, out);
+    tile8_kernel(fmt, 1, T8_COLS, gs, w, K, out);
 }
 
 /* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES.
@@ -867,8 +869,68 @@ static inline int64_t tile8_pass_rows(int64_t K) {
     return rows < 16 * T8_GROUPS ? 16 * T8_GROUPS : rows;
 }
 
+/* What a thread's run of weight rows needs (tile8_cols): the pass's groups, its own unpacked rows, the output. */
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    int64_t row_bytes, K, ng, p0, p1, gbytes, ldy;
+    char *gmem;
+    const wrow8 *wr;
+    const float *bias;
+    float *y;
+} tile8_job;
+
+/* Weight rows [n0, n0 + C) against every group of the pass: unpacked once, then each pair of groups. */
+static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
+    const int64_t K = j->K;
+    for (int c = 0; c < C; c++) tile8_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, &j->wr[c]);
+    group8 gs[T8_GROUPS];
+    for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
+        const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
+        for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
+        __m512 out[T8_GROUPS][T8_COLS];
+        tile8_call(fmt, G, gs, j->wr, K, out);
+        for (int g = 0; g < G; g++) {
+            float lanes[16];
+            const int64_t r0 = j->p0 + 16 * (gi + g), live = j->p1 - r0 < 16 ? j->p1 - r0 : 16;
+            for (int c = 0; c < C; c++) {
+                _mm512_storeu_ps(lanes, out[g][c]);
+                const float bn = j->bias ? j->bias[n0 + c] : 0.0f;
+                for (int64_t r = 0; r < live; r++) j->y[(r0 + r) * j->ldy + n0 + c] = lanes[r] + bn;
+            }
+        }
+    }
+}
+
+/* tile8_cols with the format a constant (a function each: the OpenMP region that calls it is compiled once for
+ * every format, so the format must be fixed below it, not above). */
+typedef void (*tile8_cols_fn)(const tile8_job *, int64_t, int);
+#ifndef ASYNCINFER_EMULATE_AVX512
+#define TILE8_COLS(NAME, FMT) \
+    static void NAME(const tile8_job *j, int64_t n0, int C) { tile8_cols(FMT, j, n0, C); }
+#else /* the SIMDe-emulated builds (tests): one instance, the format read at run time (eight cost minutes to compile) */
+static void tile8_cols_any(const tile8_job *j, int64_t n0, int C) { tile8_cols(j->fmt, j, n0, C); }
+#define TILE8_COLS(NAME, FMT)
+#endif
+TILE8_COLS(tile8_cols_q4_1, ASYNCINFER_FMT_Q4_1)
+TILE8_COLS(tile8_cols_q8_0, ASYNCINFER_FMT_Q8_0)
+TILE8_COLS(tile8_cols_q4_0, ASYNCINFER_FMT_Q4_0)
+TILE8_COLS(tile8_cols_q5_0, ASYNCINFER_FMT_Q5_0)
+TILE8_COLS(tile8_cols_q5_1, ASYNCINFER_FMT_Q5_1)
+TILE8_COLS(tile8_cols_q4_k, ASYNCINFER_FMT_Q4_K)
+TILE8_COLS(tile8_cols_q5_k, ASYNCINFER_FMT_Q5_K)
+TILE8_COLS(tile8_cols_q6_k, ASYNCINFER_FMT_Q6_K)
+
 static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                       const float *bias, float *y, int64_t ldy, int threads) {
+#ifndef ASYNCINFER_EMULATE_AVX512
+    static const tile8_cols_fn cols_of[ASYNCINFER_NUM_FMTS] = {
+        tile8_cols_q4_1, tile8_cols_q8_0, tile8_cols_q4_0, tile8_cols_q5_0,
+        tile8_cols_q5_1, tile8_cols_q4_k, tile8_cols_q5_k, tile8_cols_q6_k};
+    const tile8_cols_fn cols = cols_of[fmt];
+#else
+    const tile8_cols_fn cols = tile8_cols_any;
+#endif
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (K + K / QK * 8 + K / 16 * 2), gbytes = tile8_group_bytes(K),
@@ -877,6 +939,7 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
     char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 64));
     if (!mem) return ASYNCINFER_ENOMEM;
     char *gmem = mem + (acts + 63) / 64 * 64, *wmem = gmem + groups * gbytes;
+    memset(wmem, 0, (size_t)(nt * wbytes)); /* the rows a short tile computes and drops: never uninitialized */
     const int centre = tile8_centre(fmt);
     for (int64_t p0 = 0; p0 < M; p0 += pass) {
         const int64_t p1 = M - p0 < pass ? M : p0 + pass, ng = (p1 - p0 + 15) / 16;
@@ -896,31 +959,12 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
         }
         _Pragma("omp parallel num_threads(nt) if(nt > 1)")
         {
-            const int me = ai_thread_num();
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++)
-                wr[c] = tile8_wrow_in(wmem + me * wbytes + c * tile8_wrow_bytes(K), K);
-            group8 gs[T8_GROUPS];
+                wr[c] = tile8_wrow_in(wmem + ai_thread_num() * wbytes + c * tile8_wrow_bytes(K), K);
+            const tile8_job job = {fmt, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y};
             _Pragma("omp for schedule(static)")
-            for (int64_t n0 = 0; n0 < N; n0 += T8_COLS) {
-                const int C = (int)(N - n0 < T8_COLS ? N - n0 : T8_COLS);
-                for (int c = 0; c < C; c++) tile8_unpack(fmt, w + (n0 + c) * row_bytes, K, &wr[c]);
-                for (int64_t gi = 0; gi < ng; gi += T8_GROUPS) {
-                    const int G = (int)(ng - gi < T8_GROUPS ? ng - gi : T8_GROUPS);
-                    for (int g = 0; g < G; g++) gs[g] = tile8_group_in(gmem + (gi + g) * gbytes, K);
-                    __m512 out[T8_GROUPS][T8_COLS];
-                    tile8_call(fmt, G, C, gs, wr, K, out);
-                    for (int g = 0; g < G; g++) {
-                        float lanes[16];
-                        const int64_t r0 = p0 + 16 * (gi + g), live = p1 - r0 < 16 ? p1 - r0 : 16;
-                        for (int c = 0; c < C; c++) {
-                            _mm512_storeu_ps(lanes, out[g][c]);
-                            const float bn = bias ? bias[n0 + c] : 0.0f;
-                            for (int64_t r = 0; r < live; r++) y[(r0 + r) * ldy + n0 + c] = lanes[r] + bn;
-                        }
-                    }
-                }
-            }
+            for (int64_t n0 = 0; n0 < N; n0 += T8_COLS) cols(&job, n0, (int)(N - n0 < T8_COLS ? N - n0 : T8_COLS));
         }
     }
     free(mem);
@@ -946,6 +990,278 @@ static gemm_fn tile8_of(int fmt) {
     static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_tile8_q4_1, ai_tile8_q8_0, ai_tile8_q4_0, ai_tile8_q5_0,
                                                        ai_tile8_q5_1, ai_tile8_q4_k, ai_tile8_q5_k, ai_tile8_q6_k};
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
+}
+
+/* ---- The int16 tile (AVX-512 builds): the int16 default's GEMM from PANEL_MIN_ROWS activation rows on, the
+ * tile above with the rows' int16 numerics (gemm.c: each block of 32 activations rounded to int16, x ~= dx * qx,
+ * |qx| <= 32767). A weight row is unpacked once per pass into signed int16 quants q (the centre subtracted: Q4_0's
+ * nibble - 8, Q6_K's six bits - 32, Q8_0's bytes as they are), its float32 scale S and min of each block of 32
+ * (Q6_K: d times the int8 scale of each 16); two consecutive quants broadcast to every lane make one vpdpwssd with
+ * the group's register of the 16 rows' two int16 values (lane r: row r's pair). Per block of 32 (Q6_K: per 16),
+ * for every lane,
+ *
+ *   idot = sum(q * qx)   (exact: |q| <= 128, 32 products of at most 2^22)
+ *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
+ *
+ * blocks in order from acc = 0, then + bias: the rows' definition (their products and scales), summed in
+ * another order; the same float32 operations for a row whatever its lane, its group or the batch. Sixteen
+ * vpdpwssd per block and row group a weight row (the int8 tile's eight vpdpbusd take twice the products each). */
+#define T16_COLS 6   /* weight rows a micro-kernel call takes: 12 accumulators and 12 sums with 2 groups */
+#define T16_GROUPS 2 /* groups of 16 activation rows a micro-kernel call takes */
+
+typedef struct {
+    int16_t *q;
+    float *s;  /* [K / 32]; Q6_K: [K / 16], d * its int8 scale */
+    float *mn; /* [K / 32] */
+} wrow16;
+
+static inline int64_t tile16_wrow_bytes(int64_t K) { return 2 * K + K / 16 * 4 + K / QK * 4; }
+
+static inline wrow16 tile16_wrow_in(void *at, int64_t K) {
+    wrow16 r;
+    r.q = (int16_t *)at;
+    r.s = (float *)(r.q + K);
+    r.mn = r.s + K / 16;
+    return r;
+}
+
+/* tile8_unpack's bytes (u, in tmp) widened to int16 with the centre subtracted. */
+static inline __attribute__((always_inline)) void tile16_unpack(const int fmt, const uint8_t *row, int64_t K,
+                                                                const wrow8 *tmp, const wrow16 *r) {
+    tile8_unpack(fmt, row, K, tmp);
+    const __m512i centre = _mm512_set1_epi16((short)tile8_centre(fmt));
+    for (int64_t i = 0; i < K; i += 32) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(tmp->u + i));
+#ifndef AI_VNNI
+        if (fmt == ASYNCINFER_FMT_Q8_0) { /* the signed bytes as they are (centre 0 here) */
+            _mm512_storeu_si512(r->q + i, _mm512_cvtepi8_epi16(u));
+            continue;
+        }
+#endif
+        _mm512_storeu_si512(r->q + i, _mm512_sub_epi16(_mm512_cvtepu8_epi16(u), centre));
+    }
+    const int64_t nb = K / QK;
+    if (fmt == ASYNCINFER_FMT_Q6_K) {
+        for (int64_t j = 0; j < K / 16; j++) r->s[j] = tmp->s[j / 2] * (float)tmp->sc[j];
+        return;
+    }
+    memcpy(r->s, tmp->s, (size_t)nb * sizeof(float));
+    if (has_min8(fmt)) memcpy(r->mn, tmp->mn, (size_t)nb * sizeof(float));
+}
+
+/* A pass's activation rows in groups of 16 (rows past the batch zeros): q [K / 2] registers of the 16 rows' two
+ * int16 values, d and sum [K / 32][16] float32. */
+typedef struct {
+    int32_t *q;
+    float *d;
+    float *sum;
+} group16;
+
+static inline int64_t tile16_group_bytes(int64_t K) { return 16 * (2 * K + K / QK * 8); }
+
+static inline group16 tile16_group_in(void *at, int64_t K) {
+    group16 g;
+    g.q = (int32_t *)at;
+    g.d = (float *)(g.q + 8 * K); /* 16 rows * K / 2 words */
+    g.sum = g.d + 16 * (K / QK);
+    return g;
+}
+
+static void tile16_group(const int16_t *q, const float *d, const float *sum, int64_t m0, int64_t m1, int64_t K,
+                         const group16 *g) {
+    const int64_t nb = K / QK;
+    for (int r = 0; r < 16; r++) {
+        const int64_t m = m0 + r;
+        const int live = m < m1;
+        const int32_t *qr = (const int32_t *)(q + m * K);
+        for (int64_t t = 0; t < K / 2; t++) {
+            int32_t v = 0;
+            if (live) memcpy(&v, qr + t, 4);
+            g->q[t * 16 + r] = v;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            g->d[b * 16 + r] = live ? d[m * nb + b] : 0.0f;
+            g->sum[b * 16 + r] = live ? sum[m * nb + b] : 0.0f;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile16_kernel(const int fmt, const int G, const int C,
+                                                                const group16 *gs, const wrow16 *w, int64_t K,
+                                                                __m512 out[T16_GROUPS][T16_COLS]) {
+    const int64_t nb = K / QK;
+    const int q6 = fmt == ASYNCINFER_FMT_Q6_K, min = has_min8(fmt);
+    __m512 f[T16_GROUPS][T16_COLS];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 dx[T16_GROUPS];
+        for (int g = 0; g < G; g++) dx[g] = _mm512_loadu_ps(gs[g].d + b * 16);
+        for (int half = 0; half < (q6 ? 2 : 1); half++) {
+            __m512i acc[T16_GROUPS][T16_COLS];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_si512();
+            const int t0 = q6 ? 8 * half : 0, t1 = q6 ? t0 + 8 : 16;
+#ifndef ASYNCINFER_EMULATE_AVX512
+#pragma GCC unroll 16
+#endif
+            for (int t = t0; t < t1; t++) {
+                __m512i xv[T16_GROUPS];
+                for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (16 * b + t) * 16);
+                for (int c = 0; c < C; c++) {
+                    int32_t word;
+                    memcpy(&word, w[c].q + 32 * b + 2 * t, 4);
+                    const __m512i wv = _mm512_set1_epi32(word);
+                    for (int g = 0; g < G; g++) acc[g][c] = ai_dpwssd512(acc[g][c], wv, xv[g]);
+                }
+            }
+            for (int c = 0; c < C; c++) {
+                const __m512 s = _mm512_set1_ps(q6 ? w[c].s[2 * b + half] : w[c].s[b]);
+                for (int g = 0; g < G; g++)
+                    f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][c]), _mm512_mul_ps(dx[g], s), f[g][c]);
+            }
+        }
+        if (min) {
+            for (int g = 0; g < G; g++) {
+                const __m512 xs = _mm512_loadu_ps(gs[g].sum + b * 16);
+                for (int c = 0; c < C; c++) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[b]), xs, f[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) out[g][c] = f[g][c];
+}
+
+/* As tile8_call: every weight row of the tile at once, one or two groups. */
+static inline __attribute__((always_inline)) void tile16_call(const int fmt, int G, const group16 *gs,
+                                                              const wrow16 *w, int64_t K,
+                                                              __m512 out[T16_GROUPS][T16_COLS]) {
+    if (G == 2) return tile16_kernel(fmt, 2, T16_COLS, gs, w, K, out);
+    tile16_kernel(fmt, 1, T16_COLS, gs, w, K, out);
+}
+
+/* Activation rows a pass takes (a multiple of 16 * T16_GROUPS): their int16 values and groups within
+ * T16_PASS_BYTES, the groups (half of it) in a core's L2 cache while every weight row meets them. Twice the int8
+ * tile's budget (each row's values are twice the bytes): at the 1B shape on this project's Xeon (2 MiB of L2) it
+ * ran the down projection's GEMM (K = 8192) at 128 rows faster than 1.5 MiB passes. */
+#ifndef T16_PASS_BYTES
+#define T16_PASS_BYTES (2 * T8_PASS_BYTES)
+#endif
+static inline int64_t tile16_pass_rows(int64_t K) {
+    const int64_t per = tile16_group_bytes(K) / 16 + 2 * K + K / QK * 8,
+                  rows = T16_PASS_BYTES / (per > 0 ? per : 1) / (16 * T16_GROUPS) * (16 * T16_GROUPS);
+    return rows < 16 * T16_GROUPS ? 16 * T16_GROUPS : rows;
+}
+
+/* What a thread's run of weight rows needs (tile16_cols): the pass's groups, its own unpacked rows, the output. */
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    int64_t row_bytes, K, ng, p0, p1, gbytes, ldy;
+    char *gmem;
+    const wrow8 *tmp;
+    const wrow16 *wr;
+    const float *bias;
+    float *y;
+} tile16_job;
+
+/* Weight rows [n0, n0 + C) against every group of the pass: unpacked once, then each pair of groups. */
+static inline __attribute__((always_inline)) void tile16_cols(const int fmt, const tile16_job *j, int64_t n0, int C) {
+    const int64_t K = j->K;
+    for (int c = 0; c < C; c++) tile16_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, j->tmp, &j->wr[c]);
+    group16 gs[T16_GROUPS];
+    for (int64_t gi = 0; gi < j->ng; gi += T16_GROUPS) {
+        const int G = (int)(j->ng - gi < T16_GROUPS ? j->ng - gi : T16_GROUPS);
+        for (int g = 0; g < G; g++) gs[g] = tile16_group_in(j->gmem + (gi + g) * j->gbytes, K);
+        __m512 out[T16_GROUPS][T16_COLS];
+        tile16_call(fmt, G, gs, j->wr, K, out);
+        for (int g = 0; g < G; g++) {
+            float lanes[16];
+            const int64_t r0 = j->p0 + 16 * (gi + g), live = j->p1 - r0 < 16 ? j->p1 - r0 : 16;
+            for (int c = 0; c < C; c++) {
+                _mm512_storeu_ps(lanes, out[g][c]);
+                const float bn = j->bias ? j->bias[n0 + c] : 0.0f;
+                for (int64_t r = 0; r < live; r++) j->y[(r0 + r) * j->ldy + n0 + c] = lanes[r] + bn;
+            }
+        }
+    }
+}
+
+/* tile16_cols with the format a constant (a function each: the OpenMP region that calls it is compiled once for
+ * every format, so the format must be fixed below it, not above). */
+typedef void (*tile16_cols_fn)(const tile16_job *, int64_t, int);
+#ifndef ASYNCINFER_EMULATE_AVX512
+#define TILE16_COLS(NAME, FMT) \
+    static void NAME(const tile16_job *j, int64_t n0, int C) { tile16_cols(FMT, j, n0, C); }
+#else /* the SIMDe-emulated builds (tests): one instance, the format read at run time (eight cost minutes to compile) */
+static void tile16_cols_any(const tile16_job *j, int64_t n0, int C) { tile16_cols(j->fmt, j, n0, C); }
+#define TILE16_COLS(NAME, FMT)
+#endif
+TILE16_COLS(tile16_cols_q4_1, ASYNCINFER_FMT_Q4_1)
+TILE16_COLS(tile16_cols_q8_0, ASYNCINFER_FMT_Q8_0)
+TILE16_COLS(tile16_cols_q4_0, ASYNCINFER_FMT_Q4_0)
+TILE16_COLS(tile16_cols_q5_0, ASYNCINFER_FMT_Q5_0)
+TILE16_COLS(tile16_cols_q5_1, ASYNCINFER_FMT_Q5_1)
+TILE16_COLS(tile16_cols_q4_k, ASYNCINFER_FMT_Q4_K)
+TILE16_COLS(tile16_cols_q5_k, ASYNCINFER_FMT_Q5_K)
+TILE16_COLS(tile16_cols_q6_k, ASYNCINFER_FMT_Q6_K)
+
+static int tile16_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
+                       const float *bias, float *y, int64_t ldy, int threads) {
+#ifndef ASYNCINFER_EMULATE_AVX512
+    static const tile16_cols_fn cols_of[ASYNCINFER_NUM_FMTS] = {
+        tile16_cols_q4_1, tile16_cols_q8_0, tile16_cols_q4_0, tile16_cols_q5_0,
+        tile16_cols_q5_1, tile16_cols_q4_k, tile16_cols_q5_k, tile16_cols_q6_k};
+    const tile16_cols_fn cols = cols_of[fmt];
+#else
+    const tile16_cols_fn cols = tile16_cols_any;
+#endif
+    const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile16_pass_rows(K), nb = K / QK;
+    const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
+    const int64_t rows = M < pass ? M : pass, acts = rows * (2 * K + nb * 8), gbytes = tile16_group_bytes(K),
+                  wbytes = T16_COLS * tile16_wrow_bytes(K) + tile8_wrow_bytes(K) + 64;
+    const int nt = threads > 1 ? threads : 1;
+    char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 128));
+    if (!mem) return ASYNCINFER_ENOMEM;
+    char *gmem = mem + (acts + 63) / 64 * 64, *wmem = gmem + groups * gbytes;
+    memset(wmem, 0, (size_t)(nt * wbytes)); /* the rows a short tile computes and drops: never uninitialized */
+    int16_t *q = (int16_t *)mem;
+    float *d = (float *)(q + rows * K), *sum = d + rows * nb;
+    for (int64_t p0 = 0; p0 < M; p0 += pass) {
+        const int64_t p1 = M - p0 < pass ? M : p0 + pass, ng = (p1 - p0 + 15) / 16;
+        _Pragma("omp parallel num_threads(nt) if(nt > 1 && p1 - p0 >= 16)")
+        {
+            _Pragma("omp for schedule(static)")
+            for (int64_t m = p0; m < p1; m += 4) {
+                const int64_t m1 = p1 - m < 4 ? p1 : m + 4;
+                ai_quantize_acts16(x + m * ldx, m1 - m, ldx, K, q + (m - p0) * K, d + (m - p0) * nb,
+                                   sum + (m - p0) * nb);
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const group16 g = tile16_group_in(gmem + gi * gbytes, K);
+                tile16_group(q, d, sum, 16 * gi, p1 - p0, K, &g);
+            }
+        }
+        _Pragma("omp parallel num_threads(nt) if(nt > 1)")
+        {
+            char *mine = wmem + ai_thread_num() * wbytes;
+            wrow16 wr[T16_COLS];
+            for (int c = 0; c < T16_COLS; c++) wr[c] = tile16_wrow_in(mine + c * tile16_wrow_bytes(K), K);
+            const wrow8 tmp = tile8_wrow_in(mine + T16_COLS * tile16_wrow_bytes(K), K);
+            const tile16_job job = {fmt, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, &tmp, wr, bias, y};
+            _Pragma("omp for schedule(static)")
+            for (int64_t n0 = 0; n0 < N; n0 += T16_COLS) cols(&job, n0, (int)(N - n0 < T16_COLS ? N - n0 : T16_COLS));
+        }
+    }
+    free(mem);
+    return 0;
+}
+
+int ai_tile16_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads) {
+    if (fmt < 0 || fmt >= ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;
+    return tile16_gemm(fmt, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads);
 }
 #endif /* AI_AVX512 */
 

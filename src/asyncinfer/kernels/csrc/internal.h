@@ -180,6 +180,13 @@ AI_HIDDEN gemm_fn ai_gemm_of(int fmt);
 /* The int8-activation GEMM of a format (gemm8.c; fmt without ASYNCINFER_FMT_ACT8), NULL outside the table. */
 AI_HIDDEN gemm_fn ai_gemm8_of(int fmt);
 AI_HIDDEN int64_t ai_scratch_bytes(int64_t M, int64_t K);
+#ifdef AI_AVX512
+/* gemm.c's int16 rounding of activation rows (x [M, K] at stride ldx): q [M, K] in order, d and sum [M, K / 32]. */
+AI_HIDDEN void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *q, float *d, float *sum);
+/* The int16 tile (gemm8.c): the int16 GEMM of a block format (fmt without ASYNCINFER_FMT_ACT8) at any row count. */
+AI_HIDDEN int ai_tile16_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                             const float *bias, float *y, int64_t ldy, int threads);
+#endif
 AI_HIDDEN void ai_rms_norm(const float *x, int64_t T, int64_t ldx, int64_t H, const float *w, float eps, float *y,
                            int threads);
 AI_HIDDEN int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
@@ -242,6 +249,14 @@ static inline __m512i ai_dpbusd512(__m512i acc, __m512i u, __m512i x) {
     return _mm512_dpbusd_epi32(acc, u, x);
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __m512i ai_dpwssd512(__m512i acc, __m512i w, __m512i x) {
+#ifdef AI_VNNI
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
 }
 #endif
