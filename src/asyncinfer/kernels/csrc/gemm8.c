@@ -869,6 +869,19 @@ static inline int64_t tile8_pass_rows(int64_t K) {
     return rows < 16 * T8_GROUPS ? 16 * T8_GROUPS : rows;
 }
 
+/* A tile's sums for the 16 rows of a group from row r0 (those below p1) and weight rows [n0, n0 + C): lane r of
+ * out[c] to y[r0 + r, n0 + c], plus the bias. */
+static inline void tile_store(const __m512 *out, int C, int64_t r0, int64_t p1, int64_t n0, const float *bias, float *y,
+                              int64_t ldy) {
+    float lanes[16];
+    const int64_t live = p1 - r0 < 16 ? p1 - r0 : 16;
+    for (int c = 0; c < C; c++) {
+        _mm512_storeu_ps(lanes, out[c]);
+        const float bn = bias ? bias[n0 + c] : 0.0f;
+        for (int64_t r = 0; r < live; r++) y[(r0 + r) * ldy + n0 + c] = lanes[r] + bn;
+    }
+}
+
 /* What a thread's run of weight rows needs (tile8_cols): the pass's groups, its own unpacked rows, the output. */
 typedef struct {
     int fmt;
@@ -890,47 +903,48 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
         for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
         __m512 out[T8_GROUPS][T8_COLS];
         tile8_call(fmt, G, gs, j->wr, K, out);
-        for (int g = 0; g < G; g++) {
-            float lanes[16];
-            const int64_t r0 = j->p0 + 16 * (gi + g), live = j->p1 - r0 < 16 ? j->p1 - r0 : 16;
-            for (int c = 0; c < C; c++) {
-                _mm512_storeu_ps(lanes, out[g][c]);
-                const float bn = j->bias ? j->bias[n0 + c] : 0.0f;
-                for (int64_t r = 0; r < live; r++) j->y[(r0 + r) * j->ldy + n0 + c] = lanes[r] + bn;
-            }
-        }
+        for (int g = 0; g < G; g++) tile_store(out[g], C, j->p0 + 16 * (gi + g), j->p1, n0, j->bias, j->y, j->ldy);
     }
 }
 
-/* tile8_cols with the format a constant (a function each: the OpenMP region that calls it is compiled once for
- * every format, so the format must be fixed below it, not above). */
-typedef void (*tile8_cols_fn)(const tile8_job *, int64_t, int);
+/* PREFIX_cols_of(fmt): PREFIX_cols (tile8_cols / tile16_cols) with the format a constant, a function each: the
+ * OpenMP region that calls it is compiled once for every format, so the format must be fixed below it, not above.
+ * The SIMDe-emulated builds (tests) take one instance, the format read at run time from the job (eight cost minutes
+ * to compile there). */
 #ifndef ASYNCINFER_EMULATE_AVX512
-#define TILE8_COLS(NAME, FMT) \
-    static void NAME(const tile8_job *j, int64_t n0, int C) { tile8_cols(FMT, j, n0, C); }
-#else /* the SIMDe-emulated builds (tests): one instance, the format read at run time (eight cost minutes to compile) */
-static void tile8_cols_any(const tile8_job *j, int64_t n0, int C) { tile8_cols(j->fmt, j, n0, C); }
-#define TILE8_COLS(NAME, FMT)
+#define TILE_COLS_ONE(PREFIX, JOB, SUFFIX, FMT) \
+    static void PREFIX##_cols_##SUFFIX(const JOB *j, int64_t n0, int C) { PREFIX##_cols(FMT, j, n0, C); }
+#define TILE_COLS_OF(PREFIX, JOB)                                                                 \
+    typedef void (*PREFIX##_cols_fn)(const JOB *, int64_t, int);                                  \
+    TILE_COLS_ONE(PREFIX, JOB, q4_1, ASYNCINFER_FMT_Q4_1)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q8_0, ASYNCINFER_FMT_Q8_0)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q4_0, ASYNCINFER_FMT_Q4_0)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q5_0, ASYNCINFER_FMT_Q5_0)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q5_1, ASYNCINFER_FMT_Q5_1)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q4_k, ASYNCINFER_FMT_Q4_K)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q5_k, ASYNCINFER_FMT_Q5_K)                                         \
+    TILE_COLS_ONE(PREFIX, JOB, q6_k, ASYNCINFER_FMT_Q6_K)                                         \
+    static PREFIX##_cols_fn PREFIX##_cols_of(int fmt) {                                           \
+        static const PREFIX##_cols_fn table[ASYNCINFER_NUM_FMTS] = {                              \
+            PREFIX##_cols_q4_1, PREFIX##_cols_q8_0, PREFIX##_cols_q4_0, PREFIX##_cols_q5_0,       \
+            PREFIX##_cols_q5_1, PREFIX##_cols_q4_k, PREFIX##_cols_q5_k, PREFIX##_cols_q6_k};      \
+        return table[fmt];                                                                        \
+    }
+#else
+#define TILE_COLS_OF(PREFIX, JOB)                                                                 \
+    typedef void (*PREFIX##_cols_fn)(const JOB *, int64_t, int);                                  \
+    static void PREFIX##_cols_any(const JOB *j, int64_t n0, int C) { PREFIX##_cols(j->fmt, j, n0, C); } \
+    static PREFIX##_cols_fn PREFIX##_cols_of(int fmt) {                                           \
+        (void)fmt;                                                                                \
+        return PREFIX##_cols_any;                                                                 \
+    }
 #endif
-TILE8_COLS(tile8_cols_q4_1, ASYNCINFER_FMT_Q4_1)
-TILE8_COLS(tile8_cols_q8_0, ASYNCINFER_FMT_Q8_0)
-TILE8_COLS(tile8_cols_q4_0, ASYNCINFER_FMT_Q4_0)
-TILE8_COLS(tile8_cols_q5_0, ASYNCINFER_FMT_Q5_0)
-TILE8_COLS(tile8_cols_q5_1, ASYNCINFER_FMT_Q5_1)
-TILE8_COLS(tile8_cols_q4_k, ASYNCINFER_FMT_Q4_K)
-TILE8_COLS(tile8_cols_q5_k, ASYNCINFER_FMT_Q5_K)
-TILE8_COLS(tile8_cols_q6_k, ASYNCINFER_FMT_Q6_K)
+
+TILE_COLS_OF(tile8, tile8_job)
 
 static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                       const float *bias, float *y, int64_t ldy, int threads) {
-#ifndef ASYNCINFER_EMULATE_AVX512
-    static const tile8_cols_fn cols_of[ASYNCINFER_NUM_FMTS] = {
-        tile8_cols_q4_1, tile8_cols_q8_0, tile8_cols_q4_0, tile8_cols_q5_0,
-        tile8_cols_q5_1, tile8_cols_q4_k, tile8_cols_q5_k, tile8_cols_q6_k};
-    const tile8_cols_fn cols = cols_of[fmt];
-#else
-    const tile8_cols_fn cols = tile8_cols_any;
-#endif
+    const tile8_cols_fn cols = tile8_cols_of(fmt);
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (K + K / QK * 8 + K / 16 * 2), gbytes = tile8_group_bytes(K),
@@ -1175,47 +1189,15 @@ static inline __attribute__((always_inline)) void tile16_cols(const int fmt, con
         for (int g = 0; g < G; g++) gs[g] = tile16_group_in(j->gmem + (gi + g) * j->gbytes, K);
         __m512 out[T16_GROUPS][T16_COLS];
         tile16_call(fmt, G, gs, j->wr, K, out);
-        for (int g = 0; g < G; g++) {
-            float lanes[16];
-            const int64_t r0 = j->p0 + 16 * (gi + g), live = j->p1 - r0 < 16 ? j->p1 - r0 : 16;
-            for (int c = 0; c < C; c++) {
-                _mm512_storeu_ps(lanes, out[g][c]);
-                const float bn = j->bias ? j->bias[n0 + c] : 0.0f;
-                for (int64_t r = 0; r < live; r++) j->y[(r0 + r) * j->ldy + n0 + c] = lanes[r] + bn;
-            }
-        }
+        for (int g = 0; g < G; g++) tile_store(out[g], C, j->p0 + 16 * (gi + g), j->p1, n0, j->bias, j->y, j->ldy);
     }
 }
 
-/* tile16_cols with the format a constant (a function each: the OpenMP region that calls it is compiled once for
- * every format, so the format must be fixed below it, not above). */
-typedef void (*tile16_cols_fn)(const tile16_job *, int64_t, int);
-#ifndef ASYNCINFER_EMULATE_AVX512
-#define TILE16_COLS(NAME, FMT) \
-    static void NAME(const tile16_job *j, int64_t n0, int C) { tile16_cols(FMT, j, n0, C); }
-#else /* the SIMDe-emulated builds (tests): one instance, the format read at run time (eight cost minutes to compile) */
-static void tile16_cols_any(const tile16_job *j, int64_t n0, int C) { tile16_cols(j->fmt, j, n0, C); }
-#define TILE16_COLS(NAME, FMT)
-#endif
-TILE16_COLS(tile16_cols_q4_1, ASYNCINFER_FMT_Q4_1)
-TILE16_COLS(tile16_cols_q8_0, ASYNCINFER_FMT_Q8_0)
-TILE16_COLS(tile16_cols_q4_0, ASYNCINFER_FMT_Q4_0)
-TILE16_COLS(tile16_cols_q5_0, ASYNCINFER_FMT_Q5_0)
-TILE16_COLS(tile16_cols_q5_1, ASYNCINFER_FMT_Q5_1)
-TILE16_COLS(tile16_cols_q4_k, ASYNCINFER_FMT_Q4_K)
-TILE16_COLS(tile16_cols_q5_k, ASYNCINFER_FMT_Q5_K)
-TILE16_COLS(tile16_cols_q6_k, ASYNCINFER_FMT_Q6_K)
+TILE_COLS_OF(tile16, tile16_job)
 
 static int tile16_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                        const float *bias, float *y, int64_t ldy, int threads) {
-#ifndef ASYNCINFER_EMULATE_AVX512
-    static const tile16_cols_fn cols_of[ASYNCINFER_NUM_FMTS] = {
-        tile16_cols_q4_1, tile16_cols_q8_0, tile16_cols_q4_0, tile16_cols_q5_0,
-        tile16_cols_q5_1, tile16_cols_q4_k, tile16_cols_q5_k, tile16_cols_q6_k};
-    const tile16_cols_fn cols = cols_of[fmt];
-#else
-    const tile16_cols_fn cols = tile16_cols_any;
-#endif
+    const tile16_cols_fn cols = tile16_cols_of(fmt);
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile16_pass_rows(K), nb = K / QK;
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (2 * K + nb * 8), gbytes = tile16_group_bytes(K),
