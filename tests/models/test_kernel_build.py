@@ -164,7 +164,8 @@ def test_allocation_failures_and_overflowing_sizes_raise_memory_error() -> None:
     lib = _build.lib()
     with pytest.raises(MemoryError, match="working memory"):
         lib.asyncinfer_scratch_bytes(1 << 40, 1 << 40)
-    assert lib.asyncinfer_scratch_bytes(4, 64) == 4 * 64 * 2 + 2 * 4 * 2 * 4
+    # the int16 values, then three floats a block of 32 (its scale, its sum, the pair layout's integer sum)
+    assert lib.asyncinfer_scratch_bytes(4, 64) == 4 * 64 * 2 + 3 * 4 * 2 * 4
     # Attention's scores for a context of 2^61 keys: a size that overflows, refused before anything is read.
     q, out = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
     ctx, tables = torch.tensor([1 << 61]), torch.zeros(1, 1, dtype=torch.long)

@@ -23,7 +23,9 @@
  *     panel); in the AVX-512 variants the same int16 rounding and exact integer products as below it, sixteen
  *     activation rows a register (gemm8.c's int16 tile), about twice the panel's speed there.
  * Beyond that, the variants differ only in the order of float32 additions (and Q4_1's d * q + m being fused or
- * not), which the tests bound against the scalar reference (docs/formats.md, "Kernel variants").
+ * not; the AVX-512 Q4_0 rows multiply the nibbles as they are and take the centre 8 off in float32, as
+ * -8 * dx * dw * (the block's integer sum of qx)), which the tests bound against the scalar reference
+ * (docs/formats.md, "Kernel variants").
  */
 #include "internal.h"
 #include "blocks.h"
@@ -34,18 +36,21 @@
 #define ROW_BYTES_Q4_1 20
 #define ROW_BYTES_Q8_0 34
 
-/* Activations rounded per block (see above): q [M, K], d and sum [M, K / 32], in the caller's scratch
- * (asyncinfer_scratch_bytes). The scalar and AVX-512 variants store each block's 32 values in order;
- * the AVX2 variant stores even elements first, then odd ones (the order its weight unpacking yields). */
+/* Activations rounded per block (see above): q [M, K], d, sum and isum [M, K / 32], in the caller's scratch
+ * (asyncinfer_scratch_bytes). The scalar and AVX-512 variants store each block's 32 values in order (the AVX-512
+ * Q4_0 / Q4_1 rows: two blocks' halves interleaved, quantize_acts512_pairs); the AVX2 variant stores even elements
+ * first, then odd ones (the order its weight unpacking yields). */
 typedef struct {
     int16_t *q;
     float *d;
     float *sum;
+    float *isum; /* [M, K / 32]: the AVX-512 pair layout's (quantize_acts512_pairs) sum of each block's q */
 } acts;
 
 static acts acts_in(void *scratch, int64_t M, int64_t K) {
-    acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2), NULL};
+    acts a = {(int16_t *)scratch, (float *)((char *)scratch + M * K * 2), NULL, NULL};
     a.sum = a.d + M * (K / QK);
+    a.isum = a.sum + M * (K / QK);
     return a;
 }
 
@@ -371,12 +376,9 @@ static inline __m512i unpack512_q4_1(const uint8_t *qs) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* Q4_0, Q5_0, Q5_1 from a block's first byte (ggml's blocks as they are, blocks.h): the nibbles as Q4_1's, then
- * Q4_0's centre taken off, or the fifth bits (bit i of qh: element i's, lane i's) applied through a mask
- * register: Q5_1 adds 16 where the bit is set, Q5_0 (q = nibble + 16 bit - 16) takes 16 off where it is clear. */
-static inline __m512i unpack512_q4_0(const uint8_t *blk) {
-    return _mm512_sub_epi16(unpack512_q4_1(blk + 2), _mm512_set1_epi16(8));
-}
+/* Q5_0, Q5_1 from a block's first byte (ggml's blocks as they are, blocks.h): the nibbles as Q4_1's, then the
+ * fifth bits (bit i of qh: element i's, lane i's) applied through a mask register: Q5_1 adds 16 where the bit is
+ * set, Q5_0 (q = nibble + 16 bit - 16) takes 16 off where it is clear. */
 
 static inline __m512i unpack512_q5_0(const uint8_t *blk) {
     const __m512i w = unpack512_q4_1(blk + 6);
@@ -392,29 +394,26 @@ static inline __m512i unpack512_q8_0(const uint8_t *qs) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
 }
 
-/* Two blocks' nibbles at once, from their 32 bytes (lo: block b's 16 bytes, hi: block b + 1's): one widening and
- * one mask and shift for both, then each block's low and high nibbles brought together by a permutation. The same
- * values as unpack512_q4_1 of each block (the same products follow, bit for bit), in fewer instructions: the 4-bit
- * rows are bound by the instructions per block, not by memory (docs/formats.md). */
-static inline void unpack512_q4_pair(__m256i bytes, __m512i *w0, __m512i *w1) {
+/* Two blocks' nibbles at once, from their 32 bytes (block b's 16 bytes, then block b + 1's): one widening, one
+ * mask and one shift for both. lo holds elements 0-15 of block b, then of block b + 1; hi elements 16-31 of each:
+ * the order quantize_acts512_pairs stores a pair's activations in, so no permutation is needed. The 4-bit rows
+ * are bound by the instructions per block, not by memory (docs/formats.md). */
+static inline void unpack512_q4_pair(__m256i bytes, __m512i *lo, __m512i *hi) {
     const __m512i b = _mm512_cvtepu8_epi16(bytes);
-    const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(b, 4);
-    /* lo's lower 256 bits, then hi's: block b's 32 values in order; the upper halves: block b + 1's */
-    *w0 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), hi);
-    *w1 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4), hi);
+    *lo = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));
+    *hi = _mm512_srli_epi16(b, 4);
 }
 
 /* Q4_1's regrouped quants (16 bytes a block, back to back) and Q4_0's blocks in place (18 bytes, quants after the
- * scale), two blocks from qs + b * QS_BYTES: the values unpack512_q4_1 / unpack512_q4_0 give each. */
-#define PAIR512_Q4_1(qs, b, w0, w1) \
-    unpack512_q4_pair(_mm256_loadu_si256((const __m256i *)((qs) + (b) * 16)), &(w0), &(w1))
-#define PAIR512_Q4_0(qs, b, w0, w1)                                                                                 \
-    do {                                                                                                          \
-        unpack512_q4_pair(_mm256_loadu2_m128i((const __m128i *)((qs) + ((b) + 1) * 18 + 2),                      \
-                                              (const __m128i *)((qs) + (b) * 18 + 2)), &(w0), &(w1));             \
-        (w0) = _mm512_sub_epi16((w0), _mm512_set1_epi16(8));                                                      \
-        (w1) = _mm512_sub_epi16((w1), _mm512_set1_epi16(8));                                                      \
-    } while (0)
+ * scale; its centre 8 is taken off as 8 times the block's sum of qx, ROW512_BODY_PAIRED's CENTRE), two blocks from
+ * qs + b * QS_BYTES. */
+#define PAIR512_Q4_1(qs, b, lo, hi) \
+    unpack512_q4_pair(_mm256_loadu_si256((const __m256i *)((qs) + (b) * 16)), &(lo), &(hi))
+#define PAIR512_Q4_0(qs, b, lo, hi)                                                                               \
+    unpack512_q4_pair(_mm256_loadu2_m128i((const __m128i *)((qs) + ((b) + 1) * 18 + 2),                          \
+                                          (const __m128i *)((qs) + (b) * 18 + 2)), &(lo), &(hi))
+/* Q4_0's nibbles of one block in order, its centre left to CENTRE (the tail block of a row of odd length). */
+static inline __m512i unpack512_q4_0_nibbles(const uint8_t *blk) { return unpack512_q4_1(blk + 2); }
 
 /* Block b's product with activation row m0 + i, its scale dx * dw read from sc (formed sixteen blocks at a
  * time, so no scalar conversion or multiply sits in the loop). */
@@ -429,46 +428,64 @@ static inline void unpack512_q4_pair(__m256i bytes, __m512i *w0, __m512i *w1) {
         }                                                                                         \
     } while (0)
 
-/* Blocks b and b + 1 as ROW512_BLOCK makes them (slots 0 and 1), their weights unpacked together by PAIR. */
-#define ROW512_PAIR(b, PAIR, QS_BYTES)                                                            \
+/* Blocks b and b + 1 (b even) unpacked together by PAIR against the pair's activations in quantize_acts512_pairs'
+ * order: lanes 0-7 of the products' sums are block b's, lanes 8-15 block b + 1's, each block's integer dot product
+ * exact over its eight lanes, converted and multiplied by its scale (sc16, lanes moved into place by sel) in one
+ * convert and one fma for both blocks, into accumulator `slot` of the row (consecutive pairs alternate, so no
+ * fma waits for the one before). */
+#define ROW512_PAIR(b, slot, PAIR, QS_BYTES)                                                      \
     do {                                                                                          \
         _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
-        __m512i w0, w1;                                                                           \
-        PAIR(qs, b, w0, w1);                                                                      \
+        __m512i lo, hi;                                                                           \
+        PAIR(qs, b, lo, hi);                                                                      \
         for (int i = 0; i < ROWS; i++) {                                                          \
             const int16_t *xq = a->q + (m0 + i) * K + (b) * QK;                                   \
-            const __m512i s0 = _mm512_madd_epi16(w0, _mm512_loadu_si512(xq));                    \
-            const __m512i s1 = _mm512_madd_epi16(w1, _mm512_loadu_si512(xq + QK));               \
-            acc[2 * i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(sc[i][(b) - b0]), acc[2 * i]); \
-            acc[2 * i + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(sc[i][(b) + 1 - b0]),       \
-                                             acc[2 * i + 1]);                                     \
+            const __m512i s = ai_dpwssd512(_mm512_madd_epi16(lo, _mm512_loadu_si512(xq)), hi,     \
+                                           _mm512_loadu_si512(xq + QK));                          \
+            acc[2 * i + (slot)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(sel, sc16[i]), \
+                                                  acc[2 * i + (slot)]);                           \
         }                                                                                         \
+        sel = _mm512_add_epi32(sel, _mm512_set1_epi32(2));                                        \
     } while (0)
 
 /* The scales dx * dw of blocks b0 to b0 + n - 1 (n <= 16) per activation row, and (HAS_MIN) the offset
  * term m * (the block's sum of x) of those blocks added to off. SCALES8(h, dw, mw) sets the __m256 dw / mw to the
  * weight scales / minimums of blocks b0 + h to b0 + h + 7, SCALE1(j, dw, mw) the floats dw / mw to block
  * b0 + j's (the tail of fewer than 16 blocks). */
-#define ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1)                                                \
+/* CENTRE (Q4_0's 8, its nibbles multiplied as they are): - CENTRE * (the block's sum of qx) times its scale added
+ * to the same terms, in off / tail. With PAIRED, sc16 holds the sixteen scales in registers (the pairs' lanes). */
+#define ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1, CENTRE, PAIRED)                                \
     do {                                                                                          \
         if ((n) == 16) { /* 256 bits at a time (SIMDe's emulation has no 512-bit cvtph) */          \
+            __m256 half[MR];                                                                      \
             for (int h = 0; h < 16; h += 8) {                                                     \
                 __m256 dw, mw;                                                                    \
                 SCALES8(h, dw, mw);                                                               \
                 for (int i = 0; i < ROWS; i++) {                                                  \
                     const int64_t at = (m0 + i) * nb + b0 + h;                                    \
-                    _mm256_storeu_ps(sc[i] + h, _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw));   \
+                    const __m256 s8 = _mm256_mul_ps(_mm256_loadu_ps(a->d + at), dw);              \
+                    _mm256_storeu_ps(sc[i] + h, s8);                                              \
                     if (HAS_MIN) off[i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + at), off[i]); \
+                    if (CENTRE)                                                                   \
+                        off[i] = _mm256_fmadd_ps(s8, _mm256_mul_ps(_mm256_set1_ps(-(float)(CENTRE)),  \
+                                                                   _mm256_loadu_ps(a->isum + at)), off[i]); \
+                    if (PAIRED && h == 0) half[i] = s8;                                           \
+                    if (PAIRED && h == 8)                                                         \
+                        sc16[i] = _mm512_castpd_ps(_mm512_insertf64x4(                            \
+                            _mm512_castpd256_pd512(_mm256_castps_pd(half[i])), _mm256_castps_pd(s8), 1)); \
                 }                                                                                 \
             }                                                                                     \
         } else {                                                                                  \
-            for (int i = 0; i < ROWS; i++)                                                        \
+            for (int i = 0; i < ROWS; i++) {                                                      \
                 for (int64_t j = 0; j < (n); j++) {                                               \
                     float dw, mw;                                                                 \
                     SCALE1(j, dw, mw);                                                            \
                     sc[i][j] = a->d[(m0 + i) * nb + b0 + j] * dw;                                 \
                     if (HAS_MIN) tail[i] += mw * a->sum[(m0 + i) * nb + b0 + j];                  \
+                    if (CENTRE) tail[i] += sc[i][j] * (-(float)(CENTRE) * a->isum[(m0 + i) * nb + b0 + j]); \
                 }                                                                                 \
+                if (PAIRED) sc16[i] = _mm512_loadu_ps(sc[i]);                                     \
+            }                                                                                     \
         }                                                                                         \
     } while (0)
 
@@ -481,30 +498,43 @@ static inline void unpack512_q4_pair(__m256i bytes, __m512i *w0, __m512i *w1) {
 
 /* A row's blocks from its stream qs (block b at b * QS_BYTES), the scales of each run of 16 blocks read by SCALES8 /
  * SCALE1 (ROW512_SCALES): two accumulators a row, summed in the same order whatever ROWS is. */
-/* With PAIRED, blocks two at a time, unpacked together by PAIR (ROW512_PAIR): the same products and sums. */
-#define ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, SCALES8, SCALE1, PAIRED, PAIR)                \
-    __m512 acc[2 * MR];                                                                           \
+/* With PAIRED, blocks two at a time, unpacked together by PAIR (ROW512_PAIR), against activations in
+ * quantize_acts512_pairs' order: the same integer products, each pair's blocks scaled and summed in one register. */
+#define ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, SCALES8, SCALE1, PAIRED, PAIR, CENTRE)        \
+    __m512 acc[2 * MR], sc16[MR];                                                                 \
     __m256 off[MR];                                                                               \
     float sc[MR][16], tail[MR];                                                                   \
     for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();                                \
-    for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps(), tail[i] = 0.0f;                    \
+    for (int i = 0; i < MR; i++) {                                                                \
+        off[i] = _mm256_setzero_ps(), tail[i] = 0.0f, sc16[i] = _mm512_setzero_ps();             \
+        for (int j = 0; j < 16; j++) sc[i][j] = 0.0f;                                             \
+    }                                                                                             \
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                                     \
         const int64_t n = nb - b0 < 16 ? nb - b0 : 16;                                            \
-        ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1);                                               \
+        ROW512_SCALES(n, HAS_MIN, SCALES8, SCALE1, CENTRE, PAIRED);                               \
+        __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);           \
         int64_t b = b0;                                                                           \
-        for (; b + 1 < b0 + n; b += 2) {                                                          \
-            if (PAIRED) {                                                                         \
-                ROW512_PAIR(b, PAIR, QS_BYTES);                                                   \
-            } else {                                                                              \
+        if (PAIRED) { /* consecutive pairs alternate between the two accumulators */             \
+            for (; b + 3 < b0 + n; b += 4) {                                                      \
+                ROW512_PAIR(b, 0, PAIR, QS_BYTES);                                                \
+                ROW512_PAIR(b + 2, 1, PAIR, QS_BYTES);                                            \
+            }                                                                                     \
+            if (b + 1 < b0 + n) {                                                                 \
+                ROW512_PAIR(b, 0, PAIR, QS_BYTES);                                                \
+                b += 2;                                                                           \
+            }                                                                                     \
+        } else {                                                                                  \
+            for (; b + 1 < b0 + n; b += 2) {                                                      \
                 ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                             \
                 ROW512_BLOCK(b + 1, 1, UNPACK, QS_BYTES);                                         \
             }                                                                                     \
         }                                                                                         \
+        (void)sel;                                                                                \
         if (b < b0 + n) ROW512_BLOCK(b, 0, UNPACK, QS_BYTES);                                     \
     }                                                                                             \
     for (int i = 0; i < ROWS; i++)                                                                \
         out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) +                \
-                 (HAS_MIN ? ai_hsum256(off[i]) + tail[i] : 0.0f);
+                 (HAS_MIN || (CENTRE) ? ai_hsum256(off[i]) + tail[i] : 0.0f);
 
 #define ROW512_KERNEL(NAME, UNPACK, QS_BYTES, HAS_MIN, PAIRED, PAIR)                             \
     static inline __attribute__((always_inline)) void NAME(                                       \
@@ -512,7 +542,7 @@ static inline void unpack512_q4_pair(__m256i bytes, __m512i *w0, __m512i *w1) {
         float *out) {                                                                             \
         const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
-        ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1, PAIRED, PAIR) \
+        ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1, PAIRED, PAIR, 0) \
     }
 
 ROW512_KERNEL(row_q4_1, unpack512_q4_1, 16, 1, 1, PAIR512_Q4_1)
@@ -556,18 +586,18 @@ static inline __m256 q4_0_scales8(const uint8_t *p) {
 /* Q4_0, Q5_0, Q5_1: ROW512_KERNEL's work on ggml's blocks in place (BYTES a block, its fp16 scale first and Q5_1's
  * minimum after it): the same products, slots and order of sums, the scales of each run of 16 blocks gathered
  * from the blocks (the stream ROW512_BLOCK reads, qs, is the row itself, block b at b * BYTES). */
-#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN, PAIRED, PAIR, SCALES8)                  \
+#define ROW512_GGML_KERNEL(NAME, UNPACK, BYTES, HAS_MIN, PAIRED, PAIR, SCALES8, CENTRE)          \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
         const int64_t bytes = BYTES;                                                              \
-        ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, SCALES8, GGML_SCALE1, PAIRED, PAIR)            \
+        ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, SCALES8, GGML_SCALE1, PAIRED, PAIR, CENTRE)    \
     }
 
-ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0, 18, 0, 1, PAIR512_Q4_0, Q4_0_SCALES8)
-ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0, GGML_SCALES8)
-ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0, GGML_SCALES8)
+ROW512_GGML_KERNEL(row512_q4_0, unpack512_q4_0_nibbles, 18, 0, 1, PAIR512_Q4_0, Q4_0_SCALES8, 8)
+ROW512_GGML_KERNEL(row512_q5_0, unpack512_q5_0, 22, 0, 0, PAIR512_Q4_0, GGML_SCALES8, 0)
+ROW512_GGML_KERNEL(row512_q5_1, unpack512_q5_1, 24, 1, 0, PAIR512_Q4_0, GGML_SCALES8, 0)
 #endif /* AI_AVX512 */
 
 #ifndef AI_AVX512
@@ -755,17 +785,46 @@ static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t
         }
     }
 }
-#define QUANTIZE_ACTS quantize_acts_avx512
 
 void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *q, float *d, float *sum) {
-    acts a = {q, d, sum};
+    acts a = {q, d, sum, NULL};
     quantize_acts_avx512(x, M, ldx, K, &a);
 }
 /* From PANEL_MIN_ROWS rows on: the int16 tile (gemm8.c; it allocates its own working memory). */
 #define BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch) \
     ((void)(scratch), ai_tile16_gemm(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads))
+
+/* quantize_acts_avx512's values for the paired rows (Q4_1, Q4_0: ROW512_PAIR), laid out per pair of blocks b, b + 1
+ * (b even, both in the row) as elements 0-15 of block b, 0-15 of block b + 1, 16-31 of block b, 16-31 of block
+ * b + 1 (a row's odd last block in order); and each block's sum of its 32 values (isum, exact as a float). */
+static void quantize_acts512_pairs(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i q[4];
+            float total;
+            const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
+                          hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            const int paired = b + 1 < nb || (b & 1);
+            int16_t *out = a->q + m * K + (b & ~(int64_t)1) * QK + (paired ? (b & 1) * 16 : 0);
+            _mm256_storeu_si256((__m256i *)out, lo);
+            _mm256_storeu_si256((__m256i *)(out + (paired ? 32 : 16)), hi);
+            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+            a->isum[m * nb + b] = (float)_mm_cvtsi128_si32(t);
+        }
+    }
+}
+/* The rounding a format's rows read: the pair layout for the paired rows. */
+#define QUANTIZE_ACTS_OF(FMT) \
+    ((FMT) == ASYNCINFER_FMT_Q4_1 || (FMT) == ASYNCINFER_FMT_Q4_0 ? quantize_acts512_pairs : quantize_acts_avx512)
 #else
-#define QUANTIZE_ACTS quantize_acts_avx2
+#define QUANTIZE_ACTS_OF(FMT) quantize_acts_avx2
 /* From PANEL_MIN_ROWS rows on: the float32 panel. */
 #define BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch) \
     gemm_panel(x, M, ldx, K, rows, N, FMT, bias, y, ldy, threads, (float *)scratch)
@@ -779,7 +838,7 @@ void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16
         if (M >= PANEL_MIN_ROWS)                                                                  \
             return BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch);            \
         acts a = acts_in(scratch, M, K);                                                          \
-        QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
+        QUANTIZE_ACTS_OF(FMT)(x, M, ldx, K, &a);                                                  \
         if (M == 1 && ROW2_PAIRS) { /* pairs of weight rows; an odd last row through ROW */       \
             _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")    \
             for (int64_t p = 0; p < (N + 1) / 2; p++) {                                           \
@@ -1069,7 +1128,7 @@ static inline __attribute__((always_inline)) void row_of(const int fmt, const ui
         if (M >= PANEL_MIN_ROWS)                                                                  \
             return BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch);            \
         acts a = acts_in(scratch, M, K);                                                          \
-        QUANTIZE_ACTS(x, M, ldx, K, &a);                                                          \
+        QUANTIZE_ACTS_OF(FMT)(x, M, ldx, K, &a);                                                  \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
         for (int64_t n = 0; n < N; n++) {                                                         \
             const uint8_t *row = rows + n * row_bytes;                                            \
@@ -1124,7 +1183,7 @@ gemm_fn ai_gemm_of(int fmt) {
 }
 
 /* Bytes: from PANEL_MIN_ROWS rows on the activations packed in tiles (rows rounded up to 8) as float32;
- * below it int16 values and two floats per block. -1 when a size would overflow. */
+ * below it int16 values and three floats per block. -1 when a size would overflow. */
 int64_t ai_scratch_bytes(int64_t M, int64_t K) {
     int64_t a, b, total;
     if (M < 0 || K < 0) return -1;
@@ -1132,7 +1191,7 @@ int64_t ai_scratch_bytes(int64_t M, int64_t K) {
         if (!ai_add(M, 7, &a) || !ai_mul(a / 8 * 8, K, &a) || !ai_mul(a, 4, &total)) return -1;
         return total;
     }
-    if (!ai_mul(M, K, &a) || !ai_mul(a, 2, &a) || !ai_mul(M, K / QK, &b) || !ai_mul(b, 8, &b) || !ai_add(a, b, &total))
+    if (!ai_mul(M, K, &a) || !ai_mul(a, 2, &a) || !ai_mul(M, K / QK, &b) || !ai_mul(b, 12, &b) || !ai_add(a, b, &total))
         return -1;
     return total;
 }
