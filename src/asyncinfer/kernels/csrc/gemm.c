@@ -820,9 +820,34 @@ static void quantize_acts512_pairs(const float *x, int64_t M, int64_t ldx, int64
         }
     }
 }
-/* The rounding a format's rows read: the pair layout for the paired rows. */
-#define QUANTIZE_ACTS_OF(FMT) \
-    ((FMT) == ASYNCINFER_FMT_Q4_1 || (FMT) == ASYNCINFER_FMT_Q4_0 ? quantize_acts512_pairs : quantize_acts_avx512)
+/* quantize_acts_avx512's values per pair of blocks b, b + 1 (b even; the row's blocks come in pairs: Q4_K's
+ * super-blocks): the even elements of block b, of block b + 1, then the odd elements of each (row512_q4_k). */
+static void quantize_acts512_pairs_eo(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    const int64_t nb = K / QK;
+    const __m512i order = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C, 0x00120010, 0x00160014,
+                                            0x001A0018, 0x001E001C, 0x00030001, 0x00070005, 0x000B0009, 0x000F000D,
+                                            0x00130011, 0x00170015, 0x001B0019, 0x001F001D);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i q[4];
+            float total;
+            const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
+                          hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            const __m512i eo = _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+            int16_t *out = a->q + m * K + (b & ~(int64_t)1) * QK + (b & 1) * 16;
+            _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(eo));
+            _mm256_storeu_si256((__m256i *)(out + 32), _mm512_extracti64x4_epi64(eo, 1));
+            a->d[m * nb + b] = d;
+            a->sum[m * nb + b] = total;
+        }
+    }
+}
+/* The rounding a format's rows read: the pair layouts for the paired rows. */
+#define QUANTIZE_ACTS_OF(FMT)                                                                                  \
+    ((FMT) == ASYNCINFER_FMT_Q4_1 || (FMT) == ASYNCINFER_FMT_Q4_0 ? quantize_acts512_pairs                     \
+     : (FMT) == ASYNCINFER_FMT_Q4_K                               ? quantize_acts512_pairs_eo                  \
+                                                                  : quantize_acts_avx512)
 #else
 #define QUANTIZE_ACTS_OF(FMT) quantize_acts_avx2
 /* From PANEL_MIN_ROWS rows on: the float32 panel. */
@@ -1103,11 +1128,66 @@ static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row
     }
     for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
 }
+
+/* Q4_K (AVX-512 builds) against quantize_acts512_pairs_eo's order (per pair of sub-blocks b, b + 1: the even
+ * elements of b, of b + 1, then the odd ones of each): chunk pr's 32 bytes (sub-block 2 pr in the low nibbles,
+ * 2 pr + 1 in the high ones) broadcast to both halves of a register as 16 words each, not widened; one variable
+ * shift and a mask give the even elements of both sub-blocks (the low byte's nibbles), another the odd ones (the
+ * high byte's); one multiply-add and one dot-product accumulation leave sub-block 2 pr's exact sums in lanes 0-7
+ * and 2 pr + 1's in 8-15, one convert and one fma for both. The minimums' terms as row_q45_k's. */
+static inline __attribute__((always_inline)) void row512_q4_k(const uint8_t *row, int64_t K, const acts *a,
+                                                              int64_t m0, const int ROWS, float *out) {
+    const int64_t nblk = K / 256, nb = K / QK;
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const __m512i even = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0x0004000400040004LL);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(8));
+    __m512 acc[2 * MR];
+    __m256 off[MR];
+    for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const uint8_t *p = row + blk * 144;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        __m256 minv;
+        const __m256 scv = ai_k_scale_vectors(p, &minv);
+        __m512 dsc[MR];
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
+        }
+        const uint8_t *qs = p + 16;
+#pragma GCC unroll 4
+        for (int pr = 0; pr < 4; pr++) {
+            const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * pr)));
+            const __m512i ra = _mm512_and_si512(_mm512_srlv_epi16(z, even), low4);
+            const __m512i rb = _mm512_and_si512(_mm512_srlv_epi16(z, odd), low4);
+            const __m512i sel = _mm512_setr_epi32(2 * pr, 2 * pr, 2 * pr, 2 * pr, 2 * pr, 2 * pr, 2 * pr, 2 * pr,
+                                                  2 * pr + 1, 2 * pr + 1, 2 * pr + 1, 2 * pr + 1, 2 * pr + 1,
+                                                  2 * pr + 1, 2 * pr + 1, 2 * pr + 1);
+            for (int i = 0; i < ROWS; i++) {
+                const int16_t *xq = a->q + (m0 + i) * K + (blk * 8 + 2 * pr) * QK;
+                const __m512i sum = ai_dpwssd512(_mm512_madd_epi16(ra, _mm512_loadu_si512(xq)), rb,
+                                                 _mm512_loadu_si512(xq + QK));
+                acc[2 * i + (pr & 1)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(sel, dsc[i]),
+                                                        acc[2 * i + (pr & 1)]);
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])) + ai_hsum256(off[i]);
+}
 #endif /* AI_AVX512 */
 
 /* The row kernel of a format (a constant at every call). */
 static inline __attribute__((always_inline)) void row_of(const int fmt, const uint8_t *row, int64_t K, const acts *a,
                                                          int64_t m0, const int ROWS, float *out) {
+#ifdef AI_AVX512
+    if (fmt == ASYNCINFER_FMT_Q4_K) return row512_q4_k(row, K, a, m0, ROWS, out);
+#endif
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row_q45_k(fmt, row, K, a, m0, ROWS, out);
 #ifdef AI_AVX512
     if (fmt == ASYNCINFER_FMT_Q6_K) return row512_q6_k(row, K, a, m0, ROWS, out);
