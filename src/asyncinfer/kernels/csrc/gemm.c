@@ -38,8 +38,9 @@
 
 /* Activations rounded per block (see above): q [M, K], d, sum and isum [M, K / 32], in the caller's scratch
  * (asyncinfer_scratch_bytes). The scalar and AVX-512 variants store each block's 32 values in order (the AVX-512
- * Q4_0 / Q4_1 rows: two blocks' halves interleaved, quantize_acts512_pairs); the AVX2 variant stores even elements
- * first, then odd ones (the order its weight unpacking yields). */
+ * Q4_0 / Q4_1 rows: two blocks' halves interleaved, quantize_acts512_pairs; Q4_K: two blocks' even elements, then
+ * their odd ones, quantize_acts512_pairs_eo); the AVX2 variant stores even elements first, then odd ones (the order
+ * its weight unpacking yields). */
 typedef struct {
     int16_t *q;
     float *d;
