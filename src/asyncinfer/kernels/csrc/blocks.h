@@ -229,6 +229,21 @@ static inline __m256 ai_k_scale_vectors(const uint8_t *p, __m256 *minv) {
     return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
 }
 
+#ifdef AI_AVX512
+/* The AVX-512 Q4_K rows' per-super-block terms for ROWS activation rows (row i's block scales dx at d + i * ld, its
+ * blocks' float sums at sum + i * ld): dx * d * sc_j in lanes 0-7 of dsc[i], and -(dmin * m_j) times the sums added
+ * to off[i]. */
+static inline __attribute__((always_inline)) void ai_k_row_terms512(const uint8_t *p, const float *d, const float *sum,
+                                                                   int64_t ld, const int ROWS, __m512 *dsc, __m256 *off) {
+    __m256 minv;
+    const __m256 scv = ai_k_scale_vectors(p, &minv);
+    for (int i = 0; i < ROWS; i++) {
+        dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(d + i * ld), scv));
+        off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(sum + i * ld), off[i]);
+    }
+}
+#endif
+
 /* Q6_K: the 6-bit quants (0-63, uncentred) of sub-block j = 4 n + k of a super-block, as 32 bytes in order, from
  * its half n's 64 bytes of low nibbles L[0], L[1] (ql) and 32 bytes of high bit pairs H (qh): the low nibbles of
  * L[k & 1] for k < 2, its high nibbles after, and bit pair k of H above them. */

@@ -769,22 +769,60 @@ static int gemm_panel(const float *x, int64_t M, int64_t ldx, int64_t K, const u
 #ifdef AI_AVX2
 #ifdef AI_AVX512
 /* quantize_acts_ref's rounding, eight lanes at a time (the same int16 values: both round to nearest even; the
- * block's sum is added in another order), stored in order. */
-static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+ * block's sum is added in another order), each block's 32 values stored as LAYOUT says: ACTS_IN_ORDER, or per pair
+ * of blocks b, b + 1 (b even) ACTS_PAIRS (elements 0-15 of block b, 0-15 of block b + 1, 16-31 of b, 16-31 of b + 1;
+ * a row's odd last block in order; and each block's integer sum of its values, isum, exact as a float: the Q4_0 /
+ * Q4_1 rows, ROW512_PAIR) or ACTS_PAIRS_EO (the even elements of block b, of block b + 1, then the odd ones of each;
+ * rows of whole pairs: row512_q4_k). */
+enum { ACTS_IN_ORDER, ACTS_PAIRS, ACTS_PAIRS_EO };
+static inline __attribute__((always_inline)) void quantize_acts512_as(const float *x, int64_t M, int64_t ldx,
+                                                                      int64_t K, acts *a, const int LAYOUT) {
     const int64_t nb = K / QK;
+    const __m512i even_odd = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C, 0x00120010,
+                                               0x00160014, 0x001A0018, 0x001E001C, 0x00030001, 0x00070005,
+                                               0x000B0009, 0x000F000D, 0x00130011, 0x00170015, 0x001B0019,
+                                               0x001F001D);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             __m256i q[4];
             float total;
             const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
             /* packs works within 128-bit lanes: [q0 0-3, q1 0-3, q0 4-7, q1 4-7]; the permute restores order */
+            __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
+                    hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
             int16_t *out = a->q + m * K + b * QK;
-            _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+            int64_t second = 16; /* where hi goes, from out */
+            if (LAYOUT == ACTS_PAIRS_EO) {
+                const __m512i eo =
+                    _mm512_permutexvar_epi16(even_odd, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+                lo = _mm512_castsi512_si256(eo), hi = _mm512_extracti64x4_epi64(eo, 1);
+            }
+            if (LAYOUT != ACTS_IN_ORDER && (b + 1 < nb || (b & 1))) {
+                out = a->q + m * K + (b & ~(int64_t)1) * QK + (b & 1) * 16;
+                second = 32;
+            }
+            _mm256_storeu_si256((__m256i *)out, lo);
+            _mm256_storeu_si256((__m256i *)(out + second), hi);
             a->d[m * nb + b] = d;
             a->sum[m * nb + b] = total;
+            if (LAYOUT == ACTS_PAIRS) {
+                const __m256i t8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(t8), _mm256_extracti128_si256(t8, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+                a->isum[m * nb + b] = (float)_mm_cvtsi128_si32(t);
+            }
         }
     }
+}
+static void quantize_acts_avx512(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    quantize_acts512_as(x, M, ldx, K, a, ACTS_IN_ORDER);
+}
+static void quantize_acts512_pairs(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    quantize_acts512_as(x, M, ldx, K, a, ACTS_PAIRS);
+}
+static void quantize_acts512_pairs_eo(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
+    quantize_acts512_as(x, M, ldx, K, a, ACTS_PAIRS_EO);
 }
 
 void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *q, float *d, float *sum) {
@@ -795,55 +833,6 @@ void ai_quantize_acts16(const float *x, int64_t M, int64_t ldx, int64_t K, int16
 #define BATCHED(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads, scratch) \
     ((void)(scratch), ai_tile16_gemm(FMT, x, M, ldx, K, rows, N, bias, y, ldy, threads))
 
-/* quantize_acts_avx512's values for the paired rows (Q4_1, Q4_0: ROW512_PAIR), laid out per pair of blocks b, b + 1
- * (b even, both in the row) as elements 0-15 of block b, 0-15 of block b + 1, 16-31 of block b, 16-31 of block
- * b + 1 (a row's odd last block in order); and each block's sum of its 32 values (isum, exact as a float). */
-static void quantize_acts512_pairs(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
-    const int64_t nb = K / QK;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i q[4];
-            float total;
-            const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
-            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
-                          hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
-            const int paired = b + 1 < nb || (b & 1);
-            int16_t *out = a->q + m * K + (b & ~(int64_t)1) * QK + (paired ? (b & 1) * 16 : 0);
-            _mm256_storeu_si256((__m256i *)out, lo);
-            _mm256_storeu_si256((__m256i *)(out + (paired ? 32 : 16)), hi);
-            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-            a->d[m * nb + b] = d;
-            a->sum[m * nb + b] = total;
-            a->isum[m * nb + b] = (float)_mm_cvtsi128_si32(t);
-        }
-    }
-}
-/* quantize_acts_avx512's values per pair of blocks b, b + 1 (b even; the row's blocks come in pairs: Q4_K's
- * super-blocks): the even elements of block b, of block b + 1, then the odd elements of each (row512_q4_k). */
-static void quantize_acts512_pairs_eo(const float *x, int64_t M, int64_t ldx, int64_t K, acts *a) {
-    const int64_t nb = K / QK;
-    const __m512i order = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C, 0x00120010, 0x00160014,
-                                            0x001A0018, 0x001E001C, 0x00030001, 0x00070005, 0x000B0009, 0x000F000D,
-                                            0x00130011, 0x00170015, 0x001B0019, 0x001F001D);
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i q[4];
-            float total;
-            const float d = ai_round_run(x + m * ldx + b * QK, 32767.0f, q, &total);
-            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
-                          hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
-            const __m512i eo = _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-            int16_t *out = a->q + m * K + (b & ~(int64_t)1) * QK + (b & 1) * 16;
-            _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(eo));
-            _mm256_storeu_si256((__m256i *)(out + 32), _mm512_extracti64x4_epi64(eo, 1));
-            a->d[m * nb + b] = d;
-            a->sum[m * nb + b] = total;
-        }
-    }
-}
 /* The rounding a format's rows read: the pair layouts for the paired rows. */
 #define QUANTIZE_ACTS_OF(FMT)                                                                                  \
     ((FMT) == ASYNCINFER_FMT_Q4_1 || (FMT) == ASYNCINFER_FMT_Q4_0 ? quantize_acts512_pairs                     \
@@ -1152,14 +1141,8 @@ static inline __attribute__((always_inline)) void row512_q4_k(const uint8_t *row
         _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
-        __m256 minv;
-        const __m256 scv = ai_k_scale_vectors(p, &minv);
         __m512 dsc[MR];
-        for (int i = 0; i < ROWS; i++) {
-            const int64_t at = (m0 + i) * nb + blk * 8;
-            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
-            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
-        }
+        ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
         const uint8_t *qs = p + 16;
 #pragma GCC unroll 4
         for (int pr = 0; pr < 4; pr++) {

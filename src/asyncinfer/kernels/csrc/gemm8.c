@@ -370,14 +370,8 @@ static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *r
         _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
-        __m256 minv;
-        const __m256 scv = ai_k_scale_vectors(p, &minv);
         __m512 dsc[MR8];
-        for (int i = 0; i < ROWS; i++) {
-            const int64_t at = (m0 + i) * nb + blk * 8;
-            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), scv));
-            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
-        }
+        ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
 #pragma GCC unroll 4
         for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles, bytes 0-31) and 2 pr + 1 (high, 32-63) */
             const __m512i xw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * pr)));
