@@ -968,8 +968,9 @@ static inline __m256i kq_bit_to_4(__m256i h, int j) {
 /* Q4_K / Q5_K: bytes 32 p to 32 p + 31 of the nibbles hold sub-blocks 2 p (low nibbles) and 2 p + 1 (high).
  * AVX2 order, in 16-bit words: word l's bits 0-3 / 8-11 are sub-block 2 p's elements 2 l / 2 l + 1, bits 4-7 /
  * 12-15 sub-block 2 p + 1's. Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]: in words, bit j
- * (even elements) and bit 8 + j (odd), moved to bit 4. In order (AVX-512 build): the 32 bytes widened to two
- * runs of 16 words, each word's low and high nibble; qh widened the same way. */
+ * (even elements) and bit 8 + j (odd), moved to bit 4. In order (AVX-512 builds, Q5_K only: their Q4_K rows are
+ * row512_q4_k): the 32 bytes widened to two runs of 16 words, each word's low and high nibble; qh widened the same
+ * way. */
 static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const uint8_t *row, int64_t K,
                                                             const acts *a, int64_t m0, const int ROWS, float *out) {
     const int five = fmt == ASYNCINFER_FMT_Q5_K;
