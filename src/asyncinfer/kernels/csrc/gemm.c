@@ -265,7 +265,7 @@ static inline float finish_row(__m256 acc0, __m256 acc1, const uint16_t *m16, co
 
 #define ROW_BLOCK(b, slot, UNPACK, QS_BYTES)                                                                      \
     do {                                                                                          \
-        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(row + (b) * row_block) + PREFETCH, _MM_HINT_T0);              \
         __m256i w[2];                                                                             \
         UNPACK(qs + (b) * QS_BYTES, w);                                                           \
         const __m256 dw = _mm256_set1_ps(ai_half_to_float(d16[b]));                                  \
@@ -286,6 +286,7 @@ static inline float finish_row(__m256 acc0, __m256 acc1, const uint16_t *m16, co
         const uint16_t *d16 = (const uint16_t *)row;                                              \
         const uint16_t *m16 = d16 + nb;                                                           \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
+        const int64_t row_block = QS_BYTES + (HAS_MIN ? 4 : 2);                                   \
         __m256 acc[2 * MR];                                                                       \
         for (int i = 0; i < 2 * MR; i++) acc[i] = _mm256_setzero_ps();                            \
         int64_t b = 0; /* blocks alternate between two accumulators; slot indices are constants */ \
@@ -307,7 +308,7 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
  * order), so results do not depend on which kernel ran. */
 #define ROW2_BLOCK(b, slot, SCALE0, SCALE1, UNPACK, QS_BYTES)                                     \
     do {                                                                                          \
-        _mm_prefetch((const char *)(qs[1] + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);             \
+        _mm_prefetch((const char *)(rows[0] + 2 * (b) * row_block) + PREFETCH, _MM_HINT_T0);      \
         const int16_t *q = a->q + (b) * QK;                                                       \
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \
@@ -334,6 +335,7 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
     static inline __attribute__((always_inline)) void NAME(const uint8_t *row0, const uint8_t *row1, \
                                                            int64_t nb, const acts *a, float *out) { \
         const uint8_t *rows[2] = {row0, row1};                                                    \
+        const int64_t row_block = QS_BYTES + (HAS_MIN ? 4 : 2); /* row1 follows row0 */          \
         const uint16_t *d16[2], *m16[2];                                                          \
         const uint8_t *qs[2];                                                                     \
         for (int r = 0; r < 2; r++) {                                                             \
@@ -420,7 +422,7 @@ static inline __m512i unpack512_q4_0_nibbles(const uint8_t *blk) { return unpack
  * time, so no scalar conversion or multiply sits in the loop). */
 #define ROW512_BLOCK(b, slot, UNPACK, QS_BYTES)                                                   \
     do {                                                                                          \
-        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(row + (b) * row_block) + PREFETCH, _MM_HINT_T0);              \
         const __m512i w = UNPACK(qs + (b) * QS_BYTES);                                            \
         for (int i = 0; i < ROWS; i++) {                                                          \
             const __m512i s = _mm512_madd_epi16(w, _mm512_loadu_si512(a->q + (m0 + i) * K + (b) * QK)); \
@@ -436,7 +438,7 @@ static inline __m512i unpack512_q4_0_nibbles(const uint8_t *blk) { return unpack
  * fma waits for the one before). */
 #define ROW512_PAIR(b, slot, PAIR, QS_BYTES)                                                      \
     do {                                                                                          \
-        _mm_prefetch((const char *)(qs + (b) * QS_BYTES) + PREFETCH, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(row + (b) * row_block) + PREFETCH, _MM_HINT_T0);              \
         __m512i lo, hi;                                                                           \
         PAIR(qs, b, lo, hi);                                                                      \
         for (int i = 0; i < ROWS; i++) {                                                          \
@@ -543,6 +545,7 @@ static inline __m512i unpack512_q4_0_nibbles(const uint8_t *blk) { return unpack
         float *out) {                                                                             \
         const uint16_t *d16 = (const uint16_t *)row, *m16 = d16 + nb;                             \
         const uint8_t *qs = row + (HAS_MIN ? 4 : 2) * nb;                                         \
+        const int64_t row_block = QS_BYTES + (HAS_MIN ? 4 : 2);                                   \
         ROW512_BODY_PAIRED(UNPACK, QS_BYTES, HAS_MIN, PACKED_SCALES8, PACKED_SCALE1, PAIRED, PAIR, 0) \
     }
 
@@ -592,7 +595,7 @@ static inline __m256 q4_0_scales8(const uint8_t *p) {
         const uint8_t *row, int64_t nb, const acts *a, int64_t m0, int64_t K, const int ROWS,     \
         float *out) {                                                                             \
         const uint8_t *qs = row;                                                                  \
-        const int64_t bytes = BYTES;                                                              \
+        const int64_t bytes = BYTES, row_block = BYTES;                                           \
         ROW512_BODY_PAIRED(UNPACK, BYTES, HAS_MIN, SCALES8, GGML_SCALE1, PAIRED, PAIR, CENTRE)    \
     }
 

@@ -318,7 +318,7 @@ static inline __attribute__((always_inline)) void row8_blocks(const int fmt, con
         for (int64_t t = 0; t < n; t++) {
             const int64_t b = b0 + t;
             if (!legacy) _mm_prefetch((const char *)row + b * stride + PREFETCH8, _MM_HINT_T0);
-            else _mm_prefetch((const char *)row + (fmt == ASYNCINFER_FMT_Q4_1 ? 4 * nb + 16 * b : 2 * nb + 32 * b) + PREFETCH8,
+            else _mm_prefetch((const char *)row + (fmt == ASYNCINFER_FMT_Q4_1 ? 20 : 34) * b + PREFETCH8,
                               _MM_HINT_T0);
             const __m256i w = block_u8(fmt, row, nb, b);
             const __m256i u = fmt == ASYNCINFER_FMT_Q8_0 ? _mm256_sign_epi8(w, w) : w;
@@ -506,7 +506,7 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = b0 + 2 * t;
-            _mm_prefetch((const char *)row + (q4_0 ? 18 * b : q8 ? 2 * nb + 32 * b : 4 * nb + 16 * b) + PREFETCH8, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + (q4_0 ? 18 : q8 ? 34 : 20) * b + PREFETCH8, _MM_HINT_T0);
             const __m512i w = pair_u8(fmt, row, nb, b);
             const __m512i u = q8 ? _mm512_abs_epi8(w) : w;
             const __mmask64 neg = q8 ? _mm512_movepi8_mask(w) : 0;

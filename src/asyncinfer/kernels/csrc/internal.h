@@ -118,7 +118,9 @@ static inline int ai_thread_num(void) { return 0; }
  * contiguous. At 1,024 one-row GEMMs waited on memory: on a 2-core AMD EPYC (Zen 5) virtual machine, 8,192 made
  * them 1.10-1.32x faster with int8 activations and 1.05-1.33x with int16 (the median per format over a 1B layer's
  * weights, too many to stay in cache); 32 rows, bound by arithmetic, 0.98-1.04x (docs/formats.md, "Prefetch
- * distance"). */
+ * distance"). The address runs over a row's whole bytes, its runs of scales included: Q4_1 / Q8_0 rows hold their
+ * scales ahead of their quants, and a prefetch that followed the quants alone left those lines to be waited for
+ * (docs/formats.md, "The whole row, scales included"). */
 #ifndef AI_PREFETCH_BYTES
 #define AI_PREFETCH_BYTES 8192
 #endif
