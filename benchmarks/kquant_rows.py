@@ -4,7 +4,7 @@ default, any block format with ``--formats``.
 One GEMM call per projection of a decoder layer (q, k, v, o, gate, up, down, each its own matrix, random
 weights quantized by ``kernels.quantize`` and held as ``kernels.pack`` lays them out), over ``--layers``
 layers so the weights do not stay in cache, at M activation rows. Time is taken as the minimum of
-``--repeats`` passes, the formats (and, with ``--baseline``, the two libraries) interleaved pass by pass, so a
+``--repeats`` passes, the formats (and, with ``--baseline``, the two libraries) interleaved pass by pass (the two taking turns going first), so a
 machine that others load still gives fair ratios. Printed per format and M: milliseconds per pass, GB/s of
 weight bytes read, and that rate relative to Q4_1's in the same run (the target: a k-quant row at least as
 fast per byte as a Q4_1 row).
@@ -145,9 +145,12 @@ def main() -> None:
             for run in runners.values():  # warm-up
                 for w in weights.values():
                     run(w, xs)
-            for _ in range(args.repeats):
+            for rep in range(args.repeats):
                 for fmt, w in weights.items():
-                    for name, run in runners.items():
+                    # the two libraries take turns going first: the second to read the same weights may find
+                    # some of them still in a large last-level cache
+                    order = list(runners.items())
+                    for name, run in (order[::-1] if rep % 2 else order):
                         start = clock()
                         run(w, xs)
                         elapsed = clock() - start
