@@ -23,7 +23,8 @@ multiplies by exactly the float32 model's weights (:func:`dequantize` round-trip
 layer). :mod:`asyncinfer.kernels.formats` holds every format's facts (``LAYOUTS``). :class:`BlockTable` is a
 matrix kept in blocks whose rows are dequantized a few at a time (a token embedding in its file's blocks):
 :meth:`BlockTable.rows` in torch (the models' reference forward), :func:`embed_rows` and :class:`DecodeStack` in
-the kernels, bit for bit the same values.
+the kernels, bit for bit the same values. :func:`weight_buffer` is memory for weights in transparent huge pages
+where Linux grants them (:func:`huge_pages`; :mod:`asyncinfer.kernels.pages`): :func:`pack` makes its copies there.
 """
 
 
@@ -61,6 +62,7 @@ from asyncinfer.kernels.formats import (
     unpack,
 )
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
+from asyncinfer.kernels.pages import huge_pages, weight_buffer
 
 __all__ = [
     "ACTIVATION_DTYPES",
@@ -91,6 +93,7 @@ __all__ = [
     "dequantize",
     "embed_rows",
     "gemm",
+    "huge_pages",
     "int8_kernel_flag",
     "int16_batched",
     "isa",
@@ -101,4 +104,5 @@ __all__ = [
     "supported_isas",
     "unavailable_reason",
     "unpack",
+    "weight_buffer",
 ]

@@ -19,6 +19,7 @@ import torch
 
 from asyncinfer.kernels._checks import allocating as _allocating
 from asyncinfer.kernels._checks import tensor as _tensor
+from asyncinfer.kernels.pages import in_huge_pages, weight_buffer
 
 
 class BlockLayout(NamedTuple):
@@ -363,11 +364,12 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """ggml blocks uint8 [N, B * bytes] -> the kernels' layout (same size). Q4_1 / Q8_0: per row, every
     block's float16 scale ``d``, then (Q4_1) every minimum ``m``, then the quants of block after block (a new
     tensor). Every other format: ggml's layout itself, so ``blocks`` is returned as it is when contiguous
-    (no copy: a file's mapped blocks are multiplied in place), else a contiguous copy."""
+    (no copy: a file's mapped blocks are multiplied in place), else a contiguous copy. A copy is made in a
+    :func:`~asyncinfer.kernels.pages.weight_buffer` (huge pages where Linux grants them)."""
     size = block_bytes(blocks, fmt, "pack")
     layout = LAYOUTS[fmt]
     if not layout.regrouped:
-        return blocks if blocks.is_contiguous() else blocks.contiguous()
+        return blocks if blocks.is_contiguous() else in_huge_pages(blocks)
     n = blocks.shape[0]
     nb = blocks.shape[1] // size  # sizes spelled out: N may be 0
     b = blocks.reshape(n, nb, size)  # [N, B, bytes]
@@ -375,7 +377,8 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     if layout.has_min:
         parts.append(b[..., 2:4].reshape(n, 2 * nb))  # m of every block
     parts.append(b[..., layout.head:].reshape(n, layout.quant_bytes * nb))
-    return torch.cat(parts, dim=1).contiguous()
+    out = weight_buffer(n * blocks.shape[1]).view(n, blocks.shape[1])
+    return torch.cat(parts, dim=1, out=out)
 
 
 @_allocating("blocks")

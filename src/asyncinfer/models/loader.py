@@ -624,7 +624,15 @@ class _GGUFProjection:
             rows = self._reader.blocks(t)  # [rows, bytes per row], a view of the map
             heads = self._heads(t)
             parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        # joined (q, k, v; gate, up): a copy the layer keeps, made in huge pages where granted (kernels.weight_buffer)
+        width = parts[0].shape[1]
+        if any(p.shape[1] != width for p in parts):
+            raise ModelLoadError(f"GGUF tensors {[t.name for t in self._weight]} of one layer have rows of "
+                                 f"different sizes ({[p.shape[1] for p in parts]} bytes): not one matrix")
+        total = sum(p.shape[0] for p in parts)
+        return torch.cat(parts, out=kernels.weight_buffer(total * width).view(total, width))
 
     def part_blocks(self, part: int) -> torch.Tensor:
         t = self._weight[part]

@@ -1,0 +1,109 @@
+"""kernels.weight_buffer: the kernels' weight copies in transparent huge pages where Linux grants them
+(asyncinfer.kernels.pages), and in plain memory where it does not; the same bytes either way."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncinfer import kernels
+from asyncinfer.kernels import pages
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages and /proc are Linux's")
+
+
+@pytest.fixture
+def thp_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A stand-in for /sys/kernel/mm/transparent_hugepage/enabled; huge_pages() reads it afresh."""
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(pages, "_THP_ENABLED", mode)
+    pages.huge_pages.cache_clear()
+    yield mode
+    pages.huge_pages.cache_clear()
+
+
+def vm_flags(t: torch.Tensor) -> list[str]:
+    """The VmFlags of the mapping holding t's first byte (/proc/self/smaps)."""
+    addr = t.data_ptr()
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= addr < hi:
+                flags = next(x for x in lines[i + 1:] if x.startswith("VmFlags:"))
+                return flags.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("always [madvise] never\n", True),
+    ("[always] madvise never\n", True),
+    ("always madvise [never]\n", False),
+])
+def test_huge_pages_reads_the_kernel_s_mode(thp_mode: Path, text: str, expected: bool) -> None:
+    thp_mode.write_text(text)
+    assert pages.huge_pages() is expected
+
+
+def test_huge_pages_is_false_without_the_file(thp_mode: Path) -> None:
+    assert not thp_mode.exists()
+    assert pages.huge_pages() is False
+
+
+@linux
+def test_a_buffer_asks_for_huge_pages_and_starts_on_one(thp_mode: Path) -> None:
+    thp_mode.write_text("always [madvise] never\n")
+    n = 3 * pages.HUGE_PAGE + 12345
+    buf = kernels.weight_buffer(n)
+    assert buf.dtype == torch.uint8 and buf.shape == (n,) and buf.is_contiguous()
+    assert buf.data_ptr() % pages.HUGE_PAGE == 0
+    assert "hg" in vm_flags(buf)  # MADV_HUGEPAGE took
+    buf.fill_(7)  # every byte is ours to write
+    assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * n
+
+
+@linux
+def test_without_huge_pages_or_below_one_a_buffer_is_plain_memory(thp_mode: Path) -> None:
+    thp_mode.write_text("always madvise [never]\n")
+    big = kernels.weight_buffer(3 * pages.HUGE_PAGE)
+    assert big.shape == (3 * pages.HUGE_PAGE,) and "hg" not in vm_flags(big)
+    thp_mode.write_text("always [madvise] never\n")
+    pages.huge_pages.cache_clear()
+    small = kernels.weight_buffer(pages.HUGE_PAGE - 1)
+    assert small.shape == (pages.HUGE_PAGE - 1,) and "hg" not in vm_flags(small)
+    assert kernels.weight_buffer(0).shape == (0,)
+
+
+def test_a_negative_size_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="nbytes"):
+        kernels.weight_buffer(-1)
+
+
+@linux
+@pytest.mark.parametrize("mode", ["always [madvise] never\n", "always madvise [never]\n"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_pack_makes_its_copy_in_a_weight_buffer_with_the_same_bytes(thp_mode: Path, mode: str, fmt: str) -> None:
+    """The regrouped formats' layout in huge pages where granted; unpack gives the ggml blocks back either way."""
+    thp_mode.write_text(mode)
+    w = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(3)) * 0.02  # 2.5 MiB of Q4_1 blocks
+    blocks = kernels.quantize(w, fmt)
+    packed = kernels.pack(blocks, fmt)
+    assert packed.shape == blocks.shape and packed.dtype == torch.uint8
+    assert ("hg" in vm_flags(packed)) == mode.startswith("always [madvise]")
+    assert torch.equal(kernels.unpack(packed, fmt), blocks)
+    assert torch.equal(kernels.gemm(w[:3], packed, fmt, 4096), kernels.gemm(w[:3], packed.clone(), fmt, 4096))
+
+
+@linux
+def test_pack_leaves_ggml_layout_blocks_in_place_and_copies_a_strided_view(thp_mode: Path) -> None:
+    thp_mode.write_text("always [madvise] never\n")
+    blocks = kernels.quantize(torch.randn(4096, 1024) * 0.02, "q4_0")  # 4096 x 576 bytes: 2.25 MiB
+    assert kernels.pack(blocks, "q4_0").data_ptr() == blocks.data_ptr()
+    view = torch.cat([blocks, blocks], dim=1)[:, 576:]  # the same blocks, not contiguous
+    packed = kernels.pack(view, "q4_0")
+    assert packed.is_contiguous() and torch.equal(packed, blocks) and "hg" in vm_flags(packed)
