@@ -269,6 +269,22 @@ def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library(tmp_path) -> N
     assert refused.returncode == 2 and "--activation-dtype: invalid choice: 'int4'" in refused.stderr
 
 
+def test_the_weight_pages_benchmark_times_the_same_rows_in_three_kinds_of_memory(tmp_path) -> None:
+    out = tmp_path / "pages.json"
+    done = run_script("weight_pages.py", "--shape", "tiny", "--layers", "1", "--repeats", "3", "--tokens", "1", "3",
+                      "--formats", "q4_0", "q8_0", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "q4_0 (" in done.stdout and "q8_0 (" in done.stdout and "huge / small" in done.stdout
+    result = json.loads(out.read_text())
+    assert sorted((r["format"], r["tokens"], r["memory"]) for r in result["passes"]) == sorted(
+        (f, m, kind) for f in ("q4_0", "q8_0") for m in (1, 3) for kind in ("small", "huge", "file"))
+    assert all(len(r["seconds"]) == 3 and r["min_s"] <= r["median_s"] for r in result["passes"])
+    assert [(r["format"], r["tokens"]) for r in result["speedups"]] == [("q4_0", 1), ("q4_0", 3), ("q8_0", 1),
+                                                                        ("q8_0", 3)]
+    assert all(r["huge_over_small"] > 0 and r["file_over_small"] > 0 for r in result["speedups"])
+    assert len(result["commit"]) == 40 and isinstance(result["huge_pages_granted"], bool)
+
+
 def test_the_activation_dtype_benchmark_times_both_dtypes_of_every_format(tmp_path) -> None:
     out = tmp_path / "activation_dtype.json"
     done = run_script("activation_dtype.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "1", "5",

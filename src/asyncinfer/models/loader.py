@@ -45,6 +45,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -1090,7 +1091,7 @@ def gguf_tokenizer(path: Path, header: GGUFFile | None = None,
     cached = _cached_tokenizer(cache, stamp)
     if cached is not None:
         with contextlib.suppress(OSError):  # used now: the last to be pruned (_prune_caches)
-            os.utime(cache / _STAMP)
+            _used_now(cache / _STAMP)
         return cached
     say(f"building the tokenizer of {path.name} once (it is cached in {cache})")
     # the bounded build saves the tokenizer where the cache is staged, or (no cache can be written) in a private
@@ -1152,6 +1153,14 @@ def _cached_tokenizer(cache: Path, stamp: dict[str, Any]) -> PreTrainedTokenizer
 KEPT_TOKENIZER_CACHES = 64
 
 
+def _used_now(stamp: Path) -> None:
+    """Set a cache's stamp's times to now, read from the clock itself: the times a write or a bare ``os.utime``
+    sets may come from the kernel's coarse clock, a few ms behind a finer time another file got just before, and
+    _prune_caches would then take the later use for the earlier."""
+    now = time.time_ns()
+    os.utime(stamp, ns=(now, now))
+
+
 def _prune_caches(folder: Path, keep: Path) -> None:
     """Remove the cached tokenizers of ``folder`` (``<cache>/tokenizers/``: each a directory with its stamp) past
     the :data:`KEPT_TOKENIZER_CACHES` most recently used, never ``keep`` (failures are only logged)."""
@@ -1187,6 +1196,7 @@ def _commit_cache(staged: Path, cache: Path, stamped: dict[str, Any]) -> bool:
     at once; whether it was (a failure is only logged: the staged directory is left for the caller to read)."""
     try:
         (staged / _STAMP).write_text(json.dumps(stamped))
+        _used_now(staged / _STAMP)
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(staged, cache)
