@@ -62,7 +62,8 @@ def test_a_buffer_asks_for_huge_pages_and_starts_on_one(thp_mode: Path) -> None:
     buf = kernels.weight_buffer(n)
     assert buf.dtype == torch.uint8 and buf.shape == (n,) and buf.is_contiguous()
     assert buf.data_ptr() % pages.HUGE_PAGE == 0
-    assert "hg" in vm_flags(buf)  # MADV_HUGEPAGE took
+    assert "hg" in vm_flags(buf)  # MADV_HUGEPAGE took, on its whole huge pages
+    assert "hg" in vm_flags(buf[3 * pages.HUGE_PAGE - 1:]) and "hg" not in vm_flags(buf[3 * pages.HUGE_PAGE:])
     buf.fill_(7)  # every byte is ours to write
     assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * n
 

@@ -49,10 +49,11 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # + one page: room to align the start
     except OSError as exc:
         raise MemoryError(f"cannot map {nbytes} bytes for weights: {exc}") from exc
-    with contextlib.suppress(OSError):  # a kernel without them refuses the advice: small pages, as torch.empty's
-        region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping
-    start = -whole.data_ptr() % HUGE_PAGE
+    start = -whole.data_ptr() % HUGE_PAGE  # a multiple of the small page size: the map starts on one
+    # the whole huge pages only: the tail's partial one stays in small pages, so no buffer commits more than it holds
+    with contextlib.suppress(OSError):  # a kernel without them refuses the advice: small pages, as torch.empty's
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start:start + nbytes]
 
 
