@@ -71,9 +71,11 @@ def main() -> None:
     run = library_pass(ctypes.CDLL(kernels.build_info()["path"]), args.threads)
     widths = sorted({k for _, k in layer_matrices(args.shape)})
     passes: dict[tuple[str, str, int], list[float]] = {}
+    nbytes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for fmt in args.formats:
             w = Weights(fmt, args.shape, args.layers, 0)
+            nbytes[fmt] = w.nbytes
             held = copies(w, Path(tmp))
             views = {}
             for kind in KINDS:
@@ -100,14 +102,16 @@ def main() -> None:
             print(f"{fmt} ({w.nbytes / 1e6:.1f} MB):\n" + "\n".join(rows), flush=True)
     print(f"kernels {kernels.isa()}, {args.threads} thread(s), huge pages granted: {kernels.huge_pages()}")
     if args.json is not None:
-        write_record(args.json, record(args, passes))
+        write_record(args.json, record(args, passes, nbytes))
 
 
-def record(args: argparse.Namespace, passes: dict[tuple[str, str, int], list[float]]) -> dict[str, Any]:
+def record(args: argparse.Namespace, passes: dict[tuple[str, str, int], list[float]],
+           nbytes: dict[str, int]) -> dict[str, Any]:
     rows = []
     for (fmt, m, kind), times in passes.items():
         rows.append({"format": fmt, "tokens": int(m), "memory": kind, "seconds": [round(t, 6) for t in times],
-                     "min_s": min(times), "median_s": statistics.median(times)})
+                     "min_s": min(times), "median_s": statistics.median(times),
+                     "best_gb_per_s": round(nbytes[fmt] / min(times) / 1e9, 3)})
     ratios = []
     for fmt in args.formats:
         for m in args.tokens:
@@ -122,6 +126,7 @@ def record(args: argparse.Namespace, passes: dict[tuple[str, str, int], list[flo
         "thp_enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
         if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None,
         "shape": args.shape, "layers": args.layers, "threads": args.threads, "repeats": args.repeats,
+        "weight_bytes": nbytes,
         "what": "seconds of one pass of one GEMM call per projection over the layers, the same weights in small "
                 "pages, huge pages and a file map, interleaved pass by pass; ratios of the median passes",
         "passes": rows, "speedups": ratios,

@@ -279,6 +279,9 @@ def test_the_weight_pages_benchmark_times_the_same_rows_in_three_kinds_of_memory
     assert sorted((r["format"], r["tokens"], r["memory"]) for r in result["passes"]) == sorted(
         (f, m, kind) for f in ("q4_0", "q8_0") for m in (1, 3) for kind in ("small", "huge", "file"))
     assert all(len(r["seconds"]) == 3 and r["min_s"] <= r["median_s"] for r in result["passes"])
+    assert sorted(result["weight_bytes"]) == ["q4_0", "q8_0"]
+    assert all(r["best_gb_per_s"] == round(result["weight_bytes"][r["format"]] / r["min_s"] / 1e9, 3)
+               for r in result["passes"])
     assert [(r["format"], r["tokens"]) for r in result["speedups"]] == [("q4_0", 1), ("q4_0", 3), ("q8_0", 1),
                                                                         ("q8_0", 3)]
     assert all(r["huge_over_small"] > 0 and r["file_over_small"] > 0 for r in result["speedups"])

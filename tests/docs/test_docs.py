@@ -701,3 +701,66 @@ def test_the_bfloat16_peer_table_is_the_results_files() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"**{off[0]:.2f}x (Q4_K_M), {off[1]:.2f}x (Q4_0) and {off[2]:.2f}x (Q8_0)** llama.cpp's best slot count"
             in readme)
+
+
+def test_the_zen4_tables_are_the_results_files() -> None:
+    """docs/formats.md's Zen 4 tables (the whole-row prefetch, the weights' pages, the peer comparison) and the
+    README's sentence on the peer runs quote their records: every figure of the tables' cells."""
+    import json
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    # the whole-row prefetch: per variant, the one-row median speed-up (and the two libraries' median GB/s)
+    section = formats[formats.index("**The whole row, scales included**"):formats.index("**Weights in huge pages**")]
+    variants = {"`avx512vnni`, int16": "", "`avx2`": "_avx2", "`avx512vnni`, int8": "_int8"}
+    rows = _table_rows(section, variants)
+    for label, suffix in variants.items():
+        run = load(f"kquant_rows_1b_whole_row_prefetch{suffix}_zen4")
+        assert run["commit"].startswith("1d911a0")
+        med = {(r["format"], r["tokens"]): r["median"] for r in run["speedup_over_baseline"]}
+        gbs = {(r["library"], r["format"], r["tokens"]): r["median_gb_per_s"] for r in run["passes"]}
+        for cell, fmt in zip(rows[label][:2], ("q4_1", "q8_0")):
+            assert cell.startswith(f"**{med[fmt, 1]:.2f}x** ({gbs['baseline', fmt, 1]:.1f} -> "
+                                   f"{gbs['now', fmt, 1]:.1f}"), (label, cell)
+        same = sorted({f"{med[f, 1]:.2f}" for f in ("q4_0", "q4_k", "q6_k") if (f, 1) in med})
+        assert rows[label][2].startswith(f"{same[0]}x" if len(same) == 1 else f"{same[0]}-{same[-1]}x")
+        more = [v for (f, m), v in med.items() if m > 1]
+        assert rows[label][3].startswith(f"{min(more):.2f}-{max(more):.2f}x")
+    # the weights' pages: GB/s at one row in small / huge / file memory, and the median ratios
+    section = formats[formats.index("**Weights in huge pages**"):formats.index("**Where one request's step goes on")]
+    pages = load("weight_pages_1b_zen4")
+    order = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"]
+    best = {(r["format"], r["tokens"], r["memory"]): r["best_gb_per_s"] for r in pages["passes"]}
+    ratio = {(r["format"], r["tokens"]): r["huge_over_small"] for r in pages["speedups"]}
+    rows = _table_rows(section, {"one row": 0, "huge / small (medians)": 0, "four rows, huge / small": 0})
+    assert rows["one row"] == [" / ".join(f"{best[f, 1, kind]:.1f}" for kind in ("small", "huge", "file"))
+                               for f in order]
+    assert rows["huge / small (medians)"] == [f"{ratio[f, 1]:.2f}x" for f in order]
+    assert rows["four rows, huge / small"] == [f"{ratio[f, 4]:.2f}x" for f in order]
+    assert pages["huge_pages_granted"] is True
+    # the peer comparison: tok/s, ratios and rounds, 32 requests, prefill
+    start = formats.index("**Against llama.cpp on the Zen 4 EPYC**")
+    section = formats[start:formats.index("**End to end against llama.cpp with these rows", start)]
+    names = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+    rows = _table_rows(section, names)
+    readme = " ".join((ROOT / "README.md").read_text().split()).replace("**", "")
+    for name, fmt in names.items():
+        r = load(f"peer_1b_{fmt}_zen4")
+        one, many, fill = r["one_request"], r["many"], r["prefill"]
+        cells = rows[name]
+        assert cells[0] == f"{one['asyncinfer_median_tokens_per_s']:.1f} / {one['llama_cpp_median_tokens_per_s']:.1f}"
+        rounds = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
+        assert cells[1] == f"**{one['median_ratio']:.2f}x** ({rounds})"
+        assert cells[3] == (f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f} / "
+                            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} vs "
+                            f"{many['llama_cpp_best_tokens_per_s']:.1f} ({many['llama_cpp_best_slots']} slots)")
+        assert cells[4].replace("**", "") == (f"{many['ratio_prefix_cache_on']:.2f}x / "
+                                              f"{many['ratio_prefix_cache_off']:.2f}x")
+        assert cells[5].replace("**", "") == f"{fill['median_ratio']:.2f}x"
+        clean = [x for x in one["rounds"] if max(x["probe_gb_s"]) < 40]  # the rounds whose probes read 35-38 GB/s
+        assert clean and all(35 <= p < 38 for x in clean for p in x["probe_gb_s"])
+        ours = sorted(f"{x['asyncinfer_bandwidth_use']:.0%}" for x in clean)
+        assert cells[2].replace("**", "").startswith(ours[0] if len(set(ours)) == 1 else f"{ours[0][:-1]}-{ours[-1]}")
+        assert f"{one['median_ratio']:.2f}x ({name}" in readme or f"{one['median_ratio']:.2f}x ({name}:" in readme
