@@ -764,3 +764,26 @@ def test_the_zen4_tables_are_the_results_files() -> None:
         ours = sorted(f"{x['asyncinfer_bandwidth_use']:.0%}" for x in clean)
         assert cells[2].replace("**", "").startswith(ours[0] if len(set(ours)) == 1 else f"{ours[0][:-1]}-{ours[-1]}")
         assert f"{one['median_ratio']:.2f}x ({name}" in readme or f"{one['median_ratio']:.2f}x ({name}:" in readme
+    # with int8 activations: the paragraph after the table
+    flat = " ".join(section.split())
+    k, q4, q8 = (load(f"peer_1b_{f}_int8_zen4") for f in ("q4_k_m", "q4_0", "q8_0"))
+    q4b = load("peer_1b_q4_0_int8_zen4_run2")
+    assert all(r["settings"]["activation_dtype"] == "int8" for r in (k, q4, q4b, q8))
+    one = k["one_request"]
+    rounds = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
+    uses = sorted(x["asyncinfer_bandwidth_use"] for x in one["rounds"])
+    assert (f"Q4_K_M one request {one['asyncinfer_median_tokens_per_s']:.1f} tok/s against "
+            f"{one['llama_cpp_median_tokens_per_s']:.1f} ({one['median_ratio']:.2f}x; rounds {rounds}), at "
+            f"{uses[0] * 100:.0f}-{uses[-1]:.0%} of the probe** ({one['asyncinfer_bandwidth_use']:.0%} at the "
+            "median") in flat
+    assert (f"32 requests {k['many']['ratio_prefix_cache_on']:.2f}x / **{k['many']['ratio_prefix_cache_off']:.2f}x** "
+            f"(cache on / off), a 256-token prefill {k['prefill']['median_ratio']:.2f}x") in flat
+    assert (f"Q4_0 one request {q4['one_request']['median_ratio']:.2f}x and {q4b['one_request']['median_ratio']:.2f}x "
+            f"in two runs") in flat
+    assert (f"32 requests {q4b['many']['ratio_prefix_cache_on']:.2f}x / **{q4b['many']['ratio_prefix_cache_off']:.2f}x**"
+            in flat and f"{q4['many']['asyncinfer_prefix_cache_on_tokens_per_s']:.1f} tok/s against its own cache-off "
+            f"{q4['many']['asyncinfer_prefix_cache_off_tokens_per_s']:.1f}" in flat)
+    assert (f"prefill {q4['prefill']['median_ratio']:.2f}x and {q4b['prefill']['median_ratio']:.2f}x" in flat
+            and f"32 requests {q8['many']['ratio_prefix_cache_on']:.2f}x / **{q8['many']['ratio_prefix_cache_off']:.2f}x**"
+            in flat and f"prefill {q8['prefill']['median_ratio']:.2f}x" in flat)
+    assert q8["many"]["ratio_prefix_cache_off"] >= 2 > k["many"]["ratio_prefix_cache_off"]
