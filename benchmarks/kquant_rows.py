@@ -4,10 +4,10 @@ default, any block format with ``--formats``.
 One GEMM call per projection of a decoder layer (q, k, v, o, gate, up, down, each its own matrix, random
 weights quantized by ``kernels.quantize`` and held as ``kernels.pack`` lays them out), over ``--layers``
 layers so the weights do not stay in cache, at M activation rows. Time is taken as the minimum of
-``--repeats`` passes, the formats (and, with ``--baseline``, the two libraries) interleaved pass by pass (the two taking turns going first), so a
-machine that others load still gives fair ratios. Printed per format and M: milliseconds per pass, GB/s of
-weight bytes read, and that rate relative to Q4_1's in the same run (the target: a k-quant row at least as
-fast per byte as a Q4_1 row).
+``--repeats`` passes, the formats (and, with ``--baseline``, the two libraries, taking turns going first)
+interleaved pass by pass, so a machine that others load still gives fair ratios. Printed per format and M:
+milliseconds per pass, GB/s of weight bytes read, and that rate relative to Q4_1's in the same run (the target:
+a k-quant row at least as fast per byte as a Q4_1 row).
 
 The GEMMs are called through ctypes as ``kernels.gemm`` calls them. ``--baseline LIB`` times another build of the kernels' library (say, the installed
 ``_kernels_avx2.so`` of an earlier revision, which must take the same weight layout and GEMM signature) on

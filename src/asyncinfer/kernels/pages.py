@@ -2,11 +2,12 @@
 
 A decode step reads every weight once, front to back. In 4 KiB pages that is a TLB miss every 64 cache lines,
 and the CPU's prefetchers stop at each page's end; in 2 MiB pages the same rows read 1.02-1.25x faster on the
-Zen 4 EPYC of docs/formats.md ("Weights in huge pages": the more, the slower the host's small pages read then). Linux gives an anonymous mapping huge pages when
-``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, or ``madvise`` and the mapping asks for them
-(``MADV_HUGEPAGE``), which is what :func:`weight_buffer` does. Where it cannot (another OS, huge pages ``never``,
-no ``MADV_HUGEPAGE``) a buffer is a plain tensor, and the weights the file holds in the kernels' own layout stay
-in place in its memory map (:func:`huge_pages` is False; :func:`asyncinfer.kernels.pack` is then no copy).
+Zen 4 EPYC of docs/formats.md ("Weights in huge pages": the more, the slower the host's small pages read then).
+Linux gives an anonymous mapping huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``,
+or ``madvise`` and the mapping asks for them (``MADV_HUGEPAGE``), which is what :func:`weight_buffer` does.
+Where it cannot (another OS, huge pages ``never``, no ``MADV_HUGEPAGE``; :func:`huge_pages` is False) a buffer is
+a plain tensor. The blocks a file holds in the kernels' own layout stay in place in its memory map either way
+(:func:`asyncinfer.kernels.pack` makes no copy of them).
 """
 
 from __future__ import annotations
