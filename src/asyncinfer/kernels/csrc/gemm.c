@@ -983,9 +983,7 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes;
-        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        ai_prefetch_super_block(p, bytes);
         __m256 minv;
         const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
@@ -1046,10 +1044,7 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 192, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 210);
         const __m128i s16 = _mm_loadu_si128((const __m128i *)(p + 192));
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
         const __m256 half_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))),
@@ -1092,10 +1087,7 @@ static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row
     for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 192, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 210);
         const __m512 half_sc = _mm512_mul_ps(_mm512_set1_ps(ai_half_at(p + 208)),
                                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
 #pragma GCC unroll 2
@@ -1142,9 +1134,7 @@ static inline __attribute__((always_inline)) void row512_q4_k(const uint8_t *row
     for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 144;
-        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 144);
         __m512 dsc[MR];
         ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
         const uint8_t *qs = p + 16;

@@ -170,9 +170,7 @@ static inline __attribute__((always_inline)) void row8_q45_k(const int fmt, cons
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes;
-        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        ai_prefetch_super_block(p, bytes);
         __m256 minv;
         const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR8][8];
@@ -213,10 +211,7 @@ static inline __attribute__((always_inline)) void row8_q6_k(const uint8_t *row, 
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 192, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 210);
         const int8_t *sc = (const int8_t *)(p + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
@@ -367,9 +362,7 @@ static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *r
     }
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 144;
-        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 144);
         __m512 dsc[MR8];
         ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
 #pragma GCC unroll 4
@@ -400,10 +393,7 @@ static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *r
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        _mm_prefetch((const char *)p + PREFETCH8, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PREFETCH8 + 192, _MM_HINT_T0);
+        ai_prefetch_super_block(p, 210);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
         const __m512i sc512 = _mm512_castsi256_si512(sc16);
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
