@@ -71,15 +71,17 @@ def read_bandwidth(mib: int, repeats: int) -> float:
     engine's weights are copied into): the better of the two, the most this machine reads at."""
     from asyncinfer import kernels
 
-    bufs = [torch.ones(mib * 2**20 // 4, dtype=torch.float32)]
+    kinds = [lambda: torch.ones(mib * 2**20 // 4, dtype=torch.float32)]
     if kernels.huge_pages():
-        bufs.append(kernels.weight_buffer(mib * 2**20).view(torch.float32).fill_(1.0))
+        kinds.append(lambda: kernels.weight_buffer(mib * 2**20).view(torch.float32).fill_(1.0))
     best = math.inf
-    for buf in bufs:
+    for make in kinds:  # one buffer at a time
+        buf = make()
         for _ in range(repeats + 1):  # the first pass warms the pages
             start = time.perf_counter()
             buf.sum()
             best = min(best, time.perf_counter() - start)
+        del buf  # freed before the next is made
     return mib * 2**20 / best / 1e9
 
 
