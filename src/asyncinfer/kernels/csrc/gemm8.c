@@ -2,7 +2,8 @@
  * activation rows, each block of 32 activations is rounded to int8 (x ~= dx * qx, |qx| <= 127, rounded to
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
  * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
- * a sub-block, the AVX-512 build 512 bits two sub-blocks) instead of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
+ * a sub-block, the AVX-512 build 512 bits two sub-blocks, or for Q4_0 / Q4_1 a half of each of four blocks) instead
+ * of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
  * 32 activations (llama.cpp's k-quants take one per 256). Prefills and batched decodes too: the rows (or the
  * tile below), and a row's result does not depend on the other rows of the call.
  *
@@ -27,9 +28,9 @@ static inline int has_min8(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 || ai_fm
 
 #define PREFETCH8 AI_PREFETCH_BYTES
 
-/* Activations rounded per block (in order, every variant): q [M, K] int8, d and sum [M, K / 32] float32, isum
- * [M, K / 16] int16 (the sum of each 16 of q). In the caller's scratch: ai_scratch8_bytes(M, K), never more
- * than ai_scratch_bytes(M, K). */
+/* Activations rounded per block (in order, every variant; the AVX-512 Q4_0 / Q4_1 rows then reorder q,
+ * quads8_order): q [M, K] int8, d and sum [M, K / 32] float32, isum [M, K / 16] int16 (the sum of each 16 of q).
+ * In the caller's scratch: ai_scratch8_bytes(M, K), never more than ai_scratch_bytes(M, K). */
 typedef struct {
     int8_t *q;
     float *d;
@@ -434,30 +435,85 @@ static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *r
     for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
 }
 
-/* Q4_0, Q4_1, Q8_0: sixteen blocks' scales (and Q4_0's centre terms, Q4_1's minimum terms) at a time, blocks in
- * pairs; the blocks past the last sixteen through row8_blocks. */
-static inline __attribute__((always_inline)) __m512i pair_u8(const int fmt, const uint8_t *row, int64_t nb, int64_t b) {
-    if (fmt == ASYNCINFER_FMT_Q8_0) return _mm512_loadu_si512(row + 2 * nb + 32 * b);
-    /* 32 bytes: blocks b's and b + 1's 16 bytes of nibbles (Q4_1: contiguous; Q4_0: in ggml's blocks of 18); each
-     * block's low nibbles (its elements 0-15), then its high ones (16-31) */
-    const __m256i x = fmt == ASYNCINFER_FMT_Q4_1
-                          ? _mm256_loadu_si256((const __m256i *)(row + 4 * nb + 16 * b))
-                          : _mm256_loadu2_m128i((const __m128i *)(row + 18 * (b + 1) + 2), (const __m128i *)(row + 18 * b + 2));
-    const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
-    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
-                                     _mm512_castsi256_si512(hi));
+/* Q8_0: blocks b and b + 1's 64 signed bytes (the regrouped row's quants after its scales). */
+static inline __attribute__((always_inline)) __m512i pair_q8_0(const uint8_t *row, int64_t nb, int64_t b) {
+    return _mm512_loadu_si512(row + 2 * nb + 32 * b);
 }
 
+/* Q4_0 / Q4_1: sixteen blocks b0 to b0 + 15 four at a time (quads), against activations that quads8_order put in
+ * quad order (per four blocks: elements 0-15 of each, then 16-31 of each). A quad's 64 bytes of nibbles hold block
+ * b + c's 16 bytes in 128-bit lane c (Q4_1's regrouped quants in one load, Q4_0's from its blocks of 18 in four):
+ * the low nibbles are elements 0-15 of each block, the high ones 16-31, the two registers of the quad's
+ * activations, so two vpdpbusd leave each block's integer sum in the four lanes of its 128-bit lane. The four quads'
+ * sums are added pairwise across registers (unpacks) until lane 4 c + r holds block 4 r + c's, then one convert and
+ * one fma for the sixteen blocks (their scales sc put in that order), where the pairs take a permute, a convert and
+ * an fma per two blocks. */
+static inline __attribute__((always_inline)) __m512i quad8_u8(const int fmt, const uint8_t *row, int64_t nb, int64_t b) {
+    if (fmt == ASYNCINFER_FMT_Q4_1) return _mm512_loadu_si512(row + 4 * nb + 16 * b);
+    const uint8_t *p = row + 18 * b + 2;
+    const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 18)), 1),
+                                                  _mm_loadu_si128((const __m128i *)(p + 36)), 2),
+                              _mm_loadu_si128((const __m128i *)(p + 54)), 3);
+}
+
+static inline __attribute__((always_inline)) void row8_quads16(const int fmt, const uint8_t *row, int64_t nb,
+                                                               int64_t K, const acts8 *a, int64_t m0, const int ROWS,
+                                                               int64_t b0, const __m512 *sc, __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t bytes = fmt == ASYNCINFER_FMT_Q4_0 ? 18 : 20;
+    __m512i r[MR8][4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        const int64_t b = b0 + 4 * q;
+        _mm_prefetch((const char *)row + bytes * b + PREFETCH8, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + bytes * b + PREFETCH8 + 64, _MM_HINT_T0);
+        const __m512i v = quad8_u8(fmt, row, nb, b);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++)
+            r[i][q] = ai_dpbusd512(dot512_u8(lo, load_x512(a, m0 + i, K, b)), hi, load_x512(a, m0 + i, K, b + 2));
+    }
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; i++) {
+        const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(r[i][0], r[i][1]), _mm512_unpackhi_epi32(r[i][0], r[i][1]));
+        const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(r[i][2], r[i][3]), _mm512_unpackhi_epi32(r[i][2], r[i][3]));
+        __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+        if (fmt == ASYNCINFER_FMT_Q4_0) /* the centre: -8 * (each block's sum of qx), in the integer */
+            u = _mm512_add_epi32(u, _mm512_permutexvar_epi32(order, _mm512_madd_epi16(
+                                        _mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0), _mm512_set1_epi16(-8))));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(order, sc[i]), acc[i]);
+    }
+}
+
+/* Activation rows [m0, m1) of a put in quad order, in place, over each run of sixteen whole blocks (the rows'
+ * blocks past the last such run stay in order, for row8_blocks): per four blocks, elements 0-15 of each block, then
+ * 16-31 of each. */
+static inline void quads8_order(const acts8 *a, int64_t m0, int64_t m1, int64_t K) {
+    const int64_t n16 = K / QK / 16 * 16;
+    const __m512i first = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), second = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t b = 0; b < n16; b += 4) {
+            int8_t *p = a->q + m * K + b * QK;
+            const __m512i x01 = _mm512_loadu_si512(p), x23 = _mm512_loadu_si512(p + 64);
+            _mm512_storeu_si512(p, _mm512_permutex2var_epi64(x01, first, x23));
+            _mm512_storeu_si512(p + 64, _mm512_permutex2var_epi64(x01, second, x23));
+        }
+}
+
+/* Q4_0, Q4_1, Q8_0: sixteen blocks' scales (and Q4_1's minimum terms) at a time; Q4_0 and Q4_1 then in quads
+ * (row8_quads16, against activations in quad order), Q8_0 in pairs (activations in order); the blocks past the last
+ * sixteen through row8_blocks (activations in order for every format). */
 static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt, const uint8_t *row, int64_t K,
                                                                   const acts8 *a, int64_t m0, const int ROWS,
                                                                   float *out) {
     const int64_t nb = K / QK, n16 = nb / 16 * 16;
-    const int q8 = fmt == ASYNCINFER_FMT_Q8_0, q4_0 = fmt == ASYNCINFER_FMT_Q4_0, q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
-    __m512 acc[MR8][2], centre[MR8];
+    const int q4_0 = fmt == ASYNCINFER_FMT_Q4_0, q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
+    __m512 acc[MR8][2]; /* Q8_0: two a row, pairs alternating; Q4_0 / Q4_1: the first, a run of sixteen at a time */
     __m256 off[MR8];
     for (int i = 0; i < MR8; i++) {
-        acc[i][0] = acc[i][1] = centre[i] = _mm512_setzero_ps();
+        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         off[i] = _mm256_setzero_ps();
     }
     for (int64_t b0 = 0; b0 < n16; b0 += 16) {
@@ -485,25 +541,26 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
                 for (int h = 0; h < 16; h += 8)
                     off[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * nb + 2 * (b0 + h)))),
                                              _mm256_loadu_ps(a->sum + at + h), off[i]);
-            /* Q4_0: -8 * (the block's sum of qx), a lane per block, times the block's scale (the quants' products
-             * taken unsigned), added once for the sixteen blocks */
-            if (q4_0)
-                centre[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(
-                                                _mm512_loadu_si512(a->isum + (m0 + i) * (K / 16) + 2 * b0),
-                                                _mm512_set1_epi16(-8))),
-                                            sc[i], centre[i]);
         }
+        if (q4_0 || q4_1) {
+            __m512 run[MR8];
+            for (int i = 0; i < ROWS; i++) run[i] = acc[i][0];
+            row8_quads16(fmt, row, nb, K, a, m0, ROWS, b0, sc, run);
+            for (int i = 0; i < ROWS; i++) acc[i][0] = run[i];
+            continue;
+        }
+        /* Q8_0, blocks in pairs: |q| times qx with q's sign */
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = b0 + 2 * t;
-            _mm_prefetch((const char *)row + (q4_0 ? 18 : q8 ? 34 : 20) * b + PREFETCH8, _MM_HINT_T0);
-            const __m512i w = pair_u8(fmt, row, nb, b);
-            const __m512i u = q8 ? _mm512_abs_epi8(w) : w;
-            const __mmask64 neg = q8 ? _mm512_movepi8_mask(w) : 0;
+            _mm_prefetch((const char *)row + 34 * b + PREFETCH8, _MM_HINT_T0);
+            const __m512i w = pair_q8_0(row, nb, b);
+            const __m512i u = _mm512_abs_epi8(w);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
             const __m512i idx = pair_idx(2 * t, 2 * t + 1);
             for (int i = 0; i < ROWS; i++) {
-                __m512i x = load_x512(a, m0 + i, K, b);
-                if (q8) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                const __m512i x = _mm512_mask_sub_epi8(load_x512(a, m0 + i, K, b), neg, _mm512_setzero_si512(),
+                                                       load_x512(a, m0 + i, K, b));
                 const __m512i s = ai_dpbusd512(_mm512_setzero_si512(), u, x);
                 acc[i][t & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, sc[i]), acc[i][t & 1]);
             }
@@ -512,8 +569,7 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
     float tail[MR8] = {0};
     if (n16 < nb) row8_blocks(fmt, row, K, a, m0, ROWS, tail, n16);
     for (int i = 0; i < ROWS; i++)
-        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), centre[i])) + ai_hsum256(off[i])
-                 + tail[i];
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]) + tail[i];
 }
 #endif /* AI_AVX512 */
 
@@ -549,11 +605,18 @@ static inline int64_t pass8_rows(int64_t K) {
     return rows < 4 * MR8 ? 4 * MR8 : rows;
 }
 
-/* Activation rows [m0, m1) of x rounded into a (each row by itself: the same values whatever the batch). */
-static inline void quantize_rows8(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_t K, const acts8 *a) {
+/* Activation rows [m0, m1) of x rounded into a (each row by itself: the same values whatever the batch), in the
+ * order FMT's rows read them (the AVX-512 Q4_0 / Q4_1 rows: quads8_order); fmt -1: in order (the tile's). */
+static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, const float *x, int64_t m0, int64_t m1,
+                                                                 int64_t ldx, int64_t K, const acts8 *a) {
     const int64_t nb = K / QK;
     acts8 r = {a->q + m0 * K, a->d + m0 * nb, a->sum + m0 * nb, a->isum + m0 * (K / 16)};
     quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
+#ifdef AI_AVX512
+    if (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) quads8_order(a, m0, m1, K);
+#else
+    (void)fmt;
+#endif
 }
 
 /* Every batch through the rows: each activation row's result is the same whatever the other rows are (its sums
@@ -568,7 +631,7 @@ static inline void quantize_rows8(const float *x, int64_t m0, int64_t m1, int64_
         _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")      \
         {                                                                                         \
             _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t m = 0; m < M; m += MR8) quantize_rows8(x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a); \
+            for (int64_t m = 0; m < M; m += MR8) quantize_rows8(FMT, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a); \
         }                                                                                         \
         _Pragma("omp parallel num_threads(threads) if(threads > 1)")                              \
         for (int64_t p0 = 0; p0 < M; p0 += pass) {                                                \
@@ -947,7 +1010,7 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
             _Pragma("omp for schedule(static)")
             for (int64_t m = p0; m < p1; m += 4) {
                 acts8 at = a;
-                quantize_rows8(x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
+                quantize_rows8(-1, x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
             }
             _Pragma("omp for schedule(static)")
             for (int64_t gi = 0; gi < ng; gi++) {
