@@ -309,6 +309,8 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
 #define ROW2_BLOCK(b, slot, SCALE0, SCALE1, UNPACK, QS_BYTES)                                     \
     do {                                                                                          \
         _mm_prefetch((const char *)(rows[0] + 2 * (b) * row_block) + PREFETCH, _MM_HINT_T0);      \
+        if (2 * row_block > 64) /* Q8_0's 68 bytes a block of the two rows: no line skipped */    \
+            _mm_prefetch((const char *)(rows[0] + 2 * (b) * row_block) + PREFETCH + 64, _MM_HINT_T0); \
         const int16_t *q = a->q + (b) * QK;                                                       \
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \

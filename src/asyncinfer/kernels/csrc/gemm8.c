@@ -553,7 +553,9 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = b0 + 2 * t;
+            /* a pair is 68 bytes of the row: two lines ahead, so that none is skipped */
             _mm_prefetch((const char *)row + 34 * b + PREFETCH8, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + 34 * b + PREFETCH8 + 64, _MM_HINT_T0);
             const __m512i w = pair_q8_0(row, nb, b);
             const __m512i u = _mm512_abs_epi8(w);
             const __mmask64 neg = _mm512_movepi8_mask(w);
