@@ -787,3 +787,80 @@ def test_the_zen4_tables_are_the_results_files() -> None:
             and f"32 requests {q8['many']['ratio_prefix_cache_on']:.2f}x / **{q8['many']['ratio_prefix_cache_off']:.2f}x**"
             in flat and f"prefill {q8['prefill']['median_ratio']:.2f}x" in flat)
     assert q8["many"]["ratio_prefix_cache_off"] >= 2 > k["many"]["ratio_prefix_cache_off"]
+
+
+def test_the_int8_quads_tables_are_the_results_files() -> None:
+    """docs/formats.md's "Q4_0's and Q4_1's int8 rows in quads": the rows' speed-ups (median ratios and GB/s) and
+    the two-line prefetch of Q8_0 quote their kquant_rows records, the int8 peer table its peer.py records."""
+    import json
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    start = formats.index("**Q4_0's and Q4_1's int8 rows in quads**")
+    section = formats[start:formats.index("**Speed of the scalar reference**", start)]
+    flat = " ".join(section.split())
+    run = load("kquant_rows_1b_int8_quads_zen4")
+    assert run["commit"].startswith("5e85308") and run["activation_dtype"] == "int8"
+    med = {(r["format"], r["tokens"]): r["median"] for r in run["speedup_over_baseline"]}
+    gbs = {(r["library"], r["format"], r["tokens"]): r["median_gb_per_s"] for r in run["passes"]}
+    split = section.index("End to end with `--activation-dtype int8`")
+    rows = _table_rows(section[:split], {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0 (code unchanged)": "q8_0"})
+    for name, fmt in (("Q4_0", "q4_0"), ("Q4_1", "q4_1"), ("Q8_0 (code unchanged)", "q8_0")):
+        cells = rows[name]
+        one = f"{med[fmt, 1]:.2f}x"
+        assert cells[0].replace("**", "").startswith(one), (name, cells[0])
+        if fmt != "q8_0":
+            assert cells[0].endswith(f"({gbs['baseline', fmt, 1]:.1f} -> {gbs['now', fmt, 1]:.1f})")
+        assert cells[1:] == [f"{med[fmt, m]:.2f}x" for m in (2, 4, 8)], (name, cells)
+    two = load("kquant_rows_1b_q8_0_two_lines_int8_zen4")
+    assert two["commit"].startswith("f707f7b")
+    med = {(r["format"], r["tokens"]): r["median"] for r in two["speedup_over_baseline"]}
+    gbs = {(r["library"], r["format"], r["tokens"]): r["median_gb_per_s"] for r in two["passes"]}
+    assert (f"one row {med['q8_0', 1]:.2f}x ({gbs['baseline', 'q8_0', 1]:.1f} -> {gbs['now', 'q8_0', 1]:.1f} GB/s"
+            in flat.replace("**", ""))
+    assert f"2 rows {med['q8_0', 2]:.2f}x, 4 rows {med['q8_0', 4]:.2f}x" in flat
+    avx2 = {r["format"]: r["median"] for r in load("kquant_rows_1b_q8_0_two_lines_avx2_zen4")["speedup_over_baseline"]}
+    assert f"`avx2` variant's one row {avx2['q8_0']:.2f}x" in flat
+    names = {"Q4_0": "q4_0_int8_quads", "Q4_1": "q4_1_int8_quads", "Q8_0": "q8_0_int8_two_lines"}
+    rows = _table_rows(section[split:], names)
+    for name, record in names.items():
+        r = load(f"peer_1b_{record}_zen4")
+        assert r["settings"]["activation_dtype"] == "int8"
+        one, many, fill = r["one_request"], r["many"], r["prefill"]
+        cells = rows[name]
+        assert cells[0] == f"{one['asyncinfer_median_tokens_per_s']:.1f} / {one['llama_cpp_median_tokens_per_s']:.1f}"
+        rounds = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
+        assert cells[1] == f"**{one['median_ratio']:.2f}x** ({rounds})"
+        assert cells[2] == ", ".join(f"{x['asyncinfer_bandwidth_use']:.0%} ("
+                                     + "/".join(f"{p:.1f}" for p in x["probe_gb_s"]) + ")" for x in one["rounds"])
+        assert cells[3] == (f"{many['asyncinfer_prefix_cache_on_tokens_per_s']:.1f} / "
+                            f"{many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} vs "
+                            f"{many['llama_cpp_best_tokens_per_s']:.1f} ({many['llama_cpp_best_slots']} slots)")
+        assert cells[4].replace("**", "") == (f"{many['ratio_prefix_cache_on']:.2f}x / "
+                                              f"{many['ratio_prefix_cache_off']:.2f}x")
+        assert cells[5] == f"{fill['median_ratio']:.2f}x"
+
+
+def test_the_readme_quotes_the_int8_quads_records() -> None:
+    """The README's sentence on the int8 quads: the rows' speed-ups and the peer ratios are the records'."""
+    import json
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    med = {(r["format"], r["tokens"]): r["median"] for r in load("kquant_rows_1b_int8_quads_zen4")["speedup_over_baseline"]}
+    more = [v for (f, m), v in med.items() if f in ("q4_0", "q4_1") and m > 1]
+    assert (f"{med['q4_0', 1]:.2f}x / {med['q4_1', 1]:.2f}x at one row, {min(more):.2f}x-{max(more):.2f}x at 2-8 rows"
+            in readme)
+    runs = {"Q4_0": "q4_0_int8_quads", "Q4_1": "q4_1_int8_quads", "Q8_0": "q8_0_int8_two_lines"}
+    ratios = {name: (load(f"peer_1b_{rec}_zen4")["one_request"]["median_ratio"],
+                     load(f"peer_1b_{rec}_zen4")["many"]["ratio_prefix_cache_off"]) for name, rec in runs.items()}
+    assert (f"Q4_0 decodes one request at {ratios['Q4_0'][0]:.2f}x llama.cpp and 32 requests at "
+            f"{ratios['Q4_0'][1]:.2f}x without the prefix cache") in readme
+    assert f"Q4_1 at {ratios['Q4_1'][0]:.2f}x and {ratios['Q4_1'][1]:.2f}x" in readme
+    assert f"Q8_0 at {ratios['Q8_0'][0]:.2f}x and {ratios['Q8_0'][1]:.2f}x" in readme
+    before = load("peer_1b_q4_0_int8_zen4_run2")["many"]["ratio_prefix_cache_off"]
+    assert f"({before:.2f}x before)" in readme
