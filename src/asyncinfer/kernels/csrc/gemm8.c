@@ -561,8 +561,8 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
             const __mmask64 neg = _mm512_movepi8_mask(w);
             const __m512i idx = pair_idx(2 * t, 2 * t + 1);
             for (int i = 0; i < ROWS; i++) {
-                const __m512i x = _mm512_mask_sub_epi8(load_x512(a, m0 + i, K, b), neg, _mm512_setzero_si512(),
-                                                       load_x512(a, m0 + i, K, b));
+                const __m512i x0 = load_x512(a, m0 + i, K, b);
+                const __m512i x = _mm512_mask_sub_epi8(x0, neg, _mm512_setzero_si512(), x0);
                 const __m512i s = ai_dpbusd512(_mm512_setzero_si512(), u, x);
                 acc[i][t & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, sc[i]), acc[i][t & 1]);
             }
