@@ -269,6 +269,24 @@ def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library(tmp_path) -> N
     assert refused.returncode == 2 and "--activation-dtype: invalid choice: 'int4'" in refused.stderr
 
 
+def test_the_row_ceiling_benchmark_times_the_rows_in_cache_beside_a_baseline(tmp_path) -> None:
+    from asyncinfer import kernels
+
+    out = tmp_path / "ceiling.json"
+    done = run_script("row_ceiling.py", "--formats", "q4_0", "q8_0", "--tokens", "1", "3", "--rows", "16",
+                      "--width", "512", "--calls", "5", "--repeats", "2", "--activation-dtype", "int8",
+                      "--baseline", kernels.build_info()["path"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "int8 activations" in done.stdout and "after / before" in done.stdout
+    result = json.loads(out.read_text())
+    assert [(r["format"], r["tokens"]) for r in result["rows"]] == [("q4_0", 1), ("q4_0", 3), ("q8_0", 1), ("q8_0", 3)]
+    assert all(r["now_gb_per_s"] > 0 and r["baseline_gb_per_s"] > 0 and r["speedup"] > 0 for r in result["rows"])
+    assert result["rows"][0]["weight_bytes"] == 16 * 512 // 32 * 18  # Q4_0: 18 bytes a block of 32
+    assert len(result["commit"]) == 40 and result["matrix"] == [16, 512] and result["activation_dtype"] == "int8"
+    refused = run_script("row_ceiling.py", "--width", "300")
+    assert refused.returncode == 2 and "--width must be a positive multiple of 256" in refused.stderr
+
+
 def test_the_weight_pages_benchmark_times_the_same_rows_in_three_kinds_of_memory(tmp_path) -> None:
     out = tmp_path / "pages.json"
     done = run_script("weight_pages.py", "--shape", "tiny", "--layers", "1", "--repeats", "3", "--tokens", "1", "3",
