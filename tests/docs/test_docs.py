@@ -799,7 +799,7 @@ def test_the_int8_quads_tables_are_the_results_files() -> None:
 
     formats = (ROOT / "docs" / "formats.md").read_text()
     start = formats.index("**Q4_0's and Q4_1's int8 rows in quads**")
-    section = formats[start:formats.index("**Speed of the scalar reference**", start)]
+    section = formats[start:formats.index("**What bounds the 4-bit rows on this core**", start)]
     flat = " ".join(section.split())
     run = load("kquant_rows_1b_int8_quads_zen4")
     assert run["commit"].startswith("5e85308") and run["activation_dtype"] == "int8"
@@ -864,3 +864,29 @@ def test_the_readme_quotes_the_int8_quads_records() -> None:
     assert f"Q8_0 at {ratios['Q8_0'][0]:.2f}x and {ratios['Q8_0'][1]:.2f}x" in readme
     before = load("peer_1b_q4_0_int8_zen4_run2")["many"]["ratio_prefix_cache_off"]
     assert f"({before:.2f}x before)" in readme
+
+
+def test_the_row_ceiling_table_is_its_results_files() -> None:
+    """docs/formats.md's "What bounds the 4-bit rows on this core": each cell is its row_ceiling record's rate, and
+    the int16 quads trial's ratios are the trial record's."""
+    import json
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = (ROOT / "docs" / "formats.md").read_text()
+    start = formats.index("**What bounds the 4-bit rows on this core**")
+    section = formats[start:formats.index("**Speed of the scalar reference**", start)]
+    int8, int16 = load("row_ceiling_int8_zen4"), load("row_ceiling_int16_quads_trial_zen4")
+    assert int8["activation_dtype"] == "int8" and int16["activation_dtype"] == "int16"
+    assert int8["commit"][:7] == int16["commit"][:7] and f"at {int8['commit'][:7]}:" in section
+    by8 = {(r["format"], r["tokens"]): r for r in int8["rows"]}
+    by16 = {(r["format"], r["tokens"]): r for r in int16["rows"]}
+    names = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+    rows = _table_rows(section, names)
+    for name, fmt in names.items():
+        assert rows[name] == [f"{by16[fmt, 1]['now_gb_per_s']:.1f}", f"{by16[fmt, 4]['now_gb_per_s']:.1f}"] + [
+            f"{by8[fmt, m]['now_gb_per_s']:.1f} ({by8[fmt, m]['baseline_gb_per_s']:.1f})" for m in (1, 4)], name
+    flat = " ".join(section.split())
+    assert (f"{by16['q4_0', 1]['speedup']:.2f}x and {by16['q4_1', 1]['speedup']:.2f}x at one row in Q4_0 and Q4_1, "
+            f"{by16['q4_0', 4]['speedup']:.2f}x and {by16['q4_1', 4]['speedup']:.2f}x at four") in flat
