@@ -888,5 +888,10 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
         assert rows[name] == [f"{by16[fmt, 1]['now_gb_per_s']:.1f}", f"{by16[fmt, 4]['now_gb_per_s']:.1f}"] + [
             f"{by8[fmt, m]['now_gb_per_s']:.1f} ({by8[fmt, m]['baseline_gb_per_s']:.1f})" for m in (1, 4)], name
     flat = " ".join(section.split())
-    assert (f"{by16['q4_0', 1]['speedup']:.2f}x and {by16['q4_1', 1]['speedup']:.2f}x at one row in Q4_0 and Q4_1, "
-            f"{by16['q4_0', 4]['speedup']:.2f}x and {by16['q4_1', 4]['speedup']:.2f}x at four") in flat
+    assert (f"the trial's time over the pairs': {by16['q4_0', 1]['speedup']:.2f}x and {by16['q4_1', 1]['speedup']:.2f}x "
+            f"at one row in Q4_0 and Q4_1, {by16['q4_0', 4]['speedup']:.2f}x and {by16['q4_1', 4]['speedup']:.2f}x "
+            "at four") in flat
+    quads = " ".join(formats[formats.index("**Q4_0's and Q4_1's int8 rows in quads**"):start].split())
+    assert (f"One core with the weights in cache reads {by8['q4_0', 1]['baseline_gb_per_s']:.1f} -> "
+            f"{by8['q4_0', 1]['now_gb_per_s']:.1f} GB/s in Q4_0 and {by8['q4_1', 1]['baseline_gb_per_s']:.1f} -> "
+            f"{by8['q4_1', 1]['now_gb_per_s']:.1f} in Q4_1 at one row") in quads
