@@ -308,9 +308,7 @@ ROW_KERNEL(row_q8_0, unpack_q8_0, 32, 0)
  * order), so results do not depend on which kernel ran. */
 #define ROW2_BLOCK(b, slot, SCALE0, SCALE1, UNPACK, QS_BYTES)                                     \
     do {                                                                                          \
-        _mm_prefetch((const char *)(rows[0] + 2 * (b) * row_block) + PREFETCH, _MM_HINT_T0);      \
-        if (2 * row_block > 64) /* Q8_0's 68 bytes a block of the two rows: no line skipped */    \
-            _mm_prefetch((const char *)(rows[0] + 2 * (b) * row_block) + PREFETCH + 64, _MM_HINT_T0); \
+        ai_prefetch_lines(rows[0] + 2 * (b) * row_block, 2 * row_block); /* Q8_0: 68 bytes, two lines */ \
         const int16_t *q = a->q + (b) * QK;                                                       \
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)q);                                \
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 16));                         \
@@ -985,7 +983,7 @@ static inline __attribute__((always_inline)) void row_q45_k(const int fmt, const
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes;
-        ai_prefetch_super_block(p, bytes);
+        ai_prefetch_lines(p, bytes);
         __m256 minv;
         const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR][8]; /* dx * scale of each sub-block, per activation row */
@@ -1046,7 +1044,7 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        ai_prefetch_super_block(p, 210);
+        ai_prefetch_lines(p, 210);
         const __m128i s16 = _mm_loadu_si128((const __m128i *)(p + 192));
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
         const __m256 half_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))),
@@ -1089,7 +1087,7 @@ static inline __attribute__((always_inline)) void row512_q6_k(const uint8_t *row
     for (int i = 0; i < 2 * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        ai_prefetch_super_block(p, 210);
+        ai_prefetch_lines(p, 210);
         const __m512 half_sc = _mm512_mul_ps(_mm512_set1_ps(ai_half_at(p + 208)),
                                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
 #pragma GCC unroll 2
@@ -1136,7 +1134,7 @@ static inline __attribute__((always_inline)) void row512_q4_k(const uint8_t *row
     for (int i = 0; i < MR; i++) off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 144;
-        ai_prefetch_super_block(p, 144);
+        ai_prefetch_lines(p, 144);
         __m512 dsc[MR];
         ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
         const uint8_t *qs = p + 16;

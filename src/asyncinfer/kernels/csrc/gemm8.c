@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void row8_q45_k(const int fmt, cons
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes;
-        ai_prefetch_super_block(p, bytes);
+        ai_prefetch_lines(p, bytes);
         __m256 minv;
         const __m256 scv = ai_k_scale_vectors(p, &minv);
         float dsc[MR8][8];
@@ -212,7 +212,7 @@ static inline __attribute__((always_inline)) void row8_q6_k(const uint8_t *row, 
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        ai_prefetch_super_block(p, 210);
+        ai_prefetch_lines(p, 210);
         const int8_t *sc = (const int8_t *)(p + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
@@ -363,7 +363,7 @@ static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *r
     }
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 144;
-        ai_prefetch_super_block(p, 144);
+        ai_prefetch_lines(p, 144);
         __m512 dsc[MR8];
         ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
 #pragma GCC unroll 4
@@ -394,7 +394,7 @@ static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *r
     for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        ai_prefetch_super_block(p, 210);
+        ai_prefetch_lines(p, 210);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
         const __m512i sc512 = _mm512_castsi256_si512(sc16);
         const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
@@ -466,8 +466,7 @@ static inline __attribute__((always_inline)) void row8_quads16(const int fmt, co
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
         const int64_t b = b0 + 4 * q;
-        _mm_prefetch((const char *)row + bytes * b + PREFETCH8, _MM_HINT_T0);
-        _mm_prefetch((const char *)row + bytes * b + PREFETCH8 + 64, _MM_HINT_T0);
+        ai_prefetch_lines(row + bytes * b, 4 * bytes);
         const __m512i v = quad8_u8(fmt, row, nb, b);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 4
@@ -553,9 +552,7 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = b0 + 2 * t;
-            /* a pair is 68 bytes of the row: two lines ahead, so that none is skipped */
-            _mm_prefetch((const char *)row + 34 * b + PREFETCH8, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + 34 * b + PREFETCH8 + 64, _MM_HINT_T0);
+            ai_prefetch_lines(row + 34 * b, 68); /* a pair: 68 bytes of the row, two lines */
             const __m512i w = pair_q8_0(row, nb, b);
             const __m512i u = _mm512_abs_epi8(w);
             const __mmask64 neg = _mm512_movepi8_mask(w);

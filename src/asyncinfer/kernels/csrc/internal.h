@@ -125,9 +125,10 @@ static inline int ai_thread_num(void) { return 0; }
 #define AI_PREFETCH_BYTES 8192
 #endif
 #ifdef AI_AVX2
-/* The prefetch of a k-quant super-block of `bytes` bytes at p (144 Q4_K, 176 Q5_K, 210 Q6_K): each of its 64-byte
- * lines, AI_PREFETCH_BYTES ahead. `bytes` is a constant at every call, so the loop unrolls. */
-static inline __attribute__((always_inline)) void ai_prefetch_super_block(const uint8_t *p, const int bytes) {
+/* The prefetch of the `bytes` bytes a step reads at p (a k-quant super-block: 144 Q4_K, 176 Q5_K, 210 Q6_K; a run
+ * of blocks of the 32-weight formats): each of its 64-byte lines, AI_PREFETCH_BYTES ahead, so that a step of more
+ * than 64 bytes skips none. `bytes` is a constant at every call, so the loop unrolls. */
+static inline __attribute__((always_inline)) void ai_prefetch_lines(const uint8_t *p, const int bytes) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + AI_PREFETCH_BYTES + line, _MM_HINT_T0);
 }
 #endif
