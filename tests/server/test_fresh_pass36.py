@@ -62,7 +62,10 @@ def test_a_head_ended_by_bare_lfs_is_not_counted_into_its_body(live, end) -> Non
     if live.parser == "h11":  # reads a bare LF as a line's end: the request is served
         assert answer.startswith(b"HTTP/1.1 200") and b"read %d bytes" % len(BODY) in answer, answer[:300]
     else:  # httptools refuses bare LFs (where its parser finds them): its 400, in OpenAI's shape
-        assert answer.startswith((b"HTTP/1.1 200", b"HTTP/1.1 400")) and b"431" not in answer, answer[:300]
+        # "431" nowhere but in the random request id (a hex id holds it now and then)
+        found = re.search(rb"(?i)x-request-id: (\S+)", answer)
+        without_id = answer.replace(found.group(1), b"") if found else answer
+        assert answer.startswith((b"HTTP/1.1 200", b"HTTP/1.1 400")) and b"431" not in without_id, answer[:300]
         assert b'"code":"invalid_http_request"' in answer and re.search(rb"(?i)x-request-id: \S+", answer)
 
 
