@@ -138,6 +138,20 @@ def test_a_cache_below_a_symbolic_link_another_user_owns_is_refused(cache, tmp_p
     assert proc.stdout.startswith("True"), proc.stdout + proc.stderr[-2000:]
 
 
+def test_a_corrupt_cached_build_is_rebuilt(cache, tmp_path) -> None:
+    """The run-time build's cache holds one build per variant, source, compiler and OpenMP runtime, with the
+    digest its build wrote; a truncated file there is rebuilt, never loaded."""
+    root = copy_of(cache, tmp_path)
+    builds = sorted(root.glob("kernels-*.so"))
+    assert builds, "no run-time build in the cache"
+    for build in builds:
+        build.write_bytes(build.read_bytes()[:4096])  # truncated: dlopen would die of SIGBUS on it
+    proc = run("from asyncinfer import kernels; print(kernels.available(), kernels.unavailable_reason(), "
+               "kernels.build_info()['source'])", root)
+    assert proc.stdout.split() == ["True", "None", "cache"], proc.stderr[-2000:]
+    assert all(build.stat().st_size > 10_000 for build in builds)
+
+
 def test_a_stale_build_is_rebuilt_and_loaded_under_a_new_name(cache, tmp_path) -> None:
     """A cached library of another ABI version (its digest intact) is loaded, refused, rebuilt, and the
     rebuild loaded from a new file: dlopen of the old path would return the stale library again."""

@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from asyncinfer.kernels._variants import (
@@ -235,11 +236,13 @@ def _build(compiler: str, isa: str, fresh: bool = False) -> Path:
 def _compile_and_link(compiler: str, isa: str, sources: list[Path], tmp: Path, out: Path, openmp: str | None,
                       with_openmp: bool, extra: tuple[str, ...] = ()) -> None:
     """Compile ``sources`` with ``isa``'s flags (and ``extra``: the tests' emulated AVX-512 build) into ``out``."""
-    objects = []
-    for src in sources:
-        obj = tmp / (src.stem + ".o")
-        _run([compiler, *_flags(isa, with_openmp, extra), "-I", str(_CSRC), "-c", str(src), "-o", str(obj)], compiler)
-        objects.append(str(obj))
+    objects = [str(tmp / (src.stem + ".o")) for src in sources]
+    commands = [[compiler, *_flags(isa, with_openmp, extra), "-I", str(_CSRC), "-c", str(src), "-o", obj]
+                for src, obj in sorted(zip(sources, objects), key=lambda pair: -pair[0].stat().st_size)]
+    # One compiler process a core, the largest sources first (they take most of the time); a failure is raised.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(_run, cmd, compiler) for cmd in commands]:
+            done.result()
     if openmp:  # link to torch's runtime by its path (and soname), not to another copy
         _run([compiler, "-shared", *objects, openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm", "-o", str(out)],
              compiler)
