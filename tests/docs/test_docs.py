@@ -891,6 +891,12 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
     assert (f"the trial's time over the pairs': {by16['q4_0', 1]['speedup']:.2f}x and {by16['q4_1', 1]['speedup']:.2f}x "
             f"at one row in Q4_0 and Q4_1, {by16['q4_0', 4]['speedup']:.2f}x and {by16['q4_1', 4]['speedup']:.2f}x "
             "at four") in flat
+    for name, fmts in (("perm", ("q4_0", "q4_1")), ("gather", ("q4_0",))):  # the two Q4_0 trials' ratios
+        trial = load(f"row_ceiling_q4_0_{name}_trial_zen4")
+        by = {(r["format"], r["tokens"]): r for r in trial["rows"]}
+        assert f"(at {trial['commit'][:7]}," in flat and f"`row_ceiling_q4_0_{name}_trial_zen4.json`" in flat
+        for fmt in fmts:
+            assert ", ".join(f"{by[fmt, m]['speedup']:.2f}x" for m in (1, 2, 4)) in flat, (name, fmt)
     quads = " ".join(formats[formats.index("**Q4_0's and Q4_1's int8 rows in quads**"):start].split())
     assert (f"One core with the weights in cache reads {by8['q4_0', 1]['baseline_gb_per_s']:.1f} -> "
             f"{by8['q4_0', 1]['now_gb_per_s']:.1f} GB/s in Q4_0 and {by8['q4_1', 1]['baseline_gb_per_s']:.1f} -> "
