@@ -897,6 +897,15 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
         assert f"(at {trial['commit'][:7]}," in flat and f"`row_ceiling_q4_0_{name}_trial_zen4.json`" in flat
         for fmt in fmts:
             assert ", ".join(f"{by[fmt, m]['speedup']:.2f}x" for m in (1, 2, 4)) in flat, (name, fmt)
+    tile = load("activation_dtype_tile_zen4")  # the tile and the int8 rows at 32 rows, on this Zen 4
+    at32 = {r["format"]: r for r in tile["rows"] if r["tokens"] == 32}
+    over_rows = [r["int8_tile_over_int8"] for r in at32.values()]
+    rows_over_int16 = [r["int8_over_int16"] for r in at32.values()]
+    assert (f"{min(over_rows):.2f}x to {max(over_rows):.2f}x on this Zen 4, where the int8 rows at 32 rows run at "
+            f"{min(rows_over_int16):.2f}x to {max(rows_over_int16):.2f}x the int16 default's speed") in flat
+    behind = [f.upper() for f in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k") if at32[f]["int8_over_int16"] < 0.95]
+    assert f"**behind** int16's in {', '.join(behind[:-1])} and {behind[-1]}" in flat, behind
+    assert f"at {tile['commit'][:7]}, `activation_dtype_tile_zen4.json`" in flat
     quads = " ".join(formats[formats.index("**Q4_0's and Q4_1's int8 rows in quads**"):start].split())
     assert (f"One core with the weights in cache reads {by8['q4_0', 1]['baseline_gb_per_s']:.1f} -> "
             f"{by8['q4_0', 1]['now_gb_per_s']:.1f} GB/s in Q4_0 and {by8['q4_1', 1]['baseline_gb_per_s']:.1f} -> "
