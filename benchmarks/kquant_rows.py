@@ -76,17 +76,25 @@ class Weights:
         self.nbytes = sum(p.numel() for p, _, _ in self.mats)
 
 
-def library_pass(lib: ctypes.CDLL, threads: int, activation_dtype: str = "int16"
-                 ) -> Callable[[Weights, dict[int, torch.Tensor]], None]:
-    """A pass through a library's GEMM entries, called as ``kernels.gemm`` calls them (without its checks,
-    whose cost would blur the smallest shapes): ``asyncinfer_gemm_<format>`` for int16 activations, and
-    ``asyncinfer_gemm`` with the format's code and ``activation_dtype``'s flag for the others."""
+def typed_library(path: str | Path) -> ctypes.CDLL:
+    """A kernels library (the loaded one's path, or another build's) with its GEMM entries and
+    ``asyncinfer_scratch_bytes`` typed for ctypes."""
+    lib = ctypes.CDLL(str(path))
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.asyncinfer_scratch_bytes.argtypes, lib.asyncinfer_scratch_bytes.restype = [I64, I64], I64
     for fmt in CHOICES:
         fn = getattr(lib, f"asyncinfer_gemm_{fmt}")
         fn.argtypes, fn.restype = [P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
     lib.asyncinfer_gemm.argtypes, lib.asyncinfer_gemm.restype = [INT, P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
+    return lib
+
+
+def library_pass(lib: ctypes.CDLL, threads: int, activation_dtype: str = "int16"
+                 ) -> Callable[[Weights, dict[int, torch.Tensor]], None]:
+    """A pass through a library's GEMM entries (``lib``: :func:`typed_library`'s), called as ``kernels.gemm``
+    calls them (without its checks, whose cost would blur the smallest shapes): ``asyncinfer_gemm_<format>`` for
+    int16 activations, and ``asyncinfer_gemm`` with the format's code and ``activation_dtype``'s flag for the
+    others."""
     flag = activation_dtype_flag(activation_dtype)
     scratch: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -131,10 +139,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     fmts = list(dict.fromkeys(["q4_1", *args.formats]))  # Q4_1: the per-byte yardstick
     weights = {fmt: Weights(fmt, args.shape, args.layers, seed=1) for fmt in fmts}
-    now = ctypes.CDLL(kernels.build_info()["path"])  # the library the package loaded
+    now = typed_library(kernels.build_info()["path"])  # the library the package loaded
     runners = {"now": library_pass(now, args.threads, args.activation_dtype)}
     if args.baseline is not None:
-        runners["baseline"] = library_pass(ctypes.CDLL(str(args.baseline)), args.threads, args.activation_dtype)
+        runners["baseline"] = library_pass(typed_library(args.baseline), args.threads, args.activation_dtype)
     widths = sorted({k for _, k in layer_matrices(args.shape)})
     best: dict[tuple[str, str, int], float] = {}
     passes: dict[tuple[str, str, int], list[float]] = {}

@@ -16,7 +16,6 @@ is bound by its own instructions (``kquant_rows`` times the same kernels on weig
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import sys
 import time
@@ -28,18 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import git_commit, machine_info, write_record
+from kquant_rows import typed_library
 
 from asyncinfer import kernels
 from asyncinfer.kernels.formats import ACTIVATION_DTYPES, LAYOUTS, activation_dtype_flag
-
-
-def entry(path: str) -> Any:
-    """A kernels library's ``asyncinfer_gemm`` and ``asyncinfer_scratch_bytes``, typed for ctypes."""
-    lib = ctypes.CDLL(path)
-    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.asyncinfer_gemm.argtypes, lib.asyncinfer_gemm.restype = [INT, P, I64, I64, I64, P, I64, P, P, I64, INT, P], INT
-    lib.asyncinfer_scratch_bytes.argtypes, lib.asyncinfer_scratch_bytes.restype = [I64, I64], I64
-    return lib
 
 
 def main() -> None:
@@ -60,9 +51,9 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit(f"the kernels cannot run here: {kernels.unavailable_reason()}")
     torch.set_num_threads(1)
-    libs = {"now": entry(kernels.build_info()["path"])}
+    libs = {"now": typed_library(kernels.build_info()["path"])}
     if args.baseline is not None:
-        libs["baseline"] = entry(str(args.baseline))
+        libs["baseline"] = typed_library(args.baseline)
     flag = activation_dtype_flag(args.activation_dtype)
     gen = torch.Generator().manual_seed(0)
     weights = {f: kernels.pack(kernels.quantize(torch.randn(args.rows, args.width, generator=gen) * 0.02, f), f)

@@ -15,7 +15,6 @@ each kind and the huge / small and file / small ratios of the medians.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import mmap
 import os
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import git_commit, machine_info, write_record
-from kquant_rows import CHOICES, SHAPES, Weights, layer_matrices, library_pass
+from kquant_rows import CHOICES, SHAPES, Weights, layer_matrices, library_pass, typed_library
 
 from asyncinfer import kernels
 
@@ -68,7 +67,7 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit(f"asyncinfer's kernels are unavailable: {kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
-    run = library_pass(ctypes.CDLL(kernels.build_info()["path"]), args.threads)
+    run = library_pass(typed_library(kernels.build_info()["path"]), args.threads)
     widths = sorted({k for _, k in layer_matrices(args.shape)})
     passes: dict[tuple[str, str, int], list[float]] = {}
     nbytes: dict[str, int] = {}

@@ -66,7 +66,7 @@ def test_a_head_ended_by_bare_lfs_is_not_counted_into_its_body(live, end) -> Non
         found = re.search(rb"(?i)x-request-id: (\S+)", answer)
         without_id = answer.replace(found.group(1), b"") if found else answer
         assert answer.startswith((b"HTTP/1.1 200", b"HTTP/1.1 400")) and b"431" not in without_id, answer[:300]
-        assert b'"code":"invalid_http_request"' in answer and re.search(rb"(?i)x-request-id: \S+", answer)
+        assert b'"code":"invalid_http_request"' in answer and found
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["lf", "crlf"])
