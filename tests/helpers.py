@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -773,3 +773,24 @@ def interrupt(proc: subprocess.Popen) -> str:
         proc.kill()
         raise
     return output
+
+
+@contextlib.contextmanager
+def sigint_not_ignored() -> Iterator[None]:
+    """Children started in the block get SIGINT's default disposition, unblocked (exec resets a handler, but keeps
+    SIG_IGN and the signal mask), whatever this process had: Python's handler meanwhile where it was ignored. A
+    suite started where SIGINT is ignored (``nohup``, ``cmd &`` in a shell without job control) otherwise hands its
+    children an ignored SIGINT, and the Ctrl-C a test sends one is lost."""
+    before = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        if before is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, before)

@@ -4,20 +4,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import asyncinfer
 from asyncinfer import AsyncEngine, SamplingParams, cli
+from tests.helpers import sigint_not_ignored
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["chat", "generate", "bench", "info", "plan", "embed", "lab", "serve"]
@@ -396,25 +395,6 @@ def console_script(tmp_path: Path) -> Path:
     return script
 
 
-@contextlib.contextmanager
-def _sigint_not_ignored() -> Iterator[None]:
-    """Children started in the block get SIGINT's default disposition, unblocked (exec resets a handler, but keeps
-    SIG_IGN and the signal mask), whatever this process had: Python's handler meanwhile where it was ignored."""
-    before = signal.getsignal(signal.SIGINT)
-    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if before is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if blocked:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    try:
-        yield
-    finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-        if before is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, before)
-
-
 @pytest.mark.parametrize("how", ["python -m", "console script"])
 def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
     """SIGINT during the imports (torch's: seconds), the parser's construction or the job (it waits
@@ -429,7 +409,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_status_130(how, tmp_path) -> None:
         try:
             # SIGINT's disposition as a terminal gives it (default): a test run's worker may have it ignored, and a
             # child then inherits SIG_IGN, which Python (and this command) keeps, as POSIX has a background job do
-            with _sigint_not_ignored():
+            with sigint_not_ignored():
                 proc = subprocess.Popen([sys.executable, *start, "generate", "--file", "-"], stdin=read,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
             time.sleep(delay)

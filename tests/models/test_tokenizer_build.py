@@ -26,6 +26,7 @@ from asyncinfer.models.checkpoint import load_hf_tokenizer
 from asyncinfer.models.loader import gguf_tokenizer
 from asyncinfer.models.tokenizer import CachedTokenizer
 from asyncinfer.models.tokenizer_build import BuildBounds, build_bounds, check_build
+from tests.helpers import sigint_not_ignored
 from tests.models.test_tokenizer import write_tokenizer_gguf
 
 
@@ -196,8 +197,9 @@ def test_a_serving_process_that_ends_mid_build_takes_its_helper_and_build_with_i
     removed)."""
     slow = word_level(tmp_path / "slow", 10, added=600_000)
     root = Path(__file__).resolve().parents[2]
-    serving = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(slow)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])})
+    with sigint_not_ignored():  # (a suite run under nohup hands its children SIGINT ignored: the Ctrl-C was lost)
+        serving = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(slow)], stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])})
     assert serving.stdout is not None
     (helper,) = json.loads(serving.stdout.readline())
     deadline = time.monotonic() + 60
@@ -205,7 +207,7 @@ def test_a_serving_process_that_ends_mid_build_takes_its_helper_and_build_with_i
         assert time.monotonic() < deadline and serving.poll() is None
         time.sleep(0.1)
     serving.send_signal(how)
-    serving.wait(30)
+    assert serving.wait(30) == -how  # ended by the signal, not by the build's end
     deadline = time.monotonic() + 15
     while _group(helper):
         assert time.monotonic() < deadline, f"left running: {_group(helper)}"
