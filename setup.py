@@ -6,7 +6,8 @@ OpenMP: compiled with ``-fopenmp`` where the compiler takes it, but linked to no
 symbols resolve, when the library is loaded, against the runtime torch has already loaded for the process
 (one runtime, one thread pool; torch may be absent while building). ``optional=True``: an install without
 a C compiler (or one that cannot build a variant) still succeeds, and the kernels are built on first use
-instead (or are unavailable, saying why).
+instead (or are unavailable, saying why). A variant's sources compile in parallel, one compiler a core, largest
+first (each library links once its objects are built; the variants, which share object paths, one after another).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import runpy
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -35,6 +37,7 @@ class BuildKernels(build_ext):
             isa = ext.name.rsplit("_", 1)[-1]
             ext.extra_compile_args = ["-g0", *variants["BASE_FLAGS"], *variants["ISA_FLAGS"][isa],
                                       *(["-fopenmp"] if openmp else [])]
+        self.compiler.compile = _one_source_a_core(self.compiler.compile)
         super().build_extensions()
 
     def run(self) -> None:
@@ -60,6 +63,22 @@ class BuildKernels(build_ext):
             except Exception:  # noqa: BLE001 - any failure means: build without OpenMP
                 return False
         return True
+
+
+def _one_source_a_core(compile_sources):
+    """``compile_sources`` (a compiler's ``compile``) called once per source, up to a core's worth at once, largest
+    first: the object files in the sources' order, as one call returns them (its first failure raised)."""
+
+    def compile_in_parallel(sources, *args, **kwargs):
+        sources = list(sources)
+        if len(sources) < 2:
+            return compile_sources(sources, *args, **kwargs)
+        order = sorted(range(len(sources)), key=lambda i: -Path(sources[i]).stat().st_size)
+        with ThreadPoolExecutor(max_workers=min(len(sources), os.cpu_count() or 1)) as pool:
+            done = {i: pool.submit(compile_sources, [sources[i]], *args, **kwargs) for i in order}
+            return [obj for i in range(len(sources)) for obj in done[i].result()]
+
+    return compile_in_parallel
 
 
 setup(
