@@ -287,6 +287,30 @@ def test_the_row_ceiling_benchmark_times_the_rows_in_cache_beside_a_baseline(tmp
     assert refused.returncode == 2 and "--width must be a positive multiple of 256" in refused.stderr
 
 
+def test_the_interleaved_trial_benchmark_checks_the_layout_and_times_it_beside_the_rows_and_tile(tmp_path) -> None:
+    """The trial is compiled here, its integers are the int8 rows' (its results within float rounding of theirs),
+    and each of its rows is the same to the last bit alone and in the batch (the script refuses otherwise)."""
+    from asyncinfer import kernels
+
+    out = tmp_path / "trial.json"
+    done = run_script("interleaved_trial.py", "--shape", "tiny", "--layers", "1", "--repeats", "2", "--tokens", "1",
+                      "5", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted((r["kernel"], r["tokens"]) for r in result["passes"]) == sorted(
+        (k, m) for k in ("rows", "tile", "trial") for m in (1, 5))
+    assert all(len(r["seconds"]) == 2 and r["median_gb_per_s"] > 0 for r in result["passes"])
+    assert [c["tokens"] for c in result["checks"]] == [1, 5]
+    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [[0], [0, 4]]
+    assert all(0 <= c["largest_difference_over_largest_value_vs_rows"] < 1e-5 for c in result["checks"])
+    assert [r["tokens"] for r in result["ratios"]] == [1, 5] and len(result["commit"]) == 40
+    isa = kernels.isa()
+    assert result["trial_built_as"] == (isa if isa.startswith("avx512") else "scalar")
+    assert result["speed_comparison"] == isa.startswith("avx512")
+    refused = run_script("interleaved_trial.py", "--repeats", "0")
+    assert refused.returncode == 2 and "must be at least 1" in refused.stderr
+
+
 def test_the_weight_pages_benchmark_times_the_same_rows_in_three_kinds_of_memory(tmp_path) -> None:
     out = tmp_path / "pages.json"
     done = run_script("weight_pages.py", "--shape", "tiny", "--layers", "1", "--repeats", "3", "--tokens", "1", "3",
