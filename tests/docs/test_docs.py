@@ -906,6 +906,20 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
     behind = [f.upper() for f in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k") if at32[f]["int8_over_int16"] < 0.95]
     assert f"**behind** int16's in {', '.join(behind[:-1])} and {behind[-1]}" in flat, behind
     assert f"at {tile['commit'][:7]}, `activation_dtype_tile_zen4.json`" in flat
+    for threads, name in ((1, "one thread"), (2, "two")):  # the interleaved trial's ratios, from its records
+        trial = load(f"interleaved_q4_0_trial_{threads}t_zen4")
+        assert trial["threads"] == threads and trial["speed_comparison"] and f"at {trial['commit'][:7]}, T = 1 and 2" in flat
+        ratios = {r["tokens"]: r for r in trial["ratios"]}
+        assert [c["tokens"] for c in trial["checks"]] == [1, 2, 4, 8, 16, 32] == sorted(ratios)
+        rows = ", ".join(f"{ratios[m]['rows_over_trial_median']:.2f}x" for m in sorted(ratios))
+        assert f"**{rows}** on {name}" in flat, (threads, rows)
+        tile = f"{ratios[16]['tile_over_trial_median']:.2f}x and {ratios[32]['tile_over_trial_median']:.2f}x ({name}"
+        assert tile in flat, tile
+        worst = max(c["largest_difference_over_largest_value_vs_rows"] for c in trial["checks"])
+        assert worst <= float(flat.split("(the results within ")[1].split()[0]), worst
+    two = {(p["kernel"], p["tokens"]): p for p in load("interleaved_q4_0_trial_2t_zen4")["passes"]}
+    assert (f"(one row: {two['trial', 1]['median_gb_per_s']:.1f} against {two['rows', 1]['median_gb_per_s']:.1f} "
+            "GB/s)") in flat
     quads = " ".join(formats[formats.index("**Q4_0's and Q4_1's int8 rows in quads**"):start].split())
     assert (f"One core with the weights in cache reads {by8['q4_0', 1]['baseline_gb_per_s']:.1f} -> "
             f"{by8['q4_0', 1]['now_gb_per_s']:.1f} GB/s in Q4_0 and {by8['q4_1', 1]['baseline_gb_per_s']:.1f} -> "
