@@ -1,7 +1,8 @@
-"""A trial weight layout for Q4_0 with int8 activations, timed beside the kernels' int8 rows and tile on the same
-weights: what a layout with weight rows in the vector lanes would buy, before the engine takes it.
+"""Trial weight layouts for Q4_0 and Q4_K (``--format``) with int8 activations, timed beside the kernels' int8 rows
+and tile on the same weights: what a layout with weight rows in the vector lanes would buy, before the engine takes
+it.
 
-The trial (``benchmarks/data/interleaved_q4_0_trial.c``, compiled here with the system's C compiler) stores weight
+The trial (``benchmarks/data/interleaved_trial.c``, compiled here with the system's C compiler) stores weight
 rows in groups of 16, each block of 32 weights of the 16 rows in one run of 288 bytes (as many bytes as ggml's 16
 blocks): their float16 scales, then their nibbles four bytes of each row at a time, row r in 32-bit lane r. Four
 int8 activations broadcast to every lane then make one ``vpdpbusd`` that adds each weight row's four products in
@@ -9,7 +10,10 @@ its own lane, so a block needs no horizontal sum and an activation row's result 
 whatever the other rows of the call. The activations are rounded as the kernels' int8 rows round them (a scale per
 32, nearest even): the trial's integers are the rows', its result differs from theirs in the order of float
 additions only (printed: the largest difference over the largest value), and each of its rows is checked to be
-the same to the last bit alone and in the batch.
+the same to the last bit alone and in the batch. Q4_K (``--format q4_k``) in a layout of the same kind: per 16
+weight rows and super-block, their d and dmin, their eight sub-blocks' scales and minimums a byte each (2.8% more
+bytes than ggml's, which packs them in 6 bits; the GB/s printed are of ggml's bytes), then the nibbles of each pair
+of sub-blocks four bytes of each row at a time.
 
 One GEMM call per projection of a decoder layer (q, k, v, o, gate, up, down, random weights by ``kernels.quantize``)
 over ``--layers`` layers so that the weights come from memory, at M activation rows; the three kernels take turns
@@ -20,6 +24,7 @@ check of the layout, not a speed comparison: said so in the output and the recor
 
     python benchmarks/interleaved_trial.py --shape 1b --threads 1 --tokens 1 2 4 16 32
     python benchmarks/interleaved_trial.py --shape 1b --threads 2 --json benchmarks/results/x.json
+    python benchmarks/interleaved_trial.py --shape 1b --threads 2 --format q4_k
     python benchmarks/interleaved_trial.py --shape tiny --repeats 2     # a smoke run
 """
 
@@ -48,7 +53,7 @@ from kquant_rows import SHAPES, layer_matrices, typed_library
 from asyncinfer import kernels
 from asyncinfer.kernels.formats import LAYOUTS, activation_dtype_flag, int8_kernel_flag
 
-SOURCE = Path(__file__).resolve().parent / "data" / "interleaved_q4_0_trial.c"
+SOURCE = Path(__file__).resolve().parent / "data" / "interleaved_trial.c"
 AVX512_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 KERNELS = ("rows", "tile", "trial")
 
@@ -77,30 +82,42 @@ def build_trial(where: Path) -> ctypes.CDLL:
     lib.trial_pack.argtypes, lib.trial_pack.restype = [P, P, I64, I64], INT
     lib.trial_scratch_bytes.argtypes, lib.trial_scratch_bytes.restype = [I64, I64], I64
     lib.trial_gemm.argtypes, lib.trial_gemm.restype = [P, I64, I64, P, I64, P, INT, P], INT
+    lib.trial_pack_q4_k.argtypes, lib.trial_pack_q4_k.restype = [P, P, I64, I64], INT
+    lib.trial_scratch_bytes_q4_k.argtypes, lib.trial_scratch_bytes_q4_k.restype = [I64, I64], I64
+    lib.trial_gemm_q4_k.argtypes, lib.trial_gemm_q4_k.restype = [P, I64, I64, P, I64, P, INT, P], INT
     return lib
 
 
-class Weights:
-    """The layers' Q4_0 matrices: ggml's blocks (the kernels' layout for Q4_0) and the trial's packing of them."""
+#: Per format: the trial's packing, working memory and GEMM entries, and its bytes over ggml's.
+ENTRIES = {"q4_0": ("trial_pack", "trial_scratch_bytes", "trial_gemm", 1.0),
+           "q4_k": ("trial_pack_q4_k", "trial_scratch_bytes_q4_k", "trial_gemm_q4_k", 2368 / 2304)}
 
-    def __init__(self, trial: ctypes.CDLL, shape: str, layers: int, seed: int) -> None:
+
+class Weights:
+    """The layers' matrices in ``fmt``: ggml's blocks (the kernels' layout for Q4_0 and Q4_K) and the trial's
+    packing of them."""
+
+    def __init__(self, trial: ctypes.CDLL, fmt: str, shape: str, layers: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
+        self.fmt = fmt
+        pack, _, _, more = ENTRIES[fmt]
         self.mats: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
         for _ in range(layers):
             for n, k in layer_matrices(shape):
                 w = torch.randn(n, k, generator=gen) * 0.02
-                blocks = kernels.pack(kernels.quantize(w, "q4_0"), "q4_0")
-                packed = torch.empty_like(blocks)
-                if trial.trial_pack(blocks.data_ptr(), packed.data_ptr(), n, k):
+                blocks = kernels.pack(kernels.quantize(w, fmt), fmt)
+                packed = torch.empty(int(blocks.numel() * more), dtype=torch.uint8)
+                if getattr(trial, pack)(blocks.data_ptr(), packed.data_ptr(), n, k):
                     raise SystemExit(f"the trial's layout cannot hold a {n} x {k} matrix (rows: a multiple of 16)")
                 self.mats.append((blocks, packed, n, k))
         self.nbytes = sum(b.numel() for b, _, _, _ in self.mats)
 
 
-def runner(kernel: str, lib: ctypes.CDLL, trial: ctypes.CDLL, threads: int, kept: int
+def runner(kernel: str, weights_fmt: str, lib: ctypes.CDLL, trial: ctypes.CDLL, threads: int, kept: int
            ) -> Callable[[Weights, dict[int, torch.Tensor]], dict[int, torch.Tensor]]:
     """One pass of ``kernel`` over the weights: the outputs of the first ``kept`` matrices, by index."""
-    code = LAYOUTS["q4_0"].code | activation_dtype_flag("int8") | (int8_kernel_flag("tile") if kernel == "tile" else 0)
+    code = LAYOUTS[weights_fmt].code | activation_dtype_flag("int8") | (int8_kernel_flag("tile") if kernel == "tile" else 0)
+    _, scratch_bytes, gemm, _ = ENTRIES[weights_fmt]
     scratch: dict[tuple[int, int], torch.Tensor] = {}
 
     def run(weights: Weights, xs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -109,12 +126,12 @@ def runner(kernel: str, lib: ctypes.CDLL, trial: ctypes.CDLL, threads: int, kept
             x = xs[k]
             m = x.shape[0]
             if (m, k) not in scratch:
-                size = trial.trial_scratch_bytes(m, k) if kernel == "trial" else lib.asyncinfer_scratch_bytes(m, k)
+                size = getattr(trial, scratch_bytes)(m, k) if kernel == "trial" else lib.asyncinfer_scratch_bytes(m, k)
                 scratch[m, k] = torch.empty(size, dtype=torch.uint8)
             y = torch.empty(m, n)
             if kernel == "trial":
-                rc = trial.trial_gemm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), threads,
-                                      scratch[m, k].data_ptr())
+                rc = getattr(trial, gemm)(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), threads,
+                                          scratch[m, k].data_ptr())
             else:
                 rc = lib.asyncinfer_gemm(code, x.data_ptr(), m, k, k, blocks.data_ptr(), n, None, y.data_ptr(), n,
                                          threads, scratch[m, k].data_ptr())
@@ -134,6 +151,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 32])
     ap.add_argument("--repeats", type=int, default=7, help="passes per kernel and M; the minimum is kept")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--format", choices=sorted(ENTRIES), default="q4_0", help="the weights' format (default q4_0)")
     ap.add_argument("--json", type=Path, default=None, help="write every pass's time and the summaries here")
     args = ap.parse_args()
     if args.layers < 1 or args.repeats < 1 or args.threads < 1 or min(args.tokens) < 1:
@@ -145,9 +163,9 @@ def main() -> None:
         trial = build_trial(Path(tmp))
         path = trial.trial_path().decode()
         lib = typed_library(kernels.build_info()["path"])
-        weights = Weights(trial, args.shape, args.layers, seed=1)
+        weights = Weights(trial, args.format, args.shape, args.layers, seed=1)
         kept = len(layer_matrices(args.shape))  # the first layer's outputs are checked
-        runs = {kernel: runner(kernel, lib, trial, args.threads, kept) for kernel in KERNELS}
+        runs = {kernel: runner(kernel, args.format, lib, trial, args.threads, kept) for kernel in KERNELS}
         widths = sorted({k for _, k in layer_matrices(args.shape)})
         passes: dict[tuple[str, int], list[float]] = {}
         checks = []
@@ -186,7 +204,7 @@ def report(args: argparse.Namespace, path: str, weights: Weights, passes: dict[t
            checks: list[dict[str, object]]) -> None:
     speed = path != "scalar" and kernels.isa().startswith("avx512")
     print(f"kernels {kernels.isa()}, trial built as {path}{'' if speed else ' (plain C: a check, not a speed comparison)'}"
-          f", shape {args.shape} x {args.layers} layers ({weights.nbytes / 1e6:.1f} MB of Q4_0), {args.threads} "
+          f", shape {args.shape} x {args.layers} layers ({weights.nbytes / 1e6:.1f} MB of {args.format.upper()}), {args.threads} "
           f"thread(s), min of {args.repeats} passes")
     print(f"{'M':>4}" + "".join(f"{k + ' ms':>12}{'GB/s':>7}" for k in KERNELS) + f"{'rows/trial':>12}{'tile/trial':>12}"
           + f"{'max diff':>10}")
@@ -204,9 +222,10 @@ def report(args: argparse.Namespace, path: str, weights: Weights, passes: dict[t
             "command": "python benchmarks/interleaved_trial.py " + " ".join(sys.argv[1:]),
             "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(), "load_average_after": os.getloadavg(), "kernel_isa": kernels.isa(),
-            "trial_built_as": path, "speed_comparison": speed, "shape": args.shape, "layers": args.layers,
+            "trial_built_as": path, "speed_comparison": speed, "format": args.format,
+            "trial_bytes_over_ggml": ENTRIES[args.format][3], "shape": args.shape, "layers": args.layers,
             "threads": args.threads, "repeats": args.repeats, "weight_bytes": weights.nbytes,
-            "what": "seconds of one pass of one GEMM call per projection over the layers, Q4_0 with int8 "
+            "what": f"seconds of one pass of one GEMM call per projection over the layers, {args.format.upper()} with int8 "
                     "activations: the kernels' rows and tile and the trial layout, taking turns pass by pass",
             "passes": [{"kernel": k, "tokens": m, "seconds": [round(t, 6) for t in times], "min_s": min(times),
                         "median_s": statistics.median(times),

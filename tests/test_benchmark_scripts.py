@@ -307,6 +307,14 @@ def test_the_interleaved_trial_benchmark_checks_the_layout_and_times_it_beside_t
     isa = kernels.isa()
     assert result["trial_built_as"] == (isa if isa.startswith("avx512") else "scalar")
     assert result["speed_comparison"] == isa.startswith("avx512")
+    assert result["format"] == "q4_0" and result["trial_bytes_over_ggml"] == 1.0
+    done = run_script("interleaved_trial.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "3",
+                      "--format", "q4_k", "--json", str(out))  # Q4_K's layout: the same checks
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["format"] == "q4_k" and result["trial_bytes_over_ggml"] == 2368 / 2304
+    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [[0, 2]]
+    assert result["checks"][0]["largest_difference_over_largest_value_vs_rows"] < 1e-5
     refused = run_script("interleaved_trial.py", "--repeats", "0")
     assert refused.returncode == 2 and "must be at least 1" in refused.stderr
 

@@ -1,4 +1,4 @@
-/* A trial layout for Q4_0 weights with int8 activations, measured by benchmarks/interleaved_trial.py against the
+/* Trial layouts for Q4_0 (and, at the end, Q4_K) weights with int8 activations, measured by benchmarks/interleaved_trial.py against the
  * kernels' int8 rows and tile; not one of the engine's kernels.
  *
  * Layout: weight rows in groups of 16; per group and block of 32 weights, 288 bytes (16 blocks of 18, as many
@@ -206,6 +206,171 @@ int trial_gemm(const float *x, int64_t M, int64_t K, const uint8_t *p, int64_t N
             case 3: group_rows(pg, K, q, d, cs, m, 3, y + g * 16, N); break;
             case 2: group_rows(pg, K, q, d, cs, m, 2, y + g * 16, N); break;
             case 1: group_rows(pg, K, q, d, cs, m, 1, y + g * 16, N); break;
+            default: break;
+        }
+    }
+    return 0;
+}
+
+/* ---- Q4_K in the same kind of layout. Per group of 16 weight rows and super-block of 256 weights, 2368 bytes
+ * (ggml's 16 blocks take 2304: the 6-bit scales and minimums are stored unpacked, a byte each): the rows' float16
+ * d (32 bytes) and dmin (32), each sub-block's 16 scales (8 x 16 bytes) and 16 minimums (8 x 16), then per pair of
+ * sub-blocks (2p, 2p + 1; ggml's bytes 32p to 32p + 31 of a row: low nibbles sub-block 2p, high 2p + 1) eight runs
+ * of 64 bytes, run c holding bytes 4c to 4c + 3 of the pair's 32 of each row, row r in lane r. Per activation row,
+ * 16 weight rows and sub-block j, as the kernels' int8 rows define it:
+ *
+ *   acc = fma(float(idot_j), dx_j * (d * sc_j), acc);   acc = fma(-(dmin * mn_j), sum(x_j), acc)
+ */
+#define KGROUP_BYTES 2368
+
+static void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+int trial_pack_q4_k(const uint8_t *ggml, uint8_t *out, int64_t N, int64_t K) {
+    if (N % 16 || K % 256 || N <= 0 || K <= 0) return -2;
+    const int64_t nb = K / 256;
+    for (int64_t g = 0; g < N / 16; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * KGROUP_BYTES;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = ggml + ((g * 16 + r) * nb + b) * 144;
+                uint8_t sc[8], mn[8];
+                memcpy(o + 2 * r, blk, 2);
+                memcpy(o + 32 + 2 * r, blk + 2, 2);
+                k_scales(blk + 4, sc, mn);
+                for (int j = 0; j < 8; j++) {
+                    o[64 + 16 * j + r] = sc[j];
+                    o[192 + 16 * j + r] = mn[j];
+                }
+                for (int pair = 0; pair < 4; pair++)
+                    for (int c = 0; c < 8; c++)
+                        memcpy(o + 320 + 512 * pair + 64 * c + 4 * r, blk + 16 + 32 * pair + 4 * c, 4);
+            }
+        }
+    return 0;
+}
+
+int64_t trial_scratch_bytes_q4_k(int64_t M, int64_t K) { return M * K + M * (K / QK) * 12 + 64; }
+
+/* The int8 rounding as round_row, with each block's float32 sum (the minimums' term). */
+static void round_row_k(const float *x, int64_t K, int8_t *q, float *d, float *sum) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        int32_t cs;
+        round_row(x + b * QK, QK, q + b * QK, d + b, &cs);
+        float t = 0.0f;
+        for (int i = 0; i < QK; i++) t += x[b * QK + i];
+        sum[b] = t;
+    }
+}
+
+#ifdef TRIAL_AVX512
+static inline __attribute__((always_inline)) void group_rows_k(const uint8_t *p, int64_t K, const int8_t *q,
+                                                               const float *d, const float *sum, int64_t m0,
+                                                               const int R, float *y, int64_t ldy) {
+    const int64_t nb = K / 256, ns = K / QK;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[4];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = p + b * KGROUP_BYTES;
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)));
+        for (int pair = 0; pair < 4; pair++) {
+            __m512i u[2][8];
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_loadu_si512(o + 320 + 512 * pair + 64 * c);
+                u[0][c] = _mm512_and_si512(v, low);
+#ifdef __AVX512VNNI__
+                u[1][c] = _mm512_andnot_si512(low, v);
+#else
+                u[1][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#endif
+            }
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * pair + h;
+                const __m512 scale = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                           _mm_loadu_si128((const __m128i *)(o + 64 + 16 * j)))));
+                const __m512 nmin = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dm), _mm512_cvtepi32_ps(
+                                                      _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + 192 + 16 * j)))));
+                for (int i = 0; i < R; i++) {
+                    const int64_t m = m0 + i, at = m * ns + b * 8 + j;
+                    int32_t x[8];
+                    memcpy(x, q + m * K + b * 256 + 32 * j, 32);
+                    __m512i s0 = dpbusd(_mm512_setzero_si512(), u[h][0], _mm512_set1_epi32(x[0]));
+                    __m512i s1 = dpbusd(_mm512_setzero_si512(), u[h][1], _mm512_set1_epi32(x[1]));
+                    for (int c = 2; c < 8; c += 2) {
+                        s0 = dpbusd(s0, u[h][c], _mm512_set1_epi32(x[c]));
+                        s1 = dpbusd(s1, u[h][c + 1], _mm512_set1_epi32(x[c + 1]));
+                    }
+                    __m512i idot = _mm512_add_epi32(s0, s1);
+#ifdef __AVX512VNNI__
+                    if (h) idot = _mm512_srai_epi32(idot, 4);
+#endif
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(scale, _mm512_set1_ps(d[at])), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(nmin, _mm512_set1_ps(sum[at]), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (m0 + i) * ldy, acc[i]);
+}
+#else
+static void group_rows_k(const uint8_t *p, int64_t K, const int8_t *q, const float *d, const float *sum, int64_t m0,
+                         int R, float *y, int64_t ldy) {
+    const int64_t nb = K / 256, ns = K / QK;
+    for (int i = 0; i < R; i++) {
+        const int64_t m = m0 + i;
+        float acc[16] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = p + b * KGROUP_BYTES;
+            for (int r = 0; r < 16; r++) {
+                uint16_t h0, h1;
+                memcpy(&h0, o + 2 * r, 2);
+                memcpy(&h1, o + 32 + 2 * r, 2);
+                const float dr = half_to_float(h0), dmr = half_to_float(h1);
+                for (int j = 0; j < 8; j++) {
+                    const int pair = j / 2, h = j % 2;
+                    int32_t idot = 0;
+                    for (int c = 0; c < 8; c++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t byte = o[320 + 512 * pair + 64 * c + 4 * r + t];
+                            idot += (h ? byte >> 4 : byte & 15) * q[m * K + b * 256 + 32 * j + 4 * c + t];
+                        }
+                    const int64_t at = m * ns + b * 8 + j;
+                    acc[r] = fmaf((float)idot, (dr * (float)o[64 + 16 * j + r]) * d[at], acc[r]);
+                    acc[r] = fmaf(-(dmr * (float)o[192 + 16 * j + r]), sum[at], acc[r]);
+                }
+            }
+        }
+        memcpy(y + m * ldy, acc, sizeof(acc));
+    }
+}
+#endif
+
+int trial_gemm_q4_k(const float *x, int64_t M, int64_t K, const uint8_t *p, int64_t N, float *y, int threads,
+                    void *scratch) {
+    if (N % 16 || K % 256 || N <= 0 || K <= 0 || M <= 0) return -2;
+    const int64_t nb = K / 256, ns = K / QK;
+    int8_t *q = (int8_t *)scratch;
+    float *d = (float *)(q + M * K + (64 - (M * K) % 64) % 64);
+    float *sum = d + M * ns;
+    for (int64_t m = 0; m < M; m++) round_row_k(x + m * K, K, q + m * K, d + m * ns, sum + m * ns);
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
+    for (int64_t g = 0; g < N / 16; g++) {
+        const uint8_t *pg = p + g * nb * KGROUP_BYTES;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) group_rows_k(pg, K, q, d, sum, m, 4, y + g * 16, N);
+        switch (M - m) {
+            case 3: group_rows_k(pg, K, q, d, sum, m, 3, y + g * 16, N); break;
+            case 2: group_rows_k(pg, K, q, d, sum, m, 2, y + g * 16, N); break;
+            case 1: group_rows_k(pg, K, q, d, sum, m, 1, y + g * 16, N); break;
             default: break;
         }
     }
