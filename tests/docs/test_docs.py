@@ -917,6 +917,17 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
         assert tile in flat, tile
         worst = max(c["largest_difference_over_largest_value_vs_rows"] for c in trial["checks"])
         assert worst <= float(flat.split("(the results within ")[1].split()[0]), worst
+    for threads, name in ((1, "one thread"), (2, "two")):  # the Q4_K trial's
+        trial = load(f"interleaved_q4_k_trial_{threads}t_zen4")
+        assert trial["format"] == "q4_k" and trial["threads"] == threads and trial["speed_comparison"]
+        assert f"(`--format q4_k`, at {trial['commit'][:7]}, `interleaved_q4_k_trial_{{1t,2t}}_zen4.json`" in flat
+        ratios = {r["tokens"]: r for r in trial["ratios"]}
+        rows = ", ".join(f"{ratios[m]['rows_over_trial_median']:.2f}x" for m in sorted(ratios))
+        assert f"**{rows}** on {name}" in flat, (threads, rows)
+        tile = f"{ratios[16]['tile_over_trial_median']:.2f}x and {ratios[32]['tile_over_trial_median']:.2f}x ({name}"
+        assert tile in flat, tile
+        worst = max(c["largest_difference_over_largest_value_vs_rows"] for c in trial["checks"])
+        assert f"within {worst:.1e} of the largest value of the rows'" in flat, worst
     two = {(p["kernel"], p["tokens"]): p for p in load("interleaved_q4_0_trial_2t_zen4")["passes"]}
     assert (f"(one row: {two['trial', 1]['median_gb_per_s']:.1f} against {two['rows', 1]['median_gb_per_s']:.1f} "
             "GB/s)") in flat
