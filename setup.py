@@ -38,6 +38,7 @@ class BuildKernels(build_ext):
             ext.extra_compile_args = ["-g0", *variants["BASE_FLAGS"], *variants["ISA_FLAGS"][isa],
                                       *(["-fopenmp"] if openmp else [])]
         self.compiler.compile = _one_source_a_core(self.compiler.compile)
+        self.parallel = None  # the variants one after another: they share object paths (build_ext -j would mix them)
         super().build_extensions()
 
     def run(self) -> None:
@@ -74,9 +75,14 @@ def _one_source_a_core(compile_sources):
         if len(sources) < 2:
             return compile_sources(sources, *args, **kwargs)
         order = sorted(range(len(sources)), key=lambda i: -Path(sources[i]).stat().st_size)
-        with ThreadPoolExecutor(max_workers=min(len(sources), os.cpu_count() or 1)) as pool:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=min(len(sources), cores)) as pool:
             done = {i: pool.submit(compile_sources, [sources[i]], *args, **kwargs) for i in order}
-            return [obj for i in range(len(sources)) for obj in done[i].result()]
+            try:
+                return [obj for i in range(len(sources)) for obj in done[i].result()]
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # the first failure: the sources not started are not compiled
+                raise
 
     return compile_in_parallel
 

@@ -51,31 +51,45 @@ from common import git_commit, machine_info, write_record
 from kquant_rows import SHAPES, layer_matrices, typed_library
 
 from asyncinfer import kernels
+from asyncinfer.kernels import _build
+from asyncinfer.kernels._variants import ISA_FLAGS
 from asyncinfer.kernels.formats import LAYOUTS, activation_dtype_flag, int8_kernel_flag
 
 SOURCE = Path(__file__).resolve().parent / "data" / "interleaved_trial.c"
-AVX512_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 KERNELS = ("rows", "tile", "trial")
+#: The most the trial's results may differ from the int8 rows', over the largest value: float32 rounding of sums in
+#: another order (a different integer, a nibble or an activation misplaced, moves them by far more).
+ROUNDING_BOUND = 1e-5
 
 
-def build_trial(where: Path) -> ctypes.CDLL:
-    """The trial compiled for this CPU as the kernels' variant is (its AVX-512 flags on an AVX-512 variant, else
-    none), with OpenMP where the compiler has it (resolved, like the kernels' library, against torch's runtime)."""
+def build_trial(where: Path) -> tuple[ctypes.CDLL, bool]:
+    """The trial compiled for this CPU with the kernels' variant's own flags (``kernels._variants.ISA_FLAGS``: its
+    AVX-512 code on an AVX-512 variant, plain C elsewhere) and, where the compiler has it, OpenMP, linked to the
+    runtime torch loaded (by its path, as the kernels' run-time build links: one runtime and thread pool for the
+    three kernels); and whether it has OpenMP (without it the trial runs on one thread whatever ``--threads``)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("no C compiler (cc) to build the trial with")
-    isa = kernels.isa()
-    flags = ["-O3", "-std=c11", "-fPIC", "-shared"]
-    if isa.startswith("avx512"):
-        flags += AVX512_FLAGS + (["-mavx512vnni"] if isa == "avx512vnni" else [])
-    out = where / "trial.so"
-    for openmp in (["-fopenmp"], []):
-        done = subprocess.run([cc, *flags, *openmp, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
-                              check=False)
-        if done.returncode == 0:
-            break
-    else:
-        raise SystemExit(f"the trial did not compile: {done.stderr[-2000:]}")
+    flags = ["-O3", "-std=c11", "-fPIC", *ISA_FLAGS[kernels.isa()]]
+    obj, out = where / "trial.o", where / "trial.so"
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            raise SystemExit(f"the C compiler {cc!r} cannot be run: {exc}") from exc
+
+    openmp = run([cc, *flags, "-fopenmp", "-c", str(SOURCE), "-o", str(obj)]).returncode == 0
+    if not openmp:
+        done = run([cc, *flags, "-c", str(SOURCE), "-o", str(obj)])
+        if done.returncode:
+            raise SystemExit(f"the trial did not compile: {done.stderr[-2000:]}")
+    runtime = _build._torch_openmp() if openmp else None
+    link = [str(obj), runtime, f"-Wl,-rpath,{Path(runtime).parent}"] if runtime else [
+        *(["-fopenmp"] if openmp else []), str(obj)]
+    done = run([cc, "-shared", *link, "-lm", "-o", str(out)])
+    if done.returncode:
+        raise SystemExit(f"the trial did not link: {done.stderr[-2000:]}")
     lib = ctypes.CDLL(str(out))
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.trial_path.restype = ctypes.c_char_p
@@ -85,12 +99,13 @@ def build_trial(where: Path) -> ctypes.CDLL:
     lib.trial_pack_q4_k.argtypes, lib.trial_pack_q4_k.restype = [P, P, I64, I64], INT
     lib.trial_scratch_bytes_q4_k.argtypes, lib.trial_scratch_bytes_q4_k.restype = [I64, I64], I64
     lib.trial_gemm_q4_k.argtypes, lib.trial_gemm_q4_k.restype = [P, I64, I64, P, I64, P, INT, P], INT
-    return lib
+    return lib, bool(openmp)
 
 
-#: Per format: the trial's packing, working memory and GEMM entries, and its bytes over ggml's.
-ENTRIES = {"q4_0": ("trial_pack", "trial_scratch_bytes", "trial_gemm", 1.0),
-           "q4_k": ("trial_pack_q4_k", "trial_scratch_bytes_q4_k", "trial_gemm_q4_k", 2368 / 2304)}
+#: Per format: the trial's packing, working memory and GEMM entries, its weights per block and its bytes per 16
+#: rows' blocks (Q4_0: 16 x 18, ggml's; Q4_K: 2368, ggml's 16 x 144 = 2304 and the unpacked scales).
+ENTRIES = {"q4_0": ("trial_pack", "trial_scratch_bytes", "trial_gemm", 32, 288),
+           "q4_k": ("trial_pack_q4_k", "trial_scratch_bytes_q4_k", "trial_gemm_q4_k", 256, 2368)}
 
 
 class Weights:
@@ -100,15 +115,18 @@ class Weights:
     def __init__(self, trial: ctypes.CDLL, fmt: str, shape: str, layers: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.fmt = fmt
-        pack, _, _, more = ENTRIES[fmt]
+        pack, _, _, per_block, group_bytes = ENTRIES[fmt]
         self.mats: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
         for _ in range(layers):
             for n, k in layer_matrices(shape):
                 w = torch.randn(n, k, generator=gen) * 0.02
                 blocks = kernels.pack(kernels.quantize(w, fmt), fmt)
-                packed = torch.empty(int(blocks.numel() * more), dtype=torch.uint8)
+                if n % 16 or k % per_block:
+                    raise SystemExit(f"the trial's layout cannot hold a {n} x {k} matrix (rows: a multiple of 16, "
+                                     f"inputs: of {per_block})")
+                packed = torch.empty(n // 16 * (k // per_block) * group_bytes, dtype=torch.uint8)
                 if getattr(trial, pack)(blocks.data_ptr(), packed.data_ptr(), n, k):
-                    raise SystemExit(f"the trial's layout cannot hold a {n} x {k} matrix (rows: a multiple of 16)")
+                    raise SystemExit(f"the trial could not pack a {n} x {k} matrix")
                 self.mats.append((blocks, packed, n, k))
         self.nbytes = sum(b.numel() for b, _, _, _ in self.mats)
 
@@ -117,7 +135,7 @@ def runner(kernel: str, weights_fmt: str, lib: ctypes.CDLL, trial: ctypes.CDLL, 
            ) -> Callable[[Weights, dict[int, torch.Tensor]], dict[int, torch.Tensor]]:
     """One pass of ``kernel`` over the weights: the outputs of the first ``kept`` matrices, by index."""
     code = LAYOUTS[weights_fmt].code | activation_dtype_flag("int8") | (int8_kernel_flag("tile") if kernel == "tile" else 0)
-    _, scratch_bytes, gemm, _ = ENTRIES[weights_fmt]
+    _, scratch_bytes, gemm, _, _ = ENTRIES[weights_fmt]
     scratch: dict[tuple[int, int], torch.Tensor] = {}
 
     def run(weights: Weights, xs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -156,11 +174,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.layers < 1 or args.repeats < 1 or args.threads < 1 or min(args.tokens) < 1:
         ap.error("--layers, --repeats, --threads and every --tokens value must be at least 1")
+    args.tokens = list(dict.fromkeys(args.tokens))  # each M once
+    if args.json is not None and (args.json.is_dir() or any(p.exists() and not p.is_dir() for p in args.json.parents)):
+        ap.error(f"--json {args.json}: not a file path whose directories exist or can be made (checked before the run)")
     if not kernels.available():
         raise SystemExit(f"the kernels cannot run here: {kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        trial = build_trial(Path(tmp))
+        trial, openmp = build_trial(Path(tmp))
         path = trial.trial_path().decode()
         lib = typed_library(kernels.build_info()["path"])
         weights = Weights(trial, args.format, args.shape, args.layers, seed=1)
@@ -181,29 +202,37 @@ def main() -> None:
                         start = time.perf_counter()
                         runs[kernel](weights, xs)
                         passes.setdefault((kernel, m), []).append(time.perf_counter() - start)
-    report(args, path, weights, passes, checks)
+    report(args, path, openmp, weights, passes, checks)
 
 
 def check(m: int, outs: dict[str, dict[int, torch.Tensor]], trial: Callable[..., dict[int, torch.Tensor]],
           weights: Weights, xs: dict[int, torch.Tensor]) -> dict[str, object]:
-    """The trial against the rows (the largest difference over the largest value, per matrix of the first layer),
-    and its first and last rows alone against the batch's, to the last bit."""
+    """The trial against the rows (the largest difference over the largest value, per matrix of the first layer:
+    the same integers leave float32 rounding only, refused past :data:`ROUNDING_BOUND`), and each of its rows alone
+    against the batch's, to the last bit (refused otherwise)."""
     worst = max(float((outs["trial"][i] - outs["rows"][i]).abs().max() / outs["rows"][i].abs().max().clamp_min(1e-30))
                 for i in outs["rows"])
+    if not worst <= ROUNDING_BOUND:
+        raise SystemExit(f"the trial is {worst:.2e} of the largest value from the rows at M={m}: more than float32 "
+                         f"rounding ({ROUNDING_BOUND:g}); its integers are not the rows'")
     alone = {}
-    for row in sorted({0, m - 1}):
+    for row in range(m):
         single = trial(weights, {k: x[row:row + 1].contiguous() for k, x in xs.items()})
         alone[row] = all(torch.equal(single[i][0], outs["trial"][i][row]) for i in single)
     if not all(alone.values()):
-        raise SystemExit(f"the trial's rows depend on the batch at M={m}: {alone}")
+        raise SystemExit(f"the trial's rows depend on the batch at M={m}: rows {[r for r, ok in alone.items() if not ok]}")
     return {"tokens": m, "largest_difference_over_largest_value_vs_rows": worst,
             "rows_alone_equal_to_the_last_bit": sorted(alone)}
 
 
-def report(args: argparse.Namespace, path: str, weights: Weights, passes: dict[tuple[str, int], list[float]],
-           checks: list[dict[str, object]]) -> None:
-    speed = path != "scalar" and kernels.isa().startswith("avx512")
-    print(f"kernels {kernels.isa()}, trial built as {path}{'' if speed else ' (plain C: a check, not a speed comparison)'}"
+def report(args: argparse.Namespace, path: str, openmp: bool, weights: Weights,
+           passes: dict[tuple[str, int], list[float]], checks: list[dict[str, object]]) -> None:
+    one_thread = args.threads > 1 and not openmp
+    speed = path != "scalar" and kernels.isa().startswith("avx512") and not one_thread and args.shape != "tiny"
+    why = (" (plain C: a check, not a speed comparison)" if path == "scalar" else
+           " without OpenMP (one thread: not a speed comparison)" if one_thread else
+           " (the tiny shape's weights stay in cache: a smoke run, not a speed comparison)" if args.shape == "tiny" else "")
+    print(f"kernels {kernels.isa()}, trial built as {path}{why}"
           f", shape {args.shape} x {args.layers} layers ({weights.nbytes / 1e6:.1f} MB of {args.format.upper()}), {args.threads} "
           f"thread(s), min of {args.repeats} passes")
     print(f"{'M':>4}" + "".join(f"{k + ' ms':>12}{'GB/s':>7}" for k in KERNELS) + f"{'rows/trial':>12}{'tile/trial':>12}"
@@ -222,8 +251,8 @@ def report(args: argparse.Namespace, path: str, weights: Weights, passes: dict[t
             "command": "python benchmarks/interleaved_trial.py " + " ".join(sys.argv[1:]),
             "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(), "load_average_after": os.getloadavg(), "kernel_isa": kernels.isa(),
-            "trial_built_as": path, "speed_comparison": speed, "format": args.format,
-            "trial_bytes_over_ggml": ENTRIES[args.format][3], "shape": args.shape, "layers": args.layers,
+            "trial_built_as": path, "trial_openmp": openmp, "speed_comparison": speed, "format": args.format,
+            "trial_bytes_over_ggml": ENTRIES[args.format][4] / (16 * LAYOUTS[args.format].nbytes), "shape": args.shape, "layers": args.layers,
             "threads": args.threads, "repeats": args.repeats, "weight_bytes": weights.nbytes,
             "what": f"seconds of one pass of one GEMM call per projection over the layers, {args.format.upper()} with int8 "
                     "activations: the kernels' rows and tile and the trial layout, taking turns pass by pass",

@@ -779,8 +779,8 @@ def interrupt(proc: subprocess.Popen) -> str:
 def sigint_not_ignored() -> Iterator[None]:
     """Children started in the block get SIGINT's default disposition, unblocked (exec resets a handler, but keeps
     SIG_IGN and the signal mask), whatever this process had: Python's handler meanwhile where it was ignored. A
-    suite started where SIGINT is ignored (``nohup``, ``cmd &`` in a shell without job control) otherwise hands its
-    children an ignored SIGINT, and the Ctrl-C a test sends one is lost."""
+    suite started in the background of a shell without job control (``cmd &``, ``(nohup cmd &)``: the ``&`` ignores
+    SIGINT) otherwise hands its children an ignored SIGINT, and the Ctrl-C a test sends one is lost."""
     before = signal.getsignal(signal.SIGINT)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     if before is signal.SIG_IGN:

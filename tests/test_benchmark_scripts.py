@@ -294,29 +294,32 @@ def test_the_interleaved_trial_benchmark_checks_the_layout_and_times_it_beside_t
 
     out = tmp_path / "trial.json"
     done = run_script("interleaved_trial.py", "--shape", "tiny", "--layers", "1", "--repeats", "2", "--tokens", "1",
-                      "5", "--json", str(out))
+                      "13", "--json", str(out))  # 13: a pass of 8 rows and a tail of 5
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert sorted((r["kernel"], r["tokens"]) for r in result["passes"]) == sorted(
-        (k, m) for k in ("rows", "tile", "trial") for m in (1, 5))
+        (k, m) for k in ("rows", "tile", "trial") for m in (1, 13))
     assert all(len(r["seconds"]) == 2 and r["median_gb_per_s"] > 0 for r in result["passes"])
-    assert [c["tokens"] for c in result["checks"]] == [1, 5]
-    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [[0], [0, 4]]
+    assert [c["tokens"] for c in result["checks"]] == [1, 13]
+    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [[0], list(range(13))]
     assert all(0 <= c["largest_difference_over_largest_value_vs_rows"] < 1e-5 for c in result["checks"])
-    assert [r["tokens"] for r in result["ratios"]] == [1, 5] and len(result["commit"]) == 40
+    assert [r["tokens"] for r in result["ratios"]] == [1, 13] and len(result["commit"]) == 40
     isa = kernels.isa()
     assert result["trial_built_as"] == (isa if isa.startswith("avx512") else "scalar")
-    assert result["speed_comparison"] == isa.startswith("avx512")
+    assert result["trial_openmp"] is True and result["speed_comparison"] is False  # the tiny shape stays in cache
+    assert "a smoke run, not a speed comparison" in done.stdout or "plain C" in done.stdout
     assert result["format"] == "q4_0" and result["trial_bytes_over_ggml"] == 1.0
-    done = run_script("interleaved_trial.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "3",
-                      "--format", "q4_k", "--json", str(out))  # Q4_K's layout: the same checks
+    done = run_script("interleaved_trial.py", "--shape", "tiny", "--layers", "1", "--repeats", "1", "--tokens", "7",
+                      "--format", "q4_k", "--json", str(out))  # Q4_K's layout, a pass of 4 rows and a tail of 3
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["format"] == "q4_k" and result["trial_bytes_over_ggml"] == 2368 / 2304
-    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [[0, 2]]
+    assert [c["rows_alone_equal_to_the_last_bit"] for c in result["checks"]] == [list(range(7))]
     assert result["checks"][0]["largest_difference_over_largest_value_vs_rows"] < 1e-5
     refused = run_script("interleaved_trial.py", "--repeats", "0")
     assert refused.returncode == 2 and "must be at least 1" in refused.stderr
+    refused = run_script("interleaved_trial.py", "--json", str(tmp_path))  # a directory: refused before the run
+    assert refused.returncode == 2 and "checked before the run" in refused.stderr
 
 
 def test_the_weight_pages_benchmark_times_the_same_rows_in_three_kinds_of_memory(tmp_path) -> None:

@@ -90,6 +90,7 @@ static void round_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *c
     }
 }
 
+#ifndef TRIAL_AVX512 /* the plain C loops' float16 */
 static float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
     uint32_t bits;
@@ -106,6 +107,7 @@ static float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 #ifdef TRIAL_AVX512
 static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
@@ -256,7 +258,7 @@ int trial_pack_q4_k(const uint8_t *ggml, uint8_t *out, int64_t N, int64_t K) {
     return 0;
 }
 
-int64_t trial_scratch_bytes_q4_k(int64_t M, int64_t K) { return M * K + M * (K / QK) * 12 + 64; }
+int64_t trial_scratch_bytes_q4_k(int64_t M, int64_t K) { return M * K + M * (K / QK) * 8 + 64; }
 
 /* The int8 rounding as round_row, with each block's float32 sum (the minimums' term). */
 static void round_row_k(const float *x, int64_t K, int8_t *q, float *d, float *sum) {

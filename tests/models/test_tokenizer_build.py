@@ -197,7 +197,7 @@ def test_a_serving_process_that_ends_mid_build_takes_its_helper_and_build_with_i
     removed)."""
     slow = word_level(tmp_path / "slow", 10, added=600_000)
     root = Path(__file__).resolve().parents[2]
-    with sigint_not_ignored():  # (a suite run under nohup hands its children SIGINT ignored: the Ctrl-C was lost)
+    with sigint_not_ignored():  # (started with & without job control, a suite has SIGINT ignored)
         serving = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(slow)], stdout=subprocess.PIPE, text=True,
                                    env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])})
     assert serving.stdout is not None
