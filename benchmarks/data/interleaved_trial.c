@@ -193,6 +193,7 @@ int trial_gemm(const float *x, int64_t M, int64_t K, const uint8_t *p, int64_t N
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(q + M * K + (64 - (M * K) % 64) % 64);
     int32_t *cs = (int32_t *)(d + M * nb);
+#pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1 && M > 1)
     for (int64_t m = 0; m < M; m++) round_row(x + m * K, K, q + m * K, d + m * nb, cs + m * nb);
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
@@ -362,6 +363,7 @@ int trial_gemm_q4_k(const float *x, int64_t M, int64_t K, const uint8_t *p, int6
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(q + M * K + (64 - (M * K) % 64) % 64);
     float *sum = d + M * ns;
+#pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1 && M > 1)
     for (int64_t m = 0; m < M; m++) round_row_k(x + m * K, K, q + m * K, d + m * ns, sum + m * ns);
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
