@@ -50,6 +50,7 @@ from asyncinfer.kernels.formats import (
     BLOCK_FORMATS,
     F16_ROUNDS_TO_INF,
     INT8_KERNELS,
+    LANE_ROWS,
     QK,
     QK_K,
     BlockTable,
@@ -58,8 +59,10 @@ from asyncinfer.kernels.formats import (
     dequantize,
     int8_kernel_flag,
     pack,
+    pack_lanes,
     quantize,
     unpack,
+    unpack_lanes,
 )
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
 from asyncinfer.kernels.pages import huge_pages, weight_buffer
@@ -71,6 +74,7 @@ __all__ = [
     "F16_ROUNDS_TO_INF",
     "INT8_KERNELS",
     "INT16_TILE_ISAS",
+    "LANE_ROWS",
     "MAX_PARTS",
     "MAX_ROPE_TABLES",
     "PANEL_MIN_ROWS",
@@ -99,10 +103,12 @@ __all__ = [
     "isa",
     "loaded",
     "pack",
+    "pack_lanes",
     "quantize",
     "rms_norm",
     "supported_isas",
     "unavailable_reason",
     "unpack",
+    "unpack_lanes",
     "weight_buffer",
 ]

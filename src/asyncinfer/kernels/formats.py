@@ -132,6 +132,8 @@ _ACT8 = 0x40
 INT8_KERNELS = ("rows", "tile")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_TILE8.
 _TILE8 = 0x80
+#: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16: Q4_0 in lanes (:func:`pack_lanes`), with int8 activations.
+LANES16 = 0x20
 
 
 def activation_dtype_name(activation_dtype: object, what: str = "activation_dtype") -> str:
@@ -395,6 +397,44 @@ def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     parts = [d, packed[:, 2 * nb : 4 * nb].reshape(n, nb, 2)] if layout.has_min else [d]
     parts.append(packed[:, layout.head * nb :].reshape(n, nb, layout.quant_bytes))
     return torch.cat(parts, dim=-1).reshape(n, packed.shape[1]).contiguous()
+
+
+#: Weight rows a group of Q4_0 in lanes holds (:func:`pack_lanes`; ``ASYNCINFER_FMT_LANES16``).
+LANE_ROWS = 16
+
+
+def pack_lanes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks in ggml's order, uint8 [N, B * 18] with N a multiple of :data:`LANE_ROWS` -> Q4_0 in lanes (the
+    same shape and bytes, a new tensor in a :func:`~asyncinfer.kernels.pages.weight_buffer`): per group of 16 rows
+    and block, the 16 rows' float16 scales, then four runs of 64 bytes, run c holding bytes 4c to 4c + 3 of each
+    row's 16 bytes of nibbles, row r at bytes 4r to 4r + 3 (csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16).
+    ValueError for another row count."""
+    size = block_bytes(blocks, "q4_0", "pack_lanes")
+    n = blocks.shape[0]
+    if n % LANE_ROWS:
+        raise ValueError(f"blocks: Q4_0 in lanes needs a multiple of {LANE_ROWS} rows, got {n}")
+    nb = blocks.shape[1] // size
+    b = blocks.reshape(n // LANE_ROWS, LANE_ROWS, nb, size)
+    scales = b[..., 0:2].permute(0, 2, 1, 3).reshape(n // LANE_ROWS, nb, 2 * LANE_ROWS)
+    quants = b[..., 2:].reshape(n // LANE_ROWS, LANE_ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4)
+    out = weight_buffer(n * blocks.shape[1]).view(n // LANE_ROWS, nb, size * LANE_ROWS)
+    torch.cat([scales, quants.reshape(n // LANE_ROWS, nb, 16 * LANE_ROWS)], dim=-1, out=out)
+    return out.view(n, blocks.shape[1])
+
+
+@_allocating("blocks")
+def unpack_lanes(packed: torch.Tensor) -> torch.Tensor:
+    """Q4_0 in lanes back to ggml's blocks (the inverse of :func:`pack_lanes`)."""
+    size = block_bytes(packed, "q4_0", "unpack_lanes")
+    n = packed.shape[0]
+    if n % LANE_ROWS:
+        raise ValueError(f"packed: Q4_0 in lanes holds a multiple of {LANE_ROWS} rows, got {n}")
+    nb = packed.shape[1] // size
+    g = packed.reshape(n // LANE_ROWS, nb, size * LANE_ROWS)
+    scales = g[..., : 2 * LANE_ROWS].reshape(n // LANE_ROWS, nb, LANE_ROWS, 2).permute(0, 2, 1, 3)
+    quants = g[..., 2 * LANE_ROWS :].reshape(n // LANE_ROWS, nb, 4, LANE_ROWS, 4).permute(0, 3, 1, 2, 4)
+    blocks = torch.cat([scales, quants.reshape(n // LANE_ROWS, LANE_ROWS, nb, 16)], dim=-1)
+    return blocks.reshape(n, packed.shape[1]).contiguous()
 
 
 def _low_high(qs: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from asyncinfer.kernels._checks import (
 from asyncinfer.kernels._checks import softcap as _softcap
 from asyncinfer.kernels.formats import (
     BLOCK_FORMATS,
+    LANE_ROWS,
+    LANES16,
     LAYOUTS,
     BlockTable,
     activation_dtype_flag,
@@ -148,7 +150,7 @@ def embed_rows(table: torch.Tensor | BlockTable, ids: torch.Tensor, scale: float
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
          bias: torch.Tensor | None = None, *, activation_dtype: str = "int16",
-         int8_kernel: str = "rows") -> torch.Tensor:
+         int8_kernel: str = "rows", lanes: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 x [M, K] and W [out_features, K] held as ``fmt`` blocks (any of
     :data:`~asyncinfer.kernels.formats.BLOCK_FORMATS`) in the kernels' layout: ``packed = pack(quantize(W,
     fmt), fmt)`` (uint8 [out_features, K / weights per block * bytes per block], K a multiple of the block's
@@ -168,7 +170,10 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     ``int8_kernel``
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's, fastest at a few rows) or ``"tile"`` (16 rows a register on the AVX-512 builds, the rows elsewhere:
-    about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. Runs on torch's intra-op
+    about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. ``lanes=True``: ``packed`` is
+    Q4_0 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"``, int8
+    activations, ``out_features`` a multiple of 16), multiplied by its one GEMM at every number of rows
+    (``int8_kernel`` ignored), each row's result the same whatever the others. Runs on torch's intra-op
     thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
@@ -184,6 +189,15 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
     flag |= tile if flag else 0
+    if not isinstance(lanes, bool):
+        raise TypeError(f"lanes must be True or False, got {type(lanes).__name__}")
+    if lanes:
+        if fmt != "q4_0" or dtype != "int8":
+            raise ValueError(f"lanes=True: Q4_0 in lanes is multiplied with int8 activations only, got fmt={fmt!r} "
+                             f"and activation_dtype={dtype!r}")
+        if out_features % LANE_ROWS:
+            raise ValueError(f"lanes=True: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
+        flag = activation_dtype_flag(dtype) | LANES16
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "

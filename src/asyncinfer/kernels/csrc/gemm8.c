@@ -1293,10 +1293,132 @@ int ai_tile16_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, c
 }
 #endif /* AI_AVX512 */
 
+/* ---- Q4_0 in lanes (ASYNCINFER_FMT_LANES16): 16 weight rows a register, one activation row at a time. Per
+ * activation row, group of 16 weight rows and block of 32, with the activations rounded as the rows round them:
+ *
+ *   idot = sum(u * qx) - 8 * sum(qx)   (lane r: weight row r's);   acc = fma(float(idot), d_r * dx, acc)
+ *
+ * blocks in order from acc = 0, then + bias: the same operations for an activation row whatever the others, and
+ * the same in every variant (the plain C loop below is the reference and the non-AVX-512 variants' path). Four
+ * int8 activations broadcast to every lane meet four bytes of each of the 16 rows in one vpdpbusd: no horizontal
+ * sums, the float32 work of a block shared by 16 weight rows. */
+#define LANE_ROWS 16
+#define LANE_BLOCK 288 /* bytes of a group's block: 16 float16 scales, 4 runs of 64 bytes of nibbles */
+#define LANE_PASS 8    /* activation rows a pass over a group's blocks takes */
+
+static inline float lane_scale(const uint8_t *blk, int r) { return ai_half_at(blk + 2 * r); }
+
+__attribute__((unused)) static void lanes_ref(const uint8_t *g, int64_t K, const acts8 *a, int64_t m0, int R,
+                                              float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    for (int i = 0; i < R; i++) {
+        const int64_t m = m0 + i;
+        float acc[LANE_ROWS] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = g + b * LANE_BLOCK;
+            const int8_t *qx = a->q + m * K + b * QK;
+            const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
+            for (int r = 0; r < LANE_ROWS; r++) {
+                int32_t idot = -centre;
+                for (int c = 0; c < 4; c++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t byte = blk[32 + 64 * c + 4 * r + t];
+                        idot += (byte & 15) * qx[4 * c + t] + (byte >> 4) * qx[16 + 4 * c + t];
+                    }
+                acc[r] = fmaf((float)idot, lane_scale(blk, r) * a->d[m * nb + b], acc[r]);
+            }
+        }
+        memcpy(y + m * ldy, acc, sizeof(acc));
+    }
+}
+
+#ifdef AI_AVX512
+static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, int64_t K, const acts8 *a, int64_t m0,
+                                                            const int R, float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[LANE_PASS];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * LANE_BLOCK;
+        ai_prefetch_lines(blk + 4 * LANE_BLOCK, LANE_BLOCK);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(blk + 32 + 64 * c);
+            lo[c] = _mm512_and_si512(v, low);
+#ifdef AI_VNNI /* 16 times the high nibble, its sums shifted back (exact): vpdpbusd does not saturate */
+            hi[c] = _mm512_andnot_si512(low, v);
+#else
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#endif
+        }
+        for (int i = 0; i < R; i++) {
+            const int64_t m = m0 + i;
+            int32_t x[8];
+            memcpy(x, a->q + m * K + b * QK, 32);
+            __m512i s0 = ai_dpbusd512(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(x[0]));
+            __m512i s1 = ai_dpbusd512(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(x[4]));
+            for (int c = 1; c < 4; c++) {
+                s0 = ai_dpbusd512(s0, lo[c], _mm512_set1_epi32(x[c]));
+                s1 = ai_dpbusd512(s1, hi[c], _mm512_set1_epi32(x[4 + c]));
+            }
+#ifdef AI_VNNI
+            s1 = _mm512_srai_epi32(s1, 4);
+#endif
+            const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
+            const __m512i idot = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(centre));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[m * nb + b])),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (m0 + i) * ldy, acc[i]);
+}
+#define LANES_CALL(g, K, a, m0, R, y, ldy) lanes_512(g, K, a, m0, R, y, ldy)
+#else
+#define LANES_CALL(g, K, a, m0, R, y, ldy) lanes_ref(g, K, a, m0, R, y, ldy)
+#endif
+
+int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                        const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
+    const uint8_t *groups = (const uint8_t *)w;
+    const int64_t nb = K / QK;
+    acts8 a = acts8_in(scratch, M, K);
+    _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m += MR8) quantize_rows8(-1, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a);
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
+    for (int64_t gi = 0; gi < N / LANE_ROWS; gi++) {
+        const uint8_t *g = groups + gi * nb * LANE_BLOCK;
+        float *yg = y + gi * LANE_ROWS;
+        int64_t m = 0;
+        for (; m + LANE_PASS <= M; m += LANE_PASS) LANES_CALL(g, K, &a, m, LANE_PASS, yg, ldy);
+        switch (M - m) {
+            case 7: LANES_CALL(g, K, &a, m, 7, yg, ldy); break;
+            case 6: LANES_CALL(g, K, &a, m, 6, yg, ldy); break;
+            case 5: LANES_CALL(g, K, &a, m, 5, yg, ldy); break;
+            case 4: LANES_CALL(g, K, &a, m, 4, yg, ldy); break;
+            case 3: LANES_CALL(g, K, &a, m, 3, yg, ldy); break;
+            case 2: LANES_CALL(g, K, &a, m, 2, yg, ldy); break;
+            case 1: LANES_CALL(g, K, &a, m, 1, yg, ldy); break;
+            default: break;
+        }
+        if (bias)
+            for (int64_t i = 0; i < M; i++)
+                for (int r = 0; r < LANE_ROWS; r++) yg[i * ldy + r] += bias[gi * LANE_ROWS + r];
+    }
+    return 0;
+}
+
 /* kernels.gemm's entry: an int8-activation format with ASYNCINFER_FMT_TILE8 takes the tile where the build has
- * one (AVX-512), the rows elsewhere; the other codes their GEMM. */
+ * one (AVX-512), the rows elsewhere (Q4_0 in lanes: its one GEMM); the other codes their GEMM. */
 int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0))
+        fmt -= ASYNCINFER_FMT_TILE8;
     if (fmt >= ASYNCINFER_FMT_TILE8) {
         fmt -= ASYNCINFER_FMT_TILE8;
         if (fmt < ASYNCINFER_FMT_ACT8 || fmt >= ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;
