@@ -1333,6 +1333,14 @@ __attribute__((unused)) static void lanes_ref(const uint8_t *g, int64_t K, const
 }
 
 #ifdef AI_AVX512
+/* With VNNI the high nibbles are taken in place, 16 times their value, and the sums shifted back (exact: vpdpbusd
+ * does not saturate, where the multiply-add pair would); the same integers as shifting the nibbles first, which the
+ * other builds do (and the SIMDe-emulated ones, whose headers have no 32-bit arithmetic shift). */
+#if defined(AI_VNNI) && !defined(ASYNCINFER_EMULATE_AVX512)
+#define LANES_HIGH_IN_PLACE 1
+#else
+#define LANES_HIGH_IN_PLACE 0
+#endif
 static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, int64_t K, const acts8 *a, int64_t m0,
                                                             const int R, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
@@ -1342,12 +1350,15 @@ static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * LANE_BLOCK;
         ai_prefetch_lines(blk + 4 * LANE_BLOCK, LANE_BLOCK);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(d0)),
+                                                              _mm256_castps_pd(d1), 1));
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(blk + 32 + 64 * c);
             lo[c] = _mm512_and_si512(v, low);
-#ifdef AI_VNNI /* 16 times the high nibble, its sums shifted back (exact): vpdpbusd does not saturate */
+#if LANES_HIGH_IN_PLACE
             hi[c] = _mm512_andnot_si512(low, v);
 #else
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -1363,7 +1374,7 @@ static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, in
                 s0 = ai_dpbusd512(s0, lo[c], _mm512_set1_epi32(x[c]));
                 s1 = ai_dpbusd512(s1, hi[c], _mm512_set1_epi32(x[4 + c]));
             }
-#ifdef AI_VNNI
+#if LANES_HIGH_IN_PLACE
             s1 = _mm512_srai_epi32(s1, 4);
 #endif
             const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
