@@ -67,17 +67,17 @@ class BuildKernels(build_ext):
 
 
 def _one_source_a_core(compile_sources):
-    """``compile_sources`` (a compiler's ``compile``) called once per source, up to a core's worth at once, largest
-    first: the object files in the sources' order, as one call returns them (its first failure raised)."""
+    """``compile_sources`` (a compiler's ``compile``) called once per source, in the run-time build's order and
+    number at once (``_variants.compile_order``, ``compilers_at_once``): the object files in the sources' order, as
+    one call returns them (its first failure raised)."""
 
     def compile_in_parallel(sources, *args, **kwargs):
         sources = list(sources)
         if len(sources) < 2:
             return compile_sources(sources, *args, **kwargs)
-        order = sorted(range(len(sources)), key=lambda i: -Path(sources[i]).stat().st_size)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=min(len(sources), cores)) as pool:
-            done = {i: pool.submit(compile_sources, [sources[i]], *args, **kwargs) for i in order}
+        with ThreadPoolExecutor(max_workers=variants["compilers_at_once"](len(sources))) as pool:
+            done = {i: pool.submit(compile_sources, [sources[i]], *args, **kwargs)
+                    for i in variants["compile_order"](sources)}
             try:
                 return [obj for i in range(len(sources)) for obj in done[i].result()]
             except BaseException:

@@ -36,6 +36,8 @@ from asyncinfer.kernels._variants import (
     ISA_FLAGS,
     ISAS,
     SOURCES_STAMP,
+    compile_order,
+    compilers_at_once,
     isas_for,
     library_name,
     sources_digest,
@@ -237,10 +239,10 @@ def _compile_and_link(compiler: str, isa: str, sources: list[Path], tmp: Path, o
                       with_openmp: bool, extra: tuple[str, ...] = ()) -> None:
     """Compile ``sources`` with ``isa``'s flags (and ``extra``: the tests' emulated AVX-512 build) into ``out``."""
     objects = [str(tmp / (src.stem + ".o")) for src in sources]
-    commands = [[compiler, *_flags(isa, with_openmp, extra), "-I", str(_CSRC), "-c", str(src), "-o", obj]
-                for src, obj in sorted(zip(sources, objects), key=lambda pair: -pair[0].stat().st_size)]
-    # One compiler process a core, the largest sources first (they take most of the time); a failure is raised.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+    commands = [[compiler, *_flags(isa, with_openmp, extra), "-I", str(_CSRC), "-c", str(sources[i]), "-o", objects[i]]
+                for i in compile_order(sources)]
+    # One compiler process a core, the largest sources first; a failure is raised.
+    with ThreadPoolExecutor(max_workers=compilers_at_once(len(commands))) as pool:
         for done in [pool.submit(_run, cmd, compiler) for cmd in commands]:
             done.result()
     if openmp:  # link to torch's runtime by its path (and soname), not to another copy

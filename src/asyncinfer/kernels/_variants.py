@@ -8,7 +8,9 @@ compiler's flags select the code (``csrc/internal.h``). Imports nothing beyond t
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 #: Every variant, slowest first: the scalar reference (plain C, every machine), AVX2 + FMA + F16C,
@@ -52,3 +54,16 @@ def sources_digest(csrc: Path) -> str:
     for path in sorted([*csrc.glob("*.c"), *csrc.glob("*.h")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def compile_order(sources: Sequence[str | Path]) -> list[int]:
+    """The indices of ``sources``, the largest file first: the order both builds start their compilers in (the
+    largest sources take most of the time)."""
+    return sorted(range(len(sources)), key=lambda i: -Path(sources[i]).stat().st_size)
+
+
+def compilers_at_once(jobs: int) -> int:
+    """How many compilers a build runs at once for ``jobs`` sources: one a core this process may run on (its CPU
+    affinity where the OS has one), at most ``jobs``, at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(jobs, cores))

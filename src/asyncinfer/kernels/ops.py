@@ -188,7 +188,6 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     dtype = activation_dtype_name(activation_dtype)
     flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
-    flag |= tile if flag else 0
     if not isinstance(lanes, bool):
         raise TypeError(f"lanes must be True or False, got {type(lanes).__name__}")
     if lanes:
@@ -197,7 +196,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
                              f"and activation_dtype={dtype!r}")
         if out_features % LANE_ROWS:
             raise ValueError(f"lanes=True: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
-        flag = activation_dtype_flag(dtype) | LANES16
+    flag |= LANES16 if lanes else tile if flag else 0  # (the lanes' one GEMM takes no tile flag)
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "
