@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3, help="measurements (the median is reported)")
     p.add_argument("--probe-mib", type=int, default=1024)
+    p.add_argument("--activation-dtype", default="int16", choices=["int16", "int8", "bfloat16"],
+                   help="how the block formats' kernels round a step's activations (the engine option)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -41,7 +43,8 @@ def main() -> int:
     from asyncinfer import AsyncEngine, SamplingParams
     from asyncinfer.request import Request
 
-    engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024)
+    engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024,
+                                         activation_dtype=args.activation_dtype)
     core = engine.core
     steps_needed = 8 + args.rounds * args.steps
     core.add_request(Request(request_id="split", prompt_token_ids=list(range(300, 332)),

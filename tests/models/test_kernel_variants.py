@@ -233,13 +233,14 @@ def test_q4_0_in_lanes_is_the_same_on_every_variant_bit_for_bit(isa) -> None:
     """Q4_0 in lanes (kernels.pack_lanes): every variant rounds the activations to the same int8 values, forms the
     same integers and does the same float32 operations in the same order (a multiply, then a fused multiply-add, a
     block at a time): the plain C loop of the scalar and avx2 variants and the AVX-512 builds' vectors agree to the
-    last bit, outliers and a row with an infinity (NaN, that row only) included."""
+    last bit, outliers and a row with an infinity (NaN, that row only) included; and so does the tile reading the
+    lanes (``int8_kernel="tile"``: a prefill's, on the AVX-512 builds; the lanes' own GEMM elsewhere)."""
     runs_here(isa)
     n, k = 32, 800
     lanes = kernels.pack_lanes(random_blocks("q4_0", n, k, seed=5))
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen)
-    for rows in (1, 3, 8, 13):
+    for rows in (1, 3, 8, 13, 40):
         x = torch.randn(rows, k, generator=gen)
         x[0, 32:64] *= 1e4
         x[-1, ::32] = 50.0
@@ -247,10 +248,12 @@ def test_q4_0_in_lanes_is_the_same_on_every_variant_bit_for_bit(isa) -> None:
             x[4, 100] = float("inf")
         with on("scalar"):
             want = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", lanes=True)
-        with on(isa):
-            got = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", lanes=True)
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), (isa, rows)
-        assert got[4].isnan().all() if rows == 13 else not got.isnan().any()
+        for kernel in kernels.INT8_KERNELS:
+            with on(isa):
+                got = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", int8_kernel=kernel, lanes=True)
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), (
+                isa, kernel, rows)
+            assert got[4].isnan().all() if rows == 13 else not got.isnan().any()
 
 
 @pytest.mark.parametrize(("vnni", "plain"), VNNI_PAIRS)

@@ -1,6 +1,7 @@
 """Q4_0 in lanes (kernels.pack_lanes, gemm(lanes=True); csrc/gemm8.c's ai_gemm8_q4_0_lanes): the layout's bytes,
 its GEMM against the int8 rows (the same integers, float32 rounding apart), each activation row's result the same
-to the last bit whatever the batch, and the refusals."""
+to the last bit whatever the batch, the tile reading the lanes (a prefill's) the same bits as the lanes' GEMM and as
+the tile over ggml's blocks, and the refusals."""
 
 from __future__ import annotations
 
@@ -52,6 +53,32 @@ def test_the_lanes_gemm_is_the_int8_rows_product_and_each_row_is_the_same_in_any
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
+def test_the_tile_over_the_lanes_is_the_lanes_gemm_and_the_tile_over_the_blocks_bit_for_bit() -> None:
+    """One float32 operation sequence a row whatever the kernel: the prefill's tile (reading each weight row out of
+    its group of 16), the decode step's lanes GEMM and the tile over ggml's own blocks give the same bits, at row
+    counts that fill a tile's group, pass it, and stay below it (on the variants without the tile, scalar and avx2,
+    the tile flag runs the lanes' GEMM and the blocks' rows: those two differ in their order of sums). The lanes'
+    own name asks for the same layout."""
+    n, k = 64, 1024
+    blocks = q4_0(n, k, seed=9)
+    lanes = kernels.pack_lanes(blocks)
+    gen = torch.Generator().manual_seed(9)
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 7, 16, 33, 70):
+        x = torch.randn(rows, k, generator=gen)
+        x[0, 64:96] *= 1000
+        own = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", lanes=True)
+        tile = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", int8_kernel="tile", lanes=True)
+        named = kernels.gemm(x, lanes, kernels.LANES_FORMAT, n, bias, activation_dtype="int8", int8_kernel="tile")
+        plain_tile = kernels.gemm(x, blocks, "q4_0", n, bias, activation_dtype="int8", int8_kernel="tile")
+        assert torch.equal(own, tile) and torch.equal(tile, named), rows
+        if kernels.isa() in kernels.LANES_ISAS:
+            assert torch.equal(tile, plain_tile), rows
+    with pytest.raises(ValueError, match="int8 activations only"):
+        kernels.gemm(x, lanes, kernels.LANES_FORMAT, n, activation_dtype="int16")
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
 def test_lanes_are_refused_outside_q4_0_with_int8_activations_and_sixteen_row_groups() -> None:
     x = torch.randn(2, 64)
     lanes = kernels.pack_lanes(q4_0(16, 64, seed=2))
@@ -65,3 +92,116 @@ def test_lanes_are_refused_outside_q4_0_with_int8_activations_and_sixteen_row_gr
         kernels.gemm(x, lanes, "q4_0", 16, activation_dtype="int8", lanes=1)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         kernels.pack_lanes(q4_0(20, 64, seed=4))
+
+
+# ---- the engine's choice: Q4_0 projections of a decoder layer with int8 activations --------------------------
+
+
+@pytest.fixture(params=[True, False], ids=["lanes-native", "lanes-not-native"])
+def lanes_here(request, monkeypatch) -> bool:
+    """The choice both ways on every machine: where the variant has no vector lanes (scalar, avx2) the layers are made
+    to take them anyway (their plain C loop), and where it has, made to keep ggml's layout."""
+    monkeypatch.setattr(kernels, "lanes_native", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
+def test_a_q4_0_layer_takes_the_lanes_only_for_int8_tile_projections_of_sixteen_row_groups(monkeypatch) -> None:
+    from asyncinfer.models.quant import Q4_0Linear, Q4_1Linear
+
+    monkeypatch.setattr(kernels, "lanes_native", lambda: True)
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(32, 96, generator=gen), torch.randn(32, generator=gen)
+    blocks = kernels.quantize(w, "q4_0")
+    layer = Q4_0Linear(w, bias, activation_dtype="int8")
+    from_file = Q4_0Linear.from_blocks(blocks, bias, activation_dtype="int8")
+    for held in (layer, from_file):
+        fmt, packed, _ = held.kernel_weights()
+        assert held.lanes and fmt == kernels.LANES_FORMAT and "in lanes" in held.kind
+        assert torch.equal(kernels.unpack_lanes(packed), blocks)  # the same bytes, in lanes
+        for rows in (1, 40):  # the lanes' GEMM, the tile over the lanes: the layer's results are kernels.gemm's
+            x = torch.randn(rows, 96, generator=gen)
+            want = kernels.gemm(x, packed, "q4_0", 32, bias, activation_dtype="int8", int8_kernel="tile", lanes=True)
+            assert torch.equal(held(x), want)
+    assert not Q4_0Linear(w, bias).lanes  # int16 activations
+    assert not Q4_0Linear(w, bias, activation_dtype="int8", int8_kernel="rows").lanes  # the output projection's
+    assert not Q4_0Linear(w[:24], bias[:24], activation_dtype="int8").lanes  # 24 rows: not groups of 16
+    assert not Q4_1Linear(w, bias, activation_dtype="int8").lanes
+    assert Q4_0Linear(w, bias).kernel_weights()[0] == "q4_0"
+    monkeypatch.setattr(kernels, "lanes_native", lambda: False)
+    assert not Q4_0Linear(w, bias, activation_dtype="int8").lanes
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
+def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_beside_sixteen_others(
+        tmp_path, lanes_here) -> None:
+    """A Q4_0 model with int8 activations: its decoder projections in lanes where the choice says so (never its
+    output projection), the kernels' one-call step taking them (format LANES_FORMAT); its logits are the op-by-op
+    reference's within what a last bit's rounding flip moves, and one request's logits are the same bits decoded
+    alone as beside 16 others (each row its own passes through the lanes and its own attention)."""
+    from asyncinfer.models import load_model
+    from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
+    from asyncinfer.models.decode_backends import KernelDecode, TorchDecode
+    from asyncinfer.models.quant import BlockLinear, apply_weight_format
+    from tests.helpers import PagedRunner
+    from tests.models.test_kernels import lossless_tiny
+
+    lossless_tiny("qwen2", tmp_path)  # q/k/v with a bias, a tied head
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, "q4_0", activation_dtype="int8")
+    head = model.output_proj
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not head]
+    assert len(layers) == 4 * model.config.num_layers
+    assert all(m.lanes == lanes_here for m in layers) and not head.lanes
+    cpu = torch.device("cpu")
+    kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
+    fmt = kernels.LANES_FORMAT if lanes_here else "q4_0"
+    assert all(layer._args[name][0] == fmt for layer in kernel.stack.layers for name in ("qkv", "o", "gate_up", "down"))
+    alone, crowd, plain = PagedRunner(model, seed=1), PagedRunner(model, num_blocks=256, seed=2), PagedRunner(model, seed=1)
+    prompt = list(range(3, 14))
+    others = [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s)]) for s in range(2, 18)]
+    first = kernel.forward(alone.step_batch([(1, prompt)], last_only=True), alone.kv_caches)
+    kernel.forward(crowd.step_batch([(1, prompt), *others], last_only=True), crowd.kv_caches)
+    reference.forward(plain.step_batch([(1, prompt)], last_only=True), plain.kv_caches)
+    last, crowd_last = int(first.logits[0].argmax()), [t[-1] for _, t in others]
+    for _ in range(4):
+        a = kernel.forward(alone.step_batch([(1, [last])]), alone.kv_caches)
+        b = kernel.forward(crowd.step_batch([(1, [last]), *((s, [t]) for (s, _), t in zip(others, crowd_last))]),
+                           crowd.kv_caches)
+        r = reference.forward(plain.step_batch([(1, [last])]), plain.kv_caches)
+        assert b.logits.shape[0] == 17 and torch.equal(a.logits[0], b.logits[0])  # the same bits beside 16 others
+        assert ((a.logits - r.logits).norm() / r.logits.norm()).item() < 3e-2
+        last, crowd_last = a.greedy_ids[0], b.greedy_ids[1:]
+    if lanes_here:  # the kernels' layer takes the lanes with int8 activations only, in groups of 16 rows
+        args = kernel.stack.layers[0]._args
+        with pytest.raises(ValueError, match="int8 activations only"):
+            kernels.DecodeLayer(**{**args, "activation_dtype": "int16"})
+        o = args["o"]
+        with pytest.raises(ValueError, match="multiple of 16 rows"):
+            kernels.DecodeLayer(**{**args, "o": ((kernels.LANES_FORMAT, "q4_0"), (o[1][:40], o[1][40:]), None)})
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
+async def test_the_engine_serves_a_q4_0_model_in_lanes_with_the_references_greedy_tokens(tmp_path, lanes_here) -> None:
+    """``AsyncEngine`` with ``quantization="q4_0"`` and int8 activations: the layers hold the lanes where the choice
+    says so, decode steps are one kernel call, and two concurrent requests get the greedy tokens the same model
+    gives one request at a time op by op (its prefills' tile and its decodes' lanes: the same GEMM results)."""
+    from asyncinfer import AsyncEngine
+    from asyncinfer.models.decode_backends import KernelDecode
+    from asyncinfer.models.quant import BlockLinear
+    from tests.helpers import PagedRunner, greedy
+    from tests.models.test_kernels import lossless_tiny
+
+    lossless_tiny("llama", tmp_path)
+    engine = AsyncEngine.from_pretrained(tmp_path, kv_cache_memory=2**22, max_model_len=128, device="cpu",
+                                         block_size=16, quantization="q4_0", activation_dtype="int8", num_threads=1)
+    async with engine:
+        model = engine.core.runner.model
+        assert type(engine.core.runner.decode) is KernelDecode
+        assert [m.lanes for m in model.modules() if isinstance(m, BlockLinear)] == [lanes_here] * 8 + [False]
+        prompts = [[5, 6, 7, 8], list(range(3, 40))]
+        import asyncio
+
+        outs = await asyncio.gather(*(engine.generate(p, greedy(12)) for p in prompts))
+    expected = [PagedRunner(model, block_size=16).greedy(0, p, 12) for p in prompts]
+    assert [o.token_ids for o in outs] == expected

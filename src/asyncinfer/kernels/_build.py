@@ -64,6 +64,10 @@ BF16_MIN_ROWS = 9
 #: of 32 rounded and multiplied exactly in integers as below that count, sixteen rows a 512-bit register); the
 #: others (scalar, avx2) multiply float32 activations by the weights rebuilt in float32 there (the panel).
 INT16_TILE_ISAS = ("avx512", "avx512vnni")
+#: The variants that multiply Q4_0 in lanes (:func:`~asyncinfer.kernels.pack_lanes`) in vector code, 16 weight rows
+#: a 512-bit register; the others (scalar, avx2) run its plain C loop: the same results, several times slower than
+#: their own Q4_0 GEMMs, so a model's layers take the lanes only where :func:`lanes_native` (docs/formats.md).
+LANES_ISAS = ("avx512", "avx512vnni")
 
 
 class KernelISAError(ValueError):
@@ -517,6 +521,12 @@ def isa() -> str:
     """The variant the kernels run as here: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512vnni"``. RuntimeError naming
     :func:`unavailable_reason` where they cannot run."""
     return _info_or_raise()["isa"]
+
+
+def lanes_native() -> bool:
+    """Whether the loaded variant multiplies Q4_0 in lanes in vector code (:data:`LANES_ISAS`); RuntimeError naming
+    :func:`unavailable_reason` where the kernels cannot run."""
+    return isa() in LANES_ISAS
 
 
 def int16_batched() -> str:

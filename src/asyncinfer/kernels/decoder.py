@@ -15,7 +15,17 @@ import torch
 from asyncinfer.kernels._build import lib as _need
 from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, real, size, tensor
 from asyncinfer.kernels._checks import softcap as _softcap
-from asyncinfer.kernels.formats import LAYOUTS, BlockTable, activation_dtype_flag, activation_dtype_name, format_name
+from asyncinfer.kernels.formats import (
+    _ACT8,
+    LANE_ROWS,
+    LANES16,
+    LANES_FORMAT,
+    LAYOUTS,
+    BlockTable,
+    activation_dtype_flag,
+    activation_dtype_name,
+    format_name,
+)
 from asyncinfer.kernels.formats import check_blocks as _check_blocks
 from asyncinfer.kernels.ops import (
     EmbedTable,
@@ -56,6 +66,25 @@ class _Part(ctypes.Structure):
 _Parts = _Part * MAX_PARTS
 
 
+def _weights_format(fmt: object, what: str, flag: int) -> tuple[str, str, int]:
+    """A projection's format name as a layer or stack takes it: ``(name, the block format its blocks are sized as,
+    the kernels' code with ``flag``)``; :data:`LANES_FORMAT` (Q4_0 in lanes) with int8 activations only, every
+    other name one of the block formats (:func:`format_name`'s errors)."""
+    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:
+        if not flag & _ACT8:
+            raise ValueError(f"{what}: {LANES_FORMAT!r} (Q4_0 in lanes) is multiplied with int8 activations only, "
+                             f"and the layer's activation_dtype is not 'int8'")
+        return LANES_FORMAT, "q4_0", _FORMAT_CODES["q4_0"] | LANES16 | flag
+    name = format_name(fmt, what)
+    return name, name, _FORMAT_CODES[name] | flag
+
+
+def _check_lanes(name: str, fmt: str, rows: int) -> None:
+    """ValueError naming ``name`` where Q4_0 in lanes holds a row count that is not a multiple of 16."""
+    if fmt == LANES_FORMAT and rows % LANE_ROWS:
+        raise ValueError(f"{name}: Q4_0 in lanes holds a multiple of {LANE_ROWS} rows, got {rows}")
+
+
 class _Layer(ctypes.Structure):
     """``layer_t`` in asyncinfer_kernels.h: one layer's weights (raw pointers) and shape."""
 
@@ -93,15 +122,18 @@ def _projection_parts(name: str, spec: object, rows: int, k: int, flag: int = 0)
                         f"{type(blocks).__name__}")
     parts = _Parts()
     done = 0
-    fmts = tuple(format_name(f, f"{name if len(fmts) == 1 else f'{name}[{i}]'}'s format") for i, f in enumerate(fmts))
-    for i, (f, b) in enumerate(zip(fmts, runs)):
+    named = [_weights_format(f, f"{name if len(fmts) == 1 else f'{name}[{i}]'}'s format", flag)
+             for i, f in enumerate(fmts)]
+    fmts = tuple(n for n, _, _ in named)
+    for i, ((f, sized, code), b) in enumerate(zip(named, runs)):
         part = name if len(fmts) == 1 else f"{name}[{i}]"
         n = rows
         if len(fmts) > 1:  # each part's rows are its blocks' (checked against the total below)
-            tensor(part, b, torch.uint8, f"of {f} blocks")
+            tensor(part, b, torch.uint8, f"of {sized} blocks")
             n = b.shape[0] if b.dim() == 2 else -1
-        _check_blocks(b, f, n, k, part)
-        parts[i] = _Part(b.data_ptr(), n, _FORMAT_CODES[f] | flag, 0)
+        _check_blocks(b, sized, n, k, part)
+        _check_lanes(part, f, n)
+        parts[i] = _Part(b.data_ptr(), n, code, 0)
         done += n
     if done != rows:
         raise ValueError(f"{name}: its parts hold {done} rows, the layer's shape needs {rows}")
@@ -127,7 +159,10 @@ class DecodeLayer:
     after another, ``gate_up`` the gate rows then the up rows), in any block format; or, for a projection
     whose rows are in several formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K),
     ``((format, ...), (blocks, ...), bias or None)``: 1 to :data:`MAX_PARTS` runs of rows, one after another,
-    each in its own format. Norms float32 [hidden]; only ``qkv`` may have a bias (float32 [rows]).
+    each in its own format. A format may also be :data:`~asyncinfer.kernels.formats.LANES_FORMAT`, Q4_0 in lanes
+    (:func:`~asyncinfer.kernels.formats.pack_lanes`; with ``activation_dtype="int8"`` only, a multiple of 16 rows),
+    which the step multiplies by the lanes' GEMM. Norms float32 [hidden]; only ``qkv`` may have a bias (float32
+    [rows]).
     ``q_norm`` / ``k_norm`` (Qwen3): float32 [head_dim] each, or both None: every q and k head RMS-normalised
     over its head_dim values (with ``eps``, weights shared by the heads) between the projection and rope.
 
@@ -351,7 +386,8 @@ class DecodeStack:
 
     ``layers``: the model's DecodeLayers in order (kept here, with the weights they point to);
     ``final_norm`` / ``eps``: the model's last norm; ``head``: None, or the output projection as
-    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them); ``embed_scale``: what each embedding
+    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them; ``format`` as a layer's, Q4_0 in lanes
+    included); ``embed_scale``: what each embedding
     row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
     ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
     each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping);
@@ -368,6 +404,7 @@ class DecodeStack:
                  logit_softcap: float | None = None, activation_dtype: str = "int16") -> None:
         self._activation_dtype = activation_dtype_name(activation_dtype, "activation_dtype")
         self._head_flag = activation_dtype_flag(self._activation_dtype)
+        self._head_code = 0  # the head's format code with the flag (set below where there is a head)
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers must be a list of DecodeLayer, got {type(layers).__name__}")
         layers = list(layers)
@@ -397,9 +434,11 @@ class DecodeStack:
                 raise TypeError(f"head must be None or a tuple (format, blocks, out_features), got "
                                 f"{type(head).__name__}")
             fmt, blocks, out_features = head
-            fmt = format_name(fmt, "head's format")  # the plain name: the kernel reads the blocks as this one
+            # the plain name: the kernel reads the blocks as this one
+            fmt, sized, self._head_code = _weights_format(fmt, "head's format", self._head_flag)
             out_features = size("head's out_features", out_features)
-            _check_blocks(blocks, fmt, out_features, hidden, "head")
+            _check_blocks(blocks, sized, out_features, hidden, "head")
+            _check_lanes("head", fmt, out_features)
             head = (fmt, blocks, out_features)
         #: The layers and the head the kernel's pointers address (read-only: the array below is built from them).
         self._layers = tuple(layers)
@@ -645,8 +684,8 @@ class DecodeStack:
                                  ) from None
             ids = None  # type: ignore[assignment]
         if logits:  # the normed states stay inside the call
-            fmt, blocks, head_n = self._head  # type: ignore[misc]
-            out, head, result = None, (blocks.data_ptr(), _FORMAT_CODES[fmt] | self._head_flag, head_n), torch.empty(num_tokens, head_n)
+            _, blocks, head_n = self._head  # type: ignore[misc]
+            out, head, result = None, (blocks.data_ptr(), self._head_code, head_n), torch.empty(num_tokens, head_n)
         else:
             out, head, result = torch.empty(num_tokens, self._layers[0]._hidden), (None, 0, 0), None
         pointers, cache = self._cache_pointers(kv_caches)  # cache: layer 0's K [blocks, block size, KV heads, D]

@@ -401,6 +401,9 @@ def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
 
 #: Weight rows a group of Q4_0 in lanes holds (:func:`pack_lanes`; ``ASYNCINFER_FMT_LANES16``).
 LANE_ROWS = 16
+#: The name :func:`~asyncinfer.kernels.gemm`, :class:`~asyncinfer.kernels.DecodeLayer` and
+#: :class:`~asyncinfer.kernels.DecodeStack` take for Q4_0 in lanes (:func:`pack_lanes`; int8 activations only).
+LANES_FORMAT = "q4_0_lanes"
 
 
 def pack_lanes(blocks: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from asyncinfer.kernels.formats import (
     BLOCK_FORMATS,
     LANE_ROWS,
     LANES16,
+    LANES_FORMAT,
     LAYOUTS,
     BlockTable,
     activation_dtype_flag,
@@ -171,10 +172,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's, fastest at a few rows) or ``"tile"`` (16 rows a register on the AVX-512 builds, the rows elsewhere:
     about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. ``lanes=True``: ``packed`` is
-    Q4_0 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"``, int8
-    activations, ``out_features`` a multiple of 16), multiplied by its one GEMM at every number of rows
-    (``int8_kernel`` ignored), each row's result the same whatever the others. Runs on torch's intra-op
-    thread count.
+    Q4_0 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` or
+    :data:`~asyncinfer.kernels.formats.LANES_FORMAT`, int8 activations, ``out_features`` a multiple of 16),
+    multiplied by its own GEMM (16 weight rows a register: the fastest at 1 to ~32 rows) or, with
+    ``int8_kernel="tile"`` from 32 rows on, by the tile reading each weight row out of the lanes (AVX-512 builds;
+    elsewhere the lanes' GEMM at every count); the same float32 operations either way, so the same results, each
+    row's the same whatever the others. Runs on torch's intra-op thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
     not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);
@@ -184,6 +187,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     MemoryError when the output or working memory cannot be allocated.
     """
     lib = _need()
+    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:  # the lanes' own name: lanes=True
+        fmt, lanes = "q4_0", True if isinstance(lanes, bool) else lanes
     fmt = format_name(fmt)  # an unknown format named before the activations
     dtype = activation_dtype_name(activation_dtype)
     flag = activation_dtype_flag(dtype)
@@ -196,7 +201,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
                              f"and activation_dtype={dtype!r}")
         if out_features % LANE_ROWS:
             raise ValueError(f"lanes=True: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
-    flag |= LANES16 if lanes else tile if flag else 0  # (the lanes' one GEMM takes no tile flag)
+    flag |= (LANES16 if lanes else 0) | (tile if flag else 0)
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"x: the {fmt} kernel takes 2-D float32 CPU activations [M, K], got {tuple(x.shape)} "

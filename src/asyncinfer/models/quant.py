@@ -395,12 +395,21 @@ class BlockLinear(FormatLinear):
     ``int8_kernel`` (:data:`asyncinfer.kernels.INT8_KERNELS`): ``"tile"`` (default) for a decoder layer's
     projection, which meets a prefill's every token, ``"rows"`` for the output projection, which meets a row per
     sampled request.
+
+    ``lanes``: whether the blocks are held as Q4_0 in lanes (:func:`asyncinfer.kernels.pack_lanes`, 16 weight rows a
+    register), chosen once at construction for a Q4_0 decoder-layer projection (``int8_kernel="tile"``) with int8
+    activations and a multiple of 16 output rows where the kernels run the lanes in vector code
+    (:func:`asyncinfer.kernels.lanes_native`): a decode step's GEMM then reads 16 weight rows a register, and a
+    prefill's tile reads each row out of its group, with the same results as the layout of ggml's blocks gives the
+    tile (docs/formats.md, "Q4_0 in lanes"). :meth:`kernel_weights` names the layout
+    (:data:`asyncinfer.kernels.LANES_FORMAT`).
     """
 
     fmt = ""
     _CHUNK_ROWS = 4096
     activation_dtype = "int16"
     int8_kernel = "tile"
+    lanes = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16",
                  int8_kernel: str = "tile") -> None:
@@ -440,19 +449,24 @@ class BlockLinear(FormatLinear):
     def _hold(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
               lossless: bool) -> None:
         self.out_features, self.in_features, self.lossless = out_features, in_features, lossless
-        self._blocks = packed
+        self.lanes = (self.fmt == "q4_0" and self.activation_dtype == "int8" and self.int8_kernel == "tile"
+                      and out_features % kernels.LANE_ROWS == 0 and kernels.available() and kernels.lanes_native())
+        # Q4_0 in lanes: a copy of the same size (the file's mapped blocks are then released by the loader)
+        self._blocks = kernels.pack_lanes(packed) if self.lanes else packed
         self._bias = _float_bias(bias)
         self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
 
     @property
     def kind(self) -> str:  # type: ignore[override]
         act = f", {self.activation_dtype} activations" if self.activation_dtype != "int16" else ""
-        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'}{act})"
+        lanes = ", in lanes" if self.lanes else ""
+        return f"{self.fmt} ({'lossless' if self.lossless else 'lossy'}{act}{lanes})"
 
     def kernel_weights(self) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         """``(format, blocks, float32 bias or None)``: this layer's weights as :func:`asyncinfer.kernels.gemm`
-        and :class:`asyncinfer.kernels.DecodeLayer` take them (the tensors themselves, not copies)."""
-        return self.fmt, self._blocks, self._bias
+        and :class:`asyncinfer.kernels.DecodeLayer` take them (the tensors themselves, not copies); the format is
+        :data:`asyncinfer.kernels.LANES_FORMAT` for blocks held in lanes (:attr:`lanes`)."""
+        return (kernels.LANES_FORMAT if self.lanes else self.fmt), self._blocks, self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -460,10 +474,11 @@ class BlockLinear(FormatLinear):
         if torch.autograd.profiler._is_profiler_enabled:  # named in traces like any torch op
             with torch.profiler.record_function(f"asyncinfer::gemm_{self.fmt}"):
                 out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias,
-                                   activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel)
+                                   activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel,
+                                   lanes=self.lanes)
         else:
             out = kernels.gemm(x2, self._blocks, self.fmt, self.out_features, self._bias,
-                               activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel)
+                               activation_dtype=self.activation_dtype, int8_kernel=self.int8_kernel, lanes=self.lanes)
         return out.view(*lead, self.out_features)  # [..., out]
 
 
@@ -798,7 +813,7 @@ def _embedding_from_source(fmt: str, stored: StoredProjection, head: nn.Module |
     head built from those same blocks (one copy), else the file's blocks as they lie (no copy); the source is
     released either way."""
     try:
-        if isinstance(head, BlockLinear) and head.fmt == fmt and head.lossless:
+        if isinstance(head, BlockLinear) and head.fmt == fmt and head.lossless and not head.lanes:
             return BlockEmbedding(kernels.BlockTable(head.kernel_weights()[1], fmt, packed=True), shared=True)
         if stored.format != fmt:
             raise ValueError(f"fmt: the embedding is stored as {stored.format!r}, not {fmt!r}")

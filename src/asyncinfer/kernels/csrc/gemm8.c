@@ -670,6 +670,10 @@ gemm_fn ai_gemm8_of(int fmt) {
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
 }
 
+/* Q4_0 in lanes (ASYNCINFER_FMT_LANES16; its GEMM at the end of this file, the tile below reads it too). */
+#define LANE_ROWS 16
+#define LANE_BLOCK 288 /* bytes of a group's block: 16 float16 scales, 4 runs of 64 bytes of nibbles */
+
 #ifdef AI_AVX512
 /* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
  * 16 activation rows to a register. The decoder layers' projections take it in prefills and mixed steps
@@ -781,6 +785,21 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
         _mm256_storeu_si256((__m256i *)(r->u + 32 * b), u);
         r->s[b] = ai_half_to_float(block_d16(fmt, row, nb, b));
         if (has_min8(fmt)) r->mn[b] = block_min(fmt, row, nb, b);
+    }
+}
+
+/* Weight row n of Q4_0 in lanes unpacked as tile8_unpack unpacks a Q4_0 row: each block's 16 bytes of nibbles
+ * gathered from its four runs (bytes 4c to 4c + 3 from run c), its scale from the group's 16. */
+static inline void tile8_unpack_lanes(const uint8_t *w, int64_t n, int64_t K, const wrow8 *r) {
+    const int64_t nb = K / QK;
+    const uint8_t *g = w + n / LANE_ROWS * nb * LANE_BLOCK;
+    const int lane = (int)(n % LANE_ROWS);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * LANE_BLOCK;
+        uint8_t qs[16];
+        for (int c = 0; c < 4; c++) memcpy(qs + 4 * c, blk + 32 + 64 * c + 4 * lane, 4);
+        _mm256_storeu_si256((__m256i *)(r->u + 32 * b), ai_nibbles32(qs));
+        r->s[b] = ai_half_at(blk + 2 * lane);
     }
 }
 
@@ -930,7 +949,7 @@ static inline void tile_store(const __m512 *out, int C, int64_t r0, int64_t p1, 
 
 /* What a thread's run of weight rows needs (tile8_cols): the pass's groups, its own unpacked rows, the output. */
 typedef struct {
-    int fmt;
+    int fmt, lanes; /* lanes: Q4_0 in lanes (w its groups), else the format's rows */
     const uint8_t *w;
     int64_t row_bytes, K, ng, p0, p1, gbytes, ldy;
     char *gmem;
@@ -942,7 +961,12 @@ typedef struct {
 /* Weight rows [n0, n0 + C) against every group of the pass: unpacked once, then each pair of groups. */
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
-    for (int c = 0; c < C; c++) tile8_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, &j->wr[c]);
+    for (int c = 0; c < C; c++) {
+        if (fmt == ASYNCINFER_FMT_Q4_0 && j->lanes)
+            tile8_unpack_lanes(j->w, n0 + c, K, &j->wr[c]);
+        else
+            tile8_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, &j->wr[c]);
+    }
     group8 gs[T8_GROUPS];
     for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
         const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
@@ -989,7 +1013,7 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
 TILE_COLS_OF(tile8, tile8_job)
 
 static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
-                      const float *bias, float *y, int64_t ldy, int threads) {
+                      const float *bias, float *y, int64_t ldy, int threads, int lanes) {
     const tile8_cols_fn cols = tile8_cols_of(fmt);
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
@@ -1022,7 +1046,7 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++)
                 wr[c] = tile8_wrow_in(wmem + ai_thread_num() * wbytes + c * tile8_wrow_bytes(K), K);
-            const tile8_job job = {fmt, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y};
+            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y};
             _Pragma("omp for schedule(static)")
             for (int64_t n0 = 0; n0 < N; n0 += T8_COLS) cols(&job, n0, (int)(N - n0 < T8_COLS ? N - n0 : T8_COLS));
         }
@@ -1035,7 +1059,7 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
     static int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N, const float *bias, \
                     float *y, int64_t ldy, int threads, void *scratch) {                          \
         (void)scratch;                                                                            \
-        return tile8_gemm(FMT, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads);       \
+        return tile8_gemm(FMT, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads, 0);    \
     }
 TILE8(ai_tile8_q4_1, ASYNCINFER_FMT_Q4_1)
 TILE8(ai_tile8_q8_0, ASYNCINFER_FMT_Q8_0)
@@ -1045,6 +1069,14 @@ TILE8(ai_tile8_q5_1, ASYNCINFER_FMT_Q5_1)
 TILE8(ai_tile8_q4_k, ASYNCINFER_FMT_Q4_K)
 TILE8(ai_tile8_q5_k, ASYNCINFER_FMT_Q5_K)
 TILE8(ai_tile8_q6_k, ASYNCINFER_FMT_Q6_K)
+
+/* Q4_0 in lanes (N a multiple of 16), each weight row read from its group: the same float32 operations as the
+ * lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
+static int ai_tile8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                               const float *bias, float *y, int64_t ldy, int threads) {
+    if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
+    return tile8_gemm(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads, 1);
+}
 
 static gemm_fn tile8_of(int fmt) {
     static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_tile8_q4_1, ai_tile8_q8_0, ai_tile8_q4_0, ai_tile8_q5_0,
@@ -1302,8 +1334,6 @@ int ai_tile16_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, c
  * the same in every variant (the plain C loop below is the reference and the non-AVX-512 variants' path). Four
  * int8 activations broadcast to every lane meet four bytes of each of the 16 rows in one vpdpbusd: no horizontal
  * sums, the float32 work of a block shared by 16 weight rows. */
-#define LANE_ROWS 16
-#define LANE_BLOCK 288 /* bytes of a group's block: 16 float16 scales, 4 runs of 64 bytes of nibbles */
 #define LANE_PASS 8    /* activation rows a pass over a group's blocks takes */
 
 static inline float lane_scale(const uint8_t *blk, int r) { return ai_half_at(blk + 2 * r); }
@@ -1424,12 +1454,21 @@ int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const
     return 0;
 }
 
+/* Activation rows from which Q4_0 in lanes with ASYNCINFER_FMT_TILE8 takes the tile (AVX-512 builds): below it the
+ * lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core). */
+#define LANES_TILE_MIN_ROWS 32
+
 /* kernels.gemm's entry: an int8-activation format with ASYNCINFER_FMT_TILE8 takes the tile where the build has
- * one (AVX-512), the rows elsewhere (Q4_0 in lanes: its one GEMM); the other codes their GEMM. */
+ * one (AVX-512), the rows elsewhere (Q4_0 in lanes: the tile reading the lanes from LANES_TILE_MIN_ROWS rows on,
+ * else the lanes' own GEMM, the same results either way); the other codes their GEMM. */
 int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
-    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0))
+    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0)) {
+#ifdef AI_AVX512
+        if (M >= LANES_TILE_MIN_ROWS) return ai_tile8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads);
+#endif
         fmt -= ASYNCINFER_FMT_TILE8;
+    }
     if (fmt >= ASYNCINFER_FMT_TILE8) {
         fmt -= ASYNCINFER_FMT_TILE8;
         if (fmt < ASYNCINFER_FMT_ACT8 || fmt >= ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;
