@@ -36,12 +36,19 @@ def main() -> int:
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--activation-dtype", default="int16", choices=["int16", "int8", "bfloat16"],
                    help="how the block formats' kernels round a step's activations (the engine option)")
+    p.add_argument("--lanes", default="auto", choices=["auto", "off"],
+                   help="off: Q4_0 layers keep ggml's layout with int8 activations (the engine's choice forced off, "
+                        "as the tests force it), to compare with the lanes (docs/formats.md, 'Q4_0 in lanes')")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from asyncinfer import AsyncEngine, SamplingParams
+    from asyncinfer import AsyncEngine, SamplingParams, kernels
+    from asyncinfer.models.quant import BlockLinear
     from asyncinfer.request import Request
+
+    if args.lanes == "off":
+        kernels.lanes_native = lambda: False  # read by each Q4_0 layer as it is built
 
     engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024,
                                          activation_dtype=args.activation_dtype)
@@ -69,6 +76,8 @@ def main() -> int:
         "weight_bytes_per_token": per_token, "probe_gb_s": probe,
         "step_of_probe": per_token / step / 1e9 / probe,
         "projections_of_probe": per_token / projections / 1e9 / probe,
+        "activation_dtype": args.activation_dtype,
+        "projections_in_lanes": sum(isinstance(m, BlockLinear) and m.lanes for m in core.runner.model.modules()),
     }
     print(f"{args.model.name}, {args.threads} threads: step {summary['step_ms']:.2f} ms ({summary['tokens_per_s']:.1f} "
           f"tok/s), projections {summary['projections_ms']:.2f} ms ({summary['projections_share']:.1%} of it), "
