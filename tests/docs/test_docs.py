@@ -944,3 +944,59 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
     assert (f"One core with the weights in cache reads {by8['q4_0', 1]['baseline_gb_per_s']:.1f} -> "
             f"{by8['q4_0', 1]['now_gb_per_s']:.1f} GB/s in Q4_0 and {by8['q4_1', 1]['baseline_gb_per_s']:.1f} -> "
             f"{by8['q4_1', 1]['now_gb_per_s']:.1f} in Q4_1 at one row") in quads
+
+
+def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
+    """docs/formats.md's "Q4_0 in lanes" and the README's sentence: the decode steps with and without the lanes, the
+    peer ratios and probe shares, the prompts' tokens, each the record's (and the quads record's, in brackets)."""
+    import json
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**Q4_0 in lanes.**"):formats.index("Q4_K in a layout of that kind")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rows, lanes = load("decode_split_1b_q4_0_int8_rows_zen4"), load("decode_split_1b_q4_0_int8_lanes_zen4")
+    r, lane = rows["summary"], lanes["summary"]
+    assert rows["commit"] == lanes["commit"] and f"back to back at {rows['commit'][:7]}," in section
+    assert (r["activation_dtype"], r["projections_in_lanes"], lane["activation_dtype"], lane["projections_in_lanes"]
+            ) == ("int8", 0, "int8", 64)
+    assert "--lanes off" in rows["command"] and "--lanes" not in lanes["command"]
+    steps = (f"**{r['step_ms']:.2f} ms with the int8 rows and {lane['step_ms']:.2f} ms with the 64 projections in "
+             f"lanes** ({r['step_ms'] / lane['step_ms']:.2f}x), the step reading the weights at "
+             f"{r['step_of_probe']:.0%} and {lane['step_of_probe']:.0%} of each run's read probe "
+             f"({r['probe_gb_s']:.1f} and {lane['probe_gb_s']:.1f} GB/s)")
+    assert steps in section
+    assert f"takes {lane['step_ms']:.2f} ms against {r['step_ms']:.2f} ms with the int8 rows" in readme
+    peer, quads = load("peer_1b_q4_0_int8_lanes_zen4"), load("peer_1b_q4_0_int8_quads_zen4")
+    assert f"at {peer['commit'][:7]}, `peer_1b_q4_0_int8_lanes_zen4.json`" in section
+    one, many = peer["one_request"], peer["many"]
+    rounds = ", ".join(f"{x['asyncinfer_bandwidth_use']:.0%}" for x in one["rounds"])
+    probes = [p for x in one["rounds"] for p in x["probe_gb_s"]]
+    assert (f"one request {one['median_ratio']:.2f}x llama.cpp's rate ({quads['one_request']['median_ratio']:.2f}x), "
+            f"at {one['asyncinfer_bandwidth_use']:.0%} of the read probe in the median round ({rounds} in the three "
+            f"rounds, each against its own probe, which moved between {min(probes):.0f} and {max(probes):.0f} GB/s"
+            in section)
+    assert (f"32 requests **{many['ratio_prefix_cache_off']:.2f}x** without the prefix cache "
+            f"({quads['many']['ratio_prefix_cache_off']:.2f}x; the goal is 2x: **behind**) and "
+            f"{many['ratio_prefix_cache_on']:.2f}x with it ({quads['many']['ratio_prefix_cache_on']:.2f}x), a "
+            f"256-token prompt prefilled at {peer['prefill']['median_ratio']:.2f}x "
+            f"({quads['prefill']['median_ratio']:.2f}x)") in section
+    assert (f"Q4_0 decodes one request at {one['median_ratio']:.2f}x llama.cpp ({one['asyncinfer_bandwidth_use']:.0%} "
+            f"of the read probe") in readme
+    assert (f"32 requests at **{many['ratio_prefix_cache_off']:.2f}x** without the prefix cache (**behind** the 2x "
+            f"goal) and {many['ratio_prefix_cache_on']:.2f}x with it") in readme
+    assert one["asyncinfer_bandwidth_use"] < 0.85 and many["ratio_prefix_cache_off"] < 2  # "behind", as said
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peer import workload
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    settings = peer["settings"]
+    prompts, lengths = workload(32000, settings["num_requests"], settings["shared_prefix"],
+                                (settings["min_tail"], settings["max_tail"]),
+                                (settings["min_new_tokens"], settings["max_new_tokens"]), settings["seed"])
+    assert f"({sum(map(len, prompts)):,} prompt tokens against {sum(lengths):,} new ones)" in section
