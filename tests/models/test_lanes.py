@@ -133,12 +133,12 @@ def test_a_q4_0_layer_takes_the_lanes_only_for_int8_tile_projections_of_sixteen_
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
-def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_beside_sixteen_others(
+def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_beside_forty_others(
         tmp_path, lanes_here) -> None:
     """A Q4_0 model with int8 activations: its decoder projections in lanes where the choice says so (never its
     output projection), the kernels' one-call step taking them (format LANES_FORMAT); its logits are the op-by-op
     reference's within what a last bit's rounding flip moves, and one request's logits are the same bits decoded
-    alone as beside 16 others (each row its own passes through the lanes and its own attention)."""
+    alone (the lanes' GEMM) as beside 40 others (the tile over the lanes, where the build has it)."""
     from asyncinfer.models import load_model
     from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
     from asyncinfer.models.decode_backends import KernelDecode, TorchDecode
@@ -157,9 +157,10 @@ def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_besi
     kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
     fmt = kernels.LANES_FORMAT if lanes_here else "q4_0"
     assert all(layer._args[name][0] == fmt for layer in kernel.stack.layers for name in ("qkv", "o", "gate_up", "down"))
-    alone, crowd, plain = PagedRunner(model, seed=1), PagedRunner(model, num_blocks=256, seed=2), PagedRunner(model, seed=1)
+    alone, crowd, plain = PagedRunner(model, seed=1), PagedRunner(model, num_blocks=640, seed=2), PagedRunner(model, seed=1)
     prompt = list(range(3, 14))
-    others = [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s)]) for s in range(2, 18)]
+    # 40 others: the step's 41 rows pass the 32 from which the decode step multiplies by the tile over the lanes
+    others = [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s % 17)]) for s in range(2, 42)]
     first = kernel.forward(alone.step_batch([(1, prompt)], last_only=True), alone.kv_caches)
     kernel.forward(crowd.step_batch([(1, prompt), *others], last_only=True), crowd.kv_caches)
     reference.forward(plain.step_batch([(1, prompt)], last_only=True), plain.kv_caches)
@@ -169,7 +170,7 @@ def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_besi
         b = kernel.forward(crowd.step_batch([(1, [last]), *((s, [t]) for (s, _), t in zip(others, crowd_last))]),
                            crowd.kv_caches)
         r = reference.forward(plain.step_batch([(1, [last])]), plain.kv_caches)
-        assert b.logits.shape[0] == 17 and torch.equal(a.logits[0], b.logits[0])  # the same bits beside 16 others
+        assert b.logits.shape[0] == 41 and torch.equal(a.logits[0], b.logits[0])  # the same bits beside 40 others
         assert ((a.logits - r.logits).norm() / r.logits.norm()).item() < 3e-2
         last, crowd_last = a.greedy_ids[0], b.greedy_ids[1:]
     if lanes_here:  # the kernels' layer takes the lanes with int8 activations only, in groups of 16 rows

@@ -65,8 +65,8 @@ BF16_MIN_ROWS = 9
 #: others (scalar, avx2) multiply float32 activations by the weights rebuilt in float32 there (the panel).
 INT16_TILE_ISAS = ("avx512", "avx512vnni")
 #: The variants that multiply Q4_0 in lanes (:func:`~asyncinfer.kernels.pack_lanes`) in vector code, 16 weight rows
-#: a 512-bit register; the others (scalar, avx2) run its plain C loop: the same results, several times slower than
-#: their own Q4_0 GEMMs, so a model's layers take the lanes only where :func:`lanes_native` (docs/formats.md).
+#: a 512-bit register; the others (scalar, avx2) run its plain C loop: the same results, written for the tests'
+#: comparison and not for speed, so a model's layers take the lanes only where :func:`lanes_native` (docs/formats.md).
 LANES_ISAS = ("avx512", "avx512vnni")
 
 

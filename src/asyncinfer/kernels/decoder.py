@@ -17,6 +17,7 @@ from asyncinfer.kernels._checks import MAX_BYTES, bounded, contiguous, memory, r
 from asyncinfer.kernels._checks import softcap as _softcap
 from asyncinfer.kernels.formats import (
     _ACT8,
+    _TILE8,
     LANE_ROWS,
     LANES16,
     LANES_FORMAT,
@@ -73,8 +74,9 @@ def _weights_format(fmt: object, what: str, flag: int) -> tuple[str, str, int]:
     if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:
         if not flag & _ACT8:
             raise ValueError(f"{what}: {LANES_FORMAT!r} (Q4_0 in lanes) is multiplied with int8 activations only, "
-                             f"and the layer's activation_dtype is not 'int8'")
-        return LANES_FORMAT, "q4_0", _FORMAT_CODES["q4_0"] | LANES16 | flag
+                             f"and activation_dtype is not 'int8'")
+        # with the tile flag: the tile over the lanes from 32 rows on (a step of many decodes), the same results
+        return LANES_FORMAT, "q4_0", _FORMAT_CODES["q4_0"] | LANES16 | _TILE8 | flag
     name = format_name(fmt, what)
     return name, name, _FORMAT_CODES[name] | flag
 
@@ -161,7 +163,8 @@ class DecodeLayer:
     ``((format, ...), (blocks, ...), bias or None)``: 1 to :data:`MAX_PARTS` runs of rows, one after another,
     each in its own format. A format may also be :data:`~asyncinfer.kernels.formats.LANES_FORMAT`, Q4_0 in lanes
     (:func:`~asyncinfer.kernels.formats.pack_lanes`; with ``activation_dtype="int8"`` only, a multiple of 16 rows),
-    which the step multiplies by the lanes' GEMM. Norms float32 [hidden]; only ``qkv`` may have a bias (float32
+    which the step multiplies by the lanes' GEMM (from 32 decodes on by the int8 tile reading the lanes, where the
+    build has it: the same results). Norms float32 [hidden]; only ``qkv`` may have a bias (float32
     [rows]).
     ``q_norm`` / ``k_norm`` (Qwen3): float32 [head_dim] each, or both None: every q and k head RMS-normalised
     over its head_dim values (with ``eps``, weights shared by the heads) between the projection and rope.

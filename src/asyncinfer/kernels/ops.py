@@ -187,20 +187,21 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     MemoryError when the output or working memory cannot be allocated.
     """
     lib = _need()
-    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:  # the lanes' own name: lanes=True
-        fmt, lanes = "q4_0", True if isinstance(lanes, bool) else lanes
+    if not isinstance(lanes, bool):
+        raise TypeError(f"lanes must be True or False, got {type(lanes).__name__}")
+    asked = "lanes=True"
+    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:  # the lanes' own name: lanes, whatever ``lanes``
+        fmt, lanes, asked = "q4_0", True, f"fmt={LANES_FORMAT!r}"
     fmt = format_name(fmt)  # an unknown format named before the activations
     dtype = activation_dtype_name(activation_dtype)
     flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
-    if not isinstance(lanes, bool):
-        raise TypeError(f"lanes must be True or False, got {type(lanes).__name__}")
     if lanes:
         if fmt != "q4_0" or dtype != "int8":
-            raise ValueError(f"lanes=True: Q4_0 in lanes is multiplied with int8 activations only, got fmt={fmt!r} "
-                             f"and activation_dtype={dtype!r}")
+            raise ValueError(f"{asked}: Q4_0 in lanes is multiplied with int8 activations only, got "
+                             f"{'' if asked.startswith('fmt') else f'fmt={fmt!r} and '}activation_dtype={dtype!r}")
         if out_features % LANE_ROWS:
-            raise ValueError(f"lanes=True: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
+            raise ValueError(f"{asked}: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
     flag |= (LANES16 if lanes else 0) | (tile if flag else 0)
     tensor("x", x)
     if x.dtype != torch.float32 or x.dim() != 2:

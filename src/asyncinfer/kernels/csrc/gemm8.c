@@ -1458,17 +1458,22 @@ int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const
  * lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core). */
 #define LANES_TILE_MIN_ROWS 32
 
+/* Q4_0 in lanes with ASYNCINFER_FMT_TILE8 (a prefill's, and the decode step's at every batch): the tile reading the
+ * lanes from LANES_TILE_MIN_ROWS rows on where the build has it, else the lanes' own GEMM; the same results. */
+int ai_gemm8_q4_0_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                             const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+#ifdef AI_AVX512
+    if (M >= LANES_TILE_MIN_ROWS) return ai_tile8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads);
+#endif
+    return ai_gemm8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
 /* kernels.gemm's entry: an int8-activation format with ASYNCINFER_FMT_TILE8 takes the tile where the build has
- * one (AVX-512), the rows elsewhere (Q4_0 in lanes: the tile reading the lanes from LANES_TILE_MIN_ROWS rows on,
- * else the lanes' own GEMM, the same results either way); the other codes their GEMM. */
+ * one (AVX-512), the rows elsewhere (Q4_0 in lanes: ai_gemm8_q4_0_lanes_tile); the other codes their GEMM. */
 int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
-    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0)) {
-#ifdef AI_AVX512
-        if (M >= LANES_TILE_MIN_ROWS) return ai_tile8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads);
-#endif
-        fmt -= ASYNCINFER_FMT_TILE8;
-    }
+    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0))
+        return ai_gemm8_q4_0_lanes_tile(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
     if (fmt >= ASYNCINFER_FMT_TILE8) {
         fmt -= ASYNCINFER_FMT_TILE8;
         if (fmt < ASYNCINFER_FMT_ACT8 || fmt >= ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;
