@@ -27,6 +27,10 @@ def test_the_layout_puts_sixteen_rows_of_a_block_together_and_unpacks_to_the_sam
         assert torch.equal(groups[g, b, 2 * r: 2 * r + 2], blk[:2])  # row r's float16 scale
         for c in range(4):  # run c: bytes 4c to 4c + 3 of each row's nibbles, row r at 4r
             assert torch.equal(groups[g, b, 32 + 64 * c + 4 * r: 32 + 64 * c + 4 * r + 4], blk[2 + 4 * c: 6 + 4 * c])
+    wide = torch.cat([blocks, blocks], dim=1)[:, : blocks.shape[1]]  # a view: not contiguous, the same blocks
+    assert not wide.is_contiguous() and torch.equal(kernels.pack_lanes(wide), lanes)
+    for empty in (blocks[:0], blocks[:, :0]):  # no rows, no blocks
+        assert kernels.pack_lanes(empty).shape == empty.shape and kernels.unpack_lanes(kernels.pack_lanes(empty)).shape == empty.shape
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
