@@ -969,6 +969,12 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
              f"({r['probe_gb_s']:.1f} and {lane['probe_gb_s']:.1f} GB/s)")
     assert steps in section
     assert f"takes {lane['step_ms']:.2f} ms against {r['step_ms']:.2f} ms with the int8 rows" in readme
+    rows512, lanes512 = load("decode_split_1b_q4_0_int8_rows_avx512_zen4"), load("decode_split_1b_q4_0_int8_lanes_avx512_zen4")
+    assert rows512["machine"]["kernels"]["isa"] == lanes512["machine"]["kernels"]["isa"] == "avx512"
+    assert rows512["commit"] == lanes512["commit"] and f"the same two commands at {rows512['commit'][:7]}," in section
+    assert (rows512["summary"]["projections_in_lanes"], lanes512["summary"]["projections_in_lanes"]) == (0, 64)
+    a, b = rows512["summary"]["step_ms"], lanes512["summary"]["step_ms"]
+    assert f"**{a:.2f} ms with the rows, {b:.2f} ms in lanes** ({a / b:.2f}x)" in section
     peer, quads = load("peer_1b_q4_0_int8_lanes_zen4"), load("peer_1b_q4_0_int8_quads_zen4")
     assert f"at {peer['commit'][:7]}, `peer_1b_q4_0_int8_lanes_zen4.json`" in section
     one, many = peer["one_request"], peer["many"]
