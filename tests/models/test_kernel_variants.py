@@ -228,29 +228,43 @@ def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
         assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any(), kernel
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("isa", [*VARIANTS, *(name for name in _emulations_needed() if name == EMULATED_VNNI)])
-def test_q4_0_in_lanes_is_the_same_on_every_variant_bit_for_bit(isa) -> None:
+def test_q4_0_in_lanes_is_the_same_on_every_variant_bit_for_bit(isa, fmt) -> None:
     """Q4_0 in lanes (kernels.pack_lanes): every variant rounds the activations to the same int8 values, forms the
     same integers and does the same float32 operations in the same order (a multiply, then a fused multiply-add, a
     block at a time): the plain C loop of the scalar and avx2 variants and the AVX-512 builds' vectors agree to the
     last bit, outliers and a row with an infinity (NaN, that row only) included; and so does the tile reading the
-    lanes (``int8_kernel="tile"``: a prefill's, on the AVX-512 builds; the lanes' own GEMM elsewhere)."""
+    lanes (``int8_kernel="tile"``: a prefill's, on the AVX-512 builds; the lanes' own GEMM elsewhere). Q4_1 in lanes
+    adds each block's minimum times the activations' float32 sum, which the scalar variant adds up in another order
+    than the vector ones: every variant but scalar the avx2 variant's bits, scalar within float32 rounding of them."""
     runs_here(isa)
+    reference = "scalar" if fmt == "q4_0" or isa == "scalar" else "avx2"
+    runs_here(reference)
     n, k = 32, 800
-    lanes = kernels.pack_lanes(random_blocks("q4_0", n, k, seed=5))
+    blocks = kernels.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.1, fmt)
+    lanes = kernels.pack_lanes(blocks, fmt)
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen)
+    dense = kernels.dequantize(blocks, fmt)
     for rows in (1, 3, 8, 13, 40):
         x = torch.randn(rows, k, generator=gen)
         x[0, 32:64] *= 1e4
         x[-1, ::32] = 50.0
         if rows == 13:
             x[4, 100] = float("inf")
-        with on("scalar"):
-            want = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", lanes=True)
+        with on(reference):
+            want = kernels.gemm(x, lanes, fmt, n, bias, activation_dtype="int8", lanes=True)
+        if fmt == "q4_1" and isa != "scalar":  # the scalar variant's sums: within float32 rounding
+            with on("scalar"):
+                scalar = kernels.gemm(x, lanes, fmt, n, bias, activation_dtype="int8", lanes=True)
+            bound = 1e-5 * (x.abs() @ dense.abs().T).nan_to_num(posinf=0.0) + 1e-5
+            finite = ~want.isnan()
+            assert torch.equal(scalar.isnan(), want.isnan())
+            assert ((scalar - want).abs()[finite] <= bound[finite]).all(), (isa, rows)
         for kernel in kernels.INT8_KERNELS:
             with on(isa):
-                got = kernels.gemm(x, lanes, "q4_0", n, bias, activation_dtype="int8", int8_kernel=kernel, lanes=True)
+                got = kernels.gemm(x, lanes, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel, lanes=True)
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), (
                 isa, kernel, rows)
             assert got[4].isnan().all() if rows == 13 else not got.isnan().any()

@@ -64,7 +64,7 @@ BF16_MIN_ROWS = 9
 #: of 32 rounded and multiplied exactly in integers as below that count, sixteen rows a 512-bit register); the
 #: others (scalar, avx2) multiply float32 activations by the weights rebuilt in float32 there (the panel).
 INT16_TILE_ISAS = ("avx512", "avx512vnni")
-#: The variants that multiply Q4_0 in lanes (:func:`~asyncinfer.kernels.pack_lanes`) in vector code, 16 weight rows
+#: The variants that multiply Q4_0 and Q4_1 in lanes (:func:`~asyncinfer.kernels.pack_lanes`) in vector code, 16 rows
 #: a 512-bit register; the others (scalar, avx2) run its plain C loop: the same results, written for the tests'
 #: comparison and not for speed, so a model's layers take the lanes only where :func:`lanes_native` (docs/formats.md).
 LANES_ISAS = ("avx512", "avx512vnni")
@@ -524,8 +524,8 @@ def isa() -> str:
 
 
 def lanes_native() -> bool:
-    """Whether the loaded variant multiplies Q4_0 in lanes in vector code (:data:`LANES_ISAS`); RuntimeError naming
-    :func:`unavailable_reason` where the kernels cannot run."""
+    """Whether the loaded variant multiplies Q4_0 and Q4_1 in lanes in vector code (:data:`LANES_ISAS`);
+    RuntimeError naming :func:`unavailable_reason` where the kernels cannot run."""
     return isa() in LANES_ISAS
 
 

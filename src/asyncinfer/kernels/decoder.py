@@ -20,7 +20,7 @@ from asyncinfer.kernels.formats import (
     _TILE8,
     LANE_ROWS,
     LANES16,
-    LANES_FORMAT,
+    LANES_FORMATS,
     LAYOUTS,
     BlockTable,
     activation_dtype_flag,
@@ -69,22 +69,23 @@ _Parts = _Part * MAX_PARTS
 
 def _weights_format(fmt: object, what: str, flag: int) -> tuple[str, str, int]:
     """A projection's format name as a layer or stack takes it: ``(name, the block format its blocks are sized as,
-    the kernels' code with ``flag``)``; :data:`LANES_FORMAT` (Q4_0 in lanes) with int8 activations only, every
-    other name one of the block formats (:func:`format_name`'s errors)."""
-    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:
+    the kernels' code with ``flag``)``; a name of :data:`LANES_FORMATS` (Q4_0 / Q4_1 in lanes) with int8 activations
+    only, every other name one of the block formats (:func:`format_name`'s errors)."""
+    if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:
+        name = str.__str__(fmt)
         if not flag & _ACT8:
-            raise ValueError(f"{what}: {LANES_FORMAT!r} (Q4_0 in lanes) is multiplied with int8 activations only, "
-                             f"and activation_dtype is not 'int8'")
+            raise ValueError(f"{what}: {name!r} ({LANES_FORMATS[name]} in lanes) is multiplied with int8 activations "
+                             f"only, and activation_dtype is not 'int8'")
         # with the tile flag: the tile over the lanes from 32 rows on (a step of many decodes), the same results
-        return LANES_FORMAT, "q4_0", _FORMAT_CODES["q4_0"] | LANES16 | _TILE8 | flag
+        return name, LANES_FORMATS[name], _FORMAT_CODES[LANES_FORMATS[name]] | LANES16 | _TILE8 | flag
     name = format_name(fmt, what)
     return name, name, _FORMAT_CODES[name] | flag
 
 
 def _check_lanes(name: str, fmt: str, rows: int) -> None:
-    """ValueError naming ``name`` where Q4_0 in lanes holds a row count that is not a multiple of 16."""
-    if fmt == LANES_FORMAT and rows % LANE_ROWS:
-        raise ValueError(f"{name}: Q4_0 in lanes holds a multiple of {LANE_ROWS} rows, got {rows}")
+    """ValueError naming ``name`` where a format in lanes holds a row count that is not a multiple of 16."""
+    if fmt in LANES_FORMATS and rows % LANE_ROWS:
+        raise ValueError(f"{name}: {LANES_FORMATS[fmt]} in lanes holds a multiple of {LANE_ROWS} rows, got {rows}")
 
 
 class _Layer(ctypes.Structure):
@@ -161,8 +162,9 @@ class DecodeLayer:
     after another, ``gate_up`` the gate rows then the up rows), in any block format; or, for a projection
     whose rows are in several formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K),
     ``((format, ...), (blocks, ...), bias or None)``: 1 to :data:`MAX_PARTS` runs of rows, one after another,
-    each in its own format. A format may also be :data:`~asyncinfer.kernels.formats.LANES_FORMAT`, Q4_0 in lanes
-    (:func:`~asyncinfer.kernels.formats.pack_lanes`; with ``activation_dtype="int8"`` only, a multiple of 16 rows),
+    each in its own format. A format may also be a name of :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, Q4_0
+    or Q4_1 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes`; with ``activation_dtype="int8"`` only, a
+    multiple of 16 rows),
     which the step multiplies by the lanes' GEMM (from 32 decodes on by the int8 tile reading the lanes, where the
     build has it: the same results). Norms float32 [hidden]; only ``qkv`` may have a bias (float32
     [rows]).
@@ -389,8 +391,8 @@ class DecodeStack:
 
     ``layers``: the model's DecodeLayers in order (kept here, with the weights they point to);
     ``final_norm`` / ``eps``: the model's last norm; ``head``: None, or the output projection as
-    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them; ``format`` as a layer's, Q4_0 in lanes
-    included); ``embed_scale``: what each embedding
+    ``(format, blocks, out_features)`` (blocks as :func:`gemm` takes them; ``format`` as a layer's, the lanes
+    names included); ``embed_scale``: what each embedding
     row is multiplied by before the first layer, in float32 (a family's embedding scale, Gemma's
     ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
     each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping);

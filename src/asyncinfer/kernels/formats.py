@@ -132,7 +132,7 @@ _ACT8 = 0x40
 INT8_KERNELS = ("rows", "tile")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_TILE8.
 _TILE8 = 0x80
-#: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16: Q4_0 in lanes (:func:`pack_lanes`), with int8 activations.
+#: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16: Q4_0 or Q4_1 in lanes (:func:`pack_lanes`), int8 activations.
 LANES16 = 0x20
 
 
@@ -399,49 +399,74 @@ def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, packed.shape[1]).contiguous()
 
 
-#: Weight rows a group of Q4_0 in lanes holds (:func:`pack_lanes`; ``ASYNCINFER_FMT_LANES16``).
+#: Weight rows a group of a format in lanes holds (:func:`pack_lanes`; ``ASYNCINFER_FMT_LANES16``).
 LANE_ROWS = 16
 #: The name :func:`~asyncinfer.kernels.gemm`, :class:`~asyncinfer.kernels.DecodeLayer` and
 #: :class:`~asyncinfer.kernels.DecodeStack` take for Q4_0 in lanes (:func:`pack_lanes`; int8 activations only).
 LANES_FORMAT = "q4_0_lanes"
+#: Every format in lanes, by its lanes name: the block format whose blocks it regroups (Q4_0, and Q4_1: the same
+#: layout with the 16 rows' minimums after their scales).
+LANES_FORMATS = {LANES_FORMAT: "q4_0", "q4_1_lanes": "q4_1"}
+#: Bytes of a ggml block before its nibbles, per format in lanes: the float16 scale (and Q4_1's minimum).
+_LANE_HEADS = {"q4_0": 2, "q4_1": 4}
 
 
-def pack_lanes(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks in ggml's order, uint8 [N, B * 18] with N a multiple of :data:`LANE_ROWS` -> Q4_0 in lanes (the
-    same shape and bytes, a new tensor in a :func:`~asyncinfer.kernels.pages.weight_buffer`): per group of 16 rows
-    and block, the 16 rows' float16 scales, then four runs of 64 bytes, run c holding bytes 4c to 4c + 3 of each
-    row's 16 bytes of nibbles, row r at bytes 4r to 4r + 3 (csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16).
-    ValueError for another row count."""
-    size = block_bytes(blocks, "q4_0", "pack_lanes")
+def lanes_name(fmt: str) -> str:
+    """The lanes name of block format ``fmt`` (:data:`LANES_FORMATS`); ValueError for a format without lanes."""
+    for name, base in LANES_FORMATS.items():
+        if base == fmt:
+            return name
+    raise ValueError(f"fmt: only {sorted(LANES_FORMATS.values())} are held in lanes, got {fmt!r}")
+
+
+def _lane_format(fmt: object, what: str) -> tuple[str, int, int]:
+    """``fmt`` (a format held in lanes) with its bytes per block and bytes before its nibbles; ValueError else."""
+    fmt = format_name(fmt, "fmt")
+    if fmt not in _LANE_HEADS:
+        raise ValueError(f"fmt: {what} regroups {sorted(_LANE_HEADS)} blocks, got {fmt!r}")
+    return fmt, bytes_per_block(fmt), _LANE_HEADS[fmt]
+
+
+def pack_lanes(blocks: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
+    """Q4_0 (or Q4_1) blocks in ggml's order, uint8 [N, B * 18] (Q4_1: B * 20) with N a multiple of
+    :data:`LANE_ROWS` -> the format in lanes (the same shape and bytes, a new tensor in a
+    :func:`~asyncinfer.kernels.pages.weight_buffer`): per group of 16 rows and block, the 16 rows' float16 scales
+    (Q4_1: then their 16 minimums), then four runs of 64 bytes, run c holding bytes 4c to 4c + 3 of each row's 16
+    bytes of nibbles, row r at bytes 4r to 4r + 3 (csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16). ValueError
+    for another row count or format."""
+    fmt, size, head = _lane_format(fmt, "pack_lanes")
+    block_bytes(blocks, fmt, "pack_lanes")
     n = blocks.shape[0]
     if n % LANE_ROWS:
-        raise ValueError(f"blocks: Q4_0 in lanes needs a multiple of {LANE_ROWS} rows, got {n}")
+        raise ValueError(f"blocks: {fmt} in lanes needs a multiple of {LANE_ROWS} rows, got {n}")
     nb, groups = blocks.shape[1] // size, n // LANE_ROWS
     if not blocks.numel():  # no rows or no blocks: nothing to move
         return weight_buffer(0).view(n, blocks.shape[1])
     b = blocks.reshape(groups, LANE_ROWS, nb, size)
-    # each block's scale and its four runs of four bytes moved as whole int16 / int32 values (a copy of the
-    # bytes makes them aligned), a few times faster than moving the bytes one at a time
-    scales = b[..., 0:2].contiguous().view(torch.int16).view(groups, LANE_ROWS, nb)
-    quants = b[..., 2:].contiguous().view(torch.int32)  # [groups, 16, nb, 4]
-    out = weight_buffer(n * blocks.shape[1]).view(groups, nb, size * LANE_ROWS)  # 288 bytes a block: aligned
-    out[..., : 2 * LANE_ROWS].view(torch.int16).copy_(scales.permute(0, 2, 1))
-    out[..., 2 * LANE_ROWS :].view(torch.int32).view(groups, nb, 4, LANE_ROWS).copy_(quants.permute(0, 2, 3, 1))
+    # each block's scale (minimum) and its four runs of four bytes moved as whole int16 / int32 values (a copy of
+    # the bytes makes them aligned), a few times faster than moving the bytes one at a time
+    scales = b[..., :head].contiguous().view(torch.int16)  # [groups, 16, nb, head / 2]
+    quants = b[..., head:].contiguous().view(torch.int32)  # [groups, 16, nb, 4]
+    out = weight_buffer(n * blocks.shape[1]).view(groups, nb, size * LANE_ROWS)  # 288 / 320 bytes a block: aligned
+    out[..., : head * LANE_ROWS].view(torch.int16).view(groups, nb, head // 2, LANE_ROWS).copy_(
+        scales.permute(0, 2, 3, 1))
+    out[..., head * LANE_ROWS :].view(torch.int32).view(groups, nb, 4, LANE_ROWS).copy_(quants.permute(0, 2, 3, 1))
     return out.view(n, blocks.shape[1])
 
 
 @_allocating("blocks")
-def unpack_lanes(packed: torch.Tensor) -> torch.Tensor:
-    """Q4_0 in lanes back to ggml's blocks (the inverse of :func:`pack_lanes`)."""
-    size = block_bytes(packed, "q4_0", "unpack_lanes")
+def unpack_lanes(packed: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
+    """A format in lanes back to ggml's blocks (the inverse of :func:`pack_lanes`)."""
+    fmt, size, head = _lane_format(fmt, "unpack_lanes")
+    block_bytes(packed, fmt, "unpack_lanes")
     n = packed.shape[0]
     if n % LANE_ROWS:
-        raise ValueError(f"packed: Q4_0 in lanes holds a multiple of {LANE_ROWS} rows, got {n}")
-    nb = packed.shape[1] // size
-    g = packed.reshape(n // LANE_ROWS, nb, size * LANE_ROWS)
-    scales = g[..., : 2 * LANE_ROWS].reshape(n // LANE_ROWS, nb, LANE_ROWS, 2).permute(0, 2, 1, 3)
-    quants = g[..., 2 * LANE_ROWS :].reshape(n // LANE_ROWS, nb, 4, LANE_ROWS, 4).permute(0, 3, 1, 2, 4)
-    blocks = torch.cat([scales, quants.reshape(n // LANE_ROWS, LANE_ROWS, nb, 16)], dim=-1)
+        raise ValueError(f"packed: {fmt} in lanes holds a multiple of {LANE_ROWS} rows, got {n}")
+    nb, groups = packed.shape[1] // size, n // LANE_ROWS
+    g = packed.reshape(groups, nb, size * LANE_ROWS)
+    scales = g[..., : head * LANE_ROWS].reshape(groups, nb, head // 2, LANE_ROWS, 2).permute(0, 3, 1, 2, 4)
+    quants = g[..., head * LANE_ROWS :].reshape(groups, nb, 4, LANE_ROWS, 4).permute(0, 3, 1, 2, 4)
+    blocks = torch.cat([scales.reshape(groups, LANE_ROWS, nb, head), quants.reshape(groups, LANE_ROWS, nb, 16)], dim=-1)
     return blocks.reshape(n, packed.shape[1]).contiguous()
 
 

@@ -27,7 +27,7 @@ from asyncinfer.kernels.formats import (
     BLOCK_FORMATS,
     LANE_ROWS,
     LANES16,
-    LANES_FORMAT,
+    LANES_FORMATS,
     LAYOUTS,
     BlockTable,
     activation_dtype_flag,
@@ -172,8 +172,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's, fastest at a few rows) or ``"tile"`` (16 rows a register on the AVX-512 builds, the rows elsewhere:
     about twice as fast from 64 rows, a fifth as fast at one); ignored with int16. ``lanes=True``: ``packed`` is
-    Q4_0 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` or
-    :data:`~asyncinfer.kernels.formats.LANES_FORMAT`, int8 activations, ``out_features`` a multiple of 16),
+    Q4_0 or Q4_1 in lanes (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` /
+    ``"q4_1"`` or its lanes name, :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, int8 activations,
+    ``out_features`` a multiple of 16),
     multiplied by its own GEMM (16 weight rows a register: the fastest at 1 to ~32 rows) or, with
     ``int8_kernel="tile"`` from 32 rows on, by the tile reading each weight row out of the lanes (AVX-512 builds;
     elsewhere the lanes' GEMM at every count); the same float32 operations either way, so the same results, each
@@ -190,15 +191,16 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     if not isinstance(lanes, bool):
         raise TypeError(f"lanes must be True or False, got {type(lanes).__name__}")
     asked = "lanes=True"
-    if isinstance(fmt, str) and str.__str__(fmt) == LANES_FORMAT:  # the lanes' own name: lanes, whatever ``lanes``
-        fmt, lanes, asked = "q4_0", True, f"fmt={LANES_FORMAT!r}"
+    if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:  # a lanes name: lanes, whatever ``lanes``
+        asked = f"fmt={str.__str__(fmt)!r}"
+        fmt, lanes = LANES_FORMATS[str.__str__(fmt)], True
     fmt = format_name(fmt)  # an unknown format named before the activations
     dtype = activation_dtype_name(activation_dtype)
     flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
     if lanes:
-        if fmt != "q4_0" or dtype != "int8":
-            raise ValueError(f"{asked}: Q4_0 in lanes is multiplied with int8 activations only, got "
+        if fmt not in LANES_FORMATS.values() or dtype != "int8":
+            raise ValueError(f"{asked}: Q4_0 and Q4_1 in lanes are multiplied with int8 activations only, got "
                              f"{'' if asked.startswith('fmt') else f'fmt={fmt!r} and '}activation_dtype={dtype!r}")
         if out_features % LANE_ROWS:
             raise ValueError(f"{asked}: out_features must be a multiple of {LANE_ROWS}, got {out_features}")

@@ -396,13 +396,13 @@ class BlockLinear(FormatLinear):
     projection, which meets a prefill's every token, ``"rows"`` for the output projection, which meets a row per
     sampled request.
 
-    ``lanes``: whether the blocks are held as Q4_0 in lanes (:func:`asyncinfer.kernels.pack_lanes`, 16 weight rows a
-    register), chosen once at construction for a Q4_0 decoder-layer projection (``int8_kernel="tile"``) with int8
-    activations and a multiple of 16 output rows where the kernels run the lanes in vector code
+    ``lanes``: whether the blocks are held in lanes (:func:`asyncinfer.kernels.pack_lanes`, 16 weight rows a
+    register), chosen once at construction for a Q4_0 or Q4_1 decoder-layer projection (``int8_kernel="tile"``) with
+    int8 activations and a multiple of 16 output rows where the kernels run the lanes in vector code
     (:func:`asyncinfer.kernels.lanes_native`): a decode step's GEMM then reads 16 weight rows a register, and a
     prefill's tile reads each row out of its group, with the same results as the layout of ggml's blocks gives the
     tile (docs/formats.md, "Q4_0 in lanes"). :meth:`kernel_weights` names the layout
-    (:data:`asyncinfer.kernels.LANES_FORMAT`).
+    (:data:`asyncinfer.kernels.LANES_FORMATS`: ``"q4_0_lanes"``, ``"q4_1_lanes"``).
     """
 
     fmt = ""
@@ -417,17 +417,31 @@ class BlockLinear(FormatLinear):
         self._set_activation_dtype(activation_dtype, int8_kernel)
         w = weight.detach()
         out_features, in_features = w.shape
+        self.lanes = self._takes_lanes(out_features)
         packed, lossless = [], True
-        for rows in w.split(self._CHUNK_ROWS):  # a chunk at a time: the temporaries stay small at load
+        for rows in w.split(self._CHUNK_ROWS):  # a chunk at a time (16-row groups whole): small temporaries at load
             rows = rows.float()
             blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / block weights * block bytes]
             lossless = lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
-            packed.append(kernels.pack(blocks, self.fmt))  # the same bytes in the kernels' layout
+            packed.append(self._layout(blocks))  # the same bytes in the layer's layout
         self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
 
     def _set_activation_dtype(self, activation_dtype: str, int8_kernel: str) -> None:
         self.activation_dtype = kernels.activation_dtype_name(activation_dtype)
         self.int8_kernel = "tile" if kernels.int8_kernel_flag(int8_kernel) else "rows"
+
+    def _takes_lanes(self, out_features: int) -> bool:
+        """Whether this layer holds its blocks in lanes (:attr:`lanes`), decided once from its format, activations,
+        kernel and rows, and the loaded kernels (:func:`asyncinfer.kernels.lanes_native`)."""
+        return (self.fmt in kernels.LANES_FORMATS.values() and self.activation_dtype == "int8"
+                and self.int8_kernel == "tile" and out_features % kernels.LANE_ROWS == 0 and kernels.available()
+                and kernels.lanes_native())
+
+    def _layout(self, blocks: torch.Tensor) -> torch.Tensor:
+        """ggml's blocks in the layer's layout: in lanes (:func:`asyncinfer.kernels.pack_lanes`) or the kernels'
+        (:func:`asyncinfer.kernels.pack`); a copy of the same size, or the blocks themselves where that layout is
+        ggml's."""
+        return kernels.pack_lanes(blocks, self.fmt) if self.lanes else kernels.pack(blocks, self.fmt)
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None, *, activation_dtype: str = "int16",
@@ -443,16 +457,14 @@ class BlockLinear(FormatLinear):
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
             raise ValueError(f"blocks: {cls.fmt} blocks are uint8 [out, a multiple of {size} bytes], got "
                              f"{blocks.dtype} {tuple(blocks.shape)}")
-        layer._hold(kernels.pack(blocks, cls.fmt), blocks.shape[0], blocks.shape[1] // size * per_block, bias, True)
+        layer.lanes = layer._takes_lanes(blocks.shape[0])
+        layer._hold(layer._layout(blocks), blocks.shape[0], blocks.shape[1] // size * per_block, bias, True)
         return layer
 
     def _hold(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
               lossless: bool) -> None:
         self.out_features, self.in_features, self.lossless = out_features, in_features, lossless
-        self.lanes = (self.fmt == "q4_0" and self.activation_dtype == "int8" and self.int8_kernel == "tile"
-                      and out_features % kernels.LANE_ROWS == 0 and kernels.available() and kernels.lanes_native())
-        # Q4_0 in lanes: a copy of the same size (the file's mapped blocks are then released by the loader)
-        self._blocks = kernels.pack_lanes(packed) if self.lanes else packed
+        self._blocks = packed  # ggml's blocks as a file maps them where the layout is ggml's, else a copy
         self._bias = _float_bias(bias)
         self.nbytes = linear_bytes(self.fmt, self.out_features, self.in_features, bias=bias is not None)
 
@@ -464,9 +476,9 @@ class BlockLinear(FormatLinear):
 
     def kernel_weights(self) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         """``(format, blocks, float32 bias or None)``: this layer's weights as :func:`asyncinfer.kernels.gemm`
-        and :class:`asyncinfer.kernels.DecodeLayer` take them (the tensors themselves, not copies); the format is
-        :data:`asyncinfer.kernels.LANES_FORMAT` for blocks held in lanes (:attr:`lanes`)."""
-        return (kernels.LANES_FORMAT if self.lanes else self.fmt), self._blocks, self._bias
+        and :class:`asyncinfer.kernels.DecodeLayer` take them (the tensors themselves, not copies); the format is its
+        lanes name (:func:`asyncinfer.kernels.lanes_name`) for blocks held in lanes (:attr:`lanes`)."""
+        return (kernels.lanes_name(self.fmt) if self.lanes else self.fmt), self._blocks, self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -1235,9 +1235,8 @@ static GEMM_BLOCKS(ai_gemm_q6_k, ASYNCINFER_FMT_Q6_K)
 gemm_fn ai_gemm_of(int fmt) {
     static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_gemm_q4_1, ai_gemm_q8_0, ai_gemm_q4_0, ai_gemm_q5_0,
                                                        ai_gemm_q5_1, ai_gemm_q4_k, ai_gemm_q5_k, ai_gemm_q6_k};
-    if (fmt == (ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0)) return ai_gemm8_q4_0_lanes;
-    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0))
-        return ai_gemm8_q4_0_lanes_tile;
+    const gemm_fn in_lanes = ai_lanes_of(fmt);
+    if (in_lanes) return in_lanes;
     if (fmt >= ASYNCINFER_FMT_ACT8 && fmt < ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS)
         return ai_gemm8_of(fmt - ASYNCINFER_FMT_ACT8);
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;

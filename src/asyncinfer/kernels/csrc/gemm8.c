@@ -670,9 +670,11 @@ gemm_fn ai_gemm8_of(int fmt) {
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
 }
 
-/* Q4_0 in lanes (ASYNCINFER_FMT_LANES16; its GEMM at the end of this file, the tile below reads it too). */
+/* Q4_0 and Q4_1 in lanes (ASYNCINFER_FMT_LANES16; their GEMM at the end of this file, the tile below reads them
+ * too). A group's block: 16 float16 scales (Q4_1: then 16 float16 minimums), then 4 runs of 64 bytes of nibbles. */
 #define LANE_ROWS 16
-#define LANE_BLOCK 288 /* bytes of a group's block: 16 float16 scales, 4 runs of 64 bytes of nibbles */
+static inline int lane_head(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 ? 64 : 32; }
+static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
 
 #ifdef AI_AVX512
 /* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
@@ -788,18 +790,22 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
     }
 }
 
-/* Weight row n of Q4_0 in lanes unpacked as tile8_unpack unpacks a Q4_0 row: each block's 16 bytes of nibbles
- * gathered from its four runs (bytes 4c to 4c + 3 from run c), its scale from the group's 16. */
-static inline void tile8_unpack_lanes(const uint8_t *w, int64_t n, int64_t K, const wrow8 *r) {
+/* Weight row n of Q4_0 / Q4_1 in lanes unpacked as tile8_unpack unpacks a row of the format: each block's 16
+ * bytes of nibbles gathered from its four runs (bytes 4c to 4c + 3 from run c), its scale (and minimum) from the
+ * group's 16. */
+static inline __attribute__((always_inline)) void tile8_unpack_lanes(const int fmt, const uint8_t *w, int64_t n,
+                                                                     int64_t K, const wrow8 *r) {
     const int64_t nb = K / QK;
-    const uint8_t *g = w + n / LANE_ROWS * nb * LANE_BLOCK;
+    const int head = lane_head(fmt), size = lane_block(fmt);
+    const uint8_t *g = w + n / LANE_ROWS * nb * size;
     const int lane = (int)(n % LANE_ROWS);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * LANE_BLOCK;
+        const uint8_t *blk = g + b * size;
         uint8_t qs[16];
-        for (int c = 0; c < 4; c++) memcpy(qs + 4 * c, blk + 32 + 64 * c + 4 * lane, 4);
+        for (int c = 0; c < 4; c++) memcpy(qs + 4 * c, blk + head + 64 * c + 4 * lane, 4);
         _mm256_storeu_si256((__m256i *)(r->u + 32 * b), ai_nibbles32(qs));
         r->s[b] = ai_half_at(blk + 2 * lane);
+        if (fmt == ASYNCINFER_FMT_Q4_1) r->mn[b] = ai_half_at(blk + 32 + 2 * lane);
     }
 }
 
@@ -962,8 +968,8 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
     for (int c = 0; c < C; c++) {
-        if (fmt == ASYNCINFER_FMT_Q4_0 && j->lanes)
-            tile8_unpack_lanes(j->w, n0 + c, K, &j->wr[c]);
+        if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes)
+            tile8_unpack_lanes(fmt, j->w, n0 + c, K, &j->wr[c]);
         else
             tile8_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, &j->wr[c]);
     }
@@ -1070,12 +1076,12 @@ TILE8(ai_tile8_q4_k, ASYNCINFER_FMT_Q4_K)
 TILE8(ai_tile8_q5_k, ASYNCINFER_FMT_Q5_K)
 TILE8(ai_tile8_q6_k, ASYNCINFER_FMT_Q6_K)
 
-/* Q4_0 in lanes (N a multiple of 16), each weight row read from its group: the same float32 operations as the
- * lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
-static int ai_tile8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                               const float *bias, float *y, int64_t ldy, int threads) {
+/* Q4_0 / Q4_1 in lanes (N a multiple of 16), each weight row read from its group: the same float32 operations as
+ * the lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
+static int ai_tile8_lanes(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                          const float *bias, float *y, int64_t ldy, int threads) {
     if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
-    return tile8_gemm(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads, 1);
+    return tile8_gemm(fmt, x, M, ldx, K, (const uint8_t *)w, N, bias, y, ldy, threads, 1);
 }
 
 static gemm_fn tile8_of(int fmt) {
@@ -1325,37 +1331,39 @@ int ai_tile16_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, c
 }
 #endif /* AI_AVX512 */
 
-/* ---- Q4_0 in lanes (ASYNCINFER_FMT_LANES16): 16 weight rows a register, one activation row at a time. Per
- * activation row, group of 16 weight rows and block of 32, with the activations rounded as the rows round them:
+/* ---- Q4_0 and Q4_1 in lanes (ASYNCINFER_FMT_LANES16): 16 weight rows a register, one activation row at a time.
+ * Per activation row, group of 16 weight rows and block of 32, with the activations rounded as the rows round them:
  *
- *   idot = sum(u * qx) - 8 * sum(qx)   (lane r: weight row r's);   acc = fma(float(idot), d_r * dx, acc)
+ *   idot = sum(u * qx) - centre * sum(qx)   (lane r: weight row r's; Q4_0's centre 8, Q4_1's 0)
+ *   acc = fma(float(idot), d_r * dx, acc);   Q4_1: acc = fma(m_r, sum(x), acc)   (the block's float32 sum of x)
  *
  * blocks in order from acc = 0, then + bias: the same operations for an activation row whatever the others, and
- * the same in every variant (the plain C loop below is the reference and the non-AVX-512 variants' path). Four
- * int8 activations broadcast to every lane meet four bytes of each of the 16 rows in one vpdpbusd: no horizontal
- * sums, the float32 work of a block shared by 16 weight rows. */
+ * in every variant (the plain C loop below is the reference and the non-AVX-512 variants' path; Q4_0's results the
+ * same bits everywhere, Q4_1's wherever the activations' float32 sums are added in the same order: every variant
+ * but scalar). Four int8 activations broadcast to every lane meet four bytes of each of the 16 rows in one
+ * vpdpbusd: no horizontal sums, the float32 work of a block shared by 16 weight rows. */
 #define LANE_PASS 8    /* activation rows a pass over a group's blocks takes */
 
-static inline float lane_scale(const uint8_t *blk, int r) { return ai_half_at(blk + 2 * r); }
-
-__attribute__((unused)) static void lanes_ref(const uint8_t *g, int64_t K, const acts8 *a, int64_t m0, int R,
-                                              float *y, int64_t ldy) {
+__attribute__((unused)) static void lanes_ref(const int fmt, const uint8_t *g, int64_t K, const acts8 *a, int64_t m0,
+                                              int R, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
+    const int head = lane_head(fmt), size = lane_block(fmt), q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
     for (int i = 0; i < R; i++) {
         const int64_t m = m0 + i;
         float acc[LANE_ROWS] = {0};
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = g + b * LANE_BLOCK;
+            const uint8_t *blk = g + b * size;
             const int8_t *qx = a->q + m * K + b * QK;
-            const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
+            const int centre = q4_1 ? 0 : 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
             for (int r = 0; r < LANE_ROWS; r++) {
                 int32_t idot = -centre;
                 for (int c = 0; c < 4; c++)
                     for (int t = 0; t < 4; t++) {
-                        const uint8_t byte = blk[32 + 64 * c + 4 * r + t];
+                        const uint8_t byte = blk[head + 64 * c + 4 * r + t];
                         idot += (byte & 15) * qx[4 * c + t] + (byte >> 4) * qx[16 + 4 * c + t];
                     }
-                acc[r] = fmaf((float)idot, lane_scale(blk, r) * a->d[m * nb + b], acc[r]);
+                acc[r] = fmaf((float)idot, ai_half_at(blk + 2 * r) * a->d[m * nb + b], acc[r]);
+                if (q4_1) acc[r] = fmaf(ai_half_at(blk + 32 + 2 * r), a->sum[m * nb + b], acc[r]);
             }
         }
         memcpy(y + m * ldy, acc, sizeof(acc));
@@ -1371,22 +1379,28 @@ __attribute__((unused)) static void lanes_ref(const uint8_t *g, int64_t K, const
 #else
 #define LANES_HIGH_IN_PLACE 0
 #endif
-static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, int64_t K, const acts8 *a, int64_t m0,
-                                                            const int R, float *y, int64_t ldy) {
+/* 16 float16 values (a group's scales or minimums) as 16 floats. */
+static inline __m512 lanes_halves(const uint8_t *p) {
+    const __m256 h0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(h0)), _mm256_castps_pd(h1), 1));
+}
+
+static inline __attribute__((always_inline)) void lanes_512(const int fmt, const uint8_t *g, int64_t K, const acts8 *a,
+                                                            int64_t m0, const int R, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
+    const int head = lane_head(fmt), size = lane_block(fmt), q4_1 = fmt == ASYNCINFER_FMT_Q4_1;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[LANE_PASS];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * LANE_BLOCK;
-        ai_prefetch_lines(blk + 4 * LANE_BLOCK, LANE_BLOCK);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(d0)),
-                                                              _mm256_castps_pd(d1), 1));
+        const uint8_t *blk = g + b * size;
+        ai_prefetch_lines(blk + 4 * size, size);
+        const __m512 dw = lanes_halves(blk);
+        const __m512 mw = q4_1 ? lanes_halves(blk + 32) : _mm512_setzero_ps();
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(blk + 32 + 64 * c);
+            const __m512i v = _mm512_loadu_si512(blk + head + 64 * c);
             lo[c] = _mm512_and_si512(v, low);
 #if LANES_HIGH_IN_PLACE
             hi[c] = _mm512_andnot_si512(low, v);
@@ -1407,24 +1421,29 @@ static inline __attribute__((always_inline)) void lanes_512(const uint8_t *g, in
 #if LANES_HIGH_IN_PLACE
             s1 = _mm512_srai_epi32(s1, 4);
 #endif
-            const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
-            const __m512i idot = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(centre));
+            __m512i idot = _mm512_add_epi32(s0, s1);
+            if (!q4_1) {
+                const int centre = 8 * (a->isum[m * 2 * nb + 2 * b] + a->isum[m * 2 * nb + 2 * b + 1]);
+                idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(centre));
+            }
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[m * nb + b])),
                                      acc[i]);
+            if (q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sum[m * nb + b]), acc[i]);
         }
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (m0 + i) * ldy, acc[i]);
 }
-#define LANES_CALL(g, K, a, m0, R, y, ldy) lanes_512(g, K, a, m0, R, y, ldy)
+#define LANES_CALL(fmt, g, K, a, m0, R, y, ldy) lanes_512(fmt, g, K, a, m0, R, y, ldy)
 #else
-#define LANES_CALL(g, K, a, m0, R, y, ldy) lanes_ref(g, K, a, m0, R, y, ldy)
+#define LANES_CALL(fmt, g, K, a, m0, R, y, ldy) lanes_ref(fmt, g, K, a, m0, R, y, ldy)
 #endif
 
-int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                        const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+static inline __attribute__((always_inline)) int lanes_gemm(const int fmt, const float *x, int64_t M, int64_t ldx,
+                                                            int64_t K, const void *w, int64_t N, const float *bias,
+                                                            float *y, int64_t ldy, int threads, void *scratch) {
     if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
     const uint8_t *groups = (const uint8_t *)w;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, size = lane_block(fmt);
     acts8 a = acts8_in(scratch, M, K);
     _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")
     {
@@ -1433,18 +1452,18 @@ int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const
     }
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
     for (int64_t gi = 0; gi < N / LANE_ROWS; gi++) {
-        const uint8_t *g = groups + gi * nb * LANE_BLOCK;
+        const uint8_t *g = groups + gi * nb * size;
         float *yg = y + gi * LANE_ROWS;
         int64_t m = 0;
-        for (; m + LANE_PASS <= M; m += LANE_PASS) LANES_CALL(g, K, &a, m, LANE_PASS, yg, ldy);
+        for (; m + LANE_PASS <= M; m += LANE_PASS) LANES_CALL(fmt, g, K, &a, m, LANE_PASS, yg, ldy);
         switch (M - m) {
-            case 7: LANES_CALL(g, K, &a, m, 7, yg, ldy); break;
-            case 6: LANES_CALL(g, K, &a, m, 6, yg, ldy); break;
-            case 5: LANES_CALL(g, K, &a, m, 5, yg, ldy); break;
-            case 4: LANES_CALL(g, K, &a, m, 4, yg, ldy); break;
-            case 3: LANES_CALL(g, K, &a, m, 3, yg, ldy); break;
-            case 2: LANES_CALL(g, K, &a, m, 2, yg, ldy); break;
-            case 1: LANES_CALL(g, K, &a, m, 1, yg, ldy); break;
+            case 7: LANES_CALL(fmt, g, K, &a, m, 7, yg, ldy); break;
+            case 6: LANES_CALL(fmt, g, K, &a, m, 6, yg, ldy); break;
+            case 5: LANES_CALL(fmt, g, K, &a, m, 5, yg, ldy); break;
+            case 4: LANES_CALL(fmt, g, K, &a, m, 4, yg, ldy); break;
+            case 3: LANES_CALL(fmt, g, K, &a, m, 3, yg, ldy); break;
+            case 2: LANES_CALL(fmt, g, K, &a, m, 2, yg, ldy); break;
+            case 1: LANES_CALL(fmt, g, K, &a, m, 1, yg, ldy); break;
             default: break;
         }
         if (bias)
@@ -1454,26 +1473,58 @@ int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const
     return 0;
 }
 
-/* Activation rows from which Q4_0 in lanes with ASYNCINFER_FMT_TILE8 takes the tile (AVX-512 builds): below it the
- * lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core). */
+static int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                               const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    return lanes_gemm(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
+static int ai_gemm8_q4_1_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                               const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+    return lanes_gemm(ASYNCINFER_FMT_Q4_1, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
+/* Activation rows from which a format in lanes with ASYNCINFER_FMT_TILE8 takes the tile (AVX-512 builds): below it
+ * the lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core). */
 #define LANES_TILE_MIN_ROWS 32
 
-/* Q4_0 in lanes with ASYNCINFER_FMT_TILE8 (a prefill's, and the decode step's at every batch): the tile reading the
- * lanes from LANES_TILE_MIN_ROWS rows on where the build has it, else the lanes' own GEMM; the same results. */
-int ai_gemm8_q4_0_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                             const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+/* A format in lanes with ASYNCINFER_FMT_TILE8 (a prefill's, and the decode step's at every batch): the tile reading
+ * the lanes from LANES_TILE_MIN_ROWS rows on where the build has it, else the lanes' own GEMM; the same results. */
+static int ai_gemm8_q4_0_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                                    const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
 #ifdef AI_AVX512
-    if (M >= LANES_TILE_MIN_ROWS) return ai_tile8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads);
+    if (M >= LANES_TILE_MIN_ROWS)
+        return ai_tile8_lanes(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, w, N, bias, y, ldy, threads);
 #endif
     return ai_gemm8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
 }
 
+static int ai_gemm8_q4_1_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
+                                    const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
+#ifdef AI_AVX512
+    if (M >= LANES_TILE_MIN_ROWS)
+        return ai_tile8_lanes(ASYNCINFER_FMT_Q4_1, x, M, ldx, K, w, N, bias, y, ldy, threads);
+#endif
+    return ai_gemm8_q4_1_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
+/* The GEMM of a format code in lanes (LANES16 | ACT8 | Q4_0 or Q4_1, TILE8 allowed), NULL for any other code. */
+#define LANES_CODE (ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8)
+gemm_fn ai_lanes_of(int fmt) {
+    switch (fmt) {
+        case LANES_CODE | ASYNCINFER_FMT_Q4_0: return ai_gemm8_q4_0_lanes;
+        case LANES_CODE | ASYNCINFER_FMT_Q4_1: return ai_gemm8_q4_1_lanes;
+        case ASYNCINFER_FMT_TILE8 | LANES_CODE | ASYNCINFER_FMT_Q4_0: return ai_gemm8_q4_0_lanes_tile;
+        case ASYNCINFER_FMT_TILE8 | LANES_CODE | ASYNCINFER_FMT_Q4_1: return ai_gemm8_q4_1_lanes_tile;
+        default: return NULL;
+    }
+}
+
 /* kernels.gemm's entry: an int8-activation format with ASYNCINFER_FMT_TILE8 takes the tile where the build has
- * one (AVX-512), the rows elsewhere (Q4_0 in lanes: ai_gemm8_q4_0_lanes_tile); the other codes their GEMM. */
+ * one (AVX-512), the rows elsewhere (a format in lanes: ai_lanes_of's); the other codes their GEMM. */
 int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
-    if (fmt == (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8 | ASYNCINFER_FMT_Q4_0))
-        return ai_gemm8_q4_0_lanes_tile(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+    const gemm_fn in_lanes = ai_lanes_of(fmt);
+    if (in_lanes) return in_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
     if (fmt >= ASYNCINFER_FMT_TILE8) {
         fmt -= ASYNCINFER_FMT_TILE8;
         if (fmt < ASYNCINFER_FMT_ACT8 || fmt >= ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS) return ASYNCINFER_EINVAL;

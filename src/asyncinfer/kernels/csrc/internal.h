@@ -189,12 +189,10 @@ AI_HIDDEN int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, co
 AI_HIDDEN gemm_fn ai_gemm_of(int fmt);
 /* The int8-activation GEMM of a format (gemm8.c; fmt without ASYNCINFER_FMT_ACT8), NULL outside the table. */
 AI_HIDDEN gemm_fn ai_gemm8_of(int fmt);
-/* Q4_0 in lanes with int8 activations (gemm8.c; ASYNCINFER_FMT_LANES16): its own GEMM, and with
- * ASYNCINFER_FMT_TILE8 the tile over the lanes from 32 rows on (AVX-512 builds; the same results). */
-AI_HIDDEN int ai_gemm8_q4_0_lanes(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                                  const float *bias, float *y, int64_t ldy, int threads, void *scratch);
-AI_HIDDEN int ai_gemm8_q4_0_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
-                                       const float *bias, float *y, int64_t ldy, int threads, void *scratch);
+/* Q4_0 / Q4_1 in lanes with int8 activations (gemm8.c; ASYNCINFER_FMT_LANES16): the GEMM of such a code, its
+ * own, or with ASYNCINFER_FMT_TILE8 the tile over the lanes from 32 rows on (AVX-512 builds; the same results);
+ * NULL for any other code. */
+AI_HIDDEN gemm_fn ai_lanes_of(int fmt);
 AI_HIDDEN int64_t ai_scratch_bytes(int64_t M, int64_t K);
 #ifdef AI_AVX512
 /* gemm.c's int16 rounding of activation rows (x [M, K] at stride ldx): q [M, K] in order, d and sum [M, K / 32]. */
