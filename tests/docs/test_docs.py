@@ -1006,3 +1006,25 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
                                 (settings["min_tail"], settings["max_tail"]),
                                 (settings["min_new_tokens"], settings["max_new_tokens"]), settings["seed"])
     assert f"({sum(map(len, prompts)):,} prompt tokens against {sum(lengths):,} new ones)" in section
+    rows1, lanes1 = load("decode_split_1b_q4_1_int8_rows_zen4"), load("decode_split_1b_q4_1_int8_lanes_zen4")
+    peer1, quads1 = load("peer_1b_q4_1_int8_lanes_zen4"), load("peer_1b_q4_1_int8_quads_zen4")
+    assert rows1["commit"] == lanes1["commit"] == peer1["commit"] and f"1B Q4_1 file at {peer1['commit'][:7]} (" in section
+    a, b = rows1["summary"], lanes1["summary"]
+    assert (a["projections_in_lanes"], b["projections_in_lanes"]) == (0, 64) and "--lanes off" in rows1["command"]
+    assert (f"**{a['step_ms']:.2f} ms with the int8 rows, {b['step_ms']:.2f} ms in lanes** "
+            f"({a['step_ms'] / b['step_ms']:.2f}x; the two runs' probes read {a['probe_gb_s']:.1f} and "
+            f"{b['probe_gb_s']:.1f} GB/s, so their shares, {a['step_of_probe']:.0%} and {b['step_of_probe']:.0%},") in section
+    one1, was1 = peer1["one_request"], quads1["one_request"]
+    probes1 = [p for x in one1["rounds"] for p in x["probe_gb_s"]]
+    assert (f"one request {one1['asyncinfer_median_tokens_per_s']:.1f} tok/s ({was1['asyncinfer_median_tokens_per_s']:.1f}), "
+            f"{one1['median_ratio']:.2f}x llama.cpp's rate ({was1['median_ratio']:.2f}x; llama.cpp itself "
+            f"{one1['llama_cpp_median_tokens_per_s']:.1f} tok/s against {was1['llama_cpp_median_tokens_per_s']:.1f} then), "
+            f"at {one1['asyncinfer_bandwidth_use']:.0%} of the read probe in the median round (**behind** the 85% goal; "
+            f"that run's probes read {min(probes1):.0f} to {max(probes1):.0f} GB/s)") in section
+    assert one1["asyncinfer_bandwidth_use"] < 0.85
+    assert f"one request's step {a['step_ms']:.2f} ms -> {b['step_ms']:.2f} ms" in readme
+    m1, w1 = peer1["many"], quads1["many"]
+    assert (f"32 requests {m1['ratio_prefix_cache_off']:.2f}x llama.cpp's best slot count without the prefix cache "
+            f"({w1['ratio_prefix_cache_off']:.2f}x) and {m1['ratio_prefix_cache_on']:.2f}x with it "
+            f"({w1['ratio_prefix_cache_on']:.2f}x), a 256-token prompt prefilled at {peer1['prefill']['median_ratio']:.2f}x "
+            f"({quads1['prefill']['median_ratio']:.2f}x)") in section

@@ -1489,22 +1489,23 @@ static int ai_gemm8_q4_1_lanes(const float *x, int64_t M, int64_t ldx, int64_t K
 
 /* A format in lanes with ASYNCINFER_FMT_TILE8 (a prefill's, and the decode step's at every batch): the tile reading
  * the lanes from LANES_TILE_MIN_ROWS rows on where the build has it, else the lanes' own GEMM; the same results. */
+static inline __attribute__((always_inline)) int lanes_tile(const int fmt, const float *x, int64_t M, int64_t ldx,
+                                                            int64_t K, const void *w, int64_t N, const float *bias,
+                                                            float *y, int64_t ldy, int threads, void *scratch) {
+#ifdef AI_AVX512
+    if (M >= LANES_TILE_MIN_ROWS) return ai_tile8_lanes(fmt, x, M, ldx, K, w, N, bias, y, ldy, threads);
+#endif
+    return lanes_gemm(fmt, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+}
+
 static int ai_gemm8_q4_0_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
-#ifdef AI_AVX512
-    if (M >= LANES_TILE_MIN_ROWS)
-        return ai_tile8_lanes(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, w, N, bias, y, ldy, threads);
-#endif
-    return ai_gemm8_q4_0_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+    return lanes_tile(ASYNCINFER_FMT_Q4_0, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
 }
 
 static int ai_gemm8_q4_1_lanes_tile(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                                     const float *bias, float *y, int64_t ldy, int threads, void *scratch) {
-#ifdef AI_AVX512
-    if (M >= LANES_TILE_MIN_ROWS)
-        return ai_tile8_lanes(ASYNCINFER_FMT_Q4_1, x, M, ldx, K, w, N, bias, y, ldy, threads);
-#endif
-    return ai_gemm8_q4_1_lanes(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
+    return lanes_tile(ASYNCINFER_FMT_Q4_1, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
 }
 
 /* The GEMM of a format code in lanes (LANES16 | ACT8 | Q4_0 or Q4_1, TILE8 allowed), NULL for any other code. */
