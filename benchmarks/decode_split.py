@@ -48,7 +48,7 @@ def main() -> int:
     from asyncinfer.request import Request
 
     if args.lanes == "off":
-        kernels.lanes_native = lambda: False  # read by each Q4_0 layer as it is built
+        kernels.lanes_native = lambda: False  # read by each Q4_0 / Q4_1 layer as it is built
 
     engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024,
                                          activation_dtype=args.activation_dtype)

@@ -100,7 +100,7 @@ def test_lanes_are_refused_outside_q4_0_and_q4_1_with_int8_activations_and_sixte
     with pytest.raises(ValueError, match="int8 activations only"):
         kernels.gemm(x, lanes, "q4_0", 16, activation_dtype="int16", lanes=True)
     q8 = kernels.pack(q4_0(16, 64, seed=2, fmt="q8_0"), "q8_0")
-    with pytest.raises(ValueError, match="int8 activations only"):
+    with pytest.raises(ValueError, match=r"lanes=True: only \['q4_0', 'q4_1'\] are held in lanes, got fmt='q8_0'"):
         kernels.gemm(x, q8, "q8_0", 16, activation_dtype="int8", lanes=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         kernels.gemm(x, q4_0(24, 64, seed=3), "q4_0", 24, activation_dtype="int8", lanes=True)
@@ -149,6 +149,9 @@ def test_a_layer_takes_the_lanes_only_for_int8_tile_projections_of_sixteen_row_g
                 plain = kernels.gemm(x, kernels.pack(blocks, fmt), fmt, 32, bias, activation_dtype="int8",
                                      int8_kernel="tile")
                 assert torch.equal(held(x), plain)
+    monkeypatch.setattr(cls, "_CHUNK_ROWS", 16)  # built from floats 16 rows at a time: the same lanes, joined
+    chunked = cls(w, bias, activation_dtype="int8")
+    assert chunked.lanes and torch.equal(chunked.kernel_weights()[1], layer.kernel_weights()[1])
     assert not cls(w, bias).lanes  # int16 activations
     assert not cls(w, bias, activation_dtype="int8", int8_kernel="rows").lanes  # the output projection's
     assert not cls(w[:24], bias[:24], activation_dtype="int8").lanes  # 24 rows: not groups of 16
@@ -163,7 +166,7 @@ def test_a_layer_takes_the_lanes_only_for_int8_tile_projections_of_sixteen_row_g
 def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_beside_forty_others(
         tmp_path, lanes_here, fmt) -> None:
     """A Q4_0 (Q4_1) model with int8 activations: its decoder projections in lanes where the choice says so (never its
-    output projection), the kernels' one-call step taking them (format LANES_FORMAT); its logits are the op-by-op
+    output projection), the kernels' one-call step taking them (the format's lanes name); its logits are the op-by-op
     reference's within what a last bit's rounding flip moves, and one request's logits are the same bits decoded
     alone (the lanes' GEMM) as beside 40 others (the tile over the lanes, where the build has it)."""
     from asyncinfer.models import load_model

@@ -433,7 +433,8 @@ def pack_lanes(blocks: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
     :func:`~asyncinfer.kernels.pages.weight_buffer`): per group of 16 rows and block, the 16 rows' float16 scales
     (Q4_1: then their 16 minimums), then four runs of 64 bytes, run c holding bytes 4c to 4c + 3 of each row's 16
     bytes of nibbles, row r at bytes 4r to 4r + 3 (csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16). ValueError
-    for another row count or format."""
+    for another row count or format. ``fmt`` must name the blocks' format: Q4_1 blocks whose rows are also a whole
+    number of Q4_0 blocks (K a multiple of 288) cannot be told from Q4_0's by their shape."""
     fmt, size, head = _lane_format(fmt, "pack_lanes")
     block_bytes(blocks, fmt, "pack_lanes")
     n = blocks.shape[0]

@@ -199,9 +199,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     flag = activation_dtype_flag(dtype)
     tile = int8_kernel_flag(int8_kernel)
     if lanes:
-        if fmt not in LANES_FORMATS.values() or dtype != "int8":
-            raise ValueError(f"{asked}: Q4_0 and Q4_1 in lanes are multiplied with int8 activations only, got "
-                             f"{'' if asked.startswith('fmt') else f'fmt={fmt!r} and '}activation_dtype={dtype!r}")
+        if fmt not in LANES_FORMATS.values():
+            raise ValueError(f"{asked}: only {sorted(LANES_FORMATS.values())} are held in lanes, got fmt={fmt!r}")
+        if dtype != "int8":
+            raise ValueError(f"{asked}: {fmt} in lanes is multiplied with int8 activations only, got "
+                             f"activation_dtype={dtype!r}")
         if out_features % LANE_ROWS:
             raise ValueError(f"{asked}: out_features must be a multiple of {LANE_ROWS}, got {out_features}")
     flag |= (LANES16 if lanes else 0) | (tile if flag else 0)

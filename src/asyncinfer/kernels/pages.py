@@ -8,7 +8,7 @@ or ``madvise`` and the mapping asks for them (``MADV_HUGEPAGE``), which is what 
 Where it cannot (another OS, huge pages ``never``, no ``MADV_HUGEPAGE``; :func:`huge_pages` is False) a buffer is
 a plain tensor. The blocks a file holds in the kernels' own layout stay in place in its memory map either way
 (:func:`asyncinfer.kernels.pack` makes no copy of them), except Q4_0's held in lanes (int8 activations on AVX-512:
-:func:`asyncinfer.kernels.pack_lanes` copies them into such a buffer).
+:func:`asyncinfer.kernels.pack_lanes` copies them, and Q4_1's, into such a buffer).
 """
 
 from __future__ import annotations

@@ -424,7 +424,10 @@ class BlockLinear(FormatLinear):
             blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / block weights * block bytes]
             lossless = lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
             packed.append(self._layout(blocks))  # the same bytes in the layer's layout
-        self._hold(packed[0] if len(packed) == 1 else torch.cat(packed), out_features, in_features, bias, lossless)
+        if len(packed) > 1:  # joined in a weight buffer too (huge pages where granted), as each chunk's copy is
+            width = packed[0].shape[1]
+            packed = [torch.cat(packed, out=kernels.weight_buffer(out_features * width).view(out_features, width))]
+        self._hold(packed[0], out_features, in_features, bias, lossless)
 
     def _set_activation_dtype(self, activation_dtype: str, int8_kernel: str) -> None:
         self.activation_dtype = kernels.activation_dtype_name(activation_dtype)
@@ -448,8 +451,9 @@ class BlockLinear(FormatLinear):
                     int8_kernel: str = "tile") -> BlockLinear:
         """The layer of ggml blocks in the class's format as a file stores them, uint8
         [out, in / per block * bytes per block] (e.g. a view of a GGUF file's memory map): repacked once into
-        the kernels' layout (:func:`asyncinfer.kernels.pack`, a copy of the same size), never through
-        float32; ``lossless``."""
+        the kernels' layout (:func:`asyncinfer.kernels.pack`, a copy of the same size;
+        :func:`asyncinfer.kernels.pack_lanes` where the layer takes the lanes, :attr:`lanes`), never through float32;
+        ``lossless``."""
         layer = cls.__new__(cls)
         FormatLinear.__init__(layer)
         layer._set_activation_dtype(activation_dtype, int8_kernel)

@@ -955,7 +955,7 @@ static inline void tile_store(const __m512 *out, int C, int64_t r0, int64_t p1, 
 
 /* What a thread's run of weight rows needs (tile8_cols): the pass's groups, its own unpacked rows, the output. */
 typedef struct {
-    int fmt, lanes; /* lanes: Q4_0 in lanes (w its groups), else the format's rows */
+    int fmt, lanes; /* lanes: Q4_0 / Q4_1 in lanes (w its groups), else the format's rows */
     const uint8_t *w;
     int64_t row_bytes, K, ng, p0, p1, gbytes, ldy;
     char *gmem;
