@@ -419,12 +419,17 @@ def lanes_name(fmt: str) -> str:
     raise ValueError(f"fmt: only {sorted(LANES_FORMATS.values())} are held in lanes, got {fmt!r}")
 
 
-def _lane_format(fmt: object, what: str) -> tuple[str, int, int]:
-    """``fmt`` (a format held in lanes) with its bytes per block and bytes before its nibbles; ValueError else."""
+def _lane_shape(t: torch.Tensor, fmt: object, what: str, name: str, verb: str) -> tuple[str, int, int, int, int, int]:
+    """``t`` checked as ``fmt``'s blocks (a format held in lanes) of a multiple of 16 rows: ``(fmt, bytes per block,
+    bytes before its nibbles, rows, blocks a row, groups of 16 rows)``; ValueError (TypeError) naming ``name`` else."""
     fmt = format_name(fmt, "fmt")
     if fmt not in _LANE_HEADS:
         raise ValueError(f"fmt: {what} regroups {sorted(_LANE_HEADS)} blocks, got {fmt!r}")
-    return fmt, bytes_per_block(fmt), _LANE_HEADS[fmt]
+    size = block_bytes(t, fmt, what)
+    n = t.shape[0]
+    if n % LANE_ROWS:
+        raise ValueError(f"{name}: {fmt} in lanes {verb} a multiple of {LANE_ROWS} rows, got {n}")
+    return fmt, size, _LANE_HEADS[fmt], n, t.shape[1] // size, n // LANE_ROWS
 
 
 def pack_lanes(blocks: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
@@ -435,12 +440,7 @@ def pack_lanes(blocks: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
     bytes of nibbles, row r at bytes 4r to 4r + 3 (csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_LANES16). ValueError
     for another row count or format. ``fmt`` must name the blocks' format: Q4_1 blocks whose rows are also a whole
     number of Q4_0 blocks (K a multiple of 288) cannot be told from Q4_0's by their shape."""
-    fmt, size, head = _lane_format(fmt, "pack_lanes")
-    block_bytes(blocks, fmt, "pack_lanes")
-    n = blocks.shape[0]
-    if n % LANE_ROWS:
-        raise ValueError(f"blocks: {fmt} in lanes needs a multiple of {LANE_ROWS} rows, got {n}")
-    nb, groups = blocks.shape[1] // size, n // LANE_ROWS
+    fmt, size, head, n, nb, groups = _lane_shape(blocks, fmt, "pack_lanes", "blocks", "needs")
     if not blocks.numel():  # no rows or no blocks: nothing to move
         return weight_buffer(0).view(n, blocks.shape[1])
     b = blocks.reshape(groups, LANE_ROWS, nb, size)
@@ -458,12 +458,7 @@ def pack_lanes(blocks: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
 @_allocating("blocks")
 def unpack_lanes(packed: torch.Tensor, fmt: str = "q4_0") -> torch.Tensor:
     """A format in lanes back to ggml's blocks (the inverse of :func:`pack_lanes`)."""
-    fmt, size, head = _lane_format(fmt, "unpack_lanes")
-    block_bytes(packed, fmt, "unpack_lanes")
-    n = packed.shape[0]
-    if n % LANE_ROWS:
-        raise ValueError(f"packed: {fmt} in lanes holds a multiple of {LANE_ROWS} rows, got {n}")
-    nb, groups = packed.shape[1] // size, n // LANE_ROWS
+    fmt, size, head, n, nb, groups = _lane_shape(packed, fmt, "unpack_lanes", "packed", "holds")
     g = packed.reshape(groups, nb, size * LANE_ROWS)
     scales = g[..., : head * LANE_ROWS].reshape(groups, nb, head // 2, LANE_ROWS, 2).permute(0, 3, 1, 2, 4)
     quants = g[..., head * LANE_ROWS :].reshape(groups, nb, 4, LANE_ROWS, 4).permute(0, 3, 1, 2, 4)
