@@ -940,17 +940,74 @@ static inline int64_t tile8_pass_rows(int64_t K) {
     return rows < 16 * T8_GROUPS ? 16 * T8_GROUPS : rows;
 }
 
-/* A tile's sums for the 16 rows of a group from row r0 (those below p1) and weight rows [n0, n0 + C): lane r of
- * out[c] to y[r0 + r, n0 + c], plus the bias. */
-static inline void tile_store(const __m512 *out, int C, int64_t r0, int64_t p1, int64_t n0, const float *bias, float *y,
-                              int64_t ldy) {
-    float lanes[16];
-    const int64_t live = p1 - r0 < 16 ? p1 - r0 : 16;
-    for (int c = 0; c < C; c++) {
-        _mm512_storeu_ps(lanes, out[c]);
-        const float bn = bias ? bias[n0 + c] : 0.0f;
-        for (int64_t r = 0; r < live; r++) y[(r0 + r) * ldy + n0 + c] = lanes[r] + bn;
+/* A thread's call takes a span of weight rows (a few micro-kernel calls' worth), keeps each group's sums in its own
+ * buffer (TILE_SPAN_COLS columns of 16 lanes a group), and stores them once the span is done: 16 columns turned into
+ * 16 rows in registers (transpose16), each output row's 16 values one vector store. Lane by lane stores (a column's 16
+ * lanes to 16 rows) took a sixth of the 1B shape's prefill GEMMs at 256 rows. */
+#define TILE_SPAN_COLS 32
+static inline int64_t tile_span_bytes(int64_t groups) { return groups * TILE_SPAN_COLS * 16 * (int64_t)sizeof(float); }
+
+/* r[c] lane i to r[i] lane c, for 16 vectors of 16 floats: within 128-bit lanes by pairs, then quads, then the
+ * 128-bit lanes across registers. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));     /* element 0 of each 128-bit lane's 4 */
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)); /* element 1 */
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d)); /* element 2 */
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)); /* element 3 */
+    }
+    /* 128-bit lanes: (a.0, a.2, b.0, b.2) and (a.1, a.3, b.1, b.3), as vshuff32x4 with 0x88 and 0xDD (written as
+     * two-source permutes, which the SIMDe-emulated builds have) */
+    const __m512i even = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i odd = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int e = 0; e < 4; e++) { /* u[4i + e] lane L: r[4i..4i+3] element 4L + e, to r[4L + e] */
+        const __m512 v0 = _mm512_permutex2var_ps(u[e], even, u[4 + e]), v1 = _mm512_permutex2var_ps(u[e], odd, u[4 + e]);
+        const __m512 w0 = _mm512_permutex2var_ps(u[8 + e], even, u[12 + e]),
+                     w1 = _mm512_permutex2var_ps(u[8 + e], odd, u[12 + e]);
+        r[e] = _mm512_permutex2var_ps(v0, even, w0);
+        r[8 + e] = _mm512_permutex2var_ps(v0, odd, w0);
+        r[4 + e] = _mm512_permutex2var_ps(v1, even, w1);
+        r[12 + e] = _mm512_permutex2var_ps(v1, odd, w1);
+    }
+}
+
+/* A span's sums for the 16 rows of a group from row r0 (those below p1) and weight rows [n0, n0 + C), lane r of
+ * ob[16 c ...] to y[r0 + r, n0 + c], plus the bias (+ 0 without one, as the rows add). */
+static inline void span_store(const float *ob, int C, int64_t r0, int64_t p1, int64_t n0, const float *bias, float *y,
+                              int64_t ldy) {
+    const int64_t live = p1 - r0 < 16 ? p1 - r0 : 16;
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int n = C - c0 < 16 ? C - c0 : 16;
+        __m512 r[16];
+        for (int c = 0; c < 16; c++) r[c] = _mm512_loadu_ps(ob + 16 * (c0 + c));
+        transpose16(r);
+        float part[16] = {0}; /* a span's last columns, fewer than 16, through the stack */
+        if (bias && n < 16) memcpy(part, bias + n0 + c0, (size_t)n * sizeof(float));
+        const __m512 b = !bias ? _mm512_setzero_ps() : n < 16 ? _mm512_loadu_ps(part) : _mm512_loadu_ps(bias + n0 + c0);
+        for (int64_t i = 0; i < live; i++) {
+            float *to = y + (r0 + i) * ldy + n0 + c0;
+            if (n == 16) {
+                _mm512_storeu_ps(to, _mm512_add_ps(r[i], b));
+            } else {
+                _mm512_storeu_ps(part, _mm512_add_ps(r[i], b));
+                memcpy(to, part, (size_t)n * sizeof(float));
+            }
+        }
+    }
+}
+
+/* A micro-kernel call's sums (weight rows [s, s + C) of the span, groups [gi, gi + G)) into the span's buffer. */
+static inline __attribute__((always_inline)) void span_keep(float *ob, int64_t gi, int G, int s, int C,
+                                                            const __m512 *out, int stride) {
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(ob + ((gi + g) * TILE_SPAN_COLS + s + c) * 16, out[g * stride + c]);
 }
 
 /* What a thread's run of weight rows needs (tile8_cols): the pass's groups, its own unpacked rows, the output. */
@@ -962,25 +1019,34 @@ typedef struct {
     const wrow8 *wr;
     const float *bias;
     float *y;
+    float *ob; /* the thread's span buffer (tile_span_bytes) */
 } tile8_job;
 
-/* Weight rows [n0, n0 + C) against every group of the pass: unpacked once, then each pair of groups. */
+#define T8_SPAN (4 * T8_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS) */
+
+/* Weight rows [n0, n0 + C) (C <= T8_SPAN) against every group of the pass: T8_COLS at a time unpacked once, then
+ * each pair of groups; the span's sums stored at the end. */
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
-    for (int c = 0; c < C; c++) {
-        if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes)
-            tile8_unpack_lanes(fmt, j->w, n0 + c, K, &j->wr[c]);
-        else
-            tile8_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, &j->wr[c]);
+    for (int s = 0; s < C; s += T8_COLS) {
+        const int cs = C - s < T8_COLS ? C - s : T8_COLS;
+        for (int c = 0; c < cs; c++) {
+            if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes)
+                tile8_unpack_lanes(fmt, j->w, n0 + s + c, K, &j->wr[c]);
+            else
+                tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
+        }
+        group8 gs[T8_GROUPS];
+        for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
+            const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
+            for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
+            __m512 out[T8_GROUPS][T8_COLS];
+            tile8_call(fmt, G, gs, j->wr, K, out);
+            span_keep(j->ob, gi, G, s, cs, &out[0][0], T8_COLS);
+        }
     }
-    group8 gs[T8_GROUPS];
-    for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
-        const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
-        for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
-        __m512 out[T8_GROUPS][T8_COLS];
-        tile8_call(fmt, G, gs, j->wr, K, out);
-        for (int g = 0; g < G; g++) tile_store(out[g], C, j->p0 + 16 * (gi + g), j->p1, n0, j->bias, j->y, j->ldy);
-    }
+    for (int64_t gi = 0; gi < j->ng; gi++)
+        span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
 }
 
 /* PREFIX_cols_of(fmt): PREFIX_cols (tile8_cols / tile16_cols) with the format a constant, a function each: the
@@ -1024,7 +1090,7 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (K + K / QK * 8 + K / 16 * 2), gbytes = tile8_group_bytes(K),
-                  wbytes = T8_COLS * tile8_wrow_bytes(K);
+                  wbytes = (tile_span_bytes(groups) + T8_COLS * tile8_wrow_bytes(K) + 63) / 64 * 64;
     const int nt = threads > 1 ? threads : 1;
     char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 64));
     if (!mem) return ASYNCINFER_ENOMEM;
@@ -1049,12 +1115,13 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
         }
         _Pragma("omp parallel num_threads(nt) if(nt > 1)")
         {
+            char *mine = wmem + ai_thread_num() * wbytes;
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++)
-                wr[c] = tile8_wrow_in(wmem + ai_thread_num() * wbytes + c * tile8_wrow_bytes(K), K);
-            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y};
+                wr[c] = tile8_wrow_in(mine + tile_span_bytes(groups) + c * tile8_wrow_bytes(K), K);
+            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y, (float *)mine};
             _Pragma("omp for schedule(static)")
-            for (int64_t n0 = 0; n0 < N; n0 += T8_COLS) cols(&job, n0, (int)(N - n0 < T8_COLS ? N - n0 : T8_COLS));
+            for (int64_t n0 = 0; n0 < N; n0 += T8_SPAN) cols(&job, n0, (int)(N - n0 < T8_SPAN ? N - n0 : T8_SPAN));
         }
     }
     free(mem);
@@ -1261,20 +1328,29 @@ typedef struct {
     const wrow16 *wr;
     const float *bias;
     float *y;
+    float *ob; /* the thread's span buffer (tile_span_bytes) */
 } tile16_job;
 
-/* Weight rows [n0, n0 + C) against every group of the pass: unpacked once, then each pair of groups. */
+#define T16_SPAN (4 * T16_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS) */
+
+/* Weight rows [n0, n0 + C) (C <= T16_SPAN) against every group of the pass: T16_COLS at a time unpacked once,
+ * then each pair of groups; the span's sums stored at the end. */
 static inline __attribute__((always_inline)) void tile16_cols(const int fmt, const tile16_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
-    for (int c = 0; c < C; c++) tile16_unpack(fmt, j->w + (n0 + c) * j->row_bytes, K, j->tmp, &j->wr[c]);
-    group16 gs[T16_GROUPS];
-    for (int64_t gi = 0; gi < j->ng; gi += T16_GROUPS) {
-        const int G = (int)(j->ng - gi < T16_GROUPS ? j->ng - gi : T16_GROUPS);
-        for (int g = 0; g < G; g++) gs[g] = tile16_group_in(j->gmem + (gi + g) * j->gbytes, K);
-        __m512 out[T16_GROUPS][T16_COLS];
-        tile16_call(fmt, G, gs, j->wr, K, out);
-        for (int g = 0; g < G; g++) tile_store(out[g], C, j->p0 + 16 * (gi + g), j->p1, n0, j->bias, j->y, j->ldy);
+    for (int s = 0; s < C; s += T16_COLS) {
+        const int cs = C - s < T16_COLS ? C - s : T16_COLS;
+        for (int c = 0; c < cs; c++) tile16_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, j->tmp, &j->wr[c]);
+        group16 gs[T16_GROUPS];
+        for (int64_t gi = 0; gi < j->ng; gi += T16_GROUPS) {
+            const int G = (int)(j->ng - gi < T16_GROUPS ? j->ng - gi : T16_GROUPS);
+            for (int g = 0; g < G; g++) gs[g] = tile16_group_in(j->gmem + (gi + g) * j->gbytes, K);
+            __m512 out[T16_GROUPS][T16_COLS];
+            tile16_call(fmt, G, gs, j->wr, K, out);
+            span_keep(j->ob, gi, G, s, cs, &out[0][0], T16_COLS);
+        }
     }
+    for (int64_t gi = 0; gi < j->ng; gi++)
+        span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
 }
 
 TILE_COLS_OF(tile16, tile16_job)
@@ -1285,7 +1361,7 @@ static int tile16_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, in
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile16_pass_rows(K), nb = K / QK;
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (2 * K + nb * 8), gbytes = tile16_group_bytes(K),
-                  wbytes = T16_COLS * tile16_wrow_bytes(K) + tile8_wrow_bytes(K) + 64;
+                  wbytes = (tile_span_bytes(groups) + T16_COLS * tile16_wrow_bytes(K) + tile8_wrow_bytes(K) + 127) / 64 * 64;
     const int nt = threads > 1 ? threads : 1;
     char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 128));
     if (!mem) return ASYNCINFER_ENOMEM;
@@ -1311,13 +1387,14 @@ static int tile16_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, in
         }
         _Pragma("omp parallel num_threads(nt) if(nt > 1)")
         {
-            char *mine = wmem + ai_thread_num() * wbytes;
+            float *ob = (float *)(wmem + ai_thread_num() * wbytes);
+            char *mine = (char *)ob + tile_span_bytes(groups);
             wrow16 wr[T16_COLS];
             for (int c = 0; c < T16_COLS; c++) wr[c] = tile16_wrow_in(mine + c * tile16_wrow_bytes(K), K);
             const wrow8 tmp = tile8_wrow_in(mine + T16_COLS * tile16_wrow_bytes(K), K);
-            const tile16_job job = {fmt, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, &tmp, wr, bias, y};
+            const tile16_job job = {fmt, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, &tmp, wr, bias, y, ob};
             _Pragma("omp for schedule(static)")
-            for (int64_t n0 = 0; n0 < N; n0 += T16_COLS) cols(&job, n0, (int)(N - n0 < T16_COLS ? N - n0 : T16_COLS));
+            for (int64_t n0 = 0; n0 < N; n0 += T16_SPAN) cols(&job, n0, (int)(N - n0 < T16_SPAN ? N - n0 : T16_SPAN));
         }
     }
     free(mem);
