@@ -196,6 +196,54 @@ def test_the_kernel_decode_step_takes_the_models_activation_dtype(tmp_path) -> N
         apply_weight_format(load_model(tmp_path, torch.float32, "cpu").model, "q4_1", activation_dtype="int4")
 
 
+#: The variants whose build has the int8 tile (kernels.gemm's int8_kernel="tile"; the rows elsewhere).
+TILE8_ISAS = ("avx512", "avx512vnni")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_a_decode_step_takes_the_tile_from_step_tile_min_rows(tmp_path, monkeypatch, fmt) -> None:
+    """With int8 the kernels' decode step multiplies a layer's projections in a plain block format (here Q4_0 kept out
+    of lanes, and Q8_0) by the rows below kernels.STEP_TILE_MIN_ROWS rows and by the tile from it on (the AVX-512
+    variants; the rows elsewhere), the output projection by the rows at every count: one request's logits are the
+    same bits alone and beside STEP_TILE_MIN_ROWS - 2 others, the same beside STEP_TILE_MIN_ROWS - 1 others as beside
+    40, and (where the build has the tile) the two pairs differ in their last bits; all within the op-by-op
+    reference's reach of a rounding flip."""
+    monkeypatch.setattr(kernels, "lanes_native", lambda: False)
+    lossless_tiny("qwen2", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    apply_weight_format(model, fmt, activation_dtype="int8")
+    assert not any(m.lanes for m in model.modules() if isinstance(m, BlockLinear))
+    cpu = torch.device("cpu")
+    kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
+    prompt = list(range(3, 14))
+    edge = kernels.STEP_TILE_MIN_ROWS
+    crowds = {rows: [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s % 17)]) for s in range(2, rows + 1)]
+              for rows in (1, edge - 1, edge, 41)}  # the request's step rows: alone, the rows' most, the tile's least
+    runners = {rows: PagedRunner(model, num_blocks=640, seed=rows) for rows in crowds}
+    plain = PagedRunner(model, seed=1)
+    first = {rows: kernel.forward(runners[rows].step_batch([(1, prompt), *others], last_only=True),
+                                  runners[rows].kv_caches) for rows, others in crowds.items()}
+    reference.forward(plain.step_batch([(1, prompt)], last_only=True), plain.kv_caches)
+    last = int(first[1].logits[0].argmax())
+    theirs = {rows: [t[-1] for _, t in others] for rows, others in crowds.items()}
+    tile_here = kernels.isa() in TILE8_ISAS
+    for _ in range(3):
+        out = {}
+        for rows, others in crowds.items():
+            step = [(1, [last]), *((s, [t]) for (s, _), t in zip(others, theirs[rows]))]
+            out[rows] = kernel.forward(runners[rows].step_batch(step), runners[rows].kv_caches)
+            assert out[rows].logits.shape[0] == rows
+            theirs[rows] = out[rows].greedy_ids[1:]
+        r = reference.forward(plain.step_batch([(1, [last])]), plain.kv_caches)
+        mine = {rows: o.logits[0] for rows, o in out.items()}
+        assert torch.equal(mine[1], mine[edge - 1])  # the rows
+        assert torch.equal(mine[edge], mine[41])  # the tile (the rows where the build has none)
+        assert torch.equal(mine[1], mine[edge]) != tile_here
+        for rows in crowds:
+            assert ((mine[rows] - r.logits[0]).norm() / r.logits[0].norm()).item() < 3e-2
+        last = out[1].greedy_ids[0]
+
+
 async def test_the_engine_option_reaches_every_projection(tmp_path) -> None:
     from asyncinfer import AsyncEngine, SamplingParams
 

@@ -48,11 +48,16 @@ _HERE = Path(__file__).parent
 _CSRC = _HERE / "csrc"
 #: The ABI version this Python side binds (csrc/asyncinfer_kernels.h's ASYNCINFER_KERNELS_VERSION); a
 #: library of another version is refused (:func:`_checked`, the one comparison).
-_VERSION = 33
+_VERSION = 34
 #: From this many activation rows on, the GEMM with int16 activations takes its batched path: the int16 tile in
 #: the AVX-512 variants, the float32 panel in the others (:func:`int16_batched`); int8 activations take their rows
 #: at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library.
 PANEL_MIN_ROWS = 9
+#: From this many activation rows on, a step's int8 projection in a plain block format (a decoder layer's, the
+#: output projection's: not a format in lanes) takes the int8 tile in the AVX-512 variants (the kernels' one-call
+#: step, :class:`~asyncinfer.kernels.DecodeStack`), below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS;
+#: checked against the loaded library.
+STEP_TILE_MIN_ROWS = 12
 #: From this many activation rows on, the GEMM with ``activation_dtype="bfloat16"`` rebuilds the weights as
 #: bfloat16 (``asyncinfer_dequantize_bf16``, a slice of rows at a time) and multiplies them by torch in bfloat16;
 #: below it, int16's rows (a decode step keeps its speed). The panel's own threshold, as measured on an AMX Xeon
@@ -357,6 +362,8 @@ def _open_variant(isa: str) -> tuple[ctypes.CDLL, dict]:
     _configure(lib)
     if lib.asyncinfer_panel_min_rows() != PANEL_MIN_ROWS:
         raise RuntimeError("the built library disagrees with PANEL_MIN_ROWS")
+    if lib.asyncinfer_step_tile_min_rows() != STEP_TILE_MIN_ROWS:
+        raise RuntimeError("the built library disagrees with STEP_TILE_MIN_ROWS")
     info["openmp"] = openmp_runtimes()
     _variants[isa] = (lib, info)
     return lib, info
@@ -409,7 +416,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.asyncinfer_scratch_bytes.restype = I64
     lib.asyncinfer_scratch_bytes.errcheck = _scratch_size
     for name in ("asyncinfer_cpu_isas", "asyncinfer_kernels_isa", "asyncinfer_kernels_version",
-                 "asyncinfer_panel_min_rows"):
+                 "asyncinfer_panel_min_rows", "asyncinfer_step_tile_min_rows"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], INT
 
 

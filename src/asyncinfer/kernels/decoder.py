@@ -67,10 +67,13 @@ class _Part(ctypes.Structure):
 _Parts = _Part * MAX_PARTS
 
 
-def _weights_format(fmt: object, what: str, flag: int) -> tuple[str, str, int]:
+def _weights_format(fmt: object, what: str, flag: int, step_tile: bool = True) -> tuple[str, str, int]:
     """A projection's format name as a layer or stack takes it: ``(name, the block format its blocks are sized as,
     the kernels' code with ``flag``)``; a name of :data:`LANES_FORMATS` (Q4_0 / Q4_1 in lanes) with int8 activations
-    only, every other name one of the block formats (:func:`format_name`'s errors)."""
+    only, every other name one of the block formats (:func:`format_name`'s errors). ``step_tile``: with int8, a plain
+    format's code carries the tile flag (the tile from STEP_TILE_MIN_ROWS rows on, a layer's projections); the head
+    goes without it (the rows at every count: over layers in lanes, a request's logits the same bits whatever its
+    step holds)."""
     if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:
         name = str.__str__(fmt)
         if not flag & _ACT8:
@@ -79,7 +82,8 @@ def _weights_format(fmt: object, what: str, flag: int) -> tuple[str, str, int]:
         # with the tile flag: the tile over the lanes from 32 rows on (a step of many decodes), the same results
         return name, LANES_FORMATS[name], _FORMAT_CODES[LANES_FORMATS[name]] | LANES16 | _TILE8 | flag
     name = format_name(fmt, what)
-    return name, name, _FORMAT_CODES[name] | flag
+    # int8: the tile flag, so a step of STEP_TILE_MIN_ROWS rows or more takes the tile (AVX-512 variants), fewer the rows
+    return name, name, _FORMAT_CODES[name] | flag | (_TILE8 if flag & _ACT8 and step_tile else 0)
 
 
 def _check_lanes(name: str, fmt: str, rows: int) -> None:
@@ -184,6 +188,10 @@ class DecodeLayer:
     ``activation_dtype``: how the projections round a step's activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s
     ``activation_dtype``); ``"bfloat16"`` is taken as int16 (:func:`gemm` multiplies in bfloat16 only from
     ``BF16_MIN_ROWS`` rows on, a prefill's, which the layer's kernel does not run); ValueError for another value.
+    With int8 a projection in a plain block format is multiplied by the rows below
+    :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows and by the int8 tile from it on (AVX-512 variants; the rows
+    elsewhere), each row's result the same whatever the others on either side; the two sum in another order, so a
+    row's result moves in its last bits when its step crosses that count.
 
     Everything is checked here, once: TypeError naming the argument for a tensor not on the CPU, of
     another dtype or kind of shape, or a projection that is not such a tuple; ValueError for a size
@@ -397,7 +405,8 @@ class DecodeStack:
     ``sqrt(hidden)``; 1: the rows as stored), a finite real number; ``logit_softcap``: None, or a positive cap
     each logit is soft-capped at, ``cap * tanh(logit / cap)``, before its argmax (Gemma 2's final soft-capping);
     ``activation_dtype``: how the head rounds its activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s;
-    ``"bfloat16"`` taken as int16, as :class:`DecodeLayer` takes it).
+    ``"bfloat16"`` taken as int16, as :class:`DecodeLayer` takes it; with int8 the head keeps the rows at every
+    count, where the layers' projections take the tile from :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows).
 
     Rope tables: each call takes one cos and one sin table per rope table its layers read
     (:class:`DecodeLayer`'s ``rope_table``; :attr:`rope_tables` of them): a tensor each where every layer reads
@@ -440,7 +449,7 @@ class DecodeStack:
                                 f"{type(head).__name__}")
             fmt, blocks, out_features = head
             # the plain name: the kernel reads the blocks as this one
-            fmt, sized, self._head_code = _weights_format(fmt, "head's format", self._head_flag)
+            fmt, sized, self._head_code = _weights_format(fmt, "head's format", self._head_flag, step_tile=False)
             out_features = size("head's out_features", out_features)
             _check_blocks(blocks, sized, out_features, hidden, "head")
             _check_lanes("head", fmt, out_features)

@@ -13,11 +13,16 @@
 
 /* The ABI version: bumped whenever a signature, a struct, the layout or a result changes. The library
  * returns it (asyncinfer_kernels_version); _build.py refuses a library of another version. */
-#define ASYNCINFER_KERNELS_VERSION 33
+#define ASYNCINFER_KERNELS_VERSION 34
 
 /* From this many activation rows on, the GEMM takes its float32 panel path (below it, activations are
  * rounded per block of 32 to int16); _build.PANEL_MIN_ROWS is checked against it. */
 #define ASYNCINFER_PANEL_MIN_ROWS 9
+
+/* From this many activation rows on, a step's int8 projection in a plain block format with ASYNCINFER_FMT_TILE8
+ * (layer_t's parts, the head's format) takes the tile on AVX-512 builds; _build.STEP_TILE_MIN_ROWS is checked
+ * against it. */
+#define ASYNCINFER_STEP_TILE_MIN_ROWS 12
 
 /* ISA variant codes (asyncinfer_kernels_isa, asyncinfer_cpu_isas' bits). */
 #define ASYNCINFER_ISA_SCALAR 0
@@ -54,7 +59,9 @@ extern "C" {
  * (gemm8.c: llama.cpp's numerics, faster products); from it on, the float32 panel as without it. */
 #define ASYNCINFER_FMT_ACT8 0x40
 /* A flag beside ASYNCINFER_FMT_ACT8 on asyncinfer_gemm's fmt: the int8 GEMM as a tile of 16 activation rows a
- * register (gemm8.c), for many rows; the AVX-512 builds have it, the others take the rows without it. */
+ * register (gemm8.c), for many rows; the AVX-512 builds have it, the others take the rows without it. On layer_t's
+ * parts and the head's format (a step's projections): the tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on, the rows
+ * below it (a format in lanes: ASYNCINFER_FMT_LANES16's choice). */
 #define ASYNCINFER_FMT_TILE8 0x80
 /* A flag beside ASYNCINFER_FMT_ACT8 on Q4_0's or Q4_1's code (layer_t's parts, asyncinfer_gemm's fmt): the blocks
  * in lanes (asyncinfer.kernels.pack_lanes): weight rows in groups of 16, each block of 32 weights of the 16 rows in
@@ -183,6 +190,7 @@ ASYNCINFER_API int asyncinfer_check_paged(const int64_t *tables, int64_t ldt, co
                                           const int64_t *slots, int64_t S, int64_t BS, int64_t num_blocks);
 
 ASYNCINFER_API int asyncinfer_panel_min_rows(void);
+ASYNCINFER_API int asyncinfer_step_tile_min_rows(void);
 ASYNCINFER_API int asyncinfer_kernels_version(void);
 /* The variant this library was built as (ASYNCINFER_ISA_*). */
 ASYNCINFER_API int asyncinfer_kernels_isa(void);

@@ -132,6 +132,7 @@ float ai_softcap(float *x, int64_t n, float cap) {
 }
 
 int asyncinfer_panel_min_rows(void) { return PANEL_MIN_ROWS; }
+int asyncinfer_step_tile_min_rows(void) { return ASYNCINFER_STEP_TILE_MIN_ROWS; }
 
 int asyncinfer_kernels_version(void) { return ASYNCINFER_KERNELS_VERSION; }
 
