@@ -679,8 +679,9 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
 #ifdef AI_AVX512
 /* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
  * 16 activation rows to a register. The decoder layers' projections take it in prefills and mixed steps
- * (kernels.gemm's int8_kernel="tile"); the output projection (a row per sampled request) and the kernels' one-call
- * decode step (decoder.c) keep the rows above. A pass of activation rows is rounded per row (quantize_acts8, as
+ * (kernels.gemm's int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from
+ * ASYNCINFER_STEP_TILE_MIN_ROWS rows on (step8, below); the output projection (a row per sampled request) keeps the
+ * rows above. A pass of activation rows is rounded per row (quantize_acts8, as
  * the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit
  * register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of 16. A
  * weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of each
@@ -790,22 +791,30 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
     }
 }
 
-/* Weight row n of Q4_0 / Q4_1 in lanes unpacked as tile8_unpack unpacks a row of the format: each block's 16
- * bytes of nibbles gathered from its four runs (bytes 4c to 4c + 3 from run c), its scale (and minimum) from the
- * group's 16. */
-static inline __attribute__((always_inline)) void tile8_unpack_lanes(const int fmt, const uint8_t *w, int64_t n,
-                                                                     int64_t K, const wrow8 *r) {
+/* Group grp of Q4_0 / Q4_1 in lanes unpacked whole, for tile8_kernel's grouped rows: word t of block b of all 16
+ * rows in one register's lanes (t < 4: run t's low nibbles, else run t - 4's high ones), at u + (8 b + t) * 64; the
+ * 16 scales (and minimums) of block b at s + 16 b (mn + 16 b): for each row the values tile8_unpack gives the same
+ * row in ggml's blocks, so the same results. */
+static inline int64_t tile8_group_lanes_bytes(int64_t K) { return K / QK * (8 * 64 + 2 * 16 * 4); }
+static inline __attribute__((always_inline)) void tile8_unpack_group(const int fmt, const uint8_t *w, int64_t grp,
+                                                                     int64_t K, uint8_t *u, float *s, float *mn) {
     const int64_t nb = K / QK;
     const int head = lane_head(fmt), size = lane_block(fmt);
-    const uint8_t *g = w + n / LANE_ROWS * nb * size;
-    const int lane = (int)(n % LANE_ROWS);
+    const uint8_t *g = w + grp * nb * size;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * size;
-        uint8_t qs[16];
-        for (int c = 0; c < 4; c++) memcpy(qs + 4 * c, blk + head + 64 * c + 4 * lane, 4);
-        _mm256_storeu_si256((__m256i *)(r->u + 32 * b), ai_nibbles32(qs));
-        r->s[b] = ai_half_at(blk + 2 * lane);
-        if (fmt == ASYNCINFER_FMT_Q4_1) r->mn[b] = ai_half_at(blk + 32 + 2 * lane);
+        for (int c = 0; c < 4; c++) {
+            const __m512i run = _mm512_loadu_si512(blk + head + 64 * c);
+            _mm512_storeu_si512(u + (8 * b + c) * 64, _mm512_and_si512(run, low4));
+            _mm512_storeu_si512(u + (8 * b + 4 + c) * 64, _mm512_and_si512(_mm512_srli_epi16(run, 4), low4));
+        }
+        for (int h = 0; h < 2; h++) {
+            _mm256_storeu_ps(s + 16 * b + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))));
+            if (fmt == ASYNCINFER_FMT_Q4_1)
+                _mm256_storeu_ps(mn + 16 * b + 8 * h,
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))));
+        }
     }
 }
 
@@ -854,11 +863,13 @@ static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int c
     }
 }
 
-/* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. */
+/* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
+ * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
+ * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]). */
 static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, const int G, const int C,
                                                                const group8 *gs, const wrow8 *w, int64_t K,
-                                                               __m512 out[T8_GROUPS][T8_COLS]) {
-    const int64_t nb = K / QK;
+                                                               __m512 out[T8_GROUPS][T8_COLS], const int grouped) {
+    const int64_t nb = K / QK, ub = grouped ? 8 * 64 : 32, ut = grouped ? 64 : 4, sb = grouped ? 16 : 1;
     const int q6 = fmt == ASYNCINFER_FMT_Q6_K, centre = tile8_centre(fmt), min = has_min8(fmt);
     __m512 f[T8_GROUPS][T8_COLS];
     for (int g = 0; g < G; g++)
@@ -877,7 +888,7 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
                 for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (8 * b + t) * 16);
                 for (int c = 0; c < C; c++) {
                     int32_t word;
-                    memcpy(&word, w[c].u + 32 * b + 4 * t, 4);
+                    memcpy(&word, w[c].u + ub * b + ut * t, 4);
                     const __m512i wv = _mm512_set1_epi32(word);
 #ifndef AI_VNNI
                     if (fmt == ASYNCINFER_FMT_Q8_0) { /* |q| times qx with q's sign: maddubs' pairs within int16 */
@@ -909,9 +920,9 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
             const __m512 dx = _mm512_loadu_ps(gs[g].d + b * 16);
             const __m512 xs = min ? _mm512_loadu_ps(gs[g].sum + b * 16) : _mm512_setzero_ps();
             for (int c = 0; c < C; c++) {
-                f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]), _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[b])),
-                                          f[g][c]);
-                if (min) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[b]), xs, f[g][c]);
+                f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]),
+                                          _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[sb * b])), f[g][c]);
+                if (min) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[sb * b]), xs, f[g][c]);
             }
         }
     }
@@ -923,9 +934,10 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
  * drops them): two micro-kernels a format, one or two groups, where each (G, C) of its own would multiply the
  * compile time of the SIMDe-emulated builds. */
 static inline __attribute__((always_inline)) void tile8_call(const int fmt, int G, const group8 *gs,
-                                                             const wrow8 *w, int64_t K, __m512 out[T8_GROUPS][T8_COLS]) {
-    if (G == 2) return tile8_kernel(fmt, 2, T8_COLS, gs, w, K, out);
-    tile8_kernel(fmt, 1, T8_COLS, gs, w, K, out);
+                                                             const wrow8 *w, int64_t K, __m512 out[T8_GROUPS][T8_COLS],
+                                                             const int grouped) {
+    if (G == 2) return tile8_kernel(fmt, 2, T8_COLS, gs, w, K, out, grouped);
+    tile8_kernel(fmt, 1, T8_COLS, gs, w, K, out, grouped);
 }
 
 /* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES.
@@ -1019,7 +1031,8 @@ typedef struct {
     const wrow8 *wr;
     const float *bias;
     float *y;
-    float *ob; /* the thread's span buffer (tile_span_bytes) */
+    float *ob;     /* the thread's span buffer (tile_span_bytes) */
+    uint8_t *gu;   /* lanes: the thread's group unpacked whole (tile8_group_lanes_bytes) */
 } tile8_job;
 
 #define T8_SPAN (4 * T8_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS) */
@@ -1028,20 +1041,36 @@ typedef struct {
  * each pair of groups; the span's sums stored at the end. */
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
+    if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes) {
+        /* a span is a group of 16 rows in lanes (n0 a multiple of 16, N too): unpacked whole, read in place */
+        uint8_t *u = j->gu;
+        float *sc = (float *)(u + K / QK * 8 * 64), *mn = sc + K / QK * 16;
+        tile8_unpack_group(fmt, j->w, n0 / LANE_ROWS, K, u, sc, mn);
+        for (int s = 0; s < C; s += T8_COLS) {
+            wrow8 wr[T8_COLS];
+            for (int c = 0; c < T8_COLS; c++) wr[c] = (wrow8){u + 4 * (s + c), sc + s + c, mn + s + c, NULL};
+            group8 gs[T8_GROUPS];
+            for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
+                const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
+                for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
+                __m512 out[T8_GROUPS][T8_COLS];
+                tile8_call(fmt, G, gs, wr, K, out, 1);
+                span_keep(j->ob, gi, G, s, T8_COLS, &out[0][0], T8_COLS);
+            }
+        }
+        for (int64_t gi = 0; gi < j->ng; gi++)
+            span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
+        return;
+    }
     for (int s = 0; s < C; s += T8_COLS) {
         const int cs = C - s < T8_COLS ? C - s : T8_COLS;
-        for (int c = 0; c < cs; c++) {
-            if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes)
-                tile8_unpack_lanes(fmt, j->w, n0 + s + c, K, &j->wr[c]);
-            else
-                tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
-        }
+        for (int c = 0; c < cs; c++) tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
         group8 gs[T8_GROUPS];
         for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
             const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
             for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
             __m512 out[T8_GROUPS][T8_COLS];
-            tile8_call(fmt, G, gs, j->wr, K, out);
+            tile8_call(fmt, G, gs, j->wr, K, out, 0);
             span_keep(j->ob, gi, G, s, cs, &out[0][0], T8_COLS);
         }
     }
@@ -1090,11 +1119,12 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
     const int64_t rows = M < pass ? M : pass, acts = rows * (K + K / QK * 8 + K / 16 * 2), gbytes = tile8_group_bytes(K),
-                  wbytes = (tile_span_bytes(groups) + T8_COLS * tile8_wrow_bytes(K) + 63) / 64 * 64;
+                  wbytes = (tile_span_bytes(groups) + T8_COLS * tile8_wrow_bytes(K) + 63) / 64 * 64,
+                  lbytes = lanes ? (tile8_group_lanes_bytes(K) + 63) / 64 * 64 : 0;
     const int nt = threads > 1 ? threads : 1;
-    char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * wbytes + 64));
+    char *mem = (char *)malloc((size_t)(acts + groups * gbytes + nt * (wbytes + lbytes) + 64));
     if (!mem) return ASYNCINFER_ENOMEM;
-    char *gmem = mem + (acts + 63) / 64 * 64, *wmem = gmem + groups * gbytes;
+    char *gmem = mem + (acts + 63) / 64 * 64, *wmem = gmem + groups * gbytes, *lmem = wmem + nt * wbytes;
     memset(wmem, 0, (size_t)(nt * wbytes)); /* the rows a short tile computes and drops: never uninitialized */
     const int centre = tile8_centre(fmt);
     for (int64_t p0 = 0; p0 < M; p0 += pass) {
@@ -1119,7 +1149,8 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++)
                 wr[c] = tile8_wrow_in(mine + tile_span_bytes(groups) + c * tile8_wrow_bytes(K), K);
-            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y, (float *)mine};
+            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, gmem, wr, bias, y, (float *)mine,
+                                   (uint8_t *)(lmem + ai_thread_num() * lbytes)};
             _Pragma("omp for schedule(static)")
             for (int64_t n0 = 0; n0 < N; n0 += T8_SPAN) cols(&job, n0, (int)(N - n0 < T8_SPAN ? N - n0 : T8_SPAN));
         }
@@ -1143,8 +1174,8 @@ TILE8(ai_tile8_q4_k, ASYNCINFER_FMT_Q4_K)
 TILE8(ai_tile8_q5_k, ASYNCINFER_FMT_Q5_K)
 TILE8(ai_tile8_q6_k, ASYNCINFER_FMT_Q6_K)
 
-/* Q4_0 / Q4_1 in lanes (N a multiple of 16), each weight row read from its group: the same float32 operations as
- * the lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
+/* Q4_0 / Q4_1 in lanes (N a multiple of 16), each group of 16 weight rows unpacked whole (tile8_unpack_group): the
+ * same float32 operations as the lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
 static int ai_tile8_lanes(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                           const float *bias, float *y, int64_t ldy, int threads) {
     if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
@@ -1587,8 +1618,8 @@ static int ai_gemm8_q4_1_lanes_tile(const float *x, int64_t M, int64_t ldx, int6
 
 /* A step's int8 projection in a plain block format with ASYNCINFER_FMT_TILE8 (layer_t's parts, the head's format):
  * the tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on where the build has it (AVX-512), else the rows. At the 1B
- * shape on a Zen 4 core pair the two meet at about 10 rows (the tile computes 16 rows' work from one row on); at 32
- * rows the tile takes 0.45x (Q4_K) to 0.4x (Q6_K) of the rows' time. */
+ * shape on a Zen 4 core pair the tile runs at 1.09x (Q4_K) to 1.35x (Q6_K) the rows' speed at 12 rows and 1.84x to
+ * 2.36x at 32 (it computes 16 rows' work from one row on; benchmarks/results/activation_dtype_step_tile_zen4.json). */
 #ifdef AI_AVX512
 static inline __attribute__((always_inline)) int step8(const int fmt, const float *x, int64_t M, int64_t ldx,
                                                        int64_t K, const void *w, int64_t N, const float *bias, float *y,
