@@ -139,7 +139,10 @@ async def test_a_rows_logits_move_within_the_stated_bound_with_its_steps_row_cou
 
 async def test_with_int8_activations_a_rows_logits_do_not_depend_on_its_batch(real_gguf) -> None:
     """activation_dtype="int8" rounds every step's activations to int8, whatever its rows, and each row is summed
-    alone: the same request's logprobs alone and beside 11 others are equal to the last bit."""
+    alone: the same request's logprobs alone and beside 11 others are equal to the last bit. (The 12 rows are
+    kernels.STEP_TILE_MIN_ROWS, from which a layer in a plain block format takes the tile in a decode step: the
+    default model's Q4_1 layers are in lanes on the AVX-512 variants, whose GEMMs give the same bits at every count,
+    and the other variants have no tile.)"""
     alone = await exception_first_request(real_gguf, [], "int8")
     batched = await exception_first_request(real_gguf, EXCEPTION_NEIGHBOURS, "int8")
     assert alone.token_ids == batched.token_ids

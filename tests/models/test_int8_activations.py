@@ -196,8 +196,9 @@ def test_the_kernel_decode_step_takes_the_models_activation_dtype(tmp_path) -> N
         apply_weight_format(load_model(tmp_path, torch.float32, "cpu").model, "q4_1", activation_dtype="int4")
 
 
-#: The variants whose build has the int8 tile (kernels.gemm's int8_kernel="tile"; the rows elsewhere).
-TILE8_ISAS = ("avx512", "avx512vnni")
+#: The variants whose build has the int8 tile (kernels.gemm's int8_kernel="tile"; the rows elsewhere): the AVX-512
+#: builds, which hold the int16 tile too.
+TILE8_ISAS = kernels.INT16_TILE_ISAS
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -215,6 +216,9 @@ def test_a_decode_step_takes_the_tile_from_step_tile_min_rows(tmp_path, monkeypa
     assert not any(m.lanes for m in model.modules() if isinstance(m, BlockLinear))
     cpu = torch.device("cpu")
     kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
+    tile_flag = kernels.int8_kernel_flag("tile")
+    assert all(part.fmt & tile_flag for layer in kernel.stack.layers for part in layer._struct.qkv if part.rows)
+    assert not kernel.stack._head_code & tile_flag  # the head: the rows at every count
     prompt = list(range(3, 14))
     edge = kernels.STEP_TILE_MIN_ROWS
     crowds = {rows: [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s % 17)]) for s in range(2, rows + 1)]

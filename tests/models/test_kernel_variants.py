@@ -102,6 +102,7 @@ def build_emulated(name: str, directory: Path) -> ctypes.CDLL:
     lib = _build._checked(ctypes.CDLL(str(out)), reports)
     _build._configure(lib)
     assert lib.asyncinfer_panel_min_rows() == _build.PANEL_MIN_ROWS
+    assert lib.asyncinfer_step_tile_min_rows() == _build.STEP_TILE_MIN_ROWS
     return lib
 
 
@@ -413,17 +414,19 @@ def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> 
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
-def test_an_int8_activation_layer_equals_the_scalar_reference(isa, fmt) -> None:
-    """The one-call step with activation_dtype="int8" on every variant: within 2% of the largest |h| of the
-    scalar reference's (a last-bit difference of a float32 sum may move a later projection's input across an
-    int8 rounding step, 258 times int16's), and not the int16 layer's result."""
+@pytest.mark.parametrize("tokens", [3, kernels.STEP_TILE_MIN_ROWS + 1])
+def test_an_int8_activation_layer_equals_the_scalar_reference(isa, fmt, tokens) -> None:
+    """The one-call step with activation_dtype="int8" on every variant, in the rows and (from STEP_TILE_MIN_ROWS
+    rows, AVX-512 variants) the tile: within 2% of the largest |h| of the scalar reference's (a last-bit difference
+    of a float32 sum may move a later projection's input across an int8 rounding step, 258 times int16's), and not
+    the int16 layer's result."""
     runs_here(isa)
     results = {}
     for name, dtype in (("scalar", "int8"), (isa, "int8"), ("int16", "int16")):
-        layer, cos, sin, caches, tables, lens, slots, gen = layer_and_inputs(fmt, 3, seed=11, activation_dtype=dtype)
+        layer, cos, sin, caches, tables, lens, slots, gen = layer_and_inputs(fmt, tokens, seed=11, activation_dtype=dtype)
         assert layer.activation_dtype == dtype
-        h = torch.randn(3, 64, generator=gen)
-        positions = torch.randint(0, 64, (3,), generator=gen)
+        h = torch.randn(tokens, 64, generator=gen)
+        positions = torch.randint(0, 64, (tokens,), generator=gen)
         with on("scalar" if name == "int16" else name):
             results[name] = layer(h.clone(), cos[positions].contiguous(), sin[positions].contiguous(), *caches[0],
                                   slots, tables, lens).clone()

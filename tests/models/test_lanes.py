@@ -171,7 +171,7 @@ def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_besi
     alone (the lanes' GEMM) as beside 40 others (the tile over the lanes, where the build has it). Kept out of the
     lanes on a build with the int8 tile, the step's 41 rows take the tile over ggml's blocks and its one row the
     rows: the two differ in their last bits (tests/models/test_int8_activations.py)."""
-    same = lanes_here or kernels.isa() not in ("avx512", "avx512vnni")  # the builds with the int8 tile
+    same = lanes_here or kernels.isa() not in kernels.INT16_TILE_ISAS  # the AVX-512 builds: the int8 tile too
     from asyncinfer.models import load_model
     from asyncinfer.models.attention.sdpa import KernelDecodeSdpaBackend, SdpaBackend
     from asyncinfer.models.decode_backends import KernelDecode, TorchDecode

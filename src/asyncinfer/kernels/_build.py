@@ -50,13 +50,14 @@ _CSRC = _HERE / "csrc"
 #: library of another version is refused (:func:`_checked`, the one comparison).
 _VERSION = 34
 #: From this many activation rows on, the GEMM with int16 activations takes its batched path: the int16 tile in
-#: the AVX-512 variants, the float32 panel in the others (:func:`int16_batched`); int8 activations take their rows
-#: at every count; the C header's ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library.
+#: the AVX-512 variants, the float32 panel in the others (:func:`int16_batched`); int8 activations are rounded the
+#: same way at every count (:func:`gemm`'s ``int8_kernel``; a step's projections: :data:`STEP_TILE_MIN_ROWS`); the C
+#: header's ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library.
 PANEL_MIN_ROWS = 9
-#: From this many activation rows on, a step's int8 projection in a plain block format (a decoder layer's, the
-#: output projection's: not a format in lanes) takes the int8 tile in the AVX-512 variants (the kernels' one-call
-#: step, :class:`~asyncinfer.kernels.DecodeStack`), below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS;
-#: checked against the loaded library.
+#: From this many activation rows on, a decoder layer's int8 projection in a plain block format (not a format in
+#: lanes, whose own GEMM decides; the output projection keeps the rows) takes the int8 tile in the AVX-512 variants
+#: in the kernels' one-call step (:class:`~asyncinfer.kernels.DecodeLayer`, :class:`~asyncinfer.kernels.DecodeStack`),
+#: below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS; checked against the loaded library.
 STEP_TILE_MIN_ROWS = 12
 #: From this many activation rows on, the GEMM with ``activation_dtype="bfloat16"`` rebuilds the weights as
 #: bfloat16 (``asyncinfer_dequantize_bf16``, a slice of rows at a time) and multiplies them by torch in bfloat16;

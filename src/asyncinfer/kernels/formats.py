@@ -117,7 +117,8 @@ def format_name(fmt: object, what: str = "fmt") -> str:
 #: rounding of the exact product; from :data:`PANEL_MIN_ROWS` rows on float32 in the avx2 and scalar variants,
 #: :func:`~asyncinfer.kernels.int16_batched`), ``"int8"``
 #: (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a product's size off,
-#: at every number of rows, a row's result independent of the batch; docs/formats.md, "Activations") or
+#: at every number of rows, a row's result independent of the other rows of a call (a decode step switches
+#: kernels at :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows); docs/formats.md, "Activations") or
 #: ``"bfloat16"`` (int16's below :data:`BF16_MIN_ROWS` rows; from it on the weights rebuilt as bfloat16 per call and
 #: multiplied by torch in bfloat16: fast on CPUs with AMX / AVX-512 BF16, slow elsewhere; docs/formats.md,
 #: "Batched steps").
@@ -125,7 +126,7 @@ ACTIVATION_DTYPES = ("int16", "int8", "bfloat16")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
 _ACT8 = 0x40
 #: Which int8 GEMM :func:`asyncinfer.kernels.gemm` runs (``int8_kernel``): ``"rows"`` (each activation row against
-#: each weight row, the kernels' decode step's; fastest at a few rows) or ``"tile"`` (16 activation rows a
+#: each weight row, the kernels' decode step's below STEP_TILE_MIN_ROWS rows; fastest at a few rows) or ``"tile"`` (16 activation rows a
 #: register, where the build has it (AVX-512; the rows elsewhere): about 2x the rows' speed at 64 rows and more,
 #: a fifth of it at one row). Each gives a row the same result whatever the other rows; the two differ from each
 #: other in the order of float32 additions.
