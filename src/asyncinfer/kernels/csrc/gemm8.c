@@ -742,7 +742,12 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
         const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
         for (int64_t blk = 0; blk < K / 256; blk++) {
             const uint8_t *p = row + blk * ai_fmt_bytes(fmt);
-            ai_block_scales(fmt, p, r->s + 8 * blk, r->mn + 8 * blk);
+            uint64_t sc, m; /* ai_block_scales' values, 8 at a time: d * scale, -(dmin * min) as (-dmin) * min */
+            ai_k_scales8(p + 4, &sc, &m);
+            const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+            const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
+            _mm256_storeu_ps(r->s + 8 * blk, _mm256_mul_ps(_mm256_set1_ps(ai_half_at(p)), scf));
+            _mm256_storeu_ps(r->mn + 8 * blk, _mm256_mul_ps(_mm256_set1_ps(-ai_half_at(p + 2)), mf));
             const uint8_t *qs = p + (five ? 48 : 16);
             const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
             for (int pr = 0; pr < 4; pr++) {
@@ -762,10 +767,10 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
         const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
         for (int64_t blk = 0; blk < K / 256; blk++) {
             const uint8_t *p = row + blk * 210;
-            const int8_t *sc = (const int8_t *)(p + 192);
-            const float d = ai_half_at(p + 208);
-            for (int j = 0; j < 8; j++) r->s[8 * blk + j] = d;
-            for (int j = 0; j < 16; j++) r->sc[16 * blk + j] = sc[j];
+            _mm256_storeu_ps(r->s + 8 * blk, _mm256_set1_ps(ai_half_at(p + 208)));
+            for (int h = 0; h < 2; h++) /* the 16 int8 scales widened, 8 at a time */
+                _mm256_storeu_si256((__m256i *)(r->sc + 16 * blk + 8 * h),
+                                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * h))));
             for (int n = 0; n < 2; n++) {
                 const __m256i L[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * n)),
                                       _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32))};
