@@ -1028,3 +1028,55 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
             f"({w1['ratio_prefix_cache_off']:.2f}x) and {m1['ratio_prefix_cache_on']:.2f}x with it "
             f"({w1['ratio_prefix_cache_on']:.2f}x), a 256-token prompt prefilled at {peer1['prefill']['median_ratio']:.2f}x "
             f"({quads1['prefill']['median_ratio']:.2f}x)") in section
+
+
+def test_the_step_tile_figures_are_the_results_files() -> None:
+    """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
+    tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
+    records in brackets)."""
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The tiles' stores; steps of decodes in the tile;"):
+                      formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    q40, qkm = load("peer_1b_q4_0_int8_step_tile_zen4"), load("peer_1b_q4_k_m_int8_step_tile_zen4")
+    q40_before, qkm_before = load("peer_1b_q4_0_int8_lanes_zen4"), load("peer_1b_q4_k_m_int8_zen4")
+    assert f"(Q4_0 at {q40['commit'][:7]}, `peer_1b_q4_0_int8_step_tile_zen4.json`" in section
+    assert f"Q4_K_M at {qkm['commit'][:7]}, `peer_1b_q4_k_m_int8_step_tile_zen4.json`" in section
+    assert "uncommitted" not in q40["commit"] + qkm["commit"]
+    assert f"the Q4_K_M int8 record at {qkm_before['commit'][:7]}" in section
+    runs = (q40, q40_before, qkm, qkm_before)
+    off = [r["many"]["ratio_prefix_cache_off"] for r in runs]
+    assert f"**{off[0]:.2f}x ({off[1]:.2f}x) in Q4_0**, the 2x goal met, and **{off[2]:.2f}x ({off[3]:.2f}x) in Q4_K_M**, still **behind** it" in section
+    assert off[0] >= 2 > off[2]  # "met", "behind"
+    rates = (f"({q40['many']['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} and "
+             f"{qkm['many']['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} tok/s against llama.cpp's "
+             f"{q40['many']['llama_cpp_best_tokens_per_s']:.1f} and {qkm['many']['llama_cpp_best_tokens_per_s']:.1f})")
+    assert rates in section
+    on = [r["many"]["ratio_prefix_cache_on"] for r in runs]
+    assert f"{on[0]:.2f}x ({on[1]:.2f}x) and {on[2]:.2f}x ({on[3]:.2f}x) with the prefix cache" in section
+    pre = [r["prefill"]["median_ratio"] for r in runs]
+    assert f"prefills at {pre[0]:.2f}x ({pre[1]:.2f}x) and {pre[2]:.2f}x ({pre[3]:.2f}x)" in section
+    one = [r["one_request"]["median_ratio"] for r in runs]
+    assert f"decodes at {one[0]:.2f}x ({one[1]:.2f}x) and {one[2]:.2f}x ({one[3]:.2f}x) llama.cpp's rate" in section
+    kmr = ", ".join(f"{x['ratio']:.2f}x" for x in qkm["one_request"]["rounds"])
+    assert f"(Q4_K_M's rounds {kmr}: **behind** in one of three)" in section
+    assert sum(x["ratio"] < 1 for x in qkm["one_request"]["rounds"]) == 1
+    use = [r["one_request"]["asyncinfer_bandwidth_use"] for r in (q40, qkm)]
+    assert f"at {use[0]:.0%} and {use[1]:.0%} of the read probe in the median round (**behind** the 85%" in section
+    probes = [p for r in (q40, qkm) for x in r["one_request"]["rounds"] for p in x["probe_gb_s"]]
+    assert f"the probes read {min(probes):.0f} to {max(probes):.0f} GB/s" in section
+    assert (f"32 requests without the prefix cache run at **{off[0]:.2f}x (Q4_0: the 2x goal met) and {off[2]:.2f}x "
+            f"(Q4_K_M: behind it)** llama.cpp's best slot count and {on[0]:.2f}x and {on[2]:.2f}x with it "
+            "(`peer_1b_{q4_0,q4_k_m}_int8_step_tile_zen4.json`)") in readme
+    tiles = load("activation_dtype_step_tile_zen4")
+    assert f"benchmarks/results/activation_dtype_step_tile_zen4.json`, a 2-core Zen 4, at {tiles['commit'][:7]})" in formats
+    speed = {(r["format"], r["tokens"]): r["int8_tile_over_int8"] for r in tiles["rows"]}
+    plain = formats.replace("**", "")
+    for fmt, name in {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0"}.items():
+        assert f"{name} " + ", ".join(f"{speed[fmt, m]:.2f}x" for m in (8, 10, 12, 16, 32)) in plain, fmt
+        assert speed[fmt, 12] > 1  # hence the switch at 12
+    assert (f"Q4_0 and Q4_1 in ggml's layout meet the rows later ({speed['q4_0', 12]:.2f}x and "
+            f"{speed['q4_1', 12]:.2f}x at 12 rows, {speed['q4_0', 16]:.2f}x and {speed['q4_1', 16]:.2f}x at 16)") in formats
