@@ -1049,7 +1049,9 @@ def test_the_step_tile_figures_are_the_results_files() -> None:
     assert f"the Q4_K_M int8 record at {qkm_before['commit'][:7]}" in section
     runs = (q40, q40_before, qkm, qkm_before)
     off = [r["many"]["ratio_prefix_cache_off"] for r in runs]
-    assert f"**{off[0]:.2f}x ({off[1]:.2f}x) in Q4_0**, the 2x goal met, and **{off[2]:.2f}x ({off[3]:.2f}x) in Q4_K_M**, still **behind** it" in section
+    assert (f"**{off[0]:.2f}x ({off[1]:.2f}x) in Q4_0**, the 2x goal met in this run, and **{off[2]:.2f}x "
+            f"({off[3]:.2f}x) in Q4_K_M**, still **behind** it") in section
+    assert "which replaced a run at 71476af, before the scales' change, whose record was not kept" in section
     assert off[0] >= 2 > off[2]  # "met", "behind"
     rates = (f"({q40['many']['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} and "
              f"{qkm['many']['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} tok/s against llama.cpp's "
@@ -1065,14 +1067,29 @@ def test_the_step_tile_figures_are_the_results_files() -> None:
     assert f"(Q4_K_M's rounds {kmr}: **behind** in one of three)" in section
     assert sum(x["ratio"] < 1 for x in qkm["one_request"]["rounds"]) == 1
     use = [r["one_request"]["asyncinfer_bandwidth_use"] for r in (q40, qkm)]
-    assert f"at {use[0]:.0%} and {use[1]:.0%} of the read probe in the median round (**behind** the 85%" in section
+    assert f"at {use[0]:.0%} and {use[1]:.0%} of the read probe (the median of the rounds' shares; **behind** the 85%" in section
+    assert max(use) < 0.85  # "behind"
+    for r in (q40, qkm):  # "the same peer command as above"
+        assert r["command"].startswith("peer.py --model ") and r["command"].endswith(".json")
+        settings = {k: v for k, v in r["settings"].items() if k != "model"}
+        assert settings == {k: v for k, v in q40_before["settings"].items() if k != "model"}
+    singles = [r["one_request"]["llama_cpp_median_tokens_per_s"] for r in (q40_before, q40, qkm_before, qkm)]
+    assert ("(llama.cpp's too: {:.1f} to {:.1f} and {:.1f} to {:.1f} tok/s)".format(*singles)) in section
     probes = [p for r in (q40, qkm) for x in r["one_request"]["rounds"] for p in x["probe_gb_s"]]
     assert f"the probes read {min(probes):.0f} to {max(probes):.0f} GB/s" in section
     assert (f"32 requests without the prefix cache run at **{off[0]:.2f}x (Q4_0: the 2x goal met) and {off[2]:.2f}x "
             f"(Q4_K_M: behind it)** llama.cpp's best slot count and {on[0]:.2f}x and {on[2]:.2f}x with it "
             "(`peer_1b_{q4_0,q4_k_m}_int8_step_tile_zen4.json`)") in readme
+    from asyncinfer import kernels
+
     tiles = load("activation_dtype_step_tile_zen4")
+    assert "uncommitted" not in tiles["commit"] and kernels.STEP_TILE_MIN_ROWS == 12  # "hence the switch at 12"
     assert f"benchmarks/results/activation_dtype_step_tile_zen4.json`, a 2-core Zen 4, at {tiles['commit'][:7]})" in formats
+    assert ("python benchmarks/activation_dtype.py --shape 1b --threads 2 --tokens 8 10 12 16 32 --repeats 5 --json "
+            "benchmarks/results/activation_dtype_step_tile_zen4.json") in formats
+    assert tiles["command"].split() == ["python", "benchmarks/activation_dtype.py", "--shape", "1b", "--threads", "2", "--tokens", "8", "10",
+                                        "12", "16", "32", "--repeats", "5", "--json",
+                                        "benchmarks/results/activation_dtype_step_tile_zen4.json"]
     speed = {(r["format"], r["tokens"]): r["int8_tile_over_int8"] for r in tiles["rows"]}
     plain = formats.replace("**", "")
     for fmt, name in {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0"}.items():
@@ -1080,3 +1097,4 @@ def test_the_step_tile_figures_are_the_results_files() -> None:
         assert speed[fmt, 12] > 1  # hence the switch at 12
     assert (f"Q4_0 and Q4_1 in ggml's layout meet the rows later ({speed['q4_0', 12]:.2f}x and "
             f"{speed['q4_1', 12]:.2f}x at 12 rows, {speed['q4_0', 16]:.2f}x and {speed['q4_1', 16]:.2f}x at 16)") in formats
+    assert speed["q4_0", 12] < 1 and speed["q4_1", 12] < 1  # "later"

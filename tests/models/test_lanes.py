@@ -69,8 +69,8 @@ def test_the_lanes_gemm_is_the_int8_rows_product_and_each_row_is_the_same_in_any
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.skipif(not kernels.available(), reason="the kernels cannot run here")
 def test_the_tile_over_the_lanes_is_the_lanes_gemm_and_the_tile_over_the_blocks_bit_for_bit(fmt) -> None:
-    """One float32 operation sequence a row whatever the kernel: the prefill's tile (reading each weight row out of
-    its group of 16), the decode step's lanes GEMM and the tile over the format's own layout give the same bits, at
+    """One float32 operation sequence a row whatever the kernel: the prefill's tile (reading each group of 16 weight
+    rows unpacked whole), the decode step's lanes GEMM and the tile over the format's own layout give the same bits, at
     row counts that fill a tile's group, pass it, and stay below it (on the variants without the tile, scalar and
     avx2, the tile flag runs the lanes' GEMM and the blocks' rows: those two differ in their order of sums). The
     lanes' own name asks for the same layout."""

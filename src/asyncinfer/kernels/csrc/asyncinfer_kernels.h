@@ -68,7 +68,7 @@ extern "C" {
  * 288 bytes (Q4_1: 320), their float16 scales (Q4_1: then their float16 minimums) then four runs of 64 bytes, run c
  * holding bytes 4c to 4c + 3 of each row's 16 bytes of nibbles, row r in 32-bit lane r. N a multiple of 16. Its
  * own GEMM at every number of activation rows; with TILE8 (asyncinfer_gemm's and layer_t's parts alike) on
- * AVX-512 builds, from 32 rows on, the tile, reading each weight row from its group (a prefill's, a step of many
+ * AVX-512 builds, from 32 rows on, the tile, reading each group unpacked whole (a prefill's, a step of many
  * decodes), the same float32 operations, so the same results. Each row's result the same whatever the others. */
 #define ASYNCINFER_FMT_LANES16 0x20
 

@@ -1040,10 +1040,11 @@ typedef struct {
     uint8_t *gu;   /* lanes: the thread's group unpacked whole (tile8_group_lanes_bytes) */
 } tile8_job;
 
-#define T8_SPAN (4 * T8_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS) */
+#define T8_SPAN (4 * T8_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS; a group in lanes exactly) */
+_Static_assert(T8_SPAN == LANE_ROWS && T8_SPAN <= TILE_SPAN_COLS, "a span of the int8 tile is a group in lanes");
 
-/* Weight rows [n0, n0 + C) (C <= T8_SPAN) against every group of the pass: T8_COLS at a time unpacked once, then
- * each pair of groups; the span's sums stored at the end. */
+/* Weight rows [n0, n0 + C) (C <= T8_SPAN) against every group of the pass: T8_COLS at a time unpacked once (a format
+ * in lanes: the span's group of 16 unpacked whole), then each pair of groups; the span's sums stored at the end. */
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
     if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes) {
@@ -1597,7 +1598,8 @@ static int ai_gemm8_q4_1_lanes(const float *x, int64_t M, int64_t ldx, int64_t K
 }
 
 /* Activation rows from which a format in lanes with ASYNCINFER_FMT_TILE8 takes the tile (AVX-512 builds): below it
- * the lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core). */
+ * the lanes' own GEMM is faster (a fifth of the tile's time at one row; about even at 32 on a Zen 4 core, measured
+ * before the tile unpacked the lanes' groups whole at d70fbb4, which made it faster at 32 rows: not measured since). */
 #define LANES_TILE_MIN_ROWS 32
 
 /* A format in lanes with ASYNCINFER_FMT_TILE8 (a prefill's, and the decode step's at every batch): the tile reading
@@ -1623,8 +1625,10 @@ static int ai_gemm8_q4_1_lanes_tile(const float *x, int64_t M, int64_t ldx, int6
 
 /* A step's int8 projection in a plain block format with ASYNCINFER_FMT_TILE8 (layer_t's parts, the head's format):
  * the tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on where the build has it (AVX-512), else the rows. At the 1B
- * shape on a Zen 4 core pair the tile runs at 1.09x (Q4_K) to 1.35x (Q6_K) the rows' speed at 12 rows and 1.84x to
- * 2.36x at 32 (it computes 16 rows' work from one row on; benchmarks/results/activation_dtype_step_tile_zen4.json). */
+ * shape on a Zen 4 core pair, at 71476af, the tile ran at 1.09x (Q4_K) to 1.35x (Q6_K) the rows' speed at 12 rows
+ * and 1.84x to 2.36x at 32 in the k-quants and Q8_0; Q4_0 / Q4_1 in ggml's layout (a layer that cannot take the
+ * lanes) at 0.99x / 0.80x at 12 rows, 1.39x / 1.11x at 16 (it computes 16 rows' work from one row on;
+ * benchmarks/results/activation_dtype_step_tile_zen4.json). */
 #ifdef AI_AVX512
 static inline __attribute__((always_inline)) int step8(const int fmt, const float *x, int64_t M, int64_t ldx,
                                                        int64_t K, const void *w, int64_t N, const float *bias, float *y,
