@@ -112,6 +112,12 @@ def test_lanes_are_refused_outside_q4_0_and_q4_1_with_int8_activations_and_sixte
         kernels.pack_lanes(q4_0(16, 64, seed=4, fmt="q8_0"), "q8_0")
     with pytest.raises(ValueError, match="only"):
         kernels.lanes_name("q8_0")
+    with pytest.raises(TypeError, match="fmt must be a block format name"):
+        kernels.lanes_name(None)
+    with pytest.raises(ValueError, match="takes the blocks' own format \\('q4_0'\\); 'q4_0_lanes' names the layout"):
+        kernels.pack_lanes(q4_0(16, 64, seed=4), "q4_0_lanes")
+    with pytest.raises(TypeError, match=r"bias must be a 1-D tensor \[out_features\], got shape \(2, 8\)"):
+        kernels.gemm(x, lanes, "q4_0", 16, torch.zeros(2, 8), activation_dtype="int8", lanes=True)
 
 
 # ---- the engine's choice: Q4_0 / Q4_1 projections of a decoder layer with int8 activations --------------------------

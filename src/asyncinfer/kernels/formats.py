@@ -413,7 +413,11 @@ _LANE_HEADS = {"q4_0": 2, "q4_1": 4}
 
 
 def lanes_name(fmt: str) -> str:
-    """The lanes name of block format ``fmt`` (:data:`LANES_FORMATS`); ValueError for a format without lanes."""
+    """The lanes name of block format ``fmt`` (:data:`LANES_FORMATS`); TypeError for a ``fmt`` that is not a
+    ``str`` (as :func:`format_name`), ValueError for a format without lanes."""
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt must be a block format name (str), got {type(fmt).__name__}")
+    fmt = str.__str__(fmt)
     for name, base in LANES_FORMATS.items():
         if base == fmt:
             return name
@@ -423,6 +427,9 @@ def lanes_name(fmt: str) -> str:
 def _lane_shape(t: torch.Tensor, fmt: object, what: str, name: str, verb: str) -> tuple[str, int, int, int, int, int]:
     """``t`` checked as ``fmt``'s blocks (a format held in lanes) of a multiple of 16 rows: ``(fmt, bytes per block,
     bytes before its nibbles, rows, blocks a row, groups of 16 rows)``; ValueError (TypeError) naming ``name`` else."""
+    if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:  # the layout's name, not the blocks' format
+        raise ValueError(f"fmt: {what} takes the blocks' own format ({LANES_FORMATS[str.__str__(fmt)]!r}); "
+                         f"{str.__str__(fmt)!r} names the layout in lanes")
     fmt = format_name(fmt, "fmt")
     if fmt not in _LANE_HEADS:
         raise ValueError(f"fmt: {what} regroups {sorted(_LANE_HEADS)} blocks, got {fmt!r}")

@@ -181,7 +181,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     row's the same whatever the others. Runs on torch's intra-op thread count.
 
     Raises RuntimeError where the kernels cannot run; TypeError naming the parameter for a tensor that is
-    not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias floating-point);
+    not on the CPU, of another dtype or kind of shape (x 2-D float32, packed uint8, bias 1-D floating-point);
     ValueError for weights that disagree with ``fmt``, ``out_features`` or x's width, an ``out_features``
     outside [0, 2**62], sizes whose products pass 2**62 bytes, ``activation_dtype`` not one of ``ACTIVATION_DTYPES``
     or ``int8_kernel`` not one of ``INT8_KERNELS``;
@@ -220,6 +220,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
         tensor("bias", bias)
         if not bias.is_floating_point():
             raise TypeError(f"bias must be a floating-point tensor [out_features], got {bias.dtype}")
+        if bias.dim() != 1:
+            raise TypeError(f"bias must be a 1-D tensor [out_features], got shape {tuple(bias.shape)}")
         if bias.numel() != out_features:
             raise ValueError(f"bias has {bias.numel()} values for {out_features} outputs")
         if bias.dtype != torch.float32 or not bias.is_contiguous():
