@@ -959,8 +959,8 @@ static inline int64_t tile8_pass_rows(int64_t K) {
 
 /* A thread's call takes a span of weight rows (a few micro-kernel calls' worth), keeps each group's sums in its own
  * buffer (TILE_SPAN_COLS columns of 16 lanes a group), and stores them once the span is done: 16 columns turned into
- * 16 rows in registers (transpose16), each output row's 16 values one vector store. Lane by lane stores (a column's 16
- * lanes to 16 rows) took a sixth of the 1B shape's prefill GEMMs at 256 rows. */
+ * 16 rows in registers (transpose16), each output row's 16 values one vector store, where a column's 16 lanes went to
+ * 16 rows a float at a time before ac05d46. */
 #define TILE_SPAN_COLS 32
 static inline int64_t tile_span_bytes(int64_t groups) { return groups * TILE_SPAN_COLS * 16 * (int64_t)sizeof(float); }
 
@@ -1181,7 +1181,8 @@ TILE8(ai_tile8_q5_k, ASYNCINFER_FMT_Q5_K)
 TILE8(ai_tile8_q6_k, ASYNCINFER_FMT_Q6_K)
 
 /* Q4_0 / Q4_1 in lanes (N a multiple of 16), each group of 16 weight rows unpacked whole (tile8_unpack_group): the
- * same float32 operations as the lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512 builds: a prefill's). */
+ * same float32 operations as the lanes' own GEMM, so the same results (asyncinfer_gemm's TILE8 | LANES16 on AVX-512
+ * builds: a prefill's). */
 static int ai_tile8_lanes(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                           const float *bias, float *y, int64_t ldy, int threads) {
     if (N % LANE_ROWS) return ASYNCINFER_EINVAL;
