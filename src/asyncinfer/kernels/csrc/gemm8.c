@@ -997,8 +997,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
 
 /* A span's sums for the 16 rows of a group from row r0 (those below p1) and weight rows [n0, n0 + C), lane r of
  * ob[16 c ...] to y[r0 + r, n0 + c], plus the bias (+ 0 without one, as the rows add). */
-static inline void span_store(const float *ob, int C, int64_t r0, int64_t p1, int64_t n0, const float *bias, float *y,
-                              int64_t ldy) {
+static inline void span_store_group(const float *ob, int C, int64_t r0, int64_t p1, int64_t n0, const float *bias,
+                                    float *y, int64_t ldy) {
     const int64_t live = p1 - r0 < 16 ? p1 - r0 : 16;
     for (int c0 = 0; c0 < C; c0 += 16) {
         const int n = C - c0 < 16 ? C - c0 : 16;
@@ -1018,6 +1018,13 @@ static inline void span_store(const float *ob, int C, int64_t r0, int64_t p1, in
             }
         }
     }
+}
+
+/* Every group's span sums (the ng groups of the pass from row p0, those below p1) to y. */
+static inline void span_store(const float *ob, int64_t ng, int C, int64_t p0, int64_t p1, int64_t n0, const float *bias,
+                              float *y, int64_t ldy) {
+    for (int64_t gi = 0; gi < ng; gi++)
+        span_store_group(ob + gi * TILE_SPAN_COLS * 16, C, p0 + 16 * gi, p1, n0, bias, y, ldy);
 }
 
 /* A micro-kernel call's sums (weight rows [s, s + C) of the span, groups [gi, gi + G)) into the span's buffer. */
@@ -1040,6 +1047,20 @@ typedef struct {
     uint8_t *gu;   /* lanes: the thread's group unpacked whole (tile8_group_lanes_bytes) */
 } tile8_job;
 
+/* Weight rows [s, s + C) of the span, unpacked in w (grouped: tile8_kernel's), against every pair of groups of the
+ * pass, into the span's buffer. */
+static inline __attribute__((always_inline)) void tile8_groups(const int fmt, const tile8_job *j, const wrow8 *w, int s,
+                                                               int C, const int grouped) {
+    group8 gs[T8_GROUPS];
+    for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
+        const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
+        for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, j->K);
+        __m512 out[T8_GROUPS][T8_COLS];
+        tile8_call(fmt, G, gs, w, j->K, out, grouped);
+        span_keep(j->ob, gi, G, s, C, &out[0][0], T8_COLS);
+    }
+}
+
 #define T8_SPAN (4 * T8_COLS) /* weight rows a call takes (at most TILE_SPAN_COLS; a group in lanes exactly) */
 _Static_assert(T8_SPAN == LANE_ROWS && T8_SPAN <= TILE_SPAN_COLS, "a span of the int8 tile is a group in lanes");
 
@@ -1047,41 +1068,23 @@ _Static_assert(T8_SPAN == LANE_ROWS && T8_SPAN <= TILE_SPAN_COLS, "a span of the
  * in lanes: the span's group of 16 unpacked whole), then each pair of groups; the span's sums stored at the end. */
 static inline __attribute__((always_inline)) void tile8_cols(const int fmt, const tile8_job *j, int64_t n0, int C) {
     const int64_t K = j->K;
-    if ((fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes) {
-        /* a span is a group of 16 rows in lanes (n0 a multiple of 16, N too): unpacked whole, read in place */
-        uint8_t *u = j->gu;
-        float *sc = (float *)(u + K / QK * 8 * 64), *mn = sc + K / QK * 16;
-        tile8_unpack_group(fmt, j->w, n0 / LANE_ROWS, K, u, sc, mn);
-        for (int s = 0; s < C; s += T8_COLS) {
+    /* in lanes a span is a group of 16 rows (n0 a multiple of 16, N too): unpacked whole, read in place */
+    const int grouped = (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) && j->lanes;
+    uint8_t *u = j->gu;
+    float *sc = (float *)(u + K / QK * 8 * 64), *mn = sc + K / QK * 16;
+    if (grouped) tile8_unpack_group(fmt, j->w, n0 / LANE_ROWS, K, u, sc, mn);
+    for (int s = 0; s < C; s += T8_COLS) {
+        if (grouped) {
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++) wr[c] = (wrow8){u + 4 * (s + c), sc + s + c, mn + s + c, NULL};
-            group8 gs[T8_GROUPS];
-            for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
-                const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
-                for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
-                __m512 out[T8_GROUPS][T8_COLS];
-                tile8_call(fmt, G, gs, wr, K, out, 1);
-                span_keep(j->ob, gi, G, s, T8_COLS, &out[0][0], T8_COLS);
-            }
-        }
-        for (int64_t gi = 0; gi < j->ng; gi++)
-            span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
-        return;
-    }
-    for (int s = 0; s < C; s += T8_COLS) {
-        const int cs = C - s < T8_COLS ? C - s : T8_COLS;
-        for (int c = 0; c < cs; c++) tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
-        group8 gs[T8_GROUPS];
-        for (int64_t gi = 0; gi < j->ng; gi += T8_GROUPS) {
-            const int G = (int)(j->ng - gi < T8_GROUPS ? j->ng - gi : T8_GROUPS);
-            for (int g = 0; g < G; g++) gs[g] = tile8_group_in(j->gmem + (gi + g) * j->gbytes, K);
-            __m512 out[T8_GROUPS][T8_COLS];
-            tile8_call(fmt, G, gs, j->wr, K, out, 0);
-            span_keep(j->ob, gi, G, s, cs, &out[0][0], T8_COLS);
+            tile8_groups(fmt, j, wr, s, T8_COLS, 1);
+        } else {
+            const int cs = C - s < T8_COLS ? C - s : T8_COLS;
+            for (int c = 0; c < cs; c++) tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
+            tile8_groups(fmt, j, j->wr, s, cs, 0);
         }
     }
-    for (int64_t gi = 0; gi < j->ng; gi++)
-        span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
+    span_store(j->ob, j->ng, C, j->p0, j->p1, n0, j->bias, j->y, j->ldy);
 }
 
 /* PREFIX_cols_of(fmt): PREFIX_cols (tile8_cols / tile16_cols) with the format a constant, a function each: the
@@ -1387,8 +1390,7 @@ static inline __attribute__((always_inline)) void tile16_cols(const int fmt, con
             span_keep(j->ob, gi, G, s, cs, &out[0][0], T16_COLS);
         }
     }
-    for (int64_t gi = 0; gi < j->ng; gi++)
-        span_store(j->ob + gi * TILE_SPAN_COLS * 16, C, j->p0 + 16 * gi, j->p1, n0, j->bias, j->y, j->ldy);
+    span_store(j->ob, j->ng, C, j->p0, j->p1, n0, j->bias, j->y, j->ldy);
 }
 
 TILE_COLS_OF(tile16, tile16_job)
