@@ -71,7 +71,7 @@ from asyncinfer.kernels.formats import (
     unpack_lanes,
 )
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
-from asyncinfer.kernels.pages import huge_pages, weight_buffer
+from asyncinfer.kernels.pages import huge_pages, joined_rows, weight_buffer
 
 __all__ = [
     "ACTIVATION_DTYPES",
@@ -111,6 +111,7 @@ __all__ = [
     "int8_kernel_flag",
     "int16_batched",
     "isa",
+    "joined_rows",
     "lanes_name",
     "lanes_native",
     "loaded",

@@ -59,6 +59,14 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of ``parts`` (uint8 [rows, width], one width: a projection's pieces) one after another, in a
+    :func:`weight_buffer` (huge pages where granted)."""
+    width = parts[0].shape[1]
+    total = sum(p.shape[0] for p in parts)
+    return torch.cat(parts, out=weight_buffer(total * width).view(total, width))
+
+
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in a :func:`weight_buffer` (same dtype and shape)."""
     flat = t.contiguous().view(-1).view(torch.uint8)

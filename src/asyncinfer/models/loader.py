@@ -627,11 +627,9 @@ class _GGUFProjection:
             parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
         if len(parts) == 1:
             return parts[0]
-        # joined (q, k, v; gate, up): a copy the layer keeps, made in huge pages where granted (kernels.weight_buffer);
+        # joined (q, k, v; gate, up): a copy the layer keeps, made in huge pages where granted (kernels.joined_rows);
         # the parts' rows are one size (one format, and their shapes were checked against the config from the header)
-        width = parts[0].shape[1]
-        total = sum(p.shape[0] for p in parts)
-        return torch.cat(parts, out=kernels.weight_buffer(total * width).view(total, width))
+        return kernels.joined_rows(parts)
 
     def part_blocks(self, part: int) -> torch.Tensor:
         t = self._weight[part]

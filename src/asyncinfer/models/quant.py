@@ -424,10 +424,9 @@ class BlockLinear(FormatLinear):
             blocks = kernels.quantize(rows, self.fmt)  # ggml blocks [rows, in / block weights * block bytes]
             lossless = lossless and bool(torch.equal(kernels.dequantize(blocks, self.fmt), rows))
             packed.append(self._layout(blocks))  # the same bytes in the layer's layout
-        if len(packed) > 1:  # joined in a weight buffer too (huge pages where granted), as each chunk's copy is
-            width = packed[0].shape[1]
-            packed = [torch.cat(packed, out=kernels.weight_buffer(out_features * width).view(out_features, width))]
-        self._hold(packed[0], out_features, in_features, bias, lossless)
+        # joined in a weight buffer too (huge pages where granted), as each chunk's copy is
+        self._hold(packed[0] if len(packed) == 1 else kernels.joined_rows(packed), out_features, in_features, bias,
+                   lossless)
 
     def _set_activation_dtype(self, activation_dtype: str, int8_kernel: str) -> None:
         self.activation_dtype = kernels.activation_dtype_name(activation_dtype)
