@@ -205,7 +205,7 @@ TILE8_ISAS = kernels.INT16_TILE_ISAS
 def test_a_decode_step_takes_the_tile_from_step_tile_min_rows(tmp_path, monkeypatch, fmt) -> None:
     """With int8 the kernels' decode step multiplies a layer's projections in a plain block format (here Q4_0 kept out
     of lanes, and Q8_0) by the rows below kernels.STEP_TILE_MIN_ROWS rows and by the tile from it on (the AVX-512
-    variants; the rows elsewhere), the output projection by the rows at every count: one request's logits are the
+    variants; the rows elsewhere), and the output projection too (no layer is held in lanes): one request's logits are the
     same bits alone and beside STEP_TILE_MIN_ROWS - 2 others, the same beside STEP_TILE_MIN_ROWS - 1 others as beside
     40, and (where the build has the tile) the two pairs differ in their last bits; all within the op-by-op
     reference's reach of a rounding flip."""
@@ -218,7 +218,8 @@ def test_a_decode_step_takes_the_tile_from_step_tile_min_rows(tmp_path, monkeypa
     kernel, reference = KernelDecode(model, KernelDecodeSdpaBackend(), cpu), TorchDecode(model, SdpaBackend(), cpu)
     tile_flag = kernels.int8_kernel_flag("tile")
     assert all(part.fmt & tile_flag for layer in kernel.stack.layers for part in layer._struct.qkv if part.rows)
-    assert not kernel.stack._head_code & tile_flag  # the head: the rows at every count
+    assert not any(layer.in_lanes for layer in kernel.stack.layers)
+    assert kernel.stack._head_code & tile_flag  # the head as the layers: the tile from STEP_TILE_MIN_ROWS rows
     prompt = list(range(3, 14))
     edge = kernels.STEP_TILE_MIN_ROWS
     crowds = {rows: [(s, [(7 * s + j) % 250 + 3 for j in range(5 + s % 17)]) for s in range(2, rows + 1)]

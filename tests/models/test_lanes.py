@@ -172,7 +172,8 @@ def test_a_layer_takes_the_lanes_only_for_int8_tile_projections_of_sixteen_row_g
 def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_beside_forty_others(
         tmp_path, lanes_here, fmt) -> None:
     """A Q4_0 (Q4_1) model with int8 activations: its decoder projections in lanes where the choice says so (never its
-    output projection), the kernels' one-call step taking them (the format's lanes name); its logits are the op-by-op
+    output projection, which then keeps the rows at every count), the kernels' one-call step taking them (the format's
+    lanes name); its logits are the op-by-op
     reference's within what a last bit's rounding flip moves, and one request's logits are the same bits decoded
     alone (the lanes' GEMM) as beside 40 others (the tile over the lanes, where the build has it). Kept out of the
     lanes on a build with the int8 tile, the step's 41 rows take the tile over ggml's blocks and its one row the
@@ -197,6 +198,10 @@ def test_the_kernels_decode_step_multiplies_the_lanes_and_a_row_is_the_same_besi
     held = kernels.lanes_name(fmt) if lanes_here else fmt
     assert all(layer._args[name][0] == held for layer in kernel.stack.layers
                for name in ("qkv", "o", "gate_up", "down"))
+    # over layers in lanes the head keeps the rows at every count (so a request's logits keep their bits in any
+    # step); over layers in ggml's blocks it takes the tile from STEP_TILE_MIN_ROWS rows, as they do
+    assert all(layer.in_lanes == lanes_here for layer in kernel.stack.layers)
+    assert bool(kernel.stack._head_code & kernels.int8_kernel_flag("tile")) != lanes_here
     alone, crowd, plain = PagedRunner(model, seed=1), PagedRunner(model, num_blocks=640, seed=2), PagedRunner(model, seed=1)
     prompt = list(range(3, 14))
     # 40 others: the step's 41 rows pass the 32 from which the decode step multiplies by the tile over the lanes

@@ -55,7 +55,7 @@ _VERSION = 34
 #: header's ASYNCINFER_PANEL_MIN_ROWS; checked against the loaded library.
 PANEL_MIN_ROWS = 9
 #: From this many activation rows on, a decoder layer's int8 projection in a plain block format (not a format in
-#: lanes, whose own GEMM decides; the output projection keeps the rows) takes the int8 tile in the AVX-512 variants
+#: lanes, whose own GEMM decides; the output projection too, unless a layer is held in lanes) takes the int8 tile in the AVX-512 variants
 #: in the kernels' one-call step (:class:`~asyncinfer.kernels.DecodeLayer`, :class:`~asyncinfer.kernels.DecodeStack`),
 #: below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS; checked against the loaded library.
 STEP_TILE_MIN_ROWS = 12
