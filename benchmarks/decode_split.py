@@ -1,4 +1,4 @@
-"""Where one request's decode step goes, on a model whose steps run on asyncinfer's kernels (the block formats):
+"""Where a decode step goes (one request's, or ``--requests N`` decoding together), on a model whose steps run on asyncinfer's kernels (the block formats):
 the layers' projections, attention, the rest of the layers (norms, rope, residuals, the threads' barriers) and
 the LM head, as the kernels add up their own time (``DecodeStack.time_parts``), against the step timed around
 ``core.step()``. With the weight bytes a step reads (``peer.weight_bytes_per_token``) and a read-bandwidth
@@ -32,6 +32,9 @@ def main() -> int:
     p.add_argument("model", type=Path, help="a GGUF file in a block format")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    p.add_argument("--requests", type=int, default=1,
+                   help="requests decoding together: each step multiplies this many rows (32: a step of the peer "
+                        "benchmark's 32 requests, where the int8 layers and head take the tile)")
     p.add_argument("--rounds", type=int, default=3, help="measurements (the median is reported)")
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--activation-dtype", default="int16", choices=["int16", "int8", "bfloat16"],
@@ -52,12 +55,19 @@ def main() -> int:
 
     engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024,
                                          activation_dtype=args.activation_dtype)
+    if args.requests < 1:
+        raise SystemExit(f"--requests must be at least 1, got {args.requests}")
     core = engine.core
     steps_needed = 8 + args.rounds * args.steps
-    core.add_request(Request(request_id="split", prompt_token_ids=list(range(300, 332)),
-                             params=SamplingParams(max_tokens=steps_needed, ignore_eos=True), arrival_time=time.time()))
-    for _ in range(8):  # the prompt, then a few plain decode steps
+    for r in range(args.requests):  # 32-token prompts, each its own
+        core.add_request(Request(request_id=f"split{r}", prompt_token_ids=list(range(300 + 40 * r, 332 + 40 * r)),
+                                 params=SamplingParams(max_tokens=steps_needed, ignore_eos=True),
+                                 arrival_time=time.time()))
+    for _ in range(8):  # the prompts, then a few plain decode steps
         core.step()
+    running, waiting = core.queue_counts()
+    if running != args.requests:
+        raise SystemExit(f"{running} of {args.requests} requests decode after their prompts ({waiting} wait)")
     rounds: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         split = fused_layer_split(core, args.steps)
@@ -69,7 +79,8 @@ def main() -> int:
     step = statistics.median(r["step_s"] for r in rounds)
     projections = statistics.median(r["layer_projections_s"] + r["head_s"] for r in rounds)
     summary = {
-        "step_ms": step * 1e3, "tokens_per_s": 1 / step,
+        "requests": args.requests, "step_ms": step * 1e3, "tokens_per_s": args.requests / step,
+        "head_ms": statistics.median(r["head_s"] for r in rounds) * 1e3,
         "projections_ms": projections * 1e3,
         "attention_ms": statistics.median(r["attention_s"] for r in rounds) * 1e3,
         "projections_share": projections / step,
@@ -81,7 +92,7 @@ def main() -> int:
     }
     print(f"{args.model.name}, {args.threads} threads: step {summary['step_ms']:.2f} ms ({summary['tokens_per_s']:.1f} "
           f"tok/s), projections {summary['projections_ms']:.2f} ms ({summary['projections_share']:.1%} of it), "
-          f"attention {summary['attention_ms']:.2f} ms")
+          f"attention {summary['attention_ms']:.2f} ms, head {summary['head_ms']:.2f} ms ({args.requests} rows a step)")
     print(f"weights {per_token / 1e6:.1f} MB a token; read probe {probe:.1f} GB/s: the step reads at "
           f"{summary['step_of_probe']:.0%} of it, the projections alone at {summary['projections_of_probe']:.0%}")
     if args.json:

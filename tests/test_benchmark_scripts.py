@@ -213,6 +213,14 @@ def test_the_decode_split_benchmark_parts_a_step_into_the_kernels_parts(tmp_path
     summary = result["summary"]
     assert 0 < summary["projections_ms"] < summary["step_ms"] and 0 < summary["projections_share"] < 1
     assert summary["weight_bytes_per_token"] > 0 and summary["probe_gb_s"] > 0
+    assert summary["requests"] == 1 and 0 < summary["head_ms"] < summary["projections_ms"]
+    # three requests decoding together: each step three rows
+    done = run_script("decode_split.py", str(model), "--threads", "1", "--steps", "2", "--rounds", "1", "--probe-mib",
+                      "16", "--requests", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["requests"] == 3 and "(3 rows a step)" in done.stdout
+    assert summary["tokens_per_s"] == pytest.approx(3e3 / summary["step_ms"], rel=1e-9)
 
 
 def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
