@@ -4,7 +4,9 @@ Three figures, each from this machine in one run:
 
 1. **the peak**: a C probe (compiled here with ``cc``) runs only 512-bit int8 multiply-adds, the instruction
    the tile is built on (``vpdpbusd`` on the ``avx512vnni`` build, the ``vpmaddubsw`` + ``vpmaddwd`` pair on
-   ``avx512``: 64 products either way), in 8 to 28 independent chains, three runs each, and keeps the best: multiply-adds a
+   ``avx512``: 64 products either way), in 8 to 28 independent chains (their loop unrolled, so that they stay in
+   registers: the probe's earlier records, with the loop as written, left GCC's -O2 to keep them in memory, each
+   multiply-add then waiting on a store and a load, and read half of a Zen 4 core's peak), three runs each, and keeps the best: multiply-adds a
    second on one core, timed on the thread's CPU clock (so another process's load does not count);
 2. **the tile**: ``kernels.gemm(..., activation_dtype="int8", int8_kernel="tile")`` over one decoder layer's
    projections of a real shape (q, k, v, o, gate, up, down), one thread, CPU clock, best of ``--repeats``, at
@@ -67,7 +69,8 @@ int main(void) {
     const long n = ITERATIONS;
     const double t0 = now();
     for (long k = 0; k < n; k++) {
-        for (int i = 0; i < CHAINS; i++) {
+#pragma GCC unroll 64
+        for (int i = 0; i < CHAINS; i++) { /* unrolled, so that the chains stay in registers */
 #ifdef VNNI
             acc[i] = _mm512_dpbusd_epi32(acc[i], u, x);
 #else
