@@ -1030,6 +1030,55 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
             f"({quads1['prefill']['median_ratio']:.2f}x)") in section
 
 
+def test_the_head_tile_figures_are_the_results_files() -> None:
+    """docs/formats.md's "The output projection in the tile" and the README's sentence: the decode split of 32
+    requests, the peer run and the int8 peak, each figure its record's, each record at the commit the docs name."""
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The output projection in the tile.**"):
+                      formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    split, peer, peak = (load("decode_split_1b_q4_k_m_int8_32req_zen4"), load("peer_1b_q4_k_m_int8_head_tile_zen4"),
+                         load("int8_peak_q4_k_m_zen4"))
+    for record, where in ((split, "at {}, `benchmarks/results/decode_split_1b_q4_k_m_int8_32req_zen4.json`"),
+                          (peer, "the same peer command at {} (`peer_1b_q4_k_m_int8_head_tile_zen4.json`)"),
+                          (peak, "at {}, `benchmarks/results/int8_peak_q4_k_m_zen4.json`")):
+        assert "uncommitted" not in record["commit"] and where.format(record["commit"][:7]) in section
+    sm = split["summary"]
+    assert sm["requests"] == 32 and "--requests 32" in split["command"]
+    assert (f"**{sm['step_ms']:.1f} ms a step, {sm['projections_ms']:.1f} ms of it in the projections, "
+            f"{sm['head_ms']:.1f} ms of those in the head** (Q6_K, 32000 x 2048), {sm['attention_ms']:.1f} ms in "
+            "attention") in section
+    many, one = peer["many"], peer["one_request"]
+    assert (f"32 requests without the prefix cache at **{many['ratio_prefix_cache_off']:.2f}x** llama.cpp's best slot "
+            f"count ({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against "
+            f"{many['llama_cpp_best_tokens_per_s']:.1f} tok/s;") in section
+    assert many["ratio_prefix_cache_off"] < 2  # "still behind"
+    assert f"{many['ratio_prefix_cache_on']:.2f}x with the cache" in section
+    assert f"a 256-token prompt prefilled at {peer['prefill']['median_ratio']:.2f}x" in section
+    rounds = ", ".join(f"{r['ratio']:.2f}x" for r in one["rounds"])
+    assert f"one request at {one['median_ratio']:.2f}x llama.cpp's rate (rounds {rounds})" in section
+    assert f"at **{one['asyncinfer_bandwidth_use']:.0%}** of the read probe (**behind** the 85% goal" in section
+    probes = [p for r in one["rounds"] for p in r["probe_gb_s"]]
+    assert f"every probe of this run read {min(probes):.0f}-{max(probes):.0f} GB/s" in section
+    assert one["asyncinfer_bandwidth_use"] < 0.85
+    tile = {(r["format"], r["tokens"]): r["share_of_peak"] for r in peak["tile"]}
+    assert f"one core's `vpdpbusd` peak is **{peak['peak']['macs_per_s'] / 1e9:.1f} G multiply-adds a second**" in section
+    assert (f"**{tile['q4_k', 32]:.0%} (Q4_K) and {tile['q6_k', 32]:.0%} (Q6_K) of it at 32 rows, "
+            f"{tile['q4_k', 256]:.0%} and {tile['q6_k', 256]:.0%} at 256**") in section
+    floor = peak["floor"]
+    assert f"take {floor['floor_s']:.2f} s at both cores' peak" in section
+    assert (f"needs **{floor['share_of_peak_the_target_needs']:.0%} of the peak over the whole workload**, where "
+            f"asyncinfer without the prefix cache ran at **{floor['asyncinfer_cache_off_share_of_peak']:.0%}**") in section
+    assert (f"a step of 32 decodes of that Q4_K_M file spends {sm['head_ms']:.1f} ms of {sm['step_ms']:.1f} in it "
+            f"(`decode_split_1b_q4_k_m_int8_32req_zen4.json`) and 32 requests without the cache ran at "
+            f"**{many['ratio_prefix_cache_off']:.2f}x**") in readme
+    assert (f"2x in Q4_K_M needs {floor['share_of_peak_the_target_needs']:.0%} of the peak and asyncinfer ran at "
+            f"{floor['asyncinfer_cache_off_share_of_peak']:.0%}: `int8_peak_q4_k_m_zen4.json`") in readme
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
