@@ -1,4 +1,5 @@
-"""Where a decode step goes (one request's, or ``--requests N`` decoding together), on a model whose steps run on asyncinfer's kernels (the block formats):
+"""Where a decode step goes (one request's, or ``--requests N`` decoding together), on a model whose steps run on
+asyncinfer's kernels (the block formats):
 the layers' projections, attention, the rest of the layers (norms, rope, residuals, the threads' barriers) and
 the LM head, as the kernels add up their own time (``DecodeStack.time_parts``), against the step timed around
 ``core.step()``. With the weight bytes a step reads (``peer.weight_bytes_per_token``) and a read-bandwidth
@@ -34,7 +35,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--requests", type=int, default=1,
                    help="requests decoding together: each step multiplies this many rows (32: a step of the peer "
-                        "benchmark's 32 requests, where the int8 layers and head take the tile)")
+                        "benchmark's 32 requests, where the int8 layers and head take the tile, not in lanes)")
     p.add_argument("--rounds", type=int, default=3, help="measurements (the median is reported)")
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--activation-dtype", default="int16", choices=["int16", "int8", "bfloat16"],
@@ -44,6 +45,8 @@ def main() -> int:
                         "as the tests force it), to compare with the lanes (docs/formats.md, 'Q4_0 in lanes')")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    if args.requests < 1:
+        raise SystemExit(f"--requests must be at least 1, got {args.requests}")
     torch.set_num_threads(args.threads)
 
     from asyncinfer import AsyncEngine, SamplingParams, kernels
@@ -53,27 +56,37 @@ def main() -> int:
     if args.lanes == "off":
         kernels.lanes_native = lambda: False  # read by each Q4_0 / Q4_1 layer as it is built
 
-    engine = AsyncEngine.from_pretrained(str(args.model), num_threads=args.threads, max_model_len=1024,
-                                         activation_dtype=args.activation_dtype)
-    if args.requests < 1:
-        raise SystemExit(f"--requests must be at least 1, got {args.requests}")
-    core = engine.core
+    options = {"num_threads": args.threads, "max_model_len": 1024, "activation_dtype": args.activation_dtype}
     steps_needed = 8 + args.rounds * args.steps
+    if args.requests > 1:  # room in the cache for every request to its last step (none preempted)
+        plan = AsyncEngine.plan_memory(str(args.model), **options)
+        blocks = args.requests * -(-(32 + steps_needed + 1) // plan.block_size)
+        options["kv_cache_memory"] = max(blocks, plan.num_blocks) * plan.block_bytes
+    engine = AsyncEngine.from_pretrained(str(args.model), **options)
+    core = engine.core
+    vocab = engine.model_config.vocab_size
     for r in range(args.requests):  # 32-token prompts, each its own
-        core.add_request(Request(request_id=f"split{r}", prompt_token_ids=list(range(300 + 40 * r, 332 + 40 * r)),
-                                 params=SamplingParams(max_tokens=steps_needed, ignore_eos=True),
+        core.add_request(Request(request_id=f"split{r}",
+                                 prompt_token_ids=[(300 + 40 * r + i) % vocab for i in range(32)],
+                                 params=SamplingParams(max_tokens=steps_needed + 1, ignore_eos=True),
                                  arrival_time=time.time()))
     for _ in range(8):  # the prompts, then a few plain decode steps
         core.step()
-    running, waiting = core.queue_counts()
-    if running != args.requests:
-        raise SystemExit(f"{running} of {args.requests} requests decode after their prompts ({waiting} wait)")
+
+    def all_decoding() -> None:  # every step of a round multiplies one row a request
+        running, waiting = core.queue_counts()
+        if (running, waiting) != (args.requests, 0):
+            raise SystemExit(f"{running} of {args.requests} requests decode ({waiting} wait): not a step of "
+                             f"{args.requests} rows")
+
+    all_decoding()
     rounds: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         split = fused_layer_split(core, args.steps)
         if split is None:
             raise SystemExit(f"{args.model}: its decode steps do not run on asyncinfer's kernels (not a block format)")
-        rounds.append(split)
+        all_decoding()
+        rounds.append({**split, "requests_decoding": args.requests})
     probe = read_bandwidth(args.probe_mib, 3)
     per_token = weight_bytes_per_token(args.model)
     step = statistics.median(r["step_s"] for r in rounds)
@@ -93,7 +106,8 @@ def main() -> int:
     print(f"{args.model.name}, {args.threads} threads: step {summary['step_ms']:.2f} ms ({summary['tokens_per_s']:.1f} "
           f"tok/s), projections {summary['projections_ms']:.2f} ms ({summary['projections_share']:.1%} of it), "
           f"attention {summary['attention_ms']:.2f} ms, head {summary['head_ms']:.2f} ms ({args.requests} rows a step)")
-    print(f"weights {per_token / 1e6:.1f} MB a token; read probe {probe:.1f} GB/s: the step reads at "
+    tokens = f"{args.requests} token{'s' if args.requests > 1 else ''}"
+    print(f"weights {per_token / 1e6:.1f} MB a step ({tokens}); read probe {probe:.1f} GB/s: the step reads at "
           f"{summary['step_of_probe']:.0%} of it, the projections alone at {summary['projections_of_probe']:.0%}")
     if args.json:
         write_record(args.json, {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": git_commit(),

@@ -4,9 +4,11 @@ Three figures, each from this machine in one run:
 
 1. **the peak**: a C probe (compiled here with ``cc``) runs only 512-bit int8 multiply-adds, the instruction
    the tile is built on (``vpdpbusd`` on the ``avx512vnni`` build, the ``vpmaddubsw`` + ``vpmaddwd`` pair on
-   ``avx512``: 64 products either way), in 8 to 28 independent chains (their loop unrolled, so that they stay in
-   registers: the probe's earlier records, with the loop as written, left GCC's -O2 to keep them in memory, each
-   multiply-add then waiting on a store and a load, and read half of a Zen 4 core's peak), three runs each, and keeps the best: multiply-adds a
+   ``avx512``: 64 products either way), in 8, 12 and 16 independent chains, three runs each, keeping the best
+   (the chains' loop unrolled with ``#pragma GCC unroll``, so that GCC -O2 keeps them in registers; before ad04757
+   it kept them in memory, each multiply-add waiting on a store and a load, and the probe read about half of a Zen
+   4 core's peak, ad hoc; the ``int8_peak_*_epyc.json`` records predate the fix; 24 and 28 chains, tried with the
+   fix, spilled again): multiply-adds a
    second on one core, timed on the thread's CPU clock (so another process's load does not count);
 2. **the tile**: ``kernels.gemm(..., activation_dtype="int8", int8_kernel="tile")`` over one decoder layer's
    projections of a real shape (q, k, v, o, gate, up, down), one thread, CPU clock, best of ``--repeats``, at
@@ -91,12 +93,12 @@ ISA_FLAGS = {"avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-DVNNI"]
 
 
 def probe_peak(isa: str, iterations: int) -> dict[str, Any]:
-    """The best multiply-adds a second of one core over 8-28 chains, and each count's rate."""
+    """The best multiply-adds a second of one core over 8-16 chains, and each count's rate."""
     rates: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "probe.c"
         source.write_text(PROBE)
-        for chains in (8, 16, 24, 28):
+        for chains in (8, 12, 16):
             exe = Path(tmp) / f"probe{chains}"
             subprocess.run([os.environ.get("CC", "cc"), "-O2", *ISA_FLAGS[isa], f"-DCHAINS={chains}",
                             f"-DITERATIONS={iterations}L", str(source), "-o", str(exe)], check=True)

@@ -218,9 +218,13 @@ def test_the_decode_split_benchmark_parts_a_step_into_the_kernels_parts(tmp_path
     done = run_script("decode_split.py", str(model), "--threads", "1", "--steps", "2", "--rounds", "1", "--probe-mib",
                       "16", "--requests", "3", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(out.read_text())["summary"]
-    assert summary["requests"] == 3 and "(3 rows a step)" in done.stdout
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert summary["requests"] == 3 and "(3 rows a step)" in done.stdout and "MB a step (3 tokens)" in done.stdout
+    assert [r["requests_decoding"] for r in result["rounds"]] == [3]  # checked after the round: none preempted
     assert summary["tokens_per_s"] == pytest.approx(3e3 / summary["step_ms"], rel=1e-9)
+    done = run_script("decode_split.py", str(model), "--requests", "0")
+    assert done.returncode != 0 and "--requests must be at least 1, got 0" in done.stderr
 
 
 def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
@@ -378,7 +382,7 @@ def test_the_int8_peak_benchmark_sets_the_tile_beside_the_peak_and_a_workload_s_
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     peak = result["peak"]["macs_per_s"]
-    assert peak > 0 and result["peak"]["best_chains"] in (8, 16, 24, 28)
+    assert peak > 0 and result["peak"]["best_chains"] in (8, 12, 16)
     assert [(r["format"], r["tokens"]) for r in result["tile"]] == [("q4_0", 16), ("q4_k", 16)]
     assert all(r["share_of_peak"] == r["macs_per_s"] / peak for r in result["tile"])
     floor = result["floor"]

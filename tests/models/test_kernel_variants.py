@@ -413,6 +413,34 @@ def test_the_decoder_layer_and_stack_equal_the_scalar_reference(isa, tokens) -> 
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("tokens", [kernels.STEP_TILE_MIN_ROWS - 1, kernels.STEP_TILE_MIN_ROWS, 33])
+def test_an_int8_stack_s_head_takes_the_tile_from_step_tile_min_rows(isa, fmt, tokens) -> None:
+    """With int8, a stack whose layers are in a plain block format multiplies its output projection as kernels.gemm
+    does with int8_kernel="rows" below STEP_TILE_MIN_ROWS rows and "tile" from it on, bit for bit (the final-normed
+    states from the same stack without a head); the two differ where the variant has the tile."""
+    runs_here(isa)
+    layer, cos, sin, caches, tables, lens, slots, gen = layer_and_inputs("q8_0", tokens, seed=21,
+                                                                         activation_dtype="int8")
+    assert not layer.in_lanes
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    embed, ids = torch.randn(50, 64, generator=gen), torch.randint(0, 50, (tokens,), generator=gen)
+    head = random_blocks(fmt, 48, 64, seed=23)
+    norm = 1 + 0.1 * torch.randn(64, generator=gen)
+    with on(isa):
+        stack = kernels.DecodeStack([layer], norm, 1e-5, (fmt, head, 48), activation_dtype="int8")
+        states = kernels.DecodeStack([layer], norm, 1e-5, activation_dtype="int8")
+        logits = stack(ids, embed, positions, cos, sin, [tuple(c.clone() for c in caches[0])], slots, tables, lens,
+                       logits=True)
+        out = states(ids, embed, positions, cos, sin, [tuple(c.clone() for c in caches[0])], slots, tables, lens)
+        by = {kernel: kernels.gemm(out, head, fmt, 48, activation_dtype="int8", int8_kernel=kernel)
+              for kernel in ("rows", "tile")}
+    edge = tokens >= kernels.STEP_TILE_MIN_ROWS
+    assert torch.equal(logits, by["tile" if edge else "rows"])
+    assert torch.equal(by["rows"], by["tile"]) == (isa not in kernels.INT16_TILE_ISAS)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("tokens", [3, kernels.STEP_TILE_MIN_ROWS + 1])
 def test_an_int8_activation_layer_equals_the_scalar_reference(isa, fmt, tokens) -> None:

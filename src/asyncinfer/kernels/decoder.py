@@ -72,8 +72,8 @@ def _weights_format(fmt: object, what: str, flag: int, step_tile: bool = True) -
     the kernels' code with ``flag``)``; a name of :data:`LANES_FORMATS` (Q4_0 / Q4_1 in lanes) with int8 activations
     only, every other name one of the block formats (:func:`format_name`'s errors). ``step_tile``: with int8, a plain
     format's code carries the tile flag (the tile from STEP_TILE_MIN_ROWS rows on: a layer's projections, and the head
-    of a stack with no layer in lanes); without it the rows at every count (the head over layers in lanes, so that a
-    request's logits stay the same bits whatever its step holds)."""
+    of a stack whose layers are not all in lanes); without it the rows at every count (the head over layers all in
+    lanes, so that a request's logits stay the same bits whatever its step holds)."""
     if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:
         name = str.__str__(fmt)
         if not flag & _ACT8:
@@ -270,7 +270,7 @@ class DecodeLayer:
         self._widest = max(hidden, q_size + 2 * kv_size, 2 * inter, q_size, inter)
         self._hidden = hidden
         self._rope_table = rope_table
-        self._in_lanes = any(f in LANES_FORMATS for spec in specs.values()
+        self._in_lanes = all(f in LANES_FORMATS for spec in specs.values()
                              for f in ((spec[0],) if isinstance(spec[0], str) else spec[0]))
         self._struct = _Layer(
             norm1.data_ptr(), norm2.data_ptr(), None if qkv[2] is None else qkv[2].data_ptr(),
@@ -289,9 +289,10 @@ class DecodeLayer:
 
     @property
     def in_lanes(self) -> bool:
-        """Whether any of the layer's projections is held in lanes (a format of :data:`LANES_FORMATS`): a step
-        multiplies it with the same float32 operations at every count, so a :class:`DecodeStack` over such a layer
-        keeps its head on the rows at every count too."""
+        """Whether every part of the layer's projections is held in lanes (a format of :data:`LANES_FORMATS`): a
+        step then multiplies them with the same float32 operations at every count, and a :class:`DecodeStack` whose
+        layers all are keeps its head on the rows at every count too (elsewhere a plain part already moves a
+        request's logits when its steps cross :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows)."""
         return self._in_lanes
 
     def time_parts(self, on: bool = True) -> None:
@@ -416,7 +417,7 @@ class DecodeStack:
     ``activation_dtype``: how the head rounds its activations, ``"int16"`` or ``"int8"`` (as :func:`gemm`'s;
     ``"bfloat16"`` taken as int16, as :class:`DecodeLayer` takes it; with int8 the head takes the tile from
     :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows on, as the layers' projections in a plain block format do,
-    unless a layer is held in lanes (:attr:`DecodeLayer.in_lanes`), whose steps give a request's logits the same
+    unless every layer is held in lanes (:attr:`DecodeLayer.in_lanes`), whose steps give a request's logits the same
     bits at every count: then the head keeps the rows at every count).
 
     Rope tables: each call takes one cos and one sin table per rope table its layers read
@@ -460,8 +461,9 @@ class DecodeStack:
                                 f"{type(head).__name__}")
             fmt, blocks, out_features = head
             # the plain name: the kernel reads the blocks as this one
-            # the tile from STEP_TILE_MIN_ROWS rows, as the layers' plain formats take it; over layers in lanes the rows
-            lanes = any(layer.in_lanes for layer in layers)
+            # the tile from STEP_TILE_MIN_ROWS rows, as the layers' plain formats take it; over layers all in lanes,
+            # the rows
+            lanes = all(layer.in_lanes for layer in layers)
             fmt, sized, self._head_code = _weights_format(fmt, "head's format", self._head_flag, step_tile=not lanes)
             out_features = size("head's out_features", out_features)
             _check_blocks(blocks, sized, out_features, hidden, "head")

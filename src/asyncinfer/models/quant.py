@@ -394,7 +394,8 @@ class BlockLinear(FormatLinear):
     ``"bfloat16"`` (:func:`asyncinfer.kernels.gemm`'s; ValueError for another value), fixed at construction; with int8,
     ``int8_kernel`` (:data:`asyncinfer.kernels.INT8_KERNELS`): ``"tile"`` (default) for a decoder layer's
     projection, which meets a prefill's every token, ``"rows"`` for the output projection, which meets a row per
-    sampled request.
+    sampled request (the kernels' one-call decode step chooses its head's kernel itself:
+    :class:`asyncinfer.kernels.DecodeStack`).
 
     ``lanes``: whether the blocks are held in lanes (:func:`asyncinfer.kernels.pack_lanes`, 16 weight rows a
     register), chosen once at construction for a Q4_0 or Q4_1 decoder-layer projection (``int8_kernel="tile"``) with

@@ -680,8 +680,8 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
 /* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
  * 16 activation rows to a register. The decoder layers' projections take it in prefills and mixed steps
  * (kernels.gemm's int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from
- * ASYNCINFER_STEP_TILE_MIN_ROWS rows on (step8, below); the output projection (a row per sampled request) keeps the
- * rows above. A pass of activation rows is rounded per row (quantize_acts8, as
+ * ASYNCINFER_STEP_TILE_MIN_ROWS rows on (step8, below), and so does the output projection there unless every layer
+ * is held in lanes (decoder.py); in prefills and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row (quantize_acts8, as
  * the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit
  * register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of 16. A
  * weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of each
