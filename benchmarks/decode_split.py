@@ -27,6 +27,9 @@ from common import git_commit, machine_info, write_record
 from peer import read_bandwidth, weight_bytes_per_token
 from throughput import fused_layer_split
 
+#: The most requests --requests decodes together (the engine is given room for them: max_num_seqs, the cache).
+MAX_REQUESTS = 1024
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,11 +48,12 @@ def main() -> int:
                         "as the tests force it), to compare with the lanes (docs/formats.md, 'Q4_0 in lanes')")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    if args.requests < 1:
-        raise SystemExit(f"--requests must be at least 1, got {args.requests}")
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        raise SystemExit(f"--requests must be in [1, {MAX_REQUESTS}], got {args.requests}")
     torch.set_num_threads(args.threads)
 
     from asyncinfer import AsyncEngine, SamplingParams, kernels
+    from asyncinfer.config import EngineConfig
     from asyncinfer.models.quant import BlockLinear
     from asyncinfer.request import Request
 
@@ -58,7 +62,8 @@ def main() -> int:
 
     options = {"num_threads": args.threads, "max_model_len": 1024, "activation_dtype": args.activation_dtype}
     steps_needed = 8 + args.rounds * args.steps
-    if args.requests > 1:  # room in the cache for every request to its last step (none preempted)
+    if args.requests > 1:  # room for every request to its last step (none waits, none preempted)
+        options["max_num_seqs"] = max(args.requests, EngineConfig.max_num_seqs)
         plan = AsyncEngine.plan_memory(str(args.model), **options)
         blocks = args.requests * -(-(32 + steps_needed + 1) // plan.block_size)
         options["kv_cache_memory"] = max(blocks, plan.num_blocks) * plan.block_bytes
@@ -105,7 +110,8 @@ def main() -> int:
     }
     print(f"{args.model.name}, {args.threads} threads: step {summary['step_ms']:.2f} ms ({summary['tokens_per_s']:.1f} "
           f"tok/s), projections {summary['projections_ms']:.2f} ms ({summary['projections_share']:.1%} of it), "
-          f"attention {summary['attention_ms']:.2f} ms, head {summary['head_ms']:.2f} ms ({args.requests} rows a step)")
+          f"attention {summary['attention_ms']:.2f} ms; of the projections, the head {summary['head_ms']:.2f} ms "
+          f"({args.requests} row{'s' if args.requests > 1 else ''} a step)")
     tokens = f"{args.requests} token{'s' if args.requests > 1 else ''}"
     print(f"weights {per_token / 1e6:.1f} MB a step ({tokens}); read probe {probe:.1f} GB/s: the step reads at "
           f"{summary['step_of_probe']:.0%} of it, the projections alone at {summary['projections_of_probe']:.0%}")

@@ -92,6 +92,11 @@ int main(void) {
 ISA_FLAGS = {"avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-DVNNI"], "avx512": ["-mavx512f", "-mavx512bw"]}
 
 
+#: The probe's fewest loops a chain: below this its few milliseconds of multiply-adds are lost in the timer's and the
+#: process's own cost (a smoke run of 10 read 5 G multiply-adds a second, a tile "747% of the peak").
+MIN_ITERATIONS = 1_000_000
+
+
 def probe_peak(isa: str, iterations: int) -> dict[str, Any]:
     """The best multiply-adds a second of one core over 8-16 chains, and each count's rate."""
     rates: dict[int, float] = {}
@@ -184,7 +189,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", choices=kernels.BLOCK_FORMATS, default=["q4_0", "q4_k", "q6_k", "q8_0"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iterations", type=int, default=50_000_000, help="the probe's loop count per chain")
+    ap.add_argument("--iterations", type=int, default=50_000_000,
+                    help=f"the probe's loop count per chain (at least {MIN_ITERATIONS:,}: fewer time the process more "
+                         "than the multiply-adds)")
     ap.add_argument("--peer-json", type=Path, default=None, help="a benchmarks/peer.py record for the floor")
     ap.add_argument("--model", type=Path, default=None, help="the GGUF file that record ran (its matrices)")
     ap.add_argument("--threads", type=int, default=2, help="cores the peer record ran on (default 2)")
@@ -193,6 +200,8 @@ def main() -> None:
     args = ap.parse_args()
     if (args.peer_json is None) != (args.model is None):
         ap.error("--peer-json and --model go together")
+    if args.iterations < MIN_ITERATIONS:
+        ap.error(f"--iterations must be at least {MIN_ITERATIONS:,}, got {args.iterations}")
     if not kernels.available():
         raise SystemExit(f"the kernels cannot run here: {kernels.unavailable_reason()}")
     isa = kernels.isa()

@@ -223,8 +223,9 @@ def test_the_decode_split_benchmark_parts_a_step_into_the_kernels_parts(tmp_path
     assert summary["requests"] == 3 and "(3 rows a step)" in done.stdout and "MB a step (3 tokens)" in done.stdout
     assert [r["requests_decoding"] for r in result["rounds"]] == [3]  # checked after the round: none preempted
     assert summary["tokens_per_s"] == pytest.approx(3e3 / summary["step_ms"], rel=1e-9)
-    done = run_script("decode_split.py", str(model), "--requests", "0")
-    assert done.returncode != 0 and "--requests must be at least 1, got 0" in done.stderr
+    for bad in ("0", "1025"):
+        done = run_script("decode_split.py", str(model), "--requests", bad)
+        assert done.returncode != 0 and f"--requests must be in [1, 1024], got {bad}" in done.stderr
 
 
 def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
@@ -375,7 +376,9 @@ def test_the_int8_peak_benchmark_sets_the_tile_beside_the_peak_and_a_workload_s_
         "many": {"llama_cpp_best_slots": 16, "llama_cpp_by_slots": {"16": {"wall_s": 3.0}},
                  "asyncinfer_prefix_cache_off_tokens_per_s": 10.0}}))
     done = run_script("int8_peak.py", "--shape", "tiny", "--formats", "q4_0", "q4_k", "--tokens", "16", "--repeats",
-                      "1", "--iterations", "100000", "--peer-json", str(peer), "--model", str(model), "--json", str(out))
+                      "1", "--iterations", "1000000", "--peer-json", str(peer), "--model", str(model), "--json", str(out))
+    too_few = run_script("int8_peak.py", "--shape", "tiny", "--iterations", "10")
+    assert too_few.returncode != 0 and "--iterations must be at least 1,000,000, got 10" in too_few.stderr
     if kernels.isa() not in ("avx512", "avx512vnni"):  # the tile runs on the AVX-512 builds only
         assert done.returncode != 0 and f"this machine's is {kernels.isa()}" in done.stderr
         return

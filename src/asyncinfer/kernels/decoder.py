@@ -418,7 +418,8 @@ class DecodeStack:
     ``"bfloat16"`` taken as int16, as :class:`DecodeLayer` takes it; with int8 the head takes the tile from
     :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows on, as the layers' projections in a plain block format do,
     unless every layer is held in lanes (:attr:`DecodeLayer.in_lanes`), whose steps give a request's logits the same
-    bits at every count: then the head keeps the rows at every count).
+    bits at every count: then the head keeps the rows at every count; a head in lanes multiplies as a layer's
+    projection in lanes does, the same bits at every count).
 
     Rope tables: each call takes one cos and one sin table per rope table its layers read
     (:class:`DecodeLayer`'s ``rope_table``; :attr:`rope_tables` of them): a tensor each where every layer reads
