@@ -8,8 +8,8 @@ Three figures, each from this machine in one run:
    (the chains' loop unrolled with ``#pragma GCC unroll``, so that GCC -O2 keeps them in registers; before ad04757
    it kept them in memory, each multiply-add waiting on a store and a load, and the probe read about half of a Zen
    4 core's peak, ad hoc; the ``int8_peak_*_epyc.json`` records predate the fix; 24 and 28 chains, tried with the
-   fix, spilled again): multiply-adds a
-   second on one core, timed on the thread's CPU clock (so another process's load does not count);
+   fix, spilled again): multiply-adds a second on one core, timed on the thread's CPU clock (so another process's
+   load does not count);
 2. **the tile**: ``kernels.gemm(..., activation_dtype="int8", int8_kernel="tile")`` over one decoder layer's
    projections of a real shape (q, k, v, o, gate, up, down), one thread, CPU clock, best of ``--repeats``, at
    each of ``--tokens`` rows and ``--formats``: multiply-adds a second and their share of the peak;

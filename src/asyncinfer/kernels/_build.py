@@ -57,7 +57,8 @@ PANEL_MIN_ROWS = 9
 #: From this many activation rows on, a decoder layer's int8 projection in a plain block format (not a format in
 #: lanes, whose own GEMM decides; the output projection too, unless every layer is held in lanes) takes the int8 tile
 #: in the AVX-512 variants in the kernels' one-call step (:class:`~asyncinfer.kernels.DecodeLayer`,
-#: :class:`~asyncinfer.kernels.DecodeStack`), below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS; checked against the loaded library.
+#: :class:`~asyncinfer.kernels.DecodeStack`), below it the rows; the C header's ASYNCINFER_STEP_TILE_MIN_ROWS;
+#: checked against the loaded library.
 STEP_TILE_MIN_ROWS = 12
 #: From this many activation rows on, the GEMM with ``activation_dtype="bfloat16"`` rebuilds the weights as
 #: bfloat16 (``asyncinfer_dequantize_bf16``, a slice of rows at a time) and multiplies them by torch in bfloat16;

@@ -677,17 +677,17 @@ static inline int lane_head(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 ? 64 : 
 static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
 
 #ifdef AI_AVX512
-/* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows,
- * 16 activation rows to a register. The decoder layers' projections take it in prefills and mixed steps
- * (kernels.gemm's int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from
- * ASYNCINFER_STEP_TILE_MIN_ROWS rows on (step8, below), and so does the output projection there unless every layer
- * is held in lanes (decoder.py); in prefills and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row (quantize_acts8, as
- * the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit
- * register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of 16. A
- * weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of each
- * block of 32 and (Q6_K) the int8 scale of each 16; four consecutive bytes broadcast to every lane make one
- * vpdpbusd with the group's register: lane r adds row r's four products. So every lane holds one (row, weight
- * row) pair and a block's integer dot product needs no horizontal sum: per block of 32, for every lane,
+/* ---- The tile (AVX-512 builds; asyncinfer_gemm's ASYNCINFER_FMT_TILE8): the int8 GEMM at any number of rows, 16
+ * activation rows to a register. The decoder layers' projections take it in prefills and mixed steps (kernels.gemm's
+ * int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from ASYNCINFER_STEP_TILE_MIN_ROWS rows on
+ * (step8, below), and so does the output projection there unless every layer is held in lanes (decoder.py); in prefills
+ * and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row
+ * (quantize_acts8, as the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in
+ * one 512-bit register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of
+ * 16. A weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of
+ * each block of 32 and (Q6_K) the int8 scale of each 16; four consecutive bytes broadcast to every lane make one
+ * vpdpbusd with the group's register: lane r adds row r's four products. So every lane holds one (row, weight row) pair
+ * and a block's integer dot product needs no horizontal sum: per block of 32, for every lane,
  *
  *   idot = sum(u * qx) - centre * sum(qx)        (Q6_K: sc0 * (its first 16's) + sc1 * (its second 16's))
  *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
