@@ -19,7 +19,7 @@
  * (part_t; the Python side checks the formats and sizes). cos/sin: [T, D/2] rows of the rope table for
  * each token's position (rotate-half convention). timing: NULL, or three doubles that the call adds its
  * seconds to (see TIMED). */
-static gemm_fn gemm_of(int fmt) { return ai_gemm_of(fmt); }
+static gemm_fn gemm_of(int fmt, int64_t M) { return ai_gemm_of(fmt, M); }
 
 /* y[T, sum of the parts' rows] (row stride ldy) = x[T, K] times a projection's parts, each into its own
  * columns (+ the bias's matching values); -2 for a format code outside the table. */
@@ -28,7 +28,7 @@ static int project(const part_t *parts, const float *x, int64_t T, int64_t K, co
     int64_t at = 0;
     for (int i = 0; i < ASYNCINFER_MAX_PARTS; i++) {
         if (parts[i].rows <= 0) continue;
-        const gemm_fn fn = gemm_of(parts[i].fmt);
+        const gemm_fn fn = gemm_of(parts[i].fmt, T);
         if (!fn) return ASYNCINFER_EINVAL;
         const int rc = fn(x, T, K, K, parts[i].w, parts[i].rows, bias ? bias + at : NULL, y + at, ldy, threads,
                           scratch);
@@ -192,7 +192,7 @@ static int stack_step(const layer_t *layers, int64_t n, float *const *caches, fl
     ai_rms_norm(h, T, hidden, hidden, final_norm, final_eps, out, threads);
     if (logits) {
         double mark = 0.0;
-        const gemm_fn head = gemm_of(head_fmt);
+        const gemm_fn head = gemm_of(head_fmt, T);
         if (!head) return ASYNCINFER_EINVAL;
         TIMED(3, head(out, T, hidden, hidden, head_w, head_n, NULL, logits, head_n, threads, b->scratch));
         if (logit_softcap > 0.0f) { /* Gemma 2: the logits capped, before their argmax */

@@ -1232,16 +1232,16 @@ static GEMM_BLOCKS(ai_gemm_q4_k, ASYNCINFER_FMT_Q4_K)
 static GEMM_BLOCKS(ai_gemm_q5_k, ASYNCINFER_FMT_Q5_K)
 static GEMM_BLOCKS(ai_gemm_q6_k, ASYNCINFER_FMT_Q6_K)
 
-/* A step's int8 projection with the tile allowed (layer_t's parts and the head's format): ai_step8_of's. */
+/* A step's int8 projection with the tile allowed (layer_t's parts and the head's format): ai_step8_of's for M rows. */
 #define STEP8_CODE (ASYNCINFER_FMT_TILE8 | ASYNCINFER_FMT_ACT8)
-gemm_fn ai_gemm_of(int fmt) {
+gemm_fn ai_gemm_of(int fmt, int64_t M) {
     static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_gemm_q4_1, ai_gemm_q8_0, ai_gemm_q4_0, ai_gemm_q5_0,
                                                        ai_gemm_q5_1, ai_gemm_q4_k, ai_gemm_q5_k, ai_gemm_q6_k};
     const gemm_fn in_lanes = ai_lanes_of(fmt);
     if (in_lanes) return in_lanes;
     if (fmt >= ASYNCINFER_FMT_ACT8 && fmt < ASYNCINFER_FMT_ACT8 + ASYNCINFER_NUM_FMTS)
         return ai_gemm8_of(fmt - ASYNCINFER_FMT_ACT8);
-    if (fmt >= STEP8_CODE && fmt < STEP8_CODE + ASYNCINFER_NUM_FMTS) return ai_step8_of(fmt - STEP8_CODE);
+    if (fmt >= STEP8_CODE && fmt < STEP8_CODE + ASYNCINFER_NUM_FMTS) return ai_step8_of(fmt - STEP8_CODE, M);
     return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
 }
 

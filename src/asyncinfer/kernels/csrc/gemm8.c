@@ -1632,35 +1632,14 @@ static int ai_gemm8_q4_1_lanes_tile(const float *x, int64_t M, int64_t ldx, int6
  * and 1.84x to 2.36x at 32 in the k-quants and Q8_0; Q4_0 / Q4_1 in ggml's layout (a layer that cannot take the
  * lanes) at 0.99x / 0.80x at 12 rows, 1.39x / 1.11x at 16 (it computes 16 rows' work from one row on;
  * benchmarks/results/activation_dtype_step_tile_zen4.json). */
+gemm_fn ai_step8_of(int fmt, int64_t M) {
 #ifdef AI_AVX512
-static inline __attribute__((always_inline)) int step8(const int fmt, const float *x, int64_t M, int64_t ldx,
-                                                       int64_t K, const void *w, int64_t N, const float *bias, float *y,
-                                                       int64_t ldy, int threads, void *scratch) {
-    if (M >= ASYNCINFER_STEP_TILE_MIN_ROWS) return tile8_of(fmt)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
-    return ai_gemm8_of(fmt)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
-}
-#define STEP8(NAME, FMT)                                                                                  \
-    static int NAME(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,          \
-                    const float *bias, float *y, int64_t ldy, int threads, void *scratch) {               \
-        return step8(FMT, x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);                            \
-    }
-STEP8(ai_step8_q4_1, ASYNCINFER_FMT_Q4_1)
-STEP8(ai_step8_q8_0, ASYNCINFER_FMT_Q8_0)
-STEP8(ai_step8_q4_0, ASYNCINFER_FMT_Q4_0)
-STEP8(ai_step8_q5_0, ASYNCINFER_FMT_Q5_0)
-STEP8(ai_step8_q5_1, ASYNCINFER_FMT_Q5_1)
-STEP8(ai_step8_q4_k, ASYNCINFER_FMT_Q4_K)
-STEP8(ai_step8_q5_k, ASYNCINFER_FMT_Q5_K)
-STEP8(ai_step8_q6_k, ASYNCINFER_FMT_Q6_K)
-
-gemm_fn ai_step8_of(int fmt) {
-    static const gemm_fn table[ASYNCINFER_NUM_FMTS] = {ai_step8_q4_1, ai_step8_q8_0, ai_step8_q4_0, ai_step8_q5_0,
-                                                       ai_step8_q5_1, ai_step8_q4_k, ai_step8_q5_k, ai_step8_q6_k};
-    return fmt >= 0 && fmt < ASYNCINFER_NUM_FMTS ? table[fmt] : NULL;
-}
+    if (M >= ASYNCINFER_STEP_TILE_MIN_ROWS) return tile8_of(fmt);
 #else
-gemm_fn ai_step8_of(int fmt) { return ai_gemm8_of(fmt); }
+    (void)M;
 #endif
+    return ai_gemm8_of(fmt);
+}
 
 /* The GEMM of a format code in lanes (LANES16 | ACT8 | Q4_0 or Q4_1, TILE8 allowed), NULL for any other code. */
 #define LANES_CODE (ASYNCINFER_FMT_LANES16 | ASYNCINFER_FMT_ACT8)
@@ -1687,6 +1666,6 @@ int asyncinfer_gemm(int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, 
         return tile8_of(fmt - ASYNCINFER_FMT_ACT8)(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch);
 #endif
     }
-    const gemm_fn fn = ai_gemm_of(fmt);
+    const gemm_fn fn = ai_gemm_of(fmt, M);
     return fn ? fn(x, M, ldx, K, w, N, bias, y, ldy, threads, scratch) : ASYNCINFER_EINVAL;
 }

@@ -185,13 +185,13 @@ AI_HIDDEN int ai_gemm_q4_1(const float *x, int64_t M, int64_t ldx, int64_t K, co
 AI_HIDDEN int ai_gemm_q8_0(const float *x, int64_t M, int64_t ldx, int64_t K, const void *w, int64_t N,
                            const float *bias, float *y, int64_t ldy, int threads, void *scratch);
 /* The GEMM of a format code (ASYNCINFER_FMT_*, with ASYNCINFER_FMT_ACT8 the int8-activation one, with ACT8 and
- * ASYNCINFER_FMT_TILE8 a step's: ai_step8_of), NULL for a code outside them. */
-AI_HIDDEN gemm_fn ai_gemm_of(int fmt);
+ * ASYNCINFER_FMT_TILE8 a step's for M rows: ai_step8_of), NULL for a code outside them. */
+AI_HIDDEN gemm_fn ai_gemm_of(int fmt, int64_t M);
 /* The int8-activation GEMM of a format (gemm8.c; fmt without ASYNCINFER_FMT_ACT8), NULL outside the table. */
 AI_HIDDEN gemm_fn ai_gemm8_of(int fmt);
-/* A step's int8-activation GEMM of a plain block format (gemm8.c; fmt without ASYNCINFER_FMT_ACT8 and TILE8): the
- * tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on (AVX-512 builds), the rows below it and elsewhere. */
-AI_HIDDEN gemm_fn ai_step8_of(int fmt);
+/* A step's int8-activation GEMM of a plain block format for M rows (gemm8.c; fmt without ASYNCINFER_FMT_ACT8 and
+ * TILE8): the tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on (AVX-512 builds), the rows below it and elsewhere. */
+AI_HIDDEN gemm_fn ai_step8_of(int fmt, int64_t M);
 /* Q4_0 / Q4_1 in lanes with int8 activations (gemm8.c; ASYNCINFER_FMT_LANES16): the GEMM of such a code, its
  * own, or with ASYNCINFER_FMT_TILE8 the tile over the lanes from 32 rows on (AVX-512 builds; the same results);
  * NULL for any other code. */
