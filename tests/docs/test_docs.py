@@ -84,6 +84,11 @@ class Block:
     after: str  # the prose up to the next block
 
 
+def load(name: str) -> dict:
+    """The results file benchmarks/results/NAME.json, read."""
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
 def blocks(path: Path) -> list[Block]:
     lines = path.read_text(encoding="utf-8").splitlines()
     found: list[Block] = []
@@ -707,10 +712,6 @@ def test_the_bfloat16_peer_table_is_the_results_files() -> None:
 def test_the_zen4_tables_are_the_results_files() -> None:
     """docs/formats.md's Zen 4 tables (the whole-row prefetch, the weights' pages, the peer comparison) and the
     README's sentence on the peer runs quote their records: every figure of the tables' cells."""
-    import json
-
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
     formats = (ROOT / "docs" / "formats.md").read_text()
     # the whole-row prefetch: per variant, the one-row median speed-up (and the two libraries' median GB/s)
@@ -793,10 +794,6 @@ def test_the_zen4_tables_are_the_results_files() -> None:
 def test_the_int8_quads_tables_are_the_results_files() -> None:
     """docs/formats.md's "Q4_0's and Q4_1's int8 rows in quads": the rows' speed-ups (median ratios and GB/s) and
     the two-line prefetch of Q8_0 quote their kquant_rows records, the int8 peer table its peer.py records."""
-    import json
-
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
     formats = (ROOT / "docs" / "formats.md").read_text()
     start = formats.index("**Q4_0's and Q4_1's int8 rows in quads**")
@@ -846,10 +843,6 @@ def test_the_int8_quads_tables_are_the_results_files() -> None:
 
 def test_the_readme_quotes_the_int8_quads_records() -> None:
     """The README's sentence on the int8 quads: the rows' speed-ups and the peer ratios are the records'."""
-    import json
-
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     med = {(r["format"], r["tokens"]): r["median"] for r in load("kquant_rows_1b_int8_quads_zen4")["speedup_over_baseline"]}
@@ -870,10 +863,6 @@ def test_the_readme_quotes_the_int8_quads_records() -> None:
 def test_the_row_ceiling_table_is_its_results_files() -> None:
     """docs/formats.md's "What bounds the 4-bit rows on this core": each cell is its row_ceiling record's rate, and
     the int16 quads trial's ratios are the trial record's."""
-    import json
-
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
     formats = (ROOT / "docs" / "formats.md").read_text()
     start = formats.index("**What bounds the 4-bit rows on this core**")
@@ -949,10 +938,6 @@ def test_the_row_ceiling_table_is_its_results_files() -> None:
 def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
     """docs/formats.md's "Q4_0 in lanes" and the README's sentence: the decode steps with and without the lanes, the
     peer ratios and probe shares, the prompts' tokens, each the record's (and the quads record's, in brackets)."""
-    import json
-
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
     formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
     section = formats[formats.index("**Q4_0 in lanes.**"):formats.index("Q4_K in a layout of that kind")]
@@ -1033,9 +1018,6 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
 def test_the_head_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The output projection in the tile" and the README's sentence: the decode split of 32
     requests, the peer run and the int8 peak, each figure its record's, each record at the commit the docs name."""
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
-
     formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
     section = formats[formats.index("**The output projection in the tile.**"):
                       formats.index("**Speed of the scalar reference**")]
@@ -1087,9 +1069,6 @@ def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
     records in brackets)."""
-    def load(name: str) -> dict:
-        return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
-
     formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
     section = formats[formats.index("**The tiles' stores; steps of decodes in the tile;"):
                       formats.index("**Speed of the scalar reference**")]
