@@ -126,9 +126,9 @@ ACTIVATION_DTYPES = ("int16", "int8", "bfloat16")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_ACT8: the flag on a format code that takes int8 activations.
 _ACT8 = 0x40
 #: Which int8 GEMM :func:`asyncinfer.kernels.gemm` runs (``int8_kernel``): ``"rows"`` (each activation row against
-#: each weight row, the kernels' decode step's below STEP_TILE_MIN_ROWS rows; fastest at a few rows) or ``"tile"`` (16 activation rows a
-#: register, where the build has it (AVX-512; the rows elsewhere): about 2x the rows' speed at 64 rows and more,
-#: a fifth of it at one row). Each gives a row the same result whatever the other rows; the two differ from each
+#: each weight row, the kernels' decode step's below STEP_TILE_MIN_ROWS rows; fastest at a few rows) or ``"tile"``
+#: (16 activation rows a register, where the build has it (AVX-512; the rows elsewhere): about 2x the rows' speed at
+#: 64 rows and more, a fifth of it at one row). Each gives a row the same result whatever the other rows; the two differ from each
 #: other in the order of float32 additions.
 INT8_KERNELS = ("rows", "tile")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_TILE8.
@@ -427,9 +427,9 @@ def lanes_name(fmt: str) -> str:
 def _lane_shape(t: torch.Tensor, fmt: object, what: str, name: str, verb: str) -> tuple[str, int, int, int, int, int]:
     """``t`` checked as ``fmt``'s blocks (a format held in lanes) of a multiple of 16 rows: ``(fmt, bytes per block,
     bytes before its nibbles, rows, blocks a row, groups of 16 rows)``; ValueError (TypeError) naming ``name`` else."""
-    if isinstance(fmt, str) and str.__str__(fmt) in LANES_FORMATS:  # the layout's name, not the blocks' format
-        raise ValueError(f"fmt: {what} takes the blocks' own format ({LANES_FORMATS[str.__str__(fmt)]!r}); "
-                         f"{str.__str__(fmt)!r} names the layout in lanes")
+    if isinstance(fmt, str) and (layout := str.__str__(fmt)) in LANES_FORMATS:  # the layout's name, not the blocks'
+        raise ValueError(f"fmt: {what} takes the blocks' own format ({LANES_FORMATS[layout]!r}); {layout!r} names "
+                         "the layout in lanes")
     fmt = format_name(fmt, "fmt")
     if fmt not in _LANE_HEADS:
         raise ValueError(f"fmt: {what} regroups {sorted(_LANE_HEADS)} blocks, got {fmt!r}")
