@@ -128,8 +128,8 @@ _ACT8 = 0x40
 #: Which int8 GEMM :func:`asyncinfer.kernels.gemm` runs (``int8_kernel``): ``"rows"`` (each activation row against
 #: each weight row, the kernels' decode step's below STEP_TILE_MIN_ROWS rows; fastest at a few rows) or ``"tile"``
 #: (16 activation rows a register, where the build has it (AVX-512; the rows elsewhere): about 2x the rows' speed at
-#: 64 rows and more, a fifth of it at one row). Each gives a row the same result whatever the other rows; the two differ from each
-#: other in the order of float32 additions.
+#: 64 rows and more, a fifth of it at one row). Each gives a row the same result whatever the other rows; the two
+#: differ from each other in the order of float32 additions.
 INT8_KERNELS = ("rows", "tile")
 #: csrc/asyncinfer_kernels.h's ASYNCINFER_FMT_TILE8.
 _TILE8 = 0x80

@@ -173,8 +173,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     step's below :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows, fastest at a few rows) or ``"tile"`` (16 rows
     a register on the AVX-512 builds, the rows elsewhere: about twice as fast from 64 rows, a fifth as fast at one);
     checked, and then ignored, with int16. ``lanes=True``: ``packed`` is Q4_0 or Q4_1 in lanes
-    (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` / ``"q4_1"`` or its lanes name, :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, int8 activations,
-    ``out_features`` a multiple of 16),
+    (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` / ``"q4_1"`` or its lanes
+    name, :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, int8 activations, ``out_features`` a multiple of 16),
     multiplied by its own GEMM (16 weight rows a register: the fastest at 1 to ~32 rows) or, with
     ``int8_kernel="tile"`` from 32 rows on, by the tile reading the lanes' groups (AVX-512 builds;
     elsewhere the lanes' GEMM at every count); the same float32 operations either way, so the same results, each
