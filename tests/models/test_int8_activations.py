@@ -58,7 +58,8 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
     of the AVX-512 kernels' 16 runs: within float32's rounding of the definition's sums; a row's result the
     same alone and in a group. From PANEL_MIN_ROWS rows on the same definition (not the int16 option's float32
     panel), each row equal to itself alone, across passes over the weights too (1200 rows at K=512: over the
-    1116 rows of int8 values a pass holds; the tile's pass holds 1024). Both int8 GEMMs (``int8_kernel``)."""
+    1116 rows of int8 values a pass of the rows holds; 4200 rows, over the 4096 of the tile's). Both int8 GEMMs
+    (``int8_kernel``)."""
     k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
     for k in ((512, 1024) if k_quant else (512, 800)):
         packed, dense, mins = weights(fmt, 45, k, seed=k)
@@ -82,6 +83,11 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
             assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
             assert not torch.equal(out, kernels.gemm(x, packed, fmt, 45, bias))  # not the float32 panel
             for i in (0, rows // 2, rows - 1):
+                assert torch.equal(out[i], kernels.gemm(x[i : i + 1], packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)[0])
+        if k == 512:  # the tile's second pass: its rows the same as alone
+            x = torch.randn(4200, k, generator=gen)
+            out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
+            for i in (0, 4095, 4096, 4199):
                 assert torch.equal(out[i], kernels.gemm(x[i : i + 1], packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)[0])
 
 

@@ -276,7 +276,8 @@ def test_q4_0_in_lanes_is_the_same_on_every_variant_bit_for_bit(isa, fmt) -> Non
 def test_the_vnni_variant_equals_the_avx512_variant_bit_for_bit(vnni, plain, fmt) -> None:
     """VNNI's fused dot products (vpdpbusd, vpdpwssd) form the same integers as AVX-512's multiply-add pairs and
     the float32 work around them is the same: both activation dtypes, every row count, outliers that drive the
-    int8 and int16 products to their largest magnitudes."""
+    int8 and int16 products to their largest magnitudes. The tile from 40 rows too (three groups of 16): the VNNI
+    build reads Q4_K's nibbles in place, the AVX-512 one unpacks them, the same bits."""
     runs_here(plain)
     runs_here(vnni)
     n, k = 37, 1024
@@ -284,7 +285,7 @@ def test_the_vnni_variant_equals_the_avx512_variant_bit_for_bit(vnni, plain, fmt
     gen = torch.Generator().manual_seed(13)
     bias = torch.randn(n, generator=gen)
     for dtype, kernel in (*((d, "rows") for d in kernels.ACTIVATION_DTYPES), ("int8", "tile")):
-        for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17) + ((40,) if kernel == "tile" else ()):
             x = torch.randn(rows, k, generator=gen)
             x[0, 32:64] *= 1e4
             x[-1, ::32] = 50.0  # one value a block at the block's largest magnitude

@@ -685,7 +685,8 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  * (quantize_acts8, as the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in
  * one 512-bit register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of
  * 16. A weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of
- * each block of 32 and (Q6_K) the int8 scale of each 16; four consecutive bytes broadcast to every lane make one
+ * each block of 32 and (Q6_K) the int8 scale of each 16 (Q4_K on the VNNI build: its scales only, the nibbles read in
+ * place, tile8_in_place); four consecutive bytes broadcast to every lane make one
  * vpdpbusd with the group's register: lane r adds row r's four products. So every lane holds one (row, weight row) pair
  * and a block's integer dot product needs no horizontal sum: per block of 32, for every lane,
  *
@@ -721,6 +722,7 @@ typedef struct {
     float *s;
     float *mn;
     int32_t *sc;
+    const uint8_t *raw; /* the row's own bytes, where the tile reads the quants in place (tile8_in_place) */
 } wrow8;
 
 static inline int64_t tile8_wrow_bytes(int64_t K) { return K + K / QK * 8 + K / 16 * 4; }
@@ -731,11 +733,30 @@ static inline wrow8 tile8_wrow_in(void *at, int64_t K) {
     r.s = (float *)(r.u + K); /* K is a multiple of 32: aligned to 4 */
     r.mn = r.s + K / QK;
     r.sc = (int32_t *)(r.mn + K / QK);
+    r.raw = NULL;
     return r;
 }
 
+/* Whether the int8 tile reads a format's quants from the weight row in place rather than unpacked: Q4_K on the VNNI
+ * build (at 32 rows, a step of decodes, the 1B shape's four Q4_K GEMMs ran 5% faster so on a Zen 4 core pair, the same
+ * bits; at 256 rows level). Its bytes hold two sub-blocks' nibbles at the same positions, so four bytes broadcast and
+ * masked make a word of either: 0x0F, the low nibbles' sub-block (even); 0xF0, the high nibbles' (odd) times 16, whose
+ * scale the unpacking stores a 16th of. Both exact (a power of two; 16 times a sub-block's integer dot product stays
+ * below 2^24), so fma(float(16 idot), dx * scale / 16) is fma(float(idot), dx * scale) to the bit unless dx * scale /
+ * 16 falls below float32's normal range: the same results as the unpacked rows. The AVX-512 BW build's multiply-add
+ * pair would saturate at 16 times the quants (its int16 pairs), so it unpacks. */
+static inline int tile8_in_place(int fmt) {
+#ifdef AI_VNNI
+    return fmt == ASYNCINFER_FMT_Q4_K;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
+
+/* A weight row unpacked into r; quants = 0 (a format tile8_in_place reads in place): its scales and minimums only. */
 static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, const uint8_t *row, int64_t K,
-                                                               const wrow8 *r) {
+                                                               const wrow8 *r, const int quants) {
     const int64_t nb = K / QK;
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) {
         const int five = fmt == ASYNCINFER_FMT_Q5_K;
@@ -746,8 +767,12 @@ static inline __attribute__((always_inline)) void tile8_unpack(const int fmt, co
             ai_k_scales8(p + 4, &sc, &m);
             const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
             const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
-            _mm256_storeu_ps(r->s + 8 * blk, _mm256_mul_ps(_mm256_set1_ps(ai_half_at(p)), scf));
+            const __m256 sv = _mm256_mul_ps(_mm256_set1_ps(ai_half_at(p)), scf);
+            /* in place: the high nibbles' sub-blocks (odd) multiply 16 times their quants, their scale a 16th */
+            const __m256 sixteenth = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
+            _mm256_storeu_ps(r->s + 8 * blk, quants ? sv : _mm256_mul_ps(sv, sixteenth));
             _mm256_storeu_ps(r->mn + 8 * blk, _mm256_mul_ps(_mm256_set1_ps(-ai_half_at(p + 2)), mf));
+            if (!quants) continue;
             const uint8_t *qs = p + (five ? 48 : 16);
             const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
             for (int pr = 0; pr < 4; pr++) {
@@ -888,13 +913,22 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_si512();
             const int t0 = q6 ? 4 * half : 0, t1 = q6 ? t0 + 4 : 8;
+            const __m512i nib = _mm512_set1_epi8(b % 2 ? (char)0xF0 : 0x0F);
             for (int t = t0; t < t1; t++) {
                 __m512i xv[T8_GROUPS];
                 for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (8 * b + t) * 16);
                 for (int c = 0; c < C; c++) {
                     int32_t word;
-                    memcpy(&word, w[c].u + ub * b + ut * t, 4);
-                    const __m512i wv = _mm512_set1_epi32(word);
+                    __m512i wv;
+                    if (tile8_in_place(fmt) && !grouped) {
+                        /* Q4_K's 144-byte blocks (d, dmin, 12 bytes of scales, 128 of nibbles): sub-block b % 8 =
+                         * 2 p + h in nibble h of the 32 bytes from 16 + 32 p */
+                        memcpy(&word, w[c].raw + 144 * (b / 8) + 16 + 32 * (b % 8 / 2) + 4 * t, 4);
+                        wv = _mm512_and_si512(_mm512_set1_epi32(word), nib);
+                    } else {
+                        memcpy(&word, w[c].u + ub * b + ut * t, 4);
+                        wv = _mm512_set1_epi32(word);
+                    }
 #ifndef AI_VNNI
                     if (fmt == ASYNCINFER_FMT_Q8_0) { /* |q| times qx with q's sign: maddubs' pairs within int16 */
                         const __mmask64 neg = _mm512_movepi8_mask(wv);
@@ -946,10 +980,14 @@ static inline __attribute__((always_inline)) void tile8_call(const int fmt, int 
 }
 
 /* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES.
- * Twice the rows' budget: each pass unpacks every weight row again, and on a Zen 5 core (1 MiB of L2) 1.5 MiB
- * passes ran the 1B shape's GEMMs at 64-256 rows a few percent faster than 768 KiB ones (and as fast as 3 MiB). */
+ * Eight times the rows' budget, past a core's L2 cache: each pass reads and unpacks every weight row again, and the
+ * groups stream from L3 as fast as the micro-kernel takes them (two 64-byte loads per eight vpdpbusd). On a Zen 4
+ * core pair (1 MiB of L2 each) 6 MiB passes ran the 1B shape's down projection (K = 8192) at 250 rows 5% (Q4_K) and
+ * 8% (Q6_K) faster than 1.5 MiB ones, the same bits (its 64-row passes unpacked every weight row four times), and
+ * 24 MiB ones (1,024 rows of K = 8192 in one pass) 3% slower than 6.5 MiB; on a Zen 5 core 1.5 MiB passes ran the
+ * GEMMs at 64-256 rows a few percent faster than 768 KiB ones. */
 #ifndef T8_PASS_BYTES
-#define T8_PASS_BYTES (2 * PASS8_BYTES)
+#define T8_PASS_BYTES (8 * PASS8_BYTES)
 #endif
 static inline int64_t tile8_pass_rows(int64_t K) {
     const int64_t per = tile8_group_bytes(K) / 16 + K + K / QK * 8 + K / 16 * 2,
@@ -1076,12 +1114,17 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
     for (int s = 0; s < C; s += T8_COLS) {
         if (grouped) {
             wrow8 wr[T8_COLS];
-            for (int c = 0; c < T8_COLS; c++) wr[c] = (wrow8){u + 4 * (s + c), sc + s + c, mn + s + c, NULL};
+            for (int c = 0; c < T8_COLS; c++) wr[c] = (wrow8){u + 4 * (s + c), sc + s + c, mn + s + c, NULL, NULL};
             tile8_groups(fmt, j, wr, s, T8_COLS, 1);
         } else {
             const int cs = C - s < T8_COLS ? C - s : T8_COLS;
-            for (int c = 0; c < cs; c++) tile8_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, &j->wr[c]);
-            tile8_groups(fmt, j, j->wr, s, cs, 0);
+            wrow8 wr[T8_COLS];
+            for (int c = 0; c < T8_COLS; c++) {
+                wr[c] = j->wr[c]; /* past cs: a short tile's stale rows, the raw bytes its first row's */
+                wr[c].raw = j->w + (n0 + s + (c < cs ? c : 0)) * j->row_bytes;
+                if (c < cs) tile8_unpack(fmt, wr[c].raw, K, &wr[c], !tile8_in_place(fmt));
+            }
+            tile8_groups(fmt, j, wr, s, cs, 0);
         }
     }
     span_store(j->ob, j->ng, C, j->p0, j->p1, n0, j->bias, j->y, j->ldy);
@@ -1234,7 +1277,7 @@ static inline wrow16 tile16_wrow_in(void *at, int64_t K) {
 /* tile8_unpack's bytes (u, in tmp) widened to int16 with the centre subtracted. */
 static inline __attribute__((always_inline)) void tile16_unpack(const int fmt, const uint8_t *row, int64_t K,
                                                                 const wrow8 *tmp, const wrow16 *r) {
-    tile8_unpack(fmt, row, K, tmp);
+    tile8_unpack(fmt, row, K, tmp, 1);
     const __m512i centre = _mm512_set1_epi16((short)tile8_centre(fmt));
     for (int64_t i = 0; i < K; i += 32) {
         const __m256i u = _mm256_loadu_si256((const __m256i *)(tmp->u + i));
