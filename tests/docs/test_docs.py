@@ -1065,6 +1065,38 @@ def test_the_head_tile_figures_are_the_results_files() -> None:
             f"{floor['asyncinfer_cache_off_share_of_peak']:.0%}: `int8_peak_q4_k_m_zen4.json`") in readme
 
 
+def test_the_q4_k_in_place_figures_are_the_results_files() -> None:
+    """docs/formats.md's "Q4_K's nibbles read in place; the tile's passes" and the README's sentence: the revisions
+    run and the peer run, each figure its record's, each record at the commit the docs name."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**Q4_K's nibbles read in place; the tile's passes.**"):
+                      formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rev, peer = load("q4_k_in_place_revisions_zen4"), load("peer_1b_q4_k_m_int8_in_place_zen4")
+    head = rev["revisions"]["head"]
+    assert f"--base 345915c --head {head['commit'][:7]}" in rev["command"] and f"--head {head['commit'][:7]}" in section
+    assert "uncommitted" not in peer["commit"] and f"the same peer command at {peer['commit'][:7]}" in section
+    sm = rev["summary"]
+    thr = sm["throughput_ratio"]
+    assert (f"32 requests at **{thr['median']:.3f}x** the throughput ({thr['min']:.3f}x-{thr['max']:.3f}x), all "
+            f"{sm['tokens_compared']} requests' greedy tokens identical") in section
+    assert sm["tokens_identical_min"] == sm["tokens_compared"] == 32
+    assert f"one request {sm['single_decode_ratio']['median']:.3f}x" in section
+    many, one = peer["many"], peer["one_request"]
+    assert (f"32 requests without the prefix cache at **{many['ratio_prefix_cache_off']:.2f}x** "
+            f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against {many['llama_cpp_best_tokens_per_s']:.1f} "
+            "tok/s), still **behind** the 2x goal") in section
+    assert many["ratio_prefix_cache_off"] < 2
+    assert f"{many['ratio_prefix_cache_on']:.2f}x with the cache" in section
+    assert f"a 256-token prompt prefilled at {peer['prefill']['median_ratio']:.2f}x" in section
+    assert f"one request at {one['median_ratio']:.2f}x at {one['asyncinfer_bandwidth_use']:.0%} of the read probe" in section
+    probes = [p for r in one["rounds"] for p in r["probe_gb_s"]]
+    assert f"its probes read {min(probes):.0f}-{max(probes):.0f} GB/s" in section
+    assert (f"32 requests ran {thr['median']:.3f}x the throughput before them with the same greedy tokens "
+            f"(`q4_k_in_place_revisions_zen4.json`) and {many['ratio_prefix_cache_off']:.2f}x llama.cpp's without "
+            "the cache (`peer_1b_q4_k_m_int8_in_place_zen4.json`, still behind)") in readme
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
