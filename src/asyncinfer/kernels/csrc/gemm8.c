@@ -716,7 +716,7 @@ static inline int tile8_centre(int fmt) {
 }
 
 /* A weight row unpacked: u [K] unsigned quants in order, s and mn [K / 32] (mn: the formats with a min), sc
- * [K / 16] int32 (Q6_K's int8 scales). */
+ * [K / 16] int32 (Q6_K's int8 scales); raw: the row's own bytes (tile8_in_place's formats read them, u unused). */
 typedef struct {
     uint8_t *u;
     float *s;
@@ -895,7 +895,8 @@ static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int c
 
 /* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
  * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
- * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]). */
+ * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
+ * raw, s and mn at [b]). */
 static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, const int G, const int C,
                                                                const group8 *gs, const wrow8 *w, int64_t K,
                                                                __m512 out[T8_GROUPS][T8_COLS], const int grouped) {
@@ -980,12 +981,14 @@ static inline __attribute__((always_inline)) void tile8_call(const int fmt, int 
 }
 
 /* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES.
- * Eight times the rows' budget, past a core's L2 cache: each pass reads and unpacks every weight row again, and the
+ * Eight times the rows' budget, past a core's L2 cache: each pass reads every weight row again (and unpacks it, or
+ * for Q4_K on the VNNI build its scales), and the
  * groups stream from L3 as fast as the micro-kernel takes them (two 64-byte loads per eight vpdpbusd). On a Zen 4
  * core pair (1 MiB of L2 each) 6 MiB passes ran the 1B shape's down projection (K = 8192) at 250 rows 5% (Q4_K) and
  * 8% (Q6_K) faster than 1.5 MiB ones, the same bits (its 64-row passes unpacked every weight row four times), and
- * 24 MiB ones (1,024 rows of K = 8192 in one pass) 3% slower than 6.5 MiB; on a Zen 5 core 1.5 MiB passes ran the
- * GEMMs at 64-256 rows a few percent faster than 768 KiB ones. */
+ * 24 MiB ones (1,024 rows of K = 8192 in one pass) 3% slower than 6.5 MiB ones (there the same 256 rows as 6 MiB;
+ * ad hoc, two builds in one process); on a Zen 5 core 1.5 MiB passes ran the GEMMs at 64-256 rows a few percent
+ * faster than 768 KiB ones. */
 #ifndef T8_PASS_BYTES
 #define T8_PASS_BYTES (8 * PASS8_BYTES)
 #endif
@@ -1167,6 +1170,7 @@ TILE_COLS_OF(tile8, tile8_job)
 
 static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                       const float *bias, float *y, int64_t ldy, int threads, int lanes) {
+    if (K < 0 || K % ai_fmt_weights(fmt)) return ASYNCINFER_EINVAL; /* whole blocks only: the rows are read in place */
     const tile8_cols_fn cols = tile8_cols_of(fmt);
     const int64_t row_bytes = K / ai_fmt_weights(fmt) * ai_fmt_bytes(fmt), pass = tile8_pass_rows(K);
     const int64_t groups = (M < pass ? (M + 15) / 16 : pass / 16);
@@ -1390,11 +1394,12 @@ static inline __attribute__((always_inline)) void tile16_call(const int fmt, int
 }
 
 /* Activation rows a pass takes (a multiple of 16 * T16_GROUPS): their int16 values and groups within
- * T16_PASS_BYTES, the groups (half of it) in a core's L2 cache while every weight row meets them. Twice the int8
- * tile's budget (each row's values are twice the bytes): at the 1B shape on this project's Xeon (2 MiB of L2) it
- * ran the down projection's GEMM (K = 8192) at 128 rows faster than 1.5 MiB passes. */
+ * T16_PASS_BYTES (3 MiB), the groups (half of it) in a core's L2 cache while every weight row meets them. Four times
+ * the rows' budget (each row's values are twice the bytes): at the 1B shape on this project's Xeon (2 MiB of L2) it
+ * ran the down projection's GEMM (K = 8192) at 128 rows faster than 1.5 MiB passes. Not the int8 tile's 6 MiB
+ * (T8_PASS_BYTES): larger int16 passes are not measured across machines. */
 #ifndef T16_PASS_BYTES
-#define T16_PASS_BYTES (2 * T8_PASS_BYTES)
+#define T16_PASS_BYTES (4 * PASS8_BYTES)
 #endif
 static inline int64_t tile16_pass_rows(int64_t K) {
     const int64_t per = tile16_group_bytes(K) / 16 + 2 * K + K / QK * 8,
