@@ -1097,6 +1097,61 @@ def test_the_q4_k_in_place_figures_are_the_results_files() -> None:
             "the cache (`peer_1b_q4_k_m_int8_in_place_zen4.json`, still behind)") in readme
 
 
+def test_the_fetch_ahead_figures_are_the_results_files() -> None:
+    """docs/formats.md's "The tiles fetch the next weight rows ahead" and the README's sentence: the decode split,
+    the two revisions runs and the two peer runs, each figure its record's, each record at the commit the docs name;
+    the 2x of the peer runs stated with llama.cpp's slower rates beside it."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The tiles fetch the next weight rows ahead.**"):
+                      formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    split = load("decode_split_1b_q4_k_m_int8_32req_fetch_ahead_zen4")
+    revs = [load("fetch_ahead_revisions_zen4"), load("fetch_ahead_revisions_run2_zen4")]
+    peers = [load("peer_1b_q4_k_m_int8_fetch_ahead_zen4"), load("peer_1b_q4_k_m_int8_fetch_ahead_run2_zen4")]
+    commit = split["commit"][:7]
+    assert "uncommitted" not in split["commit"] and f"at {commit}, `benchmarks/results/decode_split_1b" in section
+    assert all(r["revisions"]["head"]["commit"].startswith(commit) and r["revisions"]["base"]["rev"] == "e8b4089"
+               for r in revs)
+    assert all(p["commit"][:7] == commit for p in peers) and f"the same peer command at {commit}, two runs" in section
+    sm = split["summary"]
+    assert sm["requests"] == 32
+    assert (f"**{sm['step_ms']:.1f} ms a step, {sm['projections_ms']:.1f} ms of it in the projections, "
+            f"{sm['head_ms']:.1f} ms of those in the head**, {sm['attention_ms']:.1f} ms in attention") in section
+    a, b = (r["summary"] for r in revs)
+    assert (f"32 requests at **{a['throughput_ratio']['median']:.3f}x** and **{b['throughput_ratio']['median']:.3f}x** "
+            f"the throughput ({a['throughput_ratio']['min']:.3f}x-{a['throughput_ratio']['max']:.3f}x, "
+            f"{b['throughput_ratio']['min']:.3f}x-{b['throughput_ratio']['max']:.3f}x), one request "
+            f"{a['single_decode_ratio']['median']:.3f}x and {b['single_decode_ratio']['median']:.3f}x") in section
+    assert (f"the greedy tokens of {a['tokens_identical_min']} and {b['tokens_identical_min']} of 32 requests "
+            "identical in one round of each run") in section
+    assert not any(a["tokens_same_every_round"].values()) and not any(b["tokens_same_every_round"].values())
+    for p in peers:
+        many, one = p["many"], p["one_request"]
+        rounds = ", ".join(f"{r['ratio']:.2f}x" for r in one["rounds"])
+        probes = [x for r in one["rounds"] for x in r["probe_gb_s"]]
+        assert (f"without the prefix cache **{many['ratio_prefix_cache_off']:.2f}x** "
+                f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against "
+                f"{many['llama_cpp_best_tokens_per_s']:.1f} tok/s at {many['llama_cpp_best_slots']} slots), "
+                f"{many['ratio_prefix_cache_on']:.2f}x with it, a 256-token prompt prefilled at "
+                f"{p['prefill']['median_ratio']:.2f}x, one request at {one['median_ratio']:.2f}x (rounds {rounds}) and "
+                f"{one['asyncinfer_bandwidth_use']:.0%} of the read probe (its probes "
+                f"{min(probes):.0f}-{max(probes):.0f} GB/s)") in section
+        assert one["asyncinfer_bandwidth_use"] < 0.85 and min(r["ratio"] for r in one["rounds"]) < 1
+    earlier = [load(n)["many"] for n in ("peer_1b_q4_k_m_int8_step_tile_zen4", "peer_1b_q4_k_m_int8_head_tile_zen4",
+                                         "peer_1b_q4_k_m_int8_in_place_zen4")]
+    assert max(p["many"]["llama_cpp_best_tokens_per_s"] for p in peers) < min(
+        m["llama_cpp_best_tokens_per_s"] for m in earlier)
+    lo, hi = (f(m["llama_cpp_best_tokens_per_s"] for m in earlier) for f in (min, max))
+    assert f"below the {lo:.1f}-{hi:.1f} of the three runs before them" in section
+    assert "**not shown beyond the host's noise**" in section
+    assert (f"a step of 32 decodes took {sm['step_ms']:.1f} ms (`decode_split_1b_q4_k_m_int8_32req_fetch_ahead_zen4.json`), "
+            f"the engine's 32 requests ran {a['throughput_ratio']['median']:.3f}x and "
+            f"{b['throughput_ratio']['median']:.3f}x the throughput before it") in readme
+    assert (f"two peer runs gave {peers[0]['many']['ratio_prefix_cache_off']:.2f}x and "
+            f"{peers[1]['many']['ratio_prefix_cache_off']:.2f}x llama.cpp's without the cache") in readme
+    assert "not shown beyond the host's noise" in readme
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
