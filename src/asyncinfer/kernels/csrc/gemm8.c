@@ -904,7 +904,7 @@ static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int c
 /* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
  * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
  * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
- * raw, s and mn at [b]). */
+ * raw, s and mn at [b]). next: the rows the following call takes, fetched from memory during this one. */
 static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, const int G, const int C,
                                                                const group8 *gs, const wrow8 *w, int64_t K,
                                                                __m512 out[T8_GROUPS][T8_COLS], const int grouped,
@@ -916,8 +916,8 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
         for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         /* the next rows' bytes, a block's share at a time (under a line each), while this call's rows compute: a
-         * weight row comes from memory once a pass, and without this the tile waited on it (a step of 32 decodes of
-         * the 1B Q4_K_M file spent 17% less in its projections with it, decode_split.py, ad hoc) */
+         * weight row comes from memory once a pass, and without this the tile waited on it (docs/formats.md, "The
+         * tiles fetch the next weight rows ahead") */
         for (int c = 0; c < next->n; c++)
             _mm_prefetch((const char *)next->row + c * next->bytes + b * next->bytes / nb, _MM_HINT_T0);
         __m512i idot[T8_GROUPS][T8_COLS];
@@ -1103,7 +1103,7 @@ typedef struct {
 } tile8_job;
 
 /* Weight rows [s, s + C) of the span, unpacked in w (grouped: tile8_kernel's), against every pair of groups of the
- * pass, into the span's buffer. */
+ * pass, into the span's buffer; the first pair's call fetches next's rows ahead. */
 static inline __attribute__((always_inline)) void tile8_groups(const int fmt, const tile8_job *j, const wrow8 *w, int s,
                                                                int C, const int grouped, const tile_next *next) {
     group8 gs[T8_GROUPS];
@@ -1133,8 +1133,11 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
         if (grouped) {
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++) wr[c] = (wrow8){u + 4 * (s + c), sc + s + c, mn + s + c, NULL, NULL};
-            const tile_next none = {NULL, 0, 0};
-            tile8_groups(fmt, j, wr, s, T8_COLS, 1, &none);
+            /* the next group's bytes, a quarter a call (two eighths: under a line a block each) */
+            const int64_t gb = K / QK * lane_block(fmt), after = n0 + LANE_ROWS;
+            const tile_next next = {after < j->N ? j->w + after / LANE_ROWS * gb + 2 * (s / T8_COLS) * (gb / 8) : j->w,
+                                    gb / 8, after < j->N ? 2 : 0};
+            tile8_groups(fmt, j, wr, s, T8_COLS, 1, &next);
         } else {
             const int cs = C - s < T8_COLS ? C - s : T8_COLS;
             wrow8 wr[T8_COLS];
@@ -1144,7 +1147,7 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
                 if (c < cs) tile8_unpack(fmt, wr[c].raw, K, &wr[c], !tile8_in_place(fmt));
             }
             const int64_t after = n0 + s + T8_COLS; /* the next call's first row, and how many it takes */
-            const tile_next next = {j->w + after * j->row_bytes, j->row_bytes,
+            const tile_next next = {after < j->N ? j->w + after * j->row_bytes : j->w, j->row_bytes,
                                     after >= j->N ? 0 : (int)(j->N - after < T8_COLS ? j->N - after : T8_COLS)};
             tile8_groups(fmt, j, wr, s, cs, 0, &next);
         }
@@ -1224,8 +1227,8 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
             wrow8 wr[T8_COLS];
             for (int c = 0; c < T8_COLS; c++)
                 wr[c] = tile8_wrow_in(mine + tile_span_bytes(groups) + c * tile8_wrow_bytes(K), K);
-            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, N, gmem, wr, bias, y, (float *)mine,
-                                   (uint8_t *)(lmem + ai_thread_num() * lbytes)};
+            const tile8_job job = {fmt, lanes, w, row_bytes, K, ng, p0, p1, gbytes, ldy, N, gmem, wr, bias, y,
+                                   (float *)mine, (uint8_t *)(lmem + ai_thread_num() * lbytes)};
             _Pragma("omp for schedule(static)")
             for (int64_t n0 = 0; n0 < N; n0 += T8_SPAN) cols(&job, n0, (int)(N - n0 < T8_SPAN ? N - n0 : T8_SPAN));
         }
@@ -1452,7 +1455,7 @@ static inline __attribute__((always_inline)) void tile16_cols(const int fmt, con
         for (int c = 0; c < cs; c++) tile16_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, j->tmp, &j->wr[c]);
         group16 gs[T16_GROUPS];
         const int64_t after = n0 + s + T16_COLS; /* the next call's first row, and how many it takes */
-        const tile_next next = {j->w + after * j->row_bytes, j->row_bytes,
+        const tile_next next = {after < j->N ? j->w + after * j->row_bytes : j->w, j->row_bytes,
                                 after >= j->N ? 0 : (int)(j->N - after < T16_COLS ? j->N - after : T16_COLS)};
         const tile_next none = {NULL, 0, 0};
         for (int64_t gi = 0; gi < j->ng; gi += T16_GROUPS) {
