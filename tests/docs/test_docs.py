@@ -89,6 +89,11 @@ def load(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
 
+def round_probes(*one_requests: dict) -> list[float]:
+    """Every read probe of the given peer records' one-request rounds (each record's ``one_request``)."""
+    return [p for one in one_requests for r in one["rounds"] for p in r["probe_gb_s"]]
+
+
 def blocks(path: Path) -> list[Block]:
     lines = path.read_text(encoding="utf-8").splitlines()
     found: list[Block] = []
@@ -964,7 +969,7 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
     assert f"at {peer['commit'][:7]}, `peer_1b_q4_0_int8_lanes_zen4.json`" in section
     one, many = peer["one_request"], peer["many"]
     rounds = ", ".join(f"{x['asyncinfer_bandwidth_use']:.0%}" for x in one["rounds"])
-    probes = [p for x in one["rounds"] for p in x["probe_gb_s"]]
+    probes = round_probes(one)
     assert (f"one request {one['median_ratio']:.2f}x llama.cpp's rate ({quads['one_request']['median_ratio']:.2f}x), "
             f"at {one['asyncinfer_bandwidth_use']:.0%} of the read probe in the median round ({rounds} in the three "
             f"rounds, each against its own probe, which moved between {min(probes):.0f} and {max(probes):.0f} GB/s"
@@ -1000,7 +1005,7 @@ def test_the_q4_0_lanes_figures_are_the_results_files() -> None:
             f"({a['step_ms'] / b['step_ms']:.2f}x; the two runs' probes read {a['probe_gb_s']:.1f} and "
             f"{b['probe_gb_s']:.1f} GB/s, so their shares, {a['step_of_probe']:.0%} and {b['step_of_probe']:.0%},") in section
     one1, was1 = peer1["one_request"], quads1["one_request"]
-    probes1 = [p for x in one1["rounds"] for p in x["probe_gb_s"]]
+    probes1 = round_probes(one1)
     assert (f"one request {one1['asyncinfer_median_tokens_per_s']:.1f} tok/s ({was1['asyncinfer_median_tokens_per_s']:.1f}), "
             f"{one1['median_ratio']:.2f}x llama.cpp's rate ({was1['median_ratio']:.2f}x; llama.cpp itself "
             f"{one1['llama_cpp_median_tokens_per_s']:.1f} tok/s against {was1['llama_cpp_median_tokens_per_s']:.1f} then), "
@@ -1045,7 +1050,7 @@ def test_the_head_tile_figures_are_the_results_files() -> None:
     rounds = ", ".join(f"{r['ratio']:.2f}x" for r in one["rounds"])
     assert f"one request at {one['median_ratio']:.2f}x llama.cpp's rate (rounds {rounds})" in section
     assert f"at **{one['asyncinfer_bandwidth_use']:.0%}** of the read probe (**behind** the 85% goal" in section
-    probes = [p for r in one["rounds"] for p in r["probe_gb_s"]]
+    probes = round_probes(one)
     assert (f"every probe of the one-request rounds read {min(probes):.0f}-{max(probes):.0f} GB/s, the host's slower "
             f"state, where the run's first, at its start, read {peer['read_bandwidth_start_gb_s']:.1f}") in section
     assert one["asyncinfer_bandwidth_use"] < 0.85
@@ -1090,7 +1095,7 @@ def test_the_q4_k_in_place_figures_are_the_results_files() -> None:
     assert f"{many['ratio_prefix_cache_on']:.2f}x with the cache" in section
     assert f"a 256-token prompt prefilled at {peer['prefill']['median_ratio']:.2f}x" in section
     assert f"one request at {one['median_ratio']:.2f}x at {one['asyncinfer_bandwidth_use']:.0%} of the read probe" in section
-    probes = [p for r in one["rounds"] for p in r["probe_gb_s"]]
+    probes = round_probes(one)
     assert f"its probes read {min(probes):.0f}-{max(probes):.0f} GB/s" in section
     assert (f"32 requests ran {thr['median']:.3f}x the throughput before them with the same greedy tokens "
             f"(`q4_k_in_place_revisions_zen4.json`) and {many['ratio_prefix_cache_off']:.2f}x llama.cpp's without "
@@ -1130,7 +1135,7 @@ def test_the_fetch_ahead_figures_are_the_results_files() -> None:
     for p in peers:
         many, one = p["many"], p["one_request"]
         rounds = ", ".join(f"{r['ratio']:.2f}x" for r in one["rounds"])
-        probes = [x for r in one["rounds"] for x in r["probe_gb_s"]]
+        probes = round_probes(one)
         assert (f"without the prefix cache **{many['ratio_prefix_cache_off']:.2f}x** "
                 f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against "
                 f"{many['llama_cpp_best_tokens_per_s']:.1f} tok/s at {many['llama_cpp_best_slots']} slots), "
@@ -1196,7 +1201,7 @@ def test_the_step_tile_figures_are_the_results_files() -> None:
         assert settings == {k: v for k, v in q40_before["settings"].items() if k != "model"}
     singles = [r["one_request"]["llama_cpp_median_tokens_per_s"] for r in (q40_before, q40, qkm_before, qkm)]
     assert ("(llama.cpp's too: {:.1f} to {:.1f} and {:.1f} to {:.1f} tok/s)".format(*singles)) in section
-    probes = [p for r in (q40, qkm) for x in r["one_request"]["rounds"] for p in x["probe_gb_s"]]
+    probes = round_probes(q40["one_request"], qkm["one_request"])
     assert f"the probes read {min(probes):.0f} to {max(probes):.0f} GB/s" in section
     assert (f"32 requests without the prefix cache run at **{off[0]:.2f}x (Q4_0: the 2x goal met) and {off[2]:.2f}x "
             f"(Q4_K_M: behind it)** llama.cpp's best slot count and {on[0]:.2f}x and {on[2]:.2f}x with it "

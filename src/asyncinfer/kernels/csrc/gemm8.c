@@ -686,9 +686,9 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  * one 512-bit register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of
  * 16. A weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of
  * each block of 32 and (Q6_K) the int8 scale of each 16 (Q4_K on the VNNI build: its scales only, the nibbles read in
- * place, tile8_in_place); four consecutive bytes broadcast to every lane make one
- * vpdpbusd with the group's register: lane r adds row r's four products. So every lane holds one (row, weight row) pair
- * and a block's integer dot product needs no horizontal sum: per block of 32, for every lane,
+ * place, tile8_in_place); four consecutive bytes broadcast to every lane make one vpdpbusd with the group's register:
+ * lane r adds row r's four products. So every lane holds one (row, weight row) pair and a block's integer dot product
+ * needs no horizontal sum: per block of 32, for every lane,
  *
  *   idot = sum(u * qx) - centre * sum(qx)        (Q6_K: sc0 * (its first 16's) + sc1 * (its second 16's))
  *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
@@ -722,6 +722,21 @@ typedef struct {
     int64_t bytes;
     int n;
 } tile_next;
+
+/* The weight rows from after on that a call taking up to cols of them would take (none past N). */
+static inline tile_next tile_next_rows(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t after, int cols) {
+    const tile_next next = {after < N ? w + after * row_bytes : w, row_bytes,
+                            after >= N ? 0 : (int)(N - after < cols ? N - after : cols)};
+    return next;
+}
+
+/* Block b (of nb) of a call: a block's share of next's rows' bytes (under a cache line for every format) fetched
+ * while the call's own rows compute. A weight row comes from memory once a pass, and without this the tiles waited on
+ * it (docs/formats.md, "The tiles fetch the next weight rows ahead"). */
+static inline __attribute__((always_inline)) void tile_fetch(const tile_next *next, int64_t b, int64_t nb) {
+    for (int c = 0; c < next->n; c++)
+        _mm_prefetch((const char *)next->row + c * next->bytes + b * next->bytes / nb, _MM_HINT_T0);
+}
 
 /* A weight row unpacked: u [K] unsigned quants in order, s and mn [K / 32] (mn: the formats with a min), sc
  * [K / 16] int32 (Q6_K's int8 scales); raw: the row's own bytes (tile8_in_place's formats read them, u unused). */
@@ -915,11 +930,7 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        /* the next rows' bytes, a block's share at a time (under a line each), while this call's rows compute: a
-         * weight row comes from memory once a pass, and without this the tile waited on it (docs/formats.md, "The
-         * tiles fetch the next weight rows ahead") */
-        for (int c = 0; c < next->n; c++)
-            _mm_prefetch((const char *)next->row + c * next->bytes + b * next->bytes / nb, _MM_HINT_T0);
+        tile_fetch(next, b, nb);
         __m512i idot[T8_GROUPS][T8_COLS];
         for (int g = 0; g < G; g++)
             for (int c = 0; c < C; c++) idot[g][c] = _mm512_setzero_si512();
@@ -994,15 +1005,14 @@ static inline __attribute__((always_inline)) void tile8_call(const int fmt, int 
     tile8_kernel(fmt, 1, T8_COLS, gs, w, K, out, grouped, next);
 }
 
-/* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES.
- * Eight times the rows' budget, past a core's L2 cache: each pass reads every weight row again (and unpacks it, or
- * for Q4_K on the VNNI build its scales), and the
- * groups stream from L3 as fast as the micro-kernel takes them (two 64-byte loads per eight vpdpbusd). On a Zen 4
- * core pair (1 MiB of L2 each) 6 MiB passes ran the 1B shape's down projection (K = 8192) at 250 rows 5% (Q4_K) and
- * 8% (Q6_K) faster than 1.5 MiB ones, the same bits (its 64-row passes unpacked every weight row four times), and
- * 24 MiB ones (1,024 rows of K = 8192 in one pass) 3% slower than 6.5 MiB ones (there the same 256 rows as 6 MiB;
- * ad hoc, two builds in one process); on a Zen 5 core 1.5 MiB passes ran the GEMMs at 64-256 rows a few percent
- * faster than 768 KiB ones. */
+/* Activation rows a pass takes (a multiple of 16 * T8_GROUPS): their int8 values and groups within T8_PASS_BYTES. Eight
+ * times the rows' budget, past a core's L2 cache: each pass reads every weight row again (and unpacks it, or for Q4_K
+ * on the VNNI build its scales), and the groups stream from L3 as fast as the micro-kernel takes them (two 64-byte
+ * loads per eight vpdpbusd). On a Zen 4 core pair (1 MiB of L2 each) 6 MiB passes ran the 1B shape's down projection (K
+ * = 8192) at 250 rows 5% (Q4_K) and 8% (Q6_K) faster than 1.5 MiB ones, the same bits (its 64-row passes unpacked every
+ * weight row four times), and 24 MiB ones (1,024 rows of K = 8192 in one pass) 3% slower than 6.5 MiB ones (there the
+ * same 256 rows as 6 MiB; ad hoc, two builds in one process); on a Zen 5 core 1.5 MiB passes ran the GEMMs at 64-256
+ * rows a few percent faster than 768 KiB ones. */
 #ifndef T8_PASS_BYTES
 #define T8_PASS_BYTES (8 * PASS8_BYTES)
 #endif
@@ -1146,9 +1156,7 @@ static inline __attribute__((always_inline)) void tile8_cols(const int fmt, cons
                 wr[c].raw = j->w + (n0 + s + (c < cs ? c : 0)) * j->row_bytes;
                 if (c < cs) tile8_unpack(fmt, wr[c].raw, K, &wr[c], !tile8_in_place(fmt));
             }
-            const int64_t after = n0 + s + T8_COLS; /* the next call's first row, and how many it takes */
-            const tile_next next = {after < j->N ? j->w + after * j->row_bytes : j->w, j->row_bytes,
-                                    after >= j->N ? 0 : (int)(j->N - after < T8_COLS ? j->N - after : T8_COLS)};
+            const tile_next next = tile_next_rows(j->w, j->row_bytes, j->N, n0 + s + T8_COLS, T8_COLS);
             tile8_groups(fmt, j, wr, s, cs, 0, &next);
         }
     }
@@ -1370,8 +1378,7 @@ static inline __attribute__((always_inline)) void tile16_kernel(const int fmt, c
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        for (int c = 0; c < next->n; c++) /* as the int8 tile: the next rows' bytes while these compute */
-            _mm_prefetch((const char *)next->row + c * next->bytes + b * next->bytes / nb, _MM_HINT_T0);
+        tile_fetch(next, b, nb);
         __m512 dx[T16_GROUPS];
         for (int g = 0; g < G; g++) dx[g] = _mm512_loadu_ps(gs[g].d + b * 16);
         for (int half = 0; half < (q6 ? 2 : 1); half++) {
@@ -1454,9 +1461,7 @@ static inline __attribute__((always_inline)) void tile16_cols(const int fmt, con
         const int cs = C - s < T16_COLS ? C - s : T16_COLS;
         for (int c = 0; c < cs; c++) tile16_unpack(fmt, j->w + (n0 + s + c) * j->row_bytes, K, j->tmp, &j->wr[c]);
         group16 gs[T16_GROUPS];
-        const int64_t after = n0 + s + T16_COLS; /* the next call's first row, and how many it takes */
-        const tile_next next = {after < j->N ? j->w + after * j->row_bytes : j->w, j->row_bytes,
-                                after >= j->N ? 0 : (int)(j->N - after < T16_COLS ? j->N - after : T16_COLS)};
+        const tile_next next = tile_next_rows(j->w, j->row_bytes, j->N, n0 + s + T16_COLS, T16_COLS);
         const tile_next none = {NULL, 0, 0};
         for (int64_t gi = 0; gi < j->ng; gi += T16_GROUPS) {
             const int G = (int)(j->ng - gi < T16_GROUPS ? j->ng - gi : T16_GROUPS);
