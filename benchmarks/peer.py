@@ -20,7 +20,10 @@ other, on the same number of threads, with every prompt given as the same token 
    then a distinct random tail, output lengths drawn in [``--min-new-tokens``, ``--max-new-tokens``],
    greedy, EOS ignored): asyncinfer with its prefix cache on and off, llama.cpp with every slot count of
    ``--slots`` (its parallel sequences: llama.cpp recomputes the shared prefix in every sequence) and its
-   best taken;
+   best taken; then ``--many-rounds`` paired rounds (0 by default): asyncinfer with its prefix cache off and
+   llama.cpp at that best slot count, both loaded, each running the workload in turn (the order alternating
+   between rounds), the per-round ratios, their median and the least of them: the two rates of a round minutes
+   apart at most, where the sweep's runs are further apart;
 4. **prefill**: ``--prefill-rounds`` rounds, each a fresh random ``--prefill-tokens``-token prompt to its first
    token (one engine of each, one slot, asyncinfer's prefix cache off, the order alternating between rounds):
    prompt tokens / seconds of each, and the per-round ratios and their median.
@@ -236,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slots[n] = {"wall_s": wall, "steps": steps, "tokens_per_s": sum(lengths) / wall,
                     "tokens": [done[i] for i in range(len(prompts))]}
     best = max(slots, key=lambda n: slots[n]["tokens_per_s"])
+    paired = paired_many_rounds(path, args, n_ctx, prompts, lengths, best) if args.many_rounds else None
 
     rounds = on["rounds"]
     single = {
@@ -263,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_prefix_cache_off": off["many_tokens_per_s"] / slots[best]["tokens_per_s"],
             "greedy_identical_requests_vs_llama_cpp": agree,
             "asyncinfer_cache_on_off_identical": sum(a == b for a, b in zip(on["tokens"], off["tokens"])),
+            "paired": paired,
         },
         "prefill": prefill,
         "asyncinfer_load_s": on["load_s"],
@@ -316,6 +321,45 @@ def prefill_rounds(path: Path, args: argparse.Namespace, vocab: int | None) -> d
             "median_ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
+def paired_many_rounds(path: Path, args: argparse.Namespace, n_ctx: int, prompts: list[list[int]],
+                       lengths: list[int], slots: int) -> dict[str, Any]:
+    """The many-requests workload in paired rounds: asyncinfer (prefix cache off) and llama.cpp at ``slots`` (its
+    best of the sweep) both loaded, the workload run by each in turn, the order alternating between rounds."""
+    from llamacpp_peer import LlamaCppPeer
+
+    say(f"{args.num_requests} requests, paired rounds: loading both engines (llama.cpp with {slots} slots)")
+    peer = on_own_thread(LlamaCppPeer, path, args.threads, slots, n_ctx)
+
+    async def session() -> list[dict[str, Any]]:
+        eng = await load_engine(path, args, n_ctx, False)
+        rounds = []
+        async with eng:
+            await _generate_all(eng, prompts[:2], [4, 4])  # warm-up
+            on_own_thread(peer.run, prompts[:2], [4, 4])
+            for index in range(args.many_rounds):
+                order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
+                rates = {}
+                for system in order:
+                    say(f"{args.num_requests} requests, paired round {index + 1}/{args.many_rounds}: {system}")
+                    if system == "asyncinfer":
+                        wall, _ = await _generate_all(eng, prompts, lengths)
+                    else:
+                        wall = (await asyncio.to_thread(on_own_thread, peer.run, prompts, lengths))[1]
+                    rates[system] = sum(lengths) / wall
+                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
+        return rounds
+
+    try:
+        rounds = asyncio.run(session())
+    finally:
+        on_own_thread(peer.close)
+    return {"llama_cpp_slots": slots, "rounds": rounds,
+            "asyncinfer_median_tokens_per_s": statistics.median(r["asyncinfer"] for r in rounds),
+            "llama_cpp_median_tokens_per_s": statistics.median(r["llama.cpp"] for r in rounds),
+            "median_ratio": statistics.median(r["ratio"] for r in rounds),
+            "min_ratio": min(r["ratio"] for r in rounds)}
+
+
 def report(r: dict[str, Any]) -> None:
     one, many = r["one_request"], r["many"]
     ratios = ", ".join(f"{x['ratio']:.2f}" for x in one["rounds"])
@@ -335,6 +379,12 @@ def report(r: dict[str, Any]) -> None:
           f"{many['llama_cpp_best_tokens_per_s']:.1f} at {many['llama_cpp_best_slots']} slots ("
           + ", ".join(f"{n}: {s['tokens_per_s']:.1f}" for n, s in many["llama_cpp_by_slots"].items())
           + f"); ratio {many['ratio_prefix_cache_on']:.2f}x (cache on), {many['ratio_prefix_cache_off']:.2f}x (off)")
+    paired = many.get("paired")
+    if paired:
+        print(f"{r['workload']['num_requests']} requests, {len(paired['rounds'])} paired rounds (prefix cache off; "
+              f"llama.cpp at {paired['llama_cpp_slots']} slots): asyncinfer {paired['asyncinfer_median_tokens_per_s']:.1f} "
+              f"tok/s, llama.cpp {paired['llama_cpp_median_tokens_per_s']:.1f}; median {paired['median_ratio']:.2f}x, "
+              f"least {paired['min_ratio']:.2f}x (rounds " + ", ".join(f"{x['ratio']:.2f}" for x in paired["rounds"]) + ")")
     pre = r.get("prefill")
     if pre:
         print(f"prefill ({pre['prompt_tokens']}-token prompts, {len(pre['rounds'])} paired rounds): asyncinfer "
@@ -363,12 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-dtype", choices=("int16", "int8", "bfloat16"), default="int16",
                    help="asyncinfer's activation_dtype (int8: llama.cpp's numerics, faster; bfloat16: prefills in "
                         "bfloat16, fast with AMX; docs/formats.md)")
+    p.add_argument("--many-rounds", type=int, default=0,
+                   help="paired rounds of the many-requests workload after the slot sweep (0: none): asyncinfer "
+                        "(prefix cache off) and llama.cpp at its best slot count, both loaded, taking turns")
     p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill rounds")
     p.add_argument("--prefill-rounds", type=int, default=3, help="paired prefill rounds (0: none)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.prefill_tokens < 1 or args.prefill_rounds < 0:
         p.error("--prefill-tokens must be at least 1 and --prefill-rounds at least 0")
+    if args.many_rounds < 0:
+        p.error(f"--many-rounds must be at least 0 (given {args.many_rounds})")
     for name in ("threads", "rounds", "decode_tokens", "repeats", "num_requests", "probe_mib", "probe_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

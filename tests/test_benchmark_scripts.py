@@ -89,7 +89,7 @@ def test_the_peer_benchmark_runs_both_engines_or_says_llama_cpp_is_missing(tmp_p
     assert made.returncode == 0, made.stderr[-3000:]
     done = run_script("peer.py", "--model", str(model), "--rounds", "2", "--num-requests", "3", "--min-new-tokens",
                       "2", "--max-new-tokens", "4", "--slots", "1", "3", "--decode-tokens", "4", "--repeats", "1",
-                      "--probe-mib", "16", "--threads", "1", "--json", str(out))
+                      "--probe-mib", "16", "--threads", "1", "--many-rounds", "3", "--json", str(out))
     if importlib.util.find_spec("llama_cpp") is None:
         assert done.returncode != 0 and "llama.cpp is the peer of this benchmark" in done.stderr
         return
@@ -109,6 +109,19 @@ def test_the_peer_benchmark_runs_both_engines_or_says_llama_cpp_is_missing(tmp_p
                                                                              for r in one["rounds"]))
     assert result["read_bandwidth_gb_s"] == pytest.approx(statistics.median(max(r["probe_gb_s"]) for r in one["rounds"]))
     assert result["read_bandwidth_start_gb_s"] > 0
+    # the paired rounds of the many requests: llama.cpp at the sweep's best slot count, the order alternating
+    paired, many = result["many"]["paired"], result["many"]
+    assert paired["llama_cpp_slots"] == many["llama_cpp_best_slots"]
+    assert [r["order"][0] for r in paired["rounds"]] == ["asyncinfer", "llama.cpp", "asyncinfer"]
+    for r in paired["rounds"]:
+        assert r["ratio"] == pytest.approx(r["asyncinfer"] / r["llama.cpp"]) and r["llama.cpp"] > 0
+    assert paired["median_ratio"] == pytest.approx(statistics.median(r["ratio"] for r in paired["rounds"]))
+    assert paired["min_ratio"] == min(r["ratio"] for r in paired["rounds"])
+
+
+def test_the_peer_benchmark_refuses_negative_paired_rounds_before_loading(tmp_path) -> None:
+    done = run_script("peer.py", "--model", str(tmp_path / "absent.gguf"), "--many-rounds", "-1")
+    assert done.returncode == 2 and "--many-rounds must be at least 0 (given -1)" in done.stderr
 
 
 def test_the_structured_masks_benchmark_runs(real_gguf, tmp_path) -> None:
