@@ -25,25 +25,31 @@ from tests.models.test_kernels import lossless_tiny
 #: zeroed, a block dequantizes to its minimums alone.
 QUANTS_FROM = {"q4_1": 4, "q5_1": 4, "q4_k": 16, "q5_k": 16}
 
+#: The variants whose build has the int8 tile (kernels.gemm's int8_kernel="tile"; the rows elsewhere): the AVX-512
+#: builds, which hold the int16 tile too.
+TILE8_ISAS = kernels.INT16_TILE_ISAS
+
+
+def minimums(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float64 values of the minimums of ``blocks`` (ggml's blocks in ``fmt``): zeros where it has none."""
+    if fmt not in QUANTS_FROM:
+        return torch.zeros_like(kernels.dequantize(blocks, fmt), dtype=torch.float64)
+    zeroed = blocks.clone().view(blocks.shape[0], -1, kernels.BLOCK_FORMATS[fmt][1])
+    zeroed[:, :, QUANTS_FROM[fmt]:] = 0
+    return kernels.dequantize(zeroed.view(blocks.shape[0], -1), fmt).double()
+
 
 def weights(fmt: str, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random weights in ``fmt``: the kernels' blocks, their float64 values and their minimums' float64 values."""
     gen = torch.Generator().manual_seed(seed)
     blocks = kernels.quantize(torch.randn(rows, k, generator=gen) * 0.1, fmt)
-    dense = kernels.dequantize(blocks, fmt).double()
-    mins = torch.zeros_like(dense)
-    if fmt in QUANTS_FROM:
-        size = kernels.BLOCK_FORMATS[fmt][1]
-        zeroed = blocks.clone().view(rows, -1, size)
-        zeroed[:, :, QUANTS_FROM[fmt]:] = 0
-        mins = kernels.dequantize(zeroed.view(rows, -1), fmt).double()
-    return kernels.pack(blocks, fmt), dense, mins
+    return kernels.pack(blocks, fmt), kernels.dequantize(blocks, fmt).double(), minimums(blocks, fmt)
 
 
-def int8_definition(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The kernel's result in float64: the int8-rounded activations times the weights less their minimums, plus
-    the float32 activations times the minimums."""
-    runs = x.reshape(x.shape[0], -1, 32)
+def int8_definition(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor, run: int = 32) -> torch.Tensor:
+    """The kernel's result in float64: the activations rounded to int8 with a scale per ``run`` of them (the tile's
+    k-quants: 256) times the weights less their minimums, plus the float32 activations times the minimums."""
+    runs = x.reshape(x.shape[0], -1, run)
     amax = runs.abs().amax(-1, keepdim=True)
     scale = 127.0 / amax  # float32, as the kernel computes it
     q = torch.where(amax > 0, (runs * torch.where(amax > 0, scale, 0)).round(), 0)  # round: to nearest even
@@ -61,6 +67,7 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
     1116 rows of int8 values a pass of the rows holds; 4200 rows, over the 4096 of the tile's). Both int8 GEMMs
     (``int8_kernel``)."""
     k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
+    run = 256 if k_quant and kernel == "tile" and kernels.isa() in TILE8_ISAS else 32  # the tile's k-quants: per 256
     for k in ((512, 1024) if k_quant else (512, 800)):
         packed, dense, mins = weights(fmt, 45, k, seed=k)
         gen = torch.Generator().manual_seed(k + 1)
@@ -69,7 +76,7 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
             x = torch.randn(rows, k, generator=gen)
             x[0, :32] *= 1000  # one run of large values: its own scale
             out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
-            ref = int8_definition(x, dense, mins) + bias.double()
+            ref = int8_definition(x, dense, mins, run) + bias.double()
             bound = 1e-5 * (x.abs().double() @ dense.abs().T) + 1e-6
             assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
             alone = kernels.gemm(x[rows - 1:], packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
@@ -78,7 +85,7 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
             x = torch.randn(rows, k, generator=gen)
             x[rows - 1, :32] *= 1000
             out = kernels.gemm(x, packed, fmt, 45, bias, activation_dtype="int8", int8_kernel=kernel)
-            ref = int8_definition(x, dense, mins) + bias.double()
+            ref = int8_definition(x, dense, mins, run) + bias.double()
             bound = 1e-5 * (x.abs().double() @ dense.abs().T) + 1e-6
             assert ((out.double() - ref).abs() <= bound).all(), (fmt, k, rows, (out.double() - ref).abs().max().item())
             assert not torch.equal(out, kernels.gemm(x, packed, fmt, 45, bias))  # not the float32 panel
@@ -200,11 +207,6 @@ def test_the_kernel_decode_step_takes_the_models_activation_dtype(tmp_path) -> N
     assert not torch.allclose(logits["int8"], logits["int16"], atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="activation_dtype"):
         apply_weight_format(load_model(tmp_path, torch.float32, "cpu").model, "q4_1", activation_dtype="int4")
-
-
-#: The variants whose build has the int8 tile (kernels.gemm's int8_kernel="tile"; the rows elsewhere): the AVX-512
-#: builds, which hold the int16 tile too.
-TILE8_ISAS = kernels.INT16_TILE_ISAS
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])

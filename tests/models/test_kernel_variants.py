@@ -35,6 +35,7 @@ import torch
 from asyncinfer import kernels
 from asyncinfer.kernels import _build
 from asyncinfer.kernels._variants import ISA_ENV, ISAS
+from tests.models.test_int8_activations import int8_definition, minimums
 
 #: The AVX-512 variants' code with their 512-bit intrinsics (and VNNI's) emulated (on AVX2): tested beside the
 #: variants, each with the flags of its build and the variant it reports itself as.
@@ -202,20 +203,27 @@ def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     """activation_dtype="int8" (csrc/gemm8.c): every variant rounds the activations to the same int8 values and
     forms the same integer products; only the order of the float32 sums differs. Both int8 GEMMs (the AVX-512
     builds' tile; the rows, which the others take for it too). Widths with a remainder past the AVX-512 kernels'
-    runs of 16 blocks (800 = 25 runs of 32) and without; row counts below, at and past the tile's 16 and 32."""
+    runs of 16 blocks (800 = 25 runs of 32) and without; row counts below, at and past the tile's 16 and 32. The
+    AVX-512 builds' tile rounds the k-quants' activations with a scale per 256 (the scalar variant has no tile):
+    held to that definition in float64 (test_int8_activations.int8_definition), within the same bound."""
     runs_here(isa)
     n = 37
-    for k, kernel in itertools.product((512, 1024) if kernels.BLOCK_FORMATS[fmt][0] == 256 else (512, 800),
-                                       kernels.INT8_KERNELS):
+    k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
+    for k, kernel in itertools.product((512, 1024) if k_quant else (512, 800), kernels.INT8_KERNELS):
         w = random_blocks(fmt, n, k, seed=k)
         dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
+        per_256 = k_quant and kernel == "tile" and (isa in kernels.INT16_TILE_ISAS or isa in EMULATIONS)
+        mins = minimums(kernels.unpack(w, fmt), fmt) if per_256 else None
         gen = torch.Generator().manual_seed(k)
         bias = torch.randn(n, generator=gen)
         for rows in (1, 2, 3, 4, 5, 8, 17, 33):
             x = torch.randn(rows, k, generator=gen)
             x[0, 32:64] *= 1000
-            with on("scalar"):
-                ref = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel)
+            if per_256:
+                ref = (int8_definition(x, dense.double(), mins, 256) + bias.double()).float()
+            else:
+                with on("scalar"):
+                    ref = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel)
             with on(isa):
                 got = kernels.gemm(x, w, fmt, n, bias, activation_dtype="int8", int8_kernel=kernel)
             bound = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6

@@ -4,8 +4,9 @@
  * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
  * a sub-block, the AVX-512 build 512 bits two sub-blocks, or for Q4_0 / Q4_1 a half of each of four blocks) instead
  * of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
- * 32 activations (llama.cpp's k-quants take one per 256). Prefills and batched decodes too: the rows (or the
- * tile below), and a row's result does not depend on the other rows of the call.
+ * 32 activations in the rows (llama.cpp's k-quants take one per 256, as the AVX-512 builds' tile does for them:
+ * tile8_per_256). Prefills and batched decodes too: the rows (or the tile below), and a row's result does not depend
+ * on the other rows of the call.
  *
  * The result, in every variant: per sub-block of 32 weights (the activations' blocks line up with them)
  *
@@ -70,31 +71,72 @@ __attribute__((unused)) static void quantize_acts8_ref(const float *x, int64_t M
 }
 
 #ifdef AI_AVX2
+/* Block b of row m's 32 values rounded (q, int32 lanes), its scale d and float32 sum, stored in a. */
+static inline void acts8_put(const __m256i q[4], float d, float total, int64_t m, int64_t K, int64_t b, acts8 *a) {
+    const int64_t nb = K / QK;
+    /* packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] words, then bytes; the permute restores order */
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(a->q + m * K + b * QK), bytes);
+    const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
+    __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)),
+                               _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1)));
+    s = _mm_hadd_epi32(s, s); /* lanes 0, 1: the two halves' sums */
+    a->d[m * nb + b] = d;
+    a->sum[m * nb + b] = total;
+    a->isum[m * 2 * nb + 2 * b] = (int16_t)_mm_cvtsi128_si32(s);
+    a->isum[m * 2 * nb + 2 * b + 1] = (int16_t)_mm_extract_epi32(s, 1);
+}
+
 /* quantize_acts8_ref's values eight lanes at a time (the same rounding; the block's float sum added in another
  * order). */
 static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
-    const int64_t nb = K / QK;
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; b < K / QK; b++) {
             __m256i q[4];
             float total;
             const float d = ai_round_run(x + m * ldx + b * QK, 127.0f, q, &total);
-            /* packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] words, then bytes; the permute restores order */
-            const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
-            _mm256_storeu_si256((__m256i *)(a->q + m * K + b * QK), bytes);
-            const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
-            __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)),
-                                       _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1)));
-            s = _mm_hadd_epi32(s, s); /* lanes 0, 1: the two halves' sums */
-            a->d[m * nb + b] = d;
-            a->sum[m * nb + b] = total;
-            a->isum[m * 2 * nb + 2 * b] = (int16_t)_mm_cvtsi128_si32(s);
-            a->isum[m * 2 * nb + 2 * b + 1] = (int16_t)_mm_extract_epi32(s, 1);
+            acts8_put(q, d, total, m, K, b, a);
         }
     }
 }
+
+#ifdef AI_AVX512
+/* The int8 tile's activations for the k-quants (tile8_per_256): quantize_acts8's values with one scale for each
+ * 256 (a k-quant super-block), as llama.cpp's Q8_K: dx = the 256's largest |x| / 127 (NaN where one of its values
+ * is NaN or infinite), in each of its eight blocks' d; each block's float32 sum and integer sums of 16 as there. */
+static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const float *xs = x + m * ldx + 256 * sb;
+            __m256 amax = _mm256_setzero_ps();
+            float total[8];
+            int finite = 1;
+            for (int j = 0; j < 8; j++) {
+                const float *xb = xs + QK * j;
+                const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                             v3 = _mm256_loadu_ps(xb + 24);
+                amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                                         _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3))));
+                total[j] = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+                finite &= isfinite(total[j]) != 0;
+            }
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float absmax = _mm_cvtss_f32(mx);
+            const float d = finite && isfinite(absmax) ? absmax / 127.0f : NAN;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / absmax : 0.0f); /* NaN d: zeros */
+            for (int j = 0; j < 8; j++) {
+                __m256i q[4];
+                for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + QK * j + 8 * k), inv));
+                acts8_put(q, d, total[j], m, K, 8 * sb + j, a);
+            }
+        }
+    }
+}
+#endif
 #else
 #define quantize_acts8 quantize_acts8_ref
 #endif
@@ -682,7 +724,8 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  * int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from ASYNCINFER_STEP_TILE_MIN_ROWS rows on
  * (step8, below), and so does the output projection there unless every layer is held in lanes (decoder.py); in prefills
  * and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row
- * (quantize_acts8, as the rows do), then laid out in groups of 16 rows: four consecutive int8 values of the 16 rows in
+ * (quantize_acts8, as the rows do; the k-quants with a scale per 256, quantize_acts8_256, tile8_per_256), then laid
+ * out in groups of 16 rows: four consecutive int8 values of the 16 rows in
  * one 512-bit register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of
  * 16. A weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of
  * each block of 32 and (Q6_K) the int8 scale of each 16 (Q4_K on the VNNI build: its scales only, the nibbles read in
@@ -693,7 +736,7 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  *   idot = sum(u * qx) - centre * sum(qx)        (Q6_K: sc0 * (its first 16's) + sc1 * (its second 16's))
  *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
  *
- * blocks in order from acc = 0, then + bias (Q8_0: u = q + 128, centre 128, on the VNNI build; the AVX-512 BW
+ * blocks in order from acc = 0 (the k-quants per super-block of 256: tile8_kernel), then + bias (Q8_0: u = q + 128, centre 128, on the VNNI build; the AVX-512 BW
  * build's multiply-add pair would saturate there, so it takes |q| times qx with q's sign, centre 0: the same
  * integer). The same float32 operations for a row whatever its lane, its group or the batch, so a row's result
  * does not depend on the other rows (the rows' property, in another order of additions than theirs). Eight
@@ -920,74 +963,138 @@ static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int c
  * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
  * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
  * raw, s and mn at [b]). next: the rows the following call takes, fetched from memory during this one. */
+/* Block b's integer dot products (tile8_kernel's idot) of groups [0, G) with weight rows [0, C), into idot: set, or
+ * with add (Q6_K's sums of a super-block) added to what idot holds. */
+static inline __attribute__((always_inline)) void tile8_idot(const int fmt, const int G, const int C, const group8 *gs,
+                                                             const wrow8 *w, int64_t b, const int grouped,
+                                                             __m512i idot[T8_GROUPS][T8_COLS], const int add) {
+    const int64_t ub = grouped ? 8 * 64 : 32, ut = grouped ? 64 : 4;
+    const int q6 = fmt == ASYNCINFER_FMT_Q6_K, centre = tile8_centre(fmt);
+    for (int half = 0; half < (q6 ? 2 : 1); half++) {
+        __m512i acc[T8_GROUPS][T8_COLS];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_si512();
+        const int t0 = q6 ? 4 * half : 0, t1 = q6 ? t0 + 4 : 8;
+        const __m512i nib = _mm512_set1_epi8(b % 2 ? (char)0xF0 : 0x0F);
+        for (int t = t0; t < t1; t++) {
+            __m512i xv[T8_GROUPS];
+            for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (8 * b + t) * 16);
+            for (int c = 0; c < C; c++) {
+                int32_t word;
+                __m512i wv;
+                if (tile8_in_place(fmt) && !grouped) {
+                    /* Q4_K's 144-byte blocks (d, dmin, 12 bytes of scales, 128 of nibbles): sub-block b % 8 =
+                     * 2 p + h in nibble h of the 32 bytes from 16 + 32 p */
+                    memcpy(&word, w[c].raw + 144 * (b / 8) + 16 + 32 * (b % 8 / 2) + 4 * t, 4);
+                    wv = _mm512_and_si512(_mm512_set1_epi32(word), nib);
+                } else {
+                    memcpy(&word, w[c].u + ub * b + ut * t, 4);
+                    wv = _mm512_set1_epi32(word);
+                }
+#ifndef AI_VNNI
+                if (fmt == ASYNCINFER_FMT_Q8_0) { /* |q| times qx with q's sign: maddubs' pairs within int16 */
+                    const __mmask64 neg = _mm512_movepi8_mask(wv);
+                    const __m512i u = _mm512_abs_epi8(wv);
+                    for (int g = 0; g < G; g++)
+                        acc[g][c] = ai_dpbusd512(acc[g][c], u, _mm512_mask_sub_epi8(xv[g], neg, _mm512_setzero_si512(), xv[g]));
+                    continue;
+                }
+#endif
+                for (int g = 0; g < G; g++) acc[g][c] = ai_dpbusd512(acc[g][c], wv, xv[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            if (q6) {
+                const __m512i is = _mm512_slli_epi32(_mm512_loadu_si512(gs[g].isum + (2 * b + half) * 16), 5);
+                for (int c = 0; c < C; c++) {
+                    const __m512i v = _mm512_mullo_epi32(_mm512_sub_epi32(acc[g][c], is),
+                                                         _mm512_set1_epi32(w[c].sc[2 * b + half]));
+                    idot[g][c] = half || add ? _mm512_add_epi32(idot[g][c], v) : v;
+                }
+            } else {
+                const __m512i cs = centre ? _mm512_loadu_si512(gs[g].csum + b * 16) : _mm512_setzero_si512();
+                for (int c = 0; c < C; c++) idot[g][c] = centre ? _mm512_sub_epi32(acc[g][c], cs) : acc[g][c];
+            }
+        }
+    }
+}
+
+/* Whether the int8 tile takes a format's activations with one scale for each 256 (quantize_acts8_256): the k-quants,
+ * whose super-blocks of 256 weights share a scale d (Q6_K) or a d times 6-bit scales (Q4_K, Q5_K), so a super-block
+ * needs one float multiply by the activations' scale rather than one a block of 32 (tile8_kernel). */
+static inline int tile8_per_256(int fmt) {
+    return fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K || fmt == ASYNCINFER_FMT_Q6_K;
+}
+
+/* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
+ * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
+ * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
+ * raw, s and mn at [b]). next: the rows the following call takes, fetched from memory during this one. The k-quants
+ * (tile8_per_256; dx the same for a super-block's eight blocks) per super-block, per lane:
+ *
+ *   Q4_K, Q5_K:  a = sum over its blocks of fma(float(idot), S, a) from a = 0;  acc = fma(a, dx, acc)
+ *                (and for each block, in order, acc = fma(min, sum(x), acc) before that)
+ *   Q6_K:        acc = fma(float(the integer sum of its blocks' idot), dx * d, acc)
+ *
+ * super-blocks in order from acc = 0 (a block's S times 16 times a 16th where Q4_K's quants are read in place: the
+ * same products). */
 static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, const int G, const int C,
                                                                const group8 *gs, const wrow8 *w, int64_t K,
                                                                __m512 out[T8_GROUPS][T8_COLS], const int grouped,
                                                                const tile_next *next) {
-    const int64_t nb = K / QK, ub = grouped ? 8 * 64 : 32, ut = grouped ? 64 : 4, sb = grouped ? 16 : 1;
-    const int q6 = fmt == ASYNCINFER_FMT_Q6_K, centre = tile8_centre(fmt), min = has_min8(fmt);
+    const int64_t nb = K / QK, sb = grouped ? 16 : 1;
+    const int min = has_min8(fmt);
     __m512 f[T8_GROUPS][T8_COLS];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        tile_fetch(next, b, nb);
-        __m512i idot[T8_GROUPS][T8_COLS];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < C; c++) idot[g][c] = _mm512_setzero_si512();
-        for (int half = 0; half < (q6 ? 2 : 1); half++) {
-            __m512i acc[T8_GROUPS][T8_COLS];
+    if (tile8_per_256(fmt) && !grouped) {
+        const int q6 = fmt == ASYNCINFER_FMT_Q6_K;
+        for (int64_t s = 0; s < nb / 8; s++) {
+            __m512 a[T8_GROUPS][T8_COLS];   /* Q4_K, Q5_K */
+            __m512i is[T8_GROUPS][T8_COLS]; /* Q6_K */
             for (int g = 0; g < G; g++)
-                for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_si512();
-            const int t0 = q6 ? 4 * half : 0, t1 = q6 ? t0 + 4 : 8;
-            const __m512i nib = _mm512_set1_epi8(b % 2 ? (char)0xF0 : 0x0F);
-            for (int t = t0; t < t1; t++) {
-                __m512i xv[T8_GROUPS];
-                for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(gs[g].q + (8 * b + t) * 16);
                 for (int c = 0; c < C; c++) {
-                    int32_t word;
-                    __m512i wv;
-                    if (tile8_in_place(fmt) && !grouped) {
-                        /* Q4_K's 144-byte blocks (d, dmin, 12 bytes of scales, 128 of nibbles): sub-block b % 8 =
-                         * 2 p + h in nibble h of the 32 bytes from 16 + 32 p */
-                        memcpy(&word, w[c].raw + 144 * (b / 8) + 16 + 32 * (b % 8 / 2) + 4 * t, 4);
-                        wv = _mm512_and_si512(_mm512_set1_epi32(word), nib);
-                    } else {
-                        memcpy(&word, w[c].u + ub * b + ut * t, 4);
-                        wv = _mm512_set1_epi32(word);
+                    a[g][c] = _mm512_setzero_ps();
+                    is[g][c] = _mm512_setzero_si512();
+                }
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = 8 * s + j;
+                tile_fetch(next, b, nb);
+                if (q6) {
+                    tile8_idot(fmt, G, C, gs, w, b, 0, is, 1);
+                    continue;
+                }
+                __m512i idot[T8_GROUPS][T8_COLS];
+                tile8_idot(fmt, G, C, gs, w, b, 0, idot, 0);
+                for (int g = 0; g < G; g++) {
+                    const __m512 xs = _mm512_loadu_ps(gs[g].sum + b * 16);
+                    for (int c = 0; c < C; c++) {
+                        a[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]), _mm512_set1_ps(w[c].s[b]), a[g][c]);
+                        f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[b]), xs, f[g][c]);
                     }
-#ifndef AI_VNNI
-                    if (fmt == ASYNCINFER_FMT_Q8_0) { /* |q| times qx with q's sign: maddubs' pairs within int16 */
-                        const __mmask64 neg = _mm512_movepi8_mask(wv);
-                        const __m512i u = _mm512_abs_epi8(wv);
-                        for (int g = 0; g < G; g++)
-                            acc[g][c] = ai_dpbusd512(acc[g][c], u, _mm512_mask_sub_epi8(xv[g], neg, _mm512_setzero_si512(), xv[g]));
-                        continue;
-                    }
-#endif
-                    for (int g = 0; g < G; g++) acc[g][c] = ai_dpbusd512(acc[g][c], wv, xv[g]);
                 }
             }
             for (int g = 0; g < G; g++) {
-                if (q6) {
-                    const __m512i is = _mm512_slli_epi32(_mm512_loadu_si512(gs[g].isum + (2 * b + half) * 16), 5);
-                    for (int c = 0; c < C; c++) {
-                        const __m512i v = _mm512_mullo_epi32(_mm512_sub_epi32(acc[g][c], is),
-                                                             _mm512_set1_epi32(w[c].sc[2 * b + half]));
-                        idot[g][c] = half ? _mm512_add_epi32(idot[g][c], v) : v;
-                    }
-                } else {
-                    const __m512i cs = centre ? _mm512_loadu_si512(gs[g].csum + b * 16) : _mm512_setzero_si512();
-                    for (int c = 0; c < C; c++) idot[g][c] = centre ? _mm512_sub_epi32(acc[g][c], cs) : acc[g][c];
-                }
+                const __m512 dx = _mm512_loadu_ps(gs[g].d + 8 * s * 16);
+                for (int c = 0; c < C; c++)
+                    f[g][c] = q6 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[g][c]),
+                                                   _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[8 * s])), f[g][c])
+                                 : _mm512_fmadd_ps(a[g][c], dx, f[g][c]);
             }
         }
-        for (int g = 0; g < G; g++) {
-            const __m512 dx = _mm512_loadu_ps(gs[g].d + b * 16);
-            const __m512 xs = min ? _mm512_loadu_ps(gs[g].sum + b * 16) : _mm512_setzero_ps();
-            for (int c = 0; c < C; c++) {
-                f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]),
-                                          _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[sb * b])), f[g][c]);
-                if (min) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[sb * b]), xs, f[g][c]);
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
+            tile_fetch(next, b, nb);
+            __m512i idot[T8_GROUPS][T8_COLS];
+            tile8_idot(fmt, G, C, gs, w, b, grouped, idot, 0);
+            for (int g = 0; g < G; g++) {
+                const __m512 dx = _mm512_loadu_ps(gs[g].d + b * 16);
+                const __m512 xs = min ? _mm512_loadu_ps(gs[g].sum + b * 16) : _mm512_setzero_ps();
+                for (int c = 0; c < C; c++) {
+                    f[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[g][c]),
+                                              _mm512_mul_ps(dx, _mm512_set1_ps(w[c].s[sb * b])), f[g][c]);
+                    if (min) f[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[c].mn[sb * b]), xs, f[g][c]);
+                }
             }
         }
     }
@@ -1221,7 +1328,13 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
             _Pragma("omp for schedule(static)")
             for (int64_t m = p0; m < p1; m += 4) {
                 acts8 at = a;
-                quantize_rows8(-1, x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
+                if (tile8_per_256(fmt)) {
+                    acts8 r = {at.q + (m - p0) * K, at.d + (m - p0) * (K / QK), at.sum + (m - p0) * (K / QK),
+                               at.isum + (m - p0) * (K / 16)};
+                    quantize_acts8_256(x + m * ldx, p1 - m < 4 ? p1 - m : 4, ldx, K, &r);
+                } else {
+                    quantize_rows8(-1, x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
+                }
             }
             _Pragma("omp for schedule(static)")
             for (int64_t gi = 0; gi < ng; gi++) {
