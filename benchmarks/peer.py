@@ -21,9 +21,10 @@ other, on the same number of threads, with every prompt given as the same token 
    greedy, EOS ignored): asyncinfer with its prefix cache on and off, llama.cpp with every slot count of
    ``--slots`` (its parallel sequences: llama.cpp recomputes the shared prefix in every sequence) and its
    best taken; then ``--many-rounds`` paired rounds (0 by default): asyncinfer with its prefix cache off and
-   llama.cpp at that best slot count, both loaded, each running the workload in turn (the order alternating
-   between rounds), the per-round ratios, their median and the least of them: the two rates of a round minutes
-   apart at most, where the sweep's runs are further apart;
+   llama.cpp at that best slot count running the workload in turn (the order alternating between rounds), each
+   in an engine loaded for the run and closed after it (as the sweep's: with both loaded, llama.cpp ran 12-28%
+   slower than in its sweep), the per-round ratios, their median and the least of them: a round's two rates a
+   minute apart, where the sweep's runs are minutes apart;
 4. **prefill**: ``--prefill-rounds`` rounds, each a fresh random ``--prefill-tokens``-token prompt to its first
    token (one engine of each, one slot, asyncinfer's prefix cache off, the order alternating between rounds):
    prompt tokens / seconds of each, and the per-round ratios and their median.
@@ -324,35 +325,34 @@ def prefill_rounds(path: Path, args: argparse.Namespace, vocab: int | None) -> d
 def paired_many_rounds(path: Path, args: argparse.Namespace, n_ctx: int, prompts: list[list[int]],
                        lengths: list[int], slots: int) -> dict[str, Any]:
     """The many-requests workload in paired rounds: asyncinfer (prefix cache off) and llama.cpp at ``slots`` (its
-    best of the sweep) both loaded, the workload run by each in turn, the order alternating between rounds."""
+    best of the sweep) in turn, the order alternating between rounds; each run as the sweep's are, in an engine
+    loaded for it (and warmed up) and closed after it, so that neither engine is resident while the other runs."""
     from llamacpp_peer import LlamaCppPeer
 
-    say(f"{args.num_requests} requests, paired rounds: loading both engines (llama.cpp with {slots} slots)")
-    peer = on_own_thread(LlamaCppPeer, path, args.threads, slots, n_ctx)
-
-    async def session() -> list[dict[str, Any]]:
+    async def asyncinfer_run() -> float:
         eng = await load_engine(path, args, n_ctx, False)
-        rounds = []
         async with eng:
             await _generate_all(eng, prompts[:2], [4, 4])  # warm-up
-            on_own_thread(peer.run, prompts[:2], [4, 4])
-            for index in range(args.many_rounds):
-                order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
-                rates = {}
-                for system in order:
-                    say(f"{args.num_requests} requests, paired round {index + 1}/{args.many_rounds}: {system}")
-                    if system == "asyncinfer":
-                        wall, _ = await _generate_all(eng, prompts, lengths)
-                    else:
-                        wall = (await asyncio.to_thread(on_own_thread, peer.run, prompts, lengths))[1]
-                    rates[system] = sum(lengths) / wall
-                rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
-        return rounds
+            return (await _generate_all(eng, prompts, lengths))[0]
 
-    try:
-        rounds = asyncio.run(session())
-    finally:
-        on_own_thread(peer.close)
+    def llama_cpp_run() -> float:
+        peer = on_own_thread(LlamaCppPeer, path, args.threads, slots, n_ctx)
+        try:
+            on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
+            return on_own_thread(peer.run, prompts, lengths)[1]
+        finally:
+            on_own_thread(peer.close)
+
+    rounds = []
+    for index in range(args.many_rounds):
+        order = ("asyncinfer", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "asyncinfer")
+        rates = {}
+        for system in order:
+            say(f"{args.num_requests} requests, paired round {index + 1}/{args.many_rounds}: {system}"
+                + (f" ({slots} slots)" if system == "llama.cpp" else " (prefix cache off)"))
+            wall = asyncio.run(asyncinfer_run()) if system == "asyncinfer" else llama_cpp_run()
+            rates[system] = sum(lengths) / wall
+        rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
     return {"llama_cpp_slots": slots, "rounds": rounds,
             "asyncinfer_median_tokens_per_s": statistics.median(r["asyncinfer"] for r in rounds),
             "llama_cpp_median_tokens_per_s": statistics.median(r["llama.cpp"] for r in rounds),
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                         "bfloat16, fast with AMX; docs/formats.md)")
     p.add_argument("--many-rounds", type=int, default=0,
                    help="paired rounds of the many-requests workload after the slot sweep (0: none): asyncinfer "
-                        "(prefix cache off) and llama.cpp at its best slot count, both loaded, taking turns")
+                        "(prefix cache off) and llama.cpp at its best slot count taking turns, each loaded for its run")
     p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill rounds")
     p.add_argument("--prefill-rounds", type=int, default=3, help="paired prefill rounds (0: none)")
     p.add_argument("--json", type=Path)
