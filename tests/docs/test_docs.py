@@ -1159,6 +1159,64 @@ def test_the_fetch_ahead_figures_are_the_results_files() -> None:
     assert "not shown beyond the host's noise" in readme
 
 
+def test_the_k_quant_256_and_paired_figures_are_the_results_files() -> None:
+    """docs/formats.md's "The tile's k-quants with a scale per 256; paired rounds against llama.cpp" and the README's
+    sentence: the revisions runs and the four peer runs, each figure its record's at the commit the docs name; the
+    two runs with both engines resident named with llama.cpp's slowdown against its own sweep; the paired runs'
+    rounds all above 2x, and their medians against llama.cpp's fastest rate of any record."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The tile's k-quants with a scale per 256; paired rounds against llama.cpp.**"):
+                      formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rev, one = load("k_quant_256_revisions_zen4"), load("k_quant_256_one_request_revisions_zen4")
+    for r in (rev, one):
+        assert r["revisions"]["base"]["rev"] == "8bf3372" and r["revisions"]["head"]["rev"] == "38d381d"
+    t, s1, s2 = rev["summary"]["throughput_ratio"], rev["summary"]["single_decode_ratio"], one["summary"]["single_decode_ratio"]
+    assert (f"32 requests at **{t['median']:.3f}x** the throughput ({t['min']:.3f}x-{t['max']:.3f}x), the greedy tokens "
+            f"of {rev['summary']['tokens_identical_min']} of 32 requests identical") in section
+    assert (f"one request {s1['median']:.3f}x there, its path (the rows) unchanged, and {s2['median']:.3f}x "
+            f"({s2['min']:.3f}x-{s2['max']:.3f}x) in a run of its own") in section
+    resident = {"peer_1b_q4_k_m_int8_paired_zen4": "8bf3372", "peer_1b_q4_k_m_int8_k256_zen4": "38d381d"}
+    slowdowns = []
+    for name, commit in resident.items():
+        p = load(name)
+        assert p["commit"].startswith(commit)
+        assert f"`{name}.json` at {commit}, {p['many']['paired']['median_ratio']:.2f}x;" in section
+        slowdowns.append(1 - p["many"]["paired"]["llama_cpp_median_tokens_per_s"] / p["many"]["llama_cpp_best_tokens_per_s"])
+    assert f"llama.cpp ran {slowdowns[0]:.0%} and {slowdowns[1]:.0%} slower there than in its own sweep" in section
+    runs = [load("peer_1b_q4_k_m_int8_k256_paired_zen4"), load("peer_1b_q4_k_m_int8_k256_paired_run2_zen4")]
+    assert all(p["commit"].startswith("335d48e") and "--many-rounds 4" in p["command"] for p in runs)
+    a, b = (p["many"]["paired"] for p in runs)
+    (ma, oa), (mb, ob) = ((p["many"], p["one_request"]) for p in runs)
+    assert (f"at **{a['median_ratio']:.2f}x** and **{b['median_ratio']:.2f}x** llama.cpp at {a['llama_cpp_slots']} "
+            f"slots in the paired rounds' medians (asyncinfer {a['asyncinfer_median_tokens_per_s']:.1f} and "
+            f"{b['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp {a['llama_cpp_median_tokens_per_s']:.1f} and "
+            f"{b['llama_cpp_median_tokens_per_s']:.1f}), the least round **{a['min_ratio']:.2f}x** and "
+            f"**{b['min_ratio']:.2f}x**") in section
+    assert a["llama_cpp_slots"] == b["llama_cpp_slots"] and min(a["min_ratio"], b["min_ratio"]) >= 2
+    assert (f"in the sweeps {ma['ratio_prefix_cache_off']:.2f}x ({ma['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} "
+            f"against {ma['llama_cpp_best_tokens_per_s']:.1f}) and {mb['ratio_prefix_cache_off']:.2f}x "
+            f"({mb['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against {mb['llama_cpp_best_tokens_per_s']:.1f}), "
+            f"with the cache {ma['ratio_prefix_cache_on']:.2f}x and {mb['ratio_prefix_cache_on']:.2f}x") in section
+    assert (f"prefilled at {runs[0]['prefill']['median_ratio']:.2f}x and {runs[1]['prefill']['median_ratio']:.2f}x") in section
+    ra, rb = (", ".join(f"{r['ratio']:.2f}x" for r in o["rounds"]) for o in (oa, ob))
+    probes = round_probes(oa, ob)
+    assert (f"one request at {oa['median_ratio']:.2f}x (rounds {ra}) and {ob['median_ratio']:.2f}x ({rb}) llama.cpp's "
+            f"rate, at {oa['asyncinfer_bandwidth_use']:.0%} and {ob['asyncinfer_bandwidth_use']:.0%} of the read probe "
+            f"(its probes {min(probes):.0f}-{max(probes):.0f} GB/s)") in section
+    assert max(oa["asyncinfer_bandwidth_use"], ob["asyncinfer_bandwidth_use"]) < 0.85 and "stays **behind** the 85% goal" in section
+    records = [load(f.stem) for f in sorted((ROOT / "benchmarks" / "results").glob("peer_1b_q4_k_m_int8*_zen4.json"))]
+    rates = [r["many"]["llama_cpp_best_tokens_per_s"] for r in records]
+    assert f"moved between {min(rates):.1f} and {max(rates):.1f} tok/s in these records" in section
+    assert max(rates) == load("peer_1b_q4_k_m_int8_head_tile_zen4")["many"]["llama_cpp_best_tokens_per_s"]
+    fa, fb = (p["asyncinfer_median_tokens_per_s"] / max(rates) for p in (a, b))
+    assert f"asyncinfer's paired medians here are {fa:.2f}x and {fb:.2f}x" in section
+    assert (f"ran at {a['median_ratio']:.2f}x and {b['median_ratio']:.2f}x llama.cpp's best slot count in two runs, every "
+            f"round above 2x (the least {a['min_ratio']:.2f}x and {b['min_ratio']:.2f}x") in readme
+    assert f"32 requests ran {t['median']:.3f}x the throughput before it (`k_quant_256_revisions_zen4.json`)" in readme
+    assert f"({max(rates):.1f} tok/s) those medians are {fa:.2f}x and {fb:.2f}x" in readme
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier

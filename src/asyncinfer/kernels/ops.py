@@ -171,7 +171,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     ``int8_kernel``
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's below :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows, fastest at a few rows) or ``"tile"`` (16 rows
-    a register on the AVX-512 builds, the rows elsewhere: about twice as fast from 64 rows, a fifth as fast at one);
+    a register on the AVX-512 builds, the rows elsewhere: about twice as fast from 64 rows, a fifth as fast at one;
+    it rounds the k-quants' activations with a scale per 256, as llama.cpp does, the rows per 32);
     checked, and then ignored, with int16. ``lanes=True``: ``packed`` is Q4_0 or Q4_1 in lanes
     (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` / ``"q4_1"`` or its lanes
     name, :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, int8 activations, ``out_features`` a multiple of 16),
