@@ -1163,7 +1163,8 @@ def test_the_k_quant_256_and_paired_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tile's k-quants with a scale per 256; paired rounds against llama.cpp" and the README's
     sentence: the revisions runs and the four peer runs, each figure its record's at the commit the docs name; the
     two runs with both engines resident named with llama.cpp's slowdown against its own sweep; the paired runs'
-    rounds all above 2x, and their medians against llama.cpp's fastest rate of any record."""
+    rounds all above 2x, and their medians against llama.cpp's fastest rate of any int8 Q4_K_M record on this host
+    (the Zen 4; the Zen 5's records are another machine's)."""
     formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
     section = formats[formats.index("**The tile's k-quants with a scale per 256; paired rounds against llama.cpp.**"):
                       formats.index("**Speed of the scalar reference**")]
@@ -1207,14 +1208,15 @@ def test_the_k_quant_256_and_paired_figures_are_the_results_files() -> None:
     assert max(oa["asyncinfer_bandwidth_use"], ob["asyncinfer_bandwidth_use"]) < 0.85 and "stays **behind** the 85% goal" in section
     records = [load(f.stem) for f in sorted((ROOT / "benchmarks" / "results").glob("peer_1b_q4_k_m_int8*_zen4.json"))]
     rates = [r["many"]["llama_cpp_best_tokens_per_s"] for r in records]
-    assert f"moved between {min(rates):.1f} and {max(rates):.1f} tok/s in these records" in section
+    assert f"moved between {min(rates):.1f} and {max(rates):.1f} tok/s in this host's int8 Q4_K_M records" in section
+    assert not rev["summary"]["tokens_same_every_round"]["head"] and "differences between processes, not explained" in section
     assert max(rates) == load("peer_1b_q4_k_m_int8_head_tile_zen4")["many"]["llama_cpp_best_tokens_per_s"]
     fa, fb = (p["asyncinfer_median_tokens_per_s"] / max(rates) for p in (a, b))
     assert f"asyncinfer's paired medians here are {fa:.2f}x and {fb:.2f}x" in section
     assert (f"ran at {a['median_ratio']:.2f}x and {b['median_ratio']:.2f}x llama.cpp's best slot count in two runs, every "
             f"round above 2x (the least {a['min_ratio']:.2f}x and {b['min_ratio']:.2f}x") in readme
     assert f"32 requests ran {t['median']:.3f}x the throughput before it (`k_quant_256_revisions_zen4.json`)" in readme
-    assert f"({max(rates):.1f} tok/s) those medians are {fa:.2f}x and {fb:.2f}x" in readme
+    assert f"fastest rate in any Zen 4 record ({max(rates):.1f} tok/s) those medians are {fa:.2f}x and {fb:.2f}x" in readme
 
 
 def test_the_step_tile_figures_are_the_results_files() -> None:

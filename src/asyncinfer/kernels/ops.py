@@ -162,7 +162,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     Activations: ``activation_dtype="int16"`` rounds them per run of 32 to int16 (from :data:`PANEL_MIN_ROWS` rows on
     in the AVX-512 variants' int16 tile; the avx2 and scalar variants take them in float32 there:
     :func:`~asyncinfer.kernels.int16_batched`); ``"int8"`` (llama.cpp's numerics,
-    :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows,
+    :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows (the
+    tile's k-quants per 256, below),
     each row's result independent of the others; ``"bfloat16"``: int16's below :data:`BF16_MIN_ROWS` rows, and
     from it on the weights rebuilt as bfloat16 (the blocks' values, each rounded once to nearest even), a slice of
     rows at a time into one scratch, and multiplied by torch in bfloat16 (x rounded to bfloat16, products summed

@@ -15,7 +15,9 @@
  * idot the exact integer dot product of the sub-block's signed integer quants (blocks.h's q: Q6_K's scaled
  * by its int8 scale of each 16) with qx. The SIMD builds take the quants unsigned (Q4_0's nibble, not
  * nibble - 8) and subtract centre * (the sum of qx) from the integer, so idot is the same integer; they
- * differ from the scalar reference only in the order of the float32 additions (tests bound it).
+ * differ from the scalar reference only in the order of the float32 additions (tests bound it). The exception: the
+ * AVX-512 builds' tile over the k-quants rounds their activations with one dx per 256 (tile8_per_256), a definition
+ * of its own that the tests hold it to in float64.
  *
  * The AVX-512 builds' int16 tile (tile16_gemm, at the end) shares the int8 tile's weight unpacking and layout: the
  * int16 default's GEMM from PANEL_MIN_ROWS rows on there (gemm.c's BATCHED).
@@ -76,7 +78,8 @@ static inline void acts8_put(const __m256i q[4], float d, float total, int64_t m
     const int64_t nb = K / QK;
     /* packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] words, then bytes; the permute restores order */
     const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
     _mm256_storeu_si256((__m256i *)(a->q + m * K + b * QK), bytes);
     const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
     __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)),
@@ -104,7 +107,8 @@ static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, ac
 #ifdef AI_AVX512
 /* The int8 tile's activations for the k-quants (tile8_per_256): quantize_acts8's values with one scale for each
  * 256 (a k-quant super-block), as llama.cpp's Q8_K: dx = the 256's largest |x| / 127 (NaN where one of its values
- * is NaN or infinite), in each of its eight blocks' d; each block's float32 sum and integer sums of 16 as there. */
+ * is NaN or infinite, or a block's float32 sum overflows), in each of its eight blocks' d; each block's float32 sum
+ * and integer sums of 16 as there. */
 static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
@@ -117,8 +121,9 @@ static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K
                 const float *xb = xs + QK * j;
                 const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
                              v3 = _mm256_loadu_ps(xb + 24);
-                amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                                         _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3))));
+                const __m256 a01 = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             a23 = _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3));
+                amax = _mm256_max_ps(amax, _mm256_max_ps(a01, a23));
                 total[j] = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
                 finite &= isfinite(total[j]) != 0;
             }
@@ -130,7 +135,8 @@ static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K
             const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / absmax : 0.0f); /* NaN d: zeros */
             for (int j = 0; j < 8; j++) {
                 __m256i q[4];
-                for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + QK * j + 8 * k), inv));
+                for (int k = 0; k < 4; k++)
+                    q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + QK * j + 8 * k), inv));
                 acts8_put(q, d, total[j], m, K, 8 * sb + j, a);
             }
         }
@@ -808,9 +814,9 @@ static inline wrow8 tile8_wrow_in(void *at, int64_t K) {
  * bits; at 256 rows level). Its bytes hold two sub-blocks' nibbles at the same positions, so four bytes broadcast and
  * masked make a word of either: 0x0F, the low nibbles' sub-block (even); 0xF0, the high nibbles' (odd) times 16, whose
  * scale the unpacking stores a 16th of. Both exact (a power of two; 16 times a sub-block's integer dot product stays
- * below 2^24), so fma(float(16 idot), dx * scale / 16) is fma(float(idot), dx * scale) to the bit unless dx * scale /
- * 16 falls below float32's normal range: the same results as the unpacked rows. The AVX-512 BW build's multiply-add
- * pair would saturate at 16 times the quants (its int16 pairs), so it unpacks. */
+ * below 2^24), so fma(float(16 idot), scale / 16, a) is fma(float(idot), scale, a) to the bit (tile8_kernel's
+ * super-block sum) unless scale / 16 falls below float32's normal range: the same results as the unpacked rows. The
+ * AVX-512 BW build's multiply-add pair would saturate at 16 times the quants (its int16 pairs), so it unpacks. */
 static inline int tile8_in_place(int fmt) {
 #ifdef AI_VNNI
     return fmt == ASYNCINFER_FMT_Q4_K;
@@ -959,10 +965,6 @@ static void tile8_group(const acts8 *a, int64_t m0, int64_t m1, int64_t K, int c
     }
 }
 
-/* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
- * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
- * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
- * raw, s and mn at [b]). next: the rows the following call takes, fetched from memory during this one. */
 /* Block b's integer dot products (tile8_kernel's idot) of groups [0, G) with weight rows [0, C), into idot: set, or
  * with add (Q6_K's sums of a super-block) added to what idot holds. */
 static inline __attribute__((always_inline)) void tile8_idot(const int fmt, const int G, const int C, const group8 *gs,
