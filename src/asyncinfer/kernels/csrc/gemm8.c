@@ -730,25 +730,25 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  * int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from ASYNCINFER_STEP_TILE_MIN_ROWS rows on
  * (step8, below), and so does the output projection there unless every layer is held in lanes (decoder.py); in prefills
  * and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row
- * (quantize_acts8, as the rows do; the k-quants with a scale per 256, quantize_acts8_256, tile8_per_256), then laid
- * out in groups of 16 rows: four consecutive int8 values of the 16 rows in
- * one 512-bit register (lane r: row r's four), beside each row's block scale dx, float32 block sum and integer sums of
- * 16. A weight row is unpacked once per pass into unsigned bytes u (q = u - centre), its float32 scale S and min of
- * each block of 32 and (Q6_K) the int8 scale of each 16 (Q4_K on the VNNI build: its scales only, the nibbles read in
- * place, tile8_in_place); four consecutive bytes broadcast to every lane make one vpdpbusd with the group's register:
- * lane r adds row r's four products. So every lane holds one (row, weight row) pair and a block's integer dot product
- * needs no horizontal sum: per block of 32, for every lane,
+ * (quantize_acts8, as the rows do; the k-quants with a scale per 256, quantize_acts8_256, tile8_per_256), then laid out
+ * in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit register (lane r: row r's four),
+ * beside each row's block scale dx, float32 block sum and integer sums of 16. A weight row is unpacked once per pass
+ * into unsigned bytes u (q = u - centre), its float32 scale S and min of each block of 32 and (Q6_K) the int8 scale of
+ * each 16 (Q4_K on the VNNI build: its scales only, the nibbles read in place, tile8_in_place); four consecutive bytes
+ * broadcast to every lane make one vpdpbusd with the group's register: lane r adds row r's four products. So every lane
+ * holds one (row, weight row) pair and a block's integer dot product needs no horizontal sum: per block of 32, for
+ * every lane,
  *
  *   idot = sum(u * qx) - centre * sum(qx)        (Q6_K: sc0 * (its first 16's) + sc1 * (its second 16's))
  *   acc  = fma(float(idot), dx * S, acc);   acc = fma(min, sum(x), acc)   (the formats with a min)
  *
- * blocks in order from acc = 0 (the k-quants per super-block of 256: tile8_kernel), then + bias (Q8_0: u = q + 128, centre 128, on the VNNI build; the AVX-512 BW
- * build's multiply-add pair would saturate there, so it takes |q| times qx with q's sign, centre 0: the same
- * integer). The same float32 operations for a row whatever its lane, its group or the batch, so a row's result
- * does not depend on the other rows (the rows' property, in another order of additions than theirs). Eight
- * vpdpbusd per block and row group a weight row, against the rows' one vpdpbusd, convert and fma per 32 (two
- * sub-blocks a 512-bit register): far fewer instructions per product where many rows meet a weight row; but 16
- * rows' work at any count (a fifth of the rows' speed at one row). */
+ * blocks in order from acc = 0 (the k-quants per super-block of 256: tile8_kernel), then + bias (Q8_0: u = q + 128,
+ * centre 128, on the VNNI build; the AVX-512 BW build's multiply-add pair would saturate there, so it takes |q| times
+ * qx with q's sign, centre 0: the same integer). The same float32 operations for a row whatever its lane, its group or
+ * the batch, so a row's result does not depend on the other rows (the rows' property, in another order of additions
+ * than theirs). Eight vpdpbusd per block and row group a weight row, against the rows' one vpdpbusd, convert and fma
+ * per 32 (two sub-blocks a 512-bit register): far fewer instructions per product where many rows meet a weight row; but
+ * 16 rows' work at any count (a fifth of the rows' speed at one row). */
 #define T8_COLS 4   /* weight rows a micro-kernel call takes */
 #define T8_GROUPS 2 /* groups of 16 activation rows a micro-kernel call takes */
 
