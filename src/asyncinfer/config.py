@@ -241,8 +241,8 @@ class EngineConfig:
       default model; larger steps multiply in float32) or "int8" (in every step, prefills and batched
       decodes too: llama.cpp's numerics, the weights' bytes multiplied as they come, faster, about 1%
       of a product's size off, a request's logits independent of its batch but for its last bits where
-      its decode steps cross kernels.STEP_TILE_MIN_ROWS rows in a format not held in lanes (the k-quants:
-      for its rounding too, their tile rounding per 256 where the rows round per 32); docs/formats.md,
+      its decode steps cross kernels.STEP_TILE_MIN_ROWS rows in a format not held in lanes; the AVX-512
+      builds round the k-quants' activations per 256 in both kernels, as llama.cpp does); docs/formats.md,
       "Activations", has its speed and its quality gate) or "bfloat16" (int16's in steps of fewer than 9
       tokens; bigger steps, prefills, multiply the weights rebuilt as bfloat16 by the activations rounded to
       bfloat16, in torch: on CPUs with AMX about 2x the int8 tile's speed from 128 tokens, slower than it below

@@ -2,7 +2,8 @@
 (csrc/gemm8.c), from the kernel to the engine option.
 
 The kernel's definition, checked here against float64: below PANEL_MIN_ROWS rows each run of 32 activations x
-becomes dx * qx (dx = the run's largest |x| / 127, qx rounded to nearest even); a weight's part scale * q meets
+(of 256 for the k-quants on the AVX-512 builds, as llama.cpp's Q8_K) becomes dx * qx (dx = the run's largest |x| /
+127, qx rounded to nearest even); a weight's part scale * q meets
 qx, a format's minimum meets the run's float32 sum of x. So at every number of rows (prefills and batched decodes
 too, in passes over the weights), and a row's result never depends on the other rows of the call. The variants against the scalar reference: tests/models/test_kernel_variants.py.
 """
@@ -47,8 +48,8 @@ def weights(fmt: str, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch
 
 
 def int8_definition(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor, run: int = 32) -> torch.Tensor:
-    """The kernel's result in float64: the activations rounded to int8 with a scale per ``run`` of them (the tile's
-    k-quants: 256) times the weights less their minimums, plus the float32 activations times the minimums."""
+    """The kernel's result in float64: the activations rounded to int8 with a scale per ``run`` of them (the AVX-512
+    builds' k-quants: 256) times the weights less their minimums, plus the float32 activations times the minimums."""
     runs = x.reshape(x.shape[0], -1, run)
     amax = runs.abs().amax(-1, keepdim=True)
     scale = 127.0 / amax  # float32, as the kernel computes it
@@ -67,7 +68,7 @@ def test_the_int8_gemm_is_its_definition_within_float32_sums(fmt, kernel) -> Non
     1116 rows of int8 values a pass of the rows holds; 4200 rows, over the 4096 of the tile's). Both int8 GEMMs
     (``int8_kernel``)."""
     k_quant = kernels.BLOCK_FORMATS[fmt][0] == 256
-    run = 256 if k_quant and kernel == "tile" and kernels.isa() in TILE8_ISAS else 32  # the tile's k-quants: per 256
+    run = 256 if k_quant and kernels.isa() in TILE8_ISAS else 32  # the AVX-512 builds' k-quants: per 256, both GEMMs
     for k in ((512, 1024) if k_quant else (512, 800)):
         packed, dense, mins = weights(fmt, 45, k, seed=k)
         gen = torch.Generator().manual_seed(k + 1)

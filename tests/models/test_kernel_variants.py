@@ -204,7 +204,7 @@ def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     forms the same integer products; only the order of the float32 sums differs. Both int8 GEMMs (the AVX-512
     builds' tile; the rows, which the others take for it too). Widths with a remainder past the AVX-512 kernels'
     runs of 16 blocks (800 = 25 runs of 32) and without; row counts below, at and past the tile's 16 and 32. The
-    AVX-512 builds' tile rounds the k-quants' activations with a scale per 256 (the scalar variant has no tile):
+    AVX-512 builds round the k-quants' activations with a scale per 256 in both GEMMs (the scalar variant per 32):
     held to that definition in float64 (test_int8_activations.int8_definition), within the same bound."""
     runs_here(isa)
     n = 37
@@ -212,7 +212,7 @@ def test_the_int8_activation_gemm_equals_the_scalar_reference(isa, fmt) -> None:
     for k, kernel in itertools.product((512, 1024) if k_quant else (512, 800), kernels.INT8_KERNELS):
         w = random_blocks(fmt, n, k, seed=k)
         dense = kernels.dequantize(kernels.unpack(w, fmt), fmt)
-        per_256 = k_quant and kernel == "tile" and (isa in kernels.INT16_TILE_ISAS or isa in EMULATIONS)
+        per_256 = k_quant and (isa in kernels.INT16_TILE_ISAS or isa in EMULATIONS)
         mins = minimums(kernels.unpack(w, fmt), fmt) if per_256 else None
         gen = torch.Generator().manual_seed(k)
         bias = torch.randn(n, generator=gen)

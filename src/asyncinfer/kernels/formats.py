@@ -118,8 +118,8 @@ def format_name(fmt: object, what: str = "fmt") -> str:
 #: :func:`~asyncinfer.kernels.int16_batched`), ``"int8"``
 #: (llama.cpp's numerics: the quants' bytes multiplied as they come, faster, about 1% of a product's size off,
 #: at every number of rows, a row's result independent of the other rows of a call (a decode step switches
-#: kernels at :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows; the AVX-512 builds' tile takes the k-quants'
-#: activations with a scale per 256, as llama.cpp does); docs/formats.md, "Activations") or
+#: kernels at :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows; the AVX-512 builds take the k-quants'
+#: activations with a scale per 256 in both, as llama.cpp does); docs/formats.md, "Activations") or
 #: ``"bfloat16"`` (int16's below :data:`BF16_MIN_ROWS` rows; from it on the weights rebuilt as bfloat16 per call and
 #: multiplied by torch in bfloat16: fast on CPUs with AMX / AVX-512 BF16, slow elsewhere; docs/formats.md,
 #: "Batched steps").

@@ -163,7 +163,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     in the AVX-512 variants' int16 tile; the avx2 and scalar variants take them in float32 there:
     :func:`~asyncinfer.kernels.int16_batched`); ``"int8"`` (llama.cpp's numerics,
     :data:`~asyncinfer.kernels.formats.ACTIVATION_DTYPES`) rounds them per run of 32 to int8 at any number of rows (the
-    tile's k-quants per 256, below),
+    k-quants per 256 on the AVX-512 builds, as llama.cpp does),
     each row's result independent of the others; ``"bfloat16"``: int16's below :data:`BF16_MIN_ROWS` rows, and
     from it on the weights rebuilt as bfloat16 (the blocks' values, each rounded once to nearest even), a slice of
     rows at a time into one scratch, and multiplied by torch in bfloat16 (x rounded to bfloat16, products summed
@@ -172,8 +172,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
     ``int8_kernel``
     (:data:`~asyncinfer.kernels.formats.INT8_KERNELS`) picks the GEMM: ``"rows"`` (default; the kernels' decode
     step's below :data:`~asyncinfer.kernels.STEP_TILE_MIN_ROWS` rows, fastest at a few rows) or ``"tile"`` (16 rows
-    a register on the AVX-512 builds, the rows elsewhere: about twice as fast from 64 rows, a fifth as fast at one;
-    it rounds the k-quants' activations with a scale per 256, as llama.cpp does, the rows per 32);
+    a register on the AVX-512 builds, the rows elsewhere: about twice as fast from 64 rows, a fifth as fast at one);
     checked, and then ignored, with int16. ``lanes=True``: ``packed`` is Q4_0 or Q4_1 in lanes
     (:func:`~asyncinfer.kernels.formats.pack_lanes` of ggml's blocks; ``fmt`` ``"q4_0"`` / ``"q4_1"`` or its lanes
     name, :data:`~asyncinfer.kernels.formats.LANES_FORMATS`, int8 activations, ``out_features`` a multiple of 16),

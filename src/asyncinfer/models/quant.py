@@ -36,7 +36,7 @@ The formats (values of the engine option ``quantization``):
   Every block format takes the engine's ``activation_dtype`` (:data:`asyncinfer.kernels.ACTIVATION_DTYPES`): int16
   (the default) rounds a step's activations per run of 32 (a step of ``PANEL_MIN_ROWS`` tokens or more: in the
   AVX-512 kernel variants; the others multiply bigger steps in float32); int8 (llama.cpp's numerics, faster) rounds
-  every step's activations per run of 32 (the k-quants' in the AVX-512 builds' tile per 256); bfloat16 is int16 below ``BF16_MIN_ROWS`` tokens and multiplies bigger steps in bfloat16 (AMX CPUs),
+  every step's activations per run of 32 (the k-quants' per 256 on the AVX-512 builds); bfloat16 is int16 below ``BF16_MIN_ROWS`` tokens and multiplies bigger steps in bfloat16 (AMX CPUs),
   :attr:`BlockLinear.activation_dtype`.
 - ``"int8"`` (CPU, float32 activations): int8 weights, symmetric per output channel in
   [-64, 64], and activations quantized per call per tensor to 8 bits (fbgemm's dynamic kernel).

@@ -3,10 +3,10 @@
  * nearest even, dx = the block's largest |x| / 127) instead of int16, so that a sub-block's products take the
  * bytes as they come (u8 quants times s8 activations: maddubs, then madd with ones, or VNNI's vpdpbusd; 256 bits
  * a sub-block, the AVX-512 build 512 bits two sub-blocks, or for Q4_0 / Q4_1 a half of each of four blocks) instead
- * of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations), with a scale per
- * 32 activations in the rows (llama.cpp's k-quants take one per 256, as the AVX-512 builds' tile does for them:
- * tile8_per_256). Prefills and batched decodes too: the rows (or the tile below), and a row's result does not depend
- * on the other rows of the call.
+ * of widening both sides to 16 bits. This is llama.cpp's numerics (its Q8_0 / Q8_K activations): a scale per 32
+ * activations, and on the AVX-512 builds one per 256 for the k-quants, in the rows and the tile alike, as llama.cpp
+ * takes for them (acts8_per_256). Prefills and batched decodes too: the rows (or the tile below), and a row's result
+ * does not depend on the other rows of the call.
  *
  * The result, in every variant: per sub-block of 32 weights (the activations' blocks line up with them)
  *
@@ -16,8 +16,9 @@
  * by its int8 scale of each 16) with qx. The SIMD builds take the quants unsigned (Q4_0's nibble, not
  * nibble - 8) and subtract centre * (the sum of qx) from the integer, so idot is the same integer; they
  * differ from the scalar reference only in the order of the float32 additions (tests bound it). The exception: the
- * AVX-512 builds' tile over the k-quants rounds their activations with one dx per 256 (tile8_per_256), a definition
- * of its own that the tests hold it to in float64.
+ * AVX-512 builds round the k-quants' activations with one dx per 256 (acts8_per_256) and sum a super-block's
+ * products in int32 before one float multiply (the rows) or per block (the tile), a definition of its own that the
+ * tests hold them to in float64.
  *
  * The AVX-512 builds' int16 tile (tile16_gemm, at the end) shares the int8 tile's weight unpacking and layout: the
  * int16 default's GEMM from PANEL_MIN_ROWS rows on there (gemm.c's BATCHED).
@@ -105,7 +106,7 @@ static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, ac
 }
 
 #ifdef AI_AVX512
-/* The int8 tile's activations for the k-quants (tile8_per_256): quantize_acts8's values with one scale for each
+/* The k-quants' int8 activations on the AVX-512 builds (acts8_per_256): quantize_acts8's values with one scale for each
  * 256 (a k-quant super-block), as llama.cpp's Q8_K: dx = the 256's largest |x| / 127 (NaN where one of its values
  * is NaN or infinite, or a block's float32 sum overflows), in each of its eight blocks' d; each block's float32 sum
  * and integer sums of 16 as there. */
@@ -146,6 +147,19 @@ static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K
 #else
 #define quantize_acts8 quantize_acts8_ref
 #endif
+
+/* Whether a format's int8 activations take one scale for each 256 (quantize_acts8_256) rather than one for each 32:
+ * the k-quants on the AVX-512 builds, in the rows and the tile alike. Their super-blocks of 256 weights share a
+ * scale d (Q6_K) or d times 6-bit integer scales (Q4_K, Q5_K), so a super-block's products sum in int32 and take one
+ * float multiply by dx rather than one a block of 32 (as llama.cpp's Q8_K activations). */
+static inline int acts8_per_256(int fmt) {
+#ifdef AI_AVX512
+    return fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K || fmt == ASYNCINFER_FMT_Q6_K;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
 
 /* Sub-block j's 32 signed integer quants of the block at b in the kernels' layout of a row (the legacy Q4_1 /
  * Q8_0 rows regrouped; the others ggml's blocks): blocks.h's q. */
@@ -393,66 +407,97 @@ static inline __m512i pair_idx(int a, int b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
 }
 
+/* The same for 64-bit lanes 0-3 / 4-7 (the 64-bit shifts' counts) and 16-bit lanes 0-15 / 16-31 (the 16-bit
+ * permutes). */
+static inline __m512i pair_idx64(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(a)), _mm256_set1_epi64x(b), 1);
+}
+
+static inline __m512i pair_idx16(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)a)), _mm256_set1_epi16((short)b), 1);
+}
+
 static inline __m512i load_x512(const acts8 *a, int64_t m, int64_t K, int64_t b) {
     return _mm512_loadu_si512(a->q + m * K + b * QK);
 }
 
-/* The k-quants' sums of a row's accumulators: two float vectors, and Q4_K's minimum terms. */
-static inline __attribute__((always_inline)) void row8_q4_k_512(const uint8_t *row, int64_t K, const acts8 *a,
-                                                                int64_t m0, const int ROWS, float *out) {
-    const int64_t nblk = K / 256, nb = K / QK;
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+/* The k-quants against activations rounded with a scale per 256 (acts8_per_256): per super-block, each sub-block's
+ * integer products times its integer scale summed in int32 (the pair sums of maddubs, then a multiply-add with the
+ * scales, fused under VNNI), one convert and one fma with d * dx, as llama.cpp's Q8_K products. Q4_K / Q5_K: two
+ * sub-blocks a register, 2 pr (the low nibbles of bytes 32 pr to 32 pr + 31, lanes 0-7) and 2 pr + 1 (the high
+ * ones, lanes 8-15); Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]. The minimum terms per block with
+ * its float32 sum of x, as the rows per 32. The scales (<= 63) times the pair sums (<= 2 * 31 * 127) stay far
+ * within int32 over a super-block. */
+static inline __attribute__((always_inline)) void row8_q45_k_256(const int fmt, const uint8_t *row, int64_t K,
+                                                                 const acts8 *a, int64_t m0, const int ROWS,
+                                                                 float *out) {
+    const int five = fmt == ASYNCINFER_FMT_Q5_K;
+    const int64_t nblk = K / 256, nb = K / QK, bytes = ai_fmt_bytes(fmt);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
     const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi64x(4), 1);
-    __m512 acc[MR8][2];
+    __m512 acc[MR8];
     __m256 off[MR8];
     for (int i = 0; i < MR8; i++) {
-        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        acc[i] = _mm512_setzero_ps();
         off[i] = _mm256_setzero_ps();
     }
     for (int64_t blk = 0; blk < nblk; blk++) {
-        const uint8_t *p = row + blk * 144;
-        ai_prefetch_lines(p, 144);
-        __m512 dsc[MR8];
-        ai_k_row_terms512(p, a->d + m0 * nb + blk * 8, a->sum + m0 * nb + blk * 8, nb, ROWS, dsc, off);
+        const uint8_t *p = row + blk * bytes, *qs = p + (five ? 48 : 16);
+        ai_prefetch_lines(p, bytes);
+        uint64_t sc, mn;
+        ai_k_scales8(p + 4, &sc, &mn);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))),
+                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        const float d = ai_half_at(p);
+        const __m512i h = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16))) : one;
+        __m512i is[MR8];
+        for (int i = 0; i < ROWS; i++) is[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles, bytes 0-31) and 2 pr + 1 (high, 32-63) */
-            const __m512i xw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * pr)));
-            const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(xw, shifts), low4);
-            const __m512i idx = pair_idx(2 * pr, 2 * pr + 1);
-            for (int i = 0; i < ROWS; i++) {
-                const __m512i s = dot512_u8(u, load_x512(a, m0 + i, K, blk * 8 + 2 * pr));
-                acc[i][pr & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dsc[i]), acc[i][pr & 1]);
+        for (int pr = 0; pr < 4; pr++) {
+            const __m512i xw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * pr)));
+            __m512i u = _mm512_and_si512(_mm512_srlv_epi64(xw, shifts), low4);
+            if (five) {
+                const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(h, pair_idx64(2 * pr, 2 * pr + 1)), one);
+                u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
             }
+            const __m512i scv = _mm512_permutexvar_epi16(pair_idx16(2 * pr, 2 * pr + 1), sc16);
+            for (int i = 0; i < ROWS; i++)
+                is[i] = ai_dpwssd512(is[i], _mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + 2 * pr)), scv);
+        }
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = (m0 + i) * nb + blk * 8;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(d * a->d[at]), acc[i]);
+            off[i] = _mm256_fmadd_ps(minv, _mm256_loadu_ps(a->sum + at), off[i]);
         }
     }
-    for (int i = 0; i < ROWS; i++)
-        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + ai_hsum256(off[i]);
+    for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + ai_hsum256(off[i]);
 }
 
 /* Q6_K: sub-blocks j, j + 1 (j = 4 n + k, k = 0 or 2): their ql bytes are the 64 at 64 n (low nibbles for
- * k = 0, high for k = 2), their bit pairs qh's 32 bytes at 128 + 32 n moved to bits 4-5 by a shift per half. */
-static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *row, int64_t K, const acts8 *a,
+ * k = 0, high for k = 2), their bit pairs qh's 32 bytes at 128 + 32 n moved to bits 4-5 by a shift per half; the
+ * pair sums times the int8 scale of their 16, less 32 * (the scale times the 16's sum of qx) for the quants'
+ * centre, all in int32 over the super-block (pair sums <= 2 * 63 * 127), then one convert and one fma with d * dx. */
+static inline __attribute__((always_inline)) void row8_q6_k_256(const uint8_t *row, int64_t K, const acts8 *a,
                                                                 int64_t m0, const int ROWS, float *out) {
     const int64_t nblk = K / 256, nb = K / QK;
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
     /* k = 0, 1: qh << 4, << 2; k = 2, 3: qh, qh >> 2 */
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi64x(2), 1);
-    __m512 acc[MR8][2];
-    for (int i = 0; i < MR8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    __m512 acc[MR8];
+    for (int i = 0; i < MR8; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
         ai_prefetch_lines(p, 210);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
         const __m512i sc512 = _mm512_castsi256_si512(sc16);
-        const __m256 d = _mm256_set1_ps(ai_half_at(p + 208));
-        __m512 dsc[MR8];
-        __m512i corr[MR8];
+        const float d = ai_half_at(p + 208);
+        __m512i is[MR8];
         for (int i = 0; i < ROWS; i++) {
-            const int64_t at = (m0 + i) * nb + blk * 8;
-            dsc[i] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(a->d + at), d));
-            const __m256i is = _mm256_loadu_si256((const __m256i *)(a->isum + (m0 + i) * (K / 16) + blk * 16));
-            corr[i] = _mm512_castsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(sc16, is), 5));
+            const __m256i xs = _mm256_loadu_si256((const __m256i *)(a->isum + (m0 + i) * (K / 16) + blk * 16));
+            const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(sc16, xs), 5);
+            is[i] = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_sub_epi32(_mm256_setzero_si256(), centre), 0);
         }
 #pragma GCC unroll 2
         for (int n = 0; n < 2; n++) {
@@ -471,16 +516,14 @@ static inline __attribute__((always_inline)) void row8_q6_k_512(const uint8_t *r
                                      2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                      2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j),
                     sc512);
-                const __m512i idx = pair_idx(j, j + 1);
-                for (int i = 0; i < ROWS; i++) {
-                    __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + j)), sv);
-                    s = _mm512_sub_epi32(s, _mm512_maskz_permutexvar_epi32(0x0101, idx, corr[i]));
-                    acc[i][k >> 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dsc[i]), acc[i][k >> 1]);
-                }
+                for (int i = 0; i < ROWS; i++)
+                    is[i] = ai_dpwssd512(is[i], _mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + j)), sv);
             }
         }
+        for (int i = 0; i < ROWS; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(d * a->d[(m0 + i) * nb + blk * 8]), acc[i]);
     }
-    for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+    for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
 /* Q8_0: blocks b and b + 1's 64 signed bytes (the regrouped row's quants after its scales). */
@@ -623,8 +666,8 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 static inline __attribute__((always_inline)) void row8_of(const int fmt, const uint8_t *row, int64_t K, const acts8 *a,
                                                           int64_t m0, const int ROWS, float *out) {
 #ifdef AI_AVX512
-    if (fmt == ASYNCINFER_FMT_Q4_K) return row8_q4_k_512(row, K, a, m0, ROWS, out);
-    if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k_512(row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row8_q45_k_256(fmt, row, K, a, m0, ROWS, out);
+    if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k_256(row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0)
         return row8_blocks_512(fmt, row, K, a, m0, ROWS, out);
 #endif
@@ -652,17 +695,25 @@ static inline int64_t pass8_rows(int64_t K) {
     return rows < 4 * MR8 ? 4 * MR8 : rows;
 }
 
-/* Activation rows [m0, m1) of x rounded into a (each row by itself: the same values whatever the batch), in the
- * order FMT's rows read them (the AVX-512 Q4_0 / Q4_1 rows: quads8_order); fmt -1: in order (the tile's). */
-static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, const float *x, int64_t m0, int64_t m1,
-                                                                 int64_t ldx, int64_t K, const acts8 *a) {
+/* Activation rows [m0, m1) of x rounded into a, each row by itself (the same values whatever the batch): per 256 or
+ * per 32 as acts8_per_256 says; in_quads: in the order the AVX-512 Q4_0 / Q4_1 rows read them (quads8_order), else in
+ * order (the tile's, the lanes'). */
+static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, const int in_quads, const float *x,
+                                                                 int64_t m0, int64_t m1, int64_t ldx, int64_t K,
+                                                                 const acts8 *a) {
     const int64_t nb = K / QK;
     acts8 r = {a->q + m0 * K, a->d + m0 * nb, a->sum + m0 * nb, a->isum + m0 * (K / 16)};
-    quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
 #ifdef AI_AVX512
-    if (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1) quads8_order(a, m0, m1, K);
+    if (acts8_per_256(fmt)) {
+        quantize_acts8_256(x + m0 * ldx, m1 - m0, ldx, K, &r);
+        return;
+    }
+    quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
+    if (in_quads && (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1)) quads8_order(a, m0, m1, K);
 #else
     (void)fmt;
+    (void)in_quads;
+    quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
 #endif
 }
 
@@ -678,7 +729,7 @@ static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, 
         _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")      \
         {                                                                                         \
             _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t m = 0; m < M; m += MR8) quantize_rows8(FMT, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a); \
+            for (int64_t m = 0; m < M; m += MR8) quantize_rows8(FMT, 1, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a); \
         }                                                                                         \
         _Pragma("omp parallel num_threads(threads) if(threads > 1)")                              \
         for (int64_t p0 = 0; p0 < M; p0 += pass) {                                                \
@@ -730,7 +781,7 @@ static inline int lane_block(int fmt) { return lane_head(fmt) + 256; }
  * int8_kernel="tile") and in the kernels' one-call decode step (decoder.c) from ASYNCINFER_STEP_TILE_MIN_ROWS rows on
  * (step8, below), and so does the output projection there unless every layer is held in lanes (decoder.py); in prefills
  * and mixed steps it keeps the rows above (a row per sampled request). A pass of activation rows is rounded per row
- * (quantize_acts8, as the rows do; the k-quants with a scale per 256, quantize_acts8_256, tile8_per_256), then laid out
+ * (quantize_rows8, as the rows do: the k-quants with a scale per 256, acts8_per_256), then laid out
  * in groups of 16 rows: four consecutive int8 values of the 16 rows in one 512-bit register (lane r: row r's four),
  * beside each row's block scale dx, float32 block sum and integer sums of 16. A weight row is unpacked once per pass
  * into unsigned bytes u (q = u - centre), its float32 scale S and min of each block of 32 and (Q6_K) the int8 scale of
@@ -1021,18 +1072,11 @@ static inline __attribute__((always_inline)) void tile8_idot(const int fmt, cons
     }
 }
 
-/* Whether the int8 tile takes a format's activations with one scale for each 256 (quantize_acts8_256): the k-quants,
- * whose super-blocks of 256 weights share a scale d (Q6_K) or a d times 6-bit scales (Q4_K, Q5_K), so a super-block
- * needs one float multiply by the activations' scale rather than one a block of 32 (tile8_kernel). */
-static inline int tile8_per_256(int fmt) {
-    return fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K || fmt == ASYNCINFER_FMT_Q6_K;
-}
-
 /* Groups [0, G) of gs against weight rows [0, C) of w: out[g][c] the 16 lanes' sums. grouped: w's rows are rows of a
  * group of 16 unpacked whole (tile8_unpack_group: word t of block b at u[(8 b + t) * 64], s and mn at [16 b]), else
  * rows unpacked one by one (tile8_unpack: u[32 b + 4 t], s and mn at [b]; tile8_in_place's formats: the words from
  * raw, s and mn at [b]). next: the rows the following call takes, fetched from memory during this one. The k-quants
- * (tile8_per_256; dx the same for a super-block's eight blocks) per super-block, per lane:
+ * (acts8_per_256; dx the same for a super-block's eight blocks) per super-block, per lane:
  *
  *   Q4_K, Q5_K:  a = sum over its blocks of fma(float(idot), S, a) from a = 0;  acc = fma(a, dx, acc)
  *                (and for each block, in order, acc = fma(min, sum(x), acc) before that)
@@ -1049,7 +1093,7 @@ static inline __attribute__((always_inline)) void tile8_kernel(const int fmt, co
     __m512 f[T8_GROUPS][T8_COLS];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) f[g][c] = _mm512_setzero_ps();
-    if (tile8_per_256(fmt) && !grouped) {
+    if (acts8_per_256(fmt) && !grouped) {
         const int q6 = fmt == ASYNCINFER_FMT_Q6_K;
         for (int64_t s = 0; s < nb / 8; s++) {
             __m512 a[T8_GROUPS][T8_COLS];   /* Q4_K, Q5_K */
@@ -1328,16 +1372,8 @@ static int tile8_gemm(const int fmt, const float *x, int64_t M, int64_t ldx, int
         _Pragma("omp parallel num_threads(nt) if(nt > 1 && p1 - p0 >= 16)")
         {
             _Pragma("omp for schedule(static)")
-            for (int64_t m = p0; m < p1; m += 4) {
-                acts8 at = a;
-                if (tile8_per_256(fmt)) {
-                    acts8 r = {at.q + (m - p0) * K, at.d + (m - p0) * (K / QK), at.sum + (m - p0) * (K / QK),
-                               at.isum + (m - p0) * (K / 16)};
-                    quantize_acts8_256(x + m * ldx, p1 - m < 4 ? p1 - m : 4, ldx, K, &r);
-                } else {
-                    quantize_rows8(-1, x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &at);
-                }
-            }
+            for (int64_t m = p0; m < p1; m += 4)
+                quantize_rows8(fmt, 0, x + p0 * ldx, m - p0, p1 - m < 4 ? p1 - p0 : m - p0 + 4, ldx, K, &a);
             _Pragma("omp for schedule(static)")
             for (int64_t gi = 0; gi < ng; gi++) {
                 const group8 g = tile8_group_in(gmem + gi * gbytes, K);
@@ -1761,7 +1797,7 @@ static inline __attribute__((always_inline)) int lanes_gemm(const int fmt, const
     _Pragma("omp parallel num_threads(threads) if(threads > 1 && M >= PANEL_MIN_ROWS)")
     {
         _Pragma("omp for schedule(static)")
-        for (int64_t m = 0; m < M; m += MR8) quantize_rows8(-1, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a);
+        for (int64_t m = 0; m < M; m += MR8) quantize_rows8(fmt, 0, x, m, M - m < MR8 ? M : m + MR8, ldx, K, &a);
     }
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
     for (int64_t gi = 0; gi < N / LANE_ROWS; gi++) {
