@@ -111,7 +111,6 @@ static void quantize_acts8(const float *x, int64_t M, int64_t ldx, int64_t K, ac
  * is NaN or infinite, or a block's float32 sum overflows), in each of its eight blocks' d; each block's float32 sum
  * and integer sums of 16 as there. */
 static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K, acts8 *a) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t sb = 0; sb < K / 256; sb++) {
             const float *xs = x + m * ldx + 256 * sb;
@@ -119,25 +118,15 @@ static void quantize_acts8_256(const float *x, int64_t M, int64_t ldx, int64_t K
             float total[8];
             int finite = 1;
             for (int j = 0; j < 8; j++) {
-                const float *xb = xs + QK * j;
-                const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                             v3 = _mm256_loadu_ps(xb + 24);
-                const __m256 a01 = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                             a23 = _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3));
-                amax = _mm256_max_ps(amax, _mm256_max_ps(a01, a23));
-                total[j] = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+                amax = _mm256_max_ps(amax, ai_run_stats(xs + QK * j, &total[j]));
                 finite &= isfinite(total[j]) != 0;
             }
-            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-            const float absmax = _mm_cvtss_f32(mx);
+            const float absmax = ai_hmax256(amax);
             const float d = finite && isfinite(absmax) ? absmax / 127.0f : NAN;
             const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / absmax : 0.0f); /* NaN d: zeros */
             for (int j = 0; j < 8; j++) {
                 __m256i q[4];
-                for (int k = 0; k < 4; k++)
-                    q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + QK * j + 8 * k), inv));
+                ai_round_values(xs + QK * j, inv, q);
                 acts8_put(q, d, total[j], m, K, 8 * sb + j, a);
             }
         }
@@ -520,8 +509,10 @@ static inline __attribute__((always_inline)) void row8_q6_k_256(const uint8_t *r
                     is[i] = ai_dpwssd512(is[i], _mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + j)), sv);
             }
         }
-        for (int i = 0; i < ROWS; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(d * a->d[(m0 + i) * nb + blk * 8]), acc[i]);
+        for (int i = 0; i < ROWS; i++) {
+            const float dx = a->d[(m0 + i) * nb + blk * 8];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(d * dx), acc[i]);
+        }
     }
     for (int i = 0; i < ROWS; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 }

@@ -285,27 +285,37 @@ static inline float ai_hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* ai_run_scale_ref's scale and sum eight lanes at a time (the sum added in another order: (x0-7 + x8-15) +
- * (x16-23 + x24-31)), and the run rounded to int32 in q[0..3] (elements 0-7, 8-15, ...; nearest even, as
- * lrintf: the same integers as the reference). A NaN's lane is dropped by the max and rounds to a value the NaN
- * scale makes irrelevant. */
-static inline float ai_round_run(const float *xb, float qmax, __m256i q[4], float *total) {
+/* A run of 32 floats' statistics eight lanes at a time: the lanes' largest |x| (each lane's of its four values) and
+ * the run's float32 sum (added in another order than ai_run_scale_ref's: (x0-7 + x8-15) + (x16-23 + x24-31)). A NaN's
+ * lane is dropped by the max (the sum keeps it). */
+static inline __m256 ai_run_stats(const float *xb, float *total) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
                  v3 = _mm256_loadu_ps(xb + 24);
-    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    *total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    return _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                         _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+}
+
+/* The largest of 8 lanes. */
+static inline float ai_hmax256(__m256 v) {
+    __m128 mx = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
     mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-    const float absmax = _mm_cvtss_f32(mx);
-    *total = ai_hsum256(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    return _mm_cvtss_f32(mx);
+}
+
+/* 32 floats at xb times inv rounded to int32 in q[0..3] (elements 0-7, 8-15, ...; nearest even, as lrintf). */
+static inline void ai_round_values(const float *xb, __m256 inv, __m256i q[4]) {
+    for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), inv));
+}
+
+/* ai_run_scale_ref's scale and sum eight lanes at a time (ai_run_stats), and the run rounded to int32 in q[0..3]
+ * (ai_round_values: the same integers as the reference). A NaN rounds to a value the NaN scale makes irrelevant. */
+static inline float ai_round_run(const float *xb, float qmax, __m256i q[4], float *total) {
+    const float absmax = ai_hmax256(ai_run_stats(xb, total));
     const float d = isfinite(*total) && isfinite(absmax) ? absmax / qmax : NAN;
-    const __m256 inv = _mm256_set1_ps(d > 0.0f ? qmax / absmax : 0.0f); /* NaN d: zeros */
-    q[0] = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
-    q[1] = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-    q[2] = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
-    q[3] = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    ai_round_values(xb, _mm256_set1_ps(d > 0.0f ? qmax / absmax : 0.0f), q); /* NaN d: zeros */
     return d;
 }
 
