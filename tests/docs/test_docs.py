@@ -1219,6 +1219,50 @@ def test_the_k_quant_256_and_paired_figures_are_the_results_files() -> None:
     assert f"fastest rate in any Zen 4 record ({max(rates):.1f} tok/s) those medians are {fa:.2f}x and {fb:.2f}x" in readme
 
 
+def test_the_rows_k_quant_256_figures_are_the_results_files() -> None:
+    """docs/formats.md's "The rows' k-quants per 256" and the README's sentence: the rows' int8-over-int16 ratios before
+    and after (each run's int16 its control) at the commits named, the tile over the rows at 8-16 rows, the engine's
+    revisions runs; each figure its record's."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The rows' k-quants per 256.**"):formats.index("**Speed of the scalar reference**")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    before, after = load("activation_dtype_rows_256_before_zen4"), load("activation_dtype_rows_256_after_zen4")
+    assert before["commit"].startswith("f632ebd") and after["commit"] == after["commit"].split("+")[0]
+    assert after["commit"].startswith("f44a992") and f"of {after['commit'][:7]}, minutes apart" in section
+    ratio = {(name, r["format"], r["tokens"]): r["int8_over_int16"] for name, rec in (("before", before), ("after", after))
+             for r in rec["rows"]}
+    def listed(name: str, fmt: str) -> str:
+        return ", ".join(f"{ratio[name, fmt, m]:.2f}x" for m in (1, 2, 4, 8))
+    assert (f"went from {listed('before', 'q4_k')} to **{listed('after', 'q4_k')}** in Q4_K, from "
+            f"{listed('before', 'q5_k')} to {listed('after', 'q5_k')} in Q5_K and from {listed('before', 'q6_k')} to "
+            f"{listed('after', 'q6_k')} in Q6_K") in section
+    one_row = next(r for r in after["rows"] if r["format"] == "q4_k" and r["tokens"] == 1)
+    assert f"Q4_K's {one_row['int8_gb_s']:.1f} GB/s against a probe of {after['read_probe_gb_s']:.1f}" in section
+    tile = load("activation_dtype_rows_256_zen4")
+    assert tile["commit"].startswith("f44a992") and "+" not in tile["commit"]
+    over = {(r["format"], r["tokens"]): r["int8_tile_over_int8"] for r in tile["rows"]}
+    assert all(over[f, 8] < 1 < over[f, 10] for f in ("q4_k", "q5_k", "q6_k"))  # the switch at 12 still past the crossing
+    for fmt, name in (("q4_k", "Q4_K"), ("q5_k", "Q5_K"), ("q6_k", "Q6_K")):
+        figures = [f"{over[fmt, m]:.2f}x" for m in (8, 10, 12, 16)]
+        if fmt == "q4_k":
+            figures[2] = f"**{figures[2]}**"
+        assert f"{name} {', '.join(figures)}" in section, name
+    rev, one = load("k_quant_rows_256_revisions_zen4"), load("k_quant_rows_256_one_request_revisions_zen4")
+    for r in (rev, one):
+        assert r["revisions"]["base"]["rev"] == "f632ebd" and r["revisions"]["head"]["rev"] == "0fc3fe09"
+    t, s1, s2 = rev["summary"]["throughput_ratio"], rev["summary"]["single_decode_ratio"], one["summary"]["single_decode_ratio"]
+    assert rev["command"].split(" --json")[0] in section.replace("`", "")
+    assert (f"4 requests at **{t['median']:.3f}x** the throughput ({t['min']:.3f}x-{t['max']:.3f}x), the greedy tokens "
+            f"of {rev['summary']['tokens_identical_min']} of 4 requests identical") in section
+    assert (f"one request {s1['median']:.3f}x there, and {s2['median']:.3f}x ({s2['min']:.3f}x-{s2['max']:.3f}x) in a "
+            f"run of its own") in section
+    b, a = (next(r for r in rec["rows"] if r["format"] == "q4_k" and r["tokens"] == 4) for rec in (before, after))
+    b6, a6 = (next(r for r in rec["rows"] if r["format"] == "q6_k" and r["tokens"] == 4) for rec in (before, after))
+    assert (f"int8's rows over int16's at 4 rows went from {b['int8_over_int16']:.2f}x to {a['int8_over_int16']:.2f}x in "
+            f"Q4_K and from {b6['int8_over_int16']:.2f}x to {a6['int8_over_int16']:.2f}x in Q6_K") in readme
+    assert f"the engine's 4 requests ran {t['median']:.3f}x the throughput before it" in readme
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
