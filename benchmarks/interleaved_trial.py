@@ -8,7 +8,8 @@ blocks): their float16 scales, then their nibbles four bytes of each row at a ti
 int8 activations broadcast to every lane then make one ``vpdpbusd`` that adds each weight row's four products in
 its own lane, so a block needs no horizontal sum and an activation row's result comes from the same operations
 whatever the other rows of the call. The activations are rounded as the kernels' int8 rows round them (a scale per
-32, nearest even): the trial's integers are the rows', its result differs from theirs in the order of float
+32, nearest even; Q4_K's one per 256 where the trial runs its AVX-512 code, as the kernels' AVX-512 variants do): the
+trial's integers are the rows', its result differs from theirs in the order of float
 additions only (printed: the largest difference over the largest value), and each of its rows is checked to be
 the same to the last bit alone and in the batch. Q4_K (``--format q4_k``) in a layout of the same kind: per 16
 weight rows and super-block, their d and dmin, their eight sub-blocks' scales and minimums a byte each (2.8% more

@@ -10,8 +10,8 @@
  *
  *   idot = sum(u * qx) - 8 * sum(qx);   acc = fma(float(idot), d_row * dx, acc)   (blocks in order from 0)
  *
- * the activations rounded as the kernels' int8 rows round them (a scale per 32, nearest even), so idot is the
- * rows' integer and the result differs from theirs only in the order of float additions; and a row's result is
+ * the activations rounded as the kernels' int8 rows round them (a scale per 32, nearest even; Q4_K's per 256 on
+ * the AVX-512 builds), so idot is the rows' integer and the result differs from theirs only in the order of float additions; and a row's result is
  * the same whatever the other activation rows of the call (the same operations in the same order). Built with the
  * AVX-512 flags where the CPU has them (VNNI's vpdpbusd, else the multiply-add pair), else the plain C loop. */
 #include <math.h>
@@ -220,7 +220,8 @@ int trial_gemm(const float *x, int64_t M, int64_t K, const uint8_t *p, int64_t N
  * d (32 bytes) and dmin (32), each sub-block's 16 scales (8 x 16 bytes) and 16 minimums (8 x 16), then per pair of
  * sub-blocks (2p, 2p + 1; ggml's bytes 32p to 32p + 31 of a row: low nibbles sub-block 2p, high 2p + 1) eight runs
  * of 64 bytes, run c holding bytes 4c to 4c + 3 of the pair's 32 of each row, row r in lane r. Per activation row,
- * 16 weight rows and sub-block j, as the kernels' int8 rows define it:
+ * 16 weight rows and sub-block j, as the kernels' int8 rows define it (dx_j one per 256 on the AVX-512 builds,
+ * round_row_k; the rows there sum a super-block's integers before one float multiply, another order of sums):
  *
  *   acc = fma(float(idot_j), dx_j * (d * sc_j), acc);   acc = fma(-(dmin * mn_j), sum(x_j), acc)
  */
@@ -261,15 +262,30 @@ int trial_pack_q4_k(const uint8_t *ggml, uint8_t *out, int64_t N, int64_t K) {
 
 int64_t trial_scratch_bytes_q4_k(int64_t M, int64_t K) { return M * K + M * (K / QK) * 8 + 64; }
 
-/* The int8 rounding as round_row, with each block's float32 sum (the minimums' term). */
+/* The kernels' int8 rounding for Q4_K, with each block's float32 sum (the minimums' term): on the AVX-512 builds one
+ * scale per 256, in each of its eight blocks' d, as their rows and tile round the k-quants (finite x); elsewhere per
+ * 32, as round_row. */
 static void round_row_k(const float *x, int64_t K, int8_t *q, float *d, float *sum) {
     for (int64_t b = 0; b < K / QK; b++) {
-        int32_t cs;
-        round_row(x + b * QK, QK, q + b * QK, d + b, &cs);
         float t = 0.0f;
         for (int i = 0; i < QK; i++) t += x[b * QK + i];
         sum[b] = t;
     }
+#ifdef TRIAL_AVX512
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *xs = x + 256 * s;
+        float absmax = 0.0f;
+        for (int i = 0; i < 256; i++) absmax = fabsf(xs[i]) > absmax ? fabsf(xs[i]) : absmax;
+        const float db = absmax / 127.0f, inv = db > 0.0f ? 127.0f / absmax : 0.0f;
+        for (int i = 0; i < 256; i++) q[256 * s + i] = (int8_t)lrintf(xs[i] * inv);
+        for (int j = 0; j < 8; j++) d[8 * s + j] = db;
+    }
+#else
+    for (int64_t b = 0; b < K / QK; b++) {
+        int32_t cs;
+        round_row(x + b * QK, QK, q + b * QK, d + b, &cs);
+    }
+#endif
 }
 
 #ifdef TRIAL_AVX512
