@@ -1236,8 +1236,14 @@ def test_the_rows_k_quant_256_figures_are_the_results_files() -> None:
     assert (f"went from {listed('before', 'q4_k')} to **{listed('after', 'q4_k')}** in Q4_K, from "
             f"{listed('before', 'q5_k')} to {listed('after', 'q5_k')} in Q5_K and from {listed('before', 'q6_k')} to "
             f"{listed('after', 'q6_k')} in Q6_K") in section
-    one_row = next(r for r in after["rows"] if r["format"] == "q4_k" and r["tokens"] == 1)
-    assert f"Q4_K's {one_row['int8_gb_s']:.1f} GB/s against a probe of {after['read_probe_gb_s']:.1f}" in section
+    one_row = [next(r for r in rec["rows"] if r["format"] == "q4_k" and r["tokens"] == 1) for rec in (after, before)]
+    assert f"read at its probe, {one_row[0]['int8_gb_s']:.1f} GB/s against {after['read_probe_gb_s']:.1f}" in section
+    share = one_row[1]["int8_gb_s"] / before["read_probe_gb_s"]
+    assert f"at {share:.0%} of its own, {one_row[1]['int8_gb_s']:.1f} against {before['read_probe_gb_s']:.1f}" in section
+    moved = [y["int16_gb_s"] / x["int16_gb_s"] for x, y in zip(before["rows"], after["rows"])]
+    assert f"moved between the runs ({min(moved):.2f}x to {max(moved):.2f}x)" in section
+    gain = {(x["format"], x["tokens"]): y["int8_over_int16"] / x["int8_over_int16"] for x, y in zip(before["rows"], after["rows"])}
+    assert all(max(gain[f, 1], gain[f, 2]) < min(gain[f, 4], gain[f, 8]) for f in ("q4_k", "q5_k", "q6_k"))
     tile = load("activation_dtype_rows_256_zen4")
     assert tile["commit"].startswith("f44a992") and "+" not in tile["commit"]
     over = {(r["format"], r["tokens"]): r["int8_tile_over_int8"] for r in tile["rows"]}
@@ -1261,6 +1267,8 @@ def test_the_rows_k_quant_256_figures_are_the_results_files() -> None:
     assert (f"int8's rows over int16's at 4 rows went from {b['int8_over_int16']:.2f}x to {a['int8_over_int16']:.2f}x in "
             f"Q4_K and from {b6['int8_over_int16']:.2f}x to {a6['int8_over_int16']:.2f}x in Q6_K") in readme
     assert f"the engine's 4 requests ran {t['median']:.3f}x the throughput before it" in readme
+    assert (f"one request ran {s1['median']:.3f}x there and {s2['median']:.3f}x ({s2['min']:.3f}x-{s2['max']:.3f}x) in a run "
+            f"of its own") in readme
 
 
 def test_the_step_tile_figures_are_the_results_files() -> None:

@@ -60,7 +60,7 @@ extern "C" {
 #define ASYNCINFER_FMT_ACT8 0x40
 /* A flag beside ASYNCINFER_FMT_ACT8 on asyncinfer_gemm's fmt: the int8 GEMM as a tile of 16 activation rows a
  * register (gemm8.c), for many rows; the AVX-512 builds have it (the k-quants' activations rounded with a scale per
- * 256 there, llama.cpp's Q8_K, as in their rows), the others take the rows without it. On layer_t's
+ * 256 there, llama.cpp's Q8_K, as their rows round them too), the others take the rows without it. On layer_t's
  * parts and the head's format (a step's projections): the tile from ASYNCINFER_STEP_TILE_MIN_ROWS rows on, the rows
  * below it (a format in lanes: ASYNCINFER_FMT_LANES16's choice). */
 #define ASYNCINFER_FMT_TILE8 0x80

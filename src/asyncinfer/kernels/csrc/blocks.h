@@ -219,13 +219,18 @@ static inline void ai_sub_words(int fmt, const uint8_t *blk, __m256i w[2]) {
 #endif
 }
 
+/* Q4_K / Q5_K: -(dmin * m_j) of the super-block at p (mn: its minimums, ai_k_scales8's), lane j sub-block j's. */
+static inline __m256 ai_k_min_vector(const uint8_t *p, uint64_t mn) {
+    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+    return _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
+}
+
 /* Q4_K / Q5_K: d * sc_j (returned) and -(dmin * m_j) (*minv) of the super-block at p, lane j sub-block j's. */
 static inline __m256 ai_k_scale_vectors(const uint8_t *p, __m256 *minv) {
     uint64_t sc, mn;
     ai_k_scales8(p + 4, &sc, &mn);
     const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
-    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
-    *minv = _mm256_mul_ps(mnf, _mm256_set1_ps(-ai_half_at(p + 2)));
+    *minv = ai_k_min_vector(p, mn);
     return _mm256_mul_ps(scf, _mm256_set1_ps(ai_half_at(p)));
 }
 

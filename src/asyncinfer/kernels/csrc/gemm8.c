@@ -16,9 +16,9 @@
  * by its int8 scale of each 16) with qx. The SIMD builds take the quants unsigned (Q4_0's nibble, not
  * nibble - 8) and subtract centre * (the sum of qx) from the integer, so idot is the same integer; they
  * differ from the scalar reference only in the order of the float32 additions (tests bound it). The exception: the
- * AVX-512 builds round the k-quants' activations with one dx per 256 (acts8_per_256) and sum a super-block's
- * products in int32 before one float multiply (the rows) or per block (the tile), a definition of its own that the
- * tests hold them to in float64.
+ * AVX-512 builds round the k-quants' activations with one dx per 256 (acts8_per_256), a definition of their own that
+ * the tests hold both GEMMs to in float64: the rows sum a super-block's products in int32 and multiply once, the
+ * tile Q6_K's so too and Q4_K's / Q5_K's per block in float32 (tile8_kernel).
  *
  * The AVX-512 builds' int16 tile (tile16_gemm, at the end) shares the int8 tile's weight unpacking and layout: the
  * int16 default's GEMM from PANEL_MIN_ROWS rows on there (gemm.c's BATCHED).
@@ -436,8 +436,7 @@ static inline __attribute__((always_inline)) void row8_q45_k_256(const int fmt, 
         uint64_t sc, mn;
         ai_k_scales8(p + 4, &sc, &mn);
         const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-        const __m256 minv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))),
-                                          _mm256_set1_ps(-ai_half_at(p + 2)));
+        const __m256 minv = ai_k_min_vector(p, mn);
         const float d = ai_half_at(p);
         const __m512i h = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16))) : one;
         __m512i is[MR8];

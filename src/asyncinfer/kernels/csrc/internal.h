@@ -286,8 +286,8 @@ static inline float ai_hsum256(__m256 v) {
 }
 
 /* A run of 32 floats' statistics eight lanes at a time: the lanes' largest |x| (each lane's of its four values) and
- * the run's float32 sum (added in another order than ai_run_scale_ref's: (x0-7 + x8-15) + (x16-23 + x24-31)). A NaN's
- * lane is dropped by the max (the sum keeps it). */
+ * the run's float32 sum (added in another order than ai_run_scale_ref's: (x0-7 + x8-15) + (x16-23 + x24-31)). The max
+ * may drop a NaN (maxps returns its second operand where either is NaN); the sum keeps it. */
 static inline __m256 ai_run_stats(const float *xb, float *total) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
