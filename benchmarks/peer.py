@@ -231,12 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slots = {}
     for n in args.slots:
         say(f"{args.num_requests} requests, llama.cpp with {n} slots")
-        peer = on_own_thread(LlamaCppPeer, path, args.threads, n, n_ctx)
-        try:
-            on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
-            done, wall, steps = on_own_thread(peer.run, prompts, lengths)
-        finally:
-            on_own_thread(peer.close)
+        done, wall, steps = llama_cpp_many(path, args.threads, n, n_ctx, prompts, lengths)
         slots[n] = {"wall_s": wall, "steps": steps, "tokens_per_s": sum(lengths) / wall,
                     "tokens": [done[i] for i in range(len(prompts))]}
     best = max(slots, key=lambda n: slots[n]["tokens_per_s"])
@@ -322,26 +317,30 @@ def prefill_rounds(path: Path, args: argparse.Namespace, vocab: int | None) -> d
             "median_ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
+def llama_cpp_many(path: Path, threads: int, slots: int, n_ctx: int, prompts: list[list[int]],
+                   lengths: list[int]) -> tuple[dict[int, list[int]], float, int]:
+    """The many-requests workload on llama.cpp with ``slots`` slots, in a context loaded for it (warmed up) and
+    closed after it: its tokens by request, its wall time and its steps (``LlamaCppPeer.run``'s)."""
+    from llamacpp_peer import LlamaCppPeer
+
+    peer = on_own_thread(LlamaCppPeer, path, threads, slots, n_ctx)
+    try:
+        on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
+        return on_own_thread(peer.run, prompts, lengths)
+    finally:
+        on_own_thread(peer.close)
+
+
 def paired_many_rounds(path: Path, args: argparse.Namespace, n_ctx: int, prompts: list[list[int]],
                        lengths: list[int], slots: int) -> dict[str, Any]:
     """The many-requests workload in paired rounds: asyncinfer (prefix cache off) and llama.cpp at ``slots`` (its
     best of the sweep) in turn, the order alternating between rounds; each run as the sweep's are, in an engine
     loaded for it (and warmed up) and closed after it, so that neither engine is resident while the other runs."""
-    from llamacpp_peer import LlamaCppPeer
-
     async def asyncinfer_run() -> float:
         eng = await load_engine(path, args, n_ctx, False)
         async with eng:
             await _generate_all(eng, prompts[:2], [4, 4])  # warm-up
             return (await _generate_all(eng, prompts, lengths))[0]
-
-    def llama_cpp_run() -> float:
-        peer = on_own_thread(LlamaCppPeer, path, args.threads, slots, n_ctx)
-        try:
-            on_own_thread(peer.run, prompts[:2], [4, 4])  # warm-up
-            return on_own_thread(peer.run, prompts, lengths)[1]
-        finally:
-            on_own_thread(peer.close)
 
     rounds = []
     for index in range(args.many_rounds):
@@ -350,7 +349,8 @@ def paired_many_rounds(path: Path, args: argparse.Namespace, n_ctx: int, prompts
         for system in order:
             say(f"{args.num_requests} requests, paired round {index + 1}/{args.many_rounds}: {system}"
                 + (f" ({slots} slots)" if system == "llama.cpp" else " (prefix cache off)"))
-            wall = asyncio.run(asyncinfer_run()) if system == "asyncinfer" else llama_cpp_run()
+            wall = (asyncio.run(asyncinfer_run()) if system == "asyncinfer"
+                    else llama_cpp_many(path, args.threads, slots, n_ctx, prompts, lengths)[1])
             rates[system] = sum(lengths) / wall
         rounds.append({"order": list(order), **rates, "ratio": rates["asyncinfer"] / rates["llama.cpp"]})
     return {"llama_cpp_slots": slots, "rounds": rounds,
