@@ -11,9 +11,10 @@
  *   idot = sum(u * qx) - 8 * sum(qx);   acc = fma(float(idot), d_row * dx, acc)   (blocks in order from 0)
  *
  * the activations rounded as the kernels' int8 rows round them (a scale per 32, nearest even; Q4_K's per 256 on
- * the AVX-512 builds), so idot is the rows' integer and the result differs from theirs only in the order of float additions; and a row's result is
- * the same whatever the other activation rows of the call (the same operations in the same order). Built with the
- * AVX-512 flags where the CPU has them (VNNI's vpdpbusd, else the multiply-add pair), else the plain C loop. */
+ * the AVX-512 builds), so idot is the rows' integer and the result differs from theirs only in the order of float
+ * additions; and a row's result is the same whatever the other activation rows of the call (the same operations in
+ * the same order). Built with the AVX-512 flags where the CPU has them (VNNI's vpdpbusd, else the multiply-add
+ * pair), else the plain C loop. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
