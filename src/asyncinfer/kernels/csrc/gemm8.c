@@ -32,8 +32,9 @@ static inline int has_min8(int fmt) { return fmt == ASYNCINFER_FMT_Q4_1 || ai_fm
 
 #define PREFETCH8 AI_PREFETCH_BYTES
 
-/* Activations rounded per block (in order, every variant; the AVX-512 Q4_0 / Q4_1 rows then reorder q,
- * quads8_order): q [M, K] int8, d and sum [M, K / 32] float32, isum [M, K / 16] int16 (the sum of each 16 of q).
+/* Activations rounded per block (in order, every variant; the AVX-512 rows then reorder q for Q4_0 / Q4_1,
+ * quads8_order, and for Q4_K / Q5_K, k_pairs8_order): q [M, K] int8, d and sum [M, K / 32] float32, isum [M, K / 16]
+ * int16 (the sum of each 16 of q).
  * In the caller's scratch: ai_scratch8_bytes(M, K), never more than ai_scratch_bytes(M, K). */
 typedef struct {
     int8_t *q;
@@ -413,17 +414,17 @@ static inline __m512i load_x512(const acts8 *a, int64_t m, int64_t K, int64_t b)
 /* The k-quants against activations rounded with a scale per 256 (acts8_per_256): per super-block, each sub-block's
  * integer products times its integer scale summed in int32 (the pair sums of maddubs, then a multiply-add with the
  * scales, fused under VNNI), one convert and one fma with d * dx, as llama.cpp's Q8_K products. Q4_K / Q5_K: two
- * sub-blocks a register, 2 pr (the low nibbles of bytes 32 pr to 32 pr + 31, lanes 0-7) and 2 pr + 1 (the high
- * ones, lanes 8-15); Q5_K's fifth bit of sub-block j's element i is bit j of qh[i]. The minimum terms per block with
- * its float32 sum of x, as the rows per 32. The scales (<= 63) times the pair sums (<= 2 * 31 * 127) stay far
- * within int32 over a super-block. */
+ * sub-blocks a register, from one load of 64 bytes of quants (bytes 64 q to 64 q + 63: sub-blocks 4 q and 4 q + 2 in
+ * their low nibbles, 4 q + 1 and 4 q + 3 in their high ones) split by a mask and a shift, against activations that
+ * k_pairs8_order put in that order (lanes 0-7: sub-block j, 8-15: j + 2); Q5_K's fifth bit of sub-block j's element
+ * i is bit j of qh[i]. The minimum terms per block with its float32 sum of x, as the rows per 32. The scales (<= 63)
+ * times the pair sums (<= 2 * 31 * 127) stay far within int32 over a super-block. */
 static inline __attribute__((always_inline)) void row8_q45_k_256(const int fmt, const uint8_t *row, int64_t K,
                                                                  const acts8 *a, int64_t m0, const int ROWS,
                                                                  float *out) {
     const int five = fmt == ASYNCINFER_FMT_Q5_K;
     const int64_t nblk = K / 256, nb = K / QK, bytes = ai_fmt_bytes(fmt);
     const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
-    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi64x(4), 1);
     __m512 acc[MR8];
     __m256 off[MR8];
     for (int i = 0; i < MR8; i++) {
@@ -441,17 +442,23 @@ static inline __attribute__((always_inline)) void row8_q45_k_256(const int fmt, 
         const __m512i h = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16))) : one;
         __m512i is[MR8];
         for (int i = 0; i < ROWS; i++) is[i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int pr = 0; pr < 4; pr++) {
-            const __m512i xw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * pr)));
-            __m512i u = _mm512_and_si512(_mm512_srlv_epi64(xw, shifts), low4);
-            if (five) {
-                const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(h, pair_idx64(2 * pr, 2 * pr + 1)), one);
-                u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; q++) {
+            const __m512i v = _mm512_loadu_si512(qs + 64 * q);
+            __m512i u[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+#pragma GCC unroll 2
+            for (int hi = 0; hi < 2; hi++) {
+                const int j = 4 * q + hi; /* sub-blocks j (the low half's bytes) and j + 2 (the high half's) */
+                if (five) {
+                    const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(h, pair_idx64(j, j + 2)), one);
+                    u[hi] = _mm512_or_si512(u[hi], _mm512_slli_epi16(bit, 4));
+                }
+                const __m512i scv = _mm512_permutexvar_epi16(pair_idx16(j, j + 2), sc16);
+                for (int i = 0; i < ROWS; i++) {
+                    const __m512i x = load_x512(a, m0 + i, K, blk * 8 + 4 * q + 2 * hi);
+                    is[i] = ai_dpwssd512(is[i], _mm512_maddubs_epi16(u[hi], x), scv);
+                }
             }
-            const __m512i scv = _mm512_permutexvar_epi16(pair_idx16(2 * pr, 2 * pr + 1), sc16);
-            for (int i = 0; i < ROWS; i++)
-                is[i] = ai_dpwssd512(is[i], _mm512_maddubs_epi16(u, load_x512(a, m0 + i, K, blk * 8 + 2 * pr)), scv);
         }
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = (m0 + i) * nb + blk * 8;
@@ -685,9 +692,24 @@ static inline int64_t pass8_rows(int64_t K) {
     return rows < 4 * MR8 ? 4 * MR8 : rows;
 }
 
+#ifdef AI_AVX512
+/* Q4_K / Q5_K: each super-block's 32-byte sub-blocks of activations in the order 0, 2, 1, 3, 4, 6, 5, 7, the order
+ * row8_q45_k_256 reads them (the low nibbles of 64 bytes of quants: sub-blocks 4 q and 4 q + 2; the high ones: 4 q + 1
+ * and 4 q + 3). */
+static inline void k_pairs8_order(const acts8 *a, int64_t rows, int64_t K) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < K; k += 128) {
+            int8_t *p = a->q + m * K + k;
+            const __m256i second = _mm256_loadu_si256((const __m256i *)(p + 32));
+            _mm256_storeu_si256((__m256i *)(p + 32), _mm256_loadu_si256((const __m256i *)(p + 64)));
+            _mm256_storeu_si256((__m256i *)(p + 64), second);
+        }
+}
+#endif
+
 /* Activation rows [m0, m1) of x rounded into a, each row by itself (the same values whatever the batch): per 256 or
- * per 32 as acts8_per_256 says; in_quads: in the order the AVX-512 Q4_0 / Q4_1 rows read them (quads8_order), else in
- * order (the tile's, the lanes'). */
+ * per 32 as acts8_per_256 says; in_quads: in the order the AVX-512 rows read them (Q4_0 / Q4_1: quads8_order; Q4_K /
+ * Q5_K: k_pairs8_order), else in order (the tile's, the lanes'). */
 static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, const int in_quads, const float *x,
                                                                  int64_t m0, int64_t m1, int64_t ldx, int64_t K,
                                                                  const acts8 *a) {
@@ -696,6 +718,7 @@ static inline __attribute__((always_inline)) void quantize_rows8(const int fmt, 
 #ifdef AI_AVX512
     if (acts8_per_256(fmt)) {
         quantize_acts8_256(x + m0 * ldx, m1 - m0, ldx, K, &r);
+        if (in_quads && (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K)) k_pairs8_order(&r, m1 - m0, K);
         return;
     }
     quantize_acts8(x + m0 * ldx, m1 - m0, ldx, K, &r);
