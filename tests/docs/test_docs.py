@@ -1327,9 +1327,12 @@ def test_the_rows_k_pairs_figures_are_the_results_files() -> None:
     assert (f"4 requests at **{t['median']:.3f}x** the throughput ({t['min']:.3f}x-{t['max']:.3f}x), one request "
             f"{s1['median']:.3f}x there, and {s2['median']:.3f}x ({s2['min']:.3f}x-{s2['max']:.3f}x) in a run of its "
             f"own with three rounds") in section
+    assert (f"the greedy tokens of {rev['summary']['tokens_identical_min']} of 4 (and "
+            f"{one['summary']['tokens_identical_min']} of 2) requests stay identical") in section
+    assert one["summary"]["tokens_same_every_round"] == {"base": True, "head": True}
     singles = [run["single_decode_ratio"] for r in (rev, one) for run in r["rounds"]]
     assert len(singles) == 5 and max(singles) < 1  # one request slower in each of the five rounds, as said
-    assert (f"**slower** in each of those five rounds, by {1 - max(singles):.0%} to {1 - min(singles):.0%}") in section
+    assert (f"ran **slower** in each of those five rounds, by {1 - max(singles):.0%} to {1 - min(singles):.0%}") in section
     readme = " ".join((ROOT / "README.md").read_text().split())
     one_row = next(r for r in ceiling["rows"] if r["format"] == "q4_k" and r["tokens"] == 1)
     assert f"one core's Q4_K rows ran {one_row['speedup']:.2f}x their speed before at one row" in readme

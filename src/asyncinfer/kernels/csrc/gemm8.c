@@ -663,14 +663,17 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 static inline __attribute__((always_inline)) void row8_of(const int fmt, const uint8_t *row, int64_t K, const acts8 *a,
                                                           int64_t m0, const int ROWS, float *out) {
 #ifdef AI_AVX512
+    /* each reads the activations in the order quantize_rows8 put them in for its format (in_quads) */
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row8_q45_k_256(fmt, row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k_256(row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q4_0 || fmt == ASYNCINFER_FMT_Q4_1 || fmt == ASYNCINFER_FMT_Q8_0)
         return row8_blocks_512(fmt, row, K, a, m0, ROWS, out);
-#endif
+    row8_blocks(fmt, row, K, a, m0, ROWS, out, 0); /* Q5_0, Q5_1: in order */
+#else
     if (fmt == ASYNCINFER_FMT_Q4_K || fmt == ASYNCINFER_FMT_Q5_K) return row8_q45_k(fmt, row, K, a, m0, ROWS, out);
     if (fmt == ASYNCINFER_FMT_Q6_K) return row8_q6_k(row, K, a, m0, ROWS, out);
     row8_blocks(fmt, row, K, a, m0, ROWS, out, 0);
+#endif
 }
 
 #define ROWS8_CALL(FMT, row, K, a, m0, R, out) row8_of(FMT, row, K, a, m0, R, out)
