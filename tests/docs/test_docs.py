@@ -1333,11 +1333,18 @@ def test_the_rows_k_pairs_figures_are_the_results_files() -> None:
     singles = [run["single_decode_ratio"] for r in (rev, one) for run in r["rounds"]]
     assert len(singles) == 5 and max(singles) < 1  # one request slower in each of the five rounds, as said
     assert (f"ran **slower** in each of those five rounds, by {1 - max(singles):.0%} to {1 - min(singles):.0%}") in section
+    again = load("k_pairs_one_request_revisions_run2_zen4")
+    assert again["revisions"]["base"]["rev"] == "63d127d" and again["revisions"]["head"]["rev"] == "5b4af3b9"
+    assert again["args"] == {**one["args"], "head": "5b4af3b9", "json": again["args"]["json"]}
+    s3, t3 = again["summary"]["single_decode_ratio"], again["summary"]["throughput_ratio"]
+    assert (f"gave one request **{s3['median']:.3f}x** ({s3['min']:.3f}x-{s3['max']:.3f}x) and 2 requests "
+            f"{t3['median']:.3f}x") in section
     readme = " ".join((ROOT / "README.md").read_text().split())
     one_row = next(r for r in ceiling["rows"] if r["format"] == "q4_k" and r["tokens"] == 1)
     assert f"one core's Q4_K rows ran {one_row['speedup']:.2f}x their speed before at one row" in readme
     assert (f"the engine's 4 requests {t['median']:.3f}x the throughput before it (`k_pairs_revisions_zen4.json`), and "
             f"one request {s2['median']:.3f}x in a run of its own") in readme
+    assert f"and {s3['median']:.3f}x in a second such run" in readme
     peer = load("peer_1b_q4_k_m_int8_k_pairs_zen4")
     assert peer["commit"].startswith("7337380") and "+" not in peer["commit"] and "--many-rounds 4" in peer["command"]
     paired, many, single = peer["many"]["paired"], peer["many"], peer["one_request"]
