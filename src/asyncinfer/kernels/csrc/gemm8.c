@@ -433,7 +433,7 @@ static inline __attribute__((always_inline)) void row8_q45_k_256(const int fmt, 
     }
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * bytes, *qs = p + (five ? 48 : 16);
-        ai_prefetch_lines(p, bytes);
+        ai_prefetch_lines_l2(p, bytes);
         uint64_t sc, mn;
         ai_k_scales8(p + 4, &sc, &mn);
         const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
@@ -484,7 +484,7 @@ static inline __attribute__((always_inline)) void row8_q6_k_256(const uint8_t *r
     for (int i = 0; i < MR8; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblk; blk++) {
         const uint8_t *p = row + blk * 210;
-        ai_prefetch_lines(p, 210);
+        ai_prefetch_lines_l2(p, 210);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
         const __m512i sc512 = _mm512_castsi256_si512(sc16);
         const float d = ai_half_at(p + 208);

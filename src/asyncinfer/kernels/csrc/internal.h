@@ -131,6 +131,12 @@ static inline int ai_thread_num(void) { return 0; }
 static inline __attribute__((always_inline)) void ai_prefetch_lines(const uint8_t *p, const int bytes) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + AI_PREFETCH_BYTES + line, _MM_HINT_T0);
 }
+
+/* The same into the L2 cache (the T1 hint), where the L1's fill buffers would otherwise bound the lines in flight:
+ * the AVX-512 int8 k-quant rows, whose loads of a super-block find it there. */
+static inline __attribute__((always_inline)) void ai_prefetch_lines_l2(const uint8_t *p, const int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + AI_PREFETCH_BYTES + line, _MM_HINT_T1);
+}
 #endif
 
 #define QK 32
