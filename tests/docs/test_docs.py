@@ -1377,6 +1377,24 @@ def test_the_rows_k_pairs_figures_are_the_results_files() -> None:
             f"in each of three rounds) and {single['asyncinfer_bandwidth_use']:.0%} of the read probe") in readme
 
 
+def test_the_l2_prefetch_figures_are_the_results_file() -> None:
+    """docs/formats.md's "The k-quant rows prefetch into L2": the per-pass median speed-ups of its kquant_rows record,
+    at the commit named, Q4_1 the unchanged control."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The k-quant rows prefetch into L2.**"):formats.index("**Speed of the scalar reference**")]
+    rec = load("kquant_rows_prefetch_l2_zen4")
+    assert rec["commit"].startswith("7394044") and "+" not in rec["commit"]
+    assert rec["threads"] == 2 and rec["activation_dtype"] == "int8"
+    assert rec["command"].split(" --json")[0].replace("/tmp/tb/base_b0aad86_vnni.so", "OLD.so") in section.replace("`", "")
+    med = {(r["format"], r["tokens"]): r["median"] for r in rec["speedup_over_baseline"]}
+    def listed(fmt: str, bold: tuple[int, ...] = ()) -> list[str]:
+        return [f"**{med[fmt, m]:.2f}x**" if m in bold else f"{med[fmt, m]:.2f}x" for m in (1, 2, 4)]
+    q4, q6, q41 = listed("q4_k", (2,)), listed("q6_k", (2,)), listed("q4_1")
+    assert f"Q4_K at {q4[0]}, {q4[1]} and {q4[2]} its speed before at 1, 2 and 4 rows, Q6_K {', '.join(q6)}" in section
+    assert f"Q4_1's rows, unchanged (T0), {', '.join(q41)} as the run's control" in section
+    assert med["q4_k", 2] > 1.1 and med["q6_k", 2] > 1.1  # the gain at two rows the section names
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
