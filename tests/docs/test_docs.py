@@ -1393,6 +1393,14 @@ def test_the_l2_prefetch_figures_are_the_results_file() -> None:
     assert f"Q4_K at {q4[0]}, {q4[1]} and {q4[2]} its speed before at 1, 2 and 4 rows, Q6_K {', '.join(q6)}" in section
     assert f"Q4_1's rows, unchanged (T0), {', '.join(q41)} as the run's control" in section
     assert med["q4_k", 2] > 1.1 and med["q6_k", 2] > 1.1  # the gain at two rows the section names
+    rev = load("prefetch_l2_one_request_revisions_zen4")
+    assert rev["revisions"]["base"]["rev"] == "b0aad86" and rev["revisions"]["head"]["rev"] == "ce84a22"
+    assert rev["command"].split(" --json")[0] in section.replace("`", "")
+    one, two = rev["summary"]["single_decode_ratio"], rev["summary"]["throughput_ratio"]
+    assert all(r["single_decode_ratio"] > 1 for r in rev["rounds"])
+    assert (f"one request at **{one['median']:.3f}x** ({one['min']:.3f}x-{one['max']:.3f}x, ahead in each round), 2 "
+            f"requests {two['median']:.3f}x ({two['min']:.3f}x-{two['max']:.3f}x), the greedy tokens of "
+            f"{rev['summary']['tokens_identical_min']} of 2 requests identical") in section
 
 
 def test_the_step_tile_figures_are_the_results_files() -> None:
