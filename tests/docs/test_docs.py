@@ -1224,6 +1224,25 @@ def test_the_k_quant_256_and_paired_figures_are_the_results_files() -> None:
     assert f"fastest rate in any Zen 4 record ({max(rates):.1f} tok/s) those medians are {fa:.2f}x and {fb:.2f}x" in readme
 
 
+def assert_paired_peer_paragraph(peer: dict, section: str) -> tuple[dict, dict]:
+    """A paired int8 Q4_K_M peer run's many-requests figures as docs/formats.md states them (the paired rounds, the
+    sweep, the cache, the prefill, against llama.cpp's fastest record on this host); its paired and one-request parts."""
+    paired, many, single = peer["many"]["paired"], peer["many"], peer["one_request"]
+    assert (f"at **{paired['median_ratio']:.2f}x** llama.cpp at {paired['llama_cpp_slots']} slots in the paired rounds' "
+            f"median (asyncinfer {paired['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp "
+            f"{paired['llama_cpp_median_tokens_per_s']:.1f}; rounds "
+            + ", ".join(f"{r['ratio']:.2f}x" for r in paired["rounds"])
+            + f", the least **{paired['min_ratio']:.2f}x**), {many['ratio_prefix_cache_off']:.2f}x in the sweep "
+            f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against {many['llama_cpp_best_tokens_per_s']:.1f}) "
+            f"and {many['ratio_prefix_cache_on']:.2f}x with the cache; a 256-token prompt prefilled at "
+            f"{peer['prefill']['median_ratio']:.2f}x") in section
+    assert paired["min_ratio"] >= 2
+    fastest = max(zen4_llama_cpp_best_rates())
+    assert (f"fastest record on this host ({fastest:.1f} tok/s) the paired median is "
+            f"{paired['asyncinfer_median_tokens_per_s'] / fastest:.2f}x") in section
+    return paired, single
+
+
 def test_the_rows_k_quant_256_figures_are_the_results_files() -> None:
     """docs/formats.md's "The rows' k-quants per 256" and the README's sentence: the rows' int8-over-int16 ratios before
     and after (each run's int16 its control) at the commits named, the tile over the rows at 8-16 rows, the engine's
@@ -1276,19 +1295,7 @@ def test_the_rows_k_quant_256_figures_are_the_results_files() -> None:
             f"of its own") in readme
     peer = load("peer_1b_q4_k_m_int8_rows256_zen4")
     assert peer["commit"].startswith("de298f5") and "--many-rounds 4" in peer["command"]
-    paired, many, single = peer["many"]["paired"], peer["many"], peer["one_request"]
-    assert (f"at **{paired['median_ratio']:.2f}x** llama.cpp at {paired['llama_cpp_slots']} slots in the paired rounds' "
-            f"median (asyncinfer {paired['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp "
-            f"{paired['llama_cpp_median_tokens_per_s']:.1f}; rounds "
-            + ", ".join(f"{r['ratio']:.2f}x" for r in paired["rounds"])
-            + f", the least **{paired['min_ratio']:.2f}x**), {many['ratio_prefix_cache_off']:.2f}x in the sweep "
-            f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against {many['llama_cpp_best_tokens_per_s']:.1f}) "
-            f"and {many['ratio_prefix_cache_on']:.2f}x with the cache; a 256-token prompt prefilled at "
-            f"{peer['prefill']['median_ratio']:.2f}x") in section
-    assert paired["min_ratio"] >= 2
-    fastest = max(zen4_llama_cpp_best_rates())
-    assert (f"fastest record on this host ({fastest:.1f} tok/s) the paired median is "
-            f"{paired['asyncinfer_median_tokens_per_s'] / fastest:.2f}x") in section
+    paired, single = assert_paired_peer_paragraph(peer, section)
     rounds = single["rounds"]
     assert (f"One request at {single['median_ratio']:.2f}x llama.cpp's rate (rounds "
             + ", ".join(f"{r['ratio']:.2f}x" for r in rounds) + ": **behind** in one)") in section
@@ -1347,19 +1354,7 @@ def test_the_rows_k_pairs_figures_are_the_results_files() -> None:
     assert f"and {s3['median']:.3f}x in a second such run" in readme
     peer = load("peer_1b_q4_k_m_int8_k_pairs_zen4")
     assert peer["commit"].startswith("7337380") and "+" not in peer["commit"] and "--many-rounds 4" in peer["command"]
-    paired, many, single = peer["many"]["paired"], peer["many"], peer["one_request"]
-    assert (f"at **{paired['median_ratio']:.2f}x** llama.cpp at {paired['llama_cpp_slots']} slots in the paired rounds' "
-            f"median (asyncinfer {paired['asyncinfer_median_tokens_per_s']:.1f} tok/s, llama.cpp "
-            f"{paired['llama_cpp_median_tokens_per_s']:.1f}; rounds "
-            + ", ".join(f"{r['ratio']:.2f}x" for r in paired["rounds"])
-            + f", the least **{paired['min_ratio']:.2f}x**), {many['ratio_prefix_cache_off']:.2f}x in the sweep "
-            f"({many['asyncinfer_prefix_cache_off_tokens_per_s']:.1f} against {many['llama_cpp_best_tokens_per_s']:.1f}) "
-            f"and {many['ratio_prefix_cache_on']:.2f}x with the cache; a 256-token prompt prefilled at "
-            f"{peer['prefill']['median_ratio']:.2f}x") in section
-    assert paired["min_ratio"] >= 2
-    fastest = max(zen4_llama_cpp_best_rates())
-    assert (f"fastest record on this host ({fastest:.1f} tok/s) the paired median is "
-            f"{paired['asyncinfer_median_tokens_per_s'] / fastest:.2f}x") in section
+    paired, single = assert_paired_peer_paragraph(peer, section)
     rounds = single["rounds"]
     assert all(r["ratio"] > 1 for r in rounds)
     assert (f"One request at **{single['median_ratio']:.2f}x** llama.cpp's rate (rounds "
