@@ -554,7 +554,7 @@ static inline __attribute__((always_inline)) void row8_quads16(const int fmt, co
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
         const int64_t b = b0 + 4 * q;
-        ai_prefetch_lines(row + bytes * b, 4 * bytes);
+        ai_prefetch_lines_l2(row + bytes * b, 4 * bytes);
         const __m512i v = quad8_u8(fmt, row, nb, b);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 4
@@ -640,7 +640,7 @@ static inline __attribute__((always_inline)) void row8_blocks_512(const int fmt,
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = b0 + 2 * t;
-            ai_prefetch_lines(row + 34 * b, 68); /* a pair: 68 bytes of the row, two lines */
+            ai_prefetch_lines_l2(row + 34 * b, 68); /* a pair: 68 bytes of the row, two lines */
             const __m512i w = pair_q8_0(row, nb, b);
             const __m512i u = _mm512_abs_epi8(w);
             const __mmask64 neg = _mm512_movepi8_mask(w);

@@ -133,7 +133,8 @@ static inline __attribute__((always_inline)) void ai_prefetch_lines(const uint8_
 }
 
 /* The same into the L2 cache (the T1 hint), where the L1's fill buffers would otherwise bound the lines in flight:
- * the AVX-512 int8 k-quant rows, whose loads of a super-block find it there. */
+ * the AVX-512 int8 rows (the k-quants' super-blocks, Q4_0 / Q4_1's quads, Q8_0's pairs), whose loads find them
+ * there. */
 static inline __attribute__((always_inline)) void ai_prefetch_lines_l2(const uint8_t *p, const int bytes) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + AI_PREFETCH_BYTES + line, _MM_HINT_T1);
 }
