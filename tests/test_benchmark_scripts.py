@@ -254,6 +254,26 @@ def test_the_paged_decode_benchmark_runs(tmp_path) -> None:
                for row in result["rows"])
 
 
+def test_the_decode_attention_benchmark_times_the_kernel_beside_a_baseline_library(tmp_path) -> None:
+    from asyncinfer import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    out = tmp_path / "attention.json"
+    done = run_script("decode_attention.py", "--contexts", "5", "40", "--layers", "2", "--repeats", "3", "--heads", "4",
+                      "--kv-heads", "2", "--evict-mib", "1", "--threads", "1", "--baseline",
+                      kernels.build_info()["path"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["context"] for row in result["rows"]] == [5, 40]
+    for row in result["rows"]:
+        assert row["kv_bytes_per_call"] == 2 * row["context"] * 2 * 64 * 4
+        assert len(row["now"]["us_per_call"]) == len(row["baseline"]["us_per_call"]) == len(row["speedup"]["ratios"]) == 3
+        assert row["outputs_identical"]  # the same library twice
+    assert "outputs identical" in done.stdout
+    done = run_script("decode_attention.py", "--heads", "6", "--kv-heads", "4")
+    assert done.returncode != 0 and "--heads a multiple of --kv-heads" in done.stderr
+
+
 def test_the_kquant_rows_benchmark_runs_beside_a_baseline_library(tmp_path) -> None:
     from asyncinfer import kernels
 

@@ -162,6 +162,35 @@ def test_decode_attention_reads_the_paged_cache_in_place_like_sdpa(heads, kv_hea
         torch.testing.assert_close(out[s], ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, context", [(7, 1, 300), (8, 2, 45), (4, 1, 1)])
+def test_decode_attention_gives_each_head_the_same_bits_however_the_threads_split_its_kv_group(
+        heads, kv_heads, context) -> None:
+    # one sequence with fewer KV heads than threads: a KV head's query heads are split into runs over the threads
+    # (7 heads over 3 threads: runs of 3, 3 and 1), each head's sums the ones it takes alone; 300 keys walk past
+    # the keys a task asks for at its start
+    gen = torch.Generator().manual_seed(context)
+    head_dim, block_size, num_blocks = 64, 16, 24
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:num_blocks - 4].reshape(1, -1)
+    q, lens = torch.randn(1, heads, head_dim, generator=gen), torch.tensor([context])
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            outs.append(kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    slots = [tables[0, t // block_size].item() * block_size + t % block_size for t in range(context)]
+    keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
+    values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
+    ref = F.scaled_dot_product_attention(q[0][None, :, None], keys, values, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(outs[0][0], ref[0, :, 0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softcap, window", [(None, 5), (2.5, None), (1.5, 17), (50.0, 1)])
 def test_decode_attention_caps_scores_and_keeps_to_its_window_like_the_masked_reference(softcap, window) -> None:
     gen = torch.Generator().manual_seed(11)

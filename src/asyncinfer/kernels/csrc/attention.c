@@ -4,7 +4,8 @@
  *   q: [S, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; tables: [S, ldt] block ids;
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
  * The G = H / KVH query heads of a KV head share its keys (GQA). Softmax in float32 with the
- * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per query head.
+ * maximum subtracted, as SDPA computes it (exp256: within 2 ulp of expf). One task per KV head and sequence
+ * (its query heads split over the threads where there are fewer such tasks than threads).
  * softcap > 0 (Gemma 2): each score, scale included, becomes
  * softcap * tanh(score / softcap) before the softmax, as transformers' eager attention caps it;
  * window > 0 (sliding layers): a context of L keys attends to its last
@@ -23,117 +24,143 @@ static inline float key_score(const float *qv, const float *kv, int64_t D) {
 }
 
 /* Memory, not arithmetic, bounds decode attention (the cache is cold after a step's weights have
- * streamed through): rows AHEAD keys on are requested while the current ones are summed, so that
- * many misses are in flight at once. */
-#define AHEAD 16
-static inline void prefetch_keys(const float *cache, const int64_t *table, int64_t t, int64_t BS, int64_t row,
-                                 int64_t D, int rows) {
+ * streamed through): a task first asks for the rows (a KV head's D floats) of its first FAR keys and values
+ * at once, into L2 (the T1 hint: the L1's fill buffers would bound the misses in flight), and each walk then
+ * asks for the row FAR keys on. Asking for rows 16 keys on as the walk went, into L1, took 1.1-1.3x the time
+ * (benchmarks/decode_attention.py, docs/formats.md "Decode attention's keys, asked for at once"). */
+#define FAR 256
+static inline void prefetch_row(const float *cache, const int64_t *table, int64_t t, int64_t BS, int64_t row,
+                                int64_t D) {
     const float *p = cache + table[t / BS] * BS * row + (t % BS) * row;
-    for (int r = 0; r < rows; r++)
-        for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(p + r * row + i), _MM_HINT_T0);
+    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
 }
 
-static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t s0,
-                   int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
-    float mx = -INFINITY;
-    /* keys s0 .. L - 1, block by block (the first from its slot s0 % BS); key t's score in pg[t - s0] */
+/* Query heads qv[g * D] (g < nh, heads of one KV head) against its keys s0 .. L - 1: head g's scores in
+ * pg[g * keys], its output at o[g * D]. Each head's sums are the ones a head by itself takes; the heads take their
+ * turns on each run of four keys (and, for the values, on each 32 dimensions), so the group reads a key's lines from
+ * memory once and its other heads find them in L1, where a head at a time walked the context once per head. */
+static void attend(const float *qv, int64_t nh, const float *k_cache, const float *v_cache, const int64_t *table,
+                   int64_t s0, int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg,
+                   float *o) {
+    const int64_t keys = L - s0;
+    /* the first FAR keys' rows, keys and values, asked for at once (many misses in flight where a walk would take
+     * them a few at a time); each walk asks for the row FAR keys on */
+    for (int64_t t = s0; t < L && t < s0 + FAR; t++) {
+        prefetch_row(k_cache, table, t, BS, row, D);
+        prefetch_row(v_cache, table, t, BS, row, D);
+    }
+    /* keys s0 .. L - 1, block by block (the first from its slot s0 % BS); key t's score in pg[g * keys + t - s0] */
     for (int64_t b = s0 / BS, t = s0; t < L; b++) {
         const int64_t j0 = t - b * BS; /* 0 but in a window's first block */
         const float *kb = k_cache + table[b] * BS * row + j0 * row;
         const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
-        float *const ps = pg + (t - s0);
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) { /* the same per-key sums as key_score, four chains at once */
             const float *k0 = kb + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
-            if (t + j + AHEAD < L) prefetch_keys(k_cache, table, t + j + AHEAD, BS, row, D, 4);
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 qi = _mm256_loadu_ps(qv + i);
-                a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
-                a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
-                a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
-                a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+            for (int64_t r = t + j + FAR; r < t + j + FAR + 4 && r < L; r++) prefetch_row(k_cache, table, r, BS, row, D);
+            for (int64_t g = 0; g < nh; g++) {
+                const float *q = qv + g * D;
+                float *const ps = pg + g * keys + (t - s0);
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256 qi = _mm256_loadu_ps(q + i);
+                    a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
+                    a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+                    a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+                    a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+                }
+                ps[j] = ai_hsum256(a0) * scale;
+                ps[j + 1] = ai_hsum256(a1) * scale;
+                ps[j + 2] = ai_hsum256(a2) * scale;
+                ps[j + 3] = ai_hsum256(a3) * scale;
             }
-            ps[j] = ai_hsum256(a0) * scale;
-            ps[j + 1] = ai_hsum256(a1) * scale;
-            ps[j + 2] = ai_hsum256(a2) * scale;
-            ps[j + 3] = ai_hsum256(a3) * scale;
         }
-        for (; j < n; j++) ps[j] = key_score(qv, kb + j * row, D) * scale;
-        for (j = 0; j < n; j++) mx = ps[j] > mx ? ps[j] : mx;
+        for (; j < n; j++)
+            for (int64_t g = 0; g < nh; g++) pg[g * keys + (t - s0) + j] = key_score(qv + g * D, kb + j * row, D) * scale;
         t += n;
     }
-    const int64_t keys = L - s0;
-    if (softcap > 0.0f) mx = ai_softcap(pg, keys, softcap); /* Gemma 2: the scores capped before the softmax */
-    __m256 dsum = _mm256_setzero_ps();
-    const __m256 mxv = _mm256_set1_ps(mx);
-    int64_t t = 0;
-    for (; t + 8 <= keys; t += 8) {
-        const __m256 e = ai_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + t), mxv));
-        _mm256_storeu_ps(pg + t, e);
-        dsum = _mm256_add_ps(dsum, e);
+    float inv_of[nh];
+    for (int64_t g = 0; g < nh; g++) {
+        float *const ps = pg + g * keys;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < keys; t++) mx = ps[t] > mx ? ps[t] : mx;
+        if (softcap > 0.0f) mx = ai_softcap(ps, keys, softcap); /* Gemma 2: the scores capped before the softmax */
+        __m256 dsum = _mm256_setzero_ps();
+        const __m256 mxv = _mm256_set1_ps(mx);
+        int64_t t = 0;
+        for (; t + 8 <= keys; t += 8) {
+            const __m256 e = ai_exp256(_mm256_sub_ps(_mm256_loadu_ps(ps + t), mxv));
+            _mm256_storeu_ps(ps + t, e);
+            dsum = _mm256_add_ps(dsum, e);
+        }
+        float denom = ai_hsum256(dsum);
+        for (; t < keys; t++) { ps[t] = expf(ps[t] - mx); denom += ps[t]; }
+        inv_of[g] = 1.0f / denom;
     }
-    float denom = ai_hsum256(dsum);
-    for (; t < keys; t++) { pg[t] = expf(pg[t] - mx); denom += pg[t]; }
-    const __m256 inv = _mm256_set1_ps(1.0f / denom);
     const int64_t wide = D - D % 32;
-    for (int64_t i0 = 0; i0 < wide; i0 += 32) {
-        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-        t = s0;
-        for (int64_t b = s0 / BS; t < L; b++) {
-            const int64_t j0 = t - b * BS;
-            const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
-            const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
-            const float *const ps = pg + (t - s0);
-            int64_t j = 0;
-            for (; j + 2 <= n; j += 2) {
-                const float *v0 = vb + j * row, *v1 = v0 + row;
-                if (t + j + AHEAD < L) prefetch_keys(v_cache + i0, table, t + j + AHEAD, BS, row, 32, 2);
-                const __m256 w0 = _mm256_broadcast_ss(ps + j), w1 = _mm256_broadcast_ss(ps + j + 1);
-                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
-                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
-                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
-                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
-                o0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1), o0);
-                o1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 8), o1);
-                o2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 16), o2);
-                o3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 24), o3);
+    for (int64_t i0 = 0; i0 < wide; i0 += 32)
+        for (int64_t g = 0; g < nh; g++) {
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+            int64_t t = s0;
+            for (int64_t b = s0 / BS; t < L; b++) {
+                const int64_t j0 = t - b * BS;
+                const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
+                const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+                const float *const ps = pg + g * keys + (t - s0);
+                int64_t j = 0;
+                for (; j + 2 <= n; j += 2) {
+                    const float *v0 = vb + j * row, *v1 = v0 + row;
+                    if (i0 == 0 && g == 0)
+                        for (int64_t r = t + j + FAR; r < t + j + FAR + 2 && r < L; r++) prefetch_row(v_cache, table, r, BS, row, D);
+                    const __m256 w0 = _mm256_broadcast_ss(ps + j), w1 = _mm256_broadcast_ss(ps + j + 1);
+                    e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                    e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                    e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                    e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+                    o0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1), o0);
+                    o1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 8), o1);
+                    o2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 16), o2);
+                    o3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 24), o3);
+                }
+                if (j < n) { /* an odd block length: its last key on the even chains */
+                    const float *v0 = vb + j * row;
+                    const __m256 w0 = _mm256_broadcast_ss(ps + j);
+                    e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
+                    e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
+                    e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
+                    e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+                }
+                t += n;
             }
-            if (j < n) { /* an odd block length: its last key on the even chains */
-                const float *v0 = vb + j * row;
-                const __m256 w0 = _mm256_broadcast_ss(ps + j);
-                e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
-                e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
-                e2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 16), e2);
-                e3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 24), e3);
+            const __m256 inv = _mm256_set1_ps(inv_of[g]);
+            float *const og = o + g * D + i0;
+            _mm256_storeu_ps(og, _mm256_mul_ps(_mm256_add_ps(e0, o0), inv));
+            _mm256_storeu_ps(og + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), inv));
+            _mm256_storeu_ps(og + 16, _mm256_mul_ps(_mm256_add_ps(e2, o2), inv));
+            _mm256_storeu_ps(og + 24, _mm256_mul_ps(_mm256_add_ps(e3, o3), inv));
+        }
+    for (int64_t g = 0; g < nh; g++)
+        for (int64_t i0 = wide; i0 < D; i0 += 8) { /* D not a multiple of 32: the last 8s one chain each */
+            __m256 acc = _mm256_setzero_ps();
+            int64_t t = s0;
+            for (int64_t b = s0 / BS; t < L; b++) {
+                const int64_t j0 = t - b * BS;
+                const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
+                const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+                for (int64_t j = 0; j < n; j++)
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + g * keys + (t - s0) + j), _mm256_loadu_ps(vb + j * row),
+                                          acc);
+                t += n;
             }
-            t += n;
+            _mm256_storeu_ps(o + g * D + i0, _mm256_mul_ps(acc, _mm256_set1_ps(inv_of[g])));
         }
-        _mm256_storeu_ps(o + i0, _mm256_mul_ps(_mm256_add_ps(e0, o0), inv));
-        _mm256_storeu_ps(o + i0 + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), inv));
-        _mm256_storeu_ps(o + i0 + 16, _mm256_mul_ps(_mm256_add_ps(e2, o2), inv));
-        _mm256_storeu_ps(o + i0 + 24, _mm256_mul_ps(_mm256_add_ps(e3, o3), inv));
-    }
-    for (int64_t i0 = wide; i0 < D; i0 += 8) { /* D not a multiple of 32: the last 8s one chain each */
-        __m256 acc = _mm256_setzero_ps();
-        t = s0;
-        for (int64_t b = s0 / BS; t < L; b++) {
-            const int64_t j0 = t - b * BS;
-            const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
-            const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
-            for (int64_t j = 0; j < n; j++)
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + (t - s0) + j), _mm256_loadu_ps(vb + j * row), acc);
-            t += n;
-        }
-        _mm256_storeu_ps(o + i0, _mm256_mul_ps(acc, inv));
-    }
 }
 
 #else
 /* The scalar reference: each key's score in order, softmax with the maximum subtracted, the weighted
  * sum of values in key order. */
-static void attend(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t s0,
-                   int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
+static void attend_head(const float *qv, const float *k_cache, const float *v_cache, const int64_t *table, int64_t s0,
+                        int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg, float *o) {
     float mx = -INFINITY;
     const int64_t keys = L - s0; /* keys s0 .. L - 1; key t's score in pg[t - s0] */
     for (int64_t t = s0; t < L; t++) {
@@ -157,9 +184,16 @@ static void attend(const float *qv, const float *k_cache, const float *v_cache, 
     }
     for (int64_t i = 0; i < D; i++) o[i] *= inv;
 }
+
+static void attend(const float *qv, int64_t nh, const float *k_cache, const float *v_cache, const int64_t *table,
+                   int64_t s0, int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg,
+                   float *o) {
+    for (int64_t g = 0; g < nh; g++)
+        attend_head(qv + g * D, k_cache, v_cache, table, s0, L, BS, row, D, scale, softcap, pg, o + g * D);
+}
 #endif
 
-/* One task per (sequence, query head); each thread's scores in its own slice of one allocation. */
+/* One task per (sequence, KV head), or per run of its query heads; each thread's scores in its own slice of one allocation. */
 int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                         float scale, float softcap, int64_t window, float *out, int threads) {
@@ -167,14 +201,21 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     int64_t longest = 1;
     for (int64_t s = 0; s < S; s++) longest = ctx[s] > longest ? ctx[s] : longest;
-    float *scores = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), longest * (int64_t)sizeof(float));
+    /* a task: a run of a KV head's query heads, the whole group where there are tasks enough for every thread */
+    const int64_t groups = S * KVH, split = groups >= threads ? 1 : (threads + groups - 1) / groups;
+    const int64_t parts = split < G ? split : G, per = (G + parts - 1) / parts;
+    int64_t slice;
+    if (!ai_mul(longest, per, &slice)) return ASYNCINFER_ENOMEM;
+    float *scores = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), slice * (int64_t)sizeof(float));
     if (!scores) return ASYNCINFER_ENOMEM;
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && S * H > 1)")
-    for (int64_t task = 0; task < S * H; task++) {
-        const int64_t s = task / H, head = task % H, kvh = head / G, L = ctx[s];
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && groups * parts > 1)")
+    for (int64_t task = 0; task < groups * parts; task++) {
+        const int64_t s = task / (KVH * parts), kvh = task / parts % KVH, head = kvh * G + task % parts * per;
+        const int64_t nh = G - task % parts * per < per ? G - task % parts * per : per, L = ctx[s];
         const int64_t s0 = window > 0 && L > window ? L - window : 0; /* a window: the last `window` keys */
-        attend(q + (s * H + head) * D, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, s0, L, BS, row, D, scale,
-               softcap, scores + (int64_t)ai_thread_num() * longest, out + (s * H + head) * D);
+        if (nh > 0)
+            attend(q + (s * H + head) * D, nh, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, s0, L, BS, row, D,
+                   scale, softcap, scores + (int64_t)ai_thread_num() * slice, out + (s * H + head) * D);
     }
     free(scores);
     return 0;
