@@ -1398,6 +1398,36 @@ def test_the_l2_prefetch_figures_are_the_results_file() -> None:
             f"{rev['summary']['tokens_identical_min']} of 2 requests identical") in section
 
 
+def test_the_legacy_prefetch_and_attention_figures_are_the_results_files() -> None:
+    """docs/formats.md's "Q4_0, Q4_1 and Q8_0's rows prefetch into L2 too" (its kquant_rows record, Q4_K the
+    control) and "Decode attention's keys, asked for at once" (its decode_attention record): every figure the
+    record's per-pass median, at the commit named."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    rows = formats[formats.index("**Q4_0, Q4_1 and Q8_0's rows prefetch into L2 too.**"):
+                   formats.index("**Decode attention's keys, asked for at once.**")]
+    attention = formats[formats.index("**Decode attention's keys, asked for at once.**"):
+                        formats.index("**Speed of the scalar reference**")]
+    rec = load("legacy_rows_prefetch_l2_zen4")
+    assert rec["commit"].startswith("9282804") and "+" not in rec["commit"] and f"Since {rec['commit'][:7]}" in rows
+    assert rec["threads"] == 2 and rec["activation_dtype"] == "int8"
+    assert rec["command"].split(" --json")[0].replace("/tmp/tb/main_4ac9756_vnni.so", "OLD.so") in rows.replace("`", "")
+    med = {(r["format"], r["tokens"]): f"{r['median']:.2f}x" for r in rec["speedup_over_baseline"]}
+    q41 = [med["q4_1", m] for m in (1, 2, 4)]
+    assert f"Q4_1 at {q41[0]}, **{q41[1]}** and {q41[2]} its speed before at 1, 2 and 4 rows" in rows
+    for fmt, name in (("q4_0", "Q4_0"), ("q8_0", "Q8_0"), ("q4_k", "Q4_K's rows, unchanged,")):
+        assert f"{name} {', '.join(med[fmt, m] for m in (1, 2, 4))}" in rows
+    att = load("decode_attention_grouped_zen4")
+    assert att["commit"].startswith("3824c1e") and "+" not in att["commit"] and "Since 8982c47" in attention
+    assert f"`decode_attention_grouped_zen4.json` at {att['commit'][:7]}" in attention
+    assert att["command"].split(" --json")[0].replace("/tmp/tb/base_9282804_vnni.so", "OLD.so") in attention.replace("`", "")
+    by = {r["context"]: r for r in att["rows"]}
+    assert all(r["outputs_identical"] for r in att["rows"]) and "outputs bit-identical" in attention
+    ups = [f"{by[c]['speedup']['median']:.2f}x" for c in (64, 128, 256, 512, 2048)]
+    assert f"{', '.join(ups[:4])} and **{ups[4]}** at 64, 128, 256, 512 and 2,048 keys" in attention
+    assert f"({by[2048]['baseline']['median_us']:.0f} to {by[2048]['now']['median_us']:.0f} us a call at 2,048)" in attention
+    assert round(by[128]["baseline"]["median_us"] - by[128]["now"]["median_us"]) == 7  # "some 7 us a layer"
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier

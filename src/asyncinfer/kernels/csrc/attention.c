@@ -26,8 +26,9 @@ static inline float key_score(const float *qv, const float *kv, int64_t D) {
 /* Memory, not arithmetic, bounds decode attention (the cache is cold after a step's weights have
  * streamed through): a task first asks for the rows (a KV head's D floats) of its first FAR keys and values
  * at once, into L2 (the T1 hint: the L1's fill buffers would bound the misses in flight), and each walk then
- * asks for the row FAR keys on. Asking for rows 16 keys on as the walk went, into L1, took 1.1-1.3x the time
- * (benchmarks/decode_attention.py, docs/formats.md "Decode attention's keys, asked for at once"). */
+ * asks for the row FAR keys on. Asking for rows 16 keys on as the walk went, into L1, took 1.03-1.18x the time
+ * at 64-512 keys, 1.48x at 2,048 (benchmarks/decode_attention.py; docs/formats.md, "Decode attention's keys,
+ * asked for at once"). */
 #define FAR 256
 static inline void prefetch_row(const float *cache, const int64_t *table, int64_t t, int64_t BS, int64_t row,
                                 int64_t D) {
