@@ -162,33 +162,47 @@ def test_decode_attention_reads_the_paged_cache_in_place_like_sdpa(heads, kv_hea
         torch.testing.assert_close(out[s], ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads, kv_heads, context", [(7, 1, 300), (8, 2, 45), (4, 1, 1)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, contexts, softcap, window", [
+    (7, 1, 64, [300], None, None),  # one group: 7 heads in runs over the threads; 300 keys past the first 256 asked for
+    (8, 2, 40, [45, 1, 17], 2.0, None),  # three sequences, D not a multiple of 32 (its tail of 8)
+    (6, 1, 16, [33, 290, 5], None, 20),  # D < 32: the values' only walk is the tail's; a window from mid-block
+    (4, 1, 64, [1], None, None),
+    (8, 1, 16, [9000], None, None),  # 8 heads' scores past the 65,536 floats a task keeps: in turns of 7 and 1
+])
 def test_decode_attention_gives_each_head_the_same_bits_however_the_threads_split_its_kv_group(
-        heads, kv_heads, context) -> None:
-    # one sequence with fewer KV heads than threads: a KV head's query heads are split into runs over the threads
-    # (7 heads over 3 threads: runs of 3, 3 and 1), each head's sums the ones it takes alone; 300 keys walk past
-    # the keys a task asks for at its start
-    gen = torch.Generator().manual_seed(context)
-    head_dim, block_size, num_blocks = 64, 16, 24
+        heads, kv_heads, head_dim, contexts, softcap, window) -> None:
+    # fewer KV heads (times sequences) than threads, or a count that does not share out evenly: a KV head's query
+    # heads are split into runs over the threads, each head's sums the ones it takes alone, so every thread count
+    # gives the same bits; and each equals the reference within float32 rounding
+    gen = torch.Generator().manual_seed(sum(contexts) + head_dim)
+    block_size = 16
+    num_blocks = max(64, 2 * -(-max(contexts) // block_size))
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[:num_blocks - 4].reshape(1, -1)
-    q, lens = torch.randn(1, heads, head_dim, generator=gen), torch.tensor([context])
+    width = max(-(-c // block_size) for c in contexts)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in contexts])
+    q, lens = torch.randn(len(contexts), heads, head_dim, generator=gen), torch.tensor(contexts)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2, 3, 4):
             torch.set_num_threads(n)
-            outs.append(kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.125))
+            outs.append(kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, softcap=softcap,
+                                                 window=window))
     finally:
         torch.set_num_threads(threads)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-    slots = [tables[0, t // block_size].item() * block_size + t % block_size for t in range(context)]
-    keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
-    values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
-    ref = F.scaled_dot_product_attention(q[0][None, :, None], keys, values, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(outs[0][0], ref[0, :, 0], atol=1e-5, rtol=1e-5)
+    for s, length in enumerate(contexts):
+        first = max(0, length - window) if window else 0
+        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(first, length)]
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)  # [L, H, D]
+        values = v_cache.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys.double()) * 0.125
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), values.double())
+        torch.testing.assert_close(outs[0][s].double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("softcap, window", [(None, 5), (2.5, None), (1.5, 17), (50.0, 1)])

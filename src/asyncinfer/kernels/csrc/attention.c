@@ -1,5 +1,9 @@
 #include "internal.h"
 
+/* The most floats of scores a task keeps at once (a head's a key), 256 KiB: the heads of a task beyond
+ * it take their scores in turns */
+#define SCORES_MAX 65536
+
 /* Decode attention over a paged cache, read in place: one query token per sequence.
  *   q: [S, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; tables: [S, ldt] block ids;
  *   ctx: [S] context lengths (the new token's K/V already written); out: [S, H, D].
@@ -39,7 +43,8 @@ static inline void prefetch_row(const float *cache, const int64_t *table, int64_
 /* Query heads qv[g * D] (g < nh, heads of one KV head) against its keys s0 .. L - 1: head g's scores in
  * pg[g * keys], its output at o[g * D]. Each head's sums are the ones a head by itself takes; the heads take their
  * turns on each run of four keys (and, for the values, on each 32 dimensions), so the group reads a key's lines from
- * memory once and its other heads find them in L1, where a head at a time walked the context once per head. */
+ * memory once and its other heads find them in L1 (the keys) or L2 (the values), where a head at a time walked the
+ * context from memory once per head. */
 static void attend(const float *qv, int64_t nh, const float *k_cache, const float *v_cache, const int64_t *table,
                    int64_t s0, int64_t L, int64_t BS, int64_t row, int64_t D, float scale, float softcap, float *pg,
                    float *o) {
@@ -55,10 +60,10 @@ static void attend(const float *qv, int64_t nh, const float *k_cache, const floa
         const int64_t j0 = t - b * BS; /* 0 but in a window's first block */
         const float *kb = k_cache + table[b] * BS * row + j0 * row;
         const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+        for (int64_t r = t + FAR; r < t + FAR + n && r < L; r++) prefetch_row(k_cache, table, r, BS, row, D);
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) { /* the same per-key sums as key_score, four chains at once */
             const float *k0 = kb + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
-            for (int64_t r = t + j + FAR; r < t + j + FAR + 4 && r < L; r++) prefetch_row(k_cache, table, r, BS, row, D);
             for (int64_t g = 0; g < nh; g++) {
                 const float *q = qv + g * D;
                 float *const ps = pg + g * keys + (t - s0);
@@ -108,11 +113,11 @@ static void attend(const float *qv, int64_t nh, const float *k_cache, const floa
                 const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
                 const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
                 const float *const ps = pg + g * keys + (t - s0);
+                if (i0 == 0 && g == 0) /* the first walk over the values */
+                    for (int64_t r = t + FAR; r < t + FAR + n && r < L; r++) prefetch_row(v_cache, table, r, BS, row, D);
                 int64_t j = 0;
                 for (; j + 2 <= n; j += 2) {
                     const float *v0 = vb + j * row, *v1 = v0 + row;
-                    if (i0 == 0 && g == 0)
-                        for (int64_t r = t + j + FAR; r < t + j + FAR + 2 && r < L; r++) prefetch_row(v_cache, table, r, BS, row, D);
                     const __m256 w0 = _mm256_broadcast_ss(ps + j), w1 = _mm256_broadcast_ss(ps + j + 1);
                     e0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0), e0);
                     e1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8), e1);
@@ -148,6 +153,8 @@ static void attend(const float *qv, int64_t nh, const float *k_cache, const floa
                 const int64_t j0 = t - b * BS;
                 const float *vb = v_cache + table[b] * BS * row + j0 * row + i0;
                 const int64_t n = L - t < BS - j0 ? L - t : BS - j0;
+                if (wide == 0 && i0 == 0 && g == 0) /* D < 32: this is the first walk over the values */
+                    for (int64_t r = t + FAR; r < t + FAR + n && r < L; r++) prefetch_row(v_cache, table, r, BS, row, D);
                 for (int64_t j = 0; j < n; j++)
                     acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + g * keys + (t - s0) + j), _mm256_loadu_ps(vb + j * row),
                                           acc);
@@ -194,7 +201,8 @@ static void attend(const float *qv, int64_t nh, const float *k_cache, const floa
 }
 #endif
 
-/* One task per (sequence, KV head), or per run of its query heads; each thread's scores in its own slice of one allocation. */
+/* One task per (sequence, KV head), or per run of its query heads; each thread's scores in its own slice of one
+ * allocation. */
 int ai_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         int64_t ldt, const int64_t *ctx, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                         float scale, float softcap, int64_t window, float *out, int threads) {
@@ -202,21 +210,31 @@ int ai_decode_attention(const float *q, const float *k_cache, const float *v_cac
     const int64_t G = H / KVH, row = KVH * D; /* floats from one slot to the next */
     int64_t longest = 1;
     for (int64_t s = 0; s < S; s++) longest = ctx[s] > longest ? ctx[s] : longest;
-    /* a task: a run of a KV head's query heads, the whole group where there are tasks enough for every thread */
-    const int64_t groups = S * KVH, split = groups >= threads ? 1 : (threads + groups - 1) / groups;
-    const int64_t parts = split < G ? split : G, per = (G + parts - 1) / parts;
+    if (S == 0) return 0;
+    /* a task: a run of a KV head's query heads (run p of parts: heads p G / parts to (p + 1) G / parts): the whole
+     * group where the groups share out evenly over the threads, else the fewest runs a group (at most a head a run)
+     * that do, else enough for four tasks a thread */
+    const int64_t nt = threads > 1 ? threads : 1, groups = S * KVH;
+    int64_t parts = 0;
+    for (int64_t p = 1; p <= G && !parts; p++)
+        if (groups * p % nt == 0) parts = p;
+    if (!parts) parts = (4 * nt + groups - 1) / groups < G ? (4 * nt + groups - 1) / groups : G;
+    /* a task's heads take their scores together, as many at a time as keep them within SCORES_MAX floats */
+    const int64_t widest = (G + parts - 1) / parts, fit = SCORES_MAX / longest > 1 ? SCORES_MAX / longest : 1;
+    const int64_t at_once = widest < fit ? widest : fit;
     int64_t slice;
-    if (!ai_mul(longest, per, &slice)) return ASYNCINFER_ENOMEM;
-    float *scores = (float *)ai_alloc((int64_t)(threads > 1 ? threads : 1), slice * (int64_t)sizeof(float));
+    if (!ai_mul(longest, at_once, &slice)) return ASYNCINFER_ENOMEM;
+    float *scores = (float *)ai_alloc(nt, slice * (int64_t)sizeof(float));
     if (!scores) return ASYNCINFER_ENOMEM;
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1 && groups * parts > 1)")
+    _Pragma("omp parallel for schedule(static) num_threads(nt) if(nt > 1 && groups * parts > 1)")
     for (int64_t task = 0; task < groups * parts; task++) {
-        const int64_t s = task / (KVH * parts), kvh = task / parts % KVH, head = kvh * G + task % parts * per;
-        const int64_t nh = G - task % parts * per < per ? G - task % parts * per : per, L = ctx[s];
+        const int64_t s = task / (KVH * parts), kvh = task / parts % KVH, p = task % parts, L = ctx[s];
+        const int64_t first = kvh * G + p * G / parts, end = kvh * G + (p + 1) * G / parts;
         const int64_t s0 = window > 0 && L > window ? L - window : 0; /* a window: the last `window` keys */
-        if (nh > 0)
-            attend(q + (s * H + head) * D, nh, k_cache + kvh * D, v_cache + kvh * D, tables + s * ldt, s0, L, BS, row, D,
-                   scale, softcap, scores + (int64_t)ai_thread_num() * slice, out + (s * H + head) * D);
+        float *const pg = scores + (int64_t)ai_thread_num() * slice;
+        for (int64_t head = first; head < end; head += at_once)
+            attend(q + (s * H + head) * D, end - head < at_once ? end - head : at_once, k_cache + kvh * D,
+                   v_cache + kvh * D, tables + s * ldt, s0, L, BS, row, D, scale, softcap, pg, out + (s * H + head) * D);
     }
     free(scores);
     return 0;
