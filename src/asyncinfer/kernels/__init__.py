@@ -71,13 +71,14 @@ from asyncinfer.kernels.formats import (
     unpack_lanes,
 )
 from asyncinfer.kernels.ops import argmax, argmax_takes, decode_attention, embed_rows, gemm, rms_norm
-from asyncinfer.kernels.pages import huge_pages, joined_rows, weight_buffer
+from asyncinfer.kernels.pages import HUGE_PAGE, huge_pages, in_huge_pages, joined_rows, weight_buffer
 
 __all__ = [
     "ACTIVATION_DTYPES",
     "BF16_MIN_ROWS",
     "BLOCK_FORMATS",
     "F16_ROUNDS_TO_INF",
+    "HUGE_PAGE",
     "INT8_KERNELS",
     "INT16_TILE_ISAS",
     "LANES_FORMAT",
@@ -108,6 +109,7 @@ __all__ = [
     "embed_rows",
     "gemm",
     "huge_pages",
+    "in_huge_pages",
     "int8_kernel_flag",
     "int16_batched",
     "isa",

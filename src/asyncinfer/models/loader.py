@@ -586,6 +586,7 @@ class _GGUFProjections:
         # The layers that read each tensor: a tied head reads the embedding's, which the embedding still needs (its
         # blocks, or floats where it stays a float table); a tensor is consumed once every reader has released it.
         self._readers = Counter(t.name for weight, bias in self._layers.values() for t in weight + bias)
+        self._embeddings = set(embedding_formats(config, None))  # read a few rows a step: left in the map
         self.consumed: set[str] = set()  # tensor names read into a layer (and needed by nothing else)
         self._lock = threading.Lock()
 
@@ -593,7 +594,7 @@ class _GGUFProjections:
         if layer not in self._layers:
             raise ModelLoadError(f"GGUF file {self._reader.path} has no tensors for layer {layer!r}")
         weight, bias = self._layers[layer]
-        return _GGUFProjection(self, weight, bias)
+        return _GGUFProjection(self, weight, bias, streamed=layer not in self._embeddings)
 
     def done(self, tensors: list[GGUFTensor]) -> None:
         """Called by the layer builders (on apply_weight_format's threads) once a layer is built."""
@@ -610,8 +611,10 @@ class _GGUFProjections:
 class _GGUFProjection:
     """One layer's weights in a GGUF file (a :class:`~asyncinfer.models.quant.StoredProjection`)."""
 
-    def __init__(self, owner: _GGUFProjections, weight: list[GGUFTensor], bias: list[GGUFTensor]) -> None:
+    def __init__(self, owner: _GGUFProjections, weight: list[GGUFTensor], bias: list[GGUFTensor], *,
+                 streamed: bool) -> None:
         self._owner = owner
+        self._streamed = streamed  # a projection every step reads whole (not an embedding): kept off the map
         self._reader = owner._reader
         self._weight, self._bias = weight, bias
         self.format = _stored_format(weight)
@@ -626,7 +629,7 @@ class _GGUFProjection:
             heads = self._heads(t)
             parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
         if len(parts) == 1:
-            return parts[0]
+            return off_the_map(parts[0]) if self._streamed else parts[0]
         # joined (q, k, v; gate, up): a copy the layer keeps, made in huge pages where granted (kernels.joined_rows);
         # the parts' rows are one size (one format, and their shapes were checked against the config from the header)
         return kernels.joined_rows(parts)
@@ -635,7 +638,8 @@ class _GGUFProjection:
         t = self._weight[part]
         rows = self._reader.blocks(t)  # [rows, bytes per row], a view of the map
         heads = self._heads(t)
-        return rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads))
+        rows = rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads))
+        return off_the_map(rows) if self._streamed else rows
 
     def floats(self) -> torch.Tensor:
         parts = []
@@ -653,6 +657,18 @@ class _GGUFProjection:
 
     def release(self) -> None:
         self._owner.done(self._weight + self._bias)
+
+
+def off_the_map(blocks: torch.Tensor) -> torch.Tensor:
+    """A layer's blocks (one tensor of the file, or its rows put back in rope order) as the layer keeps them: a copy
+    in huge pages where Linux grants them and the blocks fill at least one (:func:`kernels.in_huge_pages`; the
+    file's pages are released once the layer is built, so the bytes are held once), else as they are (the file's
+    map, 4 KiB pages). A decode step streams every weight: from the map the CPU's prefetchers stop at each 4 KiB
+    page and the TLB misses every 64 lines, which at this host's fast pace cost a one-request step of the 1B
+    Q4_K_M file 4-8% (docs/formats.md, "Weights in huge pages")."""
+    if blocks.numel() >= kernels.HUGE_PAGE and kernels.huge_pages():
+        return kernels.in_huge_pages(blocks)
+    return blocks
 
 
 def _gguf_layers(reader: GGUFFile, targets: dict[str, _Target],
