@@ -108,3 +108,37 @@ def test_pack_leaves_ggml_layout_blocks_in_place_and_copies_a_strided_view(thp_m
     view = torch.cat([blocks, blocks], dim=1)[:, 576:]  # the same blocks, not contiguous
     packed = kernels.pack(view, "q4_0")
     assert packed.is_contiguous() and torch.equal(packed, blocks) and "hg" in vm_flags(packed)
+
+
+@linux
+@pytest.mark.parametrize("mode", ["always [madvise] never\n", "always madvise [never]\n"])
+def test_a_lone_gguf_tensor_leaves_the_map_for_huge_pages_where_granted(tmp_path: Path, thp_mode: Path,
+                                                                         mode: str) -> None:
+    """loader.off_the_map: a projection's blocks read from the file's map are copied into huge pages where Linux
+    grants them (the same bytes), else used in place; blocks under one huge page stay in place either way."""
+    import gguf
+
+    from asyncinfer.models.gguf_file import GGUFFile
+    from asyncinfer.models.loader import off_the_map
+
+    thp_mode.write_text(mode)
+    big = kernels.quantize(torch.randn(4096, 1024, generator=torch.Generator().manual_seed(5)) * 0.02, "q4_k")
+    small = kernels.quantize(torch.randn(256, 256, generator=torch.Generator().manual_seed(6)) * 0.02, "q4_k")
+    path = tmp_path / "w.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, blocks in (("big.weight", big), ("small.weight", small)):  # raw_shape: rows, bytes a row
+        writer.add_tensor(name, blocks.numpy(), raw_shape=tuple(blocks.shape), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFFile(path)
+    by_name = {t.name: t for t in reader.tensors}
+    mapped = reader.blocks(by_name["big.weight"])
+    assert big.numel() >= pages.HUGE_PAGE and torch.equal(mapped, big)
+    held = off_the_map(mapped)
+    granted = mode.startswith("always [madvise]")
+    assert torch.equal(held, big) and (held.data_ptr() != mapped.data_ptr()) == granted
+    assert ("hg" in vm_flags(held)) == granted
+    lone = reader.blocks(by_name["small.weight"])
+    assert off_the_map(lone).data_ptr() == lone.data_ptr()

@@ -18,7 +18,8 @@ Given a weight format (``Checkpoint.load(..., weight_format=...)``, what the eng
 passes on a CPU), a GGUF file's projections are built in it as they are read:
 :func:`~asyncinfer.models.quant.apply_weight_format` takes the memory-mapped file
 as the source of each layer's weights (:class:`_GGUFProjections`), a layer in its
-file's own block format is repacked from those blocks, and the file's pages of each
+file's own block format is repacked from those blocks (a lone tensor copied into huge
+pages where they are granted: :func:`off_the_map`), and the file's pages of each
 tensor are dropped once it has been copied; under a block format the embedding stays
 in its file's blocks too (``quant.BlockEmbedding``; a tied head's blocks are its own);
 only the parameters left (norms, a float embedding) are then filled. No float32 copy
