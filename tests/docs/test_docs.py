@@ -1434,6 +1434,73 @@ def test_the_legacy_prefetch_and_attention_figures_are_the_results_files() -> No
     assert f"{four['q4_k']['median']:.2f}x" == "1.00x" and "a small loss at four rows for Q4_0 (slower in each of the 15" in rows
 
 
+def test_the_single_tensors_huge_pages_figures_are_the_results_file() -> None:
+    """docs/formats.md's "The file's single tensors in huge pages": its revisions record's figures, at the commits
+    named, and the older paragraphs' statements brought up to date."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**The file's single tensors in huge pages.**"):formats.index("**Speed of the scalar reference**")]
+    rev = load("huge_pages_one_request_revisions_zen4")
+    assert rev["revisions"]["base"]["rev"] == "33e9cb9" and rev["revisions"]["head"]["rev"] == "17deba1"
+    assert "Since 17deba1" in section and rev["command"].split(" --json")[0] in section.replace("`", "")
+    one, two, summary = rev["summary"]["single_decode_ratio"], rev["summary"]["throughput_ratio"], rev["summary"]
+    assert all(r["single_decode_ratio"] > 1 for r in rev["rounds"]) and summary["tokens_identical_min"] == 2
+    assert (f"one request at **{one['median']:.3f}x** ({one['min']:.3f}x-{one['max']:.3f}x, ahead in each round; "
+            f"{summary['head_single_decode_tokens_per_s']['median']:.1f} against "
+            f"{summary['base_single_decode_tokens_per_s']['median']:.1f} tok/s the medians), 2 requests "
+            f"{two['median']:.3f}x ({two['min']:.3f}x-{two['max']:.3f}x)") in section
+    assert summary["tokens_same_every_round"] == {"base": True, "head": False}  # said: the head's runs once differed
+    assert "the head's own runs once took another near-tie token" in section
+    assert "since 17deba1 so is a single tensor in a layout the kernels take as it is" in formats
+    assert "since 17deba1 they are copied into huge pages too" in formats
+
+
+def test_the_two_paces_peer_figures_are_the_results_files() -> None:
+    """docs/formats.md's "One request and the host's two paces": the three peer runs' figures (each record's), the
+    decode_split record's shares and the arithmetic bound from the row_ceiling record, as stated."""
+    formats = " ".join((ROOT / "docs" / "formats.md").read_text().split())
+    section = formats[formats.index("**One request and the host's two paces.**"):formats.index("**Speed of the scalar reference**")]
+    runs = [load("peer_1b_q4_k_m_int8_attention_zen4"), load("peer_1b_q4_k_m_int8_attention_run2_zen4")]
+    hp = load("peer_1b_q4_k_m_int8_huge_pages_zen4")
+    assert all(r["commit"].startswith("33e9cb9") for r in runs) and hp["commit"].startswith("1393927")
+    for peer in (*runs, hp):
+        assert "--many-rounds 4" in peer["command"] and "--activation-dtype int8" in peer["command"]
+        o, pr, m = peer["one_request"], peer["many"]["paired"], peer["many"]
+        rounds = o["rounds"]
+        assert (f"one request at **{o['median_ratio']:.2f}x** llama.cpp's rate (rounds "
+                + ", ".join(f"{r['ratio']:.2f}x" for r in rounds) + f") and at {o['asyncinfer_bandwidth_use']:.0%} of the "
+                "read probe in the median round (" + ", ".join(f"{r['asyncinfer_bandwidth_use']:.0%}" for r in rounds)
+                + "; faster probes " + ", ".join(f"{max(r['probe_gb_s']):.1f}" for r in rounds) + " GB/s)") in section
+        assert (f"32 requests without the prefix cache at **{pr['median_ratio']:.2f}x** llama.cpp at {pr['llama_cpp_slots']} "
+                f"slots in the paired rounds' median (the least round {pr['min_ratio']:.2f}x), "
+                f"{m['ratio_prefix_cache_off']:.2f}x in the sweep and {m['ratio_prefix_cache_on']:.2f}x with the cache; a "
+                f"256-token prompt prefilled at {peer['prefill']['median_ratio']:.2f}x") in section
+        assert o["asyncinfer_bandwidth_use"] < 0.85 and pr["min_ratio"] >= 2  # behind at one request, as said
+    rates = [r["asyncinfer"] for peer in runs for r in peer["one_request"]["rounds"]]
+    assert f"({min(rates):.1f}-{max(rates):.1f} tok/s over the six rounds)" in section
+    probes = [p for peer in runs for r in peer["one_request"]["rounds"] for p in r["probe_gb_s"]]
+    assert all(34.5 <= p <= 37.5 or 64 <= p <= 69.5 for p in probes)  # "about 35 GB/s or 64-69 GB/s"
+    split = load("decode_split_1b_q4_k_m_int8_one_zen4")
+    s = split["summary"]
+    assert split["commit"].startswith("33e9cb9") and s["requests"] == 1
+    assert (f"the step reads at {s['step_of_probe']:.0%} of the probe (`decode_split_1b_q4_k_m_int8_one_zen4.json` at "
+            f"33e9cb9: {s['step_ms']:.2f} ms a step against a probe of {s['probe_gb_s']:.1f} GB/s, the projections alone at "
+            f"{s['projections_of_probe']:.0%})") in section
+    rate = {r["format"]: r["now_gb_per_s"] for r in load("row_ceiling_k_pairs_zen4")["rows"] if r["tokens"] == 1}
+    q4k, q6k = 467140608, 170741760  # the 1B Q4_K_M file's Q4_K and Q6_K bytes a token (peer.weight_bytes_per_token)
+    assert q4k + q6k + 16 * 2 * 8192 + 8192 == hp["weight_bytes_per_token"] == runs[0]["weight_bytes_per_token"]  # + norms
+    ms = q4k / 1e9 / (2 * rate["q4_k"]) * 1e3 + q6k / 1e9 / (2 * rate["q6_k"]) * 1e3
+    assert (f"one core's rows multiply Q4_K at {rate['q4_k']:.1f} GB/s and Q6_K at {rate['q6_k']:.1f}" in section
+            and f"take {ms:.1f} ms for the {q4k / 1e6:.1f} MB of Q4_K and {q6k / 1e6:.1f} MB of Q6_K" in section)
+    assert f"({(q4k + q6k) / 1e9 / (ms / 1e3):.1f} GB/s), {(q4k + q6k) / 1e9 / (ms / 1e3) / 64:.0%} of a 64 GB/s probe" in section
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rev = load("huge_pages_one_request_revisions_zen4")["summary"]["single_decode_ratio"]["median"]
+    o = hp["one_request"]
+    assert (f"one request ran {rev:.3f}x its rate before" in readme and f"gave one request at {o['median_ratio']:.2f}x "
+            f"llama.cpp (ahead in each round) but {o['asyncinfer_bandwidth_use']:.0%} of the read probe, and 32 requests "
+            f"{hp['many']['paired']['median_ratio']:.2f}x without the cache" in readme)
+    assert all(r["ratio"] > 1 for r in o["rounds"])
+
+
 def test_the_step_tile_figures_are_the_results_files() -> None:
     """docs/formats.md's "The tiles' stores; steps of decodes in the tile; groups in lanes unpacked whole", its
     tile-over-rows speeds under "Activations", and the README's sentence: each figure the records' (the earlier
