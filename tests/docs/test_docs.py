@@ -89,10 +89,11 @@ def load(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
 
-def zen4_llama_cpp_best_rates() -> list[float]:
-    """llama.cpp's best many-requests rate in each int8 Q4_K_M peer record of the Zen 4 host."""
-    return [load(f.stem)["many"]["llama_cpp_best_tokens_per_s"]
-            for f in sorted((ROOT / "benchmarks" / "results").glob("peer_1b_q4_k_m_int8*_zen4.json"))]
+def zen4_llama_cpp_best_rates(before: str = "2026-12-08") -> list[float]:
+    """llama.cpp's best many-requests rate in each int8 Q4_K_M peer record of the Zen 4 host dated before ``before``
+    (the paragraphs that quote the fastest were written then; later records quote their own rates)."""
+    records = [load(f.stem) for f in sorted((ROOT / "benchmarks" / "results").glob("peer_1b_q4_k_m_int8*_zen4.json"))]
+    return [r["many"]["llama_cpp_best_tokens_per_s"] for r in records if r["date"] < before]
 
 
 def round_probes(*one_requests: dict) -> list[float]:
