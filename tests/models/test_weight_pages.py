@@ -115,7 +115,8 @@ def test_pack_leaves_ggml_layout_blocks_in_place_and_copies_a_strided_view(thp_m
 def test_a_lone_gguf_tensor_leaves_the_map_for_huge_pages_where_granted(tmp_path: Path, thp_mode: Path,
                                                                          mode: str) -> None:
     """loader.off_the_map: a projection's blocks read from the file's map are copied into huge pages where Linux
-    grants them (the same bytes), else used in place; blocks under one huge page stay in place either way."""
+    grants them (the same bytes), else used in place; blocks under one huge page, and formats the kernels copy
+    themselves (Q4_1 / Q8_0 regrouped, Q4_0 / Q4_1 in lanes), stay in place either way."""
     import gguf
 
     from asyncinfer.models.gguf_file import GGUFFile
@@ -136,9 +137,11 @@ def test_a_lone_gguf_tensor_leaves_the_map_for_huge_pages_where_granted(tmp_path
     by_name = {t.name: t for t in reader.tensors}
     mapped = reader.blocks(by_name["big.weight"])
     assert big.numel() >= pages.HUGE_PAGE and torch.equal(mapped, big)
-    held = off_the_map(mapped)
+    held = off_the_map(mapped, "q4_k")
     granted = mode.startswith("always [madvise]")
     assert torch.equal(held, big) and (held.data_ptr() != mapped.data_ptr()) == granted
     assert ("hg" in vm_flags(held)) == granted
     lone = reader.blocks(by_name["small.weight"])
-    assert off_the_map(lone).data_ptr() == lone.data_ptr()
+    assert off_the_map(lone, "q4_k").data_ptr() == lone.data_ptr()
+    for repacked in ("q8_0", "q4_1", "q4_0"):  # regrouped by kernels.pack, or laid out in lanes: copied once, there
+        assert off_the_map(mapped, repacked).data_ptr() == mapped.data_ptr()

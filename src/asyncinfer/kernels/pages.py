@@ -6,9 +6,9 @@ Zen 4 EPYC of docs/formats.md ("Weights in huge pages": the more, the slower the
 Linux gives an anonymous mapping huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``,
 or ``madvise`` and the mapping asks for them (``MADV_HUGEPAGE``), which is what :func:`weight_buffer` does.
 Where it cannot (another OS, huge pages ``never``, no ``MADV_HUGEPAGE``; :func:`huge_pages` is False) a buffer is
-a plain tensor. The blocks a file holds in the kernels' own layout stay in place in its memory map either way
-(:func:`asyncinfer.kernels.pack` makes no copy of them), except Q4_0's held in lanes (int8 activations on AVX-512:
-:func:`asyncinfer.kernels.pack_lanes` copies them, and Q4_1's, into such a buffer).
+a plain tensor. :func:`asyncinfer.kernels.pack` makes no copy of blocks a file holds in the kernels' own layout;
+the GGUF loader moves a layer's lone tensors in such a layout into a buffer here (``loader.off_the_map``), and
+:func:`asyncinfer.kernels.pack_lanes` copies Q4_0's and Q4_1's held in lanes into one.
 """
 
 from __future__ import annotations

@@ -630,7 +630,7 @@ class _GGUFProjection:
             heads = self._heads(t)
             parts.append(rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads)))
         if len(parts) == 1:
-            return off_the_map(parts[0]) if self._streamed else parts[0]
+            return off_the_map(parts[0], self.format) if self._streamed else parts[0]
         # joined (q, k, v; gate, up): a copy the layer keeps, made in huge pages where granted (kernels.joined_rows);
         # the parts' rows are one size (one format, and their shapes were checked against the config from the header)
         return kernels.joined_rows(parts)
@@ -640,7 +640,7 @@ class _GGUFProjection:
         rows = self._reader.blocks(t)  # [rows, bytes per row], a view of the map
         heads = self._heads(t)
         rows = rows if heads is None else torch.from_numpy(_unpermute_rope_rows(rows.numpy(), heads))
-        return off_the_map(rows) if self._streamed else rows
+        return off_the_map(rows, _stored_format([t])) if self._streamed else rows
 
     def floats(self) -> torch.Tensor:
         parts = []
@@ -660,14 +660,21 @@ class _GGUFProjection:
         self._owner.done(self._weight + self._bias)
 
 
-def off_the_map(blocks: torch.Tensor) -> torch.Tensor:
-    """A layer's blocks (one tensor of the file, or its rows put back in rope order) as the layer keeps them: a copy
-    in huge pages where Linux grants them and the blocks fill at least one (:func:`kernels.in_huge_pages`; the
-    file's pages are released once the layer is built, so the bytes are held once), else as they are (the file's
-    map, 4 KiB pages). A decode step streams every weight: from the map the CPU's prefetchers stop at each 4 KiB
+#: The block formats a layer keeps in ggml's layout as the file holds them (Q4_1 and Q8_0 are regrouped by
+#: kernels.pack, Q4_0 and Q4_1 may be laid out in lanes: each a copy of its own), which off_the_map moves.
+AS_STORED = frozenset(name for name, layout in kernels.formats.LAYOUTS.items()
+                      if not layout.regrouped and name not in kernels.LANES_FORMATS.values())
+
+
+def off_the_map(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A layer's blocks in ``fmt`` (one tensor of the file, or its rows put back in rope order) as the layer keeps
+    them: where the layer keeps ``fmt`` as stored (:data:`AS_STORED`), a copy in huge pages where Linux grants them
+    and the blocks fill at least one (:func:`kernels.in_huge_pages`; the file's pages are released once the layer is
+    built, so the bytes are held once), else as they are (the file's map, 4 KiB pages; a format the kernels repack
+    is copied there, once). A decode step streams every weight: from the map the CPU's prefetchers stop at each 4 KiB
     page and the TLB misses every 64 lines: off the map, one request of the 1B Q4_K_M file ran 1.16x its rate in
     the map (docs/formats.md, "The file's single tensors in huge pages")."""
-    if blocks.numel() >= kernels.HUGE_PAGE and kernels.huge_pages():
+    if fmt in AS_STORED and blocks.numel() >= kernels.HUGE_PAGE and kernels.huge_pages():
         return kernels.in_huge_pages(blocks)
     return blocks
 
